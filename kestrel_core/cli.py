@@ -1,0 +1,188 @@
+"""The ``kestrel`` command: a thin layer over the Python API.
+
+User errors print one line on stderr and exit non-zero; ``-v`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.markup import escape
+from rich.table import Table
+
+import kestrel_core
+from kestrel_core.errors import KestrelError
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+# -- backends / selftest ------------------------------------------------------------------------------
+
+
+def cmd_backends(args: argparse.Namespace) -> int:
+    from kestrel_core.registry import Registry
+
+    registry = Registry()
+    rows = [b.as_dict() for b in registry.bind_all()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = Table(title="kestrel backends")
+    for col in ("name", "version", "kind", "device", "status", "offload", "source", "reason"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        status = "[green]bound[/]" if r["status"] == "bound" else "[red]not bound[/]"
+        table.add_row(r["name"], r["version"], r["kind"], r["device"], status, r["offload"], r["source"],
+                      r["reason"])
+    out.print(table)
+    registry.close()
+    return 0
+
+
+def cmd_selftest(args: argparse.Namespace) -> int:
+    from kestrel_core.selftest import run_selftest
+
+    report = run_selftest(args.backend, seeds=args.seeds)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        table = Table(title=f"kestrel selftest: {report.backend}")
+        for col in ("case", "max abs err", "tolerance", "result"):
+            table.add_column(col)
+        for c in report.cases:
+            verdict = "[green]pass[/]" if c.passed else f"[red]FAIL[/] {c.detail}"
+            table.add_row(c.name, f"{c.max_err:.3g}", f"{c.tolerance:.3g}", verdict)
+        out.print(table)
+        out.print(f"{report.passed} passed, {report.failed} failed")
+    return 0 if report.ok else 1
+
+
+# -- the model engine ---------------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from kestrel_core.model.commands import run
+
+    return run(args)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from kestrel_core.model.commands import chat
+
+    return chat(args)
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from kestrel_core.model.commands import pull
+
+    return pull(args)
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from kestrel_core.model.commands import quantize
+
+    return quantize(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kestrel_core.model.commands import bench
+
+    return bench(args)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None, help="HF model dir, .gguf, or .kst artifact (default: SmolLM2)")
+    p.add_argument("--backend", "-b", default="auto", help="backend name, or auto (default)")
+    p.add_argument("--quant", "-q", default="q8", help="q8 (default), q4, q8-g256, q4-g256")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kestrel", description=kestrel_core.__doc__)
+    parser.add_argument("--version", action="version", version=f"kestrel {kestrel_core.__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("backends", help="list every backend, bound or not, and why")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_backends)
+
+    p = sub.add_parser("selftest", help="check a backend's hooks against the CPU reference")
+    p.add_argument("--backend", "-b", default="cpu")
+    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_selftest)
+
+    p = sub.add_parser("run", help="generate text from a prompt")
+    p.add_argument("prompt", nargs="?", default=None)
+    _model_args(p)
+    p.add_argument("--max-tokens", "-n", type=int, default=128)
+    p.add_argument("--temperature", "-t", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--stats", action="store_true")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat")
+    _model_args(p)
+    p.add_argument("--max-tokens", "-n", type=int, default=256)
+    p.add_argument("--temperature", "-t", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("pull", help="fetch the default model into KESTREL_HOME")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("quantize", help="quantize a model into a .kst strip-cache artifact")
+    p.add_argument("model")
+    p.add_argument("--output", "-o", required=True)
+    p.add_argument("--quant", "-q", default="q8")
+    p.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("bench", help="prefill and decode tok/s")
+    _model_args(p)
+    p.add_argument("--preset", default=None, help="synthetic model preset instead of --model")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s",
+                        handlers=[RichHandler(console=err, show_time=False, show_path=False)])
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+    except (KestrelError, OSError) as exc:
+        if args.verbose:
+            err.print_exception()
+        err.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        return 2
+    except Exception as exc:  # an unexpected bug: still one line unless -v
+        if args.verbose:
+            err.print_exception()
+        err.print(f"[red]error:[/] {type(exc).__name__}: {escape(str(exc))} (run with -v for the traceback)",
+                  soft_wrap=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

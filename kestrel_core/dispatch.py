@@ -1,0 +1,225 @@
+"""The offload dispatcher: the core side of the 0/1 contract, enforced for every backend.
+
+Each offload is offered to the chosen backend; ``None`` means declined and the CPU reference computes the
+whole output. The core also declines on its own: ``KESTREL_FORCE_CPU=1`` (the backend stays open), below the
+backend's minimum FLOPs, after an exception inside the hook (reported once), or for a result of the wrong
+shape or dtype. Every decision is counted per hook.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kestrel_core.contract import StripCache, gemm_flops, quantize_activations
+from kestrel_core.registry import Backend, force_cpu
+
+log = logging.getLogger("kestrel")
+
+DECLINED = "declined by backend"
+FORCED = "KESTREL_FORCE_CPU"
+BELOW_MIN_FLOPS = "below min FLOPs"
+NOT_IMPLEMENTED = "hook not implemented"
+
+
+@dataclass
+class HookCounters:
+    offered: int = 0
+    accepted: int = 0
+    declined: Counter = field(default_factory=Counter)  # reason -> count
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"offered": self.offered, "accepted": self.accepted,
+                "declined": sum(self.declined.values()), "declined_reasons": dict(self.declined)}
+
+
+class Offload:
+    """Routes GEMMs and model-level hooks to ``backend``, with ``cpu`` as the always-correct fallback."""
+
+    def __init__(self, backend: Backend, cpu: Backend) -> None:
+        self.backend = backend
+        self.cpu = cpu
+        self.counters: dict[str, HookCounters] = {}
+        self._reported: set[tuple[str, str]] = set()
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.backend is self.cpu
+
+    # -- the 0/1 protocol ----------------------------------------------------------------------------
+
+    def _offer(self, hook: str, flops: int, call: Callable[[], Any], check: Callable[[Any], str | None]) -> Any:
+        """The backend's result, or None when it (or the core on its behalf) declined."""
+        counters = self.counters.setdefault(hook, HookCounters())
+        counters.offered += 1
+        reason = self._core_decline(hook, flops)
+        result = None
+        if reason is None:
+            try:
+                result = call()
+            except Exception as exc:  # the device must never take kestrel down
+                reason = f"error: {type(exc).__name__}"
+                self._report(hook, reason, exc)
+            else:
+                if result is None:
+                    reason = DECLINED
+                else:
+                    bad = check(result)
+                    if bad:
+                        reason = f"bad result: {bad}"
+                        self._report(hook, reason, None)
+                        result = None
+        if reason is None:
+            counters.accepted += 1
+        else:
+            counters.declined[reason] += 1
+        return result
+
+    def _core_decline(self, hook: str, flops: int) -> str | None:
+        if self.on_cpu:
+            return None
+        if not self.backend.implements(hook):
+            return NOT_IMPLEMENTED
+        if force_cpu():
+            return FORCED
+        if flops and flops < self.backend.min_flops:
+            return BELOW_MIN_FLOPS
+        return None
+
+    def _report(self, hook: str, reason: str, exc: BaseException | None) -> None:
+        if (hook, reason) in self._reported:
+            return
+        self._reported.add((hook, reason))
+        detail = f": {exc}" if exc is not None and str(exc) else ""
+        log.warning("backend %s: %s %s%s; the CPU computes it (reported once)", self.backend.name, hook,
+                    reason, detail, exc_info=exc if log.isEnabledFor(logging.DEBUG) else None)
+
+    # -- GEMMs ---------------------------------------------------------------------------------------
+
+    def gemm_q8(self, a_codes: np.ndarray, a_scales: np.ndarray, weight: StripCache, wkey: int) -> np.ndarray:
+        """a_codes: int8 [M, K], a_scales: [M, K/G] -> float32 [M, N]."""
+        m = a_codes.shape[0]
+        out = self._offer("kestrel_gemm_q8", gemm_flops(m, weight.n, weight.k),
+                          lambda: self.backend.hook.kestrel_gemm_q8(
+                              device=self.backend.device, a_codes=a_codes, a_scales=a_scales,
+                              weight=weight, wkey=wkey),
+                          lambda r: _check_array(r, (m, weight.n)))
+        if out is None:
+            out = self.cpu.hook.kestrel_gemm_q8(device=self.cpu.device, a_codes=a_codes, a_scales=a_scales,
+                                                weight=weight, wkey=wkey)
+        return out
+
+    def gemm_f32(self, a: np.ndarray, weight: StripCache, wkey: int) -> np.ndarray:
+        """a: float32 [M, K] -> float32 [M, N]."""
+        m = a.shape[0]
+        out = self._offer("kestrel_gemm_f32", gemm_flops(m, weight.n, weight.k),
+                          lambda: self.backend.hook.kestrel_gemm_f32(
+                              device=self.backend.device, a=a, weight=weight, wkey=wkey),
+                          lambda r: _check_array(r, (m, weight.n)))
+        if out is None:
+            out = self.cpu.hook.kestrel_gemm_f32(device=self.cpu.device, a=a, weight=weight, wkey=wkey)
+        return out
+
+    def linear(self, x: np.ndarray, weight: StripCache, wkey: int) -> np.ndarray:
+        """The engine's projection: x float32 [M, K] quantized per block (Q8_0), then gemm_q8 -> [M, N]."""
+        a_codes, a_scales = quantize_activations(x, weight.group_size)
+        return self.gemm_q8(a_codes, a_scales, weight, wkey)
+
+    def linear_fused(self, x: np.ndarray, weights: Sequence[StripCache], wkeys: Sequence[int],
+                     fused_wkey: int) -> list[np.ndarray]:
+        """Several projections of one input (Q/K/V, gate/up): the fused hook if offered, else one by one."""
+        group = weights[0].group_size
+        a_codes, a_scales = quantize_activations(x, group)
+        m = x.shape[0]
+        if not self.on_cpu and all(w.group_size == group for w in weights):
+            flops = sum(gemm_flops(m, w.n, w.k) for w in weights)
+            outs = self._offer("kestrel_gemm_fused_q8", flops,
+                               lambda: self.backend.hook.kestrel_gemm_fused_q8(
+                                   device=self.backend.device, a_codes=a_codes, a_scales=a_scales,
+                                   weights=list(weights), wkeys=list(wkeys), fused_wkey=fused_wkey),
+                               lambda r: _check_list(r, [(m, w.n) for w in weights]))
+            if outs is not None:
+                return list(outs)
+        return [self.gemm_q8(a_codes, a_scales, w, k) for w, k in zip(weights, wkeys)]
+
+    # -- model-level hooks ---------------------------------------------------------------------------
+
+    def layer_boundary(self, layer: int) -> None:
+        if not self.on_cpu and self.backend.implements("kestrel_layer_boundary"):
+            self._offer("kestrel_layer_boundary", 0,
+                        lambda: self.backend.hook.kestrel_layer_boundary(device=self.backend.device,
+                                                                         layer=layer) or True,
+                        lambda r: None)
+
+    def preload(self, model: Any) -> None:
+        """Preload runs even under KESTREL_FORCE_CPU: the device stays initialised, uploads happen."""
+        if self.on_cpu or not self.backend.implements("kestrel_preload"):
+            return
+        try:
+            self.backend.hook.kestrel_preload(device=self.backend.device, model=model)
+        except Exception as exc:
+            self._report("kestrel_preload", f"error: {type(exc).__name__}", exc)
+
+    def forward(self, model: Any, seq_id: int, tokens: np.ndarray, start: int, all_logits: bool,
+                vocab: int) -> np.ndarray | None:
+        """The backend's whole-step forward, or None: the engine then runs its layer-by-layer path."""
+        if self.on_cpu or not self.backend.implements("kestrel_forward"):
+            return None
+        rows = len(tokens) if all_logits else 1
+        return self._offer("kestrel_forward", 0,
+                           lambda: self.backend.hook.kestrel_forward(
+                               device=self.backend.device, model=model, seq_id=seq_id, tokens=tokens,
+                               start=start, all_logits=all_logits),
+                           lambda r: _check_array(r, (rows, vocab)))
+
+    def release_sequence(self, seq_id: int) -> None:
+        if not self.on_cpu and self.backend.implements("kestrel_release_sequence"):
+            try:
+                self.backend.hook.kestrel_release_sequence(device=self.backend.device, seq_id=seq_id)
+            except Exception as exc:
+                self._report("kestrel_release_sequence", f"error: {type(exc).__name__}", exc)
+
+    # -- reporting -----------------------------------------------------------------------------------
+
+    def backend_stats(self) -> dict[str, Any]:
+        if not self.backend.implements("kestrel_stats"):
+            return {}
+        merged: dict[str, Any] = {}
+        for part in self.backend.hook.kestrel_stats(device=self.backend.device):
+            merged.update(part or {})
+        return merged
+
+    def stats(self) -> dict[str, Any]:
+        return {hook: c.as_dict() for hook, c in sorted(self.counters.items())}
+
+    def totals(self) -> tuple[int, int]:
+        """(accepted, declined) over every GEMM hook."""
+        accepted = sum(c.accepted for h, c in self.counters.items() if "gemm" in h or h == "kestrel_forward")
+        declined = sum(sum(c.declined.values()) for h, c in self.counters.items()
+                       if "gemm" in h or h == "kestrel_forward")
+        return accepted, declined
+
+
+def _check_array(result: Any, shape: tuple[int, ...]) -> str | None:
+    if not isinstance(result, np.ndarray):
+        return f"got {type(result).__name__}, expected a numpy array"
+    if result.dtype != np.float32:
+        return f"dtype {result.dtype}, expected float32"
+    if result.shape != shape:
+        return f"shape {list(result.shape)}, expected {list(shape)}"
+    return None
+
+
+def _check_list(result: Any, shapes: list[tuple[int, ...]]) -> str | None:
+    if not isinstance(result, (list, tuple)) or len(result) != len(shapes):
+        return f"expected a list of {len(shapes)} arrays"
+    for r, s in zip(result, shapes):
+        bad = _check_array(r, s)
+        if bad:
+            return bad
+    return None

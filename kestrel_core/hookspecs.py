@@ -1,0 +1,93 @@
+"""The backend interface: pluggy hookspecs of project ``kestrel``.
+
+A backend is a module (or object) with ``@hookimpl`` functions, found through the entry-point group
+``kestrel.backends`` or ``KESTREL_BACKEND_PATH``. Each bound backend has its own plugin manager, so every
+hook here is called on one backend at a time. Offload hooks follow the 0/1 contract: return the result
+(done on the device, the whole output) or ``None`` (declined: the core runs the CPU path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+
+PROJECT = "kestrel"
+API_VERSION = (1, 0)  # (major, minor): a backend must have the same major and a minor <= ours
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+REQUIRED_HOOKS = ("kestrel_backend_info", "kestrel_open", "kestrel_close", "kestrel_gemm_q8",
+                  "kestrel_gemm_f32")
+
+
+# -- required ----------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def kestrel_backend_info() -> Any:
+    """Describe the backend: a ``BackendInfo`` (name, version, api_version, kind). firstresult."""
+
+
+@hookspec(firstresult=True)
+def kestrel_open(options: dict[str, Any]) -> Any:
+    """Open the device and return its handle; raise ``BackendUnavailable(reason)`` if it cannot. firstresult."""
+
+
+@hookspec
+def kestrel_close(device: Any) -> None:
+    """Release everything the device handle holds."""
+
+
+@hookspec(firstresult=True)
+def kestrel_gemm_q8(device: Any, a_codes: Any, a_scales: Any, weight: Any, wkey: int) -> Any:
+    """Int8 activations [M, K] (scales [M, K/G]) times a StripCache: float32 [M, N], or None. firstresult."""
+
+
+@hookspec(firstresult=True)
+def kestrel_gemm_f32(device: Any, a: Any, weight: Any, wkey: int) -> Any:
+    """Float32 activations [M, K] times a StripCache: float32 [M, N], or None. firstresult."""
+
+
+# -- optional (default: not implemented, the core does it layer by layer on the CPU) ----------------
+
+
+@hookspec(firstresult=True)
+def kestrel_gemm_fused_q8(device: Any, a_codes: Any, a_scales: Any, weights: Any, wkeys: Any,
+                          fused_wkey: int) -> Any:
+    """Several weights sharing K (Q/K/V, gate/up): a list of float32 [M, N_i], or None. firstresult."""
+
+
+@hookspec
+def kestrel_layer_boundary(device: Any, layer: int) -> None:
+    """The engine is about to run ``layer`` (residency window). Default: nothing."""
+
+
+@hookspec
+def kestrel_preload(device: Any, model: Any) -> None:
+    """Make a whole ``Model``'s weights resident at load. Default: weights upload on first use."""
+
+
+@hookspec(firstresult=True)
+def kestrel_forward(device: Any, model: Any, seq_id: int, tokens: Any, start: int, all_logits: bool) -> Any:
+    """Run tokens [T] at positions start.. on the device (its own KV cache per seq_id).
+
+    Returns float32 logits [T, vocab] if all_logits else [1, vocab], or None to decline: the engine then
+    runs the layer-by-layer path from its own KV cache. firstresult.
+    """
+
+
+@hookspec
+def kestrel_release_sequence(device: Any, seq_id: int) -> None:
+    """Forget the device state of a sequence. Default: nothing."""
+
+
+@hookspec
+def kestrel_selftest_cases(device: Any) -> Any:
+    """Extra ``SelfTestCase`` objects of the backend's own, added to the conformance suite."""
+
+
+@hookspec
+def kestrel_stats(device: Any) -> Any:
+    """A flat dict of the backend's own counters (cache hits, uploads, simulated time...). Default: {}."""

@@ -1,0 +1,1 @@
+"""The model engine: configs, weights, loaders, tokenizer, decoder, generation."""

@@ -1,0 +1,59 @@
+"""Weight identity: ``wkey = (layer << 32) | (proj + 1)``.
+
+The +1 keeps wkey 0 free for "do not cache"; the layer stays verbatim in the high 32 bits so that a
+residency window can decode it. lm_head and fused weights live on sentinel layers above every real layer.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+NO_CACHE = 0
+LM_HEAD_LAYER = 0xFFFF_FFFF
+FUSED_LAYER_BASE = 0x8000_0000  # fused weights of layer L use sentinel layer FUSED_LAYER_BASE + L
+
+
+class Proj(IntEnum):
+    Q = 0
+    K = 1
+    V = 2
+    O = 3  # noqa: E741
+    GATE = 4
+    UP = 5
+    DOWN = 6
+    LM_HEAD = 7
+    EMBED = 8
+    QKV = 9  # fused Q|K|V
+    GATE_UP = 10  # fused gate|up
+
+
+def wkey(layer: int, proj: Proj | int) -> int:
+    if not 0 <= layer <= 0xFFFF_FFFF:
+        raise ValueError(f"layer {layer} does not fit in 32 bits")
+    return (layer << 32) | (int(proj) + 1)
+
+
+def decode_wkey(key: int) -> tuple[int, Proj]:
+    """(layer, proj) of a wkey; raises on wkey 0, which names no weight."""
+    if key == NO_CACHE:
+        raise ValueError("wkey 0 means 'do not cache' and names no weight")
+    return key >> 32, Proj((key & 0xFFFF_FFFF) - 1)
+
+
+def lm_head_wkey() -> int:
+    return wkey(LM_HEAD_LAYER, Proj.LM_HEAD)
+
+
+def fused_wkey(layer: int, proj: Proj) -> int:
+    return wkey(FUSED_LAYER_BASE + layer, proj)
+
+
+def is_sentinel_layer(layer: int) -> bool:
+    return layer >= FUSED_LAYER_BASE
+
+
+def model_layer(layer: int) -> int | None:
+    """The model layer a (possibly fused) weight belongs to; None for lm_head."""
+    if layer == LM_HEAD_LAYER:
+        return None
+    return layer - FUSED_LAYER_BASE if layer >= FUSED_LAYER_BASE else layer
