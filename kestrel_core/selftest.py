@@ -1,0 +1,173 @@
+"""The conformance suite: every GEMM hook a backend implements, against the CPU reference.
+
+Any backend, ours or a third party's, is run with ``kestrel selftest --backend NAME``. A case passes when
+every output element is within a float-rounding bound of the reference: integer block sums are exact in
+every correct implementation, so only the order of the float accumulation over blocks may differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kestrel_core.contract import (
+    CODE_RANGE,
+    StripCache,
+    quantize_activations,
+    reference_gemm_f32,
+    reference_gemm_q8,
+)
+from kestrel_core.errors import KestrelError
+from kestrel_core.registry import Backend, Registry
+from kestrel_core.wkey import Proj, fused_wkey, wkey
+
+GEMM_HOOKS = ("kestrel_gemm_q8", "kestrel_gemm_f32", "kestrel_gemm_fused_q8")
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+@dataclass(frozen=True)
+class SelfTestCase:
+    """One GEMM check: ``ns`` holds one N, or several for the fused hook (all sharing K)."""
+
+    hook: str
+    m: int
+    ns: tuple[int, ...]
+    k: int
+    group_size: int
+    bits: int
+    seed: int
+
+    @property
+    def name(self) -> str:
+        n = "+".join(map(str, self.ns))
+        hook = self.hook.removeprefix("kestrel_")
+        return f"{hook} int{self.bits} G{self.group_size} M{self.m} N{n} K{self.k} s{self.seed}"
+
+
+@dataclass
+class CaseResult:
+    name: str
+    hook: str
+    passed: bool
+    max_err: float = 0.0
+    tolerance: float = 0.0
+    declined: bool = False
+    detail: str = ""
+
+
+@dataclass
+class SelfTestReport:
+    backend: str
+    cases: list[CaseResult] = field(default_factory=list)
+
+    @property
+    def passed(self) -> int:
+        return sum(c.passed for c in self.cases)
+
+    @property
+    def failed(self) -> int:
+        return len(self.cases) - self.passed
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.cases) and self.failed == 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend, "passed": self.passed, "failed": self.failed, "ok": self.ok,
+                "cases": [asdict(c) for c in self.cases]}
+
+
+def default_cases(seeds: int = 2) -> list[SelfTestCase]:
+    cases = []
+    for seed in range(seeds):
+        for bits in (8, 4):
+            for g in (32, 256):
+                k = 512 if g == 256 else 96
+                for m in (1, 3, 64):
+                    for hook in ("kestrel_gemm_q8", "kestrel_gemm_f32"):
+                        cases.append(SelfTestCase(hook, m, (37 if m == 3 else 64,), k, g, bits, seed))
+                cases.append(SelfTestCase("kestrel_gemm_fused_q8", 5, (64, 32, 32), k, g, bits, seed))
+                cases.append(SelfTestCase("kestrel_gemm_fused_q8", 1, (36, 17), k, g, bits, seed))
+    return cases
+
+
+def random_strip_cache(rng: np.random.Generator, n: int, k: int, group_size: int, bits: int) -> StripCache:
+    lo, hi = CODE_RANGE[bits]
+    codes = rng.integers(lo, hi + 1, size=(n, k), dtype=np.int8)
+    scales = rng.uniform(1e-3, 2e-2, size=(n, k // group_size)).astype(np.float32)
+    return StripCache(codes, scales, group_size, bits)
+
+
+def _bound(a_abs: np.ndarray, w: StripCache) -> np.ndarray:
+    """Sum of |terms| per output element: the scale of the rounding error any order can make."""
+    g = w.group_size
+    m = a_abs.shape[0]
+    a = a_abs.reshape(m, -1, g).transpose(1, 0, 2).astype(np.float64)                      # [ng, M, G]
+    b = np.abs(w.codes.astype(np.float64)).reshape(w.n, -1, g).transpose(1, 2, 0)          # [ng, G, N]
+    return (np.matmul(a, b) * w.scales.T[:, None, :]).sum(axis=0)                          # [M, N]
+
+
+def _compare(got: Any, ref: np.ndarray, bound: np.ndarray, ngroups: int) -> tuple[bool, float, float, str]:
+    if not isinstance(got, np.ndarray) or got.dtype != np.float32 or got.shape != ref.shape:
+        what = f"{got.dtype} {list(got.shape)}" if isinstance(got, np.ndarray) else type(got).__name__
+        return False, float("inf"), 0.0, f"bad result {what}, expected float32 {list(ref.shape)}"
+    tol = (4 * (ngroups + 8) * EPS32) * bound + 1e-30
+    err = np.abs(got.astype(np.float64) - ref.astype(np.float64))
+    if not np.all(np.isfinite(got)):
+        return False, float("inf"), float(tol.max()), "non-finite output"
+    worst = int(np.argmax(err / tol))
+    return bool(np.all(err <= tol)), float(err.flat[worst]), float(tol.flat[worst]), ""
+
+
+def run_case(backend: Backend, case: SelfTestCase) -> CaseResult:
+    rng = np.random.default_rng([case.seed, case.m, case.k, case.group_size, case.bits, *case.ns])
+    weights = [random_strip_cache(rng, n, case.k, case.group_size, case.bits) for n in case.ns]
+    x = rng.standard_normal((case.m, case.k)).astype(np.float32)
+    a_codes, a_scales = quantize_activations(x, case.group_size)
+    keys = [wkey(1, p) for p in (Proj.Q, Proj.K, Proj.V)][: len(weights)]
+    hook = getattr(backend.hook, case.hook)
+    try:
+        if case.hook == "kestrel_gemm_q8":
+            got = [hook(device=backend.device, a_codes=a_codes, a_scales=a_scales, weight=weights[0],
+                        wkey=keys[0])]
+        elif case.hook == "kestrel_gemm_f32":
+            got = [hook(device=backend.device, a=x, weight=weights[0], wkey=keys[0])]
+        else:
+            got = hook(device=backend.device, a_codes=a_codes, a_scales=a_scales, weights=weights, wkeys=keys,
+                       fused_wkey=fused_wkey(1, Proj.QKV))
+    except Exception as exc:
+        return CaseResult(case.name, case.hook, False, float("inf"), detail=f"raised {type(exc).__name__}: {exc}")
+    if got is None or (isinstance(got, list) and any(g is None for g in got)):
+        return CaseResult(case.name, case.hook, True, declined=True, detail="declined")
+    if not isinstance(got, (list, tuple)) or len(got) != len(weights):
+        return CaseResult(case.name, case.hook, False, float("inf"), detail=f"{len(weights)} outputs expected")
+    checks = []
+    for out, w in zip(got, weights):
+        if case.hook == "kestrel_gemm_f32":
+            ref, bound = reference_gemm_f32(x, w), _bound(np.abs(x), w)
+        else:
+            ref = reference_gemm_q8(a_codes, a_scales, w)
+            a_abs = np.abs(a_codes.astype(np.float32)) * np.repeat(a_scales, case.group_size, axis=1)
+            bound = _bound(a_abs, w)
+        checks.append(_compare(out, ref, bound, w.ngroups))
+    ok, err, tol, detail = max(checks, key=lambda c: (not c[0], c[1] / max(c[2], 1e-30)))
+    return CaseResult(case.name, case.hook, all(c[0] for c in checks), err, tol, detail=detail)
+
+
+def run_selftest(name: str = "cpu", seeds: int = 2, registry: Registry | None = None) -> SelfTestReport:
+    registry = registry or Registry()
+    backend = registry.bind(name)
+    if not backend.bound:
+        raise KestrelError(f"backend {name!r} is not bound: {backend.reason}")
+    cases = [c for c in default_cases(seeds) if backend.implements(c.hook)]
+    if backend.implements("kestrel_selftest_cases"):
+        for extra in backend.hook.kestrel_selftest_cases(device=backend.device):
+            cases.extend(c if isinstance(c, SelfTestCase) else SelfTestCase(**c) for c in extra or ())
+    report = SelfTestReport(backend.name, [run_case(backend, c) for c in cases])
+    for hook in {c.hook for c in report.cases}:
+        mine = [c for c in report.cases if c.hook == hook]
+        if all(c.declined for c in mine):  # a hook that declines everything checks nothing
+            report.cases.append(CaseResult(f"{hook} (any case)", hook, False, detail="declined every case"))
+    return report
