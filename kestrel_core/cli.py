@@ -19,7 +19,7 @@ from rich.table import Table
 import kestrel_core
 from kestrel_core.errors import KestrelError
 
-out = Console(highlight=False)
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False)
 
 

@@ -106,7 +106,7 @@ def force_cpu() -> bool:
 def offload_state(backend: Backend) -> str:
     if not backend.bound:
         return "-"
-    if backend.kind == "cpu":
+    if backend.name == "cpu":
         return "reference"
     return "forced to CPU (KESTREL_FORCE_CPU)" if force_cpu() else "enabled"
 
@@ -187,7 +187,7 @@ def _validate(backend: Backend) -> str | None:
         pm.register(backend.plugin, name=backend.name)
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        return f"invalid hook: {_short(exc)}"
+        return "invalid hook: " + "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
     missing = [h for h in hookspecs.REQUIRED_HOOKS if not backend.implements(h)]
     if missing:
         return f"missing required hook(s): {', '.join(missing)}"

@@ -121,12 +121,13 @@ def _compare(got: Any, ref: np.ndarray, bound: np.ndarray, ngroups: int) -> tupl
     return bool(np.all(err <= tol)), float(err.flat[worst]), float(tol.flat[worst]), ""
 
 
-def run_case(backend: Backend, case: SelfTestCase) -> CaseResult:
+def run_case(backend: Backend, case: SelfTestCase, layer: int) -> CaseResult:
+    """Run one case; ``layer`` makes its wkeys unique, since backends may cache weights by wkey."""
     rng = np.random.default_rng([case.seed, case.m, case.k, case.group_size, case.bits, *case.ns])
     weights = [random_strip_cache(rng, n, case.k, case.group_size, case.bits) for n in case.ns]
     x = rng.standard_normal((case.m, case.k)).astype(np.float32)
     a_codes, a_scales = quantize_activations(x, case.group_size)
-    keys = [wkey(1, p) for p in (Proj.Q, Proj.K, Proj.V)][: len(weights)]
+    keys = [wkey(layer, p) for p in (Proj.Q, Proj.K, Proj.V)][: len(weights)]
     hook = getattr(backend.hook, case.hook)
     try:
         if case.hook == "kestrel_gemm_q8":
@@ -136,7 +137,7 @@ def run_case(backend: Backend, case: SelfTestCase) -> CaseResult:
             got = [hook(device=backend.device, a=x, weight=weights[0], wkey=keys[0])]
         else:
             got = hook(device=backend.device, a_codes=a_codes, a_scales=a_scales, weights=weights, wkeys=keys,
-                       fused_wkey=fused_wkey(1, Proj.QKV))
+                       fused_wkey=fused_wkey(layer, Proj.QKV))
     except Exception as exc:
         return CaseResult(case.name, case.hook, False, float("inf"), detail=f"raised {type(exc).__name__}: {exc}")
     if got is None or (isinstance(got, list) and any(g is None for g in got)):
@@ -165,7 +166,7 @@ def run_selftest(name: str = "cpu", seeds: int = 2, registry: Registry | None = 
     if backend.implements("kestrel_selftest_cases"):
         for extra in backend.hook.kestrel_selftest_cases(device=backend.device):
             cases.extend(c if isinstance(c, SelfTestCase) else SelfTestCase(**c) for c in extra or ())
-    report = SelfTestReport(backend.name, [run_case(backend, c) for c in cases])
+    report = SelfTestReport(backend.name, [run_case(backend, c, i) for i, c in enumerate(cases)])
     for hook in {c.hook for c in report.cases}:
         mine = [c for c in report.cases if c.hook == hook]
         if all(c.declined for c in mine):  # a hook that declines everything checks nothing

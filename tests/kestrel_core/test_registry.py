@@ -1,0 +1,178 @@
+"""Binding with real backend modules on KESTREL_BACKEND_PATH: each failure ends not bound, with its reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kestrel_core import Offload, Proj, Registry, quantize_weight, wkey
+from kestrel_core.contract import quantize_activations, reference_gemm_q8
+from kestrel_core.errors import KestrelError
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "backends"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "kestrel-backend-example"
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> Registry:
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(FIXTURES))
+    reg = Registry()
+    reg.bind_all()
+    yield reg
+    reg.close()
+
+
+@pytest.mark.parametrize(("name", "reason"), [
+    ("missing_hook", "missing required hook(s): kestrel_gemm_f32"),
+    ("bad_api", "incompatible API version 2.0 (kestrel has 1.0)"),
+    ("open_raises", "device open failed: RuntimeError: driver exploded"),
+    ("unavailable", "no widget attached"),
+    ("bad_signature", "invalid hook"),
+    ("import_error", "import failed: ModuleNotFoundError: No module named 'kestrel_missing_driver'"),
+])
+def test_broken_backends_are_not_bound_with_their_reason(registry: Registry, name: str, reason: str) -> None:
+    backend = registry.backends[name]
+    assert backend.status == "not_bound"
+    assert reason in backend.reason
+    assert backend.pm is None and backend.device is None  # nothing half-registered stays behind
+
+
+def test_bad_signature_names_the_argument(registry: Registry) -> None:
+    assert "stream" in registry.backends["bad_signature"].reason
+
+
+def test_good_backends_bind_and_report_their_source(registry: Registry) -> None:
+    for name in ("cpu", "good_gpu", "gemm_raises", "wrong_shape"):
+        assert registry.backends[name].bound, registry.backends[name].reason
+    assert registry.backends["good_gpu"].source == f"path {FIXTURES / 'good_gpu.py'}"
+    assert registry.backends["cpu"].source.startswith("entry point")
+
+
+def test_auto_picks_the_bound_accelerator_and_explicit_unbound_is_an_error(registry: Registry) -> None:
+    assert registry.select("auto").name in {"good_gpu", "gemm_raises", "wrong_shape", "cuda"}
+    with pytest.raises(KestrelError, match="backend 'open_raises' is not bound: device open failed"):
+        registry.select("open_raises")
+    with pytest.raises(KestrelError, match="unknown backend 'nope'"):
+        registry.select("nope")
+
+
+def test_auto_without_accelerators_is_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KESTREL_PLUGINS", "")
+    reg = Registry()
+    assert reg.select("auto").name == "cpu"
+    assert all(b.reason == "not in KESTREL_PLUGINS" for n, b in reg.backends.items() if n != "cpu")
+
+
+def test_allow_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(FIXTURES))
+    monkeypatch.setenv("KESTREL_PLUGINS", "good_gpu")
+    reg = Registry()
+    reg.bind_all()
+    assert reg.backends["good_gpu"].bound and reg.backends["cpu"].bound
+    assert reg.backends["unavailable"].reason == "not in KESTREL_PLUGINS"
+
+
+def test_explicit_path_wins_over_entry_point_of_the_same_name(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "npu_sim.py").write_text((FIXTURES / "good_gpu.py").read_text())
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "npu_sim.py"))
+    reg = Registry()
+    assert reg.backends["npu_sim"].source == f"path {tmp_path / 'npu_sim.py'}"
+    shadowed = [b for b in reg.shadowed if b.name == "npu_sim"]
+    assert len(shadowed) == 1 and "shadowed by" in shadowed[0].reason and shadowed[0].source.startswith("entry")
+
+
+def _problem(seed: int = 0) -> tuple[np.ndarray, object]:
+    rng = np.random.default_rng(seed)
+    w = quantize_weight(rng.standard_normal((48, 128)).astype(np.float32))
+    return rng.standard_normal((5, 128)).astype(np.float32), w
+
+
+@pytest.mark.parametrize(("name", "reason"), [
+    ("gemm_raises", "error: MemoryError"),
+    ("wrong_shape", "bad result: shape [5, 49], expected [5, 48]"),
+])
+def test_failing_offloads_are_declined_and_the_cpu_result_is_used(registry: Registry, name: str,
+                                                                  reason: str) -> None:
+    x, w = _problem()
+    offload = Offload(registry.backends[name], registry.cpu())
+    got = offload.linear(x, w, wkey(0, Proj.Q))
+    a_codes, a_scales = quantize_activations(x, 32)
+    np.testing.assert_array_equal(got, reference_gemm_q8(a_codes, a_scales, w))
+    offload.linear(x, w, wkey(0, Proj.Q))
+    counters = offload.stats()["kestrel_gemm_q8"]
+    assert counters["offered"] == 2 and counters["accepted"] == 0
+    assert counters["declined_reasons"] == {reason: 2}
+
+
+def test_wrong_dtype_is_a_failure_too(registry: Registry) -> None:
+    x, w = _problem()
+    offload = Offload(registry.backends["wrong_shape"], registry.cpu())
+    np.testing.assert_allclose(offload.gemm_f32(x, w, 0), registry.cpu().hook.kestrel_gemm_f32(
+        device=registry.cpu().device, a=x, weight=w, wkey=0))
+    assert offload.stats()["kestrel_gemm_f32"]["declined_reasons"] == {"bad result: dtype float64, expected float32": 1}
+
+
+def test_force_cpu_declines_everything_with_identical_results(registry: Registry,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    x, w = _problem(1)
+    offload = Offload(registry.backends["good_gpu"], registry.cpu())
+    normal = offload.linear(x, w, wkey(2, Proj.UP))
+    monkeypatch.setenv("KESTREL_FORCE_CPU", "1")
+    forced = offload.linear(x, w, wkey(2, Proj.UP))
+    np.testing.assert_array_equal(normal, forced)
+    assert registry.backends["good_gpu"].bound  # the backend stays open
+    assert offload.stats()["kestrel_gemm_q8"]["declined_reasons"] == {"KESTREL_FORCE_CPU": 1}
+    assert registry.backends["good_gpu"].as_dict()["offload"].startswith("forced to CPU")
+
+
+def test_min_flops_threshold_declines_small_gemms(registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    x, w = _problem()
+    monkeypatch.setenv("KESTREL_GOOD_GPU_MIN_FLOPS", str(2 * 5 * 48 * 128 + 1))
+    offload = Offload(registry.backends["good_gpu"], registry.cpu())
+    offload.linear(x, w, wkey(0, Proj.K))
+    offload.linear(np.vstack([x, x]), w, wkey(0, Proj.K))
+    counters = offload.stats()["kestrel_gemm_q8"]
+    assert counters["declined_reasons"] == {"below min FLOPs": 1} and counters["accepted"] == 1
+
+
+def test_bad_min_flops_env_is_a_clear_error(registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KESTREL_GOOD_GPU_MIN_FLOPS", "lots")
+    with pytest.raises(KestrelError, match="KESTREL_GOOD_GPU_MIN_FLOPS must be a number"):
+        Offload(registry.backends["good_gpu"], registry.cpu()).linear(*_problem(), wkey(0, Proj.K))
+
+
+def test_kestrel_backends_json_lists_every_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kestrel_core.cli import main
+
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(FIXTURES))
+    capture = subprocess.run([sys.executable, "-m", "kestrel_core.cli", "backends", "--json"], capture_output=True,
+                             text=True, check=True, env=dict(os.environ))
+    rows = {r["name"]: r for r in json.loads(capture.stdout)}
+    assert rows["cpu"]["status"] == "bound" and rows["cpu"]["kind"] == "cpu"
+    assert rows["bad_api"]["status"] == "not_bound" and "incompatible API version" in rows["bad_api"]["reason"]
+    assert rows["cuda"]["status"] in ("bound", "not_bound") and rows["cuda"]["source"].startswith("entry point")
+    for row in rows.values():
+        assert {"name", "status", "reason", "version", "source", "kind"} <= row.keys()
+    assert main(["backends"]) == 0  # the rich table renders too
+
+
+def test_example_third_party_package_installs_and_binds(tmp_path: Path) -> None:
+    """pip-install examples/kestrel-backend-example into a target dir; kestrel finds it by entry point."""
+    source, target = tmp_path / "src", tmp_path / "site"
+    shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(source)], check=True, capture_output=True)
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    out = subprocess.run([sys.executable, "-m", "kestrel_core.cli", "selftest", "--backend", "example", "--json"],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["ok"] and report["passed"] >= 24
