@@ -1,0 +1,597 @@
+"""Weight residency of the CUDA backend: weight cache, buffer pool, residency window, preload bookkeeping.
+
+Nothing here touches a GPU: every device buffer comes from an ``Allocator`` (``kestrel_cuda.allocator``), so the
+same logic runs in CI on numpy buffers and on the GPU on CuPy ones. Not thread-safe: one cache per device,
+used from the thread that launches the kernels, on one stream (stream order is what makes reusing an
+evicted buffer safe while an earlier kernel may still read it).
+
+API for the backend
+-------------------
+``Geometry(k, npad, ngroups, code_bits=8)``: the shape of one device weight. ``Geometry.of(strip)`` for one
+    StripCache, ``Geometry.fused(strips)`` for a Q|K|V or gate|up buffer (``fusable(strips)`` says whether the
+    members may share one, else use per-projection weights); ``pack_int4=True`` sizes int4 codes two per byte.
+    One allocation of ``nbytes`` holds both regions (``npad = pad_n(N) = (N+3) & ~3``, fused: sum of the Ns):
+        [0, codes_nbytes)                        codes, K-major: int8 [K][Npad]; code_bits=4: K*Npad/2 bytes,
+                                                 packing order is the kernels' choice
+        [scales_offset, +scales_nbytes)          scales, float32 [ngroups][Npad]; offset = codes rounded up to
+                                                 256 bytes (cudaMalloc alignment, so vector loads stay aligned)
+    The pool key ``layout = (codes_nbytes, scales_nbytes)`` is exactly what makes two buffers interchangeable:
+    same size and same region offsets. It is coarser than the article's (Npad, ngroups) on purpose: gate/up
+    [F, D] and down [D, F] (and q [H*hd, D] / o [D, H*hd]) have different geometries but one layout, so an
+    evicted down buffer serves the next gate; every byte is rewritten by the upload, so nothing else matters.
+
+``WeightCache(allocator, *, budget=None, keep=None)``: budget defaults to ``cache_budget(allocator.free_bytes())``
+    and keep (residency window) to ``window_keep()``.
+    ``get_or_upload(wkey, geometry, upload_fn, *, source=None) -> DeviceWeight``
+        hit: the resident weight (made most recently used). Miss: evict LRU entries while over budget or
+        over 512 slots (into the pool, never freed), take a pooled buffer of the same layout or allocate, then
+        ``upload_fn(weight)`` fills it. ``upload_fn`` gets the ``DeviceWeight`` (``.buffer``, ``.codes`` int8
+        1-D region, ``.scales`` float32 [ngroups][Npad]); the content is undefined (fresh or pooled), so it
+        must write every byte of both regions, padding columns as zeros. If it raises, the buffer goes back
+        to the pool, no entry is made, and the exception propagates (the backend declines; the CPU computes).
+        ``source``: the StripCache uploaded (first member for fused); a hit whose source is another object
+        (a different model on the same wkeys) or whose geometry differs is stale and is re-uploaded.
+        wkey 0 is never cached: the result is a temporary (``.temporary``), to be handed back with
+        ``release(weight)`` after the kernel launch (its buffer then goes to the pool).
+    ``use(wkey, geometry, upload_fn, *, source=None)``: context manager around get_or_upload that pins the
+        weight for the block (so fetching another weight cannot evict it) and releases a temporary at exit.
+    ``pin(wkey)`` / ``unpin(wkey)``: pinned weights are never evicted by LRU or window (a CUDA graph that
+        captured buffer addresses must pin them). A pinned set larger than the budget goes over it.
+    ``on_layer_boundary(cur) -> int``: residency window; with keep > 0 evicts (to the pool) every weight whose
+        model layer is < cur - keep + 1. lm_head is never evicted; fused weights of layer L count as layer L;
+        current and higher layers stay. keep == 0: nothing. Returns how many were evicted.
+    ``preload(items) -> PreloadResult``: make ``PreloadItem(wkey, geometry, upload_fn, source)`` resident in
+        order without evicting anything; stops at the first weight that does not fit the budget or slots.
+        Does nothing when the window is on (it would evict them at the first boundary).
+    ``release(weight)``, ``contains(wkey)``, ``len(cache)``, ``entries()`` (LRU first), ``stats() -> dict``,
+    ``clear()`` (frees every cached and pooled buffer), ``close()`` (clear, free temporaries, refuse further use).
+``cache_budget(free_bytes)``: KESTREL_CUDA_CACHE_MB (MiB, positive integer) if set, else half of free
+    memory capped at 24 GiB and floored at 256 MiB. ``window_keep()``: KESTREL_CUDA_STREAM as keep (unset/0: off).
+    ``should_preload()``: window off. Bad values of either variable raise a one-line KestrelError.
+
+Frees: eviction never frees (the article measured a device-synchronising free per layer costing more than
+the re-uploads the window saved). Device memory is freed only (1) on clear/close, (2) when the 128-slot pool
+is full: its oldest buffer is freed to make room for the newest (the article frees the incoming one instead;
+the newest layout is the one the layer loop needs next, while the oldest is likeliest a shape no longer in
+use: same cost, better reuse), (3) when the device refuses an allocation: pooled buffers (oldest first), then
+LRU entries through the pool, are freed until it fits or nothing is left (then ``DeviceOutOfMemory``).
+
+Budget rule: resident bytes stay <= budget, except that a weight is always admitted after every unpinned
+entry has been evicted: a single weight larger than the budget is cached alone (refusing it would upload it
+on every call and use the same memory anyway), and pinned weights are never evicted to make room.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from kestrel_core.contract import StripCache
+from kestrel_core.errors import KestrelError
+from kestrel_core.wkey import NO_CACHE, decode_wkey, model_layer
+from kestrel_cuda.allocator import Allocator, Buffer, DeviceOutOfMemory
+
+MAX_ENTRIES = 512
+POOL_SLOTS = 128
+MiB = 1 << 20
+GiB = 1 << 30
+BUDGET_CAP = 24 * GiB
+BUDGET_FLOOR = 256 * MiB
+ALIGN = 256
+VEC = 4  # columns per vectorised store: Npad is a multiple of it
+
+CACHE_ENV = "KESTREL_CUDA_CACHE_MB"
+WINDOW_ENV = "KESTREL_CUDA_STREAM"
+
+
+# -- configuration -----------------------------------------------------------------------------------
+
+
+def cache_budget(free_bytes: int) -> int:
+    """Cache budget in bytes: the env override, else free/2 capped at 24 GiB, floored at 256 MiB."""
+    raw = os.environ.get(CACHE_ENV, "").strip()
+    if raw:
+        try:
+            mb = int(raw)
+        except ValueError:
+            mb = 0
+        if mb <= 0:
+            raise KestrelError(f"{CACHE_ENV} must be a positive whole number of MiB, got {raw!r}")
+        return mb * MiB
+    return max(min(free_bytes // 2, BUDGET_CAP), BUDGET_FLOOR)
+
+
+def window_keep() -> int:
+    """Layers the residency window keeps (KESTREL_CUDA_STREAM); 0 = window off."""
+    raw = os.environ.get(WINDOW_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        keep = int(raw)
+    except ValueError:
+        keep = -1
+    if keep < 0:
+        raise KestrelError(f"{WINDOW_ENV} must be a whole number of layers to keep (0 = off), got {raw!r}")
+    return keep
+
+
+def should_preload() -> bool:
+    """Preload at model load only with the window off: a window would evict the weights at once."""
+    return window_keep() == 0
+
+
+# -- geometry ----------------------------------------------------------------------------------------
+
+
+def pad_n(n: int) -> int:
+    return (n + VEC - 1) & ~(VEC - 1)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+def _code_bits(bits: int, pack_int4: bool) -> int:
+    return 4 if pack_int4 and bits == 4 else 8
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Shape of one device weight: codes [K][Npad] (``code_bits`` per code), scales float32 [ngroups][Npad]."""
+
+    k: int
+    npad: int
+    ngroups: int
+    code_bits: int = 8
+
+    def __post_init__(self) -> None:
+        if self.k <= 0 or self.ngroups <= 0 or self.k % self.ngroups:
+            raise ValueError(f"bad geometry: K={self.k} must be a positive multiple of ngroups={self.ngroups}")
+        if self.npad <= 0 or self.npad % VEC:
+            raise ValueError(f"bad geometry: Npad={self.npad} must be a positive multiple of {VEC}")
+        if self.code_bits not in (4, 8):
+            raise ValueError(f"bad geometry: code_bits must be 4 or 8, got {self.code_bits}")
+
+    @classmethod
+    def of(cls, weight: StripCache, *, pack_int4: bool = False) -> Geometry:
+        return cls(weight.k, pad_n(weight.n), weight.ngroups, _code_bits(weight.bits, pack_int4))
+
+    @classmethod
+    def fused(cls, weights: Sequence[StripCache], *, pack_int4: bool = False) -> Geometry:
+        """One buffer whose columns are the members' N side by side (NG = sum of N, no gaps)."""
+        if not fusable(weights):
+            raise ValueError("these weights cannot share a fused buffer (see fusable())")
+        w0 = weights[0]
+        return cls(w0.k, sum(w.n for w in weights), w0.ngroups, _code_bits(w0.bits, pack_int4))
+
+    @property
+    def group_size(self) -> int:
+        return self.k // self.ngroups
+
+    @property
+    def codes_nbytes(self) -> int:
+        return self.k * self.npad * self.code_bits // 8
+
+    @property
+    def scales_offset(self) -> int:
+        return _align(self.codes_nbytes)
+
+    @property
+    def scales_nbytes(self) -> int:
+        return self.ngroups * self.npad * 4
+
+    @property
+    def nbytes(self) -> int:
+        return self.scales_offset + self.scales_nbytes
+
+    @property
+    def layout(self) -> tuple[int, int]:
+        """The pool key: buffers of equal layout are byte-for-byte interchangeable."""
+        return self.codes_nbytes, self.scales_nbytes
+
+
+def fusable(weights: Sequence[StripCache]) -> bool:
+    """Members may share one [K][NG] buffer: same K, G and bits, every N a multiple of 4 (K % G holds by
+    the strip-cache contract). Otherwise the backend uses per-projection weights; that is not an error."""
+    if len(weights) < 2:
+        return False
+    w0 = weights[0]
+    return all(w.k == w0.k and w.group_size == w0.group_size and w.bits == w0.bits and w.n % VEC == 0
+               and w.k % w.group_size == 0 for w in weights)
+
+
+# -- device weights and the pool ---------------------------------------------------------------------
+
+
+class DeviceWeight:
+    """One weight on the device. ``buffer`` is None once the weight was evicted or released."""
+
+    __slots__ = ("wkey", "geometry", "buffer", "layer", "temporary", "pins", "_source")
+
+    def __init__(self, wkey: int, geometry: Geometry, buffer: Buffer, layer: int | None, temporary: bool,
+                 source: object | None) -> None:
+        self.wkey = wkey
+        self.geometry = geometry
+        self.buffer: Any = buffer
+        self.layer = layer  # model layer (fused: its layer); None for lm_head and temporaries
+        self.temporary = temporary
+        self.pins = 0
+        self._source = _ref(source)
+
+    @property
+    def codes(self) -> Any:
+        """The codes region, int8 1-D of ``codes_nbytes`` (reshape to [K][Npad] for int8 codes)."""
+        return self.buffer[:self.geometry.codes_nbytes].view(np.int8)
+
+    @property
+    def scales(self) -> Any:
+        """The scales region, float32 [ngroups][Npad]."""
+        g = self.geometry
+        region = self.buffer[g.scales_offset:g.scales_offset + g.scales_nbytes]
+        return region.view(np.float32).reshape(g.ngroups, g.npad)
+
+    def same_source(self, source: object | None) -> bool:
+        return source is None or (self._source is not None and self._source() is source)
+
+    def __repr__(self) -> str:
+        state = "temporary" if self.temporary else ("gone" if self.buffer is None else "resident")
+        return f"DeviceWeight(wkey={self.wkey:#x}, {self.geometry}, {state}, pins={self.pins})"
+
+
+def _ref(source: object | None) -> Callable[[], object | None] | None:
+    if source is None:
+        return None
+    try:
+        return weakref.ref(source)  # a weak reference: stale entries must not keep an old model alive
+    except TypeError:
+        return lambda: source
+
+
+class BufferPool:
+    """Evicted buffers by layout: O(1) take of a given layout, O(1) removal of the oldest."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self._order: OrderedDict[int, tuple[tuple[int, int], Any]] = OrderedDict()  # id -> (layout, buf)
+        self._by_layout: dict[tuple[int, int], dict[int, None]] = {}  # layout -> ids, insertion-ordered
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def buffers(self) -> list[Any]:
+        """Pooled buffers, oldest first."""
+        return [buf for _, buf in self._order.values()]
+
+    def take(self, layout: tuple[int, int]) -> Any | None:
+        ids = self._by_layout.get(layout)
+        if not ids:
+            return None
+        bid, _ = ids.popitem()  # newest of that layout: likeliest still in the device's caches
+        if not ids:
+            del self._by_layout[layout]
+        _, buf = self._order.pop(bid)
+        self.nbytes -= buf.nbytes
+        return buf
+
+    def put(self, layout: tuple[int, int], buf: Any) -> Any | None:
+        """Pool ``buf``; returns the buffer the caller must free to keep within the slots (or None)."""
+        if self.slots <= 0:
+            return buf
+        victim = self.pop_oldest() if len(self._order) >= self.slots else None
+        self._order[id(buf)] = (layout, buf)
+        self._by_layout.setdefault(layout, {})[id(buf)] = None
+        self.nbytes += buf.nbytes
+        return victim
+
+    def pop_oldest(self) -> Any | None:
+        if not self._order:
+            return None
+        bid, (layout, buf) = self._order.popitem(last=False)
+        ids = self._by_layout[layout]
+        del ids[bid]
+        if not ids:
+            del self._by_layout[layout]
+        self.nbytes -= buf.nbytes
+        return buf
+
+
+# -- the cache ---------------------------------------------------------------------------------------
+
+
+class PreloadItem(NamedTuple):
+    wkey: int
+    geometry: Geometry
+    upload_fn: Callable[[DeviceWeight], None]
+    source: object | None = None
+
+
+@dataclass
+class PreloadResult:
+    uploaded: int = 0
+    already_resident: int = 0
+    bytes: int = 0
+    stopped: str = ""  # why preload stopped early ("" when everything was made resident)
+
+
+@dataclass
+class Counters:
+    uploads: int = 0
+    upload_bytes: int = 0
+    upload_errors: int = 0
+    hits: int = 0
+    misses: int = 0
+    stale: int = 0
+    evictions: int = 0
+    window_evictions: int = 0
+    pool_reuse: int = 0
+    pool_frees: int = 0
+    oom_frees: int = 0
+    allocs: int = 0
+    frees: int = 0
+    temporaries: int = 0
+    peak_bytes_resident: int = 0
+    peak_bytes_device: int = 0
+
+
+class ResidencyError(KestrelError):
+    """The cache cannot serve a request (closed, or every slot pinned)."""
+
+
+@dataclass
+class WeightCache:
+    allocator: Allocator
+    budget: int | None = None
+    keep: int | None = None
+    max_entries: int = MAX_ENTRIES
+    pool_slots: int = POOL_SLOTS
+    counters: Counters = field(default_factory=Counters)
+
+    def __post_init__(self) -> None:
+        if self.budget is None:
+            self.budget = cache_budget(self.allocator.free_bytes())
+        if self.keep is None:
+            self.keep = window_keep()
+        self._entries: OrderedDict[int, DeviceWeight] = OrderedDict()  # LRU first
+        self._by_layer: dict[int, set[int]] = {}  # model layer -> resident wkeys (lm_head not indexed)
+        self._temporaries: dict[int, DeviceWeight] = {}  # id -> temporary handed out, not yet released
+        self.pool = BufferPool(self.pool_slots)
+        self.bytes_resident = 0
+        self.bytes_device = 0  # every live buffer of this cache: resident, pooled and temporary
+        self.closed = False
+
+    # -- lookup --------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def contains(self, wkey: int) -> bool:
+        return wkey in self._entries
+
+    def entries(self) -> list[DeviceWeight]:
+        """Resident weights, least recently used first."""
+        return list(self._entries.values())
+
+    def temporaries(self) -> list[DeviceWeight]:
+        return list(self._temporaries.values())
+
+    def get_or_upload(self, wkey: int, geometry: Geometry, upload_fn: Callable[[DeviceWeight], None], *,
+                      source: object | None = None) -> DeviceWeight:
+        if self.closed:
+            raise ResidencyError("the CUDA weight cache is closed")
+        if wkey == NO_CACHE:
+            return self._temporary(geometry, upload_fn, source)
+        entry = self._entries.get(wkey)
+        if entry is not None:
+            if self._fresh(entry, geometry, source):
+                self._entries.move_to_end(wkey)
+                self.counters.hits += 1
+                return entry
+            if entry.pins:
+                raise ResidencyError(f"weight {wkey:#x} is pinned but was asked for with another "
+                                     "geometry or source")
+            self.counters.stale += 1
+            self._evict(wkey)
+        self.counters.misses += 1
+        layer = model_layer(decode_wkey(wkey)[0])
+        self._make_room(geometry.nbytes)
+        entry = DeviceWeight(wkey, geometry, self._obtain(geometry), layer, False, source)
+        self._upload(entry, upload_fn)
+        self._entries[wkey] = entry
+        if layer is not None:
+            self._by_layer.setdefault(layer, set()).add(wkey)
+        self.bytes_resident += geometry.nbytes
+        self.counters.peak_bytes_resident = max(self.counters.peak_bytes_resident, self.bytes_resident)
+        return entry
+
+    def release(self, weight: DeviceWeight) -> None:
+        """Hand back a temporary (its buffer goes to the pool); a no-op for cached weights."""
+        if weight.temporary and self._temporaries.pop(id(weight), None) is weight:
+            buf, weight.buffer = weight.buffer, None
+            self._to_pool(weight.geometry, buf)
+
+    @contextmanager
+    def use(self, wkey: int, geometry: Geometry, upload_fn: Callable[[DeviceWeight], None], *,
+            source: object | None = None) -> Iterator[DeviceWeight]:
+        weight = self.get_or_upload(wkey, geometry, upload_fn, source=source)
+        weight.pins += 1
+        try:
+            yield weight
+        finally:
+            weight.pins -= 1
+            self.release(weight)
+
+    def pin(self, wkey: int) -> None:
+        self._entries[wkey].pins += 1
+
+    def unpin(self, wkey: int) -> None:
+        entry = self._entries[wkey]
+        if entry.pins <= 0:
+            raise ResidencyError(f"weight {wkey:#x} is not pinned")
+        entry.pins -= 1
+
+    # -- window and preload --------------------------------------------------------------------------
+
+    def on_layer_boundary(self, cur: int) -> int:
+        """The engine is about to run model layer ``cur``: evict layers < cur - keep + 1 (window on)."""
+        if not self.keep or self.keep <= 0:
+            return 0
+        lo = cur - self.keep + 1
+        evicted = 0
+        for layer in [layer for layer in self._by_layer if layer < lo]:
+            for key in list(self._by_layer.get(layer, ())):
+                if not self._entries[key].pins:
+                    self._evict(key)
+                    self.counters.window_evictions += 1
+                    evicted += 1
+        return evicted
+
+    def preload(self, items: Iterable[PreloadItem]) -> PreloadResult:
+        result = PreloadResult()
+        if self.keep:
+            result.stopped = f"residency window on ({WINDOW_ENV}={self.keep})"
+            return result
+        assert self.budget is not None
+        for item in items:
+            entry = self._entries.get(item.wkey)
+            if entry is not None and self._fresh(entry, item.geometry, item.source):
+                result.already_resident += 1
+                continue
+            if self.bytes_resident + item.geometry.nbytes > self.budget:
+                result.stopped = f"cache budget full ({self.budget // MiB} MiB)"
+                break
+            if len(self._entries) >= self.max_entries:
+                result.stopped = f"all {self.max_entries} cache slots used"
+                break
+            weight = self.get_or_upload(item.wkey, item.geometry, item.upload_fn, source=item.source)
+            self.release(weight)
+            result.uploaded += 1
+            result.bytes += item.geometry.nbytes
+        return result
+
+    # -- teardown and stats --------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Free every cached and pooled buffer (temporaries stay with whoever holds them)."""
+        for entry in self._entries.values():
+            self._free(entry.buffer)
+            entry.buffer = None
+        self._entries.clear()
+        self._by_layer.clear()
+        self.bytes_resident = 0
+        while (buf := self.pool.pop_oldest()) is not None:
+            self._free(buf)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.clear()
+        for weight in self._temporaries.values():
+            self._free(weight.buffer)
+            weight.buffer = None
+        self._temporaries.clear()
+        self.closed = True
+
+    def stats(self) -> dict[str, int]:
+        out = asdict(self.counters)
+        out.update(entries=len(self._entries), pooled=len(self.pool), bytes_resident=self.bytes_resident,
+                   bytes_pooled=self.pool.nbytes, bytes_device=self.bytes_device, budget_bytes=self.budget or 0,
+                   keep=self.keep or 0)
+        return out
+
+    # -- internals -----------------------------------------------------------------------------------
+
+    def _temporary(self, geometry: Geometry, upload_fn: Callable[[DeviceWeight], None],
+                   source: object | None) -> DeviceWeight:
+        weight = DeviceWeight(NO_CACHE, geometry, self._obtain(geometry), None, True, source)
+        self._upload(weight, upload_fn)
+        self._temporaries[id(weight)] = weight
+        self.counters.temporaries += 1
+        return weight
+
+    def _upload(self, weight: DeviceWeight, upload_fn: Callable[[DeviceWeight], None]) -> None:
+        try:
+            upload_fn(weight)
+        except BaseException:  # even an interrupt must leave every buffer accounted for
+            self.counters.upload_errors += 1
+            buf, weight.buffer = weight.buffer, None
+            self._to_pool(weight.geometry, buf)
+            raise
+        self.counters.uploads += 1
+        self.counters.upload_bytes += weight.geometry.nbytes
+
+    @staticmethod
+    def _fresh(entry: DeviceWeight, geometry: Geometry, source: object | None) -> bool:
+        return entry.geometry == geometry and entry.same_source(source)
+
+    def _lru_victim(self) -> int | None:
+        for key, entry in self._entries.items():
+            if not entry.pins:
+                return key
+        return None
+
+    def _make_room(self, need: int) -> None:
+        assert self.budget is not None
+        while self._entries and (len(self._entries) >= self.max_entries
+                                 or self.bytes_resident + need > self.budget):
+            victim = self._lru_victim()
+            if victim is None:
+                if len(self._entries) >= self.max_entries:
+                    raise ResidencyError(f"all {self.max_entries} CUDA weight cache slots are pinned")
+                return  # only pinned weights left: go over the budget rather than evict them
+            self._evict(victim)
+
+    def _evict(self, wkey: int) -> None:
+        entry = self._entries.pop(wkey)
+        if entry.layer is not None:
+            keys = self._by_layer[entry.layer]
+            keys.discard(wkey)
+            if not keys:
+                del self._by_layer[entry.layer]
+        self.bytes_resident -= entry.geometry.nbytes
+        self.counters.evictions += 1
+        buf, entry.buffer = entry.buffer, None
+        self._to_pool(entry.geometry, buf)
+
+    def _to_pool(self, geometry: Geometry, buf: Any) -> None:
+        victim = self.pool.put(geometry.layout, buf)
+        if victim is not None:
+            self.counters.pool_frees += 1
+            self._free(victim)
+
+    def _obtain(self, geometry: Geometry) -> Any:
+        """A buffer of ``geometry``'s layout: pooled if one is, else allocated (freeing what it takes)."""
+        while True:
+            buf = self.pool.take(geometry.layout)
+            if buf is not None:
+                self.counters.pool_reuse += 1
+                return buf
+            try:
+                buf = self.allocator.alloc(geometry.nbytes)
+            except DeviceOutOfMemory:
+                victim = self.pool.pop_oldest()
+                if victim is not None:
+                    self.counters.oom_frees += 1
+                    self._free(victim)
+                    continue
+                key = self._lru_victim()
+                if key is None:
+                    raise
+                self._evict(key)  # into the pool: reused just above if it fits, else freed next round
+                continue
+            self.counters.allocs += 1
+            self.bytes_device += buf.nbytes
+            self.counters.peak_bytes_device = max(self.counters.peak_bytes_device, self.bytes_device)
+            return buf
+
+    def _free(self, buf: Any) -> None:
+        self.allocator.free(buf)
+        self.counters.frees += 1
+        self.bytes_device -= buf.nbytes
