@@ -1,0 +1,86 @@
+"""The conformance suite passes the reference and catches broken backends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kestrel_core.cli import main
+from kestrel_core.errors import KestrelError
+from kestrel_core.registry import Registry
+from kestrel_core.selftest import default_cases, run_selftest
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "backends"
+
+
+def test_cpu_passes_every_case_and_covers_the_grid() -> None:
+    report = run_selftest("cpu", seeds=1)
+    assert report.ok and report.failed == 0
+    names = {c.name for c in report.cases}
+    for needle in ("int8 G32", "int4 G32", "int8 G256", "int4 G256", "M1 ", "M64 ", "N37 "):
+        assert any(needle in n for n in names), needle
+    assert {c.m for c in default_cases(1)} >= {1, 64}
+
+
+def test_off_by_one_ulp_level_errors_pass_but_real_errors_fail(tmp_path: Path, monkeypatch) -> None:
+    """A backend that perturbs results by 1e-3 relative must fail; one that rounds differently must pass."""
+    src = '''
+import numpy as np
+from kestrel_core import API_VERSION, BackendInfo, hookimpl
+from kestrel_core.contract import reference_gemm_q8, reference_gemm_f32
+from kestrel_cpu import kestrel_close, kestrel_open  # noqa: F401
+SCALE = {scale}
+
+@hookimpl
+def kestrel_backend_info():
+    return BackendInfo("{name}", "1", API_VERSION, "gpu")
+
+@hookimpl
+def kestrel_gemm_q8(device, a_codes, a_scales, weight, wkey):
+    return (reference_gemm_q8(a_codes, a_scales, weight).astype(np.float64) * SCALE).astype(np.float32)
+
+@hookimpl
+def kestrel_gemm_f32(device, a, weight, wkey):
+    return (reference_gemm_f32(a, weight).astype(np.float64) * SCALE).astype(np.float32)
+'''
+    (tmp_path / "close.py").write_text(src.format(name="close", scale="1 + 2**-22"))
+    (tmp_path / "wrong.py").write_text(src.format(name="wrong", scale="1 + 1e-3"))
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path))
+    assert run_selftest("close", seeds=1).ok
+    wrong = run_selftest("wrong", seeds=1)
+    assert not wrong.ok and wrong.failed == len(wrong.cases)
+
+
+def test_declining_everything_fails(monkeypatch) -> None:
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(FIXTURES))
+    reg = Registry()
+    report = run_selftest("wrong_shape", seeds=1, registry=reg)
+    assert not report.ok
+    assert all("bad result" in c.detail for c in report.cases)
+
+
+def test_selftest_of_an_unbound_backend_is_a_one_line_error(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(FIXTURES))
+    with pytest.raises(KestrelError, match="not bound: no widget attached"):
+        run_selftest("unavailable")
+    assert main(["selftest", "--backend", "unavailable"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no widget attached" in err
+
+
+def test_cli_exit_code_reflects_failures(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(FIXTURES))
+    assert main(["selftest", "--backend", "wrong_shape", "--seeds", "1"]) == 1
+    assert main(["selftest", "--backend", "cpu", "--seeds", "1"]) == 0
+    assert "passed, 0 failed" in capsys.readouterr().out
+
+
+def test_seeded_fixtures_are_reproducible() -> None:
+    from kestrel_core.selftest import random_strip_cache
+
+    a = random_strip_cache(np.random.default_rng(1), 5, 64, 32, 4)
+    b = random_strip_cache(np.random.default_rng(1), 5, 64, 32, 4)
+    np.testing.assert_array_equal(a.codes, b.codes)
+    assert a.codes.min() >= -8 and a.codes.max() <= 7
