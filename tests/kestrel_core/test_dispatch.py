@@ -1,0 +1,97 @@
+"""The dispatcher's fused and model-level paths, with backends written to files like a developer's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kestrel_core import Offload, Proj, Registry, quantize_weight, wkey
+from kestrel_core.contract import quantize_activations, reference_gemm_q8
+from kestrel_core.wkey import fused_wkey
+
+BACKEND = '''
+import numpy as np
+from kestrel_core import API_VERSION, BackendInfo, hookimpl
+from kestrel_core.contract import reference_gemm_q8
+from kestrel_cpu import kestrel_close, kestrel_gemm_f32, kestrel_gemm_q8, kestrel_open  # noqa: F401
+SEEN = []
+
+@hookimpl
+def kestrel_backend_info():
+    return BackendInfo("fusing", "1", API_VERSION, "gpu")
+
+@hookimpl
+def kestrel_gemm_fused_q8(a_codes, a_scales, weights, wkeys, fused_wkey):  # fewer arguments than the spec
+    SEEN.append((tuple(wkeys), fused_wkey))
+    outs = [reference_gemm_q8(a_codes, a_scales, w) for w in weights]
+    return outs[:{keep}]
+
+@hookimpl
+def kestrel_forward(device, model, seq_id, tokens, start, all_logits):
+    SEEN.append(("forward", seq_id, start))
+    return np.zeros(({rows}, 11), np.float32)
+
+@hookimpl
+def kestrel_layer_boundary(layer):
+    SEEN.append(("layer", layer))
+'''
+
+
+def _registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep: str = "None", rows: str = "len(tokens)"):
+    (tmp_path / "fusing.py").write_text(BACKEND.format(keep=keep, rows=rows))
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "fusing.py"))
+    reg = Registry()
+    backend = reg.select("fusing")
+    return Offload(backend, reg.cpu()), backend.plugin
+
+
+def _weights(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    ws = [quantize_weight(rng.standard_normal((n, 64)).astype(np.float32)) for n in (32, 16, 16)]
+    return rng.standard_normal((3, 64)).astype(np.float32), ws
+
+
+def test_fused_hook_gets_the_keys_and_results_match_the_reference(tmp_path, monkeypatch) -> None:
+    offload, plugin = _registry(tmp_path, monkeypatch)
+    x, ws = _weights()
+    keys = [wkey(4, p) for p in (Proj.Q, Proj.K, Proj.V)]
+    outs = offload.linear_fused(x, ws, keys, fused_wkey(4, Proj.QKV))
+    a_codes, a_scales = quantize_activations(x, 32)
+    for out, w in zip(outs, ws):
+        np.testing.assert_array_equal(out, reference_gemm_q8(a_codes, a_scales, w))
+    assert plugin.SEEN == [(tuple(keys), fused_wkey(4, Proj.QKV))]
+    assert offload.stats()["kestrel_gemm_fused_q8"]["accepted"] == 1
+
+
+def test_a_short_fused_result_is_rejected_and_recomputed(tmp_path, monkeypatch) -> None:
+    offload, _ = _registry(tmp_path, monkeypatch, keep="2")
+    x, ws = _weights(1)
+    outs = offload.linear_fused(x, ws, [wkey(0, p) for p in (Proj.Q, Proj.K, Proj.V)], fused_wkey(0, Proj.QKV))
+    a_codes, a_scales = quantize_activations(x, 32)
+    assert len(outs) == 3
+    np.testing.assert_array_equal(outs[2], reference_gemm_q8(a_codes, a_scales, ws[2]))
+    stats = offload.stats()
+    assert stats["kestrel_gemm_fused_q8"]["declined_reasons"] == {"bad result: expected a list of 3 arrays": 1}
+    assert stats["kestrel_gemm_q8"]["offered"] == 3  # one by one instead
+
+
+def test_forward_result_shape_is_checked(tmp_path, monkeypatch) -> None:
+    offload, plugin = _registry(tmp_path, monkeypatch)
+    tokens = np.arange(4, dtype=np.int32)
+    assert offload.forward(None, 7, tokens, 0, True, 11).shape == (4, 11)
+    assert offload.forward(None, 7, tokens, 4, False, 11) is None  # 4 rows where 1 was asked for
+    assert offload.stats()["kestrel_forward"]["declined_reasons"] == {"bad result: shape [4, 11], expected [1, 11]": 1}
+    offload.layer_boundary(3)
+    assert ("layer", 3) in plugin.SEEN and ("forward", 7, 0) in plugin.SEEN
+
+
+def test_on_cpu_nothing_is_offered_but_gemms_are_counted() -> None:
+    reg = Registry()
+    offload = Offload(reg.cpu(), reg.cpu())
+    x, ws = _weights(2)
+    offload.linear_fused(x, ws, [1, 2, 3], fused_wkey(0, Proj.QKV))
+    assert offload.forward(None, 1, np.zeros(2, np.int32), 0, True, 11) is None
+    stats = offload.stats()
+    assert "kestrel_gemm_fused_q8" not in stats and stats["kestrel_gemm_q8"]["accepted"] == 3
