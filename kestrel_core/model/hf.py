@@ -1,0 +1,261 @@
+"""Read a Hugging Face model directory: config.json (+ generation_config.json) and *.safetensors shards.
+
+Tensors are read lazily, one at a time, and handed out under kestrel names (see quantize.TensorSource).
+numpy has no bfloat16, and safetensors' numpy framework refuses BF16 tensors, so those are read as raw
+uint16 at the offsets of the safetensors header and widened to float32 (bf16 is the top half of an f32).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.config import ModelConfig
+
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_LAYER_MAP = {
+    "input_layernorm.weight": "attn_norm",
+    "post_attention_layernorm.weight": "mlp_norm",
+    "self_attn.q_proj.weight": "q",
+    "self_attn.k_proj.weight": "k",
+    "self_attn.v_proj.weight": "v",
+    "self_attn.o_proj.weight": "o",
+    "self_attn.q_proj.bias": "q_bias",
+    "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate_proj.weight": "gate",
+    "mlp.up_proj.weight": "up",
+    "mlp.down_proj.weight": "down",
+}
+_GLOBAL_MAP = {"model.embed_tokens.weight": "embedding", "model.norm.weight": "final_norm",
+               "lm_head.weight": "lm_head"}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+
+
+def kestrel_name(hf_name: str) -> str | None:
+    """``model.layers.3.self_attn.q_proj.weight`` -> ``layers.3.q``; None for tensors kestrel does not use."""
+    if hf_name in _GLOBAL_MAP:
+        return _GLOBAL_MAP[hf_name]
+    m = _LAYER_RE.match(hf_name)
+    if m and m.group(2) in _LAYER_MAP:
+        return f"layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+    return None
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise KestrelError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KestrelError(f"{path}: cannot read it ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise KestrelError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise KestrelError(f"{path}: expected a JSON object")
+    return data
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return list(value)
+    raise KestrelError(f"token id must be an int or a list of ints, got {value!r}")
+
+
+def normalize_rope_scaling(scaling: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
+    """None for plain RoPE; the llama3 parameters (HF's key names) otherwise; other kinds are refused."""
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise KestrelError(f"{where}: rope scaling type {kind!r} is not supported (kestrel supports llama3)")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in scaling]
+    if missing:
+        raise KestrelError(f"{where}: llama3 rope scaling lacks {', '.join(missing)}")
+    out: dict[str, Any] = {"rope_type": "llama3"}
+    out.update({k: float(scaling[k]) for k in keys[:3]})
+    out["original_max_position_embeddings"] = int(scaling[keys[3]])
+    return out
+
+
+def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None,
+                   where: str = "config.json") -> ModelConfig:
+    """A ModelConfig from HF's config.json dict (and generation_config.json, whose eos ids are added)."""
+    archs = cfg.get("architectures") or []
+    arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+    if arch is None and not archs:
+        arch = MODEL_TYPES.get(cfg.get("model_type", ""))
+    if arch is None:
+        named = ", ".join(archs) if archs else f"model_type {cfg.get('model_type')!r}"
+        raise KestrelError(f"{where}: unsupported architecture {named} "
+                           f"(kestrel supports {', '.join(HF_ARCHITECTURES)})")
+    if cfg.get("mlp_bias"):
+        raise KestrelError(f"{where}: mlp_bias is not supported")
+    if arch == "llama" and cfg.get("attention_bias"):
+        raise KestrelError(f"{where}: llama attention_bias (with an o_proj bias) is not supported")
+    try:
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        # transformers 5 moves rope_theta / rope_scaling into rope_parameters
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        eos = _ids(cfg.get("eos_token_id"))
+        for extra in _ids((generation or {}).get("eos_token_id")):
+            if extra not in eos:
+                eos.append(extra)
+        return ModelConfig(
+            arch=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_scaling=normalize_rope_scaling(scaling, where),
+            max_position=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
+            bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
+            eos_token_ids=tuple(eos),
+        )
+    except KeyError as exc:
+        raise KestrelError(f"{where}: missing {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise KestrelError(f"{where}: bad value ({exc})") from None
+
+
+def read_hf_config(model_dir: Path) -> ModelConfig:
+    gen_path = model_dir / "generation_config.json"
+    generation = read_json(gen_path) if gen_path.is_file() else None
+    return config_from_hf(read_json(model_dir / "config.json"), generation, str(model_dir / "config.json"))
+
+
+def _safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """(offset of the data section, the header dict) of a safetensors file."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return 8 + n, json.loads(f.read(n))
+
+
+class HFCheckpoint:
+    """A HF model directory as a TensorSource (float tensors by kestrel name, read on demand)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.dir = Path(model_dir)
+        self.description = str(self.dir)
+        if not (self.dir / "config.json").is_file():
+            raise KestrelError(f"{self.dir}: not a Hugging Face model directory (no config.json)")
+        self.config = read_hf_config(self.dir)
+        self._files: dict[str, Path] = {}  # kestrel name -> shard
+        self._hf_names: dict[str, str] = {}  # kestrel name -> HF name
+        self._handles: dict[Path, Any] = {}
+        self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}
+        self._index()
+
+    def _index(self) -> None:
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise KestrelError(f"{index}: no weight_map")
+            shards = sorted(set(weight_map.values()))
+            for shard in shards:
+                if "/" in shard or "\\" in shard or shard.startswith("."):
+                    raise KestrelError(f"{index}: shard name {shard!r} points outside the model directory")
+                if not (self.dir / shard).is_file():
+                    raise KestrelError(f"{self.dir}: shard {shard} named by the index is missing")
+        else:
+            shards = sorted(p.name for p in self.dir.glob("*.safetensors"))
+            if not shards:
+                if any(self.dir.glob("*.bin")) or any(self.dir.glob("*.pt")):
+                    raise KestrelError(f"{self.dir}: only pickle checkpoints (.bin/.pt) found; kestrel reads "
+                                       "safetensors only (pickle files can run code)")
+                raise KestrelError(f"{self.dir}: no *.safetensors weights found")
+        for shard in shards:
+            path = self.dir / shard
+            for hf_name in self._handle(path).keys():
+                name = kestrel_name(hf_name)
+                if name is not None:
+                    self._files[name] = path
+                    self._hf_names[name] = hf_name
+
+    def _handle(self, path: Path) -> Any:
+        if path not in self._handles:
+            try:
+                self._handles[path] = safe_open(str(path), framework="numpy")
+            except SafetensorError as exc:
+                raise KestrelError(f"{path}: truncated or corrupt safetensors file ({exc})") from None
+            except OSError as exc:
+                raise KestrelError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+        return self._handles[path]
+
+    def has(self, name: str) -> bool:
+        return name in self._files
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self._files:
+            raise KestrelError(f"{self.dir}: the checkpoint has no tensor for {name} "
+                               f"({_hf_name_hint(name)})")
+        path, hf_name = self._files[name], self._hf_names[name]
+        handle = self._handle(path)
+        dtype = handle.get_slice(hf_name).get_dtype()
+        try:
+            if dtype == "BF16":
+                return self._bf16(path, hf_name)
+            if dtype not in _FLOAT_DTYPES:
+                raise KestrelError(f"{path}: tensor {hf_name} has dtype {dtype}; kestrel reads BF16, F16, F32")
+            t = handle.get_tensor(hf_name)
+        except SafetensorError as exc:
+            raise KestrelError(f"{path}: cannot read tensor {hf_name} ({exc})") from None
+        return t if t.dtype in (np.float32, np.float16) else t.astype(np.float32)
+
+    def _bf16(self, path: Path, hf_name: str) -> np.ndarray:
+        if path not in self._headers:
+            self._headers[path] = _safetensors_header(path)
+        base, header = self._headers[path]
+        entry = header[hf_name]
+        start, end = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        count = int(np.prod(shape, dtype=np.int64))
+        if end - start != 2 * count:
+            raise KestrelError(f"{path}: tensor {hf_name} has {end - start} bytes for shape {list(shape)}")
+        raw = np.fromfile(path, dtype="<u2", count=count, offset=base + start)
+        if raw.size != count:
+            raise KestrelError(f"{path}: truncated while reading {hf_name}")
+        # bf16 is the high 16 bits of an IEEE float32
+        return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+
+
+def _hf_name_hint(name: str) -> str:
+    for hf, kn in _GLOBAL_MAP.items():
+        if kn == name:
+            return hf
+    m = re.match(r"^layers\.(\d+)\.(.+)$", name)
+    if m:
+        for hf, kn in _LAYER_MAP.items():
+            if kn == m.group(2):
+                return f"model.layers.{m.group(1)}.{hf}"
+    return name

