@@ -65,8 +65,9 @@ class NumpyAllocator:
         self.allocs = 0
         self.frees = 0
         self.failed_allocs = 0
-        self._live: dict[int, np.ndarray] = {}  # id -> buffer; keeps ids unique while the buffer lives
-        self.freed_ids: list[int] = []
+        # id -> (serial, buffer). Serials, unlike ids, are never reused, so they name buffers after free.
+        self._live: dict[int, tuple[int, np.ndarray]] = {}
+        self.freed: list[int] = []  # serials, in the order they were freed
 
     def alloc(self, nbytes: int) -> np.ndarray:
         if nbytes <= 0:
@@ -78,24 +79,31 @@ class NumpyAllocator:
         buf = np.empty(nbytes, dtype=np.uint8)
         if self.poison:
             buf.fill(POISON)
-        self._live[id(buf)] = buf
-        self.used += nbytes
         self.allocs += 1
+        self._live[id(buf)] = (self.allocs, buf)
+        self.used += nbytes
         return buf
 
     def free(self, buffer: np.ndarray) -> None:
-        if self._live.get(id(buffer)) is not buffer:
+        if not self.is_live(buffer):
             raise AllocatorError("free of a buffer that is not live (double free or foreign buffer)")
-        del self._live[id(buffer)]
+        serial, _ = self._live.pop(id(buffer))
         self.used -= buffer.nbytes
         self.frees += 1
-        self.freed_ids.append(id(buffer))
+        self.freed.append(serial)
 
     def free_bytes(self) -> int:
         return self.capacity - self.used
 
     def is_live(self, buffer: np.ndarray) -> bool:
-        return self._live.get(id(buffer)) is buffer
+        entry = self._live.get(id(buffer))
+        return entry is not None and entry[1] is buffer
+
+    def serial_of(self, buffer: np.ndarray) -> int:
+        """The allocation number (1, 2, ...) of a live buffer."""
+        if not self.is_live(buffer):
+            raise AllocatorError("not a live buffer of this allocator")
+        return self._live[id(buffer)][0]
 
     @property
     def live_count(self) -> int:
