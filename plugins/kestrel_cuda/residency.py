@@ -529,7 +529,7 @@ class WeightCache:
 
     @staticmethod
     def _fresh(entry: DeviceWeight, geometry: Geometry, source: object | None) -> bool:
-        return entry.geometry == geometry and entry.same_source(source)
+        return (entry.geometry is geometry or entry.geometry == geometry) and entry.same_source(source)
 
     def _lru_victim(self) -> int | None:
         for key, entry in self._entries.items():
