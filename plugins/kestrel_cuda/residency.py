@@ -69,6 +69,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -175,23 +176,23 @@ class Geometry:
     def group_size(self) -> int:
         return self.k // self.ngroups
 
-    @property
+    @cached_property  # the hot path asks for sizes at every miss and eviction
     def codes_nbytes(self) -> int:
         return self.k * self.npad * self.code_bits // 8
 
-    @property
+    @cached_property
     def scales_offset(self) -> int:
         return _align(self.codes_nbytes)
 
-    @property
+    @cached_property
     def scales_nbytes(self) -> int:
         return self.ngroups * self.npad * 4
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.scales_offset + self.scales_nbytes
 
-    @property
+    @cached_property
     def layout(self) -> tuple[int, int]:
         """The pool key: buffers of equal layout are byte-for-byte interchangeable."""
         return self.codes_nbytes, self.scales_nbytes
