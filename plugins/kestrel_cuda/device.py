@@ -1,0 +1,219 @@
+"""The CUDA device handle: what ``kestrel_open`` returns and every hook works through.
+
+Host-layer contract (article 02): a hook returns the whole result or ``None``. It declines unsupported
+inputs, and any CUDA error, out-of-memory included, is caught here, counted by type, logged once and turned
+into ``None``, so the CPU recomputes the whole output; results are copied back only after every launch
+succeeded, so a partial failure never hands out a half-written array. The FLOPs threshold and
+KESTREL_FORCE_CPU are enforced by the core (``kestrel_core.dispatch``) before a hook is called.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kestrel_core.contract import StripCache
+from kestrel_core.wkey import Proj, fused_wkey, lm_head_wkey, wkey
+from kestrel_cuda.cupy_alloc import CupyAllocator
+from kestrel_cuda.gemm import DeviceGemm
+from kestrel_cuda.residency import DeviceWeight, PreloadItem, WeightCache, fusable, should_preload
+from kestrel_cuda.weights import column_offsets, geometry_for, make_upload
+
+log = logging.getLogger("kestrel")
+
+
+class CudaDevice:
+    def __init__(self, cp: Any, kernels: Any, index: int, compute_capability: int) -> None:
+        self.cp = cp
+        self.kernels = kernels
+        self.index = index
+        self.compute_capability = compute_capability
+        self.device = cp.cuda.Device(index)
+        with self.device:
+            props = cp.cuda.runtime.getDeviceProperties(index)
+            name = props["name"]
+            self.name = name.decode() if isinstance(name, bytes) else str(name)
+            self.sm_count = int(props["multiProcessorCount"])
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            self.allocator = CupyAllocator(cp)
+            self.cache = WeightCache(self.allocator)
+            self.gemm = DeviceGemm(cp, kernels, self.sm_count)
+            self.gemm.workspace(self.stream)
+        self.description = f"{self.name} (sm_{compute_capability}, {self.sm_count} SMs)"
+        self.errors: Counter[str] = Counter()
+        self.declined: Counter[str] = Counter()
+        self.preload_info: dict[str, Any] = {}
+        self.forward: Any = None  # kestrel_cuda.forward.DeviceForward, made on first use
+        self.closed = False
+
+    # -- weights -------------------------------------------------------------------------------------
+
+    def weight(self, key: int, strips: StripCache | Sequence[StripCache]) -> DeviceWeight:
+        """The resident device weight of ``strips`` (one, or a fusable list for a fused wkey).
+
+        Uploads on a miss; wkey 0 gives a temporary the caller hands back with ``self.cache.release``.
+        """
+        members = [strips] if isinstance(strips, StripCache) else list(strips)
+        return self.cache.get_or_upload(key, geometry_for(members),
+                                        make_upload(self.cp, self.kernels, members, self.stream),
+                                        source=members[0])
+
+    # -- hooks ---------------------------------------------------------------------------------------
+
+    def _failed(self, hook: str, exc: BaseException) -> None:
+        kind = type(exc).__name__
+        if not self.errors[kind]:
+            log.warning("cuda: %s failed (%s: %s); the CPU computes it (reported once per error type)", hook,
+                        kind, str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+        self.errors[kind] += 1
+        return None
+
+    def _decline(self, why: str) -> None:
+        self.declined[why] += 1
+        return None
+
+    @staticmethod
+    def _q8_inputs_ok(a_codes: Any, a_scales: Any, w: StripCache) -> bool:
+        return (isinstance(a_codes, np.ndarray) and isinstance(a_scales, np.ndarray) and a_codes.ndim == 2
+                and a_codes.dtype == np.int8 and a_codes.shape[0] >= 1 and a_codes.shape[1] == w.k
+                and a_scales.dtype == np.float32 and a_scales.shape == (a_codes.shape[0], w.ngroups))
+
+    def gemm_q8(self, a_codes: np.ndarray, a_scales: np.ndarray, weight: StripCache,
+                key: int) -> np.ndarray | None:
+        if not self._q8_inputs_ok(a_codes, a_scales, weight):
+            return self._decline("unsupported input")
+        out = self._run_q8(a_codes, a_scales, [weight], [key], None)
+        return None if out is None else out[0]
+
+    def gemm_fused_q8(self, a_codes: np.ndarray, a_scales: np.ndarray, weights: Sequence[StripCache],
+                      keys: Sequence[int], fused_key: int) -> list[np.ndarray] | None:
+        weights = list(weights)
+        if not weights or len(keys) != len(weights) or \
+                not all(self._q8_inputs_ok(a_codes, a_scales, w) for w in weights):
+            return self._decline("unsupported input")
+        return self._run_q8(a_codes, a_scales, weights, list(keys), fused_key)
+
+    def _run_q8(self, a_codes: np.ndarray, a_scales: np.ndarray, weights: list[StripCache], keys: list[int],
+                fused_key: int | None) -> list[np.ndarray] | None:
+        cp = self.cp
+        m = a_codes.shape[0]
+        try:
+            with self.device, self.stream:
+                a = cp.asarray(np.ascontiguousarray(a_codes))
+                s = cp.asarray(np.ascontiguousarray(a_scales))
+                if fused_key is not None and fusable(weights):
+                    ng = sum(w.n for w in weights)
+                    out = cp.empty((m, ng), dtype=cp.float32)
+                    self._launch_q8(a, s, fused_key, weights, out, ng)
+                    host = out.get(stream=self.stream)
+                    self.stream.synchronize()
+                    return [np.ascontiguousarray(host[:, off:off + w.n])
+                            for off, w in zip(column_offsets(weights), weights)]
+                outs = []
+                for w, key in zip(weights, keys):
+                    out = cp.empty((m, w.n), dtype=cp.float32)
+                    self._launch_q8(a, s, key, [w], out, w.n)
+                    outs.append(out)
+                hosts = [o.get(stream=self.stream) for o in outs]
+                self.stream.synchronize()
+                return hosts
+        except Exception as exc:
+            return self._failed("gemm_q8", exc)
+
+    def _launch_q8(self, a: Any, s: Any, key: int, members: list[StripCache], out: Any, n: int) -> None:
+        weight = self.weight(key, members)
+        weight.pins += 1
+        try:
+            self.gemm.q8(a, s, weight, out, n, self.stream)
+        finally:
+            weight.pins -= 1
+            self.cache.release(weight)  # a wkey-0 temporary goes back to the pool (stream-ordered reuse)
+
+    def gemm_f32(self, a: np.ndarray, weight: StripCache, key: int) -> np.ndarray | None:
+        if not (isinstance(a, np.ndarray) and a.ndim == 2 and a.shape[0] >= 1 and a.shape[1] == weight.k):
+            return self._decline("unsupported input")
+        cp = self.cp
+        try:
+            with self.device, self.stream:
+                x = cp.asarray(np.ascontiguousarray(a, dtype=np.float32))
+                out = cp.empty((a.shape[0], weight.n), dtype=cp.float32)
+                dw = self.weight(key, [weight])
+                dw.pins += 1
+                try:
+                    self.gemm.f32(x, dw, out, weight.n, self.stream)
+                finally:
+                    dw.pins -= 1
+                    self.cache.release(dw)
+                host = out.get(stream=self.stream)
+                self.stream.synchronize()
+                return host
+        except Exception as exc:
+            return self._failed("gemm_f32", exc)
+
+    def layer_boundary(self, layer: int) -> None:
+        self.cache.on_layer_boundary(layer)
+
+    # -- preload -------------------------------------------------------------------------------------
+
+    def preload_items(self, model: Any) -> list[PreloadItem]:
+        """Every weight the layer loop uses, as the GEMM hooks will ask for it (fused where fusable)."""
+        items: list[PreloadItem] = []
+
+        def add(key: int, members: list[StripCache]) -> None:
+            items.append(PreloadItem(key, geometry_for(members),
+                                     make_upload(self.cp, self.kernels, members, self.stream), members[0]))
+
+        for i, lw in enumerate(model.layers):
+            for fused, projs in ((Proj.QKV, (Proj.Q, Proj.K, Proj.V)), (None, (Proj.O,)),
+                                 (Proj.GATE_UP, (Proj.GATE, Proj.UP)), (None, (Proj.DOWN,))):
+                members = [lw.proj(p) for p in projs]
+                if fused is not None and fusable(members):
+                    add(fused_wkey(i, fused), members)
+                else:
+                    for p, w in zip(projs, members):
+                        add(wkey(i, p), [w])
+        add(lm_head_wkey(), [model.lm_head])
+        return items
+
+    def preload(self, model: Any) -> None:
+        start = time.perf_counter()
+        if not should_preload():
+            self.preload_info = {"preload_skipped": "residency window on"}
+            return
+        with self.device, self.stream:
+            result = self.cache.preload(self.preload_items(model))
+            self.stream.synchronize()
+        self.preload_info = {"preload_s": round(time.perf_counter() - start, 4), "preload_weights": result.uploaded,
+                             "preload_bytes": result.bytes, "preload_already_resident": result.already_resident}
+        if result.stopped:
+            self.preload_info["preload_stopped"] = result.stopped
+
+    # -- stats and teardown --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"device": self.description, "kernel_compile_s": round(self.kernels.compile_s, 3)}
+        out.update({f"kernel_{k}": v for k, v in self.kernels.info.items()})
+        out.update({f"cache_{k}": v for k, v in self.cache.stats().items()})
+        out.update({f"launches_{k}": v for k, v in self.gemm.launches.items()})
+        out.update({f"errors_{k}": v for k, v in self.errors.items()})
+        out.update({f"declined_{k.replace(' ', '_')}": v for k, v in self.declined.items()})
+        out.update(self.preload_info)
+        return out
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.forward is not None:
+                self.forward.close()
+            with self.device:
+                self.stream.synchronize()
+                self.cache.close()
+        finally:
+            self.forward = None

@@ -1,0 +1,162 @@
+"""Device-side launch API of the GEMM kernels, for the hooks and for the whole-step forward.
+
+Every call here is asynchronous on the given stream (``None``: CuPy's current stream), allocates nothing
+and never synchronises with the host, so a sequence of them can be captured in a CUDA graph. Outputs and
+workspaces are preallocated by the caller.
+
+    gemm = DeviceGemm(cp, kernels, sm_count)
+    ws = gemm.workspace(stream)                     # once per stream, before any capture
+    gemm.quantize(x, G, codes_out, scales_out, stream)      # x float32 [M,K] -> int8 [M,K], f32 [M,K/G]
+    gemm.q8(a_codes, a_scales, weight, out, n, stream)      # out float32 [M, >=n] <- A (x) weight
+    gemm.f32(a, weight, out, n, stream)                     # float activations variant
+
+``weight`` is a ``residency.DeviceWeight`` (see ``weights.py`` for its layout); ``n`` is how many output
+columns to write: the weight's N, or its NG for a fused buffer (members side by side, in order); ``out``'s
+row stride is its second dimension. M <= GEMV_MAX_M runs the decode GEMV (``gemv.cu``), larger M the
+tensor-core kernel (``gemm_mma.cu``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kestrel_cuda.residency import DeviceWeight
+
+GEMV_MAX_M = 8
+GEMV_THREADS = 128
+SLICES_PER_ITER = 32  # 4 warps x 8 slice lanes
+MMA_BM, MMA_BN, MMA_THREADS = 64, 128, 256
+F32_THREADS, F32_MT = 128, 4
+QUANT_THREADS = 256
+BLOCKS_PER_SM = 4  # GEMV grid target: enough resident warps to keep the memory system busy
+FEW_THREADS = 64 * 1024  # below this many (16-column x 32-row) work items, GEMV slices shrink to 8 rows
+PARTIAL_FLOATS = 1 << 22  # split-K partial sums: 16 MiB per stream
+COUNTERS = 1 << 16
+
+i32 = np.int32
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class Workspace:
+    """Split-K scratch of the GEMV: partial sums and per-column-tile arrival counters (kept at zero)."""
+
+    partial: Any  # float32 [PARTIAL_FLOATS]
+    counters: Any  # uint32 [COUNTERS]
+
+    @classmethod
+    def create(cls, cp: Any) -> Workspace:
+        return cls(cp.empty(PARTIAL_FLOATS, dtype=cp.float32), cp.zeros(COUNTERS, dtype=cp.uint32))
+
+
+def gemv_variant(m: int, npad: int, k: int, group_size: int, bits: int) -> tuple[int, int, int, int]:
+    """(MT, VEC, BITS, R) of the GEMV kernel for M rows; see gemv.cu and kernels.GEMV_VARIANTS."""
+    mt = 1 if m == 1 else 2 if m == 2 else 4
+    if mt == 4:
+        vec = 8 if npad % 8 == 0 else 4
+    else:
+        vec = 16 if npad % 16 == 0 else 4
+    r = 32
+    if mt == 1 and vec == 16 and group_size == 32 and (npad // 16) * (k // 32) < FEW_THREADS:
+        r = 8  # narrow weights: more, shorter slices (their int32 sums are added exactly in-warp)
+    return mt, vec, bits, r
+
+
+def _launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, stream: Any) -> None:
+    with stream if stream is not None else contextlib.nullcontext():
+        kernel(grid, block, args)
+
+
+class DeviceGemm:
+    def __init__(self, cp: Any, kernels: Any, sm_count: int) -> None:
+        self.cp = cp
+        self.kernels = kernels
+        self.sm_count = sm_count
+        self._workspaces: dict[int, Workspace] = {}
+        self.launches = {"gemv": 0, "mma": 0, "f32": 0, "quantize": 0}
+
+    def workspace(self, stream: Any | None = None) -> Workspace:
+        """The split-K workspace of ``stream`` (created on first use: call it before a graph capture)."""
+        key = 0 if stream is None else int(stream.ptr)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            ws = self._workspaces[key] = Workspace.create(self.cp)
+        return ws
+
+    # -- activations ---------------------------------------------------------------------------------
+
+    def quantize(self, x: Any, group_size: int, codes_out: Any, scales_out: Any, stream: Any = None) -> None:
+        """Q8_0 per block of ``group_size``, bit-identical to kestrel_core.contract.quantize_activations."""
+        m, k = x.shape
+        if k % group_size or codes_out.shape != (m, k) or scales_out.shape != (m, k // group_size):
+            raise ValueError("quantize: shapes do not match")
+        warps = m * (k // group_size)
+        _launch(self.kernels.quantize[group_size], (_cdiv(warps * 32, QUANT_THREADS),), (QUANT_THREADS,),
+                (x, codes_out, scales_out, i32(m), i32(k)), stream)
+        self.launches["quantize"] += 1
+
+    # -- GEMMs ---------------------------------------------------------------------------------------
+
+    def q8(self, a_codes: Any, a_scales: Any, weight: DeviceWeight, out: Any, n: int | None = None,
+           stream: Any = None, *, variant: tuple[int, int, int, int] | None = None,
+           splits: int | None = None) -> None:
+        """out[:M, :n] = int8 GEMM of a_codes [M,K] (scales [M,K/G]) with ``weight``.
+
+        ``variant``/``splits`` force a GEMV configuration (benchmarks); M > GEMV_MAX_M ignores them.
+        """
+        g = weight.geometry
+        m, k = a_codes.shape
+        n = g.npad if n is None else n
+        ldo = out.shape[1]
+        if k != g.k or a_scales.shape != (m, g.ngroups) or out.shape[0] < m or ldo < n or n > g.npad:
+            raise ValueError(f"q8: shapes do not match (A {a_codes.shape}, weight K={g.k} Npad={g.npad})")
+        if m <= GEMV_MAX_M or variant is not None:
+            self._gemv(a_codes, a_scales, weight, out, n, ldo, stream, variant, splits)
+        else:
+            kern = self.kernels.mma[g.code_bits]
+            _launch(kern, (_cdiv(g.npad, MMA_BN), _cdiv(m, MMA_BM)), (MMA_THREADS,),
+                    (a_codes, a_scales, i32(m), weight.codes, weight.scales, out, i32(ldo), i32(n), i32(k),
+                     i32(g.npad), i32(g.group_size)), stream)
+            self.launches["mma"] += 1
+
+    def _gemv(self, a_codes: Any, a_scales: Any, weight: DeviceWeight, out: Any, n: int, ldo: int,
+              stream: Any, variant: tuple[int, int, int, int] | None, splits: int | None) -> None:
+        g = weight.geometry
+        m = a_codes.shape[0]
+        mt, vec, bits, r = variant or gemv_variant(m, g.npad, g.k, g.group_size, g.code_bits)
+        if g.npad % vec or g.group_size % r or (g.group_size // r) > 8 or bits != g.code_bits:
+            raise ValueError(f"GEMV variant {(mt, vec, bits, r)} does not fit {g}")
+        kern = self.kernels.gemv[(mt, vec, bits, r)]
+        ws = self.workspace(stream)
+        gx = _cdiv(g.npad, 4 * vec)
+        max_split = _cdiv(g.k // r, SLICES_PER_ITER)
+        gy = splits or min(max_split, max(1, _cdiv(BLOCKS_PER_SM * self.sm_count, gx)))
+        gy = max(1, min(gy, max_split, PARTIAL_FLOATS // (mt * g.npad)))
+        if gx > COUNTERS:
+            gy = 1
+        for m0 in range(0, m, mt):
+            mcount = min(mt, m - m0)
+            _launch(kern, (gx, gy), (GEMV_THREADS,),
+                    (a_codes[m0:], a_scales[m0:], i32(mcount), weight.codes, weight.scales, out[m0:], i32(ldo),
+                     i32(n), ws.partial, ws.counters, i32(g.k), i32(g.npad), i32(g.group_size)), stream)
+            self.launches["gemv"] += 1
+
+    def f32(self, a: Any, weight: DeviceWeight, out: Any, n: int | None = None, stream: Any = None) -> None:
+        """out[:M, :n] = float32 activations a [M,K] times ``weight`` (float block sums, then scales)."""
+        g = weight.geometry
+        m, k = a.shape
+        n = g.npad if n is None else n
+        ldo = out.shape[1]
+        if k != g.k or out.shape[0] < m or ldo < n or n > g.npad:
+            raise ValueError("f32: shapes do not match")
+        _launch(self.kernels.f32[g.code_bits], (_cdiv(g.npad // 4, F32_THREADS), _cdiv(m, F32_MT)),
+                (F32_THREADS,), (a, i32(m), weight.codes, weight.scales, out, i32(ldo), i32(n), i32(k),
+                                 i32(g.npad), i32(g.group_size)), stream)
+        self.launches["f32"] += 1

@@ -1,0 +1,88 @@
+"""Compile the ``.cu`` files beside this module into one CuPy ``RawModule`` and look every kernel up.
+
+All or nothing: ``compile_kernels`` either returns a ``Kernels`` with every function resolved (so a compile
+error surfaces at bind time, not at the first GEMM) or raises ``KernelCompileError``. Options:
+``--fmad=false`` (no multiply-add contraction: each float operation rounds as written, like the CPU
+reference) and ``-std=c++17``; CuPy adds ``-arch=sm_XX`` for the current device itself (NVRTC then emits
+machine code for it, not PTX), so the architecture is the device's, capped at what NVRTC supports.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+# common.cu first: the others use its helpers. forward.cu is the cuda-forward module's own.
+SOURCES = ("common.cu", "transpose.cu", "quantize.cu", "gemv.cu", "gemm_mma.cu", "gemm_f32.cu")
+OPTIONS = ("--fmad=false", "-std=c++17")
+
+# GEMV variants (MT rows per launch, VEC columns per thread, BITS, R rows per slice); see gemv.cu.
+GEMV_VARIANTS: tuple[tuple[int, int, int, int], ...] = tuple(
+    (mt, vec, bits, r)
+    for bits in (8, 4)
+    for mt, vec, r in ((1, 16, 32), (1, 16, 8), (2, 16, 32), (4, 8, 32), (1, 4, 32), (2, 4, 32), (4, 4, 32))
+)
+GROUP_SIZES = (32, 256)
+BITS = (8, 4)
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected the sources or a kernel could not be loaded."""
+
+
+def gemv_name(mt: int, vec: int, bits: int, r: int) -> str:
+    return f"k_gemv<{mt}, {vec}, {bits}, {r}>"
+
+
+def source_text() -> str:
+    return "\n".join((HERE / name).read_text(encoding="utf-8") for name in SOURCES)
+
+
+@dataclass
+class Kernels:
+    """Every compiled kernel of the backend, by role."""
+
+    module: Any
+    transpose_i8: Any
+    transpose_f32: Any
+    transpose_pack4: Any
+    quantize: dict[int, Any]  # G -> kernel
+    gemv: dict[tuple[int, int, int, int], Any]
+    mma: dict[int, Any]  # bits -> kernel
+    f32: dict[int, Any]  # bits -> kernel
+    compile_s: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def compile_kernels(cp: Any) -> Kernels:
+    """Compile and resolve every kernel on the current device; raises KernelCompileError."""
+    names = ([f"k_quantize_act<{g}>" for g in GROUP_SIZES] + [gemv_name(*v) for v in GEMV_VARIANTS]
+             + [f"k_gemm_mma<{b}>" for b in BITS] + [f"k_gemm_f32<{b}>" for b in BITS])
+    start = time.perf_counter()
+    try:
+        module = cp.RawModule(code=source_text(), options=OPTIONS, name_expressions=names)
+        get = module.get_function
+        kernels = Kernels(
+            module=module,
+            transpose_i8=get("k_transpose_i8"),
+            transpose_f32=get("k_transpose_f32"),
+            transpose_pack4=get("k_transpose_pack4"),
+            quantize={g: get(f"k_quantize_act<{g}>") for g in GROUP_SIZES},
+            gemv={v: get(gemv_name(*v)) for v in GEMV_VARIANTS},
+            mma={b: get(f"k_gemm_mma<{b}>") for b in BITS},
+            f32={b: get(f"k_gemm_f32<{b}>") for b in BITS},
+        )
+    except Exception as exc:  # CompileException, a missing symbol, a driver that cannot load the cubin
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise KernelCompileError(f"{type(exc).__name__}: {first}") from exc
+    kernels.compile_s = time.perf_counter() - start
+    try:
+        attrs = kernels.mma[8].attributes
+        kernels.info = {"binary_version": attrs.get("binary_version"), "ptx_version": attrs.get("ptx_version"),
+                        "mma_registers": attrs.get("num_regs")}
+    except Exception:  # attributes are informative only
+        kernels.info = {}
+    return kernels

@@ -1,0 +1,33 @@
+// Activation quantization, Q8_0 semantics bit for bit as kestrel_core.contract.quantize_activations:
+// d = amax / 127, inv = 1 / d (0 when d == 0), code = sign(v) * floor(|v| + 0.5) with v = x * inv, all in
+// float32 with IEEE division (NVRTC's default -prec-div=true) and no FMA contraction (--fmad=false).
+// One warp per (row, block of G); each lane holds G / 32 values.
+template <int G>
+__global__ void k_quantize_act(const float* __restrict__ x, i8* __restrict__ codes,
+                               float* __restrict__ scales, int M, int K) {
+    const int warp = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) >> 5);
+    const int lane = threadIdx.x & 31;
+    const int ng = K / G;
+    if (warp >= M * ng) return;  // warp-uniform exit
+    const int m = warp / ng, g = warp - m * ng;
+    const size_t base = (size_t)m * K + (size_t)g * G;
+    constexpr int PER = G / 32;
+    float v[PER];
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        v[i] = x[base + i * 32 + lane];
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
+    const float d = amax / 127.0f;
+    const float inv = d == 0.0f ? 0.0f : 1.0f / d;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const float p = v[i] * inv;
+        const float b = floorf(fabsf(p) + 0.5f);
+        codes[base + i * 32 + lane] = (i8)(int)(p < 0.0f ? -b : b);
+    }
+    if (lane == 0) scales[(size_t)m * ng + g] = d;
+}
