@@ -92,16 +92,22 @@ def llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: int
     # Only orig/wavelen enters the formula, so orig may be chosen and low/high solved for:
     # medium band: smooth_i = (orig/wavelen_i - low) / (high - low), smooth_i = (1/f_i - 1/factor) / (1 - 1/factor)
     is_medium = (f > 1.0 + 1e-6) & (f < factor * (1 - 1e-6))
-    x = orig / wavelen
-    if is_medium.sum() >= 2:
-        s = (1.0 / f[is_medium] - 1.0 / factor) / (1.0 - 1.0 / factor)
-        a, b = np.polyfit(s, x[is_medium], 1)  # x = s * (high - low) + low
+    x = orig / wavelen  # decreasing with i
+    unscaled, scaled = x[f <= 1.0 + 1e-6], x[f >= factor * (1 - 1e-6)]
+    top = float(unscaled.min()) if unscaled.size else float(x.max()) * 2  # high must stay below this
+    bottom = float(scaled.max()) if scaled.size else 0.0  # low must stay above this
+    s = (1.0 / f[is_medium] - 1.0 / factor) / (1.0 - 1.0 / factor)  # smooth, in (0, 1)
+    xm = x[is_medium]
+    if xm.size >= 2:  # x = s * (high - low) + low: a straight line, solved exactly
+        a, b = np.polyfit(s, xm, 1)
         low, high = float(b), float(a + b)
-    else:  # a hard switch: put both thresholds between the last unscaled and the first scaled frequency
-        unscaled, scaled = x[f <= 1.0 + 1e-6], x[f >= factor * (1 - 1e-6)]
-        if not unscaled.size or not scaled.size:
-            raise KestrelError(f"{where}: rope_freqs.weight is not llama3 rope scaling")
-        low = high = float((unscaled.min() + scaled.max()) / 2)
+    elif xm.size == 1:  # one equation, two unknowns: any (low, high) that keeps every band in place
+        x0, s0 = float(xm[0]), float(s[0])
+        cap = min(top, (x0 - (1 - s0) * bottom) / s0)  # beyond cap, low would fall below `bottom`
+        high = (x0 + cap) / 2
+        low = (x0 - s0 * high) / (1 - s0)
+    else:  # a hard switch between the two bands
+        low = (bottom + top) / 2
         high = low * (1 + 1e-9)
     scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
                "original_max_position_embeddings": orig}

@@ -1,0 +1,80 @@
+"""Quant modes: bits and block width per tensor, the G=256 -> 32 fallback, 8-bit embedding/lm_head, tying."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kestrel_core.contract import quantize_weight
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.quantize import QUANT_MODES, parse_quant, quantize_model
+
+
+def test_parse_quant_valid_and_invalid() -> None:
+    assert {m: (parse_quant(m).bits, parse_quant(m).group_size) for m in QUANT_MODES} == {
+        "q8": (8, 32), "q4": (4, 32), "q8-g256": (8, 256), "q4-g256": (4, 256)}
+    assert parse_quant(" Q4 ").name == "q4"
+    with pytest.raises(KestrelError) as exc:
+        parse_quant("q3")
+    msg = str(exc.value)
+    assert "'q3'" in msg and all(m in msg for m in QUANT_MODES) and "\n" not in msg
+
+
+@pytest.mark.parametrize("mode", list(QUANT_MODES))
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_quantize_model_matches_the_contract_quantizer(synth_source, mode: str, arch: str) -> None:
+    src = synth_source(arch)
+    model = quantize_model(src, mode)
+    bits, g = QUANT_MODES[mode]
+    c = src.config
+    assert len(model.layers) == c.num_layers
+    for i, layer in enumerate(model.layers):
+        for p in ("q", "k", "v", "o", "gate", "up", "down"):
+            w = src.get(f"layers.{i}.{p}")
+            sc = getattr(layer, p)
+            # hidden 64 is not a multiple of 256: those tensors fall back to G=32; down has K=256
+            want_g = g if w.shape[1] % g == 0 else 32
+            assert (sc.bits, sc.group_size) == (bits, want_g)
+            ref = quantize_weight(w, bits, want_g)
+            np.testing.assert_array_equal(sc.codes, ref.codes)
+            np.testing.assert_array_equal(sc.scales, ref.scales)
+        np.testing.assert_array_equal(layer.attn_norm, src.get(f"layers.{i}.attn_norm"))
+        assert (layer.q_bias is not None) == (arch == "qwen2")
+        assert (layer.q_norm is not None) == (arch == "qwen3")
+    if mode.endswith("g256"):
+        assert model.layers[0].down.group_size == 256
+    assert model.embedding.bits == 8 and model.lm_head.bits == 8
+    np.testing.assert_array_equal(model.embedding.codes, quantize_weight(src.get("embedding"), 8, 32).codes)
+    if c.tie_word_embeddings:
+        assert model.lm_head is model.embedding
+    else:
+        assert model.lm_head is not model.embedding
+        np.testing.assert_array_equal(model.lm_head.codes, quantize_weight(src.get("lm_head"), 8, 32).codes)
+
+
+def test_untied_model_without_lm_head_is_an_error(synth_source) -> None:
+    src = synth_source("llama")
+    del src.tensors["lm_head"]
+    with pytest.raises(KestrelError, match="no lm_head"):
+        quantize_model(src, "q8")
+
+
+def test_bad_tensors_are_one_line_errors(synth_source) -> None:
+    src = synth_source("llama")
+    src.tensors["layers.1.k"] = src.tensors["layers.1.k"][:, :48]
+    with pytest.raises(KestrelError, match=r"layers\.1\.k has shape \[32, 48\], expected \[32, 64\]"):
+        quantize_model(src, "q8")
+    src = synth_source("llama")
+    src.tensors["layers.0.up"][3, 5] = np.nan
+    with pytest.raises(KestrelError, match="NaN"):
+        quantize_model(src, "q4")
+    src = synth_source("llama", hidden_size=40, num_heads=4, head_dim=10)
+    with pytest.raises(KestrelError, match="K=40 is not a multiple of 32"):
+        quantize_model(src, "q8")
+
+
+def test_unknown_mode_fails_before_reading_tensors(synth_source) -> None:
+    src = synth_source("llama")
+    src.tensors.clear()
+    with pytest.raises(KestrelError, match="unknown quant mode"):
+        quantize_model(src, "int3")
