@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--stats", action="store_true")
+    p.add_argument("--stats", action="store_true", help="also print the per-hook offload counters")
+    p.add_argument("--preset", default=None, help="synthetic model preset (random weights) instead of --model")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="interactive multi-turn chat")
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default=None, help="synthetic model preset (random weights) instead of --model")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("pull", help="fetch the default model into KESTREL_HOME")
@@ -157,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (kernel compiles, caches)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
     return parser

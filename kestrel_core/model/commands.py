@@ -1,0 +1,227 @@
+"""The CLI handlers of run, chat, pull, quantize and bench: thin layers over the Python API.
+
+Each takes the argparse Namespace and returns an exit code; errors are KestrelErrors, which the CLI prints
+as one line. Generated text goes to stdout; the backend line, stats and prompts go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.table import Table
+
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.engine import Engine, load, load_preset
+
+err = Console(stderr=True, highlight=False)
+
+
+class TextStream:
+    """Decodes generated ids incrementally: only whole characters come out, even when a character's UTF-8
+    bytes span several tokens, and tokenizers that need left context (leading spaces) decode right."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # ids[prefix:read] is context already printed
+        self.read = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        """The new text that ``token`` completes ('' while a character is still incomplete)."""
+        self.ids.append(int(token))
+        done = self._decode(self.ids[self.prefix:self.read])
+        text = self._decode(self.ids[self.prefix:])
+        if len(text) > len(done) and not text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(done):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is left at the end (an incomplete character comes out as U+FFFD)."""
+        done = self._decode(self.ids[self.prefix:self.read])
+        text = self._decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(done):]
+
+
+def _open_engine(args: argparse.Namespace) -> Engine:
+    preset = getattr(args, "preset", None)
+    if preset and getattr(args, "model", None):
+        raise KestrelError("give either --model or --preset, not both")
+    if preset:
+        engine = load_preset(preset, backend=args.backend, quant=args.quant, seed=getattr(args, "model_seed", 0))
+    else:
+        engine = load(args.model, backend=args.backend, quant=args.quant)
+    err.print(engine.backend_line, soft_wrap=True)
+    return engine
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if sys.stdin.isatty():
+        raise KestrelError("no prompt given (pass it as an argument or on stdin)")
+    return sys.stdin.read()
+
+
+def _prompt_ids(engine: Engine, messages: list[dict[str, str]], chat: bool) -> list[int]:
+    tok = engine.tokenizer
+    if chat:
+        return list(tok.encode_chat(messages))
+    return list(tok.encode(messages[-1]["content"]))
+
+
+def _check_context(engine: Engine, ids: Sequence[int]) -> None:
+    if len(ids) > engine.config.max_position:
+        raise KestrelError(f"the prompt has {len(ids)} tokens; the model's context is {engine.config.max_position}")
+    if not ids:
+        raise KestrelError("the prompt is empty")
+
+
+def _stream(engine: Engine, ids: list[int], args: argparse.Namespace, out: TextIO | None) -> tuple[str, list[int]]:
+    """Generate, writing text to ``out`` as it arrives; returns (text, token ids)."""
+    stream = TextStream(engine.tokenizer)
+    pieces: list[str] = []
+    tokens: list[int] = []
+    for token in engine.generate(ids, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                 top_p=args.top_p, seed=args.seed):
+        tokens.append(token)
+        piece = stream.push(token)
+        if piece:
+            pieces.append(piece)
+            if out is not None:
+                out.write(piece)
+                out.flush()
+    rest = stream.flush()
+    if rest:
+        pieces.append(rest)
+        if out is not None:
+            out.write(rest)
+    return "".join(pieces), tokens
+
+
+def stats_line(stats: dict[str, Any]) -> str:
+    return (f"prompt {stats['prompt_tokens']} tok | prefill {stats['prefill_tok_s']:.1f} tok/s | "
+            f"decode {stats['decode_tok_s']:.1f} tok/s ({stats['generated_tokens']} tok) | "
+            f"backend {stats['backend']} | offload {stats['offload_accepted']} accepted, "
+            f"{stats['offload_declined']} declined")
+
+
+def _offload_table(stats: dict[str, Any]) -> Table:
+    table = Table(title="offload hooks")
+    for col in ("hook", "offered", "accepted", "declined", "reasons"):
+        table.add_column(col)
+    for hook, c in stats["offload"].items():
+        reasons = ", ".join(f"{r}: {n}" for r, n in c["declined_reasons"].items())
+        table.add_row(hook, str(c["offered"]), str(c["accepted"]), str(c["declined"]), reasons)
+    return table
+
+
+def run(args: argparse.Namespace) -> int:
+    text_in = _read_prompt(args)
+    with _open_engine(args) as engine:
+        ids = _prompt_ids(engine, [{"role": "user", "content": text_in}], chat=not args.no_chat)
+        _check_context(engine, ids)
+        text, tokens = _stream(engine, ids, args, None if args.json else sys.stdout)
+        stats = engine.stats
+        if args.json:
+            print(json.dumps({"text": text, "tokens": tokens, "prompt_tokens": len(ids), "stats": stats}))
+        else:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        err.print(stats_line(stats), soft_wrap=True, markup=False)
+        if args.stats:
+            err.print(_offload_table(stats))
+    return 0
+
+
+def chat(args: argparse.Namespace) -> int:
+    """A multi-turn session: each turn re-renders the whole conversation with the chat template."""
+    interactive = sys.stdin.isatty()
+    with _open_engine(args) as engine:
+        if interactive:
+            err.print("type a message; /exit or Ctrl-D ends, /reset starts over")
+        messages: list[dict[str, str]] = []
+        while True:
+            if interactive:
+                err.print("[bold]>[/] ", end="")
+            line = sys.stdin.readline()
+            if not line:
+                break
+            line = line.strip()
+            if line in ("/exit", "/quit"):
+                break
+            if line == "/reset":
+                messages.clear()
+                continue
+            if not line:
+                continue
+            messages.append({"role": "user", "content": line})
+            ids = _prompt_ids(engine, messages, chat=True)
+            if len(ids) + 1 > engine.config.max_position:
+                messages.pop()
+                err.print(f"error: the conversation has {len(ids)} tokens; the model's context is "
+                          f"{engine.config.max_position} (/reset to start over)", markup=False)
+                continue
+            reply, _ = _stream(engine, ids, args, sys.stdout)
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            messages.append({"role": "assistant", "content": reply.strip()})
+    return 0
+
+
+def pull(args: argparse.Namespace) -> int:
+    from kestrel_core.model.pull import pull_default_model
+
+    print(pull_default_model(progress=True))
+    return 0
+
+
+def quantize(args: argparse.Namespace) -> int:
+    from kestrel_core.model.loader import load_model, write_artifact
+    from kestrel_core.model.quantize import parse_quant
+
+    out = Path(args.output)
+    if out.exists() and not args.force:  # before the (slow) load
+        raise KestrelError(f"{out} already exists; pass --force to overwrite it")
+    parse_quant(args.quant)
+    loaded = load_model(args.model, quant=args.quant)
+    path = write_artifact(loaded, out, force=args.force)
+    err.print(f"wrote {path} ({loaded.quant}, {path.stat().st_size / 1e6:.1f} MB) from {loaded.source}",
+              soft_wrap=True, markup=False)
+    return 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    from kestrel_core.model.bench import run_bench
+
+    with _open_engine(args) as engine:
+        result = run_bench(engine, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
+                           runs=args.runs, warmup=args.warmup, quant=args.quant)
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+        return 0
+    table = Table(title=f"kestrel bench: {result.model}")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    rows = [
+        ("backend", f"{result.backend} ({result.device})"), ("quant", result.quant),
+        ("weights", f"{result.weights_mb:.1f} MB"), ("model load", f"{result.load_s:.2f} s"),
+        ("preload", f"{result.preload_s:.2f} s"),
+        (f"prefill ({result.prompt_tokens} tok)", f"{result.prefill_tok_s:.1f} tok/s"),
+        (f"decode ({result.decode_tokens} tok)", f"{result.decode_tok_s:.1f} tok/s"),
+        ("runs (median of)", str(result.runs)),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    Console(highlight=False).print(table)
+    return 0

@@ -1,0 +1,258 @@
+"""The layer-by-layer numpy forward of the decoder (the model math every backend's forward must match).
+
+Every projection goes through the offload dispatcher with its wkey, so a backend that accepts GEMMs runs
+them and the host does the rest (norms, RoPE, attention, SiLU) in float32. The host keeps its own KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from kestrel_core.dispatch import Offload
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.config import ModelConfig
+from kestrel_core.model.weights import Model
+from kestrel_core.wkey import Proj, fused_wkey, lm_head_wkey, wkey
+
+CACHE_CHUNK = 256  # KV cache and RoPE tables grow by this many positions at a time
+PREFILL_CHUNK = 512  # longer inputs run in chunks so scores [H, T, S] and MLP activations stay bounded
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [hd/2] in float32, as transformers computes them (default or llama3 scaling)."""
+    hd = config.head_dim
+    exponents = np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / np.float32(hd)
+    inv_freq = (np.float32(1.0) / np.power(np.float32(config.rope_theta), exponents)).astype(np.float32)
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind != "llama3":
+        raise KestrelError(f"unsupported rope scaling {kind!r} (kestrel supports llama3)")
+    try:
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling["low_freq_factor"])
+        high_freq_factor = float(scaling["high_freq_factor"])
+        old_context_len = float(scaling["original_max_position_embeddings"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise KestrelError(f"llama3 rope_scaling is missing or has a bad {exc}") from None
+    # Mirrors transformers' _compute_llama3_parameters, float32 like its tensors.
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = np.float32(2 * math.pi) / inv_freq
+    inv_freq_llama = np.where(wavelen > low_freq_wavelen, inv_freq / np.float32(factor), inv_freq)
+    smooth_factor = ((np.float32(old_context_len) / wavelen - np.float32(low_freq_factor))
+                     / np.float32(high_freq_factor - low_freq_factor))
+    smoothed = ((np.float32(1) - smooth_factor) * inv_freq_llama / np.float32(factor)
+                + smooth_factor * inv_freq_llama)
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, inv_freq_llama).astype(np.float32)
+
+
+class RopeTables:
+    """cos/sin [P, hd/2] for absolute positions, extended on demand (HF duplicates the halves; we don't)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.inv_freq = rope_inv_freq(config)  # [hd/2]
+        self.max_position = config.max_position
+        self.cos = np.empty((0, len(self.inv_freq)), np.float32)
+        self.sin = np.empty((0, len(self.inv_freq)), np.float32)
+
+    def upto(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if n > len(self.cos):
+            size = min(max(n, len(self.cos) + CACHE_CHUNK), max(self.max_position, n))
+            positions = np.arange(size, dtype=np.float32)
+            freqs = positions[:, None] * self.inv_freq[None, :]  # [P, hd/2], float32 like HF
+            self.cos, self.sin = np.cos(freqs), np.sin(freqs)
+        return self.cos, self.sin
+
+
+class KVCache:
+    """Host keys/values of one sequence: float32 [L, capacity, KV, hd], grown in chunks, ``length`` used."""
+
+    def __init__(self, config: ModelConfig, capacity: int = 0) -> None:
+        self.config = config
+        self.length = 0
+        shape = (config.num_layers, 0, config.num_kv_heads, config.head_dim)
+        self.k = np.empty(shape, np.float32)
+        self.v = np.empty(shape, np.float32)
+        if capacity:
+            self.reserve(capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` positions; grows by whole chunks (copying only the used part)."""
+        if n <= self.capacity:
+            return
+        if n > self.config.max_position:
+            raise KestrelError(f"the sequence needs {n} positions; the model's context is "
+                               f"{self.config.max_position}")
+        cap = min(-(-n // CACHE_CHUNK) * CACHE_CHUNK, self.config.max_position)
+        c = self.config
+        for name in ("k", "v"):
+            grown = np.empty((c.num_layers, cap, c.num_kv_heads, c.head_dim), np.float32)
+            grown[:, :self.length] = getattr(self, name)[:, :self.length]
+            setattr(self, name, grown)
+
+    def truncate(self, n: int) -> None:
+        self.length = min(self.length, n)
+
+
+@dataclass(frozen=True)
+class _LayerKeys:
+    qkv: tuple[int, int, int]
+    qkv_fused: int
+    o: int
+    gate_up: tuple[int, int]
+    gate_up_fused: int
+    down: int
+
+
+def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis, float32."""
+    ms = np.einsum("...d,...d->...", x, x)[..., None] / np.float32(x.shape[-1])  # [..., 1]
+    ms += np.float32(eps)
+    np.sqrt(ms, out=ms)
+    out = x / ms
+    out *= weight
+    return out
+
+
+class Decoder:
+    """Runs tokens through the model on the host, appending to a ``KVCache``."""
+
+    def __init__(self, model: Model, offload: Offload) -> None:
+        c = model.config
+        if c.num_heads % c.num_kv_heads:
+            raise KestrelError(f"num_heads={c.num_heads} is not a multiple of num_kv_heads={c.num_kv_heads}")
+        if c.head_dim % 2:
+            raise KestrelError(f"head_dim={c.head_dim} must be even for RoPE")
+        self.model = model
+        self.config = c
+        self.offload = offload
+        self.rope = RopeTables(c)
+        self.eps = np.float32(c.rms_norm_eps)
+        self.scale = np.float32(1.0 / math.sqrt(c.head_dim))
+        self.keys = [_LayerKeys(qkv=(wkey(i, Proj.Q), wkey(i, Proj.K), wkey(i, Proj.V)),
+                                qkv_fused=fused_wkey(i, Proj.QKV), o=wkey(i, Proj.O),
+                                gate_up=(wkey(i, Proj.GATE), wkey(i, Proj.UP)),
+                                gate_up_fused=fused_wkey(i, Proj.GATE_UP), down=wkey(i, Proj.DOWN))
+                     for i in range(c.num_layers)]
+
+    def new_cache(self, capacity: int = 0) -> KVCache:
+        return KVCache(self.config, capacity)
+
+    def forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool = False,
+                logits: bool = True) -> np.ndarray | None:
+        """Append ``tokens`` [T] at positions cache.length.. and return float32 logits.
+
+        [T, vocab] if all_logits else [1, vocab] (the last token); None when ``logits`` is False (only the
+        cache is filled, e.g. to catch up with tokens a device ran).
+        """
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if not len(tokens):
+            raise KestrelError("no tokens to run")
+        if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
+            raise KestrelError(f"token id out of range [0, {self.config.vocab_size})")
+        cache.reserve(cache.length + len(tokens))
+        outs = []
+        with np.errstate(over="ignore"):  # SiLU's exp(-x) overflows to inf for very negative x: correct
+            for s in range(0, len(tokens), PREFILL_CHUNK):
+                chunk = tokens[s:s + PREFILL_CHUNK]
+                last = s + PREFILL_CHUNK >= len(tokens)
+                h = self._layers(chunk, cache)
+                if logits and (all_logits or last):
+                    outs.append(self._logits(h if all_logits else h[-1:]))
+        return np.concatenate(outs) if len(outs) > 1 else (outs[0] if outs else None)
+
+    def _logits(self, h: np.ndarray) -> np.ndarray:
+        x = rmsnorm(h, self.model.final_norm, self.eps)  # [T, D]
+        return self.offload.linear(x, self.model.lm_head, lm_head_wkey())  # [T, vocab]
+
+    def _layers(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
+        """All layers over tokens [T] at positions cache.length..; returns the final hidden state [T, D]."""
+        c, off = self.config, self.offload
+        start, t = cache.length, len(tokens)
+        end = start + t
+        cos, sin = self.rope.upto(end)
+        cos, sin = cos[start:end, None, :], sin[start:end, None, :]  # [T, 1, hd/2]
+        mask = None
+        if t > 1:  # causal: query i (position start+i) sees keys 0..start+i
+            mask = np.triu(np.full((t, end), -np.inf, np.float32), k=start + 1)  # [T, S]
+        h = self.model.embedding.dequantize(tokens)  # [T, D]
+        for i, lw in enumerate(self.model.layers):
+            off.layer_boundary(i)
+            keys = self.keys[i]
+            x = rmsnorm(h, lw.attn_norm, self.eps)  # [T, D]
+            q, k, v = off.linear_fused(x, (lw.q, lw.k, lw.v), keys.qkv, keys.qkv_fused)
+            if lw.q_bias is not None:
+                q += lw.q_bias
+                k += lw.k_bias
+                v += lw.v_bias
+            q = q.reshape(t, c.num_heads, c.head_dim)  # [T, H, hd]
+            k = k.reshape(t, c.num_kv_heads, c.head_dim)  # [T, KV, hd]
+            if lw.q_norm is not None:
+                q = rmsnorm(q, lw.q_norm, self.eps)
+                k = rmsnorm(k, lw.k_norm, self.eps)
+            q = _rope(q, cos, sin, np.empty_like(q))
+            _rope(k, cos, sin, cache.k[i, start:end])
+            cache.v[i, start:end] = v.reshape(t, c.num_kv_heads, c.head_dim)
+            attn = self._attention(q, cache.k[i, :end], cache.v[i, :end], mask)  # [T, H*hd]
+            h += off.linear(attn, lw.o, keys.o)
+            x = rmsnorm(h, lw.mlp_norm, self.eps)
+            gate, up = off.linear_fused(x, (lw.gate, lw.up), keys.gate_up, keys.gate_up_fused)  # [T, F]
+            h += off.linear(_silu_mul(gate, up), lw.down, keys.down)
+        cache.length = end
+        return h
+
+    def _attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+        """Causal GQA: q [T, H, hd], k/v [S, KV, hd] (cache views) -> [T, H*hd]; head h uses kv h // g."""
+        t, n_heads, hd = q.shape
+        n_kv = k.shape[1]
+        g = n_heads // n_kv
+        q = q * self.scale
+        kt = k.transpose(1, 2, 0)  # [KV, hd, S]: a strided view BLAS reads directly
+        vt = v.transpose(1, 0, 2)  # [KV, S, hd]
+        if t == 1:
+            scores = np.matmul(q.reshape(n_kv, g, hd), kt)  # [KV, g, S]
+        else:
+            qg = q.reshape(t, n_kv, g, hd).transpose(1, 2, 0, 3).reshape(n_kv, g * t, hd)  # [KV, g*T, hd]
+            scores = np.matmul(qg, kt).reshape(n_kv, g, t, -1)  # [KV, g, T, S]
+            scores += mask
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        if t == 1:
+            return np.matmul(scores, vt).reshape(1, n_heads * hd)  # [KV, g, hd] -> [1, H*hd]
+        out = np.matmul(scores.reshape(n_kv, g * t, -1), vt)  # [KV, g*T, hd]
+        return out.reshape(n_kv, g, t, hd).transpose(2, 0, 1, 3).reshape(t, n_heads * hd)
+
+
+def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """HF rotate_half RoPE: x [T, heads, hd], cos/sin [T, 1, hd/2]; writes and returns ``out``."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    o1, o2 = out[..., :half], out[..., half:]
+    np.multiply(x1, cos, out=o1)
+    o1 -= x2 * sin
+    np.multiply(x2, cos, out=o2)
+    o2 += x1 * sin
+    return out
+
+
+def _silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """silu(gate) * up, in place in ``gate``: [T, F]."""
+    t = np.negative(gate)
+    np.exp(t, out=t)
+    t += np.float32(1)
+    gate /= t
+    gate *= up
+    return gate

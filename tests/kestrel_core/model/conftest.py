@@ -1,0 +1,49 @@
+"""Fixtures of the runtime tests (decoder, engine, sampling, presets, CLI): tiny configs, a CPU offload."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from kestrel_core.dispatch import Offload
+from kestrel_core.model.config import ModelConfig
+from kestrel_core.model.presets import ByteTokenizer
+from kestrel_core.registry import Registry
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 32}
+
+
+def make_tiny_config(arch: str = "llama", **overrides: object) -> ModelConfig:
+    """A 2-layer GQA model (4 query heads over 2 kv heads); qwen3 gets q/k norms and hd != D/H."""
+    base: dict[str, object] = dict(
+        arch=arch, vocab_size=320, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position=96,
+        tie_word_embeddings=True, bos_token_id=ByteTokenizer.BOS, eos_token_ids=(ByteTokenizer.EOS,))
+    if arch == "qwen2":
+        base.update(qkv_bias=True, tie_word_embeddings=False)
+    if arch == "qwen3":
+        base.update(qk_norm=True, head_dim=32, rope_theta=1e6)
+    if arch == "llama3":
+        base.update(arch="llama", rope_scaling=LLAMA3_SCALING, rope_theta=500000.0)
+    base.update(overrides)
+    return ModelConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def tiny_config() -> Callable[..., ModelConfig]:
+    """``tiny_config(arch, **overrides)``; arch llama, qwen2, qwen3 or llama3 (llama with rope scaling)."""
+    return make_tiny_config
+
+
+@pytest.fixture
+def llama3_scaling() -> dict[str, object]:
+    return dict(LLAMA3_SCALING)
+
+
+@pytest.fixture
+def cpu_offload() -> Offload:
+    registry = Registry()
+    cpu = registry.cpu()
+    return Offload(cpu, cpu)
