@@ -1,25 +1,53 @@
-"""kestrel_cpu: the reference backend. Always bound; the definition of "correct"."""
+"""kestrel_cpu: the reference backend. Always bound; the definition of "correct".
+
+The GEMMs run compiled int8 kernels (``kestrel_cpu.kernels``, numba) that compute the contract's exact
+integer block sums and differ from ``kestrel_core.contract.reference_gemm_*`` only in float rounding order
+(tests/kestrel_cpu state the bound). Where numba cannot be imported, or with ``KESTREL_CPU_REFERENCE=1``,
+the backend runs the numpy reference functions themselves.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 import kestrel_core
 from kestrel_core.contract import StripCache, reference_gemm_f32, reference_gemm_q8
+from kestrel_core.errors import ContractError
 from kestrel_core.hookspecs import API_VERSION, hookimpl
 from kestrel_core.registry import BackendInfo
 
+log = logging.getLogger("kestrel")
+
+REFERENCE_ENV = "KESTREL_CPU_REFERENCE"
+
+
+def _load_kernels() -> tuple[ModuleType | None, str]:
+    """The compiled kernels module, or None with the reason the numpy reference is used instead."""
+    if os.environ.get(REFERENCE_ENV, "") not in ("", "0"):
+        return None, f"{REFERENCE_ENV} set"
+    try:
+        from kestrel_cpu import kernels
+    except Exception as exc:  # numba missing or unusable on this platform: the reference still works
+        log.debug("kestrel_cpu: compiled kernels unavailable", exc_info=exc)
+        return None, f"numba kernels unavailable: {type(exc).__name__}: {exc}"
+    return kernels, ""
+
 
 class CpuDevice:
-    description = "host CPU (numpy)"
+    def __init__(self) -> None:
+        self.kernels, why = _load_kernels()
+        self.description = "host CPU (numba int8 kernels)" if self.kernels else f"host CPU (numpy reference; {why})"
 
 
 @hookimpl
 def kestrel_backend_info() -> BackendInfo:
     return BackendInfo(name="cpu", version=kestrel_core.__version__, api_version=API_VERSION, kind="cpu",
-                       description="numpy reference")
+                       description="numba int8 kernels, numpy reference semantics")
 
 
 @hookimpl
@@ -32,12 +60,32 @@ def kestrel_close(device: CpuDevice) -> None:
     pass
 
 
+def _c_array(x: Any, dtype: type, name: str) -> np.ndarray:
+    if not isinstance(x, np.ndarray) or x.dtype != dtype or x.ndim != 2:
+        got = f"{x.dtype} {list(x.shape)}" if isinstance(x, np.ndarray) else type(x).__name__
+        raise ContractError(f"{name} must be a 2-D {np.dtype(dtype).name} array, got {got}")
+    return np.ascontiguousarray(x)
+
+
 @hookimpl
 def kestrel_gemm_q8(device: CpuDevice, a_codes: np.ndarray, a_scales: np.ndarray, weight: StripCache,
                     wkey: int) -> np.ndarray:
-    return reference_gemm_q8(a_codes, a_scales, weight)
+    if device.kernels is None:
+        return reference_gemm_q8(a_codes, a_scales, weight)
+    a_codes = _c_array(a_codes, np.int8, "a_codes")
+    a_scales = _c_array(a_scales, np.float32, "a_scales")
+    m = a_codes.shape[0]
+    if a_codes.shape[1] != weight.k or a_scales.shape != (m, weight.ngroups):
+        raise ContractError(f"activations {list(a_codes.shape)} with scales {list(a_scales.shape)} do not "
+                            f"match a weight of K={weight.k}, G={weight.group_size}")
+    return device.kernels.gemm_q8(a_codes, a_scales, weight.codes, weight.scales)
 
 
 @hookimpl
 def kestrel_gemm_f32(device: CpuDevice, a: np.ndarray, weight: StripCache, wkey: int) -> np.ndarray:
-    return reference_gemm_f32(a, weight)
+    if device.kernels is None:
+        return reference_gemm_f32(a, weight)
+    a = _c_array(np.asarray(a, dtype=np.float32), np.float32, "a")
+    if a.shape[1] != weight.k:
+        raise ContractError(f"activations {list(a.shape)} do not match a weight of K={weight.k}")
+    return device.kernels.gemm_f32(a, weight.codes, weight.scales)

@@ -1,0 +1,201 @@
+"""The CPU backend's compiled kernels against the contract's numpy reference (the definition of correct).
+
+Tolerance: integer block sums are exact in both, so they may differ only in float rounding. The reference
+rounds each block term ``(sum*a_scale)*w_scale`` and sums the K/G terms in float32; the kernel rounds
+``a_scale*w_scale`` once, scales 8 integer lanes per block and sums lane-wise, then across lanes. Both lie
+within ``(K/G + 4) * eps32 * bound`` of the exact value, where ``bound`` is the sum of |terms|
+(``sum_k |Aq*a_scale| * |Wq*w_scale|``); the tests allow twice that. Measured over 400 random shapes with
+K/G up to 48, the largest error was ``2.05 * eps32 * bound`` for gemm_q8 and ``1.9 * eps32 * bound`` for
+gemm_f32 (test_tolerance_is_not_loose shows the bound still catches a 1e-4 relative mis-scaling).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kestrel_core.contract import (
+    StripCache,
+    quantize_activations,
+    quantize_weight,
+    reference_gemm_f32,
+    reference_gemm_q8,
+)
+from kestrel_core.errors import ContractError
+from kestrel_core.registry import Backend, Registry
+
+kernels = pytest.importorskip("kestrel_cpu.kernels", reason="numba is a runtime dependency of kestrel_cpu")
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def _bound(a_abs: np.ndarray, w: StripCache) -> np.ndarray:
+    """sum_k |a[m,k]| * |Wq[n,k] * w_scale[n,g(k)]| in float64: [M, N]."""
+    return a_abs.astype(np.float64) @ np.abs(w.dequantize().astype(np.float64)).T
+
+
+def _tolerance(a_abs: np.ndarray, w: StripCache) -> np.ndarray:
+    return 2 * (w.ngroups + 4) * EPS32 * _bound(a_abs, w) + 1e-30
+
+
+def _q8_inputs(rng: np.random.Generator, m: int, n: int, k: int, g: int, bits: int
+               ) -> tuple[np.ndarray, np.ndarray, StripCache, np.ndarray]:
+    w = quantize_weight(rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 3), bits, g)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[:, rng.integers(0, k)] *= 50  # one outlier column, as real activations have
+    a_codes, a_scales = quantize_activations(x, g)
+    a_abs = np.abs(a_codes.astype(np.float64)) * np.repeat(a_scales, g, axis=1)
+    return a_codes, a_scales, w, a_abs
+
+
+shapes = st.tuples(
+    st.integers(1, 64),                                 # M
+    st.integers(1, 97),                                 # N (mostly not a multiple of 4)
+    st.integers(1, 6),                                  # K / G
+    st.sampled_from([32, 256]),                         # G
+    st.sampled_from([8, 4]),                            # bits
+    st.integers(0, 2**32 - 1),                          # seed
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(shapes)
+def test_gemm_q8_matches_reference(shape: tuple[int, int, int, int, int, int]) -> None:
+    m, n, blocks, g, bits, seed = shape
+    rng = np.random.default_rng(seed)
+    a_codes, a_scales, w, a_abs = _q8_inputs(rng, m, n, blocks * g, g, bits)
+    got = kernels.gemm_q8(a_codes, a_scales, w.codes, w.scales)
+    ref = reference_gemm_q8(a_codes, a_scales, w)
+    assert got.dtype == np.float32 and got.shape == (m, n)
+    err = np.abs(got.astype(np.float64) - ref)
+    assert np.all(err <= _tolerance(a_abs, w)), float(np.max(err / _tolerance(a_abs, w)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes)
+def test_gemm_f32_matches_reference(shape: tuple[int, int, int, int, int, int]) -> None:
+    m, n, blocks, g, bits, seed = shape
+    rng = np.random.default_rng(seed)
+    w = quantize_weight(rng.standard_normal((n, blocks * g)).astype(np.float32), bits, g)
+    x = rng.standard_normal((m, blocks * g)).astype(np.float32)
+    got = kernels.gemm_f32(x, w.codes, w.scales)
+    ref = reference_gemm_f32(x, w)
+    assert got.dtype == np.float32 and got.shape == (m, n)
+    err = np.abs(got.astype(np.float64) - ref)
+    assert np.all(err <= _tolerance(np.abs(x), w))
+
+
+@pytest.mark.parametrize("g", [32, 256])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_block_sums_are_exact_integers(g: int, bits: int) -> None:
+    """Extreme codes with unit scales: the result is an exact integer, so no rounding is allowed at all.
+
+    Every block sum is +-127*127*G (or 127*8*G for int4), the largest the contract allows: an int16
+    accumulator or a float accumulation of products would be off.
+    """
+    lo, hi = (-127, 127) if bits == 8 else (-8, 7)
+    m, n, k = 5, 7, 2 * g
+    rng = np.random.default_rng(g + bits)
+    a_codes = np.where(rng.random((m, k)) < 0.5, -127, 127).astype(np.int8)
+    codes = np.where(rng.random((n, k)) < 0.5, lo, hi).astype(np.int8)
+    codes[0] = lo
+    a_codes[0] = -127  # row 0 x row 0: every product is at its maximum
+    w = StripCache(codes, np.ones((n, k // g), np.float32), g, bits)
+    a_scales = np.ones((m, k // g), np.float32)
+    exact = a_codes.astype(np.int64) @ codes.astype(np.int64).T
+    assert np.abs(exact).max() < 2**24  # exactly representable in float32
+    got = kernels.gemm_q8(a_codes, a_scales, w.codes, w.scales)
+    np.testing.assert_array_equal(got, exact.astype(np.float32))
+    np.testing.assert_array_equal(reference_gemm_q8(a_codes, a_scales, w), got)
+
+
+def test_tolerance_is_not_loose() -> None:
+    """The tolerance would catch a kernel that drops one block or mis-scales one row."""
+    rng = np.random.default_rng(7)
+    a_codes, a_scales, w, a_abs = _q8_inputs(rng, 3, 11, 96, 32, 8)
+    ref = reference_gemm_q8(a_codes, a_scales, w)
+    wrong_scale = w.scales.copy()
+    wrong_scale[4, 1] *= np.float32(1 + 1e-4)
+    got = kernels.gemm_q8(a_codes, a_scales, w.codes, wrong_scale)
+    assert np.any(np.abs(got.astype(np.float64) - ref) > _tolerance(a_abs, w))
+
+
+def test_serial_and_parallel_kernels_agree_exactly() -> None:
+    """Both builds run the same per-output arithmetic, so the thread split must not change a bit."""
+    rng = np.random.default_rng(3)
+    a_codes, a_scales, w, _ = _q8_inputs(rng, 9, 301, 512, 256, 8)
+    out_p = np.empty((9, 301), np.float32)
+    out_s = np.empty((9, 301), np.float32)
+    kernels._gemm_q8_parallel(a_codes, a_scales, w.codes, w.scales, out_p)
+    kernels._gemm_q8_serial(a_codes, a_scales, w.codes, w.scales, out_s)
+    np.testing.assert_array_equal(out_p, out_s)
+
+
+def test_decode_and_prefill_rows_agree() -> None:
+    """A row's result does not depend on how many rows share the call (rows 0..3 use the 4-row tile)."""
+    rng = np.random.default_rng(5)
+    a_codes, a_scales, w, _ = _q8_inputs(rng, 8, 45, 576, 32, 8)
+    batch = kernels.gemm_q8(a_codes, a_scales, w.codes, w.scales)
+    for i in range(8):
+        one = kernels.gemm_q8(a_codes[i:i + 1], a_scales[i:i + 1], w.codes, w.scales)
+        np.testing.assert_array_equal(one[0], batch[i])
+
+
+def test_empty_shapes() -> None:
+    w = quantize_weight(np.ones((3, 32), np.float32))
+    out = kernels.gemm_q8(np.zeros((0, 32), np.int8), np.zeros((0, 1), np.float32), w.codes, w.scales)
+    assert out.shape == (0, 3)
+    out = kernels.gemm_f32(np.zeros((0, 32), np.float32), w.codes, w.scales)
+    assert out.shape == (0, 3)
+
+
+# -- through the backend's hooks ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cpu() -> Backend:
+    backend = Registry().cpu()
+    assert backend.bound, backend.reason
+    return backend
+
+
+def test_hooks_use_the_compiled_kernels(cpu: Backend) -> None:
+    assert cpu.device.kernels is kernels
+    assert "numba" in cpu.device.description
+    rng = np.random.default_rng(11)
+    a_codes, a_scales, w, a_abs = _q8_inputs(rng, 2, 19, 64, 32, 8)
+    # Non-contiguous activations are accepted (copied), not misread.
+    a_f = np.asfortranarray(a_codes)
+    got = cpu.hook.kestrel_gemm_q8(device=cpu.device, a_codes=a_f, a_scales=a_scales, weight=w, wkey=0)
+    np.testing.assert_array_equal(got, kernels.gemm_q8(a_codes, a_scales, w.codes, w.scales))
+    x = rng.standard_normal((2, 64)).astype(np.float64)  # float64 input is cast like the reference does
+    got = cpu.hook.kestrel_gemm_f32(device=cpu.device, a=x, weight=w, wkey=0)
+    ref = reference_gemm_f32(x.astype(np.float32), w)
+    assert np.all(np.abs(got - ref) <= _tolerance(np.abs(x), w))
+
+
+def test_hooks_reject_mismatched_activations(cpu: Backend) -> None:
+    w = quantize_weight(np.ones((3, 64), np.float32))
+    a_codes, a_scales = quantize_activations(np.ones((2, 32), np.float32))
+    with pytest.raises(ContractError, match="do not match"):
+        cpu.hook.kestrel_gemm_q8(device=cpu.device, a_codes=a_codes, a_scales=a_scales, weight=w, wkey=0)
+    with pytest.raises(ContractError, match="int8"):
+        cpu.hook.kestrel_gemm_q8(device=cpu.device, a_codes=a_codes.astype(np.int16), a_scales=a_scales,
+                                 weight=w, wkey=0)
+    with pytest.raises(ContractError, match="do not match"):
+        cpu.hook.kestrel_gemm_f32(device=cpu.device, a=np.ones((2, 32), np.float32), weight=w, wkey=0)
+
+
+def test_reference_mode_runs_the_numpy_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kestrel_cpu
+
+    monkeypatch.setenv(kestrel_cpu.REFERENCE_ENV, "1")
+    device = kestrel_cpu.kestrel_open(options={})
+    assert device.kernels is None and "numpy reference" in device.description
+    rng = np.random.default_rng(2)
+    a_codes, a_scales, w, _ = _q8_inputs(rng, 3, 10, 256, 256, 4)
+    np.testing.assert_array_equal(
+        kestrel_cpu.kestrel_gemm_q8(device=device, a_codes=a_codes, a_scales=a_scales, weight=w, wkey=0),
+        reference_gemm_q8(a_codes, a_scales, w))
