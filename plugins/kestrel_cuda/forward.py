@@ -2,25 +2,458 @@
 
 API (what the ``kestrel_forward`` / ``kestrel_release_sequence`` hookimpls call):
 
-    fwd = DeviceForward(weight_source=None, layer_boundary=None, max_context=None)
+    fwd = DeviceForward(weight_source=None, layer_boundary=None, *, stream=None, gemm=None, pin=None,
+                        unpin=None, max_context=None, use_graph=None, ops=None)
     fwd.forward(model, seq_id, tokens, start, all_logits) -> np.ndarray float32 [T or 1, vocab] | None
     fwd.release(seq_id) -> None
     fwd.stats() -> dict[str, int | float]
     fwd.close() -> None
 
-- ``weight_source(wkey, strip_cache) -> device weight``: the weight cache's get-or-upload. ``None``: the
-  forward uploads (and keeps) its own copy of every weight it uses, in the same K-major layout.
-- ``layer_boundary(layer)``: called before each layer when the residency window is on
-  (``KESTREL_CUDA_STREAM``). A window forces the non-graph path: weights are fetched through
-  ``weight_source`` per layer per step, because a captured graph bakes in device pointers that an
-  eviction would invalidate. Without a window the decode step (T == 1) is captured once per sequence in a
-  CUDA graph and replayed; the position and token are read from device memory, so one graph serves all
-  positions.
-- ``forward``: ``tokens`` int32 [T] at absolute positions ``start..start+T-1`` of sequence ``seq_id``. The
-  KV cache lives on the device, one per ``seq_id``; ``start == 0`` resets it; ``start`` below the cached
-  length rewinds; ``start`` above it (the engine computed steps on the CPU meanwhile), a context beyond
-  ``max_context``, or an unsupported model returns ``None`` (declined: the engine recomputes on the CPU).
-  Returns all T rows of logits if ``all_logits`` else the last row only, as [1, vocab].
+- ``weight_source(wkey, strips) -> DeviceWeight | None``: the weight cache's get-or-upload
+  (``residency.DeviceWeight``: ``.geometry``, ``.codes``, ``.scales`` in the K-major layout of weights.py).
+  ``strips`` has one StripCache, or several (Q|K|V, gate|up) under their fused wkey when
+  ``residency.fusable`` allows it; returning None for a fused request makes the forward ask per projection.
+  ``None``: the forward packs and uploads its own copy of every weight (host packing: small models, tests).
+- ``layer_boundary(layer)``: called before each layer. Given (residency window on, ``KESTREL_CUDA_STREAM``),
+  it forces the non-graph path and weights are fetched through ``weight_source`` per layer per step: a
+  captured graph bakes in device pointers that an eviction would invalidate. Uploads and these kernels
+  must then share ``stream`` (stream order is what makes reusing an evicted buffer safe).
+- Without a window, the decode step (T == 1) is captured once per sequence in a CUDA graph and replayed
+  (``use_graph``; env ``KESTREL_CUDA_GRAPH=0`` turns it off); the position and the token are read from
+  device memory, so one graph serves every position. ``pin(wkey)``/``unpin(wkey)`` (the cache's) keep the
+  weights a graph captured resident; they are unpinned when the model changes or at ``close``.
+- ``gemm``: cuda-kernels' ``gemm.DeviceGemm``; prefill chunks of more than ``SMALL_M`` rows run its
+  tensor-core GEMM (``q8``). Without it they run this module's fused GEMV, 8 rows per weight pass.
+- ``stream``: a ``cupy.cuda.Stream(non_blocking=True)`` (capturable); default a new one.
+- ``forward``: ``tokens`` (integers) [T] at absolute positions ``start..start+T-1`` of sequence ``seq_id``.
+  The KV cache lives on the device, one per ``seq_id`` (float32, grown 1024 positions at a time up to
+  ``max_context``: default min(model context, ``KESTREL_CUDA_MAX_CONTEXT`` or 32768)); ``start == 0``
+  resets it; ``start`` below the cached length rewinds. Declines (returns None; the engine recomputes on
+  the CPU): ``start`` above the cached length (the engine ran steps on the CPU meanwhile), a context beyond
+  ``max_context``, a token outside the vocabulary, an unsupported model (head_dim > 128 or odd, heads not a
+  multiple of KV heads). Any device error drops the sequence's state and propagates (the dispatcher
+  declines). Returns all T rows of logits if ``all_logits`` else the last row, as [1, vocab].
+
+The model math is kestrel_core.model.decoder's; the kernels are forward.cu, launched by forward_ops.py.
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kestrel_core.contract import StripCache
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.config import ARCHITECTURES
+from kestrel_core.model.decoder import PREFILL_CHUNK, RopeTables
+from kestrel_core.model.weights import LayerWeights, Model
+from kestrel_core.wkey import Proj, fused_wkey, lm_head_wkey, wkey
+from kestrel_cuda.forward_ops import (
+    EPI_ADD,
+    EPI_STORE,
+    MAX_HEAD_DIM,
+    PRO_PLAIN,
+    PRO_RMSNORM,
+    PRO_SILU_MUL,
+    Lin,
+    attn_part_size,
+    default_target_blocks,
+    gemv_scratch,
+    head_scale,
+    pack_kmajor,
+    plan_ksplit,
+)
+from kestrel_cuda.residency import fusable
+
+CAP_CHUNK = 1024  # KV positions are allocated this many at a time
+DEFAULT_MAX_CONTEXT = 32768
+MAX_CONTEXT_ENV = "KESTREL_CUDA_MAX_CONTEXT"
+GRAPH_ENV = "KESTREL_CUDA_GRAPH"
+
+WeightSource = Callable[[int, Sequence[StripCache]], Any]
+
+
+def unsupported_reason(model: Model) -> str | None:
+    """Why the device forward cannot run ``model`` (None: it can)."""
+    c = model.config
+    if c.arch not in ARCHITECTURES:
+        return f"architecture {c.arch!r}"
+    if c.head_dim % 2 or c.head_dim > MAX_HEAD_DIM:
+        return f"head_dim {c.head_dim} (needs an even head_dim <= {MAX_HEAD_DIM})"
+    if c.num_kv_heads <= 0 or c.num_heads % c.num_kv_heads:
+        return f"{c.num_heads} heads over {c.num_kv_heads} KV heads"
+    if model.embedding.k != c.hidden_size:
+        return "embedding width differs from hidden_size"
+    return None
+
+
+def _env_max_context() -> int:
+    raw = os.environ.get(MAX_CONTEXT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_CONTEXT
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise KestrelError(f"{MAX_CONTEXT_ENV} must be a positive number of positions, got {raw!r}")
+    return value
+
+
+def _env_graph() -> bool:
+    return os.environ.get(GRAPH_ENV, "1").strip() not in ("0", "false", "no", "off")
+
+
+@dataclass
+class _LayerWeights:
+    qkv: list[Lin]
+    o: Lin
+    gate_up: list[Lin]
+    down: Lin
+
+
+@dataclass
+class _Layer:
+    attn_norm: Any
+    mlp_norm: Any
+    q_norm: Any
+    k_norm: Any
+    qkv_bias: Any
+    weights: _LayerWeights | None = None  # None when fetched per step (residency window)
+
+
+@dataclass
+class _Seq:
+    kv: Any  # float32 [L, 2, KV, cap, hd]
+    length: int = 0
+    graph: Callable[[], None] | None = None
+
+    @property
+    def capacity(self) -> int:
+        return int(self.kv.shape[3])
+
+
+@dataclass
+class _State:
+    """Everything on the device for one model: small tensors, weights, workspace."""
+
+    model: Model  # strips for per-step fetches (window) and the identity check
+    config: Any
+    max_context: int
+    emb_codes: Any
+    emb_scales: Any
+    emb_group: int
+    final_norm: Any
+    layers: list[_Layer]
+    lm_head: Lin | None
+    cos: Any
+    sin: Any
+    meta: Any  # int32 [1 + PREFILL_CHUNK]: position, then token ids
+    h: Any
+    qkv: Any
+    q: Any
+    attn: Any
+    gu: Any
+    logits: Any
+    logits_all: Any = None
+    pinned: list[int] = field(default_factory=list)
+    own: list[Any] = field(default_factory=list)  # arrays of own uploads, kept alive
+
+    @property
+    def ids(self) -> Any:
+        return self.meta[1:]
+
+
+class DeviceForward:
+    """The whole-step forward of the CUDA backend (see the module docstring for the API)."""
+
+    def __init__(self, weight_source: WeightSource | None = None,
+                 layer_boundary: Callable[[int], None] | None = None, *, stream: Any = None, gemm: Any = None,
+                 pin: Callable[[int], None] | None = None, unpin: Callable[[int], None] | None = None,
+                 max_context: int | None = None, use_graph: bool | None = None, ops: Any = None,
+                 target_blocks: int | None = None) -> None:
+        if ops is None:
+            from kestrel_cuda.forward_ops import CupyOps
+
+            ops = CupyOps(stream, gemm)
+        self.ops = ops
+        self.xp = ops.xp
+        self.weight_source = weight_source
+        self.layer_boundary = layer_boundary
+        self.pin = pin
+        self.unpin = unpin
+        self.max_context = max_context
+        self.use_graph = (_env_graph() if use_graph is None else use_graph) and layer_boundary is None
+        sm = getattr(ops, "sm_count", 132)
+        self.target_blocks = target_blocks or default_target_blocks(sm)
+        self._st: _State | None = None
+        self._seqs: dict[int, _Seq] = {}
+        self.counters: dict[str, int] = {"steps": 0, "graph_replays": 0, "graph_captures": 0,
+                                         "prefill_tokens": 0, "decode_tokens": 0, "declined": 0}
+        self.last_decline = ""
+
+    # -- API -----------------------------------------------------------------------------------------
+
+    def forward(self, model: Model, seq_id: int, tokens: Any, start: int, all_logits: bool) -> np.ndarray | None:
+        toks = np.asarray(tokens).reshape(-1)
+        if toks.size == 0 or not np.issubdtype(toks.dtype, np.integer) or start < 0:
+            return self._decline("no tokens or a bad start")
+        v = model.config.vocab_size
+        if int(toks.min()) < 0 or int(toks.max()) >= v:
+            return self._decline("token id outside the vocabulary")
+        st = self._state(model)
+        if st is None:
+            return None
+        seq = self._seqs.get(seq_id)
+        if start == 0:
+            if seq is not None:
+                seq.length = 0
+        elif seq is None or start > seq.length:
+            return self._decline("the device KV cache is behind the engine's")
+        else:
+            seq.length = start  # rewind: positions >= start are overwritten
+        end = start + len(toks)
+        if end > st.max_context:
+            return self._decline(f"context {end} beyond the device maximum {st.max_context}")
+        try:
+            seq = self._reserve(st, seq_id, seq, end)
+            return self._run(st, seq, toks.astype(np.int32), start, all_logits)
+        except BaseException:
+            self._seqs.pop(seq_id, None)  # its KV cache may be half written
+            raise
+
+    def release(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
+
+    def stats(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {f"forward_{k}": v for k, v in self.counters.items()}
+        out["forward_sequences"] = len(self._seqs)
+        out["forward_launches"] = int(getattr(self.ops, "launches", 0))
+        return out
+
+    def close(self) -> None:
+        self._teardown()
+
+    # -- steps ---------------------------------------------------------------------------------------
+
+    def _decline(self, reason: str) -> None:
+        self.counters["declined"] += 1
+        self.last_decline = reason
+        return None
+
+    def _run(self, st: _State, seq: _Seq, toks: np.ndarray, start: int, all_logits: bool) -> np.ndarray:
+        ops, t = self.ops, len(toks)
+        if all_logits and t > 1 and st.logits_all is None:
+            st.logits_all = self.ops.zeros((PREFILL_CHUNK, st.config.vocab_size), np.float32)
+        outs = []
+        for c0 in range(0, t, PREFILL_CHUNK):
+            chunk = toks[c0:c0 + PREFILL_CHUNK]
+            m = len(chunk)
+            last = c0 + PREFILL_CHUNK >= t
+            rows = m if all_logits else (1 if last else 0)
+            pos = start + c0
+            ops.write_meta(st.meta, np.concatenate([np.array([pos], np.int32), chunk]))
+            if m == 1 and self.use_graph:
+                if seq.graph is None:
+                    self._pin_weights(st)
+                    seq.graph = ops.capture(lambda: self._step(st, seq, 1, 1))
+                    self.counters["graph_captures"] += 1
+                seq.graph()
+                self.counters["graph_replays"] += 1
+            else:
+                self._step(st, seq, m, rows)
+            seq.length = pos + m
+            self.counters["steps"] += 1
+            self.counters["decode_tokens" if m == 1 else "prefill_tokens"] += m
+            if rows:
+                outs.append(ops.download(st.logits_all if rows > 1 else st.logits, rows))
+        ops.synchronize()
+        return np.concatenate(outs) if len(outs) > 1 else outs[0]
+
+    def _step(self, st: _State, seq: _Seq, m: int, rows: int) -> None:
+        """Every kernel of one pass over rows [0, m) at positions meta[0]..; logits of the last ``rows``."""
+        ops, c = self.ops, st.config
+        eps = float(c.rms_norm_eps)
+        hd, heads, kv_heads, f = c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size
+        scale = head_scale(hd)
+        h = st.h[:m]
+        ops.embed(st.emb_codes, st.emb_scales, st.emb_group, st.ids, h)
+        for i, layer in enumerate(st.layers):
+            if self.layer_boundary is not None:
+                self.layer_boundary(i)
+            w = layer.weights or self._layer_weights(st, i)
+            kc, vc = seq.kv[i, 0], seq.kv[i, 1]
+            for lin in w.qkv:
+                bias = None if layer.qkv_bias is None else layer.qkv_bias[lin.col:lin.col + lin.n]
+                ops.gemv(lin, h, PRO_RMSNORM, layer.attn_norm, eps, 0, st.qkv[:m, lin.col:lin.col + lin.n],
+                         EPI_STORE, bias)
+            ops.qkv_rope(st.qkv[:m], heads, kv_heads, hd, layer.q_norm, layer.k_norm, eps, st.cos, st.sin,
+                         st.meta, st.q[:m], kc, vc)
+            ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m])
+            ops.gemv(w.o, st.attn[:m], PRO_PLAIN, None, eps, 0, h, EPI_ADD, None)
+            for lin in w.gate_up:
+                ops.gemv(lin, h, PRO_RMSNORM, layer.mlp_norm, eps, 0, st.gu[:m, lin.col:lin.col + lin.n],
+                         EPI_STORE, None)
+            ops.gemv(w.down, st.gu[:m], PRO_SILU_MUL, None, eps, f, h, EPI_ADD, None)
+        if rows:
+            lm = st.lm_head or self._fetch([st.model.lm_head], [lm_head_wkey()], 0)[0]
+            out = st.logits_all[:rows] if rows > 1 else st.logits
+            ops.gemv(lm, st.h[m - rows:m], PRO_RMSNORM, st.final_norm, eps, 0, out, EPI_STORE, None)
+
+    # -- sequences -----------------------------------------------------------------------------------
+
+    def _reserve(self, st: _State, seq_id: int, seq: _Seq | None, end: int) -> _Seq:
+        if seq is not None and end <= seq.capacity:
+            return seq
+        c = st.config
+        cap = min(st.max_context, -(-end // CAP_CHUNK) * CAP_CHUNK)
+        kv = self.ops.zeros((c.num_layers, 2, c.num_kv_heads, cap, c.head_dim), np.float32)
+        if seq is None:
+            seq = self._seqs[seq_id] = _Seq(kv)
+        else:
+            n = seq.length
+            self.ops.copy(kv[:, :, :, :n], seq.kv[:, :, :, :n])
+            seq.kv = kv
+            seq.graph = None  # it captured the old buffer
+        return seq
+
+    # -- model state ---------------------------------------------------------------------------------
+
+    def _state(self, model: Model) -> _State | None:
+        st = self._st
+        if st is not None and st.model is model:
+            return st
+        reason = unsupported_reason(model)
+        if reason is not None:
+            return self._decline(f"unsupported model: {reason}")
+        self._teardown()
+        self._st = self._build(model)
+        return self._st
+
+    def _teardown(self) -> None:
+        st = self._st
+        self._seqs.clear()
+        self._st = None
+        if st is not None and self.unpin is not None:
+            for key in st.pinned:
+                self.unpin(key)
+
+    def _build(self, model: Model) -> _State:
+        c, ops = model.config, self.ops
+        up, zeros = ops.upload, ops.zeros
+        d, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
+        nq, nkv = c.num_heads * hd, c.num_kv_heads * hd
+        max_context = min(c.max_position, self.max_context or _env_max_context())
+        cos, sin = RopeTables(c).upto(max_context)
+        layers = []
+        for lw in model.layers:
+            bias = None
+            if lw.q_bias is not None:
+                bias = up(np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias]).astype(np.float32))
+            layers.append(_Layer(up(lw.attn_norm), up(lw.mlp_norm),
+                                 None if lw.q_norm is None else up(lw.q_norm),
+                                 None if lw.k_norm is None else up(lw.k_norm), bias))
+        emb = model.embedding
+        t = PREFILL_CHUNK
+        st = _State(model=model, config=c, max_context=max_context, emb_codes=up(emb.codes),
+                    emb_scales=up(emb.scales), emb_group=emb.group_size, final_norm=up(model.final_norm),
+                    layers=layers, lm_head=None, cos=up(cos[:max_context]), sin=up(sin[:max_context]),
+                    meta=zeros(1 + t, np.int32), h=zeros((t, d), np.float32),
+                    qkv=zeros((t, nq + 2 * nkv), np.float32), q=zeros((t, nq), np.float32),
+                    attn=zeros((t, nq), np.float32), gu=zeros((t, 2 * f), np.float32),
+                    logits=zeros((1, c.vocab_size), np.float32))
+        self._reserve_scratch(model)
+        if self.layer_boundary is None:
+            for i in range(c.num_layers):
+                layers[i].weights = self._layer_weights(st, i)
+            st.lm_head = self._fetch([model.lm_head], [lm_head_wkey()], 0)[0]
+        ops.synchronize_device()  # weights a cache uploaded on another stream are complete
+        return st
+
+    def _reserve_scratch(self, model: Model) -> None:
+        """Split-K and attention scratch for every projection, from shapes alone (nothing uploaded)."""
+        reserve = getattr(self.ops, "reserve", None)
+        if reserve is None:
+            return
+        c = model.config
+        lins = []
+        for group in _groups(model.layers[0]) + [[model.lm_head]]:
+            n, k = sum(s.n for s in group), group[0].k
+            lin = Lin(None, None, k, n, (n + 3) & ~3, group[0].group_size, 8)
+            lin.ksplit = plan_ksplit(lin, self.target_blocks)
+            lins.append(lin)
+            for s in group:  # unfused members may have more tiles
+                one = Lin(None, None, s.k, s.n, (s.n + 3) & ~3, s.group_size, 8)
+                one.ksplit = plan_ksplit(one, self.target_blocks)
+                lins.append(one)
+        part, counters = gemv_scratch(lins)
+        reserve(part, counters, attn_part_size(c.num_heads, c.head_dim), c.num_heads)
+
+    def _layer_weights(self, st: _State, i: int) -> _LayerWeights:
+        lw = st.model.layers[i]
+        qkv, o, gu, down = _groups(lw)
+        return _LayerWeights(
+            qkv=self._fetch(qkv, [wkey(i, Proj.Q), wkey(i, Proj.K), wkey(i, Proj.V)], fused_wkey(i, Proj.QKV)),
+            o=self._fetch(o, [wkey(i, Proj.O)], 0)[0],
+            gate_up=self._fetch(gu, [wkey(i, Proj.GATE), wkey(i, Proj.UP)], fused_wkey(i, Proj.GATE_UP)),
+            down=self._fetch(down, [wkey(i, Proj.DOWN)], 0)[0])
+
+    def _fetch(self, strips: list[StripCache], keys: list[int], fused_key: int) -> list[Lin]:
+        """Device projections for ``strips`` (fused into one when allowed), with their output columns."""
+        cols = np.cumsum([0] + [s.n for s in strips[:-1]]).tolist()
+        if self.weight_source is None:
+            same = len({(s.k, s.group_size, s.bits) for s in strips}) == 1
+            if same:
+                codes = strips[0].codes if len(strips) == 1 else np.concatenate([s.codes for s in strips])
+                scales = strips[0].scales if len(strips) == 1 else np.concatenate([s.scales for s in strips])
+                return [self._own(codes, scales, strips[0], fused_key if len(strips) > 1 else keys[0])]
+            return [self._own(s.codes, s.scales, s, key, col) for s, key, col in zip(strips, keys, cols)]
+        if len(strips) > 1 and fusable(strips):
+            dw = self.weight_source(fused_key, strips)
+            if dw is not None:
+                return [self._adopt(dw, sum(s.n for s in strips), 0, fused_key)]
+        return [self._adopt(self.weight_source(key, [s]), s.n, col, key) for s, key, col in zip(strips, keys, cols)]
+
+    def _own(self, codes: np.ndarray, scales: np.ndarray, like: StripCache, key: int, col: int = 0) -> Lin:
+        n, k = codes.shape
+        npad = (n + 3) & ~3
+        sc = np.zeros((k // like.group_size, npad), np.float32)
+        sc[:, :n] = scales.T
+        packed = pack_kmajor(codes, like.bits)
+        lin = Lin(self.ops.upload(packed), self.ops.upload(sc), k, n, npad, like.group_size, like.bits, col,
+                  wkey=key)
+        lin.ksplit = plan_ksplit(lin, self.target_blocks)
+        return lin
+
+    def _adopt(self, dw: Any, n: int, col: int, key: int) -> Lin:
+        if dw is None:
+            raise KestrelError(f"the weight cache returned no weight for wkey {key:#x}")
+        g = dw.geometry
+        rows = g.k if g.code_bits == 8 else g.k // 2
+        codes = dw.codes.view(np.uint8).reshape(rows, g.npad)
+        lin = Lin(codes, dw.scales, g.k, n, g.npad, g.group_size, g.code_bits, col, wkey=key)
+        lin.ksplit = plan_ksplit(lin, self.target_blocks)
+        lin.device_weight = dw  # type: ignore[attr-defined]  # the tiled GEMM takes the cache's object
+        return lin
+
+    def _pin_weights(self, st: _State) -> None:
+        """Before a graph captures weight addresses: pin them in the cache (once per model state)."""
+        if self.pin is None or st.pinned or self.weight_source is None:
+            return
+        keys = [lin.wkey for layer in st.layers if layer.weights for lin in
+                (*layer.weights.qkv, layer.weights.o, *layer.weights.gate_up, layer.weights.down)]
+        if st.lm_head is not None:
+            keys.append(st.lm_head.wkey)
+        for key in keys:
+            self.pin(key)
+            st.pinned.append(key)
+
+
+def _groups(lw: LayerWeights) -> list[list[StripCache]]:
+    """The projections of a layer in launch order: Q|K|V, O, gate|up, down."""
+    return [[lw.q, lw.k, lw.v], [lw.o], [lw.gate, lw.up], [lw.down]]
+

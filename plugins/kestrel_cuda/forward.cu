@@ -1,0 +1,569 @@
+// Whole-step decoder kernels of the CUDA backend (kestrel_cuda.forward).
+//
+// Compiled by NVRTC through cupy.RawModule with --fmad=false, so every float expression rounds exactly as
+// written (the CPU decoder's numpy order where it matters: rmsnorm x / sqrt(ms + eps) * w, RoPE
+// x1*c - x2*s, silu g / (1 + exp(-g)) * u, Q8_0 round-half-away codes).
+//
+// Layouts (float32 unless said):
+//   weights   codes K-major [K][Npad] int8, or int4 two per byte [K/2][Npad] (byte = (c[2j]+8) | (c[2j+1]+8)<<4,
+//             so a 32-bit word holds 4 columns x 2 rows), scales [K/G][Npad]
+//   h         [M][D] residual stream; qkv [M][Nqkv] (q | k | v); q [M][H*hd]; attn [M][H*hd]; gu [M][2F]
+//   kv cache  one layer: k [KV][cap][hd], v [KV][cap][hd]
+//   meta      int32 device memory: meta[0] = absolute position of row 0 (the graph reads it at run time)
+
+#define NT 256          // threads of a GEMV block (8 warps)
+#define TN 128          // columns of a GEMV tile: 32 lanes x 4 columns
+#define KC 256          // rows of activation handled per chunk: 8 warps x 32 rows
+#define FULL 0xffffffffu
+
+__device__ __forceinline__ float warp_sum(float v) {
+    // xor butterfly: every lane ends with the same bits (float addition is commutative)
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL, v, o));
+    return v;
+}
+
+__device__ __forceinline__ int warp_isum(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+    return v;
+}
+
+// Sum over the NT threads of a block, same bits in every thread; red: >= 8 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < NT / 32; ++w) s += red[w];
+    return s;
+}
+
+// 4 row-words (each: 4 columns of one k) -> 4 column-words (each: 4 consecutive k of one column)
+__device__ __forceinline__ void transpose4(unsigned r0, unsigned r1, unsigned r2, unsigned r3, unsigned* c) {
+    const unsigned t0 = __byte_perm(r0, r1, 0x5140);
+    const unsigned t1 = __byte_perm(r2, r3, 0x5140);
+    const unsigned t2 = __byte_perm(r0, r1, 0x7362);
+    const unsigned t3 = __byte_perm(r2, r3, 0x7362);
+    c[0] = __byte_perm(t0, t1, 0x5410);
+    c[1] = __byte_perm(t0, t1, 0x7632);
+    c[2] = __byte_perm(t2, t3, 0x5410);
+    c[3] = __byte_perm(t2, t3, 0x7632);
+}
+
+// ------------------------------------------------------------------------------------------------------
+// Quantized GEMV / small-M GEMM with the activation prologue fused in.
+//
+// out[m][n] = sum_g (sum_{k in g} Aq[m][k] Wq[k][n]) * a_scale[m][g] * w_scale[g][n]   (integer block sums)
+// where A = prologue(X): pro 0: X; pro 1: rmsnorm(X, pw, eps); pro 2: silu(X[:, k]) * X[:, k + xoff],
+// quantized per G-block exactly as contract.quantize_activations.
+// Grid: x = column tiles of TN, y = K splits (chunks of KC strided by gridDim.y), z = row blocks of MR.
+// With gridDim.y > 1 each block writes its partial sums to part[y][m][Npad] and the last block of a tile
+// (atomic counter, then reset for the next launch) adds them in y order: deterministic, graph-safe.
+// Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += acc (+ bias).
+template <int BITS, int G, int MR>
+__global__ void __launch_bounds__(NT) qgemv(
+    const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
+    const float* __restrict__ X, int ldx, int M, int pro, const float* __restrict__ pw, float eps, int xoff,
+    float* __restrict__ Y, int ldy, int epi, const float* __restrict__ bias,
+    float* __restrict__ part, int* __restrict__ counters)
+{
+    __shared__ int s_aq[MR][KC / 4];            // activation codes of this chunk, 4 per word
+    __shared__ float s_as[MR][KC / 32];         // activation scales (G=256: element 0)
+    __shared__ int s_asum[MR][KC / 32];         // sum of activation codes per group (int4 bias)
+    __shared__ float s_r[MR];                   // rmsnorm denominators
+    __shared__ float s_red[NT / 32];
+    __shared__ int s_acc[NT / 32][MR][TN];      // per-warp partial results (float bits, or ints for G=256)
+    __shared__ int s_last;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int n0 = blockIdx.x * TN;
+    const int col = n0 + 4 * lane;
+    const int m0 = blockIdx.z * MR;
+    const int nck = (K + KC - 1) / KC;
+    const bool colok = col < Npad;
+    float acc[MR];
+#pragma unroll
+    for (int i = 0; i < MR; ++i) acc[i] = 0.f;
+
+    if (pro == 1) {
+        for (int i = 0; i < MR; ++i) {
+            const int m = m0 + i;
+            float ss = 0.f;
+            if (m < M) {
+                const float* xr = X + (size_t)m * ldx;
+                for (int k = tid; k < K; k += NT) { const float v = xr[k]; ss += v * v; }
+            }
+            ss = block_sum(ss, s_red);
+            if (tid == 0) s_r[i] = sqrtf(ss / (float)K + eps);
+        }
+    }
+
+    for (int c = blockIdx.y; c < nck; c += gridDim.y) {
+        const int k0 = c * KC;
+        const int kr = k0 + 32 * warp;          // first weight row of this warp's 32-row slot
+        const bool slot = colok && kr < K;
+        // Issue the weight loads first: they do not depend on the activations, so the prologue below
+        // runs while they are in flight.
+        constexpr int NW = BITS == 8 ? 32 : 16;
+        unsigned wr[NW];
+        if (slot) {
+            const unsigned* wp = reinterpret_cast<const unsigned*>(
+                W + (size_t)(BITS == 8 ? kr : kr / 2) * Npad + col);
+            const int stride = Npad / 4;
+#pragma unroll
+            for (int r = 0; r < NW; ++r) wr[r] = __ldg(wp + (size_t)r * stride);
+        }
+        __syncthreads();  // the previous chunk is done with s_aq / s_acc
+        for (int i = 0; i < MR; ++i) {
+            const int m = m0 + i;
+            const int k = k0 + tid;
+            float v = 0.f;
+            if (m < M && k < K) {
+                const float* xr = X + (size_t)m * ldx;
+                if (pro == 1) {
+                    v = xr[k] / s_r[i] * pw[k];
+                } else if (pro == 2) {
+                    const float g = xr[k];
+                    v = g / (1.f + expf(-g)) * xr[k + xoff];
+                } else {
+                    v = xr[k];
+                }
+            }
+            float amax = fabsf(v);
+            if (G == 32) {
+                amax = warp_max(amax);
+            } else {
+                amax = warp_max(amax);
+                __syncthreads();
+                if (lane == 0) s_red[warp] = amax;
+                __syncthreads();
+                amax = s_red[0];
+#pragma unroll
+                for (int w = 1; w < NT / 32; ++w) amax = fmaxf(amax, s_red[w]);
+            }
+            const float d = amax / 127.f;
+            const float inv = d == 0.f ? 0.f : 1.f / d;
+            const int q = (int)roundf(v * inv);  // roundf: half away from zero, like ggml
+            reinterpret_cast<signed char*>(s_aq[i])[tid] = (signed char)q;
+            if (BITS == 4) {
+                int qs = warp_isum(q);
+                if (G == 32) {
+                    if (lane == 0) s_asum[i][warp] = qs;
+                } else {
+                    __syncthreads();
+                    if (lane == 0) s_red[warp] = __int_as_float(qs);
+                    __syncthreads();
+                    if (tid == 0) {
+                        int t = 0;
+                        for (int w = 0; w < NT / 32; ++w) t += __float_as_int(s_red[w]);
+                        s_asum[i][0] = t;
+                    }
+                }
+            }
+            if (G == 32) { if (lane == 0) s_as[i][warp] = d; }
+            else { if (tid == 0) s_as[i][0] = d; }
+        }
+        __syncthreads();
+
+        int isum[MR][4];
+#pragma unroll
+        for (int i = 0; i < MR; ++i) { isum[i][0] = isum[i][1] = isum[i][2] = isum[i][3] = 0; }
+        if (slot) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {      // 8 quads of 4 rows
+                unsigned cw[4];
+                if (BITS == 8) {
+                    transpose4(wr[4 * j], wr[4 * j + 1], wr[4 * j + 2], wr[4 * j + 3], cw);
+                } else {
+                    const unsigned a = wr[2 * j], b = wr[2 * j + 1];
+                    transpose4(a & 0x0f0f0f0fu, (a >> 4) & 0x0f0f0f0fu, b & 0x0f0f0f0fu,
+                               (b >> 4) & 0x0f0f0f0fu, cw);
+                }
+#pragma unroll
+                for (int i = 0; i < MR; ++i) {
+                    const int aw = s_aq[i][8 * warp + j];
+#pragma unroll
+                    for (int cc = 0; cc < 4; ++cc) isum[i][cc] = __dp4a((int)cw[cc], aw, isum[i][cc]);
+                }
+            }
+        }
+        if (G == 32) {
+            float4 ws = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (slot) ws = *reinterpret_cast<const float4*>(WS + (size_t)(kr / 32) * Npad + col);
+#pragma unroll
+            for (int i = 0; i < MR; ++i) {
+                const float as = s_as[i][warp];
+                const int bias8 = BITS == 4 ? 8 * s_asum[i][warp] : 0;
+                float f[4];
+                f[0] = (float)(isum[i][0] - bias8) * as * ws.x;
+                f[1] = (float)(isum[i][1] - bias8) * as * ws.y;
+                f[2] = (float)(isum[i][2] - bias8) * as * ws.z;
+                f[3] = (float)(isum[i][3] - bias8) * as * ws.w;
+                if (!slot) f[0] = f[1] = f[2] = f[3] = 0.f;
+#pragma unroll
+                for (int cc = 0; cc < 4; ++cc) s_acc[warp][i][4 * lane + cc] = __float_as_int(f[cc]);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < MR; ++i)
+#pragma unroll
+                for (int cc = 0; cc < 4; ++cc) s_acc[warp][i][4 * lane + cc] = slot ? isum[i][cc] : 0;
+        }
+        __syncthreads();
+        if (tid < TN && n0 + tid < Npad) {
+            const int n = n0 + tid;
+#pragma unroll
+            for (int i = 0; i < MR; ++i) {
+                if (G == 32) {
+                    float s = 0.f;
+#pragma unroll
+                    for (int w = 0; w < NT / 32; ++w) s += __int_as_float(s_acc[w][i][tid]);
+                    acc[i] += s;
+                } else {
+                    int t = 0;
+#pragma unroll
+                    for (int w = 0; w < NT / 32; ++w) t += s_acc[w][i][tid];
+                    if (BITS == 4) t -= 8 * s_asum[i][0];
+                    acc[i] += (float)t * s_as[i][0] * WS[(size_t)(k0 / 256) * Npad + n];
+                }
+            }
+        }
+    }
+
+    if (gridDim.y > 1) {
+        if (tid < TN && n0 + tid < Npad) {
+            for (int i = 0; i < MR; ++i) {
+                const int m = m0 + i;
+                if (m < M) part[((size_t)blockIdx.y * M + m) * Npad + n0 + tid] = acc[i];
+            }
+        }
+        __threadfence();
+        __syncthreads();
+        const int tile = blockIdx.z * gridDim.x + blockIdx.x;
+        if (tid == 0) s_last = atomicAdd(&counters[tile], 1) == (int)gridDim.y - 1;
+        __syncthreads();
+        if (!s_last) return;
+        __threadfence();
+        if (tid < TN && n0 + tid < Npad) {
+            for (int i = 0; i < MR; ++i) {
+                const int m = m0 + i;
+                float s = 0.f;
+                if (m < M)
+                    for (int y = 0; y < (int)gridDim.y; ++y)
+                        s += __ldcg(part + ((size_t)y * M + m) * Npad + n0 + tid);
+                acc[i] = s;
+            }
+        }
+        if (tid == 0) counters[tile] = 0;
+    }
+
+    if (tid < TN) {
+        const int n = n0 + tid;
+        if (n < N) {
+            for (int i = 0; i < MR; ++i) {
+                const int m = m0 + i;
+                if (m >= M) continue;
+                float y = acc[i];
+                if (bias) y = y + bias[n];
+                float* dst = Y + (size_t)m * ldy + n;
+                *dst = epi == 1 ? *dst + y : y;
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------
+// Prologue alone, for the tiled-GEMM path: A = prologue(X) quantized per G-block -> codes [M][K], scales
+// [M][K/G]. One block per (row, chunk of NT elements).
+template <int G>
+__global__ void __launch_bounds__(NT) quantize_rows(
+    const float* __restrict__ X, int ldx, int M, int K, int pro, const float* __restrict__ pw, float eps,
+    int xoff, signed char* __restrict__ codes, float* __restrict__ scales)
+{
+    __shared__ float s_red[NT / 32];
+    __shared__ float s_r;
+    const int m = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const float* xr = X + (size_t)m * ldx;
+    if (pro == 1) {
+        float ss = 0.f;
+        for (int k = tid; k < K; k += NT) { const float v = xr[k]; ss += v * v; }
+        ss = block_sum(ss, s_red);
+        if (tid == 0) s_r = sqrtf(ss / (float)K + eps);
+        __syncthreads();
+    }
+    const int k = blockIdx.x * NT + tid;
+    float v = 0.f;
+    if (k < K) {
+        if (pro == 1) v = xr[k] / s_r * pw[k];
+        else if (pro == 2) { const float g = xr[k]; v = g / (1.f + expf(-g)) * xr[k + xoff]; }
+        else v = xr[k];
+    }
+    float amax = warp_max(fabsf(v));
+    if (G == 256) {
+        __syncthreads();
+        if (lane == 0) s_red[warp] = amax;
+        __syncthreads();
+        amax = s_red[0];
+        for (int w = 1; w < NT / 32; ++w) amax = fmaxf(amax, s_red[w]);
+    }
+    const float d = amax / 127.f;
+    const float inv = d == 0.f ? 0.f : 1.f / d;
+    if (k < K) {
+        codes[(size_t)m * K + k] = (signed char)(int)roundf(v * inv);
+        if (k % G == 0) scales[(size_t)m * (K / G) + k / G] = d;
+    }
+}
+
+// Y[m][n] (+)= T[m][n] (+ bias[n]): the epilogue of the tiled-GEMM path.
+__global__ void add_rows(const float* __restrict__ T, int ldt, int M, int N, float* __restrict__ Y, int ldy,
+                         int epi, const float* __restrict__ bias)
+{
+    const int n = blockIdx.x * blockDim.x + threadIdx.x, m = blockIdx.y;
+    if (n >= N) return;
+    float y = T[(size_t)m * ldt + n];
+    if (bias) y = y + bias[n];
+    float* dst = Y + (size_t)m * ldy + n;
+    *dst = epi == 1 ? *dst + y : y;
+}
+
+// ------------------------------------------------------------------------------------------------------
+// h[m][:] = dequantized embedding row of ids[m] (codes [V][D] int8, scales [V][D/G]).
+__global__ void embed_rows(const signed char* __restrict__ codes, const float* __restrict__ scales, int D,
+                           int G, const int* __restrict__ ids, float* __restrict__ h)
+{
+    const int m = blockIdx.y;
+    const int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= D) return;
+    const size_t tok = (size_t)ids[m];
+    h[(size_t)m * D + k] = (float)codes[tok * D + k] * scales[tok * (D / G) + k / G];
+}
+
+// ------------------------------------------------------------------------------------------------------
+// Per head of the qkv rows: optional per-head rmsnorm (Qwen3 q_norm/k_norm), RoPE (rotate_half) at the
+// absolute position meta[0] + m, then q -> qout [M][H*hd] and k, v -> this layer's cache at that position.
+// Grid: x = H + KV heads, y = M rows; block NT threads; hd <= 1024.
+__global__ void __launch_bounds__(NT) qkv_rope(
+    const float* __restrict__ qkv, int ldqkv, int H, int KV, int hd,
+    const float* __restrict__ qnorm, const float* __restrict__ knorm, float eps,
+    const float* __restrict__ cosT, const float* __restrict__ sinT, const int* __restrict__ meta,
+    float* __restrict__ qout, float* __restrict__ kc, float* __restrict__ vc, int cap)
+{
+    __shared__ float xs[1024];
+    __shared__ float s_red[NT / 32];
+    const int head = blockIdx.x, m = blockIdx.y, tid = threadIdx.x;
+    const int pos = meta[0] + m;
+    const bool isq = head < H;
+    const int kvh = head - H;
+    const float* src = qkv + (size_t)m * ldqkv + (isq ? head * hd : H * hd + kvh * hd);
+    const float* nw = isq ? qnorm : knorm;
+    float ss = 0.f;
+    for (int d = tid; d < hd; d += NT) { const float v = src[d]; xs[d] = v; ss += v * v; }
+    if (nw) {
+        ss = block_sum(ss, s_red);  // syncs before and after the shared reduction
+        const float r = sqrtf(ss / (float)hd + eps);
+        for (int d = tid; d < hd; d += NT) xs[d] = xs[d] / r * nw[d];
+    }
+    __syncthreads();
+    const int half = hd / 2;
+    float* dst = isq ? qout + (size_t)m * H * hd + head * hd : kc + ((size_t)kvh * cap + pos) * hd;
+    const float* cs = cosT + (size_t)pos * half;
+    const float* sn = sinT + (size_t)pos * half;
+    for (int i = tid; i < half; i += NT) {
+        const float x1 = xs[i], x2 = xs[i + half], c = cs[i], s = sn[i];
+        dst[i] = x1 * c - x2 * s;
+        dst[i + half] = x2 * c + x1 * s;
+    }
+    if (!isq) {
+        const float* vsrc = qkv + (size_t)m * ldqkv + (H + KV) * hd + kvh * hd;
+        float* vdst = vc + ((size_t)kvh * cap + pos) * hd;
+        for (int d = tid; d < hd; d += NT) vdst[d] = vsrc[d];
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------
+// Decode attention (one query row at position meta[0], keys 0..meta[0]), split over positions.
+// Grid: x = H, y = nsplit; block 128 (4 warps). Each warp runs an online softmax over its positions; the
+// block merges its warps, writes (max, sum, acc[hd]) to part[h][split], and the last block of a head
+// merges the splits in order. q is scaled by 1/sqrt(hd) before the dot products, like the CPU.
+#define AW 4
+#define MAXJ 8   // hd <= 256
+__global__ void __launch_bounds__(AW * 32) attn_decode(
+    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
+    int KV, int hd, float scale, const int* __restrict__ meta, float* __restrict__ part,
+    int* __restrict__ counters, float* __restrict__ out)
+{
+    __shared__ float s_m[AW], s_l[AW];
+    __shared__ float s_acc[AW][256];
+    __shared__ int s_last;
+    const int h = blockIdx.x, split = blockIdx.y, nsplit = gridDim.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int len = meta[0] + 1;
+    const int chunk = (len + nsplit - 1) / nsplit;
+    const int pb = split * chunk;
+    const int pe = min(len, pb + chunk);
+    const int kvh = h / (H / KV);
+    const float* kb = kc + (size_t)kvh * cap * hd;
+    const float* vb = vc + (size_t)kvh * cap * hd;
+    float qr[MAXJ], acc[MAXJ];
+#pragma unroll
+    for (int j = 0; j < MAXJ; ++j) {
+        const int d = lane + 32 * j;
+        qr[j] = d < hd ? q[(size_t)h * hd + d] * scale : 0.f;
+        acc[j] = 0.f;
+    }
+    float mx = -INFINITY, l = 0.f;
+    for (int p = pb + warp; p < pe; p += AW) {
+        const float* kr = kb + (size_t)p * hd;
+        float s = 0.f;
+#pragma unroll
+        for (int j = 0; j < MAXJ; ++j) {
+            const int d = lane + 32 * j;
+            if (d < hd) s += qr[j] * kr[d];
+        }
+        s = warp_sum(s);
+        const float mn = fmaxf(mx, s);
+        const float corr = expf(mx - mn);
+        const float e = expf(s - mn);
+        l = l * corr + e;
+        const float* vr = vb + (size_t)p * hd;
+#pragma unroll
+        for (int j = 0; j < MAXJ; ++j) {
+            const int d = lane + 32 * j;
+            if (d < hd) acc[j] = acc[j] * corr + e * vr[d];
+        }
+        mx = mn;
+    }
+    if (lane == 0) { s_m[warp] = mx; s_l[warp] = l; }
+#pragma unroll
+    for (int j = 0; j < MAXJ; ++j) {
+        const int d = lane + 32 * j;
+        if (d < hd) s_acc[warp][d] = acc[j];
+    }
+    __syncthreads();
+    float* pp = part + ((size_t)h * nsplit + split) * (hd + 2);
+    float bm = -INFINITY;
+    for (int w = 0; w < AW; ++w) bm = fmaxf(bm, s_m[w]);
+    if (threadIdx.x == 0) {
+        float bl = 0.f;
+        for (int w = 0; w < AW; ++w) if (s_l[w] > 0.f) bl += s_l[w] * expf(s_m[w] - bm);
+        pp[0] = bm;
+        pp[1] = bl;
+    }
+    for (int d = threadIdx.x; d < hd; d += AW * 32) {
+        float a = 0.f;
+        for (int w = 0; w < AW; ++w) if (s_l[w] > 0.f) a += s_acc[w][d] * expf(s_m[w] - bm);
+        pp[2 + d] = a;
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(&counters[h], 1) == nsplit - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    const float* ph = part + (size_t)h * nsplit * (hd + 2);
+    float gm = -INFINITY;
+    for (int s = 0; s < nsplit; ++s) gm = fmaxf(gm, __ldcg(ph + (size_t)s * (hd + 2)));
+    float gl = 0.f;
+    for (int s = 0; s < nsplit; ++s) {
+        const float sl = __ldcg(ph + (size_t)s * (hd + 2) + 1);
+        if (sl > 0.f) gl += sl * expf(__ldcg(ph + (size_t)s * (hd + 2)) - gm);
+    }
+    for (int d = threadIdx.x; d < hd; d += AW * 32) {
+        float a = 0.f;
+        for (int s = 0; s < nsplit; ++s) {
+            const float* ps = ph + (size_t)s * (hd + 2);
+            const float sl = __ldcg(ps + 1);
+            if (sl > 0.f) a += __ldcg(ps + 2 + d) * expf(__ldcg(ps) - gm);
+        }
+        out[(size_t)h * hd + d] = a / gl;
+    }
+    if (threadIdx.x == 0) counters[h] = 0;
+}
+
+// ------------------------------------------------------------------------------------------------------
+// Prefill attention: rows m of q at positions meta[0] + m see keys 0..meta[0] + m (causal). One warp per
+// query row, 8 rows per block; keys and values staged in shared memory 32 positions at a time.
+// Grid: x = H, y = ceil(M / 8); block 256; dynamic shared memory (32*(hd+1) + 32*hd + 8*hd) floats.
+#define PQ 8
+#define PT 32
+__global__ void __launch_bounds__(PQ * 32) attn_prefill(
+    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
+    int KV, int hd, float scale, const int* __restrict__ meta, int M, float* __restrict__ out)
+{
+    extern __shared__ float smem[];
+    float* ks = smem;                       // [PT][hd+1]
+    float* vs = ks + PT * (hd + 1);         // [PT][hd]
+    float* qs = vs + PT * hd;               // [PQ][hd]
+    const int h = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int m = blockIdx.y * PQ + warp;
+    const int pos0 = meta[0];
+    const int mlast = min(M - 1, blockIdx.y * PQ + PQ - 1);
+    const int pmax = pos0 + mlast;          // last key any row of this block sees
+    const int pq = pos0 + m;
+    const int kvh = h / (H / KV);
+    const float* kb = kc + (size_t)kvh * cap * hd;
+    const float* vb = vc + (size_t)kvh * cap * hd;
+    for (int d = lane; d < hd; d += 32) qs[warp * hd + d] = m < M ? q[(size_t)m * H * hd + h * hd + d] * scale : 0.f;
+    float acc[MAXJ];
+#pragma unroll
+    for (int j = 0; j < MAXJ; ++j) acc[j] = 0.f;
+    float mx = -INFINITY, l = 0.f;
+    for (int t0 = 0; t0 <= pmax; t0 += PT) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < PT * hd; i += PQ * 32) {
+            const int r = i / hd, d = i - r * hd;
+            const int p = t0 + r;
+            float kv = 0.f, vv = 0.f;
+            if (p <= pmax) { kv = kb[(size_t)p * hd + d]; vv = vb[(size_t)p * hd + d]; }
+            ks[r * (hd + 1) + d] = kv;
+            vs[r * hd + d] = vv;
+        }
+        __syncthreads();
+        if (m >= M || t0 > pq) continue;
+        const int p = t0 + lane;
+        const bool valid = p <= pq;
+        float s = -INFINITY;
+        if (valid) {
+            float dot = 0.f;
+            const float* kr = ks + lane * (hd + 1);
+            const float* qq = qs + warp * hd;
+            for (int d = 0; d < hd; ++d) dot += qq[d] * kr[d];
+            s = dot;
+        }
+        const float tmax = warp_max(s);
+        const float mn = fmaxf(mx, tmax);
+        const float corr = expf(mx - mn);
+        const float e = valid ? expf(s - mn) : 0.f;
+        l = l * corr + warp_sum(e);
+#pragma unroll
+        for (int j = 0; j < MAXJ; ++j) acc[j] *= corr;
+        for (int r = 0; r < PT; ++r) {
+            const float er = __shfl_sync(FULL, e, r);
+            if (er != 0.f) {
+#pragma unroll
+                for (int j = 0; j < MAXJ; ++j) {
+                    const int d = lane + 32 * j;
+                    if (d < hd) acc[j] += er * vs[r * hd + d];
+                }
+            }
+        }
+        mx = mn;
+    }
+    if (m < M) {
+#pragma unroll
+        for (int j = 0; j < MAXJ; ++j) {
+            const int d = lane + 32 * j;
+            if (d < hd) out[(size_t)m * H * hd + h * hd + d] = acc[j] / l;
+        }
+    }
+}

@@ -1,0 +1,452 @@
+"""The operations of the device forward, twice: CUDA kernels (``CupyOps``) and their numpy mirror (``NumpyOps``).
+
+``DeviceForward`` only allocates arrays through ``ops.xp`` and calls the methods below, so the whole
+orchestration (sequences, chunks, splits, graph record/replay, layouts) runs on the CPU against numpy
+mirrors of the kernels in CI, and on the GPU against forward.cu. Arrays passed in are 2-D row views
+(``x[:M]``, ``qkv[:M, col:col + n]``): CuPy kernels get the data pointer and the row stride.
+
+The mirrors follow the kernels' definitions, not their summation order, so the two agree to float32
+rounding: both compute exact integer block sums of the same codes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kestrel_core.contract import quantize_activations
+
+TILE_N = 128  # columns of a GEMV block (forward.cu TN)
+CHUNK_K = 256  # rows of a GEMV chunk (forward.cu KC)
+SMALL_M = 8  # up to this many rows run through the fused GEMV (MR = 8); more through the tiled GEMM if any
+ATTN_SPLITS = 16  # position splits of decode attention
+MAX_HEAD_DIM = 128  # attn_prefill's shared memory tile is sized for this
+PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL = 0, 1, 2
+EPI_STORE, EPI_ADD = 0, 1
+
+
+@dataclass
+class Lin:
+    """One device projection in the K-major layout, and where its N outputs go in the output buffer.
+
+    codes: uint8 [K][Npad] (8-bit codes, as int8 bits) or [K/2][Npad] (4-bit, two rows per byte, +8 biased);
+    scales: float32 [K/G][Npad]; ``col``: first output column; ``ksplit``: K splits of the M=1 GEMV.
+    """
+
+    codes: Any
+    scales: Any
+    k: int
+    n: int
+    npad: int
+    group_size: int
+    bits: int
+    col: int = 0
+    ksplit: int = 1
+    wkey: int = 0
+
+    @property
+    def tiles(self) -> int:
+        return -(-self.npad // TILE_N)
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.k // CHUNK_K)
+
+
+def plan_ksplit(lin: Lin, target_blocks: int) -> int:
+    """K splits of the M=1 GEMV: enough blocks (tiles x splits) to fill the GPU, at most one per chunk."""
+    return max(1, min(lin.chunks, -(-target_blocks // lin.tiles)))
+
+
+def pack_kmajor(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Host packing of int8 codes [N][K] into the device layout: uint8 [K][Npad] or, 4-bit, [K/2][Npad].
+
+    The layout cuda-kernels' transpose kernels produce (Npad = (N+3) & ~3, padding zero); used for the
+    forward's own uploads when no weight cache is given, and by the mirrors.
+    """
+    n, k = codes.shape
+    npad = (n + 3) & ~3
+    t = np.zeros((k, npad), np.int8)
+    t[:, :n] = codes.T
+    if bits == 8:
+        return t.view(np.uint8)
+    if k % 2:
+        raise ValueError(f"int4 packing needs an even K, got {k}")
+    u = (t.astype(np.int16) + 8).astype(np.uint8)  # padding columns pack as 8 | 8 << 4: code 0 after the bias
+    return u[0::2] | (u[1::2] << 4)
+
+
+def unpack_kmajor(packed: np.ndarray, bits: int) -> np.ndarray:
+    """Inverse of ``pack_kmajor``: int8 codes [K][Npad]."""
+    if bits == 8:
+        return packed.view(np.int8)
+    lo = (packed & 0x0F).astype(np.int8) - 8
+    hi = (packed >> 4).astype(np.int8) - 8
+    out = np.empty((2 * packed.shape[0], packed.shape[1]), np.int8)
+    out[0::2], out[1::2] = lo, hi
+    return out
+
+
+# -- numpy mirror ------------------------------------------------------------------------------------
+
+
+def _prologue(x: np.ndarray, k: int, pro: int, pw: np.ndarray | None, eps: float, xoff: int) -> np.ndarray:
+    xv = np.asarray(x, np.float32)
+    if pro == PRO_RMSNORM:
+        ss = np.einsum("mk,mk->m", xv[:, :k], xv[:, :k])[:, None]  # [M, 1]
+        r = np.sqrt(ss / np.float32(k) + np.float32(eps))
+        return xv[:, :k] / r * pw
+    if pro == PRO_SILU_MUL:
+        g = xv[:, :k]
+        with np.errstate(over="ignore"):
+            return g / (np.float32(1) + np.exp(-g)) * xv[:, xoff:xoff + k]
+    return xv[:, :k]
+
+
+class NumpyOps:
+    """The kernels' math in numpy on host arrays; ``capture`` records calls and replays them."""
+
+    xp = np
+    name = "numpy"
+
+    def __init__(self) -> None:
+        self._recording: list[Callable[[], None]] | None = None
+        self.launches = 0
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        if self._recording is not None:
+            self._recording.append(fn)
+        else:
+            self.launches += 1
+            fn()
+
+    # memory
+    def upload(self, a: np.ndarray) -> np.ndarray:
+        return np.array(a, copy=True, order="C")
+
+    def zeros(self, shape: Any, dtype: Any) -> np.ndarray:
+        return np.zeros(shape, dtype)
+
+    def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        dst[...] = src
+
+    def download(self, a: np.ndarray, rows: int) -> np.ndarray:
+        return np.array(a[:rows], dtype=np.float32, copy=True)
+
+    def write_meta(self, meta: np.ndarray, values: np.ndarray) -> None:
+        meta[:len(values)] = values
+
+    def synchronize(self) -> None:
+        pass
+
+    def synchronize_device(self) -> None:
+        pass
+
+    # graph
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        calls: list[Callable[[], None]] = []
+        self._recording = calls
+        try:
+            body()
+        finally:
+            self._recording = None
+
+        def replay() -> None:
+            for fn in calls:
+                self.launches += 1
+                fn()
+        return replay
+
+    # kernels
+    def embed(self, codes: np.ndarray, scales: np.ndarray, group: int, ids: np.ndarray, h: np.ndarray) -> None:
+        def fn() -> None:
+            tok = ids[:h.shape[0]].astype(np.int64)
+            rows = codes[tok].astype(np.float32).reshape(len(tok), -1, group) * scales[tok][:, :, None]
+            h[...] = rows.reshape(len(tok), -1)
+        self._run(fn)
+
+    def gemv(self, lin: Lin, x: np.ndarray, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
+             y: np.ndarray, epi: int, bias: np.ndarray | None) -> None:
+        def fn() -> None:
+            m, g = x.shape[0], lin.group_size
+            a = _prologue(x, lin.k, pro, pw, eps, xoff)  # [M, K]
+            a_codes, a_scales = quantize_activations(a, g)
+            w = unpack_kmajor(lin.codes, lin.bits)[:lin.k]  # [K, Npad]
+            ng = lin.k // g
+            isum = np.einsum("mgi,gin->mgn", a_codes.reshape(m, ng, g).astype(np.int64),
+                             w.reshape(ng, g, lin.npad).astype(np.int64))  # [M, ng, Npad], exact
+            f = isum.astype(np.float32) * a_scales[:, :, None] * lin.scales[None]
+            out = f.sum(axis=1, dtype=np.float32)[:, :lin.n]
+            if bias is not None:
+                out = out + bias
+            y[...] = y + out if epi == EPI_ADD else out
+        self._run(fn)
+
+    def qkv_rope(self, qkv: np.ndarray, heads: int, kv_heads: int, hd: int, qnorm: np.ndarray | None,
+                 knorm: np.ndarray | None, eps: float, cos: np.ndarray, sin: np.ndarray, meta: np.ndarray,
+                 q: np.ndarray, kc: np.ndarray, vc: np.ndarray) -> None:
+        def fn() -> None:
+            m = qkv.shape[0]
+            p0 = int(meta[0])
+            qh = qkv[:, :heads * hd].reshape(m, heads, hd)
+            kh = qkv[:, heads * hd:(heads + kv_heads) * hd].reshape(m, kv_heads, hd)
+            vh = qkv[:, (heads + kv_heads) * hd:(heads + 2 * kv_heads) * hd].reshape(m, kv_heads, hd)
+            if qnorm is not None:
+                qh, kh = _head_norm(qh, qnorm, eps), _head_norm(kh, knorm, eps)
+            c, s = cos[p0:p0 + m, None, :], sin[p0:p0 + m, None, :]
+            q[...] = _rope(qh, c, s).reshape(m, heads * hd)
+            kc[:, p0:p0 + m] = _rope(kh, c, s).transpose(1, 0, 2)
+            vc[:, p0:p0 + m] = vh.transpose(1, 0, 2)
+        self._run(fn)
+
+    def attention(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, heads: int, hd: int, scale: float,
+                  meta: np.ndarray, out: np.ndarray) -> None:
+        def fn() -> None:
+            m = q.shape[0]
+            p0 = int(meta[0])
+            g = heads // kc.shape[0]
+            for r in range(m):
+                n = p0 + r + 1
+                qh = q[r].reshape(heads, hd) * np.float32(scale)
+                for h in range(heads):
+                    s = kc[h // g, :n] @ qh[h]  # [n]
+                    e = np.exp(s - s.max())
+                    out[r, h * hd:(h + 1) * hd] = (e / e.sum()) @ vc[h // g, :n]
+        self._run(fn)
+
+
+def _head_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    ss = np.einsum("...d,...d->...", x, x)[..., None]
+    return x / np.sqrt(ss / np.float32(x.shape[-1]) + np.float32(eps)) * w
+
+
+def _rope(x: np.ndarray, c: np.ndarray, s: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+# -- CUDA ----------------------------------------------------------------------------------------------
+
+_GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
+
+
+@lru_cache(maxsize=1)
+def _module() -> Any:
+    import cupy as cp
+
+    source = (Path(__file__).with_name("forward.cu")).read_text()
+    names = [f"qgemv<{b},{g},{mr}>" for b, g, mr in _GEMV_VARIANTS] + ["quantize_rows<32>", "quantize_rows<256>"]
+    mod = cp.RawModule(code=source, options=("--fmad=false", "-std=c++17"), name_expressions=names)
+    mod.compile()
+    return mod
+
+
+def _i32(v: int) -> np.int32:
+    return np.int32(v)
+
+
+def _ptr(a: Any) -> np.uint64:
+    """A kernel pointer argument: the data pointer of a CuPy array (view), or NULL."""
+    return np.uint64(0 if a is None else a.data.ptr)
+
+
+def _ld(a: Any) -> np.int32:
+    """Row stride in elements of a 2-D view."""
+    return np.int32(a.strides[0] // a.itemsize)
+
+
+class CupyOps:
+    """Launches forward.cu on one stream. ``gemm``: optional tiled GEMM for M > SMALL_M (see ``gemv``)."""
+
+    name = "cuda"
+
+    def __init__(self, stream: Any = None, gemm: Any = None) -> None:
+        import cupy as cp
+        import cupyx
+
+        self.cp = cp
+        self.cupyx = cupyx
+        self.xp = cp
+        self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
+        mod = _module()
+        self._gemv = {v: mod.get_function("qgemv<{},{},{}>".format(*v)) for v in _GEMV_VARIANTS}
+        self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
+        self._fn = {name: mod.get_function(name) for name in
+                    ("embed_rows", "qkv_rope", "attn_decode", "attn_prefill", "add_rows")}
+        self.gemm = gemm
+        self.launches = 0
+        self.sm_count = cp.cuda.Device().attributes["MultiProcessorCount"]
+        # scratch, sized by ``reserve``
+        self.part = self.zeros(1, np.float32)
+        self.counters = self.zeros(1, np.int32)
+        self.attn_part = self.zeros(1, np.float32)
+        self.attn_counters = self.zeros(1, np.int32)
+        self._pinned: Any = None
+        self._tiled_bufs: dict[str, Any] = {}
+
+    def reserve(self, part: int, counters: int, attn_part: int, attn_counters: int) -> None:
+        """Grow the split-K and attention scratch (counters start and end every launch at zero)."""
+        if part > self.part.size:
+            self.part = self.zeros(part, np.float32)
+        if counters > self.counters.size:
+            self.counters = self.zeros(counters, np.int32)
+        if attn_part > self.attn_part.size:
+            self.attn_part = self.zeros(attn_part, np.float32)
+        if attn_counters > self.attn_counters.size:
+            self.attn_counters = self.zeros(attn_counters, np.int32)
+
+    # memory: on the forward's stream, so that nothing races with its kernels (it does not wait for the
+    # legacy default stream)
+    def upload(self, a: np.ndarray) -> Any:
+        with self.stream:
+            return self.cp.asarray(np.ascontiguousarray(a))
+
+    def zeros(self, shape: Any, dtype: Any) -> Any:
+        with self.stream:
+            return self.cp.zeros(shape, dtype)
+
+    def copy(self, dst: Any, src: Any) -> None:
+        with self.stream:
+            dst[...] = src
+
+    def download(self, a: Any, rows: int) -> np.ndarray:
+        size = rows * a.shape[1]
+        if self._pinned is None or self._pinned.size < size:
+            self._pinned = self.cupyx.empty_pinned(size, np.float32)
+        host = self._pinned[:size].reshape(rows, a.shape[1])
+        a[:rows].get(stream=self.stream, out=host, blocking=True)
+        return host.copy()
+
+    def write_meta(self, meta: Any, values: np.ndarray) -> None:
+        meta[:len(values)].set(np.ascontiguousarray(values, np.int32), stream=self.stream)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def synchronize_device(self) -> None:
+        self.cp.cuda.Device().synchronize()
+
+    # graph
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        s = self.stream
+        with s:
+            s.begin_capture()
+            try:
+                body()
+            finally:
+                graph = s.end_capture()
+
+        def replay() -> None:
+            self.launches += 1
+            graph.launch(s)
+        replay.graph = graph  # type: ignore[attr-defined]
+        return replay
+
+    def _launch(self, fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, smem: int = 0) -> None:
+        self.launches += 1
+        with self.stream:
+            fn(grid, block, args, shared_mem=smem)
+
+    # kernels
+    def embed(self, codes: Any, scales: Any, group: int, ids: Any, h: Any) -> None:
+        m, d = h.shape
+        self._launch(self._fn["embed_rows"], (-(-d // 256), m), (256,),
+                     (_ptr(codes), _ptr(scales), _i32(d), _i32(group), _ptr(ids), _ptr(h)))
+
+    def gemv(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
+             bias: Any) -> None:
+        m = x.shape[0]
+        if m > SMALL_M and self.gemm is not None:
+            self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias)
+            return
+        mr = 1 if m == 1 else SMALL_M
+        ksplit = lin.ksplit if m == 1 else 1
+        fn = self._gemv[(lin.bits, lin.group_size, mr)]
+        self._launch(fn, (lin.tiles, ksplit, -(-m // mr)), (256,),
+                     (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
+                      _ptr(x), _ld(x), _i32(m), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
+                      _ptr(y), _ld(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters)))
+
+    def _tiled(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
+               bias: Any) -> None:
+        """Prologue kernel -> codes/scales, the tiled GEMM (cuda-kernels) -> tmp, epilogue kernel -> y."""
+        m, k, g = x.shape[0], lin.k, lin.group_size
+        codes = self._scratch("codes", m * k, np.int8).reshape(m, k)
+        scales = self._scratch("scales", m * (k // g), np.float32).reshape(m, k // g)
+        tmp = self._scratch("tmp", m * lin.npad, np.float32).reshape(m, lin.npad)
+        self._launch(self._quant[g], (-(-k // 256), m), (256,),
+                     (_ptr(x), _ld(x), _i32(m), _i32(k), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
+                      _ptr(codes), _ptr(scales)))
+        self.launches += 1
+        self.gemm.q8(codes, scales, _as_device_weight(lin), tmp, lin.n, self.stream)
+        self._launch(self._fn["add_rows"], (-(-lin.n // 256), m), (256,),
+                     (_ptr(tmp), _ld(tmp), _i32(m), _i32(lin.n), _ptr(y), _ld(y), _i32(epi), _ptr(bias)))
+
+    def _scratch(self, name: str, size: int, dtype: Any) -> Any:
+        """A flat scratch buffer of at least ``size`` elements (grown outside graph capture: prefill only)."""
+        buf = self._tiled_bufs.get(name)
+        if buf is None or buf.size < size:
+            buf = self._tiled_bufs[name] = self.zeros(size, dtype)
+        return buf[:size]
+
+    def qkv_rope(self, qkv: Any, heads: int, kv_heads: int, hd: int, qnorm: Any, knorm: Any, eps: float,
+                 cos: Any, sin: Any, meta: Any, q: Any, kc: Any, vc: Any) -> None:
+        m = qkv.shape[0]
+        self._launch(self._fn["qkv_rope"], (heads + kv_heads, m), (256,),
+                     (_ptr(qkv), _ld(qkv), _i32(heads), _i32(kv_heads), _i32(hd), _ptr(qnorm), _ptr(knorm),
+                      np.float32(eps), _ptr(cos), _ptr(sin), _ptr(meta), _ptr(q), _ptr(kc), _ptr(vc),
+                      _i32(kc.shape[1])))
+
+    def attention(self, q: Any, kc: Any, vc: Any, heads: int, hd: int, scale: float, meta: Any,
+                  out: Any) -> None:
+        m = q.shape[0]
+        kv_heads, cap = kc.shape[0], kc.shape[1]
+        if m == 1:
+            self._launch(self._fn["attn_decode"], (heads, ATTN_SPLITS), (128,),
+                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
+                          np.float32(scale), _ptr(meta), _ptr(self.attn_part), _ptr(self.attn_counters),
+                          _ptr(out)))
+            return
+        smem = (32 * (hd + 1) + 32 * hd + 8 * hd) * 4
+        self._launch(self._fn["attn_prefill"], (heads, -(-m // 8)), (256,),
+                     (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
+                      np.float32(scale), _ptr(meta), _i32(m), _ptr(out)), smem)
+
+
+def _as_device_weight(lin: Lin) -> Any:
+    """The object cuda-kernels' GEMM takes (``residency.DeviceWeight``-like) for one projection."""
+    dw = getattr(lin, "device_weight", None)
+    if dw is not None:
+        return dw
+    from types import SimpleNamespace
+
+    from kestrel_cuda.residency import Geometry
+
+    geometry = Geometry(lin.k, lin.npad, lin.k // lin.group_size, lin.bits)
+    return SimpleNamespace(geometry=geometry, codes=lin.codes.reshape(-1).view(np.int8), scales=lin.scales)
+
+
+def attn_part_size(heads: int, hd: int) -> int:
+    return heads * ATTN_SPLITS * (hd + 2)
+
+
+def gemv_scratch(lins: list[Lin]) -> tuple[int, int]:
+    """(partial floats, counters) the M=1 GEMVs of these projections need."""
+    part = max((lin.ksplit * lin.npad for lin in lins if lin.ksplit > 1), default=1)
+    counters = max((lin.tiles for lin in lins), default=1)
+    return part, counters
+
+
+def default_target_blocks(sm_count: int) -> int:
+    return 8 * sm_count
+
+
+def head_scale(hd: int) -> float:
+    return float(np.float32(1.0 / math.sqrt(hd)))
