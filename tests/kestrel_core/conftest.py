@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
 
+import gguf
 import numpy as np
 import pytest
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig
@@ -82,3 +88,141 @@ def synth_source() -> Callable[..., DictSource]:
         return DictSource(config, synth_tensors(config, seed))
 
     return make
+
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "What is the capital of France? Paris is the capital of France.",
+    "In 2024 the price rose 12.5% to $1,234.56 -- numbers 0123456789.",
+    "Ünïcödé: café, naïve, Straße, Ελληνικά, русский, 日本語のテキスト, 한국어, emoji 🤖🚀✨.",
+    "def f(x):\n    return x ** 2  # code\n\tindented\r\nwindows",
+    "She'll say they've done it; we'd agree. I'm sure you're right.",
+]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_QWEN2_LIKE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@functools.cache
+def _train_bpe_json(pre: str, vocab_size: int) -> str:
+    return _train_bpe(pre, vocab_size).to_str()
+
+
+def train_bpe(pre: str = "gpt2", vocab_size: int = 400) -> Tokenizer:
+    """A fresh copy of the (cached) trained tokenizer."""
+    return Tokenizer.from_str(_train_bpe_json(pre, vocab_size))
+
+
+def _train_bpe(pre: str, vocab_size: int) -> Tokenizer:
+    """A small byte-level BPE trained on CORPUS, split the way GGUF pre-tokenizer ``pre`` says."""
+    tk = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "gpt2":
+        tk.pre_tokenizer = byte_level
+    elif pre == "smollm":
+        tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre == "qwen2":
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_QWEN2_LIKE), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        raise ValueError(pre)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator(CORPUS * 4, trainer)
+    return tk
+
+
+def bpe_vocab(tk: Tokenizer) -> tuple[list[str], list[str], list[int]]:
+    """(tokens by id, merges as "a b", llama.cpp token types) of a trained byte-level BPE."""
+    model = json.loads(tk.to_str())["model"]
+    tokens = [tok for tok, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    types = [3 if t in SPECIALS else 1 for t in tokens]
+    return tokens, merges, types
+
+
+def llamacpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute, as llama.cpp writes it."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {"attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight", "q": "attn_q.weight",
+              "k": "attn_k.weight", "v": "attn_v.weight", "o": "attn_output.weight", "q_bias": "attn_q.bias",
+              "k_bias": "attn_k.bias", "v_bias": "attn_v.bias", "q_norm": "attn_q_norm.weight",
+              "k_norm": "attn_k_norm.weight", "gate": "ffn_gate.weight", "up": "ffn_up.weight",
+              "down": "ffn_down.weight"}
+
+
+def write_gguf(path: Path, src: DictSource, *, qtype: str = "F32", tokenizer: Tokenizer | None = None,
+               pre: str = "gpt2", chat_template: str | None = None, rope_freqs: np.ndarray | None = None,
+               permute: bool | None = None, arch: str | None = None) -> Path:
+    """Write ``src`` as llama.cpp would: ggml names, Q/K permuted for llama, matrices as F32/F16/Q8_0/Q4_0."""
+    c = src.config
+    arch = arch or c.arch
+    permute = arch == "llama" if permute is None else permute
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_layers)
+    w.add_context_length(c.max_position)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_heads)
+    w.add_head_count_kv(c.num_kv_heads)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if c.head_dim != c.hidden_size // c.num_heads:
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+    if tokenizer is not None:
+        tokens, merges, types = bpe_vocab(tokenizer)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_merges(merges)
+        w.add_token_types(types)
+        w.add_bos_token_id(tokens.index("<|im_start|>"))
+        w.add_eos_token_id(tokens.index("<|im_end|>"))
+        w.add_add_bos_token(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    qt = getattr(gguf.GGMLQuantizationType, qtype)
+
+    def put(name: str, arr: np.ndarray) -> None:
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if arr.ndim == 1 or qtype == "F32":
+            w.add_tensor(name, arr)
+        elif qtype == "F16":
+            w.add_tensor(name, arr.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+
+    put("token_embd.weight", src.tensors["embedding"])
+    put("output_norm.weight", src.tensors["final_norm"])
+    if "lm_head" in src.tensors:
+        put("output.weight", src.tensors["lm_head"])
+    if rope_freqs is not None:
+        put("rope_freqs.weight", rope_freqs)
+    for name, arr in src.tensors.items():
+        if name.startswith("layers."):
+            _, i, field = name.split(".")
+            if permute and field in ("q", "q_bias"):
+                arr = llamacpp_permute(arr, c.num_heads, c.num_heads)
+            elif permute and field in ("k", "k_bias"):
+                arr = llamacpp_permute(arr, c.num_heads, c.num_kv_heads)
+            put(f"blk.{i}.{GGUF_NAMES[field]}", arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture
+def fmt() -> SimpleNamespace:
+    """The formats test helpers: train_bpe, bpe_vocab, write_gguf, llamacpp_permute, CORPUS, SPECIALS."""
+    return SimpleNamespace(train_bpe=train_bpe, bpe_vocab=bpe_vocab, write_gguf=write_gguf,
+                           llamacpp_permute=llamacpp_permute, synth_config=synth_config,
+                           synth_tensors=synth_tensors, DictSource=DictSource, CORPUS=CORPUS, SPECIALS=SPECIALS)

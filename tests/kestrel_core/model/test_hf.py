@@ -1,0 +1,216 @@
+"""Hugging Face directories: config.json variants, single / sharded safetensors, f32 / f16 / bf16, bad input."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.hf import HFCheckpoint, config_from_hf, kestrel_name
+from kestrel_core.model.quantize import quantize_model
+
+HF_LAYER = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+            "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+            "o": "self_attn.o_proj.weight", "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
+            "v_bias": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight",
+            "k_norm": "self_attn.k_norm.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
+            "down": "mlp.down_proj.weight"}
+HF_GLOBAL = {"embedding": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def hf_name(name: str) -> str:
+    if name in HF_GLOBAL:
+        return HF_GLOBAL[name]
+    _, i, field = name.split(".")
+    return f"model.layers.{i}.{HF_LAYER[field]}"
+
+
+def hf_config(c) -> dict:
+    cfg = {"architectures": [HF_ARCH[c.arch]], "model_type": c.arch, "vocab_size": c.vocab_size,
+           "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+           "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+           "num_key_value_heads": c.num_kv_heads, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+           "max_position_embeddings": c.max_position, "tie_word_embeddings": c.tie_word_embeddings,
+           "bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids), "torch_dtype": "float32"}
+    if c.arch == "qwen3" or c.head_dim != c.hidden_size // c.num_heads:
+        cfg["head_dim"] = c.head_dim
+    return cfg
+
+
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even float32 -> bfloat16 bit patterns (what torch's .to(torch.bfloat16) does)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def write_bf16_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """safetensors by hand (numpy cannot write BF16): 8-byte header length, JSON header, raw data."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    blobs, offset = [], 0
+    for name, arr in tensors.items():
+        raw = to_bf16_bits(arr).tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def write_hf_dir(root: Path, src, dtype: str = "f32", shards: int = 1, generation_eos: list[int] | None = None):
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(hf_config(src.config)))
+    if generation_eos is not None:
+        (root / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    names = sorted(src.tensors)
+    groups = [names[i::shards] for i in range(shards)]
+    weight_map = {}
+    for s, group in enumerate(groups):
+        fname = "model.safetensors" if shards == 1 else f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = {hf_name(n): src.tensors[n] for n in group}
+        weight_map.update({k: fname for k in tensors})
+        if dtype == "bf16":
+            write_bf16_safetensors(root / fname, tensors)
+        else:
+            save_file({k: v.astype(np.float16 if dtype == "f16" else np.float32) for k, v in tensors.items()},
+                      str(root / fname))
+    if shards > 1:
+        (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return root
+
+
+def test_name_mapping() -> None:
+    assert kestrel_name("model.layers.12.self_attn.k_proj.bias") == "layers.12.k_bias"
+    assert kestrel_name("model.layers.0.mlp.down_proj.weight") == "layers.0.down"
+    assert kestrel_name("lm_head.weight") == "lm_head"
+    assert kestrel_name("model.layers.0.self_attn.rotary_emb.inv_freq") is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype,shards", [("f32", 1), ("f16", 3), ("bf16", 2)])
+def test_reads_every_tensor_exactly(tmp_path: Path, synth_source, arch: str, dtype: str, shards: int) -> None:
+    src = synth_source(arch, seed=7)
+    ckpt = HFCheckpoint(write_hf_dir(tmp_path / "m", src, dtype, shards))
+    assert ckpt.config == src.config
+    for name, want in src.tensors.items():
+        got = ckpt.get(name)
+        if dtype == "f32":
+            np.testing.assert_array_equal(got, want)
+        elif dtype == "f16":
+            np.testing.assert_array_equal(got, want.astype(np.float16))
+        else:
+            expected = (to_bf16_bits(want).astype(np.uint32) << 16).view(np.float32)
+            assert got.dtype == np.float32
+            np.testing.assert_array_equal(got, expected)
+            assert np.abs(got - want).max() <= np.abs(want).max() / 128  # bf16 keeps 8 significant bits
+    model = quantize_model(ckpt, "q8")
+    assert (model.lm_head is model.embedding) == src.config.tie_word_embeddings
+
+
+def test_bf16_known_bit_patterns(tmp_path: Path) -> None:
+    # hand-checked bfloat16 values: sign/exponent/7-bit mantissa
+    bits = np.array([0x3F80, 0xC000, 0x3FC0, 0x4049, 0x0000, 0x8000, 0x3C00, 0x7F7F], dtype=np.uint16)
+    expected = np.array([1.0, -2.0, 1.5, 3.140625, 0.0, -0.0, 2.0 ** -7, 3.3895313892515355e38], np.float32)
+    header = {"model.embed_tokens.weight": {"dtype": "BF16", "shape": [2, 4], "data_offsets": [0, 16]}}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    root = tmp_path / "m"
+    root.mkdir()
+    (root / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + bits.tobytes())
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 2, "hidden_size": 4, "intermediate_size": 4,
+           "num_hidden_layers": 0, "num_attention_heads": 1}
+    (root / "config.json").write_text(json.dumps(cfg))
+    got = HFCheckpoint(root).get("embedding")
+    np.testing.assert_array_equal(got.reshape(-1), expected)
+    assert np.signbit(got.reshape(-1)[5])
+
+
+def test_config_variants() -> None:
+    base = {"vocab_size": 10, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+            "num_attention_heads": 4}
+    c = config_from_hf({**base, "architectures": ["LlamaForCausalLM"], "eos_token_id": [5, 7],
+                        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+                       generation={"eos_token_id": [7, 9]})
+    assert c.arch == "llama" and c.num_kv_heads == 4 and c.head_dim == 16 and not c.tie_word_embeddings
+    assert c.eos_token_ids == (5, 7, 9)
+    assert c.rope_scaling == {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    # transformers 5 spelling: rope_parameters
+    c = config_from_hf({**base, "architectures": ["LlamaForCausalLM"], "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})
+    assert c.rope_theta == 500000.0 and c.rope_scaling["factor"] == 8.0
+    c = config_from_hf({**base, "architectures": ["Qwen3ForCausalLM"], "head_dim": 128, "eos_token_id": 3,
+                        "tie_word_embeddings": True, "rope_scaling": None})
+    assert (c.arch, c.head_dim, c.qk_norm, c.qkv_bias, c.tie_word_embeddings) == ("qwen3", 128, True, False, True)
+    assert c.eos_token_ids == (3,) and c.rope_scaling is None
+    c = config_from_hf({**base, "architectures": ["Qwen2ForCausalLM"], "rope_scaling": {"type": "default"}})
+    assert c.qkv_bias and not c.qk_norm and c.rope_scaling is None
+
+
+@pytest.mark.parametrize("cfg,match", [
+    ({"architectures": ["MistralForCausalLM"]}, "unsupported architecture MistralForCausalLM"),
+    ({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     "rope scaling type 'yarn' is not supported"),
+    ({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "llama3", "factor": 4.0}},
+     "llama3 rope scaling lacks"),
+    ({"architectures": ["LlamaForCausalLM"], "attention_bias": True}, "attention_bias"),
+])
+def test_unsupported_configs_are_named(cfg: dict, match: str) -> None:
+    base = {"vocab_size": 10, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+            "num_attention_heads": 4}
+    with pytest.raises(KestrelError, match=match):
+        config_from_hf({**base, **cfg})
+    with pytest.raises(KestrelError, match="missing 'num_attention_heads'"):
+        config_from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 3})
+
+
+def test_generation_config_eos_is_added(tmp_path: Path, synth_source) -> None:
+    ckpt = HFCheckpoint(write_hf_dir(tmp_path / "m", synth_source("qwen3"), generation_eos=[2, 11]))
+    assert ckpt.config.eos_token_ids == (2, 11)
+
+
+def test_bad_directories_are_one_line_errors(tmp_path: Path, synth_source) -> None:
+    def err(path: Path) -> str:
+        with pytest.raises(KestrelError) as exc:
+            HFCheckpoint(path)
+        assert "\n" not in str(exc.value)
+        return str(exc.value)
+
+    assert "no config.json" in err(tmp_path)
+    root = write_hf_dir(tmp_path / "sharded", synth_source("llama"), shards=3)
+    (root / "model-00002-of-00003.safetensors").unlink()
+    assert "shard model-00002-of-00003.safetensors named by the index is missing" in err(root)
+
+    root = write_hf_dir(tmp_path / "trunc", synth_source("llama"))
+    data = (root / "model.safetensors").read_bytes()
+    (root / "model.safetensors").write_bytes(data[: len(data) - 100])
+    assert "truncated or corrupt" in err(root)
+
+    root = write_hf_dir(tmp_path / "badjson", synth_source("llama"))
+    (root / "config.json").write_text("{not json")
+    assert "invalid JSON" in err(root)
+
+    root = write_hf_dir(tmp_path / "pickle", synth_source("llama"))
+    (root / "model.safetensors").unlink()
+    (root / "pytorch_model.bin").write_bytes(b"\x80\x04 pickle")
+    assert "safetensors only" in err(root)
+
+    root = write_hf_dir(tmp_path / "escape", synth_source("llama"), shards=2)
+    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../evil.safetensors"}}))
+    assert "outside the model directory" in err(root)
+
+
+def test_missing_tensor_names_the_hf_tensor(tmp_path: Path, synth_source) -> None:
+    src = synth_source("llama")
+    del src.tensors["layers.1.gate"]
+    ckpt = HFCheckpoint(write_hf_dir(tmp_path / "m", src))
+    with pytest.raises(KestrelError, match=r"model\.layers\.1\.mlp\.gate_proj\.weight"):
+        quantize_model(ckpt, "q8")
