@@ -1,0 +1,130 @@
+"""The run / chat / bench / quantize commands, in process, on a tiny synthetic preset."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from kestrel_core.cli import main
+from kestrel_core.model import engine as engine_mod
+from kestrel_core.model import presets
+from kestrel_core.model.commands import TextStream
+from kestrel_core.model.presets import ByteTokenizer
+
+
+@pytest.fixture(autouse=True)
+def tiny_preset(monkeypatch: pytest.MonkeyPatch, tiny_config) -> None:
+    monkeypatch.setitem(presets.PRESETS, "tiny", tiny_config("qwen3", max_position=96))
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _direct_tokens(prompt_ids: list[int], n: int) -> list[int]:
+    with engine_mod.load_preset("tiny", backend="cpu") as engine:
+        return list(engine.generate(prompt_ids, max_tokens=n))
+
+
+def test_run_json_reports_text_tokens_and_stats(capsys) -> None:
+    code, out, err = _run(capsys, "run", "hello", "--preset", "tiny", "--no-chat", "--json", "-n", "6",
+                          "--backend", "cpu")
+    assert code == 0
+    result = json.loads(out)
+    assert result["prompt_tokens"] == 5
+    assert result["tokens"] == _direct_tokens(list(b"hello"), 6)
+    assert result["text"] == ByteTokenizer().decode(result["tokens"])
+    stats = result["stats"]
+    assert stats["backend"] == "cpu" and stats["prefill_tok_s"] > 0
+    assert stats["offload"]["kestrel_gemm_q8"]["accepted"] > 0
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("backend: cpu") and lines[-1].startswith("prompt 5 tok | prefill")
+
+
+def test_run_streams_text_with_the_chat_template(capsys, monkeypatch) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("piped prompt"))  # no argument: the prompt comes from stdin
+    code, out, err = _run(capsys, "run", "--preset", "tiny", "-n", "5", "--stats")
+    assert code == 0
+    tok = ByteTokenizer()
+    ids = tok.encode_chat([{"role": "user", "content": "piped prompt"}])
+    assert out == tok.decode(_direct_tokens(ids, 5)) + "\n"
+    assert f"prompt {len(ids)} tok" in err and "offload hooks" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "x" * 97, "--preset", "tiny", "--no-chat"], "the prompt has 97 tokens; the model's context is 96"),
+    (["run", "hi", "--preset", "gpt5"], "unknown preset 'gpt5'"),
+    (["run", "hi", "--preset", "tiny", "--backend", "nope"], "unknown backend 'nope'"),
+    (["run", "hi", "--preset", "tiny", "--quant", "q3"], "unknown quant mode 'q3'"),
+    (["run", "hi", "--preset", "tiny", "--model", "m.gguf"], "either --model or --preset"),
+    (["run", "hi", "--model", "/nonexistent/model.gguf"], "does not exist"),
+    (["run", "hi", "--preset", "tiny", "--top-p", "0"], "top-p"),
+    (["bench", "--preset", "tiny", "--prompt-tokens", "90", "--decode-tokens", "9"], "exceed the model's context"),
+])
+def test_bad_input_is_one_line_and_a_nonzero_exit(capsys, argv: list[str], message: str) -> None:
+    code, out, err = _run(capsys, *argv)
+    assert code != 0 and out == ""
+    error_lines = [line for line in err.splitlines() if not line.startswith("backend:")]
+    assert len(error_lines) == 1 and error_lines[0].startswith("error:") and message in error_lines[0]
+
+
+def test_bench_json_and_table(capsys) -> None:
+    code, out, _ = _run(capsys, "bench", "--preset", "tiny", "--backend", "cpu", "--prompt-tokens", "16",
+                        "--decode-tokens", "4", "--runs", "2", "--warmup", "0", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert result["prompt_tokens"] == 16 and result["decode_tokens"] == 4 and result["runs"] == 2
+    assert len(result["prefill_tok_s_runs"]) == len(result["decode_tok_s_runs"]) == 2
+    assert min(result["prefill_tok_s_runs"]) <= result["prefill_tok_s"] <= max(result["prefill_tok_s_runs"])
+    assert result["decode_tok_s"] > 0 and result["backend"] == "cpu" and result["preload_s"] >= 0
+    code, out, _ = _run(capsys, "bench", "--preset", "tiny", "--prompt-tokens", "8", "--decode-tokens", "2",
+                        "--runs", "1")
+    assert code == 0 and "prefill (8 tok)" in out and "decode (2 tok)" in out
+
+
+def test_chat_keeps_the_conversation(capsys, monkeypatch) -> None:
+    prompts: list[list[int]] = []
+    original = engine_mod.Engine.generate
+
+    def recording(self, prompt_ids, *args, **kwargs):
+        prompts.append(list(prompt_ids))
+        return original(self, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine_mod.Engine, "generate", recording)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n\nthere\n/exit\nnever read\n"))
+    code, out, _ = _run(capsys, "chat", "--preset", "tiny", "-n", "3")
+    assert code == 0 and len(prompts) == 2
+    replies = out.split("\n")[:2]
+    tok = ByteTokenizer()
+    first = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert tok.decode(prompts[0]) == first
+    assert tok.decode(prompts[1]) == tok.apply_chat_template([
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": replies[0].strip()},
+        {"role": "user", "content": "there"}])
+
+
+def test_chat_survives_a_turn_longer_than_the_context(capsys, monkeypatch) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("y" * 120 + "\nhi\n"))
+    code, out, err = _run(capsys, "chat", "--preset", "tiny", "-n", "2")
+    assert code == 0 and "context is 96" in err and out.count("\n") == 1
+
+
+def test_quantize_refuses_to_overwrite(capsys, tmp_path) -> None:
+    target = tmp_path / "model.kst"
+    target.write_bytes(b"precious")
+    code, _, err = _run(capsys, "quantize", str(tmp_path / "missing"), "-o", str(target))
+    assert code == 2 and "--force" in err and target.read_bytes() == b"precious"
+
+
+def test_text_stream_holds_back_incomplete_characters() -> None:
+    tok = ByteTokenizer()
+    stream = TextStream(tok)
+    pieces = [stream.push(i) for i in tok.encode("a✓b")]
+    assert pieces == ["a", "", "", "✓", "b"]
+    stream = TextStream(tok)
+    assert [stream.push(i) for i in tok.encode("✓")[:2]] == ["", ""]
+    assert stream.flush() == "\ufffd"

@@ -1,0 +1,204 @@
+"""The engine: generation, teacher-forced logits, backend binding, and the device-forward fallback."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kestrel_core
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.presets import synthetic_model
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "backends"
+
+# A device with a whole-step forward (its own KV cache per sequence, computed by kestrel's own decoder on
+# the CPU) that declines the calls numbered in DECLINE (1-based), and records what it was offered.
+FORWARD_BACKEND = '''
+from kestrel_core import API_VERSION, BackendInfo, hookimpl
+from kestrel_core.dispatch import Offload
+from kestrel_core.model.decoder import Decoder
+from kestrel_core.registry import Registry
+from kestrel_cpu import kestrel_close, kestrel_gemm_f32, kestrel_gemm_q8, kestrel_open  # noqa: F401
+
+DECLINE = {decline}
+CALLS = []
+RELEASED = []
+STATE = {{}}
+_cpu = Registry().cpu()
+
+
+@hookimpl
+def kestrel_backend_info():
+    return BackendInfo("fwd", "1", API_VERSION, "gpu")
+
+
+@hookimpl
+def kestrel_forward(device, model, seq_id, tokens, start, all_logits):
+    CALLS.append((seq_id, int(start), [int(t) for t in tokens]))
+    if len(CALLS) in DECLINE or (DECLINE_FROM and len(CALLS) >= DECLINE_FROM):
+        return None
+    if seq_id not in STATE:
+        dec = Decoder(model, Offload(_cpu, _cpu))
+        STATE[seq_id] = (dec, dec.new_cache())
+    dec, cache = STATE[seq_id]
+    if start > cache.length:
+        raise AssertionError(f"offered start {{start}} but the device holds {{cache.length}} positions")
+    cache.truncate(start)
+    return dec.forward(tokens, cache, all_logits=all_logits)
+
+
+@hookimpl
+def kestrel_release_sequence(device, seq_id):
+    RELEASED.append(seq_id)
+    STATE.pop(seq_id, None)
+
+
+DECLINE_FROM = {decline_from}
+'''
+
+
+def _forward_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, decline: set[int] | None = None,
+                     decline_from: int = 0) -> None:
+    (tmp_path / "fwd.py").write_text(FORWARD_BACKEND.format(decline=decline or set(), decline_from=decline_from))
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "fwd.py"))
+
+
+@pytest.fixture
+def model(tiny_config):
+    return synthetic_model(tiny_config("qwen3", max_position=64), "q8", seed=11)
+
+
+PROMPT = [104, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]  # "hello world"
+
+
+def _cpu_tokens(model, n: int = 10) -> list[int]:
+    with kestrel_core.load(model, backend="cpu") as engine:
+        return list(engine.generate(PROMPT, max_tokens=n, stop_at_eos=False))
+
+
+def test_greedy_generation_is_deterministic_and_follows_the_argmax(model) -> None:
+    with kestrel_core.load(model, backend="cpu") as engine:
+        first = list(engine.generate(PROMPT, max_tokens=12, stop_at_eos=False))
+        again = list(engine.generate(PROMPT, max_tokens=12, stop_at_eos=False))
+        assert first == again and len(first) == 12
+        assert len(set(first)) > 1  # a random model, not a constant
+        teacher = engine.logits(PROMPT + first[:-1])
+    assert teacher.shape == (len(PROMPT) + 11, model.config.vocab_size)
+    assert teacher[len(PROMPT) - 1:].argmax(axis=1).tolist() == first
+
+
+def test_greedy_tokens_are_identical_with_force_cpu(model, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(FIXTURES / "good_gpu.py"))
+    with kestrel_core.load(model, backend="auto") as engine:
+        assert engine.backend_name == "good_gpu"  # auto picks the bound accelerator
+        offloaded = list(engine.generate(PROMPT, max_tokens=10, stop_at_eos=False))
+        gemm = engine.stats["offload"]["kestrel_gemm_q8"]
+        assert gemm["accepted"] == gemm["offered"] > 0
+    monkeypatch.setenv("KESTREL_FORCE_CPU", "1")
+    with kestrel_core.load(model, backend="auto") as engine:
+        forced = list(engine.generate(PROMPT, max_tokens=10, stop_at_eos=False))
+        gemm = engine.stats["offload"]["kestrel_gemm_q8"]
+        assert gemm["accepted"] == 0 and gemm["declined_reasons"] == {"KESTREL_FORCE_CPU": gemm["offered"]}
+    assert offloaded == forced == _cpu_tokens(model)
+
+
+def test_a_device_forward_that_declines_at_step_3_still_gives_the_cpu_tokens(model, tmp_path, monkeypatch) -> None:
+    _forward_backend(tmp_path, monkeypatch, decline={3})
+    with kestrel_core.load(model, backend="fwd") as engine:
+        tokens = list(engine.generate(PROMPT, max_tokens=10, stop_at_eos=False))
+        calls = engine.backend.plugin.CALLS
+        fwd = engine.stats["offload"]["kestrel_forward"]
+    assert tokens == _cpu_tokens(model)
+    assert fwd["offered"] == 10 and fwd["accepted"] == 9 and fwd["declined"] == 1
+    n = len(PROMPT)
+    assert [(start, len(toks)) for _, start, toks in calls[:5]] == [(0, n), (n, 1), (n + 1, 1),
+                                                                    # declined: the host ran all n+3
+                                                                    (n + 1, 2),  # the device catches up
+                                                                    (n + 3, 1)]
+    assert calls[3][2] == [tokens[1], tokens[2]]
+
+
+def test_a_declined_prefill_is_caught_up_on_the_device_later(model, tmp_path, monkeypatch) -> None:
+    _forward_backend(tmp_path, monkeypatch, decline={1})
+    with kestrel_core.load(model, backend="fwd") as engine:
+        tokens = list(engine.generate(PROMPT, max_tokens=6, stop_at_eos=False))
+        calls = engine.backend.plugin.CALLS
+    assert tokens == _cpu_tokens(model, 6)
+    assert calls[1][1:] == (0, PROMPT + tokens[:1])
+
+
+def test_a_device_that_stops_accepting_hands_over_to_the_host_cache(model, tmp_path, monkeypatch) -> None:
+    _forward_backend(tmp_path, monkeypatch, decline_from=4)
+    with kestrel_core.load(model, backend="fwd") as engine:
+        tokens = list(engine.generate(PROMPT, max_tokens=10, stop_at_eos=False))
+        logits = engine.logits(PROMPT)  # declined too: the host computes every row
+        fwd = engine.stats["offload"]["kestrel_forward"]
+    assert tokens == _cpu_tokens(model)
+    assert fwd["accepted"] == 3 and fwd["declined"] == 8
+    with kestrel_core.load(model, backend="cpu") as cpu:
+        np.testing.assert_array_equal(logits, cpu.logits(PROMPT))
+
+
+def test_sequences_are_released_even_when_generation_stops_early(model, tmp_path, monkeypatch) -> None:
+    _forward_backend(tmp_path, monkeypatch)
+    with kestrel_core.load(model, backend="fwd") as engine:
+        plugin = engine.backend.plugin
+        gen = engine.generate(PROMPT, max_tokens=10)
+        next(gen)
+        assert plugin.RELEASED == []
+        gen.close()
+        engine.logits(PROMPT)
+        assert len(plugin.RELEASED) == 2 and plugin.STATE == {}
+
+
+def test_logits_from_the_device_forward_match_the_host(model, tmp_path, monkeypatch) -> None:
+    _forward_backend(tmp_path, monkeypatch)
+    with kestrel_core.load(model, backend="fwd") as engine:
+        device = engine.logits(PROMPT)
+        assert engine.stats["offload"]["kestrel_forward"]["accepted"] == 1
+    with kestrel_core.load(model, backend="cpu") as engine:
+        np.testing.assert_array_equal(device, engine.logits(PROMPT))
+
+
+def test_generation_stops_at_eos_and_at_the_context(model) -> None:
+    free = _cpu_tokens(model, 10)
+    eos = free[3]
+    with kestrel_core.load(replace(model, config=replace(model.config, eos_token_ids=(eos,))), "cpu") as engine:
+        engine.tokenizer.eos_token_ids = ()
+        stopped = list(engine.generate(PROMPT, max_tokens=10))
+        assert stopped == free[:free.index(eos) + 1]
+        assert list(engine.generate(PROMPT, max_tokens=10, stop_at_eos=False)) == free
+    with kestrel_core.load(model, "cpu") as engine:
+        prompt = list(range(60))
+        assert len(list(engine.generate(prompt, max_tokens=100, stop_at_eos=False))) == 64 - 60 + 1
+
+
+def test_bad_requests_are_one_line_errors(model, monkeypatch) -> None:
+    with kestrel_core.load(model, backend="cpu") as engine:
+        with pytest.raises(KestrelError, match="65 tokens; the model's context is 64"):
+            engine.generate(list(range(65)))
+        with pytest.raises(KestrelError, match="empty"):
+            engine.logits([])
+        with pytest.raises(KestrelError, match="outside the vocabulary"):
+            engine.generate([model.config.vocab_size])
+        with pytest.raises(KestrelError, match="top-p"):
+            engine.generate(PROMPT, temperature=1.0, top_p=0.0)
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(FIXTURES / "unavailable.py"))
+    with pytest.raises(KestrelError, match="no widget attached"):
+        kestrel_core.load(model, backend="unavailable")
+    with kestrel_core.load(model, backend="auto") as engine:  # an npu that did not bind: auto takes the cpu
+        assert engine.backend_name == "cpu"
+
+
+def test_stats_report_the_run_and_the_offload_counters(model) -> None:
+    with kestrel_core.load(model, backend="cpu") as engine:
+        out = list(engine.generate(PROMPT, max_tokens=5, stop_at_eos=False))
+        stats = engine.stats
+    assert stats["prompt_tokens"] == len(PROMPT) and stats["generated_tokens"] == len(out) == 5
+    assert stats["prefill_tok_s"] > 0 and stats["decode_tok_s"] > 0 and stats["backend"] == "cpu"
+    layers = model.config.num_layers
+    # per step: a QKV and a gate/up fused call (3 + 2 GEMMs on the CPU), o, down per layer, then lm_head
+    assert stats["offload"]["kestrel_gemm_q8"]["offered"] == 5 * (7 * layers + 1)

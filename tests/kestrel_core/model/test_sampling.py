@@ -1,0 +1,65 @@
+"""Sampling: greedy, temperature, top-k, top-p, seeds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.sampling import Sampler
+
+LOGITS = np.log(np.array([0.05, 0.4, 0.1, 0.3, 0.15], dtype=np.float32))  # probabilities at temperature 1
+
+
+def _frequencies(sampler: Sampler, logits: np.ndarray, n: int = 8000) -> np.ndarray:
+    counts = np.bincount([sampler(logits) for _ in range(n)], minlength=len(logits))
+    return counts / n
+
+
+def test_greedy_is_the_first_argmax() -> None:
+    logits = np.array([0.0, 2.0, -1.0, 2.0], np.float32)
+    assert Sampler(0.0)(logits) == 1
+    assert Sampler(1.5, top_k=1, seed=3)(logits) == 1
+
+
+def test_temperature_one_samples_the_softmax() -> None:
+    freq = _frequencies(Sampler(1.0, seed=1), LOGITS)
+    np.testing.assert_allclose(freq, np.exp(LOGITS) / np.exp(LOGITS).sum(), atol=0.02)
+
+
+def test_low_temperature_sharpens() -> None:
+    freq = _frequencies(Sampler(0.25, seed=2), LOGITS, 5000)
+    p = np.exp(LOGITS / 0.25)
+    np.testing.assert_allclose(freq, p / p.sum(), atol=0.02)
+    assert freq[1] > 0.6
+
+
+def test_top_k_keeps_the_k_most_likely() -> None:
+    freq = _frequencies(Sampler(1.0, top_k=2, seed=3), LOGITS, 5000)
+    assert set(np.flatnonzero(freq)) == {1, 3}
+    np.testing.assert_allclose(freq[[1, 3]], [0.4 / 0.7, 0.3 / 0.7], atol=0.02)
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
+    # sorted: 0.4, 0.3, 0.15, 0.1, 0.05 -> cumulative 0.4, 0.7, 0.85: p=0.75 keeps three tokens
+    ids, probs = Sampler(1.0, top_p=0.75).distribution(LOGITS)
+    assert ids.tolist() == [1, 3, 4]
+    np.testing.assert_allclose(probs, np.array([0.4, 0.3, 0.15]) / 0.85, rtol=1e-5)
+    ids, _ = Sampler(1.0, top_p=0.3).distribution(LOGITS)
+    assert ids.tolist() == [1]  # at least the most likely token
+    ids, _ = Sampler(1.0, top_k=4, top_p=0.9).distribution(LOGITS)
+    assert ids.tolist() == [1, 3, 4, 2]  # top-k first, then the nucleus of what is left
+
+
+def test_the_same_seed_gives_the_same_tokens() -> None:
+    logits = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    runs = [[s(logits) for _ in range(30)] for s in (Sampler(0.8, top_k=50, top_p=0.9, seed=seed)
+                                                    for seed in (7, 7, 8))]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": -1.0}, {"temperature": float("nan")}, {"top_k": -1},
+                                    {"top_p": 0.0}, {"top_p": 1.5}])
+def test_bad_parameters_are_errors(kwargs: dict) -> None:
+    with pytest.raises(KestrelError):
+        Sampler(**kwargs)
