@@ -1,0 +1,221 @@
+"""GPU tests of the CUDA kernels against the CPU reference (kestrel_core.contract).
+
+Tolerance of the int8 GEMMs. Every kernel forms each block sum exactly in int32 (dp4a or mma.sync) and
+each per-group term exactly as the reference does, t_g = ((float)sum_g * a_scale) * w_scale (two float32
+roundings, no FMA: --fmad=false). Only the order in which the terms of the ng groups are added differs
+(the reference adds them sequentially; the GEMV splits K over lanes, warps and blocks). Any summation order
+of n terms is within (n-1) * u * sum|t_g| of the exact sum (u = 2^-24), so two orders differ by at most
+2 * (ng-1) * u * sum|t_g|; the bound below uses 2 * ng. The tensor-core kernel adds the groups in the
+reference's order, so it must match bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kestrel_core.contract import (
+    StripCache,
+    quantize_activations,
+    quantize_weight,
+    reference_gemm_f32,
+    reference_gemm_q8,
+)
+from kestrel_core.wkey import NO_CACHE, Proj, wkey
+
+cp = pytest.importorskip("cupy", reason="CuPy is not installed")
+try:
+    _DEVICES = cp.cuda.runtime.getDeviceCount()
+except Exception:  # no driver, no device
+    _DEVICES = 0
+if _DEVICES < 1:
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+pytestmark = pytest.mark.cuda
+
+from kestrel_cuda.binding import open_device  # noqa: E402
+from kestrel_cuda.gemm import GEMV_MAX_M, gemv_variant  # noqa: E402
+from kestrel_cuda.kernels import GEMV_VARIANTS  # noqa: E402
+from kestrel_cuda.residency import pad_n  # noqa: E402
+
+U = 2.0 ** -24
+
+
+@pytest.fixture(scope="module")
+def dev():
+    device = open_device({})
+    yield device
+    device.close()
+
+
+def rand_weight(rng: np.random.Generator, n: int, k: int, g: int, bits: int) -> StripCache:
+    return quantize_weight(rng.standard_normal((n, k)).astype(np.float32), bits, g)
+
+
+def term_bound(a_codes: np.ndarray, a_scales: np.ndarray, w: StripCache) -> np.ndarray:
+    """sum_g |t_g| per output element, in float64."""
+    g = w.group_size
+    m = a_codes.shape[0]
+    a = a_codes.reshape(m, -1, g).transpose(1, 0, 2).astype(np.float64)
+    b = w.codes.reshape(w.n, -1, g).transpose(1, 2, 0).astype(np.float64)
+    sums = np.abs(np.matmul(a, b))                                            # [ng, M, N] exact
+    return (sums * a_scales.T[:, :, None] * w.scales.T[:, None, :]).sum(axis=0)
+
+
+def assert_close_q8(got: np.ndarray, a_codes: np.ndarray, a_scales: np.ndarray, w: StripCache) -> None:
+    ref = reference_gemm_q8(a_codes, a_scales, w)
+    assert got.shape == ref.shape and got.dtype == np.float32
+    assert np.all(np.isfinite(got))
+    tol = 2 * w.ngroups * U * term_bound(a_codes, a_scales, w) + 1e-30
+    err = np.abs(got.astype(np.float64) - ref)
+    worst = np.unravel_index(np.argmax(err / tol), err.shape)
+    assert np.all(err <= tol), f"err {err[worst]:.3g} > tol {tol[worst]:.3g} at {worst}"
+
+
+def run_q8(dev, a_codes, a_scales, w, key=NO_CACHE, **kw) -> np.ndarray:
+    a = cp.asarray(a_codes)
+    s = cp.asarray(a_scales)
+    out = cp.full((a_codes.shape[0], w.n), np.nan, dtype=cp.float32)  # poison: every element must be written
+    dw = dev.weight(key, [w])
+    dev.gemm.q8(a, s, dw, out, w.n, dev.stream, **kw)
+    dev.stream.synchronize()
+    dev.cache.release(dw)
+    return cp.asnumpy(out)
+
+
+# -- activation quantization -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("g", [32, 256])
+def test_quantize_bit_identical(dev, g: int) -> None:
+    rng = np.random.default_rng(g)
+    m, k = 9, 2048
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 100, (m, 1))).astype(np.float32)
+    x[0, :g] = 0.0  # an all-zero block: scale 0, codes 0
+    x[1, :g] = np.linspace(-1, 1, g, dtype=np.float32) * 127 / 2  # many exact .5 ties: half away from zero
+    x[2, :g] = np.float32(0.49999997)  # floor(|v| + 0.5) rounds differently from C's roundf here
+    x[2, 0] = np.float32(127.0)
+    codes = cp.empty((m, k), dtype=cp.int8)
+    scales = cp.empty((m, k // g), dtype=cp.float32)
+    dev.gemm.quantize(cp.asarray(x), g, codes, scales, dev.stream)
+    dev.stream.synchronize()
+    want_codes, want_scales = quantize_activations(x, g)
+    np.testing.assert_array_equal(cp.asnumpy(codes), want_codes)
+    np.testing.assert_array_equal(cp.asnumpy(scales), want_scales)
+
+
+# -- upload layout -----------------------------------------------------------------------------------
+
+
+def expected_layout(strips: list[StripCache], npad: int) -> tuple[np.ndarray, np.ndarray]:
+    k = strips[0].k
+    codes = np.zeros((k, npad), dtype=np.int8)
+    scales = np.zeros((strips[0].ngroups, npad), dtype=np.float32)
+    off = 0
+    for s in strips:
+        codes[:, off:off + s.n] = s.codes.T
+        scales[:, off:off + s.n] = s.scales.T
+        off += s.n
+    if strips[0].bits == 4:
+        u = (codes.astype(np.int16) + 8).astype(np.uint8)
+        u[:, off:] = 0  # padding columns are zero bytes, not +8
+        packed = (u[0::2] & 0xF) | ((u[1::2] & 0xF) << 4)
+        return packed.astype(np.uint8).view(np.int8), scales
+    return codes, scales
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("g", [32, 256])
+@pytest.mark.parametrize("ns", [(37,), (1000,), (64, 32, 32)])
+def test_upload_layout(dev, bits: int, g: int, ns: tuple[int, ...]) -> None:
+    rng = np.random.default_rng([bits, g, *ns])
+    k = 512
+    strips = [rand_weight(rng, n, k, g, bits) for n in ns]
+    dw = dev.weight(wkey(900 + len(ns), Proj.Q), strips)
+    dev.stream.synchronize()
+    npad = dw.geometry.npad
+    assert npad == (pad_n(ns[0]) if len(ns) == 1 else sum(ns))
+    want_codes, want_scales = expected_layout(strips, npad)
+    got_codes = cp.asnumpy(dw.codes).reshape(want_codes.shape)
+    np.testing.assert_array_equal(got_codes, want_codes)
+    np.testing.assert_array_equal(cp.asnumpy(dw.scales), want_scales)
+
+
+# -- int8 GEMM ---------------------------------------------------------------------------------------
+
+SHAPES = [  # (M, N, K): GEMV (M <= 8) with every column-vector width, and the tensor-core kernel
+    (1, 256, 4096), (1, 37, 512), (1, 136, 1024), (1, 4096, 4096), (2, 1000, 2048), (3, 200, 1024),
+    (4, 136, 4096), (7, 37, 1024), (8, 512, 1024), (9, 37, 512), (64, 256, 1024), (130, 200, 2048),
+    (512, 384, 2048),
+]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("g", [32, 256])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_gemm_q8(dev, bits: int, g: int, m: int, n: int, k: int) -> None:
+    rng = np.random.default_rng([m, n, k, g, bits])
+    w = rand_weight(rng, n, k, g, bits)
+    a_codes, a_scales = quantize_activations(rng.standard_normal((m, k)).astype(np.float32), g)
+    got = run_q8(dev, a_codes, a_scales, w)
+    assert_close_q8(got, a_codes, a_scales, w)
+    if m > GEMV_MAX_M:  # tensor cores add the groups in the reference's order: identical results
+        np.testing.assert_array_equal(got, reference_gemm_q8(a_codes, a_scales, w))
+
+
+@pytest.mark.parametrize("variant", [v for v in GEMV_VARIANTS if v[2] == 8] + [v for v in GEMV_VARIANTS
+                                                                             if v[2] == 4])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_every_gemv_variant(dev, variant: tuple[int, int, int, int], splits: int) -> None:
+    mt, vec, bits, r = variant
+    g = 32
+    n = 116 if vec == 4 else 112  # Npad % 16 != 0 for the 4-column variants
+    rng = np.random.default_rng([*variant, splits])
+    w = rand_weight(rng, n, 3072, g, bits)
+    m = mt + 1  # more rows than one tile: two launches
+    a_codes, a_scales = quantize_activations(rng.standard_normal((m, 3072)).astype(np.float32), g)
+    got = run_q8(dev, a_codes, a_scales, w, variant=variant, splits=splits)
+    assert_close_q8(got, a_codes, a_scales, w)
+
+
+def test_gemv_is_deterministic(dev) -> None:
+    rng = np.random.default_rng(5)
+    w = rand_weight(rng, 1024, 4096, 32, 8)
+    a_codes, a_scales = quantize_activations(rng.standard_normal((1, 4096)).astype(np.float32), 32)
+    first = run_q8(dev, a_codes, a_scales, w, key=wkey(950, Proj.K))
+    for _ in range(3):
+        np.testing.assert_array_equal(run_q8(dev, a_codes, a_scales, w, key=wkey(950, Proj.K)), first)
+
+
+def test_variant_choice() -> None:
+    assert gemv_variant(1, 4096, 4096, 32, 8)[:2] == (1, 16)
+    assert gemv_variant(1, 40, 512, 32, 8)[:2] == (1, 4)
+    assert gemv_variant(3, 136, 512, 256, 4) == (4, 8, 4, 32)
+    assert gemv_variant(1, 1024, 4096, 32, 8)[3] == 8  # few work items: 8-row slices
+    assert all(gemv_variant(m, 4096, 4096, g, b) in GEMV_VARIANTS
+               for m in range(1, GEMV_MAX_M + 1) for g in (32, 256) for b in (8, 4))
+
+
+# -- float activations -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("g", [32, 256])
+@pytest.mark.parametrize("m,n", [(1, 37), (5, 256), (33, 64)])
+def test_gemm_f32(dev, bits: int, g: int, m: int, n: int) -> None:
+    """Block sums are float here: each of the ng block sums of G products may round differently (the
+    reference's BLAS order is unknown), so the bound is 2 * (G + ng) * u * sum |a w s|."""
+    rng = np.random.default_rng([m, n, g, bits])
+    k = 1024
+    w = rand_weight(rng, n, k, g, bits)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    out = cp.full((m, n), np.nan, dtype=cp.float32)
+    dw = dev.weight(NO_CACHE, [w])
+    dev.gemm.f32(cp.asarray(x), dw, out, n, dev.stream)
+    dev.stream.synchronize()
+    dev.cache.release(dw)
+    got = cp.asnumpy(out)
+    ref = reference_gemm_f32(x, w)
+    absw = np.abs(w.codes.astype(np.float64)) * np.repeat(w.scales, g, axis=1)
+    tol = 2 * (g + w.ngroups) * U * (np.abs(x.astype(np.float64)) @ absw.T) + 1e-30
+    assert np.all(np.abs(got - ref) <= tol)
