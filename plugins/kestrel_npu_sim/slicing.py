@@ -3,7 +3,7 @@
 Each K-block of a float32 activation row is written as ``sum_j slice_j * 2**(e - 7*j)`` with int8 slices:
 ``2**e`` is the smallest power of two with ``max|block| <= 127 * 2**e``, each slice is the rounded
 remainder of the previous ones, so slice 0 lies in [-127, 127] and every later one in [-64, 64]. A float32
-block whose nonzero magnitudes span less than 2**18 is exact after at most 6 slices. The NPU runs
+block whose nonzero magnitudes span less than a factor 2**17 is exact after at most 6 slices. The NPU runs
 the exact integer matmul of every slice; the host recombines them in float64.
 
 Reference: K. Ozaki, T. Ogita, S. Oishi, S. M. Rump, "Error-free transformations of matrix multiplication

@@ -1,0 +1,49 @@
+"""The simulated NPU bound once per session on this machine's OpenCL device.
+
+Where there is no pyopencl or OpenCL device the device tests are skipped with that reason, except in CI
+(which installs PoCL): there a backend that does not bind is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from kestrel_core.registry import Backend, Registry
+
+ENV = ("KESTREL_NPU_SIM_DEVICE", "KESTREL_NPU_SIM_PAD_N")
+
+
+@pytest.fixture(autouse=True)
+def _clean_npu_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session")
+def npu_backend() -> Iterator[Backend]:
+    saved = {name: os.environ.pop(name) for name in ENV if name in os.environ}
+    registry = Registry()
+    try:
+        backend = registry.bind("npu_sim")
+        if not backend.bound:
+            if os.environ.get("CI"):
+                pytest.fail(f"npu_sim did not bind in CI: {backend.reason}")
+            pytest.skip(f"npu_sim not bound here: {backend.reason}")
+        yield backend
+    finally:
+        registry.close()
+        os.environ.update(saved)
+
+
+@pytest.fixture
+def npu(npu_backend: Backend):  # noqa: ANN201 - the device handle
+    """The device handle with fresh counters for each test (weights stay cached across tests)."""
+    from kestrel_npu_sim.stats import NpuSimStats
+
+    dev = npu_backend.device
+    dev.stats = NpuSimStats()
+    dev.pad_n = True
+    return dev
