@@ -1,0 +1,442 @@
+"""Build the parity fixtures: tiny seeded checkpoints and their transformers golden logits.
+
+Needs torch and transformers (the tests that read the output do not). Run from the repository root:
+
+    python scripts/make_golden.py                       # tiny models + SmolLM2 golden
+    python scripts/make_golden.py --only tiny           # tiny models only
+    python scripts/make_golden.py --smollm PATH.gguf    # SmolLM2 GGUF somewhere other than the default
+
+Writes under tests/fixtures/models/:
+  tiny-llama/   LlamaForCausalLM, llama3 rope scaling, untied, float32, sharded safetensors + index
+  tiny-llama.gguf  the same weights as llama.cpp's converter writes them (Q/K rows permuted, rope_freqs);
+                   Q8_0 token_embd/output, Q4_0 layer 0, F16 layer 1; golden = tiny-llama's
+  tiny-qwen2/   Qwen2ForCausalLM, nonzero q/k/v biases, untied, bfloat16
+  tiny-qwen3/   Qwen3ForCausalLM, q/k RMSNorm, head_dim 64 != 64/4, tied, float16, config in the
+                transformers-5 layout (rope_parameters); the other two use the classic hub layout
+  smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
+  MANIFEST.json  versions, shapes, logit ranges, the command
+Every model directory holds golden.npz: ``ids`` int64 [T] and ``logits`` float32 [T, vocab], computed in
+float32 with eager attention from the checkpoint as reloaded from disk (so bf16/f16 rounding is included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import tokenizers
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "tests" / "fixtures" / "models"
+SMOLLM_DEFAULT = Path("/tmp/smolgguf/SmolLM2-135M-Instruct.Q4_1.gguf")
+SMOLLM_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+VOCAB = 512
+SEQ_LEN = 40
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% endif %}"
+)
+
+# Random init gives near-uniform logits, where top-1 agreement means nothing. These scales give logits a
+# spread of ~15 units and attention sharp enough that a RoPE or Q/K layout error moves logits by ~30% of
+# their range, while q8 stays within ~3% (measured; see docs/parity.md). Larger projection scales make the
+# random network chaotic (quantization noise then grows as fast as layout errors do).
+STD_PROJ = 0.12
+STD_EMBED = 0.5
+STD_LM_HEAD = 0.3
+STD_BIAS = 0.3
+NORM_JITTER = 0.2
+QK_NORM_MEAN = 1.2  # Qwen3 normalizes q and k per head: their norm weights alone set attention sharpness
+# Projection weights lie on the Q4_0 grid: codes in [-8, 7] times one scale per row (per 256 columns where
+# K allows), with a -8 in every 32-block. q4 and q4-g256 then reproduce them exactly, so the q4 tests check
+# the int4 path itself at q8-like tolerances instead of int4 rounding noise on a chaotic random network.
+# The scales have two mantissa bits, so every weight is exact in bfloat16 and float16 too.
+SCALE_MANTISSAS = np.array([1.0, 1.25, 1.5, 1.75])
+CODE_STD = float(np.sqrt(np.mean(np.arange(-8, 8) ** 2)))
+
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A strip cache holds int8 codes and one float scale per
+block of thirty-two columns. Every backend reads the same artifact: the CPU, the GPU and the simulated
+NPU. What is the capital of France? The capital of France is Paris. What is the capital of Italy? The
+capital of Italy is Rome. Berlin is the capital of Germany, and Madrid is the capital of Spain.
+Quantization maps each weight to a small integer; the scale brings it back. Attention compares queries
+with keys, rotated by their positions, and mixes the values. The model reads tokens, one after another,
+and predicts the next one. Numbers like 12, 256, 4096 and 3.14159 appear in text too.
+Hello! How are you today? I am fine, thank you. Please write a short poem about the sea.
+The sea is wide and the sky is blue; the wind is cold and the waves are new.
+"""
+
+
+def zen_of_python() -> str:
+    import codecs
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints the Zen
+        import this
+    return codecs.decode(this.s, "rot13")
+
+
+# ----------------------------------------------------------------------------------------------- tokenizer
+
+def train_tokenizer() -> Tokenizer:
+    """A byte-level BPE of exactly VOCAB tokens (GPT-2 pre-tokenizer), specials first."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = CORPUS + zen_of_python()
+    tok.train_from_iterator([line for line in text.splitlines() if line.strip()] * 4, trainer)
+    if tok.get_vocab_size() != VOCAB:
+        raise SystemExit(f"tokenizer trained to {tok.get_vocab_size()} tokens, wanted {VOCAB}")
+    return tok
+
+
+def write_tokenizer(tok: Tokenizer, d: Path) -> None:
+    tok.save(str(d / "tokenizer.json"))
+    added = {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                       "single_word": False, "special": True} for t in SPECIALS}
+    cfg = {
+        "add_bos_token": False,
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "model_max_length": 256,
+        "pad_token": "<|endoftext|>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------- models
+
+def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
+    """name -> (config, save options)."""
+    eos = tok.token_to_id("<|im_end|>")
+    bos = tok.token_to_id("<|endoftext|>")
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, bos_token_id=bos, eos_token_id=eos, rms_norm_eps=1e-6)
+    llama = LlamaConfig(
+        **common, num_hidden_layers=2, intermediate_size=128, tie_word_embeddings=False,
+        # original_max_position_embeddings=32 puts the llama3 wavelength cut-offs (8 and 32 positions)
+        # inside head_dim 16's frequency range, so scaling changes short-sequence logits.
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32},
+        rope_theta=10000.0,
+    )
+    qwen2 = Qwen2Config(**common, num_hidden_layers=3, intermediate_size=128, tie_word_embeddings=False,
+                        rope_theta=10000.0, use_sliding_window=False)
+    # head_dim 64 with 4 heads: q_proj is [256, 64] and o_proj's K is 256, like down_proj's (F=256), so
+    # q8-g256 really uses G=256 on those tensors.
+    qwen3 = Qwen3Config(**common, num_hidden_layers=3, intermediate_size=256, head_dim=64,
+                        tie_word_embeddings=True, rope_theta=10000.0, use_sliding_window=False)
+    return {
+        "tiny-llama": (llama, {"dtype": torch.float32, "max_shard_size": "200KB", "classic_config": True}),
+        "tiny-qwen2": (qwen2, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
+        "tiny-qwen3": (qwen3, {"dtype": torch.float16, "max_shard_size": None, "classic_config": False}),
+    }
+
+
+def q4_grid(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np.ndarray:
+    """Weights [N, K] exactly representable by Q4_0 at G=32 and, when K % 256 == 0, at G=256."""
+    n, k = shape
+    codes = rng.integers(-8, 8, size=(n, k // 32, 32))
+    codes[:, :, 0] = -8  # the block maximum: quantizing recovers exactly this scale
+    codes = rng.permuted(codes, axis=2).reshape(n, k)
+    span = 256 if k % 256 == 0 else k
+    mant = rng.choice(SCALE_MANTISSAS, size=(n, k // span))
+    scale = np.exp2(np.round(np.log2(std / CODE_STD / mant))) * mant  # [N, K/span]
+    return codes * np.repeat(scale, span, axis=1)
+
+
+def init_weights(model: torch.nn.Module, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    tied = model.config.tie_word_embeddings
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            shape = tuple(p.shape)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                val = QK_NORM_MEAN + NORM_JITTER * rng.standard_normal(shape)
+            elif name.endswith("norm.weight"):
+                val = 1.0 + NORM_JITTER * rng.standard_normal(shape)
+            elif name.endswith(".bias"):
+                val = STD_BIAS * rng.standard_normal(shape)
+            elif name == "model.embed_tokens.weight":
+                val = (STD_LM_HEAD if tied else STD_EMBED) * rng.standard_normal(shape)
+            elif name == "lm_head.weight":
+                val = STD_LM_HEAD * rng.standard_normal(shape)
+            elif name.endswith("_proj.weight"):
+                val = q4_grid(rng, shape, STD_PROJ)
+            else:
+                raise SystemExit(f"no init rule for {name}")
+            p.copy_(torch.from_numpy(np.asarray(val, dtype=np.float32)))
+
+
+def classic_config(d: Path) -> None:
+    """Rewrite config.json the way hub checkpoints (transformers 4.x) spell RoPE: rope_theta + rope_scaling."""
+    path = d / "config.json"
+    cfg = json.loads(path.read_text())
+    rp = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rp.pop("rope_theta")
+    cfg["rope_scaling"] = None if rp.get("rope_type", "default") == "default" else rp
+    if "dtype" in cfg:
+        cfg["torch_dtype"] = cfg.pop("dtype")
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+@torch.no_grad()
+def hf_logits(model_dir: Path, ids: np.ndarray, **kw: Any) -> np.ndarray:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
+                                                 **kw)
+    model.eval()
+    out = model(torch.from_numpy(ids[None].astype(np.int64)))
+    return out.logits[0].float().numpy()  # [T, V]
+
+
+def build_tiny(name: str, config: Any, opts: dict[str, Any], tok: Tokenizer, seed: int) -> dict[str, Any]:
+    d = OUT / name
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    init_weights(model, seed)
+    model = model.to(opts["dtype"])
+    save_kw = {"max_shard_size": opts["max_shard_size"]} if opts["max_shard_size"] else {}
+    model.save_pretrained(d, **save_kw)
+    (d / "generation_config.json").unlink(missing_ok=True)
+    if opts["classic_config"]:
+        classic_config(d)
+    write_tokenizer(tok, d)
+
+    # Seeded ids, avoiding the specials so nothing downstream treats them as control tokens.
+    ids = np.random.default_rng(seed).integers(len(SPECIALS), VOCAB, size=SEQ_LEN).astype(np.int64)
+    logits = hf_logits(d, ids)
+    np.savez(d / "golden.npz", ids=ids, logits=logits.astype(np.float32))
+    return {"dir": name, "dtype": str(opts["dtype"]).removeprefix("torch."), "seed": seed,
+            "files": sorted(p.name for p in d.iterdir()), **logit_stats(logits)}
+
+
+def logit_stats(logits: np.ndarray) -> dict[str, Any]:
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    rng = logits.max(axis=-1) - logits.min(axis=-1)
+    return {"T": int(logits.shape[0]), "vocab": int(logits.shape[1]),
+            "logit_min": float(logits.min()), "logit_max": float(logits.max()),
+            "per_position_range_mean": float(rng.mean()),
+            "top1_top2_gap_min": float((top2[:, 1] - top2[:, 0]).min()),
+            "top1_top2_gap_median": float(np.median(top2[:, 1] - top2[:, 0]))}
+
+
+# ---------------------------------------------------------------------------------------------------- GGUF
+
+def llamacpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute: HF rotate_half rows -> interleaved pairs."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_factors(cfg: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's rope_freqs tensor (LlamaModel.generate_extra_tensors) for a llama3 rope_scaling."""
+    rs = cfg["rope_scaling"]
+    dim = cfg["head_dim"]
+    freqs = 1.0 / (cfg["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old = rs["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old / lo, old / hi
+    out = []
+    for f in freqs:
+        wavelen = 2 * np.pi / f
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+def write_llama_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    tensors: dict[str, np.ndarray] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(src / shard))
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    w = gguf.GGUFWriter(str(dst), "llama")
+    w.add_name("tiny-llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    vocab = tok.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    model_json = json.loads(tok.to_str())["model"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model_json["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    qtypes = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+
+    def put(name: str, arr: np.ndarray, kind: str) -> None:
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if kind in qtypes:
+            data = gguf.quants.quantize(arr, qtypes[kind])
+            if kind == "q4_0" and not np.array_equal(gguf.quants.dequantize(data, qtypes[kind]), arr):
+                raise SystemExit(f"{name}: weights are not on the Q4_0 grid")
+            w.add_tensor(name, data, raw_dtype=qtypes[kind])
+        elif kind == "f16":
+            w.add_tensor(name, arr.astype(np.float16))
+        else:
+            w.add_tensor(name, arr)
+
+    # Q8_0 embedding/output: kestrel keeps both 8-bit with G=32, so re-quantizing them is lossless up to
+    # the float16 scale. Layer 0 as Q4_0 and layer 1 as F16 hold the grid weights exactly.
+    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
+    put("rope_freqs.weight", llama3_rope_factors(cfg), "f32")
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        kind = "q4_0" if i == 0 else "f16"
+        put(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"], "f32")
+        put(f"blk.{i}.attn_q.weight", llamacpp_permute(tensors[p + "self_attn.q_proj.weight"], n_head, n_head),
+            kind)
+        put(f"blk.{i}.attn_k.weight", llamacpp_permute(tensors[p + "self_attn.k_proj.weight"], n_head, n_kv),
+            kind)
+        put(f"blk.{i}.attn_v.weight", tensors[p + "self_attn.v_proj.weight"], kind)
+        put(f"blk.{i}.attn_output.weight", tensors[p + "self_attn.o_proj.weight"], kind)
+        put(f"blk.{i}.ffn_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
+        put(f"blk.{i}.ffn_gate.weight", tensors[p + "mlp.gate_proj.weight"], kind)
+        put(f"blk.{i}.ffn_up.weight", tensors[p + "mlp.up_proj.weight"], kind)
+        put(f"blk.{i}.ffn_down.weight", tensors[p + "mlp.down_proj.weight"], kind)
+    put("output_norm.weight", tensors["model.norm.weight"], "f32")
+    put("output.weight", tensors["lm_head.weight"], "q8_0")
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {"file": dst.name, "twin": src.name, "bytes": dst.stat().st_size}
+
+
+# ------------------------------------------------------------------------------------------------- SmolLM2
+
+SMOLLM_MESSAGES = [
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "The capital of France is Paris, which is also its largest city."},
+]
+SMOLLM_TOPK = 5
+SMOLLM_FULL_POSITIONS = 4
+
+
+def build_smollm(gguf_path: Path) -> dict[str, Any]:
+    import hashlib
+
+    digest = hashlib.sha256(gguf_path.read_bytes()).hexdigest()
+    if digest != SMOLLM_GGUF_SHA256:
+        raise SystemExit(f"{gguf_path}: sha256 {digest} is not the pinned {SMOLLM_GGUF_SHA256}")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    text = tokenizer.apply_chat_template(SMOLLM_MESSAGES, tokenize=False)
+    ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+    logits = hf_logits(gguf_path.parent, ids, gguf_file=gguf_path.name)  # [T, V]
+    t = logits.shape[0]
+    order = np.argsort(-logits, axis=-1, kind="stable")[:, :SMOLLM_TOPK]
+    full_pos = np.linspace(0, t - 1, SMOLLM_FULL_POSITIONS).round().astype(np.int64)
+    d = OUT / "smollm2"
+    d.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(
+        d / "golden.npz",
+        ids=ids,
+        top_ids=order.astype(np.int64),                                        # [T, k]
+        top_logits=np.take_along_axis(logits, order, axis=-1).astype(np.float32),  # [T, k]
+        logit_min=logits.min(axis=-1).astype(np.float32),                       # [T]
+        logit_max=logits.max(axis=-1).astype(np.float32),                       # [T]
+        full_positions=full_pos,                                                # [P]
+        full_logits=logits[full_pos].astype(np.float32),                        # [P, V]
+    )
+    greedy = tokenizer.decode(order[:, 0])
+    return {"gguf": gguf_path.name, "gguf_sha256": digest, "text": text, "teacher_forced_greedy": greedy,
+            **logit_stats(logits)}
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=["tiny", "smollm"], help="build only one part")
+    ap.add_argument("--smollm", type=Path, default=SMOLLM_DEFAULT, help="SmolLM2-135M-Instruct.Q4_1.gguf")
+    args = ap.parse_args(argv)
+    torch.use_deterministic_algorithms(True)
+    OUT.mkdir(parents=True, exist_ok=True)
+
+    manifest_path = OUT / "MANIFEST.json"
+    manifest: dict[str, Any] = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    manifest["command"] = "python scripts/make_golden.py" + (f" --only {args.only}" if args.only else "")
+    manifest["versions"] = {"python": platform.python_version(), "torch": torch.__version__,
+                            "transformers": transformers.__version__, "gguf": _version("gguf"),
+                            "tokenizers": tokenizers.__version__, "numpy": np.__version__}
+    manifest.setdefault("models", {})
+    if args.only in (None, "tiny"):
+        tok = train_tokenizer()
+        for seed, (name, (config, opts)) in enumerate(tiny_configs(tok).items(), start=1):
+            manifest["models"][name] = build_tiny(name, config, opts, tok, seed)
+            print(f"{name}: {manifest['models'][name]}", file=sys.stderr)
+        manifest["models"]["tiny-llama.gguf"] = write_llama_gguf(OUT / "tiny-llama", OUT / "tiny-llama.gguf",
+                                                                 tok)
+    if args.only in (None, "smollm"):
+        manifest["models"]["smollm2"] = build_smollm(args.smollm)
+        print(f"smollm2: {manifest['models']['smollm2']}", file=sys.stderr)
+    manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return 0
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import version
+
+    return version(dist)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
