@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import gguf
 import numpy as np
 import pytest
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig
@@ -121,7 +121,8 @@ def _train_bpe(pre: str, vocab_size: int) -> Tokenizer:
         tk.pre_tokenizer = byte_level
     elif pre == "smollm":
         tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    elif pre == "qwen2":
+    elif pre == "qwen2":  # as Qwen2's tokenizer.json: NFC, then its split regex
+        tk.normalizer = normalizers.NFC()
         tk.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(_QWEN2_LIKE), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])

@@ -1,0 +1,180 @@
+"""Tokenizer: GGUF-vocabulary builds agree with tokenizer.json, round trips, and sandboxed chat templates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.gguf_reader import GGUFCheckpoint
+from kestrel_core.model.tokenizer import Tokenizer
+
+GOLDEN = Path(__file__).parent / "data" / "smollm2_tokenizer_golden.json"
+TEXTS = [
+    "Hello, world!", "What is the capital of France?", "In 2024, 3.14159 rose 12.5% to $1,234.56",
+    "  two leading, three trailing   ", "tabs\tand\nnewlines\r\n\n", "café naïve Straße Ελληνικά русский",
+    "日本語のテキスト 한국어 🤖🚀✨ e\u0301 (combining)", "<|im_start|>user\nhi<|im_end|>\n", "She'll've we'd I'M",
+    "unseen: zxqv ÿþ \u200b\u00a0 \x00", "",
+]
+
+
+def gguf_fields(fmt, tk, pre: str, **extra) -> dict:
+    tokens, merges, types = fmt.bpe_vocab(tk)
+    fields = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+              "tokenizer.ggml.merges": merges, "tokenizer.ggml.token_type": types,
+              "tokenizer.ggml.bos_token_id": tokens.index("<|im_start|>"),
+              "tokenizer.ggml.eos_token_id": tokens.index("<|im_end|>")}
+    fields.update(extra)
+    return fields
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "smollm", "qwen2"])
+def test_gguf_vocab_build_encodes_like_the_tokenizer_json(fmt, pre: str) -> None:
+    reference = fmt.train_bpe(pre)  # what a model's tokenizer.json would say
+    ours = Tokenizer.from_gguf_vocab(gguf_fields(fmt, reference, pre))
+    for text in TEXTS + fmt.CORPUS:
+        want = reference.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text, add_special_tokens=False) == want, text
+        assert ours.decode(want) == reference.decode(want, skip_special_tokens=False)
+        assert ours.decode(ours.encode(text)) == (text if pre != "qwen2" else _nfc(text))
+    assert ours.eos_token_ids == (2,) and ours.eos_token == "<|im_end|>" and ours.bos_token == "<|im_start|>"
+    # special tokens stay whole; skip_special_tokens drops them
+    ids = ours.encode("<|im_start|>hi<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2
+    assert ours.decode(ids, skip_special_tokens=True) == "hi"
+
+
+def _nfc(text: str) -> str:
+    import unicodedata
+
+    return unicodedata.normalize("NFC", text)
+
+
+def test_digits_are_split_one_by_one_for_smollm(fmt) -> None:
+    tk = Tokenizer.from_gguf_vocab(gguf_fields(fmt, fmt.train_bpe("smollm"), "smollm"))
+    ids = tk.encode("year 2024 and 31415")
+    digits = [tk.token(i) for i in ids if any(ch.isdigit() for ch in tk.token(i))]
+    assert digits == list("202431415")
+
+
+def test_gguf_file_round_trip_and_json_round_trip(tmp_path: Path, fmt, synth_source) -> None:
+    reference = fmt.train_bpe("gpt2")
+    src = synth_source("llama", vocab_size=reference.get_vocab_size())
+    template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    path = fmt.write_gguf(tmp_path / "m.gguf", src, tokenizer=reference, pre="gpt2", chat_template=template)
+    ours = Tokenizer.from_gguf_vocab(GGUFCheckpoint(path).tokenizer_fields())
+    again = Tokenizer.from_json_str(ours.to_json_str(), chat_template=ours.chat_template, eos_token_ids=[2])
+    for text in TEXTS:
+        want = reference.encode(text).ids
+        assert ours.encode(text) == want == again.encode(text), text
+    assert ours.chat_template == template
+    msgs = [{"role": "user", "content": "hi"}]
+    assert again.apply_chat_template(msgs) == ours.apply_chat_template(msgs) == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_add_bos_token_from_gguf(fmt) -> None:
+    tk = Tokenizer.from_gguf_vocab(gguf_fields(fmt, fmt.train_bpe("gpt2"), "gpt2",
+                                               **{"tokenizer.ggml.add_bos_token": True}))
+    assert tk.encode("hi")[0] == 1 and tk.encode("hi", add_special_tokens=False)[0] != 1
+
+
+def test_unsupported_vocabularies_are_named(fmt) -> None:
+    fields = gguf_fields(fmt, fmt.train_bpe("gpt2"), "gpt2")
+    with pytest.raises(KestrelError, match="tokenizer model 'llama' is not supported"):
+        Tokenizer.from_gguf_vocab({**fields, "tokenizer.ggml.model": "llama"})
+    with pytest.raises(KestrelError, match="pre-tokenizer 'mystery' is not supported"):
+        Tokenizer.from_gguf_vocab({**fields, "tokenizer.ggml.pre": "mystery"})
+    with pytest.raises(KestrelError, match="lacks tokens or merges"):
+        Tokenizer.from_gguf_vocab({**fields, "tokenizer.ggml.merges": []})
+    with pytest.raises(KestrelError, match="invalid tokenizer.json"):
+        Tokenizer.from_json_str("{broken")
+
+
+def write_tokenizer_dir(root: Path, fmt, config: dict | None = None, jinja: str | None = None) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "tokenizer.json").write_text(fmt.train_bpe("gpt2").to_str())
+    if config is not None:
+        (root / "tokenizer_config.json").write_text(json.dumps(config))
+    if jinja is not None:
+        (root / "chat_template.jinja").write_text(jinja)
+    return root
+
+
+def test_from_hf_dir_template_forms_and_special_tokens(tmp_path: Path, fmt) -> None:
+    t1 = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    cfg = {"chat_template": t1, "bos_token": {"content": "<|im_start|>", "special": True},
+           "eos_token": "<|endoftext|>"}
+    tk = Tokenizer.from_hf_dir(write_tokenizer_dir(tmp_path / "a", fmt, cfg), bos_token_id=1, eos_token_ids=[2])
+    assert tk.eos_token_ids == (2, 0)  # config's eos first, then tokenizer_config's eos token
+    assert tk.apply_chat_template([{"role": "user", "content": "x"}]) == "<|im_start|>x<|endoftext|>"
+    cfg = {"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}
+    assert Tokenizer.from_hf_dir(write_tokenizer_dir(tmp_path / "b", fmt, cfg)).chat_template == "D"
+    tk = Tokenizer.from_hf_dir(write_tokenizer_dir(tmp_path / "c", fmt, {}, jinja="J{{ messages|length }}"))
+    assert tk.apply_chat_template([{"role": "user", "content": "x"}] * 3) == "J3"
+    with pytest.raises(KestrelError, match="no tokenizer.json"):
+        Tokenizer.from_hf_dir(tmp_path)
+    tk = Tokenizer.from_hf_dir(write_tokenizer_dir(tmp_path / "d", fmt))
+    with pytest.raises(KestrelError, match="no chat template"):
+        tk.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def _tok(fmt, template: str) -> Tokenizer:
+    return Tokenizer.from_gguf_vocab(gguf_fields(fmt, fmt.train_bpe("gpt2"), "gpt2",
+                                                 **{"tokenizer.chat_template": template}))
+
+
+def test_chat_template_helpers_and_generation_prompt(fmt) -> None:
+    template = ("{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
+                "{{ raise_exception('bad role ' + m.role) }}{% endif %}"
+                "[{{ m.role }}]{{ m.content | tojson }}\n{% endfor %}"
+                "{% if add_generation_prompt %}[assistant]{% endif %}{{ strftime_now('%Y')[:0] }}")
+    tk = _tok(fmt, template)
+    msgs = [{"role": "user", "content": "héllo \"q\""}, {"role": "assistant", "content": "ok"}]
+    assert tk.apply_chat_template(msgs) == '[user]"héllo \\"q\\""\n[assistant]"ok"\n[assistant]'
+    assert tk.apply_chat_template(msgs, add_generation_prompt=False) == '[user]"héllo \\"q\\""\n[assistant]"ok"\n'
+    with pytest.raises(KestrelError) as exc:
+        tk.apply_chat_template([{"role": "tool", "content": "x"}])
+    assert str(exc.value) == "chat template failed: bad role tool"
+
+
+@pytest.mark.parametrize("template", [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ messages.__class__.__init__.__globals__ }}",
+    "{{ cycler.__init__.__globals__.os.system('echo pwned') }}",
+    "{% set x = messages.append({'role': 'user', 'content': 'injected'}) %}{{ messages|length }}",
+    "{{ raise_exception.__globals__['__builtins__']['open']('/etc/passwd').read() }}",
+    "{% for m in messages %}{{ m.update({'content': 'x'}) }}{% endfor %}",
+])
+def test_sandbox_escapes_fail_with_one_line(fmt, template: str) -> None:
+    tk = _tok(fmt, template)
+    with pytest.raises(KestrelError) as exc:
+        tk.apply_chat_template([{"role": "user", "content": "hi"}])
+    msg = str(exc.value)
+    assert msg.startswith("chat template refused by the sandbox") and "\n" not in msg and "pwned" not in msg
+
+
+def test_template_syntax_error_is_one_line(fmt) -> None:
+    tk = _tok(fmt, "{% for m in messages %}{{ m.content }")
+    with pytest.raises(KestrelError) as exc:
+        tk.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert str(exc.value).startswith("invalid chat template:") and "\n" not in str(exc.value)
+
+
+@pytest.mark.default_model
+def test_default_model_tokenizer_matches_transformers() -> None:
+    """kestrel's GGUF-built tokenizer against transformers' (data/smollm2_tokenizer_golden.json)."""
+    from kestrel_core.model.pull import default_model_path
+
+    golden = json.loads(GOLDEN.read_text(encoding="utf-8"))
+    tk = Tokenizer.from_gguf_vocab(GGUFCheckpoint(default_model_path()).tokenizer_fields())
+    for entry in golden["texts"]:
+        assert tk.encode(entry["text"], add_special_tokens=False) == entry["ids"], entry["text"]
+        assert tk.decode(entry["ids"]) == entry["text"]
+    for chat in golden["chats"]:
+        assert tk.apply_chat_template(chat["messages"]) == chat["prompt"]
+    assert tk.eos_token_ids == (2,) and tk.vocab_size == 49152
+    # SmolLM2 splits every digit (llama.cpp's "smollm" pre-tokenizer; transformers does not know it)
+    ids = tk.encode("In 2024, 3.14159")
+    assert [tk.token(i) for i in ids if tk.token(i).strip("Ġ").isdigit()] == list("2024314159")
