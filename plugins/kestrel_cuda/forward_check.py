@@ -1,0 +1,127 @@
+"""How the device forward is checked against the CPU decoder (tests and benchmarks share it).
+
+Why not a fixed tolerance: every linear quantizes its input per block to int8 (Q8_0). An activation that
+lands within float32 rounding of a rounding boundary gets a code one step (1/127 of its block's maximum)
+away from the other implementation's, and the network then amplifies that difference through later
+quantizations. Two correct implementations that sum in a different order therefore differ by much more
+than float32 rounding, and by an amount that depends on the model. The tolerance is measured instead: the
+CPU decoder is run a second time with every linear's input nudged by a few ulps (``JITTER``), and the
+device may differ from the CPU by ``FACTOR`` times what that nudge alone changes. A wrong kernel (a bad
+index, a missing bias, a wrong scale) moves logits by O(1) of their spread, far above that band.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kestrel_core.dispatch import Offload
+from kestrel_core.model.decoder import Decoder
+from kestrel_core.model.weights import Model
+from kestrel_core.registry import Registry
+
+JITTER = 2.0 ** -21  # relative nudge of linear inputs: 4 float32 ulps
+JITTER_SEEDS = (5, 6)  # the effect is the larger over these nudges
+FACTOR = 3.0  # the device may differ by this many times the nudge's effect (relative L2 over all logits)
+FLOOR = 1e-5  # relative: when the nudge changes no code at all
+
+
+class _JitterOffload(Offload):
+    """The CPU offload with every linear's input multiplied by (1 +- JITTER) (seeded signs)."""
+
+    def __init__(self, cpu: Any, seed: int) -> None:
+        super().__init__(cpu, cpu)
+        self.rng = np.random.default_rng(seed)
+
+    def _nudge(self, x: np.ndarray) -> np.ndarray:
+        signs = self.rng.choice(np.array([-1.0, 1.0], np.float32), size=x.shape)
+        return (x * (np.float32(1) + np.float32(JITTER) * signs)).astype(np.float32)
+
+    def linear(self, x: np.ndarray, weight: Any, wkey: int) -> np.ndarray:
+        return super().linear(self._nudge(x), weight, wkey)
+
+    def linear_fused(self, x: np.ndarray, weights: Any, wkeys: Any, fused_wkey: int) -> list[np.ndarray]:
+        return super().linear_fused(self._nudge(x), weights, wkeys, fused_wkey)
+
+
+def cpu_logits(model: Model, tokens: np.ndarray, n_prefill: int, jitter_seed: int | None = None) -> np.ndarray:
+    """Teacher-forced CPU logits [T, vocab]: one prefill of n_prefill tokens (all rows), then one step each."""
+    cpu = Registry().cpu()
+    off = Offload(cpu, cpu) if jitter_seed is None else _JitterOffload(cpu, jitter_seed)
+    dec = Decoder(model, off)
+    cache = dec.new_cache()
+    outs = [dec.forward(tokens[:n_prefill], cache, all_logits=True)]
+    for t in tokens[n_prefill:]:
+        outs.append(dec.forward(np.array([t]), cache))
+    return np.concatenate(outs)
+
+
+def device_logits(fwd: Any, model: Model, tokens: np.ndarray, n_prefill: int, seq_id: int = 1) -> np.ndarray:
+    """The same protocol through ``DeviceForward.forward``."""
+    out = fwd.forward(model, seq_id, tokens[:n_prefill], 0, True)
+    assert out is not None, f"the device forward declined: {getattr(fwd, 'last_decline', '')}"
+    outs = [out]
+    for i in range(n_prefill, len(tokens)):
+        step = fwd.forward(model, seq_id, tokens[i:i + 1], i, False)
+        assert step is not None, f"the device forward declined at position {i}: {fwd.last_decline}"
+        outs.append(step)
+    return np.concatenate(outs)
+
+
+def jitter_effect(model: Model, tokens: np.ndarray, n_prefill: int, ref: np.ndarray) -> tuple[float, float]:
+    """(relative L2, max abs) change of the CPU logits under the nudge, the larger over JITTER_SEEDS."""
+    rel, mx = 0.0, 0.0
+    for seed in JITTER_SEEDS:
+        jit = cpu_logits(model, tokens, n_prefill, jitter_seed=seed)
+        rel = max(rel, float(np.linalg.norm(jit - ref) / np.linalg.norm(ref)))
+        mx = max(mx, float(np.abs(jit - ref).max()))
+    return rel, mx
+
+
+@dataclass
+class Comparison:
+    rel_err: float  # ||device - cpu|| / ||cpu|| over all logits
+    tol: float  # max(FACTOR x jitter effect, FLOOR)
+    jitter_rel: float
+    max_err: float  # max |device - cpu|
+    gap_tol: float  # FACTOR x the nudge's largest logit change: ties within it may go either way
+    argmax_same: int  # rows whose argmax is the CPU's
+    argmax_mismatch: int  # rows whose argmax the CPU scores more than gap_tol below its own
+
+    @property
+    def ok(self) -> bool:
+        return self.rel_err <= self.tol and self.argmax_mismatch == 0
+
+    def __str__(self) -> str:
+        return (f"rel L2 err {self.rel_err:.3g} (tol {self.tol:.3g} = max({FACTOR:g} x jitter effect "
+                f"{self.jitter_rel:.3g}, {FLOOR:g})), max abs err {self.max_err:.3g}, argmax same in "
+                f"{self.argmax_same} rows, {self.argmax_mismatch} worse than a tie within {self.gap_tol:.3g}")
+
+
+def compare(got: np.ndarray, ref: np.ndarray, jitter: tuple[float, float]) -> Comparison:
+    jitter_rel, jitter_max = jitter
+    tol = max(FACTOR * jitter_rel, FLOOR)
+    gap_tol = FACTOR * jitter_max
+    pick = got.argmax(1)
+    loss = ref.max(1) - ref[np.arange(len(ref)), pick]  # how much worse the device's pick is for the CPU
+    same = int((pick == ref.argmax(1)).sum())
+    rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+    return Comparison(rel, tol, jitter_rel, float(np.abs(got - ref).max()), gap_tol, same,
+                      int((loss > gap_tol).sum()))
+
+
+def greedy_agrees(device_tokens: list[int], model: Model, prompt: np.ndarray, tol: float) -> list[int]:
+    """Steps where the device's greedy token is not the CPU's choice beyond ``tol``.
+
+    The CPU is teacher-forced on the device's tokens; at each step the device's token must be the CPU's
+    argmax, or tie with it within ``tol`` (then either choice is correct).
+    """
+    tokens = np.concatenate([prompt, np.asarray(device_tokens[:-1], np.int64)])
+    ref = cpu_logits(model, tokens, len(prompt))[len(prompt) - 1:]
+    bad = []
+    for i, (row, tok) in enumerate(zip(ref, device_tokens)):
+        if row.max() - row[tok] > tol:
+            bad.append(i)
+    return bad

@@ -1,0 +1,304 @@
+"""The device forward's host side on the CPU: orchestration over the numpy mirrors of its kernels.
+
+``DeviceForward(ops=NumpyOps())`` runs every step of the GPU path (weight packing into the K-major device
+layout, fused and per-projection projections, sequences, chunks, rewinds, graph record/replay, the residency
+window through a real ``WeightCache``) with numpy standing in for forward.cu, checked against the CPU
+decoder. The kernels themselves are checked on the GPU (test_forward.py) against the same references.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kestrel_core.model.config import ModelConfig
+from kestrel_core.model.decoder import PREFILL_CHUNK
+from kestrel_core.model.presets import synthetic_model
+from kestrel_cuda import forward_ops
+from kestrel_cuda.allocator import NumpyAllocator
+from kestrel_cuda.forward import CAP_CHUNK, DeviceForward, unsupported_reason
+from kestrel_cuda.forward_check import (
+    FACTOR,
+    compare,
+    cpu_logits,
+    device_logits,
+    greedy_agrees,
+    jitter_effect,
+)
+from kestrel_cuda.forward_ops import NumpyOps, pack_kmajor, unpack_kmajor
+from kestrel_cuda.residency import Geometry, WeightCache
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+# Small models of each family: llama (tied embedding, llama3 RoPE scaling, odd vocabulary so lm_head N % 4 != 0),
+# qwen2 (q/k/v bias; F=320 is not a multiple of 256, so g256 modes fall back to G=32 for down), qwen3
+# (q/k norm, head_dim 128 != D/H, one KV head).
+CONFIGS = {
+    "llama": ModelConfig(arch="llama", vocab_size=509, hidden_size=256, intermediate_size=512, num_layers=2,
+                         num_heads=8, num_kv_heads=2, head_dim=32, max_position=4096, tie_word_embeddings=True,
+                         rope_scaling=LLAMA3, rope_theta=10000.0),
+    "qwen2": ModelConfig(arch="qwen2", vocab_size=512, hidden_size=256, intermediate_size=320, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=64, max_position=4096, qkv_bias=True,
+                         rope_theta=1e6),
+    "qwen3": ModelConfig(arch="qwen3", vocab_size=512, hidden_size=256, intermediate_size=768, num_layers=2,
+                         num_heads=4, num_kv_heads=1, head_dim=128, max_position=4096, qk_norm=True,
+                         rope_theta=1e6),
+}
+QUANTS = ("q8", "q4", "q8-g256", "q4-g256")
+
+
+def _tokens(cfg: ModelConfig, n: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, cfg.vocab_size, n)
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_mirror_matches_cpu_decoder(arch: str, quant: str) -> None:
+    model = synthetic_model(CONFIGS[arch], quant, seed=3)
+    toks = _tokens(model.config, 40)
+    ref = cpu_logits(model, toks, 24)
+    fwd = DeviceForward(ops=NumpyOps())
+    got = device_logits(fwd, model, toks, 24)
+    result = compare(got, ref, jitter_effect(model, toks, 24, ref))
+    assert result.ok, str(result)
+    assert result.argmax_same >= 0.9 * len(toks), str(result)
+    assert fwd.counters["graph_captures"] == 1 and fwd.counters["graph_replays"] == 16
+
+
+def test_comparison_catches_a_wrong_forward() -> None:
+    """The tolerance is tight enough to fail: a 10% error in the attention scale is far outside it."""
+
+    class WrongScale(NumpyOps):
+        def attention(self, q, kc, vc, heads, hd, scale, meta, out):  # type: ignore[no-untyped-def]
+            super().attention(q, kc, vc, heads, hd, scale * 1.1, meta, out)
+
+    model = synthetic_model(CONFIGS["qwen3"], "q8", seed=3)
+    toks = _tokens(model.config, 40)
+    ref = cpu_logits(model, toks, 24)
+    result = compare(device_logits(DeviceForward(ops=WrongScale()), model, toks, 24), ref,
+                     jitter_effect(model, toks, 24, ref))
+    assert not result.ok and result.rel_err > 2 * result.tol, str(result)
+
+
+def test_graph_replay_equals_eager_bitwise() -> None:
+    model = synthetic_model(CONFIGS["qwen2"], "q4", seed=4)
+    toks = _tokens(model.config, 30)
+    a = device_logits(DeviceForward(ops=NumpyOps(), use_graph=True), model, toks, 10)
+    b = device_logits(DeviceForward(ops=NumpyOps(), use_graph=False), model, toks, 10)
+    assert np.array_equal(a, b)
+
+
+def test_graph_is_captured_once_per_sequence_and_survives_kv_growth() -> None:
+    cfg = replace(CONFIGS["llama"], num_layers=1)
+    model = synthetic_model(cfg, "q8", seed=5)
+    fwd = DeviceForward(ops=NumpyOps())
+    toks = _tokens(cfg, CAP_CHUNK + 3)
+    ref = cpu_logits(model, toks, CAP_CHUNK - 2)  # decode steps cross the first capacity chunk
+    got = device_logits(fwd, model, toks, CAP_CHUNK - 2)
+    assert compare(got, ref, jitter_effect(model, toks, CAP_CHUNK - 2, ref)).ok
+    assert fwd._seqs[1].capacity == 2 * CAP_CHUNK
+    assert fwd.counters["graph_captures"] == 2  # re-captured after the KV cache moved
+
+
+def test_long_prefill_runs_in_chunks_with_all_logits() -> None:
+    cfg = replace(CONFIGS["qwen3"], num_layers=1)
+    model = synthetic_model(cfg, "q8", seed=6)
+    toks = _tokens(cfg, PREFILL_CHUNK + 37)
+    ref = cpu_logits(model, toks, len(toks))
+    fwd = DeviceForward(ops=NumpyOps())
+    got = fwd.forward(model, 7, toks, 0, True)
+    assert got.shape == (len(toks), cfg.vocab_size)
+    assert compare(got, ref, jitter_effect(model, toks, len(toks), ref)).ok
+    last = fwd.forward(model, 8, toks, 0, False)
+    assert last.shape == (1, cfg.vocab_size) and np.array_equal(last[0], got[-1])
+
+
+def test_sequence_semantics_rewind_reset_decline_release() -> None:
+    model = synthetic_model(CONFIGS["qwen2"], "q8", seed=7)
+    toks = _tokens(model.config, 12)
+    fwd = DeviceForward(ops=NumpyOps())
+    full = fwd.forward(model, 1, toks, 0, True)
+    # rewind: re-running the last 4 positions gives the same rows
+    again = fwd.forward(model, 1, toks[8:], 8, True)
+    assert np.array_equal(again, full[8:])
+    # ahead of the device cache: declined, state kept
+    assert fwd.forward(model, 1, toks[:1], 13, False) is None
+    assert fwd.forward(model, 2, toks[:1], 3, False) is None  # unknown sequence not at 0
+    # start 0 resets
+    assert np.array_equal(fwd.forward(model, 1, toks[:5], 0, True), full[:5])
+    # two sequences are independent
+    other = fwd.forward(model, 3, toks[::-1].copy(), 0, False)
+    assert np.array_equal(fwd.forward(model, 1, toks[5:], 5, True), full[5:])
+    assert other.shape == (1, model.config.vocab_size)
+    fwd.release(1)
+    assert fwd.forward(model, 1, toks[:1], 12, False) is None
+    assert fwd.counters["declined"] == 3
+
+
+def test_declines_bad_tokens_context_and_unsupported_models() -> None:
+    model = synthetic_model(CONFIGS["llama"], "q8", seed=8)
+    fwd = DeviceForward(ops=NumpyOps(), max_context=16)
+    assert fwd.forward(model, 1, np.array([model.config.vocab_size]), 0, False) is None
+    assert fwd.forward(model, 1, np.array([-1]), 0, False) is None
+    assert fwd.forward(model, 1, np.array([], np.int64), 0, False) is None
+    assert fwd.forward(model, 1, np.arange(17), 0, False) is None
+    assert fwd.forward(model, 1, np.arange(16), 0, False) is not None
+    assert fwd.forward(model, 1, np.arange(1), 16, False) is None  # position 16 is the 17th
+    wide = replace(CONFIGS["llama"], head_dim=160, num_heads=2, num_kv_heads=2, num_layers=1)
+    assert unsupported_reason(synthetic_model(wide, "q8")) is not None
+    assert fwd.forward(synthetic_model(wide, "q8"), 1, np.arange(3), 0, False) is None
+    assert "head_dim" in fwd.last_decline
+
+
+def test_window_path_through_the_weight_cache_matches_own_upload() -> None:
+    """Per-layer fetches through a real WeightCache with keep=1: evictions, re-uploads, same logits."""
+    model = synthetic_model(CONFIGS["qwen3"], "q4", seed=9)
+    toks = _tokens(model.config, 20)
+    cache = WeightCache(NumpyAllocator(1 << 30), budget=1 << 30, keep=1)
+    uploads: list[int] = []
+
+    def source(key, strips):  # type: ignore[no-untyped-def]
+        geo = Geometry.fused(strips, pack_int4=True) if len(strips) > 1 else Geometry.of(strips[0], pack_int4=True)
+
+        def upload(dw) -> None:  # type: ignore[no-untyped-def]
+            uploads.append(key)
+            codes = np.concatenate([s.codes for s in strips])
+            scales = np.concatenate([s.scales for s in strips])
+            dw.codes[:] = pack_kmajor(codes, strips[0].bits).reshape(-1).view(np.int8)
+            sc = np.zeros((geo.ngroups, geo.npad), np.float32)
+            sc[:, :codes.shape[0]] = scales.T
+            dw.scales[...] = sc
+        return cache.get_or_upload(key, geo, upload, source=strips[0])
+
+    windowed = DeviceForward(source, cache.on_layer_boundary, ops=NumpyOps())
+    assert not windowed.use_graph
+    a = device_logits(windowed, model, toks, 8)
+    b = device_logits(DeviceForward(ops=NumpyOps()), model, toks, 8)
+    assert np.array_equal(a, b)
+    stats = cache.stats()
+    assert stats["evictions"] > 0 and len(uploads) > 2 * 4 + 1  # layer 0 re-uploaded at every step
+
+
+def test_weight_source_pins_what_the_graph_captured() -> None:
+    model = synthetic_model(CONFIGS["llama"], "q8", seed=10)
+    cache = WeightCache(NumpyAllocator(1 << 30), budget=1 << 30, keep=0)
+
+    def source(key, strips):  # type: ignore[no-untyped-def]
+        geo = Geometry.fused(strips) if len(strips) > 1 else Geometry.of(strips[0])
+
+        def upload(dw) -> None:  # type: ignore[no-untyped-def]
+            codes = np.concatenate([s.codes for s in strips])
+            dw.codes[:] = pack_kmajor(codes, 8).reshape(-1).view(np.int8)
+            sc = np.zeros((geo.ngroups, geo.npad), np.float32)
+            sc[:, :codes.shape[0]] = np.concatenate([s.scales for s in strips]).T
+            dw.scales[...] = sc
+        return cache.get_or_upload(key, geo, upload, source=strips[0])
+
+    fwd = DeviceForward(source, pin=cache.pin, unpin=cache.unpin, ops=NumpyOps())
+    toks = _tokens(model.config, 6)
+    ref = device_logits(DeviceForward(ops=NumpyOps()), model, toks, 4)
+    assert np.array_equal(device_logits(fwd, model, toks, 4), ref)
+    pinned = [e for e in cache.entries() if e.pins]
+    assert len(pinned) == 2 * 4 + 1  # fused qkv, o, fused gate|up, down per layer, and lm_head
+    fwd.close()
+    assert not any(e.pins for e in cache.entries())
+
+
+def test_greedy_check_accepts_the_cpu_and_rejects_other_tokens() -> None:
+    model = synthetic_model(CONFIGS["qwen3"], "q8", seed=11)
+    prompt = _tokens(model.config, 8)
+    ref = cpu_logits(model, prompt, 8)
+    greedy = [int(ref[-1].argmax())]
+    fwd = DeviceForward(ops=NumpyOps())
+    fwd.forward(model, 1, prompt, 0, False)
+    for i in range(15):
+        row = fwd.forward(model, 1, np.array(greedy[-1:]), len(prompt) + i, False)
+        greedy.append(int(row[0].argmax()))
+    assert greedy_agrees(greedy, model, prompt, tol=0.05) == []
+    wrong = [(t + 1) % model.config.vocab_size for t in greedy]
+    assert len(greedy_agrees(wrong, model, prompt, tol=0.05)) >= 8
+
+
+# -- the device layout and the kernels' byte tricks ------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+def test_pack_kmajor_layout(bits: int) -> None:
+    lo, hi = (-127, 127) if bits == 8 else (-8, 7)
+    codes = np.random.default_rng(0).integers(lo, hi + 1, size=(13, 64)).astype(np.int8)
+    packed = pack_kmajor(codes, bits)
+    assert packed.shape == ((64 if bits == 8 else 32), 16)
+    assert np.array_equal(unpack_kmajor(packed, bits)[:, :13], codes.T)
+    assert np.all(unpack_kmajor(packed, bits)[:, 13:] == 0)
+    if bits == 4:  # cuda-kernels' layout (weights.py): byte = (c[2j] + 8) | (c[2j+1] + 8) << 4
+        j, n = 5, 7
+        assert packed[j, n] == (int(codes[n, 2 * j]) + 8) | ((int(codes[n, 2 * j + 1]) + 8) << 4)
+
+
+def _byte_perm(x: int, y: int, s: int) -> int:
+    src = [(x >> (8 * i)) & 0xFF for i in range(4)] + [(y >> (8 * i)) & 0xFF for i in range(4)]
+    return sum(src[(s >> (4 * i)) & 0x7] << (8 * i) for i in range(4))
+
+
+def _transpose4_from_source() -> list[tuple[str, str, str, int]]:
+    """The __byte_perm calls of forward.cu's transpose4, in order: (dest, x, y, selector)."""
+    text = (Path(forward_ops.__file__).with_name("forward.cu")).read_text()
+    body = text[text.index("void transpose4("):]
+    body = body[:body.index("\n}\n")]
+    calls = re.findall(r"(\w+(?:\[\d\])?) = __byte_perm\((\w+), (\w+), (0x[0-9a-fA-F]+)\)", body)
+    return [(d, x, y, int(s, 16)) for d, x, y, s in calls]
+
+
+def test_forward_cu_transpose4_transposes_a_4x4_byte_block() -> None:
+    calls = _transpose4_from_source()
+    assert len(calls) == 8
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        block = rng.integers(0, 256, size=(4, 4))  # block[r][c]: row r (k), column c
+        env = {f"r{r}": int(sum(int(block[r, c]) << (8 * c) for c in range(4))) for r in range(4)}
+        for dest, x, y, sel in calls:
+            env[dest] = _byte_perm(env[x], env[y], sel)
+        for c in range(4):
+            col = env[f"c[{c}]"]
+            assert [(col >> (8 * r)) & 0xFF for r in range(4)] == [int(block[r, c]) for r in range(4)]
+
+
+def test_int4_nibble_split_and_bias_correction_give_the_signed_dot_product() -> None:
+    """The kernel's int4 path: (w & 0x0f0f0f0f), ((w >> 4) & 0x0f0f0f0f) are biased codes of rows 2j, 2j+1;
+    dp4a over biased codes minus 8 * sum(a) is the signed dot product."""
+    rng = np.random.default_rng(2)
+    codes = rng.integers(-8, 8, size=(4, 32)).astype(np.int8)  # [N=4][K=32]
+    a = rng.integers(-127, 128, size=32)
+    packed = pack_kmajor(codes, 4)  # [16][4]
+    words = [int.from_bytes(bytes(packed[p]), "little") for p in range(16)]
+    total = [0, 0, 0, 0]
+    for p, w in enumerate(words):
+        for half, shift in ((0, 0), (1, 4)):
+            row = (w >> shift) & 0x0F0F0F0F
+            k = 2 * p + half
+            for c in range(4):
+                total[c] += ((row >> (8 * c)) & 0xFF) * int(a[k])
+    signed = [t - 8 * int(a.sum()) for t in total]
+    assert signed == (codes.astype(np.int64) @ a).tolist()
+
+
+def test_plan_ksplit_fills_the_gpu_without_exceeding_chunks() -> None:
+    lin = forward_ops.Lin(None, None, 4096, 4096, 4096, 32, 8)
+    assert forward_ops.plan_ksplit(lin, 1056) == 16  # 32 tiles x 16 chunks
+    big = forward_ops.Lin(None, None, 4096, 151936, 151936, 32, 8)
+    assert forward_ops.plan_ksplit(big, 1056) == 1
+    down = forward_ops.Lin(None, None, 12288, 4096, 4096, 32, 8)
+    assert forward_ops.plan_ksplit(down, 1056) == 33
+
+
+def test_factor_is_documented_in_the_comparison() -> None:
+    model = synthetic_model(replace(CONFIGS["llama"], num_layers=1), "q8", seed=12)
+    toks = _tokens(model.config, 10)
+    ref = cpu_logits(model, toks, 6)
+    text = str(compare(ref, ref, jitter_effect(model, toks, 6, ref)))
+    assert f"{FACTOR:g} x jitter" in text and "rel L2 err 0" in text
