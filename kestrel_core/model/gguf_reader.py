@@ -116,6 +116,11 @@ def llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: int
     return scaling
 
 
+def _decimal(value: Any) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(value)))
+
+
 class GGUFCheckpoint:
     """A GGUF file as a TensorSource: each tensor dequantized (and un-permuted) when asked for."""
 
@@ -167,7 +172,7 @@ class GGUFCheckpoint:
         hidden = int(self._need(f"{arch}.embedding_length"))
         heads = int(self._need(f"{arch}.attention.head_count"))
         head_dim = int(self.field(f"{arch}.attention.key_length") or hidden // heads)
-        theta = float(self.field(f"{arch}.rope.freq_base", 10000.0))
+        theta = _decimal(self.field(f"{arch}.rope.freq_base", 10000.0))
         kind = self.field(f"{arch}.rope.scaling.type")
         if kind not in (None, "none"):
             raise KestrelError(f"{self.path}: rope scaling type {kind!r} is not supported")
@@ -188,7 +193,7 @@ class GGUFCheckpoint:
             num_heads=heads,
             num_kv_heads=int(self.field(f"{arch}.attention.head_count_kv") or heads),
             head_dim=head_dim,
-            rms_norm_eps=float(self.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+            rms_norm_eps=_decimal(self.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position=int(self.field(f"{arch}.context_length", 4096)),

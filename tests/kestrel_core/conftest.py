@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,6 +12,7 @@ from types import SimpleNamespace
 import gguf
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from kestrel_core.errors import KestrelError
@@ -221,9 +223,82 @@ def write_gguf(path: Path, src: DictSource, *, qtype: str = "F32", tokenizer: To
     return path
 
 
+HF_LAYER = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+            "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+            "o": "self_attn.o_proj.weight", "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
+            "v_bias": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight",
+            "k_norm": "self_attn.k_norm.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
+            "down": "mlp.down_proj.weight"}
+HF_GLOBAL = {"embedding": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def hf_name(name: str) -> str:
+    if name in HF_GLOBAL:
+        return HF_GLOBAL[name]
+    _, i, field = name.split(".")
+    return f"model.layers.{i}.{HF_LAYER[field]}"
+
+
+def hf_config(c) -> dict:
+    cfg = {"architectures": [HF_ARCH[c.arch]], "model_type": c.arch, "vocab_size": c.vocab_size,
+           "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+           "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+           "num_key_value_heads": c.num_kv_heads, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+           "max_position_embeddings": c.max_position, "tie_word_embeddings": c.tie_word_embeddings,
+           "bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids), "torch_dtype": "float32"}
+    if c.arch == "qwen3" or c.head_dim != c.hidden_size // c.num_heads:
+        cfg["head_dim"] = c.head_dim
+    return cfg
+
+
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even float32 -> bfloat16 bit patterns (what torch's .to(torch.bfloat16) does)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def write_bf16_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """safetensors by hand (numpy cannot write BF16): 8-byte header length, JSON header, raw data."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    blobs, offset = [], 0
+    for name, arr in tensors.items():
+        raw = to_bf16_bits(arr).tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def write_hf_dir(root: Path, src, dtype: str = "f32", shards: int = 1, generation_eos: list[int] | None = None):
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(hf_config(src.config)))
+    if generation_eos is not None:
+        (root / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    names = sorted(src.tensors)
+    groups = [names[i::shards] for i in range(shards)]
+    weight_map = {}
+    for s, group in enumerate(groups):
+        fname = "model.safetensors" if shards == 1 else f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = {hf_name(n): src.tensors[n] for n in group}
+        weight_map.update({k: fname for k in tensors})
+        if dtype == "bf16":
+            write_bf16_safetensors(root / fname, tensors)
+        else:
+            save_file({k: v.astype(np.float16 if dtype == "f16" else np.float32) for k, v in tensors.items()},
+                      str(root / fname))
+    if shards > 1:
+        (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return root
+
+
+
 @pytest.fixture
 def fmt() -> SimpleNamespace:
-    """The formats test helpers: train_bpe, bpe_vocab, write_gguf, llamacpp_permute, CORPUS, SPECIALS."""
+    """The formats test helpers: tokenizers, GGUF and HF writers, llama.cpp's permute, the corpus."""
     return SimpleNamespace(train_bpe=train_bpe, bpe_vocab=bpe_vocab, write_gguf=write_gguf,
+                           write_hf_dir=write_hf_dir, to_bf16_bits=to_bf16_bits, hf_name=hf_name,
                            llamacpp_permute=llamacpp_permute, synth_config=synth_config,
                            synth_tensors=synth_tensors, DictSource=DictSource, CORPUS=CORPUS, SPECIALS=SPECIALS)

@@ -8,81 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.hf import HFCheckpoint, config_from_hf, kestrel_name
 from kestrel_core.model.quantize import quantize_model
-
-HF_LAYER = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
-            "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
-            "o": "self_attn.o_proj.weight", "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
-            "v_bias": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight",
-            "k_norm": "self_attn.k_norm.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
-            "down": "mlp.down_proj.weight"}
-HF_GLOBAL = {"embedding": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
-HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
-
-def hf_name(name: str) -> str:
-    if name in HF_GLOBAL:
-        return HF_GLOBAL[name]
-    _, i, field = name.split(".")
-    return f"model.layers.{i}.{HF_LAYER[field]}"
-
-
-def hf_config(c) -> dict:
-    cfg = {"architectures": [HF_ARCH[c.arch]], "model_type": c.arch, "vocab_size": c.vocab_size,
-           "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-           "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
-           "num_key_value_heads": c.num_kv_heads, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-           "max_position_embeddings": c.max_position, "tie_word_embeddings": c.tie_word_embeddings,
-           "bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids), "torch_dtype": "float32"}
-    if c.arch == "qwen3" or c.head_dim != c.hidden_size // c.num_heads:
-        cfg["head_dim"] = c.head_dim
-    return cfg
-
-
-def to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """Round-to-nearest-even float32 -> bfloat16 bit patterns (what torch's .to(torch.bfloat16) does)."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def write_bf16_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    """safetensors by hand (numpy cannot write BF16): 8-byte header length, JSON header, raw data."""
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    blobs, offset = [], 0
-    for name, arr in tensors.items():
-        raw = to_bf16_bits(arr).tobytes()
-        header[name] = {"dtype": "BF16", "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
-
-
-def write_hf_dir(root: Path, src, dtype: str = "f32", shards: int = 1, generation_eos: list[int] | None = None):
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(hf_config(src.config)))
-    if generation_eos is not None:
-        (root / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
-    names = sorted(src.tensors)
-    groups = [names[i::shards] for i in range(shards)]
-    weight_map = {}
-    for s, group in enumerate(groups):
-        fname = "model.safetensors" if shards == 1 else f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        tensors = {hf_name(n): src.tensors[n] for n in group}
-        weight_map.update({k: fname for k in tensors})
-        if dtype == "bf16":
-            write_bf16_safetensors(root / fname, tensors)
-        else:
-            save_file({k: v.astype(np.float16 if dtype == "f16" else np.float32) for k, v in tensors.items()},
-                      str(root / fname))
-    if shards > 1:
-        (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return root
 
 
 def test_name_mapping() -> None:
@@ -94,9 +23,9 @@ def test_name_mapping() -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype,shards", [("f32", 1), ("f16", 3), ("bf16", 2)])
-def test_reads_every_tensor_exactly(tmp_path: Path, synth_source, arch: str, dtype: str, shards: int) -> None:
+def test_reads_every_tensor_exactly(tmp_path: Path, synth_source, fmt, arch: str, dtype: str, shards: int) -> None:
     src = synth_source(arch, seed=7)
-    ckpt = HFCheckpoint(write_hf_dir(tmp_path / "m", src, dtype, shards))
+    ckpt = HFCheckpoint(fmt.write_hf_dir(tmp_path / "m", src, dtype, shards))
     assert ckpt.config == src.config
     for name, want in src.tensors.items():
         got = ckpt.get(name)
@@ -105,7 +34,7 @@ def test_reads_every_tensor_exactly(tmp_path: Path, synth_source, arch: str, dty
         elif dtype == "f16":
             np.testing.assert_array_equal(got, want.astype(np.float16))
         else:
-            expected = (to_bf16_bits(want).astype(np.uint32) << 16).view(np.float32)
+            expected = (fmt.to_bf16_bits(want).astype(np.uint32) << 16).view(np.float32)
             assert got.dtype == np.float32
             np.testing.assert_array_equal(got, expected)
             assert np.abs(got - want).max() <= np.abs(want).max() / 128  # bf16 keeps 8 significant bits
@@ -172,12 +101,12 @@ def test_unsupported_configs_are_named(cfg: dict, match: str) -> None:
         config_from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 3})
 
 
-def test_generation_config_eos_is_added(tmp_path: Path, synth_source) -> None:
-    ckpt = HFCheckpoint(write_hf_dir(tmp_path / "m", synth_source("qwen3"), generation_eos=[2, 11]))
+def test_generation_config_eos_is_added(tmp_path: Path, synth_source, fmt) -> None:
+    ckpt = HFCheckpoint(fmt.write_hf_dir(tmp_path / "m", synth_source("qwen3"), generation_eos=[2, 11]))
     assert ckpt.config.eos_token_ids == (2, 11)
 
 
-def test_bad_directories_are_one_line_errors(tmp_path: Path, synth_source) -> None:
+def test_bad_directories_are_one_line_errors(tmp_path: Path, synth_source, fmt) -> None:
     def err(path: Path) -> str:
         with pytest.raises(KestrelError) as exc:
             HFCheckpoint(path)
@@ -185,32 +114,32 @@ def test_bad_directories_are_one_line_errors(tmp_path: Path, synth_source) -> No
         return str(exc.value)
 
     assert "no config.json" in err(tmp_path)
-    root = write_hf_dir(tmp_path / "sharded", synth_source("llama"), shards=3)
+    root = fmt.write_hf_dir(tmp_path / "sharded", synth_source("llama"), shards=3)
     (root / "model-00002-of-00003.safetensors").unlink()
     assert "shard model-00002-of-00003.safetensors named by the index is missing" in err(root)
 
-    root = write_hf_dir(tmp_path / "trunc", synth_source("llama"))
+    root = fmt.write_hf_dir(tmp_path / "trunc", synth_source("llama"))
     data = (root / "model.safetensors").read_bytes()
     (root / "model.safetensors").write_bytes(data[: len(data) - 100])
     assert "truncated or corrupt" in err(root)
 
-    root = write_hf_dir(tmp_path / "badjson", synth_source("llama"))
+    root = fmt.write_hf_dir(tmp_path / "badjson", synth_source("llama"))
     (root / "config.json").write_text("{not json")
     assert "invalid JSON" in err(root)
 
-    root = write_hf_dir(tmp_path / "pickle", synth_source("llama"))
+    root = fmt.write_hf_dir(tmp_path / "pickle", synth_source("llama"))
     (root / "model.safetensors").unlink()
     (root / "pytorch_model.bin").write_bytes(b"\x80\x04 pickle")
     assert "safetensors only" in err(root)
 
-    root = write_hf_dir(tmp_path / "escape", synth_source("llama"), shards=2)
+    root = fmt.write_hf_dir(tmp_path / "escape", synth_source("llama"), shards=2)
     (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../evil.safetensors"}}))
     assert "outside the model directory" in err(root)
 
 
-def test_missing_tensor_names_the_hf_tensor(tmp_path: Path, synth_source) -> None:
+def test_missing_tensor_names_the_hf_tensor(tmp_path: Path, synth_source, fmt) -> None:
     src = synth_source("llama")
     del src.tensors["layers.1.gate"]
-    ckpt = HFCheckpoint(write_hf_dir(tmp_path / "m", src))
+    ckpt = HFCheckpoint(fmt.write_hf_dir(tmp_path / "m", src))
     with pytest.raises(KestrelError, match=r"model\.layers\.1\.mlp\.gate_proj\.weight"):
         quantize_model(ckpt, "q8")

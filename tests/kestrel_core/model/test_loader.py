@@ -1,0 +1,144 @@
+"""load_model: dispatch on HF dir / .gguf / .kst / None, the artifact round trip, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kestrel_core.artifact import model_tensors
+from kestrel_core.contract import StripCache
+from kestrel_core.errors import KestrelError
+from kestrel_core.model import loader
+from kestrel_core.model.loader import load_model, write_artifact
+from kestrel_core.model.quantize import quantize_model
+
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}" \
+           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
+
+
+def same_weights(a, b) -> None:
+    assert a.config == b.config
+    ta, tb = model_tensors(a), model_tensors(b)
+    assert ta.keys() == tb.keys()
+    for name, va in ta.items():
+        if isinstance(va, StripCache):
+            assert (va.bits, va.group_size) == (tb[name].bits, tb[name].group_size)
+            np.testing.assert_array_equal(va.codes, tb[name].codes)
+            np.testing.assert_array_equal(va.scales, tb[name].scales)
+        else:
+            np.testing.assert_array_equal(va, tb[name])
+
+
+@pytest.fixture
+def hf_dir(tmp_path: Path, synth_source, fmt):
+    tk = fmt.train_bpe("gpt2")
+    src = synth_source("qwen2", seed=4, vocab_size=tk.get_vocab_size(), eos_token_ids=(2,))
+    root = fmt.write_hf_dir(tmp_path / "hf", src)
+    (root / "tokenizer.json").write_text(tk.to_str())
+    (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"}))
+    return root, src, tk
+
+
+def test_hf_dir_then_artifact_round_trip(tmp_path: Path, hf_dir) -> None:
+    root, src, tk = hf_dir
+    loaded = load_model(str(root), quant="q4")
+    assert loaded.quant == "q4" and loaded.source == str(root)
+    same_weights(loaded.model, quantize_model(src, "q4"))
+    assert loaded.tokenizer.encode("hello world") == tk.encode("hello world").ids
+    prompt = loaded.tokenizer.apply_chat_template(MESSAGES)
+    assert prompt == "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert loaded.tokenizer.eos_token_ids == (2,)
+
+    out = write_artifact(loaded, tmp_path / "m.kst")
+    again = load_model(out)
+    assert again.quant == "q4" and again.source == str(out)
+    same_weights(again.model, loaded.model)
+    assert again.tokenizer.encode_chat(MESSAGES) == loaded.tokenizer.encode_chat(MESSAGES)
+    assert again.tokenizer.eos_token_ids == (2,)
+    with pytest.raises(KestrelError, match="already exists"):
+        write_artifact(loaded, out)
+
+
+def test_artifact_keeps_its_own_quant(tmp_path: Path, hf_dir, caplog: pytest.LogCaptureFixture) -> None:
+    root, _, _ = hf_dir
+    out = write_artifact(load_model(root, quant="q8-g256"), tmp_path / "m.kst")
+    with caplog.at_level(logging.WARNING, logger="kestrel"):
+        again = load_model(out, quant="q4")
+    assert again.quant == "q8-g256" and again.model.layers[0].down.group_size == 256
+    assert "holds q8-g256 weights" in caplog.text and "--quant q4 ignored" in caplog.text
+
+
+def test_gguf_file(tmp_path: Path, synth_source, fmt) -> None:
+    tk = fmt.train_bpe("smollm")
+    src = synth_source("llama", seed=9, vocab_size=tk.get_vocab_size(), tie_word_embeddings=True)
+    path = fmt.write_gguf(tmp_path / "m.gguf", src, qtype="F32", tokenizer=tk, pre="smollm", chat_template=TEMPLATE)
+    loaded = load_model(path, quant="q8")
+    same_weights(loaded.model, quantize_model(src, "q8"))  # the Q/K permutation was undone
+    assert loaded.model.lm_head is loaded.model.embedding
+    assert loaded.tokenizer.encode("In 2024 the fox") == tk.encode("In 2024 the fox").ids
+    assert loaded.tokenizer.eos_token_ids == (tk.token_to_id("<|im_end|>"),)
+    assert loaded.tokenizer.apply_chat_template(MESSAGES).endswith("<|im_start|>assistant\n")
+
+
+def test_bad_paths_are_one_line_errors(tmp_path: Path) -> None:
+    def err(path, quant="q8") -> str:
+        with pytest.raises(KestrelError) as exc:
+            load_model(path, quant=quant)
+        assert "\n" not in str(exc.value)
+        return str(exc.value)
+
+    assert "does not exist" in err(tmp_path / "nope")
+    assert "unknown quant mode 'q2'" in err(tmp_path / "nope", quant="q2")  # checked first
+    (tmp_path / "fake.gguf").write_bytes(b"PK\x03\x04 not gguf")
+    assert "not a GGUF file" in err(tmp_path / "fake.gguf")
+    (tmp_path / "weights.bin").write_bytes(b"\x80\x04 pickle")
+    assert "unrecognised model file" in err(tmp_path / "weights.bin")
+    (tmp_path / "cut.kst").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    assert "truncated or corrupt" in err(tmp_path / "cut.kst")
+    (tmp_path / "emptydir").mkdir()
+    assert "no config.json" in err(tmp_path / "emptydir")
+
+
+def test_default_model_path_is_cached_as_an_artifact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     synth_source, fmt) -> None:
+    """load_model(None): pull, quantize once, cache the artifact; the second load reads the cache."""
+    tk = fmt.train_bpe("gpt2")
+    src = synth_source("llama", vocab_size=tk.get_vocab_size(), tie_word_embeddings=True)
+    gguf_path = fmt.write_gguf(tmp_path / "default.gguf", src, tokenizer=tk, chat_template=TEMPLATE)
+    monkeypatch.setenv("KESTREL_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(loader, "pull_default_model", lambda progress=True: gguf_path)
+    first = load_model(None)
+    cached = sorted((tmp_path / "home" / "cache").glob("*.kst"))
+    assert [p.name.endswith(".q8.v1.kst") for p in cached] == [True]
+    calls = []
+    monkeypatch.setattr(loader, "_load_gguf", lambda *a: calls.append(a))
+    second = load_model(None)
+    assert calls == []  # served from the cache
+    same_weights(first.model, second.model)
+    assert second.model.lm_head is second.model.embedding
+    assert second.tokenizer.apply_chat_template(MESSAGES) == first.tokenizer.apply_chat_template(MESSAGES)
+    # a broken cache entry is rebuilt, not fatal
+    cached[0].write_bytes(b"garbage")
+    monkeypatch.undo()
+    monkeypatch.setenv("KESTREL_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(loader, "pull_default_model", lambda progress=True: gguf_path)
+    third = load_model(None)
+    same_weights(first.model, third.model)
+    assert cached[0].stat().st_size > 1000
+
+
+@pytest.mark.default_model
+def test_default_model_loads() -> None:
+    loaded = load_model(None)
+    c = loaded.model.config
+    assert (c.arch, c.num_layers, c.hidden_size, c.vocab_size, c.tie_word_embeddings) == (
+        "llama", 30, 576, 49152, True)
+    assert loaded.model.lm_head is loaded.model.embedding and loaded.quant == "q8"
+    ids = loaded.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    assert ids[0] == 1 and ids[-3:] == loaded.tokenizer.encode("<|im_start|>assistant\n")[-3:]
+    assert loaded.tokenizer.eos_token_ids == (2,)
