@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from kestrel_core.dispatch import Offload
+from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.decoder import Decoder
 from kestrel_core.model.weights import Model
 from kestrel_core.registry import Registry
@@ -26,6 +27,60 @@ JITTER = 2.0 ** -21  # relative nudge of linear inputs: 4 float32 ulps
 JITTER_SEEDS = (5, 6)  # the effect is the larger over these nudges
 FACTOR = 3.0  # the device may differ by this many times the nudge's effect (relative L2 over all logits)
 FLOOR = 1e-5  # relative: when the nudge changes no code at all
+
+
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 64}
+
+# Small models of each family for the checks: llama (tied embedding, llama3 RoPE scaling, odd vocabulary so
+# lm_head N % 4 != 0), qwen2 (q/k/v bias; F=320 is not a multiple of 256, so g256 modes fall back to G=32
+# for down), qwen3 (q/k norm, head_dim 128 != D/H, one KV head). Every K is a multiple of 256 otherwise.
+SMALL_CONFIGS: dict[str, ModelConfig] = {
+    "llama": ModelConfig(arch="llama", vocab_size=509, hidden_size=256, intermediate_size=512, num_layers=2,
+                         num_heads=8, num_kv_heads=2, head_dim=32, max_position=4096, tie_word_embeddings=True,
+                         rope_scaling=_LLAMA3, rope_theta=10000.0),
+    "qwen2": ModelConfig(arch="qwen2", vocab_size=512, hidden_size=256, intermediate_size=320, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=64, max_position=4096, qkv_bias=True,
+                         rope_theta=1e6),
+    "qwen3": ModelConfig(arch="qwen3", vocab_size=512, hidden_size=256, intermediate_size=768, num_layers=2,
+                         num_heads=4, num_kv_heads=1, head_dim=128, max_position=4096, qk_norm=True,
+                         rope_theta=1e6),
+}
+
+
+# A backend module (for KESTREL_BACKEND_PATH) around DeviceForward: CPU GEMMs, and a whole-step forward
+# made by MAKE that declines the calls numbered in DECLINE (1-based), recording each call's start.
+DECLINING_BACKEND = '''
+from kestrel_core import API_VERSION, BackendInfo, hookimpl
+from kestrel_cpu import kestrel_close, kestrel_gemm_f32, kestrel_gemm_q8, kestrel_open  # noqa: F401
+from kestrel_cuda.forward import DeviceForward
+
+DECLINE = {decline}
+MAKE = {make}
+CALLS = []
+FWD = []
+
+
+@hookimpl
+def kestrel_backend_info():
+    return BackendInfo("fwdcuda", "1", API_VERSION, "gpu")
+
+
+@hookimpl
+def kestrel_forward(device, model, seq_id, tokens, start, all_logits):
+    CALLS.append(int(start))
+    if len(CALLS) in DECLINE:
+        return None
+    if not FWD:
+        FWD.append(MAKE())
+    return FWD[0].forward(model, seq_id, tokens, start, all_logits)
+
+
+@hookimpl
+def kestrel_release_sequence(device, seq_id):
+    if FWD:
+        FWD[0].release(seq_id)
+'''
 
 
 class _JitterOffload(Offload):

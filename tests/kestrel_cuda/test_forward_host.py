@@ -22,7 +22,9 @@ from kestrel_cuda import forward_ops
 from kestrel_cuda.allocator import NumpyAllocator
 from kestrel_cuda.forward import CAP_CHUNK, DeviceForward, unsupported_reason
 from kestrel_cuda.forward_check import (
+    DECLINING_BACKEND,
     FACTOR,
+    SMALL_CONFIGS,
     compare,
     cpu_logits,
     device_logits,
@@ -32,23 +34,7 @@ from kestrel_cuda.forward_check import (
 from kestrel_cuda.forward_ops import NumpyOps, pack_kmajor, unpack_kmajor
 from kestrel_cuda.residency import Geometry, WeightCache
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64}
-
-# Small models of each family: llama (tied embedding, llama3 RoPE scaling, odd vocabulary so lm_head N % 4 != 0),
-# qwen2 (q/k/v bias; F=320 is not a multiple of 256, so g256 modes fall back to G=32 for down), qwen3
-# (q/k norm, head_dim 128 != D/H, one KV head).
-CONFIGS = {
-    "llama": ModelConfig(arch="llama", vocab_size=509, hidden_size=256, intermediate_size=512, num_layers=2,
-                         num_heads=8, num_kv_heads=2, head_dim=32, max_position=4096, tie_word_embeddings=True,
-                         rope_scaling=LLAMA3, rope_theta=10000.0),
-    "qwen2": ModelConfig(arch="qwen2", vocab_size=512, hidden_size=256, intermediate_size=320, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=64, max_position=4096, qkv_bias=True,
-                         rope_theta=1e6),
-    "qwen3": ModelConfig(arch="qwen3", vocab_size=512, hidden_size=256, intermediate_size=768, num_layers=2,
-                         num_heads=4, num_kv_heads=1, head_dim=128, max_position=4096, qk_norm=True,
-                         rope_theta=1e6),
-}
+CONFIGS = SMALL_CONFIGS
 QUANTS = ("q8", "q4", "q8-g256", "q4-g256")
 
 
@@ -222,6 +208,27 @@ def test_greedy_check_accepts_the_cpu_and_rejects_other_tokens() -> None:
     assert greedy_agrees(greedy, model, prompt, tol=0.05) == []
     wrong = [(t + 1) % model.config.vocab_size for t in greedy]
     assert len(greedy_agrees(wrong, model, prompt, tol=0.05)) >= 8
+
+
+def test_engine_recomputes_a_declined_step_on_the_cpu(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The GPU test's engine scenario over the numpy mirrors: decline at call 3, host catch-up, same tokens."""
+    import kestrel_core
+
+    model = synthetic_model(SMALL_CONFIGS["qwen3"], "q8", seed=9)
+    prompt = _tokens(model.config, 10).tolist()
+    make = "lambda: DeviceForward(ops=__import__('kestrel_cuda.forward_ops').forward_ops.NumpyOps())"
+    (tmp_path / "fwdcuda.py").write_text(DECLINING_BACKEND.format(decline={3}, make=make))
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "fwdcuda.py"))
+    with kestrel_core.load(model, backend="fwdcuda") as engine:
+        tokens = list(engine.generate(prompt, max_tokens=12, stop_at_eos=False))
+        stats = engine.stats["offload"]["kestrel_forward"]
+        calls = list(engine.backend.plugin.CALLS)
+    assert stats["accepted"] == 11 and stats["declined"] == 1
+    assert calls[:5] == [0, 10, 11, 11, 13]
+    seq = np.concatenate([prompt, tokens[:-1]])
+    ref = cpu_logits(model, seq, len(prompt))
+    _, jitter_max = jitter_effect(model, seq, len(prompt), ref)
+    assert greedy_agrees(tokens, model, np.asarray(prompt), tol=FACTOR * jitter_max) == []
 
 
 # -- the device layout and the kernels' byte tricks ------------------------------------------------
