@@ -145,7 +145,7 @@ def quantize_activations(a: np.ndarray, group_size: int = 32) -> tuple[np.ndarra
     m = a.shape[0]
     blocks = a.reshape(m, -1, group_size)  # [M, K/G, G]
     d = np.maximum.reduce(np.abs(blocks), axis=-1) / np.float32(127)  # [M, K/G]
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    inv = np.float32(1) / (d + (d == 0))  # an all-zero block: 1/1, and its codes are 0 either way
     v = blocks * inv[..., None]
     v += np.copysign(np.float32(0.5), v)
     return v.astype(np.int8).reshape(m, -1), d

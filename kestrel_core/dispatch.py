@@ -79,7 +79,7 @@ class Offload:
 
     def _offer(self, hook: str, flops: int, call: Callable[[], Any], check: Callable[[Any], str | None]) -> Any:
         """The backend's result, or None when it (or the core on its behalf) declined."""
-        counters = self.counters.setdefault(hook, HookCounters())
+        counters = self.counters.get(hook) or self.counters.setdefault(hook, HookCounters())
         counters.offered += 1
         reason = self._core_decline(hook, flops)
         result = None
@@ -143,7 +143,7 @@ class Offload:
             if out is not None:
                 return out
         else:
-            counters = self.counters.setdefault(hook, HookCounters())
+            counters = self.counters.get(hook) or self.counters.setdefault(hook, HookCounters())
             counters.offered += 1
             counters.accepted += 1
         return self._caller(self.cpu, hook)(**kwargs)
