@@ -98,10 +98,14 @@ def _blocks(x: np.ndarray, group_size: int) -> np.ndarray:
 
 
 def round_half_away(x: np.ndarray) -> np.ndarray:
-    """C's roundf (ggml's rounding), not numpy's round-half-to-even."""
+    """C's roundf (ggml's rounding), not numpy's round-half-to-even.
+
+    Not floor(|x| + 0.5): in float32 0.49999997 + 0.5 rounds up to 1.0. The fraction a - floor(a) is exact,
+    so this is exact for every float32 (gguf-py's np_roundf does the same).
+    """
     a = np.abs(x)
-    b = np.floor(a + np.float32(0.5))
-    return np.sign(x) * b
+    f = np.floor(a)
+    return np.sign(x) * (f + np.floor(2 * (a - f)))
 
 
 def _quantize_q8(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -78,3 +78,16 @@ def test_unknown_mode_fails_before_reading_tensors(synth_source) -> None:
     src.tensors.clear()
     with pytest.raises(KestrelError, match="unknown quant mode"):
         quantize_model(src, "int3")
+
+
+def test_codes_equal_gguf_py_on_rounding_edge_cases() -> None:
+    """A value just below .5 after scaling: floor(x + 0.5) in float32 rounds it up, ggml's roundf does not."""
+    import gguf
+
+    w = np.zeros((2, 32), np.float32)
+    w[:, 0] = 127.0  # scale 1.0, so the codes are the values rounded
+    w[0, 1:6] = [0.49999997, -0.49999997, 1.4999999, 2.5, -3.5]
+    w[1, 1:] = np.random.default_rng(0).uniform(-127, 127, 31).astype(np.float32)
+    q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)  # [2, 34]: f16 scale then 32 int8 codes
+    want = q[:, 2:].copy().view(np.int8)
+    np.testing.assert_array_equal(quantize_weight(w, 8, 32).codes, want)
