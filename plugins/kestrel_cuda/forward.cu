@@ -15,6 +15,7 @@
 #define TN 128          // columns of a GEMV tile: 32 lanes x 4 columns
 #define KC 256          // rows of activation handled per chunk: 8 warps x 32 rows
 #define FULL 0xffffffffu
+#define NEG_INF __int_as_float(0xff800000)  // -inf without math headers (NVRTC)
 
 __device__ __forceinline__ float warp_sum(float v) {
     // xor butterfly: every lane ends with the same bits (float addition is commutative)
@@ -95,19 +96,6 @@ __global__ void __launch_bounds__(NT) qgemv(
 #pragma unroll
     for (int i = 0; i < MR; ++i) acc[i] = 0.f;
 
-    if (pro == 1) {
-        for (int i = 0; i < MR; ++i) {
-            const int m = m0 + i;
-            float ss = 0.f;
-            if (m < M) {
-                const float* xr = X + (size_t)m * ldx;
-                for (int k = tid; k < K; k += NT) { const float v = xr[k]; ss += v * v; }
-            }
-            ss = block_sum(ss, s_red);
-            if (tid == 0) s_r[i] = sqrtf(ss / (float)K + eps);
-        }
-    }
-
     for (int c = blockIdx.y; c < nck; c += gridDim.y) {
         const int k0 = c * KC;
         const int kr = k0 + 32 * warp;          // first weight row of this warp's 32-row slot
@@ -123,7 +111,21 @@ __global__ void __launch_bounds__(NT) qgemv(
 #pragma unroll
             for (int r = 0; r < NW; ++r) wr[r] = __ldg(wp + (size_t)r * stride);
         }
-        __syncthreads();  // the previous chunk is done with s_aq / s_acc
+        if (pro == 1 && c == (int)blockIdx.y) {
+            // rmsnorm denominators over the whole row, computed (identically) by every block, while its
+            // first weight loads are in flight
+            for (int i = 0; i < MR; ++i) {
+                const int m = m0 + i;
+                float ss = 0.f;
+                if (m < M) {
+                    const float* xr = X + (size_t)m * ldx;
+                    for (int k = tid; k < K; k += NT) { const float v = xr[k]; ss += v * v; }
+                }
+                ss = block_sum(ss, s_red);
+                if (tid == 0) s_r[i] = sqrtf(ss / (float)K + eps);
+            }
+        }
+        __syncthreads();  // the previous chunk is done with s_aq / s_acc; s_r is visible
         for (int i = 0; i < MR; ++i) {
             const int m = m0 + i;
             const int k = k0 + tid;
@@ -258,9 +260,11 @@ __global__ void __launch_bounds__(NT) qgemv(
             for (int i = 0; i < MR; ++i) {
                 const int m = m0 + i;
                 float s = 0.f;
-                if (m < M)
+                if (m < M) {
+#pragma unroll 8
                     for (int y = 0; y < (int)gridDim.y; ++y)
                         s += __ldcg(part + ((size_t)y * M + m) * Npad + n0 + tid);
+                }
                 acc[i] = s;
             }
         }
@@ -325,7 +329,7 @@ __global__ void __launch_bounds__(NT) quantize_rows(
 }
 
 // Y[m][n] (+)= T[m][n] (+ bias[n]): the epilogue of the tiled-GEMM path.
-__global__ void add_rows(const float* __restrict__ T, int ldt, int M, int N, float* __restrict__ Y, int ldy,
+extern "C" __global__ void add_rows(const float* __restrict__ T, int ldt, int M, int N, float* __restrict__ Y, int ldy,
                          int epi, const float* __restrict__ bias)
 {
     const int n = blockIdx.x * blockDim.x + threadIdx.x, m = blockIdx.y;
@@ -338,7 +342,7 @@ __global__ void add_rows(const float* __restrict__ T, int ldt, int M, int N, flo
 
 // ------------------------------------------------------------------------------------------------------
 // h[m][:] = dequantized embedding row of ids[m] (codes [V][D] int8, scales [V][D/G]).
-__global__ void embed_rows(const signed char* __restrict__ codes, const float* __restrict__ scales, int D,
+extern "C" __global__ void embed_rows(const signed char* __restrict__ codes, const float* __restrict__ scales, int D,
                            int G, const int* __restrict__ ids, float* __restrict__ h)
 {
     const int m = blockIdx.y;
@@ -352,7 +356,7 @@ __global__ void embed_rows(const signed char* __restrict__ codes, const float* _
 // Per head of the qkv rows: optional per-head rmsnorm (Qwen3 q_norm/k_norm), RoPE (rotate_half) at the
 // absolute position meta[0] + m, then q -> qout [M][H*hd] and k, v -> this layer's cache at that position.
 // Grid: x = H + KV heads, y = M rows; block NT threads; hd <= 1024.
-__global__ void __launch_bounds__(NT) qkv_rope(
+extern "C" __global__ void __launch_bounds__(NT) qkv_rope(
     const float* __restrict__ qkv, int ldqkv, int H, int KV, int hd,
     const float* __restrict__ qnorm, const float* __restrict__ knorm, float eps,
     const float* __restrict__ cosT, const float* __restrict__ sinT, const int* __restrict__ meta,
@@ -397,7 +401,7 @@ __global__ void __launch_bounds__(NT) qkv_rope(
 // merges the splits in order. q is scaled by 1/sqrt(hd) before the dot products, like the CPU.
 #define AW 4
 #define MAXJ 8   // hd <= 256
-__global__ void __launch_bounds__(AW * 32) attn_decode(
+extern "C" __global__ void __launch_bounds__(AW * 32) attn_decode(
     const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
     int KV, int hd, float scale, const int* __restrict__ meta, float* __restrict__ part,
     int* __restrict__ counters, float* __restrict__ out)
@@ -421,7 +425,7 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
         qr[j] = d < hd ? q[(size_t)h * hd + d] * scale : 0.f;
         acc[j] = 0.f;
     }
-    float mx = -INFINITY, l = 0.f;
+    float mx = NEG_INF, l = 0.f;
     for (int p = pb + warp; p < pe; p += AW) {
         const float* kr = kb + (size_t)p * hd;
         float s = 0.f;
@@ -451,7 +455,7 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     }
     __syncthreads();
     float* pp = part + ((size_t)h * nsplit + split) * (hd + 2);
-    float bm = -INFINITY;
+    float bm = NEG_INF;
     for (int w = 0; w < AW; ++w) bm = fmaxf(bm, s_m[w]);
     if (threadIdx.x == 0) {
         float bl = 0.f;
@@ -471,7 +475,7 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     if (!s_last) return;
     __threadfence();
     const float* ph = part + (size_t)h * nsplit * (hd + 2);
-    float gm = -INFINITY;
+    float gm = NEG_INF;
     for (int s = 0; s < nsplit; ++s) gm = fmaxf(gm, __ldcg(ph + (size_t)s * (hd + 2)));
     float gl = 0.f;
     for (int s = 0; s < nsplit; ++s) {
@@ -496,7 +500,7 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 // Grid: x = H, y = ceil(M / 8); block 256; dynamic shared memory (32*(hd+1) + 32*hd + 8*hd) floats.
 #define PQ 8
 #define PT 32
-__global__ void __launch_bounds__(PQ * 32) attn_prefill(
+extern "C" __global__ void __launch_bounds__(PQ * 32) attn_prefill(
     const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
     int KV, int hd, float scale, const int* __restrict__ meta, int M, float* __restrict__ out)
 {
@@ -517,7 +521,7 @@ __global__ void __launch_bounds__(PQ * 32) attn_prefill(
     float acc[MAXJ];
 #pragma unroll
     for (int j = 0; j < MAXJ; ++j) acc[j] = 0.f;
-    float mx = -INFINITY, l = 0.f;
+    float mx = NEG_INF, l = 0.f;
     for (int t0 = 0; t0 <= pmax; t0 += PT) {
         __syncthreads();
         for (int i = threadIdx.x; i < PT * hd; i += PQ * 32) {
@@ -532,7 +536,7 @@ __global__ void __launch_bounds__(PQ * 32) attn_prefill(
         if (m >= M || t0 > pq) continue;
         const int p = t0 + lane;
         const bool valid = p <= pq;
-        float s = -INFINITY;
+        float s = NEG_INF;
         if (valid) {
             float dot = 0.f;
             const float* kr = ks + lane * (hd + 1);

@@ -243,7 +243,7 @@ def _module() -> Any:
 
     source = (Path(__file__).with_name("forward.cu")).read_text()
     names = [f"qgemv<{b},{g},{mr}>" for b, g, mr in _GEMV_VARIANTS] + ["quantize_rows<32>", "quantize_rows<256>"]
-    mod = cp.RawModule(code=source, options=("--fmad=false", "-std=c++17"), name_expressions=names)
+    mod = cp.RawModule(code=source, options=("--fmad=false", "-std=c++17"), name_expressions=tuple(names))
     mod.compile()
     return mod
 
@@ -444,8 +444,16 @@ def gemv_scratch(lins: list[Lin]) -> tuple[int, int]:
     return part, counters
 
 
+BLOCKS_ENV = "KESTREL_CUDA_GEMV_BLOCKS"
+
+
 def default_target_blocks(sm_count: int) -> int:
-    return 8 * sm_count
+    """GEMV blocks to aim for at M=1: 32 per SM makes every projection but lm_head one 256-row chunk per
+    block (all its loads issued at once); ``KESTREL_CUDA_GEMV_BLOCKS`` overrides it (benchmarks)."""
+    import os
+
+    raw = os.environ.get(BLOCKS_ENV, "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 32 * sm_count
 
 
 def head_scale(hd: int) -> float:
