@@ -17,6 +17,7 @@ from kestrel_core.contract import StripCache
 from kestrel_core.errors import BackendUnavailable
 from kestrel_core.hookspecs import API_VERSION, hookimpl
 from kestrel_core.registry import BackendInfo
+from kestrel_core.wkey import Proj, fused_wkey, lm_head_wkey, wkey
 
 from . import matmul
 from .device import NpuSimDevice, open_device
@@ -39,7 +40,7 @@ def _self_check(dev: NpuSimDevice) -> None:
         a = rng.integers(-127, 128, size=(m, 64), dtype=np.int8)
         expected = (a.astype(np.int64).reshape(m, 2, 32).transpose(1, 0, 2)
                     @ weight.codes.astype(np.int64).reshape(40, 2, 32).transpose(1, 2, 0))  # [2, M, N]
-        got = np.concatenate([s for _, _, s in matmul.block_sums(dev, a, dev.packed(weight, 0), 32)], axis=2)
+        got = np.concatenate([s for _, _, s in matmul.block_sums(dev, a, dev.packed((weight,), 0), 32)], axis=2)
         if not np.array_equal(got, expected):
             raise BackendUnavailable(f"kernel self-check failed on {dev.description}: wrong integer block sums")
 
@@ -73,11 +74,27 @@ def kestrel_gemm_f32(device: NpuSimDevice, a: np.ndarray, weight: StripCache, wk
 
 
 @hookimpl
+def kestrel_gemm_fused_q8(device: NpuSimDevice, a_codes: np.ndarray, a_scales: np.ndarray,
+                          weights: list[StripCache], wkeys: list[int], fused_wkey: int) -> list[np.ndarray] | None:
+    return matmul.gemm_fused_q8(device, a_codes, a_scales, weights, fused_wkey)
+
+
+def _engine_weights(model: Any) -> list[tuple[int, tuple[StripCache, ...]]]:
+    """What the engine's decoder multiplies, by the wkey it passes: fused Q|K|V and gate|up, o, down, lm_head."""
+    out = []
+    for i, lw in enumerate(model.layers):
+        out += [(fused_wkey(i, Proj.QKV), (lw.q, lw.k, lw.v)), (wkey(i, Proj.O), (lw.o,)),
+                (fused_wkey(i, Proj.GATE_UP), (lw.gate, lw.up)), (wkey(i, Proj.DOWN), (lw.down,))]
+    return out + [(lm_head_wkey(), (model.lm_head,))]
+
+
+@hookimpl
 def kestrel_preload(device: NpuSimDevice, model: Any) -> None:
-    """Repack every weight the GEMMs will use at load, so none of it lands in the first prefill."""
-    for key, weight in model.weights():
-        if weight.n % TILE_N == 0 or device.pad_n:
-            device.packed(weight, key)
+    """Repack every weight the engine will multiply at load, so none of it lands in the first prefill."""
+    for key, weights in _engine_weights(model):
+        shared = all(w.k == weights[0].k and w.group_size == weights[0].group_size for w in weights)
+        if shared and (device.pad_n or all(w.n % TILE_N == 0 for w in weights)):
+            device.packed(weights, key)
 
 
 @hookimpl

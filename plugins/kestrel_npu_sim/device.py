@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from kestrel_core.contract import StripCache
 from kestrel_core.errors import BackendUnavailable
 
 from .cost import CostModel
-from .layout import Geometry, geometry, repack
+from .layout import Geometry, fuse, geometry, repack
 from .stats import NpuSimStats
 
 ENV_DEVICE = "KESTREL_NPU_SIM_DEVICE"  # "P:D" (platform:device indices) or a device/platform name substring
@@ -30,12 +31,16 @@ KERNEL_FILE = Path(__file__).with_name("block_matmul.cl")
 
 @dataclass
 class PackedWeight:
-    """One weight in the NPU's native layout on the device, with its per-block scales transposed."""
+    """One weight (or several fused along N) in the NPU's native layout on the device."""
 
-    weight: StripCache  # identity check: a wkey reused for another tensor is repacked
+    members: tuple[StripCache, ...]  # identity check: a wkey reused for other tensors is repacked
+    offsets: tuple[int, ...]  # first row of each member in the fused weight
     geo: Geometry
     buffer: Any  # cl.Buffer, int8 [n_pad * K]
-    scales_t: np.ndarray  # float32 [K/G, N]
+    scales_t: np.ndarray  # float32 [K/G, N], zero on the rows padding the members apart
+
+    def holds(self, weights: Sequence[StripCache]) -> bool:
+        return len(weights) == len(self.members) and all(a is b for a, b in zip(weights, self.members))
 
 
 @dataclass
@@ -60,16 +65,18 @@ class NpuSimDevice:
             self._scratch[name] = buf
         return buf
 
-    def packed(self, weight: StripCache, wkey: int) -> PackedWeight:
-        """The native-layout copy of ``weight``: repacked once per wkey, every call for wkey 0."""
+    def packed(self, weights: Sequence[StripCache], wkey: int) -> PackedWeight:
+        """The native-layout copy of ``weights`` (one, or several sharing K fused along N): repacked once per
+        wkey, every call for wkey 0."""
         entry = self.cache.get(wkey) if wkey else None
-        if entry is not None and entry.weight is weight:
+        if entry is not None and entry.holds(weights):
             return entry
-        geo = geometry(weight.n, weight.k)
-        host = repack(weight.codes, geo)
+        codes, scales, offsets = fuse(weights)
+        geo = geometry(codes.shape[0], codes.shape[1])
+        host = repack(codes, geo)
         mf = self.cl.mem_flags
         buffer = self.cl.Buffer(self.context, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=host)
-        entry = PackedWeight(weight, geo, buffer, np.ascontiguousarray(weight.scales.T))
+        entry = PackedWeight(tuple(weights), offsets, geo, buffer, np.ascontiguousarray(scales.T))
         self.stats.repacks += 1
         self.stats.repack_bytes += host.nbytes
         if wkey:

@@ -8,9 +8,12 @@ buffer); N a multiple of 32 and at most 4096 per matmul, a wider N split into ch
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from kestrel_core.contract import StripCache
 
 TILE_N = 32  # int8 native tile height (output columns)
 TILE_K = 32  # native tile width (reduction)
@@ -80,3 +83,20 @@ def repack(codes: np.ndarray, geo: Geometry) -> np.ndarray:
         tiles = seg.reshape(geo.n_pad // TILE_N, TILE_N, (k1 - k0) // TILE_K, TILE_K)   # [nt, i, kt, j]
         parts.append(np.ascontiguousarray(tiles.transpose(0, 2, 1, 3)).reshape(-1))    # [nt, kt, i, j]
     return np.concatenate(parts)
+
+
+def fuse(weights: Sequence[StripCache]) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    """Weights sharing K stacked along N, each but the last padded to whole native tiles:
+    (codes int8 [N', K], scales float32 [N', K/G], first row of each member). One weight passes through."""
+    if len(weights) == 1:
+        return weights[0].codes, weights[0].scales, (0,)
+    offsets, rows = [], 0
+    for i, w in enumerate(weights):
+        offsets.append(rows)
+        rows += w.n if i == len(weights) - 1 else padded_n(w.n)
+    codes = np.zeros((rows, weights[0].k), dtype=np.int8)
+    scales = np.zeros((rows, weights[0].ngroups), dtype=np.float32)
+    for off, w in zip(offsets, weights):
+        codes[off:off + w.n] = w.codes
+        scales[off:off + w.n] = w.scales
+    return codes, scales, tuple(offsets)

@@ -9,14 +9,14 @@ block sums are exact, so results equal the reference's up to the order of the fl
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from kestrel_core.contract import StripCache
 
 from .device import NpuSimDevice, PackedWeight
-from .layout import TILE_K, TILE_N, geometry
+from .layout import TILE_K, TILE_N, geometry, padded_n
 from .slicing import int8_slices, recombine
 from .stats import BAD_OPERANDS, N_UNALIGNED, NON_FINITE, TOO_LARGE
 
@@ -52,42 +52,61 @@ def block_sums(dev: NpuSimDevice, a_codes: np.ndarray, packed: PackedWeight,
             yield n0, n0 + real, host[:, :, :real]
 
 
-def _decline_reason(dev: NpuSimDevice, m: int, k: int, weight: StripCache, rows: int) -> str | None:
-    if k != weight.k:
+def _decline_reason(dev: NpuSimDevice, k: int, weights: Sequence[StripCache], rows: int) -> str | None:
+    if any(w.k != k or w.group_size != weights[0].group_size for w in weights):
         return BAD_OPERANDS
-    if weight.n % TILE_N and not dev.pad_n:
+    if any(w.n % TILE_N for w in weights) and not dev.pad_n:
         return N_UNALIGNED
-    geo = geometry(weight.n, weight.k)
+    geo = geometry(sum(padded_n(w.n) for w in weights[:-1]) + weights[-1].n, k)
     widest = max(n1 - n0 for n0, n1 in geo.chunks)
-    if max(geo.nbytes, weight.ngroups * rows * widest * 4, rows * k) > dev.max_alloc:
+    if max(geo.nbytes, weights[0].ngroups * rows * widest * 4, rows * k) > dev.max_alloc:
         return TOO_LARGE
     return None
+
+
+def _gemm_q8(dev: NpuSimDevice, a_codes: np.ndarray, a_scales: np.ndarray, weights: Sequence[StripCache],
+             wkey: int) -> list[np.ndarray] | None:
+    """a_codes int8 [M, K], a_scales float32 [M, K/G] times each weight -> float32 [M, N_i] each, or None."""
+    started = time.perf_counter()
+    g = weights[0].group_size
+    ok = (isinstance(a_codes, np.ndarray) and isinstance(a_scales, np.ndarray) and a_codes.ndim == 2
+          and a_codes.dtype == np.int8 and a_scales.dtype == np.float32
+          and a_scales.shape == (a_codes.shape[0], a_codes.shape[1] // g))
+    reason = _decline_reason(dev, a_codes.shape[1], weights, a_codes.shape[0]) if ok else BAD_OPERANDS
+    if reason:
+        dev.stats.declined[reason] += 1
+        return None
+    m = a_codes.shape[0]
+    if not m:
+        dev.stats.calls += 1
+        return [np.zeros((0, w.n), dtype=np.float32) for w in weights]
+    packed = dev.packed(weights, wkey)
+    out = np.empty((m, packed.geo.n), dtype=np.float32)
+    a_scales_t = a_scales.T                                                     # [K/G, M]
+    for n0, n1, sums in block_sums(dev, a_codes, packed, g):
+        # the reference's expression, term for term: (block sum * a_scale) * w_scale, summed over blocks
+        scaled = sums.astype(np.float32) * a_scales_t[:, :, None] * packed.scales_t[:, None, n0:n1]
+        out[:, n0:n1] = scaled.sum(axis=0, dtype=np.float32)
+    dev.stats.charge(dev.cost.gemm(m, packed.geo, g))
+    dev.stats.calls += 1
+    dev.stats.wall_s += time.perf_counter() - started
+    if len(weights) == 1:
+        return [out]
+    return [np.ascontiguousarray(out[:, off:off + w.n]) for off, w in zip(packed.offsets, weights)]
 
 
 def gemm_q8(dev: NpuSimDevice, a_codes: np.ndarray, a_scales: np.ndarray, weight: StripCache,
             wkey: int) -> np.ndarray | None:
     """a_codes int8 [M, K], a_scales float32 [M, K/G] -> float32 [M, N], or None (declined, counted)."""
-    started = time.perf_counter()
-    ok = (isinstance(a_codes, np.ndarray) and isinstance(a_scales, np.ndarray) and a_codes.ndim == 2
-          and a_codes.dtype == np.int8 and a_scales.dtype == np.float32
-          and a_scales.shape == (a_codes.shape[0], a_codes.shape[1] // weight.group_size))
-    m = a_codes.shape[0] if ok else 0
-    reason = _decline_reason(dev, m, a_codes.shape[1], weight, m) if ok else BAD_OPERANDS
-    if reason:
-        dev.stats.declined[reason] += 1
-        return None
-    out = np.zeros((m, weight.n), dtype=np.float32)
-    if m:
-        packed = dev.packed(weight, wkey)
-        a_scales_t = a_scales.T                                                 # [K/G, M]
-        for n0, n1, sums in block_sums(dev, a_codes, packed, weight.group_size):
-            # the reference's expression, term for term: (block sum * a_scale) * w_scale, summed over blocks
-            scaled = sums.astype(np.float32) * a_scales_t[:, :, None] * packed.scales_t[:, None, n0:n1]
-            out[:, n0:n1] = scaled.sum(axis=0, dtype=np.float32)
-        dev.stats.charge(dev.cost.gemm(m, packed.geo, weight.group_size))
-    dev.stats.calls += 1
-    dev.stats.wall_s += time.perf_counter() - started
-    return out
+    out = _gemm_q8(dev, a_codes, a_scales, (weight,), wkey)
+    return None if out is None else out[0]
+
+
+def gemm_fused_q8(dev: NpuSimDevice, a_codes: np.ndarray, a_scales: np.ndarray, weights: Sequence[StripCache],
+                  fused_wkey: int) -> list[np.ndarray] | None:
+    """Weights sharing K (Q|K|V, gate|up) stacked along N into one native weight: one set of NPU runs
+    instead of one per weight, each member starting on a fresh 32-row tile."""
+    return _gemm_q8(dev, a_codes, a_scales, tuple(weights), fused_wkey)
 
 
 def gemm_f32(dev: NpuSimDevice, a: np.ndarray, weight: StripCache, wkey: int) -> np.ndarray | None:
@@ -101,17 +120,17 @@ def gemm_f32(dev: NpuSimDevice, a: np.ndarray, weight: StripCache, wkey: int) ->
         dev.stats.declined[NON_FINITE] += 1
         return None
     m, k = a.shape
-    reason = _decline_reason(dev, m, k, weight, 0)
+    reason = _decline_reason(dev, k, (weight,), 0)
     if reason is None and m:
         slices, exps = int8_slices(a, weight.group_size)                        # [L, M, K], [M, K/G]
-        reason = _decline_reason(dev, m, k, weight, len(slices) * m)
+        reason = _decline_reason(dev, k, (weight,), len(slices) * m)
     if reason:
         dev.stats.declined[reason] += 1
         return None
     out = np.zeros((m, weight.n), dtype=np.float32)
     if m:
         n_slices = len(slices)
-        packed = dev.packed(weight, wkey)
+        packed = dev.packed((weight,), wkey)
         stacked = slices.reshape(n_slices * m, k)                              # [L*M, K]
         for n0, n1, sums in block_sums(dev, stacked, packed, weight.group_size):
             exact = recombine(sums.reshape(weight.ngroups, n_slices, m, n1 - n0), exps)  # [K/G, M, Nc]

@@ -44,8 +44,10 @@ def test_synthetic_model_matches_cpu(npu_backend, monkeypatch: pytest.MonkeyPatc
     ref_logits = _run("cpu", prompt, tokens=0)[0]
     np.testing.assert_allclose(npu_logits, ref_logits, rtol=1e-5, atol=1e-5 * np.abs(ref_logits).max())
     assert npu_tokens == cpu_tokens and len(npu_tokens) == 8
-    assert offload["kestrel_gemm_q8"]["declined"] == 0 and offload["kestrel_gemm_q8"]["accepted"] > 0
-    assert npu_stats["npu_sim_time_s"] > 0 and npu_stats["npu_sim_repacks"] == 2 * 7 + 1  # preloaded once
+    for hook in ("kestrel_gemm_q8", "kestrel_gemm_fused_q8"):
+        assert offload[hook]["declined"] == 0 and offload[hook]["accepted"] > 0
+    # preloaded once: per layer fused q|k|v, o, fused gate|up, down; then lm_head
+    assert npu_stats["npu_sim_time_s"] > 0 and npu_stats["npu_sim_repacks"] == 2 * 4 + 1
 
 
 @pytest.mark.default_model

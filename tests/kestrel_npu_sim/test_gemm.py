@@ -59,7 +59,7 @@ def test_block_sums_are_exact_across_chunks_and_segments(npu, m: int, n: int, k:
     a = np.random.default_rng(m).integers(-127, 128, size=(m, k), dtype=np.int8)
     expected = (a.astype(np.int64).reshape(m, -1, g).transpose(1, 0, 2)
                 @ w.codes.astype(np.int64).reshape(n, -1, g).transpose(1, 2, 0))            # [ng, M, N]
-    parts = list(block_sums(npu, a, npu.packed(w, 0), g))
+    parts = list(block_sums(npu, a, npu.packed((w,), 0), g))
     assert [(n0, n1) for n0, n1, _ in parts] == [(0, 4096), (4096, n)] if n > 4096 else [(0, n)]
     np.testing.assert_array_equal(np.concatenate([s for _, _, s in parts], axis=2), expected)
     segments = 2 if k > 10240 else 1
@@ -107,3 +107,32 @@ def test_empty_activations(npu) -> None:  # noqa: ANN001
     out = npu_sim.kestrel_gemm_q8(device=npu, a_codes=np.zeros((0, 96), np.int8),
                                   a_scales=np.zeros((0, 3), np.float32), weight=w, wkey=0)
     assert out.shape == (0, 64) and out.dtype == np.float32
+
+
+@pytest.mark.parametrize(("ns", "g", "bits", "m"), [((64, 32, 32), 32, 8, 5), ((36, 17), 256, 4, 1),
+                                                    ((576, 192, 192), 32, 8, 3)])
+def test_fused_gemm_matches_reference_per_member(npu, ns: tuple[int, ...], g: int, bits: int, m: int) -> None:  # noqa: ANN001
+    k = 512 if g == 256 else 96
+    ws = [weight(n, k, g, bits, seed=i) for i, n in enumerate(ns)]
+    x = activations(m, k)
+    codes, scales = quantize_activations(x, g)
+    key = wkey(902 + len(ns), Proj.QKV)
+    outs = npu_sim.kestrel_gemm_fused_q8(device=npu, a_codes=codes, a_scales=scales, weights=ws,
+                                         wkeys=[0] * len(ws), fused_wkey=key)
+    assert len(outs) == len(ws)
+    for out, w in zip(outs, ws):
+        check_q8(out, x, w)
+    # one set of runs over the stacked weight, each member but the last padded to whole 32-row tiles
+    rows = sum(-(-n // 32) * 32 for n in ns[:-1]) + ns[-1]
+    assert npu.stats.runs == len(npu.cache[key].geo.chunks) * k // g and npu.cache[key].geo.n == rows
+    npu_sim.kestrel_gemm_fused_q8(device=npu, a_codes=codes, a_scales=scales, weights=ws,
+                                  wkeys=[0] * len(ws), fused_wkey=key)
+    assert npu.stats.repacks == 1  # cached under the fused wkey
+
+
+def test_fused_members_must_share_k(npu) -> None:  # noqa: ANN001
+    ws = [weight(32, 96, 32, 8), weight(32, 64, 32, 8)]
+    codes, scales = quantize_activations(activations(1, 96), 32)
+    assert npu_sim.kestrel_gemm_fused_q8(device=npu, a_codes=codes, a_scales=scales, weights=ws, wkeys=[0, 0],
+                                         fused_wkey=0) is None
+    assert npu.stats.declined["bad_operands"] == 1
