@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kestrel_core import __version__
 from kestrel_core.artifact import FORMAT_VERSION, load_artifact, save_artifact
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.gguf_reader import GGUFCheckpoint
@@ -76,7 +77,9 @@ def _load_artifact(path: Path, quant: str | None) -> LoadedModel:
 
 def _load_default(quant: str) -> LoadedModel:
     gguf_path = pull_default_model(progress=True)
-    cached = cache_dir() / f"{DEFAULT_MODEL.filename}.{DEFAULT_MODEL.member_sha256[:12]}.{quant}.v{FORMAT_VERSION}.kst"
+    # keyed on the source bytes, the quant mode, the format and the kestrel version (its quantizer)
+    cached = cache_dir() / (f"{DEFAULT_MODEL.filename}.{DEFAULT_MODEL.member_sha256[:12]}.{quant}"
+                            f".v{FORMAT_VERSION}.kestrel-{__version__}.kst")
     source = f"SmolLM2-135M-Instruct ({gguf_path})"
     if cached.is_file():
         try:
@@ -90,6 +93,10 @@ def _load_default(quant: str) -> LoadedModel:
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         write_artifact(loaded, cached, force=True)
+        # entries of this model and mode from other kestrel / format versions are stale now
+        for stale in cached.parent.glob(f"{DEFAULT_MODEL.filename}.*.{quant}.v*.kst"):
+            if stale != cached:
+                stale.unlink(missing_ok=True)
     except OSError as exc:  # a read-only cache only costs speed
         log.warning("could not cache the quantized model in %s: %s", cached, exc)
     return loaded

@@ -112,9 +112,16 @@ def test_default_model_path_is_cached_as_an_artifact(tmp_path: Path, monkeypatch
     gguf_path = fmt.write_gguf(tmp_path / "default.gguf", src, tokenizer=tk, chat_template=TEMPLATE)
     monkeypatch.setenv("KESTREL_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(loader, "pull_default_model", lambda progress=True: gguf_path)
+    stale = tmp_path / "home" / "cache" / "SmolLM2-135M-Instruct.Q4_1.gguf.b179c9523d0e.q8.v1.kestrel-0.0.1.kst"
+    other_mode = stale.with_name(stale.name.replace(".q8.", ".q4."))
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"old")
+    other_mode.write_bytes(b"old")
     first = load_model(None)
+    assert not stale.exists() and other_mode.exists()  # only the same mode's older entries are dropped
+    other_mode.unlink()
     cached = sorted((tmp_path / "home" / "cache").glob("*.kst"))
-    assert [p.name.endswith(".q8.v1.kst") for p in cached] == [True]
+    assert [".q8.v1.kestrel-" in p.name for p in cached] == [True]
     calls = []
     monkeypatch.setattr(loader, "_load_gguf", lambda *a: calls.append(a))
     second = load_model(None)
