@@ -49,7 +49,7 @@ import numpy as np
 from kestrel_core.contract import StripCache
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ARCHITECTURES
-from kestrel_core.model.decoder import PREFILL_CHUNK, RopeTables
+from kestrel_core.model.decoder import PREFILL_CHUNK, rope_inv_freq
 from kestrel_core.model.weights import LayerWeights, Model
 from kestrel_core.wkey import Proj, fused_wkey, lm_head_wkey, wkey
 from kestrel_cuda.forward_ops import (
@@ -89,6 +89,13 @@ def unsupported_reason(model: Model) -> str | None:
     if model.embedding.k != c.hidden_size:
         return "embedding width differs from hidden_size"
     return None
+
+
+def rope_tables(config: Any, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [positions, hd/2] float32 of angle = position * inv_freq, as the CPU decoder computes them
+    (float32 positions times the decoder's float32 inverse frequencies, llama3 scaling included)."""
+    freqs = np.arange(positions, dtype=np.float32)[:, None] * rope_inv_freq(config)[None, :]
+    return np.cos(freqs), np.sin(freqs)
 
 
 def _env_max_context() -> int:
@@ -348,7 +355,7 @@ class DeviceForward:
         d, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
         nq, nkv = c.num_heads * hd, c.num_kv_heads * hd
         max_context = min(c.max_position, self.max_context or _env_max_context())
-        cos, sin = RopeTables(c).upto(max_context)
+        cos, sin = rope_tables(c, max_context)
         layers = []
         for lw in model.layers:
             bias = None
@@ -361,7 +368,7 @@ class DeviceForward:
         t = PREFILL_CHUNK
         st = _State(model=model, config=c, max_context=max_context, emb_codes=up(emb.codes),
                     emb_scales=up(emb.scales), emb_group=emb.group_size, final_norm=up(model.final_norm),
-                    layers=layers, lm_head=None, cos=up(cos[:max_context]), sin=up(sin[:max_context]),
+                    layers=layers, lm_head=None, cos=up(cos), sin=up(sin),
                     meta=zeros(1 + t, np.int32), h=zeros((t, d), np.float32),
                     qkv=zeros((t, nq + 2 * nkv), np.float32), q=zeros((t, nq), np.float32),
                     attn=zeros((t, nq), np.float32), gu=zeros((t, 2 * f), np.float32),
