@@ -7,7 +7,10 @@ them and the host does the rest (norms, RoPE, attention, SiLU) in float32. The h
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -55,21 +58,30 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
 
 
 class RopeTables:
-    """cos/sin [P, hd/2] for absolute positions, extended on demand (HF duplicates the halves; we don't)."""
+    """cos/sin of absolute positions laid out for ``_rope``: [P, 2, hd/2] (HF's halves), extended on demand.
+
+    ``sin`` carries rotate_half's sign ([-sin, sin]); the ``q_`` tables also carry the attention scale
+    1/sqrt(hd), so the query needs no separate multiply.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         self.inv_freq = rope_inv_freq(config)  # [hd/2]
         self.max_position = config.max_position
-        self.cos = np.empty((0, len(self.inv_freq)), np.float32)
-        self.sin = np.empty((0, len(self.inv_freq)), np.float32)
+        self.scale = np.float32(1.0 / math.sqrt(config.head_dim))
+        half = len(self.inv_freq)
+        self.cos = self.sin = self.q_cos = self.q_sin = np.empty((0, 2, half), np.float32)
 
-    def upto(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        if n > len(self.cos):
-            size = min(max(n, len(self.cos) + CACHE_CHUNK), max(self.max_position, n))
-            positions = np.arange(size, dtype=np.float32)
-            freqs = positions[:, None] * self.inv_freq[None, :]  # [P, hd/2], float32 like HF
-            self.cos, self.sin = np.cos(freqs), np.sin(freqs)
-        return self.cos, self.sin
+    def upto(self, n: int) -> None:
+        if n <= len(self.cos):
+            return
+        size = min(max(n, len(self.cos) + CACHE_CHUNK), max(self.max_position, n))
+        positions = np.arange(size, dtype=np.float32)
+        freqs = positions[:, None] * self.inv_freq[None, :]  # [P, hd/2], float32 like HF
+        cos, sin = np.cos(freqs), np.sin(freqs)
+        self.cos = np.stack([cos, cos], axis=1)  # [P, 2, hd/2]
+        self.sin = np.stack([-sin, sin], axis=1)
+        self.q_cos = self.cos * self.scale
+        self.q_sin = self.sin * self.scale
 
 
 class KVCache:
@@ -106,6 +118,35 @@ class KVCache:
         self.length = min(self.length, n)
 
 
+def _blas_controllers() -> list[Any]:
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # optional: without it BLAS keeps its own thread count
+        return []
+    return list(ThreadpoolController().select(user_api="blas").lib_controllers)
+
+
+_BLAS: list[Any] | None = None
+
+
+@contextmanager
+def single_threaded_blas() -> Iterator[None]:
+    """BLAS on one thread while the decoder runs: its matmuls (attention) are small, and on a few cores its
+    spinning worker threads fight the GEMM kernels' threads (measured on 2 cores under load: a 256-token
+    prefill's host work took 1.7 s of CPU with 2 OpenBLAS threads, 0.34 s with 1)."""
+    global _BLAS
+    if _BLAS is None:
+        _BLAS = _blas_controllers()
+    previous = [lib.num_threads for lib in _BLAS]
+    for lib in _BLAS:
+        lib.set_num_threads(1)
+    try:
+        yield
+    finally:
+        for lib, n in zip(_BLAS, previous):
+            lib.set_num_threads(n)
+
+
 @dataclass(frozen=True)
 class _LayerKeys:
     qkv: tuple[int, int, int]
@@ -140,7 +181,6 @@ class Decoder:
         self.offload = offload
         self.rope = RopeTables(c)
         self.eps = np.float32(c.rms_norm_eps)
-        self.scale = np.float32(1.0 / math.sqrt(c.head_dim))
         self.keys = [_LayerKeys(qkv=(wkey(i, Proj.Q), wkey(i, Proj.K), wkey(i, Proj.V)),
                                 qkv_fused=fused_wkey(i, Proj.QKV), o=wkey(i, Proj.O),
                                 gate_up=(wkey(i, Proj.GATE), wkey(i, Proj.UP)),
@@ -164,7 +204,8 @@ class Decoder:
             raise KestrelError(f"token id out of range [0, {self.config.vocab_size})")
         cache.reserve(cache.length + len(tokens))
         outs = []
-        with np.errstate(over="ignore"):  # SiLU's exp(-x) overflows to inf for very negative x: correct
+        # SiLU's exp(-x) overflows to inf for very negative x, which gives the right limit
+        with np.errstate(over="ignore"), single_threaded_blas():
             for s in range(0, len(tokens), PREFILL_CHUNK):
                 chunk = tokens[s:s + PREFILL_CHUNK]
                 last = s + PREFILL_CHUNK >= len(tokens)
@@ -182,8 +223,11 @@ class Decoder:
         c, off = self.config, self.offload
         start, t = cache.length, len(tokens)
         end = start + t
-        cos, sin = self.rope.upto(end)
-        cos, sin = cos[start:end, None, :], sin[start:end, None, :]  # [T, 1, hd/2]
+        rope = self.rope
+        rope.upto(end)
+        half = c.head_dim // 2
+        cos, sin = rope.cos[start:end, None], rope.sin[start:end, None]  # [T, 1, 2, hd/2]
+        q_cos, q_sin = rope.q_cos[start:end, None], rope.q_sin[start:end, None]
         mask = None
         if t > 1:  # causal: query i (position start+i) sees keys 0..start+i
             mask = np.triu(np.full((t, end), -np.inf, np.float32), k=start + 1)  # [T, S]
@@ -197,13 +241,13 @@ class Decoder:
                 q += lw.q_bias
                 k += lw.k_bias
                 v += lw.v_bias
-            q = q.reshape(t, c.num_heads, c.head_dim)  # [T, H, hd]
-            k = k.reshape(t, c.num_kv_heads, c.head_dim)  # [T, KV, hd]
+            q = q.reshape(t, c.num_heads, 2, half)  # [T, H, 2, hd/2]: the halves rotate_half swaps
+            k = k.reshape(t, c.num_kv_heads, 2, half)
             if lw.q_norm is not None:
-                q = rmsnorm(q, lw.q_norm, self.eps)
-                k = rmsnorm(k, lw.k_norm, self.eps)
-            q = _rope(q, cos, sin, np.empty_like(q))
-            _rope(k, cos, sin, cache.k[i, start:end])
+                q = rmsnorm(q.reshape(t, c.num_heads, -1), lw.q_norm, self.eps).reshape(q.shape)
+                k = rmsnorm(k.reshape(t, c.num_kv_heads, -1), lw.k_norm, self.eps).reshape(k.shape)
+            q = _rope(q, q_cos, q_sin, np.empty_like(q)).reshape(t, c.num_heads, c.head_dim)  # scaled
+            _rope(k, cos, sin, cache.k[i, start:end].reshape(k.shape))
             cache.v[i, start:end] = v.reshape(t, c.num_kv_heads, c.head_dim)
             attn = self._attention(q, cache.k[i, :end], cache.v[i, :end], mask)  # [T, H*hd]
             h += off.linear(attn, lw.o, keys.o)
@@ -214,11 +258,13 @@ class Decoder:
         return h
 
     def _attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
-        """Causal GQA: q [T, H, hd], k/v [S, KV, hd] (cache views) -> [T, H*hd]; head h uses kv h // g."""
+        """Causal GQA: q [T, H, hd] (already scaled), k/v [S, KV, hd] (cache views) -> [T, H*hd].
+
+        Query head h reads kv head h // g (HF's repeat_kv); the softmax is normalised after P @ V.
+        """
         t, n_heads, hd = q.shape
         n_kv = k.shape[1]
         g = n_heads // n_kv
-        q = q * self.scale
         kt = k.transpose(1, 2, 0)  # [KV, hd, S]: a strided view BLAS reads directly
         vt = v.transpose(1, 0, 2)  # [KV, S, hd]
         if t == 1:
@@ -227,24 +273,25 @@ class Decoder:
             qg = q.reshape(t, n_kv, g, hd).transpose(1, 2, 0, 3).reshape(n_kv, g * t, hd)  # [KV, g*T, hd]
             scores = np.matmul(qg, kt).reshape(n_kv, g, t, -1)  # [KV, g, T, S]
             scores += mask
-        scores -= scores.max(axis=-1, keepdims=True)
+        scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
         np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
+        total = np.add.reduce(scores, axis=-1, keepdims=True)  # [KV, g, (T,) 1]
         if t == 1:
-            return np.matmul(scores, vt).reshape(1, n_heads * hd)  # [KV, g, hd] -> [1, H*hd]
-        out = np.matmul(scores.reshape(n_kv, g * t, -1), vt)  # [KV, g*T, hd]
-        return out.reshape(n_kv, g, t, hd).transpose(2, 0, 1, 3).reshape(t, n_heads * hd)
+            out = np.matmul(scores, vt)  # [KV, g, hd]
+            out /= total
+            return out.reshape(1, n_heads * hd)
+        out = np.matmul(scores.reshape(n_kv, g * t, -1), vt).reshape(n_kv, g, t, hd)
+        out /= total
+        return out.transpose(2, 0, 1, 3).reshape(t, n_heads * hd)
 
 
 def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """HF rotate_half RoPE: x [T, heads, hd], cos/sin [T, 1, hd/2]; writes and returns ``out``."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    o1, o2 = out[..., :half], out[..., half:]
-    np.multiply(x1, cos, out=o1)
-    o1 -= x2 * sin
-    np.multiply(x2, cos, out=o2)
-    o2 += x1 * sin
+    """HF RoPE, x * cos + rotate_half(x) * sin: x [T, heads, 2, hd/2], tables [T, 1, 2, hd/2] (sin signed).
+
+    rotate_half(x) is x with its halves swapped (a view) times [-1, 1], which the sin table carries.
+    """
+    np.multiply(x, cos, out=out)
+    out += x[:, :, ::-1] * sin
     return out
 
 
