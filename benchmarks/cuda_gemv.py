@@ -63,8 +63,9 @@ class Bench:
         try:
             s.begin_capture()
             try:
-                for i in range(count):
-                    launch(i)
+                with s:  # library calls (cuBLAS) launch on the current stream
+                    for i in range(count):
+                        launch(i)
             finally:
                 graph = s.end_capture()
             run = lambda: graph.launch(s)  # noqa: E731
@@ -112,18 +113,26 @@ class Bench:
     # -- 1. copy bandwidth ---------------------------------------------------------------------------
 
     def copy_bandwidth(self) -> float:
+        """A 16-byte-per-thread copy kernel and cudaMemcpy D2D; the faster is the ceiling."""
         cp = self.cp
         nbytes = 2 << 30
         src = cp.ones(nbytes, dtype=cp.uint8)
         dst = cp.empty_like(src)
-
-        def launch(i: int) -> None:
-            cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, 3, self.stream.ptr)
-
-        us, mode = self.graph_time_us(launch, 5)
-        bw = 2 * nbytes / (us * 1e-6) / 1e12
-        self.results["copy_tb_s"] = round(bw, 3)
-        log(f"device copy: {bw:.2f} TB/s (read+write, 2 GiB, {mode})")
+        kern = cp.RawKernel(r"""
+extern "C" __global__ void copy16(const uint4* __restrict__ s, uint4* __restrict__ d, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        d[i] = s[i];
+}""", "copy16")
+        n16 = np.int64(nbytes // 16)
+        blocks = self.dev.sm_count * 8
+        us_k, mode = self.graph_time_us(lambda i: kern((blocks,), (256,), (src, dst, n16)), 5)
+        us_m, _ = self.graph_time_us(
+            lambda i: cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, 3, self.stream.ptr), 5)
+        bw_k, bw_m = (2 * nbytes / (us * 1e-6) / 1e12 for us in (us_k, us_m))
+        bw = max(bw_k, bw_m)
+        self.results.update(copy_tb_s=round(bw, 3), copy_kernel_tb_s=round(bw_k, 3),
+                            copy_memcpy_tb_s=round(bw_m, 3))
+        log(f"device copy (read+write, 2 GiB, {mode}): kernel {bw_k:.2f} TB/s, memcpy {bw_m:.2f} TB/s")
         return bw
 
     # -- 2. decode GEMV ------------------------------------------------------------------------------
@@ -144,16 +153,22 @@ class Bench:
                 out = cp.empty((1, n), dtype=cp.float32)
                 count = 8 * copies if wbytes < (256 << 20) else copies * 2
                 res = {}
-                from kestrel_cuda.gemm import gemv_variant
+                from kestrel_cuda.gemm import gemv_variant, gemv_warp_variant
 
-                auto = gemv_variant(1, w0.geometry.npad, k, g, w0.geometry.code_bits)
-                variants = {"auto": None}
+                auto = gemv_warp_variant(1, w0.geometry.npad, w0.geometry.code_bits)
+                variants: dict[str, Any] = {"auto": None}
                 if bits == 8 and g == 32 and not self.args.quick:
-                    variants.update({"R32": (1, 16, 8, 32), "R8": (1, 16, 8, 8)})
+                    variants.update({"warp4": ("warp", 1, 4, 8),
+                                     "lane": gemv_variant(1, w0.geometry.npad, k, g, 8)})
+                    if n <= 4096:
+                        variants.update({f"split{sp}": ("warp", 1, 8, 8, sp) for sp in (4, 8, 16)})
                 for label, var in variants.items():
+                    sp = None
+                    if var is not None and var[0] == "warp" and len(var) == 5:
+                        var, sp = var[:4], var[4]
                     us, mode = self.graph_time_us(
-                        lambda i, var=var: self.dev.gemm.q8(a, s, ws[i % copies], out, n, self.stream,
-                                                            variant=var), count)
+                        lambda i, var=var, sp=sp: self.dev.gemm.q8(a, s, ws[i % copies], out, n, self.stream,
+                                                                   variant=var, splits=sp), count)
                     res[label] = us
                 us = res["auto"]
                 bw = wbytes / (us * 1e-6) / 1e12
@@ -199,9 +214,11 @@ class Bench:
                 s = cp.asarray(np.random.default_rng(1).uniform(0.001, 0.01, (m, k // g)).astype(np.float32))
                 out = cp.empty((m, n), dtype=cp.float32)
                 us, mode = self.graph_time_us(lambda i: self.dev.gemm.q8(a, s, w, out, n, self.stream), 10)
+                us64, _ = self.graph_time_us(
+                    lambda i: self.dev.gemm.q8(a, s, w, out, n, self.stream, mma_bk=64), 10)
                 tops = 2 * m * n * k / (us * 1e-6) / 1e12
                 row = {"gemm": name, "M": m, "N": n, "K": k, "bits": bits, "us": round(us, 1),
-                       "tops": round(tops, 1)}
+                       "tops": round(tops, 1), "us_bk64": round(us64, 1)}
                 if bits == 8:
                     a16 = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
                     b16 = cp.random.standard_normal((k, n), dtype=cp.float32).astype(cp.float16)
@@ -305,10 +322,12 @@ def table(res: dict[str, Any]) -> None:
     for r in res.get("gemv", []):
         cb = r.get("cublas_fp16_us")
         sp = f"{cb / r['us']:.2f}x" if cb else ""
+        others = " ".join(f"{k[3:]}={v}" for k, v in r.items() if k.startswith("us_"))
         log(f"{r['shape']:8} {r['N']:>6} {r['K']:>6} {('q' + str(r['bits']) + '/' + str(r['G'])):>6} "
-            f"{r['us']:>8.2f} {r['tb_s']:>6.2f} {r['pct_copy']:>6.1f} {cb if cb else '':>11} {sp:>7}")
+            f"{r['us']:>8.2f} {r['tb_s']:>6.2f} {r['pct_copy']:>6.1f} {cb if cb else '':>11} {sp:>7} {others}")
     for r in res.get("prefill", []):
         log(f"prefill {r['gemm']:8} M{r['M']} N{r['N']} K{r['K']} q{r['bits']}: {r['us']} us, {r['tops']} TOPS"
+            f" (BK64 {r['us_bk64']} us)"
             + (f" (cuBLAS fp16 {r['cublas_fp16_us']} us)" if "cublas_fp16_us" in r else ""))
     if "prefill_512_gemm_ms" in res:
         log(f"512-token prefill, all GEMMs: {res['prefill_512_gemm_ms']} ms -> "

@@ -18,7 +18,7 @@ from kestrel_core.registry import BackendInfo
 # Offloads below this many FLOPs (2*M*N*K) stay on the CPU; KESTREL_CUDA_MIN_FLOPS overrides it. Measured on
 # the H200 machine with benchmarks/cuda_gemv.py (docs/performance.md, "## CUDA"): the crossover where the
 # hook, transfers included, beats the CPU reference.
-DEFAULT_MIN_FLOPS = 1 << 21
+DEFAULT_MIN_FLOPS = 1 << 23  # 8.4 MFLOP: M=1 N=K=2048 is the first size the H200 hook wins
 
 
 @hookimpl

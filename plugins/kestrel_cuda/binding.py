@@ -1,6 +1,6 @@
 """Binding decisions of the CUDA backend: every prerequisite checked once at open, all or nothing.
 
-CuPy importable, at least one CUDA device, a driver at least as new as the CUDA runtime CuPy uses, compute
+CuPy importable, at least one CUDA device, a driver of at least the CUDA major version CuPy's runtime has, compute
 capability >= 8.0 (int8 ``mma.sync`` and ``__dp4a``), and every kernel compiled: any failure raises
 ``BackendUnavailable`` with a one-line reason (``kestrel backends`` shows it) and nothing stays half
 initialised; kestrel then runs on the CPU exactly as without this plugin. Works with whichever CuPy wheel is
@@ -61,7 +61,7 @@ def check_device(cp: Any, index: int) -> int:
         cc = int(cp.cuda.Device(index).compute_capability)
     except Exception as exc:
         raise BackendUnavailable(f"CUDA device {index} is not usable ({_short(exc)})") from exc
-    if driver < runtime:
+    if driver // 1000 < runtime // 1000:  # minor version compatibility: any driver of the same major works
         raise BackendUnavailable(f"CUDA driver {_version(driver)} is older than the CUDA {_version(runtime)} "
                                  "runtime CuPy uses; update the driver or install a CuPy for an older CUDA")
     if cc < MIN_COMPUTE_CAPABILITY:

@@ -12,7 +12,7 @@ workspaces are preallocated by the caller.
 
 ``weight`` is a ``residency.DeviceWeight`` (see ``weights.py`` for its layout); ``n`` is how many output
 columns to write: the weight's N, or its NG for a fused buffer (members side by side, in order); ``out``'s
-row stride is its second dimension. M <= GEMV_MAX_M runs the decode GEMV (``gemv.cu``), larger M the
+row stride is its second dimension. M <= GEMV_MAX_M runs the decode GEMV (``gemv_warp.cu``), larger M the
 tensor-core kernel (``gemm_mma.cu``).
 """
 
@@ -27,9 +27,12 @@ import numpy as np
 from kestrel_cuda.residency import DeviceWeight
 
 GEMV_MAX_M = 8
-GEMV_THREADS = 128
+GEMV_THREADS = 128  # gemv.cu ("lane" layout)
 SLICES_PER_ITER = 32  # 4 warps x 8 slice lanes
+GW_THREADS = 256  # gemv_warp.cu ("warp" layout, the default): 8 warps, one 32-row slice each
+GW_SLICES = 8
 MMA_BM, MMA_BN, MMA_THREADS = 64, 128, 256
+MMA_BK_DEFAULT = 128
 F32_THREADS, F32_MT = 128, 4
 QUANT_THREADS = 256
 BLOCKS_PER_SM = 4  # GEMV grid target: enough resident warps to keep the memory system busy
@@ -56,8 +59,14 @@ class Workspace:
         return cls(cp.empty(PARTIAL_FLOATS, dtype=cp.float32), cp.zeros(COUNTERS, dtype=cp.uint32))
 
 
+def gemv_warp_variant(m: int, npad: int, bits: int) -> tuple[str, int, int, int]:
+    """("warp", MT, VEC, BITS): the default GEMV for M rows; see gemv_warp.cu."""
+    mt = 1 if m == 1 else 2 if m == 2 else 4
+    return "warp", mt, 8 if npad % 8 == 0 else 4, bits
+
+
 def gemv_variant(m: int, npad: int, k: int, group_size: int, bits: int) -> tuple[int, int, int, int]:
-    """(MT, VEC, BITS, R) of the GEMV kernel for M rows; see gemv.cu and kernels.GEMV_VARIANTS."""
+    """(MT, VEC, BITS, R) of the "lane" GEMV (gemv.cu) for M rows; see kernels.GEMV_VARIANTS."""
     mt = 1 if m == 1 else 2 if m == 2 else 4
     if mt == 4:
         vec = 8 if npad % 8 == 0 else 4
@@ -79,6 +88,7 @@ class DeviceGemm:
         self.cp = cp
         self.kernels = kernels
         self.sm_count = sm_count
+        self.mma_bk = MMA_BK_DEFAULT
         self._workspaces: dict[int, Workspace] = {}
         self.launches = {"gemv": 0, "mma": 0, "f32": 0, "quantize": 0}
 
@@ -105,11 +115,12 @@ class DeviceGemm:
     # -- GEMMs ---------------------------------------------------------------------------------------
 
     def q8(self, a_codes: Any, a_scales: Any, weight: DeviceWeight, out: Any, n: int | None = None,
-           stream: Any = None, *, variant: tuple[int, int, int, int] | None = None,
-           splits: int | None = None) -> None:
+           stream: Any = None, *, variant: tuple | None = None, splits: int | None = None,
+           mma_bk: int | None = None) -> None:
         """out[:M, :n] = int8 GEMM of a_codes [M,K] (scales [M,K/G]) with ``weight``.
 
-        ``variant``/``splits`` force a GEMV configuration (benchmarks); M > GEMV_MAX_M ignores them.
+        Benchmarks and tests may force a kernel: ``variant`` ("warp", MT, VEC, BITS) or (MT, VEC, BITS, R) of
+        the "lane" GEMV, ``splits`` its split-K, ``mma_bk`` the tensor-core kernel's stage depth.
         """
         g = weight.geometry
         m, k = a_codes.shape
@@ -117,17 +128,40 @@ class DeviceGemm:
         ldo = out.shape[1]
         if k != g.k or a_scales.shape != (m, g.ngroups) or out.shape[0] < m or ldo < n or n > g.npad:
             raise ValueError(f"q8: shapes do not match (A {a_codes.shape}, weight K={g.k} Npad={g.npad})")
-        if m <= GEMV_MAX_M or variant is not None:
+        if variant is not None and variant[0] != "warp":
             self._gemv(a_codes, a_scales, weight, out, n, ldo, stream, variant, splits)
+        elif (m <= GEMV_MAX_M or variant is not None) and mma_bk is None:
+            self._gemv_warp(a_codes, a_scales, weight, out, n, ldo, stream, variant, splits)
         else:
-            kern = self.kernels.mma[g.code_bits]
+            kern = self.kernels.mma[(g.code_bits, mma_bk or self.mma_bk)]
             _launch(kern, (_cdiv(g.npad, MMA_BN), _cdiv(m, MMA_BM)), (MMA_THREADS,),
                     (a_codes, a_scales, i32(m), weight.codes, weight.scales, out, i32(ldo), i32(n), i32(k),
                      i32(g.npad), i32(g.group_size)), stream)
             self.launches["mma"] += 1
 
+    def _gemv_warp(self, a_codes: Any, a_scales: Any, weight: DeviceWeight, out: Any, n: int, ldo: int,
+                   stream: Any, variant: tuple | None, splits: int | None) -> None:
+        g = weight.geometry
+        m = a_codes.shape[0]
+        _, mt, vec, bits = variant or gemv_warp_variant(m, g.npad, g.code_bits)
+        if g.npad % vec or bits != g.code_bits or g.group_size not in (32, 256):
+            raise ValueError(f"GEMV variant {(mt, vec, bits)} does not fit {g}")
+        kern = self.kernels.gemv_warp[(mt, vec, bits)]
+        ws = self.workspace(stream)
+        gx = _cdiv(g.npad, 32 * vec)
+        max_split = _cdiv(g.k // 32, GW_SLICES)
+        gy = splits or min(max_split, max(1, _cdiv(BLOCKS_PER_SM * self.sm_count, gx)))
+        gy = max(1, min(gy, max_split, PARTIAL_FLOATS // (mt * g.npad)))
+        if gx > COUNTERS:
+            gy = 1
+        for m0 in range(0, m, mt):
+            _launch(kern, (gx, gy), (GW_THREADS,),
+                    (a_codes[m0:], a_scales[m0:], i32(min(mt, m - m0)), weight.codes, weight.scales, out[m0:],
+                     i32(ldo), i32(n), ws.partial, ws.counters, i32(g.k), i32(g.npad), i32(g.group_size)), stream)
+            self.launches["gemv"] += 1
+
     def _gemv(self, a_codes: Any, a_scales: Any, weight: DeviceWeight, out: Any, n: int, ldo: int,
-              stream: Any, variant: tuple[int, int, int, int] | None, splits: int | None) -> None:
+              stream: Any, variant: tuple | None, splits: int | None) -> None:
         g = weight.geometry
         m = a_codes.shape[0]
         mt, vec, bits, r = variant or gemv_variant(m, g.npad, g.k, g.group_size, g.code_bits)

@@ -1,20 +1,25 @@
 // Prefill GEMM (M large) on int8 tensor cores: mma.sync.m16n8k32 s8 x s8 -> s32.
 //
-// Block tile 64 (M) x 128 (N), 8 warps as 2 x 4, warp tile 32 x 32 (2 x 4 mma tiles); K in stages of 64
-// bytes, double-buffered in shared memory with the next stage's global loads in flight during the mma.
+// Block tile 64 (M) x 128 (N), 8 warps as 2 x 4, warp tile 32 x 32 (2 x 4 mma tiles); K in stages of BK
+// (64 or 128) bytes, double-buffered in shared memory with the next stage's global loads in flight during
+// the mma (a longer stage hides more of the load latency).
 // One k32 step is exactly one block of G = 32 (an eighth of G = 256): the int32 mma accumulators hold exact
 // block sums; when a group completes they are scaled as ((float)sum * As) * Ws, the CPU reference's
 // expression, and added to float accumulators in increasing group order, the reference's order too.
 //
-// Shared memory holds both operands as [row][16 words] with k contiguous (A rows = m, B rows = n); word kw of
-// row r is stored at kw ^ (swz(r) << 2), which keeps the fragment loads conflict-free and the transposing B
-// stores at 2-way. B arrives K-major ([K][Npad]), so each thread loads a 4 (k) x 4 (n) byte piece and
+// Shared memory holds both operands as [row][BK/4 words] with k contiguous (A rows = m, B rows = n); word kw
+// of row r is stored at kw ^ (swz(r) << 2), which keeps the fragment loads conflict-free and the transposing
+// B stores at 2-way (BK 64) or conflict-free (BK 128). B arrives K-major ([K][Npad]), so each thread loads a 4 (k) x 4 (n) byte piece and
 // transposes it in registers (4 words -> 4 words) before storing.
 #define MMA_BM 64
 #define MMA_BN 128
 #define MMA_THREADS 256
 
-__device__ __forceinline__ int swz(int r) { return ((r >> 1) ^ (r >> 3)) & 3; }
+template <int BK>
+__device__ __forceinline__ int swz(int r) {
+    if constexpr (BK == 64) return ((r >> 1) ^ (r >> 3)) & 3;
+    else return (r ^ (r >> 3)) & 7;
+}
 
 __device__ __forceinline__ void mma_s8(int (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {
     asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
@@ -23,34 +28,42 @@ __device__ __forceinline__ void mma_s8(int (&d)[4], const u32 (&a)[4], const u32
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-template <int BITS>
-__global__ void __launch_bounds__(MMA_THREADS, 2) k_gemm_mma(
+template <int BITS, int BK>
+__global__ void __launch_bounds__(MMA_THREADS, BK == 64 ? 2 : 1) k_gemm_mma(
         const i8* __restrict__ A, const float* __restrict__ As, int M,
         const u8* __restrict__ W, const float* __restrict__ Ws,
         float* __restrict__ out, int ldo, int N, int K, int Npad, int G) {
-    __shared__ __align__(16) u32 sA[2][MMA_BM * 16];
-    __shared__ __align__(16) u32 sB[2][MMA_BN * 16];
+    constexpr int RW = BK / 4;            // words per shared-memory row
+    constexpr int AP = MMA_BM * BK / 16 / MMA_THREADS;   // 16-byte A chunks per thread per stage
+    constexpr int BP = (BK / 4) * (MMA_BN / 4) / MMA_THREADS;  // 4x4 B pieces per thread per stage
+    constexpr int KS = BK / 32;           // k32 steps per stage
+    __shared__ __align__(16) u32 sA[2][MMA_BM * RW];
+    __shared__ __align__(16) u32 sB[2][MMA_BN * RW];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp >> 2, wn = warp & 3;
     const int gid = lane >> 2, tig = lane & 3;
     const int m0 = blockIdx.y * MMA_BM, n0 = blockIdx.x * MMA_BN;
     const int ng = K / G;
-    const int nst = (K + 63) / 64;
+    const int nst = (K + BK - 1) / BK;
 
     // global -> register staging of one stage
-    uint4 ra;
-    u32 rb[2][4];
-    const int a_row = tid >> 2, a_chunk = tid & 3;
+    uint4 ra[AP];
+    u32 rb[BP][4];
+    constexpr int CPR = BK / 16;          // 16-byte chunks per A row
     auto load_stage = [&](int st) {
-        const int gm = m0 + a_row, gk = st * 64 + a_chunk * 16;
-        ra = make_uint4(0u, 0u, 0u, 0u);
-        if (gm < M && gk < K) ra = __ldg(reinterpret_cast<const uint4*>(A + (size_t)gm * K + gk));
 #pragma unroll
-        for (int it = 0; it < 2; ++it) {
+        for (int p = 0; p < AP; ++p) {
+            const int idx = p * MMA_THREADS + tid, row = idx / CPR, chunk = idx % CPR;
+            const int gm = m0 + row, gk = st * BK + chunk * 16;
+            ra[p] = make_uint4(0u, 0u, 0u, 0u);
+            if (gm < M && gk < K) ra[p] = __ldg(reinterpret_cast<const uint4*>(A + (size_t)gm * K + gk));
+        }
+#pragma unroll
+        for (int it = 0; it < BP; ++it) {
             const int combo = it * 8 + warp;
             const int cq = (combo & 3) * 8 + (lane & 7);
             const int q = (combo >> 2) * 4 + (lane >> 3);
-            const int n = n0 + 4 * cq, k = st * 64 + 4 * q;
+            const int n = n0 + 4 * cq, k = st * BK + 4 * q;
             u32 w0 = 0u, w1 = 0u, w2 = 0u, w3 = 0u;
             if (n < Npad && k < K) {
                 if constexpr (BITS == 8) {
@@ -70,16 +83,20 @@ __global__ void __launch_bounds__(MMA_THREADS, 2) k_gemm_mma(
         }
     };
     auto store_stage = [&](int buf) {
-        *reinterpret_cast<uint4*>(&sA[buf][a_row * 16 + ((a_chunk ^ swz(a_row)) << 2)]) = ra;
 #pragma unroll
-        for (int it = 0; it < 2; ++it) {
+        for (int p = 0; p < AP; ++p) {
+            const int idx = p * MMA_THREADS + tid, row = idx / CPR, chunk = idx % CPR;
+            *reinterpret_cast<uint4*>(&sA[buf][row * RW + ((chunk ^ swz<BK>(row)) << 2)]) = ra[p];
+        }
+#pragma unroll
+        for (int it = 0; it < BP; ++it) {
             const int combo = it * 8 + warp;
             const int cq = (combo & 3) * 8 + (lane & 7);
             const int q = (combo >> 2) * 4 + (lane >> 3);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const int n = 4 * cq + j;
-                sB[buf][n * 16 + (q ^ (swz(n) << 2))] = rb[it][j];
+                sB[buf][n * RW + (q ^ (swz<BK>(n) << 2))] = rb[it][j];
             }
         }
     };
@@ -100,25 +117,25 @@ __global__ void __launch_bounds__(MMA_THREADS, 2) k_gemm_mma(
         const int buf = st & 1;
         if (st + 1 < nst) load_stage(st + 1);
 #pragma unroll
-        for (int ks = 0; ks < 2; ++ks) {
-            const int kk = st * 2 + ks;  // global k32 step
+        for (int ks = 0; ks < KS; ++ks) {
+            const int kk = st * KS + ks;  // global k32 step
             if (kk * 32 >= K) break;
             u32 af[2][4], bf[4][2];
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi) {
                 const int r = wm * 32 + mi * 16 + gid;
                 const int kw = ks * 8 + tig;
-                af[mi][0] = sA[buf][r * 16 + (kw ^ (swz(r) << 2))];
-                af[mi][1] = sA[buf][(r + 8) * 16 + (kw ^ (swz(r + 8) << 2))];
-                af[mi][2] = sA[buf][r * 16 + ((kw + 4) ^ (swz(r) << 2))];
-                af[mi][3] = sA[buf][(r + 8) * 16 + ((kw + 4) ^ (swz(r + 8) << 2))];
+                af[mi][0] = sA[buf][r * RW + (kw ^ (swz<BK>(r) << 2))];
+                af[mi][1] = sA[buf][(r + 8) * RW + (kw ^ (swz<BK>(r + 8) << 2))];
+                af[mi][2] = sA[buf][r * RW + ((kw + 4) ^ (swz<BK>(r) << 2))];
+                af[mi][3] = sA[buf][(r + 8) * RW + ((kw + 4) ^ (swz<BK>(r + 8) << 2))];
             }
 #pragma unroll
             for (int ni = 0; ni < 4; ++ni) {
                 const int n = wn * 32 + ni * 8 + gid;
                 const int kw = ks * 8 + tig;
-                bf[ni][0] = sB[buf][n * 16 + (kw ^ (swz(n) << 2))];
-                bf[ni][1] = sB[buf][n * 16 + ((kw + 4) ^ (swz(n) << 2))];
+                bf[ni][0] = sB[buf][n * RW + (kw ^ (swz<BK>(n) << 2))];
+                bf[ni][1] = sB[buf][n * RW + ((kw + 4) ^ (swz<BK>(n) << 2))];
             }
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi)

@@ -16,15 +16,19 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 # common.cu first: the others use its helpers. forward.cu is the cuda-forward module's own.
-SOURCES = ("common.cu", "transpose.cu", "quantize.cu", "gemv.cu", "gemm_mma.cu", "gemm_f32.cu")
+SOURCES = ("common.cu", "transpose.cu", "quantize.cu", "gemv.cu", "gemv_warp.cu", "gemm_mma.cu", "gemm_f32.cu")
 OPTIONS = ("--fmad=false", "-std=c++17")
 
-# GEMV variants (MT rows per launch, VEC columns per thread, BITS, R rows per slice); see gemv.cu.
+# GEMV variants. "warp" (gemv_warp.cu, the default): (MT rows per launch, VEC columns per lane, BITS);
+# "lane" (gemv.cu, the first design, kept for comparison): (MT, VEC, BITS, R rows per slice).
+GEMV_WARP_VARIANTS: tuple[tuple[int, int, int], ...] = tuple(
+    (mt, vec, bits) for bits in (8, 4) for mt in (1, 2, 4) for vec in (8, 4))
 GEMV_VARIANTS: tuple[tuple[int, int, int, int], ...] = tuple(
     (mt, vec, bits, r)
     for bits in (8, 4)
     for mt, vec, r in ((1, 16, 32), (1, 16, 8), (2, 16, 32), (4, 8, 32), (1, 4, 32), (2, 4, 32), (4, 4, 32))
 )
+MMA_BK = (128, 64)  # K bytes per shared-memory stage of the tensor-core kernel; the first is the default
 GROUP_SIZES = (32, 256)
 BITS = (8, 4)
 
@@ -35,6 +39,10 @@ class KernelCompileError(RuntimeError):
 
 def gemv_name(mt: int, vec: int, bits: int, r: int) -> str:
     return f"k_gemv<{mt}, {vec}, {bits}, {r}>"
+
+
+def gemv_warp_name(mt: int, vec: int, bits: int) -> str:
+    return f"k_gemv_warp<{mt}, {vec}, {bits}>"
 
 
 def source_text() -> str:
@@ -51,7 +59,8 @@ class Kernels:
     transpose_pack4: Any
     quantize: dict[int, Any]  # G -> kernel
     gemv: dict[tuple[int, int, int, int], Any]
-    mma: dict[int, Any]  # bits -> kernel
+    gemv_warp: dict[tuple[int, int, int], Any]
+    mma: dict[tuple[int, int], Any]  # (bits, BK) -> kernel
     f32: dict[int, Any]  # bits -> kernel
     compile_s: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
@@ -60,7 +69,8 @@ class Kernels:
 def compile_kernels(cp: Any) -> Kernels:
     """Compile and resolve every kernel on the current device; raises KernelCompileError."""
     names = ([f"k_quantize_act<{g}>" for g in GROUP_SIZES] + [gemv_name(*v) for v in GEMV_VARIANTS]
-             + [f"k_gemm_mma<{b}>" for b in BITS] + [f"k_gemm_f32<{b}>" for b in BITS])
+             + [gemv_warp_name(*v) for v in GEMV_WARP_VARIANTS]
+             + [f"k_gemm_mma<{b}, {bk}>" for b in BITS for bk in MMA_BK] + [f"k_gemm_f32<{b}>" for b in BITS])
     start = time.perf_counter()
     try:
         module = cp.RawModule(code=source_text(), options=OPTIONS, name_expressions=names)
@@ -72,7 +82,8 @@ def compile_kernels(cp: Any) -> Kernels:
             transpose_pack4=get("k_transpose_pack4"),
             quantize={g: get(f"k_quantize_act<{g}>") for g in GROUP_SIZES},
             gemv={v: get(gemv_name(*v)) for v in GEMV_VARIANTS},
-            mma={b: get(f"k_gemm_mma<{b}>") for b in BITS},
+            gemv_warp={v: get(gemv_warp_name(*v)) for v in GEMV_WARP_VARIANTS},
+            mma={(b, bk): get(f"k_gemm_mma<{b}, {bk}>") for b in BITS for bk in MMA_BK},
             f32={b: get(f"k_gemm_f32<{b}>") for b in BITS},
         )
     except Exception as exc:  # CompileException, a missing symbol, a driver that cannot load the cubin
@@ -80,7 +91,7 @@ def compile_kernels(cp: Any) -> Kernels:
         raise KernelCompileError(f"{type(exc).__name__}: {first}") from exc
     kernels.compile_s = time.perf_counter() - start
     try:
-        attrs = kernels.mma[8].attributes
+        attrs = kernels.mma[(8, MMA_BK[0])].attributes
         kernels.info = {"binary_version": attrs.get("binary_version"), "ptx_version": attrs.get("ptx_version"),
                         "mma_registers": attrs.get("num_regs")}
     except Exception:  # attributes are informative only

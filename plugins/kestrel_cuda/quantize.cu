@@ -1,6 +1,7 @@
 // Activation quantization, Q8_0 semantics bit for bit as kestrel_core.contract.quantize_activations:
-// d = amax / 127, inv = 1 / d (0 when d == 0), code = sign(v) * floor(|v| + 0.5) with v = x * inv, all in
-// float32 with IEEE division (NVRTC's default -prec-div=true) and no FMA contraction (--fmad=false).
+// d = amax / 127, inv = 1 / d (0 when d == 0), code = roundf(x * inv) (half away from zero, exact: ggml's
+// rounding, which contract.round_half_away reproduces), all in float32 with IEEE division (NVRTC's default
+// -prec-div=true) and no FMA contraction (--fmad=false).
 // One warp per (row, block of G); each lane holds G / 32 values.
 template <int G>
 __global__ void k_quantize_act(const float* __restrict__ x, i8* __restrict__ codes,
@@ -25,9 +26,7 @@ __global__ void k_quantize_act(const float* __restrict__ x, i8* __restrict__ cod
     const float inv = d == 0.0f ? 0.0f : 1.0f / d;
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
-        const float p = v[i] * inv;
-        const float b = floorf(fabsf(p) + 0.5f);
-        codes[base + i * 32 + lane] = (i8)(int)(p < 0.0f ? -b : b);
+        codes[base + i * 32 + lane] = (i8)(int)roundf(v[i] * inv);
     }
     if (lane == 0) scales[(size_t)m * ng + g] = d;
 }

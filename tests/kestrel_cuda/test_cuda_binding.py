@@ -83,8 +83,15 @@ def test_device_query_fails(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_driver_too_old(monkeypatch: pytest.MonkeyPatch) -> None:
-    _, reason = bind_reason(monkeypatch, fake_cupy(driver=12020, runtime=13000))
-    assert "driver 12.2 is older than the CUDA 13.0 runtime" in reason
+    _, reason = bind_reason(monkeypatch, fake_cupy(driver=12080, runtime=13020))
+    assert "driver 12.8 is older than the CUDA 13.2 runtime" in reason
+
+
+def test_newer_minor_runtime_is_fine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA minor version compatibility (seen on the H200 machine: driver 13.0, CuPy's runtime 13.2)."""
+    _, reason = bind_reason(monkeypatch, fake_cupy(driver=13000, runtime=13020,
+                                                   compile_error=RuntimeError("stop here")))
+    assert reason.startswith("kernel compilation failed")
 
 
 def test_old_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -104,8 +111,8 @@ def test_compile_failure(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_missing_kernel_is_a_compile_failure(monkeypatch: pytest.MonkeyPatch) -> None:
-    _, reason = bind_reason(monkeypatch, fake_cupy(missing_kernel="k_gemm_mma<8>"))
-    assert "kernel compilation failed" in reason and "k_gemm_mma<8>" in reason
+    _, reason = bind_reason(monkeypatch, fake_cupy(missing_kernel="k_gemm_mma<8, 128>"))
+    assert "kernel compilation failed" in reason and "k_gemm_mma<8, 128>" in reason
 
 
 def test_unbound_cuda_leaves_the_cpu_result(monkeypatch: pytest.MonkeyPatch) -> None:

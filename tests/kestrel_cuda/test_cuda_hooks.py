@@ -54,7 +54,8 @@ def test_selftest_passes(registry) -> None:
     assert len(report.cases) > 100
 
 
-def test_fused_and_unfused_through_the_dispatcher(registry, cuda) -> None:
+def test_fused_and_unfused_through_the_dispatcher(registry, cuda, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KESTREL_CUDA_MIN_FLOPS", "0")  # these shapes are far below the default threshold
     rng = np.random.default_rng(3)
     off = Offload(cuda, registry.cpu())
     from kestrel_core.contract import quantize_weight

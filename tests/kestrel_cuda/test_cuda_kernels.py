@@ -34,8 +34,8 @@ if _DEVICES < 1:
 pytestmark = pytest.mark.cuda
 
 from kestrel_cuda.binding import open_device  # noqa: E402
-from kestrel_cuda.gemm import GEMV_MAX_M, gemv_variant  # noqa: E402
-from kestrel_cuda.kernels import GEMV_VARIANTS  # noqa: E402
+from kestrel_cuda.gemm import GEMV_MAX_M, gemv_variant, gemv_warp_variant  # noqa: E402
+from kestrel_cuda.kernels import GEMV_VARIANTS, GEMV_WARP_VARIANTS, MMA_BK  # noqa: E402
 from kestrel_cuda.residency import pad_n  # noqa: E402
 
 U = 2.0 ** -24
@@ -59,7 +59,7 @@ def term_bound(a_codes: np.ndarray, a_scales: np.ndarray, w: StripCache) -> np.n
     a = a_codes.reshape(m, -1, g).transpose(1, 0, 2).astype(np.float64)
     b = w.codes.reshape(w.n, -1, g).transpose(1, 2, 0).astype(np.float64)
     sums = np.abs(np.matmul(a, b))                                            # [ng, M, N] exact
-    return (sums * a_scales.T[:, :, None] * w.scales.T[:, None, :]).sum(axis=0)
+    return (sums * np.abs(a_scales.T[:, :, None]) * np.abs(w.scales.T[:, None, :])).sum(axis=0)
 
 
 def assert_close_q8(got: np.ndarray, a_codes: np.ndarray, a_scales: np.ndarray, w: StripCache) -> None:
@@ -93,7 +93,7 @@ def test_quantize_bit_identical(dev, g: int) -> None:
     x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 100, (m, 1))).astype(np.float32)
     x[0, :g] = 0.0  # an all-zero block: scale 0, codes 0
     x[1, :g] = np.linspace(-1, 1, g, dtype=np.float32) * 127 / 2  # many exact .5 ties: half away from zero
-    x[2, :g] = np.float32(0.49999997)  # floor(|v| + 0.5) rounds differently from C's roundf here
+    x[2, :g] = np.float32(0.49999997)  # roundf gives 0 where floor(|v| + 0.5) would give 1
     x[2, 0] = np.float32(127.0)
     codes = cp.empty((m, k), dtype=cp.int8)
     scales = cp.empty((m, k // g), dtype=cp.float32)
@@ -163,14 +163,32 @@ def test_gemm_q8(dev, bits: int, g: int, m: int, n: int, k: int) -> None:
         np.testing.assert_array_equal(got, reference_gemm_q8(a_codes, a_scales, w))
 
 
-@pytest.mark.parametrize("variant", [v for v in GEMV_VARIANTS if v[2] == 8] + [v for v in GEMV_VARIANTS
-                                                                             if v[2] == 4])
+@pytest.mark.parametrize("bk", MMA_BK)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("g", [32, 256])
+def test_every_mma_stage_depth(dev, bk: int, bits: int, g: int) -> None:
+    rng = np.random.default_rng([bk, bits, g])
+    w = rand_weight(rng, 200, 1280 if g == 256 else 1120, g, bits)  # K not a multiple of the stage
+    a_codes, a_scales = quantize_activations(rng.standard_normal((70, w.k)).astype(np.float32), g)
+    got = run_q8(dev, a_codes, a_scales, w, mma_bk=bk)
+    np.testing.assert_array_equal(got, reference_gemm_q8(a_codes, a_scales, w))
+
+
+GEMV_CASES = [("warp", *v) for v in GEMV_WARP_VARIANTS] + list(GEMV_VARIANTS)
+
+
+@pytest.mark.parametrize("variant", GEMV_CASES, ids=[str(v) for v in GEMV_CASES])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_every_gemv_variant(dev, variant: tuple[int, int, int, int], splits: int) -> None:
-    mt, vec, bits, r = variant
-    g = 32
-    n = 116 if vec == 4 else 112  # Npad % 16 != 0 for the 4-column variants
-    rng = np.random.default_rng([*variant, splits])
+@pytest.mark.parametrize("g", [32, 256])
+def test_every_gemv_variant(dev, variant: tuple, splits: int, g: int) -> None:
+    if variant[0] == "warp":
+        _, mt, vec, bits = variant
+    else:
+        mt, vec, bits, r = variant
+        if g % r or g // r > 8:
+            pytest.skip("slices of this variant do not tile G")
+    n = 116 if vec == 4 else 112  # Npad % 8 != 0 for the 4-column variants
+    rng = np.random.default_rng([mt, vec, bits, splits, g])
     w = rand_weight(rng, n, 3072, g, bits)
     m = mt + 1  # more rows than one tile: two launches
     a_codes, a_scales = quantize_activations(rng.standard_normal((m, 3072)).astype(np.float32), g)
@@ -188,6 +206,11 @@ def test_gemv_is_deterministic(dev) -> None:
 
 
 def test_variant_choice() -> None:
+    assert gemv_warp_variant(1, 4096, 8) == ("warp", 1, 8, 8)
+    assert gemv_warp_variant(3, 40, 4) == ("warp", 4, 8, 4)
+    assert gemv_warp_variant(2, 36, 8) == ("warp", 2, 4, 8)
+    assert all(gemv_warp_variant(m, n, b)[1:] in GEMV_WARP_VARIANTS
+               for m in range(1, GEMV_MAX_M + 1) for n in (36, 4096) for b in (8, 4))
     assert gemv_variant(1, 4096, 4096, 32, 8)[:2] == (1, 16)
     assert gemv_variant(1, 40, 512, 32, 8)[:2] == (1, 4)
     assert gemv_variant(3, 136, 512, 256, 4) == (4, 8, 4, 32)
