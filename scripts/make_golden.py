@@ -413,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
 
     manifest_path = OUT / "MANIFEST.json"
     manifest: dict[str, Any] = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
-    manifest["command"] = "python scripts/make_golden.py" + (f" --only {args.only}" if args.only else "")
+    manifest.pop("command", None)
+    command = "python scripts/make_golden.py" + (f" --only {args.only}" if args.only else "")
     manifest["versions"] = {"python": platform.python_version(), "torch": torch.__version__,
                             "transformers": transformers.__version__, "gguf": _version("gguf"),
                             "tokenizers": tokenizers.__version__, "numpy": np.__version__}
@@ -421,12 +422,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "tiny"):
         tok = train_tokenizer()
         for seed, (name, (config, opts)) in enumerate(tiny_configs(tok).items(), start=1):
-            manifest["models"][name] = build_tiny(name, config, opts, tok, seed)
+            manifest["models"][name] = {**build_tiny(name, config, opts, tok, seed), "command": command}
             print(f"{name}: {manifest['models'][name]}", file=sys.stderr)
-        manifest["models"]["tiny-llama.gguf"] = write_llama_gguf(OUT / "tiny-llama", OUT / "tiny-llama.gguf",
-                                                                 tok)
+        manifest["models"]["tiny-llama.gguf"] = {
+            **write_llama_gguf(OUT / "tiny-llama", OUT / "tiny-llama.gguf", tok), "command": command}
     if args.only in (None, "smollm"):
-        manifest["models"]["smollm2"] = build_smollm(args.smollm)
+        manifest["models"]["smollm2"] = {**build_smollm(args.smollm), "command": command}
         print(f"smollm2: {manifest['models']['smollm2']}", file=sys.stderr)
     manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return 0

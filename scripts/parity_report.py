@@ -1,0 +1,60 @@
+"""Print the logits-parity table (kestrel vs transformers golden data) that docs/parity.md shows.
+
+    python scripts/parity_report.py                 # every fixture and mode, SmolLM2 if pulled
+    python scripts/parity_report.py --no-default-model
+
+The figures are measured by tests/kestrel_core/model/test_parity.py's own ``measure`` (imported from the
+file, so the table and the tests cannot disagree on what they compute), on the CPU backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TEST_FILE = ROOT / "tests" / "kestrel_core" / "model" / "test_parity.py"
+
+
+def _parity_module():  # noqa: ANN202 (a module loaded from a file path)
+    spec = importlib.util.spec_from_file_location("kestrel_test_parity", TEST_FILE)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve their module through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-default-model", action="store_true", help="skip SmolLM2 even if it was pulled")
+    args = ap.parse_args(argv)
+    tp = _parity_module()
+    rows = ["| model | quant | positions | top-1 agreement | max rel. error | median rel. error | limits "
+            "(top-1 >=, max <=, median <=) | within |",
+            "|---|---|---|---|---|---|---|---|"]
+    for case in tp.CASES:
+        if case.default_model:
+            if args.no_default_model:
+                continue
+            from kestrel_core.model.pull import default_model_path
+
+            if not default_model_path().exists():
+                print(f"note: {case.name} skipped: the default model is not pulled (`kestrel pull`)",
+                      file=sys.stderr)
+                continue
+        for quant in case.modes:
+            fig = tp.measure(case, quant)
+            lim = case.limits(quant)
+            rows.append(f"| {case.name} | {quant} | {fig.positions} | {fig.top1:.3f} | {fig.max_rel:.4f} | "
+                        f"{fig.median_rel:.4f} | {lim.top1_min}, {lim.max_rel_max}, {lim.median_rel_max} | "
+                        f"{'yes' if fig.within(lim) else 'NO'} |")
+            print(rows[-1], file=sys.stderr)
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
