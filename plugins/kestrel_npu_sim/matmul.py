@@ -87,7 +87,7 @@ def _gemm_q8(dev: NpuSimDevice, a_codes: np.ndarray, a_scales: np.ndarray, weigh
         # the reference's expression, term for term: (block sum * a_scale) * w_scale, summed over blocks
         scaled = sums.astype(np.float32) * a_scales_t[:, :, None] * packed.scales_t[:, None, n0:n1]
         out[:, n0:n1] = scaled.sum(axis=0, dtype=np.float32)
-    dev.stats.charge(dev.cost.gemm(m, packed.geo, g))
+    dev.stats.charge(dev.cost.gemm(m, packed.geo, g), m)
     dev.stats.calls += 1
     dev.stats.wall_s += time.perf_counter() - started
     if len(weights) == 1:
@@ -137,7 +137,7 @@ def gemm_f32(dev: NpuSimDevice, a: np.ndarray, weight: StripCache, wkey: int) ->
             scaled = exact.astype(np.float32) * packed.scales_t[:, None, n0:n1]
             out[:, n0:n1] = scaled.sum(axis=0, dtype=np.float32)
         dev.stats.f32_slices += n_slices
-        dev.stats.charge(dev.cost.gemm(n_slices * m, packed.geo, weight.group_size))
+        dev.stats.charge(dev.cost.gemm(n_slices * m, packed.geo, weight.group_size), m)
     dev.stats.calls += 1
     dev.stats.wall_s += time.perf_counter() - started
     return out

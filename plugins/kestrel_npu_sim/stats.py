@@ -27,6 +27,8 @@ class NpuSimStats:
     macs: int = 0
     bytes: int = 0
     time_s: float = 0.0  # simulated NPU time (cost model)
+    calls_m1: int = 0  # single-row (decode-shaped) calls and their share of the simulated time
+    time_m1_s: float = 0.0
     wall_s: float = 0.0  # host wall time inside the hooks (OpenCL on this machine + host float work)
     f32_slices: int = 0  # int8 activation slices the float-activation GEMMs needed
     repacks: int = 0  # weights repacked into the native layout
@@ -34,7 +36,10 @@ class NpuSimStats:
     uncached_repacks: int = 0  # repacks of wkey 0 ("do not cache") weights, redone every call
     declined: Counter = field(default_factory=Counter)
 
-    def charge(self, cost: GemmCost) -> None:
+    def charge(self, cost: GemmCost, rows: int) -> None:
+        if rows == 1:
+            self.calls_m1 += 1
+            self.time_m1_s += cost.seconds
         self.runs += cost.runs
         self.macs += cost.macs
         self.bytes += cost.bytes
@@ -43,6 +48,7 @@ class NpuSimStats:
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "npu_sim_time_s": self.time_s, "npu_sim_calls": self.calls, "npu_sim_runs": self.runs,
+            "npu_sim_time_m1_s": self.time_m1_s, "npu_sim_calls_m1": self.calls_m1,
             "npu_sim_launches": self.launches, "npu_sim_macs": self.macs, "npu_sim_bytes": self.bytes,
             "npu_sim_wall_s": self.wall_s, "npu_sim_f32_slices": self.f32_slices,
             "npu_sim_repacks": self.repacks, "npu_sim_repack_bytes": self.repack_bytes,
