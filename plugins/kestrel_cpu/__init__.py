@@ -67,18 +67,38 @@ def _c_array(x: Any, dtype: type, name: str) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
+def _activations(a_codes: Any, a_scales: Any, weight: StripCache) -> tuple[np.ndarray, np.ndarray]:
+    a_codes = _c_array(a_codes, np.int8, "a_codes")
+    a_scales = _c_array(a_scales, np.float32, "a_scales")
+    if a_codes.shape[1] != weight.k or a_scales.shape != (a_codes.shape[0], weight.ngroups):
+        raise ContractError(f"activations {list(a_codes.shape)} with scales {list(a_scales.shape)} do not "
+                            f"match a weight of K={weight.k}, G={weight.group_size}")
+    return a_codes, a_scales
+
+
 @hookimpl
 def kestrel_gemm_q8(device: CpuDevice, a_codes: np.ndarray, a_scales: np.ndarray, weight: StripCache,
                     wkey: int) -> np.ndarray:
     if device.kernels is None:
         return reference_gemm_q8(a_codes, a_scales, weight)
-    a_codes = _c_array(a_codes, np.int8, "a_codes")
-    a_scales = _c_array(a_scales, np.float32, "a_scales")
-    m = a_codes.shape[0]
-    if a_codes.shape[1] != weight.k or a_scales.shape != (m, weight.ngroups):
-        raise ContractError(f"activations {list(a_codes.shape)} with scales {list(a_scales.shape)} do not "
-                            f"match a weight of K={weight.k}, G={weight.group_size}")
+    a_codes, a_scales = _activations(a_codes, a_scales, weight)
     return device.kernels.gemm_q8(a_codes, a_scales, weight.codes, weight.scales)
+
+
+@hookimpl
+def kestrel_gemm_fused_q8(device: CpuDevice, a_codes: np.ndarray, a_scales: np.ndarray,
+                          weights: list[StripCache], wkeys: list[int], fused_wkey: int) -> list[np.ndarray] | None:
+    """Q/K/V or gate/up in one parallel pass (one thread fork/join and one call instead of several)."""
+    if not weights:
+        return []
+    first = weights[0]
+    if any(w.k != first.k or w.group_size != first.group_size for w in weights):
+        return None  # declined: the core runs them one by one
+    if device.kernels is None:
+        return [reference_gemm_q8(a_codes, a_scales, w) for w in weights]
+    a_codes, a_scales = _activations(a_codes, a_scales, first)
+    return device.kernels.gemm_q8_multi(a_codes, a_scales, [w.codes for w in weights],
+                                        [w.scales for w in weights])
 
 
 @hookimpl

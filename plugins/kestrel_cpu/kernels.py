@@ -147,10 +147,36 @@ def _gemm_q8_body(a: np.ndarray, a_scales: np.ndarray, codes: np.ndarray, w_scal
                        out, m * n_rows + n, n_rows)
 
 
+def _gemm_q8_multi_body(a: np.ndarray, a_scales: np.ndarray, codes: tuple, w_scales: tuple,
+                        row_start: np.ndarray, out: np.ndarray) -> None:
+    # Several weights sharing K and G in one parallel pass: weight i fills out[:, row_start[i]:row_start[i+1]]
+    m_rows, k = a.shape
+    n_total = out.shape[1]
+    ng = a_scales.shape[1]
+    nchunk = k // ng // CHUNK
+    m4 = m_rows - m_rows % 4
+    for j in prange(n_total):
+        i = 0
+        while j >= row_start[i + 1]:
+            i += 1
+        n = j - row_start[i]
+        c = codes[i]
+        s = w_scales[i]
+        for m in range(0, m4, 4):
+            _rows_dot4(a, m * k, k, a_scales, m * ng, ng, c, n * k, s, n * ng, ng, nchunk, out, m * n_total + j,
+                       n_total)
+        for m in range(m4, m_rows):
+            _rows_dot1(a, m * k, k, a_scales, m * ng, ng, c, n * k, s, n * ng, ng, nchunk, out, m * n_total + j,
+                       n_total)
+
+
 # Two builds of the same body: a parallel one, and a serial one for small products where waking the second
 # thread costs more than it saves (a decode k/v projection is 110 KB).
 _gemm_q8_parallel = njit(parallel=True, cache=True, nogil=True)(_gemm_q8_body)
 _gemm_q8_serial = njit(cache=True, nogil=True)(_gemm_q8_body)
+
+_gemm_q8_multi_parallel = njit(parallel=True, cache=True, nogil=True)(_gemm_q8_multi_body)
+_gemm_q8_multi_serial = njit(cache=True, nogil=True)(_gemm_q8_multi_body)
 
 PARALLEL_MIN_MACS = 1 << 18
 
@@ -196,6 +222,27 @@ def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, codes: np.ndarray, w_scal
     kernel = _gemm_q8_parallel if m * n * k >= PARALLEL_MIN_MACS else _gemm_q8_serial
     kernel(a_codes, a_scales, codes, w_scales, out)
     return out
+
+
+def gemm_q8_multi(a_codes: np.ndarray, a_scales: np.ndarray, codes: list[np.ndarray],
+                  w_scales: list[np.ndarray]) -> list[np.ndarray]:
+    """``gemm_q8`` against several weights sharing K and G, in one pass: a list of float32 [M, N_i].
+
+    The outputs are column slices of one [M, sum N_i] array; each output element is computed exactly as
+    ``gemm_q8`` computes it (same per-row arithmetic), so results are bit-identical to separate calls.
+    """
+    m, k = a_codes.shape
+    ns = [c.shape[0] for c in codes]
+    row_start = np.zeros(len(ns) + 1, dtype=np.int64)
+    np.cumsum(ns, out=row_start[1:])
+    total = int(row_start[-1])
+    out = np.empty((m, total), dtype=np.float32)
+    if m == 0 or total == 0 or k == 0:
+        out.fill(0)
+    else:
+        kernel = _gemm_q8_multi_parallel if m * total * k >= PARALLEL_MIN_MACS else _gemm_q8_multi_serial
+        kernel(a_codes, a_scales, tuple(codes), tuple(w_scales), row_start, out)
+    return [out[:, row_start[i]:row_start[i + 1]] for i in range(len(ns))]
 
 
 def gemm_f32(a: np.ndarray, codes: np.ndarray, w_scales: np.ndarray) -> np.ndarray:

@@ -199,3 +199,36 @@ def test_reference_mode_runs_the_numpy_reference(monkeypatch: pytest.MonkeyPatch
     np.testing.assert_array_equal(
         kestrel_cpu.kestrel_gemm_q8(device=device, a_codes=a_codes, a_scales=a_scales, weight=w, wkey=0),
         reference_gemm_q8(a_codes, a_scales, w))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 40), st.lists(st.integers(1, 70), min_size=1, max_size=3), st.integers(1, 3),
+       st.sampled_from([32, 256]), st.sampled_from([8, 4]), st.integers(0, 2**32 - 1))
+def test_fused_hook_equals_separate_gemms(m: int, ns: list[int], blocks: int, g: int, bits: int,
+                                          seed: int) -> None:
+    """The fused pass computes each output exactly as gemm_q8 does, so it is bit-identical to it."""
+    import kestrel_cpu
+
+    rng = np.random.default_rng(seed)
+    k = blocks * g
+    ws = [quantize_weight(rng.standard_normal((n, k)).astype(np.float32), bits, g) for n in ns]
+    a_codes, a_scales = quantize_activations(rng.standard_normal((m, k)).astype(np.float32), g)
+    device = kestrel_cpu.kestrel_open(options={})
+    outs = kestrel_cpu.kestrel_gemm_fused_q8(device=device, a_codes=a_codes, a_scales=a_scales, weights=ws,
+                                             wkeys=[0] * len(ws), fused_wkey=0)
+    assert len(outs) == len(ws)
+    for out, w in zip(outs, ws):
+        assert out.dtype == np.float32 and out.shape == (m, w.n)
+        np.testing.assert_array_equal(out, kernels.gemm_q8(a_codes, a_scales, w.codes, w.scales))
+        a_abs = np.abs(a_codes.astype(np.float64)) * np.repeat(a_scales, g, axis=1)
+        assert np.all(np.abs(out - reference_gemm_q8(a_codes, a_scales, w)) <= _tolerance(a_abs, w))
+
+
+def test_fused_hook_declines_weights_that_do_not_share_k_and_g(cpu: Backend) -> None:
+    a_codes, a_scales = quantize_activations(np.ones((1, 256), np.float32), 32)
+    same_k_other_g = [quantize_weight(np.ones((4, 256), np.float32), 8, 32),
+                      quantize_weight(np.ones((4, 256), np.float32), 8, 256)]
+    other_k = [quantize_weight(np.ones((4, 256), np.float32)), quantize_weight(np.ones((4, 512), np.float32))]
+    for ws in (same_k_other_g, other_k):
+        assert cpu.hook.kestrel_gemm_fused_q8(device=cpu.device, a_codes=a_codes, a_scales=a_scales,
+                                              weights=ws, wkeys=[0, 0], fused_wkey=0) is None

@@ -1,0 +1,166 @@
+"""Per-shape timing of the CPU backend's int8 GEMM against numpy float32 BLAS, on SmolLM2-135M's shapes.
+
+    python benchmarks/cpu_gemm.py                  # M = 1 (decode) and 256 (prefill), q8 (int8, G=32)
+    python benchmarks/cpu_gemm.py --m 1,16,64,256 --bits 4 --group 256 --json
+
+For each projection shape [N, K] and each M it times kestrel's ``kestrel_gemm_q8`` hook (through the bound
+cpu backend, as the engine calls it) and ``A @ W.T`` in float32 (numpy's BLAS, the fastest pure-numpy way
+to apply a dequantized weight), in the same process, and reports the median time, GB/s of weight bytes read
+(int8 codes + float32 scales for kestrel, float32 for BLAS) and GFLOP/s. The last rows add the shapes up
+per token as the model uses them (30 layers + the tied lm_head once): the GEMM-only bound on decode tok/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from kestrel_core.contract import quantize_activations, quantize_weight
+from kestrel_core.registry import Registry
+
+# SmolLM2-135M: hidden 576, intermediate 1536, 9 heads / 3 kv heads of 64, 30 layers, vocab 49152 (tied).
+SHAPES: list[tuple[str, int, int, int]] = [  # name, N, K, uses per token
+    ("q / o", 576, 576, 60),
+    ("k / v", 192, 576, 60),
+    ("gate / up", 1536, 576, 60),
+    ("down", 576, 1536, 30),
+    ("lm_head", 49152, 576, 1),
+]
+
+
+@dataclass
+class Row:
+    shape: str
+    m: int
+    n: int
+    k: int
+    kestrel_us: float
+    kestrel_gbs: float
+    kestrel_gflops: float
+    blas_us: float
+    blas_gbs: float
+    blas_gflops: float
+
+
+def median_time(fn: Callable[[], object], min_seconds: float, repeats: int) -> float:
+    """Median over ``repeats`` batches of the per-call time, each batch running at least ``min_seconds``."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-7)
+    inner = max(1, int(min_seconds / once))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - t0) / inner)
+    return statistics.median(samples)
+
+
+def blas_description() -> str:
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "threadpoolctl not installed"
+    return "; ".join(f"{i.get('internal_api')} {i.get('version')} {i.get('architecture', '')} "
+                     f"threads={i.get('num_threads')}" for i in threadpool_info())
+
+
+def run(ms: list[int], bits: int, group: int, min_seconds: float, repeats: int) -> list[Row]:
+    cpu = Registry().cpu()
+    gemm = cpu.hook.kestrel_gemm_q8
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, n, k, _ in SHAPES:
+        w = quantize_weight(rng.standard_normal((n, k)).astype(np.float32), bits, group)
+        w_f32 = w.dequantize()  # [N, K]
+        for m in ms:
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            a_codes, a_scales = quantize_activations(x, group)
+            t_k = median_time(partial(gemm, device=cpu.device, a_codes=a_codes, a_scales=a_scales, weight=w,
+                                      wkey=0), min_seconds, repeats)
+            t_b = median_time(partial(np.matmul, x, w_f32.T), min_seconds, repeats)
+            flops = 2 * m * n * k
+            rows.append(Row(name, m, n, k, t_k * 1e6, w.nbytes / t_k / 1e9, flops / t_k / 1e9,
+                            t_b * 1e6, w_f32.nbytes / t_b / 1e9, flops / t_b / 1e9))
+    return rows
+
+
+def per_token(rows: list[Row], m: int) -> tuple[float, float]:
+    """(kestrel, BLAS) seconds per forward of M tokens, GEMMs only (lm_head only for the last token)."""
+    uses = {name: u for name, _, _, u in SHAPES}
+    pick = [r for r in rows if r.m == m]
+    head = {r.shape: r for r in rows if r.m == 1}.get("lm_head")
+    kt = sum(r.kestrel_us * uses[r.shape] for r in pick if r.shape != "lm_head") * 1e-6
+    bt = sum(r.blas_us * uses[r.shape] for r in pick if r.shape != "lm_head") * 1e-6
+    if head is not None:
+        kt += head.kestrel_us * 1e-6
+        bt += head.blas_us * 1e-6
+    return kt, bt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--m", default="1,256", help="comma-separated activation rows (default 1,256)")
+    ap.add_argument("--bits", type=int, default=8, choices=(8, 4))
+    ap.add_argument("--group", type=int, default=32, choices=(32, 256))
+    ap.add_argument("--min-seconds", type=float, default=0.05, help="per timing batch")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    ms = [int(v) for v in args.m.split(",")]
+    rows = run(ms, args.bits, args.group, args.min_seconds, args.repeats)
+    cpu = Registry().cpu()
+    info = {"machine": f"{platform.processor() or platform.machine()}, {_cpu_model()}",
+            "blas": blas_description(), "kestrel_cpu": cpu.device.description,
+            "quant": f"int{args.bits} G={args.group}"}
+    totals = {m: per_token(rows, m) for m in ms}
+    if args.json:
+        print(json.dumps({**info, "rows": [asdict(r) for r in rows],
+                          "per_forward_s": {m: {"kestrel": k, "blas": b} for m, (k, b) in totals.items()}},
+                         indent=2))
+        return
+    console = Console()
+    for key, value in info.items():
+        console.print(f"[bold]{key}[/]: {value}")
+    table = Table(title="CPU GEMM: kestrel int8 (hook) vs numpy float32 BLAS (A @ W.T), median per call")
+    for col in ("shape", "M", "N x K", "kestrel us", "kestrel GB/s", "kestrel GFLOP/s", "BLAS us", "BLAS GB/s",
+                "BLAS GFLOP/s", "speed-up"):
+        table.add_column(col, justify="left" if col == "shape" else "right")
+    for r in rows:
+        table.add_row(r.shape, str(r.m), f"{r.n} x {r.k}", f"{r.kestrel_us:.1f}", f"{r.kestrel_gbs:.2f}",
+                      f"{r.kestrel_gflops:.1f}", f"{r.blas_us:.1f}", f"{r.blas_gbs:.2f}", f"{r.blas_gflops:.1f}",
+                      f"{r.blas_us / r.kestrel_us:.2f}x")
+    for m, (kt, bt) in totals.items():
+        table.add_row(f"per forward (M={m})", str(m), "30 layers + lm_head", f"{kt * 1e6:.0f}", "", "",
+                      f"{bt * 1e6:.0f}", "", "", f"{bt / kt:.2f}x", end_section=m == ms[0])
+        unit = "decode tok/s" if m == 1 else "prefill tok/s"
+        console.print(f"GEMM-only bound at M={m}: kestrel {m / kt:.0f} {unit}, BLAS {m / bt:.0f} {unit}")
+    console.print(table)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
+    except OSError:
+        pass
+    return platform.platform()
+
+
+if __name__ == "__main__":
+    main()
