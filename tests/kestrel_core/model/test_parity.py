@@ -9,17 +9,19 @@ logits on three figures:
   (max - min of the golden logits), over all positions;
 - median relative error: the median over positions of that same per-position figure.
 
-The limits come from measurement (docs/parity.md has the figures, ``python scripts/parity_report.py``
-prints them). Tiny models (projection weights on the Q4_0 grid, see make_golden.py, so q4 is as exact as
-q8): measured top-1 >= 0.90, max <= 0.08, median <= 0.015 in every mode. Deliberately wrong variants, tried
-once through this very engine: RoPE in the interleaved (GPT-J) layout instead of rotate_half, or the GGUF
-reader not undoing llama.cpp's Q/K row permutation, give top-1 0.35-0.55, max 0.38-0.96 and median
-0.10-0.31 on these fixtures, so each of the three limits below rejects them on its own.
+The limits come from measurement; docs/parity.md has the figures (``python scripts/parity_report.py``
+prints them from this file's ``measure``) and the reasoning. In short: on the tiny models (projection
+weights on the Q4_0 grid, see make_golden.py, so q4 is as exact as q8) every mode measured top-1 >= 0.90,
+max <= 0.08, median <= 0.015. Deliberately wrong variants, tried once through this very engine (RoPE in the
+interleaved layout instead of rotate_half, the GGUF reader not undoing llama.cpp's Q/K row permutation,
+llama3 rope scaling ignored, int4 rounded as symmetric max/7 instead of Q4_0) gave top-1 0.35-0.80, max
+0.16-0.98, median 0.03-0.31, and each fails all three limits below on its own.
 
-SmolLM2-135M (real weights, its Q4_1 GGUF dequantized by transformers; golden stores top-5 logits at every
-position plus the full vocabulary at 4 positions, so errors are measured over those entries): q8 measured
-top-1 0.94, max 0.047, median 0.011; q4 (Q4_1 re-quantized to Q4_0: a real int4 loss on a 135M model)
-top-1 0.62, max 0.39, median 0.07. Interleaved RoPE at q8 gives top-1 0.60, max 0.81, median 0.13.
+SmolLM2-135M (real weights: its Q4_1 GGUF dequantized by transformers; the golden data keep the top-5
+logits at every position plus the full vocabulary at 4 positions, and errors are measured over those
+entries): q8 measured top-1 0.94-0.96, max 0.03-0.05, median 0.01; q4 (Q4_1 re-quantized to Q4_0: a real
+int4 loss on a 135M model) top-1 0.62-0.64, max 0.39-0.42, median 0.07. Interleaved RoPE or a missing Q/K
+un-permutation give top-1 0.40-0.62, max 0.77-0.88, median 0.14-0.20.
 """
 
 from __future__ import annotations
