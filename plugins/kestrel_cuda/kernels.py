@@ -28,7 +28,7 @@ GEMV_VARIANTS: tuple[tuple[int, int, int, int], ...] = tuple(
     for bits in (8, 4)
     for mt, vec, r in ((1, 16, 32), (1, 16, 8), (2, 16, 32), (4, 8, 32), (1, 4, 32), (2, 4, 32), (4, 4, 32))
 )
-MMA_BK = (128, 64)  # K bytes per shared-memory stage of the tensor-core kernel; the first is the default
+MMA_BK = (64, 128)  # K bytes per shared-memory stage of the tensor-core kernel; the first is the default
 GROUP_SIZES = (32, 256)
 BITS = (8, 4)
 
