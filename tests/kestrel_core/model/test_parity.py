@@ -179,3 +179,19 @@ def test_kv_cache_decode_matches_transformers(case: Case) -> None:
         steps += [engine.decoder.forward(ids[t:t + 1], cache, all_logits=True) for t in range(prefill, len(ids))]
     fig = golden.figures(np.concatenate(steps))
     assert fig.within(TINY), f"{case.name} q8 decode: {fig} outside {TINY}"
+
+
+@pytest.mark.parametrize(("name", "quant"), [("tiny-llama.gguf", "q8"), ("tiny-qwen3", "q4-g256")])
+def test_quantized_artifact_gives_the_same_logits(tmp_path: Path, name: str, quant: str) -> None:
+    """A .kst artifact written from a checkpoint runs to the very logits of the checkpoint itself."""
+    from kestrel_core.model.loader import load_model, write_artifact
+
+    case = next(c for c in CASES if c.name == name)
+    golden = Golden(FIXTURES / case.golden / "golden.npz")
+    kst = write_artifact(load_model(case.model_path(), quant=quant), tmp_path / "model.kst")
+    with kestrel_core.load(str(kst), backend="cpu", quant=quant) as engine:
+        from_artifact = engine.logits(golden.ids)
+    with kestrel_core.load(case.model_path(), backend="cpu", quant=quant) as engine:
+        direct = engine.logits(golden.ids)
+    np.testing.assert_array_equal(from_artifact, direct)
+    assert golden.figures(from_artifact).within(TINY)
