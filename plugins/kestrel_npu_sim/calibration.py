@@ -57,9 +57,10 @@ def calibrate() -> CostModel:
     return CostModel(launch_s, 1 / inv_bw, (lo * hi) ** 0.5)
 
 
-# SmolLM2-135M, kestrel's default model: hidden 576, intermediate 1536, 9 heads / 3 KV heads of 64, 30 layers
+# SmolLM2-135M, kestrel's default model: hidden 576, intermediate 1536, 9 heads / 3 KV heads of 64, 30 layers;
+# as the engine multiplies it: fused q|k|v (576+192+192), o, fused gate|up (2 x 1536), down, then lm_head
 SMOLLM2_LAYERS = 30
-SMOLLM2_LAYER = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
+SMOLLM2_LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 SMOLLM2_LM_HEAD = (49152, 576)
 
 
@@ -95,6 +96,11 @@ def report() -> str:
         c = smollm2_step(used, 1, block)
         lines.append(f"  {label:27}: {c.runs} runs, {c.bytes / 1e6:.1f} MB, {c.seconds * 1e3:.2f} ms"
                      f" = {1 / c.seconds:.1f} tok/s (launch share {c.runs * used.launch_s / c.seconds:.0%})")
+    lines.append("Llama3-8B decode step under kestrel's strips (unfused shapes):")
+    for block in (32, 256):
+        c = llama3_8b_step(used, 1, block)
+        lines.append(f"  G={block:<3}: {c.runs} runs, {c.seconds * 1e3:.1f} ms = {1 / c.seconds:.2f} tok/s"
+                     f" (launch share {c.runs * used.launch_s / c.seconds:.0%})")
     return "\n".join(lines)
 
 

@@ -50,7 +50,9 @@ class CostModel:
         for n0, n1 in geo.chunks:
             for k0, k1 in geo.segments:
                 width = block or (k1 - k0)
-                runs = (k1 - k0) // width
+                runs, rest = divmod(k1 - k0, width)
+                if rest:
+                    raise ValueError(f"a K-segment of {k1 - k0} is not a whole number of {width}-wide blocks")
                 n = n1 - n0
                 one = GemmCost(1, m * n * width, self.run_bytes(m, n, width), self.run_seconds(m, n, width))
                 total = total + one.scaled(runs)
