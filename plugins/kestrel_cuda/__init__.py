@@ -67,6 +67,16 @@ def kestrel_preload(device: Any, model: Any) -> None:
 
 
 @hookimpl
+def kestrel_forward(device: Any, model: Any, seq_id: int, tokens: Any, start: int, all_logits: bool) -> Any:
+    return device.run_forward(model, seq_id, tokens, start, all_logits)
+
+
+@hookimpl
+def kestrel_release_sequence(device: Any, seq_id: int) -> None:
+    device.release_sequence(seq_id)
+
+
+@hookimpl
 def kestrel_selftest_cases(device: Any) -> Any:
     from kestrel_cuda.selftest_cases import cuda_cases
 

@@ -21,7 +21,7 @@ from kestrel_core.contract import StripCache
 from kestrel_core.wkey import Proj, fused_wkey, lm_head_wkey, wkey
 from kestrel_cuda.cupy_alloc import CupyAllocator
 from kestrel_cuda.gemm import DeviceGemm
-from kestrel_cuda.residency import DeviceWeight, PreloadItem, WeightCache, fusable, should_preload
+from kestrel_cuda.residency import DeviceWeight, PreloadItem, WeightCache, fusable, should_preload, window_keep
 from kestrel_cuda.weights import column_offsets, geometry_for, make_upload
 
 log = logging.getLogger("kestrel")
@@ -158,6 +158,41 @@ class CudaDevice:
     def layer_boundary(self, layer: int) -> None:
         self.cache.on_layer_boundary(layer)
 
+    # -- whole-step forward (kestrel_cuda.forward) -----------------------------------------------------
+
+    def _weight_source(self, key: int, strips: Sequence[StripCache]) -> DeviceWeight | None:
+        members = list(strips)
+        if len(members) > 1 and not fusable(members):
+            return None  # the forward then asks for each projection under its own wkey
+        return self.weight(key, members)
+
+    def forward_engine(self) -> Any:
+        """The device's DeviceForward, made on first use on this device's stream, GEMMs and weight cache;
+        None when the forward module is not available."""
+        if self.forward is None:
+            try:
+                from kestrel_cuda.forward import DeviceForward
+            except ImportError:
+                return None
+            boundary = self.layer_boundary if window_keep() > 0 else None
+            with self.device:
+                self.forward = DeviceForward(self._weight_source, boundary, stream=self.stream, gemm=self.gemm,
+                                             pin=self.cache.pin, unpin=self.cache.unpin)
+        return self.forward
+
+    def run_forward(self, model: Any, seq_id: int, tokens: Any, start: int, all_logits: bool) -> Any:
+        """Errors propagate: the dispatcher declines and the engine runs the step layer by layer."""
+        fwd = self.forward_engine()
+        if fwd is None:
+            return self._decline("no device forward")
+        with self.device:
+            return fwd.forward(model, seq_id, tokens, start, all_logits)
+
+    def release_sequence(self, seq_id: int) -> None:
+        if self.forward is not None:
+            with self.device:
+                self.forward.release(seq_id)
+
     # -- preload -------------------------------------------------------------------------------------
 
     def preload_items(self, model: Any) -> list[PreloadItem]:
@@ -203,6 +238,8 @@ class CudaDevice:
         out.update({f"errors_{k}": v for k, v in self.errors.items()})
         out.update({f"declined_{k.replace(' ', '_')}": v for k, v in self.declined.items()})
         out.update(self.preload_info)
+        if self.forward is not None:
+            out.update({f"forward_{k}": v for k, v in self.forward.stats().items()})
         return out
 
     def close(self) -> None:
