@@ -32,8 +32,9 @@ def block_sums(dev: NpuSimDevice, a_codes: np.ndarray, packed: PackedWeight,
     cl, queue, geo = dev.cl, dev.queue, packed.geo
     r, k = a_codes.shape
     ngroups = k // group_size
-    a_buf = dev.scratch("a", a_codes.nbytes)
-    cl.enqueue_copy(queue, a_buf, np.ascontiguousarray(a_codes), is_blocking=False)
+    a_host = np.ascontiguousarray(a_codes)  # alive until the first blocking read: the copy is asynchronous
+    a_buf = dev.scratch("a", a_host.nbytes)
+    cl.enqueue_copy(queue, a_buf, a_host, is_blocking=False)
     rows = ROWS_PER_GROUP if r >= ROWS_PER_GROUP else 1
     kernel = dev.kernels[rows]
     for n0, n1 in geo.chunks:
