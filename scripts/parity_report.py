@@ -2,9 +2,11 @@
 
     python scripts/parity_report.py                 # every fixture and mode, SmolLM2 if pulled
     python scripts/parity_report.py --no-default-model
+    python scripts/parity_report.py --backend cuda  # the same golden data through another backend
 
 The figures are measured by tests/kestrel_core/model/test_parity.py's own ``measure`` (imported from the
-file, so the table and the tests cannot disagree on what they compute), on the CPU backend.
+file, so the table and the tests cannot disagree on what they compute), on the CPU backend unless
+``--backend`` names another (the limits printed are the CPU tests' limits).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def _parity_module():  # noqa: ANN202 (a module loaded from a file path)
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-default-model", action="store_true", help="skip SmolLM2 even if it was pulled")
+    ap.add_argument("--backend", default="cpu", help="backend to measure (default cpu, as the tests)")
     args = ap.parse_args(argv)
     tp = _parity_module()
     rows = ["| model | quant | positions | top-1 agreement | max rel. error | median rel. error | limits "
@@ -46,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
                 continue
         for quant in case.modes:
-            fig = tp.measure(case, quant)
+            fig = tp.measure(case, quant, args.backend)
             lim = case.limits(quant)
             rows.append(f"| {case.name} | {quant} | {fig.positions} | {fig.top1:.3f} | {fig.max_rel:.4f} | "
                         f"{fig.median_rel:.4f} | {lim.top1_min}, {lim.max_rel_max}, {lim.median_rel_max} | "
