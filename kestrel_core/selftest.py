@@ -96,7 +96,9 @@ def default_cases(seeds: int = 2) -> list[SelfTestCase]:
 def random_strip_cache(rng: np.random.Generator, n: int, k: int, group_size: int, bits: int) -> StripCache:
     lo, hi = CODE_RANGE[bits]
     codes = rng.integers(lo, hi + 1, size=(n, k), dtype=np.int8)
-    scales = rng.uniform(1e-3, 2e-2, size=(n, k // group_size)).astype(np.float32)
+    # Signed scales, as real Q4_0 weights have (d = x_max / -8 is negative for a positive extreme).
+    scales = (rng.uniform(1e-3, 2e-2, size=(n, k // group_size)) * rng.choice([-1, 1], size=(n, k // group_size)))
+    scales = scales.astype(np.float32)
     return StripCache(codes, scales, group_size, bits)
 
 
@@ -106,7 +108,7 @@ def _bound(a_abs: np.ndarray, w: StripCache) -> np.ndarray:
     m = a_abs.shape[0]
     a = a_abs.reshape(m, -1, g).transpose(1, 0, 2).astype(np.float64)                      # [ng, M, G]
     b = np.abs(w.codes.astype(np.float64)).reshape(w.n, -1, g).transpose(1, 2, 0)          # [ng, G, N]
-    return (np.matmul(a, b) * w.scales.T[:, None, :]).sum(axis=0)                          # [M, N]
+    return (np.matmul(a, b) * np.abs(w.scales).T[:, None, :]).sum(axis=0)                  # [M, N]
 
 
 def _compare(got: Any, ref: np.ndarray, bound: np.ndarray, ngroups: int) -> tuple[bool, float, float, str]:
