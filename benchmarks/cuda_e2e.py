@@ -2,12 +2,14 @@
 per-kernel breakdown, the bandwidth roofline, and the residency window.
 
     python benchmarks/cuda_e2e.py [--preset qwen3-8b] [--quant q8] [--prompt 512] [--decode 128]
-                                  [--window 1,4,16] [--json out.json]
+                                  [--window 1,4,16] [--sweep 0:32,1:4] [--json out.json]
 
 Everything runs through the CUDA backend's own device (binding.open_device: its weight cache, preload,
 stream and tiled GEMM) and kestrel_cuda.forward.DeviceForward, the object the kestrel_forward hook calls.
 Wall-clock times include the Python work per step (token in, logits [1, vocab] back to a numpy array);
-the GPU time of one decode step is measured with CUDA events around replays of its graph. Figures:
+the GPU time of one decode step is measured with CUDA events around replays of its graph; the per-kind
+breakdown replays each kind's launches of one step in a graph of their own. ``--sweep`` times decode under
+several GEMV configurations (prefetching variant, blocks per SM) and the rest runs the fastest. Figures:
     copy_gb_s        device-to-device copy, bytes read + written per second (the bandwidth ceiling)
     bytes_per_token  weight codes + scales one decode step reads (every projection and lm_head)
     roofline_tok_s   copy_gb_s / bytes_per_token
@@ -54,57 +56,118 @@ def step_bytes(fwd: Any) -> int:
     return sum(int(lin.codes.nbytes) + int(lin.scales.nbytes) for lin in lins)
 
 
-def kernel_breakdown(cp: Any, fwd: Any, model: Any, seq_id: int, token: int, pos: int) -> dict[str, Any]:
-    """One eager decode step with CUDA events around every launch: GPU microseconds per kernel kind."""
+_PROJ = {0: "q/k/v", 1: "q/k/v", 2: "q/k/v", 3: "o", 4: "gate/up", 5: "gate/up", 6: "down", 7: "lm_head",
+         9: "q/k/v", 10: "gate/up"}
+
+
+def _record_step(fwd: Any, model: Any, seq_id: int, tokens: np.ndarray, pos: int) -> list[tuple[str, int, Any]]:
+    """Run one eager pass and return its launches as (kind, weight bytes, replay closure)."""
     ops = fwd.ops
-    records: list[tuple[str, int, Any, Any]] = []
-    label = {"name": "", "bytes": 0}
-    names = {0: "q/k/v", 1: "q/k/v", 2: "q/k/v", 3: "o", 4: "gate/up", 5: "gate/up", 6: "down", 7: "lm_head",
-             9: "q/k/v", 10: "gate/up"}
-    orig_gemv, orig_launch = ops.gemv, ops._launch
+    calls: list[tuple[str, int, Any]] = []
+    orig = {name: getattr(ops, name) for name in ("gemv", "qkv_rope", "attention", "embed")}
 
-    def gemv(lin, *args, **kw):  # type: ignore[no-untyped-def]
-        label["name"] = "gemv " + names.get((lin.wkey & 0xFFFFFFFF) - 1, "?")
-        label["bytes"] = int(lin.codes.nbytes) + int(lin.scales.nbytes)
-        try:
-            orig_gemv(lin, *args, **kw)
-        finally:
-            label["name"], label["bytes"] = "", 0
+    def wrap(name: str) -> Any:
+        def call(*args: Any) -> None:
+            if name == "gemv":
+                lin = args[0]
+                kind = "gemv " + _PROJ.get((lin.wkey & 0xFFFFFFFF) - 1, "?")
+                nbytes = int(lin.codes.nbytes) + int(lin.scales.nbytes)
+            else:
+                kind = "attention" if name == "attention" else name
+                nbytes = 0
+            calls.append((kind, nbytes, lambda: orig[name](*args)))
+            orig[name](*args)
+        return call
 
-    def launch(fn, grid, block, args, smem=0):  # type: ignore[no-untyped-def]
-        name = label["name"] or getattr(fn, "kernel_name", None) or _kernel_name(ops, fn)
+    for name in orig:
+        setattr(ops, name, wrap(name))
+    use_graph = fwd.use_graph
+    fwd.use_graph = False
+    try:
+        fwd.forward(model, seq_id, tokens, pos, False)
+    finally:
+        for name, fn in orig.items():
+            setattr(ops, name, fn)
+        fwd.use_graph = use_graph
+    ops.stream.synchronize()
+    return calls
+
+
+def _events_us(cp: Any, stream: Any, fn: Any, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record(stream)
+        fn()
+        e1.record(stream)
+        e1.synchronize()
+        times.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
+    return statistics.median(times)
+
+
+def kernel_breakdown(cp: Any, fwd: Any, model: Any, seq_id: int, token: int, pos: int) -> dict[str, Any]:
+    """GPU microseconds per kernel kind of one decode step: each kind's launches of the step captured in
+    their own graph and replayed (the sequence's state is scrambled afterwards: timing only)."""
+    calls = _record_step(fwd, model, seq_id, np.array([token]), pos)
+    kinds: dict[str, list[tuple[int, Any]]] = defaultdict(list)
+    for kind, nbytes, fn in calls:
+        kinds[kind].append((nbytes, fn))
+    out = {}
+    for kind, items in kinds.items():
+        graph = fwd.ops.capture(lambda items=items: [fn() for _, fn in items])
+        us = _events_us(cp, fwd.ops.stream, graph, 7)
+        nbytes = sum(b for b, _ in items)
+        out[kind] = {"launches": len(items), "us": round(us, 1),
+                     "gb_s": round(nbytes / (us * 1e3), 1) if nbytes else None}
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["us"]))
+
+
+def prefill_breakdown(cp: Any, fwd: Any, model: Any, seq_id: int, prompt: np.ndarray) -> dict[str, Any]:
+    """Eager prefill with CUDA events around each launch (kernels long enough for events)."""
+    ops = fwd.ops
+    records: list[tuple[str, Any, Any]] = []
+    orig_launch, orig_gemm = ops._launch, ops.gemm
+
+    def launch(fn: Any, grid: Any, block: Any, args: Any, smem: int = 0) -> None:
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
         e0.record(ops.stream)
         orig_launch(fn, grid, block, args, smem)
         e1.record(ops.stream)
-        records.append((name, label["bytes"], e0, e1))
+        records.append((_kernel_name(ops, fn), e0, e1))
 
-    ops.gemv, ops._launch = gemv, launch
-    use_graph = fwd.use_graph
-    fwd.use_graph = False
+    class TimedGemm:
+        def q8(self, *args: Any) -> None:
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(ops.stream)
+            orig_gemm.q8(*args)
+            e1.record(ops.stream)
+            records.append(("tiled gemm (cuda-kernels)", e0, e1))
+
+    ops._launch = launch
+    ops.gemm = TimedGemm() if orig_gemm is not None else None
+    t0 = time.perf_counter()
     try:
-        fwd.forward(model, seq_id, np.array([token]), pos, False)
+        fwd.forward(model, seq_id, prompt, 0, False)
     finally:
-        ops.gemv, ops._launch = orig_gemv, orig_launch
-        fwd.use_graph = use_graph
-    ops.stream.synchronize()
+        ops._launch, ops.gemm = orig_launch, orig_gemm
+    wall = time.perf_counter() - t0
     us: dict[str, float] = defaultdict(float)
-    nbytes: dict[str, int] = defaultdict(int)
     count: dict[str, int] = defaultdict(int)
-    for name, b, e0, e1 in records:
+    for name, e0, e1 in records:
         us[name] += cp.cuda.get_elapsed_time(e0, e1) * 1e3
-        nbytes[name] += b
         count[name] += 1
-    return {name: {"launches": count[name], "us": round(us[name], 1),
-                   "gb_s": round(nbytes[name] / (us[name] * 1e3), 1) if nbytes[name] else None}
-            for name in sorted(us, key=lambda n: -us[n])}
+    out = {name: {"launches": count[name], "us": round(us[name], 1)} for name in sorted(us, key=lambda n: -us[n])}
+    out["wall_s"] = round(wall, 4)
+    return out
 
 
 def _kernel_name(ops: Any, fn: Any) -> str:
+    if any(fn is f for f in ops._gemv.values()):
+        return "qgemv"
     for name, f in ops._fn.items():
         if f is fn:
             return name
-    return "quantize_rows" if fn in ops._quant.values() else "?"
+    return "quantize_rows" if any(fn is f for f in ops._quant.values()) else "?"
 
 
 def graph_step_us(cp: Any, fwd: Any, seq_id: int, replays: int = 20) -> float:
@@ -137,6 +200,27 @@ def greedy(fwd: Any, model: Any, seq_id: int, prompt: np.ndarray, steps: int) ->
     return tokens, times, prefill_s
 
 
+def decode_config(cp: Any, dev: Any, model: Any, prompt: np.ndarray, steps: int, prefetch: bool,
+                  target: int | None) -> dict[str, Any]:
+    """Decode speed of one GEMV configuration (KESTREL_CUDA_GEMV_PREFETCH, target blocks)."""
+    from kestrel_cuda.forward import DeviceForward
+
+    os.environ["KESTREL_CUDA_GEMV_PREFETCH"] = "1" if prefetch else "0"
+    try:
+        fwd = DeviceForward(dev.weight, None, stream=dev.stream, gemm=dev.gemm, pin=dev.cache.pin,
+                            unpin=dev.cache.unpin, target_blocks=target)
+    finally:
+        os.environ.pop("KESTREL_CUDA_GEMV_PREFETCH", None)
+    try:
+        tokens, times, _ = greedy(fwd, model, 1, prompt, steps)
+        warm = times[2:] or times
+        return {"prefetch": prefetch, "target_blocks": fwd.target_blocks, "tokens": tokens,
+                "decode_tok_s": round(1.0 / statistics.median(warm), 1),
+                "graph_step_us": round(graph_step_us(cp, fwd, 1), 1)}
+    finally:
+        fwd.close()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import cupy as cp
 
@@ -151,6 +235,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res["build_model_s"] = round(time.perf_counter() - t0, 2)
     res["model_host_gb"] = round(model.nbytes / 1e9, 3)
     log(f"[{args.quant}] model built in {res['build_model_s']} s ({res['model_host_gb']} GB host)")
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, model.config.vocab_size, args.prompt)
+    short = prompt[:args.window_prompt]
 
     dev = open_device({})
     try:
@@ -162,10 +249,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["preload_info"] = dict(dev.preload_info)
         log(f"[{args.quant}] preload {res['preload_s']} s {dev.preload_info}; copy {res['copy_gb_s']} GB/s")
 
+        res["sweep"] = []
+        for prefetch, per_sm in args.sweep:
+            r = decode_config(cp, dev, model, prompt, args.sweep_steps, prefetch, per_sm * dev.sm_count)
+            log(f"[{args.quant}] gemv prefetch={int(prefetch)} blocks={r['target_blocks']}: "
+                f"{r['decode_tok_s']} tok/s, GPU {r['graph_step_us']} us/step")
+            res["sweep"].append({k: v for k, v in r.items() if k != "tokens"})
+        if res["sweep"]:
+            best = min(res["sweep"], key=lambda r: r["graph_step_us"])
+            os.environ["KESTREL_CUDA_GEMV_PREFETCH"] = "1" if best["prefetch"] else "0"
+            target = best["target_blocks"]
+        else:
+            target = None
+        res["config"] = {"prefetch": os.environ.get("KESTREL_CUDA_GEMV_PREFETCH", "0"), "target_blocks": target}
         fwd = DeviceForward(dev.weight, None, stream=dev.stream, gemm=dev.gemm, pin=dev.cache.pin,
-                            unpin=dev.cache.unpin)
-        rng = np.random.default_rng(0)
-        prompt = rng.integers(0, model.config.vocab_size, args.prompt)
+                            unpin=dev.cache.unpin, target_blocks=target)
+        os.environ.pop("KESTREL_CUDA_GEMV_PREFETCH", None)
         t0 = time.perf_counter()
         fwd.forward(model, 99, prompt[:8], 0, False)
         res["first_call_s"] = round(time.perf_counter() - t0, 3)  # device state, weight lookups, KV, warmup
@@ -178,6 +277,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["prefill_tok_s_runs"] = [round(x, 1) for x in prefill]
         res["prefill_tok_s"] = round(statistics.median(prefill), 1)
         log(f"[{args.quant}] prefill {args.prompt} tokens: {res['prefill_tok_s']} tok/s {res['prefill_tok_s_runs']}")
+        res["prefill_breakdown"] = prefill_breakdown(cp, fwd, model, 98, prompt)
+        for name, v in res["prefill_breakdown"].items():
+            log(f"    prefill {name:28s} {v}")
 
         tokens, times, _ = greedy(fwd, model, 1, prompt, args.decode)
         warm = times[2:] or times
@@ -195,9 +297,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, v in res["breakdown"].items():
             log(f"    {name:16s} x{v['launches']:<4d} {v['us']:9.1f} us  {v['gb_s'] or '':>8} GB/s")
         res["forward_stats"] = fwd.stats()
-        short = prompt[:args.window_prompt]
-        base_tokens, base_times, _ = greedy(fwd, model, 2, short, args.window_steps)
-        res["window_base_ms"] = round(1e3 * statistics.median(base_times), 3)
+        base_tokens = greedy(fwd, model, 2, short, args.window_steps)[0] if args.window else []
         fwd.close()
     finally:
         dev.close()
@@ -228,11 +328,15 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--decode", type=int, default=128)
     p.add_argument("--window", default="1,4,16", help="comma-separated keep values ('' to skip)")
-    p.add_argument("--window-prompt", type=int, default=16)
-    p.add_argument("--window-steps", type=int, default=4)
+    p.add_argument("--window-prompt", type=int, default=8)
+    p.add_argument("--window-steps", type=int, default=3)
+    p.add_argument("--sweep", default="0:32,0:8,1:2,1:4,1:8",
+                   help="GEMV configurations to time, prefetch:blocks-per-SM, comma-separated ('' to skip)")
+    p.add_argument("--sweep-steps", type=int, default=24)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     args.window = [int(x) for x in args.window.split(",") if x.strip()]
+    args.sweep = [(x.split(":")[0] == "1", int(x.split(":")[1])) for x in args.sweep.split(",") if x.strip()]
     res = run(args)
     if args.json:
         with open(args.json, "w") as f:

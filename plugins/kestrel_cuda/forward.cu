@@ -71,8 +71,20 @@ __device__ __forceinline__ void transpose4(unsigned r0, unsigned r1, unsigned r2
 // With gridDim.y > 1 each block writes its partial sums to part[y][m][Npad] and the last block of a tile
 // (atomic counter, then reset for the next launch) adds them in y order: deterministic, graph-safe.
 // Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += acc (+ bias).
-template <int BITS, int G, int MR>
-__global__ void __launch_bounds__(NT) qgemv(
+// PF = 1: software-pipelined, for fewer, longer blocks: the next chunk's weights are loaded into a second
+// register set while the current chunk is reduced, so a block always has loads in flight.
+#define LOAD_SLOT(dst, cc)                                                                                 \
+    do {                                                                                                   \
+        const int kr_ = (cc) * KC + 32 * warp;                                                             \
+        if (colok && kr_ < K) {                                                                            \
+            const unsigned* wp_ = reinterpret_cast<const unsigned*>(                                       \
+                W + (size_t)(BITS == 8 ? kr_ : kr_ / 2) * Npad + col);                                     \
+            _Pragma("unroll") for (int r_ = 0; r_ < NW; ++r_) dst[r_] = __ldg(wp_ + (size_t)r_ * (Npad / 4)); \
+        }                                                                                                  \
+    } while (0)
+
+template <int BITS, int G, int MR, int PF>
+__global__ void __launch_bounds__(NT, PF ? 2 : (MR == 1 ? 4 : 1)) qgemv(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
     const float* __restrict__ X, int ldx, int M, int pro, const float* __restrict__ pw, float eps, int xoff,
     float* __restrict__ Y, int ldy, int epi, const float* __restrict__ bias,
@@ -96,20 +108,20 @@ __global__ void __launch_bounds__(NT) qgemv(
 #pragma unroll
     for (int i = 0; i < MR; ++i) acc[i] = 0.f;
 
+    constexpr int NW = BITS == 8 ? 32 : 16;
+    unsigned wr[NW];
+    unsigned wn[PF ? NW : 1];
+    // Issue the weight loads first: they do not depend on the activations, so the prologue below runs
+    // while they are in flight.
+    if (PF) LOAD_SLOT(wr, (int)blockIdx.y);
     for (int c = blockIdx.y; c < nck; c += gridDim.y) {
         const int k0 = c * KC;
         const int kr = k0 + 32 * warp;          // first weight row of this warp's 32-row slot
         const bool slot = colok && kr < K;
-        // Issue the weight loads first: they do not depend on the activations, so the prologue below
-        // runs while they are in flight.
-        constexpr int NW = BITS == 8 ? 32 : 16;
-        unsigned wr[NW];
-        if (slot) {
-            const unsigned* wp = reinterpret_cast<const unsigned*>(
-                W + (size_t)(BITS == 8 ? kr : kr / 2) * Npad + col);
-            const int stride = Npad / 4;
-#pragma unroll
-            for (int r = 0; r < NW; ++r) wr[r] = __ldg(wp + (size_t)r * stride);
+        if (PF) {
+            if (c + (int)gridDim.y < nck) LOAD_SLOT(wn, c + (int)gridDim.y);
+        } else {
+            LOAD_SLOT(wr, c);
         }
         if (pro == 1 && c == (int)blockIdx.y) {
             // rmsnorm denominators over the whole row, computed (identically) by every block, while its
@@ -240,6 +252,10 @@ __global__ void __launch_bounds__(NT) qgemv(
                 }
             }
         }
+        if (PF) {
+#pragma unroll
+            for (int r = 0; r < NW; ++r) wr[r] = wn[r];
+        }
     }
 
     if (gridDim.y > 1) {
@@ -355,59 +371,76 @@ extern "C" __global__ void embed_rows(const signed char* __restrict__ codes, con
 // ------------------------------------------------------------------------------------------------------
 // Per head of the qkv rows: optional per-head rmsnorm (Qwen3 q_norm/k_norm), RoPE (rotate_half) at the
 // absolute position meta[0] + m, then q -> qout [M][H*hd] and k, v -> this layer's cache at that position.
-// Grid: x = H + KV heads, y = M rows; block NT threads; hd <= 1024.
-extern "C" __global__ void __launch_bounds__(NT) qkv_rope(
+// One warp per head (4 per block), no block barriers. Grid: x = ceil((H + KV) / 4), y = M; hd <= 128.
+#define RW 4
+extern "C" __global__ void __launch_bounds__(RW * 32) qkv_rope(
     const float* __restrict__ qkv, int ldqkv, int H, int KV, int hd,
     const float* __restrict__ qnorm, const float* __restrict__ knorm, float eps,
     const float* __restrict__ cosT, const float* __restrict__ sinT, const int* __restrict__ meta,
     float* __restrict__ qout, float* __restrict__ kc, float* __restrict__ vc, int cap)
 {
-    __shared__ float xs[1024];
-    __shared__ float s_red[NT / 32];
-    const int head = blockIdx.x, m = blockIdx.y, tid = threadIdx.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int head = blockIdx.x * RW + warp, m = blockIdx.y;
+    if (head >= H + KV) return;
     const int pos = meta[0] + m;
     const bool isq = head < H;
     const int kvh = head - H;
+    const int half = hd / 2;
     const float* src = qkv + (size_t)m * ldqkv + (isq ? head * hd : H * hd + kvh * hd);
     const float* nw = isq ? qnorm : knorm;
-    float ss = 0.f;
-    for (int d = tid; d < hd; d += NT) { const float v = src[d]; xs[d] = v; ss += v * v; }
-    if (nw) {
-        ss = block_sum(ss, s_red);  // syncs before and after the shared reduction
-        const float r = sqrtf(ss / (float)hd + eps);
-        for (int d = tid; d < hd; d += NT) xs[d] = xs[d] / r * nw[d];
-    }
-    __syncthreads();
-    const int half = hd / 2;
-    float* dst = isq ? qout + (size_t)m * H * hd + head * hd : kc + ((size_t)kvh * cap + pos) * hd;
     const float* cs = cosT + (size_t)pos * half;
     const float* sn = sinT + (size_t)pos * half;
-    for (int i = tid; i < half; i += NT) {
-        const float x1 = xs[i], x2 = xs[i + half], c = cs[i], s = sn[i];
-        dst[i] = x1 * c - x2 * s;
-        dst[i + half] = x2 * c + x1 * s;
+    float x1[2], x2[2], c[2], s[2];
+    float ss = 0.f;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+        const int i = lane + 32 * t;
+        x1[t] = x2[t] = c[t] = s[t] = 0.f;
+        if (i < half) { x1[t] = src[i]; x2[t] = src[i + half]; c[t] = cs[i]; s[t] = sn[i]; }
+        ss += x1[t] * x1[t] + x2[t] * x2[t];
+    }
+    if (nw) {
+        ss = warp_sum(ss);
+        const float r = sqrtf(ss / (float)hd + eps);
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            const int i = lane + 32 * t;
+            if (i < half) { x1[t] = x1[t] / r * nw[i]; x2[t] = x2[t] / r * nw[i + half]; }
+        }
+    }
+    float* dst = isq ? qout + (size_t)m * H * hd + head * hd : kc + ((size_t)kvh * cap + pos) * hd;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+        const int i = lane + 32 * t;
+        if (i < half) {
+            dst[i] = x1[t] * c[t] - x2[t] * s[t];
+            dst[i + half] = x2[t] * c[t] + x1[t] * s[t];
+        }
     }
     if (!isq) {
         const float* vsrc = qkv + (size_t)m * ldqkv + (H + KV) * hd + kvh * hd;
         float* vdst = vc + ((size_t)kvh * cap + pos) * hd;
-        for (int d = tid; d < hd; d += NT) vdst[d] = vsrc[d];
+        for (int d = lane; d < hd; d += 32) vdst[d] = vsrc[d];
     }
 }
 
 // ------------------------------------------------------------------------------------------------------
 // Decode attention (one query row at position meta[0], keys 0..meta[0]), split over positions.
-// Grid: x = H, y = nsplit; block 128 (4 warps). Each warp runs an online softmax over its positions; the
-// block merges its warps, writes (max, sum, acc[hd]) to part[h][split], and the last block of a head
-// merges the splits in order. q is scaled by 1/sqrt(hd) before the dot products, like the CPU.
+// Grid: x = H, y = nsplit (<= MAXS); block 128 (4 warps). Each warp runs an online softmax over groups of
+// AB positions (their keys and values loaded together, so AB x 2 x hd/32 loads are in flight); the block
+// merges its warps, writes (max, sum, acc[hd]) to part[h][split], and the last block of a head merges the
+// splits (loads in parallel, fixed order). q is scaled by 1/sqrt(hd) before the dot products.
 #define AW 4
-#define MAXJ 8   // hd <= 256
+#define AB 4
+#define MAXJ 4   // hd <= 128
+#define MAXS 64
 extern "C" __global__ void __launch_bounds__(AW * 32) attn_decode(
     const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
     int KV, int hd, float scale, const int* __restrict__ meta, float* __restrict__ part,
     int* __restrict__ counters, float* __restrict__ out)
 {
-    __shared__ float s_m[AW], s_l[AW];
-    __shared__ float s_acc[AW][256];
+    __shared__ float s_m[MAXS], s_l[MAXS];
+    __shared__ float s_acc[AW][128];
     __shared__ int s_last;
     const int h = blockIdx.x, split = blockIdx.y, nsplit = gridDim.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -426,24 +459,47 @@ extern "C" __global__ void __launch_bounds__(AW * 32) attn_decode(
         acc[j] = 0.f;
     }
     float mx = NEG_INF, l = 0.f;
-    for (int p = pb + warp; p < pe; p += AW) {
-        const float* kr = kb + (size_t)p * hd;
-        float s = 0.f;
+    for (int p0 = pb + AB * warp; p0 < pe; p0 += AB * AW) {
+        float kr[AB][MAXJ], vr[AB][MAXJ];
 #pragma unroll
-        for (int j = 0; j < MAXJ; ++j) {
-            const int d = lane + 32 * j;
-            if (d < hd) s += qr[j] * kr[d];
+        for (int b = 0; b < AB; ++b) {
+            const int p = p0 + b;
+#pragma unroll
+            for (int j = 0; j < MAXJ; ++j) {
+                const int d = lane + 32 * j;
+                const bool ok = p < pe && d < hd;
+                kr[b][j] = ok ? kb[(size_t)p * hd + d] : 0.f;
+                vr[b][j] = ok ? vb[(size_t)p * hd + d] : 0.f;
+            }
         }
-        s = warp_sum(s);
-        const float mn = fmaxf(mx, s);
-        const float corr = expf(mx - mn);
-        const float e = expf(s - mn);
-        l = l * corr + e;
-        const float* vr = vb + (size_t)p * hd;
+        float sc[AB];
 #pragma unroll
-        for (int j = 0; j < MAXJ; ++j) {
-            const int d = lane + 32 * j;
-            if (d < hd) acc[j] = acc[j] * corr + e * vr[d];
+        for (int b = 0; b < AB; ++b) {
+            float t = 0.f;
+#pragma unroll
+            for (int j = 0; j < MAXJ; ++j) t += qr[j] * kr[b][j];
+            sc[b] = t;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int b = 0; b < AB; ++b) sc[b] += __shfl_xor_sync(FULL, sc[b], o);
+        float mb = NEG_INF;
+#pragma unroll
+        for (int b = 0; b < AB; ++b) if (p0 + b < pe) mb = fmaxf(mb, sc[b]);
+        const float mn = fmaxf(mx, mb);
+        const float corr = expf(mx - mn);
+        l *= corr;
+#pragma unroll
+        for (int j = 0; j < MAXJ; ++j) acc[j] *= corr;
+#pragma unroll
+        for (int b = 0; b < AB; ++b) {
+            if (p0 + b < pe) {
+                const float e = expf(sc[b] - mn);
+                l += e;
+#pragma unroll
+                for (int j = 0; j < MAXJ; ++j) acc[j] += e * vr[b][j];
+            }
         }
         mx = mn;
     }
@@ -456,16 +512,22 @@ extern "C" __global__ void __launch_bounds__(AW * 32) attn_decode(
     __syncthreads();
     float* pp = part + ((size_t)h * nsplit + split) * (hd + 2);
     float bm = NEG_INF;
+#pragma unroll
     for (int w = 0; w < AW; ++w) bm = fmaxf(bm, s_m[w]);
+    float wgt[AW];
+#pragma unroll
+    for (int w = 0; w < AW; ++w) wgt[w] = s_l[w] > 0.f ? expf(s_m[w] - bm) : 0.f;
     if (threadIdx.x == 0) {
         float bl = 0.f;
-        for (int w = 0; w < AW; ++w) if (s_l[w] > 0.f) bl += s_l[w] * expf(s_m[w] - bm);
+#pragma unroll
+        for (int w = 0; w < AW; ++w) bl += s_l[w] * wgt[w];
         pp[0] = bm;
         pp[1] = bl;
     }
     for (int d = threadIdx.x; d < hd; d += AW * 32) {
         float a = 0.f;
-        for (int w = 0; w < AW; ++w) if (s_l[w] > 0.f) a += s_acc[w][d] * expf(s_m[w] - bm);
+#pragma unroll
+        for (int w = 0; w < AW; ++w) a += s_acc[w][d] * wgt[w];
         pp[2 + d] = a;
     }
     __threadfence();
@@ -475,19 +537,21 @@ extern "C" __global__ void __launch_bounds__(AW * 32) attn_decode(
     if (!s_last) return;
     __threadfence();
     const float* ph = part + (size_t)h * nsplit * (hd + 2);
-    float gm = NEG_INF;
-    for (int s = 0; s < nsplit; ++s) gm = fmaxf(gm, __ldcg(ph + (size_t)s * (hd + 2)));
-    float gl = 0.f;
-    for (int s = 0; s < nsplit; ++s) {
-        const float sl = __ldcg(ph + (size_t)s * (hd + 2) + 1);
-        if (sl > 0.f) gl += sl * expf(__ldcg(ph + (size_t)s * (hd + 2)) - gm);
+    for (int t = threadIdx.x; t < nsplit; t += AW * 32) {   // every split's (max, sum) at once
+        s_m[t] = __ldcg(ph + (size_t)t * (hd + 2));
+        s_l[t] = __ldcg(ph + (size_t)t * (hd + 2) + 1);
     }
+    __syncthreads();
+    float gm = NEG_INF;
+    for (int t = 0; t < nsplit; ++t) gm = fmaxf(gm, s_m[t]);
+    float gl = 0.f;
+    for (int t = 0; t < nsplit; ++t) if (s_l[t] > 0.f) gl += s_l[t] * expf(s_m[t] - gm);
     for (int d = threadIdx.x; d < hd; d += AW * 32) {
         float a = 0.f;
-        for (int s = 0; s < nsplit; ++s) {
-            const float* ps = ph + (size_t)s * (hd + 2);
-            const float sl = __ldcg(ps + 1);
-            if (sl > 0.f) a += __ldcg(ps + 2 + d) * expf(__ldcg(ps) - gm);
+#pragma unroll 8
+        for (int t = 0; t < nsplit; ++t) {
+            const float v = __ldcg(ph + (size_t)t * (hd + 2) + 2 + d);
+            if (s_l[t] > 0.f) a += v * expf(s_m[t] - gm);
         }
         out[(size_t)h * hd + d] = a / gl;
     }
@@ -500,6 +564,7 @@ extern "C" __global__ void __launch_bounds__(AW * 32) attn_decode(
 // Grid: x = H, y = ceil(M / 8); block 256; dynamic shared memory (32*(hd+1) + 32*hd + 8*hd) floats.
 #define PQ 8
 #define PT 32
+#define PMAXJ 4  // hd <= 128
 extern "C" __global__ void __launch_bounds__(PQ * 32) attn_prefill(
     const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
     int KV, int hd, float scale, const int* __restrict__ meta, int M, float* __restrict__ out)
@@ -518,9 +583,9 @@ extern "C" __global__ void __launch_bounds__(PQ * 32) attn_prefill(
     const float* kb = kc + (size_t)kvh * cap * hd;
     const float* vb = vc + (size_t)kvh * cap * hd;
     for (int d = lane; d < hd; d += 32) qs[warp * hd + d] = m < M ? q[(size_t)m * H * hd + h * hd + d] * scale : 0.f;
-    float acc[MAXJ];
+    float acc[PMAXJ];
 #pragma unroll
-    for (int j = 0; j < MAXJ; ++j) acc[j] = 0.f;
+    for (int j = 0; j < PMAXJ; ++j) acc[j] = 0.f;
     float mx = NEG_INF, l = 0.f;
     for (int t0 = 0; t0 <= pmax; t0 += PT) {
         __syncthreads();
@@ -550,12 +615,12 @@ extern "C" __global__ void __launch_bounds__(PQ * 32) attn_prefill(
         const float e = valid ? expf(s - mn) : 0.f;
         l = l * corr + warp_sum(e);
 #pragma unroll
-        for (int j = 0; j < MAXJ; ++j) acc[j] *= corr;
+        for (int j = 0; j < PMAXJ; ++j) acc[j] *= corr;
         for (int r = 0; r < PT; ++r) {
             const float er = __shfl_sync(FULL, e, r);
             if (er != 0.f) {
 #pragma unroll
-                for (int j = 0; j < MAXJ; ++j) {
+                for (int j = 0; j < PMAXJ; ++j) {
                     const int d = lane + 32 * j;
                     if (d < hd) acc[j] += er * vs[r * hd + d];
                 }
@@ -565,7 +630,7 @@ extern "C" __global__ void __launch_bounds__(PQ * 32) attn_prefill(
     }
     if (m < M) {
 #pragma unroll
-        for (int j = 0; j < MAXJ; ++j) {
+        for (int j = 0; j < PMAXJ; ++j) {
             const int d = lane + 32 * j;
             if (d < hd) out[(size_t)m * H * hd + h * hd + d] = acc[j] / l;
         }

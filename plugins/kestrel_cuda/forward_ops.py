@@ -25,8 +25,8 @@ from kestrel_core.contract import quantize_activations
 TILE_N = 128  # columns of a GEMV block (forward.cu TN)
 CHUNK_K = 256  # rows of a GEMV chunk (forward.cu KC)
 SMALL_M = 8  # up to this many rows run through the fused GEMV (MR = 8); more through the tiled GEMM if any
-ATTN_SPLITS = 16  # position splits of decode attention
-MAX_HEAD_DIM = 128  # attn_prefill's shared memory tile is sized for this
+ATTN_SPLITS = 32  # position splits of decode attention (forward.cu MAXS: at most 64)
+MAX_HEAD_DIM = 128  # attention and qkv_rope keep hd/32 (<= 4) values per lane; attn_prefill tiles fit 48 KB
 PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL = 0, 1, 2
 EPI_STORE, EPI_ADD = 0, 1
 
@@ -234,7 +234,8 @@ def _rope(x: np.ndarray, c: np.ndarray, s: np.ndarray) -> np.ndarray:
 
 # -- CUDA ----------------------------------------------------------------------------------------------
 
-_GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
+# (bits, G, MR, PF): MR rows per block; PF = 1 prefetches the next chunk (longer blocks, M = 1 only)
+_GEMV_VARIANTS = [(bits, g, mr, pf) for bits in (8, 4) for g in (32, 256) for mr, pf in ((1, 0), (1, 1), (SMALL_M, 0))]
 
 
 @lru_cache(maxsize=1)
@@ -242,7 +243,8 @@ def _module() -> Any:
     import cupy as cp
 
     source = (Path(__file__).with_name("forward.cu")).read_text()
-    names = [f"qgemv<{b},{g},{mr}>" for b, g, mr in _GEMV_VARIANTS] + ["quantize_rows<32>", "quantize_rows<256>"]
+    names = [f"qgemv<{b},{g},{mr},{pf}>" for b, g, mr, pf in _GEMV_VARIANTS] + ["quantize_rows<32>",
+                                                                               "quantize_rows<256>"]
     mod = cp.RawModule(code=source, options=("--fmad=false", "-std=c++17"), name_expressions=tuple(names))
     mod.compile()
     return mod
@@ -276,7 +278,8 @@ class CupyOps:
         self.xp = cp
         self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
         mod = _module()
-        self._gemv = {v: mod.get_function("qgemv<{},{},{}>".format(*v)) for v in _GEMV_VARIANTS}
+        self._gemv = {v: mod.get_function("qgemv<{},{},{},{}>".format(*v)) for v in _GEMV_VARIANTS}
+        self.prefetch = default_prefetch()
         self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
         self._fn = {name: mod.get_function(name) for name in
                     ("embed_rows", "qkv_rope", "attn_decode", "attn_prefill", "add_rows")}
@@ -368,7 +371,7 @@ class CupyOps:
             return
         mr = 1 if m == 1 else SMALL_M
         ksplit = lin.ksplit if m == 1 else 1
-        fn = self._gemv[(lin.bits, lin.group_size, mr)]
+        fn = self._gemv[(lin.bits, lin.group_size, mr, int(self.prefetch and m == 1))]
         self._launch(fn, (lin.tiles, ksplit, -(-m // mr)), (256,),
                      (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
                       _ptr(x), _ld(x), _i32(m), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
@@ -399,7 +402,7 @@ class CupyOps:
     def qkv_rope(self, qkv: Any, heads: int, kv_heads: int, hd: int, qnorm: Any, knorm: Any, eps: float,
                  cos: Any, sin: Any, meta: Any, q: Any, kc: Any, vc: Any) -> None:
         m = qkv.shape[0]
-        self._launch(self._fn["qkv_rope"], (heads + kv_heads, m), (256,),
+        self._launch(self._fn["qkv_rope"], (-(-(heads + kv_heads) // 4), m), (128,),
                      (_ptr(qkv), _ld(qkv), _i32(heads), _i32(kv_heads), _i32(hd), _ptr(qnorm), _ptr(knorm),
                       np.float32(eps), _ptr(cos), _ptr(sin), _ptr(meta), _ptr(q), _ptr(kc), _ptr(vc),
                       _i32(kc.shape[1])))
@@ -445,6 +448,14 @@ def gemv_scratch(lins: list[Lin]) -> tuple[int, int]:
 
 
 BLOCKS_ENV = "KESTREL_CUDA_GEMV_BLOCKS"
+PREFETCH_ENV = "KESTREL_CUDA_GEMV_PREFETCH"
+
+
+def default_prefetch() -> bool:
+    """Whether the M=1 GEMV runs its prefetching variant (``KESTREL_CUDA_GEMV_PREFETCH``, benchmarks)."""
+    import os
+
+    return os.environ.get(PREFETCH_ENV, "0").strip() not in ("", "0")
 
 
 def default_target_blocks(sm_count: int) -> int:
