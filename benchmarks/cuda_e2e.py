@@ -250,10 +250,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log(f"[{args.quant}] preload {res['preload_s']} s {dev.preload_info}; copy {res['copy_gb_s']} GB/s")
 
         res["sweep"] = []
+        first_tokens: list[int] = []
         for prefetch, per_sm in args.sweep:
             r = decode_config(cp, dev, model, prompt, args.sweep_steps, prefetch, per_sm * dev.sm_count)
             log(f"[{args.quant}] gemv prefetch={int(prefetch)} blocks={r['target_blocks']}: "
                 f"{r['decode_tok_s']} tok/s, GPU {r['graph_step_us']} us/step")
+            if res["sweep"]:
+                r["same_tokens_as_first"] = r["tokens"] == first_tokens
+            else:
+                first_tokens = r["tokens"]
             res["sweep"].append({k: v for k, v in r.items() if k != "tokens"})
         if res["sweep"]:
             best = min(res["sweep"], key=lambda r: r["graph_step_us"])

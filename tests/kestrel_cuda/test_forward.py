@@ -94,6 +94,19 @@ def test_fused_gemv_prefill_without_the_tiled_gemm(n_prefill, stream) -> None:  
     _check(model, toks, n_prefill, device_logits(DeviceForward(stream=stream), model, toks, n_prefill))
 
 
+@pytest.mark.parametrize("prefetch", ("0", "1"))
+@pytest.mark.parametrize("quant", ("q8", "q4-g256"))
+def test_gemv_variants_with_several_chunks_per_block(prefetch, quant, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Few GEMV blocks (target 4): every block walks several K chunks, with and without prefetching."""
+    monkeypatch.setenv("KESTREL_CUDA_GEMV_PREFETCH", prefetch)
+    model = synthetic_model(SMALL_CONFIGS["qwen3"], quant, seed=11)
+    toks = _tokens(model.config, 20)
+    fwd = DeviceForward(stream=stream, gemm=gemm, target_blocks=4)
+    assert fwd.ops.prefetch == (prefetch == "1")
+    _check(model, toks, 12, device_logits(fwd, model, toks, 12))
+    assert any(lin.chunks > lin.ksplit for lin in fwd._st.layers[0].weights.gate_up + [fwd._st.layers[0].weights.down])
+
+
 def test_graph_replay_equals_eager_and_runs_are_deterministic(stream, gemm) -> None:  # type: ignore[no-untyped-def]
     model = synthetic_model(SMALL_CONFIGS["qwen3"], "q4", seed=5)
     toks = _tokens(model.config, 30)
