@@ -22,6 +22,7 @@ from kestrel_core.wkey import Proj, fused_wkey, lm_head_wkey, wkey
 
 CACHE_CHUNK = 256  # KV cache and RoPE tables grow by this many positions at a time
 PREFILL_CHUNK = 512  # longer inputs run in chunks so scores [H, T, S] and MLP activations stay bounded
+QUERY_BLOCK = 64  # prefill attention per block of queries, over only the keys they see (causal)
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -228,9 +229,12 @@ class Decoder:
         half = c.head_dim // 2
         cos, sin = rope.cos[start:end, None], rope.sin[start:end, None]  # [T, 1, 2, hd/2]
         q_cos, q_sin = rope.q_cos[start:end, None], rope.q_sin[start:end, None]
-        mask = None
-        if t > 1:  # causal: query i (position start+i) sees keys 0..start+i
-            mask = np.triu(np.full((t, end), -np.inf, np.float32), k=start + 1)  # [T, S]
+        # causal: query i (position start+i) sees keys 0..start+i; per block of queries, the keys up to the
+        # block's last position and a mask [B, S_b] over them (the same for every layer)
+        blocks = [(q0, min(q0 + QUERY_BLOCK, t),
+                   np.triu(np.full((min(QUERY_BLOCK, t - q0), start + min(q0 + QUERY_BLOCK, t)), -np.inf,
+                                   np.float32), k=start + q0 + 1))
+                  for q0 in range(0, t, QUERY_BLOCK)] if t > 1 else []
         h = self.model.embedding.dequantize(tokens)  # [T, D]
         for i, lw in enumerate(self.model.layers):
             off.layer_boundary(i)
@@ -249,7 +253,13 @@ class Decoder:
             q = _rope(q, q_cos, q_sin, np.empty_like(q)).reshape(t, c.num_heads, c.head_dim)  # scaled
             _rope(k, cos, sin, cache.k[i, start:end].reshape(k.shape))
             cache.v[i, start:end] = v.reshape(t, c.num_kv_heads, c.head_dim)
-            attn = self._attention(q, cache.k[i, :end], cache.v[i, :end], mask)  # [T, H*hd]
+            if t == 1:
+                attn = self._attention(q, cache.k[i, :end], cache.v[i, :end], None)  # [1, H*hd]
+            else:
+                attn = np.empty((t, c.num_heads * c.head_dim), np.float32)  # [T, H*hd]
+                for q0, q1, mask in blocks:
+                    attn[q0:q1] = self._attention(q[q0:q1], cache.k[i, :start + q1], cache.v[i, :start + q1],
+                                                  mask)
             h += off.linear(attn, lw.o, keys.o)
             x = rmsnorm(h, lw.mlp_norm, self.eps)
             gate, up = off.linear_fused(x, (lw.gate, lw.up), keys.gate_up, keys.gate_up_fused)  # [T, F]

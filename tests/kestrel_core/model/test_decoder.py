@@ -125,7 +125,8 @@ def test_llama3_inverse_frequencies_match_metas_formula(tiny_config, llama3_scal
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3"])
 def test_teacher_forced_logits_match_the_per_head_reference(arch: str, tiny_config, llama3_scaling,
-                                                            cpu_offload) -> None:
+                                                            cpu_offload, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(decoder_mod, "QUERY_BLOCK", 7)  # causal attention in blocks of queries, ragged end
     scaling = {**llama3_scaling, "original_max_position_embeddings": 64}
     cfg = tiny_config(arch, **({"rope_scaling": scaling} if arch == "llama3" else {}))
     model = synthetic_model(cfg, "q8", seed=3)
@@ -167,6 +168,7 @@ def test_decode_with_the_kv_cache_equals_teacher_forcing(arch: str, monkeypatch:
                                                         cpu_offload) -> None:
     monkeypatch.setattr(decoder_mod, "CACHE_CHUNK", 4)  # the cache and RoPE tables grow many times
     monkeypatch.setattr(decoder_mod, "PREFILL_CHUNK", 3)  # and the prefill runs in chunks
+    monkeypatch.setattr(decoder_mod, "QUERY_BLOCK", 2)  # of query blocks
     model = synthetic_model(tiny_config(arch), "q8", seed=5)
     dec = Decoder(model, cpu_offload)
     tokens = _tokens(30, seed=6)
