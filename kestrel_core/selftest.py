@@ -102,7 +102,17 @@ def random_strip_cache(rng: np.random.Generator, n: int, k: int, group_size: int
     return StripCache(codes, scales, group_size, bits)
 
 
-def _bound(a_abs: np.ndarray, w: StripCache) -> np.ndarray:
+@dataclass(frozen=True)
+class Comparison:
+    """A GEMM result against the reference: the worst element's error and its tolerance."""
+
+    ok: bool
+    max_err: float
+    tolerance: float
+    detail: str = ""
+
+
+def _sum_abs_terms(a_abs: np.ndarray, w: StripCache) -> np.ndarray:
     """Sum of |terms| per output element: the scale of the rounding error any order can make."""
     g = w.group_size
     m = a_abs.shape[0]
@@ -111,16 +121,29 @@ def _bound(a_abs: np.ndarray, w: StripCache) -> np.ndarray:
     return (np.matmul(a, b) * np.abs(w.scales).T[:, None, :]).sum(axis=0)                  # [M, N]
 
 
-def _compare(got: Any, ref: np.ndarray, bound: np.ndarray, ngroups: int) -> tuple[bool, float, float, str]:
+def _compare(got: Any, ref: np.ndarray, abs_terms: np.ndarray, ngroups: int) -> Comparison:
     if not isinstance(got, np.ndarray) or got.dtype != np.float32 or got.shape != ref.shape:
         what = f"{got.dtype} {list(got.shape)}" if isinstance(got, np.ndarray) else type(got).__name__
-        return False, float("inf"), 0.0, f"bad result {what}, expected float32 {list(ref.shape)}"
-    tol = (4 * (ngroups + 8) * EPS32) * bound + 1e-30
-    err = np.abs(got.astype(np.float64) - ref.astype(np.float64))
+        return Comparison(False, float("inf"), 0.0, f"bad result {what}, expected float32 {list(ref.shape)}")
+    tol = (4 * (ngroups + 8) * EPS32) * abs_terms + 1e-30
     if not np.all(np.isfinite(got)):
-        return False, float("inf"), float(tol.max()), "non-finite output"
+        return Comparison(False, float("inf"), float(tol.max()), "non-finite output")
+    err = np.abs(got.astype(np.float64) - ref.astype(np.float64))
     worst = int(np.argmax(err / tol))
-    return bool(np.all(err <= tol)), float(err.flat[worst]), float(tol.flat[worst]), ""
+    ok = bool(np.all(err <= tol))
+    detail = "" if ok else f"error {err.flat[worst]:.3g} > tolerance {tol.flat[worst]:.3g} at {worst}"
+    return Comparison(ok, float(err.flat[worst]), float(tol.flat[worst]), detail)
+
+
+def compare_gemm_q8(got: Any, a_codes: np.ndarray, a_scales: np.ndarray, w: StripCache) -> Comparison:
+    """``got`` against reference_gemm_q8, within a few float32 roundings per K-block."""
+    a_abs = np.abs(a_codes.astype(np.float32)) * np.repeat(a_scales, w.group_size, axis=1)
+    return _compare(got, reference_gemm_q8(a_codes, a_scales, w), _sum_abs_terms(a_abs, w), w.ngroups)
+
+
+def compare_gemm_f32(got: Any, a: np.ndarray, w: StripCache) -> Comparison:
+    """``got`` against reference_gemm_f32, within a few float32 roundings per K-block."""
+    return _compare(got, reference_gemm_f32(a, w), _sum_abs_terms(np.abs(a), w), w.ngroups)
 
 
 def run_case(backend: Backend, case: SelfTestCase, layer: int) -> CaseResult:
@@ -146,17 +169,11 @@ def run_case(backend: Backend, case: SelfTestCase, layer: int) -> CaseResult:
         return CaseResult(case.name, case.hook, True, declined=True, detail="declined")
     if not isinstance(got, (list, tuple)) or len(got) != len(weights):
         return CaseResult(case.name, case.hook, False, float("inf"), detail=f"{len(weights)} outputs expected")
-    checks = []
-    for out, w in zip(got, weights):
-        if case.hook == "kestrel_gemm_f32":
-            ref, bound = reference_gemm_f32(x, w), _bound(np.abs(x), w)
-        else:
-            ref = reference_gemm_q8(a_codes, a_scales, w)
-            a_abs = np.abs(a_codes.astype(np.float32)) * np.repeat(a_scales, case.group_size, axis=1)
-            bound = _bound(a_abs, w)
-        checks.append(_compare(out, ref, bound, w.ngroups))
-    ok, err, tol, detail = max(checks, key=lambda c: (not c[0], c[1] / max(c[2], 1e-30)))
-    return CaseResult(case.name, case.hook, all(c[0] for c in checks), err, tol, detail=detail)
+    checks = [compare_gemm_f32(out, x, w) if case.hook == "kestrel_gemm_f32"
+              else compare_gemm_q8(out, a_codes, a_scales, w) for out, w in zip(got, weights)]
+    worst = max(checks, key=lambda c: (not c.ok, c.max_err / max(c.tolerance, 1e-30)))
+    return CaseResult(case.name, case.hook, all(c.ok for c in checks), worst.max_err, worst.tolerance,
+                      detail=worst.detail)
 
 
 def run_selftest(name: str = "cpu", seeds: int = 2, registry: Registry | None = None) -> SelfTestReport:
