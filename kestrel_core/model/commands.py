@@ -109,6 +109,16 @@ def _stream(engine: Engine, ids: list[int], args: argparse.Namespace, out: TextI
     return "".join(pieces), tokens
 
 
+def _jsonable(value: Any) -> Any:
+    """Backend counters may hold numpy scalars or other objects: numbers stay numbers, the rest text."""
+    item = getattr(value, "item", None)
+    return item() if callable(item) else str(value)
+
+
+def dumps(obj: Any, indent: int | None = None) -> str:
+    return json.dumps(obj, indent=indent, default=_jsonable)
+
+
 def stats_line(stats: dict[str, Any]) -> str:
     return (f"prompt {stats['prompt_tokens']} tok | prefill {stats['prefill_tok_s']:.1f} tok/s | "
             f"decode {stats['decode_tok_s']:.1f} tok/s ({stats['generated_tokens']} tok) | "
@@ -134,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         text, tokens = _stream(engine, ids, args, None if args.json else sys.stdout)
         stats = engine.stats
         if args.json:
-            print(json.dumps({"text": text, "tokens": tokens, "prompt_tokens": len(ids), "stats": stats}))
+            print(dumps({"text": text, "tokens": tokens, "prompt_tokens": len(ids), "stats": stats}))
         else:
             sys.stdout.write("\n")
             sys.stdout.flush()
@@ -208,7 +218,7 @@ def bench(args: argparse.Namespace) -> int:
         result = run_bench(engine, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
                            runs=args.runs, warmup=args.warmup, quant=args.quant)
     if args.json:
-        print(json.dumps(result.as_dict(), indent=2))
+        print(dumps(result.as_dict(), indent=2))
         return 0
     table = Table(title=f"kestrel bench: {result.model}")
     table.add_column("")

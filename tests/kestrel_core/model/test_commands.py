@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kestrel_core.cli import main
@@ -128,3 +130,37 @@ def test_text_stream_holds_back_incomplete_characters() -> None:
     stream = TextStream(tok)
     assert [stream.push(i) for i in tok.encode("✓")[:2]] == ["", ""]
     assert stream.flush() == "\ufffd"
+
+
+TINY_LLAMA = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-llama"
+
+
+def test_quantize_then_run_the_artifact_gives_the_checkpoints_tokens(capsys, tmp_path) -> None:
+    artifact = tmp_path / "tiny.kst"
+    code, _, err = _run(capsys, "quantize", str(TINY_LLAMA), "-o", str(artifact), "--quant", "q4")
+    assert code == 0 and artifact.is_file() and "wrote" in err
+    runs = []
+    for model in (str(artifact), str(TINY_LLAMA)):
+        code, out, _ = _run(capsys, "run", "hello there", "--model", model, "--quant", "q4", "--no-chat",
+                            "--json", "-n", "8", "--backend", "cpu")
+        assert code == 0
+        runs.append(json.loads(out))
+    assert runs[0]["tokens"] == runs[1]["tokens"] and len(runs[0]["tokens"]) > 0
+    assert runs[0]["prompt_tokens"] == runs[1]["prompt_tokens"] > 0
+    code, _, err = _run(capsys, "quantize", str(TINY_LLAMA), "-o", str(artifact), "--force")
+    assert code == 0
+
+
+def test_pull_prints_the_model_path(capsys, monkeypatch, tmp_path) -> None:
+    from kestrel_core.model import pull as pull_mod
+
+    monkeypatch.setattr(pull_mod, "pull_default_model", lambda progress=True: tmp_path / "model.gguf")
+    code, out, _ = _run(capsys, "pull")
+    assert code == 0 and out.strip() == str(tmp_path / "model.gguf")
+
+
+def test_json_survives_numpy_backend_counters(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(engine_mod.Offload, "backend_stats", lambda self: {"uploads": np.int64(3),
+                                                                           "ratio": np.float32(0.5)})
+    code, out, _ = _run(capsys, "run", "hi", "--preset", "tiny", "--no-chat", "--json", "-n", "2")
+    assert code == 0 and json.loads(out)["stats"]["backend_stats"] == {"uploads": 3, "ratio": 0.5}
