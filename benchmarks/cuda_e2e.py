@@ -229,7 +229,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kestrel_cuda.forward import DeviceForward
 
     os.environ.pop("KESTREL_CUDA_STREAM", None)
-    res: dict[str, Any] = {"preset": args.preset, "quant": args.quant, "prompt": args.prompt, "decode": args.decode}
+    res: dict[str, Any] = {"preset": args.preset, "quant": args.quant, "prompt": args.prompt, "decode": args.decode,
+                           "attn": args.attn}
     t0 = time.perf_counter()
     model = preset_model(args.preset, args.quant)
     res["build_model_s"] = round(time.perf_counter() - t0, 2)
@@ -338,9 +339,11 @@ def main() -> None:
     p.add_argument("--sweep", default="0:32,0:8,1:2,1:4,1:8",
                    help="GEMV configurations to time, prefetch:blocks-per-SM, comma-separated ('' to skip)")
     p.add_argument("--sweep-steps", type=int, default=24)
+    p.add_argument("--attn", default="1", help="attention kernels: 1 (default) or 2 (KESTREL_CUDA_ATTN)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     args.window = [int(x) for x in args.window.split(",") if x.strip()]
+    os.environ["KESTREL_CUDA_ATTN"] = args.attn
     args.sweep = [(x.split(":")[0] == "1", int(x.split(":")[1])) for x in args.sweep.split(",") if x.strip()]
     res = run(args)
     if args.json:

@@ -25,7 +25,7 @@ from kestrel_core.contract import quantize_activations
 TILE_N = 128  # columns of a GEMV block (forward.cu TN)
 CHUNK_K = 256  # rows of a GEMV chunk (forward.cu KC)
 SMALL_M = 8  # up to this many rows run through the fused GEMV (MR = 8); more through the tiled GEMM if any
-ATTN_SPLITS = 32  # position splits of decode attention (forward.cu MAXS: at most 64)
+ATTN_SPLITS = 32  # position splits of decode attention (forward.cu: MAXS >= it, and attn_decode2's ANS == it)
 MAX_HEAD_DIM = 128  # attention and qkv_rope keep hd/32 (<= 4) values per lane; attn_prefill tiles fit 48 KB
 PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL = 0, 1, 2
 EPI_STORE, EPI_ADD = 0, 1
@@ -280,9 +280,11 @@ class CupyOps:
         mod = _module()
         self._gemv = {v: mod.get_function("qgemv<{},{},{},{}>".format(*v)) for v in _GEMV_VARIANTS}
         self.prefetch = default_prefetch()
+        self.attn_v2 = attention_version() == 2
         self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
         self._fn = {name: mod.get_function(name) for name in
-                    ("embed_rows", "qkv_rope", "attn_decode", "attn_prefill", "add_rows")}
+                    ("embed_rows", "qkv_rope", "attn_decode", "attn_prefill", "add_rows", "attn_decode2",
+                     "attn_prefill2")}
         self.gemm = gemm
         self.launches = 0
         self.sm_count = cp.cuda.Device().attributes["MultiProcessorCount"]
@@ -412,10 +414,16 @@ class CupyOps:
         m = q.shape[0]
         kv_heads, cap = kc.shape[0], kc.shape[1]
         if m == 1:
-            self._launch(self._fn["attn_decode"], (heads, ATTN_SPLITS), (128,),
+            self._launch(self._fn["attn_decode2" if self.attn_v2 else "attn_decode"], (heads, ATTN_SPLITS), (128,),
                          (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                           np.float32(scale), _ptr(meta), _ptr(self.attn_part), _ptr(self.attn_counters),
                           _ptr(out)))
+            return
+        if self.attn_v2 and hd % 4 == 0:
+            smem = (32 * (hd + 4) + 32 * hd + 16 * hd) * 4
+            self._launch(self._fn["attn_prefill2"], (heads, -(-m // 16)), (256,),
+                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
+                          np.float32(scale), _ptr(meta), _i32(m), _ptr(out)), smem)
             return
         smem = (32 * (hd + 1) + 32 * hd + 8 * hd) * 4
         self._launch(self._fn["attn_prefill"], (heads, -(-m // 8)), (256,),
@@ -451,6 +459,17 @@ BLOCKS_ENV = "KESTREL_CUDA_GEMV_BLOCKS"
 PREFETCH_ENV = "KESTREL_CUDA_GEMV_PREFETCH"
 
 
+ATTN_ENV = "KESTREL_CUDA_ATTN"
+
+
+def attention_version() -> int:
+    """1 (default): the attention kernels measured on the H200; 2: attn_decode2/attn_prefill2, which wait
+    for a GPU run to confirm them (``KESTREL_CUDA_ATTN=2``; tests/kestrel_cuda/test_forward.py covers both)."""
+    import os
+
+    return 2 if os.environ.get(ATTN_ENV, "").strip() == "2" else 1
+
+
 def default_prefetch() -> bool:
     """Whether the M=1 GEMV runs its prefetching variant (``KESTREL_CUDA_GEMV_PREFETCH``, benchmarks)."""
     import os
@@ -459,12 +478,15 @@ def default_prefetch() -> bool:
 
 
 def default_target_blocks(sm_count: int) -> int:
-    """GEMV blocks to aim for at M=1: 32 per SM makes every projection but lm_head one 256-row chunk per
-    block (all its loads issued at once); ``KESTREL_CUDA_GEMV_BLOCKS`` overrides it (benchmarks)."""
+    """GEMV blocks to aim for at M=1 (K splits = this / column tiles, at most one per 256-row chunk).
+
+    8 per SM measured fastest on the H200 for the qwen3-8b decode step (3581 us against 3791 us at 32 per
+    SM, where every block owns one chunk, and 4251-4361 us for the prefetching variant at 2-8 per SM:
+    docs/performance.md). ``KESTREL_CUDA_GEMV_BLOCKS`` overrides it."""
     import os
 
     raw = os.environ.get(BLOCKS_ENV, "").strip()
-    return int(raw) if raw.isdigit() and int(raw) > 0 else 32 * sm_count
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 8 * sm_count
 
 
 def head_scale(hd: int) -> float:

@@ -107,6 +107,34 @@ def test_gemv_variants_with_several_chunks_per_block(prefetch, quant, stream, ge
     assert any(lin.chunks > lin.ksplit for lin in fwd._st.layers[0].weights.gate_up + [fwd._st.layers[0].weights.down])
 
 
+@pytest.mark.parametrize("arch", list(SMALL_CONFIGS))
+def test_attention_v2_matches_the_cpu(arch, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """KESTREL_CUDA_ATTN=2 (attn_decode2, attn_prefill2): prefill, graph decode, and a prefill continued at
+    a nonzero start (rows see earlier positions)."""
+    monkeypatch.setenv("KESTREL_CUDA_ATTN", "2")
+    model = synthetic_model(SMALL_CONFIGS[arch], "q8", seed=12)
+    toks = _tokens(model.config, 60)
+    fwd = DeviceForward(stream=stream, gemm=gemm)
+    assert fwd.ops.attn_v2
+    _check(model, toks, 37, device_logits(fwd, model, toks, 37))
+    fwd.forward(model, 6, toks[:23], 0, False)
+    cont = fwd.forward(model, 6, toks[23:], 23, True)  # second chunk of a prompt, 37 rows after 23 cached
+    ref = cpu_logits(model, toks, len(toks))
+    result = compare(cont, ref[23:], jitter_effect(model, toks, len(toks), ref))
+    assert result.ok, str(result)
+
+
+def test_attention_v2_long_context_and_graph(stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("KESTREL_CUDA_ATTN", "2")
+    model = synthetic_model(replace(SMALL_CONFIGS["qwen2"], num_layers=1), "q4", seed=13)
+    n = CAP_CHUNK - 2
+    toks = _tokens(model.config, n + 5)
+    graph = device_logits(DeviceForward(stream=stream, gemm=gemm), model, toks, n)
+    _check(model, toks, n, graph)
+    eager = device_logits(DeviceForward(stream=stream, gemm=gemm, use_graph=False), model, toks, n)
+    assert np.array_equal(graph, eager)
+
+
 def test_graph_replay_equals_eager_and_runs_are_deterministic(stream, gemm) -> None:  # type: ignore[no-untyped-def]
     model = synthetic_model(SMALL_CONFIGS["qwen3"], "q4", seed=5)
     toks = _tokens(model.config, 30)
