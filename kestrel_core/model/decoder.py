@@ -229,12 +229,7 @@ class Decoder:
         half = c.head_dim // 2
         cos, sin = rope.cos[start:end, None], rope.sin[start:end, None]  # [T, 1, 2, hd/2]
         q_cos, q_sin = rope.q_cos[start:end, None], rope.q_sin[start:end, None]
-        # causal: query i (position start+i) sees keys 0..start+i; per block of queries, the keys up to the
-        # block's last position and a mask [B, S_b] over them (the same for every layer)
-        blocks = [(q0, min(q0 + QUERY_BLOCK, t),
-                   np.triu(np.full((min(QUERY_BLOCK, t - q0), start + min(q0 + QUERY_BLOCK, t)), -np.inf,
-                                   np.float32), k=start + q0 + 1))
-                  for q0 in range(0, t, QUERY_BLOCK)] if t > 1 else []
+        blocks = _causal_blocks(start, t) if t > 1 else []  # the same for every layer
         h = self.model.embedding.dequantize(tokens)  # [T, D]
         for i, lw in enumerate(self.model.layers):
             off.layer_boundary(i)
@@ -251,7 +246,7 @@ class Decoder:
                 q = rmsnorm(q.reshape(t, c.num_heads, -1), lw.q_norm, self.eps).reshape(q.shape)
                 k = rmsnorm(k.reshape(t, c.num_kv_heads, -1), lw.k_norm, self.eps).reshape(k.shape)
             q = _rope(q, q_cos, q_sin, np.empty_like(q)).reshape(t, c.num_heads, c.head_dim)  # scaled
-            _rope(k, cos, sin, cache.k[i, start:end].reshape(k.shape))
+            _rope(k, cos, sin, cache.k[i, start:end].reshape(k.shape))  # a view: the slice is contiguous
             cache.v[i, start:end] = v.reshape(t, c.num_kv_heads, c.head_dim)
             if t == 1:
                 attn = self._attention(q, cache.k[i, :end], cache.v[i, :end], None)  # [1, H*hd]
@@ -293,6 +288,17 @@ class Decoder:
         out = np.matmul(scores.reshape(n_kv, g * t, -1), vt).reshape(n_kv, g, t, hd)
         out /= total
         return out.transpose(2, 0, 1, 3).reshape(t, n_heads * hd)
+
+
+def _causal_blocks(start: int, t: int) -> list[tuple[int, int, np.ndarray]]:
+    """Query blocks (q0, q1, mask) of a prefill at positions start..start+t: block rows attend to the keys
+    0..start+q1 only, and mask [q1-q0, start+q1] hides the later ones (query q0+i sees keys <= start+q0+i)."""
+    out = []
+    for q0 in range(0, t, QUERY_BLOCK):
+        q1 = min(q0 + QUERY_BLOCK, t)
+        mask = np.triu(np.full((q1 - q0, start + q1), -np.inf, np.float32), k=start + q0 + 1)
+        out.append((q0, q1, mask))
+    return out
 
 
 def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray) -> np.ndarray:
