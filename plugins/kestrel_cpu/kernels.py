@@ -2,14 +2,20 @@
 
 Why explicit vector IR: numba turns SLP vectorisation off (numba#8705) and LLVM fully unrolls a constant
 32-wide block loop before the loop vectoriser sees it, so a plain ``for k in range(32)`` int8 dot product
-compiles to scalar code (~1 GB/s). The intrinsics below spell one 32-byte chunk as
-``mul(sext <32 x i8>, sext <32 x i8>)`` folded even+odd, which the x86 backend lowers to
-``vpmovsxbw + vpmaddwd`` on AVX2 (and to plain vector code on other targets), and keep eight float lanes per
-output so a K-block costs no horizontal reduction.
+compiles to scalar code (~1 GB/s). The intrinsics below spell one 32-value chunk as
+``mul(sext a, sext w)`` folded even+odd, which the x86 backend lowers to ``vpmovsxbw + vpmaddwd`` on AVX2
+(plain vector code on other targets). Each output keeps eight int32 lanes per K-block and eight float lanes
+across blocks, so a block costs one convert and one multiply-add, no horizontal reduction.
+
+Tiles: decode (M < 4) runs one output at a time on int8 activations (memory-bound: it streams the codes
+once); prefill runs 4 activation rows x 2 weight rows per tile on activations widened to int16 once, so each
+weight chunk is widened once for four rows and vpmaddwd reads the activations straight from memory.
 
 The maths is the contract's: each K-block's integer sum is exact (int32 lanes, |sum| <= 127*127*256); the
 float part differs from ``reference_gemm_q8`` only in rounding order: each of the 8 lanes of a block sum
-is scaled by ``a_scale*w_scale`` (rounded once) and the per-row float sum runs lane-wise, then across lanes.
+is scaled by ``a_scale*w_scale`` (rounded once) with a multiply-add, and the lanes are summed by halves at
+the end. Every tile shape does exactly this per output, so an output's bits do not depend on the tile or the
+thread split (a decode row equals the same row of a prefill).
 
 This module lives in one file on purpose: numba's on-disk cache is invalidated by the timestamp of the file
 that holds the jitted function, so the intrinsics it inlines must sit in the same file.
@@ -35,12 +41,15 @@ def _data_ptr(context: Any, builder: ir.IRBuilder, aryty: Any, ary: ir.Value, of
     return builder.gep(context.make_array(aryty)(context, builder, ary).data, [offset])
 
 
-def _reduce_fadd(builder: ir.IRBuilder, vec: ir.Value) -> ir.Value:
-    name = f"llvm.vector.reduce.fadd.v{vec.type.count}f32"
-    fn = builder.module.globals.get(name)
-    if fn is None:
-        fn = ir.Function(builder.module, ir.FunctionType(_F32, [_F32, vec.type]), name)
-    return builder.call(fn, [ir.Constant(_F32, 0.0), vec], fastmath=("reassoc",))
+def _hsum(builder: ir.IRBuilder, vec: ir.Value) -> ir.Value:
+    """Lanes summed by halves (a fixed order, so every tile shape rounds an output the same way)."""
+    n = vec.type.count
+    while n > 1:
+        n //= 2
+        lo = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+        hi = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
+        vec = builder.fadd(lo, hi)
+    return builder.extract_element(vec, ir.Constant(_I32, 0))
 
 
 def _splat(builder: ir.IRBuilder, value: ir.Value, n: int) -> ir.Value:
@@ -49,36 +58,48 @@ def _splat(builder: ir.IRBuilder, value: ir.Value, n: int) -> ir.Value:
     return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), [0] * n))
 
 
-def _make_rows_dot(rows: int) -> Any:
-    """An intrinsic computing ``rows`` outputs out[m0+r, n] = sum_g blocksum(a[m0+r], w[n], g) * as * ws.
+def _fmuladd(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+    """a*b + c, fused where the target has FMA (the same choice for every tile of one build)."""
+    name = f"llvm.fmuladd.v{a.type.count}f32"
+    fn = builder.module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(builder.module, ir.FunctionType(a.type, [a.type] * 3), name)
+    return builder.call(fn, [a, b, c])
 
-    Arguments (all offsets in elements of the flat C-ordered arrays):
-    a int8, a_off (row m0, col 0), a_stride (=K); a_scales f32, as_off, as_stride (=ng);
-    w int8, w_off (row n, col 0); w_scales f32, ws_off; ng; nchunk (=G/32); out f32, out_off, out_stride.
+
+def _make_tile_dot(rows: int, cols: int) -> Any:
+    """An intrinsic for a ``rows`` x ``cols`` output tile: out[m0+r, j0+c] = sum_g blocksum * a_sc * w_sc.
+
+    Arguments (offsets in elements of flat C-ordered arrays): a int8 or int16 (int8 values pre-widened, so
+    vpmaddwd reads them straight from memory), a_off (row m0), a_stride; a_scales, as_off, as_stride;
+    w int8, w_off (row n0), w_stride; w_scales, ws_off, ws_stride; ng; nchunk (= G/32); out, out_off (m0, j0),
+    out_stride. Each weight chunk is widened once and used for every row of the tile.
     """
 
     @intrinsic
-    def rows_dot(typingctx: Any, a: Any, a_off: Any, a_stride: Any, asc: Any, as_off: Any, as_stride: Any,
-                 w: Any, w_off: Any, wsc: Any, ws_off: Any, ng: Any, nchunk: Any, out: Any, out_off: Any,
-                 out_stride: Any) -> Any:
-        sig = types.void(a, a_off, a_stride, asc, as_off, as_stride, w, w_off, wsc, ws_off, ng, nchunk, out,
-                         out_off, out_stride)
+    def tile_dot(typingctx: Any, a: Any, a_off: Any, a_stride: Any, asc: Any, as_off: Any, as_stride: Any,
+                 w: Any, w_off: Any, w_stride: Any, wsc: Any, ws_off: Any, ws_stride: Any, ng: Any, nchunk: Any,
+                 out: Any, out_off: Any, out_stride: Any) -> Any:
+        sig = types.void(a, a_off, a_stride, asc, as_off, as_stride, w, w_off, w_stride, wsc, ws_off, ws_stride,
+                         ng, nchunk, out, out_off, out_stride)
 
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[ir.Value]) -> Any:
-            (va_, a_off_, a_stride_, vas_, as_off_, as_stride_, vw_, w_off_, vws_, ws_off_, ng_, nchunk_,
-             vout_, out_off_, out_stride_) = args
+            (va_, a_off_, a_stride_, vas_, as_off_, as_stride_, vw_, w_off_, w_stride_, vws_, ws_off_,
+             ws_stride_, ng_, nchunk_, vout_, out_off_, out_stride_) = args
             targs = signature.args
             idx = a_off_.type
-            pa = [_data_ptr(context, builder, targs[0], va_,
-                            builder.add(a_off_, builder.mul(a_stride_, ir.Constant(idx, r))))
-                  for r in range(rows)]
-            pas = [_data_ptr(context, builder, targs[3], vas_,
-                             builder.add(as_off_, builder.mul(as_stride_, ir.Constant(idx, r))))
-                   for r in range(rows)]
-            pw = _data_ptr(context, builder, targs[6], vw_, w_off_)
-            pws = _data_ptr(context, builder, targs[8], vws_, ws_off_)
 
-            v32i8 = ir.VectorType(_I8, CHUNK)
+            def at(base: ir.Value, stride: ir.Value, i: int) -> ir.Value:
+                return builder.add(base, builder.mul(stride, ir.Constant(idx, i)))
+
+            pa = [_data_ptr(context, builder, targs[0], va_, at(a_off_, a_stride_, r)) for r in range(rows)]
+            pas = [_data_ptr(context, builder, targs[3], vas_, at(as_off_, as_stride_, r)) for r in range(rows)]
+            pw = [_data_ptr(context, builder, targs[6], vw_, at(w_off_, w_stride_, c)) for c in range(cols)]
+            pws = [_data_ptr(context, builder, targs[9], vws_, at(ws_off_, ws_stride_, c)) for c in range(cols)]
+
+            a_elem = context.get_value_type(targs[0].dtype)
+            va_ty = ir.VectorType(a_elem, CHUNK)
+            vw_ty = ir.VectorType(_I8, CHUNK)
             v32i32 = ir.VectorType(_I32, CHUNK)
             v8i32 = ir.VectorType(_I32, LANES)
             v8f = ir.VectorType(_F32, LANES)
@@ -86,99 +107,117 @@ def _make_rows_dot(rows: int) -> Any:
             odd = ir.Constant(ir.VectorType(_I32, 16), list(range(1, CHUNK, 2)))
             lo = ir.Constant(v8i32, list(range(0, 8)))
             hi = ir.Constant(v8i32, list(range(8, 16)))
-            facc = [cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * LANES)) for _ in range(rows)]
-            iacc = [cgutils.alloca_once(builder, v8i32) for _ in range(rows)]
+            pairs = [(r, c) for r in range(rows) for c in range(cols)]
+            facc = {rc: cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * LANES)) for rc in pairs}
+            iacc = {rc: cgutils.alloca_once(builder, v8i32) for rc in pairs}
             group = builder.mul(nchunk_, ir.Constant(idx, CHUNK))
 
             with cgutils.for_range(builder, ng_) as gloop:
                 g = gloop.index
                 base = builder.mul(g, group)
-                for r in range(rows):
-                    builder.store(ir.Constant(v8i32, [0] * LANES), iacc[r])
+                for rc in pairs:
+                    builder.store(ir.Constant(v8i32, [0] * LANES), iacc[rc])
                 with cgutils.for_range(builder, nchunk_) as cloop:
                     off = builder.add(base, builder.mul(cloop.index, ir.Constant(idx, CHUNK)))
-                    wv = builder.load(builder.bitcast(builder.gep(pw, [off]), v32i8.as_pointer()), align=1)
-                    wv = builder.sext(wv, v32i32)
+                    wv = [builder.sext(builder.load(builder.bitcast(builder.gep(pw[c], [off]), vw_ty.as_pointer()),
+                                                    align=1), v32i32) for c in range(cols)]
                     for r in range(rows):
-                        av = builder.load(builder.bitcast(builder.gep(pa[r], [off]), v32i8.as_pointer()),
-                                          align=1)
-                        # products fit in 16 bits: this even+odd fold is exactly vpmaddwd's semantics
-                        p = builder.mul(builder.sext(av, v32i32), wv)
-                        s16 = builder.add(builder.shuffle_vector(p, p, even), builder.shuffle_vector(p, p, odd))
-                        s8 = builder.add(builder.shuffle_vector(s16, s16, lo),
-                                         builder.shuffle_vector(s16, s16, hi))
-                        builder.store(builder.add(builder.load(iacc[r]), s8), iacc[r])
-                ws = builder.load(builder.gep(pws, [g]))
+                        av = builder.load(builder.bitcast(builder.gep(pa[r], [off]), va_ty.as_pointer()), align=1)
+                        av = builder.sext(av, v32i32)
+                        for c in range(cols):
+                            # products fit in 16 bits: this even+odd fold is exactly vpmaddwd's semantics
+                            p = builder.mul(av, wv[c])
+                            s16 = builder.add(builder.shuffle_vector(p, p, even), builder.shuffle_vector(p, p, odd))
+                            s8 = builder.add(builder.shuffle_vector(s16, s16, lo),
+                                             builder.shuffle_vector(s16, s16, hi))
+                            builder.store(builder.add(builder.load(iacc[r, c]), s8), iacc[r, c])
+                wsg = [builder.load(builder.gep(pws[c], [g])) for c in range(cols)]
                 for r in range(rows):
-                    scale = builder.fmul(builder.load(builder.gep(pas[r], [g])), ws)
-                    lanes = builder.sitofp(builder.load(iacc[r]), v8f)
-                    builder.store(builder.fadd(builder.load(facc[r]),
-                                               builder.fmul(lanes, _splat(builder, scale, LANES))), facc[r])
+                    asg = builder.load(builder.gep(pas[r], [g]))
+                    for c in range(cols):
+                        scale = _splat(builder, builder.fmul(asg, wsg[c]), LANES)
+                        lanes = builder.sitofp(builder.load(iacc[r, c]), v8f)
+                        builder.store(_fmuladd(builder, lanes, scale, builder.load(facc[r, c])), facc[r, c])
 
-            pout = _data_ptr(context, builder, targs[12], vout_, out_off_)
-            for r in range(rows):
-                dst = builder.gep(pout, [builder.mul(out_stride_, ir.Constant(idx, r))])
-                builder.store(_reduce_fadd(builder, builder.load(facc[r])), dst)
+            pout = _data_ptr(context, builder, targs[14], vout_, out_off_)
+            for r, c in pairs:
+                dst = builder.gep(pout, [builder.add(builder.mul(out_stride_, ir.Constant(idx, r)),
+                                                     ir.Constant(idx, c))])
+                builder.store(_hsum(builder, builder.load(facc[r, c])), dst)
             return context.get_dummy_value()
 
         return sig, codegen
 
-    return rows_dot
+    return tile_dot
 
 
-_rows_dot1 = _make_rows_dot(1)
-_rows_dot4 = _make_rows_dot(4)
+_dot1x1 = _make_tile_dot(1, 1)
+_dot1x2 = _make_tile_dot(1, 2)
+_dot4x1 = _make_tile_dot(4, 1)
+_dot4x2 = _make_tile_dot(4, 2)
+
+TILE_MIN_M = 4  # below this, rows run one by one on int8 activations (decode: memory-bound anyway)
 
 
-def _gemm_q8_body(a: np.ndarray, a_scales: np.ndarray, codes: np.ndarray, w_scales: np.ndarray,
-                  out: np.ndarray) -> None:
-    # a: [M, K] int8; a_scales: [M, ng]; codes: [N, K] int8; w_scales: [N, ng]; out: [M, N] float32
-    m_rows, k = a.shape
-    n_rows = codes.shape[0]
-    ng = w_scales.shape[1]
-    nchunk = k // ng // CHUNK
-    m4 = m_rows - m_rows % 4
-    for n in prange(n_rows):
-        for m in range(0, m4, 4):  # four activation rows share each loaded weight chunk
-            _rows_dot4(a, m * k, k, a_scales, m * ng, ng, codes, n * k, w_scales, n * ng, ng, nchunk,
-                       out, m * n_rows + n, n_rows)
-        for m in range(m4, m_rows):
-            _rows_dot1(a, m * k, k, a_scales, m * ng, ng, codes, n * k, w_scales, n * ng, ng, nchunk,
-                       out, m * n_rows + n, n_rows)
-
-
-def _gemm_q8_multi_body(a: np.ndarray, a_scales: np.ndarray, codes: tuple, w_scales: tuple,
-                        row_start: np.ndarray, out: np.ndarray) -> None:
-    # Several weights sharing K and G in one parallel pass: weight i fills out[:, row_start[i]:row_start[i+1]]
+def _gemm_q8_body(a: np.ndarray, a16: np.ndarray, a_scales: np.ndarray, codes: tuple, w_scales: tuple,
+                  row_start: np.ndarray, out: np.ndarray) -> None:
+    # a: [M, K] int8; a16: the same values as int16 (used when M >= TILE_MIN_M); a_scales: [M, ng];
+    # codes[i]: [N_i, K] int8, w_scales[i]: [N_i, ng]; weight i fills out[:, row_start[i]:row_start[i+1]].
     m_rows, k = a.shape
     n_total = out.shape[1]
     ng = a_scales.shape[1]
     nchunk = k // ng // CHUNK
-    m4 = m_rows - m_rows % 4
-    for j in prange(n_total):
-        i = 0
-        while j >= row_start[i + 1]:
-            i += 1
-        n = j - row_start[i]
-        c = codes[i]
-        s = w_scales[i]
-        for m in range(0, m4, 4):
-            _rows_dot4(a, m * k, k, a_scales, m * ng, ng, c, n * k, s, n * ng, ng, nchunk, out, m * n_total + j,
-                       n_total)
-        for m in range(m4, m_rows):
-            _rows_dot1(a, m * k, k, a_scales, m * ng, ng, c, n * k, s, n * ng, ng, nchunk, out, m * n_total + j,
-                       n_total)
+    nw = len(row_start) - 1
+    if m_rows < TILE_MIN_M:
+        for j in prange(n_total):
+            i = 0
+            while j >= row_start[i + 1]:
+                i += 1
+            n = j - row_start[i]
+            c, s = codes[i], w_scales[i]
+            for m in range(m_rows):
+                _dot1x1(a, m * k, k, a_scales, m * ng, ng, c, n * k, k, s, n * ng, ng, ng, nchunk,
+                        out, m * n_total + j, n_total)
+    else:
+        # Work items are pairs of weight rows (never straddling two weights) times every activation row.
+        pair_start = np.zeros(nw + 1, np.int64)
+        for i in range(nw):
+            pair_start[i + 1] = pair_start[i] + (row_start[i + 1] - row_start[i] + 1) // 2
+        m4 = m_rows - m_rows % 4
+        for p in prange(pair_start[nw]):
+            i = 0
+            while p >= pair_start[i + 1]:
+                i += 1
+            n = 2 * (p - pair_start[i])
+            j = row_start[i] + n
+            c, s = codes[i], w_scales[i]
+            if j + 1 < row_start[i + 1]:
+                for m in range(0, m4, 4):
+                    _dot4x2(a16, m * k, k, a_scales, m * ng, ng, c, n * k, k, s, n * ng, ng, ng, nchunk,
+                            out, m * n_total + j, n_total)
+                for m in range(m4, m_rows):
+                    _dot1x2(a16, m * k, k, a_scales, m * ng, ng, c, n * k, k, s, n * ng, ng, ng, nchunk,
+                            out, m * n_total + j, n_total)
+            else:
+                for m in range(0, m4, 4):
+                    _dot4x1(a16, m * k, k, a_scales, m * ng, ng, c, n * k, k, s, n * ng, ng, ng, nchunk,
+                            out, m * n_total + j, n_total)
+                for m in range(m4, m_rows):
+                    _dot1x1(a16, m * k, k, a_scales, m * ng, ng, c, n * k, k, s, n * ng, ng, ng, nchunk,
+                            out, m * n_total + j, n_total)
 
 
 # Two builds of the same body: a parallel one, and a serial one for small products where waking the second
-# thread costs more than it saves (a decode k/v projection is 110 KB).
+# thread costs more than it saves (a decode k/v projection is 110 KB). Weights always come as a 3-tuple
+# (padded with an empty array), so each build compiles once for the single, Q/K/V and gate/up cases.
 _gemm_q8_parallel = njit(parallel=True, cache=True, nogil=True)(_gemm_q8_body)
 _gemm_q8_serial = njit(cache=True, nogil=True)(_gemm_q8_body)
 
-_gemm_q8_multi_parallel = njit(parallel=True, cache=True, nogil=True)(_gemm_q8_multi_body)
-_gemm_q8_multi_serial = njit(cache=True, nogil=True)(_gemm_q8_multi_body)
-
 PARALLEL_MIN_MACS = 1 << 18
+MAX_WEIGHTS = 3
+_NO_CODES = np.zeros((0, CHUNK), np.int8)
+_NO_SCALES = np.zeros((0, 1), np.float32)
+_NO_A16 = np.zeros((0, CHUNK), np.int16)
 
 
 def _gemm_f32_body(a: np.ndarray, codes: np.ndarray, w_scales: np.ndarray, out: np.ndarray) -> None:
@@ -213,36 +252,34 @@ def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, codes: np.ndarray, w_scal
 
     The caller checks shapes and dtypes; arrays must be C-contiguous.
     """
-    m, k = a_codes.shape
-    n = codes.shape[0]
-    out = np.empty((m, n), dtype=np.float32)
-    if m == 0 or n == 0 or k == 0:
-        out.fill(0)
-        return out
-    kernel = _gemm_q8_parallel if m * n * k >= PARALLEL_MIN_MACS else _gemm_q8_serial
-    kernel(a_codes, a_scales, codes, w_scales, out)
-    return out
+    return gemm_q8_multi(a_codes, a_scales, [codes], [w_scales])[0]
 
 
 def gemm_q8_multi(a_codes: np.ndarray, a_scales: np.ndarray, codes: list[np.ndarray],
                   w_scales: list[np.ndarray]) -> list[np.ndarray]:
-    """``gemm_q8`` against several weights sharing K and G, in one pass: a list of float32 [M, N_i].
+    """``gemm_q8`` against up to three weights sharing K and G, in one pass: a list of float32 [M, N_i].
 
-    The outputs are column slices of one [M, sum N_i] array; each output element is computed exactly as
-    ``gemm_q8`` computes it (same per-row arithmetic), so results are bit-identical to separate calls.
+    The outputs are column slices of one [M, sum N_i] array; every output element is computed with the same
+    arithmetic whatever the tile or the split into weights, so results are bit-identical to separate calls.
     """
+    if not 1 <= len(codes) <= MAX_WEIGHTS:
+        raise ValueError(f"gemm_q8_multi takes 1 to {MAX_WEIGHTS} weights, got {len(codes)}")
     m, k = a_codes.shape
-    ns = [c.shape[0] for c in codes]
-    row_start = np.zeros(len(ns) + 1, dtype=np.int64)
-    np.cumsum(ns, out=row_start[1:])
+    row_start = np.zeros(MAX_WEIGHTS + 1, dtype=np.int64)
+    for i, c in enumerate(codes):
+        row_start[i + 1] = row_start[i] + c.shape[0]
+    row_start[len(codes) + 1:] = row_start[len(codes)]
     total = int(row_start[-1])
     out = np.empty((m, total), dtype=np.float32)
     if m == 0 or total == 0 or k == 0:
         out.fill(0)
     else:
-        kernel = _gemm_q8_multi_parallel if m * total * k >= PARALLEL_MIN_MACS else _gemm_q8_multi_serial
-        kernel(a_codes, a_scales, tuple(codes), tuple(w_scales), row_start, out)
-    return [out[:, row_start[i]:row_start[i + 1]] for i in range(len(ns))]
+        pad = MAX_WEIGHTS - len(codes)
+        kernel = _gemm_q8_parallel if m * total * k >= PARALLEL_MIN_MACS else _gemm_q8_serial
+        a16 = a_codes.astype(np.int16) if m >= TILE_MIN_M else _NO_A16
+        kernel(a_codes, a16, a_scales, (*codes, *([_NO_CODES] * pad)), (*w_scales, *([_NO_SCALES] * pad)),
+               row_start, out)
+    return [out[:, row_start[i]:row_start[i + 1]] for i in range(len(codes))]
 
 
 def gemm_f32(a: np.ndarray, codes: np.ndarray, w_scales: np.ndarray) -> np.ndarray:

@@ -122,25 +122,28 @@ def test_tolerance_is_not_loose() -> None:
     assert np.any(np.abs(got.astype(np.float64) - ref) > _tolerance(a_abs, w))
 
 
-def test_serial_and_parallel_kernels_agree_exactly() -> None:
+@pytest.mark.parametrize("m", [1, 9])
+def test_serial_and_parallel_kernels_agree_exactly(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both builds run the same per-output arithmetic, so the thread split must not change a bit."""
     rng = np.random.default_rng(3)
-    a_codes, a_scales, w, _ = _q8_inputs(rng, 9, 301, 512, 256, 8)
-    out_p = np.empty((9, 301), np.float32)
-    out_s = np.empty((9, 301), np.float32)
-    kernels._gemm_q8_parallel(a_codes, a_scales, w.codes, w.scales, out_p)
-    kernels._gemm_q8_serial(a_codes, a_scales, w.codes, w.scales, out_s)
-    np.testing.assert_array_equal(out_p, out_s)
+    a_codes, a_scales, w, _ = _q8_inputs(rng, m, 301, 512, 256, 8)
+    monkeypatch.setattr(kernels, "PARALLEL_MIN_MACS", 0)
+    parallel = kernels.gemm_q8(a_codes, a_scales, w.codes, w.scales)
+    monkeypatch.setattr(kernels, "PARALLEL_MIN_MACS", 1 << 62)
+    serial = kernels.gemm_q8(a_codes, a_scales, w.codes, w.scales)
+    np.testing.assert_array_equal(parallel, serial)
 
 
 def test_decode_and_prefill_rows_agree() -> None:
-    """A row's result does not depend on how many rows share the call (rows 0..3 use the 4-row tile)."""
+    """A row's result does not depend on the tile it ran in (4x2, 4x1, 1x2, 1x1 on int16 or int8 inputs)."""
     rng = np.random.default_rng(5)
-    a_codes, a_scales, w, _ = _q8_inputs(rng, 8, 45, 576, 32, 8)
+    a_codes, a_scales, w, _ = _q8_inputs(rng, 11, 45, 576, 32, 8)
     batch = kernels.gemm_q8(a_codes, a_scales, w.codes, w.scales)
-    for i in range(8):
+    for i in range(11):
         one = kernels.gemm_q8(a_codes[i:i + 1], a_scales[i:i + 1], w.codes, w.scales)
         np.testing.assert_array_equal(one[0], batch[i])
+    five = kernels.gemm_q8(a_codes[3:8], a_scales[3:8], w.codes[1:], w.scales[1:])
+    np.testing.assert_array_equal(five, batch[3:8, 1:])
 
 
 def test_empty_shapes() -> None:
