@@ -214,11 +214,9 @@ extern "C" __global__ void copy16(const uint4* __restrict__ s, uint4* __restrict
                 s = cp.asarray(np.random.default_rng(1).uniform(0.001, 0.01, (m, k // g)).astype(np.float32))
                 out = cp.empty((m, n), dtype=cp.float32)
                 us, mode = self.graph_time_us(lambda i: self.dev.gemm.q8(a, s, w, out, n, self.stream), 10)
-                us64, _ = self.graph_time_us(
-                    lambda i: self.dev.gemm.q8(a, s, w, out, n, self.stream, mma_bk=64), 10)
                 tops = 2 * m * n * k / (us * 1e-6) / 1e12
                 row = {"gemm": name, "M": m, "N": n, "K": k, "bits": bits, "us": round(us, 1),
-                       "tops": round(tops, 1), "us_bk64": round(us64, 1)}
+                       "tops": round(tops, 1)}
                 if bits == 8:
                     a16 = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
                     b16 = cp.random.standard_normal((k, n), dtype=cp.float32).astype(cp.float16)
@@ -327,7 +325,6 @@ def table(res: dict[str, Any]) -> None:
             f"{r['us']:>8.2f} {r['tb_s']:>6.2f} {r['pct_copy']:>6.1f} {cb if cb else '':>11} {sp:>7} {others}")
     for r in res.get("prefill", []):
         log(f"prefill {r['gemm']:8} M{r['M']} N{r['N']} K{r['K']} q{r['bits']}: {r['us']} us, {r['tops']} TOPS"
-            f" (BK64 {r['us_bk64']} us)"
             + (f" (cuBLAS fp16 {r['cublas_fp16_us']} us)" if "cublas_fp16_us" in r else ""))
     if "prefill_512_gemm_ms" in res:
         log(f"512-token prefill, all GEMMs: {res['prefill_512_gemm_ms']} ms -> "

@@ -13,7 +13,7 @@ workspaces are preallocated by the caller.
 ``weight`` is a ``residency.DeviceWeight`` (see ``weights.py`` for its layout); ``n`` is how many output
 columns to write: the weight's N, or its NG for a fused buffer (members side by side, in order); ``out``'s
 row stride is its second dimension. M <= GEMV_MAX_M runs the decode GEMV (``gemv_warp.cu``), larger M the
-tensor-core kernel (``gemm_mma.cu``).
+tensor-core kernel (``gemm_mma.cu``, block shape ``kernels.MMA_TILE_DEFAULT``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from kestrel_cuda.kernels import MMA_TILE_DEFAULT, MMA_TILES
 from kestrel_cuda.residency import DeviceWeight
 
 GEMV_MAX_M = 8
@@ -31,8 +32,6 @@ GEMV_THREADS = 128  # gemv.cu ("lane" layout)
 SLICES_PER_ITER = 32  # 4 warps x 8 slice lanes
 GW_THREADS = 256  # gemv_warp.cu ("warp" layout, the default): 8 warps, one 32-row slice each
 GW_SLICES = 8
-MMA_BM, MMA_BN, MMA_THREADS = 64, 128, 256
-MMA_BK_DEFAULT = 64  # measured on the H200: 2 blocks/SM at 64-byte stages beat 1 block/SM at 128 (1.5x)
 F32_THREADS, F32_MT = 128, 4
 QUANT_THREADS = 256
 BLOCKS_PER_SM = 4  # GEMV grid target: enough resident warps to keep the memory system busy
@@ -78,9 +77,10 @@ def gemv_variant(m: int, npad: int, k: int, group_size: int, bits: int) -> tuple
     return mt, vec, bits, r
 
 
-def _launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, stream: Any) -> None:
+def _launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, stream: Any,
+            shared_mem: int = 0) -> None:
     with stream if stream is not None else contextlib.nullcontext():
-        kernel(grid, block, args)
+        kernel(grid, block, args, shared_mem=shared_mem)
 
 
 class DeviceGemm:
@@ -88,7 +88,7 @@ class DeviceGemm:
         self.cp = cp
         self.kernels = kernels
         self.sm_count = sm_count
-        self.mma_bk = MMA_BK_DEFAULT
+        self.mma_tile = MMA_TILE_DEFAULT
         self._workspaces: dict[int, Workspace] = {}
         self.launches = {"gemv": 0, "mma": 0, "f32": 0, "quantize": 0}
 
@@ -116,11 +116,12 @@ class DeviceGemm:
 
     def q8(self, a_codes: Any, a_scales: Any, weight: DeviceWeight, out: Any, n: int | None = None,
            stream: Any = None, *, variant: tuple | None = None, splits: int | None = None,
-           mma_bk: int | None = None) -> None:
+           mma_tile: str | None = None) -> None:
         """out[:M, :n] = int8 GEMM of a_codes [M,K] (scales [M,K/G]) with ``weight``.
 
         Benchmarks and tests may force a kernel: ``variant`` ("warp", MT, VEC, BITS) or (MT, VEC, BITS, R) of
-        the "lane" GEMV, ``splits`` its split-K, ``mma_bk`` the tensor-core kernel's stage depth.
+        the "lane" GEMV, ``splits`` its split-K, ``mma_tile`` the tensor-core kernel (a ``kernels.MMA_TILES``
+        block shape) at any M.
         """
         g = weight.geometry
         m, k = a_codes.shape
@@ -130,13 +131,18 @@ class DeviceGemm:
             raise ValueError(f"q8: shapes do not match (A {a_codes.shape}, weight K={g.k} Npad={g.npad})")
         if variant is not None and variant[0] != "warp":
             self._gemv(a_codes, a_scales, weight, out, n, ldo, stream, variant, splits)
-        elif (m <= GEMV_MAX_M or variant is not None) and mma_bk is None:
+        elif (m <= GEMV_MAX_M or variant is not None) and mma_tile is None:
             self._gemv_warp(a_codes, a_scales, weight, out, n, ldo, stream, variant, splits)
         else:
-            kern = self.kernels.mma[(g.code_bits, mma_bk or self.mma_bk)]
-            _launch(kern, (_cdiv(g.npad, MMA_BN), _cdiv(m, MMA_BM)), (MMA_THREADS,),
+            name = mma_tile or self.mma_tile
+            tile = MMA_TILES[name]
+            kern = self.kernels.mma.get((g.code_bits, g.group_size, name))
+            if kern is None:
+                raise ValueError(f"no tensor-core kernel for int{g.code_bits} G={g.group_size}")
+            # blockIdx.x walks M, so the blocks resident together share one weight tile
+            _launch(kern, (_cdiv(m, tile.bm), _cdiv(g.npad, tile.bn)), (tile.threads,),
                     (a_codes, a_scales, i32(m), weight.codes, weight.scales, out, i32(ldo), i32(n), i32(k),
-                     i32(g.npad), i32(g.group_size)), stream)
+                     i32(g.npad)), stream, tile.smem_bytes(g.code_bits, g.group_size))
             self.launches["mma"] += 1
 
     def _gemv_warp(self, a_codes: Any, a_scales: Any, weight: DeviceWeight, out: Any, n: int, ldo: int,

@@ -1,187 +1,303 @@
-// Prefill GEMM (M large) on int8 tensor cores: mma.sync.m16n8k32 s8 x s8 -> s32.
+// Prefill GEMM (M large) on int8 tensor cores: mma.sync.m16n8k32 s8 x s8 -> s32, fed by a 4-stage cp.async
+// shared-memory pipeline.
 //
-// Block tile 64 (M) x 128 (N), 8 warps as 2 x 4, warp tile 32 x 32 (2 x 4 mma tiles); K in stages of BK
-// (64 or 128) bytes, double-buffered in shared memory with the next stage's global loads in flight during
-// the mma (a longer stage hides more of the load latency).
-// One k32 step is exactly one block of G = 32 (an eighth of G = 256): the int32 mma accumulators hold exact
-// block sums; when a group completes they are scaled as ((float)sum * As) * Ws, the CPU reference's
-// expression, and added to float accumulators in increasing group order, the reference's order too.
+// Tiles: a block of WM x WN warps covers BM = WM*MI*16 rows by BN = WN*32 columns; each warp owns MI m16 tiles
+// by four n8 tiles. K advances in stages of BK = 64 (two k32 steps); STAGES stages are in flight (cp.async.cg
+// 16-byte copies for the codes, 4-byte copies for the scales, zero-filled out of bounds), one barrier per stage.
+// blockIdx.x walks M: the blocks resident together share one weight tile, so the weights are read from device
+// memory about once while the activations (a few MB) stay in L2.
 //
-// Shared memory holds both operands as [row][BK/4 words] with k contiguous (A rows = m, B rows = n); word kw
-// of row r is stored at kw ^ (swz(r) << 2), which keeps the fragment loads conflict-free and the transposing
-// B stores at 2-way (BK 64) or conflict-free (BK 128). B arrives K-major ([K][Npad]), so each thread loads a 4 (k) x 4 (n) byte piece and
-// transposes it in registers (4 words -> 4 words) before storing.
-#define MMA_BM 64
-#define MMA_BN 128
-#define MMA_THREADS 256
+// Exact block sums. One k32 step is one block of G = 32 (an eighth of G = 256). The mma accumulators start
+// from MAGIC = 0x4B400000 (the bits of 1.5 * 2^23) instead of 0: for |s| <= 2^22 the integer MAGIC + s is the
+// bit pattern of the float 1.5 * 2^23 + s, so (float)s = __int_as_float(MAGIC + s) - 1.5 * 2^23 exactly, one
+// FADD instead of an I2F (a quarter-rate conversion that bounded the previous kernel). Block sums of int8 codes
+// satisfy |s| <= 256 * 128 * 128 = 2^22. With G = 32 the first (and only) mma of a block takes MAGIC as its C
+// operand, so no reset is needed at all. Each finished block is then scaled exactly as the CPU reference does,
+// ((float)s * a_scale) * w_scale (--fmad=false: two roundings), and added to the float accumulators in
+// increasing group order: bit-identical to kestrel_core.contract.reference_gemm_q8.
+//
+// Shared memory per stage: A codes [BM][64] bytes, 16-byte chunk c of row r stored at c ^ ((r >> 1) & 3)
+// (ldmatrix.x4 reads 8 rows of one chunk column conflict-free); B codes as they lie in device memory, K-major
+// [BK*BITS/8][BN] bytes (int4: two k rows per byte), word w of row r stored at w ^ (((r / RPW) & 3) << 3) with
+// RPW k-rows-per-4-words; A scales [SG][BM] and B scales [SG][BN] floats for the SG groups that end in the stage.
+// The B fragment of an n8 tile wants 4 consecutive k of one column in a register; the tile stays K-major and each
+// thread reads one word (4 columns) from 4 k rows and transposes the 4 x 4 bytes in registers. The n8 tile's
+// column j is therefore physical column 4 * j + ni of the warp's 32 (ni = tile index), which makes each thread's
+// outputs 8 consecutive columns (two 16-byte stores) and its weight scales two float4 reads.
+#define GQ_BK 64
+#define GQ_STAGES 4
+#define GQ_MAGIC 0x4B400000
+#define GQ_MAGIC_F 12582912.0f
 
-template <int BK>
-__device__ __forceinline__ int swz(int r) {
-    if constexpr (BK == 64) return ((r >> 1) ^ (r >> 3)) & 3;
-    else return (r ^ (r >> 3)) & 7;
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
 }
 
-__device__ __forceinline__ void mma_s8(int (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// d = a * b + c
+__device__ __forceinline__ void mma_s8(int (&d)[4], const u32 (&a)[4], const u32 (&b)[2], const int (&c)[4]) {
     asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+                   "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]));
 }
 
-template <int BITS, int BK>
-__global__ void __launch_bounds__(MMA_THREADS, BK == 64 ? 2 : 1) k_gemm_mma(
+// Dynamic shared memory of one block (bytes); gemm.py computes the same number (mma_smem_bytes).
+template <int BITS, int G, int WM, int WN, int MI>
+struct GqTile {
+    static constexpr int BM = WM * MI * 16, BN = WN * 32, THREADS = WM * WN * 32;
+    static constexpr int BKB = GQ_BK * BITS / 8;           // B bytes rows per stage (int4: packed)
+    static constexpr int SG = G < GQ_BK ? GQ_BK / G : 1;   // scale slots per stage
+    static constexpr int A_BYTES = BM * GQ_BK, B_BYTES = BKB * BN;
+    static constexpr int AS_BYTES = SG * BM * 4, BS_BYTES = SG * BN * 4;
+    static constexpr int STAGE = A_BYTES + B_BYTES + AS_BYTES + BS_BYTES;
+    static constexpr int SMEM = GQ_STAGES * STAGE;
+};
+
+template <int BITS, int G, int WM, int WN, int MI, int MINB>
+__global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
         const i8* __restrict__ A, const float* __restrict__ As, int M,
         const u8* __restrict__ W, const float* __restrict__ Ws,
-        float* __restrict__ out, int ldo, int N, int K, int Npad, int G) {
-    constexpr int RW = BK / 4;            // words per shared-memory row
-    constexpr int AP = MMA_BM * BK / 16 / MMA_THREADS;   // 16-byte A chunks per thread per stage
-    constexpr int BP = (BK / 4) * (MMA_BN / 4) / MMA_THREADS;  // 4x4 B pieces per thread per stage
-    constexpr int KS = BK / 32;           // k32 steps per stage
-    __shared__ __align__(16) u32 sA[2][MMA_BM * RW];
-    __shared__ __align__(16) u32 sB[2][MMA_BN * RW];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp >> 2, wn = warp & 3;
-    const int gid = lane >> 2, tig = lane & 3;
-    const int m0 = blockIdx.y * MMA_BM, n0 = blockIdx.x * MMA_BN;
-    const int ng = K / G;
-    const int nst = (K + BK - 1) / BK;
+        float* __restrict__ out, int ldo, int N, int K, int Npad) {
+    using T = GqTile<BITS, G, WM, WN, MI>;
+    constexpr int BM = T::BM, BN = T::BN, THREADS = T::THREADS, BKB = T::BKB, SG = T::SG;
+    constexpr int KS = GQ_BK / 32;                // k32 steps per stage
+    constexpr int RPW = BITS == 8 ? 4 : 2;        // shared B rows per group of 4 k rows
+    constexpr int GS = G / 32;                    // k32 steps per group
+    static_assert(G == 32 || G == 256, "G must be 32 or 256");
+    static_assert(MI % 2 == 0, "row scales are read as float4");
+    static_assert(BN == 128, "the B swizzle and fragment mapping assume 32-word shared rows (WN = 4)");
+    extern __shared__ __align__(16) unsigned char smem[];
 
-    // global -> register staging of one stage
-    uint4 ra[AP];
-    u32 rb[BP][4];
-    constexpr int CPR = BK / 16;          // 16-byte chunks per A row
-    auto load_stage = [&](int st) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp / WN, wn = warp % WN;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const int ng = K / G;
+    const int nst = (K + GQ_BK - 1) / GQ_BK;
+    const int krows = K * BITS / 8;               // rows of the device code matrix
+    const bool b16 = (Npad & 15) == 0;            // 16-byte copies of B rows stay aligned
+    const u32 sbase = smem_u32(smem);
+
+    // Per-thread copy plan, fixed for the whole K loop (only the k offset moves). A: 16-byte chunk a_c of rows
+    // a_r0 + p * A_RSTEP; B: chunk b_c of k rows b_r0 + p * B_RSTEP. The row steps are multiples of 8, so every
+    // row of a thread has the same swizzle.
+    constexpr int ACH = GQ_BK / 16, BCH = BN / 16;
+    constexpr int A_RSTEP = THREADS / ACH, B_RSTEP = THREADS / BCH;
+    constexpr int AP = BM / A_RSTEP, BP = (BKB + B_RSTEP - 1) / B_RSTEP;
+    static_assert(BM % A_RSTEP == 0 && A_RSTEP % 8 == 0 && B_RSTEP % 8 == 0, "copy plan");
+    static_assert(SG * BM <= THREADS && SG * BN <= THREADS, "one scale copy per thread at most");
+    const int a_c = tid % ACH, a_r0 = tid / ACH;
+    const int b_c = tid % BCH, b_r0 = tid / BCH;
+    const i8* a_src = A + (size_t)(m0 + a_r0) * K + 16 * a_c;
+    const u32 a_dst = a_r0 * GQ_BK + ((a_c ^ ((a_r0 >> 1) & 3)) << 4);
+    const u8* b_src = W + (size_t)b_r0 * Npad + n0 + 16 * b_c;
+    const u32 b_dst = T::A_BYTES + b_r0 * BN + ((b_c ^ (((b_r0 / RPW) & 3) << 1)) << 4);
+    const int b_left = Npad - (n0 + 16 * b_c);
+    const int b_nvalid = b_left < 0 ? 0 : b_left > 16 ? 16 : b_left;  // bytes of the chunk inside Npad
+    // scales: thread tid copies slot tid / BM, row tid % BM of A's and slot tid / BN, column tid % BN of B's
+    const int as_row = tid % BM, bs_col = tid % BN;
+    const bool as_on = tid < SG * BM && m0 + as_row < M;
+    const bool bs_on = tid < SG * BN && n0 + bs_col < Npad;
+    const float* as_src = As + (size_t)(m0 + as_row) * ng + tid / BM;
+    const float* bs_src = Ws + (size_t)(tid / BN) * Npad + n0 + bs_col;
+    // A scales are stored per slot as [warp row wm][gid][mi][h] so a thread's 2 * MI row scales are contiguous
+    const int as_pos = (as_row / (MI * 16)) * (MI * 16) + (as_row % 8) * (2 * MI) + ((as_row % (MI * 16)) / 16) * 2
+                       + (as_row % 16) / 8;
+    const u32 as_dst = T::A_BYTES + T::B_BYTES + 4 * ((tid / BM) * BM + as_pos);
+    const u32 bs_dst = T::A_BYTES + T::B_BYTES + T::AS_BYTES + 4 * tid;
+
+    // -- one stage: global -> shared, asynchronous; zero-filled outside M, K and Npad ------------------------
+    auto load_stage = [&](int st, int buf) {
+        const u32 sb = sbase + buf * T::STAGE;
+        const int k0 = st * GQ_BK;
+        const bool a_kok = k0 + 16 * a_c < K;
 #pragma unroll
         for (int p = 0; p < AP; ++p) {
-            const int idx = p * MMA_THREADS + tid, row = idx / CPR, chunk = idx % CPR;
-            const int gm = m0 + row, gk = st * BK + chunk * 16;
-            ra[p] = make_uint4(0u, 0u, 0u, 0u);
-            if (gm < M && gk < K) ra[p] = __ldg(reinterpret_cast<const uint4*>(A + (size_t)gm * K + gk));
+            const bool ok = a_kok && m0 + a_r0 + p * A_RSTEP < M;
+            cp_async16(sb + a_dst + p * A_RSTEP * GQ_BK, ok ? a_src + (size_t)p * A_RSTEP * K + k0 : A, ok ? 16 : 0);
         }
 #pragma unroll
-        for (int it = 0; it < BP; ++it) {
-            const int combo = it * 8 + warp;
-            const int cq = (combo & 3) * 8 + (lane & 7);
-            const int q = (combo >> 2) * 4 + (lane >> 3);
-            const int n = n0 + 4 * cq, k = st * BK + 4 * q;
-            u32 w0 = 0u, w1 = 0u, w2 = 0u, w3 = 0u;
-            if (n < Npad && k < K) {
-                if constexpr (BITS == 8) {
-                    const u8* p = W + (size_t)k * Npad + n;
-                    w0 = __ldg(reinterpret_cast<const u32*>(p));
-                    w1 = __ldg(reinterpret_cast<const u32*>(p + Npad));
-                    w2 = __ldg(reinterpret_cast<const u32*>(p + 2 * (size_t)Npad));
-                    w3 = __ldg(reinterpret_cast<const u32*>(p + 3 * (size_t)Npad));
-                } else {
-                    const u8* p = W + (size_t)(k >> 1) * Npad + n;
-                    const u32 x = __ldg(reinterpret_cast<const u32*>(p));
-                    const u32 y = __ldg(reinterpret_cast<const u32*>(p + Npad));
-                    w0 = nib_lo(x); w1 = nib_hi(x); w2 = nib_lo(y); w3 = nib_hi(y);
+        for (int p = 0; p < BP; ++p) {
+            const int r = b_r0 + p * B_RSTEP;
+            if (BKB % B_RSTEP != 0 && r >= BKB) break;
+            const int gr = st * BKB + r;
+            const u32 dst = sb + b_dst + p * B_RSTEP * BN;
+            const u8* src = b_src + ((size_t)st * BKB + p * B_RSTEP) * Npad;
+            if (b16) {
+                const bool ok = gr < krows && b_nvalid > 0;
+                cp_async16(dst, ok ? src : W, ok ? 16 : 0);
+            } else {  // Npad % 16 != 0: word copies (Npad % 4 == 0 keeps a word wholly in or out)
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    const bool ok = gr < krows && 4 * w < b_nvalid;
+                    cp_async4(dst + 4 * w, ok ? src + 4 * w : W, ok ? 4 : 0);
                 }
             }
-            transpose4x4(w0, w1, w2, w3, rb[it][0], rb[it][1], rb[it][2], rb[it][3]);
         }
-    };
-    auto store_stage = [&](int buf) {
-#pragma unroll
-        for (int p = 0; p < AP; ++p) {
-            const int idx = p * MMA_THREADS + tid, row = idx / CPR, chunk = idx % CPR;
-            *reinterpret_cast<uint4*>(&sA[buf][row * RW + ((chunk ^ swz<BK>(row)) << 2)]) = ra[p];
+        // scales of the groups that end in this stage
+        int g0;
+        if constexpr (G < GQ_BK) g0 = st * SG;
+        else {
+            if (((st + 1) * GQ_BK) % G != 0) return;
+            g0 = ((st + 1) * GQ_BK) / G - 1;
         }
-#pragma unroll
-        for (int it = 0; it < BP; ++it) {
-            const int combo = it * 8 + warp;
-            const int cq = (combo & 3) * 8 + (lane & 7);
-            const int q = (combo >> 2) * 4 + (lane >> 3);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int n = 4 * cq + j;
-                sB[buf][n * RW + (q ^ (swz<BK>(n) << 2))] = rb[it][j];
-            }
+        if (tid < SG * BM) {
+            const bool ok = as_on && g0 + tid / BM < ng;
+            cp_async4(sb + as_dst, ok ? as_src + g0 : As, ok ? 4 : 0);
+        }
+        if (tid < SG * BN) {
+            const bool ok = bs_on && g0 + tid / BN < ng;
+            cp_async4(sb + bs_dst, ok ? bs_src + (size_t)g0 * Npad : Ws, ok ? 4 : 0);
         }
     };
 
-    float facc[2][4][4];
-    int iacc[2][4][4];
+    float facc[MI][4][4];
+    int iacc[MI][4][4];
+    const int magic[4] = {GQ_MAGIC, GQ_MAGIC, GQ_MAGIC, GQ_MAGIC};
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < MI; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) { facc[i][j][e] = 0.0f; iacc[i][j][e] = 0; }
+            for (int e = 0; e < 4; ++e) { facc[i][j][e] = 0.0f; iacc[i][j][e] = GQ_MAGIC; }
 
-    load_stage(0);
-    store_stage(0);
-    __syncthreads();
+#pragma unroll
+    for (int s = 0; s < GQ_STAGES - 1; ++s) {
+        if (s < nst) load_stage(s, s);
+        cp_async_commit();
+    }
+
     for (int st = 0; st < nst; ++st) {
-        const int buf = st & 1;
-        if (st + 1 < nst) load_stage(st + 1);
+        cp_async_wait<GQ_STAGES - 2>();
+        __syncthreads();  // stage st is visible to all; every warp is done with stage st - 1's buffer
+        {
+            const int nx = st + GQ_STAGES - 1;
+            if (nx < nst) load_stage(nx, nx % GQ_STAGES);
+            cp_async_commit();
+        }
+        const int buf = st % GQ_STAGES;
+        const u32 sa = sbase + buf * T::STAGE;
+        const unsigned char* sbp = smem + buf * T::STAGE + T::A_BYTES;
+        const float* sasp = reinterpret_cast<const float*>(sbp + T::B_BYTES);
+        const float* sbsp = sasp + SG * BM;
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
-            const int kk = st * KS + ks;  // global k32 step
-            if (kk * 32 >= K) break;
-            u32 af[2][4], bf[4][2];
+            const int kk = st * KS + ks;  // global k32 step (past K in a half stage: zero codes, zero scales)
+            u32 af[MI][4], bf[4][2];
 #pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-                const int r = wm * 32 + mi * 16 + gid;
-                const int kw = ks * 8 + tig;
-                af[mi][0] = sA[buf][r * RW + (kw ^ (swz<BK>(r) << 2))];
-                af[mi][1] = sA[buf][(r + 8) * RW + (kw ^ (swz<BK>(r + 8) << 2))];
-                af[mi][2] = sA[buf][r * RW + ((kw + 4) ^ (swz<BK>(r) << 2))];
-                af[mi][3] = sA[buf][(r + 8) * RW + ((kw + 4) ^ (swz<BK>(r + 8) << 2))];
+            for (int mi = 0; mi < MI; ++mi) {
+                const int row = wm * MI * 16 + mi * 16 + (lane & 15);
+                const int c = ks * 2 + (lane >> 4);
+                ldmatrix_x4(af[mi], sa + row * GQ_BK + ((c ^ ((row >> 1) & 3)) << 4));
             }
 #pragma unroll
-            for (int ni = 0; ni < 4; ++ni) {
-                const int n = wn * 32 + ni * 8 + gid;
-                const int kw = ks * 8 + tig;
-                bf[ni][0] = sB[buf][n * RW + (kw ^ (swz<BK>(n) << 2))];
-                bf[ni][1] = sB[buf][n * RW + ((kw + 4) ^ (swz<BK>(n) << 2))];
-            }
+            for (int h = 0; h < 2; ++h) {
+                u32 w[4];
+                const int word = wn * 8 + gid;
+                if constexpr (BITS == 8) {
 #pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-                for (int ni = 0; ni < 4; ++ni) mma_s8(iacc[mi][ni], af[mi], bf[ni]);
-            if (((kk + 1) * 32) % G == 0) {  // a group is complete: scale its exact sums
-                const int g = (kk * 32) / G;
-                float sa[2][2];
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        const int row = m0 + wm * 32 + mi * 16 + gid + 8 * hf;
-                        sa[mi][hf] = row < M ? __ldg(As + (size_t)row * ng + g) : 0.0f;
+                    for (int j = 0; j < 4; ++j) {
+                        const int r = ks * 32 + h * 16 + 4 * tig + j;  // (r >> 2) & 3 == tig
+                        w[j] = *reinterpret_cast<const u32*>(sbp + r * BN + 4 * (word ^ (tig << 3)));
                     }
+                } else {
+                    const int r = ks * 16 + h * 8 + 2 * tig;           // (r >> 1) & 3 == tig
+                    const u32 x = *reinterpret_cast<const u32*>(sbp + r * BN + 4 * (word ^ (tig << 3)));
+                    const u32 y = *reinterpret_cast<const u32*>(sbp + (r + 1) * BN + 4 * (word ^ (tig << 3)));
+                    w[0] = nib_lo(x); w[1] = nib_hi(x); w[2] = nib_lo(y); w[3] = nib_hi(y);
+                }
+                transpose4x4(w[0], w[1], w[2], w[3], bf[0][h], bf[1][h], bf[2][h], bf[3][h]);
+            }
+            if constexpr (GS == 1) {
 #pragma unroll
-                for (int ni = 0; ni < 4; ++ni) {
-                    const int col = n0 + wn * 32 + ni * 8 + tig * 2;
-                    float2 sw = make_float2(0.0f, 0.0f);
-                    if (col < Npad) sw = __ldg(reinterpret_cast<const float2*>(Ws + (size_t)g * Npad + col));
+                for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-                    for (int mi = 0; mi < 2; ++mi) {
-                        facc[mi][ni][0] += ((float)iacc[mi][ni][0] * sa[mi][0]) * sw.x;
-                        facc[mi][ni][1] += ((float)iacc[mi][ni][1] * sa[mi][0]) * sw.y;
-                        facc[mi][ni][2] += ((float)iacc[mi][ni][2] * sa[mi][1]) * sw.x;
-                        facc[mi][ni][3] += ((float)iacc[mi][ni][3] * sa[mi][1]) * sw.y;
+                    for (int ni = 0; ni < 4; ++ni) mma_s8(iacc[mi][ni], af[mi], bf[ni], magic);
+            } else {
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) iacc[mi][ni][e] = 0;
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int ni = 0; ni < 4; ++ni) mma_s8(iacc[mi][ni], af[mi], bf[ni], iacc[mi][ni]);
+            }
+            if (GS == 1 || (kk + 1) % GS == 0) {  // a group is complete: scale its exact sums
+                const int slot = GS == 1 ? ks : 0;
+                float sw[8];
+                const float4 w0 = *reinterpret_cast<const float4*>(sbsp + slot * BN + wn * 32 + 8 * tig);
+                const float4 w1 = *reinterpret_cast<const float4*>(sbsp + slot * BN + wn * 32 + 8 * tig + 4);
+                sw[0] = w0.x; sw[1] = w0.y; sw[2] = w0.z; sw[3] = w0.w;
+                sw[4] = w1.x; sw[5] = w1.y; sw[6] = w1.z; sw[7] = w1.w;
+                float sa[2 * MI];  // rows mi * 16 + gid + 8 * h of the warp, at 2 * mi + h
+#pragma unroll
+                for (int q = 0; q < 2 * MI; q += 4) {
+                    const float4 v = *reinterpret_cast<const float4*>(sasp + slot * BM + wm * MI * 16 + gid * 2 * MI + q);
+                    sa[q] = v.x; sa[q + 1] = v.y; sa[q + 2] = v.z; sa[q + 3] = v.w;
+                }
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi) {
+                    const float sa0 = sa[2 * mi], sa1 = sa[2 * mi + 1];
+#pragma unroll
+                    for (int ni = 0; ni < 4; ++ni) {
+                        // element e: row gid + 8 * (e >> 1), n8 column 2 * tig + (e & 1) = physical 8 * tig +
+                        // 4 * (e & 1) + ni of the warp's 32
+                        const float f0 = __int_as_float(iacc[mi][ni][0]) - GQ_MAGIC_F;
+                        const float f1 = __int_as_float(iacc[mi][ni][1]) - GQ_MAGIC_F;
+                        const float f2 = __int_as_float(iacc[mi][ni][2]) - GQ_MAGIC_F;
+                        const float f3 = __int_as_float(iacc[mi][ni][3]) - GQ_MAGIC_F;
+                        facc[mi][ni][0] += (f0 * sa0) * sw[ni];
+                        facc[mi][ni][1] += (f1 * sa0) * sw[4 + ni];
+                        facc[mi][ni][2] += (f2 * sa1) * sw[ni];
+                        facc[mi][ni][3] += (f3 * sa1) * sw[4 + ni];
+                        if constexpr (GS > 1) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) iacc[mi][ni][e] = GQ_MAGIC;
+                        }
                     }
                 }
             }
         }
-        if (st + 1 < nst) store_stage(buf ^ 1);
-        __syncthreads();
     }
+    cp_async_wait<0>();  // nothing is left in flight (the tail groups are empty), but leave no copy pending
 
+    const bool vec = (ldo & 3) == 0 && (reinterpret_cast<size_t>(out) & 15) == 0;
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
+    for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < 4; ++ni) {
-            const int row = m0 + wm * 32 + mi * 16 + gid;
-            const int col = n0 + wn * 32 + ni * 8 + tig * 2;
+        for (int h = 0; h < 2; ++h) {
+            const int r = m0 + wm * MI * 16 + mi * 16 + gid + 8 * h;
+            const int c = n0 + wn * 32 + 8 * tig;
+            if (r >= M) continue;
+            float v[8];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = row + (e >> 1) * 8, c = col + (e & 1);
-                if (r < M && c < N) out[(size_t)r * ldo + c] = facc[mi][ni][e];
+            for (int q = 0; q < 8; ++q) v[q] = facc[mi][q & 3][2 * h + (q >> 2)];
+            float* o = out + (size_t)r * ldo + c;
+            if (vec && c + 8 <= N) {
+                *reinterpret_cast<float4*>(o) = make_float4(v[0], v[1], v[2], v[3]);
+                *reinterpret_cast<float4*>(o + 4) = make_float4(v[4], v[5], v[6], v[7]);
+            } else {
+#pragma unroll
+                for (int q = 0; q < 8; ++q)
+                    if (c + q < N) o[q] = v[q];
             }
         }
 }

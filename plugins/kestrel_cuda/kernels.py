@@ -28,9 +28,50 @@ GEMV_VARIANTS: tuple[tuple[int, int, int, int], ...] = tuple(
     for bits in (8, 4)
     for mt, vec, r in ((1, 16, 32), (1, 16, 8), (2, 16, 32), (4, 8, 32), (1, 4, 32), (2, 4, 32), (4, 4, 32))
 )
-MMA_BK = (64, 128)  # K bytes per shared-memory stage of the tensor-core kernel; the first is the default
 GROUP_SIZES = (32, 256)
 BITS = (8, 4)
+
+
+@dataclass(frozen=True)
+class MmaTile:
+    """One block shape of the tensor-core kernel (gemm_mma.cu): WM x WN warps, MI m16 tiles per warp."""
+
+    wm: int
+    wn: int
+    mi: int
+    min_blocks: int  # __launch_bounds__ minimum resident blocks per SM (caps the registers)
+
+    @property
+    def bm(self) -> int:
+        return self.wm * self.mi * 16
+
+    @property
+    def bn(self) -> int:
+        return self.wn * 32
+
+    @property
+    def threads(self) -> int:
+        return self.wm * self.wn * 32
+
+    def smem_bytes(self, bits: int, group_size: int) -> int:
+        """Dynamic shared memory of one block; the same sum as GqTile::SMEM in gemm_mma.cu."""
+        slots = MMA_BK // group_size if group_size < MMA_BK else 1
+        stage = self.bm * MMA_BK + MMA_BK * bits // 8 * self.bn + 4 * slots * (self.bm + self.bn)
+        return MMA_STAGES * stage
+
+    def name(self, bits: int, group_size: int) -> str:
+        return f"k_gemm_q8_tc<{bits}, {group_size}, {self.wm}, {self.wn}, {self.mi}, {self.min_blocks}>"
+
+
+MMA_BK, MMA_STAGES = 64, 4  # K per shared-memory stage and stages in flight (GQ_BK, GQ_STAGES in gemm_mma.cu)
+# Block shapes, the first the default: 128x128 with 8 warps of 64x32 (1 block/SM, ~210 registers), 128x128 with
+# 16 warps of 32x32 and 64x128 with 8 warps of 32x32 (both <= 128 registers: 16 warps per SM).
+MMA_TILES: dict[str, MmaTile] = {
+    "128x128": MmaTile(2, 4, 4, 1),
+    "128x128w16": MmaTile(4, 4, 2, 1),
+    "64x128": MmaTile(2, 4, 2, 2),
+}
+MMA_TILE_DEFAULT = "128x128"
 
 
 class KernelCompileError(RuntimeError):
@@ -60,7 +101,7 @@ class Kernels:
     quantize: dict[int, Any]  # G -> kernel
     gemv: dict[tuple[int, int, int, int], Any]
     gemv_warp: dict[tuple[int, int, int], Any]
-    mma: dict[tuple[int, int], Any]  # (bits, BK) -> kernel
+    mma: dict[tuple[int, int, str], Any]  # (bits, G, tile name) -> kernel
     f32: dict[int, Any]  # bits -> kernel
     compile_s: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
@@ -70,7 +111,8 @@ def compile_kernels(cp: Any) -> Kernels:
     """Compile and resolve every kernel on the current device; raises KernelCompileError."""
     names = ([f"k_quantize_act<{g}>" for g in GROUP_SIZES] + [gemv_name(*v) for v in GEMV_VARIANTS]
              + [gemv_warp_name(*v) for v in GEMV_WARP_VARIANTS]
-             + [f"k_gemm_mma<{b}, {bk}>" for b in BITS for bk in MMA_BK] + [f"k_gemm_f32<{b}>" for b in BITS])
+             + [t.name(b, g) for b in BITS for g in GROUP_SIZES for t in MMA_TILES.values()]
+             + [f"k_gemm_f32<{b}>" for b in BITS])
     start = time.perf_counter()
     try:
         module = cp.RawModule(code=source_text(), options=OPTIONS, name_expressions=names)
@@ -83,15 +125,17 @@ def compile_kernels(cp: Any) -> Kernels:
             quantize={g: get(f"k_quantize_act<{g}>") for g in GROUP_SIZES},
             gemv={v: get(gemv_name(*v)) for v in GEMV_VARIANTS},
             gemv_warp={v: get(gemv_warp_name(*v)) for v in GEMV_WARP_VARIANTS},
-            mma={(b, bk): get(f"k_gemm_mma<{b}, {bk}>") for b in BITS for bk in MMA_BK},
+            mma={(b, g, tn): get(t.name(b, g)) for b in BITS for g in GROUP_SIZES for tn, t in MMA_TILES.items()},
             f32={b: get(f"k_gemm_f32<{b}>") for b in BITS},
         )
+        for (b, g, tn), kern in kernels.mma.items():  # above 48 KiB a block must ask for its shared memory
+            kern.max_dynamic_shared_size_bytes = MMA_TILES[tn].smem_bytes(b, g)
     except Exception as exc:  # CompileException, a missing symbol, a driver that cannot load the cubin
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise KernelCompileError(f"{type(exc).__name__}: {first}") from exc
     kernels.compile_s = time.perf_counter() - start
     try:
-        attrs = kernels.mma[(8, MMA_BK[0])].attributes
+        attrs = kernels.mma[(8, 32, MMA_TILE_DEFAULT)].attributes
         kernels.info = {"binary_version": attrs.get("binary_version"), "ptx_version": attrs.get("ptx_version"),
                         "mma_registers": attrs.get("num_regs")}
     except Exception:  # attributes are informative only

@@ -16,6 +16,7 @@ from kestrel_core.contract import quantize_activations, quantize_weight
 from kestrel_core.dispatch import Offload
 from kestrel_core.registry import Registry
 from kestrel_core.wkey import Proj, wkey
+from kestrel_cuda.kernels import MMA_TILES
 
 
 class _Ctx:
@@ -111,8 +112,9 @@ def test_compile_failure(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_missing_kernel_is_a_compile_failure(monkeypatch: pytest.MonkeyPatch) -> None:
-    _, reason = bind_reason(monkeypatch, fake_cupy(missing_kernel="k_gemm_mma<8, 128>"))
-    assert "kernel compilation failed" in reason and "k_gemm_mma<8, 128>" in reason
+    name = next(iter(MMA_TILES.values())).name(8, 256)  # a tensor-core kernel, not the first one looked up
+    _, reason = bind_reason(monkeypatch, fake_cupy(missing_kernel=name))
+    assert "kernel compilation failed" in reason and name in reason
 
 
 def test_unbound_cuda_leaves_the_cpu_result(monkeypatch: pytest.MonkeyPatch) -> None:

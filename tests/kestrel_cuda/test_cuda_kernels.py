@@ -35,7 +35,7 @@ pytestmark = pytest.mark.cuda
 
 from kestrel_cuda.binding import open_device  # noqa: E402
 from kestrel_cuda.gemm import GEMV_MAX_M, gemv_variant, gemv_warp_variant  # noqa: E402
-from kestrel_cuda.kernels import GEMV_VARIANTS, GEMV_WARP_VARIANTS, MMA_BK  # noqa: E402
+from kestrel_cuda.kernels import GEMV_VARIANTS, GEMV_WARP_VARIANTS, MMA_TILES  # noqa: E402
 from kestrel_cuda.residency import pad_n  # noqa: E402
 
 U = 2.0 ** -24
@@ -73,9 +73,10 @@ def assert_close_q8(got: np.ndarray, a_codes: np.ndarray, a_scales: np.ndarray, 
 
 
 def run_q8(dev, a_codes, a_scales, w, key=NO_CACHE, **kw) -> np.ndarray:
-    a = cp.asarray(a_codes)
-    s = cp.asarray(a_scales)
-    out = cp.full((a_codes.shape[0], w.n), np.nan, dtype=cp.float32)  # poison: every element must be written
+    with dev.stream:  # the device stream is non-blocking: the poison fill must be ordered before the GEMM
+        a = cp.asarray(a_codes)
+        s = cp.asarray(a_scales)
+        out = cp.full((a_codes.shape[0], w.n), np.nan, dtype=cp.float32)  # poison: every element must be written
     dw = dev.weight(key, [w])
     dev.gemm.q8(a, s, dw, out, w.n, dev.stream, **kw)
     dev.stream.synchronize()
@@ -165,14 +166,32 @@ def test_gemm_q8(dev, bits: int, g: int, m: int, n: int, k: int) -> None:
         np.testing.assert_array_equal(got, reference_gemm_q8(a_codes, a_scales, w))
 
 
-@pytest.mark.parametrize("bk", MMA_BK)
+@pytest.mark.parametrize("tile", list(MMA_TILES))
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("g", [32, 256])
-def test_every_mma_stage_depth(dev, bk: int, bits: int, g: int) -> None:
-    rng = np.random.default_rng([bk, bits, g])
-    w = rand_weight(rng, 200, 1280 if g == 256 else 1120, g, bits)  # K not a multiple of the stage
-    a_codes, a_scales = quantize_activations(rng.standard_normal((70, w.k)).astype(np.float32), g)
-    got = run_q8(dev, a_codes, a_scales, w, mma_bk=bk)
+@pytest.mark.parametrize("n", [200, 400])  # Npad % 16 != 0 (word copies of B) and == 0 (16-byte copies)
+def test_every_mma_tile(dev, tile: str, bits: int, g: int, n: int) -> None:
+    rng = np.random.default_rng([len(tile), bits, g, n])
+    w = rand_weight(rng, n, 1280 if g == 256 else 1120, g, bits)  # G=32: K ends in half a 64-wide stage
+    a_codes, a_scales = quantize_activations(rng.standard_normal((70, w.k)).astype(np.float32), g)  # M % 64 != 0
+    got = run_q8(dev, a_codes, a_scales, w, mma_tile=tile)
+    np.testing.assert_array_equal(got, reference_gemm_q8(a_codes, a_scales, w))
+
+
+@pytest.mark.parametrize("g", [32, 256])
+def test_mma_extreme_block_sums(dev, g: int) -> None:
+    """Block sums at the ends of their range (|s| up to 256 * 128 * 127 for G=256) stay exact: the kernel forms
+    (float)s as __int_as_float(0x4B400000 + s) - 1.5 * 2^23, exact only for |s| <= 2^22."""
+    rng = np.random.default_rng(g)
+    m, n, k = 40, 136, 1024
+    a_codes = rng.choice(np.array([-128, 127], dtype=np.int8), size=(m, k))
+    a_codes[0] = -128  # row 0 x column 0: every block sum is 128 * 127 * G, the largest in magnitude
+    codes = rng.choice(np.array([-127, 127], dtype=np.int8), size=(n, k))
+    codes[0] = -127
+    codes[1] = 127
+    w = StripCache(codes, rng.uniform(1e-3, 2e-2, (n, k // g)).astype(np.float32), g, 8)
+    a_scales = rng.uniform(1e-3, 2e-2, (m, k // g)).astype(np.float32)
+    got = run_q8(dev, a_codes, a_scales, w)
     np.testing.assert_array_equal(got, reference_gemm_q8(a_codes, a_scales, w))
 
 
