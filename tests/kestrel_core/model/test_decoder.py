@@ -259,3 +259,14 @@ def test_every_projection_is_offered_with_its_wkey(tmp_path: Path, monkeypatch: 
     assert seen == expected
     np.testing.assert_allclose(ours[0], _reference_logits(model, tokens)[-1], rtol=0,
                                atol=2e-3 * float(np.ptp(ours)))
+
+
+def test_rmsnorm_single_row_and_batched_paths_agree_with_the_formula() -> None:
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((5, 96)) * 3).astype(np.float32)
+    w = rng.standard_normal(96).astype(np.float32)
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(decoder_mod.rmsnorm(x, w, 1e-5), want, rtol=1e-5, atol=1e-6)
+    for i in range(5):
+        np.testing.assert_allclose(decoder_mod.rmsnorm(x[i:i + 1], w, 1e-5), want[i:i + 1], rtol=1e-5, atol=1e-6)
