@@ -120,11 +120,12 @@ class KVCache:
 
 
 def _blas_controllers() -> list[Any]:
-    try:
+    try:  # optional: without threadpoolctl (or if it cannot read the BLAS) BLAS keeps its thread count
         from threadpoolctl import ThreadpoolController
-    except ImportError:  # optional: without it BLAS keeps its own thread count
+
+        return list(ThreadpoolController().select(user_api="blas").lib_controllers)
+    except Exception:
         return []
-    return list(ThreadpoolController().select(user_api="blas").lib_controllers)
 
 
 _BLAS: list[Any] | None = None
