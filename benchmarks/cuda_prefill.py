@@ -73,6 +73,7 @@ class PrefillBench(Bench):
             ks["old"] = self.old_q8
         for t in self.tiles:
             ks[t] = lambda a, s, w, out, n, t=t: self.dev.gemm.q8(a, s, w, out, n, self.stream, mma_tile=t)
+        ks["auto"] = lambda a, s, w, out, n: self.dev.gemm.q8(a, s, w, out, n, self.stream)  # gemm.mma_tile_for
         return ks
 
     def random_acts(self, m: int, k: int, g: int, seed: int) -> tuple[Any, Any]:
@@ -183,14 +184,14 @@ class PrefillBench(Bench):
 def table(res: dict[str, Any], labels: list[str]) -> None:
     log(f"\n== prefill GEMM (M = {res['rows'][0]['M']}), us and TOPS; ok = bitwise equal to the old kernel ==")
     log(f"device {res['device']}; tiles {res['tiles']}")
-    head = f"{'mode':7} {'shape':8} {'N':>6} {'K':>6} " + " ".join(f"{lb:>18}" for lb in labels) + "  cuBLAS16"
+    head = f"{'mode':7} {'shape':8} {'N':>6} {'K':>6} " + " ".join(f"{lb:>17}" for lb in labels) + "  cuBLAS16"
     log(head)
     for r in res["rows"]:
         cells = []
         for lb in labels:
             same = "" if lb == "old" else (" ok" if r.get(f"same_{lb}") else " BAD")
-            cells.append(f"{r[f'us_{lb}']:>8.1f} {r[f'tops_{lb}']:>5.1f}{same:>4}")
-        log(f"q{r['bits']}/{r['G']:<4} {r['shape']:8} {r['N']:>6} {r['K']:>6} " + " ".join(f"{c:>18}" for c in cells)
+            cells.append(f"{r[f'us_{lb}']:>7.1f} {r[f'tops_{lb}']:>5.1f}{same:>4}")
+        log(f"q{r['bits']}/{r['G']:<4} {r['shape']:8} {r['N']:>6} {r['K']:>6} " + " ".join(f"{c:>17}" for c in cells)
             + (f"  {r['us_cublas16']}" if "us_cublas16" in r else ""))
     log("512-token qwen3-8b prefill, all GEMMs (36 x [qkv, o, gate_up, down] at M=512 + lm_head GEMV at M=1):")
     for key, v in res["totals"].items():

@@ -13,7 +13,7 @@ workspaces are preallocated by the caller.
 ``weight`` is a ``residency.DeviceWeight`` (see ``weights.py`` for its layout); ``n`` is how many output
 columns to write: the weight's N, or its NG for a fused buffer (members side by side, in order); ``out``'s
 row stride is its second dimension. M <= GEMV_MAX_M runs the decode GEMV (``gemv_warp.cu``), larger M the
-tensor-core kernel (``gemm_mma.cu``, block shape ``kernels.MMA_TILE_DEFAULT``).
+tensor-core kernel (``gemm_mma.cu``, block shape by ``mma_tile_for``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from kestrel_cuda.kernels import MMA_TILE_DEFAULT, MMA_TILES
+from kestrel_cuda.kernels import MMA_TILE_DEFAULT, MMA_TILE_SMALL_GRID, MMA_TILES
 from kestrel_cuda.residency import DeviceWeight
 
 GEMV_MAX_M = 8
@@ -77,6 +77,15 @@ def gemv_variant(m: int, npad: int, k: int, group_size: int, bits: int) -> tuple
     return mt, vec, bits, r
 
 
+def mma_tile_for(m: int, npad: int, sm_count: int) -> str:
+    """The tensor-core block shape for an M x Npad GEMM: the large block (one per SM) unless its grid would
+    leave the last wave less than half full, where the 64-row block (two per SM) is faster: it halves the
+    tail, and a block left alone on an SM at the end runs faster than two sharing it."""
+    big = MMA_TILES[MMA_TILE_DEFAULT]
+    tail = (_cdiv(m, big.bm) * _cdiv(npad, big.bn)) % sm_count
+    return MMA_TILE_SMALL_GRID if 0 < tail < sm_count // 2 else MMA_TILE_DEFAULT
+
+
 def _launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, stream: Any,
             shared_mem: int = 0) -> None:
     with stream if stream is not None else contextlib.nullcontext():
@@ -88,7 +97,6 @@ class DeviceGemm:
         self.cp = cp
         self.kernels = kernels
         self.sm_count = sm_count
-        self.mma_tile = MMA_TILE_DEFAULT
         self._workspaces: dict[int, Workspace] = {}
         self.launches = {"gemv": 0, "mma": 0, "f32": 0, "quantize": 0}
 
@@ -134,7 +142,7 @@ class DeviceGemm:
         elif (m <= GEMV_MAX_M or variant is not None) and mma_tile is None:
             self._gemv_warp(a_codes, a_scales, weight, out, n, ldo, stream, variant, splits)
         else:
-            name = mma_tile or self.mma_tile
+            name = mma_tile or mma_tile_for(m, g.npad, self.sm_count)
             tile = MMA_TILES[name]
             kern = self.kernels.mma.get((g.code_bits, g.group_size, name))
             if kern is None:

@@ -1,9 +1,11 @@
-// Prefill GEMM (M large) on int8 tensor cores: mma.sync.m16n8k32 s8 x s8 -> s32, fed by a 4-stage cp.async
+// Prefill GEMM (M large) on int8 tensor cores: mma.sync.m16n8k32 s8 x s8 -> s32, fed by a multi-stage cp.async
 // shared-memory pipeline.
 //
 // Tiles: a block of WM x WN warps covers BM = WM*MI*16 rows by BN = WN*32 columns; each warp owns MI m16 tiles
-// by four n8 tiles. K advances in stages of BK = 64 (two k32 steps); STAGES stages are in flight (cp.async.cg
-// 16-byte copies for the codes, 4-byte copies for the scales, zero-filled out of bounds), one barrier per stage.
+// by four n8 tiles. K advances in stages of BK = 64 or 128 bytes (2 or 4 k32 steps); STAGES stages are in flight
+// (cp.async.cg 16-byte copies for the codes, 4-byte copies for the scales, zero-filled outside M, K and Npad, so
+// a K that ends inside a stage adds exact zero terms), one barrier per stage. The block shapes in use are listed
+// in kernels.MMA_TILES.
 // blockIdx.x walks M: the blocks resident together share one weight tile, so the weights are read from device
 // memory about once while the activations (a few MB) stay in L2.
 //
@@ -16,16 +18,15 @@
 // ((float)s * a_scale) * w_scale (--fmad=false: two roundings), and added to the float accumulators in
 // increasing group order: bit-identical to kestrel_core.contract.reference_gemm_q8.
 //
-// Shared memory per stage: A codes [BM][64] bytes, 16-byte chunk c of row r stored at c ^ ((r >> 1) & 3)
-// (ldmatrix.x4 reads 8 rows of one chunk column conflict-free); B codes as they lie in device memory, K-major
+// Shared memory per stage: A codes [BM][BK] bytes, 16-byte chunk c of row r stored at c ^ aswz(r) (ldmatrix.x4
+// reads 8 rows of one chunk column conflict-free); B codes as they lie in device memory, K-major
 // [BK*BITS/8][BN] bytes (int4: two k rows per byte), word w of row r stored at w ^ (((r / RPW) & 3) << 3) with
-// RPW k-rows-per-4-words; A scales [SG][BM] and B scales [SG][BN] floats for the SG groups that end in the stage.
+// RPW k-rows-per-4-words; A scales [SG][BM] (rows permuted so a thread's are contiguous) and B scales [SG][BN]
+// floats for the SG groups that end in the stage.
 // The B fragment of an n8 tile wants 4 consecutive k of one column in a register; the tile stays K-major and each
 // thread reads one word (4 columns) from 4 k rows and transposes the 4 x 4 bytes in registers. The n8 tile's
 // column j is therefore physical column 4 * j + ni of the warp's 32 (ni = tile index), which makes each thread's
 // outputs 8 consecutive columns (two 16-byte stores) and its weight scales two float4 reads.
-#define GQ_BK 64
-#define GQ_STAGES 4
 #define GQ_MAGIC 0x4B400000
 #define GQ_MAGIC_F 12582912.0f
 
@@ -62,31 +63,41 @@ __device__ __forceinline__ void mma_s8(int (&d)[4], const u32 (&a)[4], const u32
                    "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]));
 }
 
-// Dynamic shared memory of one block (bytes); gemm.py computes the same number (mma_smem_bytes).
-template <int BITS, int G, int WM, int WN, int MI>
+// Shared memory layout of one block (bytes); kernels.MmaTile.smem_bytes computes the same total.
+template <int BITS, int G, int WM, int WN, int MI, int BK, int STAGES>
 struct GqTile {
     static constexpr int BM = WM * MI * 16, BN = WN * 32, THREADS = WM * WN * 32;
-    static constexpr int BKB = GQ_BK * BITS / 8;           // B bytes rows per stage (int4: packed)
-    static constexpr int SG = G < GQ_BK ? GQ_BK / G : 1;   // scale slots per stage
-    static constexpr int A_BYTES = BM * GQ_BK, B_BYTES = BKB * BN;
+    static constexpr int BKB = BK * BITS / 8;        // B bytes rows per stage (int4: packed)
+    static constexpr int SG = G < BK ? BK / G : 1;   // scale slots per stage
+    static constexpr int A_BYTES = BM * BK, B_BYTES = BKB * BN;
     static constexpr int AS_BYTES = SG * BM * 4, BS_BYTES = SG * BN * 4;
     static constexpr int STAGE = A_BYTES + B_BYTES + AS_BYTES + BS_BYTES;
-    static constexpr int SMEM = GQ_STAGES * STAGE;
+    static constexpr int SMEM = STAGES * STAGE;
 };
 
-template <int BITS, int G, int WM, int WN, int MI, int MINB>
+// 16-byte chunk swizzle of the A rows (BK bytes = BK / 16 chunks): the 8 rows one ldmatrix phase reads land on
+// 8 different chunk columns modulo 128 bytes
+template <int BK>
+__device__ __forceinline__ int aswz(int row) {
+    if constexpr (BK == 64) return (row >> 1) & 3;
+    else return row & 7;
+}
+
+template <int BITS, int G, int WM, int WN, int MI, int MINB, int BK, int STAGES>
 __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
         const i8* __restrict__ A, const float* __restrict__ As, int M,
         const u8* __restrict__ W, const float* __restrict__ Ws,
         float* __restrict__ out, int ldo, int N, int K, int Npad) {
-    using T = GqTile<BITS, G, WM, WN, MI>;
+    using T = GqTile<BITS, G, WM, WN, MI, BK, STAGES>;
     constexpr int BM = T::BM, BN = T::BN, THREADS = T::THREADS, BKB = T::BKB, SG = T::SG;
-    constexpr int KS = GQ_BK / 32;                // k32 steps per stage
+    constexpr int KS = BK / 32;                   // k32 steps per stage
     constexpr int RPW = BITS == 8 ? 4 : 2;        // shared B rows per group of 4 k rows
     constexpr int GS = G / 32;                    // k32 steps per group
     static_assert(G == 32 || G == 256, "G must be 32 or 256");
     static_assert(MI % 2 == 0, "row scales are read as float4");
     static_assert(BN == 128, "the B swizzle and fragment mapping assume 32-word shared rows (WN = 4)");
+    static_assert(BK == 64 || BK == 128, "stage depth");
+    static_assert(THREADS % BM == 0 && THREADS % BN == 0, "scale copy plan");
     extern __shared__ __align__(16) unsigned char smem[];
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -94,7 +105,7 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     const int gid = lane >> 2, tig = lane & 3;
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
     const int ng = K / G;
-    const int nst = (K + GQ_BK - 1) / GQ_BK;
+    const int nst = (K + BK - 1) / BK;
     const int krows = K * BITS / 8;               // rows of the device code matrix
     const bool b16 = (Npad & 15) == 0;            // 16-byte copies of B rows stay aligned
     const u32 sbase = smem_u32(smem);
@@ -102,23 +113,24 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     // Per-thread copy plan, fixed for the whole K loop (only the k offset moves). A: 16-byte chunk a_c of rows
     // a_r0 + p * A_RSTEP; B: chunk b_c of k rows b_r0 + p * B_RSTEP. The row steps are multiples of 8, so every
     // row of a thread has the same swizzle.
-    constexpr int ACH = GQ_BK / 16, BCH = BN / 16;
+    constexpr int ACH = BK / 16, BCH = BN / 16;
     constexpr int A_RSTEP = THREADS / ACH, B_RSTEP = THREADS / BCH;
     constexpr int AP = BM / A_RSTEP, BP = (BKB + B_RSTEP - 1) / B_RSTEP;
     static_assert(BM % A_RSTEP == 0 && A_RSTEP % 8 == 0 && B_RSTEP % 8 == 0, "copy plan");
-    static_assert(SG * BM <= THREADS && SG * BN <= THREADS, "one scale copy per thread at most");
     const int a_c = tid % ACH, a_r0 = tid / ACH;
     const int b_c = tid % BCH, b_r0 = tid / BCH;
     const i8* a_src = A + (size_t)(m0 + a_r0) * K + 16 * a_c;
-    const u32 a_dst = a_r0 * GQ_BK + ((a_c ^ ((a_r0 >> 1) & 3)) << 4);
+    const u32 a_dst = a_r0 * BK + ((a_c ^ aswz<BK>(a_r0)) << 4);
     const u8* b_src = W + (size_t)b_r0 * Npad + n0 + 16 * b_c;
     const u32 b_dst = T::A_BYTES + b_r0 * BN + ((b_c ^ (((b_r0 / RPW) & 3) << 1)) << 4);
     const int b_left = Npad - (n0 + 16 * b_c);
     const int b_nvalid = b_left < 0 ? 0 : b_left > 16 ? 16 : b_left;  // bytes of the chunk inside Npad
-    // scales: thread tid copies slot tid / BM, row tid % BM of A's and slot tid / BN, column tid % BN of B's
+    // scales: thread tid copies row tid % BM of A's slots tid / BM + p * THREADS / BM, and column tid % BN of B's
+    // slots tid / BN + p * THREADS / BN
+    constexpr int ASP = (SG * BM + THREADS - 1) / THREADS, BSP = (SG * BN + THREADS - 1) / THREADS;
     const int as_row = tid % BM, bs_col = tid % BN;
-    const bool as_on = tid < SG * BM && m0 + as_row < M;
-    const bool bs_on = tid < SG * BN && n0 + bs_col < Npad;
+    const bool as_on = m0 + as_row < M;
+    const bool bs_on = n0 + bs_col < Npad;
     const float* as_src = As + (size_t)(m0 + as_row) * ng + tid / BM;
     const float* bs_src = Ws + (size_t)(tid / BN) * Npad + n0 + bs_col;
     // A scales are stored per slot as [warp row wm][gid][mi][h] so a thread's 2 * MI row scales are contiguous
@@ -130,12 +142,12 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     // -- one stage: global -> shared, asynchronous; zero-filled outside M, K and Npad ------------------------
     auto load_stage = [&](int st, int buf) {
         const u32 sb = sbase + buf * T::STAGE;
-        const int k0 = st * GQ_BK;
+        const int k0 = st * BK;
         const bool a_kok = k0 + 16 * a_c < K;
 #pragma unroll
         for (int p = 0; p < AP; ++p) {
             const bool ok = a_kok && m0 + a_r0 + p * A_RSTEP < M;
-            cp_async16(sb + a_dst + p * A_RSTEP * GQ_BK, ok ? a_src + (size_t)p * A_RSTEP * K + k0 : A, ok ? 16 : 0);
+            cp_async16(sb + a_dst + p * A_RSTEP * BK, ok ? a_src + (size_t)p * A_RSTEP * K + k0 : A, ok ? 16 : 0);
         }
 #pragma unroll
         for (int p = 0; p < BP; ++p) {
@@ -157,18 +169,25 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
         }
         // scales of the groups that end in this stage
         int g0;
-        if constexpr (G < GQ_BK) g0 = st * SG;
+        if constexpr (G < BK) g0 = st * SG;
         else {
-            if (((st + 1) * GQ_BK) % G != 0) return;
-            g0 = ((st + 1) * GQ_BK) / G - 1;
+            if (((st + 1) * BK) % G != 0) return;
+            g0 = ((st + 1) * BK) / G - 1;
         }
-        if (tid < SG * BM) {
-            const bool ok = as_on && g0 + tid / BM < ng;
-            cp_async4(sb + as_dst, ok ? as_src + g0 : As, ok ? 4 : 0);
+#pragma unroll
+        for (int p = 0; p < ASP; ++p) {
+            const int slot = tid / BM + p * (THREADS / BM);
+            if (slot >= SG) break;
+            const bool ok = as_on && g0 + slot < ng;
+            cp_async4(sb + as_dst + 4 * p * THREADS, ok ? as_src + g0 + p * (THREADS / BM) : As, ok ? 4 : 0);
         }
-        if (tid < SG * BN) {
-            const bool ok = bs_on && g0 + tid / BN < ng;
-            cp_async4(sb + bs_dst, ok ? bs_src + (size_t)g0 * Npad : Ws, ok ? 4 : 0);
+#pragma unroll
+        for (int p = 0; p < BSP; ++p) {
+            const int slot = tid / BN + p * (THREADS / BN);
+            if (slot >= SG) break;
+            const bool ok = bs_on && g0 + slot < ng;
+            cp_async4(sb + bs_dst + 4 * p * THREADS, ok ? bs_src + (size_t)(g0 + p * (THREADS / BN)) * Npad : Ws,
+                      ok ? 4 : 0);
         }
     };
 
@@ -183,20 +202,20 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
             for (int e = 0; e < 4; ++e) { facc[i][j][e] = 0.0f; iacc[i][j][e] = GQ_MAGIC; }
 
 #pragma unroll
-    for (int s = 0; s < GQ_STAGES - 1; ++s) {
+    for (int s = 0; s < STAGES - 1; ++s) {
         if (s < nst) load_stage(s, s);
         cp_async_commit();
     }
 
     for (int st = 0; st < nst; ++st) {
-        cp_async_wait<GQ_STAGES - 2>();
+        cp_async_wait<STAGES - 2>();
         __syncthreads();  // stage st is visible to all; every warp is done with stage st - 1's buffer
         {
-            const int nx = st + GQ_STAGES - 1;
-            if (nx < nst) load_stage(nx, nx % GQ_STAGES);
+            const int nx = st + STAGES - 1;
+            if (nx < nst) load_stage(nx, nx % STAGES);
             cp_async_commit();
         }
-        const int buf = st % GQ_STAGES;
+        const int buf = st % STAGES;
         const u32 sa = sbase + buf * T::STAGE;
         const unsigned char* sbp = smem + buf * T::STAGE + T::A_BYTES;
         const float* sasp = reinterpret_cast<const float*>(sbp + T::B_BYTES);
@@ -209,7 +228,7 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
             for (int mi = 0; mi < MI; ++mi) {
                 const int row = wm * MI * 16 + mi * 16 + (lane & 15);
                 const int c = ks * 2 + (lane >> 4);
-                ldmatrix_x4(af[mi], sa + row * GQ_BK + ((c ^ ((row >> 1) & 3)) << 4));
+                ldmatrix_x4(af[mi], sa + row * BK + ((c ^ aswz<BK>(row)) << 4));
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {

@@ -34,8 +34,14 @@ if _DEVICES < 1:
 pytestmark = pytest.mark.cuda
 
 from kestrel_cuda.binding import open_device  # noqa: E402
-from kestrel_cuda.gemm import GEMV_MAX_M, gemv_variant, gemv_warp_variant  # noqa: E402
-from kestrel_cuda.kernels import GEMV_VARIANTS, GEMV_WARP_VARIANTS, MMA_TILES  # noqa: E402
+from kestrel_cuda.gemm import GEMV_MAX_M, gemv_variant, gemv_warp_variant, mma_tile_for  # noqa: E402
+from kestrel_cuda.kernels import (  # noqa: E402
+    GEMV_VARIANTS,
+    GEMV_WARP_VARIANTS,
+    MMA_TILE_DEFAULT,
+    MMA_TILE_SMALL_GRID,
+    MMA_TILES,
+)
 from kestrel_cuda.residency import pad_n  # noqa: E402
 
 U = 2.0 ** -24
@@ -176,6 +182,16 @@ def test_every_mma_tile(dev, tile: str, bits: int, g: int, n: int) -> None:
     a_codes, a_scales = quantize_activations(rng.standard_normal((70, w.k)).astype(np.float32), g)  # M % 64 != 0
     got = run_q8(dev, a_codes, a_scales, w, mma_tile=tile)
     np.testing.assert_array_equal(got, reference_gemm_q8(a_codes, a_scales, w))
+
+
+def test_mma_tile_choice() -> None:
+    """Qwen3-8B shapes at M=512 on 132 SMs: the 64-row block where the large block's last wave is short."""
+    assert MMA_TILES[MMA_TILE_DEFAULT].bm == 128 and MMA_TILES[MMA_TILE_SMALL_GRID].bm == 64
+    assert mma_tile_for(512, 4096, 132) == MMA_TILE_DEFAULT       # 128 blocks: one wave, nearly full
+    assert mma_tile_for(512, 24576, 132) == MMA_TILE_DEFAULT      # 768 blocks: last wave 108 of 132
+    assert mma_tile_for(512, 6144, 132) == MMA_TILE_SMALL_GRID    # 192 blocks: last wave 60 of 132
+    assert mma_tile_for(512, 1024, 132) == MMA_TILE_SMALL_GRID    # 32 blocks
+    assert mma_tile_for(512, 4096 * 33, 132) == MMA_TILE_DEFAULT  # whole waves only
 
 
 @pytest.mark.parametrize("g", [32, 256])
