@@ -100,7 +100,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None, help="HF model dir, .gguf, or .kst artifact (default: SmolLM2)")
     p.add_argument("--backend", "-b", default="auto", help="backend name, or auto (default)")
-    p.add_argument("--quant", "-q", default="q8", help="q8 (default), q4, q8-g256, q4-g256")
+    p.add_argument("--quant", "-q", default=None,
+                   help="q8 (default), q4, q8-g256, q4-g256; a .kst artifact keeps its own")
 
 
 def build_parser() -> argparse.ArgumentParser:

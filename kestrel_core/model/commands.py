@@ -213,10 +213,12 @@ def quantize(args: argparse.Namespace) -> int:
 
 def bench(args: argparse.Namespace) -> int:
     from kestrel_core.model.bench import run_bench
+    from kestrel_core.model.quantize import model_quant
 
     with _open_engine(args) as engine:
         result = run_bench(engine, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
-                           runs=args.runs, warmup=args.warmup, quant=args.quant)
+                           runs=args.runs, warmup=args.warmup,
+                           quant=args.quant or model_quant(engine.model))
     if args.json:
         print(dumps(result.as_dict(), indent=2))
         return 0

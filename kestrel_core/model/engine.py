@@ -203,7 +203,7 @@ class Engine:
         }
 
 
-def _resolve_model(model: Any, quant: str) -> tuple[Model, Any, str]:
+def _resolve_model(model: Any, quant: str | None) -> tuple[Model, Any, str]:
     """(Model, tokenizer, source description) from a path, None (the default model), a Model or a loaded
     model (anything with ``.model`` and ``.tokenizer``)."""
     from kestrel_core.model.presets import ByteTokenizer
@@ -239,14 +239,17 @@ def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str) -> Engine
         raise
 
 
-def load(model: str | Model | None = None, backend: str = "auto", quant: str = "q8") -> Engine:
+def load(model: str | Model | None = None, backend: str = "auto", quant: str | None = None) -> Engine:
     """An engine for ``model`` (a path, None for the default model, or a Model) on ``backend`` (``auto``:
-    the best bound gpu/npu accelerator, else cpu); the model is preloaded onto the backend."""
+    the best bound gpu/npu accelerator, else cpu); the model is preloaded onto the backend. ``quant``:
+    q8 (None: the default; an artifact keeps its own), q4, q8-g256 or q4-g256."""
     return _open(lambda: _resolve_model(model, quant), backend)
 
 
-def load_preset(name: str, backend: str = "auto", quant: str = "q8", seed: int = 0, **overrides: Any) -> Engine:
+def load_preset(name: str, backend: str = "auto", quant: str | None = None, seed: int = 0,
+                **overrides: Any) -> Engine:
     """An engine for a synthetic preset model (random weights of real shapes, byte tokenizer)."""
+    quant = quant or "q8"
     from kestrel_core.model.presets import ByteTokenizer, preset_model
 
     def resolve() -> tuple[Model, Any, str]:

@@ -50,6 +50,14 @@ def parse_quant(name: str) -> QuantMode:
     return QuantMode(key, *QUANT_MODES[key])
 
 
+def model_quant(model: Model) -> str:
+    """The quant mode a model was built with, read off its projections (G=256 modes fall back per tensor)."""
+    projs = [w for layer in model.layers for w in (layer.q, layer.gate, layer.down)]
+    bits = projs[0].bits if projs else 8
+    g256 = any(w.group_size == 256 for w in projs)
+    return f"q{bits}" + ("-g256" if g256 else "")
+
+
 class TensorSource(Protocol):
     """A checkpoint whose float tensors are read lazily, one by one, under kestrel names."""
 

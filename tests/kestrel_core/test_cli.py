@@ -1,0 +1,59 @@
+"""The CLI around the Python API: defaults that follow the model, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from kestrel_core.cli import main
+
+TINY = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "tiny-qwen3"
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("kst") / "tiny.q4.kst"
+    assert main(["quantize", str(TINY), "-o", str(path), "--quant", "q4"]) == 0
+    return path
+
+
+def test_an_artifact_keeps_its_quant_without_a_warning(artifact: Path, capsys, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="kestrel"):
+        assert main(["run", "--model", str(artifact), "--backend", "cpu", "-n", "2", "--no-chat", "hi"]) == 0
+    assert "ignored" not in caplog.text
+    capsys.readouterr()
+    assert main(["bench", "--model", str(artifact), "--backend", "cpu", "--prompt-tokens", "8",
+                 "--decode-tokens", "2", "--runs", "1", "--warmup", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["quant"] == "q4"
+
+
+def test_an_explicit_other_quant_on_an_artifact_is_reported(artifact: Path, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="kestrel"):
+        assert main(["run", "--model", str(artifact), "--backend", "cpu", "-n", "1", "--quant", "q8", "x"]) == 0
+    assert "--quant q8 ignored" in caplog.text
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["run", "--model", "/nonexistent/model", "hi"], "does not exist"),
+    (["run", "--model", str(TINY), "--quant", "q5", "hi"], "unknown quant mode 'q5'"),
+    (["run", "--model", str(TINY), "--backend", "nope", "hi"], "unknown backend 'nope'"),
+    (["selftest", "--backend", "nope"], "unknown backend 'nope'"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_verbose_shows_the_traceback(capsys) -> None:
+    assert main(["-v", "run", "--model", "/nonexistent/model", "hi"]) == 2
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_version(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("kestrel ")
