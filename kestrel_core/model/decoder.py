@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from kestrel_core.dispatch import Offload
 from kestrel_core.errors import KestrelError
@@ -120,9 +121,7 @@ class KVCache:
 
 
 def _blas_controllers() -> list[Any]:
-    try:  # optional: without threadpoolctl (or if it cannot read the BLAS) BLAS keeps its thread count
-        from threadpoolctl import ThreadpoolController
-
+    try:  # a BLAS that threadpoolctl cannot read keeps its thread count
         return list(ThreadpoolController().select(user_api="blas").lib_controllers)
     except Exception:
         return []
