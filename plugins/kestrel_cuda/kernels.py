@@ -67,13 +67,15 @@ class MmaTile:
                 f"{self.bk}, {self.stages}>")
 
 
-# Block shapes: 128x128 with 8 warps of 64x32 (1 block/SM, ~210 registers) and 64x128 with 8 warps of 32x32
-# (<= 128 registers, 2 blocks/SM), each with 64- and 128-byte K stages.
+# Block shapes: 128x128 with 8 warps of 64x32 (1 block/SM, ~210 registers), 64x128 with 8 warps of 32x32
+# (<= 128 registers, 2 blocks/SM), each with 64- and 128-byte K stages, and 64x128 with 4 warps of 64x32
+# (2 blocks/SM that do not share a barrier).
 MMA_TILES: dict[str, MmaTile] = {
     "128x128": MmaTile(2, 4, 4, 1, 64, 4),
     "128x128k128": MmaTile(2, 4, 4, 1, 128, 3),
     "64x128": MmaTile(2, 4, 2, 2, 64, 4),
     "64x128k128": MmaTile(2, 4, 2, 2, 128, 3),
+    "64x128w4k128": MmaTile(1, 4, 4, 2, 128, 3),
 }
 MMA_TILE_DEFAULT = "128x128k128"  # large grids
 MMA_TILE_SMALL_GRID = "64x128k128"  # grids whose last wave of MMA_TILE_DEFAULT blocks would be under half full
