@@ -1,7 +1,8 @@
-"""quantize_activations' float32 fast path (the engine's hot path) is bit-identical to the general path.
+"""quantize_activations' float32 fast paths (the engine's hot path) are bit-identical to the general path.
 
 The general path (any other dtype, e.g. float64 holding the same float32 values) runs ``_quantize_q8``,
-whose rounding is ``round_half_away`` (C's roundf, checked against gguf-py in tests/kestrel_core).
+whose rounding is ``round_half_away`` (C's roundf, checked against gguf-py in tests/kestrel_core). The fast
+path is compiled with numba where available, else a few numpy passes: every test runs both.
 """
 
 from __future__ import annotations
@@ -11,10 +12,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kestrel_core import contract
 from kestrel_core.contract import quantize_activations
 
 HALF_DOWN = float(np.nextafter(np.float32(0.5), np.float32(0)))  # 0.49999997: floor(v + 0.5) gets it wrong
 SCALED = [HALF_DOWN, 0.5, 1.5, 2.5, 126.5, 0.25, 3.4999998, 1 - 2**-24]
+
+
+@pytest.fixture(params=["compiled", "numpy"], autouse=True)
+def fast_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run each test with the compiled fast path, then with the numpy one."""
+    if request.param == "compiled":
+        pytest.importorskip("numba")
+        assert contract._compiled_q8_rows() is not None
+    else:
+        monkeypatch.setitem(contract._COMPILED, "q8_rows", None)
+    return request.param
 
 
 def _both(a: np.ndarray, g: int) -> None:
@@ -41,7 +54,7 @@ def test_exact_ties_and_the_value_below_one_half(g: int, sign: float) -> None:
     _both(a, g)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.integers(1, 9), st.integers(1, 4), st.sampled_from([32, 256]), st.integers(0, 2**32 - 1),
        st.sampled_from(["normal", "outlier", "ties", "small"]))
 def test_fast_path_is_bit_identical(m: int, blocks: int, g: int, seed: int, kind: str) -> None:
@@ -55,3 +68,8 @@ def test_fast_path_is_bit_identical(m: int, blocks: int, g: int, seed: int, kind
     elif kind == "small":
         a *= np.float32(1e-30)  # d stays a normal float (1/d of a subnormal d overflows in both paths)
     _both(a, g)
+
+
+def test_non_contiguous_input(fast_path: str) -> None:
+    a = np.random.default_rng(1).standard_normal((64, 6)).astype(np.float32).T  # [6, 64], Fortran order
+    _both(a, 32)
