@@ -2,7 +2,7 @@
 // shared-memory pipeline.
 //
 // Tiles: a block of WM x WN warps covers BM = WM*MI*16 rows by BN = WN*32 columns; each warp owns MI m16 tiles
-// by four n8 tiles. K advances in stages of BK = 64 or 128 bytes (2 or 4 k32 steps); STAGES stages are in flight
+// by four n8 tiles. K advances in stages of BK = 128 bytes (4 k32 steps); STAGES = 3 stages are in flight
 // (cp.async.cg 16-byte copies for the codes, 4-byte copies for the scales, zero-filled outside M, K and Npad, so
 // a K that ends inside a stage adds exact zero terms), one barrier per stage. The block shapes in use are listed
 // in kernels.MMA_TILES.
@@ -27,6 +27,8 @@
 // thread reads one word (4 columns) from 4 k rows and transposes the 4 x 4 bytes in registers. The n8 tile's
 // column j is therefore physical column 4 * j + ni of the warp's 32 (ni = tile index), which makes each thread's
 // outputs 8 consecutive columns (two 16-byte stores) and its weight scales two float4 reads.
+#define GQ_BK 128     // K per shared-memory stage: 64 measured 5-12 % slower (twice the barriers)
+#define GQ_STAGES 3   // stages in flight
 #define GQ_MAGIC 0x4B400000
 #define GQ_MAGIC_F 12582912.0f
 
@@ -64,8 +66,9 @@ __device__ __forceinline__ void mma_s8(int (&d)[4], const u32 (&a)[4], const u32
 }
 
 // Shared memory layout of one block (bytes); kernels.MmaTile.smem_bytes computes the same total.
-template <int BITS, int G, int WM, int WN, int MI, int BK, int STAGES>
+template <int BITS, int G, int WM, int WN, int MI>
 struct GqTile {
+    static constexpr int BK = GQ_BK, STAGES = GQ_STAGES;
     static constexpr int BM = WM * MI * 16, BN = WN * 32, THREADS = WM * WN * 32;
     static constexpr int BKB = BK * BITS / 8;        // B bytes rows per stage (int4: packed)
     static constexpr int SG = G < BK ? BK / G : 1;   // scale slots per stage
@@ -75,20 +78,17 @@ struct GqTile {
     static constexpr int SMEM = STAGES * STAGE;
 };
 
-// 16-byte chunk swizzle of the A rows (BK bytes = BK / 16 chunks): the 8 rows one ldmatrix phase reads land on
-// 8 different chunk columns modulo 128 bytes
-template <int BK>
-__device__ __forceinline__ int aswz(int row) {
-    if constexpr (BK == 64) return (row >> 1) & 3;
-    else return row & 7;
-}
+// 16-byte chunk swizzle of the A rows (128 bytes = 8 chunks): the 8 rows one ldmatrix phase reads land on 8
+// different chunk columns
+__device__ __forceinline__ int aswz(int row) { return row & 7; }
 
-template <int BITS, int G, int WM, int WN, int MI, int MINB, int BK, int STAGES>
+template <int BITS, int G, int WM, int WN, int MI, int MINB>
 __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
         const i8* __restrict__ A, const float* __restrict__ As, int M,
         const u8* __restrict__ W, const float* __restrict__ Ws,
         float* __restrict__ out, int ldo, int N, int K, int Npad) {
-    using T = GqTile<BITS, G, WM, WN, MI, BK, STAGES>;
+    using T = GqTile<BITS, G, WM, WN, MI>;
+    constexpr int BK = T::BK, STAGES = T::STAGES;
     constexpr int BM = T::BM, BN = T::BN, THREADS = T::THREADS, BKB = T::BKB, SG = T::SG;
     constexpr int KS = BK / 32;                   // k32 steps per stage
     constexpr int RPW = BITS == 8 ? 4 : 2;        // shared B rows per group of 4 k rows
@@ -96,7 +96,6 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     static_assert(G == 32 || G == 256, "G must be 32 or 256");
     static_assert(MI % 2 == 0, "row scales are read as float4");
     static_assert(BN == 128, "the B swizzle and fragment mapping assume 32-word shared rows (WN = 4)");
-    static_assert(BK == 64 || BK == 128, "stage depth");
     static_assert(THREADS % BM == 0 && THREADS % BN == 0, "scale copy plan");
     extern __shared__ __align__(16) unsigned char smem[];
 
@@ -120,7 +119,7 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     const int a_c = tid % ACH, a_r0 = tid / ACH;
     const int b_c = tid % BCH, b_r0 = tid / BCH;
     const i8* a_src = A + (size_t)(m0 + a_r0) * K + 16 * a_c;
-    const u32 a_dst = a_r0 * BK + ((a_c ^ aswz<BK>(a_r0)) << 4);
+    const u32 a_dst = a_r0 * BK + ((a_c ^ aswz(a_r0)) << 4);
     const u8* b_src = W + (size_t)b_r0 * Npad + n0 + 16 * b_c;
     const u32 b_dst = T::A_BYTES + b_r0 * BN + ((b_c ^ (((b_r0 / RPW) & 3) << 1)) << 4);
     const int b_left = Npad - (n0 + 16 * b_c);
@@ -228,7 +227,7 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
             for (int mi = 0; mi < MI; ++mi) {
                 const int row = wm * MI * 16 + mi * 16 + (lane & 15);
                 const int c = ks * 2 + (lane >> 4);
-                ldmatrix_x4(af[mi], sa + row * BK + ((c ^ aswz<BK>(row)) << 4));
+                ldmatrix_x4(af[mi], sa + row * BK + ((c ^ aswz(row)) << 4));
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {

@@ -34,15 +34,12 @@ BITS = (8, 4)
 
 @dataclass(frozen=True)
 class MmaTile:
-    """One block shape of the tensor-core kernel (gemm_mma.cu): WM x WN warps, MI m16 tiles per warp, K in
-    stages of BK bytes, STAGES of them in flight."""
+    """One block shape of the tensor-core kernel (gemm_mma.cu): WM x WN warps, MI m16 tiles per warp."""
 
     wm: int
     wn: int
     mi: int
     min_blocks: int  # __launch_bounds__ minimum resident blocks per SM (caps the registers)
-    bk: int = 64
-    stages: int = 4
 
     @property
     def bm(self) -> int:
@@ -58,27 +55,23 @@ class MmaTile:
 
     def smem_bytes(self, bits: int, group_size: int) -> int:
         """Dynamic shared memory of one block; the same sum as GqTile::SMEM in gemm_mma.cu."""
-        slots = self.bk // group_size if group_size < self.bk else 1
-        stage = self.bm * self.bk + self.bk * bits // 8 * self.bn + 4 * slots * (self.bm + self.bn)
-        return self.stages * stage
+        slots = MMA_BK // group_size if group_size < MMA_BK else 1
+        stage = self.bm * MMA_BK + MMA_BK * bits // 8 * self.bn + 4 * slots * (self.bm + self.bn)
+        return MMA_STAGES * stage
 
     def name(self, bits: int, group_size: int) -> str:
-        return (f"k_gemm_q8_tc<{bits}, {group_size}, {self.wm}, {self.wn}, {self.mi}, {self.min_blocks}, "
-                f"{self.bk}, {self.stages}>")
+        return f"k_gemm_q8_tc<{bits}, {group_size}, {self.wm}, {self.wn}, {self.mi}, {self.min_blocks}>"
 
 
-# Block shapes: 128x128 with 8 warps of 64x32 (1 block/SM, ~210 registers), 64x128 with 8 warps of 32x32
-# (<= 128 registers, 2 blocks/SM), each with 64- and 128-byte K stages, and 64x128 with 4 warps of 64x32
-# (2 blocks/SM that do not share a barrier).
+MMA_BK, MMA_STAGES = 128, 3  # K bytes per shared-memory stage, stages in flight (GQ_BK, GQ_STAGES in gemm_mma.cu)
+# Block shapes (measured on the H200, docs/performance.md): 128x128 with 8 warps of 64x32 (1 block/SM, ~210
+# registers) for large grids, 64x128 with 8 warps of 32x32 (<= 128 registers, 2 blocks/SM) for short ones.
 MMA_TILES: dict[str, MmaTile] = {
-    "128x128": MmaTile(2, 4, 4, 1, 64, 4),
-    "128x128k128": MmaTile(2, 4, 4, 1, 128, 3),
-    "64x128": MmaTile(2, 4, 2, 2, 64, 4),
-    "64x128k128": MmaTile(2, 4, 2, 2, 128, 3),
-    "64x128w4k128": MmaTile(1, 4, 4, 2, 128, 3),
+    "128x128": MmaTile(2, 4, 4, 1),
+    "64x128": MmaTile(2, 4, 2, 2),
 }
-MMA_TILE_DEFAULT = "128x128k128"  # large grids
-MMA_TILE_SMALL_GRID = "64x128k128"  # grids whose last wave of MMA_TILE_DEFAULT blocks would be under half full
+MMA_TILE_DEFAULT = "128x128"  # large grids
+MMA_TILE_SMALL_GRID = "64x128"  # grids whose last wave of MMA_TILE_DEFAULT blocks would be under half full
 
 
 class KernelCompileError(RuntimeError):
