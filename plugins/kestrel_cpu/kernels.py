@@ -265,11 +265,11 @@ def gemm_q8_multi(a_codes: np.ndarray, a_scales: np.ndarray, codes: list[np.ndar
     if not 1 <= len(codes) <= MAX_WEIGHTS:
         raise ValueError(f"gemm_q8_multi takes 1 to {MAX_WEIGHTS} weights, got {len(codes)}")
     m, k = a_codes.shape
-    row_start = np.zeros(MAX_WEIGHTS + 1, dtype=np.int64)
-    for i, c in enumerate(codes):
-        row_start[i + 1] = row_start[i] + c.shape[0]
-    row_start[len(codes) + 1:] = row_start[len(codes)]
-    total = int(row_start[-1])
+    ends, total = [], 0
+    for c in codes:
+        total += c.shape[0]
+        ends.append(total)
+    row_start = np.array([0, *ends, *([total] * (MAX_WEIGHTS - len(codes)))], dtype=np.int64)
     out = np.empty((m, total), dtype=np.float32)
     if m == 0 or total == 0 or k == 0:
         out.fill(0)
