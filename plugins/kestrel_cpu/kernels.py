@@ -23,6 +23,8 @@ that holds the jitted function, so the intrinsics it inlines must sit in the sam
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import FunctionType
 from typing import Any
 
 import numpy as np
@@ -220,11 +222,19 @@ def _gemm_q8_body(a: np.ndarray, a16: np.ndarray, a_scales: np.ndarray, codes: t
                             out, m * n_total + j, n_total)
 
 
+def _named_copy(fn: Callable[..., Any], suffix: str) -> Callable[..., Any]:
+    """``fn`` under its own name. numba's on-disk cache is keyed by qualified name and source line, not by
+    compile options, so a parallel and a serial build of one function would load each other's code."""
+    copy = FunctionType(fn.__code__, fn.__globals__, fn.__name__ + suffix, fn.__defaults__, fn.__closure__)
+    copy.__qualname__ = fn.__qualname__ + suffix
+    return copy
+
+
 # Two builds of the same body: a parallel one, and a serial one for small products where waking the second
 # thread costs more than it saves (a decode k/v projection is 110 KB). Weights always come as a 3-tuple
 # (padded with an empty array), so each build compiles once for the single, Q/K/V and gate/up cases.
-_gemm_q8_parallel = njit(parallel=True, cache=True, nogil=True)(_gemm_q8_body)
-_gemm_q8_serial = njit(cache=True, nogil=True)(_gemm_q8_body)
+_gemm_q8_parallel = njit(parallel=True, cache=True, nogil=True)(_named_copy(_gemm_q8_body, "_parallel"))
+_gemm_q8_serial = njit(cache=True, nogil=True)(_named_copy(_gemm_q8_body, "_serial"))
 
 PARALLEL_MIN_MACS = 1 << 18
 MAX_WEIGHTS = 3
@@ -256,8 +266,9 @@ def _gemm_f32_body(a: np.ndarray, codes: np.ndarray, w_scales: np.ndarray, out: 
 
 # reassoc lets LLVM vectorise the float block sums; the reference's own sums are BLAS-ordered anyway.
 _F32_MATH = {"reassoc", "contract", "nsz", "arcp"}
-_gemm_f32_parallel = njit(parallel=True, cache=True, nogil=True, fastmath=_F32_MATH)(_gemm_f32_body)
-_gemm_f32_serial = njit(cache=True, nogil=True, fastmath=_F32_MATH)(_gemm_f32_body)
+_gemm_f32_parallel = njit(parallel=True, cache=True, nogil=True, fastmath=_F32_MATH)(
+    _named_copy(_gemm_f32_body, "_parallel"))
+_gemm_f32_serial = njit(cache=True, nogil=True, fastmath=_F32_MATH)(_named_copy(_gemm_f32_body, "_serial"))
 
 
 def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, codes: np.ndarray, w_scales: np.ndarray) -> np.ndarray:

@@ -235,3 +235,13 @@ def test_fused_hook_declines_weights_that_do_not_share_k_and_g(cpu: Backend) -> 
     for ws in (same_k_other_g, other_k):
         assert cpu.hook.kestrel_gemm_fused_q8(device=cpu.device, a_codes=a_codes, a_scales=a_scales,
                                               weights=ws, wkeys=[0, 0], fused_wkey=0) is None
+
+
+def test_parallel_and_serial_builds_have_their_own_disk_cache() -> None:
+    """numba keys its on-disk cache by qualified name and line: one shared name made the parallel build load
+    the serial build's code (one thread) whenever the serial one was cached first."""
+    for par, ser in ((kernels._gemm_q8_parallel, kernels._gemm_q8_serial),
+                     (kernels._gemm_f32_parallel, kernels._gemm_f32_serial)):
+        assert par.targetoptions.get("parallel") and not ser.targetoptions.get("parallel")
+        assert par.py_func.__qualname__ != ser.py_func.__qualname__
+        assert par.py_func.__code__ is ser.py_func.__code__  # the same arithmetic
