@@ -171,6 +171,7 @@ _dot1x2 = _make_tile_dot(1, 2)
 _dot4x1 = _make_tile_dot(4, 1)
 _dot4x2 = _make_tile_dot(4, 2)
 
+BLOCK_BYTES = 16 << 10  # prefill: weight rows per work item, so their codes and a 4-row tile fit L1
 TILE_MIN_M = 4  # below this, rows run one by one on int8 activations (decode: memory-bound anyway)
 
 
@@ -194,32 +195,37 @@ def _gemm_q8_body(a: np.ndarray, a16: np.ndarray, a_scales: np.ndarray, codes: t
                 _dot1x1_stream(a, m * k, k, a_scales, m * ng, ng, c, n * k, k, s, n * ng, ng, ng, nchunk,
                                out, m * n_total + j, n_total)
     else:
-        # Work items are pairs of weight rows (never straddling two weights) times every activation row.
-        pair_start = np.zeros(nw + 1, np.int64)
+        # Work items are blocks of weight rows (~BLOCK_BYTES of codes, never straddling two weights); each
+        # block runs every 4-row activation tile against all its row pairs, so the activation tile
+        # (4 x K int16) and the block's codes both stay in L1 while they are reused.
+        block_rows = max(2, BLOCK_BYTES // k // 2 * 2)
+        blk_start = np.zeros(nw + 1, np.int64)
         for i in range(nw):
-            pair_start[i + 1] = pair_start[i] + (row_start[i + 1] - row_start[i] + 1) // 2
+            blk_start[i + 1] = blk_start[i] + (row_start[i + 1] - row_start[i] + block_rows - 1) // block_rows
         m4 = m_rows - m_rows % 4
-        for p in prange(pair_start[nw]):
+        for b in prange(blk_start[nw]):
             i = 0
-            while p >= pair_start[i + 1]:
+            while b >= blk_start[i + 1]:
                 i += 1
-            n = 2 * (p - pair_start[i])
-            j = row_start[i] + n
+            n0 = block_rows * (b - blk_start[i])
+            n_end = min(n0 + block_rows, row_start[i + 1] - row_start[i])
+            n_pairs_end = n0 + (n_end - n0) // 2 * 2
             c, s = codes[i], w_scales[i]
-            if j + 1 < row_start[i + 1]:
-                for m in range(0, m4, 4):
+            j0 = row_start[i]
+            for m in range(0, m4, 4):
+                for n in range(n0, n_pairs_end, 2):
                     _dot4x2(a16, m * k, k, a_scales, m * ng, ng, c, n * k, k, s, n * ng, ng, ng, nchunk,
-                            out, m * n_total + j, n_total)
-                for m in range(m4, m_rows):
+                            out, m * n_total + j0 + n, n_total)
+                if n_pairs_end < n_end:
+                    _dot4x1(a16, m * k, k, a_scales, m * ng, ng, c, n_pairs_end * k, k, s, n_pairs_end * ng, ng,
+                            ng, nchunk, out, m * n_total + j0 + n_pairs_end, n_total)
+            for m in range(m4, m_rows):
+                for n in range(n0, n_pairs_end, 2):
                     _dot1x2(a16, m * k, k, a_scales, m * ng, ng, c, n * k, k, s, n * ng, ng, ng, nchunk,
-                            out, m * n_total + j, n_total)
-            else:
-                for m in range(0, m4, 4):
-                    _dot4x1(a16, m * k, k, a_scales, m * ng, ng, c, n * k, k, s, n * ng, ng, ng, nchunk,
-                            out, m * n_total + j, n_total)
-                for m in range(m4, m_rows):
-                    _dot1x1(a16, m * k, k, a_scales, m * ng, ng, c, n * k, k, s, n * ng, ng, ng, nchunk,
-                            out, m * n_total + j, n_total)
+                            out, m * n_total + j0 + n, n_total)
+                if n_pairs_end < n_end:
+                    _dot1x1(a16, m * k, k, a_scales, m * ng, ng, c, n_pairs_end * k, k, s, n_pairs_end * ng, ng,
+                            ng, nchunk, out, m * n_total + j0 + n_pairs_end, n_total)
 
 
 def _named_copy(fn: Callable[..., Any], suffix: str) -> Callable[..., Any]:
