@@ -159,7 +159,19 @@ class Offload:
         group = weights[0].group_size
         a_codes, a_scales = quantize_activations(x, group)
         m = x.shape[0]
-        if not self.on_cpu and all(w.group_size == group for w in weights):
+        if self.on_cpu:
+            # The CPU's own fused pass (one call, one thread fork/join: ~15% faster decode), counted as the
+            # GEMMs it computes, like every CPU GEMM.
+            fused = self._caller(self.cpu, "kestrel_gemm_fused_q8")
+            outs = None if fused is None else fused(a_codes=a_codes, a_scales=a_scales, weights=list(weights),
+                                                    wkeys=list(wkeys), fused_wkey=fused_wkey)
+            if outs is not None:
+                counters = self.counters.get("kestrel_gemm_q8") or self.counters.setdefault(
+                    "kestrel_gemm_q8", HookCounters())
+                counters.offered += len(weights)
+                counters.accepted += len(weights)
+                return list(outs)
+        elif all(w.group_size == group for w in weights):
             flops = sum(gemm_flops(m, w.n, w.k) for w in weights)
             outs = self._offer("kestrel_gemm_fused_q8", flops,
                                lambda: self._caller(self.backend, "kestrel_gemm_fused_q8")(
