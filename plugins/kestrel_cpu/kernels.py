@@ -176,14 +176,18 @@ TILE_MIN_M = 4  # below this, rows run one by one on int8 activations (decode: m
 
 
 def _gemm_q8_body(a: np.ndarray, a16: np.ndarray, a_scales: np.ndarray, codes: tuple, w_scales: tuple,
-                  row_start: np.ndarray, out: np.ndarray) -> None:
+                  out: np.ndarray) -> None:
     # a: [M, K] int8; a16: the same values as int16 (used when M >= TILE_MIN_M); a_scales: [M, ng];
-    # codes[i]: [N_i, K] int8, w_scales[i]: [N_i, ng]; weight i fills out[:, row_start[i]:row_start[i+1]].
+    # codes[i]: [N_i, K] int8, w_scales[i]: [N_i, ng] (N_i = 0 pads the tuple); out: [M, sum N_i], weight i
+    # filling the columns row_start[i]:row_start[i+1].
     m_rows, k = a.shape
     n_total = out.shape[1]
     ng = a_scales.shape[1]
     nchunk = k // ng // CHUNK
-    nw = len(row_start) - 1
+    nw = len(codes)
+    row_start = np.zeros(nw + 1, np.int64)
+    for i in range(nw):
+        row_start[i + 1] = row_start[i] + codes[i].shape[0]
     if m_rows < TILE_MIN_M:
         for j in prange(n_total):
             i = 0
@@ -282,7 +286,10 @@ def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, codes: np.ndarray, w_scal
 
     The caller checks shapes and dtypes; arrays must be C-contiguous.
     """
-    return gemm_q8_multi(a_codes, a_scales, [codes], [w_scales])[0]
+    m, k = a_codes.shape
+    out = np.empty((m, codes.shape[0]), dtype=np.float32)
+    _run(a_codes, a_scales, (codes, _NO_CODES, _NO_CODES), (w_scales, _NO_SCALES, _NO_SCALES), out)
+    return out
 
 
 def gemm_q8_multi(a_codes: np.ndarray, a_scales: np.ndarray, codes: list[np.ndarray],
@@ -294,22 +301,26 @@ def gemm_q8_multi(a_codes: np.ndarray, a_scales: np.ndarray, codes: list[np.ndar
     """
     if not 1 <= len(codes) <= MAX_WEIGHTS:
         raise ValueError(f"gemm_q8_multi takes 1 to {MAX_WEIGHTS} weights, got {len(codes)}")
+    pad = MAX_WEIGHTS - len(codes)
+    ns = [c.shape[0] for c in codes]
+    out = np.empty((a_codes.shape[0], sum(ns)), dtype=np.float32)
+    _run(a_codes, a_scales, (*codes, *([_NO_CODES] * pad)), (*w_scales, *([_NO_SCALES] * pad)), out)
+    outs, start = [], 0
+    for n in ns:
+        outs.append(out[:, start:start + n])
+        start += n
+    return outs
+
+
+def _run(a_codes: np.ndarray, a_scales: np.ndarray, codes: tuple, w_scales: tuple, out: np.ndarray) -> None:
     m, k = a_codes.shape
-    ends, total = [], 0
-    for c in codes:
-        total += c.shape[0]
-        ends.append(total)
-    row_start = np.array([0, *ends, *([total] * (MAX_WEIGHTS - len(codes)))], dtype=np.int64)
-    out = np.empty((m, total), dtype=np.float32)
-    if m == 0 or total == 0 or k == 0:
+    macs = out.size * k
+    if macs == 0:
         out.fill(0)
-    else:
-        pad = MAX_WEIGHTS - len(codes)
-        kernel = _gemm_q8_parallel if m * total * k >= PARALLEL_MIN_MACS else _gemm_q8_serial
-        a16 = a_codes.astype(np.int16) if m >= TILE_MIN_M else _NO_A16
-        kernel(a_codes, a16, a_scales, (*codes, *([_NO_CODES] * pad)), (*w_scales, *([_NO_SCALES] * pad)),
-               row_start, out)
-    return [out[:, row_start[i]:row_start[i + 1]] for i in range(len(codes))]
+        return
+    kernel = _gemm_q8_parallel if macs >= PARALLEL_MIN_MACS else _gemm_q8_serial
+    a16 = a_codes.astype(np.int16) if m >= TILE_MIN_M else _NO_A16
+    kernel(a_codes, a16, a_scales, codes, w_scales, out)
 
 
 def gemm_f32(a: np.ndarray, codes: np.ndarray, w_scales: np.ndarray) -> np.ndarray:
