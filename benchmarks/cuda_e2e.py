@@ -2,14 +2,15 @@
 per-kernel breakdown, the bandwidth roofline, and the residency window.
 
     python benchmarks/cuda_e2e.py [--preset qwen3-8b] [--quant q8] [--prompt 512] [--decode 128]
-                                  [--window 1,4,16] [--sweep 0:32,1:4] [--json out.json]
+                                  [--window 1,4,16] [--sweep "PDL=0,PDL=1+ATTN_SPLITS=16"] [--json out.json]
 
 Everything runs through the CUDA backend's own device (binding.open_device: its weight cache, preload,
 stream and tiled GEMM) and kestrel_cuda.forward.DeviceForward, the object the kestrel_forward hook calls.
 Wall-clock times include the Python work per step (token in, logits [1, vocab] back to a numpy array);
 the GPU time of one decode step is measured with CUDA events around replays of its graph; the per-kind
 breakdown replays each kind's launches of one step in a graph of their own. ``--sweep`` times decode under
-several GEMV configurations (prefetching variant, blocks per SM) and the rest runs the fastest. Figures:
+several configurations, each a '+'-joined list of NAME=VALUE settings of the KESTREL_CUDA_NAME variables
+(GEMV=stream|chunk, PDL=0|1, ATTN_SPLITS=16|32, GEMV_BLOCKS=n), and the rest runs the fastest. Figures:
     copy_gb_s        device-to-device copy, bytes read + written per second (the bandwidth ceiling)
     bytes_per_token  weight codes + scales one decode step reads (every projection and lm_head)
     roofline_tok_s   copy_gb_s / bytes_per_token
@@ -164,6 +165,10 @@ def prefill_breakdown(cp: Any, fwd: Any, model: Any, seq_id: int, prompt: np.nda
 def _kernel_name(ops: Any, fn: Any) -> str:
     if any(fn is f for f in ops._gemv.values()):
         return "qgemv"
+    if any(fn is f for f in ops._gemv_m1.values()):
+        return "qgemv_m1"
+    if any(fn is f for f in ops._attn_decode.values()):
+        return "attn_decode"
     for name, f in ops._fn.items():
         if f is fn:
             return name
@@ -200,21 +205,42 @@ def greedy(fwd: Any, model: Any, seq_id: int, prompt: np.ndarray, steps: int) ->
     return tokens, times, prefill_s
 
 
-def decode_config(cp: Any, dev: Any, model: Any, prompt: np.ndarray, steps: int, prefetch: bool,
-                  target: int | None) -> dict[str, Any]:
-    """Decode speed of one GEMV configuration (KESTREL_CUDA_GEMV_PREFETCH, target blocks)."""
+def parse_config(text: str) -> dict[str, str]:
+    """'GEMV=stream+PDL=1' -> {'KESTREL_CUDA_GEMV': 'stream', 'KESTREL_CUDA_PDL': '1'} ('' or 'default': {})."""
+    env = {}
+    for item in text.split("+"):
+        item = item.strip()
+        if item and item != "default":
+            name, _, value = item.partition("=")
+            env[f"KESTREL_CUDA_{name.strip().upper()}"] = value.strip()
+    return env
+
+
+def make_forward(dev: Any, env: dict[str, str]) -> Any:
+    """DeviceForward on the backend's device, built under the settings ``env`` (read at construction)."""
     from kestrel_cuda.forward import DeviceForward
 
-    os.environ["KESTREL_CUDA_GEMV_PREFETCH"] = "1" if prefetch else "0"
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
-        fwd = DeviceForward(dev.weight, None, stream=dev.stream, gemm=dev.gemm, pin=dev.cache.pin,
-                            unpin=dev.cache.unpin, target_blocks=target)
+        return DeviceForward(dev.weight, None, stream=dev.stream, gemm=dev.gemm, pin=dev.cache.pin,
+                             unpin=dev.cache.unpin)
     finally:
-        os.environ.pop("KESTREL_CUDA_GEMV_PREFETCH", None)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def decode_config(cp: Any, dev: Any, model: Any, prompt: np.ndarray, steps: int, name: str) -> dict[str, Any]:
+    """Decode speed under one configuration (see ``parse_config``)."""
+    fwd = make_forward(dev, parse_config(name))
     try:
         tokens, times, _ = greedy(fwd, model, 1, prompt, steps)
         warm = times[2:] or times
-        return {"prefetch": prefetch, "target_blocks": fwd.target_blocks, "tokens": tokens,
+        return {"config": name, "gemv": fwd.ops.gemv_kind, "pdl": fwd.ops.pdl, "attn_splits": fwd.ops.attn_splits,
+                "target_blocks": fwd.target_blocks, "tokens": tokens,
                 "decode_tok_s": round(1.0 / statistics.median(warm), 1),
                 "graph_step_us": round(graph_step_us(cp, fwd, 1), 1)}
     finally:
@@ -229,8 +255,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kestrel_cuda.forward import DeviceForward
 
     os.environ.pop("KESTREL_CUDA_STREAM", None)
-    res: dict[str, Any] = {"preset": args.preset, "quant": args.quant, "prompt": args.prompt, "decode": args.decode,
-                           "attn": args.attn}
+    res: dict[str, Any] = {"preset": args.preset, "quant": args.quant, "prompt": args.prompt, "decode": args.decode}
     t0 = time.perf_counter()
     model = preset_model(args.preset, args.quant)
     res["build_model_s"] = round(time.perf_counter() - t0, 2)
@@ -252,25 +277,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         res["sweep"] = []
         first_tokens: list[int] = []
-        for prefetch, per_sm in args.sweep:
-            r = decode_config(cp, dev, model, prompt, args.sweep_steps, prefetch, per_sm * dev.sm_count)
-            log(f"[{args.quant}] gemv prefetch={int(prefetch)} blocks={r['target_blocks']}: "
-                f"{r['decode_tok_s']} tok/s, GPU {r['graph_step_us']} us/step")
+        for name in args.sweep:
+            r = decode_config(cp, dev, model, prompt, args.sweep_steps, name)
             if res["sweep"]:
                 r["same_tokens_as_first"] = r["tokens"] == first_tokens
             else:
                 first_tokens = r["tokens"]
+            log(f"[{args.quant}] config {name!r} (gemv {r['gemv']}, pdl {int(r['pdl'])}, attn splits "
+                f"{r['attn_splits']}, blocks {r['target_blocks']}): {r['decode_tok_s']} tok/s, GPU "
+                f"{r['graph_step_us']} us/step, same tokens {r.get('same_tokens_as_first', True)}")
             res["sweep"].append({k: v for k, v in r.items() if k != "tokens"})
-        if res["sweep"]:
-            best = min(res["sweep"], key=lambda r: r["graph_step_us"])
-            os.environ["KESTREL_CUDA_GEMV_PREFETCH"] = "1" if best["prefetch"] else "0"
-            target = best["target_blocks"]
-        else:
-            target = None
-        res["config"] = {"prefetch": os.environ.get("KESTREL_CUDA_GEMV_PREFETCH", "0"), "target_blocks": target}
-        fwd = DeviceForward(dev.weight, None, stream=dev.stream, gemm=dev.gemm, pin=dev.cache.pin,
-                            unpin=dev.cache.unpin, target_blocks=target)
-        os.environ.pop("KESTREL_CUDA_GEMV_PREFETCH", None)
+        best = min(res["sweep"], key=lambda r: r["graph_step_us"])["config"] if res["sweep"] else "default"
+        fwd = make_forward(dev, parse_config(best))
+        res["config"] = {"name": best, "gemv": fwd.ops.gemv_kind, "pdl": fwd.ops.pdl,
+                         "attn_splits": fwd.ops.attn_splits, "target_blocks": fwd.target_blocks}
+        log(f"[{args.quant}] running {res['config']}")
         t0 = time.perf_counter()
         fwd.forward(model, 99, prompt[:8], 0, False)
         res["first_call_s"] = round(time.perf_counter() - t0, 3)  # device state, weight lookups, KV, warmup
@@ -336,15 +357,14 @@ def main() -> None:
     p.add_argument("--window", default="1,4,16", help="comma-separated keep values ('' to skip)")
     p.add_argument("--window-prompt", type=int, default=8)
     p.add_argument("--window-steps", type=int, default=3)
-    p.add_argument("--sweep", default="0:32,0:8,1:2,1:4,1:8",
-                   help="GEMV configurations to time, prefetch:blocks-per-SM, comma-separated ('' to skip)")
+    p.add_argument("--sweep", default="",
+                   help="configurations to time, comma-separated, each '+'-joined NAME=VALUE settings of "
+                        "KESTREL_CUDA_NAME ('default' = the environment as it is; '' to skip)")
     p.add_argument("--sweep-steps", type=int, default=24)
-    p.add_argument("--attn", default="1", help="attention kernels: 1 (default) or 2 (KESTREL_CUDA_ATTN)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     args.window = [int(x) for x in args.window.split(",") if x.strip()]
-    os.environ["KESTREL_CUDA_ATTN"] = args.attn
-    args.sweep = [(x.split(":")[0] == "1", int(x.split(":")[1])) for x in args.sweep.split(",") if x.strip()]
+    args.sweep = [x.strip() for x in args.sweep.split(",") if x.strip()]
     res = run(args)
     if args.json:
         with open(args.json, "w") as f:

@@ -17,8 +17,8 @@ test)
     python -c "import json; d=json.load(open('$OUT/selftest_cuda.json')); print('selftest cuda:', d['passed'], 'passed,', d['failed'], 'failed')"
     ;;
 bench)
-    run python benchmarks/cuda_e2e.py --quant q8 --attn "${ATTN:-1}" --window 1,4,16 --sweep "" --json "$OUT/e2e_q8.json" 2>&1 | tail -n 30
-    run python benchmarks/cuda_e2e.py --quant q4 --attn "${ATTN:-1}" --window "" --sweep "" --json "$OUT/e2e_q4.json" 2>&1 | tail -n 12
+    run python benchmarks/cuda_e2e.py --quant q8 --window 1,4,16 --sweep "" --json "$OUT/e2e_q8.json" 2>&1 | tail -n 30
+    run python benchmarks/cuda_e2e.py --quant q4 --window "" --sweep "" --json "$OUT/e2e_q4.json" 2>&1 | tail -n 12
     run python -m kestrel_core.cli bench --preset qwen3-8b --backend cuda --quant q8 --prompt-tokens 512 \
         --decode-tokens 128 --runs 3 2>&1 | tail -n 14
     ;;

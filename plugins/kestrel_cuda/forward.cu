@@ -17,6 +17,23 @@
 #define FULL 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)  // -inf without math headers (NVRTC)
 
+// Programmatic dependent launch (sm_90): a kernel launched with programmatic stream serialization may start
+// while its predecessor in the stream is still running. Everything before grid_dep_wait() must touch only
+// what no kernel of the step writes (weights, norms, tables); the wait returns once the predecessor has
+// completed and its writes are visible. Without that launch attribute the wait returns at once. Every
+// kernel here lets its dependents launch at its start: they only prefetch weights until their own wait.
+__device__ __forceinline__ void grid_dep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_dep_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     // xor butterfly: every lane ends with the same bits (float addition is commutative)
 #pragma unroll
@@ -90,6 +107,8 @@ __global__ void __launch_bounds__(NT, PF ? 2 : (MR == 1 ? 4 : 1)) qgemv(
     float* __restrict__ Y, int ldy, int epi, const float* __restrict__ bias,
     float* __restrict__ part, int* __restrict__ counters)
 {
+    grid_dep_launch();
+    grid_dep_wait();
     __shared__ int s_aq[MR][KC / 4];            // activation codes of this chunk, 4 per word
     __shared__ float s_as[MR][KC / 32];         // activation scales (G=256: element 0)
     __shared__ int s_asum[MR][KC / 32];         // sum of activation codes per group (int4 bias)
@@ -303,6 +322,184 @@ __global__ void __launch_bounds__(NT, PF ? 2 : (MR == 1 ? 4 : 1)) qgemv(
 }
 
 // ------------------------------------------------------------------------------------------------------
+// M = 1 GEMV, streaming: the decode step's projections (and lm_head).
+//
+// Same result definition as qgemv. Block: 8 warps on one column tile of TN = 128 columns (lane: 4 columns,
+// one 4-byte load per K row), grid x = column tiles, y = K splits (contiguous runs of whole G-groups).
+// The block first quantizes the activations of its K run once into shared memory (RMSNorm / SiLU*up,
+// Q8_0 per group, one warp per group), while the first weight loads are in flight; then every warp streams
+// its groups (w, w + 8, ...) with no block barrier: a register ring of NB 32-row slots, the slot NB ahead
+// loaded as soon as one is consumed, so each warp keeps its next slots' weights in flight while it reduces
+// the current one. Warps are added in a fixed order, then the splits (last block of a tile, as qgemv).
+#define SMAXK 16384     // K rows one block of qgemv_m1 may quantize into shared memory
+#define M1_WARPS (NT / 32)
+#define LOAD_M1(b, t)                                                                                      \
+    do {                                                                                                   \
+        const int kr_ = k_base + (warp + M1_WARPS * ((t) / SPU)) * G + ((t) % SPU) * 32;                   \
+        const unsigned* wp_ = wcol + (size_t)(BITS == 8 ? kr_ : kr_ / 2) * (Npad / 4);                     \
+        _Pragma("unroll") for (int r_ = 0; r_ < NW; ++r_) ring[b][r_] = __ldg(wp_ + (size_t)r_ * (Npad / 4)); \
+        ring_s[b] = __ldg(reinterpret_cast<const float4*>(WS + (size_t)(kr_ / G) * Npad + col));           \
+    } while (0)
+
+template <int BITS, int G>
+__global__ void __launch_bounds__(NT, 2) qgemv_m1(
+    const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
+    const float* __restrict__ X, int pro, const float* __restrict__ pw, float eps, int xoff,
+    float* __restrict__ Y, int epi, const float* __restrict__ bias,
+    float* __restrict__ part, int* __restrict__ counters)
+{
+    constexpr int NW = BITS == 8 ? 32 : 16;     // 4-byte words a lane loads per 32-row slot
+    constexpr int SPU = G / 32;                 // slots per group
+    constexpr int NB = BITS == 8 ? 2 : 3;       // slots in the register ring (64 or 48 words)
+    __shared__ __align__(16) int s_aq[SMAXK / 4];   // activation codes of the block's K run, 4 per word
+    __shared__ float s_as[SMAXK / 32];          // per group: activation scale
+    __shared__ int s_asum[SMAXK / 32];          // per group: sum of activation codes (int4 bias)
+    __shared__ __align__(16) float s_acc[M1_WARPS][TN];
+    __shared__ float s_red[M1_WARPS];
+    __shared__ int s_last;
+
+    grid_dep_launch();
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int n0 = blockIdx.x * TN;
+    const int col = n0 + 4 * lane;
+    const bool colok = col < Npad;
+    const int groups = K / G;
+    const int per = (groups + (int)gridDim.y - 1) / (int)gridDim.y;
+    const int g0 = blockIdx.y * per;
+    const int ng = max(0, min(groups, g0 + per) - g0);        // groups of this block
+    const int k_base = g0 * G;
+    const int nt = (colok && ng > warp) ? ((ng - warp + M1_WARPS - 1) / M1_WARPS) * SPU : 0;  // this warp's slots
+    const unsigned* wcol = reinterpret_cast<const unsigned*>(W) + (col >> 2);
+
+    unsigned ring[NB][NW];
+    float4 ring_s[NB];
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+        if (b < nt) LOAD_M1(b, b);
+
+    grid_dep_wait();  // X (and part / counters) come from the kernels before this one
+    float r = 0.f;
+    if (pro == 1) {   // rmsnorm denominator of the whole row, the same bits in every block
+        float ss = 0.f;
+#pragma unroll 8
+        for (int k = tid; k < K; k += NT) { const float v = X[k]; ss += v * v; }
+        ss = block_sum(ss, s_red);
+        r = sqrtf(ss / (float)K + eps);
+    }
+    // One warp per group, UQ groups per pass so that a lane's 8 loads of a pass are in flight together.
+    constexpr int UQ = SPU >= 8 ? 1 : 8 / SPU;
+    for (int gb = warp; gb < ng; gb += M1_WARPS * UQ) {
+        float v[UQ][SPU];
+#pragma unroll
+        for (int u = 0; u < UQ; ++u) {
+            const int gl = gb + M1_WARPS * u;
+#pragma unroll
+            for (int i = 0; i < SPU; ++i) {
+                const int k = k_base + gl * G + 32 * i + lane;
+                v[u][i] = 0.f;
+                if (gl < ng) {
+                    float x = X[k];
+                    if (pro == 1) x = x / r * pw[k];
+                    else if (pro == 2) x = x / (1.f + expf(-x)) * X[k + xoff];
+                    v[u][i] = x;
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UQ; ++u) {
+            const int gl = gb + M1_WARPS * u;
+            if (gl >= ng) break;                  // the same for every lane of the warp
+            float amax = 0.f;
+#pragma unroll
+            for (int i = 0; i < SPU; ++i) amax = fmaxf(amax, fabsf(v[u][i]));
+            amax = warp_max(amax);
+            const float d = amax / 127.f;
+            const float inv = d == 0.f ? 0.f : 1.f / d;
+            signed char* dst = reinterpret_cast<signed char*>(s_aq) + gl * G + lane;
+            int qs = 0;
+#pragma unroll
+            for (int i = 0; i < SPU; ++i) {
+                const int q = (int)roundf(v[u][i] * inv);  // roundf: half away from zero, like ggml
+                dst[32 * i] = (signed char)q;
+                qs += q;
+            }
+            if (BITS == 4) qs = warp_isum(qs);
+            if (lane == 0) { s_as[gl] = d; s_asum[gl] = qs; }
+        }
+    }
+    __syncthreads();
+
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    int isum[4] = {0, 0, 0, 0};                 // integer sums of the current group
+    for (int t0 = 0; t0 < nt; t0 += NB) {
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            const int t = t0 + b;
+            if (t < nt) {
+                const int gl = warp + M1_WARPS * (t / SPU);
+                const int sub = t % SPU;
+                const int4* ap = reinterpret_cast<const int4*>(s_aq + (gl * G + sub * 32) / 4);
+                const int4 a0 = ap[0], a1 = ap[1];
+                const int aw[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {      // 8 quads of 4 rows
+                    unsigned cw[4];
+                    if (BITS == 8) {
+                        transpose4(ring[b][4 * j], ring[b][4 * j + 1], ring[b][4 * j + 2], ring[b][4 * j + 3], cw);
+                    } else {
+                        const unsigned x0 = ring[b][2 * j], x1 = ring[b][2 * j + 1];
+                        transpose4(x0 & 0x0f0f0f0fu, (x0 >> 4) & 0x0f0f0f0fu, x1 & 0x0f0f0f0fu,
+                                   (x1 >> 4) & 0x0f0f0f0fu, cw);
+                    }
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) isum[c] = __dp4a((int)cw[c], aw[j], isum[c]);
+                }
+                if (sub == SPU - 1) {              // the group is complete: scale it like the reference
+                    const float as = s_as[gl];
+                    const int bias8 = BITS == 4 ? 8 * s_asum[gl] : 0;
+                    const float4 ws = ring_s[b];
+                    acc[0] += (float)(isum[0] - bias8) * as * ws.x;
+                    acc[1] += (float)(isum[1] - bias8) * as * ws.y;
+                    acc[2] += (float)(isum[2] - bias8) * as * ws.z;
+                    acc[3] += (float)(isum[3] - bias8) * as * ws.w;
+                    isum[0] = isum[1] = isum[2] = isum[3] = 0;
+                }
+                if (t + NB < nt) LOAD_M1(b, t + NB);
+            }
+        }
+    }
+
+    *reinterpret_cast<float4*>(&s_acc[warp][4 * lane]) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    __syncthreads();
+    const int n = n0 + tid;
+    float y = 0.f;
+    if (tid < TN) {
+        y = s_acc[0][tid];
+#pragma unroll
+        for (int w = 1; w < M1_WARPS; ++w) y += s_acc[w][tid];
+    }
+    if (gridDim.y > 1) {
+        if (tid < TN && n < Npad) part[(size_t)blockIdx.y * Npad + n] = y;
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) s_last = atomicAdd(&counters[blockIdx.x], 1) == (int)gridDim.y - 1;
+        __syncthreads();
+        if (!s_last) return;
+        __threadfence();
+        if (tid < TN && n < Npad) {
+            y = 0.f;
+#pragma unroll 4
+            for (int s = 0; s < (int)gridDim.y; ++s) y += __ldcg(part + (size_t)s * Npad + n);
+        }
+        if (tid == 0) counters[blockIdx.x] = 0;
+    }
+    if (tid < TN && n < N) {
+        if (bias) y = y + bias[n];
+        Y[n] = epi == 1 ? Y[n] + y : y;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------
 // Prologue alone, for the tiled-GEMM path: A = prologue(X) quantized per G-block -> codes [M][K], scales
 // [M][K/G]. One block per (row, chunk of NT elements).
 template <int G>
@@ -310,6 +507,8 @@ __global__ void __launch_bounds__(NT) quantize_rows(
     const float* __restrict__ X, int ldx, int M, int K, int pro, const float* __restrict__ pw, float eps,
     int xoff, signed char* __restrict__ codes, float* __restrict__ scales)
 {
+    grid_dep_launch();
+    grid_dep_wait();
     __shared__ float s_red[NT / 32];
     __shared__ float s_r;
     const int m = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -348,6 +547,8 @@ __global__ void __launch_bounds__(NT) quantize_rows(
 extern "C" __global__ void add_rows(const float* __restrict__ T, int ldt, int M, int N, float* __restrict__ Y, int ldy,
                          int epi, const float* __restrict__ bias)
 {
+    grid_dep_launch();
+    grid_dep_wait();
     const int n = blockIdx.x * blockDim.x + threadIdx.x, m = blockIdx.y;
     if (n >= N) return;
     float y = T[(size_t)m * ldt + n];
@@ -361,6 +562,8 @@ extern "C" __global__ void add_rows(const float* __restrict__ T, int ldt, int M,
 extern "C" __global__ void embed_rows(const signed char* __restrict__ codes, const float* __restrict__ scales, int D,
                            int G, const int* __restrict__ ids, float* __restrict__ h)
 {
+    grid_dep_launch();
+    grid_dep_wait();
     const int m = blockIdx.y;
     const int k = blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= D) return;
@@ -379,6 +582,8 @@ extern "C" __global__ void __launch_bounds__(RW * 32) qkv_rope(
     const float* __restrict__ cosT, const float* __restrict__ sinT, const int* __restrict__ meta,
     float* __restrict__ qout, float* __restrict__ kc, float* __restrict__ vc, int cap)
 {
+    grid_dep_launch();
+    grid_dep_wait();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int head = blockIdx.x * RW + warp, m = blockIdx.y;
     if (head >= H + KV) return;
@@ -426,26 +631,29 @@ extern "C" __global__ void __launch_bounds__(RW * 32) qkv_rope(
 
 // ------------------------------------------------------------------------------------------------------
 // Decode attention (one query row at position meta[0], keys 0..meta[0]), split over positions.
-// Grid: x = H, y = nsplit (<= MAXS); block 128 (4 warps). Each warp runs an online softmax over groups of
-// AB positions (their keys and values loaded together, so AB x 2 x hd/32 loads are in flight); the block
+// Grid: x = H, y = NS splits; block 128 (4 warps). Each warp runs an online softmax over groups of AB
+// positions (their keys and values loaded together: AB x 2 x hd/32 loads in flight per lane); the block
 // merges its warps, writes (max, sum, acc[hd]) to part[h][split], and the last block of a head merges the
-// splits (loads in parallel, fixed order). q is scaled by 1/sqrt(hd) before the dot products.
+// NS splits (every split's partial loaded at once, merge weights computed once, fixed order). q is scaled
+// by 1/sqrt(hd) before the dot products.
 #define AW 4
-#define AB 4
+#define AB 8
 #define MAXJ 4   // hd <= 128
-#define MAXS 64
-extern "C" __global__ void __launch_bounds__(AW * 32) attn_decode(
+template <int NS>
+__global__ void __launch_bounds__(AW * 32) attn_decode(
     const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
     int KV, int hd, float scale, const int* __restrict__ meta, float* __restrict__ part,
     int* __restrict__ counters, float* __restrict__ out)
 {
-    __shared__ float s_m[MAXS], s_l[MAXS];
+    grid_dep_launch();
+    grid_dep_wait();
+    __shared__ float s_m[NS], s_l[NS], s_w[NS];
     __shared__ float s_acc[AW][128];
     __shared__ int s_last;
-    const int h = blockIdx.x, split = blockIdx.y, nsplit = gridDim.y;
+    const int h = blockIdx.x, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int len = meta[0] + 1;
-    const int chunk = (len + nsplit - 1) / nsplit;
+    const int chunk = (len + NS - 1) / NS;
     const int pb = split * chunk;
     const int pe = min(len, pb + chunk);
     const int kvh = h / (H / KV);
@@ -510,7 +718,7 @@ extern "C" __global__ void __launch_bounds__(AW * 32) attn_decode(
         if (d < hd) s_acc[warp][d] = acc[j];
     }
     __syncthreads();
-    float* pp = part + ((size_t)h * nsplit + split) * (hd + 2);
+    float* pp = part + ((size_t)h * NS + split) * (hd + 2);
     float bm = NEG_INF;
 #pragma unroll
     for (int w = 0; w < AW; ++w) bm = fmaxf(bm, s_m[w]);
@@ -532,257 +740,51 @@ extern "C" __global__ void __launch_bounds__(AW * 32) attn_decode(
     }
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(&counters[h], 1) == nsplit - 1;
+    if (threadIdx.x == 0) s_last = atomicAdd(&counters[h], 1) == NS - 1;
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    const float* ph = part + (size_t)h * nsplit * (hd + 2);
-    for (int t = threadIdx.x; t < nsplit; t += AW * 32) {   // every split's (max, sum) at once
-        s_m[t] = __ldcg(ph + (size_t)t * (hd + 2));
-        s_l[t] = __ldcg(ph + (size_t)t * (hd + 2) + 1);
-    }
-    __syncthreads();
-    float gm = NEG_INF;
-    for (int t = 0; t < nsplit; ++t) gm = fmaxf(gm, s_m[t]);
-    float gl = 0.f;
-    for (int t = 0; t < nsplit; ++t) if (s_l[t] > 0.f) gl += s_l[t] * expf(s_m[t] - gm);
-    for (int d = threadIdx.x; d < hd; d += AW * 32) {
-        float a = 0.f;
-#pragma unroll 8
-        for (int t = 0; t < nsplit; ++t) {
-            const float v = __ldcg(ph + (size_t)t * (hd + 2) + 2 + d);
-            if (s_l[t] > 0.f) a += v * expf(s_m[t] - gm);
-        }
-        out[(size_t)h * hd + d] = a / gl;
-    }
-    if (threadIdx.x == 0) counters[h] = 0;
-}
-
-// ------------------------------------------------------------------------------------------------------
-// Prefill attention: rows m of q at positions meta[0] + m see keys 0..meta[0] + m (causal). One warp per
-// query row, 8 rows per block; keys and values staged in shared memory 32 positions at a time.
-// Grid: x = H, y = ceil(M / 8); block 256; dynamic shared memory (32*(hd+1) + 32*hd + 8*hd) floats.
-#define PQ 8
-#define PT 32
-#define PMAXJ 4  // hd <= 128
-extern "C" __global__ void __launch_bounds__(PQ * 32) attn_prefill(
-    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
-    int KV, int hd, float scale, const int* __restrict__ meta, int M, float* __restrict__ out)
-{
-    extern __shared__ float smem[];
-    float* ks = smem;                       // [PT][hd+1]
-    float* vs = ks + PT * (hd + 1);         // [PT][hd]
-    float* qs = vs + PT * hd;               // [PQ][hd]
-    const int h = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int m = blockIdx.y * PQ + warp;
-    const int pos0 = meta[0];
-    const int mlast = min(M - 1, blockIdx.y * PQ + PQ - 1);
-    const int pmax = pos0 + mlast;          // last key any row of this block sees
-    const int pq = pos0 + m;
-    const int kvh = h / (H / KV);
-    const float* kb = kc + (size_t)kvh * cap * hd;
-    const float* vb = vc + (size_t)kvh * cap * hd;
-    for (int d = lane; d < hd; d += 32) qs[warp * hd + d] = m < M ? q[(size_t)m * H * hd + h * hd + d] * scale : 0.f;
-    float acc[PMAXJ];
-#pragma unroll
-    for (int j = 0; j < PMAXJ; ++j) acc[j] = 0.f;
-    float mx = NEG_INF, l = 0.f;
-    for (int t0 = 0; t0 <= pmax; t0 += PT) {
-        __syncthreads();
-        for (int i = threadIdx.x; i < PT * hd; i += PQ * 32) {
-            const int r = i / hd, d = i - r * hd;
-            const int p = t0 + r;
-            float kv = 0.f, vv = 0.f;
-            if (p <= pmax) { kv = kb[(size_t)p * hd + d]; vv = vb[(size_t)p * hd + d]; }
-            ks[r * (hd + 1) + d] = kv;
-            vs[r * hd + d] = vv;
-        }
-        __syncthreads();
-        if (m >= M || t0 > pq) continue;
-        const int p = t0 + lane;
-        const bool valid = p <= pq;
-        float s = NEG_INF;
-        if (valid) {
-            float dot = 0.f;
-            const float* kr = ks + lane * (hd + 1);
-            const float* qq = qs + warp * hd;
-            for (int d = 0; d < hd; ++d) dot += qq[d] * kr[d];
-            s = dot;
-        }
-        const float tmax = warp_max(s);
-        const float mn = fmaxf(mx, tmax);
-        const float corr = expf(mx - mn);
-        const float e = valid ? expf(s - mn) : 0.f;
-        l = l * corr + warp_sum(e);
-#pragma unroll
-        for (int j = 0; j < PMAXJ; ++j) acc[j] *= corr;
-        for (int r = 0; r < PT; ++r) {
-            const float er = __shfl_sync(FULL, e, r);
-            if (er != 0.f) {
-#pragma unroll
-                for (int j = 0; j < PMAXJ; ++j) {
-                    const int d = lane + 32 * j;
-                    if (d < hd) acc[j] += er * vs[r * hd + d];
-                }
-            }
-        }
-        mx = mn;
-    }
-    if (m < M) {
-#pragma unroll
-        for (int j = 0; j < PMAXJ; ++j) {
-            const int d = lane + 32 * j;
-            if (d < hd) out[(size_t)m * H * hd + h * hd + d] = acc[j] / l;
-        }
-    }
-}
-
-// ------------------------------------------------------------------------------------------------------
-// Version 2 of the attention kernels (KESTREL_CUDA_ATTN=2; same results up to float rounding order).
-// Not yet the default: they ran on the CPU mirror only until a GPU run confirms them (docs/backends/cuda.md).
-//
-// attn_decode2: as attn_decode with a compile-time split count (every split's partial loaded at once in the
-// merge), per-split merge weights computed once in shared memory, and 8 positions per warp step.
-#define ANS 32
-#define AB2 8
-extern "C" __global__ void __launch_bounds__(AW * 32) attn_decode2(
-    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
-    int KV, int hd, float scale, const int* __restrict__ meta, float* __restrict__ part,
-    int* __restrict__ counters, float* __restrict__ out)
-{
-    __shared__ float s_m[ANS], s_l[ANS], s_w[ANS];
-    __shared__ float s_acc[AW][128];
-    __shared__ int s_last;
-    const int h = blockIdx.x, split = blockIdx.y;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int len = meta[0] + 1;
-    const int chunk = (len + ANS - 1) / ANS;
-    const int pb = split * chunk;
-    const int pe = min(len, pb + chunk);
-    const int kvh = h / (H / KV);
-    const float* kb = kc + (size_t)kvh * cap * hd;
-    const float* vb = vc + (size_t)kvh * cap * hd;
-    float qr[MAXJ], acc[MAXJ];
-#pragma unroll
-    for (int j = 0; j < MAXJ; ++j) {
-        const int d = lane + 32 * j;
-        qr[j] = d < hd ? q[(size_t)h * hd + d] * scale : 0.f;
-        acc[j] = 0.f;
-    }
-    float mx = NEG_INF, l = 0.f;
-    for (int p0 = pb + AB2 * warp; p0 < pe; p0 += AB2 * AW) {
-        float kr[AB2][MAXJ], vr[AB2][MAXJ];
-#pragma unroll
-        for (int b = 0; b < AB2; ++b) {
-            const int p = p0 + b;
-#pragma unroll
-            for (int j = 0; j < MAXJ; ++j) {
-                const int d = lane + 32 * j;
-                const bool ok = p < pe && d < hd;
-                kr[b][j] = ok ? kb[(size_t)p * hd + d] : 0.f;
-                vr[b][j] = ok ? vb[(size_t)p * hd + d] : 0.f;
-            }
-        }
-        float sc[AB2];
-#pragma unroll
-        for (int b = 0; b < AB2; ++b) {
-            float t = 0.f;
-#pragma unroll
-            for (int j = 0; j < MAXJ; ++j) t += qr[j] * kr[b][j];
-            sc[b] = t;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-            for (int b = 0; b < AB2; ++b) sc[b] += __shfl_xor_sync(FULL, sc[b], o);
-        float mb = NEG_INF;
-#pragma unroll
-        for (int b = 0; b < AB2; ++b) if (p0 + b < pe) mb = fmaxf(mb, sc[b]);
-        const float mn = fmaxf(mx, mb);
-        const float corr = expf(mx - mn);
-        l *= corr;
-#pragma unroll
-        for (int j = 0; j < MAXJ; ++j) acc[j] *= corr;
-#pragma unroll
-        for (int b = 0; b < AB2; ++b) {
-            if (p0 + b < pe) {
-                const float e = expf(sc[b] - mn);
-                l += e;
-#pragma unroll
-                for (int j = 0; j < MAXJ; ++j) acc[j] += e * vr[b][j];
-            }
-        }
-        mx = mn;
-    }
-    if (lane == 0) { s_m[warp] = mx; s_l[warp] = l; }
-#pragma unroll
-    for (int j = 0; j < MAXJ; ++j) {
-        const int d = lane + 32 * j;
-        if (d < hd) s_acc[warp][d] = acc[j];
-    }
-    __syncthreads();
-    float* pp = part + ((size_t)h * ANS + split) * (hd + 2);
-    float bm = NEG_INF;
-#pragma unroll
-    for (int w = 0; w < AW; ++w) bm = fmaxf(bm, s_m[w]);
-    float wgt[AW];
-#pragma unroll
-    for (int w = 0; w < AW; ++w) wgt[w] = s_l[w] > 0.f ? expf(s_m[w] - bm) : 0.f;
-    if (threadIdx.x == 0) {
-        float bl = 0.f;
-#pragma unroll
-        for (int w = 0; w < AW; ++w) bl += s_l[w] * wgt[w];
-        pp[0] = bm;
-        pp[1] = bl;
-    }
-    for (int d = threadIdx.x; d < hd; d += AW * 32) {
-        float a = 0.f;
-#pragma unroll
-        for (int w = 0; w < AW; ++w) a += s_acc[w][d] * wgt[w];
-        pp[2 + d] = a;
-    }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(&counters[h], 1) == ANS - 1;
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    const float* ph = part + (size_t)h * ANS * (hd + 2);
-    if (threadIdx.x < ANS) {
+    const float* ph = part + (size_t)h * NS * (hd + 2);
+    if (threadIdx.x < NS) {
         s_m[threadIdx.x] = __ldcg(ph + (size_t)threadIdx.x * (hd + 2));
         s_l[threadIdx.x] = __ldcg(ph + (size_t)threadIdx.x * (hd + 2) + 1);
     }
     __syncthreads();
     float gm = NEG_INF;
 #pragma unroll
-    for (int t = 0; t < ANS; ++t) gm = fmaxf(gm, s_m[t]);
-    if (threadIdx.x < ANS)
+    for (int t = 0; t < NS; ++t) gm = fmaxf(gm, s_m[t]);
+    if (threadIdx.x < NS)
         s_w[threadIdx.x] = s_l[threadIdx.x] > 0.f ? expf(s_m[threadIdx.x] - gm) : 0.f;
     __syncthreads();
     float gl = 0.f;
 #pragma unroll
-    for (int t = 0; t < ANS; ++t) gl += s_l[t] * s_w[t];
+    for (int t = 0; t < NS; ++t) gl += s_l[t] * s_w[t];
     for (int d = threadIdx.x; d < hd; d += AW * 32) {
-        float v[ANS];
+        float v[NS];
 #pragma unroll
-        for (int t = 0; t < ANS; ++t) v[t] = __ldcg(ph + (size_t)t * (hd + 2) + 2 + d);
+        for (int t = 0; t < NS; ++t) v[t] = __ldcg(ph + (size_t)t * (hd + 2) + 2 + d);
         float a = 0.f;
 #pragma unroll
-        for (int t = 0; t < ANS; ++t) a += v[t] * s_w[t];
+        for (int t = 0; t < NS; ++t) a += v[t] * s_w[t];
         out[(size_t)h * hd + d] = a / gl;
     }
     if (threadIdx.x == 0) counters[h] = 0;
 }
 
-// attn_prefill2: 16 query rows per block (two per warp), so each staged key/value tile serves twice as many
+// ------------------------------------------------------------------------------------------------------
+// Prefill attention: rows m of q at positions meta[0] + m see keys 0..meta[0] + m (causal). 16 query rows
+// per block (two per warp), so each key/value tile staged in shared memory (PT positions) serves 16
 // queries, and 16-byte shared-memory reads: lane j scores key j against both of its warp's queries, then
 // accumulates 4 consecutive dimensions of each. hd % 4 == 0, hd <= 128.
 // Grid: x = H, y = ceil(M / 16); block 256; dynamic shared memory (32*(hd+4) + 32*hd + 16*hd) floats.
+#define PT 32
 #define PQ2 16
-extern "C" __global__ void __launch_bounds__(256) attn_prefill2(
+extern "C" __global__ void __launch_bounds__(256) attn_prefill(
     const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
     int KV, int hd, float scale, const int* __restrict__ meta, int M, float* __restrict__ out)
 {
+    grid_dep_launch();
+    grid_dep_wait();
     extern __shared__ float smem[];
     const int ldk = hd + 4;                 // keeps rows 16-byte aligned; per quarter-warp conflict-free
     float* ks = smem;                       // [PT][hd+4]

@@ -30,9 +30,9 @@ API (what the ``kestrel_forward`` / ``kestrel_release_sequence`` hookimpls call)
   ``max_context``: default min(model context, ``KESTREL_CUDA_MAX_CONTEXT`` or 32768)); ``start == 0``
   resets it; ``start`` below the cached length rewinds. Declines (returns None; the engine recomputes on
   the CPU): ``start`` above the cached length (the engine ran steps on the CPU meanwhile), a context beyond
-  ``max_context``, a token outside the vocabulary, an unsupported model (head_dim > 128 or odd, heads not a
-  multiple of KV heads). Any device error drops the sequence's state and propagates (the dispatcher
-  declines). Returns all T rows of logits if ``all_logits`` else the last row, as [1, vocab].
+  ``max_context``, a token outside the vocabulary, an unsupported model (head_dim over 128 or not a
+  multiple of 4, heads not a multiple of KV heads). Any device error drops the sequence's state and
+  propagates (the dispatcher declines). Returns all T rows of logits if ``all_logits`` else the last row, as [1, vocab].
 
 The model math is kestrel_core.model.decoder's; the kernels are forward.cu, launched by forward_ops.py.
 """
@@ -65,7 +65,7 @@ from kestrel_cuda.forward_ops import (
     gemv_scratch,
     head_scale,
     pack_kmajor,
-    plan_ksplit,
+    plan_split,
 )
 from kestrel_cuda.residency import fusable
 
@@ -82,8 +82,8 @@ def unsupported_reason(model: Model) -> str | None:
     c = model.config
     if c.arch not in ARCHITECTURES:
         return f"architecture {c.arch!r}"
-    if c.head_dim % 2 or c.head_dim > MAX_HEAD_DIM:
-        return f"head_dim {c.head_dim} (needs an even head_dim <= {MAX_HEAD_DIM})"
+    if c.head_dim % 4 or c.head_dim > MAX_HEAD_DIM:
+        return f"head_dim {c.head_dim} (needs a multiple of 4 <= {MAX_HEAD_DIM})"
     if c.num_kv_heads <= 0 or c.num_heads % c.num_kv_heads:
         return f"{c.num_heads} heads over {c.num_kv_heads} KV heads"
     if model.embedding.k != c.hidden_size:
@@ -196,7 +196,8 @@ class DeviceForward:
         self.max_context = max_context
         self.use_graph = (_env_graph() if use_graph is None else use_graph) and layer_boundary is None
         sm = getattr(ops, "sm_count", 132)
-        self.target_blocks = target_blocks or default_target_blocks(sm)
+        self.gemv_kind = getattr(ops, "gemv_kind", "stream")
+        self.target_blocks = target_blocks or default_target_blocks(sm, self.gemv_kind)
         self._st: _State | None = None
         self._seqs: dict[int, _Seq] = {}
         self.counters: dict[str, int] = {"steps": 0, "graph_replays": 0, "graph_captures": 0,
@@ -391,11 +392,11 @@ class DeviceForward:
         for group in _groups(model.layers[0]) + [[model.lm_head]]:
             n, k = sum(s.n for s in group), group[0].k
             lin = Lin(None, None, k, n, (n + 3) & ~3, group[0].group_size, 8)
-            lin.ksplit = plan_ksplit(lin, self.target_blocks)
+            lin.ksplit = plan_split(lin, self.target_blocks, self.gemv_kind)
             lins.append(lin)
             for s in group:  # unfused members may have more tiles
                 one = Lin(None, None, s.k, s.n, (s.n + 3) & ~3, s.group_size, 8)
-                one.ksplit = plan_ksplit(one, self.target_blocks)
+                one.ksplit = plan_split(one, self.target_blocks, self.gemv_kind)
                 lins.append(one)
         part, counters = gemv_scratch(lins)
         reserve(part, counters, attn_part_size(c.num_heads, c.head_dim), c.num_heads)
@@ -433,7 +434,7 @@ class DeviceForward:
         packed = pack_kmajor(codes, like.bits)
         lin = Lin(self.ops.upload(packed), self.ops.upload(sc), k, n, npad, like.group_size, like.bits, col,
                   wkey=key)
-        lin.ksplit = plan_ksplit(lin, self.target_blocks)
+        lin.ksplit = plan_split(lin, self.target_blocks, self.gemv_kind)
         return lin
 
     def _adopt(self, dw: Any, n: int, col: int, key: int) -> Lin:
@@ -443,7 +444,7 @@ class DeviceForward:
         rows = g.k if g.code_bits == 8 else g.k // 2
         codes = dw.codes.view(np.uint8).reshape(rows, g.npad)
         lin = Lin(codes, dw.scales, g.k, n, g.npad, g.group_size, g.code_bits, col, wkey=key)
-        lin.ksplit = plan_ksplit(lin, self.target_blocks)
+        lin.ksplit = plan_split(lin, self.target_blocks, self.gemv_kind)
         lin.device_weight = dw  # type: ignore[attr-defined]  # the tiled GEMM takes the cache's object
         return lin
 

@@ -25,7 +25,10 @@ from kestrel_core.contract import quantize_activations
 TILE_N = 128  # columns of a GEMV block (forward.cu TN)
 CHUNK_K = 256  # rows of a GEMV chunk (forward.cu KC)
 SMALL_M = 8  # up to this many rows run through the fused GEMV (MR = 8); more through the tiled GEMM if any
-ATTN_SPLITS = 32  # position splits of decode attention (forward.cu: MAXS >= it, and attn_decode2's ANS == it)
+STREAM_MAX_ROWS = 16384  # K rows one block of the M=1 GEMV (qgemv_m1) quantizes into shared memory (SMAXK)
+STREAM_WARPS = 8  # warps of a qgemv_m1 block; each streams whole G-groups of the block's K run
+STREAM_BLOCK_COST = 2  # a block's fixed work (prologue, reduction) in units of one group per warp (planner)
+ATTN_SPLITS = (16, 32)  # position splits of decode attention (attn_decode<NS> instantiations)
 MAX_HEAD_DIM = 128  # attention and qkv_rope keep hd/32 (<= 4) values per lane; attn_prefill tiles fit 48 KB
 PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL = 0, 1, 2
 EPI_STORE, EPI_ADD = 0, 1
@@ -60,8 +63,31 @@ class Lin:
 
 
 def plan_ksplit(lin: Lin, target_blocks: int) -> int:
-    """K splits of the M=1 GEMV: enough blocks (tiles x splits) to fill the GPU, at most one per chunk."""
+    """K splits of the chunked M=1 GEMV (``qgemv``, KESTREL_CUDA_GEMV=chunk): enough blocks (tiles x
+    splits) to fill the GPU, at most one per chunk."""
     return max(1, min(lin.chunks, -(-target_blocks // lin.tiles)))
+
+
+def plan_stream_split(lin: Lin, resident: int) -> int:
+    """K splits of the streaming M=1 GEMV (``qgemv_m1``): each split is one block's run of whole G-groups,
+    dealt to its 8 warps. Time is modelled as waves of blocks (``resident`` run at once) x (groups of the
+    busiest warp + a block's fixed cost); the smallest split that minimises it (fewer partial sums), with a
+    block's run at most STREAM_MAX_ROWS rows."""
+    groups = lin.k // lin.group_size
+    best, best_cost = groups, None
+    for s in range(1, groups + 1):
+        per = -(-groups // s)
+        if per * lin.group_size > STREAM_MAX_ROWS or -(-groups // per) != s:
+            continue  # too long a run, or the same blocks as a smaller split
+        cost = -(-lin.tiles * s // resident) * (-(-per // STREAM_WARPS) + STREAM_BLOCK_COST)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def plan_split(lin: Lin, target_blocks: int, gemv: str = "stream") -> int:
+    """K splits of ``lin`` at M = 1 for the GEMV kind in use (``CupyOps.gemv_kind``)."""
+    return plan_ksplit(lin, target_blocks) if gemv == "chunk" else plan_stream_split(lin, target_blocks)
 
 
 def pack_kmajor(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -234,8 +260,9 @@ def _rope(x: np.ndarray, c: np.ndarray, s: np.ndarray) -> np.ndarray:
 
 # -- CUDA ----------------------------------------------------------------------------------------------
 
-# (bits, G, MR, PF): MR rows per block; PF = 1 prefetches the next chunk (longer blocks, M = 1 only)
-_GEMV_VARIANTS = [(bits, g, mr, pf) for bits in (8, 4) for g in (32, 256) for mr, pf in ((1, 0), (1, 1), (SMALL_M, 0))]
+# (bits, G, MR): qgemv with MR rows per block: M = 2..8 (MR = 8), and M = 1 when KESTREL_CUDA_GEMV=chunk
+_GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
+_M1_VARIANTS = [(bits, g) for bits in (8, 4) for g in (32, 256)]
 
 
 @lru_cache(maxsize=1)
@@ -243,8 +270,9 @@ def _module() -> Any:
     import cupy as cp
 
     source = (Path(__file__).with_name("forward.cu")).read_text()
-    names = [f"qgemv<{b},{g},{mr},{pf}>" for b, g, mr, pf in _GEMV_VARIANTS] + ["quantize_rows<32>",
-                                                                               "quantize_rows<256>"]
+    names = ([f"qgemv<{b},{g},{mr},0>" for b, g, mr in _GEMV_VARIANTS]
+             + [f"qgemv_m1<{b},{g}>" for b, g in _M1_VARIANTS]
+             + [f"attn_decode<{ns}>" for ns in ATTN_SPLITS] + ["quantize_rows<32>", "quantize_rows<256>"])
     mod = cp.RawModule(code=source, options=("--fmad=false", "-std=c++17"), name_expressions=tuple(names))
     mod.compile()
     return mod
@@ -278,15 +306,20 @@ class CupyOps:
         self.xp = cp
         self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
         mod = _module()
-        self._gemv = {v: mod.get_function("qgemv<{},{},{},{}>".format(*v)) for v in _GEMV_VARIANTS}
-        self.prefetch = default_prefetch()
-        self.attn_v2 = attention_version() == 2
+        self._gemv = {v: mod.get_function("qgemv<{},{},{},0>".format(*v)) for v in _GEMV_VARIANTS}
+        self._gemv_m1 = {v: mod.get_function("qgemv_m1<{},{}>".format(*v)) for v in _M1_VARIANTS}
+        self.gemv_kind = gemv_kind()
+        self.attn_splits = attention_splits()
+        self._attn_decode = {ns: mod.get_function(f"attn_decode<{ns}>") for ns in ATTN_SPLITS}
         self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
         self._fn = {name: mod.get_function(name) for name in
-                    ("embed_rows", "qkv_rope", "attn_decode", "attn_prefill", "add_rows", "attn_decode2",
-                     "attn_prefill2")}
+                    ("embed_rows", "qkv_rope", "attn_prefill", "add_rows")}
         self.gemm = gemm
         self.launches = 0
+        self.pdl = pdl_enabled()
+        self._pdl: Any = None
+        self._capturing = False
+        self._captured = 0  # launches so far in the capture under way
         self.sm_count = cp.cuda.Device().attributes["MultiProcessorCount"]
         # scratch, sized by ``reserve``
         self.part = self.zeros(1, np.float32)
@@ -343,9 +376,11 @@ class CupyOps:
         s = self.stream
         with s:
             s.begin_capture()
+            self._capturing, self._captured = True, 0
             try:
                 body()
             finally:
+                self._capturing = False
                 graph = s.end_capture()
 
         def replay() -> None:
@@ -355,7 +390,18 @@ class CupyOps:
         return replay
 
     def _launch(self, fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, smem: int = 0) -> None:
+        """Launch on the stream. Inside a graph capture with PDL on, every launch after the capture's first
+        may overlap its predecessor (forward_launch; each kernel waits for it before reading its outputs)."""
         self.launches += 1
+        if self._capturing:
+            self._captured += 1
+            if self.pdl and self._captured > 1:
+                if self._pdl is None:
+                    from kestrel_cuda.forward_launch import PdlLauncher
+
+                    self._pdl = PdlLauncher()
+                self._pdl.launch(fn, grid, block, args, smem, self.stream)
+                return
         with self.stream:
             fn(grid, block, args, shared_mem=smem)
 
@@ -371,9 +417,15 @@ class CupyOps:
         if m > SMALL_M and self.gemm is not None:
             self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias)
             return
+        if m == 1 and self.gemv_kind == "stream":
+            self._launch(self._gemv_m1[(lin.bits, lin.group_size)], (lin.tiles, lin.ksplit), (256,),
+                         (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
+                          _ptr(x), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
+                          _ptr(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters)))
+            return
         mr = 1 if m == 1 else SMALL_M
         ksplit = lin.ksplit if m == 1 else 1
-        fn = self._gemv[(lin.bits, lin.group_size, mr, int(self.prefetch and m == 1))]
+        fn = self._gemv[(lin.bits, lin.group_size, mr)]
         self._launch(fn, (lin.tiles, ksplit, -(-m // mr)), (256,),
                      (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
                       _ptr(x), _ld(x), _i32(m), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
@@ -414,19 +466,14 @@ class CupyOps:
         m = q.shape[0]
         kv_heads, cap = kc.shape[0], kc.shape[1]
         if m == 1:
-            self._launch(self._fn["attn_decode2" if self.attn_v2 else "attn_decode"], (heads, ATTN_SPLITS), (128,),
+            ns = self.attn_splits
+            self._launch(self._attn_decode[ns], (heads, ns), (128,),
                          (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                           np.float32(scale), _ptr(meta), _ptr(self.attn_part), _ptr(self.attn_counters),
                           _ptr(out)))
             return
-        if self.attn_v2 and hd % 4 == 0:
-            smem = (32 * (hd + 4) + 32 * hd + 16 * hd) * 4
-            self._launch(self._fn["attn_prefill2"], (heads, -(-m // 16)), (256,),
-                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
-                          np.float32(scale), _ptr(meta), _i32(m), _ptr(out)), smem)
-            return
-        smem = (32 * (hd + 1) + 32 * hd + 8 * hd) * 4
-        self._launch(self._fn["attn_prefill"], (heads, -(-m // 8)), (256,),
+        smem = (32 * (hd + 4) + 32 * hd + 16 * hd) * 4
+        self._launch(self._fn["attn_prefill"], (heads, -(-m // 16)), (256,),
                      (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                       np.float32(scale), _ptr(meta), _i32(m), _ptr(out)), smem)
 
@@ -445,7 +492,7 @@ def _as_device_weight(lin: Lin) -> Any:
 
 
 def attn_part_size(heads: int, hd: int) -> int:
-    return heads * ATTN_SPLITS * (hd + 2)
+    return heads * max(ATTN_SPLITS) * (hd + 2)
 
 
 def gemv_scratch(lins: list[Lin]) -> tuple[int, int]:
@@ -456,37 +503,42 @@ def gemv_scratch(lins: list[Lin]) -> tuple[int, int]:
 
 
 BLOCKS_ENV = "KESTREL_CUDA_GEMV_BLOCKS"
-PREFETCH_ENV = "KESTREL_CUDA_GEMV_PREFETCH"
+GEMV_ENV = "KESTREL_CUDA_GEMV"
+PDL_ENV = "KESTREL_CUDA_PDL"
+ATTN_SPLITS_ENV = "KESTREL_CUDA_ATTN_SPLITS"
 
 
-ATTN_ENV = "KESTREL_CUDA_ATTN"
-
-
-def attention_version() -> int:
-    """1 (default): the attention kernels measured on the H200; 2: attn_decode2/attn_prefill2, which wait
-    for a GPU run to confirm them (``KESTREL_CUDA_ATTN=2``; tests/kestrel_cuda/test_forward.py covers both)."""
+def _env(name: str, default: str) -> str:
     import os
 
-    return 2 if os.environ.get(ATTN_ENV, "").strip() == "2" else 1
+    return os.environ.get(name, "").strip() or default
 
 
-def default_prefetch() -> bool:
-    """Whether the M=1 GEMV runs its prefetching variant (``KESTREL_CUDA_GEMV_PREFETCH``, benchmarks)."""
-    import os
-
-    return os.environ.get(PREFETCH_ENV, "0").strip() not in ("", "0")
+def gemv_kind() -> str:
+    """The M=1 GEMV: "stream" (qgemv_m1, default) or "chunk" (qgemv, the previous design; benchmarks)."""
+    return "chunk" if _env(GEMV_ENV, "stream") == "chunk" else "stream"
 
 
-def default_target_blocks(sm_count: int) -> int:
-    """GEMV blocks to aim for at M=1 (K splits = this / column tiles, at most one per 256-row chunk).
+def pdl_enabled() -> bool:
+    """Whether captured decode steps launch with programmatic dependent launch (``KESTREL_CUDA_PDL``)."""
+    return _env(PDL_ENV, "0") not in ("0", "false", "no", "off")
 
-    8 per SM measured fastest on the H200 for the qwen3-8b decode step (3581 us against 3791 us at 32 per
-    SM, where every block owns one chunk, and 4251-4361 us for the prefetching variant at 2-8 per SM:
-    docs/performance.md). ``KESTREL_CUDA_GEMV_BLOCKS`` overrides it."""
-    import os
 
-    raw = os.environ.get(BLOCKS_ENV, "").strip()
-    return int(raw) if raw.isdigit() and int(raw) > 0 else 8 * sm_count
+def attention_splits() -> int:
+    """Position splits of decode attention (``KESTREL_CUDA_ATTN_SPLITS``: 16 or 32)."""
+    raw = _env(ATTN_SPLITS_ENV, "32")
+    return int(raw) if raw.isdigit() and int(raw) in ATTN_SPLITS else 32
+
+
+def default_target_blocks(sm_count: int, gemv: str = "stream") -> int:
+    """GEMV blocks the M=1 K-split planner aims for (``KESTREL_CUDA_GEMV_BLOCKS`` overrides it).
+
+    stream (qgemv_m1): the blocks resident at once, 2 per SM (__launch_bounds__(256, 2)); chunk (qgemv):
+    8 per SM, measured fastest for that design on the H200 (docs/performance.md)."""
+    raw = _env(BLOCKS_ENV, "")
+    if raw.isdigit() and int(raw) > 0:
+        return int(raw)
+    return (8 if gemv == "chunk" else 2) * sm_count
 
 
 def head_scale(hd: int) -> float:

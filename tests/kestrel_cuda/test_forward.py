@@ -86,6 +86,20 @@ def test_prefill_and_decode_logits_match_the_cpu(arch, quant, stream, gemm) -> N
     assert fwd.counters["graph_captures"] == 1 and fwd.counters["graph_replays"] == 16
 
 
+@pytest.mark.parametrize("pdl", ("0", "1"))
+@pytest.mark.parametrize("arch", list(SMALL_CONFIGS))
+def test_graph_decode_with_and_without_pdl_matches_the_cpu(arch, pdl, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The captured decode step with its kernels launched in plain stream order and with programmatic
+    dependent launch (KESTREL_CUDA_PDL=1: each kernel may start under its predecessor's tail)."""
+    monkeypatch.setenv("KESTREL_CUDA_PDL", pdl)
+    model = synthetic_model(SMALL_CONFIGS[arch], "q4", seed=14)
+    toks = _tokens(model.config, 30)
+    fwd = DeviceForward(stream=stream, gemm=gemm)
+    assert fwd.ops.pdl == (pdl == "1")
+    _check(model, toks, 10, device_logits(fwd, model, toks, 10))
+    assert fwd.counters["graph_replays"] == 20
+
+
 @pytest.mark.parametrize("n_prefill", (5, 24))
 def test_fused_gemv_prefill_without_the_tiled_gemm(n_prefill, stream) -> None:  # type: ignore[no-untyped-def]
     """Without cuda-kernels' GEMM every prefill row runs the fused GEMV (8 rows per weight pass)."""
@@ -94,28 +108,88 @@ def test_fused_gemv_prefill_without_the_tiled_gemm(n_prefill, stream) -> None:  
     _check(model, toks, n_prefill, device_logits(DeviceForward(stream=stream), model, toks, n_prefill))
 
 
-@pytest.mark.parametrize("prefetch", ("0", "1"))
+@pytest.mark.parametrize("target", (1, 4096))
+@pytest.mark.parametrize("quant", QUANTS)
+def test_m1_gemv_ring_and_k_splits(quant, target, stream, gemm) -> None:  # type: ignore[no-untyped-def]
+    """The streaming M=1 GEMV (qgemv_m1) at both ends of its planner: one block per column tile, whose warps
+    each stream many groups through the register ring (down: K = 2048), and many K splits per tile (the
+    last block adds the partial sums)."""
+    model = synthetic_model(replace(SMALL_CONFIGS["qwen3"], intermediate_size=2048), quant, seed=11)
+    toks = _tokens(model.config, 20)
+    fwd = DeviceForward(stream=stream, gemm=gemm, target_blocks=target)
+    assert fwd.ops.gemv_kind == "stream"
+    _check(model, toks, 12, device_logits(fwd, model, toks, 12))
+    w = fwd._st.layers[0].weights
+    if target == 1:
+        assert all(lin.ksplit == 1 for lin in [*w.qkv, w.o, *w.gate_up, w.down])
+    elif w.down.group_size == 32:
+        assert w.down.ksplit > 1
+
+
+@pytest.mark.parametrize("kind", ("stream", "chunk"))
+@pytest.mark.parametrize("n, k", ((509, 2048), (8, 512)))
+@pytest.mark.parametrize("group", (32, 256))
+@pytest.mark.parametrize("bits", (8, 4))
+def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, kind, stream, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """One M=1 projection with a plain input (its activation codes are the contract's, bit for bit): every
+    K split the kernel may be given (empty blocks included) equals the exact block sums scaled per group
+    within float32 summation-order error, with bias and the residual add."""
+    from kestrel_core.contract import quantize_activations
+    from kestrel_cuda.forward_ops import EPI_ADD, PRO_PLAIN, CupyOps, Lin, pack_kmajor
+
+    monkeypatch.setenv("KESTREL_CUDA_GEMV", kind)
+    ops = CupyOps(stream)
+    rng = np.random.default_rng(bits * 1000 + group + n)
+    lo, hi = (-127, 127) if bits == 8 else (-8, 7)
+    codes = rng.integers(lo, hi + 1, size=(n, k)).astype(np.int8)
+    scales = rng.uniform(-0.02, 0.02, size=(n, k // group)).astype(np.float32)
+    npad = (n + 3) & ~3
+    sc = np.zeros((k // group, npad), np.float32)
+    sc[:, :n] = scales.T
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    a_codes, a_scales = quantize_activations(x, group)
+    ng = k // group
+    isum = np.einsum("gi,ngi->gn", a_codes.reshape(ng, group).astype(np.int64), codes.reshape(n, ng, group))
+    terms = (isum.astype(np.float32) * a_scales[0][:, None]).astype(np.float64) * scales.T  # [ng, n]
+    y0 = rng.standard_normal(n).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    expect = y0.astype(np.float64) + bias + terms.sum(0)
+    bound = (ng + 3) * 2.0 ** -23 * (np.abs(terms).sum(0) + np.abs(y0) + np.abs(bias))
+    lin = Lin(ops.upload(pack_kmajor(codes, bits)), ops.upload(sc), k, n, npad, group, bits)
+    xd, bd = ops.upload(x), ops.upload(bias)
+    splits = sorted({1, 2, 3, 7, ng} & set(range(1, ng + 1)))
+    for ksplit in splits:
+        lin.ksplit = ksplit
+        ops.reserve(ksplit * npad, lin.tiles, 1, 1)
+        y = ops.upload(y0[None])
+        ops.gemv(lin, xd, PRO_PLAIN, None, 0.0, 0, y, EPI_ADD, bd)
+        ops.synchronize()
+        err = np.abs(y.get()[0] - expect)
+        assert np.all(err <= bound), f"ksplit {ksplit}: max err {err.max()} over bound {bound[err.argmax()]}"
+
+
 @pytest.mark.parametrize("quant", ("q8", "q4-g256"))
-def test_gemv_variants_with_several_chunks_per_block(prefetch, quant, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Few GEMV blocks (target 4): every block walks several K chunks, with and without prefetching."""
-    monkeypatch.setenv("KESTREL_CUDA_GEMV_PREFETCH", prefetch)
+def test_chunked_gemv_with_several_chunks_per_block(quant, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """KESTREL_CUDA_GEMV=chunk (qgemv at M = 1, the previous design), few blocks: several chunks a block."""
+    monkeypatch.setenv("KESTREL_CUDA_GEMV", "chunk")
     model = synthetic_model(SMALL_CONFIGS["qwen3"], quant, seed=11)
     toks = _tokens(model.config, 20)
     fwd = DeviceForward(stream=stream, gemm=gemm, target_blocks=4)
-    assert fwd.ops.prefetch == (prefetch == "1")
+    assert fwd.ops.gemv_kind == "chunk"
     _check(model, toks, 12, device_logits(fwd, model, toks, 12))
     assert any(lin.chunks > lin.ksplit for lin in fwd._st.layers[0].weights.gate_up + [fwd._st.layers[0].weights.down])
 
 
+@pytest.mark.parametrize("splits", ("16", "32"))
 @pytest.mark.parametrize("arch", list(SMALL_CONFIGS))
-def test_attention_v2_matches_the_cpu(arch, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """KESTREL_CUDA_ATTN=2 (attn_decode2, attn_prefill2): prefill, graph decode, and a prefill continued at
-    a nonzero start (rows see earlier positions)."""
-    monkeypatch.setenv("KESTREL_CUDA_ATTN", "2")
+def test_attention_matches_the_cpu(arch, splits, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """attn_prefill and attn_decode<NS> (KESTREL_CUDA_ATTN_SPLITS): prefill, graph decode, and a prefill
+    continued at a nonzero start (rows see earlier positions)."""
+    monkeypatch.setenv("KESTREL_CUDA_ATTN_SPLITS", splits)
     model = synthetic_model(SMALL_CONFIGS[arch], "q8", seed=12)
     toks = _tokens(model.config, 60)
     fwd = DeviceForward(stream=stream, gemm=gemm)
-    assert fwd.ops.attn_v2
+    assert fwd.ops.attn_splits == int(splits)
     _check(model, toks, 37, device_logits(fwd, model, toks, 37))
     fwd.forward(model, 6, toks[:23], 0, False)
     cont = fwd.forward(model, 6, toks[23:], 23, True)  # second chunk of a prompt, 37 rows after 23 cached
@@ -124,8 +198,9 @@ def test_attention_v2_matches_the_cpu(arch, stream, gemm, monkeypatch) -> None: 
     assert result.ok, str(result)
 
 
-def test_attention_v2_long_context_and_graph(stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("KESTREL_CUDA_ATTN", "2")
+@pytest.mark.parametrize("pdl", ("0", "1"))
+def test_attention_long_context_and_graph(pdl, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("KESTREL_CUDA_PDL", pdl)
     model = synthetic_model(replace(SMALL_CONFIGS["qwen2"], num_layers=1), "q4", seed=13)
     n = CAP_CHUNK - 2
     toks = _tokens(model.config, n + 5)
@@ -135,7 +210,10 @@ def test_attention_v2_long_context_and_graph(stream, gemm, monkeypatch) -> None:
     assert np.array_equal(graph, eager)
 
 
-def test_graph_replay_equals_eager_and_runs_are_deterministic(stream, gemm) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("pdl", ("0", "1"))
+def test_graph_replay_equals_eager_and_runs_are_deterministic(pdl, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Bitwise: graph replay (with PDL: kernels overlapping their predecessors) == eager launches."""
+    monkeypatch.setenv("KESTREL_CUDA_PDL", pdl)
     model = synthetic_model(SMALL_CONFIGS["qwen3"], "q4", seed=5)
     toks = _tokens(model.config, 30)
     graph = device_logits(DeviceForward(stream=stream, gemm=gemm, use_graph=True), model, toks, 10)

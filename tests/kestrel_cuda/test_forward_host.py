@@ -294,6 +294,26 @@ def test_int4_nibble_split_and_bias_correction_give_the_signed_dot_product() -> 
     assert signed == (codes.astype(np.int64) @ a).tolist()
 
 
+@pytest.mark.parametrize("k, n, group", ((4096, 6144, 32), (4096, 4096, 32), (4096, 24576, 32), (12288, 4096, 32),
+                                         (4096, 151936, 32), (4096, 6144, 256), (320, 256, 32), (65536, 64, 32)))
+def test_plan_stream_split_gives_nonempty_blocks_within_shared_memory(k: int, n: int, group: int) -> None:
+    """qgemv_m1's splits: every block gets at least one whole group, no block's run exceeds what it can
+    quantize into shared memory, and no other split has a lower modelled cost."""
+    lin = forward_ops.Lin(None, None, k, n, (n + 3) & ~3, group, 8)
+    groups = k // group
+    for resident in (1, 264, 4096):
+        s = forward_ops.plan_stream_split(lin, resident)
+        per = -(-groups // s)
+        assert (s - 1) * per < groups and per * group <= forward_ops.STREAM_MAX_ROWS
+
+        def cost(x: int, resident: int = resident) -> int:
+            p = -(-groups // x)
+            return -(-lin.tiles * x // resident) * (-(-p // forward_ops.STREAM_WARPS) + forward_ops.STREAM_BLOCK_COST)
+        allowed = [x for x in range(1, groups + 1) if -(-groups // x) * group <= forward_ops.STREAM_MAX_ROWS]
+        assert cost(s) == min(cost(x) for x in allowed)
+    assert forward_ops.plan_stream_split(lin, 1) == max(1, -(-k // forward_ops.STREAM_MAX_ROWS))
+
+
 def test_plan_ksplit_fills_the_gpu_without_exceeding_chunks() -> None:
     lin = forward_ops.Lin(None, None, 4096, 4096, 4096, 32, 8)
     assert forward_ops.plan_ksplit(lin, 1056) == 16  # 32 tiles x 16 chunks
