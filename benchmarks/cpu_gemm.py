@@ -6,8 +6,9 @@
 For each projection shape [N, K] and each M it times kestrel's ``kestrel_gemm_q8`` hook (through the bound
 cpu backend, as the engine calls it) and ``A @ W.T`` in float32 (numpy's BLAS, the fastest pure-numpy way
 to apply a dequantized weight), in the same process, and reports the median time, GB/s of weight bytes read
-(int8 codes + float32 scales for kestrel, float32 for BLAS) and GFLOP/s. The last rows add the shapes up
-per token as the model uses them (30 layers + the tied lm_head once): the GEMM-only bound on decode tok/s.
+(int8 codes + float32 scales for kestrel, float32 for BLAS) and GFLOP/s. At M=1 each call gets the next of
+enough copies of the weight that it reads DRAM, as a decode step does (``--pool-mb``). The last rows add the
+shapes up per forward as the model uses them (30 layers, the tied lm_head once): GEMM-only bounds on tok/s.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from functools import partial
+from itertools import cycle
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kestrel_core.contract import quantize_activations, quantize_weight
+from kestrel_core.contract import StripCache, quantize_activations, quantize_weight
 from kestrel_core.registry import Registry
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 heads / 3 kv heads of 64, 30 layers, vocab 49152 (tied).
@@ -78,23 +79,44 @@ def blas_description() -> str:
                      f"threads={i.get('num_threads')}" for i in threadpool_info())
 
 
-def run(ms: list[int], bits: int, group: int, min_seconds: float, repeats: int) -> list[Row]:
+def pool(make: Callable[[], object], nbytes: int, pool_bytes: int) -> list[object]:
+    """Enough copies of one weight that cycling through them streams from DRAM (decode reads each once)."""
+    return [make() for _ in range(max(1, -(-pool_bytes // nbytes)))]
+
+
+def time_kestrel(x: np.ndarray, weights: list[StripCache], min_seconds: float, repeats: int) -> float:
     cpu = Registry().cpu()
-    gemm = cpu.hook.kestrel_gemm_q8
+    a_codes, a_scales = quantize_activations(x, weights[0].group_size)
+    calls = cycle(weights)
+    return median_time(lambda: cpu.hook.kestrel_gemm_q8(device=cpu.device, a_codes=a_codes, a_scales=a_scales,
+                                                        weight=next(calls), wkey=0), min_seconds, repeats)
+
+
+def time_blas(x: np.ndarray, mats: list[np.ndarray], min_seconds: float, repeats: int) -> float:
+    calls = cycle(mats)
+    return median_time(lambda: np.matmul(x, next(calls).T), min_seconds, repeats)
+
+
+def run(ms: list[int], bits: int, group: int, min_seconds: float, repeats: int, pool_mb: int) -> list[Row]:
+    """kestrel timings for every shape first, then BLAS: neither's idle worker threads spin during the other."""
     rng = np.random.default_rng(0)
-    rows = []
+    cases = []
     for name, n, k, _ in SHAPES:
         w = quantize_weight(rng.standard_normal((n, k)).astype(np.float32), bits, group)
-        w_f32 = w.dequantize()  # [N, K]
-        for m in ms:
-            x = rng.standard_normal((m, k)).astype(np.float32)
-            a_codes, a_scales = quantize_activations(x, group)
-            t_k = median_time(partial(gemm, device=cpu.device, a_codes=a_codes, a_scales=a_scales, weight=w,
-                                      wkey=0), min_seconds, repeats)
-            t_b = median_time(partial(np.matmul, x, w_f32.T), min_seconds, repeats)
-            flops = 2 * m * n * k
-            rows.append(Row(name, m, n, k, t_k * 1e6, w.nbytes / t_k / 1e9, flops / t_k / 1e9,
-                            t_b * 1e6, w_f32.nbytes / t_b / 1e9, flops / t_b / 1e9))
+        cases += [(name, m, w, rng.standard_normal((m, k)).astype(np.float32)) for m in ms]
+    kestrel_t = []
+    for _, m, w, x in cases:
+        copies = pool(lambda w=w: StripCache(w.codes.copy(), w.scales.copy(), w.group_size, w.bits), w.nbytes,
+                      pool_mb << 20 if m == 1 else 0)
+        kestrel_t.append(time_kestrel(x, copies, min_seconds, repeats))
+    time.sleep(0.5)
+    rows = []
+    for (name, m, w, x), t_k in zip(cases, kestrel_t):
+        mats = pool(w.dequantize, w.n * w.k * 4, pool_mb << 20 if m == 1 else 0)  # float32 [N, K] each
+        t_b = time_blas(x, mats, min_seconds, repeats)
+        flops = 2 * m * w.n * w.k
+        rows.append(Row(name, m, w.n, w.k, t_k * 1e6, w.nbytes / t_k / 1e9, flops / t_k / 1e9,
+                        t_b * 1e6, w.n * w.k * 4 / t_b / 1e9, flops / t_b / 1e9))
     return rows
 
 
@@ -118,21 +140,25 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=32, choices=(32, 256))
     ap.add_argument("--min-seconds", type=float, default=0.05, help="per timing batch")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--pool-mb", type=int, default=96,
+                    help="M=1 cycles through copies of each weight totalling this much, so every call reads "
+                         "DRAM as a decode step does (default 96, three times this machine's L3); 0: cache-hot")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     ms = [int(v) for v in args.m.split(",")]
-    rows = run(ms, args.bits, args.group, args.min_seconds, args.repeats)
+    rows = run(ms, args.bits, args.group, args.min_seconds, args.repeats, args.pool_mb)
     cpu = Registry().cpu()
     info = {"machine": f"{platform.processor() or platform.machine()}, {_cpu_model()}",
             "blas": blas_description(), "kestrel_cpu": cpu.device.description,
-            "quant": f"int{args.bits} G={args.group}"}
+            "quant": f"int{args.bits} G={args.group}",
+            "working set": f"M=1 from DRAM ({args.pool_mb} MB of copies per shape)" if args.pool_mb else "cache-hot"}
     totals = {m: per_token(rows, m) for m in ms}
     if args.json:
         print(json.dumps({**info, "rows": [asdict(r) for r in rows],
                           "per_forward_s": {m: {"kestrel": k, "blas": b} for m, (k, b) in totals.items()}},
                          indent=2))
         return
-    console = Console()
+    console = Console(width=max(140, Console().width))
     for key, value in info.items():
         console.print(f"[bold]{key}[/]: {value}")
     table = Table(title="CPU GEMM: kestrel int8 (hook) vs numpy float32 BLAS (A @ W.T), median per call")
