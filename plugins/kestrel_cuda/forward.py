@@ -61,7 +61,6 @@ from kestrel_cuda.forward_ops import (
     PRO_SILU_MUL,
     Lin,
     attn_part_size,
-    default_target_blocks,
     gemv_scratch,
     head_scale,
     pack_kmajor,
@@ -195,9 +194,9 @@ class DeviceForward:
         self.unpin = unpin
         self.max_context = max_context
         self.use_graph = (_env_graph() if use_graph is None else use_graph) and layer_boundary is None
-        sm = getattr(ops, "sm_count", 132)
+        self.sm_count = getattr(ops, "sm_count", 132)
         self.gemv_kind = getattr(ops, "gemv_kind", "stream")
-        self.target_blocks = target_blocks or default_target_blocks(sm, self.gemv_kind)
+        self.target_blocks = target_blocks  # None: each M=1 kernel's default (forward_ops.default_target_blocks)
         self._st: _State | None = None
         self._seqs: dict[int, _Seq] = {}
         self.counters: dict[str, int] = {"steps": 0, "graph_replays": 0, "graph_captures": 0,
@@ -392,11 +391,11 @@ class DeviceForward:
         for group in _groups(model.layers[0]) + [[model.lm_head]]:
             n, k = sum(s.n for s in group), group[0].k
             lin = Lin(None, None, k, n, (n + 3) & ~3, group[0].group_size, 8)
-            lin.ksplit = plan_split(lin, self.target_blocks, self.gemv_kind)
+            lin.ksplit = self._plan(lin)
             lins.append(lin)
             for s in group:  # unfused members may have more tiles
                 one = Lin(None, None, s.k, s.n, (s.n + 3) & ~3, s.group_size, 8)
-                one.ksplit = plan_split(one, self.target_blocks, self.gemv_kind)
+                one.ksplit = self._plan(one)
                 lins.append(one)
         part, counters = gemv_scratch(lins)
         reserve(part, counters, attn_part_size(c.num_heads, c.head_dim), c.num_heads)
@@ -434,7 +433,7 @@ class DeviceForward:
         packed = pack_kmajor(codes, like.bits)
         lin = Lin(self.ops.upload(packed), self.ops.upload(sc), k, n, npad, like.group_size, like.bits, col,
                   wkey=key)
-        lin.ksplit = plan_split(lin, self.target_blocks, self.gemv_kind)
+        lin.ksplit = self._plan(lin)
         return lin
 
     def _adopt(self, dw: Any, n: int, col: int, key: int) -> Lin:
@@ -444,9 +443,13 @@ class DeviceForward:
         rows = g.k if g.code_bits == 8 else g.k // 2
         codes = dw.codes.view(np.uint8).reshape(rows, g.npad)
         lin = Lin(codes, dw.scales, g.k, n, g.npad, g.group_size, g.code_bits, col, wkey=key)
-        lin.ksplit = plan_split(lin, self.target_blocks, self.gemv_kind)
+        lin.ksplit = self._plan(lin)
         lin.device_weight = dw  # type: ignore[attr-defined]  # the tiled GEMM takes the cache's object
         return lin
+
+    def _plan(self, lin: Lin) -> int:
+        """K splits of ``lin``'s M=1 GEMV (and the kernel it runs, ``lin.m1``)."""
+        return plan_split(lin, self.gemv_kind, self.sm_count, self.target_blocks)
 
     def _pin_weights(self, st: _State) -> None:
         """Before a graph captures weight addresses: pin them in the cache (once per model state)."""

@@ -28,7 +28,7 @@ SMALL_M = 8  # up to this many rows run through the fused GEMV (MR = 8); more th
 STREAM_MAX_ROWS = 16384  # K rows one block of the M=1 GEMV (qgemv_m1) quantizes into shared memory (SMAXK)
 STREAM_WARPS = 8  # warps of a qgemv_m1 block; each streams whole G-groups of the block's K run
 STREAM_BLOCK_COST = 2  # a block's fixed work (prologue, reduction) in units of one group per warp (planner)
-ATTN_SPLITS = (16, 32)  # position splits of decode attention (attn_decode<NS> instantiations)
+ATTN_SPLITS = 16  # position splits of decode attention (attn_decode<NS>): 16 measured faster than 32
 MAX_HEAD_DIM = 128  # attention and qkv_rope keep hd/32 (<= 4) values per lane; attn_prefill tiles fit 48 KB
 PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL = 0, 1, 2
 EPI_STORE, EPI_ADD = 0, 1
@@ -52,6 +52,7 @@ class Lin:
     col: int = 0
     ksplit: int = 1
     wkey: int = 0
+    m1: str = ""  # the M=1 kernel planned for it ("stream" or "chunk"; "" = decided at launch)
 
     @property
     def tiles(self) -> int:
@@ -85,9 +86,20 @@ def plan_stream_split(lin: Lin, resident: int) -> int:
     return best
 
 
-def plan_split(lin: Lin, target_blocks: int, gemv: str = "stream") -> int:
-    """K splits of ``lin`` at M = 1 for the GEMV kind in use (``CupyOps.gemv_kind``)."""
-    return plan_ksplit(lin, target_blocks) if gemv == "chunk" else plan_stream_split(lin, target_blocks)
+def m1_kernel(lin: Lin, gemv: str, sm_count: int) -> str:
+    """The M=1 kernel of ``lin`` under the GEMV setting ``gemv`` (``CupyOps.gemv_kind``): "stream" or
+    "chunk"; "hybrid" gives wide projections (at least one column tile per SM) to "chunk"."""
+    if gemv == "hybrid":
+        return "chunk" if lin.tiles >= sm_count else "stream"
+    return gemv
+
+
+def plan_split(lin: Lin, gemv: str, sm_count: int, target_blocks: int | None = None) -> int:
+    """Choose ``lin``'s M=1 kernel (sets ``lin.m1``) and return its K splits; ``target_blocks`` (default
+    ``default_target_blocks``) is the chunk planner's target or the stream planner's resident blocks."""
+    lin.m1 = m1_kernel(lin, gemv, sm_count)
+    target = target_blocks or default_target_blocks(sm_count, lin.m1)
+    return plan_ksplit(lin, target) if lin.m1 == "chunk" else plan_stream_split(lin, target)
 
 
 def pack_kmajor(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -262,7 +274,7 @@ def _rope(x: np.ndarray, c: np.ndarray, s: np.ndarray) -> np.ndarray:
 
 # (bits, G, MR): qgemv with MR rows per block: M = 2..8 (MR = 8), and M = 1 when KESTREL_CUDA_GEMV=chunk
 _GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
-_M1_VARIANTS = [(bits, g) for bits in (8, 4) for g in (32, 256)]
+_M1_VARIANTS = [(bits, g, rq) for bits in (8, 4) for g in (32, 256) for rq in (0, 1)]
 
 
 @lru_cache(maxsize=1)
@@ -271,8 +283,8 @@ def _module() -> Any:
 
     source = (Path(__file__).with_name("forward.cu")).read_text()
     names = ([f"qgemv<{b},{g},{mr},0>" for b, g, mr in _GEMV_VARIANTS]
-             + [f"qgemv_m1<{b},{g}>" for b, g in _M1_VARIANTS]
-             + [f"attn_decode<{ns}>" for ns in ATTN_SPLITS] + ["quantize_rows<32>", "quantize_rows<256>"])
+             + [f"qgemv_m1<{b},{g},{rq}>" for b, g, rq in _M1_VARIANTS]
+             + [f"attn_decode<{ATTN_SPLITS}>", "quantize_rows<32>", "quantize_rows<256>"])
     mod = cp.RawModule(code=source, options=("--fmad=false", "-std=c++17"), name_expressions=tuple(names))
     mod.compile()
     return mod
@@ -307,10 +319,10 @@ class CupyOps:
         self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
         mod = _module()
         self._gemv = {v: mod.get_function("qgemv<{},{},{},0>".format(*v)) for v in _GEMV_VARIANTS}
-        self._gemv_m1 = {v: mod.get_function("qgemv_m1<{},{}>".format(*v)) for v in _M1_VARIANTS}
+        self._gemv_m1 = {v: mod.get_function("qgemv_m1<{},{},{}>".format(*v)) for v in _M1_VARIANTS}
         self.gemv_kind = gemv_kind()
-        self.attn_splits = attention_splits()
-        self._attn_decode = {ns: mod.get_function(f"attn_decode<{ns}>") for ns in ATTN_SPLITS}
+        self.reload_quads = reload_quads()
+        self._attn_decode = mod.get_function(f"attn_decode<{ATTN_SPLITS}>")
         self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
         self._fn = {name: mod.get_function(name) for name in
                     ("embed_rows", "qkv_rope", "attn_prefill", "add_rows")}
@@ -318,6 +330,13 @@ class CupyOps:
         self.launches = 0
         self.pdl = pdl_enabled()
         self._pdl: Any = None
+        if self.pdl:
+            try:
+                from kestrel_cuda.forward_launch import PdlLauncher
+
+                self._pdl = PdlLauncher()
+            except (OSError, AttributeError):  # no driver library / no cuLaunchKernelEx: plain launches
+                self.pdl = False
         self._capturing = False
         self._captured = 0  # launches so far in the capture under way
         self.sm_count = cp.cuda.Device().attributes["MultiProcessorCount"]
@@ -396,10 +415,6 @@ class CupyOps:
         if self._capturing:
             self._captured += 1
             if self.pdl and self._captured > 1:
-                if self._pdl is None:
-                    from kestrel_cuda.forward_launch import PdlLauncher
-
-                    self._pdl = PdlLauncher()
                 self._pdl.launch(fn, grid, block, args, smem, self.stream)
                 return
         with self.stream:
@@ -417,8 +432,9 @@ class CupyOps:
         if m > SMALL_M and self.gemm is not None:
             self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias)
             return
-        if m == 1 and self.gemv_kind == "stream":
-            self._launch(self._gemv_m1[(lin.bits, lin.group_size)], (lin.tiles, lin.ksplit), (256,),
+        if m == 1 and (lin.m1 or m1_kernel(lin, self.gemv_kind, self.sm_count)) == "stream":
+            fn = self._gemv_m1[(lin.bits, lin.group_size, int(self.reload_quads))]
+            self._launch(fn, (lin.tiles, lin.ksplit), (256,),
                          (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
                           _ptr(x), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
                           _ptr(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters)))
@@ -466,8 +482,7 @@ class CupyOps:
         m = q.shape[0]
         kv_heads, cap = kc.shape[0], kc.shape[1]
         if m == 1:
-            ns = self.attn_splits
-            self._launch(self._attn_decode[ns], (heads, ns), (128,),
+            self._launch(self._attn_decode, (heads, ATTN_SPLITS), (128,),
                          (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                           np.float32(scale), _ptr(meta), _ptr(self.attn_part), _ptr(self.attn_counters),
                           _ptr(out)))
@@ -492,7 +507,7 @@ def _as_device_weight(lin: Lin) -> Any:
 
 
 def attn_part_size(heads: int, hd: int) -> int:
-    return heads * max(ATTN_SPLITS) * (hd + 2)
+    return heads * ATTN_SPLITS * (hd + 2)
 
 
 def gemv_scratch(lins: list[Lin]) -> tuple[int, int]:
@@ -504,8 +519,8 @@ def gemv_scratch(lins: list[Lin]) -> tuple[int, int]:
 
 BLOCKS_ENV = "KESTREL_CUDA_GEMV_BLOCKS"
 GEMV_ENV = "KESTREL_CUDA_GEMV"
+RELOAD_ENV = "KESTREL_CUDA_GEMV_RELOAD"
 PDL_ENV = "KESTREL_CUDA_PDL"
-ATTN_SPLITS_ENV = "KESTREL_CUDA_ATTN_SPLITS"
 
 
 def _env(name: str, default: str) -> str:
@@ -515,19 +530,21 @@ def _env(name: str, default: str) -> str:
 
 
 def gemv_kind() -> str:
-    """The M=1 GEMV: "stream" (qgemv_m1, default) or "chunk" (qgemv, the previous design; benchmarks)."""
-    return "chunk" if _env(GEMV_ENV, "stream") == "chunk" else "stream"
+    """The M=1 GEMV (``KESTREL_CUDA_GEMV``): "stream" (qgemv_m1, default), "chunk" (qgemv, the previous
+    design) or "hybrid" (chunk for projections of at least one column tile per SM)."""
+    raw = _env(GEMV_ENV, "stream")
+    return raw if raw in ("stream", "chunk", "hybrid") else "stream"
+
+
+def reload_quads() -> bool:
+    """qgemv_m1 reloads its register ring quad by quad (``KESTREL_CUDA_GEMV_RELOAD=quad``) or by slot."""
+    return _env(RELOAD_ENV, "slot") == "quad"
 
 
 def pdl_enabled() -> bool:
-    """Whether captured decode steps launch with programmatic dependent launch (``KESTREL_CUDA_PDL``)."""
-    return _env(PDL_ENV, "0") not in ("0", "false", "no", "off")
-
-
-def attention_splits() -> int:
-    """Position splits of decode attention (``KESTREL_CUDA_ATTN_SPLITS``: 16 or 32)."""
-    raw = _env(ATTN_SPLITS_ENV, "32")
-    return int(raw) if raw.isdigit() and int(raw) in ATTN_SPLITS else 32
+    """Whether captured decode steps launch with programmatic dependent launch (``KESTREL_CUDA_PDL``,
+    default on: measured ~300 us faster per qwen3-8b step; 0 turns it off)."""
+    return _env(PDL_ENV, "1") not in ("0", "false", "no", "off")
 
 
 def default_target_blocks(sm_count: int, gemv: str = "stream") -> int:

@@ -108,16 +108,19 @@ def test_fused_gemv_prefill_without_the_tiled_gemm(n_prefill, stream) -> None:  
     _check(model, toks, n_prefill, device_logits(DeviceForward(stream=stream), model, toks, n_prefill))
 
 
+@pytest.mark.parametrize("reload", ("slot", "quad"))
 @pytest.mark.parametrize("target", (1, 4096))
 @pytest.mark.parametrize("quant", QUANTS)
-def test_m1_gemv_ring_and_k_splits(quant, target, stream, gemm) -> None:  # type: ignore[no-untyped-def]
-    """The streaming M=1 GEMV (qgemv_m1) at both ends of its planner: one block per column tile, whose warps
-    each stream many groups through the register ring (down: K = 2048), and many K splits per tile (the
-    last block adds the partial sums)."""
+def test_m1_gemv_ring_and_k_splits(quant, target, reload, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The streaming M=1 GEMV (qgemv_m1, ring reloaded by slot or by quad) at both ends of its planner: one
+    block per column tile, whose warps each stream many groups through the register ring (down: K = 2048),
+    and many K splits per tile (the last block adds the partial sums)."""
+    monkeypatch.setenv("KESTREL_CUDA_GEMV", "stream")
+    monkeypatch.setenv("KESTREL_CUDA_GEMV_RELOAD", reload)
     model = synthetic_model(replace(SMALL_CONFIGS["qwen3"], intermediate_size=2048), quant, seed=11)
     toks = _tokens(model.config, 20)
     fwd = DeviceForward(stream=stream, gemm=gemm, target_blocks=target)
-    assert fwd.ops.gemv_kind == "stream"
+    assert fwd.ops.gemv_kind == "stream" and fwd.ops.reload_quads == (reload == "quad")
     _check(model, toks, 12, device_logits(fwd, model, toks, 12))
     w = fwd._st.layers[0].weights
     if target == 1:
@@ -126,7 +129,7 @@ def test_m1_gemv_ring_and_k_splits(quant, target, stream, gemm) -> None:  # type
         assert w.down.ksplit > 1
 
 
-@pytest.mark.parametrize("kind", ("stream", "chunk"))
+@pytest.mark.parametrize("kind", ("stream", "stream-quad", "chunk"))
 @pytest.mark.parametrize("n, k", ((509, 2048), (8, 512)))
 @pytest.mark.parametrize("group", (32, 256))
 @pytest.mark.parametrize("bits", (8, 4))
@@ -137,7 +140,8 @@ def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, 
     from kestrel_core.contract import quantize_activations
     from kestrel_cuda.forward_ops import EPI_ADD, PRO_PLAIN, CupyOps, Lin, pack_kmajor
 
-    monkeypatch.setenv("KESTREL_CUDA_GEMV", kind)
+    monkeypatch.setenv("KESTREL_CUDA_GEMV", kind.split("-")[0])
+    monkeypatch.setenv("KESTREL_CUDA_GEMV_RELOAD", "quad" if kind.endswith("quad") else "slot")
     ops = CupyOps(stream)
     rng = np.random.default_rng(bits * 1000 + group + n)
     lo, hi = (-127, 127) if bits == 8 else (-8, 7)
@@ -180,16 +184,13 @@ def test_chunked_gemv_with_several_chunks_per_block(quant, stream, gemm, monkeyp
     assert any(lin.chunks > lin.ksplit for lin in fwd._st.layers[0].weights.gate_up + [fwd._st.layers[0].weights.down])
 
 
-@pytest.mark.parametrize("splits", ("16", "32"))
 @pytest.mark.parametrize("arch", list(SMALL_CONFIGS))
-def test_attention_matches_the_cpu(arch, splits, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """attn_prefill and attn_decode<NS> (KESTREL_CUDA_ATTN_SPLITS): prefill, graph decode, and a prefill
-    continued at a nonzero start (rows see earlier positions)."""
-    monkeypatch.setenv("KESTREL_CUDA_ATTN_SPLITS", splits)
+def test_attention_matches_the_cpu(arch, stream, gemm) -> None:  # type: ignore[no-untyped-def]
+    """attn_prefill and attn_decode: prefill, graph decode, and a prefill continued at a nonzero start (rows
+    see earlier positions)."""
     model = synthetic_model(SMALL_CONFIGS[arch], "q8", seed=12)
     toks = _tokens(model.config, 60)
     fwd = DeviceForward(stream=stream, gemm=gemm)
-    assert fwd.ops.attn_splits == int(splits)
     _check(model, toks, 37, device_logits(fwd, model, toks, 37))
     fwd.forward(model, 6, toks[:23], 0, False)
     cont = fwd.forward(model, 6, toks[23:], 23, True)  # second chunk of a prompt, 37 rows after 23 cached

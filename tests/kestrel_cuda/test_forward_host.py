@@ -314,6 +314,18 @@ def test_plan_stream_split_gives_nonempty_blocks_within_shared_memory(k: int, n:
     assert forward_ops.plan_stream_split(lin, 1) == max(1, -(-k // forward_ops.STREAM_MAX_ROWS))
 
 
+def test_hybrid_gives_wide_projections_to_the_chunked_gemv() -> None:
+    wide = forward_ops.Lin(None, None, 4096, 24576, 24576, 32, 8)  # 192 column tiles
+    narrow = forward_ops.Lin(None, None, 4096, 6144, 6144, 32, 8)  # 48
+    assert forward_ops.m1_kernel(wide, "hybrid", 132) == "chunk"
+    assert forward_ops.m1_kernel(narrow, "hybrid", 132) == "stream"
+    assert forward_ops.m1_kernel(wide, "stream", 132) == "stream"
+    assert forward_ops.plan_split(wide, "hybrid", 132) == forward_ops.plan_ksplit(wide, 8 * 132)
+    assert wide.m1 == "chunk"
+    assert forward_ops.plan_split(narrow, "hybrid", 132) == forward_ops.plan_stream_split(narrow, 2 * 132)
+    assert narrow.m1 == "stream"
+
+
 def test_plan_ksplit_fills_the_gpu_without_exceeding_chunks() -> None:
     lin = forward_ops.Lin(None, None, 4096, 4096, 4096, 32, 8)
     assert forward_ops.plan_ksplit(lin, 1056) == 16  # 32 tiles x 16 chunks
