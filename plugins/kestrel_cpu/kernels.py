@@ -8,8 +8,9 @@ compiles to scalar code (~1 GB/s). The intrinsics below spell one 32-value chunk
 across blocks, so a block costs one convert and one multiply-add, no horizontal reduction.
 
 Tiles: decode (M < 4) runs one output at a time on int8 activations (memory-bound: it streams the codes
-once); prefill runs 4 activation rows x 2 weight rows per tile on activations widened to int16 once, so each
-weight chunk is widened once for four rows and vpmaddwd reads the activations straight from memory.
+once, prefetching ahead); prefill widens the activations to int16 once, so vpmaddwd reads them straight from
+memory, and runs 8 activation rows x 1 weight row per tile for G = 32 (straight-line blocks: there the
+per-block convert/scale/multiply-add dominates and bigger tiles spill) or 4 x 2 for G = 256.
 
 The maths is the contract's: each K-block's integer sum is exact (int32 lanes, |sum| <= 127*127*256); the
 float part differs from ``reference_gemm_q8`` only in rounding order: each of the 8 lanes of a block sum
@@ -23,7 +24,8 @@ that holds the jitted function, so the intrinsics it inlines must sit in the sam
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import FunctionType
 from typing import Any
 
@@ -78,7 +80,18 @@ def _prefetch(builder: ir.IRBuilder, ptr: ir.Value) -> None:
     builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
 
 
-def _make_tile_dot(rows: int, cols: int, prefetch_rows: int = 0) -> Any:
+@contextmanager
+def _chunks(builder: ir.IRBuilder, nchunk: ir.Value, one_chunk: bool) -> Iterator[ir.Value]:
+    """The chunk loop of a K-block, or straight-line code when a block is one chunk (G = 32): no loop, no
+    zeroed accumulator, fewer registers held across it (for G = 32 the per-block work is the bottleneck)."""
+    if one_chunk:
+        yield ir.Constant(nchunk.type, 0)
+    else:
+        with cgutils.for_range(builder, nchunk) as loop:
+            yield loop.index
+
+
+def _make_tile_dot(rows: int, cols: int, prefetch_rows: int = 0, one_chunk: bool = False) -> Any:
     """An intrinsic for a ``rows`` x ``cols`` output tile: out[m0+r, j0+c] = sum_g blocksum * a_sc * w_sc.
 
     Arguments (offsets in elements of flat C-ordered arrays): a int8 or int16 (int8 values pre-widened, so
@@ -128,8 +141,8 @@ def _make_tile_dot(rows: int, cols: int, prefetch_rows: int = 0) -> Any:
                 base = builder.mul(g, group)
                 for rc in pairs:
                     builder.store(ir.Constant(v8i32, [0] * LANES), iacc[rc])
-                with cgutils.for_range(builder, nchunk_) as cloop:
-                    off = builder.add(base, builder.mul(cloop.index, ir.Constant(idx, CHUNK)))
+                with _chunks(builder, nchunk_, one_chunk) as chunk:
+                    off = builder.add(base, builder.mul(chunk, ir.Constant(idx, CHUNK)))
                     if prefetch_rows:  # decode streams the codes from DRAM: ask for rows a little ahead
                         ahead = builder.add(off, builder.mul(w_stride_, ir.Constant(idx, prefetch_rows)))
                         _prefetch(builder, builder.gep(pw[0], [ahead]))
@@ -167,6 +180,11 @@ def _make_tile_dot(rows: int, cols: int, prefetch_rows: int = 0) -> Any:
 
 _dot1x1 = _make_tile_dot(1, 1)
 _dot1x1_stream = _make_tile_dot(1, 1, prefetch_rows=4)  # ~7% more GB/s on a 150 MB decode pass
+# G = 32 (one chunk per block): straight-line builds; prefill uses 8x1 tiles there (no register spills,
+# ~35% faster than 4x2, whose 16 accumulators spill once the per-block epilogue dominates).
+_dot1x1_32 = _make_tile_dot(1, 1, one_chunk=True)
+_dot1x1_stream32 = _make_tile_dot(1, 1, prefetch_rows=4, one_chunk=True)
+_dot8x1_32 = _make_tile_dot(8, 1, one_chunk=True)
 _dot1x2 = _make_tile_dot(1, 2)
 _dot4x1 = _make_tile_dot(4, 1)
 _dot4x2 = _make_tile_dot(4, 2)
@@ -196,17 +214,22 @@ def _gemm_q8_body(a: np.ndarray, a16: np.ndarray, a_scales: np.ndarray, codes: t
             n = j - row_start[i]
             c, s = codes[i], w_scales[i]
             for m in range(m_rows):
-                _dot1x1_stream(a, m * k, k, a_scales, m * ng, ng, c, n * k, k, s, n * ng, ng, ng, nchunk,
-                               out, m * n_total + j, n_total)
+                if nchunk == 1:
+                    _dot1x1_stream32(a, m * k, k, a_scales, m * ng, ng, c, n * k, k, s, n * ng, ng, ng, nchunk,
+                                     out, m * n_total + j, n_total)
+                else:
+                    _dot1x1_stream(a, m * k, k, a_scales, m * ng, ng, c, n * k, k, s, n * ng, ng, ng, nchunk,
+                                   out, m * n_total + j, n_total)
     else:
         # Work items are blocks of weight rows (~BLOCK_BYTES of codes, never straddling two weights); each
-        # block runs every 4-row activation tile against all its row pairs, so the activation tile
-        # (4 x K int16) and the block's codes both stay in L1 while they are reused.
+        # block runs every activation tile (8 rows for G = 32, else 4 rows x 2 weight rows) against all its
+        # rows, so the activation tile (int16) and the block's codes both stay in L1 while they are reused.
         block_rows = max(2, BLOCK_BYTES // k // 2 * 2)
         blk_start = np.zeros(nw + 1, np.int64)
         for i in range(nw):
             blk_start[i + 1] = blk_start[i] + (row_start[i + 1] - row_start[i] + block_rows - 1) // block_rows
         m4 = m_rows - m_rows % 4
+        m8 = m_rows - m_rows % 8
         for b in prange(blk_start[nw]):
             i = 0
             while b >= blk_start[i + 1]:
@@ -216,6 +239,16 @@ def _gemm_q8_body(a: np.ndarray, a16: np.ndarray, a_scales: np.ndarray, codes: t
             n_pairs_end = n0 + (n_end - n0) // 2 * 2
             c, s = codes[i], w_scales[i]
             j0 = row_start[i]
+            if nchunk == 1:
+                for m in range(0, m8, 8):
+                    for n in range(n0, n_end):
+                        _dot8x1_32(a16, m * k, k, a_scales, m * ng, ng, c, n * k, k, s, n * ng, ng, ng, nchunk,
+                                   out, m * n_total + j0 + n, n_total)
+                for m in range(m8, m_rows):
+                    for n in range(n0, n_end):
+                        _dot1x1_32(a16, m * k, k, a_scales, m * ng, ng, c, n * k, k, s, n * ng, ng, ng, nchunk,
+                                   out, m * n_total + j0 + n, n_total)
+                continue
             for m in range(0, m4, 4):
                 for n in range(n0, n_pairs_end, 2):
                     _dot4x2(a16, m * k, k, a_scales, m * ng, ng, c, n * k, k, s, n * ng, ng, ng, nchunk,
