@@ -2,7 +2,7 @@
 per-kernel breakdown, the bandwidth roofline, and the residency window.
 
     python benchmarks/cuda_e2e.py [--preset qwen3-8b] [--quant q8] [--prompt 512] [--decode 128]
-                                  [--window 1,4,16] [--sweep "PDL=0,GEMV=hybrid"] [--json out.json]
+                                  [--window 1,4,16] [--sweep "default,PDL=0,GEMV=chunk"] [--json out.json]
 
 Everything runs through the CUDA backend's own device (binding.open_device: its weight cache, preload,
 stream and tiled GEMM) and kestrel_cuda.forward.DeviceForward, the object the kestrel_forward hook calls.
@@ -10,7 +10,7 @@ Wall-clock times include the Python work per step (token in, logits [1, vocab] b
 the GPU time of one decode step is measured with CUDA events around replays of its graph; the per-kind
 breakdown replays each kind's launches of one step in a graph of their own. ``--sweep`` times decode under
 several configurations, each a '+'-joined list of NAME=VALUE settings of the KESTREL_CUDA_NAME variables
-(GEMV=stream|chunk|hybrid, GEMV_RELOAD=slot|quad, PDL=0|1, GEMV_BLOCKS=n), and the rest runs the fastest
+(GEMV=hybrid|stream|chunk, PDL=1|0, GEMV_BLOCKS=n), and the rest runs the fastest
 (``--sweep-breakdown``: with each one's per-kind breakdown). Figures:
     copy_gb_s        device-to-device copy, bytes read + written per second (the bandwidth ceiling)
     bytes_per_token  weight codes + scales one decode step reads (every projection and lm_head)
@@ -168,7 +168,7 @@ def _kernel_name(ops: Any, fn: Any) -> str:
         return "qgemv"
     if any(fn is f for f in ops._gemv_m1.values()):
         return "qgemv_m1"
-    if any(fn is f for f in ops._attn_decode.values()):
+    if fn is ops._attn_decode:
         return "attn_decode"
     for name, f in ops._fn.items():
         if f is fn:
@@ -242,7 +242,7 @@ def decode_config(cp: Any, dev: Any, model: Any, prompt: np.ndarray, steps: int,
         tokens, times, _ = greedy(fwd, model, 1, prompt, steps)
         warm = times[2:] or times
         extra = {"breakdown": kernel_breakdown(cp, fwd, model, 1, tokens[-1], len(prompt) + steps)} if breakdown else {}
-        return {"config": name, "gemv": fwd.ops.gemv_kind, "reload": fwd.ops.reload_quads, "pdl": fwd.ops.pdl,
+        return {"config": name, "gemv": fwd.ops.gemv_kind, "pdl": fwd.ops.pdl,
                 "m1": {lin.m1 for layer in fwd._st.layers for lin in (*layer.weights.qkv, layer.weights.o,
                                                                      *layer.weights.gate_up, layer.weights.down)},
                 "tokens": tokens,
@@ -288,16 +288,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 r["same_tokens_as_first"] = r["tokens"] == first_tokens
             else:
                 first_tokens = r["tokens"]
-            log(f"[{args.quant}] config {name!r} (gemv {r['gemv']}, reload quads {int(r['reload'])}, pdl "
-                f"{int(r['pdl'])}): {r['decode_tok_s']} tok/s, GPU {r['graph_step_us']} us/step, same tokens "
-                f"{r.get('same_tokens_as_first', True)}")
+            log(f"[{args.quant}] config {name!r} (gemv {r['gemv']}, pdl {int(r['pdl'])}): {r['decode_tok_s']} "
+                f"tok/s, GPU {r['graph_step_us']} us/step, same tokens {r.get('same_tokens_as_first', True)}")
             if "breakdown" in r:
                 log("    " + ", ".join(f"{k} {v['us']}" for k, v in r["breakdown"].items()))
             res["sweep"].append({k: v for k, v in r.items() if k != "tokens"})
-        best = min(res["sweep"], key=lambda r: r["graph_step_us"])["config"] if res["sweep"] else "default"
+        best = "default"
+        if res["sweep"] and not args.keep_default:
+            best = min(res["sweep"], key=lambda r: r["graph_step_us"])["config"]
         fwd = make_forward(dev, parse_config(best))
-        res["config"] = {"name": best, "gemv": fwd.ops.gemv_kind, "reload": fwd.ops.reload_quads,
-                         "pdl": fwd.ops.pdl}
+        res["config"] = {"name": best, "gemv": fwd.ops.gemv_kind, "pdl": fwd.ops.pdl}
         log(f"[{args.quant}] running {res['config']}")
         t0 = time.perf_counter()
         fwd.forward(model, 99, prompt[:8], 0, False)
@@ -369,6 +369,8 @@ def main() -> None:
                         "KESTREL_CUDA_NAME ('default' = the environment as it is; '' to skip)")
     p.add_argument("--sweep-steps", type=int, default=24)
     p.add_argument("--sweep-breakdown", action="store_true", help="per-kind GPU breakdown of every configuration")
+    p.add_argument("--keep-default", action="store_true",
+                   help="run the main measurements under the environment as it is, not the sweep's fastest")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     args.window = [int(x) for x in args.window.split(",") if x.strip()]

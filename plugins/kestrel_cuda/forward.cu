@@ -88,8 +88,6 @@ __device__ __forceinline__ void transpose4(unsigned r0, unsigned r1, unsigned r2
 // With gridDim.y > 1 each block writes its partial sums to part[y][m][Npad] and the last block of a tile
 // (atomic counter, then reset for the next launch) adds them in y order: deterministic, graph-safe.
 // Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += acc (+ bias).
-// PF = 1: software-pipelined, for fewer, longer blocks: the next chunk's weights are loaded into a second
-// register set while the current chunk is reduced, so a block always has loads in flight.
 #define LOAD_SLOT(dst, cc)                                                                                 \
     do {                                                                                                   \
         const int kr_ = (cc) * KC + 32 * warp;                                                             \
@@ -100,8 +98,8 @@ __device__ __forceinline__ void transpose4(unsigned r0, unsigned r1, unsigned r2
         }                                                                                                  \
     } while (0)
 
-template <int BITS, int G, int MR, int PF>
-__global__ void __launch_bounds__(NT, PF ? 2 : (MR == 1 ? 4 : 1)) qgemv(
+template <int BITS, int G, int MR>
+__global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
     const float* __restrict__ X, int ldx, int M, int pro, const float* __restrict__ pw, float eps, int xoff,
     float* __restrict__ Y, int ldy, int epi, const float* __restrict__ bias,
@@ -128,19 +126,13 @@ __global__ void __launch_bounds__(NT, PF ? 2 : (MR == 1 ? 4 : 1)) qgemv(
 
     constexpr int NW = BITS == 8 ? 32 : 16;
     unsigned wr[NW];
-    unsigned wn[PF ? NW : 1];
-    // Issue the weight loads first: they do not depend on the activations, so the prologue below runs
-    // while they are in flight.
-    if (PF) LOAD_SLOT(wr, (int)blockIdx.y);
     for (int c = blockIdx.y; c < nck; c += gridDim.y) {
         const int k0 = c * KC;
         const int kr = k0 + 32 * warp;          // first weight row of this warp's 32-row slot
         const bool slot = colok && kr < K;
-        if (PF) {
-            if (c + (int)gridDim.y < nck) LOAD_SLOT(wn, c + (int)gridDim.y);
-        } else {
-            LOAD_SLOT(wr, c);
-        }
+        // Issue the weight loads first: they do not depend on the activations, so the prologue below runs
+        // while they are in flight.
+        LOAD_SLOT(wr, c);
         if (c == (int)blockIdx.y) grid_dep_wait();  // X comes from the kernels before this one
         if (pro == 1 && c == (int)blockIdx.y) {
             // rmsnorm denominators over the whole row, computed (identically) by every block, while its
@@ -271,10 +263,6 @@ __global__ void __launch_bounds__(NT, PF ? 2 : (MR == 1 ? 4 : 1)) qgemv(
                 }
             }
         }
-        if (PF) {
-#pragma unroll
-            for (int r = 0; r < NW; ++r) wr[r] = wn[r];
-        }
     }
 
     grid_dep_wait();  // blocks without a chunk: before part / counters (a no-op once waited)
@@ -330,9 +318,9 @@ __global__ void __launch_bounds__(NT, PF ? 2 : (MR == 1 ? 4 : 1)) qgemv(
 // The block first quantizes the activations of its K run once into shared memory (RMSNorm / SiLU*up,
 // Q8_0 per group, one warp per group), while the first weight loads are in flight; then every warp streams
 // its groups (w, w + 8, ...) with no block barrier: a register ring of NB 32-row slots, the slot NB ahead
-// loaded as soon as one is consumed (RQ = 1: quad by quad, as each 4 rows are transposed, so that nearly
-// NB slots stay in flight), so each warp keeps its next slots' weights in flight while it reduces the
-// current one. Warps are added in a fixed order, then the splits (last block of a tile, as qgemv).
+// loaded as soon as one is consumed, so each warp keeps its next slots' weights in flight while it reduces
+// the current one. Warps are added in a fixed order, then the splits (last block of a tile, as qgemv).
+// (Reloading quad by quad, as each 4 rows are transposed, measured slower: docs/performance.md.)
 #define SMAXK 16384     // K rows one block of qgemv_m1 may quantize into shared memory
 #define M1_WARPS (NT / 32)
 #define LOAD_M1(b, t)                                                                                      \
@@ -343,7 +331,7 @@ __global__ void __launch_bounds__(NT, PF ? 2 : (MR == 1 ? 4 : 1)) qgemv(
         ring_s[b] = __ldg(reinterpret_cast<const float4*>(WS + (size_t)(kr_ / G) * Npad + col));           \
     } while (0)
 
-template <int BITS, int G, int RQ>
+template <int BITS, int G>
 __global__ void __launch_bounds__(NT, 2) qgemv_m1(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
     const float* __restrict__ X, int pro, const float* __restrict__ pw, float eps, int xoff,
@@ -443,12 +431,6 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
                 const int4* ap = reinterpret_cast<const int4*>(s_aq + (gl * G + sub * 32) / 4);
                 const int4 a0 = ap[0], a1 = ap[1];
                 const int aw[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-                const bool more = t + NB < nt;
-                const unsigned* wn = wcol;         // RQ: the slot NB ahead, reloaded quad by quad
-                if (RQ && more) {
-                    const int krn = k_base + (warp + M1_WARPS * ((t + NB) / SPU)) * G + ((t + NB) % SPU) * 32;
-                    wn = wcol + (size_t)(BITS == 8 ? krn : krn / 2) * (Npad / 4);
-                }
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {      // 8 quads of 4 rows
                     unsigned cw[4];
@@ -458,12 +440,6 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
                         const unsigned x0 = ring[b][2 * j], x1 = ring[b][2 * j + 1];
                         transpose4(x0 & 0x0f0f0f0fu, (x0 >> 4) & 0x0f0f0f0fu, x1 & 0x0f0f0f0fu,
                                    (x1 >> 4) & 0x0f0f0f0fu, cw);
-                    }
-                    if (RQ && more) {
-                        constexpr int QW = NW / 8;  // words of a quad
-#pragma unroll
-                        for (int r = 0; r < QW; ++r)
-                            ring[b][QW * j + r] = __ldg(wn + (size_t)(QW * j + r) * (Npad / 4));
                     }
 #pragma unroll
                     for (int c = 0; c < 4; ++c) isum[c] = __dp4a((int)cw[c], aw[j], isum[c]);
@@ -478,12 +454,7 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
                     acc[3] += (float)(isum[3] - bias8) * as * ws.w;
                     isum[0] = isum[1] = isum[2] = isum[3] = 0;
                 }
-                if (RQ && more) {
-                    const int krn = k_base + (warp + M1_WARPS * ((t + NB) / SPU)) * G + ((t + NB) % SPU) * 32;
-                    ring_s[b] = __ldg(reinterpret_cast<const float4*>(WS + (size_t)(krn / G) * Npad + col));
-                } else if (more) {
-                    LOAD_M1(b, t + NB);
-                }
+                if (t + NB < nt) LOAD_M1(b, t + NB);
             }
         }
     }

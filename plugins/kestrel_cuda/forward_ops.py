@@ -274,7 +274,7 @@ def _rope(x: np.ndarray, c: np.ndarray, s: np.ndarray) -> np.ndarray:
 
 # (bits, G, MR): qgemv with MR rows per block: M = 2..8 (MR = 8), and M = 1 when KESTREL_CUDA_GEMV=chunk
 _GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
-_M1_VARIANTS = [(bits, g, rq) for bits in (8, 4) for g in (32, 256) for rq in (0, 1)]
+_M1_VARIANTS = [(bits, g) for bits in (8, 4) for g in (32, 256)]
 
 
 @lru_cache(maxsize=1)
@@ -282,8 +282,8 @@ def _module() -> Any:
     import cupy as cp
 
     source = (Path(__file__).with_name("forward.cu")).read_text()
-    names = ([f"qgemv<{b},{g},{mr},0>" for b, g, mr in _GEMV_VARIANTS]
-             + [f"qgemv_m1<{b},{g},{rq}>" for b, g, rq in _M1_VARIANTS]
+    names = ([f"qgemv<{b},{g},{mr}>" for b, g, mr in _GEMV_VARIANTS]
+             + [f"qgemv_m1<{b},{g}>" for b, g in _M1_VARIANTS]
              + [f"attn_decode<{ATTN_SPLITS}>", "quantize_rows<32>", "quantize_rows<256>"])
     mod = cp.RawModule(code=source, options=("--fmad=false", "-std=c++17"), name_expressions=tuple(names))
     mod.compile()
@@ -318,10 +318,9 @@ class CupyOps:
         self.xp = cp
         self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
         mod = _module()
-        self._gemv = {v: mod.get_function("qgemv<{},{},{},0>".format(*v)) for v in _GEMV_VARIANTS}
-        self._gemv_m1 = {v: mod.get_function("qgemv_m1<{},{},{}>".format(*v)) for v in _M1_VARIANTS}
+        self._gemv = {v: mod.get_function("qgemv<{},{},{}>".format(*v)) for v in _GEMV_VARIANTS}
+        self._gemv_m1 = {v: mod.get_function("qgemv_m1<{},{}>".format(*v)) for v in _M1_VARIANTS}
         self.gemv_kind = gemv_kind()
-        self.reload_quads = reload_quads()
         self._attn_decode = mod.get_function(f"attn_decode<{ATTN_SPLITS}>")
         self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
         self._fn = {name: mod.get_function(name) for name in
@@ -433,8 +432,7 @@ class CupyOps:
             self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias)
             return
         if m == 1 and (lin.m1 or m1_kernel(lin, self.gemv_kind, self.sm_count)) == "stream":
-            fn = self._gemv_m1[(lin.bits, lin.group_size, int(self.reload_quads))]
-            self._launch(fn, (lin.tiles, lin.ksplit), (256,),
+            self._launch(self._gemv_m1[(lin.bits, lin.group_size)], (lin.tiles, lin.ksplit), (256,),
                          (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
                           _ptr(x), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
                           _ptr(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters)))
@@ -519,7 +517,6 @@ def gemv_scratch(lins: list[Lin]) -> tuple[int, int]:
 
 BLOCKS_ENV = "KESTREL_CUDA_GEMV_BLOCKS"
 GEMV_ENV = "KESTREL_CUDA_GEMV"
-RELOAD_ENV = "KESTREL_CUDA_GEMV_RELOAD"
 PDL_ENV = "KESTREL_CUDA_PDL"
 
 
@@ -530,15 +527,12 @@ def _env(name: str, default: str) -> str:
 
 
 def gemv_kind() -> str:
-    """The M=1 GEMV (``KESTREL_CUDA_GEMV``): "stream" (qgemv_m1, default), "chunk" (qgemv, the previous
-    design) or "hybrid" (chunk for projections of at least one column tile per SM)."""
-    raw = _env(GEMV_ENV, "stream")
-    return raw if raw in ("stream", "chunk", "hybrid") else "stream"
-
-
-def reload_quads() -> bool:
-    """qgemv_m1 reloads its register ring quad by quad (``KESTREL_CUDA_GEMV_RELOAD=quad``) or by slot."""
-    return _env(RELOAD_ENV, "slot") == "quad"
+    """The M=1 GEMV (``KESTREL_CUDA_GEMV``, for benchmarks): "hybrid" (default: qgemv_m1 for projections
+    of fewer column tiles than SMs, qgemv for wider ones), "stream" (qgemv_m1 for all) or "chunk" (qgemv
+    for all). Measured on the H200 (docs/performance.md): hybrid 3137 us per qwen3-8b q8 step, chunk 3242,
+    stream 3275."""
+    raw = _env(GEMV_ENV, "hybrid")
+    return raw if raw in ("stream", "chunk", "hybrid") else "hybrid"
 
 
 def pdl_enabled() -> bool:

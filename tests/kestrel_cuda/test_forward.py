@@ -108,28 +108,27 @@ def test_fused_gemv_prefill_without_the_tiled_gemm(n_prefill, stream) -> None:  
     _check(model, toks, n_prefill, device_logits(DeviceForward(stream=stream), model, toks, n_prefill))
 
 
-@pytest.mark.parametrize("reload", ("slot", "quad"))
 @pytest.mark.parametrize("target", (1, 4096))
 @pytest.mark.parametrize("quant", QUANTS)
-def test_m1_gemv_ring_and_k_splits(quant, target, reload, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The streaming M=1 GEMV (qgemv_m1, ring reloaded by slot or by quad) at both ends of its planner: one
-    block per column tile, whose warps each stream many groups through the register ring (down: K = 2048),
-    and many K splits per tile (the last block adds the partial sums)."""
-    monkeypatch.setenv("KESTREL_CUDA_GEMV", "stream")
-    monkeypatch.setenv("KESTREL_CUDA_GEMV_RELOAD", reload)
+def test_m1_gemv_ring_and_k_splits(quant, target, stream, gemm) -> None:  # type: ignore[no-untyped-def]
+    """The streaming M=1 GEMV (qgemv_m1: every projection of these narrow models under the default hybrid
+    choice) at both ends of its planner: one block per column tile, whose warps each stream many groups
+    through the register ring (down: K = 2048), and many K splits per tile (the last block adds the
+    partial sums)."""
     model = synthetic_model(replace(SMALL_CONFIGS["qwen3"], intermediate_size=2048), quant, seed=11)
     toks = _tokens(model.config, 20)
     fwd = DeviceForward(stream=stream, gemm=gemm, target_blocks=target)
-    assert fwd.ops.gemv_kind == "stream" and fwd.ops.reload_quads == (reload == "quad")
+    assert fwd.ops.gemv_kind == "hybrid"
     _check(model, toks, 12, device_logits(fwd, model, toks, 12))
     w = fwd._st.layers[0].weights
+    assert {lin.m1 for lin in [*w.qkv, w.o, *w.gate_up, w.down]} == {"stream"}
     if target == 1:
         assert all(lin.ksplit == 1 for lin in [*w.qkv, w.o, *w.gate_up, w.down])
     elif w.down.group_size == 32:
         assert w.down.ksplit > 1
 
 
-@pytest.mark.parametrize("kind", ("stream", "stream-quad", "chunk"))
+@pytest.mark.parametrize("kind", ("stream", "chunk"))
 @pytest.mark.parametrize("n, k", ((509, 2048), (8, 512)))
 @pytest.mark.parametrize("group", (32, 256))
 @pytest.mark.parametrize("bits", (8, 4))
@@ -140,8 +139,7 @@ def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, 
     from kestrel_core.contract import quantize_activations
     from kestrel_cuda.forward_ops import EPI_ADD, PRO_PLAIN, CupyOps, Lin, pack_kmajor
 
-    monkeypatch.setenv("KESTREL_CUDA_GEMV", kind.split("-")[0])
-    monkeypatch.setenv("KESTREL_CUDA_GEMV_RELOAD", "quad" if kind.endswith("quad") else "slot")
+    monkeypatch.setenv("KESTREL_CUDA_GEMV", kind)
     ops = CupyOps(stream)
     rng = np.random.default_rng(bits * 1000 + group + n)
     lo, hi = (-127, 127) if bits == 8 else (-8, 7)
