@@ -20,7 +20,8 @@ API (what the ``kestrel_forward`` / ``kestrel_release_sequence`` hookimpls call)
   must then share ``stream`` (stream order is what makes reusing an evicted buffer safe).
 - Without a window, the decode step (T == 1) is captured once per sequence in a CUDA graph and replayed
   (``use_graph``; env ``KESTREL_CUDA_GRAPH=0`` turns it off); the position and the token are read from
-  device memory, so one graph serves every position. ``pin(wkey)``/``unpin(wkey)`` (the cache's) keep the
+  device memory, so one graph serves every position; its kernels are launched with programmatic dependent
+  launch (``KESTREL_CUDA_PDL``, forward_launch.py). ``pin(wkey)``/``unpin(wkey)`` (the cache's) keep the
   weights a graph captured resident; they are unpinned when the model changes or at ``close``.
 - ``gemm``: cuda-kernels' ``gemm.DeviceGemm``; prefill chunks of more than ``SMALL_M`` rows run its
   tensor-core GEMM (``q8``). Without it they run this module's fused GEMV, 8 rows per weight pass.
