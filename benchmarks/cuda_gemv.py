@@ -153,13 +153,12 @@ extern "C" __global__ void copy16(const uint4* __restrict__ s, uint4* __restrict
                 out = cp.empty((1, n), dtype=cp.float32)
                 count = 8 * copies if wbytes < (256 << 20) else copies * 2
                 res = {}
-                from kestrel_cuda.gemm import gemv_variant, gemv_warp_variant
+                from kestrel_cuda.gemm import gemv_warp_variant
 
                 auto = gemv_warp_variant(1, w0.geometry.npad, w0.geometry.code_bits)
                 variants: dict[str, Any] = {"auto": None}
                 if bits == 8 and g == 32 and not self.args.quick:
-                    variants.update({"warp4": ("warp", 1, 4, 8),
-                                     "lane": gemv_variant(1, w0.geometry.npad, k, g, 8)})
+                    variants.update({"warp4": ("warp", 1, 4, 8)})
                     if n <= 4096:
                         variants.update({f"split{sp}": ("warp", 1, 8, 8, sp) for sp in (4, 8, 16)})
                 for label, var in variants.items():

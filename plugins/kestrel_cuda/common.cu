@@ -24,3 +24,17 @@ __device__ __forceinline__ void transpose4x4(u32 w0, u32 w1, u32 w2, u32 w3,
 // ((u + 0x78) ^ 0x80) maps u in 0..15 to the signed byte u - 8 without carries between bytes.
 __device__ __forceinline__ u32 nib_lo(u32 x) { return ((x & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u; }
 __device__ __forceinline__ u32 nib_hi(u32 x) { return (((x >> 4) & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u; }
+
+// One VEC-byte read-only load of a thread's columns (VEC = 16, 8 or 4), as 32-bit words.
+template <int VEC>
+__device__ __forceinline__ void load_vec(const u8* __restrict__ p, u32 (&w)[VEC / 4]) {
+    if constexpr (VEC == 16) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    } else if constexpr (VEC == 8) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+        w[0] = v.x; w[1] = v.y;
+    } else {
+        w[0] = __ldg(reinterpret_cast<const u32*>(p));
+    }
+}

@@ -28,14 +28,11 @@ from kestrel_cuda.kernels import MMA_TILE_DEFAULT, MMA_TILE_SMALL_GRID, MMA_TILE
 from kestrel_cuda.residency import DeviceWeight
 
 GEMV_MAX_M = 8
-GEMV_THREADS = 128  # gemv.cu ("lane" layout)
-SLICES_PER_ITER = 32  # 4 warps x 8 slice lanes
-GW_THREADS = 256  # gemv_warp.cu ("warp" layout, the default): 8 warps, one 32-row slice each
+GW_THREADS = 256  # gemv_warp.cu: 8 warps, one 32-row slice each
 GW_SLICES = 8
 F32_THREADS, F32_MT = 128, 4
 QUANT_THREADS = 256
 BLOCKS_PER_SM = 4  # GEMV grid target: enough resident warps to keep the memory system busy
-FEW_THREADS = 64 * 1024  # below this many (16-column x 32-row) work items, GEMV slices shrink to 8 rows
 PARTIAL_FLOATS = 1 << 22  # split-K partial sums: 16 MiB per stream
 COUNTERS = 1 << 16
 
@@ -62,19 +59,6 @@ def gemv_warp_variant(m: int, npad: int, bits: int) -> tuple[str, int, int, int]
     """("warp", MT, VEC, BITS): the default GEMV for M rows; see gemv_warp.cu."""
     mt = 1 if m == 1 else 2 if m == 2 else 4
     return "warp", mt, 8 if npad % 8 == 0 else 4, bits
-
-
-def gemv_variant(m: int, npad: int, k: int, group_size: int, bits: int) -> tuple[int, int, int, int]:
-    """(MT, VEC, BITS, R) of the "lane" GEMV (gemv.cu) for M rows; see kernels.GEMV_VARIANTS."""
-    mt = 1 if m == 1 else 2 if m == 2 else 4
-    if mt == 4:
-        vec = 8 if npad % 8 == 0 else 4
-    else:
-        vec = 16 if npad % 16 == 0 else 4
-    r = 32
-    if mt == 1 and vec == 16 and group_size == 32 and (npad // 16) * (k // 32) < FEW_THREADS:
-        r = 8  # narrow weights: more, shorter slices (their int32 sums are added exactly in-warp)
-    return mt, vec, bits, r
 
 
 def mma_tile_for(m: int, npad: int, sm_count: int) -> str:
@@ -127,9 +111,8 @@ class DeviceGemm:
            mma_tile: str | None = None) -> None:
         """out[:M, :n] = int8 GEMM of a_codes [M,K] (scales [M,K/G]) with ``weight``.
 
-        Benchmarks and tests may force a kernel: ``variant`` ("warp", MT, VEC, BITS) or (MT, VEC, BITS, R) of
-        the "lane" GEMV, ``splits`` its split-K, ``mma_tile`` the tensor-core kernel (a ``kernels.MMA_TILES``
-        block shape) at any M.
+        Benchmarks and tests may force a kernel: ``variant`` ("warp", MT, VEC, BITS) of the GEMV, ``splits`` its
+        split-K, ``mma_tile`` the tensor-core kernel (a ``kernels.MMA_TILES`` block shape) at any M.
         """
         g = weight.geometry
         m, k = a_codes.shape
@@ -137,9 +120,7 @@ class DeviceGemm:
         ldo = out.shape[1]
         if k != g.k or a_scales.shape != (m, g.ngroups) or out.shape[0] < m or ldo < n or n > g.npad:
             raise ValueError(f"q8: shapes do not match (A {a_codes.shape}, weight K={g.k} Npad={g.npad})")
-        if variant is not None and variant[0] != "warp":
-            self._gemv(a_codes, a_scales, weight, out, n, ldo, stream, variant, splits)
-        elif (m <= GEMV_MAX_M or variant is not None) and mma_tile is None:
+        if (m <= GEMV_MAX_M or variant is not None) and mma_tile is None:
             self._gemv_warp(a_codes, a_scales, weight, out, n, ldo, stream, variant, splits)
         else:
             name = mma_tile or mma_tile_for(m, g.npad, self.sm_count)
@@ -172,28 +153,6 @@ class DeviceGemm:
             _launch(kern, (gx, gy), (GW_THREADS,),
                     (a_codes[m0:], a_scales[m0:], i32(min(mt, m - m0)), weight.codes, weight.scales, out[m0:],
                      i32(ldo), i32(n), ws.partial, ws.counters, i32(g.k), i32(g.npad), i32(g.group_size)), stream)
-            self.launches["gemv"] += 1
-
-    def _gemv(self, a_codes: Any, a_scales: Any, weight: DeviceWeight, out: Any, n: int, ldo: int,
-              stream: Any, variant: tuple | None, splits: int | None) -> None:
-        g = weight.geometry
-        m = a_codes.shape[0]
-        mt, vec, bits, r = variant or gemv_variant(m, g.npad, g.k, g.group_size, g.code_bits)
-        if g.npad % vec or g.group_size % r or (g.group_size // r) > 8 or bits != g.code_bits:
-            raise ValueError(f"GEMV variant {(mt, vec, bits, r)} does not fit {g}")
-        kern = self.kernels.gemv[(mt, vec, bits, r)]
-        ws = self.workspace(stream)
-        gx = _cdiv(g.npad, 4 * vec)
-        max_split = _cdiv(g.k // r, SLICES_PER_ITER)
-        gy = splits or min(max_split, max(1, _cdiv(BLOCKS_PER_SM * self.sm_count, gx)))
-        gy = max(1, min(gy, max_split, PARTIAL_FLOATS // (mt * g.npad)))
-        if gx > COUNTERS:
-            gy = 1
-        for m0 in range(0, m, mt):
-            mcount = min(mt, m - m0)
-            _launch(kern, (gx, gy), (GEMV_THREADS,),
-                    (a_codes[m0:], a_scales[m0:], i32(mcount), weight.codes, weight.scales, out[m0:], i32(ldo),
-                     i32(n), ws.partial, ws.counters, i32(g.k), i32(g.npad), i32(g.group_size)), stream)
             self.launches["gemv"] += 1
 
     def f32(self, a: Any, weight: DeviceWeight, out: Any, n: int | None = None, stream: Any = None) -> None:

@@ -7,7 +7,7 @@
 // byte-transposed words); for G = 32 a slice is a group and the thread scales it itself; for G = 256 the 8
 // warps' int32 slice sums are added exactly through shared memory before the one multiply by the scales.
 // Blocks of blockIdx.y split K (interleaved 256-row steps); the last block of a column tile to finish adds
-// the partials in a fixed order and re-arms its counter, as in gemv.cu.
+// the partials in a fixed order and re-arms its counter, so the next launch finds it at zero.
 #define GW_WARPS 8
 #define GW_THREADS 256
 

@@ -16,18 +16,12 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 # common.cu first: the others use its helpers. forward.cu is the cuda-forward module's own.
-SOURCES = ("common.cu", "transpose.cu", "quantize.cu", "gemv.cu", "gemv_warp.cu", "gemm_mma.cu", "gemm_f32.cu")
+SOURCES = ("common.cu", "transpose.cu", "quantize.cu", "gemv_warp.cu", "gemm_mma.cu", "gemm_f32.cu")
 OPTIONS = ("--fmad=false", "-std=c++17")
 
-# GEMV variants. "warp" (gemv_warp.cu, the default): (MT rows per launch, VEC columns per lane, BITS);
-# "lane" (gemv.cu, the first design, kept for comparison): (MT, VEC, BITS, R rows per slice).
+# GEMV variants (gemv_warp.cu): (MT rows per launch, VEC columns per lane, BITS).
 GEMV_WARP_VARIANTS: tuple[tuple[int, int, int], ...] = tuple(
     (mt, vec, bits) for bits in (8, 4) for mt in (1, 2, 4) for vec in (8, 4))
-GEMV_VARIANTS: tuple[tuple[int, int, int, int], ...] = tuple(
-    (mt, vec, bits, r)
-    for bits in (8, 4)
-    for mt, vec, r in ((1, 16, 32), (1, 16, 8), (2, 16, 32), (4, 8, 32), (1, 4, 32), (2, 4, 32), (4, 4, 32))
-)
 GROUP_SIZES = (32, 256)
 BITS = (8, 4)
 
@@ -78,10 +72,6 @@ class KernelCompileError(RuntimeError):
     """NVRTC rejected the sources or a kernel could not be loaded."""
 
 
-def gemv_name(mt: int, vec: int, bits: int, r: int) -> str:
-    return f"k_gemv<{mt}, {vec}, {bits}, {r}>"
-
-
 def gemv_warp_name(mt: int, vec: int, bits: int) -> str:
     return f"k_gemv_warp<{mt}, {vec}, {bits}>"
 
@@ -99,7 +89,6 @@ class Kernels:
     transpose_f32: Any
     transpose_pack4: Any
     quantize: dict[int, Any]  # G -> kernel
-    gemv: dict[tuple[int, int, int, int], Any]
     gemv_warp: dict[tuple[int, int, int], Any]
     mma: dict[tuple[int, int, str], Any]  # (bits, G, tile name) -> kernel
     f32: dict[int, Any]  # bits -> kernel
@@ -109,7 +98,7 @@ class Kernels:
 
 def compile_kernels(cp: Any) -> Kernels:
     """Compile and resolve every kernel on the current device; raises KernelCompileError."""
-    names = ([f"k_quantize_act<{g}>" for g in GROUP_SIZES] + [gemv_name(*v) for v in GEMV_VARIANTS]
+    names = ([f"k_quantize_act<{g}>" for g in GROUP_SIZES]
              + [gemv_warp_name(*v) for v in GEMV_WARP_VARIANTS]
              + [t.name(b, g) for b in BITS for g in GROUP_SIZES for t in MMA_TILES.values()]
              + [f"k_gemm_f32<{b}>" for b in BITS])
@@ -123,7 +112,6 @@ def compile_kernels(cp: Any) -> Kernels:
             transpose_f32=get("k_transpose_f32"),
             transpose_pack4=get("k_transpose_pack4"),
             quantize={g: get(f"k_quantize_act<{g}>") for g in GROUP_SIZES},
-            gemv={v: get(gemv_name(*v)) for v in GEMV_VARIANTS},
             gemv_warp={v: get(gemv_warp_name(*v)) for v in GEMV_WARP_VARIANTS},
             mma={(b, g, tn): get(t.name(b, g)) for b in BITS for g in GROUP_SIZES for tn, t in MMA_TILES.items()},
             f32={b: get(f"k_gemm_f32<{b}>") for b in BITS},

@@ -107,8 +107,8 @@ def test_bad_device_index(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_compile_failure(monkeypatch: pytest.MonkeyPatch) -> None:
-    _, reason = bind_reason(monkeypatch, fake_cupy(compile_error=RuntimeError("gemv.cu(12): error: bad")))
-    assert reason.startswith("kernel compilation failed (") and "gemv.cu(12): error: bad" in reason
+    _, reason = bind_reason(monkeypatch, fake_cupy(compile_error=RuntimeError("gemv_warp.cu(12): error: bad")))
+    assert reason.startswith("kernel compilation failed (") and "gemv_warp.cu(12): error: bad" in reason
 
 
 def test_missing_kernel_is_a_compile_failure(monkeypatch: pytest.MonkeyPatch) -> None:

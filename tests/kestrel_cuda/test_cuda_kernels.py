@@ -34,9 +34,8 @@ if _DEVICES < 1:
 pytestmark = pytest.mark.cuda
 
 from kestrel_cuda.binding import open_device  # noqa: E402
-from kestrel_cuda.gemm import GEMV_MAX_M, gemv_variant, gemv_warp_variant, mma_tile_for  # noqa: E402
+from kestrel_cuda.gemm import GEMV_MAX_M, gemv_warp_variant, mma_tile_for  # noqa: E402
 from kestrel_cuda.kernels import (  # noqa: E402
-    GEMV_VARIANTS,
     GEMV_WARP_VARIANTS,
     MMA_TILE_DEFAULT,
     MMA_TILE_SMALL_GRID,
@@ -211,19 +210,14 @@ def test_mma_extreme_block_sums(dev, g: int) -> None:
     np.testing.assert_array_equal(got, reference_gemm_q8(a_codes, a_scales, w))
 
 
-GEMV_CASES = [("warp", *v) for v in GEMV_WARP_VARIANTS] + list(GEMV_VARIANTS)
+GEMV_CASES = [("warp", *v) for v in GEMV_WARP_VARIANTS]
 
 
 @pytest.mark.parametrize("variant", GEMV_CASES, ids=[str(v) for v in GEMV_CASES])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("g", [32, 256])
 def test_every_gemv_variant(dev, variant: tuple, splits: int, g: int) -> None:
-    if variant[0] == "warp":
-        _, mt, vec, bits = variant
-    else:
-        mt, vec, bits, r = variant
-        if g % r or g // r > 8:
-            pytest.skip("slices of this variant do not tile G")
+    _, mt, vec, bits = variant
     n = 116 if vec == 4 else 112  # Npad % 8 != 0 for the 4-column variants
     rng = np.random.default_rng([mt, vec, bits, splits, g])
     w = rand_weight(rng, n, 3072, g, bits)
@@ -248,12 +242,6 @@ def test_variant_choice() -> None:
     assert gemv_warp_variant(2, 36, 8) == ("warp", 2, 4, 8)
     assert all(gemv_warp_variant(m, n, b)[1:] in GEMV_WARP_VARIANTS
                for m in range(1, GEMV_MAX_M + 1) for n in (36, 4096) for b in (8, 4))
-    assert gemv_variant(1, 4096, 4096, 32, 8)[:2] == (1, 16)
-    assert gemv_variant(1, 40, 512, 32, 8)[:2] == (1, 4)
-    assert gemv_variant(3, 136, 512, 256, 4) == (4, 8, 4, 32)
-    assert gemv_variant(1, 1024, 4096, 32, 8)[3] == 8  # few work items: 8-row slices
-    assert all(gemv_variant(m, 4096, 4096, g, b) in GEMV_VARIANTS
-               for m in range(1, GEMV_MAX_M + 1) for g in (32, 256) for b in (8, 4))
 
 
 # -- float activations -------------------------------------------------------------------------------
