@@ -6,7 +6,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/kestrel-gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-run() { echo "\$ $*" >> "$OUT/commands.txt"; echo "\$ $*" >&2; "$@"; }
+run() { echo "\$ $*" >> "$OUT/commands.txt"; "$@"; }
 python -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 case "${1:-test}" in
 test)
