@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kestrel_core.errors import KestrelError
+
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
@@ -36,3 +38,25 @@ class ModelConfig:
         d = dict(d)
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         return cls(**d)
+
+
+def normalize_rope_scaling(scaling: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
+    """None for plain RoPE; the llama3 parameters (HF's key names) otherwise; other kinds are refused."""
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise KestrelError(f"{where}: rope scaling type {kind!r} is not supported (kestrel supports llama3)")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in scaling]
+    if missing:
+        raise KestrelError(f"{where}: llama3 rope scaling lacks {', '.join(missing)}")
+    try:
+        out: dict[str, Any] = {"rope_type": "llama3"}
+        out.update({k: float(scaling[k]) for k in keys[:3]})
+        out["original_max_position_embeddings"] = int(scaling[keys[3]])
+    except (TypeError, ValueError) as exc:
+        raise KestrelError(f"{where}: llama3 rope scaling has a bad value ({exc})") from None
+    return out

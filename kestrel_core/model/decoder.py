@@ -17,7 +17,7 @@ from threadpoolctl import ThreadpoolController
 
 from kestrel_core.dispatch import Offload
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.config import ModelConfig
+from kestrel_core.model.config import ModelConfig, normalize_rope_scaling
 from kestrel_core.model.weights import Model
 from kestrel_core.wkey import Proj, fused_wkey, lm_head_wkey, wkey
 
@@ -31,21 +31,13 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     hd = config.head_dim
     exponents = np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / np.float32(hd)
     inv_freq = (np.float32(1.0) / np.power(np.float32(config.rope_theta), exponents)).astype(np.float32)
-    scaling = config.rope_scaling
-    if not scaling:
+    scaling = normalize_rope_scaling(config.rope_scaling, "model config")
+    if scaling is None:
         return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    if kind != "llama3":
-        raise KestrelError(f"unsupported rope scaling {kind!r} (kestrel supports llama3)")
-    try:
-        factor = float(scaling["factor"])
-        low_freq_factor = float(scaling["low_freq_factor"])
-        high_freq_factor = float(scaling["high_freq_factor"])
-        old_context_len = float(scaling["original_max_position_embeddings"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise KestrelError(f"llama3 rope_scaling is missing or has a bad {exc}") from None
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = float(scaling["original_max_position_embeddings"])
     # Mirrors transformers' _compute_llama3_parameters, float32 like its tensors.
     low_freq_wavelen = old_context_len / low_freq_factor
     high_freq_wavelen = old_context_len / high_freq_factor

@@ -17,7 +17,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.config import ModelConfig
+from kestrel_core.model.config import ModelConfig, normalize_rope_scaling
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -76,25 +76,6 @@ def _ids(value: Any) -> list[int]:
     if isinstance(value, list) and all(isinstance(v, int) for v in value):
         return list(value)
     raise KestrelError(f"token id must be an int or a list of ints, got {value!r}")
-
-
-def normalize_rope_scaling(scaling: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
-    """None for plain RoPE; the llama3 parameters (HF's key names) otherwise; other kinds are refused."""
-    if not scaling:
-        return None
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind != "llama3":
-        raise KestrelError(f"{where}: rope scaling type {kind!r} is not supported (kestrel supports llama3)")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [k for k in keys if k not in scaling]
-    if missing:
-        raise KestrelError(f"{where}: llama3 rope scaling lacks {', '.join(missing)}")
-    out: dict[str, Any] = {"rope_type": "llama3"}
-    out.update({k: float(scaling[k]) for k in keys[:3]})
-    out["original_max_position_embeddings"] = int(scaling[keys[3]])
-    return out
 
 
 def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None,
