@@ -136,6 +136,19 @@ def _offload_table(stats: dict[str, Any]) -> Table:
     return table
 
 
+def _backend_table(stats: dict[str, Any]) -> Table | None:
+    """The backend's own counters (kestrel_stats: cache hits, simulated NPU time...), if it keeps any."""
+    counters = stats.get("backend_stats") or {}
+    if not counters:
+        return None
+    table = Table(title=f"backend {stats['backend']}")
+    table.add_column("counter")
+    table.add_column("value", justify="right")
+    for name, value in counters.items():
+        table.add_row(name, f"{value:.6g}" if isinstance(value, float) else str(value))
+    return table
+
+
 def run(args: argparse.Namespace) -> int:
     text_in = _read_prompt(args)
     with _open_engine(args) as engine:
@@ -151,6 +164,9 @@ def run(args: argparse.Namespace) -> int:
         err.print(stats_line(stats), soft_wrap=True, markup=False)
         if args.stats:
             err.print(_offload_table(stats))
+            backend_table = _backend_table(stats)
+            if backend_table is not None:
+                err.print(backend_table)
     return 0
 
 

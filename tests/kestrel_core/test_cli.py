@@ -57,3 +57,22 @@ def test_version(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("kestrel ")
+
+
+def test_stats_show_the_backends_own_counters(tmp_path: Path, monkeypatch, capsys) -> None:
+    (tmp_path / "counting.py").write_text('''
+from kestrel_core import API_VERSION, BackendInfo, hookimpl
+from kestrel_cpu import kestrel_close, kestrel_gemm_f32, kestrel_gemm_q8, kestrel_open  # noqa: F401
+
+@hookimpl
+def kestrel_backend_info():
+    return BackendInfo("counting", "1", API_VERSION, "gpu")
+
+@hookimpl
+def kestrel_stats(device):
+    return {"simulated_time_s": 0.125, "widgets": 3}
+''')
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "counting.py"))
+    assert main(["run", "--model", str(TINY), "--backend", "counting", "-n", "2", "--no-chat", "--stats", "hi"]) == 0
+    err = capsys.readouterr().err
+    assert "offload hooks" in err and "simulated_time_s" in err and "0.125" in err and "widgets" in err
