@@ -10,7 +10,7 @@ Wall-clock times include the Python work per step (token in, logits [1, vocab] b
 the GPU time of one decode step is measured with CUDA events around replays of its graph; the per-kind
 breakdown replays each kind's launches of one step in a graph of their own. ``--sweep`` times decode under
 several configurations, each a '+'-joined list of NAME=VALUE settings of the KESTREL_CUDA_NAME variables
-(GEMV=hybrid|stream|chunk|ring|ringall, PDL=1|0, GEMV_BLOCKS=n), and the rest runs the fastest
+(GEMV=hybrid|stream|chunk, PDL=1|0, GEMV_BLOCKS=n), and the rest runs the fastest
 (``--sweep-breakdown``: with each one's per-kind breakdown). Figures:
     copy_gb_s        device-to-device copy, bytes read + written per second (the bandwidth ceiling)
     bytes_per_token  weight codes + scales one decode step reads (every projection and lm_head)

@@ -321,13 +321,6 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
 // loaded as soon as one is consumed, so each warp keeps its next slots' weights in flight while it reduces
 // the current one. Warps are added in a fixed order, then the splits (last block of a tile, as qgemv).
 // (Reloading quad by quad, as each 4 rows are transposed, measured slower: docs/performance.md.)
-//
-// RING > 0 (KESTREL_CUDA_GEMV=ring): the ring lives in dynamic shared memory instead, RING slots a warp,
-// filled by cp.async, so that a warp's loads in flight are bounded by shared memory, not registers (int4:
-// 4 slots of 2 KB a warp, 128 KB a SM at 2 blocks). Each lane copies exactly the 4-byte words (and the
-// float4 of scales) that it later reads, so a lane only waits for its own copies (cp.async.wait_group) and
-// no warp or block barrier is needed; the arithmetic is the register ring's, term for term, so the
-// results are bit-identical to RING = 0 at the same split.
 #define SMAXK 16384     // K rows one block of qgemv_m1 may quantize into shared memory
 #define M1_WARPS (NT / 32)
 #define LOAD_M1(b, t)                                                                                      \
@@ -337,37 +330,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         _Pragma("unroll") for (int r_ = 0; r_ < NW; ++r_) ring[b][r_] = __ldg(wp_ + (size_t)r_ * (Npad / 4)); \
         ring_s[b] = __ldg(reinterpret_cast<const float4*>(WS + (size_t)(kr_ / G) * Npad + col));           \
     } while (0)
-// Shared-memory ring slot b of this warp <- slot t (RING > 0): word r of lane l at sw[(b * NW + r) * 32 + l]
-#define ISSUE_RING(b, t)                                                                                   \
-    do {                                                                                                   \
-        const int kr_ = k_base + (warp + M1_WARPS * ((t) / SPU)) * G + ((t) % SPU) * 32;                   \
-        const unsigned* wp_ = wcol + (size_t)(BITS == 8 ? kr_ : kr_ / 2) * (Npad / 4);                     \
-        const unsigned dst_ = sw_base + (unsigned)(((b) * NW * 32 + lane) * 4);                             \
-        _Pragma("unroll") for (int r_ = 0; r_ < NW; ++r_) cp_async4(dst_ + r_ * 128, wp_ + (size_t)r_ * (Npad / 4)); \
-        cp_async16(ss_base + (unsigned)(((b) * 32 + lane) * 16), WS + (size_t)(kr_ / G) * Npad + col);      \
-    } while (0)
 
-// 32-bit shared-window address of a generic pointer into shared memory (inline PTX: no header needed under NVRTC)
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-__device__ __forceinline__ void cp_async4(unsigned dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
-template <int BITS, int G, int RING>
+template <int BITS, int G>
 __global__ void __launch_bounds__(NT, 2) qgemv_m1(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
     const float* __restrict__ X, int pro, const float* __restrict__ pw, float eps, int xoff,
@@ -397,24 +361,11 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
     const int nt = (colok && ng > warp) ? ((ng - warp + M1_WARPS - 1) / M1_WARPS) * SPU : 0;  // this warp's slots
     const unsigned* wcol = reinterpret_cast<const unsigned*>(W) + (col >> 2);
 
-    // RING > 0: this warp's RING slots of NW x 32 words, then all warps' RING x 32 float4 of scales
-    extern __shared__ __align__(16) unsigned char s_ring[];
-    const unsigned sw_base = smem_addr(s_ring) + (unsigned)(warp * RING * NW * 32 * 4);
-    const unsigned ss_base = smem_addr(s_ring) + (unsigned)(M1_WARPS * RING * NW * 32 * 4)
-                             + (unsigned)(warp * RING * 32 * 16);
-    unsigned ring[RING > 0 ? 1 : NB][NW];
-    float4 ring_s[RING > 0 ? 1 : NB];
-    if constexpr (RING > 0) {
+    unsigned ring[NB][NW];
+    float4 ring_s[NB];
 #pragma unroll
-        for (int b = 0; b < RING; ++b) {
-            if (b < nt) ISSUE_RING(b, b);
-            cp_async_commit();  // one group per slot, empty or not: wait_group counts stay uniform
-        }
-    } else {
-#pragma unroll
-        for (int b = 0; b < NB; ++b)
-            if (b < nt) LOAD_M1(b, b);
-    }
+    for (int b = 0; b < NB; ++b)
+        if (b < nt) LOAD_M1(b, b);
 
     grid_dep_wait();  // X (and part / counters) come from the kernels before this one
     float r = 0.f;
@@ -470,47 +421,7 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
 
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     int isum[4] = {0, 0, 0, 0};                 // integer sums of the current group
-    if constexpr (RING > 0) {
-        int b = 0;
-        for (int t = 0; t < nt; ++t) {
-            cp_async_wait<RING - 1>();         // this lane's copies of slot t are in shared memory
-            const unsigned* rw = reinterpret_cast<const unsigned*>(s_ring) + warp * RING * NW * 32 + b * NW * 32 + lane;
-            const int gl = warp + M1_WARPS * (t / SPU);
-            const int sub = t % SPU;
-            const int4* ap = reinterpret_cast<const int4*>(s_aq + (gl * G + sub * 32) / 4);
-            const int4 a0 = ap[0], a1 = ap[1];
-            const int aw[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {          // 8 quads of 4 rows, as the register ring
-                unsigned cw[4];
-                if (BITS == 8) {
-                    transpose4(rw[(4 * j) * 32], rw[(4 * j + 1) * 32], rw[(4 * j + 2) * 32], rw[(4 * j + 3) * 32], cw);
-                } else {
-                    const unsigned x0 = rw[(2 * j) * 32], x1 = rw[(2 * j + 1) * 32];
-                    transpose4(x0 & 0x0f0f0f0fu, (x0 >> 4) & 0x0f0f0f0fu, x1 & 0x0f0f0f0fu,
-                               (x1 >> 4) & 0x0f0f0f0fu, cw);
-                }
-#pragma unroll
-                for (int c = 0; c < 4; ++c) isum[c] = __dp4a((int)cw[c], aw[j], isum[c]);
-            }
-            if (sub == SPU - 1) {
-                const float as = s_as[gl];
-                const int bias8 = BITS == 4 ? 8 * s_asum[gl] : 0;
-                const float4 ws = reinterpret_cast<const float4*>(s_ring + M1_WARPS * RING * NW * 32 * 4)
-                                  [(warp * RING + b) * 32 + lane];
-                acc[0] += (float)(isum[0] - bias8) * as * ws.x;
-                acc[1] += (float)(isum[1] - bias8) * as * ws.y;
-                acc[2] += (float)(isum[2] - bias8) * as * ws.z;
-                acc[3] += (float)(isum[3] - bias8) * as * ws.w;
-                isum[0] = isum[1] = isum[2] = isum[3] = 0;
-            }
-            // in-order issue: the slot's words were consumed above before this copy overwrites them
-            if (t + RING < nt) ISSUE_RING(b, t + RING);
-            cp_async_commit();
-            b = b + 1 == RING ? 0 : b + 1;
-        }
-    }
-    if constexpr (RING == 0) for (int t0 = 0; t0 < nt; t0 += NB) {
+    for (int t0 = 0; t0 < nt; t0 += NB) {
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
             const int t = t0 + b;

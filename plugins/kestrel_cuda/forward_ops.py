@@ -28,10 +28,6 @@ SMALL_M = 8  # up to this many rows run through the fused GEMV (MR = 8); more th
 STREAM_MAX_ROWS = 16384  # K rows one block of the M=1 GEMV (qgemv_m1) quantizes into shared memory (SMAXK)
 STREAM_WARPS = 8  # warps of a qgemv_m1 block; each streams whole G-groups of the block's K run
 STREAM_BLOCK_COST = 2  # a block's fixed work (prologue, reduction) in units of one group per warp (planner)
-# qgemv_m1's shared-memory ring (KESTREL_CUDA_GEMV=ring): 32-row slots a warp, by weight bits. A slot is
-# 32 rows x 128 columns of codes (int4: 2 KB, int8: 4 KB) + a float4 of scales a lane; 4 (int4) / 2 (int8)
-# slots make 80-72 KB a block, two blocks (the planner's residency) in the 228 KB of a H200 SM.
-RING_SLOTS = {4: 4, 8: 2}
 ATTN_SPLITS = 16  # position splits of decode attention (attn_decode<NS>): 16 measured faster than 32
 MAX_HEAD_DIM = 128  # attention and qkv_rope keep hd/32 (<= 4) values per lane; attn_prefill tiles fit 48 KB
 PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL = 0, 1, 2
@@ -90,24 +86,11 @@ def plan_stream_split(lin: Lin, resident: int) -> int:
     return best
 
 
-def ring_smem(bits: int) -> int:
-    """Dynamic shared memory of a qgemv_m1 block with the shared-memory ring: RING_SLOTS[bits] slots of
-    (codes + scales) for each of its warps."""
-    return STREAM_WARPS * RING_SLOTS[bits] * (32 * 32 * bits // 2 + 32 * 16)
-
-
 def m1_kernel(lin: Lin, gemv: str, sm_count: int) -> str:
-    """The M=1 kernel of ``lin`` under the GEMV setting ``gemv`` (``CupyOps.gemv_kind``): "stream", "chunk"
-    or "ring" (qgemv_m1 with the shared-memory ring); "hybrid" gives wide projections (at least one column
-    tile per SM) to "chunk", the rest to "stream"; "ring" gives every projection to the ring kernel except
-    wide 8-bit ones (lm_head), which stay on "chunk"; "ringall" gives every projection to the ring kernel."""
-    wide = lin.tiles >= sm_count
+    """The M=1 kernel of ``lin`` under the GEMV setting ``gemv`` (``CupyOps.gemv_kind``): "stream" or
+    "chunk"; "hybrid" gives wide projections (at least one column tile per SM) to "chunk"."""
     if gemv == "hybrid":
-        return "chunk" if wide else "stream"
-    if gemv == "ring":
-        return "chunk" if wide and lin.bits == 8 else "ring"
-    if gemv == "ringall":
-        return "ring"
+        return "chunk" if lin.tiles >= sm_count else "stream"
     return gemv
 
 
@@ -291,8 +274,7 @@ def _rope(x: np.ndarray, c: np.ndarray, s: np.ndarray) -> np.ndarray:
 
 # (bits, G, MR): qgemv with MR rows per block: M = 2..8 (MR = 8), and M = 1 when KESTREL_CUDA_GEMV=chunk
 _GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
-# (bits, G, ring slots): qgemv_m1 with the register ring (0) and with the shared-memory ring
-_M1_VARIANTS = [(bits, g, ring) for bits in (8, 4) for g in (32, 256) for ring in (0, RING_SLOTS[bits])]
+_M1_VARIANTS = [(bits, g) for bits in (8, 4) for g in (32, 256)]
 
 
 @lru_cache(maxsize=1)
@@ -301,7 +283,7 @@ def _module() -> Any:
 
     source = (Path(__file__).with_name("forward.cu")).read_text()
     names = ([f"qgemv<{b},{g},{mr}>" for b, g, mr in _GEMV_VARIANTS]
-             + [f"qgemv_m1<{b},{g},{r}>" for b, g, r in _M1_VARIANTS]
+             + [f"qgemv_m1<{b},{g}>" for b, g in _M1_VARIANTS]
              + [f"attn_decode<{ATTN_SPLITS}>", "quantize_rows<32>", "quantize_rows<256>"])
     mod = cp.RawModule(code=source, options=("--fmad=false", "-std=c++17"), name_expressions=tuple(names))
     mod.compile()
@@ -337,13 +319,8 @@ class CupyOps:
         self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
         mod = _module()
         self._gemv = {v: mod.get_function("qgemv<{},{},{}>".format(*v)) for v in _GEMV_VARIANTS}
-        self._gemv_m1 = {v: mod.get_function("qgemv_m1<{},{},{}>".format(*v)) for v in _M1_VARIANTS}
+        self._gemv_m1 = {v: mod.get_function("qgemv_m1<{},{}>".format(*v)) for v in _M1_VARIANTS}
         self.gemv_kind = gemv_kind()
-        if self.gemv_kind in RING_KINDS:
-            for (bits, _, ring), fn in self._gemv_m1.items():
-                if ring:  # above the 48 KB default: opt in, and ask for the largest shared-memory carveout
-                    fn.max_dynamic_shared_size_bytes = ring_smem(bits)
-                    fn.preferred_shared_memory_carveout = 100
         self._attn_decode = mod.get_function(f"attn_decode<{ATTN_SPLITS}>")
         self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
         self._fn = {name: mod.get_function(name) for name in
@@ -454,14 +431,11 @@ class CupyOps:
         if m > SMALL_M and self.gemm is not None:
             self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias)
             return
-        kind = (lin.m1 or m1_kernel(lin, self.gemv_kind, self.sm_count)) if m == 1 else ""
-        if kind in ("stream", "ring"):
-            ring = RING_SLOTS[lin.bits] if kind == "ring" else 0
-            self._launch(self._gemv_m1[(lin.bits, lin.group_size, ring)], (lin.tiles, lin.ksplit), (256,),
+        if m == 1 and (lin.m1 or m1_kernel(lin, self.gemv_kind, self.sm_count)) == "stream":
+            self._launch(self._gemv_m1[(lin.bits, lin.group_size)], (lin.tiles, lin.ksplit), (256,),
                          (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
                           _ptr(x), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
-                          _ptr(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters)),
-                         ring_smem(lin.bits) if ring else 0)
+                          _ptr(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters)))
             return
         mr = 1 if m == 1 else SMALL_M
         ksplit = lin.ksplit if m == 1 else 1
@@ -544,8 +518,6 @@ def gemv_scratch(lins: list[Lin]) -> tuple[int, int]:
 BLOCKS_ENV = "KESTREL_CUDA_GEMV_BLOCKS"
 GEMV_ENV = "KESTREL_CUDA_GEMV"
 PDL_ENV = "KESTREL_CUDA_PDL"
-GEMV_KINDS = ("hybrid", "stream", "chunk", "ring", "ringall")
-RING_KINDS = ("ring", "ringall")
 
 
 def _env(name: str, default: str) -> str:
@@ -556,11 +528,11 @@ def _env(name: str, default: str) -> str:
 
 def gemv_kind() -> str:
     """The M=1 GEMV (``KESTREL_CUDA_GEMV``, for benchmarks): "hybrid" (default: qgemv_m1 for projections
-    of fewer column tiles than SMs, qgemv for wider ones), "stream" (qgemv_m1 for all), "chunk" (qgemv
-    for all), "ring" / "ringall" (qgemv_m1 with the shared-memory ring: see ``m1_kernel``). Measured on the
-    H200 (docs/performance.md): hybrid 3137 us per qwen3-8b q8 step, chunk 3242, stream 3275."""
+    of fewer column tiles than SMs, qgemv for wider ones), "stream" (qgemv_m1 for all) or "chunk" (qgemv
+    for all). Measured on the H200 (docs/performance.md): hybrid 3137 us per qwen3-8b q8 step, chunk 3242,
+    stream 3275."""
     raw = _env(GEMV_ENV, "hybrid")
-    return raw if raw in GEMV_KINDS else "hybrid"
+    return raw if raw in ("stream", "chunk", "hybrid") else "hybrid"
 
 
 def pdl_enabled() -> bool:
@@ -572,8 +544,7 @@ def pdl_enabled() -> bool:
 def default_target_blocks(sm_count: int, gemv: str = "stream") -> int:
     """GEMV blocks the M=1 K-split planner aims for (``KESTREL_CUDA_GEMV_BLOCKS`` overrides it).
 
-    stream / ring (qgemv_m1): the blocks resident at once, 2 per SM (__launch_bounds__(256, 2), and the
-    ring's shared memory); chunk (qgemv):
+    stream (qgemv_m1): the blocks resident at once, 2 per SM (__launch_bounds__(256, 2)); chunk (qgemv):
     8 per SM, measured fastest for that design on the H200 (docs/performance.md)."""
     raw = _env(BLOCKS_ENV, "")
     if raw.isdigit() and int(raw) > 0:

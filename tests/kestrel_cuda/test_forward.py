@@ -108,29 +108,27 @@ def test_fused_gemv_prefill_without_the_tiled_gemm(n_prefill, stream) -> None:  
     _check(model, toks, n_prefill, device_logits(DeviceForward(stream=stream), model, toks, n_prefill))
 
 
-@pytest.mark.parametrize("kind", ("hybrid", "ring"))
 @pytest.mark.parametrize("target", (1, 4096))
 @pytest.mark.parametrize("quant", QUANTS)
-def test_m1_gemv_ring_and_k_splits(quant, target, kind, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_m1_gemv_ring_and_k_splits(quant, target, stream, gemm) -> None:  # type: ignore[no-untyped-def]
     """The streaming M=1 GEMV (qgemv_m1: every projection of these narrow models under the default hybrid
-    choice, with its register ring; under KESTREL_CUDA_GEMV=ring with the shared-memory ring) at both ends
-    of its planner: one block per column tile, whose warps each stream many groups through the ring
-    (down: K = 2048), and many K splits per tile (the last block adds the partial sums)."""
-    monkeypatch.setenv("KESTREL_CUDA_GEMV", kind)
+    choice) at both ends of its planner: one block per column tile, whose warps each stream many groups
+    through the register ring (down: K = 2048), and many K splits per tile (the last block adds the
+    partial sums)."""
     model = synthetic_model(replace(SMALL_CONFIGS["qwen3"], intermediate_size=2048), quant, seed=11)
     toks = _tokens(model.config, 20)
     fwd = DeviceForward(stream=stream, gemm=gemm, target_blocks=target)
-    assert fwd.ops.gemv_kind == kind
+    assert fwd.ops.gemv_kind == "hybrid"
     _check(model, toks, 12, device_logits(fwd, model, toks, 12))
     w = fwd._st.layers[0].weights
-    assert {lin.m1 for lin in [*w.qkv, w.o, *w.gate_up, w.down]} == {"stream" if kind == "hybrid" else "ring"}
+    assert {lin.m1 for lin in [*w.qkv, w.o, *w.gate_up, w.down]} == {"stream"}
     if target == 1:
         assert all(lin.ksplit == 1 for lin in [*w.qkv, w.o, *w.gate_up, w.down])
     elif w.down.group_size == 32:
         assert w.down.ksplit > 1
 
 
-@pytest.mark.parametrize("kind", ("stream", "chunk", "ring"))
+@pytest.mark.parametrize("kind", ("stream", "chunk"))
 @pytest.mark.parametrize("n, k", ((509, 2048), (8, 512)))
 @pytest.mark.parametrize("group", (32, 256))
 @pytest.mark.parametrize("bits", (8, 4))
@@ -170,40 +168,6 @@ def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, 
         ops.synchronize()
         err = np.abs(y.get()[0] - expect)
         assert np.all(err <= bound), f"ksplit {ksplit}: max err {err.max()} over bound {bound[err.argmax()]}"
-
-
-@pytest.mark.parametrize("n, k", ((509, 4096), (8, 512), (1030, 256)))
-@pytest.mark.parametrize("group", (32, 256))
-@pytest.mark.parametrize("bits", (8, 4))
-def test_shared_memory_ring_is_bitwise_the_register_ring(bits, group, n, k, stream, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """qgemv_m1 with the cp.async shared-memory ring (KESTREL_CUDA_GEMV=ring) computes the register ring's
-    terms in the register ring's order: the same bits at every K split, RMSNorm prologue and residual add."""
-    from kestrel_cuda.forward_ops import EPI_ADD, PRO_RMSNORM, CupyOps, Lin, pack_kmajor
-
-    monkeypatch.setenv("KESTREL_CUDA_GEMV", "ring")
-    ops = CupyOps(stream)
-    rng = np.random.default_rng(bits * 7 + group + n + k)
-    lo, hi = (-127, 127) if bits == 8 else (-8, 7)
-    codes = rng.integers(lo, hi + 1, size=(n, k)).astype(np.int8)
-    npad = (n + 3) & ~3
-    sc = np.zeros((k // group, npad), np.float32)
-    sc[:, :n] = rng.uniform(0.0, 0.02, size=(n, k // group)).T
-    lin = Lin(ops.upload(pack_kmajor(codes, bits)), ops.upload(sc), k, n, npad, group, bits)
-    xd = ops.upload(rng.standard_normal((1, k)).astype(np.float32))
-    pw = ops.upload(rng.uniform(0.5, 1.5, k).astype(np.float32))
-    y0 = rng.standard_normal((1, n)).astype(np.float32)
-    ng = k // group  # (509, 4096): 16+ slots a warp, so the ring wraps; (8, 512) at G = 256: idle warps
-    for ksplit in sorted({1, 2, 3, 7, ng} & set(range(1, ng + 1))):
-        lin.ksplit = ksplit
-        ops.reserve(ksplit * npad, lin.tiles, 1, 1)
-        out = {}
-        for kind in ("stream", "ring"):
-            lin.m1 = kind
-            y = ops.upload(y0)
-            ops.gemv(lin, xd, PRO_RMSNORM, pw, 1e-6, 0, y, EPI_ADD, None)
-            ops.synchronize()
-            out[kind] = y.get()
-        assert np.array_equal(out["stream"].view(np.uint32), out["ring"].view(np.uint32)), f"ksplit {ksplit}"
 
 
 @pytest.mark.parametrize("quant", ("q8", "q4-g256"))

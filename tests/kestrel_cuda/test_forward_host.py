@@ -326,18 +326,6 @@ def test_hybrid_gives_wide_projections_to_the_chunked_gemv() -> None:
     assert narrow.m1 == "stream"
 
 
-def test_ring_kinds_keep_wide_8_bit_projections_on_the_chunked_gemv() -> None:
-    wide8, wide4 = (forward_ops.Lin(None, None, 4096, 151936, 151936, 32, b) for b in (8, 4))
-    narrow8 = forward_ops.Lin(None, None, 4096, 4096, 4096, 32, 8)
-    assert forward_ops.m1_kernel(wide8, "ring", 132) == "chunk"
-    assert forward_ops.m1_kernel(wide4, "ring", 132) == "ring"
-    assert forward_ops.m1_kernel(narrow8, "ring", 132) == "ring"
-    assert forward_ops.m1_kernel(wide8, "ringall", 132) == "ring"
-    assert forward_ops.plan_split(wide4, "ring", 132) == forward_ops.plan_stream_split(wide4, 2 * 132)
-    # two blocks of the ring (plus qgemv_m1's ~24 KB of static shared memory) fit a 228 KB SM
-    assert all(2 * (forward_ops.ring_smem(b) + 24624 + 1024) <= 228 * 1024 for b in (4, 8))
-
-
 def test_plan_ksplit_fills_the_gpu_without_exceeding_chunks() -> None:
     lin = forward_ops.Lin(None, None, 4096, 4096, 4096, 32, 8)
     assert forward_ops.plan_ksplit(lin, 1056) == 16  # 32 tiles x 16 chunks
