@@ -156,9 +156,14 @@ class Offload:
     def linear_fused(self, x: np.ndarray, weights: Sequence[StripCache], wkeys: Sequence[int],
                      fused_wkey: int) -> list[np.ndarray]:
         """Several projections of one input (Q/K/V, gate/up): the fused hook if offered, else one by one."""
+        a_codes, a_scales = quantize_activations(x, weights[0].group_size)
+        return self.gemm_q8_fused(a_codes, a_scales, weights, wkeys, fused_wkey)
+
+    def gemm_q8_fused(self, a_codes: np.ndarray, a_scales: np.ndarray, weights: Sequence[StripCache],
+                      wkeys: Sequence[int], fused_wkey: int) -> list[np.ndarray]:
+        """``linear_fused`` on activations already quantized with weights[0]'s group size."""
         group = weights[0].group_size
-        a_codes, a_scales = quantize_activations(x, group)
-        m = x.shape[0]
+        m = a_codes.shape[0]
         if self.on_cpu:
             # The CPU's own fused pass (one call, one thread fork/join: ~15% faster decode), counted as the
             # GEMMs it computes, like every CPU GEMM.

@@ -17,6 +17,7 @@ from threadpoolctl import ThreadpoolController
 
 from kestrel_core.dispatch import Offload
 from kestrel_core.errors import KestrelError
+from kestrel_core.model import kernels
 from kestrel_core.model.config import ModelConfig, normalize_rope_scaling
 from kestrel_core.model.weights import Model
 from kestrel_core.wkey import Proj, fused_wkey, lm_head_wkey, wkey
@@ -79,20 +80,29 @@ class RopeTables:
 
 
 class KVCache:
-    """Host keys/values of one sequence: float32 [L, capacity, KV, hd], grown in chunks, ``length`` used."""
+    """Host keys/values of one sequence, grown in chunks, ``length`` used.
+
+    Keys are stored transposed, ``kt`` float32 [L, KV, hd, capacity], the layout attention multiplies by (and
+    the compiled decode step's dot products run over contiguous positions); ``k`` is the [L, capacity, KV, hd]
+    view of them. Values: ``v`` float32 [L, capacity, KV, hd].
+    """
 
     def __init__(self, config: ModelConfig, capacity: int = 0) -> None:
         self.config = config
         self.length = 0
-        shape = (config.num_layers, 0, config.num_kv_heads, config.head_dim)
-        self.k = np.empty(shape, np.float32)
-        self.v = np.empty(shape, np.float32)
+        c = config
+        self.kt = np.empty((c.num_layers, c.num_kv_heads, c.head_dim, 0), np.float32)
+        self.v = np.empty((c.num_layers, 0, c.num_kv_heads, c.head_dim), np.float32)
         if capacity:
             self.reserve(capacity)
 
     @property
+    def k(self) -> np.ndarray:
+        return self.kt.transpose(0, 3, 1, 2)  # [L, capacity, KV, hd], a view
+
+    @property
     def capacity(self) -> int:
-        return self.k.shape[1]
+        return self.v.shape[1]
 
     def reserve(self, n: int) -> None:
         """Room for ``n`` positions; grows by whole chunks (copying only the used part)."""
@@ -103,10 +113,11 @@ class KVCache:
                                f"{self.config.max_position}")
         cap = min(-(-n // CACHE_CHUNK) * CACHE_CHUNK, self.config.max_position)
         c = self.config
-        for name in ("k", "v"):
-            grown = np.empty((c.num_layers, cap, c.num_kv_heads, c.head_dim), np.float32)
-            grown[:, :self.length] = getattr(self, name)[:, :self.length]
-            setattr(self, name, grown)
+        kt = np.empty((c.num_layers, c.num_kv_heads, c.head_dim, cap), np.float32)
+        kt[..., :self.length] = self.kt[..., :self.length]
+        v = np.empty((c.num_layers, cap, c.num_kv_heads, c.head_dim), np.float32)
+        v[:, :self.length] = self.v[:, :self.length]
+        self.kt, self.v = kt, v
 
     def truncate(self, n: int) -> None:
         self.length = min(self.length, n)
@@ -179,6 +190,10 @@ class Decoder:
         self.config = c
         self.offload = offload
         self.rope = RopeTables(c)
+        # The compiled decode step hands the dispatcher quantized activations (gemm_q8*), which skips an
+        # Offload subclass's own linear/linear_fused (e.g. one that perturbs inputs): those keep numpy.
+        kind = type(offload)
+        self.compiled_step = kind.linear is Offload.linear and kind.linear_fused is Offload.linear_fused
         self.eps = np.float32(c.rms_norm_eps)
         self.keys = [_LayerKeys(qkv=(wkey(i, Proj.Q), wkey(i, Proj.K), wkey(i, Proj.V)),
                                 qkv_fused=fused_wkey(i, Proj.QKV), o=wkey(i, Proj.O),
@@ -214,11 +229,22 @@ class Decoder:
         return np.concatenate(outs) if len(outs) > 1 else (outs[0] if outs else None)
 
     def _logits(self, h: np.ndarray) -> np.ndarray:
+        lm_head = self.model.lm_head
+        if len(h) == 1 and self.compiled_step and kernels.AVAILABLE:
+            codes, scales = _q8_buffers(h.shape[1], lm_head.group_size)
+            kernels.add_norm_quant(h, _NO_DELTA, self.model.final_norm, self.eps, lm_head.group_size,
+                                   np.empty_like(h), codes, scales)
+            return self.offload.gemm_q8(codes, scales, lm_head, lm_head_wkey())  # [1, vocab]
         x = rmsnorm(h, self.model.final_norm, self.eps)  # [T, D]
-        return self.offload.linear(x, self.model.lm_head, lm_head_wkey())  # [T, vocab]
+        return self.offload.linear(x, lm_head, lm_head_wkey())  # [T, vocab]
 
     def _layers(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
         """All layers over tokens [T] at positions cache.length..; returns the final hidden state [T, D]."""
+        if len(tokens) == 1 and self.compiled_step and kernels.AVAILABLE:
+            try:
+                return self._decode_step(tokens, cache)
+            except kernels.COMPILE_ERRORS as exc:  # numba compiles on layer 0's calls; numpy redoes the step
+                kernels.disable(exc)
         c, off = self.config, self.offload
         start, t = cache.length, len(tokens)
         end = start + t
@@ -244,15 +270,15 @@ class Decoder:
                 q = rmsnorm(q.reshape(t, c.num_heads, -1), lw.q_norm, self.eps).reshape(q.shape)
                 k = rmsnorm(k.reshape(t, c.num_kv_heads, -1), lw.k_norm, self.eps).reshape(k.shape)
             q = _rope(q, q_cos, q_sin, np.empty_like(q)).reshape(t, c.num_heads, c.head_dim)  # scaled
-            _rope(k, cos, sin, cache.k[i, start:end].reshape(k.shape))  # a view: the slice is contiguous
+            cache.k[i, start:end] = _rope(k, cos, sin, np.empty_like(k)).reshape(t, c.num_kv_heads, c.head_dim)
             cache.v[i, start:end] = v.reshape(t, c.num_kv_heads, c.head_dim)
             if t == 1:
-                attn = self._attention(q, cache.k[i, :end], cache.v[i, :end], None)  # [1, H*hd]
+                attn = self._attention(q, cache.kt[i, :, :, :end], cache.v[i, :end], None)  # [1, H*hd]
             else:
                 attn = np.empty((t, c.num_heads * c.head_dim), np.float32)  # [T, H*hd]
                 for q0, q1, mask in blocks:
-                    attn[q0:q1] = self._attention(q[q0:q1], cache.k[i, :start + q1], cache.v[i, :start + q1],
-                                                  mask)
+                    attn[q0:q1] = self._attention(q[q0:q1], cache.kt[i, :, :, :start + q1],
+                                                  cache.v[i, :start + q1], mask)
             h += off.linear(attn, lw.o, keys.o)
             x = rmsnorm(h, lw.mlp_norm, self.eps)
             gate, up = off.linear_fused(x, (lw.gate, lw.up), keys.gate_up, keys.gate_up_fused)  # [T, F]
@@ -260,16 +286,70 @@ class Decoder:
         cache.length = end
         return h
 
-    def _attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
-        """Causal GQA: q [T, H, hd] (already scaled), k/v [S, KV, hd] (cache views) -> [T, H*hd].
+    def _decode_step(self, token: np.ndarray, cache: KVCache) -> np.ndarray:
+        """One position through every layer with the compiled host maths (``kernels``); returns h [1, D].
+
+        Each stage between two projections is one compiled call that also quantizes the next projection's
+        input, which then goes to the dispatcher already quantized (``gemm_q8``/``gemm_q8_fused``, the same
+        hooks and counters as ``linear``/``linear_fused``). A residual add is fused into the next norm.
+        """
+        c, off = self.config, self.offload
+        pos = cache.length
+        rope = self.rope
+        rope.upto(pos + 1)
+        cos, sin = rope.cos[pos].reshape(-1), rope.sin[pos].reshape(-1)  # [hd]: the [2, hd/2] halves in a row
+        q_cos, q_sin = rope.q_cos[pos].reshape(-1), rope.q_sin[pos].reshape(-1)
+        hd, n_heads, n_kv = c.head_dim, c.num_heads, c.num_kv_heads
+        h = self.model.embedding.dequantize(token)  # [1, D]
+        d = h.shape[1]
+        x = np.empty_like(h)  # rmsnorm scratch
+        scores = np.empty(pos + 1, np.float32)
+        delta = _NO_DELTA  # the projection output still to add to h
+        for i, lw in enumerate(self.model.layers):
+            off.layer_boundary(i)
+            keys = self.keys[i]
+            group = lw.q.group_size
+            codes, scales = _q8_buffers(d, group)
+            kernels.add_norm_quant(h, delta, lw.attn_norm, self.eps, group, x, codes, scales)
+            q, k, v = off.gemm_q8_fused(codes, scales, (lw.q, lw.k, lw.v), keys.qkv, keys.qkv_fused)
+            if lw.q_bias is not None:
+                q = q + lw.q_bias
+                k = k + lw.k_bias
+                v = v + lw.v_bias
+            q = np.ascontiguousarray(q).reshape(n_heads, hd)
+            k = np.ascontiguousarray(k).reshape(n_kv, hd)
+            v = np.ascontiguousarray(v).reshape(n_kv, hd)
+            if lw.q_norm is not None:
+                q = rmsnorm(q, lw.q_norm, self.eps)
+                k = rmsnorm(k, lw.k_norm, self.eps)
+            group = lw.o.group_size
+            attn = np.empty((1, n_heads * hd), np.float32)
+            codes, scales = _q8_buffers(n_heads * hd, group)
+            kernels.rope_attend_quant(q, k, v, cache.kt[i], cache.v[i], pos, cos, sin, q_cos, q_sin, group,
+                                      scores, attn, codes, scales)
+            delta = np.ascontiguousarray(off.gemm_q8(codes, scales, lw.o, keys.o))
+            group = lw.gate.group_size
+            codes, scales = _q8_buffers(d, group)
+            kernels.add_norm_quant(h, delta, lw.mlp_norm, self.eps, group, x, codes, scales)
+            gate, up = off.gemm_q8_fused(codes, scales, (lw.gate, lw.up), keys.gate_up, keys.gate_up_fused)
+            gate, up = np.ascontiguousarray(gate), np.ascontiguousarray(up)
+            group = lw.down.group_size
+            codes, scales = _q8_buffers(gate.shape[1], group)
+            kernels.silu_mul_quant(gate, up, group, codes, scales)
+            delta = off.gemm_q8(codes, scales, lw.down, keys.down)
+        h += delta
+        cache.length = pos + 1
+        return h
+
+    def _attention(self, q: np.ndarray, kt: np.ndarray, v: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+        """Causal GQA: q [T, H, hd] (already scaled), kt [KV, hd, S], v [S, KV, hd] (cache views) -> [T, H*hd].
 
         Query head h reads kv head h // g (HF's repeat_kv); the softmax is normalised after P @ V.
         """
         t, n_heads, hd = q.shape
-        n_kv = k.shape[1]
+        n_kv = kt.shape[0]
         g = n_heads // n_kv
-        kt = k.transpose(1, 2, 0)  # [KV, hd, S]: a strided view BLAS reads directly
-        vt = v.transpose(1, 0, 2)  # [KV, S, hd]
+        vt = v.transpose(1, 0, 2)  # [KV, S, hd]: a strided view BLAS reads directly
         if t == 1:
             scores = np.matmul(q.reshape(n_kv, g, hd), kt)  # [KV, g, S]
         else:
@@ -286,6 +366,14 @@ class Decoder:
         out = np.matmul(scores.reshape(n_kv, g * t, -1), vt).reshape(n_kv, g, t, hd)
         out /= total
         return out.transpose(2, 0, 1, 3).reshape(t, n_heads * hd)
+
+
+_NO_DELTA = np.zeros((1, 0), np.float32)  # add_norm_quant's "nothing to add"
+
+
+def _q8_buffers(k: int, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """Fresh codes int8 [1, K] and scales float32 [1, K/G] (new per call: a backend may keep what it gets)."""
+    return np.empty((1, k), np.int8), np.empty((1, k // group), np.float32)
 
 
 def _causal_blocks(start: int, t: int) -> list[tuple[int, int, np.ndarray]]:
