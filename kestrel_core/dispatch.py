@@ -143,10 +143,14 @@ class Offload:
             if out is not None:
                 return out
         else:
-            counters = self.counters.get(hook) or self.counters.setdefault(hook, HookCounters())
-            counters.offered += 1
-            counters.accepted += 1
+            self._count_on_cpu(hook, 1)
         return self._caller(self.cpu, hook)(**kwargs)
+
+    def _count_on_cpu(self, hook: str, calls: int) -> None:
+        """On the CPU backend nothing is offered, but its GEMMs are counted as accepted all the same."""
+        counters = self.counters.get(hook) or self.counters.setdefault(hook, HookCounters())
+        counters.offered += calls
+        counters.accepted += calls
 
     def linear(self, x: np.ndarray, weight: StripCache, wkey: int) -> np.ndarray:
         """The engine's projection: x float32 [M, K] quantized per block (Q8_0), then gemm_q8 -> [M, N]."""
@@ -171,10 +175,7 @@ class Offload:
             outs = None if fused is None else fused(a_codes=a_codes, a_scales=a_scales, weights=list(weights),
                                                     wkeys=list(wkeys), fused_wkey=fused_wkey)
             if outs is not None:
-                counters = self.counters.get("kestrel_gemm_q8") or self.counters.setdefault(
-                    "kestrel_gemm_q8", HookCounters())
-                counters.offered += len(weights)
-                counters.accepted += len(weights)
+                self._count_on_cpu("kestrel_gemm_q8", len(weights))
                 return list(outs)
         elif all(w.group_size == group for w in weights):
             flops = sum(gemm_flops(m, w.n, w.k) for w in weights)
