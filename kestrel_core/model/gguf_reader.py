@@ -23,6 +23,7 @@ from gguf.quants import dequantize
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig
+from kestrel_core.model.quantize import map_tensor_name
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 PERMUTED_ARCHITECTURES = ("llama",)
@@ -48,12 +49,8 @@ _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def kestrel_name(gguf_name: str) -> str | None:
-    if gguf_name in _GLOBAL_MAP:
-        return _GLOBAL_MAP[gguf_name]
-    m = _BLK_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_MAP:
-        return f"layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
-    return None
+    """``blk.3.attn_q.weight`` -> ``layers.3.q``; None for tensors kestrel does not use."""
+    return map_tensor_name(gguf_name, _GLOBAL_MAP, _BLK_RE, _LAYER_MAP)
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:

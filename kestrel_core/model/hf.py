@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig, normalize_rope_scaling
+from kestrel_core.model.quantize import map_tensor_name
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -46,12 +47,7 @@ _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 
 def kestrel_name(hf_name: str) -> str | None:
     """``model.layers.3.self_attn.q_proj.weight`` -> ``layers.3.q``; None for tensors kestrel does not use."""
-    if hf_name in _GLOBAL_MAP:
-        return _GLOBAL_MAP[hf_name]
-    m = _LAYER_RE.match(hf_name)
-    if m and m.group(2) in _LAYER_MAP:
-        return f"layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
-    return None
+    return map_tensor_name(hf_name, _GLOBAL_MAP, _LAYER_RE, _LAYER_MAP)
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -7,6 +7,7 @@ float copy, so at most one float tensor is alive at a time.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +31,20 @@ QK_NORM_FIELDS = ("q_norm", "k_norm")
 def layer_name(i: int, field: str) -> str:
     """The kestrel name of one layer tensor, e.g. ``layers.3.q`` (also the artifact's tensor name)."""
     return f"layers.{i}.{field}"
+
+
+def map_tensor_name(name: str, global_map: dict[str, str], layer_re: re.Pattern[str],
+                    layer_map: dict[str, str]) -> str | None:
+    """A checkpoint's tensor name in kestrel's naming; ``layer_re`` captures (layer index, rest of the name).
+
+    None for tensors kestrel does not use.
+    """
+    if name in global_map:
+        return global_map[name]
+    m = layer_re.match(name)
+    if m and m.group(2) in layer_map:
+        return layer_name(int(m.group(1)), layer_map[m.group(2)])
+    return None
 
 
 @dataclass(frozen=True)
