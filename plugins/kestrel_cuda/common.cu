@@ -20,18 +20,32 @@ __device__ __forceinline__ void transpose4x4(u32 w0, u32 w1, u32 w2, u32 w3,
     c3 = __byte_perm(t1, t3, 0x7632);
 }
 
-// int4 codes are stored offset by +8 (0..15), two rows per byte: low nibble = even row, high = odd row.
+// int4 codes are stored offset by +8 (0..15) as 32-bit words of 8 consecutive k of one column: byte j holds
+// k0 + j in its low nibble and k0 + 4 + j in its high one, so (x & 0x0F0F0F0F) is k0..k3 and (x & 0xF0F0F0F0)
+// is 16 x (k4..k7), each ready for __dp4a against 4 activation codes without any byte transpose.
 // ((u + 0x78) ^ 0x80) maps u in 0..15 to the signed byte u - 8 without carries between bytes.
-__device__ __forceinline__ u32 nib_lo(u32 x) { return ((x & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u; }
-__device__ __forceinline__ u32 nib_hi(u32 x) { return (((x >> 4) & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u; }
+#define NIB_LO 0x0F0F0F0Fu
+#define NIB_HI 0xF0F0F0F0u
+__device__ __forceinline__ u32 nib_lo(u32 x) { return ((x & NIB_LO) + 0x78787878u) ^ 0x80808080u; }
+__device__ __forceinline__ u32 nib_hi(u32 x) { return (((x >> 4) & NIB_LO) + 0x78787878u) ^ 0x80808080u; }
 
-// One VEC-byte read-only load of a thread's columns (VEC = 16, 8 or 4), as 32-bit words.
-template <int VEC>
-__device__ __forceinline__ void load_vec(const u8* __restrict__ p, u32 (&w)[VEC / 4]) {
-    if constexpr (VEC == 16) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
-        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-    } else if constexpr (VEC == 8) {
+// c + sum_j (unsigned byte j of a) * (signed byte j of b): __dp4a has no mixed-sign overload
+__device__ __forceinline__ int dp4a_us(u32 a, int b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// One BYTES-byte read-only load of a thread's columns (BYTES = 4, 8, or a multiple of 16), as 32-bit words.
+template <int BYTES>
+__device__ __forceinline__ void load_vec(const u8* __restrict__ p, u32 (&w)[BYTES / 4]) {
+    if constexpr (BYTES >= 16) {
+#pragma unroll
+        for (int i = 0; i < BYTES / 16; ++i) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
+            w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+        }
+    } else if constexpr (BYTES == 8) {
         const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
         w[0] = v.x; w[1] = v.y;
     } else {

@@ -1,12 +1,12 @@
 // Whole-step decoder kernels of the CUDA backend (kestrel_cuda.forward).
 //
-// Compiled by NVRTC through cupy.RawModule with --fmad=false, so every float expression rounds exactly as
+// Compiled after common.cu (its types, transpose4x4 and the int4 word layout) by NVRTC through cupy.RawModule with --fmad=false, so every float expression rounds exactly as
 // written (the CPU decoder's numpy order where it matters: rmsnorm x / sqrt(ms + eps) * w, RoPE
 // x1*c - x2*s, silu g / (1 + exp(-g)) * u, Q8_0 round-half-away codes).
 //
 // Layouts (float32 unless said):
-//   weights   codes K-major [K][Npad] int8, or int4 two per byte [K/2][Npad] (byte = (c[2j]+8) | (c[2j+1]+8)<<4,
-//             so a 32-bit word holds 4 columns x 2 rows), scales [K/G][Npad]
+//   weights   codes K-major [K][Npad] int8, or int4 [K/8][Npad] 32-bit words of 8 k of one column (common.cu),
+//             scales [K/G][Npad]
 //   h         [M][D] residual stream; qkv [M][Nqkv] (q | k | v); q [M][H*hd]; attn [M][H*hd]; gu [M][2F]
 //   kv cache  one layer: k [KV][cap][hd], v [KV][cap][hd]
 //   meta      int32 device memory: meta[0] = absolute position of row 0 (the graph reads it at run time)
@@ -14,7 +14,7 @@
 #define NT 256          // threads of a GEMV block (8 warps)
 #define TN 128          // columns of a GEMV tile: 32 lanes x 4 columns
 #define KC 256          // rows of activation handled per chunk: 8 warps x 32 rows
-#define FULL 0xffffffffu
+#define FULL FULL_MASK
 #define NEG_INF __int_as_float(0xff800000)  // -inf without math headers (NVRTC)
 
 // Programmatic dependent launch (sm_90): a kernel launched with programmatic stream serialization may start
@@ -66,16 +66,56 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return s;
 }
 
-// 4 row-words (each: 4 columns of one k) -> 4 column-words (each: 4 consecutive k of one column)
-__device__ __forceinline__ void transpose4(unsigned r0, unsigned r1, unsigned r2, unsigned r3, unsigned* c) {
-    const unsigned t0 = __byte_perm(r0, r1, 0x5140);
-    const unsigned t1 = __byte_perm(r2, r3, 0x5140);
-    const unsigned t2 = __byte_perm(r0, r1, 0x7362);
-    const unsigned t3 = __byte_perm(r2, r3, 0x7362);
-    c[0] = __byte_perm(t0, t1, 0x5410);
-    c[1] = __byte_perm(t0, t1, 0x7632);
-    c[2] = __byte_perm(t2, t3, 0x5410);
-    c[3] = __byte_perm(t2, t3, 0x7632);
+// One lane's 32-row slot of weights, 4 columns from col, rows kr .. kr + 31. int8: w[r] = row kr + r (byte c =
+// column c); int4: w[4r + c] = the 8-k word of column c, k = kr + 8r .. kr + 8r + 7.
+template <int BITS>
+__device__ __forceinline__ void load_slot(const unsigned char* __restrict__ W, int Npad, int kr, int col,
+                                          unsigned (&w)[BITS == 8 ? 32 : 16]) {
+    if constexpr (BITS == 8) {
+        const unsigned* p = reinterpret_cast<const unsigned*>(W + (size_t)kr * Npad + col);
+#pragma unroll
+        for (int r = 0; r < 32; ++r) w[r] = __ldg(p + (size_t)r * (Npad / 4));
+    } else {
+        const uint4* p = reinterpret_cast<const uint4*>(W + ((size_t)(kr / 8) * Npad + col) * 4);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const uint4 v = __ldg(p + (size_t)r * (Npad / 4));
+            w[4 * r] = v.x; w[4 * r + 1] = v.y; w[4 * r + 2] = v.z; w[4 * r + 3] = v.w;
+        }
+    }
+}
+
+// isum[i][c] += sum over the slot's 32 k of code(k, column c) * a_i[k], aw[i]: a_i's 32 codes, 4 per word.
+// int4 sums biased codes (code + 8): the caller subtracts 8 * sum(a_i). The high nibbles are multiplied in
+// place (16 x code), so their sum is shifted back, exactly, once per slot.
+template <int BITS, int MR>
+__device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16], const int (&aw)[MR][8],
+                                         int (&isum)[MR][4]) {
+    if constexpr (BITS == 8) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {      // 8 quads of 4 rows
+            u32 cw[4];
+            transpose4x4(w[4 * j], w[4 * j + 1], w[4 * j + 2], w[4 * j + 3], cw[0], cw[1], cw[2], cw[3]);
+#pragma unroll
+            for (int i = 0; i < MR; ++i)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) isum[i][c] = __dp4a((int)cw[c], aw[i][j], isum[i][c]);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < MR; ++i) {
+            int hi[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    isum[i][c] = __dp4a((int)(w[4 * r + c] & NIB_LO), aw[i][2 * r], isum[i][c]);
+                    hi[c] = dp4a_us(w[4 * r + c] & NIB_HI, aw[i][2 * r + 1], hi[c]);
+                }
+#pragma unroll
+            for (int c = 0; c < 4; ++c) isum[i][c] += hi[c] >> 4;
+        }
+    }
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -88,16 +128,6 @@ __device__ __forceinline__ void transpose4(unsigned r0, unsigned r1, unsigned r2
 // With gridDim.y > 1 each block writes its partial sums to part[y][m][Npad] and the last block of a tile
 // (atomic counter, then reset for the next launch) adds them in y order: deterministic, graph-safe.
 // Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += acc (+ bias).
-#define LOAD_SLOT(dst, cc)                                                                                 \
-    do {                                                                                                   \
-        const int kr_ = (cc) * KC + 32 * warp;                                                             \
-        if (colok && kr_ < K) {                                                                            \
-            const unsigned* wp_ = reinterpret_cast<const unsigned*>(                                       \
-                W + (size_t)(BITS == 8 ? kr_ : kr_ / 2) * Npad + col);                                     \
-            _Pragma("unroll") for (int r_ = 0; r_ < NW; ++r_) dst[r_] = __ldg(wp_ + (size_t)r_ * (Npad / 4)); \
-        }                                                                                                  \
-    } while (0)
-
 template <int BITS, int G, int MR>
 __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
@@ -132,7 +162,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         const bool slot = colok && kr < K;
         // Issue the weight loads first: they do not depend on the activations, so the prologue below runs
         // while they are in flight.
-        LOAD_SLOT(wr, c);
+        if (slot) load_slot<BITS>(W, Npad, kr, col, wr);
         if (c == (int)blockIdx.y) grid_dep_wait();  // X comes from the kernels before this one
         if (pro == 1 && c == (int)blockIdx.y) {
             // rmsnorm denominators over the whole row, computed (identically) by every block, while its
@@ -204,23 +234,12 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
 #pragma unroll
         for (int i = 0; i < MR; ++i) { isum[i][0] = isum[i][1] = isum[i][2] = isum[i][3] = 0; }
         if (slot) {
+            int aw[MR][8];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {      // 8 quads of 4 rows
-                unsigned cw[4];
-                if (BITS == 8) {
-                    transpose4(wr[4 * j], wr[4 * j + 1], wr[4 * j + 2], wr[4 * j + 3], cw);
-                } else {
-                    const unsigned a = wr[2 * j], b = wr[2 * j + 1];
-                    transpose4(a & 0x0f0f0f0fu, (a >> 4) & 0x0f0f0f0fu, b & 0x0f0f0f0fu,
-                               (b >> 4) & 0x0f0f0f0fu, cw);
-                }
+            for (int i = 0; i < MR; ++i)
 #pragma unroll
-                for (int i = 0; i < MR; ++i) {
-                    const int aw = s_aq[i][8 * warp + j];
-#pragma unroll
-                    for (int cc = 0; cc < 4; ++cc) isum[i][cc] = __dp4a((int)cw[cc], aw, isum[i][cc]);
-                }
-            }
+                for (int j = 0; j < 8; ++j) aw[i][j] = s_aq[i][8 * warp + j];
+            dot_slot<BITS, MR>(wr, aw, isum);
         }
         if (G == 32) {
             float4 ws = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -326,8 +345,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
 #define LOAD_M1(b, t)                                                                                      \
     do {                                                                                                   \
         const int kr_ = k_base + (warp + M1_WARPS * ((t) / SPU)) * G + ((t) % SPU) * 32;                   \
-        const unsigned* wp_ = wcol + (size_t)(BITS == 8 ? kr_ : kr_ / 2) * (Npad / 4);                     \
-        _Pragma("unroll") for (int r_ = 0; r_ < NW; ++r_) ring[b][r_] = __ldg(wp_ + (size_t)r_ * (Npad / 4)); \
+        load_slot<BITS>(W, Npad, kr_, col, ring[b]);                                                       \
         ring_s[b] = __ldg(reinterpret_cast<const float4*>(WS + (size_t)(kr_ / G) * Npad + col));           \
     } while (0)
 
@@ -359,7 +377,6 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
     const int ng = max(0, min(groups, g0 + per) - g0);        // groups of this block
     const int k_base = g0 * G;
     const int nt = (colok && ng > warp) ? ((ng - warp + M1_WARPS - 1) / M1_WARPS) * SPU : 0;  // this warp's slots
-    const unsigned* wcol = reinterpret_cast<const unsigned*>(W) + (col >> 2);
 
     unsigned ring[NB][NW];
     float4 ring_s[NB];
@@ -420,7 +437,7 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
     __syncthreads();
 
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    int isum[4] = {0, 0, 0, 0};                 // integer sums of the current group
+    int isum[1][4] = {{0, 0, 0, 0}};            // integer sums of the current group
     for (int t0 = 0; t0 < nt; t0 += NB) {
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
@@ -430,29 +447,17 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
                 const int sub = t % SPU;
                 const int4* ap = reinterpret_cast<const int4*>(s_aq + (gl * G + sub * 32) / 4);
                 const int4 a0 = ap[0], a1 = ap[1];
-                const int aw[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {      // 8 quads of 4 rows
-                    unsigned cw[4];
-                    if (BITS == 8) {
-                        transpose4(ring[b][4 * j], ring[b][4 * j + 1], ring[b][4 * j + 2], ring[b][4 * j + 3], cw);
-                    } else {
-                        const unsigned x0 = ring[b][2 * j], x1 = ring[b][2 * j + 1];
-                        transpose4(x0 & 0x0f0f0f0fu, (x0 >> 4) & 0x0f0f0f0fu, x1 & 0x0f0f0f0fu,
-                                   (x1 >> 4) & 0x0f0f0f0fu, cw);
-                    }
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) isum[c] = __dp4a((int)cw[c], aw[j], isum[c]);
-                }
+                const int aw[1][8] = {{a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w}};
+                dot_slot<BITS, 1>(ring[b], aw, isum);
                 if (sub == SPU - 1) {              // the group is complete: scale it like the reference
                     const float as = s_as[gl];
                     const int bias8 = BITS == 4 ? 8 * s_asum[gl] : 0;
                     const float4 ws = ring_s[b];
-                    acc[0] += (float)(isum[0] - bias8) * as * ws.x;
-                    acc[1] += (float)(isum[1] - bias8) * as * ws.y;
-                    acc[2] += (float)(isum[2] - bias8) * as * ws.z;
-                    acc[3] += (float)(isum[3] - bias8) * as * ws.w;
-                    isum[0] = isum[1] = isum[2] = isum[3] = 0;
+                    acc[0] += (float)(isum[0][0] - bias8) * as * ws.x;
+                    acc[1] += (float)(isum[0][1] - bias8) * as * ws.y;
+                    acc[2] += (float)(isum[0][2] - bias8) * as * ws.z;
+                    acc[3] += (float)(isum[0][3] - bias8) * as * ws.w;
+                    isum[0][0] = isum[0][1] = isum[0][2] = isum[0][3] = 0;
                 }
                 if (t + NB < nt) LOAD_M1(b, t + NB);
             }

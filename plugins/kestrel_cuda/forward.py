@@ -441,8 +441,8 @@ class DeviceForward:
         if dw is None:
             raise KestrelError(f"the weight cache returned no weight for wkey {key:#x}")
         g = dw.geometry
-        rows = g.k if g.code_bits == 8 else g.k // 2
-        codes = dw.codes.view(np.uint8).reshape(rows, g.npad)
+        shape = (g.k, g.npad) if g.code_bits == 8 else (g.k // 8, 4 * g.npad)  # pack_kmajor's
+        codes = dw.codes.view(np.uint8).reshape(shape)
         lin = Lin(codes, dw.scales, g.k, n, g.npad, g.group_size, g.code_bits, col, wkey=key)
         lin.ksplit = self._plan(lin)
         lin.device_weight = dw  # type: ignore[attr-defined]  # the tiled GEMM takes the cache's object

@@ -38,7 +38,7 @@ EPI_STORE, EPI_ADD = 0, 1
 class Lin:
     """One device projection in the K-major layout, and where its N outputs go in the output buffer.
 
-    codes: uint8 [K][Npad] (8-bit codes, as int8 bits) or [K/2][Npad] (4-bit, two rows per byte, +8 biased);
+    codes: uint8 [K][Npad] (8-bit codes, as int8 bits) or [K/8][4 * Npad] (4-bit words of 8 k, +8 biased);
     scales: float32 [K/G][Npad]; ``col``: first output column; ``ksplit``: K splits of the M=1 GEMV.
     """
 
@@ -103,10 +103,11 @@ def plan_split(lin: Lin, gemv: str, sm_count: int, target_blocks: int | None = N
 
 
 def pack_kmajor(codes: np.ndarray, bits: int) -> np.ndarray:
-    """Host packing of int8 codes [N][K] into the device layout: uint8 [K][Npad] or, 4-bit, [K/2][Npad].
+    """Host packing of int8 codes [N][K] into the device layout: uint8 [K][Npad] or, 4-bit, [K/8][4 * Npad].
 
-    The layout cuda-kernels' transpose kernels produce (Npad = (N+3) & ~3, padding zero); used for the
-    forward's own uploads when no weight cache is given, and by the mirrors.
+    The layout cuda-kernels' transpose kernels produce (Npad = (N+3) & ~3, padding zero). int4: 32-bit words of
+    8 consecutive k of one column, +8 biased, byte b = k0 + b (low nibble) | k0 + 4 + b (high nibble), as
+    common.cu describes. Used for the forward's own uploads when no weight cache is given, and by the mirrors.
     """
     n, k = codes.shape
     npad = (n + 3) & ~3
@@ -114,21 +115,23 @@ def pack_kmajor(codes: np.ndarray, bits: int) -> np.ndarray:
     t[:, :n] = codes.T
     if bits == 8:
         return t.view(np.uint8)
-    if k % 2:
-        raise ValueError(f"int4 packing needs an even K, got {k}")
-    u = (t.astype(np.int16) + 8).astype(np.uint8)  # padding columns pack as 8 | 8 << 4: code 0 after the bias
-    return u[0::2] | (u[1::2] << 4)
+    if k % 8:
+        raise ValueError(f"int4 packing needs K % 8 == 0, got {k}")
+    u = (t.astype(np.int16) + 8).astype(np.uint8).reshape(k // 8, 2, 4, npad)  # [kw][half][b][n]
+    words = u[:, 0] | (u[:, 1] << 4)                                           # [kw][b][n]
+    return np.ascontiguousarray(words.transpose(0, 2, 1)).reshape(k // 8, 4 * npad)
 
 
 def unpack_kmajor(packed: np.ndarray, bits: int) -> np.ndarray:
     """Inverse of ``pack_kmajor``: int8 codes [K][Npad]."""
     if bits == 8:
         return packed.view(np.int8)
-    lo = (packed & 0x0F).astype(np.int8) - 8
-    hi = (packed >> 4).astype(np.int8) - 8
-    out = np.empty((2 * packed.shape[0], packed.shape[1]), np.int8)
-    out[0::2], out[1::2] = lo, hi
-    return out
+    kw, npad = packed.shape[0], packed.shape[1] // 4
+    b = packed.reshape(kw, npad, 4).transpose(0, 2, 1)  # [kw][b][n]
+    out = np.empty((kw, 2, 4, npad), np.int8)
+    out[:, 0] = (b & 0x0F).astype(np.int8) - 8
+    out[:, 1] = (b >> 4).astype(np.int8) - 8
+    return out.reshape(8 * kw, npad)
 
 
 # -- numpy mirror ------------------------------------------------------------------------------------
@@ -281,7 +284,8 @@ _M1_VARIANTS = [(bits, g) for bits in (8, 4) for g in (32, 256)]
 def _module() -> Any:
     import cupy as cp
 
-    source = (Path(__file__).with_name("forward.cu")).read_text()
+    here = Path(__file__).parent
+    source = "\n".join((here / name).read_text() for name in ("common.cu", "forward.cu"))
     names = ([f"qgemv<{b},{g},{mr}>" for b, g, mr in _GEMV_VARIANTS]
              + [f"qgemv_m1<{b},{g}>" for b, g in _M1_VARIANTS]
              + [f"attn_decode<{ATTN_SPLITS}>", "quantize_rows<32>", "quantize_rows<256>"])

@@ -25,16 +25,18 @@ __global__ void __launch_bounds__(F32_THREADS) k_gemm_f32(
 #pragma unroll
             for (int j = 0; j < 4; ++j) bs[m][j] = 0.0f;
         for (int k = g * G; k < (g + 1) * G; ++k) {
-            u32 word;
-            if constexpr (BITS == 8) {
-                word = __ldg(reinterpret_cast<const u32*>(W + (size_t)k * Npad + n));
-            } else {
-                const u32 packed = __ldg(reinterpret_cast<const u32*>(W + (size_t)(k >> 1) * Npad + n));
-                word = (k & 1) ? nib_hi(packed) : nib_lo(packed);
-            }
             float w[4];
+            if constexpr (BITS == 8) {
+                const u32 word = __ldg(reinterpret_cast<const u32*>(W + (size_t)k * Npad + n));
 #pragma unroll
-            for (int j = 0; j < 4; ++j) w[j] = (float)(i8)(word >> (8 * j));
+                for (int j = 0; j < 4; ++j) w[j] = (float)(i8)(word >> (8 * j));
+            } else {  // the 8-k words of columns n..n+3; k's nibble
+                const uint4 v = __ldg(reinterpret_cast<const uint4*>(W + ((size_t)(k >> 3) * Npad + n) * 4));
+                const u32 words[4] = {v.x, v.y, v.z, v.w};
+                const int shift = 8 * (k & 3) + 4 * ((k >> 2) & 1);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) w[j] = (float)((int)((words[j] >> shift) & 0xFu) - 8);
+            }
 #pragma unroll
             for (int m = 0; m < F32_MT; ++m) {
                 const float a = (m0 + m < M) ? __ldg(A + (size_t)(m0 + m) * K + k) : 0.0f;

@@ -19,14 +19,15 @@
 // increasing group order: bit-identical to kestrel_core.contract.reference_gemm_q8.
 //
 // Shared memory per stage: A codes [BM][BK] bytes, 16-byte chunk c of row r stored at c ^ aswz(r) (ldmatrix.x4
-// reads 8 rows of one chunk column conflict-free); B codes as they lie in device memory, K-major
-// [BK*BITS/8][BN] bytes (int4: two k rows per byte), word w of row r stored at w ^ (((r / RPW) & 3) << 3) with
-// RPW k-rows-per-4-words; A scales [SG][BM] (rows permuted so a thread's are contiguous) and B scales [SG][BN]
-// floats for the SG groups that end in the stage.
-// The B fragment of an n8 tile wants 4 consecutive k of one column in a register; the tile stays K-major and each
-// thread reads one word (4 columns) from 4 k rows and transposes the 4 x 4 bytes in registers. The n8 tile's
-// column j is therefore physical column 4 * j + ni of the warp's 32 (ni = tile index), which makes each thread's
-// outputs 8 consecutive columns (two 16-byte stores) and its weight scales two float4 reads.
+// reads 8 rows of one chunk column conflict-free); B codes as they lie in device memory: int8 K-major [BK][BN]
+// bytes, word w of row r stored at w ^ (((r / 4) & 3) << 3); int4 [BK/8][BN] words of 8 k (common.cu), 16-byte
+// chunk c of row r stored at c ^ ((r & 1) << 2); A scales [SG][BM] (rows permuted so a thread's are contiguous)
+// and B scales [SG][BN] floats for the SG groups that end in the stage.
+// The B fragment of an n8 tile wants 4 consecutive k of one column in a register. int8: each thread reads one
+// word (4 columns) from 4 k rows and transposes the 4 x 4 bytes in registers; int4: it reads the 8-k words of
+// the same 4 columns (one 16-byte read) and takes the nibble half of its 4 k. The n8 tile's column j is
+// therefore physical column 4 * j + ni of the warp's 32 (ni = tile index), which makes each thread's outputs 8
+// consecutive columns (two 16-byte stores) and its weight scales two float4 reads.
 #define GQ_BK 128     // K per shared-memory stage: 64 measured 5-12 % slower (twice the barriers)
 #define GQ_STAGES 3   // stages in flight
 #define GQ_MAGIC 0x4B400000
@@ -70,7 +71,7 @@ template <int BITS, int G, int WM, int WN, int MI>
 struct GqTile {
     static constexpr int BK = GQ_BK, STAGES = GQ_STAGES;
     static constexpr int BM = WM * MI * 16, BN = WN * 32, THREADS = WM * WN * 32;
-    static constexpr int BKB = BK * BITS / 8;        // B bytes rows per stage (int4: packed)
+    static constexpr int BKB = BK * BITS / 8;        // B bytes per column per stage (int4: packed)
     static constexpr int SG = G < BK ? BK / G : 1;   // scale slots per stage
     static constexpr int A_BYTES = BM * BK, B_BYTES = BKB * BN;
     static constexpr int AS_BYTES = SG * BM * 4, BS_BYTES = SG * BN * 4;
@@ -89,9 +90,10 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
         float* __restrict__ out, int ldo, int N, int K, int Npad) {
     using T = GqTile<BITS, G, WM, WN, MI>;
     constexpr int BK = T::BK, STAGES = T::STAGES;
-    constexpr int BM = T::BM, BN = T::BN, THREADS = T::THREADS, BKB = T::BKB, SG = T::SG;
+    constexpr int BM = T::BM, BN = T::BN, THREADS = T::THREADS, SG = T::SG;
     constexpr int KS = BK / 32;                   // k32 steps per stage
-    constexpr int RPW = BITS == 8 ? 4 : 2;        // shared B rows per group of 4 k rows
+    constexpr int BROWS = BITS == 8 ? BK : BK / 8;  // stored B rows per stage (int4: rows of 8-k words)
+    constexpr int BROWB = BITS == 8 ? BN : 4 * BN;  // bytes of one stored B row of the tile
     constexpr int GS = G / 32;                    // k32 steps per group
     static_assert(G == 32 || G == 256, "G must be 32 or 256");
     static_assert(MI % 2 == 0, "row scales are read as float4");
@@ -105,24 +107,27 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
     const int ng = K / G;
     const int nst = (K + BK - 1) / BK;
-    const int krows = K * BITS / 8;               // rows of the device code matrix
-    const bool b16 = (Npad & 15) == 0;            // 16-byte copies of B rows stay aligned
+    const int krows = BITS == 8 ? K : K / 8;      // rows of the device code matrix
+    const int ldb = BITS == 8 ? Npad : 4 * Npad;  // its bytes per row
+    const bool b16 = (ldb & 15) == 0;             // 16-byte copies of B rows stay aligned (int4: always)
     const u32 sbase = smem_u32(smem);
 
     // Per-thread copy plan, fixed for the whole K loop (only the k offset moves). A: 16-byte chunk a_c of rows
     // a_r0 + p * A_RSTEP; B: chunk b_c of k rows b_r0 + p * B_RSTEP. The row steps are multiples of 8, so every
     // row of a thread has the same swizzle.
-    constexpr int ACH = BK / 16, BCH = BN / 16;
+    constexpr int ACH = BK / 16, BCH = BROWB / 16;
     constexpr int A_RSTEP = THREADS / ACH, B_RSTEP = THREADS / BCH;
-    constexpr int AP = BM / A_RSTEP, BP = (BKB + B_RSTEP - 1) / B_RSTEP;
+    constexpr int AP = BM / A_RSTEP, BP = (BROWS + B_RSTEP - 1) / B_RSTEP;
     static_assert(BM % A_RSTEP == 0 && A_RSTEP % 8 == 0 && B_RSTEP % 8 == 0, "copy plan");
     const int a_c = tid % ACH, a_r0 = tid / ACH;
     const int b_c = tid % BCH, b_r0 = tid / BCH;
     const i8* a_src = A + (size_t)(m0 + a_r0) * K + 16 * a_c;
     const u32 a_dst = a_r0 * BK + ((a_c ^ aswz(a_r0)) << 4);
-    const u8* b_src = W + (size_t)b_r0 * Npad + n0 + 16 * b_c;
-    const u32 b_dst = T::A_BYTES + b_r0 * BN + ((b_c ^ (((b_r0 / RPW) & 3) << 1)) << 4);
-    const int b_left = Npad - (n0 + 16 * b_c);
+    const int b_byte0 = (BITS == 8 ? n0 : 4 * n0) + 16 * b_c;  // first byte of the chunk in its row
+    const u8* b_src = W + (size_t)b_r0 * ldb + b_byte0;
+    const int b_swz = BITS == 8 ? ((b_r0 / 4) & 3) << 1 : (b_r0 & 1) << 2;
+    const u32 b_dst = T::A_BYTES + b_r0 * BROWB + ((b_c ^ b_swz) << 4);
+    const int b_left = ldb - b_byte0;
     const int b_nvalid = b_left < 0 ? 0 : b_left > 16 ? 16 : b_left;  // bytes of the chunk inside Npad
     // scales: thread tid copies row tid % BM of A's slots tid / BM + p * THREADS / BM, and column tid % BN of B's
     // slots tid / BN + p * THREADS / BN
@@ -151,14 +156,14 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
 #pragma unroll
         for (int p = 0; p < BP; ++p) {
             const int r = b_r0 + p * B_RSTEP;
-            if (BKB % B_RSTEP != 0 && r >= BKB) break;
-            const int gr = st * BKB + r;
-            const u32 dst = sb + b_dst + p * B_RSTEP * BN;
-            const u8* src = b_src + ((size_t)st * BKB + p * B_RSTEP) * Npad;
+            if (BROWS % B_RSTEP != 0 && r >= BROWS) break;
+            const int gr = st * BROWS + r;
+            const u32 dst = sb + b_dst + p * B_RSTEP * BROWB;
+            const u8* src = b_src + ((size_t)st * BROWS + p * B_RSTEP) * ldb;
             if (b16) {
                 const bool ok = gr < krows && b_nvalid > 0;
                 cp_async16(dst, ok ? src : W, ok ? 16 : 0);
-            } else {  // Npad % 16 != 0: word copies (Npad % 4 == 0 keeps a word wholly in or out)
+            } else {  // int8, Npad % 16 != 0: word copies (Npad % 4 == 0 keeps a word wholly in or out)
 #pragma unroll
                 for (int w = 0; w < 4; ++w) {
                     const bool ok = gr < krows && 4 * w < b_nvalid;
@@ -230,22 +235,23 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
                 ldmatrix_x4(af[mi], sa + row * BK + ((c ^ aswz(row)) << 4));
             }
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                u32 w[4];
+            for (int h = 0; h < 2; ++h) {  // k 16h + 4tig .. 16h + 4tig + 3 of this k32 step
                 const int word = wn * 8 + gid;
                 if constexpr (BITS == 8) {
+                    u32 w[4];
 #pragma unroll
                     for (int j = 0; j < 4; ++j) {
                         const int r = ks * 32 + h * 16 + 4 * tig + j;  // (r >> 2) & 3 == tig
                         w[j] = *reinterpret_cast<const u32*>(sbp + r * BN + 4 * (word ^ (tig << 3)));
                     }
+                    transpose4x4(w[0], w[1], w[2], w[3], bf[0][h], bf[1][h], bf[2][h], bf[3][h]);
                 } else {
-                    const int r = ks * 16 + h * 8 + 2 * tig;           // (r >> 1) & 3 == tig
-                    const u32 x = *reinterpret_cast<const u32*>(sbp + r * BN + 4 * (word ^ (tig << 3)));
-                    const u32 y = *reinterpret_cast<const u32*>(sbp + (r + 1) * BN + 4 * (word ^ (tig << 3)));
-                    w[0] = nib_lo(x); w[1] = nib_hi(x); w[2] = nib_lo(y); w[3] = nib_hi(y);
+                    const int r = ks * 4 + h * 2 + (tig >> 1);         // word row; nibble half tig & 1
+                    const uint4 v = *reinterpret_cast<const uint4*>(sbp + r * BROWB + ((word ^ ((r & 1) << 2)) << 4));
+                    const u32 vw[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                    for (int ni = 0; ni < 4; ++ni) bf[ni][h] = (tig & 1) ? nib_hi(vw[ni]) : nib_lo(vw[ni]);
                 }
-                transpose4x4(w[0], w[1], w[2], w[3], bf[0][h], bf[1][h], bf[2][h], bf[3][h]);
             }
             if constexpr (GS == 1) {
 #pragma unroll

@@ -1,10 +1,10 @@
 // Decode GEMV, warp-row layout (the default): out[m][n] = sum_g (sum_{k in g} A[m][k] W[k][n]) As[m][g] Ws[g][n].
 //
-// A warp's 32 lanes lie along the columns (VEC columns each, VEC-byte loads), so every load instruction of a
-// warp reads 32 * VEC contiguous bytes of one K row. Each warp of a block takes one 32-row slice of K per
+// A warp's 32 lanes lie along the columns (VEC columns each, VEC-byte loads; int4: 4 * VEC bytes of one row of
+// 8-k words), so every load instruction of a warp reads contiguous bytes of one stored row. Each warp of a block takes one 32-row slice of K per
 // iteration (8 warps: 256 rows); a thread issues every load of its slice (rows, scales, activations) before
 // the first use, so each thread has a whole slice in flight. Block sums are exact int32 (__dp4a on 4x4
-// byte-transposed words); for G = 32 a slice is a group and the thread scales it itself; for G = 256 the 8
+// byte-transposed words, int4 on its unpacked nibbles); for G = 32 a slice is a group and the thread scales it itself; for G = 256 the 8
 // warps' int32 slice sums are added exactly through shared memory before the one multiply by the scales.
 // Blocks of blockIdx.y split K (interleaved 256-row steps); the last block of a column tile to finish adds
 // the partials in a fixed order and re-arms its counter, so the next launch finds it at zero.
@@ -20,7 +20,8 @@ __global__ void __launch_bounds__(GW_THREADS) k_gemv_warp(
         int K, int Npad, int G) {
     constexpr int BN = 32 * VEC;                  // columns per block
     constexpr int NW = VEC / 4;                   // words per row per thread
-    constexpr int PR = BITS == 8 ? 32 : 16;       // stored rows of a 32-row slice
+    constexpr int PR = BITS == 8 ? 32 : 4;        // stored rows of a 32-row slice (int4: rows of 8-k words)
+    constexpr int RW = BITS == 8 ? NW : VEC;      // 32-bit words of a stored row per thread
     constexpr int CPT = (MT * BN + GW_THREADS - 1) / GW_THREADS;  // (m, column) outputs per thread
     __shared__ float red[GW_WARPS][MT][BN];
     __shared__ int s_last;
@@ -47,13 +48,14 @@ __global__ void __launch_bounds__(GW_THREADS) k_gemv_warp(
         const int s = base + warp;
         const bool ok = col_ok && s < nslices;
         const int k0 = s * 32;
-        u32 rows[PR][NW];
+        u32 rows[PR][RW];
         int aw[MT][8];
         float ws[VEC], sa[MT];
         if (ok) {
 #pragma unroll
             for (int r = 0; r < PR; ++r)
-                load_vec<VEC>(W + (size_t)((BITS == 8 ? k0 : k0 / 2) + r) * Npad + c0, rows[r]);
+                load_vec<4 * RW>(W + (BITS == 8 ? (size_t)(k0 + r) * Npad + c0 : ((size_t)(k0 / 8 + r) * Npad + c0) * 4),
+                                 rows[r]);
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
                 if (m < mcount) {
@@ -80,7 +82,7 @@ __global__ void __launch_bounds__(GW_THREADS) k_gemv_warp(
 #pragma unroll
             for (int r = 0; r < PR; ++r)
 #pragma unroll
-                for (int w = 0; w < NW; ++w) rows[r][w] = 0u;
+                for (int w = 0; w < RW; ++w) rows[r][w] = 0u;
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -91,24 +93,31 @@ __global__ void __launch_bounds__(GW_THREADS) k_gemv_warp(
         for (int m = 0; m < MT; ++m)
 #pragma unroll
             for (int j = 0; j < VEC; ++j) acc[m][j] = 0;
+        if constexpr (BITS == 8) {
 #pragma unroll
-        for (int q = 0; q < 8; ++q) {
+            for (int q = 0; q < 8; ++q) {
 #pragma unroll
-            for (int w = 0; w < NW; ++w) {
-                u32 r0, r1, r2, r3;
-                if constexpr (BITS == 8) {
-                    r0 = rows[4 * q][w]; r1 = rows[4 * q + 1][w]; r2 = rows[4 * q + 2][w]; r3 = rows[4 * q + 3][w];
-                } else {
-                    r0 = nib_lo(rows[2 * q][w]); r1 = nib_hi(rows[2 * q][w]);
-                    r2 = nib_lo(rows[2 * q + 1][w]); r3 = nib_hi(rows[2 * q + 1][w]);
+                for (int w = 0; w < NW; ++w) {
+                    u32 c[4];
+                    transpose4x4(rows[4 * q][w], rows[4 * q + 1][w], rows[4 * q + 2][w], rows[4 * q + 3][w],
+                                 c[0], c[1], c[2], c[3]);
+#pragma unroll
+                    for (int m = 0; m < MT; ++m)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            acc[m][4 * w + e] = __dp4a(aw[m][q], (int)c[e], acc[m][4 * w + e]);
                 }
-                u32 c[4];
-                transpose4x4(r0, r1, r2, r3, c[0], c[1], c[2], c[3]);
-#pragma unroll
-                for (int m = 0; m < MT; ++m)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[m][4 * w + e] = __dp4a(aw[m][q], (int)c[e], acc[m][4 * w + e]);
             }
+        } else {  // word j of row r: k0 + 8r .. k0 + 8r + 7 of column j
+#pragma unroll
+            for (int r = 0; r < PR; ++r)
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const int lo = (int)nib_lo(rows[r][j]), hi = (int)nib_hi(rows[r][j]);
+#pragma unroll
+                    for (int m = 0; m < MT; ++m)
+                        acc[m][j] = __dp4a(aw[m][2 * r + 1], hi, __dp4a(aw[m][2 * r], lo, acc[m][j]));
+                }
         }
         if (!big) {
             if (ok) {

@@ -23,6 +23,7 @@ OPTIONS = ("--fmad=false", "-std=c++17")
 GEMV_WARP_VARIANTS: tuple[tuple[int, int, int], ...] = tuple(
     (mt, vec, bits) for bits in (8, 4) for mt in (1, 2, 4) for vec in (8, 4))
 GROUP_SIZES = (32, 256)
+TRANSPOSE_I8, TRANSPOSE_F32 = "k_transpose<signed char>", "k_transpose<float>"
 BITS = (8, 4)
 
 
@@ -98,7 +99,7 @@ class Kernels:
 
 def compile_kernels(cp: Any) -> Kernels:
     """Compile and resolve every kernel on the current device; raises KernelCompileError."""
-    names = ([f"k_quantize_act<{g}>" for g in GROUP_SIZES]
+    names = ([TRANSPOSE_I8, TRANSPOSE_F32] + [f"k_quantize_act<{g}>" for g in GROUP_SIZES]
              + [gemv_warp_name(*v) for v in GEMV_WARP_VARIANTS]
              + [t.name(b, g) for b in BITS for g in GROUP_SIZES for t in MMA_TILES.values()]
              + [f"k_gemm_f32<{b}>" for b in BITS])
@@ -108,8 +109,8 @@ def compile_kernels(cp: Any) -> Kernels:
         get = module.get_function
         kernels = Kernels(
             module=module,
-            transpose_i8=get("k_transpose_i8"),
-            transpose_f32=get("k_transpose_f32"),
+            transpose_i8=get(TRANSPOSE_I8),
+            transpose_f32=get(TRANSPOSE_F32),
             transpose_pack4=get("k_transpose_pack4"),
             quantize={g: get(f"k_quantize_act<{g}>") for g in GROUP_SIZES},
             gemv_warp={v: get(gemv_warp_name(*v)) for v in GEMV_WARP_VARIANTS},
