@@ -13,7 +13,7 @@
 
 #define NT 256          // threads of a GEMV block (8 warps)
 #define TN 128          // columns of a GEMV tile: 32 lanes x 4 columns
-#define KC 256          // rows of activation handled per chunk: 8 warps x 32 rows
+#define KC8 256         // rows of an int8 GEMV chunk: 8 warps x 32 rows (int4: 512, 8 warps x 64)
 #define FULL FULL_MASK
 #define NEG_INF __int_as_float(0xff800000)  // -inf without math headers (NVRTC)
 
@@ -125,6 +125,8 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 // where A = prologue(X): pro 0: X; pro 1: rmsnorm(X, pw, eps); pro 2: silu(X[:, k]) * X[:, k + xoff],
 // quantized per G-block exactly as contract.quantize_activations.
 // Grid: x = column tiles of TN, y = K splits (chunks of KC strided by gridDim.y), z = row blocks of MR.
+// A chunk is the same 32 KB of weights for int8 and int4 (256 or 512 rows), so each warp has as many bytes
+// in flight per chunk.
 // With gridDim.y > 1 each block writes its partial sums to part[y][m][Npad] and the last block of a tile
 // (atomic counter, then reset for the next launch) adds them in y order: deterministic, graph-safe.
 // Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += acc (+ bias).
@@ -135,9 +137,13 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     float* __restrict__ Y, int ldy, int epi, const float* __restrict__ bias,
     float* __restrict__ part, int* __restrict__ counters)
 {
+    constexpr int KC = KC8 * 8 / BITS;          // rows of a chunk: the same weight bytes per chunk for both
+    constexpr int SPW = KC / NT;                // 32-row slots per warp: int8 1, int4 2
+    constexpr int NW = BITS == 8 ? 32 : 16;     // 4-byte words of one slot
+    constexpr int GPC = KC / G > 0 ? KC / G : 1;  // groups per chunk (G = 256: warps NT / 32 / GPC per group)
     grid_dep_launch();  // the wait follows the block's first weight loads
     __shared__ int s_aq[MR][KC / 4];            // activation codes of this chunk, 4 per word
-    __shared__ float s_as[MR][KC / 32];         // activation scales (G=256: element 0)
+    __shared__ float s_as[MR][KC / 32];         // activation scale per group (G=256: element h of pass h)
     __shared__ int s_asum[MR][KC / 32];         // sum of activation codes per group (int4 bias)
     __shared__ float s_r[MR];                   // rmsnorm denominators
     __shared__ float s_red[NT / 32];
@@ -154,15 +160,15 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
 #pragma unroll
     for (int i = 0; i < MR; ++i) acc[i] = 0.f;
 
-    constexpr int NW = BITS == 8 ? 32 : 16;
-    unsigned wr[NW];
+    unsigned wr[SPW][NW];
     for (int c = blockIdx.y; c < nck; c += gridDim.y) {
         const int k0 = c * KC;
-        const int kr = k0 + 32 * warp;          // first weight row of this warp's 32-row slot
-        const bool slot = colok && kr < K;
+        const int kw = k0 + 32 * SPW * warp;   // first weight row of this warp's slots
         // Issue the weight loads first: they do not depend on the activations, so the prologue below runs
         // while they are in flight.
-        if (slot) load_slot<BITS>(W, Npad, kr, col, wr);
+#pragma unroll
+        for (int sl = 0; sl < SPW; ++sl)
+            if (colok && kw + 32 * sl < K) load_slot<BITS>(W, Npad, kw + 32 * sl, col, wr[sl]);
         if (c == (int)blockIdx.y) grid_dep_wait();  // X comes from the kernels before this one
         if (pro == 1 && c == (int)blockIdx.y) {
             // rmsnorm denominators over the whole row, computed (identically) by every block, while its
@@ -180,89 +186,103 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         }
         __syncthreads();  // the previous chunk is done with s_aq / s_acc; s_r is visible
         for (int i = 0; i < MR; ++i) {
-            const int m = m0 + i;
-            const int k = k0 + tid;
-            float v = 0.f;
-            if (m < M && k < K) {
-                const float* xr = X + (size_t)m * ldx;
-                if (pro == 1) {
-                    v = xr[k] / s_r[i] * pw[k];
-                } else if (pro == 2) {
-                    const float g = xr[k];
-                    v = g / (1.f + expf(-g)) * xr[k + xoff];
-                } else {
-                    v = xr[k];
-                }
-            }
-            float amax = fabsf(v);
-            if (G == 32) {
-                amax = warp_max(amax);
-            } else {
-                amax = warp_max(amax);
-                __syncthreads();
-                if (lane == 0) s_red[warp] = amax;
-                __syncthreads();
-                amax = s_red[0];
 #pragma unroll
-                for (int w = 1; w < NT / 32; ++w) amax = fmaxf(amax, s_red[w]);
-            }
-            const float d = amax / 127.f;
-            const float inv = d == 0.f ? 0.f : 1.f / d;
-            const int q = (int)roundf(v * inv);  // roundf: half away from zero, like ggml
-            reinterpret_cast<signed char*>(s_aq[i])[tid] = (signed char)q;
-            if (BITS == 4) {
-                int qs = warp_isum(q);
-                if (G == 32) {
-                    if (lane == 0) s_asum[i][warp] = qs;
-                } else {
-                    __syncthreads();
-                    if (lane == 0) s_red[warp] = __int_as_float(qs);
-                    __syncthreads();
-                    if (tid == 0) {
-                        int t = 0;
-                        for (int w = 0; w < NT / 32; ++w) t += __float_as_int(s_red[w]);
-                        s_asum[i][0] = t;
+            for (int h = 0; h < SPW; ++h) {     // pass h: chunk rows h * NT + tid, one per thread
+                const int m = m0 + i;
+                const int k = k0 + h * NT + tid;
+                float v = 0.f;
+                if (m < M && k < K) {
+                    const float* xr = X + (size_t)m * ldx;
+                    if (pro == 1) {
+                        v = xr[k] / s_r[i] * pw[k];
+                    } else if (pro == 2) {
+                        const float g = xr[k];
+                        v = g / (1.f + expf(-g)) * xr[k + xoff];
+                    } else {
+                        v = xr[k];
                     }
                 }
+                float amax = fabsf(v);
+                if (G == 32) {
+                    amax = warp_max(amax);
+                } else {
+                    amax = warp_max(amax);
+                    __syncthreads();
+                    if (lane == 0) s_red[warp] = amax;
+                    __syncthreads();
+                    amax = s_red[0];
+#pragma unroll
+                    for (int w = 1; w < NT / 32; ++w) amax = fmaxf(amax, s_red[w]);
+                }
+                const float d = amax / 127.f;
+                const float inv = d == 0.f ? 0.f : 1.f / d;
+                const int q = (int)roundf(v * inv);  // roundf: half away from zero, like ggml
+                reinterpret_cast<signed char*>(s_aq[i])[h * NT + tid] = (signed char)q;
+                const int gq = G == 32 ? h * (NT / 32) + warp : h;  // the group's index in the chunk
+                if (BITS == 4) {
+                    int qs = warp_isum(q);
+                    if (G == 32) {
+                        if (lane == 0) s_asum[i][gq] = qs;
+                    } else {
+                        __syncthreads();
+                        if (lane == 0) s_red[warp] = __int_as_float(qs);
+                        __syncthreads();
+                        if (tid == 0) {
+                            int t = 0;
+                            for (int w = 0; w < NT / 32; ++w) t += __float_as_int(s_red[w]);
+                            s_asum[i][gq] = t;
+                        }
+                    }
+                }
+                if (G == 32) { if (lane == 0) s_as[i][gq] = d; }
+                else { if (tid == 0) s_as[i][gq] = d; }
             }
-            if (G == 32) { if (lane == 0) s_as[i][warp] = d; }
-            else { if (tid == 0) s_as[i][0] = d; }
         }
         __syncthreads();
 
-        int isum[MR][4];
+        // this warp's slots: chunk rows 32 * q .. 32 * q + 31, q = SPW * warp + sl (G = 32: group q of the chunk)
+        float fw[MR][4];
+        int iw[MR][4];
 #pragma unroll
-        for (int i = 0; i < MR; ++i) { isum[i][0] = isum[i][1] = isum[i][2] = isum[i][3] = 0; }
-        if (slot) {
+        for (int i = 0; i < MR; ++i)
+#pragma unroll
+            for (int cc = 0; cc < 4; ++cc) { fw[i][cc] = 0.f; iw[i][cc] = 0; }
+#pragma unroll
+        for (int sl = 0; sl < SPW; ++sl) {
+            const int q = SPW * warp + sl;
+            if (!colok || k0 + 32 * q >= K) continue;  // the same for every lane of the warp
+            int isum[MR][4];
             int aw[MR][8];
 #pragma unroll
-            for (int i = 0; i < MR; ++i)
-#pragma unroll
-                for (int j = 0; j < 8; ++j) aw[i][j] = s_aq[i][8 * warp + j];
-            dot_slot<BITS, MR>(wr, aw, isum);
-        }
-        if (G == 32) {
-            float4 ws = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (slot) ws = *reinterpret_cast<const float4*>(WS + (size_t)(kr / 32) * Npad + col);
-#pragma unroll
             for (int i = 0; i < MR; ++i) {
-                const float as = s_as[i][warp];
-                const int bias8 = BITS == 4 ? 8 * s_asum[i][warp] : 0;
-                float f[4];
-                f[0] = (float)(isum[i][0] - bias8) * as * ws.x;
-                f[1] = (float)(isum[i][1] - bias8) * as * ws.y;
-                f[2] = (float)(isum[i][2] - bias8) * as * ws.z;
-                f[3] = (float)(isum[i][3] - bias8) * as * ws.w;
-                if (!slot) f[0] = f[1] = f[2] = f[3] = 0.f;
+                isum[i][0] = isum[i][1] = isum[i][2] = isum[i][3] = 0;
 #pragma unroll
-                for (int cc = 0; cc < 4; ++cc) s_acc[warp][i][4 * lane + cc] = __float_as_int(f[cc]);
+                for (int j = 0; j < 8; ++j) aw[i][j] = s_aq[i][8 * q + j];
             }
-        } else {
+            dot_slot<BITS, MR>(wr[sl], aw, isum);
+            if (G == 32) {
+                const float4 ws = *reinterpret_cast<const float4*>(WS + (size_t)(k0 / 32 + q) * Npad + col);
 #pragma unroll
-            for (int i = 0; i < MR; ++i)
+                for (int i = 0; i < MR; ++i) {
+                    const float as = s_as[i][q];
+                    const int bias8 = BITS == 4 ? 8 * s_asum[i][q] : 0;
+                    fw[i][0] += (float)(isum[i][0] - bias8) * as * ws.x;
+                    fw[i][1] += (float)(isum[i][1] - bias8) * as * ws.y;
+                    fw[i][2] += (float)(isum[i][2] - bias8) * as * ws.z;
+                    fw[i][3] += (float)(isum[i][3] - bias8) * as * ws.w;
+                }
+            } else {
 #pragma unroll
-                for (int cc = 0; cc < 4; ++cc) s_acc[warp][i][4 * lane + cc] = slot ? isum[i][cc] : 0;
+                for (int i = 0; i < MR; ++i)
+#pragma unroll
+                    for (int cc = 0; cc < 4; ++cc) iw[i][cc] += isum[i][cc];
+            }
         }
+#pragma unroll
+        for (int i = 0; i < MR; ++i)
+#pragma unroll
+            for (int cc = 0; cc < 4; ++cc)
+                s_acc[warp][i][4 * lane + cc] = G == 32 ? __float_as_int(fw[i][cc]) : iw[i][cc];
         __syncthreads();
         if (tid < TN && n0 + tid < Npad) {
             const int n = n0 + tid;
@@ -274,11 +294,15 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
                     for (int w = 0; w < NT / 32; ++w) s += __int_as_float(s_acc[w][i][tid]);
                     acc[i] += s;
                 } else {
-                    int t = 0;
 #pragma unroll
-                    for (int w = 0; w < NT / 32; ++w) t += s_acc[w][i][tid];
-                    if (BITS == 4) t -= 8 * s_asum[i][0];
-                    acc[i] += (float)t * s_as[i][0] * WS[(size_t)(k0 / 256) * Npad + n];
+                    for (int h = 0; h < GPC; ++h) {   // the chunk's groups in order, NT / 32 / GPC warps each
+                        if (k0 + h * G >= K) break;
+                        int t = 0;
+#pragma unroll
+                        for (int w = h * (NT / 32 / GPC); w < (h + 1) * (NT / 32 / GPC); ++w) t += s_acc[w][i][tid];
+                        if (BITS == 4) t -= 8 * s_asum[i][h];
+                        acc[i] += (float)t * s_as[i][h] * WS[(size_t)(k0 / G + h) * Npad + n];
+                    }
                 }
             }
         }
@@ -358,7 +382,7 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
 {
     constexpr int NW = BITS == 8 ? 32 : 16;     // 4-byte words a lane loads per 32-row slot
     constexpr int SPU = G / 32;                 // slots per group
-    constexpr int NB = BITS == 8 ? 2 : 3;       // slots in the register ring (64 or 48 words)
+    constexpr int NB = BITS == 8 ? 2 : 4;       // slots in the register ring (64 words: 8 KB a warp in flight)
     __shared__ __align__(16) int s_aq[SMAXK / 4];   // activation codes of the block's K run, 4 per word
     __shared__ float s_as[SMAXK / 32];          // per group: activation scale
     __shared__ int s_asum[SMAXK / 32];          // per group: sum of activation codes (int4 bias)

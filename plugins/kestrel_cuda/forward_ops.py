@@ -23,7 +23,7 @@ import numpy as np
 from kestrel_core.contract import quantize_activations
 
 TILE_N = 128  # columns of a GEMV block (forward.cu TN)
-CHUNK_K = 256  # rows of a GEMV chunk (forward.cu KC)
+CHUNK_K = 256  # rows of an int8 GEMV chunk (forward.cu KC8); int4 chunks have twice as many
 SMALL_M = 8  # up to this many rows run through the fused GEMV (MR = 8); more through the tiled GEMM if any
 STREAM_MAX_ROWS = 16384  # K rows one block of the M=1 GEMV (qgemv_m1) quantizes into shared memory (SMAXK)
 STREAM_WARPS = 8  # warps of a qgemv_m1 block; each streams whole G-groups of the block's K run
@@ -60,7 +60,7 @@ class Lin:
 
     @property
     def chunks(self) -> int:
-        return -(-self.k // CHUNK_K)
+        return -(-self.k // (CHUNK_K * 8 // self.bits))
 
 
 def plan_ksplit(lin: Lin, target_blocks: int) -> int:

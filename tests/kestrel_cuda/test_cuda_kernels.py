@@ -127,8 +127,10 @@ def expected_layout(strips: list[StripCache], npad: int) -> tuple[np.ndarray, np
     if strips[0].bits == 4:
         u = (codes.astype(np.int16) + 8).astype(np.uint8)
         u[:, off:] = 0  # padding columns are zero bytes, not +8
-        packed = (u[0::2] & 0xF) | ((u[1::2] & 0xF) << 4)
-        return packed.astype(np.uint8).view(np.int8), scales
+        # words of 8 k of one column: byte b = k0 + b | (k0 + 4 + b) << 4
+        halves = u.reshape(k // 8, 2, 4, npad)                         # [kw][half][b][n]
+        packed = (halves[:, 0] | (halves[:, 1] << 4)).transpose(0, 2, 1)  # [kw][n][b]
+        return np.ascontiguousarray(packed).reshape(k // 8, 4 * npad).view(np.int8), scales
     return codes, scales
 
 
