@@ -161,14 +161,25 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     for (int i = 0; i < MR; ++i) acc[i] = 0.f;
 
     unsigned wr[SPW][NW];
+    float4 ws[SPW];                             // G = 32: weight scales of the warp's slots
+    float wsg[GPC];                             // G = 256: weight scales of the chunk's groups (tid < TN)
     for (int c = blockIdx.y; c < nck; c += gridDim.y) {
         const int k0 = c * KC;
         const int kw = k0 + 32 * SPW * warp;   // first weight row of this warp's slots
-        // Issue the weight loads first: they do not depend on the activations, so the prologue below runs
-        // while they are in flight.
+        // Issue the weight and weight-scale loads first: they do not depend on the activations, so the
+        // prologue below runs while they are in flight.
 #pragma unroll
-        for (int sl = 0; sl < SPW; ++sl)
-            if (colok && kw + 32 * sl < K) load_slot<BITS>(W, Npad, kw + 32 * sl, col, wr[sl]);
+        for (int sl = 0; sl < SPW; ++sl) {
+            if (colok && kw + 32 * sl < K) {
+                load_slot<BITS>(W, Npad, kw + 32 * sl, col, wr[sl]);
+                if (G == 32) ws[sl] = __ldg(reinterpret_cast<const float4*>(WS + (size_t)((kw + 32 * sl) / 32) * Npad + col));
+            }
+        }
+        if (G != 32 && tid < TN && n0 + tid < Npad) {
+#pragma unroll
+            for (int h = 0; h < GPC; ++h)
+                if (k0 + h * G < K) wsg[h] = __ldg(WS + (size_t)(k0 / G + h) * Npad + n0 + tid);
+        }
         if (c == (int)blockIdx.y) grid_dep_wait();  // X comes from the kernels before this one
         if (pro == 1 && c == (int)blockIdx.y) {
             // rmsnorm denominators over the whole row, computed (identically) by every block, while its
@@ -261,15 +272,14 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
             }
             dot_slot<BITS, MR>(wr[sl], aw, isum);
             if (G == 32) {
-                const float4 ws = *reinterpret_cast<const float4*>(WS + (size_t)(k0 / 32 + q) * Npad + col);
 #pragma unroll
                 for (int i = 0; i < MR; ++i) {
                     const float as = s_as[i][q];
                     const int bias8 = BITS == 4 ? 8 * s_asum[i][q] : 0;
-                    fw[i][0] += (float)(isum[i][0] - bias8) * as * ws.x;
-                    fw[i][1] += (float)(isum[i][1] - bias8) * as * ws.y;
-                    fw[i][2] += (float)(isum[i][2] - bias8) * as * ws.z;
-                    fw[i][3] += (float)(isum[i][3] - bias8) * as * ws.w;
+                    fw[i][0] += (float)(isum[i][0] - bias8) * as * ws[sl].x;
+                    fw[i][1] += (float)(isum[i][1] - bias8) * as * ws[sl].y;
+                    fw[i][2] += (float)(isum[i][2] - bias8) * as * ws[sl].z;
+                    fw[i][3] += (float)(isum[i][3] - bias8) * as * ws[sl].w;
                 }
             } else {
 #pragma unroll
@@ -301,7 +311,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
 #pragma unroll
                         for (int w = h * (NT / 32 / GPC); w < (h + 1) * (NT / 32 / GPC); ++w) t += s_acc[w][i][tid];
                         if (BITS == 4) t -= 8 * s_asum[i][h];
-                        acc[i] += (float)t * s_as[i][h] * WS[(size_t)(k0 / G + h) * Npad + n];
+                        acc[i] += (float)t * s_as[i][h] * wsg[h];
                     }
                 }
             }

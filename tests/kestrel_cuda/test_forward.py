@@ -172,11 +172,12 @@ def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, 
 
 @pytest.mark.parametrize("quant", ("q8", "q4-g256"))
 def test_chunked_gemv_with_several_chunks_per_block(quant, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """KESTREL_CUDA_GEMV=chunk (qgemv at M = 1, the previous design), few blocks: several chunks a block."""
+    """KESTREL_CUDA_GEMV=chunk (qgemv at M = 1), few blocks: several chunks a block; at q4 (512-row chunks)
+    down's K = 768 also ends in a half chunk, whose second G = 256 group is past K."""
     monkeypatch.setenv("KESTREL_CUDA_GEMV", "chunk")
     model = synthetic_model(SMALL_CONFIGS["qwen3"], quant, seed=11)
     toks = _tokens(model.config, 20)
-    fwd = DeviceForward(stream=stream, gemm=gemm, target_blocks=4)
+    fwd = DeviceForward(stream=stream, gemm=gemm, target_blocks=2)
     assert fwd.ops.gemv_kind == "chunk"
     _check(model, toks, 12, device_logits(fwd, model, toks, 12))
     assert any(lin.chunks > lin.ksplit for lin in fwd._st.layers[0].weights.gate_up + [fwd._st.layers[0].weights.down])
