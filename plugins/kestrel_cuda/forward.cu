@@ -180,6 +180,9 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
             for (int h = 0; h < GPC; ++h)
                 if (k0 + h * G < K) wsg[h] = __ldg(WS + (size_t)(k0 / G + h) * Npad + n0 + tid);
         }
+        float pwv[SPW];                         // rmsnorm weights of this thread's chunk rows (not step data)
+#pragma unroll
+        for (int h = 0; h < SPW; ++h) pwv[h] = pro == 1 && k0 + h * NT + tid < K ? __ldg(pw + k0 + h * NT + tid) : 0.f;
         if (c == (int)blockIdx.y) grid_dep_wait();  // X comes from the kernels before this one
         if (pro == 1 && c == (int)blockIdx.y) {
             // rmsnorm denominators over the whole row, computed (identically) by every block, while its
@@ -189,6 +192,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
                 float ss = 0.f;
                 if (m < M) {
                     const float* xr = X + (size_t)m * ldx;
+#pragma unroll 8
                     for (int k = tid; k < K; k += NT) { const float v = xr[k]; ss += v * v; }
                 }
                 ss = block_sum(ss, s_red);
@@ -205,7 +209,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
                 if (m < M && k < K) {
                     const float* xr = X + (size_t)m * ldx;
                     if (pro == 1) {
-                        v = xr[k] / s_r[i] * pw[k];
+                        v = xr[k] / s_r[i] * pwv[h];
                     } else if (pro == 2) {
                         const float g = xr[k];
                         v = g / (1.f + expf(-g)) * xr[k + xoff];
@@ -295,7 +299,6 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
                 s_acc[warp][i][4 * lane + cc] = G == 32 ? __float_as_int(fw[i][cc]) : iw[i][cc];
         __syncthreads();
         if (tid < TN && n0 + tid < Npad) {
-            const int n = n0 + tid;
 #pragma unroll
             for (int i = 0; i < MR; ++i) {
                 if (G == 32) {
@@ -422,7 +425,7 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
     float r = 0.f;
     if (pro == 1) {   // rmsnorm denominator of the whole row, the same bits in every block
         float ss = 0.f;
-#pragma unroll 8
+#pragma unroll 16
         for (int k = tid; k < K; k += NT) { const float v = X[k]; ss += v * v; }
         ss = block_sum(ss, s_red);
         r = sqrtf(ss / (float)K + eps);
