@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 
 from kestrel_core.contract import quantize_activations
-from kestrel_cuda.residency import pad_n
 
 TILE_N = 128  # columns of a GEMV block (forward.cu TN)
 CHUNK_K = 256  # rows of an int8 GEMV chunk (forward.cu KC8); int4 chunks have twice as many
@@ -57,7 +56,7 @@ class Lin:
 
     @property
     def tiles(self) -> int:
-        return -(-((self.n + 3) & ~3) // TILE_N)  # columns past N rounded to 4 are row stride only
+        return -(-self.npad // TILE_N)
 
     @property
     def chunks(self) -> int:
@@ -106,12 +105,12 @@ def plan_split(lin: Lin, gemv: str, sm_count: int, target_blocks: int | None = N
 def pack_kmajor(codes: np.ndarray, bits: int) -> np.ndarray:
     """Host packing of int8 codes [N][K] into the device layout: uint8 [K][Npad] or, 4-bit, [K/8][4 * Npad].
 
-    The layout cuda-kernels' transpose kernels produce (Npad = residency.pad_n(N), padding zero). int4: words of
+    The layout cuda-kernels' transpose kernels produce (Npad = (N+3) & ~3, padding zero). int4: 32-bit words of
     8 consecutive k of one column, +8 biased, byte b = k0 + b (low nibble) | k0 + 4 + b (high nibble), as
     common.cu describes. Used for the forward's own uploads when no weight cache is given, and by the mirrors.
     """
     n, k = codes.shape
-    npad = pad_n(n)
+    npad = (n + 3) & ~3
     t = np.zeros((k, npad), np.int8)
     t[:, :n] = codes.T
     if bits == 8:

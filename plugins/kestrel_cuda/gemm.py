@@ -55,11 +55,6 @@ class Workspace:
         return cls(cp.empty(PARTIAL_FLOATS, dtype=cp.float32), cp.zeros(COUNTERS, dtype=cp.uint32))
 
 
-def _cols(n: int) -> int:
-    """Columns a launch covers: the n wanted, rounded to a 4-column word; the rest of Npad is row stride."""
-    return (n + 3) & ~3
-
-
 def gemv_warp_variant(m: int, npad: int, bits: int) -> tuple[str, int, int, int]:
     """("warp", MT, VEC, BITS): the default GEMV for M rows; see gemv_warp.cu."""
     mt = 1 if m == 1 else 2 if m == 2 else 4
@@ -128,14 +123,13 @@ class DeviceGemm:
         if (m <= GEMV_MAX_M or variant is not None) and mma_tile is None:
             self._gemv_warp(a_codes, a_scales, weight, out, n, ldo, stream, variant, splits)
         else:
-            cols = _cols(n)
-            name = mma_tile or mma_tile_for(m, cols, self.sm_count)
+            name = mma_tile or mma_tile_for(m, g.npad, self.sm_count)
             tile = MMA_TILES[name]
             kern = self.kernels.mma.get((g.code_bits, g.group_size, name))
             if kern is None:
                 raise ValueError(f"no tensor-core kernel for int{g.code_bits} G={g.group_size}")
             # blockIdx.x walks M, so the blocks resident together share one weight tile
-            _launch(kern, (_cdiv(m, tile.bm), _cdiv(cols, tile.bn)), (tile.threads,),
+            _launch(kern, (_cdiv(m, tile.bm), _cdiv(g.npad, tile.bn)), (tile.threads,),
                     (a_codes, a_scales, i32(m), weight.codes, weight.scales, out, i32(ldo), i32(n), i32(k),
                      i32(g.npad)), stream, tile.smem_bytes(g.code_bits, g.group_size))
             self.launches["mma"] += 1
@@ -149,7 +143,7 @@ class DeviceGemm:
             raise ValueError(f"GEMV variant {(mt, vec, bits)} does not fit {g}")
         kern = self.kernels.gemv_warp[(mt, vec, bits)]
         ws = self.workspace(stream)
-        gx = _cdiv(_cols(n), 32 * vec)
+        gx = _cdiv(g.npad, 32 * vec)
         max_split = _cdiv(g.k // 32, GW_SLICES)
         gy = splits or min(max_split, max(1, _cdiv(BLOCKS_PER_SM * self.sm_count, gx)))
         gy = max(1, min(gy, max_split, PARTIAL_FLOATS // (mt * g.npad)))
@@ -169,7 +163,7 @@ class DeviceGemm:
         ldo = out.shape[1]
         if k != g.k or out.shape[0] < m or ldo < n or n > g.npad:
             raise ValueError("f32: shapes do not match")
-        _launch(self.kernels.f32[g.code_bits], (_cdiv(_cols(n) // 4, F32_THREADS), _cdiv(m, F32_MT)),
+        _launch(self.kernels.f32[g.code_bits], (_cdiv(g.npad // 4, F32_THREADS), _cdiv(m, F32_MT)),
                 (F32_THREADS,), (a, i32(m), weight.codes, weight.scales, out, i32(ldo), i32(n), i32(k),
                                  i32(g.npad), i32(g.group_size)), stream)
         self.launches["f32"] += 1

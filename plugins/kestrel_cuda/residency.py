@@ -10,15 +10,15 @@ API for the backend
 ``Geometry(k, npad, ngroups, code_bits=8)``: the shape of one device weight. ``Geometry.of(strip)`` for one
     StripCache, ``Geometry.fused(strips)`` for a Q|K|V or gate|up buffer (``fusable(strips)`` says whether the
     members may share one, else use per-projection weights); ``pack_int4=True`` sizes int4 codes two per byte.
-    One allocation of ``nbytes`` holds both regions (``npad = pad_n(N)``, fused: ``pad_n`` of the sum of the Ns):
+    One allocation of ``nbytes`` holds both regions (``npad = pad_n(N) = (N+3) & ~3``, fused: sum of the Ns):
         [0, codes_nbytes)                        codes, K-major: int8 [K][Npad]; code_bits=4: K*Npad/2 bytes,
                                                  packing order is the kernels' choice
         [scales_offset, +scales_nbytes)          scales, float32 [ngroups][Npad]; offset = codes rounded up to
                                                  256 bytes (cudaMalloc alignment, so vector loads stay aligned)
     The pool key ``layout = (codes_nbytes, scales_nbytes)`` is exactly what makes two buffers interchangeable:
-    same size and same region offsets. It is coarser than the article's (Npad, ngroups) on purpose: weights of
-    different geometries with the same byte sizes share one layout (q [H*hd, D] and o [D, H*hd] when H*hd = D),
-    so an evicted o buffer serves the next q; every byte is rewritten by the upload, so nothing else matters.
+    same size and same region offsets. It is coarser than the article's (Npad, ngroups) on purpose: gate/up
+    [F, D] and down [D, F] (and q [H*hd, D] / o [D, H*hd]) have different geometries but one layout, so an
+    evicted down buffer serves the next gate; every byte is rewritten by the upload, so nothing else matters.
 
 ``WeightCache(allocator, *, budget=None, keep=None)``: budget defaults to ``cache_budget(allocator.free_bytes())``
     and keep (residency window) to ``window_keep()``.
@@ -87,7 +87,6 @@ BUDGET_CAP = 24 * GiB
 BUDGET_FLOOR = 256 * MiB
 ALIGN = 256
 VEC = 4  # columns per vectorised store: Npad is a multiple of it
-STRIDE_COLS = 128  # Npad is an odd multiple of it (pad_n)
 
 CACHE_ENV = "KESTREL_CUDA_CACHE_MB"
 WINDOW_ENV = "KESTREL_CUDA_STREAM"
@@ -133,14 +132,7 @@ def should_preload() -> bool:
 
 
 def pad_n(n: int) -> int:
-    """Npad, the row stride in columns of a K-major device weight: N rounded up to an odd multiple of 128.
-
-    The kernels only read columns below N rounded up to 4 (the issue's Npad); the rest is stride. A warp
-    reads one 128-column segment of each of many rows, and rows a power-of-two multiple of 256 columns apart
-    fall on the same HBM channels: Npad = 4096 or 24576 left the int4 decode GEMVs at 1.6-2.6 TB/s, an odd
-    multiple of 128 columns took them to ~3 TB/s (docs/performance.md)."""
-    tiles = -(-n // STRIDE_COLS)
-    return (tiles | 1) * STRIDE_COLS
+    return (n + VEC - 1) & ~(VEC - 1)
 
 
 def _align(n: int) -> int:
@@ -174,11 +166,11 @@ class Geometry:
 
     @classmethod
     def fused(cls, weights: Sequence[StripCache], *, pack_int4: bool = False) -> Geometry:
-        """One buffer whose columns are the members' N side by side (no gaps; Npad = pad_n of their sum)."""
+        """One buffer whose columns are the members' N side by side (NG = sum of N, no gaps)."""
         if not fusable(weights):
             raise ValueError("these weights cannot share a fused buffer (see fusable())")
         w0 = weights[0]
-        return cls(w0.k, pad_n(sum(w.n for w in weights)), w0.ngroups, _code_bits(w0.bits, pack_int4))
+        return cls(w0.k, sum(w.n for w in weights), w0.ngroups, _code_bits(w0.bits, pack_int4))
 
     @property
     def group_size(self) -> int:

@@ -32,7 +32,7 @@ from kestrel_cuda.forward_check import (
     jitter_effect,
 )
 from kestrel_cuda.forward_ops import NumpyOps, pack_kmajor, unpack_kmajor
-from kestrel_cuda.residency import Geometry, WeightCache, pad_n
+from kestrel_cuda.residency import Geometry, WeightCache
 
 CONFIGS = SMALL_CONFIGS
 QUANTS = ("q8", "q4", "q8-g256", "q4-g256")
@@ -239,7 +239,7 @@ def test_pack_kmajor_layout(bits: int) -> None:
     lo, hi = (-127, 127) if bits == 8 else (-8, 7)
     codes = np.random.default_rng(0).integers(lo, hi + 1, size=(13, 64)).astype(np.int8)
     packed = pack_kmajor(codes, bits)
-    assert packed.shape == ((64, 128) if bits == 8 else (8, 4 * 128))  # Npad = pad_n(13) = 128
+    assert packed.shape == ((64, 16) if bits == 8 else (8, 64))
     assert np.array_equal(unpack_kmajor(packed, bits)[:, :13], codes.T)
     assert np.all(unpack_kmajor(packed, bits)[:, 13:] == 0)
     if bits == 4:  # common.cu's layout: word (kw, n), byte b = (c[8kw + b] + 8) | (c[8kw + 4 + b] + 8) << 4
@@ -300,7 +300,7 @@ def test_int4_word_dot_product_as_the_kernels_compute_it() -> None:
 def test_plan_stream_split_gives_nonempty_blocks_within_shared_memory(k: int, n: int, group: int) -> None:
     """qgemv_m1's splits: every block gets at least one whole group, no block's run exceeds what it can
     quantize into shared memory, and no other split has a lower modelled cost."""
-    lin = forward_ops.Lin(None, None, k, n, pad_n(n), group, 8)
+    lin = forward_ops.Lin(None, None, k, n, (n + 3) & ~3, group, 8)
     groups = k // group
     for resident in (1, 264, 4096):
         s = forward_ops.plan_stream_split(lin, resident)

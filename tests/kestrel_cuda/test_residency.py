@@ -139,15 +139,13 @@ def test_geometry_of_strip_caches() -> None:
     rng = np.random.default_rng(0)
     w = quantize_weight(rng.standard_normal((10, 64)).astype(np.float32), bits=8, group_size=32)
     g = Geometry.of(w)
-    assert (g.k, g.npad, g.ngroups, g.code_bits) == (64, 128, 2, 8)
-    assert g.codes_nbytes == 64 * 128 and g.scales_offset == 8192 and g.scales_nbytes == 2 * 128 * 4
+    assert (g.k, g.npad, g.ngroups, g.code_bits) == (64, 12, 2, 8)
+    assert g.codes_nbytes == 64 * 12 and g.scales_offset == 768 and g.scales_nbytes == 2 * 12 * 4
     w4 = quantize_weight(rng.standard_normal((8, 256)).astype(np.float32), bits=4, group_size=256)
     assert Geometry.of(w4).code_bits == 8 and Geometry.of(w4, pack_int4=True).code_bits == 4
-    assert Geometry.of(w4, pack_int4=True).codes_nbytes == 256 * 128 // 2
+    assert Geometry.of(w4, pack_int4=True).codes_nbytes == 256 * 8 // 2
     assert Geometry.of(w, pack_int4=True).code_bits == 8  # int8 weights never pack
-    # odd multiples of 128 columns (Qwen3-8B: 4096 -> 4224, 24576 -> 24704; a vocabulary of 151936 is one already)
-    ns = (1, 4, 5, 128, 129, 256, 257, 4093, 4096, 24576, 151936)
-    assert [pad_n(n) for n in ns] == [128, 128, 128, 128, 384, 384, 384, 4224, 4224, 24704, 151936]
+    assert [pad_n(n) for n in (1, 4, 5, 7, 8, 4093)] == [4, 4, 8, 8, 8, 4096]
     assert Geometry(k=64, npad=200, ngroups=2).scales_offset % 256 == 0
 
 
@@ -155,7 +153,7 @@ def test_fused_geometry() -> None:
     rng = np.random.default_rng(1)
     q, k, v = (quantize_weight(rng.standard_normal((n, 64)).astype(np.float32)) for n in (16, 8, 8))
     assert fusable([q, k, v])
-    assert Geometry.fused([q, k, v]) == Geometry(k=64, npad=pad_n(32), ngroups=2)
+    assert Geometry.fused([q, k, v]) == Geometry(k=64, npad=32, ngroups=2)
     odd = quantize_weight(rng.standard_normal((6, 64)).astype(np.float32))
     g256 = quantize_weight(rng.standard_normal((8, 256)).astype(np.float32), group_size=256)
     assert not fusable([q, odd]) and not fusable([q]) and not fusable([q, g256])
@@ -236,9 +234,9 @@ def test_eviction_pools_and_reuses_only_the_same_layout() -> None:
 
 def test_padding_and_geometry_twins_share_the_pool() -> None:
     rng = np.random.default_rng(2)
-    gate = quantize_weight(rng.standard_normal((300, 64)).astype(np.float32))  # Npad 384: 64 x 384 codes
-    down = quantize_weight(rng.standard_normal((100, 192)).astype(np.float32))  # Npad 128: 192 x 128 codes
-    odd = quantize_weight(rng.standard_normal((61, 192)).astype(np.float32))   # N=61 pads to down's 128
+    gate = quantize_weight(rng.standard_normal((96, 64)).astype(np.float32))   # [F, D]
+    down = quantize_weight(rng.standard_normal((64, 96)).astype(np.float32))   # [D, F]
+    odd = quantize_weight(rng.standard_normal((61, 96)).astype(np.float32))    # N=61 pads to down's 64
     assert Geometry.of(gate) != Geometry.of(down) and Geometry.of(gate).layout == Geometry.of(down).layout
     alloc, up = NumpyAllocator(BIG), Stamper()
     cache = WeightCache(alloc, budget=Geometry.of(gate).nbytes)
