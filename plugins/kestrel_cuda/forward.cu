@@ -341,8 +341,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
                 const int m = m0 + i;
                 float s = 0.f;
                 if (m < M) {
-#pragma unroll 8
-                    for (int y = 0; y < (int)gridDim.y; ++y)
+#pragma unroll 16
+                    for (int y = 0; y < (int)gridDim.y; ++y)  // up to 16 partials in flight at once
                         s += __ldcg(part + ((size_t)y * M + m) * Npad + n0 + tid);
                 }
                 acc[i] = s;
@@ -520,7 +520,7 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
         __threadfence();
         if (tid < TN && n < Npad) {
             y = 0.f;
-#pragma unroll 4
+#pragma unroll 16
             for (int s = 0; s < (int)gridDim.y; ++s) y += __ldcg(part + (size_t)s * Npad + n);
         }
         if (tid == 0) counters[blockIdx.x] = 0;

@@ -88,9 +88,10 @@ def plan_stream_split(lin: Lin, resident: int) -> int:
 
 def m1_kernel(lin: Lin, gemv: str, sm_count: int) -> str:
     """The M=1 kernel of ``lin`` under the GEMV setting ``gemv`` (``CupyOps.gemv_kind``): "stream" or
-    "chunk"; "hybrid" gives wide projections (at least one column tile per SM) to "chunk"."""
+    "chunk"; "hybrid" gives wide projections (at least one column tile per SM) and every int4 one to "chunk"
+    (its 512-row int4 chunks beat the streaming kernel's ring there: docs/performance.md)."""
     if gemv == "hybrid":
-        return "chunk" if lin.tiles >= sm_count else "stream"
+        return "chunk" if lin.tiles >= sm_count or lin.bits == 4 else "stream"
     return gemv
 
 

@@ -110,15 +110,16 @@ def test_fused_gemv_prefill_without_the_tiled_gemm(n_prefill, stream) -> None:  
 
 @pytest.mark.parametrize("target", (1, 4096))
 @pytest.mark.parametrize("quant", QUANTS)
-def test_m1_gemv_ring_and_k_splits(quant, target, stream, gemm) -> None:  # type: ignore[no-untyped-def]
-    """The streaming M=1 GEMV (qgemv_m1: every projection of these narrow models under the default hybrid
-    choice) at both ends of its planner: one block per column tile, whose warps each stream many groups
+def test_m1_gemv_ring_and_k_splits(quant, target, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The streaming M=1 GEMV (qgemv_m1: the narrow int8 projections under the default hybrid choice, all of
+    them here) at both ends of its planner: one block per column tile, whose warps each stream many groups
     through the register ring (down: K = 2048), and many K splits per tile (the last block adds the
     partial sums)."""
+    monkeypatch.setenv("KESTREL_CUDA_GEMV", "stream")
     model = synthetic_model(replace(SMALL_CONFIGS["qwen3"], intermediate_size=2048), quant, seed=11)
     toks = _tokens(model.config, 20)
     fwd = DeviceForward(stream=stream, gemm=gemm, target_blocks=target)
-    assert fwd.ops.gemv_kind == "hybrid"
+    assert fwd.ops.gemv_kind == "stream"
     _check(model, toks, 12, device_logits(fwd, model, toks, 12))
     w = fwd._st.layers[0].weights
     assert {lin.m1 for lin in [*w.qkv, w.o, *w.gate_up, w.down]} == {"stream"}

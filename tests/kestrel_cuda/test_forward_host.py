@@ -315,11 +315,13 @@ def test_plan_stream_split_gives_nonempty_blocks_within_shared_memory(k: int, n:
     assert forward_ops.plan_stream_split(lin, 1) == max(1, -(-k // forward_ops.STREAM_MAX_ROWS))
 
 
-def test_hybrid_gives_wide_projections_to_the_chunked_gemv() -> None:
+def test_hybrid_gives_wide_and_int4_projections_to_the_chunked_gemv() -> None:
     wide = forward_ops.Lin(None, None, 4096, 24576, 24576, 32, 8)  # 192 column tiles
     narrow = forward_ops.Lin(None, None, 4096, 6144, 6144, 32, 8)  # 48
     assert forward_ops.m1_kernel(wide, "hybrid", 132) == "chunk"
     assert forward_ops.m1_kernel(narrow, "hybrid", 132) == "stream"
+    narrow4 = forward_ops.Lin(None, None, 4096, 6144, 6144, 32, 4)  # int4: 512-row chunks
+    assert forward_ops.m1_kernel(narrow4, "hybrid", 132) == "chunk"
     assert forward_ops.m1_kernel(wide, "stream", 132) == "stream"
     assert forward_ops.plan_split(wide, "hybrid", 132) == forward_ops.plan_ksplit(wide, 8 * 132)
     assert wide.m1 == "chunk"
