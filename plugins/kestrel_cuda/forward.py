@@ -391,11 +391,11 @@ class DeviceForward:
         lins = []
         for group in _groups(model.layers[0]) + [[model.lm_head]]:
             n, k = sum(s.n for s in group), group[0].k
-            lin = Lin(None, None, k, n, (n + 3) & ~3, group[0].group_size, 8)
+            lin = Lin(None, None, k, n, (n + 3) & ~3, group[0].group_size, group[0].bits)  # its plan's
             lin.ksplit = self._plan(lin)
             lins.append(lin)
             for s in group:  # unfused members may have more tiles
-                one = Lin(None, None, s.k, s.n, (s.n + 3) & ~3, s.group_size, 8)
+                one = Lin(None, None, s.k, s.n, (s.n + 3) & ~3, s.group_size, s.bits)
                 one.ksplit = self._plan(one)
                 lins.append(one)
         part, counters = gemv_scratch(lins)

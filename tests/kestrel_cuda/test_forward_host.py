@@ -344,3 +344,30 @@ def test_factor_is_documented_in_the_comparison() -> None:
     ref = cpu_logits(model, toks, 6)
     text = str(compare(ref, ref, jitter_effect(model, toks, 6, ref)))
     assert f"{FACTOR:g} x jitter" in text and "rel L2 err 0" in text
+
+
+class _ScratchRecordingOps(NumpyOps):
+    """NumpyOps with CupyOps' split-K scratch reservation recorded (the numpy mirror needs none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reserved: list[tuple[int, int]] = []
+
+    def reserve(self, part: int, counters: int, attn_part: int, heads: int) -> None:
+        self.reserved.append((part, counters))
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_split_k_scratch_covers_every_planned_gemv(quant: str) -> None:
+    """The partial-sum buffer is sized from shapes before any upload; it must hold what each projection's
+    actual plan (its own bits: int4 chunks are twice as long) writes. It once planned every weight as int8,
+    and the int4 down projection overran it."""
+    model = synthetic_model(CONFIGS["qwen3"], quant, seed=13)
+    ops = _ScratchRecordingOps()
+    fwd = DeviceForward(ops=ops)
+    device_logits(fwd, model, _tokens(model.config, 6), 4)
+    part, counters = ops.reserved[-1]
+    lins = [lin for layer in fwd._st.layers for lin in [*layer.weights.qkv, layer.weights.o,
+                                                         *layer.weights.gate_up, layer.weights.down]]
+    need_part, need_counters = forward_ops.gemv_scratch(lins)
+    assert part >= need_part and counters >= need_counters
