@@ -66,6 +66,26 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return s;
 }
 
+// The residual stream's sums of squares, one per 128-column tile (TN), kept for M = 1 so that an RMSNorm
+// prologue reads ceil(K / 128) floats instead of the whole row in every block: the kernels that write the
+// stream (embed_rows, the residual-add GEMVs) leave them in ssq_out, the norm's consumers read them as ssq_in.
+
+// rmsnorm denominator of a row of K from its tile sums, the same bits in every lane of the calling warp
+__device__ __forceinline__ float rms_from_tiles(const float* __restrict__ ssq, int K, float eps) {
+    const int lane = threadIdx.x & 31;
+    float s = 0.f;
+    for (int t = lane; t < (K + TN - 1) / TN; t += 32) s += ssq[t];  // written by an earlier kernel
+    s = warp_sum(s);
+    return sqrtf(s / (float)K + eps);
+}
+
+// ssq[tile] = sum of the squares of y over the block's threads (0 where a thread holds no output); every
+// thread of the block calls it
+__device__ __forceinline__ void store_tile_ssq(float y, float* red, float* __restrict__ ssq, int tile) {
+    const float s = block_sum(y * y, red);
+    if (threadIdx.x == 0) ssq[tile] = s;
+}
+
 // One lane's 32-row slot of weights, 4 columns from col, rows kr .. kr + 31. int8: w[r] = row kr + r (byte c =
 // column c); int4: w[4r + c] = the 8-k word of column c, k = kr + 8r .. kr + 8r + 7.
 template <int BITS>
@@ -135,7 +155,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
     const float* __restrict__ X, int ldx, int M, int pro, const float* __restrict__ pw, float eps, int xoff,
     float* __restrict__ Y, int ldy, int epi, const float* __restrict__ bias,
-    float* __restrict__ part, int* __restrict__ counters)
+    float* __restrict__ part, int* __restrict__ counters, const float* __restrict__ ssq_in, float* __restrict__ ssq_out)
 {
     constexpr int KC = KC8 * 8 / BITS;          // rows of a chunk: the same weight bytes per chunk for both
     constexpr int SPW = KC / NT;                // 32-row slots per warp: int8 1, int4 2
@@ -184,7 +204,12 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
 #pragma unroll
         for (int h = 0; h < SPW; ++h) pwv[h] = pro == 1 && k0 + h * NT + tid < K ? __ldg(pw + k0 + h * NT + tid) : 0.f;
         if (c == (int)blockIdx.y) grid_dep_wait();  // X comes from the kernels before this one
-        if (pro == 1 && c == (int)blockIdx.y) {
+        if (pro == 1 && c == (int)blockIdx.y && ssq_in) {  // M = 1: from the tile sums
+            if (warp == 0) {
+                const float r = rms_from_tiles(ssq_in, K, eps);
+                if (lane == 0) s_r[0] = r;
+            }
+        } else if (pro == 1 && c == (int)blockIdx.y) {
             // rmsnorm denominators over the whole row, computed (identically) by every block, while its
             // first weight loads are in flight
             for (int i = 0; i < MR; ++i) {
@@ -351,6 +376,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         if (tid == 0) counters[tile] = 0;
     }
 
+    float y0 = 0.f;                             // row m0's output (ssq_out: M = 1)
     if (tid < TN) {
         const int n = n0 + tid;
         if (n < N) {
@@ -360,10 +386,13 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
                 float y = acc[i];
                 if (bias) y = y + bias[n];
                 float* dst = Y + (size_t)m * ldy + n;
-                *dst = epi == 1 ? *dst + y : y;
+                y = epi == 1 ? *dst + y : y;
+                *dst = y;
+                if (i == 0) y0 = y;
             }
         }
     }
+    if (ssq_out) store_tile_ssq(y0, s_red, ssq_out, blockIdx.x);
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -391,7 +420,7 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
     const float* __restrict__ X, int pro, const float* __restrict__ pw, float eps, int xoff,
     float* __restrict__ Y, int epi, const float* __restrict__ bias,
-    float* __restrict__ part, int* __restrict__ counters)
+    float* __restrict__ part, int* __restrict__ counters, const float* __restrict__ ssq_in, float* __restrict__ ssq_out)
 {
     constexpr int NW = BITS == 8 ? 32 : 16;     // 4-byte words a lane loads per 32-row slot
     constexpr int SPU = G / 32;                 // slots per group
@@ -423,7 +452,9 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
 
     grid_dep_wait();  // X (and part / counters) come from the kernels before this one
     float r = 0.f;
-    if (pro == 1) {   // rmsnorm denominator of the whole row, the same bits in every block
+    if (pro == 1 && ssq_in) {
+        r = rms_from_tiles(ssq_in, K, eps);  // every warp: the same bits
+    } else if (pro == 1) {   // rmsnorm denominator of the whole row, the same bits in every block
         float ss = 0.f;
 #pragma unroll 16
         for (int k = tid; k < K; k += NT) { const float v = X[k]; ss += v * v; }
@@ -527,8 +558,10 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
     }
     if (tid < TN && n < N) {
         if (bias) y = y + bias[n];
-        Y[n] = epi == 1 ? Y[n] + y : y;
+        y = epi == 1 ? Y[n] + y : y;
+        Y[n] = y;
     }
+    if (ssq_out) store_tile_ssq(tid < TN && n < N ? y : 0.f, s_red, ssq_out, blockIdx.x);
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -592,15 +625,27 @@ extern "C" __global__ void add_rows(const float* __restrict__ T, int ldt, int M,
 // ------------------------------------------------------------------------------------------------------
 // h[m][:] = dequantized embedding row of ids[m] (codes [V][D] int8, scales [V][D/G]).
 extern "C" __global__ void embed_rows(const signed char* __restrict__ codes, const float* __restrict__ scales, int D,
-                           int G, const int* __restrict__ ids, float* __restrict__ h)
+                           int G, const int* __restrict__ ids, float* __restrict__ h, float* __restrict__ ssq_out)
 {
     grid_dep_launch();
     grid_dep_wait();
+    __shared__ float s_w[8];
     const int m = blockIdx.y;
     const int k = blockIdx.x * blockDim.x + threadIdx.x;
-    if (k >= D) return;
-    const size_t tok = (size_t)ids[m];
-    h[(size_t)m * D + k] = (float)codes[tok * D + k] * scales[tok * (D / G) + k / G];
+    float v = 0.f;
+    if (k < D) {
+        const size_t tok = (size_t)ids[m];
+        v = (float)codes[tok * D + k] * scales[tok * (D / G) + k / G];
+        h[(size_t)m * D + k] = v;
+    }
+    if (ssq_out) {  // M = 1; 256 threads: two 128-column tiles a block, warps 0-3 and 4-7
+        const float sq = warp_sum(v * v);
+        if ((threadIdx.x & 31) == 0) s_w[threadIdx.x >> 5] = sq;
+        __syncthreads();
+        const int half = threadIdx.x >> 7, tile = 2 * blockIdx.x + half;
+        if ((threadIdx.x & 127) == 0 && tile * TN < D)
+            ssq_out[tile] = ((s_w[4 * half] + s_w[4 * half + 1]) + s_w[4 * half + 2]) + s_w[4 * half + 3];
+    }
 }
 
 // ------------------------------------------------------------------------------------------------------

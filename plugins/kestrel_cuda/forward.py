@@ -66,6 +66,7 @@ from kestrel_cuda.forward_ops import (
     head_scale,
     pack_kmajor,
     plan_split,
+    tile_count,
 )
 from kestrel_cuda.residency import fusable
 
@@ -161,6 +162,7 @@ class _State:
     sin: Any
     meta: Any  # int32 [1 + PREFILL_CHUNK]: position, then token ids
     h: Any
+    ssq: Any  # float32 [tiles of D]: h's sums of squares per 128 columns, M = 1 (forward.cu)
     qkv: Any
     q: Any
     attn: Any
@@ -289,7 +291,8 @@ class DeviceForward:
         hd, heads, kv_heads, f = c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size
         scale = head_scale(hd)
         h = st.h[:m]
-        ops.embed(st.emb_codes, st.emb_scales, st.emb_group, st.ids, h)
+        ssq = st.ssq if m == 1 else None  # h's tile sums: its writers leave them, the norms read them
+        ops.embed(st.emb_codes, st.emb_scales, st.emb_group, st.ids, h, ssq)
         for i, layer in enumerate(st.layers):
             if self.layer_boundary is not None:
                 self.layer_boundary(i)
@@ -298,19 +301,19 @@ class DeviceForward:
             for lin in w.qkv:
                 bias = None if layer.qkv_bias is None else layer.qkv_bias[lin.col:lin.col + lin.n]
                 ops.gemv(lin, h, PRO_RMSNORM, layer.attn_norm, eps, 0, st.qkv[:m, lin.col:lin.col + lin.n],
-                         EPI_STORE, bias)
+                         EPI_STORE, bias, ssq_in=ssq)
             ops.qkv_rope(st.qkv[:m], heads, kv_heads, hd, layer.q_norm, layer.k_norm, eps, st.cos, st.sin,
                          st.meta, st.q[:m], kc, vc)
             ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m])
-            ops.gemv(w.o, st.attn[:m], PRO_PLAIN, None, eps, 0, h, EPI_ADD, None)
+            ops.gemv(w.o, st.attn[:m], PRO_PLAIN, None, eps, 0, h, EPI_ADD, None, ssq_out=ssq)
             for lin in w.gate_up:
                 ops.gemv(lin, h, PRO_RMSNORM, layer.mlp_norm, eps, 0, st.gu[:m, lin.col:lin.col + lin.n],
-                         EPI_STORE, None)
-            ops.gemv(w.down, st.gu[:m], PRO_SILU_MUL, None, eps, f, h, EPI_ADD, None)
+                         EPI_STORE, None, ssq_in=ssq)
+            ops.gemv(w.down, st.gu[:m], PRO_SILU_MUL, None, eps, f, h, EPI_ADD, None, ssq_out=ssq)
         if rows:
             lm = st.lm_head or self._fetch([st.model.lm_head], [lm_head_wkey()], 0)[0]
             out = st.logits_all[:rows] if rows > 1 else st.logits
-            ops.gemv(lm, st.h[m - rows:m], PRO_RMSNORM, st.final_norm, eps, 0, out, EPI_STORE, None)
+            ops.gemv(lm, st.h[m - rows:m], PRO_RMSNORM, st.final_norm, eps, 0, out, EPI_STORE, None, ssq_in=ssq)
 
     # -- sequences -----------------------------------------------------------------------------------
 
@@ -370,7 +373,7 @@ class DeviceForward:
         st = _State(model=model, config=c, max_context=max_context, emb_codes=up(emb.codes),
                     emb_scales=up(emb.scales), emb_group=emb.group_size, final_norm=up(model.final_norm),
                     layers=layers, lm_head=None, cos=up(cos), sin=up(sin),
-                    meta=zeros(1 + t, np.int32), h=zeros((t, d), np.float32),
+                    meta=zeros(1 + t, np.int32), h=zeros((t, d), np.float32), ssq=zeros(tile_count(d), np.float32),
                     qkv=zeros((t, nq + 2 * nkv), np.float32), q=zeros((t, nq), np.float32),
                     attn=zeros((t, nq), np.float32), gu=zeros((t, 2 * f), np.float32),
                     logits=zeros((1, c.vocab_size), np.float32))

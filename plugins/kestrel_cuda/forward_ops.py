@@ -138,10 +138,14 @@ def unpack_kmajor(packed: np.ndarray, bits: int) -> np.ndarray:
 # -- numpy mirror ------------------------------------------------------------------------------------
 
 
-def _prologue(x: np.ndarray, k: int, pro: int, pw: np.ndarray | None, eps: float, xoff: int) -> np.ndarray:
+def _prologue(x: np.ndarray, k: int, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
+              ssq: np.ndarray | None = None) -> np.ndarray:
     xv = np.asarray(x, np.float32)
     if pro == PRO_RMSNORM:
-        ss = np.einsum("mk,mk->m", xv[:, :k], xv[:, :k])[:, None]  # [M, 1]
+        if ssq is None:
+            ss = np.einsum("mk,mk->m", xv[:, :k], xv[:, :k])[:, None]  # [M, 1]
+        else:  # M = 1: the producer's tile sums
+            ss = ssq[:tile_count(k)].sum(dtype=np.float32).reshape(1, 1)
         r = np.sqrt(ss / np.float32(k) + np.float32(eps))
         return xv[:, :k] / r * pw
     if pro == PRO_SILU_MUL:
@@ -149,6 +153,19 @@ def _prologue(x: np.ndarray, k: int, pro: int, pw: np.ndarray | None, eps: float
         with np.errstate(over="ignore"):
             return g / (np.float32(1) + np.exp(-g)) * xv[:, xoff:xoff + k]
     return xv[:, :k]
+
+
+def tile_count(n: int) -> int:
+    """128-column tiles of a row of n: the entries of the residual stream's sums of squares (forward.cu)."""
+    return -(-n // TILE_N)
+
+
+def _tile_ssq(row: np.ndarray) -> np.ndarray:
+    """Per-tile sums of squares of one row (what embed_rows / a residual-add GEMV leave in ssq_out)."""
+    n = row.shape[-1]
+    padded = np.zeros(tile_count(n) * TILE_N, np.float32)
+    padded[:n] = row.reshape(-1)
+    return (padded * padded).reshape(-1, TILE_N).sum(axis=1, dtype=np.float32)
 
 
 class NumpyOps:
@@ -206,18 +223,22 @@ class NumpyOps:
         return replay
 
     # kernels
-    def embed(self, codes: np.ndarray, scales: np.ndarray, group: int, ids: np.ndarray, h: np.ndarray) -> None:
+    def embed(self, codes: np.ndarray, scales: np.ndarray, group: int, ids: np.ndarray, h: np.ndarray,
+              ssq_out: np.ndarray | None = None) -> None:
         def fn() -> None:
             tok = ids[:h.shape[0]].astype(np.int64)
             rows = codes[tok].astype(np.float32).reshape(len(tok), -1, group) * scales[tok][:, :, None]
             h[...] = rows.reshape(len(tok), -1)
+            if ssq_out is not None:
+                ssq_out[:tile_count(h.shape[1])] = _tile_ssq(h[0])
         self._run(fn)
 
     def gemv(self, lin: Lin, x: np.ndarray, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
-             y: np.ndarray, epi: int, bias: np.ndarray | None) -> None:
+             y: np.ndarray, epi: int, bias: np.ndarray | None, ssq_in: np.ndarray | None = None,
+             ssq_out: np.ndarray | None = None) -> None:
         def fn() -> None:
             m, g = x.shape[0], lin.group_size
-            a = _prologue(x, lin.k, pro, pw, eps, xoff)  # [M, K]
+            a = _prologue(x, lin.k, pro, pw, eps, xoff, ssq_in)  # [M, K]
             a_codes, a_scales = quantize_activations(a, g)
             w = unpack_kmajor(lin.codes, lin.bits)[:lin.k]  # [K, Npad]
             ng = lin.k // g
@@ -228,6 +249,8 @@ class NumpyOps:
             if bias is not None:
                 out = out + bias
             y[...] = y + out if epi == EPI_ADD else out
+            if ssq_out is not None:
+                ssq_out[:tile_count(lin.n)] = _tile_ssq(y[0])
         self._run(fn)
 
     def qkv_rope(self, qkv: np.ndarray, heads: int, kv_heads: int, hd: int, qnorm: np.ndarray | None,
@@ -425,14 +448,19 @@ class CupyOps:
             fn(grid, block, args, shared_mem=smem)
 
     # kernels
-    def embed(self, codes: Any, scales: Any, group: int, ids: Any, h: Any) -> None:
+    def embed(self, codes: Any, scales: Any, group: int, ids: Any, h: Any, ssq_out: Any = None) -> None:
         m, d = h.shape
         self._launch(self._fn["embed_rows"], (-(-d // 256), m), (256,),
-                     (_ptr(codes), _ptr(scales), _i32(d), _i32(group), _ptr(ids), _ptr(h)))
+                     (_ptr(codes), _ptr(scales), _i32(d), _i32(group), _ptr(ids), _ptr(h),
+                      _ptr(ssq_out if m == 1 else None)))
 
     def gemv(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
-             bias: Any) -> None:
+             bias: Any, ssq_in: Any = None, ssq_out: Any = None) -> None:
+        """ssq_in / ssq_out (M = 1 only): the residual stream's tile sums of squares, read by an RMSNorm
+        prologue (pro 1) instead of the row, written with a residual-add epilogue's outputs."""
         m = x.shape[0]
+        if m > 1:
+            ssq_in = ssq_out = None
         if m > SMALL_M and self.gemm is not None:
             self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias)
             return
@@ -440,7 +468,8 @@ class CupyOps:
             self._launch(self._gemv_m1[(lin.bits, lin.group_size)], (lin.tiles, lin.ksplit), (256,),
                          (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
                           _ptr(x), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
-                          _ptr(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters)))
+                          _ptr(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters),
+                          _ptr(ssq_in), _ptr(ssq_out)))
             return
         mr = 1 if m == 1 else SMALL_M
         ksplit = lin.ksplit if m == 1 else 1
@@ -448,7 +477,8 @@ class CupyOps:
         self._launch(fn, (lin.tiles, ksplit, -(-m // mr)), (256,),
                      (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
                       _ptr(x), _ld(x), _i32(m), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
-                      _ptr(y), _ld(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters)))
+                      _ptr(y), _ld(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters),
+                      _ptr(ssq_in), _ptr(ssq_out)))
 
     def _tiled(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
                bias: Any) -> None:
