@@ -69,7 +69,7 @@ def _record_step(fwd: Any, model: Any, seq_id: int, tokens: np.ndarray, pos: int
     orig = {name: getattr(ops, name) for name in ("gemv", "qkv_rope", "attention", "embed")}
 
     def wrap(name: str) -> Any:
-        def call(*args: Any) -> None:
+        def call(*args: Any, **kwargs: Any) -> None:
             if name == "gemv":
                 lin = args[0]
                 kind = "gemv " + _PROJ.get((lin.wkey & 0xFFFFFFFF) - 1, "?")
@@ -77,8 +77,8 @@ def _record_step(fwd: Any, model: Any, seq_id: int, tokens: np.ndarray, pos: int
             else:
                 kind = "attention" if name == "attention" else name
                 nbytes = 0
-            calls.append((kind, nbytes, lambda: orig[name](*args)))
-            orig[name](*args)
+            calls.append((kind, nbytes, lambda: orig[name](*args, **kwargs)))
+            orig[name](*args, **kwargs)
         return call
 
     for name in orig:
