@@ -64,6 +64,7 @@ from kestrel_cuda.forward_ops import (
     attn_part_size,
     gemv_scratch,
     head_scale,
+    norm_tiles_enabled,
     pack_kmajor,
     plan_split,
     tile_count,
@@ -200,6 +201,7 @@ class DeviceForward:
         self.sm_count = getattr(ops, "sm_count", 132)
         self.gemv_kind = getattr(ops, "gemv_kind", "hybrid")
         self.target_blocks = target_blocks  # None: each M=1 kernel's default (forward_ops.default_target_blocks)
+        self.norm_tiles = norm_tiles_enabled()
         self._st: _State | None = None
         self._seqs: dict[int, _Seq] = {}
         self.counters: dict[str, int] = {"steps": 0, "graph_replays": 0, "graph_captures": 0,
@@ -291,7 +293,7 @@ class DeviceForward:
         hd, heads, kv_heads, f = c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size
         scale = head_scale(hd)
         h = st.h[:m]
-        ssq = st.ssq if m == 1 else None  # h's tile sums: its writers leave them, the norms read them
+        ssq = st.ssq if m == 1 and self.norm_tiles else None  # h's tile sums: left by its writers, read by norms
         ops.embed(st.emb_codes, st.emb_scales, st.emb_group, st.ids, h, ssq)
         for i, layer in enumerate(st.layers):
             if self.layer_boundary is not None:

@@ -553,6 +553,7 @@ def gemv_scratch(lins: list[Lin]) -> tuple[int, int]:
 BLOCKS_ENV = "KESTREL_CUDA_GEMV_BLOCKS"
 GEMV_ENV = "KESTREL_CUDA_GEMV"
 PDL_ENV = "KESTREL_CUDA_PDL"
+NORM_TILES_ENV = "KESTREL_CUDA_NORM_TILES"
 
 
 def _env(name: str, default: str) -> str:
@@ -568,6 +569,12 @@ def gemv_kind() -> str:
     stream 3275."""
     raw = _env(GEMV_ENV, "hybrid")
     return raw if raw in ("stream", "chunk", "hybrid") else "hybrid"
+
+
+def norm_tiles_enabled() -> bool:
+    """``KESTREL_CUDA_NORM_TILES`` (default on): M = 1 RMSNorm prologues read the residual stream's tile sums
+    of squares (forward.cu) instead of the whole row."""
+    return _env(NORM_TILES_ENV, "1") not in ("0", "false", "no", "off")
 
 
 def pdl_enabled() -> bool:
