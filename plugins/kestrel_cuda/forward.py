@@ -199,7 +199,7 @@ class DeviceForward:
         self.max_context = max_context
         self.use_graph = (_env_graph() if use_graph is None else use_graph) and layer_boundary is None
         self.sm_count = getattr(ops, "sm_count", 132)
-        self.gemv_kind = getattr(ops, "gemv_kind", "hybrid")
+        self.gemv_kind = getattr(ops, "gemv_kind", "chunk")
         self.target_blocks = target_blocks  # None: each M=1 kernel's default (forward_ops.default_target_blocks)
         self.norm_tiles = norm_tiles_enabled()
         self._st: _State | None = None

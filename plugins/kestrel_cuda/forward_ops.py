@@ -563,12 +563,12 @@ def _env(name: str, default: str) -> str:
 
 
 def gemv_kind() -> str:
-    """The M=1 GEMV (``KESTREL_CUDA_GEMV``, for benchmarks): "hybrid" (default: qgemv_m1 for projections
-    of fewer column tiles than SMs, qgemv for wider ones), "stream" (qgemv_m1 for all) or "chunk" (qgemv
-    for all). Measured on the H200 (docs/performance.md): hybrid 3137 us per qwen3-8b q8 step, chunk 3242,
-    stream 3275."""
-    raw = _env(GEMV_ENV, "hybrid")
-    return raw if raw in ("stream", "chunk", "hybrid") else "hybrid"
+    """The M=1 GEMV (``KESTREL_CUDA_GEMV``, for benchmarks): "chunk" (default: qgemv for all), "stream"
+    (qgemv_m1 for all) or "hybrid" (qgemv_m1 for int8 projections of fewer column tiles than SMs, qgemv for
+    the rest). Measured on the H200 with the tile sums of squares (docs/performance.md), GPU us per qwen3-8b
+    step in one run: q8 chunk 3,099, hybrid 3,194; q4 chunk 2,461, hybrid 2,471, stream 2,813."""
+    raw = _env(GEMV_ENV, "chunk")
+    return raw if raw in ("stream", "chunk", "hybrid") else "chunk"
 
 
 def norm_tiles_enabled() -> bool:

@@ -111,8 +111,8 @@ def test_fused_gemv_prefill_without_the_tiled_gemm(n_prefill, stream) -> None:  
 @pytest.mark.parametrize("target", (1, 4096))
 @pytest.mark.parametrize("quant", QUANTS)
 def test_m1_gemv_ring_and_k_splits(quant, target, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The streaming M=1 GEMV (qgemv_m1: the narrow int8 projections under the default hybrid choice, all of
-    them here) at both ends of its planner: one block per column tile, whose warps each stream many groups
+    """The streaming M=1 GEMV (qgemv_m1, KESTREL_CUDA_GEMV=stream; "hybrid" gives it the narrow int8
+    projections) at both ends of its planner: one block per column tile, whose warps each stream many groups
     through the register ring (down: K = 2048), and many K splits per tile (the last block adds the
     partial sums)."""
     monkeypatch.setenv("KESTREL_CUDA_GEMV", "stream")
