@@ -66,24 +66,24 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return s;
 }
 
-// The residual stream's sums of squares, one per 128-column tile (TN), kept for M = 1 so that an RMSNorm
-// prologue reads ceil(K / 128) floats instead of the whole row in every block: the kernels that write the
-// stream (embed_rows, the residual-add GEMVs) leave them in ssq_out, the norm's consumers read them as ssq_in.
+// The residual stream's sums of squares, one per 32 columns (a warp's outputs), kept for M = 1 so that an
+// RMSNorm prologue reads ceil(K / 32) floats instead of the whole row in every block: the kernels that write
+// the stream (embed_rows, the residual-add GEMVs) leave them in ssq_out, the norm's consumers read ssq_in.
 
-// rmsnorm denominator of a row of K from its tile sums, the same bits in every lane of the calling warp
+// rmsnorm denominator of a row of K from its sums, the same bits in every lane of the calling warp
 __device__ __forceinline__ float rms_from_tiles(const float* __restrict__ ssq, int K, float eps) {
     const int lane = threadIdx.x & 31;
     float s = 0.f;
-    for (int t = lane; t < (K + TN - 1) / TN; t += 32) s += ssq[t];  // written by an earlier kernel
+    for (int t = lane; t < (K + 31) / 32; t += 32) s += ssq[t];  // written by an earlier kernel
     s = warp_sum(s);
     return sqrtf(s / (float)K + eps);
 }
 
-// ssq[tile] = sum of the squares of y over the block's threads (0 where a thread holds no output); every
-// thread of the block calls it
-__device__ __forceinline__ void store_tile_ssq(float y, float* red, float* __restrict__ ssq, int tile) {
-    const float s = block_sum(y * y, red);
-    if (threadIdx.x == 0) ssq[tile] = s;
+// ssq[n0 / 32] = sum of the squares of the calling warp's outputs y (0 where a lane holds none), n0 the
+// warp's first column
+__device__ __forceinline__ void store_warp_ssq(float y, float* __restrict__ ssq, int n0) {
+    const float s = warp_sum(y * y);
+    if ((threadIdx.x & 31) == 0) ssq[n0 >> 5] = s;
 }
 
 // One lane's 32-row slot of weights, 4 columns from col, rows kr .. kr + 31. int8: w[r] = row kr + r (byte c =
@@ -392,30 +392,32 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
             }
         }
     }
-    if (ssq_out) store_tile_ssq(y0, s_red, ssq_out, blockIdx.x);
+    if (ssq_out && warp < TN / 32 && n0 + 32 * warp < N) store_warp_ssq(y0, ssq_out, n0 + 32 * warp);
 }
 
 // ------------------------------------------------------------------------------------------------------
 // M = 1 GEMV, streaming: the decode step's projections (and lm_head).
 //
-// Same result definition as qgemv. Block: 8 warps on one column tile of TN = 128 columns (lane: 4 columns,
-// one 4-byte load per K row), grid x = column tiles, y = K splits (contiguous runs of whole G-groups).
+// Same result definition as qgemv. Block: 8 warps on one column tile of 4 x LG columns (lane: 4 columns),
+// grid x = column tiles, y = K splits (contiguous runs of whole G-groups). LG = 32: 128-column tiles, a warp
+// on one group at a time ("stream"); LG = 8: 32-column tiles, the warp's 4 lane quarters on 4 groups at a
+// time, so a narrow projection has 4x the tiles and needs no K split ("narrow").
 // The block first quantizes the activations of its K run once into shared memory (RMSNorm / SiLU*up,
 // Q8_0 per group, one warp per group), while the first weight loads are in flight; then every warp streams
-// its groups (w, w + 8, ...) with no block barrier: a register ring of NB 32-row slots, the slot NB ahead
-// loaded as soon as one is consumed, so each warp keeps its next slots' weights in flight while it reduces
-// the current one. Warps are added in a fixed order, then the splits (last block of a tile, as qgemv).
+// its groups with no block barrier: a register ring of NB 32-row slots, the slot NB ahead loaded as soon as
+// one is consumed, so each lane keeps its next slots' weights in flight while it reduces the current one.
+// Lane quarters are added in a fixed order, then the warps, then the splits (last block of a tile, as qgemv).
 // (Reloading quad by quad, as each 4 rows are transposed, measured slower: docs/performance.md.)
 #define SMAXK 16384     // K rows one block of qgemv_m1 may quantize into shared memory
 #define M1_WARPS (NT / 32)
 #define LOAD_M1(b, t)                                                                                      \
     do {                                                                                                   \
-        const int kr_ = k_base + (warp + M1_WARPS * ((t) / SPU)) * G + ((t) % SPU) * 32;                   \
+        const int kr_ = k_base + ((warp + M1_WARPS * ((t) / SPU)) * GPW + quarter) * G + ((t) % SPU) * 32; \
         load_slot<BITS>(W, Npad, kr_, col, ring[b]);                                                       \
         ring_s[b] = __ldg(reinterpret_cast<const float4*>(WS + (size_t)(kr_ / G) * Npad + col));           \
     } while (0)
 
-template <int BITS, int G>
+template <int BITS, int G, int LG>
 __global__ void __launch_bounds__(NT, 2) qgemv_m1(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
     const float* __restrict__ X, int pro, const float* __restrict__ pw, float eps, int xoff,
@@ -425,6 +427,8 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
     constexpr int NW = BITS == 8 ? 32 : 16;     // 4-byte words a lane loads per 32-row slot
     constexpr int SPU = G / 32;                 // slots per group
     constexpr int NB = BITS == 8 ? 2 : 4;       // slots in the register ring (64 words: 8 KB a warp in flight)
+    constexpr int TNL = 4 * LG;                 // columns of the tile
+    constexpr int GPW = 32 / LG;                // groups a warp works on at once, one per lane quarter
     __shared__ __align__(16) int s_aq[SMAXK / 4];   // activation codes of the block's K run, 4 per word
     __shared__ float s_as[SMAXK / 32];          // per group: activation scale
     __shared__ int s_asum[SMAXK / 32];          // per group: sum of activation codes (int4 bias)
@@ -434,15 +438,18 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
 
     grid_dep_launch();
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int n0 = blockIdx.x * TN;
-    const int col = n0 + 4 * lane;
+    const int quarter = lane / LG;              // LG = 32: 0
+    const int n0 = blockIdx.x * TNL;
+    const int col = n0 + 4 * (lane % LG);
     const bool colok = col < Npad;
     const int groups = K / G;
     const int per = (groups + (int)gridDim.y - 1) / (int)gridDim.y;
     const int g0 = blockIdx.y * per;
     const int ng = max(0, min(groups, g0 + per) - g0);        // groups of this block
     const int k_base = g0 * G;
-    const int nt = (colok && ng > warp) ? ((ng - warp + M1_WARPS - 1) / M1_WARPS) * SPU : 0;  // this warp's slots
+    // this lane's groups: (warp + 8 j) * GPW + quarter, j = 0, 1, ...; its slots: SPU per group
+    const int gfirst = warp * GPW + quarter;
+    const int nt = (colok && ng > gfirst) ? ((ng - gfirst + M1_WARPS * GPW - 1) / (M1_WARPS * GPW)) * SPU : 0;
 
     unsigned ring[NB][NW];
     float4 ring_s[NB];
@@ -511,7 +518,7 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
         for (int b = 0; b < NB; ++b) {
             const int t = t0 + b;
             if (t < nt) {
-                const int gl = warp + M1_WARPS * (t / SPU);
+                const int gl = (warp + M1_WARPS * (t / SPU)) * GPW + quarter;
                 const int sub = t % SPU;
                 const int4* ap = reinterpret_cast<const int4*>(s_aq + (gl * G + sub * 32) / 4);
                 const int4 a0 = ap[0], a1 = ap[1];
@@ -532,36 +539,40 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
         }
     }
 
-    *reinterpret_cast<float4*>(&s_acc[warp][4 * lane]) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+#pragma unroll
+    for (int o = LG; o < 32; o <<= 1)           // the lane quarters of each column, xor order: same bits
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[c] += __shfl_xor_sync(FULL, acc[c], o);
+    if (lane < LG) *reinterpret_cast<float4*>(&s_acc[warp][4 * lane]) = make_float4(acc[0], acc[1], acc[2], acc[3]);
     __syncthreads();
     const int n = n0 + tid;
     float y = 0.f;
-    if (tid < TN) {
+    if (tid < TNL) {
         y = s_acc[0][tid];
 #pragma unroll
         for (int w = 1; w < M1_WARPS; ++w) y += s_acc[w][tid];
     }
     if (gridDim.y > 1) {
-        if (tid < TN && n < Npad) part[(size_t)blockIdx.y * Npad + n] = y;
+        if (tid < TNL && n < Npad) part[(size_t)blockIdx.y * Npad + n] = y;
         __threadfence();
         __syncthreads();
         if (tid == 0) s_last = atomicAdd(&counters[blockIdx.x], 1) == (int)gridDim.y - 1;
         __syncthreads();
         if (!s_last) return;
         __threadfence();
-        if (tid < TN && n < Npad) {
+        if (tid < TNL && n < Npad) {
             y = 0.f;
 #pragma unroll 16
             for (int s = 0; s < (int)gridDim.y; ++s) y += __ldcg(part + (size_t)s * Npad + n);
         }
         if (tid == 0) counters[blockIdx.x] = 0;
     }
-    if (tid < TN && n < N) {
+    if (tid < TNL && n < N) {
         if (bias) y = y + bias[n];
         y = epi == 1 ? Y[n] + y : y;
         Y[n] = y;
     }
-    if (ssq_out) store_tile_ssq(tid < TN && n < N ? y : 0.f, s_red, ssq_out, blockIdx.x);
+    if (ssq_out && warp < TNL / 32 && n0 + 32 * warp < N) store_warp_ssq(tid < TNL && n < N ? y : 0.f, ssq_out, n0 + 32 * warp);
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -629,7 +640,6 @@ extern "C" __global__ void embed_rows(const signed char* __restrict__ codes, con
 {
     grid_dep_launch();
     grid_dep_wait();
-    __shared__ float s_w[8];
     const int m = blockIdx.y;
     const int k = blockIdx.x * blockDim.x + threadIdx.x;
     float v = 0.f;
@@ -638,14 +648,8 @@ extern "C" __global__ void embed_rows(const signed char* __restrict__ codes, con
         v = (float)codes[tok * D + k] * scales[tok * (D / G) + k / G];
         h[(size_t)m * D + k] = v;
     }
-    if (ssq_out) {  // M = 1; 256 threads: two 128-column tiles a block, warps 0-3 and 4-7
-        const float sq = warp_sum(v * v);
-        if ((threadIdx.x & 31) == 0) s_w[threadIdx.x >> 5] = sq;
-        __syncthreads();
-        const int half = threadIdx.x >> 7, tile = 2 * blockIdx.x + half;
-        if ((threadIdx.x & 127) == 0 && tile * TN < D)
-            ssq_out[tile] = ((s_w[4 * half] + s_w[4 * half + 1]) + s_w[4 * half + 2]) + s_w[4 * half + 3];
-    }
+    const int w0 = k & ~31;                     // the warp's first column
+    if (ssq_out && w0 < D) store_warp_ssq(v, ssq_out, w0);  // M = 1
 }
 
 // ------------------------------------------------------------------------------------------------------

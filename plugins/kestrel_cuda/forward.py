@@ -67,7 +67,7 @@ from kestrel_cuda.forward_ops import (
     norm_tiles_enabled,
     pack_kmajor,
     plan_split,
-    tile_count,
+    ssq_count,
 )
 from kestrel_cuda.residency import fusable
 
@@ -163,7 +163,7 @@ class _State:
     sin: Any
     meta: Any  # int32 [1 + PREFILL_CHUNK]: position, then token ids
     h: Any
-    ssq: Any  # float32 [tiles of D]: h's sums of squares per 128 columns, M = 1 (forward.cu)
+    ssq: Any  # float32 [ceil(D / 32)]: h's sums of squares per 32 columns, M = 1 (forward.cu)
     qkv: Any
     q: Any
     attn: Any
@@ -375,7 +375,7 @@ class DeviceForward:
         st = _State(model=model, config=c, max_context=max_context, emb_codes=up(emb.codes),
                     emb_scales=up(emb.scales), emb_group=emb.group_size, final_norm=up(model.final_norm),
                     layers=layers, lm_head=None, cos=up(cos), sin=up(sin),
-                    meta=zeros(1 + t, np.int32), h=zeros((t, d), np.float32), ssq=zeros(tile_count(d), np.float32),
+                    meta=zeros(1 + t, np.int32), h=zeros((t, d), np.float32), ssq=zeros(ssq_count(d), np.float32),
                     qkv=zeros((t, nq + 2 * nkv), np.float32), q=zeros((t, nq), np.float32),
                     attn=zeros((t, nq), np.float32), gu=zeros((t, 2 * f), np.float32),
                     logits=zeros((1, c.vocab_size), np.float32))

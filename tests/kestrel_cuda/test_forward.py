@@ -108,28 +108,29 @@ def test_fused_gemv_prefill_without_the_tiled_gemm(n_prefill, stream) -> None:  
     _check(model, toks, n_prefill, device_logits(DeviceForward(stream=stream), model, toks, n_prefill))
 
 
+@pytest.mark.parametrize("kind", ("stream", "narrow"))
 @pytest.mark.parametrize("target", (1, 4096))
 @pytest.mark.parametrize("quant", QUANTS)
-def test_m1_gemv_ring_and_k_splits(quant, target, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The streaming M=1 GEMV (qgemv_m1, KESTREL_CUDA_GEMV=stream; "hybrid" gives it the narrow int8
-    projections) at both ends of its planner: one block per column tile, whose warps each stream many groups
-    through the register ring (down: K = 2048), and many K splits per tile (the last block adds the
-    partial sums)."""
-    monkeypatch.setenv("KESTREL_CUDA_GEMV", "stream")
+def test_m1_gemv_ring_and_k_splits(quant, target, kind, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The streaming M=1 GEMV (qgemv_m1 with 128-column tiles, KESTREL_CUDA_GEMV=stream, or 32-column ones
+    whose lane quarters take 4 groups at once, =narrow) at both ends of its planner: one block per column
+    tile, whose warps each stream many groups through the register ring (down: K = 2048), and many K splits
+    per tile (the last block adds the partial sums)."""
+    monkeypatch.setenv("KESTREL_CUDA_GEMV", kind)
     model = synthetic_model(replace(SMALL_CONFIGS["qwen3"], intermediate_size=2048), quant, seed=11)
     toks = _tokens(model.config, 20)
     fwd = DeviceForward(stream=stream, gemm=gemm, target_blocks=target)
-    assert fwd.ops.gemv_kind == "stream"
+    assert fwd.ops.gemv_kind == kind
     _check(model, toks, 12, device_logits(fwd, model, toks, 12))
     w = fwd._st.layers[0].weights
-    assert {lin.m1 for lin in [*w.qkv, w.o, *w.gate_up, w.down]} == {"stream"}
+    assert {lin.m1 for lin in [*w.qkv, w.o, *w.gate_up, w.down]} == {kind}
     if target == 1:
         assert all(lin.ksplit == 1 for lin in [*w.qkv, w.o, *w.gate_up, w.down])
     elif w.down.group_size == 32:
         assert w.down.ksplit > 1
 
 
-@pytest.mark.parametrize("kind", ("stream", "chunk"))
+@pytest.mark.parametrize("kind", ("stream", "narrow", "chunk"))
 @pytest.mark.parametrize("n, k", ((509, 2048), (8, 512)))
 @pytest.mark.parametrize("group", (32, 256))
 @pytest.mark.parametrize("bits", (8, 4))
@@ -163,7 +164,7 @@ def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, 
     splits = sorted({1, 2, 3, 7, ng} & set(range(1, ng + 1)))
     for ksplit in splits:
         lin.ksplit = ksplit
-        ops.reserve(ksplit * npad, lin.tiles, 1, 1)
+        ops.reserve(ksplit * npad, lin.narrow_tiles, 1, 1)  # the most tiles of any kind
         y = ops.upload(y0[None])
         ops.gemv(lin, xd, PRO_PLAIN, None, 0.0, 0, y, EPI_ADD, bd)
         ops.synchronize()
