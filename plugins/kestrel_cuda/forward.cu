@@ -398,26 +398,25 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
 // ------------------------------------------------------------------------------------------------------
 // M = 1 GEMV, streaming: the decode step's projections (and lm_head).
 //
-// Same result definition as qgemv. Block: 8 warps on one column tile of 4 x LG columns (lane: 4 columns),
-// grid x = column tiles, y = K splits (contiguous runs of whole G-groups). LG = 32: 128-column tiles, a warp
-// on one group at a time ("stream"); LG = 8: 32-column tiles, the warp's 4 lane quarters on 4 groups at a
-// time, so a narrow projection has 4x the tiles and needs no K split ("narrow").
+// Same result definition as qgemv. Block: 8 warps on one column tile of TN = 128 columns (lane: 4 columns),
+// grid x = column tiles, y = K splits (contiguous runs of whole G-groups).
 // The block first quantizes the activations of its K run once into shared memory (RMSNorm / SiLU*up,
 // Q8_0 per group, one warp per group), while the first weight loads are in flight; then every warp streams
-// its groups with no block barrier: a register ring of NB 32-row slots, the slot NB ahead loaded as soon as
-// one is consumed, so each lane keeps its next slots' weights in flight while it reduces the current one.
-// Lane quarters are added in a fixed order, then the warps, then the splits (last block of a tile, as qgemv).
-// (Reloading quad by quad, as each 4 rows are transposed, measured slower: docs/performance.md.)
+// its groups (w, w + 8, ...) with no block barrier: a register ring of NB 32-row slots, the slot NB ahead
+// loaded as soon as one is consumed, so each warp keeps its next slots' weights in flight while it reduces
+// the current one. Warps are added in a fixed order, then the splits (last block of a tile, as qgemv).
+// (Reloading quad by quad, as each 4 rows are transposed, and 32-column tiles whose lane quarters take 4
+// groups at once, without K splits, measured slower: docs/performance.md.)
 #define SMAXK 16384     // K rows one block of qgemv_m1 may quantize into shared memory
 #define M1_WARPS (NT / 32)
 #define LOAD_M1(b, t)                                                                                      \
     do {                                                                                                   \
-        const int kr_ = k_base + ((warp + M1_WARPS * ((t) / SPU)) * GPW + quarter) * G + ((t) % SPU) * 32; \
+        const int kr_ = k_base + (warp + M1_WARPS * ((t) / SPU)) * G + ((t) % SPU) * 32;                   \
         load_slot<BITS>(W, Npad, kr_, col, ring[b]);                                                       \
         ring_s[b] = __ldg(reinterpret_cast<const float4*>(WS + (size_t)(kr_ / G) * Npad + col));           \
     } while (0)
 
-template <int BITS, int G, int LG>
+template <int BITS, int G>
 __global__ void __launch_bounds__(NT, 2) qgemv_m1(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
     const float* __restrict__ X, int pro, const float* __restrict__ pw, float eps, int xoff,
@@ -427,8 +426,6 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
     constexpr int NW = BITS == 8 ? 32 : 16;     // 4-byte words a lane loads per 32-row slot
     constexpr int SPU = G / 32;                 // slots per group
     constexpr int NB = BITS == 8 ? 2 : 4;       // slots in the register ring (64 words: 8 KB a warp in flight)
-    constexpr int TNL = 4 * LG;                 // columns of the tile
-    constexpr int GPW = 32 / LG;                // groups a warp works on at once, one per lane quarter
     __shared__ __align__(16) int s_aq[SMAXK / 4];   // activation codes of the block's K run, 4 per word
     __shared__ float s_as[SMAXK / 32];          // per group: activation scale
     __shared__ int s_asum[SMAXK / 32];          // per group: sum of activation codes (int4 bias)
@@ -438,18 +435,15 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
 
     grid_dep_launch();
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int quarter = lane / LG;              // LG = 32: 0
-    const int n0 = blockIdx.x * TNL;
-    const int col = n0 + 4 * (lane % LG);
+    const int n0 = blockIdx.x * TN;
+    const int col = n0 + 4 * lane;
     const bool colok = col < Npad;
     const int groups = K / G;
     const int per = (groups + (int)gridDim.y - 1) / (int)gridDim.y;
     const int g0 = blockIdx.y * per;
     const int ng = max(0, min(groups, g0 + per) - g0);        // groups of this block
     const int k_base = g0 * G;
-    // this lane's groups: (warp + 8 j) * GPW + quarter, j = 0, 1, ...; its slots: SPU per group
-    const int gfirst = warp * GPW + quarter;
-    const int nt = (colok && ng > gfirst) ? ((ng - gfirst + M1_WARPS * GPW - 1) / (M1_WARPS * GPW)) * SPU : 0;
+    const int nt = (colok && ng > warp) ? ((ng - warp + M1_WARPS - 1) / M1_WARPS) * SPU : 0;  // this warp's slots
 
     unsigned ring[NB][NW];
     float4 ring_s[NB];
@@ -518,7 +512,7 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
         for (int b = 0; b < NB; ++b) {
             const int t = t0 + b;
             if (t < nt) {
-                const int gl = (warp + M1_WARPS * (t / SPU)) * GPW + quarter;
+                const int gl = warp + M1_WARPS * (t / SPU);
                 const int sub = t % SPU;
                 const int4* ap = reinterpret_cast<const int4*>(s_aq + (gl * G + sub * 32) / 4);
                 const int4 a0 = ap[0], a1 = ap[1];
@@ -539,40 +533,36 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
         }
     }
 
-#pragma unroll
-    for (int o = LG; o < 32; o <<= 1)           // the lane quarters of each column, xor order: same bits
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[c] += __shfl_xor_sync(FULL, acc[c], o);
-    if (lane < LG) *reinterpret_cast<float4*>(&s_acc[warp][4 * lane]) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    *reinterpret_cast<float4*>(&s_acc[warp][4 * lane]) = make_float4(acc[0], acc[1], acc[2], acc[3]);
     __syncthreads();
     const int n = n0 + tid;
     float y = 0.f;
-    if (tid < TNL) {
+    if (tid < TN) {
         y = s_acc[0][tid];
 #pragma unroll
         for (int w = 1; w < M1_WARPS; ++w) y += s_acc[w][tid];
     }
     if (gridDim.y > 1) {
-        if (tid < TNL && n < Npad) part[(size_t)blockIdx.y * Npad + n] = y;
+        if (tid < TN && n < Npad) part[(size_t)blockIdx.y * Npad + n] = y;
         __threadfence();
         __syncthreads();
         if (tid == 0) s_last = atomicAdd(&counters[blockIdx.x], 1) == (int)gridDim.y - 1;
         __syncthreads();
         if (!s_last) return;
         __threadfence();
-        if (tid < TNL && n < Npad) {
+        if (tid < TN && n < Npad) {
             y = 0.f;
 #pragma unroll 16
             for (int s = 0; s < (int)gridDim.y; ++s) y += __ldcg(part + (size_t)s * Npad + n);
         }
         if (tid == 0) counters[blockIdx.x] = 0;
     }
-    if (tid < TNL && n < N) {
+    if (tid < TN && n < N) {
         if (bias) y = y + bias[n];
         y = epi == 1 ? Y[n] + y : y;
         Y[n] = y;
     }
-    if (ssq_out && warp < TNL / 32 && n0 + 32 * warp < N) store_warp_ssq(tid < TNL && n < N ? y : 0.f, ssq_out, n0 + 32 * warp);
+    if (ssq_out && warp < TN / 32 && n0 + 32 * warp < N) store_warp_ssq(tid < TN && n < N ? y : 0.f, ssq_out, n0 + 32 * warp);
 }
 
 // ------------------------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ import numpy as np
 from kestrel_core.contract import quantize_activations
 
 TILE_N = 128  # columns of a GEMV block (forward.cu TN)
-NARROW_TILE_N = 32  # columns of a narrow qgemv_m1 block (LG = 8 lanes across)
 SSQ_COLS = 32  # columns per entry of the residual stream's sums of squares (forward.cu)
 CHUNK_K = 256  # rows of an int8 GEMV chunk (forward.cu KC8); int4 chunks have twice as many
 SMALL_M = 8  # up to this many rows run through the fused GEMV (MR = 8); more through the tiled GEMM if any
@@ -54,20 +53,11 @@ class Lin:
     col: int = 0
     ksplit: int = 1
     wkey: int = 0
-    m1: str = ""  # the M=1 kernel planned for it ("stream", "narrow" or "chunk"; "" = decided at launch)
+    m1: str = ""  # the M=1 kernel planned for it ("stream" or "chunk"; "" = decided at launch)
 
     @property
     def tiles(self) -> int:
         return -(-self.npad // TILE_N)
-
-    @property
-    def narrow_tiles(self) -> int:
-        return -(-self.npad // NARROW_TILE_N)
-
-    @property
-    def m1_tiles(self) -> int:
-        """Column tiles of its M=1 launch (grid x)."""
-        return self.narrow_tiles if self.m1 == "narrow" else self.tiles
 
     @property
     def chunks(self) -> int:
@@ -80,7 +70,7 @@ def plan_ksplit(lin: Lin, target_blocks: int) -> int:
     return max(1, min(lin.chunks, -(-target_blocks // lin.tiles)))
 
 
-def plan_stream_split(lin: Lin, resident: int, tiles: int | None = None, warp_groups: int = STREAM_WARPS) -> int:
+def plan_stream_split(lin: Lin, resident: int) -> int:
     """K splits of the streaming M=1 GEMV (``qgemv_m1``): each split is one block's run of whole G-groups,
     dealt to its 8 warps. Time is modelled as waves of blocks (``resident`` run at once) x (groups of the
     busiest warp + a block's fixed cost); the smallest split that minimises it (fewer partial sums), with a
@@ -91,22 +81,18 @@ def plan_stream_split(lin: Lin, resident: int, tiles: int | None = None, warp_gr
         per = -(-groups // s)
         if per * lin.group_size > STREAM_MAX_ROWS or -(-groups // per) != s:
             continue  # too long a run, or the same blocks as a smaller split
-        cost = -(-(tiles or lin.tiles) * s // resident) * (-(-per // warp_groups) + STREAM_BLOCK_COST)
+        cost = -(-lin.tiles * s // resident) * (-(-per // STREAM_WARPS) + STREAM_BLOCK_COST)
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
     return best
 
 
 def m1_kernel(lin: Lin, gemv: str, sm_count: int) -> str:
-    """The M=1 kernel of ``lin`` under the GEMV setting ``gemv`` (``CupyOps.gemv_kind``): "stream",
-    "narrow" or "chunk". "hybrid" gives wide projections (at least one column tile per SM) and every int4 one
-    to "chunk", the rest to "stream"; "narrow" gives projections with fewer column tiles than SMs to the
-    32-column qgemv_m1 and wider ones to "chunk"."""
-    wide = lin.tiles >= sm_count
+    """The M=1 kernel of ``lin`` under the GEMV setting ``gemv`` (``CupyOps.gemv_kind``): "stream" or
+    "chunk"; "hybrid" gives wide projections (at least one column tile per SM) and every int4 one to "chunk",
+    the rest to "stream"."""
     if gemv == "hybrid":
-        return "chunk" if wide or lin.bits == 4 else "stream"
-    if gemv == "narrow":
-        return "chunk" if wide else "narrow"
+        return "chunk" if lin.tiles >= sm_count or lin.bits == 4 else "stream"
     return gemv
 
 
@@ -115,11 +101,7 @@ def plan_split(lin: Lin, gemv: str, sm_count: int, target_blocks: int | None = N
     ``default_target_blocks``) is the chunk planner's target or the stream planner's resident blocks."""
     lin.m1 = m1_kernel(lin, gemv, sm_count)
     target = target_blocks or default_target_blocks(sm_count, lin.m1)
-    if lin.m1 == "chunk":
-        return plan_ksplit(lin, target)
-    if lin.m1 == "narrow":  # a warp's 4 lane quarters take 4 groups at once
-        return plan_stream_split(lin, target, lin.narrow_tiles, STREAM_WARPS * 4)
-    return plan_stream_split(lin, target)
+    return plan_ksplit(lin, target) if lin.m1 == "chunk" else plan_stream_split(lin, target)
 
 
 def pack_kmajor(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -320,8 +302,7 @@ def _rope(x: np.ndarray, c: np.ndarray, s: np.ndarray) -> np.ndarray:
 
 # (bits, G, MR): qgemv with MR rows per block: M = 2..8 (MR = 8), and M = 1 when KESTREL_CUDA_GEMV=chunk
 _GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
-# (bits, G, LG): qgemv_m1 with 4 x LG columns a block: 128 ("stream"), 32 ("narrow")
-_M1_VARIANTS = [(bits, g, lg) for bits in (8, 4) for g in (32, 256) for lg in (32, 8)]
+_M1_VARIANTS = [(bits, g) for bits in (8, 4) for g in (32, 256)]
 
 
 @lru_cache(maxsize=1)
@@ -331,7 +312,7 @@ def _module() -> Any:
     here = Path(__file__).parent
     source = "\n".join((here / name).read_text() for name in ("common.cu", "forward.cu"))
     names = ([f"qgemv<{b},{g},{mr}>" for b, g, mr in _GEMV_VARIANTS]
-             + ["qgemv_m1<{},{},{}>".format(*v) for v in _M1_VARIANTS]
+             + ["qgemv_m1<{},{}>".format(*v) for v in _M1_VARIANTS]
              + [f"attn_decode<{ATTN_SPLITS}>", "quantize_rows<32>", "quantize_rows<256>"])
     mod = cp.RawModule(code=source, options=("--fmad=false", "-std=c++17"), name_expressions=tuple(names))
     mod.compile()
@@ -367,7 +348,7 @@ class CupyOps:
         self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
         mod = _module()
         self._gemv = {v: mod.get_function("qgemv<{},{},{}>".format(*v)) for v in _GEMV_VARIANTS}
-        self._gemv_m1 = {v: mod.get_function("qgemv_m1<{},{},{}>".format(*v)) for v in _M1_VARIANTS}
+        self._gemv_m1 = {v: mod.get_function("qgemv_m1<{},{}>".format(*v)) for v in _M1_VARIANTS}
         self.gemv_kind = gemv_kind()
         self._attn_decode = mod.get_function(f"attn_decode<{ATTN_SPLITS}>")
         self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
@@ -484,10 +465,8 @@ class CupyOps:
         if m > SMALL_M and self.gemm is not None:
             self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias)
             return
-        kind = lin.m1 or m1_kernel(lin, self.gemv_kind, self.sm_count)
-        if m == 1 and kind in ("stream", "narrow"):
-            lg, tiles = (8, lin.narrow_tiles) if kind == "narrow" else (32, lin.tiles)
-            self._launch(self._gemv_m1[(lin.bits, lin.group_size, lg)], (tiles, lin.ksplit), (256,),
+        if m == 1 and (lin.m1 or m1_kernel(lin, self.gemv_kind, self.sm_count)) == "stream":
+            self._launch(self._gemv_m1[(lin.bits, lin.group_size)], (lin.tiles, lin.ksplit), (256,),
                          (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
                           _ptr(x), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
                           _ptr(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters),
@@ -568,7 +547,7 @@ def attn_part_size(heads: int, hd: int) -> int:
 def gemv_scratch(lins: list[Lin]) -> tuple[int, int]:
     """(partial floats, counters) the M=1 GEMVs of these projections need."""
     part = max((lin.ksplit * lin.npad for lin in lins if lin.ksplit > 1), default=1)
-    counters = max((max(lin.tiles, lin.m1_tiles) for lin in lins), default=1)
+    counters = max((lin.tiles for lin in lins), default=1)
     return part, counters
 
 
@@ -590,7 +569,7 @@ def gemv_kind() -> str:
     the rest). Measured on the H200 with the tile sums of squares (docs/performance.md), GPU us per qwen3-8b
     step in one run: q8 chunk 3,099, hybrid 3,194; q4 chunk 2,461, hybrid 2,471, stream 2,813."""
     raw = _env(GEMV_ENV, "chunk")
-    return raw if raw in ("stream", "chunk", "hybrid", "narrow") else "chunk"
+    return raw if raw in ("stream", "chunk", "hybrid") else "chunk"
 
 
 def norm_tiles_enabled() -> bool:

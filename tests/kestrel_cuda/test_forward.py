@@ -108,14 +108,14 @@ def test_fused_gemv_prefill_without_the_tiled_gemm(n_prefill, stream) -> None:  
     _check(model, toks, n_prefill, device_logits(DeviceForward(stream=stream), model, toks, n_prefill))
 
 
-@pytest.mark.parametrize("kind", ("stream", "narrow"))
 @pytest.mark.parametrize("target", (1, 4096))
 @pytest.mark.parametrize("quant", QUANTS)
-def test_m1_gemv_ring_and_k_splits(quant, target, kind, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The streaming M=1 GEMV (qgemv_m1 with 128-column tiles, KESTREL_CUDA_GEMV=stream, or 32-column ones
-    whose lane quarters take 4 groups at once, =narrow) at both ends of its planner: one block per column
-    tile, whose warps each stream many groups through the register ring (down: K = 2048), and many K splits
-    per tile (the last block adds the partial sums)."""
+def test_m1_gemv_ring_and_k_splits(quant, target, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The streaming M=1 GEMV (qgemv_m1, KESTREL_CUDA_GEMV=stream; "hybrid" gives it the narrow int8
+    projections) at both ends of its planner: one block per column tile, whose warps each stream many groups
+    through the register ring (down: K = 2048), and many K splits per tile (the last block adds the
+    partial sums)."""
+    kind = "stream"
     monkeypatch.setenv("KESTREL_CUDA_GEMV", kind)
     model = synthetic_model(replace(SMALL_CONFIGS["qwen3"], intermediate_size=2048), quant, seed=11)
     toks = _tokens(model.config, 20)
@@ -130,7 +130,7 @@ def test_m1_gemv_ring_and_k_splits(quant, target, kind, stream, gemm, monkeypatc
         assert w.down.ksplit > 1
 
 
-@pytest.mark.parametrize("kind", ("stream", "narrow", "chunk"))
+@pytest.mark.parametrize("kind", ("stream", "chunk"))
 @pytest.mark.parametrize("n, k", ((509, 2048), (8, 512)))
 @pytest.mark.parametrize("group", (32, 256))
 @pytest.mark.parametrize("bits", (8, 4))
@@ -164,7 +164,7 @@ def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, 
     splits = sorted({1, 2, 3, 7, ng} & set(range(1, ng + 1)))
     for ksplit in splits:
         lin.ksplit = ksplit
-        ops.reserve(ksplit * npad, lin.narrow_tiles, 1, 1)  # the most tiles of any kind
+        ops.reserve(ksplit * npad, lin.tiles, 1, 1)
         y = ops.upload(y0[None])
         ops.gemv(lin, xd, PRO_PLAIN, None, 0.0, 0, y, EPI_ADD, bd)
         ops.synchronize()

@@ -315,7 +315,7 @@ def test_plan_stream_split_gives_nonempty_blocks_within_shared_memory(k: int, n:
     assert forward_ops.plan_stream_split(lin, 1) == max(1, -(-k // forward_ops.STREAM_MAX_ROWS))
 
 
-def test_m1_kernel_choice_under_each_gemv_setting() -> None:
+def test_hybrid_gives_wide_and_int4_projections_to_the_chunked_gemv() -> None:
     wide = forward_ops.Lin(None, None, 4096, 24576, 24576, 32, 8)  # 192 column tiles
     narrow = forward_ops.Lin(None, None, 4096, 6144, 6144, 32, 8)  # 48
     assert forward_ops.m1_kernel(wide, "hybrid", 132) == "chunk"
@@ -323,18 +323,10 @@ def test_m1_kernel_choice_under_each_gemv_setting() -> None:
     narrow4 = forward_ops.Lin(None, None, 4096, 6144, 6144, 32, 4)  # int4: 512-row chunks
     assert forward_ops.m1_kernel(narrow4, "hybrid", 132) == "chunk"
     assert forward_ops.m1_kernel(wide, "stream", 132) == "stream"
-    assert forward_ops.m1_kernel(wide, "narrow", 132) == "chunk"
-    assert forward_ops.m1_kernel(narrow, "narrow", 132) == "narrow"
-    assert forward_ops.m1_kernel(narrow4, "narrow", 132) == "narrow"
     assert forward_ops.plan_split(wide, "hybrid", 132) == forward_ops.plan_ksplit(wide, 8 * 132)
     assert wide.m1 == "chunk"
     assert forward_ops.plan_split(narrow, "hybrid", 132) == forward_ops.plan_stream_split(narrow, 2 * 132)
     assert narrow.m1 == "stream"
-    o = forward_ops.Lin(None, None, 4096, 4096, 4096, 32, 4)  # 128 narrow tiles of 32 columns
-    o.ksplit = forward_ops.plan_split(o, "narrow", 132)
-    assert o.ksplit == forward_ops.plan_stream_split(o, 2 * 132, 128, 32) == 2
-    assert o.m1 == "narrow" and o.m1_tiles == o.narrow_tiles == 128 and o.tiles == 32
-    assert forward_ops.gemv_scratch([o]) == (2 * 4096, 128)  # counters for every narrow tile
 
 
 def test_plan_ksplit_fills_the_gpu_without_exceeding_chunks() -> None:
