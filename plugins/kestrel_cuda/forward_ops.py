@@ -65,8 +65,8 @@ class Lin:
 
 
 def plan_ksplit(lin: Lin, target_blocks: int) -> int:
-    """K splits of the chunked M=1 GEMV (``qgemv``: wide projections under the hybrid choice): enough blocks
-    (tiles x splits) to fill the GPU, at most one per chunk."""
+    """K splits of the chunked M=1 GEMV (``qgemv``, the default): enough blocks (tiles x splits) to fill the
+    GPU, at most one per chunk."""
     return max(1, min(lin.chunks, -(-target_blocks // lin.tiles)))
 
 

@@ -9,7 +9,7 @@ API for the backend
 -------------------
 ``Geometry(k, npad, ngroups, code_bits=8)``: the shape of one device weight. ``Geometry.of(strip)`` for one
     StripCache, ``Geometry.fused(strips)`` for a Q|K|V or gate|up buffer (``fusable(strips)`` says whether the
-    members may share one, else use per-projection weights); ``pack_int4=True`` sizes int4 codes two per byte.
+    members may share one, else use per-projection weights); ``pack_int4=True`` sizes int4 codes at 4 bits.
     One allocation of ``nbytes`` holds both regions (``npad = pad_n(N) = (N+3) & ~3``, fused: sum of the Ns):
         [0, codes_nbytes)                        codes, K-major: int8 [K][Npad]; code_bits=4: K*Npad/2 bytes,
                                                  packing order is the kernels' choice

@@ -2,8 +2,8 @@
 
 Host ``[N][K]`` int8 codes and ``[N][K/G]`` float32 scales are copied to the device as they are, then
 transposed there once (32x32 tiled kernels, ``transpose.cu``) into one buffer laid out as
-``residency.Geometry`` says: codes ``[K][Npad]`` int8, or for int4 weights ``[K/2][Npad]`` bytes holding two
-rows each (low nibble = even row, +8 offset: half the bytes a decode step reads), and scales
+``residency.Geometry`` says: codes ``[K][Npad]`` int8, or for int4 weights ``[K/8][Npad]`` 32-bit words of 8
+consecutive k of one column (+8 offset, common.cu: half the bytes a decode step reads), and scales
 ``[K/G][Npad]`` float32. ``Npad = (N+3) & ~3``; the whole buffer is zeroed first, so padding columns read 0.
 A fused buffer (Q|K|V, gate|up) holds its members side by side (``col_off``), NG = sum of N, when
 ``residency.fusable`` allows it (every N % 4 == 0, same K, G, bits); otherwise the backend keeps
