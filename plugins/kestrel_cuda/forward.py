@@ -396,7 +396,7 @@ class DeviceForward:
         lins = []
         for group in _groups(model.layers[0]) + [[model.lm_head]]:
             n, k = sum(s.n for s in group), group[0].k
-            lin = Lin(None, None, k, n, (n + 3) & ~3, group[0].group_size, group[0].bits)  # its plan's
+            lin = Lin(None, None, k, n, (n + 3) & ~3, group[0].group_size, group[0].bits)  # own bits: own plan
             lin.ksplit = self._plan(lin)
             lins.append(lin)
             for s in group:  # unfused members may have more tiles
