@@ -69,7 +69,7 @@ from kestrel_cuda.forward_ops import (
     plan_split,
     ssq_count,
 )
-from kestrel_cuda.residency import fusable
+from kestrel_cuda.residency import fusable, pad_n
 
 CAP_CHUNK = 1024  # KV positions are allocated this many at a time
 DEFAULT_MAX_CONTEXT = 32768
@@ -396,11 +396,11 @@ class DeviceForward:
         lins = []
         for group in _groups(model.layers[0]) + [[model.lm_head]]:
             n, k = sum(s.n for s in group), group[0].k
-            lin = Lin(None, None, k, n, (n + 3) & ~3, group[0].group_size, group[0].bits)  # own bits: own plan
+            lin = Lin(None, None, k, n, pad_n(n), group[0].group_size, group[0].bits)  # own bits: own plan
             lin.ksplit = self._plan(lin)
             lins.append(lin)
             for s in group:  # unfused members may have more tiles
-                one = Lin(None, None, s.k, s.n, (s.n + 3) & ~3, s.group_size, s.bits)
+                one = Lin(None, None, s.k, s.n, pad_n(s.n), s.group_size, s.bits)
                 one.ksplit = self._plan(one)
                 lins.append(one)
         part, counters = gemv_scratch(lins)
@@ -433,7 +433,7 @@ class DeviceForward:
 
     def _own(self, codes: np.ndarray, scales: np.ndarray, like: StripCache, key: int, col: int = 0) -> Lin:
         n, k = codes.shape
-        npad = (n + 3) & ~3
+        npad = pad_n(n)
         sc = np.zeros((k // like.group_size, npad), np.float32)
         sc[:, :n] = scales.T
         packed = pack_kmajor(codes, like.bits)

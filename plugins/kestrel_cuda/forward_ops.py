@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kestrel_core.contract import quantize_activations
+from kestrel_cuda.residency import Geometry, pad_n
 
 TILE_N = 128  # columns of a GEMV block (forward.cu TN)
 SSQ_COLS = 32  # columns per entry of the residual stream's sums of squares (forward.cu)
@@ -112,7 +113,7 @@ def pack_kmajor(codes: np.ndarray, bits: int) -> np.ndarray:
     common.cu describes. Used for the forward's own uploads when no weight cache is given, and by the mirrors.
     """
     n, k = codes.shape
-    npad = (n + 3) & ~3
+    npad = pad_n(n)
     t = np.zeros((k, npad), np.int8)
     t[:, :n] = codes.T
     if bits == 8:
@@ -533,8 +534,6 @@ def _as_device_weight(lin: Lin) -> Any:
     if dw is not None:
         return dw
     from types import SimpleNamespace
-
-    from kestrel_cuda.residency import Geometry
 
     geometry = Geometry(lin.k, lin.npad, lin.k // lin.group_size, lin.bits)
     return SimpleNamespace(geometry=geometry, codes=lin.codes.reshape(-1).view(np.int8), scales=lin.scales)

@@ -115,15 +115,14 @@ def test_m1_gemv_ring_and_k_splits(quant, target, stream, gemm, monkeypatch) -> 
     projections) at both ends of its planner: one block per column tile, whose warps each stream many groups
     through the register ring (down: K = 2048), and many K splits per tile (the last block adds the
     partial sums)."""
-    kind = "stream"
-    monkeypatch.setenv("KESTREL_CUDA_GEMV", kind)
+    monkeypatch.setenv("KESTREL_CUDA_GEMV", "stream")
     model = synthetic_model(replace(SMALL_CONFIGS["qwen3"], intermediate_size=2048), quant, seed=11)
     toks = _tokens(model.config, 20)
     fwd = DeviceForward(stream=stream, gemm=gemm, target_blocks=target)
-    assert fwd.ops.gemv_kind == kind
+    assert fwd.ops.gemv_kind == "stream"
     _check(model, toks, 12, device_logits(fwd, model, toks, 12))
     w = fwd._st.layers[0].weights
-    assert {lin.m1 for lin in [*w.qkv, w.o, *w.gate_up, w.down]} == {kind}
+    assert {lin.m1 for lin in [*w.qkv, w.o, *w.gate_up, w.down]} == {"stream"}
     if target == 1:
         assert all(lin.ksplit == 1 for lin in [*w.qkv, w.o, *w.gate_up, w.down])
     elif w.down.group_size == 32:
@@ -140,6 +139,7 @@ def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, 
     within float32 summation-order error, with bias and the residual add."""
     from kestrel_core.contract import quantize_activations
     from kestrel_cuda.forward_ops import EPI_ADD, PRO_PLAIN, CupyOps, Lin, pack_kmajor
+    from kestrel_cuda.residency import pad_n
 
     monkeypatch.setenv("KESTREL_CUDA_GEMV", kind)
     ops = CupyOps(stream)
@@ -147,7 +147,7 @@ def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, 
     lo, hi = (-127, 127) if bits == 8 else (-8, 7)
     codes = rng.integers(lo, hi + 1, size=(n, k)).astype(np.int8)
     scales = rng.uniform(-0.02, 0.02, size=(n, k // group)).astype(np.float32)
-    npad = (n + 3) & ~3
+    npad = pad_n(n)
     sc = np.zeros((k // group, npad), np.float32)
     sc[:, :n] = scales.T
     x = rng.standard_normal((1, k)).astype(np.float32)

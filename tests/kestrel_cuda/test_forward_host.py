@@ -32,7 +32,7 @@ from kestrel_cuda.forward_check import (
     jitter_effect,
 )
 from kestrel_cuda.forward_ops import NumpyOps, pack_kmajor, unpack_kmajor
-from kestrel_cuda.residency import Geometry, WeightCache
+from kestrel_cuda.residency import Geometry, WeightCache, pad_n
 
 CONFIGS = SMALL_CONFIGS
 QUANTS = ("q8", "q4", "q8-g256", "q4-g256")
@@ -300,7 +300,7 @@ def test_int4_word_dot_product_as_the_kernels_compute_it() -> None:
 def test_plan_stream_split_gives_nonempty_blocks_within_shared_memory(k: int, n: int, group: int) -> None:
     """qgemv_m1's splits: every block gets at least one whole group, no block's run exceeds what it can
     quantize into shared memory, and no other split has a lower modelled cost."""
-    lin = forward_ops.Lin(None, None, k, n, (n + 3) & ~3, group, 8)
+    lin = forward_ops.Lin(None, None, k, n, pad_n(n), group, 8)
     groups = k // group
     for resident in (1, 264, 4096):
         s = forward_ops.plan_stream_split(lin, resident)
