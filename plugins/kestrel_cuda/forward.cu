@@ -34,6 +34,24 @@ __device__ __forceinline__ void grid_dep_launch() {
 #endif
 }
 
+// Weights of the kernel after this one, asked into L2 by this kernel: HBM streams them while this kernel's
+// serial steps (waits, reductions, split merges) leave it idle. This block's share of [p, p + bytes), a hint
+// (no result); p 16-byte aligned, bytes a multiple of 16; p null: nothing.
+#define PF_PIECE 65536u
+__device__ __forceinline__ void l2_prefetch_share(const unsigned char* p, unsigned long long bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (p == nullptr || bytes == 0 || threadIdx.x != 0) return;
+    const unsigned long long nb = (unsigned long long)gridDim.x * gridDim.y * gridDim.z;
+    const unsigned long long b = ((unsigned long long)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    const unsigned long long share = (bytes / nb + 15) & ~15ull;
+    const unsigned long long hi = min(bytes, (b + 1) * share);
+    for (unsigned long long lo = b * share; lo < hi; lo += PF_PIECE) {
+        const unsigned size = (unsigned)min((unsigned long long)PF_PIECE, hi - lo);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p + lo), "r"(size) : "memory");
+    }
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     // xor butterfly: every lane ends with the same bits (float addition is commutative)
 #pragma unroll
@@ -155,7 +173,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
     const float* __restrict__ X, int ldx, int M, int pro, const float* __restrict__ pw, float eps, int xoff,
     float* __restrict__ Y, int ldy, int epi, const float* __restrict__ bias,
-    float* __restrict__ part, int* __restrict__ counters, const float* __restrict__ ssq_in, float* __restrict__ ssq_out)
+    float* __restrict__ part, int* __restrict__ counters, const float* __restrict__ ssq_in, float* __restrict__ ssq_out,
+    const unsigned char* pf0, unsigned long long pf0_bytes, const unsigned char* pf1, unsigned long long pf1_bytes)
 {
     constexpr int KC = KC8 * 8 / BITS;          // rows of a chunk: the same weight bytes per chunk for both
     constexpr int SPW = KC / NT;                // 32-row slots per warp: int8 1, int4 2
@@ -346,6 +365,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         }
     }
 
+    l2_prefetch_share(pf0, pf0_bytes);  // the next kernel's weights, into the tail below
+    l2_prefetch_share(pf1, pf1_bytes);
     grid_dep_wait();  // blocks without a chunk: before part / counters (a no-op once waited)
     if (gridDim.y > 1) {
         if (tid < TN && n0 + tid < Npad) {
@@ -421,7 +442,8 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
     const float* __restrict__ X, int pro, const float* __restrict__ pw, float eps, int xoff,
     float* __restrict__ Y, int epi, const float* __restrict__ bias,
-    float* __restrict__ part, int* __restrict__ counters, const float* __restrict__ ssq_in, float* __restrict__ ssq_out)
+    float* __restrict__ part, int* __restrict__ counters, const float* __restrict__ ssq_in, float* __restrict__ ssq_out,
+    const unsigned char* pf0, unsigned long long pf0_bytes, const unsigned char* pf1, unsigned long long pf1_bytes)
 {
     constexpr int NW = BITS == 8 ? 32 : 16;     // 4-byte words a lane loads per 32-row slot
     constexpr int SPU = G / 32;                 // slots per group
@@ -533,6 +555,8 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
         }
     }
 
+    l2_prefetch_share(pf0, pf0_bytes);  // the next kernel's weights, into the tail below
+    l2_prefetch_share(pf1, pf1_bytes);
     *reinterpret_cast<float4*>(&s_acc[warp][4 * lane]) = make_float4(acc[0], acc[1], acc[2], acc[3]);
     __syncthreads();
     const int n = n0 + tid;
@@ -643,29 +667,14 @@ extern "C" __global__ void embed_rows(const signed char* __restrict__ codes, con
 }
 
 // ------------------------------------------------------------------------------------------------------
-// Per head of the qkv rows: optional per-head rmsnorm (Qwen3 q_norm/k_norm), RoPE (rotate_half) at the
-// absolute position meta[0] + m, then q -> qout [M][H*hd] and k, v -> this layer's cache at that position.
-// One warp per head (4 per block), no block barriers. Grid: x = ceil((H + KV) / 4), y = M; hd <= 128.
-#define RW 4
-extern "C" __global__ void __launch_bounds__(RW * 32) qkv_rope(
-    const float* __restrict__ qkv, int ldqkv, int H, int KV, int hd,
-    const float* __restrict__ qnorm, const float* __restrict__ knorm, float eps,
-    const float* __restrict__ cosT, const float* __restrict__ sinT, const int* __restrict__ meta,
-    float* __restrict__ qout, float* __restrict__ kc, float* __restrict__ vc, int cap)
+// One head src[hd] of a qkv row: optional RMSNorm over the head (Qwen3 q_norm / k_norm: nw), then RoPE
+// (rotate_half) with the position's cos / sin rows cs / sn [hd / 2], written to dst (and dst2 unless null).
+// One warp; hd <= 128 (a lane holds i = lane, lane + 32 of each half).
+__device__ __forceinline__ void rope_head(const float* __restrict__ src, const float* __restrict__ nw, float eps,
+                                          const float* __restrict__ cs, const float* __restrict__ sn, int hd,
+                                          float* dst, float* dst2)
 {
-    grid_dep_launch();
-    grid_dep_wait();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int head = blockIdx.x * RW + warp, m = blockIdx.y;
-    if (head >= H + KV) return;
-    const int pos = meta[0] + m;
-    const bool isq = head < H;
-    const int kvh = head - H;
-    const int half = hd / 2;
-    const float* src = qkv + (size_t)m * ldqkv + (isq ? head * hd : H * hd + kvh * hd);
-    const float* nw = isq ? qnorm : knorm;
-    const float* cs = cosT + (size_t)pos * half;
-    const float* sn = sinT + (size_t)pos * half;
+    const int lane = threadIdx.x & 31, half = hd / 2;
     float x1[2], x2[2], c[2], s[2];
     float ss = 0.f;
 #pragma unroll
@@ -684,162 +693,235 @@ extern "C" __global__ void __launch_bounds__(RW * 32) qkv_rope(
             if (i < half) { x1[t] = x1[t] / r * nw[i]; x2[t] = x2[t] / r * nw[i + half]; }
         }
     }
-    float* dst = isq ? qout + (size_t)m * H * hd + head * hd : kc + ((size_t)kvh * cap + pos) * hd;
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
         const int i = lane + 32 * t;
         if (i < half) {
-            dst[i] = x1[t] * c[t] - x2[t] * s[t];
-            dst[i + half] = x2[t] * c[t] + x1[t] * s[t];
+            const float y1 = x1[t] * c[t] - x2[t] * s[t], y2 = x2[t] * c[t] + x1[t] * s[t];
+            dst[i] = y1;
+            dst[i + half] = y2;
+            if (dst2) { dst2[i] = y1; dst2[i + half] = y2; }
         }
     }
+}
+
+// Per head of the qkv rows (prefill): rope_head at the absolute position meta[0] + m, q -> qout [M][H*hd] and
+// k, v -> this layer's cache at that position. One warp per head (4 per block), no block barriers.
+// Grid: x = ceil((H + KV) / 4), y = M.
+#define RW 4
+extern "C" __global__ void __launch_bounds__(RW * 32) qkv_rope(
+    const float* __restrict__ qkv, int ldqkv, int H, int KV, int hd,
+    const float* __restrict__ qnorm, const float* __restrict__ knorm, float eps,
+    const float* __restrict__ cosT, const float* __restrict__ sinT, const int* __restrict__ meta,
+    float* __restrict__ qout, float* __restrict__ kc, float* __restrict__ vc, int cap)
+{
+    grid_dep_launch();
+    grid_dep_wait();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int head = blockIdx.x * RW + warp, m = blockIdx.y;
+    if (head >= H + KV) return;
+    const int pos = meta[0] + m;
+    const bool isq = head < H;
+    const int kvh = head - H;
+    const float* row = qkv + (size_t)m * ldqkv;
+    float* dst = isq ? qout + (size_t)m * H * hd + head * hd : kc + ((size_t)kvh * cap + pos) * hd;
+    rope_head(row + head * hd, isq ? qnorm : knorm, eps, cosT + (size_t)pos * (hd / 2),
+              sinT + (size_t)pos * (hd / 2), hd, dst, nullptr);
     if (!isq) {
-        const float* vsrc = qkv + (size_t)m * ldqkv + (H + KV) * hd + kvh * hd;
+        const float* vsrc = row + (H + KV + kvh) * hd;
         float* vdst = vc + ((size_t)kvh * cap + pos) * hd;
         for (int d = lane; d < hd; d += 32) vdst[d] = vsrc[d];
     }
 }
 
 // ------------------------------------------------------------------------------------------------------
-// Decode attention (one query row at position meta[0], keys 0..meta[0]), split over positions.
-// Grid: x = H, y = NS splits; block 128 (4 warps). Each warp runs an online softmax over groups of AB
-// positions (their keys and values loaded together: AB x 2 x hd/32 loads in flight per lane); the block
-// merges its warps, writes (max, sum, acc[hd]) to part[h][split], and the last block of a head merges the
-// NS splits (every split's partial loaded at once, merge weights computed once, fixed order). q is scaled
-// by 1/sqrt(hd) before the dot products.
+// Decode attention with the step's RoPE fused in: one qkv row at position pos = meta[0], keys 0..pos.
+// Grid: x = KV heads x ceil(GQ / HB) (a block takes up to HB of the GQ query heads of one KV head, so each
+// key and value is loaded once for all of them), y = NS position splits; block AW warps.
+// Before the PDL wait each warp loads the keys and values of its first AB positions below pos (written by
+// earlier steps; meta by the host) and the block asks L2 for the next projection's weights. After it, warp g
+// rotates query head g into shared memory, and the split holding pos rotates the new key and writes it and
+// the value to the cache (and uses them from shared memory). Each warp runs an online softmax over its
+// positions (lane: 4 dimensions, one 16-byte load per position); the block merges its warps and writes
+// (max, sum, acc[hd]) per head to part[h][split]; the last block of a head group merges the NS splits in
+// order. q is scaled by 1/sqrt(hd) before the dot products.
 #define AW 4
 #define AB 8
-#define MAXJ 4   // hd <= 128
+#define HB 4
+
+__device__ __forceinline__ void load_kv(const float* __restrict__ kb, const float* __restrict__ vb, int hd,
+                                        int p0, int pend, bool dok, float4 (&kr)[AB], float4 (&vr)[AB]) {
+    const int d = 4 * (threadIdx.x & 31);
+#pragma unroll
+    for (int b = 0; b < AB; ++b) {
+        const bool ok = dok && p0 + b < pend;
+        kr[b] = ok ? __ldg(reinterpret_cast<const float4*>(kb + (size_t)(p0 + b) * hd + d)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        vr[b] = ok ? __ldg(reinterpret_cast<const float4*>(vb + (size_t)(p0 + b) * hd + d)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+}
+
 template <int NS>
 __global__ void __launch_bounds__(AW * 32) attn_decode(
-    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
-    int KV, int hd, float scale, const int* __restrict__ meta, float* __restrict__ part,
-    int* __restrict__ counters, float* __restrict__ out)
+    const float* __restrict__ qkv, int H, int KV, int hd,
+    const float* __restrict__ qnorm, const float* __restrict__ knorm, float eps,
+    const float* __restrict__ cosT, const float* __restrict__ sinT, const int* __restrict__ meta,
+    float* __restrict__ kc, float* __restrict__ vc, int cap, float scale,
+    float* __restrict__ part, int* __restrict__ counters, float* __restrict__ out,
+    const unsigned char* pf0, unsigned long long pf0_bytes, const unsigned char* pf1, unsigned long long pf1_bytes)
 {
     grid_dep_launch();
-    grid_dep_wait();
-    __shared__ float s_m[NS], s_l[NS], s_w[NS];
-    __shared__ float s_acc[AW][128];
+    __shared__ __align__(16) float s_q[HB][128];
+    __shared__ __align__(16) float s_kv[2][128];      // the new key (rotated) and value
+    __shared__ __align__(16) float s_acc[AW][HB][128];
+    __shared__ float s_m[AW][HB], s_l[AW][HB];
+    __shared__ float s_pm[HB][NS], s_pw[HB][NS], s_pl[HB][NS];
     __shared__ int s_last;
-    const int h = blockIdx.x, split = blockIdx.y;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int len = meta[0] + 1;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int gq = H / KV, groups = (gq + HB - 1) / HB;
+    const int kvh = blockIdx.x / groups;
+    const int h0 = kvh * gq + (blockIdx.x % groups) * HB;  // this block's heads h0 .. h0 + nh - 1
+    const int nh = min(HB, kvh * gq + gq - h0);
+    const int split = blockIdx.y;
+    const int pos = meta[0], len = pos + 1;
     const int chunk = (len + NS - 1) / NS;
-    const int pb = split * chunk;
-    const int pe = min(len, pb + chunk);
-    const int kvh = h / (H / KV);
-    const float* kb = kc + (size_t)kvh * cap * hd;
-    const float* vb = vc + (size_t)kvh * cap * hd;
-    float qr[MAXJ], acc[MAXJ];
+    const int pb = split * chunk, pe = min(len, pb + chunk);
+    const bool owner = pb <= pos && pos < pe;
+    float* kb = kc + (size_t)kvh * cap * hd;
+    float* vb = vc + (size_t)kvh * cap * hd;
+    const bool dok = 4 * lane < hd;
+
+    float4 kr[AB], vr[AB];
+    const int first = pb + AB * warp;
+    load_kv(kb, vb, hd, first, min(pe, pos), dok, kr, vr);
+    l2_prefetch_share(pf0, pf0_bytes);
+    l2_prefetch_share(pf1, pf1_bytes);
+    grid_dep_wait();  // the qkv row comes from the kernel before this one
+
+    const float* cs = cosT + (size_t)pos * (hd / 2);
+    const float* sn = sinT + (size_t)pos * (hd / 2);
+    if (warp < nh) rope_head(qkv + (size_t)(h0 + warp) * hd, qnorm, eps, cs, sn, hd, s_q[warp], nullptr);
+    if (owner && warp == AW - 1) rope_head(qkv + (size_t)(H + kvh) * hd, knorm, eps, cs, sn, hd, s_kv[0], kb + (size_t)pos * hd);
+    if (owner && warp == AW - 2)
+        for (int d = lane; d < hd; d += 32) s_kv[1][d] = vb[(size_t)pos * hd + d] = qkv[(size_t)(H + KV + kvh) * hd + d];
+    __syncthreads();
+    float4 qr[HB], acc[HB];
+    float mx[HB], l[HB];
 #pragma unroll
-    for (int j = 0; j < MAXJ; ++j) {
-        const int d = lane + 32 * j;
-        qr[j] = d < hd ? q[(size_t)h * hd + d] * scale : 0.f;
-        acc[j] = 0.f;
+    for (int g = 0; g < HB; ++g) {
+        const float4 v = g < nh && dok ? *reinterpret_cast<const float4*>(&s_q[g][4 * lane]) : make_float4(0.f, 0.f, 0.f, 0.f);
+        qr[g] = make_float4(v.x * scale, v.y * scale, v.z * scale, v.w * scale);
+        acc[g] = make_float4(0.f, 0.f, 0.f, 0.f);
+        mx[g] = NEG_INF;
+        l[g] = 0.f;
     }
-    float mx = NEG_INF, l = 0.f;
-    for (int p0 = pb + AB * warp; p0 < pe; p0 += AB * AW) {
-        float kr[AB][MAXJ], vr[AB][MAXJ];
+    for (int p0 = first; p0 < pe; p0 += AB * AW) {
+        if (p0 != first) load_kv(kb, vb, hd, p0, min(pe, pos), dok, kr, vr);
+        if (owner && dok) {
 #pragma unroll
-        for (int b = 0; b < AB; ++b) {
-            const int p = p0 + b;
-#pragma unroll
-            for (int j = 0; j < MAXJ; ++j) {
-                const int d = lane + 32 * j;
-                const bool ok = p < pe && d < hd;
-                kr[b][j] = ok ? kb[(size_t)p * hd + d] : 0.f;
-                vr[b][j] = ok ? vb[(size_t)p * hd + d] : 0.f;
-            }
+            for (int b = 0; b < AB; ++b)
+                if (p0 + b == pos) {
+                    kr[b] = *reinterpret_cast<const float4*>(&s_kv[0][4 * lane]);
+                    vr[b] = *reinterpret_cast<const float4*>(&s_kv[1][4 * lane]);
+                }
         }
-        float sc[AB];
+        float sc[HB][AB];
 #pragma unroll
-        for (int b = 0; b < AB; ++b) {
-            float t = 0.f;
+        for (int g = 0; g < HB; ++g)
 #pragma unroll
-            for (int j = 0; j < MAXJ; ++j) t += qr[j] * kr[b][j];
-            sc[b] = t;
-        }
+            for (int b = 0; b < AB; ++b)
+                sc[g][b] = qr[g].x * kr[b].x + qr[g].y * kr[b].y + qr[g].z * kr[b].z + qr[g].w * kr[b].w;
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
-            for (int b = 0; b < AB; ++b) sc[b] += __shfl_xor_sync(FULL, sc[b], o);
-        float mb = NEG_INF;
+            for (int g = 0; g < HB; ++g)
 #pragma unroll
-        for (int b = 0; b < AB; ++b) if (p0 + b < pe) mb = fmaxf(mb, sc[b]);
-        const float mn = fmaxf(mx, mb);
-        const float corr = expf(mx - mn);
-        l *= corr;
+                for (int b = 0; b < AB; ++b) sc[g][b] += __shfl_xor_sync(FULL, sc[g][b], o);
 #pragma unroll
-        for (int j = 0; j < MAXJ; ++j) acc[j] *= corr;
+        for (int g = 0; g < HB; ++g) {
+            float mb = NEG_INF;
 #pragma unroll
-        for (int b = 0; b < AB; ++b) {
-            if (p0 + b < pe) {
-                const float e = expf(sc[b] - mn);
-                l += e;
+            for (int b = 0; b < AB; ++b) if (p0 + b < pe) mb = fmaxf(mb, sc[g][b]);
+            const float mn = fmaxf(mx[g], mb);
+            const float corr = expf(mx[g] - mn);
+            l[g] *= corr;
+            float4 a = make_float4(acc[g].x * corr, acc[g].y * corr, acc[g].z * corr, acc[g].w * corr);
 #pragma unroll
-                for (int j = 0; j < MAXJ; ++j) acc[j] += e * vr[b][j];
+            for (int b = 0; b < AB; ++b) {
+                if (p0 + b < pe) {
+                    const float e = expf(sc[g][b] - mn);
+                    l[g] += e;
+                    a.x += e * vr[b].x; a.y += e * vr[b].y; a.z += e * vr[b].z; a.w += e * vr[b].w;
+                }
             }
+            acc[g] = a;
+            mx[g] = mn;
         }
-        mx = mn;
     }
-    if (lane == 0) { s_m[warp] = mx; s_l[warp] = l; }
 #pragma unroll
-    for (int j = 0; j < MAXJ; ++j) {
-        const int d = lane + 32 * j;
-        if (d < hd) s_acc[warp][d] = acc[j];
+    for (int g = 0; g < HB; ++g) {
+        if (lane == 0) { s_m[warp][g] = mx[g]; s_l[warp][g] = l[g]; }
+        if (dok) *reinterpret_cast<float4*>(&s_acc[warp][g][4 * lane]) = acc[g];
     }
     __syncthreads();
-    float* pp = part + ((size_t)h * NS + split) * (hd + 2);
-    float bm = NEG_INF;
+    for (int g = 0; g < nh; ++g) {
+        float* pp = part + ((size_t)(h0 + g) * NS + split) * (hd + 2);
+        float bm = NEG_INF;
 #pragma unroll
-    for (int w = 0; w < AW; ++w) bm = fmaxf(bm, s_m[w]);
-    float wgt[AW];
+        for (int w = 0; w < AW; ++w) bm = fmaxf(bm, s_m[w][g]);
+        float wgt[AW];
 #pragma unroll
-    for (int w = 0; w < AW; ++w) wgt[w] = s_l[w] > 0.f ? expf(s_m[w] - bm) : 0.f;
-    if (threadIdx.x == 0) {
-        float bl = 0.f;
+        for (int w = 0; w < AW; ++w) wgt[w] = s_l[w][g] > 0.f ? expf(s_m[w][g] - bm) : 0.f;
+        if (tid == 0) {
+            float bl = 0.f;
 #pragma unroll
-        for (int w = 0; w < AW; ++w) bl += s_l[w] * wgt[w];
-        pp[0] = bm;
-        pp[1] = bl;
-    }
-    for (int d = threadIdx.x; d < hd; d += AW * 32) {
-        float a = 0.f;
+            for (int w = 0; w < AW; ++w) bl += s_l[w][g] * wgt[w];
+            pp[0] = bm;
+            pp[1] = bl;
+        }
+        for (int d = tid; d < hd; d += AW * 32) {
+            float a = 0.f;
 #pragma unroll
-        for (int w = 0; w < AW; ++w) a += s_acc[w][d] * wgt[w];
-        pp[2 + d] = a;
+            for (int w = 0; w < AW; ++w) a += s_acc[w][g][d] * wgt[w];
+            pp[2 + d] = a;
+        }
     }
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(&counters[h], 1) == NS - 1;
+    if (tid == 0) s_last = atomicAdd(&counters[blockIdx.x], 1) == NS - 1;
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    const float* ph = part + (size_t)h * NS * (hd + 2);
-    if (threadIdx.x < NS) {
-        s_m[threadIdx.x] = __ldcg(ph + (size_t)threadIdx.x * (hd + 2));
-        s_l[threadIdx.x] = __ldcg(ph + (size_t)threadIdx.x * (hd + 2) + 1);
+    if (tid < nh * NS) {
+        const int g = tid / NS, t = tid % NS;
+        const float* pp = part + ((size_t)(h0 + g) * NS + t) * (hd + 2);
+        s_pm[g][t] = __ldcg(pp);
+        s_pl[g][t] = __ldcg(pp + 1);
     }
     __syncthreads();
-    float gm = NEG_INF;
+    if (tid < nh * NS) {
+        const int g = tid / NS, t = tid % NS;
+        float gm = NEG_INF;
 #pragma unroll
-    for (int t = 0; t < NS; ++t) gm = fmaxf(gm, s_m[t]);
-    if (threadIdx.x < NS)
-        s_w[threadIdx.x] = s_l[threadIdx.x] > 0.f ? expf(s_m[threadIdx.x] - gm) : 0.f;
-    __syncthreads();
-    float gl = 0.f;
-#pragma unroll
-    for (int t = 0; t < NS; ++t) gl += s_l[t] * s_w[t];
-    for (int d = threadIdx.x; d < hd; d += AW * 32) {
-        float v[NS];
-#pragma unroll
-        for (int t = 0; t < NS; ++t) v[t] = __ldcg(ph + (size_t)t * (hd + 2) + 2 + d);
-        float a = 0.f;
-#pragma unroll
-        for (int t = 0; t < NS; ++t) a += v[t] * s_w[t];
-        out[(size_t)h * hd + d] = a / gl;
+        for (int u = 0; u < NS; ++u) gm = fmaxf(gm, s_pm[g][u]);
+        s_pw[g][t] = s_pl[g][t] > 0.f ? expf(s_pm[g][t] - gm) : 0.f;
     }
-    if (threadIdx.x == 0) counters[h] = 0;
+    __syncthreads();
+    for (int g = 0; g < nh; ++g) {
+        float gl = 0.f;
+#pragma unroll
+        for (int t = 0; t < NS; ++t) gl += s_pl[g][t] * s_pw[g][t];
+        const float* ph = part + (size_t)(h0 + g) * NS * (hd + 2);
+        for (int d = tid; d < hd; d += AW * 32) {
+            float v[NS];
+#pragma unroll
+            for (int t = 0; t < NS; ++t) v[t] = __ldcg(ph + (size_t)t * (hd + 2) + 2 + d);
+            float a = 0.f;
+#pragma unroll
+            for (int t = 0; t < NS; ++t) a += v[t] * s_pw[g][t];
+            out[(size_t)(h0 + g) * hd + d] = a / gl;
+        }
+    }
+    if (tid == 0) counters[blockIdx.x] = 0;
 }
 
 // ------------------------------------------------------------------------------------------------------

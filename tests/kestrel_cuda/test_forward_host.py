@@ -371,3 +371,43 @@ def test_split_k_scratch_covers_every_planned_gemv(quant: str) -> None:
                                                          *layer.weights.gate_up, layer.weights.down]]
     need_part, need_counters = forward_ops.gemv_scratch(lins)
     assert part >= need_part and counters >= need_counters
+
+
+@pytest.mark.parametrize("codes,scales,cap", [(1 << 20, 1 << 18, 1 << 16), (4096, 1024, 1 << 20),
+                                              (12_345_680, 3_086_420, 1_000_003), (100, 32, 0)])
+def test_prefetch_span_is_a_capped_prefix_in_16_byte_units(codes: int, scales: int, cap: int) -> None:
+    nc, ns = forward_ops.prefetch_span(codes, scales, cap)
+    assert nc % 16 == 0 and ns % 16 == 0
+    assert nc <= min(cap, codes) and ns <= scales
+    assert min(cap, codes) - nc < 16  # the whole cap (or weight), less the rounding
+    assert abs(ns / scales - nc / codes) < 16 / scales + 16 / codes  # the scales of the same K rows
+
+
+def test_each_decode_kernel_prefetches_the_next_gemvs_weights() -> None:
+    """In a decode step every M=1 kernel is handed the weights of the GEMV launched after it (attention: o;
+    down: the next layer's q|k|v, the last one lm_head); prefill kernels none."""
+    calls: list[tuple[str, object, object]] = []
+
+    class Recording(NumpyOps):
+        def gemv(self, lin, x, *args, prefetch=None, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(("gemv", lin, prefetch))
+            super().gemv(lin, x, *args, prefetch=prefetch, **kwargs)
+
+        def decode_attention(self, *args, prefetch=None, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(("attention", None, prefetch))
+            super().decode_attention(*args, prefetch=prefetch, **kwargs)
+
+    model = synthetic_model(CONFIGS["qwen2"], "q8", seed=3)
+    fwd = DeviceForward(ops=Recording(), use_graph=False)
+    toks = _tokens(model.config, 6)
+    fwd.forward(model, 1, toks[:5], 0, False)
+    assert all(p is None for _, _, p in calls)  # prefill
+    calls.clear()
+    fwd.forward(model, 1, toks[5:], 5, False)
+    st = fwd._st
+    order = [lin for layer in st.layers for lin in
+             (*layer.weights.qkv, None, layer.weights.o, *layer.weights.gate_up, layer.weights.down)] + [st.lm_head]
+    assert [lin for _, lin, _ in calls] == order  # None: attention
+    expected = order[1:] + [None]  # the next launch's weights; none before attention and after lm_head
+    got = [p for _, _, p in calls]
+    assert [id(p) for p in got] == [id(e) for e in expected]
