@@ -34,24 +34,6 @@ __device__ __forceinline__ void grid_dep_launch() {
 #endif
 }
 
-// Weights of the kernel after this one, asked into L2 by this kernel: HBM streams them while this kernel's
-// serial steps (waits, reductions, split merges) leave it idle. This block's share of [p, p + bytes), a hint
-// (no result); p 16-byte aligned, bytes a multiple of 16; p null: nothing.
-#define PF_PIECE 65536u
-__device__ __forceinline__ void l2_prefetch_share(const unsigned char* p, unsigned long long bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (p == nullptr || bytes == 0 || threadIdx.x != 0) return;
-    const unsigned long long nb = (unsigned long long)gridDim.x * gridDim.y * gridDim.z;
-    const unsigned long long b = ((unsigned long long)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-    const unsigned long long share = (bytes / nb + 15) & ~15ull;
-    const unsigned long long hi = min(bytes, (b + 1) * share);
-    for (unsigned long long lo = b * share; lo < hi; lo += PF_PIECE) {
-        const unsigned size = (unsigned)min((unsigned long long)PF_PIECE, hi - lo);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p + lo), "r"(size) : "memory");
-    }
-#endif
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
     // xor butterfly: every lane ends with the same bits (float addition is commutative)
 #pragma unroll
@@ -173,8 +155,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
     const float* __restrict__ X, int ldx, int M, int pro, const float* __restrict__ pw, float eps, int xoff,
     float* __restrict__ Y, int ldy, int epi, const float* __restrict__ bias,
-    float* __restrict__ part, int* __restrict__ counters, const float* __restrict__ ssq_in, float* __restrict__ ssq_out,
-    const unsigned char* pf0, unsigned long long pf0_bytes, const unsigned char* pf1, unsigned long long pf1_bytes)
+    float* __restrict__ part, int* __restrict__ counters, const float* __restrict__ ssq_in, float* __restrict__ ssq_out)
 {
     constexpr int KC = KC8 * 8 / BITS;          // rows of a chunk: the same weight bytes per chunk for both
     constexpr int SPW = KC / NT;                // 32-row slots per warp: int8 1, int4 2
@@ -365,8 +346,6 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         }
     }
 
-    l2_prefetch_share(pf0, pf0_bytes);  // the next kernel's weights, into the tail below
-    l2_prefetch_share(pf1, pf1_bytes);
     grid_dep_wait();  // blocks without a chunk: before part / counters (a no-op once waited)
     if (gridDim.y > 1) {
         if (tid < TN && n0 + tid < Npad) {
@@ -442,8 +421,7 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
     const float* __restrict__ X, int pro, const float* __restrict__ pw, float eps, int xoff,
     float* __restrict__ Y, int epi, const float* __restrict__ bias,
-    float* __restrict__ part, int* __restrict__ counters, const float* __restrict__ ssq_in, float* __restrict__ ssq_out,
-    const unsigned char* pf0, unsigned long long pf0_bytes, const unsigned char* pf1, unsigned long long pf1_bytes)
+    float* __restrict__ part, int* __restrict__ counters, const float* __restrict__ ssq_in, float* __restrict__ ssq_out)
 {
     constexpr int NW = BITS == 8 ? 32 : 16;     // 4-byte words a lane loads per 32-row slot
     constexpr int SPU = G / 32;                 // slots per group
@@ -555,8 +533,6 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
         }
     }
 
-    l2_prefetch_share(pf0, pf0_bytes);  // the next kernel's weights, into the tail below
-    l2_prefetch_share(pf1, pf1_bytes);
     *reinterpret_cast<float4*>(&s_acc[warp][4 * lane]) = make_float4(acc[0], acc[1], acc[2], acc[3]);
     __syncthreads();
     const int n = n0 + tid;
@@ -739,12 +715,12 @@ extern "C" __global__ void __launch_bounds__(RW * 32) qkv_rope(
 // Grid: x = KV heads x ceil(GQ / HB) (a block takes up to HB of the GQ query heads of one KV head, so each
 // key and value is loaded once for all of them), y = NS position splits; block AW warps.
 // Before the PDL wait each warp loads the keys and values of its first AB positions below pos (written by
-// earlier steps; meta by the host) and the block asks L2 for the next projection's weights. After it, warp g
+// earlier steps; meta by the host). After it, warp g
 // rotates query head g into shared memory, and the split holding pos rotates the new key and writes it and
 // the value to the cache (and uses them from shared memory). Each warp runs an online softmax over its
-// positions (lane: 4 dimensions, one 16-byte load per position); the block merges its warps and writes
-// (max, sum, acc[hd]) per head to part[h][split]; the last block of a head group merges the NS splits in
-// order. q is scaled by 1/sqrt(hd) before the dot products.
+// positions (lane: 4 dimensions, one 16-byte load per position); warp g merges the block's warps for head g
+// and writes (max, sum, acc[hd]) to part[h][split]; in the last block of a head group, warp g merges head
+// g's NS splits in order. q is scaled by 1/sqrt(hd) before the dot products.
 #define AW 4
 #define AB 8
 #define HB 4
@@ -766,15 +742,13 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     const float* __restrict__ qnorm, const float* __restrict__ knorm, float eps,
     const float* __restrict__ cosT, const float* __restrict__ sinT, const int* __restrict__ meta,
     float* __restrict__ kc, float* __restrict__ vc, int cap, float scale,
-    float* __restrict__ part, int* __restrict__ counters, float* __restrict__ out,
-    const unsigned char* pf0, unsigned long long pf0_bytes, const unsigned char* pf1, unsigned long long pf1_bytes)
+    float* __restrict__ part, int* __restrict__ counters, float* __restrict__ out)
 {
     grid_dep_launch();
     __shared__ __align__(16) float s_q[HB][128];
     __shared__ __align__(16) float s_kv[2][128];      // the new key (rotated) and value
     __shared__ __align__(16) float s_acc[AW][HB][128];
     __shared__ float s_m[AW][HB], s_l[AW][HB];
-    __shared__ float s_pm[HB][NS], s_pw[HB][NS], s_pl[HB][NS];
     __shared__ int s_last;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int gq = H / KV, groups = (gq + HB - 1) / HB;
@@ -793,8 +767,6 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     float4 kr[AB], vr[AB];
     const int first = pb + AB * warp;
     load_kv(kb, vb, hd, first, min(pe, pos), dok, kr, vr);
-    l2_prefetch_share(pf0, pf0_bytes);
-    l2_prefetch_share(pf1, pf1_bytes);
     grid_dep_wait();  // the qkv row comes from the kernel before this one
 
     const float* cs = cosT + (size_t)pos * (hd / 2);
@@ -863,26 +835,25 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
         if (dok) *reinterpret_cast<float4*>(&s_acc[warp][g][4 * lane]) = acc[g];
     }
     __syncthreads();
-    for (int g = 0; g < nh; ++g) {
-        float* pp = part + ((size_t)(h0 + g) * NS + split) * (hd + 2);
+    const int ld = hd + 4;                      // a partial: max, sum, 2 unused, acc[hd] (16-byte aligned)
+    if (warp < nh) {                            // warp g: the block's partial of head h0 + g
+        const int g = warp;
         float bm = NEG_INF;
 #pragma unroll
         for (int w = 0; w < AW; ++w) bm = fmaxf(bm, s_m[w][g]);
-        float wgt[AW];
+        float wgt[AW], bl = 0.f;
 #pragma unroll
-        for (int w = 0; w < AW; ++w) wgt[w] = s_l[w][g] > 0.f ? expf(s_m[w][g] - bm) : 0.f;
-        if (tid == 0) {
-            float bl = 0.f;
+        for (int w = 0; w < AW; ++w) { wgt[w] = s_l[w][g] > 0.f ? expf(s_m[w][g] - bm) : 0.f; bl += s_l[w][g] * wgt[w]; }
+        float* pp = part + ((size_t)(h0 + g) * NS + split) * ld;
+        if (lane == 0) { pp[0] = bm; pp[1] = bl; }
+        if (dok) {
+            float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-            for (int w = 0; w < AW; ++w) bl += s_l[w][g] * wgt[w];
-            pp[0] = bm;
-            pp[1] = bl;
-        }
-        for (int d = tid; d < hd; d += AW * 32) {
-            float a = 0.f;
-#pragma unroll
-            for (int w = 0; w < AW; ++w) a += s_acc[w][g][d] * wgt[w];
-            pp[2 + d] = a;
+            for (int w = 0; w < AW; ++w) {
+                const float4 v = *reinterpret_cast<const float4*>(&s_acc[w][g][4 * lane]);
+                a.x += v.x * wgt[w]; a.y += v.y * wgt[w]; a.z += v.z * wgt[w]; a.w += v.w * wgt[w];
+            }
+            *reinterpret_cast<float4*>(pp + 4 + 4 * lane) = a;
         }
     }
     __threadfence();
@@ -891,37 +862,166 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    if (tid < nh * NS) {
-        const int g = tid / NS, t = tid % NS;
-        const float* pp = part + ((size_t)(h0 + g) * NS + t) * (hd + 2);
-        s_pm[g][t] = __ldcg(pp);
-        s_pl[g][t] = __ldcg(pp + 1);
-    }
-    __syncthreads();
-    if (tid < nh * NS) {
-        const int g = tid / NS, t = tid % NS;
-        float gm = NEG_INF;
-#pragma unroll
-        for (int u = 0; u < NS; ++u) gm = fmaxf(gm, s_pm[g][u]);
-        s_pw[g][t] = s_pl[g][t] > 0.f ? expf(s_pm[g][t] - gm) : 0.f;
-    }
-    __syncthreads();
-    for (int g = 0; g < nh; ++g) {
-        float gl = 0.f;
-#pragma unroll
-        for (int t = 0; t < NS; ++t) gl += s_pl[g][t] * s_pw[g][t];
-        const float* ph = part + (size_t)(h0 + g) * NS * (hd + 2);
-        for (int d = tid; d < hd; d += AW * 32) {
-            float v[NS];
-#pragma unroll
-            for (int t = 0; t < NS; ++t) v[t] = __ldcg(ph + (size_t)t * (hd + 2) + 2 + d);
-            float a = 0.f;
-#pragma unroll
-            for (int t = 0; t < NS; ++t) a += v[t] * s_pw[g][t];
-            out[(size_t)(h0 + g) * hd + d] = a / gl;
+    if (warp < nh) {                            // warp g merges head h0 + g's NS partials in split order
+        const int g = warp;
+        const float* ph = part + (size_t)(h0 + g) * NS * ld;
+        const float pm = lane < NS ? __ldcg(ph + (size_t)lane * ld) : NEG_INF;
+        const float pl = lane < NS ? __ldcg(ph + (size_t)lane * ld + 1) : 0.f;
+        const float gm = warp_max(pm);
+        const float pw = pl > 0.f ? expf(pm - gm) : 0.f;
+        const float gl = warp_sum(pl * pw);
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+        for (int t = 0; t < NS; ++t) {
+            const float w = __shfl_sync(FULL, pw, t);
+            if (dok) {
+                const float4 v = __ldcg(reinterpret_cast<const float4*>(ph + (size_t)t * ld + 4 + 4 * lane));
+                a.x += v.x * w; a.y += v.y * w; a.z += v.z * w; a.w += v.w * w;
+            }
         }
+        if (dok) *reinterpret_cast<float4*>(out + (size_t)(h0 + g) * hd + 4 * lane) = make_float4(a.x / gl, a.y / gl, a.z / gl, a.w / gl);
     }
     if (tid == 0) counters[blockIdx.x] = 0;
+}
+
+// ------------------------------------------------------------------------------------------------------
+// A/B ONLY (previous design): decode attention (one query row at position meta[0], keys 0..meta[0]), split over positions.
+// Grid: x = H, y = NS splits; block 128 (4 warps). Each warp runs an online softmax over groups of AB
+// positions (their keys and values loaded together: AB x 2 x hd/32 loads in flight per lane); the block
+// merges its warps, writes (max, sum, acc[hd]) to part[h][split], and the last block of a head merges the
+// NS splits (every split's partial loaded at once, merge weights computed once, fixed order). q is scaled
+// by 1/sqrt(hd) before the dot products.
+#define MAXJ 4   // hd <= 128
+template <int NS>
+__global__ void __launch_bounds__(AW * 32) attn_decode_head(
+    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
+    int KV, int hd, float scale, const int* __restrict__ meta, float* __restrict__ part,
+    int* __restrict__ counters, float* __restrict__ out)
+{
+    grid_dep_launch();
+    grid_dep_wait();
+    __shared__ float s_m[NS], s_l[NS], s_w[NS];
+    __shared__ float s_acc[AW][128];
+    __shared__ int s_last;
+    const int h = blockIdx.x, split = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int len = meta[0] + 1;
+    const int chunk = (len + NS - 1) / NS;
+    const int pb = split * chunk;
+    const int pe = min(len, pb + chunk);
+    const int kvh = h / (H / KV);
+    const float* kb = kc + (size_t)kvh * cap * hd;
+    const float* vb = vc + (size_t)kvh * cap * hd;
+    float qr[MAXJ], acc[MAXJ];
+#pragma unroll
+    for (int j = 0; j < MAXJ; ++j) {
+        const int d = lane + 32 * j;
+        qr[j] = d < hd ? q[(size_t)h * hd + d] * scale : 0.f;
+        acc[j] = 0.f;
+    }
+    float mx = NEG_INF, l = 0.f;
+    for (int p0 = pb + AB * warp; p0 < pe; p0 += AB * AW) {
+        float kr[AB][MAXJ], vr[AB][MAXJ];
+#pragma unroll
+        for (int b = 0; b < AB; ++b) {
+            const int p = p0 + b;
+#pragma unroll
+            for (int j = 0; j < MAXJ; ++j) {
+                const int d = lane + 32 * j;
+                const bool ok = p < pe && d < hd;
+                kr[b][j] = ok ? kb[(size_t)p * hd + d] : 0.f;
+                vr[b][j] = ok ? vb[(size_t)p * hd + d] : 0.f;
+            }
+        }
+        float sc[AB];
+#pragma unroll
+        for (int b = 0; b < AB; ++b) {
+            float t = 0.f;
+#pragma unroll
+            for (int j = 0; j < MAXJ; ++j) t += qr[j] * kr[b][j];
+            sc[b] = t;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int b = 0; b < AB; ++b) sc[b] += __shfl_xor_sync(FULL, sc[b], o);
+        float mb = NEG_INF;
+#pragma unroll
+        for (int b = 0; b < AB; ++b) if (p0 + b < pe) mb = fmaxf(mb, sc[b]);
+        const float mn = fmaxf(mx, mb);
+        const float corr = expf(mx - mn);
+        l *= corr;
+#pragma unroll
+        for (int j = 0; j < MAXJ; ++j) acc[j] *= corr;
+#pragma unroll
+        for (int b = 0; b < AB; ++b) {
+            if (p0 + b < pe) {
+                const float e = expf(sc[b] - mn);
+                l += e;
+#pragma unroll
+                for (int j = 0; j < MAXJ; ++j) acc[j] += e * vr[b][j];
+            }
+        }
+        mx = mn;
+    }
+    if (lane == 0) { s_m[warp] = mx; s_l[warp] = l; }
+#pragma unroll
+    for (int j = 0; j < MAXJ; ++j) {
+        const int d = lane + 32 * j;
+        if (d < hd) s_acc[warp][d] = acc[j];
+    }
+    __syncthreads();
+    float* pp = part + ((size_t)h * NS + split) * (hd + 2);
+    float bm = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < AW; ++w) bm = fmaxf(bm, s_m[w]);
+    float wgt[AW];
+#pragma unroll
+    for (int w = 0; w < AW; ++w) wgt[w] = s_l[w] > 0.f ? expf(s_m[w] - bm) : 0.f;
+    if (threadIdx.x == 0) {
+        float bl = 0.f;
+#pragma unroll
+        for (int w = 0; w < AW; ++w) bl += s_l[w] * wgt[w];
+        pp[0] = bm;
+        pp[1] = bl;
+    }
+    for (int d = threadIdx.x; d < hd; d += AW * 32) {
+        float a = 0.f;
+#pragma unroll
+        for (int w = 0; w < AW; ++w) a += s_acc[w][d] * wgt[w];
+        pp[2 + d] = a;
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(&counters[h], 1) == NS - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    const float* ph = part + (size_t)h * NS * (hd + 2);
+    if (threadIdx.x < NS) {
+        s_m[threadIdx.x] = __ldcg(ph + (size_t)threadIdx.x * (hd + 2));
+        s_l[threadIdx.x] = __ldcg(ph + (size_t)threadIdx.x * (hd + 2) + 1);
+    }
+    __syncthreads();
+    float gm = NEG_INF;
+#pragma unroll
+    for (int t = 0; t < NS; ++t) gm = fmaxf(gm, s_m[t]);
+    if (threadIdx.x < NS)
+        s_w[threadIdx.x] = s_l[threadIdx.x] > 0.f ? expf(s_m[threadIdx.x] - gm) : 0.f;
+    __syncthreads();
+    float gl = 0.f;
+#pragma unroll
+    for (int t = 0; t < NS; ++t) gl += s_l[t] * s_w[t];
+    for (int d = threadIdx.x; d < hd; d += AW * 32) {
+        float v[NS];
+#pragma unroll
+        for (int t = 0; t < NS; ++t) v[t] = __ldcg(ph + (size_t)t * (hd + 2) + 2 + d);
+        float a = 0.f;
+#pragma unroll
+        for (int t = 0; t < NS; ++t) a += v[t] * s_w[t];
+        out[(size_t)h * hd + d] = a / gl;
+    }
+    if (threadIdx.x == 0) counters[h] = 0;
 }
 
 // ------------------------------------------------------------------------------------------------------

@@ -100,19 +100,6 @@ def rope_tables(config: Any, positions: int) -> tuple[np.ndarray, np.ndarray]:
     return np.cos(freqs), np.sin(freqs)
 
 
-def _prefetch_chain(w: Any, after: Lin | None) -> dict[int, Lin]:
-    """id(GEMV) -> the weights of the GEMV launched right after it in a decode step's layer (the next
-    projection of a fused group, gate|up after o, down after gate|up, ``after`` after down); the q|k|v GEMVs'
-    last hands over to attention, which prefetches o itself."""
-    chain: dict[int, Lin] = {}
-    for group in (w.qkv, [w.o, *w.gate_up, w.down]):
-        for a, b in zip(group, group[1:]):
-            chain[id(a)] = b
-    if after is not None:
-        chain[id(w.down)] = after
-    return chain
-
-
 def _env_max_context() -> int:
     raw = os.environ.get(MAX_CONTEXT_ENV, "").strip()
     if not raw:
@@ -308,34 +295,27 @@ class DeviceForward:
         h = st.h[:m]
         ssq = st.ssq if m == 1 and self.norm_tiles else None  # h's tile sums: left by its writers, read by norms
         ops.embed(st.emb_codes, st.emb_scales, st.emb_group, st.ids, h, ssq)
-        resident = [layer.weights for layer in st.layers]  # None: fetched per step (window)
         for i, layer in enumerate(st.layers):
             if self.layer_boundary is not None:
                 self.layer_boundary(i)
             w = layer.weights or self._layer_weights(st, i)
-            # m == 1: each kernel asks L2 for the weights of the GEMV after it (graph-captured decode)
-            following = resident[i + 1] if i + 1 < len(resident) else None
-            after = following.qkv[0] if following is not None else st.lm_head if i + 1 == len(resident) else None
-            nxt = _prefetch_chain(w, after) if m == 1 else {}
             kc, vc = seq.kv[i, 0], seq.kv[i, 1]
             for lin in w.qkv:
                 bias = None if layer.qkv_bias is None else layer.qkv_bias[lin.col:lin.col + lin.n]
                 ops.gemv(lin, h, PRO_RMSNORM, layer.attn_norm, eps, 0, st.qkv[:m, lin.col:lin.col + lin.n],
-                         EPI_STORE, bias, ssq_in=ssq, prefetch=nxt.get(id(lin)))
+                         EPI_STORE, bias, ssq_in=ssq)
             if m == 1:
                 ops.decode_attention(st.qkv[:1], heads, kv_heads, hd, layer.q_norm, layer.k_norm, eps, st.cos,
-                                     st.sin, st.meta, kc, vc, scale, st.attn[:1], prefetch=w.o)
+                                     st.sin, st.meta, kc, vc, scale, st.attn[:1])
             else:
                 ops.qkv_rope(st.qkv[:m], heads, kv_heads, hd, layer.q_norm, layer.k_norm, eps, st.cos, st.sin,
                              st.meta, st.q[:m], kc, vc)
                 ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m])
-            ops.gemv(w.o, st.attn[:m], PRO_PLAIN, None, eps, 0, h, EPI_ADD, None, ssq_out=ssq,
-                     prefetch=nxt.get(id(w.o)))
+            ops.gemv(w.o, st.attn[:m], PRO_PLAIN, None, eps, 0, h, EPI_ADD, None, ssq_out=ssq)
             for lin in w.gate_up:
                 ops.gemv(lin, h, PRO_RMSNORM, layer.mlp_norm, eps, 0, st.gu[:m, lin.col:lin.col + lin.n],
-                         EPI_STORE, None, ssq_in=ssq, prefetch=nxt.get(id(lin)))
-            ops.gemv(w.down, st.gu[:m], PRO_SILU_MUL, None, eps, f, h, EPI_ADD, None, ssq_out=ssq,
-                     prefetch=nxt.get(id(w.down)))
+                         EPI_STORE, None, ssq_in=ssq)
+            ops.gemv(w.down, st.gu[:m], PRO_SILU_MUL, None, eps, f, h, EPI_ADD, None, ssq_out=ssq)
         if rows:
             lm = st.lm_head or self._fetch([st.model.lm_head], [lm_head_wkey()], 0)[0]
             out = st.logits_all[:rows] if rows > 1 else st.logits

@@ -237,7 +237,7 @@ class NumpyOps:
 
     def gemv(self, lin: Lin, x: np.ndarray, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
              y: np.ndarray, epi: int, bias: np.ndarray | None, ssq_in: np.ndarray | None = None,
-             ssq_out: np.ndarray | None = None, prefetch: Lin | None = None) -> None:
+             ssq_out: np.ndarray | None = None) -> None:
         def fn() -> None:
             m, g = x.shape[0], lin.group_size
             a = _prologue(x, lin.k, pro, pw, eps, xoff, ssq_in)  # [M, K]
@@ -289,8 +289,7 @@ class NumpyOps:
 
     def decode_attention(self, qkv: np.ndarray, heads: int, kv_heads: int, hd: int, qnorm: np.ndarray | None,
                          knorm: np.ndarray | None, eps: float, cos: np.ndarray, sin: np.ndarray,
-                         meta: np.ndarray, kc: np.ndarray, vc: np.ndarray, scale: float, out: np.ndarray,
-                         prefetch: Lin | None = None) -> None:
+                         meta: np.ndarray, kc: np.ndarray, vc: np.ndarray, scale: float, out: np.ndarray) -> None:
         """One row: qkv_rope then attention (the CUDA kernel fuses them)."""
         q = np.empty((1, heads * hd), np.float32)
         self.qkv_rope(qkv, heads, kv_heads, hd, qnorm, knorm, eps, cos, sin, meta, q, kc, vc)
@@ -323,7 +322,8 @@ def _module() -> Any:
     source = "\n".join((here / name).read_text() for name in ("common.cu", "forward.cu"))
     names = ([f"qgemv<{b},{g},{mr}>" for b, g, mr in _GEMV_VARIANTS]
              + ["qgemv_m1<{},{}>".format(*v) for v in _M1_VARIANTS]
-             + [f"attn_decode<{ns}>" for ns in ATTN_SPLIT_CHOICES] + ["quantize_rows<32>", "quantize_rows<256>"])
+             + [f"attn_decode<{ns}>" for ns in ATTN_SPLIT_CHOICES] + ["attn_decode_head<16>"]
+             + ["quantize_rows<32>", "quantize_rows<256>"])
     mod = cp.RawModule(code=source, options=("--fmad=false", "-std=c++17"), name_expressions=tuple(names))
     mod.compile()
     return mod
@@ -362,7 +362,8 @@ class CupyOps:
         self.gemv_kind = gemv_kind()
         self.attn_splits = attn_splits()
         self._attn_decode = mod.get_function(f"attn_decode<{self.attn_splits}>")
-        self.prefetch_bytes = prefetch_bytes()
+        self._attn_head = mod.get_function("attn_decode_head<16>")  # A/B only
+        self.attn_kind = _env("KESTREL_CUDA_ATTN", "fused")
         self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
         self._fn = {name: mod.get_function(name) for name in
                     ("embed_rows", "qkv_rope", "attn_prefill", "add_rows")}
@@ -468,13 +469,12 @@ class CupyOps:
                       _ptr(ssq_out if m == 1 else None)))
 
     def gemv(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
-             bias: Any, ssq_in: Any = None, ssq_out: Any = None, prefetch: Lin | None = None) -> None:
+             bias: Any, ssq_in: Any = None, ssq_out: Any = None) -> None:
         """ssq_in / ssq_out (M = 1 only): the residual stream's tile sums of squares, read by an RMSNorm
-        prologue (pro 1) instead of the row, written with a residual-add epilogue's outputs. ``prefetch``
-        (M = 1 only): the next kernel's weights, asked into L2 in this one's tail."""
+        prologue (pro 1) instead of the row, written with a residual-add epilogue's outputs."""
         m = x.shape[0]
         if m > 1:
-            ssq_in = ssq_out = prefetch = None
+            ssq_in = ssq_out = None
         if m > SMALL_M and self.gemm is not None:
             self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias)
             return
@@ -483,7 +483,7 @@ class CupyOps:
                          (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
                           _ptr(x), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
                           _ptr(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters),
-                          _ptr(ssq_in), _ptr(ssq_out), *self._prefetch_args(prefetch)))
+                          _ptr(ssq_in), _ptr(ssq_out)))
             return
         mr = 1 if m == 1 else SMALL_M
         ksplit = lin.ksplit if m == 1 else 1
@@ -492,7 +492,7 @@ class CupyOps:
                      (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
                       _ptr(x), _ld(x), _i32(m), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
                       _ptr(y), _ld(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters),
-                      _ptr(ssq_in), _ptr(ssq_out), *self._prefetch_args(prefetch)))
+                      _ptr(ssq_in), _ptr(ssq_out)))
 
     def _tiled(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
                bias: Any) -> None:
@@ -525,16 +525,22 @@ class CupyOps:
                       _i32(kc.shape[1])))
 
     def decode_attention(self, qkv: Any, heads: int, kv_heads: int, hd: int, qnorm: Any, knorm: Any,
-                         eps: float, cos: Any, sin: Any, meta: Any, kc: Any, vc: Any, scale: float, out: Any,
-                         prefetch: Lin | None = None) -> None:
+                         eps: float, cos: Any, sin: Any, meta: Any, kc: Any, vc: Any, scale: float, out: Any) -> None:
         """One row: RoPE of its heads (the new key and value into the cache) and attention, one kernel."""
         cap = kc.shape[1]
+        if self.attn_kind == "split":  # A/B only
+            q = self._scratch("q", heads * hd, np.float32).reshape(1, heads * hd)
+            self.qkv_rope(qkv, heads, kv_heads, hd, qnorm, knorm, eps, cos, sin, meta, q, kc, vc)
+            self._launch(self._attn_head, (heads, 16), (128,),
+                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
+                          np.float32(scale), _ptr(meta), _ptr(self.attn_part), _ptr(self.attn_counters),
+                          _ptr(out)))
+            return
         groups = -(-(heads // kv_heads) // ATTN_HEADS_PER_BLOCK)
         self._launch(self._attn_decode, (kv_heads * groups, self.attn_splits), (128,),
                      (_ptr(qkv), _i32(heads), _i32(kv_heads), _i32(hd), _ptr(qnorm), _ptr(knorm),
                       np.float32(eps), _ptr(cos), _ptr(sin), _ptr(meta), _ptr(kc), _ptr(vc), _i32(cap),
-                      np.float32(scale), _ptr(self.attn_part), _ptr(self.attn_counters), _ptr(out),
-                      *self._prefetch_args(prefetch)))
+                      np.float32(scale), _ptr(self.attn_part), _ptr(self.attn_counters), _ptr(out)))
 
     def attention(self, q: Any, kc: Any, vc: Any, heads: int, hd: int, scale: float, meta: Any,
                   out: Any) -> None:
@@ -544,14 +550,6 @@ class CupyOps:
         self._launch(self._fn["attn_prefill"], (heads, -(-m // 16)), (256,),
                      (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                       np.float32(scale), _ptr(meta), _i32(m), _ptr(out)), smem)
-
-    def _prefetch_args(self, lin: Lin | None) -> tuple[np.uint64, ...]:
-        """(codes, bytes, scales, bytes) of the prefix of ``lin`` a kernel asks into L2 (all zero: none): at
-        most ``prefetch_bytes`` of codes and the scales of the same K rows, in whole 16-byte units."""
-        if lin is None or self.prefetch_bytes <= 0:
-            return (np.uint64(0),) * 4
-        nc, ns = prefetch_span(lin.codes.nbytes, lin.scales.nbytes, self.prefetch_bytes)
-        return _ptr(lin.codes), np.uint64(nc), _ptr(lin.scales), np.uint64(ns)
 
 
 def _as_device_weight(lin: Lin) -> Any:
@@ -565,15 +563,8 @@ def _as_device_weight(lin: Lin) -> Any:
     return SimpleNamespace(geometry=geometry, codes=lin.codes.reshape(-1).view(np.int8), scales=lin.scales)
 
 
-def prefetch_span(codes: int, scales: int, cap: int) -> tuple[int, int]:
-    """(codes bytes, scales bytes) of a weight's first K rows to ask into L2: at most ``cap`` bytes of codes
-    and the scales of the same fraction of K, each rounded down to whole 16-byte units (the bulk prefetch's)."""
-    frac = min(1.0, cap / codes) if codes else 0.0
-    return int(codes * frac) & ~15, int(scales * frac) & ~15
-
-
 def attn_part_size(heads: int, hd: int) -> int:
-    return heads * max(ATTN_SPLIT_CHOICES) * (hd + 2)
+    return heads * max(ATTN_SPLIT_CHOICES) * (hd + 4)
 
 
 def gemv_scratch(lins: list[Lin]) -> tuple[int, int]:
@@ -588,7 +579,6 @@ GEMV_ENV = "KESTREL_CUDA_GEMV"
 PDL_ENV = "KESTREL_CUDA_PDL"
 NORM_TILES_ENV = "KESTREL_CUDA_NORM_TILES"
 ATTN_SPLITS_ENV = "KESTREL_CUDA_ATTN_SPLITS"
-PREFETCH_ENV = "KESTREL_CUDA_PREFETCH_MB"
 ATTN_HEADS_PER_BLOCK = 4  # query heads of one KV head per decode-attention block (forward.cu HB)
 
 
@@ -611,16 +601,6 @@ def attn_splits() -> int:
     """Position splits of decode attention (``KESTREL_CUDA_ATTN_SPLITS``: 16 or 32, default 32)."""
     raw = _env(ATTN_SPLITS_ENV, "32")
     return int(raw) if raw.isdigit() and int(raw) in ATTN_SPLIT_CHOICES else 32
-
-
-def prefetch_bytes() -> int:
-    """Bytes of the next projection's codes each M = 1 decode kernel asks into L2 (``KESTREL_CUDA_PREFETCH_MB``,
-    default 16; 0 turns it off)."""
-    raw = _env(PREFETCH_ENV, "16")
-    try:
-        return max(0, int(float(raw) * (1 << 20)))
-    except ValueError:
-        return 16 << 20
 
 
 def norm_tiles_enabled() -> bool:
