@@ -66,7 +66,7 @@ def _record_step(fwd: Any, model: Any, seq_id: int, tokens: np.ndarray, pos: int
     """Run one eager pass and return its launches as (kind, weight bytes, replay closure)."""
     ops = fwd.ops
     calls: list[tuple[str, int, Any]] = []
-    orig = {name: getattr(ops, name) for name in ("gemv", "qkv_rope", "attention", "decode_attention", "embed")}
+    orig = {name: getattr(ops, name) for name in ("gemv", "qkv_rope", "attention", "embed")}
 
     def wrap(name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> None:

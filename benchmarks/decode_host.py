@@ -2,16 +2,21 @@
 (as `kestrel bench` runs it), the device forward's host work, and each host piece of a step timed alone.
 
     python benchmarks/decode_host.py [--preset qwen3-8b] [--quant q8] [--prompt 512] [--steps 128] [--json F]
+                                     [--profile]
 
 Pieces (median microseconds over --reps, the GPU idle before each): write_meta (position and token to the
 device), the graph launch call, the wait for the step, the logits' download (device to pinned host memory,
-then a copy the caller owns), greedy argmax, and the forward's Python around them. Run on the GPU machine.
+then a copy the caller owns), greedy argmax, and the forward's Python around them. ``--profile``: the
+engine's decode loop once more under cProfile, its functions by own time. Run on the GPU machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import time
 from typing import Any
@@ -84,6 +89,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res["pieces_us"] = {name: _median_us(fn, args.reps, sync) for name, fn in pieces.items()}
     res["wait_after_launch_us"] = _median_us(sync, args.reps, lambda: (sync(), seq.graph()))
     res["host_us_per_token"] = round(statistics.median(per_token[1:]) - res["gpu_step_us"], 1)
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        sum(1 for _ in engine.generate(prompt, max_tokens=args.steps + 1, stop_at_eos=False))
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(24)
+        res["profile"] = text.getvalue().splitlines()
     engine.close()
     return res
 
@@ -96,8 +109,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--json", default="")
+    p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     res = run(args)
+    print("\n".join(res.pop("profile", [])))
     print(json.dumps(res, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -643,14 +643,29 @@ extern "C" __global__ void embed_rows(const signed char* __restrict__ codes, con
 }
 
 // ------------------------------------------------------------------------------------------------------
-// One head src[hd] of a qkv row: optional RMSNorm over the head (Qwen3 q_norm / k_norm: nw), then RoPE
-// (rotate_half) with the position's cos / sin rows cs / sn [hd / 2], written to dst (and dst2 unless null).
-// One warp; hd <= 128 (a lane holds i = lane, lane + 32 of each half).
-__device__ __forceinline__ void rope_head(const float* __restrict__ src, const float* __restrict__ nw, float eps,
-                                          const float* __restrict__ cs, const float* __restrict__ sn, int hd,
-                                          float* dst, float* dst2)
+// Per head of the qkv rows: optional per-head rmsnorm (Qwen3 q_norm/k_norm), RoPE (rotate_half) at the
+// absolute position meta[0] + m, then q -> qout [M][H*hd] and k, v -> this layer's cache at that position.
+// One warp per head (4 per block), no block barriers. Grid: x = ceil((H + KV) / 4), y = M; hd <= 128.
+#define RW 4
+extern "C" __global__ void __launch_bounds__(RW * 32) qkv_rope(
+    const float* __restrict__ qkv, int ldqkv, int H, int KV, int hd,
+    const float* __restrict__ qnorm, const float* __restrict__ knorm, float eps,
+    const float* __restrict__ cosT, const float* __restrict__ sinT, const int* __restrict__ meta,
+    float* __restrict__ qout, float* __restrict__ kc, float* __restrict__ vc, int cap)
 {
-    const int lane = threadIdx.x & 31, half = hd / 2;
+    grid_dep_launch();
+    grid_dep_wait();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int head = blockIdx.x * RW + warp, m = blockIdx.y;
+    if (head >= H + KV) return;
+    const int pos = meta[0] + m;
+    const bool isq = head < H;
+    const int kvh = head - H;
+    const int half = hd / 2;
+    const float* src = qkv + (size_t)m * ldqkv + (isq ? head * hd : H * hd + kvh * hd);
+    const float* nw = isq ? qnorm : knorm;
+    const float* cs = cosT + (size_t)pos * half;
+    const float* sn = sinT + (size_t)pos * half;
     float x1[2], x2[2], c[2], s[2];
     float ss = 0.f;
 #pragma unroll
@@ -669,231 +684,34 @@ __device__ __forceinline__ void rope_head(const float* __restrict__ src, const f
             if (i < half) { x1[t] = x1[t] / r * nw[i]; x2[t] = x2[t] / r * nw[i + half]; }
         }
     }
+    float* dst = isq ? qout + (size_t)m * H * hd + head * hd : kc + ((size_t)kvh * cap + pos) * hd;
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
         const int i = lane + 32 * t;
         if (i < half) {
-            const float y1 = x1[t] * c[t] - x2[t] * s[t], y2 = x2[t] * c[t] + x1[t] * s[t];
-            dst[i] = y1;
-            dst[i + half] = y2;
-            if (dst2) { dst2[i] = y1; dst2[i + half] = y2; }
+            dst[i] = x1[t] * c[t] - x2[t] * s[t];
+            dst[i + half] = x2[t] * c[t] + x1[t] * s[t];
         }
     }
-}
-
-// Per head of the qkv rows (prefill): rope_head at the absolute position meta[0] + m, q -> qout [M][H*hd] and
-// k, v -> this layer's cache at that position. One warp per head (4 per block), no block barriers.
-// Grid: x = ceil((H + KV) / 4), y = M.
-#define RW 4
-extern "C" __global__ void __launch_bounds__(RW * 32) qkv_rope(
-    const float* __restrict__ qkv, int ldqkv, int H, int KV, int hd,
-    const float* __restrict__ qnorm, const float* __restrict__ knorm, float eps,
-    const float* __restrict__ cosT, const float* __restrict__ sinT, const int* __restrict__ meta,
-    float* __restrict__ qout, float* __restrict__ kc, float* __restrict__ vc, int cap)
-{
-    grid_dep_launch();
-    grid_dep_wait();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int head = blockIdx.x * RW + warp, m = blockIdx.y;
-    if (head >= H + KV) return;
-    const int pos = meta[0] + m;
-    const bool isq = head < H;
-    const int kvh = head - H;
-    const float* row = qkv + (size_t)m * ldqkv;
-    float* dst = isq ? qout + (size_t)m * H * hd + head * hd : kc + ((size_t)kvh * cap + pos) * hd;
-    rope_head(row + head * hd, isq ? qnorm : knorm, eps, cosT + (size_t)pos * (hd / 2),
-              sinT + (size_t)pos * (hd / 2), hd, dst, nullptr);
     if (!isq) {
-        const float* vsrc = row + (H + KV + kvh) * hd;
+        const float* vsrc = qkv + (size_t)m * ldqkv + (H + KV) * hd + kvh * hd;
         float* vdst = vc + ((size_t)kvh * cap + pos) * hd;
         for (int d = lane; d < hd; d += 32) vdst[d] = vsrc[d];
     }
 }
 
 // ------------------------------------------------------------------------------------------------------
-// Decode attention with the step's RoPE fused in: one qkv row at position pos = meta[0], keys 0..pos.
-// Grid: x = KV heads x ceil(GQ / HB) (a block takes up to HB of the GQ query heads of one KV head, so each
-// key and value is loaded once for all of them), y = NS position splits; block AW warps.
-// Before the PDL wait each warp loads the keys and values of its first AB positions below pos (written by
-// earlier steps; meta by the host). After it, warp g
-// rotates query head g into shared memory, and the split holding pos rotates the new key and writes it and
-// the value to the cache (and uses them from shared memory). Each warp runs an online softmax over its
-// positions (lane: 4 dimensions, one 16-byte load per position); warp g merges the block's warps for head g
-// and writes (max, sum, acc[hd]) to part[h][split]; in the last block of a head group, warp g merges head
-// g's NS splits in order. q is scaled by 1/sqrt(hd) before the dot products.
-#define AW 4
-#define AB 8
-#define HB 4
-
-__device__ __forceinline__ void load_kv(const float* __restrict__ kb, const float* __restrict__ vb, int hd,
-                                        int p0, int pend, bool dok, float4 (&kr)[AB], float4 (&vr)[AB]) {
-    const int d = 4 * (threadIdx.x & 31);
-#pragma unroll
-    for (int b = 0; b < AB; ++b) {
-        const bool ok = dok && p0 + b < pend;
-        kr[b] = ok ? __ldg(reinterpret_cast<const float4*>(kb + (size_t)(p0 + b) * hd + d)) : make_float4(0.f, 0.f, 0.f, 0.f);
-        vr[b] = ok ? __ldg(reinterpret_cast<const float4*>(vb + (size_t)(p0 + b) * hd + d)) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-}
-
-template <int NS>
-__global__ void __launch_bounds__(AW * 32) attn_decode(
-    const float* __restrict__ qkv, int H, int KV, int hd,
-    const float* __restrict__ qnorm, const float* __restrict__ knorm, float eps,
-    const float* __restrict__ cosT, const float* __restrict__ sinT, const int* __restrict__ meta,
-    float* __restrict__ kc, float* __restrict__ vc, int cap, float scale,
-    float* __restrict__ part, int* __restrict__ counters, float* __restrict__ out)
-{
-    grid_dep_launch();
-    __shared__ __align__(16) float s_q[HB][128];
-    __shared__ __align__(16) float s_kv[2][128];      // the new key (rotated) and value
-    __shared__ __align__(16) float s_acc[AW][HB][128];
-    __shared__ float s_m[AW][HB], s_l[AW][HB];
-    __shared__ int s_last;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int gq = H / KV, groups = (gq + HB - 1) / HB;
-    const int kvh = blockIdx.x / groups;
-    const int h0 = kvh * gq + (blockIdx.x % groups) * HB;  // this block's heads h0 .. h0 + nh - 1
-    const int nh = min(HB, kvh * gq + gq - h0);
-    const int split = blockIdx.y;
-    const int pos = meta[0], len = pos + 1;
-    const int chunk = (len + NS - 1) / NS;
-    const int pb = split * chunk, pe = min(len, pb + chunk);
-    const bool owner = pb <= pos && pos < pe;
-    float* kb = kc + (size_t)kvh * cap * hd;
-    float* vb = vc + (size_t)kvh * cap * hd;
-    const bool dok = 4 * lane < hd;
-
-    float4 kr[AB], vr[AB];
-    const int first = pb + AB * warp;
-    load_kv(kb, vb, hd, first, min(pe, pos), dok, kr, vr);
-    grid_dep_wait();  // the qkv row comes from the kernel before this one
-
-    const float* cs = cosT + (size_t)pos * (hd / 2);
-    const float* sn = sinT + (size_t)pos * (hd / 2);
-    if (warp < nh) rope_head(qkv + (size_t)(h0 + warp) * hd, qnorm, eps, cs, sn, hd, s_q[warp], nullptr);
-    if (owner && warp == AW - 1) rope_head(qkv + (size_t)(H + kvh) * hd, knorm, eps, cs, sn, hd, s_kv[0], kb + (size_t)pos * hd);
-    if (owner && warp == AW - 2)
-        for (int d = lane; d < hd; d += 32) s_kv[1][d] = vb[(size_t)pos * hd + d] = qkv[(size_t)(H + KV + kvh) * hd + d];
-    __syncthreads();
-    float4 qr[HB], acc[HB];
-    float mx[HB], l[HB];
-#pragma unroll
-    for (int g = 0; g < HB; ++g) {
-        const float4 v = g < nh && dok ? *reinterpret_cast<const float4*>(&s_q[g][4 * lane]) : make_float4(0.f, 0.f, 0.f, 0.f);
-        qr[g] = make_float4(v.x * scale, v.y * scale, v.z * scale, v.w * scale);
-        acc[g] = make_float4(0.f, 0.f, 0.f, 0.f);
-        mx[g] = NEG_INF;
-        l[g] = 0.f;
-    }
-    for (int p0 = first; p0 < pe; p0 += AB * AW) {
-        if (p0 != first) load_kv(kb, vb, hd, p0, min(pe, pos), dok, kr, vr);
-        if (owner && dok) {
-#pragma unroll
-            for (int b = 0; b < AB; ++b)
-                if (p0 + b == pos) {
-                    kr[b] = *reinterpret_cast<const float4*>(&s_kv[0][4 * lane]);
-                    vr[b] = *reinterpret_cast<const float4*>(&s_kv[1][4 * lane]);
-                }
-        }
-        float sc[HB][AB];
-#pragma unroll
-        for (int g = 0; g < HB; ++g)
-#pragma unroll
-            for (int b = 0; b < AB; ++b)
-                sc[g][b] = qr[g].x * kr[b].x + qr[g].y * kr[b].y + qr[g].z * kr[b].z + qr[g].w * kr[b].w;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-            for (int g = 0; g < HB; ++g)
-#pragma unroll
-                for (int b = 0; b < AB; ++b) sc[g][b] += __shfl_xor_sync(FULL, sc[g][b], o);
-#pragma unroll
-        for (int g = 0; g < HB; ++g) {
-            float mb = NEG_INF;
-#pragma unroll
-            for (int b = 0; b < AB; ++b) if (p0 + b < pe) mb = fmaxf(mb, sc[g][b]);
-            const float mn = fmaxf(mx[g], mb);
-            const float corr = expf(mx[g] - mn);
-            l[g] *= corr;
-            float4 a = make_float4(acc[g].x * corr, acc[g].y * corr, acc[g].z * corr, acc[g].w * corr);
-#pragma unroll
-            for (int b = 0; b < AB; ++b) {
-                if (p0 + b < pe) {
-                    const float e = expf(sc[g][b] - mn);
-                    l[g] += e;
-                    a.x += e * vr[b].x; a.y += e * vr[b].y; a.z += e * vr[b].z; a.w += e * vr[b].w;
-                }
-            }
-            acc[g] = a;
-            mx[g] = mn;
-        }
-    }
-#pragma unroll
-    for (int g = 0; g < HB; ++g) {
-        if (lane == 0) { s_m[warp][g] = mx[g]; s_l[warp][g] = l[g]; }
-        if (dok) *reinterpret_cast<float4*>(&s_acc[warp][g][4 * lane]) = acc[g];
-    }
-    __syncthreads();
-    const int ld = hd + 4;                      // a partial: max, sum, 2 unused, acc[hd] (16-byte aligned)
-    if (warp < nh) {                            // warp g: the block's partial of head h0 + g
-        const int g = warp;
-        float bm = NEG_INF;
-#pragma unroll
-        for (int w = 0; w < AW; ++w) bm = fmaxf(bm, s_m[w][g]);
-        float wgt[AW], bl = 0.f;
-#pragma unroll
-        for (int w = 0; w < AW; ++w) { wgt[w] = s_l[w][g] > 0.f ? expf(s_m[w][g] - bm) : 0.f; bl += s_l[w][g] * wgt[w]; }
-        float* pp = part + ((size_t)(h0 + g) * NS + split) * ld;
-        if (lane == 0) { pp[0] = bm; pp[1] = bl; }
-        if (dok) {
-            float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-            for (int w = 0; w < AW; ++w) {
-                const float4 v = *reinterpret_cast<const float4*>(&s_acc[w][g][4 * lane]);
-                a.x += v.x * wgt[w]; a.y += v.y * wgt[w]; a.z += v.z * wgt[w]; a.w += v.w * wgt[w];
-            }
-            *reinterpret_cast<float4*>(pp + 4 + 4 * lane) = a;
-        }
-    }
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) s_last = atomicAdd(&counters[blockIdx.x], 1) == NS - 1;
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    if (warp < nh) {                            // warp g merges head h0 + g's NS partials in split order
-        const int g = warp;
-        const float* ph = part + (size_t)(h0 + g) * NS * ld;
-        const float pm = lane < NS ? __ldcg(ph + (size_t)lane * ld) : NEG_INF;
-        const float pl = lane < NS ? __ldcg(ph + (size_t)lane * ld + 1) : 0.f;
-        const float gm = warp_max(pm);
-        const float pw = pl > 0.f ? expf(pm - gm) : 0.f;
-        const float gl = warp_sum(pl * pw);
-        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-        for (int t = 0; t < NS; ++t) {
-            const float w = __shfl_sync(FULL, pw, t);
-            if (dok) {
-                const float4 v = __ldcg(reinterpret_cast<const float4*>(ph + (size_t)t * ld + 4 + 4 * lane));
-                a.x += v.x * w; a.y += v.y * w; a.z += v.z * w; a.w += v.w * w;
-            }
-        }
-        if (dok) *reinterpret_cast<float4*>(out + (size_t)(h0 + g) * hd + 4 * lane) = make_float4(a.x / gl, a.y / gl, a.z / gl, a.w / gl);
-    }
-    if (tid == 0) counters[blockIdx.x] = 0;
-}
-
-// ------------------------------------------------------------------------------------------------------
-// A/B ONLY (previous design): decode attention (one query row at position meta[0], keys 0..meta[0]), split over positions.
+// Decode attention (one query row at position meta[0], keys 0..meta[0]), split over positions.
 // Grid: x = H, y = NS splits; block 128 (4 warps). Each warp runs an online softmax over groups of AB
 // positions (their keys and values loaded together: AB x 2 x hd/32 loads in flight per lane); the block
 // merges its warps, writes (max, sum, acc[hd]) to part[h][split], and the last block of a head merges the
 // NS splits (every split's partial loaded at once, merge weights computed once, fixed order). q is scaled
 // by 1/sqrt(hd) before the dot products.
+#define AW 4
+#define AB 8
 #define MAXJ 4   // hd <= 128
 template <int NS>
-__global__ void __launch_bounds__(AW * 32) attn_decode_head(
+__global__ void __launch_bounds__(AW * 32) attn_decode(
     const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
     int KV, int hd, float scale, const int* __restrict__ meta, float* __restrict__ part,
     int* __restrict__ counters, float* __restrict__ out)

@@ -304,13 +304,9 @@ class DeviceForward:
                 bias = None if layer.qkv_bias is None else layer.qkv_bias[lin.col:lin.col + lin.n]
                 ops.gemv(lin, h, PRO_RMSNORM, layer.attn_norm, eps, 0, st.qkv[:m, lin.col:lin.col + lin.n],
                          EPI_STORE, bias, ssq_in=ssq)
-            if m == 1:
-                ops.decode_attention(st.qkv[:1], heads, kv_heads, hd, layer.q_norm, layer.k_norm, eps, st.cos,
-                                     st.sin, st.meta, kc, vc, scale, st.attn[:1])
-            else:
-                ops.qkv_rope(st.qkv[:m], heads, kv_heads, hd, layer.q_norm, layer.k_norm, eps, st.cos, st.sin,
-                             st.meta, st.q[:m], kc, vc)
-                ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m])
+            ops.qkv_rope(st.qkv[:m], heads, kv_heads, hd, layer.q_norm, layer.k_norm, eps, st.cos, st.sin,
+                         st.meta, st.q[:m], kc, vc)
+            ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m])
             ops.gemv(w.o, st.attn[:m], PRO_PLAIN, None, eps, 0, h, EPI_ADD, None, ssq_out=ssq)
             for lin in w.gate_up:
                 ops.gemv(lin, h, PRO_RMSNORM, layer.mlp_norm, eps, 0, st.gu[:m, lin.col:lin.col + lin.n],

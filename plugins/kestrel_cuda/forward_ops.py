@@ -30,7 +30,7 @@ SMALL_M = 8  # up to this many rows run through the fused GEMV (MR = 8); more th
 STREAM_MAX_ROWS = 16384  # K rows one block of the M=1 GEMV (qgemv_m1) quantizes into shared memory (SMAXK)
 STREAM_WARPS = 8  # warps of a qgemv_m1 block; each streams whole G-groups of the block's K run
 STREAM_BLOCK_COST = 2  # a block's fixed work (prologue, reduction) in units of one group per warp (planner)
-ATTN_SPLIT_CHOICES = (16, 32)  # position splits of decode attention (attn_decode<NS>, KESTREL_CUDA_ATTN_SPLITS)
+ATTN_SPLITS = 16  # position splits of decode attention (attn_decode<NS>): 16 measured faster than 32
 MAX_HEAD_DIM = 128  # attention and qkv_rope keep hd/32 (<= 4) values per lane; attn_prefill tiles fit 48 KB
 PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL = 0, 1, 2
 EPI_STORE, EPI_ADD = 0, 1
@@ -287,14 +287,6 @@ class NumpyOps:
                     out[r, h * hd:(h + 1) * hd] = (e / e.sum()) @ vc[h // g, :n]
         self._run(fn)
 
-    def decode_attention(self, qkv: np.ndarray, heads: int, kv_heads: int, hd: int, qnorm: np.ndarray | None,
-                         knorm: np.ndarray | None, eps: float, cos: np.ndarray, sin: np.ndarray,
-                         meta: np.ndarray, kc: np.ndarray, vc: np.ndarray, scale: float, out: np.ndarray) -> None:
-        """One row: qkv_rope then attention (the CUDA kernel fuses them)."""
-        q = np.empty((1, heads * hd), np.float32)
-        self.qkv_rope(qkv, heads, kv_heads, hd, qnorm, knorm, eps, cos, sin, meta, q, kc, vc)
-        self.attention(q, kc, vc, heads, hd, scale, meta, out)
-
 
 def _head_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     ss = np.einsum("...d,...d->...", x, x)[..., None]
@@ -322,8 +314,7 @@ def _module() -> Any:
     source = "\n".join((here / name).read_text() for name in ("common.cu", "forward.cu"))
     names = ([f"qgemv<{b},{g},{mr}>" for b, g, mr in _GEMV_VARIANTS]
              + ["qgemv_m1<{},{}>".format(*v) for v in _M1_VARIANTS]
-             + [f"attn_decode<{ns}>" for ns in ATTN_SPLIT_CHOICES] + ["attn_decode_head<16>"]
-             + ["quantize_rows<32>", "quantize_rows<256>"])
+             + [f"attn_decode<{ATTN_SPLITS}>", "quantize_rows<32>", "quantize_rows<256>"])
     mod = cp.RawModule(code=source, options=("--fmad=false", "-std=c++17"), name_expressions=tuple(names))
     mod.compile()
     return mod
@@ -360,10 +351,7 @@ class CupyOps:
         self._gemv = {v: mod.get_function("qgemv<{},{},{}>".format(*v)) for v in _GEMV_VARIANTS}
         self._gemv_m1 = {v: mod.get_function("qgemv_m1<{},{}>".format(*v)) for v in _M1_VARIANTS}
         self.gemv_kind = gemv_kind()
-        self.attn_splits = attn_splits()
-        self._attn_decode = mod.get_function(f"attn_decode<{self.attn_splits}>")
-        self._attn_head = mod.get_function("attn_decode_head<16>")  # A/B only
-        self.attn_kind = _env("KESTREL_CUDA_ATTN", "fused")
+        self._attn_decode = mod.get_function(f"attn_decode<{ATTN_SPLITS}>")
         self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
         self._fn = {name: mod.get_function(name) for name in
                     ("embed_rows", "qkv_rope", "attn_prefill", "add_rows")}
@@ -524,28 +512,16 @@ class CupyOps:
                       np.float32(eps), _ptr(cos), _ptr(sin), _ptr(meta), _ptr(q), _ptr(kc), _ptr(vc),
                       _i32(kc.shape[1])))
 
-    def decode_attention(self, qkv: Any, heads: int, kv_heads: int, hd: int, qnorm: Any, knorm: Any,
-                         eps: float, cos: Any, sin: Any, meta: Any, kc: Any, vc: Any, scale: float, out: Any) -> None:
-        """One row: RoPE of its heads (the new key and value into the cache) and attention, one kernel."""
-        cap = kc.shape[1]
-        if self.attn_kind == "split":  # A/B only
-            q = self._scratch("q", heads * hd, np.float32).reshape(1, heads * hd)
-            self.qkv_rope(qkv, heads, kv_heads, hd, qnorm, knorm, eps, cos, sin, meta, q, kc, vc)
-            self._launch(self._attn_head, (heads, 16), (128,),
-                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
-                          np.float32(scale), _ptr(meta), _ptr(self.attn_part), _ptr(self.attn_counters),
-                          _ptr(out)))
-            return
-        groups = -(-(heads // kv_heads) // ATTN_HEADS_PER_BLOCK)
-        self._launch(self._attn_decode, (kv_heads * groups, self.attn_splits), (128,),
-                     (_ptr(qkv), _i32(heads), _i32(kv_heads), _i32(hd), _ptr(qnorm), _ptr(knorm),
-                      np.float32(eps), _ptr(cos), _ptr(sin), _ptr(meta), _ptr(kc), _ptr(vc), _i32(cap),
-                      np.float32(scale), _ptr(self.attn_part), _ptr(self.attn_counters), _ptr(out)))
-
     def attention(self, q: Any, kc: Any, vc: Any, heads: int, hd: int, scale: float, meta: Any,
                   out: Any) -> None:
         m = q.shape[0]
         kv_heads, cap = kc.shape[0], kc.shape[1]
+        if m == 1:
+            self._launch(self._attn_decode, (heads, ATTN_SPLITS), (128,),
+                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
+                          np.float32(scale), _ptr(meta), _ptr(self.attn_part), _ptr(self.attn_counters),
+                          _ptr(out)))
+            return
         smem = (32 * (hd + 4) + 32 * hd + 16 * hd) * 4
         self._launch(self._fn["attn_prefill"], (heads, -(-m // 16)), (256,),
                      (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
@@ -564,7 +540,7 @@ def _as_device_weight(lin: Lin) -> Any:
 
 
 def attn_part_size(heads: int, hd: int) -> int:
-    return heads * max(ATTN_SPLIT_CHOICES) * (hd + 4)
+    return heads * ATTN_SPLITS * (hd + 2)
 
 
 def gemv_scratch(lins: list[Lin]) -> tuple[int, int]:
@@ -578,8 +554,6 @@ BLOCKS_ENV = "KESTREL_CUDA_GEMV_BLOCKS"
 GEMV_ENV = "KESTREL_CUDA_GEMV"
 PDL_ENV = "KESTREL_CUDA_PDL"
 NORM_TILES_ENV = "KESTREL_CUDA_NORM_TILES"
-ATTN_SPLITS_ENV = "KESTREL_CUDA_ATTN_SPLITS"
-ATTN_HEADS_PER_BLOCK = 4  # query heads of one KV head per decode-attention block (forward.cu HB)
 
 
 def _env(name: str, default: str) -> str:
@@ -595,12 +569,6 @@ def gemv_kind() -> str:
     step in one run: q8 chunk 3,099, hybrid 3,194; q4 chunk 2,461, hybrid 2,471, stream 2,813."""
     raw = _env(GEMV_ENV, "chunk")
     return raw if raw in ("stream", "chunk", "hybrid") else "chunk"
-
-
-def attn_splits() -> int:
-    """Position splits of decode attention (``KESTREL_CUDA_ATTN_SPLITS``: 16 or 32, default 32)."""
-    raw = _env(ATTN_SPLITS_ENV, "32")
-    return int(raw) if raw.isdigit() and int(raw) in ATTN_SPLIT_CHOICES else 32
 
 
 def norm_tiles_enabled() -> bool:

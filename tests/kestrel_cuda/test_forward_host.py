@@ -371,4 +371,3 @@ def test_split_k_scratch_covers_every_planned_gemv(quant: str) -> None:
                                                          *layer.weights.gate_up, layer.weights.down]]
     need_part, need_counters = forward_ops.gemv_scratch(lins)
     assert part >= need_part and counters >= need_counters
-
