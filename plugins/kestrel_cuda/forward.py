@@ -20,7 +20,9 @@ API (what the ``kestrel_forward`` / ``kestrel_release_sequence`` hookimpls call)
   must then share ``stream`` (stream order is what makes reusing an evicted buffer safe).
 - Without a window, the decode step (T == 1) is captured once per sequence in a CUDA graph and replayed
   (``use_graph``; env ``KESTREL_CUDA_GRAPH=0`` turns it off); the position and the token are read from
-  device memory, so one graph serves every position; its kernels are launched with programmatic dependent
+  device memory, so one graph serves every position. A released sequence's KV cache and graph are kept for
+  the next new sequence (one spare): capturing ~300 launches costs milliseconds, which `kestrel bench` and
+  every `generate` would otherwise pay once per prompt. Its kernels are launched with programmatic dependent
   launch (``KESTREL_CUDA_PDL``, forward_launch.py). ``pin(wkey)``/``unpin(wkey)`` (the cache's) keep the
   weights a graph captured resident; they are unpinned when the model changes or at ``close``.
 - ``gemm``: cuda-kernels' ``gemm.DeviceGemm``; prefill chunks of more than ``SMALL_M`` rows run its
@@ -204,8 +206,10 @@ class DeviceForward:
         self.norm_tiles = norm_tiles_enabled()
         self._st: _State | None = None
         self._seqs: dict[int, _Seq] = {}
+        self._spare: _Seq | None = None  # the last released sequence: KV cache and graph, for the next one
         self.counters: dict[str, int] = {"steps": 0, "graph_replays": 0, "graph_captures": 0,
-                                         "prefill_tokens": 0, "decode_tokens": 0, "declined": 0}
+                                         "prefill_tokens": 0, "decode_tokens": 0, "declined": 0,
+                                         "sequences_reused": 0}
         self.last_decline = ""
 
     # -- API -----------------------------------------------------------------------------------------
@@ -221,6 +225,10 @@ class DeviceForward:
         if st is None:
             return None
         seq = self._seqs.get(seq_id)
+        if seq is None and start == 0 and self._spare is not None:
+            seq, self._spare = self._spare, None  # every position is written before it is read
+            self._seqs[seq_id] = seq
+            self.counters["sequences_reused"] += 1
         if start == 0:
             if seq is not None:
                 seq.length = 0
@@ -239,7 +247,9 @@ class DeviceForward:
             raise
 
     def release(self, seq_id: int) -> None:
-        self._seqs.pop(seq_id, None)
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self._spare = seq
 
     def stats(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {f"forward_{k}": v for k, v in self.counters.items()}
@@ -350,6 +360,7 @@ class DeviceForward:
     def _teardown(self) -> None:
         st = self._st
         self._seqs.clear()
+        self._spare = None
         self._st = None
         if st is not None and self.unpin is not None:
             for key in st.pinned:

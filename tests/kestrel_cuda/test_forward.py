@@ -231,6 +231,21 @@ def test_graph_replay_equals_eager_and_runs_are_deterministic(pdl, stream, gemm,
     assert np.array_equal(graph, again)
 
 
+@pytest.mark.parametrize("pdl", ("0", "1"))
+def test_next_sequence_replays_the_released_ones_graph(pdl, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A longer first prompt leaves stale keys past the second's positions: bitwise the same as a fresh
+    forward, with one capture for both."""
+    monkeypatch.setenv("KESTREL_CUDA_PDL", pdl)
+    model = synthetic_model(SMALL_CONFIGS["qwen3"], "q4", seed=9)
+    a, b = _tokens(model.config, 40, seed=1), _tokens(model.config, 24, seed=2)
+    fwd = DeviceForward(stream=stream, gemm=gemm)
+    device_logits(fwd, model, a, 30, seq_id=1)
+    fwd.release(1)
+    got = device_logits(fwd, model, b, 9, seq_id=2)
+    assert fwd.counters["graph_captures"] == 1 and fwd.counters["sequences_reused"] == 1
+    assert np.array_equal(got, device_logits(DeviceForward(stream=stream, gemm=gemm), model, b, 9, seq_id=2))
+
+
 @pytest.mark.parametrize("arch", list(SMALL_CONFIGS))
 def test_greedy_tokens_are_the_cpus_for_16_steps(arch, stream, gemm) -> None:  # type: ignore[no-untyped-def]
     model = synthetic_model(SMALL_CONFIGS[arch], "q8", seed=6)

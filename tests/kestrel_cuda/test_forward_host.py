@@ -126,6 +126,21 @@ def test_sequence_semantics_rewind_reset_decline_release() -> None:
     assert fwd.counters["declined"] == 3
 
 
+def test_a_released_sequence_lends_its_kv_cache_and_graph_to_the_next() -> None:
+    """The second prompt replays the first one's graph on its KV cache (stale positions are rewritten before
+    they are read): the same logits as a fresh forward, one capture; a sequence in use is never lent."""
+    model = synthetic_model(CONFIGS["qwen3"], "q4", seed=8)
+    a, b = _tokens(model.config, 20, seed=1), _tokens(model.config, 14, seed=2)
+    fwd = DeviceForward(ops=NumpyOps())
+    device_logits(fwd, model, a, 12, seq_id=1)
+    fwd.release(1)
+    got = device_logits(fwd, model, b, 6, seq_id=2)
+    assert fwd.counters["graph_captures"] == 1 and fwd.counters["sequences_reused"] == 1
+    assert np.array_equal(got, device_logits(DeviceForward(ops=NumpyOps()), model, b, 6, seq_id=2))
+    fwd.forward(model, 3, b[:4], 0, False)  # nothing released since: a cache of its own
+    assert fwd.counters["sequences_reused"] == 1 and fwd._seqs[3].kv is not fwd._seqs[2].kv
+
+
 def test_declines_bad_tokens_context_and_unsupported_models() -> None:
     model = synthetic_model(CONFIGS["llama"], "q8", seed=8)
     fwd = DeviceForward(ops=NumpyOps(), max_context=16)
