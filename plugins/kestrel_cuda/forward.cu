@@ -34,6 +34,32 @@ __device__ __forceinline__ void grid_dep_launch() {
 #endif
 }
 
+// Timeline stamps (benchmarks/cuda_timeline.py compiles with -DKESTREL_TIMELINE; no code otherwise): thread 0 of
+// each block appends (entry, after the PDL wait, work done, exit, kernel id, SM) in globaltimer ns.
+#ifdef KESTREL_TIMELINE
+#define KT_MAX (1 << 20)
+__device__ unsigned long long kt_buf[KT_MAX * 6];
+__device__ unsigned int kt_n;
+__device__ __forceinline__ unsigned long long kt_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#define KT_BEGIN unsigned long long kt0 = kt_now(), kt1 = 0, kt2 = 0;
+#define KT_WAITED if (kt1 == 0) kt1 = kt_now();
+#define KT_DONE kt2 = kt_now();
+#define KT_END(id) if (threadIdx.x == 0) { \
+        unsigned smid; asm volatile("mov.u32 %0, %%smid;" : "=r"(smid)); \
+        const unsigned i = atomicAdd(&kt_n, 1u); \
+        if (i < KT_MAX) { unsigned long long* r = kt_buf + 6 * (size_t)i; \
+            r[0] = kt0; r[1] = kt1; r[2] = kt2; r[3] = kt_now(); r[4] = (unsigned long long)(id); r[5] = smid; } }
+#else
+#define KT_BEGIN
+#define KT_WAITED
+#define KT_DONE
+#define KT_END(id)
+#endif
+
 __device__ __forceinline__ float warp_sum(float v) {
     // xor butterfly: every lane ends with the same bits (float addition is commutative)
 #pragma unroll
@@ -161,6 +187,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     constexpr int SPW = KC / NT;                // 32-row slots per warp: int8 1, int4 2
     constexpr int NW = BITS == 8 ? 32 : 16;     // 4-byte words of one slot
     constexpr int GPC = KC / G > 0 ? KC / G : 1;  // groups per chunk (G = 256: warps NT / 32 / GPC per group)
+    KT_BEGIN
     grid_dep_launch();  // the wait follows the block's first weight loads
     __shared__ int s_aq[MR][KC / 4];            // activation codes of this chunk, 4 per word
     __shared__ float s_as[MR][KC / 32];         // activation scale per group (G=256: element h of pass h)
@@ -204,6 +231,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
 #pragma unroll
         for (int h = 0; h < SPW; ++h) pwv[h] = pro == 1 && k0 + h * NT + tid < K ? __ldg(pw + k0 + h * NT + tid) : 0.f;
         if (c == (int)blockIdx.y) grid_dep_wait();  // X comes from the kernels before this one
+        KT_WAITED
         if (pro == 1 && c == (int)blockIdx.y && ssq_in) {  // M = 1: from the tile sums
             if (warp == 0) {
                 const float r = rms_from_tiles(ssq_in, K, eps);
@@ -347,6 +375,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     }
 
     grid_dep_wait();  // blocks without a chunk: before part / counters (a no-op once waited)
+    KT_WAITED
+    KT_DONE
     if (gridDim.y > 1) {
         if (tid < TN && n0 + tid < Npad) {
             for (int i = 0; i < MR; ++i) {
@@ -359,7 +389,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         const int tile = blockIdx.z * gridDim.x + blockIdx.x;
         if (tid == 0) s_last = atomicAdd(&counters[tile], 1) == (int)gridDim.y - 1;
         __syncthreads();
-        if (!s_last) return;
+        if (!s_last) { KT_END((size_t)W) return; }
         __threadfence();
         if (tid < TN && n0 + tid < Npad) {
             for (int i = 0; i < MR; ++i) {
@@ -393,6 +423,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         }
     }
     if (ssq_out && warp < TN / 32 && n0 + 32 * warp < N) store_warp_ssq(y0, ssq_out, n0 + 32 * warp);
+    KT_END((size_t)W | 1)
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -653,8 +684,12 @@ extern "C" __global__ void __launch_bounds__(RW * 32) qkv_rope(
     const float* __restrict__ cosT, const float* __restrict__ sinT, const int* __restrict__ meta,
     float* __restrict__ qout, float* __restrict__ kc, float* __restrict__ vc, int cap)
 {
+    KT_BEGIN
     grid_dep_launch();
     grid_dep_wait();
+    KT_WAITED
+    KT_DONE
+    KT_END((size_t)kc | 2)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int head = blockIdx.x * RW + warp, m = blockIdx.y;
     if (head >= H + KV) return;
@@ -716,8 +751,10 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     int KV, int hd, float scale, const int* __restrict__ meta, float* __restrict__ part,
     int* __restrict__ counters, float* __restrict__ out)
 {
+    KT_BEGIN
     grid_dep_launch();
     grid_dep_wait();
+    KT_WAITED
     __shared__ float s_m[NS], s_l[NS], s_w[NS];
     __shared__ float s_acc[AW][128];
     __shared__ int s_last;
@@ -813,7 +850,8 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     __syncthreads();
     if (threadIdx.x == 0) s_last = atomicAdd(&counters[h], 1) == NS - 1;
     __syncthreads();
-    if (!s_last) return;
+    KT_DONE
+    if (!s_last) { KT_END((size_t)kc | 4) return; }
     __threadfence();
     const float* ph = part + (size_t)h * NS * (hd + 2);
     if (threadIdx.x < NS) {
@@ -840,6 +878,7 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
         out[(size_t)h * hd + d] = a / gl;
     }
     if (threadIdx.x == 0) counters[h] = 0;
+    KT_END((size_t)kc | 5)
 }
 
 // ------------------------------------------------------------------------------------------------------

@@ -306,8 +306,9 @@ _GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in 
 _M1_VARIANTS = [(bits, g) for bits in (8, 4) for g in (32, 256)]
 
 
-@lru_cache(maxsize=1)
-def _module() -> Any:
+@lru_cache(maxsize=2)
+def _module(defines: tuple[str, ...] = ()) -> Any:
+    """forward.cu compiled (``defines``: extra ``-D`` options, e.g. benchmarks/cuda_timeline.py's)."""
     import cupy as cp
 
     here = Path(__file__).parent
@@ -315,7 +316,7 @@ def _module() -> Any:
     names = ([f"qgemv<{b},{g},{mr}>" for b, g, mr in _GEMV_VARIANTS]
              + ["qgemv_m1<{},{}>".format(*v) for v in _M1_VARIANTS]
              + [f"attn_decode<{ATTN_SPLITS}>", "quantize_rows<32>", "quantize_rows<256>"])
-    mod = cp.RawModule(code=source, options=("--fmad=false", "-std=c++17"), name_expressions=tuple(names))
+    mod = cp.RawModule(code=source, options=("--fmad=false", "-std=c++17", *defines), name_expressions=tuple(names))
     mod.compile()
     return mod
 
