@@ -11,12 +11,15 @@ in full):
   work     the 90th percentile of its blocks' work ends minus its first wait end (streaming)
   tail     its last exit minus that 90th percentile (stragglers, the split-K merge)
   pre      median time its blocks waited at the PDL wait (entry to wait end)
+and for the one layer the quantiles of its blocks' wait ends and work ends (after its first wait end) and of
+the merging blocks' merge (exit minus work end).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from collections import defaultdict
 from typing import Any
@@ -54,9 +57,16 @@ def analyse(recs: np.ndarray, names: dict[int, str]) -> list[dict[str, Any]]:
     kernels = []
     for name, rows in groups.items():
         a = np.array(rows, dtype=np.int64)
-        kernels.append({"name": name, "blocks": len(a), "entry": a[:, 0].min(), "waited": a[:, 1].min(),
+        w0 = a[:, 1].min()
+        merged = (a[:, 4] & FLAGS) % 2 == 1  # the blocks that merged the split partials of a tile
+        kernels.append({"name": name, "blocks": len(a), "entry": a[:, 0].min(), "waited": w0,
                         "work90": np.percentile(a[:, 2], 90), "exit": a[:, 3].max(),
-                        "pre_us": float(np.median(a[:, 1] - a[:, 0])) / 1e3})
+                        "pre_us": float(np.median(a[:, 1] - a[:, 0])) / 1e3,
+                        # work ends after the first wait end: quantiles; the merge blocks' exit - work end
+                        "work_q": [round(float(np.percentile(a[:, 2] - w0, q)) / 1e3, 2) for q in (0, 50, 90, 99, 100)],
+                        "wait_q": [round(float(np.percentile(a[:, 1] - w0, q)) / 1e3, 2) for q in (0, 50, 90, 100)],
+                        "merge_q": [round(float(np.percentile(a[merged, 3] - a[merged, 2], q)) / 1e3, 2)
+                                    for q in (0, 50, 100)] if merged.any() else []})
     kernels.sort(key=lambda k: k["entry"])
     t_start = kernels[0]["entry"]
     prev_exit = t_start
@@ -67,7 +77,8 @@ def analyse(recs: np.ndarray, names: dict[int, str]) -> list[dict[str, Any]]:
                     "release_us": round((k["waited"] - prev_exit) / 1e3, 2),
                     "work_us": round((k["work90"] - k["waited"]) / 1e3, 2),
                     "tail_us": round((k["exit"] - k["work90"]) / 1e3, 2),
-                    "pre_us": round(k["pre_us"], 2)})
+                    "pre_us": round(k["pre_us"], 2), "work_q": k["work_q"], "wait_q": k["wait_q"],
+                    "merge_q": k["merge_q"]})
         prev_exit = k["exit"]
     return out
 
@@ -90,9 +101,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kestrel_cuda.binding import open_device
     from kestrel_cuda.forward import DeviceForward
 
-    defines = ("-DKESTREL_TIMELINE",)
-    compile_module = forward_ops._module
-    forward_ops._module = lambda: compile_module(defines)  # type: ignore[assignment]
+    defines = (*forward_ops.kernel_defines(), "-DKESTREL_TIMELINE")
+    os.environ[forward_ops.DEFINES_ENV] = " ".join(defines)
     model = preset_model(args.preset, args.quant)
     dev = open_device({})
     dev.preload(model)
@@ -102,7 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tok = int(fwd.forward(model, 1, prompt, 0, False)[0].argmax())
     for i in range(4):  # the graph is captured on the first decode step
         tok = int(fwd.forward(model, 1, np.array([tok]), len(prompt) + i, False)[0].argmax())
-    mod = compile_module(defines)
+    mod = forward_ops._module(defines)
     count = cp.ndarray((1,), np.uint32, mod.get_global("kt_n"))
     seq, stream = fwd._seqs[1], fwd.ops.stream
     res: dict[str, Any] = {"preset": args.preset, "quant": args.quant, "steps": []}
@@ -145,7 +155,8 @@ def main() -> None:
     print("layer", args.layer)
     for r in last["layer"]:
         print(f"{r['name']:12s}     {r['blocks']:6d} {r['eff_us']:7.2f} {r['release_us']:7.2f} "
-              f"{r['work_us']:7.2f} {r['tail_us']:7.2f} {r['pre_us']:7.2f}")
+              f"{r['work_us']:7.2f} {r['tail_us']:7.2f} {r['pre_us']:7.2f}  wait end q0/50/90/100 {r['wait_q']} "
+              f"work end q0/50/90/99/100 {r['work_q']} merge q0/50/100 {r['merge_q']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1, default=float)

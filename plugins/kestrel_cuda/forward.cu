@@ -79,6 +79,30 @@ __device__ __forceinline__ int warp_isum(int v) {
     return v;
 }
 
+// Split-K hand-over, called by every thread of a block once its partials are stored: true in the block that
+// arrives last of ``count`` (it then reads the others' partials). One thread's acq_rel atomic after the barrier
+// publishes the whole block's stores (release is cumulative over the barrier) and, in the last block, makes
+// the other blocks' stores visible to it (acquire, then the barrier): CUTLASS's semaphore pattern, one L2 round
+// trip fewer than fencing every thread (-DKESTREL_MERGE_FENCE: that form, for A/B runs).
+__device__ __forceinline__ bool arrive_last(int* counter, int count, int* flag) {
+#ifdef KESTREL_MERGE_FENCE
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) *flag = atomicAdd(counter, 1) == count - 1;
+    __syncthreads();
+    if (*flag) __threadfence();
+#else
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int old;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+        *flag = old == count - 1;
+    }
+    __syncthreads();
+#endif
+    return *flag;
+}
+
 // Sum over the NT threads of a block, same bits in every thread; red: >= 8 floats of shared memory.
 __device__ __forceinline__ float block_sum(float v, float* red) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -377,6 +401,13 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     grid_dep_wait();  // blocks without a chunk: before part / counters (a no-op once waited)
     KT_WAITED
     KT_DONE
+    // the epilogue's inputs from earlier kernels, loaded now: their round trip overlaps the merge's
+    float yin[MR], bn = 0.f;
+    const int n = n0 + tid;
+    const bool nok = tid < TN && n < N;
+#pragma unroll
+    for (int i = 0; i < MR; ++i) yin[i] = nok && epi == 1 && m0 + i < M ? Y[(size_t)(m0 + i) * ldy + n] : 0.f;
+    if (nok && bias) bn = bias[n];
     if (gridDim.y > 1) {
         if (tid < TN && n0 + tid < Npad) {
             for (int i = 0; i < MR; ++i) {
@@ -384,13 +415,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
                 if (m < M) part[((size_t)blockIdx.y * M + m) * Npad + n0 + tid] = acc[i];
             }
         }
-        __threadfence();
-        __syncthreads();
         const int tile = blockIdx.z * gridDim.x + blockIdx.x;
-        if (tid == 0) s_last = atomicAdd(&counters[tile], 1) == (int)gridDim.y - 1;
-        __syncthreads();
-        if (!s_last) { KT_END((size_t)W) return; }
-        __threadfence();
+        if (!arrive_last(&counters[tile], gridDim.y, &s_last)) { KT_END((size_t)W) return; }
         if (tid < TN && n0 + tid < Npad) {
             for (int i = 0; i < MR; ++i) {
                 const int m = m0 + i;
@@ -407,19 +433,15 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     }
 
     float y0 = 0.f;                             // row m0's output (ssq_out: M = 1)
-    if (tid < TN) {
-        const int n = n0 + tid;
-        if (n < N) {
-            for (int i = 0; i < MR; ++i) {
-                const int m = m0 + i;
-                if (m >= M) continue;
-                float y = acc[i];
-                if (bias) y = y + bias[n];
-                float* dst = Y + (size_t)m * ldy + n;
-                y = epi == 1 ? *dst + y : y;
-                *dst = y;
-                if (i == 0) y0 = y;
-            }
+    if (nok) {
+        for (int i = 0; i < MR; ++i) {
+            const int m = m0 + i;
+            if (m >= M) continue;
+            float y = acc[i];
+            if (bias) y = y + bn;
+            y = epi == 1 ? yin[i] + y : y;
+            Y[(size_t)m * ldy + n] = y;
+            if (i == 0) y0 = y;
         }
     }
     if (ssq_out && warp < TN / 32 && n0 + 32 * warp < N) store_warp_ssq(y0, ssq_out, n0 + 32 * warp);
@@ -575,12 +597,7 @@ __global__ void __launch_bounds__(NT, 2) qgemv_m1(
     }
     if (gridDim.y > 1) {
         if (tid < TN && n < Npad) part[(size_t)blockIdx.y * Npad + n] = y;
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) s_last = atomicAdd(&counters[blockIdx.x], 1) == (int)gridDim.y - 1;
-        __syncthreads();
-        if (!s_last) return;
-        __threadfence();
+        if (!arrive_last(&counters[blockIdx.x], gridDim.y, &s_last)) return;
         if (tid < TN && n < Npad) {
             y = 0.f;
 #pragma unroll 16
@@ -846,13 +863,8 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
         for (int w = 0; w < AW; ++w) a += s_acc[w][d] * wgt[w];
         pp[2 + d] = a;
     }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(&counters[h], 1) == NS - 1;
-    __syncthreads();
     KT_DONE
-    if (!s_last) { KT_END((size_t)kc | 4) return; }
-    __threadfence();
+    if (!arrive_last(&counters[h], NS, &s_last)) { KT_END((size_t)kc | 4) return; }
     const float* ph = part + (size_t)h * NS * (hd + 2);
     if (threadIdx.x < NS) {
         s_m[threadIdx.x] = __ldcg(ph + (size_t)threadIdx.x * (hd + 2));

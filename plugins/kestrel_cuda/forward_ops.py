@@ -348,7 +348,7 @@ class CupyOps:
         self.cupyx = cupyx
         self.xp = cp
         self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
-        mod = _module()
+        mod = _module(kernel_defines())
         self._gemv = {v: mod.get_function("qgemv<{},{},{}>".format(*v)) for v in _GEMV_VARIANTS}
         self._gemv_m1 = {v: mod.get_function("qgemv_m1<{},{}>".format(*v)) for v in _M1_VARIANTS}
         self.gemv_kind = gemv_kind()
@@ -555,6 +555,7 @@ BLOCKS_ENV = "KESTREL_CUDA_GEMV_BLOCKS"
 GEMV_ENV = "KESTREL_CUDA_GEMV"
 PDL_ENV = "KESTREL_CUDA_PDL"
 NORM_TILES_ENV = "KESTREL_CUDA_NORM_TILES"
+DEFINES_ENV = "KESTREL_CUDA_DEFINES"
 
 
 def _env(name: str, default: str) -> str:
@@ -570,6 +571,12 @@ def gemv_kind() -> str:
     step in one run: q8 chunk 3,099, hybrid 3,194; q4 chunk 2,461, hybrid 2,471, stream 2,813."""
     raw = _env(GEMV_ENV, "chunk")
     return raw if raw in ("stream", "chunk", "hybrid") else "chunk"
+
+
+def kernel_defines() -> tuple[str, ...]:
+    """Extra ``-D`` options for forward.cu (``KESTREL_CUDA_DEFINES``, space-separated; for A/B runs of kernel
+    variants, e.g. ``-DKESTREL_MERGE_FENCE``, and benchmarks/cuda_timeline.py's ``-DKESTREL_TIMELINE``)."""
+    return tuple(d for d in _env(DEFINES_ENV, "").split() if d.startswith("-D"))
 
 
 def norm_tiles_enabled() -> bool:
