@@ -103,6 +103,43 @@ __device__ __forceinline__ bool arrive_last(int* counter, int count, int* flag) 
     return *flag;
 }
 
+// Thread block clusters (sm_90): the K splits of a GEMV tile launched as one cluster add their partial sums
+// through distributed shared memory, on chip, instead of through L2 (KESTREL_CUDA_CLUSTER, forward_ops).
+#define MAX_CLUSTER 8   // portable cluster size
+__device__ __forceinline__ unsigned cluster_size() {
+    unsigned r = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
+}
+
+// Every thread of every block of the cluster: shared-memory writes before it are visible to the cluster after.
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// *p in the shared memory of the cluster's block ``rank``
+__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
+    float v = 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#endif
+    return v;
+}
+
 // Sum over the NT threads of a block, same bits in every thread; red: >= 8 floats of shared memory.
 __device__ __forceinline__ float block_sum(float v, float* red) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -197,8 +234,10 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 // Grid: x = column tiles of TN, y = K splits (chunks of KC strided by gridDim.y), z = row blocks of MR.
 // A chunk is the same 32 KB of weights for int8 and int4 (256 or 512 rows), so each warp has as many bytes
 // in flight per chunk.
-// With gridDim.y > 1 each block writes its partial sums to part[y][m][Npad] and the last block of a tile
-// (atomic counter, then reset for the next launch) adds them in y order: deterministic, graph-safe.
+// With gridDim.y > 1 the K splits' partial sums are added in y order (deterministic, graph-safe): launched as
+// one cluster per tile (gridDim.y <= MAX_CLUSTER), block 0 of the cluster reads the others' from their shared
+// memory; otherwise each block writes them to part[y][m][Npad] and the last block of a tile (atomic counter,
+// then reset for the next launch) reads them back.
 // Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += acc (+ bias).
 template <int BITS, int G, int MR>
 __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
@@ -219,6 +258,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     __shared__ float s_r[MR];                   // rmsnorm denominators
     __shared__ float s_red[NT / 32];
     __shared__ int s_acc[NT / 32][MR][TN];      // per-warp partial results (float bits, or ints for G=256)
+    __shared__ float s_part[MR][TN];            // this split's partial sums, read by the cluster's block 0
     __shared__ int s_last;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -408,7 +448,30 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
 #pragma unroll
     for (int i = 0; i < MR; ++i) yin[i] = nok && epi == 1 && m0 + i < M ? Y[(size_t)(m0 + i) * ldy + n] : 0.f;
     if (nok && bias) bn = bias[n];
-    if (gridDim.y > 1) {
+    const unsigned csize = cluster_size();
+    if (csize > 1) {                            // the tile's splits are this cluster (csize == gridDim.y)
+        if (tid < TN) {
+#pragma unroll
+            for (int i = 0; i < MR; ++i) s_part[i][tid] = acc[i];
+        }
+        cluster_sync();
+        const unsigned rank = cluster_rank();
+        if (rank == 0 && tid < TN) {
+#pragma unroll
+            for (int i = 0; i < MR; ++i) {
+                float v[MAX_CLUSTER];
+#pragma unroll
+                for (unsigned r = 1; r < MAX_CLUSTER; ++r) v[r] = r < csize ? ld_cluster(&s_part[i][tid], r) : 0.f;
+                float sum = 0.f;
+                sum += acc[i];
+#pragma unroll
+                for (unsigned r = 1; r < MAX_CLUSTER; ++r) if (r < csize) sum += v[r];
+                acc[i] = sum;
+            }
+        }
+        cluster_sync();                         // the others keep their shared memory until block 0 has read it
+        if (rank != 0) { KT_END((size_t)W) return; }
+    } else if (gridDim.y > 1) {
         if (tid < TN && n0 + tid < Npad) {
             for (int i = 0; i < MR; ++i) {
                 const int m = m0 + i;

@@ -1,4 +1,5 @@
-"""Kernel launches with programmatic dependent launch (PDL, sm_90+), for the captured decode step.
+"""Kernel launches with launch attributes (sm_90+): programmatic dependent launch (PDL), for the captured
+decode step, and thread block clusters, for the M=1 GEMV's K splits.
 
 CuPy's ``RawKernel`` launches through ``cuLaunchKernel``, which takes no launch attributes. A decode step is
 ~220 short kernels in a row, and each waits for its predecessor to drain before it starts (launch latency,
@@ -6,7 +7,8 @@ first loads). Launched through ``cuLaunchKernelEx`` with ``CU_LAUNCH_ATTRIBUTE_P
 a kernel may start while its predecessor still runs: forward.cu's kernels let dependents launch at their
 start (``griddepcontrol.launch_dependents``) and wait for the predecessor (``griddepcontrol.wait``) before
 they touch anything it writes, so the next GEMV's first weight loads overlap the previous kernel's tail.
-Stream capture records the launches as graph kernel nodes with programmatic edges.
+Stream capture records the launches as graph kernel nodes with programmatic edges. A cluster launch groups
+the K splits of a GEMV tile on one GPC, so they add their partial sums through each other's shared memory.
 
 The driver structures are declared with ctypes (layouts checked against CUDA 13's cuda.h: CUlaunchConfig 56
 bytes, attrs at offset 40; CUlaunchAttribute 72 bytes, value at offset 8).
@@ -19,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+CLUSTER_DIMENSION = 4  # CUlaunchAttributeID
+PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 class _LaunchAttr(ctypes.Structure):
@@ -37,8 +40,9 @@ _CTYPES = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int32): ctypes.c_in
            np.dtype(np.float32): ctypes.c_float}
 
 
-class PdlLauncher:
-    """``launch(kernel, grid, block, args, smem, stream)`` through cuLaunchKernelEx with the PDL attribute.
+class ExLauncher:
+    """``launch(kernel, grid, block, args, smem, stream, pdl, cluster)`` through cuLaunchKernelEx: ``pdl``
+    sets programmatic stream serialization, ``cluster`` (x, y, z) the cluster shape.
 
     ``kernel``: a CuPy RawKernel; ``args``: numpy scalars (uint64 pointers, int32, float32), as the CuPy
     launches of forward_ops pass them. Raises RuntimeError on a CUresult other than success.
@@ -50,17 +54,24 @@ class PdlLauncher:
         self._launch.restype = ctypes.c_int
         self._launch.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
                                  ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-        self._attr = _LaunchAttr()
-        self._attr.id = PROGRAMMATIC_STREAM_SERIALIZATION
-        self._attr.value[0] = 1  # programmaticStreamSerializationAllowed
+        self._attrs = (_LaunchAttr * 2)()
         assert ctypes.sizeof(_LaunchConfig) == 56 and ctypes.sizeof(_LaunchAttr) == 72
 
     def launch(self, kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, smem: int,
-               stream: Any) -> None:
+               stream: Any, pdl: bool = True, cluster: tuple[int, int, int] | None = None) -> None:
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
+        n = 0
+        if pdl:
+            self._attrs[n].id = PROGRAMMATIC_STREAM_SERIALIZATION
+            self._attrs[n].value[0] = 1  # programmaticStreamSerializationAllowed
+            n += 1
+        if cluster is not None:
+            self._attrs[n].id = CLUSTER_DIMENSION
+            self._attrs[n].value[0], self._attrs[n].value[1], self._attrs[n].value[2] = cluster
+            n += 1
         cfg = _LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], smem, ctypes.c_void_p(stream.ptr),
-                            ctypes.pointer(self._attr), 1)
+                            self._attrs, n)
         values = [_CTYPES[np.asarray(a).dtype](a.item() if hasattr(a, "item") else a) for a in args]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         err = self._launch(ctypes.byref(cfg), ctypes.c_void_p(kernel.kernel.ptr), params, None)

@@ -27,6 +27,7 @@ TILE_N = 128  # columns of a GEMV block (forward.cu TN)
 SSQ_COLS = 32  # columns per entry of the residual stream's sums of squares (forward.cu)
 CHUNK_K = 256  # rows of an int8 GEMV chunk (forward.cu KC8); int4 chunks have twice as many
 SMALL_M = 8  # up to this many rows run through the fused GEMV (MR = 8); more through the tiled GEMM if any
+MAX_CLUSTER = 8  # K splits of an M=1 GEMV launched as one thread block cluster, at most (forward.cu)
 STREAM_MAX_ROWS = 16384  # K rows one block of the M=1 GEMV (qgemv_m1) quantizes into shared memory (SMAXK)
 STREAM_WARPS = 8  # warps of a qgemv_m1 block; each streams whole G-groups of the block's K run
 STREAM_BLOCK_COST = 2  # a block's fixed work (prologue, reduction) in units of one group per warp (planner)
@@ -65,10 +66,10 @@ class Lin:
         return -(-self.k // (CHUNK_K * 8 // self.bits))
 
 
-def plan_ksplit(lin: Lin, target_blocks: int) -> int:
+def plan_ksplit(lin: Lin, target_blocks: int, max_split: int | None = None) -> int:
     """K splits of the chunked M=1 GEMV (``qgemv``, the default): enough blocks (tiles x splits) to fill the
-    GPU, at most one per chunk."""
-    return max(1, min(lin.chunks, -(-target_blocks // lin.tiles)))
+    GPU, at most one per chunk, and at most ``max_split`` (the cluster size when the splits are a cluster)."""
+    return max(1, min(lin.chunks, -(-target_blocks // lin.tiles), max_split or lin.chunks))
 
 
 def plan_stream_split(lin: Lin, resident: int) -> int:
@@ -97,12 +98,14 @@ def m1_kernel(lin: Lin, gemv: str, sm_count: int) -> str:
     return gemv
 
 
-def plan_split(lin: Lin, gemv: str, sm_count: int, target_blocks: int | None = None) -> int:
+def plan_split(lin: Lin, gemv: str, sm_count: int, target_blocks: int | None = None,
+               max_ksplit: int | None = None) -> int:
     """Choose ``lin``'s M=1 kernel (sets ``lin.m1``) and return its K splits; ``target_blocks`` (default
-    ``default_target_blocks``) is the chunk planner's target or the stream planner's resident blocks."""
+    ``default_target_blocks``) is the chunk planner's target or the stream planner's resident blocks;
+    ``max_ksplit``: the chunk kernel's bound when its splits run as a cluster (``CupyOps.max_ksplit``)."""
     lin.m1 = m1_kernel(lin, gemv, sm_count)
     target = target_blocks or default_target_blocks(sm_count, lin.m1)
-    return plan_ksplit(lin, target) if lin.m1 == "chunk" else plan_stream_split(lin, target)
+    return plan_ksplit(lin, target, max_ksplit) if lin.m1 == "chunk" else plan_stream_split(lin, target)
 
 
 def pack_kmajor(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -359,14 +362,17 @@ class CupyOps:
         self.gemm = gemm
         self.launches = 0
         self.pdl = pdl_enabled()
-        self._pdl: Any = None
-        if self.pdl:
+        mode = cluster_mode()
+        self.cluster = mode != "0" and int(cp.cuda.Device().compute_capability) >= 90
+        self._ex: Any = None
+        if self.pdl or self.cluster:
             try:
-                from kestrel_cuda.forward_launch import PdlLauncher
+                from kestrel_cuda.forward_launch import ExLauncher
 
-                self._pdl = PdlLauncher()
+                self._ex = ExLauncher()
             except (OSError, AttributeError):  # no driver library / no cuLaunchKernelEx: plain launches
-                self.pdl = False
+                self.pdl = self.cluster = False
+        self.max_ksplit = MAX_CLUSTER if self.cluster and mode == "all" else None  # the planner's bound
         self._capturing = False
         self._captured = 0  # launches so far in the capture under way
         self.sm_count = cp.cuda.Device().attributes["MultiProcessorCount"]
@@ -438,15 +444,19 @@ class CupyOps:
         replay.graph = graph  # type: ignore[attr-defined]
         return replay
 
-    def _launch(self, fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, smem: int = 0) -> None:
+    def _launch(self, fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, smem: int = 0,
+                cluster: int = 1) -> None:
         """Launch on the stream. Inside a graph capture with PDL on, every launch after the capture's first
-        may overlap its predecessor (forward_launch; each kernel waits for it before reading its outputs)."""
+        may overlap its predecessor (forward_launch; each kernel waits for it before reading its outputs).
+        ``cluster`` > 1: grid y in clusters of that many blocks (the M=1 GEMV's K splits)."""
         self.launches += 1
+        pdl = False
         if self._capturing:
             self._captured += 1
-            if self.pdl and self._captured > 1:
-                self._pdl.launch(fn, grid, block, args, smem, self.stream)
-                return
+            pdl = self.pdl and self._captured > 1
+        if pdl or cluster > 1:
+            self._ex.launch(fn, grid, block, args, smem, self.stream, pdl, (1, cluster, 1) if cluster > 1 else None)
+            return
         with self.stream:
             fn(grid, block, args, shared_mem=smem)
 
@@ -477,11 +487,12 @@ class CupyOps:
         mr = 1 if m == 1 else SMALL_M
         ksplit = lin.ksplit if m == 1 else 1
         fn = self._gemv[(lin.bits, lin.group_size, mr)]
+        cluster = ksplit if self.cluster and 1 < ksplit <= MAX_CLUSTER else 1
         self._launch(fn, (lin.tiles, ksplit, -(-m // mr)), (256,),
                      (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
                       _ptr(x), _ld(x), _i32(m), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
                       _ptr(y), _ld(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters),
-                      _ptr(ssq_in), _ptr(ssq_out)))
+                      _ptr(ssq_in), _ptr(ssq_out)), cluster=cluster)
 
     def _tiled(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
                bias: Any) -> None:
@@ -556,6 +567,7 @@ GEMV_ENV = "KESTREL_CUDA_GEMV"
 PDL_ENV = "KESTREL_CUDA_PDL"
 NORM_TILES_ENV = "KESTREL_CUDA_NORM_TILES"
 DEFINES_ENV = "KESTREL_CUDA_DEFINES"
+CLUSTER_ENV = "KESTREL_CUDA_CLUSTER"
 
 
 def _env(name: str, default: str) -> str:
@@ -571,6 +583,14 @@ def gemv_kind() -> str:
     step in one run: q8 chunk 3,099, hybrid 3,194; q4 chunk 2,461, hybrid 2,471, stream 2,813."""
     raw = _env(GEMV_ENV, "chunk")
     return raw if raw in ("stream", "chunk", "hybrid") else "chunk"
+
+
+def cluster_mode() -> str:
+    """``KESTREL_CUDA_CLUSTER``: whether the M=1 chunked GEMV's K splits of a column tile run as one thread
+    block cluster and add their partial sums in shared memory: "all" (default; splits planned at most
+    MAX_CLUSTER), "fit" (where the plan has at most MAX_CLUSTER) or "0" (never)."""
+    raw = _env(CLUSTER_ENV, "all")
+    return "0" if raw in ("0", "false", "no", "off") else raw if raw in ("all", "fit") else "all"
 
 
 def kernel_defines() -> tuple[str, ...]:

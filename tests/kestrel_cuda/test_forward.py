@@ -246,6 +246,25 @@ def test_next_sequence_replays_the_released_ones_graph(pdl, stream, gemm, monkey
     assert np.array_equal(got, device_logits(DeviceForward(stream=stream, gemm=gemm), model, b, 9, seq_id=2))
 
 
+@pytest.mark.parametrize("quant", ("q4", "q8-g256"))
+def test_cluster_split_sums_equal_the_global_merge_bitwise(quant, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """KESTREL_CUDA_CLUSTER=fit keeps the plan and adds each tile's K splits (<= 8) in its cluster's shared
+    memory, in the same order as the global merge: the same bits. "all" bounds the splits to 8 (other sums)."""
+    model = synthetic_model(replace(SMALL_CONFIGS["qwen3"], hidden_size=1024, intermediate_size=2048), quant,
+                            seed=11)
+    toks = _tokens(model.config, 14)
+    runs = {}
+    for mode in ("0", "fit", "all"):
+        monkeypatch.setenv("KESTREL_CUDA_CLUSTER", mode)
+        monkeypatch.setenv("KESTREL_CUDA_GEMV_BLOCKS", "64")  # several splits per tile at this size
+        fwd = DeviceForward(stream=stream, gemm=gemm)
+        runs[mode] = device_logits(fwd, model, toks, 6)
+        splits = {lin.ksplit for layer in fwd._st.layers for lin in (*layer.weights.qkv, layer.weights.o)}
+        assert max(splits) > 1, splits
+    assert np.array_equal(runs["fit"], runs["0"])
+    _check(model, toks, 6, runs["all"])
+
+
 @pytest.mark.parametrize("arch", list(SMALL_CONFIGS))
 def test_greedy_tokens_are_the_cpus_for_16_steps(arch, stream, gemm) -> None:  # type: ignore[no-untyped-def]
     model = synthetic_model(SMALL_CONFIGS[arch], "q8", seed=6)

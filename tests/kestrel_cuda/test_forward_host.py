@@ -386,3 +386,12 @@ def test_split_k_scratch_covers_every_planned_gemv(quant: str) -> None:
                                                          *layer.weights.gate_up, layer.weights.down]]
     need_part, need_counters = forward_ops.gemv_scratch(lins)
     assert part >= need_part and counters >= need_counters
+
+
+@pytest.mark.parametrize("k,n,bits", [(4096, 4096, 4), (12288, 4096, 4), (4096, 24576, 8), (4096, 151936, 4)])
+def test_cluster_bound_on_the_chunk_planner(k: int, n: int, bits: int) -> None:
+    """With the splits launched as one cluster, a tile never has more than MAX_CLUSTER of them."""
+    lin = forward_ops.Lin(None, None, k, n, pad_n(n), 32, bits)
+    free = forward_ops.plan_split(lin, "chunk", 132)
+    bound = forward_ops.plan_split(lin, "chunk", 132, None, forward_ops.MAX_CLUSTER)
+    assert bound == min(free, forward_ops.MAX_CLUSTER)
