@@ -202,7 +202,7 @@ class DeviceForward:
         self.use_graph = (_env_graph() if use_graph is None else use_graph) and layer_boundary is None
         self.sm_count = getattr(ops, "sm_count", 132)
         self.gemv_kind = getattr(ops, "gemv_kind", "chunk")
-        self.max_ksplit = getattr(ops, "max_ksplit", None)
+        self.clusters = bool(getattr(ops, "cluster", False))
         self.target_blocks = target_blocks  # None: each M=1 kernel's default (forward_ops.default_target_blocks)
         self.norm_tiles = norm_tiles_enabled()
         self._st: _State | None = None
@@ -467,7 +467,7 @@ class DeviceForward:
 
     def _plan(self, lin: Lin) -> int:
         """K splits of ``lin``'s M=1 GEMV (and the kernel it runs, ``lin.m1``)."""
-        return plan_split(lin, self.gemv_kind, self.sm_count, self.target_blocks, self.max_ksplit)
+        return plan_split(lin, self.gemv_kind, self.sm_count, self.target_blocks, self.clusters)
 
     def _pin_weights(self, st: _State) -> None:
         """Before a graph captures weight addresses: pin them in the cache (once per model state)."""

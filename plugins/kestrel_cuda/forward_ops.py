@@ -28,6 +28,7 @@ SSQ_COLS = 32  # columns per entry of the residual stream's sums of squares (for
 CHUNK_K = 256  # rows of an int8 GEMV chunk (forward.cu KC8); int4 chunks have twice as many
 SMALL_M = 8  # up to this many rows run through the fused GEMV (MR = 8); more through the tiled GEMM if any
 MAX_CLUSTER = 8  # K splits of an M=1 GEMV launched as one thread block cluster, at most (forward.cu)
+CHUNK_BLOCKS_PER_SM = 4  # qgemv's resident blocks per SM at M = 1 (__launch_bounds__(NT, 4))
 STREAM_MAX_ROWS = 16384  # K rows one block of the M=1 GEMV (qgemv_m1) quantizes into shared memory (SMAXK)
 STREAM_WARPS = 8  # warps of a qgemv_m1 block; each streams whole G-groups of the block's K run
 STREAM_BLOCK_COST = 2  # a block's fixed work (prologue, reduction) in units of one group per warp (planner)
@@ -56,6 +57,7 @@ class Lin:
     ksplit: int = 1
     wkey: int = 0
     m1: str = ""  # the M=1 kernel planned for it ("stream" or "chunk"; "" = decided at launch)
+    cluster: bool = False  # its M=1 K splits run as one thread block cluster per tile (plan_split)
 
     @property
     def tiles(self) -> int:
@@ -66,10 +68,20 @@ class Lin:
         return -(-self.k // (CHUNK_K * 8 // self.bits))
 
 
-def plan_ksplit(lin: Lin, target_blocks: int, max_split: int | None = None) -> int:
+def plan_ksplit(lin: Lin, target_blocks: int) -> int:
     """K splits of the chunked M=1 GEMV (``qgemv``, the default): enough blocks (tiles x splits) to fill the
-    GPU, at most one per chunk, and at most ``max_split`` (the cluster size when the splits are a cluster)."""
-    return max(1, min(lin.chunks, -(-target_blocks // lin.tiles), max_split or lin.chunks))
+    GPU, at most one per chunk."""
+    return max(1, min(lin.chunks, -(-target_blocks // lin.tiles)))
+
+
+def cluster_split(lin: Lin, ksplit: int, sm_count: int) -> int:
+    """K splits of the chunked M=1 GEMV to run as one thread block cluster per tile (their partial sums added
+    in shared memory, not through L2), or 0 to keep ``ksplit`` and the global merge. Clusters measured faster
+    only for a grid of one wave (CHUNK_BLOCKS_PER_SM per SM) whose blocks take at most two chunks: larger
+    grids lose more to the clusters' placement on whole GPCs than the merge saves (docs/performance.md)."""
+    split = min(ksplit, MAX_CLUSTER)
+    one_wave = lin.tiles * split <= CHUNK_BLOCKS_PER_SM * sm_count
+    return split if split > 1 and one_wave and -(-lin.chunks // split) <= 2 else 0
 
 
 def plan_stream_split(lin: Lin, resident: int) -> int:
@@ -99,13 +111,19 @@ def m1_kernel(lin: Lin, gemv: str, sm_count: int) -> str:
 
 
 def plan_split(lin: Lin, gemv: str, sm_count: int, target_blocks: int | None = None,
-               max_ksplit: int | None = None) -> int:
-    """Choose ``lin``'s M=1 kernel (sets ``lin.m1``) and return its K splits; ``target_blocks`` (default
-    ``default_target_blocks``) is the chunk planner's target or the stream planner's resident blocks;
-    ``max_ksplit``: the chunk kernel's bound when its splits run as a cluster (``CupyOps.max_ksplit``)."""
+               clusters: bool = False) -> int:
+    """Choose ``lin``'s M=1 kernel (sets ``lin.m1`` and ``lin.cluster``) and return its K splits;
+    ``target_blocks`` (default ``default_target_blocks``) is the chunk planner's target or the stream planner's
+    resident blocks; ``clusters``: the device runs cluster launches (``CupyOps.cluster``)."""
     lin.m1 = m1_kernel(lin, gemv, sm_count)
     target = target_blocks or default_target_blocks(sm_count, lin.m1)
-    return plan_ksplit(lin, target, max_ksplit) if lin.m1 == "chunk" else plan_stream_split(lin, target)
+    if lin.m1 != "chunk":
+        lin.cluster = False
+        return plan_stream_split(lin, target)
+    ksplit = plan_ksplit(lin, target)
+    split = cluster_split(lin, ksplit, sm_count) if clusters else 0
+    lin.cluster = split > 0
+    return split or ksplit
 
 
 def pack_kmajor(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -362,8 +380,7 @@ class CupyOps:
         self.gemm = gemm
         self.launches = 0
         self.pdl = pdl_enabled()
-        mode = cluster_mode()
-        self.cluster = mode != "0" and int(cp.cuda.Device().compute_capability) >= 90
+        self.cluster = clusters_enabled() and int(cp.cuda.Device().compute_capability) >= 90
         self._ex: Any = None
         if self.pdl or self.cluster:
             try:
@@ -372,7 +389,6 @@ class CupyOps:
                 self._ex = ExLauncher()
             except (OSError, AttributeError):  # no driver library / no cuLaunchKernelEx: plain launches
                 self.pdl = self.cluster = False
-        self.max_ksplit = MAX_CLUSTER if self.cluster and mode == "all" else None  # the planner's bound
         self._capturing = False
         self._captured = 0  # launches so far in the capture under way
         self.sm_count = cp.cuda.Device().attributes["MultiProcessorCount"]
@@ -487,7 +503,7 @@ class CupyOps:
         mr = 1 if m == 1 else SMALL_M
         ksplit = lin.ksplit if m == 1 else 1
         fn = self._gemv[(lin.bits, lin.group_size, mr)]
-        cluster = ksplit if self.cluster and 1 < ksplit <= MAX_CLUSTER else 1
+        cluster = ksplit if m == 1 and lin.cluster and self.cluster else 1
         self._launch(fn, (lin.tiles, ksplit, -(-m // mr)), (256,),
                      (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
                       _ptr(x), _ld(x), _i32(m), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
@@ -585,12 +601,10 @@ def gemv_kind() -> str:
     return raw if raw in ("stream", "chunk", "hybrid") else "chunk"
 
 
-def cluster_mode() -> str:
-    """``KESTREL_CUDA_CLUSTER``: whether the M=1 chunked GEMV's K splits of a column tile run as one thread
-    block cluster and add their partial sums in shared memory: "all" (default; splits planned at most
-    MAX_CLUSTER), "fit" (where the plan has at most MAX_CLUSTER) or "0" (never)."""
-    raw = _env(CLUSTER_ENV, "all")
-    return "0" if raw in ("0", "false", "no", "off") else raw if raw in ("all", "fit") else "all"
+def clusters_enabled() -> bool:
+    """``KESTREL_CUDA_CLUSTER`` (default on; 0 turns it off): M=1 chunked GEMVs that ``cluster_split`` picks run
+    their K splits as thread block clusters (sm_90+)."""
+    return _env(CLUSTER_ENV, "1") not in ("0", "false", "no", "off")
 
 
 def kernel_defines() -> tuple[str, ...]:
