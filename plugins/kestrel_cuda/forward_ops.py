@@ -74,14 +74,16 @@ def plan_ksplit(lin: Lin, target_blocks: int) -> int:
     return max(1, min(lin.chunks, -(-target_blocks // lin.tiles)))
 
 
-def cluster_split(lin: Lin, ksplit: int, sm_count: int) -> int:
+def cluster_split(lin: Lin, ksplit: int, sm_count: int, max_chunks: int | None = None) -> int:
     """K splits of the chunked M=1 GEMV to run as one thread block cluster per tile (their partial sums added
     in shared memory, not through L2), or 0 to keep ``ksplit`` and the global merge. Clusters measured faster
-    only for a grid of one wave (CHUNK_BLOCKS_PER_SM per SM) whose blocks take at most two chunks: larger
-    grids lose more to the clusters' placement on whole GPCs than the merge saves (docs/performance.md)."""
+    only for a grid of one wave (CHUNK_BLOCKS_PER_SM per SM) whose blocks take one chunk each
+    (``max_chunks``, default ``KESTREL_CUDA_CLUSTER_CHUNKS`` or 1): larger grids lose more to the clusters'
+    placement on whole GPCs than the merge saves, and two chunks a block lost at q8 (docs/performance.md)."""
     split = min(ksplit, MAX_CLUSTER)
     one_wave = lin.tiles * split <= CHUNK_BLOCKS_PER_SM * sm_count
-    return split if split > 1 and one_wave and -(-lin.chunks // split) <= 2 else 0
+    per_block = max_chunks or cluster_chunks()
+    return split if split > 1 and one_wave and -(-lin.chunks // split) <= per_block else 0
 
 
 def plan_stream_split(lin: Lin, resident: int) -> int:
@@ -584,6 +586,7 @@ PDL_ENV = "KESTREL_CUDA_PDL"
 NORM_TILES_ENV = "KESTREL_CUDA_NORM_TILES"
 DEFINES_ENV = "KESTREL_CUDA_DEFINES"
 CLUSTER_ENV = "KESTREL_CUDA_CLUSTER"
+CLUSTER_CHUNKS_ENV = "KESTREL_CUDA_CLUSTER_CHUNKS"
 
 
 def _env(name: str, default: str) -> str:
@@ -599,6 +602,11 @@ def gemv_kind() -> str:
     step in one run: q8 chunk 3,099, hybrid 3,194; q4 chunk 2,461, hybrid 2,471, stream 2,813."""
     raw = _env(GEMV_ENV, "chunk")
     return raw if raw in ("stream", "chunk", "hybrid") else "chunk"
+
+
+def cluster_chunks() -> int:
+    raw = _env(CLUSTER_CHUNKS_ENV, "1")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
 
 
 def clusters_enabled() -> bool:

@@ -389,12 +389,12 @@ def test_split_k_scratch_covers_every_planned_gemv(quant: str) -> None:
 
 
 @pytest.mark.parametrize("k,n,bits,cluster", [(4096, 6144, 4, 8), (4096, 4096, 4, 8), (4096, 24576, 4, 0),
-                                              (12288, 4096, 4, 0), (4096, 6144, 8, 8), (4096, 4096, 8, 8),
+                                              (12288, 4096, 4, 0), (4096, 6144, 8, 0), (4096, 4096, 8, 0),
                                               (12288, 4096, 8, 0), (4096, 151936, 4, 0)])
-def test_cluster_splits_only_for_one_wave_of_at_most_two_chunks_per_block(k: int, n: int, bits: int,
-                                                                          cluster: int) -> None:
-    """Qwen3-8B's projections on 132 SMs: q|k|v and o run as clusters of 8 splits at q4 and q8; gate|up,
-    down and lm_head keep the planner's splits and the global merge."""
+def test_cluster_splits_only_for_one_wave_of_one_chunk_per_block(k: int, n: int, bits: int,
+                                                                 cluster: int) -> None:
+    """Qwen3-8B's projections on 132 SMs: q|k|v and o run as clusters of 8 splits at q4; at q8 (two chunks a
+    block), gate|up, down and lm_head keep the planner's splits and the global merge."""
     lin = forward_ops.Lin(None, None, k, n, pad_n(n), 32, bits)
     free = forward_ops.plan_split(lin, "chunk", 132)
     assert not lin.cluster
@@ -402,4 +402,4 @@ def test_cluster_splits_only_for_one_wave_of_at_most_two_chunks_per_block(k: int
     assert lin.cluster == (cluster > 0)
     assert split == (cluster or free)
     if lin.cluster:
-        assert lin.tiles * split <= 4 * 132 and -(-lin.chunks // split) <= 2
+        assert lin.tiles * split <= 4 * 132 and lin.chunks <= split
