@@ -130,10 +130,10 @@ def prefill_breakdown(cp: Any, fwd: Any, model: Any, seq_id: int, prompt: np.nda
     records: list[tuple[str, Any, Any]] = []
     orig_launch, orig_gemm = ops._launch, ops.gemm
 
-    def launch(fn: Any, grid: Any, block: Any, args: Any, smem: int = 0) -> None:
+    def launch(fn: Any, grid: Any, block: Any, args: Any, smem: int = 0, **kwargs: Any) -> None:
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
         e0.record(ops.stream)
-        orig_launch(fn, grid, block, args, smem)
+        orig_launch(fn, grid, block, args, smem, **kwargs)
         e1.record(ops.stream)
         records.append((_kernel_name(ops, fn), e0, e1))
 
