@@ -74,16 +74,15 @@ def plan_ksplit(lin: Lin, target_blocks: int) -> int:
     return max(1, min(lin.chunks, -(-target_blocks // lin.tiles)))
 
 
-def cluster_split(lin: Lin, ksplit: int, sm_count: int, max_chunks: int | None = None) -> int:
+def cluster_split(lin: Lin, ksplit: int, sm_count: int) -> int:
     """K splits of the chunked M=1 GEMV to run as one thread block cluster per tile (their partial sums added
     in shared memory, not through L2), or 0 to keep ``ksplit`` and the global merge. Clusters measured faster
-    only for a grid of one wave (CHUNK_BLOCKS_PER_SM per SM) whose blocks take one chunk each
-    (``max_chunks``, default ``KESTREL_CUDA_CLUSTER_CHUNKS`` or 1): larger grids lose more to the clusters'
-    placement on whole GPCs than the merge saves, and two chunks a block lost at q8 (docs/performance.md)."""
+    only for a grid of one wave (CHUNK_BLOCKS_PER_SM per SM) whose blocks take one chunk each: larger grids
+    lose more to the clusters' placement on whole GPCs than the merge saves, two chunks a block lost at q8,
+    and three or four gained nothing on gate|up and down (docs/performance.md)."""
     split = min(ksplit, MAX_CLUSTER)
     one_wave = lin.tiles * split <= CHUNK_BLOCKS_PER_SM * sm_count
-    per_block = max_chunks or cluster_chunks()
-    return split if split > 1 and one_wave and -(-lin.chunks // split) <= per_block else 0
+    return split if split > 1 and one_wave and lin.chunks <= split else 0
 
 
 def plan_stream_split(lin: Lin, resident: int) -> int:
@@ -586,7 +585,6 @@ PDL_ENV = "KESTREL_CUDA_PDL"
 NORM_TILES_ENV = "KESTREL_CUDA_NORM_TILES"
 DEFINES_ENV = "KESTREL_CUDA_DEFINES"
 CLUSTER_ENV = "KESTREL_CUDA_CLUSTER"
-CLUSTER_CHUNKS_ENV = "KESTREL_CUDA_CLUSTER_CHUNKS"
 
 
 def _env(name: str, default: str) -> str:
@@ -604,11 +602,6 @@ def gemv_kind() -> str:
     return raw if raw in ("stream", "chunk", "hybrid") else "chunk"
 
 
-def cluster_chunks() -> int:
-    raw = _env(CLUSTER_CHUNKS_ENV, "1")
-    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
-
-
 def clusters_enabled() -> bool:
     """``KESTREL_CUDA_CLUSTER`` (default on; 0 turns it off): M=1 chunked GEMVs that ``cluster_split`` picks run
     their K splits as thread block clusters (sm_90+)."""
@@ -616,8 +609,8 @@ def clusters_enabled() -> bool:
 
 
 def kernel_defines() -> tuple[str, ...]:
-    """Extra ``-D`` options for forward.cu (``KESTREL_CUDA_DEFINES``, space-separated; for A/B runs of kernel
-    variants, e.g. ``-DKESTREL_MERGE_FENCE``, and benchmarks/cuda_timeline.py's ``-DKESTREL_TIMELINE``)."""
+    """Extra ``-D`` options for forward.cu (``KESTREL_CUDA_DEFINES``, space-separated): benchmarks/cuda_timeline.py
+    sets ``-DKESTREL_TIMELINE``; A/B runs of a kernel variant behind a macro use it too."""
     return tuple(d for d in _env(DEFINES_ENV, "").split() if d.startswith("-D"))
 
 
