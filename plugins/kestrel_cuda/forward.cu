@@ -225,15 +225,14 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 // quantized per G-block exactly as contract.quantize_activations.
 // Grid: x = column tiles of TN, y = K splits (chunks of KC strided by gridDim.y), z = row blocks of MR.
 // A chunk is the same 32 KB of weights for int8 and int4 (256 or 512 rows), so each warp has as many bytes
-// in flight per chunk. DB (M = 1, 2 blocks per SM): the block's next chunk is loaded while it processes one,
-// so a grid of one wave, each block walking many chunks, keeps its bytes in flight throughout.
+// in flight per chunk.
 // With gridDim.y > 1 the K splits' partial sums are added in y order (deterministic, graph-safe): launched as
 // one cluster per tile (gridDim.y <= MAX_CLUSTER), block 0 of the cluster reads the others' from their shared
 // memory; otherwise each block writes them to part[y][m][Npad] and the last block of a tile (atomic counter,
 // then reset for the next launch) reads them back.
 // Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += acc (+ bias).
-template <int BITS, int G, int MR, bool DB>
-__global__ void __launch_bounds__(NT, MR == 1 ? (DB ? 2 : 4) : 1) qgemv(
+template <int BITS, int G, int MR>
+__global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
     const float* __restrict__ X, int ldx, int M, int pro, const float* __restrict__ pw, float eps, int xoff,
     float* __restrict__ Y, int ldy, int epi, const float* __restrict__ bias,
@@ -264,15 +263,14 @@ __global__ void __launch_bounds__(NT, MR == 1 ? (DB ? 2 : 4) : 1) qgemv(
 #pragma unroll
     for (int i = 0; i < MR; ++i) acc[i] = 0.f;
 
-    constexpr int NBUF = DB ? 2 : 1;            // register sets of chunk weights (DB: the next chunk's in flight)
-    unsigned wbuf[NBUF][SPW][NW];
-    float4 sbuf[NBUF][SPW];                     // G = 32: weight scales of the warp's slots
-    float gbuf[NBUF][GPC];                      // G = 256: weight scales of the chunk's groups (tid < TN)
-    // A chunk's weight and weight-scale loads: issued before its prologue, which they do not depend on, so
-    // that it runs while they are in flight.
-    auto load = [&](int c, unsigned (&wr)[SPW][NW], float4 (&ws)[SPW], float (&wsg)[GPC]) {
+    unsigned wr[SPW][NW];
+    float4 ws[SPW];                             // G = 32: weight scales of the warp's slots
+    float wsg[GPC];                             // G = 256: weight scales of the chunk's groups (tid < TN)
+    for (int c = blockIdx.y; c < nck; c += gridDim.y) {
         const int k0 = c * KC;
         const int kw = k0 + 32 * SPW * warp;   // first weight row of this warp's slots
+        // Issue the weight and weight-scale loads first: they do not depend on the activations, so the
+        // prologue below runs while they are in flight.
 #pragma unroll
         for (int sl = 0; sl < SPW; ++sl) {
             if (colok && kw + 32 * sl < K) {
@@ -285,10 +283,6 @@ __global__ void __launch_bounds__(NT, MR == 1 ? (DB ? 2 : 4) : 1) qgemv(
             for (int h = 0; h < GPC; ++h)
                 if (k0 + h * G < K) wsg[h] = __ldg(WS + (size_t)(k0 / G + h) * Npad + n0 + tid);
         }
-    };
-    // The chunk's prologue (the PDL wait and norm before the first), its dot products and the warps' sums.
-    auto process = [&](int c, const unsigned (&wr)[SPW][NW], const float4 (&ws)[SPW], const float (&wsg)[GPC]) {
-        const int k0 = c * KC;
         float pwv[SPW];                         // rmsnorm weights of this thread's chunk rows (not step data)
 #pragma unroll
         for (int h = 0; h < SPW; ++h) pwv[h] = pro == 1 && k0 + h * NT + tid < K ? __ldg(pw + k0 + h * NT + tid) : 0.f;
@@ -433,23 +427,6 @@ __global__ void __launch_bounds__(NT, MR == 1 ? (DB ? 2 : 4) : 1) qgemv(
                     }
                 }
             }
-        }
-    };
-    if constexpr (DB) {                         // chunk c + gridDim.y loads while chunk c is processed
-        int c = blockIdx.y;
-        if (c < nck) load(c, wbuf[0], sbuf[0], gbuf[0]);
-        for (; c < nck; c += 2 * (int)gridDim.y) {
-            const int c1 = c + (int)gridDim.y;
-            if (c1 < nck) load(c1, wbuf[NBUF - 1], sbuf[NBUF - 1], gbuf[NBUF - 1]);
-            process(c, wbuf[0], sbuf[0], gbuf[0]);
-            if (c1 >= nck) break;
-            if (c1 + (int)gridDim.y < nck) load(c1 + (int)gridDim.y, wbuf[0], sbuf[0], gbuf[0]);
-            process(c1, wbuf[NBUF - 1], sbuf[NBUF - 1], gbuf[NBUF - 1]);
-        }
-    } else {
-        for (int c = blockIdx.y; c < nck; c += gridDim.y) {
-            load(c, wbuf[0], sbuf[0], gbuf[0]);
-            process(c, wbuf[0], sbuf[0], gbuf[0]);
         }
     }
 

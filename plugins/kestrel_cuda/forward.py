@@ -203,7 +203,6 @@ class DeviceForward:
         self.sm_count = getattr(ops, "sm_count", 132)
         self.gemv_kind = getattr(ops, "gemv_kind", "chunk")
         self.clusters = bool(getattr(ops, "cluster", False))
-        self.double_buffer = bool(getattr(ops, "double_buffer", False))
         self.target_blocks = target_blocks  # None: each M=1 kernel's default (forward_ops.default_target_blocks)
         self.norm_tiles = norm_tiles_enabled()
         self._st: _State | None = None
@@ -468,8 +467,7 @@ class DeviceForward:
 
     def _plan(self, lin: Lin) -> int:
         """K splits of ``lin``'s M=1 GEMV (and the kernel it runs, ``lin.m1``)."""
-        return plan_split(lin, self.gemv_kind, self.sm_count, self.target_blocks, self.clusters,
-                          self.double_buffer)
+        return plan_split(lin, self.gemv_kind, self.sm_count, self.target_blocks, self.clusters)
 
     def _pin_weights(self, st: _State) -> None:
         """Before a graph captures weight addresses: pin them in the cache (once per model state)."""

@@ -29,7 +29,6 @@ CHUNK_K = 256  # rows of an int8 GEMV chunk (forward.cu KC8); int4 chunks have t
 SMALL_M = 8  # up to this many rows run through the fused GEMV (MR = 8); more through the tiled GEMM if any
 MAX_CLUSTER = 8  # K splits of an M=1 GEMV launched as one thread block cluster, at most (forward.cu)
 CHUNK_BLOCKS_PER_SM = 4  # qgemv's resident blocks per SM at M = 1 (__launch_bounds__(NT, 4))
-DB_BLOCKS_PER_SM = 2  # the same with its next chunk double-buffered in registers (qgemv<..., DB = true>)
 STREAM_MAX_ROWS = 16384  # K rows one block of the M=1 GEMV (qgemv_m1) quantizes into shared memory (SMAXK)
 STREAM_WARPS = 8  # warps of a qgemv_m1 block; each streams whole G-groups of the block's K run
 STREAM_BLOCK_COST = 2  # a block's fixed work (prologue, reduction) in units of one group per warp (planner)
@@ -59,7 +58,6 @@ class Lin:
     wkey: int = 0
     m1: str = ""  # the M=1 kernel planned for it ("stream" or "chunk"; "" = decided at launch)
     cluster: bool = False  # its M=1 K splits run as one thread block cluster per tile (plan_split)
-    db: bool = False  # its M=1 GEMV is the double-buffered one-wave variant (plan_split)
 
     @property
     def tiles(self) -> int:
@@ -85,16 +83,6 @@ def cluster_split(lin: Lin, ksplit: int, sm_count: int) -> int:
     split = min(ksplit, MAX_CLUSTER)
     one_wave = lin.tiles * split <= CHUNK_BLOCKS_PER_SM * sm_count
     return split if split > 1 and one_wave and lin.chunks <= split else 0
-
-
-def db_split(lin: Lin, sm_count: int, target_blocks: int | None = None) -> int:
-    """K splits of the double-buffered chunked M=1 GEMV: one wave of DB_BLOCKS_PER_SM blocks per SM (or
-    ``target_blocks``), each block walking its chunks with the next one's loads in flight, at most
-    MAX_CLUSTER splits (a cluster's merge); 0 where the column tiles alone exceed the wave (lm_head)."""
-    wave = target_blocks or DB_BLOCKS_PER_SM * sm_count
-    if lin.tiles > wave:
-        return 0
-    return max(1, min(lin.chunks, MAX_CLUSTER, wave // lin.tiles))
 
 
 def plan_stream_split(lin: Lin, resident: int) -> int:
@@ -124,26 +112,19 @@ def m1_kernel(lin: Lin, gemv: str, sm_count: int) -> str:
 
 
 def plan_split(lin: Lin, gemv: str, sm_count: int, target_blocks: int | None = None,
-               clusters: bool = False, double_buffer: bool = False) -> int:
-    """Choose ``lin``'s M=1 kernel (sets ``lin.m1``, ``lin.cluster`` and ``lin.db``) and return its K splits;
+               clusters: bool = False) -> int:
+    """Choose ``lin``'s M=1 kernel (sets ``lin.m1`` and ``lin.cluster``) and return its K splits;
     ``target_blocks`` (default ``default_target_blocks``) is the chunk planner's target or the stream planner's
-    resident blocks; ``clusters``: the device runs cluster launches (``CupyOps.cluster``); ``double_buffer``:
-    chunked GEMVs that ``cluster_split`` does not take run double-buffered in one wave (``db_split``)."""
+    resident blocks; ``clusters``: the device runs cluster launches (``CupyOps.cluster``)."""
     lin.m1 = m1_kernel(lin, gemv, sm_count)
-    lin.cluster = lin.db = False
     target = target_blocks or default_target_blocks(sm_count, lin.m1)
     if lin.m1 != "chunk":
+        lin.cluster = False
         return plan_stream_split(lin, target)
     ksplit = plan_ksplit(lin, target)
     split = cluster_split(lin, ksplit, sm_count) if clusters else 0
-    if split:
-        lin.cluster = True
-        return split
-    split = db_split(lin, sm_count, target_blocks) if double_buffer else 0
-    if split:
-        lin.db, lin.cluster = True, clusters and split > 1
-        return split
-    return ksplit
+    lin.cluster = split > 0
+    return split or ksplit
 
 
 def pack_kmajor(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -342,10 +323,8 @@ def _rope(x: np.ndarray, c: np.ndarray, s: np.ndarray) -> np.ndarray:
 
 # -- CUDA ----------------------------------------------------------------------------------------------
 
-# (bits, G, MR, DB): qgemv with MR rows per block: M = 2..8 (MR = 8), and M = 1 when KESTREL_CUDA_GEMV=chunk
-# (DB: its double-buffered one-wave variant)
-_GEMV_VARIANTS = ([(bits, g, mr, False) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
-                  + [(bits, g, 1, True) for bits in (8, 4) for g in (32, 256)])
+# (bits, G, MR): qgemv with MR rows per block: M = 2..8 (MR = 8), and M = 1 when KESTREL_CUDA_GEMV=chunk
+_GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
 _M1_VARIANTS = [(bits, g) for bits in (8, 4) for g in (32, 256)]
 
 
@@ -356,16 +335,12 @@ def _module(defines: tuple[str, ...] = ()) -> Any:
 
     here = Path(__file__).parent
     source = "\n".join((here / name).read_text() for name in ("common.cu", "forward.cu"))
-    names = ([_gemv_name(v) for v in _GEMV_VARIANTS]
+    names = ([f"qgemv<{b},{g},{mr}>" for b, g, mr in _GEMV_VARIANTS]
              + ["qgemv_m1<{},{}>".format(*v) for v in _M1_VARIANTS]
              + [f"attn_decode<{ATTN_SPLITS}>", "quantize_rows<32>", "quantize_rows<256>"])
     mod = cp.RawModule(code=source, options=("--fmad=false", "-std=c++17", *defines), name_expressions=tuple(names))
     mod.compile()
     return mod
-
-
-def _gemv_name(v: tuple[int, int, int, bool]) -> str:
-    return "qgemv<{},{},{},{}>".format(*v[:3], "true" if v[3] else "false")
 
 
 def _i32(v: int) -> np.int32:
@@ -396,7 +371,7 @@ class CupyOps:
         self.xp = cp
         self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
         mod = _module(kernel_defines())
-        self._gemv = {v: mod.get_function(_gemv_name(v)) for v in _GEMV_VARIANTS}
+        self._gemv = {v: mod.get_function("qgemv<{},{},{}>".format(*v)) for v in _GEMV_VARIANTS}
         self._gemv_m1 = {v: mod.get_function("qgemv_m1<{},{}>".format(*v)) for v in _M1_VARIANTS}
         self.gemv_kind = gemv_kind()
         self._attn_decode = mod.get_function(f"attn_decode<{ATTN_SPLITS}>")
@@ -407,7 +382,6 @@ class CupyOps:
         self.launches = 0
         self.pdl = pdl_enabled()
         self.cluster = clusters_enabled() and int(cp.cuda.Device().compute_capability) >= 90
-        self.double_buffer = double_buffer_enabled()
         self._ex: Any = None
         if self.pdl or self.cluster:
             try:
@@ -529,7 +503,7 @@ class CupyOps:
             return
         mr = 1 if m == 1 else SMALL_M
         ksplit = lin.ksplit if m == 1 else 1
-        fn = self._gemv[(lin.bits, lin.group_size, mr, m == 1 and lin.db)]
+        fn = self._gemv[(lin.bits, lin.group_size, mr)]
         cluster = ksplit if m == 1 and lin.cluster and self.cluster else 1
         self._launch(fn, (lin.tiles, ksplit, -(-m // mr)), (256,),
                      (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
@@ -611,7 +585,6 @@ PDL_ENV = "KESTREL_CUDA_PDL"
 NORM_TILES_ENV = "KESTREL_CUDA_NORM_TILES"
 DEFINES_ENV = "KESTREL_CUDA_DEFINES"
 CLUSTER_ENV = "KESTREL_CUDA_CLUSTER"
-DB_ENV = "KESTREL_CUDA_GEMV_DB"
 
 
 def _env(name: str, default: str) -> str:
@@ -627,12 +600,6 @@ def gemv_kind() -> str:
     step in one run: q8 chunk 3,099, hybrid 3,194; q4 chunk 2,461, hybrid 2,471, stream 2,813."""
     raw = _env(GEMV_ENV, "chunk")
     return raw if raw in ("stream", "chunk", "hybrid") else "chunk"
-
-
-def double_buffer_enabled() -> bool:
-    """``KESTREL_CUDA_GEMV_DB`` (default on; 0 turns it off): chunked M=1 GEMVs outside ``cluster_split`` run
-    double-buffered in one wave (``db_split``)."""
-    return _env(DB_ENV, "1") not in ("0", "false", "no", "off")
 
 
 def clusters_enabled() -> bool:

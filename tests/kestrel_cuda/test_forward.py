@@ -129,7 +129,7 @@ def test_m1_gemv_ring_and_k_splits(quant, target, stream, gemm, monkeypatch) -> 
         assert w.down.ksplit > 1
 
 
-@pytest.mark.parametrize("kind", ("stream", "chunk", "chunk-cluster", "chunk-db"))
+@pytest.mark.parametrize("kind", ("stream", "chunk"))
 @pytest.mark.parametrize("n, k", ((509, 2048), (8, 512)))
 @pytest.mark.parametrize("group", (32, 256))
 @pytest.mark.parametrize("bits", (8, 4))
@@ -141,7 +141,7 @@ def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, 
     from kestrel_cuda.forward_ops import EPI_ADD, PRO_PLAIN, CupyOps, Lin, pack_kmajor
     from kestrel_cuda.residency import pad_n
 
-    monkeypatch.setenv("KESTREL_CUDA_GEMV", kind.split("-")[0])
+    monkeypatch.setenv("KESTREL_CUDA_GEMV", kind)
     ops = CupyOps(stream)
     rng = np.random.default_rng(bits * 1000 + group + n)
     lo, hi = (-127, 127) if bits == 8 else (-8, 7)
@@ -164,8 +164,6 @@ def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, 
     splits = sorted({1, 2, 3, 7, ng} & set(range(1, ng + 1)))
     for ksplit in splits:
         lin.ksplit = ksplit
-        lin.db = kind == "chunk-db"  # double-buffered: up to 16 chunks a block at ksplit 1
-        lin.cluster = kind != "chunk" and ops.cluster and ksplit <= 8  # partial sums through shared memory
         ops.reserve(ksplit * npad, lin.tiles, 1, 1)
         y = ops.upload(y0[None])
         ops.gemv(lin, xd, PRO_PLAIN, None, 0.0, 0, y, EPI_ADD, bd)
@@ -185,18 +183,6 @@ def test_chunked_gemv_with_several_chunks_per_block(quant, stream, gemm, monkeyp
     assert fwd.ops.gemv_kind == "chunk"
     _check(model, toks, 12, device_logits(fwd, model, toks, 12))
     assert any(lin.chunks > lin.ksplit for lin in fwd._st.layers[0].weights.gate_up + [fwd._st.layers[0].weights.down])
-
-
-@pytest.mark.parametrize("quant", ("q4", "q8-g256"))
-def test_double_buffered_gemv_walking_several_chunks(quant, stream, gemm) -> None:  # type: ignore[no-untyped-def]
-    """down with K = 8192 (16 int4 / 32 int8 chunks) over 2 column tiles: 8 splits in one wave, each block
-    walking 2-4 chunks with the next one's loads in flight, the splits a cluster."""
-    model = synthetic_model(replace(SMALL_CONFIGS["qwen3"], intermediate_size=8192), quant, seed=12)
-    toks = _tokens(model.config, 14)
-    fwd = DeviceForward(stream=stream, gemm=gemm)
-    _check(model, toks, 8, device_logits(fwd, model, toks, 8))
-    down = fwd._st.layers[0].weights.down
-    assert down.db and down.ksplit == 8 and down.chunks >= 2 * down.ksplit
 
 
 # qwen3 with 6 query heads per KV head (and head_dim 64)

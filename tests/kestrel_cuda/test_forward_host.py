@@ -403,21 +403,3 @@ def test_cluster_splits_only_for_one_wave_of_one_chunk_per_block(k: int, n: int,
     assert split == (cluster or free)
     if lin.cluster:
         assert lin.tiles * split <= 4 * 132 and lin.chunks <= split
-
-
-@pytest.mark.parametrize("k,n,bits,split", [(4096, 24576, 4, 1), (12288, 4096, 4, 8), (4096, 24576, 8, 1),
-                                            (12288, 4096, 8, 8), (8192, 256, 4, 8), (4096, 151936, 4, 0)])
-def test_double_buffered_gemvs_are_one_wave(k: int, n: int, bits: int, split: int) -> None:
-    """Qwen3-8B's gate|up and down on 132 SMs: one wave at 2 blocks per SM (gate|up: no K split, each block
-    walking all its chunks; down: 8 splits, a cluster; likewise the GPU test's down of 2 tiles); lm_head's
-    1,187 tiles exceed the wave and keep the chunked plan. q|k|v and o stay the clusters of one chunk a block."""
-    lin = forward_ops.Lin(None, None, k, n, pad_n(n), 32, bits)
-    got = forward_ops.plan_split(lin, "chunk", 132, None, clusters=True, double_buffer=True)
-    assert lin.db == (split > 0)
-    if split:
-        assert got == split and lin.tiles * got <= 2 * 132 and lin.cluster == (split > 1)
-    else:
-        assert got == forward_ops.plan_split(forward_ops.Lin(None, None, k, n, pad_n(n), 32, bits), "chunk", 132)
-    qkv = forward_ops.Lin(None, None, 4096, 6144, 6144, 32, 4)
-    forward_ops.plan_split(qkv, "chunk", 132, None, clusters=True, double_buffer=True)
-    assert qkv.cluster and not qkv.db
