@@ -129,7 +129,7 @@ def test_m1_gemv_ring_and_k_splits(quant, target, stream, gemm, monkeypatch) -> 
         assert w.down.ksplit > 1
 
 
-@pytest.mark.parametrize("kind", ("stream", "chunk"))
+@pytest.mark.parametrize("kind", ("stream", "chunk", "chunk-cluster"))
 @pytest.mark.parametrize("n, k", ((509, 2048), (8, 512)))
 @pytest.mark.parametrize("group", (32, 256))
 @pytest.mark.parametrize("bits", (8, 4))
@@ -141,7 +141,7 @@ def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, 
     from kestrel_cuda.forward_ops import EPI_ADD, PRO_PLAIN, CupyOps, Lin, pack_kmajor
     from kestrel_cuda.residency import pad_n
 
-    monkeypatch.setenv("KESTREL_CUDA_GEMV", kind)
+    monkeypatch.setenv("KESTREL_CUDA_GEMV", kind.split("-")[0])
     ops = CupyOps(stream)
     rng = np.random.default_rng(bits * 1000 + group + n)
     lo, hi = (-127, 127) if bits == 8 else (-8, 7)
@@ -164,6 +164,7 @@ def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, 
     splits = sorted({1, 2, 3, 7, ng} & set(range(1, ng + 1)))
     for ksplit in splits:
         lin.ksplit = ksplit
+        lin.cluster = kind == "chunk-cluster" and ops.cluster and ksplit <= 8  # partial sums in shared memory
         ops.reserve(ksplit * npad, lin.tiles, 1, 1)
         y = ops.upload(y0[None])
         ops.gemv(lin, xd, PRO_PLAIN, None, 0.0, 0, y, EPI_ADD, bd)
