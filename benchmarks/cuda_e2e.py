@@ -206,6 +206,17 @@ def greedy(fwd: Any, model: Any, seq_id: int, prompt: np.ndarray, steps: int) ->
     return tokens, times, prefill_s
 
 
+def pipelined(fwd: Any, model: Any, seq_id: int, prompt: np.ndarray, steps: int) -> tuple[list[int], float]:
+    """Prefill then ``steps`` tokens of the pipelined greedy decode (``DeviceForward.greedy``, what the engine
+    runs for greedy generation); (tokens, decode tok/s over the steps after the first two)."""
+    tok = int(fwd.forward(model, seq_id, prompt, 0, False)[0].argmax())
+    tokens, stamps = [tok], []
+    for t in fwd.greedy(model, seq_id, tok, len(prompt), steps):
+        stamps.append(time.perf_counter())
+        tokens.append(t)
+    return tokens, (len(stamps) - 3) / (stamps[-1] - stamps[2])
+
+
 def parse_config(text: str) -> dict[str, str]:
     """'GEMV=stream+PDL=1' -> {'KESTREL_CUDA_GEMV': 'stream', 'KESTREL_CUDA_PDL': '1'} ('' or 'default': {})."""
     env = {}
@@ -241,12 +252,14 @@ def decode_config(cp: Any, dev: Any, model: Any, prompt: np.ndarray, steps: int,
     try:
         tokens, times, _ = greedy(fwd, model, 1, prompt, steps)
         warm = times[2:] or times
+        piped, piped_tok_s = pipelined(fwd, model, 3, prompt, steps)
         extra = {"breakdown": kernel_breakdown(cp, fwd, model, 1, tokens[-1], len(prompt) + steps)} if breakdown else {}
         return {"config": name, "gemv": fwd.ops.gemv_kind, "pdl": fwd.ops.pdl,
                 "m1": {lin.m1 for layer in fwd._st.layers for lin in (*layer.weights.qkv, layer.weights.o,
                                                                      *layer.weights.gate_up, layer.weights.down)},
                 "tokens": tokens,
                 "decode_tok_s": round(1.0 / statistics.median(warm), 1),
+                "pipelined_tok_s": round(piped_tok_s, 1), "pipelined_same_tokens": piped == tokens,
                 "graph_step_us": round(graph_step_us(cp, fwd, 1), 1), **extra}
     finally:
         fwd.close()
@@ -289,7 +302,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 first_tokens = r["tokens"]
             log(f"[{args.quant}] config {name!r} (gemv {r['gemv']}, pdl {int(r['pdl'])}): {r['decode_tok_s']} "
-                f"tok/s, GPU {r['graph_step_us']} us/step, same tokens {r.get('same_tokens_as_first', True)}")
+                f"tok/s, pipelined {r['pipelined_tok_s']} (same tokens {r['pipelined_same_tokens']}), GPU "
+                f"{r['graph_step_us']} us/step, same tokens {r.get('same_tokens_as_first', True)}")
             if "breakdown" in r:
                 log("    " + ", ".join(f"{k} {v['us']}" for k, v in r["breakdown"].items()))
             res["sweep"].append({k: v for k, v in r.items() if k != "tokens"})
@@ -321,9 +335,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["decode_tok_s"] = round(1.0 / statistics.median(warm), 1)
         res["decode_tok_s_mean"] = round(len(warm) / sum(warm), 1)
         res["graph_step_us"] = round(graph_step_us(cp, fwd, 1), 1)
+        piped, piped_tok_s = pipelined(fwd, model, 4, prompt, args.decode)
+        res["pipelined_tok_s"] = round(piped_tok_s, 1)
+        res["pipelined_same_tokens"] = piped == tokens
         res["bytes_per_token"] = step_bytes(fwd)
         res["roofline_tok_s"] = round(res["copy_gb_s"] * 1e9 / res["bytes_per_token"], 1)
         res["gpu_step_gb_s"] = round(res["bytes_per_token"] / (res["graph_step_us"] * 1e3), 1)
+        log(f"[{args.quant}] pipelined greedy decode {res['pipelined_tok_s']} tok/s (same tokens as step by step: "
+            f"{res['pipelined_same_tokens']})")
         log(f"[{args.quant}] decode {res['decode_tok_s']} tok/s (median {res['decode_ms_median']} ms wall; "
             f"GPU {res['graph_step_us']} us/step = {res['gpu_step_gb_s']} GB/s of weights; roofline "
             f"{res['roofline_tok_s']} tok/s at {res['bytes_per_token'] / 1e9:.2f} GB/token)")

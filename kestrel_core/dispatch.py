@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,6 +216,33 @@ class Offload:
                                            all_logits=all_logits),
                            lambda r: _check_array(r, (rows, vocab)))
 
+    def decode_greedy(self, model: Any, seq_id: int, token: int, start: int, count: int,
+                      vocab: int) -> Iterator[int] | None:
+        """The backend's pipelined greedy decode (an iterator of tokens), or None: the engine samples each
+        step itself. An error or a bad token while iterating ends the iterator (reported once)."""
+        hook = "kestrel_decode_greedy"
+        decode = None if self.on_cpu else self._caller(self.backend, hook)
+        if decode is None:
+            return None
+        tokens = self._offer(hook, 0, lambda: decode(model=model, seq_id=seq_id, token=token, start=start,
+                                                     count=count),
+                             lambda r: None if isinstance(r, Iterator) else f"{type(r).__name__}, not an iterator")
+        return None if tokens is None else self._checked_tokens(hook, tokens, vocab)
+
+    def _checked_tokens(self, hook: str, tokens: Iterator[Any], vocab: int) -> Iterator[int]:
+        while True:
+            try:
+                tok = next(tokens, None)
+            except Exception as exc:  # the device must never take kestrel down
+                self._report(hook, f"error: {type(exc).__name__}", exc)
+                return
+            if tok is None:
+                return
+            if not isinstance(tok, (int, np.integer)) or not 0 <= tok < vocab:
+                self._report(hook, f"bad result: token {tok!r} outside [0, {vocab})", None)
+                return
+            yield int(tok)
+
     def release_sequence(self, seq_id: int) -> None:
         if not self.on_cpu and self.backend.implements("kestrel_release_sequence"):
             try:
@@ -238,10 +265,14 @@ class Offload:
 
     def totals(self) -> tuple[int, int]:
         """(accepted, declined) over every GEMM hook."""
-        accepted = sum(c.accepted for h, c in self.counters.items() if "gemm" in h or h == "kestrel_forward")
-        declined = sum(sum(c.declined.values()) for h, c in self.counters.items()
-                       if "gemm" in h or h == "kestrel_forward")
+        accepted = sum(c.accepted for h, c in self.counters.items() if _counted(h))
+        declined = sum(sum(c.declined.values()) for h, c in self.counters.items() if _counted(h))
         return accepted, declined
+
+
+def _counted(hook: str) -> bool:
+    """Hooks that do model work (GEMMs, whole steps), as opposed to bookkeeping."""
+    return "gemm" in hook or hook in ("kestrel_forward", "kestrel_decode_greedy")
 
 
 def _check_array(result: Any, shape: tuple[int, ...]) -> str | None:

@@ -78,6 +78,16 @@ def kestrel_forward(device: Any, model: Any, seq_id: int, tokens: Any, start: in
     """
 
 
+@hookspec(firstresult=True)
+def kestrel_decode_greedy(device: Any, model: Any, seq_id: int, token: int, start: int, count: int) -> Any:
+    """Greedy decode on the device's KV cache of seq_id (positions < start, as kestrel_forward left it).
+
+    Runs ``token`` at ``start``, then each step's argmax (numpy's: the first largest logit) at the next
+    position, at most ``count`` steps, and returns an iterator of those argmax tokens; it may run steps ahead
+    of its consumer. None declines: the engine samples each step's logits itself. firstresult.
+    """
+
+
 @hookspec
 def kestrel_release_sequence(device: Any, seq_id: int) -> None:
     """Forget the device state of a sequence. Default: nothing."""

@@ -169,6 +169,8 @@ class Engine:
         if max_tokens == 0:
             return
         seq = self._new_sequence()
+        device_tokens: Iterator[int] | None = None  # the backend's pipelined greedy decode, once offered
+        offered = False
         try:
             t0 = time.perf_counter()
             token = sampler(self._step(seq, ids)[-1])
@@ -181,7 +183,19 @@ class Engine:
                 if len(seq.tokens) >= self.config.max_position:
                     return  # the context is full
                 t0 = time.perf_counter()
-                token = sampler(self._step(seq, [token])[-1])
+                if not offered and sampler.greedy and seq.device_len == len(seq.tokens):
+                    offered = True
+                    steps = min(max_tokens - stats.generated_tokens, self.config.max_position - len(seq.tokens))
+                    device_tokens = self.offload.decode_greedy(self.model, seq.seq_id, token, len(seq.tokens),
+                                                               steps, self.config.vocab_size)
+                nxt = next(device_tokens, None) if device_tokens is not None else None
+                if nxt is not None:  # the device ran ``token`` and chose the next one
+                    seq.tokens.append(token)
+                    seq.device_len = len(seq.tokens)
+                    token = nxt
+                else:  # not offered, declined, or ended: step by step from here on
+                    device_tokens = None
+                    token = sampler(self._step(seq, [token])[-1])
                 stats.decode_s += time.perf_counter() - t0
                 stats.decode_steps += 1
         finally:

@@ -72,6 +72,11 @@ def kestrel_forward(device: Any, model: Any, seq_id: int, tokens: Any, start: in
 
 
 @hookimpl
+def kestrel_decode_greedy(device: Any, model: Any, seq_id: int, token: int, start: int, count: int) -> Any:
+    return device.run_greedy(model, seq_id, token, start, count)
+
+
+@hookimpl
 def kestrel_release_sequence(device: Any, seq_id: int) -> None:
     device.release_sequence(seq_id)
 

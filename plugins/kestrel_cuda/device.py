@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -187,6 +187,23 @@ class CudaDevice:
             return self._decline("no device forward")
         with self.device:
             return fwd.forward(model, seq_id, tokens, start, all_logits)
+
+    def run_greedy(self, model: Any, seq_id: int, token: int, start: int, count: int) -> Iterator[int] | None:
+        """The pipelined greedy decode (``DeviceForward.greedy``); every step it runs is under this device."""
+        fwd = self.forward_engine()
+        if fwd is None:
+            return self._decline("no device forward")
+        with self.device:
+            tokens = fwd.greedy(model, seq_id, token, start, count)
+        return None if tokens is None else self._on_device(tokens)
+
+    def _on_device(self, tokens: Iterator[int]) -> Iterator[int]:
+        while True:
+            with self.device:
+                tok = next(tokens, None)
+            if tok is None:
+                return
+            yield tok
 
     def release_sequence(self, seq_id: int) -> None:
         if self.forward is not None:

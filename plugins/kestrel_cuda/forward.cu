@@ -222,7 +222,8 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 //
 // out[m][n] = sum_g (sum_{k in g} Aq[m][k] Wq[k][n]) * a_scale[m][g] * w_scale[g][n]   (integer block sums)
 // where A = prologue(X): pro 0: X; pro 1: rmsnorm(X, pw, eps); pro 2: silu(X[:, k]) * X[:, k + xoff],
-// quantized per G-block exactly as contract.quantize_activations.
+// quantized per G-block exactly as contract.quantize_activations. xparts > 1 (M = 1, pro 2): X is the
+// producer's xparts K-split partial sums, rows ldx apart, added here in row order (the merge's bits).
 // Grid: x = column tiles of TN, y = K splits (chunks of KC strided by gridDim.y), z = row blocks of MR.
 // A chunk is the same 32 KB of weights for int8 and int4 (256 or 512 rows), so each warp has as many bytes
 // in flight per chunk.
@@ -230,12 +231,14 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 // one cluster per tile (gridDim.y <= MAX_CLUSTER), block 0 of the cluster reads the others' from their shared
 // memory; otherwise each block writes them to part[y][m][Npad] and the last block of a tile (atomic counter,
 // then reset for the next launch) reads them back.
-// Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += acc (+ bias).
+// Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += acc (+ bias); epi 2 (M = 1, no bias): the split's partial
+// sums to row blockIdx.y of Y (ldy apart) with no merge at all: the consumer adds them (a down GEMV's
+// xparts, lm_finish), so no block waits on L2 round trips at the end of the kernel.
 template <int BITS, int G, int MR>
 __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
     const float* __restrict__ X, int ldx, int M, int pro, const float* __restrict__ pw, float eps, int xoff,
-    float* __restrict__ Y, int ldy, int epi, const float* __restrict__ bias,
+    int xparts, float* __restrict__ Y, int ldy, int epi, const float* __restrict__ bias,
     float* __restrict__ part, int* __restrict__ counters, const float* __restrict__ ssq_in, float* __restrict__ ssq_out)
 {
     constexpr int KC = KC8 * 8 / BITS;          // rows of a chunk: the same weight bytes per chunk for both
@@ -320,8 +323,15 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
                     if (pro == 1) {
                         v = xr[k] / s_r[i] * pwv[h];
                     } else if (pro == 2) {
-                        const float g = xr[k];
-                        v = g / (1.f + expf(-g)) * xr[k + xoff];
+                        float g = xr[k], u = xr[k + xoff];
+#ifndef KESTREL_NO_XPARTS  // A/B only: the partials' sum costs int4 G=32 a 32-byte register spill
+#pragma unroll 4
+                        for (int p = 1; p < xparts; ++p) {
+                            g += xr[(size_t)p * ldx + k];
+                            u += xr[(size_t)p * ldx + k + xoff];
+                        }
+#endif
+                        v = g / (1.f + expf(-g)) * u;
                     } else {
                         v = xr[k];
                     }
@@ -440,6 +450,11 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
 #pragma unroll
     for (int i = 0; i < MR; ++i) yin[i] = nok && epi == 1 && m0 + i < M ? Y[(size_t)(m0 + i) * ldy + n] : 0.f;
     if (nok && bias) bn = bias[n];
+    if (epi == 2) {
+        if (nok) Y[(size_t)blockIdx.y * ldy + n] = acc[0];
+        KT_END((size_t)W | 1)
+        return;
+    }
     const unsigned csize = cluster_size();
     if (csize > 1) {                            // the tile's splits are this cluster (csize == gridDim.y)
         if (tid < TN) {
@@ -724,6 +739,97 @@ extern "C" __global__ void add_rows(const float* __restrict__ T, int ldt, int M,
     if (bias) y = y + bias[n];
     float* dst = Y + (size_t)m * ldy + n;
     *dst = epi == 1 ? *dst + y : y;
+}
+
+// ------------------------------------------------------------------------------------------------------
+// The decode step's last kernel: logits[n] = the lm_head GEMV's S K-split partials P[s][n] (ldp apart) added
+// in s order (the split-K merge's bits), and the greedy token: numpy's argmax, the first index of the
+// largest logit (a NaN counts as largest). Each block reduces FIN_T * FIN_E columns to (value, index) in
+// bval / bidx; the last block to arrive reduces those and, with meta: meta[1] = token (the next step's
+// input), meta[0] += 1 (its position) while below limit (the KV capacity: a graph replayed without a new
+// position never writes past the cache), tokens[position % ntok] = token (pinned host memory, which the host
+// reads once the step's event has completed: the pipelined greedy decode of forward.py).
+#define FIN_T 256
+#define FIN_E 4
+__device__ __forceinline__ bool argmax_beats(float va, int ia, float vb, int ib) {
+    const bool na = va != va, nb = vb != vb;
+    if (na || nb) return na && (!nb || ia < ib);
+    return va > vb || (va == vb && ia < ib);
+}
+
+__device__ __forceinline__ void block_argmax(float& v, int& i, float* s_v, int* s_i) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_down_sync(0xffffffffu, v, o);
+        const int oi = __shfl_down_sync(0xffffffffu, i, o);
+        if (argmax_beats(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+    __syncthreads();
+    if (lane == 0) { s_v[warp] = v; s_i[warp] = i; }
+    __syncthreads();
+    v = s_v[0]; i = s_i[0];
+    for (int w = 1; w < FIN_T / 32; ++w)
+        if (argmax_beats(s_v[w], s_i[w], v, i)) { v = s_v[w]; i = s_i[w]; }
+}
+
+extern "C" __global__ void __launch_bounds__(FIN_T) lm_finish(
+    const float* __restrict__ P, int S, int ldp, int N, float* __restrict__ logits,
+    float* __restrict__ bval, int* __restrict__ bidx, int* __restrict__ counter,
+    int* __restrict__ meta, int limit, int* __restrict__ tokens, int ntok)
+{
+    KT_BEGIN
+    grid_dep_launch();
+    grid_dep_wait();
+    __shared__ float s_v[FIN_T / 32];
+    __shared__ int s_i[FIN_T / 32];
+    __shared__ int s_last;
+    const int tid = threadIdx.x;
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    float v[FIN_E];
+#pragma unroll
+    for (int e = 0; e < FIN_E; ++e) {
+        const int n = (blockIdx.x * FIN_E + e) * FIN_T + tid;
+        v[e] = n < N ? __ldcg(P + n) : 0.f;
+    }
+    for (int s = 1; s < S; ++s) {
+#pragma unroll
+        for (int e = 0; e < FIN_E; ++e) {
+            const int n = (blockIdx.x * FIN_E + e) * FIN_T + tid;
+            if (n < N) v[e] += __ldcg(P + (size_t)s * ldp + n);
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < FIN_E; ++e) {
+        const int n = (blockIdx.x * FIN_E + e) * FIN_T + tid;
+        if (n < N) {
+            logits[n] = v[e];
+            if (argmax_beats(v[e], n, bv, bi)) { bv = v[e]; bi = n; }
+        }
+    }
+    block_argmax(bv, bi, s_v, s_i);
+    if (tid == 0) { bval[blockIdx.x] = bv; bidx[blockIdx.x] = bi; }
+    if (!arrive_last(counter, gridDim.x, &s_last)) { KT_END(0) return; }
+    bv = -INFINITY;
+    bi = 0x7fffffff;
+    for (int b = tid; b < (int)gridDim.x; b += FIN_T) {
+        const float ov = __ldcg(bval + b);
+        const int oi = __ldcg(bidx + b);
+        if (argmax_beats(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+    }
+    block_argmax(bv, bi, s_v, s_i);
+    if (tid == 0) {
+        *counter = 0;
+        if (meta) {
+            const int pos = meta[0];
+            meta[1] = bi;
+            if (pos + 1 < limit) meta[0] = pos + 1;
+            volatile int* t = tokens;
+            t[pos % ntok] = bi;
+        }
+    }
+    KT_END(0)
 }
 
 // ------------------------------------------------------------------------------------------------------

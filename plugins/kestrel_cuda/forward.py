@@ -5,6 +5,7 @@ API (what the ``kestrel_forward`` / ``kestrel_release_sequence`` hookimpls call)
     fwd = DeviceForward(weight_source=None, layer_boundary=None, *, stream=None, gemm=None, pin=None,
                         unpin=None, max_context=None, use_graph=None, ops=None)
     fwd.forward(model, seq_id, tokens, start, all_logits) -> np.ndarray float32 [T or 1, vocab] | None
+    fwd.greedy(model, seq_id, token, start, count) -> Iterator[int] | None
     fwd.release(seq_id) -> None
     fwd.stats() -> dict[str, int | float]
     fwd.close() -> None
@@ -36,6 +37,15 @@ API (what the ``kestrel_forward`` / ``kestrel_release_sequence`` hookimpls call)
   ``max_context``, a token outside the vocabulary, an unsupported model (head_dim over 128 or not a
   multiple of 4, heads not a multiple of KV heads). Any device error drops the sequence's state and
   propagates (the dispatcher declines). Returns all T rows of logits if ``all_logits`` else the last row, as [1, vocab].
+- ``greedy``: pipelined greedy decode from the sequence's device KV cache: ``token`` at ``start``, then each
+  step's argmax at the next position, at most ``count`` steps; yields the chosen tokens. The decode graph
+  ends in ``lm_finish``, which writes its argmax into the next step's input and position on the device and
+  into pinned host memory, so step i + 1 is launched before the host reads step i's token: the host's share
+  of a token (launch, logits download, argmax: ~140 us on the H200 at the qwen3-8b shape) overlaps the GPU.
+  The device may have run one step beyond what the consumer took; those positions are rewritten before they
+  are read. Declines without the captured graph.
+- At M = 1 the gate|up GEMV leaves its K-split partial sums for down's prologue to add, and lm_head for
+  ``lm_finish`` (``Lin.deferred``, ``KESTREL_CUDA_DEFER``): no split-K merge at the end of either GEMV.
 
 The model math is kestrel_core.model.decoder's; the kernels are forward.cu, launched by forward_ops.py.
 """
@@ -43,7 +53,7 @@ The model math is kestrel_core.model.decoder's; the kernels are forward.cu, laun
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,14 +66,19 @@ from kestrel_core.model.decoder import PREFILL_CHUNK, rope_inv_freq
 from kestrel_core.model.weights import LayerWeights, Model
 from kestrel_core.wkey import Proj, fused_wkey, lm_head_wkey, wkey
 from kestrel_cuda.forward_ops import (
+    CHUNK_K,
     EPI_ADD,
+    EPI_PARTIAL,
     EPI_STORE,
+    FINISH_COLS,
     MAX_HEAD_DIM,
     PRO_PLAIN,
     PRO_RMSNORM,
     PRO_SILU_MUL,
+    TOKEN_RING,
     Lin,
     attn_part_size,
+    defer_enabled,
     gemv_scratch,
     head_scale,
     norm_tiles_enabled,
@@ -170,6 +185,10 @@ class _State:
     q: Any
     attn: Any
     gu: Any
+    gu_part: Any  # float32 [splits][pad_n(2F)]: the deferred gate|up GEMV's partial sums (M = 1)
+    lm_part: Any  # float32 [splits][pad_n(vocab)]: the deferred lm_head's partial sums (M = 1)
+    finish: tuple[Any, Any, Any]  # lm_finish's per-block (value, index) and its arrival counter
+    tokens: np.ndarray  # int32 [TOKEN_RING] pinned host memory: lm_finish's greedy token by position
     logits: Any
     logits_all: Any = None
     pinned: list[int] = field(default_factory=list)
@@ -205,6 +224,7 @@ class DeviceForward:
         self.clusters = bool(getattr(ops, "cluster", False))
         self.target_blocks = target_blocks  # None: each M=1 kernel's default (forward_ops.default_target_blocks)
         self.norm_tiles = norm_tiles_enabled()
+        self.defer = defer_enabled()
         self._st: _State | None = None
         self._seqs: dict[int, _Seq] = {}
         self._spare: _Seq | None = None  # the last released sequence: KV cache and graph, for the next one
@@ -225,6 +245,69 @@ class DeviceForward:
         st = self._state(model)
         if st is None:
             return None
+        end = start + len(toks)
+        if end > st.max_context:
+            return self._decline(f"context {end} beyond the device maximum {st.max_context}")
+        try:
+            seq = self._open_sequence(st, seq_id, start, end)
+            if seq is None:
+                return None
+            return self._run(st, seq, toks.astype(np.int32), start, all_logits)
+        except BaseException:
+            self._seqs.pop(seq_id, None)  # its KV cache may be half written
+            raise
+
+    def greedy(self, model: Model, seq_id: int, token: int, start: int, count: int) -> Iterator[int] | None:
+        if not self.use_graph:
+            return self._decline("pipelined greedy decode needs the captured decode graph")
+        if not 0 <= int(token) < model.config.vocab_size or start < 0 or count < 1:
+            return self._decline("token id outside the vocabulary, a bad start or no steps")
+        st = self._state(model)
+        if st is None:
+            return None
+        count = min(count, st.max_context - start)
+        if count < 1:
+            return self._decline(f"context {start + 1} beyond the device maximum {st.max_context}")
+        try:
+            seq = self._open_sequence(st, seq_id, start, start + count)  # sized before the graph bakes it in
+            if seq is None:
+                return None
+            self._graph(st, seq)
+            self.ops.write_meta(st.meta, np.array([start, token], np.int32))
+        except BaseException:
+            self._seqs.pop(seq_id, None)
+            raise
+        return self._pipeline(st, seq_id, seq, start, count)
+
+    def _pipeline(self, st: _State, seq_id: int, seq: _Seq, start: int, count: int) -> Iterator[int]:
+        """Steps i and i + 1 in flight while the host waits for step i's token (lm_finish feeds each step's
+        argmax to the next on the device)."""
+        events: list[Any] = []
+
+        def launch(i: int) -> None:
+            seq.graph()
+            seq.length = start + i + 1
+            events.append(self.ops.record())
+            self.counters["graph_replays"] += 1
+            self.counters["steps"] += 1
+            self.counters["decode_tokens"] += 1
+
+        try:
+            launch(0)
+            for i in range(count):
+                if i + 1 < count:
+                    launch(i + 1)
+                self.ops.wait(events[i])
+                yield int(st.tokens[(start + i) % TOKEN_RING])
+        except GeneratorExit:
+            raise
+        except BaseException:
+            self._seqs.pop(seq_id, None)  # its KV cache may be half written
+            raise
+
+    def _open_sequence(self, st: _State, seq_id: int, start: int, end: int) -> _Seq | None:
+        """The sequence to run positions ``start``..``end - 1`` (rewound to ``start``, its KV cache grown to
+        ``end``), the spare for a new one, or None (declined: the device holds fewer than ``start``)."""
         seq = self._seqs.get(seq_id)
         if seq is None and start == 0 and self._spare is not None:
             seq, self._spare = self._spare, None  # every position is written before it is read
@@ -237,15 +320,7 @@ class DeviceForward:
             return self._decline("the device KV cache is behind the engine's")
         else:
             seq.length = start  # rewind: positions >= start are overwritten
-        end = start + len(toks)
-        if end > st.max_context:
-            return self._decline(f"context {end} beyond the device maximum {st.max_context}")
-        try:
-            seq = self._reserve(st, seq_id, seq, end)
-            return self._run(st, seq, toks.astype(np.int32), start, all_logits)
-        except BaseException:
-            self._seqs.pop(seq_id, None)  # its KV cache may be half written
-            raise
+        return self._reserve(st, seq_id, seq, end)
 
     def release(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id, None)
@@ -281,10 +356,7 @@ class DeviceForward:
             pos = start + c0
             ops.write_meta(st.meta, np.concatenate([np.array([pos], np.int32), chunk]))
             if m == 1 and self.use_graph:
-                if seq.graph is None:
-                    self._pin_weights(st)
-                    seq.graph = ops.capture(lambda: self._step(st, seq, 1, 1))
-                    self.counters["graph_captures"] += 1
+                self._graph(st, seq)
                 seq.graph()
                 self.counters["graph_replays"] += 1
             else:
@@ -296,6 +368,14 @@ class DeviceForward:
                 outs.append(ops.download(st.logits_all if rows > 1 else st.logits, rows))
         ops.synchronize()
         return np.concatenate(outs) if len(outs) > 1 else outs[0]
+
+    def _graph(self, st: _State, seq: _Seq) -> Callable[[], None]:
+        """The sequence's decode step (M = 1) as a captured graph, captured on first use."""
+        if seq.graph is None:
+            self._pin_weights(st)
+            seq.graph = self.ops.capture(lambda: self._step(st, seq, 1, 1))
+            self.counters["graph_captures"] += 1
+        return seq.graph
 
     def _step(self, st: _State, seq: _Seq, m: int, rows: int) -> None:
         """Every kernel of one pass over rows [0, m) at positions meta[0]..; logits of the last ``rows``."""
@@ -319,14 +399,29 @@ class DeviceForward:
                          st.meta, st.q[:m], kc, vc)
             ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m])
             ops.gemv(w.o, st.attn[:m], PRO_PLAIN, None, eps, 0, h, EPI_ADD, None, ssq_out=ssq)
-            for lin in w.gate_up:
-                ops.gemv(lin, h, PRO_RMSNORM, layer.mlp_norm, eps, 0, st.gu[:m, lin.col:lin.col + lin.n],
-                         EPI_STORE, None, ssq_in=ssq)
-            ops.gemv(w.down, st.gu[:m], PRO_SILU_MUL, None, eps, f, h, EPI_ADD, None, ssq_out=ssq)
+            gu = w.gate_up
+            if m == 1 and len(gu) == 1 and gu[0].deferred and w.down.m1 == "chunk":
+                parts = st.gu_part[:gu[0].ksplit]  # down's prologue adds them
+                ops.gemv(gu[0], h, PRO_RMSNORM, layer.mlp_norm, eps, 0, parts, EPI_PARTIAL, None, ssq_in=ssq)
+                ops.gemv(w.down, parts, PRO_SILU_MUL, None, eps, f, h, EPI_ADD, None, ssq_out=ssq,
+                         xparts=len(parts))
+            else:
+                for lin in gu:
+                    ops.gemv(lin, h, PRO_RMSNORM, layer.mlp_norm, eps, 0, st.gu[:m, lin.col:lin.col + lin.n],
+                             EPI_STORE, None, ssq_in=ssq)
+                ops.gemv(w.down, st.gu[:m], PRO_SILU_MUL, None, eps, f, h, EPI_ADD, None, ssq_out=ssq)
         if rows:
-            lm = st.lm_head or self._fetch([st.model.lm_head], [lm_head_wkey()], 0)[0]
-            out = st.logits_all[:rows] if rows > 1 else st.logits
-            ops.gemv(lm, st.h[m - rows:m], PRO_RMSNORM, st.final_norm, eps, 0, out, EPI_STORE, None, ssq_in=ssq)
+            lm = st.lm_head or self._fetch([st.model.lm_head], [lm_head_wkey()], 0, deferred=True)[0]
+            x = st.h[m - rows:m]
+            if rows > 1:
+                ops.gemv(lm, x, PRO_RMSNORM, st.final_norm, eps, 0, st.logits_all[:rows], EPI_STORE, None)
+                return
+            # one row: lm_finish writes the logits (and, at M = 1, the greedy token and the next position)
+            parts, splits = (st.lm_part[:lm.ksplit], lm.ksplit) if lm.deferred else (st.logits, 1)
+            ops.gemv(lm, x, PRO_RMSNORM, st.final_norm, eps, 0, parts, EPI_PARTIAL if lm.deferred else EPI_STORE,
+                     None, ssq_in=ssq)
+            ops.finish_logits(parts, splits, lm.n, st.logits, st.finish, st.meta if m == 1 else None, seq.capacity,
+                              st.tokens)
 
     # -- sequences -----------------------------------------------------------------------------------
 
@@ -390,12 +485,16 @@ class DeviceForward:
                     meta=zeros(1 + t, np.int32), h=zeros((t, d), np.float32), ssq=zeros(ssq_count(d), np.float32),
                     qkv=zeros((t, nq + 2 * nkv), np.float32), q=zeros((t, nq), np.float32),
                     attn=zeros((t, nq), np.float32), gu=zeros((t, 2 * f), np.float32),
-                    logits=zeros((1, c.vocab_size), np.float32))
+                    gu_part=zeros((-(-d // CHUNK_K), pad_n(2 * f)), np.float32),  # splits <= chunks (int8's)
+                    lm_part=zeros((-(-d // CHUNK_K), pad_n(c.vocab_size)), np.float32),
+                    finish=(zeros(-(-c.vocab_size // FINISH_COLS), np.float32),
+                            zeros(-(-c.vocab_size // FINISH_COLS), np.int32), zeros(1, np.int32)),
+                    tokens=ops.mapped_ints(TOKEN_RING), logits=zeros((1, c.vocab_size), np.float32))
         self._reserve_scratch(model)
         if self.layer_boundary is None:
             for i in range(c.num_layers):
                 layers[i].weights = self._layer_weights(st, i)
-            st.lm_head = self._fetch([model.lm_head], [lm_head_wkey()], 0)[0]
+            st.lm_head = self._fetch([model.lm_head], [lm_head_wkey()], 0, deferred=True)[0]
         ops.synchronize_device()  # weights a cache uploaded on another stream are complete
         return st
 
@@ -424,11 +523,19 @@ class DeviceForward:
         return _LayerWeights(
             qkv=self._fetch(qkv, [wkey(i, Proj.Q), wkey(i, Proj.K), wkey(i, Proj.V)], fused_wkey(i, Proj.QKV)),
             o=self._fetch(o, [wkey(i, Proj.O)], 0)[0],
-            gate_up=self._fetch(gu, [wkey(i, Proj.GATE), wkey(i, Proj.UP)], fused_wkey(i, Proj.GATE_UP)),
+            gate_up=self._fetch(gu, [wkey(i, Proj.GATE), wkey(i, Proj.UP)], fused_wkey(i, Proj.GATE_UP),
+                                deferred=True),
             down=self._fetch(down, [wkey(i, Proj.DOWN)], 0)[0])
 
-    def _fetch(self, strips: list[StripCache], keys: list[int], fused_key: int) -> list[Lin]:
-        """Device projections for ``strips`` (fused into one when allowed), with their output columns."""
+    def _fetch(self, strips: list[StripCache], keys: list[int], fused_key: int, deferred: bool = False) -> list[Lin]:
+        """Device projections for ``strips`` (fused into one when allowed), with their output columns;
+        ``deferred``: one projection for them all may leave its M=1 K-split partials to its consumer."""
+        lins = self._fetch_lins(strips, keys, fused_key)
+        if deferred and len(lins) == 1 and self.defer:
+            lins[0].ksplit = self._plan(lins[0], deferred=True)
+        return lins
+
+    def _fetch_lins(self, strips: list[StripCache], keys: list[int], fused_key: int) -> list[Lin]:
         cols = np.cumsum([0] + [s.n for s in strips[:-1]]).tolist()
         if self.weight_source is None:
             same = len({(s.k, s.group_size, s.bits) for s in strips}) == 1
@@ -465,9 +572,9 @@ class DeviceForward:
         lin.device_weight = dw  # type: ignore[attr-defined]  # the tiled GEMM takes the cache's object
         return lin
 
-    def _plan(self, lin: Lin) -> int:
+    def _plan(self, lin: Lin, deferred: bool = False) -> int:
         """K splits of ``lin``'s M=1 GEMV (and the kernel it runs, ``lin.m1``)."""
-        return plan_split(lin, self.gemv_kind, self.sm_count, self.target_blocks, self.clusters)
+        return plan_split(lin, self.gemv_kind, self.sm_count, self.target_blocks, self.clusters, deferred)
 
     def _pin_weights(self, st: _State) -> None:
         """Before a graph captures weight addresses: pin them in the cache (once per model state)."""

@@ -49,7 +49,8 @@ SMALL_CONFIGS: dict[str, ModelConfig] = {
 
 
 # A backend module (for KESTREL_BACKEND_PATH) around DeviceForward: CPU GEMMs, and a whole-step forward
-# made by MAKE that declines the calls numbered in DECLINE (1-based), recording each call's start.
+# made by MAKE that declines the calls numbered in DECLINE (1-based), recording each call's start. GREEDY:
+# None declines the pipelined greedy decode; n >= 0 runs it and fails after n tokens; -1 never fails.
 DECLINING_BACKEND = '''
 from kestrel_core import API_VERSION, BackendInfo, hookimpl
 from kestrel_cpu import kestrel_close, kestrel_gemm_f32, kestrel_gemm_q8, kestrel_open  # noqa: F401
@@ -77,9 +78,29 @@ def kestrel_forward(device, model, seq_id, tokens, start, all_logits):
 
 
 @hookimpl
+def kestrel_decode_greedy(device, model, seq_id, token, start, count):
+    if GREEDY is None:
+        return None
+    if not FWD:
+        FWD.append(MAKE())
+    tokens = FWD[0].greedy(model, seq_id, token, start, count)
+    return None if tokens is None else _failing(tokens)
+
+
+def _failing(tokens):
+    for i, tok in enumerate(tokens):
+        if i == GREEDY:
+            raise RuntimeError("simulated device error")
+        yield tok
+
+
+@hookimpl
 def kestrel_release_sequence(device, seq_id):
     if FWD:
         FWD[0].release(seq_id)
+
+
+GREEDY = {greedy}
 '''
 
 

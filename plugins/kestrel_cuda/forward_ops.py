@@ -36,6 +36,9 @@ ATTN_SPLITS = 16  # position splits of decode attention (attn_decode<NS>): 16 me
 MAX_HEAD_DIM = 128  # attention and qkv_rope keep hd/32 (<= 4) values per lane; attn_prefill tiles fit 48 KB
 PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL = 0, 1, 2
 EPI_STORE, EPI_ADD = 0, 1
+EPI_PARTIAL = 2  # M = 1: each K split's partial sums to its own row of the output, merged by the consumer
+TOKEN_RING = 64  # greedy tokens kept in host memory by lm_finish, indexed by position modulo this
+FINISH_COLS = 1024  # columns one lm_finish block reduces (forward.cu FIN_T x FIN_E)
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Lin:
     wkey: int = 0
     m1: str = ""  # the M=1 kernel planned for it ("stream" or "chunk"; "" = decided at launch)
     cluster: bool = False  # its M=1 K splits run as one thread block cluster per tile (plan_split)
+    deferred: bool = False  # its M=1 GEMV leaves one row of partial sums per K split (EPI_PARTIAL)
 
     @property
     def tiles(self) -> int:
@@ -102,6 +106,22 @@ def plan_stream_split(lin: Lin, resident: int) -> int:
     return best
 
 
+def plan_deferred_split(lin: Lin, sm_count: int) -> int:
+    """K splits of a chunked M=1 GEMV whose consumer adds the partial sums (EPI_PARTIAL: no merge at the end
+    of the GEMV, so more splits cost only their rows of partials): blocks of whole chunks in as few and as
+    full waves as possible, i.e. the least of rounds x resident blocks x chunk bytes + the partials written
+    and read back, rounds = ceil(blocks / resident) x chunks per block."""
+    resident = CHUNK_BLOCKS_PER_SM * sm_count
+    chunk_bytes = CHUNK_K * TILE_N
+    best, best_cost = 1, None
+    for s in range(1, lin.chunks + 1):
+        rounds = -(-lin.tiles * s // resident) * -(-lin.chunks // s)
+        cost = rounds * resident * chunk_bytes + s * lin.npad * 8
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
 def m1_kernel(lin: Lin, gemv: str, sm_count: int) -> str:
     """The M=1 kernel of ``lin`` under the GEMV setting ``gemv`` (``CupyOps.gemv_kind``): "stream" or
     "chunk"; "hybrid" gives wide projections (at least one column tile per SM) and every int4 one to "chunk",
@@ -112,12 +132,17 @@ def m1_kernel(lin: Lin, gemv: str, sm_count: int) -> str:
 
 
 def plan_split(lin: Lin, gemv: str, sm_count: int, target_blocks: int | None = None,
-               clusters: bool = False) -> int:
-    """Choose ``lin``'s M=1 kernel (sets ``lin.m1`` and ``lin.cluster``) and return its K splits;
-    ``target_blocks`` (default ``default_target_blocks``) is the chunk planner's target or the stream planner's
-    resident blocks; ``clusters``: the device runs cluster launches (``CupyOps.cluster``)."""
+               clusters: bool = False, deferred: bool = False) -> int:
+    """Choose ``lin``'s M=1 kernel (sets ``lin.m1``, ``lin.cluster`` and ``lin.deferred``) and return its K
+    splits; ``target_blocks`` (default ``default_target_blocks``) is the chunk planner's target or the stream
+    planner's resident blocks; ``clusters``: the device runs cluster launches (``CupyOps.cluster``);
+    ``deferred``: its consumer can add K-split partials (taken where the chunked kernel runs it)."""
     lin.m1 = m1_kernel(lin, gemv, sm_count)
     target = target_blocks or default_target_blocks(sm_count, lin.m1)
+    lin.deferred = deferred and lin.m1 == "chunk"
+    if lin.deferred:
+        lin.cluster = False
+        return plan_deferred_split(lin, sm_count)
     if lin.m1 != "chunk":
         lin.cluster = False
         return plan_stream_split(lin, target)
@@ -231,6 +256,15 @@ class NumpyOps:
     def synchronize_device(self) -> None:
         pass
 
+    def mapped_ints(self, n: int) -> np.ndarray:
+        return np.zeros(n, np.int32)
+
+    def record(self) -> None:
+        return None
+
+    def wait(self, event: None) -> None:
+        pass
+
     # graph
     def capture(self, body: Callable[[], None]) -> Callable[[], None]:
         calls: list[Callable[[], None]] = []
@@ -259,22 +293,39 @@ class NumpyOps:
 
     def gemv(self, lin: Lin, x: np.ndarray, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
              y: np.ndarray, epi: int, bias: np.ndarray | None, ssq_in: np.ndarray | None = None,
-             ssq_out: np.ndarray | None = None) -> None:
+             ssq_out: np.ndarray | None = None, xparts: int = 1) -> None:
         def fn() -> None:
-            m, g = x.shape[0], lin.group_size
-            a = _prologue(x, lin.k, pro, pw, eps, xoff, ssq_in)  # [M, K]
+            xs = x[:xparts].sum(axis=0, keepdims=True, dtype=np.float32) if xparts > 1 else x
+            m, g = xs.shape[0], lin.group_size
+            a = _prologue(xs, lin.k, pro, pw, eps, xoff, ssq_in)  # [M, K]
             a_codes, a_scales = quantize_activations(a, g)
             w = unpack_kmajor(lin.codes, lin.bits)[:lin.k]  # [K, Npad]
             ng = lin.k // g
             isum = np.einsum("mgi,gin->mgn", a_codes.reshape(m, ng, g).astype(np.int64),
                              w.reshape(ng, g, lin.npad).astype(np.int64))  # [M, ng, Npad], exact
-            f = isum.astype(np.float32) * a_scales[:, :, None] * lin.scales[None]
+            f = isum.astype(np.float32) * a_scales[:, :, None] * lin.scales[None]  # [M, ng, Npad]
+            if epi == EPI_PARTIAL:  # chunk c of the K rows goes to split c % ksplit, as qgemv deals them
+                split = np.arange(ng) * g // (CHUNK_K * 8 // lin.bits) % lin.ksplit
+                for s in range(lin.ksplit):
+                    y[s] = f[0, split == s].sum(axis=0, dtype=np.float32)[:y.shape[1]]
+                return
             out = f.sum(axis=1, dtype=np.float32)[:, :lin.n]
             if bias is not None:
                 out = out + bias
             y[...] = y + out if epi == EPI_ADD else out
             if ssq_out is not None:
                 ssq_out[:ssq_count(lin.n)] = _row_ssq(y[0])
+        self._run(fn)
+
+    def finish_logits(self, part: np.ndarray, splits: int, n: int, logits: np.ndarray, scratch: Any,
+                      meta: np.ndarray | None, limit: int, tokens: np.ndarray) -> None:
+        def fn() -> None:
+            row = part[:splits, :n].sum(axis=0, dtype=np.float32)
+            logits[0, :n] = row
+            if meta is not None:
+                pos, tok = int(meta[0]), int(np.argmax(row))
+                meta[0], meta[1] = pos + 1 if pos + 1 < limit else pos, tok
+                tokens[pos % len(tokens)] = tok
         self._run(fn)
 
     def qkv_rope(self, qkv: np.ndarray, heads: int, kv_heads: int, hd: int, qnorm: np.ndarray | None,
@@ -377,7 +428,7 @@ class CupyOps:
         self._attn_decode = mod.get_function(f"attn_decode<{ATTN_SPLITS}>")
         self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
         self._fn = {name: mod.get_function(name) for name in
-                    ("embed_rows", "qkv_rope", "attn_prefill", "add_rows")}
+                    ("embed_rows", "qkv_rope", "attn_prefill", "add_rows", "lm_finish")}
         self.gemm = gemm
         self.launches = 0
         self.pdl = pdl_enabled()
@@ -443,6 +494,22 @@ class CupyOps:
     def synchronize_device(self) -> None:
         self.cp.cuda.Device().synchronize()
 
+    def mapped_ints(self, n: int) -> np.ndarray:
+        """int32 [n] in pinned host memory that kernels write directly: with unified addressing (every 64-bit
+        CUDA platform) a cudaHostAlloc pointer is also the device's pointer to it."""
+        mem = self.cp.cuda.alloc_pinned_memory(4 * n)
+        arr = np.frombuffer(mem, np.int32, n)  # keeps ``mem`` alive
+        arr[:] = 0
+        return arr
+
+    def record(self) -> Any:
+        event = self.cp.cuda.Event(block=False, disable_timing=True)
+        event.record(self.stream)
+        return event
+
+    def wait(self, event: Any) -> None:
+        event.synchronize()
+
     # graph
     def capture(self, body: Callable[[], None]) -> Callable[[], None]:
         s = self.stream
@@ -485,10 +552,12 @@ class CupyOps:
                       _ptr(ssq_out if m == 1 else None)))
 
     def gemv(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
-             bias: Any, ssq_in: Any = None, ssq_out: Any = None) -> None:
+             bias: Any, ssq_in: Any = None, ssq_out: Any = None, xparts: int = 1) -> None:
         """ssq_in / ssq_out (M = 1 only): the residual stream's tile sums of squares, read by an RMSNorm
-        prologue (pro 1) instead of the row, written with a residual-add epilogue's outputs."""
-        m = x.shape[0]
+        prologue (pro 1) instead of the row, written with a residual-add epilogue's outputs. ``epi`` EPI_PARTIAL
+        (M = 1): ``y`` is [ksplit][>= Npad], one row per K split; ``xparts`` > 1 (M = 1, pro 2): ``x`` is such
+        rows of the producer's partials, added in the prologue."""
+        m = 1 if xparts > 1 or epi == EPI_PARTIAL else x.shape[0]
         if m > 1:
             ssq_in = ssq_out = None
         if m > SMALL_M and self.gemm is not None:
@@ -504,10 +573,10 @@ class CupyOps:
         mr = 1 if m == 1 else SMALL_M
         ksplit = lin.ksplit if m == 1 else 1
         fn = self._gemv[(lin.bits, lin.group_size, mr)]
-        cluster = ksplit if m == 1 and lin.cluster and self.cluster else 1
+        cluster = ksplit if m == 1 and lin.cluster and self.cluster and epi != EPI_PARTIAL else 1
         self._launch(fn, (lin.tiles, ksplit, -(-m // mr)), (256,),
                      (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
-                      _ptr(x), _ld(x), _i32(m), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
+                      _ptr(x), _ld(x), _i32(m), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff), _i32(xparts),
                       _ptr(y), _ld(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters),
                       _ptr(ssq_in), _ptr(ssq_out)), cluster=cluster)
 
@@ -532,6 +601,16 @@ class CupyOps:
         if buf is None or buf.size < size:
             buf = self._tiled_bufs[name] = self.zeros(size, dtype)
         return buf[:size]
+
+    def finish_logits(self, part: Any, splits: int, n: int, logits: Any, scratch: tuple[Any, Any, Any],
+                      meta: Any, limit: int, tokens: np.ndarray) -> None:
+        """logits[0, :n] = the sum of ``part``'s first ``splits`` rows; with ``meta``, the greedy token goes to
+        meta[1] and tokens[meta[0] % len(tokens)] and meta[0] advances while below ``limit`` (forward.cu
+        lm_finish)."""
+        val, idx, count = scratch
+        self._launch(self._fn["lm_finish"], (-(-n // FINISH_COLS),), (FINISH_COLS // 4,),
+                     (_ptr(part), _i32(splits), _ld(part), _i32(n), _ptr(logits), _ptr(val), _ptr(idx),
+                      _ptr(count), _ptr(meta), _i32(limit), np.uint64(tokens.ctypes.data), _i32(len(tokens))))
 
     def qkv_rope(self, qkv: Any, heads: int, kv_heads: int, hd: int, qnorm: Any, knorm: Any, eps: float,
                  cos: Any, sin: Any, meta: Any, q: Any, kc: Any, vc: Any) -> None:
@@ -585,6 +664,7 @@ PDL_ENV = "KESTREL_CUDA_PDL"
 NORM_TILES_ENV = "KESTREL_CUDA_NORM_TILES"
 DEFINES_ENV = "KESTREL_CUDA_DEFINES"
 CLUSTER_ENV = "KESTREL_CUDA_CLUSTER"
+DEFER_ENV = "KESTREL_CUDA_DEFER"
 
 
 def _env(name: str, default: str) -> str:
@@ -606,6 +686,12 @@ def clusters_enabled() -> bool:
     """``KESTREL_CUDA_CLUSTER`` (default on; 0 turns it off): M=1 chunked GEMVs that ``cluster_split`` picks run
     their K splits as thread block clusters (sm_90+)."""
     return _env(CLUSTER_ENV, "1") not in ("0", "false", "no", "off")
+
+
+def defer_enabled() -> bool:
+    """``KESTREL_CUDA_DEFER`` (default on; 0 turns it off): at M = 1 the gate|up and lm_head GEMVs leave their
+    K-split partial sums to their consumers (down's prologue, lm_finish) instead of merging them."""
+    return _env(DEFER_ENV, "1") not in ("0", "false", "no", "off")
 
 
 def kernel_defines() -> tuple[str, ...]:

@@ -329,7 +329,7 @@ def test_engine_recomputes_a_declined_step_on_the_cpu(tmp_path: Path, monkeypatc
     catches up and runs it, and the device is later offered the tokens it missed."""
     model = synthetic_model(SMALL_CONFIGS["qwen3"], "q8", seed=9)
     prompt = _tokens(model.config, 10).tolist()
-    (tmp_path / "fwdcuda.py").write_text(DECLINING_BACKEND.format(decline={3}, make="DeviceForward"))
+    (tmp_path / "fwdcuda.py").write_text(DECLINING_BACKEND.format(decline={3}, make="DeviceForward", greedy=None))
     monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "fwdcuda.py"))
     with kestrel_core.load(model, backend="fwdcuda") as engine:
         tokens = list(engine.generate(prompt, max_tokens=12, stop_at_eos=False))
@@ -351,8 +351,151 @@ def test_cuda_backend_runs_the_whole_step_forward() -> None:
     with kestrel_core.load(model, backend="cuda") as engine:
         tokens = list(engine.generate(prompt, max_tokens=8, stop_at_eos=False))
         fwd = engine.stats["offload"].get("kestrel_forward", {})
-    assert fwd.get("accepted", 0) == 8, fwd
+        pipe = engine.stats["offload"].get("kestrel_decode_greedy", {})
+        counters = engine.stats["backend_stats"]
+    assert fwd.get("accepted", 0) == 1 and pipe.get("accepted", 0) == 1, (fwd, pipe)  # prefill, then pipelined
+    assert counters["forward_decode_tokens"] >= 7, counters
     seq = np.concatenate([prompt, tokens[:-1]])
     ref = cpu_logits(model, seq, len(prompt))
     _, jitter_max = jitter_effect(model, seq, len(prompt), ref)
     assert greedy_agrees(tokens, model, np.asarray(prompt), tol=FACTOR * jitter_max) == []
+
+
+# -- pipelined greedy decode, lm_finish, deferred split-K merges --------------------------------------
+
+
+@pytest.mark.parametrize("quant", ("q8", "q4"))
+@pytest.mark.parametrize("pdl", ("0", "1"))
+def test_pipelined_greedy_yields_the_step_by_step_argmax(quant, pdl, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """lm_finish's argmax, fed back on the device with two steps in flight, gives the tokens of the host's
+    argmax over the downloaded logits, step by step; a consumer that stops early leaves a rewindable cache."""
+    monkeypatch.setenv("KESTREL_CUDA_PDL", pdl)
+    model = synthetic_model(SMALL_CONFIGS["qwen3"], quant, seed=21)
+    prompt = _tokens(model.config, 9)
+    fwd = DeviceForward(stream=stream, gemm=gemm)
+    first = int(fwd.forward(model, 1, prompt, 0, False)[0].argmax())
+    expect, rows = [first], []
+    for i in range(16):
+        rows.append(fwd.forward(model, 1, np.array(expect[-1:]), len(prompt) + i, False))
+        expect.append(int(rows[-1][0].argmax()))
+    fwd.forward(model, 1, prompt, 0, False)  # rewind to the prompt
+    assert [first] + list(fwd.greedy(model, 1, first, len(prompt), 16)) == expect
+    fwd.forward(model, 1, prompt, 0, False)
+    stream_ = fwd.greedy(model, 1, first, len(prompt), 16)
+    taken = [next(stream_) for _ in range(5)]
+    stream_.close()
+    assert taken == expect[1:6]
+    assert np.array_equal(fwd.forward(model, 1, np.array(taken[-1:]), len(prompt) + 5, False), rows[5])
+
+
+def test_lm_finish_is_numpys_argmax_and_adds_partials_in_order(stream) -> None:  # type: ignore[no-untyped-def]
+    """Ties go to the first index, a NaN counts as largest, -inf rows still pick index 0; the logits are the
+    partial rows added in row order (float32, left to right); meta advances and the token reaches host memory."""
+    from kestrel_cuda.forward_ops import FINISH_COLS, TOKEN_RING, CupyOps
+
+    ops = CupyOps(stream)
+    n, splits = 5000, 3
+    rng = np.random.default_rng(4)
+    cases = []
+    base = rng.standard_normal((splits, n)).astype(np.float32)
+    cases.append(base)
+    tie = base.copy()
+    tie[:, 4321] = tie[:, 17] = 0.0
+    tie[0, 4321] = tie[0, 17] = 1e4  # equal maxima far apart: the first wins
+    cases.append(tie)
+    nan = base.copy()
+    nan[1, 2500] = np.nan
+    nan[2, 3000] = np.nan
+    cases.append(nan)
+    cases.append(np.full((splits, n), -np.inf, np.float32))
+    nb = -(-n // FINISH_COLS)
+    scratch = (ops.zeros(nb, np.float32), ops.zeros(nb, np.int32), ops.zeros(1, np.int32))
+    tokens = ops.mapped_ints(TOKEN_RING)
+    for pos, part in enumerate(cases, start=70):
+        d_part = ops.upload(np.pad(part, ((0, 0), (0, 8))))  # rows 8 floats wider than n
+        logits = ops.zeros((1, n), np.float32)
+        meta = ops.upload(np.array([pos, -1], np.int32))
+        ops.finish_logits(d_part, splits, n, logits, scratch, meta, 1000, tokens)
+        ops.synchronize()
+        expect = part[0].copy()
+        for r in range(1, splits):
+            expect = (expect + part[r]).astype(np.float32)
+        with np.errstate(invalid="ignore"):
+            tok = int(np.argmax(expect))
+        assert np.array_equal(logits.get()[0], expect, equal_nan=True)
+        assert meta.get().tolist() == [pos + 1, tok] and int(tokens[pos % TOKEN_RING]) == tok
+        assert int(scratch[2].get()[0]) == 0  # the counter is back to zero for the next launch
+    meta = ops.upload(np.array([999, -1], np.int32))  # at the limit (the KV capacity): the position stays
+    ops.finish_logits(ops.upload(cases[0]), splits, n, logits, scratch, meta, 1000, tokens)
+    assert meta.get()[0] == 999
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+def test_deferred_partials_equal_the_merge_bitwise(bits, stream) -> None:  # type: ignore[no-untyped-def]
+    """EPI_PARTIAL's rows added in row order are the global merge's sums, bit for bit, at the same split; and a
+    silu-mul prologue over those rows (xparts) gives the same output as over the merged row."""
+    from kestrel_cuda.forward_ops import (
+        EPI_ADD,
+        EPI_PARTIAL,
+        EPI_STORE,
+        PRO_PLAIN,
+        PRO_SILU_MUL,
+        CupyOps,
+        Lin,
+        pack_kmajor,
+    )
+    from kestrel_cuda.residency import pad_n
+
+    ops = CupyOps(stream)
+    rng = np.random.default_rng(bits)
+    lo, hi = (-127, 127) if bits == 8 else (-8, 7)
+
+    def lin(n: int, k: int) -> Lin:
+        npad = pad_n(n)
+        sc = np.zeros((k // 32, npad), np.float32)
+        sc[:, :n] = rng.uniform(0.001, 0.02, size=(k // 32, n))
+        return Lin(ops.upload(pack_kmajor(rng.integers(lo, hi + 1, size=(n, k)).astype(np.int8), bits)),
+                   ops.upload(sc), k, n, npad, 32, bits)
+
+    f, d = 1024, 2048
+    up, down = lin(2 * f, d), lin(d, f)
+    for proj in (up, down):
+        proj.m1 = "chunk"
+    x = ops.upload(rng.standard_normal((1, d)).astype(np.float32))
+    for splits in (2, 3, up.chunks):
+        up.ksplit = splits
+        ops.reserve(splits * up.npad, up.tiles, 1, 1)
+        merged = ops.zeros((1, 2 * f), np.float32)
+        ops.gemv(up, x, PRO_PLAIN, None, 0.0, 0, merged, EPI_STORE, None)
+        parts = ops.zeros((splits, up.npad + 4), np.float32)
+        ops.gemv(up, x, PRO_PLAIN, None, 0.0, 0, parts, EPI_PARTIAL, None)
+        ops.synchronize()
+        host = parts.get()[:, :2 * f]
+        total = np.zeros(2 * f, np.float32)
+        for r in range(splits):
+            total = (total + host[r]).astype(np.float32)
+        assert np.array_equal(total, merged.get()[0]), f"{splits} splits"
+        y0 = rng.standard_normal((1, d)).astype(np.float32)
+        y_merged, y_parts = ops.upload(y0), ops.upload(y0)
+        ops.gemv(down, merged, PRO_SILU_MUL, None, 0.0, f, y_merged, EPI_ADD, None)
+        ops.gemv(down, parts, PRO_SILU_MUL, None, 0.0, f, y_parts, EPI_ADD, None, xparts=splits)
+        ops.synchronize()
+        assert np.array_equal(y_parts.get(), y_merged.get()), f"{splits} splits"
+
+
+@pytest.mark.parametrize("quant", ("q8", "q4-g256"))
+def test_deferred_gate_up_and_lm_head_match_the_cpu(quant, stream, gemm) -> None:  # type: ignore[no-untyped-def]
+    """A width where gate|up and lm_head split K: the step without their merges stays within the CPU comparison
+    and agrees with KESTREL_CUDA_DEFER=0 to float32 reordering."""
+    model = synthetic_model(replace(SMALL_CONFIGS["qwen3"], hidden_size=1024, intermediate_size=1536,
+                                    vocab_size=700), quant, seed=23)
+    toks = _tokens(model.config, 14)
+    fwd = DeviceForward(stream=stream, gemm=gemm)
+    got = device_logits(fwd, model, toks, 6)
+    gu, lm = fwd._st.layers[0].weights.gate_up[0], fwd._st.lm_head
+    assert gu.deferred and lm.deferred and max(gu.ksplit, lm.ksplit) > 1
+    _check(model, toks, 6, got)
+    merged = DeviceForward(stream=stream, gemm=gemm)
+    merged.defer = False
+    plain = device_logits(merged, model, toks, 6)
+    assert np.allclose(got, plain, rtol=1e-4, atol=1e-4 * float(np.abs(plain).max()))

@@ -232,7 +232,7 @@ def test_engine_recomputes_a_declined_step_on_the_cpu(tmp_path, monkeypatch) -> 
     model = synthetic_model(SMALL_CONFIGS["qwen3"], "q8", seed=9)
     prompt = _tokens(model.config, 10).tolist()
     make = "lambda: DeviceForward(ops=__import__('kestrel_cuda.forward_ops').forward_ops.NumpyOps())"
-    (tmp_path / "fwdcuda.py").write_text(DECLINING_BACKEND.format(decline={3}, make=make))
+    (tmp_path / "fwdcuda.py").write_text(DECLINING_BACKEND.format(decline={3}, make=make, greedy=None))
     monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "fwdcuda.py"))
     with kestrel_core.load(model, backend="fwdcuda") as engine:
         tokens = list(engine.generate(prompt, max_tokens=12, stop_at_eos=False))
@@ -403,3 +403,119 @@ def test_cluster_splits_only_for_one_wave_of_one_chunk_per_block(k: int, n: int,
     assert split == (cluster or free)
     if lin.cluster:
         assert lin.tiles * split <= 4 * 132 and lin.chunks <= split
+
+
+# -- pipelined greedy decode and deferred split-K merges ---------------------------------------------
+
+
+def _stepwise_greedy(fwd: DeviceForward, model, prompt: np.ndarray, steps: int) -> tuple[list[int], list]:  # type: ignore[no-untyped-def]
+    """Greedy tokens through ``forward`` one step at a time (the host's argmax), and each step's logits."""
+    first = int(fwd.forward(model, 1, prompt, 0, False)[0].argmax())
+    tokens, rows = [first], []
+    for i in range(steps):
+        row = fwd.forward(model, 1, np.array(tokens[-1:]), len(prompt) + i, False)
+        rows.append(row)
+        tokens.append(int(row[0].argmax()))
+    return tokens, rows
+
+
+@pytest.mark.parametrize("quant", ("q8", "q4"))
+def test_pipelined_greedy_yields_the_step_by_step_argmax(quant: str) -> None:
+    """The device's own argmax fed back on the device gives the tokens the host's argmax gives; taking fewer
+    than asked leaves the cache at the consumer's position (the extra step is rewound over)."""
+    model = synthetic_model(CONFIGS["qwen3"], quant, seed=21)
+    prompt = _tokens(model.config, 9)
+    expect, rows = _stepwise_greedy(DeviceForward(ops=NumpyOps()), model, prompt, 12)
+    fwd = DeviceForward(ops=NumpyOps())
+    first = int(fwd.forward(model, 1, prompt, 0, False)[0].argmax())
+    assert first == expect[0]
+    got = list(fwd.greedy(model, 1, first, len(prompt), 12))
+    assert [first] + got == expect
+    assert fwd.counters["graph_captures"] == 1 and fwd.counters["decode_tokens"] == 12
+
+    fwd = DeviceForward(ops=NumpyOps())
+    fwd.forward(model, 1, prompt, 0, False)
+    stream = fwd.greedy(model, 1, first, len(prompt), 12)
+    taken = [next(stream) for _ in range(4)]
+    stream.close()
+    assert taken == expect[1:5] and fwd._seqs[1].length == len(prompt) + 5  # one step ran ahead
+    row = fwd.forward(model, 1, np.array(taken[-1:]), len(prompt) + 4, False)
+    assert np.array_equal(row, rows[4])
+
+
+def test_pipelined_greedy_declines_without_the_graph_or_with_a_bad_request() -> None:
+    model = synthetic_model(CONFIGS["llama"], "q8", seed=22)
+    prompt = _tokens(model.config, 6)
+    fwd = DeviceForward(ops=NumpyOps(), use_graph=False)
+    fwd.forward(model, 1, prompt, 0, False)
+    assert fwd.greedy(model, 1, 5, len(prompt), 4) is None and "graph" in fwd.last_decline
+    fwd = DeviceForward(ops=NumpyOps())
+    fwd.forward(model, 1, prompt, 0, False)
+    assert fwd.greedy(model, 1, model.config.vocab_size, len(prompt), 4) is None
+    assert fwd.greedy(model, 1, 5, len(prompt) + 3, 4) is None and "behind" in fwd.last_decline
+
+
+def test_deferred_partials_match_the_cpu_and_the_merged_path() -> None:
+    """At a width where gate|up and lm_head split K (several chunks), their partial sums go to down's prologue
+    and lm_finish: the logits stay within the CPU comparison and next to KESTREL_CUDA_DEFER=0's."""
+    cfg = replace(CONFIGS["qwen3"], hidden_size=1024, intermediate_size=1536, vocab_size=700)
+    model = synthetic_model(cfg, "q8", seed=23)
+    toks = _tokens(cfg, 12)
+    ref = cpu_logits(model, toks, 6)
+    fwd = DeviceForward(ops=NumpyOps())
+    got = device_logits(fwd, model, toks, 6)
+    gu, lm = fwd._st.layers[0].weights.gate_up[0], fwd._st.lm_head
+    assert gu.deferred and lm.deferred and gu.ksplit > 1 and lm.ksplit > 1
+    result = compare(got, ref, jitter_effect(model, toks, 6, ref))
+    assert result.ok, str(result)
+    merged = DeviceForward(ops=NumpyOps())
+    merged.defer = False
+    plain = device_logits(merged, model, toks, 6)
+    assert not merged._st.lm_head.deferred
+    assert np.allclose(got, plain, rtol=1e-4, atol=1e-4 * float(np.abs(plain).max()))
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+@pytest.mark.parametrize("n", (24576, 151936))  # qwen3-8b's gate|up and lm_head, K = 4096, 132 SMs
+def test_deferred_split_fills_the_waves(bits: int, n: int) -> None:
+    """With no merge to pay for, the split makes the chunked GEMV's blocks fill whole waves of resident blocks:
+    at least 95 % of the slots of the rounds it takes do work (one split of lm_head fills 75 %)."""
+    sm = 132
+    lin = forward_ops.Lin(None, None, 4096, n, pad_n(n), 32, bits)
+    s = forward_ops.plan_split(lin, "chunk", sm, deferred=True)
+    assert lin.deferred and not lin.cluster and 1 <= s <= lin.chunks
+    resident = forward_ops.CHUNK_BLOCKS_PER_SM * sm
+    rounds = -(-lin.tiles * s // resident) * -(-lin.chunks // s)
+    assert lin.tiles * lin.chunks / (rounds * resident) >= 0.95
+    assert forward_ops.plan_split(lin, "stream", sm, deferred=True) and not lin.deferred  # chunked kernel only
+
+
+@pytest.mark.parametrize("greedy", (-1, 3))
+def test_engine_takes_the_pipelined_greedy_decode(greedy: int, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Greedy generation goes through kestrel_decode_greedy after the prefill and gives the step-by-step
+    tokens; an error in the middle hands over to the step path at the position the pipeline reached, with
+    the same tokens; sampling never offers it."""
+    import kestrel_core
+
+    model = synthetic_model(SMALL_CONFIGS["qwen3"], "q8", seed=9)
+    prompt = _tokens(model.config, 10).tolist()
+    make = "lambda: DeviceForward(ops=__import__('kestrel_cuda.forward_ops').forward_ops.NumpyOps())"
+    runs = {}
+    for mode in (None, greedy):
+        path = tmp_path / str(mode) / "fwdcuda.py"  # the backend is named after its file
+        path.parent.mkdir()
+        path.write_text(DECLINING_BACKEND.format(decline=set(), make=make, greedy=mode))
+        monkeypatch.setenv("KESTREL_BACKEND_PATH", str(path))
+        with kestrel_core.load(model, backend="fwdcuda") as engine:
+            runs[mode] = list(engine.generate(prompt, max_tokens=12, stop_at_eos=False))
+            offload = engine.stats["offload"]
+            calls = list(engine.backend.plugin.CALLS)
+    assert runs[greedy] == runs[None]
+    assert offload["kestrel_decode_greedy"]["accepted"] == 1
+    if greedy < 0:
+        assert calls == [0]  # the prefill; every decode step came from the pipeline
+    else:  # the prefill, 3 tokens from the pipeline, then one step each from the position it reached
+        assert calls == [0] + list(range(len(prompt) + greedy, len(prompt) + 11))
+    with kestrel_core.load(model, backend="fwdcuda") as engine:  # sampling: never offered
+        list(engine.generate(prompt, max_tokens=4, temperature=0.8, stop_at_eos=False))
+        assert "kestrel_decode_greedy" not in engine.stats["offload"]
