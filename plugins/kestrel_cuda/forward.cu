@@ -785,7 +785,7 @@ extern "C" __global__ void __launch_bounds__(FIN_T) lm_finish(
     __shared__ int s_i[FIN_T / 32];
     __shared__ int s_last;
     const int tid = threadIdx.x;
-    float bv = __int_as_float(0xff800000);  // -inf (NVRTC has no math.h)
+    float bv = NEG_INF;
     int bi = 0x7fffffff;
     float v[FIN_E];
 #pragma unroll
@@ -811,7 +811,7 @@ extern "C" __global__ void __launch_bounds__(FIN_T) lm_finish(
     block_argmax(bv, bi, s_v, s_i);
     if (tid == 0) { bval[blockIdx.x] = bv; bidx[blockIdx.x] = bi; }
     if (!arrive_last(counter, gridDim.x, &s_last)) { KT_END(0) return; }
-    bv = __int_as_float(0xff800000);
+    bv = NEG_INF;
     bi = 0x7fffffff;
     for (int b = tid; b < (int)gridDim.x; b += FIN_T) {
         const float ov = __ldcg(bval + b);
