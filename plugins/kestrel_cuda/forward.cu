@@ -919,7 +919,9 @@ extern "C" __global__ void __launch_bounds__(RW * 32) qkv_rope(
 // positions (their keys and values loaded together: AB x 2 x hd/32 loads in flight per lane); the block
 // merges its warps, writes (max, sum, acc[hd]) to part[h][split], and the last block of a head merges the
 // NS splits (every split's partial loaded at once, merge weights computed once, fixed order). q is scaled
-// by 1/sqrt(hd) before the dot products.
+// by 1/sqrt(hd) before the dot products. The position (meta) is written only between steps (the host,
+// lm_finish), and the keys and values before it by earlier steps, so a warp's first round of them is loaded
+// before the PDL wait, while the kernels before this one run; only the newest position waits.
 #define AW 4
 #define AB 8
 #define MAXJ 4   // hd <= 128
@@ -931,8 +933,6 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 {
     KT_BEGIN
     grid_dep_launch();
-    grid_dep_wait();
-    KT_WAITED
     __shared__ float s_m[NS], s_l[NS], s_w[NS];
     __shared__ float s_acc[AW][128];
     __shared__ int s_last;
@@ -945,6 +945,25 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     const int kvh = h / (H / KV);
     const float* kb = kc + (size_t)kvh * cap * hd;
     const float* vb = vc + (size_t)kvh * cap * hd;
+    float kr[AB][MAXJ], vr[AB][MAXJ];
+#ifdef KESTREL_ATTN_NO_PREFETCH  // A/B only
+    const int ready = 0;
+#else
+    const int ready = len - 1;                  // positions below it were written by earlier steps
+#endif
+#pragma unroll
+    for (int b = 0; b < AB; ++b) {
+        const int p = pb + AB * warp + b;
+#pragma unroll
+        for (int j = 0; j < MAXJ; ++j) {
+            const int d = lane + 32 * j;
+            const bool ok = p < pe && p < ready && d < hd;
+            kr[b][j] = ok ? kb[(size_t)p * hd + d] : 0.f;
+            vr[b][j] = ok ? vb[(size_t)p * hd + d] : 0.f;
+        }
+    }
+    grid_dep_wait();
+    KT_WAITED
     float qr[MAXJ], acc[MAXJ];
 #pragma unroll
     for (int j = 0; j < MAXJ; ++j) {
@@ -954,10 +973,11 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     }
     float mx = NEG_INF, l = 0.f;
     for (int p0 = pb + AB * warp; p0 < pe; p0 += AB * AW) {
-        float kr[AB][MAXJ], vr[AB][MAXJ];
+        const int from = p0 == pb + AB * warp ? ready : 0;  // the first round holds positions < ready
 #pragma unroll
         for (int b = 0; b < AB; ++b) {
             const int p = p0 + b;
+            if (p < from) continue;
 #pragma unroll
             for (int j = 0; j < MAXJ; ++j) {
                 const int d = lane + 32 * j;

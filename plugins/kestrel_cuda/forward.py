@@ -64,7 +64,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ARCHITECTURES
 from kestrel_core.model.decoder import PREFILL_CHUNK, rope_inv_freq
 from kestrel_core.model.weights import LayerWeights, Model
-from kestrel_core.wkey import Proj, fused_wkey, lm_head_wkey, wkey
+from kestrel_core.wkey import Proj, decode_wkey, fused_wkey, lm_head_wkey, wkey
 from kestrel_cuda.forward_ops import (
     CHUNK_K,
     EPI_ADD,
@@ -78,12 +78,14 @@ from kestrel_cuda.forward_ops import (
     TOKEN_RING,
     Lin,
     attn_part_size,
+    cluster_split,
     defer_enabled,
     gemv_scratch,
     head_scale,
     norm_tiles_enabled,
     pack_kmajor,
     plan_split,
+    split_overrides,
     ssq_count,
 )
 from kestrel_cuda.residency import fusable, pad_n
@@ -225,6 +227,7 @@ class DeviceForward:
         self.target_blocks = target_blocks  # None: each M=1 kernel's default (forward_ops.default_target_blocks)
         self.norm_tiles = norm_tiles_enabled()
         self.defer = defer_enabled()
+        self.splits = split_overrides()
         self._st: _State | None = None
         self._seqs: dict[int, _Seq] = {}
         self._spare: _Seq | None = None  # the last released sequence: KV cache and graph, for the next one
@@ -505,13 +508,17 @@ class DeviceForward:
             return
         c = model.config
         lins = []
-        for group in _groups(model.layers[0]) + [[model.lm_head]]:
+        keys = [[wkey(0, Proj.Q), wkey(0, Proj.K), wkey(0, Proj.V)], [wkey(0, Proj.O)],
+                [wkey(0, Proj.GATE), wkey(0, Proj.UP)], [wkey(0, Proj.DOWN)], [lm_head_wkey()]]
+        fused = [fused_wkey(0, Proj.QKV), 0, fused_wkey(0, Proj.GATE_UP), 0, 0]
+        for group, members, key in zip(_groups(model.layers[0]) + [[model.lm_head]], keys, fused):
             n, k = sum(s.n for s in group), group[0].k
-            lin = Lin(None, None, k, n, pad_n(n), group[0].group_size, group[0].bits)  # own bits: own plan
+            lin = Lin(None, None, k, n, pad_n(n), group[0].group_size, group[0].bits,  # own bits: own plan
+                      wkey=key or members[0])
             lin.ksplit = self._plan(lin)
             lins.append(lin)
-            for s in group:  # unfused members may have more tiles
-                one = Lin(None, None, s.k, s.n, pad_n(s.n), s.group_size, s.bits)
+            for s, member in zip(group, members):  # unfused members may have more tiles
+                one = Lin(None, None, s.k, s.n, pad_n(s.n), s.group_size, s.bits, wkey=member)
                 one.ksplit = self._plan(one)
                 lins.append(one)
         part, counters = gemv_scratch(lins)
@@ -574,7 +581,14 @@ class DeviceForward:
 
     def _plan(self, lin: Lin, deferred: bool = False) -> int:
         """K splits of ``lin``'s M=1 GEMV (and the kernel it runs, ``lin.m1``)."""
-        return plan_split(lin, self.gemv_kind, self.sm_count, self.target_blocks, self.clusters, deferred)
+        split = plan_split(lin, self.gemv_kind, self.sm_count, self.target_blocks, self.clusters, deferred)
+        forced = self.splits.get(decode_wkey(lin.wkey)[1].name.lower()) if lin.wkey else None
+        if forced is None:
+            return split
+        split = min(forced, lin.chunks)
+        lin.cluster = lin.m1 == "chunk" and not lin.deferred and self.clusters and \
+            cluster_split(lin, split, self.sm_count) == split
+        return split
 
     def _pin_weights(self, st: _State) -> None:
         """Before a graph captures weight addresses: pin them in the cache (once per model state)."""

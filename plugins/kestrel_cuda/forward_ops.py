@@ -665,6 +665,7 @@ NORM_TILES_ENV = "KESTREL_CUDA_NORM_TILES"
 DEFINES_ENV = "KESTREL_CUDA_DEFINES"
 CLUSTER_ENV = "KESTREL_CUDA_CLUSTER"
 DEFER_ENV = "KESTREL_CUDA_DEFER"
+SPLITS_ENV = "KESTREL_CUDA_SPLITS"
 
 
 def _env(name: str, default: str) -> str:
@@ -692,6 +693,17 @@ def defer_enabled() -> bool:
     """``KESTREL_CUDA_DEFER`` (default on; 0 turns it off): at M = 1 the gate|up and lm_head GEMVs leave their
     K-split partial sums to their consumers (down's prologue, lm_finish) instead of merging them."""
     return _env(DEFER_ENV, "1") not in ("0", "false", "no", "off")
+
+
+def split_overrides() -> dict[str, int]:
+    """``KESTREL_CUDA_SPLITS`` (benchmarks: planner A/B runs): M=1 K splits by projection, ``down:12/gate_up:4``
+    (names of ``kestrel_core.wkey.Proj``, lower case); each is capped at the projection's chunks."""
+    out = {}
+    for item in _env(SPLITS_ENV, "").split("/"):
+        name, _, value = item.partition(":")
+        if name.strip() and value.strip().isdigit() and int(value) > 0:
+            out[name.strip().lower()] = int(value)
+    return out
 
 
 def kernel_defines() -> tuple[str, ...]:
