@@ -256,7 +256,7 @@ class CudaDevice:
         out.update({f"declined_{k.replace(' ', '_')}": v for k, v in self.declined.items()})
         out.update(self.preload_info)
         if self.forward is not None:
-            out.update({f"forward_{k}": v for k, v in self.forward.stats().items()})
+            out.update(self.forward.stats())  # its keys say forward_ already
         return out
 
     def close(self) -> None:

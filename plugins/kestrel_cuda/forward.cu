@@ -222,8 +222,7 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 //
 // out[m][n] = sum_g (sum_{k in g} Aq[m][k] Wq[k][n]) * a_scale[m][g] * w_scale[g][n]   (integer block sums)
 // where A = prologue(X): pro 0: X; pro 1: rmsnorm(X, pw, eps); pro 2: silu(X[:, k]) * X[:, k + xoff],
-// quantized per G-block exactly as contract.quantize_activations. xparts > 1 (M = 1, pro 2): X is the
-// producer's xparts K-split partial sums, rows ldx apart, added here in row order (the merge's bits).
+// quantized per G-block exactly as contract.quantize_activations.
 // Grid: x = column tiles of TN, y = K splits (chunks of KC strided by gridDim.y), z = row blocks of MR.
 // A chunk is the same 32 KB of weights for int8 and int4 (256 or 512 rows), so each warp has as many bytes
 // in flight per chunk.
@@ -232,13 +231,14 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 // memory; otherwise each block writes them to part[y][m][Npad] and the last block of a tile (atomic counter,
 // then reset for the next launch) reads them back.
 // Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += acc (+ bias); epi 2 (M = 1, no bias): the split's partial
-// sums to row blockIdx.y of Y (ldy apart) with no merge at all: the consumer adds them (a down GEMV's
-// xparts, lm_finish), so no block waits on L2 round trips at the end of the kernel.
+// sums to row blockIdx.y of Y (ldy apart) with no merge at all: the consumer adds them (lm_finish), so no
+// block waits on L2 round trips at the end of the kernel. (gate|up's partials added by down's prologue
+// measured slower: down's blocks then wait on S x 2 partial loads each; docs/performance.md.)
 template <int BITS, int G, int MR>
 __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
     const float* __restrict__ X, int ldx, int M, int pro, const float* __restrict__ pw, float eps, int xoff,
-    int xparts, float* __restrict__ Y, int ldy, int epi, const float* __restrict__ bias,
+    float* __restrict__ Y, int ldy, int epi, const float* __restrict__ bias,
     float* __restrict__ part, int* __restrict__ counters, const float* __restrict__ ssq_in, float* __restrict__ ssq_out)
 {
     constexpr int KC = KC8 * 8 / BITS;          // rows of a chunk: the same weight bytes per chunk for both
@@ -323,15 +323,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
                     if (pro == 1) {
                         v = xr[k] / s_r[i] * pwv[h];
                     } else if (pro == 2) {
-                        float g = xr[k], u = xr[k + xoff];
-#ifndef KESTREL_NO_XPARTS  // A/B only: the partials' sum costs int4 G=32 a 32-byte register spill
-#pragma unroll 4
-                        for (int p = 1; p < xparts; ++p) {
-                            g += xr[(size_t)p * ldx + k];
-                            u += xr[(size_t)p * ldx + k + xoff];
-                        }
-#endif
-                        v = g / (1.f + expf(-g)) * u;
+                        const float g = xr[k];
+                        v = g / (1.f + expf(-g)) * xr[k + xoff];
                     } else {
                         v = xr[k];
                     }
@@ -920,8 +913,9 @@ extern "C" __global__ void __launch_bounds__(RW * 32) qkv_rope(
 // merges its warps, writes (max, sum, acc[hd]) to part[h][split], and the last block of a head merges the
 // NS splits (every split's partial loaded at once, merge weights computed once, fixed order). q is scaled
 // by 1/sqrt(hd) before the dot products. The position (meta) is written only between steps (the host,
-// lm_finish), and the keys and values before it by earlier steps, so a warp's first round of them is loaded
-// before the PDL wait, while the kernels before this one run; only the newest position waits.
+// lm_finish), and the keys and values before it by earlier steps, so a warp's first round of them is asked
+// into L2 before the PDL wait, while the kernels before this one run. (Loading that round into registers
+// there instead, with the loop restructured around it, measured slower: docs/performance.md.)
 #define AW 4
 #define AB 8
 #define MAXJ 4   // hd <= 128
@@ -945,23 +939,16 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     const int kvh = h / (H / KV);
     const float* kb = kc + (size_t)kvh * cap * hd;
     const float* vb = vc + (size_t)kvh * cap * hd;
-    float kr[AB][MAXJ], vr[AB][MAXJ];
-#ifdef KESTREL_ATTN_NO_PREFETCH  // A/B only
-    const int ready = 0;
-#else
-    const int ready = len - 1;                  // positions below it were written by earlier steps
-#endif
-#pragma unroll
-    for (int b = 0; b < AB; ++b) {
-        const int p = pb + AB * warp + b;
-#pragma unroll
-        for (int j = 0; j < MAXJ; ++j) {
-            const int d = lane + 32 * j;
-            const bool ok = p < pe && p < ready && d < hd;
-            kr[b][j] = ok ? kb[(size_t)p * hd + d] : 0.f;
-            vr[b][j] = ok ? vb[(size_t)p * hd + d] : 0.f;
+#ifndef KESTREL_ATTN_NO_PREFETCH  // A/B only
+    {   // the warp's first round (positions before the newest: earlier steps') into L2, 128-byte lines
+        const int lines = (hd * 4 + 127) / 128;
+        const int p = pb + AB * warp + lane / lines, line = lane % lines;
+        if (lane < AB * lines && p < pe && p < len - 1) {
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(kb + (size_t)p * hd + 32 * line));
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(vb + (size_t)p * hd + 32 * line));
         }
     }
+#endif
     grid_dep_wait();
     KT_WAITED
     float qr[MAXJ], acc[MAXJ];
@@ -973,11 +960,10 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     }
     float mx = NEG_INF, l = 0.f;
     for (int p0 = pb + AB * warp; p0 < pe; p0 += AB * AW) {
-        const int from = p0 == pb + AB * warp ? ready : 0;  // the first round holds positions < ready
+        float kr[AB][MAXJ], vr[AB][MAXJ];
 #pragma unroll
         for (int b = 0; b < AB; ++b) {
             const int p = p0 + b;
-            if (p < from) continue;
 #pragma unroll
             for (int j = 0; j < MAXJ; ++j) {
                 const int d = lane + 32 * j;

@@ -44,8 +44,8 @@ API (what the ``kestrel_forward`` / ``kestrel_release_sequence`` hookimpls call)
   of a token (launch, logits download, argmax: ~140 us on the H200 at the qwen3-8b shape) overlaps the GPU.
   The device may have run one step beyond what the consumer took; those positions are rewritten before they
   are read. Declines without the captured graph.
-- At M = 1 the gate|up GEMV leaves its K-split partial sums for down's prologue to add, and lm_head for
-  ``lm_finish`` (``Lin.deferred``, ``KESTREL_CUDA_DEFER``): no split-K merge at the end of either GEMV.
+- At M = 1 the lm_head GEMV leaves its K-split partial sums for ``lm_finish`` to add (``Lin.deferred``,
+  ``KESTREL_CUDA_DEFER``): no split-K merge at the end of it, and its split fills whole waves.
 
 The model math is kestrel_core.model.decoder's; the kernels are forward.cu, launched by forward_ops.py.
 """
@@ -187,7 +187,6 @@ class _State:
     q: Any
     attn: Any
     gu: Any
-    gu_part: Any  # float32 [splits][pad_n(2F)]: the deferred gate|up GEMV's partial sums (M = 1)
     lm_part: Any  # float32 [splits][pad_n(vocab)]: the deferred lm_head's partial sums (M = 1)
     finish: tuple[Any, Any, Any]  # lm_finish's per-block (value, index) and its arrival counter
     tokens: np.ndarray  # int32 [TOKEN_RING] pinned host memory: lm_finish's greedy token by position
@@ -402,17 +401,10 @@ class DeviceForward:
                          st.meta, st.q[:m], kc, vc)
             ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m])
             ops.gemv(w.o, st.attn[:m], PRO_PLAIN, None, eps, 0, h, EPI_ADD, None, ssq_out=ssq)
-            gu = w.gate_up
-            if m == 1 and len(gu) == 1 and gu[0].deferred and w.down.m1 == "chunk":
-                parts = st.gu_part[:gu[0].ksplit]  # down's prologue adds them
-                ops.gemv(gu[0], h, PRO_RMSNORM, layer.mlp_norm, eps, 0, parts, EPI_PARTIAL, None, ssq_in=ssq)
-                ops.gemv(w.down, parts, PRO_SILU_MUL, None, eps, f, h, EPI_ADD, None, ssq_out=ssq,
-                         xparts=len(parts))
-            else:
-                for lin in gu:
-                    ops.gemv(lin, h, PRO_RMSNORM, layer.mlp_norm, eps, 0, st.gu[:m, lin.col:lin.col + lin.n],
-                             EPI_STORE, None, ssq_in=ssq)
-                ops.gemv(w.down, st.gu[:m], PRO_SILU_MUL, None, eps, f, h, EPI_ADD, None, ssq_out=ssq)
+            for lin in w.gate_up:
+                ops.gemv(lin, h, PRO_RMSNORM, layer.mlp_norm, eps, 0, st.gu[:m, lin.col:lin.col + lin.n],
+                         EPI_STORE, None, ssq_in=ssq)
+            ops.gemv(w.down, st.gu[:m], PRO_SILU_MUL, None, eps, f, h, EPI_ADD, None, ssq_out=ssq)
         if rows:
             lm = st.lm_head or self._fetch([st.model.lm_head], [lm_head_wkey()], 0, deferred=True)[0]
             x = st.h[m - rows:m]
@@ -488,8 +480,7 @@ class DeviceForward:
                     meta=zeros(1 + t, np.int32), h=zeros((t, d), np.float32), ssq=zeros(ssq_count(d), np.float32),
                     qkv=zeros((t, nq + 2 * nkv), np.float32), q=zeros((t, nq), np.float32),
                     attn=zeros((t, nq), np.float32), gu=zeros((t, 2 * f), np.float32),
-                    gu_part=zeros((-(-d // CHUNK_K), pad_n(2 * f)), np.float32),  # splits <= chunks (int8's)
-                    lm_part=zeros((-(-d // CHUNK_K), pad_n(c.vocab_size)), np.float32),
+                    lm_part=zeros((-(-d // CHUNK_K), pad_n(c.vocab_size)), np.float32),  # splits <= chunks
                     finish=(zeros(-(-c.vocab_size // FINISH_COLS), np.float32),
                             zeros(-(-c.vocab_size // FINISH_COLS), np.int32), zeros(1, np.int32)),
                     tokens=ops.mapped_ints(TOKEN_RING), logits=zeros((1, c.vocab_size), np.float32))
@@ -530,8 +521,7 @@ class DeviceForward:
         return _LayerWeights(
             qkv=self._fetch(qkv, [wkey(i, Proj.Q), wkey(i, Proj.K), wkey(i, Proj.V)], fused_wkey(i, Proj.QKV)),
             o=self._fetch(o, [wkey(i, Proj.O)], 0)[0],
-            gate_up=self._fetch(gu, [wkey(i, Proj.GATE), wkey(i, Proj.UP)], fused_wkey(i, Proj.GATE_UP),
-                                deferred=True),
+            gate_up=self._fetch(gu, [wkey(i, Proj.GATE), wkey(i, Proj.UP)], fused_wkey(i, Proj.GATE_UP)),
             down=self._fetch(down, [wkey(i, Proj.DOWN)], 0)[0])
 
     def _fetch(self, strips: list[StripCache], keys: list[int], fused_key: int, deferred: bool = False) -> list[Lin]:

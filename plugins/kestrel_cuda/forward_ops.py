@@ -293,11 +293,10 @@ class NumpyOps:
 
     def gemv(self, lin: Lin, x: np.ndarray, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
              y: np.ndarray, epi: int, bias: np.ndarray | None, ssq_in: np.ndarray | None = None,
-             ssq_out: np.ndarray | None = None, xparts: int = 1) -> None:
+             ssq_out: np.ndarray | None = None) -> None:
         def fn() -> None:
-            xs = x[:xparts].sum(axis=0, keepdims=True, dtype=np.float32) if xparts > 1 else x
-            m, g = xs.shape[0], lin.group_size
-            a = _prologue(xs, lin.k, pro, pw, eps, xoff, ssq_in)  # [M, K]
+            m, g = x.shape[0], lin.group_size
+            a = _prologue(x, lin.k, pro, pw, eps, xoff, ssq_in)  # [M, K]
             a_codes, a_scales = quantize_activations(a, g)
             w = unpack_kmajor(lin.codes, lin.bits)[:lin.k]  # [K, Npad]
             ng = lin.k // g
@@ -552,12 +551,11 @@ class CupyOps:
                       _ptr(ssq_out if m == 1 else None)))
 
     def gemv(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
-             bias: Any, ssq_in: Any = None, ssq_out: Any = None, xparts: int = 1) -> None:
+             bias: Any, ssq_in: Any = None, ssq_out: Any = None) -> None:
         """ssq_in / ssq_out (M = 1 only): the residual stream's tile sums of squares, read by an RMSNorm
         prologue (pro 1) instead of the row, written with a residual-add epilogue's outputs. ``epi`` EPI_PARTIAL
-        (M = 1): ``y`` is [ksplit][>= Npad], one row per K split; ``xparts`` > 1 (M = 1, pro 2): ``x`` is such
-        rows of the producer's partials, added in the prologue."""
-        m = 1 if xparts > 1 or epi == EPI_PARTIAL else x.shape[0]
+        (M = 1): ``y`` is [ksplit][>= Npad], one row per K split."""
+        m = x.shape[0]
         if m > 1:
             ssq_in = ssq_out = None
         if m > SMALL_M and self.gemm is not None:
@@ -576,7 +574,7 @@ class CupyOps:
         cluster = ksplit if m == 1 and lin.cluster and self.cluster and epi != EPI_PARTIAL else 1
         self._launch(fn, (lin.tiles, ksplit, -(-m // mr)), (256,),
                      (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
-                      _ptr(x), _ld(x), _i32(m), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff), _i32(xparts),
+                      _ptr(x), _ld(x), _i32(m), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
                       _ptr(y), _ld(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters),
                       _ptr(ssq_in), _ptr(ssq_out)), cluster=cluster)
 
@@ -690,8 +688,8 @@ def clusters_enabled() -> bool:
 
 
 def defer_enabled() -> bool:
-    """``KESTREL_CUDA_DEFER`` (default on; 0 turns it off): at M = 1 the gate|up and lm_head GEMVs leave their
-    K-split partial sums to their consumers (down's prologue, lm_finish) instead of merging them."""
+    """``KESTREL_CUDA_DEFER`` (default on; 0 turns it off): at M = 1 the lm_head GEMV leaves its K-split partial
+    sums to lm_finish instead of merging them."""
     return _env(DEFER_ENV, "1") not in ("0", "false", "no", "off")
 
 
