@@ -218,6 +218,68 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 }
 
 // ------------------------------------------------------------------------------------------------------
+// Where the q|k|v heads go (qkv_rope, and qgemv's epilogue at M = 1): per-head rmsnorm weights (null: none),
+// the RoPE tables [positions][hd / 2], the position, q [H * hd] of the row, and this layer's KV cache.
+struct QkvRope {
+    const float* qnorm;
+    const float* knorm;
+    const float* cosT;
+    const float* sinT;
+    const int* meta;
+    float* qout;
+    float* kc;
+    float* vc;
+    int H, KV, cap;
+    float eps;
+};
+
+// One warp: head ``head`` (q: < H, k: < H + KV, then v) of a q|k|v row, src its hd values: q and k heads
+// get the optional per-head rmsnorm and RoPE at pos, to qout or the key cache; v heads go to the value cache.
+__device__ __forceinline__ void rope_head(const QkvRope& qr, const float* src, int head, int hd, int pos,
+                                          int lane)
+{
+    const int H = qr.H, KV = qr.KV;
+    if (head >= H + KV) {
+        float* vdst = qr.vc + ((size_t)(head - H - KV) * qr.cap + pos) * hd;
+        for (int d = lane; d < hd; d += 32) vdst[d] = src[d];
+        return;
+    }
+    const bool isq = head < H;
+    const int kvh = head - H;
+    const int half = hd / 2;
+    const float* nw = isq ? qr.qnorm : qr.knorm;
+    const float* cs = qr.cosT + (size_t)pos * half;
+    const float* sn = qr.sinT + (size_t)pos * half;
+    float x1[2], x2[2], c[2], s[2];
+    float ss = 0.f;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+        const int i = lane + 32 * t;
+        x1[t] = x2[t] = c[t] = s[t] = 0.f;
+        if (i < half) { x1[t] = src[i]; x2[t] = src[i + half]; c[t] = cs[i]; s[t] = sn[i]; }
+        ss += x1[t] * x1[t] + x2[t] * x2[t];
+    }
+    if (nw) {
+        ss = warp_sum(ss);
+        const float r = sqrtf(ss / (float)hd + qr.eps);
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            const int i = lane + 32 * t;
+            if (i < half) { x1[t] = x1[t] / r * nw[i]; x2[t] = x2[t] / r * nw[i + half]; }
+        }
+    }
+    float* dst = isq ? qr.qout + (size_t)head * hd : qr.kc + ((size_t)kvh * qr.cap + pos) * hd;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+        const int i = lane + 32 * t;
+        if (i < half) {
+            dst[i] = x1[t] * c[t] - x2[t] * s[t];
+            dst[i + half] = x2[t] * c[t] + x1[t] * s[t];
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------
 // Quantized GEMV / small-M GEMM with the activation prologue fused in.
 //
 // out[m][n] = sum_g (sum_{k in g} Aq[m][k] Wq[k][n]) * a_scale[m][g] * w_scale[g][n]   (integer block sums)
@@ -230,16 +292,18 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 // one cluster per tile (gridDim.y <= MAX_CLUSTER), block 0 of the cluster reads the others' from their shared
 // memory; otherwise each block writes them to part[y][m][Npad] and the last block of a tile (atomic counter,
 // then reset for the next launch) reads them back.
-// Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += acc (+ bias); epi 2 (M = 1, no bias): the split's partial
-// sums to row blockIdx.y of Y (ldy apart) with no merge at all: the consumer adds them (lm_finish), so no
-// block waits on L2 round trips at the end of the kernel. (gate|up's partials added by down's prologue
-// measured slower: down's blocks then wait on S x 2 partial loads each; docs/performance.md.)
+// Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += acc (+ bias). With qout (M = 1, the q|k|v projection,
+// hd == TN: tile x is head x; the other pointers and H, KV, cap as QkvRope's, eps the prologue's) the tile's
+// outputs go through rope_head instead of to Y: qkv_rope's work, in the block that has the head's sums,
+// without a kernel of its own.
 template <int BITS, int G, int MR>
 __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
     const float* __restrict__ X, int ldx, int M, int pro, const float* __restrict__ pw, float eps, int xoff,
     float* __restrict__ Y, int ldy, int epi, const float* __restrict__ bias,
-    float* __restrict__ part, int* __restrict__ counters, const float* __restrict__ ssq_in, float* __restrict__ ssq_out)
+    float* __restrict__ part, int* __restrict__ counters, const float* __restrict__ ssq_in, float* __restrict__ ssq_out,
+    const float* qnorm, const float* knorm, const float* cosT, const float* sinT, const int* meta, float* qout,
+    float* kc, float* vc, int H, int KV, int cap)
 {
     constexpr int KC = KC8 * 8 / BITS;          // rows of a chunk: the same weight bytes per chunk for both
     constexpr int SPW = KC / NT;                // 32-row slots per warp: int8 1, int4 2
@@ -254,6 +318,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     __shared__ float s_red[NT / 32];
     __shared__ int s_acc[NT / 32][MR][TN];      // per-warp partial results (float bits, or ints for G=256)
     __shared__ float s_part[MR][TN];            // this split's partial sums, read by the cluster's block 0
+                                                // (with qr.qout: the head's outputs for rope_head)
     __shared__ int s_last;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -443,11 +508,6 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
 #pragma unroll
     for (int i = 0; i < MR; ++i) yin[i] = nok && epi == 1 && m0 + i < M ? Y[(size_t)(m0 + i) * ldy + n] : 0.f;
     if (nok && bias) bn = bias[n];
-    if (epi == 2) {
-        if (nok) Y[(size_t)blockIdx.y * ldy + n] = acc[0];
-        KT_END((size_t)W | 1)
-        return;
-    }
     const unsigned csize = cluster_size();
     if (csize > 1) {                            // the tile's splits are this cluster (csize == gridDim.y)
         if (tid < TN) {
@@ -495,6 +555,15 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         if (tid == 0) counters[tile] = 0;
     }
 
+    if (MR == 1 && qout) {
+        __syncthreads();                        // the cluster merge may still read s_part
+        if (tid < TN) s_part[0][tid] = nok ? (bias ? acc[0] + bn : acc[0]) : 0.f;
+        __syncthreads();
+        const QkvRope qr = {qnorm, knorm, cosT, sinT, meta, qout, kc, vc, H, KV, cap, eps};
+        if (warp == 0) rope_head(qr, s_part[0], blockIdx.x, TN, meta[0], lane);
+        KT_END((size_t)W | 1)
+        return;
+    }
     float y0 = 0.f;                             // row m0's output (ssq_out: M = 1)
     if (nok) {
         for (int i = 0; i < MR; ++i) {
@@ -735,13 +804,12 @@ extern "C" __global__ void add_rows(const float* __restrict__ T, int ldt, int M,
 }
 
 // ------------------------------------------------------------------------------------------------------
-// The decode step's last kernel: logits[n] = the lm_head GEMV's S K-split partials P[s][n] (ldp apart) added
-// in s order (the split-K merge's bits), and the greedy token: numpy's argmax, the first index of the
-// largest logit (a NaN counts as largest). Each block reduces FIN_T * FIN_E columns to (value, index) in
-// bval / bidx; the last block to arrive reduces those and, with meta: meta[1] = token (the next step's
-// input), meta[0] += 1 (its position) while below limit (the KV capacity: a graph replayed without a new
-// position never writes past the cache), tokens[position % ntok] = token (pinned host memory, which the host
-// reads once the step's event has completed: the pipelined greedy decode of forward.py).
+// The decode step's last kernel: the greedy token of the logits row, numpy's argmax (the first index of the
+// largest logit; a NaN counts as largest). Each block reduces FIN_T * FIN_E columns to (value, index) in
+// bval / bidx; the last block to arrive reduces those and writes meta[1] = token (the next step's input),
+// meta[0] += 1 (its position) while below limit (the KV capacity: a graph replayed without a new position
+// never writes past the cache), tokens[position % ntok] = token (pinned host memory, which the host reads
+// once the step's event has completed: the pipelined greedy decode of forward.py).
 #define FIN_T 256
 #define FIN_E 4
 __device__ __forceinline__ bool argmax_beats(float va, int ia, float vb, int ib) {
@@ -767,9 +835,8 @@ __device__ __forceinline__ void block_argmax(float& v, int& i, float* s_v, int* 
 }
 
 extern "C" __global__ void __launch_bounds__(FIN_T) lm_finish(
-    const float* __restrict__ P, int S, int ldp, int N, float* __restrict__ logits,
-    float* __restrict__ bval, int* __restrict__ bidx, int* __restrict__ counter,
-    int* __restrict__ meta, int limit, int* __restrict__ tokens, int ntok)
+    const float* __restrict__ logits, int N, float* __restrict__ bval, int* __restrict__ bidx,
+    int* __restrict__ counter, int* __restrict__ meta, int limit, int* __restrict__ tokens, int ntok)
 {
     KT_BEGIN
     grid_dep_launch();
@@ -778,28 +845,18 @@ extern "C" __global__ void __launch_bounds__(FIN_T) lm_finish(
     __shared__ int s_i[FIN_T / 32];
     __shared__ int s_last;
     const int tid = threadIdx.x;
-    float bv = NEG_INF;
-    int bi = 0x7fffffff;
     float v[FIN_E];
 #pragma unroll
     for (int e = 0; e < FIN_E; ++e) {
         const int n = (blockIdx.x * FIN_E + e) * FIN_T + tid;
-        v[e] = n < N ? __ldcg(P + n) : 0.f;
+        v[e] = n < N ? __ldcg(logits + n) : 0.f;
     }
-    for (int s = 1; s < S; ++s) {
-#pragma unroll
-        for (int e = 0; e < FIN_E; ++e) {
-            const int n = (blockIdx.x * FIN_E + e) * FIN_T + tid;
-            if (n < N) v[e] += __ldcg(P + (size_t)s * ldp + n);
-        }
-    }
+    float bv = NEG_INF;
+    int bi = 0x7fffffff;
 #pragma unroll
     for (int e = 0; e < FIN_E; ++e) {
         const int n = (blockIdx.x * FIN_E + e) * FIN_T + tid;
-        if (n < N) {
-            logits[n] = v[e];
-            if (argmax_beats(v[e], n, bv, bi)) { bv = v[e]; bi = n; }
-        }
+        if (n < N && argmax_beats(v[e], n, bv, bi)) { bv = v[e]; bi = n; }
     }
     block_argmax(bv, bi, s_v, s_i);
     if (tid == 0) { bval[blockIdx.x] = bv; bidx[blockIdx.x] = bi; }
@@ -814,13 +871,11 @@ extern "C" __global__ void __launch_bounds__(FIN_T) lm_finish(
     block_argmax(bv, bi, s_v, s_i);
     if (tid == 0) {
         *counter = 0;
-        if (meta) {
-            const int pos = meta[0];
-            meta[1] = bi;
-            if (pos + 1 < limit) meta[0] = pos + 1;
-            volatile int* t = tokens;
-            t[pos % ntok] = bi;
-        }
+        const int pos = meta[0];
+        meta[1] = bi;
+        if (pos + 1 < limit) meta[0] = pos + 1;
+        volatile int* t = tokens;
+        t[pos % ntok] = bi;
     }
     KT_END(0)
 }
@@ -847,7 +902,8 @@ extern "C" __global__ void embed_rows(const signed char* __restrict__ codes, con
 // ------------------------------------------------------------------------------------------------------
 // Per head of the qkv rows: optional per-head rmsnorm (Qwen3 q_norm/k_norm), RoPE (rotate_half) at the
 // absolute position meta[0] + m, then q -> qout [M][H*hd] and k, v -> this layer's cache at that position.
-// One warp per head (4 per block), no block barriers. Grid: x = ceil((H + KV) / 4), y = M; hd <= 128.
+// One warp per head (4 per block), no block barriers. Grid: x = ceil((H + 2 KV) / 4), y = M; hd <= 128.
+// At M = 1 with hd == TN the q|k|v GEMV does this in its epilogue instead (qgemv's qr), one head a tile.
 #define RW 4
 extern "C" __global__ void __launch_bounds__(RW * 32) qkv_rope(
     const float* __restrict__ qkv, int ldqkv, int H, int KV, int hd,
@@ -863,47 +919,9 @@ extern "C" __global__ void __launch_bounds__(RW * 32) qkv_rope(
     KT_END((size_t)kc | 2)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int head = blockIdx.x * RW + warp, m = blockIdx.y;
-    if (head >= H + KV) return;
-    const int pos = meta[0] + m;
-    const bool isq = head < H;
-    const int kvh = head - H;
-    const int half = hd / 2;
-    const float* src = qkv + (size_t)m * ldqkv + (isq ? head * hd : H * hd + kvh * hd);
-    const float* nw = isq ? qnorm : knorm;
-    const float* cs = cosT + (size_t)pos * half;
-    const float* sn = sinT + (size_t)pos * half;
-    float x1[2], x2[2], c[2], s[2];
-    float ss = 0.f;
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-        const int i = lane + 32 * t;
-        x1[t] = x2[t] = c[t] = s[t] = 0.f;
-        if (i < half) { x1[t] = src[i]; x2[t] = src[i + half]; c[t] = cs[i]; s[t] = sn[i]; }
-        ss += x1[t] * x1[t] + x2[t] * x2[t];
-    }
-    if (nw) {
-        ss = warp_sum(ss);
-        const float r = sqrtf(ss / (float)hd + eps);
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-            const int i = lane + 32 * t;
-            if (i < half) { x1[t] = x1[t] / r * nw[i]; x2[t] = x2[t] / r * nw[i + half]; }
-        }
-    }
-    float* dst = isq ? qout + (size_t)m * H * hd + head * hd : kc + ((size_t)kvh * cap + pos) * hd;
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-        const int i = lane + 32 * t;
-        if (i < half) {
-            dst[i] = x1[t] * c[t] - x2[t] * s[t];
-            dst[i + half] = x2[t] * c[t] + x1[t] * s[t];
-        }
-    }
-    if (!isq) {
-        const float* vsrc = qkv + (size_t)m * ldqkv + (H + KV) * hd + kvh * hd;
-        float* vdst = vc + ((size_t)kvh * cap + pos) * hd;
-        for (int d = lane; d < hd; d += 32) vdst[d] = vsrc[d];
-    }
+    if (head >= H + 2 * KV) return;
+    const QkvRope qr = {qnorm, knorm, cosT, sinT, meta, qout + (size_t)m * H * hd, kc, vc, H, KV, cap, eps};
+    rope_head(qr, qkv + (size_t)m * ldqkv + (size_t)head * hd, head, hd, meta[0] + m, lane);
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -912,10 +930,7 @@ extern "C" __global__ void __launch_bounds__(RW * 32) qkv_rope(
 // positions (their keys and values loaded together: AB x 2 x hd/32 loads in flight per lane); the block
 // merges its warps, writes (max, sum, acc[hd]) to part[h][split], and the last block of a head merges the
 // NS splits (every split's partial loaded at once, merge weights computed once, fixed order). q is scaled
-// by 1/sqrt(hd) before the dot products. The position (meta) is written only between steps (the host,
-// lm_finish), and the keys and values before it by earlier steps, so a warp's first round of them is asked
-// into L2 before the PDL wait, while the kernels before this one run. (Loading that round into registers
-// there instead, with the loop restructured around it, measured slower: docs/performance.md.)
+// by 1/sqrt(hd) before the dot products.
 #define AW 4
 #define AB 8
 #define MAXJ 4   // hd <= 128
@@ -927,6 +942,8 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 {
     KT_BEGIN
     grid_dep_launch();
+    grid_dep_wait();
+    KT_WAITED
     __shared__ float s_m[NS], s_l[NS], s_w[NS];
     __shared__ float s_acc[AW][128];
     __shared__ int s_last;
@@ -939,18 +956,6 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     const int kvh = h / (H / KV);
     const float* kb = kc + (size_t)kvh * cap * hd;
     const float* vb = vc + (size_t)kvh * cap * hd;
-#ifndef KESTREL_ATTN_NO_PREFETCH  // A/B only
-    {   // the warp's first round (positions before the newest: earlier steps') into L2, 128-byte lines
-        const int lines = (hd * 4 + 127) / 128;
-        const int p = pb + AB * warp + lane / lines, line = lane % lines;
-        if (lane < AB * lines && p < pe && p < len - 1) {
-            asm volatile("prefetch.global.L2 [%0];" :: "l"(kb + (size_t)p * hd + 32 * line));
-            asm volatile("prefetch.global.L2 [%0];" :: "l"(vb + (size_t)p * hd + 32 * line));
-        }
-    }
-#endif
-    grid_dep_wait();
-    KT_WAITED
     float qr[MAXJ], acc[MAXJ];
 #pragma unroll
     for (int j = 0; j < MAXJ; ++j) {

@@ -44,8 +44,6 @@ API (what the ``kestrel_forward`` / ``kestrel_release_sequence`` hookimpls call)
   of a token (launch, logits download, argmax: ~140 us on the H200 at the qwen3-8b shape) overlaps the GPU.
   The device may have run one step beyond what the consumer took; those positions are rewritten before they
   are read. Declines without the captured graph.
-- At M = 1 the lm_head GEMV leaves its K-split partial sums for ``lm_finish`` to add (``Lin.deferred``,
-  ``KESTREL_CUDA_DEFER``): no split-K merge at the end of it, and its split fills whole waves.
 
 The model math is kestrel_core.model.decoder's; the kernels are forward.cu, launched by forward_ops.py.
 """
@@ -66,20 +64,20 @@ from kestrel_core.model.decoder import PREFILL_CHUNK, rope_inv_freq
 from kestrel_core.model.weights import LayerWeights, Model
 from kestrel_core.wkey import Proj, decode_wkey, fused_wkey, lm_head_wkey, wkey
 from kestrel_cuda.forward_ops import (
-    CHUNK_K,
     EPI_ADD,
-    EPI_PARTIAL,
     EPI_STORE,
     FINISH_COLS,
     MAX_HEAD_DIM,
     PRO_PLAIN,
     PRO_RMSNORM,
     PRO_SILU_MUL,
+    TILE_N,
     TOKEN_RING,
     Lin,
+    QkvRope,
     attn_part_size,
     cluster_split,
-    defer_enabled,
+    fuse_rope_enabled,
     gemv_scratch,
     head_scale,
     norm_tiles_enabled,
@@ -187,7 +185,6 @@ class _State:
     q: Any
     attn: Any
     gu: Any
-    lm_part: Any  # float32 [splits][pad_n(vocab)]: the deferred lm_head's partial sums (M = 1)
     finish: tuple[Any, Any, Any]  # lm_finish's per-block (value, index) and its arrival counter
     tokens: np.ndarray  # int32 [TOKEN_RING] pinned host memory: lm_finish's greedy token by position
     logits: Any
@@ -225,8 +222,8 @@ class DeviceForward:
         self.clusters = bool(getattr(ops, "cluster", False))
         self.target_blocks = target_blocks  # None: each M=1 kernel's default (forward_ops.default_target_blocks)
         self.norm_tiles = norm_tiles_enabled()
-        self.defer = defer_enabled()
         self.splits = split_overrides()
+        self.fuse_rope = fuse_rope_enabled()
         self._st: _State | None = None
         self._seqs: dict[int, _Seq] = {}
         self._spare: _Seq | None = None  # the last released sequence: KV cache and graph, for the next one
@@ -393,12 +390,17 @@ class DeviceForward:
                 self.layer_boundary(i)
             w = layer.weights or self._layer_weights(st, i)
             kc, vc = seq.kv[i, 0], seq.kv[i, 1]
+            rope = None  # qkv_rope's work in the q|k|v GEMV's epilogue: one head per column tile
+            if m == 1 and self.fuse_rope and hd == TILE_N and len(w.qkv) == 1 and w.qkv[0].m1 == "chunk":
+                rope = QkvRope(heads, kv_heads, layer.q_norm, layer.k_norm, eps, st.cos, st.sin, st.meta, st.q[:1],
+                               kc, vc)
             for lin in w.qkv:
                 bias = None if layer.qkv_bias is None else layer.qkv_bias[lin.col:lin.col + lin.n]
                 ops.gemv(lin, h, PRO_RMSNORM, layer.attn_norm, eps, 0, st.qkv[:m, lin.col:lin.col + lin.n],
-                         EPI_STORE, bias, ssq_in=ssq)
-            ops.qkv_rope(st.qkv[:m], heads, kv_heads, hd, layer.q_norm, layer.k_norm, eps, st.cos, st.sin,
-                         st.meta, st.q[:m], kc, vc)
+                         EPI_STORE, bias, ssq_in=ssq, rope=rope)
+            if rope is None:
+                ops.qkv_rope(st.qkv[:m], heads, kv_heads, hd, layer.q_norm, layer.k_norm, eps, st.cos, st.sin,
+                             st.meta, st.q[:m], kc, vc)
             ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m])
             ops.gemv(w.o, st.attn[:m], PRO_PLAIN, None, eps, 0, h, EPI_ADD, None, ssq_out=ssq)
             for lin in w.gate_up:
@@ -406,17 +408,11 @@ class DeviceForward:
                          EPI_STORE, None, ssq_in=ssq)
             ops.gemv(w.down, st.gu[:m], PRO_SILU_MUL, None, eps, f, h, EPI_ADD, None, ssq_out=ssq)
         if rows:
-            lm = st.lm_head or self._fetch([st.model.lm_head], [lm_head_wkey()], 0, deferred=True)[0]
-            x = st.h[m - rows:m]
-            if rows > 1:
-                ops.gemv(lm, x, PRO_RMSNORM, st.final_norm, eps, 0, st.logits_all[:rows], EPI_STORE, None)
-                return
-            # one row: lm_finish writes the logits (and, at M = 1, the greedy token and the next position)
-            parts, splits = (st.lm_part[:lm.ksplit], lm.ksplit) if lm.deferred else (st.logits, 1)
-            ops.gemv(lm, x, PRO_RMSNORM, st.final_norm, eps, 0, parts, EPI_PARTIAL if lm.deferred else EPI_STORE,
-                     None, ssq_in=ssq)
-            ops.finish_logits(parts, splits, lm.n, st.logits, st.finish, st.meta if m == 1 else None, seq.capacity,
-                              st.tokens)
+            lm = st.lm_head or self._fetch([st.model.lm_head], [lm_head_wkey()], 0)[0]
+            out = st.logits_all[:rows] if rows > 1 else st.logits
+            ops.gemv(lm, st.h[m - rows:m], PRO_RMSNORM, st.final_norm, eps, 0, out, EPI_STORE, None, ssq_in=ssq)
+            if m == 1:  # the next step's token and position, on the device (the pipelined greedy decode)
+                ops.greedy_token(st.logits, st.finish, st.meta, seq.capacity, st.tokens)
 
     # -- sequences -----------------------------------------------------------------------------------
 
@@ -480,7 +476,6 @@ class DeviceForward:
                     meta=zeros(1 + t, np.int32), h=zeros((t, d), np.float32), ssq=zeros(ssq_count(d), np.float32),
                     qkv=zeros((t, nq + 2 * nkv), np.float32), q=zeros((t, nq), np.float32),
                     attn=zeros((t, nq), np.float32), gu=zeros((t, 2 * f), np.float32),
-                    lm_part=zeros((-(-d // CHUNK_K), pad_n(c.vocab_size)), np.float32),  # splits <= chunks
                     finish=(zeros(-(-c.vocab_size // FINISH_COLS), np.float32),
                             zeros(-(-c.vocab_size // FINISH_COLS), np.int32), zeros(1, np.int32)),
                     tokens=ops.mapped_ints(TOKEN_RING), logits=zeros((1, c.vocab_size), np.float32))
@@ -488,7 +483,7 @@ class DeviceForward:
         if self.layer_boundary is None:
             for i in range(c.num_layers):
                 layers[i].weights = self._layer_weights(st, i)
-            st.lm_head = self._fetch([model.lm_head], [lm_head_wkey()], 0, deferred=True)[0]
+            st.lm_head = self._fetch([model.lm_head], [lm_head_wkey()], 0)[0]
         ops.synchronize_device()  # weights a cache uploaded on another stream are complete
         return st
 
@@ -524,15 +519,8 @@ class DeviceForward:
             gate_up=self._fetch(gu, [wkey(i, Proj.GATE), wkey(i, Proj.UP)], fused_wkey(i, Proj.GATE_UP)),
             down=self._fetch(down, [wkey(i, Proj.DOWN)], 0)[0])
 
-    def _fetch(self, strips: list[StripCache], keys: list[int], fused_key: int, deferred: bool = False) -> list[Lin]:
-        """Device projections for ``strips`` (fused into one when allowed), with their output columns;
-        ``deferred``: one projection for them all may leave its M=1 K-split partials to its consumer."""
-        lins = self._fetch_lins(strips, keys, fused_key)
-        if deferred and len(lins) == 1 and self.defer:
-            lins[0].ksplit = self._plan(lins[0], deferred=True)
-        return lins
-
-    def _fetch_lins(self, strips: list[StripCache], keys: list[int], fused_key: int) -> list[Lin]:
+    def _fetch(self, strips: list[StripCache], keys: list[int], fused_key: int) -> list[Lin]:
+        """Device projections for ``strips`` (fused into one when allowed), with their output columns."""
         cols = np.cumsum([0] + [s.n for s in strips[:-1]]).tolist()
         if self.weight_source is None:
             same = len({(s.k, s.group_size, s.bits) for s in strips}) == 1
@@ -569,14 +557,14 @@ class DeviceForward:
         lin.device_weight = dw  # type: ignore[attr-defined]  # the tiled GEMM takes the cache's object
         return lin
 
-    def _plan(self, lin: Lin, deferred: bool = False) -> int:
+    def _plan(self, lin: Lin) -> int:
         """K splits of ``lin``'s M=1 GEMV (and the kernel it runs, ``lin.m1``)."""
-        split = plan_split(lin, self.gemv_kind, self.sm_count, self.target_blocks, self.clusters, deferred)
+        split = plan_split(lin, self.gemv_kind, self.sm_count, self.target_blocks, self.clusters)
         forced = self.splits.get(decode_wkey(lin.wkey)[1].name.lower()) if lin.wkey else None
         if forced is None:
             return split
         split = min(forced, lin.chunks)
-        lin.cluster = lin.m1 == "chunk" and not lin.deferred and self.clusters and \
+        lin.cluster = lin.m1 == "chunk" and self.clusters and \
             cluster_split(lin, split, self.sm_count) == split
         return split
 

@@ -29,6 +29,7 @@ CHUNK_K = 256  # rows of an int8 GEMV chunk (forward.cu KC8); int4 chunks have t
 SMALL_M = 8  # up to this many rows run through the fused GEMV (MR = 8); more through the tiled GEMM if any
 MAX_CLUSTER = 8  # K splits of an M=1 GEMV launched as one thread block cluster, at most (forward.cu)
 CHUNK_BLOCKS_PER_SM = 4  # qgemv's resident blocks per SM at M = 1 (__launch_bounds__(NT, 4))
+ONE_WAVE_SPLITS = 16  # a projection whose one wave of blocks gives each tile this many K splits runs one wave
 STREAM_MAX_ROWS = 16384  # K rows one block of the M=1 GEMV (qgemv_m1) quantizes into shared memory (SMAXK)
 STREAM_WARPS = 8  # warps of a qgemv_m1 block; each streams whole G-groups of the block's K run
 STREAM_BLOCK_COST = 2  # a block's fixed work (prologue, reduction) in units of one group per warp (planner)
@@ -36,7 +37,6 @@ ATTN_SPLITS = 16  # position splits of decode attention (attn_decode<NS>): 16 me
 MAX_HEAD_DIM = 128  # attention and qkv_rope keep hd/32 (<= 4) values per lane; attn_prefill tiles fit 48 KB
 PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL = 0, 1, 2
 EPI_STORE, EPI_ADD = 0, 1
-EPI_PARTIAL = 2  # M = 1: each K split's partial sums to its own row of the output, merged by the consumer
 TOKEN_RING = 64  # greedy tokens kept in host memory by lm_finish, indexed by position modulo this
 FINISH_COLS = 1024  # columns one lm_finish block reduces (forward.cu FIN_T x FIN_E)
 
@@ -61,7 +61,6 @@ class Lin:
     wkey: int = 0
     m1: str = ""  # the M=1 kernel planned for it ("stream" or "chunk"; "" = decided at launch)
     cluster: bool = False  # its M=1 K splits run as one thread block cluster per tile (plan_split)
-    deferred: bool = False  # its M=1 GEMV leaves one row of partial sums per K split (EPI_PARTIAL)
 
     @property
     def tiles(self) -> int:
@@ -72,10 +71,40 @@ class Lin:
         return -(-self.k // (CHUNK_K * 8 // self.bits))
 
 
+@dataclass
+class QkvRope:
+    """What qkv_rope does after the q|k|v projection, handed to that projection's M=1 GEMV when each of its
+    column tiles is one head (head_dim == TILE_N): per-head norms (or None), RoPE tables, the position
+    (``meta``), and where q and this layer's keys and values go."""
+
+    heads: int
+    kv_heads: int
+    qnorm: Any
+    knorm: Any
+    eps: float
+    cos: Any
+    sin: Any
+    meta: Any
+    q: Any
+    kc: Any
+    vc: Any
+
+
 def plan_ksplit(lin: Lin, target_blocks: int) -> int:
     """K splits of the chunked M=1 GEMV (``qgemv``, the default): enough blocks (tiles x splits) to fill the
     GPU, at most one per chunk."""
     return max(1, min(lin.chunks, -(-target_blocks // lin.tiles)))
+
+
+def one_wave_split(lin: Lin, sm_count: int) -> int:
+    """K splits of a narrow projection's chunked M=1 GEMV as one wave of resident blocks, or 0 (use the
+    two-wave target). Where one wave still gives every tile ONE_WAVE_SPLITS splits or more (qwen3-8b's down:
+    32 tiles, 16 splits on 132 SMs, 1.5 or 3 chunks a block), it measured 60-100 us per step faster than the
+    target's 1.45 waves of 24 splits (q4) or two waves of 33 (q8): an extra wave's block starts and a merge of
+    more partials cost more than the longer blocks; wider projections (q|k|v at q8: one wave = 11 splits)
+    measured slower that way (docs/performance.md)."""
+    split = min(lin.chunks, CHUNK_BLOCKS_PER_SM * sm_count // lin.tiles)
+    return split if split >= ONE_WAVE_SPLITS else 0
 
 
 def cluster_split(lin: Lin, ksplit: int, sm_count: int) -> int:
@@ -106,22 +135,6 @@ def plan_stream_split(lin: Lin, resident: int) -> int:
     return best
 
 
-def plan_deferred_split(lin: Lin, sm_count: int) -> int:
-    """K splits of a chunked M=1 GEMV whose consumer adds the partial sums (EPI_PARTIAL: no merge at the end
-    of the GEMV, so more splits cost only their rows of partials): blocks of whole chunks in as few and as
-    full waves as possible, i.e. the least of rounds x resident blocks x chunk bytes + the partials written
-    and read back, rounds = ceil(blocks / resident) x chunks per block."""
-    resident = CHUNK_BLOCKS_PER_SM * sm_count
-    chunk_bytes = CHUNK_K * TILE_N
-    best, best_cost = 1, None
-    for s in range(1, lin.chunks + 1):
-        rounds = -(-lin.tiles * s // resident) * -(-lin.chunks // s)
-        cost = rounds * resident * chunk_bytes + s * lin.npad * 8
-        if best_cost is None or cost < best_cost:
-            best, best_cost = s, cost
-    return best
-
-
 def m1_kernel(lin: Lin, gemv: str, sm_count: int) -> str:
     """The M=1 kernel of ``lin`` under the GEMV setting ``gemv`` (``CupyOps.gemv_kind``): "stream" or
     "chunk"; "hybrid" gives wide projections (at least one column tile per SM) and every int4 one to "chunk",
@@ -132,21 +145,17 @@ def m1_kernel(lin: Lin, gemv: str, sm_count: int) -> str:
 
 
 def plan_split(lin: Lin, gemv: str, sm_count: int, target_blocks: int | None = None,
-               clusters: bool = False, deferred: bool = False) -> int:
-    """Choose ``lin``'s M=1 kernel (sets ``lin.m1``, ``lin.cluster`` and ``lin.deferred``) and return its K
-    splits; ``target_blocks`` (default ``default_target_blocks``) is the chunk planner's target or the stream
-    planner's resident blocks; ``clusters``: the device runs cluster launches (``CupyOps.cluster``);
-    ``deferred``: its consumer can add K-split partials (taken where the chunked kernel runs it)."""
+               clusters: bool = False) -> int:
+    """Choose ``lin``'s M=1 kernel (sets ``lin.m1`` and ``lin.cluster``) and return its K splits;
+    ``target_blocks`` (default ``default_target_blocks``) is the chunk planner's target or the stream planner's
+    resident blocks; ``clusters``: the device runs cluster launches (``CupyOps.cluster``)."""
     lin.m1 = m1_kernel(lin, gemv, sm_count)
     target = target_blocks or default_target_blocks(sm_count, lin.m1)
-    lin.deferred = deferred and lin.m1 == "chunk"
-    if lin.deferred:
-        lin.cluster = False
-        return plan_deferred_split(lin, sm_count)
     if lin.m1 != "chunk":
         lin.cluster = False
         return plan_stream_split(lin, target)
-    ksplit = plan_ksplit(lin, target)
+    default = target_blocks is None and not _env(BLOCKS_ENV, "")
+    ksplit = (default and one_wave_split(lin, sm_count)) or plan_ksplit(lin, target)
     split = cluster_split(lin, ksplit, sm_count) if clusters else 0
     lin.cluster = split > 0
     return split or ksplit
@@ -293,7 +302,7 @@ class NumpyOps:
 
     def gemv(self, lin: Lin, x: np.ndarray, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
              y: np.ndarray, epi: int, bias: np.ndarray | None, ssq_in: np.ndarray | None = None,
-             ssq_out: np.ndarray | None = None) -> None:
+             ssq_out: np.ndarray | None = None, rope: QkvRope | None = None) -> None:
         def fn() -> None:
             m, g = x.shape[0], lin.group_size
             a = _prologue(x, lin.k, pro, pw, eps, xoff, ssq_in)  # [M, K]
@@ -303,46 +312,30 @@ class NumpyOps:
             isum = np.einsum("mgi,gin->mgn", a_codes.reshape(m, ng, g).astype(np.int64),
                              w.reshape(ng, g, lin.npad).astype(np.int64))  # [M, ng, Npad], exact
             f = isum.astype(np.float32) * a_scales[:, :, None] * lin.scales[None]  # [M, ng, Npad]
-            if epi == EPI_PARTIAL:  # chunk c of the K rows goes to split c % ksplit, as qgemv deals them
-                split = np.arange(ng) * g // (CHUNK_K * 8 // lin.bits) % lin.ksplit
-                for s in range(lin.ksplit):
-                    y[s] = f[0, split == s].sum(axis=0, dtype=np.float32)[:y.shape[1]]
-                return
             out = f.sum(axis=1, dtype=np.float32)[:, :lin.n]
             if bias is not None:
                 out = out + bias
+            if rope is not None:  # the epilogue does qkv_rope's work instead of storing
+                _qkv_rope(out, rope, out.shape[1] // (rope.heads + 2 * rope.kv_heads))
+                return
             y[...] = y + out if epi == EPI_ADD else out
             if ssq_out is not None:
                 ssq_out[:ssq_count(lin.n)] = _row_ssq(y[0])
         self._run(fn)
 
-    def finish_logits(self, part: np.ndarray, splits: int, n: int, logits: np.ndarray, scratch: Any,
-                      meta: np.ndarray | None, limit: int, tokens: np.ndarray) -> None:
+    def greedy_token(self, logits: np.ndarray, scratch: Any, meta: np.ndarray, limit: int,
+                     tokens: np.ndarray) -> None:
         def fn() -> None:
-            row = part[:splits, :n].sum(axis=0, dtype=np.float32)
-            logits[0, :n] = row
-            if meta is not None:
-                pos, tok = int(meta[0]), int(np.argmax(row))
-                meta[0], meta[1] = pos + 1 if pos + 1 < limit else pos, tok
-                tokens[pos % len(tokens)] = tok
+            pos, tok = int(meta[0]), int(np.argmax(logits[0]))
+            meta[0], meta[1] = pos + 1 if pos + 1 < limit else pos, tok
+            tokens[pos % len(tokens)] = tok
         self._run(fn)
 
     def qkv_rope(self, qkv: np.ndarray, heads: int, kv_heads: int, hd: int, qnorm: np.ndarray | None,
                  knorm: np.ndarray | None, eps: float, cos: np.ndarray, sin: np.ndarray, meta: np.ndarray,
                  q: np.ndarray, kc: np.ndarray, vc: np.ndarray) -> None:
-        def fn() -> None:
-            m = qkv.shape[0]
-            p0 = int(meta[0])
-            qh = qkv[:, :heads * hd].reshape(m, heads, hd)
-            kh = qkv[:, heads * hd:(heads + kv_heads) * hd].reshape(m, kv_heads, hd)
-            vh = qkv[:, (heads + kv_heads) * hd:(heads + 2 * kv_heads) * hd].reshape(m, kv_heads, hd)
-            if qnorm is not None:
-                qh, kh = _head_norm(qh, qnorm, eps), _head_norm(kh, knorm, eps)
-            c, s = cos[p0:p0 + m, None, :], sin[p0:p0 + m, None, :]
-            q[...] = _rope(qh, c, s).reshape(m, heads * hd)
-            kc[:, p0:p0 + m] = _rope(kh, c, s).transpose(1, 0, 2)
-            vc[:, p0:p0 + m] = vh.transpose(1, 0, 2)
-        self._run(fn)
+        rope = QkvRope(heads, kv_heads, qnorm, knorm, eps, cos, sin, meta, q, kc, vc)
+        self._run(lambda: _qkv_rope(qkv, rope, hd))
 
     def attention(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, heads: int, hd: int, scale: float,
                   meta: np.ndarray, out: np.ndarray) -> None:
@@ -358,6 +351,20 @@ class NumpyOps:
                     e = np.exp(s - s.max())
                     out[r, h * hd:(h + 1) * hd] = (e / e.sum()) @ vc[h // g, :n]
         self._run(fn)
+
+
+def _qkv_rope(qkv: np.ndarray, r: QkvRope, hd: int) -> None:
+    m, heads, kv_heads = qkv.shape[0], r.heads, r.kv_heads
+    p0 = int(r.meta[0])
+    qh = qkv[:, :heads * hd].reshape(m, heads, hd)
+    kh = qkv[:, heads * hd:(heads + kv_heads) * hd].reshape(m, kv_heads, hd)
+    vh = qkv[:, (heads + kv_heads) * hd:(heads + 2 * kv_heads) * hd].reshape(m, kv_heads, hd)
+    if r.qnorm is not None:
+        qh, kh = _head_norm(qh, r.qnorm, r.eps), _head_norm(kh, r.knorm, r.eps)
+    c, s = r.cos[p0:p0 + m, None, :], r.sin[p0:p0 + m, None, :]
+    r.q[...] = _rope(qh, c, s).reshape(m, heads * hd)
+    r.kc[:, p0:p0 + m] = _rope(kh, c, s).transpose(1, 0, 2)
+    r.vc[:, p0:p0 + m] = vh.transpose(1, 0, 2)
 
 
 def _head_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -551,10 +558,10 @@ class CupyOps:
                       _ptr(ssq_out if m == 1 else None)))
 
     def gemv(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
-             bias: Any, ssq_in: Any = None, ssq_out: Any = None) -> None:
+             bias: Any, ssq_in: Any = None, ssq_out: Any = None, rope: QkvRope | None = None) -> None:
         """ssq_in / ssq_out (M = 1 only): the residual stream's tile sums of squares, read by an RMSNorm
-        prologue (pro 1) instead of the row, written with a residual-add epilogue's outputs. ``epi`` EPI_PARTIAL
-        (M = 1): ``y`` is [ksplit][>= Npad], one row per K split."""
+        prologue (pro 1) instead of the row, written with a residual-add epilogue's outputs. ``rope`` (M = 1,
+        the chunked kernel, one head per column tile): the epilogue does qkv_rope's work instead of storing."""
         m = x.shape[0]
         if m > 1:
             ssq_in = ssq_out = None
@@ -571,12 +578,12 @@ class CupyOps:
         mr = 1 if m == 1 else SMALL_M
         ksplit = lin.ksplit if m == 1 else 1
         fn = self._gemv[(lin.bits, lin.group_size, mr)]
-        cluster = ksplit if m == 1 and lin.cluster and self.cluster and epi != EPI_PARTIAL else 1
+        cluster = ksplit if m == 1 and lin.cluster and self.cluster else 1
         self._launch(fn, (lin.tiles, ksplit, -(-m // mr)), (256,),
                      (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
                       _ptr(x), _ld(x), _i32(m), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
                       _ptr(y), _ld(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters),
-                      _ptr(ssq_in), _ptr(ssq_out)), cluster=cluster)
+                      _ptr(ssq_in), _ptr(ssq_out), *_rope_args(rope)), cluster=cluster)
 
     def _tiled(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
                bias: Any) -> None:
@@ -600,20 +607,20 @@ class CupyOps:
             buf = self._tiled_bufs[name] = self.zeros(size, dtype)
         return buf[:size]
 
-    def finish_logits(self, part: Any, splits: int, n: int, logits: Any, scratch: tuple[Any, Any, Any],
-                      meta: Any, limit: int, tokens: np.ndarray) -> None:
-        """logits[0, :n] = the sum of ``part``'s first ``splits`` rows; with ``meta``, the greedy token goes to
-        meta[1] and tokens[meta[0] % len(tokens)] and meta[0] advances while below ``limit`` (forward.cu
-        lm_finish)."""
+    def greedy_token(self, logits: Any, scratch: tuple[Any, Any, Any], meta: Any, limit: int,
+                     tokens: np.ndarray) -> None:
+        """The argmax of ``logits`` [1, N] to meta[1] and tokens[meta[0] % len(tokens)]; meta[0] advances while
+        below ``limit`` (forward.cu lm_finish; ``scratch``: its per-block values, indices and counter)."""
         val, idx, count = scratch
+        n = logits.shape[1]
         self._launch(self._fn["lm_finish"], (-(-n // FINISH_COLS),), (FINISH_COLS // 4,),
-                     (_ptr(part), _i32(splits), _ld(part), _i32(n), _ptr(logits), _ptr(val), _ptr(idx),
-                      _ptr(count), _ptr(meta), _i32(limit), np.uint64(tokens.ctypes.data), _i32(len(tokens))))
+                     (_ptr(logits), _i32(n), _ptr(val), _ptr(idx), _ptr(count), _ptr(meta), _i32(limit),
+                      np.uint64(tokens.ctypes.data), _i32(len(tokens))))
 
     def qkv_rope(self, qkv: Any, heads: int, kv_heads: int, hd: int, qnorm: Any, knorm: Any, eps: float,
                  cos: Any, sin: Any, meta: Any, q: Any, kc: Any, vc: Any) -> None:
         m = qkv.shape[0]
-        self._launch(self._fn["qkv_rope"], (-(-(heads + kv_heads) // 4), m), (128,),
+        self._launch(self._fn["qkv_rope"], (-(-(heads + 2 * kv_heads) // 4), m), (128,),
                      (_ptr(qkv), _ld(qkv), _i32(heads), _i32(kv_heads), _i32(hd), _ptr(qnorm), _ptr(knorm),
                       np.float32(eps), _ptr(cos), _ptr(sin), _ptr(meta), _ptr(q), _ptr(kc), _ptr(vc),
                       _i32(kc.shape[1])))
@@ -632,6 +639,14 @@ class CupyOps:
         self._launch(self._fn["attn_prefill"], (heads, -(-m // 16)), (256,),
                      (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                       np.float32(scale), _ptr(meta), _i32(m), _ptr(out)), smem)
+
+
+def _rope_args(r: QkvRope | None) -> tuple[Any, ...]:
+    """qgemv's trailing parameters: qkv_rope's work in the epilogue, or none (null q)."""
+    if r is None:
+        return (*(_ptr(None),) * 8, _i32(0), _i32(0), _i32(0))
+    return (_ptr(r.qnorm), _ptr(r.knorm), _ptr(r.cos), _ptr(r.sin), _ptr(r.meta), _ptr(r.q), _ptr(r.kc),
+            _ptr(r.vc), _i32(r.heads), _i32(r.kv_heads), _i32(r.kc.shape[1]))
 
 
 def _as_device_weight(lin: Lin) -> Any:
@@ -662,8 +677,8 @@ PDL_ENV = "KESTREL_CUDA_PDL"
 NORM_TILES_ENV = "KESTREL_CUDA_NORM_TILES"
 DEFINES_ENV = "KESTREL_CUDA_DEFINES"
 CLUSTER_ENV = "KESTREL_CUDA_CLUSTER"
-DEFER_ENV = "KESTREL_CUDA_DEFER"
 SPLITS_ENV = "KESTREL_CUDA_SPLITS"
+FUSE_ROPE_ENV = "KESTREL_CUDA_FUSE_ROPE"
 
 
 def _env(name: str, default: str) -> str:
@@ -687,12 +702,6 @@ def clusters_enabled() -> bool:
     return _env(CLUSTER_ENV, "1") not in ("0", "false", "no", "off")
 
 
-def defer_enabled() -> bool:
-    """``KESTREL_CUDA_DEFER`` (default on; 0 turns it off): at M = 1 the lm_head GEMV leaves its K-split partial
-    sums to lm_finish instead of merging them."""
-    return _env(DEFER_ENV, "1") not in ("0", "false", "no", "off")
-
-
 def split_overrides() -> dict[str, int]:
     """``KESTREL_CUDA_SPLITS`` (benchmarks: planner A/B runs): M=1 K splits by projection, ``down:12/gate_up:4``
     (names of ``kestrel_core.wkey.Proj``, lower case); each is capped at the projection's chunks."""
@@ -702,6 +711,12 @@ def split_overrides() -> dict[str, int]:
         if name.strip() and value.strip().isdigit() and int(value) > 0:
             out[name.strip().lower()] = int(value)
     return out
+
+
+def fuse_rope_enabled() -> bool:
+    """``KESTREL_CUDA_FUSE_ROPE`` (default on; 0 turns it off): at M = 1 with head_dim == TILE_N, the fused
+    q|k|v GEMV's epilogue does qkv_rope's work (one head per column tile) and no qkv_rope kernel runs."""
+    return _env(FUSE_ROPE_ENV, "1") not in ("0", "false", "no", "off")
 
 
 def kernel_defines() -> tuple[str, ...]:

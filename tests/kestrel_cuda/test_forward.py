@@ -361,7 +361,7 @@ def test_cuda_backend_runs_the_whole_step_forward() -> None:
     assert greedy_agrees(tokens, model, np.asarray(prompt), tol=FACTOR * jitter_max) == []
 
 
-# -- pipelined greedy decode, lm_finish, deferred split-K merges --------------------------------------
+# -- pipelined greedy decode and lm_finish --------------------------------------
 
 
 @pytest.mark.parametrize("quant", ("q8", "q4"))
@@ -388,98 +388,50 @@ def test_pipelined_greedy_yields_the_step_by_step_argmax(quant, pdl, stream, gem
     assert np.array_equal(fwd.forward(model, 1, np.array(taken[-1:]), len(prompt) + 5, False), rows[5])
 
 
-def test_lm_finish_is_numpys_argmax_and_adds_partials_in_order(stream) -> None:  # type: ignore[no-untyped-def]
-    """Ties go to the first index, a NaN counts as largest, -inf rows still pick index 0; the logits are the
-    partial rows added in row order (float32, left to right); meta advances and the token reaches host memory."""
+def test_lm_finish_is_numpys_argmax(stream) -> None:  # type: ignore[no-untyped-def]
+    """Ties go to the first index, a NaN counts as largest, an all -inf row picks index 0; meta advances (not
+    past the limit, the KV capacity) and the token reaches host memory."""
     from kestrel_cuda.forward_ops import FINISH_COLS, TOKEN_RING, CupyOps
 
     ops = CupyOps(stream)
-    n, splits = 5000, 3
+    n = 5000
     rng = np.random.default_rng(4)
-    cases = []
-    base = rng.standard_normal((splits, n)).astype(np.float32)
-    cases.append(base)
+    base = rng.standard_normal(n).astype(np.float32)
     tie = base.copy()
-    tie[:, 4321] = tie[:, 17] = 0.0
-    tie[0, 4321] = tie[0, 17] = 1e4  # equal maxima far apart: the first wins
-    cases.append(tie)
+    tie[4321] = tie[17] = 1e4  # equal maxima far apart: the first wins
     nan = base.copy()
-    nan[1, 2500] = np.nan
-    nan[2, 3000] = np.nan
-    cases.append(nan)
-    cases.append(np.full((splits, n), -np.inf, np.float32))
+    nan[[2500, 3000]] = np.nan
+    cases = [base, tie, nan, np.full(n, -np.inf, np.float32), np.zeros(n, np.float32)]
     nb = -(-n // FINISH_COLS)
     scratch = (ops.zeros(nb, np.float32), ops.zeros(nb, np.int32), ops.zeros(1, np.int32))
     tokens = ops.mapped_ints(TOKEN_RING)
-    for pos, part in enumerate(cases, start=70):
-        d_part = ops.upload(np.pad(part, ((0, 0), (0, 8))))  # rows 8 floats wider than n
-        logits = ops.zeros((1, n), np.float32)
+    for pos, row in enumerate(cases, start=70):
         meta = ops.upload(np.array([pos, -1], np.int32))
-        ops.finish_logits(d_part, splits, n, logits, scratch, meta, 1000, tokens)
+        ops.greedy_token(ops.upload(row[None]), scratch, meta, 1000, tokens)
         ops.synchronize()
-        expect = part[0].copy()
-        for r in range(1, splits):
-            expect = (expect + part[r]).astype(np.float32)
         with np.errstate(invalid="ignore"):
-            tok = int(np.argmax(expect))
-        assert np.array_equal(logits.get()[0], expect, equal_nan=True)
+            tok = int(np.argmax(row))
         assert meta.get().tolist() == [pos + 1, tok] and int(tokens[pos % TOKEN_RING]) == tok
         assert int(scratch[2].get()[0]) == 0  # the counter is back to zero for the next launch
-    meta = ops.upload(np.array([999, -1], np.int32))  # at the limit (the KV capacity): the position stays
-    ops.finish_logits(ops.upload(cases[0]), splits, n, logits, scratch, meta, 1000, tokens)
-    assert meta.get()[0] == 999
+    meta = ops.upload(np.array([999, -1], np.int32))  # at the limit: the position stays
+    ops.greedy_token(ops.upload(base[None]), scratch, meta, 1000, tokens)
+    ops.synchronize()
+    assert meta.get().tolist() == [999, int(np.argmax(base))]
 
 
-@pytest.mark.parametrize("bits", (8, 4))
-def test_deferred_partials_equal_the_merge_bitwise(bits, stream) -> None:  # type: ignore[no-untyped-def]
-    """EPI_PARTIAL's rows added in row order (lm_finish's order) are the global merge's sums, bit for bit, at
-    the same split."""
-    from kestrel_cuda.forward_ops import EPI_PARTIAL, EPI_STORE, PRO_PLAIN, CupyOps, Lin, pack_kmajor
-    from kestrel_cuda.residency import pad_n
-
-    ops = CupyOps(stream)
-    rng = np.random.default_rng(bits)
-    lo, hi = (-127, 127) if bits == 8 else (-8, 7)
-
-    def lin(n: int, k: int) -> Lin:
-        npad = pad_n(n)
-        sc = np.zeros((k // 32, npad), np.float32)
-        sc[:, :n] = rng.uniform(0.001, 0.02, size=(k // 32, n))
-        return Lin(ops.upload(pack_kmajor(rng.integers(lo, hi + 1, size=(n, k)).astype(np.int8), bits)),
-                   ops.upload(sc), k, n, npad, 32, bits)
-
-    f, d = 1024, 2048
-    up = lin(2 * f, d)
-    up.m1 = "chunk"
-    x = ops.upload(rng.standard_normal((1, d)).astype(np.float32))
-    for splits in (2, 3, up.chunks):
-        up.ksplit = splits
-        ops.reserve(splits * up.npad, up.tiles, 1, 1)
-        merged = ops.zeros((1, 2 * f), np.float32)
-        ops.gemv(up, x, PRO_PLAIN, None, 0.0, 0, merged, EPI_STORE, None)
-        parts = ops.zeros((splits, up.npad + 4), np.float32)
-        ops.gemv(up, x, PRO_PLAIN, None, 0.0, 0, parts, EPI_PARTIAL, None)
-        ops.synchronize()
-        host = parts.get()[:, :2 * f]
-        total = np.zeros(2 * f, np.float32)
-        for r in range(splits):
-            total = (total + host[r]).astype(np.float32)
-        assert np.array_equal(total, merged.get()[0]), f"{splits} splits"
-
-
-@pytest.mark.parametrize("quant", ("q8", "q4-g256"))
-def test_deferred_lm_head_matches_the_cpu(quant, stream, gemm) -> None:  # type: ignore[no-untyped-def]
-    """A width where lm_head splits K: the step with lm_finish adding its partials stays within the CPU
-    comparison and agrees with KESTREL_CUDA_DEFER=0 to float32 reordering."""
-    model = synthetic_model(replace(SMALL_CONFIGS["qwen3"], hidden_size=1024, intermediate_size=1536,
-                                    vocab_size=700), quant, seed=23)
-    toks = _tokens(model.config, 14)
-    fwd = DeviceForward(stream=stream, gemm=gemm)
-    got = device_logits(fwd, model, toks, 6)
-    lm = fwd._st.lm_head
-    assert lm.deferred and lm.ksplit > 1
-    _check(model, toks, 6, got)
-    merged = DeviceForward(stream=stream, gemm=gemm)
-    merged.defer = False
-    plain = device_logits(merged, model, toks, 6)
-    assert np.allclose(got, plain, rtol=1e-4, atol=1e-4 * float(np.abs(plain).max()))
+@pytest.mark.parametrize("quant", ("q8", "q4", "q4-g256"))
+@pytest.mark.parametrize("arch", ("qwen3", "qwen2-hd128"))
+def test_fused_rope_epilogue_equals_the_qkv_rope_kernel_bitwise(arch, quant, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """head_dim 128: the q|k|v GEMV's epilogue (clusters at q4, the L2 merge at q8) runs rope_head on the
+    head it merged, the same function as qkv_rope: bit-identical logits, with q/k norms or with a bias."""
+    cfg = SMALL_CONFIGS["qwen3"] if arch == "qwen3" else replace(SMALL_CONFIGS["qwen2"], head_dim=128)
+    model = synthetic_model(replace(cfg, hidden_size=1024), quant, seed=25)
+    toks = _tokens(model.config, 12)
+    runs = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("KESTREL_CUDA_FUSE_ROPE", mode)
+        fwd = DeviceForward(stream=stream, gemm=gemm)
+        runs[mode] = device_logits(fwd, model, toks, 6)
+        assert fwd.fuse_rope == (mode == "1")
+    assert np.array_equal(runs["1"], runs["0"])
+    _check(model, toks, 6, runs["1"])

@@ -405,7 +405,7 @@ def test_cluster_splits_only_for_one_wave_of_one_chunk_per_block(k: int, n: int,
         assert lin.tiles * split <= 4 * 132 and lin.chunks <= split
 
 
-# -- pipelined greedy decode and deferred split-K merges ---------------------------------------------
+# -- pipelined greedy decode ---------------------------------------------
 
 
 def _stepwise_greedy(fwd: DeviceForward, model, prompt: np.ndarray, steps: int) -> tuple[list[int], list]:  # type: ignore[no-untyped-def]
@@ -455,41 +455,6 @@ def test_pipelined_greedy_declines_without_the_graph_or_with_a_bad_request() -> 
     assert fwd.greedy(model, 1, 5, len(prompt) + 3, 4) is None and "behind" in fwd.last_decline
 
 
-def test_deferred_partials_match_the_cpu_and_the_merged_path() -> None:
-    """At a width where lm_head splits K (several chunks), lm_finish adds its partial sums: the logits stay
-    within the CPU comparison and next to KESTREL_CUDA_DEFER=0's."""
-    cfg = replace(CONFIGS["qwen3"], hidden_size=1024, intermediate_size=1536, vocab_size=700)
-    model = synthetic_model(cfg, "q8", seed=23)
-    toks = _tokens(cfg, 12)
-    ref = cpu_logits(model, toks, 6)
-    fwd = DeviceForward(ops=NumpyOps())
-    got = device_logits(fwd, model, toks, 6)
-    lm = fwd._st.lm_head
-    assert lm.deferred and lm.ksplit > 1 and not fwd._st.layers[0].weights.gate_up[0].deferred
-    result = compare(got, ref, jitter_effect(model, toks, 6, ref))
-    assert result.ok, str(result)
-    merged = DeviceForward(ops=NumpyOps())
-    merged.defer = False
-    plain = device_logits(merged, model, toks, 6)
-    assert not merged._st.lm_head.deferred
-    assert np.allclose(got, plain, rtol=1e-4, atol=1e-4 * float(np.abs(plain).max()))
-
-
-@pytest.mark.parametrize("bits", (8, 4))
-@pytest.mark.parametrize("n", (24576, 151936))  # qwen3-8b's gate|up and lm_head, K = 4096, 132 SMs
-def test_deferred_split_fills_the_waves(bits: int, n: int) -> None:
-    """With no merge to pay for, the split makes the chunked GEMV's blocks fill whole waves of resident blocks:
-    at least 95 % of the slots of the rounds it takes do work (one split of lm_head fills 75 %)."""
-    sm = 132
-    lin = forward_ops.Lin(None, None, 4096, n, pad_n(n), 32, bits)
-    s = forward_ops.plan_split(lin, "chunk", sm, deferred=True)
-    assert lin.deferred and not lin.cluster and 1 <= s <= lin.chunks
-    resident = forward_ops.CHUNK_BLOCKS_PER_SM * sm
-    rounds = -(-lin.tiles * s // resident) * -(-lin.chunks // s)
-    assert lin.tiles * lin.chunks / (rounds * resident) >= 0.95
-    assert forward_ops.plan_split(lin, "stream", sm, deferred=True) and not lin.deferred  # chunked kernel only
-
-
 @pytest.mark.parametrize("greedy", (-1, 3))
 def test_engine_takes_the_pipelined_greedy_decode(greedy: int, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Greedy generation goes through kestrel_decode_greedy after the prefill and gives the step-by-step
@@ -519,3 +484,44 @@ def test_engine_takes_the_pipelined_greedy_decode(greedy: int, tmp_path, monkeyp
     with kestrel_core.load(model, backend="fwdcuda") as engine:  # sampling: never offered
         list(engine.generate(prompt, max_tokens=4, temperature=0.8, stop_at_eos=False))
         assert "kestrel_decode_greedy" not in engine.stats["offload"]
+
+
+def test_fused_rope_equals_the_qkv_rope_kernel_and_drops_its_launches(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """head_dim 128 (one head per GEMV tile): the q|k|v projection's epilogue does qkv_rope's work, with the
+    same logits as the separate kernel and one launch fewer per layer and step; other head sizes keep it."""
+    model = synthetic_model(CONFIGS["qwen3"], "q8", seed=24)
+    toks = _tokens(model.config, 10)
+    runs, launches = {}, {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("KESTREL_CUDA_FUSE_ROPE", mode)
+        ops = NumpyOps()
+        fwd = DeviceForward(ops=ops)
+        runs[mode] = device_logits(fwd, model, toks, 6)
+        before = ops.launches
+        fwd.forward(model, 1, toks[-1:], len(toks), False)
+        launches[mode] = ops.launches - before
+    assert np.array_equal(runs["1"], runs["0"])
+    assert launches["0"] - launches["1"] == model.config.num_layers
+    monkeypatch.setenv("KESTREL_CUDA_FUSE_ROPE", "1")
+    other = synthetic_model(CONFIGS["qwen2"], "q8", seed=24)  # head_dim 64: the kernel of its own
+    ops = NumpyOps()
+    calls = []
+    ops.qkv_rope = lambda *a, **k: calls.append(1) or NumpyOps.qkv_rope(ops, *a, **k)  # type: ignore[method-assign]
+    DeviceForward(ops=ops, use_graph=False).forward(other, 1, toks[:3], 0, False)
+    assert len(calls) == other.config.num_layers
+
+
+def test_narrow_projections_run_one_wave_of_k_splits(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """qwen3-8b's down (32 column tiles) on 132 SMs: one wave of 16 splits instead of the two-wave target's 24
+    (q4) or 33 (q8); wider projections keep the target; an explicit target or KESTREL_CUDA_GEMV_BLOCKS wins."""
+    sm, resident = 132, forward_ops.CHUNK_BLOCKS_PER_SM * 132
+    for bits in (8, 4):
+        down = forward_ops.Lin(None, None, 12288, 4096, 4096, 32, bits)
+        assert forward_ops.plan_split(down, "chunk", sm) == 16 and down.tiles * 16 <= resident
+        assert forward_ops.plan_split(down, "chunk", sm, target_blocks=8 * sm) == min(down.chunks, 33)
+        gate_up = forward_ops.Lin(None, None, 4096, 24576, 24576, 32, bits)
+        assert forward_ops.plan_split(gate_up, "chunk", sm) == forward_ops.plan_ksplit(gate_up, 8 * sm)
+    qkv = forward_ops.Lin(None, None, 4096, 6144, 6144, 32, 8)  # one wave would be 11 splits: the target's 16
+    assert forward_ops.plan_split(qkv, "chunk", sm) == 16
+    monkeypatch.setenv("KESTREL_CUDA_GEMV_BLOCKS", str(8 * sm))
+    assert forward_ops.plan_split(down, "chunk", sm) == 24
