@@ -2,7 +2,12 @@
 """CUDA kernel benchmarks on Qwen3-8B shapes: decode GEMV vs copy bandwidth and cuBLAS fp16, prefill GEMM,
 activation quantization, the hook's CPU/GPU crossover (the default min FLOPs), and preload.
 
-    python benchmarks/cuda_gemv.py [--json out.json] [--quick] [--no-preload] [--no-crossover]
+    python benchmarks/cuda_gemv.py [--json out.json] [--quick] [--no-preload] [--no-crossover] [--decode-only]
+
+Two decode GEMVs are measured: the hook path's (``gemm.q8`` on pre-quantized activations, gemv_warp.cu),
+and the whole-step decode's (forward.cu ``qgemv`` through ``CupyOps.gemv``: activation quantization fused,
+the planner's K split and clusters, launched back to back with programmatic dependent launch as the
+captured decode step launches it; ``--decode-only`` runs the copy and this one alone).
 
 Timing: device work is timed with CUDA events over a captured CUDA graph of many launches (so Python launch
 overhead is not measured), rotating over enough weight copies that the working set is several times the L2,
@@ -197,6 +202,55 @@ extern "C" __global__ void copy16(const uint4* __restrict__ s, uint4* __restrict
         return {"cublas_fp16_us": round(us, 2), "cublas_tb_s": round(wbytes / (us * 1e-6) / 1e12, 3),
                 "cublas_mode": mode}
 
+    def decode_gemv(self, copy_bw: float) -> None:
+        """The whole-step decode's M=1 GEMV per shape (float activations, quantized in its prologue), int8 and
+        int4 at G = 32, rotating over weight copies four times the L2, in one captured graph with PDL."""
+        cp = self.cp
+        from kestrel_cuda.forward_ops import EPI_STORE, PRO_PLAIN, CupyOps, Lin, gemv_scratch, plan_split
+
+        ops = CupyOps(self.stream)
+        rows = []
+        for name, (n, k) in {**SHAPES, "q|k|v": (6144, 4096)}.items():  # decode runs q|k|v fused
+            for bits in (8, 4):
+                w0 = self.device_weight(n, k, 32, bits, 1)
+                wbytes = w0.geometry.nbytes
+                copies = max(2, -(-4 * L2_BYTES // wbytes))
+                ws = [w0] + [self.device_weight(n, k, 32, bits, 2 + i) for i in range(copies - 1)]
+                g = w0.geometry
+                shape = (g.k, g.npad) if bits == 8 else (g.k // 8, 4 * g.npad)
+                lins = [Lin(w.codes.view(np.uint8).reshape(shape), w.scales, k, n, g.npad, 32, bits) for w in ws]
+                for lin in lins:
+                    lin.ksplit = plan_split(lin, ops.gemv_kind, ops.sm_count, clusters=ops.cluster)
+                ops.reserve(*gemv_scratch(lins), 1, 1)
+                x = cp.asarray(np.random.default_rng(0).standard_normal((1, k)).astype(np.float32))
+                y = cp.empty((1, n), dtype=cp.float32)
+                count = 8 * copies if wbytes < (256 << 20) else copies * 2
+                graph = ops.capture(lambda: [ops.gemv(lins[i % copies], x, PRO_PLAIN, None, 0.0, 0, y, EPI_STORE,
+                                                      None) for i in range(count)])
+                graph()
+                self.stream.synchronize()
+                times = []
+                for _ in range(7):
+                    start, end = cp.cuda.Event(), cp.cuda.Event()
+                    start.record(self.stream)
+                    graph()
+                    end.record(self.stream)
+                    end.synchronize()
+                    times.append(cp.cuda.get_elapsed_time(start, end) * 1000.0 / count)
+                us = statistics.median(times)
+                bw = wbytes / (us * 1e-6) / 1e12
+                row = {"shape": name, "N": n, "K": k, "bits": bits, "G": 32, "us": round(us, 2),
+                       "weight_MB": round(wbytes / 1e6, 1), "tb_s": round(bw, 3),
+                       "pct_copy": round(100 * bw / copy_bw, 1), "ksplit": lins[0].ksplit,
+                       "cluster": lins[0].cluster, "pdl": ops.pdl}
+                del graph
+                self.release(ws)
+                if bits == 8:
+                    row.update(self.cublas_fp16(n, k))
+                rows.append(row)
+                log(json.dumps(row))
+        self.results["decode_gemv"] = rows
+
     # -- 3. prefill GEMM ------------------------------------------------------------------------------
 
     def prefill(self) -> None:
@@ -343,13 +397,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-preload", action="store_true")
     p.add_argument("--no-crossover", action="store_true")
+    p.add_argument("--decode-only", action="store_true", help="the copy and the whole-step decode GEMV only")
     args = p.parse_args(argv)
     b = Bench(args)
-    steps = [("copy", None), ("gemv", None), ("prefill", None), ("quantize", None)]
     bw = b.copy_bandwidth()
+    if args.decode_only:
+        b.decode_gemv(bw)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(b.results, f, indent=1)
+        b.dev.close()
+        return 0
+    steps = [("copy", None), ("gemv", None), ("decode_gemv", None), ("prefill", None), ("quantize", None)]
     for name, _ in steps[1:]:
         try:
-            b.gemv(bw) if name == "gemv" else getattr(b, name)()
+            b.gemv(bw) if name == "gemv" else b.decode_gemv(bw) if name == "decode_gemv" else getattr(b, name)()
         except Exception as exc:  # keep the other measurements
             log(f"{name} failed: {type(exc).__name__}: {exc}")
             b.results[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
