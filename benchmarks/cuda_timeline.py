@@ -44,6 +44,7 @@ def _names(fwd: Any, seq: Any) -> dict[int, str]:
         names[kc | 2] = f"{i}:qkv_rope"
         names[kc | 4] = f"{i}:attention"
     names[st.lm_head.codes.data.ptr] = "lm_head"
+    names[0] = "lm_finish"
     return names
 
 

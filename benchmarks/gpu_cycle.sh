@@ -19,7 +19,9 @@ test)
 bench)
     run python benchmarks/cuda_e2e.py --quant q8 --window 1,4,16 --sweep "" --json "$OUT/e2e_q8.json" 2>&1 | tail -n 30
     run python benchmarks/cuda_e2e.py --quant q4 --window "" --sweep "" --json "$OUT/e2e_q4.json" 2>&1 | tail -n 12
-    run python -m kestrel_core.cli bench --preset qwen3-8b --backend cuda --quant q8 --prompt-tokens 512 \
-        --decode-tokens 128 --runs 3 2>&1 | tail -n 14
+    for q in q8 q4; do
+        run python -m kestrel_core.cli bench --preset qwen3-8b --backend cuda --quant $q --prompt-tokens 512 \
+            --decode-tokens 128 --runs 3 2>&1 | tail -n 14
+    done
     ;;
 esac

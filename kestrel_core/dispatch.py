@@ -38,6 +38,9 @@ class HookCounters:
                 "declined": sum(self.declined.values()), "declined_reasons": dict(self.declined)}
 
 
+_FALLBACK = {"kestrel_decode_greedy": "the engine runs and samples each step itself"}
+
+
 class Offload:
     """Routes GEMMs and model-level hooks to ``backend``, with ``cpu`` as the always-correct fallback."""
 
@@ -120,8 +123,9 @@ class Offload:
             return
         self._reported.add((hook, reason))
         detail = f": {exc}" if exc is not None and str(exc) else ""
-        log.warning("backend %s: %s %s%s; the CPU computes it (reported once)", self.backend.name, hook,
-                    reason, detail, exc_info=exc if log.isEnabledFor(logging.DEBUG) else None)
+        fallback = _FALLBACK.get(hook, "the CPU computes it")
+        log.warning("backend %s: %s %s%s; %s (reported once)", self.backend.name, hook, reason, detail, fallback,
+                    exc_info=exc if log.isEnabledFor(logging.DEBUG) else None)
 
     # -- GEMMs ---------------------------------------------------------------------------------------
 

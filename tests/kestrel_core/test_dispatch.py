@@ -36,6 +36,22 @@ def kestrel_forward(device, model, seq_id, tokens, start, all_logits):
 @hookimpl
 def kestrel_layer_boundary(layer):
     SEEN.append(("layer", layer))
+
+GREEDY = []  # what kestrel_decode_greedy returns: a list of tokens (one may be an exception), or "none"/"list"
+
+@hookimpl
+def kestrel_decode_greedy(device, model, seq_id, token, start, count):
+    SEEN.append(("greedy", token, start, count))
+    if GREEDY == ["none"]:
+        return None
+    if GREEDY == ["list"]:
+        return [1, 2]
+    def tokens():
+        for t in GREEDY:
+            if isinstance(t, Exception):
+                raise t
+            yield t
+    return tokens()
 '''
 
 
@@ -95,3 +111,26 @@ def test_on_cpu_nothing_is_offered_but_gemms_are_counted() -> None:
     assert offload.forward(None, 1, np.zeros(2, np.int32), 0, True, 11) is None
     stats = offload.stats()
     assert "kestrel_gemm_fused_q8" not in stats and stats["kestrel_gemm_q8"]["accepted"] == 3
+
+
+def test_decode_greedy_checks_every_token_and_stops_on_an_error(tmp_path, monkeypatch, caplog) -> None:
+    """The pipelined greedy decode's iterator ends (reported once) at a device error or a token outside the
+    vocabulary; a declined call or a result that is not an iterator is None (counted); the CPU never has it."""
+    offload, plugin = _registry(tmp_path, monkeypatch)
+    plugin.GREEDY[:] = [3, np.int64(4), RuntimeError("device fell over"), 5]
+    assert list(offload.decode_greedy(None, 1, 7, 10, 4, vocab=11)) == [3, 4]
+    assert plugin.SEEN[-1] == ("greedy", 7, 10, 4) and "device fell over" in caplog.text
+    plugin.GREEDY[:] = [3, 11, 2]
+    assert list(offload.decode_greedy(None, 1, 7, 10, 3, vocab=11)) == [3]
+    assert "outside [0, 11)" in caplog.text
+    plugin.GREEDY[:] = ["none"]
+    assert offload.decode_greedy(None, 1, 7, 10, 3, vocab=11) is None
+    plugin.GREEDY[:] = ["list"]
+    assert offload.decode_greedy(None, 1, 7, 10, 3, vocab=11) is None
+    counters = offload.stats()["kestrel_decode_greedy"]
+    assert counters["accepted"] == 2 and counters["declined"] == 2
+    assert "the engine runs and samples each step itself" in caplog.text
+    monkeypatch.setenv("KESTREL_FORCE_CPU", "1")
+    assert offload.decode_greedy(None, 1, 7, 10, 3, vocab=11) is None
+    cpu = Registry().cpu()
+    assert Offload(cpu, cpu).decode_greedy(None, 1, 7, 10, 3, vocab=11) is None
