@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     __shared__ float s_red[NT / 32];
     __shared__ int s_acc[NT / 32][MR][TN];      // per-warp partial results (float bits, or ints for G=256)
     __shared__ float s_part[MR][TN];            // this split's partial sums, read by the cluster's block 0
-                                                // (with qr.qout: the head's outputs for rope_head)
+                                                // (with qout: the head's outputs for rope_head)
     __shared__ int s_last;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;

@@ -298,7 +298,7 @@ class DeviceForward:
                     launch(i + 1)
                 self.ops.wait(events[i])
                 yield int(st.tokens[(start + i) % TOKEN_RING])
-        except GeneratorExit:
+        except GeneratorExit:  # the consumer stopped: the cache holds every step launched, still valid
             raise
         except BaseException:
             self._seqs.pop(seq_id, None)  # its KV cache may be half written
