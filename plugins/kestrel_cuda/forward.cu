@@ -97,7 +97,7 @@ __device__ __forceinline__ bool arrive_last(int* counter, int count, int* flag) 
 
 // Thread block clusters (sm_90): the K splits of a GEMV tile launched as one cluster add their partial sums
 // through distributed shared memory, on chip, instead of through L2 (KESTREL_CUDA_CLUSTER, forward_ops).
-#define MAX_CLUSTER 16  // the portable size is 8; 16 needs the non-portable attribute (forward_launch)
+#define MAX_CLUSTER 8   // portable cluster size
 __device__ __forceinline__ unsigned cluster_size() {
     unsigned r = 1;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -219,7 +219,7 @@ class DeviceForward:
         self.use_graph = (_env_graph() if use_graph is None else use_graph) and layer_boundary is None
         self.sm_count = getattr(ops, "sm_count", 132)
         self.gemv_kind = getattr(ops, "gemv_kind", "chunk")
-        self.clusters = int(getattr(ops, "cluster", 0))  # the largest cluster the device launches
+        self.clusters = bool(getattr(ops, "cluster", False))
         self.target_blocks = target_blocks  # None: each M=1 kernel's default (forward_ops.default_target_blocks)
         self.norm_tiles = norm_tiles_enabled()
         self.splits = split_overrides()
@@ -565,7 +565,7 @@ class DeviceForward:
             return split
         split = min(forced, lin.chunks)
         lin.cluster = lin.m1 == "chunk" and self.clusters and \
-            cluster_split(lin, split, self.sm_count, self.clusters) == split
+            cluster_split(lin, split, self.sm_count) == split
         return split
 
     def _pin_weights(self, st: _State) -> None:

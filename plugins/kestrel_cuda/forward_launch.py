@@ -23,8 +23,6 @@ import numpy as np
 
 CLUSTER_DIMENSION = 4  # CUlaunchAttributeID
 PROGRAMMATIC_STREAM_SERIALIZATION = 6
-NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute
-PORTABLE_CLUSTER_BLOCKS = 8
 
 
 class _LaunchAttr(ctypes.Structure):
@@ -56,10 +54,6 @@ class ExLauncher:
         self._launch.restype = ctypes.c_int
         self._launch.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
                                  ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-        self._set_attr = lib.cuFuncSetAttribute
-        self._set_attr.restype = ctypes.c_int
-        self._set_attr.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-        self._non_portable: set[int] = set()  # kernels allowed clusters over 8 blocks
         self._attrs = (_LaunchAttr * 2)()
         assert ctypes.sizeof(_LaunchConfig) == 56 and ctypes.sizeof(_LaunchAttr) == 72
 
@@ -72,13 +66,7 @@ class ExLauncher:
             self._attrs[n].id = PROGRAMMATIC_STREAM_SERIALIZATION
             self._attrs[n].value[0] = 1  # programmaticStreamSerializationAllowed
             n += 1
-        func = kernel.kernel.ptr
         if cluster is not None:
-            if cluster[0] * cluster[1] * cluster[2] > PORTABLE_CLUSTER_BLOCKS and func not in self._non_portable:
-                err = self._set_attr(ctypes.c_void_p(func), NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-                if err != 0:
-                    raise RuntimeError(f"cuFuncSetAttribute(non-portable cluster size) failed with CUresult {err}")
-                self._non_portable.add(func)
             self._attrs[n].id = CLUSTER_DIMENSION
             self._attrs[n].value[0], self._attrs[n].value[1], self._attrs[n].value[2] = cluster
             n += 1
@@ -86,6 +74,6 @@ class ExLauncher:
                             self._attrs, n)
         values = [_CTYPES[np.asarray(a).dtype](a.item() if hasattr(a, "item") else a) for a in args]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        err = self._launch(ctypes.byref(cfg), ctypes.c_void_p(func), params, None)
+        err = self._launch(ctypes.byref(cfg), ctypes.c_void_p(kernel.kernel.ptr), params, None)
         if err != 0:
             raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")

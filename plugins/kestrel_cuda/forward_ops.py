@@ -27,8 +27,7 @@ TILE_N = 128  # columns of a GEMV block (forward.cu TN)
 SSQ_COLS = 32  # columns per entry of the residual stream's sums of squares (forward.cu)
 CHUNK_K = 256  # rows of an int8 GEMV chunk (forward.cu KC8); int4 chunks have twice as many
 SMALL_M = 8  # up to this many rows run through the fused GEMV (MR = 8); more through the tiled GEMM if any
-MAX_CLUSTER = 16  # K splits of an M=1 GEMV launched as one thread block cluster, at most (forward.cu)
-PORTABLE_CLUSTER = 8  # the cluster size every sm_90 part supports; larger ones are opt-in per kernel
+MAX_CLUSTER = 8  # K splits of an M=1 GEMV launched as one thread block cluster, at most (forward.cu)
 CHUNK_BLOCKS_PER_SM = 4  # qgemv's resident blocks per SM at M = 1 (__launch_bounds__(NT, 4))
 ONE_WAVE_SPLITS = 16  # a projection whose one wave of blocks gives each tile this many K splits runs one wave
 STREAM_MAX_ROWS = 16384  # K rows one block of the M=1 GEMV (qgemv_m1) quantizes into shared memory (SMAXK)
@@ -108,13 +107,13 @@ def one_wave_split(lin: Lin, sm_count: int) -> int:
     return split if split >= ONE_WAVE_SPLITS else 0
 
 
-def cluster_split(lin: Lin, ksplit: int, sm_count: int, limit: int = MAX_CLUSTER) -> int:
+def cluster_split(lin: Lin, ksplit: int, sm_count: int) -> int:
     """K splits of the chunked M=1 GEMV to run as one thread block cluster per tile (their partial sums added
     in shared memory, not through L2), or 0 to keep ``ksplit`` and the global merge. Clusters measured faster
     only for a grid of one wave (CHUNK_BLOCKS_PER_SM per SM) whose blocks take one chunk each: larger grids
     lose more to the clusters' placement on whole GPCs than the merge saves, two chunks a block lost at q8,
     and three or four gained nothing on gate|up and down (docs/performance.md)."""
-    split = min(ksplit, limit)
+    split = min(ksplit, MAX_CLUSTER)
     one_wave = lin.tiles * split <= CHUNK_BLOCKS_PER_SM * sm_count
     return split if split > 1 and one_wave and lin.chunks <= split else 0
 
@@ -146,10 +145,10 @@ def m1_kernel(lin: Lin, gemv: str, sm_count: int) -> str:
 
 
 def plan_split(lin: Lin, gemv: str, sm_count: int, target_blocks: int | None = None,
-               clusters: int = 0) -> int:
+               clusters: bool = False) -> int:
     """Choose ``lin``'s M=1 kernel (sets ``lin.m1`` and ``lin.cluster``) and return its K splits;
     ``target_blocks`` (default ``default_target_blocks``) is the chunk planner's target or the stream planner's
-    resident blocks; ``clusters``: the largest cluster the device launches (``CupyOps.cluster``; 0: none)."""
+    resident blocks; ``clusters``: the device runs cluster launches (``CupyOps.cluster``)."""
     lin.m1 = m1_kernel(lin, gemv, sm_count)
     target = target_blocks or default_target_blocks(sm_count, lin.m1)
     if lin.m1 != "chunk":
@@ -157,7 +156,7 @@ def plan_split(lin: Lin, gemv: str, sm_count: int, target_blocks: int | None = N
         return plan_stream_split(lin, target)
     default = target_blocks is None and not _env(BLOCKS_ENV, "")
     ksplit = (default and one_wave_split(lin, sm_count)) or plan_ksplit(lin, target)
-    split = cluster_split(lin, ksplit, sm_count, clusters) if clusters > 1 else 0
+    split = cluster_split(lin, ksplit, sm_count) if clusters else 0
     lin.cluster = split > 0
     return split or ksplit
 
@@ -439,7 +438,7 @@ class CupyOps:
         self.gemm = gemm
         self.launches = 0
         self.pdl = pdl_enabled()
-        self.cluster = cluster_limit() if int(cp.cuda.Device().compute_capability) >= 90 else 0
+        self.cluster = clusters_enabled() and int(cp.cuda.Device().compute_capability) >= 90
         self._ex: Any = None
         if self.pdl or self.cluster:
             try:
@@ -447,7 +446,7 @@ class CupyOps:
 
                 self._ex = ExLauncher()
             except (OSError, AttributeError):  # no driver library / no cuLaunchKernelEx: plain launches
-                self.pdl, self.cluster = False, 0
+                self.pdl = self.cluster = False
         self._capturing = False
         self._captured = 0  # launches so far in the capture under way
         self.sm_count = cp.cuda.Device().attributes["MultiProcessorCount"]
@@ -697,13 +696,10 @@ def gemv_kind() -> str:
     return raw if raw in ("stream", "chunk", "hybrid") else "chunk"
 
 
-def cluster_limit() -> int:
-    """The largest thread block cluster the M=1 chunked GEMVs that ``cluster_split`` picks may run their K
-    splits as (sm_90+): ``KESTREL_CUDA_CLUSTER`` 0 (or off) none, 8 the portable size, 1 (on) or unset 16."""
-    raw = _env(CLUSTER_ENV, "on")
-    if raw in ("0", "false", "no", "off"):
-        return 0
-    return min(int(raw), MAX_CLUSTER) if raw.isdigit() and int(raw) > 1 else MAX_CLUSTER
+def clusters_enabled() -> bool:
+    """``KESTREL_CUDA_CLUSTER`` (default on; 0 turns it off): M=1 chunked GEMVs that ``cluster_split`` picks run
+    their K splits as thread block clusters (sm_90+)."""
+    return _env(CLUSTER_ENV, "1") not in ("0", "false", "no", "off")
 
 
 def split_overrides() -> dict[str, int]:
