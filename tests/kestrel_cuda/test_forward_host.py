@@ -372,20 +372,26 @@ class _ScratchRecordingOps(NumpyOps):
         self.reserved.append((part, counters))
 
 
+@pytest.mark.parametrize("splits", ("", "down:3/gate_up:2/o:1"))
 @pytest.mark.parametrize("quant", QUANTS)
-def test_split_k_scratch_covers_every_planned_gemv(quant: str) -> None:
+def test_split_k_scratch_covers_every_planned_gemv(quant: str, splits: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The partial-sum buffer is sized from shapes before any upload; it must hold what each projection's
-    actual plan (its own bits: int4 chunks are twice as long) writes. It once planned every weight as int8,
-    and the int4 down projection overran it."""
-    model = synthetic_model(CONFIGS["qwen3"], quant, seed=13)
+    actual plan (its own bits: int4 chunks are twice as long; KESTREL_CUDA_SPLITS's forced splits, capped at
+    the chunks) writes. It once planned every weight as int8, and the int4 down projection overran it."""
+    monkeypatch.setenv("KESTREL_CUDA_SPLITS", splits)
+    cfg = replace(CONFIGS["qwen3"], hidden_size=1024, intermediate_size=1536)  # several chunks per projection
+    model = synthetic_model(cfg, quant, seed=13)
     ops = _ScratchRecordingOps()
     fwd = DeviceForward(ops=ops)
     device_logits(fwd, model, _tokens(model.config, 6), 4)
     part, counters = ops.reserved[-1]
+    w = fwd._st.layers[0].weights
     lins = [lin for layer in fwd._st.layers for lin in [*layer.weights.qkv, layer.weights.o,
                                                          *layer.weights.gate_up, layer.weights.down]]
     need_part, need_counters = forward_ops.gemv_scratch(lins)
     assert part >= need_part and counters >= need_counters
+    if splits:
+        assert (w.down.ksplit, w.gate_up[0].ksplit, w.o.ksplit) == (min(3, w.down.chunks), 2, 1)
 
 
 @pytest.mark.parametrize("k,n,bits,cluster", [(4096, 6144, 4, 8), (4096, 4096, 4, 8), (4096, 24576, 4, 0),
