@@ -289,9 +289,8 @@ __device__ __forceinline__ void rope_head(const QkvRope& qr, const float* src, i
 // A chunk is the same 32 KB of weights for int8 and int4 (256 or 512 rows), so each warp has as many bytes
 // in flight per chunk.
 // With gridDim.y > 1 the K splits' partial sums are added in y order (deterministic, graph-safe): launched as
-// clusters (of at most MAX_CLUSTER splits of a tile), block 0 of a cluster reads the others' from their shared
-// memory; then, where a tile has several clusters (or no clusters), each cluster's block 0 (or each block)
-// writes its sums to part[y][m][Npad], y its cluster's (block's) index, and the last to arrive (atomic counter,
+// one cluster per tile (gridDim.y <= MAX_CLUSTER), block 0 of the cluster reads the others' from their shared
+// memory; otherwise each block writes them to part[y][m][Npad] and the last block of a tile (atomic counter,
 // then reset for the next launch) reads them back.
 // Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += acc (+ bias). With qout (M = 1, the q|k|v projection,
 // hd == TN: tile x is head x; the other pointers and H, KV, cap as QkvRope's, eps the prologue's) the tile's
@@ -510,7 +509,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     for (int i = 0; i < MR; ++i) yin[i] = nok && epi == 1 && m0 + i < M ? Y[(size_t)(m0 + i) * ldy + n] : 0.f;
     if (nok && bias) bn = bias[n];
     const unsigned csize = cluster_size();
-    if (csize > 1) {                            // consecutive splits of the tile: add them in rank order
+    if (csize > 1) {                            // the tile's splits are this cluster (csize == gridDim.y)
         if (tid < TN) {
 #pragma unroll
             for (int i = 0; i < MR; ++i) s_part[i][tid] = acc[i];
@@ -532,24 +531,22 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         }
         cluster_sync();                         // the others keep their shared memory until block 0 has read it
         if (rank != 0) { KT_END((size_t)W) return; }
-    }
-    const int ny = (int)(gridDim.y / csize);    // the tile's partial sums left to add: clusters', or blocks'
-    if (ny > 1) {
+    } else if (gridDim.y > 1) {
         if (tid < TN && n0 + tid < Npad) {
             for (int i = 0; i < MR; ++i) {
                 const int m = m0 + i;
-                if (m < M) part[((size_t)(blockIdx.y / csize) * M + m) * Npad + n0 + tid] = acc[i];
+                if (m < M) part[((size_t)blockIdx.y * M + m) * Npad + n0 + tid] = acc[i];
             }
         }
         const int tile = blockIdx.z * gridDim.x + blockIdx.x;
-        if (!arrive_last(&counters[tile], ny, &s_last)) { KT_END((size_t)W) return; }
+        if (!arrive_last(&counters[tile], gridDim.y, &s_last)) { KT_END((size_t)W) return; }
         if (tid < TN && n0 + tid < Npad) {
             for (int i = 0; i < MR; ++i) {
                 const int m = m0 + i;
                 float s = 0.f;
                 if (m < M) {
 #pragma unroll 16
-                    for (int y = 0; y < ny; ++y)  // up to 16 partials in flight at once
+                    for (int y = 0; y < (int)gridDim.y; ++y)  // up to 16 partials in flight at once
                         s += __ldcg(part + ((size_t)y * M + m) * Npad + n0 + tid);
                 }
                 acc[i] = s;

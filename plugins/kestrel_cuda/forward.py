@@ -564,7 +564,8 @@ class DeviceForward:
         if forced is None:
             return split
         split = min(forced, lin.chunks)
-        lin.cluster = cluster_split(lin, split, self.sm_count) if lin.m1 == "chunk" and self.clusters else 0
+        lin.cluster = lin.m1 == "chunk" and self.clusters and \
+            cluster_split(lin, split, self.sm_count) == split
         return split
 
     def _pin_weights(self, st: _State) -> None:

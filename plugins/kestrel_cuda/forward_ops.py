@@ -60,7 +60,7 @@ class Lin:
     ksplit: int = 1
     wkey: int = 0
     m1: str = ""  # the M=1 kernel planned for it ("stream" or "chunk"; "" = decided at launch)
-    cluster: int = 0  # its M=1 K splits run as thread block clusters of this many blocks (plan_split; 0: none)
+    cluster: bool = False  # its M=1 K splits run as one thread block cluster per tile (plan_split)
 
     @property
     def tiles(self) -> int:
@@ -108,20 +108,14 @@ def one_wave_split(lin: Lin, sm_count: int) -> int:
 
 
 def cluster_split(lin: Lin, ksplit: int, sm_count: int) -> int:
-    """Blocks per thread block cluster for the chunked M=1 GEMV of ``ksplit`` K splits, or 0 (the global merge
-    alone). A cluster is consecutive splits of a tile, adding their partial sums in shared memory; a tile of
-    more than MAX_CLUSTER splits runs clusters of MAX_CLUSTER whose sums then meet through L2 (two partials
-    instead of 16 for q8's o; ``KESTREL_CUDA_CLUSTER=tile`` keeps clusters to whole tiles). Clusters measured
-    faster only for a grid of one wave (CHUNK_BLOCKS_PER_SM per SM) whose blocks take one chunk each: larger
-    grids lose more to the clusters' placement on whole GPCs than the merge saves, two chunks a block lost at
-    q8, and three or four gained nothing on gate|up and down (docs/performance.md)."""
-    one_wave = lin.tiles * ksplit <= CHUNK_BLOCKS_PER_SM * sm_count
-    if ksplit < 2 or not one_wave or lin.chunks > ksplit:
-        return 0
-    if ksplit <= MAX_CLUSTER:
-        return ksplit
-    multi = _env(CLUSTER_ENV, "1") != "tile"
-    return MAX_CLUSTER if multi and ksplit % MAX_CLUSTER == 0 else 0
+    """K splits of the chunked M=1 GEMV to run as one thread block cluster per tile (their partial sums added
+    in shared memory, not through L2), or 0 to keep ``ksplit`` and the global merge. Clusters measured faster
+    only for a grid of one wave (CHUNK_BLOCKS_PER_SM per SM) whose blocks take one chunk each: larger grids
+    lose more to the clusters' placement on whole GPCs than the merge saves, two chunks a block lost at q8,
+    and three or four gained nothing on gate|up and down (docs/performance.md)."""
+    split = min(ksplit, MAX_CLUSTER)
+    one_wave = lin.tiles * split <= CHUNK_BLOCKS_PER_SM * sm_count
+    return split if split > 1 and one_wave and lin.chunks <= split else 0
 
 
 def plan_stream_split(lin: Lin, resident: int) -> int:
@@ -158,12 +152,13 @@ def plan_split(lin: Lin, gemv: str, sm_count: int, target_blocks: int | None = N
     lin.m1 = m1_kernel(lin, gemv, sm_count)
     target = target_blocks or default_target_blocks(sm_count, lin.m1)
     if lin.m1 != "chunk":
-        lin.cluster = 0
+        lin.cluster = False
         return plan_stream_split(lin, target)
     default = target_blocks is None and not _env(BLOCKS_ENV, "")
     ksplit = (default and one_wave_split(lin, sm_count)) or plan_ksplit(lin, target)
-    lin.cluster = cluster_split(lin, ksplit, sm_count) if clusters else 0
-    return ksplit
+    split = cluster_split(lin, ksplit, sm_count) if clusters else 0
+    lin.cluster = split > 0
+    return split or ksplit
 
 
 def pack_kmajor(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -543,7 +538,7 @@ class CupyOps:
                 cluster: int = 1) -> None:
         """Launch on the stream. Inside a graph capture with PDL on, every launch after the capture's first
         may overlap its predecessor (forward_launch; each kernel waits for it before reading its outputs).
-        ``cluster`` > 1: grid y in clusters of that many blocks (the M=1 GEMV's K splits, a multiple of it)."""
+        ``cluster`` > 1: grid y in clusters of that many blocks (the M=1 GEMV's K splits)."""
         self.launches += 1
         pdl = False
         if self._capturing:
@@ -583,7 +578,7 @@ class CupyOps:
         mr = 1 if m == 1 else SMALL_M
         ksplit = lin.ksplit if m == 1 else 1
         fn = self._gemv[(lin.bits, lin.group_size, mr)]
-        cluster = lin.cluster if m == 1 and lin.cluster > 1 and self.cluster else 1
+        cluster = ksplit if m == 1 and lin.cluster and self.cluster else 1
         self._launch(fn, (lin.tiles, ksplit, -(-m // mr)), (256,),
                      (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
                       _ptr(x), _ld(x), _i32(m), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
@@ -702,8 +697,8 @@ def gemv_kind() -> str:
 
 
 def clusters_enabled() -> bool:
-    """``KESTREL_CUDA_CLUSTER`` (default on; 0 turns it off, ``tile`` keeps clusters to whole tiles): M=1
-    chunked GEMVs that ``cluster_split`` picks run their K splits as thread block clusters (sm_90+)."""
+    """``KESTREL_CUDA_CLUSTER`` (default on; 0 turns it off): M=1 chunked GEMVs that ``cluster_split`` picks run
+    their K splits as thread block clusters (sm_90+)."""
     return _env(CLUSTER_ENV, "1") not in ("0", "false", "no", "off")
 
 

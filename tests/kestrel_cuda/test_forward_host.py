@@ -395,23 +395,20 @@ def test_split_k_scratch_covers_every_planned_gemv(quant: str, splits: str, monk
 
 
 @pytest.mark.parametrize("k,n,bits,cluster", [(4096, 6144, 4, 8), (4096, 4096, 4, 8), (4096, 24576, 4, 0),
-                                              (12288, 4096, 4, 0), (4096, 6144, 8, 0), (4096, 4096, 8, 8),
+                                              (12288, 4096, 4, 0), (4096, 6144, 8, 0), (4096, 4096, 8, 0),
                                               (12288, 4096, 8, 0), (4096, 151936, 4, 0)])
-def test_cluster_splits_only_for_one_wave_of_one_chunk_per_block(k: int, n: int, bits: int, cluster: int,
-                                                                 monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Qwen3-8B's projections on 132 SMs: q|k|v and o run as one cluster of 8 splits per tile at q4, o as two
-    clusters of 8 of its 16 splits at q8 (KESTREL_CUDA_CLUSTER=tile: none); q|k|v at q8 (more than a wave),
-    gate|up, down and lm_head keep the global merge. Clusters never change the splits."""
+def test_cluster_splits_only_for_one_wave_of_one_chunk_per_block(k: int, n: int, bits: int,
+                                                                 cluster: int) -> None:
+    """Qwen3-8B's projections on 132 SMs: q|k|v and o run as clusters of 8 splits at q4; at q8 (two chunks a
+    block), gate|up, down and lm_head keep the planner's splits and the global merge."""
     lin = forward_ops.Lin(None, None, k, n, pad_n(n), 32, bits)
     free = forward_ops.plan_split(lin, "chunk", 132)
     assert not lin.cluster
     split = forward_ops.plan_split(lin, "chunk", 132, None, clusters=True)
-    assert lin.cluster == cluster and split == free
+    assert lin.cluster == (cluster > 0)
+    assert split == (cluster or free)
     if lin.cluster:
-        assert lin.tiles * split <= 4 * 132 and lin.chunks <= split and split % lin.cluster == 0
-    monkeypatch.setenv("KESTREL_CUDA_CLUSTER", "tile")
-    forward_ops.plan_split(lin, "chunk", 132, None, clusters=True)
-    assert lin.cluster == (cluster if cluster == split else 0)
+        assert lin.tiles * split <= 4 * 132 and lin.chunks <= split
 
 
 # -- pipelined greedy decode ---------------------------------------------
