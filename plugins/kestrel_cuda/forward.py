@@ -268,7 +268,7 @@ class DeviceForward:
         if count < 1:
             return self._decline(f"context {start + 1} beyond the device maximum {st.max_context}")
         try:
-            seq = self._open_sequence(st, seq_id, start, start + count)  # sized before the graph bakes it in
+            seq = self._open_sequence(st, seq_id, start, start + 1)  # the KV cache grows as the steps go
             if seq is None:
                 return None
             self._graph(st, seq)
@@ -280,12 +280,21 @@ class DeviceForward:
 
     def _pipeline(self, st: _State, seq_id: int, seq: _Seq, start: int, count: int) -> Iterator[int]:
         """Steps i and i + 1 in flight while the host waits for step i's token (lm_finish feeds each step's
-        argmax to the next on the device)."""
+        argmax to the next on the device). A step beyond the KV capacity first drains the steps in flight,
+        grows the cache (which re-captures the graph) and writes its position and token from the host."""
         events: list[Any] = []
 
         def launch(i: int) -> None:
+            nonlocal seq
+            pos = start + i
+            if pos >= seq.capacity:
+                self.ops.wait(events[i - 1])
+                token = int(st.tokens[(pos - 1) % TOKEN_RING])
+                seq = self._reserve(st, seq_id, seq, pos + 1)
+                self._graph(st, seq)
+                self.ops.write_meta(st.meta, np.array([pos, token], np.int32))
             seq.graph()
-            seq.length = start + i + 1
+            seq.length = pos + 1
             events.append(self.ops.record())
             self.counters["graph_replays"] += 1
             self.counters["steps"] += 1

@@ -435,3 +435,20 @@ def test_fused_rope_epilogue_equals_the_qkv_rope_kernel_bitwise(arch, quant, str
         assert fwd.fuse_rope == (mode == "1")
     assert np.array_equal(runs["1"], runs["0"])
     _check(model, toks, 6, runs["1"])
+
+
+def test_pipelined_greedy_across_a_kv_growth(stream, gemm) -> None:  # type: ignore[no-untyped-def]
+    """The pipeline crossing the KV capacity (drain, grow, re-capture, position and token from the host) gives
+    the step-by-step argmax tokens."""
+    model = synthetic_model(SMALL_CONFIGS["qwen3"], "q4", seed=27)
+    prompt = _tokens(model.config, CAP_CHUNK - 3)
+    fwd = DeviceForward(stream=stream, gemm=gemm)
+    first = int(fwd.forward(model, 1, prompt, 0, False)[0].argmax())
+    expect = [first]
+    for i in range(8):
+        expect.append(int(fwd.forward(model, 1, np.array(expect[-1:]), len(prompt) + i, False)[0].argmax()))
+    fwd = DeviceForward(stream=stream, gemm=gemm)
+    fwd.forward(model, 1, prompt, 0, False)
+    tokens = fwd.greedy(model, 1, first, len(prompt), 1000)
+    assert [first] + [next(tokens) for _ in range(8)] == expect
+    assert fwd._seqs[1].capacity == 2 * CAP_CHUNK and fwd.counters["graph_captures"] == 2

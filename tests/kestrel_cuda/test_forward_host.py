@@ -531,3 +531,19 @@ def test_narrow_projections_run_one_wave_of_k_splits(monkeypatch) -> None:  # ty
     assert forward_ops.plan_split(qkv, "chunk", sm) == 16
     monkeypatch.setenv("KESTREL_CUDA_GEMV_BLOCKS", str(8 * sm))
     assert forward_ops.plan_split(down, "chunk", sm) == 24
+
+
+def test_pipelined_greedy_grows_the_kv_cache_as_it_goes() -> None:
+    """The pipeline reserves one position ahead, not its whole count: crossing the capacity it drains, grows
+    the cache (a second capture) and goes on with the same tokens as step by step."""
+    cfg = replace(CONFIGS["llama"], num_layers=1)
+    model = synthetic_model(cfg, "q8", seed=26)
+    prompt = _tokens(cfg, CAP_CHUNK - 3)
+    expect, _ = _stepwise_greedy(DeviceForward(ops=NumpyOps()), model, prompt, 8)
+    fwd = DeviceForward(ops=NumpyOps())
+    first = int(fwd.forward(model, 1, prompt, 0, False)[0].argmax())
+    tokens = fwd.greedy(model, 1, first, len(prompt), 4000)
+    assert fwd._seqs[1].capacity == CAP_CHUNK  # not 4000 positions' worth up front
+    got = [next(tokens) for _ in range(8)]
+    assert [first] + got == expect
+    assert fwd._seqs[1].capacity == 2 * CAP_CHUNK and fwd.counters["graph_captures"] == 2
