@@ -59,7 +59,7 @@ class Bench:
 
     def graph_time_us(self, launch, count: int, replays: int = 7) -> tuple[float, str]:
         """Median microseconds per launch of ``launch(i)`` for i in 0..count-1 captured in one graph."""
-        cp, s = self.cp, self.stream
+        s = self.stream
         with s:
             for i in range(min(count, 4)):
                 launch(i)
@@ -81,6 +81,11 @@ class Bench:
                 with s:
                     for i in range(count):
                         launch(i)
+        return self.replay_us(run, count, replays), mode
+
+    def replay_us(self, run, count: int, replays: int = 7) -> float:
+        """Median microseconds per launch of ``run()``, ``count`` launches on the stream, after one warm-up."""
+        cp, s = self.cp, self.stream
         run()
         s.synchronize()
         times = []
@@ -91,7 +96,7 @@ class Bench:
             end.record(s)
             end.synchronize()
             times.append(cp.cuda.get_elapsed_time(start, end) * 1000.0 / count)
-        return statistics.median(times), mode
+        return statistics.median(times)
 
     # -- device weights without host generation ------------------------------------------------------
 
@@ -208,6 +213,8 @@ extern "C" __global__ void copy16(const uint4* __restrict__ s, uint4* __restrict
         cp = self.cp
         from kestrel_cuda.forward_ops import EPI_STORE, PRO_PLAIN, CupyOps, Lin, gemv_scratch, plan_split
 
+        # CupyOps.capture, not graph_time_us's plain capture: its launches carry PDL as in the decode step
+
         ops = CupyOps(self.stream)
         rows = []
         for name, (n, k) in {**SHAPES, "q|k|v": (6144, 4096)}.items():  # decode runs q|k|v fused
@@ -216,9 +223,7 @@ extern "C" __global__ void copy16(const uint4* __restrict__ s, uint4* __restrict
                 wbytes = w0.geometry.nbytes
                 copies = max(2, -(-4 * L2_BYTES // wbytes))
                 ws = [w0] + [self.device_weight(n, k, 32, bits, 2 + i) for i in range(copies - 1)]
-                g = w0.geometry
-                shape = (g.k, g.npad) if bits == 8 else (g.k // 8, 4 * g.npad)
-                lins = [Lin(w.codes.view(np.uint8).reshape(shape), w.scales, k, n, g.npad, 32, bits) for w in ws]
+                lins = [Lin.from_device_weight(w, n) for w in ws]
                 for lin in lins:
                     lin.ksplit = plan_split(lin, ops.gemv_kind, ops.sm_count, clusters=ops.cluster)
                 ops.reserve(*gemv_scratch(lins), 1, 1)
@@ -227,17 +232,7 @@ extern "C" __global__ void copy16(const uint4* __restrict__ s, uint4* __restrict
                 count = 8 * copies if wbytes < (256 << 20) else copies * 2
                 graph = ops.capture(lambda: [ops.gemv(lins[i % copies], x, PRO_PLAIN, None, 0.0, 0, y, EPI_STORE,
                                                       None) for i in range(count)])
-                graph()
-                self.stream.synchronize()
-                times = []
-                for _ in range(7):
-                    start, end = cp.cuda.Event(), cp.cuda.Event()
-                    start.record(self.stream)
-                    graph()
-                    end.record(self.stream)
-                    end.synchronize()
-                    times.append(cp.cuda.get_elapsed_time(start, end) * 1000.0 / count)
-                us = statistics.median(times)
+                us = self.replay_us(graph, count)
                 bw = wbytes / (us * 1e-6) / 1e12
                 row = {"shape": name, "N": n, "K": k, "bits": bits, "G": 32, "us": round(us, 2),
                        "weight_MB": round(wbytes / 1e6, 1), "tb_s": round(bw, 3),

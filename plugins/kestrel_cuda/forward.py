@@ -503,10 +503,8 @@ class DeviceForward:
             return
         c = model.config
         lins = []
-        keys = [[wkey(0, Proj.Q), wkey(0, Proj.K), wkey(0, Proj.V)], [wkey(0, Proj.O)],
-                [wkey(0, Proj.GATE), wkey(0, Proj.UP)], [wkey(0, Proj.DOWN)], [lm_head_wkey()]]
-        fused = [fused_wkey(0, Proj.QKV), 0, fused_wkey(0, Proj.GATE_UP), 0, 0]
-        for group, members, key in zip(_groups(model.layers[0]) + [[model.lm_head]], keys, fused):
+        keys = _group_keys(0) + [([lm_head_wkey()], 0)]
+        for group, (members, key) in zip(_groups(model.layers[0]) + [[model.lm_head]], keys):
             n, k = sum(s.n for s in group), group[0].k
             lin = Lin(None, None, k, n, pad_n(n), group[0].group_size, group[0].bits,  # own bits: own plan
                       wkey=key or members[0])
@@ -520,13 +518,9 @@ class DeviceForward:
         reserve(part, counters, attn_part_size(c.num_heads, c.head_dim), c.num_heads)
 
     def _layer_weights(self, st: _State, i: int) -> _LayerWeights:
-        lw = st.model.layers[i]
-        qkv, o, gu, down = _groups(lw)
-        return _LayerWeights(
-            qkv=self._fetch(qkv, [wkey(i, Proj.Q), wkey(i, Proj.K), wkey(i, Proj.V)], fused_wkey(i, Proj.QKV)),
-            o=self._fetch(o, [wkey(i, Proj.O)], 0)[0],
-            gate_up=self._fetch(gu, [wkey(i, Proj.GATE), wkey(i, Proj.UP)], fused_wkey(i, Proj.GATE_UP)),
-            down=self._fetch(down, [wkey(i, Proj.DOWN)], 0)[0])
+        qkv, o, gu, down = (self._fetch(strips, keys, fused) for strips, (keys, fused) in
+                            zip(_groups(st.model.layers[i]), _group_keys(i)))
+        return _LayerWeights(qkv=qkv, o=o[0], gate_up=gu, down=down[0])
 
     def _fetch(self, strips: list[StripCache], keys: list[int], fused_key: int) -> list[Lin]:
         """Device projections for ``strips`` (fused into one when allowed), with their output columns."""
@@ -558,10 +552,7 @@ class DeviceForward:
     def _adopt(self, dw: Any, n: int, col: int, key: int) -> Lin:
         if dw is None:
             raise KestrelError(f"the weight cache returned no weight for wkey {key:#x}")
-        g = dw.geometry
-        shape = (g.k, g.npad) if g.code_bits == 8 else (g.k // 8, 4 * g.npad)  # pack_kmajor's
-        codes = dw.codes.view(np.uint8).reshape(shape)
-        lin = Lin(codes, dw.scales, g.k, n, g.npad, g.group_size, g.code_bits, col, wkey=key)
+        lin = Lin.from_device_weight(dw, n, col, key)
         lin.ksplit = self._plan(lin)
         lin.device_weight = dw  # type: ignore[attr-defined]  # the tiled GEMM takes the cache's object
         return lin
@@ -593,4 +584,12 @@ class DeviceForward:
 def _groups(lw: LayerWeights) -> list[list[StripCache]]:
     """The projections of a layer in launch order: Q|K|V, O, gate|up, down."""
     return [[lw.q, lw.k, lw.v], [lw.o], [lw.gate, lw.up], [lw.down]]
+
+
+def _group_keys(layer: int) -> list[tuple[list[int], int]]:
+    """``_groups``' wkeys: (each member's, the fused weight's or 0)."""
+    return [([wkey(layer, Proj.Q), wkey(layer, Proj.K), wkey(layer, Proj.V)], fused_wkey(layer, Proj.QKV)),
+            ([wkey(layer, Proj.O)], 0),
+            ([wkey(layer, Proj.GATE), wkey(layer, Proj.UP)], fused_wkey(layer, Proj.GATE_UP)),
+            ([wkey(layer, Proj.DOWN)], 0)]
 

@@ -146,6 +146,18 @@ def device_logits(fwd: Any, model: Model, tokens: np.ndarray, n_prefill: int, se
     return np.concatenate(outs)
 
 
+def stepwise_greedy(fwd: Any, model: Model, prompt: np.ndarray, steps: int,
+                    seq_id: int = 1) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens through ``DeviceForward.forward`` one step at a time (the host's argmax of each row of
+    logits), and each decode step's logits [1, vocab]: what the pipelined ``greedy`` must reproduce."""
+    tokens = [int(fwd.forward(model, seq_id, prompt, 0, False)[0].argmax())]
+    rows = []
+    for i in range(steps):
+        rows.append(fwd.forward(model, seq_id, np.array(tokens[-1:]), len(prompt) + i, False))
+        tokens.append(int(rows[-1][0].argmax()))
+    return tokens, rows
+
+
 def jitter_effect(model: Model, tokens: np.ndarray, n_prefill: int, ref: np.ndarray) -> tuple[float, float]:
     """(relative L2, max abs) change of the CPU logits under the nudge, the larger over JITTER_SEEDS."""
     rel, mx = 0.0, 0.0

@@ -62,6 +62,15 @@ class Lin:
     m1: str = ""  # the M=1 kernel planned for it ("stream" or "chunk"; "" = decided at launch)
     cluster: bool = False  # its M=1 K splits run as one thread block cluster per tile (plan_split)
 
+    @classmethod
+    def from_device_weight(cls, dw: Any, n: int, col: int = 0, wkey: int = 0) -> Lin:
+        """A projection over a cache weight (``residency.DeviceWeight``), its codes viewed as pack_kmajor lays
+        them out."""
+        g = dw.geometry
+        shape = (g.k, g.npad) if g.code_bits == 8 else (g.k // 8, 4 * g.npad)
+        return cls(dw.codes.view(np.uint8).reshape(shape), dw.scales, g.k, n, g.npad, g.group_size, g.code_bits,
+                   col, wkey=wkey)
+
     @property
     def tiles(self) -> int:
         return -(-self.npad // TILE_N)

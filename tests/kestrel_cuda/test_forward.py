@@ -30,6 +30,7 @@ from kestrel_cuda.forward_check import (  # noqa: E402
     device_logits,
     greedy_agrees,
     jitter_effect,
+    stepwise_greedy,
 )
 
 
@@ -273,10 +274,7 @@ def test_cluster_split_sums_equal_the_global_merge_bitwise(quant, stream, gemm, 
 def test_greedy_tokens_are_the_cpus_for_16_steps(arch, stream, gemm) -> None:  # type: ignore[no-untyped-def]
     model = synthetic_model(SMALL_CONFIGS[arch], "q8", seed=6)
     prompt = _tokens(model.config, 12)
-    fwd = DeviceForward(stream=stream, gemm=gemm)
-    tokens = [int(fwd.forward(model, 1, prompt, 0, False)[0].argmax())]
-    for i in range(15):
-        tokens.append(int(fwd.forward(model, 1, np.array(tokens[-1:]), len(prompt) + i, False)[0].argmax()))
+    tokens, _ = stepwise_greedy(DeviceForward(stream=stream, gemm=gemm), model, prompt, 15)
     seq = np.concatenate([prompt, tokens[:-1]])
     ref = cpu_logits(model, seq, len(prompt))
     _, jitter_max = jitter_effect(model, seq, len(prompt), ref)
@@ -373,11 +371,8 @@ def test_pipelined_greedy_yields_the_step_by_step_argmax(quant, pdl, stream, gem
     model = synthetic_model(SMALL_CONFIGS["qwen3"], quant, seed=21)
     prompt = _tokens(model.config, 9)
     fwd = DeviceForward(stream=stream, gemm=gemm)
-    first = int(fwd.forward(model, 1, prompt, 0, False)[0].argmax())
-    expect, rows = [first], []
-    for i in range(16):
-        rows.append(fwd.forward(model, 1, np.array(expect[-1:]), len(prompt) + i, False))
-        expect.append(int(rows[-1][0].argmax()))
+    expect, rows = stepwise_greedy(fwd, model, prompt, 16)
+    first = expect[0]
     fwd.forward(model, 1, prompt, 0, False)  # rewind to the prompt
     assert [first] + list(fwd.greedy(model, 1, first, len(prompt), 16)) == expect
     fwd.forward(model, 1, prompt, 0, False)
@@ -442,11 +437,8 @@ def test_pipelined_greedy_across_a_kv_growth(stream, gemm) -> None:  # type: ign
     the step-by-step argmax tokens."""
     model = synthetic_model(SMALL_CONFIGS["qwen3"], "q4", seed=27)
     prompt = _tokens(model.config, CAP_CHUNK - 3)
-    fwd = DeviceForward(stream=stream, gemm=gemm)
-    first = int(fwd.forward(model, 1, prompt, 0, False)[0].argmax())
-    expect = [first]
-    for i in range(8):
-        expect.append(int(fwd.forward(model, 1, np.array(expect[-1:]), len(prompt) + i, False)[0].argmax()))
+    expect, _ = stepwise_greedy(DeviceForward(stream=stream, gemm=gemm), model, prompt, 8)
+    first = expect[0]
     fwd = DeviceForward(stream=stream, gemm=gemm)
     fwd.forward(model, 1, prompt, 0, False)
     tokens = fwd.greedy(model, 1, first, len(prompt), 1000)

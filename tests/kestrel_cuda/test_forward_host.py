@@ -30,6 +30,7 @@ from kestrel_cuda.forward_check import (
     device_logits,
     greedy_agrees,
     jitter_effect,
+    stepwise_greedy,
 )
 from kestrel_cuda.forward_ops import NumpyOps, pack_kmajor, unpack_kmajor
 from kestrel_cuda.residency import Geometry, WeightCache, pad_n
@@ -414,24 +415,13 @@ def test_cluster_splits_only_for_one_wave_of_one_chunk_per_block(k: int, n: int,
 # -- pipelined greedy decode ---------------------------------------------
 
 
-def _stepwise_greedy(fwd: DeviceForward, model, prompt: np.ndarray, steps: int) -> tuple[list[int], list]:  # type: ignore[no-untyped-def]
-    """Greedy tokens through ``forward`` one step at a time (the host's argmax), and each step's logits."""
-    first = int(fwd.forward(model, 1, prompt, 0, False)[0].argmax())
-    tokens, rows = [first], []
-    for i in range(steps):
-        row = fwd.forward(model, 1, np.array(tokens[-1:]), len(prompt) + i, False)
-        rows.append(row)
-        tokens.append(int(row[0].argmax()))
-    return tokens, rows
-
-
 @pytest.mark.parametrize("quant", ("q8", "q4"))
 def test_pipelined_greedy_yields_the_step_by_step_argmax(quant: str) -> None:
     """The device's own argmax fed back on the device gives the tokens the host's argmax gives; taking fewer
     than asked leaves the cache at the consumer's position (the extra step is rewound over)."""
     model = synthetic_model(CONFIGS["qwen3"], quant, seed=21)
     prompt = _tokens(model.config, 9)
-    expect, rows = _stepwise_greedy(DeviceForward(ops=NumpyOps()), model, prompt, 12)
+    expect, rows = stepwise_greedy(DeviceForward(ops=NumpyOps()), model, prompt, 12)
     fwd = DeviceForward(ops=NumpyOps())
     first = int(fwd.forward(model, 1, prompt, 0, False)[0].argmax())
     assert first == expect[0]
@@ -539,7 +529,7 @@ def test_pipelined_greedy_grows_the_kv_cache_as_it_goes() -> None:
     cfg = replace(CONFIGS["llama"], num_layers=1)
     model = synthetic_model(cfg, "q8", seed=26)
     prompt = _tokens(cfg, CAP_CHUNK - 3)
-    expect, _ = _stepwise_greedy(DeviceForward(ops=NumpyOps()), model, prompt, 8)
+    expect, _ = stepwise_greedy(DeviceForward(ops=NumpyOps()), model, prompt, 8)
     fwd = DeviceForward(ops=NumpyOps())
     first = int(fwd.forward(model, 1, prompt, 0, False)[0].argmax())
     tokens = fwd.greedy(model, 1, first, len(prompt), 4000)
