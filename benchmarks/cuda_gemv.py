@@ -3,6 +3,7 @@
 activation quantization, the hook's CPU/GPU crossover (the default min FLOPs), and preload.
 
     python benchmarks/cuda_gemv.py [--json out.json] [--quick] [--no-preload] [--no-crossover] [--decode-only]
+                                   [--splits plan,8,8c,16]
 
 Two decode GEMVs are measured: the hook path's (``gemm.q8`` on pre-quantized activations, gemv_warp.cu),
 and the whole-step decode's (forward.cu ``qgemv`` through ``CupyOps.gemv``: activation quantization fused,
@@ -209,9 +210,18 @@ extern "C" __global__ void copy16(const uint4* __restrict__ s, uint4* __restrict
 
     def decode_gemv(self, copy_bw: float) -> None:
         """The whole-step decode's M=1 GEMV per shape (float activations, quantized in its prologue), int8 and
-        int4 at G = 32, rotating over weight copies four times the L2, in one captured graph with PDL."""
+        int4 at G = 32, rotating over weight copies four times the L2, in one captured graph with PDL; with
+        ``--splits``, once per K split given ("plan": the planner's; "8c": 8 splits as one cluster per tile)."""
         cp = self.cp
-        from kestrel_cuda.forward_ops import EPI_STORE, PRO_PLAIN, CupyOps, Lin, gemv_scratch, plan_split
+        from kestrel_cuda.forward_ops import (
+            EPI_STORE,
+            MAX_CLUSTER,
+            PRO_PLAIN,
+            CupyOps,
+            Lin,
+            gemv_scratch,
+            plan_split,
+        )
 
         # CupyOps.capture, not graph_time_us's plain capture: its launches carry PDL as in the decode step
 
@@ -224,27 +234,63 @@ extern "C" __global__ void copy16(const uint4* __restrict__ s, uint4* __restrict
                 copies = max(2, -(-4 * L2_BYTES // wbytes))
                 ws = [w0] + [self.device_weight(n, k, 32, bits, 2 + i) for i in range(copies - 1)]
                 lins = [Lin.from_device_weight(w, n) for w in ws]
-                for lin in lins:
-                    lin.ksplit = plan_split(lin, ops.gemv_kind, ops.sm_count, clusters=ops.cluster)
-                ops.reserve(*gemv_scratch(lins), 1, 1)
                 x = cp.asarray(np.random.default_rng(0).standard_normal((1, k)).astype(np.float32))
                 y = cp.empty((1, n), dtype=cp.float32)
                 count = 8 * copies if wbytes < (256 << 20) else copies * 2
-                graph = ops.capture(lambda: [ops.gemv(lins[i % copies], x, PRO_PLAIN, None, 0.0, 0, y, EPI_STORE,
-                                                      None) for i in range(count)])
-                us = self.replay_us(graph, count)
-                bw = wbytes / (us * 1e-6) / 1e12
-                row = {"shape": name, "N": n, "K": k, "bits": bits, "G": 32, "us": round(us, 2),
-                       "weight_MB": round(wbytes / 1e6, 1), "tb_s": round(bw, 3),
-                       "pct_copy": round(100 * bw / copy_bw, 1), "ksplit": lins[0].ksplit,
-                       "cluster": lins[0].cluster, "pdl": ops.pdl}
-                del graph
+                floor_us = self.read_floor_us(ops, ws, count)
+                for setting in self.args.splits.split(","):
+                    for lin in lins:
+                        lin.ksplit = plan_split(lin, ops.gemv_kind, ops.sm_count, clusters=ops.cluster)
+                        if setting != "plan":
+                            lin.ksplit = min(int(setting.rstrip("c")), lin.chunks)
+                            lin.cluster = ops.cluster and setting.endswith("c") and lin.ksplit <= MAX_CLUSTER
+                    ops.reserve(*gemv_scratch(lins), 1, 1)
+                    graph = ops.capture(lambda: [ops.gemv(lins[i % copies], x, PRO_PLAIN, None, 0.0, 0, y,
+                                                          EPI_STORE, None) for i in range(count)])
+                    us = self.replay_us(graph, count)
+                    del graph
+                    bw = wbytes / (us * 1e-6) / 1e12
+                    row = {"shape": name, "N": n, "K": k, "bits": bits, "G": 32, "us": round(us, 2),
+                           "weight_MB": round(wbytes / 1e6, 1), "tb_s": round(bw, 3),
+                           "pct_copy": round(100 * bw / copy_bw, 1), "splits": setting, "ksplit": lins[0].ksplit,
+                           "cluster": lins[0].cluster, "pdl": ops.pdl, "read_floor_us": round(floor_us, 2),
+                           "read_floor_pct_copy": round(100 * wbytes / (floor_us * 1e-6) / 1e12 / copy_bw, 1),
+                           "pct_read_floor": round(100 * floor_us / us, 1)}
+                    if bits == 8 and setting == "plan":
+                        row.update(self.cublas_fp16(n, k))
+                    rows.append(row)
+                    log(json.dumps(row))
                 self.release(ws)
-                if bits == 8:
-                    row.update(self.cublas_fp16(n, k))
-                rows.append(row)
-                log(json.dumps(row))
         self.results["decode_gemv"] = rows
+
+    def read_floor_us(self, ops, ws, count: int) -> float:
+        """Microseconds per launch of a kernel that only reads a weight's bytes (16-byte loads, 8 blocks of 256
+        threads per SM), launched like the decode GEMV (back to back with PDL, the same rotating copies; it
+        waits for its predecessor before its one store per block): the floor any M=1 GEMV of that many bytes
+        has on this GPU, whatever its arithmetic."""
+        cp = self.cp
+        kern = cp.RawKernel(r"""
+extern "C" __global__ void read_floor(const uint4* __restrict__ p, long long n, unsigned* __restrict__ out) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    unsigned acc = 0;
+#pragma unroll 8
+    const long long step = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += step) {
+        const uint4 v = __ldg(p + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+    if ((threadIdx.x & 31) == 0) atomicXor(out + blockIdx.x, acc);
+}""", "read_floor")
+        blocks = 8 * self.dev.sm_count
+        out = cp.zeros(blocks, dtype=cp.uint32)
+        args = [(np.uint64(w.buffer.data.ptr), np.uint64(w.geometry.nbytes // 16), np.uint64(out.data.ptr))
+                for w in ws]  # numpy scalars, as forward_launch takes them
+        graph = ops.capture(lambda: [ops._launch(kern, (blocks,), (256,), args[i % len(ws)]) for i in range(count)])
+        us = self.replay_us(graph, count)
+        del graph
+        return us
 
     # -- 3. prefill GEMM ------------------------------------------------------------------------------
 
@@ -393,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-preload", action="store_true")
     p.add_argument("--no-crossover", action="store_true")
     p.add_argument("--decode-only", action="store_true", help="the copy and the whole-step decode GEMV only")
+    p.add_argument("--splits", default="plan", help='decode GEMV K splits to measure, e.g. "plan,8,8c,16"')
     args = p.parse_args(argv)
     b = Bench(args)
     bw = b.copy_bandwidth()

@@ -356,6 +356,12 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         for (int h = 0; h < SPW; ++h) pwv[h] = pro == 1 && k0 + h * NT + tid < K ? __ldg(pw + k0 + h * NT + tid) : 0.f;
         if (c == (int)blockIdx.y) grid_dep_wait();  // X comes from the kernels before this one
         KT_WAITED
+        // MR = 1 at int8 (one row a thread): the thread's input, loaded before the norm's sums and the barrier
+        // below, so that the round trips overlap (int4's two rows a thread would spill registers). Through L2
+        // (ld.global.cg): a plain load of this const __restrict__ row compiles to ld.global.nc, which may be
+        // scheduled above griddepcontrol.wait and read the previous step's values (measured: wrong logits).
+        constexpr bool early = MR == 1 && SPW == 1;
+        const float x1 = early && m0 < M && k0 + tid < K ? __ldcg(X + (size_t)m0 * ldx + k0 + tid) : 0.f;
         if (pro == 1 && c == (int)blockIdx.y && ssq_in) {  // M = 1: from the tile sums
             if (warp == 0) {
                 const float r = rms_from_tiles(ssq_in, K, eps);
@@ -385,13 +391,13 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
                 float v = 0.f;
                 if (m < M && k < K) {
                     const float* xr = X + (size_t)m * ldx;
+                    const float xk = early ? x1 : xr[k];
                     if (pro == 1) {
-                        v = xr[k] / s_r[i] * pwv[h];
+                        v = xk / s_r[i] * pwv[h];
                     } else if (pro == 2) {
-                        const float g = xr[k];
-                        v = g / (1.f + expf(-g)) * xr[k + xoff];
+                        v = xk / (1.f + expf(-xk)) * xr[k + xoff];
                     } else {
-                        v = xr[k];
+                        v = xk;
                     }
                 }
                 float amax = fabsf(v);

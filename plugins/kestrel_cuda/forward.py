@@ -67,6 +67,7 @@ from kestrel_cuda.forward_ops import (
     EPI_ADD,
     EPI_STORE,
     FINISH_COLS,
+    MAX_CLUSTER,
     MAX_HEAD_DIM,
     PRO_PLAIN,
     PRO_RMSNORM,
@@ -563,9 +564,9 @@ class DeviceForward:
         forced = self.splits.get(decode_wkey(lin.wkey)[1].name.lower()) if lin.wkey else None
         if forced is None:
             return split
-        split = min(forced, lin.chunks)
-        lin.cluster = lin.m1 == "chunk" and self.clusters and \
-            cluster_split(lin, split, self.sm_count) == split
+        split = min(forced[0], lin.chunks)
+        lin.cluster = lin.m1 == "chunk" and self.clusters and (
+            1 < split <= MAX_CLUSTER if forced[1] else cluster_split(lin, split, self.sm_count) == split)
         return split
 
     def _pin_weights(self, st: _State) -> None:

@@ -119,12 +119,14 @@ def one_wave_split(lin: Lin, sm_count: int) -> int:
 def cluster_split(lin: Lin, ksplit: int, sm_count: int) -> int:
     """K splits of the chunked M=1 GEMV to run as one thread block cluster per tile (their partial sums added
     in shared memory, not through L2), or 0 to keep ``ksplit`` and the global merge. Clusters measured faster
-    only for a grid of one wave (CHUNK_BLOCKS_PER_SM per SM) whose blocks take one chunk each: larger grids
-    lose more to the clusters' placement on whole GPCs than the merge saves, two chunks a block lost at q8,
-    and three or four gained nothing on gate|up and down (docs/performance.md)."""
+    only for a grid of one wave (CHUNK_BLOCKS_PER_SM per SM): larger grids lose more to the clusters' placement
+    on whole GPCs than the merge saves. Within one wave, blocks of one chunk each always gained; blocks of
+    several chunks gained where the grid still fills more than half the wave (q|k|v at q8: 384 blocks of two
+    chunks, 80.5 against 77.0 % of copy, -40 us per step) and lost where it does not (q and o at q8: 256
+    blocks, 64 against 74 %; docs/performance.md)."""
     split = min(ksplit, MAX_CLUSTER)
-    one_wave = lin.tiles * split <= CHUNK_BLOCKS_PER_SM * sm_count
-    return split if split > 1 and one_wave and lin.chunks <= split else 0
+    blocks, wave = lin.tiles * split, CHUNK_BLOCKS_PER_SM * sm_count
+    return split if split > 1 and blocks <= wave and (lin.chunks <= split or 2 * blocks > wave) else 0
 
 
 def plan_stream_split(lin: Lin, resident: int) -> int:
@@ -711,14 +713,18 @@ def clusters_enabled() -> bool:
     return _env(CLUSTER_ENV, "1") not in ("0", "false", "no", "off")
 
 
-def split_overrides() -> dict[str, int]:
-    """``KESTREL_CUDA_SPLITS`` (benchmarks: planner A/B runs): M=1 K splits by projection, ``down:12/gate_up:4``
-    (names of ``kestrel_core.wkey.Proj``, lower case); each is capped at the projection's chunks."""
+def split_overrides() -> dict[str, tuple[int, bool]]:
+    """``KESTREL_CUDA_SPLITS`` (benchmarks: planner A/B runs): M=1 K splits by projection, ``down:12/qkv:8c``
+    (names of ``kestrel_core.wkey.Proj``, lower case; a trailing ``c``: as one cluster per tile, at most
+    MAX_CLUSTER splits); each is capped at the projection's chunks. Maps name -> (splits, cluster)."""
     out = {}
     for item in _env(SPLITS_ENV, "").split("/"):
         name, _, value = item.partition(":")
-        if name.strip() and value.strip().isdigit() and int(value) > 0:
-            out[name.strip().lower()] = int(value)
+        value = value.strip().lower()
+        cluster = value.endswith("c")
+        value = value.removesuffix("c")
+        if name.strip() and value.isdigit() and int(value) > 0:
+            out[name.strip().lower()] = (int(value), cluster)
     return out
 
 

@@ -396,12 +396,12 @@ def test_split_k_scratch_covers_every_planned_gemv(quant: str, splits: str, monk
 
 
 @pytest.mark.parametrize("k,n,bits,cluster", [(4096, 6144, 4, 8), (4096, 4096, 4, 8), (4096, 24576, 4, 0),
-                                              (12288, 4096, 4, 0), (4096, 6144, 8, 0), (4096, 4096, 8, 0),
+                                              (12288, 4096, 4, 0), (4096, 6144, 8, 8), (4096, 4096, 8, 0),
                                               (12288, 4096, 8, 0), (4096, 151936, 4, 0)])
-def test_cluster_splits_only_for_one_wave_of_one_chunk_per_block(k: int, n: int, bits: int,
-                                                                 cluster: int) -> None:
-    """Qwen3-8B's projections on 132 SMs: q|k|v and o run as clusters of 8 splits at q4; at q8 (two chunks a
-    block), gate|up, down and lm_head keep the planner's splits and the global merge."""
+def test_cluster_splits_only_within_one_wave(k: int, n: int, bits: int, cluster: int) -> None:
+    """Qwen3-8B's projections on 132 SMs: q|k|v and o run as clusters of 8 splits at q4 (a chunk a block);
+    at q8 q|k|v does too (two chunks a block, 384 blocks: more than half the wave), o does not (256 blocks);
+    gate|up, down and lm_head keep the planner's splits and the global merge."""
     lin = forward_ops.Lin(None, None, k, n, pad_n(n), 32, bits)
     free = forward_ops.plan_split(lin, "chunk", 132)
     assert not lin.cluster
@@ -409,7 +409,8 @@ def test_cluster_splits_only_for_one_wave_of_one_chunk_per_block(k: int, n: int,
     assert lin.cluster == (cluster > 0)
     assert split == (cluster or free)
     if lin.cluster:
-        assert lin.tiles * split <= 4 * 132 and lin.chunks <= split
+        blocks = lin.tiles * split
+        assert blocks <= 4 * 132 and (lin.chunks <= split or 2 * blocks > 4 * 132)
 
 
 # -- pipelined greedy decode ---------------------------------------------
@@ -537,3 +538,9 @@ def test_pipelined_greedy_grows_the_kv_cache_as_it_goes() -> None:
     got = [next(tokens) for _ in range(8)]
     assert [first] + got == expect
     assert fwd._seqs[1].capacity == 2 * CAP_CHUNK and fwd.counters["graph_captures"] == 2
+
+
+def test_split_overrides_parse_splits_and_clusters(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """KESTREL_CUDA_SPLITS: name:splits, a trailing c for one cluster per tile; malformed items are ignored."""
+    monkeypatch.setenv("KESTREL_CUDA_SPLITS", "down:12/QKV:8c/o:0/gate_up:x/:4/up")
+    assert forward_ops.split_overrides() == {"down": (12, False), "qkv": (8, True)}
