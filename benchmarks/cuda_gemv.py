@@ -273,7 +273,6 @@ extern "C" __global__ void copy16(const uint4* __restrict__ s, uint4* __restrict
 extern "C" __global__ void read_floor(const uint4* __restrict__ p, long long n, unsigned* __restrict__ out) {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     unsigned acc = 0;
-#pragma unroll 8
     const long long step = (long long)gridDim.x * blockDim.x;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += step) {
         const uint4 v = __ldg(p + i);
