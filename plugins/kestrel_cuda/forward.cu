@@ -328,6 +328,11 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const int nck = (K + KC - 1) / KC;
     const bool colok = col < Npad;
     float acc[MR];
+    // int8 at G = 32 (one 32-row slot a warp): each warp quantizes exactly its own slot's rows, so the
+    // chunk's activations need no block barrier before the dot, and the first chunk none before them either
+    // (every warp computes the tile-sums norm itself, r1: the same bits as one warp's)
+    constexpr bool warp_local = G == 32 && SPW == 1;
+    float r1 = 0.f;
 #pragma unroll
     for (int i = 0; i < MR; ++i) acc[i] = 0.f;
 
@@ -363,10 +368,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         constexpr bool early = MR == 1 && SPW == 1;
         const float x1 = early && m0 < M && k0 + tid < K ? __ldcg(X + (size_t)m0 * ldx + k0 + tid) : 0.f;
         if (pro == 1 && c == (int)blockIdx.y && ssq_in) {  // M = 1: from the tile sums
-            if (warp == 0) {
-                const float r = rms_from_tiles(ssq_in, K, eps);
-                if (lane == 0) s_r[0] = r;
-            }
+            r1 = rms_from_tiles(ssq_in, K, eps);
+            if (tid == 0) s_r[0] = r1;
         } else if (pro == 1 && c == (int)blockIdx.y) {
             // rmsnorm denominators over the whole row, computed (identically) by every block, while its
             // first weight loads are in flight
@@ -382,7 +385,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
                 if (tid == 0) s_r[i] = sqrtf(ss / (float)K + eps);
             }
         }
-        __syncthreads();  // the previous chunk is done with s_aq / s_acc; s_r is visible
+        if (!(warp_local && c == (int)blockIdx.y && (pro != 1 || ssq_in)))
+            __syncthreads();  // the previous chunk is done with s_aq / s_acc; s_r is visible
         for (int i = 0; i < MR; ++i) {
 #pragma unroll
             for (int h = 0; h < SPW; ++h) {     // pass h: chunk rows h * NT + tid, one per thread
@@ -393,7 +397,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
                     const float* xr = X + (size_t)m * ldx;
                     const float xk = early ? x1 : xr[k];
                     if (pro == 1) {
-                        v = xk / s_r[i] * pwv[h];
+                        v = xk / (MR == 1 && ssq_in ? r1 : s_r[i]) * pwv[h];
                     } else if (pro == 2) {
                         v = xk / (1.f + expf(-xk)) * xr[k + xoff];
                     } else {
@@ -436,7 +440,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
                 else { if (tid == 0) s_as[i][gq] = d; }
             }
         }
-        __syncthreads();
+        if constexpr (warp_local) __syncwarp();
+        else __syncthreads();
 
         // this warp's slots: chunk rows 32 * q .. 32 * q + 31, q = SPW * warp + sl (G = 32: group q of the chunk)
         float fw[MR][4];
