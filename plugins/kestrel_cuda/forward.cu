@@ -368,8 +368,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         constexpr bool early = MR == 1 && SPW == 1;
         const float x1 = early && m0 < M && k0 + tid < K ? __ldcg(X + (size_t)m0 * ldx + k0 + tid) : 0.f;
         if (pro == 1 && c == (int)blockIdx.y && ssq_in) {  // M = 1: from the tile sums
-            r1 = rms_from_tiles(ssq_in, K, eps);
-            if (tid == 0) s_r[0] = r1;
+            r1 = rms_from_tiles(ssq_in, K, eps);  // every warp: s_r is not needed (ssq_in implies MR = 1)
         } else if (pro == 1 && c == (int)blockIdx.y) {
             // rmsnorm denominators over the whole row, computed (identically) by every block, while its
             // first weight loads are in flight
