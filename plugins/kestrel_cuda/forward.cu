@@ -361,12 +361,19 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         for (int h = 0; h < SPW; ++h) pwv[h] = pro == 1 && k0 + h * NT + tid < K ? __ldg(pw + k0 + h * NT + tid) : 0.f;
         if (c == (int)blockIdx.y) grid_dep_wait();  // X comes from the kernels before this one
         KT_WAITED
-        // MR = 1 at int8 (one row a thread): the thread's input, loaded before the norm's sums and the barrier
-        // below, so that the round trips overlap (int4's two rows a thread would spill registers). Through L2
-        // (ld.global.cg): a plain load of this const __restrict__ row compiles to ld.global.nc, which may be
-        // scheduled above griddepcontrol.wait and read the previous step's values (measured: wrong logits).
-        constexpr bool early = MR == 1 && SPW == 1;
-        const float x1 = early && m0 < M && k0 + tid < K ? __ldcg(X + (size_t)m0 * ldx + k0 + tid) : 0.f;
+        // MR = 1: the thread's inputs (its SPW rows, and SiLU*up's up values), loaded before the norm's sums and
+        // the barrier below, so that the round trips overlap (int4 at G = 32 spills 28 bytes for it and still
+        // measured 100-130 us per q4 step faster). Through L2 (ld.global.cg): a plain load of this const
+        // __restrict__ row compiles to ld.global.nc, which may be scheduled above griddepcontrol.wait and read
+        // the previous step's values (measured: wrong logits).
+        constexpr bool early = MR == 1;
+        float xe[SPW], ue[SPW];
+#pragma unroll
+        for (int h = 0; h < SPW; ++h) {
+            const bool ok = early && m0 < M && k0 + h * NT + tid < K;
+            xe[h] = ok ? __ldcg(X + (size_t)m0 * ldx + k0 + h * NT + tid) : 0.f;
+            ue[h] = ok && pro == 2 ? __ldcg(X + (size_t)m0 * ldx + k0 + h * NT + tid + xoff) : 0.f;
+        }
         if (pro == 1 && c == (int)blockIdx.y && ssq_in) {  // M = 1: from the tile sums
             r1 = rms_from_tiles(ssq_in, K, eps);  // every warp: s_r is not needed (ssq_in implies MR = 1)
         } else if (pro == 1 && c == (int)blockIdx.y) {
@@ -394,11 +401,11 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
                 float v = 0.f;
                 if (m < M && k < K) {
                     const float* xr = X + (size_t)m * ldx;
-                    const float xk = early ? x1 : xr[k];
+                    const float xk = early ? xe[h] : xr[k];
                     if (pro == 1) {
                         v = xk / (MR == 1 && ssq_in ? r1 : s_r[i]) * pwv[h];
                     } else if (pro == 2) {
-                        v = xk / (1.f + expf(-xk)) * xr[k + xoff];
+                        v = xk / (1.f + expf(-xk)) * (early ? ue[h] : xr[k + xoff]);
                     } else {
                         v = xk;
                     }
