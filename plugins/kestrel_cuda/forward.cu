@@ -165,6 +165,26 @@ __device__ __forceinline__ void store_warp_ssq(float y, float* __restrict__ ssq,
     if ((threadIdx.x & 31) == 0) ssq[n0 >> 5] = s;
 }
 
+// Weights and their G = 32 scales are read once a step: loaded through L2 without allocating L1 lines
+// (ld.global.nc.L1::no_allocate). Measured on the H200 against __ldg (docs/performance.md, sixth session):
+// weights -75 us per q8 step and -40 us per q4 step (of the copy bandwidth: gate/up 83 -> 89 %, down 96 -> 105 %,
+// q|k|v 82 -> 87 %), scales another -25 / -10 us per step, although q and o alone measure 3 % slower with it.
+__device__ __forceinline__ unsigned ld_stream(const unsigned* p) {
+    unsigned v;
+    asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float4 ld_stream(const float4* p) {
+    float4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+    return v;
+}
+
 // One lane's 32-row slot of weights, 4 columns from col, rows kr .. kr + 31. int8: w[r] = row kr + r (byte c =
 // column c); int4: w[4r + c] = the 8-k word of column c, k = kr + 8r .. kr + 8r + 7.
 template <int BITS>
@@ -173,12 +193,12 @@ __device__ __forceinline__ void load_slot(const unsigned char* __restrict__ W, i
     if constexpr (BITS == 8) {
         const unsigned* p = reinterpret_cast<const unsigned*>(W + (size_t)kr * Npad + col);
 #pragma unroll
-        for (int r = 0; r < 32; ++r) w[r] = __ldg(p + (size_t)r * (Npad / 4));
+        for (int r = 0; r < 32; ++r) w[r] = ld_stream(p + (size_t)r * (Npad / 4));
     } else {
         const uint4* p = reinterpret_cast<const uint4*>(W + ((size_t)(kr / 8) * Npad + col) * 4);
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-            const uint4 v = __ldg(p + (size_t)r * (Npad / 4));
+            const uint4 v = ld_stream(p + (size_t)r * (Npad / 4));
             w[4 * r] = v.x; w[4 * r + 1] = v.y; w[4 * r + 2] = v.z; w[4 * r + 3] = v.w;
         }
     }
@@ -348,7 +368,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         for (int sl = 0; sl < SPW; ++sl) {
             if (colok && kw + 32 * sl < K) {
                 load_slot<BITS>(W, Npad, kw + 32 * sl, col, wr[sl]);
-                if (G == 32) ws[sl] = __ldg(reinterpret_cast<const float4*>(WS + (size_t)((kw + 32 * sl) / 32) * Npad + col));
+                if (G == 32) ws[sl] = ld_stream(reinterpret_cast<const float4*>(WS + (size_t)((kw + 32 * sl) / 32) * Npad + col));
             }
         }
         if (G != 32 && tid < TN && n0 + tid < Npad) {
@@ -615,7 +635,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     do {                                                                                                   \
         const int kr_ = k_base + (warp + M1_WARPS * ((t) / SPU)) * G + ((t) % SPU) * 32;                   \
         load_slot<BITS>(W, Npad, kr_, col, ring[b]);                                                       \
-        ring_s[b] = __ldg(reinterpret_cast<const float4*>(WS + (size_t)(kr_ / G) * Npad + col));           \
+        ring_s[b] = ld_stream(reinterpret_cast<const float4*>(WS + (size_t)(kr_ / G) * Npad + col));       \
     } while (0)
 
 template <int BITS, int G>
