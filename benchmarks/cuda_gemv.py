@@ -253,9 +253,7 @@ extern "C" __global__ void copy16(const uint4* __restrict__ s, uint4* __restrict
                     row = {"shape": name, "N": n, "K": k, "bits": bits, "G": 32, "us": round(us, 2),
                            "weight_MB": round(wbytes / 1e6, 1), "tb_s": round(bw, 3),
                            "pct_copy": round(100 * bw / copy_bw, 1), "splits": setting, "ksplit": lins[0].ksplit,
-                           "cluster": lins[0].cluster, "pdl": ops.pdl,
-                           "carveout": ops._gemv[(bits, 32, 1)].attributes.get("preferred_shared_memory_carveout"),
-                           "read_floor_us": round(floor_us, 2),
+                           "cluster": lins[0].cluster, "pdl": ops.pdl, "read_floor_us": round(floor_us, 2),
                            "read_floor_pct_copy": round(100 * wbytes / (floor_us * 1e-6) / 1e12 / copy_bw, 1),
                            "pct_read_floor": round(100 * floor_us / us, 1)}
                     if bits == 8 and setting == "plan":

@@ -441,9 +441,6 @@ class CupyOps:
         mod = _module(kernel_defines())
         self._gemv = {v: mod.get_function("qgemv<{},{},{}>".format(*v)) for v in _GEMV_VARIANTS}
         self._gemv_m1 = {v: mod.get_function("qgemv_m1<{},{}>".format(*v)) for v in _M1_VARIANTS}
-        self.carveout = gemv_carveout()
-        for fn in (*self._gemv.values(), *self._gemv_m1.values()):  # set every time: the module is shared
-            fn.preferred_shared_memory_carveout = self.carveout
         self.gemv_kind = gemv_kind()
         self._attn_decode = mod.get_function(f"attn_decode<{ATTN_SPLITS}>")
         self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
@@ -692,7 +689,6 @@ NORM_TILES_ENV = "KESTREL_CUDA_NORM_TILES"
 DEFINES_ENV = "KESTREL_CUDA_DEFINES"
 CLUSTER_ENV = "KESTREL_CUDA_CLUSTER"
 SPLITS_ENV = "KESTREL_CUDA_SPLITS"
-CARVEOUT_ENV = "KESTREL_CUDA_CARVEOUT"
 FUSE_ROPE_ENV = "KESTREL_CUDA_FUSE_ROPE"
 
 
@@ -730,14 +726,6 @@ def split_overrides() -> dict[str, tuple[int, bool]]:
         if name.strip() and value.isdigit() and int(value) > 0:
             out[name.strip().lower()] = (int(value), cluster)
     return out
-
-
-def gemv_carveout() -> int:
-    """``KESTREL_CUDA_CARVEOUT`` (benchmarks): the GEMV kernels' preferred shared-memory carveout, percent of
-    the SM's L1/shared memory (0: most L1, 100: most shared memory); -1, the default: the driver's choice."""
-    raw = _env(CARVEOUT_ENV, "-1")
-    value = int(raw) if raw.lstrip("-").isdigit() else -1
-    return value if -1 <= value <= 100 else -1
 
 
 def fuse_rope_enabled() -> bool:
