@@ -244,7 +244,8 @@ extern "C" __global__ void copy16(const uint4* __restrict__ s, uint4* __restrict
                         if setting != "plan":
                             lin.ksplit = min(int(setting.rstrip("c")), lin.chunks)
                             lin.cluster = ops.cluster and setting.endswith("c") and lin.ksplit <= MAX_CLUSTER
-                    ops.reserve(*gemv_scratch(lins), 1, 1)
+                    part, counters, merge_tiles = gemv_scratch(lins)
+                    ops.reserve(part, counters, 1, 1, merge_tiles)
                     graph = ops.capture(lambda: [ops.gemv(lins[i % copies], x, PRO_PLAIN, None, 0.0, 0, y,
                                                           EPI_STORE, None) for i in range(count)])
                     us = self.replay_us(graph, count)

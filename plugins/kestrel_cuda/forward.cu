@@ -13,7 +13,6 @@
 
 #define NT 256          // threads of a GEMV block (8 warps)
 #define TN 128          // columns of a GEMV tile: 32 lanes x 4 columns
-#define KC8 256         // rows of an int8 GEMV chunk: 8 warps x 32 rows (int4: 512, 8 warps x 64)
 #define FULL FULL_MASK
 #define NEG_INF __int_as_float(0xff800000)  // -inf without math headers (NVRTC)
 
@@ -93,6 +92,22 @@ __device__ __forceinline__ bool arrive_last(int* counter, int count, int* flag) 
     }
     __syncthreads();
     return *flag;
+}
+
+// Split-K hand-over of qgemv at M = 1 without a fence or a counter round trip: each split stores its partial
+// sums together with the launch's tag, the tile's epoch + 1, as one 64-bit word (single-copy atomic), in slot
+// [tile][split][column] of ``merge``, and the tile's last split polls for the others' tags. A tile's epoch
+// grows by one with every launch that merges it (its last split writes it, after the poll), so no slot holds
+// the new tag before this launch writes it; the next launch reads it after its PDL wait.
+#define MERGE_SPLITS 64  // K splits one tile's slots hold (forward_ops.MERGE_SPLITS)
+__device__ __forceinline__ void st_tagged(unsigned long long* p, float v, unsigned tag) {
+    const unsigned long long w = ((unsigned long long)tag << 32) | __float_as_uint(v);
+    asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" :: "l"(p), "l"(w) : "memory");
+}
+__device__ __forceinline__ unsigned long long ld_tagged(const unsigned long long* p) {
+    unsigned long long w;
+    asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
+    return w;
 }
 
 // Thread block clusters (sm_90): the K splits of a GEMV tile launched as one cluster add their partial sums
@@ -306,12 +321,14 @@ __device__ __forceinline__ void rope_head(const QkvRope& qr, const float* src, i
 // where A = prologue(X): pro 0: X; pro 1: rmsnorm(X, pw, eps); pro 2: silu(X[:, k]) * X[:, k + xoff],
 // quantized per G-block exactly as contract.quantize_activations.
 // Grid: x = column tiles of TN, y = K splits (chunks of KC strided by gridDim.y), z = row blocks of MR.
-// A chunk is the same 32 KB of weights for int8 and int4 (256 or 512 rows), so each warp has as many bytes
-// in flight per chunk.
-// With gridDim.y > 1 the K splits' partial sums are added in y order (deterministic, graph-safe): launched as
-// one cluster per tile (gridDim.y <= MAX_CLUSTER), block 0 of the cluster reads the others' from their shared
-// memory; otherwise each block writes them to part[y][m][Npad] and the last block of a tile (atomic counter,
-// then reset for the next launch) reads them back.
+// A chunk is 256 rows, one 32-row slot a warp (int8: 32 KB, int4: 16 KB). int4 chunks of 512 rows (two slots
+// a warp, 32 KB like int8) measured slower: 2,250 against 2,010 us per qwen3-8b q4 step (docs/performance.md).
+// With gridDim.y > 1 (M = 1 only) the K splits' partial sums are added in y order (deterministic, graph-safe,
+// the same bits every way): launched as one cluster per tile (gridDim.y <= MAX_CLUSTER), block 0 of the
+// cluster reads the others' from their shared memory; with ``epochs`` (forward_ops.tagged_merge: grids of more
+// than one wave) every split stores them tagged in ``merge`` (st_tagged), the tile's last split polls for them
+// and the others exit at once, freeing their SM slots for the next wave; otherwise each block writes them to
+// part[y][m][Npad] and the last block of a tile to arrive on its counter (then reset) reads them back.
 // Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += acc (+ bias). With qout (M = 1, the q|k|v projection,
 // hd == TN: tile x is head x; the other pointers and H, KV, cap as QkvRope's, eps the prologue's) the tile's
 // outputs go through rope_head instead of to Y: qkv_rope's work, in the block that has the head's sums,
@@ -321,22 +338,20 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
     const float* __restrict__ X, int ldx, int M, int pro, const float* __restrict__ pw, float eps, int xoff,
     float* __restrict__ Y, int ldy, int epi, const float* __restrict__ bias,
-    float* __restrict__ part, int* __restrict__ counters, const float* __restrict__ ssq_in, float* __restrict__ ssq_out,
-    const float* qnorm, const float* knorm, const float* cosT, const float* sinT, const int* meta, float* qout,
-    float* kc, float* vc, int H, int KV, int cap)
+    float* __restrict__ part, int* __restrict__ counters, unsigned long long* __restrict__ merge,
+    unsigned* __restrict__ epochs, const float* __restrict__ ssq_in, float* __restrict__ ssq_out, const float* qnorm, const float* knorm, const float* cosT, const float* sinT,
+    const int* meta, float* qout, float* kc, float* vc, int H, int KV, int cap)
 {
-    constexpr int KC = KC8 * 8 / BITS;          // rows of a chunk: the same weight bytes per chunk for both
-    constexpr int SPW = KC / NT;                // 32-row slots per warp: int8 1, int4 2
+    constexpr int KC = NT;                      // rows of a chunk: one 32-row slot a warp, one row a thread
     constexpr int NW = BITS == 8 ? 32 : 16;     // 4-byte words of one slot
-    constexpr int GPC = KC / G > 0 ? KC / G : 1;  // groups per chunk (G = 256: warps NT / 32 / GPC per group)
     KT_BEGIN
     grid_dep_launch();  // the wait follows the block's first weight loads
     __shared__ int s_aq[MR][KC / 4];            // activation codes of this chunk, 4 per word
-    __shared__ float s_as[MR][KC / 32];         // activation scale per group (G=256: element h of pass h)
+    __shared__ float s_as[MR][KC / 32];         // activation scale per group (G = 256: element 0)
     __shared__ int s_asum[MR][KC / 32];         // sum of activation codes per group (int4 bias)
     __shared__ float s_r[MR];                   // rmsnorm denominators
     __shared__ float s_red[NT / 32];
-    __shared__ int s_acc[NT / 32][MR][TN];      // per-warp partial results (float bits, or ints for G=256)
+    __shared__ __align__(16) int s_acc[NT / 32][MR][TN];  // per-warp partial results (float bits; ints at G=256)
     __shared__ float s_part[MR][TN];            // this split's partial sums, read by the cluster's block 0
                                                 // (with qout: the head's outputs for rope_head)
     __shared__ int s_last;
@@ -346,54 +361,47 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const int col = n0 + 4 * lane;
     const int m0 = blockIdx.z * MR;
     const int nck = (K + KC - 1) / KC;
+    // the K splits merge through ``merge`` (null epochs: through part and counters)
+    const bool tagged = MR == 1 && gridDim.y > 1 && epochs != nullptr && cluster_size() == 1;
+    unsigned epoch = 0;                         // tagged: the tile's, read after the PDL wait
     const bool colok = col < Npad;
     float acc[MR];
-    // int8 at G = 32 (one 32-row slot a warp): each warp quantizes exactly its own slot's rows, so the
-    // chunk's activations need no block barrier before the dot, and the first chunk none before them either
-    // (every warp computes the tile-sums norm itself, r1: the same bits as one warp's)
-    constexpr bool warp_local = G == 32 && SPW == 1;
+    // G = 32: each warp quantizes exactly its own slot's rows, so the chunk's activations need no block
+    // barrier before the dot, and the first chunk none before them either (every warp computes the tile-sums
+    // norm itself, r1: the same bits as one warp's)
+    constexpr bool warp_local = G == 32;
     float r1 = 0.f;
 #pragma unroll
     for (int i = 0; i < MR; ++i) acc[i] = 0.f;
 
-    unsigned wr[SPW][NW];
-    float4 ws[SPW];                             // G = 32: weight scales of the warp's slots
-    float wsg[GPC];                             // G = 256: weight scales of the chunk's groups (tid < TN)
+    unsigned wr[NW];
+    float4 ws;                                  // G = 32: weight scales of the warp's slot
+    float wsg = 0.f;                            // G = 256: weight scale of the chunk's group (tid < TN)
     for (int c = blockIdx.y; c < nck; c += gridDim.y) {
         const int k0 = c * KC;
-        const int kw = k0 + 32 * SPW * warp;   // first weight row of this warp's slots
+        const int kw = k0 + 32 * warp;          // first weight row of this warp's slot
         // Issue the weight and weight-scale loads first: they do not depend on the activations, so the
         // prologue below runs while they are in flight.
-#pragma unroll
-        for (int sl = 0; sl < SPW; ++sl) {
-            if (colok && kw + 32 * sl < K) {
-                load_slot<BITS>(W, Npad, kw + 32 * sl, col, wr[sl]);
-                if (G == 32) ws[sl] = ld_stream(reinterpret_cast<const float4*>(WS + (size_t)((kw + 32 * sl) / 32) * Npad + col));
-            }
+        if (colok && kw < K) {
+            load_slot<BITS>(W, Npad, kw, col, wr);
+            if (G == 32) ws = ld_stream(reinterpret_cast<const float4*>(WS + (size_t)(kw / 32) * Npad + col));
         }
-        if (G != 32 && tid < TN && n0 + tid < Npad) {
-#pragma unroll
-            for (int h = 0; h < GPC; ++h)
-                if (k0 + h * G < K) wsg[h] = __ldg(WS + (size_t)(k0 / G + h) * Npad + n0 + tid);
+        if (G != 32 && tid < TN && n0 + tid < Npad) wsg = __ldg(WS + (size_t)(k0 / G) * Npad + n0 + tid);
+        // rmsnorm weight of this thread's chunk row (not step data)
+        const float pwv = pro == 1 && k0 + tid < K ? __ldg(pw + k0 + tid) : 0.f;
+        if (c == (int)blockIdx.y) {
+            grid_dep_wait();                    // X (and the epoch) come from the kernels before this one
+            if (tagged) epoch = __ldcg(epochs + blockIdx.x);
         }
-        float pwv[SPW];                         // rmsnorm weights of this thread's chunk rows (not step data)
-#pragma unroll
-        for (int h = 0; h < SPW; ++h) pwv[h] = pro == 1 && k0 + h * NT + tid < K ? __ldg(pw + k0 + h * NT + tid) : 0.f;
-        if (c == (int)blockIdx.y) grid_dep_wait();  // X comes from the kernels before this one
         KT_WAITED
-        // MR = 1: the thread's inputs (its SPW rows, and SiLU*up's up values), loaded before the norm's sums and
-        // the barrier below, so that the round trips overlap (int4 at G = 32 spills 28 bytes for it and still
-        // measured 100-130 us per q4 step faster). Through L2 (ld.global.cg): a plain load of this const
-        // __restrict__ row compiles to ld.global.nc, which may be scheduled above griddepcontrol.wait and read
-        // the previous step's values (measured: wrong logits).
+        // MR = 1: the thread's input (and SiLU*up's up value), loaded before the norm's sums and the barrier
+        // below, so that the round trips overlap (measured 100-130 us per q4 step faster). Through L2
+        // (ld.global.cg): a plain load of this const __restrict__ row compiles to ld.global.nc, which may be
+        // scheduled above griddepcontrol.wait and read the previous step's values (measured: wrong logits).
         constexpr bool early = MR == 1;
-        float xe[SPW], ue[SPW];
-#pragma unroll
-        for (int h = 0; h < SPW; ++h) {
-            const bool ok = early && m0 < M && k0 + h * NT + tid < K;
-            xe[h] = ok ? __ldcg(X + (size_t)m0 * ldx + k0 + h * NT + tid) : 0.f;
-            ue[h] = ok && pro == 2 ? __ldcg(X + (size_t)m0 * ldx + k0 + h * NT + tid + xoff) : 0.f;
-        }
+        const bool eok = early && m0 < M && k0 + tid < K;
+        const float xe = eok ? __ldcg(X + (size_t)m0 * ldx + k0 + tid) : 0.f;
+        const float ue = eok && pro == 2 ? __ldcg(X + (size_t)m0 * ldx + k0 + tid + xoff) : 0.f;
         if (pro == 1 && c == (int)blockIdx.y && ssq_in) {  // M = 1: from the tile sums
             r1 = rms_from_tiles(ssq_in, K, eps);  // every warp: s_r is not needed (ssq_in implies MR = 1)
         } else if (pro == 1 && c == (int)blockIdx.y) {
@@ -413,104 +421,82 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         }
         if (!(warp_local && c == (int)blockIdx.y && (pro != 1 || ssq_in)))
             __syncthreads();  // the previous chunk is done with s_aq / s_acc; s_r is visible
-        for (int i = 0; i < MR; ++i) {
-#pragma unroll
-            for (int h = 0; h < SPW; ++h) {     // pass h: chunk rows h * NT + tid, one per thread
-                const int m = m0 + i;
-                const int k = k0 + h * NT + tid;
-                float v = 0.f;
-                if (m < M && k < K) {
-                    const float* xr = X + (size_t)m * ldx;
-                    const float xk = early ? xe[h] : xr[k];
-                    if (pro == 1) {
-                        v = xk / (MR == 1 && ssq_in ? r1 : s_r[i]) * pwv[h];
-                    } else if (pro == 2) {
-                        v = xk / (1.f + expf(-xk)) * (early ? ue[h] : xr[k + xoff]);
-                    } else {
-                        v = xk;
-                    }
-                }
-                float amax = fabsf(v);
-                if (G == 32) {
-                    amax = warp_max(amax);
+        for (int i = 0; i < MR; ++i) {          // chunk row tid: this thread's
+            const int m = m0 + i;
+            const int k = k0 + tid;
+            float v = 0.f;
+            if (m < M && k < K) {
+                const float* xr = X + (size_t)m * ldx;
+                const float xk = early ? xe : xr[k];
+                if (pro == 1) {
+                    v = xk / (MR == 1 && ssq_in ? r1 : s_r[i]) * pwv;
+                } else if (pro == 2) {
+                    v = xk / (1.f + expf(-xk)) * (early ? ue : xr[k + xoff]);
                 } else {
-                    amax = warp_max(amax);
-                    __syncthreads();
-                    if (lane == 0) s_red[warp] = amax;
-                    __syncthreads();
-                    amax = s_red[0];
-#pragma unroll
-                    for (int w = 1; w < NT / 32; ++w) amax = fmaxf(amax, s_red[w]);
+                    v = xk;
                 }
-                const float d = amax / 127.f;
-                const float inv = d == 0.f ? 0.f : 1.f / d;
-                const int q = (int)roundf(v * inv);  // roundf: half away from zero, like ggml
-                reinterpret_cast<signed char*>(s_aq[i])[h * NT + tid] = (signed char)q;
-                const int gq = G == 32 ? h * (NT / 32) + warp : h;  // the group's index in the chunk
-                if (BITS == 4) {
-                    int qs = warp_isum(q);
-                    if (G == 32) {
-                        if (lane == 0) s_asum[i][gq] = qs;
-                    } else {
-                        __syncthreads();
-                        if (lane == 0) s_red[warp] = __int_as_float(qs);
-                        __syncthreads();
-                        if (tid == 0) {
-                            int t = 0;
-                            for (int w = 0; w < NT / 32; ++w) t += __float_as_int(s_red[w]);
-                            s_asum[i][gq] = t;
-                        }
+            }
+            float amax = warp_max(fabsf(v));
+            if (G != 32) {                      // G = 256: the block's
+                __syncthreads();
+                if (lane == 0) s_red[warp] = amax;
+                __syncthreads();
+                amax = s_red[0];
+#pragma unroll
+                for (int w = 1; w < NT / 32; ++w) amax = fmaxf(amax, s_red[w]);
+            }
+            const float d = amax / 127.f;
+            const float inv = d == 0.f ? 0.f : 1.f / d;
+            const int q = (int)roundf(v * inv);  // roundf: half away from zero, like ggml
+            reinterpret_cast<signed char*>(s_aq[i])[tid] = (signed char)q;
+            const int gq = G == 32 ? warp : 0;  // the group's index in the chunk
+            if (BITS == 4) {
+                int qs = warp_isum(q);
+                if (G == 32) {
+                    if (lane == 0) s_asum[i][gq] = qs;
+                } else {
+                    __syncthreads();
+                    if (lane == 0) s_red[warp] = __int_as_float(qs);
+                    __syncthreads();
+                    if (tid == 0) {
+                        int t = 0;
+                        for (int w = 0; w < NT / 32; ++w) t += __float_as_int(s_red[w]);
+                        s_asum[i][gq] = t;
                     }
                 }
-                if (G == 32) { if (lane == 0) s_as[i][gq] = d; }
-                else { if (tid == 0) s_as[i][gq] = d; }
             }
+            if (G == 32) { if (lane == 0) s_as[i][gq] = d; }
+            else { if (tid == 0) s_as[i][gq] = d; }
         }
         if constexpr (warp_local) __syncwarp();
         else __syncthreads();
 
-        // this warp's slots: chunk rows 32 * q .. 32 * q + 31, q = SPW * warp + sl (G = 32: group q of the chunk)
-        float fw[MR][4];
-        int iw[MR][4];
+        // this warp's slot: chunk rows 32 * warp .. 32 * warp + 31 (G = 32: group warp of the chunk)
+        int isum[MR][4];
 #pragma unroll
-        for (int i = 0; i < MR; ++i)
-#pragma unroll
-            for (int cc = 0; cc < 4; ++cc) { fw[i][cc] = 0.f; iw[i][cc] = 0; }
-#pragma unroll
-        for (int sl = 0; sl < SPW; ++sl) {
-            const int q = SPW * warp + sl;
-            if (!colok || k0 + 32 * q >= K) continue;  // the same for every lane of the warp
-            int isum[MR][4];
+        for (int i = 0; i < MR; ++i) isum[i][0] = isum[i][1] = isum[i][2] = isum[i][3] = 0;
+        const bool active = colok && kw < K;    // the same for every lane of the warp
+        if (active) {
             int aw[MR][8];
 #pragma unroll
-            for (int i = 0; i < MR; ++i) {
-                isum[i][0] = isum[i][1] = isum[i][2] = isum[i][3] = 0;
+            for (int i = 0; i < MR; ++i)
 #pragma unroll
-                for (int j = 0; j < 8; ++j) aw[i][j] = s_aq[i][8 * q + j];
-            }
-            dot_slot<BITS, MR>(wr[sl], aw, isum);
-            if (G == 32) {
-#pragma unroll
-                for (int i = 0; i < MR; ++i) {
-                    const float as = s_as[i][q];
-                    const int bias8 = BITS == 4 ? 8 * s_asum[i][q] : 0;
-                    fw[i][0] += (float)(isum[i][0] - bias8) * as * ws[sl].x;
-                    fw[i][1] += (float)(isum[i][1] - bias8) * as * ws[sl].y;
-                    fw[i][2] += (float)(isum[i][2] - bias8) * as * ws[sl].z;
-                    fw[i][3] += (float)(isum[i][3] - bias8) * as * ws[sl].w;
-                }
-            } else {
-#pragma unroll
-                for (int i = 0; i < MR; ++i)
-#pragma unroll
-                    for (int cc = 0; cc < 4; ++cc) iw[i][cc] += isum[i][cc];
-            }
+                for (int j = 0; j < 8; ++j) aw[i][j] = s_aq[i][8 * warp + j];
+            dot_slot<BITS, MR>(wr, aw, isum);
         }
 #pragma unroll
-        for (int i = 0; i < MR; ++i)
-#pragma unroll
-            for (int cc = 0; cc < 4; ++cc)
-                s_acc[warp][i][4 * lane + cc] = G == 32 ? __float_as_int(fw[i][cc]) : iw[i][cc];
+        for (int i = 0; i < MR; ++i) {          // one 16-byte store a lane: no shared-memory bank conflicts
+            int4 r = make_int4(isum[i][0], isum[i][1], isum[i][2], isum[i][3]);  // (0.f bits when inactive)
+            if (G == 32 && active) {            // ws is loaded only for an active slot
+                const float as = s_as[i][warp];
+                const int bias8 = BITS == 4 ? 8 * s_asum[i][warp] : 0;
+                r = make_int4(__float_as_int((float)(isum[i][0] - bias8) * as * ws.x),
+                              __float_as_int((float)(isum[i][1] - bias8) * as * ws.y),
+                              __float_as_int((float)(isum[i][2] - bias8) * as * ws.z),
+                              __float_as_int((float)(isum[i][3] - bias8) * as * ws.w));
+            }
+            *reinterpret_cast<int4*>(&s_acc[warp][i][4 * lane]) = r;
+        }
         __syncthreads();
         if (tid < TN && n0 + tid < Npad) {
 #pragma unroll
@@ -520,22 +506,19 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
 #pragma unroll
                     for (int w = 0; w < NT / 32; ++w) s += __int_as_float(s_acc[w][i][tid]);
                     acc[i] += s;
-                } else {
+                } else {                        // G = 256: the chunk is one group
+                    int t = 0;
 #pragma unroll
-                    for (int h = 0; h < GPC; ++h) {   // the chunk's groups in order, NT / 32 / GPC warps each
-                        if (k0 + h * G >= K) break;
-                        int t = 0;
-#pragma unroll
-                        for (int w = h * (NT / 32 / GPC); w < (h + 1) * (NT / 32 / GPC); ++w) t += s_acc[w][i][tid];
-                        if (BITS == 4) t -= 8 * s_asum[i][h];
-                        acc[i] += (float)t * s_as[i][h] * wsg[h];
-                    }
+                    for (int w = 0; w < NT / 32; ++w) t += s_acc[w][i][tid];
+                    if (BITS == 4) t -= 8 * s_asum[i][0];
+                    acc[i] += (float)t * s_as[i][0] * wsg;
                 }
             }
         }
     }
 
-    grid_dep_wait();  // blocks without a chunk: before part / counters (a no-op once waited)
+    grid_dep_wait();  // blocks without a chunk: before the epoch (a no-op once waited)
+    if (tagged && (int)blockIdx.y >= nck) epoch = __ldcg(epochs + blockIdx.x);
     KT_WAITED
     KT_DONE
     // the epilogue's inputs from earlier kernels, loaded now: their round trip overlaps the merge's
@@ -568,6 +551,34 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         }
         cluster_sync();                         // the others keep their shared memory until block 0 has read it
         if (rank != 0) { KT_END((size_t)W) return; }
+    } else if (tagged) {
+        unsigned long long* slots = merge + (size_t)blockIdx.x * MERGE_SPLITS * TN + tid;  // split 0's, column tid
+        const unsigned tag = epoch + 1;
+        const int ns = gridDim.y;
+        constexpr int PB = 8;                   // polls in flight per thread (16: 12-20 bytes of spills, slower)
+        if (tid < TN) st_tagged(slots + (size_t)blockIdx.y * TN, acc[0], tag);
+        if ((int)blockIdx.y != ns - 1) { KT_END((size_t)W) return; }  // the tile's last split merges
+        if (tid < TN) {
+            float sum = 0.f;
+            for (int y0 = 0; y0 < ns; y0 += PB) {  // PB slots at once, polled together until all are tagged
+                unsigned long long w[PB];
+#pragma unroll
+                for (int j = 0; j < PB; ++j) w[j] = y0 + j < ns ? ld_tagged(slots + (size_t)(y0 + j) * TN) : 0ull;
+                for (;;) {
+                    bool ready = true;
+#pragma unroll
+                    for (int j = 0; j < PB; ++j) ready &= y0 + j >= ns || (unsigned)(w[j] >> 32) == tag;
+                    if (ready) break;
+#pragma unroll
+                    for (int j = 0; j < PB; ++j)
+                        if (y0 + j < ns && (unsigned)(w[j] >> 32) != tag) w[j] = ld_tagged(slots + (size_t)(y0 + j) * TN);
+                }
+#pragma unroll
+                for (int j = 0; j < PB; ++j) if (y0 + j < ns) sum += __uint_as_float((unsigned)w[j]);
+            }
+            acc[0] = sum;
+        }
+        if (tid == 0) epochs[blockIdx.x] = tag;
     } else if (gridDim.y > 1) {
         if (tid < TN && n0 + tid < Npad) {
             for (int i = 0; i < MR; ++i) {

@@ -69,6 +69,7 @@ from kestrel_cuda.forward_ops import (
     FINISH_COLS,
     MAX_CLUSTER,
     MAX_HEAD_DIM,
+    MERGE_SPLITS,
     PRO_PLAIN,
     PRO_RMSNORM,
     PRO_SILU_MUL,
@@ -515,8 +516,8 @@ class DeviceForward:
                 one = Lin(None, None, s.k, s.n, pad_n(s.n), s.group_size, s.bits, wkey=member)
                 one.ksplit = self._plan(one)
                 lins.append(one)
-        part, counters = gemv_scratch(lins)
-        reserve(part, counters, attn_part_size(c.num_heads, c.head_dim), c.num_heads)
+        part, counters, merge_tiles = gemv_scratch(lins)
+        reserve(part, counters, attn_part_size(c.num_heads, c.head_dim), c.num_heads, merge_tiles)
 
     def _layer_weights(self, st: _State, i: int) -> _LayerWeights:
         qkv, o, gu, down = (self._fetch(strips, keys, fused) for strips, (keys, fused) in
@@ -564,7 +565,7 @@ class DeviceForward:
         forced = self.splits.get(decode_wkey(lin.wkey)[1].name.lower()) if lin.wkey else None
         if forced is None:
             return split
-        split = min(forced[0], lin.chunks)
+        split = min(forced[0], lin.chunks, MERGE_SPLITS)
         lin.cluster = lin.m1 == "chunk" and self.clusters and (
             1 < split <= MAX_CLUSTER if forced[1] else cluster_split(lin, split, self.sm_count) == split)
         return split

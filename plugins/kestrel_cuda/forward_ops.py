@@ -25,9 +25,10 @@ from kestrel_cuda.residency import Geometry, pad_n
 
 TILE_N = 128  # columns of a GEMV block (forward.cu TN)
 SSQ_COLS = 32  # columns per entry of the residual stream's sums of squares (forward.cu)
-CHUNK_K = 256  # rows of an int8 GEMV chunk (forward.cu KC8); int4 chunks have twice as many
+CHUNK_K = 256  # rows of a GEMV chunk (forward.cu KC: one 32-row slot per warp), int8 and int4
 SMALL_M = 8  # up to this many rows run through the fused GEMV (MR = 8); more through the tiled GEMM if any
 MAX_CLUSTER = 8  # K splits of an M=1 GEMV launched as one thread block cluster, at most (forward.cu)
+MERGE_SPLITS = 64  # K splits of an M=1 chunked GEMV, at most: slots per tile of its merge area (forward.cu)
 CHUNK_BLOCKS_PER_SM = 4  # qgemv's resident blocks per SM at M = 1 (__launch_bounds__(NT, 4))
 ONE_WAVE_SPLITS = 16  # a projection whose one wave of blocks gives each tile this many K splits runs one wave
 STREAM_MAX_ROWS = 16384  # K rows one block of the M=1 GEMV (qgemv_m1) quantizes into shared memory (SMAXK)
@@ -77,7 +78,7 @@ class Lin:
 
     @property
     def chunks(self) -> int:
-        return -(-self.k // (CHUNK_K * 8 // self.bits))
+        return -(-self.k // CHUNK_K)
 
 
 @dataclass
@@ -102,7 +103,7 @@ class QkvRope:
 def plan_ksplit(lin: Lin, target_blocks: int) -> int:
     """K splits of the chunked M=1 GEMV (``qgemv``, the default): enough blocks (tiles x splits) to fill the
     GPU, at most one per chunk."""
-    return max(1, min(lin.chunks, -(-target_blocks // lin.tiles)))
+    return max(1, min(lin.chunks, MERGE_SPLITS, -(-target_blocks // lin.tiles)))
 
 
 def one_wave_split(lin: Lin, sm_count: int) -> int:
@@ -112,7 +113,7 @@ def one_wave_split(lin: Lin, sm_count: int) -> int:
     target's 1.45 waves of 24 splits (q4) or two waves of 33 (q8): an extra wave's block starts and a merge of
     more partials cost more than the longer blocks; wider projections (q|k|v at q8: one wave = 11 splits)
     measured slower that way (docs/performance.md)."""
-    split = min(lin.chunks, CHUNK_BLOCKS_PER_SM * sm_count // lin.tiles)
+    split = min(lin.chunks, MERGE_SPLITS, CHUNK_BLOCKS_PER_SM * sm_count // lin.tiles)
     return split if split >= ONE_WAVE_SPLITS else 0
 
 
@@ -450,6 +451,7 @@ class CupyOps:
         self.launches = 0
         self.pdl = pdl_enabled()
         self.cluster = clusters_enabled() and int(cp.cuda.Device().compute_capability) >= 90
+        self.merge_mode = merge_mode()
         self._ex: Any = None
         if self.pdl or self.cluster:
             try:
@@ -462,15 +464,23 @@ class CupyOps:
         self._captured = 0  # launches so far in the capture under way
         self.sm_count = cp.cuda.Device().attributes["MultiProcessorCount"]
         # scratch, sized by ``reserve``
-        self.part = self.zeros(1, np.float32)
+        self.part = self.zeros(1, np.float32)  # qgemv_m1's split-K partials and counters
         self.counters = self.zeros(1, np.int32)
+        self.merge_tiles = 0  # tiles qgemv's tagged split-K slots and epochs (forward.cu) hold
+        self.merge = self.zeros(1, np.uint64)
+        self.epochs = self.zeros(1, np.uint32)
         self.attn_part = self.zeros(1, np.float32)
         self.attn_counters = self.zeros(1, np.int32)
         self._pinned: Any = None
         self._tiled_bufs: dict[str, Any] = {}
 
-    def reserve(self, part: int, counters: int, attn_part: int, attn_counters: int) -> None:
-        """Grow the split-K and attention scratch (counters start and end every launch at zero)."""
+    def reserve(self, part: int, counters: int, attn_part: int, attn_counters: int, merge_tiles: int = 0) -> None:
+        """Grow the split-K and attention scratch (counters start and end every launch at zero; the merge slots
+        and their epochs only ever grow together, zeroed, so that no slot holds a tag its tile has not reached)."""
+        if merge_tiles > self.merge_tiles:
+            self.merge = self.zeros(merge_tiles * MERGE_SPLITS * TILE_N, np.uint64)
+            self.epochs = self.zeros(merge_tiles, np.uint32)
+            self.merge_tiles = merge_tiles
         if part > self.part.size:
             self.part = self.zeros(part, np.float32)
         if counters > self.counters.size:
@@ -590,10 +600,14 @@ class CupyOps:
         ksplit = lin.ksplit if m == 1 else 1
         fn = self._gemv[(lin.bits, lin.group_size, mr)]
         cluster = ksplit if m == 1 and lin.cluster and self.cluster else 1
+        tagged = ksplit > 1 and cluster == 1 and tagged_merge(self.merge_mode, lin.tiles * ksplit, self.sm_count)
+        if tagged and (lin.tiles > self.merge_tiles or ksplit > MERGE_SPLITS):
+            raise RuntimeError(f"split-K merge area for {lin.tiles} tiles x {ksplit} splits not reserved")
         self._launch(fn, (lin.tiles, ksplit, -(-m // mr)), (256,),
                      (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
                       _ptr(x), _ld(x), _i32(m), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
-                      _ptr(y), _ld(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters),
+                      _ptr(y), _ld(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters), _ptr(self.merge),
+                      _ptr(self.epochs if tagged else None),
                       _ptr(ssq_in), _ptr(ssq_out), *_rope_args(rope)), cluster=cluster)
 
     def _tiled(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
@@ -675,11 +689,12 @@ def attn_part_size(heads: int, hd: int) -> int:
     return heads * ATTN_SPLITS * (hd + 2)
 
 
-def gemv_scratch(lins: list[Lin]) -> tuple[int, int]:
-    """(partial floats, counters) the M=1 GEMVs of these projections need."""
-    part = max((lin.ksplit * lin.npad for lin in lins if lin.ksplit > 1), default=1)
+def gemv_scratch(lins: list[Lin]) -> tuple[int, int, int]:
+    """(partial floats, counters, merge tiles) the M=1 GEMVs of these projections need (CupyOps.reserve)."""
+    split = [lin for lin in lins if lin.ksplit > 1]
+    part = max((lin.ksplit * lin.npad for lin in split), default=1)
     counters = max((lin.tiles for lin in lins), default=1)
-    return part, counters
+    return part, counters, max((lin.tiles for lin in split), default=0)
 
 
 BLOCKS_ENV = "KESTREL_CUDA_GEMV_BLOCKS"
@@ -690,6 +705,7 @@ DEFINES_ENV = "KESTREL_CUDA_DEFINES"
 CLUSTER_ENV = "KESTREL_CUDA_CLUSTER"
 SPLITS_ENV = "KESTREL_CUDA_SPLITS"
 FUSE_ROPE_ENV = "KESTREL_CUDA_FUSE_ROPE"
+MERGE_ENV = "KESTREL_CUDA_MERGE"
 
 
 def _env(name: str, default: str) -> str:
@@ -705,6 +721,24 @@ def gemv_kind() -> str:
     step in one run: q8 chunk 3,099, hybrid 3,194; q4 chunk 2,461, hybrid 2,471, stream 2,813."""
     raw = _env(GEMV_ENV, "chunk")
     return raw if raw in ("stream", "chunk", "hybrid") else "chunk"
+
+
+def merge_mode() -> str:
+    """``KESTREL_CUDA_MERGE``: how split M=1 chunked GEMVs add their K splits outside clusters: "tagged" (each
+    split stores tagged partial sums and exits, the tile's last split polls for them), "counter" (the last
+    block to arrive on an atomic counter reads them back) or "auto" (the default: ``tagged_merge``)."""
+    raw = _env(MERGE_ENV, "auto")
+    return raw if raw in ("auto", "tagged", "counter") else "auto"
+
+
+def tagged_merge(mode: str, blocks: int, sm_count: int) -> bool:
+    """Whether a split M=1 chunked GEMV of ``blocks`` blocks (not a cluster) merges tagged under ``mode``.
+
+    "auto": grids of more than one wave of resident blocks. Measured on the H200 (docs/performance.md, seventh
+    session): tagged, a split's block frees its SM slot as soon as its sums are stored, so the next wave starts
+    sooner (qwen3-8b gate/up 16.5 -> 15.4 us at q8, 12.2 -> 9.9 us at q4); in one wave nothing waits for a slot
+    and the fixed last split's polls cost more than the counter (o 6.3 -> 7.2 us at q8)."""
+    return mode == "tagged" or (mode == "auto" and blocks > CHUNK_BLOCKS_PER_SM * sm_count)
 
 
 def clusters_enabled() -> bool:

@@ -130,9 +130,9 @@ def test_m1_gemv_ring_and_k_splits(quant, target, stream, gemm, monkeypatch) -> 
         assert w.down.ksplit > 1
 
 
-@pytest.mark.parametrize("kind", ("stream", "chunk", "chunk-cluster"))
-@pytest.mark.parametrize("n, k", ((509, 2048), (8, 512)))
-@pytest.mark.parametrize("group", (32, 256))
+@pytest.mark.parametrize("kind", ("stream", "chunk-counter", "chunk-tagged", "chunk-cluster"))
+@pytest.mark.parametrize("n, k, group", ((509, 2048, 32), (509, 2048, 256), (8, 512, 32), (8, 512, 256),
+                                         (24, 800, 32)))  # 800: a last chunk of 32 rows
 @pytest.mark.parametrize("bits", (8, 4))
 def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, kind, stream, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """One M=1 projection with a plain input (its activation codes are the contract's, bit for bit): every
@@ -143,6 +143,7 @@ def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, 
     from kestrel_cuda.residency import pad_n
 
     monkeypatch.setenv("KESTREL_CUDA_GEMV", kind.split("-")[0])
+    monkeypatch.setenv("KESTREL_CUDA_MERGE", "tagged" if kind == "chunk-tagged" else "counter")
     ops = CupyOps(stream)
     rng = np.random.default_rng(bits * 1000 + group + n)
     lo, hi = (-127, 127) if bits == 8 else (-8, 7)
@@ -166,7 +167,7 @@ def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, 
     for ksplit in splits:
         lin.ksplit = ksplit
         lin.cluster = kind == "chunk-cluster" and ops.cluster and ksplit <= 8  # partial sums in shared memory
-        ops.reserve(ksplit * npad, lin.tiles, 1, 1)
+        ops.reserve(ksplit * npad, lin.tiles, 1, 1, lin.tiles)
         y = ops.upload(y0[None])
         ops.gemv(lin, xd, PRO_PLAIN, None, 0.0, 0, y, EPI_ADD, bd)
         ops.synchronize()
@@ -174,10 +175,57 @@ def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, 
         assert np.all(err <= bound), f"ksplit {ksplit}: max err {err.max()} over bound {bound[err.argmax()]}"
 
 
+def test_tagged_split_merge_is_exact_across_interleaved_launches(stream, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Two split GEMVs of different widths and split counts share the tagged merge area and advance its tile
+    epochs in turn, eagerly and replayed from a graph: every launch gives the same bits as the first, and the
+    same bits as the counter merge."""
+    from kestrel_cuda.forward_ops import EPI_STORE, PRO_PLAIN, CupyOps, Lin, gemv_scratch, pack_kmajor
+    from kestrel_cuda.residency import pad_n
+
+    monkeypatch.setenv("KESTREL_CUDA_CLUSTER", "0")
+    monkeypatch.setenv("KESTREL_CUDA_MERGE", "tagged")
+    ops = CupyOps(stream)
+    rng = np.random.default_rng(5)
+    lins, xs, ys = [], [], []
+    for n, k, ksplit in ((509, 2048, 7), (260, 4096, 16)):
+        npad = pad_n(n)
+        codes = rng.integers(-127, 128, size=(n, k)).astype(np.int8)
+        scales = np.zeros((k // 32, npad), np.float32)
+        scales[:, :n] = rng.uniform(0.001, 0.02, size=(k // 32, n))
+        lins.append(Lin(ops.upload(pack_kmajor(codes, 8)), ops.upload(scales), k, n, npad, 32, 8, ksplit=ksplit))
+        xs.append(ops.upload(rng.standard_normal((1, k)).astype(np.float32)))
+        ys.append(ops.zeros((1, n), np.float32))
+    part, counters, tiles = gemv_scratch(lins)
+    ops.reserve(part, counters, 1, 1, tiles)
+
+    def step() -> None:
+        for lin, x, y in zip(lins, xs, ys):
+            ops.gemv(lin, x, PRO_PLAIN, None, 0.0, 0, y, EPI_STORE, None)
+
+    step()
+    ops.synchronize()
+    first = [y.get() for y in ys]
+    graph = ops.capture(step)
+    for i in range(12):
+        with ops.stream:
+            for y in ys:
+                y.fill(0)
+        step() if i % 2 else graph()
+        ops.synchronize()
+        for y, ref in zip(ys, first):
+            assert np.array_equal(y.get(), ref), f"launch {i}"
+    assert int(ops.epochs.get().max()) >= 13  # the tiles' epochs advanced once a launch
+    ops.merge_mode = "counter"
+    step()
+    ops.synchronize()
+    for y, ref in zip(ys, first):
+        assert np.array_equal(y.get(), ref)
+
+
 @pytest.mark.parametrize("quant", ("q8", "q4-g256"))
 def test_chunked_gemv_with_several_chunks_per_block(quant, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """KESTREL_CUDA_GEMV=chunk (qgemv at M = 1), few blocks: several chunks a block; at q4 (512-row chunks)
-    down's K = 768 also ends in a half chunk, whose second G = 256 group is past K."""
+    """KESTREL_CUDA_GEMV=chunk (qgemv at M = 1), few blocks: several chunks a block (down's K = 768: three
+    256-row chunks)."""
     monkeypatch.setenv("KESTREL_CUDA_GEMV", "chunk")
     model = synthetic_model(SMALL_CONFIGS["qwen3"], quant, seed=11)
     toks = _tokens(model.config, 20)
@@ -251,7 +299,8 @@ def test_next_sequence_replays_the_released_ones_graph(pdl, stream, gemm, monkey
 @pytest.mark.parametrize("quant", ("q4", "q8-g256"))
 def test_cluster_split_sums_equal_the_global_merge_bitwise(quant, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Clusters (chosen where they fit, at most 8 splits) add each tile's K splits in shared memory in the same
-    order as the global merge: the same bits as KESTREL_CUDA_CLUSTER=0 when the plan is the same."""
+    order as the global merges (counter and tagged): the same bits as KESTREL_CUDA_CLUSTER=0 when the plan is
+    the same."""
     model = synthetic_model(replace(SMALL_CONFIGS["qwen3"], hidden_size=1024, intermediate_size=2048), quant,
                             seed=11)
     toks = _tokens(model.config, 14)
@@ -267,6 +316,9 @@ def test_cluster_split_sums_equal_the_global_merge_bitwise(quant, stream, gemm, 
         plans = plans if mode == "1" else [lin.ksplit for lin in lins]
     assert [lin.ksplit for lin in lins] == plans  # small splits: clusters keep the plan
     assert np.array_equal(runs["1"], runs["0"])
+    monkeypatch.setenv("KESTREL_CUDA_CLUSTER", "0")
+    monkeypatch.setenv("KESTREL_CUDA_MERGE", "tagged")  # the decode graph's splits merged tagged: same bits
+    assert np.array_equal(device_logits(DeviceForward(stream=stream, gemm=gemm), model, toks, 6), runs["0"])
     _check(model, toks, 6, runs["1"])
 
 

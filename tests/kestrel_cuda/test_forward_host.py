@@ -336,7 +336,7 @@ def test_hybrid_gives_wide_and_int4_projections_to_the_chunked_gemv() -> None:
     narrow = forward_ops.Lin(None, None, 4096, 6144, 6144, 32, 8)  # 48
     assert forward_ops.m1_kernel(wide, "hybrid", 132) == "chunk"
     assert forward_ops.m1_kernel(narrow, "hybrid", 132) == "stream"
-    narrow4 = forward_ops.Lin(None, None, 4096, 6144, 6144, 32, 4)  # int4: 512-row chunks
+    narrow4 = forward_ops.Lin(None, None, 4096, 6144, 6144, 32, 4)  # int4
     assert forward_ops.m1_kernel(narrow4, "hybrid", 132) == "chunk"
     assert forward_ops.m1_kernel(wide, "stream", 132) == "stream"
     assert forward_ops.plan_split(wide, "hybrid", 132) == forward_ops.plan_ksplit(wide, 8 * 132)
@@ -367,41 +367,43 @@ class _ScratchRecordingOps(NumpyOps):
 
     def __init__(self) -> None:
         super().__init__()
-        self.reserved: list[tuple[int, int]] = []
+        self.reserved: list[tuple[int, int, int]] = []
 
-    def reserve(self, part: int, counters: int, attn_part: int, heads: int) -> None:
-        self.reserved.append((part, counters))
+    def reserve(self, part: int, counters: int, attn_part: int, heads: int, merge_tiles: int = 0) -> None:
+        self.reserved.append((part, counters, merge_tiles))
 
 
 @pytest.mark.parametrize("splits", ("", "down:3/gate_up:2/o:1"))
 @pytest.mark.parametrize("quant", QUANTS)
 def test_split_k_scratch_covers_every_planned_gemv(quant: str, splits: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The partial-sum buffer is sized from shapes before any upload; it must hold what each projection's
-    actual plan (its own bits: int4 chunks are twice as long; KESTREL_CUDA_SPLITS's forced splits, capped at
-    the chunks) writes. It once planned every weight as int8, and the int4 down projection overran it."""
+    """The split-K scratch is sized from shapes before any upload; it must hold what each projection's actual
+    plan (its own bits; KESTREL_CUDA_SPLITS's forced splits, capped at the chunks) writes: partial sums, and
+    the tagged merge's slots for every tile of a split projection. It once planned every weight as int8, and
+    the int4 down projection overran it."""
     monkeypatch.setenv("KESTREL_CUDA_SPLITS", splits)
     cfg = replace(CONFIGS["qwen3"], hidden_size=1024, intermediate_size=1536)  # several chunks per projection
     model = synthetic_model(cfg, quant, seed=13)
     ops = _ScratchRecordingOps()
     fwd = DeviceForward(ops=ops)
     device_logits(fwd, model, _tokens(model.config, 6), 4)
-    part, counters = ops.reserved[-1]
+    part, counters, merge_tiles = ops.reserved[-1]
     w = fwd._st.layers[0].weights
     lins = [lin for layer in fwd._st.layers for lin in [*layer.weights.qkv, layer.weights.o,
                                                          *layer.weights.gate_up, layer.weights.down]]
-    need_part, need_counters = forward_ops.gemv_scratch(lins)
-    assert part >= need_part and counters >= need_counters
+    need_part, need_counters, need_tiles = forward_ops.gemv_scratch(lins)
+    assert part >= need_part and counters >= need_counters and merge_tiles >= need_tiles
+    assert need_tiles == max(lin.tiles for lin in lins if lin.ksplit > 1)
     if splits:
         assert (w.down.ksplit, w.gate_up[0].ksplit, w.o.ksplit) == (min(3, w.down.chunks), 2, 1)
 
 
-@pytest.mark.parametrize("k,n,bits,cluster", [(4096, 6144, 4, 8), (4096, 4096, 4, 8), (4096, 24576, 4, 0),
+@pytest.mark.parametrize("k,n,bits,cluster", [(4096, 6144, 4, 8), (4096, 4096, 4, 0), (4096, 24576, 4, 0),
                                               (12288, 4096, 4, 0), (4096, 6144, 8, 8), (4096, 4096, 8, 0),
                                               (12288, 4096, 8, 0), (4096, 151936, 4, 0)])
 def test_cluster_splits_only_within_one_wave(k: int, n: int, bits: int, cluster: int) -> None:
-    """Qwen3-8B's projections on 132 SMs: q|k|v and o run as clusters of 8 splits at q4 (a chunk a block);
-    at q8 q|k|v does too (two chunks a block, 384 blocks: more than half the wave), o does not (256 blocks);
-    gate|up, down and lm_head keep the planner's splits and the global merge."""
+    """Qwen3-8B's projections on 132 SMs (256-row chunks at both widths): q|k|v runs as clusters of 8 splits
+    (two chunks a block, 384 blocks: more than half the wave), o does not (256 blocks); gate|up, down and
+    lm_head keep the planner's splits and the global merge."""
     lin = forward_ops.Lin(None, None, k, n, pad_n(n), 32, bits)
     free = forward_ops.plan_split(lin, "chunk", 132)
     assert not lin.cluster
@@ -509,8 +511,8 @@ def test_fused_rope_equals_the_qkv_rope_kernel_and_drops_its_launches(monkeypatc
 
 
 def test_narrow_projections_run_one_wave_of_k_splits(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """qwen3-8b's down (32 column tiles) on 132 SMs: one wave of 16 splits instead of the two-wave target's 24
-    (q4) or 33 (q8); wider projections keep the target; an explicit target or KESTREL_CUDA_GEMV_BLOCKS wins."""
+    """qwen3-8b's down (32 column tiles) on 132 SMs: one wave of 16 splits instead of the two-wave target's 33;
+    wider projections keep the target; an explicit target or KESTREL_CUDA_GEMV_BLOCKS wins."""
     sm, resident = 132, forward_ops.CHUNK_BLOCKS_PER_SM * 132
     for bits in (8, 4):
         down = forward_ops.Lin(None, None, 12288, 4096, 4096, 32, bits)
@@ -521,7 +523,7 @@ def test_narrow_projections_run_one_wave_of_k_splits(monkeypatch) -> None:  # ty
     qkv = forward_ops.Lin(None, None, 4096, 6144, 6144, 32, 8)  # one wave would be 11 splits: the target's 16
     assert forward_ops.plan_split(qkv, "chunk", sm) == 16
     monkeypatch.setenv("KESTREL_CUDA_GEMV_BLOCKS", str(8 * sm))
-    assert forward_ops.plan_split(down, "chunk", sm) == 24
+    assert forward_ops.plan_split(down, "chunk", sm) == 33
 
 
 def test_pipelined_greedy_grows_the_kv_cache_as_it_goes() -> None:
@@ -544,3 +546,20 @@ def test_split_overrides_parse_splits_and_clusters(monkeypatch) -> None:  # type
     """KESTREL_CUDA_SPLITS: name:splits, a trailing c for one cluster per tile; malformed items are ignored."""
     monkeypatch.setenv("KESTREL_CUDA_SPLITS", "down:12/QKV:8c/o:0/gate_up:x/:4/up")
     assert forward_ops.split_overrides() == {"down": (12, False), "qkv": (8, True)}
+
+
+@pytest.mark.parametrize("env,blocks,tagged", [("", 1056, True), ("", 528, False), ("auto", 529, True),
+                                               ("counter", 1056, False), ("tagged", 64, True), ("bogus", 64, False)])
+def test_split_merge_is_tagged_only_beyond_one_wave(env: str, blocks: int, tagged: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """KESTREL_CUDA_MERGE: by default split GEMVs of more than one wave (4 blocks per SM, 132 SMs) merge tagged,
+    one wave through the counter; "tagged" / "counter" force one; anything else is the default."""
+    monkeypatch.setenv("KESTREL_CUDA_MERGE", env)
+    assert forward_ops.tagged_merge(forward_ops.merge_mode(), blocks, 132) is tagged
+
+
+def test_k_splits_never_exceed_the_merge_slots() -> None:
+    """A tile's tagged merge slots hold MERGE_SPLITS splits: the planner stays within them at any K."""
+    for k in (4096, 32768, 65536):
+        lin = forward_ops.Lin(None, None, k, 128, 128, 32, 8)  # one tile, K / 256 chunks
+        assert forward_ops.plan_split(lin, "chunk", 132) <= forward_ops.MERGE_SPLITS
+        assert forward_ops.plan_ksplit(lin, 10**6) == min(lin.chunks, forward_ops.MERGE_SPLITS)
