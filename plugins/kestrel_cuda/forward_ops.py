@@ -464,7 +464,7 @@ class CupyOps:
         self._captured = 0  # launches so far in the capture under way
         self.sm_count = cp.cuda.Device().attributes["MultiProcessorCount"]
         # scratch, sized by ``reserve``
-        self.part = self.zeros(1, np.float32)  # qgemv_m1's split-K partials and counters
+        self.part = self.zeros(1, np.float32)  # split-K partials and counters: qgemv (one wave), qgemv_m1
         self.counters = self.zeros(1, np.int32)
         self.merge_tiles = 0  # tiles qgemv's tagged split-K slots and epochs (forward.cu) hold
         self.merge = self.zeros(1, np.uint64)
