@@ -102,8 +102,14 @@ class QkvRope:
 
 def plan_ksplit(lin: Lin, target_blocks: int) -> int:
     """K splits of the chunked M=1 GEMV (``qgemv``, the default): enough blocks (tiles x splits) to fill the
-    GPU, at most one per chunk."""
-    return max(1, min(lin.chunks, MERGE_SPLITS, -(-target_blocks // lin.tiles)))
+    GPU, at most one per chunk. Where a split at or above that divides the chunks evenly and still gives every
+    block two chunks or more, the smallest such, so that no block carries a chunk more than the others:
+    qwen3-8b's fused gate|up (192 tiles, 16 chunks) runs 8 splits of 2 chunks instead of 6 of 2 or 3, 40-55 us
+    a step faster at q8 and q4; the unfused gate/up (96 tiles: 11 splits) has no such split and keeps its own,
+    which measured faster than 8 or 16 at q4 (docs/performance.md, seventh session)."""
+    split = max(1, min(lin.chunks, MERGE_SPLITS, -(-target_blocks // lin.tiles)))
+    even = (s for s in range(split, min(lin.chunks // 2, MERGE_SPLITS) + 1) if lin.chunks % s == 0)
+    return next(even, split)
 
 
 def one_wave_split(lin: Lin, sm_count: int) -> int:

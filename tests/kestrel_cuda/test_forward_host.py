@@ -354,6 +354,19 @@ def test_plan_ksplit_fills_the_gpu_without_exceeding_chunks() -> None:
     assert forward_ops.plan_ksplit(down, 1056) == 33
 
 
+@pytest.mark.parametrize("bits", (8, 4))
+def test_plan_ksplit_prefers_an_even_split_of_two_chunks_or_more(bits: int) -> None:
+    """qwen3-8b on 132 SMs: the fused gate|up (192 tiles, 16 chunks) wants 6 splits, which leave some blocks a
+    third chunk: 8 splits of 2 each instead; the unfused gate/up (96 tiles) wants 11, and no even split above
+    it keeps 2 chunks a block: 11."""
+    fused = forward_ops.Lin(None, None, 4096, 24576, 24576, 32, bits)
+    assert (fused.tiles, fused.chunks, forward_ops.plan_ksplit(fused, 1056)) == (192, 16, 8)
+    assert forward_ops.plan_split(fused, "chunk", 132) == 8
+    unfused = forward_ops.Lin(None, None, 4096, 12288, 12288, 32, bits)
+    assert forward_ops.plan_ksplit(unfused, 1056) == 11
+    assert forward_ops.plan_ksplit(fused, 192 * 3) == 4  # 3 wanted: 4 of 4 chunks
+
+
 def test_factor_is_documented_in_the_comparison() -> None:
     model = synthetic_model(replace(CONFIGS["llama"], num_layers=1), "q8", seed=12)
     toks = _tokens(model.config, 10)
