@@ -339,8 +339,9 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const float* __restrict__ X, int ldx, int M, int pro, const float* __restrict__ pw, float eps, int xoff,
     float* __restrict__ Y, int ldy, int epi, const float* __restrict__ bias,
     float* __restrict__ part, int* __restrict__ counters, unsigned long long* __restrict__ merge,
-    unsigned* __restrict__ epochs, const float* __restrict__ ssq_in, float* __restrict__ ssq_out, const float* qnorm, const float* knorm, const float* cosT, const float* sinT,
-    const int* meta, float* qout, float* kc, float* vc, int H, int KV, int cap)
+    unsigned* __restrict__ epochs, const float* __restrict__ ssq_in, float* __restrict__ ssq_out,
+    const float* qnorm, const float* knorm, const float* cosT, const float* sinT, const int* meta, float* qout,
+    float* kc, float* vc, int H, int KV, int cap)
 {
     constexpr int KC = NT;                      // rows of a chunk: one 32-row slot a warp, one row a thread
     constexpr int NW = BITS == 8 ? 32 : 16;     // 4-byte words of one slot
@@ -571,7 +572,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
                     if (ready) break;
 #pragma unroll
                     for (int j = 0; j < PB; ++j)
-                        if (y0 + j < ns && (unsigned)(w[j] >> 32) != tag) w[j] = ld_tagged(slots + (size_t)(y0 + j) * TN);
+                        if (y0 + j < ns && (unsigned)(w[j] >> 32) != tag)
+                            w[j] = ld_tagged(slots + (size_t)(y0 + j) * TN);
                 }
 #pragma unroll
                 for (int j = 0; j < PB; ++j) if (y0 + j < ns) sum += __uint_as_float((unsigned)w[j]);
