@@ -79,6 +79,7 @@ from kestrel_cuda.forward_ops import (
     QkvRope,
     attn_part_size,
     cluster_split,
+    env_on,
     fuse_rope_enabled,
     gemv_scratch,
     head_scale,
@@ -133,7 +134,7 @@ def _env_max_context() -> int:
 
 
 def _env_graph() -> bool:
-    return os.environ.get(GRAPH_ENV, "1").strip() not in ("0", "false", "no", "off")
+    return env_on(GRAPH_ENV)
 
 
 @dataclass

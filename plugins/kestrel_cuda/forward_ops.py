@@ -720,6 +720,11 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(name, "").strip() or default
 
 
+def env_on(name: str) -> bool:
+    """A default-on setting: off only when set to 0, false, no or off."""
+    return _env(name, "1") not in ("0", "false", "no", "off")
+
+
 def gemv_kind() -> str:
     """The M=1 GEMV (``KESTREL_CUDA_GEMV``, for benchmarks): "chunk" (default: qgemv for all), "stream"
     (qgemv_m1 for all) or "hybrid" (qgemv_m1 for int8 projections of fewer column tiles than SMs, qgemv for
@@ -750,7 +755,7 @@ def tagged_merge(mode: str, blocks: int, sm_count: int) -> bool:
 def clusters_enabled() -> bool:
     """``KESTREL_CUDA_CLUSTER`` (default on; 0 turns it off): M=1 chunked GEMVs that ``cluster_split`` picks run
     their K splits as thread block clusters (sm_90+)."""
-    return _env(CLUSTER_ENV, "1") not in ("0", "false", "no", "off")
+    return env_on(CLUSTER_ENV)
 
 
 def split_overrides() -> dict[str, tuple[int, bool]]:
@@ -771,7 +776,7 @@ def split_overrides() -> dict[str, tuple[int, bool]]:
 def fuse_rope_enabled() -> bool:
     """``KESTREL_CUDA_FUSE_ROPE`` (default on; 0 turns it off): at M = 1 with head_dim == TILE_N, the fused
     q|k|v GEMV's epilogue does qkv_rope's work (one head per column tile) and no qkv_rope kernel runs."""
-    return _env(FUSE_ROPE_ENV, "1") not in ("0", "false", "no", "off")
+    return env_on(FUSE_ROPE_ENV)
 
 
 def kernel_defines() -> tuple[str, ...]:
@@ -783,13 +788,13 @@ def kernel_defines() -> tuple[str, ...]:
 def norm_tiles_enabled() -> bool:
     """``KESTREL_CUDA_NORM_TILES`` (default on): M = 1 RMSNorm prologues read the residual stream's tile sums
     of squares (forward.cu) instead of the whole row."""
-    return _env(NORM_TILES_ENV, "1") not in ("0", "false", "no", "off")
+    return env_on(NORM_TILES_ENV)
 
 
 def pdl_enabled() -> bool:
     """Whether captured decode steps launch with programmatic dependent launch (``KESTREL_CUDA_PDL``,
     default on: measured ~300 us faster per qwen3-8b step; 0 turns it off)."""
-    return _env(PDL_ENV, "1") not in ("0", "false", "no", "off")
+    return env_on(PDL_ENV)
 
 
 def default_target_blocks(sm_count: int, gemv: str = "stream") -> int:
