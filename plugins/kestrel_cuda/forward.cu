@@ -362,8 +362,9 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const int col = n0 + 4 * lane;
     const int m0 = blockIdx.z * MR;
     const int nck = (K + KC - 1) / KC;
-    // the K splits merge through ``merge`` (null epochs: through part and counters)
-    const bool tagged = MR == 1 && gridDim.y > 1 && epochs != nullptr && cluster_size() == 1;
+    const unsigned csize = cluster_size();     // > 1: the tile's K splits are this cluster (csize == gridDim.y)
+    // otherwise the K splits merge through ``merge`` (null epochs: through part and counters)
+    const bool tagged = MR == 1 && gridDim.y > 1 && epochs != nullptr && csize == 1;
     unsigned epoch = 0;                         // tagged: the tile's, read after the PDL wait
     const bool colok = col < Npad;
     float acc[MR];
@@ -529,8 +530,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
 #pragma unroll
     for (int i = 0; i < MR; ++i) yin[i] = nok && epi == 1 && m0 + i < M ? Y[(size_t)(m0 + i) * ldy + n] : 0.f;
     if (nok && bias) bn = bias[n];
-    const unsigned csize = cluster_size();
-    if (csize > 1) {                            // the tile's splits are this cluster (csize == gridDim.y)
+    if (csize > 1) {                            // the cluster's shared memory
         if (tid < TN) {
 #pragma unroll
             for (int i = 0; i < MR; ++i) s_part[i][tid] = acc[i];
