@@ -115,10 +115,10 @@ def plan_ksplit(lin: Lin, target_blocks: int) -> int:
 def one_wave_split(lin: Lin, sm_count: int) -> int:
     """K splits of a narrow projection's chunked M=1 GEMV as one wave of resident blocks, or 0 (use the
     two-wave target). Where one wave still gives every tile ONE_WAVE_SPLITS splits or more (qwen3-8b's down:
-    32 tiles, 16 splits on 132 SMs, 1.5 or 3 chunks a block), it measured 60-100 us per step faster than the
-    target's 1.45 waves of 24 splits (q4) or two waves of 33 (q8): an extra wave's block starts and a merge of
-    more partials cost more than the longer blocks; wider projections (q|k|v at q8: one wave = 11 splits)
-    measured slower that way (docs/performance.md)."""
+    32 tiles, 16 splits on 132 SMs, 3 chunks a block), it measured 60-100 us per step faster than the target's
+    two waves of 33 splits (and, with the 512-row int4 chunks of then, 1.45 waves of 24): an extra wave's block
+    starts and a merge of more partials cost more than the longer blocks; wider projections (q|k|v at q8: one
+    wave = 11 splits) measured slower that way (docs/performance.md)."""
     split = min(lin.chunks, MERGE_SPLITS, CHUNK_BLOCKS_PER_SM * sm_count // lin.tiles)
     return split if split >= ONE_WAVE_SPLITS else 0
 
