@@ -1,6 +1,7 @@
 """Per-block timeline of one captured decode step: where the GPU waits between the step's kernels.
 
     python benchmarks/cuda_timeline.py [--preset qwen3-8b] [--quant q4] [--prompt 512] [--layer 10] [--json F]
+    python benchmarks/cuda_timeline.py --gemv o:8,o:4,q|k|v:4 [--json F]
 
 forward.cu is compiled with -DKESTREL_TIMELINE: thread 0 of every block of the decode kernels records, in
 %globaltimer nanoseconds, its entry, the end of its PDL wait, the end of its own work (before a split-K
@@ -13,6 +14,12 @@ in full):
   pre      median time its blocks waited at the PDL wait (entry to wait end)
 and for the one layer the quantiles of its blocks' wait ends and work ends (after its first wait end) and of
 the merging blocks' merge (exit minus work end).
+
+``--gemv SHAPE:BITS,...`` times instead a chain of one decode GEMV shape (benchmarks/cuda_gemv.py's Qwen3-8B
+shapes, G = 32), launched as cuda_gemv.py --decode-only launches it (back to back with PDL, rotating weight
+copies, one launch per copy), and gives the same columns per launch, averaged over the launches after the
+first, with the medians of the merging blocks' merge and of the other blocks' hold (exit minus work end: the
+split-K hand-over before they free their SM slot).
 """
 
 from __future__ import annotations
@@ -67,7 +74,9 @@ def analyse(recs: np.ndarray, names: dict[int, str]) -> list[dict[str, Any]]:
                         "work_q": [round(float(np.percentile(a[:, 2] - w0, q)) / 1e3, 2) for q in (0, 50, 90, 99, 100)],
                         "wait_q": [round(float(np.percentile(a[:, 1] - w0, q)) / 1e3, 2) for q in (0, 50, 90, 100)],
                         "merge_q": [round(float(np.percentile(a[merged, 3] - a[merged, 2], q)) / 1e3, 2)
-                                    for q in (0, 50, 100)] if merged.any() else []})
+                                    for q in (0, 50, 100)] if merged.any() else [],
+                        "hold_q": [round(float(np.percentile(a[~merged, 3] - a[~merged, 2], q)) / 1e3, 2)
+                                   for q in (0, 50, 100)] if merged.any() and (~merged).any() else []})
     kernels.sort(key=lambda k: k["entry"])
     t_start = kernels[0]["entry"]
     prev_exit = t_start
@@ -79,7 +88,7 @@ def analyse(recs: np.ndarray, names: dict[int, str]) -> list[dict[str, Any]]:
                     "work_us": round((k["work90"] - k["waited"]) / 1e3, 2),
                     "tail_us": round((k["exit"] - k["work90"]) / 1e3, 2),
                     "pre_us": round(k["pre_us"], 2), "work_q": k["work_q"], "wait_q": k["wait_q"],
-                    "merge_q": k["merge_q"]})
+                    "merge_q": k["merge_q"], "hold_q": k["hold_q"]})
         prev_exit = k["exit"]
     return out
 
@@ -94,6 +103,76 @@ def by_kind(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             for kind, rs in kinds.items()}
 
 
+def timeline_defines() -> tuple[str, ...]:
+    """forward.cu's defines with the timeline stamps, set for the kernels this process compiles."""
+    from kestrel_cuda import forward_ops
+
+    defines = (*forward_ops.kernel_defines(), "-DKESTREL_TIMELINE")
+    os.environ[forward_ops.DEFINES_ENV] = " ".join(defines)
+    return defines
+
+
+def read_records(cp: Any, mod: Any, replay: Any, stream: Any) -> tuple[np.ndarray, float]:
+    """The block records of one ``replay()`` on ``stream`` and its GPU microseconds."""
+    count = cp.ndarray((1,), np.uint32, mod.get_global("kt_n"))
+    with stream:
+        count[...] = 0
+    stream.synchronize()
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    e0.record(stream)
+    replay()
+    e1.record(stream)
+    e1.synchronize()
+    n = int(count.get()[0])
+    recs = cp.ndarray((n, 6), np.uint64, mod.get_global("kt_buf")).get()
+    return recs, cp.cuda.get_elapsed_time(e0, e1) * 1e3
+
+
+def gemv_chain(args: argparse.Namespace) -> dict[str, Any]:
+    """--gemv: the timeline of back-to-back launches of each decode GEMV shape given."""
+    import cupy as cp
+    from cuda_gemv import L2_BYTES, SHAPES, Bench
+
+    from kestrel_cuda import forward_ops
+    from kestrel_cuda.forward_ops import EPI_STORE, PRO_PLAIN, CupyOps, Lin, gemv_scratch, plan_split
+
+    mod = forward_ops._module(timeline_defines())
+    bench = Bench(argparse.Namespace(quick=True))
+    ops = CupyOps(bench.stream)
+    shapes = {**SHAPES, "q|k|v": (6144, 4096)}
+    res: dict[str, Any] = {"gemv": []}
+    for spec in args.gemv.split(","):
+        name, bits = spec.rsplit(":", 1)
+        n, k = shapes[name]
+        first = bench.device_weight(n, k, 32, int(bits), 1)
+        copies = max(2, -(-4 * L2_BYTES // first.geometry.nbytes))
+        ws = [first] + [bench.device_weight(n, k, 32, int(bits), 2 + i) for i in range(copies - 1)]
+        lins = [Lin.from_device_weight(w, n) for w in ws]
+        for lin in lins:
+            lin.ksplit = plan_split(lin, ops.gemv_kind, ops.sm_count, clusters=ops.cluster)
+        part, counters, merge_tiles = gemv_scratch(lins)
+        ops.reserve(part, counters, 1, 1, merge_tiles)
+        x = cp.asarray(np.random.default_rng(0).standard_normal((1, k)).astype(np.float32))
+        y = cp.empty((1, n), dtype=cp.float32)
+        graph = ops.capture(lambda lins=lins, x=x, y=y: [ops.gemv(lin, x, PRO_PLAIN, None, 0.0, 0, y, EPI_STORE, None)
+                                                         for lin in lins])
+        for _ in range(args.replays):
+            recs, gpu_us = read_records(cp, mod, graph, bench.stream)
+        rows = analyse(recs, {lin.codes.data.ptr: f"{i}:gemv" for i, lin in enumerate(lins)})[1:]
+
+        def median_of(key: str, rows: list[dict[str, Any]] = rows) -> float | None:
+            return round(statistics.median(r[key][1] for r in rows), 2) if rows[0][key] else None
+
+        summary = {"shape": spec, "launches": copies, "us_per_launch": round(gpu_us / copies, 2),
+                   "ksplit": lins[0].ksplit, "cluster": lins[0].cluster, **by_kind(rows)["gemv"],
+                   "merge_us": median_of("merge_q"), "hold_us": median_of("hold_q")}
+        res["gemv"].append(summary)
+        print(json.dumps(summary), flush=True)
+        bench.release(ws)
+        del graph
+    return res
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import cupy as cp
 
@@ -102,8 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kestrel_cuda.binding import open_device
     from kestrel_cuda.forward import DeviceForward
 
-    defines = (*forward_ops.kernel_defines(), "-DKESTREL_TIMELINE")
-    os.environ[forward_ops.DEFINES_ENV] = " ".join(defines)
+    defines = timeline_defines()
     model = preset_model(args.preset, args.quant)
     dev = open_device({})
     dev.preload(model)
@@ -114,22 +192,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for i in range(4):  # the graph is captured on the first decode step
         tok = int(fwd.forward(model, 1, np.array([tok]), len(prompt) + i, False)[0].argmax())
     mod = forward_ops._module(defines)
-    count = cp.ndarray((1,), np.uint32, mod.get_global("kt_n"))
     seq, stream = fwd._seqs[1], fwd.ops.stream
     res: dict[str, Any] = {"preset": args.preset, "quant": args.quant, "steps": []}
     for _ in range(args.replays):
-        with stream:
-            count[...] = 0
-        stream.synchronize()
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record(stream)
-        seq.graph()
-        e1.record(stream)
-        e1.synchronize()
-        n = int(count.get()[0])
-        recs = cp.ndarray((n, 6), np.uint64, mod.get_global("kt_buf")).get()
+        recs, gpu_us = read_records(cp, mod, seq.graph, stream)
         rows = analyse(recs, _names(fwd, seq))
-        res["steps"].append({"gpu_us": round(cp.cuda.get_elapsed_time(e0, e1) * 1e3, 1), "records": n,
+        res["steps"].append({"gpu_us": round(gpu_us, 1), "records": len(recs),
                              "by_kind": by_kind(rows),
                              "layer": [r for r in rows if r["name"].startswith(f"{args.layer}:")]})
     fwd.close()
@@ -144,7 +212,14 @@ def main() -> None:
     p.add_argument("--layer", type=int, default=10)
     p.add_argument("--replays", type=int, default=3)
     p.add_argument("--json", default="")
+    p.add_argument("--gemv", default="", help="SHAPE:BITS,... (o:8,q|k|v:4): a chain of that decode GEMV instead")
     args = p.parse_args()
+    if args.gemv:
+        res = gemv_chain(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1, default=float)
+        return
     res = run(args)
     last = res["steps"][-1]
     print(f"{res['preset']} {res['quant']}: GPU {[s['gpu_us'] for s in res['steps']]} us/step "
