@@ -116,6 +116,13 @@ class Bench:
             w.scales[...] = rs.uniform(1e-3, 2e-2, size=(geo.ngroups, geo.npad)).astype(cp.float32)
         return w
 
+    def weight_copies(self, n: int, k: int, g: int, bits: int) -> list[Any]:
+        """Enough random copies of one weight (at least two) to read four times the L2 per rotation, so that
+        back-to-back launches over them stream from device memory."""
+        first = self.device_weight(n, k, g, bits, 1)
+        copies = max(2, -(-4 * L2_BYTES // first.geometry.nbytes))
+        return [first] + [self.device_weight(n, k, g, bits, 2 + i) for i in range(copies - 1)]
+
     def release(self, weights) -> None:
         for w in weights:
             self.dev.allocator.free(w.buffer)
@@ -155,10 +162,9 @@ extern "C" __global__ void copy16(const uint4* __restrict__ s, uint4* __restrict
             for bits, g in ((8, 32), (4, 32), (8, 256)):
                 if self.args.quick and (bits, g) != (8, 32):
                     continue
-                w0 = self.device_weight(n, k, g, bits, 1)
+                ws = self.weight_copies(n, k, g, bits)
+                w0, copies = ws[0], len(ws)
                 wbytes = w0.geometry.nbytes
-                copies = max(2, -(-4 * L2_BYTES // wbytes))
-                ws = [w0] + [self.device_weight(n, k, g, bits, 2 + i) for i in range(copies - 1)]
                 a = cp.asarray(np.random.default_rng(0).integers(-127, 128, (1, k), dtype=np.int8))
                 s = cp.asarray(np.random.default_rng(1).uniform(0.001, 0.01, (1, k // g)).astype(np.float32))
                 out = cp.empty((1, n), dtype=cp.float32)
@@ -229,10 +235,8 @@ extern "C" __global__ void copy16(const uint4* __restrict__ s, uint4* __restrict
         rows = []
         for name, (n, k) in {**SHAPES, "q|k|v": (6144, 4096)}.items():  # decode runs q|k|v fused
             for bits in (8, 4):
-                w0 = self.device_weight(n, k, 32, bits, 1)
-                wbytes = w0.geometry.nbytes
-                copies = max(2, -(-4 * L2_BYTES // wbytes))
-                ws = [w0] + [self.device_weight(n, k, 32, bits, 2 + i) for i in range(copies - 1)]
+                ws = self.weight_copies(n, k, 32, bits)
+                copies, wbytes = len(ws), ws[0].geometry.nbytes
                 lins = [Lin.from_device_weight(w, n) for w in ws]
                 x = cp.asarray(np.random.default_rng(0).standard_normal((1, k)).astype(np.float32))
                 y = cp.empty((1, n), dtype=cp.float32)

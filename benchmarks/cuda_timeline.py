@@ -131,7 +131,7 @@ def read_records(cp: Any, mod: Any, replay: Any, stream: Any) -> tuple[np.ndarra
 def gemv_chain(args: argparse.Namespace) -> dict[str, Any]:
     """--gemv: the timeline of back-to-back launches of each decode GEMV shape given."""
     import cupy as cp
-    from cuda_gemv import L2_BYTES, SHAPES, Bench
+    from cuda_gemv import SHAPES, Bench
 
     from kestrel_cuda import forward_ops
     from kestrel_cuda.forward_ops import EPI_STORE, PRO_PLAIN, CupyOps, Lin, gemv_scratch, plan_split
@@ -144,9 +144,8 @@ def gemv_chain(args: argparse.Namespace) -> dict[str, Any]:
     for spec in args.gemv.split(","):
         name, bits = spec.rsplit(":", 1)
         n, k = shapes[name]
-        first = bench.device_weight(n, k, 32, int(bits), 1)
-        copies = max(2, -(-4 * L2_BYTES // first.geometry.nbytes))
-        ws = [first] + [bench.device_weight(n, k, 32, int(bits), 2 + i) for i in range(copies - 1)]
+        ws = bench.weight_copies(n, k, 32, int(bits))
+        copies = len(ws)
         lins = [Lin.from_device_weight(w, n) for w in ws]
         for lin in lins:
             lin.ksplit = plan_split(lin, ops.gemv_kind, ops.sm_count, clusters=ops.cluster)
