@@ -30,6 +30,7 @@ SHAPES = {  # name: (N, K) of Qwen3-8B's projections (HF orientation [out, in])
     "q": (4096, 4096), "k/v": (1024, 4096), "o": (4096, 4096), "gate/up": (12288, 4096),
     "down": (4096, 12288), "lm_head": (151936, 4096),
 }
+DECODE_SHAPES = {**SHAPES, "q|k|v": (6144, 4096)}  # the decode step runs q|k|v as one fused GEMV
 # one 512-token prefill of Qwen3-8B: fused QKV (6144) and gate|up (24576) per layer, 36 layers, lm_head once
 PREFILL_LAYER = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 LAYERS = 36
@@ -38,6 +39,20 @@ L2_BYTES = 60 << 20
 
 def log(*a: Any) -> None:
     print(*a, flush=True)
+
+
+def plan_decode(ops: Any, lins: list[Any], setting: str = "plan") -> None:
+    """Plan the M=1 GEMV of each of ``lins`` as the decode step does ("plan": the planner's K split and
+    clusters; "N" or "Nc": N splits, "c" as one cluster per tile), and reserve the split-K scratch they need."""
+    from kestrel_cuda.forward_ops import MAX_CLUSTER, gemv_scratch, plan_split
+
+    for lin in lins:
+        lin.ksplit = plan_split(lin, ops.gemv_kind, ops.sm_count, clusters=ops.cluster)
+        if setting != "plan":
+            lin.ksplit = min(int(setting.rstrip("c")), lin.chunks)
+            lin.cluster = ops.cluster and setting.endswith("c") and lin.ksplit <= MAX_CLUSTER
+    part, counters, merge_tiles = gemv_scratch(lins)
+    ops.reserve(part, counters, 1, 1, merge_tiles)
 
 
 class Bench:
@@ -219,21 +234,13 @@ extern "C" __global__ void copy16(const uint4* __restrict__ s, uint4* __restrict
         int4 at G = 32, rotating over weight copies four times the L2, in one captured graph with PDL; with
         ``--splits``, once per K split given ("plan": the planner's; "8c": 8 splits as one cluster per tile)."""
         cp = self.cp
-        from kestrel_cuda.forward_ops import (
-            EPI_STORE,
-            MAX_CLUSTER,
-            PRO_PLAIN,
-            CupyOps,
-            Lin,
-            gemv_scratch,
-            plan_split,
-        )
+        from kestrel_cuda.forward_ops import EPI_STORE, PRO_PLAIN, CupyOps, Lin
 
         # CupyOps.capture, not graph_time_us's plain capture: its launches carry PDL as in the decode step
 
         ops = CupyOps(self.stream)
         rows = []
-        for name, (n, k) in {**SHAPES, "q|k|v": (6144, 4096)}.items():  # decode runs q|k|v fused
+        for name, (n, k) in DECODE_SHAPES.items():
             for bits in (8, 4):
                 ws = self.weight_copies(n, k, 32, bits)
                 copies, wbytes = len(ws), ws[0].geometry.nbytes
@@ -243,13 +250,7 @@ extern "C" __global__ void copy16(const uint4* __restrict__ s, uint4* __restrict
                 count = 8 * copies if wbytes < (256 << 20) else copies * 2
                 floor_us = self.read_floor_us(ops, ws, count)
                 for setting in self.args.splits.split(","):
-                    for lin in lins:
-                        lin.ksplit = plan_split(lin, ops.gemv_kind, ops.sm_count, clusters=ops.cluster)
-                        if setting != "plan":
-                            lin.ksplit = min(int(setting.rstrip("c")), lin.chunks)
-                            lin.cluster = ops.cluster and setting.endswith("c") and lin.ksplit <= MAX_CLUSTER
-                    part, counters, merge_tiles = gemv_scratch(lins)
-                    ops.reserve(part, counters, 1, 1, merge_tiles)
+                    plan_decode(ops, lins, setting)
                     graph = ops.capture(lambda: [ops.gemv(lins[i % copies], x, PRO_PLAIN, None, 0.0, 0, y,
                                                           EPI_STORE, None) for i in range(count)])
                     us = self.replay_us(graph, count)

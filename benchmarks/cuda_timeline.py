@@ -131,26 +131,22 @@ def read_records(cp: Any, mod: Any, replay: Any, stream: Any) -> tuple[np.ndarra
 def gemv_chain(args: argparse.Namespace) -> dict[str, Any]:
     """--gemv: the timeline of back-to-back launches of each decode GEMV shape given."""
     import cupy as cp
-    from cuda_gemv import SHAPES, Bench
+    from cuda_gemv import DECODE_SHAPES, Bench, plan_decode
 
     from kestrel_cuda import forward_ops
-    from kestrel_cuda.forward_ops import EPI_STORE, PRO_PLAIN, CupyOps, Lin, gemv_scratch, plan_split
+    from kestrel_cuda.forward_ops import EPI_STORE, PRO_PLAIN, CupyOps, Lin
 
     mod = forward_ops._module(timeline_defines())
     bench = Bench(argparse.Namespace(quick=True))
     ops = CupyOps(bench.stream)
-    shapes = {**SHAPES, "q|k|v": (6144, 4096)}
     res: dict[str, Any] = {"gemv": []}
     for spec in args.gemv.split(","):
         name, bits = spec.rsplit(":", 1)
-        n, k = shapes[name]
+        n, k = DECODE_SHAPES[name]
         ws = bench.weight_copies(n, k, 32, int(bits))
         copies = len(ws)
         lins = [Lin.from_device_weight(w, n) for w in ws]
-        for lin in lins:
-            lin.ksplit = plan_split(lin, ops.gemv_kind, ops.sm_count, clusters=ops.cluster)
-        part, counters, merge_tiles = gemv_scratch(lins)
-        ops.reserve(part, counters, 1, 1, merge_tiles)
+        plan_decode(ops, lins)
         x = cp.asarray(np.random.default_rng(0).standard_normal((1, k)).astype(np.float32))
         y = cp.empty((1, n), dtype=cp.float32)
         graph = ops.capture(lambda lins=lins, x=x, y=y: [ops.gemv(lin, x, PRO_PLAIN, None, 0.0, 0, y, EPI_STORE, None)
