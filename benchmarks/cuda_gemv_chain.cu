@@ -1,0 +1,223 @@
+// A persistent chain of M = 1 decode GEMVs (benchmarks/cuda_gemv_chain.py): the experiment behind issue 4's
+// last goal. Compiled after plugins/kestrel_cuda/common.cu and forward.cu (their helpers: load layouts,
+// dot_slot, tagged 64-bit words, cluster shared memory), not part of the backend.
+//
+// Stage s computes y_s = W_s rmsnorm(x_s), x_s = the first K outputs of stage s - 1, with no kernel boundary
+// between stages: one block per SM, clusters of C blocks; tile t (128 columns) of every stage belongs to
+// cluster t % nclusters, whose block of rank r takes the tile's 256-row chunks c = r, r + C, ... Each block
+// streams its chunks' weights, stage after stage, into a ring of D shared-memory slots (cp.async, D - 1 chunks
+// in flight while one is used), so the weights of the next stage arrive while this one waits for its input.
+// A chunk needs its 256 inputs and every sum of squares of the previous stage: each is stored as a 64-bit word
+// tagged with its stage (st_tagged), and the block polls exactly the words it reads, with no grid barrier.
+// The cluster adds its blocks' partial sums of a tile in its shared memory (rank order); rank 0 writes the
+// tile's outputs and their sums of squares, tagged.
+#define CH_KC 256                      // rows of a chunk (qgemv's KC)
+#define CH_SCALES (CH_KC / 32 * TN * 4)   // bytes of a chunk's G = 32 weight scales: 8 groups x 128 columns
+#define CH_SPIN (1 << 22)              // polls before a block gives up (sets *err): never in a correct run
+
+struct ChainStage {                     // one stage, as 10 words (cuda_gemv_chain.py writes them)
+    const unsigned char* W;             // codes in qgemv's layout: int8 [K][Npad], int4 [K / 8][Npad] words
+    const float* WS;                    // [K / 32][Npad]
+    const float* pw;                    // rmsnorm weight [K]
+    const unsigned long long* x;        // tagged inputs (the previous stage's y, or the chain's input)
+    const unsigned long long* xssq;     // tagged sums of squares of x, one per 32
+    unsigned long long* y;              // tagged outputs [N]
+    unsigned long long* yssq;           // tagged [N / 32]
+    long long N, K, Npad;
+};
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+// wait until at most n of this thread's groups are in flight (n < 8)
+__device__ __forceinline__ void cp_async_wait_n(int n) {
+    switch (n) {
+        case 0: cp_async_wait<0>(); break;
+        case 1: cp_async_wait<1>(); break;
+        case 2: cp_async_wait<2>(); break;
+        case 3: cp_async_wait<3>(); break;
+        case 4: cp_async_wait<4>(); break;
+        case 5: cp_async_wait<5>(); break;
+        case 6: cp_async_wait<6>(); break;
+        default: cp_async_wait<7>(); break;
+    }
+}
+
+// The block's item j (stage s, tile t, chunk c) in its order: stages, then its cluster's tiles, then its chunks.
+struct ChainItem { int s, t, c; };
+
+template <int BITS>
+__device__ __forceinline__ void chain_issue(const ChainStage& st, const ChainItem& it, unsigned char* slot) {
+    const int tid = threadIdx.x;
+    const int k0 = it.c * CH_KC, n0 = it.t * TN;
+    const size_t npad = (size_t)st.Npad;
+    if constexpr (BITS == 8) {          // 256 rows of 128 bytes: 8 pieces of 16 a row
+        for (int p = tid; p < CH_KC * TN / 16; p += NT) {
+            const int row = p >> 3, seg = p & 7;
+            cp_async16(slot + row * TN + seg * 16, st.W + (size_t)(k0 + row) * npad + n0 + seg * 16);
+        }
+    } else {                            // 32 word-rows of 512 bytes: 32 pieces a row
+        for (int p = tid; p < CH_KC / 8 * TN / 4; p += NT) {
+            const int row = p >> 5, seg = p & 31;
+            cp_async16(slot + row * TN * 4 + seg * 16, st.W + ((size_t)(k0 / 8 + row) * npad + n0) * 4 + seg * 16);
+        }
+    }
+    unsigned char* sc = slot + CH_KC * TN * BITS / 8;
+    for (int p = tid; p < CH_SCALES / 16; p += NT) {  // 8 rows of 128 floats
+        const int row = p >> 5, seg = p & 31;
+        cp_async16(sc + row * TN * 4 + seg * 16, st.WS + (size_t)(k0 / 32 + row) * npad + n0 + seg * 4);
+    }
+}
+
+#define CH_MAXC 4   // chunks of a tile one block takes per stage (K / CH_KC / C), at most
+#define CH_MAXQ 4   // sums of squares of x a lane reads (K / 32 / 32), at most: K <= 4096
+
+template <int BITS>
+__global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict__ desc, int nstages, int depth,
+                                                     unsigned base, float eps, int* __restrict__ err) {
+    extern __shared__ __align__(16) unsigned char ring[];
+    constexpr int SLOT = CH_KC * TN * BITS / 8 + CH_SCALES;
+    __shared__ int s_aq[CH_MAXC][CH_KC / 4];   // the stage's activation codes of this block's chunks
+    __shared__ float s_as[CH_MAXC][CH_KC / 32];
+    __shared__ int s_asum[CH_MAXC][CH_KC / 32];
+    __shared__ __align__(16) float s_acc[NT / 32][TN];
+    __shared__ float s_part[2][TN];     // this block's sums of a tile, read by rank 0 (double-buffered by tile)
+
+    const ChainStage* stages = reinterpret_cast<const ChainStage*>(desc);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int C = (int)cluster_size(), rank = (int)cluster_rank();
+    const int cl = blockIdx.x / C, ncl = gridDim.x / C;
+
+    // the items of this block, enumerated on the fly (issue and use walk the same order)
+    auto tiles_of = [&](int s) { const int nt = (int)(stages[s].N / TN); return nt > cl ? (nt - cl + ncl - 1) / ncl : 0; };
+    auto chunks_of = [&](int s) { const int nc = (int)(stages[s].K / CH_KC); return nc > rank ? (nc - rank + C - 1) / C : 0; };
+    auto count_of = [&](int s) { return tiles_of(s) * chunks_of(s); };
+    int total = 0;
+    for (int s = 0; s < nstages; ++s) total += count_of(s);
+    auto item = [&](int j) {
+        int s = 0;
+        while (j >= count_of(s)) { j -= count_of(s); ++s; }
+        const int nc = chunks_of(s);
+        return ChainItem{s, cl + (j / nc) * ncl, rank + (j % nc) * C};
+    };
+
+    for (int j = 0; j < depth; ++j) {   // the ring's first D chunks (one commit group each, empty past the end)
+        if (j < total) { const ChainItem it = item(j); chain_issue<BITS>(stages[it.s], it, ring + (size_t)j * SLOT); }
+        cp_async_commit();
+    }
+    float acc = 0.f;
+    int cur_s = -1, buf = 0;
+    for (int j = 0; j < total; ++j) {
+        const ChainItem it = item(j);
+        const ChainStage& st = stages[it.s];
+        const unsigned ytag = base + it.s + 1;
+        const unsigned char* slot = ring + (size_t)(j % depth) * SLOT;
+        const int K = (int)st.K;
+        if (it.s != cur_s) {
+            // A new stage: its inputs for all of this block's chunks and every sum of squares of x, polled
+            // together (one round trip once the previous stage has written them), then quantized once.
+            const unsigned xtag = base + it.s;
+            const int nc = chunks_of(it.s);
+            unsigned long long wx[CH_MAXC], wq[CH_MAXQ];
+            float pwv[CH_MAXC];
+#pragma unroll
+            for (int i = 0; i < CH_MAXC; ++i) {
+                const int k = (rank + i * C) * CH_KC + tid;
+                wx[i] = i < nc ? ld_tagged(st.x + k) : 0ull;
+                pwv[i] = i < nc ? __ldg(st.pw + k) : 0.f;
+            }
+#pragma unroll
+            for (int i = 0; i < CH_MAXQ; ++i) wq[i] = lane + 32 * i < K / 32 ? ld_tagged(st.xssq + lane + 32 * i) : 0ull;
+            for (int spin = 0;; ++spin) {
+                bool ready = true;
+#pragma unroll
+                for (int i = 0; i < CH_MAXC; ++i)
+                    if (i < nc && (unsigned)(wx[i] >> 32) != xtag) { ready = false; wx[i] = ld_tagged(st.x + (rank + i * C) * CH_KC + tid); }
+#pragma unroll
+                for (int i = 0; i < CH_MAXQ; ++i)
+                    if (lane + 32 * i < K / 32 && (unsigned)(wq[i] >> 32) != xtag) { ready = false; wq[i] = ld_tagged(st.xssq + lane + 32 * i); }
+                if (ready) break;
+                if (spin == CH_SPIN) { atomicExch(err, 1); break; }
+                if ((spin & 1023) == 1023 && *(volatile int*)err) break;  // another block timed out
+            }
+            float ss = 0.f;
+#pragma unroll
+            for (int i = 0; i < CH_MAXQ; ++i) if (lane + 32 * i < K / 32) ss += __uint_as_float((unsigned)wq[i]);
+            const float r = sqrtf(warp_sum(ss) / (float)K + eps);
+            // quantize: warp w holds rows 32w .. 32w + 31 of each chunk, its group w (G = 32), as qgemv does
+#pragma unroll
+            for (int i = 0; i < CH_MAXC; ++i) {
+                if (i >= nc) break;
+                const float v = __uint_as_float((unsigned)wx[i]) / r * pwv[i];
+                const float d = warp_max(fabsf(v)) / 127.f;
+                const float inv = d == 0.f ? 0.f : 1.f / d;
+                const int q = (int)roundf(v * inv);
+                reinterpret_cast<signed char*>(s_aq[i])[tid] = (signed char)q;
+                if (BITS == 4) { const int qs = warp_isum(q); if (lane == 0) s_asum[i][warp] = qs; }
+                if (lane == 0) s_as[i][warp] = d;
+            }
+            cur_s = it.s;
+        }
+        const int ci = (it.c - rank) / C;
+        cp_async_wait_n(depth - 1);     // this thread's copies of chunk j have landed
+        __syncthreads();                // everyone's have (and the codes above are in)
+
+        constexpr int NW = BITS == 8 ? 32 : 16;
+        unsigned w[NW];
+        const unsigned* sw = reinterpret_cast<const unsigned*>(slot);
+        if constexpr (BITS == 8) {
+#pragma unroll
+            for (int i = 0; i < 32; ++i) w[i] = sw[(32 * warp + i) * (TN / 4) + lane];
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const uint4 u = reinterpret_cast<const uint4*>(sw + (4 * warp + i) * TN)[lane];
+                w[4 * i] = u.x; w[4 * i + 1] = u.y; w[4 * i + 2] = u.z; w[4 * i + 3] = u.w;
+            }
+        }
+        const float4 ws = reinterpret_cast<const float4*>(slot + CH_KC * TN * BITS / 8)[warp * (TN / 4) + lane];
+        int aw[1][8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) aw[0][i] = s_aq[ci][8 * warp + i];
+        int isum[1][4] = {{0, 0, 0, 0}};
+        dot_slot<BITS, 1>(w, aw, isum);
+        const float as = s_as[ci][warp];
+        const int bias8 = BITS == 4 ? 8 * s_asum[ci][warp] : 0;
+        *reinterpret_cast<float4*>(&s_acc[warp][4 * lane]) =
+            make_float4((float)(isum[0][0] - bias8) * as * ws.x, (float)(isum[0][1] - bias8) * as * ws.y,
+                        (float)(isum[0][2] - bias8) * as * ws.z, (float)(isum[0][3] - bias8) * as * ws.w);
+        __syncthreads();                // slot j and s_acc read; the ring slot may be refilled
+        if (j + depth < total) {
+            const ChainItem nx = item(j + depth);
+            chain_issue<BITS>(stages[nx.s], nx, ring + (size_t)(j % depth) * SLOT);
+        }
+        cp_async_commit();
+        if (tid < TN) {
+            float s = 0.f;
+#pragma unroll
+            for (int i = 0; i < NT / 32; ++i) s += s_acc[i][tid];
+            acc += s;
+        }
+        if (it.c + C < K / CH_KC) continue;  // not this block's last chunk of the tile
+        // the tile's sums: the cluster's blocks' partials, added by rank 0 in rank order
+        if (tid < TN) s_part[buf][tid] = acc;
+        acc = 0.f;
+        cluster_sync();
+        if (rank == 0 && tid < TN) {
+            float y = 0.f;
+            for (int q2 = 0; q2 < C; ++q2) y += ld_cluster(&s_part[buf][tid], q2);
+            const int n = it.t * TN + tid;
+            st_tagged(st.y + n, y, ytag);
+            const float sq = warp_sum(y * y);
+            if (lane == 0) st_tagged(st.yssq + (n >> 5), sq, ytag);
+        }
+        buf ^= 1;                       // s_part[buf] is rewritten two tiles on, after the next cluster_sync
+    }
+    cp_async_wait<0>();
+    cluster_sync();                     // rank 0 may still read this block's s_part
+}

@@ -1,0 +1,247 @@
+"""A persistent chain of decode GEMVs (cuda_gemv_chain.cu) against the decode step's per-launch GEMV, one run.
+
+    python benchmarks/cuda_gemv_chain.py [--shapes o:8,o:4,q|k|v:8,q|k|v:4] [--depths 4,6] [--cluster 8]
+                                         [--stages 8,40] [--no-baseline] [--json F]
+
+The experiment behind issue 4's last goal (decode GEMV >= 80 % of the copy bandwidth for o and the int4
+q|k|v). Each stage is one M = 1 GEMV of the shape (int8 or int4, G = 32) whose input is the RMSNorm of the
+previous stage's first K outputs (the same full dependency as o -> gate|up or down -> q|k|v in the decode
+step), with no kernel boundary between stages (see the .cu file). Stages rotate over weight copies four
+times the L2, so they stream from device memory. Per stage time = (time of a chain of S2 stages - time of S1)
+/ (S2 - S1), so the launch and the first stage's ramp cancel. Every stage's output is checked against numpy
+from the previous stage's output (the contract's activation quantization, int64 block sums).
+
+In the same process: the copy bandwidth and, unless --no-baseline, cuda_gemv.py --decode-only (the decode
+step's qgemv per shape, back to back with PDL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from cuda_gemv import DECODE_SHAPES, Bench, log
+
+HERE = Path(__file__).resolve().parent
+KC, TN, EPS = 256, 128, 1e-6
+DESC_WORDS = 10  # ChainStage in cuda_gemv_chain.cu
+
+
+def compile_chain(cp: Any) -> dict[int, Any]:
+    from kestrel_cuda import forward_ops
+
+    src_dir = Path(forward_ops.__file__).resolve().parent
+    code = "\n".join([(src_dir / "common.cu").read_text(), (src_dir / "forward.cu").read_text(),
+                      (HERE / "cuda_gemv_chain.cu").read_text()])
+    names = {bits: f"gemv_chain<{bits}>" for bits in (8, 4)}
+    mod = cp.RawModule(code=code, options=("--fmad=false", "-std=c++17"), name_expressions=tuple(names.values()))
+    return {bits: mod.get_function(name) for bits, name in names.items()}
+
+
+def slot_bytes(bits: int) -> int:
+    return KC * TN * bits // 8 + KC // 32 * TN * 4
+
+
+def max_active_clusters(kernel: Any, cluster: int, smem: int, sm_count: int) -> int:
+    """cuOccupancyMaxActiveClusters for ``cluster`` blocks of 256 threads with ``smem`` dynamic bytes."""
+    from kestrel_cuda.forward_launch import CLUSTER_DIMENSION, _LaunchAttr, _LaunchConfig
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    attrs = (_LaunchAttr * 1)()
+    attrs[0].id = CLUSTER_DIMENSION
+    attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = cluster, 1, 1
+    cfg = _LaunchConfig(sm_count, 1, 1, 256, 1, 1, smem, None, attrs, 1)
+    n = ctypes.c_int(0)
+    err = lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(kernel.kernel.ptr), ctypes.byref(cfg))
+    if err != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters failed with CUresult {err}")
+    return n.value
+
+
+def tagged(cp: Any, values: Any, tag: int) -> Any:
+    return (cp.uint64(tag) << cp.uint64(32)) | values.astype(cp.float32).view(cp.uint32).astype(cp.uint64)
+
+
+def untag(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    low = (words & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    return (words >> np.uint64(32)).astype(np.uint32), low.view(np.float32)
+
+
+def host_codes(w: Any, k: int, n: int) -> np.ndarray:
+    """The weight's codes as int64 [K][N], from qgemv's layout (int4: 8-k words, +8 offset)."""
+    g = w.geometry
+    raw = w.codes.get()
+    if g.code_bits == 8:
+        return raw.reshape(k, g.npad)[:, :n].astype(np.int64)
+    words = raw.view(np.uint32).reshape(k // 8, g.npad)[:, :n]
+    out = np.empty((k, n), dtype=np.int64)
+    for j in range(4):
+        byte = (words >> np.uint32(8 * j)) & np.uint32(0xFF)
+        out[j::8] = (byte & 0xF).astype(np.int64) - 8
+        out[4 + j::8] = (byte >> 4).astype(np.int64) - 8
+    return out
+
+
+def reference_stage(x: np.ndarray, ssq: np.ndarray, pw: np.ndarray, codes: np.ndarray,
+                    scales: np.ndarray) -> np.ndarray:
+    """y = W rmsnorm(x) as the kernel defines it: the norm from the per-32 sums of squares, the activations
+    quantized per 32 (half away from zero), exact integer block sums, float64 after that."""
+    k = x.shape[0]
+    r = np.sqrt(np.float32(ssq.astype(np.float32).sum(dtype=np.float32)) / np.float32(k) + np.float32(EPS))
+    v = (x / r * pw).astype(np.float32).reshape(-1, 32)
+    d = (np.abs(v).max(axis=1) / np.float32(127)).astype(np.float32)
+    inv = np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, 1, d)).astype(np.float32)
+    t = v * inv[:, None]
+    q = (np.sign(t) * np.floor(np.abs(t) + 0.5)).astype(np.int64)  # roundf
+    blocks = np.einsum("gk,gkn->gn", q, codes.reshape(-1, 32, codes.shape[1]))  # [K/32, N], exact
+    return (blocks.astype(np.float64) * d[:, None].astype(np.float64) * scales.astype(np.float64)).sum(axis=0)
+
+
+class Chain:
+    """One shape's chain: weight copies, per-stage tagged outputs, descriptors; launches and checks."""
+
+    def __init__(self, bench: Bench, kernels: dict[int, Any], n: int, k: int, bits: int, stages: int,
+                 cluster: int) -> None:
+        cp = bench.cp
+        self.cp, self.bench, self.n, self.k, self.bits, self.cluster = cp, bench, n, k, bits, cluster
+        if k > 4096 or k // KC // cluster > 4 or k // KC < cluster or n < k:
+            raise ValueError(f"shape {n}x{k} outside the prototype's limits (K <= 4096, K/256 >= cluster, N >= K)")
+        self.kernel = kernels[bits]
+        self.ws = bench.weight_copies(n, k, 32, bits)
+        self.stage_bytes = self.ws[0].geometry.nbytes
+        self.stages = stages
+        rng = np.random.default_rng(3)
+        self.pw = cp.asarray(rng.uniform(0.5, 1.5, k).astype(np.float32))
+        x0 = rng.standard_normal(k).astype(np.float32)
+        self.x0 = cp.asarray(x0)
+        self.x0ssq = cp.asarray((x0.reshape(-1, 32) ** 2).sum(axis=1).astype(np.float32))
+        self.xw = cp.zeros(k, dtype=cp.uint64)
+        self.xq = cp.zeros(k // 32, dtype=cp.uint64)
+        self.y = cp.zeros((stages, n), dtype=cp.uint64)
+        self.yq = cp.zeros((stages, n // 32), dtype=cp.uint64)
+        self.err = cp.zeros(1, dtype=cp.int32)
+        desc = np.zeros((stages, DESC_WORDS), dtype=np.int64)
+        for s in range(stages):
+            w = self.ws[s % len(self.ws)]
+            x = self.xw.data.ptr if s == 0 else self.y[s - 1].data.ptr
+            xq = self.xq.data.ptr if s == 0 else self.yq[s - 1].data.ptr
+            desc[s] = [w.codes.data.ptr, w.scales.data.ptr, self.pw.data.ptr, x, xq, self.y[s].data.ptr,
+                       self.yq[s].data.ptr, n, k, w.geometry.npad]
+        self.desc = cp.asarray(desc)
+        self.base = 0
+
+    def launch(self, nstages: int, depth: int, clusters: int) -> None:
+        """One chain of ``nstages`` stages (new tags: outputs of an earlier launch never match)."""
+        from kestrel_cuda.forward_launch import ExLauncher
+
+        cp = self.cp
+        self.base += 1 << 10
+        with self.bench.stream:
+            self.xw[...] = tagged(cp, self.x0, self.base)
+            self.xq[...] = tagged(cp, self.x0ssq, self.base)
+        smem = depth * slot_bytes(self.bits)
+        if not hasattr(self, "_launcher"):
+            self._launcher = ExLauncher()
+        self._launcher.launch(self.kernel, (clusters * self.cluster,), (256,),
+                              (np.uint64(self.desc.data.ptr), np.int32(nstages), np.int32(depth),
+                               np.int32(self.base), np.float32(EPS), np.uint64(self.err.data.ptr)),
+                              smem, self.bench.stream, pdl=False, cluster=(self.cluster, 1, 1))
+
+    def time_us(self, nstages: int, depth: int, clusters: int, reps: int = 7) -> float:
+        cp, s = self.cp, self.bench.stream
+        self.launch(nstages, depth, clusters)
+        s.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(s)
+            self.launch(nstages, depth, clusters)
+            end.record(s)
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end) * 1000.0)
+        return statistics.median(times)
+
+    def check(self, nstages: int, depth: int, clusters: int, stages_checked: int = 3) -> dict[str, Any]:
+        """Launch once and compare stages 0 .. stages_checked - 1 with numpy; every tag must be this launch's."""
+        self.launch(nstages, depth, clusters)
+        self.bench.stream.synchronize()
+        err = int(self.err.get()[0])
+        tags, ys = untag(self.y[:nstages].get())
+        qtags, qs = untag(self.yq[:nstages].get())
+        want = self.base + 1 + np.arange(nstages, dtype=np.uint32)[:, None]
+        tags_ok = bool((tags == want).all() and (qtags == want).all())
+        x, xq = self.x0.get(), self.x0ssq.get()
+        pw = self.pw.get()
+        worst = 0.0
+        for s in range(min(stages_checked, nstages)):
+            w = self.ws[s % len(self.ws)]
+            ref = reference_stage(x, xq, pw, host_codes(w, self.k, self.n), w.scales.get()[:, :self.n])
+            worst = max(worst, float(np.abs(ys[s] - ref).max() / np.abs(ref).max()))
+            x, xq = ys[s][:self.k], qs[s][:self.k // 32]
+        ok = err == 0 and tags_ok and worst < 1e-3
+        return {"check_ok": ok, "timeout_flag": err, "tags_ok": tags_ok, "max_rel_err": worst}
+
+    def release(self) -> None:
+        self.bench.release(self.ws)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="o:8,o:4,q|k|v:8,q|k|v:4")
+    p.add_argument("--depths", default="3,4,5", help="ring slots per block (int4 slots are half the bytes: x2)")
+    p.add_argument("--cluster", type=int, default=8)
+    p.add_argument("--stages", default="8,40", help="S1,S2: the per-stage time is the slope between them")
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--json", default="")
+    args = p.parse_args(argv)
+    args.splits = "plan"  # for Bench.decode_gemv
+    bench = Bench(args)
+    copy_bw = bench.copy_bandwidth()
+    cp = bench.cp
+    kernels = compile_chain(cp)
+    s1, s2 = (int(v) for v in args.stages.split(","))
+    rows = []
+    for spec in args.shapes.split(","):
+        name, bits_s = spec.rsplit(":", 1)
+        bits = int(bits_s)
+        n, k = DECODE_SHAPES[name]
+        chain = Chain(bench, kernels, n, k, bits, s2, args.cluster)
+        for d in (int(v) for v in args.depths.split(",")):
+            depth = d if bits == 8 else 2 * d
+            smem = depth * slot_bytes(bits)
+            chain.kernel.max_dynamic_shared_size_bytes = smem
+            clusters = min(max_active_clusters(chain.kernel, args.cluster, smem, bench.dev.sm_count),
+                           bench.dev.sm_count // args.cluster)
+            row: dict[str, Any] = {"shape": name, "bits": bits, "N": n, "K": k, "depth": depth,
+                                   "cluster": args.cluster, "clusters": clusters,
+                                   "weight_MB": round(chain.stage_bytes / 1e6, 2)}
+            row.update(chain.check(s2, depth, clusters))
+            if row["timeout_flag"]:  # a block waited for an input that never came: no timing
+                rows.append(row)
+                log(json.dumps(row))
+                continue
+            t1, t2 = chain.time_us(s1, depth, clusters), chain.time_us(s2, depth, clusters)
+            us = (t2 - t1) / (s2 - s1)
+            bw = chain.stage_bytes / (us * 1e-6) / 1e12
+            row.update({"us_per_stage": round(us, 3), "tb_s": round(bw, 3), "pct_copy": round(100 * bw / copy_bw, 1),
+                        f"chain_{s1}_us": round(t1, 1), f"chain_{s2}_us": round(t2, 1)})
+            rows.append(row)
+            log(json.dumps(row))
+        chain.release()
+    bench.results["chain"] = rows
+    if not args.no_baseline:
+        bench.decode_gemv(copy_bw)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(bench.results, f, indent=1)
+    bench.dev.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
