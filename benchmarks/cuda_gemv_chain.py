@@ -55,7 +55,7 @@ def max_active_clusters(kernel: Any, cluster: int, smem: int, sm_count: int) -> 
     attrs = (_LaunchAttr * 1)()
     attrs[0].id = CLUSTER_DIMENSION
     attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = cluster, 1, 1
-    cfg = _LaunchConfig(sm_count, 1, 1, 256, 1, 1, smem, None, attrs, 1)
+    cfg = _LaunchConfig(sm_count // cluster * cluster, 1, 1, 256, 1, 1, smem, None, attrs, 1)
     n = ctypes.c_int(0)
     err = lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(kernel.kernel.ptr), ctypes.byref(cfg))
     if err != 0:
