@@ -7,8 +7,9 @@
 // cluster t % nclusters, whose block of rank r takes the tile's 256-row chunks c = r, r + C, ... Each block
 // streams its chunks' weights, stage after stage, into a ring of D shared-memory slots (cp.async, D - 1 chunks
 // in flight while one is used), so the weights of the next stage arrive while this one waits for its input.
-// A chunk needs its 256 inputs and every sum of squares of the previous stage: each is stored as a 64-bit word
-// tagged with its stage (st_tagged), and the block polls exactly the words it reads, with no grid barrier.
+// A stage needs every sum of squares of the previous one (its RMSNorm): each merged tile adds one to the
+// previous stage's counter (release), and one thread of a block polls it (acquire) before the block reads x.
+// Outputs are stored as 64-bit words tagged with their stage (st_tagged), so the host can check who wrote what.
 // The cluster adds its blocks' partial sums of a tile in its shared memory (rank order); rank 0 writes the
 // tile's outputs and their sums of squares, tagged.
 #define CH_KC 256                      // rows of a chunk (qgemv's KC)
@@ -48,6 +49,12 @@ __device__ __forceinline__ void cp_async_wait_n(int n) {
     }
 }
 
+__device__ __forceinline__ int ld_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 // The block's item j (stage s, tile t, chunk c) in its order: stages, then its cluster's tiles, then its chunks.
 struct ChainItem { int s, t, c; };
 
@@ -79,7 +86,8 @@ __device__ __forceinline__ void chain_issue(const ChainStage& st, const ChainIte
 
 template <int BITS>
 __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict__ desc, int nstages, int depth,
-                                                     unsigned base, float eps, int* __restrict__ err) {
+                                                     unsigned base, float eps, int* __restrict__ count,
+                                                     int* __restrict__ err) {
     extern __shared__ __align__(16) unsigned char ring[];
     constexpr int SLOT = CH_KC * TN * BITS / 8 + CH_SCALES;
     __shared__ int s_aq[CH_MAXC][CH_KC / 4];   // the stage's activation codes of this block's chunks
@@ -119,32 +127,24 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
         const unsigned char* slot = ring + (size_t)(j % depth) * SLOT;
         const int K = (int)st.K;
         if (it.s != cur_s) {
-            // A new stage: its inputs for all of this block's chunks and every sum of squares of x, polled
-            // together (one round trip once the previous stage has written them), then quantized once.
-            const unsigned xtag = base + it.s;
+            // A new stage: wait until every tile of the previous one is out (one thread polls its counter:
+            // 30,000 threads polling their own input words flooded L2, 141 us a stage), then read this block's
+            // chunks of x and every sum of squares of x, and quantize them once for all its tiles.
             const int nc = chunks_of(it.s);
-            unsigned long long wx[CH_MAXC], wq[CH_MAXQ];
             float pwv[CH_MAXC];
 #pragma unroll
-            for (int i = 0; i < CH_MAXC; ++i) {
-                const int k = (rank + i * C) * CH_KC + tid;
-                wx[i] = i < nc ? ld_tagged(st.x + k) : 0ull;
-                pwv[i] = i < nc ? __ldg(st.pw + k) : 0.f;
+            for (int i = 0; i < CH_MAXC; ++i) pwv[i] = i < nc ? __ldg(st.pw + (rank + i * C) * CH_KC + tid) : 0.f;
+            if (it.s > 0 && tid == 0) {
+                const int want = (int)(stages[it.s - 1].N / TN);
+                for (int spin = 0; ld_acquire(count + it.s - 1) < want; ++spin)
+                    if (spin == CH_SPIN) { atomicExch(err, 1); break; }
             }
+            __syncthreads();
+            unsigned long long wx[CH_MAXC], wq[CH_MAXQ];
 #pragma unroll
-            for (int i = 0; i < CH_MAXQ; ++i) wq[i] = lane + 32 * i < K / 32 ? ld_tagged(st.xssq + lane + 32 * i) : 0ull;
-            for (int spin = 0;; ++spin) {
-                bool ready = true;
+            for (int i = 0; i < CH_MAXC; ++i) wx[i] = i < nc ? __ldcg(st.x + (rank + i * C) * CH_KC + tid) : 0ull;
 #pragma unroll
-                for (int i = 0; i < CH_MAXC; ++i)
-                    if (i < nc && (unsigned)(wx[i] >> 32) != xtag) { ready = false; wx[i] = ld_tagged(st.x + (rank + i * C) * CH_KC + tid); }
-#pragma unroll
-                for (int i = 0; i < CH_MAXQ; ++i)
-                    if (lane + 32 * i < K / 32 && (unsigned)(wq[i] >> 32) != xtag) { ready = false; wq[i] = ld_tagged(st.xssq + lane + 32 * i); }
-                if (ready) break;
-                if (spin == CH_SPIN) { atomicExch(err, 1); break; }
-                if ((spin & 1023) == 1023 && *(volatile int*)err) break;  // another block timed out
-            }
+            for (int i = 0; i < CH_MAXQ; ++i) wq[i] = lane + 32 * i < K / 32 ? __ldcg(st.xssq + lane + 32 * i) : 0ull;
             float ss = 0.f;
 #pragma unroll
             for (int i = 0; i < CH_MAXQ; ++i) if (lane + 32 * i < K / 32) ss += __uint_as_float((unsigned)wq[i]);
@@ -215,6 +215,8 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
             st_tagged(st.y + n, y, ytag);
             const float sq = warp_sum(y * y);
             if (lane == 0) st_tagged(st.yssq + (n >> 5), sq, ytag);
+            asm volatile("bar.sync 1, %0;" :: "n"(TN) : "memory");  // the tile's 128 threads have stored
+            if (tid == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(count + it.s) : "memory");
         }
         buf ^= 1;                       // s_part[buf] is rewritten two tiles on, after the next cluster_sync
     }
