@@ -101,27 +101,41 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
     const int C = (int)cluster_size(), rank = (int)cluster_rank();
     const int cl = blockIdx.x / C, ncl = gridDim.x / C;
 
-    // the items of this block, enumerated on the fly (issue and use walk the same order)
-    auto tiles_of = [&](int s) { const int nt = (int)(stages[s].N / TN); return nt > cl ? (nt - cl + ncl - 1) / ncl : 0; };
-    auto chunks_of = [&](int s) { const int nc = (int)(stages[s].K / CH_KC); return nc > rank ? (nc - rank + C - 1) / C : 0; };
-    auto count_of = [&](int s) { return tiles_of(s) * chunks_of(s); };
-    int total = 0;
-    for (int s = 0; s < nstages; ++s) total += count_of(s);
-    auto item = [&](int j) {
-        int s = 0;
-        while (j >= count_of(s)) { j -= count_of(s); ++s; }
-        const int nc = chunks_of(s);
-        return ChainItem{s, cl + (j / nc) * ncl, rank + (j % nc) * C};
+    // this block's items in order, walked by two cursors: the ring's refill (``fill``) runs depth items ahead of
+    // the one in use (``use``); a cursor reads a stage's shape once, when it enters the stage
+    struct Cursor { int s, ti, ci, nt, nc; };
+    auto enter = [&](Cursor& u) {       // from stage u.s on, the first stage with items for this block
+        for (; u.s < nstages; ++u.s) {
+            const int nt = (int)(stages[u.s].N / TN), nc = (int)(stages[u.s].K / CH_KC);
+            u.nt = nt > cl ? (nt - cl + ncl - 1) / ncl : 0;
+            u.nc = nc > rank ? (nc - rank + C - 1) / C : 0;
+            if (u.nt > 0 && u.nc > 0) break;
+        }
+        u.ti = u.ci = 0;
     };
-
+    auto advance = [&](Cursor& u) {
+        if (++u.ci < u.nc) return;
+        u.ci = 0;
+        if (++u.ti < u.nt) return;
+        ++u.s;
+        enter(u);
+    };
+    auto item_of = [&](const Cursor& u) { return ChainItem{u.s, cl + u.ti * ncl, rank + u.ci * C}; };
+    Cursor use{0, 0, 0, 0, 0}, fill{0, 0, 0, 0, 0};
+    enter(use);
+    enter(fill);
     for (int j = 0; j < depth; ++j) {   // the ring's first D chunks (one commit group each, empty past the end)
-        if (j < total) { const ChainItem it = item(j); chain_issue<BITS>(stages[it.s], it, ring + (size_t)j * SLOT); }
+        if (fill.s < nstages) {
+            const ChainItem it = item_of(fill);
+            chain_issue<BITS>(stages[it.s], it, ring + (size_t)j * SLOT);
+            advance(fill);
+        }
         cp_async_commit();
     }
     float acc = 0.f;
     int cur_s = -1, buf = 0;
-    for (int j = 0; j < total; ++j) {
-        const ChainItem it = item(j);
+    for (int j = 0; use.s < nstages; ++j, advance(use)) {
+        const ChainItem it = item_of(use);
         const ChainStage& st = stages[it.s];
         const unsigned ytag = base + it.s + 1;
         const unsigned char* slot = ring + (size_t)(j % depth) * SLOT;
@@ -130,7 +144,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
             // A new stage: wait until every tile of the previous one is out (one thread polls its counter:
             // 30,000 threads polling their own input words flooded L2, 141 us a stage), then read this block's
             // chunks of x and every sum of squares of x, and quantize them once for all its tiles.
-            const int nc = chunks_of(it.s);
+            const int nc = use.nc;
             float pwv[CH_MAXC];
 #pragma unroll
             for (int i = 0; i < CH_MAXC; ++i) pwv[i] = i < nc ? __ldg(st.pw + (rank + i * C) * CH_KC + tid) : 0.f;
@@ -192,9 +206,10 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
             make_float4((float)(isum[0][0] - bias8) * as * ws.x, (float)(isum[0][1] - bias8) * as * ws.y,
                         (float)(isum[0][2] - bias8) * as * ws.z, (float)(isum[0][3] - bias8) * as * ws.w);
         __syncthreads();                // slot j and s_acc read; the ring slot may be refilled
-        if (j + depth < total) {
-            const ChainItem nx = item(j + depth);
+        if (fill.s < nstages) {
+            const ChainItem nx = item_of(fill);
             chain_issue<BITS>(stages[nx.s], nx, ring + (size_t)(j % depth) * SLOT);
+            advance(fill);
         }
         cp_async_commit();
         if (tid < TN) {
