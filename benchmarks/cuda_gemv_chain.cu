@@ -5,8 +5,8 @@
 // Stage s computes y_s = W_s rmsnorm(x_s), x_s = the first K outputs of stage s - 1, with no kernel boundary
 // between stages: one block per SM, clusters of C blocks; tile t (128 columns) of every stage belongs to
 // cluster t % nclusters, whose block of rank r takes the tile's 256-row chunks c = r, r + C, ... Each block
-// streams its chunks' weights, stage after stage, into a ring of D shared-memory slots (cp.async, D - 1 chunks
-// in flight while one is used), so the weights of the next stage arrive while this one waits for its input.
+// streams its chunks' weights, stage after stage, into a ring of D shared-memory slots (bulk copies, D - 1
+// chunks in flight while one is used), so the weights of the next stage arrive while this one waits for its input.
 // A stage needs every sum of squares of the previous one (its RMSNorm): each merged tile adds one to the
 // previous stage's counter (release), and one thread of a block polls it (acquire) before the block reads x.
 // Outputs are stored as 64-bit words tagged with their stage (st_tagged), so the host can check who wrote what.
@@ -27,26 +27,23 @@ struct ChainStage {                     // one stage, as 10 words (cuda_gemv_cha
     long long N, K, Npad;
 };
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s), "l"(gmem) : "memory");
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+// one arrival that also expects ``bytes`` of bulk copies in the barrier's current phase
+__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
-// wait until at most n of this thread's groups are in flight (n < 8)
-__device__ __forceinline__ void cp_async_wait_n(int n) {
-    switch (n) {
-        case 0: cp_async_wait<0>(); break;
-        case 1: cp_async_wait<1>(); break;
-        case 2: cp_async_wait<2>(); break;
-        case 3: cp_async_wait<3>(); break;
-        case 4: cp_async_wait<4>(); break;
-        case 5: cp_async_wait<5>(); break;
-        case 6: cp_async_wait<6>(); break;
-        default: cp_async_wait<7>(); break;
-    }
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+    asm volatile("{\n\t.reg .pred p;\n"
+                 "WAIT:\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "\t@!p bra WAIT;\n}" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+// ``bytes`` (a multiple of 16) from global to shared memory by the bulk-copy engine, completing on ``bar``
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
 __device__ __forceinline__ int ld_acquire(const int* p) {
@@ -58,27 +55,29 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 // The block's item j (stage s, tile t, chunk c) in its order: stages, then its cluster's tiles, then its chunks.
 struct ChainItem { int s, t, c; };
 
+// Warp 0 fills a ring slot with chunk ``it``: the codes' rows (int8: 256 of 128 bytes; int4: 32 word-rows of
+// 512) and the 8 scale rows, as bulk copies completing on the slot's barrier. The bulk-copy engine, not the
+// threads, holds them in flight: with cp.async (per-thread copies) every release fence and cluster barrier
+// waited for the ring's whole refill (13-15 us a stage, whatever its bytes).
 template <int BITS>
-__device__ __forceinline__ void chain_issue(const ChainStage& st, const ChainItem& it, unsigned char* slot) {
-    const int tid = threadIdx.x;
+__device__ __forceinline__ void chain_issue(const ChainStage& st, const ChainItem& it, unsigned char* slot,
+                                            unsigned long long* bar) {
+    const int lane = threadIdx.x & 31;
     const int k0 = it.c * CH_KC, n0 = it.t * TN;
     const size_t npad = (size_t)st.Npad;
-    if constexpr (BITS == 8) {          // 256 rows of 128 bytes: 8 pieces of 16 a row
-        for (int p = tid; p < CH_KC * TN / 16; p += NT) {
-            const int row = p >> 3, seg = p & 7;
-            cp_async16(slot + row * TN + seg * 16, st.W + (size_t)(k0 + row) * npad + n0 + seg * 16);
-        }
-    } else {                            // 32 word-rows of 512 bytes: 32 pieces a row
-        for (int p = tid; p < CH_KC / 8 * TN / 4; p += NT) {
-            const int row = p >> 5, seg = p & 31;
-            cp_async16(slot + row * TN * 4 + seg * 16, st.W + ((size_t)(k0 / 8 + row) * npad + n0) * 4 + seg * 16);
-        }
+    constexpr int ROWS = BITS == 8 ? CH_KC : CH_KC / 8, ROW_BYTES = BITS == 8 ? TN : TN * 4;
+    if (lane == 0) {
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's reads before the copies' writes
+        mbar_expect_tx(bar, ROWS * ROW_BYTES + CH_SCALES);
     }
-    unsigned char* sc = slot + CH_KC * TN * BITS / 8;
-    for (int p = tid; p < CH_SCALES / 16; p += NT) {  // 8 rows of 128 floats
-        const int row = p >> 5, seg = p & 31;
-        cp_async16(sc + row * TN * 4 + seg * 16, st.WS + (size_t)(k0 / 32 + row) * npad + n0 + seg * 4);
+    __syncwarp();
+    for (int row = lane; row < ROWS; row += 32) {
+        const unsigned char* src = BITS == 8 ? st.W + (size_t)(k0 + row) * npad + n0
+                                             : st.W + ((size_t)(k0 / 8 + row) * npad + n0) * 4;
+        bulk_copy(slot + row * ROW_BYTES, src, ROW_BYTES, bar);
     }
+    if (lane < CH_KC / 32)
+        bulk_copy(slot + ROWS * ROW_BYTES + lane * TN * 4, st.WS + (size_t)(k0 / 32 + lane) * npad + n0, TN * 4, bar);
 }
 
 #define CH_MAXC 4   // chunks of a tile one block takes per stage (K / CH_KC / C), at most
@@ -95,6 +94,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
     __shared__ int s_asum[CH_MAXC][CH_KC / 32];
     __shared__ __align__(16) float s_acc[NT / 32][TN];
     __shared__ float s_part[2][TN];     // this block's sums of a tile, read by rank 0 (double-buffered by tile)
+    __shared__ __align__(8) unsigned long long s_full[16];  // a ring slot's chunk has landed (phase j / depth)
 
     const ChainStage* stages = reinterpret_cast<const ChainStage*>(desc);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -121,16 +121,17 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
         enter(u);
     };
     auto item_of = [&](const Cursor& u) { return ChainItem{u.s, cl + u.ti * ncl, rank + u.ci * C}; };
+    if (tid == 0) {
+        for (int i = 0; i < depth; ++i) mbar_init(&s_full[i], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
     Cursor use{0, 0, 0, 0, 0}, fill{0, 0, 0, 0, 0};
     enter(use);
     enter(fill);
-    for (int j = 0; j < depth; ++j) {   // the ring's first D chunks (one commit group each, empty past the end)
-        if (fill.s < nstages) {
-            const ChainItem it = item_of(fill);
-            chain_issue<BITS>(stages[it.s], it, ring + (size_t)j * SLOT);
-            advance(fill);
-        }
-        cp_async_commit();
+    for (int j = 0; j < depth && fill.s < nstages; ++j) {  // the ring's first D chunks
+        if (warp == 0) chain_issue<BITS>(stages[fill.s], item_of(fill), ring + (size_t)j * SLOT, &s_full[j]);
+        advance(fill);
     }
     float acc = 0.f;
     int cur_s = -1, buf = 0;
@@ -148,7 +149,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
             float pwv[CH_MAXC];
 #pragma unroll
             for (int i = 0; i < CH_MAXC; ++i) pwv[i] = i < nc ? __ldg(st.pw + (rank + i * C) * CH_KC + tid) : 0.f;
-            if (it.s > 0 && tid == 0) {
+            if (it.s > 0 && tid == 32) {  // (warp 0 issues the bulk copies)
                 const int want = (int)(stages[it.s - 1].N / TN);
                 for (int spin = 0; ld_acquire(count + it.s - 1) < want; ++spin)
                     if (spin == CH_SPIN) { atomicExch(err, 1); break; }
@@ -178,8 +179,8 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
             cur_s = it.s;
         }
         const int ci = (it.c - rank) / C;
-        cp_async_wait_n(depth - 1);     // this thread's copies of chunk j have landed
-        __syncthreads();                // everyone's have (and the codes above are in)
+        mbar_wait(&s_full[j % depth], (unsigned)(j / depth) & 1u);  // chunk j has landed
+        __syncwarp();                   // (the warp's own codes, above, are in)
 
         constexpr int NW = BITS == 8 ? 32 : 16;
         unsigned w[NW];
@@ -207,11 +208,10 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
                         (float)(isum[0][2] - bias8) * as * ws.z, (float)(isum[0][3] - bias8) * as * ws.w);
         __syncthreads();                // slot j and s_acc read; the ring slot may be refilled
         if (fill.s < nstages) {
-            const ChainItem nx = item_of(fill);
-            chain_issue<BITS>(stages[nx.s], nx, ring + (size_t)(j % depth) * SLOT);
+            if (warp == 0)
+                chain_issue<BITS>(stages[fill.s], item_of(fill), ring + (size_t)(j % depth) * SLOT, &s_full[j % depth]);
             advance(fill);
         }
-        cp_async_commit();
         if (tid < TN) {
             float s = 0.f;
 #pragma unroll
@@ -231,10 +231,9 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
             const float sq = warp_sum(y * y);
             if (lane == 0) st_tagged(st.yssq + (n >> 5), sq, ytag);
             asm volatile("bar.sync 1, %0;" :: "n"(TN) : "memory");  // the tile's 128 threads have stored
-            if (tid == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(count + it.s) : "memory");
+            if (tid == 32) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(count + it.s) : "memory");
         }
         buf ^= 1;                       // s_part[buf] is rewritten two tiles on, after the next cluster_sync
     }
-    cp_async_wait<0>();
     cluster_sync();                     // rank 0 may still read this block's s_part
 }
