@@ -5,8 +5,8 @@
 // Stage s computes y_s = W_s rmsnorm(x_s), x_s = the first K outputs of stage s - 1, with no kernel boundary
 // between stages: one block per SM, clusters of C blocks; tile t (128 columns) of every stage belongs to
 // cluster t % nclusters, whose block of rank r takes the tile's 256-row chunks c = r, r + C, ... Each block
-// streams its chunks' weights, stage after stage, into a ring of D shared-memory slots (bulk copies, D - 1
-// chunks in flight while one is used), so the weights of the next stage arrive while this one waits for its input.
+// streams its chunks' weights, stage after stage, into a ring of D shared-memory slots (cp.async by one warp,
+// D - 1 chunks in flight while one is used), so the weights of the next stage arrive while this one waits for its input.
 // A stage needs every sum of squares of the previous one (its RMSNorm): each merged tile adds one to the
 // previous stage's counter (release), and one thread of a block polls it (acquire) before the block reads x.
 // Outputs are stored as 64-bit words tagged with their stage (st_tagged), so the host can check who wrote what.
@@ -27,57 +27,59 @@ struct ChainStage {                     // one stage, as 10 words (cuda_gemv_cha
     long long N, K, Npad;
 };
 
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s), "l"(gmem) : "memory");
+}
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
 }
-// one arrival that also expects ``bytes`` of bulk copies in the barrier's current phase
-__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
+// the barrier's arrival of this thread once its cp.async copies so far have landed (counted in its init)
+__device__ __forceinline__ void mbar_arrive_on_copies(unsigned long long* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(smem_addr(bar)) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
     asm volatile("{\n\t.reg .pred p;\n"
                  "WAIT:\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
                  "\t@!p bra WAIT;\n}" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
 }
-// ``bytes`` (a multiple of 16) from global to shared memory by the bulk-copy engine, completing on ``bar``
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+// cluster_sync for the copying warp: its arrival does not release (it wrote nothing the cluster reads), so it
+// does not wait for its copies in flight
+__device__ __forceinline__ void cluster_sync_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
 }
-
 __device__ __forceinline__ int ld_acquire(const int* p) {
     int v;
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
+#define CH_COPY_WARP (NT / 32 - 1)     // the warp that fills the ring
 
 // The block's item j (stage s, tile t, chunk c) in its order: stages, then its cluster's tiles, then its chunks.
 struct ChainItem { int s, t, c; };
 
-// Warp 0 fills a ring slot with chunk ``it``: the codes' rows (int8: 256 of 128 bytes; int4: 32 word-rows of
-// 512) and the 8 scale rows, as bulk copies completing on the slot's barrier. The bulk-copy engine, not the
-// threads, holds them in flight: with cp.async (per-thread copies) every release fence and cluster barrier
-// waited for the ring's whole refill (13-15 us a stage, whatever its bytes).
 template <int BITS>
-__device__ __forceinline__ void chain_issue(const ChainStage& st, const ChainItem& it, unsigned char* slot,
-                                            unsigned long long* bar) {
-    const int lane = threadIdx.x & 31;
+__device__ __forceinline__ void chain_issue(const ChainStage& st, const ChainItem& it, unsigned char* slot) {
+    const int tid = threadIdx.x & 31;   // lane of the copy warp
     const int k0 = it.c * CH_KC, n0 = it.t * TN;
     const size_t npad = (size_t)st.Npad;
-    constexpr int ROWS = BITS == 8 ? CH_KC : CH_KC / 8, ROW_BYTES = BITS == 8 ? TN : TN * 4;
-    if (lane == 0) {
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's reads before the copies' writes
-        mbar_expect_tx(bar, ROWS * ROW_BYTES + CH_SCALES);
+    if constexpr (BITS == 8) {          // 256 rows of 128 bytes: 8 pieces of 16 a row
+        for (int p = tid; p < CH_KC * TN / 16; p += 32) {
+            const int row = p >> 3, seg = p & 7;
+            cp_async16(slot + row * TN + seg * 16, st.W + (size_t)(k0 + row) * npad + n0 + seg * 16);
+        }
+    } else {                            // 32 word-rows of 512 bytes: 32 pieces a row
+        for (int p = tid; p < CH_KC / 8 * TN / 4; p += 32) {
+            const int row = p >> 5, seg = p & 31;
+            cp_async16(slot + row * TN * 4 + seg * 16, st.W + ((size_t)(k0 / 8 + row) * npad + n0) * 4 + seg * 16);
+        }
     }
-    __syncwarp();
-    for (int row = lane; row < ROWS; row += 32) {
-        const unsigned char* src = BITS == 8 ? st.W + (size_t)(k0 + row) * npad + n0
-                                             : st.W + ((size_t)(k0 / 8 + row) * npad + n0) * 4;
-        bulk_copy(slot + row * ROW_BYTES, src, ROW_BYTES, bar);
+    unsigned char* sc = slot + CH_KC * TN * BITS / 8;
+    for (int p = tid; p < CH_SCALES / 16; p += 32) {  // 8 rows of 128 floats
+        const int row = p >> 5, seg = p & 31;
+        cp_async16(sc + row * TN * 4 + seg * 16, st.WS + (size_t)(k0 / 32 + row) * npad + n0 + seg * 4);
     }
-    if (lane < CH_KC / 32)
-        bulk_copy(slot + ROWS * ROW_BYTES + lane * TN * 4, st.WS + (size_t)(k0 / 32 + lane) * npad + n0, TN * 4, bar);
 }
 
 #define CH_MAXC 4   // chunks of a tile one block takes per stage (K / CH_KC / C), at most
@@ -122,15 +124,19 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
     };
     auto item_of = [&](const Cursor& u) { return ChainItem{u.s, cl + u.ti * ncl, rank + u.ci * C}; };
     if (tid == 0) {
-        for (int i = 0; i < depth; ++i) mbar_init(&s_full[i], 1);
+        for (int i = 0; i < depth; ++i) mbar_init(&s_full[i], 32);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
+    const bool copier = warp == CH_COPY_WARP;
     Cursor use{0, 0, 0, 0, 0}, fill{0, 0, 0, 0, 0};
     enter(use);
     enter(fill);
     for (int j = 0; j < depth && fill.s < nstages; ++j) {  // the ring's first D chunks
-        if (warp == 0) chain_issue<BITS>(stages[fill.s], item_of(fill), ring + (size_t)j * SLOT, &s_full[j]);
+        if (copier) {
+            chain_issue<BITS>(stages[fill.s], item_of(fill), ring + (size_t)j * SLOT);
+            mbar_arrive_on_copies(&s_full[j]);
+        }
         advance(fill);
     }
     float acc = 0.f;
@@ -149,7 +155,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
             float pwv[CH_MAXC];
 #pragma unroll
             for (int i = 0; i < CH_MAXC; ++i) pwv[i] = i < nc ? __ldg(st.pw + (rank + i * C) * CH_KC + tid) : 0.f;
-            if (it.s > 0 && tid == 32) {  // (warp 0 issues the bulk copies)
+            if (it.s > 0 && tid == 32) {
                 const int want = (int)(stages[it.s - 1].N / TN);
                 for (int spin = 0; ld_acquire(count + it.s - 1) < want; ++spin)
                     if (spin == CH_SPIN) { atomicExch(err, 1); break; }
@@ -180,7 +186,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
         }
         const int ci = (it.c - rank) / C;
         mbar_wait(&s_full[j % depth], (unsigned)(j / depth) & 1u);  // chunk j has landed
-        __syncwarp();                   // (the warp's own codes, above, are in)
+        __syncthreads();                // (and every warp is done with s_acc)
 
         constexpr int NW = BITS == 8 ? 32 : 16;
         unsigned w[NW];
@@ -208,8 +214,10 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
                         (float)(isum[0][2] - bias8) * as * ws.z, (float)(isum[0][3] - bias8) * as * ws.w);
         __syncthreads();                // slot j and s_acc read; the ring slot may be refilled
         if (fill.s < nstages) {
-            if (warp == 0)
-                chain_issue<BITS>(stages[fill.s], item_of(fill), ring + (size_t)(j % depth) * SLOT, &s_full[j % depth]);
+            if (copier) {
+                chain_issue<BITS>(stages[fill.s], item_of(fill), ring + (size_t)(j % depth) * SLOT);
+                mbar_arrive_on_copies(&s_full[j % depth]);
+            }
             advance(fill);
         }
         if (tid < TN) {
@@ -222,7 +230,8 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
         // the tile's sums: the cluster's blocks' partials, added by rank 0 in rank order
         if (tid < TN) s_part[buf][tid] = acc;
         acc = 0.f;
-        cluster_sync();
+        if (copier) cluster_sync_relaxed();
+        else cluster_sync();
         if (rank == 0 && tid < TN) {
             float y = 0.f;
             for (int q2 = 0; q2 < C; ++q2) y += ld_cluster(&s_part[buf][tid], q2);
@@ -235,5 +244,6 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
         }
         buf ^= 1;                       // s_part[buf] is rewritten two tiles on, after the next cluster_sync
     }
+    asm volatile("cp.async.wait_all;" ::: "memory");
     cluster_sync();                     // rank 0 may still read this block's s_part
 }
