@@ -54,6 +54,16 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
+// stamps (optional, thread 0): per block and stage, %globaltimer at the stage's start, after its input wait,
+// when its first chunk is ready, after its last tile's cluster barrier, and at its last tile's release
+#define CH_NSTAMP 5
+__device__ __forceinline__ void stamp(unsigned long long* stamps, int nstages, int s, int i) {
+    if (stamps && threadIdx.x == 0) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        stamps[((size_t)blockIdx.x * nstages + s) * CH_NSTAMP + i] = t;
+    }
+}
 #define CH_COPY_WARP (NT / 32 - 1)     // the warp that fills the ring
 
 // The block's item j (stage s, tile t, chunk c) in its order: stages, then its cluster's tiles, then its chunks.
@@ -88,7 +98,7 @@ __device__ __forceinline__ void chain_issue(const ChainStage& st, const ChainIte
 template <int BITS>
 __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict__ desc, int nstages, int depth,
                                                      unsigned base, float eps, int* __restrict__ count,
-                                                     int* __restrict__ err) {
+                                                     int* __restrict__ err, unsigned long long* __restrict__ stamps) {
     extern __shared__ __align__(16) unsigned char ring[];
     constexpr int SLOT = CH_KC * TN * BITS / 8 + CH_SCALES;
     __shared__ int s_aq[CH_MAXC][CH_KC / 4];   // the stage's activation codes of this block's chunks
@@ -147,7 +157,9 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
         const unsigned ytag = base + it.s + 1;
         const unsigned char* slot = ring + (size_t)(j % depth) * SLOT;
         const int K = (int)st.K;
-        if (it.s != cur_s) {
+        const bool first = it.s != cur_s;
+        if (first) {
+            stamp(stamps, nstages, it.s, 0);
             // A new stage: wait until every tile of the previous one is out (one thread polls its counter:
             // 30,000 threads polling their own input words flooded L2, 141 us a stage), then read this block's
             // chunks of x and every sum of squares of x, and quantize them once for all its tiles.
@@ -161,6 +173,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
                     if (spin == CH_SPIN) { atomicExch(err, 1); break; }
             }
             __syncthreads();
+            stamp(stamps, nstages, it.s, 1);
             unsigned long long wx[CH_MAXC], wq[CH_MAXQ];
 #pragma unroll
             for (int i = 0; i < CH_MAXC; ++i) wx[i] = i < nc ? __ldcg(st.x + (rank + i * C) * CH_KC + tid) : 0ull;
@@ -187,6 +200,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
         const int ci = (it.c - rank) / C;
         mbar_wait(&s_full[j % depth], (unsigned)(j / depth) & 1u);  // chunk j has landed
         __syncthreads();                // (and every warp is done with s_acc)
+        if (first) stamp(stamps, nstages, it.s, 2);
 
         constexpr int NW = BITS == 8 ? 32 : 16;
         unsigned w[NW];
@@ -232,6 +246,8 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
         acc = 0.f;
         if (copier) cluster_sync_relaxed();
         else cluster_sync();
+        const bool last_tile = use.ti == use.nt - 1;
+        if (last_tile) stamp(stamps, nstages, it.s, 3);
         if (rank == 0 && tid < TN) {
             float y = 0.f;
             for (int q2 = 0; q2 < C; ++q2) y += ld_cluster(&s_part[buf][tid], q2);
@@ -242,6 +258,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
             asm volatile("bar.sync 1, %0;" :: "n"(TN) : "memory");  // the tile's 128 threads have stored
             if (tid == 32) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(count + it.s) : "memory");
         }
+        if (last_tile) stamp(stamps, nstages, it.s, 4);
         buf ^= 1;                       // s_part[buf] is rewritten two tiles on, after the next cluster_sync
     }
     asm volatile("cp.async.wait_all;" ::: "memory");

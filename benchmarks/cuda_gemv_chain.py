@@ -136,7 +136,7 @@ class Chain:
         self.desc = cp.asarray(desc)
         self.base = 0
 
-    def launch(self, nstages: int, depth: int, clusters: int) -> None:
+    def launch(self, nstages: int, depth: int, clusters: int, stamps: Any = None) -> None:
         """One chain of ``nstages`` stages (new tags: outputs of an earlier launch never match)."""
         from kestrel_cuda.forward_launch import ExLauncher
 
@@ -152,7 +152,7 @@ class Chain:
         self._launcher.launch(self.kernel, (clusters * self.cluster,), (256,),
                               (np.uint64(self.desc.data.ptr), np.int32(nstages), np.int32(depth),
                                np.int32(self.base), np.float32(EPS), np.uint64(self.count.data.ptr),
-                               np.uint64(self.err.data.ptr)),
+                               np.uint64(self.err.data.ptr), np.uint64(0 if stamps is None else stamps.data.ptr)),
                               smem, self.bench.stream, pdl=False, cluster=(self.cluster, 1, 1))
 
     def time_us(self, nstages: int, depth: int, clusters: int, reps: int = 7) -> float:
@@ -189,6 +189,27 @@ class Chain:
         ok = err == 0 and tags_ok and worst < 1e-3
         return {"check_ok": ok, "timeout_flag": err, "tags_ok": tags_ok, "max_rel_err": worst}
 
+    def timeline(self, depth: int, clusters: int) -> dict[str, float]:
+        """Medians (us) over the steady stages of one launch with stamps (cuda_gemv_chain.cu, CH_NSTAMP): the
+        period (last release to last release), wait (a block's input wait end after the previous stage's last
+        release), ready (input read and quantized, first chunk landed), items (to the last tile's cluster
+        barrier), merge (to the last tile's release)."""
+        cp = self.cp
+        stamps = cp.zeros((clusters * self.cluster, self.stages, 5), dtype=cp.uint64)
+        self.launch(self.stages, depth, clusters, stamps)
+        self.bench.stream.synchronize()
+        t = stamps.get().astype(np.int64)
+        t = t - t[t > 0].min()
+        end = t[:, :, 4].max(axis=0)
+        steady = range(2, self.stages)
+        med = lambda v: round(float(np.median(v)) / 1000, 3)  # noqa: E731
+        return {"period": med([end[s] - end[s - 1] for s in steady]),
+                "wait": med([t[:, s, 1] - end[s - 1] for s in steady]),
+                "ready": med([t[:, s, 2] - t[:, s, 1] for s in steady]),
+                "items": med([t[:, s, 3] - t[:, s, 2] for s in steady]),
+                "merge": med([t[:, s, 4] - t[:, s, 3] for s in steady]),
+                "start_after_release": med([t[:, s, 0] - end[s - 1] for s in steady])}
+
     def release(self) -> None:
         self.bench.release(self.ws)
 
@@ -200,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clusters", default="8", help="blocks per cluster to measure, e.g. 4,8")
     p.add_argument("--stages", default="8,40", help="S1,S2: the per-stage time is the slope between them")
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--timeline", action="store_true", help="also one launch with per-block stamps, analysed")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     args.splits = "plan"  # for Bench.decode_gemv
@@ -236,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             bw = chain.stage_bytes / (us * 1e-6) / 1e12
             row.update({"us_per_stage": round(us, 3), "tb_s": round(bw, 3), "pct_copy": round(100 * bw / copy_bw, 1),
                         f"chain_{s1}_us": round(t1, 1), f"chain_{s2}_us": round(t2, 1)})
+            if args.timeline:
+                row["timeline_us"] = chain.timeline(depth, clusters)
             rows.append(row)
             log(json.dumps(row))
         chain.release()
