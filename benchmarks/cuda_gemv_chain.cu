@@ -5,7 +5,7 @@
 // Stage s computes y_s = W_s rmsnorm(x_s), x_s = the first K outputs of stage s - 1, with no kernel boundary
 // between stages: one block per SM, clusters of C blocks; tile t (128 columns) of every stage belongs to
 // cluster t % nclusters, whose block of rank r takes the tile's 256-row chunks c = r, r + C, ... Each block
-// streams its chunks' weights, stage after stage, into a ring of D shared-memory slots (cp.async by one warp,
+// streams its chunks' weights, stage after stage, into a ring of D shared-memory slots (tensor copies,
 // D - 1 chunks in flight while one is used), so the weights of the next stage arrive while this one waits for its input.
 // A stage needs every sum of squares of the previous one (its RMSNorm): each merged tile adds one to the
 // previous stage's counter (release), and one thread of a block polls it (acquire) before the block reads x.
@@ -16,7 +16,7 @@
 #define CH_SCALES (CH_KC / 32 * TN * 4)   // bytes of a chunk's G = 32 weight scales: 8 groups x 128 columns
 #define CH_SPIN (1 << 22)              // polls before a block gives up (sets *err): never in a correct run
 
-struct ChainStage {                     // one stage, as 10 words (cuda_gemv_chain.py writes them)
+struct ChainStage {                     // one stage, as 12 words (cuda_gemv_chain.py writes them)
     const unsigned char* W;             // codes in qgemv's layout: int8 [K][Npad], int4 [K / 8][Npad] words
     const float* WS;                    // [K / 32][Npad]
     const float* pw;                    // rmsnorm weight [K]
@@ -25,29 +25,27 @@ struct ChainStage {                     // one stage, as 10 words (cuda_gemv_cha
     unsigned long long* y;              // tagged outputs [N]
     unsigned long long* yssq;           // tagged [N / 32]
     long long N, K, Npad;
+    const void* tmap_w;                 // CUtensorMap of the codes (box: 128 columns x one chunk's rows)
+    const void* tmap_s;                 // CUtensorMap of the scales (box: 128 columns x 8 groups)
 };
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s), "l"(gmem) : "memory");
-}
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
 }
-// the barrier's arrival of this thread once its cp.async copies so far have landed (counted in its init)
-__device__ __forceinline__ void mbar_arrive_on_copies(unsigned long long* bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(smem_addr(bar)) : "memory");
+// one arrival that also expects ``bytes`` of bulk copies in the barrier's current phase
+__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+// the box of ``tmap`` at (column c0, row c1) into shared memory by the tensor-copy engine, completing on ``bar``
+__device__ __forceinline__ void tensor_copy(void* dst, const void* tmap, int c0, int c1, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+                 :: "r"(smem_addr(dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(smem_addr(bar)) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
     asm volatile("{\n\t.reg .pred p;\n"
                  "WAIT:\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
                  "\t@!p bra WAIT;\n}" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
-}
-// cluster_sync for the copying warp: its arrival does not release (it wrote nothing the cluster reads), so it
-// does not wait for its copies in flight
-__device__ __forceinline__ void cluster_sync_relaxed() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
 }
 __device__ __forceinline__ int ld_acquire(const int* p) {
     int v;
@@ -69,27 +67,19 @@ __device__ __forceinline__ void stamp(unsigned long long* stamps, int nstages, i
 // The block's item j (stage s, tile t, chunk c) in its order: stages, then its cluster's tiles, then its chunks.
 struct ChainItem { int s, t, c; };
 
+// Thread 0 of the copy warp fills a ring slot with chunk ``it``: the codes' box and the scales' box, two tensor
+// copies completing on the slot's barrier. (Per-thread cp.async of 16 bytes by one warp: 72 instructions a lane
+// for an int8 chunk, ~2 us of issue an item on the critical path; by all threads: every release and cluster
+// barrier waited for the refill. Bulk copies of 128-byte rows: 264 an int8 chunk, slower still.)
 template <int BITS>
-__device__ __forceinline__ void chain_issue(const ChainStage& st, const ChainItem& it, unsigned char* slot) {
-    const int tid = threadIdx.x & 31;   // lane of the copy warp
-    const int k0 = it.c * CH_KC, n0 = it.t * TN;
-    const size_t npad = (size_t)st.Npad;
-    if constexpr (BITS == 8) {          // 256 rows of 128 bytes: 8 pieces of 16 a row
-        for (int p = tid; p < CH_KC * TN / 16; p += 32) {
-            const int row = p >> 3, seg = p & 7;
-            cp_async16(slot + row * TN + seg * 16, st.W + (size_t)(k0 + row) * npad + n0 + seg * 16);
-        }
-    } else {                            // 32 word-rows of 512 bytes: 32 pieces a row
-        for (int p = tid; p < CH_KC / 8 * TN / 4; p += 32) {
-            const int row = p >> 5, seg = p & 31;
-            cp_async16(slot + row * TN * 4 + seg * 16, st.W + ((size_t)(k0 / 8 + row) * npad + n0) * 4 + seg * 16);
-        }
-    }
-    unsigned char* sc = slot + CH_KC * TN * BITS / 8;
-    for (int p = tid; p < CH_SCALES / 16; p += 32) {  // 8 rows of 128 floats
-        const int row = p >> 5, seg = p & 31;
-        cp_async16(sc + row * TN * 4 + seg * 16, st.WS + (size_t)(k0 / 32 + row) * npad + n0 + seg * 4);
-    }
+__device__ __forceinline__ void chain_issue(const ChainStage& st, const ChainItem& it, unsigned char* slot,
+                                            unsigned long long* bar) {
+    if ((threadIdx.x & 31) != 0) return;
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's reads before the copies' writes
+    mbar_expect_tx(bar, CH_KC * TN * BITS / 8 + CH_SCALES);
+    const int n0 = it.t * TN, k0 = it.c * CH_KC;
+    tensor_copy(slot, st.tmap_w, n0, BITS == 8 ? k0 : k0 / 8, bar);
+    tensor_copy(slot + CH_KC * TN * BITS / 8, st.tmap_s, n0, k0 / 32, bar);
 }
 
 #define CH_MAXC 4   // chunks of a tile one block takes per stage (K / CH_KC / C), at most
@@ -134,7 +124,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
     };
     auto item_of = [&](const Cursor& u) { return ChainItem{u.s, cl + u.ti * ncl, rank + u.ci * C}; };
     if (tid == 0) {
-        for (int i = 0; i < depth; ++i) mbar_init(&s_full[i], 32);
+        for (int i = 0; i < depth; ++i) mbar_init(&s_full[i], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -144,8 +134,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
     enter(fill);
     for (int j = 0; j < depth && fill.s < nstages; ++j) {  // the ring's first D chunks
         if (copier) {
-            chain_issue<BITS>(stages[fill.s], item_of(fill), ring + (size_t)j * SLOT);
-            mbar_arrive_on_copies(&s_full[j]);
+            chain_issue<BITS>(stages[fill.s], item_of(fill), ring + (size_t)j * SLOT, &s_full[j]);
         }
         advance(fill);
     }
@@ -229,8 +218,8 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
         __syncthreads();                // slot j and s_acc read; the ring slot may be refilled
         if (fill.s < nstages) {
             if (copier) {
-                chain_issue<BITS>(stages[fill.s], item_of(fill), ring + (size_t)(j % depth) * SLOT);
-                mbar_arrive_on_copies(&s_full[j % depth]);
+                chain_issue<BITS>(stages[fill.s], item_of(fill), ring + (size_t)(j % depth) * SLOT,
+                                  &s_full[j % depth]);
             }
             advance(fill);
         }
@@ -244,8 +233,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
         // the tile's sums: the cluster's blocks' partials, added by rank 0 in rank order
         if (tid < TN) s_part[buf][tid] = acc;
         acc = 0.f;
-        if (copier) cluster_sync_relaxed();
-        else cluster_sync();
+        cluster_sync();
         const bool last_tile = use.ti == use.nt - 1;
         if (last_tile) stamp(stamps, nstages, it.s, 3);
         if (rank == 0 && tid < TN) {
@@ -261,6 +249,5 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
         if (last_tile) stamp(stamps, nstages, it.s, 4);
         buf ^= 1;                       // s_part[buf] is rewritten two tiles on, after the next cluster_sync
     }
-    asm volatile("cp.async.wait_all;" ::: "memory");
     cluster_sync();                     // rank 0 may still read this block's s_part
 }

@@ -29,7 +29,7 @@ from cuda_gemv import DECODE_SHAPES, Bench, log
 
 HERE = Path(__file__).resolve().parent
 KC, TN, EPS = 256, 128, 1e-6
-DESC_WORDS = 10  # ChainStage in cuda_gemv_chain.cu
+DESC_WORDS = 12  # ChainStage in cuda_gemv_chain.cu
 
 
 def compile_chain(cp: Any) -> dict[int, Any]:
@@ -61,6 +61,40 @@ def max_active_clusters(kernel: Any, cluster: int, smem: int, sm_count: int) -> 
     if err != 0:
         raise RuntimeError(f"cuOccupancyMaxActiveClusters failed with CUresult {err}")
     return n.value
+
+
+TMAP_UINT8, TMAP_UINT32, TMAP_FLOAT32 = 0, 2, 7  # CUtensorMapDataType
+TMAP_L2_256B = 3  # CUtensorMapL2promotion
+
+
+def encode_tmap(dtype: int, base: int, inner: int, rows: int, row_bytes: int, box_inner: int,
+                box_rows: int) -> bytes:
+    """A 2-D CUtensorMap (128 bytes) of ``rows`` rows of ``inner`` elements, ``row_bytes`` apart, boxes of
+    ``box_inner`` x ``box_rows``, no swizzle (the box lands dense, row after row)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    raw = (ctypes.c_uint8 * 256)()
+    at = (ctypes.addressof(raw) + 63) // 64 * 64
+    dims = (ctypes.c_uint64 * 2)(inner, rows)
+    strides = (ctypes.c_uint64 * 1)(row_bytes)
+    box = (ctypes.c_uint32 * 2)(box_inner, box_rows)
+    estr = (ctypes.c_uint32 * 2)(1, 1)
+    err = fn(ctypes.c_void_p(at), ctypes.c_int(dtype), ctypes.c_uint(2), ctypes.c_void_p(base), dims, strides, box,
+             estr, ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(TMAP_L2_256B), ctypes.c_int(0))
+    if err != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err}")
+    return ctypes.string_at(at, 128)
+
+
+def weight_tmaps(w: Any, k: int) -> bytes:
+    """The codes' and the scales' tensor maps of one device weight (cuda_gemv_chain.cu chain_issue's boxes)."""
+    g = w.geometry
+    if g.code_bits == 8:
+        codes = encode_tmap(TMAP_UINT8, w.codes.data.ptr, g.npad, k, g.npad, TN, KC)
+    else:
+        codes = encode_tmap(TMAP_UINT32, w.codes.data.ptr, g.npad, k // 8, 4 * g.npad, TN, KC // 8)
+    return codes + encode_tmap(TMAP_FLOAT32, w.scales.data.ptr, g.npad, k // 32, 4 * g.npad, TN, KC // 32)
 
 
 def tagged(cp: Any, values: Any, tag: int) -> Any:
@@ -126,13 +160,16 @@ class Chain:
         self.yq = cp.zeros((stages, n // 32), dtype=cp.uint64)
         self.err = cp.zeros(1, dtype=cp.int32)
         self.count = cp.zeros(stages, dtype=cp.int32)  # merged tiles per stage (zeroed per launch)
+        maps = b"".join(weight_tmaps(w, k) for w in self.ws)
+        self.tmaps = cp.asarray(np.frombuffer(maps, dtype=np.uint8))  # 256 bytes a copy: codes, scales
         desc = np.zeros((stages, DESC_WORDS), dtype=np.int64)
         for s in range(stages):
             w = self.ws[s % len(self.ws)]
             x = self.xw.data.ptr if s == 0 else self.y[s - 1].data.ptr
             xq = self.xq.data.ptr if s == 0 else self.yq[s - 1].data.ptr
             desc[s] = [w.codes.data.ptr, w.scales.data.ptr, self.pw.data.ptr, x, xq, self.y[s].data.ptr,
-                       self.yq[s].data.ptr, n, k, w.geometry.npad]
+                       self.yq[s].data.ptr, n, k, w.geometry.npad, self.tmaps.data.ptr + 256 * (s % len(self.ws)),
+                       self.tmaps.data.ptr + 256 * (s % len(self.ws)) + 128]
         self.desc = cp.asarray(desc)
         self.base = 0
 
