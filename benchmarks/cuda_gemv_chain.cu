@@ -53,8 +53,9 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
     return v;
 }
 // stamps (optional, thread 0): per block and stage, %globaltimer at the stage's start, after its input wait,
-// when its first chunk is ready, after its last tile's cluster barrier, and at its last tile's release
-#define CH_NSTAMP 5
+// when its first chunk is ready, after its last tile's cluster barrier, at its last tile's release, and once
+// its inputs are quantized (before the first chunk's wait)
+#define CH_NSTAMP 6
 __device__ __forceinline__ void stamp(unsigned long long* stamps, int nstages, int s, int i) {
     if (stamps && threadIdx.x == 0) {
         unsigned long long t;
@@ -185,6 +186,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
                 if (lane == 0) s_as[i][warp] = d;
             }
             cur_s = it.s;
+            stamp(stamps, nstages, it.s, 5);
         }
         const int ci = (it.c - rank) / C;
         mbar_wait(&s_full[j % depth], (unsigned)(j / depth) & 1u);  // chunk j has landed

@@ -229,10 +229,10 @@ class Chain:
     def timeline(self, depth: int, clusters: int) -> dict[str, float]:
         """Medians (us) over the steady stages of one launch with stamps (cuda_gemv_chain.cu, CH_NSTAMP): the
         period (last release to last release), wait (a block's input wait end after the previous stage's last
-        release), ready (input read and quantized, first chunk landed), items (to the last tile's cluster
+        release), ready (input read and quantized, first chunk landed; inputs: the first part), items (to the last tile's cluster
         barrier), merge (to the last tile's release)."""
         cp = self.cp
-        stamps = cp.zeros((clusters * self.cluster, self.stages, 5), dtype=cp.uint64)
+        stamps = cp.zeros((clusters * self.cluster, self.stages, 6), dtype=cp.uint64)
         self.launch(self.stages, depth, clusters, stamps)
         self.bench.stream.synchronize()
         t = stamps.get().astype(np.int64)
@@ -243,6 +243,7 @@ class Chain:
         return {"period": med([end[s] - end[s - 1] for s in steady]),
                 "wait": med([t[:, s, 1] - end[s - 1] for s in steady]),
                 "ready": med([t[:, s, 2] - t[:, s, 1] for s in steady]),
+                "inputs": med([t[:, s, 5] - t[:, s, 1] for s in steady]),
                 "items": med([t[:, s, 3] - t[:, s, 2] for s in steady]),
                 "merge": med([t[:, s, 4] - t[:, s, 3] for s in steady]),
                 "start_after_release": med([t[:, s, 0] - end[s - 1] for s in steady])}
@@ -257,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depths", default="3,4,5", help="ring slots per block (int4 slots are half the bytes: x2)")
     p.add_argument("--clusters", default="8", help="blocks per cluster to measure, e.g. 4,8")
     p.add_argument("--stages", default="8,40", help="S1,S2: the per-stage time is the slope between them")
+    p.add_argument("--max-clusters", type=int, default=0, help="at most this many clusters (0: all that fit)")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--timeline", action="store_true", help="also one launch with per-block stamps, analysed")
     p.add_argument("--json", default="")
@@ -281,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             smem = depth * slot_bytes(bits)
             chain.kernel.max_dynamic_shared_size_bytes = smem
             clusters = min(max_active_clusters(chain.kernel, csize, smem, bench.dev.sm_count),
-                           bench.dev.sm_count // csize)
+                           bench.dev.sm_count // csize, args.max_clusters or 1 << 30)
             row: dict[str, Any] = {"shape": name, "bits": bits, "N": n, "K": k, "depth": depth,
                                    "cluster": csize, "clusters": clusters,
                                    "weight_MB": round(chain.stage_bytes / 1e6, 2)}
