@@ -229,8 +229,8 @@ class Chain:
     def timeline(self, depth: int, clusters: int) -> dict[str, float]:
         """Medians (us) over the steady stages of one launch with stamps (cuda_gemv_chain.cu, CH_NSTAMP): the
         period (last release to last release), wait (a block's input wait end after the previous stage's last
-        release), ready (input read and quantized, first chunk landed; inputs: the first part), items (to the last tile's cluster
-        barrier), merge (to the last tile's release)."""
+        release), ready (input read and quantized, first chunk landed; inputs: its first part), items (to the
+        last tile's cluster barrier), merge (to the last tile's release)."""
         cp = self.cp
         stamps = cp.zeros((clusters * self.cluster, self.stages, 6), dtype=cp.uint64)
         self.launch(self.stages, depth, clusters, stamps)
