@@ -97,7 +97,8 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
     __shared__ int s_asum[CH_MAXC][CH_KC / 32];
     __shared__ __align__(16) float s_acc[NT / 32][TN];
     __shared__ float s_part[2][TN];     // this block's sums of a tile, read by rank 0 (double-buffered by tile)
-    __shared__ __align__(8) unsigned long long s_full[16];  // a ring slot's chunk has landed (phase j / depth)
+    __shared__ __align__(8) unsigned long long s_full[16];
+    __shared__ float s_r;               // the stage's rmsnorm denominator  // a ring slot's chunk has landed (phase j / depth)
 
     const ChainStage* stages = reinterpret_cast<const ChainStage*>(desc);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -164,15 +165,21 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
             }
             __syncthreads();
             stamp(stamps, nstages, it.s, 1);
-            unsigned long long wx[CH_MAXC], wq[CH_MAXQ];
+            unsigned long long wx[CH_MAXC];
 #pragma unroll
             for (int i = 0; i < CH_MAXC; ++i) wx[i] = i < nc ? __ldcg(st.x + (rank + i * C) * CH_KC + tid) : 0ull;
+            // the norm: warp 0 alone reads the sums of squares (every warp of every block reading them, all at
+            // once, made their 8 lines an L2 hot spot: 7 us from the wait's end to the quantized inputs)
+            if (warp == 0) {
+                float ss = 0.f;
 #pragma unroll
-            for (int i = 0; i < CH_MAXQ; ++i) wq[i] = lane + 32 * i < K / 32 ? __ldcg(st.xssq + lane + 32 * i) : 0ull;
-            float ss = 0.f;
-#pragma unroll
-            for (int i = 0; i < CH_MAXQ; ++i) if (lane + 32 * i < K / 32) ss += __uint_as_float((unsigned)wq[i]);
-            const float r = sqrtf(warp_sum(ss) / (float)K + eps);
+                for (int i = 0; i < CH_MAXQ; ++i)
+                    if (lane + 32 * i < K / 32) ss += __uint_as_float((unsigned)__ldcg(st.xssq + lane + 32 * i));
+                ss = warp_sum(ss);
+                if (lane == 0) s_r = sqrtf(ss / (float)K + eps);
+            }
+            __syncthreads();
+            const float r = s_r;
             // quantize: warp w holds rows 32w .. 32w + 31 of each chunk, its group w (G = 32), as qgemv does
 #pragma unroll
             for (int i = 0; i < CH_MAXC; ++i) {
