@@ -90,7 +90,9 @@ template <int BITS>
 __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict__ desc, int nstages, int depth,
                                                      unsigned base, float eps, int* __restrict__ count,
                                                      int* __restrict__ err, unsigned long long* __restrict__ stamps) {
-    extern __shared__ __align__(16) unsigned char ring[];
+    extern __shared__ __align__(128) unsigned char ring_raw[];
+    // tensor copies need 128-byte aligned destinations, and the dynamic part starts after the static one
+    unsigned char* ring = ring_raw + ((128u - (smem_addr(ring_raw) & 127u)) & 127u);
     constexpr int SLOT = CH_KC * TN * BITS / 8 + CH_SCALES;
     __shared__ int s_aq[CH_MAXC][CH_KC / 4];   // the stage's activation codes of this block's chunks
     __shared__ float s_as[CH_MAXC][CH_KC / 32];

@@ -183,7 +183,7 @@ class Chain:
             self.xw[...] = tagged(cp, self.x0, self.base)
             self.xq[...] = tagged(cp, self.x0ssq, self.base)
             self.count.fill(0)
-        smem = depth * slot_bytes(self.bits)
+        smem = depth * slot_bytes(self.bits) + 128
         if not hasattr(self, "_launcher"):
             self._launcher = ExLauncher()
         self._launcher.launch(self.kernel, (clusters * self.cluster,), (256,),
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             chain.cluster = csize
             depth = d if bits == 8 else 2 * d
-            smem = depth * slot_bytes(bits)
+            smem = depth * slot_bytes(bits) + 128  # (the kernel aligns the ring to 128 bytes)
             chain.kernel.max_dynamic_shared_size_bytes = smem
             clusters = min(max_active_clusters(chain.kernel, csize, smem, bench.dev.sm_count),
                            bench.dev.sm_count // csize, args.max_clusters or 1 << 30)
