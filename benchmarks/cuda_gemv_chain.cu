@@ -59,7 +59,7 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 __device__ __forceinline__ void stamp(unsigned long long* stamps, int nstages, int s, int i) {
     if (stamps && threadIdx.x == 0) {
         unsigned long long t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");  // (not moved across barriers)
         stamps[((size_t)blockIdx.x * nstages + s) * CH_NSTAMP + i] = t;
     }
 }
