@@ -99,8 +99,8 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
     __shared__ int s_asum[CH_MAXC][CH_KC / 32];
     __shared__ __align__(16) float s_acc[NT / 32][TN];
     __shared__ float s_part[2][TN];     // this block's sums of a tile, read by rank 0 (double-buffered by tile)
-    __shared__ __align__(8) unsigned long long s_full[16];
-    __shared__ float s_r;               // the stage's rmsnorm denominator  // a ring slot's chunk has landed (phase j / depth)
+    __shared__ __align__(8) unsigned long long s_full[16];  // a ring slot's chunk has landed (phase j / depth)
+    __shared__ float s_r;               // the stage's rmsnorm denominator
 
     const ChainStage* stages = reinterpret_cast<const ChainStage*>(desc);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -261,4 +261,231 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
         buf ^= 1;                       // s_part[buf] is rewritten two tiles on, after the next cluster_sync
     }
     cluster_sync();                     // rank 0 may still read this block's s_part
+}
+
+// ------------------------------------------------------------------------------------------------------
+// The same chain with a control block per cluster (``--kernel ctl``). The timeline of gemv_chain shows an SM's
+// loads of a stage's inputs waiting behind the weight bytes that SM has in flight (2.4 us behind 72 KB, 3.0
+// behind 80 KB: its share of the bandwidth), so a block cannot both keep streaming and read its inputs soon.
+// Here rank 0 of each cluster streams nothing: it waits for the previous stage, reads and quantizes the whole
+// input (its queue is empty), and hands the codes to the cluster's other blocks through distributed shared
+// memory; they only stream weights, take the cluster's items (tile, chunk) in turn, and send their partial
+// sums of each tile back to rank 0's shared memory, which adds them in rank order and writes the tile.
+#define CTL_MAXK 16     // chunks of K (K <= 4096)
+#define CTL_MAXT 4      // tiles of a stage one cluster takes (every stage of a chain has one shape)
+
+__device__ __forceinline__ unsigned cluster_addr(const void* p, unsigned rank) {
+    unsigned r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_addr(p)), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ void arrive_remote(unsigned long long* bar, unsigned rank) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(cluster_addr(bar, rank)) : "memory");
+}
+__device__ __forceinline__ void wait_cluster(unsigned long long* bar, unsigned parity) {
+    asm volatile("{\n\t.reg .pred p;\n"
+                 "WAITC:\n\tmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
+                 "\t@!p bra WAITC;\n}" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ unsigned ld_remote_u32(const void* p, unsigned rank) {
+    unsigned v;
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(cluster_addr(p, rank)) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_remote_f32(const void* p, unsigned rank, float v) {
+    asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(cluster_addr(p, rank)), "f"(v) : "memory");
+}
+
+template <int BITS>
+__global__ void __launch_bounds__(NT, 1) gemv_chain_ctl(const long long* __restrict__ desc, int nstages, int depth,
+                                                         unsigned base, float eps, int* __restrict__ count,
+                                                         int* __restrict__ err, unsigned long long* __restrict__ stamps) {
+    extern __shared__ __align__(128) unsigned char ring_raw[];
+    unsigned char* ring = ring_raw + ((128u - (smem_addr(ring_raw) & 127u)) & 127u);
+    constexpr int SLOT = CH_KC * TN * BITS / 8 + CH_SCALES;
+    // rank 0: the stage's codes of every chunk (the others copy them); the others' partial sums per tile
+    __shared__ int s_aq[CTL_MAXK][CH_KC / 4];
+    __shared__ float s_as[CTL_MAXK][CH_KC / 32];
+    __shared__ int s_asum[CTL_MAXK][CH_KC / 32];
+    __shared__ float s_part[CTL_MAXT][MAX_CLUSTER - 1][TN];
+    __shared__ __align__(16) float s_acc[NT / 32][TN];
+    __shared__ __align__(8) unsigned long long s_full[16];       // ring slots (streaming blocks)
+    __shared__ __align__(8) unsigned long long s_codes_bar;      // the stage's codes are in rank 0 (streaming blocks)
+    __shared__ __align__(8) unsigned long long s_part_bar[CTL_MAXT];  // a tile's partials are in (rank 0)
+    __shared__ float s_r;
+
+    const ChainStage* stages = reinterpret_cast<const ChainStage*>(desc);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int C = (int)cluster_size(), rank = (int)cluster_rank(), S = C - 1;
+    const int cl = blockIdx.x / C, ncl = gridDim.x / C;
+    auto tiles_of = [&](int s) { const int nt = (int)(stages[s].N / TN); return nt > cl ? (nt - cl + ncl - 1) / ncl : 0; };
+
+    if (tid == 0) {
+        for (int i = 0; i < depth; ++i) mbar_init(&s_full[i], 1);
+        mbar_init(&s_codes_bar, 1);
+        for (int i = 0; i < CTL_MAXT; ++i) mbar_init(&s_part_bar[i], S);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    cluster_sync();                     // every barrier of the cluster initialised before any remote arrival
+
+    if (rank == 0) {                    // control: inputs, codes, merges
+        int phase = 0;                  // stages this cluster has taken part in
+        for (int s = 0; s < nstages; ++s) {
+            const int nt = tiles_of(s);
+            if (nt == 0) continue;
+            const ChainStage& st = stages[s];
+            const int K = (int)st.K, nck = K / CH_KC;
+            stamp(stamps, nstages, s, 0);
+            if (s > 0 && tid == 32) {
+                const int want = (int)(stages[s - 1].N / TN);
+                for (int spin = 0; ld_acquire(count + s - 1) < want; ++spin)
+                    if (spin == CH_SPIN) { atomicExch(err, 1); break; }
+            }
+            __syncthreads();
+            stamp(stamps, nstages, s, 1);
+            float xv[CTL_MAXK], pwv[CTL_MAXK];
+#pragma unroll
+            for (int i = 0; i < CTL_MAXK; ++i) {
+                xv[i] = i < nck ? __uint_as_float((unsigned)__ldcg(st.x + i * CH_KC + tid)) : 0.f;
+                pwv[i] = i < nck ? __ldg(st.pw + i * CH_KC + tid) : 0.f;
+            }
+            if (warp == 0) {
+                float ss = 0.f;
+#pragma unroll
+                for (int i = 0; i < CH_MAXQ; ++i)
+                    if (lane + 32 * i < K / 32) ss += __uint_as_float((unsigned)__ldcg(st.xssq + lane + 32 * i));
+                ss = warp_sum(ss);
+                if (lane == 0) s_r = sqrtf(ss / (float)K + eps);
+            }
+            __syncthreads();
+            const float r = s_r;
+#pragma unroll
+            for (int i = 0; i < CTL_MAXK; ++i) {
+                if (i >= nck) break;
+                const float v = xv[i] / r * pwv[i];
+                const float d = warp_max(fabsf(v)) / 127.f;
+                const float inv = d == 0.f ? 0.f : 1.f / d;
+                const int q = (int)roundf(v * inv);
+                reinterpret_cast<signed char*>(s_aq[i])[tid] = (signed char)q;
+                if (BITS == 4) { const int qs = warp_isum(q); if (lane == 0) s_asum[i][warp] = qs; }
+                if (lane == 0) s_as[i][warp] = d;
+            }
+            __syncthreads();
+            if (tid >= 1 && tid <= S) arrive_remote(&s_codes_bar, (unsigned)tid);  // (release: the codes above)
+            stamp(stamps, nstages, s, 5);
+            for (int i = 0; i < nt; ++i) {
+                wait_cluster(&s_part_bar[i], (unsigned)phase & 1u);
+                if (i == nt - 1) stamp(stamps, nstages, s, 3);
+                if (tid < TN) {
+                    float y = 0.f;
+                    for (int q2 = 0; q2 < S; ++q2) y += s_part[i][q2][tid];
+                    const int n = (cl + i * ncl) * TN + tid;
+                    st_tagged(st.y + n, y, base + s + 1);
+                    const float sq = warp_sum(y * y);
+                    if (lane == 0) st_tagged(st.yssq + (n >> 5), sq, base + s + 1);
+                    asm volatile("bar.sync 1, %0;" :: "n"(TN) : "memory");
+                    if (tid == 32) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(count + s) : "memory");
+                }
+            }
+            stamp(stamps, nstages, s, 4);
+            stamp(stamps, nstages, s, 2);
+            ++phase;
+        }
+        cluster_sync();                 // the streaming blocks may still read s_aq
+        return;
+    }
+
+    // streaming blocks: items q = rank - 1, rank - 1 + S, ... of the cluster's (tile, chunk) sequence, q = i * nck + c
+    struct Cursor { int s, q, n; };     // n: the cluster's items in stage s
+    auto enter = [&](Cursor& u) {
+        for (; u.s < nstages; ++u.s) {
+            u.n = tiles_of(u.s) * (int)(stages[u.s].K / CH_KC);
+            if (u.n > rank - 1) break;
+        }
+        u.q = rank - 1;
+    };
+    auto advance = [&](Cursor& u) { u.q += S; if (u.q >= u.n) { ++u.s; enter(u); } };
+    auto item_of = [&](const Cursor& u) {
+        const int nck = (int)(stages[u.s].K / CH_KC);
+        return ChainItem{u.s, cl + (u.q / nck) * ncl, u.q % nck};
+    };
+    const bool copier = warp == CH_COPY_WARP;
+    Cursor use{0, 0, 0}, fill{0, 0, 0};
+    enter(use);
+    enter(fill);
+    for (int j = 0; j < depth && fill.s < nstages; ++j) {
+        if (copier) chain_issue<BITS>(stages[fill.s], item_of(fill), ring + (size_t)j * SLOT, &s_full[j]);
+        advance(fill);
+    }
+    float acc = 0.f;
+    int cur_s = -1, phase = 0;
+    for (int j = 0; use.s < nstages; ++j, advance(use)) {
+        const ChainItem it = item_of(use);
+        const int nck = (int)(stages[it.s].K / CH_KC);
+        const unsigned char* slot = ring + (size_t)(j % depth) * SLOT;
+        const bool first = it.s != cur_s;
+        if (first) {                    // the stage's codes: from rank 0's shared memory into this block's
+            stamp(stamps, nstages, it.s, 0);
+            wait_cluster(&s_codes_bar, (unsigned)phase & 1u);
+            ++phase;
+            stamp(stamps, nstages, it.s, 1);
+            for (int w = tid; w < nck * CH_KC / 4; w += NT)
+                (&s_aq[0][0])[w] = (int)ld_remote_u32(&s_aq[0][0] + w, 0);
+            for (int w = tid; w < nck * CH_KC / 32; w += NT) {
+                (&s_as[0][0])[w] = __uint_as_float(ld_remote_u32(&s_as[0][0] + w, 0));
+                if (BITS == 4) (&s_asum[0][0])[w] = (int)ld_remote_u32(&s_asum[0][0] + w, 0);
+            }
+            cur_s = it.s;
+            stamp(stamps, nstages, it.s, 5);
+        }
+        mbar_wait(&s_full[j % depth], (unsigned)(j / depth) & 1u);
+        __syncthreads();                // (the codes copied above; every warp done with s_acc)
+        if (first) stamp(stamps, nstages, it.s, 2);
+        constexpr int NW = BITS == 8 ? 32 : 16;
+        unsigned w[NW];
+        const unsigned* sw = reinterpret_cast<const unsigned*>(slot);
+        if constexpr (BITS == 8) {
+#pragma unroll
+            for (int i = 0; i < 32; ++i) w[i] = sw[(32 * warp + i) * (TN / 4) + lane];
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const uint4 u = reinterpret_cast<const uint4*>(sw + (4 * warp + i) * TN)[lane];
+                w[4 * i] = u.x; w[4 * i + 1] = u.y; w[4 * i + 2] = u.z; w[4 * i + 3] = u.w;
+            }
+        }
+        const float4 ws = reinterpret_cast<const float4*>(slot + CH_KC * TN * BITS / 8)[warp * (TN / 4) + lane];
+        int aw[1][8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) aw[0][i] = s_aq[it.c][8 * warp + i];
+        int isum[1][4] = {{0, 0, 0, 0}};
+        dot_slot<BITS, 1>(w, aw, isum);
+        const float as = s_as[it.c][warp];
+        const int bias8 = BITS == 4 ? 8 * s_asum[it.c][warp] : 0;
+        *reinterpret_cast<float4*>(&s_acc[warp][4 * lane]) =
+            make_float4((float)(isum[0][0] - bias8) * as * ws.x, (float)(isum[0][1] - bias8) * as * ws.y,
+                        (float)(isum[0][2] - bias8) * as * ws.z, (float)(isum[0][3] - bias8) * as * ws.w);
+        __syncthreads();
+        if (fill.s < nstages) {
+            if (copier)
+                chain_issue<BITS>(stages[fill.s], item_of(fill), ring + (size_t)(j % depth) * SLOT, &s_full[j % depth]);
+            advance(fill);
+        }
+        if (tid < TN) {
+            float sum = 0.f;
+#pragma unroll
+            for (int i = 0; i < NT / 32; ++i) sum += s_acc[i][tid];
+            acc += sum;
+        }
+        const int ti = use.q / nck;     // the tile's index in the cluster's stage
+        if (use.q + S < (ti + 1) * nck) continue;  // not this block's last item of the tile
+        if (tid < TN) {                 // the tile's partial, into rank 0's slot for this block
+            st_remote_f32(&s_part[ti][rank - 1][tid], 0, acc);
+            asm volatile("bar.sync 1, %0;" :: "n"(TN) : "memory");
+            if (tid == 0) arrive_remote(&s_part_bar[ti], 0);
+        }
+        acc = 0.f;
+        if (ti == use.n / nck - 1) { stamp(stamps, nstages, it.s, 3); stamp(stamps, nstages, it.s, 4); }
+    }
+    cluster_sync();
 }

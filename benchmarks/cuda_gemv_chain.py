@@ -32,15 +32,16 @@ KC, TN, EPS = 256, 128, 1e-6
 DESC_WORDS = 12  # ChainStage in cuda_gemv_chain.cu
 
 
-def compile_chain(cp: Any) -> dict[int, Any]:
+def compile_chain(cp: Any) -> dict[tuple[str, int], Any]:
     from kestrel_cuda import forward_ops
 
     src_dir = Path(forward_ops.__file__).resolve().parent
     code = "\n".join([(src_dir / "common.cu").read_text(), (src_dir / "forward.cu").read_text(),
                       (HERE / "cuda_gemv_chain.cu").read_text()])
-    names = {bits: f"gemv_chain<{bits}>" for bits in (8, 4)}
+    names = {(kind, bits): f"{fn}<{bits}>" for kind, fn in (("chain", "gemv_chain"), ("ctl", "gemv_chain_ctl"))
+             for bits in (8, 4)}
     mod = cp.RawModule(code=code, options=("--fmad=false", "-std=c++17"), name_expressions=tuple(names.values()))
-    return {bits: mod.get_function(name) for bits, name in names.items()}
+    return {key: mod.get_function(name) for key, name in names.items()}
 
 
 def slot_bytes(bits: int) -> int:
@@ -139,13 +140,14 @@ def reference_stage(x: np.ndarray, ssq: np.ndarray, pw: np.ndarray, codes: np.nd
 class Chain:
     """One shape's chain: weight copies, per-stage tagged outputs, descriptors; launches and checks."""
 
-    def __init__(self, bench: Bench, kernels: dict[int, Any], n: int, k: int, bits: int, stages: int,
+    def __init__(self, bench: Bench, kernel: Any, kind: str, n: int, k: int, bits: int, stages: int,
                  cluster: int) -> None:
         cp = bench.cp
         self.cp, self.bench, self.n, self.k, self.bits, self.cluster = cp, bench, n, k, bits, cluster
         if k > 4096 or n < k:
             raise ValueError(f"shape {n}x{k} outside the prototype's limits (K <= 4096, N >= K)")
-        self.kernel = kernels[bits]
+        self.kernel = kernel
+        self.kernel_kind = kind
         self.ws = bench.weight_copies(n, k, 32, bits)
         self.stage_bytes = self.ws[0].geometry.nbytes
         self.stages = stages
@@ -228,9 +230,9 @@ class Chain:
 
     def timeline(self, depth: int, clusters: int) -> dict[str, float]:
         """Medians (us) over the steady stages of one launch with stamps (cuda_gemv_chain.cu, CH_NSTAMP): the
-        period (last release to last release), wait (a block's input wait end after the previous stage's last
-        release), ready (input read and quantized, first chunk landed; inputs: its first part), items (to the
-        last tile's cluster barrier), merge (to the last tile's release)."""
+        period (last release to last release) and, per role of block, its stage start after the previous
+        stage's last release, then the intervals between its stamps: wait (for the inputs), inputs (read and
+        quantized, or copied from rank 0), first_chunk (its weights landed), items (to the last tile), merge."""
         cp = self.cp
         stamps = cp.zeros((clusters * self.cluster, self.stages, 6), dtype=cp.uint64)
         self.launch(self.stages, depth, clusters, stamps)
@@ -240,13 +242,18 @@ class Chain:
         end = t[:, :, 4].max(axis=0)
         steady = range(2, self.stages)
         med = lambda v: round(float(np.median(v)) / 1000, 3)  # noqa: E731
-        return {"period": med([end[s] - end[s - 1] for s in steady]),
-                "wait": med([t[:, s, 1] - end[s - 1] for s in steady]),
-                "ready": med([t[:, s, 2] - t[:, s, 1] for s in steady]),
-                "inputs": med([t[:, s, 5] - t[:, s, 1] for s in steady]),
-                "items": med([t[:, s, 3] - t[:, s, 2] for s in steady]),
-                "merge": med([t[:, s, 4] - t[:, s, 3] for s in steady]),
-                "start_after_release": med([t[:, s, 0] - end[s - 1] for s in steady])}
+        out: dict[str, Any] = {"period": med([end[s] - end[s - 1] for s in steady])}
+        roles = {"all": slice(None)} if self.kernel_kind == "chain" else {
+            "control": slice(0, None, self.cluster), "stream": np.arange(t.shape[0]) % self.cluster != 0}
+        for role, sel in roles.items():
+            r = t[sel]
+            out[role] = {"start_after_release": med([r[:, s, 0] - end[s - 1] for s in steady]),
+                         "wait": med([r[:, s, 1] - r[:, s, 0] for s in steady]),
+                         "inputs": med([r[:, s, 5] - r[:, s, 1] for s in steady]),
+                         "first_chunk": med([r[:, s, 2] - r[:, s, 5] for s in steady]),
+                         "items": med([r[:, s, 3] - r[:, s, 2] for s in steady]),
+                         "merge": med([r[:, s, 4] - r[:, s, 3] for s in steady])}
+        return out
 
     def release(self) -> None:
         self.bench.release(self.ws)
@@ -256,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="o:8,o:4,q|k|v:8,q|k|v:4")
     p.add_argument("--depths", default="3,4,5", help="ring slots per block (int4 slots are half the bytes: x2)")
+    p.add_argument("--kernel", choices=("chain", "ctl"), default="chain",
+                   help="ctl: rank 0 of each cluster reads and quantizes the inputs and merges; the others stream")
     p.add_argument("--clusters", default="8", help="blocks per cluster to measure, e.g. 4,8")
     p.add_argument("--stages", default="8,40", help="S1,S2: the per-stage time is the slope between them")
     p.add_argument("--max-clusters", type=int, default=0, help="at most this many clusters (0: all that fit)")
@@ -274,9 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         name, bits_s = spec.rsplit(":", 1)
         bits = int(bits_s)
         n, k = DECODE_SHAPES[name]
-        chain = Chain(bench, kernels, n, k, bits, s2, 1)
+        chain = Chain(bench, kernels[args.kernel, bits], args.kernel, n, k, bits, s2, 1)
         for csize, d in ((int(c), int(v)) for c in args.clusters.split(",") for v in args.depths.split(",")):
-            if k // KC // csize > 4 or k // KC < csize:
+            if args.kernel == "chain" and (k // KC // csize > 4 or k // KC < csize):
+                continue
+            if args.kernel == "ctl" and (csize < 2 or k // KC < csize - 1):
                 continue
             chain.cluster = csize
             depth = d if bits == 8 else 2 * d
@@ -284,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
             chain.kernel.max_dynamic_shared_size_bytes = smem
             clusters = min(max_active_clusters(chain.kernel, csize, smem, bench.dev.sm_count),
                            bench.dev.sm_count // csize, args.max_clusters or 1 << 30)
-            row: dict[str, Any] = {"shape": name, "bits": bits, "N": n, "K": k, "depth": depth,
+            if args.kernel == "ctl" and -(-(n // TN) // clusters) > 4:  # CTL_MAXT
+                continue
+            row: dict[str, Any] = {"kernel": args.kernel, "shape": name, "bits": bits, "N": n, "K": k, "depth": depth,
                                    "cluster": csize, "clusters": clusters,
                                    "weight_MB": round(chain.stage_bytes / 1e6, 2)}
             row.update(chain.check(s2, depth, clusters))
