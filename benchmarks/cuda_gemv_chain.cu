@@ -5,8 +5,8 @@
 // Stage s computes y_s = W_s rmsnorm(x_s), x_s = the first K outputs of stage s - 1, with no kernel boundary
 // between stages: one block per SM, clusters of C blocks; tile t (128 columns) of every stage belongs to
 // cluster t % nclusters, whose block of rank r takes the tile's 256-row chunks c = r, r + C, ... Each block
-// streams its chunks' weights, stage after stage, into a ring of D shared-memory slots (tensor copies,
-// D - 1 chunks in flight while one is used), so the weights of the next stage arrive while this one waits for its input.
+// streams its chunks' weights, stage after stage, into a ring of D shared-memory slots (tensor copies, D - 1
+// chunks in flight while one is used), so the next stage's weights arrive while this one waits for its input.
 // A stage needs every sum of squares of the previous one (its RMSNorm): each merged tile adds one to the
 // previous stage's counter (release), and one thread of a block polls it (acquire) before the block reads x.
 // Outputs are stored as 64-bit words tagged with their stage (st_tagged), so the host can check who wrote what.
@@ -35,11 +35,13 @@ __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned coun
 }
 // one arrival that also expects ``bytes`` of bulk copies in the barrier's current phase
 __device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
 // the box of ``tmap`` at (column c0, row c1) into shared memory by the tensor-copy engine, completing on ``bar``
 __device__ __forceinline__ void tensor_copy(void* dst, const void* tmap, int c0, int c1, unsigned long long* bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];"
                  :: "r"(smem_addr(dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(smem_addr(bar)) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
@@ -69,9 +71,8 @@ __device__ __forceinline__ void stamp(unsigned long long* stamps, int nstages, i
 struct ChainItem { int s, t, c; };
 
 // Thread 0 of the copy warp fills a ring slot with chunk ``it``: the codes' box and the scales' box, two tensor
-// copies completing on the slot's barrier. (Per-thread cp.async of 16 bytes by one warp: 72 instructions a lane
-// for an int8 chunk, ~2 us of issue an item on the critical path; by all threads: every release and cluster
-// barrier waited for the refill. Bulk copies of 128-byte rows: 264 an int8 chunk, slower still.)
+// copies completing on the slot's barrier. (Measured slower, docs/performance.md, ninth session: 16-byte
+// cp.async by every thread or by one warp, and bulk copies of each 128-byte row.)
 template <int BITS>
 __device__ __forceinline__ void chain_issue(const ChainStage& st, const ChainItem& it, unsigned char* slot,
                                             unsigned long long* bar) {
@@ -264,13 +265,14 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
 }
 
 // ------------------------------------------------------------------------------------------------------
-// The same chain with a control block per cluster (``--kernel ctl``). The timeline of gemv_chain shows an SM's
-// loads of a stage's inputs waiting behind the weight bytes that SM has in flight (2.4 us behind 72 KB, 3.0
-// behind 80 KB: its share of the bandwidth), so a block cannot both keep streaming and read its inputs soon.
-// Here rank 0 of each cluster streams nothing: it waits for the previous stage, reads and quantizes the whole
-// input (its queue is empty), and hands the codes to the cluster's other blocks through distributed shared
-// memory; they only stream weights, take the cluster's items (tile, chunk) in turn, and send their partial
-// sums of each tile back to rank 0's shared memory, which adds them in rank order and writes the tile.
+// The same chain with a control block per cluster (``--kernel ctl``). In gemv_chain's timeline a block takes
+// 2.4-3 us from its input wait's end to its quantized inputs, about the time its share of the bandwidth needs
+// for the weight bytes it has in flight (72-80 KB): were its input loads queued behind them? Here rank 0 of
+// each cluster streams nothing: it waits for the previous stage, reads and quantizes the whole input, and hands
+// the codes to the cluster's other blocks through distributed shared memory; they only stream weights, take the
+// cluster's items (tile, chunk) in turn, and send their partial sums of each tile back to rank 0's shared
+// memory, which adds them in rank order and writes the tile. (Measured slower: one block quantizing all of
+// K takes 7-11 us.)
 #define CTL_MAXK 16     // chunks of K (K <= 4096)
 #define CTL_MAXT 4      // tiles of a stage one cluster takes (every stage of a chain has one shape)
 
@@ -280,7 +282,8 @@ __device__ __forceinline__ unsigned cluster_addr(const void* p, unsigned rank) {
     return r;
 }
 __device__ __forceinline__ void arrive_remote(unsigned long long* bar, unsigned rank) {
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(cluster_addr(bar, rank)) : "memory");
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];"
+                 :: "r"(cluster_addr(bar, rank)) : "memory");
 }
 __device__ __forceinline__ void wait_cluster(unsigned long long* bar, unsigned parity) {
     asm volatile("{\n\t.reg .pred p;\n"
@@ -299,7 +302,8 @@ __device__ __forceinline__ void st_remote_f32(const void* p, unsigned rank, floa
 template <int BITS>
 __global__ void __launch_bounds__(NT, 1) gemv_chain_ctl(const long long* __restrict__ desc, int nstages, int depth,
                                                          unsigned base, float eps, int* __restrict__ count,
-                                                         int* __restrict__ err, unsigned long long* __restrict__ stamps) {
+                                                         int* __restrict__ err,
+                                                         unsigned long long* __restrict__ stamps) {
     extern __shared__ __align__(128) unsigned char ring_raw[];
     unsigned char* ring = ring_raw + ((128u - (smem_addr(ring_raw) & 127u)) & 127u);
     constexpr int SLOT = CH_KC * TN * BITS / 8 + CH_SCALES;
@@ -318,7 +322,10 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain_ctl(const long long* __restr
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int C = (int)cluster_size(), rank = (int)cluster_rank(), S = C - 1;
     const int cl = blockIdx.x / C, ncl = gridDim.x / C;
-    auto tiles_of = [&](int s) { const int nt = (int)(stages[s].N / TN); return nt > cl ? (nt - cl + ncl - 1) / ncl : 0; };
+    auto tiles_of = [&](int s) {
+        const int nt = (int)(stages[s].N / TN);
+        return nt > cl ? (nt - cl + ncl - 1) / ncl : 0;
+    };
 
     if (tid == 0) {
         for (int i = 0; i < depth; ++i) mbar_init(&s_full[i], 1);
