@@ -271,8 +271,8 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
 // each cluster streams nothing: it waits for the previous stage, reads and quantizes the whole input, and hands
 // the codes to the cluster's other blocks through distributed shared memory; they only stream weights, take the
 // cluster's items (tile, chunk) in turn, and send their partial sums of each tile back to rank 0's shared
-// memory, which adds them in rank order and writes the tile. (Measured slower: one block quantizing all of
-// K takes 7-11 us.)
+// memory, which adds them in rank order and writes the tile. (Measured slower: one block reading and
+// quantizing all of K takes 6-12 us.)
 #define CTL_MAXK 16     // chunks of K (K <= 4096)
 #define CTL_MAXT 4      // tiles of a stage one cluster takes (every stage of a chain has one shape)
 
