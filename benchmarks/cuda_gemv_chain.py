@@ -1,15 +1,18 @@
 """A persistent chain of decode GEMVs (cuda_gemv_chain.cu) against the decode step's per-launch GEMV, one run.
 
-    python benchmarks/cuda_gemv_chain.py [--shapes o:8,o:4,q|k|v:8,q|k|v:4] [--depths 4,6] [--clusters 4,8]
-                                         [--stages 8,40] [--no-baseline] [--json F]
+    python benchmarks/cuda_gemv_chain.py [--kernel chain|ctl] [--shapes o:8,o:4,q|k|v:8,q|k|v:4]
+                                         [--clusters 4,8] [--depths 2,4] [--max-clusters N] [--stages 8,40]
+                                         [--timeline] [--no-baseline] [--json F]
 
 The experiment behind issue 4's last goal (decode GEMV >= 80 % of the copy bandwidth for o and the int4
 q|k|v). Each stage is one M = 1 GEMV of the shape (int8 or int4, G = 32) whose input is the RMSNorm of the
 previous stage's first K outputs (the same full dependency as o -> gate|up or down -> q|k|v in the decode
 step), with no kernel boundary between stages (see the .cu file). Stages rotate over weight copies four
 times the L2, so they stream from device memory. Per stage time = (time of a chain of S2 stages - time of S1)
-/ (S2 - S1), so the launch and the first stage's ramp cancel. Every stage's output is checked against numpy
-from the previous stage's output (the contract's activation quantization, int64 block sums).
+/ (S2 - S1), so the launch and the first stage's ramp cancel. Before the timing, one launch is checked: the
+first three stages' outputs against numpy from the previous stage's output (the contract's activation
+quantization, int64 block sums), and every stage's outputs for this launch's tag. docs/performance.md ("Ninth
+session") has the results: slower than the per-launch GEMV on every shape.
 
 In the same process: the copy bandwidth and, unless --no-baseline, cuda_gemv.py --decode-only (the decode
 step's qgemv per shape, back to back with PDL).
@@ -140,10 +143,13 @@ def reference_stage(x: np.ndarray, ssq: np.ndarray, pw: np.ndarray, codes: np.nd
 class Chain:
     """One shape's chain: weight copies, per-stage tagged outputs, descriptors; launches and checks."""
 
-    def __init__(self, bench: Bench, kernel: Any, kind: str, n: int, k: int, bits: int, stages: int,
-                 cluster: int) -> None:
+    def __init__(self, bench: Bench, kernel: Any, kind: str, n: int, k: int, bits: int, stages: int) -> None:
+        from kestrel_cuda.forward_launch import ExLauncher
+
         cp = bench.cp
-        self.cp, self.bench, self.n, self.k, self.bits, self.cluster = cp, bench, n, k, bits, cluster
+        self.cp, self.bench, self.n, self.k, self.bits = cp, bench, n, k, bits
+        self.cluster = 1  # blocks per cluster: set before each launch
+        self.launcher = ExLauncher()
         if k > 4096 or n < k:
             raise ValueError(f"shape {n}x{k} outside the prototype's limits (K <= 4096, N >= K)")
         self.kernel = kernel
@@ -177,8 +183,6 @@ class Chain:
 
     def launch(self, nstages: int, depth: int, clusters: int, stamps: Any = None) -> None:
         """One chain of ``nstages`` stages (new tags: outputs of an earlier launch never match)."""
-        from kestrel_cuda.forward_launch import ExLauncher
-
         cp = self.cp
         self.base += 1 << 10
         with self.bench.stream:
@@ -186,9 +190,7 @@ class Chain:
             self.xq[...] = tagged(cp, self.x0ssq, self.base)
             self.count.fill(0)
         smem = depth * slot_bytes(self.bits) + 128
-        if not hasattr(self, "_launcher"):
-            self._launcher = ExLauncher()
-        self._launcher.launch(self.kernel, (clusters * self.cluster,), (256,),
+        self.launcher.launch(self.kernel, (clusters * self.cluster,), (256,),
                               (np.uint64(self.desc.data.ptr), np.int32(nstages), np.int32(depth),
                                np.int32(self.base), np.float32(EPS), np.uint64(self.count.data.ptr),
                                np.uint64(self.err.data.ptr), np.uint64(0 if stamps is None else stamps.data.ptr)),
@@ -283,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         name, bits_s = spec.rsplit(":", 1)
         bits = int(bits_s)
         n, k = DECODE_SHAPES[name]
-        chain = Chain(bench, kernels[args.kernel, bits], args.kernel, n, k, bits, s2, 1)
+        chain = Chain(bench, kernels[args.kernel, bits], args.kernel, n, k, bits, s2)
         for csize, d in ((int(c), int(v)) for c in args.clusters.split(",") for v in args.depths.split(",")):
             if args.kernel == "chain" and (k // KC // csize > 4 or k // KC < csize):
                 continue
