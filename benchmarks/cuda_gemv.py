@@ -138,6 +138,12 @@ class Bench:
         copies = max(2, -(-4 * L2_BYTES // first.geometry.nbytes))
         return [first] + [self.device_weight(n, k, g, bits, 2 + i) for i in range(copies - 1)]
 
+    def save(self, path: str) -> None:
+        """Write the results as JSON to ``path`` (nothing when it is empty)."""
+        if path:
+            with open(path, "w") as f:
+                json.dump(self.results, f, indent=1)
+
     def release(self, weights) -> None:
         for w in weights:
             self.dev.allocator.free(w.buffer)
@@ -450,9 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     bw = b.copy_bandwidth()
     if args.decode_only:
         b.decode_gemv(bw)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(b.results, f, indent=1)
+        b.save(args.json)
         b.dev.close()
         return 0
     steps = [("copy", None), ("gemv", None), ("decode_gemv", None), ("prefill", None), ("quantize", None)]
@@ -470,9 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             log(f"{name} failed: {type(exc).__name__}: {exc}")
             b.results[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(b.results, f, indent=1)
+    b.save(args.json)
     table(b.results)
     b.dev.close()
     return 0

@@ -84,6 +84,59 @@ __device__ __forceinline__ void chain_issue(const ChainStage& st, const ChainIte
     tensor_copy(slot + CH_KC * TN * BITS / 8, st.tmap_s, n0, k0 / 32, bar);
 }
 
+// Row ``tid`` of a chunk, v, quantized as qgemv does: warp w holds rows 32w .. 32w + 31, its group w (G = 32).
+template <int BITS>
+__device__ __forceinline__ void chain_quantize(float v, int* aq, float* as, int* asum) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const float d = warp_max(fabsf(v)) / 127.f;
+    const float inv = d == 0.f ? 0.f : 1.f / d;
+    const int q = (int)roundf(v * inv);
+    reinterpret_cast<signed char*>(aq)[tid] = (signed char)q;
+    if (BITS == 4) { const int qs = warp_isum(q); if (lane == 0) asum[warp] = qs; }
+    if (lane == 0) as[warp] = d;
+}
+
+// The chunk in ``slot`` against its codes (aq, as, asum: one chunk's, as chain_quantize left them): each warp's
+// 32-row slot, its 4 columns a lane, into acc[warp][column] (float bits).
+template <int BITS>
+__device__ __forceinline__ void chain_dot(const unsigned char* slot, const int* aq, const float* as, const int* asum,
+                                          float (&acc)[NT / 32][TN]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    unsigned w[BITS == 8 ? 32 : 16];
+    const unsigned* sw = reinterpret_cast<const unsigned*>(slot);
+    if constexpr (BITS == 8) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) w[i] = sw[(32 * warp + i) * (TN / 4) + lane];
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint4 u = reinterpret_cast<const uint4*>(sw + (4 * warp + i) * TN)[lane];
+            w[4 * i] = u.x; w[4 * i + 1] = u.y; w[4 * i + 2] = u.z; w[4 * i + 3] = u.w;
+        }
+    }
+    const float4 ws = reinterpret_cast<const float4*>(slot + CH_KC * TN * BITS / 8)[warp * (TN / 4) + lane];
+    int aw[1][8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) aw[0][i] = aq[8 * warp + i];
+    int isum[1][4] = {{0, 0, 0, 0}};
+    dot_slot<BITS, 1>(w, aw, isum);
+    const float a = as[warp];
+    const int bias8 = BITS == 4 ? 8 * asum[warp] : 0;
+    *reinterpret_cast<float4*>(&acc[warp][4 * lane]) =
+        make_float4((float)(isum[0][0] - bias8) * a * ws.x, (float)(isum[0][1] - bias8) * a * ws.y,
+                    (float)(isum[0][2] - bias8) * a * ws.z, (float)(isum[0][3] - bias8) * a * ws.w);
+}
+
+// The tile's outputs y (thread tid < TN: column n) and their sums of squares, tagged; then, once the tile's 128
+// threads have stored, one more merged tile on the stage's counter (release)
+__device__ __forceinline__ void chain_store_tile(const ChainStage& st, int n, float y, unsigned tag, int* count) {
+    st_tagged(st.y + n, y, tag);
+    const float sq = warp_sum(y * y);
+    if ((threadIdx.x & 31) == 0) st_tagged(st.yssq + (n >> 5), sq, tag);
+    asm volatile("bar.sync 1, %0;" :: "n"(TN) : "memory");
+    if (threadIdx.x == 32) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(count) : "memory");
+}
+
 #define CH_MAXC 4   // chunks of a tile one block takes per stage (K / CH_KC / C), at most
 #define CH_MAXQ 4   // sums of squares of x a lane reads (K / 32 / 32), at most: K <= 4096
 
@@ -183,17 +236,10 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
             }
             __syncthreads();
             const float r = s_r;
-            // quantize: warp w holds rows 32w .. 32w + 31 of each chunk, its group w (G = 32), as qgemv does
 #pragma unroll
             for (int i = 0; i < CH_MAXC; ++i) {
                 if (i >= nc) break;
-                const float v = __uint_as_float((unsigned)wx[i]) / r * pwv[i];
-                const float d = warp_max(fabsf(v)) / 127.f;
-                const float inv = d == 0.f ? 0.f : 1.f / d;
-                const int q = (int)roundf(v * inv);
-                reinterpret_cast<signed char*>(s_aq[i])[tid] = (signed char)q;
-                if (BITS == 4) { const int qs = warp_isum(q); if (lane == 0) s_asum[i][warp] = qs; }
-                if (lane == 0) s_as[i][warp] = d;
+                chain_quantize<BITS>(__uint_as_float((unsigned)wx[i]) / r * pwv[i], s_aq[i], s_as[i], s_asum[i]);
             }
             cur_s = it.s;
             stamp(stamps, nstages, it.s, 5);
@@ -203,30 +249,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
         __syncthreads();                // (and every warp is done with s_acc)
         if (first) stamp(stamps, nstages, it.s, 2);
 
-        constexpr int NW = BITS == 8 ? 32 : 16;
-        unsigned w[NW];
-        const unsigned* sw = reinterpret_cast<const unsigned*>(slot);
-        if constexpr (BITS == 8) {
-#pragma unroll
-            for (int i = 0; i < 32; ++i) w[i] = sw[(32 * warp + i) * (TN / 4) + lane];
-        } else {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const uint4 u = reinterpret_cast<const uint4*>(sw + (4 * warp + i) * TN)[lane];
-                w[4 * i] = u.x; w[4 * i + 1] = u.y; w[4 * i + 2] = u.z; w[4 * i + 3] = u.w;
-            }
-        }
-        const float4 ws = reinterpret_cast<const float4*>(slot + CH_KC * TN * BITS / 8)[warp * (TN / 4) + lane];
-        int aw[1][8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) aw[0][i] = s_aq[ci][8 * warp + i];
-        int isum[1][4] = {{0, 0, 0, 0}};
-        dot_slot<BITS, 1>(w, aw, isum);
-        const float as = s_as[ci][warp];
-        const int bias8 = BITS == 4 ? 8 * s_asum[ci][warp] : 0;
-        *reinterpret_cast<float4*>(&s_acc[warp][4 * lane]) =
-            make_float4((float)(isum[0][0] - bias8) * as * ws.x, (float)(isum[0][1] - bias8) * as * ws.y,
-                        (float)(isum[0][2] - bias8) * as * ws.z, (float)(isum[0][3] - bias8) * as * ws.w);
+        chain_dot<BITS>(slot, s_aq[ci], s_as[ci], s_asum[ci], s_acc);
         __syncthreads();                // slot j and s_acc read; the ring slot may be refilled
         if (fill.s < nstages) {
             if (copier) {
@@ -251,12 +274,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
         if (rank == 0 && tid < TN) {
             float y = 0.f;
             for (int q2 = 0; q2 < C; ++q2) y += ld_cluster(&s_part[buf][tid], q2);
-            const int n = it.t * TN + tid;
-            st_tagged(st.y + n, y, ytag);
-            const float sq = warp_sum(y * y);
-            if (lane == 0) st_tagged(st.yssq + (n >> 5), sq, ytag);
-            asm volatile("bar.sync 1, %0;" :: "n"(TN) : "memory");  // the tile's 128 threads have stored
-            if (tid == 32) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(count + it.s) : "memory");
+            chain_store_tile(st, it.t * TN + tid, y, ytag, count + it.s);
         }
         if (last_tile) stamp(stamps, nstages, it.s, 4);
         buf ^= 1;                       // s_part[buf] is rewritten two tiles on, after the next cluster_sync
@@ -369,13 +387,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain_ctl(const long long* __restr
 #pragma unroll
             for (int i = 0; i < CTL_MAXK; ++i) {
                 if (i >= nck) break;
-                const float v = xv[i] / r * pwv[i];
-                const float d = warp_max(fabsf(v)) / 127.f;
-                const float inv = d == 0.f ? 0.f : 1.f / d;
-                const int q = (int)roundf(v * inv);
-                reinterpret_cast<signed char*>(s_aq[i])[tid] = (signed char)q;
-                if (BITS == 4) { const int qs = warp_isum(q); if (lane == 0) s_asum[i][warp] = qs; }
-                if (lane == 0) s_as[i][warp] = d;
+                chain_quantize<BITS>(xv[i] / r * pwv[i], s_aq[i], s_as[i], s_asum[i]);
             }
             __syncthreads();
             if (tid >= 1 && tid <= S) arrive_remote(&s_codes_bar, (unsigned)tid);  // (release: the codes above)
@@ -386,12 +398,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain_ctl(const long long* __restr
                 if (tid < TN) {
                     float y = 0.f;
                     for (int q2 = 0; q2 < S; ++q2) y += s_part[i][q2][tid];
-                    const int n = (cl + i * ncl) * TN + tid;
-                    st_tagged(st.y + n, y, base + s + 1);
-                    const float sq = warp_sum(y * y);
-                    if (lane == 0) st_tagged(st.yssq + (n >> 5), sq, base + s + 1);
-                    asm volatile("bar.sync 1, %0;" :: "n"(TN) : "memory");
-                    if (tid == 32) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(count + s) : "memory");
+                    chain_store_tile(st, (cl + i * ncl) * TN + tid, y, base + s + 1, count + s);
                 }
             }
             stamp(stamps, nstages, s, 4);
@@ -448,30 +455,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain_ctl(const long long* __restr
         mbar_wait(&s_full[j % depth], (unsigned)(j / depth) & 1u);
         __syncthreads();                // (the codes copied above; every warp done with s_acc)
         if (first) stamp(stamps, nstages, it.s, 2);
-        constexpr int NW = BITS == 8 ? 32 : 16;
-        unsigned w[NW];
-        const unsigned* sw = reinterpret_cast<const unsigned*>(slot);
-        if constexpr (BITS == 8) {
-#pragma unroll
-            for (int i = 0; i < 32; ++i) w[i] = sw[(32 * warp + i) * (TN / 4) + lane];
-        } else {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const uint4 u = reinterpret_cast<const uint4*>(sw + (4 * warp + i) * TN)[lane];
-                w[4 * i] = u.x; w[4 * i + 1] = u.y; w[4 * i + 2] = u.z; w[4 * i + 3] = u.w;
-            }
-        }
-        const float4 ws = reinterpret_cast<const float4*>(slot + CH_KC * TN * BITS / 8)[warp * (TN / 4) + lane];
-        int aw[1][8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) aw[0][i] = s_aq[it.c][8 * warp + i];
-        int isum[1][4] = {{0, 0, 0, 0}};
-        dot_slot<BITS, 1>(w, aw, isum);
-        const float as = s_as[it.c][warp];
-        const int bias8 = BITS == 4 ? 8 * s_asum[it.c][warp] : 0;
-        *reinterpret_cast<float4*>(&s_acc[warp][4 * lane]) =
-            make_float4((float)(isum[0][0] - bias8) * as * ws.x, (float)(isum[0][1] - bias8) * as * ws.y,
-                        (float)(isum[0][2] - bias8) * as * ws.z, (float)(isum[0][3] - bias8) * as * ws.w);
+        chain_dot<BITS>(slot, s_aq[it.c], s_as[it.c], s_asum[it.c], s_acc);
         __syncthreads();
         if (fill.s < nstages) {
             if (copier)

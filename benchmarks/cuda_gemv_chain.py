@@ -320,9 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.results["chain"] = rows
     if not args.no_baseline:
         bench.decode_gemv(copy_bw)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(bench.results, f, indent=1)
+    bench.save(args.json)
     bench.dev.close()
     return 0
 

@@ -209,9 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     b = PrefillBench(args)
     b.reference_check(args.m)
     b.run(args.m)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(b.results, f, indent=1)
+    b.save(args.json)
     table(b.results, list(b.kernels_for()))
     b.dev.close()
     return 0
