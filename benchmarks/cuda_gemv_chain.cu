@@ -140,6 +140,22 @@ __device__ __forceinline__ void chain_store_tile(const ChainStage& st, int n, fl
 #define CH_MAXC 4   // chunks of a tile one block takes per stage (K / CH_KC / C), at most
 #define CH_MAXQ 4   // sums of squares of x a lane reads (K / 32 / 32), at most: K <= 4096
 
+// The stage's rmsnorm denominator from the sums of squares of x, read by warp 0 and shared through *s_r (a
+// barrier for the whole block). (Read by every warp instead, as qgemv's rms_from_tiles does: the same time.)
+__device__ __forceinline__ float chain_norm(const ChainStage& st, int K, float eps, float* s_r) {
+    const int lane = threadIdx.x & 31;
+    if (threadIdx.x < 32) {
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < CH_MAXQ; ++i)
+            if (lane + 32 * i < K / 32) ss += __uint_as_float((unsigned)__ldcg(st.xssq + lane + 32 * i));
+        ss = warp_sum(ss);
+        if (lane == 0) *s_r = sqrtf(ss / (float)K + eps);
+    }
+    __syncthreads();
+    return *s_r;
+}
+
 template <int BITS>
 __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict__ desc, int nstages, int depth,
                                                      unsigned base, float eps, int* __restrict__ count,
@@ -224,18 +240,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
             unsigned long long wx[CH_MAXC];
 #pragma unroll
             for (int i = 0; i < CH_MAXC; ++i) wx[i] = i < nc ? __ldcg(st.x + (rank + i * C) * CH_KC + tid) : 0ull;
-            // the norm: warp 0 alone reads the sums of squares (every warp of every block reading them, all at
-            // once, made their 8 lines an L2 hot spot: 7 us from the wait's end to the quantized inputs)
-            if (warp == 0) {
-                float ss = 0.f;
-#pragma unroll
-                for (int i = 0; i < CH_MAXQ; ++i)
-                    if (lane + 32 * i < K / 32) ss += __uint_as_float((unsigned)__ldcg(st.xssq + lane + 32 * i));
-                ss = warp_sum(ss);
-                if (lane == 0) s_r = sqrtf(ss / (float)K + eps);
-            }
-            __syncthreads();
-            const float r = s_r;
+            const float r = chain_norm(st, K, eps, &s_r);
 #pragma unroll
             for (int i = 0; i < CH_MAXC; ++i) {
                 if (i >= nc) break;
@@ -374,16 +379,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain_ctl(const long long* __restr
                 xv[i] = i < nck ? __uint_as_float((unsigned)__ldcg(st.x + i * CH_KC + tid)) : 0.f;
                 pwv[i] = i < nck ? __ldg(st.pw + i * CH_KC + tid) : 0.f;
             }
-            if (warp == 0) {
-                float ss = 0.f;
-#pragma unroll
-                for (int i = 0; i < CH_MAXQ; ++i)
-                    if (lane + 32 * i < K / 32) ss += __uint_as_float((unsigned)__ldcg(st.xssq + lane + 32 * i));
-                ss = warp_sum(ss);
-                if (lane == 0) s_r = sqrtf(ss / (float)K + eps);
-            }
-            __syncthreads();
-            const float r = s_r;
+            const float r = chain_norm(st, K, eps, &s_r);
 #pragma unroll
             for (int i = 0; i < CTL_MAXK; ++i) {
                 if (i >= nck) break;
