@@ -181,28 +181,35 @@ class Chain:
         self.desc = cp.asarray(desc)
         self.base = 0
 
-    def launch(self, nstages: int, depth: int, clusters: int, stamps: Any = None) -> None:
-        """One chain of ``nstages`` stages (new tags: outputs of an earlier launch never match)."""
+    def prepare(self) -> None:
+        """New tags for the chain's input (outputs of an earlier launch never match) and zeroed counters."""
         cp = self.cp
         self.base += 1 << 10
         with self.bench.stream:
             self.xw[...] = tagged(cp, self.x0, self.base)
             self.xq[...] = tagged(cp, self.x0ssq, self.base)
             self.count.fill(0)
+
+    def launch(self, nstages: int, depth: int, clusters: int, stamps: Any = None) -> None:
+        """One chain of ``nstages`` stages, after ``prepare``."""
         smem = depth * slot_bytes(self.bits) + 128
         self.launcher.launch(self.kernel, (clusters * self.cluster,), (256,),
-                              (np.uint64(self.desc.data.ptr), np.int32(nstages), np.int32(depth),
-                               np.int32(self.base), np.float32(EPS), np.uint64(self.count.data.ptr),
-                               np.uint64(self.err.data.ptr), np.uint64(0 if stamps is None else stamps.data.ptr)),
-                              smem, self.bench.stream, pdl=False, cluster=(self.cluster, 1, 1))
+                             (np.uint64(self.desc.data.ptr), np.int32(nstages), np.int32(depth),
+                              np.int32(self.base), np.float32(EPS), np.uint64(self.count.data.ptr),
+                              np.uint64(self.err.data.ptr), np.uint64(0 if stamps is None else stamps.data.ptr)),
+                             smem, self.bench.stream, pdl=False, cluster=(self.cluster, 1, 1))
 
     def time_us(self, nstages: int, depth: int, clusters: int, reps: int = 7) -> float:
+        """Median microseconds of one launch (its preparation done and finished before the start event)."""
         cp, s = self.cp, self.bench.stream
+        self.prepare()
         self.launch(nstages, depth, clusters)
         s.synchronize()
         times = []
         for _ in range(reps):
             start, end = cp.cuda.Event(), cp.cuda.Event()
+            self.prepare()
+            s.synchronize()
             start.record(s)
             self.launch(nstages, depth, clusters)
             end.record(s)
@@ -212,6 +219,7 @@ class Chain:
 
     def check(self, nstages: int, depth: int, clusters: int, stages_checked: int = 3) -> dict[str, Any]:
         """Launch once and compare stages 0 .. stages_checked - 1 with numpy; every tag must be this launch's."""
+        self.prepare()
         self.launch(nstages, depth, clusters)
         self.bench.stream.synchronize()
         err = int(self.err.get()[0])
@@ -237,6 +245,7 @@ class Chain:
         quantized, or copied from rank 0), first_chunk (its weights landed), items (to the last tile), merge."""
         cp = self.cp
         stamps = cp.zeros((clusters * self.cluster, self.stages, 6), dtype=cp.uint64)
+        self.prepare()
         self.launch(self.stages, depth, clusters, stamps)
         self.bench.stream.synchronize()
         t = stamps.get().astype(np.int64)
