@@ -238,7 +238,7 @@ class Chain:
         ok = err == 0 and tags_ok and worst < 1e-3
         return {"check_ok": ok, "timeout_flag": err, "tags_ok": tags_ok, "max_rel_err": worst}
 
-    def timeline(self, depth: int, clusters: int) -> dict[str, float]:
+    def timeline(self, depth: int, clusters: int) -> dict[str, Any]:
         """Medians (us) over the steady stages of one launch with stamps (cuda_gemv_chain.cu, CH_NSTAMP): the
         period (last release to last release) and, per role of block, its stage start after the previous
         stage's last release, then the intervals between its stamps: wait (for the inputs), inputs (read and
@@ -273,10 +273,10 @@ class Chain:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="o:8,o:4,q|k|v:8,q|k|v:4")
-    p.add_argument("--depths", default="3,4,5", help="ring slots per block (int4 slots are half the bytes: x2)")
+    p.add_argument("--depths", default="2,4", help="ring slots per block at int8 (int4 slots are half the bytes: x2)")
     p.add_argument("--kernel", choices=("chain", "ctl"), default="chain",
                    help="ctl: rank 0 of each cluster reads and quantizes the inputs and merges; the others stream")
-    p.add_argument("--clusters", default="8", help="blocks per cluster to measure, e.g. 4,8")
+    p.add_argument("--clusters", default="4,8", help="blocks per cluster to measure")
     p.add_argument("--stages", default="8,40", help="S1,S2: the per-stage time is the slope between them")
     p.add_argument("--max-clusters", type=int, default=0, help="at most this many clusters (0: all that fit)")
     p.add_argument("--no-baseline", action="store_true")
