@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
     __shared__ float s_r;               // the stage's rmsnorm denominator
 
     const ChainStage* stages = reinterpret_cast<const ChainStage*>(desc);
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int tid = threadIdx.x, warp = tid >> 5;
     const int C = (int)cluster_size(), rank = (int)cluster_rank();
     const int cl = blockIdx.x / C, ncl = gridDim.x / C;
 
@@ -342,7 +342,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain_ctl(const long long* __restr
     __shared__ float s_r;
 
     const ChainStage* stages = reinterpret_cast<const ChainStage*>(desc);
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int tid = threadIdx.x, warp = tid >> 5;
     const int C = (int)cluster_size(), rank = (int)cluster_rank(), S = C - 1;
     const int cl = blockIdx.x / C, ncl = gridDim.x / C;
     auto tiles_of = [&](int s) {
