@@ -127,6 +127,14 @@ __device__ __forceinline__ void chain_dot(const unsigned char* slot, const int* 
                     (float)(isum[0][2] - bias8) * a * ws.z, (float)(isum[0][3] - bias8) * a * ws.w);
 }
 
+// Column tid's sum of the chunk over the block's warps, in warp order (tid < TN, after chain_dot and a barrier)
+__device__ __forceinline__ float chain_columns(const float (&acc)[NT / 32][TN]) {
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < NT / 32; ++i) sum += acc[i][threadIdx.x];
+    return sum;
+}
+
 // The tile's outputs y (thread tid < TN: column n) and their sums of squares, tagged; then, once the tile's 128
 // threads have stored, one more merged tile on the stage's counter (release)
 __device__ __forceinline__ void chain_store_tile(const ChainStage& st, int n, float y, unsigned tag, int* count) {
@@ -263,12 +271,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
             }
             advance(fill);
         }
-        if (tid < TN) {
-            float s = 0.f;
-#pragma unroll
-            for (int i = 0; i < NT / 32; ++i) s += s_acc[i][tid];
-            acc += s;
-        }
+        if (tid < TN) acc += chain_columns(s_acc);
         if (it.c + C < K / CH_KC) continue;  // not this block's last chunk of the tile
         // the tile's sums: the cluster's blocks' partials, added by rank 0 in rank order
         if (tid < TN) s_part[buf][tid] = acc;
@@ -455,15 +458,11 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain_ctl(const long long* __restr
         __syncthreads();
         if (fill.s < nstages) {
             if (copier)
-                chain_issue<BITS>(stages[fill.s], item_of(fill), ring + (size_t)(j % depth) * SLOT, &s_full[j % depth]);
+                chain_issue<BITS>(stages[fill.s], item_of(fill), ring + (size_t)(j % depth) * SLOT,
+                                  &s_full[j % depth]);
             advance(fill);
         }
-        if (tid < TN) {
-            float sum = 0.f;
-#pragma unroll
-            for (int i = 0; i < NT / 32; ++i) sum += s_acc[i][tid];
-            acc += sum;
-        }
+        if (tid < TN) acc += chain_columns(s_acc);
         const int ti = use.q / nck;     // the tile's index in the cluster's stage
         if (use.q + S < (ti + 1) * nck) continue;  // not this block's last item of the tile
         if (tid < TN) {                 // the tile's partial, into rank 0's slot for this block
