@@ -36,14 +36,12 @@ DESC_WORDS = 12  # ChainStage in cuda_gemv_chain.cu
 
 
 def compile_chain(cp: Any) -> dict[tuple[str, int], Any]:
-    from kestrel_cuda import forward_ops
+    from kestrel_cuda.forward_ops import FORWARD_OPTIONS, forward_source
 
-    src_dir = Path(forward_ops.__file__).resolve().parent
-    code = "\n".join([(src_dir / "common.cu").read_text(), (src_dir / "forward.cu").read_text(),
-                      (HERE / "cuda_gemv_chain.cu").read_text()])
+    code = forward_source() + "\n" + (HERE / "cuda_gemv_chain.cu").read_text()
     names = {(kind, bits): f"{fn}<{bits}>" for kind, fn in (("chain", "gemv_chain"), ("ctl", "gemv_chain_ctl"))
              for bits in (8, 4)}
-    mod = cp.RawModule(code=code, options=("--fmad=false", "-std=c++17"), name_expressions=tuple(names.values()))
+    mod = cp.RawModule(code=code, options=FORWARD_OPTIONS, name_expressions=tuple(names.values()))
     return {key: mod.get_function(name) for key, name in names.items()}
 
 

@@ -403,17 +403,25 @@ _GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in 
 _M1_VARIANTS = [(bits, g) for bits in (8, 4) for g in (32, 256)]
 
 
+FORWARD_OPTIONS = ("--fmad=false", "-std=c++17")  # NVRTC options of forward.cu
+
+
+def forward_source() -> str:
+    """forward.cu as NVRTC compiles it: after common.cu (benchmarks/cuda_gemv_chain.py appends its own kernels)."""
+    here = Path(__file__).parent
+    return "\n".join((here / name).read_text() for name in ("common.cu", "forward.cu"))
+
+
 @lru_cache(maxsize=2)
 def _module(defines: tuple[str, ...] = ()) -> Any:
     """forward.cu compiled (``defines``: extra ``-D`` options, e.g. benchmarks/cuda_timeline.py's)."""
     import cupy as cp
 
-    here = Path(__file__).parent
-    source = "\n".join((here / name).read_text() for name in ("common.cu", "forward.cu"))
+    source = forward_source()
     names = ([f"qgemv<{b},{g},{mr}>" for b, g, mr in _GEMV_VARIANTS]
              + ["qgemv_m1<{},{}>".format(*v) for v in _M1_VARIANTS]
              + [f"attn_decode<{ATTN_SPLITS}>", "quantize_rows<32>", "quantize_rows<256>"])
-    mod = cp.RawModule(code=source, options=("--fmad=false", "-std=c++17", *defines), name_expressions=tuple(names))
+    mod = cp.RawModule(code=source, options=(*FORWARD_OPTIONS, *defines), name_expressions=tuple(names))
     mod.compile()
     return mod
 
