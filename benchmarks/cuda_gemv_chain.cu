@@ -1,6 +1,6 @@
 // A persistent chain of M = 1 decode GEMVs (benchmarks/cuda_gemv_chain.py): the experiment behind issue 4's
 // last goal. Compiled after plugins/kestrel_cuda/common.cu and forward.cu (their helpers: load layouts,
-// dot_slot, tagged 64-bit words, cluster shared memory), not part of the backend.
+// dot_slot, tagged 64-bit words, mbarriers, cluster shared memory), not part of the backend.
 //
 // Stage s computes y_s = W_s rmsnorm(x_s), x_s = the first K outputs of stage s - 1, with no kernel boundary
 // between stages: one block per SM, clusters of C blocks; tile t (128 columns) of every stage belongs to
@@ -29,25 +29,11 @@ struct ChainStage {                     // one stage, as 12 words (cuda_gemv_cha
     const void* tmap_s;                 // CUtensorMap of the scales (box: 128 columns x 8 groups)
 };
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
-}
-// one arrival that also expects ``bytes`` of bulk copies in the barrier's current phase
-__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                 :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
 // the box of ``tmap`` at (column c0, row c1) into shared memory by the tensor-copy engine, completing on ``bar``
 __device__ __forceinline__ void tensor_copy(void* dst, const void* tmap, int c0, int c1, unsigned long long* bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
                  " [%0], [%1, {%2, %3}], [%4];"
                  :: "r"(smem_addr(dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-    asm volatile("{\n\t.reg .pred p;\n"
-                 "WAIT:\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-                 "\t@!p bra WAIT;\n}" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
 }
 __device__ __forceinline__ int ld_acquire(const int* p) {
     int v;
@@ -302,11 +288,6 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
 #define CTL_MAXK 16     // chunks of K (K <= 4096)
 #define CTL_MAXT 4      // tiles of a stage one cluster takes (every stage of a chain has one shape)
 
-__device__ __forceinline__ unsigned cluster_addr(const void* p, unsigned rank) {
-    unsigned r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_addr(p)), "r"(rank));
-    return r;
-}
 __device__ __forceinline__ void arrive_remote(unsigned long long* bar, unsigned rank) {
     asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];"
                  :: "r"(cluster_addr(bar, rank)) : "memory");

@@ -129,6 +129,36 @@ __device__ __forceinline__ unsigned cluster_rank() {
     return r;
 }
 
+// mbarrier and distributed shared memory primitives (sm_90; no-ops below, where no cluster is launched)
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
+#endif
+}
+// one arrival that also expects ``bytes`` of asynchronous copies in the barrier's current phase
+__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("{\n\t.reg .pred p;\n"
+                 "WAIT:\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "\t@!p bra WAIT;\n}" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
+#endif
+}
+// the address of *p in the shared memory of the cluster's block ``rank``
+__device__ __forceinline__ unsigned cluster_addr(const void* p, unsigned rank) {
+    unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_addr(p)), "r"(rank));
+#endif
+    return r;
+}
+
 // Every thread of every block of the cluster: shared-memory writes before it are visible to the cluster after.
 __device__ __forceinline__ void cluster_sync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -140,11 +170,33 @@ __device__ __forceinline__ void cluster_sync() {
 __device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
     float v = 0.f;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr(p, rank)) : "memory");
 #endif
     return v;
+}
+
+// The two halves of cluster_sync, for a block that only needs the others to have started (arrive early, wait
+// late); a block may exit without waiting.
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// The M=1 GEMV's cluster merge: block 0 counts the bytes the other blocks store into its shared memory on one
+// mbarrier, so each of them sends its partial sums and exits at once instead of holding its SM slot until
+// block 0 has read them (tenth session: q|k|v 8.6 -> 7.5 us at q8, 6.2 -> 5.6 at q4; docs/performance.md).
+// v into *p of the cluster's block 0, counted on block 0's ``bar`` (fire and forget)
+__device__ __forceinline__ void push_to_rank0(float* p, unsigned long long* bar, float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
+                 :: "r"(cluster_addr(p, 0)), "f"(v), "r"(cluster_addr(bar, 0)) : "memory");
+#endif
 }
 
 // Sum over the NT threads of a block, same bits in every thread; red: >= 8 floats of shared memory.
@@ -353,8 +405,9 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     __shared__ float s_r[MR];                   // rmsnorm denominators
     __shared__ float s_red[NT / 32];
     __shared__ __align__(16) int s_acc[NT / 32][MR][TN];  // per-warp partial results (float bits; ints at G=256)
-    __shared__ float s_part[MR][TN];            // this split's partial sums, read by the cluster's block 0
-                                                // (with qout: the head's outputs for rope_head)
+    __shared__ float s_part[MR][TN];            // with qout: the head's outputs for rope_head
+    __shared__ float s_push[MR == 1 ? MAX_CLUSTER : 1][TN];  // cluster block 0: the other blocks' sums
+    __shared__ __align__(8) unsigned long long s_push_bar;    // counts their bytes
     __shared__ int s_last;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -365,6 +418,14 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const unsigned csize = cluster_size();     // > 1: the tile's K splits are this cluster (csize == gridDim.y)
     // otherwise the K splits merge through ``merge`` (null epochs: through part and counters)
     const bool tagged = MR == 1 && gridDim.y > 1 && epochs != nullptr && csize == 1;
+    if (MR == 1 && csize > 1) {                 // before any block of the cluster can send its sums
+        if (cluster_rank() == 0 && threadIdx.x == 0) {
+            mbar_init(&s_push_bar, 1);
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+            mbar_expect_tx(&s_push_bar, (csize - 1) * TN * sizeof(float));
+        }
+        cluster_arrive();
+    }
     unsigned epoch = 0;                         // tagged: the tile's, read after the PDL wait
     const bool colok = col < Npad;
     float acc[MR];
@@ -530,28 +591,20 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
 #pragma unroll
     for (int i = 0; i < MR; ++i) yin[i] = nok && epi == 1 && m0 + i < M ? Y[(size_t)(m0 + i) * ldy + n] : 0.f;
     if (nok && bias) bn = bias[n];
-    if (csize > 1) {                            // the cluster's shared memory
-        if (tid < TN) {
-#pragma unroll
-            for (int i = 0; i < MR; ++i) s_part[i][tid] = acc[i];
-        }
-        cluster_sync();
+    if (MR == 1 && csize > 1) {                 // the cluster's shared memory: pushed to block 0
         const unsigned rank = cluster_rank();
-        if (rank == 0 && tid < TN) {
-#pragma unroll
-            for (int i = 0; i < MR; ++i) {
-                float v[MAX_CLUSTER];
-#pragma unroll
-                for (unsigned r = 1; r < MAX_CLUSTER; ++r) v[r] = r < csize ? ld_cluster(&s_part[i][tid], r) : 0.f;
-                float sum = 0.f;
-                sum += acc[i];
-#pragma unroll
-                for (unsigned r = 1; r < MAX_CLUSTER; ++r) if (r < csize) sum += v[r];
-                acc[i] = sum;
-            }
+        if (rank != 0) {
+            cluster_wait();                     // block 0's barrier is initialised
+            if (tid < TN) push_to_rank0(&s_push[rank][tid], &s_push_bar, acc[0]);
+            KT_END((size_t)W) return;
         }
-        cluster_sync();                         // the others keep their shared memory until block 0 has read it
-        if (rank != 0) { KT_END((size_t)W) return; }
+        mbar_wait(&s_push_bar, 0);
+        if (tid < TN) {                         // in rank order: the same bits as the L2 merges
+            float sum = 0.f;
+            sum += acc[0];
+            for (unsigned r = 1; r < csize; ++r) sum += s_push[r][tid];
+            acc[0] = sum;
+        }
     } else if (tagged) {
         unsigned long long* slots = merge + (size_t)blockIdx.x * MERGE_SPLITS * TN + tid;  // split 0's, column tid
         const unsigned tag = epoch + 1;
@@ -606,7 +659,6 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     }
 
     if (MR == 1 && qout) {
-        __syncthreads();                        // the cluster merge may still read s_part
         if (tid < TN) s_part[0][tid] = nok ? (bias ? acc[0] + bn : acc[0]) : 0.f;
         __syncthreads();
         const QkvRope qr = {qnorm, knorm, cosT, sinT, meta, qout, kc, vc, H, KV, cap, eps};
