@@ -376,8 +376,8 @@ __device__ __forceinline__ void rope_head(const QkvRope& qr, const float* src, i
 // A chunk is 256 rows, one 32-row slot a warp (int8: 32 KB, int4: 16 KB). int4 chunks of 512 rows (two slots
 // a warp, 32 KB like int8) measured slower: 2,250 against 2,010 us per qwen3-8b q4 step (docs/performance.md).
 // With gridDim.y > 1 (M = 1 only) the K splits' partial sums are added in y order (deterministic, graph-safe,
-// the same bits every way): launched as one cluster per tile (gridDim.y <= MAX_CLUSTER), block 0 of the
-// cluster reads the others' from their shared memory; with ``epochs`` (forward_ops.tagged_merge: grids of more
+// the same bits every way): launched as one cluster per tile (gridDim.y <= MAX_CLUSTER), the cluster's other
+// blocks push theirs into block 0's shared memory and exit; with ``epochs`` (forward_ops.tagged_merge: grids of more
 // than one wave) every split stores them tagged in ``merge`` (st_tagged), the tile's last split polls for them
 // and the others exit at once, freeing their SM slots for the next wave; otherwise each block writes them to
 // part[y][m][Npad] and the last block of a tile to arrive on its counter (then reset) reads them back.
