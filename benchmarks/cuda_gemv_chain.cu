@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain(const long long* __restrict_
     auto item_of = [&](const Cursor& u) { return ChainItem{u.s, cl + u.ti * ncl, rank + u.ci * C}; };
     if (tid == 0) {
         for (int i = 0; i < depth; ++i) mbar_init(&s_full[i], 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        mbar_init_fence();
     }
     __syncthreads();
     const bool copier = warp == CH_COPY_WARP;
@@ -338,7 +338,7 @@ __global__ void __launch_bounds__(NT, 1) gemv_chain_ctl(const long long* __restr
         for (int i = 0; i < depth; ++i) mbar_init(&s_full[i], 1);
         mbar_init(&s_codes_bar, 1);
         for (int i = 0; i < CTL_MAXT; ++i) mbar_init(&s_part_bar[i], S);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        mbar_init_fence();
     }
     cluster_sync();                     // every barrier of the cluster initialised before any remote arrival
 

@@ -136,6 +136,12 @@ __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned coun
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
 #endif
 }
+// the mbarrier initialisations before it visible to the cluster (and the async proxy)
+__device__ __forceinline__ void mbar_init_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
 // one arrival that also expects ``bytes`` of asynchronous copies in the barrier's current phase
 __device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -160,23 +166,8 @@ __device__ __forceinline__ unsigned cluster_addr(const void* p, unsigned rank) {
 }
 
 // Every thread of every block of the cluster: shared-memory writes before it are visible to the cluster after.
-__device__ __forceinline__ void cluster_sync() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-
-// *p in the shared memory of the cluster's block ``rank``
-__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
-    float v = 0.f;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr(p, rank)) : "memory");
-#endif
-    return v;
-}
-
-// The two halves of cluster_sync, for a block that only needs the others to have started (arrive early, wait
-// late); a block may exit without waiting.
+// Its two halves apart: for a block that only needs the others to have started (arrive early, wait late); a
+// block may exit without waiting.
 __device__ __forceinline__ void cluster_arrive() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
@@ -186,6 +177,16 @@ __device__ __forceinline__ void cluster_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 #endif
+}
+__device__ __forceinline__ void cluster_sync() { cluster_arrive(); cluster_wait(); }
+
+// *p in the shared memory of the cluster's block ``rank``
+__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
+    float v = 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr(p, rank)) : "memory");
+#endif
+    return v;
 }
 
 // The M=1 GEMV's cluster merge: block 0 counts the bytes the other blocks store into its shared memory on one
@@ -421,7 +422,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     if (MR == 1 && csize > 1) {                 // before any block of the cluster can send its sums
         if (cluster_rank() == 0 && threadIdx.x == 0) {
             mbar_init(&s_push_bar, 1);
-            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+            mbar_init_fence();
             mbar_expect_tx(&s_push_bar, (csize - 1) * TN * sizeof(float));
         }
         cluster_arrive();
