@@ -1,6 +1,6 @@
 // A persistent chain of M = 1 decode GEMVs (benchmarks/cuda_gemv_chain.py): the experiment behind issue 4's
 // last goal. Compiled after plugins/kestrel_cuda/common.cu and forward.cu (their helpers: load layouts,
-// dot_slot, tagged 64-bit words, mbarriers, cluster shared memory), not part of the backend.
+// dot_slot, tagged 64-bit words, mbarriers, cluster addresses and barriers), not part of the backend.
 //
 // Stage s computes y_s = W_s rmsnorm(x_s), x_s = the first K outputs of stage s - 1, with no kernel boundary
 // between stages: one block per SM, clusters of C blocks; tile t (128 columns) of every stage belongs to
@@ -29,6 +29,14 @@ struct ChainStage {                     // one stage, as 12 words (cuda_gemv_cha
     const void* tmap_s;                 // CUtensorMap of the scales (box: 128 columns x 8 groups)
 };
 
+// every thread of every block of the cluster: shared-memory writes before it are visible to the cluster after
+__device__ __forceinline__ void cluster_sync() { cluster_arrive(); cluster_wait(); }
+// *p in the shared memory of the cluster's block ``rank``
+__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr(p, rank)) : "memory");
+    return v;
+}
 // the box of ``tmap`` at (column c0, row c1) into shared memory by the tensor-copy engine, completing on ``bar``
 __device__ __forceinline__ void tensor_copy(void* dst, const void* tmap, int c0, int c1, unsigned long long* bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"

@@ -165,9 +165,9 @@ __device__ __forceinline__ unsigned cluster_addr(const void* p, unsigned rank) {
     return r;
 }
 
-// Every thread of every block of the cluster: shared-memory writes before it are visible to the cluster after.
-// Its two halves apart: for a block that only needs the others to have started (arrive early, wait late); a
-// block may exit without waiting.
+// The cluster barrier's two halves: arrive early, wait late, for a block that only needs the others to have
+// started; a block may exit without waiting. Together: shared-memory writes before them are visible to the
+// cluster after.
 __device__ __forceinline__ void cluster_arrive() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
@@ -177,16 +177,6 @@ __device__ __forceinline__ void cluster_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 #endif
-}
-__device__ __forceinline__ void cluster_sync() { cluster_arrive(); cluster_wait(); }
-
-// *p in the shared memory of the cluster's block ``rank``
-__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
-    float v = 0.f;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr(p, rank)) : "memory");
-#endif
-    return v;
 }
 
 // The M=1 GEMV's cluster merge: block 0 counts the bytes the other blocks store into its shared memory on one

@@ -8,7 +8,7 @@ a kernel may start while its predecessor still runs: forward.cu's kernels let de
 start (``griddepcontrol.launch_dependents``) and wait for the predecessor (``griddepcontrol.wait``) before
 they touch anything it writes, so the next GEMV's first weight loads overlap the previous kernel's tail.
 Stream capture records the launches as graph kernel nodes with programmatic edges. A cluster launch groups
-the K splits of a GEMV tile on one GPC, so they add their partial sums through each other's shared memory.
+the K splits of a GEMV tile on one GPC, so they add their partial sums in block 0's shared memory.
 
 The driver structures are declared with ctypes (layouts checked against CUDA 13's cuda.h: CUlaunchConfig 56
 bytes, attrs at offset 40; CUlaunchAttribute 72 bytes, value at offset 8).
