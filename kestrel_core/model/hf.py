@@ -2,7 +2,8 @@
 
 Tensors are read lazily, one at a time, and handed out under kestrel names (see quantize.TensorSource).
 numpy has no bfloat16, and safetensors' numpy framework refuses BF16 tensors, so those are read as raw
-uint16 at the offsets of the safetensors header and widened to float32 (bf16 is the top half of an f32).
+uint16 at the offsets of the safetensors header: the quantizer takes those bits (contract.BFloat16Bits) and
+widens them a row at a time; ``get`` widens them to float32 (bf16 is the top half of an f32).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from kestrel_core.contract import BFloat16Bits
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig, normalize_rope_scaling
 from kestrel_core.model.quantize import map_tensor_name
@@ -193,6 +195,12 @@ class HFCheckpoint:
         return name in self._files
 
     def get(self, name: str) -> np.ndarray:
+        """The tensor as float32 or float16 (BF16 widened exactly to float32)."""
+        t = self.get_weight(name)
+        return t.to_float32() if isinstance(t, BFloat16Bits) else t
+
+    def get_weight(self, name: str) -> np.ndarray | BFloat16Bits:
+        """Like get, but a BF16 tensor stays its raw bits: the quantizer widens it a row at a time."""
         if name not in self._files:
             raise KestrelError(f"{self.dir}: the checkpoint has no tensor for {name} "
                                f"({_hf_name_hint(name)})")
@@ -201,7 +209,7 @@ class HFCheckpoint:
         dtype = handle.get_slice(hf_name).get_dtype()
         try:
             if dtype == "BF16":
-                return self._bf16(path, hf_name)
+                return BFloat16Bits(self._bf16_bits(path, hf_name))
             if dtype not in _FLOAT_DTYPES:
                 raise KestrelError(f"{path}: tensor {hf_name} has dtype {dtype}; kestrel reads BF16, F16, F32")
             t = handle.get_tensor(hf_name)
@@ -209,7 +217,8 @@ class HFCheckpoint:
             raise KestrelError(f"{path}: cannot read tensor {hf_name} ({exc})") from None
         return t if t.dtype in (np.float32, np.float16) else t.astype(np.float32)
 
-    def _bf16(self, path: Path, hf_name: str) -> np.ndarray:
+    def _bf16_bits(self, path: Path, hf_name: str) -> np.ndarray:
+        """The tensor's bfloat16 bit patterns, uint16 in its shape (read at the header's offsets)."""
         if path not in self._headers:
             self._headers[path] = _safetensors_header(path)
         base, header = self._headers[path]
@@ -222,8 +231,7 @@ class HFCheckpoint:
         raw = np.fromfile(path, dtype="<u2", count=count, offset=base + start)
         if raw.size != count:
             raise KestrelError(f"{path}: truncated while reading {hf_name}")
-        # bf16 is the high 16 bits of an IEEE float32
-        return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+        return raw.astype(np.uint16, copy=False).reshape(shape)  # native order for the kernels
 
 
 def _hf_name_hint(name: str) -> str:

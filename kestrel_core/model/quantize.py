@@ -13,8 +13,8 @@ from typing import Protocol
 
 import numpy as np
 
-from kestrel_core.contract import StripCache, quantize_weight
-from kestrel_core.errors import KestrelError
+from kestrel_core.contract import StripCache, WeightInput, quantize_weight
+from kestrel_core.errors import ContractError, KestrelError
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.weights import LayerWeights, Model
 
@@ -85,16 +85,20 @@ class TensorSource(Protocol):
         """The tensor as float32 (or float16), HF orientation [out, in] for matrices."""
         ...
 
+    # Optional: ``get_weight(name) -> WeightInput``, a matrix as the quantizer takes it (bfloat16 may stay
+    # contract.BFloat16Bits, so no float32 copy of the whole tensor is made). Sources without it use get.
 
-def quantize_tensor(w: np.ndarray, bits: int, mode: QuantMode, name: str) -> StripCache:
+
+def quantize_tensor(w: WeightInput, bits: int, mode: QuantMode, name: str) -> StripCache:
     if w.ndim != 2:
         raise KestrelError(f"{name}: expected a 2-D weight, got shape {list(w.shape)}")
     k = w.shape[1]
     if k % FALLBACK_GROUP:
         raise KestrelError(f"{name}: K={k} is not a multiple of {FALLBACK_GROUP}; kestrel cannot quantize it")
-    if not np.isfinite(w).all():
-        raise KestrelError(f"{name}: the weights contain NaN or infinity (corrupt checkpoint?)")
-    return quantize_weight(w, bits=bits, group_size=mode.group_for(k))
+    try:
+        return quantize_weight(w, bits=bits, group_size=mode.group_for(k))
+    except ContractError as exc:  # NaN or infinity: the quantizer finds them in its pass over the data
+        raise KestrelError(f"{name}: {exc} (corrupt checkpoint?)") from None
 
 
 def _vector(source: TensorSource, name: str, size: int) -> np.ndarray:
@@ -105,7 +109,8 @@ def _vector(source: TensorSource, name: str, size: int) -> np.ndarray:
 
 
 def _matrix(source: TensorSource, name: str, shape: tuple[int, int], bits: int, mode: QuantMode) -> StripCache:
-    w = source.get(name)
+    get_weight = getattr(source, "get_weight", None)  # the optional, copy-free form of get for the quantizer
+    w = get_weight(name) if get_weight is not None else source.get(name)
     if tuple(w.shape) != shape:
         raise KestrelError(f"{source.description}: {name} has shape {list(w.shape)}, expected {list(shape)}")
     return quantize_tensor(w, bits, mode, name)

@@ -1,4 +1,4 @@
-"""The strip-cache contract: validation, gguf-py bit-identity, and the reference GEMM semantics."""
+"""The strip-cache contract: validation, gguf-py bit-identity, compiled = numpy quantizers, reference GEMMs."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ from gguf.quants import quantize as gguf_quantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kestrel_core import contract
 from kestrel_core.contract import (
+    BFloat16Bits,
     StripCache,
     quantize_activations,
     quantize_weight,
+    quantize_weight_reference,
     reference_gemm_f32,
     reference_gemm_q8,
 )
@@ -50,24 +53,39 @@ def weights(seed: int, n: int, k: int, kind: str) -> np.ndarray:
         w[:, :BLOCK] = 0
     elif kind == "outlier":
         w[:, 5] *= 1000
+    elif kind == "signs":  # +-x of equal magnitude: Q4_0 takes the first one's sign
+        w[:, 1::BLOCK] = -w[:, 0::BLOCK]
+        w[: n // 2, 0::BLOCK] = 9
+    elif kind == "wide":  # rows from 1e-30 to 1e30: scales far from 1, in both directions
+        w *= (10.0 ** rng.uniform(-30, 30, (n, 1))).astype(np.float32)
     return w
 
 
-@pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "outlier"])
+QUANTIZERS = {"compiled": quantize_weight, "reference": quantize_weight_reference}
+
+
+GGUF_KINDS = ["normal", "ties", "zeros", "outlier", "signs", "wide"]
+
+
+@pytest.mark.parametrize("quantizer", list(QUANTIZERS))
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("kind", GGUF_KINDS)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_q8_codes_bit_identical_to_gguf(kind: str, seed: int) -> None:
-    w = weights(seed, 24, 256, kind)
-    sc = quantize_weight(w, bits=8, group_size=32)
+def test_q8_codes_bit_identical_to_gguf(quantizer: str, dtype: str, kind: str, seed: int) -> None:
+    w = weights(seed, 24, 256, kind).clip(-6e4, 6e4).astype(dtype)  # within float16's range
+    sc = QUANTIZERS[quantizer](w, bits=8, group_size=32)
     codes, scales = gguf_q8_0(w)
     np.testing.assert_array_equal(sc.codes, codes)
     np.testing.assert_array_equal(sc.scales.astype(np.float16), scales)
 
 
-@pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "outlier"])
+@pytest.mark.parametrize("quantizer", list(QUANTIZERS))
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("kind", GGUF_KINDS)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_q4_codes_bit_identical_to_gguf(kind: str, seed: int) -> None:
-    w = weights(seed, 24, 256, kind)
-    sc = quantize_weight(w, bits=4, group_size=32)
+def test_q4_codes_bit_identical_to_gguf(quantizer: str, dtype: str, kind: str, seed: int) -> None:
+    w = weights(seed, 24, 256, kind).clip(-6e4, 6e4).astype(dtype)  # within float16's range
+    sc = QUANTIZERS[quantizer](w, bits=4, group_size=32)
     codes, scales = gguf_q4_0(w)
     np.testing.assert_array_equal(sc.codes, codes)
     np.testing.assert_array_equal(sc.scales.astype(np.float16), scales)
@@ -104,12 +122,180 @@ def test_activation_quantization_is_q8_0() -> None:
     np.testing.assert_array_equal(scales.astype(np.float16), ref_scales)
 
 
-def test_float16_and_bfloat16_inputs_quantize_like_their_float32_values() -> None:
-    w = weights(5, 4, 64, "normal").astype(np.float16)
-    a = quantize_weight(w)
-    b = quantize_weight(w.astype(np.float32))
+def bf16_bits(w: np.ndarray) -> BFloat16Bits:
+    """The top halves of float32 values (truncation: every pattern is a bfloat16 all the same)."""
+    return BFloat16Bits((np.ascontiguousarray(w, np.float32).view(np.uint32) >> 16).astype(np.uint16))
+
+
+@pytest.mark.parametrize("quantizer", list(QUANTIZERS))
+def test_float16_and_bfloat16_inputs_quantize_like_their_float32_values(quantizer: str) -> None:
+    quantize = QUANTIZERS[quantizer]
+    w = weights(5, 4, 64, "normal")
+    w16 = w.astype(np.float16)
+    wb = bf16_bits(w)
+    for x, x32 in ((w16, w16.astype(np.float32)), (wb, wb.to_float32())):
+        for bits in (8, 4):
+            a, b = quantize(x, bits), quantize(x32, bits)
+            np.testing.assert_array_equal(a.codes, b.codes)
+            np.testing.assert_array_equal(a.scales, b.scales)
+
+
+def test_ml_dtypes_bfloat16_arrays_are_read_as_bfloat16() -> None:
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    w = weights(6, 8, 64, "normal")
+    wb = bf16_bits(w)
+    arr = wb.raw.view(ml_dtypes.bfloat16)
+    for quantize in QUANTIZERS.values():
+        a, b = quantize(arr, 4), quantize(wb.to_float32(), 4)
+        np.testing.assert_array_equal(a.codes, b.codes)
+        np.testing.assert_array_equal(a.scales, b.scales)
+
+
+# -- the compiled weight quantizer against the numpy reference, bit for bit -------------------------------
+
+def adversarial(seed: int, n: int, k: int, kind: str) -> np.ndarray:
+    """float32 [n, k] built to hit the quantizers' edges."""
+    rng = np.random.default_rng(seed)
+    nb = k // BLOCK
+    if kind == "ties8":  # a power-of-two scale (max 127 * 2**e): every x.5 is an exact tie of Q8_0's rounding
+        t = rng.integers(-127, 128, (n, nb, BLOCK)) + rng.choice([0.0, 0.5, -0.5], (n, nb, BLOCK))
+        t[..., 0] = rng.choice([127.0, -127.0], (n, nb))
+        t[..., 1] = rng.choice([0.49999997, -0.49999997], (n, nb))  # below the tie: floor(|v| + 0.5) gives 1
+        w = (t.clip(-127, 127) * 2.0 ** rng.integers(-20, 20, (n, nb, 1))).reshape(n, k)
+    elif kind == "ties4":  # scale 2**e for Q4_0: x / d + 8.5 lands exactly on integers and on .75 / .25
+        t = rng.integers(-8, 8, (n, nb, BLOCK)) + rng.choice([0.0, 0.5, -0.5, 0.25], (n, nb, BLOCK))
+        t[..., 0] = rng.choice([-8.0, 8.0], (n, nb))
+        w = (t.clip(-8, 7.5) * 2.0 ** rng.integers(-20, 20, (n, nb, 1))).reshape(n, k)
+    elif kind == "bits":  # random float32 bit patterns, every finite magnitude and both signs
+        u = rng.integers(0, 1 << 32, (n, k), dtype=np.uint64).astype(np.uint32)
+        w = u.view(np.float32)
+        w = np.where(np.isfinite(w), w, np.float32(1.5))
+    elif kind == "zeros":  # all-zero blocks, +0 and -0, and ties of magnitude between signs
+        w = rng.standard_normal((n, k))
+        w[:, ::3] = 0
+        w[::2, : 2 * BLOCK] = 0
+        w[1::4, BLOCK : 2 * BLOCK] = -0.0
+        w[:, 7::BLOCK] = -np.abs(w[:, 8::BLOCK])
+    elif kind == "tiny":  # blocks whose scale is subnormal or so small that 1/d overflows: codes 0
+        w = rng.standard_normal((n, k)) * 10.0 ** rng.uniform(-45, -36, (n, 1))
+    elif kind == "huge":
+        w = (rng.standard_normal((n, k)) * 1e37).clip(-3e38, 3e38)
+    else:
+        raise AssertionError(kind)
+    return np.asarray(w, dtype=np.float32)
+
+
+def every_16bit_pattern(seed: int, width: int, bfloat: bool) -> np.ndarray | BFloat16Bits:
+    """All 65536 bit patterns (non-finite ones replaced by 0) in a shuffled [65536 / width, width] array."""
+    u = np.random.default_rng(seed).permutation(np.arange(1 << 16, dtype=np.uint32)).astype(np.uint16)
+    vals = (u.astype(np.uint32) << 16).view(np.float32) if bfloat else u.view(np.float16)
+    u = np.where(np.isfinite(vals), u, np.uint16(0)).reshape(-1, width)
+    return BFloat16Bits(u) if bfloat else u.view(np.float16)
+
+
+def as_dtype(w: np.ndarray, dtype: str) -> np.ndarray | BFloat16Bits:
+    if dtype == "bfloat16":
+        return bf16_bits(w)
+    with np.errstate(over="ignore"):
+        x = w.astype(dtype)
+    return np.where(np.isfinite(x), x, 0).astype(dtype)  # float16 overflows: 0 instead of inf
+
+
+def assert_same_bits(a: StripCache, b: StripCache) -> None:
     np.testing.assert_array_equal(a.codes, b.codes)
-    np.testing.assert_array_equal(a.scales, b.scales)
+    np.testing.assert_array_equal(a.scales.view(np.uint32), b.scales.view(np.uint32))  # -0.0 too
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("group_size", [32, 256])
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("kind", ["ties8", "ties4", "bits", "zeros", "tiny", "huge"])
+def test_compiled_quantizer_equals_the_reference_bitwise(kind: str, bits: int, group_size: int,
+                                                         dtype: str) -> None:
+    w = as_dtype(adversarial(11, 40, 512, kind), dtype)
+    got = quantize_weight(w, bits, group_size)
+    assert contract._compiled_weight_kernels() is not None, "the compiled quantizer did not build"
+    assert_same_bits(got, quantize_weight_reference(w, bits, group_size))
+
+
+@pytest.mark.parametrize("group_size", [32, 256])
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bfloat", [False, True])
+def test_compiled_quantizer_widens_every_16bit_pattern_like_numpy(bfloat: bool, bits: int,
+                                                                  group_size: int) -> None:
+    w = every_16bit_pattern(3, group_size, bfloat)
+    assert_same_bits(quantize_weight(w, bits, group_size), quantize_weight_reference(w, bits, group_size))
+
+
+def test_tiny_blocks_quantize_to_zero_codes() -> None:
+    """A block whose scale is too small to invert (|d| < 2**-128) has codes 0 and keeps its scale."""
+    w = np.full((2, 32), 1e-38, np.float32)
+    w[1] = -w[1]
+    for quantize in QUANTIZERS.values():
+        for bits in (8, 4):
+            sc = quantize(w, bits)
+            assert not sc.codes.any()
+            assert np.all(sc.scales != 0)
+
+
+def test_row_chunks_on_threads_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(contract, "_MIN_PARALLEL_WEIGHTS", 1)
+    monkeypatch.setattr(contract, "_threads", lambda: 3)
+    for dtype in ("float32", "float16", "bfloat16"):
+        w = as_dtype(adversarial(5, 31, 256, "bits"), dtype)
+        for bits in (8, 4):
+            assert_same_bits(quantize_weight(w, bits), quantize_weight_reference(w, bits))
+
+
+@pytest.mark.parametrize("quantizer", list(QUANTIZERS))
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_weights_are_refused_naming_the_first_row(monkeypatch: pytest.MonkeyPatch, quantizer: str,
+                                                             bad: float) -> None:
+    monkeypatch.setattr(contract, "_MIN_PARALLEL_WEIGHTS", 1)  # the bad rows in different threads' chunks
+    monkeypatch.setattr(contract, "_threads", lambda: 2)
+    w = weights(2, 8, 64, "normal")
+    w[6, 40] = bad
+    w[3, 33] = bad
+    for x in (w, w.astype(np.float16), bf16_bits(w)):
+        for bits in (8, 4):
+            with pytest.raises(ContractError, match=r"NaN or infinity \(first in row 3\)"):
+                QUANTIZERS[quantizer](x, bits)
+
+
+def test_without_numba_the_reference_quantizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = adversarial(4, 8, 256, "ties4")
+    want = quantize_weight_reference(w, 4)
+    monkeypatch.setitem(contract._COMPILED, "weights", None)  # as where numba is missing
+    assert_same_bits(quantize_weight(w, 4), want)
+
+
+def test_a_kernel_that_fails_falls_back_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = adversarial(4, 8, 256, "ties8")
+    want = quantize_weight_reference(w, 8)
+    assert contract._compiled_weight_kernels() is not None
+    monkeypatch.setitem(contract._COMPILED, "weights", contract._COMPILED["weights"])  # restored afterwards
+
+    def broken(*args: object) -> int:
+        raise RuntimeError("cannot compile")
+
+    monkeypatch.setattr(contract, "_run_weight_kernel", broken)
+    assert_same_bits(quantize_weight(w, 8), want)
+    assert contract._COMPILED["weights"] is None
+
+
+@pytest.mark.parametrize("quantizer", list(QUANTIZERS))
+def test_bad_weight_arguments_are_contract_errors(quantizer: str) -> None:
+    quantize = QUANTIZERS[quantizer]
+    with pytest.raises(ContractError, match="2-D"):
+        quantize(np.zeros(64, np.float32))
+    with pytest.raises(ContractError, match="K=48 is not a multiple"):
+        quantize(np.zeros((2, 48), np.float32))
+    with pytest.raises(ContractError, match="K=64 is not a multiple of the group size G=256"):
+        quantize(np.zeros((2, 64), np.float32), 8, 256)
+    with pytest.raises(ContractError, match="bits"):
+        quantize(np.zeros((2, 64), np.float32), 6)
+    with pytest.raises(ContractError, match="uint16"):
+        BFloat16Bits(np.zeros((2, 64), np.int16))
 
 
 @pytest.mark.parametrize(("codes", "scales", "g", "bits", "msg"), [

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kestrel_core.artifact import model_tensors
+from kestrel_core.contract import BFloat16Bits, StripCache
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.hf import HFCheckpoint, config_from_hf, kestrel_name
 from kestrel_core.model.quantize import quantize_model
@@ -40,6 +42,27 @@ def test_reads_every_tensor_exactly(tmp_path: Path, synth_source, fmt, arch: str
             assert np.abs(got - want).max() <= np.abs(want).max() / 128  # bf16 keeps 8 significant bits
     model = quantize_model(ckpt, "q8")
     assert (model.lm_head is model.embedding) == src.config.tie_word_embeddings
+
+
+@pytest.mark.parametrize("mode", ["q8", "q4-g256"])
+def test_bf16_weights_reach_the_quantizer_as_bits(tmp_path: Path, synth_source, fmt, mode: str) -> None:
+    """The quantizer widens BF16 itself (no float32 copy of the tensor), to the same codes as from float32."""
+    src = synth_source("qwen2", seed=3)
+    ckpt = HFCheckpoint(fmt.write_hf_dir(tmp_path / "m", src, "bf16", 2))
+    w = ckpt.get_weight("layers.0.q")
+    assert isinstance(w, BFloat16Bits) and w.shape == src.tensors["layers.0.q"].shape
+    np.testing.assert_array_equal(w.to_float32(), ckpt.get("layers.0.q"))
+    widened = synth_source("qwen2", seed=3)
+    widened.tensors = {name: ckpt.get(name) for name in src.tensors}
+    got, want = model_tensors(quantize_model(ckpt, mode)), model_tensors(quantize_model(widened, mode))
+    assert got.keys() == want.keys()
+    for name, a in got.items():
+        b = want[name]
+        if isinstance(a, StripCache):
+            np.testing.assert_array_equal(a.codes, b.codes, err_msg=name)
+            np.testing.assert_array_equal(a.scales, b.scales, err_msg=name)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 def test_bf16_known_bit_patterns(tmp_path: Path) -> None:

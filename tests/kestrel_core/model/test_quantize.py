@@ -68,6 +68,10 @@ def test_bad_tensors_are_one_line_errors(synth_source) -> None:
     src.tensors["layers.0.up"][3, 5] = np.nan
     with pytest.raises(KestrelError, match="NaN"):
         quantize_model(src, "q4")
+    src = synth_source("llama")
+    src.tensors["embedding"][7, 2] = -np.inf
+    with pytest.raises(KestrelError, match=r"^embedding: the weights contain NaN or infinity \(first in row 7\)"):
+        quantize_model(src, "q8-g256")
     src = synth_source("llama", hidden_size=40, num_heads=4, head_dim=10)
     with pytest.raises(KestrelError, match="K=40 is not a multiple of 32"):
         quantize_model(src, "q8")
