@@ -16,11 +16,9 @@ from pathlib import Path
 from kestrel_core import __version__
 from kestrel_core.artifact import FORMAT_VERSION, load_artifact, save_artifact
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.gguf_reader import GGUFCheckpoint
-from kestrel_core.model.hf import HFCheckpoint
 from kestrel_core.model.pull import DEFAULT_MODEL, kestrel_home, pull_default_model
 from kestrel_core.model.quantize import parse_quant, quantize_model
-from kestrel_core.model.tokenizer import Tokenizer
+from kestrel_core.model.tokenizer import NoTokenizer, Tokenizer
 from kestrel_core.model.weights import Model
 
 log = logging.getLogger("kestrel")
@@ -31,7 +29,7 @@ GGUF_MAGIC = b"GGUF"
 @dataclass
 class LoadedModel:
     model: Model
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | NoTokenizer
     source: str  # what was loaded, for messages and stats
     quant: str  # the quant mode the weights are in
 
@@ -41,20 +39,29 @@ def cache_dir() -> Path:
 
 
 def write_artifact(loaded: LoadedModel, path: str | os.PathLike[str], *, force: bool = False) -> Path:
-    """Save a loaded model (with its tokenizer and chat template) as a kestrel artifact."""
-    return save_artifact(path, loaded.model, tokenizer_json=loaded.tokenizer.to_json_str(),
-                         chat_template=loaded.tokenizer.chat_template, quant=loaded.quant,
-                         extra={"source": loaded.source}, force=force)
+    """Save a loaded model (with its tokenizer and chat template, when it has them) as a kestrel artifact."""
+    tok = loaded.tokenizer
+    tokenizer_json = None if isinstance(tok, NoTokenizer) else tok.to_json_str()
+    return save_artifact(path, loaded.model, tokenizer_json=tokenizer_json, chat_template=tok.chat_template,
+                         quant=loaded.quant, extra={"source": loaded.source}, force=force)
 
 
 def _load_hf(path: Path, quant: str) -> LoadedModel:
+    from kestrel_core.model.hf import HFCheckpoint
+
     ckpt = HFCheckpoint(path)
-    tokenizer = Tokenizer.from_hf_dir(path, bos_token_id=ckpt.config.bos_token_id,
-                                      eos_token_ids=ckpt.config.eos_token_ids)
+    c = ckpt.config
+    if (path / "tokenizer.json").is_file():
+        tokenizer: Tokenizer | NoTokenizer = Tokenizer.from_hf_dir(path, bos_token_id=c.bos_token_id,
+                                                                   eos_token_ids=c.eos_token_ids)
+    else:  # token ids still work; text fails when it is asked for
+        tokenizer = NoTokenizer(f"tokenizer.json is missing in {path}", c.vocab_size, c.eos_token_ids)
     return LoadedModel(quantize_model(ckpt, quant), tokenizer, str(path), quant)
 
 
 def _load_gguf(path: Path, quant: str) -> LoadedModel:
+    from kestrel_core.model.gguf_reader import GGUFCheckpoint  # gguf-py is imported for GGUF files only
+
     ckpt = GGUFCheckpoint(path)
     tokenizer = Tokenizer.from_gguf_vocab(ckpt.tokenizer_fields(), where=str(path))
     model = quantize_model(ckpt, quant)
@@ -67,11 +74,13 @@ def _load_artifact(path: Path, quant: str | None) -> LoadedModel:
     if quant is not None and parse_quant(quant).name != meta.quant:
         log.warning("%s holds %s weights; using them (an artifact is not re-quantized, --quant %s ignored)",
                     path, meta.quant, quant)
+    c = model.config
     if meta.tokenizer_json is None:
-        raise KestrelError(f"{path}: the artifact carries no tokenizer")
-    tokenizer = Tokenizer.from_json_str(meta.tokenizer_json, chat_template=meta.chat_template,
-                                        bos_token_id=model.config.bos_token_id,
-                                        eos_token_ids=model.config.eos_token_ids)
+        tokenizer: Tokenizer | NoTokenizer = NoTokenizer(f"the artifact {path} carries none", c.vocab_size,
+                                                         c.eos_token_ids)
+    else:
+        tokenizer = Tokenizer.from_json_str(meta.tokenizer_json, chat_template=meta.chat_template,
+                                            bos_token_id=c.bos_token_id, eos_token_ids=c.eos_token_ids)
     return LoadedModel(model, tokenizer, str(path), meta.quant)
 
 

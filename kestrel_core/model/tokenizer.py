@@ -1,4 +1,5 @@
-"""Tokenizer on the `tokenizers` library, from tokenizer.json or from a GGUF's embedded vocabulary.
+"""Tokenizer on the `tokenizers` library, from tokenizer.json or from a GGUF's embedded vocabulary; NoTokenizer
+for a model that ships none.
 
 Chat templates come from model files, which are untrusted: they are rendered in jinja2's
 ImmutableSandboxedEnvironment with the helpers Hugging Face offers templates (raise_exception, strftime_now,
@@ -239,3 +240,43 @@ class Tokenizer:
         """Token ids of the rendered chat prompt; the template writes any BOS itself, so none is added."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
                            add_special_tokens=False)
+
+
+class NoTokenizer:
+    """The tokenizer of a model that ships none: token ids work (logits, generate), text fails in one line.
+
+    Loading does not require a tokenizer, so weights can be checked and quantized without one; anything that
+    needs text (encode, decode, a chat template) raises a KestrelError that says what is missing.
+    """
+
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+
+    def __init__(self, reason: str, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> None:
+        self.reason = reason
+        self.vocab_size = vocab_size
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
+
+    def _missing(self) -> KestrelError:
+        return KestrelError(f"this model has no tokenizer ({self.reason})")
+
+    def to_json_str(self) -> str:
+        raise self._missing()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise self._missing()
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        raise self._missing()
+
+    def token(self, token_id: int) -> str | None:
+        raise self._missing()
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        raise self._missing()
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
+        raise self._missing()

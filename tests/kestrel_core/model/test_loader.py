@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import kestrel_core
 from kestrel_core.artifact import model_tensors
 from kestrel_core.contract import StripCache
 from kestrel_core.errors import KestrelError
 from kestrel_core.model import loader
 from kestrel_core.model.loader import load_model, write_artifact
 from kestrel_core.model.quantize import quantize_model
+from kestrel_core.model.tokenizer import NoTokenizer
+
+REPO = Path(__file__).resolve().parents[3]
+FIXTURES = REPO / "tests" / "fixtures" / "models"
 
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}" \
            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -62,6 +69,48 @@ def test_hf_dir_then_artifact_round_trip(tmp_path: Path, hf_dir) -> None:
     assert again.tokenizer.eos_token_ids == (2,)
     with pytest.raises(KestrelError, match="already exists"):
         write_artifact(loaded, out)
+
+
+def test_hf_dir_without_tokenizer_loads_for_token_ids(tmp_path: Path, synth_source, fmt) -> None:
+    src = synth_source("llama", seed=5)
+    root = fmt.write_hf_dir(tmp_path / "hf", src)
+    loaded = load_model(root, quant="q8")
+    same_weights(loaded.model, quantize_model(src, "q8"))
+    assert isinstance(loaded.tokenizer, NoTokenizer) and loaded.tokenizer.eos_token_ids == src.config.eos_token_ids
+    engine = kestrel_core.load(str(root), backend="cpu")
+    try:
+        assert engine.logits([1, 5, 7]).shape == (3, src.config.vocab_size)
+        assert len(list(engine.generate([1, 5], max_tokens=3, stop_at_eos=False))) == 3
+        text_calls = [lambda t: t.encode("hi"), lambda t: t.decode([1, 2]), lambda t: t.token(1),
+                      lambda t: t.apply_chat_template(MESSAGES), lambda t: t.encode_chat(MESSAGES)]
+        for call in text_calls:
+            with pytest.raises(KestrelError) as exc:
+                call(engine.tokenizer)
+            assert str(exc.value) == f"this model has no tokenizer (tokenizer.json is missing in {root})"
+    finally:
+        engine.close()
+    # quantizing it writes an artifact without a tokenizer, which loads the same way
+    again = load_model(write_artifact(loaded, tmp_path / "m.kst"))
+    same_weights(again.model, loaded.model)
+    with pytest.raises(KestrelError, match=r"^this model has no tokenizer \(the artifact .*m\.kst carries none\)$"):
+        again.tokenizer.encode("hi")
+
+
+def test_loading_safetensors_does_not_import_the_gguf_reader() -> None:
+    """gguf-py is needed for .gguf files only: a Hugging Face directory loads and runs without importing it."""
+    code = (
+        "import sys\n"
+        "import kestrel_core\n"
+        "from kestrel_core.model.loader import load_model\n"
+        "for name in ('tiny-llama', 'tiny-qwen2', 'tiny-qwen3'):\n"
+        f"    load_model({str(FIXTURES)!r} + '/' + name, quant='q4')\n"
+        f"engine = kestrel_core.load({str(FIXTURES / 'tiny-llama')!r}, backend='cpu')\n"
+        "assert engine.logits([1, 2, 3]).shape[0] == 3\n"
+        "print(sorted(m for m in sys.modules if m == 'gguf' or m.startswith('gguf.') or 'gguf_reader' in m))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"imported while loading safetensors: {out.stdout.strip()}"
 
 
 def test_artifact_keeps_its_own_quant(tmp_path: Path, hf_dir, caplog: pytest.LogCaptureFixture) -> None:
