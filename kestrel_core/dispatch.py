@@ -3,7 +3,7 @@
 Each offload is offered to the chosen backend; ``None`` means declined and the CPU reference computes the
 whole output. The core also declines on its own: ``KESTREL_FORCE_CPU=1`` (the backend stays open), below the
 backend's minimum FLOPs, after an exception inside the hook (reported once), or for a result of the wrong
-shape or dtype. Every decision is counted per hook.
+shape or dtype, or with non-finite values. Every decision is counted per hook.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from kestrel_core.batch import BatchEntry
 from kestrel_core.contract import StripCache, gemm_flops, quantize_activations
 from kestrel_core.registry import Backend, force_cpu
 
@@ -220,6 +221,15 @@ class Offload:
                                            all_logits=all_logits),
                            lambda r: _check_array(r, (rows, vocab)))
 
+    def forward_batch(self, model: Any, batch: Sequence[BatchEntry], vocab: int) -> list[np.ndarray] | None:
+        """The backend's batched whole step (one array [logit_rows, vocab] per entry), or None."""
+        forward = None if self.on_cpu else self._caller(self.backend, "kestrel_forward_batch")
+        if forward is None:
+            return None
+        out = self._offer("kestrel_forward_batch", 0, lambda: forward(model=model, batch=list(batch)),
+                          lambda r: _check_list(r, [(e.logit_rows, vocab) for e in batch]))
+        return None if out is None else list(out)
+
     def decode_greedy(self, model: Any, seq_id: int, token: int, start: int, count: int,
                       vocab: int) -> Iterator[int] | None:
         """The backend's pipelined greedy decode (an iterator of tokens), or None: the engine samples each
@@ -276,7 +286,7 @@ class Offload:
 
 def _counted(hook: str) -> bool:
     """Hooks that do model work (GEMMs, whole steps), as opposed to bookkeeping."""
-    return "gemm" in hook or hook in ("kestrel_forward", "kestrel_decode_greedy")
+    return "gemm" in hook or hook in ("kestrel_forward", "kestrel_forward_batch", "kestrel_decode_greedy")
 
 
 def _check_array(result: Any, shape: tuple[int, ...]) -> str | None:
@@ -286,6 +296,8 @@ def _check_array(result: Any, shape: tuple[int, ...]) -> str | None:
         return f"dtype {result.dtype}, expected float32"
     if result.shape != shape:
         return f"shape {list(result.shape)}, expected {list(shape)}"
+    if result.size and not np.isfinite(np.add.reduce(result, axis=None)):  # one pass; NaN or inf anywhere
+        return "non-finite values"
     return None
 
 

@@ -13,3 +13,15 @@ class ContractError(KestrelError, ValueError):
 
 class BackendUnavailable(KestrelError):
     """Raised by a backend's ``kestrel_open`` to say why its device cannot be used."""
+
+
+class InvalidRequest(KestrelError):
+    """A request with a bad field; ``param`` names it (the server answers HTTP 400 with it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Overloaded(KestrelError):
+    """No room for another request now (the server answers HTTP 429); retrying later may succeed."""

@@ -13,7 +13,7 @@ from typing import Any
 import pluggy
 
 PROJECT = "kestrel"
-API_VERSION = (1, 0)  # (major, minor): a backend must have the same major and a minor <= ours
+API_VERSION = (1, 1)  # (major, minor): a backend must have the same major and a minor <= ours
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -75,6 +75,17 @@ def kestrel_forward(device: Any, model: Any, seq_id: int, tokens: Any, start: in
 
     Returns float32 logits [T, vocab] if all_logits else [1, vocab], or None to decline: the engine then
     runs the layer-by-layer path from its own KV cache. firstresult.
+    """
+
+
+@hookspec(firstresult=True)
+def kestrel_forward_batch(device: Any, model: Any, batch: Any) -> Any:
+    """Run one step of several sequences (a list of ``BatchEntry``: decode rows and prompt chunks) on the
+    device, each against its own KV cache. Since API 1.1.
+
+    Returns a list with one float32 array [entry.logit_rows, vocab] per entry, in order, or None to decline
+    the whole step: the engine then offers ``kestrel_forward`` per sequence, and runs what is still declined
+    layer by layer with one GEMM per projection for the whole batch. firstresult.
     """
 
 

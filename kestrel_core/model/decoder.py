@@ -1,19 +1,20 @@
-"""The layer-by-layer numpy forward of the decoder (the model math every backend's forward must match).
+"""The layer-by-layer host forward of the decoder (the model math every backend's forward must match).
 
-Every projection goes through the offload dispatcher with its wkey, so a backend that accepts GEMMs runs
-them and the host does the rest (norms, RoPE, attention, SiLU) in float32. The host keeps its own KV cache.
+One forward runs a batch: any number of sequences, each with new tokens at its own positions (a decode row,
+or a chunk of a prompt). Every projection is one GEMM over all the batch's rows, offered through the
+dispatcher with its wkey, so a backend that accepts GEMMs runs them and the host does the rest (norms,
+RoPE, attention, SiLU) in float32 with the row-wise kernels of ``kernels``. A row's result does not depend on
+the rest of the batch (see ``kernels``). The host keeps the keys and values in a paged ``KVPool``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-from threadpoolctl import ThreadpoolController
 
 from kestrel_core.dispatch import Offload
 from kestrel_core.errors import KestrelError
@@ -22,9 +23,10 @@ from kestrel_core.model.config import ModelConfig, normalize_rope_scaling
 from kestrel_core.model.weights import Model
 from kestrel_core.wkey import Proj, fused_wkey, lm_head_wkey, wkey
 
-CACHE_CHUNK = 256  # KV cache and RoPE tables grow by this many positions at a time
-PREFILL_CHUNK = 512  # longer inputs run in chunks so scores [H, T, S] and MLP activations stay bounded
-QUERY_BLOCK = 64  # prefill attention per block of queries, over only the keys they see (causal)
+CACHE_CHUNK = 256  # RoPE tables grow by this many positions at a time
+PREFILL_CHUNK = 512  # longer inputs run in chunks so MLP activations [T, F] stay bounded
+BLOCK_SIZE = 32  # positions per KV block
+DEFAULT_KV_MB = 2048  # the host pool's default budget (at least one full context); pages are touched on use
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -79,76 +81,102 @@ class RopeTables:
         self.q_sin = self.sin * self.scale
 
 
-class KVCache:
-    """Host keys/values of one sequence, grown in chunks, ``length`` used.
+class KVPool:
+    """Host keys and values of many sequences in fixed-size blocks (a page table per sequence).
 
-    Keys are stored transposed, ``kt`` float32 [L, KV, hd, capacity], the layout attention multiplies by (and
-    the compiled decode step's dot products run over contiguous positions); ``k`` is the [L, capacity, KV, hd]
-    view of them. Values: ``v`` float32 [L, capacity, KV, hd].
+    Keys are stored transposed, ``kt`` float32 [L, blocks, KV, hd, BLOCK_SIZE], the layout the attention's
+    dot products run over; values ``v`` float32 [L, blocks, BLOCK_SIZE, KV, hd]. The arrays are allocated
+    once, untouched: the OS maps a page only when a block is first written.
     """
 
-    def __init__(self, config: ModelConfig, capacity: int = 0) -> None:
-        self.config = config
-        self.length = 0
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+        if num_blocks < 1:
+            raise KestrelError(f"the KV cache needs at least one block, got {num_blocks}")
         c = config
-        self.kt = np.empty((c.num_layers, c.num_kv_heads, c.head_dim, 0), np.float32)
-        self.v = np.empty((c.num_layers, 0, c.num_kv_heads, c.head_dim), np.float32)
-        if capacity:
-            self.reserve(capacity)
+        self.config = config
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kt = np.empty((c.num_layers, num_blocks, c.num_kv_heads, c.head_dim, block_size), np.float32)
+        self.v = np.empty((c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim), np.float32)
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the most recently freed block first
+
+    @classmethod
+    def for_budget(cls, config: ModelConfig, megabytes: float | None = None) -> KVPool:
+        """A pool of ``megabytes`` (default: DEFAULT_KV_MB, and at least one sequence at the full context)."""
+        per_block = bytes_per_position(config) * BLOCK_SIZE
+        if megabytes is None:
+            blocks = max(int(DEFAULT_KV_MB * 2 ** 20 // per_block), -(-config.max_position // BLOCK_SIZE))
+        else:
+            if not megabytes > 0:
+                raise KestrelError(f"the KV cache size must be > 0 MB, got {megabytes}")
+            blocks = int(megabytes * 2 ** 20 // per_block)
+            if blocks < 1:
+                raise KestrelError(f"a KV cache of {megabytes} MB holds no block of {BLOCK_SIZE} positions "
+                                   f"({per_block / 2 ** 20:.2f} MB each)")
+        return cls(config, blocks)
 
     @property
-    def k(self) -> np.ndarray:
-        return self.kt.transpose(0, 3, 1, 2)  # [L, capacity, KV, hd], a view
+    def free_blocks(self) -> int:
+        return len(self._free)
 
     @property
     def capacity(self) -> int:
-        return self.v.shape[1]
+        """Positions the whole pool holds."""
+        return self.num_blocks * self.block_size
 
-    def reserve(self, n: int) -> None:
-        """Room for ``n`` positions; grows by whole chunks (copying only the used part)."""
-        if n <= self.capacity:
-            return
-        if n > self.config.max_position:
-            raise KestrelError(f"the sequence needs {n} positions; the model's context is "
-                               f"{self.config.max_position}")
-        cap = min(-(-n // CACHE_CHUNK) * CACHE_CHUNK, self.config.max_position)
-        c = self.config
-        kt = np.empty((c.num_layers, c.num_kv_heads, c.head_dim, cap), np.float32)
-        kt[..., :self.length] = self.kt[..., :self.length]
-        v = np.empty((c.num_layers, cap, c.num_kv_heads, c.head_dim), np.float32)
-        v[:, :self.length] = self.v[:, :self.length]
-        self.kt, self.v = kt, v
+    def blocks_for(self, positions: int) -> int:
+        return -(-positions // self.block_size)
+
+    def new_sequence(self) -> SeqCache:
+        return SeqCache(self)
+
+    def reserve(self, seq: SeqCache, positions: int) -> bool:
+        """Blocks for ``positions`` positions of ``seq``; False (and nothing taken) if the pool lacks them."""
+        need = self.blocks_for(positions) - len(seq.blocks)
+        if need <= 0:
+            return True
+        if need > len(self._free):
+            return False
+        for _ in range(need):
+            seq.blocks.append(self._free.pop())
+        return True
+
+    def release(self, seq: SeqCache) -> None:
+        self._free.extend(reversed(seq.blocks))
+        seq.blocks.clear()
+        seq.length = 0
+
+
+def bytes_per_position(config: ModelConfig) -> int:
+    """Host KV bytes one position takes over all layers (float32 keys and values)."""
+    return 2 * 4 * config.num_layers * config.num_kv_heads * config.head_dim
+
+
+class SeqCache:
+    """One sequence's page table in a ``KVPool``: ``length`` positions written. Its blocks go back to the
+    pool on ``release()`` (or when it is garbage-collected)."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.blocks: list[int] = []
+        self.length = 0
+        self._finalizer = weakref.finalize(self, _give_back, pool._free, self.blocks)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * self.pool.block_size
 
     def truncate(self, n: int) -> None:
+        """Forget positions from ``n`` on (their blocks stay reserved)."""
         self.length = min(self.length, n)
 
-
-def _blas_controllers() -> list[Any]:
-    try:  # a BLAS that threadpoolctl cannot read keeps its thread count
-        return list(ThreadpoolController().select(user_api="blas").lib_controllers)
-    except Exception:
-        return []
+    def release(self) -> None:
+        self.pool.release(self)
 
 
-_BLAS: list[Any] | None = None
-
-
-@contextmanager
-def single_threaded_blas() -> Iterator[None]:
-    """BLAS on one thread while the decoder runs: its matmuls (attention) are small, and on a few cores its
-    spinning worker threads fight the GEMM kernels' threads (measured on 2 cores under load: a 256-token
-    prefill's host work took 1.7 s of CPU with 2 OpenBLAS threads, 0.34 s with 1)."""
-    global _BLAS
-    if _BLAS is None:
-        _BLAS = _blas_controllers()
-    previous = [lib.num_threads for lib in _BLAS]
-    for lib in _BLAS:
-        lib.set_num_threads(1)
-    try:
-        yield
-    finally:
-        for lib, n in zip(_BLAS, previous):
-            lib.set_num_threads(n)
+def _give_back(free: list[int], blocks: list[int]) -> None:
+    free.extend(reversed(blocks))
+    blocks.clear()
 
 
 @dataclass(frozen=True)
@@ -162,25 +190,17 @@ class _LayerKeys:
 
 
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """x / sqrt(mean(x^2) + eps) * weight over the last axis, float32."""
-    if x.ndim == 2 and x.shape[0] == 1:  # a decode step: scalar maths, half the numpy calls
-        row = x[0]
-        inv = np.float32(1) / np.sqrt(np.dot(row, row) / np.float32(row.shape[0]) + np.float32(eps))
-        out = x * inv
-        out *= weight
-        return out
-    ms = np.einsum("...d,...d->...", x, x)[..., None] / np.float32(x.shape[-1])  # [..., 1]
-    ms += np.float32(eps)
-    np.sqrt(ms, out=ms)
-    out = x / ms
-    out *= weight
-    return out
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis, float32, each row summed sequentially."""
+    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+    out = np.empty_like(rows)
+    kernels.rmsnorm_rows(rows, np.ascontiguousarray(weight, dtype=np.float32), np.float32(eps), out)
+    return out.reshape(x.shape)
 
 
 class Decoder:
-    """Runs tokens through the model on the host, appending to a ``KVCache``."""
+    """Runs batches of tokens through the model on the host, appending to their ``SeqCache``s."""
 
-    def __init__(self, model: Model, offload: Offload) -> None:
+    def __init__(self, model: Model, offload: Offload, pool: KVPool | None = None) -> None:
         c = model.config
         if c.num_heads % c.num_kv_heads:
             raise KestrelError(f"num_heads={c.num_heads} is not a multiple of num_kv_heads={c.num_kv_heads}")
@@ -189,11 +209,8 @@ class Decoder:
         self.model = model
         self.config = c
         self.offload = offload
+        self.pool = pool if pool is not None else KVPool.for_budget(c)
         self.rope = RopeTables(c)
-        # The compiled decode step hands the dispatcher quantized activations (gemm_q8*), which skips an
-        # Offload subclass's own linear/linear_fused (e.g. one that perturbs inputs): those keep numpy.
-        kind = type(offload)
-        self.compiled_step = kind.linear is Offload.linear and kind.linear_fused is Offload.linear_fused
         self.eps = np.float32(c.rms_norm_eps)
         self.keys = [_LayerKeys(qkv=(wkey(i, Proj.Q), wkey(i, Proj.K), wkey(i, Proj.V)),
                                 qkv_fused=fused_wkey(i, Proj.QKV), o=wkey(i, Proj.O),
@@ -201,207 +218,115 @@ class Decoder:
                                 gate_up_fused=fused_wkey(i, Proj.GATE_UP), down=wkey(i, Proj.DOWN))
                      for i in range(c.num_layers)]
 
-    def new_cache(self, capacity: int = 0) -> KVCache:
-        return KVCache(self.config, capacity)
+    def new_cache(self) -> SeqCache:
+        return self.pool.new_sequence()
 
-    def forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool = False,
+    def forward(self, tokens: Sequence[int] | np.ndarray, cache: SeqCache, all_logits: bool = False,
                 logits: bool = True) -> np.ndarray | None:
-        """Append ``tokens`` [T] at positions cache.length.. and return float32 logits.
+        """Append ``tokens`` [T] at positions cache.length.. of one sequence and return float32 logits.
 
         [T, vocab] if all_logits else [1, vocab] (the last token); None when ``logits`` is False (only the
-        cache is filled, e.g. to catch up with tokens a device ran).
+        cache is filled, e.g. to catch up with tokens a device ran). Long inputs run in PREFILL_CHUNKs.
         """
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if not len(tokens):
             raise KestrelError("no tokens to run")
-        if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
-            raise KestrelError(f"token id out of range [0, {self.config.vocab_size})")
-        cache.reserve(cache.length + len(tokens))
         outs = []
-        # SiLU's exp(-x) overflows to inf for very negative x, which gives the right limit
-        with np.errstate(over="ignore"), single_threaded_blas():
-            for s in range(0, len(tokens), PREFILL_CHUNK):
-                chunk = tokens[s:s + PREFILL_CHUNK]
-                last = s + PREFILL_CHUNK >= len(tokens)
-                h = self._layers(chunk, cache)
-                if logits and (all_logits or last):
-                    outs.append(self._logits(h if all_logits else h[-1:]))
+        for s in range(0, len(tokens), PREFILL_CHUNK):
+            chunk = tokens[s:s + PREFILL_CHUNK]
+            last = s + PREFILL_CHUNK >= len(tokens)
+            rows = (len(chunk) if all_logits else int(last)) if logits else 0
+            out = self.forward_batch([(cache, chunk, rows)])[0]
+            if rows:
+                outs.append(out)
         return np.concatenate(outs) if len(outs) > 1 else (outs[0] if outs else None)
 
+    def forward_batch(self, batch: Sequence[tuple[SeqCache, np.ndarray, int]]) -> list[np.ndarray]:
+        """One step over several sequences: each (cache, tokens [T_i], logit_rows) appends its tokens at
+        cache.length.. and gets the float32 logits of its last ``logit_rows`` rows, [logit_rows, vocab]."""
+        c = self.config
+        seqs = [cache for cache, _, _ in batch]
+        if len({id(s) for s in seqs}) != len(seqs):
+            raise KestrelError("a sequence appears twice in one batch")
+        tokens = [np.asarray(t, dtype=np.int64).reshape(-1) for _, t, _ in batch]
+        for cache, toks, (_, _, rows) in zip(seqs, tokens, batch):
+            if not len(toks):
+                raise KestrelError("no tokens to run")
+            if toks.min() < 0 or toks.max() >= c.vocab_size:
+                raise KestrelError(f"token id out of range [0, {c.vocab_size})")
+            if not 0 <= rows <= len(toks):
+                raise KestrelError(f"logit rows {rows} outside [0, {len(toks)}]")
+            end = cache.length + len(toks)
+            if end > c.max_position:
+                raise KestrelError(f"the sequence needs {end} positions; the model's context is {c.max_position}")
+        for cache, toks in zip(seqs, tokens):
+            if not self.pool.reserve(cache, cache.length + len(toks)):
+                raise KestrelError(f"the KV cache is full ({self.pool.capacity} positions of "
+                                   f"{bytes_per_position(c)} bytes; a larger budget holds more)")
+        with np.errstate(over="ignore"):  # exp(-x) of SiLU overflows to inf for very negative x: the limit
+            h = self._layers(seqs, tokens)
+        outs: list[np.ndarray] = []
+        want = []
+        row = 0
+        for toks, (_, _, rows) in zip(tokens, batch):
+            row += len(toks)
+            want.extend(range(row - rows, row))
+        logits = self._logits(h[want]) if want else np.empty((0, c.vocab_size), np.float32)
+        at = 0
+        for _, _, rows in batch:
+            outs.append(logits[at:at + rows])
+            at += rows
+        for cache, toks in zip(seqs, tokens):
+            cache.length += len(toks)
+        return outs
+
     def _logits(self, h: np.ndarray) -> np.ndarray:
-        lm_head = self.model.lm_head
-        if len(h) == 1 and self.compiled_step and kernels.AVAILABLE:
-            codes, scales = _q8_buffers(h.shape[1], lm_head.group_size)
-            kernels.add_norm_quant(h, _NO_DELTA, self.model.final_norm, self.eps, lm_head.group_size,
-                                   np.empty_like(h), codes, scales)
-            return self.offload.gemm_q8(codes, scales, lm_head, lm_head_wkey())  # [1, vocab]
-        x = rmsnorm(h, self.model.final_norm, self.eps)  # [T, D]
-        return self.offload.linear(x, lm_head, lm_head_wkey())  # [T, vocab]
+        x = rmsnorm(h, self.model.final_norm, self.eps)  # [R, D]
+        return self.offload.linear(x, self.model.lm_head, lm_head_wkey())  # [R, vocab]
 
-    def _layers(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
-        """All layers over tokens [T] at positions cache.length..; returns the final hidden state [T, D]."""
-        if len(tokens) == 1 and self.compiled_step and kernels.AVAILABLE:
-            try:
-                return self._decode_step(tokens, cache)
-            except kernels.COMPILE_ERRORS as exc:  # numba compiles on layer 0's calls; numpy redoes the step
-                kernels.disable(exc)
-        c, off = self.config, self.offload
-        start, t = cache.length, len(tokens)
-        end = start + t
-        rope = self.rope
-        rope.upto(end)
-        half = c.head_dim // 2
-        cos, sin = rope.cos[start:end, None], rope.sin[start:end, None]  # [T, 1, 2, hd/2]
-        q_cos, q_sin = rope.q_cos[start:end, None], rope.q_sin[start:end, None]
-        blocks = _causal_blocks(start, t) if t > 1 else []  # the same for every layer
-        h = self.model.embedding.dequantize(tokens)  # [T, D]
-        for i, lw in enumerate(self.model.layers):
-            off.layer_boundary(i)
-            keys = self.keys[i]
-            x = rmsnorm(h, lw.attn_norm, self.eps)  # [T, D]
-            q, k, v = off.linear_fused(x, (lw.q, lw.k, lw.v), keys.qkv, keys.qkv_fused)
-            if lw.q_bias is not None:
-                q += lw.q_bias
-                k += lw.k_bias
-                v += lw.v_bias
-            q = q.reshape(t, c.num_heads, 2, half)  # [T, H, 2, hd/2]: the halves rotate_half swaps
-            k = k.reshape(t, c.num_kv_heads, 2, half)
-            if lw.q_norm is not None:
-                q = rmsnorm(q.reshape(t, c.num_heads, -1), lw.q_norm, self.eps).reshape(q.shape)
-                k = rmsnorm(k.reshape(t, c.num_kv_heads, -1), lw.k_norm, self.eps).reshape(k.shape)
-            q = _rope(q, q_cos, q_sin, np.empty_like(q)).reshape(t, c.num_heads, c.head_dim)  # scaled
-            cache.k[i, start:end] = _rope(k, cos, sin, np.empty_like(k)).reshape(t, c.num_kv_heads, c.head_dim)
-            cache.v[i, start:end] = v.reshape(t, c.num_kv_heads, c.head_dim)
-            if t == 1:
-                attn = self._attention(q, cache.kt[i, :, :, :end], cache.v[i, :end], None)  # [1, H*hd]
-            else:
-                attn = np.empty((t, c.num_heads * c.head_dim), np.float32)  # [T, H*hd]
-                for q0, q1, mask in blocks:
-                    attn[q0:q1] = self._attention(q[q0:q1], cache.kt[i, :, :, :start + q1],
-                                                  cache.v[i, :start + q1], mask)
-            h += off.linear(attn, lw.o, keys.o)
-            x = rmsnorm(h, lw.mlp_norm, self.eps)
-            gate, up = off.linear_fused(x, (lw.gate, lw.up), keys.gate_up, keys.gate_up_fused)  # [T, F]
-            h += off.linear(_silu_mul(gate, up), lw.down, keys.down)
-        cache.length = end
-        return h
-
-    def _decode_step(self, token: np.ndarray, cache: KVCache) -> np.ndarray:
-        """One position through every layer with the compiled host maths (``kernels``); returns h [1, D].
-
-        Each stage between two projections is one compiled call that also quantizes the next projection's
-        input, which then goes to the dispatcher already quantized (``gemm_q8``/``gemm_q8_fused``, the same
-        hooks and counters as ``linear``/``linear_fused``). A residual add is fused into the next norm.
-        """
-        c, off = self.config, self.offload
-        pos = cache.length
-        rope = self.rope
-        rope.upto(pos + 1)
-        cos, sin = rope.cos[pos].reshape(-1), rope.sin[pos].reshape(-1)  # [hd]: the [2, hd/2] halves in a row
-        q_cos, q_sin = rope.q_cos[pos].reshape(-1), rope.q_sin[pos].reshape(-1)
+    def _layers(self, seqs: list[SeqCache], tokens: list[np.ndarray]) -> np.ndarray:
+        """All layers over the batch's rows; returns the final hidden state [M, D] (M = all new tokens)."""
+        c, off, pool = self.config, self.offload, self.pool
         hd, n_heads, n_kv = c.head_dim, c.num_heads, c.num_kv_heads
-        h = self.model.embedding.dequantize(token)  # [1, D]
-        d = h.shape[1]
-        x = np.empty_like(h)  # rmsnorm scratch
-        scores = np.empty(pos + 1, np.float32)
-        delta = _NO_DELTA  # the projection output still to add to h
+        bs = pool.block_size
+        positions = np.concatenate([np.arange(s.length, s.length + len(t)) for s, t in zip(seqs, tokens)])
+        m = len(positions)
+        row_seq = np.repeat(np.arange(len(seqs), dtype=np.int64), [len(t) for t in tokens])  # [M]
+        tables = np.zeros((len(seqs), max(len(s.blocks) for s in seqs)), np.int64)  # [S, max blocks]
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.blocks)] = s.blocks
+        slots = tables[row_seq, positions // bs] * bs + positions % bs  # [M] pool slot of each row
+        lengths = positions + 1  # [M] keys each row sees (its own position included)
+        rope = self.rope
+        rope.upto(int(positions.max()) + 1)
+        cos = rope.cos[positions].reshape(m, hd)  # [M, hd]: the [2, hd/2] halves in a row
+        sin = rope.sin[positions].reshape(m, hd)
+        q_cos = rope.q_cos[positions].reshape(m, hd)
+        q_sin = rope.q_sin[positions].reshape(m, hd)
+        h = self.model.embedding.dequantize(np.concatenate(tokens))  # [M, D]
+        attn = np.empty((m, n_heads * hd), np.float32)  # [M, H*hd]
         for i, lw in enumerate(self.model.layers):
             off.layer_boundary(i)
             keys = self.keys[i]
-            group = lw.q.group_size
-            codes, scales = _q8_buffers(d, group)
-            kernels.add_norm_quant(h, delta, lw.attn_norm, self.eps, group, x, codes, scales)
-            q, k, v = off.gemm_q8_fused(codes, scales, (lw.q, lw.k, lw.v), keys.qkv, keys.qkv_fused)
+            x = rmsnorm(h, lw.attn_norm, self.eps)  # [M, D]
+            q, k, v = off.linear_fused(x, (lw.q, lw.k, lw.v), keys.qkv, keys.qkv_fused)
             if lw.q_bias is not None:
                 q = q + lw.q_bias
                 k = k + lw.k_bias
                 v = v + lw.v_bias
-            q = np.ascontiguousarray(q).reshape(n_heads, hd)
-            k = np.ascontiguousarray(k).reshape(n_kv, hd)
-            v = np.ascontiguousarray(v).reshape(n_kv, hd)
+            q = q.reshape(m, n_heads, hd)  # [M, H, hd]
+            k = k.reshape(m, n_kv, hd)
+            v = np.ascontiguousarray(v).reshape(m, n_kv, hd)
             if lw.q_norm is not None:
                 q = rmsnorm(q, lw.q_norm, self.eps)
                 k = rmsnorm(k, lw.k_norm, self.eps)
-            group = lw.o.group_size
-            attn = np.empty((1, n_heads * hd), np.float32)
-            codes, scales = _q8_buffers(n_heads * hd, group)
-            kernels.rope_attend_quant(q, k, v, cache.kt[i], cache.v[i], pos, cos, sin, q_cos, q_sin, group,
-                                      scores, attn, codes, scales)
-            delta = np.ascontiguousarray(off.gemm_q8(codes, scales, lw.o, keys.o))
-            group = lw.gate.group_size
-            codes, scales = _q8_buffers(d, group)
-            kernels.add_norm_quant(h, delta, lw.mlp_norm, self.eps, group, x, codes, scales)
-            gate, up = off.gemm_q8_fused(codes, scales, (lw.gate, lw.up), keys.gate_up, keys.gate_up_fused)
+            kernels.rope_write(np.ascontiguousarray(k), v, pool.kt[i], pool.v[i], slots, cos, sin)
+            kernels.attend(np.ascontiguousarray(q), pool.kt[i], pool.v[i], tables, row_seq, lengths, q_cos,
+                           q_sin, attn)
+            h += off.linear(attn, lw.o, keys.o)
+            x = rmsnorm(h, lw.mlp_norm, self.eps)
+            gate, up = off.linear_fused(x, (lw.gate, lw.up), keys.gate_up, keys.gate_up_fused)  # [M, F]
             gate, up = np.ascontiguousarray(gate), np.ascontiguousarray(up)
-            group = lw.down.group_size
-            codes, scales = _q8_buffers(gate.shape[1], group)
-            kernels.silu_mul_quant(gate, up, group, codes, scales)
-            delta = off.gemm_q8(codes, scales, lw.down, keys.down)
-        h += delta
-        cache.length = pos + 1
+            kernels.silu_mul(gate, up)
+            h += off.linear(gate, lw.down, keys.down)
         return h
-
-    def _attention(self, q: np.ndarray, kt: np.ndarray, v: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
-        """Causal GQA: q [T, H, hd] (already scaled), kt [KV, hd, S], v [S, KV, hd] (cache views) -> [T, H*hd].
-
-        Query head h reads kv head h // g (HF's repeat_kv); the softmax is normalised after P @ V.
-        """
-        t, n_heads, hd = q.shape
-        n_kv = kt.shape[0]
-        g = n_heads // n_kv
-        vt = v.transpose(1, 0, 2)  # [KV, S, hd]: a strided view BLAS reads directly
-        if t == 1:
-            scores = np.matmul(q.reshape(n_kv, g, hd), kt)  # [KV, g, S]
-        else:
-            qg = q.reshape(t, n_kv, g, hd).transpose(1, 2, 0, 3).reshape(n_kv, g * t, hd)  # [KV, g*T, hd]
-            scores = np.matmul(qg, kt).reshape(n_kv, g, t, -1)  # [KV, g, T, S]
-            scores += mask
-        scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        total = np.add.reduce(scores, axis=-1, keepdims=True)  # [KV, g, (T,) 1]
-        if t == 1:
-            out = np.matmul(scores, vt)  # [KV, g, hd]
-            out /= total
-            return out.reshape(1, n_heads * hd)
-        out = np.matmul(scores.reshape(n_kv, g * t, -1), vt).reshape(n_kv, g, t, hd)
-        out /= total
-        return out.transpose(2, 0, 1, 3).reshape(t, n_heads * hd)
-
-
-_NO_DELTA = np.zeros((1, 0), np.float32)  # add_norm_quant's "nothing to add"
-
-
-def _q8_buffers(k: int, group: int) -> tuple[np.ndarray, np.ndarray]:
-    """Fresh codes int8 [1, K] and scales float32 [1, K/G] (new per call: a backend may keep what it gets)."""
-    return np.empty((1, k), np.int8), np.empty((1, k // group), np.float32)
-
-
-def _causal_blocks(start: int, t: int) -> list[tuple[int, int, np.ndarray]]:
-    """Query blocks (q0, q1, mask) of a prefill at positions start..start+t: block rows attend to the keys
-    0..start+q1 only, and mask [q1-q0, start+q1] hides the later ones (query q0+i sees keys <= start+q0+i)."""
-    out = []
-    for q0 in range(0, t, QUERY_BLOCK):
-        q1 = min(q0 + QUERY_BLOCK, t)
-        mask = np.triu(np.full((q1 - q0, start + q1), -np.inf, np.float32), k=start + q0 + 1)
-        out.append((q0, q1, mask))
-    return out
-
-
-def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """HF RoPE, x * cos + rotate_half(x) * sin: x [T, heads, 2, hd/2], tables [T, 1, 2, hd/2] (sin signed).
-
-    rotate_half(x) is x with its halves swapped (a view) times [-1, 1], which the sin table carries.
-    """
-    np.multiply(x, cos, out=out)
-    out += x[:, :, ::-1] * sin
-    return out
-
-
-def _silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """silu(gate) * up, in place in ``gate``: [T, F]."""
-    t = np.negative(gate)
-    np.exp(t, out=t)
-    t += np.float32(1)
-    gate /= t
-    gate *= up
-    return gate

@@ -1,9 +1,12 @@
-"""The Python API: ``load(model, backend, quant) -> Engine``; logits, generation, stats.
+"""The Python API: ``load(model, backend, quant) -> Engine``; logits, generation, batched steps, stats.
 
-Each step first offers the backend's whole-step forward (``kestrel_forward``, its own KV cache). When it
-declines, the host runs the layer-by-layer decoder, whose KV cache may lag behind the device's: the host
-first runs the tokens it is missing (one batched pass), so a fallback at any step gives the same result.
-Likewise a device that declined earlier is offered the tokens it missed along with the new ones.
+Every step is a batch (``Engine.run_batch``): one or many sequences, each with new tokens at its next
+positions. The engine first offers the backend's batched whole step (``kestrel_forward_batch``), then its
+per-sequence whole step (``kestrel_forward``, its own KV cache) for what that declined, and runs the rest on
+the host layer by layer, one GEMM per projection for all of them. The host's KV cache may lag behind the
+device's: the host first runs the tokens it is missing, so a fallback at any step gives the same result;
+likewise a device that declined earlier is offered the tokens it missed along with the new ones.
+``generate`` is the scheduler (``kestrel_core.model.scheduler``) with one request.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from kestrel_core.batch import BatchEntry
 from kestrel_core.dispatch import Offload
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.decoder import Decoder, KVCache
-from kestrel_core.model.sampling import Sampler
+from kestrel_core.model.decoder import PREFILL_CHUNK, Decoder, KVPool, SeqCache
+from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.weights import Model
 from kestrel_core.registry import Backend, Registry
 
@@ -43,9 +47,11 @@ class RunStats:
 
 
 @dataclass
-class _Sequence:
+class SeqState:
+    """One sequence's state in the engine: its tokens so far and where the host and device caches stand."""
+
     seq_id: int
-    cache: KVCache
+    cache: SeqCache  # the host KV cache: cache.length positions
     tokens: list[int] = field(default_factory=list)  # every token run so far, position = index
     device_len: int = 0  # positions the device's own KV cache holds
 
@@ -54,7 +60,8 @@ class Engine:
     """A model bound to a backend (the CPU computes whatever the backend declines)."""
 
     def __init__(self, model: Model, tokenizer: Any, backend: Backend, cpu: Backend, *,
-                 registry: Registry | None = None, source: str = "", preload: bool = True) -> None:
+                 registry: Registry | None = None, source: str = "", preload: bool = True,
+                 kv_cache_mb: float | None = None) -> None:
         self.model = model
         self.config = model.config
         self.tokenizer = tokenizer
@@ -62,7 +69,8 @@ class Engine:
         self.registry = registry
         self.source = source
         self.offload = Offload(backend, cpu)
-        self.decoder = Decoder(model, self.offload)
+        self.pool = KVPool.for_budget(model.config, kv_cache_mb)
+        self.decoder = Decoder(model, self.offload, self.pool)
         self.last = RunStats()
         self._next_seq = 1
         self.preload_s = 0.0
@@ -96,38 +104,64 @@ class Engine:
         kind = f"{self.backend.kind}" + (f", {desc}" if desc and desc != self.backend.kind else "")
         return f"backend: {self.backend.name} ({kind})"
 
-    # -- steps ---------------------------------------------------------------------------------------
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self.config.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
 
-    def _new_sequence(self) -> _Sequence:
-        seq = _Sequence(self._next_seq, self.decoder.new_cache())
+    # -- sequences and steps -------------------------------------------------------------------------
+
+    def new_sequence(self) -> SeqState:
+        seq = SeqState(self._next_seq, self.pool.new_sequence())
         self._next_seq += 1
         return seq
 
-    def _release(self, seq: _Sequence) -> None:
+    def release(self, seq: SeqState) -> None:
+        """Forget a sequence: its device state and its host KV blocks."""
         self.offload.release_sequence(seq.seq_id)
+        seq.cache.release()
 
-    def _step(self, seq: _Sequence, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        """Run ``tokens`` at the next positions; logits [len(tokens), vocab] or [1, vocab] (the last)."""
-        new = np.asarray(tokens, dtype=np.int64)
-        start = len(seq.tokens)
-        if start + len(new) > self.config.max_position:
-            raise KestrelError(f"the sequence needs {start + len(new)} positions; the model's context is "
-                               f"{self.config.max_position}")
-        behind = seq.tokens[seq.device_len:]
-        run = np.concatenate([np.asarray(behind, np.int64), new]) if behind else new
-        out = self.offload.forward(self.model, seq.seq_id, run, seq.device_len, all_logits,
-                                   self.config.vocab_size)
-        if out is not None:
-            seq.device_len = start + len(new)
+    def run_batch(self, work: Sequence[tuple[SeqState, Sequence[int], int]]) -> list[np.ndarray]:
+        """One step: each (sequence, new tokens, logit rows) runs its tokens at its next positions and gets
+        float32 logits [logit_rows, vocab] of its last ``logit_rows`` new tokens."""
+        c = self.config
+        runs = []
+        for seq, new, rows in work:
+            new = np.asarray(new, dtype=np.int64).reshape(-1)
+            end = len(seq.tokens) + len(new)
+            if end > c.max_position:
+                raise KestrelError(f"the sequence needs {end} positions; the model's context is {c.max_position}")
+            if not 0 <= rows <= len(new):
+                raise KestrelError(f"logit rows {rows} outside [0, {len(new)}]")
+            runs.append((seq, new, rows))
+        entries = [BatchEntry(seq.seq_id, np.concatenate([np.asarray(seq.tokens[seq.device_len:], np.int64), new]),
+                              seq.device_len, rows) for seq, new, rows in runs]
+        outs: list[np.ndarray | None] = [None] * len(runs)
+        batched = self.offload.forward_batch(self.model, entries, c.vocab_size) if entries else None
+        if batched is not None:
+            outs = list(batched)
         else:
-            behind = seq.tokens[seq.cache.length:]
-            run = np.concatenate([np.asarray(behind, np.int64), new]) if behind else new
-            out = self.decoder.forward(run, seq.cache, all_logits=all_logits)
-            assert out is not None
-        seq.tokens.extend(int(t) for t in new)
-        return out[-len(new):] if all_logits else out
+            for i, e in enumerate(entries):  # a 1.0 backend's per-sequence whole step
+                all_logits = e.logit_rows > 1
+                out = self.offload.forward(self.model, e.seq_id, e.tokens, e.start, all_logits, c.vocab_size)
+                if out is not None:
+                    outs[i] = out[len(out) - e.logit_rows:]
+        host = [i for i, out in enumerate(outs) if out is None]
+        for i, (seq, _, _) in enumerate(runs):
+            if outs[i] is not None:
+                seq.device_len = entries[i].end
+        if host:
+            batch = []
+            for i in host:
+                seq, new, rows = runs[i]
+                behind = np.asarray(seq.tokens[seq.cache.length:], np.int64)
+                batch.append((seq.cache, np.concatenate([behind, new]), rows))
+            for i, out in zip(host, self.decoder.forward_batch(batch)):
+                outs[i] = out
+        for seq, new, _ in runs:
+            seq.tokens.extend(int(t) for t in new)
+        return outs  # type: ignore[return-value]
 
-    def _check_ids(self, ids: Sequence[int], what: str) -> list[int]:
+    def check_ids(self, ids: Sequence[int], what: str) -> list[int]:
         ids = [int(i) for i in ids]
         if not ids:
             raise KestrelError(f"the {what} is empty")
@@ -143,63 +177,51 @@ class Engine:
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits of the whole sequence: float32 [T, vocab]."""
-        ids = self._check_ids(token_ids, "input")
-        seq = self._new_sequence()
+        ids = self.check_ids(token_ids, "input")
+        seq = self.new_sequence()
         try:
             t0 = time.perf_counter()
-            out = self._step(seq, ids, all_logits=True)
+            outs = [self.run_batch([(seq, ids[s:s + PREFILL_CHUNK], len(ids[s:s + PREFILL_CHUNK]))])[0]
+                    for s in range(0, len(ids), PREFILL_CHUNK)]
             self.last = RunStats(prompt_tokens=len(ids), prefill_s=time.perf_counter() - t0)
-            return out
+            return np.concatenate(outs) if len(outs) > 1 else outs[0]
         finally:
-            self._release(seq)
+            self.release(seq)
 
     def generate(self, prompt_ids: Sequence[int], max_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = 0,
-                 stop_at_eos: bool = True) -> Iterator[int]:
-        """Token ids as they are generated (prefill, then one decode step per token)."""
-        ids = self._check_ids(prompt_ids, "prompt")
-        if max_tokens < 0:
-            raise KestrelError(f"max tokens must be >= 0, got {max_tokens}")
-        sampler = Sampler(temperature, top_k, top_p, seed)
-        eos = set(self.config.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
-        return self._generate(ids, max_tokens, sampler, eos if stop_at_eos else set())
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = 0, stop_at_eos: bool = True,
+                 params: SamplingParams | None = None) -> Iterator[int]:
+        """Token ids as they are generated: the scheduler with this one request (``params`` overrides the
+        keyword arguments)."""
+        from kestrel_core.model.scheduler import Scheduler
 
-    def _generate(self, ids: list[int], max_tokens: int, sampler: Sampler, eos: set[int]) -> Iterator[int]:
+        if params is None:
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                    seed=seed, ignore_eos=not stop_at_eos)
+        ids = self.check_ids(prompt_ids, "prompt")
+        params.check()
+        return self._generate(Scheduler(self, max_batch=1), ids, params)
+
+    def _generate(self, scheduler: Any, ids: list[int], params: SamplingParams) -> Iterator[int]:
         stats = self.last = RunStats(prompt_tokens=len(ids))
-        if max_tokens == 0:
-            return
-        seq = self._new_sequence()
-        device_tokens: Iterator[int] | None = None  # the backend's pipelined greedy decode, once offered
-        offered = False
+        request = scheduler.add(ids, params)
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
-            token = sampler(self._step(seq, ids)[-1])
-            stats.prefill_s = time.perf_counter() - t0
-            while True:
-                stats.generated_tokens += 1
-                yield token
-                if token in eos or stats.generated_tokens >= max_tokens:
-                    return
-                if len(seq.tokens) >= self.config.max_position:
-                    return  # the context is full
+            while not request.finished:
+                outputs = scheduler.step()
+                t1 = time.perf_counter()
+                for out in outputs:
+                    for token in out.new_token_ids:
+                        if stats.generated_tokens == 0:
+                            stats.prefill_s = t1 - t0
+                        else:
+                            stats.decode_s += t1 - t0
+                            stats.decode_steps += 1
+                        stats.generated_tokens += 1
+                        yield token
                 t0 = time.perf_counter()
-                if not offered and sampler.greedy and seq.device_len == len(seq.tokens):
-                    offered = True
-                    steps = min(max_tokens - stats.generated_tokens, self.config.max_position - len(seq.tokens))
-                    device_tokens = self.offload.decode_greedy(self.model, seq.seq_id, token, len(seq.tokens),
-                                                               steps, self.config.vocab_size)
-                nxt = next(device_tokens, None) if device_tokens is not None else None
-                if nxt is not None:  # the device ran ``token`` and chose the next one
-                    seq.tokens.append(token)
-                    seq.device_len = len(seq.tokens)
-                    token = nxt
-                else:  # not offered, declined, or ended: step by step from here on
-                    device_tokens = None
-                    token = sampler(self._step(seq, [token])[-1])
-                stats.decode_s += time.perf_counter() - t0
-                stats.decode_steps += 1
         finally:
-            self._release(seq)
+            scheduler.abort(request.request_id)
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -236,7 +258,7 @@ def _resolve_model(model: Any, quant: str | None) -> tuple[Model, Any, str]:
     raise KestrelError(f"cannot load a model from a {type(model).__name__}")
 
 
-def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str) -> Engine:
+def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str, kv_cache_mb: float | None = None) -> Engine:
     """Bind first (a backend that cannot bind fails fast, before any model is read), then load, preload."""
     registry = Registry()
     try:
@@ -245,7 +267,7 @@ def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str) -> Engine
         t0 = time.perf_counter()
         model, tokenizer, source = resolve()
         load_s = time.perf_counter() - t0
-        engine = Engine(model, tokenizer, chosen, cpu, registry=registry, source=source)
+        engine = Engine(model, tokenizer, chosen, cpu, registry=registry, source=source, kv_cache_mb=kv_cache_mb)
         engine.load_s = load_s
         return engine
     except BaseException:
@@ -253,15 +275,17 @@ def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str) -> Engine
         raise
 
 
-def load(model: str | Model | None = None, backend: str = "auto", quant: str | None = None) -> Engine:
+def load(model: str | Model | None = None, backend: str = "auto", quant: str | None = None,
+         kv_cache_mb: float | None = None) -> Engine:
     """An engine for ``model`` (a path, None for the default model, or a Model) on ``backend`` (``auto``:
     the best bound gpu/npu accelerator, else cpu); the model is preloaded onto the backend. ``quant``:
-    q8 (None: the default; an artifact keeps its own), q4, q8-g256 or q4-g256."""
-    return _open(lambda: _resolve_model(model, quant), backend)
+    q8 (None: the default; an artifact keeps its own), q4, q8-g256 or q4-g256. ``kv_cache_mb``: the host KV
+    cache's budget (default: 2 GiB, at least one sequence at the full context)."""
+    return _open(lambda: _resolve_model(model, quant), backend, kv_cache_mb)
 
 
 def load_preset(name: str, backend: str = "auto", quant: str | None = None, seed: int = 0,
-                **overrides: Any) -> Engine:
+                kv_cache_mb: float | None = None, **overrides: Any) -> Engine:
     """An engine for a synthetic preset model (random weights of real shapes, byte tokenizer)."""
     quant = quant or "q8"
     from kestrel_core.model.presets import ByteTokenizer, preset_model
@@ -270,4 +294,4 @@ def load_preset(name: str, backend: str = "auto", quant: str | None = None, seed
         model = preset_model(name, quant, seed, **overrides)
         return model, ByteTokenizer(model.config.vocab_size), f"preset {name} ({quant}, seed {seed})"
 
-    return _open(resolve, backend)
+    return _open(resolve, backend, kv_cache_mb)

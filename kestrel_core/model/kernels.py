@@ -1,17 +1,16 @@
-"""Compiled host maths of one decode step (numba): the decoder's float32 operations, fused per layer.
+"""Compiled host maths of the decoder (numba): norms, RoPE, paged attention and SiLU over the rows of a batch.
 
-A decode step's non-GEMM work is tiny (one row of D or F values, one query against the KV cache), so in numpy
-it is dominated by per-call overhead: ~15 numpy calls per norm/RoPE/attention/SiLU, each allocating a
-temporary. Here each stage between two projections is one call that also quantizes the next projection's
-input (the same ``_q8_rows`` as ``quantize_activations``, so codes and scales follow its exact semantics).
+Every kernel computes each row on its own, with one fixed sequence of float32 operations (no fastmath: no
+FMA contraction, no reassociation) and sequential sums, so a row's bits do not depend on how many rows run
+with it, which sequences they belong to, or how a prompt was split into chunks: a token's logits are the
+same whether it is decoded alone, in a batch of 64, or teacher-forced in a prefill. Batching and chunked
+prefill therefore change no result, and a preempted sequence recomputed later gets its cache back bit for bit.
 
-Element-wise maths is the same operation sequence as decoder.py's numpy path (no fastmath: no FMA
-contraction, no reassociation), so it rounds identically; reductions (rmsnorm's sum of squares, attention's
-dot products and softmax sum) are sequential float32 sums, which differ from numpy/BLAS only in summation
-order. Attention dot products run with the positions as the inner, independent loop over the transposed key
-cache [KV, hd, S], so LLVM vectorises them without reassociating anything.
+Attention dot products run with the positions as the inner, independent loop over keys stored transposed
+([blocks, KV, hd, block]), so LLVM vectorises them without reassociating anything.
 
-``AVAILABLE`` is False where numba is missing or cannot compile; the decoder then runs its numpy path.
+``AVAILABLE`` is False where numba is missing; the same functions then run as plain Python, with the same
+results and far slower (numba is a dependency: this only keeps a broken install working).
 """
 
 from __future__ import annotations
@@ -21,118 +20,133 @@ from typing import Any
 
 import numpy as np
 
-from kestrel_core import contract
-
 log = logging.getLogger("kestrel")
 
 
-def _add_norm_quant(h: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: np.float32, group: int,
-                    x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> None:
-    # h: [1, D] residual, += delta [1, D] first when delta is not empty; x: [1, D] scratch for rmsnorm(h) *
-    # weight, quantized into codes [1, D] int8 and scales [1, D/group].
-    d = h.shape[1]
-    if delta.shape[1]:
+def _rmsnorm_rows(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
+    # x, out: [R, D]; weight: [D]. out = x / sqrt(mean(x^2) + eps) * weight, a sequential sum per row.
+    r, d = x.shape
+    for i in range(r):
+        ss = np.float32(0)
         for j in range(d):
-            h[0, j] += delta[0, j]
-    ss = np.float32(0)
-    for j in range(d):
-        ss += h[0, j] * h[0, j]
-    inv = np.float32(1) / np.sqrt(ss / np.float32(d) + eps)
-    for j in range(d):
-        x[0, j] = h[0, j] * inv * weight[j]
-    _q8_rows(x, group, codes, scales)
+            ss += x[i, j] * x[i, j]
+        inv = np.float32(1) / np.sqrt(ss / np.float32(d) + eps)
+        for j in range(d):
+            out[i, j] = x[i, j] * inv * weight[j]
 
 
-def _rope_attend_quant(q: np.ndarray, k: np.ndarray, v: np.ndarray, kt: np.ndarray, vc: np.ndarray, pos: int,
-                       cos: np.ndarray, sin: np.ndarray, q_cos: np.ndarray, q_sin: np.ndarray, group: int,
-                       scores: np.ndarray, attn: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> None:
-    # q: [H, hd], k/v: [KV, hd] of the new position; kt: [KV, hd, cap] keys (transposed), vc: [cap, KV, hd]
-    # values of this layer; cos/sin/q_cos/q_sin: [hd] tables of ``pos`` (sin signed, q_ tables scaled);
-    # scores: [>= pos+1] scratch; attn: [1, H*hd] out, quantized into codes/scales.
-    n_heads, hd = q.shape
-    n_kv = k.shape[0]
+def _rope_write(k: np.ndarray, v: np.ndarray, kt: np.ndarray, vc: np.ndarray, slots: np.ndarray,
+                cos: np.ndarray, sin: np.ndarray) -> None:
+    # k, v: [M, KV, hd] new keys/values; kt: [NB, KV, hd, BS] and vc: [NB, BS, KV, hd] one layer's pool;
+    # slots: [M] block * BS + offset of each row's position; cos/sin: [M, hd] (sin carries rotate_half's sign).
+    m, n_kv, hd = k.shape
+    bs = kt.shape[3]
+    half = hd // 2
+    for r in range(m):
+        blk, off = slots[r] // bs, slots[r] % bs
+        for kh in range(n_kv):  # x * cos + rotate_half(x) * sin
+            for j in range(hd):
+                js = j + half if j < half else j - half
+                kt[blk, kh, j, off] = k[r, kh, j] * cos[r, j] + k[r, kh, js] * sin[r, j]
+                vc[blk, off, kh, j] = v[r, kh, j]
+
+
+def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, row_seq: np.ndarray,
+            lengths: np.ndarray, q_cos: np.ndarray, q_sin: np.ndarray, out: np.ndarray) -> None:
+    # q: [M, H, hd] (RoPE applied here with the scaled q_ tables [M, hd]); kt/vc: one layer's pool; tables:
+    # [S, max_blocks] block ids of each sequence; row_seq: [M] its sequence; lengths: [M] positions it sees
+    # (its own position + 1). out: [M, H*hd]. Work items are (row, KV head); a KV head's g query heads share
+    # each key load. Query head h reads KV head h // g (HF's repeat_kv); softmax normalised after P @ V.
+    m, n_heads, hd = q.shape
+    n_kv = kt.shape[1]
+    bs = kt.shape[3]
     g = n_heads // n_kv
     half = hd // 2
-    s_len = pos + 1
-    for kh in range(n_kv):  # RoPE into the cache: x * cos + rotate_half(x) * sin, as decoder._rope
-        for j in range(hd):
-            js = j + half if j < half else j - half
-            kt[kh, j, pos] = k[kh, j] * cos[j] + k[kh, js] * sin[j]
-            vc[pos, kh, j] = v[kh, j]
-    qr = np.empty(hd, np.float32)
-    for h in range(n_heads):
-        kh = h // g  # HF's repeat_kv
-        for j in range(hd):
-            js = j + half if j < half else j - half
-            qr[j] = q[h, j] * q_cos[j] + q[h, js] * q_sin[j]
-        for s in range(s_len):
-            scores[s] = np.float32(0)
-        for j in range(hd):  # scores = q . k over positions: independent lanes, vectorised
-            qj = qr[j]
-            row = kt[kh, j]
-            for s in range(s_len):
-                scores[s] += qj * row[s]
-        top = scores[0]
-        for s in range(1, s_len):
-            if scores[s] > top:
-                top = scores[s]
-        total = np.float32(0)
-        for s in range(s_len):
-            e = np.exp(scores[s] - top)
-            scores[s] = e
-            total += e
-        base = h * hd
-        for j in range(hd):
-            attn[0, base + j] = np.float32(0)
-        for s in range(s_len):  # P @ V, normalised after (as decoder._attention)
-            p = scores[s]
+    for item in prange(m * n_kv):
+        r, kh = item // n_kv, item % n_kv
+        table = tables[row_seq[r]]
+        s_len = lengths[r]
+        n_blocks = (s_len + bs - 1) // bs
+        qr = np.empty((g, hd), np.float32)
+        scores = np.empty((g, n_blocks * bs), np.float32)
+        acc = np.empty((g, bs), np.float32)
+        for hh in range(g):
+            h = kh * g + hh
             for j in range(hd):
-                attn[0, base + j] += p * vc[s, kh, j]
-        for j in range(hd):
-            attn[0, base + j] /= total
-    _q8_rows(attn, group, codes, scales)
+                js = j + half if j < half else j - half
+                qr[hh, j] = q[r, h, j] * q_cos[r, j] + q[r, h, js] * q_sin[r, j]
+        for b in range(n_blocks):  # scores = q . k, summed over j in order for every position
+            keys = kt[table[b], kh]  # [hd, BS]
+            acc[:] = np.float32(0)
+            for j in range(hd):
+                row = keys[j]
+                for hh in range(g):
+                    qj = qr[hh, j]
+                    for o in range(bs):  # independent lanes, vectorised
+                        acc[hh, o] += qj * row[o]
+            for hh in range(g):
+                for o in range(bs):
+                    scores[hh, b * bs + o] = acc[hh, o]
+        pv = np.empty(hd, np.float32)
+        for hh in range(g):
+            top = scores[hh, 0]
+            for s in range(1, s_len):
+                if scores[hh, s] > top:
+                    top = scores[hh, s]
+            total = np.float32(0)
+            for s in range(s_len):
+                e = np.exp(scores[hh, s] - top)
+                scores[hh, s] = e
+                total += e
+            pv[:] = np.float32(0)
+            for s in range(s_len):  # P @ V
+                p = scores[hh, s]
+                vrow = vc[table[s // bs], s % bs, kh]  # [hd]
+                for j in range(hd):
+                    pv[j] += p * vrow[j]
+            o0 = (kh * g + hh) * hd
+            for j in range(hd):
+                out[r, o0 + j] = pv[j] / total
 
 
-def _silu_mul_quant(gate: np.ndarray, up: np.ndarray, group: int, codes: np.ndarray, scales: np.ndarray) -> None:
-    # gate, up: [1, F]; gate becomes silu(gate) * up (as decoder._silu_mul), quantized into codes/scales.
-    for j in range(gate.shape[1]):
-        gate[0, j] = gate[0, j] / (np.exp(-gate[0, j]) + np.float32(1)) * up[0, j]
-    _q8_rows(gate, group, codes, scales)
+def _silu_mul(gate: np.ndarray, up: np.ndarray) -> None:
+    # gate, up: [M, F]; gate becomes silu(gate) * up. exp(-x) overflows to inf for very negative x: the limit 0.
+    m, f = gate.shape
+    for i in range(m):
+        for j in range(f):
+            gate[i, j] = gate[i, j] / (np.exp(-gate[i, j]) + np.float32(1)) * up[i, j]
+
+
+def prange(*args: int) -> range:
+    """numba's parallel range where compiled; a plain range in the Python fallback."""
+    return range(*args)
 
 
 COMPILE_ERRORS: tuple[type[BaseException], ...] = ()
-_q8_rows: Any = None
-add_norm_quant: Any = None
-rope_attend_quant: Any = None
-silu_mul_quant: Any = None
+rmsnorm_rows: Any = _rmsnorm_rows
+rope_write: Any = _rope_write
+attend: Any = _attend
+silu_mul: Any = _silu_mul
 AVAILABLE = False
 
 
 def _build() -> bool:
-    global _q8_rows, add_norm_quant, rope_attend_quant, silu_mul_quant, COMPILE_ERRORS
-    compiled_q8 = contract._compiled_q8_rows()
-    if compiled_q8 is None:
-        return False
+    global rmsnorm_rows, rope_write, attend, silu_mul, COMPILE_ERRORS, prange
     try:
+        import numba
         from numba import njit
         from numba.core.errors import NumbaError
-    except Exception as exc:  # numba missing: the decoder's numpy path
-        log.debug("compiled decode step unavailable: %s", exc)
+    except Exception as exc:  # numba missing: the plain-Python loops (correct, slow)
+        log.debug("compiled decoder kernels unavailable: %s", exc)
         return False
     COMPILE_ERRORS = (NumbaError,)
-    _q8_rows = compiled_q8  # a global the jitted functions below call (resolved when they compile)
+    prange = numba.prange  # a global the parallel kernel resolves when it compiles
     jit = njit(cache=True, nogil=True)
-    add_norm_quant = jit(_add_norm_quant)
-    rope_attend_quant = jit(_rope_attend_quant)
-    silu_mul_quant = jit(_silu_mul_quant)
+    rmsnorm_rows = jit(_rmsnorm_rows)
+    rope_write = jit(_rope_write)
+    attend = njit(cache=True, nogil=True, parallel=True)(_attend)
+    silu_mul = jit(_silu_mul)
     return True
 
 
 AVAILABLE = _build()
-
-
-def disable(exc: BaseException) -> None:
-    """Fall back to the numpy path for good (a numba that cannot compile these)."""
-    global AVAILABLE
-    log.debug("compiled decode step unavailable: %s", exc)
-    AVAILABLE = False

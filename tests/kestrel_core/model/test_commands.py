@@ -64,7 +64,7 @@ def test_run_streams_text_with_the_chat_template(capsys, monkeypatch) -> None:
     (["run", "hi", "--preset", "tiny", "--quant", "q3"], "unknown quant mode 'q3'"),
     (["run", "hi", "--preset", "tiny", "--model", "m.gguf"], "either --model or --preset"),
     (["run", "hi", "--model", "/nonexistent/model.gguf"], "does not exist"),
-    (["run", "hi", "--preset", "tiny", "--top-p", "0"], "top-p"),
+    (["run", "hi", "--preset", "tiny", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["bench", "--preset", "tiny", "--prompt-tokens", "90", "--decode-tokens", "9"], "exceed the model's context"),
 ])
 def test_bad_input_is_one_line_and_a_nonzero_exit(capsys, argv: list[str], message: str) -> None:

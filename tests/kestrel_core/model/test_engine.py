@@ -184,7 +184,7 @@ def test_bad_requests_are_one_line_errors(model, monkeypatch) -> None:
             engine.logits([])
         with pytest.raises(KestrelError, match="outside the vocabulary"):
             engine.generate([model.config.vocab_size])
-        with pytest.raises(KestrelError, match="top-p"):
+        with pytest.raises(KestrelError, match="top_p"):
             engine.generate(PROMPT, temperature=1.0, top_p=0.0)
     monkeypatch.setenv("KESTREL_BACKEND_PATH", str(FIXTURES / "unavailable.py"))
     with pytest.raises(KestrelError, match="no widget attached"):

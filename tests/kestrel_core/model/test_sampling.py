@@ -1,12 +1,17 @@
-"""Sampling: greedy, temperature, top-k, top-p, seeds."""
+"""Sampling: greedy, temperature, top-k, top-p, seeds, penalties, logprobs, parameter checks."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kestrel_core.errors import KestrelError
-from kestrel_core.model.sampling import Sampler
+from kestrel_core.errors import InvalidRequest
+from kestrel_core.model.sampling import Sampler as _Sampler
+from kestrel_core.model.sampling import SamplingParams, logprobs_of
+
+
+def Sampler(temperature: float = 0.0, **kwargs: object) -> _Sampler:  # noqa: N802
+    return _Sampler(SamplingParams(temperature=temperature, **kwargs))  # type: ignore[arg-type]
 
 LOGITS = np.log(np.array([0.05, 0.4, 0.1, 0.3, 0.15], dtype=np.float32))  # probabilities at temperature 1
 
@@ -58,8 +63,34 @@ def test_the_same_seed_gives_the_same_tokens() -> None:
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
-@pytest.mark.parametrize("kwargs", [{"temperature": -1.0}, {"temperature": float("nan")}, {"top_k": -1},
-                                    {"top_p": 0.0}, {"top_p": 1.5}])
-def test_bad_parameters_are_errors(kwargs: dict) -> None:
-    with pytest.raises(KestrelError):
-        Sampler(**kwargs)
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": -1.0}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"top_k": -1}, "top_k"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"max_tokens": True}, "max_tokens"), ({"max_tokens": -1}, "max_tokens"), ({"seed": -1}, "seed"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": float("inf")}, "frequency_penalty"),
+    ({"top_logprobs": 6}, "top_logprobs"), ({"stop": ("",)}, "stop"), ({"stop": ("a",) * 5}, "stop"),
+    ({"stop_token_ids": (-3,)}, "stop_token_ids"), ({"logprobs": 1}, "logprobs"),
+])
+def test_bad_parameters_name_their_field(kwargs: dict, param: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        SamplingParams(**kwargs).check()
+    assert info.value.param == param and param in str(info.value)
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula() -> None:
+    logits = np.array([3.0, 2.9, 0.0, -1.0], np.float32)
+    s = _Sampler(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
+    assert s(logits) == 0  # nothing generated yet: no penalty
+    s.counts[0] += 1  # token 0 twice, token 1 once
+    s.counts[1] += 1
+    want = logits - np.array([0.5 + 2 * 0.25, 0.5 + 0.25, 0, 0], np.float32)
+    np.testing.assert_array_equal(s.processed(logits), want)
+    assert s(logits) == 1  # 3.0 - 1.0 < 2.9 - 0.75
+
+
+def test_logprobs_are_the_models_log_softmax_with_the_top_alternatives() -> None:
+    lp = logprobs_of(LOGITS, 3, top=2)
+    np.testing.assert_allclose(lp.logprob, np.log(0.3), rtol=1e-5)
+    assert [i for i, _ in lp.top] == [1, 3]
+    np.testing.assert_allclose([v for _, v in lp.top], np.log([0.4, 0.3]), rtol=1e-5)
+    assert logprobs_of(LOGITS, 0, top=0).top == []

@@ -1,0 +1,219 @@
+"""An asyncio front for the scheduler: requests from any coroutine, one thread running the batched steps.
+
+The engine's steps are blocking numpy/numba work, so they run on a thread of their own; coroutines submit
+requests and read each request's outputs from an asyncio queue. Leaving the ``generate`` iterator early (a
+client that disconnected, a cancelled task) aborts the request, which frees its sequence at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kestrel_core.errors import KestrelError, Overloaded
+from kestrel_core.model.sampling import SamplingParams
+from kestrel_core.model.scheduler import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_WAITING,
+    DEFAULT_TOKEN_BUDGET,
+    RequestOutput,
+    Scheduler,
+)
+
+log = logging.getLogger("kestrel")
+
+
+@dataclass
+class _Client:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+@dataclass
+class EngineCounters:
+    """What the serving loop has done so far (the server's metrics read these)."""
+
+    steps: int = 0
+    step_rows: int = 0  # tokens run over all steps
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
+    failed_steps: int = 0
+
+
+class AsyncEngine:
+    """Continuous batching over an ``Engine`` for concurrent callers (the server, or any asyncio code)."""
+
+    def __init__(self, engine: Any, *, max_batch: int = DEFAULT_MAX_BATCH, token_budget: int = DEFAULT_TOKEN_BUDGET,
+                 max_waiting: int = DEFAULT_MAX_WAITING) -> None:
+        self.engine = engine
+        self.scheduler = Scheduler(engine, max_batch=max_batch, token_budget=token_budget, max_waiting=max_waiting)
+        self.counters = EngineCounters()
+        self._lock = threading.Lock()  # guards the inbox, the clients and the accepting flag
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[tuple[str, Any]] = []  # ("add", (id, ids, params)) / ("abort", id)
+        self._clients: dict[str, _Client] = {}
+        self._accepting = True
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._next_id = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kestrel-scheduler", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self, grace_s: float = 30.0) -> None:
+        """Stop accepting; let running requests finish for up to ``grace_s``, abort the rest, stop the loop."""
+        with self._lock:
+            self._accepting = False
+        deadline = time.monotonic() + grace_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        with self._lock:
+            for request_id in list(self._clients):
+                self._inbox.append(("abort", request_id))
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+            self._thread = None
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    @property
+    def active(self) -> int:
+        """Requests submitted and not finished."""
+        with self._lock:
+            return len(self._clients)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting + sum(1 for kind, _ in list(self._inbox) if kind == "add")
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as its tokens come; InvalidRequest or Overloaded before the first one."""
+        request_id, client = self.submit(prompt_ids, params, request_id)
+        finished = False
+        try:
+            while True:
+                item = await client.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
+               request_id: str | None = None) -> tuple[str, _Client]:
+        ids = [int(t) for t in prompt_ids]
+        self.scheduler.check(ids, params)  # reads only the engine's config and pool size: safe here
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if not self._accepting:
+                raise Overloaded("the server is shutting down")
+            if len(self._clients) >= self.scheduler.max_batch + self.scheduler.max_waiting:
+                raise Overloaded(f"the server is at capacity ({len(self._clients)} requests in flight); "
+                                 "retry later")
+            if request_id is None:
+                self._next_id += 1
+                request_id = f"req-{self._next_id}"
+            if request_id in self._clients:
+                raise KestrelError(f"request id {request_id!r} is already in use")
+            client = _Client(loop, asyncio.Queue())
+            self._clients[request_id] = client
+            self._inbox.append(("add", (request_id, ids, params)))
+            self._wake.notify()
+        return request_id, client
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (its sequence is freed at the next step); nothing if it already finished."""
+        with self._lock:
+            if request_id in self._clients:
+                self._inbox.append(("abort", request_id))
+                self._wake.notify()
+
+    # -- the scheduler thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        sched = self.scheduler
+        while True:
+            with self._lock:
+                while not self._inbox and not sched.has_work and not self._stopping:
+                    self._wake.wait()
+                inbox, self._inbox = self._inbox, []
+                stopping = self._stopping
+            for kind, payload in inbox:
+                if kind == "add":
+                    request_id, ids, params = payload
+                    try:
+                        sched.add(ids, params, request_id)
+                    except KestrelError as exc:
+                        self._deliver_error(request_id, exc)
+                else:
+                    sched.abort(payload)
+                    self._drop(payload)
+            if stopping and not sched.has_work:
+                return
+            try:
+                outputs = sched.step()
+            except Exception as exc:  # a failed step ends its requests; the loop serves the next ones
+                self.counters.failed_steps += 1
+                log.error("kestrel: a batched step failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
+                for request_id in self._orphans():
+                    self._deliver_error(request_id, KestrelError(f"the step failed: {exc}"))
+                continue
+            self.counters.steps += 1
+            for out in outputs:
+                self._deliver(out)
+
+    def _orphans(self) -> list[str]:
+        """Clients whose request the scheduler no longer holds (ended by a failed step)."""
+        with self._lock:
+            pending = {payload[0] for kind, payload in self._inbox if kind == "add"}
+            return [r for r in self._clients if r not in self.scheduler.requests and r not in pending]
+
+    def _deliver(self, out: RequestOutput) -> None:
+        self.counters.step_rows += len(out.new_token_ids)
+        if out.finished:
+            reason = out.finish_reason or "stop"
+            self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+        with self._lock:
+            client = self._clients.get(out.request_id)
+            if out.finished:
+                self._clients.pop(out.request_id, None)
+        if client is not None:
+            client.loop.call_soon_threadsafe(client.queue.put_nowait, out)
+
+    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
+        with self._lock:
+            client = self._clients.pop(request_id, None)
+        if client is not None:
+            client.loop.call_soon_threadsafe(client.queue.put_nowait, exc)
+
+    def _drop(self, request_id: str) -> None:
+        with self._lock:
+            client = self._clients.pop(request_id, None)
+        if client is not None:  # the caller left: nobody reads this queue, but a shutdown abort is said
+            client.loop.call_soon_threadsafe(
+                client.queue.put_nowait,
+                RequestOutput(request_id, [], "", None, True, "abort", 0, 0))

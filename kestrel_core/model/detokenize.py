@@ -1,0 +1,75 @@
+"""Incremental detokenization: text as tokens arrive, whole characters only, cut at stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class TextStream:
+    """Decodes generated ids incrementally: only whole characters come out, even when a character's UTF-8
+    bytes span several tokens, and tokenizers that need left context (leading spaces) decode right.
+
+    With ``stop`` strings, text that may be the start of one is held back until it is known not to be, and
+    the text ends before the first stop string (``stopped`` turns True).
+    """
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.ids: list[int] = []
+        self.prefix = 0  # ids[prefix:read] is context already decoded
+        self.read = 0
+        self.text = ""  # every character decoded so far
+        self.sent = 0  # text[:sent] has been handed out
+        self.stopped = False
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        """The new text that ``token`` completes ('' while a character is incomplete or held back)."""
+        if self.stopped:
+            return ""
+        self.ids.append(int(token))
+        done = self._decode(self.ids[self.prefix:self.read])
+        text = self._decode(self.ids[self.prefix:])
+        if len(text) > len(done) and not text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            self.text += text[len(done):]
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """Whatever is left at the end (an incomplete character comes out as U+FFFD)."""
+        if not self.stopped:
+            done = self._decode(self.ids[self.prefix:self.read])
+            text = self._decode(self.ids[self.prefix:])
+            self.prefix = self.read = len(self.ids)
+            self.text += text[len(done):]
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stopped:
+            return ""
+        if self.stop:
+            # a stop string may straddle what was already handed out: search from the longest one back
+            start = max(0, self.sent - max(map(len, self.stop)) + 1)
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.stopped = True
+                cut = max(min(hits), self.sent)
+                out, self.sent = self.text[self.sent:cut], cut
+                return out
+        safe = len(self.text) if final else len(self.text) - self._held()
+        if safe <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent:safe], safe
+        return out
+
+    def _held(self) -> int:
+        """Characters at the end of the text that could begin a stop string."""
+        for n in range(min(len(self.text) - self.sent, max(map(len, self.stop), default=1) - 1), 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0

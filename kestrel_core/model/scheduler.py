@@ -1,0 +1,315 @@
+"""Continuous (iteration-level) batching: requests join and leave the running batch at any step.
+
+Each ``step()`` is one ``Engine.run_batch``: one row for every running sequence that is decoding, then
+chunks of prompts (chunked prefill) while the step's token budget lasts. A request is admitted when the KV
+pool has blocks for its tokens (with a block of headroom for each running sequence); when a running
+sequence cannot grow, the most recently admitted one is preempted: its blocks are freed and it waits again
+at the head of the queue, to be recomputed from its prompt and the tokens it has generated. A row's result
+does not depend on the batch (``kernels``), so a recomputed sequence carries on exactly where it stopped.
+
+The scheduler is not thread-safe: one thread drives it (``AsyncEngine``, or ``Engine.generate``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
+from kestrel_core.model.detokenize import TextStream
+from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
+
+DEFAULT_MAX_BATCH = 64
+DEFAULT_TOKEN_BUDGET = 512  # tokens per step: decode rows plus prompt chunks
+DEFAULT_MAX_WAITING = 256
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What one step added to a request: new tokens and text, and whether (and why) it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop" (EOS, a stop token or string), "length", "abort", or None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sampler: Sampler
+    text: TextStream | None
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: str = WAITING
+    finish_reason: str | None = None
+    seq: Any = None  # the engine's SeqState while admitted
+    preemptions: int = 0
+    first_token_at: float | None = None
+    _device_tokens: Iterator[int] | None = None  # the backend's pipelined greedy decode, while it runs
+    _device_offered: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.status == FINISHED
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every token of the sequence: the prompt, then the output."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def pending(self) -> int:
+        """Tokens not yet in the KV cache (the last output token, or the rest of the prompt)."""
+        done = len(self.seq.tokens) if self.seq is not None else 0
+        return len(self.prompt_ids) + len(self.output_ids) - done
+
+
+class Scheduler:
+    """Requests in, one batched step at a time, ``RequestOutput``s out."""
+
+    def __init__(self, engine: Any, *, max_batch: int = DEFAULT_MAX_BATCH, token_budget: int = DEFAULT_TOKEN_BUDGET,
+                 max_waiting: int = DEFAULT_MAX_WAITING) -> None:
+        if max_batch < 1 or token_budget < 1 or max_waiting < 0:
+            raise KestrelError("the scheduler needs max_batch >= 1, token_budget >= 1 and max_waiting >= 0")
+        self.engine = engine
+        self.pool = engine.pool
+        self.max_batch = max_batch
+        self.token_budget = max(token_budget, max_batch)  # every running sequence decodes at every step
+        self.max_waiting = max_waiting
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}
+        self.eos = engine.eos_token_ids
+        self._ids = itertools.count(1)
+        self.steps = 0
+        self.preemptions = 0
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest for a request that can never run (before it is queued)."""
+        params.check()
+        c = self.engine.config
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        bad = [i for i in prompt_ids if not 0 <= i < c.vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {c.vocab_size})",
+                                 param="prompt")
+        if len(prompt_ids) > c.max_position:
+            raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; the model's context is "
+                                 f"{c.max_position}", param="prompt")
+        if self.pool.blocks_for(len(prompt_ids)) > self.pool.num_blocks:
+            raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds "
+                                 f"{self.pool.capacity}", param="prompt")
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        """Queue a request; InvalidRequest if it can never run, Overloaded if the queue is full."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.check(prompt_ids, params)
+        if len(self.waiting) >= self.max_waiting and len(self.running) >= self.max_batch:
+            raise Overloaded(f"the server is at capacity ({len(self.running)} running, {len(self.waiting)} "
+                             "waiting); retry later")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
+        needs_text = bool(params.stop) or getattr(self.engine.tokenizer, "decode", None) is not None
+        text = TextStream(self.engine.tokenizer, params.stop) if needs_text else None
+        request = Request(request_id, prompt_ids, params, Sampler(params), text)
+        self.requests[request_id] = request
+        self.waiting.append(request)
+        return request
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its sequence (nothing if it already finished)."""
+        request = self.requests.get(request_id)
+        if request is not None and not request.finished:
+            self._finish(request, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- one step ------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batched step; the outputs of every request that got a token or finished."""
+        if self._device_step_possible():
+            return self._device_step(self.running[0])
+        work = self._schedule()
+        if not work:
+            return []
+        self.steps += 1
+        try:
+            logits = self.engine.run_batch([(r.seq, toks, rows) for r, toks, rows in work])
+        except Exception:  # the step failed as a whole: its requests end; the scheduler goes on
+            for request, _, _ in work:
+                self._finish(request, "abort")
+            raise
+        outputs = []
+        for (request, _, rows), out in zip(work, logits):
+            if rows:
+                outputs.append(self._advance(request, self._sample(request, out[-1])))
+        return outputs
+
+    def _schedule(self) -> list[tuple[Request, list[int], int]]:
+        budget = self.token_budget
+        work: list[tuple[Request, list[int], int]] = []
+        for request in list(self.running):
+            if request.status != RUNNING or budget == 0:
+                continue
+            n = min(request.pending, budget)
+            if not self._grow(request, n):
+                continue  # preempted, or finished for lack of room
+            work.append(self._chunk(request, n))
+            budget -= n
+        while self.waiting and budget and len(self.running) < self.max_batch:
+            request = self.waiting[0]
+            tokens = len(request.tokens)
+            if self.pool.blocks_for(tokens + 1) + len(self.running) > self.pool.free_blocks and self.running:
+                break  # no room yet: it waits for running sequences to finish
+            self.waiting.popleft()
+            request.seq = self.engine.new_sequence()
+            request.status = RUNNING
+            self.running.append(request)
+            n = min(request.pending, budget)
+            if not self._grow(request, n):
+                continue
+            work.append(self._chunk(request, n))
+            budget -= n
+        return work
+
+    def _chunk(self, request: Request, n: int) -> tuple[Request, list[int], int]:
+        done = len(request.seq.tokens)
+        tokens = request.tokens[done:done + n]
+        return request, tokens, int(n == request.pending)  # logits once the chunk reaches the last token
+
+    def _grow(self, request: Request, n: int) -> bool:
+        """KV blocks for n more tokens of ``request``, preempting later-admitted requests if needed."""
+        target = len(request.seq.tokens) + n
+        while not self.pool.reserve(request.seq.cache, target):
+            victim = self.running[-1]
+            if victim is request:  # alone and still no room: it cannot grow
+                if len(self.running) == 1:
+                    self._finish(request, "length")
+                else:
+                    self._preempt(request)
+                return False
+            self._preempt(victim)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self._drop_device(request)
+        self.engine.release(request.seq)
+        request.seq = None
+        request.status = WAITING
+        request.preemptions += 1
+        self.preemptions += 1
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+
+    def _sample(self, request: Request, logits: np.ndarray) -> tuple[int, TokenLogprob | None]:
+        token = request.sampler(logits)
+        p = request.params
+        return token, logprobs_of(logits, token, p.top_logprobs) if p.logprobs else None
+
+    def _advance(self, request: Request, sampled: tuple[int, TokenLogprob | None]) -> RequestOutput:
+        """Append a new token, check the stop conditions, and say what changed."""
+        token, logprob = sampled
+        p = request.params
+        request.output_ids.append(token)
+        if request.first_token_at is None:
+            request.first_token_at = time.monotonic()
+        text = request.text.push(token) if request.text is not None else ""
+        reason = None
+        if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        elif request.text is not None and request.text.stopped:
+            reason = "stop"
+        elif len(request.output_ids) >= p.max_tokens:
+            reason = "length"
+        elif len(request.tokens) > self.engine.config.max_position:
+            reason = "length"  # the context is full: no position left to run the last token at
+        if reason is not None:
+            if request.text is not None:
+                text += request.text.flush()
+            self._finish(request, reason)
+        return RequestOutput(request.request_id, [token], text, [logprob] if logprob is not None else None,
+                             request.finished, request.finish_reason, len(request.prompt_ids),
+                             len(request.output_ids))
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self._drop_device(request)
+        if request.seq is not None:
+            self.engine.release(request.seq)
+            request.seq = None
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        request.status = FINISHED
+        request.finish_reason = reason
+        self.requests.pop(request.request_id, None)
+
+    # -- the backend's pipelined greedy decode (one sequence alone) ----------------------------------
+
+    def _device_step_possible(self) -> bool:
+        """One greedy sequence decoding with nothing else to do: the backend may run steps ahead of us."""
+        if len(self.running) != 1 or self.waiting:
+            return False
+        request = self.running[0]
+        p = request.params
+        if request._device_tokens is None and request._device_offered:
+            return False
+        return (request.pending == 1 and p.greedy and not p.penalized and not p.logprobs
+                and request.seq.device_len == len(request.seq.tokens))
+
+    def _device_step(self, request: Request) -> list[RequestOutput]:
+        seq = request.seq
+        if request._device_tokens is None:
+            request._device_offered = True
+            c = self.engine.config
+            steps = min(request.params.max_tokens - len(request.output_ids), c.max_position - len(seq.tokens))
+            request._device_tokens = self.engine.offload.decode_greedy(
+                self.engine.model, seq.seq_id, request.output_ids[-1], len(seq.tokens), steps, c.vocab_size)
+        nxt = next(request._device_tokens, None) if request._device_tokens is not None else None
+        if nxt is None:  # declined, or ended: step by step from here on
+            request._device_tokens = None
+            return self.step()
+        if not self.pool.reserve(seq.cache, len(seq.tokens) + 1):
+            self._drop_device(request)
+            return self.step()
+        self.steps += 1
+        seq.tokens.append(request.output_ids[-1])  # the device ran it and chose the next token
+        seq.device_len = len(seq.tokens)
+        request.sampler.counts[nxt] += 1
+        return [self._advance(request, (nxt, None))]
+
+    def _drop_device(self, request: Request) -> None:
+        tokens, request._device_tokens = request._device_tokens, None
+        close = getattr(tokens, "close", None)
+        if close is not None:
+            close()
