@@ -18,39 +18,9 @@ from rich.table import Table
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.engine import Engine, load, load_preset
+from kestrel_core.model.sampling import SamplingParams
 
 err = Console(stderr=True, highlight=False)
-
-
-class TextStream:
-    """Decodes generated ids incrementally: only whole characters come out, even when a character's UTF-8
-    bytes span several tokens, and tokenizers that need left context (leading spaces) decode right."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix = 0  # ids[prefix:read] is context already printed
-        self.read = 0
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
-    def push(self, token: int) -> str:
-        """The new text that ``token`` completes ('' while a character is still incomplete)."""
-        self.ids.append(int(token))
-        done = self._decode(self.ids[self.prefix:self.read])
-        text = self._decode(self.ids[self.prefix:])
-        if len(text) > len(done) and not text.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return text[len(done):]
-        return ""
-
-    def flush(self) -> str:
-        """Whatever is left at the end (an incomplete character comes out as U+FFFD)."""
-        done = self._decode(self.ids[self.prefix:self.read])
-        text = self._decode(self.ids[self.prefix:])
-        self.prefix = self.read = len(self.ids)
-        return text[len(done):]
 
 
 def _open_engine(args: argparse.Namespace) -> Engine:
@@ -89,23 +59,17 @@ def _check_context(engine: Engine, ids: Sequence[int]) -> None:
 
 def _stream(engine: Engine, ids: list[int], args: argparse.Namespace, out: TextIO | None) -> tuple[str, list[int]]:
     """Generate, writing text to ``out`` as it arrives; returns (text, token ids)."""
-    stream = TextStream(engine.tokenizer)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=tuple(getattr(args, "stop", None) or ()))
     pieces: list[str] = []
     tokens: list[int] = []
-    for token in engine.generate(ids, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                                 top_p=args.top_p, seed=args.seed):
-        tokens.append(token)
-        piece = stream.push(token)
-        if piece:
-            pieces.append(piece)
+    for step in engine.stream(ids, params):
+        tokens.extend(step.new_token_ids)
+        if step.new_text:
+            pieces.append(step.new_text)
             if out is not None:
-                out.write(piece)
+                out.write(step.new_text)
                 out.flush()
-    rest = stream.flush()
-    if rest:
-        pieces.append(rest)
-        if out is not None:
-            out.write(rest)
     return "".join(pieces), tokens
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from kestrel_core.model.decoder import PREFILL_CHUNK, Decoder, KVPool, SeqCache
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.weights import Model
 from kestrel_core.registry import Backend, Registry
+
+if TYPE_CHECKING:
+    from kestrel_core.model.scheduler import RequestOutput
 
 
 @dataclass
@@ -191,34 +194,38 @@ class Engine:
     def generate(self, prompt_ids: Sequence[int], max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = 0, stop_at_eos: bool = True,
                  params: SamplingParams | None = None) -> Iterator[int]:
-        """Token ids as they are generated: the scheduler with this one request (``params`` overrides the
-        keyword arguments)."""
-        from kestrel_core.model.scheduler import Scheduler
-
+        """Token ids as they are generated (``params`` overrides the keyword arguments)."""
         if params is None:
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                     seed=seed, ignore_eos=not stop_at_eos)
-        ids = self.check_ids(prompt_ids, "prompt")
-        params.check()
-        return self._generate(Scheduler(self, max_batch=1), ids, params)
+        outputs = self.stream(prompt_ids, params)
+        return (token for out in outputs for token in out.new_token_ids)
 
-    def _generate(self, scheduler: Any, ids: list[int], params: SamplingParams) -> Iterator[int]:
-        stats = self.last = RunStats(prompt_tokens=len(ids))
-        request = scheduler.add(ids, params)
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[RequestOutput]:
+        """One request's outputs (tokens, text, logprobs) step by step: the scheduler with this one request."""
+        from kestrel_core.model.scheduler import Scheduler
+
+        ids = self.check_ids(prompt_ids, "prompt")
+        scheduler = Scheduler(self, max_batch=1)
+        request = scheduler.add(ids, params)  # checks the parameters now, not at the first next()
+        return self._stream(scheduler, request)
+
+    def _stream(self, scheduler: Any, request: Any) -> Iterator[RequestOutput]:
+        stats = self.last = RunStats(prompt_tokens=len(request.prompt_ids))
         t0 = time.perf_counter()
         try:
             while not request.finished:
                 outputs = scheduler.step()
                 t1 = time.perf_counter()
                 for out in outputs:
-                    for token in out.new_token_ids:
+                    if out.new_token_ids:
                         if stats.generated_tokens == 0:
                             stats.prefill_s = t1 - t0
                         else:
                             stats.decode_s += t1 - t0
                             stats.decode_steps += 1
-                        stats.generated_tokens += 1
-                        yield token
+                        stats.generated_tokens += len(out.new_token_ids)
+                    yield out
                 t0 = time.perf_counter()
         finally:
             scheduler.abort(request.request_id)

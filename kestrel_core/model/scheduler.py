@@ -24,6 +24,7 @@ import numpy as np
 from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
 from kestrel_core.model.detokenize import TextStream
 from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
+from kestrel_core.model.tokenizer import NoTokenizer
 
 DEFAULT_MAX_BATCH = 64
 DEFAULT_TOKEN_BUDGET = 512  # tokens per step: decode rows plus prompt chunks
@@ -98,12 +99,15 @@ class Scheduler:
         self._ids = itertools.count(1)
         self.steps = 0
         self.preemptions = 0
+        self._ended: list[RequestOutput] = []  # requests ended while scheduling, reported by the next step
 
     # -- requests ------------------------------------------------------------------------------------
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest for a request that can never run (before it is queued)."""
         params.check()
+        if params.stop and isinstance(self.engine.tokenizer, NoTokenizer):
+            raise InvalidRequest("stop strings need a tokenizer, and this model has none", param="stop")
         c = self.engine.config
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -128,8 +132,8 @@ class Scheduler:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
-        needs_text = bool(params.stop) or getattr(self.engine.tokenizer, "decode", None) is not None
-        text = TextStream(self.engine.tokenizer, params.stop) if needs_text else None
+        tokenizer = self.engine.tokenizer
+        text = None if isinstance(tokenizer, NoTokenizer) else TextStream(tokenizer, params.stop)
         request = Request(request_id, prompt_ids, params, Sampler(params), text)
         self.requests[request_id] = request
         self.waiting.append(request)
@@ -143,7 +147,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._ended)
 
     @property
     def num_waiting(self) -> int:
@@ -160,8 +164,9 @@ class Scheduler:
         if self._device_step_possible():
             return self._device_step(self.running[0])
         work = self._schedule()
+        outputs, self._ended = self._ended, []
         if not work:
-            return []
+            return outputs
         self.steps += 1
         try:
             logits = self.engine.run_batch([(r.seq, toks, rows) for r, toks, rows in work])
@@ -169,7 +174,6 @@ class Scheduler:
             for request, _, _ in work:
                 self._finish(request, "abort")
             raise
-        outputs = []
         for (request, _, rows), out in zip(work, logits):
             if rows:
                 outputs.append(self._advance(request, self._sample(request, out[-1])))
@@ -214,7 +218,10 @@ class Scheduler:
             victim = self.running[-1]
             if victim is request:  # alone and still no room: it cannot grow
                 if len(self.running) == 1:
+                    text = request.text.flush() if request.text is not None else ""
                     self._finish(request, "length")
+                    self._ended.append(RequestOutput(request.request_id, [], text, None, True, "length",
+                                                     len(request.prompt_ids), len(request.output_ids)))
                 else:
                     self._preempt(request)
                 return False

@@ -12,7 +12,7 @@ import pytest
 from kestrel_core.cli import main
 from kestrel_core.model import engine as engine_mod
 from kestrel_core.model import presets
-from kestrel_core.model.commands import TextStream
+from kestrel_core.model.detokenize import TextStream
 from kestrel_core.model.presets import ByteTokenizer
 
 
@@ -90,13 +90,13 @@ def test_bench_json_and_table(capsys) -> None:
 
 def test_chat_keeps_the_conversation(capsys, monkeypatch) -> None:
     prompts: list[list[int]] = []
-    original = engine_mod.Engine.generate
+    original = engine_mod.Engine.stream
 
     def recording(self, prompt_ids, *args, **kwargs):
         prompts.append(list(prompt_ids))
         return original(self, prompt_ids, *args, **kwargs)
 
-    monkeypatch.setattr(engine_mod.Engine, "generate", recording)
+    monkeypatch.setattr(engine_mod.Engine, "stream", recording)
     monkeypatch.setattr("sys.stdin", io.StringIO("hi\n\nthere\n/exit\nnever read\n"))
     code, out, _ = _run(capsys, "chat", "--preset", "tiny", "-n", "3")
     assert code == 0 and len(prompts) == 2

@@ -1,0 +1,105 @@
+"""The asyncio front: concurrent callers, early exits that abort, capacity, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import kestrel_core
+from kestrel_core.errors import InvalidRequest, Overloaded
+from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.model.presets import synthetic_model
+from kestrel_core.model.sampling import SamplingParams
+
+
+@pytest.fixture
+def engine(tiny_config):
+    with kestrel_core.load(synthetic_model(tiny_config("llama", max_position=128), "q8", seed=31), "cpu") as e:
+        yield e
+
+
+def _prompts(n: int, seed: int = 1) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 300, int(rng.integers(3, 30))).tolist() for _ in range(n)]
+
+
+async def _collect(front: AsyncEngine, prompt: list[int], params: SamplingParams) -> list[int]:
+    return [t async for out in front.generate(prompt, params) for t in out.new_token_ids]
+
+
+def test_concurrent_requests_get_their_own_tokens(engine) -> None:
+    prompts = _prompts(8)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    alone = [list(engine.generate(p, params=params)) for p in prompts]
+
+    async def main() -> list[list[int]]:
+        front = AsyncEngine(engine, max_batch=8)
+        front.start()
+        try:
+            return list(await asyncio.gather(*(_collect(front, p, params) for p in prompts)))
+        finally:
+            await front.shutdown(grace_s=1)
+
+    assert asyncio.run(main()) == alone
+    assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def test_leaving_early_aborts_and_frees_the_sequence(engine) -> None:
+    async def main() -> None:
+        front = AsyncEngine(engine)
+        front.start()
+        try:
+            stream = front.generate(_prompts(1)[0], SamplingParams(max_tokens=100, ignore_eos=True))
+            async for _ in stream:
+                break
+            await stream.aclose()
+            for _ in range(200):
+                if front.active == 0 and front.num_running == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert front.active == 0 and front.num_running == 0
+            assert front.counters.finished.get("abort", 0) == 0  # nobody was told: the caller had left
+        finally:
+            await front.shutdown(grace_s=1)
+
+    asyncio.run(main())
+    assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def test_bad_requests_and_capacity_fail_before_any_output(engine) -> None:
+    async def main() -> None:
+        front = AsyncEngine(engine, max_batch=1, max_waiting=1)
+        front.start()
+        try:
+            with pytest.raises(InvalidRequest) as info:
+                await anext(front.generate([1, 2], SamplingParams(temperature=-1)))
+            assert info.value.param == "temperature"
+            long = SamplingParams(max_tokens=120, ignore_eos=True)
+            first = front.generate([5, 6], long)
+            await anext(first)
+            second, _ = front.submit([7, 8], long)  # two in flight: one running, one waiting
+            with pytest.raises(Overloaded, match="capacity"):
+                await anext(front.generate([9], long))
+            front.abort(second)
+            await first.aclose()
+        finally:
+            await front.shutdown(grace_s=1)
+
+    asyncio.run(main())
+
+
+def test_shutdown_lets_running_requests_finish_and_refuses_new_ones(engine) -> None:
+    async def main() -> None:
+        front = AsyncEngine(engine)
+        front.start()
+        task = asyncio.create_task(_collect(front, [4, 5, 6], SamplingParams(max_tokens=6, ignore_eos=True)))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0.05)
+        await front.shutdown(grace_s=5)
+        assert len(await task) == 6
+        with pytest.raises(Overloaded, match="shutting down"):
+            await anext(front.generate([1], SamplingParams()))
+
+    asyncio.run(main())

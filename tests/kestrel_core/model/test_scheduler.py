@@ -1,0 +1,178 @@
+"""Continuous batching: batched results equal each request alone, chunked prefill, preemption, stops, aborts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kestrel_core
+from kestrel_core.errors import InvalidRequest, Overloaded
+from kestrel_core.model.presets import synthetic_model
+from kestrel_core.model.sampling import SamplingParams
+from kestrel_core.model.scheduler import Scheduler
+
+
+@pytest.fixture
+def model(tiny_config):
+    return synthetic_model(tiny_config("qwen3", max_position=160), "q8", seed=21)
+
+
+@pytest.fixture
+def engine(model):
+    with kestrel_core.load(model, backend="cpu") as engine:
+        yield engine
+
+
+def _prompts(n: int, vocab: int, seed: int = 3) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, int(rng.integers(2, 40))).tolist() for _ in range(n)]
+
+
+def _alone(engine, prompt: list[int], params: SamplingParams) -> list[int]:
+    return list(engine.generate(prompt, params=params))
+
+
+def _run_all(scheduler: Scheduler, requests: list) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    while scheduler.has_work:
+        for out in scheduler.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    return tokens
+
+
+def _count_rows(engine, monkeypatch) -> list[int]:
+    """Rows of every engine step, recorded."""
+    rows: list[int] = []
+    original = type(engine).run_batch
+
+    def recording(self, work):
+        rows.append(len(work))
+        return original(self, work)
+
+    monkeypatch.setattr(type(engine), "run_batch", recording)
+    return rows
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_batched_tokens_equal_each_request_alone(engine, monkeypatch, temperature: float) -> None:
+    prompts = _prompts(6, engine.config.vocab_size)
+    params = [SamplingParams(max_tokens=12 + 3 * i, temperature=temperature, seed=40 + i, top_k=20 * (i % 2),
+                             ignore_eos=True) for i in range(6)]
+    alone = [_alone(engine, p, s) for p, s in zip(prompts, params)]
+    rows = _count_rows(engine, monkeypatch)
+    scheduler = Scheduler(engine, max_batch=6, token_budget=16)  # prompts split into chunks beside decodes
+    requests = [scheduler.add(p, s) for p, s in zip(prompts, params)]
+    got = _run_all(scheduler, requests)
+    assert [got[r.request_id] for r in requests] == alone
+    assert max(rows) >= 5  # really batched
+    assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def test_requests_join_and_leave_at_any_step(engine) -> None:
+    prompts = _prompts(5, engine.config.vocab_size, seed=4)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    alone = [_alone(engine, p, params) for p in prompts]
+    scheduler = Scheduler(engine, max_batch=3, token_budget=8)
+    requests, tokens = [], {}
+    for step in range(200):
+        if step % 4 == 0 and len(requests) < len(prompts):
+            requests.append(scheduler.add(prompts[len(requests)], params))
+            tokens[requests[-1].request_id] = []
+        for out in scheduler.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        if len(requests) == len(prompts) and not scheduler.has_work:
+            break
+    assert [tokens[r.request_id] for r in requests] == alone
+
+
+def test_preempted_sequences_are_recomputed_with_the_same_tokens(model) -> None:
+    prompts = _prompts(5, model.config.vocab_size, seed=5)
+    params = SamplingParams(max_tokens=60, temperature=0.7, seed=9, ignore_eos=True)
+    with kestrel_core.load(model, backend="cpu") as roomy:
+        alone = [_alone(roomy, p, params) for p in prompts]
+    # 1 KiB a position here: 0.25 MB is 8 blocks of 32, for five sequences that need 3 blocks each
+    with kestrel_core.load(model, backend="cpu", kv_cache_mb=0.25) as tight:
+        assert tight.pool.num_blocks == 8
+        scheduler = Scheduler(tight, max_batch=5, token_budget=64)
+        requests = [scheduler.add(p, params) for p in prompts]
+        got = _run_all(scheduler, requests)
+        assert scheduler.preemptions > 0
+        assert [got[r.request_id] for r in requests] == alone
+        assert tight.pool.free_blocks == tight.pool.num_blocks
+
+
+class _Letters:
+    """Each id decodes to one letter: readable text from a random model."""
+
+    eos_token_ids = ()
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+def test_stop_strings_stop_tokens_and_max_tokens(engine) -> None:
+    engine.tokenizer = _Letters()
+    prompt = _prompts(1, engine.config.vocab_size, seed=6)[0]
+    free = list(engine.stream(prompt, SamplingParams(max_tokens=20, ignore_eos=True)))
+    text = "".join(o.new_text for o in free)
+    ids = [t for o in free for t in o.new_token_ids]
+    assert free[-1].finish_reason == "length" and len(ids) == 20
+    start = next(i for i in range(3, 15) if text.index(text[i:i + 3]) == i)
+    stop = text[start:start + 3]
+    outs = list(engine.stream(prompt, SamplingParams(max_tokens=20, ignore_eos=True, stop=(stop,))))
+    assert "".join(o.new_text for o in outs) == text[:start] and outs[-1].finish_reason == "stop"
+    assert sum(len(o.new_token_ids) for o in outs) == start + 3  # it ended on the stop string's last token
+    outs = list(engine.stream(prompt, SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(ids[7],))))
+    got = [t for o in outs for t in o.new_token_ids]
+    assert got == ids[:ids.index(ids[7]) + 1] and outs[-1].finish_reason == "stop"
+
+
+def test_logprobs_come_with_each_token(engine) -> None:
+    prompt = _prompts(1, engine.config.vocab_size, seed=7)[0]
+    outs = list(engine.stream(prompt, SamplingParams(max_tokens=4, logprobs=True, top_logprobs=3, ignore_eos=True)))
+    for out in outs:
+        (lp,) = out.logprobs
+        assert lp.token_id == out.new_token_ids[0] and len(lp.top) == 3
+        assert lp.top[0][0] == lp.token_id and lp.top[0][1] == lp.logprob <= 0  # greedy: the most likely
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+
+
+def test_an_aborted_request_frees_its_sequence_and_the_others_go_on(engine) -> None:
+    prompts = _prompts(2, engine.config.vocab_size, seed=8)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    alone = _alone(engine, prompts[1], params)
+    scheduler = Scheduler(engine, max_batch=2)
+    first, second = scheduler.add(prompts[0], params), scheduler.add(prompts[1], params)
+    tokens: list[int] = []
+    for _ in range(3):
+        tokens += [t for o in scheduler.step() if o.request_id == second.request_id for t in o.new_token_ids]
+    scheduler.abort(first.request_id)
+    assert first.finished and first.finish_reason == "abort" and scheduler.num_running == 1
+    tokens += _run_all(scheduler, [second])[second.request_id]
+    assert tokens == alone
+    assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def test_requests_that_cannot_run_are_refused_and_a_full_queue_is_overloaded(model) -> None:
+    with kestrel_core.load(model, backend="cpu", kv_cache_mb=0.125) as engine:  # 4 blocks: 128 positions
+        scheduler = Scheduler(engine, max_batch=1, max_waiting=1)
+        with pytest.raises(InvalidRequest, match="KV cache holds 128") as info:
+            scheduler.add(list(range(150)), SamplingParams())
+        assert info.value.param == "prompt"
+        with pytest.raises(InvalidRequest, match="context is 160"):
+            scheduler.add([1] * 161, SamplingParams())
+        with pytest.raises(InvalidRequest, match="top_p"):
+            scheduler.add([1, 2], SamplingParams(top_p=0))
+        scheduler.add([1, 2], SamplingParams(max_tokens=3))
+        scheduler.step()  # the first runs
+        scheduler.add([3, 4], SamplingParams(max_tokens=3))  # the second waits
+        with pytest.raises(Overloaded, match="capacity"):
+            scheduler.add([5, 6], SamplingParams())
+
+
+def test_a_sequence_that_outgrows_the_whole_cache_ends_with_length(model) -> None:
+    with kestrel_core.load(model, backend="cpu", kv_cache_mb=0.0625) as engine:  # 2 blocks: 64 positions
+        outs = list(engine.stream([1, 2, 3], SamplingParams(max_tokens=100, ignore_eos=True)))
+        assert outs[-1].finish_reason == "length"
+        assert sum(len(o.new_token_ids) for o in outs) == 64 - 3 + 1
+        assert engine.pool.free_blocks == engine.pool.num_blocks
