@@ -242,11 +242,17 @@ class Tokenizer:
                            add_special_tokens=False)
 
 
+class NoTokenizerError(KestrelError, AttributeError):
+    """Text asked of a model without a tokenizer. Also an AttributeError, so that ``hasattr(tokenizer,
+    "decode")`` is False for such a model: callers that decode only when they can (streamed text) skip it."""
+
+
 class NoTokenizer:
     """The tokenizer of a model that ships none: token ids work (logits, generate), text fails in one line.
 
-    Loading does not require a tokenizer, so weights can be checked and quantized without one; anything that
-    needs text (encode, decode, a chat template) raises a KestrelError that says what is missing.
+    Loading does not require a tokenizer, so weights can be checked, run on ids and quantized without one.
+    The text methods (encode, decode, token, the chat template, to_json_str) are absent: looking one up raises
+    NoTokenizerError, which says what is missing.
     """
 
     chat_template: str | None = None
@@ -258,25 +264,29 @@ class NoTokenizer:
         self.vocab_size = vocab_size
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
 
-    def _missing(self) -> KestrelError:
-        return KestrelError(f"this model has no tokenizer ({self.reason})")
+    def _missing(self) -> NoTokenizerError:
+        return NoTokenizerError(f"this model has no tokenizer ({self.reason})")
 
-    def to_json_str(self) -> str:
+    @property
+    def to_json_str(self) -> Any:
         raise self._missing()
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    @property
+    def encode(self) -> Any:
         raise self._missing()
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    @property
+    def decode(self) -> Any:
         raise self._missing()
 
-    def token(self, token_id: int) -> str | None:
+    @property
+    def token(self) -> Any:
         raise self._missing()
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
+    @property
+    def apply_chat_template(self) -> Any:
         raise self._missing()
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                    **kwargs: Any) -> list[int]:
+    @property
+    def encode_chat(self) -> Any:
         raise self._missing()
