@@ -1,8 +1,16 @@
-"""The conformance suite: every GEMM hook a backend implements, against the CPU reference.
+"""The conformance suite: every GEMM hook and the batched whole step a backend implements, against the CPU.
 
-Any backend, ours or a third party's, is run with ``kestrel selftest --backend NAME``. A case passes when
-every output element is within a float-rounding bound of the reference: integer block sums are exact in
+Any backend, ours or a third party's, is run with ``kestrel selftest --backend NAME``. A GEMM case passes
+when every output element is within a float-rounding bound of the reference: integer block sums are exact in
 every correct implementation, so only the order of the float accumulation over blocks may differ.
+
+A whole step cannot be held to a fixed bound: every linear quantizes its input to int8, so an activation
+within rounding of a code boundary gets the neighbouring code in another (correct) implementation, and later
+layers amplify that. The batched-step cases therefore measure their band: the CPU decoder is run a second
+time with every linear's input nudged by a few ulps (``JITTER``), and the backend may differ from the CPU by
+``JITTER_FACTOR`` times what the nudge alone changes. On the small random models here that band is 1-3 %
+(relative L2 of the logits), so these cases catch what a wrong kernel does (a bad index, a missing bias, the
+rows of another sequence: tens of %), while the GEMM cases above catch subtle errors in the arithmetic.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from kestrel_core.batch import BatchEntry
 from kestrel_core.contract import (
     CODE_RANGE,
     StripCache,
@@ -19,11 +28,16 @@ from kestrel_core.contract import (
     reference_gemm_f32,
     reference_gemm_q8,
 )
+from kestrel_core.dispatch import Offload
 from kestrel_core.errors import KestrelError
 from kestrel_core.registry import Backend, Registry
 from kestrel_core.wkey import Proj, fused_wkey, wkey
 
 GEMM_HOOKS = ("kestrel_gemm_q8", "kestrel_gemm_f32", "kestrel_gemm_fused_q8")
+FORWARD_BATCH = "kestrel_forward_batch"
+JITTER = 2.0 ** -21  # relative nudge of linear inputs: 4 float32 ulps
+JITTER_FACTOR = 3.0  # a backend may differ by this many times the nudge's effect (relative L2 of the logits)
+JITTER_FLOOR = 1e-5  # relative, for when the nudge changes no code at all
 EPS32 = float(np.finfo(np.float32).eps)
 
 
@@ -176,6 +190,99 @@ def run_case(backend: Backend, case: SelfTestCase, layer: int) -> CaseResult:
                       detail=worst.detail)
 
 
+class JitterOffload(Offload):
+    """The CPU offload with every linear's input multiplied by (1 +- JITTER), seeded signs."""
+
+    def __init__(self, cpu: Backend, seed: int) -> None:
+        super().__init__(cpu, cpu)
+        self.rng = np.random.default_rng(seed)
+
+    def _nudge(self, x: np.ndarray) -> np.ndarray:
+        signs = self.rng.choice(np.array([-1.0, 1.0], np.float32), size=x.shape)
+        return (x * (np.float32(1) + np.float32(JITTER) * signs)).astype(np.float32)
+
+    def linear(self, x: np.ndarray, weight: StripCache, wkey: int) -> np.ndarray:
+        return super().linear(self._nudge(x), weight, wkey)
+
+    def linear_fused(self, x: np.ndarray, weights: Any, wkeys: Any, fused_wkey: int) -> list[np.ndarray]:
+        return super().linear_fused(self._nudge(x), weights, wkeys, fused_wkey)
+
+
+# Steps of the batched-step cases: (sequence, new tokens, logit rows) each. Sequences join late, prompts
+# arrive in chunks beside decode rows, one chunk asks for no logits and one for several.
+BATCH_SCRIPT = (
+    ((0, 9, 1), (1, 5, 5)),
+    ((0, 1, 1), (1, 1, 1), (2, 7, 0)),
+    ((0, 1, 1), (2, 4, 2), (1, 1, 1)),
+    ((2, 1, 1), (0, 1, 1)),
+)
+BATCH_MODELS = (("llama", "q8"), ("qwen3", "q4"))
+
+
+def _batch_config(arch: str) -> Any:
+    from kestrel_core.model.config import ModelConfig
+
+    return ModelConfig(arch=arch, vocab_size=509, hidden_size=256, intermediate_size=512, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=64, max_position=256, qk_norm=arch == "qwen3",
+                       rope_theta=10000.0 if arch == "llama" else 1e6)
+
+
+def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str, seed: int,
+                           first_seq: int) -> CaseResult:
+    """The backend's batched steps of BATCH_SCRIPT against the CPU decoder, within the measured band."""
+    from kestrel_core.model.decoder import Decoder
+    from kestrel_core.model.presets import synthetic_model
+
+    name = f"forward_batch {arch} {quant} s{seed}"
+    model = synthetic_model(_batch_config(arch), quant, seed=seed)
+    host = Decoder(model, Offload(cpu, cpu))
+    nudged = Decoder(model, JitterOffload(cpu, seed))
+    rng = np.random.default_rng([seed, 7])
+    caches = {s: host.new_cache() for s in range(3)}
+    nudged_caches = {s: nudged.new_cache() for s in range(3)}
+    starts = dict.fromkeys(range(3), 0)
+    got_all, ref_all, nudged_all = [], [], []
+    try:
+        for step in BATCH_SCRIPT:
+            toks = [rng.integers(0, model.config.vocab_size, n) for _, n, _ in step]
+            batch = [BatchEntry(first_seq + s, t, starts[s], rows) for (s, _, rows), t in zip(step, toks)]
+            try:
+                got = backend.hook.kestrel_forward_batch(device=backend.device, model=model, batch=batch)
+            except Exception as exc:
+                return CaseResult(name, FORWARD_BATCH, False, float("inf"),
+                                  detail=f"raised {type(exc).__name__}: {exc}")
+            if got is None:
+                return CaseResult(name, FORWARD_BATCH, True, declined=True, detail="declined")
+            ref = host.forward_batch([(caches[s], t, rows) for (s, _, rows), t in zip(step, toks)])
+            jit = nudged.forward_batch([(nudged_caches[s], t, rows) for (s, _, rows), t in zip(step, toks)])
+            if not isinstance(got, (list, tuple)) or len(got) != len(batch):
+                return CaseResult(name, FORWARD_BATCH, False, float("inf"), detail=f"{len(batch)} outputs expected")
+            for out, r, j in zip(got, ref, jit):
+                if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != r.shape:
+                    what = f"{out.dtype} {list(out.shape)}" if isinstance(out, np.ndarray) else type(out).__name__
+                    return CaseResult(name, FORWARD_BATCH, False, float("inf"),
+                                      detail=f"bad result {what}, expected float32 {list(r.shape)}")
+                got_all.append(out)
+                ref_all.append(r)
+                nudged_all.append(j)
+            for s, n, _ in step:
+                starts[s] += n
+    finally:
+        if backend.implements("kestrel_release_sequence"):
+            for s in range(3):
+                backend.hook.kestrel_release_sequence(device=backend.device, seq_id=first_seq + s)
+    got_v, ref_v, jit_v = (np.concatenate([a.ravel() for a in x]).astype(np.float64)
+                           for x in (got_all, ref_all, nudged_all))
+    if not np.all(np.isfinite(got_v)):
+        return CaseResult(name, FORWARD_BATCH, False, float("inf"), detail="non-finite output")
+    scale = float(np.linalg.norm(ref_v)) or 1.0
+    err = float(np.linalg.norm(got_v - ref_v)) / scale
+    tol = max(JITTER_FACTOR * float(np.linalg.norm(jit_v - ref_v)) / scale, JITTER_FLOOR)
+    ok = err <= tol
+    return CaseResult(name, FORWARD_BATCH, ok, err, tol,
+                      detail="" if ok else f"relative L2 error {err:.3g} > band {tol:.3g}")
+
+
 def run_selftest(name: str = "cpu", seeds: int = 2, registry: Registry | None = None) -> SelfTestReport:
     registry = registry or Registry()
     backend = registry.bind(name)
@@ -186,6 +293,12 @@ def run_selftest(name: str = "cpu", seeds: int = 2, registry: Registry | None = 
         for extra in backend.hook.kestrel_selftest_cases(device=backend.device):
             cases.extend(c if isinstance(c, SelfTestCase) else SelfTestCase(**c) for c in extra or ())
     report = SelfTestReport(backend.name, [run_case(backend, c, i) for i, c in enumerate(cases)])
+    if backend.implements(FORWARD_BATCH):
+        cpu = registry.cpu()
+        for seed in range(seeds):
+            for i, (arch, quant) in enumerate(BATCH_MODELS):
+                first_seq = 1_000_000 + 10 * (seed * len(BATCH_MODELS) + i)  # apart from an engine's ids
+                report.cases.append(run_forward_batch_case(backend, cpu, arch, quant, seed, first_seq))
     for hook in {c.hook for c in report.cases}:
         mine = [c for c in report.cases if c.hook == hook]
         if all(c.declined for c in mine):  # a hook that declines everything checks nothing

@@ -84,3 +84,68 @@ def test_seeded_fixtures_are_reproducible() -> None:
     b = random_strip_cache(np.random.default_rng(1), 5, 64, 32, 4)
     np.testing.assert_array_equal(a.codes, b.codes)
     assert a.codes.min() >= -8 and a.codes.max() <= 7
+
+
+# A batched whole step on the host decoder with its own caches per sequence; MODE breaks it on purpose.
+FORWARD_BATCH_BACKEND = '''
+import numpy as np
+from kestrel_core import API_VERSION, BackendInfo, hookimpl
+from kestrel_core.dispatch import Offload
+from kestrel_core.model.decoder import Decoder
+from kestrel_core.registry import Registry
+from kestrel_cpu import kestrel_close, kestrel_gemm_f32, kestrel_gemm_q8, kestrel_open  # noqa: F401
+
+MODE = "{mode}"
+_cpu = Registry().cpu()
+STATE = {{}}
+RELEASED = []
+
+
+@hookimpl
+def kestrel_backend_info():
+    return BackendInfo("{name}", "1", API_VERSION, "gpu")
+
+
+@hookimpl
+def kestrel_forward_batch(device, model, batch):
+    if MODE == "decline":
+        return None
+    if id(model) not in STATE:
+        STATE.clear()
+        STATE[id(model)] = (Decoder(model, Offload(_cpu, _cpu)), {{}})
+    dec, caches = STATE[id(model)]
+    work = []
+    for e in batch:
+        cache = caches.setdefault(e.seq_id, dec.new_cache())
+        assert cache.length == e.start, (cache.length, e.start)
+        work.append((cache, e.tokens, e.logit_rows))
+    outs = dec.forward_batch(work)
+    if MODE == "scaled":  # a wrong scale: 25 % on every logit
+        outs = [o * np.float32(1.25) for o in outs]
+    if MODE == "swapped" and len(outs) > 1 and outs[0].shape == outs[1].shape:  # rows of another sequence
+        outs = [outs[1], outs[0]] + outs[2:]
+    return outs
+
+
+@hookimpl
+def kestrel_release_sequence(device, seq_id):
+    RELEASED.append(seq_id)
+    for _, caches in STATE.values():
+        caches.pop(seq_id, None)
+'''
+
+
+@pytest.mark.parametrize("mode, ok", [("right", True), ("scaled", False), ("swapped", False), ("decline", False)])
+def test_the_batched_whole_step_is_checked_against_the_cpu(tmp_path: Path, monkeypatch, mode: str,
+                                                           ok: bool) -> None:
+    (tmp_path / f"fb_{mode}.py").write_text(FORWARD_BATCH_BACKEND.format(mode=mode, name=f"fb_{mode}"))
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / f"fb_{mode}.py"))
+    registry = Registry()
+    report = run_selftest(f"fb_{mode}", seeds=1, registry=registry)
+    cases = [c for c in report.cases if c.hook == "kestrel_forward_batch"]
+    assert len(cases) >= 2
+    assert all(c.passed for c in cases) is ok
+    assert report.ok is ok
+    if mode == "right":
+        assert all(c.max_err == 0 for c in cases if not c.declined)  # the CPU itself: bit for bit
+        assert len(registry.backends["fb_right"].plugin.RELEASED) == 3 * 2  # every case's sequences released
