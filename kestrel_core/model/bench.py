@@ -1,9 +1,11 @@
-"""Prefill and decode throughput of an engine: the median of several timed runs."""
+"""Throughput of an engine: batch-1 prefill and decode (the median of several runs), and continuous
+batching at several concurrency levels."""
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+import time
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -63,3 +65,81 @@ def run_bench(engine: Engine, *, prompt_tokens: int = 256, decode_tokens: int = 
         prefill_tok_s=statistics.median(prefill), decode_tok_s=statistics.median(decode),
         prefill_tok_s_runs=prefill, decode_tok_s_runs=decode, offload=stats["offload"],
         backend_stats=stats["backend_stats"])
+
+
+@dataclass
+class ConcurrencyResult:
+    """One concurrency level: ``concurrency`` requests submitted at once, run to their end."""
+
+    concurrency: int
+    duration_s: float
+    output_tok_s: float  # every generated token over the whole run
+    decode_tok_s: float  # tokens after each first one, over the time all streams were decoding
+    stream_tok_s: float  # median over requests of (tokens - 1) / (last token - first token)
+    ttft_p50_s: float
+    ttft_p99_s: float
+    steps: int
+    preemptions: int
+
+
+@dataclass
+class ConcurrencyBench:
+    model: str
+    backend: str
+    device: str
+    quant: str
+    prompt_tokens: int
+    decode_tokens: int
+    levels: list[ConcurrencyResult] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_concurrency_bench(engine: Engine, levels: list[int], *, prompt_tokens: int = 256, decode_tokens: int = 64,
+                          seed: int = 0, quant: str = "", token_budget: int | None = None) -> ConcurrencyBench:
+    """Continuous batching at each concurrency level: that many requests with distinct random prompts of
+    ``prompt_tokens``, greedy, ``decode_tokens`` each (EOS ignored), all submitted at once to the scheduler."""
+    from kestrel_core.model.sampling import SamplingParams
+    from kestrel_core.model.scheduler import DEFAULT_TOKEN_BUDGET, Scheduler
+
+    if not levels or min(levels) < 1 or prompt_tokens < 1 or decode_tokens < 1:
+        raise KestrelError("bench needs --concurrency levels >= 1, --prompt-tokens >= 1, --decode-tokens >= 1")
+    if prompt_tokens + decode_tokens > engine.config.max_position:
+        raise KestrelError(f"{prompt_tokens} prompt + {decode_tokens} decode tokens exceed the model's context "
+                           f"of {engine.config.max_position}")
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_tokens=decode_tokens, ignore_eos=True)
+    budget = token_budget or DEFAULT_TOKEN_BUDGET
+    result = ConcurrencyBench(engine.source, engine.backend_name, engine.backend.device_description, quant,
+                              prompt_tokens, decode_tokens)
+    warm = Scheduler(engine, max_batch=2, token_budget=budget)  # compiles, caches: untimed
+    for _ in range(2):
+        warm.add(rng.integers(0, engine.config.vocab_size, prompt_tokens).tolist(), replace(params, max_tokens=4))
+    while warm.has_work:
+        warm.step()
+    for level in levels:
+        scheduler = Scheduler(engine, max_batch=level, token_budget=budget, max_waiting=level)
+        prompts = [rng.integers(0, engine.config.vocab_size, prompt_tokens).tolist() for _ in range(level)]
+        t0 = time.perf_counter()
+        requests = [scheduler.add(p, params) for p in prompts]
+        stamps: dict[str, list[float]] = {r.request_id: [] for r in requests}
+        while scheduler.has_work:
+            outputs = scheduler.step()
+            now = time.perf_counter()
+            for out in outputs:
+                stamps[out.request_id].extend([now] * len(out.new_token_ids))
+        end = time.perf_counter()
+        firsts = [s[0] for s in stamps.values()]
+        total = sum(len(s) for s in stamps.values())
+        decoding_from = max(firsts)
+        after_all_first = sum(sum(1 for t in s[1:] if t > decoding_from) for s in stamps.values())
+        per_stream = [(len(s) - 1) / (s[-1] - s[0]) for s in stamps.values() if len(s) > 1 and s[-1] > s[0]]
+        ttft = np.array(firsts) - t0
+        result.levels.append(ConcurrencyResult(
+            concurrency=level, duration_s=end - t0, output_tok_s=total / (end - t0),
+            decode_tok_s=after_all_first / (end - decoding_from) if end > decoding_from else 0.0,
+            stream_tok_s=statistics.median(per_stream) if per_stream else 0.0,
+            ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)),
+            steps=scheduler.steps, preemptions=scheduler.preemptions))
+    return result

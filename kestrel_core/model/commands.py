@@ -192,8 +192,11 @@ def quantize(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    from kestrel_core.model.bench import run_bench
     from kestrel_core.model.quantize import model_quant
+
+    if args.concurrency:
+        return _bench_concurrency(args)
+    from kestrel_core.model.bench import run_bench
 
     with _open_engine(args) as engine:
         result = run_bench(engine, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
@@ -215,5 +218,40 @@ def bench(args: argparse.Namespace) -> int:
     ]
     for name, value in rows:
         table.add_row(name, value)
+    Console(highlight=False).print(table)
+    return 0
+
+
+def _concurrency_levels(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise KestrelError(f"--concurrency takes integers separated by commas, got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise KestrelError(f"--concurrency levels must be >= 1, got {text!r}")
+    return levels
+
+
+def _bench_concurrency(args: argparse.Namespace) -> int:
+    from kestrel_core.model.bench import run_concurrency_bench
+    from kestrel_core.model.quantize import model_quant
+
+    levels = _concurrency_levels(args.concurrency)
+    with _open_engine(args) as engine:
+        result = run_concurrency_bench(engine, levels, prompt_tokens=args.prompt_tokens,
+                                       decode_tokens=args.decode_tokens,
+                                       quant=args.quant or model_quant(engine.model))
+    if args.json:
+        print(dumps(result.as_dict(), indent=2))
+        return 0
+    table = Table(title=f"kestrel bench: {result.model}, {result.backend} {result.quant}, "
+                        f"{result.prompt_tokens}-token prompts, {result.decode_tokens} tokens each")
+    table.caption = "decode: tok/s while every stream decodes; output: all tokens over the run; stream: median"
+    for col in ("streams", "decode", "output", "stream", "TTFT p50", "TTFT p99", "steps", "preempted"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in result.levels:
+        table.add_row(str(r.concurrency), f"{r.decode_tok_s:.1f}", f"{r.output_tok_s:.1f}", f"{r.stream_tok_s:.1f}",
+                      f"{r.ttft_p50_s * 1e3:.0f} ms", f"{r.ttft_p99_s * 1e3:.0f} ms", str(r.steps),
+                      str(r.preemptions))
     Console(highlight=False).print(table)
     return 0

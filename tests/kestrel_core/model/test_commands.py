@@ -88,6 +88,22 @@ def test_bench_json_and_table(capsys) -> None:
     assert code == 0 and "prefill (8 tok)" in out and "decode (2 tok)" in out
 
 
+def test_bench_at_several_concurrency_levels(capsys) -> None:
+    code, out, _ = _run(capsys, "bench", "--preset", "tiny", "--backend", "cpu", "--prompt-tokens", "12",
+                        "--decode-tokens", "5", "--concurrency", "1,3", "--json")
+    assert code == 0
+    levels = json.loads(out)["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 3]
+    for lv in levels:
+        assert lv["decode_tok_s"] > 0 and lv["output_tok_s"] > 0 and 0 < lv["ttft_p50_s"] <= lv["ttft_p99_s"]
+    assert levels[0]["steps"] == 5 and levels[1]["steps"] == 5  # three streams share every step
+    code, out, _ = _run(capsys, "bench", "--preset", "tiny", "--backend", "cpu", "--prompt-tokens", "12",
+                        "--decode-tokens", "3", "--concurrency", "2")
+    assert code == 0 and "TTFT p50" in out
+    code, _, err = _run(capsys, "bench", "--preset", "tiny", "--concurrency", "0,x")
+    assert code == 2 and "--concurrency" in err
+
+
 def test_chat_keeps_the_conversation(capsys, monkeypatch) -> None:
     prompts: list[list[int]] = []
     original = engine_mod.Engine.stream
