@@ -320,7 +320,7 @@ def _kernel_input(w: WeightInput) -> tuple[np.ndarray, np.ndarray | None]:
     return np.ascontiguousarray(w, dtype=np.float32), None
 
 
-# Rows per thread start at this many weights: below it a thread costs more than it saves.
+# One thread per this many weights (at most one per core): on less, starting a thread costs more than it saves.
 _MIN_PARALLEL_WEIGHTS = 1 << 19
 
 
