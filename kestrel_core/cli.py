@@ -97,11 +97,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kestrel_core.serve.command import serve_command  # fastapi and uvicorn only when serving
+
+    return serve_command(args)
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None, help="HF model dir, .gguf, or .kst artifact (default: SmolLM2)")
     p.add_argument("--backend", "-b", default="auto", help="backend name, or auto (default)")
     p.add_argument("--quant", "-q", default=None,
                    help="q8 (default), q4, q8-g256, q4-g256; a .kst artifact keeps its own")
+    p.add_argument("--activations", default="auto", choices=("auto", "q8", "f32", "mixed"),
+                   help="projection inputs: int8, float32, or mixed (the prompt at float32); auto (default): "
+                        "mixed, or q8 on a backend that runs whole steps on its device")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,6 +152,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", default=None, help="synthetic model preset (random weights) instead of --model")
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/serving.md)")
+    _model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0: any free port)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $KESTREL_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: from the model)")
+    p.add_argument("--max-batch", type=int, default=None, help="sequences in the running batch (default: 64)")
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="requests queued beyond the batch before 429s (default: 256)")
+    p.add_argument("--token-budget", type=int, default=None, help="tokens per batched step (default: 512)")
+    p.add_argument("--kv-cache-mb", type=float, default=None, help="host KV cache budget (default: 2048)")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds running requests get to finish on SIGTERM/SIGINT (default: 30)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("pull", help="fetch the default model into KESTREL_HOME")
     p.set_defaults(func=cmd_pull)

@@ -28,9 +28,11 @@ def _open_engine(args: argparse.Namespace) -> Engine:
     if preset and getattr(args, "model", None):
         raise KestrelError("give either --model or --preset, not both")
     if preset:
-        engine = load_preset(preset, backend=args.backend, quant=args.quant, seed=getattr(args, "model_seed", 0))
+        engine = load_preset(preset, backend=args.backend, quant=args.quant, seed=getattr(args, "model_seed", 0),
+                             activations=getattr(args, "activations", "auto"))
     else:
-        engine = load(args.model, backend=args.backend, quant=args.quant)
+        engine = load(args.model, backend=args.backend, quant=args.quant,
+                      activations=getattr(args, "activations", "auto"))
     err.print(engine.backend_line, soft_wrap=True)
     return engine
 

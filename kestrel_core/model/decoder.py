@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kestrel_core.contract import StripCache
 from kestrel_core.dispatch import Offload
 from kestrel_core.errors import KestrelError
 from kestrel_core.model import kernels
@@ -26,6 +27,10 @@ from kestrel_core.wkey import Proj, fused_wkey, lm_head_wkey, wkey
 CACHE_CHUNK = 256  # RoPE tables grow by this many positions at a time
 PREFILL_CHUNK = 512  # longer inputs run in chunks so MLP activations [T, F] stay bounded
 BLOCK_SIZE = 32  # positions per KV block
+# What the projections' inputs are: int8 per block (Q8_0, gemm_q8), float32 (gemm_f32), or "mixed": float32
+# for the rows of a sequence's prompt and int8 for the tokens it generates (a row's mode follows from its
+# position alone, so batching, chunking and recomputation still change no bit).
+ACTIVATIONS = ("q8", "f32", "mixed")
 DEFAULT_KV_MB = 2048  # the host pool's default budget (at least one full context); pages are touched on use
 
 
@@ -160,6 +165,7 @@ class SeqCache:
         self.pool = pool
         self.blocks: list[int] = []
         self.length = 0
+        self.prompt_len = 0  # positions below it are the prompt (float32 activations in "mixed" mode)
         self._finalizer = weakref.finalize(self, _give_back, pool._free, self.blocks)
 
     @property
@@ -200,15 +206,19 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 class Decoder:
     """Runs batches of tokens through the model on the host, appending to their ``SeqCache``s."""
 
-    def __init__(self, model: Model, offload: Offload, pool: KVPool | None = None) -> None:
+    def __init__(self, model: Model, offload: Offload, pool: KVPool | None = None,
+                 activations: str = "q8") -> None:
         c = model.config
         if c.num_heads % c.num_kv_heads:
             raise KestrelError(f"num_heads={c.num_heads} is not a multiple of num_kv_heads={c.num_kv_heads}")
         if c.head_dim % 2:
             raise KestrelError(f"head_dim={c.head_dim} must be even for RoPE")
+        if activations not in ACTIVATIONS:
+            raise KestrelError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         self.model = model
         self.config = c
         self.offload = offload
+        self.activations = activations
         self.pool = pool if pool is not None else KVPool.for_budget(c)
         self.rope = RopeTables(c)
         self.eps = np.float32(c.rms_norm_eps)
@@ -264,14 +274,14 @@ class Decoder:
                 raise KestrelError(f"the KV cache is full ({self.pool.capacity} positions of "
                                    f"{bytes_per_position(c)} bytes; a larger budget holds more)")
         with np.errstate(over="ignore"):  # exp(-x) of SiLU overflows to inf for very negative x: the limit
-            h = self._layers(seqs, tokens)
+            h, precise = self._layers(seqs, tokens)
         outs: list[np.ndarray] = []
         want = []
         row = 0
         for toks, (_, _, rows) in zip(tokens, batch):
             row += len(toks)
             want.extend(range(row - rows, row))
-        logits = self._logits(h[want]) if want else np.empty((0, c.vocab_size), np.float32)
+        logits = self._logits(h[want], precise[want]) if want else np.empty((0, c.vocab_size), np.float32)
         at = 0
         for _, _, rows in batch:
             outs.append(logits[at:at + rows])
@@ -280,12 +290,33 @@ class Decoder:
             cache.length += len(toks)
         return outs
 
-    def _logits(self, h: np.ndarray) -> np.ndarray:
+    def _logits(self, h: np.ndarray, precise: np.ndarray) -> np.ndarray:
         x = rmsnorm(h, self.model.final_norm, self.eps)  # [R, D]
-        return self.offload.linear(x, self.model.lm_head, lm_head_wkey())  # [R, vocab]
+        return self._linear(x, precise, (self.model.lm_head,), (lm_head_wkey(),), 0)[0]  # [R, vocab]
 
-    def _layers(self, seqs: list[SeqCache], tokens: list[np.ndarray]) -> np.ndarray:
-        """All layers over the batch's rows; returns the final hidden state [M, D] (M = all new tokens)."""
+    def _linear(self, x: np.ndarray, precise: np.ndarray, weights: Sequence[StripCache], keys: Sequence[int],
+                fused: int) -> list[np.ndarray]:
+        """x float32 [M, K] times each weight -> [M, N_i]: rows where ``precise`` [M] is set through gemm_f32,
+        the others quantized per block through gemm_q8 (one fused offer for several weights)."""
+        off = self.offload
+        n_precise = int(precise.sum())
+        if n_precise == 0:
+            if len(weights) == 1:
+                return [off.linear(x, weights[0], keys[0])]
+            return off.linear_fused(x, weights, keys, fused)
+        if n_precise == len(x):
+            return [off.gemm_f32(x, w, k) for w, k in zip(weights, keys)]
+        outs = [np.empty((len(x), w.n), np.float32) for w in weights]
+        for out, got in zip(outs, self._linear(x[precise], precise[precise], weights, keys, fused)):
+            out[precise] = got
+        rest = ~precise
+        for out, got in zip(outs, self._linear(x[rest], precise[rest], weights, keys, fused)):
+            out[rest] = got
+        return outs
+
+    def _layers(self, seqs: list[SeqCache], tokens: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """All layers over the batch's rows: the final hidden state [M, D] (M = all new tokens) and which rows
+        ran with float32 activations [M]."""
         c, off, pool = self.config, self.offload, self.pool
         hd, n_heads, n_kv = c.head_dim, c.num_heads, c.num_kv_heads
         bs = pool.block_size
@@ -303,13 +334,18 @@ class Decoder:
         sin = rope.sin[positions].reshape(m, hd)
         q_cos = rope.q_cos[positions].reshape(m, hd)
         q_sin = rope.q_sin[positions].reshape(m, hd)
+        if self.activations == "mixed":
+            prompt_len = np.repeat(np.array([s.prompt_len for s in seqs], np.int64), [len(t) for t in tokens])
+            precise = positions < prompt_len  # [M]
+        else:
+            precise = np.full(m, self.activations == "f32")
         h = self.model.embedding.dequantize(np.concatenate(tokens))  # [M, D]
         attn = np.empty((m, n_heads * hd), np.float32)  # [M, H*hd]
         for i, lw in enumerate(self.model.layers):
             off.layer_boundary(i)
             keys = self.keys[i]
             x = rmsnorm(h, lw.attn_norm, self.eps)  # [M, D]
-            q, k, v = off.linear_fused(x, (lw.q, lw.k, lw.v), keys.qkv, keys.qkv_fused)
+            q, k, v = self._linear(x, precise, (lw.q, lw.k, lw.v), keys.qkv, keys.qkv_fused)
             if lw.q_bias is not None:
                 q = q + lw.q_bias
                 k = k + lw.k_bias
@@ -323,10 +359,20 @@ class Decoder:
             kernels.rope_write(np.ascontiguousarray(k), v, pool.kt[i], pool.v[i], slots, cos, sin)
             kernels.attend(np.ascontiguousarray(q), pool.kt[i], pool.v[i], tables, row_seq, lengths, q_cos,
                            q_sin, attn)
-            h += off.linear(attn, lw.o, keys.o)
+            h += self._linear(attn, precise, (lw.o,), (keys.o,), 0)[0]
             x = rmsnorm(h, lw.mlp_norm, self.eps)
-            gate, up = off.linear_fused(x, (lw.gate, lw.up), keys.gate_up, keys.gate_up_fused)  # [M, F]
+            gate, up = self._linear(x, precise, (lw.gate, lw.up), keys.gate_up, keys.gate_up_fused)  # [M, F]
             gate, up = np.ascontiguousarray(gate), np.ascontiguousarray(up)
-            kernels.silu_mul(gate, up)
-            h += off.linear(gate, lw.down, keys.down)
-        return h
+            h += self._linear(_silu_mul(gate, up), precise, (lw.down,), (keys.down,), 0)[0]
+        return h, precise
+
+
+def _silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """silu(gate) * up in place in ``gate`` [M, F]: element-wise numpy (SIMD exp), the same bits for any M.
+    exp(-x) overflows to inf for very negative x, which gives the right limit, 0."""
+    t = np.negative(gate)
+    np.exp(t, out=t)
+    t += np.float32(1)
+    gate /= t
+    gate *= up
+    return gate

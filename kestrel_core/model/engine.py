@@ -21,7 +21,7 @@ import numpy as np
 from kestrel_core.batch import BatchEntry
 from kestrel_core.dispatch import Offload
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.decoder import PREFILL_CHUNK, Decoder, KVPool, SeqCache
+from kestrel_core.model.decoder import ACTIVATIONS, PREFILL_CHUNK, Decoder, KVPool, SeqCache
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.weights import Model
 from kestrel_core.registry import Backend, Registry
@@ -64,7 +64,7 @@ class Engine:
 
     def __init__(self, model: Model, tokenizer: Any, backend: Backend, cpu: Backend, *,
                  registry: Registry | None = None, source: str = "", preload: bool = True,
-                 kv_cache_mb: float | None = None) -> None:
+                 kv_cache_mb: float | None = None, activations: str = "auto") -> None:
         self.model = model
         self.config = model.config
         self.tokenizer = tokenizer
@@ -73,7 +73,8 @@ class Engine:
         self.source = source
         self.offload = Offload(backend, cpu)
         self.pool = KVPool.for_budget(model.config, kv_cache_mb)
-        self.decoder = Decoder(model, self.offload, self.pool)
+        self.activations = resolve_activations(activations, backend)
+        self.decoder = Decoder(model, self.offload, self.pool, self.activations)
         self.last = RunStats()
         self._next_seq = 1
         self.preload_s = 0.0
@@ -113,8 +114,15 @@ class Engine:
 
     # -- sequences and steps -------------------------------------------------------------------------
 
-    def new_sequence(self) -> SeqState:
+    @property
+    def whole_step(self) -> bool:
+        """Whether the backend's whole-step hooks are offered: they compute with int8 activations."""
+        return self.activations == "q8"
+
+    def new_sequence(self, prompt_len: int = 0) -> SeqState:
+        """A new sequence whose first ``prompt_len`` tokens are its prompt (float32 in "mixed" mode)."""
         seq = SeqState(self._next_seq, self.pool.new_sequence())
+        seq.cache.prompt_len = prompt_len
         self._next_seq += 1
         return seq
 
@@ -139,10 +147,10 @@ class Engine:
         entries = [BatchEntry(seq.seq_id, np.concatenate([np.asarray(seq.tokens[seq.device_len:], np.int64), new]),
                               seq.device_len, rows) for seq, new, rows in runs]
         outs: list[np.ndarray | None] = [None] * len(runs)
-        batched = self.offload.forward_batch(self.model, entries, c.vocab_size) if entries else None
+        batched = self.offload.forward_batch(self.model, entries, c.vocab_size) if self.whole_step else None
         if batched is not None:
             outs = list(batched)
-        else:
+        elif self.whole_step:
             for i, e in enumerate(entries):  # a 1.0 backend's per-sequence whole step
                 all_logits = e.logit_rows > 1
                 out = self.offload.forward(self.model, e.seq_id, e.tokens, e.start, all_logits, c.vocab_size)
@@ -178,10 +186,11 @@ class Engine:
 
     # -- API -----------------------------------------------------------------------------------------
 
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Teacher-forced logits of the whole sequence: float32 [T, vocab]."""
+    def logits(self, token_ids: Sequence[int], prompt_len: int | None = None) -> np.ndarray:
+        """Teacher-forced logits of the whole sequence: float32 [T, vocab]. In "mixed" mode the first
+        ``prompt_len`` tokens (default: all) run as a prompt, the rest as generated tokens would."""
         ids = self.check_ids(token_ids, "input")
-        seq = self.new_sequence()
+        seq = self.new_sequence(len(ids) if prompt_len is None else prompt_len)
         try:
             t0 = time.perf_counter()
             outs = [self.run_batch([(seq, ids[s:s + PREFILL_CHUNK], len(ids[s:s + PREFILL_CHUNK]))])[0]
@@ -265,7 +274,19 @@ def _resolve_model(model: Any, quant: str | None) -> tuple[Model, Any, str]:
     raise KestrelError(f"cannot load a model from a {type(model).__name__}")
 
 
-def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str, kv_cache_mb: float | None = None) -> Engine:
+def resolve_activations(activations: str, backend: Backend) -> str:
+    """``auto``: "mixed" (the prompt read at float32, the cost of a slower prefill only) unless the backend
+    runs whole steps on its device, which compute with int8 activations: then "q8"."""
+    if activations != "auto":
+        if activations not in ACTIVATIONS:
+            raise KestrelError(f"activations must be auto or one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+        return activations
+    whole = any(backend.implements(h) for h in ("kestrel_forward", "kestrel_forward_batch", "kestrel_decode_greedy"))
+    return "q8" if whole else "mixed"
+
+
+def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str, kv_cache_mb: float | None = None,
+          activations: str = "auto") -> Engine:
     """Bind first (a backend that cannot bind fails fast, before any model is read), then load, preload."""
     registry = Registry()
     try:
@@ -274,7 +295,8 @@ def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str, kv_cache_
         t0 = time.perf_counter()
         model, tokenizer, source = resolve()
         load_s = time.perf_counter() - t0
-        engine = Engine(model, tokenizer, chosen, cpu, registry=registry, source=source, kv_cache_mb=kv_cache_mb)
+        engine = Engine(model, tokenizer, chosen, cpu, registry=registry, source=source, kv_cache_mb=kv_cache_mb,
+                        activations=activations)
         engine.load_s = load_s
         return engine
     except BaseException:
@@ -283,16 +305,18 @@ def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str, kv_cache_
 
 
 def load(model: str | Model | None = None, backend: str = "auto", quant: str | None = None,
-         kv_cache_mb: float | None = None) -> Engine:
+         kv_cache_mb: float | None = None, activations: str = "auto") -> Engine:
     """An engine for ``model`` (a path, None for the default model, or a Model) on ``backend`` (``auto``:
     the best bound gpu/npu accelerator, else cpu); the model is preloaded onto the backend. ``quant``:
     q8 (None: the default; an artifact keeps its own), q4, q8-g256 or q4-g256. ``kv_cache_mb``: the host KV
-    cache's budget (default: 2 GiB, at least one sequence at the full context)."""
-    return _open(lambda: _resolve_model(model, quant), backend, kv_cache_mb)
+    cache's budget (default: 2 GiB, at least one sequence at the full context). ``activations``: what the
+    projections' inputs are, q8, f32, mixed (the prompt at f32, generated tokens at q8) or auto (see
+    ``resolve_activations``)."""
+    return _open(lambda: _resolve_model(model, quant), backend, kv_cache_mb, activations)
 
 
 def load_preset(name: str, backend: str = "auto", quant: str | None = None, seed: int = 0,
-                kv_cache_mb: float | None = None, **overrides: Any) -> Engine:
+                kv_cache_mb: float | None = None, activations: str = "auto", **overrides: Any) -> Engine:
     """An engine for a synthetic preset model (random weights of real shapes, byte tokenizer)."""
     quant = quant or "q8"
     from kestrel_core.model.presets import ByteTokenizer, preset_model
@@ -301,4 +325,4 @@ def load_preset(name: str, backend: str = "auto", quant: str | None = None, seed
         model = preset_model(name, quant, seed, **overrides)
         return model, ByteTokenizer(model.config.vocab_size), f"preset {name} ({quant}, seed {seed})"
 
-    return _open(resolve, backend, kv_cache_mb)
+    return _open(resolve, backend, kv_cache_mb, activations)

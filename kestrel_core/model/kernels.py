@@ -1,4 +1,4 @@
-"""Compiled host maths of the decoder (numba): norms, RoPE, paged attention and SiLU over the rows of a batch.
+"""Compiled host maths of the decoder (numba): norms, RoPE and paged attention over the rows of a batch.
 
 Every kernel computes each row on its own, with one fixed sequence of float32 operations (no fastmath: no
 FMA contraction, no reassociation) and sequential sums, so a row's bits do not depend on how many rows run
@@ -109,14 +109,6 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
                 out[r, o0 + j] = pv[j] / total
 
 
-def _silu_mul(gate: np.ndarray, up: np.ndarray) -> None:
-    # gate, up: [M, F]; gate becomes silu(gate) * up. exp(-x) overflows to inf for very negative x: the limit 0.
-    m, f = gate.shape
-    for i in range(m):
-        for j in range(f):
-            gate[i, j] = gate[i, j] / (np.exp(-gate[i, j]) + np.float32(1)) * up[i, j]
-
-
 def prange(*args: int) -> range:
     """numba's parallel range where compiled; a plain range in the Python fallback."""
     return range(*args)
@@ -126,12 +118,11 @@ COMPILE_ERRORS: tuple[type[BaseException], ...] = ()
 rmsnorm_rows: Any = _rmsnorm_rows
 rope_write: Any = _rope_write
 attend: Any = _attend
-silu_mul: Any = _silu_mul
 AVAILABLE = False
 
 
 def _build() -> bool:
-    global rmsnorm_rows, rope_write, attend, silu_mul, COMPILE_ERRORS, prange
+    global rmsnorm_rows, rope_write, attend, COMPILE_ERRORS, prange
     try:
         import numba
         from numba import njit
@@ -145,7 +136,6 @@ def _build() -> bool:
     rmsnorm_rows = jit(_rmsnorm_rows)
     rope_write = jit(_rope_write)
     attend = njit(cache=True, nogil=True, parallel=True)(_attend)
-    silu_mul = jit(_silu_mul)
     return True
 
 

@@ -196,7 +196,7 @@ class Scheduler:
             if self.pool.blocks_for(tokens + 1) + len(self.running) > self.pool.free_blocks and self.running:
                 break  # no room yet: it waits for running sequences to finish
             self.waiting.popleft()
-            request.seq = self.engine.new_sequence()
+            request.seq = self.engine.new_sequence(len(request.prompt_ids))
             request.status = RUNNING
             self.running.append(request)
             n = min(request.pending, budget)
@@ -285,7 +285,7 @@ class Scheduler:
 
     def _device_step_possible(self) -> bool:
         """One greedy sequence decoding with nothing else to do: the backend may run steps ahead of us."""
-        if len(self.running) != 1 or self.waiting:
+        if len(self.running) != 1 or self.waiting or not self.engine.whole_step:
             return False
         request = self.running[0]
         p = request.params

@@ -74,8 +74,9 @@ def model(tiny_config):
 PROMPT = [104, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]  # "hello world"
 
 
-def _cpu_tokens(model, n: int = 10) -> list[int]:
-    with kestrel_core.load(model, backend="cpu") as engine:
+def _cpu_tokens(model, n: int = 10, activations: str = "q8") -> list[int]:
+    """The CPU's tokens (by default with int8 activations, what a whole-step device computes)."""
+    with kestrel_core.load(model, backend="cpu", activations=activations) as engine:
         return list(engine.generate(PROMPT, max_tokens=n, stop_at_eos=False))
 
 
@@ -85,7 +86,7 @@ def test_greedy_generation_is_deterministic_and_follows_the_argmax(model) -> Non
         again = list(engine.generate(PROMPT, max_tokens=12, stop_at_eos=False))
         assert first == again and len(first) == 12
         assert len(set(first)) > 1  # a random model, not a constant
-        teacher = engine.logits(PROMPT + first[:-1])
+        teacher = engine.logits(PROMPT + first[:-1], prompt_len=len(PROMPT))
     assert teacher.shape == (len(PROMPT) + 11, model.config.vocab_size)
     assert teacher[len(PROMPT) - 1:].argmax(axis=1).tolist() == first
 
@@ -102,7 +103,7 @@ def test_greedy_tokens_are_identical_with_force_cpu(model, monkeypatch: pytest.M
         forced = list(engine.generate(PROMPT, max_tokens=10, stop_at_eos=False))
         gemm = engine.stats["offload"]["kestrel_gemm_q8"]
         assert gemm["accepted"] == 0 and gemm["declined_reasons"] == {"KESTREL_FORCE_CPU": gemm["offered"]}
-    assert offloaded == forced == _cpu_tokens(model)
+    assert offloaded == forced == _cpu_tokens(model, activations="mixed")  # auto, for a GEMM-only backend
 
 
 def test_a_device_forward_that_declines_at_step_3_still_gives_the_cpu_tokens(model, tmp_path, monkeypatch) -> None:
@@ -138,7 +139,7 @@ def test_a_device_that_stops_accepting_hands_over_to_the_host_cache(model, tmp_p
         fwd = engine.stats["offload"]["kestrel_forward"]
     assert tokens == _cpu_tokens(model)
     assert fwd["accepted"] == 3 and fwd["declined"] == 8
-    with kestrel_core.load(model, backend="cpu") as cpu:
+    with kestrel_core.load(model, backend="cpu", activations="q8") as cpu:
         np.testing.assert_array_equal(logits, cpu.logits(PROMPT))
 
 
@@ -159,14 +160,15 @@ def test_logits_from_the_device_forward_match_the_host(model, tmp_path, monkeypa
     with kestrel_core.load(model, backend="fwd") as engine:
         device = engine.logits(PROMPT)
         assert engine.stats["offload"]["kestrel_forward"]["accepted"] == 1
-    with kestrel_core.load(model, backend="cpu") as engine:
+    with kestrel_core.load(model, backend="cpu", activations="q8") as engine:
         np.testing.assert_array_equal(device, engine.logits(PROMPT))
 
 
 def test_generation_stops_at_eos_and_at_the_context(model) -> None:
     free = _cpu_tokens(model, 10)
     eos = free[3]
-    with kestrel_core.load(replace(model, config=replace(model.config, eos_token_ids=(eos,))), "cpu") as engine:
+    with kestrel_core.load(replace(model, config=replace(model.config, eos_token_ids=(eos,))), "cpu",
+                           activations="q8") as engine:
         engine.tokenizer.eos_token_ids = ()
         stopped = list(engine.generate(PROMPT, max_tokens=10))
         assert stopped == free[:free.index(eos) + 1]
@@ -194,7 +196,7 @@ def test_bad_requests_are_one_line_errors(model, monkeypatch) -> None:
 
 
 def test_stats_report_the_run_and_the_offload_counters(model) -> None:
-    with kestrel_core.load(model, backend="cpu") as engine:
+    with kestrel_core.load(model, backend="cpu", activations="q8") as engine:
         out = list(engine.generate(PROMPT, max_tokens=5, stop_at_eos=False))
         stats = engine.stats
     assert stats["prompt_tokens"] == len(PROMPT) and stats["generated_tokens"] == len(out) == 5

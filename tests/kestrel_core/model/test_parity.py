@@ -121,9 +121,9 @@ CASES = (
 )
 
 
-def measure(case: Case, quant: str, backend: str = "cpu") -> Figures:
+def measure(case: Case, quant: str, backend: str = "cpu", activations: str = "q8") -> Figures:
     golden = Golden(FIXTURES / case.golden / "golden.npz")
-    with kestrel_core.load(case.model_path(), backend=backend, quant=quant) as engine:
+    with kestrel_core.load(case.model_path(), backend=backend, quant=quant, activations=activations) as engine:
         if quant.endswith("g256"):
             _check_g256(engine.model)
         return golden.figures(engine.logits(golden.ids))
