@@ -1,0 +1,129 @@
+"""Per-request bookkeeping (one log line, the request metrics) and the API key check, as plain ASGI middleware.
+
+Plain ASGI rather than Starlette's ``BaseHTTPMiddleware``: the wrapper sees the status when the response
+starts and the end when its last byte is sent, so a stream is timed to its end, and it leaves ``receive``
+alone, so a stream still notices a client that disconnects. The route stores its token counts in the
+``RequestRecord`` this middleware puts in the scope.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kestrel_core.serve.errors import APIError
+from kestrel_core.serve.metrics import ServerMetrics
+
+log = logging.getLogger("kestrel.serve")
+
+GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = (*GENERATION_ENDPOINTS, "/v1/models", "/health", "/metrics")
+CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer: logs and metrics only
+
+
+@dataclass
+class RequestRecord:
+    """What one request did: its status, its tokens, and when its tokens came (for TTFT and ITL)."""
+
+    metrics: ServerMetrics | None = None
+    start: float = field(default_factory=time.perf_counter)
+    status: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    def tokens(self, n: int) -> None:
+        """``n`` new tokens arrived now (one engine output)."""
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+            if self.metrics is not None:
+                self.metrics.time_to_first_token.observe(now - self.start)
+        elif self.metrics is not None and self.last_token_at is not None:
+            self.metrics.inter_token_latency.observe(now - self.last_token_at)
+        self.last_token_at = now
+        self.completion_tokens += n
+
+
+def record_of(request: Request) -> RequestRecord:
+    """The request's record (a fresh one when the app runs without the middleware, e.g. in a unit test)."""
+    record = request.scope.get("kestrel.record")
+    if record is None:
+        record = request.scope["kestrel.record"] = RequestRecord()
+    return record
+
+
+class AccessMiddleware:
+    """Times each HTTP request, logs one line for it and counts it in the metrics."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        record = RequestRecord(self.metrics)
+        scope["kestrel.record"] = record
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                record.status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception as exc:  # a bug, not bad input: one line (the traceback with -v), a 500 if we still can
+            log.error("%s %s failed: %s: %s", scope.get("method"), scope.get("path"), type(exc).__name__, exc,
+                      exc_info=log.isEnabledFor(logging.DEBUG))
+            if record.status == 0:
+                error = APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+                await error.response()(scope, receive, send_wrapper)
+        finally:
+            self._finish(scope, record)
+
+    def _finish(self, scope: Scope, record: RequestRecord) -> None:
+        duration = time.perf_counter() - record.start
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS or path.startswith("/v1/models/") else "other"
+        endpoint = "/v1/models" if endpoint.startswith("/v1/models/") else endpoint
+        status = record.status or CLIENT_CLOSED
+        self.metrics.observe_request(endpoint, status, duration, record.prompt_tokens, record.completion_tokens)
+        if path in ("/health", "/metrics") and status < 400:
+            level = logging.DEBUG  # probes and scrapes would drown the requests
+        else:
+            level = logging.INFO
+        if log.isEnabledFor(level):
+            tokens = (f" prompt={record.prompt_tokens} completion={record.completion_tokens}"
+                      if path in GENERATION_ENDPOINTS else "")
+            log.log(level, "%s %s %d%s %.3fs", scope.get("method", "?"), path, status, tokens, duration)
+
+
+class ApiKeyMiddleware:
+    """``Authorization: Bearer KEY`` on /v1/*; /health and /metrics stay open for probes and scrapers."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path", "").startswith("/v1/") and not self._allowed(scope):
+            error = APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'.",
+                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _allowed(self, scope: Scope) -> bool:
+        got: Any = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+        return secrets.compare_digest(bytes(got), self.expected)

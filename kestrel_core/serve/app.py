@@ -1,0 +1,131 @@
+"""The FastAPI app: OpenAI's chat and text completions, the model list, a health probe and the metrics.
+
+``create_app`` takes a running-or-not ``AsyncEngine`` (its lifespan starts the scheduler thread and stops it
+on shutdown), so one process can hold several apps (the tests do). Requests become prompt token ids here
+(the chat template, or the tokenizer, or the ids as given), then ``generation.respond`` runs them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import kestrel_core
+from kestrel_core.errors import KestrelError
+from kestrel_core.serve import generation
+from kestrel_core.serve.access import AccessMiddleware, ApiKeyMiddleware
+from kestrel_core.serve.errors import APIError, from_kestrel_error, install_error_handlers
+from kestrel_core.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from kestrel_core.serve.protocol import (
+    ChatCompletionRequest,
+    ChatShape,
+    CompletionRequest,
+    CompletionShape,
+    TokenStrings,
+    new_id,
+)
+
+
+class _Served:
+    """What the routes share: the engine, the model's public name, its token strings."""
+
+    def __init__(self, async_engine: Any, model_name: str) -> None:
+        self.async_engine = async_engine
+        self.engine = async_engine.engine
+        self.model_name = model_name
+        self.tokens = TokenStrings(self.engine.tokenizer)
+        self.created = int(time.time())
+
+    def check_model(self, model: str | None) -> None:
+        """OpenAI answers an unknown model with 404 model_not_found; no model at all means ours."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def context_left(self, prompt_tokens: int) -> int:
+        """The default max_tokens: what the model's context has room for after the prompt."""
+        return self.engine.config.max_position - prompt_tokens
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kestrel"}
+
+
+def create_app(async_engine: Any, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The OpenAI-compatible app over ``async_engine``, serving it as ``model_name``; with ``api_key``,
+    /v1/* needs ``Authorization: Bearer <api_key>``."""
+    served = _Served(async_engine, model_name)
+    metrics = ServerMetrics(async_engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        yield
+        # the server has already waited for (or cancelled) its requests: whatever is left is aborted
+        await async_engine.shutdown(grace_s=0.0)
+
+    app = FastAPI(title="kestrel", version=kestrel_core.__version__, lifespan=lifespan,
+                  summary="An OpenAI-compatible API over kestrel's continuous-batching engine.")
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    app.state.model_name = model_name
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(AccessMiddleware, metrics=metrics)  # outermost: it also sees the 401s
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        served.check_model(body.model)
+        try:
+            prompt_ids = list(served.engine.tokenizer.encode_chat(body.template_messages()))
+        except KestrelError as exc:  # no messages, no template, or a template that failed on these
+            raise from_kestrel_error(exc, param="messages") from None
+        params = _params(body, served.context_left(len(prompt_ids)))
+        shape = ChatShape(new_id("chatcmpl"), model_name, served.tokens, body.include_usage)
+        return await generation.respond(async_engine, request, prompt_ids, params, shape,
+                                        stream=bool(body.stream), prompt_param="messages")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        served.check_model(body.model)
+        try:
+            prompt = body.single_prompt()
+            prompt_ids = list(served.engine.tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
+        except KestrelError as exc:
+            raise from_kestrel_error(exc, param="prompt") from None
+        params = _params(body, served.context_left(len(prompt_ids)))
+        shape = CompletionShape(new_id("cmpl"), model_name, served.tokens, body.include_usage)
+        return await generation.respond(async_engine, request, prompt_ids, params, shape, stream=bool(body.stream))
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [served.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        served.check_model(model_id)
+        return served.model_card()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if async_engine.accepting:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "shutting down"}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    return app
+
+
+def _params(body: ChatCompletionRequest | CompletionRequest, context_left: int) -> Any:
+    try:
+        return body.sampling_params(context_left)
+    except KestrelError as exc:
+        raise from_kestrel_error(exc) from None

@@ -1,0 +1,125 @@
+"""OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``, for every failure the server reports.
+
+Clients (the ``openai`` package among them) map the HTTP status to an exception class and read ``param`` to
+say which field was wrong, so every error path, validation included, goes through ``APIError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error answered as ``status`` with OpenAI's body (``type`` defaults from the status)."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "server_error")
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def from_kestrel_error(exc: KestrelError, *, accepting: bool = True, param: str | None = None) -> APIError:
+    """The HTTP answer to an engine error: 400 for a bad request, 429 when full, 503 while shutting down."""
+    if isinstance(exc, Overloaded):
+        if not accepting:
+            return APIError(503, str(exc), code="server_shutting_down")
+        return APIError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": "1"})
+    if isinstance(exc, InvalidRequest):
+        return APIError(400, str(exc), param=exc.param or param, code="invalid_value")
+    return APIError(400, str(exc), param=param)  # e.g. a chat template that failed on these messages
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _is_type_tag(part: int | str) -> bool:
+    """pydantic names the member of a union it tried in the location: ("stop", "list[str]", 0)."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part)
+
+
+def param_path(loc: Sequence[int | str]) -> str | None:
+    """A pydantic error location as OpenAI writes a param: ("body", "messages", 0, "content") ->
+    "messages.[0].content"; a union member's tag ends the path."""
+    parts = list(loc[1:] if loc and loc[0] == "body" else loc)
+    out = ""
+    for part in parts:
+        if _is_type_tag(part):
+            break
+        piece = f"[{part}]" if isinstance(part, int) else str(part)
+        out = f"{out}.{piece}" if out else piece
+    return out or None
+
+
+def _message(param: str | None, errors: list[dict[str, Any]]) -> str:
+    first = errors[0]
+    kind = first.get("type", "")
+    if kind == "missing":
+        return f"{param} is required" if param else "the request body is missing"
+    if kind == "model_attributes_type" and not param:
+        return "the request body must be a JSON object"
+    tags = [next((p for p in e.get("loc", ()) if _is_type_tag(p)), None) for e in errors]
+    if all(tags):  # every member of a union refused the value
+        return f"{param} must be one of: {', '.join(dict.fromkeys(str(t) for t in tags))}"
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return f"{param}: {msg}" if param else msg
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """The first bad field's pydantic errors as one 400 naming it (a body that is not JSON names none)."""
+    groups: dict[str | None, list[dict[str, Any]]] = {}
+    for error in exc.errors():
+        groups.setdefault(param_path(error.get("loc", ())), []).append(error)
+    if not groups:
+        return APIError(400, "invalid request body")
+    param, errors = next(iter(groups.items()))
+    if errors[0].get("type") == "json_invalid":
+        return APIError(400, "the request body is not valid JSON", code="invalid_json")
+    message = _message(param, errors)
+    if len(groups) > 1:
+        message += f" (and {len(groups) - 1} more bad field{'s' if len(groups) > 2 else ''})"
+    code = "missing_required_parameter" if errors[0].get("type") == "missing" else "invalid_value"
+    return APIError(400, message, param=param, code=code)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves the app in OpenAI's shape (an unexpected one: ``AccessMiddleware`` answers 500)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return APIError(exc.status_code, message, code=code).response()

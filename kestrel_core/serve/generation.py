@@ -1,0 +1,179 @@
+"""One request through the AsyncEngine, answered whole (JSON) or as server-sent events.
+
+Errors the engine raises before the first output (a bad request, a full queue, a shutdown) become HTTP
+statuses, so a stream waits for its first output before it sends its headers; later errors can only be an
+``error`` event in the stream. A client that leaves frees its sequence at once: while we wait for tokens
+a watcher reads the connection's ``http.disconnect``, and a stream that stops being read is aborted when
+its response ends (the engine's generator is closed, then ``AsyncEngine.abort`` is called to be sure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
+from kestrel_core.model.sampling import SamplingParams, TokenLogprob
+from kestrel_core.model.scheduler import RequestOutput
+from kestrel_core.serve.access import CLIENT_CLOSED, RequestRecord, record_of
+from kestrel_core.serve.errors import APIError, error_body, from_kestrel_error
+from kestrel_core.serve.protocol import Shape
+
+T = TypeVar("T")
+
+SHUTDOWN_MESSAGE = "the server shut down before the request finished"
+
+
+class ClientGone(Exception):
+    """The client disconnected while the server was still working on its answer."""
+
+
+@dataclass
+class _Result:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(work: Awaitable[T], request: Request) -> T:
+    """``work``'s result, or ClientGone (``work`` cancelled, which aborts its request) if the client left."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled: neither task may outlive it
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task  # lets the engine's generator run its abort before we answer
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+def engine_error(exc: KestrelError, accepting: bool, prompt_param: str) -> APIError:
+    """An error from the engine: InvalidRequest -> 400, Overloaded -> 429 (503 shutting down), else 500."""
+    if isinstance(exc, InvalidRequest):
+        return from_kestrel_error(InvalidRequest(str(exc), prompt_param if exc.param == "prompt" else exc.param))
+    if isinstance(exc, Overloaded):
+        return from_kestrel_error(exc, accepting=accepting)
+    return APIError(500, str(exc), code="engine_error")
+
+
+async def respond(async_engine: Any, request: Request, prompt_ids: Sequence[int], params: SamplingParams,
+                  shape: Shape, *, stream: bool, prompt_param: str = "prompt") -> Response:
+    """Run the request; its answer, or the APIError to answer instead. ``prompt_param`` names the field
+    that made the prompt, for errors about it ("messages" for chat)."""
+    record = record_of(request)
+    gen = async_engine.generate(prompt_ids, params, request_id=shape.id)
+    try:
+        if stream:
+            first: RequestOutput = await _unless_disconnected(_next(gen), request)
+            record.prompt_tokens = len(prompt_ids)
+            events = _events(gen, first, shape, record, len(prompt_ids))
+            return EventStreamResponse(events, on_close=lambda: async_engine.abort(shape.id))
+        result = await _unless_disconnected(_collect(gen, record, params, len(prompt_ids)), request)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    except KestrelError as exc:
+        raise engine_error(exc, async_engine.accepting, prompt_param) from None
+    if result.finish_reason == "abort":
+        raise APIError(503, SHUTDOWN_MESSAGE, code="server_shutting_down")
+    body = shape.response("".join(result.text), result.finish_reason, result.logprobs, len(prompt_ids),
+                          result.completion_tokens)
+    return JSONResponse(body)
+
+
+async def _next(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    return await gen.__anext__()
+
+
+async def _collect(gen: AsyncIterator[RequestOutput], record: RequestRecord, params: SamplingParams,
+                   prompt_tokens: int) -> _Result:
+    result = _Result(logprobs=[] if params.logprobs else None)
+    async for out in gen:
+        if record.prompt_tokens == 0:
+            record.prompt_tokens = prompt_tokens  # admitted: the prompt counts
+        record.tokens(len(out.new_token_ids))
+        result.completion_tokens += len(out.new_token_ids)
+        result.text.append(out.new_text)
+        if out.logprobs and result.logprobs is not None:
+            result.logprobs.extend(out.logprobs)
+        if out.finished:
+            result.finish_reason = out.finish_reason
+    return result
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+DONE = sse("[DONE]")
+
+
+async def _events(gen: AsyncIterator[RequestOutput], first: RequestOutput, shape: Shape, record: RequestRecord,
+                  prompt_tokens: int) -> AsyncIterator[bytes]:
+    """OpenAI's chunk sequence: the role (chat), the deltas, the finish reason, the usage, ``[DONE]``."""
+    completion_tokens = 0
+    try:
+        for chunk in shape.first_chunks():
+            yield sse(chunk)
+        out = first
+        while True:
+            record.tokens(len(out.new_token_ids))
+            completion_tokens += len(out.new_token_ids)
+            if out.finish_reason == "abort":
+                yield sse(error_body(SHUTDOWN_MESSAGE, "server_error", None, "server_shutting_down"))
+                break
+            if out.new_text or out.logprobs:
+                yield sse(shape.delta_chunk(out.new_text, out.logprobs))
+            if out.finished:
+                yield sse(shape.finish_chunk(out.finish_reason))
+                if shape.include_usage:
+                    yield sse(shape.usage_chunk(prompt_tokens, completion_tokens))
+                break
+            out = await gen.__anext__()
+    except KestrelError as exc:  # a failed step, after the headers went out: the stream says so
+        yield sse(error_body(str(exc), "server_error", None, "engine_error"))
+    finally:
+        await gen.aclose()  # a no-op when it finished; otherwise the engine aborts the request
+    yield DONE
+
+
+class EventStreamResponse(StreamingResponse):
+    """A ``text/event-stream`` response that aborts its request however it ends (client gone, cancelled)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()  # synchronous: the sequence is freed at the engine's next step, whatever follows
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()

@@ -1,0 +1,359 @@
+"""OpenAI's request and response shapes for ``/v1/chat/completions`` and ``/v1/completions``.
+
+Requests are pydantic models with OpenAI's field names; unknown fields are ignored (clients send many), and
+scalar fields are strict (``"0.5"`` is not a temperature), so a wrong type is a 400 naming the field. Ranges
+are not repeated here: ``SamplingParams.check`` is the one place that knows them, and its ``InvalidRequest``
+names the field too. Fields kestrel cannot honour (``n`` > 1, ``echo``, ``logit_bias``, tools...) are
+refused rather than silently ignored, since ignoring them would change what the client gets.
+
+Responses are plain dicts built to OpenAI's shapes (ids ``chatcmpl-...`` / ``cmpl-...``, object names,
+``created``, ``model``, ``choices``, ``usage``) by ``ChatShape`` and ``CompletionShape``, which both the
+streaming and the non-streaming paths use.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+)
+
+from kestrel_core.errors import InvalidRequest, KestrelError
+from kestrel_core.model.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
+
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; kestrel's own SamplingParams default is greedy
+
+
+def new_id(prefix: str) -> str:
+    """A response id the way OpenAI spells them: ``chatcmpl-<hex>``, ``cmpl-<hex>``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# -- requests -----------------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ContentPart(_Request):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` parts carry meaning here."""
+
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: StrictStr | list[ContentPart] | None = Field(default=None, validate_default=True)
+    name: StrictStr | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, value: str | list[ContentPart] | None,
+                         info: ValidationInfo) -> str | list[ContentPart] | None:
+        if value is None and info.data.get("role") not in ("assistant", "tool", "function", None):
+            raise ValueError(f"a {info.data.get('role')} message needs content")
+        if isinstance(value, list):
+            for part in value:
+                if part.type != "text" or part.text is None:
+                    raise ValueError(f"only text content parts are supported, got a {part.type!r} part")
+        return value
+
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines; none for an assistant tool call)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text or "" for part in self.content)
+
+    def for_template(self) -> dict[str, str]:
+        """What the chat template sees: OpenAI's ``developer`` role is the templates' ``system``."""
+        role = "system" if self.role == "developer" else self.role
+        message = {"role": role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class StreamOptions(_Request):
+    include_usage: StrictBool | None = None
+
+
+class _Generation(_Request):
+    """The fields both endpoints share."""
+
+    model: StrictStr | None = None  # None: the served model
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None  # an extension (vLLM has it too): 0 = off
+    n: StrictInt | None = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    logit_bias: dict[str, Any] | None = None
+    ignore_eos: StrictBool | None = None  # an extension: generate max_tokens even past the end of text
+    user: StrictStr | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _refuse_unsupported(self) -> None:
+        if self.n is not None and self.n != 1:
+            raise InvalidRequest(f"n must be 1 (kestrel returns one choice per request), got {self.n}", param="n")
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
+
+    def _max_tokens(self, value: int | None, name: str, default: int) -> int:
+        if value is None:
+            return max(1, default)
+        if value < 1:
+            raise InvalidRequest(f"{name} must be at least 1, got {value}", param=name)
+        return value
+
+    def _params(self, max_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            seed=self.seed,
+            stop=stop,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            ignore_eos=bool(self.ignore_eos),
+        )
+        return params.check()
+
+
+class ChatCompletionRequest(_Generation):
+    messages: list[ChatMessage]
+    max_completion_tokens: StrictInt | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        if not self.messages:
+            raise InvalidRequest("messages must hold at least one message", param="messages")
+        return [m.for_template() for m in self.messages]
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """SamplingParams for this request (``default_max_tokens``: the context left after the prompt)."""
+        self._refuse_unsupported()
+        if self.tools:
+            raise InvalidRequest("tools are not supported", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise InvalidRequest("only response_format {\"type\": \"text\"} is supported", param="response_format")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.max_completion_tokens is not None:
+            max_tokens = self._max_tokens(self.max_completion_tokens, "max_completion_tokens", default_max_tokens)
+        else:
+            max_tokens = self._max_tokens(self.max_tokens, "max_tokens", default_max_tokens)
+        return self._params(max_tokens, bool(self.logprobs), self.top_logprobs or 0)
+
+
+class CompletionRequest(_Generation):
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    logprobs: StrictInt | None = None  # 0..5 alternatives per token; 0 = the chosen token's only
+    echo: StrictBool | None = None
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt: text, or token ids (a batch of one is accepted; a larger batch is refused)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if not p:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return list(p)  # type: ignore[arg-type]
+        if len(p) != 1:
+            raise InvalidRequest(f"one prompt per request is supported, got {len(p)}", param="prompt")
+        return p[0]  # type: ignore[return-value]
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        self._refuse_unsupported()
+        if self.echo:
+            raise InvalidRequest("echo is not supported", param="echo")
+        if self.best_of is not None and self.best_of != 1:
+            raise InvalidRequest(f"best_of must be 1, got {self.best_of}", param="best_of")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported", param="suffix")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
+                                 param="logprobs")
+        max_tokens = self._max_tokens(self.max_tokens, "max_tokens", default_max_tokens)
+        return self._params(max_tokens, self.logprobs is not None, self.logprobs or 0)
+
+
+# -- responses ----------------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """OpenAI's finish reasons are "stop" and "length"; an abort never reaches a client as one."""
+    return reason if reason in ("stop", "length") else None
+
+
+class TokenStrings:
+    """Each token's own text (decoded alone, special tokens by name) and its UTF-8 bytes, cached per id.
+
+    A model without a tokenizer still serves token-id prompts; its tokens are then named ``token_id:<id>``.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            try:
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            except KestrelError:  # NoTokenizer: no text at all
+                text = f"token_id:{token_id}"
+            self._cache[token_id] = text
+        return text
+
+    def bytes(self, token_id: int) -> list[int]:
+        return list(self(token_id).encode("utf-8"))
+
+
+class _Shape:
+    """What the two endpoints' responses share: the id, the creation time and the model name."""
+
+    object: str = ""
+    chunk_object: str = ""
+
+    def __init__(self, response_id: str, model: str, tokens: TokenStrings, include_usage: bool = False) -> None:
+        self.id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.tokens = tokens
+        self.include_usage = include_usage
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices}
+
+    def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        body = self._envelope(self.chunk_object, [choice])
+        if self.include_usage:
+            body["usage"] = None  # as OpenAI: every chunk but the last says usage: null
+        return body
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        body = self._envelope(self.chunk_object, [])
+        body["usage"] = usage(prompt_tokens, completion_tokens)
+        return body
+
+
+class ChatShape(_Shape):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        t = self.tokens
+        return {"content": [
+            {"token": t(e.token_id), "logprob": e.logprob, "bytes": t.bytes(e.token_id),
+             "top_logprobs": [{"token": t(i), "logprob": lp, "bytes": t.bytes(i)} for i, lp in e.top]}
+            for e in entries], "refusal": None}
+
+    def response(self, text: str, reason: str | None, entries: list[TokenLogprob] | None,
+                 prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                  "logprobs": self.logprobs(entries), "finish_reason": finish_reason(reason)}
+        body = self._envelope(self.object, [choice])
+        body["usage"] = usage(prompt_tokens, completion_tokens)
+        return body
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        return [self.chunk({"index": 0, "delta": {"role": "assistant", "content": "", "refusal": None},
+                            "logprobs": None, "finish_reason": None})]
+
+    def delta_chunk(self, text: str, entries: list[TokenLogprob] | None) -> dict[str, Any]:
+        return self.chunk({"index": 0, "delta": {"content": text}, "logprobs": self.logprobs(entries),
+                           "finish_reason": None})
+
+    def finish_chunk(self, reason: str | None) -> dict[str, Any]:
+        return self.chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(reason)})
+
+
+class CompletionShape(_Shape):
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def __init__(self, response_id: str, model: str, tokens: TokenStrings, include_usage: bool = False) -> None:
+        super().__init__(response_id, model, tokens, include_usage)
+        self._offset = 0  # text_offset runs on across a stream's chunks
+
+    def logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """The legacy shape: parallel lists; offsets are into the completion text, token by token."""
+        if entries is None:
+            return None
+        t = self.tokens
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            token = t(e.token_id)
+            out["tokens"].append(token)
+            out["token_logprobs"].append(e.logprob)
+            top: dict[str, float] = {}
+            for i, lp in e.top:
+                top.setdefault(t(i), lp)  # two ids with one text: the likelier one
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self._offset)
+            self._offset += len(token)
+        return out
+
+    def response(self, text: str, reason: str | None, entries: list[TokenLogprob] | None,
+                 prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        choice = {"text": text, "index": 0, "logprobs": self.logprobs(entries), "finish_reason": finish_reason(reason)}
+        body = self._envelope(self.object, [choice])
+        body["usage"] = usage(prompt_tokens, completion_tokens)
+        return body
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def delta_chunk(self, text: str, entries: list[TokenLogprob] | None) -> dict[str, Any]:
+        return self.chunk({"text": text, "index": 0, "logprobs": self.logprobs(entries), "finish_reason": None})
+
+    def finish_chunk(self, reason: str | None) -> dict[str, Any]:
+        return self.chunk({"text": "", "index": 0, "logprobs": None, "finish_reason": finish_reason(reason)})
+
+
+Shape = ChatShape | CompletionShape
+
+__all__ = ["ChatCompletionRequest", "ChatMessage", "ChatShape", "CompletionRequest", "CompletionShape",
+           "ContentPart", "Shape", "StreamOptions", "TokenStrings", "finish_reason", "new_id", "usage"]

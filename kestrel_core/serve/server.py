@@ -1,0 +1,207 @@
+"""Run the app under uvicorn, programmatically, with kestrel's own graceful shutdown.
+
+uvicorn's own SIGTERM handling closes the listening socket first and, once done, re-raises the signal (the
+process then dies of it, exit status -15). kestrel's ``KestrelServer`` instead drains: on the first SIGTERM
+or SIGINT the engine stops accepting (new requests get 503, ``/health`` says 503 so a load balancer moves
+away) while the socket stays open, running requests get up to ``shutdown_grace_s`` to finish and the rest
+are aborted, then uvicorn closes its connections and ``serve`` returns (exit 0). A second signal aborts
+the running requests at once (still a clean exit); a third lets uvicorn drop its connections.
+
+The socket is bound before uvicorn starts, so a busy port is a one-line error and port 0 (any free port)
+is known, and announced, at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import signal
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING, DEFAULT_TOKEN_BUDGET
+from kestrel_core.serve.app import create_app
+
+log = logging.getLogger("kestrel.serve")
+
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
+_MODEL_SUFFIXES = (".gguf", ".kst", ".safetensors")
+
+
+def default_model_name(source: str) -> str:
+    """A short public name from ``engine.source``: "SmolLM2-135M-Instruct (/cache/x.gguf)" ->
+    "SmolLM2-135M-Instruct", "/models/Qwen3-0.6B" -> "Qwen3-0.6B", "q.q8.kst" -> "q.q8"."""
+    head = source.split(" (", 1)[0].strip().rstrip("/\\")
+    name = Path(head).name if head else ""
+    for suffix in _MODEL_SUFFIXES:
+        if name.lower().endswith(suffix):
+            name = name[: -len(suffix)]
+    return re.sub(r"\s+", "-", name) or "kestrel"
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: any free one); a one-line KestrelError if it cannot be."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise KestrelError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise KestrelError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class KestrelServer(uvicorn.Server):
+    """uvicorn's server with a drain-then-exit shutdown (``request_shutdown``, or SIGTERM/SIGINT in the main
+    thread); it serves on ``sock``."""
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, sock: socket.socket,
+                 shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
+        super().__init__(config)
+        self.async_engine = async_engine
+        self.sock = sock
+        self.shutdown_grace_s = shutdown_grace_s
+        self.url = url_of(sock)
+        self.port: int = sock.getsockname()[1]
+        self.on_started: Callable[[KestrelServer], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Future[None] | None = None
+        self._signals = 0
+        self._ready = threading.Event()
+
+    def run_forever(self) -> None:
+        """Serve until shut down (blocking)."""
+        self.run(sockets=[self.sock])
+
+    def wait_started(self, timeout: float) -> bool:
+        """For a server running in another thread: True once it accepts requests."""
+        return self._ready.wait(timeout)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+        if self.started:
+            self._ready.set()
+            if self.on_started is not None:
+                self.on_started(self)
+
+    # -- shutdown ------------------------------------------------------------------------------------
+
+    def request_shutdown(self) -> None:
+        """Drain, then exit (thread-safe); a second call aborts the running requests, a third drops the
+        connections."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self.should_exit = True
+            return
+        loop.call_soon_threadsafe(self._shutdown_now)
+
+    def _shutdown_now(self) -> None:
+        self._signals += 1
+        ae = self.async_engine
+        if self._signals == 1:
+            if ae.active:
+                log.info("kestrel serve: shutting down: %d request(s) in flight get up to %.0f s to finish "
+                         "(signal again to abort them)", ae.active, self.shutdown_grace_s)
+            else:
+                log.info("kestrel serve: shutting down")
+            self._drain = asyncio.ensure_future(self._drain_then_exit(self.shutdown_grace_s))
+        elif self._signals == 2:  # abort what runs: the streams end with an error event, the answers with 503
+            log.info("kestrel serve: aborting %d request(s)", ae.active)
+            if self._drain is not None:
+                self._drain.cancel()
+            self._drain = asyncio.ensure_future(self._drain_then_exit(0.0))
+        else:  # still not gone: let uvicorn drop its connections
+            self.force_exit = True
+            self.should_exit = True
+
+    async def _drain_then_exit(self, grace_s: float) -> None:
+        await self.async_engine.shutdown(grace_s)
+        self.should_exit = True
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """SIGTERM and SIGINT drain instead of uvicorn's close-and-re-raise (the main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def install_signal_handlers(self) -> None:  # uvicorn < 0.29 calls this instead of capture_signals
+        return
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        self.request_shutdown()
+
+
+def warm_up(engine: Any) -> None:
+    """Two tokens through the engine before the port opens: the first step of a fresh process loads the
+    compiled kernels (seconds on a CPU), which would otherwise land on the first client's request."""
+    vocab = engine.config.vocab_size
+    list(engine.generate([i % vocab for i in range(8)], max_tokens=2, stop_at_eos=False))
+
+
+def build_server(async_engine: AsyncEngine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
+                 api_key: str | None = None, shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
+                 sock: socket.socket | None = None, **uvicorn_options: Any) -> KestrelServer:
+    """The app over ``async_engine`` in a KestrelServer bound to host:port (or serving ``sock``, already
+    bound), not yet running."""
+    app = create_app(async_engine, model_name, api_key=api_key)
+    sock = sock if sock is not None else bind_socket(host, port)
+    options: dict[str, Any] = {"log_config": None, "log_level": "warning", "access_log": False,
+                               "lifespan": "on", "timeout_graceful_shutdown": 5.0}
+    options.update(uvicorn_options)
+    config = uvicorn.Config(app, **options)
+    return KestrelServer(config, async_engine, sock, shutdown_grace_s)
+
+
+def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, *,
+          max_batch: int = DEFAULT_MAX_BATCH, max_waiting: int = DEFAULT_MAX_WAITING,
+          token_budget: int = DEFAULT_TOKEN_BUDGET, model_name: str | None = None,
+          shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S, sock: socket.socket | None = None) -> None:
+    """Serve ``engine`` over HTTP until SIGTERM/SIGINT; returns once drained (the caller then exits 0).
+    ``sock``: a socket bound already (``bind_socket``), e.g. to fail on a busy port before loading a model."""
+    async_engine = AsyncEngine(engine, max_batch=max_batch, token_budget=token_budget, max_waiting=max_waiting)
+    name = model_name or default_model_name(str(getattr(engine, "source", "")))
+    warm_up(engine)
+    server = build_server(async_engine, name, host=host, port=port, api_key=api_key,
+                          shutdown_grace_s=shutdown_grace_s, sock=sock)
+
+    def announce(s: KestrelServer) -> None:
+        auth = ", API key required" if api_key else ""
+        log.info("kestrel serve: %s/v1 (model %s, backend %s, max batch %d%s)", s.url, name,
+                 getattr(engine, "backend_name", "?"), max_batch, auth)
+
+    server.on_started = announce
+    try:
+        server.run_forever()
+    finally:  # a no-op after a drain; after a forced exit it aborts what is left and stops the thread
+        asyncio.run(async_engine.shutdown(0.0))
+    log.info("kestrel serve: stopped")

@@ -1,0 +1,44 @@
+"""Shared helpers of the server tests: a real uvicorn server on an ephemeral port, in a background thread."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from kestrel_core.serve.server import KestrelServer, build_server
+
+
+@contextmanager
+def running_server(async_engine: Any, model_name: str, api_key: str | None = None,
+                   shutdown_grace_s: float = 5.0) -> Iterator[KestrelServer]:
+    """A KestrelServer on 127.0.0.1:<free port> in a daemon thread; drained and joined on exit."""
+    server = build_server(async_engine, model_name, host="127.0.0.1", port=0, api_key=api_key,
+                          shutdown_grace_s=shutdown_grace_s)
+    thread = threading.Thread(target=server.run_forever, name="kestrel-test-server", daemon=True)
+    thread.start()
+    try:
+        assert server.wait_started(30), "the test server did not start within 30 s"
+        yield server
+    finally:
+        server.request_shutdown()
+        thread.join(30)
+        assert not thread.is_alive(), "the test server did not stop within 30 s"
+
+
+def http(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None,
+         raw: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) of one plain HTTP request (stdlib only: no client library in between)."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    hdrs = {"Content-Type": "application/json"} if data is not None else {}
+    hdrs.update(headers or {})
+    req = urllib.request.Request(url, data=data, method=method, headers=hdrs)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()

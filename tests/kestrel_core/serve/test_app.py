@@ -1,0 +1,376 @@
+"""The server end to end: a real uvicorn server over the default model on the CPU, the official openai client.
+
+Two servers, one engine each, for the module: the main one, and a tiny one (one running sequence, one
+waiting, an API key) for the capacity and authentication tests. Generation is greedy and short.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import openai
+import pytest
+
+import kestrel_core
+from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.serve.server import KestrelServer
+
+from .helpers import http, running_server
+
+pytestmark = pytest.mark.default_model
+
+NAME = "smol-test"
+KEY = "sekrit-key"
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Any]:
+    with kestrel_core.load(None, backend="cpu") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def async_engine(engine: Any) -> AsyncEngine:
+    return AsyncEngine(engine, max_batch=16)
+
+
+@pytest.fixture(scope="module")
+def server(async_engine: AsyncEngine) -> Iterator[KestrelServer]:
+    with running_server(async_engine, NAME) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: KestrelServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def small_server() -> Iterator[KestrelServer]:
+    """One running sequence, one waiting: the third concurrent request is refused. With an API key."""
+    with kestrel_core.load(None, backend="cpu", kv_cache_mb=64) as e:
+        with running_server(AsyncEngine(e, max_batch=1, max_waiting=1), NAME, api_key=KEY) as s:
+            yield s
+
+
+def _chat(client: openai.OpenAI, messages: list[dict[str, Any]] = HI, **kw: Any) -> Any:
+    kw.setdefault("max_tokens", 12)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model=NAME, messages=messages, **kw)
+
+
+def _wait_idle(ae: AsyncEngine, timeout: float = 3.0) -> float:
+    """Seconds until nothing runs or waits (fails the test past ``timeout``)."""
+    t0 = time.monotonic()
+    while ae.num_running or ae.active or ae.num_waiting:
+        assert time.monotonic() - t0 < timeout, f"still running={ae.num_running} active={ae.active}"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+# -- models, chat, completions -----------------------------------------------------------------------
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [(m.id, m.object, m.owned_by) for m in models] == [(NAME, "model", "kestrel")]
+    assert client.models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+def test_chat_completion(client: openai.OpenAI, engine: Any) -> None:
+    r = _chat(client)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion" and r.model == NAME
+    assert abs(r.created - time.time()) < 120
+    (choice,) = r.choices
+    assert choice.index == 0 and choice.message.role == "assistant"
+    assert choice.message.content and choice.finish_reason in ("stop", "length")
+    assert choice.logprobs is None
+    assert r.usage.prompt_tokens == len(engine.tokenizer.encode_chat(HI))
+    assert 1 <= r.usage.completion_tokens <= 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    if choice.finish_reason == "length":
+        assert r.usage.completion_tokens == 12
+
+
+def test_chat_stream_is_the_same_answer_in_chunks(client: openai.OpenAI) -> None:
+    whole = _chat(client, max_tokens=16)
+    chunks = list(_chat(client, max_tokens=16, stream=True, stream_options={"include_usage": True}))
+    assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].id.startswith("chatcmpl-")
+    assert all(c.object == "chat.completion.chunk" and c.model == NAME for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert reasons == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage  # the usage chunk comes last
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_stream_without_usage_and_raw_sse(server: KestrelServer) -> None:
+    status, headers, body = http("POST", f"{server.url}/v1/chat/completions",
+                                 {"messages": HI, "max_tokens": 4, "temperature": 0, "stream": True})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = [line for line in body.decode().split("\n\n") if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert all("usage" not in c for c in chunks)  # only with stream_options.include_usage
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chunks[-1]["choices"][0]["delta"] == {}
+
+
+def test_completions_stream_and_not(client: openai.OpenAI, engine: Any) -> None:
+    prompt = "The capital of France is"
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0)
+    assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == NAME
+    (choice,) = r.choices
+    assert choice.text and choice.finish_reason in ("stop", "length") and choice.logprobs is None
+    assert r.usage.prompt_tokens == len(engine.tokenizer.encode(prompt))
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [choice.finish_reason]
+    assert chunks[-1].usage == r.usage
+    ids = client.completions.create(model=NAME, prompt=engine.tokenizer.encode(prompt), max_tokens=8,
+                                    temperature=0)
+    assert ids.choices[0].text == choice.text  # a token-id prompt is the same prompt
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    r = _chat(client, max_tokens=6, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert entry.bytes == list(entry.token.encode())
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
+                                                                reverse=True)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen token is the likeliest
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+    assert "".join(e.token for e in content).startswith(r.choices[0].message.content)
+
+
+def test_completions_logprobs(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=NAME, prompt="1, 2, 3,", max_tokens=5, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 2 and max(top.values()) == pytest.approx(logprob) and token in top
+    chunks = list(client.completions.create(model=NAME, prompt="1, 2, 3,", max_tokens=5, temperature=0,
+                                            logprobs=2, stream=True))
+    streamed = [off for c in chunks if c.choices and c.choices[0].logprobs for off in c.choices[0].logprobs.text_offset]
+    assert streamed == lp.text_offset  # offsets run on across chunks
+
+
+def test_stop_string_is_cut(client: openai.OpenAI) -> None:
+    full = _chat(client, max_tokens=12).choices[0].message.content
+    assert " " in full
+    word = full.split(" ")[1]
+    r = _chat(client, max_tokens=12, stop=[word])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == full[:full.index(word)]
+
+
+# -- concurrency and disconnects ---------------------------------------------------------------------
+
+
+def test_concurrent_streams_match_one_at_a_time(client: openai.OpenAI, async_engine: AsyncEngine) -> None:
+    topics = ["cats", "the sea", "Paris", "numbers", "music", "rain", "bread", "stars"]
+    prompts = [[{"role": "user", "content": f"Say something about {t}."}] for t in topics]
+    alone = [_chat(client, p).choices[0].message.content for p in prompts]
+
+    def stream(p: list[dict[str, Any]]) -> str:
+        return "".join(c.choices[0].delta.content or "" for c in _chat(client, p, stream=True) if c.choices)
+
+    steps0, rows0 = async_engine.counters.steps, async_engine.counters.step_rows
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(stream, prompts))
+    assert together == alone
+    steps, rows = async_engine.counters.steps - steps0, async_engine.counters.step_rows - rows0
+    assert steps < rows, f"{rows} tokens in {steps} steps: the requests were not batched"
+
+
+def _assert_stopped(async_engine: AsyncEngine, engine: Any) -> None:
+    """Nothing runs any more: no steps are taken and every KV block is free again."""
+    steps = async_engine.counters.steps
+    time.sleep(0.3)
+    assert async_engine.counters.steps == steps
+    assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def test_client_disconnect_mid_stream_frees_the_sequence(client: openai.OpenAI, async_engine: AsyncEngine,
+                                                         engine: Any) -> None:
+    stream = _chat(client, max_tokens=4000, stream=True, extra_body={"ignore_eos": True})
+    it = iter(stream)
+    next(it), next(it), next(it)  # the role chunk and two tokens
+    assert async_engine.num_running == 1
+    stream.close()
+    _wait_idle(async_engine, timeout=3.0)  # the 4000 tokens would take half a minute
+    _assert_stopped(async_engine, engine)
+
+
+def test_client_disconnect_while_waiting_for_a_whole_answer(server: KestrelServer, async_engine: AsyncEngine,
+                                                            engine: Any) -> None:
+    short = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):  # the client gives up and closes the connection
+        _chat(short, max_tokens=4000, extra_body={"ignore_eos": True})
+    _wait_idle(async_engine, timeout=3.0)
+    _assert_stopped(async_engine, engine)
+
+
+# -- bad requests ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "param"), [
+    ({"temperature": -1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 2}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": "ten"}, "max_tokens"),
+    ({"max_completion_tokens": -3}, "max_completion_tokens"),
+    ({"stop": 5}, "stop"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"seed": -1}, "seed"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"logprobs": True, "top_logprobs": 9}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.[0].content"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.[0].content"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+])
+def test_bad_chat_request_is_a_400_naming_the_field(client: openai.OpenAI, kwargs: dict[str, Any],
+                                                     param: str) -> None:
+    args: dict[str, Any] = {"model": NAME, "messages": HI, "max_tokens": 4}
+    args.update(kwargs)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**args)
+    error = info.value.body
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert error["message"] and "Traceback" not in error["message"]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"max_tokens": 4}, "messages"),  # no messages at all
+    ({"messages": "Hi"}, "messages"),
+    ({"messages": HI, "stream": "yes"}, "stream"),
+])
+def test_malformed_chat_body(server: KestrelServer, body: dict[str, Any], param: str) -> None:
+    status, _, raw = http("POST", f"{server.url}/v1/chat/completions", body)
+    assert status == 400
+    assert json.loads(raw)["error"]["param"] == param
+
+
+def test_body_that_is_not_json(server: KestrelServer) -> None:
+    status, _, raw = http("POST", f"{server.url}/v1/chat/completions", raw=b"{not json")
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] is None and error["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize(("kwargs", "param"), [
+    ({"logprobs": 7}, "logprobs"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [10**7]}, "prompt"),
+    ({"prompt": list(range(9000))}, "prompt"),  # longer than the model's 8192-token context
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"echo": True}, "echo"),
+    ({"best_of": 3}, "best_of"),
+])
+def test_bad_completions_request(client: openai.OpenAI, kwargs: dict[str, Any], param: str) -> None:
+    args: dict[str, Any] = {"model": NAME, "prompt": "Hi", "max_tokens": 4}
+    args.update(kwargs)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**args)
+    assert info.value.body["param"] == param
+
+
+def test_unknown_model_is_404_model_not_found(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4o", messages=HI, max_tokens=4)
+    assert info.value.body["code"] == "model_not_found"
+
+
+def test_unknown_route_is_an_openai_404(server: KestrelServer) -> None:
+    status, _, raw = http("POST", f"{server.url}/v1/embeddings", {"input": "x"})
+    assert status == 404 and "error" in json.loads(raw)
+
+
+# -- capacity, authentication, probes ----------------------------------------------------------------
+
+
+def test_a_burst_over_capacity_gets_429s(small_server: KestrelServer) -> None:
+    client = openai.OpenAI(base_url=f"{small_server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    barrier = threading.Barrier(6)
+
+    def one(_: int) -> str:
+        barrier.wait()
+        try:
+            _chat(client, max_tokens=16, extra_body={"ignore_eos": True})
+            return "ok"
+        except openai.RateLimitError as exc:
+            assert exc.status_code == 429 and "capacity" in exc.body["message"]
+            return "429"
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(one, range(6)))
+    assert results.count("ok") >= 1 and results.count("429") >= 1, results
+    assert results.count("ok") <= 2, results  # one running plus one waiting
+    _wait_idle(small_server.async_engine)
+
+
+def test_api_key_is_required_on_v1_only(small_server: KestrelServer) -> None:
+    wrong = openai.OpenAI(base_url=f"{small_server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        wrong.models.list()
+    assert info.value.body["code"] == "invalid_api_key"
+    status, _, body = http("POST", f"{small_server.url}/v1/chat/completions", {"messages": HI})  # no header
+    assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+    good = openai.OpenAI(base_url=f"{small_server.url}/v1", api_key=KEY, max_retries=0)
+    assert good.models.list().data[0].id == NAME
+    assert http("GET", f"{small_server.url}/health")[0] == 200
+    assert http("GET", f"{small_server.url}/metrics")[0] == 200
+
+
+def test_health(server: KestrelServer) -> None:
+    status, _, body = http("GET", f"{server.url}/health")
+    assert (status, json.loads(body)) == (200, {"status": "ok"})
+
+
+def test_metrics(server: KestrelServer, client: openai.OpenAI) -> None:
+    _chat(client, max_tokens=4)
+    list(_chat(client, max_tokens=4, stream=True))
+    with pytest.raises(openai.BadRequestError):
+        _chat(client, top_p=0)
+    status, headers, body = http("GET", f"{server.url}/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    text = body.decode()
+    for name in ("kestrel_requests_total", "kestrel_prompt_tokens_total", "kestrel_generation_tokens_total",
+                 "kestrel_num_requests_waiting", "kestrel_num_requests_running",
+                 "kestrel_time_to_first_token_seconds_bucket", "kestrel_inter_token_latency_seconds_bucket",
+                 "kestrel_request_duration_seconds_bucket", "kestrel_engine_steps_total",
+                 "kestrel_offload_offered_total", "kestrel_offload_accepted_total", "kestrel_offload_declined_total"):
+        assert name in text, name
+    samples = _samples(text)
+    assert samples['kestrel_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 2
+    assert samples['kestrel_requests_total{endpoint="/v1/chat/completions",status="400"}'] >= 1
+    assert samples["kestrel_num_requests_running"] == 0
+    assert samples["kestrel_generation_tokens_total"] >= 8
+    assert samples["kestrel_time_to_first_token_seconds_count"] >= 2
+
+
+def _samples(text: str) -> dict[str, float]:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}

@@ -1,0 +1,152 @@
+"""Requests to SamplingParams, errors to OpenAI's params, responses in OpenAI's shapes (no model, no server)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
+from kestrel_core.model.sampling import TokenLogprob
+from kestrel_core.serve.errors import from_kestrel_error, param_path, validation_error
+from kestrel_core.serve.protocol import (
+    ChatCompletionRequest,
+    ChatShape,
+    CompletionRequest,
+    CompletionShape,
+    TokenStrings,
+    new_id,
+)
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+class _Letters:
+    """A tokenizer whose token i is the letter chr(ord('a') + i)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def _chat(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": HI, **fields})
+
+
+def test_defaults_follow_openai() -> None:
+    p = _chat().sampling_params(default_max_tokens=100)
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop, p.logprobs) == \
+        (100, 1.0, 1.0, 0, None, (), False)
+
+
+def test_fields_reach_sampling_params() -> None:
+    p = _chat(max_tokens=7, temperature=0, top_p=0.5, top_k=3, seed=9, stop="END", presence_penalty=0.5,
+              frequency_penalty=-0.5, logprobs=True, top_logprobs=4, ignore_eos=True,
+              user="u", some_future_field={"x": 1}).sampling_params(100)
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop) == (7, 0.0, 0.5, 3, 9, ("END",))
+    assert (p.presence_penalty, p.frequency_penalty, p.logprobs, p.top_logprobs, p.ignore_eos) == \
+        (0.5, -0.5, True, 4, True)
+    assert _chat(max_tokens=7, max_completion_tokens=3).sampling_params(100).max_tokens == 3
+    c = CompletionRequest.model_validate({"prompt": "x", "logprobs": 0, "stop": ["a", "b"]}).sampling_params(5)
+    assert (c.logprobs, c.top_logprobs, c.stop, c.max_tokens) == (True, 0, ("a", "b"), 5)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"n": 3}, "n"), ({"temperature": 101.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"logit_bias": {"1": 5}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"top_logprobs": 1}, "top_logprobs"), ({"stop": ""}, "stop"),
+])
+def test_semantic_errors_name_the_field(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        _chat(**fields).sampling_params(100)
+    assert info.value.param == param
+
+
+def test_content_parts_and_roles() -> None:
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None}]})
+    assert req.template_messages() == [{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": "a\nb"}, {"role": "assistant", "content": ""}]
+
+
+def test_single_prompt() -> None:
+    def prompt(p: Any) -> Any:
+        return CompletionRequest.model_validate({"prompt": p}).single_prompt()
+
+    assert prompt("hi") == "hi" and prompt([1, 2]) == [1, 2] and prompt(["hi"]) == "hi" and prompt([[3]]) == [3]
+    with pytest.raises(InvalidRequest):
+        prompt(["a", "b"])
+
+
+def _validation_param(model: type, body: dict[str, Any]) -> tuple[str | None, str]:
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    errors = [{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()]
+    api = validation_error(RequestValidationError(errors))
+    assert api.status == 400
+    return api.param, api.message
+
+
+def test_validation_errors_name_the_field_the_openai_way() -> None:
+    assert _validation_param(ChatCompletionRequest, {"messages": [{"role": "user", "content": 5}]})[0] == \
+        "messages.[0].content"
+    assert _validation_param(ChatCompletionRequest, {"messages": [{"role": "user"}]}) == \
+        ("messages.[0].content", "messages.[0].content: a user message needs content")
+    assert _validation_param(ChatCompletionRequest, {"messages": HI, "stop": 5}) == \
+        ("stop", "stop must be one of: str, list[str]")
+    assert _validation_param(ChatCompletionRequest, {})[1] == "messages is required"
+    assert _validation_param(ChatCompletionRequest, {"messages": HI, "temperature": "0.5"})[0] == "temperature"
+    assert _validation_param(ChatCompletionRequest, {"messages": HI, "stream": 1})[0] == "stream"
+    assert _validation_param(CompletionRequest, {"prompt": [1, "a"]})[0] == "prompt"
+
+
+def test_param_path() -> None:
+    assert param_path(("body", "messages", 3, "content", "list[ContentPart]", 0)) == "messages.[3].content"
+    assert param_path(("body",)) is None
+
+
+def test_engine_errors_map_to_statuses() -> None:
+    assert from_kestrel_error(InvalidRequest("bad", param="top_k")).status == 400
+    full = from_kestrel_error(Overloaded("full"))
+    assert (full.status, full.type, full.headers) == (429, "rate_limit_error", {"Retry-After": "1"})
+    assert from_kestrel_error(Overloaded("bye"), accepting=False).status == 503
+    assert from_kestrel_error(KestrelError("template failed"), param="messages").param == "messages"
+
+
+def test_chat_shapes() -> None:
+    shape = ChatShape(new_id("chatcmpl"), "m", TokenStrings(_Letters()), include_usage=True)
+    lp = [TokenLogprob(0, -0.1, [(0, -0.1), (1, -2.0)])]
+    body = shape.response("a", "length", lp, 3, 1)
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "a", "refusal": None},
+                                "finish_reason": "length", "logprobs": {"refusal": None, "content": [
+                                    {"token": "a", "logprob": -0.1, "bytes": [97], "top_logprobs": [
+                                        {"token": "a", "logprob": -0.1, "bytes": [97]},
+                                        {"token": "b", "logprob": -2.0, "bytes": [98]}]}]}}]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    assert shape.first_chunks()[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert shape.delta_chunk("a", None)["usage"] is None  # include_usage: null on every chunk but the last
+    assert shape.finish_chunk("abort")["choices"][0]["finish_reason"] is None
+    assert shape.usage_chunk(3, 1)["choices"] == []
+
+
+def test_completion_logprobs_offsets_run_on_across_chunks() -> None:
+    shape = CompletionShape("cmpl-x", "m", TokenStrings(_Letters()))
+    first = shape.delta_chunk("ab", [TokenLogprob(0, -1.0, [(0, -1.0)]), TokenLogprob(1, -2.0, [])])
+    second = shape.delta_chunk("c", [TokenLogprob(2, -3.0, [(2, -3.0), (3, -4.0)])])
+    assert first["object"] == "text_completion" and "usage" not in first
+    assert first["choices"][0]["logprobs"] == {"tokens": ["a", "b"], "token_logprobs": [-1.0, -2.0],
+                                               "top_logprobs": [{"a": -1.0}, {}], "text_offset": [0, 1]}
+    assert second["choices"][0]["logprobs"]["text_offset"] == [2]
+    assert second["choices"][0]["logprobs"]["top_logprobs"] == [{"c": -3.0, "d": -4.0}]
+
+
+def test_token_strings_without_a_tokenizer() -> None:
+    from kestrel_core.model.tokenizer import NoTokenizer
+
+    tokens = TokenStrings(NoTokenizer("none shipped", vocab_size=10))
+    assert tokens(7) == "token_id:7" and tokens.bytes(7) == list(b"token_id:7")

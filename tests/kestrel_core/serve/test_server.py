@@ -1,0 +1,138 @@
+"""``kestrel serve`` as a process: it announces its URL, drains on SIGTERM (503s meanwhile) and exits 0."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from kestrel_core.errors import KestrelError
+from kestrel_core.serve.server import bind_socket, default_model_name
+
+from .helpers import http
+
+ROOT = Path(__file__).resolve().parents[3]
+URL = re.compile(r"kestrel serve: (http://127\.0\.0\.1:(\d+))/v1 \(model (\S+), backend cpu")
+
+
+@pytest.mark.parametrize(("source", "name"), [
+    ("SmolLM2-135M-Instruct (/root/.cache/kestrel/models/SmolLM2-135M-Instruct.Q4_1.gguf)", "SmolLM2-135M-Instruct"),
+    ("/models/Qwen3-0.6B", "Qwen3-0.6B"),
+    ("/models/Qwen3-0.6B/", "Qwen3-0.6B"),
+    ("qwen3-0.6b.q8.kst", "qwen3-0.6b.q8"),
+    ("/x/model.Q8_0.gguf", "model.Q8_0"),
+    ("preset qwen3-8b (q8, seed 0)", "preset-qwen3-8b"),
+    ("", "kestrel"),
+])
+def test_default_model_name(source: str, name: str) -> None:
+    assert default_model_name(source) == name
+
+
+def test_a_busy_port_is_a_one_line_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(KestrelError, match=f"cannot listen on 127.0.0.1:{port}"):
+            bind_socket("127.0.0.1", port)
+
+
+class _Serve:
+    """``python -m kestrel_core.cli serve --port 0 --backend cpu`` with its stderr read line by line."""
+
+    def __init__(self, *extra: str) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "KESTREL_API_KEY"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "kestrel_core.cli", "serve", "--port", "0", "--backend",
+                                      "cpu", *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def wait_for(self, pattern: re.Pattern[str] | str, timeout: float = 60.0) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        rx = re.compile(pattern) if isinstance(pattern, str) else pattern
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                assert self.proc.poll() is None, f"kestrel serve exited {self.proc.returncode}: {self.seen}"
+                continue
+            self.seen.append(line)
+            if m := rx.search(line):
+                return m
+        raise AssertionError(f"no {rx.pattern!r} within {timeout} s: {self.seen}")
+
+    def finish(self, timeout: float = 60.0) -> int:
+        code = self.proc.wait(timeout)
+        time.sleep(0.1)
+        while not self.lines.empty():
+            self.seen.append(self.lines.get())
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.mark.default_model
+def test_sigterm_drains_the_running_stream_then_exits_0() -> None:
+    serve = _Serve("--served-model-name", "smol", "--shutdown-grace", "60")
+    try:
+        url = serve.wait_for(URL).group(1)
+        assert http("GET", f"{url}/health")[0] == 200
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=150, temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        text = [next(chunks).choices[0].delta.content or "", next(chunks).choices[0].delta.content or ""]
+        serve.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10  # the signal lands at the server's next tick
+        while http("GET", f"{url}/health")[0] == 200:
+            assert time.monotonic() < deadline, "still healthy after SIGTERM"
+            time.sleep(0.02)
+        assert http("GET", f"{url}/health")[0] == 503  # still listening while it drains
+        with pytest.raises(openai.InternalServerError) as info:  # new work is refused
+            client.completions.create(model="smol", prompt="x", max_tokens=2)
+        assert info.value.status_code == 503
+        finish = None
+        for chunk in chunks:  # the running request still gets its whole answer
+            if chunk.choices:
+                text.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+        assert finish == "length" and "".join(text)
+        assert serve.finish() == 0
+    finally:
+        serve.kill()
+    log = "\n".join(serve.seen)
+    assert "shutting down" in log and "kestrel serve: stopped" in log and "Traceback" not in log
+    assert re.search(r"POST /v1/chat/completions 200 prompt=\d+ completion=150 ", log)
+
+
+@pytest.mark.default_model
+def test_sigint_when_idle_exits_0() -> None:
+    serve = _Serve()
+    try:
+        serve.wait_for(URL)
+        serve.proc.send_signal(signal.SIGINT)
+        assert serve.finish() == 0
+    finally:
+        serve.kill()
+    assert "Traceback" not in "\n".join(serve.seen)
