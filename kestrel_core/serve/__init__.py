@@ -1,8 +1,9 @@
 """``kestrel serve``: an OpenAI-compatible HTTP server over the continuous-batching ``AsyncEngine``.
 
 The modules import fastapi, uvicorn and prometheus-client (the ``serve`` extra); nothing else in kestrel
-imports this package, so ``kestrel run`` works without them. ``command`` is the CLI handler, ``server``
-runs uvicorn with a graceful shutdown, ``app`` holds the routes, ``protocol`` the OpenAI request and
-response shapes, ``errors`` OpenAI's error bodies, ``access`` the per-request log line and the API key
+imports this package but the CLI's ``serve`` handler, so ``kestrel run`` works without them. ``command`` is
+that handler, ``server`` runs uvicorn with a graceful shutdown, ``app`` holds the routes, ``generation``
+runs one request (whole or streamed, aborted when its client leaves), ``protocol`` has the OpenAI request
+and response shapes, ``errors`` OpenAI's error bodies, ``access`` the per-request log line and the API key
 check, ``metrics`` the Prometheus metrics.
 """
