@@ -167,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-mb", type=float, default=None, help="host KV cache budget (default: 2048)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM/SIGINT (default: 30)")
+    p.add_argument("--preset", default=None, help="synthetic model preset (random weights) instead of --model")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("pull", help="fetch the default model into KESTREL_HOME")

@@ -25,3 +25,7 @@ class InvalidRequest(KestrelError):
 
 class Overloaded(KestrelError):
     """No room for another request now (the server answers HTTP 429); retrying later may succeed."""
+
+
+class ShuttingDown(Overloaded):
+    """The server stopped accepting requests (HTTP 503)."""

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kestrel_core.errors import KestrelError, Overloaded
+from kestrel_core.errors import KestrelError, Overloaded, ShuttingDown
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import (
     DEFAULT_MAX_BATCH,
@@ -40,7 +40,7 @@ class EngineCounters:
 
     steps: int = 0
     step_rows: int = 0  # tokens run over all steps
-    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason (or "abort") -> requests
     failed_steps: int = 0
 
 
@@ -130,7 +130,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         with self._lock:
             if not self._accepting:
-                raise Overloaded("the server is shutting down")
+                raise ShuttingDown("the server is shutting down")
             if len(self._clients) >= self.scheduler.max_batch + self.scheduler.max_waiting:
                 raise Overloaded(f"the server is at capacity ({len(self._clients)} requests in flight); "
                                  "retry later")
@@ -170,6 +170,8 @@ class AsyncEngine:
                     except KestrelError as exc:
                         self._deliver_error(request_id, exc)
                 else:
+                    if payload in sched.requests:
+                        self.counters.finished["abort"] = self.counters.finished.get("abort", 0) + 1
                     sched.abort(payload)
                     self._drop(payload)
             if stopping and not sched.has_work:

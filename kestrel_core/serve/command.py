@@ -55,7 +55,7 @@ def _setup_logging(verbose: bool) -> None:
 def serve_command(args: argparse.Namespace) -> int:
     _check_installed()
     _check_options(args)
-    from kestrel_core.model.engine import load
+    from kestrel_core.model.engine import load, load_preset
     from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING, DEFAULT_TOKEN_BUDGET
     from kestrel_core.serve.server import bind_socket, serve
 
@@ -63,8 +63,14 @@ def serve_command(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     sock = bind_socket(args.host, args.port)  # a busy port fails now, not after the model has loaded
     try:
-        engine = load(args.model, backend=args.backend, quant=args.quant, kv_cache_mb=args.kv_cache_mb,
-                      activations=getattr(args, "activations", "auto"))
+        options = dict(backend=args.backend, quant=args.quant, kv_cache_mb=args.kv_cache_mb,
+                       activations=getattr(args, "activations", "auto"))
+        if getattr(args, "preset", None):
+            if args.model:
+                raise KestrelError("give either --model or --preset, not both")
+            engine = load_preset(args.preset, **options)
+        else:
+            engine = load(args.model, **options)
         with engine:
             serve(engine, host=args.host, port=args.port, api_key=api_key, sock=sock,
                   max_batch=args.max_batch if args.max_batch is not None else DEFAULT_MAX_BATCH,

@@ -23,6 +23,8 @@ from kestrel_core.serve import command
     (["--served-model-name", " "], "--served-model-name must not be empty"),
     (["--model", "/nonexistent/model"], "does not exist"),
     (["--backend", "nope"], "unknown backend 'nope'"),
+    (["--preset", "tiny", "--model", "m.gguf"], "either --model or --preset"),
+    (["--preset", "gpt5"], "unknown preset 'gpt5'"),
 ])
 def test_bad_options_are_one_line_and_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", *argv]) == 2
