@@ -161,11 +161,14 @@ class KestrelServer(uvicorn.Server):
         self.request_shutdown()
 
 
-def warm_up(engine: Any) -> None:
+def warm_up(async_engine: AsyncEngine) -> None:
     """Two tokens through the engine before the port opens: the first step of a fresh process loads the
-    compiled kernels (seconds on a CPU), which would otherwise land on the first client's request."""
+    compiled kernels (seconds on a CPU), which would otherwise land on the first client's request. On the
+    scheduler's thread, where every step of the server runs (see ``AsyncEngine.run_sync``)."""
+    engine = async_engine.engine
     vocab = engine.config.vocab_size
-    list(engine.generate([i % vocab for i in range(8)], max_tokens=2, stop_at_eos=False))
+    async_engine.run_sync(lambda: list(engine.generate([i % vocab for i in range(8)], max_tokens=2,
+                                                       stop_at_eos=False)))
 
 
 def build_server(async_engine: AsyncEngine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
@@ -190,7 +193,7 @@ def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str |
     ``sock``: a socket bound already (``bind_socket``), e.g. to fail on a busy port before loading a model."""
     async_engine = AsyncEngine(engine, max_batch=max_batch, token_budget=token_budget, max_waiting=max_waiting)
     name = model_name or default_model_name(str(getattr(engine, "source", "")))
-    warm_up(engine)
+    warm_up(async_engine)
     server = build_server(async_engine, name, host=host, port=port, api_key=api_key,
                           shutdown_grace_s=shutdown_grace_s, sock=sock)
 

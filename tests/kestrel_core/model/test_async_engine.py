@@ -103,3 +103,17 @@ def test_shutdown_lets_running_requests_finish_and_refuses_new_ones(engine) -> N
             await anext(front.generate([1], SamplingParams()))
 
     asyncio.run(main())
+
+
+def test_run_sync_runs_on_the_scheduler_thread_and_passes_errors_back(engine) -> None:
+    import threading
+
+    front = AsyncEngine(engine)
+    try:
+        assert front.run_sync(threading.get_ident) == front._thread.ident != threading.get_ident()
+        with pytest.raises(ZeroDivisionError):
+            front.run_sync(lambda: 1 / 0)
+        assert front.run_sync(lambda: list(engine.generate([1, 2, 3], max_tokens=3, stop_at_eos=False))) \
+            == list(engine.generate([1, 2, 3], max_tokens=3, stop_at_eos=False))
+    finally:
+        asyncio.run(front.shutdown(grace_s=1))

@@ -1,0 +1,128 @@
+"""Continuous batching through the HTTP server against the engine alone, in one run on one engine.
+
+    python benchmarks/serve_load.py --backend cpu --concurrency 1,8 --prompt-tokens 128 --decode-tokens 64
+    python benchmarks/serve_load.py --preset qwen3-8b --backend cuda --quant q8 --concurrency 1,32,64 \\
+        --prompt-tokens 512 --decode-tokens 256 --json $OUT/serve.json
+
+For each concurrency level N: N requests with distinct random token prompts, greedy, EOS ignored, sent at
+once. First ``kestrel bench``'s own figures (batch-1 ``run_bench`` and ``run_concurrency_bench``), then the
+same load through a real ``kestrel serve`` server on 127.0.0.1 with the official ``openai`` client (streamed
+completions, one request per task): decode tok/s while every stream decodes, per-stream tok/s, time to
+first token. Same definitions as ``kestrel bench --concurrency``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+import kestrel_core
+from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.model.bench import run_bench, run_concurrency_bench
+from kestrel_core.model.engine import load_preset
+
+
+async def _one(client: Any, model: str, prompt: list[int], tokens: int) -> tuple[float, list[float], int]:
+    """(send time, chunk arrival times, completion tokens) of one streamed completion."""
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    used = 0
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=tokens, temperature=0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            stamps.append(time.perf_counter())
+        if chunk.usage is not None:
+            used = chunk.usage.completion_tokens
+    return t0, stamps, used
+
+
+async def _level(port: int, model: str, prompts: list[list[int]], tokens: int) -> dict[str, float]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="bench", max_retries=0,
+                                timeout=3600)
+    start = time.perf_counter()
+    results = await asyncio.gather(*(_one(client, model, p, tokens) for p in prompts))
+    end = time.perf_counter()
+    await client.close()
+    firsts = [s[0] for _, s, _ in results if s]
+    decoding_from = max(firsts)
+    # a chunk carries the text of one or more tokens: count tokens from usage, spread over the chunks
+    after = sum(used * sum(1 for t in s if t > decoding_from) / len(s) for _, s, used in results if s)
+    per_stream = [(used - 1) / (s[-1] - s[0]) for _, s, used in results if len(s) > 1 and s[-1] > s[0]]
+    ttft = np.array([s[0] - t0 for t0, s, _ in results if s])
+    return {"concurrency": len(prompts), "decode_tok_s": after / (end - decoding_from),
+            "output_tok_s": sum(u for _, _, u in results) / (end - start),
+            "stream_tok_s": statistics.median(per_stream) if per_stream else 0.0,
+            "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--preset", default=None)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--quant", default=None)
+    ap.add_argument("--activations", default="auto")
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--json", default=None, help="write the figures here too")
+    args = ap.parse_args()
+    from kestrel_core.serve.server import build_server
+
+    levels = [int(x) for x in args.concurrency.split(",")]
+    if args.preset:
+        engine = load_preset(args.preset, backend=args.backend, quant=args.quant, activations=args.activations)
+    else:
+        engine = kestrel_core.load(args.model, backend=args.backend, quant=args.quant, activations=args.activations)
+    out: dict[str, Any] = {"model": engine.source, "backend": engine.backend_name, "activations": engine.activations,
+                           "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens}
+    # every engine call on the scheduler's thread, as in the server (AsyncEngine.run_sync says why)
+    front = AsyncEngine(engine, max_batch=max(levels), max_waiting=max(levels))
+    single = front.run_sync(lambda: run_bench(engine, prompt_tokens=args.prompt_tokens,
+                                              decode_tokens=args.decode_tokens, runs=3))
+    out["bench_batch1_decode_tok_s"] = single.decode_tok_s
+    bench = front.run_sync(lambda: run_concurrency_bench(engine, levels, prompt_tokens=args.prompt_tokens,
+                                                         decode_tokens=args.decode_tokens))
+    out["bench"] = [vars(r) for r in bench.levels]
+    server = build_server(front, "bench", host="127.0.0.1", port=0)
+    thread = threading.Thread(target=server.run_forever, daemon=True)
+    thread.start()
+    assert server.wait_started(120)
+    rng = np.random.default_rng(1)
+    vocab = engine.config.vocab_size
+    try:
+        asyncio.run(_level(server.port, "bench", [rng.integers(0, vocab, args.prompt_tokens).tolist()],
+                           4))  # warm-up
+        out["server"] = [asyncio.run(_level(server.port, "bench",
+                                            [rng.integers(0, vocab, args.prompt_tokens).tolist()
+                                             for _ in range(n)], args.decode_tokens)) for n in levels]
+    finally:
+        server.request_shutdown()
+        thread.join(60)
+        engine.close()
+    print(f"{out['model']} on {out['backend']} ({out['activations']} activations), {args.prompt_tokens}-token "
+          f"prompts, {args.decode_tokens} tokens each; bench batch-1 decode {single.decode_tok_s:.1f} tok/s")
+    print(f"{'N':>4} {'bench decode':>13} {'server decode':>14} {'bench stream':>13} {'server stream':>14} "
+          f"{'bench TTFT p50/p99 ms':>22} {'server TTFT p50/p99 ms':>23}")
+    for b, s in zip(out["bench"], out["server"]):
+        print(f"{b['concurrency']:>4} {b['decode_tok_s']:>13.1f} {s['decode_tok_s']:>14.1f} {b['stream_tok_s']:>13.1f} "
+              f"{s['stream_tok_s']:>14.1f} {b['ttft_p50_s'] * 1e3:>10.0f}/{b['ttft_p99_s'] * 1e3:<11.0f} "
+              f"{s['ttft_p50_s'] * 1e3:>11.0f}/{s['ttft_p99_s'] * 1e3:<11.0f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
