@@ -38,7 +38,7 @@ async def _one(client: Any, model: str, prompt: list[int], tokens: int) -> tuple
                                              stream=True, stream_options={"include_usage": True},
                                              extra_body={"ignore_eos": True})
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
+        if chunk.choices and chunk.choices[0].finish_reason is None:  # one chunk per step with tokens
             stamps.append(time.perf_counter())
         if chunk.usage is not None:
             used = chunk.usage.completion_tokens

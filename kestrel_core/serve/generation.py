@@ -144,8 +144,8 @@ async def _events(gen: AsyncIterator[RequestOutput], first: RequestOutput, shape
             if out.finish_reason == "abort":
                 yield sse(error_body(SHUTDOWN_MESSAGE, "server_error", None, "server_shutting_down"))
                 break
-            if out.new_text or out.logprobs:
-                yield sse(shape.delta_chunk(out.new_text, out.logprobs))
+            if out.new_token_ids or out.new_text or out.logprobs:  # a chunk per step that made tokens, as
+                yield sse(shape.delta_chunk(out.new_text, out.logprobs))  # OpenAI's ("" while text is held)
             if out.finished:
                 yield sse(shape.finish_chunk(out.finish_reason))
                 if shape.include_usage:
