@@ -6,8 +6,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kestrel_core.errors import KestrelError
+from kestrel_core.model.validate import ValidationError, check_bool, check_float, check_int, is_int
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Upper bounds far above any real model, so a config cannot ask for absurd allocations (2^40 layers...)
+MAX_DIM = 1 << 20  # hidden, intermediate, head_dim
+MAX_VOCAB = 1 << 24
+MAX_LAYERS = 4096
+MAX_HEADS = 1 << 14
+MAX_POSITION = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -30,20 +37,74 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
+    def __post_init__(self) -> None:
+        """Every field by type and range, whoever built the config (HF, GGUF, .kst, presets): a bad value is one
+        ValidationError naming the field (the loaders prefix their file), never a wrong or crashing model."""
+        validate_config(self)
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        eos = d.get("eos_token_ids") or ()
+        if not isinstance(eos, (list, tuple)):
+            raise ValidationError(f"eos_token_ids must be a list of token ids, got {eos!r}")
+        d["eos_token_ids"] = tuple(eos)
         return cls(**d)
+
+
+def validate_config(c: ModelConfig) -> None:
+    """The checks of ModelConfig.__post_init__ (see there); raises ValidationError naming the first bad field."""
+    if not isinstance(c.arch, str) or c.arch not in ARCHITECTURES:
+        raise ValidationError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {c.arch!r}")
+    check_int("vocab_size", c.vocab_size, 1, MAX_VOCAB)
+    check_int("hidden_size", c.hidden_size, 1, MAX_DIM)
+    check_int("intermediate_size", c.intermediate_size, 1, MAX_DIM)
+    check_int("num_layers", c.num_layers, 1, MAX_LAYERS)
+    check_int("num_heads", c.num_heads, 1, MAX_HEADS)
+    check_int("num_kv_heads", c.num_kv_heads, 1, MAX_HEADS)
+    check_int("head_dim", c.head_dim, 2, MAX_DIM)
+    if c.head_dim % 2:
+        raise ValidationError(f"head_dim must be even (RoPE rotates pairs), got {c.head_dim}")
+    if c.num_heads % c.num_kv_heads:
+        raise ValidationError(f"num_heads ({c.num_heads}) must be a multiple of num_kv_heads ({c.num_kv_heads})")
+    check_float("rms_norm_eps", c.rms_norm_eps, 0.0, 1.0, lo_open=True)
+    check_float("rope_theta", c.rope_theta, 0.0, lo_open=True)
+    if c.rope_scaling is not None:
+        if not isinstance(c.rope_scaling, dict):
+            raise ValidationError(f"rope_scaling must be an object or null, got {c.rope_scaling!r}")
+        if c.rope_scaling.get("rope_type") == "llama3":
+            check_llama3_scaling(c.rope_scaling)
+    check_int("max_position", c.max_position, 1, MAX_POSITION)
+    for name in ("tie_word_embeddings", "qkv_bias", "qk_norm"):
+        check_bool(name, getattr(c, name))
+    if c.bos_token_id is not None:
+        check_int("bos_token_id", c.bos_token_id, 0)
+    if not isinstance(c.eos_token_ids, tuple) or not all(is_int(t) and t >= 0 for t in c.eos_token_ids):
+        raise ValidationError(f"eos_token_ids must be token ids >= 0, got {c.eos_token_ids!r}")
+
+
+def check_llama3_scaling(s: dict[str, Any]) -> None:
+    """llama3 RoPE scaling parameters: factor >= 1, 0 < low_freq_factor < high_freq_factor (the formula divides by
+    high - low), original_max_position_embeddings >= 1; all finite."""
+    check_float("rope_scaling.factor", s.get("factor"), 1.0)
+    low = check_float("rope_scaling.low_freq_factor", s.get("low_freq_factor"), 0.0, lo_open=True)
+    high = check_float("rope_scaling.high_freq_factor", s.get("high_freq_factor"), 0.0, lo_open=True)
+    if not high > low:
+        raise ValidationError(f"rope_scaling.high_freq_factor ({high:g}) must be greater than low_freq_factor "
+                              f"({low:g})")
+    check_int("rope_scaling.original_max_position_embeddings", s.get("original_max_position_embeddings"), 1,
+              MAX_POSITION)
 
 
 def normalize_rope_scaling(scaling: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
     """None for plain RoPE; the llama3 parameters (HF's key names) otherwise; other kinds are refused."""
     if not scaling:
         return None
+    if not isinstance(scaling, dict):
+        raise KestrelError(f"{where}: rope scaling must be an object, got {scaling!r}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return None
@@ -53,10 +114,11 @@ def normalize_rope_scaling(scaling: dict[str, Any] | None, where: str) -> dict[s
     missing = [k for k in keys if k not in scaling]
     if missing:
         raise KestrelError(f"{where}: llama3 rope scaling lacks {', '.join(missing)}")
+    out: dict[str, Any] = {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
     try:
-        out: dict[str, Any] = {"rope_type": "llama3"}
-        out.update({k: float(scaling[k]) for k in keys[:3]})
-        out["original_max_position_embeddings"] = int(scaling[keys[3]])
-    except (TypeError, ValueError) as exc:
-        raise KestrelError(f"{where}: llama3 rope scaling has a bad value ({exc})") from None
+        check_llama3_scaling(out)
+    except ValidationError as exc:
+        raise KestrelError(f"{where}: llama3 {exc}") from None
+    out.update({k: float(out[k]) for k in keys[:3]})
+    out["original_max_position_embeddings"] = int(out[keys[3]])
     return out

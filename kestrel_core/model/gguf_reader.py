@@ -13,17 +13,21 @@ metadata; the llama3 parameters are recovered from it and checked to reproduce i
 from __future__ import annotations
 
 import math
+import mmap
+import os
 import re
+import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
+from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.quantize import map_tensor_name
+from kestrel_core.model.validate import ValidationError, check_float, check_int, check_regular_file, open_regular
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 PERMUTED_ARCHITECTURES = ("llama",)
@@ -113,6 +117,167 @@ def llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: int
     return scaling
 
 
+# -- the bounds pre-pass ------------------------------------------------------------------------------------
+
+GGUF_VERSIONS = (2, 3)  # what gguf-py's reader handles
+# gguf-py builds one numpy view per array element (two per string), so element counts are capped as well as
+# checked against the file size: 2^21 is ~2.7x the metadata arrays of a 262k-token vocabulary (Gemma 3).
+MAX_ARRAY_ELEMENTS = 1 << 21
+MAX_ARRAY_DEPTH = 2  # arrays of arrays of scalars; deeper nesting is refused (gguf-py recurses)
+GGML_MAX_DIMS = 4
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+GGUF_DEFAULT_ALIGNMENT = 32
+
+
+class _Bounds:
+    """A cursor over the file's bytes that refuses any length reaching past the end (before reading it)."""
+
+    def __init__(self, buf: Any, size: int, order: str, where: str) -> None:
+        self.buf, self.size, self.order, self.where, self.pos = buf, size, order, where, 0
+        self.elements = 0
+
+    def fail(self, what: str) -> KestrelError:
+        return KestrelError(f"{self.where}: not a readable GGUF file ({what} at byte {self.pos}; truncated or "
+                            "corrupt)")
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or n > self.size - self.pos:
+            raise self.fail(f"{what} needs {n} bytes, {self.size - self.pos} remain")
+
+    def u32(self, what: str) -> int:
+        self.need(4, what)
+        (v,) = struct.unpack_from(self.order + "I", self.buf, self.pos)
+        self.pos += 4
+        return int(v)
+
+    def u64(self, what: str) -> int:
+        self.need(8, what)
+        (v,) = struct.unpack_from(self.order + "Q", self.buf, self.pos)
+        self.pos += 8
+        return int(v)
+
+    def string(self, what: str) -> bytes:
+        n = self.u64(f"{what} length")
+        self.need(n, f"{what} of {n} bytes")
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        return raw
+
+    def count(self, n: int, min_size: int, what: str) -> None:
+        """``n`` more array elements of at least ``min_size`` bytes each: within the file and the cap."""
+        self.need(n * min_size, f"{what} of {n} elements")
+        self.elements += n
+        if self.elements > MAX_ARRAY_ELEMENTS:
+            raise KestrelError(f"{self.where}: GGUF metadata arrays hold more than {MAX_ARRAY_ELEMENTS} elements; "
+                               "refused")
+
+    def value(self, vtype: int, what: str, depth: int = 0) -> int | None:
+        """Skip one value of type ``vtype``; returns a uint32 scalar's value (for general.alignment)."""
+        if vtype in _SCALAR_SIZES:
+            size = _SCALAR_SIZES[vtype]
+            if vtype == _UINT32:
+                return self.u32(what)
+            self.need(size, what)
+            self.pos += size
+        elif vtype == _STRING:
+            self.string(what)
+        elif vtype == _ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise self.fail(f"{what}: arrays nested deeper than {MAX_ARRAY_DEPTH}")
+            itype = self.u32(f"{what} element type")
+            n = self.u64(f"{what} element count")
+            if itype in _SCALAR_SIZES:
+                self.count(n, _SCALAR_SIZES[itype], what)
+                self.pos += n * _SCALAR_SIZES[itype]
+            elif itype == _STRING:
+                self.count(n, 8, what)
+                for _ in range(n):
+                    self.string(f"{what} element")
+            elif itype == _ARRAY:
+                self.count(n, 12, what)
+                for _ in range(n):
+                    self.value(_ARRAY, what, depth + 1)
+            else:
+                raise self.fail(f"{what}: unknown element type {itype}")
+        else:
+            raise self.fail(f"{what}: unknown value type {vtype}")
+        return None
+
+
+def check_gguf_bounds(path: str | Path) -> None:
+    """Walk the GGUF header, metadata and tensor infos checking every length against the file size, before
+    gguf-py reads it: a 49-byte file whose array header claims 2^62 elements must not make gguf-py allocate
+    (it builds a Python list element by element: 3.7 GB, then a hang). Each string length, array count x
+    element size and tensor extent (offset + bytes, after the aligned data start) must fit in the file; tensor
+    types must be known to gguf-py and have at most 4 non-zero dimensions."""
+    where = str(path)
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            raise KestrelError(f"{where}: not a readable GGUF file ({size} bytes; truncated or corrupt)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            _walk(buf, size, where)
+
+
+def _walk(buf: Any, size: int, where: str) -> None:
+    if bytes(buf[:4]) != b"GGUF":
+        raise KestrelError(f"{where}: not a GGUF file (bad magic {bytes(buf[:4])!r}; truncated or corrupt?)")
+    (version,) = struct.unpack_from("<I", buf, 4)
+    order = "<"
+    if version & 0xFFFF == 0:  # written on a big-endian host: gguf-py reads it byte-swapped
+        order = ">"
+        (version,) = struct.unpack_from(">I", buf, 4)
+    if version not in GGUF_VERSIONS:
+        raise KestrelError(f"{where}: not a readable GGUF file (version {version}; kestrel reads versions 2 and 3; "
+                           "truncated or corrupt?)")
+    b = _Bounds(buf, size, order, where)
+    b.pos = 8
+    n_tensors = b.u64("tensor count")
+    n_kv = b.u64("metadata count")
+    b.need(n_kv * 13, f"{n_kv} metadata entries")  # key length 8 + >= 1 byte + type 4
+    alignment = GGUF_DEFAULT_ALIGNMENT
+    for _ in range(n_kv):
+        key = b.string("metadata key")
+        vtype = b.u32(f"metadata {key[:64]!r} type")
+        scalar = b.value(vtype, f"metadata {key[:64].decode('utf-8', 'replace')}")
+        if key == b"general.alignment":
+            if vtype != _UINT32 or scalar is None or scalar == 0 or scalar & (scalar - 1):
+                raise KestrelError(f"{where}: general.alignment must be a uint32 power of two")
+            alignment = scalar
+    b.need(n_tensors * 24, f"{n_tensors} tensor infos")  # name length 8 + n_dims 4 + type 4 + offset 8
+    extents = []
+    for _ in range(n_tensors):
+        name = b.string("tensor name").decode("utf-8", "replace")[:200]
+        n_dims = b.u32(f"tensor {name} dimension count")
+        if not 1 <= n_dims <= GGML_MAX_DIMS:
+            raise b.fail(f"tensor {name} has {n_dims} dimensions")
+        dims = [b.u64(f"tensor {name} dimension") for _ in range(n_dims)]
+        raw_type = b.u32(f"tensor {name} type")
+        offset = b.u64(f"tensor {name} offset")
+        qtype = next((t for t in GGML_QUANT_SIZES if int(t) == raw_type), None)
+        if qtype is None:
+            raise b.fail(f"tensor {name} has unknown type {raw_type}")
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if min(dims) < 1 or dims[0] % block:
+            raise b.fail(f"tensor {name} has dimensions {dims} (type {qtype.name}, blocks of {block})")
+        n_elems = math.prod(dims)
+        extents.append((name, offset, n_elems // block * type_size))
+    start = b.pos + (-b.pos) % alignment
+    for name, offset, nbytes in extents:
+        if start + offset + nbytes > size:
+            raise KestrelError(f"{where}: not a readable GGUF file (tensor {name} needs bytes "
+                               f"{start + offset}..{start + offset + nbytes}, the file has {size}; truncated or "
+                               "corrupt)")
+
+
+# -- metadata values ---------------------------------------------------------------------------------------
+
+_INT_TYPES = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
+              GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64}
+_FLOAT_TYPES = {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
+
+
 def _decimal(value: Any) -> float:
     """A float32 metadata value as the decimal it was written from (1e-05, not 9.999999747378752e-06)."""
     return float(str(np.float32(value)))
@@ -124,8 +289,8 @@ class GGUFCheckpoint:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.description = str(self.path)
-        if not self.path.is_file():
-            raise KestrelError(f"{self.path}: no such file")
+        check_regular_file(self.path)  # a FIFO or a device would block or never end
+        check_gguf_bounds(self.path)  # every length within the file before gguf-py allocates for it
         try:
             self.reader = GGUFReader(self.path)
         except OSError as exc:
@@ -158,6 +323,38 @@ class GGUFCheckpoint:
             raise KestrelError(f"{self.path}: GGUF metadata lacks {key}")
         return v
 
+    def _typed(self, key: str, kinds: set[GGUFValueType], what: str) -> Any:
+        """The scalar value of ``key`` (None when absent) if its GGUF type is one of ``kinds``."""
+        f = self.reader.fields.get(key)
+        if f is None:
+            return None
+        if len(f.types) != 1 or f.types[0] not in kinds:
+            got = "/".join(t.name for t in f.types) or "?"
+            raise KestrelError(f"{self.path}: metadata {key} must be {what}, got a {got} value")
+        return self.field(key)
+
+    def int_field(self, key: str, default: int | None = None, lo: int = 1, required: bool = False) -> int | None:
+        """An integer-typed metadata value >= ``lo`` (a bool, float or string is refused, not coerced)."""
+        v = self._typed(key, _INT_TYPES, "an integer")
+        if v is None:
+            if required:
+                raise KestrelError(f"{self.path}: GGUF metadata lacks {key}")
+            return default
+        try:
+            return check_int(key, v, lo)
+        except ValidationError as exc:
+            raise KestrelError(f"{self.path}: metadata {exc}") from None
+
+    def float_field(self, key: str, default: float) -> float:
+        """A float (or integer) metadata value, finite and > 0; float32 read back as its decimal."""
+        v = self._typed(key, _FLOAT_TYPES | _INT_TYPES, "a number")
+        if v is None:
+            return default
+        try:
+            return check_float(key, _decimal(v), 0.0, lo_open=True)
+        except ValidationError as exc:
+            raise KestrelError(f"{self.path}: metadata {exc}") from None
+
     def _config(self) -> ModelConfig:
         arch = self.field("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
@@ -165,41 +362,50 @@ class GGUFCheckpoint:
                                f"(kestrel supports {', '.join(GGUF_ARCHITECTURES)})")
         if "embedding" not in self._tensors:
             raise KestrelError(f"{self.path}: no token_embd.weight tensor")
-        vocab_size = int(self._tensors["embedding"].shape[-1])  # ggml order: [D, V]
-        hidden = int(self._need(f"{arch}.embedding_length"))
-        heads = int(self._need(f"{arch}.attention.head_count"))
-        head_dim = int(self.field(f"{arch}.attention.key_length") or hidden // heads)
-        theta = _decimal(self.field(f"{arch}.rope.freq_base", 10000.0))
+        emb_shape = [int(d) for d in self._tensors["embedding"].shape]
+        if len(emb_shape) != 2:
+            raise KestrelError(f"{self.path}: token_embd.weight has shape {emb_shape}, expected [hidden, vocab]")
+        vocab_size = emb_shape[-1]  # ggml order: [D, V]
+        hidden = self.int_field(f"{arch}.embedding_length", required=True)
+        heads = self.int_field(f"{arch}.attention.head_count", required=True)
+        assert hidden is not None and heads is not None
+        head_dim = self.int_field(f"{arch}.attention.key_length") or hidden // heads
+        theta = self.float_field(f"{arch}.rope.freq_base", 10000.0)
         kind = self.field(f"{arch}.rope.scaling.type")
         if kind not in (None, "none"):
             raise KestrelError(f"{self.path}: rope scaling type {kind!r} is not supported")
-        orig_ctx = self.field(f"{arch}.rope.scaling.original_context_length")
+        orig_ctx = self.int_field(f"{arch}.rope.scaling.original_context_length")
         scaling = None
-        if self._rope_freqs is not None:
-            scaling = llama3_scaling_from_factors(dequantize(self._rope_freqs.data, self._rope_freqs.tensor_type),
-                                                  theta, head_dim, orig_ctx, str(self.path))
-        bos = self.field("tokenizer.ggml.bos_token_id")
-        eos = [int(v) for v in (self.field("tokenizer.ggml.eos_token_id"),
-                                self.field("tokenizer.ggml.eot_token_id")) if v is not None]
-        return ModelConfig(
-            arch=arch,
-            vocab_size=vocab_size,
-            hidden_size=hidden,
-            intermediate_size=int(self._need(f"{arch}.feed_forward_length")),
-            num_layers=int(self._need(f"{arch}.block_count")),
-            num_heads=heads,
-            num_kv_heads=int(self.field(f"{arch}.attention.head_count_kv") or heads),
-            head_dim=head_dim,
-            rms_norm_eps=_decimal(self.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position=int(self.field(f"{arch}.context_length", 4096)),
-            tie_word_embeddings="lm_head" not in self._tensors,
-            qkv_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
-            bos_token_id=int(bos) if bos is not None else None,
-            eos_token_ids=tuple(dict.fromkeys(eos)),
-        )
+        try:
+            if self._rope_freqs is not None:
+                freqs = dequantize(self._rope_freqs.data, self._rope_freqs.tensor_type)
+                scaling = llama3_scaling_from_factors(freqs, theta, head_dim, orig_ctx, str(self.path))
+            bos = self.int_field("tokenizer.ggml.bos_token_id", lo=0)
+            eos = [v for v in (self.int_field("tokenizer.ggml.eos_token_id", lo=0),
+                               self.int_field("tokenizer.ggml.eot_token_id", lo=0)) if v is not None]
+            return ModelConfig(
+                arch=arch,
+                vocab_size=vocab_size,
+                hidden_size=hidden,
+                intermediate_size=self.int_field(f"{arch}.feed_forward_length", required=True),
+                num_layers=self.int_field(f"{arch}.block_count", required=True),
+                num_heads=heads,
+                num_kv_heads=self.int_field(f"{arch}.attention.head_count_kv") or heads,
+                head_dim=head_dim,
+                rms_norm_eps=self.float_field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                max_position=self.int_field(f"{arch}.context_length", 4096),
+                tie_word_embeddings="lm_head" not in self._tensors,
+                qkv_bias=arch == "qwen2",
+                qk_norm=arch == "qwen3",
+                bos_token_id=bos,
+                eos_token_ids=tuple(dict.fromkeys(eos)),
+            )
+        except ValidationError as exc:
+            raise KestrelError(f"{self.path}: {exc}") from None
+        except (ValueError, ArithmeticError, FloatingPointError) as exc:  # numpy on absurd rope values
+            raise KestrelError(f"{self.path}: bad metadata ({type(exc).__name__}: {exc})") from None
 
     def tokenizer_fields(self) -> dict[str, Any]:
         """Every tokenizer.* metadata value, decoded (what Tokenizer.from_gguf_vocab needs)."""

@@ -76,7 +76,7 @@ def test_bf16_known_bit_patterns(tmp_path: Path) -> None:
     root.mkdir()
     (root / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + bits.tobytes())
     cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 2, "hidden_size": 4, "intermediate_size": 4,
-           "num_hidden_layers": 0, "num_attention_heads": 1}
+           "num_hidden_layers": 1, "num_attention_heads": 1}
     (root / "config.json").write_text(json.dumps(cfg))
     got = HFCheckpoint(root).get("embedding")
     np.testing.assert_array_equal(got.reshape(-1), expected)

@@ -1,0 +1,268 @@
+"""Checks for untrusted input: model paths, config values, artifact metadata, CLI values and environment values.
+
+Everything a file, a plugin or a user hands kestrel is checked here by type and range before it is used, so a
+bad value is one ``KestrelError`` line (exit 2) naming the field, never a crash, a hang or a silently wrong
+answer. ``bool`` is never accepted where an integer is asked for (``True`` would be one layer), and strings
+are never coerced to numbers. The loaders call these functions; docs/formats.md lists the rules.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import stat
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kestrel_core.errors import KestrelError
+
+
+class ValidationError(KestrelError, ValueError):
+    """A value of the wrong type or out of range. Also a ValueError, so callers that wrap ValueErrors into a
+    message naming their file (artifact.py, hf.py) do so for these too."""
+
+
+# -- primitive checks -------------------------------------------------------------------------------------
+
+
+def is_int(x: object) -> bool:
+    """An integer, and not a bool (``True`` is an int to Python, never a layer count to kestrel)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def is_number(x: object) -> bool:
+    """A real number (int or float, numpy's too), not a bool and not a string."""
+    return is_int(x) or isinstance(x, (float, np.floating))
+
+
+def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
+    """``value`` as an int in [lo, hi]; else a ValidationError naming ``name``."""
+    if not is_int(value):
+        raise ValidationError(f"{name} must be an integer, got {value!r}")
+    v = int(value)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ValidationError(f"{name} must be an integer in [{lo if lo is not None else '-inf'}, "
+                              f"{hi if hi is not None else 'inf'}], got {v}")
+    return v
+
+
+def check_float(name: str, value: Any, lo: float | None = None, hi: float | None = None, *,
+                lo_open: bool = False) -> float:
+    """``value`` as a finite float in [lo, hi] (``lo_open``: (lo, hi]); else a ValidationError naming ``name``."""
+    if not is_number(value):
+        raise ValidationError(f"{name} must be a number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValidationError(f"{name} must be finite, got {v}")
+    if lo is not None and (v < lo or (lo_open and v == lo)):
+        raise ValidationError(f"{name} must be {'>' if lo_open else '>='} {lo:g}, got {v:g}")
+    if hi is not None and v > hi:
+        raise ValidationError(f"{name} must be <= {hi:g}, got {v:g}")
+    return v
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` as a bool; 0/1 and strings are refused (they are typos or a different schema)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValidationError(f"{name} must be true or false, got {value!r}")
+    return bool(value)
+
+
+# -- model files ------------------------------------------------------------------------------------------
+
+
+def check_regular_file(path: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> Path:
+    """``path`` if it is a regular file (inside ``root``, once symlinks are resolved, when ``root`` is given).
+
+    Call before opening any model file: a FIFO blocks ``open`` forever, a device reads without end, and a
+    symlink in a model directory must not reach a file outside it. ``os.stat`` never blocks on a FIFO.
+    """
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise KestrelError(f"{p}: no such file") from None
+    except OSError as exc:
+        raise KestrelError(f"{p}: cannot read it ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+        raise KestrelError(f"{p}: is {kind}; kestrel opens regular files only as model files")
+    if root is not None:
+        base = Path(root).resolve()
+        real = p.resolve()
+        if real != base and base not in real.parents:
+            raise KestrelError(f"{p}: is a link to {real}, outside the model directory {base}; refused")
+    return p
+
+
+def open_regular(path: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> Any:
+    """``open(path, "rb")`` that never blocks: checked with stat first, then opened non-blocking and checked
+    again on the descriptor (the file cannot be swapped for a FIFO between the two)."""
+    p = check_regular_file(path, root)
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except OSError as exc:
+        raise KestrelError(f"{p}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise KestrelError(f"{p}: is not a regular file; kestrel opens regular files only as model files")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+# -- Hugging Face config.json ------------------------------------------------------------------------------
+
+# field -> (kind, required); kinds: "pos" int >= 1, "nonneg" int >= 0, "float+" finite > 0, "bool", "rope" dict
+HF_CONFIG_FIELDS: dict[str, tuple[str, bool]] = {
+    "vocab_size": ("pos", True),
+    "hidden_size": ("pos", True),
+    "intermediate_size": ("pos", True),
+    "num_hidden_layers": ("pos", True),
+    "num_attention_heads": ("pos", True),
+    "num_key_value_heads": ("pos", False),
+    "head_dim": ("pos", False),
+    "max_position_embeddings": ("pos", False),
+    "rms_norm_eps": ("float+", False),
+    "rope_theta": ("float+", False),
+    "tie_word_embeddings": ("bool", False),
+    "rope_scaling": ("rope", False),
+    "rope_parameters": ("rope", False),
+}
+
+
+def check_hf_config(cfg: Mapping[str, Any], where: str = "config.json") -> None:
+    """Type and range of every config.json field kestrel reads, before ``int()``/``float()`` can coerce them.
+
+    ``num_hidden_layers: true``, ``"3"`` and ``3.5`` are refused (int() would make them 1, 3 and 3); ``null``
+    counts as absent for optional fields, as transformers treats it. hf.config_from_hf must call this first.
+    """
+    if not isinstance(cfg, Mapping):
+        raise KestrelError(f"{where}: expected a JSON object")
+    for key, (kind, required) in HF_CONFIG_FIELDS.items():
+        value = cfg.get(key)
+        if value is None:
+            if required:
+                raise KestrelError(f"{where}: missing {key!r}")
+            continue
+        try:
+            if kind == "pos":
+                check_int(key, value, 1)
+            elif kind == "float+":
+                check_float(key, value, 0.0, lo_open=True)
+            elif kind == "bool":
+                check_bool(key, value)
+            elif not isinstance(value, Mapping):
+                raise ValidationError(f"{key} must be a JSON object or null, got {value!r}")
+        except ValidationError as exc:
+            raise KestrelError(f"{where}: {exc}") from None
+    for key in ("bos_token_id", "eos_token_id"):
+        value = cfg.get(key)
+        values = value if isinstance(value, list) else [value]
+        if value is not None and not all(is_int(v) and v >= 0 for v in values):
+            raise KestrelError(f"{where}: {key} must be a token id >= 0 or a list of them, got {value!r}")
+
+
+# -- the .kst artifact --------------------------------------------------------------------------------------
+
+_LAYER_TENSOR = re.compile(r"^layers\.(\d+)\.")
+
+
+def check_artifact_meta(quant: Any, config: Any, tensor_names: Iterable[str], where: str) -> str:
+    """An artifact's quant mode (a known one) and its tensors against its config: every ``layers.N.*`` tensor
+    must have N < num_layers, so a ``num_layers`` edited down cannot silently drop layers. Returns the mode.
+
+    ``config`` is the parsed ModelConfig (its own checks ran in ``ModelConfig.__post_init__``). artifact.py's
+    metadata reader must call this with the file's tensor names.
+    """
+    from kestrel_core.model.quantize import QUANT_MODES
+
+    if not isinstance(quant, str) or quant not in QUANT_MODES:
+        raise KestrelError(f"{where}: artifact quant {quant!r} is not a known mode "
+                           f"({', '.join(QUANT_MODES)})")
+    n = config.num_layers
+    beyond = sorted({int(m.group(1)) for name in tensor_names if (m := _LAYER_TENSOR.match(name))
+                     and int(m.group(1)) >= n})
+    if beyond:
+        raise KestrelError(f"{where}: the artifact has tensors for layer {beyond[0]} but its config says "
+                           f"num_layers {n}")
+    return quant
+
+
+# -- CLI and environment values ---------------------------------------------------------------------------
+
+
+def parse_min_flops(name: str, text: str) -> int:
+    """The value of ``KESTREL_<NAME>_MIN_FLOPS``: a finite number >= 0 (``1e7`` allowed), as an int.
+
+    ``inf`` / ``nan`` / ``-5`` / ``abc`` are one line naming the variable (``int(float("inf"))`` is an
+    OverflowError, which used to escape as exit 1). registry.Backend.min_flops must call this.
+    """
+    var = f"KESTREL_{name.upper()}_MIN_FLOPS"
+    try:
+        value = float(text)
+    except ValueError:
+        raise KestrelError(f"{var} must be a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0 or value >= 2 ** 63:
+        raise KestrelError(f"{var} must be a finite number >= 0, got {text!r}")
+    return int(value)
+
+
+CLI_INT_RANGES: dict[str, tuple[int, int | None]] = {
+    "max_tokens": (0, None), "top_k": (0, None), "seed": (0, 2 ** 63 - 1), "seeds": (1, 10_000),
+    "prompt_tokens": (1, None), "decode_tokens": (0, None), "runs": (1, 10_000), "warmup": (0, 10_000),
+    "port": (0, 65535), "max_batch": (1, None), "max_waiting": (0, None), "token_budget": (1, None),
+}
+CLI_FLOAT_RANGES: dict[str, tuple[float, float]] = {
+    "temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "kv_cache_mb": (0.0, 2.0 ** 40),
+    "shutdown_grace": (0.0, 86400.0),
+}
+
+
+def check_cli_args(args: Any) -> None:
+    """Every numeric CLI value in range, before a model is loaded: ``--seed -1``, ``--max-tokens -1``,
+    ``--temperature nan``, ``--top-p 0`` are one line naming the flag (exit 2)."""
+    checks: list[tuple[str, Any]] = []
+    for name, (lo, hi) in CLI_INT_RANGES.items():
+        checks.append((name, lambda v, lo=lo, hi=hi: check_int("value", v, lo, hi)))
+    for name, (lo_f, hi_f) in CLI_FLOAT_RANGES.items():
+        open_lo = name in ("top_p", "kv_cache_mb")
+        checks.append((name, lambda v, lo=lo_f, hi=hi_f, o=open_lo: check_float("value", v, lo, hi, lo_open=o)))
+    for name, check in checks:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        try:
+            check(value)
+        except ValidationError as exc:
+            raise KestrelError(f"--{name.replace('_', '-')} {str(exc).removeprefix('value ')}") from None
+
+
+def read_text_stdin(stream: Any, what: str = "stdin") -> str:
+    """All of ``stream`` as text; invalid UTF-8 is one line (not a UnicodeDecodeError traceback or exit 1)."""
+    buffer = getattr(stream, "buffer", None)
+    try:
+        if buffer is not None:
+            return buffer.read().decode("utf-8")
+        return stream.read()
+    except UnicodeDecodeError as exc:
+        raise KestrelError(f"{what} is not valid UTF-8 (byte {exc.start}: {exc.reason})") from None
+
+
+def decode_line(raw: bytes | str, what: str = "stdin") -> str:
+    """One line read from a binary stream, as text; invalid UTF-8 is one line naming ``what``."""
+    if isinstance(raw, str):
+        return raw
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise KestrelError(f"{what} is not valid UTF-8 (byte {exc.start}: {exc.reason})") from None
