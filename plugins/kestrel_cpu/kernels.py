@@ -4,19 +4,18 @@ Why explicit vector IR: numba turns SLP vectorisation off (numba#8705) and LLVM 
 32-wide block loop before the loop vectoriser sees it, so a plain ``for k in range(32)`` int8 dot product
 compiles to scalar code (~1 GB/s). The intrinsics below spell one 32-value chunk as
 ``mul(sext a, sext w)`` folded even+odd, which the x86 backend lowers to ``vpmovsxbw + vpmaddwd`` on AVX2
-(plain vector code on other targets). Each output keeps eight int32 lanes per K-block and eight float lanes
-across blocks, so a block costs one convert and one multiply-add, no horizontal reduction.
+(plain vector code on other targets). Each output keeps eight int32 lanes per K-block, summed at the
+block's end.
 
 Tiles: decode (M < 4) runs one output at a time on int8 activations (memory-bound: it streams the codes
 once, prefetching ahead); prefill widens the activations to int16 once, so vpmaddwd reads them straight from
 memory, and runs 8 activation rows x 1 weight row per tile for G = 32 (straight-line blocks: there the
 per-block convert/scale/multiply-add dominates and bigger tiles spill) or 4 x 2 for G = 256.
 
-The maths is the contract's: each K-block's integer sum is exact (int32 lanes, |sum| <= 127*127*256); the
-float part differs from ``reference_gemm_q8`` only in rounding order: each of the 8 lanes of a block sum
-is scaled by ``a_scale*w_scale`` (rounded once) with a multiply-add, and the lanes are summed by halves at
-the end. Every tile shape does exactly this per output, so an output's bits do not depend on the tile or the
-thread split (a decode row equals the same row of a prefill).
+The maths is the contract's, bit for bit (``reference_gemm_q8``): each K-block's integer sum is exact (int32
+lanes, |sum| <= 127*127*256), and the float part follows the contract's order: ``(float(sum) * a_scale) *
+w_scale`` per block, added in block order, no fused multiply-add. Every tile shape does exactly this per
+output, so an output's bits do not depend on the tile, the thread split or the machine.
 
 This module lives in one file on purpose: numba's on-disk cache is invalidated by the timestamp of the file
 that holds the jitted function, so the intrinsics it inlines must sit in the same file.
@@ -45,30 +44,15 @@ def _data_ptr(context: Any, builder: ir.IRBuilder, aryty: Any, ary: ir.Value, of
     return builder.gep(context.make_array(aryty)(context, builder, ary).data, [offset])
 
 
-def _hsum(builder: ir.IRBuilder, vec: ir.Value) -> ir.Value:
-    """Lanes summed by halves (a fixed order, so every tile shape rounds an output the same way)."""
+def _hsum_int(builder: ir.IRBuilder, vec: ir.Value) -> ir.Value:
+    """Integer lanes summed (exact: any order gives the same value)."""
     n = vec.type.count
     while n > 1:
         n //= 2
         lo = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
         hi = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
-        vec = builder.fadd(lo, hi)
+        vec = builder.add(lo, hi)
     return builder.extract_element(vec, ir.Constant(_I32, 0))
-
-
-def _splat(builder: ir.IRBuilder, value: ir.Value, n: int) -> ir.Value:
-    vty = ir.VectorType(value.type, n)
-    v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), [0] * n))
-
-
-def _fmuladd(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
-    """a*b + c, fused where the target has FMA (the same choice for every tile of one build)."""
-    name = f"llvm.fmuladd.v{a.type.count}f32"
-    fn = builder.module.globals.get(name)
-    if fn is None:
-        fn = ir.Function(builder.module, ir.FunctionType(a.type, [a.type] * 3), name)
-    return builder.call(fn, [a, b, c])
 
 
 def _prefetch(builder: ir.IRBuilder, ptr: ir.Value) -> None:
@@ -126,13 +110,12 @@ def _make_tile_dot(rows: int, cols: int, prefetch_rows: int = 0, one_chunk: bool
             vw_ty = ir.VectorType(_I8, CHUNK)
             v32i32 = ir.VectorType(_I32, CHUNK)
             v8i32 = ir.VectorType(_I32, LANES)
-            v8f = ir.VectorType(_F32, LANES)
             even = ir.Constant(ir.VectorType(_I32, 16), list(range(0, CHUNK, 2)))
             odd = ir.Constant(ir.VectorType(_I32, 16), list(range(1, CHUNK, 2)))
             lo = ir.Constant(v8i32, list(range(0, 8)))
             hi = ir.Constant(v8i32, list(range(8, 16)))
             pairs = [(r, c) for r in range(rows) for c in range(cols)]
-            facc = {rc: cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * LANES)) for rc in pairs}
+            facc = {rc: cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for rc in pairs}
             iacc = {rc: cgutils.alloca_once(builder, v8i32) for rc in pairs}
             group = builder.mul(nchunk_, ir.Constant(idx, CHUNK))
 
@@ -158,19 +141,21 @@ def _make_tile_dot(rows: int, cols: int, prefetch_rows: int = 0, one_chunk: bool
                             s8 = builder.add(builder.shuffle_vector(s16, s16, lo),
                                              builder.shuffle_vector(s16, s16, hi))
                             builder.store(builder.add(builder.load(iacc[r, c]), s8), iacc[r, c])
+                # the contract's float order: 0 + term_0 + term_1 + ... in block order, term_g =
+                # (float(sum_g) * a_scale) * w_scale, no fused multiply-add
                 wsg = [builder.load(builder.gep(pws[c], [g])) for c in range(cols)]
                 for r in range(rows):
                     asg = builder.load(builder.gep(pas[r], [g]))
                     for c in range(cols):
-                        scale = _splat(builder, builder.fmul(asg, wsg[c]), LANES)
-                        lanes = builder.sitofp(builder.load(iacc[r, c]), v8f)
-                        builder.store(_fmuladd(builder, lanes, scale, builder.load(facc[r, c])), facc[r, c])
+                        total = builder.sitofp(_hsum_int(builder, builder.load(iacc[r, c])), _F32)
+                        term = builder.fmul(builder.fmul(total, asg), wsg[c])
+                        builder.store(builder.fadd(builder.load(facc[r, c]), term), facc[r, c])
 
             pout = _data_ptr(context, builder, targs[14], vout_, out_off_)
             for r, c in pairs:
                 dst = builder.gep(pout, [builder.add(builder.mul(out_stride_, ir.Constant(idx, r)),
                                                      ir.Constant(idx, c))])
-                builder.store(_hsum(builder, builder.load(facc[r, c])), dst)
+                builder.store(builder.load(facc[r, c]), dst)
             return context.get_dummy_value()
 
         return sig, codegen
