@@ -5,8 +5,8 @@ lands within float32 rounding of a rounding boundary gets a code one step (1/127
 away from the other implementation's, and the network then amplifies that difference through later
 quantizations. Two correct implementations that sum in a different order therefore differ by much more
 than float32 rounding, and by an amount that depends on the model. The tolerance is measured instead: the
-CPU decoder is run a second time with every linear's input nudged by a few ulps (``JITTER``), and the
-device may differ from the CPU by ``FACTOR`` times what that nudge alone changes. A wrong kernel (a bad
+CPU decoder is run a second time with every linear's input nudged by a few ulps (``selftest.JITTER``), and
+the device may differ from the CPU by ``FACTOR`` times what that nudge alone changes. A wrong kernel (a bad
 index, a missing bias, a wrong scale) moves logits by O(1) of their spread, far above that band.
 """
 
@@ -22,11 +22,11 @@ from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.decoder import Decoder
 from kestrel_core.model.weights import Model
 from kestrel_core.registry import Registry
+from kestrel_core.selftest import JITTER_FACTOR, JITTER_FLOOR, JitterOffload
 
-JITTER = 2.0 ** -21  # relative nudge of linear inputs: 4 float32 ulps
+FACTOR, FLOOR = JITTER_FACTOR, JITTER_FLOOR  # the selftest's band: FACTOR times the nudge's effect, at least FLOOR
+
 JITTER_SEEDS = (5, 6)  # the effect is the larger over these nudges
-FACTOR = 3.0  # the device may differ by this many times the nudge's effect (relative L2 over all logits)
-FLOOR = 1e-5  # relative: when the nudge changes no code at all
 
 
 _LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -104,28 +104,10 @@ GREEDY = {greedy}
 '''
 
 
-class _JitterOffload(Offload):
-    """The CPU offload with every linear's input multiplied by (1 +- JITTER) (seeded signs)."""
-
-    def __init__(self, cpu: Any, seed: int) -> None:
-        super().__init__(cpu, cpu)
-        self.rng = np.random.default_rng(seed)
-
-    def _nudge(self, x: np.ndarray) -> np.ndarray:
-        signs = self.rng.choice(np.array([-1.0, 1.0], np.float32), size=x.shape)
-        return (x * (np.float32(1) + np.float32(JITTER) * signs)).astype(np.float32)
-
-    def linear(self, x: np.ndarray, weight: Any, wkey: int) -> np.ndarray:
-        return super().linear(self._nudge(x), weight, wkey)
-
-    def linear_fused(self, x: np.ndarray, weights: Any, wkeys: Any, fused_wkey: int) -> list[np.ndarray]:
-        return super().linear_fused(self._nudge(x), weights, wkeys, fused_wkey)
-
-
 def cpu_logits(model: Model, tokens: np.ndarray, n_prefill: int, jitter_seed: int | None = None) -> np.ndarray:
     """Teacher-forced CPU logits [T, vocab]: one prefill of n_prefill tokens (all rows), then one step each."""
     cpu = Registry().cpu()
-    off = Offload(cpu, cpu) if jitter_seed is None else _JitterOffload(cpu, jitter_seed)
+    off = Offload(cpu, cpu) if jitter_seed is None else JitterOffload(cpu, jitter_seed)
     dec = Decoder(model, off)
     cache = dec.new_cache()
     outs = [dec.forward(tokens[:n_prefill], cache, all_logits=True)]
