@@ -19,6 +19,7 @@ from rich.table import Table
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.engine import Engine, load, load_preset
 from kestrel_core.model.sampling import SamplingParams
+from kestrel_core.model.validate import check_cli_args, read_line_stdin, read_text_stdin
 
 err = Console(stderr=True, highlight=False)
 
@@ -42,7 +43,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
         return args.prompt
     if sys.stdin.isatty():
         raise KestrelError("no prompt given (pass it as an argument or on stdin)")
-    return sys.stdin.read()
+    return read_text_stdin(sys.stdin)
 
 
 def _prompt_ids(engine: Engine, messages: list[dict[str, str]], chat: bool) -> list[int]:
@@ -116,6 +117,7 @@ def _backend_table(stats: dict[str, Any]) -> Table | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_cli_args(args)  # before the (slow) load
     text_in = _read_prompt(args)
     with _open_engine(args) as engine:
         ids = _prompt_ids(engine, [{"role": "user", "content": text_in}], chat=not args.no_chat)
@@ -138,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
 
 def chat(args: argparse.Namespace) -> int:
     """A multi-turn session: each turn re-renders the whole conversation with the chat template."""
+    check_cli_args(args)
     interactive = sys.stdin.isatty()
     with _open_engine(args) as engine:
         if interactive:
@@ -146,7 +149,7 @@ def chat(args: argparse.Namespace) -> int:
         while True:
             if interactive:
                 err.print("[bold]>[/] ", end="")
-            line = sys.stdin.readline()
+            line = read_line_stdin(sys.stdin)
             if not line:
                 break
             line = line.strip()
@@ -196,6 +199,7 @@ def quantize(args: argparse.Namespace) -> int:
 def bench(args: argparse.Namespace) -> int:
     from kestrel_core.model.quantize import model_quant
 
+    check_cli_args(args)
     if args.concurrency:
         return _bench_concurrency(args)
     from kestrel_core.model.bench import run_bench

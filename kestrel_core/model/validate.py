@@ -45,8 +45,11 @@ def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = Non
         raise ValidationError(f"{name} must be an integer, got {value!r}")
     v = int(value)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise ValidationError(f"{name} must be an integer in [{lo if lo is not None else '-inf'}, "
-                              f"{hi if hi is not None else 'inf'}], got {v}")
+        if hi is None:
+            raise ValidationError(f"{name} must be an integer >= {lo}, got {v}")
+        if lo is None:
+            raise ValidationError(f"{name} must be an integer <= {hi}, got {v}")
+        raise ValidationError(f"{name} must be an integer in [{lo}, {hi}], got {v}")
     return v
 
 
@@ -258,11 +261,9 @@ def read_text_stdin(stream: Any, what: str = "stdin") -> str:
         raise KestrelError(f"{what} is not valid UTF-8 (byte {exc.start}: {exc.reason})") from None
 
 
-def decode_line(raw: bytes | str, what: str = "stdin") -> str:
-    """One line read from a binary stream, as text; invalid UTF-8 is one line naming ``what``."""
-    if isinstance(raw, str):
-        return raw
+def read_line_stdin(stream: Any, what: str = "stdin") -> str:
+    """One line of ``stream`` (``""`` at the end); invalid UTF-8 is one line naming ``what``."""
     try:
-        return raw.decode("utf-8")
+        return stream.readline()
     except UnicodeDecodeError as exc:
         raise KestrelError(f"{what} is not valid UTF-8 (byte {exc.start}: {exc.reason})") from None
