@@ -55,6 +55,16 @@ def _hsum_int(builder: ir.IRBuilder, vec: ir.Value) -> ir.Value:
     return builder.extract_element(vec, ir.Constant(_I32, 0))
 
 
+def _hsum_rows(builder: ir.IRBuilder, vecs: list[ir.Value]) -> ir.Value:
+    """Eight int32 vectors of eight lanes -> one vector whose lane r is the sum of vecs[r] (exact)."""
+    even = ir.Constant(ir.VectorType(_I32, LANES), list(range(0, 2 * LANES, 2)))
+    odd = ir.Constant(ir.VectorType(_I32, LANES), list(range(1, 2 * LANES, 2)))
+    while len(vecs) > 1:  # pairwise: each level halves the lanes per row and doubles the rows per vector
+        vecs = [builder.add(builder.shuffle_vector(a, b, even), builder.shuffle_vector(a, b, odd))
+                for a, b in zip(vecs[0::2], vecs[1::2])]
+    return vecs[0]
+
+
 def _prefetch(builder: ir.IRBuilder, ptr: ir.Value) -> None:
     """llvm.prefetch (read, keep in all cache levels): a hint, it never faults, even past an array's end."""
     i8p = ir.IntType(8).as_pointer()
@@ -115,7 +125,10 @@ def _make_tile_dot(rows: int, cols: int, prefetch_rows: int = 0, one_chunk: bool
             lo = ir.Constant(v8i32, list(range(0, 8)))
             hi = ir.Constant(v8i32, list(range(8, 16)))
             pairs = [(r, c) for r in range(rows) for c in range(cols)]
+            by_rows = rows == LANES and cols == 1  # the block epilogue as vectors across the 8 rows
+            v8f = ir.VectorType(_F32, LANES)
             facc = {rc: cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for rc in pairs}
+            vacc = cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * LANES)) if by_rows else None
             iacc = {rc: cgutils.alloca_once(builder, v8i32) for rc in pairs}
             group = builder.mul(nchunk_, ir.Constant(idx, CHUNK))
 
@@ -144,7 +157,16 @@ def _make_tile_dot(rows: int, cols: int, prefetch_rows: int = 0, one_chunk: bool
                 # the contract's float order: 0 + term_0 + term_1 + ... in block order, term_g =
                 # (float(sum_g) * a_scale) * w_scale, no fused multiply-add
                 wsg = [builder.load(builder.gep(pws[c], [g])) for c in range(cols)]
-                for r in range(rows):
+                if by_rows:  # lane r holds row r: the same operations per row, 8 rows at a time
+                    totals = builder.sitofp(_hsum_rows(builder, [builder.load(iacc[r, 0]) for r in range(rows)]), v8f)
+                    asv = ir.Constant(v8f, ir.Undefined)
+                    for r in range(rows):
+                        asv = builder.insert_element(asv, builder.load(builder.gep(pas[r], [g])), ir.Constant(_I32, r))
+                    wsv = builder.insert_element(ir.Constant(v8f, ir.Undefined), wsg[0], ir.Constant(_I32, 0))
+                    wsv = builder.shuffle_vector(wsv, wsv, ir.Constant(v8i32, [0] * LANES))
+                    term = builder.fmul(builder.fmul(totals, asv), wsv)
+                    builder.store(builder.fadd(builder.load(vacc), term), vacc)
+                for r in range(rows if not by_rows else 0):
                     asg = builder.load(builder.gep(pas[r], [g]))
                     for c in range(cols):
                         total = builder.sitofp(_hsum_int(builder, builder.load(iacc[r, c])), _F32)
@@ -155,7 +177,9 @@ def _make_tile_dot(rows: int, cols: int, prefetch_rows: int = 0, one_chunk: bool
             for r, c in pairs:
                 dst = builder.gep(pout, [builder.add(builder.mul(out_stride_, ir.Constant(idx, r)),
                                                      ir.Constant(idx, c))])
-                builder.store(builder.load(facc[r, c]), dst)
+                value = (builder.extract_element(builder.load(vacc), ir.Constant(_I32, r)) if by_rows
+                         else builder.load(facc[r, c]))
+                builder.store(value, dst)
             return context.get_dummy_value()
 
         return sig, codegen
