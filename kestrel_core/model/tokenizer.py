@@ -74,14 +74,16 @@ class TemplateLimitError(SecurityError):
 class _Budget:
     """What one render may still spend; every loop step, call, operator and output chunk ticks it."""
 
-    def __init__(self, steps: int = MAX_TEMPLATE_STEPS, seconds: float = MAX_TEMPLATE_SECONDS,
-                 chars: int = MAX_TEMPLATE_CHARS) -> None:
-        self.steps, self.chars, self.deadline, self.seconds = steps, chars, time.monotonic() + seconds, seconds
+    def __init__(self, steps: int | None = None, seconds: float | None = None, chars: int | None = None) -> None:
+        self.limit = MAX_TEMPLATE_STEPS if steps is None else steps  # the module's limits, read now
+        self.seconds = MAX_TEMPLATE_SECONDS if seconds is None else seconds
+        self.chars = MAX_TEMPLATE_CHARS if chars is None else chars
+        self.steps, self.deadline = self.limit, time.monotonic() + self.seconds
 
     def tick(self) -> None:
         self.steps -= 1
         if self.steps < 0:
-            raise TemplateLimitError(f"more than {MAX_TEMPLATE_STEPS} loop iterations, calls and operations")
+            raise TemplateLimitError(f"more than {self.limit} loop iterations, calls and operations")
         if time.monotonic() > self.deadline:
             raise TemplateLimitError(f"rendering took more than {self.seconds:g} s")
 

@@ -151,6 +151,14 @@ def check_hf_config(cfg: Mapping[str, Any], where: str = "config.json") -> None:
     """
     if not isinstance(cfg, Mapping):
         raise KestrelError(f"{where}: expected a JSON object")
+    archs = cfg.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+        raise KestrelError(f"{where}: architectures must be a list of names, got {archs!r}")
+    if cfg.get("model_type") is not None and not isinstance(cfg.get("model_type"), str):
+        raise KestrelError(f"{where}: model_type must be a name, got {cfg.get('model_type')!r}")
+    for key in ("mlp_bias", "attention_bias"):
+        if cfg.get(key) is not None and not isinstance(cfg.get(key), bool):
+            raise KestrelError(f"{where}: {key} must be true or false, got {cfg.get(key)!r}")
     for key, (kind, required) in HF_CONFIG_FIELDS.items():
         value = cfg.get(key)
         if value is None:
