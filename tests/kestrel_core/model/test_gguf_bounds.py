@@ -1,0 +1,158 @@
+"""GGUF files that ask for huge work: every length is checked against the file size before gguf-py reads it.
+
+The decisive cases run in a subprocess under RLIMIT_AS (its address space at start + 512 MiB) and a timeout, so
+a reader that allocates for a claimed length (gguf-py builds a list per element: a 49-byte file claiming 2^62
+elements grew to 3.7 GB and hung) fails the test instead of taking the machine down.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+import kestrel_core
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.gguf_reader import MAX_ARRAY_ELEMENTS, check_gguf_bounds
+
+U32, STRING, ARRAY, F32 = 4, 8, 9, 6
+
+
+def header(n_tensors: int, n_kv: int, version: int = 3) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", version, n_tensors, n_kv)
+
+
+def kv_string(key: str) -> bytes:
+    return struct.pack("<Q", len(key)) + key.encode()
+
+
+def huge_array_gguf() -> bytes:
+    """The issue's 49-byte file: one metadata array of uint8 claiming 2^62 elements."""
+    data = header(0, 1) + kv_string("a") + struct.pack("<IIQ", ARRAY, 0, 2 ** 62)
+    assert len(data) == 49
+    return data
+
+
+CASES = {
+    "array of 2^62 uint8": huge_array_gguf(),
+    "array of 2^40 strings": header(0, 1) + kv_string("a") + struct.pack("<IIQ", ARRAY, STRING, 2 ** 40),
+    "string of 2^62 bytes": header(0, 1) + kv_string("a") + struct.pack("<IQ", STRING, 2 ** 62),
+    "key of 2^63 bytes": header(0, 1) + struct.pack("<Q", 2 ** 63),
+    "2^60 metadata entries": header(0, 2 ** 60) + kv_string("a") + struct.pack("<II", U32, 1),
+    "2^60 tensors": header(2 ** 60, 0) + kv_string("t") + struct.pack("<I", 1) + struct.pack("<Q", 4),
+    "tensor of 2^62 floats": header(1, 0) + kv_string("t") + struct.pack("<IQQIQ", 2, 2 ** 31, 2 ** 31, 0, 0),
+    "tensor offset past the end": header(1, 0) + kv_string("t") + struct.pack("<IQIQ", 1, 4, 0, 2 ** 40),
+    "nested arrays": header(0, 1) + kv_string("a") + struct.pack("<II", ARRAY, ARRAY) + struct.pack("<Q", 1)
+    + struct.pack("<IQ", ARRAY, 1) + struct.pack("<IQ", ARRAY, 1) + struct.pack("<IQ", 0, 1) + b"\0",
+    "unknown value type": header(0, 1) + kv_string("a") + struct.pack("<II", 99, 0),
+    "unknown tensor type": header(1, 0) + kv_string("t") + struct.pack("<IQIQ", 1, 4, 250, 0),
+    "five dimensions": header(1, 0) + kv_string("t") + struct.pack("<I5QIQ", 5, 1, 1, 1, 1, 1, 0, 0),
+    "big-endian 2^62 array": b"GGUF" + struct.pack(">IQQ", 3, 0, 1) + struct.pack(">Q", 1) + b"a"
+    + struct.pack(">IIQ", ARRAY, 0, 2 ** 62),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_claimed_lengths_beyond_the_file_are_one_line(tmp_path: Path, name: str) -> None:
+    path = tmp_path / "m.gguf"
+    path.write_bytes(CASES[name])
+    with pytest.raises(KestrelError) as info:
+        check_gguf_bounds(path)  # in-process: the pre-pass reads lengths only (the reader runs in a subprocess below)
+    assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
+def test_element_cap(tmp_path: Path) -> None:
+    n = MAX_ARRAY_ELEMENTS + 1
+    path = tmp_path / "m.gguf"
+    path.write_bytes(header(0, 1) + kv_string("a") + struct.pack("<IIQ", ARRAY, 0, n) + bytes(n))
+    with pytest.raises(KestrelError, match="more than"):
+        check_gguf_bounds(path)
+
+
+def test_bad_alignment(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    path.write_bytes(header(0, 1) + kv_string("general.alignment") + struct.pack("<II", U32, 3))
+    with pytest.raises(KestrelError, match="alignment"):
+        check_gguf_bounds(path)
+
+
+def test_real_files_pass(tmp_path: Path) -> None:
+    """gguf-py's writer output passes the pre-pass, with a string array, quantized tensors and alignment 64."""
+    path = tmp_path / "ok.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(64)
+    w.add_array("tokenizer.ggml.tokens", ["a", "bb", ""])
+    w.add_array("x.nested", [[1, 2], [3]])
+    w.add_tensor("t", np.ones((2, 64), np.float32))
+    q = gguf.quants.quantize(np.ones((2, 64), np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("q", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    check_gguf_bounds(path)
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:-100])  # the last tensor (136 bytes, padded to 192) loses its end
+    with pytest.raises(KestrelError, match="tensor q needs bytes"):
+        check_gguf_bounds(cut)
+
+
+def test_default_model_passes() -> None:
+    from kestrel_core.model.pull import default_model_path
+
+    path = default_model_path()
+    if not path.is_file():
+        pytest.skip("the default model is not pulled")
+    check_gguf_bounds(path)
+
+
+def same_kestrel_env() -> dict[str, str]:
+    """The environment for a child that imports the kestrel_core this test imported (not another install)."""
+    root = str(Path(kestrel_core.__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+
+
+BOUNDED = textwrap.dedent("""
+    import resource, sys, time
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    from kestrel_core.errors import KestrelError
+    from kestrel_core.model.gguf_reader import GGUFCheckpoint
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20),) * 2)
+    for path in sys.argv[1:]:
+        t0 = time.monotonic()
+        try:
+            GGUFCheckpoint(path)
+            result = "loaded"
+        except KestrelError as exc:
+            result = "KestrelError: " + str(exc)
+        except BaseException as exc:
+            result = type(exc).__name__
+        print(f"{time.monotonic() - t0:.2f}s", " ".join(result.split()), flush=True)
+""")
+
+
+def test_the_hostile_files_stay_bounded(tmp_path: Path) -> None:
+    """GGUFCheckpoint on every case, in a subprocess with 512 MiB of headroom and 60 s in all: without the
+    pre-pass the 49-byte file is a MemoryError (or, without the limit, 3.7 GB and a hang)."""
+    paths = []
+    for i, data in enumerate(CASES.values()):
+        paths.append(tmp_path / f"case{i}.gguf")
+        paths[-1].write_bytes(data)
+    r = subprocess.run([sys.executable, "-c", BOUNDED, *map(str, paths)], capture_output=True, text=True,
+                       timeout=60, env=same_kestrel_env())
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and len(lines) == len(CASES), r.stdout + r.stderr[-2000:]
+    for name, line in zip(CASES, lines):
+        seconds, result = line.split(" ", 1)
+        assert result.startswith("KestrelError: ") and "MemoryError" not in result, (name, line)
+        assert "SystemError" not in result, (name, line)  # what numpy says when the limit hits it
+        assert float(seconds[:-1]) < 5, (name, line)
