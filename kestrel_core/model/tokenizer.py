@@ -59,7 +59,7 @@ def _raise_exception(message: str) -> None:
 
 # -- bounded rendering ---------------------------------------------------------------------------------------
 
-MAX_TEMPLATE_CHARS = 1 << 24  # 16 Mi characters: the rendered prompt, and any string or list built on the way
+MAX_TEMPLATE_CHARS = 1 << 22  # 4 Mi characters (a million-token context): the prompt, any string or list on the way
 MAX_TEMPLATE_STEPS = 1_000_000  # loop iterations + calls + operators per render
 MAX_TEMPLATE_SECONDS = 5.0  # wall clock per render (real templates take well under a millisecond)
 MAX_TEMPLATE_INT_ARG = 1 << 20  # widths, counts and other int arguments of filters and methods

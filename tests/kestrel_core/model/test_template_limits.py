@@ -1,0 +1,148 @@
+"""Chat templates are programs from model files: each render is bounded in steps, time, sizes and output.
+
+The process-killing cases (``'a' * 300000000`` aborted kestrel with rc 134) run in a subprocess under
+RLIMIT_AS, so a regression fails the test instead of the test run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer as Backend
+from tokenizers import models
+
+import kestrel_core
+from kestrel_core.errors import KestrelError
+from kestrel_core.model import tokenizer as tokmod
+from kestrel_core.model.tokenizer import Tokenizer
+
+HOSTILE = {
+    "string repetition": "{{ 'a' * 300000000 }}",
+    "list repetition": "{{ [1, 2] * 100000000 }}",
+    "nested ranges": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "doubling concat": "{% set ns = namespace(s='a') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+                       "{% endfor %}{{ ns.s|length }}",
+    "doubling +": "{% set ns = namespace(s='a') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
+                  "{% endfor %}{{ ns.s|length }}",
+    "huge power": "{{ 2 ** 1000000000 }}",
+    "squaring ints": "{% set ns = namespace(n=3) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}"
+                     "{% endfor %}{{ ns.n > 0 }}",
+    "center filter": "{{ 'a'|center(1000000000) }}",
+    "str method": "{{ 'a'.ljust(1000000000) }}",
+    "format width": "{{ '{:>999999999}'.format('a') }}",
+    "format width argument": "{{ '{:>{}}'.format('a', 999999999) }}",
+    "percent width": "{{ '%999999999s' % 'a' }}",
+    "replace blowup": "{{ ('a' * 1000000)|replace('', 'bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb') }}",
+    "join blowup": "{{ ((range(100000)|list) * 100)|join('x' * 1000) }}",
+    "binary macro recursion": "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
+                              "{{ f(60) }}",
+    "endless macro recursion": "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+    "output flood": "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxxxxxxxxxxxxx"
+                    "{% endfor %}{% endfor %}",
+    "recursive loop": "{% for x in range(100) recursive %}{{ loop(range(100)) }}{% endfor %}",
+    "tojson indent": "{{ messages|tojson(indent=100000000) }}",
+}
+
+
+def tok(template: str) -> Tokenizer:
+    return Tokenizer(Backend(models.BPE()), chat_template=template, bos_token="<s>", eos_token="</s>")
+
+
+def render(template: str) -> str:
+    return tok(template).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.fixture
+def fast_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tokmod, "MAX_TEMPLATE_STEPS", 100_000)
+    monkeypatch.setattr(tokmod, "MAX_TEMPLATE_SECONDS", 2.0)
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_templates_end_in_one_line(name: str, fast_limits: None) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(KestrelError) as info:
+        render(HOSTILE[name])
+    assert time.monotonic() - t0 < 5
+    msg = str(info.value)
+    assert msg.startswith("chat template ") and "\n" not in msg
+
+
+def test_the_deadline_stops_slow_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tokmod, "MAX_TEMPLATE_SECONDS", 0.2)
+    t0 = time.monotonic()
+    with pytest.raises(KestrelError, match="took more than 0.2 s"):
+        render(HOSTILE["nested ranges"])
+    assert time.monotonic() - t0 < 2
+
+
+def test_output_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tokmod, "MAX_TEMPLATE_CHARS", 10_000)
+    with pytest.raises(KestrelError, match="rendered prompt passed 10000"):
+        render("{% for i in range(100000) %}{{ m }}abcdefghij{% endfor %}")
+
+
+def test_ordinary_templates_still_render() -> None:
+    chatml = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
+              "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    assert render(chatml) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    t = ("{% for x in range(3) %}{{ loop.index }}/{{ loop.length }}{{ 'a' ~ x }}{% if not loop.last %},"
+         "{% endif %}{% endfor %}|{{ 'ab' * 3 }}|{{ '%5s' % 'x' }}|{{ '{:>4}'.format(7) }}|{{ 2 ** 10 }}|"
+         "{{ messages|tojson }}|{{ 'a b'|replace(' ', '-') }}|{{ ['x', 'y']|join(', ') }}|{{ 'x'|center(5) }}")
+    assert render(t) == ('1/3a0,2/3a1,3/3a2|ababab|    x|   7|1024|[{"role": "user", "content": "hi"}]|a-b|x, y|'
+                         "  x  ")
+    ns = "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}"
+    assert render(ns) == "1"
+
+
+def test_limits_are_per_render(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tokmod, "MAX_TEMPLATE_STEPS", 5_000)
+    t = tok("{% for i in range(1000) %}{{ i }}{% endfor %}")
+    for _ in range(20):  # 20 x 1000 steps in all, 1000 per render
+        t.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_a_template_cannot_rebind_the_guards(fast_limits: None) -> None:
+    t = ("{% set kestrel_iter = none %}{% set _guard_iter = none %}"
+         "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    with pytest.raises(KestrelError, match="more than"):
+        render(t)
+
+
+BOUNDED = textwrap.dedent("""
+    import resource, sys
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    from tokenizers import Tokenizer as Backend, models
+    from kestrel_core.errors import KestrelError
+    from kestrel_core.model.tokenizer import Tokenizer
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30),) * 2)
+    for template in sys.argv[1:]:
+        try:
+            tok = Tokenizer(Backend(models.BPE()), chat_template=template)
+            tok.apply_chat_template([{"role": "user", "content": "hi"}])
+            print("rendered", flush=True)
+        except KestrelError as exc:
+            print("KestrelError:", " ".join(str(exc).split()), flush=True)
+""")
+
+
+def test_allocation_bombs_stay_under_the_memory_limit() -> None:
+    """In a subprocess with 1 GiB of address space to spare: the template bombs end in KestrelErrors that are not
+    memory errors (without the limits the doubling concat needs 1 TB, ``[1, 2] * 10**8`` 1.6 GB)."""
+    names = ["string repetition", "list repetition", "doubling concat", "doubling +", "center filter",
+             "format width", "percent width", "replace blowup", "join blowup", "str method"]
+    root = str(Path(kestrel_core.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", BOUNDED, *(HOSTILE[n] for n in names)], capture_output=True,
+                       text=True, timeout=120, env=env)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and len(lines) == len(names), r.stdout + r.stderr[-2000:]
+    for name, line in zip(names, lines):
+        assert line.startswith("KestrelError: chat template stopped") and "MemoryError" not in line, (name, line)
