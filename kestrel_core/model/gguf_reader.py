@@ -205,6 +205,12 @@ class _Bounds:
         return None
 
 
+def _show(raw: bytes) -> str:
+    """A key or tensor name from the file, safe for a one-line message (control bytes are escaped)."""
+    text = raw[:64].decode("utf-8", "replace")
+    return text if text.isprintable() else repr(text)
+
+
 def check_gguf_bounds(path: str | Path) -> None:
     """Walk the GGUF header, metadata and tensor infos checking every length against the file size, before
     gguf-py reads it: a 49-byte file whose array header claims 2^62 elements must not make gguf-py allocate
@@ -239,8 +245,8 @@ def _walk(buf: Any, size: int, where: str) -> None:
     alignment = GGUF_DEFAULT_ALIGNMENT
     for _ in range(n_kv):
         key = b.string("metadata key")
-        vtype = b.u32(f"metadata {key[:64]!r} type")
-        scalar = b.value(vtype, f"metadata {key[:64].decode('utf-8', 'replace')}")
+        vtype = b.u32(f"metadata {_show(key)} type")
+        scalar = b.value(vtype, f"metadata {_show(key)}")
         if key == b"general.alignment":
             if vtype != _UINT32 or scalar is None or scalar == 0 or scalar & (scalar - 1):
                 raise KestrelError(f"{where}: general.alignment must be a uint32 power of two")
@@ -248,7 +254,7 @@ def _walk(buf: Any, size: int, where: str) -> None:
     b.need(n_tensors * 24, f"{n_tensors} tensor infos")  # name length 8 + n_dims 4 + type 4 + offset 8
     extents = []
     for _ in range(n_tensors):
-        name = b.string("tensor name").decode("utf-8", "replace")[:200]
+        name = _show(b.string("tensor name"))
         n_dims = b.u32(f"tensor {name} dimension count")
         if not 1 <= n_dims <= GGML_MAX_DIMS:
             raise b.fail(f"tensor {name} has {n_dims} dimensions")

@@ -156,3 +156,11 @@ def test_the_hostile_files_stay_bounded(tmp_path: Path) -> None:
         assert result.startswith("KestrelError: ") and "MemoryError" not in result, (name, line)
         assert "SystemError" not in result, (name, line)  # what numpy says when the limit hits it
         assert float(seconds[:-1]) < 5, (name, line)
+
+
+def test_names_with_control_bytes_stay_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    path.write_bytes(header(0, 1) + kv_string("lla\nma\x01") + struct.pack("<II", 77, 0))
+    with pytest.raises(KestrelError) as info:
+        check_gguf_bounds(path)
+    assert "\n" not in str(info.value) and "unknown value type 77" in str(info.value)
