@@ -164,3 +164,45 @@ def test_names_with_control_bytes_stay_one_line(tmp_path: Path) -> None:
     with pytest.raises(KestrelError) as info:
         check_gguf_bounds(path)
     assert "\n" not in str(info.value) and "unknown value type 77" in str(info.value)
+
+
+def _fuzz_harness():  # scripts/fuzz.py's seed writer: a small valid llama GGUF with metadata overrides
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kestrel_fuzz", Path(__file__).resolve().parents[3] / "scripts"
+                                                  / "fuzz.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("key, kind, value, match", [
+    ("llama.block_count", "bool", True, "block_count must be an integer"),
+    ("llama.block_count", "string", "3", "block_count must be an integer"),
+    ("llama.block_count", "float32", 3.5, "block_count must be an integer"),
+    ("llama.block_count", "uint32", 0, "block_count must be an integer >= 1"),
+    ("llama.attention.head_count", "int32", -1, "head_count must be an integer >= 1"),
+    ("llama.attention.layer_norm_rms_epsilon", "float32", float("nan"), "must be finite"),
+    ("llama.attention.layer_norm_rms_epsilon", "float32", -1e-5, "must be > 0"),
+    ("llama.rope.freq_base", "float32", 0.0, "must be > 0"),
+    ("llama.rope.freq_base", "string", "1e4", "freq_base must be a number"),
+    ("llama.attention.head_count_kv", "uint32", 3, "multiple of num_kv_heads"),
+    ("tokenizer.ggml.tokens", "array", [1, 2], "must be an array of strings"),
+    ("tokenizer.ggml.merges", "array", ["a zz"], "outside the vocabulary"),
+    ("tokenizer.ggml.token_type", "array", [1, 1], "one integer per token"),
+])
+def test_gguf_metadata_types_and_ranges(tmp_path: Path, key: str, kind: str, value: object, match: str) -> None:
+    h = _fuzz_harness()
+    path = tmp_path / "m.gguf"
+    path.write_bytes(h.gguf_bytes(tmp_path, {key: (kind, value)}))
+    with pytest.raises(KestrelError, match=match) as info:
+        h.check_gguf_file(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_valid_seed_loads(tmp_path: Path) -> None:
+    h = _fuzz_harness()
+    path = tmp_path / "ok.gguf"
+    path.write_bytes(h.gguf_bytes(tmp_path))
+    h.check_gguf_file(path)  # config, tokenizer, every tensor, the chat template
