@@ -241,21 +241,24 @@ CLI_FLOAT_RANGES: dict[str, tuple[float, float]] = {
 
 def check_cli_args(args: Any) -> None:
     """Every numeric CLI value in range, before a model is loaded: ``--seed -1``, ``--max-tokens -1``,
-    ``--temperature nan``, ``--top-p 0`` are one line naming the flag (exit 2)."""
-    checks: list[tuple[str, Any]] = []
+    ``--temperature nan``, ``--top-p 0`` are one line naming the flag and the field (exit 2)."""
     for name, (lo, hi) in CLI_INT_RANGES.items():
-        checks.append((name, lambda v, lo=lo, hi=hi: check_int("value", v, lo, hi)))
-    for name, (lo_f, hi_f) in CLI_FLOAT_RANGES.items():
-        open_lo = name in ("top_p", "kv_cache_mb")
-        checks.append((name, lambda v, lo=lo_f, hi=hi_f, o=open_lo: check_float("value", v, lo, hi, lo_open=o)))
-    for name, check in checks:
         value = getattr(args, name, None)
         if value is None:
             continue
-        try:
-            check(value)
-        except ValidationError as exc:
-            raise KestrelError(f"--{name.replace('_', '-')} {str(exc).removeprefix('value ')}") from None
+        if not is_int(value) or value < lo or (hi is not None and value > hi):
+            span = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise KestrelError(f"--{name.replace('_', '-')}: {name} must be an integer {span}, got {value!r}")
+    for name, (lo_f, hi_f) in CLI_FLOAT_RANGES.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        open_lo = name in ("top_p", "kv_cache_mb")
+        ok = is_number(value) and math.isfinite(value) and (lo_f < value if open_lo else lo_f <= value) \
+            and value <= hi_f
+        if not ok:
+            span = f"{'(' if open_lo else '['}{lo_f:g}, {hi_f:g}]"
+            raise KestrelError(f"--{name.replace('_', '-')}: {name} must be in {span}, got {value!r}")
 
 
 def read_text_stdin(stream: Any, what: str = "stdin") -> str:

@@ -183,7 +183,7 @@ def test_cli_values_are_checked(name: str, value: Any, flag: str) -> None:
     setattr(args, name, value)
     with pytest.raises(KestrelError) as info:
         check_cli_args(args)
-    assert str(info.value).startswith(flag + " ") and "\n" not in str(info.value)
+    assert str(info.value).startswith(f"{flag}: {name} must be ") and "\n" not in str(info.value)
 
 
 def test_cli_defaults_pass() -> None:
