@@ -261,20 +261,32 @@ def check_cli_args(args: Any) -> None:
             raise KestrelError(f"--{name.replace('_', '-')}: {name} must be in {span}, got {value!r}")
 
 
+def _strict_text(text: str, what: str) -> str:
+    """``text`` unless it holds lone surrogates: what a stream decoding with ``surrogateescape`` (Python's
+    stdin under the C locale) makes of invalid UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise KestrelError(f"{what} is not valid UTF-8 (character {exc.start})") from None
+    return text
+
+
 def read_text_stdin(stream: Any, what: str = "stdin") -> str:
-    """All of ``stream`` as text; invalid UTF-8 is one line (not a UnicodeDecodeError traceback or exit 1)."""
+    """All of ``stream`` as text, strictly UTF-8 whatever the stream's own error handler, newlines translated as
+    a text stream does; invalid UTF-8 is one line naming ``what``, not a UnicodeDecodeError (exit 1)."""
     buffer = getattr(stream, "buffer", None)
     try:
-        if buffer is not None:
-            return buffer.read().decode("utf-8")
-        return stream.read()
+        if buffer is None:
+            return _strict_text(stream.read(), what)
+        text = buffer.read().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise KestrelError(f"{what} is not valid UTF-8 (byte {exc.start}: {exc.reason})") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def read_line_stdin(stream: Any, what: str = "stdin") -> str:
     """One line of ``stream`` (``""`` at the end); invalid UTF-8 is one line naming ``what``."""
     try:
-        return stream.readline()
+        return _strict_text(stream.readline(), what)
     except UnicodeDecodeError as exc:
         raise KestrelError(f"{what} is not valid UTF-8 (byte {exc.start}: {exc.reason})") from None

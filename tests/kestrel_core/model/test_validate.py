@@ -258,3 +258,11 @@ def test_kst_quant_must_be_known_when_loading(tmp_path: Path) -> None:
 
     with pytest.raises(KestrelError, match="q3"):
         load_artifact(_artifact_with_meta(tmp_path, quant="q3"))
+
+
+def test_stdin_decoded_with_surrogateescape_is_still_refused() -> None:
+    """Python's stdin under the C locale turns invalid bytes into lone surrogates instead of raising."""
+    lax = io.TextIOWrapper(io.BytesIO(b"caf\xe9\n"), encoding="utf-8", errors="surrogateescape")
+    with pytest.raises(KestrelError, match="not valid UTF-8"):
+        read_line_stdin(lax)
+    assert read_text_stdin(io.TextIOWrapper(io.BytesIO(b"a\r\nb\rc"), encoding="utf-8")) == "a\nb\nc"
