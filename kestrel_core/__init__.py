@@ -20,11 +20,12 @@ from kestrel_core.model.engine import Engine, load  # noqa: E402
 from kestrel_core.model.sampling import SamplingParams  # noqa: E402
 from kestrel_core.model.scheduler import RequestOutput, Scheduler  # noqa: E402
 from kestrel_core.registry import Backend, BackendInfo, Registry  # noqa: E402
+from kestrel_core.selftest import SelfTestCase  # noqa: E402
 from kestrel_core.wkey import Proj, decode_wkey, wkey  # noqa: E402
 
 __all__ = [
     "API_VERSION", "AsyncEngine", "Backend", "BackendInfo", "BackendUnavailable", "BatchEntry", "ContractError",
     "Engine", "InvalidRequest", "KestrelError", "Offload", "Overloaded", "Proj", "Registry", "RequestOutput",
-    "SamplingParams", "Scheduler", "StripCache", "__version__", "decode_wkey", "hookimpl", "load",
+    "SamplingParams", "Scheduler", "SelfTestCase", "StripCache", "__version__", "decode_wkey", "hookimpl", "load",
     "quantize_activations", "quantize_weight", "reference_gemm_f32", "reference_gemm_q8", "wkey",
 ]

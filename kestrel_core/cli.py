@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 import kestrel_core
 from kestrel_core.errors import KestrelError
@@ -35,12 +36,13 @@ def cmd_backends(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     table = Table(title="kestrel backends")
-    for col in ("name", "version", "kind", "device", "status", "offload", "source", "reason"):
+    for col in ("name", "version", "kind", "device", "status", "offload", "probe", "source", "reason"):
         table.add_column(col, overflow="fold")
     for r in rows:
-        status = "[green]bound[/]" if r["status"] == "bound" else "[red]not bound[/]"
-        table.add_row(r["name"], r["version"], r["kind"], r["device"], status, r["offload"], r["source"],
-                      r["reason"])
+        status = Text("bound", style="green") if r["status"] == "bound" else Text("not bound", style="red")
+        # plugin-supplied text is shown as it is: a "[...]" in a reason is not rich markup
+        table.add_row(*(Text(str(r[c])) for c in ("name", "version", "kind", "device")), status,
+                      *(Text(str(r[c])) for c in ("offload", "probe", "source", "reason")))
     out.print(table)
     registry.close()
     return 0
@@ -111,6 +113,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activations", default="auto", choices=("auto", "q8", "f32", "mixed"),
                    help="projection inputs: int8, float32, or mixed (the prompt at float32); auto (default): "
                         "mixed, or q8 on a backend that runs whole steps on its device")
+    p.add_argument("--backend-option", action="append", default=None, metavar="KEY=VALUE",
+                   help="passed to every backend's kestrel_open as options[KEY] = VALUE (a string); repeatable")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,7 +203,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s",
                         handlers=[RichHandler(console=err, show_time=False, show_path=False)])
     try:
-        return int(args.func(args) or 0)
+        from kestrel_core.registry import default_options, parse_backend_options
+
+        args.backend_options = parse_backend_options(getattr(args, "backend_option", None))
+        with default_options(args.backend_options):  # every Registry this command builds opens with them
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         err.print("interrupted")
         return 130

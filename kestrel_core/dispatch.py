@@ -2,8 +2,10 @@
 
 Each offload is offered to the chosen backend; ``None`` means declined and the CPU reference computes the
 whole output. The core also declines on its own: ``KESTREL_FORCE_CPU=1`` (the backend stays open), below the
-backend's minimum FLOPs, after an exception inside the hook (reported once), or for a result of the wrong
-shape or dtype, or with non-finite values. Every decision is counted per hook.
+backend's minimum FLOPs, after an exception inside the hook (reported once; any ``BaseException``, a plugin's
+``sys.exit`` included: only a ``KeyboardInterrupt`` passes), or for a result of the wrong shape or dtype, or
+with non-finite values (NaN or infinity anywhere, found in one reduction pass). Every decision is counted
+per hook with its reason.
 """
 
 from __future__ import annotations
@@ -39,7 +41,16 @@ class HookCounters:
                 "declined": sum(self.declined.values()), "declined_reasons": dict(self.declined)}
 
 
-_FALLBACK = {"kestrel_decode_greedy": "the engine runs and samples each step itself"}
+_FALLBACK = {
+    "kestrel_decode_greedy": "the engine runs and samples each step itself",
+    "kestrel_gemm_fused_q8": "each weight is offered to kestrel_gemm_q8, and the CPU computes what that declines",
+    "kestrel_forward": "the engine runs the step layer by layer",
+    "kestrel_forward_batch": "the engine offers kestrel_forward per sequence, then runs the step layer by layer",
+    "kestrel_preload": "weights upload on first use",
+    "kestrel_release_sequence": "nothing more is done",
+    "kestrel_stats": "no backend counters are shown",
+    "kestrel_layer_boundary": "the step goes on",
+}
 
 
 class Offload:
@@ -90,7 +101,9 @@ class Offload:
         if reason is None:
             try:
                 result = call()
-            except Exception as exc:  # the device must never take kestrel down
+            except KeyboardInterrupt:  # the user's Ctrl-C
+                raise
+            except BaseException as exc:  # the device must never take kestrel down (sys.exit included)
                 reason = f"error: {type(exc).__name__}"
                 self._report(hook, reason, exc)
             else:
@@ -206,7 +219,9 @@ class Offload:
             return
         try:
             self.backend.hook.kestrel_preload(device=self.backend.device, model=model)
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
             self._report("kestrel_preload", f"error: {type(exc).__name__}", exc)
 
     def forward(self, model: Any, seq_id: int, tokens: np.ndarray, start: int, all_logits: bool,
@@ -247,21 +262,32 @@ class Offload:
         while True:
             try:
                 tok = next(tokens, None)
-            except Exception as exc:  # the device must never take kestrel down
-                self._report(hook, f"error: {type(exc).__name__}", exc)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # the device must never take kestrel down
+                self._decline_midway(hook, f"error: {type(exc).__name__}", exc)
                 return
             if tok is None:
                 return
-            if not isinstance(tok, (int, np.integer)) or not 0 <= tok < vocab:
-                self._report(hook, f"bad result: token {tok!r} outside [0, {vocab})", None)
+            if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)) or not 0 <= tok < vocab:
+                self._decline_midway(hook, f"bad result: token {tok!r} outside [0, {vocab})", None)
                 return
             yield int(tok)
+
+    def _decline_midway(self, hook: str, reason: str, exc: BaseException | None) -> None:
+        """A pipelined decode that fails after it was accepted: the tokens so far stand, the engine goes on
+        step by step, and the failure is counted as a decline with its reason (and reported once)."""
+        counters = self.counters.get(hook) or self.counters.setdefault(hook, HookCounters())
+        counters.declined[reason] += 1
+        self._report(hook, reason, exc)
 
     def release_sequence(self, seq_id: int) -> None:
         if not self.on_cpu and self.backend.implements("kestrel_release_sequence"):
             try:
                 self.backend.hook.kestrel_release_sequence(device=self.backend.device, seq_id=seq_id)
-            except Exception as exc:
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:
                 self._report("kestrel_release_sequence", f"error: {type(exc).__name__}", exc)
 
     # -- reporting -----------------------------------------------------------------------------------
@@ -270,8 +296,13 @@ class Offload:
         if not self.backend.implements("kestrel_stats"):
             return {}
         merged: dict[str, Any] = {}
-        for part in self.backend.hook.kestrel_stats(device=self.backend.device):
-            merged.update(part or {})
+        try:
+            for part in self.backend.hook.kestrel_stats(device=self.backend.device):
+                merged.update(part or {})
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # counters are never worth a crash
+            self._report("kestrel_stats", f"error: {type(exc).__name__}", exc)
         return merged
 
     def stats(self) -> dict[str, Any]:

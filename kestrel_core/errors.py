@@ -29,3 +29,7 @@ class Overloaded(KestrelError):
 
 class ShuttingDown(Overloaded):
     """The server stopped accepting requests (HTTP 503)."""
+
+
+class NonFiniteLogits(KestrelError):
+    """The model's own (CPU) computation produced NaN or infinite logits: a clear error, never an empty answer."""

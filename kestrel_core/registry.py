@@ -1,19 +1,36 @@
-"""Backend discovery and binding: discover, import, validate, open, commit.
+"""Backend discovery and binding: discover, probe, import, validate, open, commit.
 
 Any failure leaves that backend not bound with a precise reason and no hooks registered anywhere; kestrel
 itself always carries on, on the CPU backend. Discovery order: ``KESTREL_BACKEND_PATH`` (explicit files or
 directories, for development), then the installed entry points of group ``kestrel.backends``.
-``KESTREL_PLUGINS`` is an allow-list (unset: all; empty: only cpu).
+``KESTREL_PLUGINS`` is a comma-separated allow-list (unset: all; empty: only cpu).
+
+Plugin code never takes kestrel down: whatever it raises in process (``sys.exit`` and other
+``BaseException``s included; only a real ``KeyboardInterrupt`` passes) ends as "not bound" or a decline
+with the reason, and a plugin that replaces the SIGINT or SIGTERM handler at import or open is refused (the
+handler is restored). What Python cannot catch (``os._exit``, a segfault, a hang, a thread or ``atexit``
+hook that keeps the process alive) is found by the probe (``kestrel_core.probe``): each new or changed
+plugin first runs in a child process, and only one that passes is imported here.
+
+Names: the built-in reference is ``cpu`` (no plugin may take that name). An entry point's backend is named
+by the entry point, and its ``BackendInfo.name`` must say the same; a path backend is named by its
+``BackendInfo.name`` (learned by the probe, or by importing it when probing is off), else by its file or
+package directory. A directory on ``KESTREL_BACKEND_PATH`` contributes only the ``.py`` files and packages
+whose source (the file, or the package's ``__init__.py``) mentions ``kestrel_backend_info``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import logging
 import os
+import re
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -22,7 +39,7 @@ from typing import Any
 
 import pluggy
 
-from kestrel_core import hookspecs
+from kestrel_core import hookspecs, probe
 from kestrel_core.errors import BackendUnavailable, KestrelError
 
 log = logging.getLogger("kestrel")
@@ -30,6 +47,13 @@ log = logging.getLogger("kestrel")
 ENTRY_POINT_GROUP = "kestrel.backends"
 KINDS = ("cpu", "gpu", "npu", "simulator")
 BOUND, NOT_BOUND, CANDIDATE = "bound", "not_bound", "candidate"
+CPU = "cpu"  # the built-in reference's name, reserved
+CPU_MODULE = "kestrel_cpu"
+BACKEND_MARKER = b"kestrel_backend_info"  # a path entry's source must mention it to be imported
+MARKER_SCAN_BYTES = 1 << 20
+NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
+OPTION_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
+WATCHED_SIGNALS = probe.WATCHED_SIGNALS
 
 
 @dataclass(frozen=True)
@@ -38,7 +62,7 @@ class BackendInfo:
 
     name: str
     version: str
-    api_version: tuple[int, int]
+    api_version: tuple[int, int]  # (major, minor); a "1.1" string is accepted too
     kind: str  # one of KINDS
     min_flops: int = 0  # offloads below this many FLOPs are declined (env KESTREL_<NAME>_MIN_FLOPS wins)
     description: str = ""
@@ -58,6 +82,10 @@ class Backend:
     pm: pluggy.PluginManager | None = None
     device: Any = None
     device_description: str = ""
+    probe: str = "-"  # the probe's verdict, for `kestrel backends`
+    target: probe.Target | None = None  # what the probe runs; None: nothing to probe (or probed already)
+    probe_name: str = ""  # BackendInfo.name as the probe saw it
+    named_by: str = "entry point"  # "entry point", "BackendInfo.name", "file name", "built in"
 
     @property
     def bound(self) -> bool:
@@ -95,7 +123,7 @@ class Backend:
             "name": self.name, "status": self.status, "reason": self.reason, "version": self.version,
             "source": self.source, "kind": self.kind, "device": self.device_description,
             "api_version": ".".join(map(str, self.info.api_version)) if self.info else "",
-            "offload": offload_state(self),
+            "offload": offload_state(self), "probe": self.probe,
         }
 
 
@@ -106,20 +134,70 @@ def force_cpu() -> bool:
 def offload_state(backend: Backend) -> str:
     if not backend.bound:
         return "-"
-    if backend.name == "cpu":
+    if backend.name == CPU:
         return "reference"
     return "forced to CPU (KESTREL_FORCE_CPU)" if force_cpu() else "enabled"
+
+
+# -- options for kestrel_open -------------------------------------------------------------------------------
+
+_default_options: dict[str, str] = {}
+
+
+def parse_backend_options(items: Sequence[str] | None) -> dict[str, str]:
+    """``KEY=VALUE`` strings (``--backend-option``) -> {KEY: VALUE}; a bad one is a one-line KestrelError."""
+    options: dict[str, str] = {}
+    for item in items or ():
+        key, sep, value = str(item).partition("=")
+        if not sep or not OPTION_KEY_RE.fullmatch(key):
+            raise KestrelError(f"--backend-option takes KEY=VALUE (KEY: a letter or _, then letters, digits, "
+                               f"_ . -), got {item!r}")
+        options[key] = value
+    return options
+
+
+def check_options(options: Mapping[str, Any] | None) -> dict[str, str]:
+    """Options for ``kestrel_open``: string keys of the KEY syntax, string values."""
+    out: dict[str, str] = {}
+    for key, value in (options or {}).items():
+        if not isinstance(key, str) or not OPTION_KEY_RE.fullmatch(key):
+            raise KestrelError(f"backend option key {key!r} is not a valid KEY (a letter or _, then letters, "
+                               f"digits, _ . -)")
+        if not isinstance(value, str):
+            raise KestrelError(f"backend option {key!r} must be a string, got {type(value).__name__}")
+        out[key] = value
+    return out
+
+
+@contextlib.contextmanager
+def default_options(options: Mapping[str, str] | None) -> Iterator[None]:
+    """Within the block, every ``Registry()`` opens its backends with ``options`` (merged under its own):
+    how the CLI's ``--backend-option`` reaches ``kestrel_open`` whatever command builds the registry."""
+    global _default_options
+    saved = _default_options
+    _default_options = check_options(options)
+    try:
+        yield
+    finally:
+        _default_options = saved
+
+
+# -- discovery ----------------------------------------------------------------------------------------------
 
 
 def _allow_list() -> set[str] | None:
     raw = os.environ.get("KESTREL_PLUGINS")
     if raw is None:
         return None
-    return {"cpu"} | {name.strip() for name in raw.split(",") if name.strip()}
+    return {CPU} | {name.strip() for name in raw.split(",") if name.strip()}
+
+
+_PATH_MODULES: set[str] = set()  # sys.modules names this module created for path backends
+_IMPORTING: set[Path] = set()  # path backends being imported now (a plugin may build a Registry at import)
 
 
 def _module_from_path(path: Path) -> ModuleType:
-    """Import a backend from a ``.py`` file or a package directory, under a private module name."""
+    """Import a backend from a ``.py`` file or a package directory, under its file or directory name."""
     if path.is_dir():
         init = path / "__init__.py"
         if not init.exists():
@@ -129,34 +207,95 @@ def _module_from_path(path: Path) -> ModuleType:
         spec = importlib.util.spec_from_file_location(path.stem, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {path}")
+    existing = sys.modules.get(spec.name)
+    if existing is not None and spec.name not in _PATH_MODULES:
+        raise ImportError(f"its module name {spec.name!r} is already taken by {getattr(existing, '__file__', None)}"
+                          f" (rename the file)")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
+    _PATH_MODULES.add(spec.name)
+    _IMPORTING.add(path)
     try:
         spec.loader.exec_module(module)
     except BaseException:
         sys.modules.pop(spec.name, None)
         raise
+    finally:
+        _IMPORTING.discard(path)
     return module
 
 
-def _path_candidates() -> list[Backend]:
+def looks_like_backend(path: Path) -> bool:
+    """The static test for path entries: the source (a file, or a package's ``__init__.py``) mentions
+    ``kestrel_backend_info`` in its first MiB. Nothing is imported."""
+    source = path / "__init__.py" if path.is_dir() else path
+    try:
+        with open(source, "rb") as f:
+            return BACKEND_MARKER in f.read(MARKER_SCAN_BYTES)
+    except OSError:
+        return False
+
+
+def _path_name(path: Path) -> str:
+    return path.stem if path.suffix == ".py" else path.name
+
+
+def _path_candidates(options: Mapping[str, str]) -> list[Backend]:
     found = []
     for entry in filter(None, os.environ.get("KESTREL_BACKEND_PATH", "").split(os.pathsep)):
         path = Path(entry).expanduser()
+        if path.name == "__init__.py":  # a package named by its __init__.py: the package
+            path = path.parent
         if path.is_dir() and not (path / "__init__.py").exists():
-            children = sorted(p for p in path.iterdir()
-                              if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists())
+            children = []
+            for p in sorted(path.iterdir()):
+                is_module = p.suffix == ".py" and p.stem != "__init__" and p.is_file()
+                if (is_module or (p / "__init__.py").is_file()) and looks_like_backend(p):
+                    children.append(p)
+                elif is_module or p.is_dir():
+                    log.debug("KESTREL_BACKEND_PATH: skipping %s (no kestrel_backend_info in its source)", p)
+            explicit = False
         else:
-            children = [path]
+            children, explicit = [path], True
         for child in children:
-            name = child.stem if child.suffix == ".py" else child.name
-            found.append(Backend(name=name, source=f"path {child}", load=lambda c=child: _module_from_path(c)))
+            backend = Backend(name=_path_name(child), source=f"path {child}",
+                              load=lambda c=child: _module_from_path(c), named_by="file name")
+            if explicit and not child.exists():
+                _fail(backend, "no such file or directory")
+            elif explicit and not looks_like_backend(child):
+                _fail(backend, "does not look like a backend: its source never mentions kestrel_backend_info")
+            else:
+                backend.target = probe.Target(backend.source, backend.name, "path", str(child),
+                                              probe.path_identity(child, options), dict(options))
+            found.append(backend)
     return found
 
 
-def _entry_point_candidates() -> list[Backend]:
-    return [Backend(name=ep.name, source=f"entry point {ep.value}", load=ep.load)
-            for ep in entry_points(group=ENTRY_POINT_GROUP)]
+def _entry_point_candidates(options: Mapping[str, str]) -> tuple[list[Backend], Backend | None]:
+    """(the plugins' entry points, the built-in cpu's own entry point if installed)."""
+    found, builtin = [], None
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        backend = Backend(name=ep.name, source=f"entry point {ep.value}", load=ep.load)
+        if ep.name == CPU and ep.value.strip() == CPU_MODULE:
+            builtin = backend
+            continue
+        backend.target = probe.Target(f"entry point {ep.name} = {ep.value}", ep.name, "entry point", ep.name,
+                                      probe.entry_point_identity(ep, options), dict(options))
+        found.append(backend)
+    return found, builtin
+
+
+def _api_version(raw: Any) -> tuple[int, int] | None:
+    """(major, minor) from a tuple/list of two ints or a "1.1" string; None if it is neither."""
+    if isinstance(raw, str):
+        parts = raw.strip().split(".")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            return None
+        return int(parts[0]), int(parts[1])
+    if isinstance(raw, (tuple, list)) and len(raw) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in raw):
+        return int(raw[0]), int(raw[1])
+    return None
 
 
 def _api_compatible(theirs: tuple[int, int]) -> bool:
@@ -174,11 +313,15 @@ def _fail(backend: Backend, reason: str) -> Backend:
 
 
 def _short(exc: BaseException) -> str:
+    """One line for an exception (a plugin's sys.exit says so)."""
+    if isinstance(exc, SystemExit):
+        return f"SystemExit (the plugin called sys.exit({exc.code!r}))"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    name = type(exc).__name__ if isinstance(exc, Exception) else f"{type(exc).__name__} (a BaseException)"
+    return f"{name}: {text}" if text else name
 
 
-def _validate(backend: Backend) -> str | None:
+def _validate(backend: Backend, check_name: bool = True) -> str | None:
     """Register into a private plugin manager and check it; returns a reason on failure."""
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
@@ -194,34 +337,127 @@ def _validate(backend: Backend) -> str | None:
     info = pm.hook.kestrel_backend_info()
     if not isinstance(info, BackendInfo):
         return f"kestrel_backend_info returned {type(info).__name__}, not BackendInfo"
+    ours = ".".join(map(str, hookspecs.API_VERSION))
+    api = _api_version(info.api_version)
+    if api is None:
+        return (f"api_version must be (major, minor) such as kestrel_core.API_VERSION or a string like "
+                f"{ours!r}, got {info.api_version!r}")
+    if not _api_compatible(api):
+        return f"incompatible API version {api[0]}.{api[1]} (kestrel has {ours})"
+    if not isinstance(info.name, str) or not NAME_RE.fullmatch(info.name):
+        return f"BackendInfo.name {info.name!r} is not a valid name (letters, digits, _ and -)"
     if info.kind not in KINDS:
         return f"unknown kind {info.kind!r} (expected one of {', '.join(KINDS)})"
-    if not _api_compatible(tuple(info.api_version)):
-        ours = ".".join(map(str, hookspecs.API_VERSION))
-        return f"incompatible API version {'.'.join(map(str, info.api_version))} (kestrel has {ours})"
-    backend.info = info
+    if check_name and info.name != backend.name:
+        by = {"entry point": "its entry point", "file name": "its file name"}.get(backend.named_by, "the probe")
+        return f"BackendInfo.name {info.name!r} differs from the name {backend.name!r} given by {by}"
+    backend.info = dataclasses.replace(info, api_version=api)
     return None
 
 
-class Registry:
-    """Every candidate backend, bound or not, by name."""
+def _signal_handlers() -> dict[int, Any]:
+    return {sig: signal.getsignal(sig) for sig in WATCHED_SIGNALS}
 
-    def __init__(self) -> None:
+
+def _restore_signals(before: dict[int, Any]) -> str:
+    """Put back any watched handler plugin code replaced; the names of those it had replaced."""
+    changed = []
+    for sig, handler in before.items():
+        now = signal.getsignal(sig)
+        if now is not handler and now != handler:
+            changed.append(signal.Signals(sig).name)
+            try:
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+            except (ValueError, OSError, TypeError):  # not the main thread: it stays refused all the same
+                pass
+    return ", ".join(changed)
+
+
+def _plugin_call(what: str, call: Callable[[], Any]) -> tuple[Any, BaseException | None, str]:
+    """Run plugin code in process: (result, the exception it raised, the signals it took over).
+    Everything is caught but a KeyboardInterrupt (the user's Ctrl-C)."""
+    before = _signal_handlers()
+    result, error = None, None
+    try:
+        result = call()
+    except KeyboardInterrupt:
+        _restore_signals(before)
+        raise
+    except BaseException as exc:  # a plugin's sys.exit or own BaseException must not end kestrel
+        error = exc
+        log.debug("plugin code in %s raised", what, exc_info=exc)
+    return result, error, _restore_signals(before)
+
+
+def _took_signals(what: str, names: str) -> str:
+    return f"{what} replaced the {names} handler (restored; kestrel must stay interruptible)"
+
+
+class Registry:
+    """Every candidate backend, bound or not, by name. ``options`` reach every backend's ``kestrel_open``
+    (merged over those of an enclosing ``default_options`` block)."""
+
+    def __init__(self, options: Mapping[str, str] | None = None) -> None:
+        self.options: dict[str, str] = {**_default_options, **check_options(options)}
         self.backends: dict[str, Backend] = {}
-        self.shadowed: list[Backend] = []
+        self.shadowed: list[Backend] = []  # candidates never imported: shadowed, or with a reserved name
         allow = _allow_list()
-        for cand in _path_candidates() + _entry_point_candidates():
-            if cand.name in self.backends:
+        probing = probe.mode()
+        paths = _path_candidates(self.options)
+        plugins, builtin = _entry_point_candidates(self.options)
+        import kestrel_cpu
+
+        cpu = builtin or Backend(CPU, f"built in {CPU_MODULE}", load=lambda: kestrel_cpu)
+        cpu.load, cpu.probe, cpu.named_by, cpu.target = (lambda: kestrel_cpu), "built in", "built in", None
+        self.backends[CPU] = cpu
+        self._name_path_backends([p for p in paths if p.status == CANDIDATE], probing)
+        for cand in paths + plugins:
+            if probing == "off" and cand.target is not None:
+                cand.probe, cand.target = "off (KESTREL_PROBE=0)", None
+            if cand.name == CPU:
+                self.shadowed.append(_fail(cand, "the name 'cpu' is reserved for the built-in reference backend"))
+            elif cand.name in self.backends:
                 winner = self.backends[cand.name]
                 self.shadowed.append(_fail(cand, f"shadowed by the backend of the same name from {winner.source}"))
-                continue
-            if allow is not None and cand.name not in allow:
-                _fail(cand, "not in KESTREL_PLUGINS")
-            self.backends[cand.name] = cand
-        if "cpu" not in self.backends:
-            import kestrel_cpu
+            else:
+                if allow is not None and cand.name not in allow:
+                    _fail(cand, "not in KESTREL_PLUGINS")
+                self.backends[cand.name] = cand
 
-            self.backends["cpu"] = Backend("cpu", "built in kestrel_cpu", load=lambda: kestrel_cpu)
+    def _name_path_backends(self, paths: list[Backend], probing: str) -> None:
+        """A path backend is named by its BackendInfo.name: the probe reports it (cached), or, with probing
+        off, it is imported and described here."""
+        if probing == "off":
+            if probe.in_child():  # a Registry built by the plugin a probe is running: import nothing more
+                return
+            for backend in paths:
+                if backend.target is not None and Path(backend.target.spec) in _IMPORTING:
+                    continue  # built while this very plugin is being imported: it keeps its file name here
+                self._import(backend, check_name=False)
+                if backend.info is not None:
+                    backend.name, backend.named_by = backend.info.name, "BackendInfo.name"
+            return
+        self._probe(paths)
+        for backend in paths:  # refused ones too: `--backend NAME` then gives the probe's reason
+            if backend.probe_name and NAME_RE.fullmatch(backend.probe_name):
+                backend.name, backend.named_by = backend.probe_name, "BackendInfo.name"
+
+    def _probe(self, backends: Sequence[Backend]) -> None:
+        """Probe (or read the cached verdict of) every candidate that still needs it, in parallel."""
+        todo = [b for b in backends if b.status == CANDIDATE and b.target is not None]
+        if not todo:
+            return
+        verdicts = probe.check([b.target for b in todo if b.target is not None])
+        for backend in todo:
+            assert backend.target is not None
+            verdict = verdicts[backend.target.key]
+            backend.target = None
+            backend.probe = verdict.summary
+            backend.probe_name = verdict.name
+            if verdict.note:
+                log.debug("backend %s: the probe stopped at %s", backend.name, verdict.note)
+            if not verdict.ok:
+                _fail(backend, verdict.reason)
 
     def candidates(self) -> list[Backend]:
         return list(self.backends.values()) + self.shadowed
@@ -233,69 +469,93 @@ class Registry:
             raise KestrelError(f"unknown backend {name!r} (known: {known})")
         return backend
 
+    def _import(self, backend: Backend, check_name: bool = True) -> Backend:
+        """Phases 1-3 in process: import, register and validate, describe."""
+        plugin, error, took = _plugin_call("import", backend.load)
+        if error is not None:
+            return _fail(backend, f"import failed: {_short(error)}")
+        if took:
+            return _fail(backend, _took_signals("its import", took))
+        backend.plugin = plugin
+        reason, error, took = _plugin_call("kestrel_backend_info", lambda: _validate(backend, check_name))
+        if error is not None:
+            reason = f"validation failed: {_short(error)}"
+        elif took:
+            reason = _took_signals("kestrel_backend_info", took)
+        return _fail(backend, reason) if reason else backend
+
     def describe(self, name: str) -> Backend:
-        """Import and validate a backend without opening its device (phases 1-3)."""
+        """Probe, import and validate a backend without opening its device (phases 1-3)."""
         backend = self._get(name)
         if backend.status != CANDIDATE or backend.info is not None:
             return backend
-        try:
-            backend.plugin = backend.load()
-        except Exception as exc:  # a broken plugin must never take kestrel down
-            return _fail(backend, f"import failed: {_short(exc)}")
-        try:
-            reason = _validate(backend)
-        except Exception as exc:
-            reason = f"validation failed: {_short(exc)}"
-        return _fail(backend, reason) if reason else backend
+        self._probe([backend])
+        if backend.status != CANDIDATE:
+            return backend
+        return self._import(backend)
 
-    def bind(self, name: str, options: dict[str, Any] | None = None) -> Backend:
-        """Bind one backend (idempotent); never raises for a backend's own failure."""
+    def bind(self, name: str, options: Mapping[str, str] | None = None) -> Backend:
+        """Bind one backend (idempotent); never raises for a backend's own failure. ``options`` (default: the
+        registry's) are what its ``kestrel_open`` receives."""
         backend = self.describe(name)
         if backend.status != CANDIDATE:
             return backend
-        try:
-            device = backend.hook.kestrel_open(options=dict(options or {}))
-        except BackendUnavailable as exc:
-            return _fail(backend, str(exc))
-        except Exception as exc:
-            return _fail(backend, f"device open failed: {_short(exc)}")
+        opts = dict(self.options) if options is None else {**self.options, **check_options(options)}
+        device, error, took = _plugin_call("kestrel_open", lambda: backend.hook.kestrel_open(options=opts))
+        if isinstance(error, BackendUnavailable):
+            return _fail(backend, str(error))
+        if error is not None:
+            return _fail(backend, f"device open failed: {_short(error)}")
+        if took:
+            backend.device = device
+            self._close(backend)
+            return _fail(backend, _took_signals("kestrel_open", took))
         if device is None:
             return _fail(backend, "kestrel_open returned no device handle")
         backend.device = device
-        backend.device_description = str(getattr(device, "description", "") or backend.kind)
+        try:
+            backend.device_description = str(getattr(device, "description", "") or backend.kind)
+        except Exception:  # a handle whose description raises is still a handle
+            backend.device_description = backend.kind
         backend.status, backend.reason = BOUND, ""
         return backend
 
-    def bind_all(self, options: dict[str, Any] | None = None) -> list[Backend]:
+    def bind_all(self, options: Mapping[str, str] | None = None) -> list[Backend]:
+        self._probe(list(self.backends.values()))  # every probe at once
         for name in list(self.backends):
             self.bind(name, options)
         return self.candidates()
 
     def cpu(self) -> Backend:
-        cpu = self.bind("cpu")
+        cpu = self.bind(CPU)
         if not cpu.bound:
             raise KestrelError(f"the CPU reference backend did not bind: {cpu.reason}")
         return cpu
 
-    def select(self, name: str = "auto") -> Backend:
+    def select(self, name: str = "auto", options: Mapping[str, str] | None = None) -> Backend:
         """The backend to run on: ``auto`` = best bound real accelerator (gpu, then npu), else cpu."""
         if name != "auto":
-            backend = self.bind(name)
+            backend = self.bind(name, options)
             if not backend.bound:
                 raise KestrelError(f"backend {name!r} is not bound: {backend.reason}")
             return backend
+        self._probe(list(self.backends.values()))
         for kind in ("gpu", "npu"):  # never a simulator
             for backend in list(self.backends.values()):
-                if backend.name != "cpu" and self.describe(backend.name).kind == kind:
-                    if self.bind(backend.name).bound:
+                if backend.name != CPU and self.describe(backend.name).kind == kind:
+                    if self.bind(backend.name, options).bound:
                         return backend
         return self.cpu()
+
+    def _close(self, backend: Backend) -> None:
+        _, error, took = _plugin_call("kestrel_close", lambda: backend.hook.kestrel_close(device=backend.device))
+        if error is not None:
+            log.warning("backend %s failed to close: %s", backend.name, _short(error))
+        if took:
+            log.warning("backend %s: %s", backend.name, _took_signals("kestrel_close", took))
 
     def close(self) -> None:
         for backend in self.backends.values():
             if backend.bound:
-                try:
-                    backend.hook.kestrel_close(device=backend.device)
-                except Exception as exc:
-                    log.warning("backend %s failed to close: %s", backend.name, _short(exc))
+                self._close(backend)
                 _fail(backend, "closed")

@@ -177,7 +177,9 @@ def run_case(backend: Backend, case: SelfTestCase, layer: int) -> CaseResult:
         else:
             got = hook(device=backend.device, a_codes=a_codes, a_scales=a_scales, weights=weights, wkeys=keys,
                        fused_wkey=fused_wkey(layer, Proj.QKV))
-    except Exception as exc:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # a plugin's sys.exit fails its case, not the suite
         return CaseResult(case.name, case.hook, False, float("inf"), detail=f"raised {type(exc).__name__}: {exc}")
     if got is None or (isinstance(got, list) and any(g is None for g in got)):
         return CaseResult(case.name, case.hook, True, declined=True, detail="declined")
@@ -248,7 +250,9 @@ def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str
             batch = [BatchEntry(first_seq + s, t, starts[s], rows) for (s, _, rows), t in zip(step, toks)]
             try:
                 got = backend.hook.kestrel_forward_batch(device=backend.device, model=model, batch=batch)
-            except Exception as exc:
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:
                 return CaseResult(name, FORWARD_BATCH, False, float("inf"),
                                   detail=f"raised {type(exc).__name__}: {exc}")
             if got is None:
@@ -290,8 +294,14 @@ def run_selftest(name: str = "cpu", seeds: int = 2, registry: Registry | None = 
         raise KestrelError(f"backend {name!r} is not bound: {backend.reason}")
     cases = [c for c in default_cases(seeds) if backend.implements(c.hook)]
     if backend.implements("kestrel_selftest_cases"):
-        for extra in backend.hook.kestrel_selftest_cases(device=backend.device):
-            cases.extend(c if isinstance(c, SelfTestCase) else SelfTestCase(**c) for c in extra or ())
+        try:
+            for extra in backend.hook.kestrel_selftest_cases(device=backend.device):
+                cases.extend(c if isinstance(c, SelfTestCase) else SelfTestCase(**c) for c in extra or ())
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            raise KestrelError(f"backend {name!r}: kestrel_selftest_cases failed: {type(exc).__name__}: {exc}") \
+                from None
     report = SelfTestReport(backend.name, [run_case(backend, c, i) for i, c in enumerate(cases)])
     if backend.implements(FORWARD_BATCH):
         cpu = registry.cpu()

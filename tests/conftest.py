@@ -10,10 +10,19 @@ KESTREL_ENV = ("KESTREL_FORCE_CPU", "KESTREL_PLUGINS", "KESTREL_BACKEND_PATH", "
                "KESTREL_CUDA_CACHE_MB", "KESTREL_CUDA_MIN_FLOPS")
 
 
+@pytest.fixture(scope="session")
+def _probe_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One plugin-probe cache for the session, not the user's: a fixture backend is probed once."""
+    return str(tmp_path_factory.mktemp("kestrel-probe") / "probes.json")
+
+
 @pytest.fixture(autouse=True)
-def _clean_kestrel_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def _clean_kestrel_env(monkeypatch: pytest.MonkeyPatch, _probe_cache: str) -> None:
     for name in KESTREL_ENV:
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("KESTREL_PROBE", raising=False)
+    monkeypatch.delenv("KESTREL_PROBE_TIMEOUT", raising=False)
+    monkeypatch.setenv("KESTREL_PROBE_CACHE", _probe_cache)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

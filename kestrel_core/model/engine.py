@@ -20,7 +20,7 @@ import numpy as np
 
 from kestrel_core.batch import BatchEntry
 from kestrel_core.dispatch import Offload
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import KestrelError, NonFiniteLogits
 from kestrel_core.model.decoder import ACTIVATIONS, PREFILL_CHUNK, Decoder, KVPool, SeqCache
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.weights import Model
@@ -167,6 +167,9 @@ class Engine:
                 behind = np.asarray(seq.tokens[seq.cache.length:], np.int64)
                 batch.append((seq.cache, np.concatenate([behind, new]), rows))
             for i, out in zip(host, self.decoder.forward_batch(batch)):
+                if out.size and not np.isfinite(np.add.reduce(out, axis=None)):  # never an empty answer
+                    raise NonFiniteLogits("the model produced non-finite logits (NaN or inf) on the CPU path: its "
+                                          "weights hold NaN/inf, or its activations overflow float32")
                 outs[i] = out
         for seq, new, _ in runs:
             seq.tokens.extend(int(t) for t in new)
@@ -286,9 +289,9 @@ def resolve_activations(activations: str, backend: Backend) -> str:
 
 
 def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str, kv_cache_mb: float | None = None,
-          activations: str = "auto") -> Engine:
+          activations: str = "auto", backend_options: dict[str, str] | None = None) -> Engine:
     """Bind first (a backend that cannot bind fails fast, before any model is read), then load, preload."""
-    registry = Registry()
+    registry = Registry(backend_options)
     try:
         chosen = registry.select(backend)  # an explicit backend that did not bind raises with its reason
         cpu = registry.cpu()
@@ -305,14 +308,16 @@ def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str, kv_cache_
 
 
 def load(model: str | Model | None = None, backend: str = "auto", quant: str | None = None,
-         kv_cache_mb: float | None = None, activations: str = "auto") -> Engine:
+         kv_cache_mb: float | None = None, activations: str = "auto",
+         backend_options: dict[str, str] | None = None) -> Engine:
     """An engine for ``model`` (a path, None for the default model, or a Model) on ``backend`` (``auto``:
     the best bound gpu/npu accelerator, else cpu); the model is preloaded onto the backend. ``quant``:
     q8 (None: the default; an artifact keeps its own), q4, q8-g256 or q4-g256. ``kv_cache_mb``: the host KV
     cache's budget (default: 2 GiB, at least one sequence at the full context). ``activations``: what the
     projections' inputs are, q8, f32, mixed (the prompt at f32, generated tokens at q8) or auto (see
-    ``resolve_activations``)."""
-    return _open(lambda: _resolve_model(model, quant), backend, kv_cache_mb, activations)
+    ``resolve_activations``). ``backend_options``: string KEY: VALUE pairs every backend's ``kestrel_open``
+    receives."""
+    return _open(lambda: _resolve_model(model, quant), backend, kv_cache_mb, activations, backend_options)
 
 
 def load_preset(name: str, backend: str = "auto", quant: str | None = None, seed: int = 0,

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kestrel_core import Offload, Proj, Registry, quantize_weight, wkey
+from kestrel_core import BatchEntry, Offload, Proj, Registry, quantize_weight, wkey
 from kestrel_core.contract import quantize_activations, reference_gemm_q8
 from kestrel_core.wkey import fused_wkey
 
@@ -128,9 +128,96 @@ def test_decode_greedy_checks_every_token_and_stops_on_an_error(tmp_path, monkey
     plugin.GREEDY[:] = ["list"]
     assert offload.decode_greedy(None, 1, 7, 10, 3, vocab=11) is None
     counters = offload.stats()["kestrel_decode_greedy"]
-    assert counters["accepted"] == 2 and counters["declined"] == 2
+    assert counters["accepted"] == 2 and counters["declined"] == 4  # the two that ended midway count too
+    assert counters["declined_reasons"] == {"error: RuntimeError": 1, "bad result: token 11 outside [0, 11)": 1,
+                                            "declined by backend": 1, "bad result: list, not an iterator": 1}
     assert "the engine runs and samples each step itself" in caplog.text
     monkeypatch.setenv("KESTREL_FORCE_CPU", "1")
     assert offload.decode_greedy(None, 1, 7, 10, 3, vocab=11) is None
     cpu = Registry().cpu()
     assert Offload(cpu, cpu).decode_greedy(None, 1, 7, 10, 3, vocab=11) is None
+
+
+NONFINITE = Path(__file__).resolve().parents[1] / "fixtures" / "backends" / "authors" / "nonfinite.py"
+NONFINITE_REASON = "bad result: non-finite values"
+
+
+@pytest.fixture
+def nonfinite(monkeypatch):
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(NONFINITE))
+    reg = Registry()
+    backend = reg.select("nonfinite")
+    backend.plugin.BAD.clear()
+    yield Offload(backend, reg.cpu()), backend.plugin, reg.cpu()
+    reg.close()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), "one"])
+@pytest.mark.parametrize("hook", ["kestrel_gemm_q8", "kestrel_gemm_f32"])
+def test_non_finite_gemm_results_are_declined_and_recomputed(nonfinite, hook: str, value) -> None:
+    offload, plugin, cpu = nonfinite
+    x, ws = _weights(3)
+    on_cpu = Offload(cpu, cpu)
+    plugin.BAD[hook] = value
+    if hook == "kestrel_gemm_q8":
+        got, want = offload.linear(x, ws[0], 1), on_cpu.linear(x, ws[0], 1)
+    else:
+        got, want = offload.gemm_f32(x, ws[0], 1), on_cpu.gemm_f32(x, ws[0], 1)
+    np.testing.assert_array_equal(got, want)
+    assert offload.stats()[hook]["declined_reasons"] == {NONFINITE_REASON: 1}
+
+
+def test_a_non_finite_fused_result_is_declined_and_each_weight_offered_alone(nonfinite) -> None:
+    offload, plugin, cpu = nonfinite
+    plugin.BAD["kestrel_gemm_fused_q8"] = float("nan")
+    x, ws = _weights(4)
+    keys = [wkey(0, p) for p in (Proj.Q, Proj.K, Proj.V)]
+    outs = offload.linear_fused(x, ws, keys, fused_wkey(0, Proj.QKV))
+    a_codes, a_scales = quantize_activations(x, 32)
+    for out, w in zip(outs, ws):
+        np.testing.assert_array_equal(out, reference_gemm_q8(a_codes, a_scales, w))
+    stats = offload.stats()
+    assert stats["kestrel_gemm_fused_q8"]["declined_reasons"] == {NONFINITE_REASON: 1}
+    assert stats["kestrel_gemm_q8"]["accepted"] == 3  # the fallback: the same backend's gemm_q8, one by one
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_whole_step_logits_are_declined(nonfinite, value) -> None:
+    offload, plugin, _ = nonfinite
+    tokens = np.arange(3, dtype=np.int64)
+    assert offload.forward(None, 1, tokens, 0, True, 11) is not None
+    plugin.BAD["kestrel_forward"] = value
+    assert offload.forward(None, 1, tokens, 0, True, 11) is None
+    batch = [BatchEntry(1, tokens, 0, 1), BatchEntry(2, tokens[:1], 0, 1)]
+    assert offload.forward_batch(None, batch, 11) is not None
+    plugin.BAD["kestrel_forward_batch"] = value
+    assert offload.forward_batch(None, batch, 11) is None  # one bad entry declines the whole step
+    stats = offload.stats()
+    for hook in ("kestrel_forward", "kestrel_forward_batch"):
+        assert stats[hook]["accepted"] == 1 and stats[hook]["declined_reasons"] == {NONFINITE_REASON: 1}
+
+
+def test_a_plugins_base_exceptions_are_declines_but_ctrl_c_passes(tmp_path, monkeypatch) -> None:
+    """sys.exit or a BaseException of its own inside a hook is a decline with its reason; a KeyboardInterrupt
+    (the user's Ctrl-C) is not swallowed."""
+    offload, plugin = _registry(tmp_path, monkeypatch)
+    x, ws = _weights(5)
+    keys = [wkey(1, p) for p in (Proj.Q, Proj.K, Proj.V)]
+
+    class Panic(BaseException):
+        pass
+
+    for exc in (SystemExit(3), Panic("driver")):
+        def raising(*args, exc=exc, **kwargs):
+            raise exc
+
+        offload._callers[("fusing", "kestrel_gemm_fused_q8")] = raising
+        assert len(offload.linear_fused(x, ws, keys, fused_wkey(1, Proj.QKV))) == 3
+    assert offload.stats()["kestrel_gemm_fused_q8"]["declined_reasons"] == {"error: SystemExit": 1, "error: Panic": 1}
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    offload._callers[("fusing", "kestrel_gemm_fused_q8")] = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        offload.linear_fused(x, ws, keys, fused_wkey(1, Proj.QKV))

@@ -80,7 +80,7 @@ def test_allow_list(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_explicit_path_wins_over_entry_point_of_the_same_name(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "npu_sim.py").write_text((FIXTURES / "good_gpu.py").read_text())
+    (tmp_path / "npu_sim.py").write_text((FIXTURES / "good_gpu.py").read_text().replace('"good_gpu"', '"npu_sim"'))
     monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "npu_sim.py"))
     reg = Registry()
     assert reg.backends["npu_sim"].source == f"path {tmp_path / 'npu_sim.py'}"
