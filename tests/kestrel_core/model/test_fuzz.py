@@ -8,11 +8,13 @@ checks are scripts/fuzz.py's, so the CI fuzz and the long run test the same thin
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.util
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,7 +46,11 @@ def harness() -> ModuleType:
 
 @functools.cache
 def workdir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="kestrel-fuzz-test-"))
+    """One scratch directory for the module (hypothesis re-runs examples; function-scoped tmp_path does not fit),
+    removed at exit."""
+    path = Path(tempfile.mkdtemp(prefix="kestrel-fuzz-test-"))
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 @functools.cache
