@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 import numpy as np
@@ -26,14 +26,20 @@ CODE_RANGE = {8: (-127, 127), 4: (-8, 7)}
 
 @dataclass(frozen=True, eq=False)
 class StripCache:
-    """One quantized weight: ``codes`` int8 [N, K], ``scales`` float32 [N, K/G]."""
+    """One quantized weight: ``codes`` int8 [N, K], ``scales`` float32 [N, K/G].
+
+    Construction checks everything but the code range in O(1) and then scans the codes once for their range.
+    ``check_range=False`` skips that scan, for a caller that has just checked the range itself (the artifact
+    reader does it chunk by chunk in its checksum pass, so a memory-mapped file is read once).
+    """
 
     codes: np.ndarray
     scales: np.ndarray
     group_size: int
     bits: int
+    check_range: InitVar[bool] = True
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, check_range: bool = True) -> None:
         codes, scales, g, bits = self.codes, self.scales, self.group_size, self.bits
         if g not in GROUP_SIZES:
             raise ContractError(f"group size must be one of {GROUP_SIZES}, got {g}")
@@ -50,9 +56,8 @@ class StripCache:
             raise ContractError(f"scales must be float32 [{n}, {k // g}], got {_describe(scales)}")
         if not scales.flags.c_contiguous:
             raise ContractError("scales must be C-contiguous [N][K/G]")
-        lo, hi = CODE_RANGE[bits]
-        if codes.size and (int(codes.min()) < lo or int(codes.max()) > hi):
-            raise ContractError(f"int{bits} codes must lie in [{lo}, {hi}]")
+        if check_range:
+            check_code_range(codes, bits)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -81,6 +86,16 @@ class StripCache:
         # w: [R, K/G, G] * [R, K/G, 1]
         w = codes.reshape(codes.shape[0], -1, self.group_size).astype(np.float32) * scales[:, :, None]
         return w.reshape(codes.shape[0], -1)
+
+
+def check_code_range(codes: np.ndarray, bits: int) -> None:
+    """ContractError unless every code lies in the range of ``bits``; one pass (int8 codes cannot exceed 127,
+    so 8-bit codes need only their minimum)."""
+    if not codes.size:
+        return
+    lo, hi = CODE_RANGE[bits]
+    if int(codes.min()) < lo or (hi < 127 and int(codes.max()) > hi):
+        raise ContractError(f"int{bits} codes must lie in [{lo}, {hi}]")
 
 
 def _describe(a: object) -> str:

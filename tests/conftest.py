@@ -23,6 +23,9 @@ def _clean_kestrel_env(monkeypatch: pytest.MonkeyPatch, _probe_cache: str) -> No
     monkeypatch.delenv("KESTREL_PROBE", raising=False)
     monkeypatch.delenv("KESTREL_PROBE_TIMEOUT", raising=False)
     monkeypatch.setenv("KESTREL_PROBE_CACHE", _probe_cache)
+    # loading a Hugging Face directory would cache its artifact in KESTREL_HOME (the user's cache, which the
+    # default-model tests read): tests that test the cache turn it back on with a KESTREL_HOME of their own
+    monkeypatch.setenv("KESTREL_HF_CACHE", "0")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

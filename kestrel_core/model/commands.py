@@ -189,7 +189,7 @@ def quantize(args: argparse.Namespace) -> int:
     if out.exists() and not args.force:  # before the (slow) load
         raise KestrelError(f"{out} already exists; pass --force to overwrite it")
     parse_quant(args.quant)
-    loaded = load_model(args.model, quant=args.quant)
+    loaded = load_model(args.model, quant=args.quant, cache="read")  # a cached build is reused, not copied
     path = write_artifact(loaded, out, force=args.force)
     err.print(f"wrote {path} ({loaded.quant}, {path.stat().st_size / 1e6:.1f} MB) from {loaded.source}",
               soft_wrap=True, markup=False)

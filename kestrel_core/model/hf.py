@@ -139,6 +139,29 @@ def _safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
         return 8 + n, json.loads(f.read(n))
 
 
+def weight_files(model_dir: Path) -> list[str]:
+    """The safetensors files of a checkpoint: the shards its index names, else every ``*.safetensors``."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise KestrelError(f"{index}: no weight_map")
+        shards = sorted({str(v) for v in weight_map.values()})
+        for shard in shards:
+            if "/" in shard or "\\" in shard or shard.startswith("."):
+                raise KestrelError(f"{index}: shard name {shard!r} points outside the model directory")
+            if not (model_dir / shard).is_file():
+                raise KestrelError(f"{model_dir}: shard {shard} named by the index is missing")
+        return shards
+    shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not shards:
+        if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
+            raise KestrelError(f"{model_dir}: only pickle checkpoints (.bin/.pt) found; kestrel reads "
+                               "safetensors only (pickle files can run code)")
+        raise KestrelError(f"{model_dir}: no *.safetensors weights found")
+    return shards
+
+
 class HFCheckpoint:
     """A HF model directory as a TensorSource (float tensors by kestrel name, read on demand)."""
 
@@ -155,25 +178,7 @@ class HFCheckpoint:
         self._index()
 
     def _index(self) -> None:
-        index = self.dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise KestrelError(f"{index}: no weight_map")
-            shards = sorted(set(weight_map.values()))
-            for shard in shards:
-                if "/" in shard or "\\" in shard or shard.startswith("."):
-                    raise KestrelError(f"{index}: shard name {shard!r} points outside the model directory")
-                if not (self.dir / shard).is_file():
-                    raise KestrelError(f"{self.dir}: shard {shard} named by the index is missing")
-        else:
-            shards = sorted(p.name for p in self.dir.glob("*.safetensors"))
-            if not shards:
-                if any(self.dir.glob("*.bin")) or any(self.dir.glob("*.pt")):
-                    raise KestrelError(f"{self.dir}: only pickle checkpoints (.bin/.pt) found; kestrel reads "
-                                       "safetensors only (pickle files can run code)")
-                raise KestrelError(f"{self.dir}: no *.safetensors weights found")
-        for shard in shards:
+        for shard in weight_files(self.dir):
             path = self.dir / shard
             for hf_name in self._handle(path).keys():
                 name = kestrel_name(hf_name)

@@ -1,29 +1,35 @@
 """One entry point for every model input: ``load_model(path, quant) -> LoadedModel``.
 
-``None`` is the default model (SmolLM2-135M-Instruct, pulled on first use; its strip-cache is cached as an
-artifact in ``$KESTREL_HOME/cache`` because reading a GGUF's vocabulary and re-quantizing it takes seconds);
-a directory is a Hugging Face checkpoint; a ``.gguf`` file is read with gguf-py; a kestrel artifact
-(``.kst``) carries its own quantization, which wins over ``quant``.
+``None`` is the default model (SmolLM2-135M-Instruct, pulled on first use); a directory is a Hugging Face
+checkpoint; a ``.gguf`` file is read with gguf-py; a kestrel artifact (``.kst``) carries its own quantization,
+which wins over ``quant``. The strip-caches of the default model and of Hugging Face directories are cached as
+artifacts in ``$KESTREL_HOME/cache`` (model/cache.py says how entries are keyed), so only the first load of a
+checkpoint at a quant mode reads and quantizes it; later loads map the artifact.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from kestrel_core import __version__
-from kestrel_core.artifact import FORMAT_VERSION, load_artifact, save_artifact
+from kestrel_core.artifact import ArtifactMeta, load_artifact, remove_stale_temps, save_artifact
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.pull import DEFAULT_MODEL, kestrel_home, pull_default_model
+from kestrel_core.model import cache as store
+from kestrel_core.model.pull import DEFAULT_MODEL, pull_default_model
 from kestrel_core.model.quantize import parse_quant, quantize_model
 from kestrel_core.model.tokenizer import NoTokenizer, Tokenizer
+from kestrel_core.model.validate import check_regular_file
 from kestrel_core.model.weights import Model
+from kestrel_core.progress import progress_bar
 
 log = logging.getLogger("kestrel")
 
 GGUF_MAGIC = b"GGUF"
+CACHE_MODES = ("on", "read", "off")  # read: use a valid entry, never write one
 
 
 @dataclass
@@ -35,15 +41,24 @@ class LoadedModel:
 
 
 def cache_dir() -> Path:
-    return kestrel_home() / "cache"
+    return store.cache_dir()
 
 
-def write_artifact(loaded: LoadedModel, path: str | os.PathLike[str], *, force: bool = False) -> Path:
+def write_artifact(loaded: LoadedModel, path: str | os.PathLike[str], *, force: bool = False,
+                   extra: dict[str, Any] | None = None) -> Path:
     """Save a loaded model (with its tokenizer and chat template, when it has them) as a kestrel artifact."""
     tok = loaded.tokenizer
     tokenizer_json = None if isinstance(tok, NoTokenizer) else tok.to_json_str()
-    return save_artifact(path, loaded.model, tokenizer_json=tokenizer_json, chat_template=tok.chat_template,
-                         quant=loaded.quant, extra={"source": loaded.source}, force=force)
+    special = {} if isinstance(tok, NoTokenizer) else {"bos_token": tok.bos_token, "eos_token": tok.eos_token}
+    with progress_bar(f"writing {Path(path).name}") as report:
+        return save_artifact(path, loaded.model, tokenizer_json=tokenizer_json, chat_template=tok.chat_template,
+                             quant=loaded.quant, extra={"source": loaded.source, **(extra or {})}, force=force,
+                             progress=report, **special)
+
+
+def _quantize(ckpt: Any, quant: str, what: str) -> Model:
+    with progress_bar(f"quantizing {what} ({quant})", unit="weights") as report:
+        return quantize_model(ckpt, quant, progress=report)
 
 
 def _load_hf(path: Path, quant: str) -> LoadedModel:
@@ -56,7 +71,18 @@ def _load_hf(path: Path, quant: str) -> LoadedModel:
                                                                    eos_token_ids=c.eos_token_ids)
     else:  # token ids still work; text fails when it is asked for
         tokenizer = NoTokenizer(f"tokenizer.json is missing in {path}", c.vocab_size, c.eos_token_ids)
-    return LoadedModel(quantize_model(ckpt, quant), tokenizer, str(path), quant)
+    return LoadedModel(_quantize(ckpt, quant, path.name), tokenizer, str(path), quant)
+
+
+def _load_hf_cached(path: Path, quant: str, mode: str) -> LoadedModel:
+    try:
+        key = store.hf_key(path, quant)
+    except (OSError, KestrelError):  # not a readable checkpoint: the uncached load says what is wrong
+        return _load_hf(path, quant)
+    stem = store.hf_stem(path)
+    entry = store.cache_dir() / store.entry_name(stem, key[:16], quant)
+    return _cached(entry, key, quant, store.stale_pattern(stem, quant), lambda: _load_hf(path, quant), str(path),
+                   write=mode == "on")
 
 
 def _load_gguf(path: Path, quant: str) -> LoadedModel:
@@ -64,13 +90,14 @@ def _load_gguf(path: Path, quant: str) -> LoadedModel:
 
     ckpt = GGUFCheckpoint(path)
     tokenizer = Tokenizer.from_gguf_vocab(ckpt.tokenizer_fields(), where=str(path))
-    model = quantize_model(ckpt, quant)
+    model = _quantize(ckpt, quant, path.name)
     del ckpt  # drop the memory map before the caller goes on
     return LoadedModel(model, tokenizer, str(path), quant)
 
 
-def _load_artifact(path: Path, quant: str | None) -> LoadedModel:
-    model, meta = load_artifact(path)
+def _from_artifact(path: Path, quant: str | None, **options: Any) -> tuple[LoadedModel, ArtifactMeta]:
+    with progress_bar(f"verifying {path.name}") as report:
+        model, meta = load_artifact(path, progress=report, **options)
     if quant is not None and parse_quant(quant).name != meta.quant:
         log.warning("%s holds %s weights; using them (an artifact is not re-quantized, --quant %s ignored)",
                     path, meta.quant, quant)
@@ -80,35 +107,83 @@ def _load_artifact(path: Path, quant: str | None) -> LoadedModel:
                                                          c.eos_token_ids)
     else:
         tokenizer = Tokenizer.from_json_str(meta.tokenizer_json, chat_template=meta.chat_template,
-                                            bos_token_id=c.bos_token_id, eos_token_ids=c.eos_token_ids)
-    return LoadedModel(model, tokenizer, str(path), meta.quant)
+                                            bos_token_id=c.bos_token_id, eos_token_ids=c.eos_token_ids,
+                                            bos_token=meta.bos_token, eos_token=meta.eos_token)
+    return LoadedModel(model, tokenizer, str(path), meta.quant), meta
+
+
+def _load_artifact(path: Path, quant: str | None) -> LoadedModel:
+    return _from_artifact(path, quant)[0]
+
+
+def _read_cached(entry: Path, key: str, quant: str) -> LoadedModel | None:
+    """The cache entry's model, or None (missing; or corrupt, stale, not a regular file: then removed, with a
+    warning, so that it is rebuilt)."""
+    kind = store.entry_kind(entry)
+    if kind == "missing":
+        return None
+    if kind == "unreadable":
+        log.warning("cannot read the cache directory %s; loading without it", entry.parent)
+        return None
+    if kind == "file":
+        try:
+            loaded, meta = _from_artifact(entry, quant, require_checksums=True)
+            if meta.extra.get("cache_key") != key or meta.quant != quant:
+                raise KestrelError("it was built from another checkpoint or quant mode")
+            return loaded
+        except KestrelError as exc:
+            log.warning("rebuilding the cached strip-cache %s (%s)", entry, exc)
+    else:
+        log.warning("rebuilding the cached strip-cache %s (not a regular file)", entry)
+    try:
+        store.remove_entry(entry)
+    except OSError as exc:
+        log.warning("could not remove %s: %s", entry, exc)
+    return None
+
+
+def _cached(entry: Path, key: str, quant: str, stale_glob: str, build: Callable[[], LoadedModel], source: str,
+            write: bool = True) -> LoadedModel:
+    """The model from cache ``entry`` if it holds ``key``; else ``build()`` it and (``write``) cache it.
+
+    A fresh entry is written atomically (temp file, fsync, rename; see artifact.save_artifact) and the model is
+    then read back from it: its arrays become views of the page cache (shared, and not the process's own
+    memory) instead of a second copy. Entries of the same slot and mode under another key are removed.
+    """
+    hit = _read_cached(entry, key, quant)
+    if hit is not None:
+        hit.source = source
+        return hit
+    loaded = build()
+    loaded.source = source
+    if not write:
+        return loaded
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(entry.parent, ".*.tmp")  # writers that were killed outright
+        write_artifact(loaded, entry, force=True, extra={"cache_key": key})
+        for stale in entry.parent.glob(stale_glob):
+            if stale != entry:
+                stale.unlink(missing_ok=True)
+    except (OSError, KestrelError) as exc:  # a read-only or full cache only costs speed
+        log.warning("could not cache the quantized model in %s: %s", entry, exc)
+        return loaded
+    try:
+        again, _ = _from_artifact(entry, quant, require_checksums=True)
+    except KestrelError as exc:
+        log.warning("could not read back the cached strip-cache %s: %s", entry, exc)
+        return loaded
+    again.source = source
+    return again
 
 
 def _load_default(quant: str) -> LoadedModel:
     gguf_path = pull_default_model(progress=True)
     # keyed on the source bytes, the quant mode, the format and the kestrel version (its quantizer)
-    cached = cache_dir() / (f"{DEFAULT_MODEL.filename}.{DEFAULT_MODEL.member_sha256[:12]}.{quant}"
-                            f".v{FORMAT_VERSION}.kestrel-{__version__}.kst")
-    source = f"SmolLM2-135M-Instruct ({gguf_path})"
-    if cached.is_file():
-        try:
-            loaded = _load_artifact(cached, quant)
-            loaded.source = source
-            return loaded
-        except KestrelError as exc:  # our own cache: rebuild it
-            log.warning("rebuilding the cached strip-cache %s (%s)", cached, exc)
-    loaded = _load_gguf(gguf_path, quant)
-    loaded.source = source
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        write_artifact(loaded, cached, force=True)
-        # entries of this model and mode from other kestrel / format versions are stale now
-        for stale in cached.parent.glob(f"{DEFAULT_MODEL.filename}.*.{quant}.v*.kst"):
-            if stale != cached:
-                stale.unlink(missing_ok=True)
-    except OSError as exc:  # a read-only cache only costs speed
-        log.warning("could not cache the quantized model in %s: %s", cached, exc)
-    return loaded
+    stem = DEFAULT_MODEL.filename
+    entry = store.cache_dir() / store.entry_name(stem, DEFAULT_MODEL.member_sha256[:12], quant)
+    return _cached(entry, DEFAULT_MODEL.member_sha256, quant, store.stale_pattern(stem, quant),
+                   lambda: _load_gguf(gguf_path, quant), f"SmolLM2-135M-Instruct ({gguf_path})")
 
 
 def _sniff(path: Path) -> bytes:
@@ -119,9 +194,16 @@ def _sniff(path: Path) -> bytes:
         raise KestrelError(f"{path}: cannot read it ({exc.strerror or exc})") from None
 
 
-def load_model(path: str | os.PathLike[str] | None = None, quant: str | None = "q8") -> LoadedModel:
-    """Load a model and its tokenizer, quantized to ``quant`` (default q8; an artifact keeps its own)."""
+def load_model(path: str | os.PathLike[str] | None = None, quant: str | None = "q8", *,
+               cache: str = "on") -> LoadedModel:
+    """Load a model and its tokenizer, quantized to ``quant`` (default q8; an artifact keeps its own).
+
+    ``cache`` (Hugging Face directories): "on" reads and writes the cached artifact, "read" uses a valid one
+    but never writes one (``kestrel quantize`` writes its own), "off" neither; ``KESTREL_HF_CACHE=0`` means
+    "off" whatever is asked. The default model is always cached (its artifact is small)."""
     mode = parse_quant(quant or "q8").name  # an unknown mode fails before any heavy work
+    if cache not in CACHE_MODES:
+        raise KestrelError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
     if path is None:
         return _load_default(mode)
     p = Path(path).expanduser()
@@ -129,7 +211,10 @@ def load_model(path: str | os.PathLike[str] | None = None, quant: str | None = "
         raise KestrelError(f"model {path} does not exist (give a Hugging Face model directory, a .gguf file "
                            "or a .kst artifact)")
     if p.is_dir():
-        return _load_hf(p, mode)
+        if cache == "off" or not store.hf_cache_enabled():
+            return _load_hf(p, mode)
+        return _load_hf_cached(p, mode, cache)
+    check_regular_file(p)  # a FIFO would block the open below forever
     if not os.access(p, os.R_OK):
         raise KestrelError(f"{p}: cannot read it (permission denied)")
     magic = _sniff(p)

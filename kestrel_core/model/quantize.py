@@ -8,6 +8,7 @@ float copy, so at most one float tensor is alive at a time.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -116,19 +117,33 @@ def _matrix(source: TensorSource, name: str, shape: tuple[int, int], bits: int, 
     return quantize_tensor(w, bits, mode, name)
 
 
-def quantize_model(source: TensorSource, quant: str | QuantMode = "q8") -> Model:
-    """Build the strip-cache model: projections at the mode's bits, embedding and lm_head at 8 bits."""
+def quantize_model(source: TensorSource, quant: str | QuantMode = "q8",
+                   progress: Callable[[int, int], None] | None = None) -> Model:
+    """Build the strip-cache model: projections at the mode's bits, embedding and lm_head at 8 bits.
+
+    ``progress(done, total)``, if given, is called after each matrix with the weights quantized so far."""
     mode = quant if isinstance(quant, QuantMode) else parse_quant(quant)
     c = source.config
     d, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
     qn, kvn = c.num_heads * hd, c.num_kv_heads * hd
     shapes = {"q": (qn, d), "k": (kvn, d), "v": (kvn, d), "o": (d, qn), "gate": (f, d), "up": (f, d),
               "down": (d, f)}
-    embedding = _matrix(source, "embedding", (c.vocab_size, d), 8, mode)
+    heads = 1 if c.tie_word_embeddings else 2
+    total = c.vocab_size * d * heads + c.num_layers * sum(n * k for n, k in shapes.values())
+    done = 0
+
+    def matrix(name: str, shape: tuple[int, int], bits: int) -> StripCache:
+        nonlocal done
+        w = _matrix(source, name, shape, bits, mode)
+        done += shape[0] * shape[1]
+        if progress is not None:
+            progress(done, total)
+        return w
+
+    embedding = matrix("embedding", (c.vocab_size, d), 8)
     layers = []
     for i in range(c.num_layers):
-        fields: dict[str, object] = {p: _matrix(source, layer_name(i, p), shapes[p], mode.bits, mode)
-                                     for p in LAYER_PROJ_FIELDS}
+        fields: dict[str, object] = {p: matrix(layer_name(i, p), shapes[p], mode.bits) for p in LAYER_PROJ_FIELDS}
         fields.update({n: _vector(source, layer_name(i, n), d) for n in LAYER_NORM_FIELDS})
         if c.qkv_bias:
             fields.update(q_bias=_vector(source, layer_name(i, "q_bias"), qn),
@@ -143,5 +158,5 @@ def quantize_model(source: TensorSource, quant: str | QuantMode = "q8") -> Model
     else:
         if not source.has("lm_head"):
             raise KestrelError(f"{source.description}: no lm_head weight and the embeddings are not tied")
-        lm_head = _matrix(source, "lm_head", (c.vocab_size, d), 8, mode)
+        lm_head = matrix("lm_head", (c.vocab_size, d), 8)
     return Model(config=c, embedding=embedding, layers=layers, final_norm=final_norm, lm_head=lm_head)

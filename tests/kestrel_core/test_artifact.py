@@ -77,11 +77,11 @@ def test_existing_output_needs_force_and_write_is_atomic(tmp_path: Path, synth_s
         _save(tmp_path, model)
     assert path.read_bytes() == b"the user's file"
 
-    def boom(*args, **kwargs):
-        Path(args[1]).write_bytes(b"half")
+    def boom(f, *args, **kwargs):
+        f.write(b"half")
         raise OSError("disk full")
 
-    monkeypatch.setattr(artifact, "save_file", boom)
+    monkeypatch.setattr(artifact, "_write_safetensors", boom)
     with pytest.raises(OSError, match="disk full"):
         _save(tmp_path, model, force=True)
     assert path.read_bytes() == b"the user's file"
@@ -145,9 +145,21 @@ def test_tensor_that_breaks_the_contract_or_config(tmp_path: Path, synth_source)
         meta = f.metadata()
     bad = dict(tensors)
     bad["layers.0.q.codes"] = np.full_like(tensors["layers.0.q.codes"], -128)  # outside int8 Q8_0 range
-    save_file(bad, str(path), metadata=meta)
-    with pytest.raises(KestrelError, match=r"layers\.0\.q.*strip-cache contract"):
+    save_file(bad, str(path), metadata=meta)  # the recorded checksum no longer matches
+    with pytest.raises(KestrelError, match=r"tensor 'layers\.0\.q\.codes' is corrupt: its XXH64"):
         load_artifact(path)
+    unchecked = {k: v for k, v in meta.items() if k != "checksums"}  # another producer's file, without sums
+    save_file(bad, str(path), metadata=unchecked)
+    with pytest.raises(KestrelError, match=r"tensor 'layers\.0\.q' breaks the strip-cache contract: int8 codes"):
+        load_artifact(path)
+    q4 = dict(tensors)
+    q4["layers.1.up.codes"] = np.full_like(tensors["layers.1.up.codes"], 8)  # outside int4's [-8, 7]
+    specs = json.loads(meta["tensors"])
+    specs["layers.1.up"]["bits"] = 4
+    save_file(q4, str(path), metadata={**unchecked, "tensors": json.dumps(specs)})
+    with pytest.raises(KestrelError, match=r"tensor 'layers\.1\.up' breaks the strip-cache contract: int4 codes"):
+        load_artifact(path)
+    meta = unchecked
     bad = dict(tensors)
     del bad["layers.1.v.scales"]
     save_file(bad, str(path), metadata=meta)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -179,8 +180,10 @@ def test_default_model_path_is_cached_as_an_artifact(tmp_path: Path, monkeypatch
     same_weights(first.model, second.model)
     assert second.model.lm_head is second.model.embedding
     assert second.tokenizer.apply_chat_template(MESSAGES) == first.tokenizer.apply_chat_template(MESSAGES)
-    # a broken cache entry is rebuilt, not fatal
-    cached[0].write_bytes(b"garbage")
+    # a broken cache entry is rebuilt, not fatal. It is replaced, not written over: first and second map it,
+    # and a mapped file truncated in place would kill this process with SIGBUS
+    (tmp_path / "garbage").write_bytes(b"garbage")
+    os.replace(tmp_path / "garbage", cached[0])
     monkeypatch.undo()
     monkeypatch.setenv("KESTREL_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(loader, "pull_default_model", lambda progress=True: gguf_path)

@@ -1,0 +1,105 @@
+"""Where quantized models are cached as artifacts (``$KESTREL_HOME/cache``), and how entries are named.
+
+Two kinds of entries: the default model's (keyed on its GGUF's pinned sha256) and Hugging Face directories'
+(keyed on the checkpoint's files, below). Each entry is a ``.kst`` with checksums whose metadata records the
+key it was built for; the loader (``loader._cached``) reads it, rebuilds it when it is missing, corrupt or not
+a regular file, and writes it atomically.
+
+The key of a Hugging Face directory is cheap to compute on every load, so a cache hit stays fast: the full
+contents of the small files kestrel reads besides the weights (config.json, generation_config.json, the
+shard index, tokenizer.json, tokenizer_config.json, chat_template.jinja; an absent one counts as absent),
+and for each safetensors shard its name, size, mtime_ns and its header (the tensor names, dtypes, shapes and
+offsets), plus the quant mode. Hashing the weights themselves would cost a full read of the checkpoint
+(16 GB for an 8B BF16 model) on every load. What the key misses: a weight file rewritten in place with the
+same size, the same header and its mtime put back.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import re
+import shutil
+import stat
+from pathlib import Path
+
+from kestrel_core import __version__
+from kestrel_core.artifact import FORMAT_VERSION, MAX_HEADER_BYTES
+from kestrel_core.model.hf import weight_files
+from kestrel_core.model.pull import kestrel_home
+
+HF_CACHE_ENV = "KESTREL_HF_CACHE"  # 0 / off / false / no: never cache Hugging Face directories
+HF_KEY_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
+                "tokenizer_config.json", "chat_template.jinja")
+KEY_SCHEME = "kestrel-hf-cache-1"  # bump when what goes into the key changes
+
+
+def cache_dir() -> Path:
+    return kestrel_home() / "cache"
+
+
+def hf_cache_enabled() -> bool:
+    return os.environ.get(HF_CACHE_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def entry_name(stem: str, key: str, quant: str) -> str:
+    """``<stem>.<key>.<quant>.v<format>.kestrel-<version>.kst``: the artifact format and the kestrel version
+    (its quantizer) are part of every entry's name."""
+    return f"{stem}.{key}.{quant}.v{FORMAT_VERSION}.kestrel-{__version__}.kst"
+
+
+def stale_pattern(stem: str, quant: str) -> str:
+    """A glob for the entries of ``stem`` and ``quant`` under any key, format or version."""
+    return f"{glob.escape(stem)}.*.{glob.escape(quant)}.v*.kst"
+
+
+def hf_stem(model_dir: Path) -> str:
+    """One slot per checkpoint directory: its name (made file-name safe) and a hash of its absolute path. A
+    new key for the same directory replaces the slot's old entries."""
+    resolved = model_dir.resolve()
+    name = re.sub(r"[^A-Za-z0-9_-]+", "_", resolved.name)[:64] or "model"
+    return f"hf-{name}.{hashlib.sha256(str(resolved).encode()).hexdigest()[:12]}"
+
+
+def hf_key(model_dir: Path, quant: str) -> str:
+    """The content key of a Hugging Face directory at ``quant`` (see the module docstring); OSError or
+    KestrelError where the directory cannot be read as a checkpoint."""
+    h = hashlib.sha256(f"{KEY_SCHEME}\0{quant}\0".encode())
+    for name in HF_KEY_FILES:
+        p = model_dir / name
+        if p.is_file():
+            h.update(f"{name}\0{hashlib.sha256(p.read_bytes()).hexdigest()}\0".encode())
+        else:
+            h.update(f"{name}\0absent\0".encode())
+    for shard in weight_files(model_dir):
+        p = model_dir / shard
+        with open(p, "rb") as f:
+            st = os.fstat(f.fileno())
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            head += f.read(min(n, MAX_HEADER_BYTES))
+        h.update(f"{shard}\0{st.st_size}\0{st.st_mtime_ns}\0{hashlib.sha256(head).hexdigest()}\0".encode())
+    return h.hexdigest()
+
+
+def entry_kind(path: Path) -> str:
+    """"missing", "file" (a regular file, not a symlink), "other" (a directory, a link, a FIFO...) or
+    "unreadable" (its directory cannot be searched)."""
+    try:
+        st = path.lstat()
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing"
+    except OSError:
+        return "unreadable"
+    return "file" if stat.S_ISREG(st.st_mode) else "other"
+
+
+def remove_entry(path: Path) -> None:
+    """Remove whatever sits at ``path`` (an entry's name in kestrel's own cache directory): a directory with
+    its contents, anything else (a symlink: not its target) unlinked. OSError when that fails."""
+    st = path.lstat()
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        path.unlink()

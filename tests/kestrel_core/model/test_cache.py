@@ -1,0 +1,273 @@
+"""Loading a Hugging Face directory caches its strip-cache as an artifact in KESTREL_HOME/cache."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import mmap
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kestrel_core import artifact
+from kestrel_core.artifact import model_tensors, read_meta
+from kestrel_core.contract import StripCache
+from kestrel_core.model import loader
+from kestrel_core.model.cache import HF_CACHE_ENV, hf_key
+from kestrel_core.model.hf import HFCheckpoint
+from kestrel_core.model.loader import load_model
+from kestrel_core.model.quantize import quantize_model
+
+TEMPLATE = "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
+REAL_WRITER = artifact._write_safetensors
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("KESTREL_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv(HF_CACHE_ENV, "1")
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def hf(tmp_path: Path, synth_source, fmt):
+    tk = fmt.train_bpe("gpt2")
+    src = synth_source("qwen2", seed=4, vocab_size=tk.get_vocab_size(), eos_token_ids=(2,))
+    root = fmt.write_hf_dir(tmp_path / "Qwen-tiny", src, dtype="bf16", shards=2)
+    (root / "tokenizer.json").write_text(tk.to_str())
+    (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "bos_token": "<|im_start|>",
+                                                            "eos_token": "<|im_end|>"}))
+    return root, src
+
+
+@pytest.fixture
+def builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The quantizations the loader runs (a cache hit runs none)."""
+    calls: list[str] = []
+
+    def counting(source, quant, progress=None):
+        calls.append(str(quant))
+        return quantize_model(source, quant, progress)
+
+    monkeypatch.setattr(loader, "quantize_model", counting)
+    return calls
+
+
+def _entries(home: Path) -> list[Path]:
+    return sorted((home / "cache").glob("*.kst"))
+
+
+def _same(a, b) -> None:
+    ta, tb = model_tensors(a), model_tensors(b)
+    assert a.config == b.config and ta.keys() == tb.keys()
+    for name, va in ta.items():
+        if isinstance(va, StripCache):
+            np.testing.assert_array_equal(va.codes, tb[name].codes)
+            np.testing.assert_array_equal(va.scales, tb[name].scales)
+        else:
+            np.testing.assert_array_equal(va, tb[name])
+
+
+def _fresh(root: Path, mode: str):
+    """The checkpoint quantized now, without the loader (whose quantize_model the tests count)."""
+    return quantize_model(HFCheckpoint(root), mode)
+
+
+def _mapped(a: np.ndarray) -> bool:
+    while a.base is not None and isinstance(a.base, np.ndarray):
+        a = a.base
+    return isinstance(a.base, memoryview) and isinstance(a.base.obj, mmap.mmap)
+
+
+def test_the_second_load_is_a_cache_hit(home: Path, hf, builds: list[str]) -> None:
+    root, _ = hf
+    first = load_model(root, quant="q4")
+    assert builds == ["q4"] and len(_entries(home)) == 1
+    entry = _entries(home)[0]
+    assert entry.name.startswith("hf-Qwen-tiny.") and ".q4.v1.kestrel-" in entry.name
+    second = load_model(root, quant="q4")
+    assert builds == ["q4"]  # nothing quantized
+    _same(first.model, second.model)
+    _same(second.model, _fresh(root, "q4"))
+    assert _mapped(second.model.layers[0].q.codes) and _mapped(first.model.layers[0].q.codes)  # read back
+    assert second.source == first.source == str(root) and second.quant == "q4"
+    for tok in (first.tokenizer, second.tokenizer):
+        assert tok.eos_token_ids == (2,) and tok.bos_token == "<|im_start|>"
+    assert second.tokenizer.apply_chat_template(MESSAGES) == first.tokenizer.apply_chat_template(MESSAGES)
+    assert second.tokenizer.encode("hello world") == first.tokenizer.encode("hello world")
+    meta = read_meta(entry)
+    assert meta.extra["cache_key"] == hf_key(root, "q4") and meta.checksums
+
+
+def test_a_changed_config_weight_file_or_quant_mode_rebuilds(home: Path, hf, builds: list[str]) -> None:
+    root, _ = hf
+    load_model(root, quant="q8")
+    old_entry = _entries(home)[0]
+    cfg = json.loads((root / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-3
+    (root / "config.json").write_text(json.dumps(cfg))
+    changed = load_model(root, quant="q8")
+    assert builds == ["q8", "q8"] and changed.model.config.rms_norm_eps == 1e-3
+    assert len(_entries(home)) == 1 and not old_entry.exists()  # the slot's stale entry is gone
+    load_model(root, quant="q8")
+    assert len(builds) == 2
+    shard = root / "model-00001-of-00002.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data)  # same bytes, a new mtime: the key cannot know they are the same
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    load_model(root, quant="q8")
+    assert len(builds) == 3
+    load_model(root, quant="q4-g256")
+    assert builds[-1] == "q4-g256" and len(_entries(home)) == 2  # one entry per mode
+    load_model(root, quant="q8")
+    load_model(root, quant="q4-g256")
+    assert len(builds) == 4
+    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    assert load_model(root, quant="q8").tokenizer.eos_token_ids == (2, 3)
+    assert len(builds) == 5
+
+
+def test_a_writer_that_fails_leaves_no_temp_and_no_entry(home: Path, hf, builds: list[str], monkeypatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    root, _ = hf
+
+    def dies(f, *args, **kwargs):
+        f.write(b"half an artifact")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(artifact, "_write_safetensors", dies)
+    with caplog.at_level(logging.WARNING, logger="kestrel"):
+        loaded = load_model(root, quant="q8")  # a cache that cannot be written only costs speed
+    _same(loaded.model, _fresh(root, "q8"))
+    assert "could not cache the quantized model" in caplog.text and "No space left" in caplog.text
+    assert list((home / "cache").iterdir()) == []
+
+    def interrupted(f, *args, **kwargs):
+        f.write(b"half an artifact")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(artifact, "_write_safetensors", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        load_model(root, quant="q8")
+    assert list((home / "cache").iterdir()) == []
+    monkeypatch.setattr(artifact, "_write_safetensors", REAL_WRITER)
+    load_model(root, quant="q8")
+    assert len(_entries(home)) == 1 and [p.name for p in (home / "cache").iterdir() if p.suffix == ".tmp"] == []
+
+
+def test_a_corrupt_entry_is_rebuilt_with_a_warning(home: Path, hf, builds: list[str],
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    root, _ = hf
+    load_model(root, quant="q8")
+    gc.collect()  # nothing maps the entry now (a flip in place would show in a live map)
+    entry = _entries(home)[0]
+    data = bytearray(entry.read_bytes())
+    data[-100] ^= 0x01  # the last tensor's bytes
+    entry.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="kestrel"):
+        again = load_model(root, quant="q8")
+    assert len(builds) == 2
+    assert "rebuilding the cached strip-cache" in caplog.text and "is corrupt: its XXH64" in caplog.text
+    assert len([r for r in caplog.records if "rebuilding" in r.getMessage()]) == 1
+    assert all("\n" not in r.getMessage() for r in caplog.records)
+    _same(again.model, _fresh(root, "q8"))
+    load_model(root, quant="q8")
+    assert len(builds) == 2  # the rebuilt entry is good
+    entry.write_bytes(b"garbage")
+    load_model(root, quant="q8")
+    assert len(builds) == 3
+
+
+@pytest.mark.parametrize("kind", ["directory", "symlink", "fifo"])
+def test_something_else_in_place_of_the_entry(home: Path, hf, builds: list[str], tmp_path: Path, kind: str,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    root, _ = hf
+    load_model(root, quant="q8")
+    entry = _entries(home)[0]
+    entry.unlink()
+    target = tmp_path / "elsewhere.kst"
+    target.write_bytes(b"not ours")
+    if kind == "directory":
+        entry.mkdir()
+        (entry / "inside").write_bytes(b"x")
+    elif kind == "symlink":
+        entry.symlink_to(target)
+    else:
+        os.mkfifo(entry)
+    with caplog.at_level(logging.WARNING, logger="kestrel"):
+        load_model(root, quant="q8")
+    assert len(builds) == 2 and "not a regular file" in caplog.text
+    assert entry.is_file() and not entry.is_symlink() and read_meta(entry).quant == "q8"
+    assert target.read_bytes() == b"not ours"  # a symlink's target is never touched
+
+
+def test_an_entry_of_another_checkpoint_is_not_used(home: Path, hf, builds: list[str],
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    root, _ = hf
+    load_model(root, quant="q8")
+    entry = _entries(home)[0]
+    cfg = json.loads((root / "config.json").read_text())
+    cfg["rope_theta"] = 12345.0
+    (root / "config.json").write_text(json.dumps(cfg))
+    key = hf_key(root, "q8")
+    impostor = entry.with_name(entry.name.replace(entry.name.split(".")[2], key[:16]))
+    entry.rename(impostor)  # the old build under the new key's name
+    with caplog.at_level(logging.WARNING, logger="kestrel"):
+        loaded = load_model(root, quant="q8")
+    assert len(builds) == 2 and loaded.model.config.rope_theta == 12345.0
+    assert "built from another checkpoint" in caplog.text
+
+
+def test_stale_temps_go_and_the_cache_can_be_off_or_read_only(home: Path, hf, builds: list[str],
+                                                               monkeypatch) -> None:
+    root, _ = hf
+    cache = home / "cache"
+    cache.mkdir(parents=True)
+    stale, live = cache / ".dead.kst.x1.tmp", cache / ".live.kst.x2.tmp"
+    stale.write_bytes(b"killed writer")
+    live.write_bytes(b"writing now")
+    old = time.time() - 7200
+    os.utime(stale, (old, old))
+    load_model(root, quant="q8", cache="read")  # reads only: writes nothing, removes nothing
+    assert stale.exists() and _entries(home) == []
+    load_model(root, quant="q8")
+    assert not stale.exists() and live.exists() and len(_entries(home)) == 1
+    load_model(root, quant="q8", cache="read")
+    assert len(builds) == 2  # read mode uses a valid entry
+    monkeypatch.setenv(HF_CACHE_ENV, "0")
+    load_model(root, quant="q4")
+    assert len(builds) == 3 and len(_entries(home)) == 1
+    load_model(root, quant="q4", cache="off")
+    assert len(builds) == 4
+
+
+def test_a_cache_directory_that_cannot_be_made_costs_only_speed(home: Path, hf, builds: list[str],
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    root, _ = hf
+    home.mkdir(parents=True)
+    (home / "cache").write_bytes(b"a file where the cache directory should be")
+    with caplog.at_level(logging.WARNING, logger="kestrel"):
+        loaded = load_model(root, quant="q8")
+    _same(loaded.model, _fresh(root, "q8"))
+    assert "could not cache" in caplog.text
+
+
+def test_a_broken_directory_is_still_a_one_line_error(home: Path, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(Exception, match="no config.json"):
+        load_model(tmp_path / "empty")
+    assert not (home / "cache").exists()
+
+
+def test_no_progress_output_when_stderr_is_not_a_terminal(home: Path, hf, capsys) -> None:
+    root, _ = hf
+    load_model(root, quant="q8")
+    load_model(root, quant="q8")
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""

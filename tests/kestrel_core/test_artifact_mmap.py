@@ -1,0 +1,265 @@
+"""The .kst reader maps the file (no copies), checks every offset against the file, and verifies checksums."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from kestrel_core import artifact
+from kestrel_core.artifact import load_artifact, model_tensors, read_meta, save_artifact
+from kestrel_core.contract import StripCache
+from kestrel_core.errors import ContractError, KestrelError
+from kestrel_core.model.loader import load_model
+from kestrel_core.model.quantize import quantize_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _save(tmp_path: Path, synth_source, arch: str = "qwen2", mode: str = "q8", name: str = "m.kst") -> Path:
+    return save_artifact(tmp_path / name, quantize_model(synth_source(arch, seed=7), mode), quant=mode)
+
+
+def _header(path: Path) -> tuple[int, dict]:
+    """(data start, header) as a safetensors file has them."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return 8 + n, json.loads(f.read(n))
+
+
+def _write_raw(path: Path, header: dict, data: bytes) -> None:
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def _mapped_by(a: np.ndarray) -> object:
+    """What the ``.base`` chain of ``a`` ends in (a memoryview's exporter, for np.frombuffer views)."""
+    while isinstance(a, np.ndarray) and a.base is not None:
+        a = a.base
+    return a.obj if isinstance(a, memoryview) else a
+
+
+def _error(path: Path, **kw) -> str:
+    with pytest.raises(KestrelError) as exc:
+        load_artifact(path, **kw)
+    msg = str(exc.value)
+    assert "\n" not in msg and str(path) in msg
+    return msg
+
+
+def test_tensors_are_views_of_one_map_equal_to_what_safetensors_reads(tmp_path: Path, synth_source) -> None:
+    path = _save(tmp_path, synth_source)
+    model, meta = load_artifact(path)
+    reference = load_file(str(path))  # what the reader before the map returned: copies, via safetensors
+    maps = set()
+    for name, value in model_tensors(model).items():
+        arrays = {f"{name}.codes": value.codes, f"{name}.scales": value.scales} if isinstance(value, StripCache) \
+            else {name: value}
+        for key, arr in arrays.items():
+            np.testing.assert_array_equal(arr, reference[key])
+            assert arr.dtype == reference[key].dtype and arr.flags.c_contiguous
+            owner = _mapped_by(arr)
+            assert isinstance(owner, mmap.mmap), f"{key} is not a view of the file's map"
+            maps.add(id(owner))
+            assert np.shares_memory(arr, np.frombuffer(owner, np.uint8))
+    assert len(maps) == 1  # one map for the whole file
+    assert meta.checksums is not None and set(meta.checksums) == set(reference)
+
+
+def test_a_write_into_a_loaded_weight_stays_in_this_process(tmp_path: Path, synth_source) -> None:
+    """The map is copy-on-write: the page is copied for the writer; the file and other loads are untouched."""
+    path = _save(tmp_path, synth_source)
+    before = path.read_bytes()
+    model, _ = load_artifact(path)
+    original = int(model.layers[0].q.codes[0, 0])
+    model.layers[0].q.codes[0, 0] = 5 if original != 5 else 6
+    assert path.read_bytes() == before
+    again, _ = load_artifact(path)  # checksums still match: the file never saw the write
+    assert int(again.layers[0].q.codes[0, 0]) == original
+
+
+def test_files_written_here_read_with_the_safetensors_library(tmp_path: Path, synth_source) -> None:
+    """The format is still plain safetensors: other tools (and older kestrels) read it."""
+    path = _save(tmp_path, synth_source, mode="q4-g256")
+    model, _ = load_artifact(path)
+    with safe_open(str(path), framework="numpy") as f:
+        assert f.metadata()["format"] == "kestrel-strip-cache"
+        np.testing.assert_array_equal(f.get_tensor("layers.1.down.codes"), model.layers[1].down.codes)
+        np.testing.assert_array_equal(f.get_tensor("final_norm"), model.final_norm)
+
+
+def test_an_artifact_without_checksums_loads_unless_they_are_required(tmp_path: Path, synth_source) -> None:
+    """Artifacts written before checksums (by safetensors' own writer) still load, unverified."""
+    path = _save(tmp_path, synth_source)
+    with safe_open(str(path), framework="numpy") as f:
+        meta = {k: v for k, v in f.metadata().items() if k != "checksums"}
+    tensors = load_file(str(path))
+    old = tmp_path / "old.kst"
+    save_file(tensors, str(old), metadata=meta)
+    model, loaded_meta = load_artifact(old)
+    assert loaded_meta.checksums is None
+    np.testing.assert_array_equal(model.layers[1].v.codes, tensors["layers.1.v.codes"])
+    assert "carries no checksums" in _error(old, require_checksums=True)
+    save_file(tensors, str(old), metadata={**meta, "checksums": json.dumps({"algorithm": "md5", "tensors": {}})})
+    assert "checksums use 'md5'" in _error(old)
+
+
+@pytest.mark.parametrize("tensor", ["layers.1.gate.codes", "layers.0.k.scales", "final_norm", "embedding.codes"])
+def test_a_flipped_bit_is_a_checksum_error_naming_the_tensor(tmp_path: Path, synth_source, tensor: str) -> None:
+    path = _save(tmp_path, synth_source)
+    start, header = _header(path)
+    lo, hi = header[tensor]["data_offsets"]
+    data = bytearray(path.read_bytes())
+    data[start + (lo + hi) // 2] ^= 0x04
+    path.write_bytes(bytes(data))
+    msg = _error(path)
+    assert f"tensor {tensor!r} is corrupt: its XXH64" in msg
+    model, _ = load_artifact(path, verify=False)  # the escape for a post-mortem: no checksums compared
+    assert model.config.num_layers == 2
+
+
+def test_the_threaded_pass_finds_corruption_too(tmp_path: Path, synth_source, monkeypatch) -> None:
+    monkeypatch.setattr(artifact, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(artifact, "CHUNK_BYTES", 1024)  # several chunks per tensor
+    path = _save(tmp_path, synth_source)
+    load_artifact(path)
+    start, header = _header(path)
+    lo, _ = header["layers.1.up.codes"]["data_offsets"]
+    data = bytearray(path.read_bytes())
+    data[start + lo + 3000] ^= 0x80
+    path.write_bytes(bytes(data))
+    assert "tensor 'layers.1.up.codes' is corrupt" in _error(path)
+
+
+def test_progress_reaches_the_total(tmp_path: Path, synth_source) -> None:
+    path = tmp_path / "m.kst"
+    seen: list[tuple[int, int]] = []
+    save_artifact(path, quantize_model(synth_source("llama"), "q8"), quant="q8",
+                  progress=lambda d, t: seen.append((d, t)))
+    assert seen and seen[-1][0] == seen[-1][1] == path.stat().st_size - _header(path)[0]
+    seen.clear()
+    load_artifact(path, progress=lambda d, t: seen.append((d, t)))
+    assert seen and seen[-1][0] == seen[-1][1] > 0
+
+
+def test_truncation_by_one_byte_or_a_grown_file(tmp_path: Path, synth_source) -> None:
+    path = _save(tmp_path, synth_source)
+    data = path.read_bytes()
+    path.write_bytes(data[:-1])
+    assert "truncated or corrupt" in _error(path)
+    path.write_bytes(data + b"\0")
+    assert "truncated or corrupt" in _error(path)
+
+
+def test_a_header_that_lies_is_refused_without_allocating(tmp_path: Path, synth_source) -> None:
+    """Every offset and length is checked against the file's size before anything is read or mapped."""
+    path = _save(tmp_path, synth_source, arch="llama")
+    start, header = _header(path)
+    data = path.read_bytes()[start:]
+    bad = tmp_path / "bad.kst"
+    huge = 1 << 50
+
+    def lie(name: str, **entry: object) -> str:
+        h = json.loads(json.dumps(header))
+        h[name].update(entry)
+        _write_raw(bad, h, data)
+        t0 = time.perf_counter()
+        msg = _error(bad)
+        assert time.perf_counter() - t0 < 1.0
+        return msg
+
+    assert "spans bytes" in lie("layers.0.q.codes", data_offsets=[0, huge], shape=[huge])
+    assert "has 4096 bytes for I8" in lie("layers.0.q.codes", shape=[huge, huge])
+    assert "bad data_offsets" in lie("layers.0.q.codes", data_offsets=[-8, 0])
+    assert "bad data_offsets" in lie("layers.0.q.codes", data_offsets=[0])
+    assert "bad shape" in lie("layers.0.q.codes", shape=[64, True])
+    assert "bad shape" in lie("layers.0.q.codes", shape="64x64")
+    assert "unknown dtype" in lie("layers.0.q.codes", dtype="I4")
+    lo, _ = header["layers.0.k.codes"]["data_offsets"]
+    qlo, qhi = header["layers.0.q.codes"]["data_offsets"]
+    assert "expected" in lie("layers.0.q.codes", data_offsets=[lo, lo + qhi - qlo])  # overlaps k, leaves a gap
+    # the header's own length
+    for n in (huge, len(data) + 10**6, 1 << 63):
+        bad.write_bytes(struct.pack("<Q", n) + b"{}" + data[:100])
+        assert "header claims" in _error(bad)
+    text = b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "a": {}}'
+    bad.write_bytes(struct.pack("<Q", len(text)) + text + b"\0" * 4)
+    assert "duplicate keys" in _error(bad)
+    for text in (b"[1, 2]", b"\xff\xfe", b'{"__metadata__": {"format": 1}}'):
+        bad.write_bytes(struct.pack("<Q", len(text)) + text)
+        assert "truncated or corrupt" in _error(bad)
+
+
+def test_a_fifo_or_a_directory_is_not_an_artifact(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe.kst"
+    os.mkfifo(fifo)
+    assert "not a regular file" in _error(fifo)  # and did not block opening it
+    (tmp_path / "dir.kst").mkdir()
+    assert "not a regular file" in _error(tmp_path / "dir.kst")
+    with pytest.raises(KestrelError, match="not a regular file"):
+        read_meta(fifo)
+    with pytest.raises(KestrelError, match="is a FIFO"):
+        load_model(fifo)
+
+
+def test_strip_cache_can_skip_its_range_scan() -> None:
+    codes = np.full((4, 32), -128, np.int8)
+    with pytest.raises(ContractError, match=r"int8 codes must lie in \[-127, 127\]"):
+        StripCache(codes, np.ones((4, 1), np.float32), 32, 8)
+    assert StripCache(codes, np.ones((4, 1), np.float32), 32, 8, check_range=False).n == 4
+    with pytest.raises(ContractError, match="C-contiguous"):  # the O(1) checks still run
+        StripCache(np.zeros((4, 64), np.int8)[:, ::2], np.ones((4, 1), np.float32), 32, 8, check_range=False)
+
+
+def test_stale_temp_files_go_on_the_next_write(tmp_path: Path, synth_source) -> None:
+    model = quantize_model(synth_source("llama"), "q8")
+    old, fresh, other = tmp_path / ".m.kst.abc.tmp", tmp_path / ".m.kst.def.tmp", tmp_path / ".n.kst.ghi.tmp"
+    for p in (old, fresh, other):
+        p.write_bytes(b"partial")
+    hour_ago = time.time() - 2 * 3600
+    os.utime(old, (hour_ago, hour_ago))
+    os.utime(other, (hour_ago, hour_ago))
+    save_artifact(tmp_path / "m.kst", model, quant="q8")
+    assert not old.exists() and fresh.exists()  # a live writer's temp is left alone
+    assert other.exists()  # another destination's temp is not this write's business
+
+
+def test_sigterm_while_writing_leaves_nothing(tmp_path: Path) -> None:
+    """The default SIGTERM kills without running finally blocks; the writer's handler removes its temp first."""
+    code = textwrap.dedent(f"""
+        import sys, time
+        from kestrel_core import artifact
+        from kestrel_core.model.presets import preset_model
+
+        def slow(f, *args, **kwargs):
+            f.write(b"partial data")
+            f.flush()
+            print("writing", flush=True)
+            while True:
+                time.sleep(0.01)
+
+        artifact._write_safetensors = slow
+        model = preset_model("smollm2-135m", num_layers=1, vocab_size=512)
+        artifact.save_artifact({str(tmp_path / "m.kst")!r}, model, quant="q8")
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
+        assert [p.name for p in tmp_path.iterdir()][0].endswith(".tmp")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == -signal.SIGTERM  # still killed by the signal, as without the handler
+    finally:
+        proc.kill()
+    assert list(tmp_path.iterdir()) == []
