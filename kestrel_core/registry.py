@@ -110,12 +110,10 @@ class Backend:
     @property
     def min_flops(self) -> int:
         env = os.environ.get(f"KESTREL_{self.name.upper()}_MIN_FLOPS")
-        if env is not None:
-            try:
-                return int(float(env))
-            except ValueError:
-                raise KestrelError(f"KESTREL_{self.name.upper()}_MIN_FLOPS must be a number, got {env!r}") \
-                    from None
+        if env is not None:  # a finite number >= 0: inf, nan, -5 are one line (exit 2), not an OverflowError
+            from kestrel_core.model.validate import parse_min_flops
+
+            return parse_min_flops(self.name, env)
         return self.info.min_flops if self.info else 0
 
     def as_dict(self) -> dict[str, Any]:

@@ -266,3 +266,28 @@ def test_stdin_decoded_with_surrogateescape_is_still_refused() -> None:
     with pytest.raises(KestrelError, match="not valid UTF-8"):
         read_line_stdin(lax)
     assert read_text_stdin(io.TextIOWrapper(io.BytesIO(b"a\r\nb\rc"), encoding="utf-8")) == "a\nb\nc"
+
+
+@pytest.mark.parametrize("text", ["inf", "nan", "-5", "1e400"])
+def test_registry_min_flops_uses_the_check(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+    from types import SimpleNamespace
+
+    from kestrel_core.registry import Backend
+
+    monkeypatch.setenv("KESTREL_NPU_SIM_MIN_FLOPS", text)
+    with pytest.raises(KestrelError, match="KESTREL_NPU_SIM_MIN_FLOPS must be a finite number >= 0"):
+        Backend.min_flops.fget(SimpleNamespace(name="npu_sim", info=None))  # type: ignore[attr-defined]
+    monkeypatch.setenv("KESTREL_NPU_SIM_MIN_FLOPS", "2e6")
+    assert Backend.min_flops.fget(SimpleNamespace(name="npu_sim", info=None)) == 2_000_000  # type: ignore
+
+
+def test_cli_main_turns_ctrl_c_into_exit_130(monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from kestrel_core import cli
+
+    def interrupt(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupt)  # Ctrl-C before the command's own try
+    assert cli.main(["backends"]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
