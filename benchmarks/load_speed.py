@@ -13,7 +13,11 @@ Model and tokenizer, what ``kestrel_core.load(path)`` does before binding a back
 Warm: the file in the page cache. Cold-ish: the file's pages dropped first (``posix_fadvise(DONTNEED)``),
 then read from disk. Old and new alternate within each round. ``new, no checksums`` is
 ``load_artifact(path, verify=False)``: the same pass over the data checking code ranges only, so the
-difference with ``new`` is what checking the CRC-32s costs.
+difference with ``new`` is what checking the checksums costs.
+
+``--hf-layers N`` also times a Hugging Face directory (a synthetic BF16 Llama of N layers, hidden 2048, from
+benchmarks/quantize_speed.py) in fresh processes with a KESTREL_HOME of its own: uncached
+(``KESTREL_HF_CACHE=0``), the first cached load (quantize, write the entry, read it back), and cache hits.
 """
 
 from __future__ import annotations
@@ -113,6 +117,45 @@ def write_artifact(path: Path, quant: str, layers: int) -> float:
     return time.perf_counter() - t0
 
 
+HF_CHILD = r"""
+import json, sys, time
+from kestrel_core.model.loader import load_model
+t0 = time.perf_counter()
+load_model(sys.argv[1], quant=sys.argv[2])
+print(json.dumps({"load_s": time.perf_counter() - t0}))
+"""
+
+
+def bench_hf(root: Path, layers: int, quant: str, runs: int) -> dict[str, list[float]]:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from quantize_speed import write_checkpoint
+
+    model = root / "hf-model"
+    params = write_checkpoint(model, 2048, 5632, layers, 32000, 16, 4)
+    print(f"\nHugging Face directory: {params / 1e6:.0f} M params BF16, "
+          f"{(model / 'model.safetensors').stat().st_size / 1e9:.2f} GB", flush=True)
+    home = root / "hf-home"
+    env = {**os.environ, "KESTREL_HOME": str(home)}
+    out: dict[str, list[float]] = {}
+
+    def once(name: str, **extra: str) -> None:
+        res = subprocess.run([sys.executable, "-c", HF_CHILD, str(model), quant], capture_output=True, text=True,
+                             env={**env, **extra}, cwd=REPO, timeout=1800)
+        if res.returncode != 0:
+            raise RuntimeError(res.stderr.strip()[-2000:])
+        out.setdefault(name, []).append(json.loads(res.stdout.strip().splitlines()[-1])["load_s"])
+        print(f"{name:28s} {out[name][-1]:6.2f} s", flush=True)
+
+    for _ in range(runs):
+        shutil.rmtree(home, ignore_errors=True)
+        once("uncached", KESTREL_HF_CACHE="0")
+        once("first load, writes the cache")
+        once("cache hit")
+    shutil.rmtree(root / "hf-model")
+    shutil.rmtree(home, ignore_errors=True)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--old", type=Path, help="a checkout of the code to compare against (git worktree)")
@@ -123,6 +166,7 @@ def main() -> int:
     p.add_argument("--no-cold", action="store_true")
     p.add_argument("--write", action="store_true", help="also time each tree's writer on the same model")
     p.add_argument("--keep", action="store_true", help="keep the artifact")
+    p.add_argument("--hf-layers", type=int, default=0, help="also time a Hugging Face directory of N layers")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
 
@@ -179,9 +223,10 @@ def main() -> int:
               f" {row['rss_anon_gb']:10.2f} {row['rss_file_gb']:10.2f}")
     if not args.keep:
         path.unlink()
+    hf = bench_hf(args.dir, args.hf_layers, args.quant, args.runs) if args.hf_layers else {}
     if args.json:
         print(json.dumps({"layers": args.layers, "quant": args.quant, "artifact_bytes": size, "write_s": write_s,
-                          "writers": writes, "rows": summary}, indent=2))
+                          "writers": writes, "rows": summary, "hf_dir": hf}, indent=2))
     return 0
 
 
