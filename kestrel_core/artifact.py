@@ -336,7 +336,7 @@ def _open(path: Path) -> _File:
     """Open and parse the header; every offset and length is checked against the file's size."""
     try:
         # O_NONBLOCK: a FIFO in place of the file must not hang the open
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise KestrelError(f"{path}: no such artifact file") from None
     except OSError as exc:
