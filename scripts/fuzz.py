@@ -329,12 +329,9 @@ def check_hf_dir(root: Path) -> None:
 
 
 def check_config(cfg: dict[str, Any]) -> None:
-    """validate.check_hf_config, then hf.config_from_hf (which is to call the check itself: until it does, the
-    pair is what a loader must run)."""
+    """hf.config_from_hf, which runs validate.check_hf_config first and ModelConfig's checks last."""
     from kestrel_core.model.hf import config_from_hf
-    from kestrel_core.model.validate import check_hf_config
 
-    check_hf_config(cfg)
     config_from_hf(cfg)
 
 

@@ -21,6 +21,7 @@ from kestrel_core.contract import BFloat16Bits
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig, normalize_rope_scaling
 from kestrel_core.model.quantize import map_tensor_name
+from kestrel_core.model.validate import check_hf_config, check_regular_file
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -79,6 +80,7 @@ def _ids(value: Any) -> list[int]:
 def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None,
                    where: str = "config.json") -> ModelConfig:
     """A ModelConfig from HF's config.json dict (and generation_config.json, whose eos ids are added)."""
+    check_hf_config(cfg, where)  # types and ranges before int()/float() can coerce true, "3" or 3.5
     archs = cfg.get("architectures") or []
     arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
     if arch is None and not archs:
@@ -128,8 +130,9 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
 
 def read_hf_config(model_dir: Path) -> ModelConfig:
     gen_path = model_dir / "generation_config.json"
-    generation = read_json(gen_path) if gen_path.is_file() else None
-    return config_from_hf(read_json(model_dir / "config.json"), generation, str(model_dir / "config.json"))
+    generation = read_json(check_regular_file(gen_path, model_dir)) if gen_path.is_file() else None
+    config_path = check_regular_file(model_dir / "config.json", model_dir)
+    return config_from_hf(read_json(config_path), generation, str(config_path))
 
 
 def _safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
@@ -143,7 +146,7 @@ def weight_files(model_dir: Path) -> list[str]:
     """The safetensors files of a checkpoint: the shards its index names, else every ``*.safetensors``."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = read_json(index).get("weight_map")
+        weight_map = read_json(check_regular_file(index, model_dir)).get("weight_map")
         if not isinstance(weight_map, dict):
             raise KestrelError(f"{index}: no weight_map")
         shards = sorted({str(v) for v in weight_map.values()})
@@ -152,6 +155,7 @@ def weight_files(model_dir: Path) -> list[str]:
                 raise KestrelError(f"{index}: shard name {shard!r} points outside the model directory")
             if not (model_dir / shard).is_file():
                 raise KestrelError(f"{model_dir}: shard {shard} named by the index is missing")
+            check_regular_file(model_dir / shard, model_dir)  # a symlink out of the directory is refused
         return shards
     shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not shards:
@@ -159,6 +163,8 @@ def weight_files(model_dir: Path) -> list[str]:
             raise KestrelError(f"{model_dir}: only pickle checkpoints (.bin/.pt) found; kestrel reads "
                                "safetensors only (pickle files can run code)")
         raise KestrelError(f"{model_dir}: no *.safetensors weights found")
+    for shard in shards:  # a FIFO would block safe_open; a symlink out of the directory is refused
+        check_regular_file(model_dir / shard, model_dir)
     return shards
 
 

@@ -32,6 +32,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _Backend
 
 from kestrel_core.errors import KestrelError
+from kestrel_core.model.validate import check_regular_file
 
 # llama.cpp's tokenizer.ggml.pre -> how that vocabulary's merges were learned to split text.
 # The regexes are the ones of each model's own tokenizer.json (and llama.cpp's llama-vocab.cpp).
@@ -406,6 +407,7 @@ class Tokenizer:
         tj = model_dir / "tokenizer.json"
         if not tj.is_file():
             raise KestrelError(f"{model_dir}: no tokenizer.json (kestrel needs the fast-tokenizer file)")
+        check_regular_file(tj, model_dir)  # no FIFO, no symlink out of the model directory
         try:
             text = tj.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
@@ -413,6 +415,7 @@ class Tokenizer:
         cfg: dict[str, Any] = {}
         cfg_path = model_dir / "tokenizer_config.json"
         if cfg_path.is_file():
+            check_regular_file(cfg_path, model_dir)
             try:
                 cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -423,7 +426,10 @@ class Tokenizer:
             template = named.get("default") or next(iter(named.values()), None)
         jinja_file = model_dir / "chat_template.jinja"
         if template is None and jinja_file.is_file():
-            template = jinja_file.read_text(encoding="utf-8")
+            try:
+                template = check_regular_file(jinja_file, model_dir).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise KestrelError(f"{jinja_file}: cannot read it ({_one_line(exc)})") from None
         return cls.from_json_str(text, chat_template=template if isinstance(template, str) else None,
                                  bos_token_id=bos_token_id, eos_token_ids=eos_token_ids,
                                  bos_token=_token_content(cfg.get("bos_token")),

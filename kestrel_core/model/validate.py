@@ -126,12 +126,12 @@ def open_regular(path: str | os.PathLike[str], root: str | os.PathLike[str] | No
 # -- Hugging Face config.json ------------------------------------------------------------------------------
 
 # field -> (kind, required); kinds: "pos" int >= 1, "nonneg" int >= 0, "float+" finite > 0, "bool", "rope" dict
-HF_CONFIG_FIELDS: dict[str, tuple[str, bool]] = {
-    "vocab_size": ("pos", True),
+HF_CONFIG_FIELDS: dict[str, tuple[str, bool]] = {  # in the order hf.config_from_hf reads them
+    "num_attention_heads": ("pos", True),
     "hidden_size": ("pos", True),
+    "vocab_size": ("pos", True),
     "intermediate_size": ("pos", True),
     "num_hidden_layers": ("pos", True),
-    "num_attention_heads": ("pos", True),
     "num_key_value_heads": ("pos", False),
     "head_dim": ("pos", False),
     "max_position_embeddings": ("pos", False),

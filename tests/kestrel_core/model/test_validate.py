@@ -89,9 +89,6 @@ def test_hf_loader_gets_the_model_config_checks() -> None:
             config_from_hf({**HF, **change})
 
 
-@pytest.mark.xfail(reason="hf.config_from_hf must call validate.check_hf_config first (hf.py is another "
-                          "engineer's file); until then int() coerces true/'3'/3.5 and heads 0 divides by zero",
-                   strict=False)
 @pytest.mark.parametrize("change", [{"num_hidden_layers": True}, {"num_hidden_layers": "3"},
                                     {"num_hidden_layers": 3.5}, {"num_attention_heads": 0},
                                     {"rope_parameters": 5}, {"architectures": 5}])
@@ -251,8 +248,6 @@ def test_kst_config_arch_gpt2_is_one_line(tmp_path: Path) -> None:
         assert str(bad) in str(info.value) and "\n" not in str(info.value)
 
 
-@pytest.mark.xfail(reason="artifact.py's metadata reader must call validate.check_artifact_meta (artifact.py is "
-                          "another engineer's file); check_artifact_meta's own tests are above", strict=False)
 def test_kst_quant_must_be_known_when_loading(tmp_path: Path) -> None:
     from kestrel_core.artifact import load_artifact
 
@@ -291,3 +286,32 @@ def test_cli_main_turns_ctrl_c_into_exit_130(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(cli, "build_parser", interrupt)  # Ctrl-C before the command's own try
     assert cli.main(["backends"]) == 130
     assert capsys.readouterr().err.strip() == "interrupted"
+
+
+def test_hf_directory_files_must_be_regular_and_inside(tmp_path: Path) -> None:
+    """Shards, config.json and tokenizer files: a FIFO or a symlink out of the directory is one line."""
+    import importlib.util
+
+    from kestrel_core.model.hf import HFCheckpoint
+    from kestrel_core.model.tokenizer import Tokenizer
+
+    spec = importlib.util.spec_from_file_location("kestrel_fuzz", Path(__file__).resolve().parents[3] / "scripts"
+                                                  / "fuzz.py")
+    assert spec is not None and spec.loader is not None
+    h = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(h)
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes(h.safetensors_bytes())
+    root = tmp_path / "m"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(h.HF_CONFIG))
+    (root / "model.safetensors").symlink_to(outside)
+    with pytest.raises(KestrelError, match="outside the model directory"):
+        HFCheckpoint(root)
+    (root / "model.safetensors").unlink()
+    os.mkfifo(root / "model.safetensors")
+    with pytest.raises(KestrelError, match="FIFO"):
+        HFCheckpoint(root)
+    (root / "tokenizer.json").symlink_to(outside)
+    with pytest.raises(KestrelError, match="outside the model directory"):
+        Tokenizer.from_hf_dir(root)
