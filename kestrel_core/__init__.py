@@ -1,31 +1,46 @@
-"""kestrel: a pluggable runtime for quantized LLM inference."""
+"""kestrel: a pluggable runtime for quantized LLM inference.
+
+The public API is imported on first use (PEP 562), so that ``import kestrel_core`` and the ``kestrel``
+command start without loading the engine: a Ctrl-C in the first moments of the command is then still the
+command's own "interrupted" (``kestrel_core.entry``), not a traceback from inside an import.
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
 
-from kestrel_core.batch import BatchEntry  # noqa: E402
-from kestrel_core.contract import (  # noqa: E402
-    StripCache,
-    quantize_activations,
-    quantize_weight,
-    reference_gemm_f32,
-    reference_gemm_q8,
-)
-from kestrel_core.dispatch import Offload  # noqa: E402
-from kestrel_core.errors import BackendUnavailable, ContractError, InvalidRequest, KestrelError, Overloaded  # noqa: E402
-from kestrel_core.hookspecs import API_VERSION, hookimpl  # noqa: E402
-from kestrel_core.model.async_engine import AsyncEngine  # noqa: E402
-from kestrel_core.model.engine import Engine, load  # noqa: E402
-from kestrel_core.model.sampling import SamplingParams  # noqa: E402
-from kestrel_core.model.scheduler import RequestOutput, Scheduler  # noqa: E402
-from kestrel_core.registry import Backend, BackendInfo, Registry  # noqa: E402
-from kestrel_core.selftest import SelfTestCase  # noqa: E402
-from kestrel_core.wkey import Proj, decode_wkey, wkey  # noqa: E402
+_EXPORTS = {
+    "BatchEntry": "kestrel_core.batch",
+    "StripCache": "kestrel_core.contract", "quantize_activations": "kestrel_core.contract",
+    "quantize_weight": "kestrel_core.contract", "reference_gemm_f32": "kestrel_core.contract",
+    "reference_gemm_q8": "kestrel_core.contract",
+    "Offload": "kestrel_core.dispatch",
+    "BackendUnavailable": "kestrel_core.errors", "ContractError": "kestrel_core.errors",
+    "InvalidRequest": "kestrel_core.errors", "KestrelError": "kestrel_core.errors", "Overloaded": "kestrel_core.errors",
+    "API_VERSION": "kestrel_core.hookspecs", "hookimpl": "kestrel_core.hookspecs",
+    "AsyncEngine": "kestrel_core.model.async_engine",
+    "Engine": "kestrel_core.model.engine", "load": "kestrel_core.model.engine",
+    "SamplingParams": "kestrel_core.model.sampling",
+    "RequestOutput": "kestrel_core.model.scheduler", "Scheduler": "kestrel_core.model.scheduler",
+    "Backend": "kestrel_core.registry", "BackendInfo": "kestrel_core.registry", "Registry": "kestrel_core.registry",
+    "SelfTestCase": "kestrel_core.selftest",
+    "Proj": "kestrel_core.wkey", "decode_wkey": "kestrel_core.wkey", "wkey": "kestrel_core.wkey",
+}
 
-__all__ = [
-    "API_VERSION", "AsyncEngine", "Backend", "BackendInfo", "BackendUnavailable", "BatchEntry", "ContractError",
-    "Engine", "InvalidRequest", "KestrelError", "Offload", "Overloaded", "Proj", "Registry", "RequestOutput",
-    "SamplingParams", "Scheduler", "SelfTestCase", "StripCache", "__version__", "decode_wkey", "hookimpl", "load",
-    "quantize_activations", "quantize_weight", "reference_gemm_f32", "reference_gemm_q8", "wkey",
-]
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kestrel_core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

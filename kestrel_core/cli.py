@@ -51,6 +51,8 @@ def cmd_backends(args: argparse.Namespace) -> int:
 def cmd_selftest(args: argparse.Namespace) -> int:
     from kestrel_core.selftest import run_selftest
 
+    if args.seeds < 1:
+        raise KestrelError(f"--seeds must be >= 1, got {args.seeds}")
     report = run_selftest(args.backend, seeds=args.seeds)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))

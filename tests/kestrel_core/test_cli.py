@@ -76,3 +76,23 @@ def kestrel_stats(device):
     assert main(["run", "--model", str(TINY), "--backend", "counting", "-n", "2", "--no-chat", "--stats", "hi"]) == 0
     err = capsys.readouterr().err
     assert "offload hooks" in err and "simulated_time_s" in err and "0.125" in err and "widgets" in err
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.12, 0.25, 0.5, 1.5])
+def test_ctrl_c_at_any_moment_of_startup_is_one_line(delay: float) -> None:
+    """SIGINT while the command's modules load or run: "interrupted", exit 130, never a traceback."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "kestrel_core.entry", "run", "hi", "--preset", "smollm2-135m",
+                             "-n", "200", "--backend", "cpu"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert "Traceback" not in err, err
+    assert proc.returncode in (130, -signal.SIGINT), (proc.returncode, err)  # -2: before Python's own handler
+    if proc.returncode == 130:
+        assert err.strip().splitlines()[-1].endswith("interrupted"), err
