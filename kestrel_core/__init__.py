@@ -12,6 +12,12 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+# a name that is also a submodule's must be bound now: importing kestrel_core.wkey would otherwise set the
+# package attribute ``wkey`` to the module, over the function (wkey.py imports only the standard library)
+from kestrel_core.wkey import Proj as Proj  # noqa: E402
+from kestrel_core.wkey import decode_wkey as decode_wkey
+from kestrel_core.wkey import wkey as wkey
+
 _EXPORTS = {
     "BatchEntry": "kestrel_core.batch",
     "StripCache": "kestrel_core.contract", "quantize_activations": "kestrel_core.contract",
@@ -27,10 +33,9 @@ _EXPORTS = {
     "RequestOutput": "kestrel_core.model.scheduler", "Scheduler": "kestrel_core.model.scheduler",
     "Backend": "kestrel_core.registry", "BackendInfo": "kestrel_core.registry", "Registry": "kestrel_core.registry",
     "SelfTestCase": "kestrel_core.selftest",
-    "Proj": "kestrel_core.wkey", "decode_wkey": "kestrel_core.wkey", "wkey": "kestrel_core.wkey",
 }
 
-__all__ = sorted([*_EXPORTS, "__version__"])
+__all__ = sorted([*_EXPORTS, "Proj", "__version__", "decode_wkey", "wkey"])
 
 
 def __getattr__(name: str) -> Any:
