@@ -320,6 +320,12 @@ def _counted(hook: str) -> bool:
     return "gemm" in hook or hook in ("kestrel_forward", "kestrel_forward_batch", "kestrel_decode_greedy")
 
 
+def all_finite(a: np.ndarray) -> bool:
+    """No NaN or infinity in ``a``: one pass (a sum is non-finite if any element is; a sum of huge finite
+    values that overflows counts as non-finite too, which is as unusable)."""
+    return not a.size or bool(np.isfinite(np.add.reduce(a, axis=None)))
+
+
 def _check_array(result: Any, shape: tuple[int, ...]) -> str | None:
     if not isinstance(result, np.ndarray):
         return f"got {type(result).__name__}, expected a numpy array"
@@ -327,7 +333,7 @@ def _check_array(result: Any, shape: tuple[int, ...]) -> str | None:
         return f"dtype {result.dtype}, expected float32"
     if result.shape != shape:
         return f"shape {list(result.shape)}, expected {list(shape)}"
-    if result.size and not np.isfinite(np.add.reduce(result, axis=None)):  # one pass; NaN or inf anywhere
+    if not all_finite(result):
         return "non-finite values"
     return None
 

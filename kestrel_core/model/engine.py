@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kestrel_core.batch import BatchEntry
-from kestrel_core.dispatch import Offload
+from kestrel_core.dispatch import Offload, all_finite
 from kestrel_core.errors import KestrelError, NonFiniteLogits
 from kestrel_core.model.decoder import ACTIVATIONS, PREFILL_CHUNK, Decoder, KVPool, SeqCache
 from kestrel_core.model.sampling import SamplingParams
@@ -167,7 +167,7 @@ class Engine:
                 behind = np.asarray(seq.tokens[seq.cache.length:], np.int64)
                 batch.append((seq.cache, np.concatenate([behind, new]), rows))
             for i, out in zip(host, self.decoder.forward_batch(batch)):
-                if out.size and not np.isfinite(np.add.reduce(out, axis=None)):  # never an empty answer
+                if not all_finite(out):  # never an empty answer
                     raise NonFiniteLogits("the model produced non-finite logits (NaN or inf) on the CPU path: its "
                                           "weights hold NaN/inf, or its activations overflow float32")
                 outs[i] = out
@@ -217,9 +217,8 @@ class Engine:
         """One request's outputs (tokens, text, logprobs) step by step: the scheduler with this one request."""
         from kestrel_core.model.scheduler import Scheduler
 
-        ids = self.check_ids(prompt_ids, "prompt")
         scheduler = Scheduler(self, max_batch=1)
-        request = scheduler.add(ids, params)  # checks the parameters now, not at the first next()
+        request = scheduler.add(list(prompt_ids), params)  # checks the prompt and parameters now, not at next()
         return self._stream(scheduler, request)
 
     def _stream(self, scheduler: Any, request: Any) -> Iterator[RequestOutput]:

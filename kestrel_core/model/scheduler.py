@@ -108,16 +108,10 @@ class Scheduler:
         params.check()
         if params.stop and isinstance(self.engine.tokenizer, NoTokenizer):
             raise InvalidRequest("stop strings need a tokenizer, and this model has none", param="stop")
-        c = self.engine.config
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        bad = [i for i in prompt_ids if not 0 <= i < c.vocab_size]
-        if bad:
-            raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {c.vocab_size})",
-                                 param="prompt")
-        if len(prompt_ids) > c.max_position:
-            raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; the model's context is "
-                                 f"{c.max_position}", param="prompt")
+        try:
+            self.engine.check_ids(prompt_ids, "prompt")
+        except KestrelError as exc:
+            raise InvalidRequest(str(exc), param="prompt") from None
         if self.pool.blocks_for(len(prompt_ids)) > self.pool.num_blocks:
             raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds "
                                  f"{self.pool.capacity}", param="prompt")
