@@ -26,12 +26,19 @@ _EXPORTS = {
     "Offload": "kestrel_core.dispatch",
     "BackendUnavailable": "kestrel_core.errors", "ContractError": "kestrel_core.errors",
     "InvalidRequest": "kestrel_core.errors", "KestrelError": "kestrel_core.errors", "Overloaded": "kestrel_core.errors",
-    "API_VERSION": "kestrel_core.hookspecs", "hookimpl": "kestrel_core.hookspecs",
+    # the backend interface (hookspecs imports no registry, so a backend may import these first)
+    "API_VERSION": "kestrel_core.hookspecs", "BackendInfo": "kestrel_core.hookspecs", "KINDS": "kestrel_core.hookspecs",
+    "hookimpl": "kestrel_core.hookspecs",
+    # the model view of the whole-step hooks (docs/plugins.md)
+    "LayerWeights": "kestrel_core.model.weights", "Model": "kestrel_core.model.weights",
+    "PREFILL_CHUNK": "kestrel_core.model.weights", "engine_weights": "kestrel_core.model.weights",
+    "rope_inv_freq": "kestrel_core.model.rope",
+    "PROJ_GROUPS": "kestrel_core.wkey", "ProjGroup": "kestrel_core.wkey",
     "AsyncEngine": "kestrel_core.model.async_engine",
     "Engine": "kestrel_core.model.engine", "load": "kestrel_core.model.engine",
     "SamplingParams": "kestrel_core.model.sampling",
     "RequestOutput": "kestrel_core.model.scheduler", "Scheduler": "kestrel_core.model.scheduler",
-    "Backend": "kestrel_core.registry", "BackendInfo": "kestrel_core.registry", "Registry": "kestrel_core.registry",
+    "Backend": "kestrel_core.registry", "Registry": "kestrel_core.registry",
     "SelfTestCase": "kestrel_core.selftest",
 }
 

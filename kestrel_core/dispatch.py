@@ -20,12 +20,12 @@ import numpy as np
 
 from kestrel_core.batch import BatchEntry
 from kestrel_core.contract import StripCache, gemm_flops, quantize_activations
-from kestrel_core.registry import Backend, force_cpu
+from kestrel_core.registry import FORCE_CPU_ENV, Backend, force_cpu
 
 log = logging.getLogger("kestrel")
 
 DECLINED = "declined by backend"
-FORCED = "KESTREL_FORCE_CPU"
+FORCED = FORCE_CPU_ENV
 BELOW_MIN_FLOPS = "below min FLOPs"
 NOT_IMPLEMENTED = "hook not implemented"
 

@@ -1,25 +1,45 @@
-"""The backend interface: pluggy hookspecs of project ``kestrel``.
+"""The backend interface: pluggy hookspecs of project ``kestrel``, and every name a backend needs to write them.
 
 A backend is a module (or object) with ``@hookimpl`` functions, found through the entry-point group
 ``kestrel.backends`` or ``KESTREL_BACKEND_PATH``. Each bound backend has its own plugin manager, so every
 hook here is called on one backend at a time. Offload hooks follow the 0/1 contract: return the result
 (done on the device, the whole output) or ``None`` (declined: the core runs the CPU path).
+
+A backend imports ``hookimpl``, ``API_VERSION``, ``BackendInfo``, ``KINDS``, ``BackendUnavailable`` and
+``BatchEntry`` from here (or from ``kestrel_core``), never from the registry, which imports the backends.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pluggy
 
+from kestrel_core.batch import BatchEntry as BatchEntry
+from kestrel_core.errors import BackendUnavailable as BackendUnavailable
+
 PROJECT = "kestrel"
 API_VERSION = (1, 1)  # (major, minor): a backend must have the same major and a minor <= ours
+KINDS = ("cpu", "gpu", "npu", "simulator")  # BackendInfo.kind; `--backend auto` picks a gpu, then an npu
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 REQUIRED_HOOKS = ("kestrel_backend_info", "kestrel_open", "kestrel_close", "kestrel_gemm_q8",
                   "kestrel_gemm_f32")
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What ``kestrel_backend_info`` returns."""
+
+    name: str
+    version: str
+    api_version: tuple[int, int]  # (major, minor); a "1.1" string is accepted too
+    kind: str  # one of KINDS
+    min_flops: int = 0  # offloads below this many FLOPs are declined (env KESTREL_<NAME>_MIN_FLOPS wins)
+    description: str = ""
 
 
 # -- required ----------------------------------------------------------------------------------------

@@ -12,11 +12,13 @@ handler is restored). What Python cannot catch (``os._exit``, a segfault, a hang
 hook that keeps the process alive) is found by the probe (``kestrel_core.probe``): each new or changed
 plugin first runs in a child process, and only one that passes is imported here.
 
-Names: the built-in reference is ``cpu`` (no plugin may take that name). An entry point's backend is named
-by the entry point, and its ``BackendInfo.name`` must say the same; a path backend is named by its
-``BackendInfo.name`` (learned by the probe, or by importing it when probing is off), else by its file or
-package directory. A directory on ``KESTREL_BACKEND_PATH`` contributes only the ``.py`` files and packages
-whose source (the file, or the package's ``__init__.py``) mentions ``kestrel_backend_info``.
+Names: the built-in reference is ``cpu`` (no plugin may take that name): the module ``kestrel_cpu``, imported
+by name when it is first bound, never probed (its entry point, when installed, names the same module). An
+entry point's backend is named by the entry point, and its ``BackendInfo.name`` must say the same; a path
+backend is named by its ``BackendInfo.name`` (learned by the probe, or by importing it when probing is off),
+else by its file or package directory. A directory on ``KESTREL_BACKEND_PATH`` contributes only the ``.py``
+files and packages whose source (the file, or the package's ``__init__.py``) mentions
+``kestrel_backend_info``.
 """
 
 from __future__ import annotations
@@ -40,32 +42,25 @@ from typing import Any
 import pluggy
 
 from kestrel_core import hookspecs, probe
+from kestrel_core.env import env_flag, env_float, env_str
 from kestrel_core.errors import BackendUnavailable, KestrelError
+from kestrel_core.hookspecs import KINDS as KINDS
+from kestrel_core.hookspecs import BackendInfo as BackendInfo
 
 log = logging.getLogger("kestrel")
 
 ENTRY_POINT_GROUP = "kestrel.backends"
-KINDS = ("cpu", "gpu", "npu", "simulator")
 BOUND, NOT_BOUND, CANDIDATE = "bound", "not_bound", "candidate"
 CPU = "cpu"  # the built-in reference's name, reserved
-CPU_MODULE = "kestrel_cpu"
+CPU_MODULE = "kestrel_cpu"  # the built-in reference's module, imported by name (never a static import here)
+FORCE_CPU_ENV = "KESTREL_FORCE_CPU"
+PLUGINS_ENV = "KESTREL_PLUGINS"
+BACKEND_PATH_ENV = "KESTREL_BACKEND_PATH"
 BACKEND_MARKER = b"kestrel_backend_info"  # a path entry's source must mention it to be imported
 MARKER_SCAN_BYTES = 1 << 20
 NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
 OPTION_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 WATCHED_SIGNALS = probe.WATCHED_SIGNALS
-
-
-@dataclass(frozen=True)
-class BackendInfo:
-    """What ``kestrel_backend_info`` returns."""
-
-    name: str
-    version: str
-    api_version: tuple[int, int]  # (major, minor); a "1.1" string is accepted too
-    kind: str  # one of KINDS
-    min_flops: int = 0  # offloads below this many FLOPs are declined (env KESTREL_<NAME>_MIN_FLOPS wins)
-    description: str = ""
 
 
 @dataclass
@@ -109,12 +104,9 @@ class Backend:
 
     @property
     def min_flops(self) -> int:
-        env = os.environ.get(f"KESTREL_{self.name.upper()}_MIN_FLOPS")
-        if env is not None:  # a finite number >= 0: inf, nan, -5 are one line (exit 2), not an OverflowError
-            from kestrel_core.model.validate import parse_min_flops
-
-            return parse_min_flops(self.name, env)
-        return self.info.min_flops if self.info else 0
+        """``KESTREL_<NAME>_MIN_FLOPS`` (a finite number >= 0, ``1e7`` allowed), else BackendInfo's."""
+        default = self.info.min_flops if self.info else 0
+        return int(env_float(f"KESTREL_{self.name.upper()}_MIN_FLOPS", default, what="a finite number"))
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -126,7 +118,7 @@ class Backend:
 
 
 def force_cpu() -> bool:
-    return os.environ.get("KESTREL_FORCE_CPU", "") not in ("", "0")
+    return env_flag(FORCE_CPU_ENV)
 
 
 def offload_state(backend: Backend) -> str:
@@ -134,7 +126,7 @@ def offload_state(backend: Backend) -> str:
         return "-"
     if backend.name == CPU:
         return "reference"
-    return "forced to CPU (KESTREL_FORCE_CPU)" if force_cpu() else "enabled"
+    return f"forced to CPU ({FORCE_CPU_ENV})" if force_cpu() else "enabled"
 
 
 # -- options for kestrel_open -------------------------------------------------------------------------------
@@ -184,10 +176,9 @@ def default_options(options: Mapping[str, str] | None) -> Iterator[None]:
 
 
 def _allow_list() -> set[str] | None:
-    raw = os.environ.get("KESTREL_PLUGINS")
-    if raw is None:
+    if PLUGINS_ENV not in os.environ:  # unset: every backend; set but empty: only cpu
         return None
-    return {CPU} | {name.strip() for name in raw.split(",") if name.strip()}
+    return {CPU} | {name.strip() for name in env_str(PLUGINS_ENV).split(",") if name.strip()}
 
 
 _PATH_MODULES: set[str] = set()  # sys.modules names this module created for path backends
@@ -240,7 +231,7 @@ def _path_name(path: Path) -> str:
 
 def _path_candidates(options: Mapping[str, str]) -> list[Backend]:
     found = []
-    for entry in filter(None, os.environ.get("KESTREL_BACKEND_PATH", "").split(os.pathsep)):
+    for entry in filter(None, env_str(BACKEND_PATH_ENV).split(os.pathsep)):
         path = Path(entry).expanduser()
         if path.name == "__init__.py":  # a package named by its __init__.py: the package
             path = path.parent
@@ -281,6 +272,11 @@ def _entry_point_candidates(options: Mapping[str, str]) -> tuple[list[Backend], 
                                       probe.entry_point_identity(ep, options), dict(options))
         found.append(backend)
     return found, builtin
+
+
+def _load_cpu() -> ModuleType:
+    """The built-in reference backend, imported by its module name (never probed: it is kestrel's own)."""
+    return importlib.import_module(CPU_MODULE)
 
 
 def _api_version(raw: Any) -> tuple[int, int] | None:
@@ -403,10 +399,8 @@ class Registry:
         probing = probe.mode()
         paths = _path_candidates(self.options)
         plugins, builtin = _entry_point_candidates(self.options)
-        import kestrel_cpu
-
-        cpu = builtin or Backend(CPU, f"built in {CPU_MODULE}", load=lambda: kestrel_cpu)
-        cpu.load, cpu.probe, cpu.named_by, cpu.target = (lambda: kestrel_cpu), "built in", "built in", None
+        cpu = builtin or Backend(CPU, f"built in {CPU_MODULE}", load=_load_cpu)
+        cpu.load, cpu.probe, cpu.named_by, cpu.target = _load_cpu, "built in", "built in", None
         self.backends[CPU] = cpu
         self._name_path_backends([p for p in paths if p.status == CANDIDATE], probing)
         for cand in paths + plugins:

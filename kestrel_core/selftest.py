@@ -31,7 +31,7 @@ from kestrel_core.contract import (
 from kestrel_core.dispatch import Offload
 from kestrel_core.errors import KestrelError
 from kestrel_core.registry import Backend, Registry
-from kestrel_core.wkey import Proj, fused_wkey, wkey
+from kestrel_core.wkey import PROJ_GROUPS
 
 GEMM_HOOKS = ("kestrel_gemm_q8", "kestrel_gemm_f32", "kestrel_gemm_fused_q8")
 FORWARD_BATCH = "kestrel_forward_batch"
@@ -166,7 +166,8 @@ def run_case(backend: Backend, case: SelfTestCase, layer: int) -> CaseResult:
     weights = [random_strip_cache(rng, n, case.k, case.group_size, case.bits) for n in case.ns]
     x = rng.standard_normal((case.m, case.k)).astype(np.float32)
     a_codes, a_scales = quantize_activations(x, case.group_size)
-    keys = [wkey(layer, p) for p in (Proj.Q, Proj.K, Proj.V)][: len(weights)]
+    qkv = PROJ_GROUPS[0]  # a fused case is offered as a layer's Q|K|V would be
+    keys = list(qkv.keys(layer))[: len(weights)]
     hook = getattr(backend.hook, case.hook)
     try:
         if case.hook == "kestrel_gemm_q8":
@@ -176,7 +177,7 @@ def run_case(backend: Backend, case: SelfTestCase, layer: int) -> CaseResult:
             got = [hook(device=backend.device, a=x, weight=weights[0], wkey=keys[0])]
         else:
             got = hook(device=backend.device, a_codes=a_codes, a_scales=a_scales, weights=weights, wkeys=keys,
-                       fused_wkey=fused_wkey(layer, Proj.QKV))
+                       fused_wkey=qkv.fused_key(layer))
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # a plugin's sys.exit fails its case, not the suite

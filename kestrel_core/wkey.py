@@ -1,4 +1,4 @@
-"""Weight identity: ``wkey = (layer << 32) | (proj + 1)``.
+"""Weight identity: ``wkey = (layer << 32) | (proj + 1)``, and which projections share one fused GEMM.
 
 The +1 keeps wkey 0 free for "do not cache"; the layer stays verbatim in the high 32 bits so that a
 residency window can decode it. lm_head and fused weights live on sentinel layers above every real layer.
@@ -57,3 +57,42 @@ def model_layer(layer: int) -> int | None:
     if layer == LM_HEAD_LAYER:
         return None
     return layer - FUSED_LAYER_BASE if layer >= FUSED_LAYER_BASE else layer
+
+
+class ProjGroup:
+    """Projections of a layer that read the same input, so one fused GEMM may compute them all.
+
+    ``fused`` names the fused weight (its wkey is ``fused_wkey(layer, fused)``); None for a group of one. A
+    plain class: ``kestrel_core`` imports this module first thing, and dataclasses would pull in inspect.
+    """
+
+    __slots__ = ("members", "fused")
+
+    def __init__(self, members: tuple[Proj, ...], fused: Proj | None = None) -> None:
+        self.members = members
+        self.fused = fused
+
+    def __repr__(self) -> str:
+        return f"ProjGroup({'|'.join(p.name for p in self.members)})"
+
+    def keys(self, layer: int) -> tuple[int, ...]:
+        """Each member's wkey."""
+        return tuple(wkey(layer, p) for p in self.members)
+
+    def fused_key(self, layer: int) -> int:
+        """The fused weight's wkey; NO_CACHE for a group of one."""
+        return NO_CACHE if self.fused is None else fused_wkey(layer, self.fused)
+
+    def key(self, layer: int) -> int:
+        """The wkey the decoder offers the whole group under: the fused weight's, or its one member's."""
+        return self.keys(layer)[0] if self.fused is None else fused_wkey(layer, self.fused)
+
+
+# A layer's projections in execution order, grouped by input: Q|K|V (the attention input), O, gate|up (the
+# MLP input), down. Every fused offer (kestrel_gemm_fused_q8, a device's fused weights) follows these groups.
+PROJ_GROUPS = (
+    ProjGroup((Proj.Q, Proj.K, Proj.V), Proj.QKV),
+    ProjGroup((Proj.O,)),
+    ProjGroup((Proj.GATE, Proj.UP), Proj.GATE_UP),
+    ProjGroup((Proj.DOWN,)),
+)

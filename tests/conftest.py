@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
-KESTREL_ENV = ("KESTREL_FORCE_CPU", "KESTREL_PLUGINS", "KESTREL_BACKEND_PATH", "KESTREL_CUDA_STREAM",
-               "KESTREL_CUDA_CACHE_MB", "KESTREL_CUDA_MIN_FLOPS")
+KESTREL_PREFIX = "KESTREL_"
+
+
+def _clean_env(mp: pytest.MonkeyPatch, probe_cache: str) -> None:
+    """No ``KESTREL_*`` setting of the user's reaches a test, but two of the tests' own: a private probe cache,
+    and no Hugging Face artifact cache (loading an HF directory would write to the user's ``KESTREL_HOME``,
+    which the default-model tests read; tests of the cache turn it back on with a ``KESTREL_HOME`` of their
+    own)."""
+    for name in [n for n in os.environ if n.startswith(KESTREL_PREFIX)]:
+        mp.delenv(name)
+    mp.setenv("KESTREL_PROBE_CACHE", probe_cache)
+    mp.setenv("KESTREL_HF_CACHE", "0")
 
 
 @pytest.fixture(scope="session")
@@ -18,14 +29,15 @@ def _probe_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(autouse=True)
 def _clean_kestrel_env(monkeypatch: pytest.MonkeyPatch, _probe_cache: str) -> None:
-    for name in KESTREL_ENV:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("KESTREL_PROBE", raising=False)
-    monkeypatch.delenv("KESTREL_PROBE_TIMEOUT", raising=False)
-    monkeypatch.setenv("KESTREL_PROBE_CACHE", _probe_cache)
-    # loading a Hugging Face directory would cache its artifact in KESTREL_HOME (the user's cache, which the
-    # default-model tests read): tests that test the cache turn it back on with a KESTREL_HOME of their own
-    monkeypatch.setenv("KESTREL_HF_CACHE", "0")
+    _clean_env(monkeypatch, _probe_cache)
+
+
+@pytest.fixture(scope="session")
+def clean_session_env(_probe_cache: str) -> Iterator[None]:
+    """The same clean environment for a session-scoped fixture, which is set up before any test's own."""
+    with pytest.MonkeyPatch.context() as mp:
+        _clean_env(mp, _probe_cache)
+        yield
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

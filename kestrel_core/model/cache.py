@@ -26,10 +26,11 @@ from pathlib import Path
 
 from kestrel_core import __version__
 from kestrel_core.artifact import FORMAT_VERSION, MAX_HEADER_BYTES
+from kestrel_core.env import env_flag
 from kestrel_core.model.hf import weight_files
 from kestrel_core.model.pull import kestrel_home
 
-HF_CACHE_ENV = "KESTREL_HF_CACHE"  # 0 / off / false / no: never cache Hugging Face directories
+HF_CACHE_ENV = "KESTREL_HF_CACHE"  # 0 (off, no, false): never cache Hugging Face directories
 HF_KEY_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
                 "tokenizer_config.json", "chat_template.jinja")
 KEY_SCHEME = "kestrel-hf-cache-1"  # bump when what goes into the key changes
@@ -40,7 +41,7 @@ def cache_dir() -> Path:
 
 
 def hf_cache_enabled() -> bool:
-    return os.environ.get(HF_CACHE_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return env_flag(HF_CACHE_ENV, default=True)
 
 
 def entry_name(stem: str, key: str, quant: str) -> str:

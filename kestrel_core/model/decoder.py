@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,43 +19,19 @@ from kestrel_core.contract import StripCache
 from kestrel_core.dispatch import Offload
 from kestrel_core.errors import KestrelError
 from kestrel_core.model import kernels
-from kestrel_core.model.config import ModelConfig, normalize_rope_scaling
+from kestrel_core.model.config import ModelConfig
+from kestrel_core.model.rope import rope_inv_freq as rope_inv_freq
+from kestrel_core.model.weights import PREFILL_CHUNK as PREFILL_CHUNK
 from kestrel_core.model.weights import Model
-from kestrel_core.wkey import Proj, fused_wkey, lm_head_wkey, wkey
+from kestrel_core.wkey import PROJ_GROUPS, lm_head_wkey
 
 CACHE_CHUNK = 256  # RoPE tables grow by this many positions at a time
-PREFILL_CHUNK = 512  # longer inputs run in chunks so MLP activations [T, F] stay bounded
 BLOCK_SIZE = 32  # positions per KV block
 # What the projections' inputs are: int8 per block (Q8_0, gemm_q8), float32 (gemm_f32), or "mixed": float32
 # for the rows of a sequence's prompt and int8 for the tokens it generates (a row's mode follows from its
 # position alone, so batching, chunking and recomputation still change no bit).
 ACTIVATIONS = ("q8", "f32", "mixed")
 DEFAULT_KV_MB = 2048  # the host pool's default budget (at least one full context); pages are touched on use
-
-
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [hd/2] in float32, as transformers computes them (default or llama3 scaling)."""
-    hd = config.head_dim
-    exponents = np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / np.float32(hd)
-    inv_freq = (np.float32(1.0) / np.power(np.float32(config.rope_theta), exponents)).astype(np.float32)
-    scaling = normalize_rope_scaling(config.rope_scaling, "model config")
-    if scaling is None:
-        return inv_freq
-    factor = scaling["factor"]
-    low_freq_factor = scaling["low_freq_factor"]
-    high_freq_factor = scaling["high_freq_factor"]
-    old_context_len = float(scaling["original_max_position_embeddings"])
-    # Mirrors transformers' _compute_llama3_parameters, float32 like its tensors.
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = np.float32(2 * math.pi) / inv_freq
-    inv_freq_llama = np.where(wavelen > low_freq_wavelen, inv_freq / np.float32(factor), inv_freq)
-    smooth_factor = ((np.float32(old_context_len) / wavelen - np.float32(low_freq_factor))
-                     / np.float32(high_freq_factor - low_freq_factor))
-    smoothed = ((np.float32(1) - smooth_factor) * inv_freq_llama / np.float32(factor)
-                + smooth_factor * inv_freq_llama)
-    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return np.where(is_medium, smoothed, inv_freq_llama).astype(np.float32)
 
 
 class RopeTables:
@@ -185,16 +160,6 @@ def _give_back(free: list[int], blocks: list[int]) -> None:
     blocks.clear()
 
 
-@dataclass(frozen=True)
-class _LayerKeys:
-    qkv: tuple[int, int, int]
-    qkv_fused: int
-    o: int
-    gate_up: tuple[int, int]
-    gate_up_fused: int
-    down: int
-
-
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) * weight over the last axis, float32, each row summed sequentially."""
     rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
@@ -222,11 +187,8 @@ class Decoder:
         self.pool = pool if pool is not None else KVPool.for_budget(c)
         self.rope = RopeTables(c)
         self.eps = np.float32(c.rms_norm_eps)
-        self.keys = [_LayerKeys(qkv=(wkey(i, Proj.Q), wkey(i, Proj.K), wkey(i, Proj.V)),
-                                qkv_fused=fused_wkey(i, Proj.QKV), o=wkey(i, Proj.O),
-                                gate_up=(wkey(i, Proj.GATE), wkey(i, Proj.UP)),
-                                gate_up_fused=fused_wkey(i, Proj.GATE_UP), down=wkey(i, Proj.DOWN))
-                     for i in range(c.num_layers)]
+        # per layer, per PROJ_GROUPS entry: (each member's wkey, the fused weight's or NO_CACHE)
+        self.keys = [[(g.keys(i), g.fused_key(i)) for g in PROJ_GROUPS] for i in range(c.num_layers)]
 
     def new_cache(self) -> SeqCache:
         return self.pool.new_sequence()
@@ -343,9 +305,10 @@ class Decoder:
         attn = np.empty((m, n_heads * hd), np.float32)  # [M, H*hd]
         for i, lw in enumerate(self.model.layers):
             off.layer_boundary(i)
-            keys = self.keys[i]
+            qkv_w, o_w, gate_up_w, down_w = lw.groups()
+            qkv_keys, o_keys, gate_up_keys, down_keys = self.keys[i]
             x = rmsnorm(h, lw.attn_norm, self.eps)  # [M, D]
-            q, k, v = self._linear(x, precise, (lw.q, lw.k, lw.v), keys.qkv, keys.qkv_fused)
+            q, k, v = self._linear(x, precise, qkv_w, *qkv_keys)
             if lw.q_bias is not None:
                 q = q + lw.q_bias
                 k = k + lw.k_bias
@@ -359,11 +322,11 @@ class Decoder:
             kernels.rope_write(np.ascontiguousarray(k), v, pool.kt[i], pool.v[i], slots, cos, sin)
             kernels.attend(np.ascontiguousarray(q), pool.kt[i], pool.v[i], tables, row_seq, lengths, q_cos,
                            q_sin, attn)
-            h += self._linear(attn, precise, (lw.o,), (keys.o,), 0)[0]
+            h += self._linear(attn, precise, o_w, *o_keys)[0]
             x = rmsnorm(h, lw.mlp_norm, self.eps)
-            gate, up = self._linear(x, precise, (lw.gate, lw.up), keys.gate_up, keys.gate_up_fused)  # [M, F]
+            gate, up = self._linear(x, precise, gate_up_w, *gate_up_keys)  # [M, F]
             gate, up = np.ascontiguousarray(gate), np.ascontiguousarray(up)
-            h += self._linear(_silu_mul(gate, up), precise, (lw.down,), (keys.down,), 0)[0]
+            h += self._linear(_silu_mul(gate, up), precise, down_w, *down_keys)[0]
         return h, precise
 
 

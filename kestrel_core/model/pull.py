@@ -24,9 +24,11 @@ import platformdirs
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
+from kestrel_core.env import env_str
 from kestrel_core.errors import KestrelError
 
 CHUNK = 1 << 20
+HOME_ENV = "KESTREL_HOME"
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,8 @@ Downloader = Callable[[str, str, Path], None]
 
 def kestrel_home() -> Path:
     """``$KESTREL_HOME``, or the platform's user cache dir for kestrel."""
-    env = os.environ.get("KESTREL_HOME")
-    return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("kestrel"))
+    home = env_str(HOME_ENV)
+    return Path(home).expanduser() if home else Path(platformdirs.user_cache_dir("kestrel"))
 
 
 def models_dir() -> Path:

@@ -9,7 +9,6 @@ the backend runs the numpy reference functions themselves.
 from __future__ import annotations
 
 import logging
-import os
 from types import ModuleType
 from typing import Any
 
@@ -17,9 +16,9 @@ import numpy as np
 
 import kestrel_core
 from kestrel_core.contract import StripCache, reference_gemm_f32, reference_gemm_q8
+from kestrel_core.env import env_flag
 from kestrel_core.errors import ContractError
-from kestrel_core.hookspecs import API_VERSION, hookimpl
-from kestrel_core.registry import BackendInfo
+from kestrel_core.hookspecs import API_VERSION, BackendInfo, hookimpl
 
 log = logging.getLogger("kestrel")
 
@@ -28,7 +27,7 @@ REFERENCE_ENV = "KESTREL_CPU_REFERENCE"
 
 def _load_kernels() -> tuple[ModuleType | None, str]:
     """The compiled kernels module, or None with the reason the numpy reference is used instead."""
-    if os.environ.get(REFERENCE_ENV, "") not in ("", "0"):
+    if env_flag(REFERENCE_ENV):
         return None, f"{REFERENCE_ENV} set"
     try:
         from kestrel_cpu import kernels

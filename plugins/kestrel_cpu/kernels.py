@@ -1,6 +1,6 @@
 """Compiled int8 strip-cache kernels (numba + explicit LLVM vector IR).
 
-Why explicit vector IR: numba turns SLP vectorisation off (numba#8705) and LLVM fully unrolls a constant
+Why explicit vector IR: numba turns SLP vectorisation off and LLVM fully unrolls a constant
 32-wide block loop before the loop vectoriser sees it, so a plain ``for k in range(32)`` int8 dot product
 compiles to scalar code (~1 GB/s). The intrinsics below spell one 32-value chunk as
 ``mul(sext a, sext w)`` folded even+odd, which the x86 backend lowers to ``vpmovsxbw + vpmaddwd`` on AVX2

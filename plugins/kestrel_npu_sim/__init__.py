@@ -14,10 +14,8 @@ import numpy as np
 
 import kestrel_core
 from kestrel_core.contract import StripCache
-from kestrel_core.errors import BackendUnavailable
-from kestrel_core.hookspecs import API_VERSION, hookimpl
-from kestrel_core.registry import BackendInfo
-from kestrel_core.wkey import Proj, fused_wkey, lm_head_wkey, wkey
+from kestrel_core.hookspecs import API_VERSION, BackendInfo, BackendUnavailable, hookimpl
+from kestrel_core.model.weights import engine_weights
 
 from . import matmul
 from .device import NpuSimDevice, open_device
@@ -79,19 +77,10 @@ def kestrel_gemm_fused_q8(device: NpuSimDevice, a_codes: np.ndarray, a_scales: n
     return matmul.gemm_fused_q8(device, a_codes, a_scales, weights, fused_wkey)
 
 
-def _engine_weights(model: Any) -> list[tuple[int, tuple[StripCache, ...]]]:
-    """What the engine's decoder multiplies, by the wkey it passes: fused Q|K|V and gate|up, o, down, lm_head."""
-    out = []
-    for i, lw in enumerate(model.layers):
-        out += [(fused_wkey(i, Proj.QKV), (lw.q, lw.k, lw.v)), (wkey(i, Proj.O), (lw.o,)),
-                (fused_wkey(i, Proj.GATE_UP), (lw.gate, lw.up)), (wkey(i, Proj.DOWN), (lw.down,))]
-    return out + [(lm_head_wkey(), (model.lm_head,))]
-
-
 @hookimpl
 def kestrel_preload(device: NpuSimDevice, model: Any) -> None:
     """Repack every weight the engine will multiply at load, so none of it lands in the first prefill."""
-    for key, weights in _engine_weights(model):
+    for key, weights in engine_weights(model):
         shared = all(w.k == weights[0].k and w.group_size == weights[0].group_size for w in weights)
         if shared and (device.pad_n or all(w.n % TILE_N == 0 for w in weights)):
             device.packed(weights, key)

@@ -7,7 +7,6 @@ names no device, a kernel that does not build or computes wrong on this device.
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from kestrel_core.contract import StripCache
+from kestrel_core.env import env_flag, env_str
 from kestrel_core.errors import BackendUnavailable
 
 from .cost import CostModel
@@ -25,7 +25,7 @@ from .layout import Geometry, fuse, geometry, repack
 from .stats import NpuSimStats
 
 ENV_DEVICE = "KESTREL_NPU_SIM_DEVICE"  # "P:D" (platform:device indices) or a device/platform name substring
-ENV_PAD_N = "KESTREL_NPU_SIM_PAD_N"  # "0": decline N not a multiple of 32 instead of padding it
+ENV_PAD_N = "KESTREL_NPU_SIM_PAD_N"  # 0 (off): decline N not a multiple of 32 instead of padding it
 KERNEL_FILE = Path(__file__).with_name("block_matmul.cl")
 
 
@@ -165,8 +165,9 @@ def build_kernels(cl: Any, context: Any, device: Any, source: str) -> dict[int, 
 
 
 def open_device(options: dict[str, Any]) -> NpuSimDevice:
+    pad_n = env_flag(ENV_PAD_N, default=True)
     cl = _import_pyopencl()
-    platform, device = select_device(cl, os.environ.get(ENV_DEVICE))
+    platform, device = select_device(cl, env_str(ENV_DEVICE))
     try:
         context = cl.Context([device])
         queue = cl.CommandQueue(context, device)
@@ -177,5 +178,4 @@ def open_device(options: dict[str, Any]) -> NpuSimDevice:
         kernel.set_scalar_arg_dtypes([None, np.int32, np.int64, None, np.int64, np.int32, np.int32, np.int32,
                                       None, np.int64, np.int32, np.int32])
     description = f"simulated RK3588 NPU on OpenCL {device.name.strip()} ({platform.name.strip()})"
-    pad_n = os.environ.get(ENV_PAD_N, "1").strip() not in ("0", "no", "false")
     return NpuSimDevice(cl, context, queue, kernels, description, int(device.max_mem_alloc_size), pad_n)

@@ -1,9 +1,9 @@
 """The RK3588 matmul geometry: the native int8 weight layout, K-segments and N-chunks.
 
-Limits from the RKNPU2 matmul API (``rknn_matmul_api.h``, ``rknn_matmul_set_io_mem``) as issue 5 states
-them: int8 x int8 -> int32; B (the weight) in the native layout ``[N/32, K/32, 32, 32]``; K a multiple of
-32 and at most 10240 per matmul, a longer K split into segments of 8192 (each segment its own native
-buffer); N a multiple of 32 and at most 4096 per matmul, a wider N split into chunks.
+Limits of the RKNPU2 matmul API (``rknn_matmul_api.h``, ``rknn_matmul_set_io_mem``): int8 x int8 -> int32;
+B (the weight) in the native layout ``[N/32, K/32, 32, 32]``; K a multiple of 32 and at most 10240 per
+matmul, a longer K split into segments of 8192 (each segment its own native buffer); N a multiple of 32
+and at most 4096 per matmul, a wider N split into chunks.
 """
 
 from __future__ import annotations

@@ -14,19 +14,12 @@ import pytest
 
 from kestrel_core.registry import Backend, Registry
 
-ENV = ("KESTREL_NPU_SIM_DEVICE", "KESTREL_NPU_SIM_PAD_N")
 MISSING = ("pyopencl is not installed", "no OpenCL platform", "no OpenCL device")  # this machine lacks OpenCL
 
 
-@pytest.fixture(autouse=True)
-def _clean_npu_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)
-
-
 @pytest.fixture(scope="session")
-def npu_backend() -> Iterator[Backend]:
-    saved = {name: os.environ.pop(name) for name in ENV if name in os.environ}
+def npu_backend(clean_session_env: None) -> Iterator[Backend]:
+    """Bound without the user's KESTREL_* settings (the device, padding, probe cache), like every test."""
     registry = Registry()
     try:
         backend = registry.bind("npu_sim")
@@ -37,7 +30,6 @@ def npu_backend() -> Iterator[Backend]:
         yield backend
     finally:
         registry.close()
-        os.environ.update(saved)
 
 
 @pytest.fixture
