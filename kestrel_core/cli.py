@@ -51,8 +51,6 @@ def cmd_backends(args: argparse.Namespace) -> int:
 def cmd_selftest(args: argparse.Namespace) -> int:
     from kestrel_core.selftest import run_selftest
 
-    if args.seeds < 1:
-        raise KestrelError(f"--seeds must be >= 1, got {args.seeds}")
     report = run_selftest(args.backend, seeds=args.seeds)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
@@ -214,8 +212,10 @@ def _main(argv: Sequence[str] | None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s",
                         handlers=[RichHandler(console=err, show_time=False, show_path=False)])
     try:
+        from kestrel_core.model.validate import check_cli_args
         from kestrel_core.registry import default_options, parse_backend_options
 
+        check_cli_args(args)  # every command's values, before anything slow
         args.backend_options = parse_backend_options(getattr(args, "backend_option", None))
         with default_options(args.backend_options):  # every Registry this command builds opens with them
             return int(args.func(args) or 0)

@@ -128,7 +128,7 @@ class _Source:
 
 def kst_bytes(tmp: Path) -> bytes:
     """A small q8 artifact of a qwen2 model (tied, with biases), written by save_artifact."""
-    from kestrel_core.artifact import save_artifact
+    from kestrel_core.artifact_write import save_artifact
     from kestrel_core.model.quantize import quantize_model
 
     c = tiny_config("qwen2")
@@ -315,7 +315,7 @@ def check_gguf_file(path: Path) -> None:
 
 
 def check_kst_file(path: Path) -> None:
-    from kestrel_core.artifact import load_artifact
+    from kestrel_core.artifact_load import load_artifact
 
     load_artifact(path)
 
@@ -347,12 +347,11 @@ def check_template(source: str) -> None:
 
 
 def fast_template_limits(steps: int = 200_000, seconds: float = 2.0) -> None:
-    """Smaller per-render limits than production's, so that hostile cases end sooner (when the limits exist)."""
-    from kestrel_core.model import tokenizer
+    """Smaller per-render limits than production's, so that hostile cases end sooner."""
+    from kestrel_core.model import chat_template
 
-    if hasattr(tokenizer, "MAX_TEMPLATE_STEPS"):
-        tokenizer.MAX_TEMPLATE_STEPS = steps  # type: ignore[attr-defined]
-        tokenizer.MAX_TEMPLATE_SECONDS = seconds  # type: ignore[attr-defined]
+    chat_template.MAX_TEMPLATE_STEPS = steps
+    chat_template.MAX_TEMPLATE_SECONDS = seconds
 
 
 class Fuzzer:

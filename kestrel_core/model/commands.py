@@ -1,7 +1,8 @@
 """The CLI handlers of run, chat, pull, quantize and bench: thin layers over the Python API.
 
-Each takes the argparse Namespace and returns an exit code; errors are KestrelErrors, which the CLI prints
-as one line. Generated text goes to stdout; the backend line, stats and prompts go to stderr.
+Each takes the argparse Namespace, its values already checked by the CLI (``validate.check_cli_args``), and
+returns an exit code; errors are KestrelErrors, which the CLI prints as one line. Generated text goes to
+stdout; the backend line, stats and prompts go to stderr.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from rich.table import Table
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.engine import Engine, load, load_preset
 from kestrel_core.model.sampling import SamplingParams
-from kestrel_core.model.validate import check_cli_args, read_line_stdin, read_text_stdin
+from kestrel_core.model.validate import read_line_stdin, read_text_stdin
 
 err = Console(stderr=True, highlight=False)
 
@@ -117,7 +118,6 @@ def _backend_table(stats: dict[str, Any]) -> Table | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_cli_args(args)  # before the (slow) load
     text_in = _read_prompt(args)
     with _open_engine(args) as engine:
         ids = _prompt_ids(engine, [{"role": "user", "content": text_in}], chat=not args.no_chat)
@@ -140,7 +140,6 @@ def run(args: argparse.Namespace) -> int:
 
 def chat(args: argparse.Namespace) -> int:
     """A multi-turn session: each turn re-renders the whole conversation with the chat template."""
-    check_cli_args(args)
     interactive = sys.stdin.isatty()
     with _open_engine(args) as engine:
         if interactive:
@@ -199,7 +198,6 @@ def quantize(args: argparse.Namespace) -> int:
 def bench(args: argparse.Namespace) -> int:
     from kestrel_core.model.quantize import model_quant
 
-    check_cli_args(args)
     if args.concurrency:
         return _bench_concurrency(args)
     from kestrel_core.model.bench import run_bench

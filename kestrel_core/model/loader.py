@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kestrel_core.artifact import ArtifactMeta, load_artifact, remove_stale_temps, save_artifact
+from kestrel_core.artifact import ArtifactMeta
+from kestrel_core.artifact_load import load_artifact
+from kestrel_core.artifact_write import remove_stale_temps, save_artifact
 from kestrel_core.errors import KestrelError
 from kestrel_core.model import cache as store
 from kestrel_core.model.pull import DEFAULT_MODEL, pull_default_model
@@ -146,7 +148,7 @@ def _cached(entry: Path, key: str, quant: str, stale_glob: str, build: Callable[
             write: bool = True) -> LoadedModel:
     """The model from cache ``entry`` if it holds ``key``; else ``build()`` it and (``write``) cache it.
 
-    A fresh entry is written atomically (temp file, fsync, rename; see artifact.save_artifact) and the model is
+    A fresh entry is written atomically (temp file, fsync, rename; see artifact_write.save_artifact) and the model is
     then read back from it: its arrays become views of the page cache (shared, and not the process's own
     memory) instead of a second copy. Entries of the same slot and mode under another key are removed.
     """

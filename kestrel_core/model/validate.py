@@ -1,4 +1,5 @@
-"""Checks for untrusted input: model paths, config values, artifact metadata, CLI values and environment values.
+"""Checks for untrusted input: model paths, config values, artifact metadata and CLI values
+(environment values: ``kestrel_core.env``).
 
 Everything a file, a plugin or a user hands kestrel is checked here by type and range before it is used, so a
 bad value is one ``KestrelError`` line (exit 2) naming the field, never a crash, a hang or a silently wrong
@@ -209,23 +210,7 @@ def check_artifact_meta(quant: Any, config: Any, tensor_names: Iterable[str], wh
     return quant
 
 
-# -- CLI and environment values ---------------------------------------------------------------------------
-
-
-def parse_min_flops(name: str, text: str) -> int:
-    """The value of ``KESTREL_<NAME>_MIN_FLOPS``: a finite number >= 0 (``1e7`` allowed), as an int.
-
-    ``inf`` / ``nan`` / ``-5`` / ``abc`` are one line naming the variable (``int(float("inf"))`` is an
-    OverflowError, which used to escape as exit 1). registry.Backend.min_flops must call this.
-    """
-    var = f"KESTREL_{name.upper()}_MIN_FLOPS"
-    try:
-        value = float(text)
-    except ValueError:
-        raise KestrelError(f"{var} must be a number, got {text!r}") from None
-    if not math.isfinite(value) or value < 0 or value >= 2 ** 63:
-        raise KestrelError(f"{var} must be a finite number >= 0, got {text!r}")
-    return int(value)
+# -- CLI values -------------------------------------------------------------------------------------------
 
 
 CLI_INT_RANGES: dict[str, tuple[int, int | None]] = {
@@ -237,11 +222,14 @@ CLI_FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "kv_cache_mb": (0.0, 2.0 ** 40),
     "shutdown_grace": (0.0, 86400.0),
 }
+# given, these must hold more than blanks: ``--api-key "$KEY"`` with KEY unset must not serve without a key
+CLI_TEXT = ("host", "served_model_name", "api_key")
 
 
 def check_cli_args(args: Any) -> None:
-    """Every numeric CLI value in range, before a model is loaded: ``--seed -1``, ``--max-tokens -1``,
-    ``--temperature nan``, ``--top-p 0`` are one line naming the flag and the field (exit 2)."""
+    """Every CLI value of every command in range, before a model is loaded: ``--seed -1``, ``--max-tokens -1``,
+    ``--temperature nan``, ``--top-p 0``, ``--port 70000``, ``--host ""`` are one line naming the flag and the
+    field (exit 2)."""
     for name, (lo, hi) in CLI_INT_RANGES.items():
         value = getattr(args, name, None)
         if value is None:
@@ -259,6 +247,10 @@ def check_cli_args(args: Any) -> None:
         if not ok:
             span = f"{'(' if open_lo else '['}{lo_f:g}, {hi_f:g}]"
             raise KestrelError(f"--{name.replace('_', '-')}: {name} must be in {span}, got {value!r}")
+    for name in CLI_TEXT:
+        value = getattr(args, name, None)
+        if value is not None and not str(value).strip():
+            raise KestrelError(f"--{name.replace('_', '-')}: {name} must not be empty, got {value!r}")
 
 
 def _strict_text(text: str, what: str) -> str:

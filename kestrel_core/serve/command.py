@@ -1,4 +1,4 @@
-"""The ``kestrel serve`` handler: check the options, load the engine, serve until SIGTERM/SIGINT.
+"""The ``kestrel serve`` handler: load the engine, serve until SIGTERM/SIGINT.
 
 fastapi, uvicorn and prometheus-client are the ``serve`` extra: they are imported here, only when serving,
 and a missing one is a one-line error that says how to install them.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
-import os
 import sys
 
+from kestrel_core.env import env_str
 from kestrel_core.errors import KestrelError
 
 API_KEY_ENV = "KESTREL_API_KEY"
@@ -22,22 +22,6 @@ def _check_installed() -> None:
     missing = [pip for module, pip in _NEEDED.items() if importlib.util.find_spec(module) is None]
     if missing:
         raise KestrelError(f"kestrel serve needs {', '.join(missing)}: pip install \"kestrel[serve]\"")
-
-
-def _check_options(args: argparse.Namespace) -> None:
-    """Bad numbers fail in one line before the model is loaded."""
-    if not 0 <= args.port <= 65535:
-        raise KestrelError(f"--port must be in [0, 65535] (0: any free port), got {args.port}")
-    for flag, value, least in (("--max-batch", args.max_batch, 1), ("--token-budget", args.token_budget, 1),
-                               ("--max-waiting", args.max_waiting, 0)):
-        if value is not None and value < least:
-            raise KestrelError(f"{flag} must be >= {least}, got {value}")
-    if args.kv_cache_mb is not None and args.kv_cache_mb <= 0:
-        raise KestrelError(f"--kv-cache-mb must be > 0, got {args.kv_cache_mb}")
-    if args.shutdown_grace < 0:
-        raise KestrelError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
-    if args.served_model_name is not None and not args.served_model_name.strip():
-        raise KestrelError("--served-model-name must not be empty")
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -53,14 +37,13 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    _check_installed()
-    _check_options(args)
+    _check_installed()  # the option values were checked by the CLI, as every command's are
     from kestrel_core.model.engine import load, load_preset
     from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING, DEFAULT_TOKEN_BUDGET
     from kestrel_core.serve.server import bind_socket, serve
 
     _setup_logging(bool(getattr(args, "verbose", False)))
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = args.api_key or env_str(API_KEY_ENV) or None
     sock = bind_socket(args.host, args.port)  # a busy port fails now, not after the model has loaded
     try:
         options = dict(backend=args.backend, quant=args.quant, kv_cache_mb=args.kv_cache_mb,

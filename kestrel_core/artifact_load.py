@@ -1,0 +1,193 @@
+"""The model out of a kestrel artifact: views of the file's map assembled into a Model, then verified.
+
+One pass over the data, spread over threads, checks each tensor's XXH64 against the header's and each
+weight's codes against the strip-cache contract's range; the shapes are checked against the config.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kestrel_core import checksum
+from kestrel_core.artifact import (
+    CHUNK_BYTES,
+    ArtifactMeta,
+    model_tensors,
+    open_artifact_file,
+    parse_meta,
+    refuse,
+)
+from kestrel_core.contract import CODE_RANGE, StripCache
+from kestrel_core.errors import ContractError
+from kestrel_core.model.quantize import (
+    LAYER_NORM_FIELDS,
+    LAYER_PROJ_FIELDS,
+    QK_NORM_FIELDS,
+    QKV_BIAS_FIELDS,
+    layer_name,
+)
+from kestrel_core.model.weights import LayerWeights, Model
+from kestrel_core.progress import Report
+
+PARALLEL_MIN_BYTES = 64 << 20  # below this the pass runs in the calling thread
+MAX_THREADS = 8
+
+
+@dataclass
+class _Check:
+    """One tensor of the checksum / range pass."""
+
+    name: str  # the tensor's name in the file
+    array: np.ndarray
+    digest: int | None  # the expected XXH64, or None: no checksum to compare
+    bits: int | None  # a weight's codes: the code range to check; None otherwise
+    weight: str = ""  # the weight the codes belong to, for the contract message
+
+
+def load_artifact(path: str | os.PathLike[str], *, verify: bool = True, require_checksums: bool = False,
+                  progress: Report | None = None) -> tuple[Model, ArtifactMeta]:
+    """The model of an artifact, its arrays views of a copy-on-write map of the file (no copy is made).
+
+    ``verify``: compare every tensor's XXH64 with the header's (a file without checksums, written before
+    kestrel wrote them or by another producer, loads unverified unless ``require_checksums``). The code
+    ranges of the strip-cache contract are checked in the same pass either way. Where hashing is not
+    compiled (numba unusable), nothing is verified and no checksums are required.
+    """
+    path = Path(path)
+    f = open_artifact_file(path)
+    try:
+        meta = parse_meta(path, f.metadata, f.entries)
+        if meta.checksums is None and require_checksums and checksum.fast():
+            raise refuse(path, "the artifact carries no checksums")
+        sums = meta.checksums if verify and meta.checksums is not None and checksum.fast() else None
+        checks: list[_Check] = []
+
+        def tensor(name: str, bits: int | None = None, weight: str = "") -> np.ndarray:
+            arr = f.view(name)
+            if sums is not None and name not in sums:
+                raise refuse(path, f"the artifact has no checksum for tensor {name!r}")
+            checks.append(_Check(name, arr, None if sums is None else sums[name], bits, weight))
+            return arr
+
+        def weight(name: str) -> StripCache:
+            spec = meta.tensors.get(name)
+            if not isinstance(spec, dict):
+                raise refuse(path, f"artifact metadata has no group size / bits for {name!r}")
+            try:
+                g, bits = int(spec["group_size"]), int(spec["bits"])
+                if bits not in CODE_RANGE:
+                    raise ContractError(f"bits must be one of {tuple(CODE_RANGE)}, got {bits}")
+                codes = tensor(f"{name}.codes", bits, name)
+                # the code range is checked below, in the one pass over the data
+                return StripCache(codes, tensor(f"{name}.scales"), g, bits, check_range=False)
+            except (ContractError, KeyError, TypeError, ValueError) as exc:
+                raise refuse(path, f"tensor {name!r} breaks the strip-cache contract: {exc}") from None
+
+        def vector(name: str) -> np.ndarray:
+            v = tensor(name)
+            if v.dtype != np.float32 or v.ndim != 1:
+                raise refuse(path, f"tensor {name!r} must be a float32 vector, got {v.dtype} {list(v.shape)}")
+            return v
+
+        c = meta.config
+        layers = []
+        for i in range(c.num_layers):
+            fields: dict[str, Any] = {p: weight(layer_name(i, p)) for p in LAYER_PROJ_FIELDS}
+            fields.update({n: vector(layer_name(i, n)) for n in LAYER_NORM_FIELDS})
+            if c.qkv_bias:
+                fields.update({n: vector(layer_name(i, n)) for n in QKV_BIAS_FIELDS})
+            if c.qk_norm:
+                fields.update({n: vector(layer_name(i, n)) for n in QK_NORM_FIELDS})
+            layers.append(LayerWeights(**fields))
+        embedding = weight("embedding")
+        lm_head = embedding if c.tie_word_embeddings else weight("lm_head")
+        model = Model(config=c, embedding=embedding, layers=layers, final_norm=vector("final_norm"),
+                      lm_head=lm_head)
+        _check_shapes(path, model)
+        _scan(path, checks, progress)
+    finally:
+        f.close()
+    return model, meta
+
+
+def _scan(path: Path, checks: list[_Check], progress: Report | None) -> None:
+    """One pass over the tensors' bytes: XXH64s and code ranges, largest tensors first over a few threads
+    (the compiled hash and numpy's reductions release the GIL)."""
+    if not any(ch.digest is not None or ch.bits is not None for ch in checks):
+        return
+    checks = sorted(checks, key=lambda ch: -ch.array.nbytes)
+    total = sum(ch.array.nbytes for ch in checks)
+    done = [0]
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def one(ch: _Check) -> None:
+        flat = ch.array.reshape(-1)
+        step = max(1, CHUNK_BYTES // flat.itemsize)
+        h = checksum.XXH64() if ch.digest is not None else None
+        lo, hi = 0, 0
+        for i in range(0, flat.size, step):
+            if stop.is_set():
+                return
+            chunk = flat[i:i + step]
+            if h is not None:
+                h.update(chunk)
+            if ch.bits is not None:
+                lo = min(lo, int(chunk.min()))
+                if ch.bits != 8:  # int8 codes cannot exceed 127
+                    hi = max(hi, int(chunk.max()))
+            with lock:
+                done[0] += chunk.nbytes
+        if h is not None and h.intdigest() != ch.digest:
+            raise refuse(path, f"tensor {ch.name!r} is corrupt: its XXH64 is {h.hexdigest()}, the header "
+                                f"records {ch.digest:016x} (re-create or re-download the artifact)")
+        if ch.bits is not None:
+            low, high = CODE_RANGE[ch.bits]
+            if lo < low or hi > high:
+                raise refuse(path, f"tensor {ch.weight!r} breaks the strip-cache contract: int{ch.bits} codes "
+                                    f"must lie in [{low}, {high}]")
+
+    threads = min(MAX_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
+                  (os.cpu_count() or 1))
+    if total < PARALLEL_MIN_BYTES or threads < 2:
+        for ch in checks:
+            one(ch)
+            if progress is not None:
+                progress(done[0], total)
+        return
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kestrel-verify") as pool:
+        futures = [pool.submit(one, ch) for ch in checks]
+        try:
+            pending = set(futures)
+            while pending:
+                finished, pending = wait(pending, timeout=0.1, return_when=FIRST_EXCEPTION)
+                for fut in finished:
+                    fut.result()  # the first failure, with its message
+                if progress is not None:
+                    progress(done[0], total)
+        finally:
+            stop.set()
+
+
+def _check_shapes(path: Path, model: Model) -> None:
+    c = model.config
+    qn, kvn = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    d, f = c.hidden_size, c.intermediate_size
+    want = {"q": (qn, d), "k": (kvn, d), "v": (kvn, d), "o": (d, qn), "gate": (f, d), "up": (f, d),
+            "down": (d, f), "attn_norm": (d,), "mlp_norm": (d,), "q_bias": (qn,), "k_bias": (kvn,),
+            "v_bias": (kvn,), "q_norm": (c.head_dim,), "k_norm": (c.head_dim,)}
+    checks = [("embedding", model.embedding.shape, (c.vocab_size, d)),
+              ("lm_head", model.lm_head.shape, (c.vocab_size, d)), ("final_norm", model.final_norm.shape, (d,))]
+    for name, value in model_tensors(model).items():
+        if name.startswith("layers."):
+            checks.append((name, value.shape, want[name.rsplit(".", 1)[1]]))
+    for name, got, expected in checks:
+        if tuple(got) != tuple(expected):
+            raise refuse(path, f"tensor {name!r} has shape {list(got)}, the config implies {list(expected)}")

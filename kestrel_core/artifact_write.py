@@ -1,0 +1,204 @@
+"""Writing a kestrel artifact (the format: ``artifact``): atomically, and never leaving a partial file.
+
+The safetensors layout is streamed to a temp file in the destination's directory with each tensor's XXH64
+computed on the way, fsynced, then renamed over the destination, so a process that maps the old file keeps
+its pages (a file rewritten in place would kill it with SIGBUS).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import signal
+import stat
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from kestrel_core import checksum
+from kestrel_core.artifact import (
+    CHECKSUM_ALGORITHM,
+    CHUNK_BYTES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LAYOUT_FLAGS,
+    model_tensors,
+)
+from kestrel_core.contract import StripCache
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.weights import Model
+from kestrel_core.progress import Report
+
+TEMP_MAX_AGE_S = 3600.0  # a temp file untouched this long belongs to a writer that died
+_ST_NAME = {np.dtype("i1"): "I8", np.dtype("<f4"): "F32"}
+
+
+def save_artifact(path: str | os.PathLike[str], model: Model, *, tokenizer_json: str | None = None,
+                  chat_template: str | None = None, quant: str, extra: dict[str, Any] | None = None,
+                  force: bool = False, bos_token: str | None = None, eos_token: str | None = None,
+                  progress: Report | None = None) -> Path:
+    """Write ``model`` to ``path`` atomically: a temp file in the same directory, fsync, then rename.
+
+    A failure, or SIGTERM while writing, leaves neither a partial file nor the temp file; temp files of the
+    same destination left by a writer that was killed outright are removed once they are an hour old.
+    """
+    path = Path(path)
+    if path.exists() and not force:
+        raise KestrelError(f"{path} already exists; pass --force to overwrite it")
+    if path.is_dir():
+        raise KestrelError(f"{path} is a directory")
+    if model.config.tie_word_embeddings != (model.lm_head is model.embedding):
+        raise KestrelError("the model's lm_head must be its embedding object exactly when tie_word_embeddings")
+    arrays: list[tuple[str, np.ndarray]] = []
+    specs: dict[str, dict[str, int]] = {}
+    for name, value in model_tensors(model).items():
+        if isinstance(value, StripCache):
+            arrays += [(f"{name}.codes", value.codes), (f"{name}.scales", value.scales.astype("<f4", copy=False))]
+            specs[name] = {"group_size": value.group_size, "bits": value.bits}
+        else:
+            arrays.append((name, np.ascontiguousarray(value, dtype="<f4")))
+    metadata = {
+        "format": FORMAT_NAME,
+        "format_version": str(FORMAT_VERSION),
+        "layout": json.dumps(list(LAYOUT_FLAGS)),
+        "quant": quant,
+        "tensors": json.dumps(specs, sort_keys=True),
+        "config": json.dumps(model.config.as_dict(), sort_keys=True),
+        "extra": json.dumps(extra or {}, sort_keys=True),
+    }
+    optional = {"tokenizer_json": tokenizer_json, "chat_template": chat_template, "bos_token": bos_token,
+                "eos_token": eos_token}
+    metadata.update({k: v for k, v in optional.items() if v is not None})
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise KestrelError(f"cannot write {path}: directory {parent} does not exist")
+    remove_stale_temps(parent, f".{glob.escape(path.name)}.*.tmp")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    with _removed_on_sigterm(tmp):
+        try:
+            with os.fdopen(fd, "wb") as f:
+                _write_safetensors(f, arrays, metadata, progress)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would surprise whoever shares the file
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    _fsync_dir(parent)
+    return path
+
+
+def _write_safetensors(f: BinaryIO, arrays: list[tuple[str, np.ndarray]], metadata: dict[str, str],
+                       progress: Report | None) -> None:
+    """The safetensors layout, streamed: the header (checksums zeroed), the data while computing each
+    tensor's XXH64, then the header again with the checksums (the same length: 16 hex digits each). Where
+    hashing is not compiled (numba unusable) the file carries no checksums."""
+    order = sorted(arrays, key=lambda a: -a[1].dtype.itemsize)  # float32 first keeps every float 4-aligned
+    entries: dict[str, Any] = {}
+    offset = 0
+    for name, arr in order:
+        if arr.dtype not in _ST_NAME or not arr.flags.c_contiguous:
+            raise KestrelError(f"cannot write tensor {name!r}: {arr.dtype} array, not int8/float32 C-contiguous")
+        entries[name] = {"dtype": _ST_NAME[arr.dtype], "shape": list(arr.shape),
+                         "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+
+    with_sums = checksum.fast()
+
+    def header(sums: dict[str, int]) -> bytes:
+        meta = dict(metadata)
+        if with_sums:
+            digests = {n: f"{sums[n]:016x}" for n in entries}
+            meta["checksums"] = json.dumps({"algorithm": CHECKSUM_ALGORITHM, "tensors": digests}, sort_keys=True)
+        text = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode("utf-8")
+        text += b" " * (-(8 + len(text)) % 8)  # the data starts 8-aligned, as safetensors writes it
+        return struct.pack("<Q", len(text)) + text
+
+    first = header(dict.fromkeys(entries, 0))
+    f.write(first)
+    sums: dict[str, int] = {}
+    done = 0
+    for name, arr in order:
+        flat = arr.reshape(-1).view(np.uint8)
+        h = checksum.XXH64() if with_sums else None
+        for i in range(0, flat.size, CHUNK_BYTES):
+            chunk = flat[i:i + CHUNK_BYTES]
+            if h is not None:
+                h.update(chunk)
+            f.write(chunk)
+            done += chunk.size
+            if progress is not None:
+                progress(done, offset)
+        sums[name] = h.intdigest() if h is not None else 0
+    final = header(sums)
+    if len(final) != len(first):  # cannot happen: every digest is 16 hex digits
+        raise KestrelError("internal error: the artifact header changed length")
+    f.seek(0)
+    f.write(final)
+
+
+def remove_stale_temps(directory: Path, pattern: str, max_age_s: float = TEMP_MAX_AGE_S) -> None:
+    """Remove the regular files in ``directory`` matching ``pattern`` not modified for ``max_age_s``: the temp
+    files of writers that were killed outright (a live writer touches its file with every chunk)."""
+    now = time.time()
+    for p in directory.glob(pattern):
+        try:
+            st = p.lstat()
+            if stat.S_ISREG(st.st_mode) and now - st.st_mtime > max_age_s:
+                p.unlink()
+        except OSError:
+            pass  # raced with another cleaner, or not ours to remove
+
+
+@contextlib.contextmanager
+def _removed_on_sigterm(tmp: str) -> Iterator[None]:
+    """While writing ``tmp``: on SIGTERM with the default disposition (death, no ``finally``), remove it, then
+    die of the signal as before. A handler installed by someone else stays (if it raises, the writer's
+    ``except`` cleans up); off the main thread no handler can be installed, and ``except`` is all there is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous not in (signal.SIG_DFL, None):
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        Path(tmp).unlink(missing_ok=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename durable (best effort: not every file system lets a directory be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

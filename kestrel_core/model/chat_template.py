@@ -1,0 +1,353 @@
+"""The chat-template sandbox: templates come from model files, which are untrusted programs.
+
+A template renders in ``BoundedSandbox``, a subclass of jinja2's ImmutableSandboxedEnvironment with limits on
+loop iterations and calls, on the size of every string or list an operator, filter or method builds, on the
+output, and a wall-clock deadline, and with the helpers Hugging Face offers templates (raise_exception,
+strftime_now, tojson). Any template error or exceeded limit is a one-line KestrelError (``render_chat``).
+The ``MAX_TEMPLATE_*`` limits are read at each render, so a test or the fuzzer can lower them.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2 import nodes
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.visitor import NodeTransformer
+
+from kestrel_core.errors import KestrelError
+
+
+def one_line(text: object) -> str:
+    """``text`` with every run of whitespace (newlines too) made one space: error messages are one line."""
+    return " ".join(str(text).split())
+
+
+# -- limits -------------------------------------------------------------------------------------------------
+
+MAX_TEMPLATE_CHARS = 1 << 22  # 4 Mi characters (a million-token context): the prompt, any string or list on the way
+MAX_TEMPLATE_STEPS = 1_000_000  # loop iterations + calls + operators per render
+MAX_TEMPLATE_SECONDS = 5.0  # wall clock per render (real templates take well under a millisecond)
+MAX_TEMPLATE_INT_ARG = 1 << 20  # widths, counts and other int arguments of filters and methods
+MAX_TEMPLATE_INT_BITS = 1 << 16  # integers a template computes (2**10**9 would run for ever)
+MAX_JSON_INDENT = 64
+
+
+class TemplateLimitError(SecurityError):
+    """A chat template asked for more work or memory than a prompt can need."""
+
+
+class _Budget:
+    """What one render may still spend; every loop step, call, operator and output chunk ticks it."""
+
+    def __init__(self, steps: int | None = None, seconds: float | None = None, chars: int | None = None) -> None:
+        self.limit = MAX_TEMPLATE_STEPS if steps is None else steps  # the module's limits, read now
+        self.seconds = MAX_TEMPLATE_SECONDS if seconds is None else seconds
+        self.chars = MAX_TEMPLATE_CHARS if chars is None else chars
+        self.steps, self.deadline = self.limit, time.monotonic() + self.seconds
+
+    def tick(self) -> None:
+        self.steps -= 1
+        if self.steps < 0:
+            raise TemplateLimitError(f"more than {self.limit} loop iterations, calls and operations")
+        if time.monotonic() > self.deadline:
+            raise TemplateLimitError(f"rendering took more than {self.seconds:g} s")
+
+
+_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("kestrel_template_budget", default=None)
+
+
+def _tick() -> None:
+    budget = _BUDGET.get()
+    if budget is not None:
+        budget.tick()
+
+
+def _check_size(value: Any) -> Any:
+    """``value`` unless it is a string or container longer than MAX_TEMPLATE_CHARS."""
+    if isinstance(value, (str, bytes, list, tuple, dict)) and len(value) > MAX_TEMPLATE_CHARS:
+        raise TemplateLimitError(f"a value of {len(value)} items (the limit is {MAX_TEMPLATE_CHARS})")
+    return value
+
+
+def _check_int_args(args: Iterable[Any]) -> None:
+    for a in args:
+        if isinstance(a, int) and not isinstance(a, bool) and abs(a) > MAX_TEMPLATE_INT_ARG:
+            raise TemplateLimitError(f"an argument of {a} (the limit is {MAX_TEMPLATE_INT_ARG})")
+
+
+_WIDE_FORMAT = re.compile(r"\d{7,}")  # a width or precision of a million or more, in % or {} formats
+
+
+def _check_format(fmt: Any, args: Any) -> None:
+    """``%`` and ``str.format``: no huge literal widths, no huge widths passed as arguments."""
+    if isinstance(fmt, str) and _WIDE_FORMAT.search(fmt):
+        raise TemplateLimitError("a format width of a million or more")
+    values = args.values() if isinstance(args, Mapping) else args if isinstance(args, (tuple, list)) else (args,)
+    _check_int_args(values)
+
+
+def _guard_iter(iterable: Any) -> Any:
+    """Every ``{% for %}`` iterates through this (the template's loops are rewritten to): each step ticks."""
+    return _GuardedIterable(iterable)
+
+
+class _GuardedIterable:
+    def __init__(self, iterable: Any) -> None:
+        self._it = iterable
+
+    def __len__(self) -> int:
+        return len(self._it)  # TypeError when it has none: jinja's loop.length then counts it
+
+    def __iter__(self) -> Iterator[Any]:
+        for item in self._it:
+            _tick()
+            yield item
+
+
+def _guard_concat(*parts: Any) -> str:
+    """``a ~ b ~ c`` (rewritten to call this): the joined length is checked before joining."""
+    _tick()
+    texts = [p if isinstance(p, str) else str(p) for p in parts]
+    if sum(map(len, texts)) > MAX_TEMPLATE_CHARS:
+        raise TemplateLimitError(f"a string longer than {MAX_TEMPLATE_CHARS} characters")
+    return "".join(texts)
+
+
+def _bounded_range(*args: Any) -> Any:
+    """jinja's safe_range (at most 100k items) whose steps count against the render's budget."""
+    from jinja2.sandbox import safe_range
+
+    return _GuardedIterable(safe_range(*args))
+
+
+class _Rewrite(NodeTransformer):
+    """Route every for-loop's iterable and every ``~`` through the guards (names a template cannot rebind)."""
+
+    def visit_For(self, node: nodes.For) -> nodes.Node:
+        self.generic_visit(node)
+        node.iter = nodes.Call(nodes.ImportedName(f"{__name__}._guard_iter"), [node.iter], [], None, None,
+                               lineno=node.lineno)
+        return node
+
+    def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
+        self.generic_visit(node)
+        return nodes.Call(nodes.ImportedName(f"{__name__}._guard_concat"), list(node.nodes), [], None, None,
+                          lineno=node.lineno)
+
+
+def _seq_len(x: Any) -> int | None:
+    return len(x) if isinstance(x, (str, bytes, list, tuple)) else None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_binop(op: str, left: Any, right: Any) -> None:
+    """Refuse an operator whose result would be huge, before computing it."""
+    if op == "*":
+        for seq, n in ((left, right), (right, left)):
+            size = _seq_len(seq)
+            if size is not None and _is_int(n) and size * max(n, 0) > MAX_TEMPLATE_CHARS:
+                raise TemplateLimitError(f"a repetition of {size} x {n} items (the limit is {MAX_TEMPLATE_CHARS})")
+        if _is_int(left) and _is_int(right) and left.bit_length() + right.bit_length() > MAX_TEMPLATE_INT_BITS:
+            raise TemplateLimitError(f"an integer of more than {MAX_TEMPLATE_INT_BITS} bits")
+    elif op == "+":
+        a, b = _seq_len(left), _seq_len(right)
+        if a is not None and b is not None and a + b > MAX_TEMPLATE_CHARS:
+            raise TemplateLimitError(f"a value of {a + b} items (the limit is {MAX_TEMPLATE_CHARS})")
+    elif op == "**":
+        if _is_int(left) and _is_int(right) and abs(left) > 1 and right > 0 \
+                and right * math.log2(abs(left)) > MAX_TEMPLATE_INT_BITS:
+            raise TemplateLimitError(f"an integer of more than {MAX_TEMPLATE_INT_BITS} bits")
+    elif op == "%" and isinstance(left, str):
+        _check_format(left, right)
+
+
+_STR_METHODS_SIZED = ("center", "ljust", "rjust", "zfill", "expandtabs")
+
+
+class BoundedSandbox(ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox with resource limits: a chat template is a program from a model file.
+
+    Operators (``*``, ``+``, ``**``, ``%``) are intercepted (which also stops jinja from folding them at compile
+    time) and refused when their result would pass the size limits; every call (macros, methods, filters'
+    callables, ``loop()``) and every loop step ticks a per-render budget of steps and wall-clock time; ``range``
+    counts its steps; filters' int arguments are capped and their results measured.
+    """
+
+    intercepted_binops = frozenset({"*", "+", "**", "%", "//", "/", "-"})
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.globals["range"] = _bounded_range
+        self.filters = {name: _bounded_filter(name, f) for name, f in self.filters.items()}
+
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        """str.format / format_map (jinja's sandboxed formatter) with the format's widths checked first."""
+        fmt = super().wrap_str_format(value)
+        if fmt is None:
+            return None
+        owner = value.__self__
+
+        def checked(*args: Any, **kwargs: Any) -> str:
+            values = list(args) + list(kwargs.values())
+            _check_format(owner, values)
+            for v in values:
+                if isinstance(v, Mapping):
+                    _check_int_args(v.values())
+            return _check_size(fmt(*args, **kwargs))
+
+        return checked
+
+    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
+        _tick()
+        _check_binop(operator, left, right)
+        return _check_size(super().call_binop(context, operator, left, right))
+
+    def call(__self, __context: jinja2.runtime.Context, __obj: Any, *args: Any,  # noqa: N805 (jinja's signature)
+             **kwargs: Any) -> Any:
+        _tick()
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(owner, (str, list, tuple, dict)):
+            name = getattr(__obj, "__name__", "")
+            if name in _STR_METHODS_SIZED:
+                _check_int_args(list(args) + list(kwargs.values()))
+            elif name == "replace" and isinstance(owner, str) and len(args) >= 2:
+                _check_replace(owner, args[0], args[1])
+            elif name == "join" and isinstance(owner, str) and args:
+                _check_join(owner, args[0])
+        return _check_size(super().call(__context, __obj, *args, **kwargs))
+
+
+def _check_replace(text: Any, old: Any, new: Any) -> None:
+    if isinstance(text, str) and isinstance(old, str) and isinstance(new, str):
+        hits = text.count(old) if old else len(text) + 1
+        if len(text) + hits * len(new) > MAX_TEMPLATE_CHARS:
+            raise TemplateLimitError(f"a replace making more than {MAX_TEMPLATE_CHARS} characters")
+
+
+def _check_join(sep: Any, items: Any) -> None:
+    if isinstance(items, (list, tuple)):
+        total = sum(len(x) if isinstance(x, str) else 32 for x in items) + len(items) * len(str(sep))
+        if total > MAX_TEMPLATE_CHARS:
+            raise TemplateLimitError(f"a join making more than {MAX_TEMPLATE_CHARS} characters")
+
+
+def _bounded_filter(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a built-in filter: int arguments capped, replace/join/indent/format pre-checked, result measured.
+    The wrapper keeps the filter's pass-context marker (functools.wraps copies it)."""
+
+    @functools.wraps(f)
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        _tick()
+        values = [a for a in args if not isinstance(a, (jinja2.runtime.Context, jinja2.nodes.EvalContext,
+                                                        jinja2.Environment))]
+        _check_int_args(values[1:] + list(kwargs.values()))
+        if name == "replace" and len(values) >= 3:
+            _check_replace(str(values[0]), values[1], values[2])
+        elif name == "join" and values:
+            items = values[0] if isinstance(values[0], (list, tuple)) else None
+            if items is not None:
+                _check_join(values[1] if len(values) > 1 else kwargs.get("d", ""), items)
+        elif name == "indent" and values and isinstance(values[0], str):
+            width = values[1] if len(values) > 1 else kwargs.get("width", 4)
+            w = len(width) if isinstance(width, str) else width if _is_int(width) else 0
+            if (values[0].count("\n") + 1) * (w + 1) + len(values[0]) > MAX_TEMPLATE_CHARS:
+                raise TemplateLimitError(f"an indent making more than {MAX_TEMPLATE_CHARS} characters")
+        elif name == "format" and values:
+            _check_format(values[0], values[1:] + list(kwargs.values()))
+        return _check_size(f(*args, **kwargs))
+
+    return bounded
+
+
+# -- the helpers templates get, compiling, rendering --------------------------------------------------------
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    if indent is not None and (not _is_int(indent) or not 0 <= indent <= MAX_JSON_INDENT):
+        raise TemplateLimitError(f"tojson indent must be an integer in [0, {MAX_JSON_INDENT}], got {indent!r}")
+    return _check_size(json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                                  sort_keys=sort_keys))
+
+
+def _strftime_now(fmt: str) -> str:
+    if not isinstance(fmt, str) or len(fmt) > 256:
+        raise TemplateLimitError("strftime_now takes a format of at most 256 characters")
+    return datetime.now().strftime(fmt)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile ``source`` in the bounded sandbox, its loops and ``~`` rewritten through the guards."""
+    if not isinstance(source, str):
+        raise KestrelError(f"invalid chat template: expected text, got {type(source).__name__}")
+    if len(source) > MAX_TEMPLATE_CHARS:
+        raise KestrelError(f"invalid chat template: {len(source)} characters (the limit is {MAX_TEMPLATE_CHARS})")
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        tree = _Rewrite().visit(env.parse(source))
+        return env.from_string(tree)
+    except jinja2.TemplateError as exc:
+        raise KestrelError(f"invalid chat template: {one_line(exc)}") from None
+    except (RecursionError, MemoryError) as exc:  # a template nested thousands deep
+        raise KestrelError(f"invalid chat template: {type(exc).__name__}") from None
+
+
+def render_bounded(template: jinja2.Template, budget: _Budget | None = None, **context: Any) -> str:
+    """Render with the limits: the output is gathered chunk by chunk (``generate``) so that its size is checked
+    as it grows, and each chunk ticks the deadline."""
+    budget = budget or _Budget()
+    token = _BUDGET.set(budget)
+    try:
+        out: list[str] = []
+        size = 0
+        for chunk in template.generate(**context):
+            size += len(chunk)
+            if size > budget.chars:
+                raise TemplateLimitError(f"the rendered prompt passed {budget.chars} characters")
+            budget.tick()
+            out.append(chunk)
+        return "".join(out)
+    finally:
+        _BUDGET.reset(token)
+
+
+def render_chat(template: jinja2.Template, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
+                **context: Any) -> str:
+    """The prompt text for ``messages``, rendered with the limits; whatever the template does wrong (a limit, the
+    sandbox, its own exceptions, recursion) is one KestrelError line."""
+    try:
+        return render_bounded(template, messages=[dict(m) for m in messages],
+                              add_generation_prompt=add_generation_prompt, **context)
+    except TemplateLimitError as exc:
+        raise KestrelError(f"chat template stopped: {one_line(exc)}") from None
+    except jinja2.TemplateError as exc:
+        kind = "refused by the sandbox" if isinstance(exc, SecurityError) else "failed"
+        raise KestrelError(f"chat template {kind}: {one_line(exc)}") from None
+    except KestrelError:
+        raise
+    except (RecursionError, MemoryError) as exc:
+        raise KestrelError(f"chat template stopped: {type(exc).__name__} (too deep or too large)") from None
+    except Exception as exc:  # TypeError, ZeroDivisionError, OverflowError... from the template's own code
+        raise KestrelError(f"chat template failed: {type(exc).__name__}: {one_line(exc)}") from None
