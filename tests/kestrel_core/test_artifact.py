@@ -10,8 +10,10 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from kestrel_core import artifact
-from kestrel_core.artifact import FORMAT_VERSION, load_artifact, model_tensors, read_meta, save_artifact
+from kestrel_core import artifact_write
+from kestrel_core.artifact import FORMAT_VERSION, model_tensors, read_meta
+from kestrel_core.artifact_load import load_artifact
+from kestrel_core.artifact_write import save_artifact
 from kestrel_core.contract import StripCache
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.quantize import quantize_model
@@ -81,7 +83,7 @@ def test_existing_output_needs_force_and_write_is_atomic(tmp_path: Path, synth_s
         f.write(b"half")
         raise OSError("disk full")
 
-    monkeypatch.setattr(artifact, "_write_safetensors", boom)
+    monkeypatch.setattr(artifact_write, "_write_safetensors", boom)
     with pytest.raises(OSError, match="disk full"):
         _save(tmp_path, model, force=True)
     assert path.read_bytes() == b"the user's file"

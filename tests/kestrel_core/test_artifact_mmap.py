@@ -18,8 +18,10 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from kestrel_core import artifact
-from kestrel_core.artifact import load_artifact, model_tensors, read_meta, save_artifact
+from kestrel_core import artifact_load
+from kestrel_core.artifact import model_tensors, read_meta
+from kestrel_core.artifact_load import load_artifact
+from kestrel_core.artifact_write import save_artifact
 from kestrel_core.contract import StripCache
 from kestrel_core.errors import ContractError, KestrelError
 from kestrel_core.model.loader import load_model
@@ -131,8 +133,8 @@ def test_a_flipped_bit_is_a_checksum_error_naming_the_tensor(tmp_path: Path, syn
 
 
 def test_the_threaded_pass_finds_corruption_too(tmp_path: Path, synth_source, monkeypatch) -> None:
-    monkeypatch.setattr(artifact, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(artifact, "CHUNK_BYTES", 1024)  # several chunks per tensor
+    monkeypatch.setattr(artifact_load, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(artifact_load, "CHUNK_BYTES", 1024)  # several chunks per tensor
     path = _save(tmp_path, synth_source)
     load_artifact(path)
     start, header = _header(path)
@@ -240,7 +242,7 @@ def test_sigterm_while_writing_leaves_nothing(tmp_path: Path) -> None:
     """The default SIGTERM kills without running finally blocks; the writer's handler removes its temp first."""
     code = textwrap.dedent(f"""
         import sys, time
-        from kestrel_core import artifact
+        from kestrel_core import artifact_write
         from kestrel_core.model.presets import preset_model
 
         def slow(f, *args, **kwargs):
@@ -250,9 +252,9 @@ def test_sigterm_while_writing_leaves_nothing(tmp_path: Path) -> None:
             while True:
                 time.sleep(0.01)
 
-        artifact._write_safetensors = slow
+        artifact_write._write_safetensors = slow
         model = preset_model("smollm2-135m", num_layers=1, vocab_size=512)
-        artifact.save_artifact({str(tmp_path / "m.kst")!r}, model, quant="q8")
+        artifact_write.save_artifact({str(tmp_path / "m.kst")!r}, model, quant="q8")
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:

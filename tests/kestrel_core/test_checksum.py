@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from kestrel_core import checksum
-from kestrel_core.artifact import load_artifact, read_meta, save_artifact
+from kestrel_core.artifact import read_meta
+from kestrel_core.artifact_load import load_artifact
+from kestrel_core.artifact_write import save_artifact
 from kestrel_core.checksum import XXH64, xxh64
 from kestrel_core.model.quantize import quantize_model
 

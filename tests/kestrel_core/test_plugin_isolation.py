@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from kestrel_core import probe
+from kestrel_core import probe_run
 from kestrel_core.errors import KestrelError
 from kestrel_core.registry import Registry
 
@@ -204,8 +204,8 @@ def test_the_verdict_is_cached_by_the_plugins_identity(tmp_path: Path, monkeypat
     monkeypatch.setenv("KESTREL_PROBE_CACHE", str(tmp_path / "cache.json"))
     assert not Registry().backends["ident"].probe.endswith("(cached)")
     calls: list[int] = []
-    real = probe._probe
-    monkeypatch.setattr(probe, "_probe", lambda targets: calls.append(len(targets)) or real(targets))
+    real = probe_run.run_probes
+    monkeypatch.setattr(probe_run, "run_probes", lambda targets: calls.append(len(targets)) or real(targets))
     assert Registry().backends["ident"].probe == "ok (cached)" and calls == []
     plugin.write_text(plugin.read_text() + "\n# changed\n")
     os.utime(plugin, ns=(time.time_ns(), time.time_ns() + 10**9))
@@ -229,7 +229,7 @@ def test_the_cache_lives_under_kestrel_home(tmp_path: Path, monkeypatch: pytest.
 
 def test_the_cpu_is_never_probed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KESTREL_PLUGINS", "")
-    monkeypatch.setattr(probe, "_probe", lambda targets: pytest.fail("probed"))
+    monkeypatch.setattr(probe_run, "run_probes", lambda targets: pytest.fail("probed"))
     reg = Registry()
     assert reg.select("auto").name == "cpu" and reg.backends["cpu"].probe == "built in"
 
@@ -237,7 +237,9 @@ def test_the_cpu_is_never_probed(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(("var", "value", "message"), [
     ("KESTREL_PROBE", "maybe", "KESTREL_PROBE must be 1, 0 or always"),
     ("KESTREL_PROBE_TIMEOUT", "soon", "KESTREL_PROBE_TIMEOUT must be a number of seconds"),
-    ("KESTREL_GOOD_GPU_PROBE_TIMEOUT", "-1", "KESTREL_GOOD_GPU_PROBE_TIMEOUT must be a positive number"),
+    ("KESTREL_GOOD_GPU_PROBE_TIMEOUT", "-1", "KESTREL_GOOD_GPU_PROBE_TIMEOUT must be a number of seconds >= 0.001"),
+    ("KESTREL_GOOD_GPU_PROBE_TIMEOUT", "0", "KESTREL_GOOD_GPU_PROBE_TIMEOUT must be a number of seconds >= 0.001"),
+    ("KESTREL_PROBE_TIMEOUT", "nan", "KESTREL_PROBE_TIMEOUT must be a number of seconds"),
 ])
 def test_bad_probe_settings_are_one_line_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, var: str,
                                                 value: str, message: str) -> None:
@@ -251,11 +253,11 @@ def test_bad_probe_settings_are_one_line_errors(tmp_path: Path, monkeypatch: pyt
 def test_a_probe_that_cannot_run_refuses_but_is_not_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KESTREL_PROBE_CACHE", str(tmp_path / "cache.json"))
     monkeypatch.setenv("KESTREL_BACKEND_PATH", str(FIXTURES / "good_gpu.py"))
-    probe._stop_server()
-    boot = probe._Server.BOOT
-    monkeypatch.setattr(probe._Server, "BOOT", "raise SystemExit(1)")  # the server dies at once, twice
+    probe_run._stop_server()
+    boot = probe_run._Server.BOOT
+    monkeypatch.setattr(probe_run._Server, "BOOT", "raise SystemExit(1)")  # the server dies at once, twice
     backend = Registry().bind("good_gpu")
     assert backend.reason == "probe: the probe process could not run (KESTREL_PROBE=0 skips it)"
-    probe._stop_server()
-    monkeypatch.setattr(probe._Server, "BOOT", boot)
+    probe_run._stop_server()
+    monkeypatch.setattr(probe_run._Server, "BOOT", boot)
     assert Registry().bind("good_gpu").bound  # probed again, not read from the cache

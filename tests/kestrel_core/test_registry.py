@@ -54,6 +54,32 @@ def test_good_backends_bind_and_report_their_source(registry: Registry) -> None:
     assert registry.backends["cpu"].source.startswith("entry point")
 
 
+def test_cpu_is_built_in_without_its_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kestrel_core import registry as registry_mod
+
+    monkeypatch.setattr(registry_mod, "entry_points", lambda group: [])  # kestrel not pip-installed
+    reg = Registry()
+    cpu = reg.cpu()
+    assert cpu.source == "built in kestrel_cpu" and cpu.named_by == cpu.probe == "built in"
+    assert cpu.plugin is sys.modules["kestrel_cpu"] and cpu.info is not None and cpu.info.name == "cpu"
+    assert cpu.as_dict()["offload"] == "reference"
+    reg.close()
+
+
+def test_the_plugin_api_imports_no_registry_and_the_registry_no_backend() -> None:
+    """A backend imports its names before the registry exists; the registry loads the reference by name."""
+    code = ("import sys\n"
+            "from kestrel_core.hookspecs import (API_VERSION, KINDS, BackendInfo, BackendUnavailable, BatchEntry,\n"
+            "                                    hookimpl)\n"
+            "assert 'kestrel_core.registry' not in sys.modules\n"
+            "import kestrel_core.registry as r\n"
+            "reg = r.Registry()\n"
+            "assert r.BackendInfo is BackendInfo and 'kestrel_cpu' not in sys.modules\n"
+            "reg.cpu()\n"
+            "assert 'kestrel_cpu' in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
+
+
 def test_auto_picks_the_bound_accelerator_and_explicit_unbound_is_an_error(registry: Registry) -> None:
     assert registry.select("auto").name in {"good_gpu", "gemm_raises", "wrong_shape", "cuda"}
     with pytest.raises(KestrelError, match="backend 'open_raises' is not bound: device open failed"):
@@ -144,7 +170,7 @@ def test_min_flops_threshold_declines_small_gemms(registry: Registry, monkeypatc
 
 def test_bad_min_flops_env_is_a_clear_error(registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KESTREL_GOOD_GPU_MIN_FLOPS", "lots")
-    with pytest.raises(KestrelError, match="KESTREL_GOOD_GPU_MIN_FLOPS must be a number"):
+    with pytest.raises(KestrelError, match="KESTREL_GOOD_GPU_MIN_FLOPS must be a finite number >= 0, got 'lots'"):
         Offload(registry.backends["good_gpu"], registry.cpu()).linear(*_problem(), wkey(0, Proj.K))
 
 

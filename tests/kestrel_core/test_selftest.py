@@ -69,7 +69,7 @@ def test_selftest_of_an_unbound_backend_is_a_one_line_error(monkeypatch, capsys)
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no widget attached" in err
     assert main(["selftest", "--seeds", "0"]) == 2
-    assert "--seeds must be >= 1" in capsys.readouterr().err
+    assert "--seeds: seeds must be an integer in [1, 10000], got 0" in capsys.readouterr().err
 
 
 def test_cli_exit_code_reflects_failures(monkeypatch, capsys) -> None:

@@ -10,6 +10,7 @@ from kestrel_core.wkey import (
     FUSED_LAYER_BASE,
     LM_HEAD_LAYER,
     NO_CACHE,
+    PROJ_GROUPS,
     Proj,
     decode_wkey,
     fused_wkey,
@@ -44,3 +45,30 @@ def test_zero_and_overflow_are_refused() -> None:
         decode_wkey(0)
     with pytest.raises(ValueError, match="32 bits"):
         wkey(1 << 32, Proj.Q)
+
+
+def test_projection_groups_share_an_input_and_name_their_fused_weight() -> None:
+    assert [g.members for g in PROJ_GROUPS] == [(Proj.Q, Proj.K, Proj.V), (Proj.O,), (Proj.GATE, Proj.UP),
+                                                (Proj.DOWN,)]
+    qkv, o, gate_up, down = PROJ_GROUPS
+    assert qkv.keys(4) == (wkey(4, Proj.Q), wkey(4, Proj.K), wkey(4, Proj.V))
+    assert qkv.fused_key(4) == qkv.key(4) == fused_wkey(4, Proj.QKV)
+    assert gate_up.key(2) == fused_wkey(2, Proj.GATE_UP)
+    assert o.fused_key(3) == NO_CACHE and o.key(3) == wkey(3, Proj.O) and down.key(0) == wkey(0, Proj.DOWN)
+
+
+def test_layer_groups_and_engine_weights_follow_the_groups() -> None:
+    from kestrel_core.model.config import ModelConfig
+    from kestrel_core.model.presets import synthetic_model
+    from kestrel_core.model.weights import LAYER_PROJS, engine_weights
+
+    config = ModelConfig(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
+                         num_heads=2, num_kv_heads=1, head_dim=32, max_position=32)
+    model = synthetic_model(config, "q8", seed=0)
+    lw = model.layers[1]
+    assert all(a is b for a, b in zip(sum(lw.groups(), ()), (lw.q, lw.k, lw.v, lw.o, lw.gate, lw.up, lw.down)))
+    assert LAYER_PROJS == (Proj.Q, Proj.K, Proj.V, Proj.O, Proj.GATE, Proj.UP, Proj.DOWN)
+    got = engine_weights(model)
+    assert [key for key, _ in got] == [g.key(i) for i in range(2) for g in PROJ_GROUPS] + [lm_head_wkey()]
+    assert [w is s for w, s in zip(got[4][1], (lw.q, lw.k, lw.v))] == [True] * 3
+    assert len(got[-1][1]) == 1 and got[-1][1][0] is model.lm_head

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kestrel_core import artifact
+from kestrel_core import artifact_write
 from kestrel_core.artifact import model_tensors, read_meta
 from kestrel_core.contract import StripCache
 from kestrel_core.model import loader
@@ -24,7 +24,7 @@ from kestrel_core.model.quantize import quantize_model
 
 TEMPLATE = "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
-REAL_WRITER = artifact._write_safetensors
+REAL_WRITER = artifact_write._write_safetensors
 
 
 @pytest.fixture
@@ -141,7 +141,7 @@ def test_a_writer_that_fails_leaves_no_temp_and_no_entry(home: Path, hf, builds:
         f.write(b"half an artifact")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(artifact, "_write_safetensors", dies)
+    monkeypatch.setattr(artifact_write, "_write_safetensors", dies)
     with caplog.at_level(logging.WARNING, logger="kestrel"):
         loaded = load_model(root, quant="q8")  # a cache that cannot be written only costs speed
     _same(loaded.model, _fresh(root, "q8"))
@@ -152,11 +152,11 @@ def test_a_writer_that_fails_leaves_no_temp_and_no_entry(home: Path, hf, builds:
         f.write(b"half an artifact")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(artifact, "_write_safetensors", interrupted)
+    monkeypatch.setattr(artifact_write, "_write_safetensors", interrupted)
     with pytest.raises(KeyboardInterrupt):
         load_model(root, quant="q8")
     assert list((home / "cache").iterdir()) == []
-    monkeypatch.setattr(artifact, "_write_safetensors", REAL_WRITER)
+    monkeypatch.setattr(artifact_write, "_write_safetensors", REAL_WRITER)
     load_model(root, quant="q8")
     assert len(_entries(home)) == 1 and [p.name for p in (home / "cache").iterdir() if p.suffix == ".tmp"] == []
 

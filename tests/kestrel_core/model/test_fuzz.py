@@ -214,10 +214,10 @@ def test_fuzz_config_json(changes: dict[str, Any], rope: dict[str, Any], drop: s
 
 @pytest.fixture(autouse=True)
 def _fast_template_limits(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kestrel_core.model import tokenizer
+    from kestrel_core.model import chat_template
 
-    monkeypatch.setattr(tokenizer, "MAX_TEMPLATE_STEPS", 100_000, raising=False)
-    monkeypatch.setattr(tokenizer, "MAX_TEMPLATE_SECONDS", 1.0, raising=False)
+    monkeypatch.setattr(chat_template, "MAX_TEMPLATE_STEPS", 100_000)
+    monkeypatch.setattr(chat_template, "MAX_TEMPLATE_SECONDS", 1.0)
 
 
 @settings(FUZZ, max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

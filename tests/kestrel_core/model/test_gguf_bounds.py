@@ -34,7 +34,7 @@ def kv_string(key: str) -> bytes:
 
 
 def huge_array_gguf() -> bytes:
-    """The issue's 49-byte file: one metadata array of uint8 claiming 2^62 elements."""
+    """A 49-byte file: one metadata array of uint8 claiming 2^62 elements."""
     data = header(0, 1) + kv_string("a") + struct.pack("<IIQ", ARRAY, 0, 2 ** 62)
     assert len(data) == 49
     return data

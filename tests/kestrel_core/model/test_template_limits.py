@@ -1,7 +1,7 @@
 """Chat templates are programs from model files: each render is bounded in steps, time, sizes and output.
 
-The process-killing cases (``'a' * 300000000`` aborted kestrel with rc 134) run in a subprocess under
-RLIMIT_AS, so a regression fails the test instead of the test run.
+The cases that would kill the process without the limits (``'a' * 300000000`` aborts it, exit status 134) run in
+a subprocess under RLIMIT_AS, so a broken limit fails the test instead of the test run.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tokenizers import models
 
 import kestrel_core
 from kestrel_core.errors import KestrelError
-from kestrel_core.model import tokenizer as tokmod
+from kestrel_core.model import chat_template
 from kestrel_core.model.tokenizer import Tokenizer
 
 HOSTILE = {
@@ -60,8 +60,8 @@ def render(template: str) -> str:
 
 @pytest.fixture
 def fast_limits(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tokmod, "MAX_TEMPLATE_STEPS", 100_000)
-    monkeypatch.setattr(tokmod, "MAX_TEMPLATE_SECONDS", 2.0)
+    monkeypatch.setattr(chat_template, "MAX_TEMPLATE_STEPS", 100_000)
+    monkeypatch.setattr(chat_template, "MAX_TEMPLATE_SECONDS", 2.0)
 
 
 @pytest.mark.parametrize("name", list(HOSTILE))
@@ -75,8 +75,8 @@ def test_hostile_templates_end_in_one_line(name: str, fast_limits: None) -> None
 
 
 def test_the_deadline_stops_slow_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tokmod, "MAX_TEMPLATE_STEPS", 10 ** 12)  # only the clock can stop it
-    monkeypatch.setattr(tokmod, "MAX_TEMPLATE_SECONDS", 0.2)
+    monkeypatch.setattr(chat_template, "MAX_TEMPLATE_STEPS", 10 ** 12)  # only the clock can stop it
+    monkeypatch.setattr(chat_template, "MAX_TEMPLATE_SECONDS", 0.2)
     t0 = time.monotonic()
     with pytest.raises(KestrelError, match="took more than 0.2 s"):
         render(HOSTILE["nested ranges"])
@@ -84,7 +84,7 @@ def test_the_deadline_stops_slow_work(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_output_cap(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tokmod, "MAX_TEMPLATE_CHARS", 10_000)
+    monkeypatch.setattr(chat_template, "MAX_TEMPLATE_CHARS", 10_000)
     with pytest.raises(KestrelError, match="rendered prompt passed 10000"):
         render("{% for i in range(100000) %}{{ m }}abcdefghij{% endfor %}")
 
@@ -103,7 +103,7 @@ def test_ordinary_templates_still_render() -> None:
 
 
 def test_limits_are_per_render(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tokmod, "MAX_TEMPLATE_STEPS", 5_000)
+    monkeypatch.setattr(chat_template, "MAX_TEMPLATE_STEPS", 5_000)
     t = tok("{% for i in range(1000) %}{{ i }}{% endfor %}")
     for _ in range(20):  # 20 x 1000 steps in all, 1000 per render
         t.apply_chat_template([{"role": "user", "content": "hi"}])

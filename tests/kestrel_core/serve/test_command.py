@@ -12,15 +12,25 @@ import pytest
 from kestrel_core.cli import main
 from kestrel_core.serve import command
 
+# the shared CLI check words them as it does run's and bench's: "--flag: field must be ..."
+BAD_VALUES = [
+    (["--port", "70000"], "--port: port must be an integer in [0, 65535], got 70000"),
+    (["--port", "-1"], "--port: port must be an integer in [0, 65535], got -1"),
+    (["--max-batch", "0"], "--max-batch: max_batch must be an integer >= 1, got 0"),
+    (["--max-waiting", "-1"], "--max-waiting: max_waiting must be an integer >= 0, got -1"),
+    (["--token-budget", "0"], "--token-budget: token_budget must be an integer >= 1, got 0"),
+    (["--kv-cache-mb", "0"], "--kv-cache-mb: kv_cache_mb must be in (0, "),
+    (["--kv-cache-mb", "nan"], "--kv-cache-mb: kv_cache_mb must be in (0, "),
+    (["--shutdown-grace", "-1"], "--shutdown-grace: shutdown_grace must be in [0, 86400], got -1.0"),
+    (["--host", ""], "--host: host must not be empty, got ''"),
+    (["--served-model-name", " "], "--served-model-name: served_model_name must not be empty, got ' '"),
+    (["--api-key", ""], "--api-key: api_key must not be empty, got ''"),
+]
+
 
 @pytest.mark.parametrize(("argv", "needle"), [
-    (["--port", "70000"], "--port must be in [0, 65535]"),
-    (["--max-batch", "0"], "--max-batch must be >= 1"),
-    (["--max-waiting", "-1"], "--max-waiting must be >= 0"),
-    (["--token-budget", "0"], "--token-budget must be >= 1"),
-    (["--kv-cache-mb", "0"], "--kv-cache-mb must be > 0"),
-    (["--shutdown-grace", "-1"], "--shutdown-grace must be >= 0"),
-    (["--served-model-name", " "], "--served-model-name must not be empty"),
+    *BAD_VALUES,
+    (["--host", "no such host"], "cannot listen on no such host:8000"),
     (["--model", "/nonexistent/model"], "does not exist"),
     (["--backend", "nope"], "unknown backend 'nope'"),
     (["--preset", "tiny", "--model", "m.gguf"], "either --model or --preset"),
@@ -30,6 +40,29 @@ def test_bad_options_are_one_line_and_exit_2(argv: list[str], needle: str, capsy
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_serve_words_a_bad_value_as_run_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """One check for every command: the same flag, the same value, the same line."""
+    assert main(["run", "--seed", "-1", "hi"]) == 2
+    run_err = capsys.readouterr().err.strip()
+    assert main(["bench", "--runs", "0"]) == 2
+    bench_err = capsys.readouterr().err.strip()
+    assert main(["serve", "--max-batch", "0"]) == 2
+    serve_err = capsys.readouterr().err.strip()
+    assert run_err == "error: --seed: seed must be an integer in [0, 9223372036854775807], got -1"
+    assert bench_err == "error: --runs: runs must be an integer in [1, 10000], got 0"
+    assert serve_err == "error: --max-batch: max_batch must be an integer >= 1, got 0"
+
+
+@pytest.mark.parametrize(("argv", "needle"), BAD_VALUES[:4] + BAD_VALUES[8:9])
+def test_the_command_exits_2_with_one_line(argv: list[str], needle: str) -> None:
+    """The installed command's own process: nothing loads, nothing listens, one line on stderr."""
+    done = subprocess.run([sys.executable, "-m", "kestrel_core.entry", "serve", *argv], capture_output=True,
+                          text=True, timeout=60)
+    err = done.stderr.strip()
+    assert done.returncode == 2, (done.returncode, err)
+    assert needle in err and len(err.splitlines()) == 1 and done.stdout == ""
 
 
 def test_a_busy_port_fails_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
