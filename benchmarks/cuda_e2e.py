@@ -2,16 +2,17 @@
 per-kernel breakdown, the bandwidth roofline, and the residency window.
 
     python benchmarks/cuda_e2e.py [--preset qwen3-8b] [--quant q8] [--prompt 512] [--decode 128]
-                                  [--window 1,4,16] [--sweep "default,PDL=0,GEMV=chunk"] [--json out.json]
+                                  [--window 1,4,16] [--sweep "default,PDL=0,CLUSTER=0"] [--json out.json]
 
 Everything runs through the CUDA backend's own device (binding.open_device: its weight cache, preload,
 stream and tiled GEMM) and kestrel_cuda.forward.DeviceForward, the object the kestrel_forward hook calls.
 Wall-clock times include the Python work per step (token in, logits [1, vocab] back to a numpy array);
 the GPU time of one decode step is measured with CUDA events around replays of its graph; the per-kind
-breakdown replays each kind's launches of one step in a graph of their own. ``--sweep`` times decode under
-several configurations, each a '+'-joined list of NAME=VALUE settings of the KESTREL_CUDA_NAME variables
-(GEMV=hybrid|stream|chunk, PDL=1|0, GEMV_BLOCKS=n), and the rest runs the fastest
-(``--sweep-breakdown``: with each one's per-kind breakdown). Figures:
+breakdown replays each kind's launches of one step in a graph of their own, the prefill's each launch between
+CUDA events (``CupyOps.on_launch``). ``--sweep`` times decode under several configurations, each a '+'-joined
+list of KEY=VALUE settings of the forward (keys of ``CudaConfig``, any case: PDL=1|0, CLUSTER=1|0), over the
+environment's, and the rest runs the fastest (``--sweep-breakdown``: with each one's per-kind breakdown).
+Figures:
     copy_gb_s        device-to-device copy, bytes read + written per second (the bandwidth ceiling)
     bytes_per_token  weight codes + scales one decode step reads (every projection and lm_head)
     roofline_tok_s   copy_gb_s / bytes_per_token
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from collections import defaultdict
@@ -128,30 +128,20 @@ def prefill_breakdown(cp: Any, fwd: Any, model: Any, seq_id: int, prompt: np.nda
     """Eager prefill with CUDA events around each launch (kernels long enough for events)."""
     ops = fwd.ops
     records: list[tuple[str, Any, Any]] = []
-    orig_launch, orig_gemm = ops._launch, ops.gemm
 
-    def launch(fn: Any, grid: Any, block: Any, args: Any, smem: int = 0, **kwargs: Any) -> None:
+    def timed(name: str, launch: Any) -> None:
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
         e0.record(ops.stream)
-        orig_launch(fn, grid, block, args, smem, **kwargs)
+        launch()
         e1.record(ops.stream)
-        records.append((_kernel_name(ops, fn), e0, e1))
+        records.append((name, e0, e1))
 
-    class TimedGemm:
-        def q8(self, *args: Any) -> None:
-            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-            e0.record(ops.stream)
-            orig_gemm.q8(*args)
-            e1.record(ops.stream)
-            records.append(("tiled gemm (cuda-kernels)", e0, e1))
-
-    ops._launch = launch
-    ops.gemm = TimedGemm() if orig_gemm is not None else None
+    saved, ops.on_launch = ops.on_launch, timed
     t0 = time.perf_counter()
     try:
         fwd.forward(model, seq_id, prompt, 0, False)
     finally:
-        ops._launch, ops.gemm = orig_launch, orig_gemm
+        ops.on_launch = saved
     wall = time.perf_counter() - t0
     us: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
@@ -161,19 +151,6 @@ def prefill_breakdown(cp: Any, fwd: Any, model: Any, seq_id: int, prompt: np.nda
     out = {name: {"launches": count[name], "us": round(us[name], 1)} for name in sorted(us, key=lambda n: -us[n])}
     out["wall_s"] = round(wall, 4)
     return out
-
-
-def _kernel_name(ops: Any, fn: Any) -> str:
-    if any(fn is f for f in ops._gemv.values()):
-        return "qgemv"
-    if any(fn is f for f in ops._gemv_m1.values()):
-        return "qgemv_m1"
-    if fn is ops._attn_decode:
-        return "attn_decode"
-    for name, f in ops._fn.items():
-        if f is fn:
-            return name
-    return "quantize_rows" if any(fn is f for f in ops._quant.values()) else "?"
 
 
 def graph_step_us(cp: Any, fwd: Any, seq_id: int, replays: int = 20) -> float:
@@ -218,31 +195,23 @@ def pipelined(fwd: Any, model: Any, seq_id: int, prompt: np.ndarray, steps: int)
 
 
 def parse_config(text: str) -> dict[str, str]:
-    """'GEMV=stream+PDL=1' -> {'KESTREL_CUDA_GEMV': 'stream', 'KESTREL_CUDA_PDL': '1'} ('' or 'default': {})."""
-    env = {}
+    """'PDL=0+CLUSTER=1' -> {'pdl': '0', 'cluster': '1'}: CudaConfig options ('' or 'default': {})."""
+    options = {}
     for item in text.split("+"):
         item = item.strip()
         if item and item != "default":
             name, _, value = item.partition("=")
-            env[f"KESTREL_CUDA_{name.strip().upper()}"] = value.strip()
-    return env
+            options[name.strip().lower()] = value.strip()
+    return options
 
 
-def make_forward(dev: Any, env: dict[str, str]) -> Any:
-    """DeviceForward on the backend's device, built under the settings ``env`` (read at construction)."""
+def make_forward(dev: Any, options: dict[str, str]) -> Any:
+    """DeviceForward on the backend's device under its settings, ``options`` overriding them."""
+    from kestrel_cuda.config import CudaConfig
     from kestrel_cuda.forward import DeviceForward
 
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return DeviceForward(dev.weight, None, stream=dev.stream, gemm=dev.gemm, pin=dev.cache.pin,
-                             unpin=dev.cache.unpin)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return DeviceForward(dev.weight, None, config=CudaConfig.from_env(options), stream=dev.stream, gemm=dev.gemm,
+                         pin=dev.cache.pin, unpin=dev.cache.unpin)
 
 
 def decode_config(cp: Any, dev: Any, model: Any, prompt: np.ndarray, steps: int, name: str,
@@ -254,10 +223,7 @@ def decode_config(cp: Any, dev: Any, model: Any, prompt: np.ndarray, steps: int,
         warm = times[2:] or times
         piped, piped_tok_s = pipelined(fwd, model, 3, prompt, steps)
         extra = {"breakdown": kernel_breakdown(cp, fwd, model, 1, tokens[-1], len(prompt) + steps)} if breakdown else {}
-        return {"config": name, "gemv": fwd.ops.gemv_kind, "pdl": fwd.ops.pdl,
-                "m1": {lin.m1 for layer in fwd._st.layers for lin in (*layer.weights.qkv, layer.weights.o,
-                                                                     *layer.weights.gate_up, layer.weights.down)},
-                "tokens": tokens,
+        return {"config": name, "pdl": fwd.ops.pdl, "cluster": fwd.ops.cluster, "tokens": tokens,
                 "decode_tok_s": round(1.0 / statistics.median(warm), 1),
                 "pipelined_tok_s": round(piped_tok_s, 1), "pipelined_same_tokens": piped == tokens,
                 "graph_step_us": round(graph_step_us(cp, fwd, 1), 1), **extra}
@@ -272,7 +238,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kestrel_cuda.binding import open_device
     from kestrel_cuda.forward import DeviceForward
 
-    os.environ.pop("KESTREL_CUDA_STREAM", None)
     res: dict[str, Any] = {"preset": args.preset, "quant": args.quant, "prompt": args.prompt, "decode": args.decode}
     t0 = time.perf_counter()
     model = preset_model(args.preset, args.quant)
@@ -283,7 +248,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompt = rng.integers(0, model.config.vocab_size, args.prompt)
     short = prompt[:args.window_prompt]
 
-    dev = open_device({})
+    dev = open_device({"window": "0"})
     try:
         res["device"] = dev.description
         res["copy_gb_s"] = round(copy_bandwidth(cp), 1)
@@ -301,9 +266,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 r["same_tokens_as_first"] = r["tokens"] == first_tokens
             else:
                 first_tokens = r["tokens"]
-            log(f"[{args.quant}] config {name!r} (gemv {r['gemv']}, pdl {int(r['pdl'])}): {r['decode_tok_s']} "
-                f"tok/s, pipelined {r['pipelined_tok_s']} (same tokens {r['pipelined_same_tokens']}), GPU "
-                f"{r['graph_step_us']} us/step, same tokens {r.get('same_tokens_as_first', True)}")
+            log(f"[{args.quant}] config {name!r} (pdl {int(r['pdl'])}, cluster {int(r['cluster'])}): "
+                f"{r['decode_tok_s']} tok/s, pipelined {r['pipelined_tok_s']} (same tokens "
+                f"{r['pipelined_same_tokens']}), GPU {r['graph_step_us']} us/step, same tokens "
+                f"{r.get('same_tokens_as_first', True)}")
             if "breakdown" in r:
                 log("    " + ", ".join(f"{k} {v['us']}" for k, v in r["breakdown"].items()))
             res["sweep"].append({k: v for k, v in r.items() if k != "tokens"})
@@ -311,7 +277,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if res["sweep"] and not args.keep_default:
             best = min(res["sweep"], key=lambda r: r["graph_step_us"])["config"]
         fwd = make_forward(dev, parse_config(best))
-        res["config"] = {"name": best, "gemv": fwd.ops.gemv_kind, "pdl": fwd.ops.pdl}
+        res["config"] = {"name": best, "pdl": fwd.ops.pdl, "cluster": fwd.ops.cluster}
         log(f"[{args.quant}] running {res['config']}")
         t0 = time.perf_counter()
         fwd.forward(model, 99, prompt[:8], 0, False)
@@ -357,8 +323,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     res["window"] = {}
     for keep in args.window:
-        os.environ["KESTREL_CUDA_STREAM"] = str(keep)
-        dev = open_device({})
+        dev = open_device({"window": str(keep)})
         try:
             wf = DeviceForward(dev.weight, dev.layer_boundary, stream=dev.stream, gemm=dev.gemm)
             toks, times, _ = greedy(wf, model, 1, short, args.window_steps)
@@ -370,7 +335,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             wf.close()
         finally:
             dev.close()
-            os.environ.pop("KESTREL_CUDA_STREAM", None)
     return res
 
 
@@ -384,8 +348,8 @@ def main() -> None:
     p.add_argument("--window-prompt", type=int, default=8)
     p.add_argument("--window-steps", type=int, default=3)
     p.add_argument("--sweep", default="",
-                   help="configurations to time, comma-separated, each '+'-joined NAME=VALUE settings of "
-                        "KESTREL_CUDA_NAME ('default' = the environment as it is; '' to skip)")
+                   help="configurations to time, comma-separated, each '+'-joined KEY=VALUE settings of the "
+                        "forward, e.g. PDL=0+CLUSTER=0 ('default' = the environment as it is; '' to skip)")
     p.add_argument("--sweep-steps", type=int, default=24)
     p.add_argument("--sweep-breakdown", action="store_true", help="per-kind GPU breakdown of every configuration")
     p.add_argument("--keep-default", action="store_true",

@@ -6,7 +6,7 @@ activation quantization, the hook's CPU/GPU crossover (the default min FLOPs), a
                                    [--splits plan,8,8c,16]
 
 Two decode GEMVs are measured: the hook path's (``gemm.q8`` on pre-quantized activations, gemv_warp.cu),
-and the whole-step decode's (forward.cu ``qgemv`` through ``CupyOps.gemv``: activation quantization fused,
+and the whole-step decode's (gemv.cu ``qgemv`` through ``CupyOps.gemv``: activation quantization fused,
 the planner's K split and clusters, launched back to back with programmatic dependent launch as the
 captured decode step launches it; ``--decode-only`` runs the copy and this one alone).
 
@@ -44,10 +44,10 @@ def log(*a: Any) -> None:
 def plan_decode(ops: Any, lins: list[Any], setting: str = "plan") -> None:
     """Plan the M=1 GEMV of each of ``lins`` as the decode step does ("plan": the planner's K split and
     clusters; "N" or "Nc": N splits, "c" as one cluster per tile), and reserve the split-K scratch they need."""
-    from kestrel_cuda.forward_ops import MAX_CLUSTER, gemv_scratch, plan_split
+    from kestrel_cuda.plan import MAX_CLUSTER, gemv_scratch, plan_split
 
     for lin in lins:
-        lin.ksplit = plan_split(lin, ops.gemv_kind, ops.sm_count, clusters=ops.cluster)
+        lin.ksplit = plan_split(lin, ops.sm_count, clusters=ops.cluster)
         if setting != "plan":
             lin.ksplit = min(int(setting.rstrip("c")), lin.chunks)
             lin.cluster = ops.cluster and setting.endswith("c") and lin.ksplit <= MAX_CLUSTER
@@ -118,7 +118,8 @@ class Bench:
 
     def device_weight(self, n: int, k: int, g: int, bits: int, seed: int):
         """A random resident weight in the kernels' layout, made on the device (uploads are timed apart)."""
-        from kestrel_cuda.residency import DeviceWeight, Geometry, pad_n
+        from kestrel_cuda.layout import Geometry, pad_n
+        from kestrel_cuda.residency import DeviceWeight
 
         cp = self.cp
         geo = Geometry(k, pad_n(n), k // g, 4 if bits == 4 else 8)
@@ -137,6 +138,13 @@ class Bench:
         first = self.device_weight(n, k, g, bits, 1)
         copies = max(2, -(-4 * L2_BYTES // first.geometry.nbytes))
         return [first] + [self.device_weight(n, k, g, bits, 2 + i) for i in range(copies - 1)]
+
+    def decode_ops(self) -> Any:
+        """The whole-step forward's kernels on the device's stream, under the device's settings (PDL, clusters)."""
+        from kestrel_cuda.ops_cupy import CupyOps
+
+        cfg = self.dev.config
+        return CupyOps(self.stream, pdl=cfg.pdl, cluster=cfg.cluster)
 
     def save(self, path: str) -> None:
         """Write the results as JSON to ``path`` (nothing when it is empty)."""
@@ -240,11 +248,10 @@ extern "C" __global__ void copy16(const uint4* __restrict__ s, uint4* __restrict
         int4 at G = 32, rotating over weight copies four times the L2, in one captured graph with PDL; with
         ``--splits``, once per K split given ("plan": the planner's; "8c": 8 splits as one cluster per tile)."""
         cp = self.cp
-        from kestrel_cuda.forward_ops import EPI_STORE, PRO_PLAIN, CupyOps, Lin
+        from kestrel_cuda.plan import EPI_STORE, PRO_PLAIN, Lin
 
         # CupyOps.capture, not graph_time_us's plain capture: its launches carry PDL as in the decode step
-
-        ops = CupyOps(self.stream)
+        ops = self.decode_ops()
         rows = []
         for name, (n, k) in DECODE_SHAPES.items():
             for bits in (8, 4):
@@ -298,7 +305,7 @@ extern "C" __global__ void read_floor(const uint4* __restrict__ p, long long n, 
         out = cp.zeros(blocks, dtype=cp.uint32)
         args = [(np.uint64(w.buffer.data.ptr), np.uint64(w.geometry.nbytes // 16), np.uint64(out.data.ptr))
                 for w in ws]  # numpy scalars, as forward_launch takes them
-        graph = ops.capture(lambda: [ops._launch(kern, (blocks,), (256,), args[i % len(ws)]) for i in range(count)])
+        graph = ops.capture(lambda: [ops.launch(kern, (blocks,), (256,), args[i % len(ws)]) for i in range(count)])
         us = self.replay_us(graph, count)
         del graph
         return us

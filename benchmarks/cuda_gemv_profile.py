@@ -4,7 +4,7 @@ for a profiler to attach to: Nsight Compute's counters (memory throughput, stall
     ncu --clock-control none -k regex:qgemv -o gemv python benchmarks/cuda_gemv_profile.py q:8 o:8 gate/up:4
 
 Each argument is shape:bits (shapes of benchmarks/cuda_gemv.py, bits 8 or 4, G = 32), launched ``--launches``
-times with the planner's K splits (KESTREL_CUDA_* settings apply, as in the decode step).
+times with the planner's K splits (the device's settings apply, as in the decode step).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ def main() -> None:
     import cupy as cp
     from cuda_gemv import DECODE_SHAPES, Bench, plan_decode
 
-    from kestrel_cuda.forward_ops import EPI_STORE, PRO_PLAIN, CupyOps, Lin
+    from kestrel_cuda.plan import EPI_STORE, PRO_PLAIN, Lin
 
     bench = Bench(args)
-    ops = CupyOps(bench.stream)
+    ops = bench.decode_ops()
     for config in args.configs:
         name, _, bits_text = config.partition(":")
         n, k = DECODE_SHAPES[name]

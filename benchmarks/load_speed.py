@@ -45,7 +45,7 @@ from kestrel_core.model.loader import load_model
 t1 = time.perf_counter()
 path, mode = sys.argv[1], sys.argv[2]
 if mode == "noverify":
-    from kestrel_core.artifact import load_artifact
+    from kestrel_core.artifact_load import load_artifact
     model, _ = load_artifact(path, verify=False)
 else:
     model = load_model(path).model
@@ -62,7 +62,7 @@ print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "module": kestrel_core
 WRITE_CHILD = r"""
 import json, sys, time
 from dataclasses import replace
-from kestrel_core.artifact import save_artifact
+from kestrel_core.artifact_write import save_artifact
 from kestrel_core.model.presets import preset_model
 from kestrel_core.model.weights import Model
 path, quant, layers = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -105,7 +105,7 @@ def _child(code: str, args: list[str], tree: Path) -> dict[str, Any]:
 
 def write_artifact(path: Path, quant: str, layers: int) -> float:
     """The synthetic artifact, written with this tree's writer (layer bytes repeated; see the docstring)."""
-    from kestrel_core.artifact import save_artifact
+    from kestrel_core.artifact_write import save_artifact
     from kestrel_core.model.presets import preset_model
     from kestrel_core.model.weights import Model
 

@@ -2,7 +2,7 @@
 
     python benchmarks/serve_load.py --backend cpu --concurrency 1,8 --prompt-tokens 128 --decode-tokens 64
     python benchmarks/serve_load.py --preset qwen3-8b --backend cuda --quant q8 --concurrency 1,32,64 \\
-        --prompt-tokens 512 --decode-tokens 256 --json $OUT/serve.json
+        --prompt-tokens 512 --decode-tokens 256 --kv-cache-mb 24576 --json $OUT/serve.json
 
 For each concurrency level N: N requests with distinct random token prompts, greedy, EOS ignored, sent at
 once. First ``kestrel bench``'s own figures (batch-1 ``run_bench`` and ``run_concurrency_bench``), then the
@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--quant", default=None)
     ap.add_argument("--activations", default="auto")
+    ap.add_argument("--kv-cache-mb", type=float, default=None, help="the engine's KV pool (every sequence's blocks)")
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=64)
@@ -82,9 +83,11 @@ def main() -> None:
 
     levels = [int(x) for x in args.concurrency.split(",")]
     if args.preset:
-        engine = load_preset(args.preset, backend=args.backend, quant=args.quant, activations=args.activations)
+        engine = load_preset(args.preset, backend=args.backend, quant=args.quant, activations=args.activations,
+                             kv_cache_mb=args.kv_cache_mb)
     else:
-        engine = kestrel_core.load(args.model, backend=args.backend, quant=args.quant, activations=args.activations)
+        engine = kestrel_core.load(args.model, backend=args.backend, quant=args.quant, activations=args.activations,
+                                   kv_cache_mb=args.kv_cache_mb)
     out: dict[str, Any] = {"model": engine.source, "backend": engine.backend_name, "activations": engine.activations,
                            "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens}
     # every engine call on the scheduler's thread, as in the server (AsyncEngine.run_sync says why)

@@ -15,12 +15,21 @@ class BatchEntry:
     cache of ``seq_id``, as its earlier steps left them (a backend that has fewer declines). The backend
     returns float32 logits [logit_rows, vocab] of the last ``logit_rows`` tokens (0: none, a prompt chunk
     whose next token is not sampled yet).
+
+    ``blocks`` is the engine's page table of the sequence: position p lives in block ``blocks[p //
+    block_size]`` (offset ``p % block_size``), with blocks for at least ``end`` positions; every block id is
+    below ``num_blocks``. The engine admits, preempts and frees sequences by these blocks, so a backend that
+    keeps its KV cache in a pool of ``num_blocks`` blocks laid out the same way never runs out of room and
+    needs no allocator of its own. A backend may ignore them (empty when the engine has no page table).
     """
 
     seq_id: int
     tokens: np.ndarray
     start: int
     logit_rows: int
+    blocks: tuple[int, ...] = ()
+    block_size: int = 0
+    num_blocks: int = 0
 
     @property
     def end(self) -> int:

@@ -144,8 +144,12 @@ class Engine:
             if not 0 <= rows <= len(new):
                 raise KestrelError(f"logit rows {rows} outside [0, {len(new)}]")
             runs.append((seq, new, rows))
+        pool = self.pool
+        for seq, new, _ in runs:  # the scheduler reserved already; a direct caller (logits) gets them here
+            pool.reserve(seq.cache, len(seq.tokens) + len(new))
         entries = [BatchEntry(seq.seq_id, np.concatenate([np.asarray(seq.tokens[seq.device_len:], np.int64), new]),
-                              seq.device_len, rows) for seq, new, rows in runs]
+                              seq.device_len, rows, tuple(seq.cache.blocks), pool.block_size, pool.num_blocks)
+                   for seq, new, rows in runs]
         outs: list[np.ndarray | None] = [None] * len(runs)
         batched = self.offload.forward_batch(self.model, entries, c.vocab_size) if self.whole_step else None
         if batched is not None:

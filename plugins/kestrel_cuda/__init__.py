@@ -1,10 +1,13 @@
 """kestrel_cuda: the CUDA backend on CuPy (kernels in the .cu files beside this module).
 
 Importing this package needs neither CuPy nor a GPU: everything device-related happens in ``kestrel_open``
-(``binding.open_device``), which binds all or nothing. Role modules: binding (prerequisites, all or nothing),
-kernels (NVRTC compilation), weights (upload + K-major transpose), gemm (launch API), cupy_alloc (the cache's
-allocator), device (the handle and the host-layer contract), residency (weight cache, pool, window),
-forward (whole-step decode).
+(``binding.open_device``), which binds all or nothing. Role modules: config (the settings, read once at open),
+binding (prerequisites, all or nothing), kernels (the CUDA sources, NVRTC compilation), layout (the device
+layout of a weight), weights (upload + K-major transpose), gemm (the hooks' launch API), cupy_alloc (the
+cache's allocator), device (the handle and the host-layer contract), residency (weight cache, pool, window),
+forward (whole-step decode) with forward_state (a model's device state), plan (its projections and K-split
+planners), ops_cupy (its kernels' launches), ops_numpy (their numpy mirror) and forward_launch (PDL and
+cluster launches).
 """
 
 from __future__ import annotations
@@ -69,6 +72,11 @@ def kestrel_preload(device: Any, model: Any) -> None:
 @hookimpl
 def kestrel_forward(device: Any, model: Any, seq_id: int, tokens: Any, start: int, all_logits: bool) -> Any:
     return device.run_forward(model, seq_id, tokens, start, all_logits)
+
+
+@hookimpl
+def kestrel_forward_batch(device: Any, model: Any, batch: Any) -> Any:
+    return device.run_forward_batch(model, batch)
 
 
 @hookimpl

@@ -10,13 +10,12 @@ installed (cupy-cuda12x or cupy-cuda13x): nothing here names a CUDA version.
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
-from kestrel_core.errors import BackendUnavailable
+from kestrel_core.errors import BackendUnavailable, KestrelError
+from kestrel_cuda.config import CudaConfig
 
 MIN_COMPUTE_CAPABILITY = 80
-DEVICE_ENV = "KESTREL_CUDA_DEVICE"
 
 
 def _short(exc: BaseException) -> str:
@@ -35,14 +34,6 @@ def import_cupy() -> Any:
         raise BackendUnavailable("CuPy is not installed") from exc
     except Exception as exc:  # a broken wheel (missing CUDA libraries) must not take kestrel down
         raise BackendUnavailable(f"CuPy failed to import ({_short(exc)})") from exc
-
-
-def device_index(options: dict[str, Any]) -> int:
-    raw = options.get("device", os.environ.get(DEVICE_ENV, "0"))
-    try:
-        return int(raw)
-    except (TypeError, ValueError):
-        raise BackendUnavailable(f"{DEVICE_ENV} must be a device number, got {raw!r}") from None
 
 
 def check_device(cp: Any, index: int) -> int:
@@ -71,11 +62,16 @@ def check_device(cp: Any, index: int) -> int:
 
 
 def open_device(options: dict[str, Any]) -> Any:
-    """Everything or nothing: a ready ``CudaDevice``, or BackendUnavailable with the reason."""
+    """Everything or nothing: a ready ``CudaDevice``, or BackendUnavailable with the reason. The settings are
+    read here, once (``CudaConfig.from_env``: the environment, overridden by ``options``)."""
     from kestrel_cuda.kernels import KernelCompileError, compile_kernels
 
+    try:
+        config = CudaConfig.from_env(options)
+    except KestrelError as exc:
+        raise BackendUnavailable(str(exc)) from None
     cp = import_cupy()
-    index = device_index(options)
+    index = config.device
     cc = check_device(cp, index)
     try:
         with cp.cuda.Device(index):
@@ -85,6 +81,6 @@ def open_device(options: dict[str, Any]) -> Any:
     from kestrel_cuda.device import CudaDevice
 
     try:
-        return CudaDevice(cp, kernels, index, cc)
+        return CudaDevice(cp, kernels, config, cc)
     except Exception as exc:
         raise BackendUnavailable(f"CUDA device {index} could not be initialised ({_short(exc)})") from exc

@@ -1,6 +1,6 @@
 """The CUDA device handle: what ``kestrel_open`` returns and every hook works through.
 
-Host-layer contract (article 02): a hook returns the whole result or ``None``. It declines unsupported
+Host-layer contract: a hook returns the whole result or ``None``. It declines unsupported
 inputs, and any CUDA error, out-of-memory included, is caught here, counted by type, logged once and turned
 into ``None``, so the CPU recomputes the whole output; results are copied back only after every launch
 succeeded, so a partial failure never hands out a half-written array. The FLOPs threshold and
@@ -18,20 +18,23 @@ from typing import Any
 import numpy as np
 
 from kestrel_core.contract import StripCache
-from kestrel_core.wkey import Proj, fused_wkey, lm_head_wkey, wkey
+from kestrel_core.wkey import lm_head_wkey
+from kestrel_cuda.config import CudaConfig
 from kestrel_cuda.cupy_alloc import CupyAllocator
 from kestrel_cuda.gemm import DeviceGemm
-from kestrel_cuda.residency import DeviceWeight, PreloadItem, WeightCache, fusable, should_preload, window_keep
+from kestrel_cuda.layout import fusable, layer_groups
+from kestrel_cuda.residency import DeviceWeight, PreloadItem, WeightCache, cache_budget
 from kestrel_cuda.weights import column_offsets, geometry_for, make_upload
 
 log = logging.getLogger("kestrel")
 
 
 class CudaDevice:
-    def __init__(self, cp: Any, kernels: Any, index: int, compute_capability: int) -> None:
+    def __init__(self, cp: Any, kernels: Any, config: CudaConfig, compute_capability: int) -> None:
         self.cp = cp
         self.kernels = kernels
-        self.index = index
+        self.config = config
+        self.index = index = config.device
         self.compute_capability = compute_capability
         self.device = cp.cuda.Device(index)
         with self.device:
@@ -41,7 +44,8 @@ class CudaDevice:
             self.sm_count = int(props["multiProcessorCount"])
             self.stream = cp.cuda.Stream(non_blocking=True)
             self.allocator = CupyAllocator(cp)
-            self.cache = WeightCache(self.allocator)
+            self.cache = WeightCache(self.allocator, budget=cache_budget(self.allocator.free_bytes(), config.cache_mb),
+                                     keep=config.window)
             self.gemm = DeviceGemm(cp, kernels, self.sm_count)
             self.gemm.workspace(self.stream)
         self.description = f"{self.name} (sm_{compute_capability}, {self.sm_count} SMs)"
@@ -174,10 +178,10 @@ class CudaDevice:
                 from kestrel_cuda.forward import DeviceForward
             except ImportError:
                 return None
-            boundary = self.layer_boundary if window_keep() > 0 else None
+            boundary = self.layer_boundary if self.config.window > 0 else None
             with self.device:
-                self.forward = DeviceForward(self._weight_source, boundary, stream=self.stream, gemm=self.gemm,
-                                             pin=self.cache.pin, unpin=self.cache.unpin)
+                self.forward = DeviceForward(self._weight_source, boundary, config=self.config, stream=self.stream,
+                                             gemm=self.gemm, pin=self.cache.pin, unpin=self.cache.unpin)
         return self.forward
 
     def run_forward(self, model: Any, seq_id: int, tokens: Any, start: int, all_logits: bool) -> Any:
@@ -187,6 +191,14 @@ class CudaDevice:
             return self._decline("no device forward")
         with self.device:
             return fwd.forward(model, seq_id, tokens, start, all_logits)
+
+    def run_forward_batch(self, model: Any, batch: Any) -> Any:
+        """The batched step (``DeviceForward.forward_batch``); errors propagate as ``run_forward``'s."""
+        fwd = self.forward_engine()
+        if fwd is None:
+            return self._decline("no device forward")
+        with self.device:
+            return fwd.forward_batch(model, batch)
 
     def run_greedy(self, model: Any, seq_id: int, token: int, start: int, count: int) -> Iterator[int] | None:
         """The pipelined greedy decode (``DeviceForward.greedy``); every step it runs is under this device."""
@@ -221,20 +233,18 @@ class CudaDevice:
                                      make_upload(self.cp, self.kernels, members, self.stream), members[0]))
 
         for i, lw in enumerate(model.layers):
-            for fused, projs in ((Proj.QKV, (Proj.Q, Proj.K, Proj.V)), (None, (Proj.O,)),
-                                 (Proj.GATE_UP, (Proj.GATE, Proj.UP)), (None, (Proj.DOWN,))):
-                members = [lw.proj(p) for p in projs]
-                if fused is not None and fusable(members):
-                    add(fused_wkey(i, fused), members)
+            for strips, keys, fused_key in layer_groups(i, lw):
+                if fused_key and fusable(strips):
+                    add(fused_key, strips)
                 else:
-                    for p, w in zip(projs, members):
-                        add(wkey(i, p), [w])
+                    for key, w in zip(keys, strips):
+                        add(key, [w])
         add(lm_head_wkey(), [model.lm_head])
         return items
 
     def preload(self, model: Any) -> None:
         start = time.perf_counter()
-        if not should_preload():
+        if self.config.window:
             self.preload_info = {"preload_skipped": "residency window on"}
             return
         with self.device, self.stream:

@@ -2,8 +2,8 @@
 
 API (what the ``kestrel_forward`` / ``kestrel_release_sequence`` hookimpls call):
 
-    fwd = DeviceForward(weight_source=None, layer_boundary=None, *, stream=None, gemm=None, pin=None,
-                        unpin=None, max_context=None, use_graph=None, ops=None)
+    fwd = DeviceForward(weight_source=None, layer_boundary=None, *, config=None, stream=None, gemm=None,
+                        pin=None, unpin=None, ops=None, target_blocks=None, fuse_rope=True)
     fwd.forward(model, seq_id, tokens, start, all_logits) -> np.ndarray float32 [T or 1, vocab] | None
     fwd.greedy(model, seq_id, token, start, count) -> Iterator[int] | None
     fwd.release(seq_id) -> None
@@ -11,32 +11,38 @@ API (what the ``kestrel_forward`` / ``kestrel_release_sequence`` hookimpls call)
     fwd.close() -> None
 
 - ``weight_source(wkey, strips) -> DeviceWeight | None``: the weight cache's get-or-upload
-  (``residency.DeviceWeight``: ``.geometry``, ``.codes``, ``.scales`` in the K-major layout of weights.py).
+  (``residency.DeviceWeight``: ``.geometry``, ``.codes``, ``.scales`` in the K-major layout of layout.py).
   ``strips`` has one StripCache, or several (Q|K|V, gate|up) under their fused wkey when
-  ``residency.fusable`` allows it; returning None for a fused request makes the forward ask per projection.
+  ``layout.fusable`` allows it; returning None for a fused request makes the forward ask per projection.
   ``None``: the forward packs and uploads its own copy of every weight (host packing: small models, tests).
-- ``layer_boundary(layer)``: called before each layer. Given (residency window on, ``KESTREL_CUDA_STREAM``),
+- ``config``: a ``CudaConfig`` (default: every setting's default): ``max_context``, ``graph``, and, for the
+  ``CupyOps`` made when ``ops`` is None, ``pdl`` and ``cluster``.
+- ``layer_boundary(layer)``: called before each layer. Given (residency window on, ``KESTREL_CUDA_WINDOW``),
   it forces the non-graph path and weights are fetched through ``weight_source`` per layer per step: a
   captured graph bakes in device pointers that an eviction would invalidate. Uploads and these kernels
   must then share ``stream`` (stream order is what makes reusing an evicted buffer safe).
 - Without a window, the decode step (T == 1) is captured once per sequence in a CUDA graph and replayed
-  (``use_graph``; env ``KESTREL_CUDA_GRAPH=0`` turns it off); the position and the token are read from
-  device memory, so one graph serves every position. A released sequence's KV cache and graph are kept for
-  the next new sequence (one spare): capturing ~300 launches costs milliseconds, which `kestrel bench` and
-  every `generate` would otherwise pay once per prompt. Its kernels are launched with programmatic dependent
-  launch (``KESTREL_CUDA_PDL``, forward_launch.py). ``pin(wkey)``/``unpin(wkey)`` (the cache's) keep the
-  weights a graph captured resident; they are unpinned when the model changes or at ``close``.
-- ``gemm``: cuda-kernels' ``gemm.DeviceGemm``; prefill chunks of more than ``SMALL_M`` rows run its
-  tensor-core GEMM (``q8``). Without it they run this module's fused GEMV, 8 rows per weight pass.
+  (``config.graph``); the position and the token are read from device memory, so one graph serves every
+  position. A released sequence's KV cache and graph are kept for the next new sequence (one spare):
+  capturing ~300 launches costs milliseconds, which `kestrel bench` and every `generate` would otherwise pay
+  once per prompt. Its kernels are launched with programmatic dependent launch (``config.pdl``,
+  forward_launch.py). ``pin(wkey)``/``unpin(wkey)`` (the cache's) keep the weights a graph captured
+  resident; they are unpinned when the model changes or at ``close``.
+- ``gemm``: ``gemm.DeviceGemm``; prefill chunks of more than ``SMALL_M`` rows run its tensor-core GEMM
+  (``q8``). Without it they run the fused GEMV, 8 rows per weight pass.
 - ``stream``: a ``cupy.cuda.Stream(non_blocking=True)`` (capturable); default a new one.
+- ``ops``: ``ops_numpy.NumpyOps()`` runs every step on the CPU mirrors (tests); default a ``CupyOps``.
+- ``target_blocks``: the M=1 K-split planner's target (``plan.plan_split``; default its own rule);
+  ``fuse_rope``: at M = 1 with head_dim == TILE_N the q|k|v GEMV's epilogue does qkv_rope's work (one head a
+  column tile: a launch fewer per layer and step, the same bits); False keeps the separate kernel.
 - ``forward``: ``tokens`` (integers) [T] at absolute positions ``start..start+T-1`` of sequence ``seq_id``.
   The KV cache lives on the device, one per ``seq_id`` (float32, grown 1024 positions at a time up to
-  ``max_context``: default min(model context, ``KESTREL_CUDA_MAX_CONTEXT`` or 32768)); ``start == 0``
-  resets it; ``start`` below the cached length rewinds. Declines (returns None; the engine recomputes on
-  the CPU): ``start`` above the cached length (the engine ran steps on the CPU meanwhile), a context beyond
-  ``max_context``, a token outside the vocabulary, an unsupported model (head_dim over 128 or not a
-  multiple of 4, heads not a multiple of KV heads). Any device error drops the sequence's state and
-  propagates (the dispatcher declines). Returns all T rows of logits if ``all_logits`` else the last row, as [1, vocab].
+  min(model context, ``config.max_context``)); ``start == 0`` resets it; ``start`` below the cached length
+  rewinds. Declines (returns None; the engine recomputes on the CPU): ``start`` above the cached length (the
+  engine ran steps on the CPU meanwhile), a context beyond the maximum, a token outside the vocabulary, an
+  unsupported model (head_dim over 128 or not a multiple of 4, heads not a multiple of KV heads). Any device
+  error drops the sequence's state and propagates (the dispatcher declines). Returns all T rows of logits if
+  ``all_logits`` else the last row, as [1, vocab].
 - ``greedy``: pipelined greedy decode from the sequence's device KV cache: ``token`` at ``start``, then each
   step's argmax at the next position, at most ``count`` steps; yields the chosen tokens. The decode graph
   ends in ``lm_finish``, which writes its argmax into the next step's input and position on the device and
@@ -45,58 +51,39 @@ API (what the ``kestrel_forward`` / ``kestrel_release_sequence`` hookimpls call)
   The device may have run one step beyond what the consumer took; those positions are rewritten before they
   are read. Declines without the captured graph.
 
-The model math is kestrel_core.model.decoder's; the kernels are forward.cu, launched by forward_ops.py.
+The model math is kestrel_core.model.decoder's; the kernels are the ``.cu`` files of kernels.FORWARD_SOURCES,
+launched by ops_cupy.py; forward_state.py holds what one model keeps on the device.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kestrel_core.contract import StripCache
-from kestrel_core.errors import KestrelError
+from kestrel_core.batch import BatchEntry
 from kestrel_core.model.config import ARCHITECTURES
-from kestrel_core.model.decoder import PREFILL_CHUNK, rope_inv_freq
-from kestrel_core.model.weights import LayerWeights, Model
-from kestrel_core.wkey import Proj, decode_wkey, fused_wkey, lm_head_wkey, wkey
-from kestrel_cuda.forward_ops import (
+from kestrel_core.model.decoder import PREFILL_CHUNK
+from kestrel_core.model.weights import Model
+from kestrel_cuda import paged
+from kestrel_cuda.config import CudaConfig
+from kestrel_cuda.forward_state import Projections, State, WeightSource, build_state
+from kestrel_cuda.plan import (
     EPI_ADD,
     EPI_STORE,
-    FINISH_COLS,
-    MAX_CLUSTER,
     MAX_HEAD_DIM,
-    MERGE_SPLITS,
     PRO_PLAIN,
     PRO_RMSNORM,
     PRO_SILU_MUL,
     TILE_N,
     TOKEN_RING,
-    Lin,
     QkvRope,
-    attn_part_size,
-    cluster_split,
-    env_on,
-    fuse_rope_enabled,
-    gemv_scratch,
     head_scale,
-    norm_tiles_enabled,
-    pack_kmajor,
-    plan_split,
-    split_overrides,
-    ssq_count,
 )
-from kestrel_cuda.residency import fusable, pad_n
 
 CAP_CHUNK = 1024  # KV positions are allocated this many at a time
-DEFAULT_MAX_CONTEXT = 32768
-MAX_CONTEXT_ENV = "KESTREL_CUDA_MAX_CONTEXT"
-GRAPH_ENV = "KESTREL_CUDA_GRAPH"
-
-WeightSource = Callable[[int, Sequence[StripCache]], Any]
 
 
 def unsupported_reason(model: Model) -> str | None:
@@ -113,48 +100,6 @@ def unsupported_reason(model: Model) -> str | None:
     return None
 
 
-def rope_tables(config: Any, positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [positions, hd/2] float32 of angle = position * inv_freq, as the CPU decoder computes them
-    (float32 positions times the decoder's float32 inverse frequencies, llama3 scaling included)."""
-    freqs = np.arange(positions, dtype=np.float32)[:, None] * rope_inv_freq(config)[None, :]
-    return np.cos(freqs), np.sin(freqs)
-
-
-def _env_max_context() -> int:
-    raw = os.environ.get(MAX_CONTEXT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_MAX_CONTEXT
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise KestrelError(f"{MAX_CONTEXT_ENV} must be a positive number of positions, got {raw!r}")
-    return value
-
-
-def _env_graph() -> bool:
-    return env_on(GRAPH_ENV)
-
-
-@dataclass
-class _LayerWeights:
-    qkv: list[Lin]
-    o: Lin
-    gate_up: list[Lin]
-    down: Lin
-
-
-@dataclass
-class _Layer:
-    attn_norm: Any
-    mlp_norm: Any
-    q_norm: Any
-    k_norm: Any
-    qkv_bias: Any
-    weights: _LayerWeights | None = None  # None when fetched per step (residency window)
-
-
 @dataclass
 class _Seq:
     kv: Any  # float32 [L, 2, KV, cap, hd]
@@ -166,73 +111,38 @@ class _Seq:
         return int(self.kv.shape[3])
 
 
-@dataclass
-class _State:
-    """Everything on the device for one model: small tensors, weights, workspace."""
-
-    model: Model  # strips for per-step fetches (window) and the identity check
-    config: Any
-    max_context: int
-    emb_codes: Any
-    emb_scales: Any
-    emb_group: int
-    final_norm: Any
-    layers: list[_Layer]
-    lm_head: Lin | None
-    cos: Any
-    sin: Any
-    meta: Any  # int32 [1 + PREFILL_CHUNK]: position, then token ids
-    h: Any
-    ssq: Any  # float32 [ceil(D / 32)]: h's sums of squares per 32 columns, M = 1 (forward.cu)
-    qkv: Any
-    q: Any
-    attn: Any
-    gu: Any
-    finish: tuple[Any, Any, Any]  # lm_finish's per-block (value, index) and its arrival counter
-    tokens: np.ndarray  # int32 [TOKEN_RING] pinned host memory: lm_finish's greedy token by position
-    logits: Any
-    logits_all: Any = None
-    pinned: list[int] = field(default_factory=list)
-    own: list[Any] = field(default_factory=list)  # arrays of own uploads, kept alive
-
-    @property
-    def ids(self) -> Any:
-        return self.meta[1:]
-
-
 class DeviceForward:
     """The whole-step forward of the CUDA backend (see the module docstring for the API)."""
 
     def __init__(self, weight_source: WeightSource | None = None,
-                 layer_boundary: Callable[[int], None] | None = None, *, stream: Any = None, gemm: Any = None,
-                 pin: Callable[[int], None] | None = None, unpin: Callable[[int], None] | None = None,
-                 max_context: int | None = None, use_graph: bool | None = None, ops: Any = None,
-                 target_blocks: int | None = None) -> None:
+                 layer_boundary: Callable[[int], None] | None = None, *, config: CudaConfig | None = None,
+                 stream: Any = None, gemm: Any = None, pin: Callable[[int], None] | None = None,
+                 unpin: Callable[[int], None] | None = None, ops: Any = None, target_blocks: int | None = None,
+                 fuse_rope: bool = True) -> None:
+        config = config or CudaConfig()
         if ops is None:
-            from kestrel_cuda.forward_ops import CupyOps
+            from kestrel_cuda.ops_cupy import CupyOps
 
-            ops = CupyOps(stream, gemm)
+            ops = CupyOps(stream, gemm, pdl=config.pdl, cluster=config.cluster)
         self.ops = ops
         self.xp = ops.xp
         self.weight_source = weight_source
         self.layer_boundary = layer_boundary
         self.pin = pin
         self.unpin = unpin
-        self.max_context = max_context
-        self.use_graph = (_env_graph() if use_graph is None else use_graph) and layer_boundary is None
-        self.sm_count = getattr(ops, "sm_count", 132)
-        self.gemv_kind = getattr(ops, "gemv_kind", "chunk")
-        self.clusters = bool(getattr(ops, "cluster", False))
-        self.target_blocks = target_blocks  # None: each M=1 kernel's default (forward_ops.default_target_blocks)
-        self.norm_tiles = norm_tiles_enabled()
-        self.splits = split_overrides()
-        self.fuse_rope = fuse_rope_enabled()
-        self._st: _State | None = None
+        self.max_context = config.max_context
+        self.use_graph = config.graph and layer_boundary is None
+        self.fuse_rope = fuse_rope
+        self.projections = Projections(ops, weight_source, getattr(ops, "sm_count", 132),
+                                       bool(getattr(ops, "cluster", False)), target_blocks)
+        self._st: State | None = None
         self._seqs: dict[int, _Seq] = {}
         self._spare: _Seq | None = None  # the last released sequence: KV cache and graph, for the next one
+        self._pool: paged.Pool | None = None  # batched steps' KV (paged.py), made at the first batch
         self.counters: dict[str, int] = {"steps": 0, "graph_replays": 0, "graph_captures": 0,
                                          "prefill_tokens": 0, "decode_tokens": 0, "declined": 0,
-                                         "sequences_reused": 0}
+                                         "sequences_reused": 0, "batch_steps": 0, "batch_rows": 0,
+                                         "batch_graph_replays": 0, "pool_moves": 0}
         self.last_decline = ""
 
     # -- API -----------------------------------------------------------------------------------------
@@ -251,6 +161,7 @@ class DeviceForward:
         if end > st.max_context:
             return self._decline(f"context {end} beyond the device maximum {st.max_context}")
         try:
+            self._leave_pool(st, seq_id, start)
             seq = self._open_sequence(st, seq_id, start, end)
             if seq is None:
                 return None
@@ -271,6 +182,7 @@ class DeviceForward:
         if count < 1:
             return self._decline(f"context {start + 1} beyond the device maximum {st.max_context}")
         try:
+            self._leave_pool(st, seq_id, start)
             seq = self._open_sequence(st, seq_id, start, start + 1)  # the KV cache grows as the steps go
             if seq is None:
                 return None
@@ -281,7 +193,7 @@ class DeviceForward:
             raise
         return self._pipeline(st, seq_id, seq, start, count)
 
-    def _pipeline(self, st: _State, seq_id: int, seq: _Seq, start: int, count: int) -> Iterator[int]:
+    def _pipeline(self, st: State, seq_id: int, seq: _Seq, start: int, count: int) -> Iterator[int]:
         """Steps i and i + 1 in flight while the host waits for step i's token (lm_finish feeds each step's
         argmax to the next on the device). A step beyond the KV capacity first drains the steps in flight,
         grows the cache (which re-captures the graph) and writes its position and token from the host."""
@@ -316,7 +228,7 @@ class DeviceForward:
             self._seqs.pop(seq_id, None)  # its KV cache may be half written
             raise
 
-    def _open_sequence(self, st: _State, seq_id: int, start: int, end: int) -> _Seq | None:
+    def _open_sequence(self, st: State, seq_id: int, start: int, end: int) -> _Seq | None:
         """The sequence to run positions ``start``..``end - 1`` (rewound to ``start``, its KV cache grown to
         ``end``), the spare for a new one, or None (declined: the device holds fewer than ``start``)."""
         seq = self._seqs.get(seq_id)
@@ -334,6 +246,8 @@ class DeviceForward:
         return self._reserve(st, seq_id, seq, end)
 
     def release(self, seq_id: int) -> None:
+        if self._pool is not None:
+            self._pool.held.pop(seq_id, None)
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
             self._spare = seq
@@ -347,6 +261,114 @@ class DeviceForward:
     def close(self) -> None:
         self._teardown()
 
+    def forward_batch(self, model: Model, batch: Sequence[BatchEntry]) -> list[np.ndarray] | None:
+        """One step of several sequences (``kestrel_forward_batch``): logits [logit_rows, vocab] each, or None.
+
+        A batch of one runs the lone-sequence path (its own cache: captured step, pipelined greedy decode);
+        more run their rows together over the paged pool, a decode-only batch as the captured step of its
+        bucket. Declines (nothing changed): no page tables from the engine, a sequence the device is behind
+        on, what ``forward`` declines."""
+        st = self._state(model)
+        if st is None:
+            return None
+        reason = paged.check(batch, model.config.vocab_size, st.max_context)
+        if reason is not None:
+            return self._decline(reason)
+        if len(batch) == 1:
+            e = batch[0]
+            out = self.forward(model, e.seq_id, e.tokens, e.start, e.logit_rows > 1)
+            return None if out is None else [out[len(out) - e.logit_rows:]]
+        pool = self._pool
+        if pool is None or pool.blocks != batch[0].num_blocks:
+            pool = self._pool = paged.new_pool(self.ops, st.config, batch[0].num_blocks, PREFILL_CHUNK,
+                                               st.max_context)
+        for e in batch:
+            own = self._seqs.get(e.seq_id)
+            held = pool.held.get(e.seq_id, (own.length if own is not None else 0, ()))[0]
+            if e.start > held:
+                return self._decline("the device KV cache is behind the engine's")
+        try:
+            for e in batch:  # a lone sequence's own cache joins the pool
+                own = self._seqs.pop(e.seq_id, None)
+                if own is not None:
+                    paged.to_pool(self.ops, own.kv, pool, e.blocks, e.start)
+                    self._spare = own
+                    self.counters["pool_moves"] += 1
+                pool.held[e.seq_id] = (e.start, e.blocks)
+            outs = self._run_pooled(st, pool, batch)
+        except BaseException:
+            for e in batch:
+                pool.held.pop(e.seq_id, None)  # their pool blocks may be half written
+            raise
+        for e in batch:
+            pool.held[e.seq_id] = (e.end, e.blocks)
+        return outs
+
+    def _run_pooled(self, st: State, pool: paged.Pool, batch: Sequence[BatchEntry]) -> list[np.ndarray]:
+        ops, total = self.ops, sum(len(e.tokens) for e in batch)
+        if st.logits_all is None:
+            st.logits_all = ops.zeros((PREFILL_CHUNK, st.config.vocab_size), np.float32)
+        wanted, at = [], 0  # rows whose logits are returned, in batch order
+        for e in batch:
+            at += len(e.tokens)
+            wanted.extend(range(at - e.logit_rows, at))
+        decode = total == len(batch) and len(wanted) == total
+        b = paged.bucket(total) if decode and self.use_graph else None
+        logits = []
+        for first in range(0, total, PREFILL_CHUNK):
+            m = min(PREFILL_CHUNK, total - first)
+            tokens, rows, tables = paged.row_map(batch, first, m, b or m, pool.blocks, pool.table_width)
+            ops.write_meta(st.meta, np.concatenate([np.zeros(1, np.int32), tokens]))
+            ops.write_meta(pool.rows.reshape(-1), rows.reshape(-1))
+            ops.write_meta(pool.tables.reshape(-1), tables.reshape(-1))
+            if b is not None:
+                self._batch_graph(st, pool, b)()
+                self.counters["batch_graph_replays"] += 1
+                logits.append(ops.download(st.logits_all, total))
+                continue
+            local = [r - first for r in wanted if first <= r < first + m]
+            index = None
+            if local and local != list(range(m - len(local), m)):
+                index = pool.index
+                ops.write_meta(index, np.array(local, np.int32))
+            self._step(st, None, m, len(local), paged.Paged(pool.kv, pool.rows[:m], pool.tables, index,
+                                                            pool.hsel))
+            if local:
+                logits.append(ops.download(st.logits_all if len(local) > 1 else st.logits, len(local)))
+        self.counters["batch_steps"] += 1
+        self.counters["batch_rows"] += total
+        ops.synchronize()
+        rows_out = np.concatenate(logits) if len(logits) > 1 else logits[0]
+        outs, at = [], 0
+        for e in batch:
+            outs.append(rows_out[at:at + e.logit_rows])
+            at += e.logit_rows
+        return outs
+
+    def _batch_graph(self, st: State, pool: paged.Pool, b: int) -> Callable[[], None]:
+        """The decode step of ``b`` pooled rows as a captured graph (rows, tables and tokens read from the
+        device, so one graph serves every step of that bucket)."""
+        graph = pool.graphs.get(b)
+        if graph is None:
+            self._pin_weights(st)
+            view = paged.Paged(pool.kv, pool.rows[:b], pool.tables, None, pool.hsel)
+            graph = pool.graphs[b] = self.ops.capture(lambda: self._step(st, None, b, b, view))
+            self.counters["graph_captures"] += 1
+        return graph
+
+    def _leave_pool(self, st: State, seq_id: int, start: int) -> None:
+        """A pooled sequence that runs alone again: its first ``start`` positions back into a cache of its own."""
+        pool = self._pool
+        if pool is None or seq_id not in pool.held:
+            return
+        held, blocks = pool.held.pop(seq_id)
+        if start > held:
+            return
+        seq = self._reserve(st, seq_id, None, max(start, 1))
+        paged.from_pool(self.ops, pool, blocks, start, seq.kv)
+        seq.length = start
+        self.counters["pool_moves"] += 1
+
     # -- steps ---------------------------------------------------------------------------------------
 
     def _decline(self, reason: str) -> None:
@@ -354,7 +376,7 @@ class DeviceForward:
         self.last_decline = reason
         return None
 
-    def _run(self, st: _State, seq: _Seq, toks: np.ndarray, start: int, all_logits: bool) -> np.ndarray:
+    def _run(self, st: State, seq: _Seq, toks: np.ndarray, start: int, all_logits: bool) -> np.ndarray:
         ops, t = self.ops, len(toks)
         if all_logits and t > 1 and st.logits_all is None:
             st.logits_all = self.ops.zeros((PREFILL_CHUNK, st.config.vocab_size), np.float32)
@@ -380,7 +402,7 @@ class DeviceForward:
         ops.synchronize()
         return np.concatenate(outs) if len(outs) > 1 else outs[0]
 
-    def _graph(self, st: _State, seq: _Seq) -> Callable[[], None]:
+    def _graph(self, st: State, seq: _Seq) -> Callable[[], None]:
         """The sequence's decode step (M = 1) as a captured graph, captured on first use."""
         if seq.graph is None:
             self._pin_weights(st)
@@ -388,22 +410,25 @@ class DeviceForward:
             self.counters["graph_captures"] += 1
         return seq.graph
 
-    def _step(self, st: _State, seq: _Seq, m: int, rows: int) -> None:
-        """Every kernel of one pass over rows [0, m) at positions meta[0]..; logits of the last ``rows``."""
+    def _step(self, st: State, seq: _Seq | None, m: int, rows: int, pool: paged.Paged | None = None) -> None:
+        """Every kernel of one pass over rows [0, m) at positions meta[0]..; logits of the last ``rows``. With
+        ``pool``: rows of several sequences in the paged pool (paged.py), logits of ``rows`` rows."""
         ops, c = self.ops, st.config
         eps = float(c.rms_norm_eps)
         hd, heads, kv_heads, f = c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size
         scale = head_scale(hd)
         h = st.h[:m]
-        ssq = st.ssq if m == 1 and self.norm_tiles else None  # h's tile sums: left by its writers, read by norms
+        ssq = st.ssq if m == 1 else None  # h's tile sums: left by its writers, read by the norms
         ops.embed(st.emb_codes, st.emb_scales, st.emb_group, st.ids, h, ssq)
         for i, layer in enumerate(st.layers):
             if self.layer_boundary is not None:
                 self.layer_boundary(i)
-            w = layer.weights or self._layer_weights(st, i)
-            kc, vc = seq.kv[i, 0], seq.kv[i, 1]
+            w = layer.weights or self.projections.layer(st.model, i)
+            kv = pool.kv if pool is not None else seq.kv
+            kc, vc = kv[i, 0], kv[i, 1]
+            at = {} if pool is None else {"rows": pool.rows, "tables": pool.tables}
             rope = None  # qkv_rope's work in the q|k|v GEMV's epilogue: one head per column tile
-            if m == 1 and self.fuse_rope and hd == TILE_N and len(w.qkv) == 1 and w.qkv[0].m1 == "chunk":
+            if m == 1 and pool is None and self.fuse_rope and hd == TILE_N and len(w.qkv) == 1:
                 rope = QkvRope(heads, kv_heads, layer.q_norm, layer.k_norm, eps, st.cos, st.sin, st.meta, st.q[:1],
                                kc, vc)
             for lin in w.qkv:
@@ -412,23 +437,27 @@ class DeviceForward:
                          EPI_STORE, bias, ssq_in=ssq, rope=rope)
             if rope is None:
                 ops.qkv_rope(st.qkv[:m], heads, kv_heads, hd, layer.q_norm, layer.k_norm, eps, st.cos, st.sin,
-                             st.meta, st.q[:m], kc, vc)
-            ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m])
+                             st.meta, st.q[:m], kc, vc, **at)
+            ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m], **at)
             ops.gemv(w.o, st.attn[:m], PRO_PLAIN, None, eps, 0, h, EPI_ADD, None, ssq_out=ssq)
             for lin in w.gate_up:
                 ops.gemv(lin, h, PRO_RMSNORM, layer.mlp_norm, eps, 0, st.gu[:m, lin.col:lin.col + lin.n],
                          EPI_STORE, None, ssq_in=ssq)
             ops.gemv(w.down, st.gu[:m], PRO_SILU_MUL, None, eps, f, h, EPI_ADD, None, ssq_out=ssq)
         if rows:
-            lm = st.lm_head or self._fetch([st.model.lm_head], [lm_head_wkey()], 0)[0]
+            lm = st.lm_head or self.projections.lm_head(st.model)
             out = st.logits_all[:rows] if rows > 1 else st.logits
-            ops.gemv(lm, st.h[m - rows:m], PRO_RMSNORM, st.final_norm, eps, 0, out, EPI_STORE, None, ssq_in=ssq)
-            if m == 1:  # the next step's token and position, on the device (the pipelined greedy decode)
+            src = st.h[m - rows:m]
+            if pool is not None and pool.index is not None:
+                ops.gather_rows(st.h[:m], pool.index[:rows], pool.hsel[:rows])
+                src = pool.hsel[:rows]
+            ops.gemv(lm, src, PRO_RMSNORM, st.final_norm, eps, 0, out, EPI_STORE, None, ssq_in=ssq)
+            if m == 1 and pool is None:  # the next step's token and position, on the device (pipelined greedy)
                 ops.greedy_token(st.logits, st.finish, st.meta, seq.capacity, st.tokens)
 
     # -- sequences -----------------------------------------------------------------------------------
 
-    def _reserve(self, st: _State, seq_id: int, seq: _Seq | None, end: int) -> _Seq:
+    def _reserve(self, st: State, seq_id: int, seq: _Seq | None, end: int) -> _Seq:
         if seq is not None and end <= seq.capacity:
             return seq
         c = st.config
@@ -445,7 +474,7 @@ class DeviceForward:
 
     # -- model state ---------------------------------------------------------------------------------
 
-    def _state(self, model: Model) -> _State | None:
+    def _state(self, model: Model) -> State | None:
         st = self._st
         if st is not None and st.model is model:
             return st
@@ -453,125 +482,20 @@ class DeviceForward:
         if reason is not None:
             return self._decline(f"unsupported model: {reason}")
         self._teardown()
-        self._st = self._build(model)
+        self._st = build_state(model, self.ops, self.projections, self.max_context, self.layer_boundary is None)
         return self._st
 
     def _teardown(self) -> None:
         st = self._st
         self._seqs.clear()
         self._spare = None
+        self._pool = None
         self._st = None
         if st is not None and self.unpin is not None:
             for key in st.pinned:
                 self.unpin(key)
 
-    def _build(self, model: Model) -> _State:
-        c, ops = model.config, self.ops
-        up, zeros = ops.upload, ops.zeros
-        d, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
-        nq, nkv = c.num_heads * hd, c.num_kv_heads * hd
-        max_context = min(c.max_position, self.max_context or _env_max_context())
-        cos, sin = rope_tables(c, max_context)
-        layers = []
-        for lw in model.layers:
-            bias = None
-            if lw.q_bias is not None:
-                bias = up(np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias]).astype(np.float32))
-            layers.append(_Layer(up(lw.attn_norm), up(lw.mlp_norm),
-                                 None if lw.q_norm is None else up(lw.q_norm),
-                                 None if lw.k_norm is None else up(lw.k_norm), bias))
-        emb = model.embedding
-        t = PREFILL_CHUNK
-        st = _State(model=model, config=c, max_context=max_context, emb_codes=up(emb.codes),
-                    emb_scales=up(emb.scales), emb_group=emb.group_size, final_norm=up(model.final_norm),
-                    layers=layers, lm_head=None, cos=up(cos), sin=up(sin),
-                    meta=zeros(1 + t, np.int32), h=zeros((t, d), np.float32), ssq=zeros(ssq_count(d), np.float32),
-                    qkv=zeros((t, nq + 2 * nkv), np.float32), q=zeros((t, nq), np.float32),
-                    attn=zeros((t, nq), np.float32), gu=zeros((t, 2 * f), np.float32),
-                    finish=(zeros(-(-c.vocab_size // FINISH_COLS), np.float32),
-                            zeros(-(-c.vocab_size // FINISH_COLS), np.int32), zeros(1, np.int32)),
-                    tokens=ops.mapped_ints(TOKEN_RING), logits=zeros((1, c.vocab_size), np.float32))
-        self._reserve_scratch(model)
-        if self.layer_boundary is None:
-            for i in range(c.num_layers):
-                layers[i].weights = self._layer_weights(st, i)
-            st.lm_head = self._fetch([model.lm_head], [lm_head_wkey()], 0)[0]
-        ops.synchronize_device()  # weights a cache uploaded on another stream are complete
-        return st
-
-    def _reserve_scratch(self, model: Model) -> None:
-        """Split-K and attention scratch for every projection, from shapes alone (nothing uploaded)."""
-        reserve = getattr(self.ops, "reserve", None)
-        if reserve is None:
-            return
-        c = model.config
-        lins = []
-        keys = _group_keys(0) + [([lm_head_wkey()], 0)]
-        for group, (members, key) in zip(_groups(model.layers[0]) + [[model.lm_head]], keys):
-            n, k = sum(s.n for s in group), group[0].k
-            lin = Lin(None, None, k, n, pad_n(n), group[0].group_size, group[0].bits,  # own bits: own plan
-                      wkey=key or members[0])
-            lin.ksplit = self._plan(lin)
-            lins.append(lin)
-            for s, member in zip(group, members):  # unfused members may have more tiles
-                one = Lin(None, None, s.k, s.n, pad_n(s.n), s.group_size, s.bits, wkey=member)
-                one.ksplit = self._plan(one)
-                lins.append(one)
-        part, counters, merge_tiles = gemv_scratch(lins)
-        reserve(part, counters, attn_part_size(c.num_heads, c.head_dim), c.num_heads, merge_tiles)
-
-    def _layer_weights(self, st: _State, i: int) -> _LayerWeights:
-        qkv, o, gu, down = (self._fetch(strips, keys, fused) for strips, (keys, fused) in
-                            zip(_groups(st.model.layers[i]), _group_keys(i)))
-        return _LayerWeights(qkv=qkv, o=o[0], gate_up=gu, down=down[0])
-
-    def _fetch(self, strips: list[StripCache], keys: list[int], fused_key: int) -> list[Lin]:
-        """Device projections for ``strips`` (fused into one when allowed), with their output columns."""
-        cols = np.cumsum([0] + [s.n for s in strips[:-1]]).tolist()
-        if self.weight_source is None:
-            same = len({(s.k, s.group_size, s.bits) for s in strips}) == 1
-            if same:
-                codes = strips[0].codes if len(strips) == 1 else np.concatenate([s.codes for s in strips])
-                scales = strips[0].scales if len(strips) == 1 else np.concatenate([s.scales for s in strips])
-                return [self._own(codes, scales, strips[0], fused_key if len(strips) > 1 else keys[0])]
-            return [self._own(s.codes, s.scales, s, key, col) for s, key, col in zip(strips, keys, cols)]
-        if len(strips) > 1 and fusable(strips):
-            dw = self.weight_source(fused_key, strips)
-            if dw is not None:
-                return [self._adopt(dw, sum(s.n for s in strips), 0, fused_key)]
-        return [self._adopt(self.weight_source(key, [s]), s.n, col, key) for s, key, col in zip(strips, keys, cols)]
-
-    def _own(self, codes: np.ndarray, scales: np.ndarray, like: StripCache, key: int, col: int = 0) -> Lin:
-        n, k = codes.shape
-        npad = pad_n(n)
-        sc = np.zeros((k // like.group_size, npad), np.float32)
-        sc[:, :n] = scales.T
-        packed = pack_kmajor(codes, like.bits)
-        lin = Lin(self.ops.upload(packed), self.ops.upload(sc), k, n, npad, like.group_size, like.bits, col,
-                  wkey=key)
-        lin.ksplit = self._plan(lin)
-        return lin
-
-    def _adopt(self, dw: Any, n: int, col: int, key: int) -> Lin:
-        if dw is None:
-            raise KestrelError(f"the weight cache returned no weight for wkey {key:#x}")
-        lin = Lin.from_device_weight(dw, n, col, key)
-        lin.ksplit = self._plan(lin)
-        lin.device_weight = dw  # type: ignore[attr-defined]  # the tiled GEMM takes the cache's object
-        return lin
-
-    def _plan(self, lin: Lin) -> int:
-        """K splits of ``lin``'s M=1 GEMV (and the kernel it runs, ``lin.m1``)."""
-        split = plan_split(lin, self.gemv_kind, self.sm_count, self.target_blocks, self.clusters)
-        forced = self.splits.get(decode_wkey(lin.wkey)[1].name.lower()) if lin.wkey else None
-        if forced is None:
-            return split
-        split = min(forced[0], lin.chunks, MERGE_SPLITS)
-        lin.cluster = lin.m1 == "chunk" and self.clusters and (
-            1 < split <= MAX_CLUSTER if forced[1] else cluster_split(lin, split, self.sm_count) == split)
-        return split
-
-    def _pin_weights(self, st: _State) -> None:
+    def _pin_weights(self, st: State) -> None:
         """Before a graph captures weight addresses: pin them in the cache (once per model state)."""
         if self.pin is None or st.pinned or self.weight_source is None:
             return
@@ -582,17 +506,3 @@ class DeviceForward:
         for key in keys:
             self.pin(key)
             st.pinned.append(key)
-
-
-def _groups(lw: LayerWeights) -> list[list[StripCache]]:
-    """The projections of a layer in launch order: Q|K|V, O, gate|up, down."""
-    return [[lw.q, lw.k, lw.v], [lw.o], [lw.gate, lw.up], [lw.down]]
-
-
-def _group_keys(layer: int) -> list[tuple[list[int], int]]:
-    """``_groups``' wkeys: (each member's, the fused weight's or 0)."""
-    return [([wkey(layer, Proj.Q), wkey(layer, Proj.K), wkey(layer, Proj.V)], fused_wkey(layer, Proj.QKV)),
-            ([wkey(layer, Proj.O)], 0),
-            ([wkey(layer, Proj.GATE), wkey(layer, Proj.UP)], fused_wkey(layer, Proj.GATE_UP)),
-            ([wkey(layer, Proj.DOWN)], 0)]
-

@@ -4,7 +4,7 @@ decode step, and thread block clusters, for the M=1 GEMV's K splits.
 CuPy's ``RawKernel`` launches through ``cuLaunchKernel``, which takes no launch attributes. A decode step is
 ~220 short kernels in a row, and each waits for its predecessor to drain before it starts (launch latency,
 first loads). Launched through ``cuLaunchKernelEx`` with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``,
-a kernel may start while its predecessor still runs: forward.cu's kernels let dependents launch at their
+a kernel may start while its predecessor still runs: the forward's kernels let dependents launch at their
 start (``griddepcontrol.launch_dependents``) and wait for the predecessor (``griddepcontrol.wait``) before
 they touch anything it writes, so the next GEMV's first weight loads overlap the previous kernel's tail.
 Stream capture records the launches as graph kernel nodes with programmatic edges. A cluster launch groups
@@ -45,7 +45,7 @@ class ExLauncher:
     sets programmatic stream serialization, ``cluster`` (x, y, z) the cluster shape.
 
     ``kernel``: a CuPy RawKernel; ``args``: numpy scalars (uint64 pointers, int32, float32), as the CuPy
-    launches of forward_ops pass them. Raises RuntimeError on a CUresult other than success.
+    launches of ops_cupy pass them. Raises RuntimeError on a CUresult other than success.
     """
 
     def __init__(self) -> None:

@@ -12,7 +12,7 @@
 // Exact block sums. One k32 step is one block of G = 32 (an eighth of G = 256). The mma accumulators start
 // from MAGIC = 0x4B400000 (the bits of 1.5 * 2^23) instead of 0: for |s| <= 2^22 the integer MAGIC + s is the
 // bit pattern of the float 1.5 * 2^23 + s, so (float)s = __int_as_float(MAGIC + s) - 1.5 * 2^23 exactly, one
-// FADD instead of an I2F (a quarter-rate conversion that bounded the previous kernel). Block sums of int8 codes
+// FADD instead of an I2F (quarter rate: one per block sum would bound the kernel). Block sums of int8 codes
 // satisfy |s| <= 256 * 128 * 128 = 2^22. With G = 32 the first (and only) mma of a block takes MAGIC as its C
 // operand, so no reset is needed at all. Each finished block is then scaled exactly as the CPU reference does,
 // ((float)s * a_scale) * w_scale (--fmad=false: two roundings), and added to the float accumulators in
@@ -20,7 +20,7 @@
 //
 // Shared memory per stage: A codes [BM][BK] bytes, 16-byte chunk c of row r stored at c ^ aswz(r) (ldmatrix.x4
 // reads 8 rows of one chunk column conflict-free); B codes as they lie in device memory: int8 K-major [BK][BN]
-// bytes, word w of row r stored at w ^ (((r / 4) & 3) << 3); int4 [BK/8][BN] words of 8 k (common.cu), 16-byte
+// bytes, word w of row r stored at w ^ (((r / 4) & 3) << 3); int4 [BK/8][BN] words of 8 k (common.cuh), 16-byte
 // chunk c of row r stored at c ^ ((r & 1) << 2); A scales [SG][BM] (rows permuted so a thread's are contiguous)
 // and B scales [SG][BN] floats for the SG groups that end in the stage.
 // The B fragment of an n8 tile wants 4 consecutive k of one column in a register. int8: each thread reads one

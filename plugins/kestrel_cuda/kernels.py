@@ -1,7 +1,12 @@
-"""Compile the ``.cu`` files beside this module into one CuPy ``RawModule`` and look every kernel up.
+"""The CUDA sources of the backend's two NVRTC modules, and the hook kernels' module compiled and looked up.
+
+Each module is its sources joined in order (NVRTC reads no files): headers (``.cuh``: device functions
+shared by several kernel files) first, then kernel files, which need nothing of each other. The hook
+kernels (``SOURCES``) are compiled when the device opens; the whole-step forward's (``FORWARD_SOURCES``,
+one op a file) by ``ops_cupy`` on first use.
 
 All or nothing: ``compile_kernels`` either returns a ``Kernels`` with every function resolved (so a compile
-error surfaces at bind time, not at the first GEMM) or raises ``KernelCompileError``. Options:
+error surfaces at bind time, not at the first GEMM) or raises ``KernelCompileError``. Options (both modules):
 ``--fmad=false`` (no multiply-add contraction: each float operation rounds as written, like the CPU
 reference) and ``-std=c++17``; CuPy adds ``-arch=sm_XX`` for the current device itself (NVRTC then emits
 machine code for it, not PTX), so the architecture is the device's, capped at what NVRTC supports.
@@ -10,13 +15,15 @@ machine code for it, not PTX), so the architecture is the device's, capped at wh
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-# common.cu first: the others use its helpers. forward.cu is the cuda-forward module's own.
-SOURCES = ("common.cu", "transpose.cu", "quantize.cu", "gemv_warp.cu", "gemm_mma.cu", "gemm_f32.cu")
+SOURCES = ("common.cuh", "transpose.cu", "quantize.cu", "gemv_warp.cu", "gemm_mma.cu", "gemm_f32.cu")
+FORWARD_SOURCES = ("common.cuh", "forward.cuh", "merge.cuh", "rope.cuh",
+                   "gemv.cu", "rope.cu", "attention.cu", "rows.cu", "lm_finish.cu")
 OPTIONS = ("--fmad=false", "-std=c++17")
 
 # GEMV variants (gemv_warp.cu): (MT rows per launch, VEC columns per lane, BITS).
@@ -77,8 +84,9 @@ def gemv_warp_name(mt: int, vec: int, bits: int) -> str:
     return f"k_gemv_warp<{mt}, {vec}, {bits}>"
 
 
-def source_text() -> str:
-    return "\n".join((HERE / name).read_text(encoding="utf-8") for name in SOURCES)
+def source_text(names: Sequence[str] = SOURCES) -> str:
+    """One module's source: the files ``names`` beside this module, joined in order."""
+    return "\n".join((HERE / name).read_text(encoding="utf-8") for name in names)
 
 
 @dataclass

@@ -5,23 +5,10 @@ same logic runs in CI on numpy buffers and on the GPU on CuPy ones. Not thread-s
 used from the thread that launches the kernels, on one stream (stream order is what makes reusing an
 evicted buffer safe while an earlier kernel may still read it).
 
-API for the backend
--------------------
-``Geometry(k, npad, ngroups, code_bits=8)``: the shape of one device weight. ``Geometry.of(strip)`` for one
-    StripCache, ``Geometry.fused(strips)`` for a Q|K|V or gate|up buffer (``fusable(strips)`` says whether the
-    members may share one, else use per-projection weights); ``pack_int4=True`` sizes int4 codes at 4 bits.
-    One allocation of ``nbytes`` holds both regions (``npad = pad_n(N) = (N+3) & ~3``, fused: sum of the Ns):
-        [0, codes_nbytes)                        codes, K-major: int8 [K][Npad]; code_bits=4: K*Npad/2 bytes,
-                                                 packing order is the kernels' choice
-        [scales_offset, +scales_nbytes)          scales, float32 [ngroups][Npad]; offset = codes rounded up to
-                                                 256 bytes (cudaMalloc alignment, so vector loads stay aligned)
-    The pool key ``layout = (codes_nbytes, scales_nbytes)`` is exactly what makes two buffers interchangeable:
-    same size and same region offsets. It is coarser than the article's (Npad, ngroups) on purpose: gate/up
-    [F, D] and down [D, F] (and q [H*hd, D] / o [D, H*hd]) have different geometries but one layout, so an
-    evicted down buffer serves the next gate; every byte is rewritten by the upload, so nothing else matters.
-
-``WeightCache(allocator, *, budget=None, keep=None)``: budget defaults to ``cache_budget(allocator.free_bytes())``
-    and keep (residency window) to ``window_keep()``.
+API for the backend (each weight laid out as its ``layout.Geometry`` says)
+------------------------------------------------------------------------
+``WeightCache(allocator, *, budget=None, keep=0)``: budget defaults to ``cache_budget(allocator.free_bytes())``;
+    keep: the layers the residency window keeps (0: off).
     ``get_or_upload(wkey, geometry, upload_fn, *, source=None) -> DeviceWeight``
         hit: the resident weight (made most recently used). Miss: evict LRU entries while over budget or
         over 512 slots (into the pool, never freed), take a pooled buffer of the same layout or allocate, then
@@ -45,16 +32,15 @@ API for the backend
         Does nothing when the window is on (it would evict them at the first boundary).
     ``release(weight)``, ``contains(wkey)``, ``len(cache)``, ``entries()`` (LRU first), ``stats() -> dict``,
     ``clear()`` (frees every cached and pooled buffer), ``close()`` (clear, free temporaries, refuse further use).
-``cache_budget(free_bytes)``: KESTREL_CUDA_CACHE_MB (MiB, positive integer) if set, else half of free
-    memory capped at 24 GiB and floored at 256 MiB. ``window_keep()``: KESTREL_CUDA_STREAM as keep (unset/0: off).
-    ``should_preload()``: window off. Bad values of either variable raise a one-line KestrelError.
+``cache_budget(free_bytes, cache_mb=None)``: ``cache_mb`` MiB (``CudaConfig.cache_mb``) if given, else half of
+    free memory capped at 24 GiB and floored at 256 MiB.
 
-Frees: eviction never frees (the article measured a device-synchronising free per layer costing more than
-the re-uploads the window saved). Device memory is freed only (1) on clear/close, (2) when the 128-slot pool
-is full: its oldest buffer is freed to make room for the newest (the article frees the incoming one instead;
-the newest layout is the one the layer loop needs next, while the oldest is likeliest a shape no longer in
-use: same cost, better reuse), (3) when the device refuses an allocation: pooled buffers (oldest first), then
-LRU entries through the pool, are freed until it fits or nothing is left (then ``DeviceOutOfMemory``).
+Frees: eviction never frees (a device-synchronising free per layer measured costlier than the re-uploads
+the window saved). Device memory is freed only (1) on clear/close, (2) when the 128-slot pool is full: its
+oldest buffer is freed to make room for the newest (rather than the incoming one: the newest layout is the
+one the layer loop needs next, while the oldest is likeliest a shape no longer in use: same cost, better
+reuse), (3) when the device refuses an allocation: pooled buffers (oldest first), then LRU entries through
+the pool, are freed until it fits or nothing is left (then ``DeviceOutOfMemory``).
 
 Budget rule: resident bytes stay <= budget, except that a weight is always admitted after every unpinned
 entry has been evicted: a single weight larger than the budget is cached alone (refusing it would upload it
@@ -63,21 +49,19 @@ on every call and use the same memory anyway), and pinned weights are never evic
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from kestrel_core.contract import StripCache
 from kestrel_core.errors import KestrelError
 from kestrel_core.wkey import NO_CACHE, decode_wkey, model_layer
 from kestrel_cuda.allocator import Allocator, Buffer, DeviceOutOfMemory
+from kestrel_cuda.layout import Geometry
 
 MAX_ENTRIES = 512
 POOL_SLOTS = 128
@@ -85,127 +69,15 @@ MiB = 1 << 20
 GiB = 1 << 30
 BUDGET_CAP = 24 * GiB
 BUDGET_FLOOR = 256 * MiB
-ALIGN = 256
-VEC = 4  # columns per vectorised store: Npad is a multiple of it
-
-CACHE_ENV = "KESTREL_CUDA_CACHE_MB"
-WINDOW_ENV = "KESTREL_CUDA_STREAM"
-
 
 # -- configuration -----------------------------------------------------------------------------------
 
 
-def cache_budget(free_bytes: int) -> int:
-    """Cache budget in bytes: the env override, else free/2 capped at 24 GiB, floored at 256 MiB."""
-    raw = os.environ.get(CACHE_ENV, "").strip()
-    if raw:
-        try:
-            mb = int(raw)
-        except ValueError:
-            mb = 0
-        if mb <= 0:
-            raise KestrelError(f"{CACHE_ENV} must be a positive whole number of MiB, got {raw!r}")
-        return mb * MiB
+def cache_budget(free_bytes: int, cache_mb: int | None = None) -> int:
+    """Cache budget in bytes: ``cache_mb`` MiB if given, else free/2 capped at 24 GiB, floored at 256 MiB."""
+    if cache_mb is not None:
+        return cache_mb * MiB
     return max(min(free_bytes // 2, BUDGET_CAP), BUDGET_FLOOR)
-
-
-def window_keep() -> int:
-    """Layers the residency window keeps (KESTREL_CUDA_STREAM); 0 = window off."""
-    raw = os.environ.get(WINDOW_ENV, "").strip()
-    if not raw:
-        return 0
-    try:
-        keep = int(raw)
-    except ValueError:
-        keep = -1
-    if keep < 0:
-        raise KestrelError(f"{WINDOW_ENV} must be a whole number of layers to keep (0 = off), got {raw!r}")
-    return keep
-
-
-def should_preload() -> bool:
-    """Preload at model load only with the window off: a window would evict the weights at once."""
-    return window_keep() == 0
-
-
-# -- geometry ----------------------------------------------------------------------------------------
-
-
-def pad_n(n: int) -> int:
-    return (n + VEC - 1) & ~(VEC - 1)
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) & ~(ALIGN - 1)
-
-
-def _code_bits(bits: int, pack_int4: bool) -> int:
-    return 4 if pack_int4 and bits == 4 else 8
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """Shape of one device weight: codes [K][Npad] (``code_bits`` per code), scales float32 [ngroups][Npad]."""
-
-    k: int
-    npad: int
-    ngroups: int
-    code_bits: int = 8
-
-    def __post_init__(self) -> None:
-        if self.k <= 0 or self.ngroups <= 0 or self.k % self.ngroups:
-            raise ValueError(f"bad geometry: K={self.k} must be a positive multiple of ngroups={self.ngroups}")
-        if self.npad <= 0 or self.npad % VEC:
-            raise ValueError(f"bad geometry: Npad={self.npad} must be a positive multiple of {VEC}")
-        if self.code_bits not in (4, 8):
-            raise ValueError(f"bad geometry: code_bits must be 4 or 8, got {self.code_bits}")
-
-    @classmethod
-    def of(cls, weight: StripCache, *, pack_int4: bool = False) -> Geometry:
-        return cls(weight.k, pad_n(weight.n), weight.ngroups, _code_bits(weight.bits, pack_int4))
-
-    @classmethod
-    def fused(cls, weights: Sequence[StripCache], *, pack_int4: bool = False) -> Geometry:
-        """One buffer whose columns are the members' N side by side (NG = sum of N, no gaps)."""
-        if not fusable(weights):
-            raise ValueError("these weights cannot share a fused buffer (see fusable())")
-        w0 = weights[0]
-        return cls(w0.k, sum(w.n for w in weights), w0.ngroups, _code_bits(w0.bits, pack_int4))
-
-    @property
-    def group_size(self) -> int:
-        return self.k // self.ngroups
-
-    @cached_property  # the hot path asks for sizes at every miss and eviction
-    def codes_nbytes(self) -> int:
-        return self.k * self.npad * self.code_bits // 8
-
-    @cached_property
-    def scales_offset(self) -> int:
-        return _align(self.codes_nbytes)
-
-    @cached_property
-    def scales_nbytes(self) -> int:
-        return self.ngroups * self.npad * 4
-
-    @cached_property
-    def nbytes(self) -> int:
-        return self.scales_offset + self.scales_nbytes
-
-    @cached_property
-    def layout(self) -> tuple[int, int]:
-        """The pool key: buffers of equal layout are byte-for-byte interchangeable."""
-        return self.codes_nbytes, self.scales_nbytes
-
-
-def fusable(weights: Sequence[StripCache]) -> bool:
-    """Members may share one [K][NG] buffer: same K, G and bits, every N a multiple of 4 (K % G holds by
-    the strip-cache contract). Otherwise the backend uses per-projection weights; that is not an error."""
-    if len(weights) < 2:
-        return False
-    w0 = weights[0]
-    return all(w.k == w0.k and w.group_size == w0.group_size and w.bits == w0.bits and w.n % VEC == 0
-               and w.k % w.group_size == 0 for w in weights)
 
 
 # -- device weights and the pool ---------------------------------------------------------------------
@@ -350,7 +222,7 @@ class ResidencyError(KestrelError):
 class WeightCache:
     allocator: Allocator
     budget: int | None = None
-    keep: int | None = None
+    keep: int = 0
     max_entries: int = MAX_ENTRIES
     pool_slots: int = POOL_SLOTS
     counters: Counters = field(default_factory=Counters)
@@ -358,8 +230,6 @@ class WeightCache:
     def __post_init__(self) -> None:
         if self.budget is None:
             self.budget = cache_budget(self.allocator.free_bytes())
-        if self.keep is None:
-            self.keep = window_keep()
         self._entries: OrderedDict[int, DeviceWeight] = OrderedDict()  # LRU first
         self._by_layer: dict[int, set[int]] = {}  # model layer -> resident wkeys (lm_head not indexed)
         self._temporaries: dict[int, DeviceWeight] = {}  # id -> temporary handed out, not yet released
@@ -457,7 +327,7 @@ class WeightCache:
     def preload(self, items: Iterable[PreloadItem]) -> PreloadResult:
         result = PreloadResult()
         if self.keep:
-            result.stopped = f"residency window on ({WINDOW_ENV}={self.keep})"
+            result.stopped = f"residency window on (keep {self.keep} layers)"
             return result
         assert self.budget is not None
         for item in items:

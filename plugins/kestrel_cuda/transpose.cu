@@ -27,7 +27,7 @@ __global__ void k_transpose(const T* __restrict__ in, T* __restrict__ out, int R
     }
 }
 
-// int4 codes in -8..7: [R][C] -> words [C/8][ldo] (common.cu's layout): word (kw, n) byte b =
+// int4 codes in -8..7: [R][C] -> words [C/8][ldo] (common.cuh's layout): word (kw, n) byte b =
 // (w[n][8kw + b] + 8) | (w[n][8kw + 4 + b] + 8) << 4. C is a multiple of 32 (K % G == 0), so a tile holds
 // whole words.
 extern "C" __global__ void k_transpose_pack4(const i8* __restrict__ in, u32* __restrict__ out,

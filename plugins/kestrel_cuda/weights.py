@@ -2,11 +2,11 @@
 
 Host ``[N][K]`` int8 codes and ``[N][K/G]`` float32 scales are copied to the device as they are, then
 transposed there once (32x32 tiled kernels, ``transpose.cu``) into one buffer laid out as
-``residency.Geometry`` says: codes ``[K][Npad]`` int8, or for int4 weights ``[K/8][Npad]`` 32-bit words of 8
-consecutive k of one column (+8 offset, common.cu: half the bytes a decode step reads), and scales
+``layout.Geometry`` says: codes ``[K][Npad]`` int8, or for int4 weights ``[K/8][Npad]`` 32-bit words of 8
+consecutive k of one column (+8 offset, common.cuh: half the bytes a decode step reads), and scales
 ``[K/G][Npad]`` float32. ``Npad = (N+3) & ~3``; the whole buffer is zeroed first, so padding columns read 0.
 A fused buffer (Q|K|V, gate|up) holds its members side by side (``col_off``), NG = sum of N, when
-``residency.fusable`` allows it (every N % 4 == 0, same K, G, bits); otherwise the backend keeps
+``layout.fusable`` allows it (every N % 4 == 0, same K, G, bits); otherwise the backend keeps
 per-projection weights.
 """
 
@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from kestrel_core.contract import StripCache
-from kestrel_cuda.residency import DeviceWeight, Geometry, fusable
+from kestrel_cuda.layout import Geometry, fusable
+from kestrel_cuda.residency import DeviceWeight
 
 TILE = 32
 TRANSPOSE_BLOCK = (32, 8)

@@ -59,9 +59,10 @@ def fake_cupy(*, count: int = 1, count_error: Exception | None = None, driver: i
     return SimpleNamespace(cuda=SimpleNamespace(runtime=rt, Device=Device), RawModule=raw_module)
 
 
-def bind_reason(monkeypatch: pytest.MonkeyPatch, cupy: Any) -> tuple[Registry, str]:
+def bind_reason(monkeypatch: pytest.MonkeyPatch, cupy: Any,
+                options: dict[str, str] | None = None) -> tuple[Registry, str]:
     monkeypatch.setitem(sys.modules, "cupy", cupy)
-    registry = Registry()
+    registry = Registry(options)
     backend = registry.bind("cuda")
     assert not backend.bound
     assert backend.device is None and backend.pm is None  # nothing half-bound
@@ -104,6 +105,26 @@ def test_bad_device_index(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KESTREL_CUDA_DEVICE", "3")
     _, reason = bind_reason(monkeypatch, fake_cupy(count=1))
     assert reason == "CUDA device 3 does not exist (1 found)"
+
+
+def test_device_option_overrides_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KESTREL_CUDA_DEVICE", "0")
+    _, reason = bind_reason(monkeypatch, fake_cupy(count=2), {"device": "5"})
+    assert reason == "CUDA device 5 does not exist (2 found)"
+
+
+@pytest.mark.parametrize("env, options, expect", [
+    ({"KESTREL_CUDA_STREAM": "1"}, None, "KESTREL_CUDA_STREAM was renamed KESTREL_CUDA_WINDOW"),
+    ({"KESTREL_CUDA_MAX_CONTEXT": "lots"}, None, "KESTREL_CUDA_MAX_CONTEXT must be"),
+    ({}, {"window": "x"}, "backend option window must be"),
+])
+def test_bad_settings_leave_the_backend_unbound(env: dict[str, str], options: dict[str, str] | None, expect: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read before anything else: the reason is the setting's own line, not a later failure's."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _, reason = bind_reason(monkeypatch, fake_cupy(), options)
+    assert reason.startswith(expect) and "\n" not in reason
 
 
 def test_compile_failure(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -153,7 +153,7 @@ def test_window_is_output_invariant(monkeypatch: pytest.MonkeyPatch) -> None:
     with _engine() as engine:
         want = list(engine.generate(prompt, max_tokens=6, stop_at_eos=False))
     for keep in ("1", "2"):  # 2 layers: keep=1 evicts layer 0 at every layer-1 boundary, keep=2 never
-        monkeypatch.setenv("KESTREL_CUDA_STREAM", keep)
+        monkeypatch.setenv("KESTREL_CUDA_WINDOW", keep)
         with _engine() as engine:
             got = list(engine.generate(prompt, max_tokens=6, stop_at_eos=False))
             stats = engine.offload.backend_stats()

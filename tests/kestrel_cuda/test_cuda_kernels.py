@@ -41,7 +41,7 @@ from kestrel_cuda.kernels import (  # noqa: E402
     MMA_TILE_SMALL_GRID,
     MMA_TILES,
 )
-from kestrel_cuda.residency import pad_n  # noqa: E402
+from kestrel_cuda.layout import pad_n  # noqa: E402
 
 U = 2.0 ** -24
 

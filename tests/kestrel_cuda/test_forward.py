@@ -1,7 +1,7 @@
-"""The whole-step device forward on the GPU (forward.cu through CupyOps) against the CPU decoder.
+"""The whole-step device forward on the GPU (its kernels through CupyOps) against the CPU decoder.
 
 Skipped where CuPy or a CUDA device is missing (CI); run on the H200 machine. The tolerance is measured,
-not fixed (kestrel_cuda.forward_check explains why): the CPU is re-run with its linear inputs nudged by a
+not fixed (forward_check explains why): the CPU is re-run with its linear inputs nudged by a
 few ulps, and the device must stay within FACTOR times that effect, its argmax must be the CPU's or tie
 with it within the nudge's range, and greedy decoding must pick the CPU's tokens.
 """
@@ -20,8 +20,10 @@ cp = pytest.importorskip("cupy")
 import kestrel_core  # noqa: E402
 from kestrel_core.model.decoder import PREFILL_CHUNK  # noqa: E402
 from kestrel_core.model.presets import synthetic_model  # noqa: E402
+from kestrel_cuda.config import CudaConfig  # noqa: E402
 from kestrel_cuda.forward import CAP_CHUNK, DeviceForward  # noqa: E402
-from kestrel_cuda.forward_check import (  # noqa: E402
+
+from .forward_check import (  # noqa: E402
     DECLINING_BACKEND,
     FACTOR,
     SMALL_CONFIGS,
@@ -89,13 +91,12 @@ def test_prefill_and_decode_logits_match_the_cpu(arch, quant, stream, gemm) -> N
 
 @pytest.mark.parametrize("pdl", ("0", "1"))
 @pytest.mark.parametrize("arch", list(SMALL_CONFIGS))
-def test_graph_decode_with_and_without_pdl_matches_the_cpu(arch, pdl, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_graph_decode_with_and_without_pdl_matches_the_cpu(arch, pdl, stream, gemm) -> None:  # type: ignore[no-untyped-def]
     """The captured decode step with its kernels launched in plain stream order and with programmatic
-    dependent launch (KESTREL_CUDA_PDL=1: each kernel may start under its predecessor's tail)."""
-    monkeypatch.setenv("KESTREL_CUDA_PDL", pdl)
+    dependent launch (pdl: each kernel may start under its predecessor's tail)."""
     model = synthetic_model(SMALL_CONFIGS[arch], "q4", seed=14)
     toks = _tokens(model.config, 30)
-    fwd = DeviceForward(stream=stream, gemm=gemm)
+    fwd = DeviceForward(config=CudaConfig(pdl=pdl == "1"), stream=stream, gemm=gemm)
     assert fwd.ops.pdl == (pdl == "1")
     _check(model, toks, 10, device_logits(fwd, model, toks, 10))
     assert fwd.counters["graph_replays"] == 20
@@ -109,42 +110,20 @@ def test_fused_gemv_prefill_without_the_tiled_gemm(n_prefill, stream) -> None:  
     _check(model, toks, n_prefill, device_logits(DeviceForward(stream=stream), model, toks, n_prefill))
 
 
-@pytest.mark.parametrize("target", (1, 4096))
-@pytest.mark.parametrize("quant", QUANTS)
-def test_m1_gemv_ring_and_k_splits(quant, target, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The streaming M=1 GEMV (qgemv_m1, KESTREL_CUDA_GEMV=stream; "hybrid" gives it the narrow int8
-    projections) at both ends of its planner: one block per column tile, whose warps each stream many groups
-    through the register ring (down: K = 2048), and many K splits per tile (the last block adds the
-    partial sums)."""
-    monkeypatch.setenv("KESTREL_CUDA_GEMV", "stream")
-    model = synthetic_model(replace(SMALL_CONFIGS["qwen3"], intermediate_size=2048), quant, seed=11)
-    toks = _tokens(model.config, 20)
-    fwd = DeviceForward(stream=stream, gemm=gemm, target_blocks=target)
-    assert fwd.ops.gemv_kind == "stream"
-    _check(model, toks, 12, device_logits(fwd, model, toks, 12))
-    w = fwd._st.layers[0].weights
-    assert {lin.m1 for lin in [*w.qkv, w.o, *w.gate_up, w.down]} == {"stream"}
-    if target == 1:
-        assert all(lin.ksplit == 1 for lin in [*w.qkv, w.o, *w.gate_up, w.down])
-    elif w.down.group_size == 32:
-        assert w.down.ksplit > 1
-
-
-@pytest.mark.parametrize("kind", ("stream", "chunk-counter", "chunk-tagged", "chunk-cluster"))
+@pytest.mark.parametrize("kind", ("counter", "tagged", "cluster"))
 @pytest.mark.parametrize("n, k, group", ((509, 2048, 32), (509, 2048, 256), (8, 512, 32), (8, 512, 256),
                                          (24, 800, 32)))  # 800: a last chunk of 32 rows
 @pytest.mark.parametrize("bits", (8, 4))
-def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, kind, stream, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, kind, stream) -> None:  # type: ignore[no-untyped-def]
     """One M=1 projection with a plain input (its activation codes are the contract's, bit for bit): every
     K split the kernel may be given (empty blocks included) equals the exact block sums scaled per group
     within float32 summation-order error, with bias and the residual add."""
     from kestrel_core.contract import quantize_activations
-    from kestrel_cuda.forward_ops import EPI_ADD, PRO_PLAIN, CupyOps, Lin, pack_kmajor
-    from kestrel_cuda.residency import pad_n
+    from kestrel_cuda.layout import pack_kmajor, pad_n
+    from kestrel_cuda.ops_cupy import CupyOps
+    from kestrel_cuda.plan import EPI_ADD, PRO_PLAIN, Lin
 
-    monkeypatch.setenv("KESTREL_CUDA_GEMV", kind.split("-")[0])
-    monkeypatch.setenv("KESTREL_CUDA_MERGE", "tagged" if kind == "chunk-tagged" else "counter")
-    ops = CupyOps(stream)
+    ops = CupyOps(stream, merge="tagged" if kind == "tagged" else "counter")
     rng = np.random.default_rng(bits * 1000 + group + n)
     lo, hi = (-127, 127) if bits == 8 else (-8, 7)
     codes = rng.integers(lo, hi + 1, size=(n, k)).astype(np.int8)
@@ -166,7 +145,7 @@ def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, 
     splits = sorted({1, 2, 3, 7, ng} & set(range(1, ng + 1)))
     for ksplit in splits:
         lin.ksplit = ksplit
-        lin.cluster = kind == "chunk-cluster" and ops.cluster and ksplit <= 8  # partial sums in shared memory
+        lin.cluster = kind == "cluster" and ops.cluster and ksplit <= 8  # partial sums in shared memory
         ops.reserve(ksplit * npad, lin.tiles, 1, 1, lin.tiles)
         y = ops.upload(y0[None])
         ops.gemv(lin, xd, PRO_PLAIN, None, 0.0, 0, y, EPI_ADD, bd)
@@ -175,16 +154,15 @@ def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, 
         assert np.all(err <= bound), f"ksplit {ksplit}: max err {err.max()} over bound {bound[err.argmax()]}"
 
 
-def test_tagged_split_merge_is_exact_across_interleaved_launches(stream, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_tagged_split_merge_is_exact_across_interleaved_launches(stream) -> None:  # type: ignore[no-untyped-def]
     """Two split GEMVs of different widths and split counts share the tagged merge area and advance its tile
     epochs in turn, eagerly and replayed from a graph: every launch gives the same bits as the first, and the
     same bits as the counter merge."""
-    from kestrel_cuda.forward_ops import EPI_STORE, PRO_PLAIN, CupyOps, Lin, gemv_scratch, pack_kmajor
-    from kestrel_cuda.residency import pad_n
+    from kestrel_cuda.layout import pack_kmajor, pad_n
+    from kestrel_cuda.ops_cupy import CupyOps
+    from kestrel_cuda.plan import EPI_STORE, PRO_PLAIN, Lin, gemv_scratch
 
-    monkeypatch.setenv("KESTREL_CUDA_CLUSTER", "0")
-    monkeypatch.setenv("KESTREL_CUDA_MERGE", "tagged")
-    ops = CupyOps(stream)
+    ops = CupyOps(stream, cluster=False, merge="tagged")
     rng = np.random.default_rng(5)
     lins, xs, ys = [], [], []
     for n, k, ksplit in ((509, 2048, 7), (260, 4096, 16)):
@@ -223,14 +201,11 @@ def test_tagged_split_merge_is_exact_across_interleaved_launches(stream, monkeyp
 
 
 @pytest.mark.parametrize("quant", ("q8", "q4-g256"))
-def test_chunked_gemv_with_several_chunks_per_block(quant, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """KESTREL_CUDA_GEMV=chunk (qgemv at M = 1), few blocks: several chunks a block (down's K = 768: three
-    256-row chunks)."""
-    monkeypatch.setenv("KESTREL_CUDA_GEMV", "chunk")
+def test_chunked_gemv_with_several_chunks_per_block(quant, stream, gemm) -> None:  # type: ignore[no-untyped-def]
+    """qgemv at M = 1 with few blocks: several chunks a block (down's K = 768: three 256-row chunks)."""
     model = synthetic_model(SMALL_CONFIGS["qwen3"], quant, seed=11)
     toks = _tokens(model.config, 20)
     fwd = DeviceForward(stream=stream, gemm=gemm, target_blocks=2)
-    assert fwd.ops.gemv_kind == "chunk"
     _check(model, toks, 12, device_logits(fwd, model, toks, 12))
     assert any(lin.chunks > lin.ksplit for lin in fwd._st.layers[0].weights.gate_up + [fwd._st.layers[0].weights.down])
 
@@ -256,59 +231,62 @@ def test_attention_matches_the_cpu(arch, stream, gemm) -> None:  # type: ignore[
 
 
 @pytest.mark.parametrize("pdl", ("0", "1"))
-def test_attention_long_context_and_graph(pdl, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_attention_long_context_and_graph(pdl, stream, gemm) -> None:  # type: ignore[no-untyped-def]
     """Decode past 1,024 positions: each warp of attn_decode runs several rounds of positions."""
-    monkeypatch.setenv("KESTREL_CUDA_PDL", pdl)
     model = synthetic_model(replace(SMALL_CONFIGS["qwen2"], num_layers=1), "q4", seed=13)
     n = CAP_CHUNK - 2
     toks = _tokens(model.config, n + 5)
-    graph = device_logits(DeviceForward(stream=stream, gemm=gemm), model, toks, n)
+    graph = device_logits(DeviceForward(config=CudaConfig(pdl=pdl == "1"), stream=stream, gemm=gemm), model, toks, n)
     _check(model, toks, n, graph)
-    eager = device_logits(DeviceForward(stream=stream, gemm=gemm, use_graph=False), model, toks, n)
+    eager = device_logits(DeviceForward(config=CudaConfig(pdl=pdl == "1", graph=False), stream=stream, gemm=gemm),
+                          model, toks, n)
     assert np.array_equal(graph, eager)
 
 
 @pytest.mark.parametrize("pdl", ("0", "1"))
-def test_graph_replay_equals_eager_and_runs_are_deterministic(pdl, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_graph_replay_equals_eager_and_runs_are_deterministic(pdl, stream, gemm) -> None:  # type: ignore[no-untyped-def]
     """Bitwise: graph replay (with PDL: kernels overlapping their predecessors) == eager launches."""
-    monkeypatch.setenv("KESTREL_CUDA_PDL", pdl)
     model = synthetic_model(SMALL_CONFIGS["qwen3"], "q4", seed=5)
     toks = _tokens(model.config, 30)
-    graph = device_logits(DeviceForward(stream=stream, gemm=gemm, use_graph=True), model, toks, 10)
-    eager = device_logits(DeviceForward(stream=stream, gemm=gemm, use_graph=False), model, toks, 10)
-    again = device_logits(DeviceForward(stream=stream, gemm=gemm, use_graph=True), model, toks, 10)
+
+    def run(graph: bool) -> np.ndarray:
+        fwd = DeviceForward(config=CudaConfig(pdl=pdl == "1", graph=graph), stream=stream, gemm=gemm)
+        return device_logits(fwd, model, toks, 10)
+
+    graph, eager, again = run(True), run(False), run(True)
     assert np.array_equal(graph, eager)
     assert np.array_equal(graph, again)
 
 
 @pytest.mark.parametrize("pdl", ("0", "1"))
-def test_next_sequence_replays_the_released_ones_graph(pdl, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_next_sequence_replays_the_released_ones_graph(pdl, stream, gemm) -> None:  # type: ignore[no-untyped-def]
     """A longer first prompt leaves stale keys past the second's positions: bitwise the same as a fresh
     forward, with one capture for both."""
-    monkeypatch.setenv("KESTREL_CUDA_PDL", pdl)
     model = synthetic_model(SMALL_CONFIGS["qwen3"], "q4", seed=9)
     a, b = _tokens(model.config, 40, seed=1), _tokens(model.config, 24, seed=2)
-    fwd = DeviceForward(stream=stream, gemm=gemm)
+    config = CudaConfig(pdl=pdl == "1")
+    fwd = DeviceForward(config=config, stream=stream, gemm=gemm)
     device_logits(fwd, model, a, 30, seq_id=1)
     fwd.release(1)
     got = device_logits(fwd, model, b, 9, seq_id=2)
     assert fwd.counters["graph_captures"] == 1 and fwd.counters["sequences_reused"] == 1
-    assert np.array_equal(got, device_logits(DeviceForward(stream=stream, gemm=gemm), model, b, 9, seq_id=2))
+    assert np.array_equal(got, device_logits(DeviceForward(config=config, stream=stream, gemm=gemm), model, b, 9,
+                                             seq_id=2))
 
 
 @pytest.mark.parametrize("quant", ("q4", "q8-g256"))
-def test_cluster_split_sums_equal_the_global_merge_bitwise(quant, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_cluster_split_sums_equal_the_global_merge_bitwise(quant, stream, gemm) -> None:  # type: ignore[no-untyped-def]
     """Clusters (chosen where they fit, at most 8 splits) add each tile's K splits in shared memory in the same
-    order as the global merges (counter and tagged): the same bits as KESTREL_CUDA_CLUSTER=0 when the plan is
-    the same."""
+    order as the global merges (counter and tagged): the same bits as without clusters when the plan is the
+    same."""
+    from kestrel_cuda.ops_cupy import CupyOps
+
     model = synthetic_model(replace(SMALL_CONFIGS["qwen3"], hidden_size=1024, intermediate_size=2048), quant,
                             seed=11)
     toks = _tokens(model.config, 14)
     runs, plans = {}, []
-    for mode in ("0", "1"):
-        monkeypatch.setenv("KESTREL_CUDA_CLUSTER", mode)
-        monkeypatch.setenv("KESTREL_CUDA_GEMV_BLOCKS", "64")  # several splits per tile at this size
-        fwd = DeviceForward(stream=stream, gemm=gemm)
+    for mode in ("0", "1"):  # target 64 blocks: several splits per tile at this size
+        fwd = DeviceForward(config=CudaConfig(cluster=mode == "1"), stream=stream, gemm=gemm, target_blocks=64)
         runs[mode] = device_logits(fwd, model, toks, 6)
         lins = [lin for layer in fwd._st.layers for lin in (*layer.weights.qkv, layer.weights.o)]
         assert max(lin.ksplit for lin in lins) > 1
@@ -316,9 +294,8 @@ def test_cluster_split_sums_equal_the_global_merge_bitwise(quant, stream, gemm, 
         plans = plans if mode == "1" else [lin.ksplit for lin in lins]
     assert [lin.ksplit for lin in lins] == plans  # small splits: clusters keep the plan
     assert np.array_equal(runs["1"], runs["0"])
-    monkeypatch.setenv("KESTREL_CUDA_CLUSTER", "0")
-    monkeypatch.setenv("KESTREL_CUDA_MERGE", "tagged")  # the decode graph's splits merged tagged: same bits
-    assert np.array_equal(device_logits(DeviceForward(stream=stream, gemm=gemm), model, toks, 6), runs["0"])
+    tagged = CupyOps(stream, gemm, cluster=False, merge="tagged")  # the decode graph's splits merged tagged
+    assert np.array_equal(device_logits(DeviceForward(ops=tagged, target_blocks=64), model, toks, 6), runs["0"])
     _check(model, toks, 6, runs["1"])
 
 
@@ -348,7 +325,7 @@ def test_long_prefill_in_chunks_and_kv_growth(stream, gemm) -> None:  # type: ig
     assert fwd.counters["graph_captures"] == 2
 
 
-def test_residency_window_gives_the_same_logits(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_residency_window_gives_the_same_logits() -> None:
     """Weights through the CUDA device's cache: keep=1 evicts and re-uploads every step, no graph."""
     from kestrel_cuda.binding import open_device
 
@@ -362,8 +339,7 @@ def test_residency_window_gives_the_same_logits(monkeypatch) -> None:  # type: i
         plain.close()
     finally:
         dev.close()
-    monkeypatch.setenv("KESTREL_CUDA_STREAM", "1")
-    dev = open_device({})
+    dev = open_device({"window": "1"})
     try:
         windowed = DeviceForward(dev.weight, dev.layer_boundary, stream=dev.stream, gemm=dev.gemm)
         got = device_logits(windowed, model, toks, 8)
@@ -416,13 +392,12 @@ def test_cuda_backend_runs_the_whole_step_forward() -> None:
 
 @pytest.mark.parametrize("quant", ("q8", "q4"))
 @pytest.mark.parametrize("pdl", ("0", "1"))
-def test_pipelined_greedy_yields_the_step_by_step_argmax(quant, pdl, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_pipelined_greedy_yields_the_step_by_step_argmax(quant, pdl, stream, gemm) -> None:  # type: ignore[no-untyped-def]
     """lm_finish's argmax, fed back on the device with two steps in flight, gives the tokens of the host's
     argmax over the downloaded logits, step by step; a consumer that stops early leaves a rewindable cache."""
-    monkeypatch.setenv("KESTREL_CUDA_PDL", pdl)
     model = synthetic_model(SMALL_CONFIGS["qwen3"], quant, seed=21)
     prompt = _tokens(model.config, 9)
-    fwd = DeviceForward(stream=stream, gemm=gemm)
+    fwd = DeviceForward(config=CudaConfig(pdl=pdl == "1"), stream=stream, gemm=gemm)
     expect, rows = stepwise_greedy(fwd, model, prompt, 16)
     first = expect[0]
     fwd.forward(model, 1, prompt, 0, False)  # rewind to the prompt
@@ -438,7 +413,8 @@ def test_pipelined_greedy_yields_the_step_by_step_argmax(quant, pdl, stream, gem
 def test_lm_finish_is_numpys_argmax(stream) -> None:  # type: ignore[no-untyped-def]
     """Ties go to the first index, a NaN counts as largest, an all -inf row picks index 0; meta advances (not
     past the limit, the KV capacity) and the token reaches host memory."""
-    from kestrel_cuda.forward_ops import FINISH_COLS, TOKEN_RING, CupyOps
+    from kestrel_cuda.ops_cupy import CupyOps
+    from kestrel_cuda.plan import FINISH_COLS, TOKEN_RING
 
     ops = CupyOps(stream)
     n = 5000
@@ -468,7 +444,7 @@ def test_lm_finish_is_numpys_argmax(stream) -> None:  # type: ignore[no-untyped-
 
 @pytest.mark.parametrize("quant", ("q8", "q4", "q4-g256"))
 @pytest.mark.parametrize("arch", ("qwen3", "qwen2-hd128"))
-def test_fused_rope_epilogue_equals_the_qkv_rope_kernel_bitwise(arch, quant, stream, gemm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_fused_rope_epilogue_equals_the_qkv_rope_kernel_bitwise(arch, quant, stream, gemm) -> None:  # type: ignore[no-untyped-def]
     """head_dim 128: the q|k|v GEMV's epilogue (clusters at q4, the L2 merge at q8) runs rope_head on the
     head it merged, the same function as qkv_rope: bit-identical logits, with q/k norms or with a bias."""
     cfg = SMALL_CONFIGS["qwen3"] if arch == "qwen3" else replace(SMALL_CONFIGS["qwen2"], head_dim=128)
@@ -476,8 +452,7 @@ def test_fused_rope_epilogue_equals_the_qkv_rope_kernel_bitwise(arch, quant, str
     toks = _tokens(model.config, 12)
     runs = {}
     for mode in ("1", "0"):
-        monkeypatch.setenv("KESTREL_CUDA_FUSE_ROPE", mode)
-        fwd = DeviceForward(stream=stream, gemm=gemm)
+        fwd = DeviceForward(stream=stream, gemm=gemm, fuse_rope=mode == "1")
         runs[mode] = device_logits(fwd, model, toks, 6)
         assert fwd.fuse_rope == (mode == "1")
     assert np.array_equal(runs["1"], runs["0"])
@@ -496,3 +471,25 @@ def test_pipelined_greedy_across_a_kv_growth(stream, gemm) -> None:  # type: ign
     tokens = fwd.greedy(model, 1, first, len(prompt), 1000)
     assert [first] + [next(tokens) for _ in range(8)] == expect
     assert fwd._seqs[1].capacity == 2 * CAP_CHUNK and fwd.counters["graph_captures"] == 2
+
+
+def test_on_launch_sees_every_kernel_and_changes_nothing(stream, gemm) -> None:  # type: ignore[no-untyped-def]
+    """CupyOps' on_launch is called instead of each launch, tiled GEMM included, with the kernel's name; the
+    launches it runs give the same logits as without it."""
+    from kestrel_cuda.ops_cupy import CupyOps
+
+    model = synthetic_model(SMALL_CONFIGS["qwen2"], "q8", seed=28)
+    toks = _tokens(model.config, 20)
+    seen: list[str] = []
+
+    def observe(name: str, launch) -> None:  # type: ignore[no-untyped-def]
+        seen.append(name)
+        launch()
+
+    ops = CupyOps(stream, gemm, on_launch=observe)
+    got = device_logits(DeviceForward(ops=ops, config=CudaConfig(graph=False)), model, toks, 16)
+    ref = device_logits(DeviceForward(config=CudaConfig(graph=False), stream=stream, gemm=gemm), model, toks, 16)
+    assert np.array_equal(got, ref)
+    assert len(seen) == ops.launches
+    assert {"embed_rows", "quantize_rows", "gemm_q8 (tiled)", "add_rows", "qgemv", "qkv_rope", "attn_prefill",
+            "attn_decode", "lm_finish"} == set(seen)

@@ -2,7 +2,7 @@
 
 ``DeviceForward(ops=NumpyOps())`` runs every step of the GPU path (weight packing into the K-major device
 layout, fused and per-projection projections, sequences, chunks, rewinds, graph record/replay, the residency
-window through a real ``WeightCache``) with numpy standing in for forward.cu, checked against the CPU
+window through a real ``WeightCache``) with numpy standing in for the kernels, checked against the CPU
 decoder. The kernels themselves are checked on the GPU (test_forward.py) against the same references.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,10 +17,15 @@ import pytest
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.decoder import PREFILL_CHUNK
 from kestrel_core.model.presets import synthetic_model
-from kestrel_cuda import forward_ops
+from kestrel_cuda import kernels, plan
 from kestrel_cuda.allocator import NumpyAllocator
+from kestrel_cuda.config import CudaConfig
 from kestrel_cuda.forward import CAP_CHUNK, DeviceForward, unsupported_reason
-from kestrel_cuda.forward_check import (
+from kestrel_cuda.layout import Geometry, pack_kmajor, pad_n, unpack_kmajor
+from kestrel_cuda.ops_numpy import NumpyOps
+from kestrel_cuda.residency import WeightCache
+
+from .forward_check import (
     DECLINING_BACKEND,
     FACTOR,
     SMALL_CONFIGS,
@@ -32,8 +36,6 @@ from kestrel_cuda.forward_check import (
     jitter_effect,
     stepwise_greedy,
 )
-from kestrel_cuda.forward_ops import NumpyOps, pack_kmajor, unpack_kmajor
-from kestrel_cuda.residency import Geometry, WeightCache, pad_n
 
 CONFIGS = SMALL_CONFIGS
 QUANTS = ("q8", "q4", "q8-g256", "q4-g256")
@@ -75,8 +77,8 @@ def test_comparison_catches_a_wrong_forward() -> None:
 def test_graph_replay_equals_eager_bitwise() -> None:
     model = synthetic_model(CONFIGS["qwen2"], "q4", seed=4)
     toks = _tokens(model.config, 30)
-    a = device_logits(DeviceForward(ops=NumpyOps(), use_graph=True), model, toks, 10)
-    b = device_logits(DeviceForward(ops=NumpyOps(), use_graph=False), model, toks, 10)
+    a = device_logits(DeviceForward(ops=NumpyOps(), config=CudaConfig(graph=True)), model, toks, 10)
+    b = device_logits(DeviceForward(ops=NumpyOps(), config=CudaConfig(graph=False)), model, toks, 10)
     assert np.array_equal(a, b)
 
 
@@ -144,7 +146,7 @@ def test_a_released_sequence_lends_its_kv_cache_and_graph_to_the_next() -> None:
 
 def test_declines_bad_tokens_context_and_unsupported_models() -> None:
     model = synthetic_model(CONFIGS["llama"], "q8", seed=8)
-    fwd = DeviceForward(ops=NumpyOps(), max_context=16)
+    fwd = DeviceForward(ops=NumpyOps(), config=CudaConfig(max_context=16))
     assert fwd.forward(model, 1, np.array([model.config.vocab_size]), 0, False) is None
     assert fwd.forward(model, 1, np.array([-1]), 0, False) is None
     assert fwd.forward(model, 1, np.array([], np.int64), 0, False) is None
@@ -232,7 +234,7 @@ def test_engine_recomputes_a_declined_step_on_the_cpu(tmp_path, monkeypatch) -> 
 
     model = synthetic_model(SMALL_CONFIGS["qwen3"], "q8", seed=9)
     prompt = _tokens(model.config, 10).tolist()
-    make = "lambda: DeviceForward(ops=__import__('kestrel_cuda.forward_ops').forward_ops.NumpyOps())"
+    make = "lambda: DeviceForward(ops=__import__('kestrel_cuda.ops_numpy').ops_numpy.NumpyOps())"
     (tmp_path / "fwdcuda.py").write_text(DECLINING_BACKEND.format(decline={3}, make=make, greedy=None))
     monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "fwdcuda.py"))
     with kestrel_core.load(model, backend="fwdcuda") as engine:
@@ -258,7 +260,7 @@ def test_pack_kmajor_layout(bits: int) -> None:
     assert packed.shape == ((64, 16) if bits == 8 else (8, 64))
     assert np.array_equal(unpack_kmajor(packed, bits)[:, :13], codes.T)
     assert np.all(unpack_kmajor(packed, bits)[:, 13:] == 0)
-    if bits == 4:  # common.cu's layout: word (kw, n), byte b = (c[8kw + b] + 8) | (c[8kw + 4 + b] + 8) << 4
+    if bits == 4:  # common.cuh's layout: word (kw, n), byte b = (c[8kw + b] + 8) | (c[8kw + 4 + b] + 8) << 4
         kw, n, b = 5, 7, 2
         assert packed[kw, 4 * n + b] == (int(codes[n, 8 * kw + b]) + 8) | ((int(codes[n, 8 * kw + 4 + b]) + 8) << 4)
 
@@ -269,15 +271,29 @@ def _byte_perm(x: int, y: int, s: int) -> int:
 
 
 def _transpose4x4_from_source() -> list[tuple[str, str, str, int]]:
-    """The __byte_perm calls of common.cu's transpose4x4, in order: (dest, x, y, selector)."""
-    text = (Path(forward_ops.__file__).with_name("common.cu")).read_text()
+    """The __byte_perm calls of common.cuh's transpose4x4, in order: (dest, x, y, selector)."""
+    text = (kernels.HERE / "common.cuh").read_text()
     body = text[text.index("void transpose4x4("):]
     body = body[:body.index("\n}\n")]
     calls = re.findall(r"(\w+) = __byte_perm\((\w+), (\w+), (0x[0-9a-fA-F]+)\)", body)
     return [(d, x, y, int(s, 16)) for d, x, y, s in calls]
 
 
-def test_common_cu_transpose4x4_transposes_a_4x4_byte_block() -> None:
+@pytest.mark.parametrize("sources", (kernels.SOURCES, kernels.FORWARD_SOURCES))
+def test_each_module_is_its_headers_then_its_kernel_files(sources: tuple[str, ...]) -> None:
+    headers = [name for name in sources if name.endswith(".cuh")]
+    assert list(sources[:len(headers)]) == headers and all((kernels.HERE / name).is_file() for name in sources)
+
+
+def test_forward_sources_define_each_kernel_the_ops_load_once() -> None:
+    from kestrel_cuda import ops_cupy
+
+    text = kernels.source_text(kernels.FORWARD_SOURCES)
+    for name in ("qgemv", "attn_decode", "quantize_rows", *ops_cupy.KERNELS):
+        assert len(re.findall(rf"__global__ void (?:__launch_bounds__\([^)]*\) )?{name}\(", text)) == 1, name
+
+
+def test_common_cuh_transpose4x4_transposes_a_4x4_byte_block() -> None:
     calls = _transpose4x4_from_source()
     assert len(calls) == 8
     rng = np.random.default_rng(1)
@@ -292,7 +308,7 @@ def test_common_cu_transpose4x4_transposes_a_4x4_byte_block() -> None:
 
 
 def test_int4_word_dot_product_as_the_kernels_compute_it() -> None:
-    """forward.cu's dot_slot on the int4 words: dp4a of (w & 0x0F0F0F0F) with a[k0..k0+3], dp4a.u32.s32 of
+    """gemv.cu's dot_slot on the int4 words: dp4a of (w & 0x0F0F0F0F) with a[k0..k0+3], dp4a.u32.s32 of
     (w & 0xF0F0F0F0) with a[k0+4..k0+7] (16 x the codes), that sum shifted right by 4, minus 8 * sum(a)."""
     rng = np.random.default_rng(2)
     codes = rng.integers(-8, 8, size=(4, 32)).astype(np.int8)  # [N=4][K=32]
@@ -311,47 +327,13 @@ def test_int4_word_dot_product_as_the_kernels_compute_it() -> None:
     assert signed == (codes.astype(np.int64) @ a).tolist()
 
 
-@pytest.mark.parametrize("k, n, group", ((4096, 6144, 32), (4096, 4096, 32), (4096, 24576, 32), (12288, 4096, 32),
-                                         (4096, 151936, 32), (4096, 6144, 256), (320, 256, 32), (65536, 64, 32)))
-def test_plan_stream_split_gives_nonempty_blocks_within_shared_memory(k: int, n: int, group: int) -> None:
-    """qgemv_m1's splits: every block gets at least one whole group, no block's run exceeds what it can
-    quantize into shared memory, and no other split has a lower modelled cost."""
-    lin = forward_ops.Lin(None, None, k, n, pad_n(n), group, 8)
-    groups = k // group
-    for resident in (1, 264, 4096):
-        s = forward_ops.plan_stream_split(lin, resident)
-        per = -(-groups // s)
-        assert (s - 1) * per < groups and per * group <= forward_ops.STREAM_MAX_ROWS
-
-        def cost(x: int, resident: int = resident) -> int:
-            p = -(-groups // x)
-            return -(-lin.tiles * x // resident) * (-(-p // forward_ops.STREAM_WARPS) + forward_ops.STREAM_BLOCK_COST)
-        allowed = [x for x in range(1, groups + 1) if -(-groups // x) * group <= forward_ops.STREAM_MAX_ROWS]
-        assert cost(s) == min(cost(x) for x in allowed)
-    assert forward_ops.plan_stream_split(lin, 1) == max(1, -(-k // forward_ops.STREAM_MAX_ROWS))
-
-
-def test_hybrid_gives_wide_and_int4_projections_to_the_chunked_gemv() -> None:
-    wide = forward_ops.Lin(None, None, 4096, 24576, 24576, 32, 8)  # 192 column tiles
-    narrow = forward_ops.Lin(None, None, 4096, 6144, 6144, 32, 8)  # 48
-    assert forward_ops.m1_kernel(wide, "hybrid", 132) == "chunk"
-    assert forward_ops.m1_kernel(narrow, "hybrid", 132) == "stream"
-    narrow4 = forward_ops.Lin(None, None, 4096, 6144, 6144, 32, 4)  # int4
-    assert forward_ops.m1_kernel(narrow4, "hybrid", 132) == "chunk"
-    assert forward_ops.m1_kernel(wide, "stream", 132) == "stream"
-    assert forward_ops.plan_split(wide, "hybrid", 132) == forward_ops.plan_ksplit(wide, 8 * 132)
-    assert wide.m1 == "chunk"
-    assert forward_ops.plan_split(narrow, "hybrid", 132) == forward_ops.plan_stream_split(narrow, 2 * 132)
-    assert narrow.m1 == "stream"
-
-
 def test_plan_ksplit_fills_the_gpu_without_exceeding_chunks() -> None:
-    lin = forward_ops.Lin(None, None, 4096, 4096, 4096, 32, 8)
-    assert forward_ops.plan_ksplit(lin, 1056) == 16  # 32 tiles x 16 chunks
-    big = forward_ops.Lin(None, None, 4096, 151936, 151936, 32, 8)
-    assert forward_ops.plan_ksplit(big, 1056) == 1
-    down = forward_ops.Lin(None, None, 12288, 4096, 4096, 32, 8)
-    assert forward_ops.plan_ksplit(down, 1056) == 33
+    lin = plan.Lin(None, None, 4096, 4096, 4096, 32, 8)
+    assert plan.plan_ksplit(lin, 1056) == 16  # 32 tiles x 16 chunks
+    big = plan.Lin(None, None, 4096, 151936, 151936, 32, 8)
+    assert plan.plan_ksplit(big, 1056) == 1
+    down = plan.Lin(None, None, 12288, 4096, 4096, 32, 8)
+    assert plan.plan_ksplit(down, 1056) == 33
 
 
 @pytest.mark.parametrize("bits", (8, 4))
@@ -359,12 +341,12 @@ def test_plan_ksplit_prefers_an_even_split_of_two_chunks_or_more(bits: int) -> N
     """qwen3-8b on 132 SMs: the fused gate|up (192 tiles, 16 chunks) wants 6 splits, which leave some blocks a
     third chunk: 8 splits of 2 each instead; the unfused gate/up (96 tiles) wants 11, and no even split above
     it keeps 2 chunks a block: 11."""
-    fused = forward_ops.Lin(None, None, 4096, 24576, 24576, 32, bits)
-    assert (fused.tiles, fused.chunks, forward_ops.plan_ksplit(fused, 1056)) == (192, 16, 8)
-    assert forward_ops.plan_split(fused, "chunk", 132) == 8
-    unfused = forward_ops.Lin(None, None, 4096, 12288, 12288, 32, bits)
-    assert forward_ops.plan_ksplit(unfused, 1056) == 11
-    assert forward_ops.plan_ksplit(fused, 192 * 3) == 4  # 3 wanted: 4 of 4 chunks
+    fused = plan.Lin(None, None, 4096, 24576, 24576, 32, bits)
+    assert (fused.tiles, fused.chunks, plan.plan_ksplit(fused, 1056)) == (192, 16, 8)
+    assert plan.plan_split(fused, 132) == 8
+    unfused = plan.Lin(None, None, 4096, 12288, 12288, 32, bits)
+    assert plan.plan_ksplit(unfused, 1056) == 11
+    assert plan.plan_ksplit(fused, 192 * 3) == 4  # 3 wanted: 4 of 4 chunks
 
 
 def test_factor_is_documented_in_the_comparison() -> None:
@@ -386,28 +368,23 @@ class _ScratchRecordingOps(NumpyOps):
         self.reserved.append((part, counters, merge_tiles))
 
 
-@pytest.mark.parametrize("splits", ("", "down:3/gate_up:2/o:1"))
+@pytest.mark.parametrize("target", (None, 64))
 @pytest.mark.parametrize("quant", QUANTS)
-def test_split_k_scratch_covers_every_planned_gemv(quant: str, splits: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_split_k_scratch_covers_every_planned_gemv(quant: str, target: int | None) -> None:
     """The split-K scratch is sized from shapes before any upload; it must hold what each projection's actual
-    plan (its own bits; KESTREL_CUDA_SPLITS's forced splits, capped at the chunks) writes: partial sums, and
-    the tagged merge's slots for every tile of a split projection. It once planned every weight as int8, and
-    the int4 down projection overran it."""
-    monkeypatch.setenv("KESTREL_CUDA_SPLITS", splits)
+    plan (its own bits, int4 included; the default target and an explicit one) writes: partial sums, and the
+    tagged merge's slots for every tile of a split projection."""
     cfg = replace(CONFIGS["qwen3"], hidden_size=1024, intermediate_size=1536)  # several chunks per projection
     model = synthetic_model(cfg, quant, seed=13)
     ops = _ScratchRecordingOps()
-    fwd = DeviceForward(ops=ops)
+    fwd = DeviceForward(ops=ops, target_blocks=target)
     device_logits(fwd, model, _tokens(model.config, 6), 4)
     part, counters, merge_tiles = ops.reserved[-1]
-    w = fwd._st.layers[0].weights
     lins = [lin for layer in fwd._st.layers for lin in [*layer.weights.qkv, layer.weights.o,
                                                          *layer.weights.gate_up, layer.weights.down]]
-    need_part, need_counters, need_tiles = forward_ops.gemv_scratch(lins)
+    need_part, need_counters, need_tiles = plan.gemv_scratch(lins)
     assert part >= need_part and counters >= need_counters and merge_tiles >= need_tiles
     assert need_tiles == max(lin.tiles for lin in lins if lin.ksplit > 1)
-    if splits:
-        assert (w.down.ksplit, w.gate_up[0].ksplit, w.o.ksplit) == (min(3, w.down.chunks), 2, 1)
 
 
 @pytest.mark.parametrize("k,n,bits,cluster", [(4096, 6144, 4, 8), (4096, 4096, 4, 0), (4096, 24576, 4, 0),
@@ -417,10 +394,10 @@ def test_cluster_splits_only_within_one_wave(k: int, n: int, bits: int, cluster:
     """Qwen3-8B's projections on 132 SMs (256-row chunks at both widths): q|k|v runs as clusters of 8 splits
     (two chunks a block, 384 blocks: more than half the wave), o does not (256 blocks); gate|up, down and
     lm_head keep the planner's splits and the global merge."""
-    lin = forward_ops.Lin(None, None, k, n, pad_n(n), 32, bits)
-    free = forward_ops.plan_split(lin, "chunk", 132)
+    lin = plan.Lin(None, None, k, n, pad_n(n), 32, bits)
+    free = plan.plan_split(lin, 132)
     assert not lin.cluster
-    split = forward_ops.plan_split(lin, "chunk", 132, None, clusters=True)
+    split = plan.plan_split(lin, 132, clusters=True)
     assert lin.cluster == (cluster > 0)
     assert split == (cluster or free)
     if lin.cluster:
@@ -458,7 +435,7 @@ def test_pipelined_greedy_yields_the_step_by_step_argmax(quant: str) -> None:
 def test_pipelined_greedy_declines_without_the_graph_or_with_a_bad_request() -> None:
     model = synthetic_model(CONFIGS["llama"], "q8", seed=22)
     prompt = _tokens(model.config, 6)
-    fwd = DeviceForward(ops=NumpyOps(), use_graph=False)
+    fwd = DeviceForward(ops=NumpyOps(), config=CudaConfig(graph=False))
     fwd.forward(model, 1, prompt, 0, False)
     assert fwd.greedy(model, 1, 5, len(prompt), 4) is None and "graph" in fwd.last_decline
     fwd = DeviceForward(ops=NumpyOps())
@@ -476,7 +453,7 @@ def test_engine_takes_the_pipelined_greedy_decode(greedy: int, tmp_path, monkeyp
 
     model = synthetic_model(SMALL_CONFIGS["qwen3"], "q8", seed=9)
     prompt = _tokens(model.config, 10).tolist()
-    make = "lambda: DeviceForward(ops=__import__('kestrel_cuda.forward_ops').forward_ops.NumpyOps())"
+    make = "lambda: DeviceForward(ops=__import__('kestrel_cuda.ops_numpy').ops_numpy.NumpyOps())"
     runs = {}
     for mode in (None, greedy):
         path = tmp_path / str(mode) / "fwdcuda.py"  # the backend is named after its file
@@ -498,45 +475,41 @@ def test_engine_takes_the_pipelined_greedy_decode(greedy: int, tmp_path, monkeyp
         assert "kestrel_decode_greedy" not in engine.stats["offload"]
 
 
-def test_fused_rope_equals_the_qkv_rope_kernel_and_drops_its_launches(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_fused_rope_equals_the_qkv_rope_kernel_and_drops_its_launches() -> None:
     """head_dim 128 (one head per GEMV tile): the q|k|v projection's epilogue does qkv_rope's work, with the
     same logits as the separate kernel and one launch fewer per layer and step; other head sizes keep it."""
     model = synthetic_model(CONFIGS["qwen3"], "q8", seed=24)
     toks = _tokens(model.config, 10)
     runs, launches = {}, {}
     for mode in ("1", "0"):
-        monkeypatch.setenv("KESTREL_CUDA_FUSE_ROPE", mode)
         ops = NumpyOps()
-        fwd = DeviceForward(ops=ops)
+        fwd = DeviceForward(ops=ops, fuse_rope=mode == "1")
         runs[mode] = device_logits(fwd, model, toks, 6)
         before = ops.launches
         fwd.forward(model, 1, toks[-1:], len(toks), False)
         launches[mode] = ops.launches - before
     assert np.array_equal(runs["1"], runs["0"])
     assert launches["0"] - launches["1"] == model.config.num_layers
-    monkeypatch.setenv("KESTREL_CUDA_FUSE_ROPE", "1")
     other = synthetic_model(CONFIGS["qwen2"], "q8", seed=24)  # head_dim 64: the kernel of its own
     ops = NumpyOps()
     calls = []
     ops.qkv_rope = lambda *a, **k: calls.append(1) or NumpyOps.qkv_rope(ops, *a, **k)  # type: ignore[method-assign]
-    DeviceForward(ops=ops, use_graph=False).forward(other, 1, toks[:3], 0, False)
+    DeviceForward(ops=ops, config=CudaConfig(graph=False)).forward(other, 1, toks[:3], 0, False)
     assert len(calls) == other.config.num_layers
 
 
-def test_narrow_projections_run_one_wave_of_k_splits(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_narrow_projections_run_one_wave_of_k_splits() -> None:
     """qwen3-8b's down (32 column tiles) on 132 SMs: one wave of 16 splits instead of the two-wave target's 33;
-    wider projections keep the target; an explicit target or KESTREL_CUDA_GEMV_BLOCKS wins."""
-    sm, resident = 132, forward_ops.CHUNK_BLOCKS_PER_SM * 132
+    wider projections keep the target; an explicit target wins."""
+    sm, resident = 132, plan.CHUNK_BLOCKS_PER_SM * 132
     for bits in (8, 4):
-        down = forward_ops.Lin(None, None, 12288, 4096, 4096, 32, bits)
-        assert forward_ops.plan_split(down, "chunk", sm) == 16 and down.tiles * 16 <= resident
-        assert forward_ops.plan_split(down, "chunk", sm, target_blocks=8 * sm) == min(down.chunks, 33)
-        gate_up = forward_ops.Lin(None, None, 4096, 24576, 24576, 32, bits)
-        assert forward_ops.plan_split(gate_up, "chunk", sm) == forward_ops.plan_ksplit(gate_up, 8 * sm)
-    qkv = forward_ops.Lin(None, None, 4096, 6144, 6144, 32, 8)  # one wave would be 11 splits: the target's 16
-    assert forward_ops.plan_split(qkv, "chunk", sm) == 16
-    monkeypatch.setenv("KESTREL_CUDA_GEMV_BLOCKS", str(8 * sm))
-    assert forward_ops.plan_split(down, "chunk", sm) == 33
+        down = plan.Lin(None, None, 12288, 4096, 4096, 32, bits)
+        assert plan.plan_split(down, sm) == 16 and down.tiles * 16 <= resident
+        assert plan.plan_split(down, sm, target_blocks=8 * sm) == min(down.chunks, 33)
+        gate_up = plan.Lin(None, None, 4096, 24576, 24576, 32, bits)
+        assert plan.plan_split(gate_up, sm) == plan.plan_ksplit(gate_up, 8 * sm)
+    qkv = plan.Lin(None, None, 4096, 6144, 6144, 32, 8)  # one wave would be 11 splits: the target's 16
+    assert plan.plan_split(qkv, sm) == 16
 
 
 def test_pipelined_greedy_grows_the_kv_cache_as_it_goes() -> None:
@@ -555,24 +528,17 @@ def test_pipelined_greedy_grows_the_kv_cache_as_it_goes() -> None:
     assert fwd._seqs[1].capacity == 2 * CAP_CHUNK and fwd.counters["graph_captures"] == 2
 
 
-def test_split_overrides_parse_splits_and_clusters(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """KESTREL_CUDA_SPLITS: name:splits, a trailing c for one cluster per tile; malformed items are ignored."""
-    monkeypatch.setenv("KESTREL_CUDA_SPLITS", "down:12/QKV:8c/o:0/gate_up:x/:4/up")
-    assert forward_ops.split_overrides() == {"down": (12, False), "qkv": (8, True)}
-
-
-@pytest.mark.parametrize("env,blocks,tagged", [("", 1056, True), ("", 528, False), ("auto", 529, True),
-                                               ("counter", 1056, False), ("tagged", 64, True), ("bogus", 64, False)])
-def test_split_merge_is_tagged_only_beyond_one_wave(env: str, blocks: int, tagged: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """KESTREL_CUDA_MERGE: by default split GEMVs of more than one wave (4 blocks per SM, 132 SMs) merge tagged,
-    one wave through the counter; "tagged" / "counter" force one; anything else is the default."""
-    monkeypatch.setenv("KESTREL_CUDA_MERGE", env)
-    assert forward_ops.tagged_merge(forward_ops.merge_mode(), blocks, 132) is tagged
+@pytest.mark.parametrize("mode,blocks,tagged", [("auto", 1056, True), ("auto", 528, False), ("auto", 529, True),
+                                                ("counter", 1056, False), ("tagged", 64, True)])
+def test_split_merge_is_tagged_only_beyond_one_wave(mode: str, blocks: int, tagged: bool) -> None:
+    """By default ("auto") split GEMVs of more than one wave (4 blocks per SM, 132 SMs) merge tagged, one wave
+    through the counter; "tagged" / "counter" (CupyOps(merge=...)) force one."""
+    assert plan.tagged_merge(mode, blocks, 132) is tagged
 
 
 def test_k_splits_never_exceed_the_merge_slots() -> None:
     """A tile's tagged merge slots hold MERGE_SPLITS splits: the planner stays within them at any K."""
     for k in (4096, 32768, 65536):
-        lin = forward_ops.Lin(None, None, k, 128, 128, 32, 8)  # one tile, K / 256 chunks
-        assert forward_ops.plan_split(lin, "chunk", 132) <= forward_ops.MERGE_SPLITS
-        assert forward_ops.plan_ksplit(lin, 10**6) == min(lin.chunks, forward_ops.MERGE_SPLITS)
+        lin = plan.Lin(None, None, k, 128, 128, 32, 8)  # one tile, K / 256 chunks
+        assert plan.plan_split(lin, 132) <= plan.MERGE_SPLITS
+        assert plan.plan_ksplit(lin, 10**6) == min(lin.chunks, plan.MERGE_SPLITS)

@@ -1,8 +1,9 @@
 """CPU tests of the CUDA backend's residency logic, on a real allocator of numpy buffers.
 
-The expected values come from the spec (issue 4 / article 000), written out here, or from a small reference
-model of the LRU and window rules kept in this file; the cache's buffers are checked by content (each upload
-stamps its buffer) and by identity against the allocator's own record of live and freed buffers.
+The expected values come from the residency rules (kestrel_cuda.residency's docstring), written out here, or
+from a small reference model of the LRU and window rules kept in this file; the cache's buffers are checked by
+content (each upload stamps its buffer) and by identity against the allocator's own record of live and freed
+buffers.
 """
 
 from __future__ import annotations
@@ -17,20 +18,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kestrel_core.contract import quantize_weight
-from kestrel_core.errors import KestrelError
 from kestrel_core.wkey import Proj, fused_wkey, lm_head_wkey, wkey
 from kestrel_cuda.allocator import AllocatorError, DeviceOutOfMemory, NumpyAllocator
-from kestrel_cuda.residency import (
-    Geometry,
-    PreloadItem,
-    ResidencyError,
-    WeightCache,
-    cache_budget,
-    fusable,
-    pad_n,
-    should_preload,
-    window_keep,
-)
+from kestrel_cuda.layout import Geometry, fusable, pad_n
+from kestrel_cuda.residency import PreloadItem, ResidencyError, WeightCache, cache_budget
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -104,32 +95,10 @@ def test_budget_from_free_memory(free: int, expected: int) -> None:
     assert WeightCache(NumpyAllocator(free)).budget == expected
 
 
-def test_budget_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KESTREL_CUDA_CACHE_MB", "100")
-    assert cache_budget(80 * GiB) == 100 * MiB  # below the floor and below half: the user's choice wins
-    monkeypatch.setenv("KESTREL_CUDA_CACHE_MB", " 40000 ")
-    assert WeightCache(NumpyAllocator(1 * GiB)).budget == 40000 * MiB
-
-
-@pytest.mark.parametrize("raw", ["abc", "0", "-5", "1.5", "12MB"])
-def test_budget_env_bad_value(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
-    monkeypatch.setenv("KESTREL_CUDA_CACHE_MB", raw)
-    with pytest.raises(KestrelError) as err:
-        cache_budget(GiB)
-    assert "KESTREL_CUDA_CACHE_MB" in str(err.value) and "\n" not in str(err.value)
-
-
-def test_window_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert window_keep() == 0 and should_preload()
-    for raw, keep in [("", 0), ("0", 0), ("4", 4), (" 16", 16)]:
-        monkeypatch.setenv("KESTREL_CUDA_STREAM", raw)
-        assert window_keep() == keep
-        assert should_preload() is (keep == 0)
-        assert WeightCache(NumpyAllocator(GiB)).keep == keep
-    for raw in ["yes", "-1", "2.5"]:
-        monkeypatch.setenv("KESTREL_CUDA_STREAM", raw)
-        with pytest.raises(KestrelError, match="KESTREL_CUDA_STREAM"):
-            window_keep()
+def test_budget_given_in_mib() -> None:
+    assert cache_budget(80 * GiB, 100) == 100 * MiB  # below the floor and below half: the user's choice wins
+    assert WeightCache(NumpyAllocator(1 * GiB), budget=cache_budget(GiB, 40000)).budget == 40000 * MiB
+    assert WeightCache(NumpyAllocator(GiB)).keep == 0  # the window is off unless asked for
 
 
 # -- geometry ----------------------------------------------------------------------------------------

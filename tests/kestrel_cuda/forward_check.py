@@ -1,4 +1,5 @@
-"""How the device forward is checked against the CPU decoder (tests and benchmarks share it).
+"""How the device forward is checked against the CPU decoder (test_forward.py on the GPU, test_forward_host.py on
+the numpy mirrors).
 
 Why not a fixed tolerance: every linear quantizes its input per block to int8 (Q8_0). An activation that
 lands within float32 rounding of a rounding boundary gets a code one step (1/127 of its block's maximum)

@@ -1,4 +1,4 @@
-// Shared helpers of the kestrel_cuda kernels, prepended to the other .cu files (one NVRTC unit). Compiled
+// Shared helpers of every kestrel_cuda kernel: the first source of both NVRTC modules (kernels.py). Compiled
 // by NVRTC (CuPy RawModule) with --fmad=false and no system headers, so only builtin types are used.
 typedef unsigned int u32;
 typedef unsigned char u8;

@@ -1,0 +1,253 @@
+// Attention over the device KV cache: attn_decode (one query row, split over positions) and attn_prefill
+// (causal, 16 query rows a block).
+
+// Decode attention (one query row at position meta[0], keys 0..meta[0]), split over positions. With
+// ``rows`` (a batch of sequences), grid z is the row: row z at position rows[2z] sees keys 0..rows[2z] of
+// the sequence whose page table is tables[rows[2z + 1]] (rope.cuh kv_slot), its own part and counters.
+// Grid: x = H, y = NS splits, z = rows; block 128 (4 warps). Each warp runs an online softmax over groups of AB
+// positions (their keys and values loaded together: AB x 2 x hd/32 loads in flight per lane); the block
+// merges its warps, writes (max, sum, acc[hd]) to part[h][split], and the last block of a head merges the
+// NS splits (every split's partial loaded at once, merge weights computed once, fixed order). q is scaled
+// by 1/sqrt(hd) before the dot products.
+#define AW 4
+#define AB 8
+#define MAXJ 4   // hd <= 128
+template <int NS>
+__global__ void __launch_bounds__(AW * 32) attn_decode(
+    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
+    int KV, int hd, float scale, const int* __restrict__ meta, float* __restrict__ part,
+    int* __restrict__ counters, float* __restrict__ out, const int* __restrict__ rows,
+    const int* __restrict__ tables, int tb)
+{
+    grid_dep_launch();
+    grid_dep_wait();
+    __shared__ float s_m[NS], s_l[NS], s_w[NS];
+    __shared__ float s_acc[AW][128];
+    __shared__ int s_last;
+    const int h = blockIdx.x, split = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.z;
+    const int len = (rows ? rows[2 * row] : meta[0]) + 1;
+    const int* table = rows ? tables + (size_t)rows[2 * row + 1] * tb : nullptr;
+    q += (size_t)row * H * hd;
+    out += (size_t)row * H * hd;
+    part += (size_t)row * H * NS * (hd + 2);
+    counters += (size_t)row * H;
+    const int chunk = (len + NS - 1) / NS;
+    const int pb = split * chunk;
+    const int pe = min(len, pb + chunk);
+    const int kvh = h / (H / KV);
+    const float* kb = kc + (size_t)kvh * cap * hd;
+    const float* vb = vc + (size_t)kvh * cap * hd;
+    float qr[MAXJ], acc[MAXJ];
+#pragma unroll
+    for (int j = 0; j < MAXJ; ++j) {
+        const int d = lane + 32 * j;
+        qr[j] = d < hd ? q[(size_t)h * hd + d] * scale : 0.f;
+        acc[j] = 0.f;
+    }
+    float mx = NEG_INF, l = 0.f;
+    for (int p0 = pb + AB * warp; p0 < pe; p0 += AB * AW) {
+        float kr[AB][MAXJ], vr[AB][MAXJ];
+#pragma unroll
+        for (int b = 0; b < AB; ++b) {
+            const int p = p0 + b;
+#pragma unroll
+            for (int j = 0; j < MAXJ; ++j) {
+                const int d = lane + 32 * j;
+                const bool ok = p < pe && d < hd;
+                const size_t at = (size_t)(p < pe ? kv_slot(table, p) : 0) * hd + d;
+                kr[b][j] = ok ? kb[at] : 0.f;
+                vr[b][j] = ok ? vb[at] : 0.f;
+            }
+        }
+        float sc[AB];
+#pragma unroll
+        for (int b = 0; b < AB; ++b) {
+            float t = 0.f;
+#pragma unroll
+            for (int j = 0; j < MAXJ; ++j) t += qr[j] * kr[b][j];
+            sc[b] = t;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int b = 0; b < AB; ++b) sc[b] += __shfl_xor_sync(FULL, sc[b], o);
+        float mb = NEG_INF;
+#pragma unroll
+        for (int b = 0; b < AB; ++b) if (p0 + b < pe) mb = fmaxf(mb, sc[b]);
+        const float mn = fmaxf(mx, mb);
+        const float corr = expf(mx - mn);
+        l *= corr;
+#pragma unroll
+        for (int j = 0; j < MAXJ; ++j) acc[j] *= corr;
+#pragma unroll
+        for (int b = 0; b < AB; ++b) {
+            if (p0 + b < pe) {
+                const float e = expf(sc[b] - mn);
+                l += e;
+#pragma unroll
+                for (int j = 0; j < MAXJ; ++j) acc[j] += e * vr[b][j];
+            }
+        }
+        mx = mn;
+    }
+    if (lane == 0) { s_m[warp] = mx; s_l[warp] = l; }
+#pragma unroll
+    for (int j = 0; j < MAXJ; ++j) {
+        const int d = lane + 32 * j;
+        if (d < hd) s_acc[warp][d] = acc[j];
+    }
+    __syncthreads();
+    float* pp = part + ((size_t)h * NS + split) * (hd + 2);
+    float bm = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < AW; ++w) bm = fmaxf(bm, s_m[w]);
+    float wgt[AW];
+#pragma unroll
+    for (int w = 0; w < AW; ++w) wgt[w] = s_l[w] > 0.f ? expf(s_m[w] - bm) : 0.f;
+    if (threadIdx.x == 0) {
+        float bl = 0.f;
+#pragma unroll
+        for (int w = 0; w < AW; ++w) bl += s_l[w] * wgt[w];
+        pp[0] = bm;
+        pp[1] = bl;
+    }
+    for (int d = threadIdx.x; d < hd; d += AW * 32) {
+        float a = 0.f;
+#pragma unroll
+        for (int w = 0; w < AW; ++w) a += s_acc[w][d] * wgt[w];
+        pp[2 + d] = a;
+    }
+    if (!arrive_last(&counters[h], NS, &s_last)) return;
+    const float* ph = part + (size_t)h * NS * (hd + 2);
+    if (threadIdx.x < NS) {
+        s_m[threadIdx.x] = __ldcg(ph + (size_t)threadIdx.x * (hd + 2));
+        s_l[threadIdx.x] = __ldcg(ph + (size_t)threadIdx.x * (hd + 2) + 1);
+    }
+    __syncthreads();
+    float gm = NEG_INF;
+#pragma unroll
+    for (int t = 0; t < NS; ++t) gm = fmaxf(gm, s_m[t]);
+    if (threadIdx.x < NS)
+        s_w[threadIdx.x] = s_l[threadIdx.x] > 0.f ? expf(s_m[threadIdx.x] - gm) : 0.f;
+    __syncthreads();
+    float gl = 0.f;
+#pragma unroll
+    for (int t = 0; t < NS; ++t) gl += s_l[t] * s_w[t];
+    for (int d = threadIdx.x; d < hd; d += AW * 32) {
+        float v[NS];
+#pragma unroll
+        for (int t = 0; t < NS; ++t) v[t] = __ldcg(ph + (size_t)t * (hd + 2) + 2 + d);
+        float a = 0.f;
+#pragma unroll
+        for (int t = 0; t < NS; ++t) a += v[t] * s_w[t];
+        out[(size_t)h * hd + d] = a / gl;
+    }
+    if (threadIdx.x == 0) counters[h] = 0;
+}
+
+// ------------------------------------------------------------------------------------------------------
+// Prefill attention: rows m of q at positions meta[0] + m see keys 0..meta[0] + m (causal). 16 query rows
+// per block (two per warp), so each key/value tile staged in shared memory (PT positions) serves 16
+// queries, and 16-byte shared-memory reads: lane j scores key j against both of its warp's queries, then
+// accumulates 4 consecutive dimensions of each. hd % 4 == 0, hd <= 128.
+// Grid: x = H, y = ceil(M / 16); block 256; dynamic shared memory (32*(hd+4) + 32*hd + 16*hd) floats.
+#define PT 32
+#define PQ2 16
+extern "C" __global__ void __launch_bounds__(256) attn_prefill(
+    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
+    int KV, int hd, float scale, const int* __restrict__ meta, int M, float* __restrict__ out)
+{
+    grid_dep_launch();
+    grid_dep_wait();
+    extern __shared__ float smem[];
+    const int ldk = hd + 4;                 // keeps rows 16-byte aligned; per quarter-warp conflict-free
+    float* ks = smem;                       // [PT][hd+4]
+    float* vs = ks + PT * ldk;              // [PT][hd]
+    float* qs = vs + PT * hd;               // [PQ2][hd]
+    const int h = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r0 = blockIdx.y * PQ2;
+    const int ma = r0 + 2 * warp, mb = ma + 1;   // this warp's two query rows
+    const int pos0 = meta[0];
+    const int pmax = pos0 + min(M - 1, r0 + PQ2 - 1);
+    const int pa = pos0 + ma, pbq = pos0 + mb;
+    const int kvh = h / (H / KV);
+    const float* kb = kc + (size_t)kvh * cap * hd;
+    const float* vb = vc + (size_t)kvh * cap * hd;
+    for (int i = threadIdx.x; i < PQ2 * hd; i += 256) {
+        const int r = i / hd, d = i - r * hd;
+        qs[i] = r0 + r < M ? q[(size_t)(r0 + r) * H * hd + h * hd + d] * scale : 0.f;
+    }
+    const int d4 = 4 * lane;                // this lane's 4 dimensions in the accumulation
+    float acc_a[4] = {0.f, 0.f, 0.f, 0.f}, acc_b[4] = {0.f, 0.f, 0.f, 0.f};
+    float mxa = NEG_INF, mxb = NEG_INF, la = 0.f, lb = 0.f;
+    const float4* qa4 = reinterpret_cast<const float4*>(qs + (2 * warp) * hd);
+    const float4* qb4 = reinterpret_cast<const float4*>(qs + (2 * warp + 1) * hd);
+    for (int t0 = 0; t0 <= pmax; t0 += PT) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < PT * hd; i += 256) {
+            const int r = i / hd, d = i - r * hd;
+            const int p = t0 + r;
+            float kv = 0.f, vv = 0.f;
+            if (p <= pmax) { kv = kb[(size_t)p * hd + d]; vv = vb[(size_t)p * hd + d]; }
+            ks[r * ldk + d] = kv;
+            vs[r * hd + d] = vv;
+        }
+        __syncthreads();
+        if (ma >= M || t0 > pbq) continue;  // the warp's later row sees at least as far as its earlier one
+        const int p = t0 + lane;
+        const float4* k4 = reinterpret_cast<const float4*>(ks + lane * ldk);
+        float da = 0.f, db = 0.f;
+        for (int dd = 0; dd < hd / 4; ++dd) {
+            const float4 kk = k4[dd], xa = qa4[dd], xb = qb4[dd];
+            da += xa.x * kk.x; da += xa.y * kk.y; da += xa.z * kk.z; da += xa.w * kk.w;
+            db += xb.x * kk.x; db += xb.y * kk.y; db += xb.z * kk.z; db += xb.w * kk.w;
+        }
+        const bool va = p <= pa, vbk = mb < M && p <= pbq;
+        const float sa = va ? da : NEG_INF, sb = vbk ? db : NEG_INF;
+        // row a: every tile the loop reaches has key t0 <= pa unless t0 > pa
+        float ea = 0.f, eb = 0.f, corr_a = 1.f, corr_b = 1.f;
+        if (t0 <= pa) {
+            const float mn = fmaxf(mxa, warp_max(sa));
+            corr_a = expf(mxa - mn);
+            ea = va ? expf(sa - mn) : 0.f;
+            la = la * corr_a + warp_sum(ea);
+            mxa = mn;
+        }
+        if (mb < M) {
+            const float mn = fmaxf(mxb, warp_max(sb));
+            corr_b = expf(mxb - mn);
+            eb = vbk ? expf(sb - mn) : 0.f;
+            lb = lb * corr_b + warp_sum(eb);
+            mxb = mn;
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c) { acc_a[c] *= corr_a; acc_b[c] *= corr_b; }
+        for (int r = 0; r < PT; ++r) {
+            // every lane shuffles (full-mask shuffles must be reached by the whole warp); lanes past hd skip
+            // the accumulation
+            const float wa = __shfl_sync(FULL, ea, r), wb = __shfl_sync(FULL, eb, r);
+            if ((wa != 0.f || wb != 0.f) && d4 < hd) {
+                const float4 vv = *reinterpret_cast<const float4*>(vs + r * hd + d4);
+                acc_a[0] += wa * vv.x; acc_a[1] += wa * vv.y; acc_a[2] += wa * vv.z; acc_a[3] += wa * vv.w;
+                acc_b[0] += wb * vv.x; acc_b[1] += wb * vv.y; acc_b[2] += wb * vv.z; acc_b[3] += wb * vv.w;
+            }
+        }
+    }
+    if (d4 < hd) {
+        if (ma < M) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) out[(size_t)ma * H * hd + h * hd + d4 + c] = acc_a[c] / la;
+        }
+        if (mb < M) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) out[(size_t)mb * H * hd + h * hd + d4 + c] = acc_b[c] / lb;
+        }
+    }
+}
+#undef AW
+#undef AB
+#undef MAXJ
+#undef PT
+#undef PQ2

@@ -1,0 +1,123 @@
+// Device helpers shared by the whole-step forward's kernels (gemv.cu, rope.cu, attention.cu, rows.cu,
+// lm_finish.cu): one NVRTC unit after common.cuh, in the order of kernels.FORWARD_SOURCES.
+//
+// NVRTC compiles it with --fmad=false, so every float expression rounds exactly as written (the CPU decoder's
+// numpy order where it matters: rmsnorm x / sqrt(ms + eps) * w, RoPE x1*c - x2*s, silu g / (1 + exp(-g)) * u,
+// Q8_0 round-half-away codes).
+//
+// Layouts (float32 unless said):
+//   weights   codes K-major [K][Npad] int8, or int4 [K/8][Npad] 32-bit words of 8 k of one column (common.cuh),
+//             scales [K/G][Npad]
+//   h         [M][D] residual stream; qkv [M][Nqkv] (q | k | v); q [M][H*hd]; attn [M][H*hd]; gu [M][2F]
+//   kv cache  one layer: k [KV][cap][hd], v [KV][cap][hd]
+//   meta      int32 device memory: meta[0] = absolute position of row 0 (the graph reads it at run time)
+
+#define NT 256          // threads of a GEMV block (8 warps)
+#define TN 128          // columns of a GEMV tile: 32 lanes x 4 columns
+#define FULL FULL_MASK
+#define NEG_INF __int_as_float(0xff800000)  // -inf without math headers (NVRTC)
+
+// Programmatic dependent launch (sm_90): a kernel launched with programmatic stream serialization may start
+// while its predecessor in the stream is still running. Everything before grid_dep_wait() must touch only
+// what no kernel of the step writes (weights, norms, tables); the wait returns once the predecessor has
+// completed and its writes are visible. Without that launch attribute the wait returns at once. Every
+// kernel here lets its dependents launch at its start: they only prefetch weights until their own wait.
+__device__ __forceinline__ void grid_dep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_dep_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    // xor butterfly: every lane ends with the same bits (float addition is commutative)
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL, v, o));
+    return v;
+}
+
+__device__ __forceinline__ int warp_isum(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+    return v;
+}
+
+// Split-K hand-over, called by every thread of a block once its partials are stored: true in the block that
+// arrives last of ``count`` (it then reads the others' partials). One thread's acq_rel atomic after the barrier
+// publishes the whole block's stores (release is cumulative over the barrier) and, in the last block, makes
+// the other blocks' stores visible to it (acquire, then the barrier): CUTLASS's semaphore pattern. Measured
+// against fencing every thread around a relaxed atomic: 60 us (q4) and 97 us (q8) less per qwen3-8b step.
+__device__ __forceinline__ bool arrive_last(int* counter, int count, int* flag) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int old;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+        *flag = old == count - 1;
+    }
+    __syncthreads();
+    return *flag;
+}
+
+// Sum over the NT threads of a block, same bits in every thread; red: >= 8 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < NT / 32; ++w) s += red[w];
+    return s;
+}
+
+// The residual stream's sums of squares, one per 32 columns (a warp's outputs), kept for M = 1 so that an
+// RMSNorm prologue reads ceil(K / 32) floats instead of the whole row in every block: the kernels that write
+// the stream (embed_rows, the residual-add GEMVs) leave them in ssq_out, the norm's consumers read ssq_in.
+
+// rmsnorm denominator of a row of K from its sums, the same bits in every lane of the calling warp
+__device__ __forceinline__ float rms_from_tiles(const float* __restrict__ ssq, int K, float eps) {
+    const int lane = threadIdx.x & 31;
+    float s = 0.f;
+    for (int t = lane; t < (K + 31) / 32; t += 32) s += ssq[t];  // written by an earlier kernel
+    s = warp_sum(s);
+    return sqrtf(s / (float)K + eps);
+}
+
+// ssq[n0 / 32] = sum of the squares of the calling warp's outputs y (0 where a lane holds none), n0 the
+// warp's first column
+__device__ __forceinline__ void store_warp_ssq(float y, float* __restrict__ ssq, int n0) {
+    const float s = warp_sum(y * y);
+    if ((threadIdx.x & 31) == 0) ssq[n0 >> 5] = s;
+}
+
+// Weights and their G = 32 scales are read once a step: loaded through L2 without allocating L1 lines
+// (ld.global.nc.L1::no_allocate). Measured on the H200 against __ldg (docs/performance.md):
+// weights -75 us per q8 step and -40 us per q4 step (of the copy bandwidth: gate/up 83 -> 89 %, down 96 -> 105 %,
+// q|k|v 82 -> 87 %), scales another -25 / -10 us per step, although q and o alone measure 3 % slower with it.
+__device__ __forceinline__ unsigned ld_stream(const unsigned* p) {
+    unsigned v;
+    asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float4 ld_stream(const float4* p) {
+    float4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+    return v;
+}

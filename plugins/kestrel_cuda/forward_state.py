@@ -1,0 +1,201 @@
+"""What the whole-step forward keeps on the device for one model: small tensors, projections, workspace.
+
+``Projections`` turns a model's strips into device projections (``plan.Lin``) with their M=1 plans, through
+the weight cache (``weight_source``) or, without one, by packing and uploading them itself. ``build_state``
+makes a model's ``State`` (every projection fetched up front unless a residency window fetches them per
+layer and step) and reserves the split-K scratch its plans need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kestrel_core.contract import StripCache
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.decoder import PREFILL_CHUNK, rope_inv_freq
+from kestrel_core.model.weights import Model
+from kestrel_core.wkey import lm_head_wkey
+from kestrel_cuda.layout import ProjGroup, fusable, layer_groups, pack_kmajor, pad_n
+from kestrel_cuda.plan import FINISH_COLS, TOKEN_RING, Lin, attn_part_size, gemv_scratch, plan_split, ssq_count
+
+WeightSource = Callable[[int, Sequence[StripCache]], Any]
+
+
+@dataclass
+class LayerLins:
+    qkv: list[Lin]
+    o: Lin
+    gate_up: list[Lin]
+    down: Lin
+
+
+@dataclass
+class Layer:
+    attn_norm: Any
+    mlp_norm: Any
+    q_norm: Any
+    k_norm: Any
+    qkv_bias: Any
+    weights: LayerLins | None = None  # None when fetched per step (residency window)
+
+
+@dataclass
+class State:
+    """Everything on the device for one model: small tensors, weights, workspace."""
+
+    model: Model  # strips for per-step fetches (window) and the identity check
+    config: Any
+    max_context: int
+    emb_codes: Any
+    emb_scales: Any
+    emb_group: int
+    final_norm: Any
+    layers: list[Layer]
+    lm_head: Lin | None
+    cos: Any
+    sin: Any
+    meta: Any  # int32 [1 + PREFILL_CHUNK]: position, then token ids
+    h: Any
+    ssq: Any  # float32 [ceil(D / 32)]: h's sums of squares per 32 columns, M = 1 (forward.cuh)
+    qkv: Any
+    q: Any
+    attn: Any
+    gu: Any
+    finish: tuple[Any, Any, Any]  # lm_finish's per-block (value, index) and its arrival counter
+    tokens: np.ndarray  # int32 [TOKEN_RING] pinned host memory: lm_finish's greedy token by position
+    logits: Any
+    logits_all: Any = None
+    pinned: list[int] = field(default_factory=list)
+
+    @property
+    def ids(self) -> Any:
+        return self.meta[1:]
+
+
+def rope_tables(config: Any, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [positions, hd/2] float32 of angle = position * inv_freq, as the CPU decoder computes them
+    (float32 positions times the decoder's float32 inverse frequencies, llama3 scaling included)."""
+    freqs = np.arange(positions, dtype=np.float32)[:, None] * rope_inv_freq(config)[None, :]
+    return np.cos(freqs), np.sin(freqs)
+
+
+class Projections:
+    """Device projections of a model's strips, each planned for the M=1 GEMV (``plan.plan_split``).
+
+    ``weight_source(wkey, strips)``: the weight cache's get-or-upload (None: pack and upload through ``ops``);
+    ``sm_count``, ``clusters``, ``target_blocks``: the planner's inputs."""
+
+    def __init__(self, ops: Any, weight_source: WeightSource | None, sm_count: int, clusters: bool,
+                 target_blocks: int | None) -> None:
+        self.ops = ops
+        self.weight_source = weight_source
+        self.sm_count = sm_count
+        self.clusters = clusters
+        self.target_blocks = target_blocks
+
+    def plan(self, lin: Lin) -> int:
+        """K splits of ``lin``'s M=1 GEMV (sets ``lin.cluster``)."""
+        return plan_split(lin, self.sm_count, self.target_blocks, self.clusters)
+
+    def layer(self, model: Model, i: int) -> LayerLins:
+        qkv, o, gu, down = (self.fetch(group) for group in layer_groups(i, model.layers[i]))
+        return LayerLins(qkv=qkv, o=o[0], gate_up=gu, down=down[0])
+
+    def lm_head(self, model: Model) -> Lin:
+        return self.fetch(ProjGroup([model.lm_head], [lm_head_wkey()], 0))[0]
+
+    def fetch(self, group: ProjGroup) -> list[Lin]:
+        """Device projections for ``group`` (fused into one when allowed), with their output columns."""
+        strips, keys, fused_key = group
+        cols = np.cumsum([0] + [s.n for s in strips[:-1]]).tolist()
+        if self.weight_source is None:
+            same = len({(s.k, s.group_size, s.bits) for s in strips}) == 1
+            if same:
+                codes = strips[0].codes if len(strips) == 1 else np.concatenate([s.codes for s in strips])
+                scales = strips[0].scales if len(strips) == 1 else np.concatenate([s.scales for s in strips])
+                return [self._own(codes, scales, strips[0], fused_key if len(strips) > 1 else keys[0])]
+            return [self._own(s.codes, s.scales, s, key, col) for s, key, col in zip(strips, keys, cols)]
+        if len(strips) > 1 and fusable(strips):
+            dw = self.weight_source(fused_key, strips)
+            if dw is not None:
+                return [self._adopt(dw, sum(s.n for s in strips), 0, fused_key)]
+        return [self._adopt(self.weight_source(key, [s]), s.n, col, key) for s, key, col in zip(strips, keys, cols)]
+
+    def scratch(self, model: Model) -> tuple[int, int, int]:
+        """``plan.gemv_scratch`` of every projection the model may run, fused or not, from shapes alone."""
+        lins = []
+        groups = layer_groups(0, model.layers[0]) + [ProjGroup([model.lm_head], [lm_head_wkey()], 0)]
+        for strips, keys, fused_key in groups:
+            n, k = sum(s.n for s in strips), strips[0].k
+            lin = Lin(None, None, k, n, pad_n(n), strips[0].group_size, strips[0].bits,  # own bits: own plan
+                      wkey=fused_key or keys[0])
+            lin.ksplit = self.plan(lin)
+            lins.append(lin)
+            for s, key in zip(strips, keys):  # unfused members may have more tiles
+                one = Lin(None, None, s.k, s.n, pad_n(s.n), s.group_size, s.bits, wkey=key)
+                one.ksplit = self.plan(one)
+                lins.append(one)
+        return gemv_scratch(lins)
+
+    def _own(self, codes: np.ndarray, scales: np.ndarray, like: StripCache, key: int, col: int = 0) -> Lin:
+        n, k = codes.shape
+        npad = pad_n(n)
+        sc = np.zeros((k // like.group_size, npad), np.float32)
+        sc[:, :n] = scales.T
+        packed = pack_kmajor(codes, like.bits)
+        lin = Lin(self.ops.upload(packed), self.ops.upload(sc), k, n, npad, like.group_size, like.bits, col,
+                  wkey=key)
+        lin.ksplit = self.plan(lin)
+        return lin
+
+    def _adopt(self, dw: Any, n: int, col: int, key: int) -> Lin:
+        if dw is None:
+            raise KestrelError(f"the weight cache returned no weight for wkey {key:#x}")
+        lin = Lin.from_device_weight(dw, n, col, key)
+        lin.ksplit = self.plan(lin)
+        lin.device_weight = dw  # type: ignore[attr-defined]  # the tiled GEMM takes the cache's object
+        return lin
+
+
+def build_state(model: Model, ops: Any, projections: Projections, max_context: int, resident: bool) -> State:
+    """``model``'s device state for contexts up to ``max_context``; ``resident``: fetch every projection now
+    (else each layer's per step, through a residency window)."""
+    c = model.config
+    up, zeros = ops.upload, ops.zeros
+    d, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    nq, nkv = c.num_heads * hd, c.num_kv_heads * hd
+    max_context = min(c.max_position, max_context)
+    cos, sin = rope_tables(c, max_context)
+    layers = []
+    for lw in model.layers:
+        bias = None
+        if lw.q_bias is not None:
+            bias = up(np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias]).astype(np.float32))
+        layers.append(Layer(up(lw.attn_norm), up(lw.mlp_norm),
+                            None if lw.q_norm is None else up(lw.q_norm),
+                            None if lw.k_norm is None else up(lw.k_norm), bias))
+    emb = model.embedding
+    t = PREFILL_CHUNK
+    st = State(model=model, config=c, max_context=max_context, emb_codes=up(emb.codes),
+               emb_scales=up(emb.scales), emb_group=emb.group_size, final_norm=up(model.final_norm),
+               layers=layers, lm_head=None, cos=up(cos), sin=up(sin),
+               meta=zeros(1 + t, np.int32), h=zeros((t, d), np.float32), ssq=zeros(ssq_count(d), np.float32),
+               qkv=zeros((t, nq + 2 * nkv), np.float32), q=zeros((t, nq), np.float32),
+               attn=zeros((t, nq), np.float32), gu=zeros((t, 2 * f), np.float32),
+               finish=(zeros(-(-c.vocab_size // FINISH_COLS), np.float32),
+                       zeros(-(-c.vocab_size // FINISH_COLS), np.int32), zeros(1, np.int32)),
+               tokens=ops.mapped_ints(TOKEN_RING), logits=zeros((1, c.vocab_size), np.float32))
+    reserve = getattr(ops, "reserve", None)  # split-K and attention scratch (the numpy mirror needs none)
+    if reserve is not None:
+        part, counters, merge_tiles = projections.scratch(model)
+        reserve(part, counters, attn_part_size(c.num_heads, c.head_dim, t), c.num_heads * t, merge_tiles)
+    if resident:
+        for i in range(c.num_layers):
+            layers[i].weights = projections.layer(model, i)
+        st.lm_head = projections.lm_head(model)
+    ops.synchronize_device()  # weights a cache uploaded on another stream are complete
+    return st

@@ -1,0 +1,363 @@
+// qgemv: every projection of the whole-step forward (and lm_head) at M <= 8, its activation prologue
+// (RMSNorm, SiLU*up) and quantization fused in; split-K merges in merge.cuh.
+
+// One lane's 32-row slot of weights, 4 columns from col, rows kr .. kr + 31. int8: w[r] = row kr + r (byte c =
+// column c); int4: w[4r + c] = the 8-k word of column c, k = kr + 8r .. kr + 8r + 7.
+template <int BITS>
+__device__ __forceinline__ void load_slot(const unsigned char* __restrict__ W, int Npad, int kr, int col,
+                                          unsigned (&w)[BITS == 8 ? 32 : 16]) {
+    if constexpr (BITS == 8) {
+        const unsigned* p = reinterpret_cast<const unsigned*>(W + (size_t)kr * Npad + col);
+#pragma unroll
+        for (int r = 0; r < 32; ++r) w[r] = ld_stream(p + (size_t)r * (Npad / 4));
+    } else {
+        const uint4* p = reinterpret_cast<const uint4*>(W + ((size_t)(kr / 8) * Npad + col) * 4);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const uint4 v = ld_stream(p + (size_t)r * (Npad / 4));
+            w[4 * r] = v.x; w[4 * r + 1] = v.y; w[4 * r + 2] = v.z; w[4 * r + 3] = v.w;
+        }
+    }
+}
+
+// isum[i][c] += sum over the slot's 32 k of code(k, column c) * a_i[k], aw[i]: a_i's 32 codes, 4 per word.
+// int4 sums biased codes (code + 8): the caller subtracts 8 * sum(a_i). The high nibbles are multiplied in
+// place (16 x code), so their sum is shifted back, exactly, once per slot.
+template <int BITS, int MR>
+__device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16], const int (&aw)[MR][8],
+                                         int (&isum)[MR][4]) {
+    if constexpr (BITS == 8) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {      // 8 quads of 4 rows
+            u32 cw[4];
+            transpose4x4(w[4 * j], w[4 * j + 1], w[4 * j + 2], w[4 * j + 3], cw[0], cw[1], cw[2], cw[3]);
+#pragma unroll
+            for (int i = 0; i < MR; ++i)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) isum[i][c] = __dp4a((int)cw[c], aw[i][j], isum[i][c]);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < MR; ++i) {
+            int hi[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    isum[i][c] = __dp4a((int)(w[4 * r + c] & NIB_LO), aw[i][2 * r], isum[i][c]);
+                    hi[c] = dp4a_us(w[4 * r + c] & NIB_HI, aw[i][2 * r + 1], hi[c]);
+                }
+#pragma unroll
+            for (int c = 0; c < 4; ++c) isum[i][c] += hi[c] >> 4;
+        }
+    }
+}
+
+// Quantized GEMV / small-M GEMM with the activation prologue fused in.
+//
+// out[m][n] = sum_g (sum_{k in g} Aq[m][k] Wq[k][n]) * a_scale[m][g] * w_scale[g][n]   (integer block sums)
+// where A = prologue(X): pro 0: X; pro 1: rmsnorm(X, pw, eps); pro 2: silu(X[:, k]) * X[:, k + xoff],
+// quantized per G-block exactly as contract.quantize_activations.
+// Grid: x = column tiles of TN, y = K splits (chunks of KC strided by gridDim.y), z = row blocks of MR.
+// A chunk is 256 rows, one 32-row slot a warp (int8: 32 KB, int4: 16 KB). int4 chunks of 512 rows (two slots
+// a warp, 32 KB like int8) measured slower: 2,250 against 2,010 us per qwen3-8b q4 step (docs/performance.md).
+// With gridDim.y > 1 (M = 1 only) the K splits' partial sums are added in y order (deterministic, graph-safe,
+// the same bits every way): launched as one cluster per tile (gridDim.y <= MAX_CLUSTER), the cluster's other
+// blocks push theirs into block 0's shared memory and exit; with ``epochs`` (plan.tagged_merge: grids of more
+// than one wave) every split stores them tagged in ``merge`` (st_tagged), the tile's last split polls for them
+// and the others exit at once, freeing their SM slots for the next wave; otherwise each block writes them to
+// part[y][m][Npad] and the last block of a tile to arrive on its counter (then reset) reads them back.
+// Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += acc (+ bias). With qout (M = 1, the q|k|v projection,
+// hd == TN: tile x is head x; the other pointers and H, KV, cap as QkvRope's, eps the prologue's) the tile's
+// outputs go through rope_head instead of to Y: qkv_rope's work, in the block that has the head's sums,
+// without a kernel of its own.
+template <int BITS, int G, int MR>
+__global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
+    const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
+    const float* __restrict__ X, int ldx, int M, int pro, const float* __restrict__ pw, float eps, int xoff,
+    float* __restrict__ Y, int ldy, int epi, const float* __restrict__ bias,
+    float* __restrict__ part, int* __restrict__ counters, unsigned long long* __restrict__ merge,
+    unsigned* __restrict__ epochs, const float* __restrict__ ssq_in, float* __restrict__ ssq_out,
+    const float* qnorm, const float* knorm, const float* cosT, const float* sinT, const int* meta, float* qout,
+    float* kc, float* vc, int H, int KV, int cap)
+{
+    constexpr int KC = NT;                      // rows of a chunk: one 32-row slot a warp, one row a thread
+    constexpr int NW = BITS == 8 ? 32 : 16;     // 4-byte words of one slot
+    grid_dep_launch();  // the wait follows the block's first weight loads
+    __shared__ int s_aq[MR][KC / 4];            // activation codes of this chunk, 4 per word
+    __shared__ float s_as[MR][KC / 32];         // activation scale per group (G = 256: element 0)
+    __shared__ int s_asum[MR][KC / 32];         // sum of activation codes per group (int4 bias)
+    __shared__ float s_r[MR];                   // rmsnorm denominators
+    __shared__ float s_red[NT / 32];
+    __shared__ __align__(16) int s_acc[NT / 32][MR][TN];  // per-warp partial results (float bits; ints at G=256)
+    __shared__ float s_part[MR][TN];            // with qout: the head's outputs for rope_head
+    __shared__ float s_push[MR == 1 ? MAX_CLUSTER : 1][TN];  // cluster block 0: the other blocks' sums
+    __shared__ __align__(8) unsigned long long s_push_bar;    // counts their bytes
+    __shared__ int s_last;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int n0 = blockIdx.x * TN;
+    const int col = n0 + 4 * lane;
+    const int m0 = blockIdx.z * MR;
+    const int nck = (K + KC - 1) / KC;
+    const unsigned csize = cluster_size();     // > 1: the tile's K splits are this cluster (csize == gridDim.y)
+    // otherwise the K splits merge through ``merge`` (null epochs: through part and counters)
+    const bool tagged = MR == 1 && gridDim.y > 1 && epochs != nullptr && csize == 1;
+    if (MR == 1 && csize > 1) {                 // before any block of the cluster can send its sums
+        if (cluster_rank() == 0 && threadIdx.x == 0) {
+            mbar_init(&s_push_bar, 1);
+            mbar_init_fence();
+            mbar_expect_tx(&s_push_bar, (csize - 1) * TN * sizeof(float));
+        }
+        cluster_arrive();
+    }
+    unsigned epoch = 0;                         // tagged: the tile's, read after the PDL wait
+    const bool colok = col < Npad;
+    float acc[MR];
+    // G = 32: each warp quantizes exactly its own slot's rows, so the chunk's activations need no block
+    // barrier before the dot, and the first chunk none before them either (every warp computes the tile-sums
+    // norm itself, r1: the same bits as one warp's)
+    constexpr bool warp_local = G == 32;
+    float r1 = 0.f;
+#pragma unroll
+    for (int i = 0; i < MR; ++i) acc[i] = 0.f;
+
+    unsigned wr[NW];
+    float4 ws;                                  // G = 32: weight scales of the warp's slot
+    float wsg = 0.f;                            // G = 256: weight scale of the chunk's group (tid < TN)
+    for (int c = blockIdx.y; c < nck; c += gridDim.y) {
+        const int k0 = c * KC;
+        const int kw = k0 + 32 * warp;          // first weight row of this warp's slot
+        // Issue the weight and weight-scale loads first: they do not depend on the activations, so the
+        // prologue below runs while they are in flight.
+        if (colok && kw < K) {
+            load_slot<BITS>(W, Npad, kw, col, wr);
+            if (G == 32) ws = ld_stream(reinterpret_cast<const float4*>(WS + (size_t)(kw / 32) * Npad + col));
+        }
+        if (G != 32 && tid < TN && n0 + tid < Npad) wsg = __ldg(WS + (size_t)(k0 / G) * Npad + n0 + tid);
+        // rmsnorm weight of this thread's chunk row (not step data)
+        const float pwv = pro == 1 && k0 + tid < K ? __ldg(pw + k0 + tid) : 0.f;
+        if (c == (int)blockIdx.y) {
+            grid_dep_wait();                    // X (and the epoch) come from the kernels before this one
+            if (tagged) epoch = __ldcg(epochs + blockIdx.x);
+        }
+        // MR = 1: the thread's input (and SiLU*up's up value), loaded before the norm's sums and the barrier
+        // below, so that the round trips overlap (measured 100-130 us per q4 step faster). Through L2
+        // (ld.global.cg): a plain load of this const __restrict__ row compiles to ld.global.nc, which may be
+        // scheduled above griddepcontrol.wait and read the previous step's values (measured: wrong logits).
+        constexpr bool early = MR == 1;
+        const bool eok = early && m0 < M && k0 + tid < K;
+        const float xe = eok ? __ldcg(X + (size_t)m0 * ldx + k0 + tid) : 0.f;
+        const float ue = eok && pro == 2 ? __ldcg(X + (size_t)m0 * ldx + k0 + tid + xoff) : 0.f;
+        if (pro == 1 && c == (int)blockIdx.y && ssq_in) {  // M = 1: from the tile sums
+            r1 = rms_from_tiles(ssq_in, K, eps);  // every warp: s_r is not needed (ssq_in implies MR = 1)
+        } else if (pro == 1 && c == (int)blockIdx.y) {
+            // rmsnorm denominators over the whole row, computed (identically) by every block, while its
+            // first weight loads are in flight
+            for (int i = 0; i < MR; ++i) {
+                const int m = m0 + i;
+                float ss = 0.f;
+                if (m < M) {
+                    const float* xr = X + (size_t)m * ldx;
+#pragma unroll 8
+                    for (int k = tid; k < K; k += NT) { const float v = xr[k]; ss += v * v; }
+                }
+                ss = block_sum(ss, s_red);
+                if (tid == 0) s_r[i] = sqrtf(ss / (float)K + eps);
+            }
+        }
+        if (!(warp_local && c == (int)blockIdx.y && (pro != 1 || ssq_in)))
+            __syncthreads();  // the previous chunk is done with s_aq / s_acc; s_r is visible
+        for (int i = 0; i < MR; ++i) {          // chunk row tid: this thread's
+            const int m = m0 + i;
+            const int k = k0 + tid;
+            float v = 0.f;
+            if (m < M && k < K) {
+                const float* xr = X + (size_t)m * ldx;
+                const float xk = early ? xe : xr[k];
+                if (pro == 1) {
+                    v = xk / (MR == 1 && ssq_in ? r1 : s_r[i]) * pwv;
+                } else if (pro == 2) {
+                    v = xk / (1.f + expf(-xk)) * (early ? ue : xr[k + xoff]);
+                } else {
+                    v = xk;
+                }
+            }
+            float amax = warp_max(fabsf(v));
+            if (G != 32) {                      // G = 256: the block's
+                __syncthreads();
+                if (lane == 0) s_red[warp] = amax;
+                __syncthreads();
+                amax = s_red[0];
+#pragma unroll
+                for (int w = 1; w < NT / 32; ++w) amax = fmaxf(amax, s_red[w]);
+            }
+            const float d = amax / 127.f;
+            const float inv = d == 0.f ? 0.f : 1.f / d;
+            const int q = (int)roundf(v * inv);  // roundf: half away from zero, like ggml
+            reinterpret_cast<signed char*>(s_aq[i])[tid] = (signed char)q;
+            const int gq = G == 32 ? warp : 0;  // the group's index in the chunk
+            if (BITS == 4) {
+                int qs = warp_isum(q);
+                if (G == 32) {
+                    if (lane == 0) s_asum[i][gq] = qs;
+                } else {
+                    __syncthreads();
+                    if (lane == 0) s_red[warp] = __int_as_float(qs);
+                    __syncthreads();
+                    if (tid == 0) {
+                        int t = 0;
+                        for (int w = 0; w < NT / 32; ++w) t += __float_as_int(s_red[w]);
+                        s_asum[i][gq] = t;
+                    }
+                }
+            }
+            if (G == 32) { if (lane == 0) s_as[i][gq] = d; }
+            else { if (tid == 0) s_as[i][gq] = d; }
+        }
+        if constexpr (warp_local) __syncwarp();
+        else __syncthreads();
+
+        // this warp's slot: chunk rows 32 * warp .. 32 * warp + 31 (G = 32: group warp of the chunk)
+        int isum[MR][4];
+#pragma unroll
+        for (int i = 0; i < MR; ++i) isum[i][0] = isum[i][1] = isum[i][2] = isum[i][3] = 0;
+        const bool active = colok && kw < K;    // the same for every lane of the warp
+        if (active) {
+            int aw[MR][8];
+#pragma unroll
+            for (int i = 0; i < MR; ++i)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) aw[i][j] = s_aq[i][8 * warp + j];
+            dot_slot<BITS, MR>(wr, aw, isum);
+        }
+#pragma unroll
+        for (int i = 0; i < MR; ++i) {          // one 16-byte store a lane: no shared-memory bank conflicts
+            int4 r = make_int4(isum[i][0], isum[i][1], isum[i][2], isum[i][3]);  // (0.f bits when inactive)
+            if (G == 32 && active) {            // ws is loaded only for an active slot
+                const float as = s_as[i][warp];
+                const int bias8 = BITS == 4 ? 8 * s_asum[i][warp] : 0;
+                r = make_int4(__float_as_int((float)(isum[i][0] - bias8) * as * ws.x),
+                              __float_as_int((float)(isum[i][1] - bias8) * as * ws.y),
+                              __float_as_int((float)(isum[i][2] - bias8) * as * ws.z),
+                              __float_as_int((float)(isum[i][3] - bias8) * as * ws.w));
+            }
+            *reinterpret_cast<int4*>(&s_acc[warp][i][4 * lane]) = r;
+        }
+        __syncthreads();
+        if (tid < TN && n0 + tid < Npad) {
+#pragma unroll
+            for (int i = 0; i < MR; ++i) {
+                if (G == 32) {
+                    float s = 0.f;
+#pragma unroll
+                    for (int w = 0; w < NT / 32; ++w) s += __int_as_float(s_acc[w][i][tid]);
+                    acc[i] += s;
+                } else {                        // G = 256: the chunk is one group
+                    int t = 0;
+#pragma unroll
+                    for (int w = 0; w < NT / 32; ++w) t += s_acc[w][i][tid];
+                    if (BITS == 4) t -= 8 * s_asum[i][0];
+                    acc[i] += (float)t * s_as[i][0] * wsg;
+                }
+            }
+        }
+    }
+
+    grid_dep_wait();  // blocks without a chunk: before the epoch (a no-op once waited)
+    if (tagged && (int)blockIdx.y >= nck) epoch = __ldcg(epochs + blockIdx.x);
+    // the epilogue's inputs from earlier kernels, loaded now: their round trip overlaps the merge's
+    float yin[MR], bn = 0.f;
+    const int n = n0 + tid;
+    const bool nok = tid < TN && n < N;
+#pragma unroll
+    for (int i = 0; i < MR; ++i) yin[i] = nok && epi == 1 && m0 + i < M ? Y[(size_t)(m0 + i) * ldy + n] : 0.f;
+    if (nok && bias) bn = bias[n];
+    if (MR == 1 && csize > 1) {                 // the cluster's shared memory: pushed to block 0
+        const unsigned rank = cluster_rank();
+        if (rank != 0) {
+            cluster_wait();                     // block 0's barrier is initialised
+            if (tid < TN) push_to_rank0(&s_push[rank][tid], &s_push_bar, acc[0]);
+            return;
+        }
+        mbar_wait(&s_push_bar, 0);
+        if (tid < TN) {                         // in rank order: the same bits as the L2 merges
+            float sum = 0.f;
+            sum += acc[0];
+            for (unsigned r = 1; r < csize; ++r) sum += s_push[r][tid];
+            acc[0] = sum;
+        }
+    } else if (tagged) {
+        unsigned long long* slots = merge + (size_t)blockIdx.x * MERGE_SPLITS * TN + tid;  // split 0's, column tid
+        const unsigned tag = epoch + 1;
+        const int ns = gridDim.y;
+        constexpr int PB = 8;                   // polls in flight per thread (16: 12-20 bytes of spills, slower)
+        if (tid < TN) st_tagged(slots + (size_t)blockIdx.y * TN, acc[0], tag);
+        if ((int)blockIdx.y != ns - 1) return;  // the tile's last split merges
+        if (tid < TN) {
+            float sum = 0.f;
+            for (int y0 = 0; y0 < ns; y0 += PB) {  // PB slots at once, polled together until all are tagged
+                unsigned long long w[PB];
+#pragma unroll
+                for (int j = 0; j < PB; ++j) w[j] = y0 + j < ns ? ld_tagged(slots + (size_t)(y0 + j) * TN) : 0ull;
+                for (;;) {
+                    bool ready = true;
+#pragma unroll
+                    for (int j = 0; j < PB; ++j) ready &= y0 + j >= ns || (unsigned)(w[j] >> 32) == tag;
+                    if (ready) break;
+#pragma unroll
+                    for (int j = 0; j < PB; ++j)
+                        if (y0 + j < ns && (unsigned)(w[j] >> 32) != tag)
+                            w[j] = ld_tagged(slots + (size_t)(y0 + j) * TN);
+                }
+#pragma unroll
+                for (int j = 0; j < PB; ++j) if (y0 + j < ns) sum += __uint_as_float((unsigned)w[j]);
+            }
+            acc[0] = sum;
+        }
+        if (tid == 0) epochs[blockIdx.x] = tag;
+    } else if (gridDim.y > 1) {
+        if (tid < TN && n0 + tid < Npad) {
+            for (int i = 0; i < MR; ++i) {
+                const int m = m0 + i;
+                if (m < M) part[((size_t)blockIdx.y * M + m) * Npad + n0 + tid] = acc[i];
+            }
+        }
+        const int tile = blockIdx.z * gridDim.x + blockIdx.x;
+        if (!arrive_last(&counters[tile], gridDim.y, &s_last)) return;
+        if (tid < TN && n0 + tid < Npad) {
+            for (int i = 0; i < MR; ++i) {
+                const int m = m0 + i;
+                float s = 0.f;
+                if (m < M) {
+#pragma unroll 16
+                    for (int y = 0; y < (int)gridDim.y; ++y)  // up to 16 partials in flight at once
+                        s += __ldcg(part + ((size_t)y * M + m) * Npad + n0 + tid);
+                }
+                acc[i] = s;
+            }
+        }
+        if (tid == 0) counters[tile] = 0;
+    }
+
+    if (MR == 1 && qout) {
+        if (tid < TN) s_part[0][tid] = nok ? (bias ? acc[0] + bn : acc[0]) : 0.f;
+        __syncthreads();
+        const QkvRope qr = {qnorm, knorm, cosT, sinT, meta, qout, kc, vc, H, KV, cap, eps};
+        if (warp == 0) rope_head(qr, s_part[0], blockIdx.x, TN, meta[0], meta[0], lane);
+        return;
+    }
+    float y0 = 0.f;                             // row m0's output (ssq_out: M = 1)
+    if (nok) {
+        for (int i = 0; i < MR; ++i) {
+            const int m = m0 + i;
+            if (m >= M) continue;
+            float y = acc[i];
+            if (bias) y = y + bn;
+            y = epi == 1 ? yin[i] + y : y;
+            Y[(size_t)m * ldy + n] = y;
+            if (i == 0) y0 = y;
+        }
+    }
+    if (ssq_out && warp < TN / 32 && n0 + 32 * warp < N) store_warp_ssq(y0, ssq_out, n0 + 32 * warp);
+}

@@ -1,0 +1,77 @@
+// lm_finish: the decode step's greedy token, on the device (the pipelined greedy decode).
+
+// The decode step's last kernel: the greedy token of the logits row, numpy's argmax (the first index of the
+// largest logit; a NaN counts as largest). Each block reduces FIN_T * FIN_E columns to (value, index) in
+// bval / bidx; the last block to arrive reduces those and writes meta[1] = token (the next step's input),
+// meta[0] += 1 (its position) while below limit (the KV capacity: a graph replayed without a new position
+// never writes past the cache), tokens[position % ntok] = token (pinned host memory, which the host reads
+// once the step's event has completed: the pipelined greedy decode of forward.py).
+#define FIN_T 256
+#define FIN_E 4
+__device__ __forceinline__ bool argmax_beats(float va, int ia, float vb, int ib) {
+    const bool na = va != va, nb = vb != vb;
+    if (na || nb) return na && (!nb || ia < ib);
+    return va > vb || (va == vb && ia < ib);
+}
+
+__device__ __forceinline__ void block_argmax(float& v, int& i, float* s_v, int* s_i) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_down_sync(0xffffffffu, v, o);
+        const int oi = __shfl_down_sync(0xffffffffu, i, o);
+        if (argmax_beats(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+    __syncthreads();
+    if (lane == 0) { s_v[warp] = v; s_i[warp] = i; }
+    __syncthreads();
+    v = s_v[0]; i = s_i[0];
+    for (int w = 1; w < FIN_T / 32; ++w)
+        if (argmax_beats(s_v[w], s_i[w], v, i)) { v = s_v[w]; i = s_i[w]; }
+}
+
+extern "C" __global__ void __launch_bounds__(FIN_T) lm_finish(
+    const float* __restrict__ logits, int N, float* __restrict__ bval, int* __restrict__ bidx,
+    int* __restrict__ counter, int* __restrict__ meta, int limit, int* __restrict__ tokens, int ntok)
+{
+    grid_dep_launch();
+    grid_dep_wait();
+    __shared__ float s_v[FIN_T / 32];
+    __shared__ int s_i[FIN_T / 32];
+    __shared__ int s_last;
+    const int tid = threadIdx.x;
+    float v[FIN_E];
+#pragma unroll
+    for (int e = 0; e < FIN_E; ++e) {
+        const int n = (blockIdx.x * FIN_E + e) * FIN_T + tid;
+        v[e] = n < N ? __ldcg(logits + n) : 0.f;
+    }
+    float bv = NEG_INF;
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int e = 0; e < FIN_E; ++e) {
+        const int n = (blockIdx.x * FIN_E + e) * FIN_T + tid;
+        if (n < N && argmax_beats(v[e], n, bv, bi)) { bv = v[e]; bi = n; }
+    }
+    block_argmax(bv, bi, s_v, s_i);
+    if (tid == 0) { bval[blockIdx.x] = bv; bidx[blockIdx.x] = bi; }
+    if (!arrive_last(counter, gridDim.x, &s_last)) return;
+    bv = NEG_INF;
+    bi = 0x7fffffff;
+    for (int b = tid; b < (int)gridDim.x; b += FIN_T) {
+        const float ov = __ldcg(bval + b);
+        const int oi = __ldcg(bidx + b);
+        if (argmax_beats(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+    }
+    block_argmax(bv, bi, s_v, s_i);
+    if (tid == 0) {
+        *counter = 0;
+        const int pos = meta[0];
+        meta[1] = bi;
+        if (pos + 1 < limit) meta[0] = pos + 1;
+        volatile int* t = tokens;
+        t[pos % ntok] = bi;
+    }
+}
+#undef FIN_T
+#undef FIN_E

@@ -1,0 +1,100 @@
+// How the K splits of one M = 1 GEMV tile (qgemv, gemv.cu) add their partial sums besides the counter of
+// arrive_last (forward.cuh): tagged slots in global memory, or one thread block cluster adding them in shared
+// memory. Both add the splits in y order, as the counter merge does: the same bits every way.
+
+// Split-K hand-over of qgemv at M = 1 without a fence or a counter round trip: each split stores its partial
+// sums together with the launch's tag, the tile's epoch + 1, as one 64-bit word (single-copy atomic), in slot
+// [tile][split][column] of ``merge``, and the tile's last split polls for the others' tags. A tile's epoch
+// grows by one with every launch that merges it (its last split writes it, after the poll), so no slot holds
+// the new tag before this launch writes it; the next launch reads it after its PDL wait.
+#define MERGE_SPLITS 64  // K splits one tile's slots hold (plan.MERGE_SPLITS)
+__device__ __forceinline__ void st_tagged(unsigned long long* p, float v, unsigned tag) {
+    const unsigned long long w = ((unsigned long long)tag << 32) | __float_as_uint(v);
+    asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" :: "l"(p), "l"(w) : "memory");
+}
+__device__ __forceinline__ unsigned long long ld_tagged(const unsigned long long* p) {
+    unsigned long long w;
+    asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
+    return w;
+}
+
+// Thread block clusters (sm_90): the K splits of a GEMV tile launched as one cluster add their partial sums
+// through distributed shared memory, on chip, instead of through L2 (plan.cluster_split picks
+// them; KESTREL_CUDA_CLUSTER=0 turns them off).
+#define MAX_CLUSTER 8   // portable cluster size
+__device__ __forceinline__ unsigned cluster_size() {
+    unsigned r = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
+}
+
+// mbarrier and distributed shared memory primitives (sm_90; no-ops below, where no cluster is launched)
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
+#endif
+}
+// the mbarrier initialisations before it visible to the cluster (and the async proxy)
+__device__ __forceinline__ void mbar_init_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+// one arrival that also expects ``bytes`` of asynchronous copies in the barrier's current phase
+__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("{\n\t.reg .pred p;\n"
+                 "WAIT:\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "\t@!p bra WAIT;\n}" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
+#endif
+}
+// the address of *p in the shared memory of the cluster's block ``rank``
+__device__ __forceinline__ unsigned cluster_addr(const void* p, unsigned rank) {
+    unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_addr(p)), "r"(rank));
+#endif
+    return r;
+}
+
+// The cluster barrier's two halves: arrive early, wait late, for a block that only needs the others to have
+// started; a block may exit without waiting. Together: shared-memory writes before them are visible to the
+// cluster after.
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// The M=1 GEMV's cluster merge: block 0 counts the bytes the other blocks store into its shared memory on one
+// mbarrier, so each of them sends its partial sums and exits at once instead of holding its SM slot until
+// block 0 has read them (q|k|v 8.6 -> 7.5 us at q8, 6.2 -> 5.6 at q4; docs/performance.md).
+// v into *p of the cluster's block 0, counted on block 0's ``bar`` (fire and forget)
+__device__ __forceinline__ void push_to_rank0(float* p, unsigned long long* bar, float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
+                 :: "r"(cluster_addr(p, 0)), "f"(v), "r"(cluster_addr(bar, 0)) : "memory");
+#endif
+}

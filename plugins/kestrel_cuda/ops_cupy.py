@@ -1,0 +1,348 @@
+"""The whole-step forward's kernels on the GPU: ``CupyOps``, the interface of ``ops_numpy.NumpyOps`` launched on
+one CUDA stream (the kernels: ``kernels.FORWARD_SOURCES``, compiled once per process on first use).
+
+CuPy kernels get the data pointer and the row stride of each 2-D row view. ``on_launch(name, launch)``, if
+given, is called instead of each launch with the kernel's name and the launch itself, which it must call
+once (benchmarks/cuda_e2e.py times every kernel of a prefill that way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from kestrel_cuda.kernels import FORWARD_SOURCES, OPTIONS, source_text
+from kestrel_cuda.layout import Geometry
+from kestrel_cuda.plan import (
+    ATTN_SPLITS,
+    FINISH_COLS,
+    MERGE_MODES,
+    MERGE_SPLITS,
+    SMALL_M,
+    TILE_N,
+    Lin,
+    QkvRope,
+    tagged_merge,
+)
+
+# (bits, G, MR): qgemv with MR rows per block: M = 1 (MR = 1) and M = 2..8 (MR = 8)
+GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
+KERNELS = ("embed_rows", "qkv_rope", "attn_prefill", "add_rows", "lm_finish")  # extern "C": no name expression
+Observer = Callable[[str, Callable[[], None]], None]
+
+
+@lru_cache(maxsize=1)
+def _module() -> Any:
+    import cupy as cp
+
+    names = ([f"qgemv<{b},{g},{mr}>" for b, g, mr in GEMV_VARIANTS]
+             + [f"attn_decode<{ATTN_SPLITS}>", "attn_decode<1>", "quantize_rows<32>", "quantize_rows<256>"])
+    mod = cp.RawModule(code=source_text(FORWARD_SOURCES), options=OPTIONS, name_expressions=tuple(names))
+    mod.compile()
+    return mod
+
+
+def _i32(v: int) -> np.int32:
+    return np.int32(v)
+
+
+def _ptr(a: Any) -> np.uint64:
+    """A kernel pointer argument: the data pointer of a CuPy array (view), or NULL."""
+    return np.uint64(0 if a is None else a.data.ptr)
+
+
+def _ld(a: Any) -> np.int32:
+    """Row stride in elements of a 2-D view."""
+    return np.int32(a.strides[0] // a.itemsize)
+
+
+class CupyOps:
+    """The forward's kernels on one stream. ``gemm``: optional tiled GEMM for M > SMALL_M (see ``gemv``).
+
+    ``pdl``: captured launches after the first may overlap their predecessor (programmatic dependent launch);
+    ``cluster``: split M=1 GEMVs planned as clusters run as clusters (both need sm_90 and cuLaunchKernelEx,
+    else they are off); ``merge``: how the other split M=1 GEMVs add their splits (``plan.tagged_merge``);
+    ``on_launch``: see the module docstring.
+    """
+
+    name = "cuda"
+
+    def __init__(self, stream: Any = None, gemm: Any = None, *, pdl: bool = True, cluster: bool = True,
+                 merge: str = "auto", on_launch: Observer | None = None) -> None:
+        import cupy as cp
+        import cupyx
+
+        if merge not in MERGE_MODES:
+            raise ValueError(f"merge must be one of {MERGE_MODES}, got {merge!r}")
+        self.cp = cp
+        self.cupyx = cupyx
+        self.xp = cp
+        self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
+        mod = _module()
+        self._gemv = {v: mod.get_function("qgemv<{},{},{}>".format(*v)) for v in GEMV_VARIANTS}
+        self._attn_decode = mod.get_function(f"attn_decode<{ATTN_SPLITS}>")
+        self._attn_rows = mod.get_function("attn_decode<1>")  # batched rows: enough blocks without splits
+        self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
+        self._fn = {name: mod.get_function(name) for name in KERNELS}
+        self.gemm = gemm
+        self.on_launch = on_launch
+        self.launches = 0
+        self.pdl = pdl
+        self.cluster = cluster and int(cp.cuda.Device().compute_capability) >= 90
+        self.merge_mode = merge
+        self._ex: Any = None
+        if self.pdl or self.cluster:
+            try:
+                from kestrel_cuda.forward_launch import ExLauncher
+
+                self._ex = ExLauncher()
+            except (OSError, AttributeError):  # no driver library / no cuLaunchKernelEx: plain launches
+                self.pdl = self.cluster = False
+        self._capturing = False
+        self._captured = 0  # launches so far in the capture under way
+        self.sm_count = cp.cuda.Device().attributes["MultiProcessorCount"]
+        # scratch, sized by ``reserve``
+        self.part = self.zeros(1, np.float32)  # split-K partials and counters of qgemv's counter merge
+        self.counters = self.zeros(1, np.int32)
+        self.merge_tiles = 0  # tiles qgemv's tagged split-K slots and epochs (merge.cuh) hold
+        self.merge = self.zeros(1, np.uint64)
+        self.epochs = self.zeros(1, np.uint32)
+        self.attn_part = self.zeros(1, np.float32)
+        self.attn_counters = self.zeros(1, np.int32)
+        self._pinned: Any = None
+        self._tiled_bufs: dict[str, Any] = {}
+
+    def reserve(self, part: int, counters: int, attn_part: int, attn_counters: int, merge_tiles: int = 0) -> None:
+        """Grow the split-K and attention scratch (counters start and end every launch at zero; the merge slots
+        and their epochs only ever grow together, zeroed, so that no slot holds a tag its tile has not reached)."""
+        if merge_tiles > self.merge_tiles:
+            self.merge = self.zeros(merge_tiles * MERGE_SPLITS * TILE_N, np.uint64)
+            self.epochs = self.zeros(merge_tiles, np.uint32)
+            self.merge_tiles = merge_tiles
+        if part > self.part.size:
+            self.part = self.zeros(part, np.float32)
+        if counters > self.counters.size:
+            self.counters = self.zeros(counters, np.int32)
+        if attn_part > self.attn_part.size:
+            self.attn_part = self.zeros(attn_part, np.float32)
+        if attn_counters > self.attn_counters.size:
+            self.attn_counters = self.zeros(attn_counters, np.int32)
+
+    # memory: on the forward's stream, so that nothing races with its kernels (it does not wait for the
+    # legacy default stream)
+    def upload(self, a: np.ndarray) -> Any:
+        with self.stream:
+            return self.cp.asarray(np.ascontiguousarray(a))
+
+    def zeros(self, shape: Any, dtype: Any) -> Any:
+        with self.stream:
+            return self.cp.zeros(shape, dtype)
+
+    def copy(self, dst: Any, src: Any) -> None:
+        with self.stream:
+            dst[...] = src
+
+    def download(self, a: Any, rows: int) -> np.ndarray:
+        size = rows * a.shape[1]
+        if self._pinned is None or self._pinned.size < size:
+            self._pinned = self.cupyx.empty_pinned(size, np.float32)
+        host = self._pinned[:size].reshape(rows, a.shape[1])
+        a[:rows].get(stream=self.stream, out=host, blocking=True)
+        return host.copy()
+
+    def write_meta(self, meta: Any, values: np.ndarray) -> None:
+        meta[:len(values)].set(np.ascontiguousarray(values, np.int32), stream=self.stream)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def synchronize_device(self) -> None:
+        self.cp.cuda.Device().synchronize()
+
+    def mapped_ints(self, n: int) -> np.ndarray:
+        """int32 [n] in pinned host memory that kernels write directly: with unified addressing (every 64-bit
+        CUDA platform) a cudaHostAlloc pointer is also the device's pointer to it."""
+        mem = self.cp.cuda.alloc_pinned_memory(4 * n)
+        arr = np.frombuffer(mem, np.int32, n)  # keeps ``mem`` alive
+        arr[:] = 0
+        return arr
+
+    def record(self) -> Any:
+        event = self.cp.cuda.Event(block=False, disable_timing=True)
+        event.record(self.stream)
+        return event
+
+    def wait(self, event: Any) -> None:
+        event.synchronize()
+
+    # graph
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        s = self.stream
+        with s:
+            s.begin_capture()
+            self._capturing, self._captured = True, 0
+            try:
+                body()
+            finally:
+                self._capturing = False
+                graph = s.end_capture()
+
+        def replay() -> None:
+            self.launches += 1
+            graph.launch(s)
+        replay.graph = graph  # type: ignore[attr-defined]
+        return replay
+
+    def launch(self, kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, smem: int = 0,
+               cluster: int = 1, name: str = "") -> None:
+        """Launch ``kernel`` (a CuPy RawKernel, this module's or another) on the stream. Inside a graph capture
+        with PDL on, every launch after the capture's first may overlap its predecessor (forward_launch; each
+        kernel waits for it before reading its outputs). ``cluster`` > 1: grid y in clusters of that many
+        blocks (the M=1 GEMV's K splits). ``name``: what ``on_launch`` is told."""
+        if self.on_launch is not None:
+            self.on_launch(name, lambda: self._launch(kernel, grid, block, args, smem, cluster))
+        else:
+            self._launch(kernel, grid, block, args, smem, cluster)
+
+    def _launch(self, fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, smem: int,
+                cluster: int) -> None:
+        self.launches += 1
+        pdl = False
+        if self._capturing:
+            self._captured += 1
+            pdl = self.pdl and self._captured > 1
+        if pdl or cluster > 1:
+            self._ex.launch(fn, grid, block, args, smem, self.stream, pdl, (1, cluster, 1) if cluster > 1 else None)
+            return
+        with self.stream:
+            fn(grid, block, args, shared_mem=smem)
+
+    # kernels
+    def embed(self, codes: Any, scales: Any, group: int, ids: Any, h: Any, ssq_out: Any = None) -> None:
+        m, d = h.shape
+        self.launch(self._fn["embed_rows"], (-(-d // 256), m), (256,),
+                    (_ptr(codes), _ptr(scales), _i32(d), _i32(group), _ptr(ids), _ptr(h),
+                     _ptr(ssq_out if m == 1 else None)), name="embed_rows")
+
+    def gemv(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
+             bias: Any, ssq_in: Any = None, ssq_out: Any = None, rope: QkvRope | None = None) -> None:
+        """ssq_in / ssq_out (M = 1 only): the residual stream's tile sums of squares, read by an RMSNorm
+        prologue (pro 1) instead of the row, written with a residual-add epilogue's outputs. ``rope`` (M = 1,
+        one head per column tile): the epilogue does qkv_rope's work instead of storing."""
+        m = x.shape[0]
+        if m > 1:
+            ssq_in = ssq_out = None
+        if m > SMALL_M and self.gemm is not None:
+            self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias)
+            return
+        mr = 1 if m == 1 else SMALL_M
+        ksplit = lin.ksplit if m == 1 else 1
+        fn = self._gemv[(lin.bits, lin.group_size, mr)]
+        cluster = ksplit if m == 1 and lin.cluster and self.cluster else 1
+        tagged = ksplit > 1 and cluster == 1 and tagged_merge(self.merge_mode, lin.tiles * ksplit, self.sm_count)
+        if tagged and (lin.tiles > self.merge_tiles or ksplit > MERGE_SPLITS):
+            raise RuntimeError(f"split-K merge area for {lin.tiles} tiles x {ksplit} splits not reserved")
+        self.launch(fn, (lin.tiles, ksplit, -(-m // mr)), (256,),
+                    (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
+                     _ptr(x), _ld(x), _i32(m), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
+                     _ptr(y), _ld(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters), _ptr(self.merge),
+                     _ptr(self.epochs if tagged else None),
+                     _ptr(ssq_in), _ptr(ssq_out), *_rope_args(rope)), cluster=cluster, name="qgemv")
+
+    def _tiled(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
+               bias: Any) -> None:
+        """Prologue kernel -> codes/scales, the tiled GEMM (gemm.DeviceGemm) -> tmp, epilogue kernel -> y."""
+        m, k, g = x.shape[0], lin.k, lin.group_size
+        codes = self._scratch("codes", m * k, np.int8).reshape(m, k)
+        scales = self._scratch("scales", m * (k // g), np.float32).reshape(m, k // g)
+        tmp = self._scratch("tmp", m * lin.npad, np.float32).reshape(m, lin.npad)
+        self.launch(self._quant[g], (-(-k // 256), m), (256,),
+                    (_ptr(x), _ld(x), _i32(m), _i32(k), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
+                     _ptr(codes), _ptr(scales)), name="quantize_rows")
+        weight = _as_device_weight(lin)
+        if self.on_launch is not None:
+            self.on_launch("gemm_q8 (tiled)", lambda: self._gemm_q8(codes, scales, weight, tmp, lin.n))
+        else:
+            self._gemm_q8(codes, scales, weight, tmp, lin.n)
+        self.launch(self._fn["add_rows"], (-(-lin.n // 256), m), (256,),
+                    (_ptr(tmp), _ld(tmp), _i32(m), _i32(lin.n), _ptr(y), _ld(y), _i32(epi), _ptr(bias)),
+                    name="add_rows")
+
+    def _gemm_q8(self, codes: Any, scales: Any, weight: Any, out: Any, n: int) -> None:
+        self.launches += 1
+        self.gemm.q8(codes, scales, weight, out, n, self.stream)
+
+    def _scratch(self, name: str, size: int, dtype: Any) -> Any:
+        """A flat scratch buffer of at least ``size`` elements (grown outside graph capture: prefill only)."""
+        buf = self._tiled_bufs.get(name)
+        if buf is None or buf.size < size:
+            buf = self._tiled_bufs[name] = self.zeros(size, dtype)
+        return buf[:size]
+
+    def greedy_token(self, logits: Any, scratch: tuple[Any, Any, Any], meta: Any, limit: int,
+                     tokens: np.ndarray) -> None:
+        """The argmax of ``logits`` [1, N] to meta[1] and tokens[meta[0] % len(tokens)]; meta[0] advances while
+        below ``limit`` (lm_finish.cu; ``scratch``: its per-block values, indices and counter)."""
+        val, idx, count = scratch
+        n = logits.shape[1]
+        self.launch(self._fn["lm_finish"], (-(-n // FINISH_COLS),), (FINISH_COLS // 4,),
+                    (_ptr(logits), _i32(n), _ptr(val), _ptr(idx), _ptr(count), _ptr(meta), _i32(limit),
+                     np.uint64(tokens.ctypes.data), _i32(len(tokens))), name="lm_finish")
+
+    def qkv_rope(self, qkv: Any, heads: int, kv_heads: int, hd: int, qnorm: Any, knorm: Any, eps: float,
+                 cos: Any, sin: Any, meta: Any, q: Any, kc: Any, vc: Any, rows: Any = None,
+                 tables: Any = None) -> None:
+        """``rows`` int32 [M, 2] (position, page-table row) and ``tables`` int32 [S, tb]: a batch of sequences
+        whose keys and values go to the paged pool ``kc``/``vc`` (rope.cu); None: one sequence at meta[0]."""
+        m = qkv.shape[0]
+        self.launch(self._fn["qkv_rope"], (-(-(heads + 2 * kv_heads) // 4), m), (128,),
+                    (_ptr(qkv), _ld(qkv), _i32(heads), _i32(kv_heads), _i32(hd), _ptr(qnorm), _ptr(knorm),
+                     np.float32(eps), _ptr(cos), _ptr(sin), _ptr(meta), _ptr(q), _ptr(kc), _ptr(vc),
+                     _i32(kc.shape[1]), _ptr(rows), _ptr(tables), _i32(0 if tables is None else tables.shape[1])),
+                    name="qkv_rope")
+
+    def attention(self, q: Any, kc: Any, vc: Any, heads: int, hd: int, scale: float, meta: Any,
+                  out: Any, rows: Any = None, tables: Any = None) -> None:
+        """``rows``/``tables`` as ``qkv_rope``'s: each row attends over its own sequence (attn_decode, a row
+        per grid z); else one sequence's rows at meta[0]..: decode (M = 1) or causal prefill."""
+        m = q.shape[0]
+        kv_heads, cap = kc.shape[0], kc.shape[1]
+        if m == 1 or rows is not None:
+            fn, splits = (self._attn_decode, ATTN_SPLITS) if rows is None else (self._attn_rows, 1)
+            self.launch(fn, (heads, splits, m), (128,),
+                        (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
+                         np.float32(scale), _ptr(meta), _ptr(self.attn_part), _ptr(self.attn_counters),
+                         _ptr(out), _ptr(rows), _ptr(tables), _i32(0 if tables is None else tables.shape[1])),
+                        name="attn_decode")
+            return
+        smem = (32 * (hd + 4) + 32 * hd + 16 * hd) * 4
+        self.launch(self._fn["attn_prefill"], (heads, -(-m // 16)), (256,),
+                    (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
+                     np.float32(scale), _ptr(meta), _i32(m), _ptr(out)), smem, name="attn_prefill")
+
+    def gather_rows(self, src: Any, index: Any, dst: Any) -> None:
+        """dst[i] = src[index[i]] (the rows whose logits a batched step returns)."""
+        with self.stream:
+            self.cp.take(src, index, axis=0, out=dst)
+
+
+def _rope_args(r: QkvRope | None) -> tuple[Any, ...]:
+    """qgemv's trailing parameters: qkv_rope's work in the epilogue, or none (null q)."""
+    if r is None:
+        return (*(_ptr(None),) * 8, _i32(0), _i32(0), _i32(0))
+    return (_ptr(r.qnorm), _ptr(r.knorm), _ptr(r.cos), _ptr(r.sin), _ptr(r.meta), _ptr(r.q), _ptr(r.kc),
+            _ptr(r.vc), _i32(r.heads), _i32(r.kv_heads), _i32(r.kc.shape[1]))
+
+
+def _as_device_weight(lin: Lin) -> Any:
+    """The object the tiled GEMM takes (``residency.DeviceWeight``-like) for one projection."""
+    dw = getattr(lin, "device_weight", None)
+    if dw is not None:
+        return dw
+    from types import SimpleNamespace
+
+    geometry = Geometry(lin.k, lin.npad, lin.k // lin.group_size, lin.bits)
+    return SimpleNamespace(geometry=geometry, codes=lin.codes.reshape(-1).view(np.int8), scales=lin.scales)

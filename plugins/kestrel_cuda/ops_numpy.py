@@ -1,0 +1,220 @@
+"""The numpy mirror of the whole-step forward's kernels: ``NumpyOps``, the interface ``DeviceForward`` runs on.
+
+``DeviceForward`` only allocates arrays through ``ops.xp`` and calls the methods below, so the whole
+orchestration (sequences, chunks, splits, graph record/replay, layouts) runs on the CPU against these mirrors
+in CI, and on the GPU against the kernels through ``ops_cupy.CupyOps``, which has the same methods. Arrays
+passed in are 2-D row views (``x[:M]``, ``qkv[:M, col:col + n]``).
+
+The mirrors follow the kernels' definitions, not their summation order, so the two agree to float32
+rounding: both compute exact integer block sums of the same codes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kestrel_core.contract import quantize_activations
+from kestrel_cuda.layout import unpack_kmajor
+from kestrel_cuda.plan import EPI_ADD, KV_BLOCK, PRO_RMSNORM, PRO_SILU_MUL, SSQ_COLS, Lin, QkvRope, ssq_count
+
+
+def _prologue(x: np.ndarray, k: int, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
+              ssq: np.ndarray | None = None) -> np.ndarray:
+    xv = np.asarray(x, np.float32)
+    if pro == PRO_RMSNORM:
+        if ssq is None:
+            ss = np.einsum("mk,mk->m", xv[:, :k], xv[:, :k])[:, None]  # [M, 1]
+        else:  # M = 1: the producer's tile sums
+            ss = ssq[:ssq_count(k)].sum(dtype=np.float32).reshape(1, 1)
+        r = np.sqrt(ss / np.float32(k) + np.float32(eps))
+        return xv[:, :k] / r * pw
+    if pro == PRO_SILU_MUL:
+        g = xv[:, :k]
+        with np.errstate(over="ignore"):
+            return g / (np.float32(1) + np.exp(-g)) * xv[:, xoff:xoff + k]
+    return xv[:, :k]
+
+
+def _row_ssq(row: np.ndarray) -> np.ndarray:
+    """Sums of squares per 32 columns of one row (what embed_rows / a residual-add GEMV leave in ssq_out)."""
+    n = row.shape[-1]
+    padded = np.zeros(ssq_count(n) * SSQ_COLS, np.float32)
+    padded[:n] = row.reshape(-1)
+    return (padded * padded).reshape(-1, SSQ_COLS).sum(axis=1, dtype=np.float32)
+
+
+class NumpyOps:
+    """The kernels' math in numpy on host arrays; ``capture`` records calls and replays them."""
+
+    xp = np
+    name = "numpy"
+
+    def __init__(self) -> None:
+        self._recording: list[Callable[[], None]] | None = None
+        self.launches = 0
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        if self._recording is not None:
+            self._recording.append(fn)
+        else:
+            self.launches += 1
+            fn()
+
+    # memory
+    def upload(self, a: np.ndarray) -> np.ndarray:
+        return np.array(a, copy=True, order="C")
+
+    def zeros(self, shape: Any, dtype: Any) -> np.ndarray:
+        return np.zeros(shape, dtype)
+
+    def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        dst[...] = src
+
+    def download(self, a: np.ndarray, rows: int) -> np.ndarray:
+        return np.array(a[:rows], dtype=np.float32, copy=True)
+
+    def write_meta(self, meta: np.ndarray, values: np.ndarray) -> None:
+        meta[:len(values)] = values
+
+    def synchronize(self) -> None:
+        pass
+
+    def synchronize_device(self) -> None:
+        pass
+
+    def mapped_ints(self, n: int) -> np.ndarray:
+        return np.zeros(n, np.int32)
+
+    def record(self) -> None:
+        return None
+
+    def wait(self, event: None) -> None:
+        pass
+
+    # graph
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        calls: list[Callable[[], None]] = []
+        self._recording = calls
+        try:
+            body()
+        finally:
+            self._recording = None
+
+        def replay() -> None:
+            for fn in calls:
+                self.launches += 1
+                fn()
+        return replay
+
+    # kernels
+    def embed(self, codes: np.ndarray, scales: np.ndarray, group: int, ids: np.ndarray, h: np.ndarray,
+              ssq_out: np.ndarray | None = None) -> None:
+        def fn() -> None:
+            tok = ids[:h.shape[0]].astype(np.int64)
+            rows = codes[tok].astype(np.float32).reshape(len(tok), -1, group) * scales[tok][:, :, None]
+            h[...] = rows.reshape(len(tok), -1)
+            if ssq_out is not None:
+                ssq_out[:ssq_count(h.shape[1])] = _row_ssq(h[0])
+        self._run(fn)
+
+    def gemv(self, lin: Lin, x: np.ndarray, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
+             y: np.ndarray, epi: int, bias: np.ndarray | None, ssq_in: np.ndarray | None = None,
+             ssq_out: np.ndarray | None = None, rope: QkvRope | None = None) -> None:
+        def fn() -> None:
+            m, g = x.shape[0], lin.group_size
+            a = _prologue(x, lin.k, pro, pw, eps, xoff, ssq_in)  # [M, K]
+            a_codes, a_scales = quantize_activations(a, g)
+            w = unpack_kmajor(lin.codes, lin.bits)[:lin.k]  # [K, Npad]
+            ng = lin.k // g
+            isum = np.einsum("mgi,gin->mgn", a_codes.reshape(m, ng, g).astype(np.int64),
+                             w.reshape(ng, g, lin.npad).astype(np.int64))  # [M, ng, Npad], exact
+            f = isum.astype(np.float32) * a_scales[:, :, None] * lin.scales[None]  # [M, ng, Npad]
+            out = f.sum(axis=1, dtype=np.float32)[:, :lin.n]
+            if bias is not None:
+                out = out + bias
+            if rope is not None:  # the epilogue does qkv_rope's work instead of storing
+                _qkv_rope(out, rope, out.shape[1] // (rope.heads + 2 * rope.kv_heads))
+                return
+            y[...] = y + out if epi == EPI_ADD else out
+            if ssq_out is not None:
+                ssq_out[:ssq_count(lin.n)] = _row_ssq(y[0])
+        self._run(fn)
+
+    def greedy_token(self, logits: np.ndarray, scratch: Any, meta: np.ndarray, limit: int,
+                     tokens: np.ndarray) -> None:
+        def fn() -> None:
+            pos, tok = int(meta[0]), int(np.argmax(logits[0]))
+            meta[0], meta[1] = pos + 1 if pos + 1 < limit else pos, tok
+            tokens[pos % len(tokens)] = tok
+        self._run(fn)
+
+    def qkv_rope(self, qkv: np.ndarray, heads: int, kv_heads: int, hd: int, qnorm: np.ndarray | None,
+                 knorm: np.ndarray | None, eps: float, cos: np.ndarray, sin: np.ndarray, meta: np.ndarray,
+                 q: np.ndarray, kc: np.ndarray, vc: np.ndarray, rows: np.ndarray | None = None,
+                 tables: np.ndarray | None = None) -> None:
+        rope = QkvRope(heads, kv_heads, qnorm, knorm, eps, cos, sin, meta, q, kc, vc)
+        self._run(lambda: _qkv_rope(qkv, rope, hd, rows, tables))
+
+    def attention(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, heads: int, hd: int, scale: float,
+                  meta: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None,
+                  tables: np.ndarray | None = None) -> None:
+        def fn() -> None:
+            m = q.shape[0]
+            pos, slots = _row_slots(m, meta, rows, tables)
+            g = heads // kc.shape[0]
+            for r in range(m):
+                cache = slots[r][:pos[r] + 1]  # cache rows of positions 0..pos
+                qh = q[r].reshape(heads, hd) * np.float32(scale)
+                for h in range(heads):
+                    s = kc[h // g, cache] @ qh[h]  # [n]
+                    e = np.exp(s - s.max())
+                    out[r, h * hd:(h + 1) * hd] = (e / e.sum()) @ vc[h // g, cache]
+        self._run(fn)
+
+    def gather_rows(self, src: np.ndarray, index: np.ndarray, dst: np.ndarray) -> None:
+        self._run(lambda: np.take(src, index, axis=0, out=dst))
+
+
+def _row_slots(m: int, meta: np.ndarray, rows: np.ndarray | None,
+               tables: np.ndarray | None) -> tuple[list[int], list[np.ndarray]]:
+    """Each row's position and the cache rows of its positions 0..pos (rope.cuh kv_slot)."""
+    if rows is None:
+        p0 = int(meta[0])
+        return [p0 + r for r in range(m)], [np.arange(p0 + r + 1) for r in range(m)]
+    pos = [int(rows[r, 0]) for r in range(m)]
+    slots = []
+    for r in range(m):
+        p = np.arange(pos[r] + 1)
+        slots.append(tables[int(rows[r, 1])][p // KV_BLOCK] * KV_BLOCK + p % KV_BLOCK)
+    return pos, slots
+
+
+def _qkv_rope(qkv: np.ndarray, r: QkvRope, hd: int, rows: np.ndarray | None = None,
+              tables: np.ndarray | None = None) -> None:
+    m, heads, kv_heads = qkv.shape[0], r.heads, r.kv_heads
+    pos, slots = _row_slots(m, r.meta, rows, tables)
+    at = np.array(pos)  # [M] positions
+    dest = np.array([s[-1] for s in slots])  # [M] cache rows
+    qh = qkv[:, :heads * hd].reshape(m, heads, hd)
+    kh = qkv[:, heads * hd:(heads + kv_heads) * hd].reshape(m, kv_heads, hd)
+    vh = qkv[:, (heads + kv_heads) * hd:(heads + 2 * kv_heads) * hd].reshape(m, kv_heads, hd)
+    if r.qnorm is not None:
+        qh, kh = _head_norm(qh, r.qnorm, r.eps), _head_norm(kh, r.knorm, r.eps)
+    c, s = r.cos[at, None, :], r.sin[at, None, :]
+    r.q[...] = _rope(qh, c, s).reshape(m, heads * hd)
+    r.kc[:, dest] = _rope(kh, c, s).transpose(1, 0, 2)
+    r.vc[:, dest] = vh.transpose(1, 0, 2)
+
+
+def _head_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    ss = np.einsum("...d,...d->...", x, x)[..., None]
+    return x / np.sqrt(ss / np.float32(x.shape[-1]) + np.float32(eps)) * w
+
+
+def _rope(x: np.ndarray, c: np.ndarray, s: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)

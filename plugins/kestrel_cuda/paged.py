@@ -1,0 +1,126 @@
+"""The paged KV pool of batched steps: the engine's page tables, mirrored on the device.
+
+The engine admits, preempts and frees sequences by the blocks of its own KV pool and hands each batched
+step every sequence's page table (``BatchEntry.blocks``). The device keeps keys and values in a pool of as
+many blocks, laid out like a sequence's own cache (float32 [L, 2, KV, positions, hd], position p of a
+sequence at row ``blocks[p // KV_BLOCK] * KV_BLOCK + p % KV_BLOCK``), so the engine's accounting is the
+device's: no allocator here, and a sequence never finds the pool full. One more block at the end takes the
+writes of the rows that pad a captured batch to its bucket.
+
+A sequence moves between its own cache (a lone sequence: the captured M = 1 step and the pipelined greedy
+decode) and the pool (two sequences or more) by copying its positions block by block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kestrel_core.batch import BatchEntry
+from kestrel_cuda.plan import KV_BLOCK
+
+BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256)  # batch sizes a decode step is captured for (rows padded up)
+
+
+@dataclass
+class Pool:
+    kv: Any  # float32 [L, 2, KV, (blocks + 1) * KV_BLOCK, hd]
+    blocks: int  # the engine's; block ``blocks`` is the padding rows' scratch
+    rows: Any  # int32 [R, 2] device: each row's position and page-table row
+    tables: Any  # int32 [R + 1, tb] device: page tables
+    index: Any  # int32 [R] device: the rows whose logits a step returns
+    hsel: Any  # float32 [R, D] device: those rows of the residual stream, for the lm_head
+    held: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # seq_id -> (positions, blocks)
+    graphs: dict[int, Callable[[], None]] = field(default_factory=dict)  # bucket -> captured decode step
+
+    @property
+    def table_width(self) -> int:
+        return int(self.tables.shape[1])
+
+
+@dataclass(frozen=True)
+class Paged:
+    """What one pass of ``DeviceForward._step`` over pool rows reads."""
+
+    kv: Any
+    rows: Any
+    tables: Any
+    index: Any | None  # gather these rows for the lm_head (None: the last ``rows`` rows)
+    hsel: Any
+
+
+def new_pool(ops: Any, config: Any, blocks: int, max_rows: int, max_context: int) -> Pool:
+    c = config
+    tb = -(-max_context // KV_BLOCK)
+    return Pool(kv=ops.zeros((c.num_layers, 2, c.num_kv_heads, (blocks + 1) * KV_BLOCK, c.head_dim), np.float32),
+                blocks=blocks, rows=ops.zeros((max_rows, 2), np.int32), tables=ops.zeros((max_rows + 1, tb), np.int32),
+                index=ops.zeros(max_rows, np.int32), hsel=ops.zeros((max_rows, c.hidden_size), np.float32))
+
+
+def bucket(m: int) -> int | None:
+    """The captured batch size for ``m`` decode rows (None: more than the largest)."""
+    return next((b for b in BUCKETS if b >= m), None)
+
+
+def check(batch: Sequence[BatchEntry], vocab: int, max_context: int) -> str | None:
+    """Why the device cannot run ``batch`` in its pool (None: it can)."""
+    for e in batch:
+        toks = np.asarray(e.tokens)
+        if toks.size == 0 or not np.issubdtype(toks.dtype, np.integer) or e.start < 0:
+            return "no tokens or a bad start"
+        if int(toks.min()) < 0 or int(toks.max()) >= vocab:
+            return "token id outside the vocabulary"
+        if e.end > max_context:
+            return f"context {e.end} beyond the device maximum {max_context}"
+        if e.block_size != KV_BLOCK or len(e.blocks) * KV_BLOCK < e.end:
+            return f"the engine's page table (blocks of {e.block_size}) does not cover the step"
+        if not 0 < e.num_blocks or min(e.blocks) < 0 or max(e.blocks) >= e.num_blocks:
+            return "a block id outside the engine's pool"
+    if len({e.seq_id for e in batch}) != len(batch):
+        return "a sequence twice in one batch"
+    return None
+
+
+def slots(blocks: Sequence[int], n: int) -> list[tuple[int, int]]:
+    """(pool row, length) of each run of positions 0..n-1: one per block."""
+    return [(b * KV_BLOCK, min(KV_BLOCK, n - j * KV_BLOCK)) for j, b in enumerate(blocks[:-(-n // KV_BLOCK)])]
+
+
+def to_pool(ops: Any, own_kv: Any, pool: Pool, blocks: Sequence[int], n: int) -> None:
+    """Positions 0..n-1 of a sequence's own cache (float32 [L, 2, KV, cap, hd]) into its pool blocks."""
+    for j, (row, length) in enumerate(slots(blocks, n)):
+        p = j * KV_BLOCK
+        ops.copy(pool.kv[:, :, :, row:row + length], own_kv[:, :, :, p:p + length])
+
+
+def from_pool(ops: Any, pool: Pool, blocks: Sequence[int], n: int, own_kv: Any) -> None:
+    """The reverse of ``to_pool``."""
+    for j, (row, length) in enumerate(slots(blocks, n)):
+        p = j * KV_BLOCK
+        ops.copy(own_kv[:, :, :, p:p + length], pool.kv[:, :, :, row:row + length])
+
+
+def row_map(batch: Sequence[BatchEntry], first: int, count: int, pad_to: int, scratch: int,
+            table_width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows ``first``..``first + count - 1`` of the batch's rows (its entries' tokens in order), padded to
+    ``pad_to`` rows: (tokens [pad_to], rows [pad_to, 2] of position and table row, tables [S + 1, tb]);
+    padding rows are token 0 at position 0 of the last table, whose blocks are all ``scratch``."""
+    tokens = np.zeros(pad_to, np.int32)
+    rows = np.zeros((pad_to, 2), np.int32)
+    tables = np.full((len(batch) + 1, table_width), scratch, np.int32)
+    rows[:, 1] = len(batch)
+    at = 0
+    for i, e in enumerate(batch):
+        need = -(-e.end // KV_BLOCK)
+        tables[i, :need] = e.blocks[:need]
+        t = len(e.tokens)
+        lo, hi = max(first, at), min(first + count, at + t)
+        if lo < hi:
+            tokens[lo - first:hi - first] = np.asarray(e.tokens)[lo - at:hi - at]
+            rows[lo - first:hi - first, 0] = e.start + np.arange(lo - at, hi - at)
+            rows[lo - first:hi - first, 1] = i
+        at += t
+    return tokens, rows, tables

@@ -1,0 +1,174 @@
+"""What the whole-step forward launches: projections (``Lin``), the constants it shares with the kernels, and
+the M=1 GEMV's K-split planners.
+
+Every planner is a pure function of shapes and the SM count, so the plans are tested on the CPU
+(tests/kestrel_cuda/test_forward_host.py) for the GPU they were measured on (132 SMs, the H200).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+TILE_N = 128  # columns of a GEMV block (forward.cuh TN)
+SSQ_COLS = 32  # columns per entry of the residual stream's sums of squares (forward.cuh)
+CHUNK_K = 256  # rows of a GEMV chunk (gemv.cu KC: one 32-row slot per warp), int8 and int4
+SMALL_M = 8  # up to this many rows run through the fused GEMV (MR = 8); more through the tiled GEMM if any
+MAX_CLUSTER = 8  # K splits of an M=1 GEMV launched as one thread block cluster, at most (merge.cuh)
+MERGE_SPLITS = 64  # K splits of an M=1 GEMV, at most: slots per tile of its tagged merge area (merge.cuh)
+CHUNK_BLOCKS_PER_SM = 4  # qgemv's resident blocks per SM at M = 1 (__launch_bounds__(NT, 4))
+TARGET_BLOCKS_PER_SM = 8  # GEMV blocks per SM the K-split planner aims for: measured fastest on the H200
+ONE_WAVE_SPLITS = 16  # a projection whose one wave of blocks gives each tile this many K splits runs one wave
+ATTN_SPLITS = 16  # position splits of decode attention (attn_decode<NS>): 16 measured faster than 32
+MAX_HEAD_DIM = 128  # attention and qkv_rope keep hd/32 (<= 4) values per lane; attn_prefill tiles fit 48 KB
+PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL = 0, 1, 2
+EPI_STORE, EPI_ADD = 0, 1
+KV_BLOCK = 32  # positions per block of the paged KV pool (rope.cuh KV_BLOCK): the engine's page size
+TOKEN_RING = 64  # greedy tokens kept in host memory by lm_finish, indexed by position modulo this
+FINISH_COLS = 1024  # columns one lm_finish block reduces (lm_finish.cu FIN_T x FIN_E)
+MERGE_MODES = ("auto", "tagged", "counter")
+
+
+@dataclass
+class Lin:
+    """One device projection in the K-major layout, and where its N outputs go in the output buffer.
+
+    codes: uint8 [K][Npad] (8-bit codes, as int8 bits) or [K/8][4 * Npad] (4-bit words of 8 k, +8 biased);
+    scales: float32 [K/G][Npad]; ``col``: first output column; ``ksplit``: K splits of the M=1 GEMV.
+    """
+
+    codes: Any
+    scales: Any
+    k: int
+    n: int
+    npad: int
+    group_size: int
+    bits: int
+    col: int = 0
+    ksplit: int = 1
+    wkey: int = 0
+    cluster: bool = False  # its M=1 K splits run as one thread block cluster per tile (plan_split)
+
+    @classmethod
+    def from_device_weight(cls, dw: Any, n: int, col: int = 0, wkey: int = 0) -> Lin:
+        """A projection over a cache weight (``residency.DeviceWeight``), its codes viewed as pack_kmajor lays
+        them out."""
+        g = dw.geometry
+        shape = (g.k, g.npad) if g.code_bits == 8 else (g.k // 8, 4 * g.npad)
+        return cls(dw.codes.view(np.uint8).reshape(shape), dw.scales, g.k, n, g.npad, g.group_size, g.code_bits,
+                   col, wkey=wkey)
+
+    @property
+    def tiles(self) -> int:
+        return -(-self.npad // TILE_N)
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.k // CHUNK_K)
+
+
+@dataclass
+class QkvRope:
+    """What qkv_rope does after the q|k|v projection, handed to that projection's M=1 GEMV when each of its
+    column tiles is one head (head_dim == TILE_N): per-head norms (or None), RoPE tables, the position
+    (``meta``), and where q and this layer's keys and values go."""
+
+    heads: int
+    kv_heads: int
+    qnorm: Any
+    knorm: Any
+    eps: float
+    cos: Any
+    sin: Any
+    meta: Any
+    q: Any
+    kc: Any
+    vc: Any
+
+
+def plan_ksplit(lin: Lin, target_blocks: int) -> int:
+    """K splits of the M=1 GEMV: enough blocks (tiles x splits) to fill the GPU, at most one per chunk. Where
+    a split at or above that divides the chunks evenly and still gives every block two chunks or more, the
+    smallest such, so that no block carries a chunk more than the others: qwen3-8b's fused gate|up (192
+    tiles, 16 chunks) runs 8 splits of 2 chunks instead of 6 of 2 or 3, 40-55 us a step faster at q8 and q4;
+    the unfused gate/up (96 tiles: 11 splits) has no such split and keeps its own, which measured faster than
+    8 or 16 at q4 (docs/performance.md)."""
+    split = max(1, min(lin.chunks, MERGE_SPLITS, -(-target_blocks // lin.tiles)))
+    even = (s for s in range(split, min(lin.chunks // 2, MERGE_SPLITS) + 1) if lin.chunks % s == 0)
+    return next(even, split)
+
+
+def one_wave_split(lin: Lin, sm_count: int) -> int:
+    """K splits of a narrow projection's M=1 GEMV as one wave of resident blocks, or 0 (use the two-wave
+    target). Where one wave still gives every tile ONE_WAVE_SPLITS splits or more (qwen3-8b's down: 32 tiles,
+    16 splits on 132 SMs, 3 chunks a block), it measured 60-100 us per step faster than the target's two waves
+    of 33 splits: an extra wave's block starts and a merge of more partials cost more than the longer blocks;
+    wider projections (q|k|v at q8: one wave = 11 splits) measured slower that way (docs/performance.md)."""
+    split = min(lin.chunks, MERGE_SPLITS, CHUNK_BLOCKS_PER_SM * sm_count // lin.tiles)
+    return split if split >= ONE_WAVE_SPLITS else 0
+
+
+def cluster_split(lin: Lin, ksplit: int, sm_count: int) -> int:
+    """K splits of the M=1 GEMV to run as one thread block cluster per tile (their partial sums added in
+    shared memory, not through L2), or 0 to keep ``ksplit`` and the global merge. Clusters measured faster
+    only for a grid of one wave (CHUNK_BLOCKS_PER_SM per SM): larger grids lose more to the clusters' placement
+    on whole GPCs than the merge saves. Within one wave, blocks of one chunk each always gained; blocks of
+    several chunks gained where the grid still fills more than half the wave (q|k|v at q8: 384 blocks of two
+    chunks, 80.5 against 77.0 % of copy, -40 us per step) and lost where it does not (q and o at q8: 256
+    blocks, 64 against 74 %; docs/performance.md)."""
+    split = min(ksplit, MAX_CLUSTER)
+    blocks, wave = lin.tiles * split, CHUNK_BLOCKS_PER_SM * sm_count
+    return split if split > 1 and blocks <= wave and (lin.chunks <= split or 2 * blocks > wave) else 0
+
+
+def plan_split(lin: Lin, sm_count: int, target_blocks: int | None = None, clusters: bool = False) -> int:
+    """The K splits of ``lin``'s M=1 GEMV (and ``lin.cluster``, whether they run as one cluster per tile).
+
+    ``target_blocks``: the blocks to aim for (``plan_ksplit``); by default TARGET_BLOCKS_PER_SM per SM, or one
+    wave for narrow projections (``one_wave_split``). ``clusters``: the device launches clusters
+    (``CupyOps.cluster``)."""
+    if target_blocks is None:
+        ksplit = one_wave_split(lin, sm_count) or plan_ksplit(lin, TARGET_BLOCKS_PER_SM * sm_count)
+    else:
+        ksplit = plan_ksplit(lin, target_blocks)
+    split = cluster_split(lin, ksplit, sm_count) if clusters else 0
+    lin.cluster = split > 0
+    return split or ksplit
+
+
+def tagged_merge(mode: str, blocks: int, sm_count: int) -> bool:
+    """Whether a split M=1 GEMV of ``blocks`` blocks (not a cluster) merges its K splits tagged: each split
+    stores tagged partial sums and exits, the tile's last split polls for them; otherwise the last block to
+    arrive on an atomic counter reads them back. ``mode``: one of MERGE_MODES, "tagged" or "counter" forcing
+    one (tests, benchmarks).
+
+    "auto": grids of more than one wave of resident blocks. Measured on the H200 (docs/performance.md):
+    tagged, a split's block frees its SM slot as soon as its sums are stored, so the next wave starts sooner
+    (qwen3-8b gate/up 16.5 -> 15.4 us at q8, 12.2 -> 9.9 us at q4); in one wave nothing waits for a slot and
+    the fixed last split's polls cost more than the counter (o 6.3 -> 7.2 us at q8)."""
+    return mode == "tagged" or (mode == "auto" and blocks > CHUNK_BLOCKS_PER_SM * sm_count)
+
+
+def gemv_scratch(lins: list[Lin]) -> tuple[int, int, int]:
+    """(partial floats, counters, merge tiles) the M=1 GEMVs of these projections need (CupyOps.reserve)."""
+    split = [lin for lin in lins if lin.ksplit > 1]
+    part = max((lin.ksplit * lin.npad for lin in split), default=1)
+    counters = max((lin.tiles for lin in lins), default=1)
+    return part, counters, max((lin.tiles for lin in split), default=0)
+
+
+def attn_part_size(heads: int, hd: int, rows: int = 1) -> int:
+    """Floats of attention scratch: one query row split ATTN_SPLITS ways, or ``rows`` batched rows unsplit."""
+    return heads * max(ATTN_SPLITS, rows) * (hd + 2)
+
+
+def ssq_count(n: int) -> int:
+    """Entries of the residual stream's sums of squares for a row of n (one per 32 columns, forward.cuh)."""
+    return -(-n // SSQ_COLS)
+
+
+def head_scale(hd: int) -> float:
+    return float(np.float32(1.0 / math.sqrt(hd)))

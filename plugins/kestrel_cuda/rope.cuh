@@ -1,0 +1,68 @@
+// Where the q|k|v heads go (qkv_rope, and qgemv's epilogue at M = 1): per-head rmsnorm weights (null: none),
+// the RoPE tables [positions][hd / 2], the position, q [H * hd] of the row, and this layer's KV cache.
+struct QkvRope {
+    const float* qnorm;
+    const float* knorm;
+    const float* cosT;
+    const float* sinT;
+    const int* meta;
+    float* qout;
+    float* kc;
+    float* vc;
+    int H, KV, cap;
+    float eps;
+};
+
+// The cache row of position pos: pos itself in a sequence's own cache (table null), else its place in the
+// paged pool, table[pos / KV_BLOCK] being the block that holds it (the engine's page table).
+#define KV_BLOCK 32
+__device__ __forceinline__ int kv_slot(const int* table, int pos) {
+    return table ? table[pos / KV_BLOCK] * KV_BLOCK + pos % KV_BLOCK : pos;
+}
+
+// One warp: head ``head`` (q: < H, k: < H + KV, then v) of a q|k|v row, src its hd values: q and k heads
+// get the optional per-head rmsnorm and RoPE at pos, to qout or the key cache; v heads go to the value cache,
+// both at cache row ``slot``.
+__device__ __forceinline__ void rope_head(const QkvRope& qr, const float* src, int head, int hd, int pos,
+                                          int slot, int lane)
+{
+    const int H = qr.H, KV = qr.KV;
+    if (head >= H + KV) {
+        float* vdst = qr.vc + ((size_t)(head - H - KV) * qr.cap + slot) * hd;
+        for (int d = lane; d < hd; d += 32) vdst[d] = src[d];
+        return;
+    }
+    const bool isq = head < H;
+    const int kvh = head - H;
+    const int half = hd / 2;
+    const float* nw = isq ? qr.qnorm : qr.knorm;
+    const float* cs = qr.cosT + (size_t)pos * half;
+    const float* sn = qr.sinT + (size_t)pos * half;
+    float x1[2], x2[2], c[2], s[2];
+    float ss = 0.f;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+        const int i = lane + 32 * t;
+        x1[t] = x2[t] = c[t] = s[t] = 0.f;
+        if (i < half) { x1[t] = src[i]; x2[t] = src[i + half]; c[t] = cs[i]; s[t] = sn[i]; }
+        ss += x1[t] * x1[t] + x2[t] * x2[t];
+    }
+    if (nw) {
+        ss = warp_sum(ss);
+        const float r = sqrtf(ss / (float)hd + qr.eps);
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            const int i = lane + 32 * t;
+            if (i < half) { x1[t] = x1[t] / r * nw[i]; x2[t] = x2[t] / r * nw[i + half]; }
+        }
+    }
+    float* dst = isq ? qr.qout + (size_t)head * hd : qr.kc + ((size_t)kvh * qr.cap + slot) * hd;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+        const int i = lane + 32 * t;
+        if (i < half) {
+            dst[i] = x1[t] * c[t] - x2[t] * s[t];
+            dst[i + half] = x2[t] * c[t] + x1[t] * s[t];
+        }
+    }
+}

@@ -1,0 +1,229 @@
+"""The device forward's batched steps on the CPU: several sequences' rows over the paged pool (paged.py),
+with the numpy mirrors of the kernels, checked against each sequence run alone and against the CPU decoder.
+test_forward_batch.py runs the same scenarios on the GPU through its own ``make_fwd``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kestrel_core.batch import BatchEntry
+from kestrel_core.model.decoder import BLOCK_SIZE
+from kestrel_core.model.presets import synthetic_model
+from kestrel_cuda import paged
+from kestrel_cuda.config import CudaConfig
+from kestrel_cuda.forward import DeviceForward
+from kestrel_cuda.ops_numpy import NumpyOps
+
+from .forward_check import DECLINING_BACKEND, SMALL_CONFIGS, compare, cpu_logits, jitter_effect
+
+POOL = 64  # blocks of the engine's pool in these tests
+
+
+@pytest.fixture
+def make_fwd():  # type: ignore[no-untyped-def]
+    """DeviceForward(**kwargs) over the numpy mirrors."""
+    return lambda **kw: DeviceForward(ops=NumpyOps(), **kw)
+
+
+def host(a) -> np.ndarray:  # type: ignore[no-untyped-def]
+    return np.asarray(a.get() if hasattr(a, "get") else a)
+
+
+class Pages:
+    """The engine's side: blocks handed out from a shuffled free list, so page tables are not contiguous."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.free = [int(b) for b in np.random.default_rng(seed).permutation(POOL)]
+        self.tables: dict[int, list[int]] = {}
+
+    def entry(self, seq: int, tokens: np.ndarray, start: int, logit_rows: int) -> BatchEntry:
+        blocks = self.tables.setdefault(seq, [])
+        while len(blocks) * BLOCK_SIZE < start + len(tokens):
+            blocks.append(self.free.pop())
+        return BatchEntry(seq, np.asarray(tokens, np.int64), start, logit_rows, tuple(blocks), BLOCK_SIZE, POOL)
+
+
+def _model(arch: str = "qwen3", quant: str = "q8", seed: int = 3):  # type: ignore[no-untyped-def]
+    return synthetic_model(SMALL_CONFIGS[arch], quant, seed=seed)
+
+
+def _prompts(model, lengths, seed=1):  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, model.config.vocab_size, n) for n in lengths]
+
+
+def _assert_like_cpu(model, tokens, got: np.ndarray) -> None:  # type: ignore[no-untyped-def]
+    """``got``: the device's logits of the last rows of ``tokens``, within the CPU decoder's jitter band."""
+    tokens = np.asarray(tokens)
+    ref = cpu_logits(model, tokens, len(tokens))
+    result = compare(got, ref[len(ref) - len(got):], jitter_effect(model, tokens, len(tokens), ref))
+    assert result.ok, str(result)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_a_batch_gives_each_sequence_its_logits_alone(arch: str, make_fwd) -> None:  # type: ignore[no-untyped-def]
+    """Prompts of different lengths prefilled together, then decoded together (the captured bucket graph):
+    every row is the CPU decoder's for that sequence, within the jitter band."""
+    model = _model(arch)
+    prompts = _prompts(model, (5, 37, 12))
+    pages, fwd = Pages(), make_fwd()
+    outs = fwd.forward_batch(model, [pages.entry(i, p, 0, 1) for i, p in enumerate(prompts)])
+    seqs, rows = [list(p) for p in prompts], [[o] for o in outs]
+    for _ in range(4):
+        toks = [int(np.argmax(o[-1])) for o in outs]
+        outs = fwd.forward_batch(model, [pages.entry(i, np.array([t]), len(seqs[i]), 1) for i, t in enumerate(toks)])
+        for i, t in enumerate(toks):
+            seqs[i].append(t)
+            rows[i].append(outs[i])
+    for s, r in zip(seqs, rows):
+        _assert_like_cpu(model, s, np.concatenate(r))  # logits at positions len(p) - 1 .. len(s) - 1
+    assert fwd.counters["batch_graph_replays"] == 4 and fwd.counters["graph_captures"] == 1  # bucket 4
+
+
+def test_mixed_batch_of_decode_rows_and_prompt_chunks(make_fwd) -> None:  # type: ignore[no-untyped-def]
+    """One sequence decodes while another's prompt arrives in chunks (the last with several logit rows, a
+    middle one with none): every returned row equals the CPU decoder's at that position."""
+    model = _model("qwen2", "q4")
+    a, b = _prompts(model, (20, 45), seed=2)
+    pages, fwd = Pages(1), make_fwd()
+    (out_a,) = fwd.forward_batch(model, [pages.entry(1, a, 0, 1)])
+    seq_a = list(a) + [int(np.argmax(out_a[-1]))]
+    chunks = [(b[:16], 0), (b[16:30], 0), (b[30:], 3)]
+    done = 0
+    for chunk, rows in chunks:
+        out_a, out_b = fwd.forward_batch(model, [pages.entry(1, np.array(seq_a[-1:]), len(seq_a) - 1, 1),
+                                                 pages.entry(2, chunk, done, rows)])
+        done += len(chunk)
+        _assert_like_cpu(model, seq_a, out_a)
+        assert out_b.shape == (rows, model.config.vocab_size)
+        seq_a.append(int(np.argmax(out_a[0])))
+    _assert_like_cpu(model, b, out_b)
+    assert fwd.counters["pool_moves"] == 1  # sequence 1's own cache joined the pool
+
+
+def test_a_sequence_moves_between_its_own_cache_and_the_pool(make_fwd) -> None:  # type: ignore[no-untyped-def]
+    """Alone (own cache, captured step), then batched (pool), then alone again, then the pipelined greedy
+    decode: the same tokens as a sequence that ran alone throughout."""
+    model = _model()
+    (p,) = _prompts(model, (33,))
+    (other,) = _prompts(model, (7,), seed=5)
+    ref = make_fwd()
+    want = [int(np.argmax(ref.forward(model, 1, p, 0, False)[-1]))]
+    for i in range(9):
+        want.append(int(np.argmax(ref.forward(model, 1, np.array(want[-1:]), len(p) + i, False)[-1])))
+    pages, fwd = Pages(3), make_fwd()
+    got = [int(np.argmax(fwd.forward_batch(model, [pages.entry(1, p, 0, 1)])[0][-1]))]
+    fwd.forward_batch(model, [pages.entry(2, other, 0, 1)])
+    for i in range(3):  # together
+        out, _ = fwd.forward_batch(model, [pages.entry(1, np.array(got[-1:]), len(p) + i, 1),
+                                           pages.entry(2, np.array([1]), len(other) + i, 1)])
+        got.append(int(np.argmax(out[-1])))
+    fwd.release(2)
+    for i in range(3, 5):  # alone again: back in its own cache
+        (out,) = fwd.forward_batch(model, [pages.entry(1, np.array(got[-1:]), len(p) + i, 1)])
+        got.append(int(np.argmax(out[-1])))
+    got.extend(fwd.greedy(model, 1, got[-1], len(p) + 5, 4))
+    assert got == want
+    assert fwd.counters["pool_moves"] == 3  # 1 and 2 into the pool, 1 back out
+
+
+def test_padding_rows_of_a_bucket_touch_no_sequence(make_fwd) -> None:  # type: ignore[no-untyped-def]
+    """Three decode rows run as the captured bucket of four: the padding row writes only the scratch block,
+    so another sequence's blocks keep their keys and values."""
+    model = _model()
+    prompts = _prompts(model, (9, 9, 9, 40), seed=4)
+    pages, fwd = Pages(2), make_fwd()
+    fwd.forward_batch(model, [pages.entry(i, p, 0, 1) for i, p in enumerate(prompts)])
+    pool = fwd._pool
+    assert pool is not None
+    kept = [host(pool.kv[:, :, :, b * BLOCK_SIZE:(b + 1) * BLOCK_SIZE]) for b in pages.tables[3]]
+    fwd.forward_batch(model, [pages.entry(i, np.array([1]), 9, 1) for i in range(3)])
+    assert fwd.counters["batch_graph_replays"] == 1
+    for b, before in zip(pages.tables[3], kept):
+        assert np.array_equal(host(pool.kv[:, :, :, b * BLOCK_SIZE:(b + 1) * BLOCK_SIZE]), before)
+
+
+def test_eager_and_captured_batches_agree_bitwise(make_fwd) -> None:  # type: ignore[no-untyped-def]
+    model = _model("llama", "q4")
+    prompts = _prompts(model, (6, 11))
+    runs = []
+    for graph in (True, False):
+        pages, fwd = Pages(), make_fwd(config=CudaConfig(graph=graph))
+        outs = fwd.forward_batch(model, [pages.entry(i, p, 0, 1) for i, p in enumerate(prompts)])
+        for step in range(3):
+            outs = fwd.forward_batch(model, [pages.entry(i, np.array([7]), len(p) + step, 1)
+                                             for i, p in enumerate(prompts)])
+        runs.append(np.concatenate(outs))
+    assert np.array_equal(runs[0], runs[1])
+
+
+def test_declines_what_the_pool_cannot_run(make_fwd) -> None:  # type: ignore[no-untyped-def]
+    model = _model()
+    a, b = _prompts(model, (10, 10))
+    fwd, pages = make_fwd(), Pages()
+    ok = [pages.entry(1, a, 0, 1), pages.entry(2, b, 0, 1)]
+    bare = [BatchEntry(1, a, 0, 1), BatchEntry(2, b, 0, 1)]
+    assert fwd.forward_batch(model, bare) is None and "page table" in fwd.last_decline
+    short = [BatchEntry(1, a, 0, 1, (0,), BLOCK_SIZE, POOL), BatchEntry(2, np.arange(40), 0, 1, (1,), BLOCK_SIZE,
+                                                                         POOL)]
+    assert fwd.forward_batch(model, short) is None and "cover" in fwd.last_decline
+    outside = [ok[0], BatchEntry(2, b, 0, 1, (POOL,), BLOCK_SIZE, POOL)]
+    assert fwd.forward_batch(model, outside) is None and "outside" in fwd.last_decline
+    behind = [ok[0], pages.entry(2, b[:1], 5, 1)]
+    assert fwd.forward_batch(model, behind) is None and "behind" in fwd.last_decline
+    vocab = [ok[0], pages.entry(2, np.array([model.config.vocab_size]), 0, 1)]
+    assert fwd.forward_batch(model, vocab) is None and "vocabulary" in fwd.last_decline
+    assert fwd.forward_batch(model, [ok[0], ok[0]]) is None and "twice" in fwd.last_decline
+    assert fwd.forward_batch(model, ok) is not None
+
+
+def test_row_map_pads_to_the_scratch_table_and_splits_passes() -> None:
+    pages = Pages()
+    batch = [pages.entry(1, np.arange(3), 0, 1), pages.entry(2, np.array([9]), 40, 1)]
+    tokens, rows, tables = paged.row_map(batch, 1, 3, 4, POOL, 8)
+    assert tokens.tolist() == [1, 2, 9, 0]
+    assert rows.tolist() == [[1, 0], [2, 0], [40, 1], [0, 2]]
+    assert tables[2].tolist() == [POOL] * 8 and tables[1, :2].tolist() == pages.tables[2][:2]
+    assert paged.bucket(3) == 4 and paged.bucket(256) == 256 and paged.bucket(257) is None
+
+
+BATCH_BACKEND = DECLINING_BACKEND + '''
+
+@hookimpl
+def kestrel_forward_batch(device, model, batch):
+    if not FWD:
+        FWD.append(MAKE())
+    return FWD[0].forward_batch(model, batch)
+'''
+
+
+def test_engine_serves_concurrent_requests_through_the_batched_hook(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The scheduler's batched steps go to kestrel_forward_batch with the engine's page tables; each request's
+    greedy tokens equal what it generates alone on the CPU."""
+    import kestrel_core
+    from kestrel_core.model.sampling import SamplingParams
+
+    model = _model("qwen3", "q8", seed=9)
+    prompts = [p.tolist() for p in _prompts(model, (4, 30, 11, 17), seed=6)]
+    make = "lambda: DeviceForward(ops=__import__('kestrel_cuda.ops_numpy').ops_numpy.NumpyOps())"
+    path = tmp_path / "fwdcuda.py"
+    path.write_text(BATCH_BACKEND.format(decline=set(), make=make, greedy=None))
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(path))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    with kestrel_core.load(model, backend="cpu", activations="q8") as cpu:
+        want = [list(cpu.generate(p, params=params)) for p in prompts]
+    with kestrel_core.load(model, backend="fwdcuda") as engine:
+        from kestrel_core.model.scheduler import Scheduler
+
+        sched = Scheduler(engine)
+        ids = [sched.add(p, params).request_id for p in prompts]
+        got: dict[str, list[int]] = {i: [] for i in ids}
+        while sched.has_work:
+            for out in sched.step():
+                got[out.request_id].extend(out.new_token_ids)
+        offload = engine.stats["offload"]
+        fwd = engine.backend.plugin.FWD[0]
+    assert [got[i] for i in ids] == want
+    assert offload["kestrel_forward_batch"]["accepted"] >= 6
+    assert fwd.counters["batch_rows"] >= sum(len(p) for p in prompts)
