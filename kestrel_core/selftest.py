@@ -233,12 +233,12 @@ def _batch_config(arch: str) -> Any:
 def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str, seed: int,
                            first_seq: int) -> CaseResult:
     """The backend's batched steps of BATCH_SCRIPT against the CPU decoder, within the measured band."""
-    from kestrel_core.model.decoder import Decoder
+    from kestrel_core.model.decoder import Decoder, KVPool
     from kestrel_core.model.presets import synthetic_model
 
     name = f"forward_batch {arch} {quant} s{seed}"
     model = synthetic_model(_batch_config(arch), quant, seed=seed)
-    host = Decoder(model, Offload(cpu, cpu))
+    host = Decoder(model, Offload(cpu, cpu), KVPool.for_budget(model.config, 1))  # a pool of a few blocks
     nudged = Decoder(model, JitterOffload(cpu, seed))
     rng = np.random.default_rng([seed, 7])
     caches = {s: host.new_cache() for s in range(3)}
@@ -248,7 +248,11 @@ def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str
     try:
         for step in BATCH_SCRIPT:
             toks = [rng.integers(0, model.config.vocab_size, n) for _, n, _ in step]
-            batch = [BatchEntry(first_seq + s, t, starts[s], rows) for (s, _, rows), t in zip(step, toks)]
+            pool = host.pool  # the page tables come from the reference's pool, as the engine's from its own
+            for s, n, _ in step:
+                pool.reserve(caches[s], starts[s] + n)
+            batch = [BatchEntry(first_seq + s, t, starts[s], rows, tuple(caches[s].blocks), pool.block_size,
+                                pool.num_blocks) for (s, _, rows), t in zip(step, toks)]
             try:
                 got = backend.hook.kestrel_forward_batch(device=backend.device, model=model, batch=batch)
             except KeyboardInterrupt:

@@ -21,7 +21,8 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 {
     grid_dep_launch();
     grid_dep_wait();
-    __shared__ float s_m[NS], s_l[NS], s_w[NS];
+    constexpr int NW = NS > AW ? NS : AW;   // s_m, s_l hold the warps' partials first, then the splits'
+    __shared__ float s_m[NW], s_l[NW], s_w[NS];
     __shared__ float s_acc[AW][128];
     __shared__ int s_last;
     const int h = blockIdx.x, split = blockIdx.y;

@@ -352,6 +352,7 @@ class DeviceForward:
         if graph is None:
             self._pin_weights(st)
             view = paged.Paged(pool.kv, pool.rows[:b], pool.tables, None, pool.hsel)
+            self._step(st, None, b, b, view)  # eagerly first: the tiled GEMM's scratch grows outside the capture
             graph = pool.graphs[b] = self.ops.capture(lambda: self._step(st, None, b, b, view))
             self.counters["graph_captures"] += 1
         return graph

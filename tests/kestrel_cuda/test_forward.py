@@ -376,7 +376,7 @@ def test_cuda_backend_runs_the_whole_step_forward() -> None:
     prompt = _tokens(model.config, 9).tolist()
     with kestrel_core.load(model, backend="cuda") as engine:
         tokens = list(engine.generate(prompt, max_tokens=8, stop_at_eos=False))
-        fwd = engine.stats["offload"].get("kestrel_forward", {})
+        fwd = engine.stats["offload"].get("kestrel_forward_batch", {})
         pipe = engine.stats["offload"].get("kestrel_decode_greedy", {})
         counters = engine.stats["backend_stats"]
     assert fwd.get("accepted", 0) == 1 and pipe.get("accepted", 0) == 1, (fwd, pipe)  # prefill, then pipelined
