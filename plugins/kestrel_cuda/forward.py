@@ -252,6 +252,10 @@ class DeviceForward:
         if seq is not None:
             self._spare = seq
 
+    def reset_pool(self) -> None:
+        """Forget the pool, its sequences and its captured batch graphs (benchmarks switching kernels)."""
+        self._pool = None
+
     def stats(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {f"forward_{k}": v for k, v in self.counters.items()}
         out["forward_sequences"] = len(self._seqs)

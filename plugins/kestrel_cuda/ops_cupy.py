@@ -18,6 +18,7 @@ from kestrel_cuda.kernels import FORWARD_SOURCES, OPTIONS, source_text
 from kestrel_cuda.layout import Geometry
 from kestrel_cuda.plan import (
     ATTN_SPLITS,
+    BATCH_GEMV_ROWS,
     FINISH_COLS,
     MERGE_MODES,
     MERGE_SPLITS,
@@ -25,6 +26,7 @@ from kestrel_cuda.plan import (
     TILE_N,
     Lin,
     QkvRope,
+    rows_split,
     tagged_merge,
 )
 
@@ -71,7 +73,8 @@ class CupyOps:
     name = "cuda"
 
     def __init__(self, stream: Any = None, gemm: Any = None, *, pdl: bool = True, cluster: bool = True,
-                 merge: str = "auto", on_launch: Observer | None = None) -> None:
+                 merge: str = "auto", on_launch: Observer | None = None,
+                 batch_gemv_rows: int = BATCH_GEMV_ROWS) -> None:
         import cupy as cp
         import cupyx
 
@@ -88,6 +91,7 @@ class CupyOps:
         self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
         self._fn = {name: mod.get_function(name) for name in KERNELS}
         self.gemm = gemm
+        self.batch_gemv_rows = batch_gemv_rows  # more rows than this: the tiled GEMM
         self.on_launch = on_launch
         self.launches = 0
         self.pdl = pdl
@@ -235,11 +239,14 @@ class CupyOps:
         m = x.shape[0]
         if m > 1:
             ssq_in = ssq_out = None
-        if m > SMALL_M and self.gemm is not None:
+        if m > self.batch_gemv_rows and self.gemm is not None:
             self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias)
             return
         mr = 1 if m == 1 else SMALL_M
-        ksplit = lin.ksplit if m == 1 else 1
+        ksplit = lin.ksplit if m == 1 else rows_split(lin, m, self.sm_count)
+        if m > 1 and ksplit > 1 and (ksplit * m * lin.npad > self.part.size
+                                     or lin.tiles * -(-m // mr) > self.counters.size):
+            raise RuntimeError(f"split-K scratch for {m} rows of {lin.tiles} tiles x {ksplit} splits not reserved")
         fn = self._gemv[(lin.bits, lin.group_size, mr)]
         cluster = ksplit if m == 1 and lin.cluster and self.cluster else 1
         tagged = ksplit > 1 and cluster == 1 and tagged_merge(self.merge_mode, lin.tiles * ksplit, self.sm_count)

@@ -1,0 +1,114 @@
+"""The CUDA backend's batched decode step alone (``kestrel_forward_batch``), rows against time per step.
+
+    python benchmarks/cuda_batch.py --preset qwen3-8b --quant q8 --rows 1,8,32,64 --context 512
+
+For each row count M: M sequences of ``--context`` prompt tokens prefilled through the hook, then ``--steps``
+decode steps of all M at once (one token each, logits downloaded, as the engine receives them): milliseconds
+per step and decode tok/s of the hook, with the multi-row GEMV (up to ``BATCH_GEMV_ROWS`` rows) and with the
+tiled GEMM above 8 rows, in the same run. ``--profile`` adds the host's share of a scheduler step at the largest
+M (cProfile of ``Scheduler.step``, top entries by cumulative time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import time
+
+import numpy as np
+
+from kestrel_core.batch import BatchEntry
+from kestrel_core.model.engine import load_preset
+
+
+def _time_rows(engine, fwd, m: int, context: int, steps: int, seed: int) -> float:  # type: ignore[no-untyped-def]
+    """Seconds per decode step of ``m`` sequences through ``forward_batch``."""
+    model, pool = engine.model, engine.pool
+    rng = np.random.default_rng(seed)
+    seqs = [engine.new_sequence() for _ in range(m)]
+    try:
+        for s in seqs:
+            pool.reserve(s.cache, context + steps + 1)
+        entries = [BatchEntry(s.seq_id, rng.integers(0, model.config.vocab_size, context), 0, 1,
+                              tuple(s.cache.blocks), pool.block_size, pool.num_blocks) for s in seqs]
+        for e in entries:  # one prefill each (a batch of one: the sequence's own cache)
+            fwd.forward_batch(model, [e])
+        times = []
+        for i in range(steps + 2):  # two warm-up steps: the bucket's eager step and its capture
+            batch = [BatchEntry(e.seq_id, np.array([7]), context + i, 1, e.blocks, e.block_size, e.num_blocks)
+                     for e in entries]
+            t0 = time.perf_counter()
+            out = fwd.forward_batch(model, batch)
+            times.append(time.perf_counter() - t0)
+            assert out is not None, fwd.last_decline
+        return float(np.median(times[2:]))
+    finally:
+        for s in seqs:
+            engine.release(s)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="qwen3-8b")
+    ap.add_argument("--quant", default="q8")
+    ap.add_argument("--rows", default="1,8,32,64")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--kv-cache-mb", type=float, default=24576)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    engine = load_preset(args.preset, backend="cuda", quant=args.quant, kv_cache_mb=args.kv_cache_mb)
+    fwd = engine.backend.device.forward_engine()
+    ops = fwd.ops
+    rows = [int(r) for r in args.rows.split(",")]
+    out = {"preset": args.preset, "quant": args.quant, "context": args.context, "rows": {}}
+    print(f"{args.preset} {args.quant} on cuda, {args.context}-token contexts; ms per decode step (tok/s)")
+    print(f"{'M':>4} {'multi-row GEMV':>22} {'tiled GEMM above 8':>22}")
+    default = ops.batch_gemv_rows
+    for m in rows:
+        figs = {}
+        for label, limit in (("gemv", default), ("tiled", 8)):
+            ops.batch_gemv_rows = limit
+            fwd.reset_pool()  # new graphs for the other kernels
+            s = _time_rows(engine, fwd, m, args.context, args.steps, seed=m)
+            figs[label] = {"ms": s * 1e3, "tok_s": m / s}
+        ops.batch_gemv_rows = default
+        out["rows"][m] = figs
+        print(f"{m:>4} {figs['gemv']['ms']:>10.2f} ({figs['gemv']['tok_s']:>8.0f}) "
+              f"{figs['tiled']['ms']:>10.2f} ({figs['tiled']['tok_s']:>8.0f})", flush=True)
+    if args.profile:
+        from kestrel_core.model.sampling import SamplingParams
+        from kestrel_core.model.scheduler import Scheduler
+
+        m = max(rows)
+        sched = Scheduler(engine, max_batch=m, max_waiting=m)
+        rng = np.random.default_rng(0)
+        for _ in range(m):
+            sched.add(rng.integers(0, engine.config.vocab_size, args.context).tolist(),
+                      SamplingParams(max_tokens=40, ignore_eos=True))
+        while sched.num_waiting:
+            sched.step()
+        for _ in range(3):
+            sched.step()
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(20):
+            sched.step()
+        prof.disable()
+        step = (time.perf_counter() - t0) / 20
+        print(f"scheduler step at {m} rows: {step * 1e3:.2f} ms ({m / step:.0f} tok/s)")
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+        out["scheduler_step_ms"] = step * 1e3
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
