@@ -16,7 +16,8 @@ import numpy as np
 TILE_N = 128  # columns of a GEMV block (forward.cuh TN)
 SSQ_COLS = 32  # columns per entry of the residual stream's sums of squares (forward.cuh)
 CHUNK_K = 256  # rows of a GEMV chunk (gemv.cu KC: one 32-row slot per warp), int8 and int4
-BATCH_GEMV_ROWS = 64  # up to this many rows (a batched decode step) run the fused GEMV in row blocks of SMALL_M
+TILED_FROM = 2  # rows from which a step's projections run the tiled GEMM (split K): at 8 rows 4.3x faster than
+# the fused GEMV's 8-row blocks on the H200 (benchmarks/cuda_batch.py)
 SMALL_M = 8  # up to this many rows run through the fused GEMV (MR = 8); more through the tiled GEMM if any
 MAX_CLUSTER = 8  # K splits of an M=1 GEMV launched as one thread block cluster, at most (merge.cuh)
 MERGE_SPLITS = 64  # K splits of an M=1 GEMV, at most: slots per tile of its tagged merge area (merge.cuh)
@@ -90,13 +91,6 @@ class QkvRope:
     vc: Any
 
 
-def rows_split(lin: Lin, m: int, sm_count: int) -> int:
-    """K splits of the fused GEMV over ``m`` > 1 rows (row blocks of SMALL_M, the counter merge): enough blocks
-    (tiles x row blocks x splits) for two per SM, at most one split per chunk."""
-    blocks = lin.tiles * -(-m // SMALL_M)
-    return max(1, min(lin.chunks, -(-2 * sm_count // blocks)))
-
-
 def plan_ksplit(lin: Lin, target_blocks: int) -> int:
     """K splits of the M=1 GEMV: enough blocks (tiles x splits) to fill the GPU, at most one per chunk. Where
     a split at or above that divides the chunks evenly and still gives every block two chunks or more, the
@@ -160,15 +154,12 @@ def tagged_merge(mode: str, blocks: int, sm_count: int) -> bool:
     return mode == "tagged" or (mode == "auto" and blocks > CHUNK_BLOCKS_PER_SM * sm_count)
 
 
-def gemv_scratch(lins: list[Lin], sm_count: int) -> tuple[int, int, int]:
-    """(partial floats, counters, merge tiles) the GEMVs of these projections need (CupyOps.reserve): at M = 1
-    with their planned splits, and at 2..BATCH_GEMV_ROWS rows with ``rows_split``'s."""
+def gemv_scratch(lins: list[Lin]) -> tuple[int, int, int]:
+    """(partial floats, counters, merge tiles) the M=1 GEMVs of these projections need (CupyOps.reserve)."""
     split = [lin for lin in lins if lin.ksplit > 1]
     part = max((lin.ksplit * lin.npad for lin in split), default=1)
-    rows = max((rows_split(lin, m, sm_count) * m * lin.npad for lin in lins for m in range(2, BATCH_GEMV_ROWS + 1)
-                if rows_split(lin, m, sm_count) > 1), default=1)
-    counters = max((lin.tiles * -(-BATCH_GEMV_ROWS // SMALL_M) for lin in lins), default=1)
-    return max(part, rows), counters, max((lin.tiles for lin in split), default=0)
+    counters = max((lin.tiles for lin in lins), default=1)
+    return part, counters, max((lin.tiles for lin in split), default=0)
 
 
 def attn_part_size(heads: int, hd: int, rows: int = 1) -> int:
