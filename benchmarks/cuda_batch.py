@@ -5,8 +5,8 @@
 For each row count M: M sequences of ``--context`` prompt tokens prefilled through the hook, then ``--steps``
 decode steps of all M at once (one token each, logits downloaded, as the engine receives them): milliseconds
 per step and decode tok/s of the hook, with the tiled GEMM (split K) from 2 rows, the default, and from 9 rows
-(the fused GEMV's 8-row blocks below), in the same run. ``--profile`` adds the host's share of a scheduler step at the largest
-M (cProfile of ``Scheduler.step``, top entries by cumulative time).
+(the fused GEMV's 8-row blocks below), in the same run. ``--profile`` adds the host's share of a scheduler
+step at the largest M (cProfile of ``Scheduler.step``, top entries by cumulative time).
 """
 
 from __future__ import annotations
