@@ -4,9 +4,9 @@
 
 For each row count M: M sequences of ``--context`` prompt tokens prefilled through the hook, then ``--steps``
 decode steps of all M at once (one token each, logits downloaded, as the engine receives them): milliseconds
-per step and decode tok/s of the hook, with the tiled GEMM (split K) from 2 rows, the default, and from 9 rows
-(the fused GEMV's 8-row blocks below), in the same run. ``--profile`` adds the host's share of a scheduler
-step at the largest M (cProfile of ``Scheduler.step``, top entries by cumulative time).
+per step and decode tok/s of the hook (M = 1: the lone sequence's captured step; more: the captured step of
+the batch's bucket). ``--profile`` adds the host's share of a
+scheduler step at the largest M (cProfile of ``Scheduler.step``, top entries by cumulative time).
 """
 
 from __future__ import annotations
@@ -62,23 +62,14 @@ def main() -> int:
     args = ap.parse_args()
     engine = load_preset(args.preset, backend="cuda", quant=args.quant, kv_cache_mb=args.kv_cache_mb)
     fwd = engine.backend.device.forward_engine()
-    ops = fwd.ops
     rows = [int(r) for r in args.rows.split(",")]
     out = {"preset": args.preset, "quant": args.quant, "context": args.context, "rows": {}}
     print(f"{args.preset} {args.quant} on cuda, {args.context}-token contexts; ms per decode step (tok/s)")
-    print(f"{'M':>4} {'tiled from 2 rows':>22} {'tiled from 9 rows':>22}")
-    default = ops.tiled_from
+    print(f"{'M':>4} {'ms a step':>10} {'tok/s':>8}")
     for m in rows:
-        figs = {}
-        for label, limit in (("from2", default), ("from9", 9)):
-            ops.tiled_from = limit
-            fwd.reset_pool()  # new graphs for the other kernels
-            s = _time_rows(engine, fwd, m, args.context, args.steps, seed=m)
-            figs[label] = {"ms": s * 1e3, "tok_s": m / s}
-        ops.tiled_from = default
-        out["rows"][m] = figs
-        print(f"{m:>4} {figs['from2']['ms']:>10.2f} ({figs['from2']['tok_s']:>8.0f}) "
-              f"{figs['from9']['ms']:>10.2f} ({figs['from9']['tok_s']:>8.0f})", flush=True)
+        sec = _time_rows(engine, fwd, m, args.context, args.steps, seed=m)
+        out["rows"][m] = {"ms": sec * 1e3, "tok_s": m / sec}
+        print(f"{m:>4} {sec * 1e3:>10.2f} {m / sec:>8.0f}", flush=True)
     if args.profile:
         from kestrel_core.model.sampling import SamplingParams
         from kestrel_core.model.scheduler import Scheduler

@@ -23,7 +23,6 @@ from kestrel_cuda.plan import (
     MERGE_SPLITS,
     SMALL_M,
     TILE_N,
-    TILED_FROM,
     Lin,
     QkvRope,
     tagged_merge,
@@ -72,7 +71,7 @@ class CupyOps:
     name = "cuda"
 
     def __init__(self, stream: Any = None, gemm: Any = None, *, pdl: bool = True, cluster: bool = True,
-                 merge: str = "auto", on_launch: Observer | None = None, tiled_from: int = TILED_FROM) -> None:
+                 merge: str = "auto", on_launch: Observer | None = None) -> None:
         import cupy as cp
         import cupyx
 
@@ -89,7 +88,6 @@ class CupyOps:
         self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
         self._fn = {name: mod.get_function(name) for name in KERNELS}
         self.gemm = gemm
-        self.tiled_from = tiled_from  # rows from which the tiled GEMM runs (given one); fewer: the fused GEMV
         self.on_launch = on_launch
         self.launches = 0
         self.pdl = pdl
@@ -237,7 +235,7 @@ class CupyOps:
         m = x.shape[0]
         if m > 1:
             ssq_in = ssq_out = None
-        if m >= self.tiled_from and self.gemm is not None:
+        if m > SMALL_M and self.gemm is not None:
             self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias)
             return
         mr = 1 if m == 1 else SMALL_M
@@ -256,38 +254,22 @@ class CupyOps:
 
     def _tiled(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
                bias: Any) -> None:
-        """Prologue kernel -> codes/scales, the tiled GEMM (gemm.DeviceGemm) -> tmp, epilogue kernel -> y.
-
-        A grid of fewer blocks than SMs (a batch of decode rows: one row of 64x128 tiles) runs as ``splits``
-        K splits, each its own GEMM over its slice of K (codes and scales copied split-major), their partial
-        products added in split order by the epilogue."""
+        """Prologue kernel -> codes/scales, the tiled GEMM (gemm.DeviceGemm) -> tmp, epilogue kernel -> y."""
         m, k, g = x.shape[0], lin.k, lin.group_size
-        splits = tiled_splits(m, lin.npad, k, self.sm_count)
         codes = self._scratch("codes", m * k, np.int8).reshape(m, k)
         scales = self._scratch("scales", m * (k // g), np.float32).reshape(m, k // g)
-        tmp = self._scratch("tmp", splits * m * lin.npad, np.float32).reshape(splits, m, lin.npad)
+        tmp = self._scratch("tmp", m * lin.npad, np.float32).reshape(m, lin.npad)
         self.launch(self._quant[g], (-(-k // 256), m), (256,),
                     (_ptr(x), _ld(x), _i32(m), _i32(k), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
                      _ptr(codes), _ptr(scales)), name="quantize_rows")
         weight = _as_device_weight(lin)
-        if splits == 1:
-            parts = [(codes, scales, weight)]
+        if self.on_launch is not None:
+            self.on_launch("gemm_q8 (tiled)", lambda: self._gemm_q8(codes, scales, weight, tmp, lin.n))
         else:
-            kl = k // splits
-            split_codes = self._scratch("split_codes", m * k, np.int8).reshape(splits, m, kl)
-            split_scales = self._scratch("split_scales", m * (k // g), np.float32).reshape(splits, m, kl // g)
-            with self.stream:
-                split_codes[...] = codes.reshape(m, splits, kl).transpose(1, 0, 2)
-                split_scales[...] = scales.reshape(m, splits, kl // g).transpose(1, 0, 2)
-            parts = [(split_codes[z], split_scales[z], _k_slice(weight, z * kl, kl, g)) for z in range(splits)]
-        for z, (c, sc, w) in enumerate(parts):
-            if self.on_launch is not None:
-                self.on_launch("gemm_q8 (tiled)", lambda c=c, sc=sc, w=w, t=tmp[z]: self._gemm_q8(c, sc, w, t, lin.n))
-            else:
-                self._gemm_q8(c, sc, w, tmp[z], lin.n)
+            self._gemm_q8(codes, scales, weight, tmp, lin.n)
         self.launch(self._fn["add_rows"], (-(-lin.n // 256), m), (256,),
-                    (_ptr(tmp), _i32(lin.npad), _i32(m), _i32(lin.n), _ptr(y), _ld(y), _i32(epi), _ptr(bias),
-                     _i32(splits), np.int64(m * lin.npad)), name="add_rows")
+                    (_ptr(tmp), _ld(tmp), _i32(m), _i32(lin.n), _ptr(y), _ld(y), _i32(epi), _ptr(bias)),
+                    name="add_rows")
 
     def _gemm_q8(self, codes: Any, scales: Any, weight: Any, out: Any, n: int) -> None:
         self.launches += 1
@@ -353,27 +335,6 @@ def _rope_args(r: QkvRope | None) -> tuple[Any, ...]:
         return (*(_ptr(None),) * 8, _i32(0), _i32(0), _i32(0))
     return (_ptr(r.qnorm), _ptr(r.knorm), _ptr(r.cos), _ptr(r.sin), _ptr(r.meta), _ptr(r.q), _ptr(r.kc),
             _ptr(r.vc), _i32(r.heads), _i32(r.kv_heads), _i32(r.kc.shape[1]))
-
-
-def tiled_splits(m: int, npad: int, k: int, sm_count: int) -> int:
-    """K splits of the tiled GEMM: enough 64x128 blocks for every SM, each split a multiple of 256 rows of K
-    (whole groups of either size, whole int4 words), a power of two."""
-    blocks = -(-m // 64) * -(-npad // 128)
-    splits = 1
-    while blocks * splits < sm_count and k % (512 * splits) == 0:
-        splits *= 2
-    return splits
-
-
-def _k_slice(weight: Any, k0: int, kl: int, group_size: int) -> Any:
-    """Rows k0..k0 + kl of a device weight, as the tiled GEMM takes one (views, no copy)."""
-    from types import SimpleNamespace
-
-    g = weight.geometry
-    row_bytes = g.npad * g.code_bits // 8
-    codes = weight.codes.reshape(-1)[k0 * row_bytes:(k0 + kl) * row_bytes]
-    scales = weight.scales[k0 // group_size:(k0 + kl) // group_size]
-    return SimpleNamespace(geometry=Geometry(kl, g.npad, kl // group_size, g.code_bits), codes=codes, scales=scales)
 
 
 def _as_device_weight(lin: Lin) -> Any:

@@ -16,8 +16,6 @@ import numpy as np
 TILE_N = 128  # columns of a GEMV block (forward.cuh TN)
 SSQ_COLS = 32  # columns per entry of the residual stream's sums of squares (forward.cuh)
 CHUNK_K = 256  # rows of a GEMV chunk (gemv.cu KC: one 32-row slot per warp), int8 and int4
-TILED_FROM = 2  # rows from which a step's projections run the tiled GEMM (split K): at 8 rows 4.3x faster than
-# the fused GEMV's 8-row blocks on the H200 (benchmarks/cuda_batch.py)
 SMALL_M = 8  # up to this many rows run through the fused GEMV (MR = 8); more through the tiled GEMM if any
 MAX_CLUSTER = 8  # K splits of an M=1 GEMV launched as one thread block cluster, at most (merge.cuh)
 MERGE_SPLITS = 64  # K splits of an M=1 GEMV, at most: slots per tile of its tagged merge area (merge.cuh)

@@ -62,17 +62,15 @@ __global__ void __launch_bounds__(NT) quantize_rows(
     }
 }
 
-// Y[m][n] (+)= T[m][n] (+ bias[n]): the epilogue of the tiled-GEMM path. With splits > 1, T holds that many
-// K splits' partial products, split_stride floats apart, added in split order.
+// Y[m][n] (+)= T[m][n] (+ bias[n]): the epilogue of the tiled-GEMM path.
 extern "C" __global__ void add_rows(const float* __restrict__ T, int ldt, int M, int N, float* __restrict__ Y, int ldy,
-                         int epi, const float* __restrict__ bias, int splits, long long split_stride)
+                         int epi, const float* __restrict__ bias)
 {
     grid_dep_launch();
     grid_dep_wait();
     const int n = blockIdx.x * blockDim.x + threadIdx.x, m = blockIdx.y;
     if (n >= N) return;
     float y = T[(size_t)m * ldt + n];
-    for (int s = 1; s < splits; ++s) y += T[(size_t)s * split_stride + (size_t)m * ldt + n];
     if (bias) y = y + bias[n];
     float* dst = Y + (size_t)m * ldy + n;
     *dst = epi == 1 ? *dst + y : y;

@@ -13,8 +13,6 @@ from kestrel_cuda.forward import DeviceForward  # noqa: E402
 
 from .forward_check import FACTOR, SMALL_CONFIGS, cpu_logits, greedy_agrees, jitter_effect  # noqa: E402
 from .test_forward_batch_host import (  # noqa: E402, F401  (collected here with this module's make_fwd)
-    Pages,
-    _assert_like_cpu,
     _prompts,
     test_a_batch_gives_each_sequence_its_logits_alone,
     test_a_sequence_moves_between_its_own_cache_and_the_pool,
@@ -82,29 +80,3 @@ def test_the_cuda_backend_serves_concurrent_requests_in_batches(quant: str) -> N
         ref = cpu_logits(model, tokens, len(tokens))
         tol = FACTOR * jitter_effect(model, tokens, len(tokens), ref)[1]
         assert greedy_agrees(got[i], model, np.array(p), tol) == [], (p, got[i])
-
-
-@pytest.mark.parametrize("quant", ["q8", "q4-g256"])
-def test_split_k_tiled_rows_match_the_cpu(quant: str, make_fwd) -> None:  # type: ignore[no-untyped-def]
-    """Hidden and MLP widths of several 512-row slices: the batched rows' projections run the tiled GEMM in K
-    splits (ops_cupy.tiled_splits > 1), and every row stays the CPU decoder's within the jitter band."""
-    from dataclasses import replace
-
-    from kestrel_core.model.presets import synthetic_model
-    from kestrel_cuda.ops_cupy import tiled_splits
-
-    cfg = replace(SMALL_CONFIGS["qwen3"], hidden_size=1024, intermediate_size=2048)
-    assert tiled_splits(4, 1024, cfg.hidden_size, cp.cuda.Device().attributes["MultiProcessorCount"]) > 1
-    model = synthetic_model(cfg, quant, seed=12)
-    prompts = _prompts(model, (3, 21, 9, 40), seed=8)
-    pages, fwd = Pages(4), make_fwd()
-    outs = fwd.forward_batch(model, [pages.entry(i, p, 0, 1) for i, p in enumerate(prompts)])
-    seqs, rows = [list(p) for p in prompts], [[o] for o in outs]
-    for _ in range(3):
-        toks = [int(np.argmax(o[-1])) for o in outs]
-        outs = fwd.forward_batch(model, [pages.entry(i, np.array([t]), len(seqs[i]), 1) for i, t in enumerate(toks)])
-        for i, t in enumerate(toks):
-            seqs[i].append(t)
-            rows[i].append(outs[i])
-    for s, r in zip(seqs, rows):
-        _assert_like_cpu(model, s, np.concatenate(r))
