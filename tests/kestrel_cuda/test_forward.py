@@ -173,7 +173,7 @@ def test_tagged_split_merge_is_exact_across_interleaved_launches(stream) -> None
         lins.append(Lin(ops.upload(pack_kmajor(codes, 8)), ops.upload(scales), k, n, npad, 32, 8, ksplit=ksplit))
         xs.append(ops.upload(rng.standard_normal((1, k)).astype(np.float32)))
         ys.append(ops.zeros((1, n), np.float32))
-    part, counters, tiles = gemv_scratch(lins)
+    part, counters, tiles = gemv_scratch(lins, ops.sm_count)
     ops.reserve(part, counters, 1, 1, tiles)
 
     def step() -> None:
