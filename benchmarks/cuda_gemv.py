@@ -51,7 +51,7 @@ def plan_decode(ops: Any, lins: list[Any], setting: str = "plan") -> None:
         if setting != "plan":
             lin.ksplit = min(int(setting.rstrip("c")), lin.chunks)
             lin.cluster = ops.cluster and setting.endswith("c") and lin.ksplit <= MAX_CLUSTER
-    part, counters, merge_tiles = gemv_scratch(lins, ops.sm_count)
+    part, counters, merge_tiles = gemv_scratch(lins)
     ops.reserve(part, counters, 1, 1, merge_tiles)
 
 

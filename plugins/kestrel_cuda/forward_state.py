@@ -139,7 +139,7 @@ class Projections:
                 one = Lin(None, None, s.k, s.n, pad_n(s.n), s.group_size, s.bits, wkey=key)
                 one.ksplit = self.plan(one)
                 lins.append(one)
-        return gemv_scratch(lins, self.sm_count)
+        return gemv_scratch(lins)
 
     def _own(self, codes: np.ndarray, scales: np.ndarray, like: StripCache, key: int, col: int = 0) -> Lin:
         n, k = codes.shape

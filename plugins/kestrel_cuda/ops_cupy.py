@@ -25,7 +25,6 @@ from kestrel_cuda.plan import (
     TILE_N,
     Lin,
     QkvRope,
-    rows_split,
     tagged_merge,
 )
 
@@ -240,13 +239,10 @@ class CupyOps:
             self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias)
             return
         mr = 1 if m == 1 else SMALL_M
-        ksplit = lin.ksplit if m == 1 else rows_split(lin, m, self.sm_count)
-        if m > 1 and ksplit > 1 and (ksplit * m * lin.npad > self.part.size or lin.tiles > self.counters.size):
-            raise RuntimeError(f"split-K scratch for {m} rows of {lin.tiles} tiles x {ksplit} splits not reserved")
+        ksplit = lin.ksplit if m == 1 else 1
         fn = self._gemv[(lin.bits, lin.group_size, mr)]
         cluster = ksplit if m == 1 and lin.cluster and self.cluster else 1
-        tagged = (m == 1 and ksplit > 1 and cluster == 1
-                  and tagged_merge(self.merge_mode, lin.tiles * ksplit, self.sm_count))
+        tagged = ksplit > 1 and cluster == 1 and tagged_merge(self.merge_mode, lin.tiles * ksplit, self.sm_count)
         if tagged and (lin.tiles > self.merge_tiles or ksplit > MERGE_SPLITS):
             raise RuntimeError(f"split-K merge area for {lin.tiles} tiles x {ksplit} splits not reserved")
         self.launch(fn, (lin.tiles, ksplit, -(-m // mr)), (256,),

@@ -89,13 +89,6 @@ class QkvRope:
     vc: Any
 
 
-def rows_split(lin: Lin, m: int, sm_count: int) -> int:
-    """K splits of the fused GEMV over 2..SMALL_M rows (the counter merge): enough blocks (tiles x splits) for
-    two per SM, at most one split per chunk. At 8 rows of qwen3-8b: 16.7 ms a batched step against 26.2 unsplit
-    (benchmarks/cuda_batch.py)."""
-    return max(1, min(lin.chunks, -(-2 * sm_count // lin.tiles)))
-
-
 def plan_ksplit(lin: Lin, target_blocks: int) -> int:
     """K splits of the M=1 GEMV: enough blocks (tiles x splits) to fill the GPU, at most one per chunk. Where
     a split at or above that divides the chunks evenly and still gives every block two chunks or more, the
@@ -159,15 +152,12 @@ def tagged_merge(mode: str, blocks: int, sm_count: int) -> bool:
     return mode == "tagged" or (mode == "auto" and blocks > CHUNK_BLOCKS_PER_SM * sm_count)
 
 
-def gemv_scratch(lins: list[Lin], sm_count: int) -> tuple[int, int, int]:
-    """(partial floats, counters, merge tiles) the GEMVs of these projections need (CupyOps.reserve): at M = 1
-    with their planned splits, and at 2..SMALL_M rows with ``rows_split``'s."""
+def gemv_scratch(lins: list[Lin]) -> tuple[int, int, int]:
+    """(partial floats, counters, merge tiles) the M=1 GEMVs of these projections need (CupyOps.reserve)."""
     split = [lin for lin in lins if lin.ksplit > 1]
     part = max((lin.ksplit * lin.npad for lin in split), default=1)
-    rows = max((rows_split(lin, m, sm_count) * m * lin.npad for lin in lins for m in range(2, SMALL_M + 1)
-                if rows_split(lin, m, sm_count) > 1), default=1)
     counters = max((lin.tiles for lin in lins), default=1)
-    return max(part, rows), counters, max((lin.tiles for lin in split), default=0)
+    return part, counters, max((lin.tiles for lin in split), default=0)
 
 
 def attn_part_size(heads: int, hd: int, rows: int = 1) -> int:

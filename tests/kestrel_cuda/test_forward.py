@@ -29,21 +29,14 @@ from .forward_check import (  # noqa: E402
     SMALL_CONFIGS,
     compare,
     cpu_logits,
+    cuda_device_count,
     device_logits,
     greedy_agrees,
     jitter_effect,
     stepwise_greedy,
 )
 
-
-def _device_count() -> int:
-    try:
-        return int(cp.cuda.runtime.getDeviceCount())
-    except Exception:
-        return 0
-
-
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(_device_count() == 0, reason="no CUDA device")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device")]
 
 QUANTS = ("q8", "q4", "q8-g256", "q4-g256")
 
@@ -173,7 +166,7 @@ def test_tagged_split_merge_is_exact_across_interleaved_launches(stream) -> None
         lins.append(Lin(ops.upload(pack_kmajor(codes, 8)), ops.upload(scales), k, n, npad, 32, 8, ksplit=ksplit))
         xs.append(ops.upload(rng.standard_normal((1, k)).astype(np.float32)))
         ys.append(ops.zeros((1, n), np.float32))
-    part, counters, tiles = gemv_scratch(lins, ops.sm_count)
+    part, counters, tiles = gemv_scratch(lins)
     ops.reserve(part, counters, 1, 1, tiles)
 
     def step() -> None:

@@ -11,9 +11,10 @@ cp = pytest.importorskip("cupy")
 
 from kestrel_cuda.forward import DeviceForward  # noqa: E402
 
-from .forward_check import FACTOR, SMALL_CONFIGS, cpu_logits, greedy_agrees, jitter_effect  # noqa: E402
+from .forward_check import FACTOR, SMALL_CONFIGS, cpu_logits, cuda_device_count, greedy_agrees, jitter_effect  # noqa: E402,E501
 from .test_forward_batch_host import (  # noqa: E402, F401  (collected here with this module's make_fwd)
     _prompts,
+    serve_all,
     test_a_batch_gives_each_sequence_its_logits_alone,
     test_a_sequence_moves_between_its_own_cache_and_the_pool,
     test_declines_what_the_pool_cannot_run,
@@ -22,15 +23,7 @@ from .test_forward_batch_host import (  # noqa: E402, F401  (collected here with
     test_padding_rows_of_a_bucket_touch_no_sequence,
 )
 
-
-def _device_count() -> int:
-    try:
-        return int(cp.cuda.runtime.getDeviceCount())
-    except Exception:
-        return 0
-
-
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(_device_count() == 0, reason="no CUDA device")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device")]
 
 
 @pytest.fixture(scope="module")
@@ -61,22 +54,16 @@ def test_the_cuda_backend_serves_concurrent_requests_in_batches(quant: str) -> N
     import kestrel_core
     from kestrel_core.model.presets import synthetic_model
     from kestrel_core.model.sampling import SamplingParams
-    from kestrel_core.model.scheduler import Scheduler
 
     model = synthetic_model(SMALL_CONFIGS["qwen3"], quant, seed=9)
     prompts = [p.tolist() for p in _prompts(model, (4, 70, 11, 33), seed=6)]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     with kestrel_core.load(model, backend="cuda") as engine:
-        sched = Scheduler(engine)
-        ids = [sched.add(p, params).request_id for p in prompts]
-        got: dict[str, list[int]] = {i: [] for i in ids}
-        while sched.has_work:
-            for out in sched.step():
-                got[out.request_id].extend(out.new_token_ids)
+        got = serve_all(engine, prompts, params)
         offload = engine.stats["offload"]
     assert offload["kestrel_forward_batch"]["accepted"] >= 8
-    for p, i in zip(prompts, ids):
-        tokens = np.array(p + got[i])
-        ref = cpu_logits(model, tokens, len(tokens))
-        tol = FACTOR * jitter_effect(model, tokens, len(tokens), ref)[1]
-        assert greedy_agrees(got[i], model, np.array(p), tol) == [], (p, got[i])
+    for p, tokens in zip(prompts, got):
+        seq = np.array(p + tokens)
+        ref = cpu_logits(model, seq, len(seq))
+        tol = FACTOR * jitter_effect(model, seq, len(seq), ref)[1]
+        assert greedy_agrees(tokens, model, np.array(p), tol) == [], (p, tokens)

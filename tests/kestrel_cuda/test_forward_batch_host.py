@@ -188,6 +188,19 @@ def test_row_map_pads_to_the_scratch_table_and_splits_passes() -> None:
     assert paged.bucket(3) == 4 and paged.bucket(256) == 256 and paged.bucket(257) is None
 
 
+def serve_all(engine, prompts: list[list[int]], params) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """Every prompt submitted at once to a scheduler over ``engine``, run to the end: each one's tokens."""
+    from kestrel_core.model.scheduler import Scheduler
+
+    sched = Scheduler(engine)
+    ids = [sched.add(p, params).request_id for p in prompts]
+    got: dict[str, list[int]] = {i: [] for i in ids}
+    while sched.has_work:
+        for out in sched.step():
+            got[out.request_id].extend(out.new_token_ids)
+    return [got[i] for i in ids]
+
+
 BATCH_BACKEND = DECLINING_BACKEND + '''
 
 @hookimpl
@@ -214,16 +227,9 @@ def test_engine_serves_concurrent_requests_through_the_batched_hook(tmp_path, mo
     with kestrel_core.load(model, backend="cpu", activations="q8") as cpu:
         want = [list(cpu.generate(p, params=params)) for p in prompts]
     with kestrel_core.load(model, backend="fwdcuda") as engine:
-        from kestrel_core.model.scheduler import Scheduler
-
-        sched = Scheduler(engine)
-        ids = [sched.add(p, params).request_id for p in prompts]
-        got: dict[str, list[int]] = {i: [] for i in ids}
-        while sched.has_work:
-            for out in sched.step():
-                got[out.request_id].extend(out.new_token_ids)
+        got = serve_all(engine, prompts, params)
         offload = engine.stats["offload"]
         fwd = engine.backend.plugin.FWD[0]
-    assert [got[i] for i in ids] == want
+    assert got == want
     assert offload["kestrel_forward_batch"]["accepted"] >= 6
     assert fwd.counters["batch_rows"] >= sum(len(p) for p in prompts)

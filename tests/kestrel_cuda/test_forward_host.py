@@ -382,7 +382,7 @@ def test_split_k_scratch_covers_every_planned_gemv(quant: str, target: int | Non
     part, counters, merge_tiles = ops.reserved[-1]
     lins = [lin for layer in fwd._st.layers for lin in [*layer.weights.qkv, layer.weights.o,
                                                          *layer.weights.gate_up, layer.weights.down]]
-    need_part, need_counters, need_tiles = plan.gemv_scratch(lins, fwd.projections.sm_count)
+    need_part, need_counters, need_tiles = plan.gemv_scratch(lins)
     assert part >= need_part and counters >= need_counters and merge_tiles >= need_tiles
     assert need_tiles == max(lin.tiles for lin in lins if lin.ksplit > 1)
 
