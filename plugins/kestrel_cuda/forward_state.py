@@ -19,7 +19,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.decoder import PREFILL_CHUNK, rope_inv_freq
 from kestrel_core.model.weights import Model
 from kestrel_core.wkey import lm_head_wkey
-from kestrel_cuda.layout import ProjGroup, fusable, layer_groups, pack_kmajor, pad_n
+from kestrel_cuda.layout import StripGroup, fusable, layer_groups, pack_kmajor, pad_n
 from kestrel_cuda.plan import FINISH_COLS, TOKEN_RING, Lin, attn_part_size, gemv_scratch, plan_split, ssq_count
 
 WeightSource = Callable[[int, Sequence[StripCache]], Any]
@@ -106,9 +106,9 @@ class Projections:
         return LayerLins(qkv=qkv, o=o[0], gate_up=gu, down=down[0])
 
     def lm_head(self, model: Model) -> Lin:
-        return self.fetch(ProjGroup([model.lm_head], [lm_head_wkey()], 0))[0]
+        return self.fetch(StripGroup([model.lm_head], [lm_head_wkey()], 0))[0]
 
-    def fetch(self, group: ProjGroup) -> list[Lin]:
+    def fetch(self, group: StripGroup) -> list[Lin]:
         """Device projections for ``group`` (fused into one when allowed), with their output columns."""
         strips, keys, fused_key = group
         cols = np.cumsum([0] + [s.n for s in strips[:-1]]).tolist()
@@ -128,7 +128,7 @@ class Projections:
     def scratch(self, model: Model) -> tuple[int, int, int]:
         """``plan.gemv_scratch`` of every projection the model may run, fused or not, from shapes alone."""
         lins = []
-        groups = layer_groups(0, model.layers[0]) + [ProjGroup([model.lm_head], [lm_head_wkey()], 0)]
+        groups = layer_groups(0, model.layers[0]) + [StripGroup([model.lm_head], [lm_head_wkey()], 0)]
         for strips, keys, fused_key in groups:
             n, k = sum(s.n for s in strips), strips[0].k
             lin = Lin(None, None, k, n, pad_n(n), strips[0].group_size, strips[0].bits,  # own bits: own plan

@@ -29,7 +29,7 @@ import numpy as np
 
 from kestrel_core.contract import StripCache
 from kestrel_core.model.weights import LayerWeights
-from kestrel_core.wkey import Proj, fused_wkey, wkey
+from kestrel_core.wkey import PROJ_GROUPS
 
 ALIGN = 256
 VEC = 4  # columns per vectorised store: Npad is a multiple of it
@@ -112,7 +112,7 @@ def fusable(weights: Sequence[StripCache]) -> bool:
                and w.k % w.group_size == 0 for w in weights)
 
 
-class ProjGroup(NamedTuple):
+class StripGroup(NamedTuple):
     """Projections that read one input, in one buffer where ``fusable`` allows it."""
 
     strips: list[StripCache]
@@ -120,14 +120,10 @@ class ProjGroup(NamedTuple):
     fused_key: int  # the fused buffer's wkey; 0 for a group of one
 
 
-def layer_groups(layer: int, lw: LayerWeights) -> list[ProjGroup]:
-    """The projections of model layer ``layer`` in launch order: Q|K|V, O, gate|up, down."""
-    return [ProjGroup([lw.q, lw.k, lw.v], [wkey(layer, Proj.Q), wkey(layer, Proj.K), wkey(layer, Proj.V)],
-                      fused_wkey(layer, Proj.QKV)),
-            ProjGroup([lw.o], [wkey(layer, Proj.O)], 0),
-            ProjGroup([lw.gate, lw.up], [wkey(layer, Proj.GATE), wkey(layer, Proj.UP)],
-                      fused_wkey(layer, Proj.GATE_UP)),
-            ProjGroup([lw.down], [wkey(layer, Proj.DOWN)], 0)]
+def layer_groups(layer: int, lw: LayerWeights) -> list[StripGroup]:
+    """The projections of model layer ``layer`` in launch order: ``kestrel_core.wkey.PROJ_GROUPS``."""
+    return [StripGroup(list(strips), list(group.keys(layer)), group.fused_key(layer))
+            for group, strips in zip(PROJ_GROUPS, lw.groups())]
 
 
 def pack_kmajor(codes: np.ndarray, bits: int) -> np.ndarray:
