@@ -5,6 +5,7 @@ Needs torch and transformers (the tests that read the output do not). Run from t
     python scripts/make_golden.py                       # tiny models + SmolLM2 golden
     python scripts/make_golden.py --only tiny           # tiny models only
     python scripts/make_golden.py --smollm PATH.gguf    # SmolLM2 GGUF somewhere other than the default
+    python scripts/make_golden.py --model tiny-mistral  # one tiny model (its own versions in the manifest)
 
 Writes under tests/fixtures/models/:
   tiny-llama/   LlamaForCausalLM, llama3 rope scaling, untied, float32, sharded safetensors + index
@@ -13,6 +14,7 @@ Writes under tests/fixtures/models/:
   tiny-qwen2/   Qwen2ForCausalLM, nonzero q/k/v biases, untied, bfloat16
   tiny-qwen3/   Qwen3ForCausalLM, q/k RMSNorm, head_dim 64 != 64/4, tied, float16, config in the
                 transformers-5 layout (rope_parameters); the other two use the classic hub layout
+  tiny-mistral/ MistralForCausalLM, sliding_window 16 over the 40 positions, untied, bfloat16
   smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
   MANIFEST.json  versions, shapes, logit ranges, the command
 Every model directory holds golden.npz: ``ids`` int64 [T] and ``logits`` float32 [T, vocab], computed in
@@ -39,6 +41,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
+    MistralConfig,
     Qwen2Config,
     Qwen3Config,
 )
@@ -153,10 +156,14 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     # q8-g256 really uses G=256 on those tensors.
     qwen3 = Qwen3Config(**common, num_hidden_layers=3, intermediate_size=256, head_dim=64,
                         tie_word_embeddings=True, rope_theta=10000.0, use_sliding_window=False)
+    # a window of 16 over 40 positions: the later rows see only their last 16 keys
+    mistral = MistralConfig(**common, num_hidden_layers=2, intermediate_size=128, head_dim=16,
+                            tie_word_embeddings=False, rope_theta=1e6, sliding_window=16)
     return {
         "tiny-llama": (llama, {"dtype": torch.float32, "max_shard_size": "200KB", "classic_config": True}),
         "tiny-qwen2": (qwen2, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
         "tiny-qwen3": (qwen3, {"dtype": torch.float16, "max_shard_size": None, "classic_config": False}),
+        "tiny-mistral": (mistral, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
     }
 
 
@@ -406,6 +413,7 @@ def build_smollm(gguf_path: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=["tiny", "smollm"], help="build only one part")
+    ap.add_argument("--model", help="build only this tiny model (tiny-mistral, ...)")
     ap.add_argument("--smollm", type=Path, default=SMOLLM_DEFAULT, help="SmolLM2-135M-Instruct.Q4_1.gguf")
     args = ap.parse_args(argv)
     torch.use_deterministic_algorithms(True)
@@ -415,10 +423,23 @@ def main(argv: list[str] | None = None) -> int:
     manifest: dict[str, Any] = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
     manifest.pop("command", None)
     command = "python scripts/make_golden.py" + (f" --only {args.only}" if args.only else "")
-    manifest["versions"] = {"python": platform.python_version(), "torch": torch.__version__,
-                            "transformers": transformers.__version__, "gguf": _version("gguf"),
-                            "tokenizers": tokenizers.__version__, "numpy": np.__version__}
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "transformers": transformers.__version__, "gguf": _version("gguf"),
+                "tokenizers": tokenizers.__version__, "numpy": np.__version__}
     manifest.setdefault("models", {})
+    if args.model:
+        tok = train_tokenizer()
+        configs = tiny_configs(tok)
+        if args.model not in configs:
+            raise SystemExit(f"--model: one of {', '.join(configs)}")
+        config, opts = configs[args.model]
+        seed = list(configs).index(args.model) + 1
+        entry = build_tiny(args.model, config, opts, tok, seed)
+        manifest["models"][args.model] = {**entry, "command": f"python scripts/make_golden.py --model {args.model}",
+                                          "versions": versions}
+        manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        return 0
+    manifest["versions"] = versions
     if args.only in (None, "tiny"):
         tok = train_tokenizer()
         for seed, (name, (config, opts)) in enumerate(tiny_configs(tok).items(), start=1):

@@ -1,4 +1,4 @@
-"""Decoder configuration: one dataclass for Llama, Qwen2 and Qwen3."""
+"""Decoder configuration: one dataclass for Llama, Qwen2, Qwen3 and Mistral."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.validate import ValidationError, check_bool, check_float, check_int, is_int
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 # Upper bounds far above any real model, so a config cannot ask for absurd allocations (2^40 layers...)
 MAX_DIM = 1 << 20  # hidden, intermediate, head_dim
 MAX_VOCAB = 1 << 24
@@ -34,6 +34,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
+    sliding_window: int | None = None  # Mistral: a position attends to the last sliding_window (itself included)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -78,6 +79,8 @@ def validate_config(c: ModelConfig) -> None:
         if c.rope_scaling.get("rope_type") == "llama3":
             check_llama3_scaling(c.rope_scaling)
     check_int("max_position", c.max_position, 1, MAX_POSITION)
+    if c.sliding_window is not None:
+        check_int("sliding_window", c.sliding_window, 1, MAX_POSITION)
     for name in ("tie_word_embeddings", "qkv_bias", "qk_norm"):
         check_bool(name, getattr(c, name))
     if c.bos_token_id is not None:

@@ -290,6 +290,8 @@ class Decoder:
             tables[i, :len(s.blocks)] = s.blocks
         slots = tables[row_seq, positions // bs] * bs + positions % bs  # [M] pool slot of each row
         lengths = positions + 1  # [M] keys each row sees (its own position included)
+        window = self.model.config.sliding_window
+        firsts = np.maximum(lengths - window, 0) if window else np.zeros(m, np.int64)  # [M] its first key
         rope = self.rope
         rope.upto(int(positions.max()) + 1)
         cos = rope.cos[positions].reshape(m, hd)  # [M, hd]: the [2, hd/2] halves in a row
@@ -320,8 +322,8 @@ class Decoder:
                 q = rmsnorm(q, lw.q_norm, self.eps)
                 k = rmsnorm(k, lw.k_norm, self.eps)
             kernels.rope_write(np.ascontiguousarray(k), v, pool.kt[i], pool.v[i], slots, cos, sin)
-            kernels.attend(np.ascontiguousarray(q), pool.kt[i], pool.v[i], tables, row_seq, lengths, q_cos,
-                           q_sin, attn)
+            kernels.attend(np.ascontiguousarray(q), pool.kt[i], pool.v[i], tables, row_seq, firsts, lengths,
+                           q_cos, q_sin, attn)
             h += self._linear(attn, precise, o_w, *o_keys)[0]
             x = rmsnorm(h, lw.mlp_norm, self.eps)
             gate, up = self._linear(x, precise, gate_up_w, *gate_up_keys)  # [M, F]

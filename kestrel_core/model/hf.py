@@ -23,8 +23,9 @@ from kestrel_core.model.config import ModelConfig, normalize_rope_scaling
 from kestrel_core.model.quantize import map_tensor_name
 from kestrel_core.model.validate import check_hf_config, check_regular_file
 
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                    "MistralForCausalLM": "mistral"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
 
 _LAYER_MAP = {
     "input_layernorm.weight": "attn_norm",
@@ -93,6 +94,9 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         raise KestrelError(f"{where}: mlp_bias is not supported")
     if arch == "llama" and cfg.get("attention_bias"):
         raise KestrelError(f"{where}: llama attention_bias (with an o_proj bias) is not supported")
+    if arch in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+        raise KestrelError(f"{where}: {arch} use_sliding_window (sliding-window attention from layer "
+                           f"max_window_layers on) is not supported")
     try:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -119,6 +123,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2",
             qk_norm=arch == "qwen3",
+            sliding_window=cfg.get("sliding_window") if arch == "mistral" else None,
             bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
             eos_token_ids=tuple(eos),
         )

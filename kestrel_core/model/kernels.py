@@ -52,11 +52,11 @@ def _rope_write(k: np.ndarray, v: np.ndarray, kt: np.ndarray, vc: np.ndarray, sl
 
 
 def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, row_seq: np.ndarray,
-            lengths: np.ndarray, q_cos: np.ndarray, q_sin: np.ndarray, out: np.ndarray) -> None:
+            firsts: np.ndarray, lengths: np.ndarray, q_cos: np.ndarray, q_sin: np.ndarray, out: np.ndarray) -> None:
     # q: [M, H, hd] (RoPE applied here with the scaled q_ tables [M, hd]); kt/vc: one layer's pool; tables:
-    # [S, max_blocks] block ids of each sequence; row_seq: [M] its sequence; lengths: [M] positions it sees
-    # (its own position + 1). out: [M, H*hd]. Work items are (row, KV head); a KV head's g query heads share
-    # each key load. Query head h reads KV head h // g (HF's repeat_kv); softmax normalised after P @ V.
+    # [S, max_blocks] block ids of each sequence; row_seq: [M] its sequence; each row sees positions
+    # firsts[r] .. lengths[r] - 1 (its own position + 1; firsts 0 but under a sliding window). out: [M, H*hd].
+    # Work items are (row, KV head); a KV head's g query heads share each key load. Query head h reads KV head h // g (HF's repeat_kv); softmax normalised after P @ V.
     m, n_heads, hd = q.shape
     n_kv = kt.shape[1]
     bs = kt.shape[3]
@@ -65,7 +65,7 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
     for item in prange(m * n_kv):
         r, kh = item // n_kv, item % n_kv
         table = tables[row_seq[r]]
-        s_len = lengths[r]
+        s0, s_len = firsts[r], lengths[r]
         n_blocks = (s_len + bs - 1) // bs
         qr = np.empty((g, hd), np.float32)
         scores = np.empty((g, n_blocks * bs), np.float32)
@@ -89,17 +89,17 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
                     scores[hh, b * bs + o] = acc[hh, o]
         pv = np.empty(hd, np.float32)
         for hh in range(g):
-            top = scores[hh, 0]
-            for s in range(1, s_len):
+            top = scores[hh, s0]
+            for s in range(s0 + 1, s_len):
                 if scores[hh, s] > top:
                     top = scores[hh, s]
             total = np.float32(0)
-            for s in range(s_len):
+            for s in range(s0, s_len):
                 e = np.exp(scores[hh, s] - top)
                 scores[hh, s] = e
                 total += e
             pv[:] = np.float32(0)
-            for s in range(s_len):  # P @ V
+            for s in range(s0, s_len):  # P @ V
                 p = scores[hh, s]
                 vrow = vc[table[s // bs], s % bs, kh]  # [hd]
                 for j in range(hd):

@@ -73,6 +73,7 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-8b": _preset("qwen3", 151936, 4096, 12288, 36, 32, 8, 128, 1e6, 1e-6, 40960, False, qk_norm=True),
     "llama3.2-1b": _preset("llama", 128256, 2048, 8192, 16, 32, 8, 64, 500000.0, 1e-5, 131072, True,
                            rope_scaling=_LLAMA32_ROPE),
+    "mistral-7b": _preset("mistral", 32768, 4096, 14336, 32, 32, 8, 128, 1e6, 1e-5, 32768, False),  # v0.3
 }
 
 

@@ -168,7 +168,8 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
     up, zeros = ops.upload, ops.zeros
     d, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
     nq, nkv = c.num_heads * hd, c.num_kv_heads * hd
-    max_context = min(c.max_position, max_context)
+    # within its sliding window a position sees every earlier one: the device runs a window's worth, then declines
+    max_context = min(c.max_position, max_context, c.sliding_window or c.max_position)
     cos, sin = rope_tables(c, max_context)
     layers = []
     for lw in model.layers:

@@ -117,6 +117,7 @@ CASES = (
     Case("tiny-llama.gguf", "tiny-llama", ALL_MODES),  # llama.cpp layout of the same weights
     Case("tiny-qwen2", "tiny-qwen2", ALL_MODES),
     Case("tiny-qwen3", "tiny-qwen3", ALL_MODES),
+    Case("tiny-mistral", "tiny-mistral", ALL_MODES),  # sliding window 16 over 40 positions
     Case("smollm2", "smollm2", ("q8", "q4"), default_model=True),
 )
 
@@ -181,7 +182,23 @@ def test_kv_cache_decode_matches_transformers(case: Case) -> None:
     assert fig.within(TINY), f"{case.name} q8 decode: {fig} outside {TINY}"
 
 
-@pytest.mark.parametrize(("name", "quant"), [("tiny-llama.gguf", "q8"), ("tiny-qwen3", "q4-g256")])
+def test_mistral_without_its_sliding_window_leaves_the_limits(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The window is what makes tiny-mistral agree: attending to every position instead fails the limits."""
+    from kestrel_core.model import hf
+
+    real = hf.config_from_hf
+
+    def no_window(cfg, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return real({**cfg, "sliding_window": None}, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "config_from_hf", no_window)
+    case = next(c for c in CASES if c.name == "tiny-mistral")
+    fig = measure(case, "q8")
+    assert not fig.within(TINY), fig
+
+
+@pytest.mark.parametrize(("name", "quant"), [("tiny-llama.gguf", "q8"), ("tiny-qwen3", "q4-g256"),
+                                             ("tiny-mistral", "q8")])
 def test_quantized_artifact_gives_the_same_logits(tmp_path: Path, name: str, quant: str) -> None:
     """A .kst artifact written from a checkpoint runs to the very logits of the checkpoint itself."""
     from kestrel_core.model.loader import load_model, write_artifact
