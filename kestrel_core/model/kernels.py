@@ -56,7 +56,8 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
     # q: [M, H, hd] (RoPE applied here with the scaled q_ tables [M, hd]); kt/vc: one layer's pool; tables:
     # [S, max_blocks] block ids of each sequence; row_seq: [M] its sequence; each row sees positions
     # firsts[r] .. lengths[r] - 1 (its own position + 1; firsts 0 but under a sliding window). out: [M, H*hd].
-    # Work items are (row, KV head); a KV head's g query heads share each key load. Query head h reads KV head h // g (HF's repeat_kv); softmax normalised after P @ V.
+    # Work items are (row, KV head); a KV head's g query heads share each key load. Query head h reads KV
+    # head h // g (HF's repeat_kv); softmax normalised after P @ V.
     m, n_heads, hd = q.shape
     n_kv = kt.shape[1]
     bs = kt.shape[3]
