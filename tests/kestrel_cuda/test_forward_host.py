@@ -542,3 +542,16 @@ def test_k_splits_never_exceed_the_merge_slots() -> None:
         lin = plan.Lin(None, None, k, 128, 128, 32, 8)  # one tile, K / 256 chunks
         assert plan.plan_split(lin, 132) <= plan.MERGE_SPLITS
         assert plan.plan_ksplit(lin, 10**6) == min(lin.chunks, plan.MERGE_SPLITS)
+
+
+def test_a_sliding_window_caps_the_device_context() -> None:
+    """Mistral's window: within it every earlier position is seen, so the device forward runs (and matches
+    the CPU); a step past it is declined, and the engine's host path, which applies the window, takes over."""
+    cfg = replace(CONFIGS["llama"], arch="mistral", sliding_window=12)
+    model = synthetic_model(cfg, "q8", seed=3)
+    toks = _tokens(model.config, 12)
+    ref = cpu_logits(model, toks, 8)
+    fwd = DeviceForward(ops=NumpyOps())
+    result = compare(device_logits(fwd, model, toks, 8), ref, jitter_effect(model, toks, 8, ref))
+    assert result.ok, str(result)
+    assert fwd.forward(model, 1, toks[:1], 12, False) is None and "beyond the device maximum 12" in fwd.last_decline

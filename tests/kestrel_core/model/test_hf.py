@@ -105,10 +105,18 @@ def test_config_variants() -> None:
     assert c.eos_token_ids == (3,) and c.rope_scaling is None
     c = config_from_hf({**base, "architectures": ["Qwen2ForCausalLM"], "rope_scaling": {"type": "default"}})
     assert c.qkv_bias and not c.qk_norm and c.rope_scaling is None
+    c = config_from_hf({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
+    assert (c.arch, c.sliding_window, c.qkv_bias, c.qk_norm) == ("mistral", 4096, False, False)
+    c = config_from_hf({**base, "architectures": ["MistralForCausalLM"], "sliding_window": None})
+    assert c.sliding_window is None  # Mistral v0.2 and later: full attention
+    assert config_from_hf({**base, "architectures": ["LlamaForCausalLM"], "sliding_window": 8}).sliding_window is None
 
 
 @pytest.mark.parametrize("cfg,match", [
-    ({"architectures": ["MistralForCausalLM"]}, "unsupported architecture MistralForCausalLM"),
+    ({"architectures": ["GemmaForCausalLM"]}, "unsupported architecture GemmaForCausalLM"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}, "use_sliding_window"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": True}, "sliding_window"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window"),
     ({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
      "rope scaling type 'yarn' is not supported"),
     ({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "llama3", "factor": 4.0}},
