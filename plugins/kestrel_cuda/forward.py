@@ -275,7 +275,7 @@ class DeviceForward:
         st = self._state(model)
         if st is None:
             return None
-        reason = paged.check(batch, model.config.vocab_size, st.max_context)
+        reason = paged.check(batch, model.config.vocab_size, st.max_context, PREFILL_CHUNK)
         if reason is not None:
             return self._decline(reason)
         if len(batch) == 1:

@@ -65,8 +65,10 @@ def bucket(m: int) -> int | None:
     return next((b for b in BUCKETS if b >= m), None)
 
 
-def check(batch: Sequence[BatchEntry], vocab: int, max_context: int) -> str | None:
-    """Why the device cannot run ``batch`` in its pool (None: it can)."""
+def check(batch: Sequence[BatchEntry], vocab: int, max_context: int, max_rows: int) -> str | None:
+    """Why the device cannot run ``batch`` in its pool (None: it can): ``max_rows`` sequences at most."""
+    if len(batch) > max_rows:
+        return f"{len(batch)} sequences in one step (at most {max_rows})"
     for e in batch:
         toks = np.asarray(e.tokens)
         if toks.size == 0 or not np.issubdtype(toks.dtype, np.integer) or e.start < 0:

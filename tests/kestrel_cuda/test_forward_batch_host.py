@@ -175,6 +175,7 @@ def test_declines_what_the_pool_cannot_run(make_fwd) -> None:  # type: ignore[no
     vocab = [ok[0], pages.entry(2, np.array([model.config.vocab_size]), 0, 1)]
     assert fwd.forward_batch(model, vocab) is None and "vocabulary" in fwd.last_decline
     assert fwd.forward_batch(model, [ok[0], ok[0]]) is None and "twice" in fwd.last_decline
+    assert paged.check(ok, model.config.vocab_size, 256, 1) == "2 sequences in one step (at most 1)"
     assert fwd.forward_batch(model, ok) is not None
 
 
