@@ -15,6 +15,7 @@ Writes under tests/fixtures/models/:
   tiny-qwen3/   Qwen3ForCausalLM, q/k RMSNorm, head_dim 64 != 64/4, tied, float16, config in the
                 transformers-5 layout (rope_parameters); the other two use the classic hub layout
   tiny-mistral/ MistralForCausalLM, sliding_window 16 over the 40 positions, untied, bfloat16
+  tiny-phi3/    Phi3ForCausalLM, fused qkv_proj and gate_up_proj, sliding_window 24, float16
   smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
   MANIFEST.json  versions, shapes, logit ranges, the command
 Every model directory holds golden.npz: ``ids`` int64 [T] and ``logits`` float32 [T, vocab], computed in
@@ -42,6 +43,7 @@ from transformers import (
     AutoTokenizer,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -159,11 +161,15 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     # a window of 16 over 40 positions: the later rows see only their last 16 keys
     mistral = MistralConfig(**common, num_hidden_layers=2, intermediate_size=128, head_dim=16,
                             tie_word_embeddings=False, rope_theta=1e6, sliding_window=16)
+    # fused qkv_proj / gate_up_proj tensors, and a window of 24
+    phi3 = Phi3Config(**common, num_hidden_layers=2, intermediate_size=128, tie_word_embeddings=False,
+                      rope_theta=10000.0, sliding_window=24, pad_token_id=None)
     return {
         "tiny-llama": (llama, {"dtype": torch.float32, "max_shard_size": "200KB", "classic_config": True}),
         "tiny-qwen2": (qwen2, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
         "tiny-qwen3": (qwen3, {"dtype": torch.float16, "max_shard_size": None, "classic_config": False}),
         "tiny-mistral": (mistral, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
+        "tiny-phi3": (phi3, {"dtype": torch.float16, "max_shard_size": None, "classic_config": True}),
     }
 
 

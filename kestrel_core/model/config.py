@@ -1,4 +1,4 @@
-"""Decoder configuration: one dataclass for Llama, Qwen2, Qwen3 and Mistral."""
+"""Decoder configuration: one dataclass for Llama, Qwen2, Qwen3, Mistral and Phi-3."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.validate import ValidationError, check_bool, check_float, check_int, is_int
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 # Upper bounds far above any real model, so a config cannot ask for absurd allocations (2^40 layers...)
 MAX_DIM = 1 << 20  # hidden, intermediate, head_dim
 MAX_VOCAB = 1 << 24
@@ -34,7 +34,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
-    sliding_window: int | None = None  # Mistral: a position attends to the last sliding_window (itself included)
+    sliding_window: int | None = None  # Mistral, Phi-3: a position attends to the last sliding_window (itself too)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 

@@ -20,12 +20,13 @@ from safetensors import SafetensorError, safe_open
 from kestrel_core.contract import BFloat16Bits
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig, normalize_rope_scaling
-from kestrel_core.model.quantize import map_tensor_name
+from kestrel_core.model.quantize import layer_name, map_tensor_name
 from kestrel_core.model.validate import check_hf_config, check_regular_file
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                    "MistralForCausalLM": "mistral"}
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+                    "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3"}
+WINDOWED = ("mistral", "phi3")  # architectures whose sliding_window applies to every layer
 
 _LAYER_MAP = {
     "input_layernorm.weight": "attn_norm",
@@ -43,6 +44,8 @@ _LAYER_MAP = {
     "mlp.up_proj.weight": "up",
     "mlp.down_proj.weight": "down",
 }
+# Phi-3 checkpoints hold Q|K|V and gate|up as one tensor each: rows split into these kestrel tensors
+_FUSED_MAP = {"self_attn.qkv_proj.weight": ("q", "k", "v"), "mlp.gate_up_proj.weight": ("gate", "up")}
 _GLOBAL_MAP = {"model.embed_tokens.weight": "embedding", "model.norm.weight": "final_norm",
                "lm_head.weight": "lm_head"}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -94,6 +97,9 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         raise KestrelError(f"{where}: mlp_bias is not supported")
     if arch == "llama" and cfg.get("attention_bias"):
         raise KestrelError(f"{where}: llama attention_bias (with an o_proj bias) is not supported")
+    partial = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise KestrelError(f"{where}: partial_rotary_factor {partial!r} (RoPE on part of each head) is not supported")
     if arch in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
         raise KestrelError(f"{where}: {arch} use_sliding_window (sliding-window attention from layer "
                            f"max_window_layers on) is not supported")
@@ -123,7 +129,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2",
             qk_norm=arch == "qwen3",
-            sliding_window=cfg.get("sliding_window") if arch == "mistral" else None,
+            sliding_window=cfg.get("sliding_window") if arch in WINDOWED else None,
             bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
             eos_token_ids=tuple(eos),
         )
@@ -184,6 +190,7 @@ class HFCheckpoint:
         self.config = read_hf_config(self.dir)
         self._files: dict[str, Path] = {}  # kestrel name -> shard
         self._hf_names: dict[str, str] = {}  # kestrel name -> HF name
+        self._rows: dict[str, tuple[int, int]] = {}  # kestrel name -> its rows of a fused HF tensor
         self._handles: dict[Path, Any] = {}
         self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}
         self._index()
@@ -192,10 +199,28 @@ class HFCheckpoint:
         for shard in weight_files(self.dir):
             path = self.dir / shard
             for hf_name in self._handle(path).keys():
-                name = kestrel_name(hf_name)
-                if name is not None:
+                for name, rows in self._names(hf_name):
                     self._files[name] = path
                     self._hf_names[name] = hf_name
+                    if rows is not None:
+                        self._rows[name] = rows
+
+    def _names(self, hf_name: str) -> list[tuple[str, tuple[int, int] | None]]:
+        """The kestrel tensors ``hf_name`` holds: one, or the row ranges of a fused Q|K|V / gate|up."""
+        name = kestrel_name(hf_name)
+        if name is not None:
+            return [(name, None)]
+        m = _LAYER_RE.match(hf_name)
+        if m is None or m.group(2) not in _FUSED_MAP:
+            return []
+        c = self.config
+        sizes = {"q": c.num_heads * c.head_dim, "k": c.num_kv_heads * c.head_dim, "v": c.num_kv_heads * c.head_dim,
+                 "gate": c.intermediate_size, "up": c.intermediate_size}
+        out, start = [], 0
+        for member in _FUSED_MAP[m.group(2)]:
+            out.append((layer_name(int(m.group(1)), member), (start, start + sizes[member])))
+            start += sizes[member]
+        return out
 
     def _handle(self, path: Path) -> Any:
         if path not in self._handles:
@@ -223,15 +248,26 @@ class HFCheckpoint:
         path, hf_name = self._files[name], self._hf_names[name]
         handle = self._handle(path)
         dtype = handle.get_slice(hf_name).get_dtype()
+        rows = self._rows.get(name)
         try:
             if dtype == "BF16":
-                return BFloat16Bits(self._bf16_bits(path, hf_name))
+                bits = self._bf16_bits(path, hf_name)
+                return BFloat16Bits(bits if rows is None else self._split(bits, rows, hf_name, path))
             if dtype not in _FLOAT_DTYPES:
                 raise KestrelError(f"{path}: tensor {hf_name} has dtype {dtype}; kestrel reads BF16, F16, F32")
             t = handle.get_tensor(hf_name)
         except SafetensorError as exc:
             raise KestrelError(f"{path}: cannot read tensor {hf_name} ({exc})") from None
+        t = t if rows is None else self._split(t, rows, hf_name, path)
         return t if t.dtype in (np.float32, np.float16) else t.astype(np.float32)
+
+    @staticmethod
+    def _split(t: np.ndarray, rows: tuple[int, int], hf_name: str, path: Path) -> np.ndarray:
+        """Rows ``rows`` of a fused tensor, checked against the rows the config gives its members."""
+        if t.ndim != 2 or t.shape[0] < rows[1]:
+            raise KestrelError(f"{path}: fused tensor {hf_name} has shape {list(t.shape)}; the config needs "
+                               f"at least {rows[1]} rows")
+        return np.ascontiguousarray(t[rows[0]:rows[1]])
 
     def _bf16_bits(self, path: Path, hf_name: str) -> np.ndarray:
         """The tensor's bfloat16 bit patterns, uint16 in its shape (read at the header's offsets)."""

@@ -107,6 +107,8 @@ def test_config_variants() -> None:
     assert c.qkv_bias and not c.qk_norm and c.rope_scaling is None
     c = config_from_hf({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
     assert (c.arch, c.sliding_window, c.qkv_bias, c.qk_norm) == ("mistral", 4096, False, False)
+    c = config_from_hf({**base, "architectures": ["Phi3ForCausalLM"], "sliding_window": 2047})
+    assert (c.arch, c.sliding_window) == ("phi3", 2047)
     c = config_from_hf({**base, "architectures": ["MistralForCausalLM"], "sliding_window": None})
     assert c.sliding_window is None  # Mistral v0.2 and later: full attention
     assert config_from_hf({**base, "architectures": ["LlamaForCausalLM"], "sliding_window": 8}).sliding_window is None
@@ -117,6 +119,9 @@ def test_config_variants() -> None:
     ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}, "use_sliding_window"),
     ({"architectures": ["MistralForCausalLM"], "sliding_window": True}, "sliding_window"),
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window"),
+    ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),
+    ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"type": "longrope", "short_factor": [1.0]}},
+     "'longrope' is not supported"),
     ({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
      "rope scaling type 'yarn' is not supported"),
     ({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "llama3", "factor": 4.0}},
@@ -174,3 +179,19 @@ def test_missing_tensor_names_the_hf_tensor(tmp_path: Path, synth_source, fmt) -
     ckpt = HFCheckpoint(fmt.write_hf_dir(tmp_path / "m", src))
     with pytest.raises(KestrelError, match=r"model\.layers\.1\.mlp\.gate_proj\.weight"):
         quantize_model(ckpt, "q8")
+
+
+def test_a_fused_tensor_too_small_for_its_config_is_one_line(tmp_path: Path) -> None:
+    """Phi-3's qkv_proj split by the config's head counts: a config asking for more rows than the tensor
+    holds is an error naming the tensor, not a silently shifted split."""
+    import json
+    import shutil
+
+    src = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-phi3"
+    d = tmp_path / "phi3"
+    shutil.copytree(src, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_key_value_heads"] = 4  # q, k, v of 64 rows each: 192 > the tensor's 128
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(KestrelError, match="fused tensor model.layers.0.self_attn.qkv_proj.weight has shape"):
+        HFCheckpoint(d).get("layers.0.v")

@@ -118,6 +118,7 @@ CASES = (
     Case("tiny-qwen2", "tiny-qwen2", ALL_MODES),
     Case("tiny-qwen3", "tiny-qwen3", ALL_MODES),
     Case("tiny-mistral", "tiny-mistral", ALL_MODES),  # sliding window 16 over 40 positions
+    Case("tiny-phi3", "tiny-phi3", ALL_MODES),  # fused qkv / gate_up tensors, window 24
     Case("smollm2", "smollm2", ("q8", "q4"), default_model=True),
 )
 
@@ -197,8 +198,18 @@ def test_mistral_without_its_sliding_window_leaves_the_limits(monkeypatch) -> No
     assert not fig.within(TINY), fig
 
 
+def test_phi3_with_gate_and_up_swapped_leaves_the_limits(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The fused gate_up_proj split is what makes tiny-phi3 agree: reading up before gate fails the limits."""
+    from kestrel_core.model import hf
+
+    monkeypatch.setitem(hf._FUSED_MAP, "mlp.gate_up_proj.weight", ("up", "gate"))
+    case = next(c for c in CASES if c.name == "tiny-phi3")
+    fig = measure(case, "q8")
+    assert not fig.within(TINY), fig
+
+
 @pytest.mark.parametrize(("name", "quant"), [("tiny-llama.gguf", "q8"), ("tiny-qwen3", "q4-g256"),
-                                             ("tiny-mistral", "q8")])
+                                             ("tiny-mistral", "q8"), ("tiny-phi3", "q4")])
 def test_quantized_artifact_gives_the_same_logits(tmp_path: Path, name: str, quant: str) -> None:
     """A .kst artifact written from a checkpoint runs to the very logits of the checkpoint itself."""
     from kestrel_core.model.loader import load_model, write_artifact
