@@ -16,6 +16,7 @@ Writes under tests/fixtures/models/:
                 transformers-5 layout (rope_parameters); the other two use the classic hub layout
   tiny-mistral/ MistralForCausalLM, sliding_window 16 over the 40 positions, untied, bfloat16
   tiny-phi3/    Phi3ForCausalLM, fused qkv_proj and gate_up_proj, sliding_window 24, float16
+  tiny-phi3.gguf   the same weights as llama.cpp writes phi3 (fused attn_qkv, ffn_up = gate|up); golden = tiny-phi3's
   smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
   MANIFEST.json  versions, shapes, logit ranges, the command
 Every model directory holds golden.npz: ``ids`` int64 [T] and ``logits`` float32 [T, vocab], computed in
@@ -293,29 +294,21 @@ def llama3_rope_factors(cfg: dict[str, Any]) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
-def write_llama_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
-    from safetensors.numpy import load_file
-
-    cfg = json.loads((src / "config.json").read_text())
-    index = json.loads((src / "model.safetensors.index.json").read_text())
-    tensors: dict[str, np.ndarray] = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        tensors.update(load_file(src / shard))
-    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-
-    w = gguf.GGUFWriter(str(dst), "llama")
-    w.add_name("tiny-llama")
+def _gguf_writer(dst: Path, arch: str, name: str, cfg: dict[str, Any], tok: Tokenizer) -> Any:
+    """A GGUFWriter with the config and tokenizer metadata llama.cpp's converter writes for ``arch``."""
+    w = gguf.GGUFWriter(str(dst), arch)
+    w.add_name(name)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_rope_freq_base(cfg["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     vocab = tok.get_vocab()
@@ -331,7 +324,11 @@ def write_llama_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     w.add_eos_token_id(cfg["eos_token_id"])
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
+    return w
 
+
+def _gguf_put(w: Any) -> Any:
+    """put(name, array, kind): add a tensor as q8_0, q4_0 (checked to be exact), f16 or f32."""
     qtypes = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
 
     def put(name: str, arr: np.ndarray, kind: str) -> None:
@@ -345,6 +342,28 @@ def write_llama_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
             w.add_tensor(name, arr.astype(np.float16))
         else:
             w.add_tensor(name, arr)
+    return put
+
+
+def _gguf_finish(w: Any, src: Path, dst: Path) -> dict[str, Any]:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {"file": dst.name, "twin": src.name, "bytes": dst.stat().st_size}
+
+
+def write_llama_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    tensors: dict[str, np.ndarray] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(src / shard))
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = _gguf_writer(dst, "llama", "tiny-llama", cfg, tok)
+    put = _gguf_put(w)
 
     # Q8_0 embedding/output: kestrel keeps both 8-bit with G=32, so re-quantizing them is lossless up to
     # the float16 scale. Layer 0 as Q4_0 and layer 1 as F16 hold the grid weights exactly.
@@ -366,12 +385,32 @@ def write_llama_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
         put(f"blk.{i}.ffn_down.weight", tensors[p + "mlp.down_proj.weight"], kind)
     put("output_norm.weight", tensors["model.norm.weight"], "f32")
     put("output.weight", tensors["lm_head.weight"], "q8_0")
+    return _gguf_finish(w, src, dst)
 
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return {"file": dst.name, "twin": src.name, "bytes": dst.stat().st_size}
+
+def write_phi3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-phi3 as llama.cpp's Phi3MiniModel writes it: fused attn_qkv and ffn_up (gate rows, then up),
+    no Q/K permutation, the window as phi3.attention.sliding_window; Q4_0 layer 0, F16 layer 1."""
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    tensors = load_file(src / "model.safetensors")
+    w = _gguf_writer(dst, "phi3", "tiny-phi3", cfg, tok)
+    w.add_sliding_window(cfg["sliding_window"])
+    put = _gguf_put(w)
+    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        kind = "q4_0" if i == 0 else "f16"
+        put(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"], "f32")
+        put(f"blk.{i}.attn_qkv.weight", tensors[p + "self_attn.qkv_proj.weight"], kind)
+        put(f"blk.{i}.attn_output.weight", tensors[p + "self_attn.o_proj.weight"], kind)
+        put(f"blk.{i}.ffn_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
+        put(f"blk.{i}.ffn_up.weight", tensors[p + "mlp.gate_up_proj.weight"], kind)
+        put(f"blk.{i}.ffn_down.weight", tensors[p + "mlp.down_proj.weight"], kind)
+    put("output_norm.weight", tensors["model.norm.weight"], "f32")
+    put("output.weight", tensors["lm_head.weight"], "q8_0")
+    return _gguf_finish(w, src, dst)
 
 
 # ------------------------------------------------------------------------------------------------- SmolLM2
@@ -416,6 +455,9 @@ def build_smollm(gguf_path: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------- main
 
+GGUF_TWINS = {"tiny-phi3": write_phi3_gguf}  # tiny models built alone with --model whose GGUF twin comes along
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=["tiny", "smollm"], help="build only one part")
@@ -443,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
         entry = build_tiny(args.model, config, opts, tok, seed)
         manifest["models"][args.model] = {**entry, "command": f"python scripts/make_golden.py --model {args.model}",
                                           "versions": versions}
+        if args.model in GGUF_TWINS:
+            twin = f"{args.model}.gguf"
+            manifest["models"][twin] = {**GGUF_TWINS[args.model](OUT / args.model, OUT / twin, tok),
+                                        "command": manifest["models"][args.model]["command"], "versions": versions}
         manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         return 0
     manifest["versions"] = versions

@@ -26,11 +26,13 @@ from gguf.quants import dequantize
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig
-from kestrel_core.model.quantize import map_tensor_name
+from kestrel_core.model.quantize import layer_name, map_tensor_name
 from kestrel_core.model.validate import ValidationError, check_float, check_int, check_regular_file, open_regular
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 PERMUTED_ARCHITECTURES = ("llama",)
+# phi3 GGUFs hold Q|K|V and gate|up (llama.cpp's ffn_up of phi3: gate rows, then up) as one tensor each
+FUSED = {"phi3": {"attn_qkv.weight": ("q", "k", "v"), "ffn_up.weight": ("gate", "up")}}
 
 _LAYER_MAP = {
     "attn_norm.weight": "attn_norm",
@@ -305,12 +307,31 @@ class GGUFCheckpoint:
             raise KestrelError(f"{self.path}: not a readable GGUF file (truncated or corrupt: "
                                f"{type(exc).__name__}: {' '.join(str(exc).split())})") from None
         self._tensors = {}
+        self._rows: dict[str, tuple[int, int]] = {}  # kestrel name -> its rows of a fused tensor
+        fused = FUSED.get(self.field("general.architecture"), {})
+        split = []
         for t in self.reader.tensors:
+            m = _BLK_RE.match(t.name)
+            if m and m.group(2) in fused:
+                split.append((int(m.group(1)), fused[m.group(2)], t))
+                continue
             name = kestrel_name(t.name)
             if name is not None:
                 self._tensors[name] = t
+            if t.name.startswith("rope_factors_"):
+                raise KestrelError(f"{self.path}: {t.name} (long-context RoPE factors) is not supported")
         self._rope_freqs = next((t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None)
         self.config = self._config()
+        c = self.config
+        sizes = {"q": c.num_heads * c.head_dim, "k": c.num_kv_heads * c.head_dim, "v": c.num_kv_heads * c.head_dim,
+                 "gate": c.intermediate_size, "up": c.intermediate_size}
+        for layer, members, t in split:  # rows of the fused tensor in member order
+            start = 0
+            for member in members:
+                name = layer_name(layer, member)
+                self._tensors[name] = t
+                self._rows[name] = (start, start + sizes[member])
+                start += sizes[member]
 
     # -- metadata ----------------------------------------------------------------------------------------
 
@@ -405,6 +426,7 @@ class GGUFCheckpoint:
                 tie_word_embeddings="lm_head" not in self._tensors,
                 qkv_bias=arch == "qwen2",
                 qk_norm=arch == "qwen3",
+                sliding_window=self.int_field(f"{arch}.attention.sliding_window") if arch == "phi3" else None,
                 bos_token_id=bos,
                 eos_token_ids=tuple(dict.fromkeys(eos)),
             )
@@ -434,6 +456,12 @@ class GGUFCheckpoint:
         except (ValueError, IndexError) as exc:
             raise KestrelError(f"{self.path}: tensor {t.name} is corrupt ({exc})") from None
         w = np.asarray(w, dtype=np.float32)
+        rows = self._rows.get(name)
+        if rows is not None:
+            if w.ndim != 2 or w.shape[0] < rows[1]:
+                raise KestrelError(f"{self.path}: fused tensor {t.name} has shape {list(w.shape)}; the metadata "
+                                   f"needs at least {rows[1]} rows")
+            w = np.ascontiguousarray(w[rows[0]:rows[1]])
         c = self.config
         if c.arch in PERMUTED_ARCHITECTURES:
             field = name.rsplit(".", 1)[-1]

@@ -119,6 +119,7 @@ CASES = (
     Case("tiny-qwen3", "tiny-qwen3", ALL_MODES),
     Case("tiny-mistral", "tiny-mistral", ALL_MODES),  # sliding window 16 over 40 positions
     Case("tiny-phi3", "tiny-phi3", ALL_MODES),  # fused qkv / gate_up tensors, window 24
+    Case("tiny-phi3.gguf", "tiny-phi3", ALL_MODES),  # llama.cpp's phi3 layout of the same weights
     Case("smollm2", "smollm2", ("q8", "q4"), default_model=True),
 )
 
