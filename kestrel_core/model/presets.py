@@ -74,6 +74,8 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3.2-1b": _preset("llama", 128256, 2048, 8192, 16, 32, 8, 64, 500000.0, 1e-5, 131072, True,
                            rope_scaling=_LLAMA32_ROPE),
     "mistral-7b": _preset("mistral", 32768, 4096, 14336, 32, 32, 8, 128, 1e6, 1e-5, 32768, False),  # v0.3
+    "phi3-mini": _preset("phi3", 32064, 3072, 8192, 32, 32, 32, 96, 10000.0, 1e-5, 4096, False,
+                         sliding_window=2047),  # Phi-3-mini-4k
 }
 
 
