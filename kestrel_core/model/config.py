@@ -46,6 +46,11 @@ class ModelConfig:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def rows_of(self, projection: str) -> int:
+        """Output rows of projection q, k, v, gate or up (how a fused checkpoint tensor splits)."""
+        heads = {"q": self.num_heads, "k": self.num_kv_heads, "v": self.num_kv_heads}
+        return heads[projection] * self.head_dim if projection in heads else self.intermediate_size
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         d = dict(d)

@@ -26,7 +26,7 @@ from gguf.quants import dequantize
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig
-from kestrel_core.model.quantize import layer_name, map_tensor_name
+from kestrel_core.model.quantize import fused_rows, layer_name, map_tensor_name
 from kestrel_core.model.validate import ValidationError, check_float, check_int, check_regular_file, open_regular
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
@@ -322,16 +322,13 @@ class GGUFCheckpoint:
                 raise KestrelError(f"{self.path}: {t.name} (long-context RoPE factors) is not supported")
         self._rope_freqs = next((t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None)
         self.config = self._config()
-        c = self.config
-        sizes = {"q": c.num_heads * c.head_dim, "k": c.num_kv_heads * c.head_dim, "v": c.num_kv_heads * c.head_dim,
-                 "gate": c.intermediate_size, "up": c.intermediate_size}
         for layer, members, t in split:  # rows of the fused tensor in member order
             start = 0
             for member in members:
                 name = layer_name(layer, member)
                 self._tensors[name] = t
-                self._rows[name] = (start, start + sizes[member])
-                start += sizes[member]
+                self._rows[name] = (start, start + self.config.rows_of(member))
+                start = self._rows[name][1]
 
     # -- metadata ----------------------------------------------------------------------------------------
 
@@ -458,10 +455,7 @@ class GGUFCheckpoint:
         w = np.asarray(w, dtype=np.float32)
         rows = self._rows.get(name)
         if rows is not None:
-            if w.ndim != 2 or w.shape[0] < rows[1]:
-                raise KestrelError(f"{self.path}: fused tensor {t.name} has shape {list(w.shape)}; the metadata "
-                                   f"needs at least {rows[1]} rows")
-            w = np.ascontiguousarray(w[rows[0]:rows[1]])
+            w = fused_rows(w, rows, str(self.path), t.name)
         c = self.config
         if c.arch in PERMUTED_ARCHITECTURES:
             field = name.rsplit(".", 1)[-1]

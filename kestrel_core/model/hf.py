@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from kestrel_core.contract import BFloat16Bits
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig, normalize_rope_scaling
-from kestrel_core.model.quantize import layer_name, map_tensor_name
+from kestrel_core.model.quantize import fused_rows, layer_name, map_tensor_name
 from kestrel_core.model.validate import check_hf_config, check_regular_file
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
@@ -213,13 +213,11 @@ class HFCheckpoint:
         m = _LAYER_RE.match(hf_name)
         if m is None or m.group(2) not in _FUSED_MAP:
             return []
-        c = self.config
-        sizes = {"q": c.num_heads * c.head_dim, "k": c.num_kv_heads * c.head_dim, "v": c.num_kv_heads * c.head_dim,
-                 "gate": c.intermediate_size, "up": c.intermediate_size}
         out, start = [], 0
         for member in _FUSED_MAP[m.group(2)]:
-            out.append((layer_name(int(m.group(1)), member), (start, start + sizes[member])))
-            start += sizes[member]
+            rows = self.config.rows_of(member)
+            out.append((layer_name(int(m.group(1)), member), (start, start + rows)))
+            start += rows
         return out
 
     def _handle(self, path: Path) -> Any:
@@ -252,22 +250,14 @@ class HFCheckpoint:
         try:
             if dtype == "BF16":
                 bits = self._bf16_bits(path, hf_name)
-                return BFloat16Bits(bits if rows is None else self._split(bits, rows, hf_name, path))
+                return BFloat16Bits(bits if rows is None else fused_rows(bits, rows, str(path), hf_name))
             if dtype not in _FLOAT_DTYPES:
                 raise KestrelError(f"{path}: tensor {hf_name} has dtype {dtype}; kestrel reads BF16, F16, F32")
             t = handle.get_tensor(hf_name)
         except SafetensorError as exc:
             raise KestrelError(f"{path}: cannot read tensor {hf_name} ({exc})") from None
-        t = t if rows is None else self._split(t, rows, hf_name, path)
+        t = t if rows is None else fused_rows(t, rows, str(path), hf_name)
         return t if t.dtype in (np.float32, np.float16) else t.astype(np.float32)
-
-    @staticmethod
-    def _split(t: np.ndarray, rows: tuple[int, int], hf_name: str, path: Path) -> np.ndarray:
-        """Rows ``rows`` of a fused tensor, checked against the rows the config gives its members."""
-        if t.ndim != 2 or t.shape[0] < rows[1]:
-            raise KestrelError(f"{path}: fused tensor {hf_name} has shape {list(t.shape)}; the config needs "
-                               f"at least {rows[1]} rows")
-        return np.ascontiguousarray(t[rows[0]:rows[1]])
 
     def _bf16_bits(self, path: Path, hf_name: str) -> np.ndarray:
         """The tensor's bfloat16 bit patterns, uint16 in its shape (read at the header's offsets)."""

@@ -34,6 +34,14 @@ def layer_name(i: int, field: str) -> str:
     return f"layers.{i}.{field}"
 
 
+def fused_rows(t: np.ndarray, rows: tuple[int, int], where: str, tensor: str) -> np.ndarray:
+    """Rows ``rows`` of a fused checkpoint tensor (Q|K|V, gate|up), checked against what the config needs."""
+    if t.ndim != 2 or t.shape[0] < rows[1]:
+        raise KestrelError(f"{where}: fused tensor {tensor} has shape {list(t.shape)}; the config needs at "
+                           f"least {rows[1]} rows")
+    return np.ascontiguousarray(t[rows[0]:rows[1]])
+
+
 def map_tensor_name(name: str, global_map: dict[str, str], layer_re: re.Pattern[str],
                     layer_map: dict[str, str]) -> str | None:
     """A checkpoint's tensor name in kestrel's naming; ``layer_re`` captures (layer index, rest of the name).
