@@ -14,11 +14,10 @@ from kestrel_core.selftest import run_selftest
 from kestrel_core.wkey import Proj, fused_wkey, wkey
 
 cp = pytest.importorskip("cupy", reason="CuPy is not installed")
-try:
-    _DEVICES = cp.cuda.runtime.getDeviceCount()
-except Exception:
-    _DEVICES = 0
-if _DEVICES < 1:
+
+from .forward_check import cuda_device_count  # noqa: E402
+
+if cuda_device_count() < 1:
     pytest.skip("no CUDA device", allow_module_level=True)
 
 pytestmark = pytest.mark.cuda

@@ -24,11 +24,10 @@ from kestrel_core.contract import (
 from kestrel_core.wkey import NO_CACHE, Proj, wkey
 
 cp = pytest.importorskip("cupy", reason="CuPy is not installed")
-try:
-    _DEVICES = cp.cuda.runtime.getDeviceCount()
-except Exception:  # no driver, no device
-    _DEVICES = 0
-if _DEVICES < 1:
+
+from .forward_check import cuda_device_count  # noqa: E402
+
+if cuda_device_count() < 1:
     pytest.skip("no CUDA device", allow_module_level=True)
 
 pytestmark = pytest.mark.cuda

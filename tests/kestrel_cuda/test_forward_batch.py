@@ -15,10 +15,10 @@ from .forward_check import FACTOR, SMALL_CONFIGS, cpu_logits, cuda_device_count,
 from .test_forward_batch_host import (  # noqa: E402, F401  (collected here with this module's make_fwd)
     _prompts,
     serve_all,
-    test_a_batch_gives_each_sequence_its_logits_alone,
     test_a_sequence_moves_between_its_own_cache_and_the_pool,
     test_declines_what_the_pool_cannot_run,
     test_eager_and_captured_batches_agree_bitwise,
+    test_every_batched_row_is_the_cpu_decoders_within_the_band,
     test_mixed_batch_of_decode_rows_and_prompt_chunks,
     test_padding_rows_of_a_bucket_touch_no_sequence,
 )
