@@ -1,24 +1,46 @@
-"""The ``kestrel`` command's entry point: the CLI imported inside a Ctrl-C guard.
+"""The ``kestrel`` command's entry point: the CLI imported and run inside a Ctrl-C guard.
 
 A Ctrl-C can land while Python runs code it cannot raise from: a ctypes callback (llvmlite's object cache,
 called while numba loads or compiles a kernel) or a weakref callback of the import system. Python then prints
 "Exception ignored ... KeyboardInterrupt" and drops it, and the command runs on as if never interrupted; the
 process's unraisable hook hands such an interrupt back to the main thread instead, where the CLI ends with
-"interrupted" (exit 130).
+"interrupted" (exit 130). Native code may also drop the exception without reporting it anywhere
+(``PyObject_HasAttr`` and ``PyErr_Clear`` in extension modules do), so the SIGINT handler notes every
+interrupt, and a command that returns after one still ends as "interrupted". Once interrupted, the errors of
+objects torn down halfway by the interrupt (llvmlite's ``ObjectRef.__del__``) are not printed.
 """
 
 from __future__ import annotations
 
 import _thread
+import logging
+import signal
 import sys
 from typing import Any
 
 REDELIVER_S = 0.01  # after the hook has returned: an interrupt raised inside it would be dropped again
+INTERRUPTED_EXIT = 130
+
+_interrupts = 0  # SIGINTs the handler saw
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    global _interrupts
+    _interrupts += 1
+    raise KeyboardInterrupt
+
+
+def note_interrupts() -> None:
+    """Count SIGINTs while raising KeyboardInterrupt as Python's own handler does (when that one is installed;
+    a handler someone else installed stays)."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
 
 
 def redeliver_interrupts() -> None:
     """Install the unraisable hook that raises a dropped KeyboardInterrupt again in the main thread, as the SIGINT
-    it came from (whatever handler is installed then runs); any other unraisable error is reported as before.
+    it came from (whatever handler is installed then runs); any other unraisable error is reported as before,
+    unless the process has been interrupted (then it is logged at debug level only).
 
     The main thread raises a pending interrupt at its next Python call, which inside the hook would be the hook
     itself: a timer thread hands it over once the hook has returned."""
@@ -26,6 +48,10 @@ def redeliver_interrupts() -> None:
 
     def hook(unraisable: Any) -> None:
         if unraisable.exc_type is None or not issubclass(unraisable.exc_type, KeyboardInterrupt):
+            if _interrupts:
+                logging.getLogger("kestrel").debug("after the interrupt: %s in %r", unraisable.exc_type,
+                                                   unraisable.object)
+                return
             previous(unraisable)
             return
         import threading
@@ -41,13 +67,19 @@ def redeliver_interrupts() -> None:
 
 
 def main() -> int:
+    note_interrupts()
     redeliver_interrupts()
     try:
         from kestrel_core.cli import main as cli_main
+
+        code = cli_main()
     except KeyboardInterrupt:  # while the CLI's modules load
+        code = INTERRUPTED_EXIT
         print("interrupted", file=sys.stderr)
-        return 130
-    return cli_main()
+    if _interrupts and code != INTERRUPTED_EXIT:  # the interrupt was dropped on its way to the CLI
+        print("interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT
+    return code
 
 
 if __name__ == "__main__":

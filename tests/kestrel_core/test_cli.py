@@ -105,6 +105,35 @@ def test_ctrl_c_at_any_moment_of_startup_is_one_line(delay: float) -> None:
         assert err.strip().splitlines()[-1].endswith("interrupted"), err
 
 
+SWALLOWED_INTERRUPT = """
+import os, signal, sys, time
+import kestrel_core.cli as cli
+
+def swallowing_main():
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)
+    except KeyboardInterrupt:
+        pass  # as native code that clears the error (PyObject_HasAttr, PyErr_Clear) does
+    print("ran on")
+    return 0
+
+cli.main = swallowing_main
+from kestrel_core import entry
+sys.exit(entry.main())
+"""
+
+
+def test_a_ctrl_c_native_code_swallows_still_ends_as_interrupted() -> None:
+    """An interrupt cleared before it reached the CLI: the command runs to its end, then exits 130."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", SWALLOWED_INTERRUPT], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "ran on", done.stdout + done.stderr
+    assert done.returncode == 130 and done.stderr.strip() == "interrupted", done.stderr
+
+
 DROPPED_INTERRUPT = """
 import ctypes, sys, time
 from kestrel_core import entry
