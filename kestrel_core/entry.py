@@ -13,7 +13,6 @@ objects torn down halfway by the interrupt (llvmlite's ``ObjectRef.__del__``) ar
 from __future__ import annotations
 
 import _thread
-import logging
 import signal
 import sys
 from typing import Any
@@ -49,6 +48,8 @@ def redeliver_interrupts() -> None:
     def hook(unraisable: Any) -> None:
         if unraisable.exc_type is None or not issubclass(unraisable.exc_type, KeyboardInterrupt):
             if _interrupts:
+                import logging
+
                 logging.getLogger("kestrel").debug("after the interrupt: %s in %r", unraisable.exc_type,
                                                    unraisable.object)
                 return
