@@ -35,18 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from kestrel_core.contract import StripCache
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig
-from kestrel_core.model.quantize import (
-    LAYER_NORM_FIELDS,
-    LAYER_PROJ_FIELDS,
-    QK_NORM_FIELDS,
-    QKV_BIAS_FIELDS,
-    layer_name,
-)
 from kestrel_core.model.validate import check_artifact_meta
-from kestrel_core.model.weights import Model
+from kestrel_core.model.weights import model_tensors as model_tensors
 
 FORMAT_NAME = "kestrel-strip-cache"
 FORMAT_VERSION = 1
@@ -78,20 +70,6 @@ class ArtifactMeta:
     bos_token: str | None = None  # the tokenizer's special-token strings (chat templates read them)
     eos_token: str | None = None
     checksums: dict[str, int] | None = None  # tensor name -> XXH64; None: the file carries none
-
-
-def model_tensors(model: Model) -> dict[str, StripCache | np.ndarray]:
-    """Every tensor of ``model`` under its artifact name; a tied lm_head is left out (it is the embedding)."""
-    out: dict[str, StripCache | np.ndarray] = {"embedding": model.embedding, "final_norm": model.final_norm}
-    if model.lm_head is not model.embedding:
-        out["lm_head"] = model.lm_head
-    optional = QKV_BIAS_FIELDS + QK_NORM_FIELDS
-    for i, layer in enumerate(model.layers):
-        for name in LAYER_PROJ_FIELDS + LAYER_NORM_FIELDS + optional:
-            value = getattr(layer, name)
-            if value is not None:
-                out[layer_name(i, name)] = value
-    return out
 
 
 # -- the header -------------------------------------------------------------------------------------------

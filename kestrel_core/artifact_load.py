@@ -11,7 +11,6 @@ import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -26,14 +25,7 @@ from kestrel_core.artifact import (
 )
 from kestrel_core.contract import CODE_RANGE, StripCache
 from kestrel_core.errors import ContractError
-from kestrel_core.model.quantize import (
-    LAYER_NORM_FIELDS,
-    LAYER_PROJ_FIELDS,
-    QK_NORM_FIELDS,
-    QKV_BIAS_FIELDS,
-    layer_name,
-)
-from kestrel_core.model.weights import LayerWeights, Model
+from kestrel_core.model.weights import Model, TensorSpec, assemble, model_specs
 from kestrel_core.progress import Report
 
 PARALLEL_MIN_BYTES = 64 << 20  # below this the pass runs in the calling thread
@@ -96,21 +88,16 @@ def load_artifact(path: str | os.PathLike[str], *, verify: bool = True, require_
                 raise refuse(path, f"tensor {name!r} must be a float32 vector, got {v.dtype} {list(v.shape)}")
             return v
 
-        c = meta.config
-        layers = []
-        for i in range(c.num_layers):
-            fields: dict[str, Any] = {p: weight(layer_name(i, p)) for p in LAYER_PROJ_FIELDS}
-            fields.update({n: vector(layer_name(i, n)) for n in LAYER_NORM_FIELDS})
-            if c.qkv_bias:
-                fields.update({n: vector(layer_name(i, n)) for n in QKV_BIAS_FIELDS})
-            if c.qk_norm:
-                fields.update({n: vector(layer_name(i, n)) for n in QK_NORM_FIELDS})
-            layers.append(LayerWeights(**fields))
-        embedding = weight("embedding")
-        lm_head = embedding if c.tie_word_embeddings else weight("lm_head")
-        model = Model(config=c, embedding=embedding, layers=layers, final_norm=vector("final_norm"),
-                      lm_head=lm_head)
-        _check_shapes(path, model)
+        def matrix(name: str) -> np.ndarray:
+            m = tensor(name)
+            if m.dtype != np.float32 or m.ndim != 2:
+                raise refuse(path, f"tensor {name!r} must be a float32 matrix, got {m.dtype} {list(m.shape)}")
+            return m
+
+        read = {"proj": weight, "table": weight, "vector": vector, "matrix": matrix}
+        specs = model_specs(meta.config)
+        model = assemble(meta.config, {s.name: read[s.kind](s.name) for s in specs})
+        _check_shapes(path, model, specs)
         _scan(path, checks, progress)
     finally:
         f.close()
@@ -176,18 +163,10 @@ def _scan(path: Path, checks: list[_Check], progress: Report | None) -> None:
             stop.set()
 
 
-def _check_shapes(path: Path, model: Model) -> None:
-    c = model.config
-    qn, kvn = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    d, f = c.hidden_size, c.intermediate_size
-    want = {"q": (qn, d), "k": (kvn, d), "v": (kvn, d), "o": (d, qn), "gate": (f, d), "up": (f, d),
-            "down": (d, f), "attn_norm": (d,), "mlp_norm": (d,), "q_bias": (qn,), "k_bias": (kvn,),
-            "v_bias": (kvn,), "q_norm": (c.head_dim,), "k_norm": (c.head_dim,)}
-    checks = [("embedding", model.embedding.shape, (c.vocab_size, d)),
-              ("lm_head", model.lm_head.shape, (c.vocab_size, d)), ("final_norm", model.final_norm.shape, (d,))]
-    for name, value in model_tensors(model).items():
-        if name.startswith("layers."):
-            checks.append((name, value.shape, want[name.rsplit(".", 1)[1]]))
+def _check_shapes(path: Path, model: Model, specs: list[TensorSpec]) -> None:
+    """Every tensor's shape against the one its config implies."""
+    tensors = model_tensors(model)
+    checks = [(s.name, tensors[s.name].shape, s.shape) for s in specs]
     for name, got, expected in checks:
         if tuple(got) != tuple(expected):
             raise refuse(path, f"tensor {name!r} has shape {list(got)}, the config implies {list(expected)}")

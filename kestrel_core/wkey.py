@@ -1,7 +1,9 @@
-"""Weight identity: ``wkey = (layer << 32) | (proj + 1)``, and which projections share one fused GEMM.
+"""Weight identity: ``wkey = (layer << 32) | (expert + 1) << 16 | (proj + 1)``, and which projections share
+one fused GEMM.
 
-The +1 keeps wkey 0 free for "do not cache"; the layer stays verbatim in the high 32 bits so that a
-residency window can decode it. lm_head and fused weights live on sentinel layers above every real layer.
+The +1s keep wkey 0 free for "do not cache" and expert field 0 for "not an expert" (a dense projection's wkey
+is ``(layer << 32) | (proj + 1)``); the layer stays verbatim in the high 32 bits so that a residency window
+can decode it, experts included. lm_head and fused weights live on sentinel layers above every real layer.
 """
 
 from __future__ import annotations
@@ -27,25 +29,39 @@ class Proj(IntEnum):
     GATE_UP = 10  # fused gate|up
 
 
-def wkey(layer: int, proj: Proj | int) -> int:
+MAX_EXPERT = 0xFFFE
+
+
+def wkey(layer: int, proj: Proj | int, expert: int | None = None) -> int:
+    """The wkey of ``proj`` in ``layer`` (of expert ``expert`` in a mixture-of-experts layer)."""
     if not 0 <= layer <= 0xFFFF_FFFF:
         raise ValueError(f"layer {layer} does not fit in 32 bits")
-    return (layer << 32) | (int(proj) + 1)
+    if expert is None:
+        return (layer << 32) | (int(proj) + 1)
+    if not 0 <= expert <= MAX_EXPERT:
+        raise ValueError(f"expert {expert} does not fit in 16 bits")
+    return (layer << 32) | ((expert + 1) << 16) | (int(proj) + 1)
 
 
 def decode_wkey(key: int) -> tuple[int, Proj]:
-    """(layer, proj) of a wkey; raises on wkey 0, which names no weight."""
+    """(layer, proj) of a wkey (an expert's too: ``wkey_expert`` says which); raises on wkey 0."""
     if key == NO_CACHE:
         raise ValueError("wkey 0 means 'do not cache' and names no weight")
-    return key >> 32, Proj((key & 0xFFFF_FFFF) - 1)
+    return key >> 32, Proj((key & 0xFFFF) - 1)
+
+
+def wkey_expert(key: int) -> int | None:
+    """The expert a wkey belongs to; None for a dense weight."""
+    field = (key >> 16) & 0xFFFF
+    return field - 1 if field else None
 
 
 def lm_head_wkey() -> int:
     return wkey(LM_HEAD_LAYER, Proj.LM_HEAD)
 
 
-def fused_wkey(layer: int, proj: Proj) -> int:
-    return wkey(FUSED_LAYER_BASE + layer, proj)
+def fused_wkey(layer: int, proj: Proj, expert: int | None = None) -> int:
+    return wkey(FUSED_LAYER_BASE + layer, proj, expert)
 
 
 def is_sentinel_layer(layer: int) -> bool:
@@ -75,17 +91,17 @@ class ProjGroup:
     def __repr__(self) -> str:
         return f"ProjGroup({'|'.join(p.name for p in self.members)})"
 
-    def keys(self, layer: int) -> tuple[int, ...]:
+    def keys(self, layer: int, expert: int | None = None) -> tuple[int, ...]:
         """Each member's wkey."""
-        return tuple(wkey(layer, p) for p in self.members)
+        return tuple(wkey(layer, p, expert) for p in self.members)
 
-    def fused_key(self, layer: int) -> int:
+    def fused_key(self, layer: int, expert: int | None = None) -> int:
         """The fused weight's wkey; NO_CACHE for a group of one."""
-        return NO_CACHE if self.fused is None else fused_wkey(layer, self.fused)
+        return NO_CACHE if self.fused is None else fused_wkey(layer, self.fused, expert)
 
-    def key(self, layer: int) -> int:
+    def key(self, layer: int, expert: int | None = None) -> int:
         """The wkey the decoder offers the whole group under: the fused weight's, or its one member's."""
-        return self.keys(layer)[0] if self.fused is None else fused_wkey(layer, self.fused)
+        return self.keys(layer, expert)[0] if self.fused is None else fused_wkey(layer, self.fused, expert)
 
 
 # A layer's projections in execution order, grouped by input: Q|K|V (the attention input), O, gate|up (the
@@ -96,3 +112,5 @@ PROJ_GROUPS = (
     ProjGroup((Proj.GATE, Proj.UP), Proj.GATE_UP),
     ProjGroup((Proj.DOWN,)),
 )
+ATTENTION_GROUPS = PROJ_GROUPS[:2]
+MLP_GROUPS = PROJ_GROUPS[2:]  # a dense layer's MLP, or each expert's (under the expert's wkeys)

@@ -1,14 +1,18 @@
-"""Decoder configuration: one dataclass for Llama, Qwen2, Qwen3, Mistral and Phi-3."""
+"""Decoder configuration: one dataclass for Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 3, Qwen3-MoE and Mixtral."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.validate import ValidationError, check_bool, check_float, check_int, is_int
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "qwen3_moe", "mixtral")
+ACTIVATIONS = ("silu", "gelu_tanh")  # of the gate: SwiGLU, or GeGLU with the tanh GELU (Gemma)
+LAYER_TYPES = ("full", "sliding")
+MAX_EXPERTS = 1 << 12
 # Upper bounds far above any real model, so a config cannot ask for absurd allocations (2^40 layers...)
 MAX_DIM = 1 << 20  # hidden, intermediate, head_dim
 MAX_VOCAB = 1 << 24
@@ -34,7 +38,18 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
-    sliding_window: int | None = None  # Mistral, Phi-3: a position attends to the last sliding_window (itself too)
+    sliding_window: int | None = None  # a windowed position attends to the last sliding_window (itself too)
+    # per layer "full" or "sliding" (Gemma 3); empty: every layer is windowed when sliding_window is set
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None  # Gemma 3: the RoPE base of sliding layers (unscaled); None: rope_theta
+    query_scale: float | None = None  # the attention's query scale; None: 1/sqrt(head_dim)
+    embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden_size)
+    activation: str = "silu"  # one of ACTIVATIONS
+    post_norms: bool = False  # Gemma: RMSNorm on the attention's and the MLP's outputs before the residual add
+    num_experts: int = 0  # mixture of experts (Qwen3-MoE, Mixtral): every layer's MLP is E experts and a router
+    experts_per_token: int = 0  # top-k
+    expert_intermediate_size: int = 0  # each expert's F
+    norm_topk_prob: bool = False  # the top-k router probabilities renormalised to sum 1
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -45,6 +60,26 @@ class ModelConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of ``layer``'s attention; None: it attends to every earlier position."""
+        if self.layer_types and self.layer_types[layer] == "full":
+            return None
+        return self.sliding_window
+
+    def rope_of(self, layer: int) -> tuple[float, dict[str, Any] | None]:
+        """(RoPE base, scaling) of ``layer``: Gemma 3's sliding layers have their own, unscaled base."""
+        if self.rope_local_theta is not None and self.window_of(layer) is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
+
+    @property
+    def attention_scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
     def rows_of(self, projection: str) -> int:
         """Output rows of projection q, k, v, gate or up (how a fused checkpoint tensor splits)."""
@@ -58,6 +93,8 @@ class ModelConfig:
         if not isinstance(eos, (list, tuple)):
             raise ValidationError(f"eos_token_ids must be a list of token ids, got {eos!r}")
         d["eos_token_ids"] = tuple(eos)
+        if isinstance(d.get("layer_types"), list):  # JSON has no tuples
+            d["layer_types"] = tuple(d["layer_types"])
         return cls(**d)
 
 
@@ -83,10 +120,31 @@ def validate_config(c: ModelConfig) -> None:
             raise ValidationError(f"rope_scaling must be an object or null, got {c.rope_scaling!r}")
         if c.rope_scaling.get("rope_type") == "llama3":
             check_llama3_scaling(c.rope_scaling)
+        elif c.rope_scaling.get("rope_type") == "linear":
+            check_float("rope_scaling.factor", c.rope_scaling.get("factor"), 0.0, lo_open=True)
     check_int("max_position", c.max_position, 1, MAX_POSITION)
     if c.sliding_window is not None:
         check_int("sliding_window", c.sliding_window, 1, MAX_POSITION)
-    for name in ("tie_word_embeddings", "qkv_bias", "qk_norm"):
+    if not isinstance(c.layer_types, tuple) or not all(t in LAYER_TYPES for t in c.layer_types):
+        raise ValidationError(f"layer_types must be a list of {' / '.join(LAYER_TYPES)}, got {c.layer_types!r}")
+    if c.layer_types and len(c.layer_types) != c.num_layers:
+        raise ValidationError(f"layer_types names {len(c.layer_types)} layers; the model has {c.num_layers}")
+    if "sliding" in c.layer_types and c.sliding_window is None:
+        raise ValidationError("layer_types has sliding layers but sliding_window is not set")
+    if c.rope_local_theta is not None:
+        check_float("rope_local_theta", c.rope_local_theta, 0.0, lo_open=True)
+    if c.query_scale is not None:
+        check_float("query_scale", c.query_scale, 0.0, lo_open=True)
+    check_float("embed_scale", c.embed_scale, 0.0, lo_open=True)
+    if c.activation not in ACTIVATIONS:
+        raise ValidationError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {c.activation!r}")
+    check_int("num_experts", c.num_experts, 0, MAX_EXPERTS)
+    if c.num_experts:
+        check_int("experts_per_token", c.experts_per_token, 1, c.num_experts)
+        check_int("expert_intermediate_size", c.expert_intermediate_size, 1, MAX_DIM)
+    elif c.experts_per_token or c.expert_intermediate_size:
+        raise ValidationError("experts_per_token and expert_intermediate_size need num_experts > 0")
+    for name in ("tie_word_embeddings", "qkv_bias", "qk_norm", "post_norms", "norm_topk_prob"):
         check_bool(name, getattr(c, name))
     if c.bos_token_id is not None:
         check_int("bos_token_id", c.bos_token_id, 0)
@@ -108,7 +166,7 @@ def check_llama3_scaling(s: dict[str, Any]) -> None:
 
 
 def normalize_rope_scaling(scaling: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
-    """None for plain RoPE; the llama3 parameters (HF's key names) otherwise; other kinds are refused."""
+    """None for plain RoPE; the llama3 or linear parameters (HF's key names) otherwise; other kinds are refused."""
     if not scaling:
         return None
     if not isinstance(scaling, dict):
@@ -116,8 +174,15 @@ def normalize_rope_scaling(scaling: dict[str, Any] | None, where: str) -> dict[s
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return None
+    if kind == "linear":
+        try:
+            factor = check_float("rope_scaling.factor", scaling.get("factor"), 0.0, lo_open=True)
+        except ValidationError as exc:
+            raise KestrelError(f"{where}: linear {exc}") from None
+        return {"rope_type": "linear", "factor": factor}
     if kind != "llama3":
-        raise KestrelError(f"{where}: rope scaling type {kind!r} is not supported (kestrel supports llama3)")
+        raise KestrelError(f"{where}: rope scaling type {kind!r} is not supported (kestrel supports llama3 "
+                           "and linear)")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [k for k in keys if k not in scaling]
     if missing:

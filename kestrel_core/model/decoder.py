@@ -9,7 +9,6 @@ the rest of the batch (see ``kernels``). The host keeps the keys and values in a
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Sequence
 
@@ -22,8 +21,8 @@ from kestrel_core.model import kernels
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.rope import rope_inv_freq as rope_inv_freq
 from kestrel_core.model.weights import PREFILL_CHUNK as PREFILL_CHUNK
-from kestrel_core.model.weights import Model
-from kestrel_core.wkey import PROJ_GROUPS, lm_head_wkey
+from kestrel_core.model.weights import LayerWeights, Model
+from kestrel_core.wkey import MLP_GROUPS, PROJ_GROUPS, lm_head_wkey
 
 CACHE_CHUNK = 256  # RoPE tables grow by this many positions at a time
 BLOCK_SIZE = 32  # positions per KV block
@@ -38,13 +37,14 @@ class RopeTables:
     """cos/sin of absolute positions laid out for ``_rope``: [P, 2, hd/2] (HF's halves), extended on demand.
 
     ``sin`` carries rotate_half's sign ([-sin, sin]); the ``q_`` tables also carry the attention scale
-    1/sqrt(hd), so the query needs no separate multiply.
+    (``ModelConfig.attention_scale``), so the query needs no separate multiply. One per distinct RoPE of the
+    model's layers (Gemma 3's sliding layers have their own base).
     """
 
-    def __init__(self, config: ModelConfig) -> None:
-        self.inv_freq = rope_inv_freq(config)  # [hd/2]
+    def __init__(self, config: ModelConfig, layer: int | None = None) -> None:
+        self.inv_freq = rope_inv_freq(config, layer)  # [hd/2]
         self.max_position = config.max_position
-        self.scale = np.float32(1.0 / math.sqrt(config.head_dim))
+        self.scale = np.float32(config.attention_scale)
         half = len(self.inv_freq)
         self.cos = self.sin = self.q_cos = self.q_sin = np.empty((0, 2, half), np.float32)
 
@@ -185,10 +185,22 @@ class Decoder:
         self.offload = offload
         self.activations = activations
         self.pool = pool if pool is not None else KVPool.for_budget(c)
-        self.rope = RopeTables(c)
+        self.ropes: list[RopeTables] = []  # one per distinct RoPE of the layers
+        self.layer_rope: list[int] = []  # each layer's index into ropes
+        seen: dict[str, int] = {}
+        for i in range(c.num_layers):
+            key = repr(c.rope_of(i))
+            if key not in seen:
+                seen[key] = len(self.ropes)
+                self.ropes.append(RopeTables(c, i))
+            self.layer_rope.append(seen[key])
         self.eps = np.float32(c.rms_norm_eps)
+        self.act = _ACTIVATIONS[c.activation]
         # per layer, per PROJ_GROUPS entry: (each member's wkey, the fused weight's or NO_CACHE)
         self.keys = [[(g.keys(i), g.fused_key(i)) for g in PROJ_GROUPS] for i in range(c.num_layers)]
+        # per layer, per expert, per MLP_GROUPS entry: the same for each expert's weights
+        self.expert_keys = [[[(g.keys(i, e), g.fused_key(i, e)) for g in MLP_GROUPS] for e in range(c.num_experts)]
+                            for i in range(c.num_layers)]
 
     def new_cache(self) -> SeqCache:
         return self.pool.new_sequence()
@@ -290,25 +302,26 @@ class Decoder:
             tables[i, :len(s.blocks)] = s.blocks
         slots = tables[row_seq, positions // bs] * bs + positions % bs  # [M] pool slot of each row
         lengths = positions + 1  # [M] keys each row sees (its own position included)
-        window = self.model.config.sliding_window
-        firsts = np.maximum(lengths - window, 0) if window else np.zeros(m, np.int64)  # [M] its first key
-        rope = self.rope
-        rope.upto(int(positions.max()) + 1)
-        cos = rope.cos[positions].reshape(m, hd)  # [M, hd]: the [2, hd/2] halves in a row
-        sin = rope.sin[positions].reshape(m, hd)
-        q_cos = rope.q_cos[positions].reshape(m, hd)
-        q_sin = rope.q_sin[positions].reshape(m, hd)
+        firsts = {}  # window -> [M] each row's first key
+        for w in {c.window_of(i) for i in range(c.num_layers)}:
+            firsts[w] = np.maximum(lengths - w, 0) if w else np.zeros(m, np.int64)
+        tables_at = []  # per distinct RoPE: cos, sin, q_cos, q_sin [M, hd] (the [2, hd/2] halves in a row)
+        for rope in self.ropes:
+            rope.upto(int(positions.max()) + 1)
+            tables_at.append(tuple(t[positions].reshape(m, hd) for t in (rope.cos, rope.sin, rope.q_cos, rope.q_sin)))
         if self.activations == "mixed":
             prompt_len = np.repeat(np.array([s.prompt_len for s in seqs], np.int64), [len(t) for t in tokens])
             precise = positions < prompt_len  # [M]
         else:
             precise = np.full(m, self.activations == "f32")
         h = self.model.embedding.dequantize(np.concatenate(tokens))  # [M, D]
+        if c.embed_scale != 1.0:
+            h *= np.float32(c.embed_scale)
         attn = np.empty((m, n_heads * hd), np.float32)  # [M, H*hd]
         for i, lw in enumerate(self.model.layers):
             off.layer_boundary(i)
-            qkv_w, o_w, gate_up_w, down_w = lw.groups()
-            qkv_keys, o_keys, gate_up_keys, down_keys = self.keys[i]
+            (qkv_w, o_w), (qkv_keys, o_keys) = lw.groups()[:2], self.keys[i][:2]
+            cos, sin, q_cos, q_sin = tables_at[self.layer_rope[i]]
             x = rmsnorm(h, lw.attn_norm, self.eps)  # [M, D]
             q, k, v = self._linear(x, precise, qkv_w, *qkv_keys)
             if lw.q_bias is not None:
@@ -322,14 +335,42 @@ class Decoder:
                 q = rmsnorm(q, lw.q_norm, self.eps)
                 k = rmsnorm(k, lw.k_norm, self.eps)
             kernels.rope_write(np.ascontiguousarray(k), v, pool.kt[i], pool.v[i], slots, cos, sin)
-            kernels.attend(np.ascontiguousarray(q), pool.kt[i], pool.v[i], tables, row_seq, firsts, lengths,
-                           q_cos, q_sin, attn)
-            h += self._linear(attn, precise, o_w, *o_keys)[0]
+            kernels.attend(np.ascontiguousarray(q), pool.kt[i], pool.v[i], tables, row_seq, firsts[c.window_of(i)],
+                           lengths, q_cos, q_sin, attn)
+            out = self._linear(attn, precise, o_w, *o_keys)[0]  # [M, D]
+            h += out if lw.post_attn_norm is None else rmsnorm(out, lw.post_attn_norm, self.eps)
             x = rmsnorm(h, lw.mlp_norm, self.eps)
-            gate, up = self._linear(x, precise, gate_up_w, *gate_up_keys)  # [M, F]
-            gate, up = np.ascontiguousarray(gate), np.ascontiguousarray(up)
-            h += self._linear(_silu_mul(gate, up), precise, down_w, *down_keys)[0]
+            out = self._moe(i, lw, x, precise) if lw.experts else self._mlp(x, precise, lw.groups()[2:],
+                                                                             self.keys[i][2:])
+            h += out if lw.post_mlp_norm is None else rmsnorm(out, lw.post_mlp_norm, self.eps)
         return h, precise
+
+
+    def _mlp(self, x: np.ndarray, precise: np.ndarray, groups: Sequence[tuple[StripCache, ...]],
+             keys: Sequence[tuple[tuple[int, ...], int]]) -> np.ndarray:
+        """down(act(gate(x)) * up(x)) [M, D] of x [M, D]: a dense layer's MLP or one expert's."""
+        (gate_up_w, down_w), (gate_up_keys, down_keys) = groups, keys
+        gate, up = self._linear(x, precise, gate_up_w, *gate_up_keys)  # [M, F]
+        gate, up = np.ascontiguousarray(gate), np.ascontiguousarray(up)
+        return self._linear(self.act(gate, up), precise, down_w, *down_keys)[0]
+
+    def _moe(self, i: int, lw: LayerWeights, x: np.ndarray, precise: np.ndarray) -> np.ndarray:
+        """The mixture of experts of layer ``i`` on x [M, D]: each row through its top-k experts by router
+        probability (softmax over all experts, then optionally renormalised over the k), weighted and summed
+        in expert order, so a row's result does not depend on the other rows."""
+        c = self.config
+        probs = np.empty((len(x), c.num_experts), np.float32)  # [M, E]
+        kernels.router_softmax(np.ascontiguousarray(x), lw.router, probs)
+        top = np.argsort(-probs, axis=1, kind="stable")[:, :c.experts_per_token]  # [M, k], ties: the lower expert
+        weights = np.take_along_axis(probs, top, axis=1)  # [M, k]
+        if c.norm_topk_prob:
+            weights /= weights.sum(axis=1, keepdims=True)
+        out = np.zeros_like(x)  # [M, D]
+        for e in np.unique(top):
+            rows, slot = np.nonzero(top == e)
+            y = self._mlp(x[rows], precise[rows], lw.experts[e].groups(), self.expert_keys[i][e])  # [m_e, D]
+            out[rows] += y * weights[rows, slot][:, None]
+        return out
 
 
 def _silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -341,3 +382,25 @@ def _silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     gate /= t
     gate *= up
     return gate
+
+
+SQRT_2_OVER_PI = np.float32(0.7978845608028654)
+
+
+def _gelu_tanh_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gelu_tanh(gate) * up in place in ``gate`` [M, F]: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), as
+    torch's gelu(approximate="tanh") (Gemma's GeGLU); element-wise numpy, the same bits for any M."""
+    t = gate * gate
+    t *= gate
+    t *= np.float32(0.044715)
+    t += gate
+    t *= SQRT_2_OVER_PI
+    np.tanh(t, out=t)
+    t += np.float32(1)
+    t *= np.float32(0.5)
+    gate *= t
+    gate *= up
+    return gate
+
+
+_ACTIVATIONS = {"silu": _silu_mul, "gelu_tanh": _gelu_tanh_mul}

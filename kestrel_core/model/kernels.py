@@ -1,4 +1,5 @@
-"""Compiled host maths of the decoder (numba): norms, RoPE and paged attention over the rows of a batch.
+"""Compiled host maths of the decoder (numba): norms, RoPE, paged attention and MoE routing over the rows of a
+batch.
 
 Every kernel computes each row on its own, with one fixed sequence of float32 operations (no fastmath: no
 FMA contraction, no reassociation) and sequential sums, so a row's bits do not depend on how many rows run
@@ -110,6 +111,28 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
                 out[r, o0 + j] = pv[j] / total
 
 
+def _router_softmax(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+    # x: [M, D]; w: [E, D] a router; out: [M, E] = softmax over E of x @ w.T (sequential sums, max subtracted)
+    m, d = x.shape
+    n_e = w.shape[0]
+    for r in range(m):
+        for e in range(n_e):
+            acc = np.float32(0)
+            for j in range(d):
+                acc += x[r, j] * w[e, j]
+            out[r, e] = acc
+        top = out[r, 0]
+        for e in range(1, n_e):
+            if out[r, e] > top:
+                top = out[r, e]
+        total = np.float32(0)
+        for e in range(n_e):
+            out[r, e] = np.exp(out[r, e] - top)
+            total += out[r, e]
+        for e in range(n_e):
+            out[r, e] = out[r, e] / total
+
+
 def prange(*args: int) -> range:
     """numba's parallel range where compiled; a plain range in the Python fallback."""
     return range(*args)
@@ -119,11 +142,12 @@ COMPILE_ERRORS: tuple[type[BaseException], ...] = ()
 rmsnorm_rows: Any = _rmsnorm_rows
 rope_write: Any = _rope_write
 attend: Any = _attend
+router_softmax: Any = _router_softmax
 AVAILABLE = False
 
 
 def _build() -> bool:
-    global rmsnorm_rows, rope_write, attend, COMPILE_ERRORS, prange
+    global rmsnorm_rows, rope_write, attend, router_softmax, COMPILE_ERRORS, prange
     try:
         import numba
         from numba import njit
@@ -136,6 +160,7 @@ def _build() -> bool:
     jit = njit(cache=True, nogil=True)
     rmsnorm_rows = jit(_rmsnorm_rows)
     rope_write = jit(_rope_write)
+    router_softmax = jit(_router_softmax)
     attend = njit(cache=True, nogil=True, parallel=True)(_attend)
     return True
 

@@ -19,7 +19,7 @@ from kestrel_core.contract import CODE_RANGE, StripCache
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.quantize import QuantMode, parse_quant
-from kestrel_core.model.weights import LayerWeights, Model
+from kestrel_core.model.weights import Model, assemble, model_specs
 
 
 class ByteTokenizer:
@@ -148,39 +148,24 @@ def synthetic_model(config: ModelConfig, quant: str | QuantMode = "q8", seed: in
     """A random model of ``config``'s shapes at ``quant`` (projections at the mode's bits, embedding and
     lm_head at 8 bits, G=32 where K is not a multiple of the mode's G)."""
     mode = quant if isinstance(quant, QuantMode) else parse_quant(quant)
-    c = config
-    d, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
-    for name, k in (("hidden_size", d), ("intermediate_size", f), ("num_heads*head_dim", c.num_heads * hd)):
-        if k % 32:
-            raise KestrelError(f"{name}={k} is not a multiple of 32")
-    qn, kvn = c.num_heads * hd, c.num_kv_heads * hd
-    proj = {"q": (qn, d), "k": (kvn, d), "v": (kvn, d), "o": (d, qn), "gate": (f, d), "up": (f, d),
-            "down": (d, f)}
-    order = [(c.vocab_size, d, 8)] + [(n, k, mode.bits) for _ in range(c.num_layers) for n, k in proj.values()]
-    if not c.tie_word_embeddings:
-        order.append((c.vocab_size, d, 8))
+    specs = model_specs(config)
+    for s in specs:
+        if s.kind in ("proj", "table") and s.shape[1] % 32:
+            raise KestrelError(f"{s.name}: K={s.shape[1]} is not a multiple of 32")
+    bits = {"proj": mode.bits, "table": 8}
     rng = np.random.default_rng(seed)
-    arena = _Arena([(n, k, mode.group_for(k), bits) for n, k, bits in order], rng)
-
-    def mat(n: int, k: int, bits: int) -> StripCache:
-        return arena.weight(n, k, mode.group_for(k), bits)
-
-    def vec(n: int, center: float, spread: float) -> np.ndarray:
-        return (center + spread * rng.standard_normal(n)).astype(np.float32)
-
-    embedding = mat(c.vocab_size, d, 8)  # rows of norm ~1; tied, it also gives logits of std ~1
-    layers = []
-    for _ in range(c.num_layers):
-        ws = {name: mat(n, k, mode.bits) for name, (n, k) in proj.items()}
-        extra: dict[str, np.ndarray] = {}
-        if c.qkv_bias:
-            extra.update(q_bias=vec(qn, 0.0, 0.1), k_bias=vec(kvn, 0.0, 0.1), v_bias=vec(kvn, 0.0, 0.1))
-        if c.qk_norm:
-            extra.update(q_norm=vec(hd, 1.0, 0.1), k_norm=vec(hd, 1.0, 0.1))
-        layers.append(LayerWeights(attn_norm=vec(d, 1.0, 0.1), mlp_norm=vec(d, 1.0, 0.1), **ws, **extra))
-    final_norm = vec(d, 1.0, 0.1)
-    lm_head = embedding if c.tie_word_embeddings else mat(c.vocab_size, d, 8)
-    return Model(config=c, embedding=embedding, layers=layers, final_norm=final_norm, lm_head=lm_head)
+    arena = _Arena([(*s.shape, mode.group_for(s.shape[1]), bits[s.kind]) for s in specs if s.kind in bits], rng)
+    tensors: dict[str, Any] = {}
+    for s in specs:
+        if s.kind in bits:  # unit-variance outputs; a tied embedding also gives logits of std ~1
+            tensors[s.name] = arena.weight(*s.shape, mode.group_for(s.shape[1]), bits[s.kind])
+        elif s.kind == "matrix":  # a router: logits of std ~1
+            tensors[s.name] = (rng.standard_normal(s.shape) / np.sqrt(s.shape[1])).astype(np.float32)
+        elif s.name.endswith("_bias"):
+            tensors[s.name] = (0.1 * rng.standard_normal(s.shape)).astype(np.float32)
+        else:  # norms
+            tensors[s.name] = (1.0 + 0.1 * rng.standard_normal(s.shape)).astype(np.float32)
+    return assemble(config, tensors)
 
 
 def preset_model(name: str, quant: str | QuantMode = "q8", seed: int = 0, **overrides: Any) -> Model:

@@ -17,21 +17,13 @@ import numpy as np
 from kestrel_core.contract import StripCache, WeightInput, quantize_weight
 from kestrel_core.errors import ContractError, KestrelError
 from kestrel_core.model.config import ModelConfig
-from kestrel_core.model.weights import LayerWeights, Model
+from kestrel_core.model.weights import Model, TensorSpec, assemble, model_specs
+from kestrel_core.model.weights import layer_name as layer_name
 
 # mode -> (bits, group size)
 QUANT_MODES: dict[str, tuple[int, int]] = {"q8": (8, 32), "q4": (4, 32), "q8-g256": (8, 256), "q4-g256": (4, 256)}
 FALLBACK_GROUP = 32
 
-LAYER_PROJ_FIELDS = ("q", "k", "v", "o", "gate", "up", "down")
-LAYER_NORM_FIELDS = ("attn_norm", "mlp_norm")
-QKV_BIAS_FIELDS = ("q_bias", "k_bias", "v_bias")
-QK_NORM_FIELDS = ("q_norm", "k_norm")
-
-
-def layer_name(i: int, field: str) -> str:
-    """The kestrel name of one layer tensor, e.g. ``layers.3.q`` (also the artifact's tensor name)."""
-    return f"layers.{i}.{field}"
 
 
 def fused_rows(t: np.ndarray, rows: tuple[int, int], where: str, tensor: str) -> np.ndarray:
@@ -76,7 +68,7 @@ def parse_quant(name: str) -> QuantMode:
 
 def model_quant(model: Model) -> str:
     """The quant mode a model was built with, read off its projections (G=256 modes fall back per tensor)."""
-    projs = [w for layer in model.layers for w in (layer.q, layer.gate, layer.down)]
+    projs = [w for _, w in model.weights()[:-1]]  # all but lm_head
     bits = projs[0].bits if projs else 8
     g256 = any(w.group_size == 256 for w in projs)
     return f"q{bits}" + ("-g256" if g256 else "")
@@ -110,61 +102,43 @@ def quantize_tensor(w: WeightInput, bits: int, mode: QuantMode, name: str) -> St
         raise KestrelError(f"{name}: {exc} (corrupt checkpoint?)") from None
 
 
-def _vector(source: TensorSource, name: str, size: int) -> np.ndarray:
-    v = np.ascontiguousarray(source.get(name), dtype=np.float32)
-    if v.shape != (size,):
-        raise KestrelError(f"{source.description}: {name} has shape {list(v.shape)}, expected [{size}]")
+def _float(source: TensorSource, spec: TensorSpec) -> np.ndarray:
+    v = np.ascontiguousarray(source.get(spec.name), dtype=np.float32)
+    if v.shape != spec.shape:
+        raise KestrelError(f"{source.description}: {spec.name} has shape {list(v.shape)}, expected "
+                           f"{list(spec.shape)}")
     return v
 
 
-def _matrix(source: TensorSource, name: str, shape: tuple[int, int], bits: int, mode: QuantMode) -> StripCache:
+def _matrix(source: TensorSource, spec: TensorSpec, bits: int, mode: QuantMode) -> StripCache:
     get_weight = getattr(source, "get_weight", None)  # the optional, copy-free form of get for the quantizer
-    w = get_weight(name) if get_weight is not None else source.get(name)
-    if tuple(w.shape) != shape:
-        raise KestrelError(f"{source.description}: {name} has shape {list(w.shape)}, expected {list(shape)}")
-    return quantize_tensor(w, bits, mode, name)
+    w = get_weight(spec.name) if get_weight is not None else source.get(spec.name)
+    if tuple(w.shape) != spec.shape:
+        raise KestrelError(f"{source.description}: {spec.name} has shape {list(w.shape)}, expected "
+                           f"{list(spec.shape)}")
+    return quantize_tensor(w, bits, mode, spec.name)
 
 
 def quantize_model(source: TensorSource, quant: str | QuantMode = "q8",
                    progress: Callable[[int, int], None] | None = None) -> Model:
-    """Build the strip-cache model: projections at the mode's bits, embedding and lm_head at 8 bits.
+    """Build the strip-cache model: projections (experts included) at the mode's bits, embedding and lm_head
+    at 8 bits, norms, biases and the router float32.
 
     ``progress(done, total)``, if given, is called after each matrix with the weights quantized so far."""
     mode = quant if isinstance(quant, QuantMode) else parse_quant(quant)
     c = source.config
-    d, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
-    qn, kvn = c.num_heads * hd, c.num_kv_heads * hd
-    shapes = {"q": (qn, d), "k": (kvn, d), "v": (kvn, d), "o": (d, qn), "gate": (f, d), "up": (f, d),
-              "down": (d, f)}
-    heads = 1 if c.tie_word_embeddings else 2
-    total = c.vocab_size * d * heads + c.num_layers * sum(n * k for n, k in shapes.values())
+    specs = model_specs(c)
+    total = sum(s.shape[0] * s.shape[1] for s in specs if s.kind in ("proj", "table"))
     done = 0
-
-    def matrix(name: str, shape: tuple[int, int], bits: int) -> StripCache:
-        nonlocal done
-        w = _matrix(source, name, shape, bits, mode)
-        done += shape[0] * shape[1]
+    tensors: dict[str, object] = {}
+    for spec in specs:
+        if spec.kind in ("vector", "matrix"):
+            tensors[spec.name] = _float(source, spec)
+            continue
+        if spec.name == "lm_head" and not source.has("lm_head"):
+            raise KestrelError(f"{source.description}: no lm_head weight and the embeddings are not tied")
+        tensors[spec.name] = _matrix(source, spec, 8 if spec.kind == "table" else mode.bits, mode)
+        done += spec.shape[0] * spec.shape[1]
         if progress is not None:
             progress(done, total)
-        return w
-
-    embedding = matrix("embedding", (c.vocab_size, d), 8)
-    layers = []
-    for i in range(c.num_layers):
-        fields: dict[str, object] = {p: matrix(layer_name(i, p), shapes[p], mode.bits) for p in LAYER_PROJ_FIELDS}
-        fields.update({n: _vector(source, layer_name(i, n), d) for n in LAYER_NORM_FIELDS})
-        if c.qkv_bias:
-            fields.update(q_bias=_vector(source, layer_name(i, "q_bias"), qn),
-                          k_bias=_vector(source, layer_name(i, "k_bias"), kvn),
-                          v_bias=_vector(source, layer_name(i, "v_bias"), kvn))
-        if c.qk_norm:
-            fields.update({n: _vector(source, layer_name(i, n), hd) for n in QK_NORM_FIELDS})
-        layers.append(LayerWeights(**fields))  # type: ignore[arg-type]
-    final_norm = _vector(source, "final_norm", d)
-    if c.tie_word_embeddings:
-        lm_head = embedding  # the same object: backends cache it once
-    else:
-        if not source.has("lm_head"):
-            raise KestrelError(f"{source.description}: no lm_head weight and the embeddings are not tied")
-        lm_head = matrix("lm_head", (c.vocab_size, d), 8)
-    return Model(config=c, embedding=embedding, layers=layers, final_norm=final_norm, lm_head=lm_head)
+    return assemble(c, tensors)

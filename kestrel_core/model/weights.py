@@ -2,26 +2,44 @@
 
 This is the model view the whole-step hooks (``kestrel_preload``, ``kestrel_forward``,
 ``kestrel_forward_batch``, ``kestrel_decode_greedy``) receive, and what a backend may rely on: ``Model``'s
-fields, ``LayerWeights``' fields and ``groups()``, ``engine_weights``, ``PREFILL_CHUNK`` and
+fields, ``LayerWeights``' fields and ``groups()``, ``ExpertWeights``, ``engine_weights``, ``PREFILL_CHUNK`` and
 ``kestrel_core.model.rope.rope_inv_freq`` (docs/plugins.md lists them). The model math is
-``kestrel_core.model.decoder``'s.
+``kestrel_core.model.decoder``'s. ``model_specs`` names every tensor of a config: the quantizer, the artifact
+and the synthetic presets all build a ``Model`` from it through ``assemble``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from kestrel_core.contract import StripCache
 from kestrel_core.model.config import ModelConfig
-from kestrel_core.wkey import PROJ_GROUPS, Proj, lm_head_wkey, wkey
+from kestrel_core.wkey import ATTENTION_GROUPS, MLP_GROUPS, PROJ_GROUPS, Proj, lm_head_wkey, wkey
 
 PREFILL_CHUNK = 512  # tokens of one sequence the host decoder runs at once: MLP activations [T, F] stay bounded
 LAYER_PROJS = tuple(p for group in PROJ_GROUPS for p in group.members)  # Q, K, V, O, GATE, UP, DOWN
 PROJ_FIELDS = {Proj.Q: "q", Proj.K: "k", Proj.V: "v", Proj.O: "o", Proj.GATE: "gate", Proj.UP: "up",
                Proj.DOWN: "down"}  # the LayerWeights field of each projection
-_GROUP_FIELDS = tuple(tuple(PROJ_FIELDS[p] for p in group.members) for group in PROJ_GROUPS)
+MLP_FIELDS = ("gate", "up", "down")
+_ATTN_FIELDS = tuple(tuple(PROJ_FIELDS[p] for p in group.members) for group in ATTENTION_GROUPS)
+_MLP_GROUP_FIELDS = tuple(tuple(PROJ_FIELDS[p] for p in group.members) for group in MLP_GROUPS)
+
+
+@dataclass
+class ExpertWeights:
+    """One expert of a mixture-of-experts layer: a SwiGLU MLP of width Fe."""
+
+    gate: StripCache  # [Fe, D]
+    up: StripCache  # [Fe, D]
+    down: StripCache  # [D, Fe]
+
+    def groups(self) -> tuple[tuple[StripCache, ...], ...]:
+        """(gate, up), (down,): as ``MLP_GROUPS``."""
+        return tuple(tuple(getattr(self, name) for name in fields) for fields in _MLP_GROUP_FIELDS)
 
 
 @dataclass
@@ -32,21 +50,30 @@ class LayerWeights:
     v: StripCache  # [KV*hd, D]
     o: StripCache  # [D, H*hd]
     mlp_norm: np.ndarray  # [D]
-    gate: StripCache  # [F, D]
-    up: StripCache  # [F, D]
-    down: StripCache  # [D, F]
+    gate: StripCache | None = None  # [F, D]; None in a mixture-of-experts layer
+    up: StripCache | None = None  # [F, D]
+    down: StripCache | None = None  # [D, F]
     q_bias: np.ndarray | None = None  # Qwen2: [H*hd]
     k_bias: np.ndarray | None = None
     v_bias: np.ndarray | None = None
-    q_norm: np.ndarray | None = None  # Qwen3: [hd]
+    q_norm: np.ndarray | None = None  # Qwen3, Gemma 3: [hd]
     k_norm: np.ndarray | None = None
+    post_attn_norm: np.ndarray | None = None  # Gemma 3: [D], on the attention's output
+    post_mlp_norm: np.ndarray | None = None  # Gemma 3: [D], on the MLP's output
+    router: np.ndarray | None = None  # mixture of experts: float32 [E, D]
+    experts: tuple[ExpertWeights, ...] = ()
 
     def proj(self, p: Proj) -> StripCache:
-        return getattr(self, PROJ_FIELDS[p])
+        w = getattr(self, PROJ_FIELDS[p])
+        if w is None:
+            raise KeyError(f"{PROJ_FIELDS[p]}: a mixture-of-experts layer has it per expert")
+        return w
 
     def groups(self) -> tuple[tuple[StripCache, ...], ...]:
-        """The strips of each of ``PROJ_GROUPS``: (q, k, v), (o,), (gate, up), (down,)."""
-        return tuple(tuple(getattr(self, name) for name in fields) for fields in _GROUP_FIELDS)
+        """The strips of each of ``PROJ_GROUPS``: (q, k, v), (o,), (gate, up), (down,); a mixture-of-experts
+        layer has only the first two (its experts' are ``ExpertWeights.groups()``)."""
+        fields = _ATTN_FIELDS if self.experts else _ATTN_FIELDS + _MLP_GROUP_FIELDS
+        return tuple(tuple(getattr(self, name) for name in group) for group in fields)
 
 
 @dataclass
@@ -58,8 +85,13 @@ class Model:
     lm_head: StripCache  # [V, D]; the embedding itself when tied
 
     def weights(self) -> list[tuple[int, StripCache]]:
-        """Every (wkey, StripCache) the GEMMs use, in execution order."""
-        out = [(wkey(i, p), layer.proj(p)) for i, layer in enumerate(self.layers) for p in LAYER_PROJS]
+        """Every (wkey, StripCache) the GEMMs use, in execution order (a layer's experts after its attention)."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            projs = LAYER_PROJS[:4] if layer.experts else LAYER_PROJS
+            out += [(wkey(i, p), layer.proj(p)) for p in projs]
+            for e, ex in enumerate(layer.experts):
+                out += [(wkey(i, p, e), getattr(ex, PROJ_FIELDS[p])) for p in LAYER_PROJS[4:]]
         return out + [(lm_head_wkey(), self.lm_head)]
 
     @property
@@ -70,7 +102,97 @@ class Model:
 def engine_weights(model: Model) -> list[tuple[int, tuple[StripCache, ...]]]:
     """Every weight the decoder multiplies, grouped as it offers them on int8 activations: (wkey, strips) of
     each layer's groups (Q|K|V and gate|up under their fused wkey to ``kestrel_gemm_fused_q8``, O and down
-    under their own to ``kestrel_gemm_q8``: ``ProjGroup.key``), then lm_head."""
-    out = [(group.key(i), strips) for i, lw in enumerate(model.layers)
-           for group, strips in zip(PROJ_GROUPS, lw.groups())]
+    under their own to ``kestrel_gemm_q8``: ``ProjGroup.key``), each expert's gate|up and down under the
+    expert's wkeys, then lm_head."""
+    out = []
+    for i, lw in enumerate(model.layers):
+        out += [(group.key(i), strips) for group, strips in zip(PROJ_GROUPS, lw.groups())]
+        for e, ex in enumerate(lw.experts):
+            out += [(group.key(i, e), strips) for group, strips in zip(MLP_GROUPS, ex.groups())]
     return out + [(lm_head_wkey(), (model.lm_head,))]
+
+
+# -- the tensors of a config ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str  # the kestrel (and artifact) name: embedding, layers.3.q, layers.3.experts.5.gate, ...
+    kind: str  # "proj": a strip-cache at the mode's bits; "table": one at 8 bits; "vector" / "matrix": float32
+    shape: tuple[int, ...]  # [N, K] of a weight, [n] of a vector
+
+
+def layer_name(i: int, field: str) -> str:
+    """The kestrel name of one layer tensor, e.g. ``layers.3.q`` (also the artifact's tensor name)."""
+    return f"layers.{i}.{field}"
+
+
+def expert_field(e: int, field: str) -> str:
+    """A layer field of expert ``e``: ``experts.5.gate``."""
+    return f"experts.{e}.{field}"
+
+
+def layer_specs(c: ModelConfig, i: int) -> list[TensorSpec]:
+    """The tensors of layer ``i``, in the order the quantizer reads them."""
+    d, hd = c.hidden_size, c.head_dim
+    qn, kvn = c.num_heads * hd, c.num_kv_heads * hd
+    out = [("q", "proj", (qn, d)), ("k", "proj", (kvn, d)), ("v", "proj", (kvn, d)), ("o", "proj", (d, qn))]
+    if c.is_moe:
+        fe = c.expert_intermediate_size
+        out.append(("router", "matrix", (c.num_experts, d)))
+        for e in range(c.num_experts):
+            out += [(expert_field(e, "gate"), "proj", (fe, d)), (expert_field(e, "up"), "proj", (fe, d)),
+                    (expert_field(e, "down"), "proj", (d, fe))]
+    else:
+        f = c.intermediate_size
+        out += [("gate", "proj", (f, d)), ("up", "proj", (f, d)), ("down", "proj", (d, f))]
+    if c.qkv_bias:
+        out += [("q_bias", "vector", (qn,)), ("k_bias", "vector", (kvn,)), ("v_bias", "vector", (kvn,))]
+    if c.qk_norm:
+        out += [("q_norm", "vector", (hd,)), ("k_norm", "vector", (hd,))]
+    out += [("attn_norm", "vector", (d,)), ("mlp_norm", "vector", (d,))]
+    if c.post_norms:
+        out += [("post_attn_norm", "vector", (d,)), ("post_mlp_norm", "vector", (d,))]
+    return [TensorSpec(layer_name(i, name), kind, shape) for name, kind, shape in out]
+
+
+def model_specs(c: ModelConfig) -> list[TensorSpec]:
+    """Every tensor of a model of config ``c``: embedding, the layers, final_norm, lm_head (unless tied)."""
+    table = (c.vocab_size, c.hidden_size)
+    out = [TensorSpec("embedding", "table", table)]
+    for i in range(c.num_layers):
+        out += layer_specs(c, i)
+    out.append(TensorSpec("final_norm", "vector", (c.hidden_size,)))
+    if not c.tie_word_embeddings:
+        out.append(TensorSpec("lm_head", "table", table))
+    return out
+
+
+def assemble(c: ModelConfig, tensors: Mapping[str, Any]) -> Model:
+    """The Model of config ``c`` from its tensors by name (every one of ``model_specs(c)``)."""
+    layers = []
+    for i in range(c.num_layers):
+        prefix = layer_name(i, "")
+        fields = {s.name[len(prefix):]: tensors[s.name] for s in layer_specs(c, i)}
+        experts = tuple(ExpertWeights(*(fields.pop(expert_field(e, f)) for f in MLP_FIELDS))
+                        for e in range(c.num_experts))
+        layers.append(LayerWeights(**fields, experts=experts))
+    embedding = tensors["embedding"]
+    lm_head = embedding if c.tie_word_embeddings else tensors["lm_head"]  # tied: the same object, cached once
+    return Model(config=c, embedding=embedding, layers=layers, final_norm=tensors["final_norm"], lm_head=lm_head)
+
+
+def model_tensors(model: Model) -> dict[str, StripCache | np.ndarray]:
+    """Every tensor of ``model`` under its name (``model_specs``); a tied lm_head is left out."""
+    out: dict[str, StripCache | np.ndarray] = {}
+    for s in model_specs(model.config):
+        if s.name in ("embedding", "final_norm", "lm_head"):
+            out[s.name] = getattr(model, s.name)
+            continue
+        _, i, field = s.name.split(".", 2)
+        layer = model.layers[int(i)]
+        if field.startswith("experts."):
+            _, e, name = field.split(".")
+            out[s.name] = getattr(layer.experts[int(e)], name)
+        else:
+            out[s.name] = getattr(layer, field)
+    return out
