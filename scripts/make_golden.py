@@ -17,6 +17,13 @@ Writes under tests/fixtures/models/:
   tiny-mistral/ MistralForCausalLM, sliding_window 16 over the 40 positions, untied, bfloat16
   tiny-phi3/    Phi3ForCausalLM, fused qkv_proj and gate_up_proj, sliding_window 24, float16
   tiny-phi3.gguf   the same weights as llama.cpp writes phi3 (fused attn_qkv, ffn_up = gate|up); golden = tiny-phi3's
+  tiny-gemma3/  Gemma3ForCausalLM: 6 layers, 5 sliding (window 8) and 1 global with linear RoPE scaling, tied,
+                bfloat16, config in the transformers-5 layout (rope_parameters per layer type)
+  tiny-gemma3.gguf  as llama.cpp's Gemma3Model writes it (norms + 1); golden = tiny-gemma3's
+  tiny-qwen3-moe/  Qwen3MoeForCausalLM: 8 experts, top-2, norm_topk_prob, float16
+  tiny-qwen3-moe.gguf  llama.cpp's qwen3moe layout (stacked ffn_*_exps); golden = tiny-qwen3-moe's
+  tiny-mixtral/ MixtralForCausalLM: 4 experts (w1/w2/w3), top-2, bfloat16
+  tiny-mixtral.gguf  llama.cpp's llama layout with stacked experts (Q/K rows permuted); golden = tiny-mixtral's
   smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
   MANIFEST.json  versions, shapes, logit ranges, the command
 Every model directory holds golden.npz: ``ids`` int64 [T] and ``logits`` float32 [T, vocab], computed in
@@ -42,11 +49,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,6 +83,9 @@ STD_LM_HEAD = 0.3
 STD_BIAS = 0.3
 NORM_JITTER = 0.2
 QK_NORM_MEAN = 1.2  # Qwen3 normalizes q and k per head: their norm weights alone set attention sharpness
+# Router logits of std ~4 over normalized hidden states: decisive routing, so that few positions sit on a near-tie
+# between the k-th and the next expert (a tie quantization noise can flip; docs/parity.md)
+STD_ROUTER = 0.5
 # Projection weights lie on the Q4_0 grid: codes in [-8, 7] times one scale per row (per 256 columns where
 # K allows), with a -8 in every 32-block. q4 and q4-g256 then reproduce them exactly, so the q4 tests check
 # the int4 path itself at q8-like tolerances instead of int4 rounding noise on a chaotic random network.
@@ -165,12 +178,27 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     # fused qkv_proj / gate_up_proj tensors, and a window of 24
     phi3 = Phi3Config(**common, num_hidden_layers=2, intermediate_size=128, tie_word_embeddings=False,
                       rope_theta=10000.0, sliding_window=24, pad_token_id=None)
+    # llama.cpp's Gemma 3 pattern (every 6th layer global) and its query scale (1/sqrt(head_dim)), so the GGUF
+    # twin reads the same; the global layer's RoPE is linearly scaled, the sliding layers' is not
+    gemma3 = Gemma3TextConfig(**common, num_hidden_layers=6, intermediate_size=128, head_dim=16,
+                              query_pre_attn_scalar=16, sliding_window=8, tie_word_embeddings=True, pad_token_id=0,
+                              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                  "rope_theta": 1e6},
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    qwen3_moe = Qwen3MoeConfig(**common, num_hidden_layers=2, intermediate_size=128, moe_intermediate_size=32,
+                               num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, head_dim=16,
+                               tie_word_embeddings=False, rope_theta=1e6, use_sliding_window=False)
+    mixtral = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
+                            num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None)
     return {
         "tiny-llama": (llama, {"dtype": torch.float32, "max_shard_size": "200KB", "classic_config": True}),
         "tiny-qwen2": (qwen2, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
         "tiny-qwen3": (qwen3, {"dtype": torch.float16, "max_shard_size": None, "classic_config": False}),
         "tiny-mistral": (mistral, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
         "tiny-phi3": (phi3, {"dtype": torch.float16, "max_shard_size": None, "classic_config": True}),
+        "tiny-gemma3": (gemma3, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": False}),
+        "tiny-qwen3-moe": (qwen3_moe, {"dtype": torch.float16, "max_shard_size": None, "classic_config": True}),
+        "tiny-mixtral": (mixtral, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
     }
 
 
@@ -189,13 +217,16 @@ def q4_grid(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np.
 def init_weights(model: torch.nn.Module, seed: int) -> None:
     rng = np.random.default_rng(seed)
     tied = model.config.tie_word_embeddings
+    norm_shift = 1.0 if model.config.model_type.startswith("gemma") else 0.0  # Gemma's norms multiply by 1 + w
     with torch.no_grad():
         for name, p in model.named_parameters():
             shape = tuple(p.shape)
             if name.endswith(("q_norm.weight", "k_norm.weight")):
-                val = QK_NORM_MEAN + NORM_JITTER * rng.standard_normal(shape)
+                val = QK_NORM_MEAN - norm_shift + NORM_JITTER * rng.standard_normal(shape)
             elif name.endswith("norm.weight"):
-                val = 1.0 + NORM_JITTER * rng.standard_normal(shape)
+                val = 1.0 - norm_shift + NORM_JITTER * rng.standard_normal(shape)
+            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):  # a router
+                val = STD_ROUTER * rng.standard_normal(shape)
             elif name.endswith(".bias"):
                 val = STD_BIAS * rng.standard_normal(shape)
             elif name == "model.embed_tokens.weight":
@@ -204,6 +235,8 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                 val = STD_LM_HEAD * rng.standard_normal(shape)
             elif name.endswith("_proj.weight"):
                 val = q4_grid(rng, shape, STD_PROJ)
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, N, K], saved per expert
+                val = np.stack([q4_grid(rng, shape[1:], STD_PROJ) for _ in range(shape[0])])
             else:
                 raise SystemExit(f"no init rule for {name}")
             p.copy_(torch.from_numpy(np.asarray(val, dtype=np.float32)))
@@ -218,6 +251,8 @@ def classic_config(d: Path) -> None:
     cfg["rope_scaling"] = None if rp.get("rope_type", "default") == "default" else rp
     if "dtype" in cfg:
         cfg["torch_dtype"] = cfg.pop("dtype")
+    if cfg.get("model_type") == "qwen3_moe" and "num_local_experts" in cfg:  # the hub's name
+        cfg["num_experts"] = cfg.pop("num_local_experts")
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 

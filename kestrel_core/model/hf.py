@@ -9,6 +9,7 @@ widens them a row at a time; ``get`` widens them to float32 (bf16 is the top hal
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from pathlib import Path
@@ -21,12 +22,29 @@ from kestrel_core.contract import BFloat16Bits
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig, normalize_rope_scaling
 from kestrel_core.model.quantize import fused_rows, layer_name, map_tensor_name
-from kestrel_core.model.validate import check_hf_config, check_regular_file
+from kestrel_core.model.validate import (
+    ValidationError,
+    check_bool,
+    check_float,
+    check_hf_config,
+    check_int,
+    check_regular_file,
+)
+from kestrel_core.model.weights import expert_field
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                    "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3"}
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3"}
-WINDOWED = ("mistral", "phi3")  # architectures whose sliding_window applies to every layer
+                    "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3",
+                    "Gemma3ForConditionalGeneration": "gemma3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                    "MixtralForCausalLM": "mixtral"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
+               "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+WINDOWED = ("mistral", "phi3", "mixtral")  # architectures whose sliding_window applies to every layer
+# Gemma3TextConfig's defaults: hub configs (the text_config of the multimodal checkpoints) leave many out
+GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                   "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+                   "sliding_window": 4096, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1}
+GEMMA3_NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "final_norm")
 
 _LAYER_MAP = {
     "input_layernorm.weight": "attn_norm",
@@ -44,6 +62,18 @@ _LAYER_MAP = {
     "mlp.up_proj.weight": "up",
     "mlp.down_proj.weight": "down",
 }
+# Gemma 3 names its four norms by position around the attention and the MLP
+_GEMMA3_LAYER_MAP = {**_LAYER_MAP, "post_attention_layernorm.weight": "post_attn_norm",
+                     "pre_feedforward_layernorm.weight": "mlp_norm",
+                     "post_feedforward_layernorm.weight": "post_mlp_norm"}
+# the router and the experts of Qwen3-MoE (mlp.*) and Mixtral (block_sparse_moe.*, w1/w3/w2 = gate/up/down)
+_EXPERT_RE = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_FIELDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
+# the language model inside a multimodal checkpoint (Gemma3ForConditionalGeneration), as transformers 4 and 5
+# name it
+_LM_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                ("language_model.lm_head.", "lm_head."))
 # Phi-3 checkpoints hold Q|K|V and gate|up as one tensor each: rows split into these kestrel tensors
 _FUSED_MAP = {"self_attn.qkv_proj.weight": ("q", "k", "v"), "mlp.gate_up_proj.weight": ("gate", "up")}
 _GLOBAL_MAP = {"model.embed_tokens.weight": "embedding", "model.norm.weight": "final_norm",
@@ -52,9 +82,22 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 
 
-def kestrel_name(hf_name: str) -> str | None:
-    """``model.layers.3.self_attn.q_proj.weight`` -> ``layers.3.q``; None for tensors kestrel does not use."""
-    return map_tensor_name(hf_name, _GLOBAL_MAP, _LAYER_RE, _LAYER_MAP)
+def kestrel_name(hf_name: str, arch: str = "llama") -> str | None:
+    """``model.layers.3.self_attn.q_proj.weight`` -> ``layers.3.q`` (``...mlp.experts.5.up_proj.weight`` ->
+    ``layers.3.experts.5.up``); None for tensors kestrel does not use."""
+    for prefix, plain in _LM_PREFIXES:
+        if hf_name.startswith(prefix):
+            hf_name = plain + hf_name[len(prefix):]
+            break
+    m = _LAYER_RE.match(hf_name)
+    if m is not None:
+        e = _EXPERT_RE.match(m.group(2))
+        if e is not None:
+            return layer_name(int(m.group(1)), expert_field(int(e.group(1)), _EXPERT_FIELDS[e.group(2)]))
+        if m.group(2) in _ROUTERS:
+            return layer_name(int(m.group(1)), "router")
+    layer_map = _GEMMA3_LAYER_MAP if arch == "gemma3" else _LAYER_MAP
+    return map_tensor_name(hf_name, _GLOBAL_MAP, _LAYER_RE, layer_map)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -81,10 +124,7 @@ def _ids(value: Any) -> list[int]:
     raise KestrelError(f"token id must be an int or a list of ints, got {value!r}")
 
 
-def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None,
-                   where: str = "config.json") -> ModelConfig:
-    """A ModelConfig from HF's config.json dict (and generation_config.json, whose eos ids are added)."""
-    check_hf_config(cfg, where)  # types and ranges before int()/float() can coerce true, "3" or 3.5
+def _architecture(cfg: dict[str, Any], where: str) -> str:
     archs = cfg.get("architectures") or []
     arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
     if arch is None and not archs:
@@ -93,14 +133,103 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         named = ", ".join(archs) if archs else f"model_type {cfg.get('model_type')!r}"
         raise KestrelError(f"{where}: unsupported architecture {named} "
                            f"(kestrel supports {', '.join(HF_ARCHITECTURES)})")
+    return arch
+
+
+def _text_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """The language model's settings: a multimodal Gemma 3's text_config (with its own defaults), or cfg."""
+    if _architecture(cfg, where) != "gemma3":
+        return cfg
+    text = cfg.get("text_config", cfg)
+    if not isinstance(text, dict):
+        raise KestrelError(f"{where}: text_config must be an object, got {text!r}")
+    out = {**GEMMA3_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
+    out["architectures"] = ["Gemma3ForCausalLM"]
+    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):  # the outer config's win
+        if cfg.get(key) is not None:
+            out[key] = cfg[key]
+    return out
+
+
+def _refuse_set(cfg: dict[str, Any], where: str, keys: dict[str, str]) -> None:
+    """Refuse, by name, each of ``keys`` (config key -> what it is) the config sets to a truthy value."""
+    for key, what in keys.items():
+        if cfg.get(key):
+            raise KestrelError(f"{where}: {key} ({what}) is not supported")
+
+
+def _gemma3_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """Gemma 3's own ModelConfig fields: layer types, the two RoPE bases, the query and embedding scales."""
+    act = cfg.get("hidden_activation", cfg.get("hidden_act", "gelu_pytorch_tanh"))
+    if act != "gelu_pytorch_tanh":
+        raise KestrelError(f"{where}: hidden_activation {act!r} is not supported (Gemma 3 uses gelu_pytorch_tanh)")
+    _refuse_set(cfg, where, {"final_logit_softcapping": "tanh soft-capping of the logits",
+                             "attn_logit_softcapping": "tanh soft-capping of attention scores",
+                             "use_bidirectional_attention": "bidirectional attention"})
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6))
+        check_int("sliding_window_pattern", pattern, 1)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    names = {"sliding_attention": "sliding", "full_attention": "full"}
+    if not isinstance(types, list) or not all(t in names for t in types):
+        raise KestrelError(f"{where}: layer_types must be a list of sliding_attention / full_attention")
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and ("full_attention" in rp or "sliding_attention" in rp):
+        full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+        theta, local_theta = full.get("rope_theta", 1e6), local.get("rope_theta", 1e4)
+        scaling = full if full.get("rope_type", "default") != "default" else None
+        if local.get("rope_type", "default") != "default":
+            raise KestrelError(f"{where}: rope scaling of the sliding layers is not supported")
+    else:
+        theta, local_theta = cfg.get("rope_theta", 1e6), cfg.get("rope_local_base_freq", 1e4)
+        scaling = cfg.get("rope_scaling")
+    qpas = cfg.get("query_pre_attn_scalar", 256)
+    check_float("query_pre_attn_scalar", qpas, 0.0, lo_open=True)
+    return {"layer_types": tuple(names[t] for t in types), "rope_theta": float(check_float("rope_theta", theta, 0.0,
+            lo_open=True)), "rope_local_theta": float(check_float("rope_local_base_freq", local_theta, 0.0,
+            lo_open=True)), "rope_scaling": normalize_rope_scaling(scaling, where), "query_scale": float(qpas) ** -0.5,
+            "embed_scale": math.sqrt(cfg["hidden_size"]), "activation": "gelu_tanh", "post_norms": True,
+            "qk_norm": True}
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """The experts of Qwen3-MoE (moe_intermediate_size wide, norm_topk_prob as set) and Mixtral (intermediate_size
+    wide, always renormalised)."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if experts is None:
+        raise KestrelError(f"{where}: missing 'num_experts'")
+    out = {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok", 2)}
+    if arch == "qwen3_moe":
+        if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+            raise KestrelError(f"{where}: mlp_only_layers / decoder_sparse_step (dense MLP layers between the "
+                               "expert layers) are not supported")
+        _refuse_set(cfg, where, {"shared_expert_intermediate_size": "a shared expert"})
+        norm = cfg.get("norm_topk_prob", False)
+        check_bool("norm_topk_prob", norm)
+        out.update(expert_intermediate_size=cfg.get("moe_intermediate_size"), norm_topk_prob=norm, qk_norm=True)
+    else:
+        out.update(expert_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+    return out
+
+
+def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None,
+                   where: str = "config.json") -> ModelConfig:
+    """A ModelConfig from HF's config.json dict (and generation_config.json, whose eos ids are added)."""
+    if not isinstance(cfg, dict):
+        raise KestrelError(f"{where}: expected a JSON object")
+    cfg = _text_config(cfg, where)
+    check_hf_config(cfg, where)  # types and ranges before int()/float() can coerce true, "3" or 3.5
+    arch = _architecture(cfg, where)
     if cfg.get("mlp_bias"):
         raise KestrelError(f"{where}: mlp_bias is not supported")
-    if arch == "llama" and cfg.get("attention_bias"):
-        raise KestrelError(f"{where}: llama attention_bias (with an o_proj bias) is not supported")
+    if arch in ("llama", "gemma3") and cfg.get("attention_bias"):
+        raise KestrelError(f"{where}: {arch} attention_bias (with an o_proj bias) is not supported")
     partial = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise KestrelError(f"{where}: partial_rotary_factor {partial!r} (RoPE on part of each head) is not supported")
-    if arch in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window"):
         raise KestrelError(f"{where}: {arch} use_sliding_window (sliding-window attention from layer "
                            f"max_window_layers on) is not supported")
     try:
@@ -113,6 +242,16 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         for extra in _ids((generation or {}).get("eos_token_id")):
             if extra not in eos:
                 eos.append(extra)
+        fields: dict[str, Any] = {
+            "rope_theta": float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            "rope_scaling": None if arch == "gemma3" else normalize_rope_scaling(scaling, where),
+            "qk_norm": arch == "qwen3",
+            "sliding_window": cfg.get("sliding_window") if arch in WINDOWED else None,
+        }
+        if arch == "gemma3":
+            fields.update(_gemma3_fields(cfg, where), sliding_window=cfg.get("sliding_window"))
+        if arch in ("qwen3_moe", "mixtral"):
+            fields.update(_moe_fields(arch, cfg, where))
         return ModelConfig(
             arch=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -123,18 +262,17 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            rope_scaling=normalize_rope_scaling(scaling, where),
             max_position=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
-            sliding_window=cfg.get("sliding_window") if arch in WINDOWED else None,
             bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
             eos_token_ids=tuple(eos),
+            **fields,
         )
     except KeyError as exc:
         raise KestrelError(f"{where}: missing {exc.args[0]!r}") from None
+    except ValidationError as exc:
+        raise KestrelError(f"{where}: {exc}") from None
     except (TypeError, ValueError) as exc:
         raise KestrelError(f"{where}: bad value ({exc})") from None
 
@@ -207,7 +345,7 @@ class HFCheckpoint:
 
     def _names(self, hf_name: str) -> list[tuple[str, tuple[int, int] | None]]:
         """The kestrel tensors ``hf_name`` holds: one, or the row ranges of a fused Q|K|V / gate|up."""
-        name = kestrel_name(hf_name)
+        name = kestrel_name(hf_name, self.config.arch)
         if name is not None:
             return [(name, None)]
         m = _LAYER_RE.match(hf_name)
@@ -234,9 +372,13 @@ class HFCheckpoint:
         return name in self._files
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor as float32 or float16 (BF16 widened exactly to float32)."""
+        """The tensor as float32 or float16 (BF16 widened exactly to float32); Gemma 3's norms as the factor they
+        multiply by, 1 + weight in float32 (its RMSNorm's ``1.0 + self.weight.float()``)."""
         t = self.get_weight(name)
-        return t.to_float32() if isinstance(t, BFloat16Bits) else t
+        t = t.to_float32() if isinstance(t, BFloat16Bits) else t
+        if self.config.arch == "gemma3" and name.rsplit(".", 1)[-1] in GEMMA3_NORMS:
+            return np.float32(1) + t.astype(np.float32)
+        return t
 
     def get_weight(self, name: str) -> np.ndarray | BFloat16Bits:
         """Like get, but a BF16 tensor stays its raw bits: the quantizer widens it a row at a time."""

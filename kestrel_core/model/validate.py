@@ -141,6 +141,12 @@ HF_CONFIG_FIELDS: dict[str, tuple[str, bool]] = {  # in the order hf.config_from
     "tie_word_embeddings": ("bool", False),
     "rope_scaling": ("rope", False),
     "rope_parameters": ("rope", False),
+    "rope_local_base_freq": ("float+", False),  # Gemma 3
+    "query_pre_attn_scalar": ("float+", False),
+    "num_experts": ("pos", False),  # Qwen3-MoE; Mixtral says num_local_experts
+    "num_local_experts": ("pos", False),
+    "num_experts_per_tok": ("pos", False),
+    "moe_intermediate_size": ("pos", False),
 }
 
 
