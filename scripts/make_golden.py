@@ -448,6 +448,98 @@ def write_phi3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     return _gguf_finish(w, src, dst)
 
 
+def _float32_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as float32 (bfloat16 too, which safetensors' numpy loader refuses)."""
+    from safetensors.torch import load_file
+
+    return {k: v.float().numpy() for k, v in load_file(path).items()}
+
+
+def _stack_experts(tensors: dict[str, np.ndarray], prefix: str, names: tuple[str, str, str],
+                   experts: int) -> dict[str, np.ndarray]:
+    """gate, up, down of every expert stacked [E, N, K], as llama.cpp's converters write ffn_*_exps."""
+    return {kind: np.stack([tensors[f"{prefix}{e}.{name}.weight"] for e in range(experts)])
+            for kind, name in zip(("gate", "up", "down"), names)}
+
+
+def write_gemma3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-gemma3 as llama.cpp's Gemma3Model writes it: every norm weight + 1, key/value lengths, the window, the
+    global layers' linear RoPE scaling; no Q/K permutation; Q4_0 layer 0, F16 the rest; tied (no output)."""
+    cfg = json.loads((src / "config.json").read_text())
+    full = cfg["rope_parameters"]["full_attention"]
+    tensors = _float32_tensors(src / "model.safetensors")
+    w = _gguf_writer(dst, "gemma3", "tiny-gemma3", {**cfg, "rope_theta": full["rope_theta"]}, tok)
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(full["factor"])
+    put = _gguf_put(w)
+    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        kind = "q4_0" if i == 0 else "f16"
+        for hf_name, gguf_name in names.items():
+            put(f"blk.{i}.{gguf_name}.weight", tensors[f"{p}{hf_name}.weight"] + 1, "f32")
+        for proj, gguf_name in (("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
+                                ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"),
+                                ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"),
+                                ("mlp.down_proj", "ffn_down")):
+            put(f"blk.{i}.{gguf_name}.weight", tensors[f"{p}{proj}.weight"], kind)
+    put("output_norm.weight", tensors["model.norm.weight"] + 1, "f32")
+    return _gguf_finish(w, src, dst)
+
+
+def _write_moe_gguf(src: Path, dst: Path, tok: Tokenizer, arch: str, permute: bool, expert_names: tuple[str, ...],
+                    block: str) -> dict[str, Any]:
+    cfg = json.loads((src / "config.json").read_text())
+    experts = cfg.get("num_experts") or cfg["num_local_experts"]
+    cfg = {**cfg, "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]}
+    tensors = _float32_tensors(src / "model.safetensors")
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = _gguf_writer(dst, arch, src.name, cfg, tok)
+    w.add_expert_count(experts)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if "moe_intermediate_size" in cfg:
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    put = _gguf_put(w)
+    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        kind = "q4_0" if i == 0 else "f16"
+        q, k = tensors[p + "self_attn.q_proj.weight"], tensors[p + "self_attn.k_proj.weight"]
+        if permute:
+            q, k = llamacpp_permute(q, n_head, n_head), llamacpp_permute(k, n_head, n_kv)
+        put(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"], "f32")
+        put(f"blk.{i}.attn_q.weight", q, kind)
+        put(f"blk.{i}.attn_k.weight", k, kind)
+        put(f"blk.{i}.attn_v.weight", tensors[p + "self_attn.v_proj.weight"], kind)
+        put(f"blk.{i}.attn_output.weight", tensors[p + "self_attn.o_proj.weight"], kind)
+        for norm in ("q_norm", "k_norm"):
+            if p + f"self_attn.{norm}.weight" in tensors:
+                put(f"blk.{i}.attn_{norm}.weight", tensors[p + f"self_attn.{norm}.weight"], "f32")
+        put(f"blk.{i}.ffn_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
+        put(f"blk.{i}.ffn_gate_inp.weight", tensors[f"{p}{block}.gate.weight"], "f32")
+        for kind_name, stacked in _stack_experts(tensors, f"{p}{block}.experts.", expert_names, experts).items():
+            put(f"blk.{i}.ffn_{kind_name}_exps.weight", stacked, kind)
+    put("output_norm.weight", tensors["model.norm.weight"], "f32")
+    put("output.weight", tensors["lm_head.weight"], "q8_0")
+    return _gguf_finish(w, src, dst)
+
+
+def write_qwen3_moe_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-qwen3-moe as llama.cpp's Qwen3MoeModel writes it: qwen3moe, stacked experts, q/k norms, unpermuted."""
+    return _write_moe_gguf(src, dst, tok, "qwen3moe", False, ("gate_proj", "up_proj", "down_proj"), "mlp")
+
+
+def write_mixtral_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-mixtral as llama.cpp writes Mixtral: the llama architecture with experts, Q/K rows permuted."""
+    return _write_moe_gguf(src, dst, tok, "llama", True, ("w1", "w3", "w2"), "block_sparse_moe")
+
+
 # ------------------------------------------------------------------------------------------------- SmolLM2
 
 SMOLLM_MESSAGES = [
@@ -490,7 +582,9 @@ def build_smollm(gguf_path: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------- main
 
-GGUF_TWINS = {"tiny-phi3": write_phi3_gguf}  # tiny models built alone with --model whose GGUF twin comes along
+# the GGUF twins written from a tiny model's directory (with it, under --model)
+GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma3_gguf,
+              "tiny-qwen3-moe": write_qwen3_moe_gguf, "tiny-mixtral": write_mixtral_gguf}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -534,6 +628,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {manifest['models'][name]}", file=sys.stderr)
         manifest["models"]["tiny-llama.gguf"] = {
             **write_llama_gguf(OUT / "tiny-llama", OUT / "tiny-llama.gguf", tok), "command": command}
+        for name, write in GGUF_TWINS.items():
+            manifest["models"][f"{name}.gguf"] = {**write(OUT / name, OUT / f"{name}.gguf", tok), "command": command}
     if args.only in (None, "smollm"):
         manifest["models"]["smollm2"] = {**build_smollm(args.smollm), "command": command}
         print(f"smollm2: {manifest['models']['smollm2']}", file=sys.stderr)

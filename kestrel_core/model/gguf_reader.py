@@ -1,4 +1,5 @@
-"""Read a GGUF file (llama / qwen2 / qwen3) as a TensorSource: dequantized float32, HF layout.
+"""Read a GGUF file (llama incl. Mixtral, qwen2, qwen3, qwen3moe, phi3, gemma3) as a TensorSource: dequantized
+float32, HF layout; the experts of a stacked ``ffn_*_exps`` tensor are read one slice at a time.
 
 llama.cpp's convert_hf_to_gguf.py permutes the rows of Q and K for the llama architecture only
 (``LlamaModel.permute``: rows ``[n_head, 2, hd/2]`` -> ``[n_head, hd/2, 2]``), because ggml's default RoPE
@@ -28,9 +29,10 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.quantize import fused_rows, layer_name, map_tensor_name
 from kestrel_core.model.validate import ValidationError, check_float, check_int, check_regular_file, open_regular
+from kestrel_core.model.weights import expert_field
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
-PERMUTED_ARCHITECTURES = ("llama",)
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen3moe")
+PERMUTED_ARCHITECTURES = ("llama", "mixtral")  # kestrel's names: a llama GGUF with experts is Mixtral
 # phi3 GGUFs hold Q|K|V and gate|up (llama.cpp's ffn_up of phi3: gate rows, then up) as one tensor each
 FUSED = {"phi3": {"attn_qkv.weight": ("q", "k", "v"), "ffn_up.weight": ("gate", "up")}}
 
@@ -49,7 +51,14 @@ _LAYER_MAP = {
     "ffn_gate.weight": "gate",
     "ffn_up.weight": "up",
     "ffn_down.weight": "down",
+    "ffn_gate_inp.weight": "router",
+    "post_attention_norm.weight": "post_attn_norm",  # Gemma 3 (its ffn_norm is the pre-MLP norm)
+    "post_ffw_norm.weight": "post_mlp_norm",
 }
+# a mixture-of-experts layer's experts, stacked [E, N, K] in one tensor each
+_STACKED = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down"}
+GEMMA3_SWA_PATTERN = 6  # llama.cpp's: every 6th Gemma 3 layer is global
+GEMMA3_SWA_THETA = 10000.0  # llama.cpp's RoPE base of Gemma 3's sliding layers (not in the file)
 _GLOBAL_MAP = {"token_embd.weight": "embedding", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -308,12 +317,17 @@ class GGUFCheckpoint:
                                f"{type(exc).__name__}: {' '.join(str(exc).split())})") from None
         self._tensors = {}
         self._rows: dict[str, tuple[int, int]] = {}  # kestrel name -> its rows of a fused tensor
+        self._experts: dict[str, tuple[Any, int]] = {}  # kestrel name -> (stacked tensor, expert)
         fused = FUSED.get(self.field("general.architecture"), {})
         split = []
         for t in self.reader.tensors:
             m = _BLK_RE.match(t.name)
             if m and m.group(2) in fused:
                 split.append((int(m.group(1)), fused[m.group(2)], t))
+                continue
+            if m and m.group(2) in _STACKED:
+                for e in range(int(t.data.shape[0]) if t.data.ndim == 3 else 0):
+                    self._experts[layer_name(int(m.group(1)), expert_field(e, _STACKED[m.group(2)]))] = (t, e)
                 continue
             name = kestrel_name(t.name)
             if name is not None:
@@ -396,10 +410,15 @@ class GGUFCheckpoint:
         head_dim = self.int_field(f"{arch}.attention.key_length") or hidden // heads
         theta = self.float_field(f"{arch}.rope.freq_base", 10000.0)
         kind = self.field(f"{arch}.rope.scaling.type")
-        if kind not in (None, "none"):
+        if kind not in (None, "none", "linear"):
             raise KestrelError(f"{self.path}: rope scaling type {kind!r} is not supported")
         orig_ctx = self.int_field(f"{arch}.rope.scaling.original_context_length")
         scaling = None
+        if kind == "linear":
+            scaling = {"rope_type": "linear", "factor": self.float_field(f"{arch}.rope.scaling.factor", 1.0)}
+        layers = self.int_field(f"{arch}.block_count", required=True)
+        assert layers is not None
+        extra = self._arch_fields(arch, hidden, heads, head_dim, layers)
         try:
             if self._rope_freqs is not None:
                 freqs = dequantize(self._rope_freqs.data, self._rope_freqs.tensor_type)
@@ -408,11 +427,11 @@ class GGUFCheckpoint:
             eos = [v for v in (self.int_field("tokenizer.ggml.eos_token_id", lo=0),
                                self.int_field("tokenizer.ggml.eot_token_id", lo=0)) if v is not None]
             return ModelConfig(
-                arch=arch,
+                arch=extra.pop("arch", arch),
                 vocab_size=vocab_size,
                 hidden_size=hidden,
                 intermediate_size=self.int_field(f"{arch}.feed_forward_length", required=True),
-                num_layers=self.int_field(f"{arch}.block_count", required=True),
+                num_layers=layers,
                 num_heads=heads,
                 num_kv_heads=self.int_field(f"{arch}.attention.head_count_kv") or heads,
                 head_dim=head_dim,
@@ -422,15 +441,43 @@ class GGUFCheckpoint:
                 max_position=self.int_field(f"{arch}.context_length", 4096),
                 tie_word_embeddings="lm_head" not in self._tensors,
                 qkv_bias=arch == "qwen2",
-                qk_norm=arch == "qwen3",
-                sliding_window=self.int_field(f"{arch}.attention.sliding_window") if arch == "phi3" else None,
+                qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
+                sliding_window=self.int_field(f"{arch}.attention.sliding_window") if arch in ("phi3", "gemma3")
+                else None,
                 bos_token_id=bos,
                 eos_token_ids=tuple(dict.fromkeys(eos)),
+                **extra,
             )
         except ValidationError as exc:
             raise KestrelError(f"{self.path}: {exc}") from None
         except (ValueError, ArithmeticError, FloatingPointError) as exc:  # numpy on absurd rope values
             raise KestrelError(f"{self.path}: bad metadata ({type(exc).__name__}: {exc})") from None
+
+    def _arch_fields(self, arch: str, hidden: int, heads: int, head_dim: int, layers: int) -> dict[str, Any]:
+        """The ModelConfig fields of Gemma 3 and of the mixture-of-experts files, as llama.cpp reads them."""
+        if arch == "gemma3":
+            pattern = self.field(f"{arch}.attention.sliding_window_pattern")
+            if isinstance(pattern, list) and len(pattern) == layers:  # per layer: True = sliding
+                types = tuple("sliding" if p else "full" for p in pattern)
+            else:
+                types = tuple("sliding" if (i + 1) % GEMMA3_SWA_PATTERN else "full" for i in range(layers))
+            # llama.cpp: 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 62-layer 27B
+            # (its query_pre_attn_scalar, which the file does not carry)
+            scale_dim = hidden / heads if layers == 62 else head_dim
+            return {"layer_types": types, "rope_local_theta": GEMMA3_SWA_THETA, "query_scale": scale_dim ** -0.5,
+                    "embed_scale": math.sqrt(hidden), "activation": "gelu_tanh", "post_norms": True}
+        experts = self.int_field(f"{arch}.expert_count", 0, lo=0) or 0
+        if not experts:
+            if arch == "qwen3moe":
+                raise KestrelError(f"{self.path}: qwen3moe.expert_count is missing")
+            return {}
+        norm = self.field(f"{arch}.expert_weights_norm", True)
+        if not isinstance(norm, bool):
+            raise KestrelError(f"{self.path}: metadata {arch}.expert_weights_norm must be a bool, got {norm!r}")
+        ff = self.int_field(f"{arch}.expert_feed_forward_length") or self.int_field(f"{arch}.feed_forward_length")
+        return {"arch": "qwen3_moe" if arch == "qwen3moe" else "mixtral", "num_experts": experts,
+                "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
+                "expert_intermediate_size": ff, "norm_topk_prob": norm}
 
     def tokenizer_fields(self) -> dict[str, Any]:
         """Every tokenizer.* metadata value, decoded (what Tokenizer.from_gguf_vocab needs)."""
@@ -439,14 +486,18 @@ class GGUFCheckpoint:
     # -- tensors -----------------------------------------------------------------------------------------
 
     def has(self, name: str) -> bool:
-        return name in self._tensors
+        return name in self._tensors or name in self._experts
 
     def get(self, name: str) -> np.ndarray:
         t = self._tensors.get(name)
+        data = None if t is None else t.data
+        if t is None and name in self._experts:  # one expert's slice of a stacked tensor
+            t, e = self._experts[name]
+            data = t.data[e]
         if t is None:
             raise KestrelError(f"{self.path}: the GGUF has no tensor for {name}")
         try:
-            w = dequantize(t.data, t.tensor_type)
+            w = dequantize(data, t.tensor_type)
         except NotImplementedError:
             raise KestrelError(f"{self.path}: tensor {t.name} uses {t.tensor_type.name}, which gguf-py cannot "
                                "dequantize") from None

@@ -128,6 +128,9 @@ CASES = (
     Case("tiny-gemma3", "tiny-gemma3", ALL_MODES),  # 5 sliding layers (window 8), 1 global, norms 1 + w
     Case("tiny-qwen3-moe", "tiny-qwen3-moe", ALL_MODES, moe=True),  # 8 experts, top-2, renormalised
     Case("tiny-mixtral", "tiny-mixtral", ALL_MODES, moe=True),  # 4 experts w1/w3/w2, top-2
+    Case("tiny-gemma3.gguf", "tiny-gemma3", ALL_MODES),  # llama.cpp's gemma3: norms + 1, window and pattern
+    Case("tiny-qwen3-moe.gguf", "tiny-qwen3-moe", ALL_MODES, moe=True),  # stacked ffn_*_exps
+    Case("tiny-mixtral.gguf", "tiny-mixtral", ALL_MODES, moe=True),  # llama + experts, Q/K permuted
     Case("smollm2", "smollm2", ("q8", "q4"), default_model=True),
 )
 
@@ -292,3 +295,37 @@ def test_qwen3_moe_without_renormalised_weights_agrees_less(monkeypatch) -> None
     _with_config(monkeypatch, lambda c: {**c, "norm_topk_prob": False})
     wrong = measure(case, "q8")
     assert wrong.max_rel > 2 * right.max_rel, (right, wrong)
+
+
+def test_mixtral_gguf_without_the_llama_unpermutation_leaves_the_limits(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """llama.cpp writes Mixtral as llama, Q/K rows permuted: taken as they are, agreement drops."""
+    monkeypatch.setattr("kestrel_core.model.gguf_reader.PERMUTED_ARCHITECTURES", ("llama",))
+    fig = measure(next(c for c in CASES if c.name == "tiny-mixtral.gguf"), "q8")
+    assert not fig.within(MOE), fig
+
+
+def test_multimodal_gemma3_checkpoint_runs_its_language_model(tmp_path: Path) -> None:
+    """Gemma3ForConditionalGeneration (gemma-3-4b and up): the text_config and the language_model.* tensors of
+    the checkpoint, vision tower ignored, give tiny-gemma3's very logits."""
+    import struct
+
+    src = FIXTURES / "tiny-gemma3"
+    cfg = json.loads((src / "config.json").read_text())
+    outer = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+             "text_config": {**cfg, "model_type": "gemma3_text"}, "vision_config": {"hidden_size": 8}}
+    (tmp_path / "config.json").write_text(json.dumps(outer))
+    raw = (src / "model.safetensors").read_bytes()  # bfloat16: renamed in the header, the data as they are
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    data = raw[8 + n:]
+    renamed = {k if k == "__metadata__" else "language_model." + k: v for k, v in header.items()}
+    renamed["vision_tower.vision_model.embeddings.patch_embedding.weight"] = {
+        "dtype": "F16", "shape": [8, 4], "data_offsets": [len(data), len(data) + 64]}
+    blob = json.dumps(renamed).encode()
+    blob += b" " * (-len(blob) % 8)
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + data + bytes(64))
+    golden = Golden(src / "golden.npz")
+    with kestrel_core.load(str(tmp_path), backend="cpu", quant="q8") as engine:
+        wrapped = engine.logits(golden.ids)
+    with kestrel_core.load(str(src), backend="cpu", quant="q8") as engine:
+        np.testing.assert_array_equal(wrapped, engine.logits(golden.ids))
