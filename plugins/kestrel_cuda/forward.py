@@ -64,7 +64,6 @@ from typing import Any
 import numpy as np
 
 from kestrel_core.batch import BatchEntry
-from kestrel_core.model.config import ARCHITECTURES
 from kestrel_core.model.decoder import PREFILL_CHUNK
 from kestrel_core.model.weights import Model
 from kestrel_cuda import paged
@@ -84,13 +83,21 @@ from kestrel_cuda.plan import (
 )
 
 CAP_CHUNK = 1024  # KV positions are allocated this many at a time
+DEVICE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 
 
 def unsupported_reason(model: Model) -> str | None:
-    """Why the device forward cannot run ``model`` (None: it can)."""
+    """Why the device forward cannot run ``model`` (None: it can): the decoders it knows are Llama, Qwen2,
+    Qwen3, Mistral and Phi-3; Gemma 3 and the mixtures of experts run through the GEMM hooks."""
     c = model.config
-    if c.arch not in ARCHITECTURES:
+    if c.arch not in DEVICE_ARCHITECTURES:
         return f"architecture {c.arch!r}"
+    if c.is_moe:
+        return "mixture of experts"
+    if c.post_norms or c.activation != "silu" or c.embed_scale != 1.0 or c.query_scale is not None:
+        return "Gemma-style norms, activation or scales"
+    if c.layer_types or c.rope_local_theta is not None:
+        return "per-layer attention windows or RoPE"
     if c.head_dim % 4 or c.head_dim > MAX_HEAD_DIM:
         return f"head_dim {c.head_dim} (needs a multiple of 4 <= {MAX_HEAD_DIM})"
     if c.num_kv_heads <= 0 or c.num_heads % c.num_kv_heads:

@@ -29,7 +29,7 @@ import numpy as np
 
 from kestrel_core.contract import StripCache
 from kestrel_core.model.weights import LayerWeights
-from kestrel_core.wkey import PROJ_GROUPS
+from kestrel_core.wkey import MLP_GROUPS, PROJ_GROUPS
 
 ALIGN = 256
 VEC = 4  # columns per vectorised store: Npad is a multiple of it
@@ -121,9 +121,14 @@ class StripGroup(NamedTuple):
 
 
 def layer_groups(layer: int, lw: LayerWeights) -> list[StripGroup]:
-    """The projections of model layer ``layer`` in launch order: ``kestrel_core.wkey.PROJ_GROUPS``."""
-    return [StripGroup(list(strips), list(group.keys(layer)), group.fused_key(layer))
-            for group, strips in zip(PROJ_GROUPS, lw.groups())]
+    """The projections of model layer ``layer`` in launch order: ``kestrel_core.wkey.PROJ_GROUPS`` (a mixture of
+    experts layer: Q|K|V, O, then each expert's gate|up and down under its wkeys)."""
+    out = [StripGroup(list(strips), list(group.keys(layer)), group.fused_key(layer))
+           for group, strips in zip(PROJ_GROUPS, lw.groups())]
+    for e, ex in enumerate(lw.experts):
+        out += [StripGroup(list(strips), list(group.keys(layer, e)), group.fused_key(layer, e))
+                for group, strips in zip(MLP_GROUPS, ex.groups())]
+    return out
 
 
 def pack_kmajor(codes: np.ndarray, bits: int) -> np.ndarray:

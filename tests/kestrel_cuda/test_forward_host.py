@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,6 +37,8 @@ from .forward_check import (
     jitter_effect,
     stepwise_greedy,
 )
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 
 CONFIGS = SMALL_CONFIGS
 QUANTS = ("q8", "q4", "q8-g256", "q4-g256")
@@ -555,3 +558,26 @@ def test_a_sliding_window_caps_the_device_context() -> None:
     result = compare(device_logits(fwd, model, toks, 8), ref, jitter_effect(model, toks, 8, ref))
     assert result.ok, str(result)
     assert fwd.forward(model, 1, toks[:1], 12, False) is None and "beyond the device maximum 12" in fwd.last_decline
+
+
+@pytest.mark.parametrize(("fixture", "why"), [("tiny-gemma3", "architecture 'gemma3'"),
+                                              ("tiny-qwen3-moe", "architecture 'qwen3_moe'"),
+                                              ("tiny-mixtral", "architecture 'mixtral'")])
+def test_device_forward_names_what_it_cannot_run(fixture: str, why: str) -> None:
+    """Gemma 3 and the mixtures of experts go through the GEMM hooks; the reason names the architecture."""
+    from kestrel_core.model.loader import load_model
+
+    model = load_model(str(FIXTURES / fixture), "q8", cache="off").model
+    assert unsupported_reason(model) == why
+
+
+def test_layer_groups_of_an_expert_layer_cover_every_expert() -> None:
+    """What the CUDA preload uploads: attention groups, then each expert's gate|up and down under its wkeys."""
+    from kestrel_core.model.loader import load_model
+    from kestrel_core.model.weights import engine_weights
+    from kestrel_cuda.layout import layer_groups
+
+    model = load_model(str(FIXTURES / "tiny-qwen3-moe"), "q8", cache="off").model
+    keys = [g.fused_key or g.keys[0] for i, lw in enumerate(model.layers) for g in layer_groups(i, lw)]
+    assert keys == [k for k, _ in engine_weights(model)][:-1]
+    assert len(layer_groups(0, model.layers[0])) == 2 + 2 * model.config.num_experts

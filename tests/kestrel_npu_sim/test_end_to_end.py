@@ -65,20 +65,22 @@ def test_the_default_model_gives_the_cpus_tokens(npu_backend, activations: str) 
     assert tokens["npu_sim"] == tokens["cpu"]
 
 
-@pytest.mark.parametrize("fixture", ["tiny-mistral", "tiny-phi3", "tiny-phi3.gguf"])
-def test_windowed_and_fused_architectures_give_the_cpu_logits(npu_backend, fixture: str) -> None:  # noqa: ANN001
-    """Mistral's window and Phi-3's split tensors are the host's; the simulated NPU's GEMMs over the same
-    artifact give the CPU's logits bit for bit."""
+@pytest.mark.parametrize("fixture", ["tiny-mistral", "tiny-phi3", "tiny-phi3.gguf", "tiny-gemma3", "tiny-gemma3.gguf",
+                                     "tiny-qwen3-moe", "tiny-qwen3-moe.gguf", "tiny-mixtral.gguf"])
+def test_windowed_fused_and_expert_architectures_give_the_cpu_logits(npu_backend, fixture: str) -> None:  # noqa: ANN001
+    """Mistral's window, Phi-3's split tensors, Gemma 3's norms and routing are the host's; the simulated NPU's
+    GEMMs over the same artifact (every expert's too) give the CPU's logits bit for bit."""
     from pathlib import Path
 
     import kestrel_core
 
     root = Path(__file__).resolve().parents[1] / "fixtures" / "models"
-    ids = np.load(root / ("tiny-phi3" if fixture.startswith("tiny-phi3") else fixture) / "golden.npz")["ids"]
+    ids = np.load(root / fixture.removesuffix(".gguf") / "golden.npz")["ids"]
     out = {}
     for backend in ("cpu", "npu_sim"):
         with kestrel_core.load(str(root / fixture), backend=backend, activations="q8") as engine:
             out[backend] = engine.logits(ids)
             if backend == "npu_sim":
-                assert engine.stats["offload"]["kestrel_gemm_q8"]["accepted"] > 0
+                offload = engine.stats["offload"]
+                assert sum(offload[h]["accepted"] for h in ("kestrel_gemm_q8", "kestrel_gemm_fused_q8")) > 0
     np.testing.assert_array_equal(out["npu_sim"], out["cpu"])

@@ -1,0 +1,39 @@
+"""Gemma 3 and the mixtures of experts on the GPU: the device forward declines them by name, the GEMM hooks run
+every projection (each expert's too, preloaded) and the logits are the CPU's within the measured tolerance.
+
+Skipped where CuPy or a CUDA device is missing (CI); run on the H200 machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cupy")
+
+import kestrel_core  # noqa: E402
+from kestrel_core.model.weights import engine_weights  # noqa: E402
+
+from .forward_check import compare, cpu_logits, cuda_device_count, jitter_effect  # noqa: E402
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device")]
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
+
+
+@pytest.mark.parametrize("fixture", ["tiny-gemma3", "tiny-qwen3-moe", "tiny-mixtral.gguf"])
+def test_hook_path_matches_the_cpu(fixture: str) -> None:
+    ids = np.load(FIXTURES / fixture.removesuffix(".gguf") / "golden.npz")["ids"]
+    with kestrel_core.load(str(FIXTURES / fixture), backend="cuda", activations="q8") as engine:
+        got = engine.logits(ids)
+        offload = engine.stats["offload"]
+        counters = engine.stats["backend_stats"]
+        model = engine.model
+    assert all(offload.get(h, {}).get("accepted", 0) == 0 for h in ("kestrel_forward", "kestrel_forward_batch"))
+    assert sum(offload.get(h, {}).get("accepted", 0) for h in ("kestrel_gemm_q8", "kestrel_gemm_fused_q8")) > 0
+    assert counters["preload_weights"] == len(engine_weights(model)), counters  # every expert resident
+    ref = cpu_logits(model, ids, len(ids))
+    result = compare(got, ref, jitter_effect(model, ids, len(ids), ref))
+    assert result.ok, result
