@@ -8,6 +8,7 @@ outputs, which keeps activations finite through any number of layers.
 
 from __future__ import annotations
 
+import math
 import mmap
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -76,6 +77,17 @@ PRESETS: dict[str, ModelConfig] = {
     "mistral-7b": _preset("mistral", 32768, 4096, 14336, 32, 32, 8, 128, 1e6, 1e-5, 32768, False),  # v0.3
     "phi3-mini": _preset("phi3", 32064, 3072, 8192, 32, 32, 32, 96, 10000.0, 1e-5, 4096, False,
                          sliding_window=2047),  # Phi-3-mini-4k
+    "gemma3-12b": _preset("gemma3", 262208, 3840, 15360, 48, 16, 8, 256, 1e6, 1e-6, 131072, True,
+                          rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_local_theta=10000.0,
+                          sliding_window=1024, layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding"
+                                                                 for i in range(48)),
+                          query_scale=256 ** -0.5, embed_scale=math.sqrt(3840), activation="gelu_tanh",
+                          post_norms=True, qk_norm=True),
+    "qwen3-30b-a3b": _preset("qwen3_moe", 151936, 2048, 6144, 48, 32, 4, 128, 1e6, 1e-6, 40960, False,
+                             qk_norm=True, num_experts=128, experts_per_token=8, expert_intermediate_size=768,
+                             norm_topk_prob=True),
+    "mixtral-8x7b": _preset("mixtral", 32000, 4096, 14336, 32, 32, 8, 128, 1e6, 1e-5, 32768, False,
+                            num_experts=8, experts_per_token=2, expert_intermediate_size=14336, norm_topk_prob=True),
 }
 
 
@@ -169,6 +181,10 @@ def synthetic_model(config: ModelConfig, quant: str | QuantMode = "q8", seed: in
 
 
 def preset_model(name: str, quant: str | QuantMode = "q8", seed: int = 0, **overrides: Any) -> Model:
-    """The synthetic model of a named preset; ``overrides`` replace config fields (e.g. num_layers=2)."""
+    """The synthetic model of a named preset; ``overrides`` replace config fields (e.g. num_layers=2; a
+    per-layer pattern such as Gemma 3's layer types follows the new layer count)."""
     config = preset_config(name)
+    n = overrides.get("num_layers")
+    if n is not None and config.layer_types and "layer_types" not in overrides:
+        overrides["layer_types"] = tuple(config.layer_types[i % config.num_layers] for i in range(n))
     return synthetic_model(replace(config, **overrides) if overrides else config, quant, seed)

@@ -19,9 +19,13 @@ def test_every_preset_builds_a_consistent_model(name: str) -> None:
     lw = model.layers[0]
     qn, kvn = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     assert lw.q.shape == (qn, cfg.hidden_size) and lw.k.shape == lw.v.shape == (kvn, cfg.hidden_size)
-    assert lw.o.shape == (cfg.hidden_size, qn) and lw.down.shape == (cfg.hidden_size, cfg.intermediate_size)
-    assert lw.gate.shape == lw.up.shape == (cfg.intermediate_size, cfg.hidden_size)
-    assert (lw.q_norm is not None) == cfg.qk_norm == name.startswith("qwen3")
+    assert lw.o.shape == (cfg.hidden_size, qn)
+    mlps = lw.experts if cfg.is_moe else (lw,)
+    f = cfg.expert_intermediate_size if cfg.is_moe else cfg.intermediate_size
+    assert len(mlps) == max(cfg.num_experts, 1) and (lw.router is not None) == cfg.is_moe
+    for mlp in mlps:
+        assert mlp.down.shape == (cfg.hidden_size, f) and mlp.gate.shape == mlp.up.shape == (f, cfg.hidden_size)
+    assert (lw.q_norm is not None) == cfg.qk_norm == (cfg.arch in ("qwen3", "qwen3_moe", "gemma3"))
     assert (model.lm_head is model.embedding) == cfg.tie_word_embeddings
     assert model.embedding.bits == model.lm_head.bits == 8 and lw.q.bits == 4
     assert cfg.num_heads % cfg.num_kv_heads == 0

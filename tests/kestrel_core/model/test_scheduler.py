@@ -68,6 +68,25 @@ def test_batched_tokens_equal_each_request_alone(engine, monkeypatch, temperatur
     assert engine.pool.free_blocks == engine.pool.num_blocks
 
 
+@pytest.mark.parametrize("fixture", ["tiny-gemma3", "tiny-qwen3-moe"])
+def test_batched_tokens_equal_alone_with_windows_and_experts(monkeypatch, fixture: str) -> None:
+    """Gemma 3's per-layer windows and RoPE, and the routing of a mixture of experts (rows grouped by expert),
+    keep a row's result independent of its batch: batched, chunked tokens are each request's alone."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "fixtures" / "models" / fixture
+    with kestrel_core.load(str(path), backend="cpu") as engine:
+        prompts = _prompts(5, engine.config.vocab_size, seed=8)
+        params = [SamplingParams(max_tokens=10 + 2 * i, temperature=0.7, seed=i, ignore_eos=True) for i in range(5)]
+        alone = [_alone(engine, p, s) for p, s in zip(prompts, params)]
+        rows = _count_rows(engine, monkeypatch)
+        scheduler = Scheduler(engine, max_batch=5, token_budget=12)
+        requests = [scheduler.add(p, s) for p, s in zip(prompts, params)]
+        got = _run_all(scheduler, requests)
+    assert [got[r.request_id] for r in requests] == alone
+    assert max(rows) >= 4
+
+
 def test_requests_join_and_leave_at_any_step(engine) -> None:
     prompts = _prompts(5, engine.config.vocab_size, seed=4)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
