@@ -30,10 +30,11 @@ _EXPORTS = {
     "API_VERSION": "kestrel_core.hookspecs", "BackendInfo": "kestrel_core.hookspecs", "KINDS": "kestrel_core.hookspecs",
     "hookimpl": "kestrel_core.hookspecs",
     # the model view of the whole-step hooks (docs/plugins.md)
-    "LayerWeights": "kestrel_core.model.weights", "Model": "kestrel_core.model.weights",
+    "ExpertWeights": "kestrel_core.model.weights", "LayerWeights": "kestrel_core.model.weights",
+    "Model": "kestrel_core.model.weights",
     "PREFILL_CHUNK": "kestrel_core.model.weights", "engine_weights": "kestrel_core.model.weights",
     "rope_inv_freq": "kestrel_core.model.rope",
-    "PROJ_GROUPS": "kestrel_core.wkey", "ProjGroup": "kestrel_core.wkey",
+    "PROJ_GROUPS": "kestrel_core.wkey", "ProjGroup": "kestrel_core.wkey", "wkey_expert": "kestrel_core.wkey",
     "AsyncEngine": "kestrel_core.model.async_engine",
     "Engine": "kestrel_core.model.engine", "load": "kestrel_core.model.engine",
     "SamplingParams": "kestrel_core.model.sampling",

@@ -136,9 +136,17 @@ def _architecture(cfg: dict[str, Any], where: str) -> str:
     return arch
 
 
+def _is_gemma3(cfg: dict[str, Any]) -> bool:
+    """Gemma 3 by name, before the config's types are checked (check_hf_config refuses bad ones next)."""
+    archs = cfg.get("architectures")
+    if isinstance(archs, list) and archs:
+        return any(HF_ARCHITECTURES.get(a) == "gemma3" for a in archs if isinstance(a, str))
+    return MODEL_TYPES.get(cfg.get("model_type")) == "gemma3" if isinstance(cfg.get("model_type"), str) else False
+
+
 def _text_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     """The language model's settings: a multimodal Gemma 3's text_config (with its own defaults), or cfg."""
-    if _architecture(cfg, where) != "gemma3":
+    if not _is_gemma3(cfg):
         return cfg
     text = cfg.get("text_config", cfg)
     if not isinstance(text, dict):

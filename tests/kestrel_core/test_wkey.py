@@ -72,3 +72,29 @@ def test_layer_groups_and_engine_weights_follow_the_groups() -> None:
     assert [key for key, _ in got] == [g.key(i) for i in range(2) for g in PROJ_GROUPS] + [lm_head_wkey()]
     assert [w is s for w, s in zip(got[4][1], (lw.q, lw.k, lw.v))] == [True] * 3
     assert len(got[-1][1]) == 1 and got[-1][1][0] is model.lm_head
+
+
+def test_expert_wkeys_keep_their_layer_and_never_collide() -> None:
+    """An expert's wkey decodes to its layer, projection and expert; no two weights of a model share a wkey,
+    and a dense weight's wkey is the same as before experts existed."""
+    from kestrel_core.model.config import ModelConfig
+    from kestrel_core.model.presets import synthetic_model
+    from kestrel_core.model.weights import engine_weights
+    from kestrel_core.wkey import model_layer, wkey_expert
+
+    assert wkey(3, Proj.UP) == (3 << 32) | 6 and wkey_expert(wkey(3, Proj.UP)) is None
+    for e in (0, 7, 0xFFFE):
+        key = wkey(5, Proj.DOWN, e)
+        assert decode_wkey(key) == (5, Proj.DOWN) and wkey_expert(key) == e
+        fused = fused_wkey(5, Proj.GATE_UP, e)
+        assert model_layer(decode_wkey(fused)[0]) == 5 and wkey_expert(fused) == e
+    with pytest.raises(ValueError):
+        wkey(0, Proj.UP, 0xFFFF)
+    config = ModelConfig(arch="qwen3_moe", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
+                         num_heads=2, num_kv_heads=1, head_dim=32, max_position=32, qk_norm=True, num_experts=4,
+                         experts_per_token=2, expert_intermediate_size=32)
+    model = synthetic_model(config, "q8", seed=0)
+    for keys in ([k for k, _ in model.weights()], [k for k, _ in engine_weights(model)]):
+        assert len(set(keys)) == len(keys)
+        assert {wkey_expert(k) for k in keys} == {None, 0, 1, 2, 3}
+    assert len(model.weights()) == 2 * (4 + 4 * 3) + 1

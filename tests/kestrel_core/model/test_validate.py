@@ -290,3 +290,41 @@ def test_hf_directory_files_must_be_regular_and_inside(tmp_path: Path) -> None:
     (root / "tokenizer.json").symlink_to(outside)
     with pytest.raises(KestrelError, match="outside the model directory"):
         Tokenizer.from_hf_dir(root)
+
+
+MOE = {"num_experts": 8, "experts_per_token": 2, "expert_intermediate_size": 32}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("num_experts", True), ("num_experts", -1), ("experts_per_token", 9), ("experts_per_token", 0),
+    ("expert_intermediate_size", 0), ("norm_topk_prob", 1), ("layer_types", ("full", "local")),
+    ("layer_types", ("full",)), ("query_scale", 0.0), ("query_scale", math.nan), ("embed_scale", -1.0),
+    ("activation", "relu"), ("post_norms", "yes"), ("rope_local_theta", 0.0),
+])
+def test_each_bad_gemma_or_expert_field_is_one_line_naming_it(field: str, value: Any) -> None:
+    with pytest.raises(ValidationError) as info:
+        ModelConfig(**{**BASE, **MOE, field: value})
+    assert "\n" not in str(info.value) and field.split("_")[0] in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("change", [
+    {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 5},
+    {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": True},
+    {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "moe_intermediate_size": 32,
+     "mlp_only_layers": [0]},
+    {"architectures": ["Qwen3MoeForCausalLM"], "moe_intermediate_size": 32},
+    {"architectures": ["MixtralForCausalLM"], "num_local_experts": "8"},
+    {"architectures": ["Gemma3ForCausalLM"], "final_logit_softcapping": 30.0},
+    {"architectures": ["Gemma3ForCausalLM"], "hidden_activation": "gelu"},
+    {"architectures": ["Gemma3ForCausalLM"], "query_pre_attn_scalar": 0},
+    {"architectures": ["Gemma3ForCausalLM"], "layer_types": ["sliding_attention"]},
+    {"architectures": ["Gemma3ForCausalLM"], "layer_types": "sliding_attention"},
+    {"architectures": ["Gemma3ForCausalLM"], "rope_local_base_freq": math.nan},
+    {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": [1]},
+])
+def test_bad_gemma3_and_expert_configs_are_one_line(change: dict[str, Any]) -> None:
+    from kestrel_core.model.hf import config_from_hf
+
+    with pytest.raises(KestrelError) as info:
+        config_from_hf({**HF, **change}, where="m/config.json")
+    assert str(info.value).startswith("m/config.json: ") and "\n" not in str(info.value), str(info.value)
