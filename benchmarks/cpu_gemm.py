@@ -4,7 +4,9 @@
     python benchmarks/cpu_gemm.py --m 1,16,64,256 --bits 4 --group 256 --json
 
 For each projection shape [N, K] and each M it times kestrel's ``kestrel_gemm_q8`` hook (through the bound
-cpu backend, as the engine calls it) and ``A @ W.T`` in float32 (numpy's BLAS, the fastest pure-numpy way
+cpu backend, as the engine calls it, each weight under its own wkey so a VNNI host packs it once), the same
+hook on the vpmaddwd kernels (``kernels.VNNI`` off: what a CPU without AVX-512 VNNI runs), and ``A @ W.T`` in
+float32 (numpy's BLAS, the fastest pure-numpy way
 to apply a dequantized weight), in the same process, and reports the median time, GB/s of weight bytes read
 (int8 codes + float32 scales for kestrel, float32 for BLAS) and GFLOP/s. At M=1 each call gets the next of
 enough copies of the weight that it reads DRAM, as a decode step does (``--pool-mb``). The last rows add the
@@ -49,6 +51,7 @@ class Row:
     kestrel_us: float
     kestrel_gbs: float
     kestrel_gflops: float
+    vpmaddwd_us: float
     blas_us: float
     blas_gbs: float
     blas_gflops: float
@@ -84,12 +87,25 @@ def pool(make: Callable[[], object], nbytes: int, pool_bytes: int) -> list[objec
     return [make() for _ in range(max(1, -(-pool_bytes // nbytes)))]
 
 
-def time_kestrel(x: np.ndarray, weights: list[StripCache], min_seconds: float, repeats: int) -> float:
+def time_kestrel(x: np.ndarray, weights: list[StripCache], min_seconds: float, repeats: int,
+                 vnni: bool = True) -> float:
+    from kestrel_cpu import kernels
+
     cpu = Registry().cpu()
     a_codes, a_scales = quantize_activations(x, weights[0].group_size)
-    calls = cycle(weights)
-    return median_time(lambda: cpu.hook.kestrel_gemm_q8(device=cpu.device, a_codes=a_codes, a_scales=a_scales,
-                                                        weight=next(calls), wkey=0), min_seconds, repeats)
+    calls = cycle(list(enumerate(weights, start=1)))
+    had = kernels.VNNI
+    kernels.VNNI = had and vnni
+    try:
+        def one() -> object:
+            key, w = next(calls)
+            return cpu.hook.kestrel_gemm_q8(device=cpu.device, a_codes=a_codes, a_scales=a_scales, weight=w,
+                                            wkey=key)
+        for _ in weights:  # every copy packed before the clock starts, as a model's weights are after a step
+            one()
+        return median_time(one, min_seconds, repeats)
+    finally:
+        kernels.VNNI = had
 
 
 def time_blas(x: np.ndarray, mats: list[np.ndarray], min_seconds: float, repeats: int) -> float:
@@ -104,18 +120,19 @@ def run(ms: list[int], bits: int, group: int, min_seconds: float, repeats: int, 
     for name, n, k, _ in SHAPES:
         w = quantize_weight(rng.standard_normal((n, k)).astype(np.float32), bits, group)
         cases += [(name, m, w, rng.standard_normal((m, k)).astype(np.float32)) for m in ms]
-    kestrel_t = []
+    kestrel_t, tiles_t = [], []
     for _, m, w, x in cases:
         copies = pool(lambda w=w: StripCache(w.codes.copy(), w.scales.copy(), w.group_size, w.bits), w.nbytes,
                       pool_mb << 20 if m == 1 else 0)
         kestrel_t.append(time_kestrel(x, copies, min_seconds, repeats))
+        tiles_t.append(time_kestrel(x, copies, min_seconds, repeats, vnni=False))
     time.sleep(0.5)
     rows = []
-    for (name, m, w, x), t_k in zip(cases, kestrel_t):
+    for (name, m, w, x), t_k, t_t in zip(cases, kestrel_t, tiles_t):
         mats = pool(w.dequantize, w.n * w.k * 4, pool_mb << 20 if m == 1 else 0)  # float32 [N, K] each
         t_b = time_blas(x, mats, min_seconds, repeats)
         flops = 2 * m * w.n * w.k
-        rows.append(Row(name, m, w.n, w.k, t_k * 1e6, w.nbytes / t_k / 1e9, flops / t_k / 1e9,
+        rows.append(Row(name, m, w.n, w.k, t_k * 1e6, w.nbytes / t_k / 1e9, flops / t_k / 1e9, t_t * 1e6,
                         t_b * 1e6, w.n * w.k * 4 / t_b / 1e9, flops / t_b / 1e9))
     return rows
 
@@ -162,15 +179,16 @@ def main() -> None:
     for key, value in info.items():
         console.print(f"[bold]{key}[/]: {value}")
     table = Table(title="CPU GEMM: kestrel int8 (hook) vs numpy float32 BLAS (A @ W.T), median per call")
-    for col in ("shape", "M", "N x K", "kestrel us", "kestrel GB/s", "kestrel GFLOP/s", "BLAS us", "BLAS GB/s",
-                "BLAS GFLOP/s", "speed-up"):
+    for col in ("shape", "M", "N x K", "kestrel us", "kestrel GB/s", "kestrel GFLOP/s", "vpmaddwd us", "BLAS us",
+                "BLAS GB/s", "BLAS GFLOP/s", "speed-up"):
         table.add_column(col, justify="left" if col == "shape" else "right")
     for r in rows:
         table.add_row(r.shape, str(r.m), f"{r.n} x {r.k}", f"{r.kestrel_us:.1f}", f"{r.kestrel_gbs:.2f}",
-                      f"{r.kestrel_gflops:.1f}", f"{r.blas_us:.1f}", f"{r.blas_gbs:.2f}", f"{r.blas_gflops:.1f}",
+                      f"{r.kestrel_gflops:.1f}", f"{r.vpmaddwd_us:.1f}", f"{r.blas_us:.1f}", f"{r.blas_gbs:.2f}",
+                      f"{r.blas_gflops:.1f}",
                       f"{r.blas_us / r.kestrel_us:.2f}x")
     for m, (kt, bt) in totals.items():
-        table.add_row(f"per forward (M={m})", str(m), "30 layers + lm_head", f"{kt * 1e6:.0f}", "", "",
+        table.add_row(f"per forward (M={m})", str(m), "30 layers + lm_head", f"{kt * 1e6:.0f}", "", "", "",
                       f"{bt * 1e6:.0f}", "", "", f"{bt / kt:.2f}x", end_section=m == ms[0])
         unit = "decode tok/s" if m == 1 else "prefill tok/s"
         console.print(f"GEMM-only bound at M={m}: kestrel {m / kt:.0f} {unit}, BLAS {m / bt:.0f} {unit}")

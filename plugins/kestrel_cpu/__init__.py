@@ -2,7 +2,9 @@
 
 The GEMMs run compiled int8 kernels (``kestrel_cpu.kernels``, numba) that compute the contract's exact
 integer block sums and differ from ``kestrel_core.contract.reference_gemm_*`` only in float rounding order
-(tests/kestrel_cpu state the bound). Where numba cannot be imported, or with ``KESTREL_CPU_REFERENCE=1``,
+(tests/kestrel_cpu state the bound). On a CPU with AVX-512 VNNI each weight is repacked once for them, on
+first use, and kept under its wkey until the device closes (as much memory again as the int8 codes).
+Where numba cannot be imported, or with ``KESTREL_CPU_REFERENCE=1``,
 the backend runs the numpy reference functions themselves.
 """
 
@@ -19,6 +21,7 @@ from kestrel_core.contract import StripCache, reference_gemm_f32, reference_gemm
 from kestrel_core.env import env_flag
 from kestrel_core.errors import ContractError
 from kestrel_core.hookspecs import API_VERSION, BackendInfo, hookimpl
+from kestrel_core.wkey import NO_CACHE
 
 log = logging.getLogger("kestrel")
 
@@ -40,7 +43,28 @@ def _load_kernels() -> tuple[ModuleType | None, str]:
 class CpuDevice:
     def __init__(self) -> None:
         self.kernels, why = _load_kernels()
-        self.description = "host CPU (numba int8 kernels)" if self.kernels else f"host CPU (numpy reference; {why})"
+        vnni = self.kernels is not None and self.kernels.VNNI
+        self.description = (f"host CPU (numba int8 kernels{', AVX-512 VNNI' if vnni else ''})" if self.kernels
+                            else f"host CPU (numpy reference; {why})")
+        # wkey -> (the codes it was packed from, the VNNI-packed weights): packed once, on first use
+        self.packed: dict[int, tuple[tuple[np.ndarray, ...], Any]] = {}
+
+    def packed_for(self, wkey: int, weights: list[StripCache]) -> Any:
+        """The VNNI-packed form of ``weights`` (rows concatenated), cached under ``wkey``; None without VNNI.
+
+        An entry holds the codes it was made from, so their memory cannot be reused by another weight under
+        the same wkey (another model's) while it lives; a different array under that wkey replaces it."""
+        kernels = self.kernels
+        if kernels is None or not kernels.VNNI:
+            return None
+        codes = tuple(w.codes for w in weights)
+        if wkey == NO_CACHE:
+            return kernels.Packed(codes, tuple(w.scales for w in weights))
+        hit = self.packed.get(wkey)
+        if hit is None or len(hit[0]) != len(codes) or any(a is not b for a, b in zip(hit[0], codes)):
+            hit = (codes, kernels.Packed(codes, tuple(w.scales for w in weights)))
+            self.packed[wkey] = hit
+        return hit[1]
 
 
 @hookimpl
@@ -56,7 +80,7 @@ def kestrel_open(options: dict[str, Any]) -> CpuDevice:
 
 @hookimpl
 def kestrel_close(device: CpuDevice) -> None:
-    pass
+    device.packed.clear()
 
 
 def _c_array(x: Any, dtype: type, name: str) -> np.ndarray:
@@ -86,7 +110,8 @@ def kestrel_gemm_q8(device: CpuDevice, a_codes: np.ndarray, a_scales: np.ndarray
     if device.kernels is None:
         return reference_gemm_q8(a_codes, a_scales, weight)
     a_codes, a_scales = _activations(a_codes, a_scales, weight)
-    return device.kernels.gemm_q8(a_codes, a_scales, weight.codes, weight.scales)
+    return device.kernels.gemm_q8(a_codes, a_scales, weight.codes, weight.scales,
+                                  device.packed_for(wkey, [weight]))
 
 
 @hookimpl
@@ -102,7 +127,7 @@ def kestrel_gemm_fused_q8(device: CpuDevice, a_codes: np.ndarray, a_scales: np.n
         return [reference_gemm_q8(a_codes, a_scales, w) for w in weights]
     a_codes, a_scales = _activations(a_codes, a_scales, first)
     return device.kernels.gemm_q8_multi(a_codes, a_scales, [w.codes for w in weights],
-                                        [w.scales for w in weights])
+                                        [w.scales for w in weights], device.packed_for(fused_wkey, weights))
 
 
 @hookimpl

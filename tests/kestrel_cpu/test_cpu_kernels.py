@@ -63,9 +63,13 @@ def test_gemm_q8_matches_reference(shape: tuple[int, int, int, int, int, int]) -
     m, n, blocks, g, bits, seed = shape
     rng = np.random.default_rng(seed)
     a_codes, a_scales, w, a_abs = _q8_inputs(rng, m, n, blocks * g, g, bits)
-    got = kernels.gemm_q8(a_codes, a_scales, w.codes, w.scales)
-    assert got.dtype == np.float32 and got.shape == (m, n)
-    np.testing.assert_array_equal(got, reference_gemm_q8(a_codes, a_scales, w))
+    ref = reference_gemm_q8(a_codes, a_scales, w)
+    for vnni in sorted({False, kernels.VNNI}):  # the vpmaddwd kernels, and the VNNI ones where the CPU has them
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(kernels, "VNNI", vnni)
+            got = kernels.gemm_q8(a_codes, a_scales, w.codes, w.scales)
+        assert got.dtype == np.float32 and got.shape == (m, n)
+        np.testing.assert_array_equal(got, ref)
 
 
 def test_gemm_q8_keeps_negative_zero_and_the_block_order() -> None:
@@ -249,7 +253,55 @@ def test_parallel_and_serial_builds_have_their_own_disk_cache() -> None:
     """numba keys its on-disk cache by qualified name and line: one shared name made the parallel build load
     the serial build's code (one thread) whenever the serial one was cached first."""
     for par, ser in ((kernels._gemm_q8_parallel, kernels._gemm_q8_serial),
+                     (kernels._gemm_packed_parallel, kernels._gemm_packed_serial),
                      (kernels._gemm_f32_parallel, kernels._gemm_f32_serial)):
         assert par.targetoptions.get("parallel") and not ser.targetoptions.get("parallel")
         assert par.py_func.__qualname__ != ser.py_func.__qualname__
         assert par.py_func.__code__ is ser.py_func.__code__  # the same arithmetic
+
+
+needs_vnni = pytest.mark.skipif(not kernels.VNNI, reason="this CPU has no AVX-512 VNNI: the vpmaddwd kernels run")
+
+
+@needs_vnni
+@pytest.mark.parametrize(("m", "n", "k", "g", "bits"), [(1, 576, 576, 32, 8), (8, 17, 256, 256, 4),
+                                                       (13, 48, 64, 32, 8), (64, 100, 512, 256, 8)])
+def test_packed_layout_holds_each_weight_exactly(m: int, n: int, k: int, g: int, bits: int) -> None:
+    """Packed codes are code + 128 at (column group, k-quad, column, k), zero codes in the padding; the VNNI
+    result equals the reference's for rows beside padded columns, int4 and G = 256 too, extreme codes
+    included."""
+    rng = np.random.default_rng(k + n)
+    a_codes, a_scales, w, _ = _q8_inputs(rng, m, n, k, g, bits)
+    a_codes[0, :32] = -127  # the bias's correction at its extremes
+    lo, hi = (-127, 127) if bits == 8 else (-8, 7)
+    w.codes[0, :8], w.codes[-1, :8] = lo, hi
+    packed = kernels.Packed((w.codes,), (w.scales,))
+    groups = -(-n // 16)
+    assert packed.codes.shape == (groups, k * 16) and packed.rows == (n,)
+    layout = packed.codes.reshape(groups, k // 4, 16, 4).transpose(0, 2, 1, 3).reshape(groups * 16, k)
+    np.testing.assert_array_equal(layout[:n].astype(np.int16) - 128, w.codes)
+    assert (layout[n:] == 128).all()
+    np.testing.assert_array_equal(kernels.gemm_q8(a_codes, a_scales, w.codes, w.scales, packed),
+                                  reference_gemm_q8(a_codes, a_scales, w))
+
+
+@needs_vnni
+def test_backend_packs_each_weight_once_under_its_wkey(cpu: Backend) -> None:
+    """A wkey's packed weights are made once and reused; another array under the same wkey (another model's)
+    replaces them; wkey 0 is never cached; closing the device drops them."""
+    import kestrel_cpu
+
+    device = kestrel_cpu.kestrel_open(options={})
+    rng = np.random.default_rng(4)
+    a_codes, a_scales, w, _ = _q8_inputs(rng, 3, 40, 64, 32, 8)
+    first = device.packed_for(7, [w])
+    assert device.packed_for(7, [w]) is first and set(device.packed) == {7}
+    other = StripCache(w.codes.copy(), w.scales.copy(), w.group_size, w.bits)
+    assert device.packed_for(7, [other]) is not first
+    device.packed_for(0, [w])
+    assert set(device.packed) == {7}
+    got = kestrel_cpu.kestrel_gemm_q8(device=device, a_codes=a_codes, a_scales=a_scales, weight=w, wkey=9)
+    np.testing.assert_array_equal(got, reference_gemm_q8(a_codes, a_scales, w))
+    assert set(device.packed) == {7, 9}
+    kestrel_cpu.kestrel_close(device=device)
+    assert not device.packed
