@@ -2,8 +2,9 @@
 
 The GEMMs run compiled int8 kernels (``kestrel_cpu.kernels``, numba) that compute the contract's exact
 integer block sums and differ from ``kestrel_core.contract.reference_gemm_*`` only in float rounding order
-(tests/kestrel_cpu state the bound). On a CPU with AVX-512 VNNI each weight is repacked once for them, on
-first use, and kept under its wkey until the device closes (as much memory again as the int8 codes).
+(tests/kestrel_cpu state the bound). On a CPU with AVX-512 VNNI each weight is repacked once for them (the
+int8 and the float32 GEMMs share it), on first use, and kept under its wkey until the device closes (as
+much memory again as the int8 codes).
 Where numba cannot be imported, or with ``KESTREL_CPU_REFERENCE=1``,
 the backend runs the numpy reference functions themselves.
 """
@@ -46,23 +47,23 @@ class CpuDevice:
         vnni = self.kernels is not None and self.kernels.VNNI
         self.description = (f"host CPU (numba int8 kernels{', AVX-512 VNNI' if vnni else ''})" if self.kernels
                             else f"host CPU (numpy reference; {why})")
-        # wkey -> (the codes it was packed from, the VNNI-packed weights): packed once, on first use
-        self.packed: dict[int, tuple[tuple[np.ndarray, ...], Any]] = {}
+        # wkey -> (the codes it was packed from, the VNNI-packed weight): packed once, on first use, and used
+        # by the int8 and the float32 GEMMs alike
+        self.packed: dict[int, tuple[np.ndarray, Any]] = {}
 
-    def packed_for(self, wkey: int, weights: list[StripCache]) -> Any:
-        """The VNNI-packed form of ``weights`` (rows concatenated), cached under ``wkey``; None without VNNI.
+    def packed_for(self, wkey: int, weight: StripCache) -> Any:
+        """The VNNI-packed form of ``weight``, cached under ``wkey``; None without VNNI.
 
         An entry holds the codes it was made from, so their memory cannot be reused by another weight under
         the same wkey (another model's) while it lives; a different array under that wkey replaces it."""
         kernels = self.kernels
         if kernels is None or not kernels.VNNI:
             return None
-        codes = tuple(w.codes for w in weights)
         if wkey == NO_CACHE:
-            return kernels.Packed(codes, tuple(w.scales for w in weights))
+            return kernels.Packed(weight.codes, weight.scales)
         hit = self.packed.get(wkey)
-        if hit is None or len(hit[0]) != len(codes) or any(a is not b for a, b in zip(hit[0], codes)):
-            hit = (codes, kernels.Packed(codes, tuple(w.scales for w in weights)))
+        if hit is None or hit[0] is not weight.codes:
+            hit = (weight.codes, kernels.Packed(weight.codes, weight.scales))
             self.packed[wkey] = hit
         return hit[1]
 
@@ -110,8 +111,7 @@ def kestrel_gemm_q8(device: CpuDevice, a_codes: np.ndarray, a_scales: np.ndarray
     if device.kernels is None:
         return reference_gemm_q8(a_codes, a_scales, weight)
     a_codes, a_scales = _activations(a_codes, a_scales, weight)
-    return device.kernels.gemm_q8(a_codes, a_scales, weight.codes, weight.scales,
-                                  device.packed_for(wkey, [weight]))
+    return device.kernels.gemm_q8(a_codes, a_scales, weight.codes, weight.scales, device.packed_for(wkey, weight))
 
 
 @hookimpl
@@ -126,8 +126,9 @@ def kestrel_gemm_fused_q8(device: CpuDevice, a_codes: np.ndarray, a_scales: np.n
     if device.kernels is None:
         return [reference_gemm_q8(a_codes, a_scales, w) for w in weights]
     a_codes, a_scales = _activations(a_codes, a_scales, first)
+    packs = None if not device.kernels.VNNI else [device.packed_for(k, w) for k, w in zip(wkeys, weights)]
     return device.kernels.gemm_q8_multi(a_codes, a_scales, [w.codes for w in weights],
-                                        [w.scales for w in weights], device.packed_for(fused_wkey, weights))
+                                        [w.scales for w in weights], packs)
 
 
 @hookimpl
@@ -137,4 +138,4 @@ def kestrel_gemm_f32(device: CpuDevice, a: np.ndarray, weight: StripCache, wkey:
     a = _c_array(np.asarray(a, dtype=np.float32), np.float32, "a")
     if a.shape[1] != weight.k:
         raise ContractError(f"activations {list(a.shape)} do not match a weight of K={weight.k}")
-    return device.kernels.gemm_f32(a, weight.codes, weight.scales)
+    return device.kernels.gemm_f32(a, weight.codes, weight.scales, device.packed_for(wkey, weight))

@@ -295,13 +295,79 @@ def _make_packed_tile(rows: int) -> Any:
     return packed_tile
 
 
+def _make_packed_f32_tile(rows: int) -> Any:
+    """An intrinsic like the int8 packed tile for float32 activations: out[m0+r, 16j + c] = sum_g w_scale *
+    (sum_{k in g} a[k] * code[k]), the codes of each k taken out of the packed vector as 16 floats and
+    multiplied into 16 lanes with a fused multiply-add (the float32 path has no fixed order: it is held to
+    the contract's bound, not to the reference's bits; every row runs the same sequence whatever the tile).
+
+    Arguments: wp, wp_off, wsp, wsp_off as the int8 tile's; a float32, a_off, a_stride; ng; gq; out, out_off,
+    out_stride.
+    """
+
+    @intrinsic
+    def packed_f32_tile(typingctx: Any, wp: Any, wp_off: Any, wsp: Any, wsp_off: Any, a: Any, a_off: Any,
+                        a_stride: Any, ng: Any, gq: Any, out: Any, out_off: Any, out_stride: Any) -> Any:
+        sig = types.void(wp, wp_off, wsp, wsp_off, a, a_off, a_stride, ng, gq, out, out_off, out_stride)
+
+        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[ir.Value]) -> Any:
+            wp_, wp_off_, wsp_, wsp_off_, a_, a_off_, a_stride_, ng_, gq_, out_, out_off_, out_stride_ = args
+            targs = signature.args
+            idx = wp_off_.type
+            name = "llvm.fma.v16f32"
+            fma = builder.module.globals.get(name) or ir.Function(
+                builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), name)
+            v64 = ir.VectorType(_I8, PACK_COLS * PACK_K)
+            v16b = ir.VectorType(_I8, PACK_COLS)
+            pw = _data_ptr(context, builder, targs[0], wp_, wp_off_)
+            pws = _data_ptr(context, builder, targs[2], wsp_, wsp_off_)
+            pa = [_data_ptr(context, builder, targs[4], a_,
+                            builder.add(a_off_, builder.mul(a_stride_, ir.Constant(idx, r)))) for r in range(rows)]
+            facc = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * PACK_COLS)) for _ in range(rows)]
+            bacc = [cgutils.alloca_once(builder, _V16F) for _ in range(rows)]
+            bias = ir.Constant(_V16F, [128.0] * PACK_COLS)
+            with cgutils.for_range(builder, ng_) as gloop:
+                g = gloop.index
+                for r in range(rows):
+                    builder.store(ir.Constant(_V16F, [0.0] * PACK_COLS), bacc[r])
+                with cgutils.for_range(builder, gq_) as qloop:
+                    quad = builder.add(builder.mul(g, gq_), qloop.index)
+                    wv = builder.load(builder.bitcast(builder.gep(pw, [builder.mul(quad, ir.Constant(idx, 64))]),
+                                                      v64.as_pointer()), align=1)
+                    for kk in range(PACK_K):
+                        cols = builder.shuffle_vector(wv, ir.Constant(v64, ir.Undefined), ir.Constant(
+                            ir.VectorType(_I32, PACK_COLS), [PACK_K * c + kk for c in range(PACK_COLS)]))
+                        assert cols.type == v16b
+                        wk = builder.fsub(builder.uitofp(cols, _V16F), bias)  # the codes, exactly
+                        at = builder.add(builder.mul(quad, ir.Constant(idx, PACK_K)), ir.Constant(idx, kk))
+                        for r in range(rows):
+                            av = _splat(builder, builder.load(builder.gep(pa[r], [at])), _V16F)
+                            builder.store(builder.call(fma, [av, wk, builder.load(bacc[r])]), bacc[r])
+                wsv = builder.load(builder.bitcast(builder.gep(pws, [builder.mul(g, ir.Constant(idx, PACK_COLS))]),
+                                                   _V16F.as_pointer()), align=4)
+                for r in range(rows):
+                    builder.store(builder.call(fma, [builder.load(bacc[r]), wsv, builder.load(facc[r])]), facc[r])
+            pout = _data_ptr(context, builder, targs[9], out_, out_off_)
+            for r in range(rows):
+                dst = builder.gep(pout, [builder.mul(out_stride_, ir.Constant(idx, r))])
+                builder.store(builder.load(facc[r]), builder.bitcast(dst, _V16F.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return packed_f32_tile
+
+
 _packed8 = _make_packed_tile(PACK_ROWS)
 _packed1 = _make_packed_tile(1)
+_packed_f32_8 = _make_packed_f32_tile(PACK_ROWS)
+_packed_f32_1 = _make_packed_f32_tile(1)
 
 
-def _gemm_packed_body(wp: np.ndarray, wsp: np.ndarray, a: np.ndarray, a_scales: np.ndarray, out: np.ndarray) -> None:
-    # wp: [NG, K/4 * 64] uint8 packed codes; wsp: [NG, ng * 16] packed scales; a: [M, K] int8; a_scales:
-    # [M, ng]; out: [M, NG * 16]. A column group's packed codes stay in cache for all its row tiles.
+def _gemm_packed_body(wps: tuple, wsps: tuple, a: np.ndarray, a_scales: np.ndarray, out: np.ndarray) -> None:
+    # wps[i]: [NG_i, K/4 * 64] uint8 packed codes; wsps[i]: [NG_i, ng * 16] packed scales (NG_i = 0 pads the
+    # tuple); a: [M, K] int8; a_scales: [M, ng]; out: [M, sum NG_i * 16], weight i in its groups' columns.
+    # A column group's packed codes stay in cache for all its row tiles.
     m_rows, k = a.shape
     ng = a_scales.shape[1]
     g_size = k // ng
@@ -313,45 +379,66 @@ def _gemm_packed_body(wp: np.ndarray, wsp: np.ndarray, a: np.ndarray, a_scales: 
             for i in range(g * g_size, (g + 1) * g_size):
                 total += np.int32(a[m, i])
             a_sums[m, g] = total
+    nw = len(wps)
+    start = np.zeros(nw + 1, np.int64)  # each weight's first column group
+    for i in range(nw):
+        start[i + 1] = start[i] + wps[i].shape[0]
+    m8 = m_rows - m_rows % PACK_ROWS
+    n_out = out.shape[1]
+    for j in prange(start[nw]):
+        i = 0
+        while j >= start[i + 1]:
+            i += 1
+        wp, wsp, jj = wps[i], wsps[i], j - start[i]
+        for m in range(0, m8, PACK_ROWS):
+            _packed8(wp, jj * wp.shape[1], wsp, jj * wsp.shape[1], a, m * k, k, a_scales, a_sums, m * ng, ng, ng,
+                     gq, out, m * n_out + j * PACK_COLS, n_out)
+        for m in range(m8, m_rows):
+            _packed1(wp, jj * wp.shape[1], wsp, jj * wsp.shape[1], a, m * k, k, a_scales, a_sums, m * ng, ng, ng,
+                     gq, out, m * n_out + j * PACK_COLS, n_out)
+
+
+def _gemm_packed_f32_body(wp: np.ndarray, wsp: np.ndarray, a: np.ndarray, out: np.ndarray) -> None:
+    # wp, wsp: one packed weight; a: [M, K] float32; out: [M, NG * 16]
+    m_rows, k = a.shape
+    ng = wsp.shape[1] // PACK_COLS
+    gq = k // ng // PACK_K
     m8 = m_rows - m_rows % PACK_ROWS
     n_out = out.shape[1]
     for j in prange(wp.shape[0]):
         for m in range(0, m8, PACK_ROWS):
-            _packed8(wp, j * wp.shape[1], wsp, j * wsp.shape[1], a, m * k, k, a_scales, a_sums, m * ng, ng, ng, gq,
-                     out, m * n_out + j * PACK_COLS, n_out)
+            _packed_f32_8(wp, j * wp.shape[1], wsp, j * wsp.shape[1], a, m * k, k, ng, gq, out,
+                          m * n_out + j * PACK_COLS, n_out)
         for m in range(m8, m_rows):
-            _packed1(wp, j * wp.shape[1], wsp, j * wsp.shape[1], a, m * k, k, a_scales, a_sums, m * ng, ng, ng, gq,
-                     out, m * n_out + j * PACK_COLS, n_out)
+            _packed_f32_1(wp, j * wp.shape[1], wsp, j * wsp.shape[1], a, m * k, k, ng, gq, out,
+                          m * n_out + j * PACK_COLS, n_out)
 
 
 class Packed:
-    """Weights (one, or several sharing K and G, rows concatenated) in the VNNI layout: ``codes`` uint8
-    [N/16, K/4 * 64] (column group, k-quad, column, k; code + 128; N padded to 16 with zero codes), ``scales``
-    float32 [N/16, ng * 16] (column group, block, column), and the rows each weight contributes."""
+    """One weight in the VNNI layout: ``codes`` uint8 [N/16, K/4 * 64] (column group, k-quad, column, k;
+    code + 128; N padded to 16 with zero codes), ``scales`` float32 [N/16, ng * 16] (column group, block,
+    column); ``n`` its rows."""
 
-    __slots__ = ("codes", "scales", "rows", "nbytes")
+    __slots__ = ("codes", "scales", "n", "nbytes")
 
-    def __init__(self, codes: tuple[np.ndarray, ...], scales: tuple[np.ndarray, ...]) -> None:
-        all_codes = codes[0] if len(codes) == 1 else np.concatenate(codes)
-        all_scales = scales[0] if len(scales) == 1 else np.concatenate(scales)
-        n, k = all_codes.shape
-        ng = all_scales.shape[1]
+    def __init__(self, codes: np.ndarray, scales: np.ndarray) -> None:
+        n, k = codes.shape
+        ng = scales.shape[1]
         n_pad = -(-n // PACK_COLS) * PACK_COLS
-        self.rows = tuple(c.shape[0] for c in codes)
-        if n_pad == 0:
-            self.codes = np.zeros((0, k * PACK_COLS), np.uint8)
-            self.scales = np.zeros((0, ng * PACK_COLS), np.float32)
-            self.nbytes = 0
-            return
-        biased = np.full((n_pad, k), 128, np.uint8)
-        np.add(all_codes, 128, out=biased[:n], casting="unsafe", dtype=np.int16)
         groups = n_pad // PACK_COLS
+        self.n = n
+        biased = np.full((n_pad, k), 128, np.uint8)
+        np.add(codes, 128, out=biased[:n], casting="unsafe", dtype=np.int16)
         self.codes = np.ascontiguousarray(
-            biased.reshape(groups, PACK_COLS, k // PACK_K, PACK_K).transpose(0, 2, 1, 3)).reshape(groups, -1)
+            biased.reshape(groups, PACK_COLS, k // PACK_K, PACK_K).transpose(0, 2, 1, 3)).reshape(groups, k * PACK_COLS)
         padded = np.zeros((n_pad, ng), np.float32)
-        padded[:n] = all_scales
-        self.scales = np.ascontiguousarray(padded.reshape(groups, PACK_COLS, ng).transpose(0, 2, 1)).reshape(groups, -1)
+        padded[:n] = scales
+        self.scales = np.ascontiguousarray(
+            padded.reshape(groups, PACK_COLS, ng).transpose(0, 2, 1)).reshape(groups, ng * PACK_COLS)
         self.nbytes = self.codes.nbytes + self.scales.nbytes
+
+
+_NO_PACKED = Packed(np.zeros((0, CHUNK), np.int8), np.zeros((0, 1), np.float32))
 
 
 BLOCK_BYTES = 16 << 10  # prefill: weight rows per work item, so their codes and a 4-row tile fit L1
@@ -445,6 +532,8 @@ _gemm_q8_parallel = njit(parallel=True, cache=True, nogil=True)(_named_copy(_gem
 _gemm_q8_serial = njit(cache=True, nogil=True)(_named_copy(_gemm_q8_body, "_serial"))
 _gemm_packed_parallel = njit(parallel=True, cache=True, nogil=True)(_named_copy(_gemm_packed_body, "_parallel"))
 _gemm_packed_serial = njit(cache=True, nogil=True)(_named_copy(_gemm_packed_body, "_serial"))
+_gemm_packed_f32_parallel = njit(parallel=True, cache=True, nogil=True)(_named_copy(_gemm_packed_f32_body, "_parallel"))
+_gemm_packed_f32_serial = njit(cache=True, nogil=True)(_named_copy(_gemm_packed_f32_body, "_serial"))
 
 PARALLEL_MIN_MACS = 1 << 18
 MAX_WEIGHTS = 3
@@ -485,11 +574,11 @@ def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, codes: np.ndarray, w_scal
             packed: Packed | None = None) -> np.ndarray:
     """float32 [M, N] = contract GEMM of int8 activations [M, K] (scales [M, K/G]) and codes [N, K].
 
-    The caller checks shapes and dtypes; arrays must be C-contiguous. ``packed``: these very weights as
-    ``Packed`` (with VNNI; else packed for this call).
+    The caller checks shapes and dtypes; arrays must be C-contiguous. ``packed``: this very weight as
+    ``Packed`` (with VNNI; else it is packed for this call).
     """
     if VNNI:
-        return np.ascontiguousarray(_gemm_packed(a_codes, a_scales, packed or Packed((codes,), (w_scales,)))[0])
+        return np.ascontiguousarray(_gemm_packed(a_codes, a_scales, [packed or Packed(codes, w_scales)])[0])
     m, k = a_codes.shape
     out = np.empty((m, codes.shape[0]), dtype=np.float32)
     _run(a_codes, a_scales, (codes, _NO_CODES, _NO_CODES), (w_scales, _NO_SCALES, _NO_SCALES), out)
@@ -497,17 +586,17 @@ def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, codes: np.ndarray, w_scal
 
 
 def gemm_q8_multi(a_codes: np.ndarray, a_scales: np.ndarray, codes: list[np.ndarray],
-                  w_scales: list[np.ndarray], packed: Packed | None = None) -> list[np.ndarray]:
+                  w_scales: list[np.ndarray], packed: list[Packed] | None = None) -> list[np.ndarray]:
     """``gemm_q8`` against up to three weights sharing K and G, in one pass: a list of float32 [M, N_i].
 
     The outputs are column slices of one [M, sum N_i] array; every output element is computed with the same
     arithmetic whatever the tile or the split into weights, so results are bit-identical to separate calls.
-    ``packed``: these weights, rows concatenated, as ``Packed``.
+    ``packed``: each weight as ``Packed``.
     """
-    if VNNI:
-        return _gemm_packed(a_codes, a_scales, packed or Packed(tuple(codes), tuple(w_scales)))
     if not 1 <= len(codes) <= MAX_WEIGHTS:
         raise ValueError(f"gemm_q8_multi takes 1 to {MAX_WEIGHTS} weights, got {len(codes)}")
+    if VNNI:
+        return _gemm_packed(a_codes, a_scales, packed or [Packed(c, s) for c, s in zip(codes, w_scales)])
     pad = MAX_WEIGHTS - len(codes)
     ns = [c.shape[0] for c in codes]
     out = np.empty((a_codes.shape[0], sum(ns)), dtype=np.float32)
@@ -519,16 +608,17 @@ def gemm_q8_multi(a_codes: np.ndarray, a_scales: np.ndarray, codes: list[np.ndar
     return outs
 
 
-def _gemm_packed(a_codes: np.ndarray, a_scales: np.ndarray, packed: Packed) -> list[np.ndarray]:
+def _gemm_packed(a_codes: np.ndarray, a_scales: np.ndarray, packs: list[Packed]) -> list[np.ndarray]:
     m, k = a_codes.shape
-    out = np.empty((m, packed.codes.shape[0] * PACK_COLS), dtype=np.float32)
+    pad = [_NO_PACKED] * (MAX_WEIGHTS - len(packs))
+    out = np.empty((m, sum(p.codes.shape[0] for p in packs) * PACK_COLS), dtype=np.float32)
     if out.size:
         kernel = _gemm_packed_parallel if out.size * k >= PARALLEL_MIN_MACS else _gemm_packed_serial
-        kernel(packed.codes, packed.scales, a_codes, a_scales, out)
+        kernel(tuple(p.codes for p in packs + pad), tuple(p.scales for p in packs + pad), a_codes, a_scales, out)
     outs, start = [], 0
-    for n in packed.rows:
-        outs.append(out[:, start:start + n])
-        start += n
+    for p in packs:
+        outs.append(out[:, start:start + p.n])
+        start += p.codes.shape[0] * PACK_COLS
     return outs
 
 
@@ -543,13 +633,20 @@ def _run(a_codes: np.ndarray, a_scales: np.ndarray, codes: tuple, w_scales: tupl
     kernel(a_codes, a16, a_scales, codes, w_scales, out)
 
 
-def gemm_f32(a: np.ndarray, codes: np.ndarray, w_scales: np.ndarray) -> np.ndarray:
-    """float32 [M, N] = sum_g w_scale[n,g] * sum_{k in g} a[m,k] * codes[n,k]; a: float32 [M, K], C order."""
+def gemm_f32(a: np.ndarray, codes: np.ndarray, w_scales: np.ndarray, packed: Packed | None = None) -> np.ndarray:
+    """float32 [M, N] = sum_g w_scale[n,g] * sum_{k in g} a[m,k] * codes[n,k]; a: float32 [M, K], C order.
+    ``packed``: this weight as ``Packed`` (with VNNI's AVX-512; else it is packed for this call)."""
     m, k = a.shape
     n = codes.shape[0]
-    out = np.zeros((m, n), dtype=np.float32)
     if m == 0 or n == 0 or k == 0:
-        return out
+        return np.zeros((m, n), dtype=np.float32)
+    if VNNI:
+        packed = packed or Packed(codes, w_scales)
+        out = np.empty((m, packed.codes.shape[0] * PACK_COLS), dtype=np.float32)
+        kernel = _gemm_packed_f32_parallel if out.size * k >= PARALLEL_MIN_MACS else _gemm_packed_f32_serial
+        kernel(packed.codes, packed.scales, a, out)
+        return np.ascontiguousarray(out[:, :n])
+    out = np.zeros((m, n), dtype=np.float32)
     kernel = _gemm_f32_parallel if m * n * k >= PARALLEL_MIN_MACS else _gemm_f32_serial
     kernel(a, codes, w_scales, out)
     return out

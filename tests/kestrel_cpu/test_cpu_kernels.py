@@ -93,11 +93,14 @@ def test_gemm_f32_matches_reference(shape: tuple[int, int, int, int, int, int]) 
     rng = np.random.default_rng(seed)
     w = quantize_weight(rng.standard_normal((n, blocks * g)).astype(np.float32), bits, g)
     x = rng.standard_normal((m, blocks * g)).astype(np.float32)
-    got = kernels.gemm_f32(x, w.codes, w.scales)
     ref = reference_gemm_f32(x, w)
-    assert got.dtype == np.float32 and got.shape == (m, n)
-    err = np.abs(got.astype(np.float64) - ref)
-    assert np.all(err <= _tolerance(np.abs(x), w))
+    for vnni in sorted({False, kernels.VNNI}):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(kernels, "VNNI", vnni)
+            got = kernels.gemm_f32(x, w.codes, w.scales)
+        assert got.dtype == np.float32 and got.shape == (m, n)
+        err = np.abs(got.astype(np.float64) - ref)
+        assert np.all(err <= _tolerance(np.abs(x), w))
 
 
 @pytest.mark.parametrize("g", [32, 256])
@@ -275,14 +278,17 @@ def test_packed_layout_holds_each_weight_exactly(m: int, n: int, k: int, g: int,
     a_codes[0, :32] = -127  # the bias's correction at its extremes
     lo, hi = (-127, 127) if bits == 8 else (-8, 7)
     w.codes[0, :8], w.codes[-1, :8] = lo, hi
-    packed = kernels.Packed((w.codes,), (w.scales,))
+    packed = kernels.Packed(w.codes, w.scales)
     groups = -(-n // 16)
-    assert packed.codes.shape == (groups, k * 16) and packed.rows == (n,)
+    assert packed.codes.shape == (groups, k * 16) and packed.n == n
     layout = packed.codes.reshape(groups, k // 4, 16, 4).transpose(0, 2, 1, 3).reshape(groups * 16, k)
     np.testing.assert_array_equal(layout[:n].astype(np.int16) - 128, w.codes)
     assert (layout[n:] == 128).all()
     np.testing.assert_array_equal(kernels.gemm_q8(a_codes, a_scales, w.codes, w.scales, packed),
                                   reference_gemm_q8(a_codes, a_scales, w))
+    x = (a_codes * np.repeat(a_scales, g, axis=1)).astype(np.float32)
+    got = kernels.gemm_f32(x, w.codes, w.scales, packed)
+    assert np.all(np.abs(got - reference_gemm_f32(x, w)) <= _tolerance(np.abs(x), w))
 
 
 @needs_vnni
@@ -294,14 +300,32 @@ def test_backend_packs_each_weight_once_under_its_wkey(cpu: Backend) -> None:
     device = kestrel_cpu.kestrel_open(options={})
     rng = np.random.default_rng(4)
     a_codes, a_scales, w, _ = _q8_inputs(rng, 3, 40, 64, 32, 8)
-    first = device.packed_for(7, [w])
-    assert device.packed_for(7, [w]) is first and set(device.packed) == {7}
+    first = device.packed_for(7, w)
+    assert device.packed_for(7, w) is first and set(device.packed) == {7}
     other = StripCache(w.codes.copy(), w.scales.copy(), w.group_size, w.bits)
-    assert device.packed_for(7, [other]) is not first
-    device.packed_for(0, [w])
+    assert device.packed_for(7, other) is not first
+    device.packed_for(0, w)
     assert set(device.packed) == {7}
     got = kestrel_cpu.kestrel_gemm_q8(device=device, a_codes=a_codes, a_scales=a_scales, weight=w, wkey=9)
     np.testing.assert_array_equal(got, reference_gemm_q8(a_codes, a_scales, w))
-    assert set(device.packed) == {7, 9}
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    kestrel_cpu.kestrel_gemm_f32(device=device, a=x, weight=w, wkey=9)
+    assert set(device.packed) == {7, 9}  # the float32 GEMM shares the int8 one's packed weight
     kestrel_cpu.kestrel_close(device=device)
     assert not device.packed
+
+
+@pytest.mark.parametrize("vnni", [False, True])
+def test_f32_rows_do_not_depend_on_the_batch(vnni: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each row of the float32 GEMM runs one fixed sequence of operations, alone or in a tile of 8: the
+    scheduler's batched = alone guarantee holds for float32 prompts too."""
+    if vnni and not kernels.VNNI:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    monkeypatch.setattr(kernels, "VNNI", vnni)
+    rng = np.random.default_rng(8)
+    w = quantize_weight(rng.standard_normal((45, 576)).astype(np.float32), 8, 32)
+    x = rng.standard_normal((19, 576)).astype(np.float32)
+    batch = kernels.gemm_f32(x, w.codes, w.scales)
+    for i in (0, 7, 8, 18):
+        np.testing.assert_array_equal(kernels.gemm_f32(x[i:i + 1], w.codes, w.scales)[0], batch[i])
+    assert np.all(np.abs(batch - reference_gemm_f32(x, w)) <= _tolerance(np.abs(x), w))
