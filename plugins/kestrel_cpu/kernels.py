@@ -17,12 +17,9 @@ lanes, |sum| <= 127*127*256), and the float part follows the contract's order: `
 w_scale`` per block, added in block order, no fused multiply-add. Every tile shape does exactly this per
 output, so an output's bits do not depend on the tile, the thread split or the machine.
 
-Where the CPU has AVX-512 VNNI (``VNNI``), every int8 GEMM runs instead on weights repacked once per weight
-(``pack``, cached by the backend under the wkey): 16 output columns x 4 consecutive k in one 64-byte vector,
-biased to unsigned (code + 128). ``vpdpbusd`` multiplies it by four activation bytes broadcast to all 16
-lanes, so each lane accumulates one output's block sum with no horizontal reduction, and the block epilogue
-runs on 16 outputs at once; the bias comes back out exactly as 128 x the block's activation sum. On the
-SmolLM2 shapes that is 5-6x the vpmaddwd kernels' MAC rate at 8 rows (benchmarks/cpu_gemm.py).
+Where the CPU has AVX-512 VNNI (``VNNI``), ``gemm_q8``, ``gemm_q8_multi`` and ``gemm_f32`` run the kernels of
+``kestrel_cpu.packed`` instead, on each weight repacked once (the backend caches them under the wkey): 4-5x
+the vpmaddwd kernels' rate at 8 rows and more (benchmarks/cpu_gemm.py).
 
 This module lives in one file on purpose: numba's on-disk cache is invalidated by the timestamp of the file
 that holds the jitted function, so the intrinsics it inlines must sit in the same file.
@@ -30,9 +27,8 @@ that holds the jitted function, so the intrinsics it inlines must sit in the sam
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from types import FunctionType
 from typing import Any
 
 import numpy as np
@@ -41,14 +37,18 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from kestrel_cpu import packed
+from kestrel_cpu.codegen import F32 as _F32
+from kestrel_cpu.codegen import I8 as _I8
+from kestrel_cpu.codegen import I32 as _I32
+from kestrel_cpu.codegen import data_ptr as _data_ptr
+from kestrel_cpu.codegen import named_copy as _named_copy
+from kestrel_cpu.packed import Packed
+
 CHUNK = 32  # int8 values per vector step; every group size (32, 256) is a multiple
 LANES = 8
+VNNI = packed.HAS_VNNI  # the packed kernels run where True (tests turn it off to run the vpmaddwd kernels)
 
-_I8, _I32, _F32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
-
-
-def _data_ptr(context: Any, builder: ir.IRBuilder, aryty: Any, ary: ir.Value, offset: ir.Value) -> ir.Value:
-    return builder.gep(context.make_array(aryty)(context, builder, ary).data, [offset])
 
 
 def _hsum_int(builder: ir.IRBuilder, vec: ir.Value) -> ir.Value:
@@ -205,242 +205,6 @@ _dot1x2 = _make_tile_dot(1, 2)
 _dot4x1 = _make_tile_dot(4, 1)
 _dot4x2 = _make_tile_dot(4, 2)
 
-def _host_has_vnni() -> bool:
-    import llvmlite.binding as llvm
-
-    features = set(llvm.get_host_cpu_features().flatten().split(","))
-    return {"+avx512f", "+avx512bw", "+avx512vnni"} <= features
-
-
-VNNI = _host_has_vnni()
-PACK_COLS = 16  # output columns per packed vector (one zmm of int32 lanes)
-PACK_K = 4  # consecutive k per lane (vpdpbusd's dot product width)
-PACK_ROWS = 8  # activation rows per tile: 8 int32 and 8 float accumulators stay in zmm registers
-_V16I = ir.VectorType(_I32, PACK_COLS)
-_V16F = ir.VectorType(_F32, PACK_COLS)
-
-
-def _splat(builder: ir.IRBuilder, value: ir.Value, vec_ty: ir.VectorType) -> ir.Value:
-    one = builder.insert_element(ir.Constant(vec_ty, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, ir.Constant(vec_ty, ir.Undefined), ir.Constant(_V16I, [0] * PACK_COLS))
-
-
-def _make_packed_tile(rows: int) -> Any:
-    """An intrinsic for ``rows`` activation rows x 16 packed columns: out[m0+r, 16j + c] for c < 16.
-
-    Arguments (offsets in elements of flat C-ordered arrays): wp uint8 packed codes, wp_off (column group j);
-    wsp float32 packed scales, wsp_off; a int8, a_off (row m0), a_stride; a_scales and a_sums (int32 block
-    sums of the activations), as_off, as_stride; ng; gq (k-quads per block, G/4); out, out_off, out_stride.
-    """
-
-    @intrinsic
-    def packed_tile(typingctx: Any, wp: Any, wp_off: Any, wsp: Any, wsp_off: Any, a: Any, a_off: Any,
-                    a_stride: Any, asc: Any, asum: Any, as_off: Any, as_stride: Any, ng: Any, gq: Any, out: Any,
-                    out_off: Any, out_stride: Any) -> Any:
-        sig = types.void(wp, wp_off, wsp, wsp_off, a, a_off, a_stride, asc, asum, as_off, as_stride, ng, gq, out,
-                         out_off, out_stride)
-
-        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[ir.Value]) -> Any:
-            (wp_, wp_off_, wsp_, wsp_off_, a_, a_off_, a_stride_, asc_, asum_, as_off_, as_stride_, ng_, gq_,
-             out_, out_off_, out_stride_) = args
-            targs = signature.args
-            idx = wp_off_.type
-            name = "llvm.x86.avx512.vpdpbusd.512"
-            dot = builder.module.globals.get(name) or ir.Function(
-                builder.module, ir.FunctionType(_V16I, [_V16I, _V16I, _V16I]), name)
-
-            def row(aryty: Any, ary: ir.Value, base: ir.Value, stride: ir.Value, r: int) -> ir.Value:
-                offset = builder.add(base, builder.mul(stride, ir.Constant(idx, r)))
-                return _data_ptr(context, builder, aryty, ary, offset)
-
-            pw = _data_ptr(context, builder, targs[0], wp_, wp_off_)
-            pws = _data_ptr(context, builder, targs[2], wsp_, wsp_off_)
-            pa = [row(targs[4], a_, a_off_, a_stride_, r) for r in range(rows)]
-            pas = [row(targs[7], asc_, as_off_, as_stride_, r) for r in range(rows)]
-            psum = [row(targs[8], asum_, as_off_, as_stride_, r) for r in range(rows)]
-            facc = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * PACK_COLS)) for _ in range(rows)]
-            iacc = [cgutils.alloca_once(builder, _V16I) for _ in range(rows)]
-            vec_bytes = ir.Constant(idx, PACK_COLS * PACK_K)
-            with cgutils.for_range(builder, ng_) as gloop:
-                g = gloop.index
-                for r in range(rows):
-                    builder.store(ir.Constant(_V16I, [0] * PACK_COLS), iacc[r])
-                with cgutils.for_range(builder, gq_) as qloop:
-                    quad = builder.add(builder.mul(g, gq_), qloop.index)
-                    wv = builder.load(builder.bitcast(builder.gep(pw, [builder.mul(quad, vec_bytes)]),
-                                                      _V16I.as_pointer()), align=1)
-                    a_at = builder.mul(quad, ir.Constant(idx, PACK_K))
-                    for r in range(rows):  # four activation bytes, the same in every lane
-                        a4 = builder.load(builder.bitcast(builder.gep(pa[r], [a_at]), _I32.as_pointer()), align=1)
-                        acc = builder.call(dot, [builder.load(iacc[r]), wv, _splat(builder, a4, _V16I)])
-                        builder.store(acc, iacc[r])
-                # exact block sums: the bias of 128 on every code comes back out as 128 x sum(a); then the
-                # contract's float order, (float(sum_g) * a_scale) * w_scale added in block order, no FMA
-                wsv = builder.load(builder.bitcast(builder.gep(pws, [builder.mul(g, ir.Constant(idx, PACK_COLS))]),
-                                                   _V16F.as_pointer()), align=4)
-                for r in range(rows):
-                    bias = builder.mul(builder.load(builder.gep(psum[r], [g])), ir.Constant(_I32, 128))
-                    total = builder.sitofp(builder.sub(builder.load(iacc[r]), _splat(builder, bias, _V16I)), _V16F)
-                    a_sc = _splat(builder, builder.load(builder.gep(pas[r], [g])), _V16F)
-                    term = builder.fmul(builder.fmul(total, a_sc), wsv)
-                    builder.store(builder.fadd(builder.load(facc[r]), term), facc[r])
-            pout = _data_ptr(context, builder, targs[13], out_, out_off_)
-            for r in range(rows):
-                dst = builder.gep(pout, [builder.mul(out_stride_, ir.Constant(idx, r))])
-                builder.store(builder.load(facc[r]), builder.bitcast(dst, _V16F.as_pointer()), align=4)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return packed_tile
-
-
-def _make_packed_f32_tile(rows: int) -> Any:
-    """An intrinsic like the int8 packed tile for float32 activations: out[m0+r, 16j + c] = sum_g w_scale *
-    (sum_{k in g} a[k] * code[k]), the codes of each k taken out of the packed vector as 16 floats and
-    multiplied into 16 lanes with a fused multiply-add (the float32 path has no fixed order: it is held to
-    the contract's bound, not to the reference's bits; every row runs the same sequence whatever the tile).
-
-    Arguments: wp, wp_off, wsp, wsp_off as the int8 tile's; a float32, a_off, a_stride; ng; gq; out, out_off,
-    out_stride.
-    """
-
-    @intrinsic
-    def packed_f32_tile(typingctx: Any, wp: Any, wp_off: Any, wsp: Any, wsp_off: Any, a: Any, a_off: Any,
-                        a_stride: Any, ng: Any, gq: Any, out: Any, out_off: Any, out_stride: Any) -> Any:
-        sig = types.void(wp, wp_off, wsp, wsp_off, a, a_off, a_stride, ng, gq, out, out_off, out_stride)
-
-        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[ir.Value]) -> Any:
-            wp_, wp_off_, wsp_, wsp_off_, a_, a_off_, a_stride_, ng_, gq_, out_, out_off_, out_stride_ = args
-            targs = signature.args
-            idx = wp_off_.type
-            name = "llvm.fma.v16f32"
-            fma = builder.module.globals.get(name) or ir.Function(
-                builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), name)
-            v64 = ir.VectorType(_I8, PACK_COLS * PACK_K)
-            v16b = ir.VectorType(_I8, PACK_COLS)
-            pw = _data_ptr(context, builder, targs[0], wp_, wp_off_)
-            pws = _data_ptr(context, builder, targs[2], wsp_, wsp_off_)
-            pa = [_data_ptr(context, builder, targs[4], a_,
-                            builder.add(a_off_, builder.mul(a_stride_, ir.Constant(idx, r)))) for r in range(rows)]
-            facc = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * PACK_COLS)) for _ in range(rows)]
-            bacc = [cgutils.alloca_once(builder, _V16F) for _ in range(rows)]
-            bias = ir.Constant(_V16F, [128.0] * PACK_COLS)
-            with cgutils.for_range(builder, ng_) as gloop:
-                g = gloop.index
-                for r in range(rows):
-                    builder.store(ir.Constant(_V16F, [0.0] * PACK_COLS), bacc[r])
-                with cgutils.for_range(builder, gq_) as qloop:
-                    quad = builder.add(builder.mul(g, gq_), qloop.index)
-                    wv = builder.load(builder.bitcast(builder.gep(pw, [builder.mul(quad, ir.Constant(idx, 64))]),
-                                                      v64.as_pointer()), align=1)
-                    for kk in range(PACK_K):
-                        cols = builder.shuffle_vector(wv, ir.Constant(v64, ir.Undefined), ir.Constant(
-                            ir.VectorType(_I32, PACK_COLS), [PACK_K * c + kk for c in range(PACK_COLS)]))
-                        assert cols.type == v16b
-                        wk = builder.fsub(builder.uitofp(cols, _V16F), bias)  # the codes, exactly
-                        at = builder.add(builder.mul(quad, ir.Constant(idx, PACK_K)), ir.Constant(idx, kk))
-                        for r in range(rows):
-                            av = _splat(builder, builder.load(builder.gep(pa[r], [at])), _V16F)
-                            builder.store(builder.call(fma, [av, wk, builder.load(bacc[r])]), bacc[r])
-                wsv = builder.load(builder.bitcast(builder.gep(pws, [builder.mul(g, ir.Constant(idx, PACK_COLS))]),
-                                                   _V16F.as_pointer()), align=4)
-                for r in range(rows):
-                    builder.store(builder.call(fma, [builder.load(bacc[r]), wsv, builder.load(facc[r])]), facc[r])
-            pout = _data_ptr(context, builder, targs[9], out_, out_off_)
-            for r in range(rows):
-                dst = builder.gep(pout, [builder.mul(out_stride_, ir.Constant(idx, r))])
-                builder.store(builder.load(facc[r]), builder.bitcast(dst, _V16F.as_pointer()), align=4)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return packed_f32_tile
-
-
-_packed8 = _make_packed_tile(PACK_ROWS)
-_packed1 = _make_packed_tile(1)
-_packed_f32_8 = _make_packed_f32_tile(PACK_ROWS)
-_packed_f32_1 = _make_packed_f32_tile(1)
-
-
-def _gemm_packed_body(wps: tuple, wsps: tuple, a: np.ndarray, a_scales: np.ndarray, out: np.ndarray) -> None:
-    # wps[i]: [NG_i, K/4 * 64] uint8 packed codes; wsps[i]: [NG_i, ng * 16] packed scales (NG_i = 0 pads the
-    # tuple); a: [M, K] int8; a_scales: [M, ng]; out: [M, sum NG_i * 16], weight i in its groups' columns.
-    # A column group's packed codes stay in cache for all its row tiles.
-    m_rows, k = a.shape
-    ng = a_scales.shape[1]
-    g_size = k // ng
-    gq = g_size // PACK_K
-    a_sums = np.empty((m_rows, ng), np.int32)  # the bias's correction: each activation block's sum
-    for m in range(m_rows):
-        for g in range(ng):
-            total = np.int32(0)
-            for i in range(g * g_size, (g + 1) * g_size):
-                total += np.int32(a[m, i])
-            a_sums[m, g] = total
-    nw = len(wps)
-    start = np.zeros(nw + 1, np.int64)  # each weight's first column group
-    for i in range(nw):
-        start[i + 1] = start[i] + wps[i].shape[0]
-    m8 = m_rows - m_rows % PACK_ROWS
-    n_out = out.shape[1]
-    for j in prange(start[nw]):
-        i = 0
-        while j >= start[i + 1]:
-            i += 1
-        wp, wsp, jj = wps[i], wsps[i], j - start[i]
-        for m in range(0, m8, PACK_ROWS):
-            _packed8(wp, jj * wp.shape[1], wsp, jj * wsp.shape[1], a, m * k, k, a_scales, a_sums, m * ng, ng, ng,
-                     gq, out, m * n_out + j * PACK_COLS, n_out)
-        for m in range(m8, m_rows):
-            _packed1(wp, jj * wp.shape[1], wsp, jj * wsp.shape[1], a, m * k, k, a_scales, a_sums, m * ng, ng, ng,
-                     gq, out, m * n_out + j * PACK_COLS, n_out)
-
-
-def _gemm_packed_f32_body(wp: np.ndarray, wsp: np.ndarray, a: np.ndarray, out: np.ndarray) -> None:
-    # wp, wsp: one packed weight; a: [M, K] float32; out: [M, NG * 16]
-    m_rows, k = a.shape
-    ng = wsp.shape[1] // PACK_COLS
-    gq = k // ng // PACK_K
-    m8 = m_rows - m_rows % PACK_ROWS
-    n_out = out.shape[1]
-    for j in prange(wp.shape[0]):
-        for m in range(0, m8, PACK_ROWS):
-            _packed_f32_8(wp, j * wp.shape[1], wsp, j * wsp.shape[1], a, m * k, k, ng, gq, out,
-                          m * n_out + j * PACK_COLS, n_out)
-        for m in range(m8, m_rows):
-            _packed_f32_1(wp, j * wp.shape[1], wsp, j * wsp.shape[1], a, m * k, k, ng, gq, out,
-                          m * n_out + j * PACK_COLS, n_out)
-
-
-class Packed:
-    """One weight in the VNNI layout: ``codes`` uint8 [N/16, K/4 * 64] (column group, k-quad, column, k;
-    code + 128; N padded to 16 with zero codes), ``scales`` float32 [N/16, ng * 16] (column group, block,
-    column); ``n`` its rows."""
-
-    __slots__ = ("codes", "scales", "n", "nbytes")
-
-    def __init__(self, codes: np.ndarray, scales: np.ndarray) -> None:
-        n, k = codes.shape
-        ng = scales.shape[1]
-        n_pad = -(-n // PACK_COLS) * PACK_COLS
-        groups = n_pad // PACK_COLS
-        self.n = n
-        biased = np.full((n_pad, k), 128, np.uint8)
-        np.add(codes, 128, out=biased[:n], casting="unsafe", dtype=np.int16)
-        self.codes = np.ascontiguousarray(
-            biased.reshape(groups, PACK_COLS, k // PACK_K, PACK_K).transpose(0, 2, 1, 3)).reshape(groups, k * PACK_COLS)
-        padded = np.zeros((n_pad, ng), np.float32)
-        padded[:n] = scales
-        self.scales = np.ascontiguousarray(
-            padded.reshape(groups, PACK_COLS, ng).transpose(0, 2, 1)).reshape(groups, ng * PACK_COLS)
-        self.nbytes = self.codes.nbytes + self.scales.nbytes
-
-
-_NO_PACKED = Packed(np.zeros((0, CHUNK), np.int8), np.zeros((0, 1), np.float32))
-
-
 BLOCK_BYTES = 16 << 10  # prefill: weight rows per work item, so their codes and a 4-row tile fit L1
 TILE_MIN_M = 4  # below this, rows run one by one on int8 activations (decode: memory-bound anyway)
 
@@ -517,26 +281,14 @@ def _gemm_q8_body(a: np.ndarray, a16: np.ndarray, a_scales: np.ndarray, codes: t
                             ng, nchunk, out, m * n_total + j0 + n_pairs_end, n_total)
 
 
-def _named_copy(fn: Callable[..., Any], suffix: str) -> Callable[..., Any]:
-    """``fn`` under its own name. numba's on-disk cache is keyed by qualified name and source line, not by
-    compile options, so a parallel and a serial build of one function would load each other's code."""
-    copy = FunctionType(fn.__code__, fn.__globals__, fn.__name__ + suffix, fn.__defaults__, fn.__closure__)
-    copy.__qualname__ = fn.__qualname__ + suffix
-    return copy
-
-
 # Two builds of the same body: a parallel one, and a serial one for small products where waking the second
 # thread costs more than it saves (a decode k/v projection is 110 KB). Weights always come as a 3-tuple
 # (padded with an empty array), so each build compiles once for the single, Q/K/V and gate/up cases.
 _gemm_q8_parallel = njit(parallel=True, cache=True, nogil=True)(_named_copy(_gemm_q8_body, "_parallel"))
 _gemm_q8_serial = njit(cache=True, nogil=True)(_named_copy(_gemm_q8_body, "_serial"))
-_gemm_packed_parallel = njit(parallel=True, cache=True, nogil=True)(_named_copy(_gemm_packed_body, "_parallel"))
-_gemm_packed_serial = njit(cache=True, nogil=True)(_named_copy(_gemm_packed_body, "_serial"))
-_gemm_packed_f32_parallel = njit(parallel=True, cache=True, nogil=True)(_named_copy(_gemm_packed_f32_body, "_parallel"))
-_gemm_packed_f32_serial = njit(cache=True, nogil=True)(_named_copy(_gemm_packed_f32_body, "_serial"))
 
 PARALLEL_MIN_MACS = 1 << 18
-MAX_WEIGHTS = 3
+MAX_WEIGHTS = packed.MAX_WEIGHTS
 _NO_CODES = np.zeros((0, CHUNK), np.int8)
 _NO_SCALES = np.zeros((0, 1), np.float32)
 _NO_A16 = np.zeros((0, CHUNK), np.int16)
@@ -571,14 +323,14 @@ _gemm_f32_serial = njit(cache=True, nogil=True, fastmath=_F32_MATH)(_named_copy(
 
 
 def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, codes: np.ndarray, w_scales: np.ndarray,
-            packed: Packed | None = None) -> np.ndarray:
+            pack: Packed | None = None) -> np.ndarray:
     """float32 [M, N] = contract GEMM of int8 activations [M, K] (scales [M, K/G]) and codes [N, K].
 
-    The caller checks shapes and dtypes; arrays must be C-contiguous. ``packed``: this very weight as
+    The caller checks shapes and dtypes; arrays must be C-contiguous. ``pack``: this very weight as
     ``Packed`` (with VNNI; else it is packed for this call).
     """
     if VNNI:
-        return np.ascontiguousarray(_gemm_packed(a_codes, a_scales, [packed or Packed(codes, w_scales)])[0])
+        return np.ascontiguousarray(_gemm_packed(a_codes, a_scales, [pack or Packed(codes, w_scales)])[0])
     m, k = a_codes.shape
     out = np.empty((m, codes.shape[0]), dtype=np.float32)
     _run(a_codes, a_scales, (codes, _NO_CODES, _NO_CODES), (w_scales, _NO_SCALES, _NO_SCALES), out)
@@ -586,17 +338,17 @@ def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, codes: np.ndarray, w_scal
 
 
 def gemm_q8_multi(a_codes: np.ndarray, a_scales: np.ndarray, codes: list[np.ndarray],
-                  w_scales: list[np.ndarray], packed: list[Packed] | None = None) -> list[np.ndarray]:
+                  w_scales: list[np.ndarray], packs: list[Packed] | None = None) -> list[np.ndarray]:
     """``gemm_q8`` against up to three weights sharing K and G, in one pass: a list of float32 [M, N_i].
 
     The outputs are column slices of one [M, sum N_i] array; every output element is computed with the same
     arithmetic whatever the tile or the split into weights, so results are bit-identical to separate calls.
-    ``packed``: each weight as ``Packed``.
+    ``packs``: each weight as ``Packed``.
     """
     if not 1 <= len(codes) <= MAX_WEIGHTS:
         raise ValueError(f"gemm_q8_multi takes 1 to {MAX_WEIGHTS} weights, got {len(codes)}")
     if VNNI:
-        return _gemm_packed(a_codes, a_scales, packed or [Packed(c, s) for c, s in zip(codes, w_scales)])
+        return _gemm_packed(a_codes, a_scales, packs or [Packed(c, s) for c, s in zip(codes, w_scales)])
     pad = MAX_WEIGHTS - len(codes)
     ns = [c.shape[0] for c in codes]
     out = np.empty((a_codes.shape[0], sum(ns)), dtype=np.float32)
@@ -610,16 +362,8 @@ def gemm_q8_multi(a_codes: np.ndarray, a_scales: np.ndarray, codes: list[np.ndar
 
 def _gemm_packed(a_codes: np.ndarray, a_scales: np.ndarray, packs: list[Packed]) -> list[np.ndarray]:
     m, k = a_codes.shape
-    pad = [_NO_PACKED] * (MAX_WEIGHTS - len(packs))
-    out = np.empty((m, sum(p.codes.shape[0] for p in packs) * PACK_COLS), dtype=np.float32)
-    if out.size:
-        kernel = _gemm_packed_parallel if out.size * k >= PARALLEL_MIN_MACS else _gemm_packed_serial
-        kernel(tuple(p.codes for p in packs + pad), tuple(p.scales for p in packs + pad), a_codes, a_scales, out)
-    outs, start = [], 0
-    for p in packs:
-        outs.append(out[:, start:start + p.n])
-        start += p.codes.shape[0] * PACK_COLS
-    return outs
+    rows = sum(p.codes.shape[0] for p in packs) * packed.PACK_COLS
+    return packed.gemm_q8(a_codes, a_scales, packs, m * rows * k >= PARALLEL_MIN_MACS)
 
 
 def _run(a_codes: np.ndarray, a_scales: np.ndarray, codes: tuple, w_scales: tuple, out: np.ndarray) -> None:
@@ -633,19 +377,15 @@ def _run(a_codes: np.ndarray, a_scales: np.ndarray, codes: tuple, w_scales: tupl
     kernel(a_codes, a16, a_scales, codes, w_scales, out)
 
 
-def gemm_f32(a: np.ndarray, codes: np.ndarray, w_scales: np.ndarray, packed: Packed | None = None) -> np.ndarray:
+def gemm_f32(a: np.ndarray, codes: np.ndarray, w_scales: np.ndarray, pack: Packed | None = None) -> np.ndarray:
     """float32 [M, N] = sum_g w_scale[n,g] * sum_{k in g} a[m,k] * codes[n,k]; a: float32 [M, K], C order.
-    ``packed``: this weight as ``Packed`` (with VNNI's AVX-512; else it is packed for this call)."""
+    ``pack``: this weight as ``Packed`` (with VNNI's AVX-512; else it is packed for this call)."""
     m, k = a.shape
     n = codes.shape[0]
     if m == 0 or n == 0 or k == 0:
         return np.zeros((m, n), dtype=np.float32)
     if VNNI:
-        packed = packed or Packed(codes, w_scales)
-        out = np.empty((m, packed.codes.shape[0] * PACK_COLS), dtype=np.float32)
-        kernel = _gemm_packed_f32_parallel if out.size * k >= PARALLEL_MIN_MACS else _gemm_packed_f32_serial
-        kernel(packed.codes, packed.scales, a, out)
-        return np.ascontiguousarray(out[:, :n])
+        return packed.gemm_f32(a, pack or Packed(codes, w_scales), m * n * k >= PARALLEL_MIN_MACS)
     out = np.zeros((m, n), dtype=np.float32)
     kernel = _gemm_f32_parallel if m * n * k >= PARALLEL_MIN_MACS else _gemm_f32_serial
     kernel(a, codes, w_scales, out)

@@ -24,6 +24,7 @@ from kestrel_core.errors import ContractError
 from kestrel_core.registry import Backend, Registry
 
 kernels = pytest.importorskip("kestrel_cpu.kernels", reason="numba is a runtime dependency of kestrel_cpu")
+packed = pytest.importorskip("kestrel_cpu.packed")
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -256,7 +257,7 @@ def test_parallel_and_serial_builds_have_their_own_disk_cache() -> None:
     """numba keys its on-disk cache by qualified name and line: one shared name made the parallel build load
     the serial build's code (one thread) whenever the serial one was cached first."""
     for par, ser in ((kernels._gemm_q8_parallel, kernels._gemm_q8_serial),
-                     (kernels._gemm_packed_parallel, kernels._gemm_packed_serial),
+                     (packed._q8_parallel, packed._q8_serial), (packed._f32_parallel, packed._f32_serial),
                      (kernels._gemm_f32_parallel, kernels._gemm_f32_serial)):
         assert par.targetoptions.get("parallel") and not ser.targetoptions.get("parallel")
         assert par.py_func.__qualname__ != ser.py_func.__qualname__
@@ -278,16 +279,16 @@ def test_packed_layout_holds_each_weight_exactly(m: int, n: int, k: int, g: int,
     a_codes[0, :32] = -127  # the bias's correction at its extremes
     lo, hi = (-127, 127) if bits == 8 else (-8, 7)
     w.codes[0, :8], w.codes[-1, :8] = lo, hi
-    packed = kernels.Packed(w.codes, w.scales)
+    pack = kernels.Packed(w.codes, w.scales)
     groups = -(-n // 16)
-    assert packed.codes.shape == (groups, k * 16) and packed.n == n
-    layout = packed.codes.reshape(groups, k // 4, 16, 4).transpose(0, 2, 1, 3).reshape(groups * 16, k)
+    assert pack.codes.shape == (groups, k * 16) and pack.n == n
+    layout = pack.codes.reshape(groups, k // 4, 16, 4).transpose(0, 2, 1, 3).reshape(groups * 16, k)
     np.testing.assert_array_equal(layout[:n].astype(np.int16) - 128, w.codes)
     assert (layout[n:] == 128).all()
-    np.testing.assert_array_equal(kernels.gemm_q8(a_codes, a_scales, w.codes, w.scales, packed),
+    np.testing.assert_array_equal(kernels.gemm_q8(a_codes, a_scales, w.codes, w.scales, pack),
                                   reference_gemm_q8(a_codes, a_scales, w))
     x = (a_codes * np.repeat(a_scales, g, axis=1)).astype(np.float32)
-    got = kernels.gemm_f32(x, w.codes, w.scales, packed)
+    got = kernels.gemm_f32(x, w.codes, w.scales, pack)
     assert np.all(np.abs(got - reference_gemm_f32(x, w)) <= _tolerance(np.abs(x), w))
 
 

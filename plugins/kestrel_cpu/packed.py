@@ -1,0 +1,300 @@
+"""Int8 and float32 GEMMs for CPUs with AVX-512 VNNI, on weights repacked once (``Packed``).
+
+The layout: 16 output columns x 4 consecutive k in one 64-byte vector, codes biased to unsigned (code + 128),
+zero codes in the padding to 16 columns; scales [column group, block, column]. ``vpdpbusd`` multiplies a
+vector by four activation bytes broadcast to all 16 lanes, so each lane accumulates one output's block sum
+with no horizontal reduction, and the block epilogue runs on 16 outputs at once. The bias comes back out
+exactly as 128 x the block's activation sum, and the float part follows the contract's order, so the int8
+results equal ``reference_gemm_q8`` bit for bit. The float32 GEMM takes each k's 16 codes out of the same
+vector as floats, one fused multiply-add per activation row; it is held to the contract's bound.
+
+Tiles are 8 activation rows (8 integer and 8 float accumulators stay in zmm registers) or 1; every row runs
+the same sequence of operations in either, so a row's bits do not depend on its batch. The kernels compile
+only when called, so importing this module on a CPU without VNNI is harmless (``HAS_VNNI`` says whether to
+call them). The intrinsics and the functions that inline them share this file: numba's disk cache follows
+the jitted function's file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from kestrel_cpu.codegen import F32 as _F32
+from kestrel_cpu.codegen import I8 as _I8
+from kestrel_cpu.codegen import I32 as _I32
+from kestrel_cpu.codegen import data_ptr as _data_ptr
+from kestrel_cpu.codegen import named_copy
+
+MAX_WEIGHTS = 3  # one pass over up to three weights sharing K and G (Q|K|V, gate|up)
+
+
+def host_has_vnni() -> bool:
+    """AVX-512 (F, BW) with VNNI on this CPU, as LLVM sees it (what numba compiles for)."""
+    import llvmlite.binding as llvm
+
+    features = set(llvm.get_host_cpu_features().flatten().split(","))
+    return {"+avx512f", "+avx512bw", "+avx512vnni"} <= features
+
+
+HAS_VNNI = host_has_vnni()
+PACK_COLS = 16  # output columns per packed vector (one zmm of int32 lanes)
+PACK_K = 4  # consecutive k per lane (vpdpbusd's dot product width)
+PACK_ROWS = 8  # activation rows per tile: 8 int32 and 8 float accumulators stay in zmm registers
+_V16I = ir.VectorType(_I32, PACK_COLS)
+_V16F = ir.VectorType(_F32, PACK_COLS)
+
+
+def _splat(builder: ir.IRBuilder, value: ir.Value, vec_ty: ir.VectorType) -> ir.Value:
+    one = builder.insert_element(ir.Constant(vec_ty, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, ir.Constant(vec_ty, ir.Undefined), ir.Constant(_V16I, [0] * PACK_COLS))
+
+
+def _make_packed_tile(rows: int) -> Any:
+    """An intrinsic for ``rows`` activation rows x 16 packed columns: out[m0+r, 16j + c] for c < 16.
+
+    Arguments (offsets in elements of flat C-ordered arrays): wp uint8 packed codes, wp_off (column group j);
+    wsp float32 packed scales, wsp_off; a int8, a_off (row m0), a_stride; a_scales and a_sums (int32 block
+    sums of the activations), as_off, as_stride; ng; gq (k-quads per block, G/4); out, out_off, out_stride.
+    """
+
+    @intrinsic
+    def packed_tile(typingctx: Any, wp: Any, wp_off: Any, wsp: Any, wsp_off: Any, a: Any, a_off: Any,
+                    a_stride: Any, asc: Any, asum: Any, as_off: Any, as_stride: Any, ng: Any, gq: Any, out: Any,
+                    out_off: Any, out_stride: Any) -> Any:
+        sig = types.void(wp, wp_off, wsp, wsp_off, a, a_off, a_stride, asc, asum, as_off, as_stride, ng, gq, out,
+                         out_off, out_stride)
+
+        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[ir.Value]) -> Any:
+            (wp_, wp_off_, wsp_, wsp_off_, a_, a_off_, a_stride_, asc_, asum_, as_off_, as_stride_, ng_, gq_,
+             out_, out_off_, out_stride_) = args
+            targs = signature.args
+            idx = wp_off_.type
+            name = "llvm.x86.avx512.vpdpbusd.512"
+            dot = builder.module.globals.get(name) or ir.Function(
+                builder.module, ir.FunctionType(_V16I, [_V16I, _V16I, _V16I]), name)
+
+            def row(aryty: Any, ary: ir.Value, base: ir.Value, stride: ir.Value, r: int) -> ir.Value:
+                offset = builder.add(base, builder.mul(stride, ir.Constant(idx, r)))
+                return _data_ptr(context, builder, aryty, ary, offset)
+
+            pw = _data_ptr(context, builder, targs[0], wp_, wp_off_)
+            pws = _data_ptr(context, builder, targs[2], wsp_, wsp_off_)
+            pa = [row(targs[4], a_, a_off_, a_stride_, r) for r in range(rows)]
+            pas = [row(targs[7], asc_, as_off_, as_stride_, r) for r in range(rows)]
+            psum = [row(targs[8], asum_, as_off_, as_stride_, r) for r in range(rows)]
+            facc = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * PACK_COLS)) for _ in range(rows)]
+            iacc = [cgutils.alloca_once(builder, _V16I) for _ in range(rows)]
+            vec_bytes = ir.Constant(idx, PACK_COLS * PACK_K)
+            with cgutils.for_range(builder, ng_) as gloop:
+                g = gloop.index
+                for r in range(rows):
+                    builder.store(ir.Constant(_V16I, [0] * PACK_COLS), iacc[r])
+                with cgutils.for_range(builder, gq_) as qloop:
+                    quad = builder.add(builder.mul(g, gq_), qloop.index)
+                    wv = builder.load(builder.bitcast(builder.gep(pw, [builder.mul(quad, vec_bytes)]),
+                                                      _V16I.as_pointer()), align=1)
+                    a_at = builder.mul(quad, ir.Constant(idx, PACK_K))
+                    for r in range(rows):  # four activation bytes, the same in every lane
+                        a4 = builder.load(builder.bitcast(builder.gep(pa[r], [a_at]), _I32.as_pointer()), align=1)
+                        acc = builder.call(dot, [builder.load(iacc[r]), wv, _splat(builder, a4, _V16I)])
+                        builder.store(acc, iacc[r])
+                # exact block sums: the bias of 128 on every code comes back out as 128 x sum(a); then the
+                # contract's float order, (float(sum_g) * a_scale) * w_scale added in block order, no FMA
+                wsv = builder.load(builder.bitcast(builder.gep(pws, [builder.mul(g, ir.Constant(idx, PACK_COLS))]),
+                                                   _V16F.as_pointer()), align=4)
+                for r in range(rows):
+                    bias = builder.mul(builder.load(builder.gep(psum[r], [g])), ir.Constant(_I32, 128))
+                    total = builder.sitofp(builder.sub(builder.load(iacc[r]), _splat(builder, bias, _V16I)), _V16F)
+                    a_sc = _splat(builder, builder.load(builder.gep(pas[r], [g])), _V16F)
+                    term = builder.fmul(builder.fmul(total, a_sc), wsv)
+                    builder.store(builder.fadd(builder.load(facc[r]), term), facc[r])
+            pout = _data_ptr(context, builder, targs[13], out_, out_off_)
+            for r in range(rows):
+                dst = builder.gep(pout, [builder.mul(out_stride_, ir.Constant(idx, r))])
+                builder.store(builder.load(facc[r]), builder.bitcast(dst, _V16F.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return packed_tile
+
+
+def _make_packed_f32_tile(rows: int) -> Any:
+    """An intrinsic like the int8 packed tile for float32 activations: out[m0+r, 16j + c] = sum_g w_scale *
+    (sum_{k in g} a[k] * code[k]), the codes of each k taken out of the packed vector as 16 floats and
+    multiplied into 16 lanes with a fused multiply-add (the float32 path has no fixed order: it is held to
+    the contract's bound, not to the reference's bits; every row runs the same sequence whatever the tile).
+
+    Arguments: wp, wp_off, wsp, wsp_off as the int8 tile's; a float32, a_off, a_stride; ng; gq; out, out_off,
+    out_stride.
+    """
+
+    @intrinsic
+    def packed_f32_tile(typingctx: Any, wp: Any, wp_off: Any, wsp: Any, wsp_off: Any, a: Any, a_off: Any,
+                        a_stride: Any, ng: Any, gq: Any, out: Any, out_off: Any, out_stride: Any) -> Any:
+        sig = types.void(wp, wp_off, wsp, wsp_off, a, a_off, a_stride, ng, gq, out, out_off, out_stride)
+
+        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[ir.Value]) -> Any:
+            wp_, wp_off_, wsp_, wsp_off_, a_, a_off_, a_stride_, ng_, gq_, out_, out_off_, out_stride_ = args
+            targs = signature.args
+            idx = wp_off_.type
+            name = "llvm.fma.v16f32"
+            fma = builder.module.globals.get(name) or ir.Function(
+                builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), name)
+            v64 = ir.VectorType(_I8, PACK_COLS * PACK_K)
+            v16b = ir.VectorType(_I8, PACK_COLS)
+            pw = _data_ptr(context, builder, targs[0], wp_, wp_off_)
+            pws = _data_ptr(context, builder, targs[2], wsp_, wsp_off_)
+            pa = [_data_ptr(context, builder, targs[4], a_,
+                            builder.add(a_off_, builder.mul(a_stride_, ir.Constant(idx, r)))) for r in range(rows)]
+            facc = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * PACK_COLS)) for _ in range(rows)]
+            bacc = [cgutils.alloca_once(builder, _V16F) for _ in range(rows)]
+            bias = ir.Constant(_V16F, [128.0] * PACK_COLS)
+            with cgutils.for_range(builder, ng_) as gloop:
+                g = gloop.index
+                for r in range(rows):
+                    builder.store(ir.Constant(_V16F, [0.0] * PACK_COLS), bacc[r])
+                with cgutils.for_range(builder, gq_) as qloop:
+                    quad = builder.add(builder.mul(g, gq_), qloop.index)
+                    wv = builder.load(builder.bitcast(builder.gep(pw, [builder.mul(quad, ir.Constant(idx, 64))]),
+                                                      v64.as_pointer()), align=1)
+                    for kk in range(PACK_K):
+                        cols = builder.shuffle_vector(wv, ir.Constant(v64, ir.Undefined), ir.Constant(
+                            ir.VectorType(_I32, PACK_COLS), [PACK_K * c + kk for c in range(PACK_COLS)]))
+                        assert cols.type == v16b
+                        wk = builder.fsub(builder.uitofp(cols, _V16F), bias)  # the codes, exactly
+                        at = builder.add(builder.mul(quad, ir.Constant(idx, PACK_K)), ir.Constant(idx, kk))
+                        for r in range(rows):
+                            av = _splat(builder, builder.load(builder.gep(pa[r], [at])), _V16F)
+                            builder.store(builder.call(fma, [av, wk, builder.load(bacc[r])]), bacc[r])
+                wsv = builder.load(builder.bitcast(builder.gep(pws, [builder.mul(g, ir.Constant(idx, PACK_COLS))]),
+                                                   _V16F.as_pointer()), align=4)
+                for r in range(rows):
+                    builder.store(builder.call(fma, [builder.load(bacc[r]), wsv, builder.load(facc[r])]), facc[r])
+            pout = _data_ptr(context, builder, targs[9], out_, out_off_)
+            for r in range(rows):
+                dst = builder.gep(pout, [builder.mul(out_stride_, ir.Constant(idx, r))])
+                builder.store(builder.load(facc[r]), builder.bitcast(dst, _V16F.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return packed_f32_tile
+
+
+_packed8 = _make_packed_tile(PACK_ROWS)
+_packed1 = _make_packed_tile(1)
+_packed_f32_8 = _make_packed_f32_tile(PACK_ROWS)
+_packed_f32_1 = _make_packed_f32_tile(1)
+
+
+def _gemm_packed_body(wps: tuple, wsps: tuple, a: np.ndarray, a_scales: np.ndarray, out: np.ndarray) -> None:
+    # wps[i]: [NG_i, K/4 * 64] uint8 packed codes; wsps[i]: [NG_i, ng * 16] packed scales (NG_i = 0 pads the
+    # tuple); a: [M, K] int8; a_scales: [M, ng]; out: [M, sum NG_i * 16], weight i in its groups' columns.
+    # A column group's packed codes stay in cache for all its row tiles.
+    m_rows, k = a.shape
+    ng = a_scales.shape[1]
+    g_size = k // ng
+    gq = g_size // PACK_K
+    a_sums = np.empty((m_rows, ng), np.int32)  # the bias's correction: each activation block's sum
+    for m in range(m_rows):
+        for g in range(ng):
+            total = np.int32(0)
+            for i in range(g * g_size, (g + 1) * g_size):
+                total += np.int32(a[m, i])
+            a_sums[m, g] = total
+    nw = len(wps)
+    start = np.zeros(nw + 1, np.int64)  # each weight's first column group
+    for i in range(nw):
+        start[i + 1] = start[i] + wps[i].shape[0]
+    m8 = m_rows - m_rows % PACK_ROWS
+    n_out = out.shape[1]
+    for j in prange(start[nw]):
+        i = 0
+        while j >= start[i + 1]:
+            i += 1
+        wp, wsp, jj = wps[i], wsps[i], j - start[i]
+        for m in range(0, m8, PACK_ROWS):
+            _packed8(wp, jj * wp.shape[1], wsp, jj * wsp.shape[1], a, m * k, k, a_scales, a_sums, m * ng, ng, ng,
+                     gq, out, m * n_out + j * PACK_COLS, n_out)
+        for m in range(m8, m_rows):
+            _packed1(wp, jj * wp.shape[1], wsp, jj * wsp.shape[1], a, m * k, k, a_scales, a_sums, m * ng, ng, ng,
+                     gq, out, m * n_out + j * PACK_COLS, n_out)
+
+
+def _gemm_packed_f32_body(wp: np.ndarray, wsp: np.ndarray, a: np.ndarray, out: np.ndarray) -> None:
+    # wp, wsp: one packed weight; a: [M, K] float32; out: [M, NG * 16]
+    m_rows, k = a.shape
+    ng = wsp.shape[1] // PACK_COLS
+    gq = k // ng // PACK_K
+    m8 = m_rows - m_rows % PACK_ROWS
+    n_out = out.shape[1]
+    for j in prange(wp.shape[0]):
+        for m in range(0, m8, PACK_ROWS):
+            _packed_f32_8(wp, j * wp.shape[1], wsp, j * wsp.shape[1], a, m * k, k, ng, gq, out,
+                          m * n_out + j * PACK_COLS, n_out)
+        for m in range(m8, m_rows):
+            _packed_f32_1(wp, j * wp.shape[1], wsp, j * wsp.shape[1], a, m * k, k, ng, gq, out,
+                          m * n_out + j * PACK_COLS, n_out)
+
+
+class Packed:
+    """One weight in the VNNI layout: ``codes`` uint8 [N/16, K/4 * 64] (column group, k-quad, column, k;
+    code + 128; N padded to 16 with zero codes), ``scales`` float32 [N/16, ng * 16] (column group, block,
+    column); ``n`` its rows."""
+
+    __slots__ = ("codes", "scales", "n", "nbytes")
+
+    def __init__(self, codes: np.ndarray, scales: np.ndarray) -> None:
+        n, k = codes.shape
+        ng = scales.shape[1]
+        n_pad = -(-n // PACK_COLS) * PACK_COLS
+        groups = n_pad // PACK_COLS
+        self.n = n
+        biased = np.full((n_pad, k), 128, np.uint8)
+        np.add(codes, 128, out=biased[:n], casting="unsafe", dtype=np.int16)
+        self.codes = np.ascontiguousarray(
+            biased.reshape(groups, PACK_COLS, k // PACK_K, PACK_K).transpose(0, 2, 1, 3)).reshape(groups, k * PACK_COLS)
+        padded = np.zeros((n_pad, ng), np.float32)
+        padded[:n] = scales
+        self.scales = np.ascontiguousarray(
+            padded.reshape(groups, PACK_COLS, ng).transpose(0, 2, 1)).reshape(groups, ng * PACK_COLS)
+        self.nbytes = self.codes.nbytes + self.scales.nbytes
+
+
+
+
+_NO_PACKED = Packed(np.zeros((0, 32), np.int8), np.zeros((0, 1), np.float32))
+_q8_parallel = njit(parallel=True, cache=True, nogil=True)(named_copy(_gemm_packed_body, "_parallel"))
+_q8_serial = njit(cache=True, nogil=True)(named_copy(_gemm_packed_body, "_serial"))
+_f32_parallel = njit(parallel=True, cache=True, nogil=True)(named_copy(_gemm_packed_f32_body, "_parallel"))
+_f32_serial = njit(cache=True, nogil=True)(named_copy(_gemm_packed_f32_body, "_serial"))
+
+
+def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, packs: list[Packed], parallel: bool) -> list[np.ndarray]:
+    """The contract's int8 GEMM of activations [M, K] (scales [M, K/G]) against each packed weight: float32
+    [M, N_i] each, column slices of one array."""
+    m, _ = a_codes.shape
+    pad = [_NO_PACKED] * (MAX_WEIGHTS - len(packs))
+    out = np.empty((m, sum(p.codes.shape[0] for p in packs) * PACK_COLS), dtype=np.float32)
+    if out.size:
+        kernel = _q8_parallel if parallel else _q8_serial
+        kernel(tuple(p.codes for p in packs + pad), tuple(p.scales for p in packs + pad), a_codes, a_scales, out)
+    outs, start = [], 0
+    for p in packs:
+        outs.append(out[:, start:start + p.n])
+        start += p.codes.shape[0] * PACK_COLS
+    return outs
+
+
+def gemm_f32(a: np.ndarray, pack: Packed, parallel: bool) -> np.ndarray:
+    """float32 [M, N] of float32 activations [M, K] against a packed weight."""
+    out = np.empty((a.shape[0], pack.codes.shape[0] * PACK_COLS), dtype=np.float32)
+    (_f32_parallel if parallel else _f32_serial)(pack.codes, pack.scales, a, out)
+    return np.ascontiguousarray(out[:, :pack.n])
