@@ -345,7 +345,6 @@ class Decoder:
             h += out if lw.post_mlp_norm is None else rmsnorm(out, lw.post_mlp_norm, self.eps)
         return h, precise
 
-
     def _mlp(self, x: np.ndarray, precise: np.ndarray, groups: Sequence[tuple[StripCache, ...]],
              keys: Sequence[tuple[tuple[int, ...], int]]) -> np.ndarray:
         """down(act(gate(x)) * up(x)) [M, D] of x [M, D]: a dense layer's MLP or one expert's."""

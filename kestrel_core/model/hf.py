@@ -193,13 +193,18 @@ def _gemma3_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     else:
         theta, local_theta = cfg.get("rope_theta", 1e6), cfg.get("rope_local_base_freq", 1e4)
         scaling = cfg.get("rope_scaling")
-    qpas = cfg.get("query_pre_attn_scalar", 256)
-    check_float("query_pre_attn_scalar", qpas, 0.0, lo_open=True)
-    return {"layer_types": tuple(names[t] for t in types), "rope_theta": float(check_float("rope_theta", theta, 0.0,
-            lo_open=True)), "rope_local_theta": float(check_float("rope_local_base_freq", local_theta, 0.0,
-            lo_open=True)), "rope_scaling": normalize_rope_scaling(scaling, where), "query_scale": float(qpas) ** -0.5,
-            "embed_scale": math.sqrt(cfg["hidden_size"]), "activation": "gelu_tanh", "post_norms": True,
-            "qk_norm": True}
+    qpas = check_float("query_pre_attn_scalar", cfg.get("query_pre_attn_scalar", 256), 0.0, lo_open=True)
+    return {
+        "layer_types": tuple(names[t] for t in types),
+        "rope_theta": check_float("rope_theta", theta, 0.0, lo_open=True),
+        "rope_local_theta": check_float("rope_local_base_freq", local_theta, 0.0, lo_open=True),
+        "rope_scaling": normalize_rope_scaling(scaling, where),
+        "query_scale": qpas ** -0.5,
+        "embed_scale": math.sqrt(cfg["hidden_size"]),
+        "activation": "gelu_tanh",
+        "post_norms": True,
+        "qk_norm": True,
+    }
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
