@@ -5,7 +5,7 @@
 
 Writes a synthetic BF16 Llama directory (``quantize_speed.write_checkpoint``, tied embeddings), then times
 ``kestrel_core.load(dir, backend=B)`` plus one generated token in fresh processes: with the artifact cache off
-(``KESTREL_HF_CACHE=0``: read and quantize every tensor), the first cached load (quantize, write the entry,
+(``KESTREL_MODEL_CACHE=0``: read and quantize every tensor), the first cached load (quantize, write the entry,
 read it back) and a cache hit. Each child reports the load, the first token and its RSS.
 """
 
@@ -50,7 +50,7 @@ def main() -> int:
     print(f"wrote {params / 1e9:.2f} B parameters of BF16 in {time.perf_counter() - t0:.1f} s", flush=True)
     home = args.dir / "home"
     out: dict[str, object] = {"params": params, "backend": args.backend}
-    for label, env in (("uncached", {"KESTREL_HF_CACHE": "0"}), ("first cached", {}), ("cache hit", {})):
+    for label, env in (("uncached", {"KESTREL_MODEL_CACHE": "0"}), ("first cached", {}), ("cache hit", {})):
         run_env = {**os.environ, "KESTREL_HOME": str(home), **env}
         done = subprocess.run([sys.executable, "-c", CHILD, str(args.dir / "model"), args.backend],
                               capture_output=True, text=True, env=run_env)

@@ -17,7 +17,7 @@ difference with ``new`` is what checking the checksums costs.
 
 ``--hf-layers N`` also times a Hugging Face directory (a synthetic BF16 Llama of N layers, hidden 2048, from
 benchmarks/quantize_speed.py) in fresh processes with a KESTREL_HOME of its own: uncached
-(``KESTREL_HF_CACHE=0``), the first cached load (quantize, write the entry, read it back), and cache hits.
+(``KESTREL_MODEL_CACHE=0``), the first cached load (quantize, write the entry, read it back), and cache hits.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def bench_hf(root: Path, layers: int, quant: str, runs: int) -> dict[str, list[f
 
     for _ in range(runs):
         shutil.rmtree(home, ignore_errors=True)
-        once("uncached", KESTREL_HF_CACHE="0")
+        once("uncached", KESTREL_MODEL_CACHE="0")
         once("first load, writes the cache")
         once("cache hit")
     shutil.rmtree(root / "hf-model")

@@ -18,7 +18,7 @@ def _clean_env(mp: pytest.MonkeyPatch, probe_cache: str) -> None:
     for name in [n for n in os.environ if n.startswith(KESTREL_PREFIX)]:
         mp.delenv(name)
     mp.setenv("KESTREL_PROBE_CACHE", probe_cache)
-    mp.setenv("KESTREL_HF_CACHE", "0")
+    mp.setenv("KESTREL_MODEL_CACHE", "0")
 
 
 @pytest.fixture(scope="session")

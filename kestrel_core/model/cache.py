@@ -1,7 +1,8 @@
 """Where quantized models are cached as artifacts (``$KESTREL_HOME/cache``), and how entries are named.
 
-Two kinds of entries: the default model's (keyed on its GGUF's pinned sha256) and Hugging Face directories'
-(keyed on the checkpoint's files, below). Each entry is a ``.kst`` with checksums whose metadata records the
+Three kinds of entries: the default model's (keyed on its GGUF's pinned sha256), Hugging Face directories'
+(keyed on the checkpoint's files, below) and GGUF files' (keyed on the file's size, mtime_ns and its whole
+header: metadata and tensor infos). Each entry is a ``.kst`` with checksums whose metadata records the
 key it was built for; the loader (``loader._cached``) reads it, rebuilds it when it is missing, corrupt or not
 a regular file, and writes it atomically.
 
@@ -11,7 +12,7 @@ shard index, tokenizer.json, tokenizer_config.json, chat_template.jinja; an abse
 and for each safetensors shard its name, size, mtime_ns and its header (the tensor names, dtypes, shapes and
 offsets), plus the quant mode. Hashing the weights themselves would cost a full read of the checkpoint
 (16 GB for an 8B BF16 model) on every load. What the key misses: a weight file rewritten in place with the
-same size, the same header and its mtime put back.
+same size, the same header and its mtime put back (for a GGUF file too).
 """
 
 from __future__ import annotations
@@ -26,22 +27,29 @@ from pathlib import Path
 
 from kestrel_core import __version__
 from kestrel_core.artifact import FORMAT_VERSION, MAX_HEADER_BYTES
-from kestrel_core.env import env_flag
+from kestrel_core.env import env_flag, env_str
+from kestrel_core.errors import KestrelError
 from kestrel_core.model.hf import weight_files
 from kestrel_core.model.pull import kestrel_home
 
-HF_CACHE_ENV = "KESTREL_HF_CACHE"  # 0 (off, no, false): never cache Hugging Face directories
+MODEL_CACHE_ENV = "KESTREL_MODEL_CACHE"  # 0 (off, no, false): never cache Hugging Face directories or GGUF files
+RENAMED_ENV = {"KESTREL_HF_CACHE": MODEL_CACHE_ENV}
 HF_KEY_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
                 "tokenizer_config.json", "chat_template.jinja")
-KEY_SCHEME = "kestrel-hf-cache-1"  # bump when what goes into the key changes
+KEY_SCHEME = "kestrel-hf-cache-1"  # bump when what goes into a directory's key changes
+GGUF_KEY_SCHEME = "kestrel-gguf-cache-1"
 
 
 def cache_dir() -> Path:
     return kestrel_home() / "cache"
 
 
-def hf_cache_enabled() -> bool:
-    return env_flag(HF_CACHE_ENV, default=True)
+def model_cache_enabled() -> bool:
+    """Whether Hugging Face directories and GGUF files are cached (the default model always is)."""
+    for old, new in RENAMED_ENV.items():
+        if env_str(old):
+            raise KestrelError(f"{old} was renamed {new}; set that instead")
+    return env_flag(MODEL_CACHE_ENV, default=True)
 
 
 def entry_name(stem: str, key: str, quant: str) -> str:
@@ -58,9 +66,32 @@ def stale_pattern(stem: str, quant: str) -> str:
 def hf_stem(model_dir: Path) -> str:
     """One slot per checkpoint directory: its name (made file-name safe) and a hash of its absolute path. A
     new key for the same directory replaces the slot's old entries."""
-    resolved = model_dir.resolve()
+    return _stem("hf", model_dir)
+
+
+def gguf_stem(path: Path) -> str:
+    """One slot per GGUF file, as ``hf_stem`` for directories."""
+    return _stem("gguf", path)
+
+
+def _stem(kind: str, path: Path) -> str:
+    resolved = path.resolve()
     name = re.sub(r"[^A-Za-z0-9_-]+", "_", resolved.name)[:64] or "model"
-    return f"hf-{name}.{hashlib.sha256(str(resolved).encode()).hexdigest()[:12]}"
+    return f"{kind}-{name}.{hashlib.sha256(str(resolved).encode()).hexdigest()[:12]}"
+
+
+def gguf_key(path: Path, quant: str) -> str:
+    """The content key of a GGUF file at ``quant``: its size, mtime_ns and header bytes (up to the tensor data,
+    found by the reader's bounds walk); KestrelError or OSError where it is not a readable GGUF file."""
+    from kestrel_core.model.gguf_reader import check_gguf_bounds  # the GGUF path only
+
+    data_start = check_gguf_bounds(path)
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        head = f.read(data_start)
+    h = hashlib.sha256(f"{GGUF_KEY_SCHEME}\0{quant}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    h.update(head)
+    return h.hexdigest()
 
 
 def hf_key(model_dir: Path, quant: str) -> str:

@@ -222,22 +222,23 @@ def _show(raw: bytes) -> str:
     return text if text.isprintable() else repr(text)
 
 
-def check_gguf_bounds(path: str | Path) -> None:
+def check_gguf_bounds(path: str | Path) -> int:
     """Walk the GGUF header, metadata and tensor infos checking every length against the file size, before
     gguf-py reads it: a 49-byte file whose array header claims 2^62 elements must not make gguf-py allocate
     (it builds a Python list element by element: 3.7 GB, then a hang). Each string length, array count x
     element size and tensor extent (offset + bytes, after the aligned data start) must fit in the file; tensor
-    types must be known to gguf-py and have at most 4 non-zero dimensions."""
+    types must be known to gguf-py and have at most 4 non-zero dimensions. Returns where the tensor data start
+    (the header's length, alignment included)."""
     where = str(path)
     with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         if size < 24:
             raise KestrelError(f"{where}: not a readable GGUF file ({size} bytes; truncated or corrupt)")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            _walk(buf, size, where)
+            return _walk(buf, size, where)
 
 
-def _walk(buf: Any, size: int, where: str) -> None:
+def _walk(buf: Any, size: int, where: str) -> int:
     if bytes(buf[:4]) != b"GGUF":
         raise KestrelError(f"{where}: not a GGUF file (bad magic {bytes(buf[:4])!r}; truncated or corrupt?)")
     (version,) = struct.unpack_from("<I", buf, 4)
@@ -286,6 +287,7 @@ def _walk(buf: Any, size: int, where: str) -> None:
             raise KestrelError(f"{where}: not a readable GGUF file (tensor {name} needs bytes "
                                f"{start + offset}..{start + offset + nbytes}, the file has {size}; truncated or "
                                "corrupt)")
+    return min(start, size)
 
 
 # -- metadata values ---------------------------------------------------------------------------------------

@@ -2,9 +2,9 @@
 
 ``None`` is the default model (SmolLM2-135M-Instruct, pulled on first use); a directory is a Hugging Face
 checkpoint; a ``.gguf`` file is read with gguf-py; a kestrel artifact (``.kst``) carries its own quantization,
-which wins over ``quant``. The strip-caches of the default model and of Hugging Face directories are cached as
-artifacts in ``$KESTREL_HOME/cache`` (model/cache.py says how entries are keyed), so only the first load of a
-checkpoint at a quant mode reads and quantizes it; later loads map the artifact.
+which wins over ``quant``. The strip-caches of the default model, of Hugging Face directories and of GGUF files
+are cached as artifacts in ``$KESTREL_HOME/cache`` (model/cache.py says how entries are keyed), so only the
+first load of a checkpoint at a quant mode reads, dequantizes and quantizes it; later loads map the artifact.
 """
 
 from __future__ import annotations
@@ -84,6 +84,17 @@ def _load_hf_cached(path: Path, quant: str, mode: str) -> LoadedModel:
     stem = store.hf_stem(path)
     entry = store.cache_dir() / store.entry_name(stem, key[:16], quant)
     return _cached(entry, key, quant, store.stale_pattern(stem, quant), lambda: _load_hf(path, quant), str(path),
+                   write=mode == "on")
+
+
+def _load_gguf_cached(path: Path, quant: str, mode: str) -> LoadedModel:
+    try:
+        key = store.gguf_key(path, quant)
+    except (OSError, KestrelError):  # not a readable GGUF file: the uncached load says what is wrong
+        return _load_gguf(path, quant)
+    stem = store.gguf_stem(path)
+    entry = store.cache_dir() / store.entry_name(stem, key[:16], quant)
+    return _cached(entry, key, quant, store.stale_pattern(stem, quant), lambda: _load_gguf(path, quant), str(path),
                    write=mode == "on")
 
 
@@ -200,9 +211,10 @@ def load_model(path: str | os.PathLike[str] | None = None, quant: str | None = "
                cache: str = "on") -> LoadedModel:
     """Load a model and its tokenizer, quantized to ``quant`` (default q8; an artifact keeps its own).
 
-    ``cache`` (Hugging Face directories): "on" reads and writes the cached artifact, "read" uses a valid one
-    but never writes one (``kestrel quantize`` writes its own), "off" neither; ``KESTREL_HF_CACHE=0`` means
-    "off" whatever is asked. The default model is always cached (its artifact is small)."""
+    ``cache`` (Hugging Face directories and GGUF files): "on" reads and writes the cached artifact, "read" uses
+    a valid one but never writes one (``kestrel quantize`` writes its own), "off" neither;
+    ``KESTREL_MODEL_CACHE=0`` means "off" whatever is asked. The default model is always cached (its artifact
+    is small)."""
     mode = parse_quant(quant or "q8").name  # an unknown mode fails before any heavy work
     if cache not in CACHE_MODES:
         raise KestrelError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
@@ -212,16 +224,15 @@ def load_model(path: str | os.PathLike[str] | None = None, quant: str | None = "
     if not p.exists():
         raise KestrelError(f"model {path} does not exist (give a Hugging Face model directory, a .gguf file "
                            "or a .kst artifact)")
+    cached = cache != "off" and store.model_cache_enabled()
     if p.is_dir():
-        if cache == "off" or not store.hf_cache_enabled():
-            return _load_hf(p, mode)
-        return _load_hf_cached(p, mode, cache)
+        return _load_hf_cached(p, mode, cache) if cached else _load_hf(p, mode)
     check_regular_file(p)  # a FIFO would block the open below forever
     if not os.access(p, os.R_OK):
         raise KestrelError(f"{p}: cannot read it (permission denied)")
     magic = _sniff(p)
     if magic == GGUF_MAGIC:
-        return _load_gguf(p, mode)
+        return _load_gguf_cached(p, mode, cache) if cached else _load_gguf(p, mode)
     if p.suffix.lower() == ".gguf":
         raise KestrelError(f"{p}: not a GGUF file (bad magic {magic!r}; truncated or corrupt?)")
     if p.suffix.lower() == ".kst" or p.suffix.lower() == ".safetensors":

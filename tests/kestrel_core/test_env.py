@@ -117,16 +117,16 @@ def test_plugins_allow_list(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_hf_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kestrel_core.model.cache import HF_CACHE_ENV, hf_cache_enabled
+    from kestrel_core.model.cache import MODEL_CACHE_ENV, model_cache_enabled
 
-    monkeypatch.delenv(HF_CACHE_ENV)
-    assert hf_cache_enabled()
-    monkeypatch.setenv(HF_CACHE_ENV, "off")
-    assert not hf_cache_enabled()
-    monkeypatch.setenv(HF_CACHE_ENV, "1")
-    assert hf_cache_enabled()
-    monkeypatch.setenv(HF_CACHE_ENV, "sometimes")
-    _one_line_error(hf_cache_enabled, "KESTREL_HF_CACHE must be 1 or 0")
+    monkeypatch.delenv(MODEL_CACHE_ENV)
+    assert model_cache_enabled()
+    monkeypatch.setenv(MODEL_CACHE_ENV, "off")
+    assert not model_cache_enabled()
+    monkeypatch.setenv(MODEL_CACHE_ENV, "1")
+    assert model_cache_enabled()
+    monkeypatch.setenv(MODEL_CACHE_ENV, "sometimes")
+    _one_line_error(model_cache_enabled, "KESTREL_MODEL_CACHE must be 1 or 0")
 
 
 def test_kestrel_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -52,7 +52,7 @@ def fault_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     cache = tmp_path_factory.mktemp("faults-probe") / "probes.json"
     keep = {k: v for k, v in os.environ.items() if not k.startswith("KESTREL_") or k == "KESTREL_HOME"}
     return {**keep, "KESTREL_BACKEND_PATH": str(FAULTS), "KESTREL_PROBE_CACHE": str(cache),
-            "KESTREL_HANG_PROBE_TIMEOUT": "1.5", "KESTREL_HF_CACHE": "0"}
+            "KESTREL_HANG_PROBE_TIMEOUT": "1.5", "KESTREL_MODEL_CACHE": "0"}
 
 
 def kestrel(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -1,4 +1,4 @@
-"""Loading a Hugging Face directory caches its strip-cache as an artifact in KESTREL_HOME/cache."""
+"""Loading a Hugging Face directory or a GGUF file caches its strip-cache as an artifact in KESTREL_HOME/cache."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from kestrel_core import artifact_write
 from kestrel_core.artifact import model_tensors, read_meta
 from kestrel_core.contract import StripCache
 from kestrel_core.model import loader
-from kestrel_core.model.cache import HF_CACHE_ENV, hf_key
+from kestrel_core.model.cache import MODEL_CACHE_ENV, hf_key
 from kestrel_core.model.hf import HFCheckpoint
 from kestrel_core.model.loader import load_model
 from kestrel_core.model.quantize import quantize_model
@@ -30,7 +30,7 @@ REAL_WRITER = artifact_write._write_safetensors
 @pytest.fixture
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("KESTREL_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv(HF_CACHE_ENV, "1")
+    monkeypatch.setenv(MODEL_CACHE_ENV, "1")
     return tmp_path / "home"
 
 
@@ -240,7 +240,7 @@ def test_stale_temps_go_and_the_cache_can_be_off_or_read_only(home: Path, hf, bu
     assert not stale.exists() and live.exists() and len(_entries(home)) == 1
     load_model(root, quant="q8", cache="read")
     assert len(builds) == 2  # read mode uses a valid entry
-    monkeypatch.setenv(HF_CACHE_ENV, "0")
+    monkeypatch.setenv(MODEL_CACHE_ENV, "0")
     load_model(root, quant="q4")
     assert len(builds) == 3 and len(_entries(home)) == 1
     load_model(root, quant="q4", cache="off")
@@ -271,3 +271,50 @@ def test_no_progress_output_when_stderr_is_not_a_terminal(home: Path, hf, capsys
     load_model(root, quant="q8")
     out = capsys.readouterr()
     assert out.out == "" and out.err == ""
+
+
+GGUF_FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-qwen3-moe.gguf"
+
+
+def test_a_gguf_file_is_cached_and_rebuilt_when_it_changes(home: Path, tmp_path: Path, builds: list[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF file's strip-cache is cached like a directory's: the second load maps the artifact (the very
+    tensors and tokenizer), a new mtime or other bytes in the header rebuild it, the off switches write none."""
+    from kestrel_core.model.cache import gguf_key
+    from kestrel_core.model.gguf_reader import GGUFCheckpoint
+
+    path = tmp_path / "moe.gguf"
+    path.write_bytes(GGUF_FIXTURE.read_bytes())
+    first = load_model(path, quant="q8")
+    assert builds == ["q8"] and len(_entries(home)) == 1
+    entry = _entries(home)[0]
+    assert entry.name.startswith("gguf-moe_gguf.") and read_meta(entry).extra["cache_key"] == gguf_key(path, "q8")
+    second = load_model(path, quant="q8")
+    assert builds == ["q8"] and second.source == str(path)
+    _same(second.model, first.model)
+    _same(second.model, quantize_model(GGUFCheckpoint(path), "q8"))
+    assert _mapped(second.model.layers[1].experts[3].down.codes)
+    assert second.tokenizer.encode("hello world") == first.tokenizer.encode("hello world")
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    load_model(path, quant="q8")
+    assert len(builds) == 2 and len(_entries(home)) == 1  # the slot's stale entry replaced
+    data = bytearray(path.read_bytes())
+    at = data.index(b"tiny-qwen3-moe")  # general.name, in the header
+    data[at:at + 4] = b"TINY"
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the previous mtime: the header tells
+    load_model(path, quant="q8")
+    assert len(builds) == 3
+    load_model(path, quant="q8", cache="off")
+    monkeypatch.setenv(MODEL_CACHE_ENV, "0")
+    load_model(path, quant="q4")
+    assert len(builds) == 5 and len(_entries(home)) == 1
+
+
+def test_the_former_cache_variable_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, hf) -> None:
+    from kestrel_core.errors import KestrelError
+
+    monkeypatch.setenv("KESTREL_HF_CACHE", "0")
+    with pytest.raises(KestrelError, match="KESTREL_HF_CACHE was renamed KESTREL_MODEL_CACHE"):
+        load_model(hf[0], quant="q8")
