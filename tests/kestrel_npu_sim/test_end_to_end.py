@@ -84,3 +84,22 @@ def test_windowed_fused_and_expert_architectures_give_the_cpu_logits(npu_backend
                 offload = engine.stats["offload"]
                 assert sum(offload[h]["accepted"] for h in ("kestrel_gemm_q8", "kestrel_gemm_fused_q8")) > 0
     np.testing.assert_array_equal(out["npu_sim"], out["cpu"])
+
+
+def test_an_expert_artifact_gives_the_cpu_logits(npu_backend, tmp_path) -> None:  # noqa: ANN001
+    """The .kst of a mixture of experts (every expert a strip-cache under its wkey, the router float32): the
+    simulated NPU over the artifact gives the CPU's logits bit for bit."""
+    from pathlib import Path
+
+    import kestrel_core
+    from kestrel_core.model.loader import load_model, write_artifact
+
+    root = Path(__file__).resolve().parents[1] / "fixtures" / "models"
+    kst = write_artifact(load_model(str(root / "tiny-qwen3-moe.gguf"), "q4", cache="off"), tmp_path / "moe.kst")
+    ids = np.load(root / "tiny-qwen3-moe" / "golden.npz")["ids"]
+    out = {}
+    for backend in ("cpu", "npu_sim"):
+        with kestrel_core.load(str(kst), backend=backend, activations="q8") as engine:
+            assert engine.model.layers[0].experts and engine.model.layers[0].router.dtype == np.float32
+            out[backend] = engine.logits(ids)
+    np.testing.assert_array_equal(out["npu_sim"], out["cpu"])
