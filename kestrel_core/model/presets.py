@@ -64,6 +64,7 @@ def _preset(arch: str, vocab: int, d: int, f: int, layers: int, heads: int, kv: 
 
 _LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                  "original_max_position_embeddings": 8192}
+_LLAMA31_ROPE = {**_LLAMA32_ROPE, "factor": 8.0}
 
 # Shapes from each model's Hugging Face config.json.
 PRESETS: dict[str, ModelConfig] = {
@@ -74,6 +75,9 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-8b": _preset("qwen3", 151936, 4096, 12288, 36, 32, 8, 128, 1e6, 1e-6, 40960, False, qk_norm=True),
     "llama3.2-1b": _preset("llama", 128256, 2048, 8192, 16, 32, 8, 64, 500000.0, 1e-5, 131072, True,
                            rope_scaling=_LLAMA32_ROPE),
+    "qwen3-32b": _preset("qwen3", 151936, 5120, 25600, 64, 64, 8, 128, 1e6, 1e-6, 40960, False, qk_norm=True),
+    "llama3-70b": _preset("llama", 128256, 8192, 28672, 80, 64, 8, 128, 500000.0, 1e-5, 131072, False,
+                          rope_scaling=_LLAMA31_ROPE),  # Llama-3.1/3.3-70B
     "mistral-7b": _preset("mistral", 32768, 4096, 14336, 32, 32, 8, 128, 1e6, 1e-5, 32768, False),  # v0.3
     "phi3-mini": _preset("phi3", 32064, 3072, 8192, 32, 32, 32, 96, 10000.0, 1e-5, 4096, False,
                          sliding_window=2047),  # Phi-3-mini-4k
