@@ -234,7 +234,8 @@ def _batch_config(arch: str) -> Any:
 def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str, seed: int,
                            first_seq: int) -> CaseResult:
     """The backend's batched steps of BATCH_SCRIPT against the CPU decoder, within the measured band."""
-    from kestrel_core.model.decoder import Decoder, KVPool
+    from kestrel_core.model.decoder import Decoder
+    from kestrel_core.model.kv_pool import KVPool
     from kestrel_core.model.presets import synthetic_model
 
     name = f"forward_batch {arch} {quant} s{seed}"

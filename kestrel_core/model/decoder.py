@@ -9,7 +9,6 @@ the rest of the batch (see ``kernels``). The host keeps the keys and values in a
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -19,18 +18,17 @@ from kestrel_core.dispatch import Offload
 from kestrel_core.errors import KestrelError
 from kestrel_core.model import kernels
 from kestrel_core.model.config import ModelConfig
+from kestrel_core.model.kv_pool import KVPool, SeqCache, bytes_per_position
 from kestrel_core.model.rope import rope_inv_freq as rope_inv_freq
 from kestrel_core.model.weights import PREFILL_CHUNK as PREFILL_CHUNK
 from kestrel_core.model.weights import LayerWeights, Model
 from kestrel_core.wkey import MLP_GROUPS, PROJ_GROUPS, lm_head_wkey
 
 CACHE_CHUNK = 256  # RoPE tables grow by this many positions at a time
-BLOCK_SIZE = 32  # positions per KV block
 # What the projections' inputs are: int8 per block (Q8_0, gemm_q8), float32 (gemm_f32), or "mixed": float32
 # for the rows of a sequence's prompt and int8 for the tokens it generates (a row's mode follows from its
 # position alone, so batching, chunking and recomputation still change no bit).
 ACTIVATIONS = ("q8", "f32", "mixed")
-DEFAULT_KV_MB = 2048  # the host pool's default budget (at least one full context); pages are touched on use
 
 
 class RopeTables:
@@ -59,105 +57,6 @@ class RopeTables:
         self.sin = np.stack([-sin, sin], axis=1)
         self.q_cos = self.cos * self.scale
         self.q_sin = self.sin * self.scale
-
-
-class KVPool:
-    """Host keys and values of many sequences in fixed-size blocks (a page table per sequence).
-
-    Keys are stored transposed, ``kt`` float32 [L, blocks, KV, hd, BLOCK_SIZE], the layout the attention's
-    dot products run over; values ``v`` float32 [L, blocks, BLOCK_SIZE, KV, hd]. The arrays are allocated
-    once, untouched: the OS maps a page only when a block is first written.
-    """
-
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
-        if num_blocks < 1:
-            raise KestrelError(f"the KV cache needs at least one block, got {num_blocks}")
-        c = config
-        self.config = config
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.kt = np.empty((c.num_layers, num_blocks, c.num_kv_heads, c.head_dim, block_size), np.float32)
-        self.v = np.empty((c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim), np.float32)
-        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the most recently freed block first
-
-    @classmethod
-    def for_budget(cls, config: ModelConfig, megabytes: float | None = None) -> KVPool:
-        """A pool of ``megabytes`` (default: DEFAULT_KV_MB, and at least one sequence at the full context)."""
-        per_block = bytes_per_position(config) * BLOCK_SIZE
-        if megabytes is None:
-            blocks = max(int(DEFAULT_KV_MB * 2 ** 20 // per_block), -(-config.max_position // BLOCK_SIZE))
-        else:
-            if not megabytes > 0:
-                raise KestrelError(f"the KV cache size must be > 0 MB, got {megabytes}")
-            blocks = int(megabytes * 2 ** 20 // per_block)
-            if blocks < 1:
-                raise KestrelError(f"a KV cache of {megabytes} MB holds no block of {BLOCK_SIZE} positions "
-                                   f"({per_block / 2 ** 20:.2f} MB each)")
-        return cls(config, blocks)
-
-    @property
-    def free_blocks(self) -> int:
-        return len(self._free)
-
-    @property
-    def capacity(self) -> int:
-        """Positions the whole pool holds."""
-        return self.num_blocks * self.block_size
-
-    def blocks_for(self, positions: int) -> int:
-        return -(-positions // self.block_size)
-
-    def new_sequence(self) -> SeqCache:
-        return SeqCache(self)
-
-    def reserve(self, seq: SeqCache, positions: int) -> bool:
-        """Blocks for ``positions`` positions of ``seq``; False (and nothing taken) if the pool lacks them."""
-        need = self.blocks_for(positions) - len(seq.blocks)
-        if need <= 0:
-            return True
-        if need > len(self._free):
-            return False
-        for _ in range(need):
-            seq.blocks.append(self._free.pop())
-        return True
-
-    def release(self, seq: SeqCache) -> None:
-        self._free.extend(reversed(seq.blocks))
-        seq.blocks.clear()
-        seq.length = 0
-
-
-def bytes_per_position(config: ModelConfig) -> int:
-    """Host KV bytes one position takes over all layers (float32 keys and values)."""
-    return 2 * 4 * config.num_layers * config.num_kv_heads * config.head_dim
-
-
-class SeqCache:
-    """One sequence's page table in a ``KVPool``: ``length`` positions written. Its blocks go back to the
-    pool on ``release()`` (or when it is garbage-collected)."""
-
-    def __init__(self, pool: KVPool) -> None:
-        self.pool = pool
-        self.blocks: list[int] = []
-        self.length = 0
-        self.prompt_len = 0  # positions below it are the prompt (float32 activations in "mixed" mode)
-        self._finalizer = weakref.finalize(self, _give_back, pool._free, self.blocks)
-
-    @property
-    def capacity(self) -> int:
-        return len(self.blocks) * self.pool.block_size
-
-    def truncate(self, n: int) -> None:
-        """Forget positions from ``n`` on (their blocks stay reserved)."""
-        self.length = min(self.length, n)
-
-    def release(self) -> None:
-        self.pool.release(self)
-
-
-def _give_back(free: list[int], blocks: list[int]) -> None:
-    free.extend(reversed(blocks))
-    blocks.clear()
 
 
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

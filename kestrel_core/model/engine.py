@@ -21,7 +21,8 @@ import numpy as np
 from kestrel_core.batch import BatchEntry
 from kestrel_core.dispatch import Offload, all_finite
 from kestrel_core.errors import KestrelError, NonFiniteLogits
-from kestrel_core.model.decoder import ACTIVATIONS, PREFILL_CHUNK, Decoder, KVPool, SeqCache
+from kestrel_core.model.decoder import ACTIVATIONS, PREFILL_CHUNK, Decoder
+from kestrel_core.model.kv_pool import KVPool, SeqCache
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.weights import Model
 from kestrel_core.registry import Backend, Registry
@@ -75,6 +76,9 @@ class Engine:
         self.pool = KVPool.for_budget(model.config, kv_cache_mb)
         self.activations = resolve_activations(activations, backend)
         self.decoder = Decoder(model, self.offload, self.pool, self.activations)
+        # prompts share the KV blocks of a cached prefix (kv_pool) where the host runs the steps: a backend's
+        # whole steps keep KV caches of their own
+        self.prefix_cache = not (self.whole_step and runs_whole_steps(backend))
         self.last = RunStats()
         self._next_seq = 1
         self.preload_s = 0.0
@@ -119,11 +123,16 @@ class Engine:
         """Whether the backend's whole-step hooks are offered: they compute with int8 activations."""
         return self.activations == "q8"
 
-    def new_sequence(self, prompt_len: int = 0) -> SeqState:
-        """A new sequence whose first ``prompt_len`` tokens are its prompt (float32 in "mixed" mode)."""
+    def new_sequence(self, prompt_len: int = 0, tokens: Sequence[int] = ()) -> SeqState:
+        """A new sequence whose first ``prompt_len`` tokens are its prompt (float32 in "mixed" mode). With its
+        ``tokens`` given (the prompt, and any tokens it generated before a preemption), the longest cached
+        prefix of its prompt short of the last token is attached: ``seq.tokens`` starts with it."""
         seq = SeqState(self._next_seq, self.pool.new_sequence())
         seq.cache.prompt_len = prompt_len
         self._next_seq += 1
+        if self.prefix_cache and tokens:
+            attached = self.pool.attach_prefix(seq.cache, tokens, prompt_len - 1)
+            seq.tokens = [int(t) for t in tokens[:attached]]
         return seq
 
     def release(self, seq: SeqState) -> None:
@@ -177,6 +186,11 @@ class Engine:
                 outs[i] = out
         for seq, new, _ in runs:
             seq.tokens.extend(int(t) for t in new)
+        if self.prefix_cache:  # prompt blocks this step completed become reusable
+            for i in host:
+                seq, new, _ = runs[i]
+                if len(seq.tokens) - len(new) < seq.cache.prompt_len:
+                    pool.publish_prefix(seq.cache, seq.tokens, seq.cache.prompt_len)
         return outs  # type: ignore[return-value]
 
     def check_ids(self, ids: Sequence[int], what: str) -> list[int]:
@@ -258,6 +272,8 @@ class Engine:
             "preload_s": self.preload_s,
             "offload_accepted": accepted, "offload_declined": declined,
             "offload": self.offload.stats(), "backend_stats": self.offload.backend_stats(),
+            "prefix_cache": self.prefix_cache, "prefix_hit_tokens": self.pool.prefix_hit_tokens,
+            "prefix_cached_blocks": self.pool.cached_blocks,
         }
 
 
@@ -287,8 +303,12 @@ def resolve_activations(activations: str, backend: Backend) -> str:
         if activations not in ACTIVATIONS:
             raise KestrelError(f"activations must be auto or one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         return activations
-    whole = any(backend.implements(h) for h in ("kestrel_forward", "kestrel_forward_batch", "kestrel_decode_greedy"))
-    return "q8" if whole else "mixed"
+    return "q8" if runs_whole_steps(backend) else "mixed"
+
+
+def runs_whole_steps(backend: Backend) -> bool:
+    """Whether the backend implements a whole-step hook (it then keeps KV caches on its device)."""
+    return any(backend.implements(h) for h in ("kestrel_forward", "kestrel_forward_batch", "kestrel_decode_greedy"))
 
 
 def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str, kv_cache_mb: float | None = None,

@@ -190,7 +190,7 @@ class Scheduler:
             if self.pool.blocks_for(tokens + 1) + len(self.running) > self.pool.free_blocks and self.running:
                 break  # no room yet: it waits for running sequences to finish
             self.waiting.popleft()
-            request.seq = self.engine.new_sequence(len(request.prompt_ids))
+            request.seq = self.engine.new_sequence(len(request.prompt_ids), request.tokens)
             request.status = RUNNING
             self.running.append(request)
             n = min(request.pending, budget)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kestrel_core.batch import BatchEntry
-from kestrel_core.model.decoder import BLOCK_SIZE
+from kestrel_core.model.kv_pool import BLOCK_SIZE
 from kestrel_core.model.presets import synthetic_model
 from kestrel_cuda import paged
 from kestrel_cuda.config import CudaConfig

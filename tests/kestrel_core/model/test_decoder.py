@@ -12,7 +12,8 @@ from kestrel_core.contract import quantize_activations, reference_gemm_q8
 from kestrel_core.dispatch import Offload
 from kestrel_core.errors import KestrelError
 from kestrel_core.model import decoder as decoder_mod
-from kestrel_core.model.decoder import Decoder, KVPool
+from kestrel_core.model.decoder import Decoder
+from kestrel_core.model.kv_pool import KVPool
 from kestrel_core.model.presets import synthetic_model
 from kestrel_core.model.rope import rope_inv_freq
 from kestrel_core.registry import Registry

@@ -1,0 +1,208 @@
+"""The host KV cache: fixed-size blocks shared by every sequence (a page table each), and prefix caching.
+
+A full block of prompt positions is content-addressed by its tokens and every token before it (a hash
+chain), so a later sequence whose prompt starts the same way (the same system prompt, a conversation's
+earlier turns sent again) attaches those blocks instead of recomputing them. That gives the very bits a
+recomputation would: a row's result depends only on its tokens and position (``kernels``), and only blocks
+wholly inside the prompt are shared, so their rows ran with the prompt's activation mode on both sides.
+A shared block is never written again: a sequence only appends past its own length, and attaches no more
+than its prompt's full blocks short of its last token. Blocks no sequence holds stay cached, oldest first
+out when the pool needs room.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.config import ModelConfig
+
+BLOCK_SIZE = 32  # positions per KV block
+DEFAULT_KV_MB = 2048  # the host pool's default budget (at least one full context); pages are touched on use
+
+
+class KVPool:
+    """Host keys and values of many sequences in fixed-size blocks (a page table per sequence).
+
+    Keys are stored transposed, ``kt`` float32 [L, blocks, KV, hd, BLOCK_SIZE], the layout the attention's
+    dot products run over; values ``v`` float32 [L, blocks, BLOCK_SIZE, KV, hd]. The arrays are allocated
+    once, untouched: the OS maps a page only when a block is first written.
+    """
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+        if num_blocks < 1:
+            raise KestrelError(f"the KV cache needs at least one block, got {num_blocks}")
+        c = config
+        self.config = config
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kt = np.empty((c.num_layers, num_blocks, c.num_kv_heads, c.head_dim, block_size), np.float32)
+        self.v = np.empty((c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim), np.float32)
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the most recently freed block first
+        self._refs = [0] * num_blocks  # sequences holding each block
+        self._prefix: dict[bytes, int] = {}  # chain hash of a full prompt block -> the block holding it
+        self._hash_of: dict[int, bytes] = {}  # the reverse, for cached blocks
+        self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks no sequence holds, oldest first
+        self.prefix_hit_tokens = 0  # positions sequences attached instead of computing
+        self.evictions = 0  # cached blocks given to other sequences
+
+    @classmethod
+    def for_budget(cls, config: ModelConfig, megabytes: float | None = None) -> KVPool:
+        """A pool of ``megabytes`` (default: DEFAULT_KV_MB, and at least one sequence at the full context)."""
+        per_block = bytes_per_position(config) * BLOCK_SIZE
+        if megabytes is None:
+            blocks = max(int(DEFAULT_KV_MB * 2 ** 20 // per_block), -(-config.max_position // BLOCK_SIZE))
+        else:
+            if not megabytes > 0:
+                raise KestrelError(f"the KV cache size must be > 0 MB, got {megabytes}")
+            blocks = int(megabytes * 2 ** 20 // per_block)
+            if blocks < 1:
+                raise KestrelError(f"a KV cache of {megabytes} MB holds no block of {BLOCK_SIZE} positions "
+                                   f"({per_block / 2 ** 20:.2f} MB each)")
+        return cls(config, blocks)
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks a sequence can take: free ones, and cached ones no sequence holds."""
+        return len(self._free) + len(self._idle)
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._hash_of)
+
+    @property
+    def capacity(self) -> int:
+        """Positions the whole pool holds."""
+        return self.num_blocks * self.block_size
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-positions // self.block_size)
+
+    def new_sequence(self) -> SeqCache:
+        return SeqCache(self)
+
+    def reserve(self, seq: SeqCache, positions: int) -> bool:
+        """Blocks for ``positions`` positions of ``seq``; False (and nothing taken) if the pool lacks them."""
+        need = self.blocks_for(positions) - len(seq.blocks)
+        if need <= 0:
+            return True
+        if need > self.free_blocks:
+            return False
+        for _ in range(need):
+            seq.blocks.append(self._take())
+        return True
+
+    def release(self, seq: SeqCache) -> None:
+        self.give_back(seq.blocks)
+        seq.length = 0
+
+    def give_back(self, blocks: list[int]) -> None:
+        """A sequence lets go of ``blocks`` (emptied): cached ones stay cached, the others are free again."""
+        for block in reversed(blocks):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._hash_of:
+                    self._idle[block] = None
+                else:
+                    self._free.append(block)
+        blocks.clear()
+
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        else:  # the oldest cached block no sequence holds
+            block, _ = self._idle.popitem(last=False)
+            del self._prefix[self._hash_of.pop(block)]
+            self.evictions += 1
+        self._refs[block] = 1
+        return block
+
+    # -- prefix caching ------------------------------------------------------------------------------
+
+    def attach_prefix(self, seq: SeqCache, tokens: Sequence[int], limit: int) -> int:
+        """Attach to the empty ``seq`` the cached blocks of the longest prefix of ``tokens`` made of full blocks
+        within the first ``limit`` positions; its length becomes that prefix's (returned)."""
+        if seq.blocks or seq.length:
+            raise KestrelError("a prefix attaches only to an empty sequence")
+        bs = self.block_size
+        ids = np.asarray(tokens[:max(limit, 0) // bs * bs], np.int64)
+        chain = b""
+        for start in range(0, len(ids), bs):
+            chain = _link(chain, ids[start:start + bs])
+            block = self._prefix.get(chain)
+            if block is None:
+                break
+            if self._refs[block] == 0:
+                del self._idle[block]
+            self._refs[block] += 1
+            seq.blocks.append(block)
+        seq.length = len(seq.blocks) * bs
+        self.prefix_hit_tokens += seq.length
+        return seq.length
+
+    def publish_prefix(self, seq: SeqCache, tokens: Sequence[int], limit: int) -> None:
+        """Make the full blocks ``seq`` has written within its first ``limit`` positions (its prompt's) reusable,
+        keyed by ``tokens`` (the sequence's tokens, position = index). A prefix another sequence published
+        first keeps that one's block."""
+        bs = self.block_size
+        full = min(limit, seq.length, len(tokens)) // bs
+        ids = np.asarray(tokens[:full * bs], np.int64)
+        chain = b""
+        for i in range(full):
+            chain = _link(chain, ids[i * bs:(i + 1) * bs])
+            block = seq.blocks[i]
+            if block in self._hash_of or chain in self._prefix:
+                continue
+            self._prefix[chain] = block
+            self._hash_of[block] = chain
+
+
+def _link(chain: bytes, block_tokens: np.ndarray) -> bytes:
+    """The hash of a block of tokens after the blocks ``chain`` hashes."""
+    return hashlib.blake2b(chain + block_tokens.tobytes(), digest_size=16).digest()
+
+
+def bytes_per_position(config: ModelConfig) -> int:
+    """Host KV bytes one position takes over all layers (float32 keys and values)."""
+    return 2 * 4 * config.num_layers * config.num_kv_heads * config.head_dim
+
+
+class SeqCache:
+    """One sequence's page table in a ``KVPool``: ``length`` positions written. Its blocks go back to the
+    pool on ``release()`` (or when it is garbage-collected)."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.blocks: list[int] = []
+        self.length = 0
+        self.prompt_len = 0  # positions below it are the prompt (float32 activations in "mixed" mode)
+        self._finalizer = weakref.finalize(self, pool.give_back, self.blocks)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * self.pool.block_size
+
+    def truncate(self, n: int) -> None:
+        """Forget positions from ``n`` on (their blocks stay reserved). Not into an attached prefix, whose
+        blocks other sequences read."""
+        if n < self.length and n < self._shared_positions():
+            raise KestrelError(f"cannot truncate to {n}: positions below {self._shared_positions()} are a "
+                               "shared prefix")
+        self.length = min(self.length, n)
+
+    def _shared_positions(self) -> int:
+        """Positions in blocks at the start of this sequence that are cached (others may hold them)."""
+        n = 0
+        for block in self.blocks:
+            if block not in self.pool._hash_of:
+                break
+            n += self.pool.block_size
+        return n
+
+    def release(self) -> None:
+        self.pool.release(self)
