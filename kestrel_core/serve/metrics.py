@@ -47,6 +47,15 @@ class _EngineCollector(Collector):
         yield steps
         yield failed
         yield finished
+        pool = getattr(ae.engine, "pool", None)
+        if pool is not None:
+            hits = CounterMetricFamily("kestrel_prefix_cache_hit_tokens",
+                                       "Prompt positions attached from the prefix cache instead of computed.")
+            hits.add_metric([], pool.prefix_hit_tokens)
+            cached = GaugeMetricFamily("kestrel_prefix_cache_blocks", "KV blocks the prefix cache holds.")
+            cached.add_metric([], pool.cached_blocks)
+            yield hits
+            yield cached
         yield from self._offload()
 
     def _offload(self) -> Iterator[Metric]:

@@ -59,3 +59,12 @@ def test_request_metrics_and_separate_registries() -> None:
     assert s[("kestrel_time_to_first_token_seconds_count", ())] == 1
     assert s[("kestrel_request_duration_seconds_count", (("endpoint", "/v1/completions"),))] == 2
     assert ("kestrel_requests_total", (("endpoint", "/v1/completions"), ("status", "200"))) not in _samples(b)
+
+
+def test_prefix_cache_figures_are_the_pools() -> None:
+    ae = _fake_async_engine()
+    ae.engine.pool = SimpleNamespace(prefix_hit_tokens=128, cached_blocks=5)
+    s = _samples(ServerMetrics(ae))
+    assert s[("kestrel_prefix_cache_hit_tokens_total", ())] == 128 and s[("kestrel_prefix_cache_blocks", ())] == 5
+    ae.engine.pool.prefix_hit_tokens = 192
+    assert _samples(ServerMetrics(ae))[("kestrel_prefix_cache_hit_tokens_total", ())] == 192
