@@ -371,6 +371,25 @@ def test_metrics(server: KestrelServer, client: openai.OpenAI) -> None:
     assert samples["kestrel_time_to_first_token_seconds_count"] >= 2
 
 
+def test_a_conversation_sent_again_attaches_its_prefix(server: KestrelServer, client: openai.OpenAI) -> None:
+    """A chat's second turn resends the first: the server's engine attaches the first turn's prompt blocks
+    (the prefix cache's hits grow by at least one block) and the answer to the same turn is the same."""
+    system = {"role": "system", "content": "You are a terse assistant. " * 12}  # a prompt of several blocks
+    turn = [system, {"role": "user", "content": "Name a colour."}]
+
+    def hits() -> float:
+        return _samples(http("GET", f"{server.url}/metrics")[2].decode())["kestrel_prefix_cache_hit_tokens_total"]
+
+    first = _chat(client, turn, max_tokens=6)
+    before = hits()
+    again = _chat(client, turn, max_tokens=6)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    follow_up = turn + [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "Another."}]
+    _chat(client, follow_up, max_tokens=6)
+    assert hits() >= before + 2 * 32
+
+
 def _samples(text: str) -> dict[str, float]:
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines() if line and not line.startswith("#")}
