@@ -102,7 +102,8 @@ def _load_gguf(path: Path, quant: str) -> LoadedModel:
     from kestrel_core.model.gguf_reader import GGUFCheckpoint  # gguf-py is imported for GGUF files only
 
     ckpt = GGUFCheckpoint(path)
-    tokenizer = Tokenizer.from_gguf_vocab(ckpt.tokenizer_fields(), where=str(path))
+    tokenizer = Tokenizer.from_gguf_vocab(ckpt.tokenizer_fields(), where=str(path),
+                                          architecture=str(ckpt.field("general.architecture", "")))
     model = _quantize(ckpt, quant, path.name)
     del ckpt  # drop the memory map before the caller goes on
     return LoadedModel(model, tokenizer, str(path), quant)

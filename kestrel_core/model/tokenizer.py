@@ -11,37 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.chat_template import compile_chat_template, one_line, render_chat
-from kestrel_core.model.validate import check_regular_file, is_int
-
-# llama.cpp's tokenizer.ggml.pre -> how that vocabulary's merges were learned to split text.
-# The regexes are the ones of each model's own tokenizer.json (and llama.cpp's llama-vocab.cpp).
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_GPT2 = ("default", "gpt2", "gpt-2")
-PRE_DIGITS = ("smollm", "starcoder", "refact", "codeshell")  # every digit on its own, then GPT-2's regex
-PRE_QWEN2 = ("qwen2", "deepseek-r1-qwen")
-PRE_LLAMA3 = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe")
-SUPPORTED_PRE = PRE_GPT2 + PRE_DIGITS + PRE_QWEN2 + PRE_LLAMA3
-
-# llama.cpp token types
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
-
-
-def _str_list(fields: Mapping[str, Any], key: str, where: str) -> list[str]:
-    """A GGUF metadata array of strings (empty when absent); anything else is one line naming the key."""
-    value = fields.get(key)
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise KestrelError(f"{where}: {key} must be an array of strings")
-    return value
+from kestrel_core.model.gguf_vocab import build_gguf_vocab
+from kestrel_core.model.validate import check_regular_file
 
 
 def _token_content(value: Any) -> str | None:
@@ -120,79 +95,12 @@ class Tokenizer:
                                  eos_token=_token_content(cfg.get("eos_token")))
 
     @classmethod
-    def from_gguf_vocab(cls, fields: Mapping[str, Any], where: str = "GGUF") -> Tokenizer:
-        """Build from GGUF tokenizer.* metadata values (already decoded to Python values)."""
-        kind = fields.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise KestrelError(f"{where}: tokenizer model {kind!r} is not supported (kestrel builds byte-level "
-                               "BPE tokenizers, tokenizer.ggml.model 'gpt2')")
-        tokens = _str_list(fields, "tokenizer.ggml.tokens", where)
-        merges_raw = _str_list(fields, "tokenizer.ggml.merges", where)
-        if not tokens or not merges_raw:
-            raise KestrelError(f"{where}: the embedded vocabulary lacks tokens or merges")
-        types = fields.get("tokenizer.ggml.token_type")
-        if types is None:
-            types = [TOKEN_NORMAL] * len(tokens)
-        if not isinstance(types, list) or len(types) != len(tokens) or not all(is_int(t) for t in types):
-            raise KestrelError(f"{where}: tokenizer.ggml.token_type must be one integer per token "
-                               f"({len(tokens)} tokens)")
-        pre = fields.get("tokenizer.ggml.pre", "default")
-        if pre not in SUPPORTED_PRE:
-            raise KestrelError(f"{where}: pre-tokenizer {pre!r} is not supported "
-                               f"(kestrel knows {', '.join(SUPPORTED_PRE)})")
-        template = fields.get("tokenizer.chat_template")
-        if template is not None and not isinstance(template, str):
-            raise KestrelError(f"{where}: tokenizer.chat_template must be text")
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        if len(vocab) != len(tokens):
-            raise KestrelError(f"{where}: tokenizer.ggml.tokens holds the same token twice")
-        merges = []
-        for m in merges_raw:
-            a, sep, b = m.partition(" ")
-            if not sep or not a or not b:
-                raise KestrelError(f"{where}: malformed merge {m[:80]!r}")
-            if a not in vocab or b not in vocab or a + b not in vocab:
-                raise KestrelError(f"{where}: merge {m[:80]!r} names tokens outside the vocabulary")
-            merges.append((a, b))
-        try:
-            backend = _Backend(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in PRE_LLAMA3))
-        except Exception as exc:  # the Rust side raises plain Exception
-            raise KestrelError(f"{where}: the embedded vocabulary is not a valid BPE ({one_line(exc)})") from None
-        if pre in PRE_GPT2:
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        elif pre in PRE_DIGITS:
-            backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-        else:
-            split = _QWEN2_SPLIT if pre in PRE_QWEN2 else _LLAMA3_SPLIT
-            backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-            if pre in PRE_QWEN2:
-                backend.normalizer = normalizers.NFC()
-        backend.decoder = decoders.ByteLevel()
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t, ty in zip(tokens, types) if ty == TOKEN_CONTROL])
-        backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED])
-
-        def token_id(key: str) -> int | None:
-            v = fields.get(key)
-            if v is not None and not is_int(v):
-                raise KestrelError(f"{where}: {key} must be an integer, got {v!r}")
-            return int(v) if v is not None and 0 <= int(v) < len(tokens) else None
-
-        bos_id, eos_id, eot_id = (token_id(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "eot"))
-        if fields.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
-            bos = tokens[bos_id]
-            backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, bos_id)])
-        eos_ids = [i for i in (eos_id, eot_id) if i is not None]
-        eos_ids = list(dict.fromkeys(eos_ids))
-        return cls(backend, chat_template=template,
-                   bos_token=tokens[bos_id] if bos_id is not None else None,
-                   eos_token=tokens[eos_id] if eos_id is not None else None, eos_token_ids=eos_ids)
+    def from_gguf_vocab(cls, fields: Mapping[str, Any], where: str = "GGUF", architecture: str = "") -> Tokenizer:
+        """Build from GGUF tokenizer.* metadata values (already decoded to Python values); ``architecture`` (the
+        file's ``general.architecture``) picks the SentencePiece variant (``gguf_vocab``)."""
+        vocab = build_gguf_vocab(fields, where, architecture)
+        return cls(vocab.backend, chat_template=vocab.chat_template, bos_token=vocab.bos_token,
+                   eos_token=vocab.eos_token, eos_token_ids=vocab.eos_token_ids)
 
     # -- use ---------------------------------------------------------------------------------------------
 

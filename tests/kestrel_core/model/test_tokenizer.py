@@ -82,7 +82,9 @@ def test_add_bos_token_from_gguf(fmt) -> None:
 
 def test_unsupported_vocabularies_are_named(fmt) -> None:
     fields = gguf_fields(fmt, fmt.train_bpe("gpt2"), "gpt2")
-    with pytest.raises(KestrelError, match="tokenizer model 'llama' is not supported"):
+    with pytest.raises(KestrelError, match="tokenizer model 't5' is not supported"):
+        Tokenizer.from_gguf_vocab({**fields, "tokenizer.ggml.model": "t5"})
+    with pytest.raises(KestrelError, match="tokenizer.ggml.scores must be one number per token"):
         Tokenizer.from_gguf_vocab({**fields, "tokenizer.ggml.model": "llama"})
     with pytest.raises(KestrelError, match="pre-tokenizer 'mystery' is not supported"):
         Tokenizer.from_gguf_vocab({**fields, "tokenizer.ggml.pre": "mystery"})
@@ -178,3 +180,40 @@ def test_default_model_tokenizer_matches_transformers() -> None:
     # SmolLM2 splits every digit (llama.cpp's "smollm" pre-tokenizer; transformers does not know it)
     ids = tk.encode("In 2024, 3.14159")
     assert [tk.token(i) for i in ids if tk.token(i).strip("Ġ").isdigit()] == list("2024314159")
+
+
+SPM_GOLDEN = Path(__file__).parent / "data" / "spm_tokenizer_golden.json"
+SPM_FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "tokenizers"
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gemma3"])
+def test_sentencepiece_gguf_vocabularies_tokenize_as_transformers_does(arch: str) -> None:
+    """A SentencePiece BPE vocabulary (llama.cpp's "llama" model: pieces and scores, no merges), as Llama /
+    Mistral, Phi-3 and Gemma files hold it: kestrel's tokens are transformers' own, text by text, and decode
+    back as transformers decodes them (golden data: make_tokenizer_golden.py --sentencepiece)."""
+    from gguf import GGUFReader
+
+    from kestrel_core.model.gguf_reader import GGUFCheckpoint  # noqa: F401 (the GGUF reader's field decoding)
+
+    reader = GGUFReader(SPM_FIXTURES / f"spm-{arch}.gguf")
+    fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    tok = Tokenizer.from_gguf_vocab(fields, architecture=arch)
+    golden = json.loads(SPM_GOLDEN.read_text(encoding="utf-8"))[arch]
+    for case in golden:
+        assert tok.encode(case["text"], add_special_tokens=False) == case["ids"], case["text"]
+        assert tok.decode(case["ids"]) == case["decoded"], case["text"]
+    assert tok.encode("hi")[0] == 1  # the BOS llama.cpp adds to a SentencePiece vocabulary by default
+
+
+def test_the_sentencepiece_variants_differ_where_their_models_do() -> None:
+    """The three variants are not one: Phi-3 keeps a leading space that Llama's Metaspace folds, Gemma adds
+    no prefix space at all; so a test that fed every file to one builder would fail."""
+    from gguf import GGUFReader
+
+    ids = {}
+    for arch in ("llama", "phi3", "gemma3"):
+        reader = GGUFReader(SPM_FIXTURES / f"spm-{arch}.gguf")
+        fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+        tok = Tokenizer.from_gguf_vocab(fields, architecture=arch)
+        ids[arch] = tuple(tuple(tok.encode(t, add_special_tokens=False)) for t in ("  leading", "leading"))
+    assert ids["phi3"][0] != ids["llama"][0] and ids["gemma3"][1] != ids["llama"][1], ids

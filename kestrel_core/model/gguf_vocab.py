@@ -1,0 +1,205 @@
+"""A `tokenizers` backend from a GGUF's tokenizer.* metadata: llama.cpp's two BPE vocabularies.
+
+- ``gpt2``: byte-level BPE with the merges the file lists, split the way ``tokenizer.ggml.pre`` says.
+- ``llama``: SentencePiece BPE. The file lists pieces with scores and no merges; the merges are recovered
+  from the vocabulary (every split of a piece into two pieces, best score first), with byte fallback
+  (``<0xNN>`` pieces) and "▁" for spaces. Three variants, picked by ``general.architecture`` as transformers
+  picks them: Llama's (and Mistral's, Mixtral's) Metaspace with a prefix space, Phi-3's normalizer that adds
+  the prefix space, and Gemma's (spaces only replaced; pieces of spaces stored as real spaces and respelled;
+  merges ranked by the pieces' order in the file, which its scores do not follow).
+
+tests/kestrel_core/model/test_tokenizer.py compares each with transformers' own reading of the same files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as _Backend
+
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.chat_template import one_line
+from kestrel_core.model.validate import is_int, is_number
+
+# llama.cpp's tokenizer.ggml.pre -> how that vocabulary's merges were learned to split text.
+# The regexes are the ones of each model's own tokenizer.json (and llama.cpp's llama-vocab.cpp).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_GPT2 = ("default", "gpt2", "gpt-2")
+PRE_DIGITS = ("smollm", "starcoder", "refact", "codeshell")  # every digit on its own, then GPT-2's regex
+PRE_QWEN2 = ("qwen2", "deepseek-r1-qwen")
+PRE_LLAMA3 = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe")
+SUPPORTED_PRE = PRE_GPT2 + PRE_DIGITS + PRE_QWEN2 + PRE_LLAMA3
+MODELS = ("gpt2", "llama")
+SPACE = "\u2581"  # SentencePiece's space
+
+# llama.cpp token types
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
+
+
+@dataclass
+class GGUFVocab:
+    backend: _Backend
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    eos_token_ids: list[int]
+
+
+def _str_list(fields: Mapping[str, Any], key: str, where: str) -> list[str]:
+    """A GGUF metadata array of strings (empty when absent); anything else is one line naming the key."""
+    value = fields.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise KestrelError(f"{where}: {key} must be an array of strings")
+    return value
+
+
+def build_gguf_vocab(fields: Mapping[str, Any], where: str = "GGUF", architecture: str = "") -> GGUFVocab:
+    """The tokenizer a GGUF's metadata describes; every defect one line naming the key."""
+    kind = fields.get("tokenizer.ggml.model")
+    if kind not in MODELS:
+        raise KestrelError(f"{where}: tokenizer model {kind!r} is not supported (kestrel builds the BPE "
+                           f"vocabularies, tokenizer.ggml.model {' or '.join(repr(m) for m in MODELS)})")
+    tokens = _str_list(fields, "tokenizer.ggml.tokens", where)
+    types = fields.get("tokenizer.ggml.token_type")
+    if types is None:
+        types = [TOKEN_NORMAL] * len(tokens)
+    if not isinstance(types, list) or len(types) != len(tokens) or not all(is_int(t) for t in types):
+        raise KestrelError(f"{where}: tokenizer.ggml.token_type must be one integer per token "
+                           f"({len(tokens)} tokens)")
+    template = fields.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise KestrelError(f"{where}: tokenizer.chat_template must be text")
+
+    def token_id(key: str) -> int | None:
+        v = fields.get(key)
+        if v is not None and not is_int(v):
+            raise KestrelError(f"{where}: {key} must be an integer, got {v!r}")
+        return int(v) if v is not None and 0 <= int(v) < len(tokens) else None
+
+    bos_id, eos_id, eot_id, unk_id = (token_id(f"tokenizer.ggml.{k}_token_id")
+                                      for k in ("bos", "eos", "eot", "unknown"))
+    if kind == "gpt2":
+        backend = _byte_level(fields, tokens, where)
+        add_bos = fields.get("tokenizer.ggml.add_bos_token")
+    else:
+        if architecture == "gemma3":  # pieces of spaces stored as spaces; GemmaTokenizer spells them "▁"
+            tokens = [SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
+        backend = _sentencepiece(fields, tokens, architecture, unk_id, where)
+        add_bos = fields.get("tokenizer.ggml.add_bos_token", True)  # llama.cpp's default for SentencePiece
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == TOKEN_CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED])
+    if add_bos and bos_id is not None:
+        bos = tokens[bos_id]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, bos_id)])
+    eos_ids = list(dict.fromkeys(i for i in (eos_id, eot_id) if i is not None))
+    return GGUFVocab(backend, template, tokens[bos_id] if bos_id is not None else None,
+                     tokens[eos_id] if eos_id is not None else None, eos_ids)
+
+
+def _vocab(tokens: Sequence[str], where: str) -> dict[str, int]:
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise KestrelError(f"{where}: tokenizer.ggml.tokens holds the same token twice")
+    return vocab
+
+
+def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], where: str, **options: Any) -> _Backend:
+    try:
+        return _Backend(models.BPE(vocab=vocab, merges=merges, **options))
+    except Exception as exc:  # the Rust side raises plain Exception
+        raise KestrelError(f"{where}: the embedded vocabulary is not a valid BPE ({one_line(exc)})") from None
+
+
+def _byte_level(fields: Mapping[str, Any], tokens: list[str], where: str) -> _Backend:
+    merges_raw = _str_list(fields, "tokenizer.ggml.merges", where)
+    if not tokens or not merges_raw:
+        raise KestrelError(f"{where}: the embedded vocabulary lacks tokens or merges")
+    pre = fields.get("tokenizer.ggml.pre", "default")
+    if pre not in SUPPORTED_PRE:
+        raise KestrelError(f"{where}: pre-tokenizer {pre!r} is not supported "
+                           f"(kestrel knows {', '.join(SUPPORTED_PRE)})")
+    vocab = _vocab(tokens, where)
+    merges = []
+    for m in merges_raw:
+        a, sep, b = m.partition(" ")
+        if not sep or not a or not b:
+            raise KestrelError(f"{where}: malformed merge {m[:80]!r}")
+        if a not in vocab or b not in vocab or a + b not in vocab:
+            raise KestrelError(f"{where}: merge {m[:80]!r} names tokens outside the vocabulary")
+        merges.append((a, b))
+    backend = _bpe(vocab, merges, where, ignore_merges=pre in PRE_LLAMA3)
+    if pre in PRE_GPT2:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif pre in PRE_DIGITS:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    else:
+        split = _QWEN2_SPLIT if pre in PRE_QWEN2 else _LLAMA3_SPLIT
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        if pre in PRE_QWEN2:
+            backend.normalizer = normalizers.NFC()
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece BPE vocabulary implies: every split of a piece into two pieces of the
+    vocabulary, ranked by the piece's score (best first; a tie by the shorter left, then right, part, then
+    the order found), the splits of one piece ordered by their parts' ids. transformers recovers merges the
+    same way, so both tokenize alike."""
+    ids = {tok: i for i, tok in enumerate(tokens)}
+    score_of = dict(zip(tokens, scores))
+    found = []
+    for piece, score in score_of.items():
+        splits = sorted(((piece[:i], piece[i:]) for i in range(1, len(piece))
+                         if piece[:i] in ids and piece[i:] in ids), key=lambda lr: (ids[lr[0]], ids[lr[1]]))
+        found += [(score, left, right) for left, right in splits]
+    found.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
+    return [(left, right) for _, left, right in found]
+
+
+def _sentencepiece(fields: Mapping[str, Any], tokens: list[str], architecture: str, unk_id: int | None,
+                   where: str) -> _Backend:
+    if not tokens:
+        raise KestrelError(f"{where}: the embedded vocabulary lacks tokens")
+    vocab = _vocab(tokens, where)
+    if architecture == "gemma3":  # its scores do not follow its merges; the pieces' order does
+        scores: Sequence[float] = [-float(i) for i in range(len(tokens))]
+    else:
+        scores = fields.get("tokenizer.ggml.scores")
+        if not isinstance(scores, list) or len(scores) != len(tokens) or not all(is_number(x) for x in scores):
+            raise KestrelError(f"{where}: tokenizer.ggml.scores must be one number per token ({len(tokens)} "
+                               "tokens)")
+    options: dict[str, Any] = {"fuse_unk": True, "byte_fallback": True}
+    if architecture == "gemma3" and unk_id is not None:
+        options["unk_token"] = tokens[unk_id]
+    backend = _bpe(vocab, sentencepiece_merges(tokens, scores), where, **options)
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    prefix_space = fields.get("tokenizer.ggml.add_space_prefix", True) is not False
+    if architecture == "gemma3":
+        backend.normalizer = normalizers.Replace(" ", SPACE)
+        backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+        prefix_space = False
+    elif architecture == "phi3":  # the prefix space from a normalizer: "  hi" keeps both of its spaces
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, split=False,
+                                                         prepend_scheme="first" if prefix_space else "never")
+    if prefix_space:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
