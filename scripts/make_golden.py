@@ -23,6 +23,8 @@ Writes under tests/fixtures/models/:
   tiny-qwen3-moe/  Qwen3MoeForCausalLM: 8 experts, top-2, norm_topk_prob, float16
   tiny-qwen3-moe.gguf  llama.cpp's qwen3moe layout (stacked ffn_*_exps); golden = tiny-qwen3-moe's
   tiny-mixtral/ MixtralForCausalLM: 4 experts (w1/w2/w3), top-2, bfloat16
+  tiny-qwen2-moe/  Qwen2MoeForCausalLM: 4 experts and a gated shared expert, q/k/v biases, bfloat16
+  tiny-qwen2-moe.gguf  llama.cpp's qwen2moe layout (stacked experts, *_shexp tensors); golden = tiny-qwen2-moe's
   tiny-mixtral.gguf  llama.cpp's llama layout with stacked experts (Q/K rows permuted); golden = tiny-mixtral's
   smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
   MANIFEST.json  versions, shapes, logit ranges, the command
@@ -55,6 +57,7 @@ from transformers import (
     MixtralConfig,
     Phi3Config,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )
@@ -188,6 +191,11 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     qwen3_moe = Qwen3MoeConfig(**common, num_hidden_layers=2, intermediate_size=128, moe_intermediate_size=32,
                                num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, head_dim=16,
                                tie_word_embeddings=False, rope_theta=1e6, use_sliding_window=False)
+    # a shared expert beside 4 routed ones, q/k/v biases, the top-2 weights not renormalised
+    qwen2_moe = Qwen2MoeConfig(**common, num_hidden_layers=2, intermediate_size=128, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                               norm_topk_prob=False, tie_word_embeddings=False, rope_theta=1e6,
+                               use_sliding_window=False)
     mixtral = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
                             num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None)
     return {
@@ -199,6 +207,7 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-gemma3": (gemma3, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": False}),
         "tiny-qwen3-moe": (qwen3_moe, {"dtype": torch.float16, "max_shard_size": None, "classic_config": True}),
         "tiny-mixtral": (mixtral, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
+        "tiny-qwen2-moe": (qwen2_moe, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
     }
 
 
@@ -225,7 +234,8 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                 val = QK_NORM_MEAN - norm_shift + NORM_JITTER * rng.standard_normal(shape)
             elif name.endswith("norm.weight"):
                 val = 1.0 - norm_shift + NORM_JITTER * rng.standard_normal(shape)
-            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):  # a router
+            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")):
+                # a router, or a shared expert's sigmoid gate
                 val = STD_ROUTER * rng.standard_normal(shape)
             elif name.endswith(".bias"):
                 val = STD_BIAS * rng.standard_normal(shape)
@@ -505,6 +515,8 @@ def _write_moe_gguf(src: Path, dst: Path, tok: Tokenizer, arch: str, permute: bo
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     if "moe_intermediate_size" in cfg:
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     put = _gguf_put(w)
     put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
     for i in range(cfg["num_hidden_layers"]):
@@ -518,6 +530,9 @@ def _write_moe_gguf(src: Path, dst: Path, tok: Tokenizer, arch: str, permute: bo
         put(f"blk.{i}.attn_k.weight", k, kind)
         put(f"blk.{i}.attn_v.weight", tensors[p + "self_attn.v_proj.weight"], kind)
         put(f"blk.{i}.attn_output.weight", tensors[p + "self_attn.o_proj.weight"], kind)
+        for proj in ("q", "k", "v"):
+            if p + f"self_attn.{proj}_proj.bias" in tensors:
+                put(f"blk.{i}.attn_{proj}.bias", tensors[p + f"self_attn.{proj}_proj.bias"], "f32")
         for norm in ("q_norm", "k_norm"):
             if p + f"self_attn.{norm}.weight" in tensors:
                 put(f"blk.{i}.attn_{norm}.weight", tensors[p + f"self_attn.{norm}.weight"], "f32")
@@ -525,6 +540,10 @@ def _write_moe_gguf(src: Path, dst: Path, tok: Tokenizer, arch: str, permute: bo
         put(f"blk.{i}.ffn_gate_inp.weight", tensors[f"{p}{block}.gate.weight"], "f32")
         for kind_name, stacked in _stack_experts(tensors, f"{p}{block}.experts.", expert_names, experts).items():
             put(f"blk.{i}.ffn_{kind_name}_exps.weight", stacked, kind)
+        if f"{p}{block}.shared_expert_gate.weight" in tensors:  # as llama.cpp's Qwen2MoeModel: the gate as [D]
+            put(f"blk.{i}.ffn_gate_inp_shexp.weight", tensors[f"{p}{block}.shared_expert_gate.weight"][0], "f32")
+            for name in ("gate", "up", "down"):
+                put(f"blk.{i}.ffn_{name}_shexp.weight", tensors[f"{p}{block}.shared_expert.{name}_proj.weight"], kind)
     put("output_norm.weight", tensors["model.norm.weight"], "f32")
     put("output.weight", tensors["lm_head.weight"], "q8_0")
     return _gguf_finish(w, src, dst)
@@ -533,6 +552,12 @@ def _write_moe_gguf(src: Path, dst: Path, tok: Tokenizer, arch: str, permute: bo
 def write_qwen3_moe_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     """tiny-qwen3-moe as llama.cpp's Qwen3MoeModel writes it: qwen3moe, stacked experts, q/k norms, unpermuted."""
     return _write_moe_gguf(src, dst, tok, "qwen3moe", False, ("gate_proj", "up_proj", "down_proj"), "mlp")
+
+
+def write_qwen2_moe_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-qwen2-moe as llama.cpp's Qwen2MoeModel writes it: qwen2moe, q/k/v biases, stacked experts, the
+    shared expert as ffn_*_shexp with its gate ffn_gate_inp_shexp; unpermuted."""
+    return _write_moe_gguf(src, dst, tok, "qwen2moe", False, ("gate_proj", "up_proj", "down_proj"), "mlp")
 
 
 def write_mixtral_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
@@ -584,7 +609,8 @@ def build_smollm(gguf_path: Path) -> dict[str, Any]:
 
 # the GGUF twins written from a tiny model's directory (with it, under --model)
 GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma3_gguf,
-              "tiny-qwen3-moe": write_qwen3_moe_gguf, "tiny-mixtral": write_mixtral_gguf}
+              "tiny-qwen3-moe": write_qwen3_moe_gguf, "tiny-mixtral": write_mixtral_gguf,
+              "tiny-qwen2-moe": write_qwen2_moe_gguf}
 
 
 def main(argv: list[str] | None = None) -> int:

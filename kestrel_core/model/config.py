@@ -1,4 +1,5 @@
-"""Decoder configuration: one dataclass for Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 3, Qwen3-MoE and Mixtral."""
+"""Decoder configuration: one dataclass for Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 3 and the mixtures of experts
+(Qwen2-MoE, Qwen3-MoE, Mixtral)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.validate import ValidationError, check_bool, check_float, check_int, is_int
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "qwen3_moe", "mixtral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "qwen2_moe", "qwen3_moe", "mixtral")
 ACTIVATIONS = ("silu", "gelu_tanh")  # of the gate: SwiGLU, or GeGLU with the tanh GELU (Gemma)
 LAYER_TYPES = ("full", "sliding")
 MAX_EXPERTS = 1 << 12
@@ -50,6 +51,7 @@ class ModelConfig:
     experts_per_token: int = 0  # top-k
     expert_intermediate_size: int = 0  # each expert's F
     norm_topk_prob: bool = False  # the top-k router probabilities renormalised to sum 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an expert every token runs, gated by a sigmoid; 0: none
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -142,8 +144,10 @@ def validate_config(c: ModelConfig) -> None:
     if c.num_experts:
         check_int("experts_per_token", c.experts_per_token, 1, c.num_experts)
         check_int("expert_intermediate_size", c.expert_intermediate_size, 1, MAX_DIM)
-    elif c.experts_per_token or c.expert_intermediate_size:
-        raise ValidationError("experts_per_token and expert_intermediate_size need num_experts > 0")
+    elif c.experts_per_token or c.expert_intermediate_size or c.shared_expert_intermediate_size:
+        raise ValidationError("experts_per_token, expert_intermediate_size and shared_expert_intermediate_size "
+                              "need num_experts > 0")
+    check_int("shared_expert_intermediate_size", c.shared_expert_intermediate_size, 0, MAX_DIM)
     for name in ("tie_word_embeddings", "qkv_bias", "qk_norm", "post_norms", "norm_topk_prob"):
         check_bool(name, getattr(c, name))
     if c.bos_token_id is not None:

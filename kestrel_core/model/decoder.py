@@ -98,7 +98,8 @@ class Decoder:
         # per layer, per PROJ_GROUPS entry: (each member's wkey, the fused weight's or NO_CACHE)
         self.keys = [[(g.keys(i), g.fused_key(i)) for g in PROJ_GROUPS] for i in range(c.num_layers)]
         # per layer, per expert, per MLP_GROUPS entry: the same for each expert's weights
-        self.expert_keys = [[[(g.keys(i, e), g.fused_key(i, e)) for g in MLP_GROUPS] for e in range(c.num_experts)]
+        experts = c.num_experts + (1 if c.shared_expert_intermediate_size else 0)  # the shared one is expert E
+        self.expert_keys = [[[(g.keys(i, e), g.fused_key(i, e)) for g in MLP_GROUPS] for e in range(experts)]
                             for i in range(c.num_layers)]
 
     def new_cache(self) -> SeqCache:
@@ -255,10 +256,14 @@ class Decoder:
     def _moe(self, i: int, lw: LayerWeights, x: np.ndarray, precise: np.ndarray) -> np.ndarray:
         """The mixture of experts of layer ``i`` on x [M, D]: each row through its top-k experts by router
         probability (softmax over all experts, then optionally renormalised over the k), weighted and summed
-        in expert order, so a row's result does not depend on the other rows."""
+        in expert order, then the shared expert scaled by its sigmoid gate (Qwen2-MoE); a row's result does
+        not depend on the other rows."""
         c = self.config
-        probs = np.empty((len(x), c.num_experts), np.float32)  # [M, E]
-        kernels.router_softmax(np.ascontiguousarray(x), lw.router, probs)
+        x = np.ascontiguousarray(x)
+        logits = np.empty((len(x), c.num_experts), np.float32)  # [M, E]
+        kernels.rows_dot(x, lw.router, logits)
+        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs /= probs.sum(axis=1, keepdims=True)
         top = np.argsort(-probs, axis=1, kind="stable")[:, :c.experts_per_token]  # [M, k], ties: the lower expert
         weights = np.take_along_axis(probs, top, axis=1)  # [M, k]
         if c.norm_topk_prob:
@@ -268,6 +273,11 @@ class Decoder:
             rows, slot = np.nonzero(top == e)
             y = self._mlp(x[rows], precise[rows], lw.experts[e].groups(), self.expert_keys[i][e])  # [m_e, D]
             out[rows] += y * weights[rows, slot][:, None]
+        if lw.shared_expert is not None:
+            gate = np.empty((len(x), 1), np.float32)  # [M, 1]
+            kernels.rows_dot(x, lw.shared_expert_gate, gate)
+            y = self._mlp(x, precise, lw.shared_expert.groups(), self.expert_keys[i][c.num_experts])
+            out += y * (np.float32(1) / (np.float32(1) + np.exp(-gate)))
         return out
 
 

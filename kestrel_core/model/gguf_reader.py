@@ -1,4 +1,4 @@
-"""Read a GGUF file (llama incl. Mixtral, qwen2, qwen3, qwen3moe, phi3, gemma3) as a TensorSource: dequantized
+"""Read a GGUF file (llama incl. Mixtral, qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma3) as a TensorSource: dequantized
 float32, HF layout; the experts of a stacked ``ffn_*_exps`` tensor are read one slice at a time.
 
 llama.cpp's convert_hf_to_gguf.py permutes the rows of Q and K for the llama architecture only
@@ -31,7 +31,9 @@ from kestrel_core.model.quantize import fused_rows, layer_name, map_tensor_name
 from kestrel_core.model.validate import ValidationError, check_float, check_int, check_regular_file, open_regular
 from kestrel_core.model.weights import expert_field
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen3moe")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen2moe", "qwen3moe")
+MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}  # with experts
+EXPERT_WEIGHTS_NORM = {"qwen2moe": False}  # llama.cpp's default where expert_weights_norm is absent: true
 PERMUTED_ARCHITECTURES = ("llama", "mixtral")  # kestrel's names: a llama GGUF with experts is Mixtral
 # phi3 GGUFs hold Q|K|V and gate|up (llama.cpp's ffn_up of phi3: gate rows, then up) as one tensor each
 FUSED = {"phi3": {"attn_qkv.weight": ("q", "k", "v"), "ffn_up.weight": ("gate", "up")}}
@@ -54,6 +56,10 @@ _LAYER_MAP = {
     "ffn_gate_inp.weight": "router",
     "post_attention_norm.weight": "post_attn_norm",  # Gemma 3 (its ffn_norm is the pre-MLP norm)
     "post_ffw_norm.weight": "post_mlp_norm",
+    "ffn_gate_inp_shexp.weight": "shared_expert_gate",  # Qwen2-MoE's shared expert
+    "ffn_gate_shexp.weight": "shared_expert.gate",
+    "ffn_up_shexp.weight": "shared_expert.up",
+    "ffn_down_shexp.weight": "shared_expert.down",
 }
 # a mixture-of-experts layer's experts, stacked [E, N, K] in one tensor each
 _STACKED = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down"}
@@ -442,7 +448,7 @@ class GGUFCheckpoint:
                 rope_scaling=scaling,
                 max_position=self.int_field(f"{arch}.context_length", 4096),
                 tie_word_embeddings="lm_head" not in self._tensors,
-                qkv_bias=arch == "qwen2",
+                qkv_bias=arch in ("qwen2", "qwen2moe"),
                 qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
                 sliding_window=self.int_field(f"{arch}.attention.sliding_window") if arch in ("phi3", "gemma3")
                 else None,
@@ -470,16 +476,19 @@ class GGUFCheckpoint:
                     "embed_scale": math.sqrt(hidden), "activation": "gelu_tanh", "post_norms": True}
         experts = self.int_field(f"{arch}.expert_count", 0, lo=0) or 0
         if not experts:
-            if arch == "qwen3moe":
-                raise KestrelError(f"{self.path}: qwen3moe.expert_count is missing")
+            if arch in ("qwen2moe", "qwen3moe"):
+                raise KestrelError(f"{self.path}: {arch}.expert_count is missing")
             return {}
-        norm = self.field(f"{arch}.expert_weights_norm", True)
+        if arch not in MOE_ARCHITECTURES:
+            raise KestrelError(f"{self.path}: experts in a {arch} file are not supported")
+        norm = self.field(f"{arch}.expert_weights_norm", EXPERT_WEIGHTS_NORM.get(arch, True))
         if not isinstance(norm, bool):
             raise KestrelError(f"{self.path}: metadata {arch}.expert_weights_norm must be a bool, got {norm!r}")
         ff = self.int_field(f"{arch}.expert_feed_forward_length") or self.int_field(f"{arch}.feed_forward_length")
-        return {"arch": "qwen3_moe" if arch == "qwen3moe" else "mixtral", "num_experts": experts,
+        shared = self.int_field(f"{arch}.expert_shared_feed_forward_length", 0, lo=0) or 0
+        return {"arch": MOE_ARCHITECTURES[arch], "num_experts": experts,
                 "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
-                "expert_intermediate_size": ff, "norm_topk_prob": norm}
+                "expert_intermediate_size": ff, "norm_topk_prob": norm, "shared_expert_intermediate_size": shared}
 
     def tokenizer_fields(self) -> dict[str, Any]:
         """Every tokenizer.* metadata value, decoded (what Tokenizer.from_gguf_vocab needs)."""
@@ -506,6 +515,8 @@ class GGUFCheckpoint:
         except (ValueError, IndexError) as exc:
             raise KestrelError(f"{self.path}: tensor {t.name} is corrupt ({exc})") from None
         w = np.asarray(w, dtype=np.float32)
+        if name.endswith(".shared_expert_gate") and w.ndim == 1:  # llama.cpp stores the gate's one row as [D]
+            w = w.reshape(1, -1)
         rows = self._rows.get(name)
         if rows is not None:
             w = fused_rows(w, rows, str(self.path), t.name)

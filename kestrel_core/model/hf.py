@@ -34,10 +34,11 @@ from kestrel_core.model.weights import expert_field
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                     "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3",
-                    "Gemma3ForConditionalGeneration": "gemma3", "Qwen3MoeForCausalLM": "qwen3_moe",
-                    "MixtralForCausalLM": "mixtral"}
+                    "Gemma3ForConditionalGeneration": "gemma3", "Qwen2MoeForCausalLM": "qwen2_moe",
+                    "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
-               "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+               "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
+               "mixtral": "mixtral"}
 WINDOWED = ("mistral", "phi3", "mixtral")  # architectures whose sliding_window applies to every layer
 # Gemma3TextConfig's defaults: hub configs (the text_config of the multimodal checkpoints) leave many out
 GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -70,6 +71,11 @@ _GEMMA3_LAYER_MAP = {**_LAYER_MAP, "post_attention_layernorm.weight": "post_attn
 _EXPERT_RE = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _EXPERT_FIELDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 _ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
+# Qwen2-MoE's shared expert and its gate
+_SHARED_MAP = {"mlp.shared_expert.gate_proj.weight": "shared_expert.gate",
+               "mlp.shared_expert.up_proj.weight": "shared_expert.up",
+               "mlp.shared_expert.down_proj.weight": "shared_expert.down",
+               "mlp.shared_expert_gate.weight": "shared_expert_gate"}
 # the language model inside a multimodal checkpoint (Gemma3ForConditionalGeneration), as transformers 4 and 5
 # name it
 _LM_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
@@ -96,6 +102,8 @@ def kestrel_name(hf_name: str, arch: str = "llama") -> str | None:
             return layer_name(int(m.group(1)), expert_field(int(e.group(1)), _EXPERT_FIELDS[e.group(2)]))
         if m.group(2) in _ROUTERS:
             return layer_name(int(m.group(1)), "router")
+        if m.group(2) in _SHARED_MAP:
+            return layer_name(int(m.group(1)), _SHARED_MAP[m.group(2)])
     layer_map = _GEMMA3_LAYER_MAP if arch == "gemma3" else _LAYER_MAP
     return map_tensor_name(hf_name, _GLOBAL_MAP, _LAYER_RE, layer_map)
 
@@ -208,20 +216,26 @@ def _gemma3_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    """The experts of Qwen3-MoE (moe_intermediate_size wide, norm_topk_prob as set) and Mixtral (intermediate_size
-    wide, always renormalised)."""
+    """The experts of Qwen2-MoE and Qwen3-MoE (moe_intermediate_size wide, norm_topk_prob as set; Qwen2-MoE's
+    shared expert) and Mixtral (intermediate_size wide, always renormalised)."""
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))
     if experts is None:
         raise KestrelError(f"{where}: missing 'num_experts'")
     out = {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok", 2)}
-    if arch == "qwen3_moe":
+    if arch in ("qwen2_moe", "qwen3_moe"):
         if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
             raise KestrelError(f"{where}: mlp_only_layers / decoder_sparse_step (dense MLP layers between the "
                                "expert layers) are not supported")
-        _refuse_set(cfg, where, {"shared_expert_intermediate_size": "a shared expert"})
+        if arch == "qwen3_moe":
+            _refuse_set(cfg, where, {"shared_expert_intermediate_size": "a shared expert"})
+        else:
+            shared = cfg.get("shared_expert_intermediate_size", 0)
+            check_int("shared_expert_intermediate_size", shared, 0)
+            out["shared_expert_intermediate_size"] = shared
         norm = cfg.get("norm_topk_prob", False)
         check_bool("norm_topk_prob", norm)
-        out.update(expert_intermediate_size=cfg.get("moe_intermediate_size"), norm_topk_prob=norm, qk_norm=True)
+        out.update(expert_intermediate_size=cfg.get("moe_intermediate_size"), norm_topk_prob=norm,
+                   qk_norm=arch == "qwen3_moe")
     else:
         out.update(expert_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
     return out
@@ -242,7 +256,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
     partial = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise KestrelError(f"{where}: partial_rotary_factor {partial!r} (RoPE on part of each head) is not supported")
-    if arch in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window"):
+    if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and cfg.get("use_sliding_window"):
         raise KestrelError(f"{where}: {arch} use_sliding_window (sliding-window attention from layer "
                            f"max_window_layers on) is not supported")
     try:
@@ -263,7 +277,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         }
         if arch == "gemma3":
             fields.update(_gemma3_fields(cfg, where), sliding_window=cfg.get("sliding_window"))
-        if arch in ("qwen3_moe", "mixtral"):
+        if arch in ("qwen2_moe", "qwen3_moe", "mixtral"):
             fields.update(_moe_fields(arch, cfg, where))
         return ModelConfig(
             arch=arch,
@@ -277,7 +291,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2",
+            qkv_bias=arch in ("qwen2", "qwen2_moe"),
             bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
             eos_token_ids=tuple(eos),
             **fields,

@@ -111,26 +111,16 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
                 out[r, o0 + j] = pv[j] / total
 
 
-def _router_softmax(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-    # x: [M, D]; w: [E, D] a router; out: [M, E] = softmax over E of x @ w.T (sequential sums, max subtracted)
+def _rows_dot(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+    # x: [M, D]; w: [N, D] float32 (a router); out: [M, N] = x @ w.T, each dot a sequential sum
     m, d = x.shape
-    n_e = w.shape[0]
+    n = w.shape[0]
     for r in range(m):
-        for e in range(n_e):
+        for e in range(n):
             acc = np.float32(0)
             for j in range(d):
                 acc += x[r, j] * w[e, j]
             out[r, e] = acc
-        top = out[r, 0]
-        for e in range(1, n_e):
-            if out[r, e] > top:
-                top = out[r, e]
-        total = np.float32(0)
-        for e in range(n_e):
-            out[r, e] = np.exp(out[r, e] - top)
-            total += out[r, e]
-        for e in range(n_e):
-            out[r, e] = out[r, e] / total
 
 
 def prange(*args: int) -> range:
@@ -142,12 +132,12 @@ COMPILE_ERRORS: tuple[type[BaseException], ...] = ()
 rmsnorm_rows: Any = _rmsnorm_rows
 rope_write: Any = _rope_write
 attend: Any = _attend
-router_softmax: Any = _router_softmax
+rows_dot: Any = _rows_dot
 AVAILABLE = False
 
 
 def _build() -> bool:
-    global rmsnorm_rows, rope_write, attend, router_softmax, COMPILE_ERRORS, prange
+    global rmsnorm_rows, rope_write, attend, rows_dot, COMPILE_ERRORS, prange
     try:
         import numba
         from numba import njit
@@ -160,7 +150,7 @@ def _build() -> bool:
     jit = njit(cache=True, nogil=True)
     rmsnorm_rows = jit(_rmsnorm_rows)
     rope_write = jit(_rope_write)
-    router_softmax = jit(_router_softmax)
+    rows_dot = jit(_rows_dot)
     attend = njit(cache=True, nogil=True, parallel=True)(_attend)
     return True
 

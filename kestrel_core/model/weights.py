@@ -62,6 +62,12 @@ class LayerWeights:
     post_mlp_norm: np.ndarray | None = None  # Gemma 3: [D], on the MLP's output
     router: np.ndarray | None = None  # mixture of experts: float32 [E, D]
     experts: tuple[ExpertWeights, ...] = ()
+    shared_expert: ExpertWeights | None = None  # Qwen2-MoE: run by every token (its wkeys: expert E)
+    shared_expert_gate: np.ndarray | None = None  # float32 [1, D]: sigmoid(x . gate) scales its output
+
+    def all_experts(self) -> tuple[ExpertWeights, ...]:
+        """The routed experts, then the shared one: expert index e of every wkey."""
+        return self.experts + ((self.shared_expert,) if self.shared_expert is not None else ())
 
     def proj(self, p: Proj) -> StripCache:
         w = getattr(self, PROJ_FIELDS[p])
@@ -90,7 +96,7 @@ class Model:
         for i, layer in enumerate(self.layers):
             projs = LAYER_PROJS[:4] if layer.experts else LAYER_PROJS
             out += [(wkey(i, p), layer.proj(p)) for p in projs]
-            for e, ex in enumerate(layer.experts):
+            for e, ex in enumerate(layer.all_experts()):
                 out += [(wkey(i, p, e), getattr(ex, PROJ_FIELDS[p])) for p in LAYER_PROJS[4:]]
         return out + [(lm_head_wkey(), self.lm_head)]
 
@@ -103,11 +109,11 @@ def engine_weights(model: Model) -> list[tuple[int, tuple[StripCache, ...]]]:
     """Every weight the decoder multiplies, grouped as it offers them on int8 activations: (wkey, strips) of
     each layer's groups (Q|K|V and gate|up under their fused wkey to ``kestrel_gemm_fused_q8``, O and down
     under their own to ``kestrel_gemm_q8``: ``ProjGroup.key``), each expert's gate|up and down under the
-    expert's wkeys, then lm_head."""
+    expert's wkeys (the shared expert's as expert E), then lm_head."""
     out = []
     for i, lw in enumerate(model.layers):
         out += [(group.key(i), strips) for group, strips in zip(PROJ_GROUPS, lw.groups())]
-        for e, ex in enumerate(lw.experts):
+        for e, ex in enumerate(lw.all_experts()):
             out += [(group.key(i, e), strips) for group, strips in zip(MLP_GROUPS, ex.groups())]
     return out + [(lm_head_wkey(), (model.lm_head,))]
 
@@ -142,6 +148,10 @@ def layer_specs(c: ModelConfig, i: int) -> list[TensorSpec]:
         for e in range(c.num_experts):
             out += [(expert_field(e, "gate"), "proj", (fe, d)), (expert_field(e, "up"), "proj", (fe, d)),
                     (expert_field(e, "down"), "proj", (d, fe))]
+        fs = c.shared_expert_intermediate_size
+        if fs:
+            out += [("shared_expert.gate", "proj", (fs, d)), ("shared_expert.up", "proj", (fs, d)),
+                    ("shared_expert.down", "proj", (d, fs)), ("shared_expert_gate", "matrix", (1, d))]
     else:
         f = c.intermediate_size
         out += [("gate", "proj", (f, d)), ("up", "proj", (f, d)), ("down", "proj", (d, f))]
@@ -175,7 +185,9 @@ def assemble(c: ModelConfig, tensors: Mapping[str, Any]) -> Model:
         fields = {s.name[len(prefix):]: tensors[s.name] for s in layer_specs(c, i)}
         experts = tuple(ExpertWeights(*(fields.pop(expert_field(e, f)) for f in MLP_FIELDS))
                         for e in range(c.num_experts))
-        layers.append(LayerWeights(**fields, experts=experts))
+        shared = (ExpertWeights(*(fields.pop(f"shared_expert.{f}") for f in MLP_FIELDS))
+                  if c.shared_expert_intermediate_size else None)
+        layers.append(LayerWeights(**fields, experts=experts, shared_expert=shared))
     embedding = tensors["embedding"]
     lm_head = embedding if c.tie_word_embeddings else tensors["lm_head"]  # tied: the same object, cached once
     return Model(config=c, embedding=embedding, layers=layers, final_norm=tensors["final_norm"], lm_head=lm_head)
@@ -193,6 +205,8 @@ def model_tensors(model: Model) -> dict[str, StripCache | np.ndarray]:
         if field.startswith("experts."):
             _, e, name = field.split(".")
             out[s.name] = getattr(layer.experts[int(e)], name)
+        elif field.startswith("shared_expert."):
+            out[s.name] = getattr(layer.shared_expert, field.split(".")[1])
         else:
             out[s.name] = getattr(layer, field)
     return out

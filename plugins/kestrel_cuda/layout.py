@@ -122,10 +122,10 @@ class StripGroup(NamedTuple):
 
 def layer_groups(layer: int, lw: LayerWeights) -> list[StripGroup]:
     """The projections of model layer ``layer`` in launch order: ``kestrel_core.wkey.PROJ_GROUPS`` (a mixture of
-    experts layer: Q|K|V, O, then each expert's gate|up and down under its wkeys)."""
+    experts layer: Q|K|V, O, then each expert's gate|up and down under its wkeys, the shared one's last)."""
     out = [StripGroup(list(strips), list(group.keys(layer)), group.fused_key(layer))
            for group, strips in zip(PROJ_GROUPS, lw.groups())]
-    for e, ex in enumerate(lw.experts):
+    for e, ex in enumerate(lw.all_experts()):
         out += [StripGroup(list(strips), list(group.keys(layer, e)), group.fused_key(layer, e))
                 for group, strips in zip(MLP_GROUPS, ex.groups())]
     return out

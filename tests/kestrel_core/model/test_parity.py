@@ -128,9 +128,11 @@ CASES = (
     Case("tiny-gemma3", "tiny-gemma3", ALL_MODES),  # 5 sliding layers (window 8), 1 global, norms 1 + w
     Case("tiny-qwen3-moe", "tiny-qwen3-moe", ALL_MODES, moe=True),  # 8 experts, top-2, renormalised
     Case("tiny-mixtral", "tiny-mixtral", ALL_MODES, moe=True),  # 4 experts w1/w3/w2, top-2
+    Case("tiny-qwen2-moe", "tiny-qwen2-moe", ALL_MODES, moe=True),  # a gated shared expert, q/k/v biases
     Case("tiny-gemma3.gguf", "tiny-gemma3", ALL_MODES),  # llama.cpp's gemma3: norms + 1, window and pattern
     Case("tiny-qwen3-moe.gguf", "tiny-qwen3-moe", ALL_MODES, moe=True),  # stacked ffn_*_exps
     Case("tiny-mixtral.gguf", "tiny-mixtral", ALL_MODES, moe=True),  # llama + experts, Q/K permuted
+    Case("tiny-qwen2-moe.gguf", "tiny-qwen2-moe", ALL_MODES, moe=True),  # *_shexp tensors
     Case("smollm2", "smollm2", ("q8", "q4"), default_model=True),
 )
 
@@ -266,6 +268,7 @@ def test_gemma3_done_wrong_leaves_the_limits(monkeypatch, wrong: str) -> None:  
 MOE_WRONG = {
     ("tiny-qwen3-moe", "top-1 routing"): lambda c: {**c, "num_experts_per_tok": 1},
     ("tiny-mixtral", "top-1 routing"): lambda c: {**c, "num_experts_per_tok": 1},
+    ("tiny-qwen2-moe", "no shared expert"): lambda c: {**c, "shared_expert_intermediate_size": 0},
 }
 
 

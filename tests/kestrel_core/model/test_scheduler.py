@@ -68,7 +68,7 @@ def test_batched_tokens_equal_each_request_alone(engine, monkeypatch, temperatur
     assert engine.pool.free_blocks == engine.pool.num_blocks
 
 
-@pytest.mark.parametrize("fixture", ["tiny-gemma3", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("fixture", ["tiny-gemma3", "tiny-qwen3-moe", "tiny-qwen2-moe"])
 def test_batched_tokens_equal_alone_with_windows_and_experts(monkeypatch, fixture: str) -> None:
     """Gemma 3's per-layer windows and RoPE, and the routing of a mixture of experts (rows grouped by expert),
     keep a row's result independent of its batch: batched, chunked tokens are each request's alone."""
