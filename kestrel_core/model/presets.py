@@ -90,6 +90,9 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-30b-a3b": _preset("qwen3_moe", 151936, 2048, 6144, 48, 32, 4, 128, 1e6, 1e-6, 40960, False,
                              qk_norm=True, num_experts=128, experts_per_token=8, expert_intermediate_size=768,
                              norm_topk_prob=True),
+    "qwen1.5-moe-a2.7b": _preset("qwen2_moe", 151936, 2048, 5632, 24, 16, 16, 128, 1e6, 1e-6, 8192, False,
+                                 qkv_bias=True, num_experts=60, experts_per_token=4, expert_intermediate_size=1408,
+                                 shared_expert_intermediate_size=5632),
     "mixtral-8x7b": _preset("mixtral", 32000, 4096, 14336, 32, 32, 8, 128, 1e6, 1e-5, 32768, False,
                             num_experts=8, experts_per_token=2, expert_intermediate_size=14336, norm_topk_prob=True),
 }
