@@ -23,6 +23,9 @@ Writes under tests/fixtures/models/:
   tiny-qwen3-moe/  Qwen3MoeForCausalLM: 8 experts, top-2, norm_topk_prob, float16
   tiny-qwen3-moe.gguf  llama.cpp's qwen3moe layout (stacked ffn_*_exps); golden = tiny-qwen3-moe's
   tiny-mixtral/ MixtralForCausalLM: 4 experts (w1/w2/w3), top-2, bfloat16
+  tiny-gemma2/  Gemma2ForCausalLM: 4 layers alternating sliding (window 8) and global, soft-capped attention
+                and logits, tied, bfloat16
+  tiny-gemma2.gguf  as llama.cpp writes gemma2 (norms + 1, the soft-caps as metadata); golden = tiny-gemma2's
   tiny-qwen2-moe/  Qwen2MoeForCausalLM: 4 experts and a gated shared expert, q/k/v biases, bfloat16
   tiny-qwen2-moe.gguf  llama.cpp's qwen2moe layout (stacked experts, *_shexp tensors); golden = tiny-qwen2-moe's
   tiny-mixtral.gguf  llama.cpp's llama layout with stacked experts (Q/K rows permuted); golden = tiny-mixtral's
@@ -51,6 +54,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma2Config,
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
@@ -191,6 +195,11 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     qwen3_moe = Qwen3MoeConfig(**common, num_hidden_layers=2, intermediate_size=128, moe_intermediate_size=32,
                                num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, head_dim=16,
                                tie_word_embeddings=False, rope_theta=1e6, use_sliding_window=False)
+    # alternating sliding (window 8) and global layers, soft-capped attention scores and logits (caps small
+    # enough to bend these logits), llama.cpp's query scale
+    gemma2 = Gemma2Config(**common, num_hidden_layers=4, intermediate_size=128, head_dim=16, query_pre_attn_scalar=16,
+                          sliding_window=8, tie_word_embeddings=True, pad_token_id=0, rope_theta=1e4,
+                          attn_logit_softcapping=5.0, final_logit_softcapping=8.0)
     # a shared expert beside 4 routed ones, q/k/v biases, the top-2 weights not renormalised
     qwen2_moe = Qwen2MoeConfig(**common, num_hidden_layers=2, intermediate_size=128, moe_intermediate_size=32,
                                shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
@@ -208,6 +217,7 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-qwen3-moe": (qwen3_moe, {"dtype": torch.float16, "max_shard_size": None, "classic_config": True}),
         "tiny-mixtral": (mixtral, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
         "tiny-qwen2-moe": (qwen2_moe, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
+        "tiny-gemma2": (gemma2, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
     }
 
 
@@ -472,18 +482,24 @@ def _stack_experts(tensors: dict[str, np.ndarray], prefix: str, names: tuple[str
             for kind, name in zip(("gate", "up", "down"), names)}
 
 
-def write_gemma3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
-    """tiny-gemma3 as llama.cpp's Gemma3Model writes it: every norm weight + 1, key/value lengths, the window, the
-    global layers' linear RoPE scaling; no Q/K permutation; Q4_0 layer 0, F16 the rest; tied (no output)."""
+def write_gemma_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-gemma2 / tiny-gemma3 as llama.cpp's Gemma2Model / Gemma3Model write them: every norm weight + 1,
+    key/value lengths, the window; Gemma 2's soft-caps, Gemma 3's global layers' linear RoPE scaling; no Q/K
+    permutation; Q4_0 layer 0, F16 the rest; tied (no output)."""
     cfg = json.loads((src / "config.json").read_text())
-    full = cfg["rope_parameters"]["full_attention"]
+    arch = "gemma3" if cfg["model_type"].startswith("gemma3") else "gemma2"
+    full = cfg["rope_parameters"]["full_attention"] if arch == "gemma3" else {"rope_theta": cfg["rope_theta"]}
     tensors = _float32_tensors(src / "model.safetensors")
-    w = _gguf_writer(dst, "gemma3", "tiny-gemma3", {**cfg, "rope_theta": full["rope_theta"]}, tok)
+    w = _gguf_writer(dst, arch, src.name, {**cfg, "rope_theta": full["rope_theta"]}, tok)
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
     w.add_sliding_window(cfg["sliding_window"])
-    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-    w.add_rope_scaling_factor(full["factor"])
+    if arch == "gemma3":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    else:
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     put = _gguf_put(w)
     put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
@@ -493,7 +509,8 @@ def write_gemma3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
         p = f"model.layers.{i}."
         kind = "q4_0" if i == 0 else "f16"
         for hf_name, gguf_name in names.items():
-            put(f"blk.{i}.{gguf_name}.weight", tensors[f"{p}{hf_name}.weight"] + 1, "f32")
+            if f"{p}{hf_name}.weight" in tensors:  # Gemma 2 has no q/k norms
+                put(f"blk.{i}.{gguf_name}.weight", tensors[f"{p}{hf_name}.weight"] + 1, "f32")
         for proj, gguf_name in (("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
                                 ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"),
                                 ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"),
@@ -608,7 +625,7 @@ def build_smollm(gguf_path: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------- main
 
 # the GGUF twins written from a tiny model's directory (with it, under --model)
-GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma3_gguf,
+GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "tiny-gemma2": write_gemma_gguf,
               "tiny-qwen3-moe": write_qwen3_moe_gguf, "tiny-mixtral": write_mixtral_gguf,
               "tiny-qwen2-moe": write_qwen2_moe_gguf}
 

@@ -1,5 +1,5 @@
-"""Decoder configuration: one dataclass for Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 3 and the mixtures of experts
-(Qwen2-MoE, Qwen3-MoE, Mixtral)."""
+"""Decoder configuration: one dataclass for Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and 3 and the mixtures of
+experts (Qwen2-MoE, Qwen3-MoE, Mixtral)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.validate import ValidationError, check_bool, check_float, check_int, is_int
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "qwen2_moe", "qwen3_moe", "mixtral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
+                 "mixtral")
 ACTIVATIONS = ("silu", "gelu_tanh")  # of the gate: SwiGLU, or GeGLU with the tanh GELU (Gemma)
 LAYER_TYPES = ("full", "sliding")
 MAX_EXPERTS = 1 << 12
@@ -47,6 +48,8 @@ class ModelConfig:
     embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden_size)
     activation: str = "silu"  # one of ACTIVATIONS
     post_norms: bool = False  # Gemma: RMSNorm on the attention's and the MLP's outputs before the residual add
+    attn_softcap: float | None = None  # Gemma 2: attention scores become tanh(s / c) * c
+    final_softcap: float | None = None  # Gemma 2: the logits the same
     num_experts: int = 0  # mixture of experts (Qwen3-MoE, Mixtral): every layer's MLP is E experts and a router
     experts_per_token: int = 0  # top-k
     expert_intermediate_size: int = 0  # each expert's F
@@ -138,6 +141,9 @@ def validate_config(c: ModelConfig) -> None:
     if c.query_scale is not None:
         check_float("query_scale", c.query_scale, 0.0, lo_open=True)
     check_float("embed_scale", c.embed_scale, 0.0, lo_open=True)
+    for name in ("attn_softcap", "final_softcap"):
+        if getattr(c, name) is not None:
+            check_float(name, getattr(c, name), 0.0, lo_open=True)
     if c.activation not in ACTIVATIONS:
         raise ValidationError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {c.activation!r}")
     check_int("num_experts", c.num_experts, 0, MAX_EXPERTS)

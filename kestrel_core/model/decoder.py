@@ -95,6 +95,7 @@ class Decoder:
             self.layer_rope.append(seen[key])
         self.eps = np.float32(c.rms_norm_eps)
         self.act = _ACTIVATIONS[c.activation]
+        self.attn_softcap = np.float32(c.attn_softcap or 0)
         # per layer, per PROJ_GROUPS entry: (each member's wkey, the fused weight's or NO_CACHE)
         self.keys = [[(g.keys(i), g.fused_key(i)) for g in PROJ_GROUPS] for i in range(c.num_layers)]
         # per layer, per expert, per MLP_GROUPS entry: the same for each expert's weights
@@ -166,7 +167,11 @@ class Decoder:
 
     def _logits(self, h: np.ndarray, precise: np.ndarray) -> np.ndarray:
         x = rmsnorm(h, self.model.final_norm, self.eps)  # [R, D]
-        return self._linear(x, precise, (self.model.lm_head,), (lm_head_wkey(),), 0)[0]  # [R, vocab]
+        logits = self._linear(x, precise, (self.model.lm_head,), (lm_head_wkey(),), 0)[0]  # [R, vocab]
+        cap = self.config.final_softcap
+        if cap:  # Gemma 2
+            logits = np.tanh(logits / np.float32(cap)) * np.float32(cap)
+        return logits
 
     def _linear(self, x: np.ndarray, precise: np.ndarray, weights: Sequence[StripCache], keys: Sequence[int],
                 fused: int) -> list[np.ndarray]:
@@ -236,7 +241,7 @@ class Decoder:
                 k = rmsnorm(k, lw.k_norm, self.eps)
             kernels.rope_write(np.ascontiguousarray(k), v, pool.kt[i], pool.v[i], slots, cos, sin)
             kernels.attend(np.ascontiguousarray(q), pool.kt[i], pool.v[i], tables, row_seq, firsts[c.window_of(i)],
-                           lengths, q_cos, q_sin, attn)
+                           lengths, q_cos, q_sin, self.attn_softcap, attn)
             out = self._linear(attn, precise, o_w, *o_keys)[0]  # [M, D]
             h += out if lw.post_attn_norm is None else rmsnorm(out, lw.post_attn_norm, self.eps)
             x = rmsnorm(h, lw.mlp_norm, self.eps)

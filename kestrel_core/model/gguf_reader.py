@@ -1,5 +1,6 @@
-"""Read a GGUF file (llama incl. Mixtral, qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma3) as a TensorSource: dequantized
-float32, HF layout; the experts of a stacked ``ffn_*_exps`` tensor are read one slice at a time.
+"""Read a GGUF file (llama incl. Mixtral, qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma2, gemma3) as a
+TensorSource: dequantized float32, HF layout; the experts of a stacked ``ffn_*_exps`` tensor are read one slice
+at a time.
 
 llama.cpp's convert_hf_to_gguf.py permutes the rows of Q and K for the llama architecture only
 (``LlamaModel.permute``: rows ``[n_head, 2, hd/2]`` -> ``[n_head, hd/2, 2]``), because ggml's default RoPE
@@ -31,7 +32,7 @@ from kestrel_core.model.quantize import fused_rows, layer_name, map_tensor_name
 from kestrel_core.model.validate import ValidationError, check_float, check_int, check_regular_file, open_regular
 from kestrel_core.model.weights import expert_field
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen2moe", "qwen3moe")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe")
 MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}  # with experts
 EXPERT_WEIGHTS_NORM = {"qwen2moe": False}  # llama.cpp's default where expert_weights_norm is absent: true
 PERMUTED_ARCHITECTURES = ("llama", "mixtral")  # kestrel's names: a llama GGUF with experts is Mixtral
@@ -63,7 +64,8 @@ _LAYER_MAP = {
 }
 # a mixture-of-experts layer's experts, stacked [E, N, K] in one tensor each
 _STACKED = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down"}
-GEMMA3_SWA_PATTERN = 6  # llama.cpp's: every 6th Gemma 3 layer is global
+GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # llama.cpp's: every 2nd (Gemma 2), 6th (Gemma 3) layer is global
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp scales their queries by 1/sqrt(hidden / heads)
 GEMMA3_SWA_THETA = 10000.0  # llama.cpp's RoPE base of Gemma 3's sliding layers (not in the file)
 _GLOBAL_MAP = {"token_embd.weight": "embedding", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -450,8 +452,8 @@ class GGUFCheckpoint:
                 tie_word_embeddings="lm_head" not in self._tensors,
                 qkv_bias=arch in ("qwen2", "qwen2moe"),
                 qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
-                sliding_window=self.int_field(f"{arch}.attention.sliding_window") if arch in ("phi3", "gemma3")
-                else None,
+                sliding_window=self.int_field(f"{arch}.attention.sliding_window")
+                if arch in ("phi3", "gemma2", "gemma3") else None,
                 bos_token_id=bos,
                 eos_token_ids=tuple(dict.fromkeys(eos)),
                 **extra,
@@ -463,17 +465,23 @@ class GGUFCheckpoint:
 
     def _arch_fields(self, arch: str, hidden: int, heads: int, head_dim: int, layers: int) -> dict[str, Any]:
         """The ModelConfig fields of Gemma 3 and of the mixture-of-experts files, as llama.cpp reads them."""
-        if arch == "gemma3":
+        if arch in GEMMA_SWA_PATTERN:
             pattern = self.field(f"{arch}.attention.sliding_window_pattern")
             if isinstance(pattern, list) and len(pattern) == layers:  # per layer: True = sliding
                 types = tuple("sliding" if p else "full" for p in pattern)
             else:
-                types = tuple("sliding" if (i + 1) % GEMMA3_SWA_PATTERN else "full" for i in range(layers))
-            # llama.cpp: 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 62-layer 27B
-            # (its query_pre_attn_scalar, which the file does not carry)
-            scale_dim = hidden / heads if layers == 62 else head_dim
-            return {"layer_types": types, "rope_local_theta": GEMMA3_SWA_THETA, "query_scale": scale_dim ** -0.5,
-                    "embed_scale": math.sqrt(hidden), "activation": "gelu_tanh", "post_norms": True}
+                types = tuple("sliding" if (i + 1) % GEMMA_SWA_PATTERN[arch] else "full" for i in range(layers))
+            # llama.cpp: 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 27B (its query_pre_attn_scalar,
+            # which the file does not carry)
+            scale_dim = hidden / heads if layers == GEMMA_27B_LAYERS[arch] else head_dim
+            out: dict[str, Any] = {"layer_types": types, "query_scale": scale_dim ** -0.5,
+                                   "embed_scale": math.sqrt(hidden), "activation": "gelu_tanh", "post_norms": True}
+            if arch == "gemma3":
+                out["rope_local_theta"] = GEMMA3_SWA_THETA
+            else:
+                out["attn_softcap"] = self.float_field(f"{arch}.attn_logit_softcapping", 50.0)
+                out["final_softcap"] = self.float_field(f"{arch}.final_logit_softcapping", 30.0)
+            return out
         experts = self.int_field(f"{arch}.expert_count", 0, lo=0) or 0
         if not experts:
             if arch in ("qwen2moe", "qwen3moe"):

@@ -33,19 +33,22 @@ from kestrel_core.model.validate import (
 from kestrel_core.model.weights import expert_field
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                    "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3",
+                    "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
+                    "Gemma3ForCausalLM": "gemma3",
                     "Gemma3ForConditionalGeneration": "gemma3", "Qwen2MoeForCausalLM": "qwen2_moe",
                     "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
-               "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
-               "mixtral": "mixtral"}
+               "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen2_moe": "qwen2_moe",
+               "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
 WINDOWED = ("mistral", "phi3", "mixtral")  # architectures whose sliding_window applies to every layer
 # Gemma3TextConfig's defaults: hub configs (the text_config of the multimodal checkpoints) leave many out
 GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
                    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
                    "sliding_window": 4096, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1}
-GEMMA3_NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "final_norm")
+GEMMA_NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "final_norm")
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # Gemma2Config's defaults
 
 _LAYER_MAP = {
     "input_layernorm.weight": "attn_norm",
@@ -63,8 +66,8 @@ _LAYER_MAP = {
     "mlp.up_proj.weight": "up",
     "mlp.down_proj.weight": "down",
 }
-# Gemma 3 names its four norms by position around the attention and the MLP
-_GEMMA3_LAYER_MAP = {**_LAYER_MAP, "post_attention_layernorm.weight": "post_attn_norm",
+# Gemma 2 and 3 name their four norms by position around the attention and the MLP
+_GEMMA_LAYER_MAP = {**_LAYER_MAP, "post_attention_layernorm.weight": "post_attn_norm",
                      "pre_feedforward_layernorm.weight": "mlp_norm",
                      "post_feedforward_layernorm.weight": "post_mlp_norm"}
 # the router and the experts of Qwen3-MoE (mlp.*) and Mixtral (block_sparse_moe.*, w1/w3/w2 = gate/up/down)
@@ -104,7 +107,7 @@ def kestrel_name(hf_name: str, arch: str = "llama") -> str | None:
             return layer_name(int(m.group(1)), "router")
         if m.group(2) in _SHARED_MAP:
             return layer_name(int(m.group(1)), _SHARED_MAP[m.group(2)])
-    layer_map = _GEMMA3_LAYER_MAP if arch == "gemma3" else _LAYER_MAP
+    layer_map = _GEMMA_LAYER_MAP if arch in GEMMA_ARCHITECTURES else _LAYER_MAP
     return map_tensor_name(hf_name, _GLOBAL_MAP, _LAYER_RE, layer_map)
 
 
@@ -174,44 +177,57 @@ def _refuse_set(cfg: dict[str, Any], where: str, keys: dict[str, str]) -> None:
             raise KestrelError(f"{where}: {key} ({what}) is not supported")
 
 
-def _gemma3_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    """Gemma 3's own ModelConfig fields: layer types, the two RoPE bases, the query and embedding scales."""
+def _gemma_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """Gemma 2's and 3's own ModelConfig fields: layer types, RoPE (Gemma 3: a base per layer type), the query
+    and embedding scales; Gemma 2's soft-capping."""
     act = cfg.get("hidden_activation", cfg.get("hidden_act", "gelu_pytorch_tanh"))
     if act != "gelu_pytorch_tanh":
-        raise KestrelError(f"{where}: hidden_activation {act!r} is not supported (Gemma 3 uses gelu_pytorch_tanh)")
-    _refuse_set(cfg, where, {"final_logit_softcapping": "tanh soft-capping of the logits",
-                             "attn_logit_softcapping": "tanh soft-capping of attention scores",
-                             "use_bidirectional_attention": "bidirectional attention"})
+        raise KestrelError(f"{where}: hidden_activation {act!r} is not supported (Gemma uses gelu_pytorch_tanh)")
+    _refuse_set(cfg, where, {"use_bidirectional_attention": "bidirectional attention"})
+    out: dict[str, Any] = {}
+    if arch == "gemma3":
+        _refuse_set(cfg, where, {"final_logit_softcapping": "tanh soft-capping of the logits",
+                                 "attn_logit_softcapping": "tanh soft-capping of attention scores"})
+    else:
+        for key, name in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
+            cap = cfg.get(key, GEMMA2_SOFTCAPS[key])
+            out[name] = None if cap is None else check_float(key, cap, 0.0, lo_open=True)
     layers = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
     if types is None:
-        pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6))
+        pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6 if arch == "gemma3" else 2))
         check_int("sliding_window_pattern", pattern, 1)
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     names = {"sliding_attention": "sliding", "full_attention": "full"}
     if not isinstance(types, list) or not all(t in names for t in types):
         raise KestrelError(f"{where}: layer_types must be a list of sliding_attention / full_attention")
     rp = cfg.get("rope_parameters")
-    if isinstance(rp, dict) and ("full_attention" in rp or "sliding_attention" in rp):
+    if arch == "gemma2":  # one RoPE for every layer
+        theta = cfg.get("rope_theta", (rp or {}).get("rope_theta", 1e4))
+        scaling = cfg.get("rope_scaling") or (rp if (rp or {}).get("rope_type", "default") != "default" else None)
+    elif isinstance(rp, dict) and ("full_attention" in rp or "sliding_attention" in rp):
         full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
         theta, local_theta = full.get("rope_theta", 1e6), local.get("rope_theta", 1e4)
         scaling = full if full.get("rope_type", "default") != "default" else None
         if local.get("rope_type", "default") != "default":
             raise KestrelError(f"{where}: rope scaling of the sliding layers is not supported")
+        out["rope_local_theta"] = check_float("rope_local_base_freq", local_theta, 0.0, lo_open=True)
     else:
-        theta, local_theta = cfg.get("rope_theta", 1e6), cfg.get("rope_local_base_freq", 1e4)
-        scaling = cfg.get("rope_scaling")
+        theta, scaling = cfg.get("rope_theta", 1e6), cfg.get("rope_scaling")
+        out["rope_local_theta"] = check_float("rope_local_base_freq", cfg.get("rope_local_base_freq", 1e4), 0.0,
+                                              lo_open=True)
     qpas = check_float("query_pre_attn_scalar", cfg.get("query_pre_attn_scalar", 256), 0.0, lo_open=True)
     return {
+        **out,
         "layer_types": tuple(names[t] for t in types),
         "rope_theta": check_float("rope_theta", theta, 0.0, lo_open=True),
-        "rope_local_theta": check_float("rope_local_base_freq", local_theta, 0.0, lo_open=True),
         "rope_scaling": normalize_rope_scaling(scaling, where),
         "query_scale": qpas ** -0.5,
         "embed_scale": math.sqrt(cfg["hidden_size"]),
         "activation": "gelu_tanh",
         "post_norms": True,
-        "qk_norm": True,
+        "qk_norm": arch == "gemma3",
+        "sliding_window": cfg.get("sliding_window", 4096),
     }
 
 
@@ -251,7 +267,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
     arch = _architecture(cfg, where)
     if cfg.get("mlp_bias"):
         raise KestrelError(f"{where}: mlp_bias is not supported")
-    if arch in ("llama", "gemma3") and cfg.get("attention_bias"):
+    if arch in ("llama", "gemma2", "gemma3") and cfg.get("attention_bias"):
         raise KestrelError(f"{where}: {arch} attention_bias (with an o_proj bias) is not supported")
     partial = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
@@ -271,12 +287,12 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
                 eos.append(extra)
         fields: dict[str, Any] = {
             "rope_theta": float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            "rope_scaling": None if arch == "gemma3" else normalize_rope_scaling(scaling, where),
+            "rope_scaling": None if arch in GEMMA_ARCHITECTURES else normalize_rope_scaling(scaling, where),
             "qk_norm": arch == "qwen3",
             "sliding_window": cfg.get("sliding_window") if arch in WINDOWED else None,
         }
-        if arch == "gemma3":
-            fields.update(_gemma3_fields(cfg, where), sliding_window=cfg.get("sliding_window"))
+        if arch in GEMMA_ARCHITECTURES:
+            fields.update(_gemma_fields(arch, cfg, where))
         if arch in ("qwen2_moe", "qwen3_moe", "mixtral"):
             fields.update(_moe_fields(arch, cfg, where))
         return ModelConfig(
@@ -399,11 +415,11 @@ class HFCheckpoint:
         return name in self._files
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor as float32 or float16 (BF16 widened exactly to float32); Gemma 3's norms as the factor they
+        """The tensor as float32 or float16 (BF16 widened exactly to float32); Gemma's norms as the factor they
         multiply by, 1 + weight in float32 (its RMSNorm's ``1.0 + self.weight.float()``)."""
         t = self.get_weight(name)
         t = t.to_float32() if isinstance(t, BFloat16Bits) else t
-        if self.config.arch == "gemma3" and name.rsplit(".", 1)[-1] in GEMMA3_NORMS:
+        if self.config.arch in GEMMA_ARCHITECTURES and name.rsplit(".", 1)[-1] in GEMMA_NORMS:
             return np.float32(1) + t.astype(np.float32)
         return t
 

@@ -53,10 +53,12 @@ def _rope_write(k: np.ndarray, v: np.ndarray, kt: np.ndarray, vc: np.ndarray, sl
 
 
 def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, row_seq: np.ndarray,
-            firsts: np.ndarray, lengths: np.ndarray, q_cos: np.ndarray, q_sin: np.ndarray, out: np.ndarray) -> None:
+            firsts: np.ndarray, lengths: np.ndarray, q_cos: np.ndarray, q_sin: np.ndarray, softcap: np.float32,
+            out: np.ndarray) -> None:
     # q: [M, H, hd] (RoPE applied here with the scaled q_ tables [M, hd]); kt/vc: one layer's pool; tables:
     # [S, max_blocks] block ids of each sequence; row_seq: [M] its sequence; each row sees positions
-    # firsts[r] .. lengths[r] - 1 (its own position + 1; firsts 0 but under a sliding window). out: [M, H*hd].
+    # firsts[r] .. lengths[r] - 1 (its own position + 1; firsts 0 but under a sliding window); softcap > 0: each
+    # score becomes tanh(score / softcap) * softcap (Gemma 2). out: [M, H*hd].
     # Work items are (row, KV head); a KV head's g query heads share each key load. Query head h reads KV
     # head h // g (HF's repeat_kv); softmax normalised after P @ V.
     m, n_heads, hd = q.shape
@@ -88,7 +90,10 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
                         acc[hh, o] += qj * row[o]
             for hh in range(g):
                 for o in range(bs):
-                    scores[hh, b * bs + o] = acc[hh, o]
+                    score = acc[hh, o]
+                    if softcap > 0:
+                        score = np.float32(np.tanh(score / softcap)) * softcap
+                    scores[hh, b * bs + o] = score
         pv = np.empty(hd, np.float32)
         for hh in range(g):
             top = scores[hh, s0]

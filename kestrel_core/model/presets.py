@@ -81,6 +81,10 @@ PRESETS: dict[str, ModelConfig] = {
     "mistral-7b": _preset("mistral", 32768, 4096, 14336, 32, 32, 8, 128, 1e6, 1e-5, 32768, False),  # v0.3
     "phi3-mini": _preset("phi3", 32064, 3072, 8192, 32, 32, 32, 96, 10000.0, 1e-5, 4096, False,
                          sliding_window=2047),  # Phi-3-mini-4k
+    "gemma2-9b": _preset("gemma2", 256000, 3584, 14336, 42, 16, 8, 256, 10000.0, 1e-6, 8192, True,
+                         sliding_window=4096, layer_types=tuple("full" if i % 2 else "sliding" for i in range(42)),
+                         query_scale=256 ** -0.5, embed_scale=math.sqrt(3584), activation="gelu_tanh",
+                         post_norms=True, attn_softcap=50.0, final_softcap=30.0),
     "gemma3-12b": _preset("gemma3", 262208, 3840, 15360, 48, 16, 8, 256, 1e6, 1e-6, 131072, True,
                           rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_local_theta=10000.0,
                           sliding_window=1024, layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding"
