@@ -55,6 +55,22 @@ def _splat(builder: ir.IRBuilder, value: ir.Value, vec_ty: ir.VectorType) -> ir.
     return builder.shuffle_vector(one, ir.Constant(vec_ty, ir.Undefined), ir.Constant(_V16I, [0] * PACK_COLS))
 
 
+def _block_scales(builder: ir.IRBuilder, pws: ir.Value, g: ir.Value, idx: ir.IntType) -> ir.Value:
+    """The 16 columns' scales of block ``g``: <16 x float>."""
+    at = builder.gep(pws, [builder.mul(g, ir.Constant(idx, PACK_COLS))])
+    return builder.load(builder.bitcast(at, _V16F.as_pointer()), align=4)
+
+
+def _store_rows(context: Any, builder: ir.IRBuilder, aryty: Any, out: ir.Value, out_off: ir.Value,
+                out_stride: ir.Value, facc: list[ir.Value]) -> None:
+    """Each row's 16 accumulated outputs to out[out_off + r * out_stride ...]."""
+    idx = out_off.type
+    pout = _data_ptr(context, builder, aryty, out, out_off)
+    for r, acc in enumerate(facc):
+        dst = builder.gep(pout, [builder.mul(out_stride, ir.Constant(idx, r))])
+        builder.store(builder.load(acc), builder.bitcast(dst, _V16F.as_pointer()), align=4)
+
+
 def _make_packed_tile(rows: int) -> Any:
     """An intrinsic for ``rows`` activation rows x 16 packed columns: out[m0+r, 16j + c] for c < 16.
 
@@ -106,18 +122,14 @@ def _make_packed_tile(rows: int) -> Any:
                         builder.store(acc, iacc[r])
                 # exact block sums: the bias of 128 on every code comes back out as 128 x sum(a); then the
                 # contract's float order, (float(sum_g) * a_scale) * w_scale added in block order, no FMA
-                wsv = builder.load(builder.bitcast(builder.gep(pws, [builder.mul(g, ir.Constant(idx, PACK_COLS))]),
-                                                   _V16F.as_pointer()), align=4)
+                wsv = _block_scales(builder, pws, g, idx)
                 for r in range(rows):
                     bias = builder.mul(builder.load(builder.gep(psum[r], [g])), ir.Constant(_I32, 128))
                     total = builder.sitofp(builder.sub(builder.load(iacc[r]), _splat(builder, bias, _V16I)), _V16F)
                     a_sc = _splat(builder, builder.load(builder.gep(pas[r], [g])), _V16F)
                     term = builder.fmul(builder.fmul(total, a_sc), wsv)
                     builder.store(builder.fadd(builder.load(facc[r]), term), facc[r])
-            pout = _data_ptr(context, builder, targs[13], out_, out_off_)
-            for r in range(rows):
-                dst = builder.gep(pout, [builder.mul(out_stride_, ir.Constant(idx, r))])
-                builder.store(builder.load(facc[r]), builder.bitcast(dst, _V16F.as_pointer()), align=4)
+            _store_rows(context, builder, targs[13], out_, out_off_, out_stride_, facc)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -148,7 +160,6 @@ def _make_packed_f32_tile(rows: int) -> Any:
             fma = builder.module.globals.get(name) or ir.Function(
                 builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), name)
             v64 = ir.VectorType(_I8, PACK_COLS * PACK_K)
-            v16b = ir.VectorType(_I8, PACK_COLS)
             pw = _data_ptr(context, builder, targs[0], wp_, wp_off_)
             pws = _data_ptr(context, builder, targs[2], wsp_, wsp_off_)
             pa = [_data_ptr(context, builder, targs[4], a_,
@@ -167,20 +178,15 @@ def _make_packed_f32_tile(rows: int) -> Any:
                     for kk in range(PACK_K):
                         cols = builder.shuffle_vector(wv, ir.Constant(v64, ir.Undefined), ir.Constant(
                             ir.VectorType(_I32, PACK_COLS), [PACK_K * c + kk for c in range(PACK_COLS)]))
-                        assert cols.type == v16b
                         wk = builder.fsub(builder.uitofp(cols, _V16F), bias)  # the codes, exactly
                         at = builder.add(builder.mul(quad, ir.Constant(idx, PACK_K)), ir.Constant(idx, kk))
                         for r in range(rows):
                             av = _splat(builder, builder.load(builder.gep(pa[r], [at])), _V16F)
                             builder.store(builder.call(fma, [av, wk, builder.load(bacc[r])]), bacc[r])
-                wsv = builder.load(builder.bitcast(builder.gep(pws, [builder.mul(g, ir.Constant(idx, PACK_COLS))]),
-                                                   _V16F.as_pointer()), align=4)
+                wsv = _block_scales(builder, pws, g, idx)
                 for r in range(rows):
                     builder.store(builder.call(fma, [builder.load(bacc[r]), wsv, builder.load(facc[r])]), facc[r])
-            pout = _data_ptr(context, builder, targs[9], out_, out_off_)
-            for r in range(rows):
-                dst = builder.gep(pout, [builder.mul(out_stride_, ir.Constant(idx, r))])
-                builder.store(builder.load(facc[r]), builder.bitcast(dst, _V16F.as_pointer()), align=4)
+            _store_rows(context, builder, targs[9], out_, out_off_, out_stride_, facc)
             return context.get_dummy_value()
 
         return sig, codegen
