@@ -4,7 +4,7 @@ The GEMMs run compiled int8 kernels (``kestrel_cpu.kernels``, numba) that comput
 integer block sums and differ from ``kestrel_core.contract.reference_gemm_*`` only in float rounding order
 (tests/kestrel_cpu state the bound). On a CPU with AVX-512 VNNI each weight is repacked once for them (the
 int8 and the float32 GEMMs share it), on first use, and kept under its wkey until the device closes (as
-much memory again as the int8 codes).
+much memory again as the int8 codes; ``KESTREL_CPU_PACKED=0`` keeps to the codes and the vpmaddwd kernels).
 Where numba cannot be imported, or with ``KESTREL_CPU_REFERENCE=1``,
 the backend runs the numpy reference functions themselves.
 """
@@ -27,6 +27,7 @@ from kestrel_core.wkey import NO_CACHE
 log = logging.getLogger("kestrel")
 
 REFERENCE_ENV = "KESTREL_CPU_REFERENCE"
+PACKED_ENV = "KESTREL_CPU_PACKED"  # 0: no packed copy of the weights (half the memory), the vpmaddwd kernels
 
 
 def _load_kernels() -> tuple[ModuleType | None, str]:
@@ -44,7 +45,8 @@ def _load_kernels() -> tuple[ModuleType | None, str]:
 class CpuDevice:
     def __init__(self) -> None:
         self.kernels, why = _load_kernels()
-        vnni = self.kernels is not None and self.kernels.VNNI
+        self.vnni = self.kernels is not None and self.kernels.VNNI and env_flag(PACKED_ENV, default=True)
+        vnni = self.vnni
         self.description = (f"host CPU (numba int8 kernels{', AVX-512 VNNI' if vnni else ''})" if self.kernels
                             else f"host CPU (numpy reference; {why})")
         # wkey -> (the codes it was packed from, the VNNI-packed weight): packed once, on first use, and used
@@ -57,7 +59,7 @@ class CpuDevice:
         An entry holds the codes it was made from, so their memory cannot be reused by another weight under
         the same wkey (another model's) while it lives; a different array under that wkey replaces it."""
         kernels = self.kernels
-        if kernels is None or not kernels.VNNI:
+        if kernels is None or not self.vnni:
             return None
         if wkey == NO_CACHE:
             return kernels.Packed(weight.codes, weight.scales)
@@ -111,7 +113,8 @@ def kestrel_gemm_q8(device: CpuDevice, a_codes: np.ndarray, a_scales: np.ndarray
     if device.kernels is None:
         return reference_gemm_q8(a_codes, a_scales, weight)
     a_codes, a_scales = _activations(a_codes, a_scales, weight)
-    return device.kernels.gemm_q8(a_codes, a_scales, weight.codes, weight.scales, device.packed_for(wkey, weight))
+    return device.kernels.gemm_q8(a_codes, a_scales, weight.codes, weight.scales, device.packed_for(wkey, weight),
+                                  vnni=device.vnni)
 
 
 @hookimpl
@@ -126,9 +129,9 @@ def kestrel_gemm_fused_q8(device: CpuDevice, a_codes: np.ndarray, a_scales: np.n
     if device.kernels is None:
         return [reference_gemm_q8(a_codes, a_scales, w) for w in weights]
     a_codes, a_scales = _activations(a_codes, a_scales, first)
-    packs = None if not device.kernels.VNNI else [device.packed_for(k, w) for k, w in zip(wkeys, weights)]
+    packs = [device.packed_for(k, w) for k, w in zip(wkeys, weights)] if device.vnni else None
     return device.kernels.gemm_q8_multi(a_codes, a_scales, [w.codes for w in weights],
-                                        [w.scales for w in weights], packs)
+                                        [w.scales for w in weights], packs, vnni=device.vnni)
 
 
 @hookimpl
@@ -138,4 +141,5 @@ def kestrel_gemm_f32(device: CpuDevice, a: np.ndarray, weight: StripCache, wkey:
     a = _c_array(np.asarray(a, dtype=np.float32), np.float32, "a")
     if a.shape[1] != weight.k:
         raise ContractError(f"activations {list(a.shape)} do not match a weight of K={weight.k}")
-    return device.kernels.gemm_f32(a, weight.codes, weight.scales, device.packed_for(wkey, weight))
+    return device.kernels.gemm_f32(a, weight.codes, weight.scales, device.packed_for(wkey, weight),
+                                   vnni=device.vnni)

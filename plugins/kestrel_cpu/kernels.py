@@ -322,14 +322,20 @@ _gemm_f32_parallel = njit(parallel=True, cache=True, nogil=True, fastmath=_F32_M
 _gemm_f32_serial = njit(cache=True, nogil=True, fastmath=_F32_MATH)(_named_copy(_gemm_f32_body, "_serial"))
 
 
+def _use_vnni(vnni: bool | None) -> bool:
+    """The packed kernels: where the CPU has VNNI, unless the caller asks for the vpmaddwd ones."""
+    return VNNI and vnni is not False
+
+
 def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, codes: np.ndarray, w_scales: np.ndarray,
-            pack: Packed | None = None) -> np.ndarray:
+            pack: Packed | None = None, vnni: bool | None = None) -> np.ndarray:
     """float32 [M, N] = contract GEMM of int8 activations [M, K] (scales [M, K/G]) and codes [N, K].
 
     The caller checks shapes and dtypes; arrays must be C-contiguous. ``pack``: this very weight as
-    ``Packed`` (with VNNI; else it is packed for this call).
+    ``Packed`` (with VNNI; else it is packed for this call); ``vnni=False``: the vpmaddwd kernels whatever the
+    CPU.
     """
-    if VNNI:
+    if _use_vnni(vnni):
         return np.ascontiguousarray(_gemm_packed(a_codes, a_scales, [pack or Packed(codes, w_scales)])[0])
     m, k = a_codes.shape
     out = np.empty((m, codes.shape[0]), dtype=np.float32)
@@ -338,16 +344,17 @@ def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, codes: np.ndarray, w_scal
 
 
 def gemm_q8_multi(a_codes: np.ndarray, a_scales: np.ndarray, codes: list[np.ndarray],
-                  w_scales: list[np.ndarray], packs: list[Packed] | None = None) -> list[np.ndarray]:
+                  w_scales: list[np.ndarray], packs: list[Packed] | None = None,
+                  vnni: bool | None = None) -> list[np.ndarray]:
     """``gemm_q8`` against up to three weights sharing K and G, in one pass: a list of float32 [M, N_i].
 
     The outputs are column slices of one [M, sum N_i] array; every output element is computed with the same
     arithmetic whatever the tile or the split into weights, so results are bit-identical to separate calls.
-    ``packs``: each weight as ``Packed``.
+    ``packs``: each weight as ``Packed``; ``vnni`` as for gemm_q8.
     """
     if not 1 <= len(codes) <= MAX_WEIGHTS:
         raise ValueError(f"gemm_q8_multi takes 1 to {MAX_WEIGHTS} weights, got {len(codes)}")
-    if VNNI:
+    if _use_vnni(vnni):
         return _gemm_packed(a_codes, a_scales, packs or [Packed(c, s) for c, s in zip(codes, w_scales)])
     pad = MAX_WEIGHTS - len(codes)
     ns = [c.shape[0] for c in codes]
@@ -377,14 +384,15 @@ def _run(a_codes: np.ndarray, a_scales: np.ndarray, codes: tuple, w_scales: tupl
     kernel(a_codes, a16, a_scales, codes, w_scales, out)
 
 
-def gemm_f32(a: np.ndarray, codes: np.ndarray, w_scales: np.ndarray, pack: Packed | None = None) -> np.ndarray:
+def gemm_f32(a: np.ndarray, codes: np.ndarray, w_scales: np.ndarray, pack: Packed | None = None,
+             vnni: bool | None = None) -> np.ndarray:
     """float32 [M, N] = sum_g w_scale[n,g] * sum_{k in g} a[m,k] * codes[n,k]; a: float32 [M, K], C order.
-    ``pack``: this weight as ``Packed`` (with VNNI's AVX-512; else it is packed for this call)."""
+    ``pack``, ``vnni``: as for gemm_q8."""
     m, k = a.shape
     n = codes.shape[0]
     if m == 0 or n == 0 or k == 0:
         return np.zeros((m, n), dtype=np.float32)
-    if VNNI:
+    if _use_vnni(vnni):
         return packed.gemm_f32(a, pack or Packed(codes, w_scales), m * n * k >= PARALLEL_MIN_MACS)
     out = np.zeros((m, n), dtype=np.float32)
     kernel = _gemm_f32_parallel if m * n * k >= PARALLEL_MIN_MACS else _gemm_f32_serial

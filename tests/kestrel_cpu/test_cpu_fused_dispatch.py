@@ -26,7 +26,7 @@ def test_cpu_linear_fused_is_one_pass(m: int, monkeypatch: pytest.MonkeyPatch) -
 
     passes = []
     real = kernels.gemm_q8_multi
-    monkeypatch.setattr(kernels, "gemm_q8_multi", lambda *a: passes.append(len(a[2])) or real(*a))
+    monkeypatch.setattr(kernels, "gemm_q8_multi", lambda *a, **kw: passes.append(len(a[2])) or real(*a, **kw))
     fused = offload.linear_fused(x, ws, keys, fused_wkey(0, Proj.QKV))
     assert passes == [3]
     for got, want in zip(fused, separate):

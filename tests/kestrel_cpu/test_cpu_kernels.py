@@ -330,3 +330,18 @@ def test_f32_rows_do_not_depend_on_the_batch(vnni: bool, monkeypatch: pytest.Mon
     for i in (0, 7, 8, 18):
         np.testing.assert_array_equal(kernels.gemm_f32(x[i:i + 1], w.codes, w.scales)[0], batch[i])
     assert np.all(np.abs(batch - reference_gemm_f32(x, w)) <= _tolerance(np.abs(x), w))
+
+
+@needs_vnni
+def test_packing_can_be_turned_off_for_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KESTREL_CPU_PACKED=0: no packed copy is kept and the vpmaddwd kernels give the reference's bits."""
+    import kestrel_cpu
+
+    monkeypatch.setenv(kestrel_cpu.PACKED_ENV, "0")
+    device = kestrel_cpu.kestrel_open(options={})
+    assert not device.vnni and "VNNI" not in device.description
+    rng = np.random.default_rng(12)
+    a_codes, a_scales, w, _ = _q8_inputs(rng, 9, 40, 64, 32, 8)
+    got = kestrel_cpu.kestrel_gemm_q8(device=device, a_codes=a_codes, a_scales=a_scales, weight=w, wkey=5)
+    np.testing.assert_array_equal(got, reference_gemm_q8(a_codes, a_scales, w))
+    assert device.packed == {}
