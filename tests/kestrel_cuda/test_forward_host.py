@@ -562,7 +562,9 @@ def test_a_sliding_window_caps_the_device_context() -> None:
 
 @pytest.mark.parametrize(("fixture", "why"), [("tiny-gemma3", "architecture 'gemma3'"),
                                               ("tiny-qwen3-moe", "architecture 'qwen3_moe'"),
-                                              ("tiny-mixtral", "architecture 'mixtral'")])
+                                              ("tiny-mixtral", "architecture 'mixtral'"),
+                                              ("tiny-gemma2", "architecture 'gemma2'"),
+                                              ("tiny-qwen2-moe", "architecture 'qwen2_moe'")])
 def test_device_forward_names_what_it_cannot_run(fixture: str, why: str) -> None:
     """Gemma 3 and the mixtures of experts go through the GEMM hooks; the reason names the architecture."""
     from kestrel_core.model.loader import load_model

@@ -1,4 +1,4 @@
-"""Gemma 3 and the mixtures of experts on the GPU: the device forward declines them by name, the GEMM hooks run
+"""Gemma 2 and 3 and the mixtures of experts on the GPU: the device forward declines them by name, the GEMM hooks run
 every projection (each expert's too, preloaded) and the logits are the CPU's within the measured tolerance.
 
 Skipped where CuPy or a CUDA device is missing (CI); run on the H200 machine.
@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_device_count() == 0, rea
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 
 
-@pytest.mark.parametrize("fixture", ["tiny-gemma3", "tiny-qwen3-moe", "tiny-mixtral.gguf"])
+@pytest.mark.parametrize("fixture", ["tiny-gemma3", "tiny-gemma2", "tiny-qwen3-moe", "tiny-qwen2-moe",
+                                     "tiny-mixtral.gguf"])
 def test_hook_path_matches_the_cpu(fixture: str) -> None:
     ids = np.load(FIXTURES / fixture.removesuffix(".gguf") / "golden.npz")["ids"]
     with kestrel_core.load(str(FIXTURES / fixture), backend="cuda", activations="q8") as engine:
