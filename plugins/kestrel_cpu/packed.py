@@ -55,6 +55,13 @@ def _splat(builder: ir.IRBuilder, value: ir.Value, vec_ty: ir.VectorType) -> ir.
     return builder.shuffle_vector(one, ir.Constant(vec_ty, ir.Undefined), ir.Constant(_V16I, [0] * PACK_COLS))
 
 
+def _row_ptrs(context: Any, builder: ir.IRBuilder, aryty: Any, ary: ir.Value, base: ir.Value, stride: ir.Value,
+              rows: int) -> list[ir.Value]:
+    """Pointers to rows base, base + stride, ... of a flat array argument, one per tile row."""
+    return [_data_ptr(context, builder, aryty, ary, builder.add(base, builder.mul(stride, ir.Constant(base.type, r))))
+            for r in range(rows)]
+
+
 def _block_scales(builder: ir.IRBuilder, pws: ir.Value, g: ir.Value, idx: ir.IntType) -> ir.Value:
     """The 16 columns' scales of block ``g``: <16 x float>."""
     at = builder.gep(pws, [builder.mul(g, ir.Constant(idx, PACK_COLS))])
@@ -95,15 +102,11 @@ def _make_packed_tile(rows: int) -> Any:
             dot = builder.module.globals.get(name) or ir.Function(
                 builder.module, ir.FunctionType(_V16I, [_V16I, _V16I, _V16I]), name)
 
-            def row(aryty: Any, ary: ir.Value, base: ir.Value, stride: ir.Value, r: int) -> ir.Value:
-                offset = builder.add(base, builder.mul(stride, ir.Constant(idx, r)))
-                return _data_ptr(context, builder, aryty, ary, offset)
-
             pw = _data_ptr(context, builder, targs[0], wp_, wp_off_)
             pws = _data_ptr(context, builder, targs[2], wsp_, wsp_off_)
-            pa = [row(targs[4], a_, a_off_, a_stride_, r) for r in range(rows)]
-            pas = [row(targs[7], asc_, as_off_, as_stride_, r) for r in range(rows)]
-            psum = [row(targs[8], asum_, as_off_, as_stride_, r) for r in range(rows)]
+            pa = _row_ptrs(context, builder, targs[4], a_, a_off_, a_stride_, rows)
+            pas = _row_ptrs(context, builder, targs[7], asc_, as_off_, as_stride_, rows)
+            psum = _row_ptrs(context, builder, targs[8], asum_, as_off_, as_stride_, rows)
             facc = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * PACK_COLS)) for _ in range(rows)]
             iacc = [cgutils.alloca_once(builder, _V16I) for _ in range(rows)]
             vec_bytes = ir.Constant(idx, PACK_COLS * PACK_K)
@@ -160,10 +163,10 @@ def _make_packed_f32_tile(rows: int) -> Any:
             fma = builder.module.globals.get(name) or ir.Function(
                 builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), name)
             v64 = ir.VectorType(_I8, PACK_COLS * PACK_K)
+            vec_bytes = ir.Constant(idx, PACK_COLS * PACK_K)
             pw = _data_ptr(context, builder, targs[0], wp_, wp_off_)
             pws = _data_ptr(context, builder, targs[2], wsp_, wsp_off_)
-            pa = [_data_ptr(context, builder, targs[4], a_,
-                            builder.add(a_off_, builder.mul(a_stride_, ir.Constant(idx, r)))) for r in range(rows)]
+            pa = _row_ptrs(context, builder, targs[4], a_, a_off_, a_stride_, rows)
             facc = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * PACK_COLS)) for _ in range(rows)]
             bacc = [cgutils.alloca_once(builder, _V16F) for _ in range(rows)]
             bias = ir.Constant(_V16F, [128.0] * PACK_COLS)
@@ -173,7 +176,7 @@ def _make_packed_f32_tile(rows: int) -> Any:
                     builder.store(ir.Constant(_V16F, [0.0] * PACK_COLS), bacc[r])
                 with cgutils.for_range(builder, gq_) as qloop:
                     quad = builder.add(builder.mul(g, gq_), qloop.index)
-                    wv = builder.load(builder.bitcast(builder.gep(pw, [builder.mul(quad, ir.Constant(idx, 64))]),
+                    wv = builder.load(builder.bitcast(builder.gep(pw, [builder.mul(quad, vec_bytes)]),
                                                       v64.as_pointer()), align=1)
                     for kk in range(PACK_K):
                         cols = builder.shuffle_vector(wv, ir.Constant(v64, ir.Undefined), ir.Constant(
