@@ -5,8 +5,9 @@
 For each row count M: M sequences of ``--context`` prompt tokens prefilled through the hook, then ``--steps``
 decode steps of all M at once (one token each, logits downloaded, as the engine receives them): milliseconds
 per step and decode tok/s of the hook (M = 1: the lone sequence's captured step; more: the captured step of
-the batch's bucket). ``--profile`` adds the host's share of a
-scheduler step at the largest M (cProfile of ``Scheduler.step``, top entries by cumulative time).
+the batch's bucket). ``--breakdown`` adds, at each M > 1, the GPU time of one step per kernel kind (each kind's
+launches replayed in a graph of their own) and of the tiled GEMM alone. ``--profile`` adds the host's share of
+a scheduler step at the largest M (cProfile of ``Scheduler.step``, top entries by cumulative time).
 """
 
 from __future__ import annotations
@@ -23,14 +24,16 @@ from kestrel_core.batch import BatchEntry
 from kestrel_core.model.engine import load_preset
 
 
-def _time_rows(engine, fwd, m: int, context: int, steps: int, seed: int) -> float:  # type: ignore[no-untyped-def]
-    """Seconds per decode step of ``m`` sequences through ``forward_batch``."""
+def _time_rows(engine, fwd, m: int, context: int, steps: int, seed: int,  # type: ignore[no-untyped-def]
+               breakdown: dict | None = None) -> float:
+    """Seconds per decode step of ``m`` sequences through ``forward_batch``; with ``breakdown`` (a dict, M > 1),
+    GPU microseconds per kernel kind of one more step, and of the tiled GEMM's core alone, filled in."""
     model, pool = engine.model, engine.pool
     rng = np.random.default_rng(seed)
     seqs = [engine.new_sequence() for _ in range(m)]
     try:
         for s in seqs:
-            pool.reserve(s.cache, context + steps + 1)
+            pool.reserve(s.cache, context + steps + 5)
         entries = [BatchEntry(s.seq_id, rng.integers(0, model.config.vocab_size, context), 0, 1,
                               tuple(s.cache.blocks), pool.block_size, pool.num_blocks) for s in seqs]
         for e in entries:  # one prefill each (a batch of one: the sequence's own cache)
@@ -43,10 +46,33 @@ def _time_rows(engine, fwd, m: int, context: int, steps: int, seed: int) -> floa
             out = fwd.forward_batch(model, batch)
             times.append(time.perf_counter() - t0)
             assert out is not None, fwd.last_decline
+        if breakdown is not None and m > 1:
+            _breakdown(fwd, model, entries, context + steps + 2, breakdown)
         return float(np.median(times[2:]))
     finally:
         for s in seqs:
             engine.release(s)
+
+
+def _breakdown(fwd, model, entries, pos: int, out: dict) -> None:  # type: ignore[no-untyped-def]
+    import cupy as cp
+    from cuda_e2e import record_launches, replay_breakdown
+
+    def step(at: int):  # type: ignore[no-untyped-def]
+        batch = [BatchEntry(e.seq_id, np.array([7]), at, 1, e.blocks, e.block_size, e.num_blocks) for e in entries]
+        return lambda: fwd.forward_batch(model, batch)
+
+    use_graph, fwd.use_graph = fwd.use_graph, False
+    try:
+        kinds = record_launches(fwd.ops, step(pos), ("gemv", "qkv_rope", "attention", "embed", "gather_rows"))
+        core = record_launches(fwd.ops, step(pos + 1), ("_gemm_q8",))
+    finally:
+        fwd.use_graph = use_graph
+    out["kinds"] = replay_breakdown(cp, fwd.ops, kinds)
+    out["tiled_gemm_core"] = replay_breakdown(cp, fwd.ops, core)
+    total = sum(v["us"] for v in out["kinds"].values())
+    print(f"  GPU us per kind (sum {total:.0f}):", json.dumps(out["kinds"]), flush=True)
+    print("  tiled GEMM core:", json.dumps(out["tiled_gemm_core"]), flush=True)
 
 
 def main() -> int:
@@ -58,6 +84,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--kv-cache-mb", type=float, default=24576)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="GPU time per kernel kind at each M > 1")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     engine = load_preset(args.preset, backend="cuda", quant=args.quant, kv_cache_mb=args.kv_cache_mb)
@@ -67,8 +94,9 @@ def main() -> int:
     print(f"{args.preset} {args.quant} on cuda, {args.context}-token contexts; ms per decode step (tok/s)")
     print(f"{'M':>4} {'ms a step':>10} {'tok/s':>8}")
     for m in rows:
-        sec = _time_rows(engine, fwd, m, args.context, args.steps, seed=m)
-        out["rows"][m] = {"ms": sec * 1e3, "tok_s": m / sec}
+        parts: dict | None = {} if args.breakdown else None
+        sec = _time_rows(engine, fwd, m, args.context, args.steps, seed=m, breakdown=parts)
+        out["rows"][m] = {"ms": sec * 1e3, "tok_s": m / sec, **({"breakdown": parts} if parts else {})}
         print(f"{m:>4} {sec * 1e3:>10.2f} {m / sec:>8.0f}", flush=True)
     if args.profile:
         from kestrel_core.model.sampling import SamplingParams

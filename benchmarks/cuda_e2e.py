@@ -62,11 +62,13 @@ _PROJ = {0: "q/k/v", 1: "q/k/v", 2: "q/k/v", 3: "o", 4: "gate/up", 5: "gate/up",
          9: "q/k/v", 10: "gate/up"}
 
 
-def _record_step(fwd: Any, model: Any, seq_id: int, tokens: np.ndarray, pos: int) -> list[tuple[str, int, Any]]:
-    """Run one eager pass and return its launches as (kind, weight bytes, replay closure)."""
-    ops = fwd.ops
+def record_launches(ops: Any, run: Any, names: tuple[str, ...] = ("gemv", "qkv_rope", "attention", "embed"),
+                    ) -> list[tuple[str, int, Any]]:
+    """Run ``run()`` eagerly with ``ops``' methods ``names`` wrapped; its launches as (kind, weight bytes,
+    replay closure)."""
     calls: list[tuple[str, int, Any]] = []
-    orig = {name: getattr(ops, name) for name in ("gemv", "qkv_rope", "attention", "embed")}
+    orig = {name: getattr(ops, name) for name in names}
+    own = {name for name in names if name in vars(ops)}  # instance attributes (else methods of the class)
 
     def wrap(name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> None:
@@ -75,7 +77,7 @@ def _record_step(fwd: Any, model: Any, seq_id: int, tokens: np.ndarray, pos: int
                 kind = "gemv " + _PROJ.get((lin.wkey & 0xFFFFFFFF) - 1, "?")
                 nbytes = int(lin.codes.nbytes) + int(lin.scales.nbytes)
             else:
-                kind = "attention" if name == "attention" else name
+                kind = name
                 nbytes = 0
             calls.append((kind, nbytes, lambda: orig[name](*args, **kwargs)))
             orig[name](*args, **kwargs)
@@ -83,14 +85,14 @@ def _record_step(fwd: Any, model: Any, seq_id: int, tokens: np.ndarray, pos: int
 
     for name in orig:
         setattr(ops, name, wrap(name))
-    use_graph = fwd.use_graph
-    fwd.use_graph = False
     try:
-        fwd.forward(model, seq_id, tokens, pos, False)
+        run()
     finally:
         for name, fn in orig.items():
-            setattr(ops, name, fn)
-        fwd.use_graph = use_graph
+            if name in own:
+                setattr(ops, name, fn)
+            else:
+                delattr(ops, name)
     ops.stream.synchronize()
     return calls
 
@@ -107,21 +109,30 @@ def _events_us(cp: Any, stream: Any, fn: Any, reps: int) -> float:
     return statistics.median(times)
 
 
-def kernel_breakdown(cp: Any, fwd: Any, model: Any, seq_id: int, token: int, pos: int) -> dict[str, Any]:
-    """GPU microseconds per kernel kind of one decode step: each kind's launches of the step captured in
-    their own graph and replayed (the sequence's state is scrambled afterwards: timing only)."""
-    calls = _record_step(fwd, model, seq_id, np.array([token]), pos)
+def replay_breakdown(cp: Any, ops: Any, calls: list[tuple[str, int, Any]]) -> dict[str, Any]:
+    """GPU microseconds per kind of recorded launches: each kind's launches captured in a graph of their own
+    and replayed (the state they write is scrambled: timing only)."""
     kinds: dict[str, list[tuple[int, Any]]] = defaultdict(list)
     for kind, nbytes, fn in calls:
         kinds[kind].append((nbytes, fn))
     out = {}
     for kind, items in kinds.items():
-        graph = fwd.ops.capture(lambda items=items: [fn() for _, fn in items])
-        us = _events_us(cp, fwd.ops.stream, graph, 7)
+        graph = ops.capture(lambda items=items: [fn() for _, fn in items])
+        us = _events_us(cp, ops.stream, graph, 7)
         nbytes = sum(b for b, _ in items)
         out[kind] = {"launches": len(items), "us": round(us, 1),
                      "gb_s": round(nbytes / (us * 1e3), 1) if nbytes else None}
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["us"]))
+
+
+def kernel_breakdown(cp: Any, fwd: Any, model: Any, seq_id: int, token: int, pos: int) -> dict[str, Any]:
+    """GPU microseconds per kernel kind of one decode step (replay_breakdown of an eager step)."""
+    use_graph, fwd.use_graph = fwd.use_graph, False
+    try:
+        calls = record_launches(fwd.ops, lambda: fwd.forward(model, seq_id, np.array([token]), pos, False))
+    finally:
+        fwd.use_graph = use_graph
+    return replay_breakdown(cp, fwd.ops, calls)
 
 
 def prefill_breakdown(cp: Any, fwd: Any, model: Any, seq_id: int, prompt: np.ndarray) -> dict[str, Any]:

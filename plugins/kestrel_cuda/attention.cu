@@ -1,10 +1,8 @@
-// Attention over the device KV cache: attn_decode (one query row, split over positions) and attn_prefill
-// (causal, 16 query rows a block).
+// Attention over the device KV cache: attn_decode (one query row, split over positions), attn_rows (a batch
+// of sequences' decode rows over the paged pool) and attn_prefill (causal, 16 query rows a block).
 
-// Decode attention (one query row at position meta[0], keys 0..meta[0]), split over positions. With
-// ``rows`` (a batch of sequences), grid z is the row: row z at position rows[2z] sees keys 0..rows[2z] of
-// the sequence whose page table is tables[rows[2z + 1]] (rope.cuh kv_slot), its own part and counters.
-// Grid: x = H, y = NS splits, z = rows; block 128 (4 warps). Each warp runs an online softmax over groups of AB
+// Decode attention (one query row at position meta[0], keys 0..meta[0]), split over positions.
+// Grid: x = H, y = NS splits; block 128 (4 warps). Each warp runs an online softmax over groups of AB
 // positions (their keys and values loaded together: AB x 2 x hd/32 loads in flight per lane); the block
 // merges its warps, writes (max, sum, acc[hd]) to part[h][split], and the last block of a head merges the
 // NS splits (every split's partial loaded at once, merge weights computed once, fixed order). q is scaled
@@ -12,12 +10,12 @@
 #define AW 4
 #define AB 8
 #define MAXJ 4   // hd <= 128
+#define PT 32    // positions of a shared-memory tile (attn_rows: one page of the pool, KV_BLOCK)
 template <int NS>
 __global__ void __launch_bounds__(AW * 32) attn_decode(
     const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
     int KV, int hd, float scale, const int* __restrict__ meta, float* __restrict__ part,
-    int* __restrict__ counters, float* __restrict__ out, const int* __restrict__ rows,
-    const int* __restrict__ tables, int tb)
+    int* __restrict__ counters, float* __restrict__ out)
 {
     grid_dep_launch();
     grid_dep_wait();
@@ -27,13 +25,7 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     __shared__ int s_last;
     const int h = blockIdx.x, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int row = blockIdx.z;
-    const int len = (rows ? rows[2 * row] : meta[0]) + 1;
-    const int* table = rows ? tables + (size_t)rows[2 * row + 1] * tb : nullptr;
-    q += (size_t)row * H * hd;
-    out += (size_t)row * H * hd;
-    part += (size_t)row * H * NS * (hd + 2);
-    counters += (size_t)row * H;
+    const int len = meta[0] + 1;
     const int chunk = (len + NS - 1) / NS;
     const int pb = split * chunk;
     const int pe = min(len, pb + chunk);
@@ -57,7 +49,7 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
             for (int j = 0; j < MAXJ; ++j) {
                 const int d = lane + 32 * j;
                 const bool ok = p < pe && d < hd;
-                const size_t at = (size_t)(p < pe ? kv_slot(table, p) : 0) * hd + d;
+                const size_t at = (size_t)(p < pe ? p : 0) * hd + d;
                 kr[b][j] = ok ? kb[at] : 0.f;
                 vr[b][j] = ok ? vb[at] : 0.f;
             }
@@ -149,12 +141,135 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 }
 
 // ------------------------------------------------------------------------------------------------------
+// Batched decode attention over the paged pool: row blockIdx.y, at position rows[2y], sees keys 0..rows[2y] of
+// the sequence whose page table is tables[rows[2y + 1]] (rope.cuh kv_slot). blockIdx.z = part + parts * split:
+// a block takes query heads part * NW .. part * NW + NW - 1 (NW = blockDim.x / 32 <= 8 warps, one a head) of
+// the G = H / KV heads of KV head blockIdx.x, over its split's share of the row's pages (``splits`` of them:
+// enough blocks when the batch is small), so each page of keys and values is read from memory once for them: the block stages page after page in shared memory (two buffers,
+// cp.async; a page's KV_BLOCK == PT positions are contiguous), and each warp runs attn_prefill's scheme on it:
+// lane j scores position j (16-byte shared reads), a warp-wide online softmax, lane j accumulates dimensions
+// 4j..4j+3. With splits > 1 each head's (max, sum, acc[hd]) goes to part[row][head][split] (records of hd + 4
+// floats) and the last block
+// of (row, KV head, part) to arrive merges the splits in order, as attn_decode does. hd % 4 == 0, hd <= 128.
+// Dynamic shared memory: (2 * PT * (2 * hd + 4) + NW * hd) floats.
+extern "C" __global__ void __launch_bounds__(256) attn_rows(
+    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
+    int KV, int hd, float scale, const int* __restrict__ rows, const int* __restrict__ tables, int tb,
+    float* __restrict__ out, int splits, float* __restrict__ part, int* __restrict__ counters)
+{
+    grid_dep_launch();
+    grid_dep_wait();
+    extern __shared__ float smem[];
+    const int ldk = hd + 4;                 // 16-byte aligned rows, conflict-free per quarter warp
+    const int G = H / KV, kvh = blockIdx.x, row = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int parts = (G + nw - 1) / nw, hpart = blockIdx.z % parts, split = blockIdx.z / parts;
+    const int g0 = hpart * nw, heads = min(nw, G - g0);  // this block's heads of the group
+    float* ks = smem;                       // [2][PT][hd + 4]
+    float* vs = ks + 2 * PT * ldk;          // [2][PT][hd]
+    float* qs = vs + 2 * PT * hd;           // [NW][hd], scaled
+    const int len = rows[2 * row] + 1;
+    const int* table = tables + (size_t)rows[2 * row + 1] * tb;
+    const float* kb = kc + (size_t)kvh * cap * hd;
+    const float* vb = vc + (size_t)kvh * cap * hd;
+    const float* qr = q + (size_t)row * H * hd + (size_t)(kvh * G + g0) * hd;
+    for (int i = threadIdx.x; i < heads * hd; i += blockDim.x) qs[i] = qr[i] * scale;
+    const int per = ((len + PT - 1) / PT + splits - 1) / splits;  // pages of a split
+    const int pb = split * per, pages = min((len + PT - 1) / PT, pb + per);
+    const int hd4 = hd / 4;
+    auto load = [&](int t, int buf) {       // page t, zero-filled past len
+        const size_t base = (size_t)kv_slot(table, t * PT) * hd;
+        for (int i = threadIdx.x; i < PT * hd4; i += blockDim.x) {
+            const int r = i / hd4, d = 4 * (i - r * hd4);
+            const bool ok = t * PT + r < len;
+            cp_async16(smem_u32(ks + (buf * PT + r) * ldk + d), ok ? kb + base + (size_t)r * hd + d : kb, ok ? 16 : 0);
+            cp_async16(smem_u32(vs + (buf * PT + r) * hd + d), ok ? vb + base + (size_t)r * hd + d : vb, ok ? 16 : 0);
+        }
+    };
+    if (pb < pages) load(pb, 0);
+    cp_async_commit();
+    const int d4 = 4 * lane;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    float mx = NEG_INF, l = 0.f;
+    const float4* q4 = reinterpret_cast<const float4*>(qs + warp * hd);
+    for (int t = pb; t < pages; ++t) {
+        if (t + 1 < pages) load(t + 1, (t + 1 - pb) & 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();                    // page t (and the scaled q) visible to every warp
+        const float* kt = ks + ((t - pb) & 1) * PT * ldk;
+        const float* vt = vs + ((t - pb) & 1) * PT * hd;
+        const int p = t * PT + lane;
+        const float4* k4 = reinterpret_cast<const float4*>(kt + lane * ldk);
+        float sc = 0.f;
+        for (int dd = 0; dd < hd4; ++dd) {
+            const float4 kk = k4[dd], qq = q4[dd];
+            sc += qq.x * kk.x; sc += qq.y * kk.y; sc += qq.z * kk.z; sc += qq.w * kk.w;
+        }
+        const bool valid = p < len;
+        const float mn = fmaxf(mx, warp_max(valid ? sc : NEG_INF));  // position t * PT < len: finite
+        const float corr = expf(mx - mn);
+        const float e = valid ? expf(sc - mn) : 0.f;
+        l = l * corr + warp_sum(e);
+        mx = mn;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[c] *= corr;
+        const int live = min(PT, len - t * PT);
+        for (int r = 0; r < live; ++r) {    // the same count in every lane: the shuffle sees the whole warp
+            const float w = __shfl_sync(FULL, e, r);
+            if (d4 < hd) {
+                const float4 vv = *reinterpret_cast<const float4*>(vt + r * hd + d4);
+                acc[0] += w * vv.x; acc[1] += w * vv.y; acc[2] += w * vv.z; acc[3] += w * vv.w;
+            }
+        }
+        __syncthreads();                    // every warp is done with buffer t & 1 before page t + 2 lands in it
+    }
+    const int head = kvh * G + g0 + warp;
+    float* o = out + (size_t)row * H * hd + (size_t)head * hd + d4;
+    if (splits == 1) {
+        if (warp < heads && d4 < hd) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) o[c] = acc[c] / l;
+        }
+        return;
+    }
+    const int rec = hd + 4;                 // a split's record: max, sum, 2 spare, acc[hd] (16-byte aligned)
+    float* ph = part + ((size_t)row * H + head) * splits * rec;  // this head's splits
+    if (warp < heads) {
+        float* pp = ph + (size_t)split * rec;
+        if (lane == 0) { pp[0] = mx; pp[1] = l; }  // an empty split: max -inf, sum 0
+        if (d4 < hd) *reinterpret_cast<float4*>(pp + 4 + d4) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    }
+    __shared__ int s_last;
+    if (!arrive_last(counters + ((size_t)row * KV + kvh) * parts + hpart, splits, &s_last)) return;
+    if (warp < heads) {                     // lane s holds split s's max and sum (splits <= 32)
+        const float ms = lane < splits ? __ldcg(ph + (size_t)lane * rec) : NEG_INF;
+        const float ls = lane < splits ? __ldcg(ph + (size_t)lane * rec + 1) : 0.f;
+        const float gm = warp_max(ms);
+        const float ws = ls > 0.f ? expf(ms - gm) : 0.f;
+        float gl = 0.f, a[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int t = 0; t < splits; ++t) {  // in split order
+            const float w = __shfl_sync(FULL, ws, t);
+            gl += __shfl_sync(FULL, ls, t) * w;
+            if (d4 < hd) {
+                const float4 v = __ldcg(reinterpret_cast<const float4*>(ph + (size_t)t * rec + 4 + d4));
+                a[0] += v.x * w; a[1] += v.y * w; a[2] += v.z * w; a[3] += v.w * w;
+            }
+        }
+        if (d4 < hd) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) o[c] = a[c] / gl;
+        }
+    }
+    if (threadIdx.x == 0) counters[((size_t)row * KV + kvh) * parts + hpart] = 0;
+}
+
+// ------------------------------------------------------------------------------------------------------
 // Prefill attention: rows m of q at positions meta[0] + m see keys 0..meta[0] + m (causal). 16 query rows
 // per block (two per warp), so each key/value tile staged in shared memory (PT positions) serves 16
 // queries, and 16-byte shared-memory reads: lane j scores key j against both of its warp's queries, then
 // accumulates 4 consecutive dimensions of each. hd % 4 == 0, hd <= 128.
 // Grid: x = H, y = ceil(M / 16); block 256; dynamic shared memory (32*(hd+4) + 32*hd + 16*hd) floats.
-#define PT 32
 #define PQ2 16
 extern "C" __global__ void __launch_bounds__(256) attn_prefill(
     const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,

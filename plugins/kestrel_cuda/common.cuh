@@ -52,3 +52,39 @@ __device__ __forceinline__ void load_vec(const u8* __restrict__ p, u32 (&w)[BYTE
         w[0] = __ldg(reinterpret_cast<const u32*>(p));
     }
 }
+
+// Split-K hand-over, called by every thread of a block once its partials are stored: true in the block that
+// arrives last of ``count`` (it then reads the others' partials). One thread's acq_rel atomic after the barrier
+// publishes the whole block's stores (release is cumulative over the barrier) and, in the last block, makes
+// the other blocks' stores visible to it (acquire, then the barrier): CUTLASS's semaphore pattern. Measured
+// against fencing every thread around a relaxed atomic: 60 us (q4) and 97 us (q8) less per qwen3-8b step.
+__device__ __forceinline__ bool arrive_last(int* counter, int count, int* flag) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int old;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+        *flag = old == count - 1;
+    }
+    __syncthreads();
+    return *flag;
+}
+
+// cp.async: 16- and 4-byte global -> shared copies (bytes < size: the rest zero-filled), groups, waits.
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }

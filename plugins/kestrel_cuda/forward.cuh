@@ -53,22 +53,6 @@ __device__ __forceinline__ int warp_isum(int v) {
     return v;
 }
 
-// Split-K hand-over, called by every thread of a block once its partials are stored: true in the block that
-// arrives last of ``count`` (it then reads the others' partials). One thread's acq_rel atomic after the barrier
-// publishes the whole block's stores (release is cumulative over the barrier) and, in the last block, makes
-// the other blocks' stores visible to it (acquire, then the barrier): CUTLASS's semaphore pattern. Measured
-// against fencing every thread around a relaxed atomic: 60 us (q4) and 97 us (q8) less per qwen3-8b step.
-__device__ __forceinline__ bool arrive_last(int* counter, int count, int* flag) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int old;
-        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
-        *flag = old == count - 1;
-    }
-    __syncthreads();
-    return *flag;
-}
-
 // Sum over the NT threads of a block, same bits in every thread; red: >= 8 floats of shared memory.
 __device__ __forceinline__ float block_sum(float v, float* red) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

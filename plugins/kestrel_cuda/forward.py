@@ -28,8 +28,8 @@ API (what the ``kestrel_forward`` / ``kestrel_release_sequence`` hookimpls call)
   once per prompt. Its kernels are launched with programmatic dependent launch (``config.pdl``,
   forward_launch.py). ``pin(wkey)``/``unpin(wkey)`` (the cache's) keep the weights a graph captured
   resident; they are unpinned when the model changes or at ``close``.
-- ``gemm``: ``gemm.DeviceGemm``; prefill chunks of more than ``SMALL_M`` rows run its tensor-core GEMM
-  (``q8``). Without it they run the fused GEMV, 8 rows per weight pass.
+- ``gemm``: ``gemm.DeviceGemm``; every step of more than one row (prefill chunks, batches) runs its
+  tensor-core GEMM (``q8``). Without it they run the fused GEMV, ``SMALL_M`` rows per weight pass.
 - ``stream``: a ``cupy.cuda.Stream(non_blocking=True)`` (capturable); default a new one.
 - ``ops``: ``ops_numpy.NumpyOps()`` runs every step on the CPU mirrors (tests); default a ``CupyOps``.
 - ``target_blocks``: the M=1 K-split planner's target (``plan.plan_split``; default its own rule);

@@ -193,7 +193,7 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
     reserve = getattr(ops, "reserve", None)  # split-K and attention scratch (the numpy mirror needs none)
     if reserve is not None:
         part, counters, merge_tiles = projections.scratch(model)
-        reserve(part, counters, attn_part_size(c.num_heads, c.head_dim, t), c.num_heads * t, merge_tiles)
+        reserve(part, counters, attn_part_size(c.num_heads, c.head_dim), c.num_heads, merge_tiles)
     if resident:
         for i in range(c.num_layers):
             layers[i].weights = projections.layer(model, i)

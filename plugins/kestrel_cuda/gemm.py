@@ -13,7 +13,8 @@ workspaces are preallocated by the caller.
 ``weight`` is a ``residency.DeviceWeight`` (see ``weights.py`` for its layout); ``n`` is how many output
 columns to write: the weight's N, or its NG for a fused buffer (members side by side, in order); ``out``'s
 row stride is its second dimension. M <= GEMV_MAX_M runs the decode GEMV (``gemv_warp.cu``), larger M the
-tensor-core kernel (``gemm_mma.cu``, block shape by ``mma_tile_for``).
+tensor-core kernel (``gemm_mma.cu``, block shape by ``mma_tile_for``); up to SPLIT_MAX_M rows (decode batches)
+it splits K over enough blocks to keep the memory system busy (``mma_splits``).
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from kestrel_cuda.kernels import MMA_TILE_DEFAULT, MMA_TILE_SMALL_GRID, MMA_TILES
+from kestrel_cuda.kernels import MMA_BK, MMA_TILE_DEFAULT, MMA_TILE_SMALL_GRID, MMA_TILES
 from kestrel_cuda.residency import DeviceWeight
 
-GEMV_MAX_M = 8
+GEMV_MAX_M = 1
+SPLIT_MAX_M = 64  # up to this many rows the tensor-core GEMM splits K (one row tile: 32x128 or 64x128 blocks)
+SPLIT_BLOCKS_PER_SM = 3  # the split GEMM's grid target: one wave of 32x128 blocks
 GW_THREADS = 256  # gemv_warp.cu: 8 warps, one 32-row slice each
 GW_SLICES = 8
 F32_THREADS, F32_MT = 128, 4
@@ -62,12 +65,30 @@ def gemv_warp_variant(m: int, npad: int, bits: int) -> tuple[str, int, int, int]
 
 
 def mma_tile_for(m: int, npad: int, sm_count: int) -> str:
-    """The tensor-core block shape for an M x Npad GEMM: the large block (one per SM) unless its grid would
-    leave the last wave less than half full, where the 64-row block (two per SM) is faster: it halves the
-    tail, and a block left alone on an SM at the end runs faster than two sharing it."""
+    """The tensor-core block shape for an M x Npad GEMM. Up to SPLIT_MAX_M rows, the smallest block that holds
+    them all. Beyond, the large block (one per SM) unless its grid would leave the last wave less than half
+    full, where the 64-row block (two per SM) is faster: it halves the tail, and a block left alone on an SM at
+    the end runs faster than two sharing it."""
+    if m <= SPLIT_MAX_M:
+        return min((t for t in MMA_TILES.values() if t.bm >= m), key=lambda t: t.bm).key
     big = MMA_TILES[MMA_TILE_DEFAULT]
     tail = (_cdiv(m, big.bm) * _cdiv(npad, big.bn)) % sm_count
     return MMA_TILE_SMALL_GRID if 0 < tail < sm_count // 2 else MMA_TILE_DEFAULT
+
+
+def mma_splits(k: int, npad: int, group_size: int, sm_count: int,
+               blocks_per_sm: int = SPLIT_BLOCKS_PER_SM) -> tuple[int, int]:
+    """(K splits, stages a split) of the tensor-core GEMM at 2..SPLIT_MAX_M rows: splits of whole groups, enough
+    for ``blocks_per_sm`` blocks per SM, as many as the workspace holds at SPLIT_MAX_M rows. Independent of M,
+    so a row's sums are added in the same order in every batch of that range (batch-invariant bits)."""
+    unit = max(1, group_size // MMA_BK)  # stages of one group
+    stages = _cdiv(k, MMA_BK)
+    groups = _cdiv(stages, unit)
+    tiles = _cdiv(npad, MMA_TILES[MMA_TILE_DEFAULT].bn)
+    want = _cdiv(blocks_per_sm * sm_count, tiles)
+    splits = max(1, min(want, groups, PARTIAL_FLOATS // (SPLIT_MAX_M * npad)))
+    per = unit * _cdiv(groups, splits)
+    return _cdiv(stages, per), per
 
 
 def _launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, stream: Any,
@@ -112,7 +133,8 @@ class DeviceGemm:
         """out[:M, :n] = int8 GEMM of a_codes [M,K] (scales [M,K/G]) with ``weight``.
 
         Benchmarks and tests may force a kernel: ``variant`` ("warp", MT, VEC, BITS) of the GEMV, ``splits`` its
-        split-K, ``mma_tile`` the tensor-core kernel (a ``kernels.MMA_TILES`` block shape) at any M.
+        split-K (or the tensor-core kernel's), ``mma_tile`` the tensor-core kernel (a ``kernels.MMA_TILES``
+        block shape) at any M.
         """
         g = weight.geometry
         m, k = a_codes.shape
@@ -122,17 +144,27 @@ class DeviceGemm:
             raise ValueError(f"q8: shapes do not match (A {a_codes.shape}, weight K={g.k} Npad={g.npad})")
         if (m <= GEMV_MAX_M or variant is not None) and mma_tile is None:
             self._gemv_warp(a_codes, a_scales, weight, out, n, ldo, stream, variant, splits)
-        else:
-            name = mma_tile or mma_tile_for(m, g.npad, self.sm_count)
-            tile = MMA_TILES[name]
-            kern = self.kernels.mma.get((g.code_bits, g.group_size, name))
-            if kern is None:
-                raise ValueError(f"no tensor-core kernel for int{g.code_bits} G={g.group_size}")
-            # blockIdx.x walks M, so the blocks resident together share one weight tile
-            _launch(kern, (_cdiv(m, tile.bm), _cdiv(g.npad, tile.bn)), (tile.threads,),
-                    (a_codes, a_scales, i32(m), weight.codes, weight.scales, out, i32(ldo), i32(n), i32(k),
-                     i32(g.npad)), stream, tile.smem_bytes(g.code_bits, g.group_size))
-            self.launches["mma"] += 1
+            return
+        name = mma_tile or mma_tile_for(m, g.npad, self.sm_count)
+        tile = MMA_TILES[name]
+        kern = self.kernels.mma.get((g.code_bits, g.group_size, name))
+        if kern is None:
+            raise ValueError(f"no tensor-core kernel for int{g.code_bits} G={g.group_size}")
+        stages = _cdiv(k, MMA_BK)
+        nz, per = mma_splits(k, g.npad, g.group_size, self.sm_count) if m <= SPLIT_MAX_M else (1, stages)
+        if splits is not None:
+            unit = max(1, g.group_size // MMA_BK)
+            per = unit * _cdiv(_cdiv(stages, unit), splits)
+            nz = _cdiv(stages, per)
+        grid = (_cdiv(m, tile.bm), _cdiv(g.npad, tile.bn), nz)
+        ws = self.workspace(stream)
+        if nz > 1 and (nz * m * g.npad > PARTIAL_FLOATS or grid[0] * grid[1] > COUNTERS):
+            raise ValueError(f"q8: {nz} K splits of {m} x {g.npad} do not fit the workspace")
+        # blockIdx.x walks M, so the blocks resident together share one weight tile
+        _launch(kern, grid, (tile.threads,),
+                (a_codes, a_scales, i32(m), weight.codes, weight.scales, out, i32(ldo), i32(n), i32(k),
+                 i32(g.npad), ws.partial, ws.counters, i32(per)), stream, tile.smem_bytes(g.code_bits, g.group_size))
+        self.launches["mma"] += 1
 
     def _gemv_warp(self, a_codes: Any, a_scales: Any, weight: DeviceWeight, out: Any, n: int, ldo: int,
                    stream: Any, variant: tuple | None, splits: int | None) -> None:

@@ -8,6 +8,10 @@
 // in kernels.MMA_TILES.
 // blockIdx.x walks M: the blocks resident together share one weight tile, so the weights are read from device
 // memory about once while the activations (a few MB) stay in L2.
+// blockIdx.z splits K (a decode batch's few rows give too few tiles to keep the memory system busy): block z
+// runs stages [z * kstages, (z + 1) * kstages) (kstages whole groups) and stores its sums to part[z][M][Npad];
+// the last block of a tile to arrive on its counter (then reset) adds them in z order into out. With one split
+// the sums go straight to out.
 //
 // Exact block sums. One k32 step is one block of G = 32 (an eighth of G = 256). The mma accumulators start
 // from MAGIC = 0x4B400000 (the bits of 1.5 * 2^23) instead of 0: for |s| <= 2^22 the integer MAGIC + s is the
@@ -32,25 +36,6 @@
 #define GQ_STAGES 3   // stages in flight
 #define GQ_MAGIC 0x4B400000
 #define GQ_MAGIC_F 12582912.0f
-
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void cp_async4(u32 dst, const void* src, int bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -87,7 +72,8 @@ template <int BITS, int G, int WM, int WN, int MI, int MINB>
 __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
         const i8* __restrict__ A, const float* __restrict__ As, int M,
         const u8* __restrict__ W, const float* __restrict__ Ws,
-        float* __restrict__ out, int ldo, int N, int K, int Npad) {
+        float* __restrict__ out, int ldo, int N, int K, int Npad,
+        float* __restrict__ part, unsigned* __restrict__ counters, int kstages) {
     using T = GqTile<BITS, G, WM, WN, MI>;
     constexpr int BK = T::BK, STAGES = T::STAGES;
     constexpr int BM = T::BM, BN = T::BN, THREADS = T::THREADS, SG = T::SG;
@@ -106,19 +92,20 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     const int gid = lane >> 2, tig = lane & 3;
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
     const int ng = K / G;
-    const int nst = (K + BK - 1) / BK;
+    const int st0 = blockIdx.z * kstages;        // this split's stages
+    const int nst = min((K + BK - 1) / BK, st0 + kstages);
     const int krows = BITS == 8 ? K : K / 8;      // rows of the device code matrix
     const int ldb = BITS == 8 ? Npad : 4 * Npad;  // its bytes per row
     const bool b16 = (ldb & 15) == 0;             // 16-byte copies of B rows stay aligned (int4: always)
     const u32 sbase = smem_u32(smem);
 
     // Per-thread copy plan, fixed for the whole K loop (only the k offset moves). A: 16-byte chunk a_c of rows
-    // a_r0 + p * A_RSTEP; B: chunk b_c of k rows b_r0 + p * B_RSTEP. The row steps are multiples of 8, so every
-    // row of a thread has the same swizzle.
+    // a_r0 + p * A_RSTEP; B: chunk b_c of k rows b_r0 + p * B_RSTEP. The row steps keep every row of a thread on
+    // the same swizzle (A: a multiple of 8; B: of 16 for int8, of 2 for int4).
     constexpr int ACH = BK / 16, BCH = BROWB / 16;
     constexpr int A_RSTEP = THREADS / ACH, B_RSTEP = THREADS / BCH;
     constexpr int AP = BM / A_RSTEP, BP = (BROWS + B_RSTEP - 1) / B_RSTEP;
-    static_assert(BM % A_RSTEP == 0 && A_RSTEP % 8 == 0 && B_RSTEP % 8 == 0, "copy plan");
+    static_assert(BM % A_RSTEP == 0 && A_RSTEP % 8 == 0 && B_RSTEP % (BITS == 8 ? 16 : 2) == 0, "copy plan");
     const int a_c = tid % ACH, a_r0 = tid / ACH;
     const int b_c = tid % BCH, b_r0 = tid / BCH;
     const i8* a_src = A + (size_t)(m0 + a_r0) * K + 16 * a_c;
@@ -197,6 +184,9 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
 
     float facc[MI][4][4];
     int iacc[MI][4][4];
+    bool live[MI];  // m16 tiles with a row below M (warp-uniform): the others skip their MMAs and scaling
+#pragma unroll
+    for (int i = 0; i < MI; ++i) live[i] = m0 + wm * MI * 16 + i * 16 < M;
     const int magic[4] = {GQ_MAGIC, GQ_MAGIC, GQ_MAGIC, GQ_MAGIC};
 #pragma unroll
     for (int i = 0; i < MI; ++i)
@@ -207,19 +197,19 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < nst) load_stage(s, s);
+        if (st0 + s < nst) load_stage(st0 + s, s);
         cp_async_commit();
     }
 
-    for (int st = 0; st < nst; ++st) {
+    for (int st = st0; st < nst; ++st) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // stage st is visible to all; every warp is done with stage st - 1's buffer
         {
             const int nx = st + STAGES - 1;
-            if (nx < nst) load_stage(nx, nx % STAGES);
+            if (nx < nst) load_stage(nx, (nx - st0) % STAGES);
             cp_async_commit();
         }
-        const int buf = st % STAGES;
+        const int buf = (st - st0) % STAGES;
         const u32 sa = sbase + buf * T::STAGE;
         const unsigned char* sbp = smem + buf * T::STAGE + T::A_BYTES;
         const float* sasp = reinterpret_cast<const float*>(sbp + T::B_BYTES);
@@ -230,6 +220,7 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
             u32 af[MI][4], bf[4][2];
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi) {
+                if (!live[mi]) continue;
                 const int row = wm * MI * 16 + mi * 16 + (lane & 15);
                 const int c = ks * 2 + (lane >> 4);
                 ldmatrix_x4(af[mi], sa + row * BK + ((c ^ aswz(row)) << 4));
@@ -257,12 +248,14 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-                    for (int ni = 0; ni < 4; ++ni) mma_s8(iacc[mi][ni], af[mi], bf[ni], magic);
+                    for (int ni = 0; ni < 4; ++ni)
+                        if (live[mi]) mma_s8(iacc[mi][ni], af[mi], bf[ni], magic);
             } else {
 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-                    for (int ni = 0; ni < 4; ++ni) mma_s8(iacc[mi][ni], af[mi], bf[ni], iacc[mi][ni]);
+                    for (int ni = 0; ni < 4; ++ni)
+                        if (live[mi]) mma_s8(iacc[mi][ni], af[mi], bf[ni], iacc[mi][ni]);
             }
             if (GS == 1 || (kk + 1) % GS == 0) {  // a group is complete: scale its exact sums
                 const int slot = GS == 1 ? ks : 0;
@@ -279,6 +272,7 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
                 }
 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi) {
+                    if (!live[mi]) continue;
                     const float sa0 = sa[2 * mi], sa1 = sa[2 * mi + 1];
 #pragma unroll
                     for (int ni = 0; ni < 4; ++ni) {
@@ -302,6 +296,60 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
         }
     }
     cp_async_wait<0>();  // nothing is left in flight (the tail groups are empty), but leave no copy pending
+
+    const int nz = gridDim.z;
+    if (nz > 1) {  // this split's sums to part; the tile's last block adds every split's in z order
+        // a thread's 8 columns of a row as two float4 (Npad % 4 == 0: each wholly inside Npad or outside)
+        const int c = n0 + wn * 32 + 8 * tig;
+        const bool c0ok = c < Npad, c1ok = c + 4 < Npad;
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = m0 + wm * MI * 16 + mi * 16 + gid + 8 * h;
+                if (r >= M) continue;
+                float4* p = reinterpret_cast<float4*>(part + ((size_t)blockIdx.z * M + r) * Npad + c);
+                const int e = 2 * h;
+                if (c0ok) __stcg(p, make_float4(facc[mi][0][e], facc[mi][1][e], facc[mi][2][e], facc[mi][3][e]));
+                if (c1ok) __stcg(p + 1, make_float4(facc[mi][0][e + 1], facc[mi][1][e + 1], facc[mi][2][e + 1],
+                                                    facc[mi][3][e + 1]));
+            }
+        __shared__ int s_last;
+        const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+        if (!arrive_last(reinterpret_cast<int*>(counters) + tile, nz, &s_last)) return;
+        // every split's float4s of this thread, ZR splits at a time in flight, added in z order
+        constexpr int ZR = 4;
+        const size_t zstride = (size_t)M * Npad / 4;  // float4s between two splits' partials
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = m0 + wm * MI * 16 + mi * 16 + gid + 8 * h;
+                if (r >= M || !c0ok) continue;
+                const float4* p = reinterpret_cast<const float4*>(part + (size_t)r * Npad + c);
+                float4 s0 = __ldcg(p), s1 = c1ok ? __ldcg(p + 1) : make_float4(0.f, 0.f, 0.f, 0.f);
+                for (int z0 = 1; z0 < nz; z0 += ZR) {
+                    float4 v0[ZR], v1[ZR];
+#pragma unroll
+                    for (int j = 0; j < ZR; ++j) {
+                        const bool ok = z0 + j < nz;
+                        v0[j] = ok ? __ldcg(p + (z0 + j) * zstride) : make_float4(0.f, 0.f, 0.f, 0.f);
+                        v1[j] = ok && c1ok ? __ldcg(p + (z0 + j) * zstride + 1) : make_float4(0.f, 0.f, 0.f, 0.f);
+                    }
+#pragma unroll
+                    for (int j = 0; j < ZR; ++j) {
+                        if (z0 + j >= nz) break;
+                        s0.x += v0[j].x; s0.y += v0[j].y; s0.z += v0[j].z; s0.w += v0[j].w;
+                        s1.x += v1[j].x; s1.y += v1[j].y; s1.z += v1[j].z; s1.w += v1[j].w;
+                    }
+                }
+                const int e = 2 * h;
+                facc[mi][0][e] = s0.x; facc[mi][1][e] = s0.y; facc[mi][2][e] = s0.z; facc[mi][3][e] = s0.w;
+                facc[mi][0][e + 1] = s1.x; facc[mi][1][e + 1] = s1.y; facc[mi][2][e + 1] = s1.z;
+                facc[mi][3][e + 1] = s1.w;
+            }
+        if (tid == 0) counters[tile] = 0;
+    }
 
     const bool vec = (ldo & 3) == 0 && (reinterpret_cast<size_t>(out) & 15) == 0;
 #pragma unroll

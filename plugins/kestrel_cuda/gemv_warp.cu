@@ -181,12 +181,7 @@ __global__ void __launch_bounds__(GW_THREADS) k_gemv_warp(
         const int m = t / BN, col = t - m * BN, n = n0 + col;
         if (t < MT * BN && n < Npad) partial[((size_t)blockIdx.y * MT + m) * Npad + n] = cacc[i];
     }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
+    if (!arrive_last(reinterpret_cast<int*>(counters) + blockIdx.x, gridDim.y, &s_last)) return;
 #pragma unroll
     for (int i = 0; i < CPT; ++i) {
         const int t = threadIdx.x + GW_THREADS * i;

@@ -44,6 +44,11 @@ class MmaTile:
     min_blocks: int  # __launch_bounds__ minimum resident blocks per SM (caps the registers)
 
     @property
+    def key(self) -> str:
+        """Its name in MMA_TILES."""
+        return f"{self.bm}x{self.bn}"
+
+    @property
     def bm(self) -> int:
         return self.wm * self.mi * 16
 
@@ -67,10 +72,12 @@ class MmaTile:
 
 MMA_BK, MMA_STAGES = 128, 3  # K bytes per shared-memory stage, stages in flight (GQ_BK, GQ_STAGES in gemm_mma.cu)
 # Block shapes (measured on the H200, docs/performance.md): 128x128 with 8 warps of 64x32 (1 block/SM, ~210
-# registers) for large grids, 64x128 with 8 warps of 32x32 (<= 128 registers, 2 blocks/SM) for short ones.
+# registers) for large grids, 64x128 with 8 warps of 32x32 (<= 128 registers, 2 blocks/SM) for short ones and
+# for 33-64 rows, 32x128 with 4 warps of 32x32 (3 blocks/SM) for 2-32 rows.
 MMA_TILES: dict[str, MmaTile] = {
     "128x128": MmaTile(2, 4, 4, 1),
     "64x128": MmaTile(2, 4, 2, 2),
+    "32x128": MmaTile(1, 4, 2, 3),
 }
 MMA_TILE_DEFAULT = "128x128"  # large grids
 MMA_TILE_SMALL_GRID = "64x128"  # grids whose last wave of MMA_TILE_DEFAULT blocks would be under half full

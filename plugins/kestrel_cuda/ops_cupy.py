@@ -17,18 +17,22 @@ import numpy as np
 from kestrel_cuda.kernels import FORWARD_SOURCES, OPTIONS, source_text
 from kestrel_cuda.layout import Geometry
 from kestrel_cuda.plan import (
+    ATTN_ROWS_WARPS,
     ATTN_SPLITS,
     FINISH_COLS,
+    KV_BLOCK,
+    MAX_HEAD_DIM,
     MERGE_MODES,
     MERGE_SPLITS,
     SMALL_M,
     TILE_N,
     Lin,
     QkvRope,
+    attn_rows_splits,
     tagged_merge,
 )
 
-# (bits, G, MR): qgemv with MR rows per block: M = 1 (MR = 1) and M = 2..8 (MR = 8)
+# (bits, G, MR): qgemv with MR rows per block: M = 1 (MR = 1) and, without a tiled GEMM, M > 1 (MR = 8)
 GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
 KERNELS = ("embed_rows", "qkv_rope", "attn_prefill", "add_rows", "lm_finish")  # extern "C": no name expression
 Observer = Callable[[str, Callable[[], None]], None]
@@ -39,7 +43,7 @@ def _module() -> Any:
     import cupy as cp
 
     names = ([f"qgemv<{b},{g},{mr}>" for b, g, mr in GEMV_VARIANTS]
-             + [f"attn_decode<{ATTN_SPLITS}>", "attn_decode<1>", "quantize_rows<32>", "quantize_rows<256>"])
+             + [f"attn_decode<{ATTN_SPLITS}>", "quantize_rows<32>", "quantize_rows<256>"])
     mod = cp.RawModule(code=source_text(FORWARD_SOURCES), options=OPTIONS, name_expressions=tuple(names))
     mod.compile()
     return mod
@@ -60,7 +64,7 @@ def _ld(a: Any) -> np.int32:
 
 
 class CupyOps:
-    """The forward's kernels on one stream. ``gemm``: optional tiled GEMM for M > SMALL_M (see ``gemv``).
+    """The forward's kernels on one stream. ``gemm``: optional tiled GEMM for M > 1 (see ``gemv``).
 
     ``pdl``: captured launches after the first may overlap their predecessor (programmatic dependent launch);
     ``cluster``: split M=1 GEMVs planned as clusters run as clusters (both need sm_90 and cuLaunchKernelEx,
@@ -84,7 +88,8 @@ class CupyOps:
         mod = _module()
         self._gemv = {v: mod.get_function("qgemv<{},{},{}>".format(*v)) for v in GEMV_VARIANTS}
         self._attn_decode = mod.get_function(f"attn_decode<{ATTN_SPLITS}>")
-        self._attn_rows = mod.get_function("attn_decode<1>")  # batched rows: enough blocks without splits
+        self._attn_rows = mod.get_function("attn_rows")
+        self._attn_rows.max_dynamic_shared_size_bytes = _attn_rows_smem(MAX_HEAD_DIM, ATTN_ROWS_WARPS)
         self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
         self._fn = {name: mod.get_function(name) for name in KERNELS}
         self.gemm = gemm
@@ -112,7 +117,6 @@ class CupyOps:
         self.epochs = self.zeros(1, np.uint32)
         self.attn_part = self.zeros(1, np.float32)
         self.attn_counters = self.zeros(1, np.int32)
-        self._pinned: Any = None
         self._tiled_bufs: dict[str, Any] = {}
 
     def reserve(self, part: int, counters: int, attn_part: int, attn_counters: int, merge_tiles: int = 0) -> None:
@@ -146,12 +150,11 @@ class CupyOps:
             dst[...] = src
 
     def download(self, a: Any, rows: int) -> np.ndarray:
-        size = rows * a.shape[1]
-        if self._pinned is None or self._pinned.size < size:
-            self._pinned = self.cupyx.empty_pinned(size, np.float32)
-        host = self._pinned[:size].reshape(rows, a.shape[1])
+        """The first ``rows`` rows of ``a`` in a new host array: pinned memory from CuPy's pool, so the copy
+        runs at the bus's speed and a batch's logits (tens of MB) are neither staged nor copied again."""
+        host = self.cupyx.empty_pinned((rows, a.shape[1]), a.dtype)
         a[:rows].get(stream=self.stream, out=host, blocking=True)
-        return host.copy()
+        return host
 
     def write_meta(self, meta: Any, values: np.ndarray) -> None:
         meta[:len(values)].set(np.ascontiguousarray(values, np.int32), stream=self.stream)
@@ -235,7 +238,7 @@ class CupyOps:
         m = x.shape[0]
         if m > 1:
             ssq_in = ssq_out = None
-        if m > SMALL_M and self.gemm is not None:
+        if m > 1 and self.gemm is not None:
             self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias)
             return
         mr = 1 if m == 1 else SMALL_M
@@ -306,27 +309,50 @@ class CupyOps:
 
     def attention(self, q: Any, kc: Any, vc: Any, heads: int, hd: int, scale: float, meta: Any,
                   out: Any, rows: Any = None, tables: Any = None) -> None:
-        """``rows``/``tables`` as ``qkv_rope``'s: each row attends over its own sequence (attn_decode, a row
-        per grid z); else one sequence's rows at meta[0]..: decode (M = 1) or causal prefill."""
+        """``rows``/``tables`` as ``qkv_rope``'s: each row attends over its own sequence (attn_rows: a
+        block per row and KV head); else one sequence's rows at meta[0]..: decode (M = 1) or causal prefill."""
         m = q.shape[0]
         kv_heads, cap = kc.shape[0], kc.shape[1]
-        if m == 1 or rows is not None:
-            fn, splits = (self._attn_decode, ATTN_SPLITS) if rows is None else (self._attn_rows, 1)
-            self.launch(fn, (heads, splits, m), (128,),
+        if rows is not None:
+            group = heads // kv_heads
+            warps = min(group, ATTN_ROWS_WARPS)
+            parts = -(-group // warps)
+            splits = attn_rows_splits(kv_heads * m * parts, self.sm_count)
+            if splits > 1:
+                self._grow_attn_scratch(m * heads * splits * (hd + 4), m * kv_heads * parts)
+            self.launch(self._attn_rows, (kv_heads, m, parts * splits), (32 * warps,),
+                        (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
+                         np.float32(scale), _ptr(rows), _ptr(tables), _i32(tables.shape[1]), _ptr(out),
+                         _i32(splits), _ptr(self.attn_part), _ptr(self.attn_counters)),
+                        _attn_rows_smem(hd, warps), name="attn_rows")
+            return
+        if m == 1:
+            self.launch(self._attn_decode, (heads, ATTN_SPLITS, 1), (128,),
                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                          np.float32(scale), _ptr(meta), _ptr(self.attn_part), _ptr(self.attn_counters),
-                         _ptr(out), _ptr(rows), _ptr(tables), _i32(0 if tables is None else tables.shape[1])),
-                        name="attn_decode")
+                         _ptr(out)), name="attn_decode")
             return
         smem = (32 * (hd + 4) + 32 * hd + 16 * hd) * 4
         self.launch(self._fn["attn_prefill"], (heads, -(-m // 16)), (256,),
                     (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                      np.float32(scale), _ptr(meta), _i32(m), _ptr(out)), smem, name="attn_prefill")
 
+    def _grow_attn_scratch(self, floats: int, counters: int) -> None:
+        """attn_rows' split scratch, grown in the eager step that precedes a batch graph's capture."""
+        if floats > self.attn_part.size or counters > self.attn_counters.size:
+            if self._capturing:
+                raise RuntimeError("attention scratch must grow before a graph capture")
+            self.reserve(0, 0, floats, counters)
+
     def gather_rows(self, src: Any, index: Any, dst: Any) -> None:
         """dst[i] = src[index[i]] (the rows whose logits a batched step returns)."""
         with self.stream:
             self.cp.take(src, index, axis=0, out=dst)
+
+
+def _attn_rows_smem(hd: int, warps: int) -> int:
+    """attn_rows' dynamic shared memory: two pages of keys (rows padded by 4) and values, a query per warp."""
+    return (2 * KV_BLOCK * (2 * hd + 4) + warps * hd) * 4
 
 
 def _rope_args(r: QkvRope | None) -> tuple[Any, ...]:

@@ -16,13 +16,16 @@ import numpy as np
 TILE_N = 128  # columns of a GEMV block (forward.cuh TN)
 SSQ_COLS = 32  # columns per entry of the residual stream's sums of squares (forward.cuh)
 CHUNK_K = 256  # rows of a GEMV chunk (gemv.cu KC: one 32-row slot per warp), int8 and int4
-SMALL_M = 8  # up to this many rows run through the fused GEMV (MR = 8); more through the tiled GEMM if any
+SMALL_M = 8  # rows of one fused-GEMV pass at M > 1 (MR = 8), where there is no tiled GEMM
 MAX_CLUSTER = 8  # K splits of an M=1 GEMV launched as one thread block cluster, at most (merge.cuh)
 MERGE_SPLITS = 64  # K splits of an M=1 GEMV, at most: slots per tile of its tagged merge area (merge.cuh)
 CHUNK_BLOCKS_PER_SM = 4  # qgemv's resident blocks per SM at M = 1 (__launch_bounds__(NT, 4))
 TARGET_BLOCKS_PER_SM = 8  # GEMV blocks per SM the K-split planner aims for: measured fastest on the H200
 ONE_WAVE_SPLITS = 16  # a projection whose one wave of blocks gives each tile this many K splits runs one wave
 ATTN_SPLITS = 16  # position splits of decode attention (attn_decode<NS>): 16 measured faster than 32
+ATTN_ROWS_WARPS = 8  # query heads of one KV head that one attn_rows block takes, at most (a warp each)
+ATTN_ROWS_BLOCKS_PER_SM = 2  # attn_rows' grid target (three 4-warp blocks fit an SM's shared memory)
+ATTN_ROWS_MAX_SPLITS = 8
 MAX_HEAD_DIM = 128  # attention and qkv_rope keep hd/32 (<= 4) values per lane; attn_prefill tiles fit 48 KB
 PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL = 0, 1, 2
 EPI_STORE, EPI_ADD = 0, 1
@@ -160,9 +163,16 @@ def gemv_scratch(lins: list[Lin]) -> tuple[int, int, int]:
     return part, counters, max((lin.tiles for lin in split), default=0)
 
 
-def attn_part_size(heads: int, hd: int, rows: int = 1) -> int:
-    """Floats of attention scratch: one query row split ATTN_SPLITS ways, or ``rows`` batched rows unsplit."""
-    return heads * max(ATTN_SPLITS, rows) * (hd + 2)
+def attn_rows_splits(blocks: int, sm_count: int) -> int:
+    """Position splits of batched decode attention (attn_rows) whose unsplit grid has ``blocks`` blocks: enough
+    for ATTN_ROWS_BLOCKS_PER_SM blocks per SM, at most ATTN_ROWS_MAX_SPLITS. A function of the batch's size
+    only, so a captured bucket keeps it."""
+    return max(1, min(ATTN_ROWS_MAX_SPLITS, -(-ATTN_ROWS_BLOCKS_PER_SM * sm_count // blocks)))
+
+
+def attn_part_size(heads: int, hd: int) -> int:
+    """Floats of attention scratch: one query row split ATTN_SPLITS ways (attn_decode)."""
+    return heads * ATTN_SPLITS * (hd + 2)
 
 
 def ssq_count(n: int) -> int:

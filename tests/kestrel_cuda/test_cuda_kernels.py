@@ -33,7 +33,7 @@ if cuda_device_count() < 1:
 pytestmark = pytest.mark.cuda
 
 from kestrel_cuda.binding import open_device  # noqa: E402
-from kestrel_cuda.gemm import GEMV_MAX_M, gemv_warp_variant, mma_tile_for  # noqa: E402
+from kestrel_cuda.gemm import GEMV_MAX_M, SPLIT_MAX_M, gemv_warp_variant, mma_splits, mma_tile_for  # noqa: E402
 from kestrel_cuda.kernels import (  # noqa: E402
     GEMV_WARP_VARIANTS,
     MMA_TILE_DEFAULT,
@@ -152,7 +152,8 @@ def test_upload_layout(dev, bits: int, g: int, ns: tuple[int, ...]) -> None:
 
 # -- int8 GEMM ---------------------------------------------------------------------------------------
 
-SHAPES = [  # (M, N, K): GEMV (M <= 8) with every column-vector width, and the tensor-core kernel
+SHAPES = [  # (M, N, K): GEMV (M = 1) with every column-vector width, the tensor-core kernel split over K (2-64
+    # rows) and whole
     (1, 256, 4096), (1, 37, 512), (1, 136, 1024), (1, 4096, 4096), (2, 1000, 2048), (3, 200, 1024),
     (4, 136, 4096), (7, 37, 1024), (8, 512, 1024), (9, 37, 512), (64, 256, 1024), (130, 200, 2048),
     (512, 384, 2048),
@@ -168,8 +169,27 @@ def test_gemm_q8(dev, bits: int, g: int, m: int, n: int, k: int) -> None:
     a_codes, a_scales = quantize_activations(rng.standard_normal((m, k)).astype(np.float32), g)
     got = run_q8(dev, a_codes, a_scales, w)
     assert_close_q8(got, a_codes, a_scales, w)
-    if m > GEMV_MAX_M:  # tensor cores add the groups in the reference's order: identical results
+    if m > SPLIT_MAX_M or (m > GEMV_MAX_M and mma_splits(k, pad_n(n), g, dev.gemm.sm_count)[0] == 1):
+        # tensor cores add the groups in the reference's order: identical results
         np.testing.assert_array_equal(got, reference_gemm_q8(a_codes, a_scales, w))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("g", [32, 256])
+def test_split_gemm_is_batch_invariant(dev, bits: int, g: int) -> None:
+    """2..SPLIT_MAX_M rows split K the same way whatever M (and so the block shape), so a row's result has the
+    same bits in every batch; one split is the reference's order exactly."""
+    rng = np.random.default_rng([bits, g, 3])
+    k = 3072
+    w = rand_weight(rng, 1000, k, g, bits)
+    assert mma_splits(k, pad_n(w.n), g, dev.gemm.sm_count)[0] > 1
+    a_codes, a_scales = quantize_activations(rng.standard_normal((SPLIT_MAX_M, k)).astype(np.float32), g)
+    full = run_q8(dev, a_codes, a_scales, w)
+    assert_close_q8(full, a_codes, a_scales, w)
+    for m in (2, 5, 32, 33):
+        np.testing.assert_array_equal(run_q8(dev, a_codes[-m:], a_scales[-m:], w), full[-m:])
+    one = run_q8(dev, a_codes[:40], a_scales[:40], w, splits=1)
+    np.testing.assert_array_equal(one, reference_gemm_q8(a_codes[:40], a_scales[:40], w))
 
 
 @pytest.mark.parametrize("tile", list(MMA_TILES))
@@ -192,6 +212,16 @@ def test_mma_tile_choice() -> None:
     assert mma_tile_for(512, 6144, 132) == MMA_TILE_SMALL_GRID    # 192 blocks: last wave 60 of 132
     assert mma_tile_for(512, 1024, 132) == MMA_TILE_SMALL_GRID    # 32 blocks
     assert mma_tile_for(512, 4096 * 33, 132) == MMA_TILE_DEFAULT  # whole waves only
+    assert [MMA_TILES[mma_tile_for(m, 4096, 132)].bm for m in (2, 32, 33, 64, 65)] == [32, 32, 64, 64, 64]
+
+
+def test_split_choice() -> None:
+    """Qwen3-8B shapes on 132 SMs: enough K splits for ~3 blocks per SM, whole groups, within the workspace."""
+    assert mma_splits(4096, 4096, 32, 132) == (11, 3)      # o: 32 column tiles
+    assert mma_splits(12288, 4096, 256, 132) == (12, 8)    # down: splits of whole 256-groups (2 stages)
+    assert mma_splits(4096, 6144, 32, 132, 4) == (8, 4)    # q|k|v: capped by the workspace at 64 rows
+    assert mma_splits(4096, 151936, 32, 132) == (1, 32)    # lm_head: 1187 tiles, no split
+    assert mma_splits(4096, 24576, 256, 132) == (2, 16)     # gate|up: 192 tiles, capped by the workspace
 
 
 @pytest.mark.parametrize("g", [32, 256])
@@ -207,7 +237,7 @@ def test_mma_extreme_block_sums(dev, g: int) -> None:
     codes[1] = 127
     w = StripCache(codes, rng.uniform(1e-3, 2e-2, (n, k // g)).astype(np.float32), g, 8)
     a_scales = rng.uniform(1e-3, 2e-2, (m, k // g)).astype(np.float32)
-    got = run_q8(dev, a_codes, a_scales, w)
+    got = run_q8(dev, a_codes, a_scales, w, splits=1)
     np.testing.assert_array_equal(got, reference_gemm_q8(a_codes, a_scales, w))
 
 

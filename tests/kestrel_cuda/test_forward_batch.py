@@ -67,3 +67,38 @@ def test_the_cuda_backend_serves_concurrent_requests_in_batches(quant: str) -> N
         ref = cpu_logits(model, seq, len(seq))
         tol = FACTOR * jitter_effect(model, seq, len(seq), ref)[1]
         assert greedy_agrees(tokens, model, np.array(p), tol) == [], (p, tokens)
+
+
+@pytest.mark.parametrize("heads,kv_heads,hd,copies", [(32, 8, 128, 1), (32, 8, 128, 8), (24, 2, 64, 1),
+                                                      (4, 4, 32, 1)])
+def test_attn_rows_is_the_mirrors_attention(heads: int, kv_heads: int, hd: int, copies: int, stream) -> None:  # type: ignore[no-untyped-def]
+    """attn_rows over a paged pool (pages scattered, lengths ending inside and at the end of a page, one row
+    a page long, a group of 12 query heads split over two blocks; split over positions, with empty splits,
+    and with enough rows for none) against the numpy mirror's softmax."""
+    from kestrel_cuda.ops_cupy import CupyOps
+    from kestrel_cuda.ops_numpy import NumpyOps
+    from kestrel_cuda.plan import KV_BLOCK, attn_rows_splits
+
+    rng = np.random.default_rng([heads, kv_heads, hd])
+    blocks, width = 40, 8
+    positions = [0, 31, 32, 100, 255, 17] * copies  # each row sees keys 0..position
+    group = heads // kv_heads
+    splits = attn_rows_splits(kv_heads * len(positions) * -(-group // min(group, 8)),
+                              cp.cuda.Device().attributes["MultiProcessorCount"])
+    assert (splits == 1) == (copies > 1)
+    tables = np.stack([rng.permutation(blocks)[:width] for _ in positions]).astype(np.int32)
+    tables = np.concatenate([tables, np.zeros((1, width), np.int32)])  # the padding rows' table
+    rows = np.array([[p, i] for i, p in enumerate(positions)], np.int32)
+    kc = rng.standard_normal((kv_heads, (blocks + 1) * KV_BLOCK, hd)).astype(np.float32)
+    vc = rng.standard_normal(kc.shape).astype(np.float32)
+    q = rng.standard_normal((len(positions), heads * hd)).astype(np.float32)
+    scale = float(np.float32(hd ** -0.5))
+    want = np.zeros_like(q)
+    NumpyOps().attention(q, kc, vc, heads, hd, scale, np.zeros(1, np.int32), want, rows, tables)
+    ops = CupyOps(stream)
+    with stream:
+        out = cp.full(q.shape, np.nan, np.float32)
+        ops.attention(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), heads, hd, scale, cp.zeros(1, np.int32),
+                      out, cp.asarray(rows), cp.asarray(tables))
+        got = cp.asnumpy(out)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
