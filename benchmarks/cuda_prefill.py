@@ -11,9 +11,10 @@ at M <= 8, the decode GEMV (``gemv``: a weight pass per 4 rows).
 
 Timing as in ``cuda_gemv.py`` (whose helpers this reuses): CUDA events around a captured graph of many launches,
 rotating over weight copies totalling >= 4x the L2, median of 7 replays. Checks: every block shape's output on
-the same random operands (int8 codes over the whole range, signed scales) must equal the first one's bit for
-bit, and on one host-quantized weight per mode every one must equal ``reference_gemm_q8`` itself (with K
-splits: within assert_close's bound; ``gemv``: not checked).
+the same random operands (int8 codes over the whole range, signed scales) must equal auto's bit for
+bit (up to 64 rows: the split ones), and on one host-quantized weight per mode every one must equal
+``reference_gemm_q8`` itself (with K splits: within a bound for the re-added partial sums; ``gemv``: not
+checked).
 """
 
 from __future__ import annotations
@@ -76,9 +77,23 @@ class PrefillBench(Bench):
         return ks
 
     def exact(self, m: int) -> list[str]:
+        """The labels whose outputs equal "auto"'s bit for bit: every block shape beyond SPLIT_MAX_M rows, the
+        split ones up to it."""
         from kestrel_cuda.gemm import SPLIT_MAX_M
+        from kestrel_cuda.kernels import MMA_TILES
 
-        return [*self.tiles, "auto"] if m > SPLIT_MAX_M else [*self.tiles, "auto", "nosplit"]
+        if m > SPLIT_MAX_M:
+            return [*self.tiles, "auto"]
+        return [t for t in self.tiles if MMA_TILES[t].split] + ["auto"]
+
+    def in_order(self, m: int) -> list[str]:
+        """The labels that add the groups in the reference's order (bitwise equal to reference_gemm_q8)."""
+        from kestrel_cuda.gemm import SPLIT_MAX_M
+        from kestrel_cuda.kernels import MMA_TILES
+
+        if m > SPLIT_MAX_M:
+            return [*self.tiles, "auto"]
+        return [t for t in self.tiles if not MMA_TILES[t].split] + ["nosplit"]
 
     def random_acts(self, m: int, k: int, g: int, seed: int) -> tuple[Any, Any]:
         cp = self.cp
@@ -116,7 +131,7 @@ class PrefillBench(Bench):
                 launch(a, s, dw, out, n)
                 self.stream.synchronize()
                 got = cp.asnumpy(out)[rows]
-                if label != "nosplit" and m <= 64:  # K splits re-add partial sums
+                if label not in self.in_order(m):  # K splits re-add partial sums
                     bound = 4 * np.abs(ref).max() * np.finfo(np.float32).eps * k / g  # split sums re-added
                     same = bool(np.all(np.abs(got - ref) <= bound))
                 else:
@@ -153,10 +168,10 @@ class PrefillBench(Bench):
                     row[f"us_{label}"] = round(us, 1)
                     row[f"tops_{label}"] = round(2 * m * n * k / (us * 1e-6) / 1e12, 1)
                 self.stream.synchronize()
-                base = outs[self.tiles[0]]
+                base = outs["auto"]
                 for label, out in outs.items():
                     ok = bool(cp.all(cp.isfinite(out)))
-                    if label in self.exact(m) and label != "nosplit":
+                    if label in self.exact(m):
                         ok = ok and bool(cp.array_equal(out, base))
                     row[f"same_{label}"] = ok
                 if (bits, g) == (8, 32) and name in LAYER:
@@ -193,8 +208,8 @@ class PrefillBench(Bench):
 
 
 def table(res: dict[str, Any], labels: list[str]) -> None:
-    log(f"\n== GEMM (M = {res['rows'][0]['M']}), us and TOPS; ok = bitwise equal to the first tile's (nosplit, gemv:"
-        " finite) ==")
+    log(f"\n== GEMM (M = {res['rows'][0]['M']}), us and TOPS; ok = bitwise equal to auto's (up to 64 rows the"
+        " unsplit ones: finite) ==")
     log(f"device {res['device']}; tiles {res['tiles']}")
     head = f"{'mode':7} {'shape':8} {'N':>6} {'K':>6} " + " ".join(f"{lb:>17}" for lb in labels) + "  cuBLAS16"
     log(head)

@@ -29,7 +29,7 @@ from kestrel_cuda.kernels import MMA_BK, MMA_TILE_DEFAULT, MMA_TILE_SMALL_GRID, 
 from kestrel_cuda.residency import DeviceWeight
 
 GEMV_MAX_M = 1
-SPLIT_MAX_M = 64  # up to this many rows the tensor-core GEMM splits K (one row tile: 32x128 or 64x128 blocks)
+SPLIT_MAX_M = 64  # up to this many rows the tensor-core GEMM splits K (one row tile: the 32x128s or 64x128s block)
 SPLIT_BLOCKS_PER_SM = 3  # the split GEMM's grid target: one wave of 32x128 blocks
 GW_THREADS = 256  # gemv_warp.cu: 8 warps, one 32-row slice each
 GW_SLICES = 8
@@ -65,12 +65,12 @@ def gemv_warp_variant(m: int, npad: int, bits: int) -> tuple[str, int, int, int]
 
 
 def mma_tile_for(m: int, npad: int, sm_count: int) -> str:
-    """The tensor-core block shape for an M x Npad GEMM. Up to SPLIT_MAX_M rows, the smallest block that holds
-    them all. Beyond, the large block (one per SM) unless its grid would leave the last wave less than half
+    """The tensor-core block shape for an M x Npad GEMM. Up to SPLIT_MAX_M rows, the smallest split block that
+    holds them all. Beyond, the large block (one per SM) unless its grid would leave the last wave less than half
     full, where the 64-row block (two per SM) is faster: it halves the tail, and a block left alone on an SM at
     the end runs faster than two sharing it."""
     if m <= SPLIT_MAX_M:
-        return min((t for t in MMA_TILES.values() if t.bm >= m), key=lambda t: t.bm).key
+        return min((t for t in MMA_TILES.values() if t.split and t.bm >= m), key=lambda t: t.bm).key
     big = MMA_TILES[MMA_TILE_DEFAULT]
     tail = (_cdiv(m, big.bm) * _cdiv(npad, big.bn)) % sm_count
     return MMA_TILE_SMALL_GRID if 0 < tail < sm_count // 2 else MMA_TILE_DEFAULT
@@ -152,7 +152,9 @@ class DeviceGemm:
             raise ValueError(f"no tensor-core kernel for int{g.code_bits} G={g.group_size}")
         stages = _cdiv(k, MMA_BK)
         nz, per = mma_splits(k, g.npad, g.group_size, self.sm_count) if m <= SPLIT_MAX_M else (1, stages)
-        if splits is not None:
+        if not tile.split:
+            nz, per = 1, stages
+        elif splits is not None:
             unit = max(1, g.group_size // MMA_BK)
             per = unit * _cdiv(_cdiv(stages, unit), splits)
             nz = _cdiv(stages, per)

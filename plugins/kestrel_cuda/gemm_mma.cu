@@ -8,7 +8,9 @@
 // in kernels.MMA_TILES.
 // blockIdx.x walks M: the blocks resident together share one weight tile, so the weights are read from device
 // memory about once while the activations (a few MB) stay in L2.
-// blockIdx.z splits K (a decode batch's few rows give too few tiles to keep the memory system busy): block z
+// SPLIT instances (the decode batches' block shapes) may split K over blockIdx.z (a batch's few rows give too few
+// tiles to keep the memory system busy) and skip the m16 tiles past M; the prefill shapes do neither, which
+// keeps their registers and inner loop as they were measured (13-22 % slower with both): block z
 // runs stages [z * kstages, (z + 1) * kstages) (kstages whole groups) and stores its sums to part[z][M][Npad];
 // the last block of a tile to arrive on its counter (then reset) adds them in z order into out. With one split
 // the sums go straight to out.
@@ -68,7 +70,7 @@ struct GqTile {
 // different chunk columns
 __device__ __forceinline__ int aswz(int row) { return row & 7; }
 
-template <int BITS, int G, int WM, int WN, int MI, int MINB>
+template <int BITS, int G, int WM, int WN, int MI, int MINB, bool SPLIT>
 __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
         const i8* __restrict__ A, const float* __restrict__ As, int M,
         const u8* __restrict__ W, const float* __restrict__ Ws,
@@ -92,8 +94,8 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     const int gid = lane >> 2, tig = lane & 3;
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
     const int ng = K / G;
-    const int st0 = blockIdx.z * kstages;        // this split's stages
-    const int nst = min((K + BK - 1) / BK, st0 + kstages);
+    const int st0 = SPLIT ? blockIdx.z * kstages : 0;  // this split's stages
+    const int nst = SPLIT ? min((K + BK - 1) / BK, st0 + kstages) : (K + BK - 1) / BK;
     const int krows = BITS == 8 ? K : K / 8;      // rows of the device code matrix
     const int ldb = BITS == 8 ? Npad : 4 * Npad;  // its bytes per row
     const bool b16 = (ldb & 15) == 0;             // 16-byte copies of B rows stay aligned (int4: always)
@@ -186,7 +188,7 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     int iacc[MI][4][4];
     bool live[MI];  // m16 tiles with a row below M (warp-uniform): the others skip their MMAs and scaling
 #pragma unroll
-    for (int i = 0; i < MI; ++i) live[i] = m0 + wm * MI * 16 + i * 16 < M;
+    for (int i = 0; i < MI; ++i) live[i] = !SPLIT || m0 + wm * MI * 16 + i * 16 < M;
     const int magic[4] = {GQ_MAGIC, GQ_MAGIC, GQ_MAGIC, GQ_MAGIC};
 #pragma unroll
     for (int i = 0; i < MI; ++i)
@@ -297,7 +299,7 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     }
     cp_async_wait<0>();  // nothing is left in flight (the tail groups are empty), but leave no copy pending
 
-    const int nz = gridDim.z;
+    const int nz = SPLIT ? gridDim.z : 1;
     if (nz > 1) {  // this split's sums to part; the tile's last block adds every split's in z order
         // a thread's 8 columns of a row as two float4 (Npad % 4 == 0: each wholly inside Npad or outside)
         const int c = n0 + wn * 32 + 8 * tig;
