@@ -145,21 +145,24 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 // the sequence whose page table is tables[rows[2y + 1]] (rope.cuh kv_slot). blockIdx.z = part + parts * split:
 // a block takes query heads part * NW .. part * NW + NW - 1 (NW = blockDim.x / 32 <= 8 warps, one a head) of
 // the G = H / KV heads of KV head blockIdx.x, over its split's share of the row's pages (``splits`` of them:
-// enough blocks when the batch is small), so each page of keys and values is read from memory once for them: the block stages page after page in shared memory (two buffers,
-// cp.async; a page's KV_BLOCK == PT positions are contiguous), and each warp runs attn_prefill's scheme on it:
-// lane j scores position j (16-byte shared reads), a warp-wide online softmax, lane j accumulates dimensions
-// 4j..4j+3. With splits > 1 each head's (max, sum, acc[hd]) goes to part[row][head][split] (records of hd + 4
-// floats) and the last block
-// of (row, KV head, part) to arrive merges the splits in order, as attn_decode does. hd % 4 == 0, hd <= 128.
+// enough blocks when the batch is small), so each page of keys and values is read from memory once for them:
+// the block stages page after page in shared memory (two buffers, cp.async; a page's KV_BLOCK == PT positions
+// are contiguous), and each warp runs attn_prefill's scheme on it: lane j scores position j (16-byte shared
+// reads), a warp-wide online softmax, lane j accumulates dimensions 4j..4j+3. With splits > 1 each head's (max,
+// sum, acc[hd]) goes to part[row][head][split] (records of hd + 4 floats) and the last block of (row, KV head,
+// part) to arrive merges the splits in order, as attn_decode does. hd % 4 == 0, hd <= 128; HD: hd known at
+// compile time (the page copy's index arithmetic and the dot products unrolled), 0: read from ``hd``.
 // Dynamic shared memory: (2 * PT * (2 * hd + 4) + NW * hd) floats.
-extern "C" __global__ void __launch_bounds__(256) attn_rows(
+template <int HD>
+__global__ void __launch_bounds__(256) attn_rows(
     const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
-    int KV, int hd, float scale, const int* __restrict__ rows, const int* __restrict__ tables, int tb,
+    int KV, int hd_arg, float scale, const int* __restrict__ rows, const int* __restrict__ tables, int tb,
     float* __restrict__ out, int splits, float* __restrict__ part, int* __restrict__ counters)
 {
     grid_dep_launch();
     grid_dep_wait();
     extern __shared__ float smem[];
+    const int hd = HD ? HD : hd_arg;
     const int ldk = hd + 4;                 // 16-byte aligned rows, conflict-free per quarter warp
     const int G = H / KV, kvh = blockIdx.x, row = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
@@ -202,6 +205,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_rows(
         const int p = t * PT + lane;
         const float4* k4 = reinterpret_cast<const float4*>(kt + lane * ldk);
         float sc = 0.f;
+#pragma unroll 8
         for (int dd = 0; dd < hd4; ++dd) {
             const float4 kk = k4[dd], qq = q4[dd];
             sc += qq.x * kk.x; sc += qq.y * kk.y; sc += qq.z * kk.z; sc += qq.w * kk.w;
@@ -215,6 +219,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_rows(
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[c] *= corr;
         const int live = min(PT, len - t * PT);
+#pragma unroll 4
         for (int r = 0; r < live; ++r) {    // the same count in every lane: the shuffle sees the whole warp
             const float w = __shfl_sync(FULL, e, r);
             if (d4 < hd) {

@@ -32,6 +32,7 @@ from kestrel_cuda.plan import (
     tagged_merge,
 )
 
+ATTN_ROWS_HEAD_DIMS = (128, 64, 0)  # attn_rows instances: head_dim known at compile time, 0 any other
 # (bits, G, MR): qgemv with MR rows per block: M = 1 (MR = 1) and, without a tiled GEMM, M > 1 (MR = 8)
 GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
 KERNELS = ("embed_rows", "qkv_rope", "attn_prefill", "add_rows", "lm_finish")  # extern "C": no name expression
@@ -43,7 +44,8 @@ def _module() -> Any:
     import cupy as cp
 
     names = ([f"qgemv<{b},{g},{mr}>" for b, g, mr in GEMV_VARIANTS]
-             + [f"attn_decode<{ATTN_SPLITS}>", "quantize_rows<32>", "quantize_rows<256>"])
+             + [f"attn_decode<{ATTN_SPLITS}>", "quantize_rows<32>", "quantize_rows<256>"]
+             + [f"attn_rows<{hd}>" for hd in ATTN_ROWS_HEAD_DIMS])
     mod = cp.RawModule(code=source_text(FORWARD_SOURCES), options=OPTIONS, name_expressions=tuple(names))
     mod.compile()
     return mod
@@ -88,8 +90,9 @@ class CupyOps:
         mod = _module()
         self._gemv = {v: mod.get_function("qgemv<{},{},{}>".format(*v)) for v in GEMV_VARIANTS}
         self._attn_decode = mod.get_function(f"attn_decode<{ATTN_SPLITS}>")
-        self._attn_rows = mod.get_function("attn_rows")
-        self._attn_rows.max_dynamic_shared_size_bytes = _attn_rows_smem(MAX_HEAD_DIM, ATTN_ROWS_WARPS)
+        self._attn_rows = {hd: mod.get_function(f"attn_rows<{hd}>") for hd in ATTN_ROWS_HEAD_DIMS}
+        for fn in self._attn_rows.values():
+            fn.max_dynamic_shared_size_bytes = _attn_rows_smem(MAX_HEAD_DIM, ATTN_ROWS_WARPS)
         self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
         self._fn = {name: mod.get_function(name) for name in KERNELS}
         self.gemm = gemm
@@ -320,7 +323,8 @@ class CupyOps:
             splits = attn_rows_splits(kv_heads * m * parts, self.sm_count)
             if splits > 1:
                 self._grow_attn_scratch(m * heads * splits * (hd + 4), m * kv_heads * parts)
-            self.launch(self._attn_rows, (kv_heads, m, parts * splits), (32 * warps,),
+            fn = self._attn_rows.get(hd, self._attn_rows[0])
+            self.launch(fn, (kv_heads, m, parts * splits), (32 * warps,),
                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                          np.float32(scale), _ptr(rows), _ptr(tables), _i32(tables.shape[1]), _ptr(out),
                          _i32(splits), _ptr(self.attn_part), _ptr(self.attn_counters)),
