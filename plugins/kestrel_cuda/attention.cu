@@ -151,7 +151,8 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 // reads), a warp-wide online softmax, lane j accumulates dimensions 4j..4j+3. With splits > 1 each head's (max,
 // sum, acc[hd]) goes to part[row][head][split] (records of hd + 4 floats) and the last block of (row, KV head,
 // part) to arrive merges the splits in order, as attn_decode does. hd % 4 == 0, hd <= 128; HD: hd known at
-// compile time (the page copy's index arithmetic and the dot products unrolled), 0: read from ``hd``.
+// compile time (the page copy's index arithmetic and the dot products unrolled), 0: read from ``hd``. The dot
+// products and the value sums are fused multiply-adds (--fmad=false keeps every other kernel's apart).
 // Dynamic shared memory: (2 * PT * (2 * hd + 4) + NW * hd) floats.
 template <int HD>
 __global__ void __launch_bounds__(256) attn_rows(
@@ -208,7 +209,8 @@ __global__ void __launch_bounds__(256) attn_rows(
 #pragma unroll 8
         for (int dd = 0; dd < hd4; ++dd) {
             const float4 kk = k4[dd], qq = q4[dd];
-            sc += qq.x * kk.x; sc += qq.y * kk.y; sc += qq.z * kk.z; sc += qq.w * kk.w;
+            sc = fmaf(qq.x, kk.x, sc); sc = fmaf(qq.y, kk.y, sc); sc = fmaf(qq.z, kk.z, sc);
+            sc = fmaf(qq.w, kk.w, sc);
         }
         const bool valid = p < len;
         const float mn = fmaxf(mx, warp_max(valid ? sc : NEG_INF));  // position t * PT < len: finite
@@ -224,7 +226,8 @@ __global__ void __launch_bounds__(256) attn_rows(
             const float w = __shfl_sync(FULL, e, r);
             if (d4 < hd) {
                 const float4 vv = *reinterpret_cast<const float4*>(vt + r * hd + d4);
-                acc[0] += w * vv.x; acc[1] += w * vv.y; acc[2] += w * vv.z; acc[3] += w * vv.w;
+                acc[0] = fmaf(w, vv.x, acc[0]); acc[1] = fmaf(w, vv.y, acc[1]);
+                acc[2] = fmaf(w, vv.z, acc[2]); acc[3] = fmaf(w, vv.w, acc[3]);
             }
         }
         __syncthreads();                    // every warp is done with buffer t & 1 before page t + 2 lands in it
