@@ -201,7 +201,7 @@ extern "C" __global__ void copy16(const uint4* __restrict__ s, uint4* __restrict
                 res = {}
                 from kestrel_cuda.gemm import gemv_warp_variant
 
-                auto = gemv_warp_variant(1, w0.geometry.npad, w0.geometry.code_bits)
+                auto = gemv_warp_variant(w0.geometry.npad, w0.geometry.code_bits)
                 variants: dict[str, Any] = {"auto": None}
                 if bits == 8 and g == 32 and not self.args.quick:
                     variants.update({"warp4": ("warp", 1, 4, 8)})

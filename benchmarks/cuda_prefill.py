@@ -7,7 +7,7 @@ total of one 512-token qwen3-8b prefill.
 
 At M <= SPLIT_MAX_M (decode batches: ``--m 8``) the tensor-core kernel splits K (``gemm.mma_splits``); the
 table adds it without splits (``nosplit``), with the splits for other grid targets (``--split-targets``) and,
-at M <= 8, the decode GEMV (``gemv``: a weight pass per 4 rows).
+at M <= 8, the decode GEMV (``gemv``: a weight pass per row).
 
 Timing as in ``cuda_gemv.py`` (whose helpers this reuses): CUDA events around a captured graph of many launches,
 rotating over weight copies totalling >= 4x the L2, median of 7 replays. Checks: every block shape's output on
@@ -73,7 +73,7 @@ class PrefillBench(Bench):
                     w.geometry.k, w.geometry.npad, w.geometry.group_size, self.dev.gemm.sm_count, t)[0])
         if m <= 8:
             ks["gemv"] = lambda a, s, w, out, n: q8(
-                a, s, w, out, n, self.stream, variant=gemv_warp_variant(m, w.geometry.npad, w.geometry.code_bits))
+                a, s, w, out, n, self.stream, variant=gemv_warp_variant(w.geometry.npad, w.geometry.code_bits))
         return ks
 
     def exact(self, m: int) -> list[str]:

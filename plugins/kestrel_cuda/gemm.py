@@ -58,10 +58,9 @@ class Workspace:
         return cls(cp.empty(PARTIAL_FLOATS, dtype=cp.float32), cp.zeros(COUNTERS, dtype=cp.uint32))
 
 
-def gemv_warp_variant(m: int, npad: int, bits: int) -> tuple[str, int, int, int]:
-    """("warp", MT, VEC, BITS): the default GEMV for M rows; see gemv_warp.cu."""
-    mt = 1 if m == 1 else 2 if m == 2 else 4
-    return "warp", mt, 8 if npad % 8 == 0 else 4, bits
+def gemv_warp_variant(npad: int, bits: int) -> tuple[str, int, int, int]:
+    """("warp", MT, VEC, BITS): the GEMV for Npad columns (one row a launch); see gemv_warp.cu."""
+    return "warp", 1, 8 if npad % 8 == 0 else 4, bits
 
 
 def mma_tile_for(m: int, npad: int, sm_count: int) -> str:
@@ -172,7 +171,7 @@ class DeviceGemm:
                    stream: Any, variant: tuple | None, splits: int | None) -> None:
         g = weight.geometry
         m = a_codes.shape[0]
-        _, mt, vec, bits = variant or gemv_warp_variant(m, g.npad, g.code_bits)
+        _, mt, vec, bits = variant or gemv_warp_variant(g.npad, g.code_bits)
         if g.npad % vec or bits != g.code_bits or g.group_size not in (32, 256):
             raise ValueError(f"GEMV variant {(mt, vec, bits)} does not fit {g}")
         kern = self.kernels.gemv_warp[(mt, vec, bits)]

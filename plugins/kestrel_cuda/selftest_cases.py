@@ -1,7 +1,7 @@
 """The CUDA backend's own self-test cases, added to the conformance suite (``kestrel selftest --backend
-cuda``): both kernels (GEMV for M <= 8, tensor cores above), every GEMV variant (M 1, 2, 3..8 in tiles of
-4, 16-/8-/4-column vectors for N % 16, N % 8 and odd N, 8- and 32-row slices, split K), int8 and int4,
-G 32 and 256, M up to 512, fused and unfused."""
+cuda``): both kernels (the GEMV at M = 1, tensor cores above: split over K up to 64 rows), every GEMV
+variant (8-/4-column vectors for N % 8 and odd N, split K), int8 and int4, G 32 and 256, M up to 512, fused
+and unfused."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def cuda_cases() -> list[SelfTestCase]:
                 cases.append(SelfTestCase(Q8, m, (256,), k_small, g, bits, 11))  # N % 16 == 0
                 cases.append(SelfTestCase(Q8, m, (37,), k_small, g, bits, 12))   # odd N: Npad 40
             cases.append(SelfTestCase(Q8, 1, (136,), 4096, g, bits, 13))         # N % 8: VEC 4, split K
-            cases.append(SelfTestCase(Q8, 4, (136,), 4096, g, bits, 14))         # MT 4, VEC 8
+            cases.append(SelfTestCase(Q8, 4, (136,), 4096, g, bits, 14))         # tensor cores, K splits
             cases.append(SelfTestCase(Q8, 1, (1024,), 4096, g, bits, 15))        # decode-like, split K
             cases.append(SelfTestCase(Q8, 256, (200,), 2048, g, bits, 16))       # mma, partial tiles
             cases.append(SelfTestCase(F32, 1, (37,), k_small, g, bits, 17))
