@@ -9,6 +9,9 @@ once. First ``kestrel bench``'s own figures (batch-1 ``run_bench`` and ``run_con
 same load through a real ``kestrel serve`` server on 127.0.0.1 with the official ``openai`` client (streamed
 completions, one request per task): decode tok/s while every stream decodes, per-stream tok/s, time to
 first token. Same definitions as ``kestrel bench --concurrency``.
+
+``--ttft-under-load N`` adds, through the server, the time to first token of a prompt that arrives while N - 1
+other streams decode (three such prompts, one after another; the others are then cancelled).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import numpy as np
 
 import kestrel_core
 from kestrel_core.model.async_engine import AsyncEngine
-from kestrel_core.model.bench import run_bench, run_concurrency_bench
+from kestrel_core.model.bench import all_decoding_rate, run_bench, run_concurrency_bench
 from kestrel_core.model.engine import load_preset
 
 
@@ -54,16 +57,58 @@ async def _level(port: int, model: str, prompts: list[list[int]], tokens: int) -
     results = await asyncio.gather(*(_one(client, model, p, tokens) for p in prompts))
     end = time.perf_counter()
     await client.close()
-    firsts = [s[0] for _, s, _ in results if s]
-    decoding_from = max(firsts)
     # a chunk carries the text of one or more tokens: count tokens from usage, spread over the chunks
-    after = sum(used * sum(1 for t in s if t > decoding_from) / len(s) for _, s, used in results if s)
+    streamed = [s for _, s, _ in results if s]
+    weights = [used / len(s) for _, s, used in results if s]
     per_stream = [(used - 1) / (s[-1] - s[0]) for _, s, used in results if len(s) > 1 and s[-1] > s[0]]
     ttft = np.array([s[0] - t0 for t0, s, _ in results if s])
-    return {"concurrency": len(prompts), "decode_tok_s": after / (end - decoding_from),
+    return {"concurrency": len(prompts), "decode_tok_s": all_decoding_rate(streamed, weights),
             "output_tok_s": sum(u for _, _, u in results) / (end - start),
             "stream_tok_s": statistics.median(per_stream) if per_stream else 0.0,
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99))}
+
+
+async def _ttft_under_load(port: int, model: str, background: list[list[int]], late: list[list[int]],
+                           tokens: int) -> dict[str, Any]:
+    """Times to first token of each ``late`` prompt, sent once every ``background`` stream has its first token."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="bench", max_retries=0,
+                                timeout=3600)
+    decoding = asyncio.Event()
+    started = 0
+
+    async def stream(prompt: list[int]) -> None:
+        nonlocal started
+        response = await client.completions.create(model=model, prompt=prompt, max_tokens=tokens, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True})
+        first = True
+        async for chunk in response:
+            if first and chunk.choices:
+                first = False
+                started += 1
+                if started == len(background):
+                    decoding.set()
+
+    tasks = [asyncio.create_task(stream(p)) for p in background]
+    await decoding.wait()
+    ttfts = []
+    for prompt in late:
+        t0 = time.perf_counter()
+        response = await client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0,
+                                                   stream=True)
+        async for chunk in response:
+            if chunk.choices:
+                ttfts.append(time.perf_counter() - t0)
+                break
+        await response.close()
+    running = sum(1 for t in tasks if not t.done())
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await client.close()
+    return {"background": len(background), "still_decoding": running,
+            "ttft_ms": [round(t * 1e3, 1) for t in ttfts], "ttft_median_ms": round(statistics.median(ttfts) * 1e3, 1)}
 
 
 def main() -> None:
@@ -77,6 +122,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--ttft-under-load", type=int, default=0, metavar="N",
+                    help="also: the time to first token of a prompt arriving while N - 1 streams decode")
     ap.add_argument("--json", default=None, help="write the figures here too")
     args = ap.parse_args()
     from kestrel_core.serve.server import build_server
@@ -91,7 +138,8 @@ def main() -> None:
     out: dict[str, Any] = {"model": engine.source, "backend": engine.backend_name, "activations": engine.activations,
                            "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens}
     # every engine call on the scheduler's thread, as in the server (AsyncEngine.run_sync says why)
-    front = AsyncEngine(engine, max_batch=max(levels), max_waiting=max(levels))
+    most = max(levels + [args.ttft_under_load])
+    front = AsyncEngine(engine, max_batch=most, max_waiting=most)
     single = front.run_sync(lambda: run_bench(engine, prompt_tokens=args.prompt_tokens,
                                               decode_tokens=args.decode_tokens, runs=3))
     out["bench_batch1_decode_tok_s"] = single.decode_tok_s
@@ -110,6 +158,11 @@ def main() -> None:
         out["server"] = [asyncio.run(_level(server.port, "bench",
                                             [rng.integers(0, vocab, args.prompt_tokens).tolist()
                                              for _ in range(n)], args.decode_tokens)) for n in levels]
+        if args.ttft_under_load > 1:
+            prompts = [rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(args.ttft_under_load + 2)]
+            out["ttft_under_load"] = asyncio.run(_ttft_under_load(
+                server.port, "bench", prompts[:args.ttft_under_load - 1], prompts[args.ttft_under_load - 1:],
+                args.decode_tokens))
     finally:
         server.request_shutdown()
         thread.join(60)
@@ -122,6 +175,10 @@ def main() -> None:
         print(f"{b['concurrency']:>4} {b['decode_tok_s']:>13.1f} {s['decode_tok_s']:>14.1f} {b['stream_tok_s']:>13.1f} "
               f"{s['stream_tok_s']:>14.1f} {b['ttft_p50_s'] * 1e3:>10.0f}/{b['ttft_p99_s'] * 1e3:<11.0f} "
               f"{s['ttft_p50_s'] * 1e3:>11.0f}/{s['ttft_p99_s'] * 1e3:<11.0f}")
+    if "ttft_under_load" in out:
+        t = out["ttft_under_load"]
+        print(f"time to first token of a {args.prompt_tokens}-token prompt while {t['background']} streams decode "
+              f"(server): median {t['ttft_median_ms']} ms of {t['ttft_ms']} ({t['still_decoding']} still decoding)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -74,7 +75,7 @@ class ConcurrencyResult:
     concurrency: int
     duration_s: float
     output_tok_s: float  # every generated token over the whole run
-    decode_tok_s: float  # tokens after each first one, over the time all streams were decoding
+    decode_tok_s: float  # all_decoding_rate: while every stream decodes
     stream_tok_s: float  # median over requests of (tokens - 1) / (last token - first token)
     ttft_p50_s: float
     ttft_p99_s: float
@@ -96,10 +97,24 @@ class ConcurrencyBench:
         return asdict(self)
 
 
+def all_decoding_rate(streams: Sequence[Sequence[float]], weights: Sequence[float] | None = None) -> float:
+    """Aggregate tokens per second while every stream decodes: from the last stream's first token to the first
+    stream's last (the tokens of that window over its length). ``streams``: each stream's token time stamps,
+    the first its first token; ``weights``: tokens per stamp of each stream (1 each if not given)."""
+    live = [(s, 1.0 if weights is None else w) for s, w in zip(streams, weights or [1.0] * len(streams)) if s]
+    if not live:
+        return 0.0
+    lo, hi = max(s[0] for s, _ in live), min(s[-1] for s, _ in live)
+    if hi <= lo:
+        return 0.0
+    return sum(w * sum(1 for t in s if lo < t <= hi) for s, w in live) / (hi - lo)
+
+
 def run_concurrency_bench(engine: Engine, levels: list[int], *, prompt_tokens: int = 256, decode_tokens: int = 64,
                           seed: int = 0, quant: str = "", token_budget: int | None = None) -> ConcurrencyBench:
     """Continuous batching at each concurrency level: that many requests with distinct random prompts of
-    ``prompt_tokens``, greedy, ``decode_tokens`` each (EOS ignored), all submitted at once to the scheduler."""
+    ``prompt_tokens``, greedy, ``decode_tokens`` each (EOS ignored), all submitted at once to the scheduler.
+    Decode tok/s is ``all_decoding_rate``: while all of them decode, not in the prompts' ramp or the tail."""
     from kestrel_core.model.sampling import SamplingParams
     from kestrel_core.model.scheduler import DEFAULT_TOKEN_BUDGET, Scheduler
 
@@ -132,13 +147,11 @@ def run_concurrency_bench(engine: Engine, levels: list[int], *, prompt_tokens: i
         end = time.perf_counter()
         firsts = [s[0] for s in stamps.values()]
         total = sum(len(s) for s in stamps.values())
-        decoding_from = max(firsts)
-        after_all_first = sum(sum(1 for t in s[1:] if t > decoding_from) for s in stamps.values())
         per_stream = [(len(s) - 1) / (s[-1] - s[0]) for s in stamps.values() if len(s) > 1 and s[-1] > s[0]]
         ttft = np.array(firsts) - t0
         result.levels.append(ConcurrencyResult(
             concurrency=level, duration_s=end - t0, output_tok_s=total / (end - t0),
-            decode_tok_s=after_all_first / (end - decoding_from) if end > decoding_from else 0.0,
+            decode_tok_s=all_decoding_rate(list(stamps.values())),
             stream_tok_s=statistics.median(per_stream) if per_stream else 0.0,
             ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)),
             steps=scheduler.steps, preemptions=scheduler.preemptions))

@@ -180,3 +180,16 @@ def test_json_survives_numpy_backend_counters(capsys, monkeypatch) -> None:
                                                                            "ratio": np.float32(0.5)})
     code, out, _ = _run(capsys, "run", "hi", "--preset", "tiny", "--no-chat", "--json", "-n", "2")
     assert code == 0 and json.loads(out)["stats"]["backend_stats"] == {"uploads": 3, "ratio": 0.5}
+
+
+def test_all_decoding_rate_counts_only_while_every_stream_decodes() -> None:
+    from kestrel_core.model.bench import all_decoding_rate
+
+    # stream a decodes at t = 0..10, stream b starts late (t = 4) and ends late (t = 14): both decode in (4, 10]
+    a = [float(t) for t in range(11)]
+    b = [float(t) for t in range(4, 15)]
+    assert all_decoding_rate([a, b]) == 12 / 6  # 6 tokens each after t = 4 up to t = 10
+    assert all_decoding_rate([a, b], [2.0, 1.0]) == (2 * 6 + 6) / 6  # tokens per stamp
+    assert all_decoding_rate([a]) == 10 / 10
+    assert all_decoding_rate([[0.0, 1.0], [5.0, 6.0]]) == 0.0  # never all at once
+    assert all_decoding_rate([]) == 0.0
