@@ -7,7 +7,8 @@
 For each concurrency level N: N requests with distinct random token prompts, greedy, EOS ignored, sent at
 once. First ``kestrel bench``'s own figures (batch-1 ``run_bench`` and ``run_concurrency_bench``), then the
 same load through a real ``kestrel serve`` server on 127.0.0.1 with the official ``openai`` client (streamed
-completions, one request per task): decode tok/s while every stream decodes, per-stream tok/s, time to
+completions, one request per task, in a process of its own so that parsing the streams does not compete with
+the server for its interpreter): decode tok/s while every stream decodes, per-stream tok/s, time to
 first token. Same definitions as ``kestrel bench --concurrency``.
 
 ``--ttft-under-load N`` adds, through the server, the time to first token of a prompt that arrives while N - 1
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing
 import statistics
 import threading
 import time
@@ -111,6 +114,11 @@ async def _ttft_under_load(port: int, model: str, background: list[list[int]], l
             "ttft_ms": [round(t * 1e3, 1) for t in ttfts], "ttft_median_ms": round(statistics.median(ttfts) * 1e3, 1)}
 
 
+def _client(job: str, *args: Any) -> dict[str, Any]:
+    """One client run (``_level`` or ``_ttft_under_load``), in the client process."""
+    return asyncio.run({"level": _level, "ttft": _ttft_under_load}[job](*args))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -122,6 +130,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--token-budget", type=int, default=None, help="tokens per batched step (the scheduler's default)")
     ap.add_argument("--ttft-under-load", type=int, default=0, metavar="N",
                     help="also: the time to first token of a prompt arriving while N - 1 streams decode")
     ap.add_argument("--json", default=None, help="write the figures here too")
@@ -139,12 +148,13 @@ def main() -> None:
                            "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens}
     # every engine call on the scheduler's thread, as in the server (AsyncEngine.run_sync says why)
     most = max(levels + [args.ttft_under_load])
-    front = AsyncEngine(engine, max_batch=most, max_waiting=most)
+    budget = {} if args.token_budget is None else {"token_budget": args.token_budget}
+    front = AsyncEngine(engine, max_batch=most, max_waiting=most, **budget)
     single = front.run_sync(lambda: run_bench(engine, prompt_tokens=args.prompt_tokens,
                                               decode_tokens=args.decode_tokens, runs=3))
     out["bench_batch1_decode_tok_s"] = single.decode_tok_s
     bench = front.run_sync(lambda: run_concurrency_bench(engine, levels, prompt_tokens=args.prompt_tokens,
-                                                         decode_tokens=args.decode_tokens))
+                                                         decode_tokens=args.decode_tokens, **budget))
     out["bench"] = [vars(r) for r in bench.levels]
     server = build_server(front, "bench", host="127.0.0.1", port=0)
     thread = threading.Thread(target=server.run_forever, daemon=True)
@@ -152,18 +162,21 @@ def main() -> None:
     assert server.wait_started(120)
     rng = np.random.default_rng(1)
     vocab = engine.config.vocab_size
+    clients = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     try:
-        asyncio.run(_level(server.port, "bench", [rng.integers(0, vocab, args.prompt_tokens).tolist()],
-                           4))  # warm-up
-        out["server"] = [asyncio.run(_level(server.port, "bench",
-                                            [rng.integers(0, vocab, args.prompt_tokens).tolist()
-                                             for _ in range(n)], args.decode_tokens)) for n in levels]
+        def client(*job: Any) -> dict[str, Any]:
+            return clients.submit(_client, *job).result()
+
+        client("level", server.port, "bench", [rng.integers(0, vocab, args.prompt_tokens).tolist()], 4)  # warm-up
+        out["server"] = [client("level", server.port, "bench",
+                                [rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(n)],
+                                args.decode_tokens) for n in levels]
         if args.ttft_under_load > 1:
             prompts = [rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(args.ttft_under_load + 2)]
-            out["ttft_under_load"] = asyncio.run(_ttft_under_load(
-                server.port, "bench", prompts[:args.ttft_under_load - 1], prompts[args.ttft_under_load - 1:],
-                args.decode_tokens))
+            out["ttft_under_load"] = client("ttft", server.port, "bench", prompts[:args.ttft_under_load - 1],
+                                            prompts[args.ttft_under_load - 1:], args.decode_tokens)
     finally:
+        clients.shutdown()
         server.request_shutdown()
         thread.join(60)
         engine.close()
