@@ -116,12 +116,17 @@ class Kernels:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+def kernel_names() -> list[str]:
+    """The name expressions of every template kernel of the hook module (``SOURCES``)."""
+    return ([TRANSPOSE_I8, TRANSPOSE_F32] + [f"k_quantize_act<{g}>" for g in GROUP_SIZES]
+            + [gemv_warp_name(*v) for v in GEMV_WARP_VARIANTS]
+            + [t.name(b, g) for b in BITS for g in GROUP_SIZES for t in MMA_TILES.values()]
+            + [f"k_gemm_f32<{b}>" for b in BITS])
+
+
 def compile_kernels(cp: Any) -> Kernels:
     """Compile and resolve every kernel on the current device; raises KernelCompileError."""
-    names = ([TRANSPOSE_I8, TRANSPOSE_F32] + [f"k_quantize_act<{g}>" for g in GROUP_SIZES]
-             + [gemv_warp_name(*v) for v in GEMV_WARP_VARIANTS]
-             + [t.name(b, g) for b in BITS for g in GROUP_SIZES for t in MMA_TILES.values()]
-             + [f"k_gemm_f32<{b}>" for b in BITS])
+    names = kernel_names()
     start = time.perf_counter()
     try:
         module = cp.RawModule(code=source_text(), options=OPTIONS, name_expressions=names)

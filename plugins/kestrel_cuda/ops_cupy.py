@@ -39,13 +39,18 @@ KERNELS = ("embed_rows", "qkv_rope", "attn_prefill", "add_rows", "lm_finish")  #
 Observer = Callable[[str, Callable[[], None]], None]
 
 
+def forward_kernel_names() -> list[str]:
+    """The name expressions of every template kernel of the forward module (``FORWARD_SOURCES``)."""
+    return ([f"qgemv<{b},{g},{mr}>" for b, g, mr in GEMV_VARIANTS]
+            + [f"attn_decode<{ATTN_SPLITS}>", "quantize_rows<32>", "quantize_rows<256>"]
+            + [f"attn_rows<{hd}>" for hd in ATTN_ROWS_HEAD_DIMS])
+
+
 @lru_cache(maxsize=1)
 def _module() -> Any:
     import cupy as cp
 
-    names = ([f"qgemv<{b},{g},{mr}>" for b, g, mr in GEMV_VARIANTS]
-             + [f"attn_decode<{ATTN_SPLITS}>", "quantize_rows<32>", "quantize_rows<256>"]
-             + [f"attn_rows<{hd}>" for hd in ATTN_ROWS_HEAD_DIMS])
+    names = forward_kernel_names()
     mod = cp.RawModule(code=source_text(FORWARD_SOURCES), options=OPTIONS, name_expressions=tuple(names))
     mod.compile()
     return mod
