@@ -445,7 +445,7 @@ class HFCheckpoint:
         return t if t.dtype in (np.float32, np.float16) else t.astype(np.float32)
 
     def _bf16_bits(self, path: Path, hf_name: str) -> np.ndarray:
-        """The tensor's bfloat16 bit patterns, uint16 in its shape (read at the header's offsets)."""
+        """The tensor's bfloat16 bit patterns, uint16 in its shape, mapped from the file at the header's offsets."""
         if path not in self._headers:
             self._headers[path] = _safetensors_header(path)
         base, header = self._headers[path]
@@ -455,9 +455,11 @@ class HFCheckpoint:
         count = int(np.prod(shape, dtype=np.int64))
         if end - start != 2 * count:
             raise KestrelError(f"{path}: tensor {hf_name} has {end - start} bytes for shape {list(shape)}")
-        raw = np.fromfile(path, dtype="<u2", count=count, offset=base + start)
-        if raw.size != count:
+        if base + end > path.stat().st_size:
             raise KestrelError(f"{path}: truncated while reading {hf_name}")
+        # mapped, not read: the quantizer reads the page cache itself, and the mapping (its pages in this
+        # process's RSS) goes with the array
+        raw = np.memmap(path, dtype="<u2", mode="r", offset=base + start, shape=(count,))
         return raw.astype(np.uint16, copy=False).reshape(shape)  # native order for the kernels
 
 
