@@ -101,7 +101,7 @@ def all_decoding_rate(streams: Sequence[Sequence[float]], weights: Sequence[floa
     """Aggregate tokens per second while every stream decodes: from the last stream's first token to the first
     stream's last (the tokens of that window over its length). ``streams``: each stream's token time stamps,
     the first its first token; ``weights``: tokens per stamp of each stream (1 each if not given)."""
-    live = [(s, 1.0 if weights is None else w) for s, w in zip(streams, weights or [1.0] * len(streams)) if s]
+    live = [(s, w) for s, w in zip(streams, weights or [1.0] * len(streams)) if s]
     if not live:
         return 0.0
     lo, hi = max(s[0] for s, _ in live), min(s[-1] for s, _ in live)

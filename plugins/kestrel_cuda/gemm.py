@@ -80,13 +80,18 @@ def mma_splits(k: int, npad: int, group_size: int, sm_count: int,
     """(K splits, stages a split) of the tensor-core GEMM at 2..SPLIT_MAX_M rows: splits of whole groups, enough
     for ``blocks_per_sm`` blocks per SM, as many as the workspace holds at SPLIT_MAX_M rows. Independent of M,
     so a row's sums are added in the same order in every batch of that range (batch-invariant bits)."""
+    tiles = _cdiv(npad, MMA_TILES[MMA_TILE_DEFAULT].bn)
+    want = _cdiv(blocks_per_sm * sm_count, tiles)
+    return split_stages(k, group_size, min(want, PARTIAL_FLOATS // (SPLIT_MAX_M * npad)))
+
+
+def split_stages(k: int, group_size: int, splits: int) -> tuple[int, int]:
+    """(K splits, stages a split) for at most ``splits`` splits of whole groups (at least one, at most one a
+    group)."""
     unit = max(1, group_size // MMA_BK)  # stages of one group
     stages = _cdiv(k, MMA_BK)
     groups = _cdiv(stages, unit)
-    tiles = _cdiv(npad, MMA_TILES[MMA_TILE_DEFAULT].bn)
-    want = _cdiv(blocks_per_sm * sm_count, tiles)
-    splits = max(1, min(want, groups, PARTIAL_FLOATS // (SPLIT_MAX_M * npad)))
-    per = unit * _cdiv(groups, splits)
+    per = unit * _cdiv(groups, max(1, min(splits, groups)))
     return _cdiv(stages, per), per
 
 
@@ -154,9 +159,7 @@ class DeviceGemm:
         if not tile.split:
             nz, per = 1, stages
         elif splits is not None:
-            unit = max(1, g.group_size // MMA_BK)
-            per = unit * _cdiv(_cdiv(stages, unit), splits)
-            nz = _cdiv(stages, per)
+            nz, per = split_stages(k, g.group_size, splits)
         grid = (_cdiv(m, tile.bm), _cdiv(g.npad, tile.bn), nz)
         ws = self.workspace(stream)
         if nz > 1 and (nz * m * g.npad > PARTIAL_FLOATS or grid[0] * grid[1] > COUNTERS):
