@@ -21,6 +21,11 @@ class BatchEntry:
     below ``num_blocks``. The engine admits, preempts and frees sequences by these blocks, so a backend that
     keeps its KV cache in a pool of ``num_blocks`` blocks laid out the same way never runs out of room and
     needs no allocator of its own. A backend may ignore them (empty when the engine has no page table).
+
+    ``argmax_only``: the engine needs only each returned row's greedy token (greedy sampling, no penalties,
+    no logprobs), so the backend may return int64 token ids [logit_rows] instead of the logits: numpy's
+    argmax of each row (the first largest), or -1 for a row holding a NaN or an infinity (the step is then
+    declined, as non-finite logits are). Since API 1.2.
     """
 
     seq_id: int
@@ -30,6 +35,7 @@ class BatchEntry:
     blocks: tuple[int, ...] = ()
     block_size: int = 0
     num_blocks: int = 0
+    argmax_only: bool = False
 
     @property
     def end(self) -> int:

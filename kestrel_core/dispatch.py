@@ -237,12 +237,13 @@ class Offload:
                            lambda r: _check_array(r, (rows, vocab)))
 
     def forward_batch(self, model: Any, batch: Sequence[BatchEntry], vocab: int) -> list[np.ndarray] | None:
-        """The backend's batched whole step (one array [logit_rows, vocab] per entry), or None."""
+        """The backend's batched whole step, or None: one float32 array [logit_rows, vocab] per entry, or int64
+    token ids [logit_rows] for an entry marked ``argmax_only``."""
         forward = None if self.on_cpu else self._caller(self.backend, "kestrel_forward_batch")
         if forward is None:
             return None
         out = self._offer("kestrel_forward_batch", 0, lambda: forward(model=model, batch=list(batch)),
-                          lambda r: _check_list(r, [(e.logit_rows, vocab) for e in batch]))
+                          lambda r: _check_batch(r, batch, vocab))
         return None if out is None else list(out)
 
     def decode_greedy(self, model: Any, seq_id: int, token: int, start: int, count: int,
@@ -335,6 +336,32 @@ def _check_array(result: Any, shape: tuple[int, ...]) -> str | None:
         return f"shape {list(result.shape)}, expected {list(shape)}"
     if not all_finite(result):
         return "non-finite values"
+    return None
+
+
+def _check_batch(result: Any, batch: Sequence[BatchEntry], vocab: int) -> str | None:
+    if not isinstance(result, (list, tuple)) or len(result) != len(batch):
+        return f"expected a list of {len(batch)} arrays"
+    for r, e in zip(result, batch):
+        if e.argmax_only and isinstance(r, np.ndarray) and r.ndim == 1:
+            bad = _check_ids(r, e.logit_rows, vocab)
+        else:
+            bad = _check_array(r, (e.logit_rows, vocab))
+        if bad:
+            return bad
+    return None
+
+
+def _check_ids(result: np.ndarray, rows: int, vocab: int) -> str | None:
+    """Token ids of an ``argmax_only`` entry: int64 [rows] in [0, vocab); -1 marks non-finite logits."""
+    if result.dtype != np.int64:
+        return f"token ids of dtype {result.dtype}, expected int64"
+    if result.shape != (rows,):
+        return f"token ids of shape {list(result.shape)}, expected [{rows}]"
+    if result.size and int(result.min()) == -1:
+        return "non-finite values"
+    if result.size and not (0 <= int(result.min()) and int(result.max()) < vocab):
+        return f"token ids outside [0, {vocab})"
     return None
 
 

@@ -20,7 +20,7 @@ from kestrel_core.batch import BatchEntry as BatchEntry
 from kestrel_core.errors import BackendUnavailable as BackendUnavailable
 
 PROJECT = "kestrel"
-API_VERSION = (1, 1)  # (major, minor): a backend must have the same major and a minor <= ours
+API_VERSION = (1, 2)  # (major, minor): a backend must have the same major and a minor <= ours
 KINDS = ("cpu", "gpu", "npu", "simulator")  # BackendInfo.kind; `--backend auto` picks a gpu, then an npu
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -103,7 +103,8 @@ def kestrel_forward_batch(device: Any, model: Any, batch: Any) -> Any:
     """Run one step of several sequences (a list of ``BatchEntry``: decode rows and prompt chunks) on the
     device, each against its own KV cache. Since API 1.1.
 
-    Returns a list with one float32 array [entry.logit_rows, vocab] per entry, in order, or None to decline
+    Returns a list with one float32 array [entry.logit_rows, vocab] per entry, in order (an entry marked
+    ``argmax_only`` may get int64 token ids [entry.logit_rows] instead, since API 1.2), or None to decline
     the whole step: the engine then offers ``kestrel_forward`` per sequence, and runs what is still declined
     layer by layer with one GEMM per projection for the whole batch. firstresult.
     """

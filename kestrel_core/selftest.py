@@ -231,9 +231,45 @@ def _batch_config(arch: str) -> Any:
                        rope_theta=10000.0 if arch == "llama" else 1e6)
 
 
+def _rerun_argmax_only(backend: Backend, model: Any, first_seq: int, script_toks: list[list[np.ndarray]],
+                       caches: dict[int, Any], pool: Any, got: list[np.ndarray]) -> str:
+    """BATCH_SCRIPT again, on fresh sequences (the first run's released, its blocks reused), every entry
+    marked argmax_only: token ids returned must be the argmax of the logits the first run returned. What is
+    wrong, or ""."""
+    if backend.implements("kestrel_release_sequence"):
+        for s in range(3):
+            backend.hook.kestrel_release_sequence(device=backend.device, seq_id=first_seq + s)
+    starts = dict.fromkeys(range(3), 0)
+    at = 0
+    for step, toks in zip(BATCH_SCRIPT, script_toks):
+        batch = [BatchEntry(first_seq + 3 + s, t, starts[s], rows, tuple(caches[s].blocks), pool.block_size,
+                            pool.num_blocks, argmax_only=True) for (s, _, rows), t in zip(step, toks)]
+        try:
+            out = backend.hook.kestrel_forward_batch(device=backend.device, model=model, batch=batch)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            return f"argmax_only step raised {type(exc).__name__}: {exc}"
+        if out is None:
+            return ""  # declined: nothing to compare
+        if not isinstance(out, (list, tuple)) or len(out) != len(batch):
+            return f"argmax_only step: {len(batch)} outputs expected"
+        for r in out:
+            logits = got[at]
+            at += 1
+            if isinstance(r, np.ndarray) and r.ndim == 1:
+                want = [int(np.argmax(row)) for row in logits]
+                if r.dtype != np.int64 or r.tolist() != want:
+                    return f"argmax_only ids {r.tolist()} ({r.dtype}), the logits' argmax is {want}"
+        for s, n, _ in step:
+            starts[s] += n
+    return ""
+
+
 def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str, seed: int,
                            first_seq: int) -> CaseResult:
-    """The backend's batched steps of BATCH_SCRIPT against the CPU decoder, within the measured band."""
+    """The backend's batched steps of BATCH_SCRIPT against the CPU decoder, within the measured band; then
+    with every entry argmax_only, whose token ids must be the argmax of the same steps' logits."""
     from kestrel_core.model.decoder import Decoder
     from kestrel_core.model.kv_pool import KVPool
     from kestrel_core.model.presets import synthetic_model
@@ -249,9 +285,11 @@ def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str
     got_all: list[np.ndarray] = []
     ref_all: list[np.ndarray] = []
     nudged_all: list[list[np.ndarray]] = [[] for _ in nudges]
+    script_toks: list[list[np.ndarray]] = []
     try:
         for step in BATCH_SCRIPT:
             toks = [rng.integers(0, model.config.vocab_size, n) for _, n, _ in step]
+            script_toks.append(toks)
             pool = host.pool  # the page tables come from the reference's pool, as the engine's from its own
             for s, n, _ in step:
                 pool.reserve(caches[s], starts[s] + n)
@@ -282,9 +320,12 @@ def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str
                     acc.append(jit[i])
             for s, n, _ in step:
                 starts[s] += n
+        bad_ids = _rerun_argmax_only(backend, model, first_seq, script_toks, caches, host.pool, got_all)
+        if bad_ids:
+            return CaseResult(name, FORWARD_BATCH, False, float("inf"), detail=bad_ids)
     finally:
         if backend.implements("kestrel_release_sequence"):
-            for s in range(3):
+            for s in range(6):
                 backend.hook.kestrel_release_sequence(device=backend.device, seq_id=first_seq + s)
     got_v, ref_v = (np.concatenate([a.ravel() for a in x]).astype(np.float64) for x in (got_all, ref_all))
     if not np.all(np.isfinite(got_v)):

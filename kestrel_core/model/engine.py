@@ -140,9 +140,12 @@ class Engine:
         self.offload.release_sequence(seq.seq_id)
         seq.cache.release()
 
-    def run_batch(self, work: Sequence[tuple[SeqState, Sequence[int], int]]) -> list[np.ndarray]:
+    def run_batch(self, work: Sequence[tuple[SeqState, Sequence[int], int]],
+                  argmax_only: Sequence[bool] = ()) -> list[np.ndarray]:
         """One step: each (sequence, new tokens, logit rows) runs its tokens at its next positions and gets
-        float32 logits [logit_rows, vocab] of its last ``logit_rows`` new tokens."""
+        float32 logits [logit_rows, vocab] of its last ``logit_rows`` new tokens. A sequence whose
+        ``argmax_only`` flag is set may get int64 token ids [logit_rows] instead (each row's argmax), when the
+        backend's batched step chose them on the device."""
         c = self.config
         runs = []
         for seq, new, rows in work:
@@ -156,9 +159,10 @@ class Engine:
         pool = self.pool
         for seq, new, _ in runs:  # the scheduler reserved already; a direct caller (logits) gets them here
             pool.reserve(seq.cache, len(seq.tokens) + len(new))
+        flags = list(argmax_only) or [False] * len(runs)
         entries = [BatchEntry(seq.seq_id, np.concatenate([np.asarray(seq.tokens[seq.device_len:], np.int64), new]),
-                              seq.device_len, rows, tuple(seq.cache.blocks), pool.block_size, pool.num_blocks)
-                   for seq, new, rows in runs]
+                              seq.device_len, rows, tuple(seq.cache.blocks), pool.block_size, pool.num_blocks, flag)
+                   for (seq, new, rows), flag in zip(runs, flags)]
         outs: list[np.ndarray | None] = [None] * len(runs)
         batched = self.offload.forward_batch(self.model, entries, c.vocab_size) if self.whole_step else None
         if batched is not None:

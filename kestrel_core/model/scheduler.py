@@ -69,6 +69,12 @@ class Request:
         return self.status == FINISHED
 
     @property
+    def argmax_only(self) -> bool:
+        """Only the greedy token of its logits is needed (a backend may choose it on the device)."""
+        p = self.params
+        return p.greedy and not p.penalized and not p.logprobs
+
+    @property
     def tokens(self) -> list[int]:
         """Every token of the sequence: the prompt, then the output."""
         return self.prompt_ids + self.output_ids
@@ -163,7 +169,8 @@ class Scheduler:
             return outputs
         self.steps += 1
         try:
-            logits = self.engine.run_batch([(r.seq, toks, rows) for r, toks, rows in work])
+            logits = self.engine.run_batch([(r.seq, toks, rows) for r, toks, rows in work],
+                                           [r.argmax_only for r, _, _ in work])
         except Exception:  # the step failed as a whole: its requests end; the scheduler goes on
             for request, _, _ in work:
                 self._finish(request, "abort")
@@ -233,6 +240,11 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _sample(self, request: Request, logits: np.ndarray) -> tuple[int, TokenLogprob | None]:
+        """The next token from a row of logits, or the token the device chose (``argmax_only``)."""
+        if logits.ndim == 0:
+            token = int(logits)
+            request.sampler.counts[token] += 1
+            return token, None
         token = request.sampler(logits)
         p = request.params
         return token, logprobs_of(logits, token, p.top_logprobs) if p.logprobs else None
@@ -282,11 +294,9 @@ class Scheduler:
         if len(self.running) != 1 or self.waiting or not self.engine.whole_step:
             return False
         request = self.running[0]
-        p = request.params
         if request._device_tokens is None and request._device_offered:
             return False
-        return (request.pending == 1 and p.greedy and not p.penalized and not p.logprobs
-                and request.seq.device_len == len(request.seq.tokens))
+        return request.pending == 1 and request.argmax_only and request.seq.device_len == len(request.seq.tokens)
 
     def _device_step(self, request: Request) -> list[RequestOutput]:
         seq = request.seq

@@ -149,7 +149,7 @@ class DeviceForward:
         self.counters: dict[str, int] = {"steps": 0, "graph_replays": 0, "graph_captures": 0,
                                          "prefill_tokens": 0, "decode_tokens": 0, "declined": 0,
                                          "sequences_reused": 0, "batch_steps": 0, "batch_rows": 0,
-                                         "batch_graph_replays": 0, "pool_moves": 0}
+                                         "batch_graph_replays": 0, "batch_argmax_steps": 0, "pool_moves": 0}
         self.last_decline = ""
 
     # -- API -----------------------------------------------------------------------------------------
@@ -324,6 +324,7 @@ class DeviceForward:
             at += len(e.tokens)
             wanted.extend(range(at - e.logit_rows, at))
         decode = total == len(batch) and len(wanted) == total
+        argmax = all(e.argmax_only for e in batch)  # greedy tokens only: ids come back, not logits
         b = paged.bucket(total) if decode and self.use_graph else None
         logits = []
         for first in range(0, total, PREFILL_CHUNK):
@@ -335,7 +336,7 @@ class DeviceForward:
             if b is not None:
                 self._batch_graph(st, pool, b)()
                 self.counters["batch_graph_replays"] += 1
-                logits.append(ops.download(st.logits_all, total))
+                logits.append(self._fetch(st, st.logits_all, total, argmax))
                 continue
             local = [r - first for r in wanted if first <= r < first + m]
             index = None
@@ -345,16 +346,25 @@ class DeviceForward:
             self._step(st, None, m, len(local), paged.Paged(pool.kv, pool.rows[:m], pool.tables, index,
                                                             pool.hsel))
             if local:
-                logits.append(ops.download(st.logits_all if len(local) > 1 else st.logits, len(local)))
+                logits.append(self._fetch(st, st.logits_all if len(local) > 1 else st.logits, len(local), argmax))
         self.counters["batch_steps"] += 1
+        self.counters["batch_argmax_steps"] += argmax
         self.counters["batch_rows"] += total
         ops.synchronize()
         rows_out = np.concatenate(logits) if len(logits) > 1 else logits[0]
+        if argmax:
+            rows_out = rows_out.astype(np.int64)
         outs, at = [], 0
         for e in batch:
             outs.append(rows_out[at:at + e.logit_rows])
             at += e.logit_rows
         return outs
+
+    def _fetch(self, st: State, logits: Any, rows: int, argmax: bool) -> np.ndarray:
+        """The first ``rows`` rows of ``logits`` on the host, or only their greedy tokens (int32 [rows])."""
+        if not argmax:
+            return self.ops.download(logits, rows)
+        return self.ops.download(self.ops.argmax_rows(logits, rows, st.argmax), rows)
 
     def _batch_graph(self, st: State, pool: paged.Pool, b: int) -> Callable[[], None]:
         """The decode step of ``b`` pooled rows as a captured graph (rows, tables and tokens read from the

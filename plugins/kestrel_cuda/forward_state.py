@@ -66,6 +66,7 @@ class State:
     attn: Any
     gu: Any
     finish: tuple[Any, Any, Any]  # lm_finish's per-block (value, index) and its arrival counter
+    argmax: tuple[Any, Any, Any, Any, Any]  # argmax_rows' per-row blocks' (value, index, non-finite), counters, ids
     tokens: np.ndarray  # int32 [TOKEN_RING] pinned host memory: lm_finish's greedy token by position
     logits: Any
     logits_all: Any = None
@@ -189,6 +190,9 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
                attn=zeros((t, nq), np.float32), gu=zeros((t, 2 * f), np.float32),
                finish=(zeros(-(-c.vocab_size // FINISH_COLS), np.float32),
                        zeros(-(-c.vocab_size // FINISH_COLS), np.int32), zeros(1, np.int32)),
+               argmax=(zeros((t, -(-c.vocab_size // FINISH_COLS)), np.float32),
+                       zeros((t, -(-c.vocab_size // FINISH_COLS)), np.int32),
+                       zeros((t, -(-c.vocab_size // FINISH_COLS)), np.int32), zeros(t, np.int32), zeros(t, np.int32)),
                tokens=ops.mapped_ints(TOKEN_RING), logits=zeros((1, c.vocab_size), np.float32))
     reserve = getattr(ops, "reserve", None)  # split-K and attention scratch (the numpy mirror needs none)
     if reserve is not None:

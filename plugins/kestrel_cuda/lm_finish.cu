@@ -1,4 +1,5 @@
-// lm_finish: the decode step's greedy token, on the device (the pipelined greedy decode).
+// lm_finish: the decode step's greedy token, on the device (the pipelined greedy decode); argmax_rows: the
+// greedy tokens of a batched step's rows.
 
 // The decode step's last kernel: the greedy token of the logits row, numpy's argmax (the first index of the
 // largest logit; a NaN counts as largest). Each block reduces FIN_T * FIN_E columns to (value, index) in
@@ -71,6 +72,50 @@ extern "C" __global__ void __launch_bounds__(FIN_T) lm_finish(
         if (pos + 1 < limit) meta[0] = pos + 1;
         volatile int* t = tokens;
         t[pos % ntok] = bi;
+    }
+}
+
+// The greedy token of each row of logits [rows][N] (grid: column blocks x rows), numpy's argmax as above, or -1
+// for a row holding a NaN or an infinity (the engine declines such a step, as it does non-finite logits). Each
+// block leaves its (value, index, non-finite) in bval / bidx / bbad [rows][gridDim.x]; the row's last block to
+// arrive on counter[row] (then reset) reduces them into ids[row].
+extern "C" __global__ void __launch_bounds__(FIN_T) argmax_rows(
+    const float* __restrict__ logits, int N, float* __restrict__ bval, int* __restrict__ bidx,
+    int* __restrict__ bbad, int* __restrict__ counter, int* __restrict__ ids)
+{
+    __shared__ float s_v[FIN_T / 32];
+    __shared__ int s_i[FIN_T / 32];
+    __shared__ int s_last;
+    const int tid = threadIdx.x, row = blockIdx.y, nb = gridDim.x;
+    const float* x = logits + (size_t)row * N;
+    float bv = NEG_INF;
+    int bi = 0x7fffffff, bad = 0;
+#pragma unroll
+    for (int e = 0; e < FIN_E; ++e) {
+        const int n = (blockIdx.x * FIN_E + e) * FIN_T + tid;
+        if (n >= N) break;
+        const float v = __ldcg(x + n);
+        bad |= (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u;  // exponent all ones: inf or NaN
+        if (argmax_beats(v, n, bv, bi)) { bv = v; bi = n; }
+    }
+    bad = __syncthreads_or(bad);
+    block_argmax(bv, bi, s_v, s_i);
+    if (tid == 0) { bval[row * nb + blockIdx.x] = bv; bidx[row * nb + blockIdx.x] = bi; bbad[row * nb + blockIdx.x] = bad; }
+    if (!arrive_last(counter + row, nb, &s_last)) return;
+    bv = NEG_INF;
+    bi = 0x7fffffff;
+    bad = 0;
+    for (int b = tid; b < nb; b += FIN_T) {
+        const float ov = __ldcg(bval + row * nb + b);
+        const int oi = __ldcg(bidx + row * nb + b);
+        bad |= __ldcg(bbad + row * nb + b);
+        if (argmax_beats(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+    }
+    bad = __syncthreads_or(bad);
+    block_argmax(bv, bi, s_v, s_i);
+    if (tid == 0) {
+        counter[row] = 0;
+        ids[row] = bad ? -1 : bi;
     }
 }
 #undef FIN_T

@@ -35,7 +35,8 @@ from kestrel_cuda.plan import (
 ATTN_ROWS_HEAD_DIMS = (128, 64, 0)  # attn_rows instances: head_dim known at compile time, 0 any other
 # (bits, G, MR): qgemv with MR rows per block: M = 1 (MR = 1) and, without a tiled GEMM, M > 1 (MR = 8)
 GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
-KERNELS = ("embed_rows", "qkv_rope", "attn_prefill", "add_rows", "lm_finish")  # extern "C": no name expression
+# extern "C" kernels: no name expression
+KERNELS = ("embed_rows", "qkv_rope", "attn_prefill", "add_rows", "lm_finish", "argmax_rows")
 Observer = Callable[[str, Callable[[], None]], None]
 
 
@@ -160,7 +161,7 @@ class CupyOps:
     def download(self, a: Any, rows: int) -> np.ndarray:
         """The first ``rows`` rows of ``a`` in a new host array: pinned memory from CuPy's pool, so the copy
         runs at the bus's speed and a batch's logits (tens of MB) are neither staged nor copied again."""
-        host = self.cupyx.empty_pinned((rows, a.shape[1]), a.dtype)
+        host = self.cupyx.empty_pinned((rows, *a.shape[1:]), a.dtype)
         a[:rows].get(stream=self.stream, out=host, blocking=True)
         return host
 
@@ -302,6 +303,16 @@ class CupyOps:
         self.launch(self._fn["lm_finish"], (-(-n // FINISH_COLS),), (FINISH_COLS // 4,),
                     (_ptr(logits), _i32(n), _ptr(val), _ptr(idx), _ptr(count), _ptr(meta), _i32(limit),
                      np.uint64(tokens.ctypes.data), _i32(len(tokens))), name="lm_finish")
+
+    def argmax_rows(self, logits: Any, rows: int, scratch: tuple[Any, Any, Any, Any, Any]) -> Any:
+        """Each of the first ``rows`` rows' argmax into scratch's ids (int32 [rows] on the device; -1: a row
+        with a NaN or an infinity) by lm_finish.cu's argmax_rows."""
+        val, idx, bad, count, ids = scratch
+        n = logits.shape[1]
+        self.launch(self._fn["argmax_rows"], (-(-n // FINISH_COLS), rows), (FINISH_COLS // 4,),
+                    (_ptr(logits), _i32(n), _ptr(val), _ptr(idx), _ptr(bad), _ptr(count), _ptr(ids)),
+                    name="argmax_rows")
+        return ids[:rows]
 
     def qkv_rope(self, qkv: Any, heads: int, kv_heads: int, hd: int, qnorm: Any, knorm: Any, eps: float,
                  cos: Any, sin: Any, meta: Any, q: Any, kc: Any, vc: Any, rows: Any = None,

@@ -74,7 +74,7 @@ class NumpyOps:
         dst[...] = src
 
     def download(self, a: np.ndarray, rows: int) -> np.ndarray:
-        return np.array(a[:rows], dtype=np.float32, copy=True)
+        return np.array(a[:rows], copy=True)
 
     def write_meta(self, meta: np.ndarray, values: np.ndarray) -> None:
         meta[:len(values)] = values
@@ -150,6 +150,15 @@ class NumpyOps:
             meta[0], meta[1] = pos + 1 if pos + 1 < limit else pos, tok
             tokens[pos % len(tokens)] = tok
         self._run(fn)
+
+    def argmax_rows(self, logits: np.ndarray, rows: int, scratch: Any) -> np.ndarray:
+        ids = scratch[4]
+
+        def fn() -> None:
+            for r in range(rows):
+                ids[r] = int(np.argmax(logits[r])) if np.isfinite(logits[r]).all() else -1
+        self._run(fn)
+        return ids[:rows]
 
     def qkv_rope(self, qkv: np.ndarray, heads: int, kv_heads: int, hd: int, qnorm: np.ndarray | None,
                  knorm: np.ndarray | None, eps: float, cos: np.ndarray, sin: np.ndarray, meta: np.ndarray,

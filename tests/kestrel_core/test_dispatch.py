@@ -197,6 +197,32 @@ def test_non_finite_whole_step_logits_are_declined(nonfinite, value) -> None:
         assert stats[hook]["accepted"] == 1 and stats[hook]["declined_reasons"] == {NONFINITE_REASON: 1}
 
 
+def test_argmax_only_entries_may_get_token_ids_which_are_checked(nonfinite) -> None:
+    """An argmax_only entry accepts int64 ids [logit_rows] in [0, vocab) (or logits); -1 (non-finite logits), a
+    bad id, dtype or shape, and ids for an entry that wants logits decline the step."""
+    offload, _, _ = nonfinite
+    tokens = np.arange(3, dtype=np.int64)
+    batch = [BatchEntry(1, tokens, 0, 2, argmax_only=True), BatchEntry(2, tokens[:1], 0, 1)]
+    logits = np.zeros((1, 11), np.float32)
+    results = {
+        "ok": [np.array([4, 10]), logits],
+        "non-finite values": [np.array([4, -1]), logits],
+        "token ids outside [0, 11)": [np.array([4, 11]), logits],
+        "token ids of dtype int32, expected int64": [np.array([4, 5], np.int32), logits],
+        "token ids of shape [1], expected [2]": [np.array([4]), logits],
+        "dtype int64, expected float32": [np.zeros((2, 11), np.float32), np.array([3])],
+    }
+    for want, result in results.items():
+        offload._callers[("nonfinite", "kestrel_forward_batch")] = lambda result=result, **kw: result
+        got = offload.forward_batch(None, batch, 11)
+        if want == "ok":
+            assert got is not None and got[0].tolist() == [4, 10]
+        else:
+            assert got is None
+    reasons = offload.stats()["kestrel_forward_batch"]["declined_reasons"]
+    assert sorted(reasons) == sorted(f"bad result: {w}" for w in results if w != "ok")
+
+
 def test_a_plugins_base_exceptions_are_declines_but_ctrl_c_passes(tmp_path, monkeypatch) -> None:
     """sys.exit or a BaseException of its own inside a hook is a decline with its reason; a KeyboardInterrupt
     (the user's Ctrl-C) is not swallowed."""

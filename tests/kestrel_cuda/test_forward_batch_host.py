@@ -4,6 +4,8 @@ test_forward_batch.py runs the same scenarios on the GPU through its own ``make_
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -158,6 +160,32 @@ def test_eager_and_captured_batches_agree_bitwise(make_fwd) -> None:  # type: ig
     assert np.array_equal(runs[0], runs[1])
 
 
+def test_argmax_only_steps_return_the_greedy_tokens_of_the_same_logits(make_fwd) -> None:  # type: ignore[no-untyped-def]
+    """Entries marked argmax_only get int64 ids, each numpy's argmax of the logits the same step returns
+    without the mark (a prompt chunk step and captured decode steps), and -1 for a row with a NaN."""
+    model = _model("qwen2")
+    prompts = _prompts(model, (8, 21, 3), seed=6)
+    runs = []
+    for argmax in (False, True):
+        pages, fwd = Pages(5), make_fwd()
+        steps = [[replace(pages.entry(i, p, 0, 2), argmax_only=argmax) for i, p in enumerate(prompts)]]
+        for step in range(3):
+            steps.append([replace(pages.entry(i, np.array([5 + step]), len(p) + step, 1), argmax_only=argmax)
+                          for i, p in enumerate(prompts)])
+        runs.append([fwd.forward_batch(model, batch) for batch in steps])
+        assert fwd.counters["batch_argmax_steps"] == (4 if argmax else 0)
+    for logits_step, ids_step in zip(*runs):
+        for logits, ids in zip(logits_step, ids_step):
+            assert ids.dtype == np.int64 and ids.shape == (len(logits),)
+            assert ids.tolist() == [int(np.argmax(row)) for row in logits]
+    fwd = make_fwd()
+    st = fwd._state(model)
+    bad = np.zeros((3, model.config.vocab_size), np.float32)
+    bad[0, 7], bad[1, 9], bad[2, 4] = 2.0, np.nan, -np.inf
+    logits = fwd.ops.upload(bad)
+    assert host(fwd.ops.download(fwd.ops.argmax_rows(logits, 3, st.argmax), 3)).tolist() == [7, -1, -1]
+
+
 def test_declines_what_the_pool_cannot_run(make_fwd) -> None:  # type: ignore[no-untyped-def]
     model = _model()
     a, b = _prompts(model, (10, 10))
@@ -212,9 +240,11 @@ def kestrel_forward_batch(device, model, batch):
 '''
 
 
-def test_engine_serves_concurrent_requests_through_the_batched_hook(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_engine_serves_concurrent_requests_through_the_batched_hook(tmp_path, monkeypatch, logprobs: bool) -> None:  # type: ignore[no-untyped-def]
     """The scheduler's batched steps go to kestrel_forward_batch with the engine's page tables; each request's
-    greedy tokens equal what it generates alone on the CPU."""
+    greedy tokens equal what it generates alone on the CPU. Greedy requests get the device's argmax (ids,
+    not logits) unless they ask for logprobs."""
     import kestrel_core
     from kestrel_core.model.sampling import SamplingParams
 
@@ -224,7 +254,7 @@ def test_engine_serves_concurrent_requests_through_the_batched_hook(tmp_path, mo
     path = tmp_path / "fwdcuda.py"
     path.write_text(BATCH_BACKEND.format(decline=set(), make=make, greedy=None))
     monkeypatch.setenv("KESTREL_BACKEND_PATH", str(path))
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=logprobs)
     with kestrel_core.load(model, backend="cpu", activations="q8") as cpu:
         want = [list(cpu.generate(p, params=params)) for p in prompts]
     with kestrel_core.load(model, backend="fwdcuda") as engine:
@@ -234,3 +264,4 @@ def test_engine_serves_concurrent_requests_through_the_batched_hook(tmp_path, mo
     assert got == want
     assert offload["kestrel_forward_batch"]["accepted"] >= 6
     assert fwd.counters["batch_rows"] >= sum(len(p) for p in prompts)
+    assert fwd.counters["batch_argmax_steps"] == (0 if logprobs else fwd.counters["batch_steps"])

@@ -45,9 +45,9 @@ def _count_rows(engine, monkeypatch) -> list[int]:
     rows: list[int] = []
     original = type(engine).run_batch
 
-    def recording(self, work):
+    def recording(self, work, argmax_only=()):
         rows.append(len(work))
-        return original(self, work)
+        return original(self, work, argmax_only)
 
     monkeypatch.setattr(type(engine), "run_batch", recording)
     return rows
