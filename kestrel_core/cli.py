@@ -193,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (kernel compiles, caches)")
     p.add_argument("--concurrency", default=None, metavar="N,N,...",
                    help="continuous batching at these concurrency levels (e.g. 1,8,32,64) instead of batch 1")
+    p.add_argument("--kv-cache-mb", type=float, default=None, help="host KV cache budget (default: 2048)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
     return parser

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,11 +30,12 @@ def _open_engine(args: argparse.Namespace) -> Engine:
     preset = getattr(args, "preset", None)
     if preset and getattr(args, "model", None):
         raise KestrelError("give either --model or --preset, not both")
+    kv_cache_mb = getattr(args, "kv_cache_mb", None)
     if preset:
         engine = load_preset(preset, backend=args.backend, quant=args.quant, seed=getattr(args, "model_seed", 0),
-                             activations=getattr(args, "activations", "auto"))
+                             kv_cache_mb=kv_cache_mb, activations=getattr(args, "activations", "auto"))
     else:
-        engine = load(args.model, backend=args.backend, quant=args.quant,
+        engine = load(args.model, backend=args.backend, quant=args.quant, kv_cache_mb=kv_cache_mb,
                       activations=getattr(args, "activations", "auto"))
     err.print(engine.backend_line, soft_wrap=True)
     return engine
@@ -238,10 +240,17 @@ def _concurrency_levels(text: str) -> list[int]:
 
 def _bench_concurrency(args: argparse.Namespace) -> int:
     from kestrel_core.model.bench import run_concurrency_bench
+    from kestrel_core.model.kv_pool import bytes_per_position
     from kestrel_core.model.quantize import model_quant
 
     levels = _concurrency_levels(args.concurrency)
     with _open_engine(args) as engine:
+        need = max(levels) * engine.pool.blocks_for(args.prompt_tokens + args.decode_tokens + 1)
+        if need > engine.pool.num_blocks:
+            per_block_mb = bytes_per_position(engine.config) * engine.pool.block_size / 2 ** 20
+            err.print(f"[yellow]the KV cache holds {engine.pool.capacity} positions, {max(levels)} streams need "
+                      f"{need * engine.pool.block_size}: they will not all run at once (--kv-cache-mb "
+                      f"{math.ceil(need * per_block_mb)} gives them room)[/yellow]", soft_wrap=True)
         result = run_concurrency_bench(engine, levels, prompt_tokens=args.prompt_tokens,
                                        decode_tokens=args.decode_tokens,
                                        quant=args.quant or model_quant(engine.model))
