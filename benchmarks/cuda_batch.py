@@ -3,7 +3,8 @@
     python benchmarks/cuda_batch.py --preset qwen3-8b --quant q8 --rows 1,8,32,64 --context 512
 
 For each row count M: M sequences of ``--context`` prompt tokens prefilled through the hook, then ``--steps``
-decode steps of all M at once (one token each, logits downloaded, as the engine receives them): milliseconds
+decode steps of all M at once (one token each, their greedy tokens downloaded as greedy requests receive them,
+or with ``--logits`` the whole logits as sampled requests do): milliseconds
 per step and decode tok/s of the hook (M = 1: the lone sequence's captured step; more: the captured step of
 the batch's bucket). ``--breakdown`` adds, at each M > 1, the GPU time of one step per kernel kind (each kind's
 launches replayed in a graph of their own) and of the tiled GEMM alone. ``--profile`` adds the host's share of
@@ -25,7 +26,7 @@ from kestrel_core.model.engine import load_preset
 
 
 def _time_rows(engine, fwd, m: int, context: int, steps: int, seed: int,  # type: ignore[no-untyped-def]
-               breakdown: dict | None = None) -> float:
+               breakdown: dict | None = None, argmax: bool = True) -> float:
     """Seconds per decode step of ``m`` sequences through ``forward_batch``; with ``breakdown`` (a dict, M > 1),
     GPU microseconds per kernel kind of one more step, and of the tiled GEMM's core alone, filled in."""
     model, pool = engine.model, engine.pool
@@ -40,8 +41,8 @@ def _time_rows(engine, fwd, m: int, context: int, steps: int, seed: int,  # type
             fwd.forward_batch(model, [e])
         times = []
         for i in range(steps + 2):  # two warm-up steps: the bucket's eager step and its capture
-            batch = [BatchEntry(e.seq_id, np.array([7]), context + i, 1, e.blocks, e.block_size, e.num_blocks)
-                     for e in entries]
+            batch = [BatchEntry(e.seq_id, np.array([7]), context + i, 1, e.blocks, e.block_size, e.num_blocks,
+                                argmax_only=argmax) for e in entries]
             t0 = time.perf_counter()
             out = fwd.forward_batch(model, batch)
             times.append(time.perf_counter() - t0)
@@ -85,6 +86,7 @@ def main() -> int:
     ap.add_argument("--kv-cache-mb", type=float, default=24576)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="GPU time per kernel kind at each M > 1")
+    ap.add_argument("--logits", action="store_true", help="download every row's logits, not its greedy token")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     engine = load_preset(args.preset, backend="cuda", quant=args.quant, kv_cache_mb=args.kv_cache_mb)
@@ -95,7 +97,7 @@ def main() -> int:
     print(f"{'M':>4} {'ms a step':>10} {'tok/s':>8}")
     for m in rows:
         parts: dict | None = {} if args.breakdown else None
-        sec = _time_rows(engine, fwd, m, args.context, args.steps, seed=m, breakdown=parts)
+        sec = _time_rows(engine, fwd, m, args.context, args.steps, seed=m, breakdown=parts, argmax=not args.logits)
         out["rows"][m] = {"ms": sec * 1e3, "tok_s": m / sec, **({"breakdown": parts} if parts else {})}
         print(f"{m:>4} {sec * 1e3:>10.2f} {m / sec:>8.0f}", flush=True)
     if args.profile:
