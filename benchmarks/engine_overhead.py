@@ -5,8 +5,9 @@ greedy sampling, measured with a backend whose whole-step forward returns fixed 
     python benchmarks/engine_overhead.py --concurrency 32,64 [--profile]
 
 ``--concurrency``: the scheduler's batched steps instead (``kestrel bench --concurrency``, 16-token prompts):
-the host's time per step of N rows, whose logits the stub hands over as views of one array, as the CUDA
-backend does; ``--profile`` adds the top entries of a cProfile of the largest level.
+the host's time per step of N rows, whose greedy tokens the stub hands over as the CUDA backend does (token
+ids; logits as views of one array where a request needs them); ``--profile`` adds the top entries of a
+cProfile of the largest level.
 
 The stub backend is written to a temporary directory and bound through KESTREL_BACKEND_PATH, like any third
 party backend; the preset keeps its vocabulary (the logits' size) but one layer, since no weight is read.
@@ -51,8 +52,9 @@ def kestrel_forward_batch(device, model, batch):
     if ROWS.get(vocab, np.empty((0, 0))).shape[0] < total:
         ROWS[vocab] = np.random.default_rng(0).standard_normal((total, vocab)).astype(np.float32)
     outs, at = [], 0
-    for e in batch:  # views of one array, like the CUDA backend's pinned download
-        outs.append(ROWS[vocab][at:at + e.logit_rows])
+    for e in batch:  # views of one array, like the CUDA backend's pinned download; greedy ones get token ids
+        rows = ROWS[vocab][at:at + e.logit_rows]
+        outs.append(np.full(e.logit_rows, 7, np.int64) if e.argmax_only else rows)
         at += e.logit_rows
     return outs
 '''
