@@ -33,9 +33,14 @@ class BenchResult:
     decode_tok_s_runs: list[float] = field(default_factory=list)
     offload: dict[str, Any] = field(default_factory=dict)
     backend_stats: dict[str, Any] = field(default_factory=dict)
+    upload_mb_per_token: float = 0.0  # weights the backend uploaded in the measured runs, per generated token
+    upload_gb_s: float = 0.0  # and the rate of those uploads
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+UPLOAD_BYTES, UPLOAD_S = "weight_upload_bytes", "weight_upload_s"  # kestrel_stats keys of a streaming backend
 
 
 def run_bench(engine: Engine, *, prompt_tokens: int = 256, decode_tokens: int = 64, runs: int = 3,
@@ -52,20 +57,34 @@ def run_bench(engine: Engine, *, prompt_tokens: int = 256, decode_tokens: int = 
                            f"of {context}")
     prompt = np.random.default_rng(seed).integers(0, engine.config.vocab_size, prompt_tokens).tolist()
     prefill, decode = [], []
+    uploads = (0.0, 0.0)
     for i in range(warmup + runs):
+        if i == warmup:
+            uploads = _uploads(engine.offload.backend_stats())
         n = sum(1 for _ in engine.generate(prompt, max_tokens=decode_tokens + 1, stop_at_eos=False))
         assert n == decode_tokens + 1
         if i >= warmup:
             prefill.append(engine.last.prefill_tok_s)
             decode.append(engine.last.decode_tok_s)
     stats = engine.stats
+    end = _uploads(stats["backend_stats"])
+    moved, seconds = end[0] - uploads[0], end[1] - uploads[1]
     return BenchResult(
         model=engine.source, backend=engine.backend_name, device=engine.backend.device_description, quant=quant,
         prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, runs=runs, load_s=engine.load_s,
         preload_s=engine.preload_s, weights_mb=engine.model.nbytes / 1e6,
         prefill_tok_s=statistics.median(prefill), decode_tok_s=statistics.median(decode),
         prefill_tok_s_runs=prefill, decode_tok_s_runs=decode, offload=stats["offload"],
-        backend_stats=stats["backend_stats"])
+        backend_stats=stats["backend_stats"], upload_mb_per_token=moved / 1e6 / (runs * (decode_tokens + 1)),
+        upload_gb_s=moved / 1e9 / seconds if seconds > 0 else 0.0)
+
+
+def _uploads(backend_stats: dict[str, Any]) -> tuple[float, float]:
+    """(bytes, seconds) of weight uploads so far, from a backend's ``UPLOAD_BYTES`` / ``UPLOAD_S`` stats."""
+    def number(key: str) -> float:
+        value = backend_stats.get(key, 0)
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+    return number(UPLOAD_BYTES), number(UPLOAD_S)
 
 
 @dataclass

@@ -222,6 +222,9 @@ def bench(args: argparse.Namespace) -> int:
         (f"decode ({result.decode_tokens} tok)", f"{result.decode_tok_s:.1f} tok/s"),
         ("runs (median of)", str(result.runs)),
     ]
+    if result.upload_mb_per_token:
+        rows.append(("weights uploaded",
+                     f"{result.upload_mb_per_token:.1f} MB a token at {result.upload_gb_s:.1f} GB/s"))
     for name, value in rows:
         table.add_row(name, value)
     Console(highlight=False).print(table)

@@ -36,7 +36,7 @@ SETTINGS = (
     Setting("cache_mb", "KESTREL_CUDA_CACHE_MB", 1, "a whole number of MiB",
             "weight cache budget (default: half the free device memory, at least 256 MiB, at most 24 GiB)"),
     Setting("window", "KESTREL_CUDA_WINDOW", 0, "a number of layers",
-            "residency window: layers of weights kept resident (0: off; on: no preload, no decode graph)"),
+            "residency window: layers of streamed weights kept resident (0: off; on: no decode graph)"),
     Setting("max_context", "KESTREL_CUDA_MAX_CONTEXT", 1, "a number of positions",
             "longest context the device forward holds (also capped by the model's)"),
     Setting("graph", "KESTREL_CUDA_GRAPH", None, "", "decode step captured once in a CUDA graph and replayed"),

@@ -243,15 +243,16 @@ class CudaDevice:
         return items
 
     def preload(self, model: Any) -> None:
+        """Every weight, or with the residency window on the layers it keeps (``residency.kept_layers``)."""
         start = time.perf_counter()
-        if self.config.window:
-            self.preload_info = {"preload_skipped": "residency window on"}
-            return
         with self.device, self.stream:
             result = self.cache.preload(self.preload_items(model))
             self.stream.synchronize()
         self.preload_info = {"preload_s": round(time.perf_counter() - start, 4), "preload_weights": result.uploaded,
                              "preload_bytes": result.bytes, "preload_already_resident": result.already_resident}
+        if self.config.window:
+            self.preload_info.update(window_streamed_layers=result.streamed_layers,
+                                     window_streamed_bytes=result.streamed_bytes)
         if result.stopped:
             self.preload_info["preload_stopped"] = result.stopped
 
@@ -260,7 +261,9 @@ class CudaDevice:
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"device": self.description, "kernel_compile_s": round(self.kernels.compile_s, 3)}
         out.update({f"kernel_{k}": v for k, v in self.kernels.info.items()})
-        out.update({f"cache_{k}": v for k, v in self.cache.stats().items()})
+        cache = self.cache.stats()
+        out.update({f"cache_{k}": v for k, v in cache.items()})
+        out.update(weight_upload_bytes=cache["upload_bytes"], weight_upload_s=cache["upload_s"])  # kestrel bench
         out.update({f"launches_{k}": v for k, v in self.gemm.launches.items()})
         out.update({f"errors_{k}": v for k, v in self.errors.items()})
         out.update({f"declined_{k.replace(' ', '_')}": v for k, v in self.declined.items()})

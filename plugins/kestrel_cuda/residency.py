@@ -25,11 +25,14 @@ API for the backend (each weight laid out as its ``layout.Geometry`` says)
     ``pin(wkey)`` / ``unpin(wkey)``: pinned weights are never evicted by LRU or window (a CUDA graph that
         captured buffer addresses must pin them). A pinned set larger than the budget goes over it.
     ``on_layer_boundary(cur) -> int``: residency window; with keep > 0 evicts (to the pool) every weight whose
-        model layer is < cur - keep + 1. lm_head is never evicted; fused weights of layer L count as layer L;
-        current and higher layers stay. keep == 0: nothing. Returns how many were evicted.
+        model layer is < cur - keep + 1, except the kept layers. lm_head is never evicted; fused weights of
+        layer L count as layer L; current and higher layers stay. keep == 0: nothing. Returns how many were
+        evicted.
     ``preload(items) -> PreloadResult``: make ``PreloadItem(wkey, geometry, upload_fn, source)`` resident in
         order without evicting anything; stops at the first weight that does not fit the budget or slots.
-        Does nothing when the window is on (it would evict them at the first boundary).
+        With the window on, only what ``kept_layers`` keeps (lm_head and the first layers that fit beside the
+        window's own ``keep`` layers): those stay resident, and only the other layers stream each step.
+    ``kept``: the model layers the window keeps (never evicted by it; by LRU only when nothing else can go).
     ``release(weight)``, ``contains(wkey)``, ``len(cache)``, ``entries()`` (LRU first), ``stats() -> dict``,
     ``clear()`` (frees every cached and pooled buffer), ``close()`` (clear, free temporaries, refuse further use).
 ``cache_budget(free_bytes, cache_mb=None)``: ``cache_mb`` MiB (``CudaConfig.cache_mb``) if given, else half of
@@ -49,6 +52,7 @@ on every call and use the same memory anyway), and pinned weights are never evic
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -78,6 +82,25 @@ def cache_budget(free_bytes: int, cache_mb: int | None = None) -> int:
     if cache_mb is not None:
         return cache_mb * MiB
     return max(min(free_bytes // 2, BUDGET_CAP), BUDGET_FLOOR)
+
+
+def kept_layers(layer_bytes: dict[int, int], fixed_bytes: int, budget: int, keep: int) -> set[int]:
+    """The layers a residency window of ``keep`` layers keeps resident under ``budget`` bytes: the first ones
+    (``layer_bytes``: model layer -> bytes of its weights) that fit beside ``fixed_bytes`` (lm_head, never
+    evicted) and the window's working set (the ``keep`` largest of the other layers), so that about
+    model - budget bytes cross the bus a step instead of the whole model. Every layer when all fit."""
+    layers = sorted(layer_bytes)
+    if fixed_bytes + sum(layer_bytes.values()) <= budget:
+        return set(layers)
+    kept: set[int] = set()
+    used = fixed_bytes
+    for i, layer in enumerate(layers):
+        window = sum(sorted((layer_bytes[x] for x in layers[i + 1:]), reverse=True)[:keep])
+        if used + layer_bytes[layer] + window > budget:
+            break
+        kept.add(layer)
+        used += layer_bytes[layer]
+    return kept
 
 
 # -- device weights and the pool ---------------------------------------------------------------------
@@ -191,13 +214,16 @@ class PreloadResult:
     uploaded: int = 0
     already_resident: int = 0
     bytes: int = 0
-    stopped: str = ""  # why preload stopped early ("" when everything was made resident)
+    stopped: str = ""  # why preload stopped early ("" when everything it was to make resident was)
+    streamed_layers: int = 0  # window on: layers not kept, uploaded at every step
+    streamed_bytes: int = 0  # their weights' bytes
 
 
 @dataclass
 class Counters:
     uploads: int = 0
     upload_bytes: int = 0
+    upload_s: float = 0.0  # wall time in upload_fn (the host's copies and the device transpose's launch)
     upload_errors: int = 0
     hits: int = 0
     misses: int = 0
@@ -231,6 +257,7 @@ class WeightCache:
         if self.budget is None:
             self.budget = cache_budget(self.allocator.free_bytes())
         self._entries: OrderedDict[int, DeviceWeight] = OrderedDict()  # LRU first
+        self.kept: set[int] = set()  # model layers the window keeps (preload)
         self._by_layer: dict[int, set[int]] = {}  # model layer -> resident wkeys (lm_head not indexed)
         self._temporaries: dict[int, DeviceWeight] = {}  # id -> temporary handed out, not yet released
         self.pool = BufferPool(self.pool_slots)
@@ -316,7 +343,7 @@ class WeightCache:
             return 0
         lo = cur - self.keep + 1
         evicted = 0
-        for layer in [layer for layer in self._by_layer if layer < lo]:
+        for layer in [layer for layer in self._by_layer if layer < lo and layer not in self.kept]:
             for key in list(self._by_layer.get(layer, ())):
                 if not self._entries[key].pins:
                     self._evict(key)
@@ -326,10 +353,22 @@ class WeightCache:
 
     def preload(self, items: Iterable[PreloadItem]) -> PreloadResult:
         result = PreloadResult()
-        if self.keep:
-            result.stopped = f"residency window on (keep {self.keep} layers)"
-            return result
         assert self.budget is not None
+        items = list(items)
+        if self.keep:
+            layer_bytes: dict[int, int] = {}
+            fixed = 0
+            for item in items:
+                layer = model_layer(decode_wkey(item.wkey)[0])
+                if layer is None:
+                    fixed += item.geometry.nbytes
+                else:
+                    layer_bytes[layer] = layer_bytes.get(layer, 0) + item.geometry.nbytes
+            self.kept = kept_layers(layer_bytes, fixed, self.budget, self.keep)
+            streamed = sorted(set(layer_bytes) - self.kept)
+            result.streamed_layers = len(streamed)
+            result.streamed_bytes = sum(layer_bytes[x] for x in streamed)
+            items = [i for i in items if model_layer(decode_wkey(i.wkey)[0]) in self.kept | {None}]
         for item in items:
             entry = self._entries.get(item.wkey)
             if entry is not None and self._fresh(entry, item.geometry, item.source):
@@ -356,6 +395,7 @@ class WeightCache:
             entry.buffer = None
         self._entries.clear()
         self._by_layer.clear()
+        self.kept.clear()
         self.bytes_resident = 0
         while (buf := self.pool.pop_oldest()) is not None:
             self._free(buf)
@@ -370,11 +410,11 @@ class WeightCache:
         self._temporaries.clear()
         self.closed = True
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         out = asdict(self.counters)
         out.update(entries=len(self._entries), pooled=len(self.pool), bytes_resident=self.bytes_resident,
                    bytes_pooled=self.pool.nbytes, bytes_device=self.bytes_device, budget_bytes=self.budget or 0,
-                   keep=self.keep or 0)
+                   keep=self.keep or 0, kept_layers=len(self.kept))
         return out
 
     # -- internals -----------------------------------------------------------------------------------
@@ -388,6 +428,7 @@ class WeightCache:
         return weight
 
     def _upload(self, weight: DeviceWeight, upload_fn: Callable[[DeviceWeight], None]) -> None:
+        start = time.perf_counter()
         try:
             upload_fn(weight)
         except BaseException:  # even an interrupt must leave every buffer accounted for
@@ -397,16 +438,21 @@ class WeightCache:
             raise
         self.counters.uploads += 1
         self.counters.upload_bytes += weight.geometry.nbytes
+        self.counters.upload_s += time.perf_counter() - start
 
     @staticmethod
     def _fresh(entry: DeviceWeight, geometry: Geometry, source: object | None) -> bool:
         return (entry.geometry is geometry or entry.geometry == geometry) and entry.same_source(source)
 
     def _lru_victim(self) -> int | None:
+        """The least recently used unpinned entry, one of a kept layer only when no other is left."""
+        kept = None
         for key, entry in self._entries.items():
             if not entry.pins:
-                return key
-        return None
+                if entry.layer is None or entry.layer not in self.kept:
+                    return key
+                kept = key if kept is None else kept
+        return kept
 
     def _make_room(self, need: int) -> None:
         assert self.budget is not None

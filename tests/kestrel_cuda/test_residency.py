@@ -21,7 +21,7 @@ from kestrel_core.contract import quantize_weight
 from kestrel_core.wkey import Proj, fused_wkey, lm_head_wkey, wkey
 from kestrel_cuda.allocator import AllocatorError, DeviceOutOfMemory, NumpyAllocator
 from kestrel_cuda.layout import Geometry, fusable, pad_n
-from kestrel_cuda.residency import PreloadItem, ResidencyError, WeightCache, cache_budget
+from kestrel_cuda.residency import PreloadItem, ResidencyError, WeightCache, cache_budget, kept_layers
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -407,8 +407,44 @@ def test_preload_stops_at_budget_without_evicting() -> None:
     again = cache.preload(items[:3])
     assert (again.uploaded, again.already_resident, again.stopped) == (0, 3, "")
     windowed = WeightCache(NumpyAllocator(BIG), budget=BIG, keep=4)
-    res = windowed.preload(items)
-    assert res.uploaded == 0 and "window" in res.stopped and len(windowed) == 0
+    res = windowed.preload(items)  # everything fits: the window keeps every layer, nothing streams
+    assert (res.uploaded, res.streamed_layers, windowed.kept) == (5, 0, set(range(5)))
+
+
+def test_kept_layers_are_the_first_that_fit_beside_the_window() -> None:
+    sizes = {0: 10, 1: 10, 2: 30, 3: 10, 4: 10}
+    assert kept_layers(sizes, 5, 75, 1) == set(range(5))  # all of it fits
+    assert kept_layers(sizes, 5, 74, 1) == {0, 1, 2}  # then 55 kept + 10 + a window of 10 > 74
+    assert kept_layers(sizes, 5, 64, 1) == {0, 1}  # 25 + 30 + a window of 10 > 64 at layer 2
+    assert kept_layers(sizes, 5, 74, 2) == {0, 1}  # a window of two layers: 25 + 30 + 10 + 10 > 74
+    assert kept_layers(sizes, 5, 20, 1) == set()  # not even the window's working set fits
+
+
+def test_the_window_streams_only_the_layers_that_do_not_fit() -> None:
+    """Budget for lm_head and 5 of 8 layers, keep = 1: the first 4 layers stay (one layer of room for the
+    window), and each step uploads the other 4 alone, never a kept weight again, within the budget."""
+    alloc, up = NumpyAllocator(BIG), Stamper()
+    n_layers, unit = 8, G_A.nbytes
+    cache = WeightCache(alloc, budget=11 * unit, keep=1)
+    weights = {layer: [wkey(layer, Proj.Q), wkey(layer, Proj.O)] for layer in range(n_layers)}
+    items = [PreloadItem(k, G_A, up) for layer in range(n_layers) for k in weights[layer]]
+    res = cache.preload([*items, PreloadItem(lm_head_wkey(), G_A, up)])
+    assert cache.kept == {0, 1, 2, 3} and (res.streamed_layers, res.streamed_bytes) == (4, 8 * unit)
+    assert res.uploaded == 9 and res.stopped == ""
+    kept_weights = {e.wkey: e for e in cache.entries()}
+    per_step = []
+    for _ in range(3):
+        before = cache.counters.upload_bytes
+        for cur in range(n_layers):
+            cache.on_layer_boundary(cur)
+            for k in weights[cur]:
+                cache.get_or_upload(k, G_A, up)
+                assert cache.bytes_resident <= cache.budget
+        cache.get_or_upload(lm_head_wkey(), G_A, up)
+        per_step.append(cache.counters.upload_bytes - before)
+    assert per_step[1:] == [8 * unit, 8 * unit]  # the streamed layers, once each
+    assert all(cache.contains(k) and cache._entries[k] is e and up.intact(e) for k, e in kept_weights.items())
+    assert_accounted(cache, alloc)
 
 
 def test_clear_and_close_free_everything_once() -> None:

@@ -88,6 +88,50 @@ def test_bench_json_and_table(capsys) -> None:
     assert code == 0 and "prefill (8 tok)" in out and "decode (2 tok)" in out
 
 
+STREAMING_BACKEND = '''
+from kestrel_core import API_VERSION, BackendInfo, hookimpl
+import kestrel_cpu
+from kestrel_cpu import kestrel_close, kestrel_gemm_f32, kestrel_open  # noqa: F401
+
+MOVED = [0, 0.0]
+
+
+@hookimpl
+def kestrel_backend_info():
+    return BackendInfo("streaming", "1", API_VERSION, "gpu")
+
+
+@hookimpl
+def kestrel_gemm_q8(device, a_codes, a_scales, weight, wkey):  # every GEMM "uploads" its weight at 2 GB/s
+    MOVED[0] += weight.nbytes
+    MOVED[1] += weight.nbytes / 2e9
+    return kestrel_cpu.kestrel_gemm_q8(device, a_codes, a_scales, weight, wkey)
+
+
+@hookimpl
+def kestrel_stats(device):
+    return {"weight_upload_bytes": MOVED[0], "weight_upload_s": MOVED[1]}
+'''
+
+
+def test_bench_reports_a_streaming_backends_weight_uploads(capsys, tmp_path, monkeypatch) -> None:
+    (tmp_path / "streaming.py").write_text(STREAMING_BACKEND)
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "streaming.py"))
+    monkeypatch.setenv("KESTREL_STREAMING_MIN_FLOPS", "0")
+    args = ("bench", "--preset", "tiny", "--backend", "streaming", "--prompt-tokens", "8", "--decode-tokens", "3",
+            "--runs", "2", "--warmup", "1")
+    code, out, err = _run(capsys, *args, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["upload_gb_s"] == pytest.approx(2.0)
+    assert 0 < result["upload_mb_per_token"] * 1e6 * 2 * 4 < result["backend_stats"]["weight_upload_bytes"]
+    code, out, _ = _run(capsys, *args)
+    assert code == 0 and "MB a token at 2.0 GB/s" in out
+    _, out, _ = _run(capsys, "bench", "--preset", "tiny", "--backend", "cpu", "--prompt-tokens", "8",
+                     "--decode-tokens", "2", "--runs", "1")
+    assert "weights uploaded" not in out
+
+
 def test_bench_at_several_concurrency_levels(capsys) -> None:
     code, out, _ = _run(capsys, "bench", "--preset", "tiny", "--backend", "cpu", "--prompt-tokens", "12",
                         "--decode-tokens", "5", "--concurrency", "1,3", "--json")
