@@ -56,6 +56,55 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
     assert ids.tolist() == [1, 3, 4, 2]  # top-k first, then the nucleus of what is left
 
 
+def _reference_distribution(z: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[list, np.ndarray]:
+    """The definition, over the whole vocabulary: softmax(z / T); the k most likely (ties: lower id); then the
+    smallest most-likely-first prefix whose mass reaches top_p."""
+    x = z.astype(np.float64) / temperature
+    p = np.exp(x - x.max())
+    order = np.argsort(-p, kind="stable")  # most likely first, lower id first among ties
+    if 0 < top_k < len(z):
+        order = order[:top_k]
+    elif top_p >= 1:
+        return list(range(len(z))), p / p.sum()
+    probs = p[order] / p[order].sum()
+    if top_p < 1:
+        keep = int(np.searchsorted(np.cumsum(probs), top_p, side="left")) + 1
+        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+    return order.tolist(), probs
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat", "ties"])
+def test_distribution_is_the_definition_on_a_large_vocabulary(shape: str) -> None:
+    """The candidate search (a few hundred tokens above a floor, not a sort of the vocabulary) keeps exactly
+    the tokens, order and probabilities of the definition."""
+    rng = np.random.default_rng(5)
+    z = {"peaked": rng.standard_normal(20_000) * 4, "flat": rng.standard_normal(20_000) * 0.05,
+         "ties": np.round(rng.standard_normal(20_000) * 2)}[shape].astype(np.float32)
+    for temperature, top_k, top_p in [(0.7, 0, 1.0), (0.7, 0, 0.9), (1.0, 40, 1.0), (0.8, 50, 0.95), (5.0, 40, 1.0),
+                                      (1.0, 0, 0.5), (0.3, 1000, 0.99), (2.0, 0, 0.999)]:
+        ids, probs = Sampler(temperature, top_k=top_k, top_p=top_p).distribution(z)
+        want_ids, want = _reference_distribution(z, temperature, top_k, top_p)
+        assert ids.tolist() == want_ids, (shape, temperature, top_k, top_p)
+        np.testing.assert_allclose(probs, want, rtol=1e-12, atol=1e-300)
+
+
+def test_the_inverse_cdf_by_blocks_picks_the_interval_of_the_draw() -> None:
+    from kestrel_core.model.sampling import _inverse_cdf
+
+    rng = np.random.default_rng(6)
+    for n in (1, 7, 256, 257, 1000, 151_936):
+        probs = rng.dirichlet(np.full(n, 0.3))
+        probs[rng.integers(0, n, n // 3)] = 0.0  # tokens of no weight are never picked
+        if not probs.any():
+            probs[0] = 1.0
+        probs /= probs.sum()
+        cum = np.cumsum(probs)
+        for u in rng.random(50):
+            got = _inverse_cdf(probs, u)
+            assert probs[got] > 0
+            assert got == min(int(np.searchsorted(cum, u, side="right")), n - 1) or abs(cum[got] - u) < 1e-9
+
+
 def test_the_same_seed_gives_the_same_tokens() -> None:
     logits = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
     runs = [[s(logits) for _ in range(30)] for s in (Sampler(0.8, top_k=50, top_p=0.9, seed=seed)
