@@ -7,6 +7,7 @@ seeded generator and the counts of the tokens it generated, for the penalties) a
 from __future__ import annotations
 
 import math
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -110,8 +111,9 @@ class Sampler:
         if self.greedy:
             token = int(np.argmax(z))  # the first maximum: deterministic
         else:
-            ids, probs = self.distribution(z)
-            token = int(ids[_inverse_cdf(probs, self.rng.random())])
+            ids, weights = self._candidates(z)
+            i = _inverse_cdf(weights, self.rng.random())
+            token = i if ids is None else int(ids[i])
         self.counts[token] += 1
         return token
 
@@ -132,14 +134,19 @@ class Sampler:
         token in vocabulary order without top-k and top-p; else the kept ones, most likely first (ties: the
         lower id first). top-k keeps the k most likely; top-p then the smallest prefix of what is left whose
         mass reaches top_p (at least one token)."""
+        ids, weights = self._candidates(z)
+        return (np.arange(len(weights)) if ids is None else ids), weights / weights.sum()
+
+    def _candidates(self, z: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """``distribution``'s, unnormalized; None for every token (the weights then live in this thread's
+        scratch array until its next use)."""
         p = self.params
-        e = np.array(z, dtype=np.float64).reshape(-1)  # [V]; in place from here: fresh pages cost as much
+        e = _scratch(z)  # [V] float64, in place from here: a fresh array's page faults cost as much as the work
         e /= p.temperature
         e -= e.max()
         np.exp(e, out=e)  # the largest 1
         if not 0 < p.top_k < len(e) and p.top_p >= 1:
-            e /= e.sum()
-            return np.arange(len(e)), e
+            return None, e
         if 0 < p.top_k < len(e):
             ids = _most_likely_first(_top_k(_top_set(e, lambda cand: len(cand) >= p.top_k), e, p.top_k), e)
             total = e[ids].sum()
@@ -155,6 +162,19 @@ class Sampler:
 
 
 # weights relative to the largest, tried in turn: every power of ten to 1e-16, then 1e-32 .. 1e-256
+_SCRATCH = threading.local()
+
+
+def _scratch(z: np.ndarray) -> np.ndarray:
+    """z as float64 in this thread's scratch array (reused: every row of a batch is the same size)."""
+    z = np.asarray(z).reshape(-1)
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or len(buf) != len(z):
+        buf = _SCRATCH.buf = np.empty(len(z))
+    np.copyto(buf, z)
+    return buf
+
+
 TOP_SET_FLOORS = tuple(10.0 ** -i for i in range(1, 17)) + tuple(10.0 ** -(2 ** i) for i in range(5, 9))
 
 
@@ -208,11 +228,12 @@ def _inverse_cdf(probs: np.ndarray, u: float) -> int:
 
 def logprobs_of(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     """log-softmax of the model's logits [vocab] (before penalties and temperature, as OpenAI reports them)."""
-    z = np.asarray(logits, dtype=np.float64).reshape(-1)
-    shifted = z - z.max()
-    lse = math.log(float(np.exp(shifted).sum()))
+    e = _scratch(logits)
+    e -= e.max()
+    chosen = float(e[token])
+    np.exp(e, out=e)
+    lse = math.log(float(e.sum()))
     best: Sequence[int] = ()
-    if top:
-        part = np.argpartition(-shifted, top - 1)[:top]
-        best = part[np.argsort(-shifted[part], kind="stable")].tolist()
-    return TokenLogprob(int(token), float(shifted[token] - lse), [(int(i), float(shifted[i] - lse)) for i in best])
+    if top:  # the most likely first, the lower id among ties (as the sampler's top-k)
+        best = _most_likely_first(_top_k(_top_set(e, lambda cand: len(cand) >= top), e, top), e).tolist()
+    return TokenLogprob(int(token), chosen - lse, [(int(i), math.log(float(e[i])) - lse) for i in best])
