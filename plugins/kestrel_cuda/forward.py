@@ -118,6 +118,36 @@ class _Seq:
         return int(self.kv.shape[3])
 
 
+def _per_entry(batch: Sequence[BatchEntry], fetched: list[tuple[np.ndarray, dict[int, np.ndarray]]],
+               vocab: int) -> list[np.ndarray]:
+    """Each entry's result from the passes' downloads, in batch order: its logits [logit_rows, vocab] (views
+    of one array when every row came back whole), or its greedy tokens int64 [logit_rows] (argmax_only)."""
+    if not fetched:  # prompt chunks only, none of whose logits are due yet
+        return [np.zeros(0, np.int64) if e.argmax_only else np.zeros((0, vocab), np.float32) for e in batch]
+    if all(not extra and out.ndim == 2 for out, extra in fetched):
+        rows_out = np.concatenate([out for out, _ in fetched]) if len(fetched) > 1 else fetched[0][0]
+        parts, at = [], 0
+        for e in batch:
+            parts.append(rows_out[at:at + e.logit_rows])
+            at += e.logit_rows
+        return parts
+    ids, logit_rows, base = [], {}, 0  # every returned row's greedy token, and the logits some rows need
+    for out, extra in fetched:
+        ids.append(out.astype(np.int64))
+        logit_rows.update({base + r: row for r, row in extra.items()})
+        base += len(out)
+    all_ids = np.concatenate(ids)
+    parts, at = [], 0
+    for e in batch:
+        rows = range(at, at + e.logit_rows)
+        if e.argmax_only:
+            parts.append(all_ids[at:at + e.logit_rows])
+        else:
+            parts.append(np.concatenate([logit_rows[r] for r in rows]) if rows else np.zeros((0, vocab), np.float32))
+        at += e.logit_rows
+    return parts
+
+
 class DeviceForward:
     """The whole-step forward of the CUDA backend (see the module docstring for the API)."""
 
@@ -319,14 +349,15 @@ class DeviceForward:
         ops, total = self.ops, sum(len(e.tokens) for e in batch)
         if st.logits_all is None:
             st.logits_all = ops.zeros((PREFILL_CHUNK, st.config.vocab_size), np.float32)
-        wanted, at = [], 0  # rows whose logits are returned, in batch order
+        wanted, needs, at = [], [], 0  # rows whose logits are returned, in batch order; which need the logits
         for e in batch:
             at += len(e.tokens)
             wanted.extend(range(at - e.logit_rows, at))
+            needs.extend([not e.argmax_only] * e.logit_rows)
         decode = total == len(batch) and len(wanted) == total
-        argmax = all(e.argmax_only for e in batch)  # greedy tokens only: ids come back, not logits
         b = paged.bucket(total) if decode and self.use_graph else None
-        logits = []
+        fetched: list[tuple[np.ndarray, dict[int, np.ndarray]]] = []  # per pass: (ids or logits, logit rows)
+        done = 0  # returned rows so far
         for first in range(0, total, PREFILL_CHUNK):
             m = min(PREFILL_CHUNK, total - first)
             tokens, rows, tables = paged.row_map(batch, first, m, b or m, pool.blocks, pool.table_width)
@@ -336,7 +367,7 @@ class DeviceForward:
             if b is not None:
                 self._batch_graph(st, pool, b)()
                 self.counters["batch_graph_replays"] += 1
-                logits.append(self._fetch(st, st.logits_all, total, argmax))
+                fetched.append(self._fetch(st, st.logits_all, needs))
                 continue
             local = [r - first for r in wanted if first <= r < first + m]
             index = None
@@ -346,25 +377,24 @@ class DeviceForward:
             self._step(st, None, m, len(local), paged.Paged(pool.kv, pool.rows[:m], pool.tables, index,
                                                             pool.hsel))
             if local:
-                logits.append(self._fetch(st, st.logits_all if len(local) > 1 else st.logits, len(local), argmax))
+                src = st.logits_all if len(local) > 1 else st.logits
+                fetched.append(self._fetch(st, src, needs[done:done + len(local)]))
+                done += len(local)
         self.counters["batch_steps"] += 1
-        self.counters["batch_argmax_steps"] += argmax
+        self.counters["batch_argmax_steps"] += not any(needs)
         self.counters["batch_rows"] += total
         ops.synchronize()
-        rows_out = np.concatenate(logits) if len(logits) > 1 else logits[0]
-        if argmax:
-            rows_out = rows_out.astype(np.int64)
-        outs, at = [], 0
-        for e in batch:
-            outs.append(rows_out[at:at + e.logit_rows])
-            at += e.logit_rows
-        return outs
+        return _per_entry(batch, fetched, st.config.vocab_size)
 
-    def _fetch(self, st: State, logits: Any, rows: int, argmax: bool) -> np.ndarray:
-        """The first ``rows`` rows of ``logits`` on the host, or only their greedy tokens (int32 [rows])."""
-        if not argmax:
-            return self.ops.download(logits, rows)
-        return self.ops.download(self.ops.argmax_rows(logits, rows, st.argmax), rows)
+    def _fetch(self, st: State, logits: Any, needs: list[bool]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """The first ``len(needs)`` rows of ``logits`` on the host: all of them when every row needs its logits
+        (float32 [rows, vocab], {}); else their greedy tokens (int32 [rows]) and the logits [1, vocab] of
+        the rows that need them, by row, so only those cross the bus."""
+        rows = len(needs)
+        if all(needs):
+            return self.ops.download(logits, rows), {}
+        ids = self.ops.download(self.ops.argmax_rows(logits, rows, st.argmax), rows)
+        return ids, {r: self.ops.download(logits[r:r + 1], 1) for r in range(rows) if needs[r]}
 
     def _batch_graph(self, st: State, pool: paged.Pool, b: int) -> Callable[[], None]:
         """The decode step of ``b`` pooled rows as a captured graph (rows, tables and tokens read from the

@@ -186,6 +186,34 @@ def test_argmax_only_steps_return_the_greedy_tokens_of_the_same_logits(make_fwd)
     assert host(fwd.ops.download(fwd.ops.argmax_rows(logits, 3, st.argmax), 3)).tolist() == [7, -1, -1]
 
 
+def test_a_mixed_batch_gets_ids_where_they_do_and_logits_where_they_are_needed(make_fwd) -> None:  # type: ignore[no-untyped-def]
+    """Greedy entries beside sampled ones: the greedy get their argmax, the others their logits (only those
+    rows cross the bus), each the same as the step with every entry's logits; a step of prompt chunks that
+    are not due any logits returns empty results of each kind."""
+    model = _model("llama")
+    prompts = _prompts(model, (9, 14, 6, 30), seed=8)
+    runs = []
+    for mixed in (False, True):
+        pages, fwd = Pages(7), make_fwd()
+        steps = [[replace(pages.entry(i, p[:5], 0, 0), argmax_only=mixed and i % 2 == 0)
+                  for i, p in enumerate(prompts)]]
+        steps.append([replace(pages.entry(i, p[5:], 5, 1 + i % 2), argmax_only=mixed and i % 2 == 0)
+                      for i, p in enumerate(prompts)])
+        for step in range(2):
+            steps.append([replace(pages.entry(i, np.array([3 + step]), len(p) + step, 1), argmax_only=mixed and i < 2)
+                          for i, p in enumerate(prompts)])
+        runs.append([fwd.forward_batch(model, batch) for batch in steps])
+    plain, mixed_run = runs
+    for step, (want, got) in enumerate(zip(plain, mixed_run)):
+        for i, (w, g) in enumerate(zip(want, got)):
+            ids_expected = (i % 2 == 0) if step < 2 else (i < 2)
+            if ids_expected:
+                assert g.dtype == np.int64 and g.tolist() == [int(np.argmax(row)) for row in w]
+            else:
+                assert g.dtype == np.float32 and np.array_equal(g, w)
+    assert all(len(r) == 0 for r in mixed_run[0]) and mixed_run[0][0].dtype == np.int64
+
+
 def test_declines_what_the_pool_cannot_run(make_fwd) -> None:  # type: ignore[no-untyped-def]
     model = _model()
     a, b = _prompts(model, (10, 10))
