@@ -161,7 +161,6 @@ class Sampler:
         return ids, probs
 
 
-# weights relative to the largest, tried in turn: every power of ten to 1e-16, then 1e-32 .. 1e-256
 _SCRATCH = threading.local()
 
 
@@ -175,15 +174,18 @@ def _scratch(z: np.ndarray) -> np.ndarray:
     return buf
 
 
+# weights relative to the largest, tried in turn: every power of ten to 1e-16, then 1e-32 .. 1e-256
 TOP_SET_FLOORS = tuple(10.0 ** -i for i in range(1, 17)) + tuple(10.0 ** -(2 ** i) for i in range(5, 9))
+LOG_FLOORS = tuple(math.log(f) for f in TOP_SET_FLOORS)  # the same for log-weights (the largest 0)
 
 
-def _top_set(e: np.ndarray, enough: Callable[[np.ndarray], bool]) -> np.ndarray:
-    """Ids (ascending) of every token whose weight in ``e`` (the largest 1) is at least the first floor of
-    TOP_SET_FLOORS whose set is ``enough``; every token if none is. A set of all tokens above a floor holds
+def _top_set(e: np.ndarray, enough: Callable[[np.ndarray], bool], floors: Sequence[float] = TOP_SET_FLOORS
+             ) -> np.ndarray:
+    """Ids (ascending) of every token whose weight in ``e`` (the largest 1) is at least the first of
+    ``floors`` whose set is ``enough``; every token if none is. A set of all tokens above a floor holds
     the k most likely and any most-likely-first prefix of less mass, ties included, so top-k and top-p
     look at a few hundred tokens, not the vocabulary (a full sort of 151,936 logits took 16 ms)."""
-    for floor in TOP_SET_FLOORS:
+    for floor in floors:
         cand = np.flatnonzero(e >= floor)
         if enough(cand):
             return cand
@@ -228,12 +230,13 @@ def _inverse_cdf(probs: np.ndarray, u: float) -> int:
 
 def logprobs_of(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     """log-softmax of the model's logits [vocab] (before penalties and temperature, as OpenAI reports them)."""
-    e = _scratch(logits)
-    e -= e.max()
-    chosen = float(e[token])
-    np.exp(e, out=e)
-    lse = math.log(float(e.sum()))
-    best: Sequence[int] = ()
+    shifted = _scratch(logits)
+    shifted -= shifted.max()
+    chosen = float(shifted[token])
+    best: list[tuple[int, float]] = []
     if top:  # the most likely first, the lower id among ties (as the sampler's top-k)
-        best = _most_likely_first(_top_k(_top_set(e, lambda cand: len(cand) >= top), e, top), e).tolist()
-    return TokenLogprob(int(token), chosen - lse, [(int(i), math.log(float(e[i])) - lse) for i in best])
+        ids = _most_likely_first(_top_k(_top_set(shifted, lambda cand: len(cand) >= top, LOG_FLOORS), shifted,
+                                        top), shifted)
+        best = [(int(i), float(shifted[i])) for i in ids]
+    lse = math.log(float(np.exp(shifted, out=shifted).sum()))
+    return TokenLogprob(int(token), chosen - lse, [(i, v - lse) for i, v in best])
