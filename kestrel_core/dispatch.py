@@ -238,7 +238,7 @@ class Offload:
 
     def forward_batch(self, model: Any, batch: Sequence[BatchEntry], vocab: int) -> list[np.ndarray] | None:
         """The backend's batched whole step, or None: one float32 array [logit_rows, vocab] per entry, or int64
-    token ids [logit_rows] for an entry marked ``argmax_only``."""
+        token ids [logit_rows] for an entry marked ``argmax_only``."""
         forward = None if self.on_cpu else self._caller(self.backend, "kestrel_forward_batch")
         if forward is None:
             return None

@@ -114,8 +114,12 @@ class Sampler:
             ids, weights = self._candidates(z)
             i = _inverse_cdf(weights, self.rng.random())
             token = i if ids is None else int(ids[i])
-        self.counts[token] += 1
+        self.count(token)
         return token
+
+    def count(self, token: int) -> None:
+        """Record a generated token (for the penalties), whoever chose it."""
+        self.counts[token] += 1
 
     def processed(self, logits: np.ndarray) -> np.ndarray:
         """The logits [vocab] after the presence and frequency penalties (float32; a copy only if penalized)."""

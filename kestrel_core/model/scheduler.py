@@ -243,7 +243,7 @@ class Scheduler:
         """The next token from a row of logits, or the token the device chose (``argmax_only``)."""
         if logits.ndim == 0:
             token = int(logits)
-            request.sampler.counts[token] += 1
+            request.sampler.count(token)
             return token, None
         token = request.sampler(logits)
         p = request.params
@@ -316,7 +316,7 @@ class Scheduler:
         self.steps += 1
         seq.tokens.append(request.output_ids[-1])  # the device ran it and chose the next token
         seq.device_len = len(seq.tokens)
-        request.sampler.counts[nxt] += 1
+        request.sampler.count(nxt)
         return [self._advance(request, (nxt, None))]
 
     def _drop_device(self, request: Request) -> None:
