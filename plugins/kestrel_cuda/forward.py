@@ -119,12 +119,13 @@ class _Seq:
 
 
 def _per_entry(batch: Sequence[BatchEntry], fetched: list[tuple[np.ndarray, dict[int, np.ndarray]]],
-               vocab: int) -> list[np.ndarray]:
-    """Each entry's result from the passes' downloads, in batch order: its logits [logit_rows, vocab] (views
-    of one array when every row came back whole), or its greedy tokens int64 [logit_rows] (argmax_only)."""
+               vocab: int, whole: bool) -> list[np.ndarray]:
+    """Each entry's result from the passes' downloads (``DeviceForward._fetch``'s), in batch order: its logits
+    [logit_rows, vocab] (views of one array when ``whole``: every row came back), or its greedy tokens int64
+    [logit_rows] (argmax_only)."""
     if not fetched:  # prompt chunks only, none of whose logits are due yet
         return [np.zeros(0, np.int64) if e.argmax_only else np.zeros((0, vocab), np.float32) for e in batch]
-    if all(not extra and out.ndim == 2 for out, extra in fetched):
+    if whole:
         rows_out = np.concatenate([out for out, _ in fetched]) if len(fetched) > 1 else fetched[0][0]
         parts, at = [], 0
         for e in batch:
@@ -356,7 +357,8 @@ class DeviceForward:
             needs.extend([not e.argmax_only] * e.logit_rows)
         decode = total == len(batch) and len(wanted) == total
         b = paged.bucket(total) if decode and self.use_graph else None
-        fetched: list[tuple[np.ndarray, dict[int, np.ndarray]]] = []  # per pass: (ids or logits, logit rows)
+        whole = all(needs)  # every row's logits come back, in one download a pass
+        fetched: list[tuple[np.ndarray, dict[int, np.ndarray]]] = []  # per pass: (logits or ids, logit rows)
         done = 0  # returned rows so far
         for first in range(0, total, PREFILL_CHUNK):
             m = min(PREFILL_CHUNK, total - first)
@@ -367,7 +369,7 @@ class DeviceForward:
             if b is not None:
                 self._batch_graph(st, pool, b)()
                 self.counters["batch_graph_replays"] += 1
-                fetched.append(self._fetch(st, st.logits_all, needs))
+                fetched.append(self._fetch(st, st.logits_all, needs, whole))
                 continue
             local = [r - first for r in wanted if first <= r < first + m]
             index = None
@@ -378,22 +380,27 @@ class DeviceForward:
                                                             pool.hsel))
             if local:
                 src = st.logits_all if len(local) > 1 else st.logits
-                fetched.append(self._fetch(st, src, needs[done:done + len(local)]))
+                fetched.append(self._fetch(st, src, needs[done:done + len(local)], whole))
                 done += len(local)
         self.counters["batch_steps"] += 1
         self.counters["batch_argmax_steps"] += not any(needs)
         self.counters["batch_rows"] += total
         ops.synchronize()
-        return _per_entry(batch, fetched, st.config.vocab_size)
+        return _per_entry(batch, fetched, st.config.vocab_size, whole)
 
-    def _fetch(self, st: State, logits: Any, needs: list[bool]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-        """The first ``len(needs)`` rows of ``logits`` on the host: all of them when every row needs its logits
-        (float32 [rows, vocab], {}); else their greedy tokens (int32 [rows]) and the logits [1, vocab] of
-        the rows that need them, by row, so only those cross the bus."""
+    def _fetch(self, st: State, logits: Any, needs: list[bool], whole: bool
+               ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """The first ``len(needs)`` rows of ``logits`` on the host: all of them when the batch's every row
+        needs its logits (``whole``: float32 [rows, vocab], {}); else their greedy tokens (int32 [rows]) and
+        the logits [1, vocab] of the rows that need them, by row, so only those cross the bus (in one
+        download of the block when most do)."""
         rows = len(needs)
-        if all(needs):
+        if whole:
             return self.ops.download(logits, rows), {}
         ids = self.ops.download(self.ops.argmax_rows(logits, rows, st.argmax), rows)
+        if 2 * sum(needs) > rows:
+            block = self.ops.download(logits, rows)
+            return ids, {r: block[r:r + 1] for r in range(rows) if needs[r]}
         return ids, {r: self.ops.download(logits[r:r + 1], 1) for r in range(rows) if needs[r]}
 
     def _batch_graph(self, st: State, pool: paged.Pool, b: int) -> Callable[[], None]:

@@ -16,6 +16,7 @@ from .test_forward_batch_host import (  # noqa: E402, F401  (collected here with
     _prompts,
     serve_all,
     test_a_mixed_batch_gets_ids_where_they_do_and_logits_where_they_are_needed,
+    test_a_mixed_batch_over_two_passes,
     test_a_sequence_moves_between_its_own_cache_and_the_pool,
     test_argmax_only_steps_return_the_greedy_tokens_of_the_same_logits,
     test_declines_what_the_pool_cannot_run,

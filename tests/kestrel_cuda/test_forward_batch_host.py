@@ -214,6 +214,26 @@ def test_a_mixed_batch_gets_ids_where_they_do_and_logits_where_they_are_needed(m
     assert all(len(r) == 0 for r in mixed_run[0]) and mixed_run[0][0].dtype == np.int64
 
 
+def test_a_mixed_batch_over_two_passes(make_fwd) -> None:  # type: ignore[no-untyped-def]
+    """A batch of more rows than a pass holds (PREFILL_CHUNK), a prompt's logit rows on both sides of the
+    boundary and a greedy decode row after them: the prompt's rows are its logits, the decode row its argmax,
+    the same as the step with every entry's logits."""
+    from kestrel_core.model.decoder import PREFILL_CHUNK
+
+    model = _model("qwen2")
+    long, short = _prompts(model, (PREFILL_CHUNK + 8, 6), seed=9)
+    results = []
+    for mixed in (False, True):
+        pages, fwd = Pages(11), make_fwd()
+        fwd.forward_batch(model, [pages.entry(2, short, 0, 1)])
+        fwd.forward_batch(model, [pages.entry(3, short[:2], 0, 1)])  # a second sequence: the pool path
+        batch = [pages.entry(1, long, 0, 10), replace(pages.entry(2, np.array([4]), len(short), 1), argmax_only=mixed)]
+        results.append(fwd.forward_batch(model, batch))
+    (want_long, want_short), (got_long, got_short) = results
+    assert got_long.dtype == np.float32 and np.array_equal(got_long, want_long)
+    assert got_short.dtype == np.int64 and got_short.tolist() == [int(np.argmax(want_short[0]))]
+
+
 def test_declines_what_the_pool_cannot_run(make_fwd) -> None:  # type: ignore[no-untyped-def]
     model = _model()
     a, b = _prompts(model, (10, 10))
