@@ -383,7 +383,7 @@ class DeviceForward:
                 fetched.append(self._fetch(st, src, needs[done:done + len(local)], whole))
                 done += len(local)
         self.counters["batch_steps"] += 1
-        self.counters["batch_argmax_steps"] += not any(needs)
+        self.counters["batch_argmax_steps"] += bool(needs) and not any(needs)  # token ids only came back
         self.counters["batch_rows"] += total
         ops.synchronize()
         return _per_entry(batch, fetched, st.config.vocab_size, whole)
