@@ -36,7 +36,7 @@ ATTN_ROWS_HEAD_DIMS = (128, 64, 0)  # attn_rows instances: head_dim known at com
 # (bits, G, MR): qgemv with MR rows per block: M = 1 (MR = 1) and, without a tiled GEMM, M > 1 (MR = 8)
 GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
 # extern "C" kernels: no name expression
-KERNELS = ("embed_rows", "qkv_rope", "attn_prefill", "add_rows", "lm_finish", "argmax_rows")
+KERNELS = ("embed_rows", "qkv_rope", "attn_prefill", "add_rows", "norm_add_rows", "lm_finish", "argmax_rows")
 Observer = Callable[[str, Callable[[], None]], None]
 
 
@@ -233,11 +233,19 @@ class CupyOps:
             fn(grid, block, args, shared_mem=smem)
 
     # kernels
-    def embed(self, codes: Any, scales: Any, group: int, ids: Any, h: Any, ssq_out: Any = None) -> None:
+    def embed(self, codes: Any, scales: Any, group: int, ids: Any, h: Any, ssq_out: Any = None,
+              mul: float = 1.0) -> None:
         m, d = h.shape
         self.launch(self._fn["embed_rows"], (-(-d // 256), m), (256,),
-                    (_ptr(codes), _ptr(scales), _i32(d), _i32(group), _ptr(ids), _ptr(h),
+                    (_ptr(codes), _ptr(scales), _i32(d), _i32(group), _ptr(ids), np.float32(mul), _ptr(h),
                      _ptr(ssq_out if m == 1 else None)), name="embed_rows")
+
+    def norm_add(self, x: Any, w: Any, eps: float, y: Any, ssq_out: Any = None) -> None:
+        """y += rmsnorm(x, w, eps) row by row (rows.cu norm_add_rows); ssq_out (M = 1): y's tile sums."""
+        m, d = x.shape
+        self.launch(self._fn["norm_add_rows"], (m,), (256,),
+                    (_ptr(x), _ld(x), _i32(d), _ptr(w), np.float32(eps), _ptr(y), _ld(y),
+                     _ptr(ssq_out if m == 1 else None)), name="norm_add_rows")
 
     def gemv(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
              bias: Any, ssq_in: Any = None, ssq_out: Any = None, rope: QkvRope | None = None) -> None:

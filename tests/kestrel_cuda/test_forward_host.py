@@ -560,13 +560,54 @@ def test_a_sliding_window_caps_the_device_context() -> None:
     assert fwd.forward(model, 1, toks[:1], 12, False) is None and "beyond the device maximum 12" in fwd.last_decline
 
 
-@pytest.mark.parametrize(("fixture", "why"), [("tiny-gemma3", "architecture 'gemma3'"),
-                                              ("tiny-qwen3-moe", "architecture 'qwen3_moe'"),
+class _NoPostNorm(NumpyOps):
+    def norm_add(self, x, w, eps, y, ssq_out=None):  # type: ignore[no-untyped-def]
+        super().norm_add(x * 0, w, eps, y, ssq_out)  # the projection's output dropped with its norm
+
+
+class _NoEmbedScale(NumpyOps):
+    def embed(self, codes, scales, group, ids, h, ssq_out=None, mul=1.0):  # type: ignore[no-untyped-def]
+        super().embed(codes, scales, group, ids, h, ssq_out)
+
+
+class _SiluForGelu(NumpyOps):
+    def gemv(self, lin, x, pro, pw, eps, xoff, y, epi, bias, **kw):  # type: ignore[no-untyped-def]
+        super().gemv(lin, x, plan.PRO_SILU_MUL if pro == plan.PRO_GELU_MUL else pro, pw, eps, xoff, y, epi, bias,
+                     **kw)
+
+
+@pytest.mark.parametrize("wrong", [_NoPostNorm, _NoEmbedScale, _SiluForGelu], ids=lambda c: c.__name__)
+def test_gemma3_done_wrong_on_the_device_leaves_the_band(wrong: type) -> None:
+    model = synthetic_model(CONFIGS["gemma3"], "q8", seed=3)
+    toks = _tokens(model.config, 40)
+    ref = cpu_logits(model, toks, 24)
+    result = compare(device_logits(DeviceForward(ops=wrong()), model, toks, 24), ref,
+                     jitter_effect(model, toks, 24, ref))
+    assert not result.ok and result.rel_err > 2 * result.tol, str(result)
+
+
+def test_gemma3_from_its_checkpoint_matches_the_cpu_within_its_window() -> None:
+    """tiny-gemma3 as transformers wrote it (sliding window 8, five sliding layers and a full one with their own
+    RoPE, query_pre_attn_scalar, tied embedding): the device forward over its 8 positions is the CPU decoder's
+    within the band, and a ninth position is declined to the host path, which applies the window."""
+    from kestrel_core.model.loader import load_model
+
+    model = load_model(str(FIXTURES / "tiny-gemma3"), "q8", cache="off").model
+    assert unsupported_reason(model) is None
+    toks = _tokens(model.config, 8)
+    ref = cpu_logits(model, toks, 5)
+    fwd = DeviceForward(ops=NumpyOps())
+    result = compare(device_logits(fwd, model, toks, 5), ref, jitter_effect(model, toks, 5, ref))
+    assert result.ok, str(result)
+    assert fwd.forward(model, 1, toks[:1], 8, False) is None and "beyond the device maximum 8" in fwd.last_decline
+
+
+@pytest.mark.parametrize(("fixture", "why"), [("tiny-qwen3-moe", "architecture 'qwen3_moe'"),
                                               ("tiny-mixtral", "architecture 'mixtral'"),
                                               ("tiny-gemma2", "architecture 'gemma2'"),
                                               ("tiny-qwen2-moe", "architecture 'qwen2_moe'")])
 def test_device_forward_names_what_it_cannot_run(fixture: str, why: str) -> None:
-    """Gemma 3 and the mixtures of experts go through the GEMM hooks; the reason names the architecture."""
+    """Gemma 2 and the mixtures of experts go through the GEMM hooks; the reason names the architecture."""
     from kestrel_core.model.loader import load_model
 
     model = load_model(str(FIXTURES / fixture), "q8", cache="off").model
