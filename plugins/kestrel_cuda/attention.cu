@@ -3,15 +3,16 @@
 
 // Decode attention (one query row at position meta[0], keys 0..meta[0]), split over positions.
 // Grid: x = H, y = NS splits; block 128 (4 warps). Each warp runs an online softmax over groups of AB
-// positions (their keys and values loaded together: AB x 2 x hd/32 loads in flight per lane); the block
+// positions (their keys and values loaded together: AB x 2 x MAXJ loads in flight per lane); the block
 // merges its warps, writes (max, sum, acc[hd]) to part[h][split], and the last block of a head merges the
 // NS splits (every split's partial loaded at once, merge weights computed once, fixed order). q is scaled
 // by 1/sqrt(hd) before the dot products.
 #define AW 4
-#define AB 8
-#define MAXJ 4   // hd <= 128
 #define PT 32    // positions of a shared-memory tile (attn_rows: one page of the pool, KV_BLOCK)
-template <int NS>
+#define NCH 2    // attn_rows, attn_prefill: a lane's 4-dimension chunks, 128 dimensions apart (hd <= 256)
+// MAXJ: a lane's dimensions, hd <= 32 * MAXJ (4: hd <= 128, 8: hd <= 256); AB = 32 / MAXJ positions a step
+// keep AB x 2 x MAXJ loads in flight per lane at either size.
+template <int NS, int MAXJ>
 __global__ void __launch_bounds__(AW * 32) attn_decode(
     const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
     int KV, int hd, float scale, const int* __restrict__ meta, float* __restrict__ part,
@@ -19,9 +20,10 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 {
     grid_dep_launch();
     grid_dep_wait();
+    constexpr int AB = 32 / MAXJ;
     constexpr int NW = NS > AW ? NS : AW;   // s_m, s_l hold the warps' partials first, then the splits'
     __shared__ float s_m[NW], s_l[NW], s_w[NS];
-    __shared__ float s_acc[AW][128];
+    __shared__ float s_acc[AW][32 * MAXJ];
     __shared__ int s_last;
     const int h = blockIdx.x, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -150,7 +152,8 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 // are contiguous), and each warp runs attn_prefill's scheme on it: lane j scores position j (16-byte shared
 // reads), a warp-wide online softmax, lane j accumulates dimensions 4j..4j+3. With splits > 1 each head's (max,
 // sum, acc[hd]) goes to part[row][head][split] (records of hd + 4 floats) and the last block of (row, KV head,
-// part) to arrive merges the splits in order, as attn_decode does. hd % 4 == 0, hd <= 128; HD: hd known at
+// part) to arrive merges the splits in order, as attn_decode does. hd % 4 == 0, hd <= 256 (a lane's NCH
+// chunks of 4 dimensions, 128 apart); HD: hd known at
 // compile time (the page copy's index arithmetic and the dot products unrolled), 0: read from ``hd``. The dot
 // products and the value sums are fused multiply-adds (--fmad=false keeps every other kernel's apart).
 // Dynamic shared memory: (2 * PT * (2 * hd + 4) + NW * hd) floats.
@@ -192,8 +195,8 @@ __global__ void __launch_bounds__(256) attn_rows(
     };
     if (pb < pages) load(pb, 0);
     cp_async_commit();
-    const int d4 = 4 * lane;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    const int d4 = 4 * lane;                // chunk c holds dimensions d4 + 128 c .. + 3
+    float acc[NCH][4] = {};
     float mx = NEG_INF, l = 0.f;
     const float4* q4 = reinterpret_cast<const float4*>(qs + warp * hd);
     for (int t = pb; t < pages; ++t) {
@@ -219,15 +222,21 @@ __global__ void __launch_bounds__(256) attn_rows(
         l = l * corr + warp_sum(e);
         mx = mn;
 #pragma unroll
-        for (int c = 0; c < 4; ++c) acc[c] *= corr;
+        for (int ch = 0; ch < NCH; ++ch)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[ch][c] *= corr;
         const int live = min(PT, len - t * PT);
 #pragma unroll 4
         for (int r = 0; r < live; ++r) {    // the same count in every lane: the shuffle sees the whole warp
             const float w = __shfl_sync(FULL, e, r);
-            if (d4 < hd) {
-                const float4 vv = *reinterpret_cast<const float4*>(vt + r * hd + d4);
-                acc[0] = fmaf(w, vv.x, acc[0]); acc[1] = fmaf(w, vv.y, acc[1]);
-                acc[2] = fmaf(w, vv.z, acc[2]); acc[3] = fmaf(w, vv.w, acc[3]);
+#pragma unroll
+            for (int ch = 0; ch < NCH; ++ch) {
+                const int d = d4 + 128 * ch;
+                if (d < hd) {
+                    const float4 vv = *reinterpret_cast<const float4*>(vt + r * hd + d);
+                    acc[ch][0] = fmaf(w, vv.x, acc[ch][0]); acc[ch][1] = fmaf(w, vv.y, acc[ch][1]);
+                    acc[ch][2] = fmaf(w, vv.z, acc[ch][2]); acc[ch][3] = fmaf(w, vv.w, acc[ch][3]);
+                }
             }
         }
         __syncthreads();                    // every warp is done with buffer t & 1 before page t + 2 lands in it
@@ -235,9 +244,13 @@ __global__ void __launch_bounds__(256) attn_rows(
     const int head = kvh * G + g0 + warp;
     float* o = out + (size_t)row * H * hd + (size_t)head * hd + d4;
     if (splits == 1) {
-        if (warp < heads && d4 < hd) {
+        if (warp < heads) {
 #pragma unroll
-            for (int c = 0; c < 4; ++c) o[c] = acc[c] / l;
+            for (int ch = 0; ch < NCH; ++ch)
+                if (d4 + 128 * ch < hd) {
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) o[128 * ch + c] = acc[ch][c] / l;
+                }
         }
         return;
     }
@@ -246,7 +259,11 @@ __global__ void __launch_bounds__(256) attn_rows(
     if (warp < heads) {
         float* pp = ph + (size_t)split * rec;
         if (lane == 0) { pp[0] = mx; pp[1] = l; }  // an empty split: max -inf, sum 0
-        if (d4 < hd) *reinterpret_cast<float4*>(pp + 4 + d4) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+#pragma unroll
+        for (int ch = 0; ch < NCH; ++ch)
+            if (d4 + 128 * ch < hd)
+                *reinterpret_cast<float4*>(pp + 4 + d4 + 128 * ch) =
+                    make_float4(acc[ch][0], acc[ch][1], acc[ch][2], acc[ch][3]);
     }
     __shared__ int s_last;
     if (!arrive_last(counters + ((size_t)row * KV + kvh) * parts + hpart, splits, &s_last)) return;
@@ -255,19 +272,25 @@ __global__ void __launch_bounds__(256) attn_rows(
         const float ls = lane < splits ? __ldcg(ph + (size_t)lane * rec + 1) : 0.f;
         const float gm = warp_max(ms);
         const float ws = ls > 0.f ? expf(ms - gm) : 0.f;
-        float gl = 0.f, a[4] = {0.f, 0.f, 0.f, 0.f};
+        float gl = 0.f, a[NCH][4] = {};
         for (int t = 0; t < splits; ++t) {  // in split order
             const float w = __shfl_sync(FULL, ws, t);
             gl += __shfl_sync(FULL, ls, t) * w;
-            if (d4 < hd) {
-                const float4 v = __ldcg(reinterpret_cast<const float4*>(ph + (size_t)t * rec + 4 + d4));
-                a[0] += v.x * w; a[1] += v.y * w; a[2] += v.z * w; a[3] += v.w * w;
+#pragma unroll
+            for (int ch = 0; ch < NCH; ++ch) {
+                const int d = d4 + 128 * ch;
+                if (d < hd) {
+                    const float4 v = __ldcg(reinterpret_cast<const float4*>(ph + (size_t)t * rec + 4 + d));
+                    a[ch][0] += v.x * w; a[ch][1] += v.y * w; a[ch][2] += v.z * w; a[ch][3] += v.w * w;
+                }
             }
         }
-        if (d4 < hd) {
 #pragma unroll
-            for (int c = 0; c < 4; ++c) o[c] = a[c] / gl;
-        }
+        for (int ch = 0; ch < NCH; ++ch)
+            if (d4 + 128 * ch < hd) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c) o[128 * ch + c] = a[ch][c] / gl;
+            }
     }
     if (threadIdx.x == 0) counters[((size_t)row * KV + kvh) * parts + hpart] = 0;
 }
@@ -276,7 +299,7 @@ __global__ void __launch_bounds__(256) attn_rows(
 // Prefill attention: rows m of q at positions meta[0] + m see keys 0..meta[0] + m (causal). 16 query rows
 // per block (two per warp), so each key/value tile staged in shared memory (PT positions) serves 16
 // queries, and 16-byte shared-memory reads: lane j scores key j against both of its warp's queries, then
-// accumulates 4 consecutive dimensions of each. hd % 4 == 0, hd <= 128.
+// accumulates its chunks of 4 consecutive dimensions of each. hd % 4 == 0, hd <= 256.
 // Grid: x = H, y = ceil(M / 16); block 256; dynamic shared memory (32*(hd+4) + 32*hd + 16*hd) floats.
 #define PQ2 16
 extern "C" __global__ void __launch_bounds__(256) attn_prefill(
@@ -303,8 +326,8 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill(
         const int r = i / hd, d = i - r * hd;
         qs[i] = r0 + r < M ? q[(size_t)(r0 + r) * H * hd + h * hd + d] * scale : 0.f;
     }
-    const int d4 = 4 * lane;                // this lane's 4 dimensions in the accumulation
-    float acc_a[4] = {0.f, 0.f, 0.f, 0.f}, acc_b[4] = {0.f, 0.f, 0.f, 0.f};
+    const int d4 = 4 * lane;                // this lane's chunks of 4 dimensions: d4 + 128 c .. + 3
+    float acc_a[NCH][4] = {}, acc_b[NCH][4] = {};
     float mxa = NEG_INF, mxb = NEG_INF, la = 0.f, lb = 0.f;
     const float4* qa4 = reinterpret_cast<const float4*>(qs + (2 * warp) * hd);
     const float4* qb4 = reinterpret_cast<const float4*>(qs + (2 * warp + 1) * hd);
@@ -347,31 +370,42 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill(
             mxb = mn;
         }
 #pragma unroll
-        for (int c = 0; c < 4; ++c) { acc_a[c] *= corr_a; acc_b[c] *= corr_b; }
+        for (int ch = 0; ch < NCH; ++ch)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) { acc_a[ch][c] *= corr_a; acc_b[ch][c] *= corr_b; }
         for (int r = 0; r < PT; ++r) {
             // every lane shuffles (full-mask shuffles must be reached by the whole warp); lanes past hd skip
             // the accumulation
             const float wa = __shfl_sync(FULL, ea, r), wb = __shfl_sync(FULL, eb, r);
-            if ((wa != 0.f || wb != 0.f) && d4 < hd) {
-                const float4 vv = *reinterpret_cast<const float4*>(vs + r * hd + d4);
-                acc_a[0] += wa * vv.x; acc_a[1] += wa * vv.y; acc_a[2] += wa * vv.z; acc_a[3] += wa * vv.w;
-                acc_b[0] += wb * vv.x; acc_b[1] += wb * vv.y; acc_b[2] += wb * vv.z; acc_b[3] += wb * vv.w;
+            if (wa == 0.f && wb == 0.f) continue;
+#pragma unroll
+            for (int ch = 0; ch < NCH; ++ch) {
+                const int d = d4 + 128 * ch;
+                if (d < hd) {
+                    const float4 vv = *reinterpret_cast<const float4*>(vs + r * hd + d);
+                    acc_a[ch][0] += wa * vv.x; acc_a[ch][1] += wa * vv.y; acc_a[ch][2] += wa * vv.z;
+                    acc_a[ch][3] += wa * vv.w;
+                    acc_b[ch][0] += wb * vv.x; acc_b[ch][1] += wb * vv.y; acc_b[ch][2] += wb * vv.z;
+                    acc_b[ch][3] += wb * vv.w;
+                }
             }
         }
     }
-    if (d4 < hd) {
+#pragma unroll
+    for (int ch = 0; ch < NCH; ++ch) {
+        const int d = d4 + 128 * ch;
+        if (d >= hd) continue;
         if (ma < M) {
 #pragma unroll
-            for (int c = 0; c < 4; ++c) out[(size_t)ma * H * hd + h * hd + d4 + c] = acc_a[c] / la;
+            for (int c = 0; c < 4; ++c) out[(size_t)ma * H * hd + h * hd + d + c] = acc_a[ch][c] / la;
         }
         if (mb < M) {
 #pragma unroll
-            for (int c = 0; c < 4; ++c) out[(size_t)mb * H * hd + h * hd + d4 + c] = acc_b[c] / lb;
+            for (int c = 0; c < 4; ++c) out[(size_t)mb * H * hd + h * hd + d + c] = acc_b[ch][c] / lb;
         }
     }
 }
 #undef AW
-#undef AB
-#undef MAXJ
+#undef NCH
 #undef PT
 #undef PQ2

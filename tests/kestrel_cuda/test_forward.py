@@ -203,9 +203,10 @@ def test_chunked_gemv_with_several_chunks_per_block(quant, stream, gemm) -> None
     assert any(lin.chunks > lin.ksplit for lin in fwd._st.layers[0].weights.gate_up + [fwd._st.layers[0].weights.down])
 
 
-# qwen3 with 6 query heads per KV head (and head_dim 64)
+# qwen3 with 6 query heads per KV head (and head_dim 64); Gemma 3's head_dim of 256 (its 1B-12B)
 ATTN_CONFIGS = {**SMALL_CONFIGS, "qwen3-gqa6": replace(SMALL_CONFIGS["qwen3"], num_heads=12, num_kv_heads=2,
-                                                        head_dim=64, num_layers=1)}
+                                                        head_dim=64, num_layers=1),
+                "gemma3-hd256": replace(SMALL_CONFIGS["gemma3"], head_dim=256)}
 
 
 @pytest.mark.parametrize("arch", list(ATTN_CONFIGS))

@@ -156,7 +156,7 @@ def test_declines_bad_tokens_context_and_unsupported_models() -> None:
     assert fwd.forward(model, 1, np.arange(17), 0, False) is None
     assert fwd.forward(model, 1, np.arange(16), 0, False) is not None
     assert fwd.forward(model, 1, np.arange(1), 16, False) is None  # position 16 is the 17th
-    wide = replace(CONFIGS["llama"], head_dim=160, num_heads=2, num_kv_heads=2, num_layers=1)
+    wide = replace(CONFIGS["llama"], head_dim=320, num_heads=2, num_kv_heads=2, num_layers=1)
     assert unsupported_reason(synthetic_model(wide, "q8")) is not None
     assert fwd.forward(synthetic_model(wide, "q8"), 1, np.arange(3), 0, False) is None
     assert "head_dim" in fwd.last_decline
@@ -584,6 +584,18 @@ def test_gemma3_done_wrong_on_the_device_leaves_the_band(wrong: type) -> None:
     result = compare(device_logits(DeviceForward(ops=wrong()), model, toks, 24), ref,
                      jitter_effect(model, toks, 24, ref))
     assert not result.ok and result.rel_err > 2 * result.tol, str(result)
+
+
+def test_a_head_dim_of_256_matches_the_cpu() -> None:
+    """Gemma 3 1B-12B's head_dim: one forward and its decode steps, the fused RoPE epilogue off (a head is
+    two GEMV column tiles)."""
+    model = synthetic_model(replace(CONFIGS["gemma3"], head_dim=256), "q8", seed=4)
+    assert unsupported_reason(model) is None
+    toks = _tokens(model.config, 30)
+    ref = cpu_logits(model, toks, 20)
+    result = compare(device_logits(DeviceForward(ops=NumpyOps()), model, toks, 20), ref,
+                     jitter_effect(model, toks, 20, ref))
+    assert result.ok, str(result)
 
 
 def test_gemma3_from_its_checkpoint_matches_the_cpu_within_its_window() -> None:
