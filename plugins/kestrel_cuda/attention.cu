@@ -1,7 +1,8 @@
 // Attention over the device KV cache: attn_decode (one query row, split over positions), attn_rows (a batch
 // of sequences' decode rows over the paged pool) and attn_prefill (causal, 16 query rows a block).
 
-// Decode attention (one query row at position meta[0], keys 0..meta[0]), split over positions.
+// Decode attention (one query row at position meta[0], keys 0..meta[0], or the last ``window`` of them),
+// split over positions.
 // Grid: x = H, y = NS splits; block 128 (4 warps). Each warp runs an online softmax over groups of AB
 // positions (their keys and values loaded together: AB x 2 x MAXJ loads in flight per lane); the block
 // merges its warps, writes (max, sum, acc[hd]) to part[h][split], and the last block of a head merges the
@@ -16,7 +17,7 @@ template <int NS, int MAXJ>
 __global__ void __launch_bounds__(AW * 32) attn_decode(
     const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
     int KV, int hd, float scale, const int* __restrict__ meta, float* __restrict__ part,
-    int* __restrict__ counters, float* __restrict__ out)
+    int* __restrict__ counters, float* __restrict__ out, int window)
 {
     grid_dep_launch();
     grid_dep_wait();
@@ -28,8 +29,9 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     const int h = blockIdx.x, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int len = meta[0] + 1;
-    const int chunk = (len + NS - 1) / NS;
-    const int pb = split * chunk;
+    const int lo = window > 0 ? max(0, len - window) : 0;  // a sliding window's first position
+    const int chunk = (len - lo + NS - 1) / NS;
+    const int pb = lo + split * chunk;
     const int pe = min(len, pb + chunk);
     const int kvh = h / (H / KV);
     const float* kb = kc + (size_t)kvh * cap * hd;
@@ -143,8 +145,8 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 }
 
 // ------------------------------------------------------------------------------------------------------
-// Batched decode attention over the paged pool: row blockIdx.y, at position rows[2y], sees keys 0..rows[2y] of
-// the sequence whose page table is tables[rows[2y + 1]] (rope.cuh kv_slot). blockIdx.z = part + parts * split:
+// Batched decode attention over the paged pool: row blockIdx.y, at position rows[2y], sees keys 0..rows[2y] (or
+// the last ``window`` of them) of the sequence whose page table is tables[rows[2y + 1]] (rope.cuh kv_slot). blockIdx.z = part + parts * split:
 // a block takes query heads part * NW .. part * NW + NW - 1 (NW = blockDim.x / 32 <= 8 warps, one a head) of
 // the G = H / KV heads of KV head blockIdx.x, over its split's share of the row's pages (``splits`` of them:
 // enough blocks when the batch is small), so each page of keys and values is read from memory once for them:
@@ -161,7 +163,7 @@ template <int HD>
 __global__ void __launch_bounds__(256) attn_rows(
     const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
     int KV, int hd_arg, float scale, const int* __restrict__ rows, const int* __restrict__ tables, int tb,
-    float* __restrict__ out, int splits, float* __restrict__ part, int* __restrict__ counters)
+    float* __restrict__ out, int splits, float* __restrict__ part, int* __restrict__ counters, int window)
 {
     grid_dep_launch();
     grid_dep_wait();
@@ -176,13 +178,15 @@ __global__ void __launch_bounds__(256) attn_rows(
     float* vs = ks + 2 * PT * ldk;          // [2][PT][hd]
     float* qs = vs + 2 * PT * hd;           // [NW][hd], scaled
     const int len = rows[2 * row] + 1;
+    const int lo = window > 0 ? max(0, len - window) : 0;  // a sliding window's first position
     const int* table = tables + (size_t)rows[2 * row + 1] * tb;
     const float* kb = kc + (size_t)kvh * cap * hd;
     const float* vb = vc + (size_t)kvh * cap * hd;
     const float* qr = q + (size_t)row * H * hd + (size_t)(kvh * G + g0) * hd;
     for (int i = threadIdx.x; i < heads * hd; i += blockDim.x) qs[i] = qr[i] * scale;
-    const int per = ((len + PT - 1) / PT + splits - 1) / splits;  // pages of a split
-    const int pb = split * per, pages = min((len + PT - 1) / PT, pb + per);
+    const int p0 = lo / PT;                 // the first page holding a visible position
+    const int per = ((len + PT - 1) / PT - p0 + splits - 1) / splits;  // pages of a split
+    const int pb = p0 + split * per, pages = min((len + PT - 1) / PT, pb + per);
     const int hd4 = hd / 4;
     auto load = [&](int t, int buf) {       // page t, zero-filled past len
         const size_t base = (size_t)kv_slot(table, t * PT) * hd;
@@ -215,8 +219,9 @@ __global__ void __launch_bounds__(256) attn_rows(
             sc = fmaf(qq.x, kk.x, sc); sc = fmaf(qq.y, kk.y, sc); sc = fmaf(qq.z, kk.z, sc);
             sc = fmaf(qq.w, kk.w, sc);
         }
-        const bool valid = p < len;
-        const float mn = fmaxf(mx, warp_max(valid ? sc : NEG_INF));  // position t * PT < len: finite
+        const bool valid = p < len && p >= lo;
+        // some position of every page from p0 on is visible (lo < (p0 + 1) * PT, t * PT < len): mn is finite
+        const float mn = fmaxf(mx, warp_max(valid ? sc : NEG_INF));
         const float corr = expf(mx - mn);
         const float e = valid ? expf(sc - mn) : 0.f;
         l = l * corr + warp_sum(e);
@@ -296,7 +301,8 @@ __global__ void __launch_bounds__(256) attn_rows(
 }
 
 // ------------------------------------------------------------------------------------------------------
-// Prefill attention: rows m of q at positions meta[0] + m see keys 0..meta[0] + m (causal). 16 query rows
+// Prefill attention: rows m of q at positions meta[0] + m see keys 0..meta[0] + m (causal; with ``window``,
+// the last ``window`` of them). 16 query rows
 // per block (two per warp), so each key/value tile staged in shared memory (PT positions) serves 16
 // queries, and 16-byte shared-memory reads: lane j scores key j against both of its warp's queries, then
 // accumulates its chunks of 4 consecutive dimensions of each. hd % 4 == 0, hd <= 256.
@@ -304,7 +310,7 @@ __global__ void __launch_bounds__(256) attn_rows(
 #define PQ2 16
 extern "C" __global__ void __launch_bounds__(256) attn_prefill(
     const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
-    int KV, int hd, float scale, const int* __restrict__ meta, int M, float* __restrict__ out)
+    int KV, int hd, float scale, const int* __restrict__ meta, int M, float* __restrict__ out, int window)
 {
     grid_dep_launch();
     grid_dep_wait();
@@ -319,6 +325,8 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill(
     const int pos0 = meta[0];
     const int pmax = pos0 + min(M - 1, r0 + PQ2 - 1);
     const int pa = pos0 + ma, pbq = pos0 + mb;
+    const int loa = window > 0 ? pa - window + 1 : 0, lob = loa + 1;  // the rows' sliding windows' first keys
+    const int first = window > 0 ? max(0, pos0 + r0 - window + 1) : 0;  // the block's first row's first key
     const int kvh = h / (H / KV);
     const float* kb = kc + (size_t)kvh * cap * hd;
     const float* vb = vc + (size_t)kvh * cap * hd;
@@ -331,7 +339,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill(
     float mxa = NEG_INF, mxb = NEG_INF, la = 0.f, lb = 0.f;
     const float4* qa4 = reinterpret_cast<const float4*>(qs + (2 * warp) * hd);
     const float4* qb4 = reinterpret_cast<const float4*>(qs + (2 * warp + 1) * hd);
-    for (int t0 = 0; t0 <= pmax; t0 += PT) {
+    for (int t0 = first / PT * PT; t0 <= pmax; t0 += PT) {
         __syncthreads();
         for (int i = threadIdx.x; i < PT * hd; i += 256) {
             const int r = i / hd, d = i - r * hd;
@@ -351,18 +359,18 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill(
             da += xa.x * kk.x; da += xa.y * kk.y; da += xa.z * kk.z; da += xa.w * kk.w;
             db += xb.x * kk.x; db += xb.y * kk.y; db += xb.z * kk.z; db += xb.w * kk.w;
         }
-        const bool va = p <= pa, vbk = mb < M && p <= pbq;
+        const bool va = p <= pa && p >= loa, vbk = mb < M && p <= pbq && p >= lob;
         const float sa = va ? da : NEG_INF, sb = vbk ? db : NEG_INF;
-        // row a: every tile the loop reaches has key t0 <= pa unless t0 > pa
+        // a row updates only on a tile holding one of its keys (then its max is finite)
         float ea = 0.f, eb = 0.f, corr_a = 1.f, corr_b = 1.f;
-        if (t0 <= pa) {
+        if (t0 <= pa && t0 + PT > loa) {
             const float mn = fmaxf(mxa, warp_max(sa));
             corr_a = expf(mxa - mn);
             ea = va ? expf(sa - mn) : 0.f;
             la = la * corr_a + warp_sum(ea);
             mxa = mn;
         }
-        if (mb < M) {
+        if (mb < M && t0 + PT > lob) {
             const float mn = fmaxf(mxb, warp_max(sb));
             corr_b = expf(mxb - mn);
             eb = vbk ? expf(sb - mn) : 0.f;

@@ -502,7 +502,7 @@ class DeviceForward:
             if rope is None:
                 ops.qkv_rope(st.qkv[:m], heads, kv_heads, hd, layer.q_norm, layer.k_norm, eps, layer.cos, layer.sin,
                              st.meta, st.q[:m], kc, vc, **at)
-            ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m], **at)
+            ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m], **at, window=c.window_of(i) or 0)
             self._residual(w.o, st.attn[:m], PRO_PLAIN, 0, layer.post_attn_norm, st, m, eps, ssq)
             for lin in w.gate_up:
                 ops.gemv(lin, h, PRO_RMSNORM, layer.mlp_norm, eps, 0, st.gu[:m, lin.col:lin.col + lin.n],

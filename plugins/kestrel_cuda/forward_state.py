@@ -173,8 +173,7 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
     up, zeros = ops.upload, ops.zeros
     d, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
     nq, nkv = c.num_heads * hd, c.num_kv_heads * hd
-    # within its sliding window a position sees every earlier one: the device runs a window's worth, then declines
-    max_context = min(c.max_position, max_context, c.sliding_window or c.max_position)
+    max_context = min(c.max_position, max_context)
     tables: dict[str, tuple[Any, Any]] = {}  # a RoPE's tables, uploaded once for every layer that has it
     layers = []
     for i, lw in enumerate(model.layers):

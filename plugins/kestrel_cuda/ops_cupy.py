@@ -338,9 +338,10 @@ class CupyOps:
                     name="qkv_rope")
 
     def attention(self, q: Any, kc: Any, vc: Any, heads: int, hd: int, scale: float, meta: Any,
-                  out: Any, rows: Any = None, tables: Any = None) -> None:
+                  out: Any, rows: Any = None, tables: Any = None, window: int = 0) -> None:
         """``rows``/``tables`` as ``qkv_rope``'s: each row attends over its own sequence (attn_rows: a
-        block per row and KV head); else one sequence's rows at meta[0]..: decode (M = 1) or causal prefill."""
+        block per row and KV head); else one sequence's rows at meta[0]..: decode (M = 1) or causal prefill.
+        ``window`` > 0: a row sees only the last ``window`` positions (itself included)."""
         m = q.shape[0]
         kv_heads, cap = kc.shape[0], kc.shape[1]
         if rows is not None:
@@ -354,18 +355,18 @@ class CupyOps:
             self.launch(fn, (kv_heads, m, parts * splits), (32 * warps,),
                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                          np.float32(scale), _ptr(rows), _ptr(tables), _i32(tables.shape[1]), _ptr(out),
-                         _i32(splits), _ptr(self.attn_part), _ptr(self.attn_counters)),
+                         _i32(splits), _ptr(self.attn_part), _ptr(self.attn_counters), _i32(window)),
                         _attn_rows_smem(hd, warps), name="attn_rows")
             return
         if m == 1:
             self.launch(self._attn_decode[4 if hd <= 128 else 8], (heads, ATTN_SPLITS, 1), (128,),
                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                          np.float32(scale), _ptr(meta), _ptr(self.attn_part), _ptr(self.attn_counters),
-                         _ptr(out)), name="attn_decode")
+                         _ptr(out), _i32(window)), name="attn_decode")
             return
         self.launch(self._fn["attn_prefill"], (heads, -(-m // 16)), (256,),
                     (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
-                     np.float32(scale), _ptr(meta), _i32(m), _ptr(out)), _attn_prefill_smem(hd),
+                     np.float32(scale), _ptr(meta), _i32(m), _ptr(out), _i32(window)), _attn_prefill_smem(hd),
                     name="attn_prefill")
 
     def _grow_attn_scratch(self, floats: int, counters: int) -> None:

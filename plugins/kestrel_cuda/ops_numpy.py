@@ -190,13 +190,14 @@ class NumpyOps:
 
     def attention(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, heads: int, hd: int, scale: float,
                   meta: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None,
-                  tables: np.ndarray | None = None) -> None:
+                  tables: np.ndarray | None = None, window: int = 0) -> None:
         def fn() -> None:
             m = q.shape[0]
             pos, slots = _row_slots(m, meta, rows, tables)
             g = heads // kc.shape[0]
             for r in range(m):
-                cache = slots[r][:pos[r] + 1]  # cache rows of positions 0..pos
+                lo = max(0, pos[r] + 1 - window) if window > 0 else 0
+                cache = slots[r][lo:pos[r] + 1]  # cache rows of positions lo..pos
                 qh = q[r].reshape(heads, hd) * np.float32(scale)
                 for h in range(heads):
                     s = kc[h // g, cache] @ qh[h]  # [n]

@@ -71,6 +71,14 @@ def _check(model, toks, n_prefill, got):  # type: ignore[no-untyped-def]
     return result
 
 
+@pytest.mark.parametrize("n_prefill", [8, 20])
+def test_a_sliding_window_matches_the_cpu(n_prefill, stream, gemm) -> None:  # type: ignore[no-untyped-def]
+    """Mistral with a window of 12: attn_prefill within and past it, then captured attn_decode steps past it."""
+    model = synthetic_model(replace(SMALL_CONFIGS["llama"], arch="mistral", sliding_window=12), "q8", seed=3)
+    toks = _tokens(model.config, 40)
+    _check(model, toks, n_prefill, device_logits(DeviceForward(stream=stream, gemm=gemm), model, toks, n_prefill))
+
+
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("arch", list(SMALL_CONFIGS))
 def test_prefill_and_decode_logits_match_the_cpu(arch, quant, stream, gemm) -> None:  # type: ignore[no-untyped-def]

@@ -66,8 +66,8 @@ def test_comparison_catches_a_wrong_forward() -> None:
     """The tolerance is tight enough to fail: a 10% error in the attention scale is far outside it."""
 
     class WrongScale(NumpyOps):
-        def attention(self, q, kc, vc, heads, hd, scale, meta, out):  # type: ignore[no-untyped-def]
-            super().attention(q, kc, vc, heads, hd, scale * 1.1, meta, out)
+        def attention(self, q, kc, vc, heads, hd, scale, meta, out, **kw):  # type: ignore[no-untyped-def]
+            super().attention(q, kc, vc, heads, hd, scale * 1.1, meta, out, **kw)
 
     model = synthetic_model(CONFIGS["qwen3"], "q8", seed=3)
     toks = _tokens(model.config, 40)
@@ -547,17 +547,26 @@ def test_k_splits_never_exceed_the_merge_slots() -> None:
         assert plan.plan_ksplit(lin, 10**6) == min(lin.chunks, plan.MERGE_SPLITS)
 
 
-def test_a_sliding_window_caps_the_device_context() -> None:
-    """Mistral's window: within it every earlier position is seen, so the device forward runs (and matches
-    the CPU); a step past it is declined, and the engine's host path, which applies the window, takes over."""
+@pytest.mark.parametrize("n_prefill", [8, 20])
+def test_a_sliding_window_on_the_device_matches_the_cpu(n_prefill: int) -> None:
+    """Mistral's window of 12: a prefill within it or past it (the prefill attention's first tile starts at the
+    window), then decode steps past it: the CPU decoder's logits, which apply the window, within the band;
+    the same without the window leaves it."""
     cfg = replace(CONFIGS["llama"], arch="mistral", sliding_window=12)
     model = synthetic_model(cfg, "q8", seed=3)
-    toks = _tokens(model.config, 12)
-    ref = cpu_logits(model, toks, 8)
+    toks = _tokens(model.config, 40)
+    ref = cpu_logits(model, toks, n_prefill)
     fwd = DeviceForward(ops=NumpyOps())
-    result = compare(device_logits(fwd, model, toks, 8), ref, jitter_effect(model, toks, 8, ref))
+    result = compare(device_logits(fwd, model, toks, n_prefill), ref, jitter_effect(model, toks, n_prefill, ref))
     assert result.ok, str(result)
-    assert fwd.forward(model, 1, toks[:1], 12, False) is None and "beyond the device maximum 12" in fwd.last_decline
+
+    class NoWindow(NumpyOps):
+        def attention(self, *args, **kw):  # type: ignore[no-untyped-def]
+            super().attention(*args, **{**kw, "window": 0})
+
+    wrong = compare(device_logits(DeviceForward(ops=NoWindow()), model, toks, n_prefill), ref,
+                    jitter_effect(model, toks, n_prefill, ref))
+    assert not wrong.ok, str(wrong)
 
 
 class _NoPostNorm(NumpyOps):
@@ -598,20 +607,19 @@ def test_a_head_dim_of_256_matches_the_cpu() -> None:
     assert result.ok, str(result)
 
 
-def test_gemma3_from_its_checkpoint_matches_the_cpu_within_its_window() -> None:
+def test_gemma3_from_its_checkpoint_matches_the_cpu() -> None:
     """tiny-gemma3 as transformers wrote it (sliding window 8, five sliding layers and a full one with their own
-    RoPE, query_pre_attn_scalar, tied embedding): the device forward over its 8 positions is the CPU decoder's
-    within the band, and a ninth position is declined to the host path, which applies the window."""
+    RoPE, query_pre_attn_scalar, tied embedding): a prefill past the window and decode steps, the CPU
+    decoder's logits within the band."""
     from kestrel_core.model.loader import load_model
 
     model = load_model(str(FIXTURES / "tiny-gemma3"), "q8", cache="off").model
     assert unsupported_reason(model) is None
-    toks = _tokens(model.config, 8)
-    ref = cpu_logits(model, toks, 5)
+    toks = _tokens(model.config, 24)
+    ref = cpu_logits(model, toks, 13)
     fwd = DeviceForward(ops=NumpyOps())
-    result = compare(device_logits(fwd, model, toks, 5), ref, jitter_effect(model, toks, 5, ref))
+    result = compare(device_logits(fwd, model, toks, 13), ref, jitter_effect(model, toks, 13, ref))
     assert result.ok, str(result)
-    assert fwd.forward(model, 1, toks[:1], 8, False) is None and "beyond the device maximum 8" in fwd.last_decline
 
 
 @pytest.mark.parametrize(("fixture", "why"), [("tiny-qwen3-moe", "architecture 'qwen3_moe'"),
