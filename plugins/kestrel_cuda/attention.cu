@@ -325,7 +325,8 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill(
     const int pos0 = meta[0];
     const int pmax = pos0 + min(M - 1, r0 + PQ2 - 1);
     const int pa = pos0 + ma, pbq = pos0 + mb;
-    const int loa = window > 0 ? pa - window + 1 : 0, lob = loa + 1;  // the rows' sliding windows' first keys
+    const int loa = window > 0 ? pa - window + 1 : 0;  // the rows' sliding windows' first keys
+    const int lob = window > 0 ? loa + 1 : 0;
     const int first = window > 0 ? max(0, pos0 + r0 - window + 1) : 0;  // the block's first row's first key
     const int kvh = h / (H / KV);
     const float* kb = kc + (size_t)kvh * cap * hd;
