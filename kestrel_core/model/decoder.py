@@ -300,7 +300,7 @@ def _silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 SQRT_2_OVER_PI = np.float32(0.7978845608028654)
 
 
-def _gelu_tanh_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+def gelu_tanh_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """gelu_tanh(gate) * up in place in ``gate`` [M, F]: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), as
     torch's gelu(approximate="tanh") (Gemma's GeGLU); element-wise numpy, the same bits for any M."""
     t = gate * gate
@@ -316,4 +316,4 @@ def _gelu_tanh_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return gate
 
 
-_ACTIVATIONS = {"silu": _silu_mul, "gelu_tanh": _gelu_tanh_mul}
+_ACTIVATIONS = {"silu": _silu_mul, "gelu_tanh": gelu_tanh_mul}

@@ -3,6 +3,7 @@
 //
 // NVRTC compiles it with --fmad=false, so every float expression rounds exactly as written (the CPU decoder's
 // numpy order where it matters: rmsnorm x / sqrt(ms + eps) * w, RoPE x1*c - x2*s, silu g / (1 + exp(-g)) * u,
+// gelu_tanh below,
 // Q8_0 round-half-away codes).
 //
 // Layouts (float32 unless said):
@@ -32,6 +33,20 @@ __device__ __forceinline__ void grid_dep_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// gelu_tanh(g) * u in the CPU decoder's order: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) * u (Gemma's
+// GeGLU); tanhf's last bits may differ from numpy's tanh.
+__device__ __forceinline__ float gelu_tanh_mul(float g, float u) {
+    float t = g * g;
+    t = t * g;
+    t = t * 0.044715f;
+    t = t + g;
+    t = t * 0.7978845608028654f;
+    t = tanhf(t);
+    t = t + 1.f;
+    t = t * 0.5f;
+    return g * t * u;
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

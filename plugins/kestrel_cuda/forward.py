@@ -73,31 +73,35 @@ from kestrel_cuda.plan import (
     EPI_ADD,
     EPI_STORE,
     MAX_HEAD_DIM,
+    PRO_GELU_MUL,
     PRO_PLAIN,
     PRO_RMSNORM,
     PRO_SILU_MUL,
     TILE_N,
     TOKEN_RING,
+    Lin,
     QkvRope,
     head_scale,
 )
 
 CAP_CHUNK = 1024  # KV positions are allocated this many at a time
-DEVICE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+DEVICE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3")
 
 
 def unsupported_reason(model: Model) -> str | None:
     """Why the device forward cannot run ``model`` (None: it can): the decoders it knows are Llama, Qwen2,
-    Qwen3, Mistral and Phi-3; Gemma 3 and the mixtures of experts run through the GEMM hooks."""
+    Qwen3, Mistral, Phi-3 and Gemma 3 (post-norms, GeGLU, scaled embeddings and queries, a RoPE per layer
+    kind; sliding windows through the context cap of ``build_state``); Gemma 2's soft caps and the mixtures of
+    experts run through the GEMM hooks."""
     c = model.config
     if c.arch not in DEVICE_ARCHITECTURES:
         return f"architecture {c.arch!r}"
     if c.is_moe:
         return "mixture of experts"
-    if c.post_norms or c.activation != "silu" or c.embed_scale != 1.0 or c.query_scale is not None:
-        return "Gemma-style norms, activation or scales"
-    if c.layer_types or c.rope_local_theta is not None:
-        return "per-layer attention windows or RoPE"
+    if c.attn_softcap is not None or c.final_softcap is not None:
+        return "attention or logit soft caps"
+    if c.activation not in ("silu", "gelu_tanh"):
+        return f"activation {c.activation!r}"
     if c.head_dim % 4 or c.head_dim > MAX_HEAD_DIM:
         return f"head_dim {c.head_dim} (needs a multiple of 4 <= {MAX_HEAD_DIM})"
     if c.num_kv_heads <= 0 or c.num_heads % c.num_kv_heads:
@@ -475,10 +479,11 @@ class DeviceForward:
         ops, c = self.ops, st.config
         eps = float(c.rms_norm_eps)
         hd, heads, kv_heads, f = c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size
-        scale = head_scale(hd)
+        scale = head_scale(hd) if c.query_scale is None else float(np.float32(c.query_scale))
+        act = PRO_GELU_MUL if c.activation == "gelu_tanh" else PRO_SILU_MUL
         h = st.h[:m]
         ssq = st.ssq if m == 1 else None  # h's tile sums: left by its writers, read by the norms
-        ops.embed(st.emb_codes, st.emb_scales, st.emb_group, st.ids, h, ssq)
+        ops.embed(st.emb_codes, st.emb_scales, st.emb_group, st.ids, h, ssq, c.embed_scale)
         for i, layer in enumerate(st.layers):
             if self.layer_boundary is not None:
                 self.layer_boundary(i)
@@ -488,21 +493,21 @@ class DeviceForward:
             at = {} if pool is None else {"rows": pool.rows, "tables": pool.tables}
             rope = None  # qkv_rope's work in the q|k|v GEMV's epilogue: one head per column tile
             if m == 1 and pool is None and self.fuse_rope and hd == TILE_N and len(w.qkv) == 1:
-                rope = QkvRope(heads, kv_heads, layer.q_norm, layer.k_norm, eps, st.cos, st.sin, st.meta, st.q[:1],
-                               kc, vc)
+                rope = QkvRope(heads, kv_heads, layer.q_norm, layer.k_norm, eps, layer.cos, layer.sin, st.meta,
+                               st.q[:1], kc, vc)
             for lin in w.qkv:
                 bias = None if layer.qkv_bias is None else layer.qkv_bias[lin.col:lin.col + lin.n]
                 ops.gemv(lin, h, PRO_RMSNORM, layer.attn_norm, eps, 0, st.qkv[:m, lin.col:lin.col + lin.n],
                          EPI_STORE, bias, ssq_in=ssq, rope=rope)
             if rope is None:
-                ops.qkv_rope(st.qkv[:m], heads, kv_heads, hd, layer.q_norm, layer.k_norm, eps, st.cos, st.sin,
+                ops.qkv_rope(st.qkv[:m], heads, kv_heads, hd, layer.q_norm, layer.k_norm, eps, layer.cos, layer.sin,
                              st.meta, st.q[:m], kc, vc, **at)
-            ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m], **at)
-            ops.gemv(w.o, st.attn[:m], PRO_PLAIN, None, eps, 0, h, EPI_ADD, None, ssq_out=ssq)
+            ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m], **at, window=c.window_of(i) or 0)
+            self._residual(w.o, st.attn[:m], PRO_PLAIN, 0, layer.post_attn_norm, st, m, eps, ssq)
             for lin in w.gate_up:
                 ops.gemv(lin, h, PRO_RMSNORM, layer.mlp_norm, eps, 0, st.gu[:m, lin.col:lin.col + lin.n],
                          EPI_STORE, None, ssq_in=ssq)
-            ops.gemv(w.down, st.gu[:m], PRO_SILU_MUL, None, eps, f, h, EPI_ADD, None, ssq_out=ssq)
+            self._residual(w.down, st.gu[:m], act, f, layer.post_mlp_norm, st, m, eps, ssq)
         if rows:
             lm = st.lm_head or self.projections.lm_head(st.model)
             out = st.logits_all[:rows] if rows > 1 else st.logits
@@ -513,6 +518,15 @@ class DeviceForward:
             ops.gemv(lm, src, PRO_RMSNORM, st.final_norm, eps, 0, out, EPI_STORE, None, ssq_in=ssq)
             if m == 1 and pool is None:  # the next step's token and position, on the device (pipelined greedy)
                 ops.greedy_token(st.logits, st.finish, st.meta, seq.capacity, st.tokens)
+
+    def _residual(self, lin: Lin, x: Any, pro: int, xoff: int, post_norm: Any, st: State, m: int, eps: float,
+                  ssq: Any) -> None:
+        """h += lin(prologue(x)), or h += rmsnorm(lin(prologue(x)), post_norm) (Gemma's post-norms)."""
+        if post_norm is None:
+            self.ops.gemv(lin, x, pro, None, eps, xoff, st.h[:m], EPI_ADD, None, ssq_out=ssq)
+            return
+        self.ops.gemv(lin, x, pro, None, eps, xoff, st.out[:m], EPI_STORE, None)
+        self.ops.norm_add(st.out[:m], post_norm, eps, st.h[:m], ssq_out=ssq)
 
     # -- sequences -----------------------------------------------------------------------------------
 

@@ -40,6 +40,10 @@ class Layer:
     q_norm: Any
     k_norm: Any
     qkv_bias: Any
+    cos: Any  # this layer's RoPE tables [positions, hd/2] (one pair per distinct RoPE of the model)
+    sin: Any
+    post_attn_norm: Any = None  # Gemma: RMSNorm of the attention's and the MLP's outputs before the residual add
+    post_mlp_norm: Any = None
     weights: LayerLins | None = None  # None when fetched per step (residency window)
 
 
@@ -56,10 +60,9 @@ class State:
     final_norm: Any
     layers: list[Layer]
     lm_head: Lin | None
-    cos: Any
-    sin: Any
     meta: Any  # int32 [1 + PREFILL_CHUNK]: position, then token ids
     h: Any
+    out: Any  # [PREFILL_CHUNK, D]: the o and down projections' outputs where a post-norm follows (Gemma)
     ssq: Any  # float32 [ceil(D / 32)]: h's sums of squares per 32 columns, M = 1 (forward.cuh)
     qkv: Any
     q: Any
@@ -77,10 +80,11 @@ class State:
         return self.meta[1:]
 
 
-def rope_tables(config: Any, positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [positions, hd/2] float32 of angle = position * inv_freq, as the CPU decoder computes them
-    (float32 positions times the decoder's float32 inverse frequencies, llama3 scaling included)."""
-    freqs = np.arange(positions, dtype=np.float32)[:, None] * rope_inv_freq(config)[None, :]
+def rope_tables(config: Any, positions: int, layer: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [positions, hd/2] float32 of angle = position * inv_freq of ``layer``'s RoPE (None: the model's),
+    as the CPU decoder computes them (float32 positions times its float32 inverse frequencies, scaling
+    included)."""
+    freqs = np.arange(positions, dtype=np.float32)[:, None] * rope_inv_freq(config, layer)[None, :]
     return np.cos(freqs), np.sin(freqs)
 
 
@@ -169,23 +173,27 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
     up, zeros = ops.upload, ops.zeros
     d, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
     nq, nkv = c.num_heads * hd, c.num_kv_heads * hd
-    # within its sliding window a position sees every earlier one: the device runs a window's worth, then declines
-    max_context = min(c.max_position, max_context, c.sliding_window or c.max_position)
-    cos, sin = rope_tables(c, max_context)
+    max_context = min(c.max_position, max_context)
+    tables: dict[str, tuple[Any, Any]] = {}  # a RoPE's tables, uploaded once for every layer that has it
     layers = []
-    for lw in model.layers:
+    for i, lw in enumerate(model.layers):
+        key = repr(c.rope_of(i))
+        if key not in tables:
+            cos, sin = rope_tables(c, max_context, i)
+            tables[key] = (up(cos), up(sin))
         bias = None
         if lw.q_bias is not None:
             bias = up(np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias]).astype(np.float32))
-        layers.append(Layer(up(lw.attn_norm), up(lw.mlp_norm),
-                            None if lw.q_norm is None else up(lw.q_norm),
-                            None if lw.k_norm is None else up(lw.k_norm), bias))
+        optional = [None if w is None else up(w) for w in (lw.q_norm, lw.k_norm, lw.post_attn_norm, lw.post_mlp_norm)]
+        layers.append(Layer(up(lw.attn_norm), up(lw.mlp_norm), optional[0], optional[1], bias, *tables[key],
+                            optional[2], optional[3]))
     emb = model.embedding
     t = PREFILL_CHUNK
     st = State(model=model, config=c, max_context=max_context, emb_codes=up(emb.codes),
                emb_scales=up(emb.scales), emb_group=emb.group_size, final_norm=up(model.final_norm),
-               layers=layers, lm_head=None, cos=up(cos), sin=up(sin),
-               meta=zeros(1 + t, np.int32), h=zeros((t, d), np.float32), ssq=zeros(ssq_count(d), np.float32),
+               layers=layers, lm_head=None,
+               meta=zeros(1 + t, np.int32), h=zeros((t, d), np.float32),
+               out=zeros((t, d), np.float32) if c.post_norms else None, ssq=zeros(ssq_count(d), np.float32),
                qkv=zeros((t, nq + 2 * nkv), np.float32), q=zeros((t, nq), np.float32),
                attn=zeros((t, nq), np.float32), gu=zeros((t, 2 * f), np.float32),
                finish=(zeros(-(-c.vocab_size // FINISH_COLS), np.float32),

@@ -56,7 +56,8 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 // Quantized GEMV / small-M GEMM with the activation prologue fused in.
 //
 // out[m][n] = sum_g (sum_{k in g} Aq[m][k] Wq[k][n]) * a_scale[m][g] * w_scale[g][n]   (integer block sums)
-// where A = prologue(X): pro 0: X; pro 1: rmsnorm(X, pw, eps); pro 2: silu(X[:, k]) * X[:, k + xoff],
+// where A = prologue(X): pro 0: X; pro 1: rmsnorm(X, pw, eps); pro 2: silu(X[:, k]) * X[:, k + xoff]; pro 3:
+// gelu_tanh(X[:, k]) * X[:, k + xoff],
 // quantized per G-block exactly as contract.quantize_activations.
 // Grid: x = column tiles of TN, y = K splits (chunks of KC strided by gridDim.y), z = row blocks of MR.
 // A chunk is 256 rows, one 32-row slot a warp (int8: 32 KB, int4: 16 KB). int4 chunks of 512 rows (two slots
@@ -141,14 +142,14 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
             grid_dep_wait();                    // X (and the epoch) come from the kernels before this one
             if (tagged) epoch = __ldcg(epochs + blockIdx.x);
         }
-        // MR = 1: the thread's input (and SiLU*up's up value), loaded before the norm's sums and the barrier
+        // MR = 1: the thread's input (and the gated activation's up value), loaded before the norm's sums and the barrier
         // below, so that the round trips overlap (measured 100-130 us per q4 step faster). Through L2
         // (ld.global.cg): a plain load of this const __restrict__ row compiles to ld.global.nc, which may be
         // scheduled above griddepcontrol.wait and read the previous step's values (measured: wrong logits).
         constexpr bool early = MR == 1;
         const bool eok = early && m0 < M && k0 + tid < K;
         const float xe = eok ? __ldcg(X + (size_t)m0 * ldx + k0 + tid) : 0.f;
-        const float ue = eok && pro == 2 ? __ldcg(X + (size_t)m0 * ldx + k0 + tid + xoff) : 0.f;
+        const float ue = eok && pro >= 2 ? __ldcg(X + (size_t)m0 * ldx + k0 + tid + xoff) : 0.f;
         if (pro == 1 && c == (int)blockIdx.y && ssq_in) {  // M = 1: from the tile sums
             r1 = rms_from_tiles(ssq_in, K, eps);  // every warp: s_r is not needed (ssq_in implies MR = 1)
         } else if (pro == 1 && c == (int)blockIdx.y) {
@@ -179,6 +180,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
                     v = xk / (MR == 1 && ssq_in ? r1 : s_r[i]) * pwv;
                 } else if (pro == 2) {
                     v = xk / (1.f + expf(-xk)) * (early ? ue : xr[k + xoff]);
+                } else if (pro == 3) {
+                    v = gelu_tanh_mul(xk, early ? ue : xr[k + xoff]);
                 } else {
                     v = xk;
                 }

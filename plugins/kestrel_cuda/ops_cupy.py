@@ -32,18 +32,20 @@ from kestrel_cuda.plan import (
     tagged_merge,
 )
 
-ATTN_ROWS_HEAD_DIMS = (128, 64, 0)  # attn_rows instances: head_dim known at compile time, 0 any other
+ATTN_ROWS_HEAD_DIMS = (128, 64, 256, 0)  # attn_rows instances: head_dim known at compile time, 0 any other
+ATTN_DECODE_LANE_DIMS = (4, 8)  # attn_decode instances: a lane's dimensions (head_dim <= 128, <= 256)
 # (bits, G, MR): qgemv with MR rows per block: M = 1 (MR = 1) and, without a tiled GEMM, M > 1 (MR = 8)
 GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
 # extern "C" kernels: no name expression
-KERNELS = ("embed_rows", "qkv_rope", "attn_prefill", "add_rows", "lm_finish", "argmax_rows")
+KERNELS = ("embed_rows", "qkv_rope", "attn_prefill", "add_rows", "norm_add_rows", "lm_finish", "argmax_rows")
 Observer = Callable[[str, Callable[[], None]], None]
 
 
 def forward_kernel_names() -> list[str]:
     """The name expressions of every template kernel of the forward module (``FORWARD_SOURCES``)."""
     return ([f"qgemv<{b},{g},{mr}>" for b, g, mr in GEMV_VARIANTS]
-            + [f"attn_decode<{ATTN_SPLITS}>", "quantize_rows<32>", "quantize_rows<256>"]
+            + [f"attn_decode<{ATTN_SPLITS}, {j}>" for j in ATTN_DECODE_LANE_DIMS]
+            + ["quantize_rows<32>", "quantize_rows<256>"]
             + [f"attn_rows<{hd}>" for hd in ATTN_ROWS_HEAD_DIMS])
 
 
@@ -95,12 +97,13 @@ class CupyOps:
         self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
         mod = _module()
         self._gemv = {v: mod.get_function("qgemv<{},{},{}>".format(*v)) for v in GEMV_VARIANTS}
-        self._attn_decode = mod.get_function(f"attn_decode<{ATTN_SPLITS}>")
+        self._attn_decode = {j: mod.get_function(f"attn_decode<{ATTN_SPLITS}, {j}>") for j in ATTN_DECODE_LANE_DIMS}
         self._attn_rows = {hd: mod.get_function(f"attn_rows<{hd}>") for hd in ATTN_ROWS_HEAD_DIMS}
         for fn in self._attn_rows.values():
             fn.max_dynamic_shared_size_bytes = _attn_rows_smem(MAX_HEAD_DIM, ATTN_ROWS_WARPS)
         self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
         self._fn = {name: mod.get_function(name) for name in KERNELS}
+        self._fn["attn_prefill"].max_dynamic_shared_size_bytes = _attn_prefill_smem(MAX_HEAD_DIM)
         self.gemm = gemm
         self.on_launch = on_launch
         self.launches = 0
@@ -233,11 +236,19 @@ class CupyOps:
             fn(grid, block, args, shared_mem=smem)
 
     # kernels
-    def embed(self, codes: Any, scales: Any, group: int, ids: Any, h: Any, ssq_out: Any = None) -> None:
+    def embed(self, codes: Any, scales: Any, group: int, ids: Any, h: Any, ssq_out: Any = None,
+              mul: float = 1.0) -> None:
         m, d = h.shape
         self.launch(self._fn["embed_rows"], (-(-d // 256), m), (256,),
-                    (_ptr(codes), _ptr(scales), _i32(d), _i32(group), _ptr(ids), _ptr(h),
+                    (_ptr(codes), _ptr(scales), _i32(d), _i32(group), _ptr(ids), np.float32(mul), _ptr(h),
                      _ptr(ssq_out if m == 1 else None)), name="embed_rows")
+
+    def norm_add(self, x: Any, w: Any, eps: float, y: Any, ssq_out: Any = None) -> None:
+        """y += rmsnorm(x, w, eps) row by row (rows.cu norm_add_rows); ssq_out (M = 1): y's tile sums."""
+        m, d = x.shape
+        self.launch(self._fn["norm_add_rows"], (m,), (256,),
+                    (_ptr(x), _ld(x), _i32(d), _ptr(w), np.float32(eps), _ptr(y), _ld(y),
+                     _ptr(ssq_out if m == 1 else None)), name="norm_add_rows")
 
     def gemv(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
              bias: Any, ssq_in: Any = None, ssq_out: Any = None, rope: QkvRope | None = None) -> None:
@@ -327,9 +338,10 @@ class CupyOps:
                     name="qkv_rope")
 
     def attention(self, q: Any, kc: Any, vc: Any, heads: int, hd: int, scale: float, meta: Any,
-                  out: Any, rows: Any = None, tables: Any = None) -> None:
+                  out: Any, rows: Any = None, tables: Any = None, window: int = 0) -> None:
         """``rows``/``tables`` as ``qkv_rope``'s: each row attends over its own sequence (attn_rows: a
-        block per row and KV head); else one sequence's rows at meta[0]..: decode (M = 1) or causal prefill."""
+        block per row and KV head); else one sequence's rows at meta[0]..: decode (M = 1) or causal prefill.
+        ``window`` > 0: a row sees only the last ``window`` positions (itself included)."""
         m = q.shape[0]
         kv_heads, cap = kc.shape[0], kc.shape[1]
         if rows is not None:
@@ -343,19 +355,19 @@ class CupyOps:
             self.launch(fn, (kv_heads, m, parts * splits), (32 * warps,),
                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                          np.float32(scale), _ptr(rows), _ptr(tables), _i32(tables.shape[1]), _ptr(out),
-                         _i32(splits), _ptr(self.attn_part), _ptr(self.attn_counters)),
+                         _i32(splits), _ptr(self.attn_part), _ptr(self.attn_counters), _i32(window)),
                         _attn_rows_smem(hd, warps), name="attn_rows")
             return
         if m == 1:
-            self.launch(self._attn_decode, (heads, ATTN_SPLITS, 1), (128,),
+            self.launch(self._attn_decode[4 if hd <= 128 else 8], (heads, ATTN_SPLITS, 1), (128,),
                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                          np.float32(scale), _ptr(meta), _ptr(self.attn_part), _ptr(self.attn_counters),
-                         _ptr(out)), name="attn_decode")
+                         _ptr(out), _i32(window)), name="attn_decode")
             return
-        smem = (32 * (hd + 4) + 32 * hd + 16 * hd) * 4
         self.launch(self._fn["attn_prefill"], (heads, -(-m // 16)), (256,),
                     (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
-                     np.float32(scale), _ptr(meta), _i32(m), _ptr(out)), smem, name="attn_prefill")
+                     np.float32(scale), _ptr(meta), _i32(m), _ptr(out), _i32(window)), _attn_prefill_smem(hd),
+                    name="attn_prefill")
 
     def _grow_attn_scratch(self, floats: int, counters: int) -> None:
         """attn_rows' split scratch, grown in the eager step that precedes a batch graph's capture."""
@@ -368,6 +380,11 @@ class CupyOps:
         """dst[i] = src[index[i]] (the rows whose logits a batched step returns)."""
         with self.stream:
             self.cp.take(src, index, axis=0, out=dst)
+
+
+def _attn_prefill_smem(hd: int) -> int:
+    """attn_prefill's dynamic shared memory: a tile of keys (rows padded by 4) and values, 16 queries."""
+    return (32 * (hd + 4) + 32 * hd + 16 * hd) * 4
 
 
 def _attn_rows_smem(hd: int, warps: int) -> int:

@@ -17,8 +17,19 @@ from typing import Any
 import numpy as np
 
 from kestrel_core.contract import quantize_activations
+from kestrel_core.model.decoder import gelu_tanh_mul
 from kestrel_cuda.layout import unpack_kmajor
-from kestrel_cuda.plan import EPI_ADD, KV_BLOCK, PRO_RMSNORM, PRO_SILU_MUL, SSQ_COLS, Lin, QkvRope, ssq_count
+from kestrel_cuda.plan import (
+    EPI_ADD,
+    KV_BLOCK,
+    PRO_GELU_MUL,
+    PRO_RMSNORM,
+    PRO_SILU_MUL,
+    SSQ_COLS,
+    Lin,
+    QkvRope,
+    ssq_count,
+)
 
 
 def _prologue(x: np.ndarray, k: int, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
@@ -35,6 +46,8 @@ def _prologue(x: np.ndarray, k: int, pro: int, pw: np.ndarray | None, eps: float
         g = xv[:, :k]
         with np.errstate(over="ignore"):
             return g / (np.float32(1) + np.exp(-g)) * xv[:, xoff:xoff + k]
+    if pro == PRO_GELU_MUL:
+        return gelu_tanh_mul(xv[:, :k].copy(), xv[:, xoff:xoff + k])
     return xv[:, :k]
 
 
@@ -111,13 +124,21 @@ class NumpyOps:
 
     # kernels
     def embed(self, codes: np.ndarray, scales: np.ndarray, group: int, ids: np.ndarray, h: np.ndarray,
-              ssq_out: np.ndarray | None = None) -> None:
+              ssq_out: np.ndarray | None = None, mul: float = 1.0) -> None:
         def fn() -> None:
             tok = ids[:h.shape[0]].astype(np.int64)
             rows = codes[tok].astype(np.float32).reshape(len(tok), -1, group) * scales[tok][:, :, None]
-            h[...] = rows.reshape(len(tok), -1)
+            h[...] = rows.reshape(len(tok), -1) * np.float32(mul)
             if ssq_out is not None:
                 ssq_out[:ssq_count(h.shape[1])] = _row_ssq(h[0])
+        self._run(fn)
+
+    def norm_add(self, x: np.ndarray, w: np.ndarray, eps: float, y: np.ndarray,
+                 ssq_out: np.ndarray | None = None) -> None:
+        def fn() -> None:
+            y[...] = y + _prologue(x, x.shape[1], PRO_RMSNORM, w, eps, 0)
+            if ssq_out is not None:
+                ssq_out[:ssq_count(y.shape[1])] = _row_ssq(y[0])
         self._run(fn)
 
     def gemv(self, lin: Lin, x: np.ndarray, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
@@ -169,13 +190,14 @@ class NumpyOps:
 
     def attention(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, heads: int, hd: int, scale: float,
                   meta: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None,
-                  tables: np.ndarray | None = None) -> None:
+                  tables: np.ndarray | None = None, window: int = 0) -> None:
         def fn() -> None:
             m = q.shape[0]
             pos, slots = _row_slots(m, meta, rows, tables)
             g = heads // kc.shape[0]
             for r in range(m):
-                cache = slots[r][:pos[r] + 1]  # cache rows of positions 0..pos
+                lo = max(0, pos[r] + 1 - window) if window > 0 else 0
+                cache = slots[r][lo:pos[r] + 1]  # cache rows of positions lo..pos
                 qh = q[r].reshape(heads, hd) * np.float32(scale)
                 for h in range(heads):
                     s = kc[h // g, cache] @ qh[h]  # [n]

@@ -26,8 +26,8 @@ ATTN_SPLITS = 16  # position splits of decode attention (attn_decode<NS>): 16 me
 ATTN_ROWS_WARPS = 8  # query heads of one KV head that one attn_rows block takes, at most (a warp each)
 ATTN_ROWS_BLOCKS_PER_SM = 2  # attn_rows' grid target (three 4-warp blocks fit an SM's shared memory)
 ATTN_ROWS_MAX_SPLITS = 8
-MAX_HEAD_DIM = 128  # attention and qkv_rope keep hd/32 (<= 4) values per lane; attn_prefill tiles fit 48 KB
-PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL = 0, 1, 2
+MAX_HEAD_DIM = 256  # attention and qkv_rope keep hd/32 (<= 8) values a lane
+PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL, PRO_GELU_MUL = 0, 1, 2, 3  # prologues (gemv.cu, rows.cu)
 EPI_STORE, EPI_ADD = 0, 1
 KV_BLOCK = 32  # positions per block of the paged KV pool (rope.cuh KV_BLOCK): the engine's page size
 TOKEN_RING = 64  # greedy tokens kept in host memory by lm_finish, indexed by position modulo this

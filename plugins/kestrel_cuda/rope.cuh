@@ -38,10 +38,10 @@ __device__ __forceinline__ void rope_head(const QkvRope& qr, const float* src, i
     const float* nw = isq ? qr.qnorm : qr.knorm;
     const float* cs = qr.cosT + (size_t)pos * half;
     const float* sn = qr.sinT + (size_t)pos * half;
-    float x1[2], x2[2], c[2], s[2];
+    float x1[4], x2[4], c[4], s[4];     // pairs lane + 32 t (hd <= 256)
     float ss = 0.f;
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
+    for (int t = 0; t < 4; ++t) {
         const int i = lane + 32 * t;
         x1[t] = x2[t] = c[t] = s[t] = 0.f;
         if (i < half) { x1[t] = src[i]; x2[t] = src[i + half]; c[t] = cs[i]; s[t] = sn[i]; }
@@ -51,14 +51,14 @@ __device__ __forceinline__ void rope_head(const QkvRope& qr, const float* src, i
         ss = warp_sum(ss);
         const float r = sqrtf(ss / (float)hd + qr.eps);
 #pragma unroll
-        for (int t = 0; t < 2; ++t) {
+        for (int t = 0; t < 4; ++t) {
             const int i = lane + 32 * t;
             if (i < half) { x1[t] = x1[t] / r * nw[i]; x2[t] = x2[t] / r * nw[i + half]; }
         }
     }
     float* dst = isq ? qr.qout + (size_t)head * hd : qr.kc + ((size_t)kvh * qr.cap + slot) * hd;
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
+    for (int t = 0; t < 4; ++t) {
         const int i = lane + 32 * t;
         if (i < half) {
             dst[i] = x1[t] * c[t] - x2[t] * s[t];

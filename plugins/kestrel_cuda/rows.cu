@@ -1,9 +1,12 @@
-// Row kernels of the residual stream: embed_rows (the step's first kernel), and the prologue and epilogue
-// of prefill chunks that run the tiled GEMM (gemm_mma.cu): quantize_rows, add_rows.
+// Row kernels of the residual stream: embed_rows (the step's first kernel), the prologue and epilogue of
+// prefill chunks that run the tiled GEMM (gemm_mma.cu): quantize_rows, add_rows; and norm_add_rows (Gemma's
+// post-norms).
 
-// h[m][:] = dequantized embedding row of ids[m] (codes [V][D] int8, scales [V][D/G]).
+// h[m][:] = dequantized embedding row of ids[m] (codes [V][D] int8, scales [V][D/G]) times mul (Gemma's
+// sqrt(D); 1 elsewhere, an exact multiply).
 extern "C" __global__ void embed_rows(const signed char* __restrict__ codes, const float* __restrict__ scales, int D,
-                           int G, const int* __restrict__ ids, float* __restrict__ h, float* __restrict__ ssq_out)
+                           int G, const int* __restrict__ ids, float mul, float* __restrict__ h,
+                           float* __restrict__ ssq_out)
 {
     grid_dep_launch();
     grid_dep_wait();
@@ -12,7 +15,7 @@ extern "C" __global__ void embed_rows(const signed char* __restrict__ codes, con
     float v = 0.f;
     if (k < D) {
         const size_t tok = (size_t)ids[m];
-        v = (float)codes[tok * D + k] * scales[tok * (D / G) + k / G];
+        v = (float)codes[tok * D + k] * scales[tok * (D / G) + k / G] * mul;
         h[(size_t)m * D + k] = v;
     }
     const int w0 = k & ~31;                     // the warp's first column
@@ -44,6 +47,7 @@ __global__ void __launch_bounds__(NT) quantize_rows(
     if (k < K) {
         if (pro == 1) v = xr[k] / s_r * pw[k];
         else if (pro == 2) { const float g = xr[k]; v = g / (1.f + expf(-g)) * xr[k + xoff]; }
+        else if (pro == 3) v = gelu_tanh_mul(xr[k], xr[k + xoff]);
         else v = xr[k];
     }
     float amax = warp_max(fabsf(v));
@@ -74,4 +78,32 @@ extern "C" __global__ void add_rows(const float* __restrict__ T, int ldt, int M,
     if (bias) y = y + bias[n];
     float* dst = Y + (size_t)m * ldy + n;
     *dst = epi == 1 ? *dst + y : y;
+}
+
+// Y[m][:] += rmsnorm(X[m][:], w, eps): a post-norm on a projection's output before the residual add (Gemma),
+// X / sqrt(mean(X^2) + eps) * w as the CPU decoder computes it (a sum per row; here per block, then its
+// threads' partials in order). One block of NT threads per row; ssq_out (M = 1): Y's sums of squares per 32
+// columns (forward.cuh), each 32 columns being one warp's in one pass of the loop.
+extern "C" __global__ void __launch_bounds__(NT) norm_add_rows(
+    const float* __restrict__ X, int ldx, int D, const float* __restrict__ w, float eps, float* __restrict__ Y,
+    int ldy, float* __restrict__ ssq_out)
+{
+    grid_dep_launch();
+    grid_dep_wait();
+    __shared__ float s_red[NT / 32];
+    const int m = blockIdx.x, tid = threadIdx.x;
+    const float* xr = X + (size_t)m * ldx;
+    float* yr = Y + (size_t)m * ldy;
+    float ss = 0.f;
+    for (int k = tid; k < D; k += NT) { const float v = xr[k]; ss += v * v; }
+    const float r = sqrtf(block_sum(ss, s_red) / (float)D + eps);
+    for (int k0 = 0; k0 < D; k0 += NT) {
+        const int k = k0 + tid;
+        float y = 0.f;
+        if (k < D) {
+            y = yr[k] + xr[k] / r * w[k];
+            yr[k] = y;
+        }
+        if (ssq_out && (k & ~31) < D) store_warp_ssq(y, ssq_out, k & ~31);
+    }
 }

@@ -35,7 +35,9 @@ _LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_f
 
 # Small models of each family for the checks: llama (tied embedding, llama3 RoPE scaling, odd vocabulary so
 # lm_head N % 4 != 0), qwen2 (q/k/v bias; F=320 is not a multiple of 256, so g256 modes fall back to G=32
-# for down), qwen3 (q/k norm, head_dim 128 != D/H, one KV head). Every K is a multiple of 256 otherwise.
+# for down), qwen3 (q/k norm, head_dim 128 != D/H, one KV head), gemma3 (post-norms, GeGLU, scaled embedding
+# and queries, a sliding and a full layer with their own RoPE: the device runs the window's 64 positions).
+# Every K is a multiple of 256 otherwise.
 SMALL_CONFIGS: dict[str, ModelConfig] = {
     "llama": ModelConfig(arch="llama", vocab_size=509, hidden_size=256, intermediate_size=512, num_layers=2,
                          num_heads=8, num_kv_heads=2, head_dim=32, max_position=4096, tie_word_embeddings=True,
@@ -46,6 +48,12 @@ SMALL_CONFIGS: dict[str, ModelConfig] = {
     "qwen3": ModelConfig(arch="qwen3", vocab_size=512, hidden_size=256, intermediate_size=768, num_layers=2,
                          num_heads=4, num_kv_heads=1, head_dim=128, max_position=4096, qk_norm=True,
                          rope_theta=1e6),
+    "gemma3": ModelConfig(arch="gemma3", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+                          num_heads=4, num_kv_heads=2, head_dim=128, max_position=4096, qk_norm=True,
+                          tie_word_embeddings=True, sliding_window=64, layer_types=("sliding", "full"),
+                          rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 4.0},
+                          rope_local_theta=10000.0, query_scale=0.0625, embed_scale=16.0, activation="gelu_tanh",
+                          post_norms=True),
 }
 
 

@@ -71,6 +71,14 @@ def _check(model, toks, n_prefill, got):  # type: ignore[no-untyped-def]
     return result
 
 
+@pytest.mark.parametrize("n_prefill", [8, 20])
+def test_a_sliding_window_matches_the_cpu(n_prefill, stream, gemm) -> None:  # type: ignore[no-untyped-def]
+    """Mistral with a window of 12: attn_prefill within and past it, then captured attn_decode steps past it."""
+    model = synthetic_model(replace(SMALL_CONFIGS["llama"], arch="mistral", sliding_window=12), "q8", seed=3)
+    toks = _tokens(model.config, 40)
+    _check(model, toks, n_prefill, device_logits(DeviceForward(stream=stream, gemm=gemm), model, toks, n_prefill))
+
+
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("arch", list(SMALL_CONFIGS))
 def test_prefill_and_decode_logits_match_the_cpu(arch, quant, stream, gemm) -> None:  # type: ignore[no-untyped-def]
@@ -203,9 +211,10 @@ def test_chunked_gemv_with_several_chunks_per_block(quant, stream, gemm) -> None
     assert any(lin.chunks > lin.ksplit for lin in fwd._st.layers[0].weights.gate_up + [fwd._st.layers[0].weights.down])
 
 
-# qwen3 with 6 query heads per KV head (and head_dim 64)
+# qwen3 with 6 query heads per KV head (and head_dim 64); Gemma 3's head_dim of 256 (its 1B-12B)
 ATTN_CONFIGS = {**SMALL_CONFIGS, "qwen3-gqa6": replace(SMALL_CONFIGS["qwen3"], num_heads=12, num_kv_heads=2,
-                                                        head_dim=64, num_layers=1)}
+                                                        head_dim=64, num_layers=1),
+                "gemma3-hd256": replace(SMALL_CONFIGS["gemma3"], head_dim=256)}
 
 
 @pytest.mark.parametrize("arch", list(ATTN_CONFIGS))

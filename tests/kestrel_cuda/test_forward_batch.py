@@ -73,7 +73,7 @@ def test_the_cuda_backend_serves_concurrent_requests_in_batches(quant: str) -> N
 
 
 @pytest.mark.parametrize("heads,kv_heads,hd,copies", [(32, 8, 128, 1), (32, 8, 128, 8), (24, 2, 64, 1),
-                                                      (4, 4, 32, 1)])
+                                                      (4, 4, 32, 1), (8, 4, 256, 1), (16, 8, 256, 8)])
 def test_attn_rows_is_the_mirrors_attention(heads: int, kv_heads: int, hd: int, copies: int, stream) -> None:  # type: ignore[no-untyped-def]
     """attn_rows over a paged pool (pages scattered, lengths ending inside and at the end of a page, one row
     a page long, a group of 12 query heads split over two blocks; split over positions, with empty splits,

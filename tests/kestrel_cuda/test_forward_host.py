@@ -66,8 +66,8 @@ def test_comparison_catches_a_wrong_forward() -> None:
     """The tolerance is tight enough to fail: a 10% error in the attention scale is far outside it."""
 
     class WrongScale(NumpyOps):
-        def attention(self, q, kc, vc, heads, hd, scale, meta, out):  # type: ignore[no-untyped-def]
-            super().attention(q, kc, vc, heads, hd, scale * 1.1, meta, out)
+        def attention(self, q, kc, vc, heads, hd, scale, meta, out, **kw):  # type: ignore[no-untyped-def]
+            super().attention(q, kc, vc, heads, hd, scale * 1.1, meta, out, **kw)
 
     model = synthetic_model(CONFIGS["qwen3"], "q8", seed=3)
     toks = _tokens(model.config, 40)
@@ -156,7 +156,7 @@ def test_declines_bad_tokens_context_and_unsupported_models() -> None:
     assert fwd.forward(model, 1, np.arange(17), 0, False) is None
     assert fwd.forward(model, 1, np.arange(16), 0, False) is not None
     assert fwd.forward(model, 1, np.arange(1), 16, False) is None  # position 16 is the 17th
-    wide = replace(CONFIGS["llama"], head_dim=160, num_heads=2, num_kv_heads=2, num_layers=1)
+    wide = replace(CONFIGS["llama"], head_dim=320, num_heads=2, num_kv_heads=2, num_layers=1)
     assert unsupported_reason(synthetic_model(wide, "q8")) is not None
     assert fwd.forward(synthetic_model(wide, "q8"), 1, np.arange(3), 0, False) is None
     assert "head_dim" in fwd.last_decline
@@ -547,26 +547,87 @@ def test_k_splits_never_exceed_the_merge_slots() -> None:
         assert plan.plan_ksplit(lin, 10**6) == min(lin.chunks, plan.MERGE_SPLITS)
 
 
-def test_a_sliding_window_caps_the_device_context() -> None:
-    """Mistral's window: within it every earlier position is seen, so the device forward runs (and matches
-    the CPU); a step past it is declined, and the engine's host path, which applies the window, takes over."""
+@pytest.mark.parametrize("n_prefill", [8, 20])
+def test_a_sliding_window_on_the_device_matches_the_cpu(n_prefill: int) -> None:
+    """Mistral's window of 12: a prefill within it or past it (the prefill attention's first tile starts at the
+    window), then decode steps past it: the CPU decoder's logits, which apply the window, within the band;
+    the same without the window leaves it."""
     cfg = replace(CONFIGS["llama"], arch="mistral", sliding_window=12)
     model = synthetic_model(cfg, "q8", seed=3)
-    toks = _tokens(model.config, 12)
-    ref = cpu_logits(model, toks, 8)
+    toks = _tokens(model.config, 40)
+    ref = cpu_logits(model, toks, n_prefill)
     fwd = DeviceForward(ops=NumpyOps())
-    result = compare(device_logits(fwd, model, toks, 8), ref, jitter_effect(model, toks, 8, ref))
+    result = compare(device_logits(fwd, model, toks, n_prefill), ref, jitter_effect(model, toks, n_prefill, ref))
     assert result.ok, str(result)
-    assert fwd.forward(model, 1, toks[:1], 12, False) is None and "beyond the device maximum 12" in fwd.last_decline
+
+    class NoWindow(NumpyOps):
+        def attention(self, *args, **kw):  # type: ignore[no-untyped-def]
+            super().attention(*args, **{**kw, "window": 0})
+
+    wrong = compare(device_logits(DeviceForward(ops=NoWindow()), model, toks, n_prefill), ref,
+                    jitter_effect(model, toks, n_prefill, ref))
+    assert not wrong.ok, str(wrong)
 
 
-@pytest.mark.parametrize(("fixture", "why"), [("tiny-gemma3", "architecture 'gemma3'"),
-                                              ("tiny-qwen3-moe", "architecture 'qwen3_moe'"),
+class _NoPostNorm(NumpyOps):
+    def norm_add(self, x, w, eps, y, ssq_out=None):  # type: ignore[no-untyped-def]
+        super().norm_add(x * 0, w, eps, y, ssq_out)  # the projection's output dropped with its norm
+
+
+class _NoEmbedScale(NumpyOps):
+    def embed(self, codes, scales, group, ids, h, ssq_out=None, mul=1.0):  # type: ignore[no-untyped-def]
+        super().embed(codes, scales, group, ids, h, ssq_out)
+
+
+class _SiluForGelu(NumpyOps):
+    def gemv(self, lin, x, pro, pw, eps, xoff, y, epi, bias, **kw):  # type: ignore[no-untyped-def]
+        super().gemv(lin, x, plan.PRO_SILU_MUL if pro == plan.PRO_GELU_MUL else pro, pw, eps, xoff, y, epi, bias,
+                     **kw)
+
+
+@pytest.mark.parametrize("wrong", [_NoPostNorm, _NoEmbedScale, _SiluForGelu], ids=lambda c: c.__name__)
+def test_gemma3_done_wrong_on_the_device_leaves_the_band(wrong: type) -> None:
+    model = synthetic_model(CONFIGS["gemma3"], "q8", seed=3)
+    toks = _tokens(model.config, 40)
+    ref = cpu_logits(model, toks, 24)
+    result = compare(device_logits(DeviceForward(ops=wrong()), model, toks, 24), ref,
+                     jitter_effect(model, toks, 24, ref))
+    assert not result.ok and result.rel_err > 2 * result.tol, str(result)
+
+
+def test_a_head_dim_of_256_matches_the_cpu() -> None:
+    """Gemma 3 1B-12B's head_dim: one forward and its decode steps, the fused RoPE epilogue off (a head is
+    two GEMV column tiles)."""
+    model = synthetic_model(replace(CONFIGS["gemma3"], head_dim=256), "q8", seed=4)
+    assert unsupported_reason(model) is None
+    toks = _tokens(model.config, 30)
+    ref = cpu_logits(model, toks, 20)
+    result = compare(device_logits(DeviceForward(ops=NumpyOps()), model, toks, 20), ref,
+                     jitter_effect(model, toks, 20, ref))
+    assert result.ok, str(result)
+
+
+def test_gemma3_from_its_checkpoint_matches_the_cpu() -> None:
+    """tiny-gemma3 as transformers wrote it (sliding window 8, five sliding layers and a full one with their own
+    RoPE, query_pre_attn_scalar, tied embedding): a prefill past the window and decode steps, the CPU
+    decoder's logits within the band."""
+    from kestrel_core.model.loader import load_model
+
+    model = load_model(str(FIXTURES / "tiny-gemma3"), "q8", cache="off").model
+    assert unsupported_reason(model) is None
+    toks = _tokens(model.config, 24)
+    ref = cpu_logits(model, toks, 13)
+    fwd = DeviceForward(ops=NumpyOps())
+    result = compare(device_logits(fwd, model, toks, 13), ref, jitter_effect(model, toks, 13, ref))
+    assert result.ok, str(result)
+
+
+@pytest.mark.parametrize(("fixture", "why"), [("tiny-qwen3-moe", "architecture 'qwen3_moe'"),
                                               ("tiny-mixtral", "architecture 'mixtral'"),
                                               ("tiny-gemma2", "architecture 'gemma2'"),
                                               ("tiny-qwen2-moe", "architecture 'qwen2_moe'")])
 def test_device_forward_names_what_it_cannot_run(fixture: str, why: str) -> None:
-    """Gemma 3 and the mixtures of experts go through the GEMM hooks; the reason names the architecture."""
+    """Gemma 2 and the mixtures of experts go through the GEMM hooks; the reason names the architecture."""
     from kestrel_core.model.loader import load_model
 
     model = load_model(str(FIXTURES / fixture), "q8", cache="off").model
