@@ -64,11 +64,11 @@ from typing import Any
 import numpy as np
 
 from kestrel_core.batch import BatchEntry
-from kestrel_core.model.decoder import PREFILL_CHUNK
+from kestrel_core.model.decoder import PREFILL_CHUNK, rmsnorm, route, shared_expert_scale
 from kestrel_core.model.weights import Model
 from kestrel_cuda import paged
 from kestrel_cuda.config import CudaConfig
-from kestrel_cuda.forward_state import Projections, State, WeightSource, build_state
+from kestrel_cuda.forward_state import LayerLins, Projections, State, WeightSource, build_state
 from kestrel_cuda.plan import (
     EPI_ADD,
     EPI_STORE,
@@ -83,17 +83,16 @@ from kestrel_cuda.plan import (
 )
 
 CAP_CHUNK = 1024  # KV positions are allocated this many at a time
-DEVICE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+DEVICE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "qwen2_moe")
 
 
 def unsupported_reason(model: Model) -> str | None:
     """Why the device forward cannot run ``model`` (None: it can): the decoders it knows are Llama, Qwen2,
-    Qwen3, Mistral and Phi-3; Gemma 3 and the mixtures of experts run through the GEMM hooks."""
+    Qwen3, Mistral, Phi-3 and the mixtures of experts Qwen3-MoE, Mixtral and Qwen2-MoE (routed on the host,
+    so their steps are not captured); Gemma runs through the GEMM hooks."""
     c = model.config
     if c.arch not in DEVICE_ARCHITECTURES:
         return f"architecture {c.arch!r}"
-    if c.is_moe:
-        return "mixture of experts"
     if c.post_norms or c.activation != "silu" or c.embed_scale != 1.0 or c.query_scale is not None:
         return "Gemma-style norms, activation or scales"
     if c.layer_types or c.rope_local_theta is not None:
@@ -209,7 +208,7 @@ class DeviceForward:
             raise
 
     def greedy(self, model: Model, seq_id: int, token: int, start: int, count: int) -> Iterator[int] | None:
-        if not self.use_graph:
+        if not self.use_graph or model.config.is_moe:
             return self._decline("pipelined greedy decode needs the captured decode graph")
         if not 0 <= int(token) < model.config.vocab_size or start < 0 or count < 1:
             return self._decline("token id outside the vocabulary, a bad start or no steps")
@@ -356,7 +355,7 @@ class DeviceForward:
             wanted.extend(range(at - e.logit_rows, at))
             needs.extend([not e.argmax_only] * e.logit_rows)
         decode = total == len(batch) and len(wanted) == total
-        b = paged.bucket(total) if decode and self.use_graph else None
+        b = paged.bucket(total) if decode and self._graphs(st) else None
         whole = all(needs)  # every row's logits come back, in one download a pass
         fetched: list[tuple[np.ndarray, dict[int, np.ndarray]]] = []  # per pass: (logits or ids, logit rows)
         done = 0  # returned rows so far
@@ -447,7 +446,7 @@ class DeviceForward:
             rows = m if all_logits else (1 if last else 0)
             pos = start + c0
             ops.write_meta(st.meta, np.concatenate([np.array([pos], np.int32), chunk]))
-            if m == 1 and self.use_graph:
+            if m == 1 and self._graphs(st):
                 self._graph(st, seq)
                 seq.graph()
                 self.counters["graph_replays"] += 1
@@ -477,7 +476,7 @@ class DeviceForward:
         hd, heads, kv_heads, f = c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size
         scale = head_scale(hd)
         h = st.h[:m]
-        ssq = st.ssq if m == 1 else None  # h's tile sums: left by its writers, read by the norms
+        ssq = st.ssq if m == 1 and not c.is_moe else None  # h's tile sums: left by its writers, read by the norms
         ops.embed(st.emb_codes, st.emb_scales, st.emb_group, st.ids, h, ssq)
         for i, layer in enumerate(st.layers):
             if self.layer_boundary is not None:
@@ -499,6 +498,9 @@ class DeviceForward:
                              st.meta, st.q[:m], kc, vc, **at)
             ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m], **at)
             ops.gemv(w.o, st.attn[:m], PRO_PLAIN, None, eps, 0, h, EPI_ADD, None, ssq_out=ssq)
+            if w.experts:
+                self._moe(st, i, layer, w, m, eps)
+                continue
             for lin in w.gate_up:
                 ops.gemv(lin, h, PRO_RMSNORM, layer.mlp_norm, eps, 0, st.gu[:m, lin.col:lin.col + lin.n],
                          EPI_STORE, None, ssq_in=ssq)
@@ -513,6 +515,40 @@ class DeviceForward:
             ops.gemv(lm, src, PRO_RMSNORM, st.final_norm, eps, 0, out, EPI_STORE, None, ssq_in=ssq)
             if m == 1 and pool is None:  # the next step's token and position, on the device (pipelined greedy)
                 ops.greedy_token(st.logits, st.finish, st.meta, seq.capacity, st.tokens)
+
+    def _graphs(self, st: State) -> bool:
+        """Whether steps may be captured: not for a mixture of experts, whose routing the host chooses."""
+        return self.use_graph and not st.config.is_moe
+
+    def _moe(self, st: State, i: int, layer: Any, w: LayerLins, m: int, eps: float) -> None:
+        """h += the mixture of experts of layer i on rmsnorm(h) (the CPU decoder's ``_moe``). The host norms
+        the rows and routes them with the CPU decoder's own code (a routing near a tie then goes the CPU's
+        way); each chosen expert runs on its rows on the device, weighted and added in expert order, then
+        the shared expert scaled by its gate."""
+        ops, c = self.ops, st.config
+        xn_dev, out_dev, rows_in, rows_out = st.moe
+        xn = rmsnorm(ops.download(st.h, m), st.model.layers[i].mlp_norm, eps)  # [m, D], the host's bits
+        top, weights = route(xn, layer.router, c.experts_per_token, c.norm_topk_prob)
+        ops.write_rows(xn_dev, xn)
+        ops.write_rows(out_dev, np.zeros_like(xn))
+        runs = [(int(e), *np.nonzero(top == e)) for e in np.unique(top)]
+        jobs = [(w.experts[e], rows, weights[rows, slot]) for e, rows, slot in runs]
+        if layer.shared_gate is not None:
+            jobs.append((w.experts[c.num_experts], np.arange(m), shared_expert_scale(xn, layer.shared_gate)[:, 0]))
+        # every job's rows and scales in one upload each; job j's are the slices [at[j], at[j + 1])
+        at = np.cumsum([0] + [len(rows) for _, rows, _ in jobs])
+        all_rows = ops.upload(np.concatenate([rows for _, rows, _ in jobs]).astype(np.int32))
+        all_scales = ops.upload(np.concatenate([scale for _, _, scale in jobs]).astype(np.float32))
+        for j, (expert, rows, _) in enumerate(jobs):
+            n = len(rows)
+            index, scales = all_rows[at[j]:at[j + 1]], all_scales[at[j]:at[j + 1]]
+            ops.gather_rows(xn_dev, index, rows_in[:n])
+            for lin in expert.gate_up:
+                ops.gemv(lin, rows_in[:n], PRO_PLAIN, None, eps, 0, st.gu[:n, lin.col:lin.col + lin.n], EPI_STORE,
+                         None)
+            ops.gemv(expert.down, st.gu[:n], PRO_SILU_MUL, None, eps, expert.down.k, rows_out[:n], EPI_STORE, None)
+            ops.scatter_add_rows(rows_out[:n], index, scales, out_dev)
+        ops.add_rows(out_dev[:m], st.h[:m])
 
     # -- sequences -----------------------------------------------------------------------------------
 
