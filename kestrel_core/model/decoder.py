@@ -265,25 +265,37 @@ class Decoder:
         not depend on the other rows."""
         c = self.config
         x = np.ascontiguousarray(x)
-        logits = np.empty((len(x), c.num_experts), np.float32)  # [M, E]
-        kernels.rows_dot(x, lw.router, logits)
-        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-        probs /= probs.sum(axis=1, keepdims=True)
-        top = np.argsort(-probs, axis=1, kind="stable")[:, :c.experts_per_token]  # [M, k], ties: the lower expert
-        weights = np.take_along_axis(probs, top, axis=1)  # [M, k]
-        if c.norm_topk_prob:
-            weights /= weights.sum(axis=1, keepdims=True)
+        top, weights = route(x, lw.router, c.experts_per_token, c.norm_topk_prob)
         out = np.zeros_like(x)  # [M, D]
         for e in np.unique(top):
             rows, slot = np.nonzero(top == e)
             y = self._mlp(x[rows], precise[rows], lw.experts[e].groups(), self.expert_keys[i][e])  # [m_e, D]
             out[rows] += y * weights[rows, slot][:, None]
         if lw.shared_expert is not None:
-            gate = np.empty((len(x), 1), np.float32)  # [M, 1]
-            kernels.rows_dot(x, lw.shared_expert_gate, gate)
             y = self._mlp(x, precise, lw.shared_expert.groups(), self.expert_keys[i][c.num_experts])
-            out += y * (np.float32(1) / (np.float32(1) + np.exp(-gate)))
+            out += y * shared_expert_scale(x, lw.shared_expert_gate)
         return out
+
+
+def route(x: np.ndarray, router: np.ndarray, k: int, norm_topk: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each row of x [M, D]'s top-k experts [M, k] by router probability (softmax over all experts; ties: the
+    lower expert) and their weights [M, k] (renormalised over the k if ``norm_topk``)."""
+    logits = np.empty((len(x), len(router)), np.float32)  # [M, E]
+    kernels.rows_dot(np.ascontiguousarray(x), router, logits)
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    top = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+    weights = np.take_along_axis(probs, top, axis=1)
+    if norm_topk:
+        weights /= weights.sum(axis=1, keepdims=True)
+    return top, weights
+
+
+def shared_expert_scale(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+    """Qwen2-MoE's sigmoid(x . gate) [M, 1] that scales the shared expert's output."""
+    g = np.empty((len(x), 1), np.float32)
+    kernels.rows_dot(np.ascontiguousarray(x), gate, g)
+    return np.float32(1) / (np.float32(1) + np.exp(-g))
 
 
 def _silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:

@@ -64,11 +64,11 @@ from typing import Any
 import numpy as np
 
 from kestrel_core.batch import BatchEntry
-from kestrel_core.model.decoder import PREFILL_CHUNK
+from kestrel_core.model.decoder import PREFILL_CHUNK, rmsnorm, route, shared_expert_scale
 from kestrel_core.model.weights import Model
 from kestrel_cuda import paged
 from kestrel_cuda.config import CudaConfig
-from kestrel_cuda.forward_state import Projections, State, WeightSource, build_state
+from kestrel_cuda.forward_state import LayerLins, Projections, State, WeightSource, build_state
 from kestrel_cuda.plan import (
     EPI_ADD,
     EPI_STORE,
@@ -85,19 +85,17 @@ from kestrel_cuda.plan import (
 )
 
 CAP_CHUNK = 1024  # KV positions are allocated this many at a time
-DEVICE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3")
+DEVICE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe")
 
 
 def unsupported_reason(model: Model) -> str | None:
     """Why the device forward cannot run ``model`` (None: it can): the decoders it knows are Llama, Qwen2,
-    Qwen3, Mistral, Phi-3 and Gemma 3 (post-norms, GeGLU, scaled embeddings and queries, a RoPE per layer
-    kind; sliding windows through the context cap of ``build_state``); Gemma 2's soft caps and the mixtures of
-    experts run through the GEMM hooks."""
+    Qwen3, Mistral, Phi-3, Gemma 3 (post-norms, GeGLU, scaled embeddings and queries, a RoPE per layer kind,
+    sliding windows) and the mixtures of experts Qwen3-MoE, Mixtral and Qwen2-MoE (routed on the host, so their
+    steps are not captured); Gemma 2's soft caps run through the GEMM hooks."""
     c = model.config
     if c.arch not in DEVICE_ARCHITECTURES:
         return f"architecture {c.arch!r}"
-    if c.is_moe:
-        return "mixture of experts"
     if c.attn_softcap is not None or c.final_softcap is not None:
         return "attention or logit soft caps"
     if c.activation not in ("silu", "gelu_tanh"):
@@ -213,7 +211,7 @@ class DeviceForward:
             raise
 
     def greedy(self, model: Model, seq_id: int, token: int, start: int, count: int) -> Iterator[int] | None:
-        if not self.use_graph:
+        if not self.use_graph or model.config.is_moe:
             return self._decline("pipelined greedy decode needs the captured decode graph")
         if not 0 <= int(token) < model.config.vocab_size or start < 0 or count < 1:
             return self._decline("token id outside the vocabulary, a bad start or no steps")
@@ -360,7 +358,7 @@ class DeviceForward:
             wanted.extend(range(at - e.logit_rows, at))
             needs.extend([not e.argmax_only] * e.logit_rows)
         decode = total == len(batch) and len(wanted) == total
-        b = paged.bucket(total) if decode and self.use_graph else None
+        b = paged.bucket(total) if decode and self._graphs(st) else None
         whole = all(needs)  # every row's logits come back, in one download a pass
         fetched: list[tuple[np.ndarray, dict[int, np.ndarray]]] = []  # per pass: (logits or ids, logit rows)
         done = 0  # returned rows so far
@@ -451,7 +449,7 @@ class DeviceForward:
             rows = m if all_logits else (1 if last else 0)
             pos = start + c0
             ops.write_meta(st.meta, np.concatenate([np.array([pos], np.int32), chunk]))
-            if m == 1 and self.use_graph:
+            if m == 1 and self._graphs(st):
                 self._graph(st, seq)
                 seq.graph()
                 self.counters["graph_replays"] += 1
@@ -482,7 +480,7 @@ class DeviceForward:
         scale = head_scale(hd) if c.query_scale is None else float(np.float32(c.query_scale))
         act = PRO_GELU_MUL if c.activation == "gelu_tanh" else PRO_SILU_MUL
         h = st.h[:m]
-        ssq = st.ssq if m == 1 else None  # h's tile sums: left by its writers, read by the norms
+        ssq = st.ssq if m == 1 and not c.is_moe else None  # h's tile sums: left by its writers, read by the norms
         ops.embed(st.emb_codes, st.emb_scales, st.emb_group, st.ids, h, ssq, c.embed_scale)
         for i, layer in enumerate(st.layers):
             if self.layer_boundary is not None:
@@ -504,6 +502,9 @@ class DeviceForward:
                              st.meta, st.q[:m], kc, vc, **at)
             ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m], **at, window=c.window_of(i) or 0)
             self._residual(w.o, st.attn[:m], PRO_PLAIN, 0, layer.post_attn_norm, st, m, eps, ssq)
+            if w.experts:
+                self._moe(st, i, layer, w, m, eps)
+                continue
             for lin in w.gate_up:
                 ops.gemv(lin, h, PRO_RMSNORM, layer.mlp_norm, eps, 0, st.gu[:m, lin.col:lin.col + lin.n],
                          EPI_STORE, None, ssq_in=ssq)
@@ -527,6 +528,40 @@ class DeviceForward:
             return
         self.ops.gemv(lin, x, pro, None, eps, xoff, st.out[:m], EPI_STORE, None)
         self.ops.norm_add(st.out[:m], post_norm, eps, st.h[:m], ssq_out=ssq)
+
+    def _graphs(self, st: State) -> bool:
+        """Whether steps may be captured: not for a mixture of experts, whose routing the host chooses."""
+        return self.use_graph and not st.config.is_moe
+
+    def _moe(self, st: State, i: int, layer: Any, w: LayerLins, m: int, eps: float) -> None:
+        """h += the mixture of experts of layer i on rmsnorm(h) (the CPU decoder's ``_moe``). The host norms
+        the rows and routes them with the CPU decoder's own code (a routing near a tie then goes the CPU's
+        way); each chosen expert runs on its rows on the device, weighted and added in expert order, then
+        the shared expert scaled by its gate."""
+        ops, c = self.ops, st.config
+        xn_dev, out_dev, rows_in, rows_out = st.moe
+        xn = rmsnorm(ops.download(st.h, m), st.model.layers[i].mlp_norm, eps)  # [m, D], the host's bits
+        top, weights = route(xn, layer.router, c.experts_per_token, c.norm_topk_prob)
+        ops.write_rows(xn_dev, xn)
+        ops.write_rows(out_dev, np.zeros_like(xn))
+        runs = [(int(e), *np.nonzero(top == e)) for e in np.unique(top)]
+        jobs = [(w.experts[e], rows, weights[rows, slot]) for e, rows, slot in runs]
+        if layer.shared_gate is not None:
+            jobs.append((w.experts[c.num_experts], np.arange(m), shared_expert_scale(xn, layer.shared_gate)[:, 0]))
+        # every job's rows and scales in one upload each; job j's are the slices [at[j], at[j + 1])
+        at = np.cumsum([0] + [len(rows) for _, rows, _ in jobs])
+        all_rows = ops.upload(np.concatenate([rows for _, rows, _ in jobs]).astype(np.int32))
+        all_scales = ops.upload(np.concatenate([scale for _, _, scale in jobs]).astype(np.float32))
+        for j, (expert, rows, _) in enumerate(jobs):
+            n = len(rows)
+            index, scales = all_rows[at[j]:at[j + 1]], all_scales[at[j]:at[j + 1]]
+            ops.gather_rows(xn_dev, index, rows_in[:n])
+            for lin in expert.gate_up:
+                ops.gemv(lin, rows_in[:n], PRO_PLAIN, None, eps, 0, st.gu[:n, lin.col:lin.col + lin.n], EPI_STORE,
+                         None)
+            ops.gemv(expert.down, st.gu[:n], PRO_SILU_MUL, None, eps, expert.down.k, rows_out[:n], EPI_STORE, None)
+            ops.scatter_add_rows(rows_out[:n], index, scales, out_dev)
+        ops.add_rows(out_dev[:m], st.h[:m])
 
     # -- sequences -----------------------------------------------------------------------------------
 

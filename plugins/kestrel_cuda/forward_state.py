@@ -26,11 +26,18 @@ WeightSource = Callable[[int, Sequence[StripCache]], Any]
 
 
 @dataclass
+class ExpertLins:
+    gate_up: list[Lin]
+    down: Lin
+
+
+@dataclass
 class LayerLins:
     qkv: list[Lin]
     o: Lin
-    gate_up: list[Lin]
-    down: Lin
+    gate_up: list[Lin]  # a dense layer's MLP (empty in a mixture of experts)
+    down: Lin | None
+    experts: list[ExpertLins] = field(default_factory=list)  # the routed experts, then the shared one
 
 
 @dataclass
@@ -44,6 +51,8 @@ class Layer:
     sin: Any
     post_attn_norm: Any = None  # Gemma: RMSNorm of the attention's and the MLP's outputs before the residual add
     post_mlp_norm: Any = None
+    router: np.ndarray | None = None  # mixture of experts: float32 [E, D], on the host (the routing is chosen there)
+    shared_gate: np.ndarray | None = None  # Qwen2-MoE: float32 [1, D], on the host
     weights: LayerLins | None = None  # None when fetched per step (residency window)
 
 
@@ -68,6 +77,8 @@ class State:
     q: Any
     attn: Any
     gu: Any
+    moe: tuple[Any, Any, Any, Any] | None  # mixture of experts, each [PREFILL_CHUNK, D]: the normed rows, the
+    #                                       routed sum, an expert's rows in and out
     finish: tuple[Any, Any, Any]  # lm_finish's per-block (value, index) and its arrival counter
     argmax: tuple[Any, Any, Any, Any, Any]  # argmax_rows' per-row blocks' (value, index, non-finite), counters, ids
     tokens: np.ndarray  # int32 [TOKEN_RING] pinned host memory: lm_finish's greedy token by position
@@ -107,8 +118,12 @@ class Projections:
         return plan_split(lin, self.sm_count, self.target_blocks, self.clusters)
 
     def layer(self, model: Model, i: int) -> LayerLins:
-        qkv, o, gu, down = (self.fetch(group) for group in layer_groups(i, model.layers[i]))
-        return LayerLins(qkv=qkv, o=o[0], gate_up=gu, down=down[0])
+        lins = [self.fetch(group) for group in layer_groups(i, model.layers[i])]
+        if not model.layers[i].experts:
+            qkv, o, gu, down = lins
+            return LayerLins(qkv=qkv, o=o[0], gate_up=gu, down=down[0])
+        experts = [ExpertLins(gate_up=lins[j], down=lins[j + 1][0]) for j in range(2, len(lins), 2)]
+        return LayerLins(qkv=lins[0], o=lins[1][0], gate_up=[], down=None, experts=experts)
 
     def lm_head(self, model: Model) -> Lin:
         return self.fetch(StripGroup([model.lm_head], [lm_head_wkey()], 0))[0]
@@ -186,7 +201,7 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
             bias = up(np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias]).astype(np.float32))
         optional = [None if w is None else up(w) for w in (lw.q_norm, lw.k_norm, lw.post_attn_norm, lw.post_mlp_norm)]
         layers.append(Layer(up(lw.attn_norm), up(lw.mlp_norm), optional[0], optional[1], bias, *tables[key],
-                            optional[2], optional[3]))
+                            optional[2], optional[3], router=lw.router, shared_gate=lw.shared_expert_gate))
     emb = model.embedding
     t = PREFILL_CHUNK
     st = State(model=model, config=c, max_context=max_context, emb_codes=up(emb.codes),
@@ -195,7 +210,9 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
                meta=zeros(1 + t, np.int32), h=zeros((t, d), np.float32),
                out=zeros((t, d), np.float32) if c.post_norms else None, ssq=zeros(ssq_count(d), np.float32),
                qkv=zeros((t, nq + 2 * nkv), np.float32), q=zeros((t, nq), np.float32),
-               attn=zeros((t, nq), np.float32), gu=zeros((t, 2 * f), np.float32),
+               attn=zeros((t, nq), np.float32),
+               gu=zeros((t, 2 * max(f, c.expert_intermediate_size, c.shared_expert_intermediate_size)), np.float32),
+               moe=tuple(zeros((t, d), np.float32) for _ in range(4)) if c.is_moe else None,
                finish=(zeros(-(-c.vocab_size // FINISH_COLS), np.float32),
                        zeros(-(-c.vocab_size // FINISH_COLS), np.int32), zeros(1, np.int32)),
                argmax=(zeros((t, -(-c.vocab_size // FINISH_COLS)), np.float32),

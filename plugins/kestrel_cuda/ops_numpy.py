@@ -208,6 +208,19 @@ class NumpyOps:
     def gather_rows(self, src: np.ndarray, index: np.ndarray, dst: np.ndarray) -> None:
         self._run(lambda: np.take(src, index, axis=0, out=dst))
 
+    def scatter_add_rows(self, src: np.ndarray, index: np.ndarray, weights: np.ndarray, dst: np.ndarray) -> None:
+        def fn() -> None:
+            dst[index] += src * weights[:, None]
+        self._run(fn)
+
+    def add_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
+        def fn() -> None:
+            dst[...] = dst + src
+        self._run(fn)
+
+    def write_rows(self, dst: np.ndarray, values: np.ndarray) -> None:
+        dst[:len(values)] = values
+
 
 def _row_slots(m: int, meta: np.ndarray, rows: np.ndarray | None,
                tables: np.ndarray | None) -> tuple[list[int], list[np.ndarray]]:

@@ -79,6 +79,20 @@ def test_a_sliding_window_matches_the_cpu(n_prefill, stream, gemm) -> None:  # t
     _check(model, toks, n_prefill, device_logits(DeviceForward(stream=stream, gemm=gemm), model, toks, n_prefill))
 
 
+@pytest.mark.parametrize("fixture", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-qwen2-moe"])
+def test_a_mixture_of_experts_matches_the_cpu(fixture, stream, gemm) -> None:  # type: ignore[no-untyped-def]
+    """The experts on the device (routed on the host): a 12-token prefill (tiled GEMMs on each expert's
+    rows), then eager decode steps."""
+    from kestrel_core.model.loader import load_model
+
+    model = load_model(str(Path(__file__).resolve().parents[1] / "fixtures" / "models" / fixture), "q8",
+                       cache="off").model
+    toks = _tokens(model.config, 20)
+    fwd = DeviceForward(stream=stream, gemm=gemm)
+    _check(model, toks, 12, device_logits(fwd, model, toks, 12))
+    assert fwd.counters["graph_captures"] == 0
+
+
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("arch", list(SMALL_CONFIGS))
 def test_prefill_and_decode_logits_match_the_cpu(arch, quant, stream, gemm) -> None:  # type: ignore[no-untyped-def]

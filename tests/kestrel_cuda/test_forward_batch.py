@@ -50,15 +50,23 @@ def make_fwd(stream, gemm):  # type: ignore[no-untyped-def]
     return lambda **kw: DeviceForward(stream=stream, gemm=gemm, **kw)
 
 
-@pytest.mark.parametrize("quant", ["q8", "q4"])
+@pytest.mark.parametrize("quant", ["q8", "q4", "tiny-qwen2-moe"])
 def test_the_cuda_backend_serves_concurrent_requests_in_batches(quant: str) -> None:
     """Four greedy requests through the scheduler on the real backend: its batched hook takes the steps, and
-    every request's tokens are the CPU's choice at each step (or tie with it within the nudge's range)."""
+    every request's tokens are the CPU's choice at each step (or tie with it within the nudge's range); a
+    mixture of experts (routed and shared experts) too."""
+    from pathlib import Path
+
     import kestrel_core
+    from kestrel_core.model.loader import load_model
     from kestrel_core.model.presets import synthetic_model
     from kestrel_core.model.sampling import SamplingParams
 
-    model = synthetic_model(SMALL_CONFIGS["qwen3"], quant, seed=9)
+    if quant.startswith("tiny-"):
+        model = load_model(str(Path(__file__).resolve().parents[1] / "fixtures" / "models" / quant), "q8",
+                           cache="off").model
+    else:
+        model = synthetic_model(SMALL_CONFIGS["qwen3"], quant, seed=9)
     prompts = [p.tolist() for p in _prompts(model, (4, 70, 11, 33), seed=6)]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     with kestrel_core.load(model, backend="cuda") as engine:

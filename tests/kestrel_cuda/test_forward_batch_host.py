@@ -5,6 +5,7 @@ test_forward_batch.py runs the same scenarios on the GPU through its own ``make_
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -286,6 +287,30 @@ def kestrel_forward_batch(device, model, batch):
         FWD.append(MAKE())
     return FWD[0].forward_batch(model, batch)
 '''
+
+
+def test_a_mixture_of_experts_serves_concurrent_requests_on_the_device(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Qwen2-MoE (routed and shared experts) in batched steps over the pool: each request's greedy tokens are
+    the ones it generates alone on the CPU."""
+    import kestrel_core
+    from kestrel_core.model.loader import load_model
+    from kestrel_core.model.sampling import SamplingParams
+
+    model = load_model(str(Path(__file__).resolve().parents[1] / "fixtures" / "models" / "tiny-qwen2-moe"), "q8",
+                       cache="off").model
+    prompts = [p.tolist() for p in _prompts(model, (4, 30, 11), seed=6)]
+    make = "lambda: DeviceForward(ops=__import__('kestrel_cuda.ops_numpy').ops_numpy.NumpyOps())"
+    path = tmp_path / "fwdcuda.py"
+    path.write_text(BATCH_BACKEND.format(decline=set(), make=make, greedy=None))
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(path))
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    with kestrel_core.load(model, backend="cpu", activations="q8") as cpu:
+        want = [list(cpu.generate(p, params=params)) for p in prompts]
+    with kestrel_core.load(model, backend="fwdcuda") as engine:
+        got = serve_all(engine, prompts, params)
+        fwd = engine.backend.plugin.FWD[0]
+    assert got == want
+    assert fwd.counters["batch_steps"] >= 4 and fwd.counters["batch_graph_replays"] == 0
 
 
 @pytest.mark.parametrize("logprobs", [False, True])
