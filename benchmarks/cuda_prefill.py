@@ -60,6 +60,7 @@ class PrefillBench(Bench):
         """label -> launch(a, s, w, out, n) for every kernel under test at M = m; the tiles and "auto" first
         (equal bit for bit), then the others."""
         from kestrel_cuda.gemm import SPLIT_MAX_M, gemv_warp_variant, mma_splits
+        from kestrel_cuda.kernels import MMA_TILES
 
         q8 = self.dev.gemm.q8
         ks: dict[str, Any] = {}
@@ -68,9 +69,12 @@ class PrefillBench(Bench):
         ks["auto"] = lambda a, s, w, out, n: q8(a, s, w, out, n, self.stream)  # gemm.mma_tile_for
         if m <= SPLIT_MAX_M:
             ks["nosplit"] = lambda a, s, w, out, n: q8(a, s, w, out, n, self.stream, splits=1)
+            split_tiles = [None] + [t for t in self.tiles if MMA_TILES[t].split]
             for t in self.args.split_targets:
-                ks[f"{t}/SM"] = lambda a, s, w, out, n, t=t: q8(a, s, w, out, n, self.stream, splits=mma_splits(
-                    w.geometry.k, w.geometry.npad, w.geometry.group_size, self.dev.gemm.sm_count, t)[0])
+                for tile in split_tiles:  # None: gemm.mma_tile_for's
+                    ks[f"{tile or ''} {t}/SM".strip()] = lambda a, s, w, out, n, t=t, tile=tile: q8(
+                        a, s, w, out, n, self.stream, mma_tile=tile, splits=mma_splits(
+                            w.geometry.k, w.geometry.npad, w.geometry.group_size, self.dev.gemm.sm_count, t)[0])
         if m <= 8:
             ks["gemv"] = lambda a, s, w, out, n: q8(
                 a, s, w, out, n, self.stream, variant=gemv_warp_variant(w.geometry.npad, w.geometry.code_bits))

@@ -44,11 +44,12 @@ class MmaTile:
     mi: int
     min_blocks: int  # __launch_bounds__ minimum resident blocks per SM (caps the registers)
     split: bool = False  # K splits and m16 tiles past M skipped (decode batches, gemm_mma.cu SPLIT)
+    stages: int = 3  # shared-memory stages, all but one in flight (gemm_mma.cu NSTAGES)
 
     @property
     def key(self) -> str:
         """Its name in MMA_TILES."""
-        return f"{self.bm}x{self.bn}" + ("s" if self.split else "")
+        return f"{self.bm}x{self.bn}" + ("s" if self.split else "") + ("" if self.stages == 3 else f"@{self.stages}")
 
     @property
     def bm(self) -> int:
@@ -66,14 +67,15 @@ class MmaTile:
         """Dynamic shared memory of one block; the same sum as GqTile::SMEM in gemm_mma.cu."""
         slots = MMA_BK // group_size if group_size < MMA_BK else 1
         stage = self.bm * MMA_BK + MMA_BK * bits // 8 * self.bn + 4 * slots * (self.bm + self.bn)
-        return MMA_STAGES * stage
+        return self.stages * stage
 
     def name(self, bits: int, group_size: int) -> str:
         split = "true" if self.split else "false"
-        return f"k_gemm_q8_tc<{bits}, {group_size}, {self.wm}, {self.wn}, {self.mi}, {self.min_blocks}, {split}>"
+        return (f"k_gemm_q8_tc<{bits}, {group_size}, {self.wm}, {self.wn}, {self.mi}, {self.min_blocks}, "
+                f"{self.stages}, {split}>")
 
 
-MMA_BK, MMA_STAGES = 128, 3  # K bytes per shared-memory stage, stages in flight (GQ_BK, GQ_STAGES in gemm_mma.cu)
+MMA_BK = 128  # K bytes per shared-memory stage (GQ_BK in gemm_mma.cu)
 # Block shapes (measured on the H200, docs/performance.md): 128x128 with 8 warps of 64x32 (1 block/SM, ~210
 # registers) for large grids, 64x128 with 8 warps of 32x32 (<= 128 registers, 2 blocks/SM) for short ones; split
 # over K for decode batches: 32x128s with 4 warps of 32x32 (3 blocks/SM) for 2-32 rows, 64x128s for 33-64.
@@ -82,6 +84,7 @@ MMA_TILES: dict[str, MmaTile] = {
     "64x128": MmaTile(2, 4, 2, 2),
     "32x128s": MmaTile(1, 4, 2, 3, split=True),
     "64x128s": MmaTile(2, 4, 2, 2, split=True),
+    "32x128s@2": MmaTile(1, 4, 2, 4, split=True, stages=2),
 }
 MMA_TILE_DEFAULT = "128x128"  # large grids
 MMA_TILE_SMALL_GRID = "64x128"  # grids whose last wave of MMA_TILE_DEFAULT blocks would be under half full

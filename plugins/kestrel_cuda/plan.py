@@ -24,7 +24,6 @@ TARGET_BLOCKS_PER_SM = 8  # GEMV blocks per SM the K-split planner aims for: mea
 ONE_WAVE_SPLITS = 16  # a projection whose one wave of blocks gives each tile this many K splits runs one wave
 ATTN_SPLITS = 16  # position splits of decode attention (attn_decode<NS>): 16 measured faster than 32
 ATTN_ROWS_WARPS = 8  # query heads of one KV head that one attn_rows block takes, at most (a warp each)
-ATTN_ROWS_BLOCKS_PER_SM = 2  # attn_rows' grid target (three 4-warp blocks fit an SM's shared memory)
 ATTN_ROWS_MAX_SPLITS = 8
 MAX_HEAD_DIM = 128  # attention and qkv_rope keep hd/32 (<= 4) values per lane; attn_prefill tiles fit 48 KB
 PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL = 0, 1, 2
@@ -163,11 +162,16 @@ def gemv_scratch(lins: list[Lin]) -> tuple[int, int, int]:
     return part, counters, max((lin.tiles for lin in split), default=0)
 
 
-def attn_rows_splits(blocks: int, sm_count: int) -> int:
-    """Position splits of batched decode attention (attn_rows) whose unsplit grid has ``blocks`` blocks: enough
-    for ATTN_ROWS_BLOCKS_PER_SM blocks per SM, at most ATTN_ROWS_MAX_SPLITS. A function of the batch's size
-    only, so a captured bucket keeps it."""
-    return max(1, min(ATTN_ROWS_MAX_SPLITS, -(-ATTN_ROWS_BLOCKS_PER_SM * sm_count // blocks)))
+def attn_rows_splits(blocks: int, slots: int) -> int:
+    """Position splits of batched decode attention (attn_rows) whose unsplit grid has ``blocks`` blocks, on a
+    GPU that holds ``slots`` of them at once: of 1..ATTN_ROWS_MAX_SPLITS, the one whose grid fills its waves
+    best (the fewest on a tie). A last wave a quarter full took as long as a full one: at 32 rows of qwen3-8b,
+    two splits (512 blocks in 396 slots) against three (768 blocks). A function of the batch's size only, so a
+    captured bucket keeps it."""
+    def fill(s: int) -> float:
+        n = blocks * s
+        return n / (-(-n // slots) * slots)
+    return max(range(1, ATTN_ROWS_MAX_SPLITS + 1), key=lambda s: (round(fill(s), 3), -s))
 
 
 def attn_part_size(heads: int, hd: int) -> int:
