@@ -165,9 +165,7 @@ def gemv_scratch(lins: list[Lin]) -> tuple[int, int, int]:
 def attn_rows_splits(blocks: int, slots: int) -> int:
     """Position splits of batched decode attention (attn_rows) whose unsplit grid has ``blocks`` blocks, on a
     GPU that holds ``slots`` of them at once: of 1..ATTN_ROWS_MAX_SPLITS, the one whose grid fills its waves
-    best (the fewest on a tie). A last wave a quarter full took as long as a full one: at 32 rows of qwen3-8b,
-    two splits (512 blocks in 396 slots) against three (768 blocks). A function of the batch's size only, so a
-    captured bucket keeps it."""
+    best (the fewest on a tie). A function of the batch's size only, so a captured bucket keeps it."""
     def fill(s: int) -> float:
         n = blocks * s
         return n / (-(-n // slots) * slots)
