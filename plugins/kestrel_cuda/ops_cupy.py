@@ -122,6 +122,7 @@ class CupyOps:
         self._capturing = False
         self._captured = 0  # launches so far in the capture under way
         self.sm_count = cp.cuda.Device().attributes["MultiProcessorCount"]
+        self.sm_smem = cp.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"]  # 1 KB a block is the driver's
         # scratch, sized by ``reserve``
         self.part = self.zeros(1, np.float32)  # split-K partials and counters of qgemv's counter merge
         self.counters = self.zeros(1, np.int32)
@@ -349,7 +350,8 @@ class CupyOps:
             group = heads // kv_heads
             warps = min(group, ATTN_ROWS_WARPS)
             parts = -(-group // warps)
-            splits = attn_rows_splits(kv_heads * m * parts, self.sm_count)
+            smem = _attn_rows_smem(hd, warps)
+            splits = attn_rows_splits(kv_heads * m * parts, self.sm_count * (self.sm_smem // (smem + 1024)))
             if splits > 1:
                 self._grow_attn_scratch(m * heads * splits * (hd + 4), m * kv_heads * parts)
             fn = self._attn_rows.get(hd, self._attn_rows[0])
@@ -357,7 +359,7 @@ class CupyOps:
                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                          np.float32(scale), _ptr(rows), _ptr(tables), _i32(tables.shape[1]), _ptr(out),
                          _i32(splits), _ptr(self.attn_part), _ptr(self.attn_counters), _i32(window)),
-                        _attn_rows_smem(hd, warps), name="attn_rows")
+                        smem, name="attn_rows")
             return
         if m == 1:
             self.launch(self._attn_decode[4 if hd <= 128 else 8], (heads, ATTN_SPLITS, 1), (128,),

@@ -24,7 +24,6 @@ TARGET_BLOCKS_PER_SM = 8  # GEMV blocks per SM the K-split planner aims for: mea
 ONE_WAVE_SPLITS = 16  # a projection whose one wave of blocks gives each tile this many K splits runs one wave
 ATTN_SPLITS = 16  # position splits of decode attention (attn_decode<NS>): 16 measured faster than 32
 ATTN_ROWS_WARPS = 8  # query heads of one KV head that one attn_rows block takes, at most (a warp each)
-ATTN_ROWS_BLOCKS_PER_SM = 2  # attn_rows' grid target (three 4-warp blocks fit an SM's shared memory)
 ATTN_ROWS_MAX_SPLITS = 8
 MAX_HEAD_DIM = 256  # attention and qkv_rope keep hd/32 (<= 8) values a lane
 PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL, PRO_GELU_MUL = 0, 1, 2, 3  # prologues (gemv.cu, rows.cu)
@@ -163,11 +162,14 @@ def gemv_scratch(lins: list[Lin]) -> tuple[int, int, int]:
     return part, counters, max((lin.tiles for lin in split), default=0)
 
 
-def attn_rows_splits(blocks: int, sm_count: int) -> int:
-    """Position splits of batched decode attention (attn_rows) whose unsplit grid has ``blocks`` blocks: enough
-    for ATTN_ROWS_BLOCKS_PER_SM blocks per SM, at most ATTN_ROWS_MAX_SPLITS. A function of the batch's size
-    only, so a captured bucket keeps it."""
-    return max(1, min(ATTN_ROWS_MAX_SPLITS, -(-ATTN_ROWS_BLOCKS_PER_SM * sm_count // blocks)))
+def attn_rows_splits(blocks: int, slots: int) -> int:
+    """Position splits of batched decode attention (attn_rows) whose unsplit grid has ``blocks`` blocks, on a
+    GPU that holds ``slots`` of them at once: of 1..ATTN_ROWS_MAX_SPLITS, the one whose grid fills its waves
+    best (the fewest on a tie). A function of the batch's size only, so a captured bucket keeps it."""
+    def fill(s: int) -> float:
+        n = blocks * s
+        return n / (-(-n // slots) * slots)
+    return max(range(1, ATTN_ROWS_MAX_SPLITS + 1), key=lambda s: (round(fill(s), 3), -s))
 
 
 def attn_part_size(heads: int, hd: int) -> int:

@@ -86,7 +86,7 @@ def test_attn_rows_is_the_mirrors_attention(heads: int, kv_heads: int, hd: int, 
     """attn_rows over a paged pool (pages scattered, lengths ending inside and at the end of a page, one row
     a page long, a group of 12 query heads split over two blocks; split over positions, with empty splits,
     and with enough rows for none) against the numpy mirror's softmax."""
-    from kestrel_cuda.ops_cupy import CupyOps
+    from kestrel_cuda.ops_cupy import CupyOps, _attn_rows_smem
     from kestrel_cuda.ops_numpy import NumpyOps
     from kestrel_cuda.plan import KV_BLOCK, attn_rows_splits
 
@@ -94,8 +94,10 @@ def test_attn_rows_is_the_mirrors_attention(heads: int, kv_heads: int, hd: int, 
     blocks, width = 40, 8
     positions = [0, 31, 32, 100, 255, 17] * copies  # each row sees keys 0..position
     group = heads // kv_heads
+    ops = CupyOps(stream)
+    smem = _attn_rows_smem(hd, min(group, 8))
     splits = attn_rows_splits(kv_heads * len(positions) * -(-group // min(group, 8)),
-                              cp.cuda.Device().attributes["MultiProcessorCount"])
+                              ops.sm_count * (ops.sm_smem // (smem + 1024)))
     assert (splits == 1) == (copies > 1)
     tables = np.stack([rng.permutation(blocks)[:width] for _ in positions]).astype(np.int32)
     tables = np.concatenate([tables, np.zeros((1, width), np.int32)])  # the padding rows' table
@@ -106,7 +108,6 @@ def test_attn_rows_is_the_mirrors_attention(heads: int, kv_heads: int, hd: int, 
     scale = float(np.float32(hd ** -0.5))
     want = np.zeros_like(q)
     NumpyOps().attention(q, kc, vc, heads, hd, scale, np.zeros(1, np.int32), want, rows, tables)
-    ops = CupyOps(stream)
     with stream:
         out = cp.full(q.shape, np.nan, np.float32)
         ops.attention(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), heads, hd, scale, cp.zeros(1, np.int32),

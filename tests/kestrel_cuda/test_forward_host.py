@@ -330,6 +330,15 @@ def test_int4_word_dot_product_as_the_kernels_compute_it() -> None:
     assert signed == (codes.astype(np.int64) @ a).tolist()
 
 
+def test_attn_rows_splits_fill_whole_waves() -> None:
+    """396 slots (132 SMs x 3 blocks): 32 rows x 8 KV heads (256 blocks) split 3 ways fill 768 of 792; 48 rows
+    (384 blocks) need no split; a small batch takes the most splits."""
+    assert plan.attn_rows_splits(256, 396) == 3
+    assert plan.attn_rows_splits(512, 396) == 3
+    assert plan.attn_rows_splits(384, 396) == 1
+    assert plan.attn_rows_splits(16, 396) == plan.ATTN_ROWS_MAX_SPLITS
+
+
 def test_plan_ksplit_fills_the_gpu_without_exceeding_chunks() -> None:
     lin = plan.Lin(None, None, 4096, 4096, 4096, 32, 8)
     assert plan.plan_ksplit(lin, 1056) == 16  # 32 tiles x 16 chunks
