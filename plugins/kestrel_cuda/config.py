@@ -34,7 +34,7 @@ class Setting:
 SETTINGS = (
     Setting("device", "KESTREL_CUDA_DEVICE", 0, "a device number", "CUDA device index"),
     Setting("cache_mb", "KESTREL_CUDA_CACHE_MB", 1, "a whole number of MiB",
-            "weight cache budget (default: half the free device memory, at least 256 MiB, at most 24 GiB)"),
+            "weight cache budget (default: the free device memory less a quarter of it, at least 2 GiB; at least 256 MiB)"),
     Setting("window", "KESTREL_CUDA_WINDOW", 0, "a number of layers",
             "residency window: layers of streamed weights kept resident (0: off; on: no decode graph)"),
     Setting("max_context", "KESTREL_CUDA_MAX_CONTEXT", 1, "a number of positions",
@@ -53,7 +53,7 @@ class CudaConfig:
     """Every setting of the CUDA backend (defaults: the measured best; ``SETTINGS`` says what each means)."""
 
     device: int = 0
-    cache_mb: int | None = None  # None: half the free memory, 256 MiB .. 24 GiB (residency.cache_budget)
+    cache_mb: int | None = None  # None: free memory less max(free/4, 2 GiB), >= 256 MiB (residency.cache_budget)
     window: int = 0
     max_context: int = 32768
     graph: bool = True

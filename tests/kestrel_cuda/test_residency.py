@@ -83,12 +83,13 @@ def assert_accounted(cache: WeightCache, alloc: NumpyAllocator) -> None:
 
 
 @pytest.mark.parametrize("free, expected", [
-    (8 * GiB, 4 * GiB),          # half of free memory
-    (100 * GiB, 24 * GiB),       # capped
-    (48 * GiB + 2, 24 * GiB),    # exactly at the cap
-    (300 * MiB, 256 * MiB),      # floored (half would be 150 MiB)
+    (8 * GiB, 6 * GiB),          # a quarter of free memory left for the KV pool and scratch
+    (140 * GiB, 105 * GiB),      # an H200: a 34 GB model fits
+    (8 * GiB + 3, 6 * GiB + 3),  # the quarter rounds down
+    (6 * GiB, 4 * GiB),          # at least 2 GiB left
+    (2 * GiB + 300 * MiB, 300 * MiB),
+    (2 * GiB, 256 * MiB),        # floored
     (0, 256 * MiB),
-    (1 * GiB + 6, 512 * MiB + 3),
 ])
 def test_budget_from_free_memory(free: int, expected: int) -> None:
     assert cache_budget(free) == expected
@@ -409,6 +410,20 @@ def test_preload_stops_at_budget_without_evicting() -> None:
     windowed = WeightCache(NumpyAllocator(BIG), budget=BIG, keep=4)
     res = windowed.preload(items)  # everything fits: the window keeps every layer, nothing streams
     assert (res.uploaded, res.streamed_layers, windowed.kept) == (5, 0, set(range(5)))
+
+
+def test_preload_gives_every_weight_of_the_model_a_slot() -> None:
+    """A mixture of experts lists more weights than the 512 default slots: preload grows the slots to them, so
+    every expert stays resident and a decode step uploads nothing."""
+    up = Stamper()
+    cache = WeightCache(NumpyAllocator(BIG), budget=BIG, max_entries=4)
+    items = [PreloadItem(wkey(0, Proj.GATE, expert=e), G_A, up) for e in range(10)]
+    res = cache.preload(items)
+    assert (res.uploaded, res.stopped, cache.max_entries) == (10, "", 10)
+    calls = up.count
+    for item in items:
+        cache.release(cache.get_or_upload(item.wkey, item.geometry, up))
+    assert up.count == calls and cache.stats()["evictions"] == 0
 
 
 def test_kept_layers_are_the_first_that_fit_beside_the_window() -> None:
