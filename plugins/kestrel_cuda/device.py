@@ -180,7 +180,10 @@ class CudaDevice:
                 from kestrel_cuda.forward import DeviceForward
             except ImportError:
                 return None
-            boundary = self.layer_boundary if self.config.window > 0 else None
+            # a window that keeps every layer (the model fits its budget) changes nothing: no boundary, so the
+            # decode steps can be captured
+            streams = self.preload_info.get("window_streamed_layers", 1) > 0
+            boundary = self.layer_boundary if self.config.window > 0 and streams else None
             with self.device:
                 self.forward = DeviceForward(self._weight_source, boundary, config=self.config, stream=self.stream,
                                              gemm=self.gemm, pin=self.cache.pin, unpin=self.cache.unpin)
