@@ -22,6 +22,7 @@ from kestrel_core.wkey import lm_head_wkey
 from kestrel_cuda.config import CudaConfig
 from kestrel_cuda.cupy_alloc import CupyAllocator
 from kestrel_cuda.gemm import DeviceGemm
+from kestrel_cuda.host_pin import HostPins
 from kestrel_cuda.layout import fusable, layer_groups
 from kestrel_cuda.residency import DeviceWeight, PreloadItem, WeightCache, cache_budget
 from kestrel_cuda.weights import column_offsets, geometry_for, make_upload
@@ -53,6 +54,7 @@ class CudaDevice:
         self.declined: Counter[str] = Counter()
         self.preload_info: dict[str, Any] = {}
         self.forward: Any = None  # kestrel_cuda.forward.DeviceForward, made on first use
+        self.pins = HostPins(cp)  # the window's streamed strip-caches, page-locked
         self.closed = False
 
     # -- weights -------------------------------------------------------------------------------------
@@ -178,7 +180,10 @@ class CudaDevice:
                 from kestrel_cuda.forward import DeviceForward
             except ImportError:
                 return None
-            boundary = self.layer_boundary if self.config.window > 0 else None
+            # a window that keeps every layer (the model fits its budget) changes nothing: no boundary, so the
+            # decode steps can be captured
+            streams = self.preload_info.get("window_streamed_layers", 1) > 0
+            boundary = self.layer_boundary if self.config.window > 0 and streams else None
             with self.device:
                 self.forward = DeviceForward(self._weight_source, boundary, config=self.config, stream=self.stream,
                                              gemm=self.gemm, pin=self.cache.pin, unpin=self.cache.unpin)
@@ -253,6 +258,8 @@ class CudaDevice:
         if self.config.window:
             self.preload_info.update(window_streamed_layers=result.streamed_layers,
                                      window_streamed_bytes=result.streamed_bytes)
+            self.pins.register(a for i, lw in enumerate(model.layers) if i not in self.cache.kept
+                               for strips, _, _ in layer_groups(i, lw) for s in strips for a in (s.codes, s.scales))
         if result.stopped:
             self.preload_info["preload_stopped"] = result.stopped
 
@@ -268,6 +275,7 @@ class CudaDevice:
         out.update({f"errors_{k}": v for k, v in self.errors.items()})
         out.update({f"declined_{k.replace(' ', '_')}": v for k, v in self.declined.items()})
         out.update(self.preload_info)
+        out.update(self.pins.stats())
         if self.forward is not None:
             out.update(self.forward.stats())  # its keys say forward_ already
         return out
@@ -282,5 +290,6 @@ class CudaDevice:
             with self.device:
                 self.stream.synchronize()
                 self.cache.close()
+                self.pins.release()
         finally:
             self.forward = None
