@@ -34,7 +34,7 @@ class Setting:
 SETTINGS = (
     Setting("device", "KESTREL_CUDA_DEVICE", 0, "a device number", "CUDA device index"),
     Setting("cache_mb", "KESTREL_CUDA_CACHE_MB", 1, "a whole number of MiB",
-            "weight cache budget (default: the free device memory less a quarter of it, at least 2 GiB; at least 256 MiB)"),
+            "weight cache budget (default: free device memory less max(a quarter, 2 GiB), at least 256 MiB)"),
     Setting("window", "KESTREL_CUDA_WINDOW", 0, "a number of layers",
             "residency window: layers of streamed weights kept resident (0: off; on: no decode graph)"),
     Setting("max_context", "KESTREL_CUDA_MAX_CONTEXT", 1, "a number of positions",

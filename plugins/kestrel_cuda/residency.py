@@ -10,12 +10,13 @@ API for the backend (each weight laid out as its ``layout.Geometry`` says)
 ``WeightCache(allocator, *, budget=None, keep=0)``: budget defaults to ``cache_budget(allocator.free_bytes())``;
     keep: the layers the residency window keeps (0: off).
     ``get_or_upload(wkey, geometry, upload_fn, *, source=None) -> DeviceWeight``
-        hit: the resident weight (made most recently used). Miss: evict LRU entries while over budget or
-        over its slots (512, or as many as the model's preload lists; into the pool, never freed), take a pooled buffer of the same layout or allocate, then
-        ``upload_fn(weight)`` fills it. ``upload_fn`` gets the ``DeviceWeight`` (``.buffer``, ``.codes`` int8
-        1-D region, ``.scales`` float32 [ngroups][Npad]); the content is undefined (fresh or pooled), so it
-        must write every byte of both regions, padding columns as zeros. If it raises, the buffer goes back
-        to the pool, no entry is made, and the exception propagates (the backend declines; the CPU computes).
+        hit: the resident weight (made most recently used). Miss: evict LRU entries while over budget or over
+        its slots (512, or as many as the model's preload lists; into the pool, never freed), take a pooled
+        buffer of the same layout or allocate, then ``upload_fn(weight)`` fills it. ``upload_fn`` gets the
+        ``DeviceWeight`` (``.buffer``, ``.codes`` int8 1-D region, ``.scales`` float32 [ngroups][Npad]); the
+        content is undefined (fresh or pooled), so it must write every byte of both regions, padding columns as
+        zeros. If it raises, the buffer goes back to the pool, no entry is made, and the exception propagates
+        (the backend declines; the CPU computes).
         ``source``: the StripCache uploaded (first member for fused); a hit whose source is another object
         (a different model on the same wkeys) or whose geometry differs is stale and is re-uploaded.
         wkey 0 is never cached: the result is a temporary (``.temporary``), to be handed back with
