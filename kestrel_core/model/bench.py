@@ -35,12 +35,15 @@ class BenchResult:
     backend_stats: dict[str, Any] = field(default_factory=dict)
     upload_mb_per_token: float = 0.0  # weights the backend uploaded in the measured runs, per generated token
     upload_gb_s: float = 0.0  # and the rate of those uploads
+    bus_gb_s: float = 0.0  # the backend's host-to-device bandwidth from pinned memory, measured in the same run
+    bus_ratio: float = 0.0  # a decode step's time over the time its uploads take at bus_gb_s (1: at the bus's speed)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 UPLOAD_BYTES, UPLOAD_S = "weight_upload_bytes", "weight_upload_s"  # kestrel_stats keys of a streaming backend
+BUS_GB_S = "bus_h2d_pinned_gb_s"  # and its bus, measured with one large copy from page-locked memory
 
 
 def run_bench(engine: Engine, *, prompt_tokens: int = 256, decode_tokens: int = 64, runs: int = 3,
@@ -69,22 +72,29 @@ def run_bench(engine: Engine, *, prompt_tokens: int = 256, decode_tokens: int = 
     stats = engine.stats
     end = _uploads(stats["backend_stats"])
     moved, seconds = end[0] - uploads[0], end[1] - uploads[1]
+    per_token = moved / (runs * (decode_tokens + 1))  # bytes a forward pass (prefill passes count as one)
+    bus = _number(stats["backend_stats"], BUS_GB_S)
+    decode_tok_s = statistics.median(decode)
     return BenchResult(
         model=engine.source, backend=engine.backend_name, device=engine.backend.device_description, quant=quant,
         prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, runs=runs, load_s=engine.load_s,
         preload_s=engine.preload_s, weights_mb=engine.model.nbytes / 1e6,
-        prefill_tok_s=statistics.median(prefill), decode_tok_s=statistics.median(decode),
+        prefill_tok_s=statistics.median(prefill), decode_tok_s=decode_tok_s,
         prefill_tok_s_runs=prefill, decode_tok_s_runs=decode, offload=stats["offload"],
-        backend_stats=stats["backend_stats"], upload_mb_per_token=moved / 1e6 / (runs * (decode_tokens + 1)),
-        upload_gb_s=moved / 1e9 / seconds if seconds > 0 else 0.0)
+        backend_stats=stats["backend_stats"], upload_mb_per_token=per_token / 1e6,
+        upload_gb_s=moved / 1e9 / seconds if seconds > 0 else 0.0, bus_gb_s=bus,
+        bus_ratio=(1 / decode_tok_s) / (per_token / 1e9 / bus) if bus > 0 and per_token > 0 and decode_tok_s > 0
+        else 0.0)
+
+
+def _number(backend_stats: dict[str, Any], key: str) -> float:
+    value = backend_stats.get(key, 0)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 def _uploads(backend_stats: dict[str, Any]) -> tuple[float, float]:
     """(bytes, seconds) of weight uploads so far, from a backend's ``UPLOAD_BYTES`` / ``UPLOAD_S`` stats."""
-    def number(key: str) -> float:
-        value = backend_stats.get(key, 0)
-        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
-    return number(UPLOAD_BYTES), number(UPLOAD_S)
+    return _number(backend_stats, UPLOAD_BYTES), _number(backend_stats, UPLOAD_S)
 
 
 @dataclass

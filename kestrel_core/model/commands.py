@@ -225,6 +225,9 @@ def bench(args: argparse.Namespace) -> int:
     if result.upload_mb_per_token:
         rows.append(("weights uploaded",
                      f"{result.upload_mb_per_token:.1f} MB a token at {result.upload_gb_s:.1f} GB/s"))
+    if result.bus_gb_s:
+        rows.append(("bus (pinned copy)", f"{result.bus_gb_s:.1f} GB/s: a token in {result.bus_ratio:.2f}x "
+                                          "its uploads' time at it"))
     for name, value in rows:
         table.add_row(name, value)
     Console(highlight=False).print(table)

@@ -25,6 +25,7 @@ from kestrel_cuda.gemm import DeviceGemm
 from kestrel_cuda.host_pin import HostPins
 from kestrel_cuda.layout import fusable, layer_groups
 from kestrel_cuda.residency import DeviceWeight, PreloadItem, WeightCache, cache_budget
+from kestrel_cuda.streaming import UploadTimer, WindowStreamer, pinned_h2d_gb_s
 from kestrel_cuda.weights import column_offsets, geometry_for, make_upload
 
 log = logging.getLogger("kestrel")
@@ -49,6 +50,8 @@ class CudaDevice:
                                      keep=config.window)
             self.gemm = DeviceGemm(cp, kernels, self.sm_count)
             self.gemm.workspace(self.stream)
+            self.timer = UploadTimer(cp)  # every weight upload's GPU time
+            self.streamer = WindowStreamer(cp, kernels, self.cache, self.stream, self.timer) if config.window else None
         self.description = f"{self.name} (sm_{compute_capability}, {self.sm_count} SMs)"
         self.errors: Counter[str] = Counter()
         self.declined: Counter[str] = Counter()
@@ -66,7 +69,7 @@ class CudaDevice:
         """
         members = [strips] if isinstance(strips, StripCache) else list(strips)
         return self.cache.get_or_upload(key, geometry_for(members),
-                                        make_upload(self.cp, self.kernels, members, self.stream),
+                                        make_upload(self.cp, self.kernels, members, self.stream, self.timer),
                                         source=members[0])
 
     # -- hooks ---------------------------------------------------------------------------------------
@@ -162,7 +165,10 @@ class CudaDevice:
             return self._failed("gemm_f32", exc)
 
     def layer_boundary(self, layer: int) -> None:
-        self.cache.on_layer_boundary(layer)
+        with self.device:
+            self.cache.on_layer_boundary(layer)
+            if self.streamer is not None:
+                self.streamer.boundary(layer)
 
     # -- whole-step forward (kestrel_cuda.forward) -----------------------------------------------------
 
@@ -229,13 +235,16 @@ class CudaDevice:
 
     # -- preload -------------------------------------------------------------------------------------
 
-    def preload_items(self, model: Any) -> list[PreloadItem]:
-        """Every weight the layer loop uses, as the GEMM hooks will ask for it (fused where fusable)."""
+    def preload_items(self, model: Any, stream: Any = None) -> list[PreloadItem]:
+        """Every weight the layer loop uses, as the GEMM hooks will ask for it (fused where fusable), uploading
+        on ``stream`` (None: the compute stream)."""
         items: list[PreloadItem] = []
+        stream = stream or self.stream
 
         def add(key: int, members: list[StripCache]) -> None:
             items.append(PreloadItem(key, geometry_for(members),
-                                     make_upload(self.cp, self.kernels, members, self.stream), members[0]))
+                                     make_upload(self.cp, self.kernels, members, stream, self.timer),
+                                     members[0]))
 
         for i, lw in enumerate(model.layers):
             for strips, keys, fused_key in layer_groups(i, lw):
@@ -258,8 +267,14 @@ class CudaDevice:
         if self.config.window:
             self.preload_info.update(window_streamed_layers=result.streamed_layers,
                                      window_streamed_bytes=result.streamed_bytes)
-            self.pins.register(a for i, lw in enumerate(model.layers) if i not in self.cache.kept
-                               for strips, _, _ in layer_groups(i, lw) for s in strips for a in (s.codes, s.scales))
+            streamed = [i for i in range(len(model.layers)) if i not in self.cache.kept]
+            self.pins.register(a for i in streamed for strips, _, _ in layer_groups(i, model.layers[i])
+                               for s in strips for a in (s.codes, s.scales))
+            if self.streamer is not None:
+                self.streamer.plan(self.preload_items(model, self.streamer.upload_stream), set(streamed))
+            if streamed:
+                with self.device:
+                    self.preload_info["bus_h2d_pinned_gb_s"] = round(pinned_h2d_gb_s(self.cp), 2)
         if result.stopped:
             self.preload_info["preload_stopped"] = result.stopped
 
@@ -270,7 +285,9 @@ class CudaDevice:
         out.update({f"kernel_{k}": v for k, v in self.kernels.info.items()})
         cache = self.cache.stats()
         out.update({f"cache_{k}": v for k, v in cache.items()})
-        out.update(weight_upload_bytes=cache["upload_bytes"], weight_upload_s=cache["upload_s"])  # kestrel bench
+        with self.device:
+            upload_s = self.timer.seconds()
+        out.update(weight_upload_bytes=cache["upload_bytes"], weight_upload_s=round(upload_s, 6))  # kestrel bench
         out.update({f"launches_{k}": v for k, v in self.gemm.launches.items()})
         out.update({f"errors_{k}": v for k, v in self.errors.items()})
         out.update({f"declined_{k.replace(' ', '_')}": v for k, v in self.declined.items()})
@@ -289,6 +306,9 @@ class CudaDevice:
                 self.forward.close()
             with self.device:
                 self.stream.synchronize()
+                if self.streamer is not None:
+                    self.streamer.upload_stream.synchronize()
+                    self.streamer.clear()
                 self.cache.close()
                 self.pins.release()
         finally:

@@ -34,6 +34,12 @@ API for the backend (each weight laid out as its ``layout.Geometry`` says)
         With the window on, only what ``kept_layers`` keeps (lm_head and the first layers that fit beside the
         window's own ``keep`` layers): those stay resident, and only the other layers stream each step.
     ``kept``: the model layers the window keeps (never evicted by it; by LRU only when nothing else can go).
+    ``prefetch(layer, items, beside=()) -> bool``: the window's next layer, uploaded ahead of its use (on the
+        backend's upload stream) when its missing weights fit the budget and the slots beside the missing ones
+        of ``beside`` (the current layer's, fetched next) without evicting anything; they
+        stay pinned until ``take_prefetched(layer)`` (the compute stream then waits for the upload), so an
+        upload still in flight is never evicted or its buffer reused. The preload leaves room for
+        PREFETCH_LAYERS beside the window's own ``keep``.
     ``release(weight)``, ``contains(wkey)``, ``len(cache)``, ``entries()`` (LRU first), ``stats() -> dict``,
     ``clear()`` (frees every cached and pooled buffer), ``close()`` (clear, free temporaries, refuse further use).
 ``cache_budget(free_bytes, cache_mb=None)``: ``cache_mb`` MiB (``CudaConfig.cache_mb``) if given, else free
@@ -55,10 +61,9 @@ on every call and use the same memory anyway), and pinned weights are never evic
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
@@ -76,6 +81,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 BUDGET_RESERVE = 2 * GiB  # free memory the default budget leaves, at least (a quarter of it when more)
 BUDGET_FLOOR = 256 * MiB
+PREFETCH_LAYERS = 1  # layers the window uploads ahead of the one it computes
 
 # -- configuration -----------------------------------------------------------------------------------
 
@@ -226,13 +232,13 @@ class PreloadResult:
 class Counters:
     uploads: int = 0
     upload_bytes: int = 0
-    upload_s: float = 0.0  # wall time in upload_fn (the host's copies and the device transpose's launch)
     upload_errors: int = 0
     hits: int = 0
     misses: int = 0
     stale: int = 0
     evictions: int = 0
     window_evictions: int = 0
+    prefetched_layers: int = 0
     pool_reuse: int = 0
     pool_frees: int = 0
     oom_frees: int = 0
@@ -261,6 +267,7 @@ class WeightCache:
             self.budget = cache_budget(self.allocator.free_bytes())
         self._entries: OrderedDict[int, DeviceWeight] = OrderedDict()  # LRU first
         self.kept: set[int] = set()  # model layers the window keeps (preload)
+        self._prefetched: dict[int, list[int]] = {}  # model layer -> its wkeys uploaded ahead, pinned until taken
         self._by_layer: dict[int, set[int]] = {}  # model layer -> resident wkeys (lm_head not indexed)
         self._temporaries: dict[int, DeviceWeight] = {}  # id -> temporary handed out, not yet released
         self.pool = BufferPool(self.pool_slots)
@@ -354,6 +361,39 @@ class WeightCache:
                     evicted += 1
         return evicted
 
+    def prefetch(self, layer: int, items: Sequence[PreloadItem], beside: Sequence[PreloadItem] = ()) -> bool:
+        assert self.budget is not None
+        if self.closed or layer in self._prefetched:
+            return False
+        missing, now = self._missing(items), self._missing(beside)  # beside: the current layer's, fetched next
+        need = sum(i.geometry.nbytes for i in missing + now)
+        if not missing or (self.bytes_resident + need > self.budget
+                           or len(self._entries) + len(missing) + len(now) > self.max_entries):
+            return False
+        keys = []
+        for item in missing:
+            weight = self.get_or_upload(item.wkey, item.geometry, item.upload_fn, source=item.source)
+            weight.pins += 1
+            keys.append(item.wkey)
+        self._prefetched[layer] = keys
+        self.counters.prefetched_layers += 1
+        return True
+
+    def _missing(self, items: Sequence[PreloadItem]) -> list[PreloadItem]:
+        return [i for i in items if not ((e := self._entries.get(i.wkey)) and self._fresh(e, i.geometry, i.source))]
+
+    def take_prefetched(self, layer: int) -> bool:
+        """Unpin what ``prefetch`` uploaded for ``layer``; whether it had (then the caller orders its use after
+        the upload)."""
+        keys = self._prefetched.pop(layer, None)
+        if keys is None:
+            return False
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is not None and entry.pins:
+                entry.pins -= 1
+        return True
+
     def preload(self, items: Iterable[PreloadItem]) -> PreloadResult:
         result = PreloadResult()
         assert self.budget is not None
@@ -368,7 +408,7 @@ class WeightCache:
                     fixed += item.geometry.nbytes
                 else:
                     layer_bytes[layer] = layer_bytes.get(layer, 0) + item.geometry.nbytes
-            self.kept = kept_layers(layer_bytes, fixed, self.budget, self.keep)
+            self.kept = kept_layers(layer_bytes, fixed, self.budget, self.keep + PREFETCH_LAYERS)
             streamed = sorted(set(layer_bytes) - self.kept)
             result.streamed_layers = len(streamed)
             result.streamed_bytes = sum(layer_bytes[x] for x in streamed)
@@ -400,6 +440,7 @@ class WeightCache:
         self._entries.clear()
         self._by_layer.clear()
         self.kept.clear()
+        self._prefetched.clear()
         self.bytes_resident = 0
         while (buf := self.pool.pop_oldest()) is not None:
             self._free(buf)
@@ -432,7 +473,6 @@ class WeightCache:
         return weight
 
     def _upload(self, weight: DeviceWeight, upload_fn: Callable[[DeviceWeight], None]) -> None:
-        start = time.perf_counter()
         try:
             upload_fn(weight)
         except BaseException:  # even an interrupt must leave every buffer accounted for
@@ -442,7 +482,6 @@ class WeightCache:
             raise
         self.counters.uploads += 1
         self.counters.upload_bytes += weight.geometry.nbytes
-        self.counters.upload_s += time.perf_counter() - start
 
     @staticmethod
     def _fresh(entry: DeviceWeight, geometry: Geometry, source: object | None) -> bool:

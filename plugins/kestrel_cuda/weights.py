@@ -41,9 +41,10 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def make_upload(cp: Any, kernels: Any, strips: Sequence[StripCache],
-                stream: Any | None = None) -> Callable[[DeviceWeight], None]:
-    """The ``upload_fn`` the weight cache calls to fill a (fresh or pooled) buffer with ``strips``."""
+def make_upload(cp: Any, kernels: Any, strips: Sequence[StripCache], stream: Any | None = None,
+                timer: Any = None) -> Callable[[DeviceWeight], None]:
+    """The ``upload_fn`` the weight cache calls to fill a (fresh or pooled) buffer with ``strips`` on ``stream``
+    (``timer``: a ``streaming.UploadTimer`` that records the upload's GPU time)."""
     strips = list(strips)
     if len(strips) > 1 and not fusable(strips):
         raise ValueError("these weights cannot share a fused buffer")
@@ -51,7 +52,8 @@ def make_upload(cp: Any, kernels: Any, strips: Sequence[StripCache],
     def upload(weight: DeviceWeight) -> None:
         g = weight.geometry
         i32 = np.int32
-        with stream if stream is not None else _null():
+        with stream if stream is not None else _null(), \
+                timer.span(cp.cuda.get_current_stream()) if timer is not None else _null():
             weight.buffer.fill(0)
             codes = weight.codes
             scales = weight.scales

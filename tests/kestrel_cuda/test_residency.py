@@ -436,16 +436,17 @@ def test_kept_layers_are_the_first_that_fit_beside_the_window() -> None:
 
 
 def test_the_window_streams_only_the_layers_that_do_not_fit() -> None:
-    """Budget for lm_head and 5 of 8 layers, keep = 1: the first 4 layers stay (one layer of room for the
-    window), and each step uploads the other 4 alone, never a kept weight again, within the budget."""
+    """Budget for lm_head and 5 of 8 layers, keep = 1: the first 3 layers stay (room for the window's layer and
+    the one it prefetches); the other 5 stream, the last of them staying into the next step while the room
+    allows, so a step uploads 4 layers, never a kept weight again, within the budget."""
     alloc, up = NumpyAllocator(BIG), Stamper()
     n_layers, unit = 8, G_A.nbytes
     cache = WeightCache(alloc, budget=11 * unit, keep=1)
     weights = {layer: [wkey(layer, Proj.Q), wkey(layer, Proj.O)] for layer in range(n_layers)}
     items = [PreloadItem(k, G_A, up) for layer in range(n_layers) for k in weights[layer]]
     res = cache.preload([*items, PreloadItem(lm_head_wkey(), G_A, up)])
-    assert cache.kept == {0, 1, 2, 3} and (res.streamed_layers, res.streamed_bytes) == (4, 8 * unit)
-    assert res.uploaded == 9 and res.stopped == ""
+    assert cache.kept == {0, 1, 2} and (res.streamed_layers, res.streamed_bytes) == (5, 10 * unit)
+    assert res.uploaded == 7 and res.stopped == ""
     kept_weights = {e.wkey: e for e in cache.entries()}
     per_step = []
     for _ in range(3):
@@ -457,9 +458,61 @@ def test_the_window_streams_only_the_layers_that_do_not_fit() -> None:
                 assert cache.bytes_resident <= cache.budget
         cache.get_or_upload(lm_head_wkey(), G_A, up)
         per_step.append(cache.counters.upload_bytes - before)
-    assert per_step[1:] == [8 * unit, 8 * unit]  # the streamed layers, once each
+    assert per_step[1:] == [8 * unit, 8 * unit]  # layers 3-6, once each
     assert all(cache.contains(k) and cache._entries[k] is e and up.intact(e) for k, e in kept_weights.items())
     assert_accounted(cache, alloc)
+
+
+def test_the_window_prefetches_the_next_layer_within_the_budget() -> None:
+    """The streamer's walk (kestrel_cuda.streaming): at boundary L take L's prefetch, then prefetch L + 1 beside
+    L's own weights. The same bytes cross as without prefetch, ahead of their use where the budget allows, never
+    over budget;
+    a prefetched weight stays pinned (the window and the LRU leave it alone) until taken, and its use is a
+    hit; the content of every weight is its own."""
+    alloc, up = NumpyAllocator(BIG), Stamper()
+    n_layers, unit = 8, G_A.nbytes
+    cache = WeightCache(alloc, budget=11 * unit, keep=1)
+    weights = {layer: [wkey(layer, Proj.Q), wkey(layer, Proj.O)] for layer in range(n_layers)}
+    by_layer = {layer: [PreloadItem(k, G_A, up) for k in weights[layer]] for layer in range(n_layers)}
+    cache.preload([*(i for layer in range(n_layers) for i in by_layer[layer]), PreloadItem(lm_head_wkey(), G_A, up)])
+    streamed = set(range(n_layers)) - cache.kept
+    prefetched, per_step = [], []
+    for _ in range(3):
+        before = cache.counters.upload_bytes
+        for cur in range(n_layers):
+            cache.on_layer_boundary(cur)
+            took = cache.take_prefetched(cur)
+            beside = by_layer[cur] if cur in streamed else []
+            if cur + 1 in streamed and cache.prefetch(cur + 1, by_layer[cur + 1], beside):
+                prefetched.append(cur + 1)
+                assert all(cache._entries[k].pins == 1 for k in weights[cur + 1])
+                assert not cache.prefetch(cur + 1, by_layer[cur + 1])  # already under way
+            assert cache.bytes_resident <= cache.budget
+            misses = cache.counters.misses
+            for k in weights[cur]:
+                w = cache.get_or_upload(k, G_A, up)
+                assert up.intact(w) and w.pins == 0
+            assert cache.counters.misses == misses or not (took or cur in cache.kept)  # a prefetched layer: hits
+            assert cache.bytes_resident <= cache.budget
+        cache.get_or_upload(lm_head_wkey(), G_A, up)
+        per_step.append(cache.counters.upload_bytes - before)
+    assert per_step[1:] == [8 * unit, 8 * unit]  # as without prefetch: layers 3-6 once each, 7 stays
+    assert set(prefetched) == streamed and cache.counters.prefetched_layers == len(prefetched)
+    assert not cache.prefetch(n_layers - 1, by_layer[n_layers - 1][:0])  # nothing missing: nothing to do
+    assert_accounted(cache, alloc)
+
+
+def test_a_prefetch_that_does_not_fit_uploads_nothing() -> None:
+    """A prefetch never evicts: over the budget (or the slots) it declines and the layer is fetched on use."""
+    up = Stamper()
+    cache = WeightCache(NumpyAllocator(BIG), budget=3 * G_A.nbytes, keep=1)
+    for layer in range(2):
+        cache.get_or_upload(wkey(layer, Proj.Q), G_A, up)
+    items = [PreloadItem(wkey(2, Proj.Q), G_A, up), PreloadItem(wkey(2, Proj.O), G_A, up)]
+    assert not cache.prefetch(2, items) and not cache.contains(wkey(2, Proj.Q))
+    assert cache.counters.evictions == 0 and not cache.take_prefetched(2)
+    slots = WeightCache(NumpyAllocator(BIG), budget=BIG, keep=1, max_entries=1)
+    assert not slots.prefetch(0, items) and len(slots) == 0
 
 
 def test_clear_and_close_free_everything_once() -> None:

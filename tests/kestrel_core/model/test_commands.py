@@ -110,7 +110,7 @@ def kestrel_gemm_q8(device, a_codes, a_scales, weight, wkey):  # every GEMM "upl
 
 @hookimpl
 def kestrel_stats(device):
-    return {"weight_upload_bytes": MOVED[0], "weight_upload_s": MOVED[1]}
+    return {"weight_upload_bytes": MOVED[0], "weight_upload_s": MOVED[1], "bus_h2d_pinned_gb_s": 4.0}
 '''
 
 
@@ -125,8 +125,11 @@ def test_bench_reports_a_streaming_backends_weight_uploads(capsys, tmp_path, mon
     result = json.loads(out)
     assert result["upload_gb_s"] == pytest.approx(2.0)
     assert 0 < result["upload_mb_per_token"] * 1e6 * 2 * 4 < result["backend_stats"]["weight_upload_bytes"]
+    bound = result["upload_mb_per_token"] / 1e3 / 4.0  # seconds a token's uploads take on the 4 GB/s bus
+    assert result["bus_gb_s"] == 4.0
+    assert result["bus_ratio"] == pytest.approx(1 / result["decode_tok_s"] / bound)
     code, out, _ = _run(capsys, *args)
-    assert code == 0 and "MB a token at 2.0 GB/s" in out
+    assert code == 0 and "MB a token at 2.0 GB/s" in out and "bus (pinned copy)" in out and "4.0 GB/s" in out
     _, out, _ = _run(capsys, "bench", "--preset", "tiny", "--backend", "cpu", "--prompt-tokens", "8",
                      "--decode-tokens", "2", "--runs", "1")
     assert "weights uploaded" not in out
