@@ -347,7 +347,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         if (tid < TN) s_part[0][tid] = nok ? (bias ? acc[0] + bn : acc[0]) : 0.f;
         __syncthreads();
         const QkvRope qr = {qnorm, knorm, cosT, sinT, meta, qout, kc, vc, H, KV, cap, eps};
-        if (warp == 0) rope_head(qr, s_part[0], blockIdx.x, TN, meta[0], meta[0], lane);
+        if (warp == 0) rope_head<TN / 64>(qr, s_part[0], blockIdx.x, TN, meta[0], meta[0], lane);
         return;
     }
     float y0 = 0.f;                             // row m0's output (ssq_out: M = 1)

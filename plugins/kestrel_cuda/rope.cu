@@ -22,6 +22,8 @@ extern "C" __global__ void __launch_bounds__(RW * 32) qkv_rope(
     const QkvRope qr = {qnorm, knorm, cosT, sinT, meta, qout + (size_t)m * H * hd, kc, vc, H, KV, cap, eps};
     const int pos = rows ? rows[2 * m] : meta[0] + m;
     const int slot = kv_slot(rows ? tables + (size_t)rows[2 * m + 1] * tb : nullptr, pos);
-    rope_head(qr, qkv + (size_t)m * ldqkv + (size_t)head * hd, head, hd, pos, slot, lane);
+    const float* src = qkv + (size_t)m * ldqkv + (size_t)head * hd;
+    if (hd <= 128) rope_head<2>(qr, src, head, hd, pos, slot, lane);
+    else rope_head<4>(qr, src, head, hd, pos, slot, lane);
 }
 #undef RW

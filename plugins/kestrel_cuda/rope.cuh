@@ -23,6 +23,9 @@ __device__ __forceinline__ int kv_slot(const int* table, int pos) {
 // One warp: head ``head`` (q: < H, k: < H + KV, then v) of a q|k|v row, src its hd values: q and k heads
 // get the optional per-head rmsnorm and RoPE at pos, to qout or the key cache; v heads go to the value cache,
 // both at cache row ``slot``.
+// PAIRS: a lane's (x1, x2) pairs, hd <= 64 * PAIRS (2: hd <= 128, the GEMV epilogue's; 4: hd <= 256), so the
+// fused epilogue carries no registers for head_dims it never sees.
+template <int PAIRS>
 __device__ __forceinline__ void rope_head(const QkvRope& qr, const float* src, int head, int hd, int pos,
                                           int slot, int lane)
 {
@@ -38,10 +41,10 @@ __device__ __forceinline__ void rope_head(const QkvRope& qr, const float* src, i
     const float* nw = isq ? qr.qnorm : qr.knorm;
     const float* cs = qr.cosT + (size_t)pos * half;
     const float* sn = qr.sinT + (size_t)pos * half;
-    float x1[4], x2[4], c[4], s[4];     // pairs lane + 32 t (hd <= 256)
+    float x1[PAIRS], x2[PAIRS], c[PAIRS], s[PAIRS];  // pairs lane + 32 t
     float ss = 0.f;
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
+    for (int t = 0; t < PAIRS; ++t) {
         const int i = lane + 32 * t;
         x1[t] = x2[t] = c[t] = s[t] = 0.f;
         if (i < half) { x1[t] = src[i]; x2[t] = src[i + half]; c[t] = cs[i]; s[t] = sn[i]; }
@@ -51,14 +54,14 @@ __device__ __forceinline__ void rope_head(const QkvRope& qr, const float* src, i
         ss = warp_sum(ss);
         const float r = sqrtf(ss / (float)hd + qr.eps);
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
+        for (int t = 0; t < PAIRS; ++t) {
             const int i = lane + 32 * t;
             if (i < half) { x1[t] = x1[t] / r * nw[i]; x2[t] = x2[t] / r * nw[i + half]; }
         }
     }
     float* dst = isq ? qr.qout + (size_t)head * hd : qr.kc + ((size_t)kvh * qr.cap + slot) * hd;
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
+    for (int t = 0; t < PAIRS; ++t) {
         const int i = lane + 32 * t;
         if (i < half) {
             dst[i] = x1[t] * c[t] - x2[t] * s[t];
