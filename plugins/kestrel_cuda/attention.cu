@@ -29,13 +29,14 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     const int h = blockIdx.x, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int len = meta[0] + 1;
-    const int lo = window > 0 ? max(0, len - window) : 0;  // a sliding window's first position
-    const int chunk = (len - lo + NS - 1) / NS;
-    const int pb = lo + split * chunk;
-    const int pe = min(len, pb + chunk);
+    // positions from a sliding window's first, lo, counted from there (the loop then is the windowless one)
+    const int lo = window > 0 ? max(0, len - window) : 0, seen = len - lo;
+    const int chunk = (seen + NS - 1) / NS;
+    const int pb = split * chunk;
+    const int pe = min(seen, pb + chunk);
     const int kvh = h / (H / KV);
-    const float* kb = kc + (size_t)kvh * cap * hd;
-    const float* vb = vc + (size_t)kvh * cap * hd;
+    const float* kb = kc + ((size_t)kvh * cap + lo) * hd;
+    const float* vb = vc + ((size_t)kvh * cap + lo) * hd;
     float qr[MAXJ], acc[MAXJ];
 #pragma unroll
     for (int j = 0; j < MAXJ; ++j) {

@@ -287,7 +287,7 @@ class CudaDevice:
         out.update({f"cache_{k}": v for k, v in cache.items()})
         with self.device:
             upload_s = self.timer.seconds()
-        out.update(weight_upload_bytes=cache["upload_bytes"], weight_upload_s=round(upload_s, 6))  # kestrel bench
+        out.update(weight_upload_bytes=self.timer.bytes, weight_upload_s=round(upload_s, 6))  # kestrel bench
         out.update({f"launches_{k}": v for k, v in self.gemm.launches.items()})
         out.update({f"errors_{k}": v for k, v in self.errors.items()})
         out.update({f"declined_{k.replace(' ', '_')}": v for k, v in self.declined.items()})

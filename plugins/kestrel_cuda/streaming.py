@@ -23,18 +23,21 @@ RESOLVE_EVERY = 1024  # upload spans kept before their events are read
 
 
 class UploadTimer:
-    """The GPU time of weight uploads: a (start, end) event pair recorded around each on its stream, read later,
-    so timing never waits for the device."""
+    """The bytes weight uploads move over the bus (the host arrays copied: int4 codes travel as the contract's
+    int8 values and are packed on the device) and their GPU time: a (start, end) event pair recorded around
+    each on its stream, read later, so timing never waits for the device."""
 
     def __init__(self, cp: Any) -> None:
         self.cp = cp
         self._pending: list[tuple[Any, Any]] = []
         self._seconds = 0.0
+        self.bytes = 0
 
     @contextmanager
-    def span(self, stream: Any) -> Iterator[None]:
+    def span(self, stream: Any, nbytes: int) -> Iterator[None]:
         start = stream.record()
         yield
+        self.bytes += nbytes
         self._pending.append((start, stream.record()))
         if len(self._pending) >= RESOLVE_EVERY:
             self.seconds()

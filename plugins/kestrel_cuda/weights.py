@@ -49,11 +49,13 @@ def make_upload(cp: Any, kernels: Any, strips: Sequence[StripCache], stream: Any
     if len(strips) > 1 and not fusable(strips):
         raise ValueError("these weights cannot share a fused buffer")
 
+    moved = sum(s.codes.nbytes + s.scales.nbytes for s in strips)  # host bytes over the bus
+
     def upload(weight: DeviceWeight) -> None:
         g = weight.geometry
         i32 = np.int32
         with stream if stream is not None else _null(), \
-                timer.span(cp.cuda.get_current_stream()) if timer is not None else _null():
+                timer.span(cp.cuda.get_current_stream(), moved) if timer is not None else _null():
             weight.buffer.fill(0)
             codes = weight.codes
             scales = weight.scales
