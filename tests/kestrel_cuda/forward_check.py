@@ -113,6 +113,26 @@ GREEDY = {greedy}
 '''
 
 
+def cache_source(cache: Any, uploads: list[int]) -> Any:
+    """A DeviceForward weight source over a real ``WeightCache`` of numpy buffers: each miss packs the strips as
+    the device layout does (``layout.pack_kmajor``) and records its wkey in ``uploads``."""
+    from kestrel_cuda.layout import Geometry, pack_kmajor
+
+    def source(key: int, strips: Any) -> Any:
+        geo = Geometry.fused(strips, pack_int4=True) if len(strips) > 1 else Geometry.of(strips[0], pack_int4=True)
+
+        def upload(dw: Any) -> None:
+            uploads.append(key)
+            codes = np.concatenate([s.codes for s in strips])
+            scales = np.concatenate([s.scales for s in strips])
+            dw.codes[:] = pack_kmajor(codes, strips[0].bits).reshape(-1).view(np.int8)
+            sc = np.zeros((geo.ngroups, geo.npad), np.float32)
+            sc[:, :codes.shape[0]] = scales.T
+            dw.scales[...] = sc
+        return cache.get_or_upload(key, geo, upload, source=strips[0])
+    return source
+
+
 def cpu_logits(model: Model, tokens: np.ndarray, n_prefill: int, jitter_seed: int | None = None) -> np.ndarray:
     """Teacher-forced CPU logits [T, vocab]: one prefill of n_prefill tokens (all rows), then one step each."""
     cpu = Registry().cpu()

@@ -235,6 +235,43 @@ def test_a_mixed_batch_over_two_passes(make_fwd) -> None:  # type: ignore[no-unt
     assert got_short.dtype == np.int64 and got_short.tolist() == [int(np.argmax(want_short[0]))]
 
 
+def test_one_upload_serves_every_sequence_of_a_windowed_batch() -> None:
+    """The residency window under a batched step (keep = 1 over a real WeightCache): three sequences decode
+    together, each step walks the layers once, so each step uploads every streamed weight once whatever the
+    batch size, and the rows are bitwise those of the window off."""
+    from kestrel_cuda.allocator import NumpyAllocator
+    from kestrel_cuda.residency import WeightCache
+
+    from .forward_check import cache_source
+
+    model = _model("qwen3", "q4")
+    prompts = _prompts(model, (9, 21, 14))
+
+    def run(fwd):  # type: ignore[no-untyped-def]
+        pages = Pages(4)
+        outs = fwd.forward_batch(model, [pages.entry(i, p, 0, 1) for i, p in enumerate(prompts)])
+        seqs, got, marks = [list(p) for p in prompts], [outs], []
+        for _ in range(3):
+            marks.append(len(uploads))
+            toks = [int(np.argmax(o[-1])) for o in outs]
+            outs = fwd.forward_batch(model, [pages.entry(i, np.array([t]), len(seqs[i]), 1)
+                                             for i, t in enumerate(toks)])
+            for i, t in enumerate(toks):
+                seqs[i].append(t)
+            got.append(outs)
+        return got, np.diff(marks + [len(uploads)])
+
+    uploads: list[int] = []
+    cache = WeightCache(NumpyAllocator(1 << 30), budget=1 << 30, keep=1)
+    windowed, per_step = run(DeviceForward(cache_source(cache, uploads), cache.on_layer_boundary, ops=NumpyOps()))
+    plain, _ = run(DeviceForward(ops=NumpyOps()))
+    weights_per_layer = 4  # q|k|v, o, gate|up, down
+    # keep = 1: a step re-uploads every layer but the last (still resident from the step before) once
+    assert list(per_step) == [weights_per_layer * (model.config.num_layers - 1)] * 3, per_step
+    for w, p in zip(windowed, plain):
+        assert all(np.array_equal(a, b) for a, b in zip(w, p))
+
+
 def test_declines_what_the_pool_cannot_run(make_fwd) -> None:  # type: ignore[no-untyped-def]
     model = _model()
     a, b = _prompts(model, (10, 10))

@@ -30,6 +30,7 @@ from .forward_check import (
     DECLINING_BACKEND,
     FACTOR,
     SMALL_CONFIGS,
+    cache_source,
     compare,
     cpu_logits,
     device_logits,
@@ -168,21 +169,7 @@ def test_window_path_through_the_weight_cache_matches_own_upload() -> None:
     toks = _tokens(model.config, 20)
     cache = WeightCache(NumpyAllocator(1 << 30), budget=1 << 30, keep=1)
     uploads: list[int] = []
-
-    def source(key, strips):  # type: ignore[no-untyped-def]
-        geo = Geometry.fused(strips, pack_int4=True) if len(strips) > 1 else Geometry.of(strips[0], pack_int4=True)
-
-        def upload(dw) -> None:  # type: ignore[no-untyped-def]
-            uploads.append(key)
-            codes = np.concatenate([s.codes for s in strips])
-            scales = np.concatenate([s.scales for s in strips])
-            dw.codes[:] = pack_kmajor(codes, strips[0].bits).reshape(-1).view(np.int8)
-            sc = np.zeros((geo.ngroups, geo.npad), np.float32)
-            sc[:, :codes.shape[0]] = scales.T
-            dw.scales[...] = sc
-        return cache.get_or_upload(key, geo, upload, source=strips[0])
-
-    windowed = DeviceForward(source, cache.on_layer_boundary, ops=NumpyOps())
+    windowed = DeviceForward(cache_source(cache, uploads), cache.on_layer_boundary, ops=NumpyOps())
     assert not windowed.use_graph
     a = device_logits(windowed, model, toks, 8)
     b = device_logits(DeviceForward(ops=NumpyOps()), model, toks, 8)
