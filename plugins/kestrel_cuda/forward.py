@@ -212,7 +212,9 @@ class DeviceForward:
 
     def greedy(self, model: Model, seq_id: int, token: int, start: int, count: int) -> Iterator[int] | None:
         if not self.use_graph or model.config.is_moe:
-            return self._decline("pipelined greedy decode needs the captured decode graph")
+            why = ("the residency window uploads weights between layers" if self.layer_boundary is not None else
+                   "its routing is chosen on the host" if model.config.is_moe else "CUDA graphs are off")
+            return self._decline(f"pipelined greedy decode needs the captured decode graph ({why})")
         if not 0 <= int(token) < model.config.vocab_size or start < 0 or count < 1:
             return self._decline("token id outside the vocabulary, a bad start or no steps")
         st = self._state(model)

@@ -176,6 +176,8 @@ def test_window_path_through_the_weight_cache_matches_own_upload() -> None:
     assert np.array_equal(a, b)
     stats = cache.stats()
     assert stats["evictions"] > 0 and len(uploads) > 2 * 4 + 1  # layer 0 re-uploaded at every step
+    assert windowed.greedy(model, 1, int(toks[-1]), len(toks), 2) is None
+    assert "residency window" in windowed.last_decline  # eager steps, and the reason said
 
 
 def test_weight_source_pins_what_the_graph_captured() -> None:
