@@ -52,7 +52,8 @@ API (what the ``kestrel_forward`` / ``kestrel_release_sequence`` hookimpls call)
   are read. Declines without the captured graph.
 
 The model math is kestrel_core.model.decoder's; the kernels are the ``.cu`` files of kernels.FORWARD_SOURCES,
-launched by ops_cupy.py; forward_state.py holds what one model keeps on the device.
+launched by ops_cupy.py; forward_state.py holds what one model keeps on the device, forward_moe.py runs a
+mixture of experts' MLP.
 """
 
 from __future__ import annotations
@@ -64,11 +65,12 @@ from typing import Any
 import numpy as np
 
 from kestrel_core.batch import BatchEntry
-from kestrel_core.model.decoder import PREFILL_CHUNK, rmsnorm, route, shared_expert_scale
+from kestrel_core.model.decoder import PREFILL_CHUNK
 from kestrel_core.model.weights import Model
 from kestrel_cuda import paged
 from kestrel_cuda.config import CudaConfig
-from kestrel_cuda.forward_state import LayerLins, Projections, State, WeightSource, build_state
+from kestrel_cuda.forward_moe import moe_mlp
+from kestrel_cuda.forward_state import Projections, State, WeightSource, build_state
 from kestrel_cuda.plan import (
     EPI_ADD,
     EPI_STORE,
@@ -505,7 +507,7 @@ class DeviceForward:
             ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m], **at, window=c.window_of(i) or 0)
             self._residual(w.o, st.attn[:m], PRO_PLAIN, 0, layer.post_attn_norm, st, m, eps, ssq)
             if w.experts:
-                self._moe(st, i, layer, w, m, eps)
+                moe_mlp(self.ops, st, i, layer, w, m, eps)
                 continue
             for lin in w.gate_up:
                 ops.gemv(lin, h, PRO_RMSNORM, layer.mlp_norm, eps, 0, st.gu[:m, lin.col:lin.col + lin.n],
@@ -534,36 +536,6 @@ class DeviceForward:
     def _graphs(self, st: State) -> bool:
         """Whether steps may be captured: not for a mixture of experts, whose routing the host chooses."""
         return self.use_graph and not st.config.is_moe
-
-    def _moe(self, st: State, i: int, layer: Any, w: LayerLins, m: int, eps: float) -> None:
-        """h += the mixture of experts of layer i on rmsnorm(h) (the CPU decoder's ``_moe``). The host norms
-        the rows and routes them with the CPU decoder's own code (a routing near a tie then goes the CPU's
-        way); each chosen expert runs on its rows on the device, weighted and added in expert order, then
-        the shared expert scaled by its gate."""
-        ops, c = self.ops, st.config
-        xn_dev, out_dev, rows_in, rows_out = st.moe
-        xn = rmsnorm(ops.download(st.h, m), st.model.layers[i].mlp_norm, eps)  # [m, D], the host's bits
-        top, weights = route(xn, layer.router, c.experts_per_token, c.norm_topk_prob)
-        ops.write_rows(xn_dev, xn)
-        ops.write_rows(out_dev, np.zeros_like(xn))
-        runs = [(int(e), *np.nonzero(top == e)) for e in np.unique(top)]
-        jobs = [(w.experts[e], rows, weights[rows, slot]) for e, rows, slot in runs]
-        if layer.shared_gate is not None:
-            jobs.append((w.experts[c.num_experts], np.arange(m), shared_expert_scale(xn, layer.shared_gate)[:, 0]))
-        # every job's rows and scales in one upload each; job j's are the slices [at[j], at[j + 1])
-        at = np.cumsum([0] + [len(rows) for _, rows, _ in jobs])
-        all_rows = ops.upload(np.concatenate([rows for _, rows, _ in jobs]).astype(np.int32))
-        all_scales = ops.upload(np.concatenate([scale for _, _, scale in jobs]).astype(np.float32))
-        for j, (expert, rows, _) in enumerate(jobs):
-            n = len(rows)
-            index, scales = all_rows[at[j]:at[j + 1]], all_scales[at[j]:at[j + 1]]
-            ops.gather_rows(xn_dev, index, rows_in[:n])
-            for lin in expert.gate_up:
-                ops.gemv(lin, rows_in[:n], PRO_PLAIN, None, eps, 0, st.gu[:n, lin.col:lin.col + lin.n], EPI_STORE,
-                         None)
-            ops.gemv(expert.down, st.gu[:n], PRO_SILU_MUL, None, eps, expert.down.k, rows_out[:n], EPI_STORE, None)
-            ops.scatter_add_rows(rows_out[:n], index, scales, out_dev)
-        ops.add_rows(out_dev[:m], st.h[:m])
 
     # -- sequences -----------------------------------------------------------------------------------
 

@@ -63,6 +63,15 @@ def test_mirror_matches_cpu_decoder(arch: str, quant: str) -> None:
     assert fwd.counters["graph_captures"] == 1 and fwd.counters["graph_replays"] == 16
 
 
+def _assert_leaves_the_band(model, ops, n_tokens: int = 40, n_prefill: int = 24) -> None:  # type: ignore[no-untyped-def]
+    """A forward over ``ops`` (a deliberately wrong mirror) lands far outside the CPU's band: over twice it."""
+    toks = _tokens(model.config, n_tokens)
+    ref = cpu_logits(model, toks, n_prefill)
+    result = compare(device_logits(DeviceForward(ops=ops), model, toks, n_prefill), ref,
+                     jitter_effect(model, toks, n_prefill, ref))
+    assert not result.ok and result.rel_err > 2 * result.tol, str(result)
+
+
 def test_comparison_catches_a_wrong_forward() -> None:
     """The tolerance is tight enough to fail: a 10% error in the attention scale is far outside it."""
 
@@ -70,12 +79,7 @@ def test_comparison_catches_a_wrong_forward() -> None:
         def attention(self, q, kc, vc, heads, hd, scale, meta, out, **kw):  # type: ignore[no-untyped-def]
             super().attention(q, kc, vc, heads, hd, scale * 1.1, meta, out, **kw)
 
-    model = synthetic_model(CONFIGS["qwen3"], "q8", seed=3)
-    toks = _tokens(model.config, 40)
-    ref = cpu_logits(model, toks, 24)
-    result = compare(device_logits(DeviceForward(ops=WrongScale()), model, toks, 24), ref,
-                     jitter_effect(model, toks, 24, ref))
-    assert not result.ok and result.rel_err > 2 * result.tol, str(result)
+    _assert_leaves_the_band(synthetic_model(CONFIGS["qwen3"], "q8", seed=3), WrongScale())
 
 
 def test_graph_replay_equals_eager_bitwise() -> None:
@@ -585,12 +589,7 @@ class _SiluForGelu(NumpyOps):
 
 @pytest.mark.parametrize("wrong", [_NoPostNorm, _NoEmbedScale, _SiluForGelu], ids=lambda c: c.__name__)
 def test_gemma3_done_wrong_on_the_device_leaves_the_band(wrong: type) -> None:
-    model = synthetic_model(CONFIGS["gemma3"], "q8", seed=3)
-    toks = _tokens(model.config, 40)
-    ref = cpu_logits(model, toks, 24)
-    result = compare(device_logits(DeviceForward(ops=wrong()), model, toks, 24), ref,
-                     jitter_effect(model, toks, 24, ref))
-    assert not result.ok and result.rel_err > 2 * result.tol, str(result)
+    _assert_leaves_the_band(synthetic_model(CONFIGS["gemma3"], "q8", seed=3), wrong())
 
 
 def test_a_head_dim_of_256_matches_the_cpu() -> None:
@@ -644,12 +643,8 @@ def test_a_mixture_of_experts_done_wrong_on_the_device_leaves_the_band() -> None
         def scatter_add_rows(self, src, index, weights, dst):  # type: ignore[no-untyped-def]
             super().scatter_add_rows(src, index, np.ones_like(weights), dst)
 
-    model = load_model(str(FIXTURES / "tiny-qwen3-moe"), "q8", cache="off").model
-    toks = _tokens(model.config, 20)
-    ref = cpu_logits(model, toks, 12)
-    result = compare(device_logits(DeviceForward(ops=Unweighted()), model, toks, 12), ref,
-                     jitter_effect(model, toks, 12, ref))
-    assert not result.ok and result.rel_err > 2 * result.tol, str(result)
+    _assert_leaves_the_band(load_model(str(FIXTURES / "tiny-qwen3-moe"), "q8", cache="off").model, Unweighted(),
+                            n_tokens=20, n_prefill=12)
 
 
 @pytest.mark.parametrize(("fixture", "why"), [("tiny-gemma2", "architecture 'gemma2'")])
