@@ -51,7 +51,7 @@ class CudaDevice:
             self.gemm = DeviceGemm(cp, kernels, self.sm_count)
             self.gemm.workspace(self.stream)
             self.timer = UploadTimer(cp)  # every weight upload's GPU time
-            self.streamer = WindowStreamer(cp, kernels, self.cache, self.stream, self.timer) if config.window else None
+            self.streamer = WindowStreamer(cp, self.cache, self.stream) if config.window else None
         self.description = f"{self.name} (sm_{compute_capability}, {self.sm_count} SMs)"
         self.errors: Counter[str] = Counter()
         self.declined: Counter[str] = Counter()

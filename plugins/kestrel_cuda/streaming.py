@@ -54,8 +54,8 @@ class UploadTimer:
 class WindowStreamer:
     """Prefetch for the residency window on ``upload_stream``; ``boundary(layer)`` at each layer boundary."""
 
-    def __init__(self, cp: Any, kernels: Any, cache: WeightCache, compute_stream: Any, timer: UploadTimer) -> None:
-        self.cp, self.kernels, self.cache, self.compute, self.timer = cp, kernels, cache, compute_stream, timer
+    def __init__(self, cp: Any, cache: WeightCache, compute_stream: Any) -> None:
+        self.cache, self.compute = cache, compute_stream
         self.upload_stream = cp.cuda.Stream(non_blocking=True)
         self._items: dict[int, list[PreloadItem]] = {}  # streamed model layer -> its weights, uploading there
         self._done: dict[int, Any] = {}  # prefetched layer -> the event after its uploads
