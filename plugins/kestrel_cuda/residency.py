@@ -379,8 +379,12 @@ class WeightCache:
         self.counters.prefetched_layers += 1
         return True
 
+    def _resident(self, item: PreloadItem) -> bool:
+        entry = self._entries.get(item.wkey)
+        return entry is not None and self._fresh(entry, item.geometry, item.source)
+
     def _missing(self, items: Sequence[PreloadItem]) -> list[PreloadItem]:
-        return [i for i in items if not ((e := self._entries.get(i.wkey)) and self._fresh(e, i.geometry, i.source))]
+        return [i for i in items if not self._resident(i)]
 
     def take_prefetched(self, layer: int) -> bool:
         """Unpin what ``prefetch`` uploaded for ``layer``; whether it had (then the caller orders its use after
@@ -414,8 +418,7 @@ class WeightCache:
             result.streamed_bytes = sum(layer_bytes[x] for x in streamed)
             items = [i for i in items if model_layer(decode_wkey(i.wkey)[0]) in self.kept | {None}]
         for item in items:
-            entry = self._entries.get(item.wkey)
-            if entry is not None and self._fresh(entry, item.geometry, item.source):
+            if self._resident(item):
                 result.already_resident += 1
                 continue
             if self.bytes_resident + item.geometry.nbytes > self.budget:

@@ -63,6 +63,17 @@ def test_mirror_matches_cpu_decoder(arch: str, quant: str) -> None:
     assert fwd.counters["graph_captures"] == 1 and fwd.counters["graph_replays"] == 16
 
 
+def _assert_in_the_band(model, n_tokens: int, n_prefill: int) -> DeviceForward:  # type: ignore[no-untyped-def]
+    """A prefill of ``n_prefill`` tokens and decode steps to ``n_tokens`` over the numpy mirrors: the CPU
+    decoder's logits within the band. Returns the forward, for its counters."""
+    toks = _tokens(model.config, n_tokens)
+    ref = cpu_logits(model, toks, n_prefill)
+    fwd = DeviceForward(ops=NumpyOps())
+    result = compare(device_logits(fwd, model, toks, n_prefill), ref, jitter_effect(model, toks, n_prefill, ref))
+    assert result.ok, str(result)
+    return fwd
+
+
 def _assert_leaves_the_band(model, ops, n_tokens: int = 40, n_prefill: int = 24) -> None:  # type: ignore[no-untyped-def]
     """A forward over ``ops`` (a deliberately wrong mirror) lands far outside the CPU's band: over twice it."""
     toks = _tokens(model.config, n_tokens)
@@ -597,11 +608,7 @@ def test_a_head_dim_of_256_matches_the_cpu() -> None:
     two GEMV column tiles)."""
     model = synthetic_model(replace(CONFIGS["gemma3"], head_dim=256), "q8", seed=4)
     assert unsupported_reason(model) is None
-    toks = _tokens(model.config, 30)
-    ref = cpu_logits(model, toks, 20)
-    result = compare(device_logits(DeviceForward(ops=NumpyOps()), model, toks, 20), ref,
-                     jitter_effect(model, toks, 20, ref))
-    assert result.ok, str(result)
+    _assert_in_the_band(model, 30, 20)
 
 
 def test_gemma3_from_its_checkpoint_matches_the_cpu() -> None:
@@ -612,11 +619,7 @@ def test_gemma3_from_its_checkpoint_matches_the_cpu() -> None:
 
     model = load_model(str(FIXTURES / "tiny-gemma3"), "q8", cache="off").model
     assert unsupported_reason(model) is None
-    toks = _tokens(model.config, 24)
-    ref = cpu_logits(model, toks, 13)
-    fwd = DeviceForward(ops=NumpyOps())
-    result = compare(device_logits(fwd, model, toks, 13), ref, jitter_effect(model, toks, 13, ref))
-    assert result.ok, str(result)
+    _assert_in_the_band(model, 24, 13)
 
 
 @pytest.mark.parametrize("fixture", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-qwen2-moe"])
@@ -627,11 +630,7 @@ def test_a_mixture_of_experts_from_its_checkpoint_matches_the_cpu(fixture: str) 
 
     model = load_model(str(FIXTURES / fixture), "q8", cache="off").model
     assert unsupported_reason(model) is None
-    toks = _tokens(model.config, 20)
-    ref = cpu_logits(model, toks, 12)
-    fwd = DeviceForward(ops=NumpyOps())
-    result = compare(device_logits(fwd, model, toks, 12), ref, jitter_effect(model, toks, 12, ref))
-    assert result.ok, str(result)
+    fwd = _assert_in_the_band(model, 20, 12)
     assert fwd.counters["graph_captures"] == 0 and fwd.greedy(model, 1, 3, 20, 2) is None
 
 
