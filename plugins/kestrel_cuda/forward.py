@@ -213,7 +213,7 @@ class DeviceForward:
             raise
 
     def greedy(self, model: Model, seq_id: int, token: int, start: int, count: int) -> Iterator[int] | None:
-        if not self.use_graph or model.config.is_moe:
+        if not self._graphs(model.config):
             why = ("the residency window uploads weights between layers" if self.layer_boundary is not None else
                    "its routing is chosen on the host" if model.config.is_moe else "CUDA graphs are off")
             return self._decline(f"pipelined greedy decode needs the captured decode graph ({why})")
@@ -362,7 +362,7 @@ class DeviceForward:
             wanted.extend(range(at - e.logit_rows, at))
             needs.extend([not e.argmax_only] * e.logit_rows)
         decode = total == len(batch) and len(wanted) == total
-        b = paged.bucket(total) if decode and self._graphs(st) else None
+        b = paged.bucket(total) if decode and self._graphs(st.config) else None
         whole = all(needs)  # every row's logits come back, in one download a pass
         fetched: list[tuple[np.ndarray, dict[int, np.ndarray]]] = []  # per pass: (logits or ids, logit rows)
         done = 0  # returned rows so far
@@ -453,7 +453,7 @@ class DeviceForward:
             rows = m if all_logits else (1 if last else 0)
             pos = start + c0
             ops.write_meta(st.meta, np.concatenate([np.array([pos], np.int32), chunk]))
-            if m == 1 and self._graphs(st):
+            if m == 1 and self._graphs(st.config):
                 self._graph(st, seq)
                 seq.graph()
                 self.counters["graph_replays"] += 1
@@ -533,9 +533,9 @@ class DeviceForward:
         self.ops.gemv(lin, x, pro, None, eps, xoff, st.out[:m], EPI_STORE, None)
         self.ops.norm_add(st.out[:m], post_norm, eps, st.h[:m], ssq_out=ssq)
 
-    def _graphs(self, st: State) -> bool:
+    def _graphs(self, config: Any) -> bool:
         """Whether steps may be captured: not for a mixture of experts, whose routing the host chooses."""
-        return self.use_graph and not st.config.is_moe
+        return self.use_graph and not config.is_moe
 
     # -- sequences -----------------------------------------------------------------------------------
 
