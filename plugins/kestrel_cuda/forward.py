@@ -87,14 +87,16 @@ from kestrel_cuda.plan import (
 )
 
 CAP_CHUNK = 1024  # KV positions are allocated this many at a time
+ROUTE_MAX_EXPERTS = 256  # moe_route: a router logit per thread of the choosing block (moe.cu)
+ROUTE_MAX_HIDDEN = 12288  # moe_route: the normed row in 48 KiB of shared memory
 DEVICE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe")
 
 
 def unsupported_reason(model: Model) -> str | None:
     """Why the device forward cannot run ``model`` (None: it can): the decoders it knows are Llama, Qwen2,
     Qwen3, Mistral, Phi-3, Gemma 3 (post-norms, GeGLU, scaled embeddings and queries, a RoPE per layer kind,
-    sliding windows) and the mixtures of experts Qwen3-MoE, Mixtral and Qwen2-MoE (routed on the host, so their
-    steps are not captured); Gemma 2's soft caps run through the GEMM hooks."""
+    sliding windows) and the mixtures of experts Qwen3-MoE, Mixtral and Qwen2-MoE (up to ROUTE_MAX_EXPERTS
+    experts, routed on the device); Gemma 2's soft caps run through the GEMM hooks."""
     c = model.config
     if c.arch not in DEVICE_ARCHITECTURES:
         return f"architecture {c.arch!r}"
@@ -108,6 +110,9 @@ def unsupported_reason(model: Model) -> str | None:
         return f"{c.num_heads} heads over {c.num_kv_heads} KV heads"
     if model.embedding.k != c.hidden_size:
         return "embedding width differs from hidden_size"
+    if c.num_experts > ROUTE_MAX_EXPERTS or c.hidden_size > ROUTE_MAX_HIDDEN:
+        return (f"{c.num_experts} experts of width {c.hidden_size} (the router takes up to {ROUTE_MAX_EXPERTS} of"
+                f" up to {ROUTE_MAX_HIDDEN})")
     return None
 
 
@@ -215,7 +220,7 @@ class DeviceForward:
     def greedy(self, model: Model, seq_id: int, token: int, start: int, count: int) -> Iterator[int] | None:
         if not self._graphs(model.config):
             why = ("the residency window uploads weights between layers" if self.layer_boundary is not None else
-                   "its routing is chosen on the host" if model.config.is_moe else "CUDA graphs are off")
+                   "CUDA graphs are off")
             return self._decline(f"pipelined greedy decode needs the captured decode graph ({why})")
         if not 0 <= int(token) < model.config.vocab_size or start < 0 or count < 1:
             return self._decline("token id outside the vocabulary, a bad start or no steps")
@@ -362,7 +367,7 @@ class DeviceForward:
             wanted.extend(range(at - e.logit_rows, at))
             needs.extend([not e.argmax_only] * e.logit_rows)
         decode = total == len(batch) and len(wanted) == total
-        b = paged.bucket(total) if decode and self._graphs(st.config) else None
+        b = paged.bucket(total) if decode and self._graphs(st.config, total) else None
         whole = all(needs)  # every row's logits come back, in one download a pass
         fetched: list[tuple[np.ndarray, dict[int, np.ndarray]]] = []  # per pass: (logits or ids, logit rows)
         done = 0  # returned rows so far
@@ -484,7 +489,7 @@ class DeviceForward:
         scale = head_scale(hd) if c.query_scale is None else float(np.float32(c.query_scale))
         act = PRO_GELU_MUL if c.activation == "gelu_tanh" else PRO_SILU_MUL
         h = st.h[:m]
-        ssq = st.ssq if m == 1 and not c.is_moe else None  # h's tile sums: left by its writers, read by the norms
+        ssq = st.ssq if m == 1 else None  # h's tile sums: left by its writers, read by the norms
         ops.embed(st.emb_codes, st.emb_scales, st.emb_group, st.ids, h, ssq, c.embed_scale)
         for i, layer in enumerate(st.layers):
             if self.layer_boundary is not None:
@@ -507,7 +512,7 @@ class DeviceForward:
             ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m], **at, window=c.window_of(i) or 0)
             self._residual(w.o, st.attn[:m], PRO_PLAIN, 0, layer.post_attn_norm, st, m, eps, ssq)
             if w.experts:
-                moe_mlp(self.ops, st, i, layer, w, m, eps)
+                moe_mlp(self.ops, st, i, w, m, eps, ssq)
                 continue
             for lin in w.gate_up:
                 ops.gemv(lin, h, PRO_RMSNORM, layer.mlp_norm, eps, 0, st.gu[:m, lin.col:lin.col + lin.n],
@@ -533,9 +538,10 @@ class DeviceForward:
         self.ops.gemv(lin, x, pro, None, eps, xoff, st.out[:m], EPI_STORE, None)
         self.ops.norm_add(st.out[:m], post_norm, eps, st.h[:m], ssq_out=ssq)
 
-    def _graphs(self, config: Any) -> bool:
-        """Whether steps may be captured: not for a mixture of experts, whose routing the host chooses."""
-        return self.use_graph and not config.is_moe
+    def _graphs(self, config: Any, rows: int = 1) -> bool:
+        """Whether a step of ``rows`` rows may be captured: not a mixture of experts' batch, whose rows the host
+        groups by their chosen experts."""
+        return self.use_graph and (rows == 1 or not config.is_moe)
 
     # -- sequences -----------------------------------------------------------------------------------
 
@@ -581,8 +587,7 @@ class DeviceForward:
         """Before a graph captures weight addresses: pin them in the cache (once per model state)."""
         if self.pin is None or st.pinned or self.weight_source is None:
             return
-        keys = [lin.wkey for layer in st.layers if layer.weights for lin in
-                (*layer.weights.qkv, layer.weights.o, *layer.weights.gate_up, layer.weights.down)]
+        keys = [lin.wkey for layer in st.layers if layer.weights for lin in layer.weights.all_lins()]
         if st.lm_head is not None:
             keys.append(st.lm_head.wkey)
         for key in keys:

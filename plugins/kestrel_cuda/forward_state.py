@@ -20,7 +20,16 @@ from kestrel_core.model.decoder import PREFILL_CHUNK, rope_inv_freq
 from kestrel_core.model.weights import Model
 from kestrel_core.wkey import lm_head_wkey
 from kestrel_cuda.layout import StripGroup, fusable, layer_groups, pack_kmajor, pad_n
-from kestrel_cuda.plan import FINISH_COLS, TOKEN_RING, Lin, attn_part_size, gemv_scratch, plan_split, ssq_count
+from kestrel_cuda.plan import (
+    FINISH_COLS,
+    TOKEN_RING,
+    Lin,
+    attn_part_size,
+    gemv_scratch,
+    plan_routed,
+    plan_split,
+    ssq_count,
+)
 
 WeightSource = Callable[[int, Sequence[StripCache]], Any]
 
@@ -32,12 +41,26 @@ class ExpertLins:
 
 
 @dataclass
+class ExpertTables:
+    """A layer's routed experts as one table per projection (``ops.expert_table``): what the chosen-expert
+    GEMVs of a decode step read their weights from."""
+
+    gate_up: list[Any]  # one per member of an expert's gate|up group
+    down: Any
+
+
+@dataclass
 class LayerLins:
     qkv: list[Lin]
     o: Lin
     gate_up: list[Lin]  # a dense layer's MLP (empty in a mixture of experts)
     down: Lin | None
     experts: list[ExpertLins] = field(default_factory=list)  # the routed experts, then the shared one
+    tables: ExpertTables | None = None
+
+    def all_lins(self) -> list[Lin]:
+        return [*self.qkv, self.o, *self.gate_up, *([self.down] if self.down else []),
+                *(lin for ex in self.experts for lin in (*ex.gate_up, ex.down))]
 
 
 @dataclass
@@ -51,8 +74,7 @@ class Layer:
     sin: Any
     post_attn_norm: Any = None  # Gemma: RMSNorm of the attention's and the MLP's outputs before the residual add
     post_mlp_norm: Any = None
-    router: np.ndarray | None = None  # mixture of experts: float32 [E, D], on the host (the routing is chosen there)
-    shared_gate: np.ndarray | None = None  # Qwen2-MoE: float32 [1, D], on the host
+    router: Any = None  # mixture of experts: float32 [E, D], then Qwen2-MoE's shared-expert gate [1, D]
     weights: LayerLins | None = None  # None when fetched per step (residency window)
 
 
@@ -78,7 +100,8 @@ class State:
     attn: Any
     gu: Any
     moe: tuple[Any, Any, Any, Any] | None  # mixture of experts, each [PREFILL_CHUNK, D]: the normed rows, the
-    #                                       routed sum, an expert's rows in and out
+    #                                       routed sum, an expert's rows in and out (a decode step's slots' out)
+    route: tuple[Any, Any, Any, Any] | None  # moe_route's logits [T, R] and counters [T], sel [T, k], wts [T, k+1]
     finish: tuple[Any, Any, Any]  # lm_finish's per-block (value, index) and its arrival counter
     argmax: tuple[Any, Any, Any, Any, Any]  # argmax_rows' per-row blocks' (value, index, non-finite), counters, ids
     tokens: np.ndarray  # int32 [TOKEN_RING] pinned host memory: lm_finish's greedy token by position
@@ -123,7 +146,14 @@ class Projections:
             qkv, o, gu, down = lins
             return LayerLins(qkv=qkv, o=o[0], gate_up=gu, down=down[0])
         experts = [ExpertLins(gate_up=lins[j], down=lins[j + 1][0]) for j in range(2, len(lins), 2)]
-        return LayerLins(qkv=lins[0], o=lins[1][0], gate_up=[], down=None, experts=experts)
+        routed = experts[:model.config.num_experts]
+        slots = model.config.experts_per_token
+        for lin in (lin for ex in routed for lin in (*ex.gate_up, ex.down)):
+            lin.ksplit = plan_routed(lin, slots, self.sm_count)
+        tables = ExpertTables([self.ops.expert_table([ex.gate_up[j] for ex in routed])
+                               for j in range(len(routed[0].gate_up))],
+                              self.ops.expert_table([ex.down for ex in routed]))
+        return LayerLins(qkv=lins[0], o=lins[1][0], gate_up=[], down=None, experts=experts, tables=tables)
 
     def lm_head(self, model: Model) -> Lin:
         return self.fetch(StripGroup([model.lm_head], [lm_head_wkey()], 0))[0]
@@ -148,17 +178,18 @@ class Projections:
     def scratch(self, model: Model) -> tuple[int, int, int]:
         """``plan.gemv_scratch`` of every projection the model may run, fused or not, from shapes alone."""
         lins = []
-        groups = layer_groups(0, model.layers[0]) + [StripGroup([model.lm_head], [lm_head_wkey()], 0)]
-        for strips, keys, fused_key in groups:
+        c = model.config
+        groups = layer_groups(0, model.layers[0])
+        routed = set(range(2, 2 + 2 * c.num_experts)) if model.layers[0].experts else set()
+        for j, (strips, keys, fused_key) in enumerate(groups + [StripGroup([model.lm_head], [lm_head_wkey()], 0)]):
             n, k = sum(s.n for s in strips), strips[0].k
-            lin = Lin(None, None, k, n, pad_n(n), strips[0].group_size, strips[0].bits,  # own bits: own plan
-                      wkey=fused_key or keys[0])
-            lin.ksplit = self.plan(lin)
-            lins.append(lin)
-            for s, key in zip(strips, keys):  # unfused members may have more tiles
-                one = Lin(None, None, s.k, s.n, pad_n(s.n), s.group_size, s.bits, wkey=key)
-                one.ksplit = self.plan(one)
-                lins.append(one)
+            members = [Lin(None, None, k, n, pad_n(n), strips[0].group_size, strips[0].bits,  # own bits: own plan
+                           wkey=fused_key or keys[0])]
+            members += [Lin(None, None, s.k, s.n, pad_n(s.n), s.group_size, s.bits, wkey=key)  # unfused members
+                        for s, key in zip(strips, keys)]  # may have more tiles
+            for lin in members:
+                lin.ksplit = plan_routed(lin, c.experts_per_token, self.sm_count) if j in routed else self.plan(lin)
+            lins += members
         return gemv_scratch(lins)
 
     def _own(self, codes: np.ndarray, scales: np.ndarray, like: StripCache, key: int, col: int = 0) -> Lin:
@@ -200,8 +231,12 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
         if lw.q_bias is not None:
             bias = up(np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias]).astype(np.float32))
         optional = [None if w is None else up(w) for w in (lw.q_norm, lw.k_norm, lw.post_attn_norm, lw.post_mlp_norm)]
+        router = None
+        if lw.router is not None:
+            gate = [] if lw.shared_expert_gate is None else [lw.shared_expert_gate.reshape(1, -1)]
+            router = up(np.concatenate([lw.router, *gate]).astype(np.float32))
         layers.append(Layer(up(lw.attn_norm), up(lw.mlp_norm), optional[0], optional[1], bias, *tables[key],
-                            optional[2], optional[3], router=lw.router, shared_gate=lw.shared_expert_gate))
+                            optional[2], optional[3], router=router))
     emb = model.embedding
     t = PREFILL_CHUNK
     st = State(model=model, config=c, max_context=max_context, emb_codes=up(emb.codes),
@@ -213,6 +248,9 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
                attn=zeros((t, nq), np.float32),
                gu=zeros((t, 2 * max(f, c.expert_intermediate_size, c.shared_expert_intermediate_size)), np.float32),
                moe=tuple(zeros((t, d), np.float32) for _ in range(4)) if c.is_moe else None,
+               route=(zeros((t, c.num_experts + 1), np.float32), zeros(t, np.int32),
+                      zeros((t, c.experts_per_token), np.int32), zeros((t, c.experts_per_token + 1), np.float32))
+               if c.is_moe else None,
                finish=(zeros(-(-c.vocab_size // FINISH_COLS), np.float32),
                        zeros(-(-c.vocab_size // FINISH_COLS), np.int32), zeros(1, np.int32)),
                argmax=(zeros((t, -(-c.vocab_size // FINISH_COLS)), np.float32),

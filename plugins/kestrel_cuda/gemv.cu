@@ -68,6 +68,9 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 // than one wave) every split stores them tagged in ``merge`` (st_tagged), the tile's last split polls for them
 // and the others exit at once, freeing their SM slots for the next wave; otherwise each block writes them to
 // part[y][m][Npad] and the last block of a tile to arrive on its counter (then reset) reads them back.
+// With etab (MR = 1 only: a mixture of experts' chosen experts, one a row) block z's weights are expert esel[z]'s,
+// codes and scales pointers etab[2e], etab[2e + 1] of the same shape; row z of X (ldx 0: one row for all) and
+// of Y is the slot's.
 // Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += acc (+ bias). With qout (M = 1, the q|k|v projection,
 // hd == TN: tile x is head x; the other pointers and H, KV, cap as QkvRope's, eps the prologue's) the tile's
 // outputs go through rope_head instead of to Y: qkv_rope's work, in the block that has the head's sums,
@@ -80,7 +83,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     float* __restrict__ part, int* __restrict__ counters, unsigned long long* __restrict__ merge,
     unsigned* __restrict__ epochs, const float* __restrict__ ssq_in, float* __restrict__ ssq_out,
     const float* qnorm, const float* knorm, const float* cosT, const float* sinT, const int* meta, float* qout,
-    float* kc, float* vc, int H, int KV, int cap)
+    float* kc, float* vc, int H, int KV, int cap, const unsigned long long* __restrict__ etab,
+    const int* __restrict__ esel)
 {
     constexpr int KC = NT;                      // rows of a chunk: one 32-row slot a warp, one row a thread
     constexpr int NW = BITS == 8 ? 32 : 16;     // 4-byte words of one slot
@@ -96,6 +100,12 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     __shared__ __align__(8) unsigned long long s_push_bar;    // counts their bytes
     __shared__ int s_last;
 
+    if (MR == 1 && etab) {                      // block z runs slot z's expert, which an earlier kernel chose
+        grid_dep_wait();
+        const int e = esel[blockIdx.z];
+        W = reinterpret_cast<const unsigned char*>(etab[2 * e]);
+        WS = reinterpret_cast<const float*>(etab[2 * e + 1]);
+    }
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int n0 = blockIdx.x * TN;
     const int col = n0 + 4 * lane;

@@ -30,6 +30,7 @@ from kestrel_cuda.plan import (
     Lin,
     QkvRope,
     attn_rows_splits,
+    check_expert_table,
     tagged_merge,
 )
 
@@ -38,7 +39,9 @@ ATTN_DECODE_LANE_DIMS = (4, 8)  # attn_decode instances: a lane's dimensions (he
 # (bits, G, MR): qgemv with MR rows per block: M = 1 (MR = 1) and, without a tiled GEMM, M > 1 (MR = 8)
 GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
 # extern "C" kernels: no name expression
-KERNELS = ("embed_rows", "qkv_rope", "attn_prefill", "add_rows", "norm_add_rows", "lm_finish", "argmax_rows")
+KERNELS = ("embed_rows", "qkv_rope", "attn_prefill", "add_rows", "norm_add_rows", "lm_finish", "argmax_rows",
+           "moe_route", "moe_combine")
+ROUTE_EXPERTS_PER_BLOCK = 8  # moe_route: a router row a warp
 Observer = Callable[[str, Callable[[], None]], None]
 
 
@@ -253,29 +256,68 @@ class CupyOps:
                      _ptr(ssq_out if m == 1 else None)), name="norm_add_rows")
 
     def gemv(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
-             bias: Any, ssq_in: Any = None, ssq_out: Any = None, rope: QkvRope | None = None) -> None:
+             bias: Any, ssq_in: Any = None, ssq_out: Any = None, rope: QkvRope | None = None,
+             experts: tuple[Any, Any, int] | None = None) -> None:
         """ssq_in / ssq_out (M = 1 only): the residual stream's tile sums of squares, read by an RMSNorm
         prologue (pro 1) instead of the row, written with a residual-add epilogue's outputs. ``rope`` (M = 1,
-        one head per column tile): the epilogue does qkv_rope's work instead of storing."""
+        one head per column tile): the epilogue does qkv_rope's work instead of storing. ``experts`` (table,
+        sel, slots): row j of y gets the expert sel[j] of ``table`` (``expert_table``; ``lin`` has their shape
+        and plan) on row j of x, or on its one row."""
         m = x.shape[0]
         if m > 1:
             ssq_in = ssq_out = None
-        if m > 1 and self.gemm is not None:
+        ldx = _ld(x)
+        if experts is not None:
+            table, sel, m = experts
+            ldx = _i32(0) if x.shape[0] == 1 else ldx
+        elif m > 1 and self.gemm is not None:
             self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias)
             return
-        mr = 1 if m == 1 else SMALL_M
-        ksplit = lin.ksplit if m == 1 else 1
+        one = m == 1 or experts is not None  # one row a block
+        mr = 1 if one else SMALL_M
+        ksplit = lin.ksplit if one else 1
         fn = self._gemv[(lin.bits, lin.group_size, mr)]
         cluster = ksplit if m == 1 and lin.cluster and self.cluster else 1
-        tagged = ksplit > 1 and cluster == 1 and tagged_merge(self.merge_mode, lin.tiles * ksplit, self.sm_count)
+        tagged = (ksplit > 1 and cluster == 1 and experts is None
+                  and tagged_merge(self.merge_mode, lin.tiles * ksplit, self.sm_count))
         if tagged and (lin.tiles > self.merge_tiles or ksplit > MERGE_SPLITS):
             raise RuntimeError(f"split-K merge area for {lin.tiles} tiles x {ksplit} splits not reserved")
+        if ksplit > 1 and not tagged and cluster == 1 and (ksplit * m * lin.npad > self.part.size
+                                                           or lin.tiles * -(-m // mr) > self.counters.size):
+            raise RuntimeError(f"split-K scratch for {m} rows x {lin.tiles} tiles x {ksplit} splits not reserved")
         self.launch(fn, (lin.tiles, ksplit, -(-m // mr)), (256,),
                     (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
-                     _ptr(x), _ld(x), _i32(m), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
+                     _ptr(x), ldx, _i32(m), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
                      _ptr(y), _ld(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters), _ptr(self.merge),
-                     _ptr(self.epochs if tagged else None),
-                     _ptr(ssq_in), _ptr(ssq_out), *_rope_args(rope)), cluster=cluster, name="qgemv")
+                     _ptr(self.epochs if tagged else None), _ptr(ssq_in), _ptr(ssq_out), *_rope_args(rope),
+                     *((_ptr(None), _ptr(None)) if experts is None else (_ptr(table), _ptr(sel)))),
+                    cluster=cluster, name="qgemv")
+
+    def expert_table(self, lins: list[Lin]) -> Any:
+        """The routed experts' weights of one projection for ``gemv(experts=...)``: uint64 [E][2] (codes,
+        scales) device pointers; every expert of one shape."""
+        check_expert_table(lins)
+        return self.upload(np.array([[lin.codes.data.ptr, lin.scales.data.ptr] for lin in lins], np.uint64))
+
+    def moe_route(self, h: Any, norm: Any, eps: float, router: Any, experts: int, k: int, norm_topk: bool,
+                  xn: Any, scratch: tuple[Any, Any], sel: Any, wts: Any, ssq_in: Any = None) -> None:
+        """Each row of h [M, D]: xn = rmsnorm(h, norm), its k experts by the router [R, D] (R = ``experts``,
+        + 1: a shared-expert gate) into sel [M, k] (increasing), their weights into wts [M, k + 1] (the
+        gate's sigmoid last) (moe.cu moe_route; ``scratch``: logits [M, R] and counters [M])."""
+        m, d = h.shape
+        rows = router.shape[0]
+        logits, counters = scratch
+        self.launch(self._fn["moe_route"], (-(-rows // ROUTE_EXPERTS_PER_BLOCK), m), (256,),
+                    (_ptr(h), _ld(h), _i32(d), _ptr(norm), np.float32(eps), _ptr(ssq_in if m == 1 else None),
+                     _ptr(router), _i32(experts), _i32(rows - experts), _i32(k), _i32(norm_topk), _ptr(xn), _ld(xn),
+                     _ptr(logits), _ptr(counters), _ptr(sel), _ptr(wts)), 4 * d, name="moe_route")
+
+    def moe_combine(self, y: Any, slots: int, wts: Any, h: Any, ssq_out: Any = None) -> None:
+        """h[m] += sum_j y[m * slots + j] * wts[m, j], in j order from zero (moe.cu moe_combine)."""
+        m, d = h.shape
+        self.launch(self._fn["moe_combine"], (-(-d // 256), m), (256,),
+                    (_ptr(y), _ld(y), _i32(slots), _ptr(wts), _ld(wts), _ptr(h), _ld(h), _i32(d),
+                     _ptr(ssq_out if m == 1 else None)), name="moe_combine")
 
     def _tiled(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
                bias: Any) -> None:

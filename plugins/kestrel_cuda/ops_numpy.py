@@ -28,6 +28,7 @@ from kestrel_cuda.plan import (
     SSQ_COLS,
     Lin,
     QkvRope,
+    check_expert_table,
     ssq_count,
 )
 
@@ -49,6 +50,20 @@ def _prologue(x: np.ndarray, k: int, pro: int, pw: np.ndarray | None, eps: float
     if pro == PRO_GELU_MUL:
         return gelu_tanh_mul(xv[:, :k].copy(), xv[:, xoff:xoff + k])
     return xv[:, :k]
+
+
+def _qgemv(lin: Lin, x: np.ndarray, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
+           ssq: np.ndarray | None) -> np.ndarray:
+    """qgemv's sums [M, n]: exact integer block sums of the quantized prologue and ``lin``'s codes, scaled."""
+    m, g = x.shape[0], lin.group_size
+    a = _prologue(x, lin.k, pro, pw, eps, xoff, ssq)  # [M, K]
+    a_codes, a_scales = quantize_activations(a, g)
+    w = unpack_kmajor(lin.codes, lin.bits)[:lin.k]  # [K, Npad]
+    ng = lin.k // g
+    isum = np.einsum("mgi,gin->mgn", a_codes.reshape(m, ng, g).astype(np.int64),
+                     w.reshape(ng, g, lin.npad).astype(np.int64))  # [M, ng, Npad], exact
+    f = isum.astype(np.float32) * a_scales[:, :, None] * lin.scales[None]  # [M, ng, Npad]
+    return f.sum(axis=1, dtype=np.float32)[:, :lin.n]
 
 
 def _row_ssq(row: np.ndarray) -> np.ndarray:
@@ -143,17 +158,17 @@ class NumpyOps:
 
     def gemv(self, lin: Lin, x: np.ndarray, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
              y: np.ndarray, epi: int, bias: np.ndarray | None, ssq_in: np.ndarray | None = None,
-             ssq_out: np.ndarray | None = None, rope: QkvRope | None = None) -> None:
+             ssq_out: np.ndarray | None = None, rope: QkvRope | None = None,
+             experts: tuple[list[Lin], np.ndarray, int] | None = None) -> None:
         def fn() -> None:
-            m, g = x.shape[0], lin.group_size
-            a = _prologue(x, lin.k, pro, pw, eps, xoff, ssq_in)  # [M, K]
-            a_codes, a_scales = quantize_activations(a, g)
-            w = unpack_kmajor(lin.codes, lin.bits)[:lin.k]  # [K, Npad]
-            ng = lin.k // g
-            isum = np.einsum("mgi,gin->mgn", a_codes.reshape(m, ng, g).astype(np.int64),
-                             w.reshape(ng, g, lin.npad).astype(np.int64))  # [M, ng, Npad], exact
-            f = isum.astype(np.float32) * a_scales[:, :, None] * lin.scales[None]  # [M, ng, Npad]
-            out = f.sum(axis=1, dtype=np.float32)[:, :lin.n]
+            if experts is not None:  # row j: expert sel[j] on row j of x (or its one row)
+                table, sel, slots = experts
+                for j in range(slots):
+                    xr = x[:1] if x.shape[0] == 1 else x[j:j + 1]
+                    out = _qgemv(table[int(sel[j])], xr, pro, pw, eps, xoff, None)
+                    y[j:j + 1] = y[j:j + 1] + out if epi == EPI_ADD else out
+                return
+            out = _qgemv(lin, x, pro, pw, eps, xoff, ssq_in)
             if bias is not None:
                 out = out + bias
             if rope is not None:  # the epilogue does qkv_rope's work instead of storing
@@ -162,6 +177,41 @@ class NumpyOps:
             y[...] = y + out if epi == EPI_ADD else out
             if ssq_out is not None:
                 ssq_out[:ssq_count(lin.n)] = _row_ssq(y[0])
+        self._run(fn)
+
+    def expert_table(self, lins: list[Lin]) -> list[Lin]:
+        check_expert_table(lins)
+        return list(lins)
+
+    def moe_route(self, h: np.ndarray, norm: np.ndarray, eps: float, router: np.ndarray, experts: int, k: int,
+                  norm_topk: bool, xn: np.ndarray, scratch: Any, sel: np.ndarray, wts: np.ndarray,
+                  ssq_in: np.ndarray | None = None) -> None:
+        def fn() -> None:
+            m = h.shape[0]
+            x = _prologue(h, h.shape[1], PRO_RMSNORM, norm, eps, 0, ssq_in if m == 1 else None)  # [M, D]
+            xn[...] = x
+            logits = x @ router.T  # [M, R]
+            with np.errstate(over="ignore"):
+                p = np.exp(logits[:, :experts] - logits[:, :experts].max(axis=1, keepdims=True))
+            prob = p / p.sum(axis=1, keepdims=True)
+            top = np.sort(np.argsort(-prob, axis=1, kind="stable")[:, :k], axis=1)  # [M, k], increasing
+            w = np.take_along_axis(prob, top, axis=1)
+            sel[...] = top
+            wts[:, :k] = w / w.sum(axis=1, keepdims=True) if norm_topk else w
+            if router.shape[0] > experts:
+                wts[:, k] = np.float32(1) / (np.float32(1) + np.exp(-logits[:, experts]))
+        self._run(fn)
+
+    def moe_combine(self, y: np.ndarray, slots: int, wts: np.ndarray, h: np.ndarray,
+                    ssq_out: np.ndarray | None = None) -> None:
+        def fn() -> None:
+            m = h.shape[0]
+            acc = np.zeros_like(h)
+            for j in range(slots):
+                acc += y[j::slots][:m] * wts[:m, j:j + 1]
+            h[...] = h + acc
+            if ssq_out is not None:
+                ssq_out[:ssq_count(h.shape[1])] = _row_ssq(h[0])
         self._run(fn)
 
     def greedy_token(self, logits: np.ndarray, scratch: Any, meta: np.ndarray, limit: int,

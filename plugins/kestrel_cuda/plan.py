@@ -53,6 +53,7 @@ class Lin:
     ksplit: int = 1
     wkey: int = 0
     cluster: bool = False  # its M=1 K splits run as one thread block cluster per tile (plan_split)
+    slots: int = 1  # rows of its M=1 launch: a mixture of experts' chosen experts (plan_routed), else 1
 
     @classmethod
     def from_device_weight(cls, dw: Any, n: int, col: int = 0, wkey: int = 0) -> Lin:
@@ -141,6 +142,22 @@ def plan_split(lin: Lin, sm_count: int, target_blocks: int | None = None, cluste
     return split or ksplit
 
 
+def plan_routed(lin: Lin, slots: int, sm_count: int) -> int:
+    """K splits of a routed expert's M=1 GEMV, launched for ``slots`` chosen experts at once (a grid z each):
+    TARGET_BLOCKS_PER_SM per SM over all of them, merged through the counters (clusters and the tagged merge
+    are per column tile, not per slot)."""
+    lin.slots, lin.cluster = slots, False
+    return plan_ksplit(lin, max(1, TARGET_BLOCKS_PER_SM * sm_count // slots))
+
+
+def check_expert_table(lins: list[Lin]) -> None:
+    """The experts of one table (``ops.expert_table``) share their shape and plan: the launch takes the first's."""
+    first = lins[0]
+    shape = (first.k, first.n, first.npad, first.group_size, first.bits, first.col, first.ksplit)
+    if any((lin.k, lin.n, lin.npad, lin.group_size, lin.bits, lin.col, lin.ksplit) != shape for lin in lins):
+        raise ValueError("the experts of a table differ in shape or plan")
+
+
 def tagged_merge(mode: str, blocks: int, sm_count: int) -> bool:
     """Whether a split M=1 GEMV of ``blocks`` blocks (not a cluster) merges its K splits tagged: each split
     stores tagged partial sums and exits, the tile's last split polls for them; otherwise the last block to
@@ -157,8 +174,8 @@ def tagged_merge(mode: str, blocks: int, sm_count: int) -> bool:
 def gemv_scratch(lins: list[Lin]) -> tuple[int, int, int]:
     """(partial floats, counters, merge tiles) the M=1 GEMVs of these projections need (CupyOps.reserve)."""
     split = [lin for lin in lins if lin.ksplit > 1]
-    part = max((lin.ksplit * lin.npad for lin in split), default=1)
-    counters = max((lin.tiles for lin in lins), default=1)
+    part = max((lin.ksplit * lin.npad * lin.slots for lin in split), default=1)
+    counters = max((lin.tiles * lin.slots for lin in lins), default=1)
     return part, counters, max((lin.tiles for lin in split), default=0)
 
 

@@ -81,8 +81,8 @@ def test_a_sliding_window_matches_the_cpu(n_prefill, stream, gemm) -> None:  # t
 
 @pytest.mark.parametrize("fixture", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-qwen2-moe"])
 def test_a_mixture_of_experts_matches_the_cpu(fixture, stream, gemm) -> None:  # type: ignore[no-untyped-def]
-    """The experts on the device (routed on the host): a 12-token prefill (tiled GEMMs on each expert's
-    rows), then eager decode steps."""
+    """Routed on the device: a 12-token prefill (tiled GEMMs on each chosen expert's rows), then captured
+    decode steps (the chosen experts' GEMVs over the layer's expert tables)."""
     from kestrel_core.model.loader import load_model
 
     model = load_model(str(Path(__file__).resolve().parents[1] / "fixtures" / "models" / fixture), "q8",
@@ -90,7 +90,7 @@ def test_a_mixture_of_experts_matches_the_cpu(fixture, stream, gemm) -> None:  #
     toks = _tokens(model.config, 20)
     fwd = DeviceForward(stream=stream, gemm=gemm)
     _check(model, toks, 12, device_logits(fwd, model, toks, 12))
-    assert fwd.counters["graph_captures"] == 0
+    assert fwd.counters["graph_captures"] == 1 and fwd.counters["graph_replays"] == 8
 
 
 @pytest.mark.parametrize("quant", QUANTS)
@@ -167,6 +167,65 @@ def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, 
         ops.synchronize()
         err = np.abs(y.get()[0] - expect)
         assert np.all(err <= bound), f"ksplit {ksplit}: max err {err.max()} over bound {bound[err.argmax()]}"
+
+
+@pytest.mark.parametrize(("experts", "k", "shared", "m"), ((128, 8, False, 1), (128, 8, False, 5), (60, 4, True, 1),
+                                                        (60, 4, True, 3), (8, 2, False, 1)))
+def test_moe_route_and_the_chosen_experts_match_the_mirrors(experts, k, shared, m, stream) -> None:  # type: ignore[no-untyped-def]
+    """moe_route at Qwen3-MoE's and Qwen2-MoE's router shapes (D = 2048; M = 1 reads the tile sums) against
+    its numpy mirror (itself checked against the CPU decoder's route): the same experts, weights within
+    float32 summation order; then the chosen experts' GEMVs (split over K) and moe_combine at M = 1."""
+    from kestrel_cuda.layout import pack_kmajor, pad_n
+    from kestrel_cuda.ops_cupy import CupyOps
+    from kestrel_cuda.ops_numpy import NumpyOps, _row_ssq
+    from kestrel_cuda.plan import EPI_STORE, PRO_PLAIN, Lin, plan_routed
+
+    ops, ref = CupyOps(stream), NumpyOps()
+    rng = np.random.default_rng(experts + m)
+    d, f = 2048, 96
+    h = rng.standard_normal((m, d)).astype(np.float32)
+    norm = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    router = (0.05 * rng.standard_normal((experts + shared, d))).astype(np.float32)
+    ssq = _row_ssq(h[0]) if m == 1 else None
+    outs = []
+    for o in (ops, ref):
+        sel, wts = o.zeros((m, k), np.int32), o.zeros((m, k + 1), np.float32)
+        xn = o.zeros((m, d), np.float32)
+        scratch = (o.zeros((m, experts + 1), np.float32), o.zeros(m, np.int32))
+        o.moe_route(o.upload(h), o.upload(norm), 1e-6, o.upload(router), experts, k, True, xn, scratch, sel, wts,
+                    ssq_in=None if ssq is None else o.upload(ssq))
+        o.synchronize()
+        outs.append((sel, wts, xn))
+    (sel, wts, xn), (rsel, rwts, rxn) = outs
+    assert np.array_equal(cp.asnumpy(sel), rsel)
+    np.testing.assert_allclose(cp.asnumpy(wts)[:, :k + shared], rwts[:, :k + shared], rtol=2e-5)
+    np.testing.assert_allclose(cp.asnumpy(xn), rxn, rtol=1e-6, atol=1e-6)
+    if m > 1:
+        return
+    lins = {o: [] for o in (ops, ref)}
+    for _ in range(experts):
+        codes = rng.integers(-127, 128, size=(f, d)).astype(np.int8)
+        sc = np.zeros((d // 32, pad_n(f)), np.float32)
+        sc[:, :f] = rng.uniform(0.001, 0.02, size=(f, d // 32)).T
+        for o in (ops, ref):
+            lin = Lin(o.upload(pack_kmajor(codes, 8)), o.upload(sc), d, f, pad_n(f), 32, 8)
+            lin.ksplit = plan_routed(lin, k, ops.sm_count)
+            lins[o].append(lin)
+    assert lins[ops][0].ksplit > 1
+    yc = rng.standard_normal((k, d)).astype(np.float32)  # the slots' outputs, for the sum
+    ys = []
+    for o, chosen, w in ((ops, sel, wts), (ref, rsel, rwts)):
+        if o is ops:
+            o.reserve(lins[o][0].ksplit * k * pad_n(f), lins[o][0].tiles * k, 1, 1)
+        y, hh = o.zeros((k, f), np.float32), o.upload(h)
+        o.gemv(lins[o][0], o.upload(rxn), PRO_PLAIN, None, 0.0, 0, y, EPI_STORE, None,
+               experts=(o.expert_table(lins[o]), chosen[0], k))
+        o.moe_combine(o.upload(yc), k, w, hh)
+        o.synchronize()
+        ys.append((y, hh) if o is ref else (cp.asnumpy(y), cp.asnumpy(hh)))
+    (y, hh), (ry, rhh) = ys
+    np.testing.assert_allclose(y, ry, rtol=1e-4, atol=1e-5 * np.abs(ry).max())
+    np.testing.assert_allclose(hh, rhh, rtol=1e-5, atol=1e-6)
 
 
 def test_tagged_split_merge_is_exact_across_interleaved_launches(stream) -> None:  # type: ignore[no-untyped-def]

@@ -624,25 +624,72 @@ def test_gemma3_from_its_checkpoint_matches_the_cpu() -> None:
 
 @pytest.mark.parametrize("fixture", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-qwen2-moe"])
 def test_a_mixture_of_experts_from_its_checkpoint_matches_the_cpu(fixture: str) -> None:
-    """The routed experts (and Qwen2-MoE's gated shared one) on the device, routed on the host with the CPU
-    decoder's code: a prefill and decode steps within the band, no step captured, the batched path too."""
+    """The routed experts (and Qwen2-MoE's gated shared one), routed on the device: a prefill (each chosen
+    expert on its rows) and captured decode steps (the chosen experts' GEMVs) within the band; the pipelined
+    greedy decode gives the step-by-step tokens."""
     from kestrel_core.model.loader import load_model
 
     model = load_model(str(FIXTURES / fixture), "q8", cache="off").model
     assert unsupported_reason(model) is None
     fwd = _assert_in_the_band(model, 20, 12)
-    assert fwd.counters["graph_captures"] == 0 and fwd.greedy(model, 1, 3, 20, 2) is None
+    assert fwd.counters["graph_captures"] == 1 and fwd.counters["graph_replays"] == 8
+    prompt = _tokens(model.config, 7)
+    expect, _ = stepwise_greedy(DeviceForward(ops=NumpyOps()), model, prompt, 6)
+    fwd = DeviceForward(ops=NumpyOps())
+    fwd.forward(model, 1, prompt, 0, False)
+    assert [expect[0]] + list(fwd.greedy(model, 1, expect[0], len(prompt), 6)) == expect
+
+
+def test_device_routing_chooses_the_cpu_decoders_experts() -> None:
+    """moe_route's mirror against kestrel_core's route: the same experts (in increasing order) and weights,
+    with and without renormalising over the k, the shared gate's sigmoid last."""
+    from kestrel_core.model.decoder import rmsnorm, route, shared_expert_scale
+
+    rng = np.random.default_rng(5)
+    m, d, e, k = 6, 64, 16, 4
+    h = rng.standard_normal((m, d)).astype(np.float32)
+    norm = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    router = rng.standard_normal((e, d)).astype(np.float32)
+    gate = rng.standard_normal((1, d)).astype(np.float32)
+    for norm_topk in (True, False):
+        sel, wts, xn = np.zeros((m, k), np.int32), np.zeros((m, k + 1), np.float32), np.zeros((m, d), np.float32)
+        NumpyOps().moe_route(h, norm, 1e-6, np.concatenate([router, gate]), e, k, norm_topk, xn, None, sel, wts)
+        x = rmsnorm(h, norm, np.float32(1e-6))
+        top, weights = route(x, router, k, norm_topk)
+        order = np.argsort(top, axis=1)
+        assert np.array_equal(sel, np.take_along_axis(top, order, axis=1))
+        np.testing.assert_allclose(wts[:, :k], np.take_along_axis(weights, order, axis=1), rtol=1e-5)
+        np.testing.assert_allclose(wts[:, k:], shared_expert_scale(x, gate), rtol=1e-5)
 
 
 def test_a_mixture_of_experts_done_wrong_on_the_device_leaves_the_band() -> None:
-    """Each row's experts summed without their router weights: far outside the band."""
+    """Each row's experts summed without their router weights (in a prefill and in the decode steps' sum):
+    far outside the band."""
     from kestrel_core.model.loader import load_model
 
     class Unweighted(NumpyOps):
         def scatter_add_rows(self, src, index, weights, dst):  # type: ignore[no-untyped-def]
             super().scatter_add_rows(src, index, np.ones_like(weights), dst)
 
+        def moe_combine(self, y, slots, wts, h, ssq_out=None):  # type: ignore[no-untyped-def]
+            super().moe_combine(y, slots, np.ones_like(wts), h, ssq_out)
+
     _assert_leaves_the_band(load_model(str(FIXTURES / "tiny-qwen3-moe"), "q8", cache="off").model, Unweighted(),
+                            n_tokens=20, n_prefill=12)
+
+
+def test_a_mixture_of_experts_decoded_with_the_wrong_experts_leaves_the_band() -> None:
+    """The decode steps' GEMVs taking the expert after each chosen one: far outside the band."""
+    from kestrel_core.model.loader import load_model
+
+    class NextExpert(NumpyOps):
+        def gemv(self, lin, x, *args, experts=None, **kw):  # type: ignore[no-untyped-def]
+            if experts is not None:
+                table, sel, slots = experts
+                experts = (table, (sel + 1) % len(table), slots)
+            super().gemv(lin, x, *args, experts=experts, **kw)
+
+    _assert_leaves_the_band(load_model(str(FIXTURES / "tiny-qwen3-moe"), "q8", cache="off").model, NextExpert(),
                             n_tokens=20, n_prefill=12)
 
 

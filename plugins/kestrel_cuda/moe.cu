@@ -1,0 +1,111 @@
+// A mixture of experts on the device: moe_route (each row's experts and weights, chosen by the router) and
+// moe_combine (the chosen experts' outputs, weighted, into the residual stream). Between them the experts'
+// GEMVs run as qgemv over a table of expert weights (gemv.cu: block z takes slot z's expert), so a decode
+// step stays one captured graph.
+
+#define ROUTE_MAX_EXPERTS NT  // the choosing block holds one router logit a thread
+
+// Router rows R = E (+ 1: Qwen2-MoE's shared-expert gate, row E) of D floats, [R][D]; grid (ceil(R / 8), M), NT
+// threads, D floats of dynamic shared memory. Each block normalises its row, x = rmsnorm(h[m], w) (M = 1: from
+// the residual stream's tile sums, as qgemv's prologue; else a sum of its own), block 0 stores it in xn[m] (the
+// experts' input); warp j takes router row 8 * blockIdx.x + j: logits[m][r] = x . router[r]. The row's last
+// block to arrive (counters[m], reset) chooses as kestrel_core.model.decoder.route: softmax over the E logits,
+// the k most probable (ties: the lower expert), renormalised over the k if norm_topk; sel[m][0..k) are those
+// experts in increasing order (the order the CPU decoder adds them in), wts[m][j] their weights, and with a
+// shared gate wts[m][k] = sigmoid(logit E). wts rows are k + 1 floats.
+extern "C" __global__ void __launch_bounds__(NT) moe_route(
+    const float* __restrict__ h, int ldh, int D, const float* __restrict__ normw, float eps,
+    const float* __restrict__ ssq_in, const float* __restrict__ router, int E, int shared_gate, int k,
+    int norm_topk, float* __restrict__ xn, int ldxn, float* __restrict__ logits, int* __restrict__ counters,
+    int* __restrict__ sel, float* __restrict__ wts)
+{
+    grid_dep_launch();
+    grid_dep_wait();
+    extern __shared__ float s_x[];              // [D]: the normed row
+    __shared__ float s_red[NT / 32];
+    __shared__ float s_p[ROUTE_MAX_EXPERTS];
+    __shared__ float s_ranked[ROUTE_MAX_EXPERTS];  // the chosen probabilities by rank
+    __shared__ int s_count[NT / 32];
+    __shared__ int s_last;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, m = blockIdx.y;
+    const int R = E + (shared_gate ? 1 : 0);
+    const float* hr = h + (size_t)m * ldh;
+    float r;
+    if (ssq_in) {
+        r = rms_from_tiles(ssq_in, D, eps);
+    } else {
+        float ss = 0.f;
+        for (int j = tid; j < D; j += NT) { const float v = hr[j]; ss += v * v; }
+        r = sqrtf(block_sum(ss, s_red) / (float)D + eps);
+    }
+    for (int j = tid; j < D; j += NT) {
+        const float v = hr[j] / r * normw[j];
+        s_x[j] = v;
+        if (blockIdx.x == 0) xn[(size_t)m * ldxn + j] = v;
+    }
+    __syncthreads();
+    const int row = blockIdx.x * (NT / 32) + warp;
+    if (row < R) {
+        const float* wr = router + (size_t)row * D;
+        float acc = 0.f;
+#pragma unroll 8
+        for (int j = lane; j < D; j += 32) acc += s_x[j] * __ldg(wr + j);
+        acc = warp_sum(acc);
+        if (lane == 0) logits[(size_t)m * R + row] = acc;
+    }
+    if (!arrive_last(counters + m, gridDim.x, &s_last)) return;
+
+    const float* lr = logits + (size_t)m * R;
+    const float l = tid < E ? __ldcg(lr + tid) : NEG_INF;
+    float mx = warp_max(l);
+    if (lane == 0) s_red[warp] = mx;
+    __syncthreads();
+    mx = s_red[0];
+#pragma unroll
+    for (int w = 1; w < NT / 32; ++w) mx = fmaxf(mx, s_red[w]);
+    const float p = tid < E ? expf(l - mx) : 0.f;
+    const float prob = p / block_sum(p, s_red);
+    if (tid < E) s_p[tid] = prob;
+    __syncthreads();
+    int rank = 0;                               // experts ahead of this one
+    if (tid < E)
+        for (int j = 0; j < E; ++j) rank += s_p[j] > prob || (s_p[j] == prob && j < tid);
+    const bool chosen = tid < E && rank < k;
+    const unsigned below = __ballot_sync(FULL, chosen);
+    if (chosen) s_ranked[rank] = prob;
+    if (lane == 0) s_count[warp] = __popc(below);
+    __syncthreads();
+    if (chosen) {
+        int slot = __popc(below & ((1u << lane) - 1));  // chosen experts below this one
+        for (int w = 0; w < warp; ++w) slot += s_count[w];
+        float total = 0.f;                      // the chosen probabilities summed in rank order
+        for (int q = 0; q < k; ++q) total += s_ranked[q];
+        sel[(size_t)m * k + slot] = tid;
+        wts[(size_t)m * (k + 1) + slot] = norm_topk ? prob / total : prob;
+    }
+    if (tid == 0) {
+        if (shared_gate) wts[(size_t)m * (k + 1) + k] = 1.f / (1.f + expf(-__ldcg(lr + E)));
+        counters[m] = 0;
+    }
+}
+
+// h[m][:] += sum_j Y[m * S + j][:] * wts[m][j] over the row's S slots (its chosen experts in increasing order,
+// then a shared expert), summed from zero in that order as the CPU decoder does; wts rows hold ldw floats.
+// Grid (ceil(D / NT), M); ssq_out (M = 1): h's sums of squares per 32 columns (forward.cuh).
+extern "C" __global__ void __launch_bounds__(NT) moe_combine(
+    const float* __restrict__ Y, int ldy, int S, const float* __restrict__ wts, int ldw, float* __restrict__ h,
+    int ldh, int D, float* __restrict__ ssq_out)
+{
+    grid_dep_launch();
+    grid_dep_wait();
+    const int m = blockIdx.y, n = blockIdx.x * NT + threadIdx.x;
+    float y = 0.f;
+    if (n < D) {
+        float acc = 0.f;
+        for (int j = 0; j < S; ++j) acc += Y[((size_t)m * S + j) * ldy + n] * wts[(size_t)m * ldw + j];
+        y = h[(size_t)m * ldh + n] + acc;
+        h[(size_t)m * ldh + n] = y;
+    }
+    const int w0 = n & ~31;
+    if (ssq_out && w0 < D) store_warp_ssq(y, ssq_out, w0);
+}
