@@ -51,18 +51,32 @@ def copy_bandwidth(cp: Any, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
+def lin_bytes(lin: Any) -> int:
+    return int(lin.codes.nbytes) + int(lin.scales.nbytes)
+
+
 def step_bytes(fwd: Any) -> int:
+    """Weight bytes of one decode step: every projection and lm_head; of a mixture of experts' routed experts,
+    the k a token chooses (k / E of them)."""
     st = fwd._st
-    lins = [lin for layer in st.layers for lin in
-            (*layer.weights.qkv, layer.weights.o, *layer.weights.gate_up, layer.weights.down)] + [st.lm_head]
-    return sum(int(lin.codes.nbytes) + int(lin.scales.nbytes) for lin in lins)
+    c = st.config
+    total = lin_bytes(st.lm_head)
+    for layer in st.layers:
+        w = layer.weights
+        total += sum(lin_bytes(lin) for lin in (*w.qkv, w.o, *w.gate_up, *([w.down] if w.down else [])))
+        routed, shared = w.experts[:c.num_experts], w.experts[c.num_experts:]
+        experts = sum(lin_bytes(lin) for ex in routed for lin in (*ex.gate_up, ex.down))
+        total += experts * c.experts_per_token // max(1, c.num_experts)
+        total += sum(lin_bytes(lin) for ex in shared for lin in (*ex.gate_up, ex.down))
+    return total
 
 
 _PROJ = {0: "q/k/v", 1: "q/k/v", 2: "q/k/v", 3: "o", 4: "gate/up", 5: "gate/up", 6: "down", 7: "lm_head",
          9: "q/k/v", 10: "gate/up"}
 
 
-def record_launches(ops: Any, run: Any, names: tuple[str, ...] = ("gemv", "qkv_rope", "attention", "embed"),
+def record_launches(ops: Any, run: Any, names: tuple[str, ...] = ("gemv", "qkv_rope", "attention", "embed",
+                                                                   "moe_route", "moe_combine"),
                     ) -> list[tuple[str, int, Any]]:
     """Run ``run()`` eagerly with ``ops``' methods ``names`` wrapped; its launches as (kind, weight bytes,
     replay closure)."""
@@ -73,9 +87,9 @@ def record_launches(ops: Any, run: Any, names: tuple[str, ...] = ("gemv", "qkv_r
     def wrap(name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> None:
             if name == "gemv":
-                lin = args[0]
-                kind = "gemv " + _PROJ.get((lin.wkey & 0xFFFFFFFF) - 1, "?")
-                nbytes = int(lin.codes.nbytes) + int(lin.scales.nbytes)
+                lin, experts = args[0], kwargs.get("experts")
+                kind = ("gemv experts " if experts else "gemv ") + _PROJ.get((lin.wkey & 0xFFFF) - 1, "?")
+                nbytes = lin_bytes(lin) * (experts[2] if experts else 1)
             else:
                 kind = name
                 nbytes = 0

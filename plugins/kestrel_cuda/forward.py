@@ -110,9 +110,9 @@ def unsupported_reason(model: Model) -> str | None:
         return f"{c.num_heads} heads over {c.num_kv_heads} KV heads"
     if model.embedding.k != c.hidden_size:
         return "embedding width differs from hidden_size"
-    if c.num_experts > ROUTE_MAX_EXPERTS or c.hidden_size > ROUTE_MAX_HIDDEN:
+    if c.is_moe and (c.num_experts > ROUTE_MAX_EXPERTS or c.hidden_size > ROUTE_MAX_HIDDEN or c.hidden_size % 4):
         return (f"{c.num_experts} experts of width {c.hidden_size} (the router takes up to {ROUTE_MAX_EXPERTS} of"
-                f" up to {ROUTE_MAX_HIDDEN})")
+                f" a width up to {ROUTE_MAX_HIDDEN}, a multiple of 4)")
     return None
 
 

@@ -3,8 +3,8 @@
 ``moe_route`` normalises the rows and chooses each one's experts and weights. A decode step (one row) then runs
 the chosen experts' GEMVs, one launch per projection over a table of the layer's experts, and ``moe_combine``
 adds them up: no host round trip, so the step is captured in a graph like a dense model's. A step of several
-rows (a prefill chunk, a batch) reads the choices back and runs each chosen expert once on all of its rows
-(the tiled GEMM), then the shared expert on every row.
+rows (a prefill chunk, a batch) reads the choices back, sorts its (row, expert) pairs by expert and runs each
+projection of every chosen expert as one grouped GEMM over them; the shared expert runs on every row.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kestrel_cuda.forward_state import ExpertLins, LayerLins, State
-from kestrel_cuda.plan import EPI_STORE, PRO_PLAIN, PRO_SILU_MUL
+from kestrel_cuda.plan import EPI_STORE, PRO_PLAIN, PRO_SILU_MUL, expert_groups
 
 
 def moe_mlp(ops: Any, st: State, i: int, w: LayerLins, m: int, eps: float, ssq: Any) -> None:
@@ -23,39 +23,37 @@ def moe_mlp(ops: Any, st: State, i: int, w: LayerLins, m: int, eps: float, ssq: 
     sums (M = 1), read by the router's norm and left by the sum."""
     c, layer = st.config, st.layers[i]
     k = c.experts_per_token
-    xn, out, rows_in, rows_out = st.moe
+    xn, xs, gus, ys = st.moe
     logits, counters, sel, wts = st.route
     ops.moe_route(st.h[:m], layer.mlp_norm, eps, layer.router, c.num_experts, k, c.norm_topk_prob, xn[:m],
                   (logits, counters), sel[:m], wts[:m], ssq_in=ssq)
     shared = w.experts[c.num_experts] if len(w.experts) > c.num_experts else None
+    gate_up, down = w.experts[0].gate_up, w.experts[0].down  # every routed expert's shape and plan
+    p = m * k  # (row, slot) pairs
     if m == 1:
-        for j, lin in enumerate(w.experts[0].gate_up):
-            ops.gemv(lin, xn[:1], PRO_PLAIN, None, eps, 0, st.gu[:k, lin.col:lin.col + lin.n], EPI_STORE, None,
+        for j, lin in enumerate(gate_up):
+            ops.gemv(lin, xn[:1], PRO_PLAIN, None, eps, 0, gus[:k, lin.col:lin.col + lin.n], EPI_STORE, None,
                      experts=(w.tables.gate_up[j], sel[0], k))
-        down = w.experts[0].down
-        ops.gemv(down, st.gu[:k], PRO_SILU_MUL, None, eps, down.k, rows_out[:k], EPI_STORE, None,
+        ops.gemv(down, gus[:k], PRO_SILU_MUL, None, eps, down.k, ys[:k], EPI_STORE, None,
                  experts=(w.tables.down, sel[0], k))
-        if shared is not None:  # slot k
-            _expert(ops, st, shared, xn[:1], rows_out[k:k + 1], eps)
-        ops.moe_combine(rows_out[:k + (shared is not None)], k + (shared is not None), wts[:1], st.h[:1], ssq)
-        return
-    top, weights = ops.download(sel, m), ops.download(wts, m)  # [m, k], [m, k + 1]
-    ops.copy(out[:m], 0)
-    jobs = [(w.experts[e], *np.nonzero(top == e)) for e in np.unique(top)]
-    jobs = [(expert, rows, weights[rows, slot]) for expert, rows, slot in jobs]
+        index = None
+    else:
+        source, position, groups = expert_groups(ops.download(sel, m))
+        at = ops.upload(_concat(source, position, groups.reshape(-1)))
+        index, groups_dev, blocks = at[p:2 * p], at[2 * p:].reshape(-1, 3), len(groups)
+        ops.gather_rows(xn, at[:p], xs[:p])
+        for j, lin in enumerate(gate_up):
+            ops.experts_gemm(lin, xs[:p], PRO_PLAIN, 0, gus[:p, lin.col:lin.col + lin.n], w.tables.gate_up[j],
+                             groups_dev, blocks)
+        ops.experts_gemm(down, gus[:p], PRO_SILU_MUL, down.k, ys[:p], w.tables.down, groups_dev, blocks)
     if shared is not None:
-        jobs.append((shared, np.arange(m), weights[:, k]))
-    # every job's rows and scales in one upload each; job j's are the slices [at[j], at[j + 1])
-    at = np.cumsum([0] + [len(rows) for _, rows, _ in jobs])
-    all_rows = ops.upload(np.concatenate([rows for _, rows, _ in jobs]).astype(np.int32))
-    all_scales = ops.upload(np.concatenate([scale for _, _, scale in jobs]).astype(np.float32))
-    for j, (expert, rows, _) in enumerate(jobs):
-        n = len(rows)
-        index, scales = all_rows[at[j]:at[j + 1]], all_scales[at[j]:at[j + 1]]
-        ops.gather_rows(xn, index, rows_in[:n])
-        _expert(ops, st, expert, rows_in[:n], rows_out[:n], eps)
-        ops.scatter_add_rows(rows_out[:n], index, scales, out)
-    ops.add_rows(out[:m], st.h[:m])
+        _expert(ops, st, shared, xn[:m], ys[p:p + m], eps)
+    ops.moe_combine(ys[:p], k, wts[:m], st.h[:m], index, ys[p:p + m] if shared is not None else None, ssq)
+
+
+def _concat(*parts: np.ndarray) -> np.ndarray:
+    """int32 arrays as one, for one upload."""
+    return np.concatenate([np.asarray(a, np.int32).reshape(-1) for a in parts])
 
 
 def _expert(ops: Any, st: State, expert: ExpertLins, x: Any, y: Any, eps: float) -> None:

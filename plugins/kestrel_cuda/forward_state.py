@@ -99,8 +99,9 @@ class State:
     q: Any
     attn: Any
     gu: Any
-    moe: tuple[Any, Any, Any, Any] | None  # mixture of experts, each [PREFILL_CHUNK, D]: the normed rows, the
-    #                                       routed sum, an expert's rows in and out (a decode step's slots' out)
+    moe: tuple[Any, Any, Any, Any] | None  # mixture of experts, T = PREFILL_CHUNK: the normed rows xn [T, D]; by
+    # (row, slot) sorted by expert: the rows xs [T k, D], gate|up outputs [T k, 2 F_e] and outputs ys [T (k + 1), D]
+    # (the shared expert's after the routed ones; a decode step's slots are rows 0..k)
     route: tuple[Any, Any, Any, Any] | None  # moe_route's logits [T, R] and counters [T], sel [T, k], wts [T, k+1]
     finish: tuple[Any, Any, Any]  # lm_finish's per-block (value, index) and its arrival counter
     argmax: tuple[Any, Any, Any, Any, Any]  # argmax_rows' per-row blocks' (value, index, non-finite), counters, ids
@@ -247,7 +248,9 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
                qkv=zeros((t, nq + 2 * nkv), np.float32), q=zeros((t, nq), np.float32),
                attn=zeros((t, nq), np.float32),
                gu=zeros((t, 2 * max(f, c.expert_intermediate_size, c.shared_expert_intermediate_size)), np.float32),
-               moe=tuple(zeros((t, d), np.float32) for _ in range(4)) if c.is_moe else None,
+               moe=(zeros((t, d), np.float32), zeros((t * c.experts_per_token, d), np.float32),
+                    zeros((t * c.experts_per_token, 2 * c.expert_intermediate_size), np.float32),
+                    zeros((t * (c.experts_per_token + 1), d), np.float32)) if c.is_moe else None,
                route=(zeros((t, c.num_experts + 1), np.float32), zeros(t, np.int32),
                       zeros((t, c.experts_per_token), np.int32), zeros((t, c.experts_per_token + 1), np.float32))
                if c.is_moe else None,

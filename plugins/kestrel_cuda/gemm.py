@@ -26,9 +26,13 @@ from typing import Any
 import numpy as np
 
 from kestrel_cuda.kernels import MMA_BK, MMA_TILE_DEFAULT, MMA_TILE_SMALL_GRID, MMA_TILES
+from kestrel_cuda.layout import Geometry
+from kestrel_cuda.plan import GROUPED_ROWS
 from kestrel_cuda.residency import DeviceWeight
 
 GEMV_MAX_M = 1
+GROUPED_TILE = "64x128"  # a mixture of experts' prefill: ~32 rows an expert at 512 tokens, 8 of 128 experts
+NULL = np.uint64(0)
 SPLIT_MAX_M = 64  # up to this many rows the tensor-core GEMM splits K (one row tile: the 32x128s or 64x128s block)
 SPLIT_BLOCKS_PER_SM = 3  # the split GEMM's grid target: one wave of 32x128 blocks
 GW_THREADS = 256  # gemv_warp.cu: 8 warps, one 32-row slice each
@@ -167,7 +171,27 @@ class DeviceGemm:
         # blockIdx.x walks M, so the blocks resident together share one weight tile
         _launch(kern, grid, (tile.threads,),
                 (a_codes, a_scales, i32(m), weight.codes, weight.scales, out, i32(ldo), i32(n), i32(k),
-                 i32(g.npad), ws.partial, ws.counters, i32(per)), stream, tile.smem_bytes(g.code_bits, g.group_size))
+                 i32(g.npad), ws.partial, ws.counters, i32(per), NULL, NULL), stream,
+                tile.smem_bytes(g.code_bits, g.group_size))
+        self.launches["mma"] += 1
+
+    def grouped(self, a_codes: Any, a_scales: Any, geometry: Geometry, table: Any, groups: Any, blocks: int,
+                out: Any, n: int, stream: Any = None) -> None:
+        """A mixture of experts' GEMMs in one launch: a_codes [P,K] (scales [P,K/G]) are every expert's rows,
+        sorted by expert; ``groups`` int32 [blocks, 3] names each block row's (expert, first row, rows) (at
+        most GROUPED_TILE's BM rows), ``table`` uint64 [E, 2] the experts' (codes, scales) pointers, all of
+        ``geometry``; out[:P, :n] gets each row's outputs."""
+        g = geometry
+        tile = MMA_TILES[GROUPED_TILE]
+        assert tile.bm == GROUPED_ROWS and not tile.split
+        kern = self.kernels.mma.get((g.code_bits, g.group_size, GROUPED_TILE))
+        if kern is None or a_codes.shape[1] != g.k or out.shape[1] < n or n > g.npad:
+            raise ValueError(f"grouped: no kernel or shapes do not match (A {a_codes.shape}, K={g.k})")
+        ws = self.workspace(stream)
+        _launch(kern, (blocks, _cdiv(g.npad, tile.bn), 1), (tile.threads,),
+                (a_codes, a_scales, i32(a_codes.shape[0]), NULL, NULL, out, i32(out.shape[1]), i32(n), i32(g.k),
+                 i32(g.npad), ws.partial, ws.counters, i32(_cdiv(g.k, MMA_BK)), groups, table), stream,
+                tile.smem_bytes(g.code_bits, g.group_size))
         self.launches["mma"] += 1
 
     def _gemv_warp(self, a_codes: Any, a_scales: Any, weight: DeviceWeight, out: Any, n: int, ldo: int,

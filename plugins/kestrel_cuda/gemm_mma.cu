@@ -8,6 +8,9 @@
 // in kernels.MMA_TILES.
 // blockIdx.x walks M: the blocks resident together share one weight tile, so the weights are read from device
 // memory about once while the activations (a few MB) stay in L2.
+// Grouped (a mixture of experts' prefill, the others only): with ``groups`` block row x takes the rows and the
+// weights that groups[x] = (expert, first row, rows) names, the weights through etab (codes, scales pointers per
+// expert, all of one shape): A holds every expert's rows, sorted by expert, and so does out.
 // SPLIT instances (the decode batches' block shapes) may split K over blockIdx.z (a batch's few rows give too few
 // tiles to keep the memory system busy) and skip the m16 tiles past M; the prefill shapes do neither, which
 // keeps their registers and inner loop as they were measured (21-22 % slower with both at 512 rows): block z
@@ -75,7 +78,8 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
         const i8* __restrict__ A, const float* __restrict__ As, int M,
         const u8* __restrict__ W, const float* __restrict__ Ws,
         float* __restrict__ out, int ldo, int N, int K, int Npad,
-        float* __restrict__ part, unsigned* __restrict__ counters, int kstages) {
+        float* __restrict__ part, unsigned* __restrict__ counters, int kstages,
+        const int* __restrict__ groups, const unsigned long long* __restrict__ etab) {
     using T = GqTile<BITS, G, WM, WN, MI>;
     constexpr int BK = T::BK, STAGES = T::STAGES;
     constexpr int BM = T::BM, BN = T::BN, THREADS = T::THREADS, SG = T::SG;
@@ -92,7 +96,15 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp / WN, wn = warp % WN;
     const int gid = lane >> 2, tig = lane & 3;
-    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    int m0 = blockIdx.x * BM;
+    const int n0 = blockIdx.y * BN;
+    if (!SPLIT && groups) {  // grouped: block row x is rows [row0, row0 + rows) of expert e, whose weights etab holds
+        const int e = groups[3 * blockIdx.x], row0 = groups[3 * blockIdx.x + 1];
+        W = reinterpret_cast<const u8*>(etab[2 * e]);
+        Ws = reinterpret_cast<const float*>(etab[2 * e + 1]);
+        m0 = row0;
+        M = row0 + groups[3 * blockIdx.x + 2];
+    }
     const int ng = K / G;
     const int st0 = SPLIT ? blockIdx.z * kstages : 0;  // this split's stages
     const int nst = SPLIT ? min((K + BK - 1) / BK, st0 + kstages) : (K + BK - 1) / BK;

@@ -4,15 +4,19 @@
 // step stays one captured graph.
 
 #define ROUTE_MAX_EXPERTS NT  // the choosing block holds one router logit a thread
+#define ROUTE_ROWS 8          // router rows a block
+#define ROUTE_PREFETCH 2      // float4s of each row a thread loads before the PDL wait (all of D <= 2048)
 
-// Router rows R = E (+ 1: Qwen2-MoE's shared-expert gate, row E) of D floats, [R][D]; grid (ceil(R / 8), M), NT
-// threads, D floats of dynamic shared memory. Each block normalises its row, x = rmsnorm(h[m], w) (M = 1: from
-// the residual stream's tile sums, as qgemv's prologue; else a sum of its own), block 0 stores it in xn[m] (the
-// experts' input); warp j takes router row 8 * blockIdx.x + j: logits[m][r] = x . router[r]. The row's last
-// block to arrive (counters[m], reset) chooses as kestrel_core.model.decoder.route: softmax over the E logits,
-// the k most probable (ties: the lower expert), renormalised over the k if norm_topk; sel[m][0..k) are those
-// experts in increasing order (the order the CPU decoder adds them in), wts[m][j] their weights, and with a
-// shared gate wts[m][k] = sigmoid(logit E). wts rows are k + 1 floats.
+// Router rows R = E (+ 1: Qwen2-MoE's shared-expert gate, row E) of D floats, [R][D] (D % 4 == 0); grid
+// (ceil(R / ROUTE_ROWS), M), NT threads, D floats of dynamic shared memory. Each block normalises its row,
+// x = rmsnorm(h[m], w) (M = 1: from the residual stream's tile sums, as qgemv's prologue; else a sum of its
+// own), block 0 stores it in xn[m] (the experts' input), and computes logits[m][r] = x . router[r] for its
+// ROUTE_ROWS rows, every thread over its float4s of each row (loaded before the wait where they fit: the
+// router is not step data). The row's last block to arrive (counters[m], reset) chooses as
+// kestrel_core.model.decoder.route: softmax over the E logits, the k most probable (ties: the lower expert),
+// renormalised over the k if norm_topk; sel[m][0..k) are those experts in increasing order (the order the CPU
+// decoder adds them in), wts[m][j] their weights, and with a shared gate wts[m][k] = sigmoid(logit E). wts
+// rows are k + 1 floats.
 extern "C" __global__ void __launch_bounds__(NT) moe_route(
     const float* __restrict__ h, int ldh, int D, const float* __restrict__ normw, float eps,
     const float* __restrict__ ssq_in, const float* __restrict__ router, int E, int shared_gate, int k,
@@ -20,15 +24,26 @@ extern "C" __global__ void __launch_bounds__(NT) moe_route(
     int* __restrict__ sel, float* __restrict__ wts)
 {
     grid_dep_launch();
-    grid_dep_wait();
-    extern __shared__ float s_x[];              // [D]: the normed row
+    extern __shared__ float4 s_x4[];            // [D / 4]: the normed row
+    float* s_x = reinterpret_cast<float*>(s_x4);
     __shared__ float s_red[NT / 32];
+    __shared__ float s_dot[ROUTE_ROWS][NT / 32];
     __shared__ float s_p[ROUTE_MAX_EXPERTS];
     __shared__ float s_ranked[ROUTE_MAX_EXPERTS];  // the chosen probabilities by rank
     __shared__ int s_count[NT / 32];
     __shared__ int s_last;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, m = blockIdx.y;
-    const int R = E + (shared_gate ? 1 : 0);
+    const int R = E + (shared_gate ? 1 : 0), D4 = D / 4, r0 = blockIdx.x * ROUTE_ROWS;
+    float4 wpre[ROUTE_ROWS][ROUTE_PREFETCH];
+#pragma unroll
+    for (int q = 0; q < ROUTE_ROWS; ++q)
+#pragma unroll
+        for (int i = 0; i < ROUTE_PREFETCH; ++i) {
+            const int j = tid + i * NT;
+            wpre[q][i] = r0 + q < R && j < D4 ? __ldg(reinterpret_cast<const float4*>(router + (size_t)(r0 + q) * D) + j)
+                                              : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    grid_dep_wait();
     const float* hr = h + (size_t)m * ldh;
     float r;
     if (ssq_in) {
@@ -44,14 +59,38 @@ extern "C" __global__ void __launch_bounds__(NT) moe_route(
         if (blockIdx.x == 0) xn[(size_t)m * ldxn + j] = v;
     }
     __syncthreads();
-    const int row = blockIdx.x * (NT / 32) + warp;
-    if (row < R) {
-        const float* wr = router + (size_t)row * D;
-        float acc = 0.f;
-#pragma unroll 8
-        for (int j = lane; j < D; j += 32) acc += s_x[j] * __ldg(wr + j);
-        acc = warp_sum(acc);
-        if (lane == 0) logits[(size_t)m * R + row] = acc;
+    float acc[ROUTE_ROWS];
+#pragma unroll
+    for (int q = 0; q < ROUTE_ROWS; ++q) acc[q] = 0.f;
+#pragma unroll
+    for (int i = 0; i < ROUTE_PREFETCH; ++i) {
+        const int j = tid + i * NT;
+        if (j >= D4) break;
+        const float4 x = s_x4[j];
+#pragma unroll
+        for (int q = 0; q < ROUTE_ROWS; ++q)
+            acc[q] += x.x * wpre[q][i].x + x.y * wpre[q][i].y + x.z * wpre[q][i].z + x.w * wpre[q][i].w;
+    }
+    for (int j = tid + ROUTE_PREFETCH * NT; j < D4; j += NT) {  // D > 2048: the rest, loaded now
+        const float4 x = s_x4[j];
+#pragma unroll
+        for (int q = 0; q < ROUTE_ROWS; ++q) {
+            if (r0 + q >= R) break;
+            const float4 w = __ldg(reinterpret_cast<const float4*>(router + (size_t)(r0 + q) * D) + j);
+            acc[q] += x.x * w.x + x.y * w.y + x.z * w.z + x.w * w.w;
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < ROUTE_ROWS; ++q) {
+        const float v = warp_sum(acc[q]);
+        if (lane == 0) s_dot[q][warp] = v;
+    }
+    __syncthreads();
+    if (tid < ROUTE_ROWS && r0 + tid < R) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < NT / 32; ++w) v += s_dot[tid][w];
+        logits[(size_t)m * R + r0 + tid] = v;
     }
     if (!arrive_last(counters + m, gridDim.x, &s_last)) return;
 
@@ -69,6 +108,7 @@ extern "C" __global__ void __launch_bounds__(NT) moe_route(
     __syncthreads();
     int rank = 0;                               // experts ahead of this one
     if (tid < E)
+#pragma unroll 8
         for (int j = 0; j < E; ++j) rank += s_p[j] > prob || (s_p[j] == prob && j < tid);
     const bool chosen = tid < E && rank < k;
     const unsigned below = __ballot_sync(FULL, chosen);
@@ -89,20 +129,27 @@ extern "C" __global__ void __launch_bounds__(NT) moe_route(
     }
 }
 
-// h[m][:] += sum_j Y[m * S + j][:] * wts[m][j] over the row's S slots (its chosen experts in increasing order,
-// then a shared expert), summed from zero in that order as the CPU decoder does; wts rows hold ldw floats.
-// Grid (ceil(D / NT), M); ssq_out (M = 1): h's sums of squares per 32 columns (forward.cuh).
+// h[m][:] += sum_{j < K} Y[y(m, j)][:] * wts[m][j], then + Ysh[m][:] * wts[m][K] (a shared expert), summed from
+// zero in that order as the CPU decoder does (a row's chosen experts are in increasing order); y(m, j) =
+// index[m * K + j] (a prefill's expert-sorted rows) or m * K + j. wts rows hold ldw floats. Grid (ceil(D / NT),
+// M); ssq_out (M = 1): h's sums of squares per 32 columns (forward.cuh).
 extern "C" __global__ void __launch_bounds__(NT) moe_combine(
-    const float* __restrict__ Y, int ldy, int S, const float* __restrict__ wts, int ldw, float* __restrict__ h,
-    int ldh, int D, float* __restrict__ ssq_out)
+    const float* __restrict__ Y, int ldy, int K, const int* __restrict__ index, const float* __restrict__ Ysh,
+    int ldsh, const float* __restrict__ wts, int ldw, float* __restrict__ h, int ldh, int D,
+    float* __restrict__ ssq_out)
 {
     grid_dep_launch();
     grid_dep_wait();
     const int m = blockIdx.y, n = blockIdx.x * NT + threadIdx.x;
+    const float* w = wts + (size_t)m * ldw;
     float y = 0.f;
     if (n < D) {
         float acc = 0.f;
-        for (int j = 0; j < S; ++j) acc += Y[((size_t)m * S + j) * ldy + n] * wts[(size_t)m * ldw + j];
+        for (int j = 0; j < K; ++j) {
+            const size_t row = index ? (size_t)index[(size_t)m * K + j] : (size_t)m * K + j;
+            acc += Y[row * ldy + n] * w[j];
+        }
+        if (Ysh) acc += Ysh[(size_t)m * ldsh + n] * w[K];
         y = h[(size_t)m * ldh + n] + acc;
         h[(size_t)m * ldh + n] = y;
     }

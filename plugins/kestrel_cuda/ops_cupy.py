@@ -312,12 +312,38 @@ class CupyOps:
                      _ptr(router), _i32(experts), _i32(rows - experts), _i32(k), _i32(norm_topk), _ptr(xn), _ld(xn),
                      _ptr(logits), _ptr(counters), _ptr(sel), _ptr(wts)), 4 * d, name="moe_route")
 
-    def moe_combine(self, y: Any, slots: int, wts: Any, h: Any, ssq_out: Any = None) -> None:
-        """h[m] += sum_j y[m * slots + j] * wts[m, j], in j order from zero (moe.cu moe_combine)."""
+    def moe_combine(self, y: Any, k: int, wts: Any, h: Any, index: Any = None, shared: Any = None,
+                    ssq_out: Any = None) -> None:
+        """h[m] += sum_{j<k} y[index[m * k + j] or m * k + j] * wts[m, j] (+ shared[m] * wts[m, k]), from zero
+        in that order (moe.cu moe_combine)."""
         m, d = h.shape
         self.launch(self._fn["moe_combine"], (-(-d // 256), m), (256,),
-                    (_ptr(y), _ld(y), _i32(slots), _ptr(wts), _ld(wts), _ptr(h), _ld(h), _i32(d),
-                     _ptr(ssq_out if m == 1 else None)), name="moe_combine")
+                    (_ptr(y), _ld(y), _i32(k), _ptr(index), _ptr(shared), _ld(shared) if shared is not None else
+                     _i32(0), _ptr(wts), _ld(wts), _ptr(h), _ld(h), _i32(d), _ptr(ssq_out if m == 1 else None)),
+                    name="moe_combine")
+
+    def experts_gemm(self, lin: Lin, x: Any, pro: int, xoff: int, y: Any, table: Any, groups: Any,
+                     blocks: int) -> None:
+        """y[:P, :lin.n] = each expert's projection of its rows of x [P, K] (prologue ``pro``), the rows sorted
+        by expert as ``groups`` int32 [blocks, 3] (expert, first row, rows) says; ``table``: ``expert_table``
+        of experts shaped like ``lin`` (gemm.DeviceGemm.grouped)."""
+        if self.gemm is None:
+            raise RuntimeError("a mixture of experts' step of several rows needs the tiled GEMM")
+        p, k, g = x.shape[0], lin.k, lin.group_size
+        codes = self._scratch("codes", p * k, np.int8).reshape(p, k)
+        scales = self._scratch("scales", p * (k // g), np.float32).reshape(p, k // g)
+        self.launch(self._quant[g], (-(-k // 256), p), (256,),
+                    (_ptr(x), _ld(x), _i32(p), _i32(k), _i32(pro), _ptr(None), np.float32(0), _i32(xoff),
+                     _ptr(codes), _ptr(scales)), name="quantize_rows")
+        geometry = Geometry(k, lin.npad, k // g, lin.bits)
+
+        def run() -> None:
+            self.launches += 1
+            self.gemm.grouped(codes, scales, geometry, table, groups, blocks, y, lin.n, self.stream)
+        if self.on_launch is not None:
+            self.on_launch("gemm_q8 (grouped)", run)
+        else:
+            run()
 
     def _tiled(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
                bias: Any) -> None:
@@ -425,11 +451,6 @@ class CupyOps:
         """dst[i] = src[index[i]] (the rows whose logits a batched step returns; an expert's rows)."""
         with self.stream:
             self.cp.take(src, index, axis=0, out=dst)
-
-    def scatter_add_rows(self, src: Any, index: Any, weights: Any, dst: Any) -> None:
-        """dst[index[i]] += src[i] * weights[i] (an expert's outputs into the routed sum; distinct indices)."""
-        with self.stream:
-            dst[index] += src * weights[:, None]
 
     def add_rows(self, src: Any, dst: Any) -> None:
         """dst += src, row by row (rows.cu add_rows)."""

@@ -202,16 +202,26 @@ class NumpyOps:
                 wts[:, k] = np.float32(1) / (np.float32(1) + np.exp(-logits[:, experts]))
         self._run(fn)
 
-    def moe_combine(self, y: np.ndarray, slots: int, wts: np.ndarray, h: np.ndarray,
-                    ssq_out: np.ndarray | None = None) -> None:
+    def moe_combine(self, y: np.ndarray, k: int, wts: np.ndarray, h: np.ndarray, index: np.ndarray | None = None,
+                    shared: np.ndarray | None = None, ssq_out: np.ndarray | None = None) -> None:
         def fn() -> None:
             m = h.shape[0]
+            rows = (np.arange(m * k) if index is None else index[:m * k]).reshape(m, k)
             acc = np.zeros_like(h)
-            for j in range(slots):
-                acc += y[j::slots][:m] * wts[:m, j:j + 1]
+            for j in range(k):
+                acc += y[rows[:, j]] * wts[:m, j:j + 1]
+            if shared is not None:
+                acc += shared[:m] * wts[:m, k:k + 1]
             h[...] = h + acc
             if ssq_out is not None:
                 ssq_out[:ssq_count(h.shape[1])] = _row_ssq(h[0])
+        self._run(fn)
+
+    def experts_gemm(self, lin: Lin, x: np.ndarray, pro: int, xoff: int, y: np.ndarray, table: list[Lin],
+                     groups: np.ndarray, blocks: int) -> None:
+        def fn() -> None:
+            for e, row0, rows in groups[:blocks]:
+                y[row0:row0 + rows] = _qgemv(table[int(e)], x[row0:row0 + rows], pro, None, 0.0, xoff, None)
         self._run(fn)
 
     def greedy_token(self, logits: np.ndarray, scratch: Any, meta: np.ndarray, limit: int,
@@ -257,11 +267,6 @@ class NumpyOps:
 
     def gather_rows(self, src: np.ndarray, index: np.ndarray, dst: np.ndarray) -> None:
         self._run(lambda: np.take(src, index, axis=0, out=dst))
-
-    def scatter_add_rows(self, src: np.ndarray, index: np.ndarray, weights: np.ndarray, dst: np.ndarray) -> None:
-        def fn() -> None:
-            dst[index] += src * weights[:, None]
-        self._run(fn)
 
     def add_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
         def fn() -> None:

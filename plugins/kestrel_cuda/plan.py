@@ -32,6 +32,7 @@ KV_BLOCK = 32  # positions per block of the paged KV pool (rope.cuh KV_BLOCK): t
 TOKEN_RING = 64  # greedy tokens kept in host memory by lm_finish, indexed by position modulo this
 FINISH_COLS = 1024  # columns one lm_finish block reduces (lm_finish.cu FIN_T x FIN_E)
 MERGE_MODES = ("auto", "tagged", "counter")
+GROUPED_ROWS = 64  # positions of one block of a mixture of experts' grouped GEMM (gemm.GROUPED_TILE's rows)
 
 
 @dataclass
@@ -148,6 +149,23 @@ def plan_routed(lin: Lin, slots: int, sm_count: int) -> int:
     are per column tile, not per slot)."""
     lin.slots, lin.cluster = slots, False
     return plan_ksplit(lin, max(1, TARGET_BLOCKS_PER_SM * sm_count // slots))
+
+
+def expert_groups(top: np.ndarray, rows: int = GROUPED_ROWS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A several-row step's chosen experts ``top`` [M, k] (each row's in increasing order) as the grouped GEMMs
+    take them: every (row, slot) sorted by expert, then by row. Returns ``source`` int32 [M * k] (the row each
+    sorted position reads), ``position`` int32 [M * k] (where (row, slot) lands, at row * k + slot) and
+    ``groups`` int32 [blocks, 3] (expert, first position, count) of at most ``rows`` positions each."""
+    k = top.shape[1]
+    flat = top.reshape(-1)
+    order = np.argsort(flat, kind="stable")  # sorted position -> row * k + slot
+    position = np.empty(len(flat), np.int32)
+    position[order] = np.arange(len(flat), dtype=np.int32)
+    counts = np.bincount(flat, minlength=int(flat.max()) + 1)
+    starts = np.cumsum(counts) - counts
+    groups = [(e, int(starts[e]) + r, min(rows, int(counts[e]) - r))
+              for e in np.nonzero(counts)[0] for r in range(0, int(counts[e]), rows)]
+    return (order // k).astype(np.int32), position, np.array(groups, np.int32).reshape(-1, 3)
 
 
 def check_expert_table(lins: list[Lin]) -> None:

@@ -640,6 +640,22 @@ def test_a_mixture_of_experts_from_its_checkpoint_matches_the_cpu(fixture: str) 
     assert [expect[0]] + list(fwd.greedy(model, 1, expect[0], len(prompt), 6)) == expect
 
 
+def test_expert_groups_sort_each_rows_experts_into_blocks() -> None:
+    """Every (row, slot) once, sorted by expert then row; blocks of one expert and at most ``rows``."""
+    rng = np.random.default_rng(2)
+    top = np.sort(np.stack([rng.choice(9, 3, replace=False) for _ in range(30)]), axis=1)
+    source, position, groups = plan.expert_groups(top, rows=4)
+    flat = top.reshape(-1)
+    assert sorted(position.tolist()) == list(range(90))
+    assert np.array_equal(source[position], np.repeat(np.arange(30), 3))
+    experts = flat[np.argsort(position)]
+    assert np.all(np.diff(experts) >= 0)
+    assert groups[:, 2].max() <= 4 and groups[:, 2].sum() == 90
+    for e, first, rows in groups:
+        assert np.all(experts[first:first + rows] == e)
+        assert np.all(np.diff(source[first:first + rows]) > 0)
+
+
 def test_device_routing_chooses_the_cpu_decoders_experts() -> None:
     """moe_route's mirror against kestrel_core's route: the same experts (in increasing order) and weights,
     with and without renormalising over the k, the shared gate's sigmoid last."""
@@ -663,23 +679,20 @@ def test_device_routing_chooses_the_cpu_decoders_experts() -> None:
 
 
 def test_a_mixture_of_experts_done_wrong_on_the_device_leaves_the_band() -> None:
-    """Each row's experts summed without their router weights (in a prefill and in the decode steps' sum):
-    far outside the band."""
+    """Each row's experts summed without their router weights: far outside the band."""
     from kestrel_core.model.loader import load_model
 
     class Unweighted(NumpyOps):
-        def scatter_add_rows(self, src, index, weights, dst):  # type: ignore[no-untyped-def]
-            super().scatter_add_rows(src, index, np.ones_like(weights), dst)
-
-        def moe_combine(self, y, slots, wts, h, ssq_out=None):  # type: ignore[no-untyped-def]
-            super().moe_combine(y, slots, np.ones_like(wts), h, ssq_out)
+        def moe_combine(self, y, k, wts, h, *args):  # type: ignore[no-untyped-def]
+            super().moe_combine(y, k, np.ones_like(wts), h, *args)
 
     _assert_leaves_the_band(load_model(str(FIXTURES / "tiny-qwen3-moe"), "q8", cache="off").model, Unweighted(),
                             n_tokens=20, n_prefill=12)
 
 
 def test_a_mixture_of_experts_decoded_with_the_wrong_experts_leaves_the_band() -> None:
-    """The decode steps' GEMVs taking the expert after each chosen one: far outside the band."""
+    """The decode steps' GEMVs or the prefill's grouped GEMMs taking the expert after each chosen one: far
+    outside the band."""
     from kestrel_core.model.loader import load_model
 
     class NextExpert(NumpyOps):
@@ -689,8 +702,15 @@ def test_a_mixture_of_experts_decoded_with_the_wrong_experts_leaves_the_band() -
                 experts = (table, (sel + 1) % len(table), slots)
             super().gemv(lin, x, *args, experts=experts, **kw)
 
-    _assert_leaves_the_band(load_model(str(FIXTURES / "tiny-qwen3-moe"), "q8", cache="off").model, NextExpert(),
-                            n_tokens=20, n_prefill=12)
+    class NextGroup(NumpyOps):
+        def experts_gemm(self, lin, x, pro, xoff, y, table, groups, blocks):  # type: ignore[no-untyped-def]
+            shifted = groups.copy()
+            shifted[:, 0] = (shifted[:, 0] + 1) % len(table)
+            super().experts_gemm(lin, x, pro, xoff, y, table, shifted, blocks)
+
+    model = load_model(str(FIXTURES / "tiny-qwen3-moe"), "q8", cache="off").model
+    for wrong in (NextExpert(), NextGroup()):
+        _assert_leaves_the_band(model, wrong, n_tokens=20, n_prefill=12)
 
 
 @pytest.mark.parametrize(("fixture", "why"), [("tiny-gemma2", "architecture 'gemma2'")])
