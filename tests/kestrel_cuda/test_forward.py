@@ -230,8 +230,8 @@ def test_moe_route_and_the_chosen_experts_match_the_mirrors(experts, k, shared, 
 
 @pytest.mark.parametrize(("bits", "group"), ((8, 32), (4, 32), (8, 256), (4, 256)))
 def test_grouped_expert_gemm_matches_the_mirror(bits, group, stream, gemm) -> None:  # type: ignore[no-untyped-def]
-    """One launch of the grouped tensor-core GEMM over 40 rows' chosen experts (of 16, 4 a row: groups of one
-    row up to blocks of 64), the SiLU-gated prologue included, against the numpy mirror."""
+    """One launch of the grouped tensor-core GEMM over 100 rows' chosen experts (4 of 16 a row; expert 0 on 80
+    rows: two blocks, expert 15 on one row), the SiLU-gated prologue included, against the numpy mirror."""
     from kestrel_cuda.layout import pack_kmajor, pad_n
     from kestrel_cuda.ops_cupy import CupyOps
     from kestrel_cuda.ops_numpy import NumpyOps
@@ -239,9 +239,10 @@ def test_grouped_expert_gemm_matches_the_mirror(bits, group, stream, gemm) -> No
 
     ops, ref = CupyOps(stream, gemm), NumpyOps()
     rng = np.random.default_rng(bits + group)
-    e, k, m, kk, n = 16, 4, 40, 512, 200
-    top = np.sort(np.stack([rng.choice(e, k, replace=False, p=np.linspace(1, 3, e) / np.linspace(1, 3, e).sum())
-                            for _ in range(m)]), axis=1)
+    e, k, m, kk, n = 16, 4, 100, 512, 200
+    top = np.sort(np.stack([[0, *(1 + rng.choice(e - 2, k - 1, replace=False))] if r < 80 else
+                            [*(1 + rng.choice(e - 3, k - 1, replace=False)), e - 1 if r == 80 else e - 2]
+                            for r in range(m)]), axis=1)
     source, position, groups = expert_groups(top)
     x = rng.standard_normal((m * k, 2 * kk)).astype(np.float32)[source]
     lo, hi = (-127, 127) if bits == 8 else (-8, 7)
@@ -259,7 +260,7 @@ def test_grouped_expert_gemm_matches_the_mirror(bits, group, stream, gemm) -> No
                        len(groups))
         o.synchronize()
         out.append(cp.asnumpy(y) if o is ops else y)
-    assert len(groups) > e and groups[:, 2].min() == 1
+    assert len(groups) == e + 1 and groups[:, 2].min() == 1
     np.testing.assert_allclose(out[0], out[1], rtol=1e-5, atol=1e-5 * np.abs(out[1]).max())
 
 
