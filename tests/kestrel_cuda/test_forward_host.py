@@ -195,6 +195,21 @@ def test_window_path_through_the_weight_cache_matches_own_upload() -> None:
     assert "residency window" in windowed.last_decline  # eager steps, and the reason said
 
 
+def test_a_mixture_of_experts_through_the_window_matches_the_resident_forward() -> None:
+    """Per-layer fetches of every expert through a WeightCache with keep=1 (each step's expert tables made from
+    what the cache holds then): the resident forward's logits, bit for bit."""
+    from kestrel_core.model.loader import load_model
+
+    model = load_model(str(FIXTURES / "tiny-qwen2-moe"), "q8", cache="off").model
+    toks = _tokens(model.config, 16)
+    cache = WeightCache(NumpyAllocator(1 << 30), budget=1 << 30, keep=1)
+    uploads: list[int] = []
+    windowed = DeviceForward(cache_source(cache, uploads), cache.on_layer_boundary, ops=NumpyOps())
+    a = device_logits(windowed, model, toks, 8)
+    b = device_logits(DeviceForward(ops=NumpyOps()), model, toks, 8)
+    assert np.array_equal(a, b) and cache.stats()["evictions"] > 0
+
+
 def test_weight_source_pins_what_the_graph_captured() -> None:
     model = synthetic_model(CONFIGS["llama"], "q8", seed=10)
     cache = WeightCache(NumpyAllocator(1 << 30), budget=1 << 30, keep=0)
