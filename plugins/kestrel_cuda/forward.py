@@ -88,7 +88,7 @@ from kestrel_cuda.plan import (
 
 CAP_CHUNK = 1024  # KV positions are allocated this many at a time
 ROUTE_MAX_EXPERTS = 256  # moe_route: a router logit per thread of the choosing block (moe.cu)
-ROUTE_MAX_HIDDEN = 12288  # moe_route: the normed row in 48 KiB of shared memory
+ROUTE_MAX_HIDDEN = 8192  # moe_route: the normed row in 32 KiB of shared memory (48 KiB with no opt-in)
 DEVICE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe")
 
 
