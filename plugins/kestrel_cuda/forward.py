@@ -79,6 +79,8 @@ from kestrel_cuda.plan import (
     PRO_PLAIN,
     PRO_RMSNORM,
     PRO_SILU_MUL,
+    ROUTE_MAX_EXPERTS,
+    ROUTE_MAX_HIDDEN,
     TILE_N,
     TOKEN_RING,
     Lin,
@@ -87,8 +89,6 @@ from kestrel_cuda.plan import (
 )
 
 CAP_CHUNK = 1024  # KV positions are allocated this many at a time
-ROUTE_MAX_EXPERTS = 256  # moe_route: a router logit per thread of the choosing block (moe.cu)
-ROUTE_MAX_HIDDEN = 8192  # moe_route: the normed row in 32 KiB of shared memory (48 KiB with no opt-in)
 DEVICE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe")
 
 

@@ -25,6 +25,7 @@ from kestrel_cuda.plan import (
     MAX_HEAD_DIM,
     MERGE_MODES,
     MERGE_SPLITS,
+    ROUTE_ROWS,
     SMALL_M,
     TILE_N,
     Lin,
@@ -41,7 +42,6 @@ GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (
 # extern "C" kernels: no name expression
 KERNELS = ("embed_rows", "qkv_rope", "attn_prefill", "add_rows", "norm_add_rows", "lm_finish", "argmax_rows",
            "moe_route", "moe_combine")
-ROUTE_EXPERTS_PER_BLOCK = 8  # moe_route: a router row a warp
 Observer = Callable[[str, Callable[[], None]], None]
 
 
@@ -307,7 +307,7 @@ class CupyOps:
         m, d = h.shape
         rows = router.shape[0]
         logits, counters = scratch
-        self.launch(self._fn["moe_route"], (-(-rows // ROUTE_EXPERTS_PER_BLOCK), m), (256,),
+        self.launch(self._fn["moe_route"], (-(-rows // ROUTE_ROWS), m), (256,),
                     (_ptr(h), _ld(h), _i32(d), _ptr(norm), np.float32(eps), _ptr(ssq_in if m == 1 else None),
                      _ptr(router), _i32(experts), _i32(rows - experts), _i32(k), _i32(norm_topk), _ptr(xn), _ld(xn),
                      _ptr(logits), _ptr(counters), _ptr(sel), _ptr(wts)), 4 * d, name="moe_route")

@@ -32,6 +32,9 @@ KV_BLOCK = 32  # positions per block of the paged KV pool (rope.cuh KV_BLOCK): t
 TOKEN_RING = 64  # greedy tokens kept in host memory by lm_finish, indexed by position modulo this
 FINISH_COLS = 1024  # columns one lm_finish block reduces (lm_finish.cu FIN_T x FIN_E)
 MERGE_MODES = ("auto", "tagged", "counter")
+ROUTE_ROWS = 8  # router rows of one moe_route block (moe.cu ROUTE_ROWS)
+ROUTE_MAX_EXPERTS = 256  # moe_route: a router logit per thread of the choosing block (moe.cu ROUTE_MAX_EXPERTS)
+ROUTE_MAX_HIDDEN = 8192  # moe_route: the normed row in 32 KiB of shared memory (48 KiB with no opt-in)
 GROUPED_ROWS = 64  # positions of one block of a mixture of experts' grouped GEMM (gemm.GROUPED_TILE's rows)
 
 

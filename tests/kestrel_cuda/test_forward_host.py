@@ -315,6 +315,15 @@ def test_forward_sources_define_each_kernel_the_ops_load_once() -> None:
         assert len(re.findall(rf"__global__ void (?:__launch_bounds__\([^)]*\) )?{name}\(", text)) == 1, name
 
 
+def test_the_routers_constants_are_moe_cus() -> None:
+    """plan.ROUTE_ROWS and ROUTE_MAX_EXPERTS (the launch's grid, the experts the device forward takes) are
+    moe.cu's: router rows a block, one logit per thread of NT."""
+    text = kernels.source_text(kernels.FORWARD_SOURCES)
+    define = {name: value for name, value in re.findall(r"#define (\w+) (\w+)", text)}
+    assert int(define["ROUTE_ROWS"]) == plan.ROUTE_ROWS
+    assert define["ROUTE_MAX_EXPERTS"] == "NT" and int(define["NT"]) == plan.ROUTE_MAX_EXPERTS
+
+
 def test_common_cuh_transpose4x4_transposes_a_4x4_byte_block() -> None:
     calls = _transpose4x4_from_source()
     assert len(calls) == 8
