@@ -63,11 +63,9 @@ def step_bytes(fwd: Any) -> int:
     total = lin_bytes(st.lm_head)
     for layer in st.layers:
         w = layer.weights
-        total += sum(lin_bytes(lin) for lin in (*w.qkv, w.o, *w.gate_up, *([w.down] if w.down else [])))
-        routed, shared = w.experts[:c.num_experts], w.experts[c.num_experts:]
-        experts = sum(lin_bytes(lin) for ex in routed for lin in (*ex.gate_up, ex.down))
-        total += experts * c.experts_per_token // max(1, c.num_experts)
-        total += sum(lin_bytes(lin) for ex in shared for lin in (*ex.gate_up, ex.down))
+        routed = sum(lin_bytes(lin) for ex in w.experts[:c.num_experts] for lin in (*ex.gate_up, ex.down))
+        total += sum(lin_bytes(lin) for lin in w.all_lins()) - routed * (c.num_experts - c.experts_per_token) \
+            // max(1, c.num_experts)
     return total
 
 

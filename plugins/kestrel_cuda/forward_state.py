@@ -59,6 +59,7 @@ class LayerLins:
     tables: ExpertTables | None = None
 
     def all_lins(self) -> list[Lin]:
+        """Every projection of the layer, each expert's included."""
         return [*self.qkv, self.o, *self.gate_up, *([self.down] if self.down else []),
                 *(lin for ex in self.experts for lin in (*ex.gate_up, ex.down))]
 
@@ -247,7 +248,7 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
                out=zeros((t, d), np.float32) if c.post_norms else None, ssq=zeros(ssq_count(d), np.float32),
                qkv=zeros((t, nq + 2 * nkv), np.float32), q=zeros((t, nq), np.float32),
                attn=zeros((t, nq), np.float32),
-               gu=zeros((t, 2 * max(f, c.expert_intermediate_size, c.shared_expert_intermediate_size)), np.float32),
+               gu=zeros((t, 2 * (c.shared_expert_intermediate_size if c.is_moe else f)), np.float32),
                moe=(zeros((t, d), np.float32), zeros((t * c.experts_per_token, d), np.float32),
                     zeros((t * c.experts_per_token, 2 * c.expert_intermediate_size), np.float32),
                     zeros((t * (c.experts_per_token + 1), d), np.float32)) if c.is_moe else None,
