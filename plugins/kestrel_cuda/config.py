@@ -44,7 +44,8 @@ SETTINGS = (
             "programmatic dependent launch in the decode graph (sm_90: each kernel starts under its "
             "predecessor's tail)"),
     Setting("cluster", "KESTREL_CUDA_CLUSTER", None, "",
-            "split M=1 GEMVs that the planner picks run as thread block clusters (sm_90)"),
+            "K splits run as thread block clusters (sm_90): the M=1 GEMVs the planner picks, the decode batches' "
+            "GEMMs"),
 )
 
 

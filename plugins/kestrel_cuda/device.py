@@ -48,7 +48,7 @@ class CudaDevice:
             self.allocator = CupyAllocator(cp)
             self.cache = WeightCache(self.allocator, budget=cache_budget(self.allocator.free_bytes(), config.cache_mb),
                                      keep=config.window)
-            self.gemm = DeviceGemm(cp, kernels, self.sm_count)
+            self.gemm = DeviceGemm(cp, kernels, self.sm_count, clusters=config.cluster and compute_capability >= 90)
             self.gemm.workspace(self.stream)
             self.timer = UploadTimer(cp)  # every weight upload's GPU time
             self.streamer = WindowStreamer(cp, self.cache, self.stream) if config.window else None

@@ -4,7 +4,7 @@ Every call here is asynchronous on the given stream (``None``: CuPy's current st
 and never synchronises with the host, so a sequence of them can be captured in a CUDA graph. Outputs and
 workspaces are preallocated by the caller.
 
-    gemm = DeviceGemm(cp, kernels, sm_count)
+    gemm = DeviceGemm(cp, kernels, sm_count, clusters)
     ws = gemm.workspace(stream)                     # once per stream, before any capture
     gemm.quantize(x, G, codes_out, scales_out, stream)      # x float32 [M,K] -> int8 [M,K], f32 [M,K/G]
     gemm.q8(a_codes, a_scales, weight, out, n, stream)      # out float32 [M, >=n] <- A (x) weight
@@ -14,7 +14,8 @@ workspaces are preallocated by the caller.
 columns to write: the weight's N, or its NG for a fused buffer (members side by side, in order); ``out``'s
 row stride is its second dimension. M <= GEMV_MAX_M runs the decode GEMV (``gemv_warp.cu``), larger M the
 tensor-core kernel (``gemm_mma.cu``, block shape by ``mma_tile_for``); up to SPLIT_MAX_M rows (decode batches)
-it splits K over enough blocks to keep the memory system busy (``mma_splits``).
+it splits K over enough blocks to keep the memory system busy (``mma_splits``), and with ``clusters`` (sm_90)
+each tile's splits run as one thread block cluster that adds their sums in shared memory.
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from kestrel_cuda.kernels import MMA_BK, MMA_TILE_DEFAULT, MMA_TILE_SMALL_GRID, MMA_TILES
+from kestrel_cuda.kernels import (
+    MMA_BK,
+    MMA_TILE_DEFAULT,
+    MMA_TILE_SMALL_GRID,
+    MMA_TILE_SPLIT,
+    MMA_TILE_SPLIT_SMALL,
+    MMA_TILES,
+)
 from kestrel_cuda.layout import Geometry
 from kestrel_cuda.plan import GROUPED_ROWS
 from kestrel_cuda.residency import DeviceWeight
@@ -33,8 +41,9 @@ from kestrel_cuda.residency import DeviceWeight
 GEMV_MAX_M = 1
 GROUPED_TILE = "64x128"  # a mixture of experts' prefill: ~32 rows an expert at 512 tokens, 8 of 128 experts
 NULL = np.uint64(0)
-SPLIT_MAX_M = 64  # up to this many rows the tensor-core GEMM splits K (one row tile: the 32x128s or 64x128s block)
-SPLIT_BLOCKS_PER_SM = 3  # the split GEMM's grid target: one wave of 32x128 blocks
+SPLIT_MAX_M = 64  # up to this many rows the tensor-core GEMM splits K (the 16x128s or 32x128s block)
+SPLIT_BLOCKS_PER_SM = 2  # the split GEMM's grid target, in blocks per SM
+SPLIT_MAX = 8  # K splits of a tile at most: one portable cluster (common.cuh MAX_CLUSTER)
 GW_THREADS = 256  # gemv_warp.cu: 8 warps, one 32-row slice each
 GW_SLICES = 8
 F32_THREADS, F32_MT = 128, 4
@@ -67,13 +76,20 @@ def gemv_warp_variant(npad: int, bits: int) -> tuple[str, int, int, int]:
     return "warp", 1, 8 if npad % 8 == 0 else 4, bits
 
 
-def mma_tile_for(m: int, npad: int, sm_count: int) -> str:
-    """The tensor-core block shape for an M x Npad GEMM. Up to SPLIT_MAX_M rows, the smallest split block that
-    holds them all. Beyond, the large block (one per SM) unless its grid would leave the last wave less than half
-    full, where the 64-row block (two per SM) is faster: it halves the tail, and a block left alone on an SM at
-    the end runs faster than two sharing it."""
-    if m <= SPLIT_MAX_M:
-        return min((t for t in MMA_TILES.values() if t.split and t.bm >= m), key=lambda t: t.bm).key
+def split_fits(k: int, npad: int) -> bool:
+    """Whether the split block shapes take a K x Npad weight: whole stages and whole column tiles (they copy
+    without bounds checks)."""
+    return k % MMA_BK == 0 and npad % MMA_TILES[MMA_TILE_SPLIT].bn == 0
+
+
+def mma_tile_for(m: int, npad: int, sm_count: int, k: int | None = None) -> str:
+    """The tensor-core block shape for an M x Npad GEMM (of depth ``k``; None: one the split shapes take). Up
+    to SPLIT_MAX_M rows, the 16-row split block up to 16 rows and the 32-row one beyond (two row blocks at 64
+    rows: faster than one 64-row block of 8 warps). Beyond, the large block (one per SM) unless its grid would
+    leave the last wave less than half full, where the 64-row block (two per SM) is faster: it halves the tail,
+    and a block left alone on an SM at the end runs faster than two sharing it."""
+    if m <= SPLIT_MAX_M and split_fits(MMA_BK if k is None else k, npad):
+        return MMA_TILE_SPLIT_SMALL if m <= MMA_TILES[MMA_TILE_SPLIT_SMALL].bm else MMA_TILE_SPLIT
     big = MMA_TILES[MMA_TILE_DEFAULT]
     tail = (_cdiv(m, big.bm) * _cdiv(npad, big.bn)) % sm_count
     return MMA_TILE_SMALL_GRID if 0 < tail < sm_count // 2 else MMA_TILE_DEFAULT
@@ -82,11 +98,12 @@ def mma_tile_for(m: int, npad: int, sm_count: int) -> str:
 def mma_splits(k: int, npad: int, group_size: int, sm_count: int,
                blocks_per_sm: int = SPLIT_BLOCKS_PER_SM) -> tuple[int, int]:
     """(K splits, stages a split) of the tensor-core GEMM at 2..SPLIT_MAX_M rows: splits of whole groups, enough
-    for ``blocks_per_sm`` blocks per SM, as many as the workspace holds at SPLIT_MAX_M rows. Independent of M,
-    so a row's sums are added in the same order in every batch of that range (batch-invariant bits)."""
+    for ``blocks_per_sm`` blocks per SM, at most SPLIT_MAX and as many as the workspace holds at SPLIT_MAX_M
+    rows. Independent of M, so a row's sums are added in the same order in every batch of that range
+    (batch-invariant bits), and of whether the splits run as a cluster."""
     tiles = _cdiv(npad, MMA_TILES[MMA_TILE_DEFAULT].bn)
     want = _cdiv(blocks_per_sm * sm_count, tiles)
-    return split_stages(k, group_size, min(want, PARTIAL_FLOATS // (SPLIT_MAX_M * npad)))
+    return split_stages(k, group_size, min(want, SPLIT_MAX, PARTIAL_FLOATS // (SPLIT_MAX_M * npad)))
 
 
 def split_stages(k: int, group_size: int, splits: int) -> tuple[int, int]:
@@ -105,13 +122,31 @@ def _launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tu
         kernel(grid, block, args, shared_mem=shared_mem)
 
 
+def _ptr(a: Any) -> np.uint64:
+    return np.uint64(0 if a is None else a.data.ptr)
+
+
 class DeviceGemm:
-    def __init__(self, cp: Any, kernels: Any, sm_count: int) -> None:
+    """``clusters``: the split GEMM's K splits of a tile run as one thread block cluster (sm_90, through
+    cuLaunchKernelEx); otherwise the last split to arrive adds them from the workspace. Both add them in split
+    order: the same bits."""
+
+    def __init__(self, cp: Any, kernels: Any, sm_count: int, clusters: bool = False) -> None:
         self.cp = cp
         self.kernels = kernels
         self.sm_count = sm_count
         self._workspaces: dict[int, Workspace] = {}
         self.launches = {"gemv": 0, "mma": 0, "f32": 0, "quantize": 0}
+        self._ex: Any = None
+        if clusters:
+            from kestrel_cuda.forward_launch import ExLauncher
+
+            with contextlib.suppress(OSError, AttributeError):  # no cuLaunchKernelEx: the workspace merge
+                self._ex = ExLauncher()
+
+    @property
+    def clusters(self) -> bool:
+        return self._ex is not None
 
     def workspace(self, stream: Any | None = None) -> Workspace:
         """The split-K workspace of ``stream`` (created on first use: call it before a graph capture)."""
@@ -153,8 +188,10 @@ class DeviceGemm:
         if (m <= GEMV_MAX_M or variant is not None) and mma_tile is None:
             self._gemv_warp(a_codes, a_scales, weight, out, n, ldo, stream, variant, splits)
             return
-        name = mma_tile or mma_tile_for(m, g.npad, self.sm_count)
+        name = mma_tile or mma_tile_for(m, g.npad, self.sm_count, k)
         tile = MMA_TILES[name]
+        if tile.split and not split_fits(k, g.npad):
+            raise ValueError(f"q8: the split block shapes take whole stages and tiles (K={k}, Npad={g.npad})")
         kern = self.kernels.mma.get((g.code_bits, g.group_size, name))
         if kern is None:
             raise ValueError(f"no tensor-core kernel for int{g.code_bits} G={g.group_size}")
@@ -169,10 +206,16 @@ class DeviceGemm:
         if nz > 1 and (nz * m * g.npad > PARTIAL_FLOATS or grid[0] * grid[1] > COUNTERS):
             raise ValueError(f"q8: {nz} K splits of {m} x {g.npad} do not fit the workspace")
         # blockIdx.x walks M, so the blocks resident together share one weight tile
-        _launch(kern, grid, (tile.threads,),
-                (a_codes, a_scales, i32(m), weight.codes, weight.scales, out, i32(ldo), i32(n), i32(k),
-                 i32(g.npad), ws.partial, ws.counters, i32(per), NULL, NULL), stream,
-                tile.smem_bytes(g.code_bits, g.group_size))
+        smem = tile.smem_bytes(g.code_bits, g.group_size)
+        if 1 < nz <= SPLIT_MAX and self._ex is not None:
+            args = (_ptr(a_codes), _ptr(a_scales), i32(m), _ptr(weight.codes), _ptr(weight.scales), _ptr(out),
+                    i32(ldo), i32(n), i32(k), i32(g.npad), _ptr(ws.partial), _ptr(ws.counters), i32(per), NULL, NULL)
+            self._ex.launch(kern, grid, (tile.threads,), args, smem,
+                            stream if stream is not None else self.cp.cuda.get_current_stream(), False, (1, 1, nz))
+        else:
+            _launch(kern, grid, (tile.threads,),
+                    (a_codes, a_scales, i32(m), weight.codes, weight.scales, out, i32(ldo), i32(n), i32(k),
+                     i32(g.npad), ws.partial, ws.counters, i32(per), NULL, NULL), stream, smem)
         self.launches["mma"] += 1
 
     def grouped(self, a_codes: Any, a_scales: Any, geometry: Geometry, table: Any, groups: Any, blocks: int,

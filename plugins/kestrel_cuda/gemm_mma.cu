@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     constexpr int BROWB = BITS == 8 ? BN : 4 * BN;  // bytes of one stored B row of the tile
     constexpr int GS = G / 32;                    // k32 steps per group
     static_assert(G == 32 || G == 256, "G must be 32 or 256");
-    static_assert(MI % 2 == 0, "row scales are read as float4");
+    static_assert(MI == 1 || MI % 2 == 0, "row scales are read as float2 or float4");
     static_assert(BN == 128, "the B swizzle and fragment mapping assume 32-word shared rows (WN = 4)");
     static_assert(THREADS % BM == 0 && THREADS % BN == 0, "scale copy plan");
     extern __shared__ __align__(16) unsigned char smem[];
@@ -128,6 +128,10 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     const u8* b_src = W + (size_t)b_r0 * ldb + b_byte0;
     const int b_swz = BITS == 8 ? ((b_r0 / 4) & 3) << 1 : (b_r0 & 1) << 2;
     const u32 b_dst = T::A_BYTES + b_r0 * BROWB + ((b_c ^ b_swz) << 4);
+    const i8* a_rows[SPLIT ? AP : 1];  // SPLIT: the A chunks' rows, nullptr past M (zero-filled)
+#pragma unroll
+    for (int p = 0; p < (SPLIT ? AP : 1); ++p)
+        a_rows[p] = m0 + a_r0 + p * A_RSTEP < M ? A + (size_t)(m0 + a_r0 + p * A_RSTEP) * K + 16 * a_c : nullptr;
     const int b_left = ldb - b_byte0;
     const int b_nvalid = b_left < 0 ? 0 : b_left > 16 ? 16 : b_left;  // bytes of the chunk inside Npad
     // scales: thread tid copies row tid % BM of A's slots tid / BM + p * THREADS / BM, and column tid % BN of B's
@@ -148,6 +152,33 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     auto load_stage = [&](int st, int buf) {
         const u32 sb = sbase + buf * T::STAGE;
         const int k0 = st * BK;
+        if constexpr (SPLIT) {  // whole stages and tiles: no bounds, no zero fill
+#pragma unroll
+            for (int p = 0; p < AP; ++p)
+                cp_async16(sb + a_dst + p * A_RSTEP * BK, a_rows[p] ? a_rows[p] + k0 : A, a_rows[p] ? 16 : 0);
+            const u8* src = b_src + (size_t)st * BROWS * ldb;
+#pragma unroll
+            for (int p = 0; p < BP; ++p) cp_async16(sb + b_dst + p * B_RSTEP * BROWB, src + (size_t)p * B_RSTEP * ldb, 16);
+            int g0;
+            if constexpr (G < BK) g0 = st * SG;
+            else {
+                if (((st + 1) * BK) % G != 0) return;
+                g0 = ((st + 1) * BK) / G - 1;
+            }
+#pragma unroll
+            for (int p = 0; p < ASP; ++p) {
+                const int slot = tid / BM + p * (THREADS / BM);
+                if (slot < SG)
+                    cp_async4(sb + as_dst + 4 * p * THREADS, as_on ? as_src + g0 + p * (THREADS / BM) : As, as_on ? 4 : 0);
+            }
+#pragma unroll
+            for (int p = 0; p < BSP; ++p) {
+                const int slot = tid / BN + p * (THREADS / BN);
+                if (slot < SG)
+                    cp_async4(sb + bs_dst + 4 * p * THREADS, bs_src + (size_t)(g0 + p * (THREADS / BN)) * Npad, 4);
+            }
+            return;
+        }
         const bool a_kok = k0 + 16 * a_c < K;
 #pragma unroll
         for (int p = 0; p < AP; ++p) {
@@ -198,9 +229,6 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
 
     float facc[MI][4][4];
     int iacc[MI][4][4];
-    bool live[MI];  // m16 tiles with a row below M (warp-uniform): the others skip their MMAs and scaling
-#pragma unroll
-    for (int i = 0; i < MI; ++i) live[i] = !SPLIT || m0 + wm * MI * 16 + i * 16 < M;
     const int magic[4] = {GQ_MAGIC, GQ_MAGIC, GQ_MAGIC, GQ_MAGIC};
 #pragma unroll
     for (int i = 0; i < MI; ++i)
@@ -234,7 +262,6 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
             u32 af[MI][4], bf[4][2];
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi) {
-                if (!live[mi]) continue;
                 const int row = wm * MI * 16 + mi * 16 + (lane & 15);
                 const int c = ks * 2 + (lane >> 4);
                 ldmatrix_x4(af[mi], sa + row * BK + ((c ^ aswz(row)) << 4));
@@ -263,13 +290,13 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
                 for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
                     for (int ni = 0; ni < 4; ++ni)
-                        if (live[mi]) mma_s8(iacc[mi][ni], af[mi], bf[ni], magic);
+                        mma_s8(iacc[mi][ni], af[mi], bf[ni], magic);
             } else {
 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
                     for (int ni = 0; ni < 4; ++ni)
-                        if (live[mi]) mma_s8(iacc[mi][ni], af[mi], bf[ni], iacc[mi][ni]);
+                        mma_s8(iacc[mi][ni], af[mi], bf[ni], iacc[mi][ni]);
             }
             if (GS == 1 || (kk + 1) % GS == 0) {  // a group is complete: scale its exact sums
                 const int slot = GS == 1 ? ks : 0;
@@ -279,14 +306,18 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
                 sw[0] = w0.x; sw[1] = w0.y; sw[2] = w0.z; sw[3] = w0.w;
                 sw[4] = w1.x; sw[5] = w1.y; sw[6] = w1.z; sw[7] = w1.w;
                 float sa[2 * MI];  // rows mi * 16 + gid + 8 * h of the warp, at 2 * mi + h
+                if constexpr (MI == 1) {
+                    const float2 v = *reinterpret_cast<const float2*>(sasp + slot * BM + wm * 16 + gid * 2);
+                    sa[0] = v.x; sa[1] = v.y;
+                } else {
 #pragma unroll
-                for (int q = 0; q < 2 * MI; q += 4) {
-                    const float4 v = *reinterpret_cast<const float4*>(sasp + slot * BM + wm * MI * 16 + gid * 2 * MI + q);
-                    sa[q] = v.x; sa[q + 1] = v.y; sa[q + 2] = v.z; sa[q + 3] = v.w;
+                    for (int q = 0; q < 2 * MI; q += 4) {
+                        const float4 v = *reinterpret_cast<const float4*>(sasp + slot * BM + wm * MI * 16 + gid * 2 * MI + q);
+                        sa[q] = v.x; sa[q + 1] = v.y; sa[q + 2] = v.z; sa[q + 3] = v.w;
+                    }
                 }
 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi) {
-                    if (!live[mi]) continue;
                     const float sa0 = sa[2 * mi], sa1 = sa[2 * mi + 1];
 #pragma unroll
                     for (int ni = 0; ni < 4; ++ni) {
@@ -296,10 +327,17 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
                         const float f1 = __int_as_float(iacc[mi][ni][1]) - GQ_MAGIC_F;
                         const float f2 = __int_as_float(iacc[mi][ni][2]) - GQ_MAGIC_F;
                         const float f3 = __int_as_float(iacc[mi][ni][3]) - GQ_MAGIC_F;
-                        facc[mi][ni][0] += (f0 * sa0) * sw[ni];
-                        facc[mi][ni][1] += (f1 * sa0) * sw[4 + ni];
-                        facc[mi][ni][2] += (f2 * sa1) * sw[ni];
-                        facc[mi][ni][3] += (f3 * sa1) * sw[4 + ni];
+                        if constexpr (SPLIT) {
+                            facc[mi][ni][0] = fmaf(f0, sa0 * sw[ni], facc[mi][ni][0]);
+                            facc[mi][ni][1] = fmaf(f1, sa0 * sw[4 + ni], facc[mi][ni][1]);
+                            facc[mi][ni][2] = fmaf(f2, sa1 * sw[ni], facc[mi][ni][2]);
+                            facc[mi][ni][3] = fmaf(f3, sa1 * sw[4 + ni], facc[mi][ni][3]);
+                        } else {
+                            facc[mi][ni][0] += (f0 * sa0) * sw[ni];
+                            facc[mi][ni][1] += (f1 * sa0) * sw[4 + ni];
+                            facc[mi][ni][2] += (f2 * sa1) * sw[ni];
+                            facc[mi][ni][3] += (f3 * sa1) * sw[4 + ni];
+                        }
                         if constexpr (GS > 1) {
 #pragma unroll
                             for (int e = 0; e < 4; ++e) iacc[mi][ni][e] = GQ_MAGIC;
@@ -312,6 +350,45 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     cp_async_wait<0>();  // nothing is left in flight (the tail groups are empty), but leave no copy pending
 
     const int nz = SPLIT ? gridDim.z : 1;
+    if (SPLIT && nz > 1 && cluster_size() > 1) {  // the splits are one cluster: every block adds 1/nz of the tile
+        __syncthreads();  // every warp is done with the pipeline's buffers
+        float* tile = reinterpret_cast<float*>(smem);  // this split's sums [BM][BN]
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float4* t = reinterpret_cast<float4*>(tile + (wm * MI * 16 + mi * 16 + gid + 8 * h) * BN + wn * 32 + 8 * tig);
+                const int e = 2 * h;
+                t[0] = make_float4(facc[mi][0][e], facc[mi][1][e], facc[mi][2][e], facc[mi][3][e]);
+                t[1] = make_float4(facc[mi][0][e + 1], facc[mi][1][e + 1], facc[mi][2][e + 1], facc[mi][3][e + 1]);
+            }
+        cluster_arrive();
+        cluster_wait();  // every split's sums are in its block's shared memory
+        constexpr int Q = BM * BN / 4;  // float4s of the tile
+        const int z = blockIdx.z, q0 = z * Q / nz, q1 = (z + 1) * Q / nz;
+        const bool vec4 = (ldo & 3) == 0 && (reinterpret_cast<size_t>(out) & 15) == 0;
+        for (int q = q0 + tid; q < q1; q += THREADS) {
+            float4 s = ld_cluster_f4(cluster_addr(tile + 4 * q, 0));
+            for (int r = 1; r < nz; ++r) {  // in z order, as the counter merge below
+                const float4 v = ld_cluster_f4(cluster_addr(tile + 4 * q, r));
+                s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+            }
+            const int row = m0 + 4 * q / BN, col = n0 + 4 * q % BN;
+            if (row >= M) continue;
+            float* o = out + (size_t)row * ldo + col;
+            if (vec4 && col + 4 <= N) {
+                *reinterpret_cast<float4*>(o) = s;
+            } else {
+                const float v[4] = {s.x, s.y, s.z, s.w};
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    if (col + c < N) o[c] = v[c];
+            }
+        }
+        cluster_arrive();
+        cluster_wait();  // no block leaves while another still reads its shared memory
+        return;
+    }
     if (nz > 1) {  // this split's sums to part; the tile's last block adds every split's in z order
         // a thread's 8 columns of a row as two float4 (Npad % 4 == 0: each wholly inside Npad or outside)
         const int c = n0 + wn * 32 + 8 * tig;

@@ -76,15 +76,17 @@ class MmaTile:
 MMA_BK, MMA_STAGES = 128, 3  # K bytes per shared-memory stage, stages in flight (GQ_BK, GQ_STAGES in gemm_mma.cu)
 # Block shapes (measured on the H200, docs/performance.md): 128x128 with 8 warps of 64x32 (1 block/SM, ~210
 # registers) for large grids, 64x128 with 8 warps of 32x32 (<= 128 registers, 2 blocks/SM) for short ones; split
-# over K for decode batches: 32x128s with 4 warps of 32x32 (3 blocks/SM) for 2-32 rows, 64x128s for 33-64.
+# over K for decode batches: 16x128s with 4 warps of 16x32 for 2-16 rows, 32x128s with 4 warps of 32x32 for
+# 17-64 (three blocks/SM each).
 MMA_TILES: dict[str, MmaTile] = {
     "128x128": MmaTile(2, 4, 4, 1),
     "64x128": MmaTile(2, 4, 2, 2),
+    "16x128s": MmaTile(1, 4, 1, 3, split=True),
     "32x128s": MmaTile(1, 4, 2, 3, split=True),
-    "64x128s": MmaTile(2, 4, 2, 2, split=True),
 }
 MMA_TILE_DEFAULT = "128x128"  # large grids
 MMA_TILE_SMALL_GRID = "64x128"  # grids whose last wave of MMA_TILE_DEFAULT blocks would be under half full
+MMA_TILE_SPLIT_SMALL, MMA_TILE_SPLIT = "16x128s", "32x128s"  # decode batches
 
 
 class KernelCompileError(RuntimeError):

@@ -18,28 +18,7 @@ __device__ __forceinline__ unsigned long long ld_tagged(const unsigned long long
     return w;
 }
 
-// Thread block clusters (sm_90): the K splits of a GEMV tile launched as one cluster add their partial sums
-// through distributed shared memory, on chip, instead of through L2 (plan.cluster_split picks
-// them; KESTREL_CUDA_CLUSTER=0 turns them off).
-#define MAX_CLUSTER 8   // portable cluster size
-__device__ __forceinline__ unsigned cluster_size() {
-    unsigned r = 1;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
-#endif
-    return r;
-}
-
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-#endif
-    return r;
-}
-
-// mbarrier and distributed shared memory primitives (sm_90; no-ops below, where no cluster is launched)
-__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+// mbarrier primitives (sm_90; no-ops below, where no cluster is launched)
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
@@ -65,29 +44,6 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
                  "\t@!p bra WAIT;\n}" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
 #endif
 }
-// the address of *p in the shared memory of the cluster's block ``rank``
-__device__ __forceinline__ unsigned cluster_addr(const void* p, unsigned rank) {
-    unsigned r = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_addr(p)), "r"(rank));
-#endif
-    return r;
-}
-
-// The cluster barrier's two halves: arrive early, wait late, for a block that only needs the others to have
-// started; a block may exit without waiting. Together: shared-memory writes before them are visible to the
-// cluster after.
-__device__ __forceinline__ void cluster_arrive() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-
 // The M=1 GEMV's cluster merge: block 0 counts the bytes the other blocks store into its shared memory on one
 // mbarrier, so each of them sends its partial sums and exits at once instead of holding its SM slot until
 // block 0 has read them (q|k|v 8.6 -> 7.5 us at q8, 6.2 -> 5.6 at q4; docs/performance.md).

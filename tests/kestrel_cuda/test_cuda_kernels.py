@@ -33,11 +33,20 @@ if cuda_device_count() < 1:
 pytestmark = pytest.mark.cuda
 
 from kestrel_cuda.binding import open_device  # noqa: E402
-from kestrel_cuda.gemm import GEMV_MAX_M, SPLIT_MAX_M, gemv_warp_variant, mma_splits, mma_tile_for  # noqa: E402
+from kestrel_cuda.gemm import (  # noqa: E402
+    GEMV_MAX_M,
+    SPLIT_MAX_M,
+    DeviceGemm,
+    gemv_warp_variant,
+    mma_splits,
+    mma_tile_for,
+)
 from kestrel_cuda.kernels import (  # noqa: E402
     GEMV_WARP_VARIANTS,
     MMA_TILE_DEFAULT,
     MMA_TILE_SMALL_GRID,
+    MMA_TILE_SPLIT,
+    MMA_TILE_SPLIT_SMALL,
     MMA_TILES,
 )
 from kestrel_cuda.layout import pad_n  # noqa: E402
@@ -76,13 +85,13 @@ def assert_close_q8(got: np.ndarray, a_codes: np.ndarray, a_scales: np.ndarray, 
     assert np.all(err <= tol), f"err {err[worst]:.3g} > tol {tol[worst]:.3g} at {worst}"
 
 
-def run_q8(dev, a_codes, a_scales, w, key=NO_CACHE, **kw) -> np.ndarray:
+def run_q8(dev, a_codes, a_scales, w, key=NO_CACHE, gemm=None, **kw) -> np.ndarray:
     with dev.stream:  # the device stream is non-blocking: the poison fill must be ordered before the GEMM
         a = cp.asarray(a_codes)
         s = cp.asarray(a_scales)
         out = cp.full((a_codes.shape[0], w.n), np.nan, dtype=cp.float32)  # poison: every element must be written
     dw = dev.weight(key, [w])
-    dev.gemm.q8(a, s, dw, out, w.n, dev.stream, **kw)
+    (gemm or dev.gemm).q8(a, s, dw, out, w.n, dev.stream, **kw)
     dev.stream.synchronize()
     dev.cache.release(dw)
     return cp.asnumpy(out)
@@ -153,10 +162,10 @@ def test_upload_layout(dev, bits: int, g: int, ns: tuple[int, ...]) -> None:
 # -- int8 GEMM ---------------------------------------------------------------------------------------
 
 SHAPES = [  # (M, N, K): GEMV (M = 1) with every column-vector width, the tensor-core kernel split over K (2-64
-    # rows) and whole
+    # rows of whole 128-column tiles and 128-deep stages) and whole
     (1, 256, 4096), (1, 37, 512), (1, 136, 1024), (1, 4096, 4096), (2, 1000, 2048), (3, 200, 1024),
-    (4, 136, 4096), (7, 37, 1024), (8, 512, 1024), (9, 37, 512), (64, 256, 1024), (130, 200, 2048),
-    (512, 384, 2048),
+    (4, 136, 4096), (7, 37, 1024), (8, 512, 1024), (9, 37, 512), (17, 384, 1024), (64, 256, 1024),
+    (130, 200, 2048), (512, 384, 2048),
 ]
 
 
@@ -169,8 +178,8 @@ def test_gemm_q8(dev, bits: int, g: int, m: int, n: int, k: int) -> None:
     a_codes, a_scales = quantize_activations(rng.standard_normal((m, k)).astype(np.float32), g)
     got = run_q8(dev, a_codes, a_scales, w)
     assert_close_q8(got, a_codes, a_scales, w)
-    if m > SPLIT_MAX_M or (m > GEMV_MAX_M and mma_splits(k, pad_n(n), g, dev.gemm.sm_count)[0] == 1):
-        # tensor cores add the groups in the reference's order: identical results
+    if m > GEMV_MAX_M and not MMA_TILES[mma_tile_for(m, pad_n(n), dev.gemm.sm_count, k)].split:
+        # the unsplit block shapes compute and add the groups' terms as the reference: identical results
         np.testing.assert_array_equal(got, reference_gemm_q8(a_codes, a_scales, w))
 
 
@@ -178,21 +187,27 @@ def test_gemm_q8(dev, bits: int, g: int, m: int, n: int, k: int) -> None:
 @pytest.mark.parametrize("g", [32, 256])
 def test_split_gemm_is_batch_invariant(dev, bits: int, g: int) -> None:
     """2..SPLIT_MAX_M rows split K the same way whatever M (and so the block shape), so a row's result has the
-    same bits in every batch; one split is the reference's order exactly."""
+    same bits in every batch; the splits' sums added by a cluster (sm_90) and from the workspace by the last
+    split to arrive are the same bits too."""
     rng = np.random.default_rng([bits, g, 3])
     k = 3072
-    w = rand_weight(rng, 1000, k, g, bits)
+    w = rand_weight(rng, 1024, k, g, bits)
     assert mma_splits(k, pad_n(w.n), g, dev.gemm.sm_count)[0] > 1
+    assert dev.gemm.clusters == (dev.compute_capability >= 90)
     a_codes, a_scales = quantize_activations(rng.standard_normal((SPLIT_MAX_M, k)).astype(np.float32), g)
     full = run_q8(dev, a_codes, a_scales, w)
     assert_close_q8(full, a_codes, a_scales, w)
-    for m in (2, 5, 32, 33):
+    for m in (2, 5, 16, 17, 32, 33):
+        assert MMA_TILES[mma_tile_for(m, pad_n(w.n), dev.gemm.sm_count, k)].split
         np.testing.assert_array_equal(run_q8(dev, a_codes[-m:], a_scales[-m:], w), full[-m:])
+    merged = DeviceGemm(cp, dev.kernels, dev.sm_count, clusters=False)
+    for m in (5, SPLIT_MAX_M):
+        np.testing.assert_array_equal(run_q8(dev, a_codes[:m], a_scales[:m], w, gemm=merged), full[:m])
     one = run_q8(dev, a_codes[:40], a_scales[:40], w, splits=1)
-    np.testing.assert_array_equal(one, reference_gemm_q8(a_codes[:40], a_scales[:40], w))
+    assert_close_q8(one, a_codes[:40], a_scales[:40], w)
 
 
-@pytest.mark.parametrize("tile", list(MMA_TILES))
+@pytest.mark.parametrize("tile", [t for t in MMA_TILES if not MMA_TILES[t].split])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("g", [32, 256])
 @pytest.mark.parametrize("n", [200, 400])  # Npad % 16 != 0 (word copies of B) and == 0 (16-byte copies)
@@ -204,6 +219,23 @@ def test_every_mma_tile(dev, tile: str, bits: int, g: int, n: int) -> None:
     np.testing.assert_array_equal(got, reference_gemm_q8(a_codes, a_scales, w))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("g", [32, 256])
+@pytest.mark.parametrize("m", [3, 40, 70])  # one row block with rows past M, two and a half, three unsplit
+def test_split_mma_tiles(dev, bits: int, g: int, m: int) -> None:
+    """The split block shapes (fused multiply-add scaling: within the bound, not the reference's bits) agree
+    bit for bit with each other at every M, and refuse a weight of partial stages or column tiles."""
+    rng = np.random.default_rng([bits, g, m])
+    w = rand_weight(rng, 384, 1280, g, bits)
+    a_codes, a_scales = quantize_activations(rng.standard_normal((m, w.k)).astype(np.float32), g)
+    small = run_q8(dev, a_codes, a_scales, w, mma_tile=MMA_TILE_SPLIT_SMALL)
+    assert_close_q8(small, a_codes, a_scales, w)
+    np.testing.assert_array_equal(run_q8(dev, a_codes, a_scales, w, mma_tile=MMA_TILE_SPLIT), small)
+    odd = rand_weight(rng, 200, 1280, g, bits)
+    with pytest.raises(ValueError, match="whole stages and tiles"):
+        run_q8(dev, a_codes, a_scales, odd, mma_tile=MMA_TILE_SPLIT)
+
+
 def test_mma_tile_choice() -> None:
     """Qwen3-8B shapes at M=512 on 132 SMs: the 64-row block where the large block's last wave is short."""
     assert MMA_TILES[MMA_TILE_DEFAULT].bm == 128 and MMA_TILES[MMA_TILE_SMALL_GRID].bm == 64
@@ -212,24 +244,29 @@ def test_mma_tile_choice() -> None:
     assert mma_tile_for(512, 6144, 132) == MMA_TILE_SMALL_GRID    # 192 blocks: last wave 60 of 132
     assert mma_tile_for(512, 1024, 132) == MMA_TILE_SMALL_GRID    # 32 blocks
     assert mma_tile_for(512, 4096 * 33, 132) == MMA_TILE_DEFAULT  # whole waves only
-    assert [MMA_TILES[mma_tile_for(m, 4096, 132)].bm for m in (2, 32, 33, 64, 65)] == [32, 32, 64, 64, 64]
+    assert [mma_tile_for(m, 4096, 132) for m in (2, 16, 17, 64)] == [MMA_TILE_SPLIT_SMALL] * 2 + [MMA_TILE_SPLIT] * 2
+    assert MMA_TILES[mma_tile_for(65, 4096, 132)].bm == 64
+    # decode batches of weights the split shapes do not take: the unsplit 64-row block
+    assert mma_tile_for(8, 4096, 132, k=1120) == mma_tile_for(8, 4104, 132) == MMA_TILE_SMALL_GRID
 
 
 def test_split_choice() -> None:
-    """Qwen3-8B shapes on 132 SMs: enough K splits for ~3 blocks per SM, whole groups, within the workspace."""
-    assert mma_splits(4096, 4096, 32, 132) == (11, 3)      # o: 32 column tiles
-    assert mma_splits(12288, 4096, 256, 132) == (12, 8)    # down: splits of whole 256-groups (2 stages)
-    assert mma_splits(4096, 6144, 32, 132, 4) == (8, 4)    # q|k|v: capped by the workspace at 64 rows
+    """Qwen3-8B shapes on 132 SMs: enough K splits for ~2 blocks per SM, whole groups, one cluster at most,
+    within the workspace."""
+    assert mma_splits(4096, 4096, 32, 132) == (8, 4)       # o: 32 column tiles, 9 wanted, one cluster of 8
+    assert mma_splits(12288, 4096, 256, 132) == (8, 12)    # down: splits of whole 256-groups (2 stages)
+    assert mma_splits(4096, 6144, 32, 132, 1) == (3, 11)   # q|k|v: 48 tiles, one block per SM
     assert mma_splits(4096, 151936, 32, 132) == (1, 32)    # lm_head: 1187 tiles, no split
-    assert mma_splits(4096, 24576, 256, 132) == (2, 16)     # gate|up: 192 tiles, capped by the workspace
+    assert mma_splits(4096, 24576, 256, 132, 3) == (2, 16)  # gate|up: 192 tiles, capped by the workspace
 
 
 @pytest.mark.parametrize("g", [32, 256])
-def test_mma_extreme_block_sums(dev, g: int) -> None:
+@pytest.mark.parametrize("n", [136, 256])  # the unsplit and the split block shapes
+def test_mma_extreme_block_sums(dev, g: int, n: int) -> None:
     """Block sums at the ends of their range (|s| up to 256 * 128 * 127 for G=256) stay exact: the kernel forms
     (float)s as __int_as_float(0x4B400000 + s) - 1.5 * 2^23, exact only for |s| <= 2^22."""
     rng = np.random.default_rng(g)
-    m, n, k = 40, 136, 1024
+    m, k = 40, 1024
     a_codes = rng.choice(np.array([-128, 127], dtype=np.int8), size=(m, k))
     a_codes[0] = -128  # row 0 x column 0: every block sum is 128 * 127 * G, the largest in magnitude
     codes = rng.choice(np.array([-127, 127], dtype=np.int8), size=(n, k))
@@ -238,7 +275,10 @@ def test_mma_extreme_block_sums(dev, g: int) -> None:
     w = StripCache(codes, rng.uniform(1e-3, 2e-2, (n, k // g)).astype(np.float32), g, 8)
     a_scales = rng.uniform(1e-3, 2e-2, (m, k // g)).astype(np.float32)
     got = run_q8(dev, a_codes, a_scales, w, splits=1)
-    np.testing.assert_array_equal(got, reference_gemm_q8(a_codes, a_scales, w))
+    if MMA_TILES[mma_tile_for(m, pad_n(n), dev.gemm.sm_count, k)].split:
+        assert_close_q8(got, a_codes, a_scales, w)
+    else:
+        np.testing.assert_array_equal(got, reference_gemm_q8(a_codes, a_scales, w))
 
 
 GEMV_CASES = [("warp", *v) for v in GEMV_WARP_VARIANTS]
