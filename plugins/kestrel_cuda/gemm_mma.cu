@@ -11,21 +11,24 @@
 // Grouped (a mixture of experts' prefill, the others only): with ``groups`` block row x takes the rows and the
 // weights that groups[x] = (expert, first row, rows) names, the weights through etab (codes, scales pointers per
 // expert, all of one shape): A holds every expert's rows, sorted by expert, and so does out.
-// SPLIT instances (the decode batches' block shapes) may split K over blockIdx.z (a batch's few rows give too few
-// tiles to keep the memory system busy) and skip the m16 tiles past M; the prefill shapes do neither, which
-// keeps their registers and inner loop as they were measured (21-22 % slower with both at 512 rows): block z
-// runs stages [z * kstages, (z + 1) * kstages) (kstages whole groups) and stores its sums to part[z][M][Npad];
-// the last block of a tile to arrive on its counter (then reset) adds them in z order into out. With one split
-// the sums go straight to out.
+// SPLIT instances (the decode batches' block shapes) split K over blockIdx.z: a batch's few rows give too few
+// tiles to keep the memory system busy. Block z runs stages [z * kstages, (z + 1) * kstages) (kstages whole
+// groups). Launched as one thread block cluster per tile (sm_90), the splits add their sums through
+// distributed shared memory, each block a 1/nz slice of the tile in z order; otherwise each stores its sums to
+// part[z][M][Npad] and the last block of a tile to arrive on its counter (then reset) adds them in z order:
+// the same bits. With one split the sums go straight to out. They take whole stages and column tiles only
+// (K % BK == 0, Npad % BN == 0: gemm.split_fits), so their copies carry no bounds checks (the loop ran 1321
+// SASS instructions a stage for the 32x128s block with them, 696 without), and scale each group with one fused
+// multiply-add, fmaf((float)s, a_scale * w_scale, acc) (within the reference's bound, not its bits).
 //
 // Exact block sums. One k32 step is one block of G = 32 (an eighth of G = 256). The mma accumulators start
 // from MAGIC = 0x4B400000 (the bits of 1.5 * 2^23) instead of 0: for |s| <= 2^22 the integer MAGIC + s is the
 // bit pattern of the float 1.5 * 2^23 + s, so (float)s = __int_as_float(MAGIC + s) - 1.5 * 2^23 exactly, one
 // FADD instead of an I2F (quarter rate: one per block sum would bound the kernel). Block sums of int8 codes
 // satisfy |s| <= 256 * 128 * 128 = 2^22. With G = 32 the first (and only) mma of a block takes MAGIC as its C
-// operand, so no reset is needed at all. Each finished block is then scaled exactly as the CPU reference does,
-// ((float)s * a_scale) * w_scale (--fmad=false: two roundings), and added to the float accumulators in
-// increasing group order: bit-identical to kestrel_core.contract.reference_gemm_q8.
+// operand, so no reset is needed at all. In the unsplit shapes each finished block is then scaled exactly as
+// the CPU reference does, ((float)s * a_scale) * w_scale (--fmad=false: two roundings), and added to the float
+// accumulators in increasing group order: bit-identical to kestrel_core.contract.reference_gemm_q8.
 //
 // Shared memory per stage: A codes [BM][BK] bytes, 16-byte chunk c of row r stored at c ^ aswz(r) (ldmatrix.x4
 // reads 8 rows of one chunk column conflict-free); B codes as they lie in device memory: int8 K-major [BK][BN]

@@ -43,7 +43,7 @@ class MmaTile:
     wn: int
     mi: int
     min_blocks: int  # __launch_bounds__ minimum resident blocks per SM (caps the registers)
-    split: bool = False  # K splits and m16 tiles past M skipped (decode batches, gemm_mma.cu SPLIT)
+    split: bool = False  # K splits, whole stages and column tiles only (decode batches, gemm_mma.cu SPLIT)
 
     @property
     def key(self) -> str:
