@@ -155,58 +155,40 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     auto load_stage = [&](int st, int buf) {
         const u32 sb = sbase + buf * T::STAGE;
         const int k0 = st * BK;
-        if constexpr (SPLIT) {  // whole stages and tiles: no bounds, no zero fill
+        if constexpr (SPLIT) {  // whole stages and tiles: bounds on M only
 #pragma unroll
             for (int p = 0; p < AP; ++p)
                 cp_async16(sb + a_dst + p * A_RSTEP * BK, a_rows[p] ? a_rows[p] + k0 : A, a_rows[p] ? 16 : 0);
             const u8* src = b_src + (size_t)st * BROWS * ldb;
 #pragma unroll
             for (int p = 0; p < BP; ++p) cp_async16(sb + b_dst + p * B_RSTEP * BROWB, src + (size_t)p * B_RSTEP * ldb, 16);
-            int g0;
-            if constexpr (G < BK) g0 = st * SG;
-            else {
-                if (((st + 1) * BK) % G != 0) return;
-                g0 = ((st + 1) * BK) / G - 1;
+        } else {
+            const bool a_kok = k0 + 16 * a_c < K;
+#pragma unroll
+            for (int p = 0; p < AP; ++p) {
+                const bool ok = a_kok && m0 + a_r0 + p * A_RSTEP < M;
+                cp_async16(sb + a_dst + p * A_RSTEP * BK, ok ? a_src + (size_t)p * A_RSTEP * K + k0 : A, ok ? 16 : 0);
             }
 #pragma unroll
-            for (int p = 0; p < ASP; ++p) {
-                const int slot = tid / BM + p * (THREADS / BM);
-                if (slot < SG)
-                    cp_async4(sb + as_dst + 4 * p * THREADS, as_on ? as_src + g0 + p * (THREADS / BM) : As, as_on ? 4 : 0);
-            }
+            for (int p = 0; p < BP; ++p) {
+                const int r = b_r0 + p * B_RSTEP;
+                if (BROWS % B_RSTEP != 0 && r >= BROWS) break;
+                const int gr = st * BROWS + r;
+                const u32 dst = sb + b_dst + p * B_RSTEP * BROWB;
+                const u8* src = b_src + ((size_t)st * BROWS + p * B_RSTEP) * ldb;
+                if (b16) {
+                    const bool ok = gr < krows && b_nvalid > 0;
+                    cp_async16(dst, ok ? src : W, ok ? 16 : 0);
+                } else {  // int8, Npad % 16 != 0: word copies (Npad % 4 == 0 keeps a word wholly in or out)
 #pragma unroll
-            for (int p = 0; p < BSP; ++p) {
-                const int slot = tid / BN + p * (THREADS / BN);
-                if (slot < SG)
-                    cp_async4(sb + bs_dst + 4 * p * THREADS, bs_src + (size_t)(g0 + p * (THREADS / BN)) * Npad, 4);
-            }
-            return;
-        }
-        const bool a_kok = k0 + 16 * a_c < K;
-#pragma unroll
-        for (int p = 0; p < AP; ++p) {
-            const bool ok = a_kok && m0 + a_r0 + p * A_RSTEP < M;
-            cp_async16(sb + a_dst + p * A_RSTEP * BK, ok ? a_src + (size_t)p * A_RSTEP * K + k0 : A, ok ? 16 : 0);
-        }
-#pragma unroll
-        for (int p = 0; p < BP; ++p) {
-            const int r = b_r0 + p * B_RSTEP;
-            if (BROWS % B_RSTEP != 0 && r >= BROWS) break;
-            const int gr = st * BROWS + r;
-            const u32 dst = sb + b_dst + p * B_RSTEP * BROWB;
-            const u8* src = b_src + ((size_t)st * BROWS + p * B_RSTEP) * ldb;
-            if (b16) {
-                const bool ok = gr < krows && b_nvalid > 0;
-                cp_async16(dst, ok ? src : W, ok ? 16 : 0);
-            } else {  // int8, Npad % 16 != 0: word copies (Npad % 4 == 0 keeps a word wholly in or out)
-#pragma unroll
-                for (int w = 0; w < 4; ++w) {
-                    const bool ok = gr < krows && 4 * w < b_nvalid;
-                    cp_async4(dst + 4 * w, ok ? src + 4 * w : W, ok ? 4 : 0);
+                    for (int w = 0; w < 4; ++w) {
+                        const bool ok = gr < krows && 4 * w < b_nvalid;
+                        cp_async4(dst + 4 * w, ok ? src + 4 * w : W, ok ? 4 : 0);
+                    }
                 }
             }
         }
-        // scales of the groups that end in this stage
+        // scales of the groups that end in this stage (SPLIT: every group of the stage exists)
         int g0;
         if constexpr (G < BK) g0 = st * SG;
         else {
@@ -217,14 +199,14 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
         for (int p = 0; p < ASP; ++p) {
             const int slot = tid / BM + p * (THREADS / BM);
             if (slot >= SG) break;
-            const bool ok = as_on && g0 + slot < ng;
+            const bool ok = as_on && (SPLIT || g0 + slot < ng);
             cp_async4(sb + as_dst + 4 * p * THREADS, ok ? as_src + g0 + p * (THREADS / BM) : As, ok ? 4 : 0);
         }
 #pragma unroll
         for (int p = 0; p < BSP; ++p) {
             const int slot = tid / BN + p * (THREADS / BN);
             if (slot >= SG) break;
-            const bool ok = bs_on && g0 + slot < ng;
+            const bool ok = SPLIT || (bs_on && g0 + slot < ng);
             cp_async4(sb + bs_dst + 4 * p * THREADS, ok ? bs_src + (size_t)(g0 + p * (THREADS / BN)) * Npad : Ws,
                       ok ? 4 : 0);
         }
