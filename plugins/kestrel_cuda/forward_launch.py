@@ -1,5 +1,5 @@
 """Kernel launches with launch attributes (sm_90+): programmatic dependent launch (PDL), for the captured
-decode step, and thread block clusters, for the M=1 GEMV's K splits.
+decode step, and thread block clusters, for the K splits of the M=1 GEMV and of the decode batches' GEMM.
 
 CuPy's ``RawKernel`` launches through ``cuLaunchKernel``, which takes no launch attributes. A decode step is
 ~220 short kernels in a row, and each waits for its predecessor to drain before it starts (launch latency,
@@ -38,6 +38,11 @@ class _LaunchConfig(ctypes.Structure):
 
 _CTYPES = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int32): ctypes.c_int32,
            np.dtype(np.float32): ctypes.c_float}
+
+
+def ptr_arg(a: Any) -> np.uint64:
+    """A kernel pointer argument: the data pointer of a CuPy array (view), or NULL (None)."""
+    return np.uint64(0 if a is None else a.data.ptr)
 
 
 class ExLauncher:

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from kestrel_cuda.forward_launch import ExLauncher
+from kestrel_cuda.forward_launch import ptr_arg as _ptr
 from kestrel_cuda.kernels import (
     MMA_BK,
     MMA_TILE_DEFAULT,
@@ -85,7 +87,7 @@ def split_fits(k: int, npad: int) -> bool:
 def mma_tile_for(m: int, npad: int, sm_count: int, k: int | None = None) -> str:
     """The tensor-core block shape for an M x Npad GEMM (of depth ``k``; None: one the split shapes take). Up
     to SPLIT_MAX_M rows, the 16-row split block up to 16 rows and the 32-row one beyond (two row blocks at 64
-    rows: faster than one 64-row block of 8 warps). Beyond, the large block (one per SM) unless its grid would
+    rows: as fast as one 64-row block of 8 warps). Beyond, the large block (one per SM) unless its grid would
     leave the last wave less than half full, where the 64-row block (two per SM) is faster: it halves the tail,
     and a block left alone on an SM at the end runs faster than two sharing it."""
     if m <= SPLIT_MAX_M and split_fits(MMA_BK if k is None else k, npad):
@@ -122,10 +124,6 @@ def _launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tu
         kernel(grid, block, args, shared_mem=shared_mem)
 
 
-def _ptr(a: Any) -> np.uint64:
-    return np.uint64(0 if a is None else a.data.ptr)
-
-
 class DeviceGemm:
     """``clusters``: the split GEMM's K splits of a tile run as one thread block cluster (sm_90, through
     cuLaunchKernelEx); otherwise the last split to arrive adds them from the workspace. Both add them in split
@@ -139,8 +137,6 @@ class DeviceGemm:
         self.launches = {"gemv": 0, "mma": 0, "f32": 0, "quantize": 0}
         self._ex: Any = None
         if clusters:
-            from kestrel_cuda.forward_launch import ExLauncher
-
             with contextlib.suppress(OSError, AttributeError):  # no cuLaunchKernelEx: the workspace merge
                 self._ex = ExLauncher()
 
@@ -207,15 +203,13 @@ class DeviceGemm:
             raise ValueError(f"q8: {nz} K splits of {m} x {g.npad} do not fit the workspace")
         # blockIdx.x walks M, so the blocks resident together share one weight tile
         smem = tile.smem_bytes(g.code_bits, g.group_size)
+        args = (_ptr(a_codes), _ptr(a_scales), i32(m), _ptr(weight.codes), _ptr(weight.scales), _ptr(out),
+                i32(ldo), i32(n), i32(k), i32(g.npad), _ptr(ws.partial), _ptr(ws.counters), i32(per), NULL, NULL)
         if 1 < nz <= SPLIT_MAX and self._ex is not None:
-            args = (_ptr(a_codes), _ptr(a_scales), i32(m), _ptr(weight.codes), _ptr(weight.scales), _ptr(out),
-                    i32(ldo), i32(n), i32(k), i32(g.npad), _ptr(ws.partial), _ptr(ws.counters), i32(per), NULL, NULL)
             self._ex.launch(kern, grid, (tile.threads,), args, smem,
                             stream if stream is not None else self.cp.cuda.get_current_stream(), False, (1, 1, nz))
         else:
-            _launch(kern, grid, (tile.threads,),
-                    (a_codes, a_scales, i32(m), weight.codes, weight.scales, out, i32(ldo), i32(n), i32(k),
-                     i32(g.npad), ws.partial, ws.counters, i32(per), NULL, NULL), stream, smem)
+            _launch(kern, grid, (tile.threads,), args, stream, smem)
         self.launches["mma"] += 1
 
     def grouped(self, a_codes: Any, a_scales: Any, geometry: Geometry, table: Any, groups: Any, blocks: int,

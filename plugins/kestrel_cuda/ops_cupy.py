@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from kestrel_cuda.forward_launch import ExLauncher
+from kestrel_cuda.forward_launch import ptr_arg as _ptr
 from kestrel_cuda.kernels import FORWARD_SOURCES, OPTIONS, source_text
 from kestrel_cuda.layout import Geometry
 from kestrel_cuda.plan import (
@@ -67,11 +69,6 @@ def _i32(v: int) -> np.int32:
     return np.int32(v)
 
 
-def _ptr(a: Any) -> np.uint64:
-    """A kernel pointer argument: the data pointer of a CuPy array (view), or NULL."""
-    return np.uint64(0 if a is None else a.data.ptr)
-
-
 def _ld(a: Any) -> np.int32:
     """Row stride in elements of a 2-D view."""
     return np.int32(a.strides[0] // a.itemsize)
@@ -117,8 +114,6 @@ class CupyOps:
         self._ex: Any = None
         if self.pdl or self.cluster:
             try:
-                from kestrel_cuda.forward_launch import ExLauncher
-
                 self._ex = ExLauncher()
             except (OSError, AttributeError):  # no driver library / no cuLaunchKernelEx: plain launches
                 self.pdl = self.cluster = False
