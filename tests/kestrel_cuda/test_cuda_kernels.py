@@ -1,12 +1,15 @@
 """GPU tests of the CUDA kernels against the CPU reference (kestrel_core.contract).
 
-Tolerance of the int8 GEMMs. Every kernel forms each block sum exactly in int32 (dp4a or mma.sync) and
-each per-group term exactly as the reference does, t_g = ((float)sum_g * a_scale) * w_scale (two float32
-roundings, no FMA: --fmad=false). Only the order in which the terms of the ng groups are added differs
-(the reference adds them sequentially; the GEMV splits K over lanes, warps and blocks). Any summation order
-of n terms is within (n-1) * u * sum|t_g| of the exact sum (u = 2^-24), so two orders differ by at most
-2 * (ng-1) * u * sum|t_g|; the bound below uses 2 * ng. The tensor-core kernel adds the groups in the
-reference's order, so it must match bit for bit.
+Tolerance of the int8 GEMMs. Every kernel forms each block sum exactly in int32 (dp4a or mma.sync). The
+GEMV and the unsplit tensor-core shapes form each per-group term exactly as the reference does, t_g =
+((float)sum_g * a_scale) * w_scale (two float32 roundings, no FMA: --fmad=false); the split tensor-core
+shapes (decode batches) add it with one fused multiply-add, fmaf((float)sum_g, a_scale * w_scale, acc), a
+term within a few u * |t_g| of the reference's. Beyond that only the order in which the terms of the ng
+groups are added differs (the reference adds them sequentially; the GEMV splits K over lanes, warps and
+blocks, the split shapes over blocks). Any summation order of n terms is within (n-1) * u * sum|t_g| of the
+exact sum (u = 2^-24), so two orders differ by at most 2 * (ng-1) * u * sum|t_g|; the bound below uses
+2 * ng. The unsplit tensor-core shapes add the groups in the reference's order, so they must match bit for
+bit. The block shape and split choices, host-side, are tested in test_gemm_plan.py.
 """
 
 from __future__ import annotations
@@ -43,8 +46,6 @@ from kestrel_cuda.gemm import (  # noqa: E402
 )
 from kestrel_cuda.kernels import (  # noqa: E402
     GEMV_WARP_VARIANTS,
-    MMA_TILE_DEFAULT,
-    MMA_TILE_SMALL_GRID,
     MMA_TILE_SPLIT,
     MMA_TILE_SPLIT_SMALL,
     MMA_TILES,
@@ -234,30 +235,6 @@ def test_split_mma_tiles(dev, bits: int, g: int, m: int) -> None:
     odd = rand_weight(rng, 200, 1280, g, bits)
     with pytest.raises(ValueError, match="whole stages and tiles"):
         run_q8(dev, a_codes, a_scales, odd, mma_tile=MMA_TILE_SPLIT)
-
-
-def test_mma_tile_choice() -> None:
-    """Qwen3-8B shapes at M=512 on 132 SMs: the 64-row block where the large block's last wave is short."""
-    assert MMA_TILES[MMA_TILE_DEFAULT].bm == 128 and MMA_TILES[MMA_TILE_SMALL_GRID].bm == 64
-    assert mma_tile_for(512, 4096, 132) == MMA_TILE_DEFAULT       # 128 blocks: one wave, nearly full
-    assert mma_tile_for(512, 24576, 132) == MMA_TILE_DEFAULT      # 768 blocks: last wave 108 of 132
-    assert mma_tile_for(512, 6144, 132) == MMA_TILE_SMALL_GRID    # 192 blocks: last wave 60 of 132
-    assert mma_tile_for(512, 1024, 132) == MMA_TILE_SMALL_GRID    # 32 blocks
-    assert mma_tile_for(512, 4096 * 33, 132) == MMA_TILE_DEFAULT  # whole waves only
-    assert [mma_tile_for(m, 4096, 132) for m in (2, 16, 17, 64)] == [MMA_TILE_SPLIT_SMALL] * 2 + [MMA_TILE_SPLIT] * 2
-    assert MMA_TILES[mma_tile_for(65, 4096, 132)].bm == 64
-    # decode batches of weights the split shapes do not take: the unsplit 64-row block
-    assert mma_tile_for(8, 4096, 132, k=1120) == mma_tile_for(8, 4104, 132) == MMA_TILE_SMALL_GRID
-
-
-def test_split_choice() -> None:
-    """Qwen3-8B shapes on 132 SMs: enough K splits for ~2 blocks per SM, whole groups, one cluster at most,
-    within the workspace."""
-    assert mma_splits(4096, 4096, 32, 132) == (8, 4)       # o: 32 column tiles, 9 wanted, one cluster of 8
-    assert mma_splits(12288, 4096, 256, 132) == (8, 12)    # down: splits of whole 256-groups (2 stages)
-    assert mma_splits(4096, 6144, 32, 132, 1) == (3, 11)   # q|k|v: 48 tiles, one block per SM
-    assert mma_splits(4096, 151936, 32, 132) == (1, 32)    # lm_head: 1187 tiles, no split
-    assert mma_splits(4096, 24576, 256, 132, 3) == (2, 16)  # gate|up: 192 tiles, capped by the workspace
 
 
 @pytest.mark.parametrize("g", [32, 256])

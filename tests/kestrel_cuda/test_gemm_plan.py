@@ -1,0 +1,57 @@
+"""The CUDA GEMM's host-side choices (gemm.py), no GPU needed: block shapes, K splits and which weights the
+split shapes take."""
+
+from __future__ import annotations
+
+from kestrel_cuda.gemm import SPLIT_MAX, SPLIT_MAX_M, mma_splits, mma_tile_for, split_fits
+from kestrel_cuda.kernels import (
+    MMA_BK,
+    MMA_TILE_DEFAULT,
+    MMA_TILE_SMALL_GRID,
+    MMA_TILE_SPLIT,
+    MMA_TILE_SPLIT_SMALL,
+    MMA_TILES,
+)
+
+
+def test_mma_tile_choice() -> None:
+    """Qwen3-8B shapes at M=512 on 132 SMs: the 64-row block where the large block's last wave is short."""
+    assert MMA_TILES[MMA_TILE_DEFAULT].bm == 128 and MMA_TILES[MMA_TILE_SMALL_GRID].bm == 64
+    assert mma_tile_for(512, 4096, 132) == MMA_TILE_DEFAULT       # 128 blocks: one wave, nearly full
+    assert mma_tile_for(512, 24576, 132) == MMA_TILE_DEFAULT      # 768 blocks: last wave 108 of 132
+    assert mma_tile_for(512, 6144, 132) == MMA_TILE_SMALL_GRID    # 192 blocks: last wave 60 of 132
+    assert mma_tile_for(512, 1024, 132) == MMA_TILE_SMALL_GRID    # 32 blocks
+    assert mma_tile_for(512, 4096 * 33, 132) == MMA_TILE_DEFAULT  # whole waves only
+    assert [mma_tile_for(m, 4096, 132) for m in (2, 16, 17, 64)] == [MMA_TILE_SPLIT_SMALL] * 2 + [MMA_TILE_SPLIT] * 2
+    assert MMA_TILES[mma_tile_for(65, 4096, 132)].bm == 64
+    # decode batches of weights the split shapes do not take: the unsplit 64-row block
+    assert mma_tile_for(8, 4096, 132, k=1120) == mma_tile_for(8, 4104, 132) == MMA_TILE_SMALL_GRID
+
+
+def test_split_choice() -> None:
+    """Qwen3-8B shapes on 132 SMs: enough K splits for ~2 blocks per SM, whole groups, one cluster at most,
+    within the workspace."""
+    assert mma_splits(4096, 4096, 32, 132) == (8, 4)       # o: 32 column tiles, 9 wanted, one cluster of 8
+    assert mma_splits(12288, 4096, 256, 132) == (8, 12)    # down: splits of whole 256-groups (2 stages)
+    assert mma_splits(4096, 6144, 32, 132, 1) == (3, 11)   # q|k|v: 48 tiles, one block per SM
+    assert mma_splits(4096, 151936, 32, 132) == (1, 32)    # lm_head: 1187 tiles, no split
+    assert mma_splits(4096, 24576, 256, 132, 3) == (2, 16)  # gate|up: 192 tiles, capped by the workspace
+
+
+def test_split_shapes_take_whole_stages_and_tiles() -> None:
+    bn = MMA_TILES[MMA_TILE_SPLIT].bn
+    assert MMA_TILES[MMA_TILE_SPLIT_SMALL].bn == bn and MMA_TILES[MMA_TILE_SPLIT].split
+    assert split_fits(4096, 151936) and split_fits(MMA_BK, bn)
+    assert not split_fits(4096 + 32, 4096) and not split_fits(4096, 4096 + 8)
+    for m in (2, SPLIT_MAX_M):
+        assert MMA_TILES[mma_tile_for(m, 4096 + 8, 132, 4096)].split is False
+
+
+def test_splits_fit_one_cluster_in_whole_groups() -> None:
+    """Every split count fits one portable cluster; every split is whole groups and holds some of K."""
+    for k in (1024, 4096, 12288):
+        for npad in (128, 1024, 4096, 6144):
+            for g in (32, 256):
+                for blocks in (1, 2, 4, 8):
+                    nz, per = mma_splits(k, npad, g, 132, blocks)
+                    assert 1 <= nz <= SPLIT_MAX and per * 128 % g == 0 and (nz - 1) * per * MMA_BK < k
