@@ -160,8 +160,8 @@ class Engine:
         for seq, new, _ in runs:  # the scheduler reserved already; a direct caller (logits) gets them here
             pool.reserve(seq.cache, len(seq.tokens) + len(new))
         flags = list(argmax_only) or [False] * len(runs)
-        entries = [BatchEntry(seq.seq_id, np.concatenate([np.asarray(seq.tokens[seq.device_len:], np.int64), new]),
-                              seq.device_len, rows, tuple(seq.cache.blocks), pool.block_size, pool.num_blocks, flag)
+        entries = [BatchEntry(seq.seq_id, _behind(seq.tokens, seq.device_len, new), seq.device_len, rows,
+                              tuple(seq.cache.blocks), pool.block_size, pool.num_blocks, flag)
                    for (seq, new, rows), flag in zip(runs, flags)]
         outs: list[np.ndarray | None] = [None] * len(runs)
         batched = self.offload.forward_batch(self.model, entries, c.vocab_size) if self.whole_step else None
@@ -181,15 +181,14 @@ class Engine:
             batch = []
             for i in host:
                 seq, new, rows = runs[i]
-                behind = np.asarray(seq.tokens[seq.cache.length:], np.int64)
-                batch.append((seq.cache, np.concatenate([behind, new]), rows))
+                batch.append((seq.cache, _behind(seq.tokens, seq.cache.length, new), rows))
             for i, out in zip(host, self.decoder.forward_batch(batch)):
                 if not all_finite(out):  # never an empty answer
                     raise NonFiniteLogits("the model produced non-finite logits (NaN or inf) on the CPU path: its "
                                           "weights hold NaN/inf, or its activations overflow float32")
                 outs[i] = out
         for seq, new, _ in runs:
-            seq.tokens.extend(int(t) for t in new)
+            seq.tokens.extend(new.tolist())
         if self.prefix_cache:  # prompt blocks this step completed become reusable
             for i in host:
                 seq, new, _ = runs[i]
@@ -279,6 +278,14 @@ class Engine:
             "prefix_cache": self.prefix_cache, "prefix_hit_tokens": self.pool.prefix_hit_tokens,
             "prefix_cached_blocks": self.pool.cached_blocks,
         }
+
+
+def _behind(tokens: list[int], start: int, new: np.ndarray) -> np.ndarray:
+    """tokens[start:] (positions the runner has not seen) then ``new``: a fresh int64 array either way, so
+    a backend that writes into its input cannot change the sequence's tokens."""
+    if start >= len(tokens):
+        return new.copy()
+    return np.concatenate([np.asarray(tokens[start:], np.int64), new])
 
 
 def _resolve_model(model: Any, quant: str | None) -> tuple[Model, Any, str]:
