@@ -223,6 +223,20 @@ def test_argmax_only_entries_may_get_token_ids_which_are_checked(nonfinite) -> N
     assert sorted(reasons) == sorted(f"bad result: {w}" for w in results if w != "ok")
 
 
+def test_one_row_token_ids_are_checked_the_same_way(nonfinite) -> None:
+    """A decode row's single id (read as a Python int, not through numpy's reductions): the same checks."""
+    offload, _, _ = nonfinite
+    batch = [BatchEntry(1, np.arange(3, dtype=np.int64), 0, 1, argmax_only=True)]
+    results = [("ok", 10), ("non-finite values", -1), ("outside", 11), ("outside", -2)]
+    for want, id_ in results:
+        ids = np.array([id_])
+        offload._callers[("nonfinite", "kestrel_forward_batch")] = lambda ids=ids, **kw: [ids]
+        got = offload.forward_batch(None, batch, 11)
+        assert (got is not None and got[0].tolist() == [10]) if want == "ok" else got is None, want
+    reasons = offload.stats()["kestrel_forward_batch"]["declined_reasons"]
+    assert reasons == {"bad result: non-finite values": 1, "bad result: token ids outside [0, 11)": 2}
+
+
 def test_a_plugins_base_exceptions_are_declines_but_ctrl_c_passes(tmp_path, monkeypatch) -> None:
     """sys.exit or a BaseException of its own inside a hook is a decline with its reason; a KeyboardInterrupt
     (the user's Ctrl-C) is not swallowed."""
