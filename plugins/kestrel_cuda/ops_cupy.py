@@ -21,7 +21,6 @@ from kestrel_cuda.layout import Geometry
 from kestrel_cuda.plan import (
     ATTN_ROWS_WARPS,
     ATTN_SPLITS,
-    EPI_ADD,
     FINISH_COLS,
     KV_BLOCK,
     MAX_HEAD_DIM,
@@ -446,13 +445,6 @@ class CupyOps:
         """dst[i] = src[index[i]] (the rows whose logits a batched step returns; an expert's rows)."""
         with self.stream:
             self.cp.take(src, index, axis=0, out=dst)
-
-    def add_rows(self, src: Any, dst: Any) -> None:
-        """dst += src, row by row (rows.cu add_rows)."""
-        m, n = src.shape
-        self.launch(self._fn["add_rows"], (-(-n // 256), m), (256,),
-                    (_ptr(src), _ld(src), _i32(m), _i32(n), _ptr(dst), _ld(dst), _i32(EPI_ADD), _ptr(None)),
-                    name="add_rows")
 
     def write_rows(self, dst: Any, values: np.ndarray) -> None:
         """The first len(values) rows of dst from host float32 values."""

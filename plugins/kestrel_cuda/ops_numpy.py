@@ -268,11 +268,6 @@ class NumpyOps:
     def gather_rows(self, src: np.ndarray, index: np.ndarray, dst: np.ndarray) -> None:
         self._run(lambda: np.take(src, index, axis=0, out=dst))
 
-    def add_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
-        def fn() -> None:
-            dst[...] = dst + src
-        self._run(fn)
-
     def write_rows(self, dst: np.ndarray, values: np.ndarray) -> None:
         dst[:len(values)] = values
 
