@@ -71,9 +71,11 @@ def check(batch: Sequence[BatchEntry], vocab: int, max_context: int, max_rows: i
         return f"{len(batch)} sequences in one step (at most {max_rows})"
     for e in batch:
         toks = np.asarray(e.tokens)
-        if toks.size == 0 or not np.issubdtype(toks.dtype, np.integer) or e.start < 0:
+        if toks.size == 0 or toks.dtype.kind not in "iu" or e.start < 0:
             return "no tokens or a bad start"
-        if int(toks.min()) < 0 or int(toks.max()) >= vocab:
+        # a decode row's one token read as a Python int: numpy's reductions cost more than the check
+        lo, hi = (int(toks[0]),) * 2 if toks.size == 1 else (int(toks.min()), int(toks.max()))
+        if lo < 0 or hi >= vocab:
             return "token id outside the vocabulary"
         if e.end > max_context:
             return f"context {e.end} beyond the device maximum {max_context}"
@@ -120,7 +122,10 @@ def row_map(batch: Sequence[BatchEntry], first: int, count: int, pad_to: int, sc
         tables[i, :need] = e.blocks[:need]
         t = len(e.tokens)
         lo, hi = max(first, at), min(first + count, at + t)
-        if lo < hi:
+        if hi - lo == 1:  # a decode row: scalar stores (slices and aranges cost five times as much)
+            tokens[lo - first] = e.tokens[lo - at]
+            rows[lo - first] = (e.start + lo - at, i)
+        elif lo < hi:
             tokens[lo - first:hi - first] = np.asarray(e.tokens)[lo - at:hi - at]
             rows[lo - first:hi - first, 0] = e.start + np.arange(lo - at, hi - at)
             rows[lo - first:hi - first, 1] = i

@@ -288,6 +288,9 @@ def test_declines_what_the_pool_cannot_run(make_fwd) -> None:  # type: ignore[no
     assert fwd.forward_batch(model, behind) is None and "behind" in fwd.last_decline
     vocab = [ok[0], pages.entry(2, np.array([model.config.vocab_size]), 0, 1)]
     assert fwd.forward_batch(model, vocab) is None and "vocabulary" in fwd.last_decline
+    for bad in (np.array([-1]), np.array([3, -1, 4])):  # one token, several
+        assert fwd.forward_batch(model, [ok[0], pages.entry(2, bad, 0, 1)]) is None
+        assert "vocabulary" in fwd.last_decline
     assert fwd.forward_batch(model, [ok[0], ok[0]]) is None and "twice" in fwd.last_decline
     assert paged.check(ok, model.config.vocab_size, 256, 1) == "2 sequences in one step (at most 1)"
     assert fwd.forward_batch(model, ok) is not None
@@ -300,6 +303,8 @@ def test_row_map_pads_to_the_scratch_table_and_splits_passes() -> None:
     assert tokens.tolist() == [1, 2, 9, 0]
     assert rows.tolist() == [[1, 0], [2, 0], [40, 1], [0, 2]]
     assert tables[2].tolist() == [POOL] * 8 and tables[1, :2].tolist() == pages.tables[2][:2]
+    tokens, rows, _ = paged.row_map(batch, 2, 2, 2, POOL, 8)  # one row of each: the longer entry's last
+    assert tokens.tolist() == [2, 9] and rows.tolist() == [[2, 0], [40, 1]]
     assert paged.bucket(3) == 4 and paged.bucket(256) == 256 and paged.bucket(257) is None
 
 
