@@ -40,3 +40,9 @@ class BatchEntry:
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+
+def id_range(ids: np.ndarray) -> tuple[int, int]:
+    """(min, max) of a non-empty integer array as Python ints; a decode row's one id is read directly, since
+    numpy's reductions cost more than the check that wants them."""
+    return (int(ids[0]),) * 2 if ids.size == 1 else (int(ids.min()), int(ids.max()))

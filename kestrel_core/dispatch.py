@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kestrel_core.batch import BatchEntry
+from kestrel_core.batch import BatchEntry, id_range
 from kestrel_core.contract import StripCache, gemm_flops, quantize_activations
 from kestrel_core.registry import FORCE_CPU_ENV, Backend, force_cpu
 
@@ -360,8 +360,7 @@ def _check_ids(result: np.ndarray, rows: int, vocab: int) -> str | None:
         return f"token ids of shape {list(result.shape)}, expected [{rows}]"
     if not result.size:
         return None
-    # a decode row's one id is read as a Python int: numpy's reductions cost more than the check
-    lo, hi = (int(result[0]),) * 2 if result.size == 1 else (int(result.min()), int(result.max()))
+    lo, hi = id_range(result)
     if lo == -1:
         return "non-finite values"
     if not (0 <= lo and hi < vocab):

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kestrel_core.batch import BatchEntry
+from kestrel_core.batch import BatchEntry, id_range
 from kestrel_cuda.plan import KV_BLOCK
 
 BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256)  # batch sizes a decode step is captured for (rows padded up)
@@ -73,8 +73,7 @@ def check(batch: Sequence[BatchEntry], vocab: int, max_context: int, max_rows: i
         toks = np.asarray(e.tokens)
         if toks.size == 0 or toks.dtype.kind not in "iu" or e.start < 0:
             return "no tokens or a bad start"
-        # a decode row's one token read as a Python int: numpy's reductions cost more than the check
-        lo, hi = (int(toks[0]),) * 2 if toks.size == 1 else (int(toks.min()), int(toks.max()))
+        lo, hi = id_range(toks)
         if lo < 0 or hi >= vocab:
             return "token id outside the vocabulary"
         if e.end > max_context:
