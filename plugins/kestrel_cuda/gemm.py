@@ -37,7 +37,7 @@ from kestrel_cuda.kernels import (
     MMA_TILES,
 )
 from kestrel_cuda.layout import Geometry
-from kestrel_cuda.plan import GROUPED_ROWS
+from kestrel_cuda.plan import GROUPED_ROWS, MAX_CLUSTER
 from kestrel_cuda.residency import DeviceWeight
 
 GEMV_MAX_M = 1
@@ -45,7 +45,6 @@ GROUPED_TILE = "64x128"  # a mixture of experts' prefill: ~32 rows an expert at 
 NULL = np.uint64(0)
 SPLIT_MAX_M = 64  # up to this many rows the tensor-core GEMM splits K (the 16x128s or 32x128s block)
 SPLIT_BLOCKS_PER_SM = 2  # the split GEMM's grid target, in blocks per SM
-SPLIT_MAX = 8  # K splits of a tile at most: one portable cluster (common.cuh MAX_CLUSTER)
 GW_THREADS = 256  # gemv_warp.cu: 8 warps, one 32-row slice each
 GW_SLICES = 8
 F32_THREADS, F32_MT = 128, 4
@@ -100,12 +99,12 @@ def mma_tile_for(m: int, npad: int, sm_count: int, k: int | None = None) -> str:
 def mma_splits(k: int, npad: int, group_size: int, sm_count: int,
                blocks_per_sm: int = SPLIT_BLOCKS_PER_SM) -> tuple[int, int]:
     """(K splits, stages a split) of the tensor-core GEMM at 2..SPLIT_MAX_M rows: splits of whole groups, enough
-    for ``blocks_per_sm`` blocks per SM, at most SPLIT_MAX and as many as the workspace holds at SPLIT_MAX_M
-    rows. Independent of M, so a row's sums are added in the same order in every batch of that range
-    (batch-invariant bits), and of whether the splits run as a cluster."""
+    for ``blocks_per_sm`` blocks per SM, at most MAX_CLUSTER (one cluster) and as many as the workspace holds
+    at SPLIT_MAX_M rows. Independent of M, so a row's sums are added in the same order in every batch of that
+    range (batch-invariant bits), and of whether the splits run as a cluster."""
     tiles = _cdiv(npad, MMA_TILES[MMA_TILE_DEFAULT].bn)
     want = _cdiv(blocks_per_sm * sm_count, tiles)
-    return split_stages(k, group_size, min(want, SPLIT_MAX, PARTIAL_FLOATS // (SPLIT_MAX_M * npad)))
+    return split_stages(k, group_size, min(want, MAX_CLUSTER, PARTIAL_FLOATS // (SPLIT_MAX_M * npad)))
 
 
 def split_stages(k: int, group_size: int, splits: int) -> tuple[int, int]:
@@ -205,7 +204,7 @@ class DeviceGemm:
         smem = tile.smem_bytes(g.code_bits, g.group_size)
         args = (_ptr(a_codes), _ptr(a_scales), i32(m), _ptr(weight.codes), _ptr(weight.scales), _ptr(out),
                 i32(ldo), i32(n), i32(k), i32(g.npad), _ptr(ws.partial), _ptr(ws.counters), i32(per), NULL, NULL)
-        if 1 < nz <= SPLIT_MAX and self._ex is not None:
+        if 1 < nz <= MAX_CLUSTER and self._ex is not None:
             self._ex.launch(kern, grid, (tile.threads,), args, smem,
                             stream if stream is not None else self.cp.cuda.get_current_stream(), False, (1, 1, nz))
         else:

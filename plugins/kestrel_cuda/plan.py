@@ -17,7 +17,7 @@ TILE_N = 128  # columns of a GEMV block (forward.cuh TN)
 SSQ_COLS = 32  # columns per entry of the residual stream's sums of squares (forward.cuh)
 CHUNK_K = 256  # rows of a GEMV chunk (gemv.cu KC: one 32-row slot per warp), int8 and int4
 SMALL_M = 8  # rows of one fused-GEMV pass at M > 1 (MR = 8), where there is no tiled GEMM
-MAX_CLUSTER = 8  # K splits of an M=1 GEMV launched as one thread block cluster, at most (common.cuh)
+MAX_CLUSTER = 8  # K splits launched as one thread block cluster, at most (common.cuh): M=1 GEMVs, split GEMMs
 MERGE_SPLITS = 64  # K splits of an M=1 GEMV, at most: slots per tile of its tagged merge area (merge.cuh)
 CHUNK_BLOCKS_PER_SM = 4  # qgemv's resident blocks per SM at M = 1 (__launch_bounds__(NT, 4))
 TARGET_BLOCKS_PER_SM = 8  # GEMV blocks per SM the K-split planner aims for: measured fastest on the H200

@@ -3,7 +3,7 @@ split shapes take."""
 
 from __future__ import annotations
 
-from kestrel_cuda.gemm import SPLIT_MAX, SPLIT_MAX_M, mma_splits, mma_tile_for, split_fits
+from kestrel_cuda.gemm import SPLIT_MAX_M, mma_splits, mma_tile_for, split_fits
 from kestrel_cuda.kernels import (
     MMA_BK,
     MMA_TILE_DEFAULT,
@@ -12,6 +12,7 @@ from kestrel_cuda.kernels import (
     MMA_TILE_SPLIT_SMALL,
     MMA_TILES,
 )
+from kestrel_cuda.plan import MAX_CLUSTER
 
 
 def test_mma_tile_choice() -> None:
@@ -54,4 +55,4 @@ def test_splits_fit_one_cluster_in_whole_groups() -> None:
             for g in (32, 256):
                 for blocks in (1, 2, 4, 8):
                     nz, per = mma_splits(k, npad, g, 132, blocks)
-                    assert 1 <= nz <= SPLIT_MAX and per * 128 % g == 0 and (nz - 1) * per * MMA_BK < k
+                    assert 1 <= nz <= MAX_CLUSTER and per * 128 % g == 0 and (nz - 1) * per * MMA_BK < k
