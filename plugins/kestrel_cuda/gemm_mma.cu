@@ -17,9 +17,9 @@
 // distributed shared memory, each block a 1/nz slice of the tile in z order; otherwise each stores its sums to
 // part[z][M][Npad] and the last block of a tile to arrive on its counter (then reset) adds them in z order:
 // the same bits. With one split the sums go straight to out. They take whole stages and column tiles only
-// (K % BK == 0, Npad % BN == 0: gemm.split_fits), so their copies carry no bounds checks (the loop ran 1321
-// SASS instructions a stage for the 32x128s block with them, 696 without), and scale each group with one fused
-// multiply-add, fmaf((float)s, a_scale * w_scale, acc) (within the reference's bound, not its bits).
+// (K % BK == 0, Npad % BN == 0: gemm.split_fits), so their copies carry no bounds checks (about half the
+// loop's instructions, docs/performance.md), and scale each group with one fused multiply-add,
+// fmaf((float)s, a_scale * w_scale, acc) (within the reference's bound, not its bits).
 //
 // Exact block sums. One k32 step is one block of G = 32 (an eighth of G = 256). The mma accumulators start
 // from MAGIC = 0x4B400000 (the bits of 1.5 * 2^23) instead of 0: for |s| <= 2^22 the integer MAGIC + s is the
@@ -335,6 +335,7 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     cp_async_wait<0>();  // nothing is left in flight (the tail groups are empty), but leave no copy pending
 
     const int nz = SPLIT ? gridDim.z : 1;
+    const bool vec = (ldo & 3) == 0 && (reinterpret_cast<size_t>(out) & 15) == 0;  // 16-byte output stores
     if (SPLIT && nz > 1 && cluster_size() > 1) {  // the splits are one cluster: every block adds 1/nz of the tile
         __syncthreads();  // every warp is done with the pipeline's buffers
         float* tile = reinterpret_cast<float*>(smem);  // this split's sums [BM][BN]
@@ -351,7 +352,6 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
         cluster_wait();  // every split's sums are in its block's shared memory
         constexpr int Q = BM * BN / 4;  // float4s of the tile
         const int z = blockIdx.z, q0 = z * Q / nz, q1 = (z + 1) * Q / nz;
-        const bool vec4 = (ldo & 3) == 0 && (reinterpret_cast<size_t>(out) & 15) == 0;
         for (int q = q0 + tid; q < q1; q += THREADS) {
             float4 s = ld_cluster_f4(cluster_addr(tile + 4 * q, 0));
             for (int r = 1; r < nz; ++r) {  // in z order, as the counter merge below
@@ -361,7 +361,7 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
             const int row = m0 + 4 * q / BN, col = n0 + 4 * q % BN;
             if (row >= M) continue;
             float* o = out + (size_t)row * ldo + col;
-            if (vec4 && col + 4 <= N) {
+            if (vec && col + 4 <= N) {
                 *reinterpret_cast<float4*>(o) = s;
             } else {
                 const float v[4] = {s.x, s.y, s.z, s.w};
@@ -427,7 +427,6 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
         if (tid == 0) counters[tile] = 0;
     }
 
-    const bool vec = (ldo & 3) == 0 && (reinterpret_cast<size_t>(out) & 15) == 0;
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
