@@ -208,6 +208,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _finish_cache_writes(cancel: bool = False) -> None:
+    """A command's model cache entry written on a thread: waited for (``kestrel run`` of a new checkpoint), or
+    cancelled on Ctrl-C. Nothing to do where the loader was never imported."""
+    loader = sys.modules.get("kestrel_core.model.loader")
+    if loader is not None:
+        loader.finish_cache_writes(cancel=cancel)
+
+
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s",
@@ -219,8 +227,11 @@ def _main(argv: Sequence[str] | None) -> int:
         check_cli_args(args)  # every command's values, before anything slow
         args.backend_options = parse_backend_options(getattr(args, "backend_option", None))
         with default_options(args.backend_options):  # every Registry this command builds opens with them
-            return int(args.func(args) or 0)
+            code = int(args.func(args) or 0)
+        _finish_cache_writes()
+        return code
     except KeyboardInterrupt:
+        _finish_cache_writes(cancel=True)
         err.print("interrupted")
         return 130
     except (KestrelError, OSError) as exc:

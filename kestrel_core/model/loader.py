@@ -5,12 +5,15 @@ checkpoint; a ``.gguf`` file is read with gguf-py; a kestrel artifact (``.kst``)
 which wins over ``quant``. The strip-caches of the default model, of Hugging Face directories and of GGUF files
 are cached as artifacts in ``$KESTREL_HOME/cache`` (model/cache.py says how entries are keyed), so only the
 first load of a checkpoint at a quant mode reads, dequantizes and quantizes it; later loads map the artifact.
+An entry of a GiB or more is written on a thread while the first load goes on with the model it built; the
+interpreter waits for that thread at exit, and ``finish_cache_writes`` waits for it (or cancels it) sooner.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +29,13 @@ from kestrel_core.model.quantize import parse_quant, quantize_model
 from kestrel_core.model.tokenizer import NoTokenizer, Tokenizer
 from kestrel_core.model.validate import check_regular_file
 from kestrel_core.model.weights import Model
-from kestrel_core.progress import progress_bar
+from kestrel_core.progress import Report, progress_bar
 
 log = logging.getLogger("kestrel")
 
 GGUF_MAGIC = b"GGUF"
 CACHE_MODES = ("on", "read", "off")  # read: use a valid entry, never write one
+BACKGROUND_WRITE_BYTES = 1 << 30  # cache entries this large are written on a thread (docs/performance.md)
 
 
 @dataclass
@@ -47,15 +51,22 @@ def cache_dir() -> Path:
 
 
 def write_artifact(loaded: LoadedModel, path: str | os.PathLike[str], *, force: bool = False,
-                   extra: dict[str, Any] | None = None) -> Path:
-    """Save a loaded model (with its tokenizer and chat template, when it has them) as a kestrel artifact."""
+                   extra: dict[str, Any] | None = None, progress: Report | None = None) -> Path:
+    """Save a loaded model (with its tokenizer and chat template, when it has them) as a kestrel artifact;
+    ``progress``: a ``report(done, total)`` callback instead of the progress bar."""
     tok = loaded.tokenizer
     tokenizer_json = None if isinstance(tok, NoTokenizer) else tok.to_json_str()
     special = {} if isinstance(tok, NoTokenizer) else {"bos_token": tok.bos_token, "eos_token": tok.eos_token}
-    with progress_bar(f"writing {Path(path).name}") as report:
+
+    def save(report: Report) -> Path:
         return save_artifact(path, loaded.model, tokenizer_json=tokenizer_json, chat_template=tok.chat_template,
                              quant=loaded.quant, extra={"source": loaded.source, **(extra or {})}, force=force,
                              progress=report, **special)
+
+    if progress is not None:
+        return save(progress)
+    with progress_bar(f"writing {Path(path).name}") as bar:
+        return save(bar)
 
 
 def _quantize(ckpt: Any, quant: str, what: str) -> Model:
@@ -160,10 +171,15 @@ def _cached(entry: Path, key: str, quant: str, stale_glob: str, build: Callable[
             write: bool = True) -> LoadedModel:
     """The model from cache ``entry`` if it holds ``key``; else ``build()`` it and (``write``) cache it.
 
-    A fresh entry is written atomically (temp file, fsync, rename; see artifact_write.save_artifact) and the model is
-    then read back from it: its arrays become views of the page cache (shared, and not the process's own
-    memory) instead of a second copy. Entries of the same slot and mode under another key are removed.
+    A fresh entry is written atomically (temp file, fsync, rename; see artifact_write.save_artifact). A small
+    one is written before this returns and the model is then read back from it: its arrays become views of the
+    page cache (shared, and not the process's own memory) instead of a second copy. A large one is written on
+    a thread while the caller goes on with the model it has (``finish_cache_writes``). Entries of the same
+    slot and mode under another key are removed.
     """
+    pending = _writes.get(entry)
+    if pending is not None:  # this process is writing it: the entry is whole once that ends
+        pending.thread.join()
     hit = _read_cached(entry, key, quant)
     if hit is not None:
         hit.source = source
@@ -172,15 +188,10 @@ def _cached(entry: Path, key: str, quant: str, stale_glob: str, build: Callable[
     loaded.source = source
     if not write:
         return loaded
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temps(entry.parent, ".*.tmp")  # writers that were killed outright
-        write_artifact(loaded, entry, force=True, extra={"cache_key": key})
-        for stale in entry.parent.glob(stale_glob):
-            if stale != entry:
-                stale.unlink(missing_ok=True)
-    except (OSError, KestrelError) as exc:  # a read-only or full cache only costs speed
-        log.warning("could not cache the quantized model in %s: %s", entry, exc)
+    if loaded.model.nbytes >= BACKGROUND_WRITE_BYTES:
+        _Write(loaded, entry, key, stale_glob)
+        return loaded
+    if not _write_entry(loaded, entry, key, stale_glob, progress=None):
         return loaded
     try:
         again, _ = _from_artifact(entry, quant, require_checksums=True)
@@ -189,6 +200,69 @@ def _cached(entry: Path, key: str, quant: str, stale_glob: str, build: Callable[
         return loaded
     again.source = source
     return again
+
+
+def _write_entry(loaded: LoadedModel, entry: Path, key: str, stale_glob: str, progress: Report | None) -> bool:
+    """Write cache ``entry`` and remove the slot's stale ones; False (with a warning) where it cannot be
+    written, which only costs speed. ``progress``: None shows a bar of its own."""
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(entry.parent, ".*.tmp")  # writers that were killed outright
+        write_artifact(loaded, entry, force=True, extra={"cache_key": key}, progress=progress)
+        for stale in entry.parent.glob(stale_glob):
+            if stale != entry:
+                stale.unlink(missing_ok=True)
+    except _Cancelled:
+        return False
+    except (OSError, KestrelError) as exc:  # a read-only or full cache only costs speed
+        log.warning("could not cache the quantized model in %s: %s", entry, exc)
+        return False
+    return True
+
+
+class _Cancelled(KestrelError):
+    pass
+
+
+class _Write:
+    """A cache entry written on a thread of its own (not a daemon: the interpreter waits for it at exit)."""
+
+    def __init__(self, loaded: LoadedModel, entry: Path, key: str, stale_glob: str) -> None:
+        self.entry = entry
+        self.done, self.total = 0, 1
+        self.cancel = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(loaded, key, stale_glob),
+                                       name=f"kestrel cache {entry.name}")
+        _writes[entry] = self
+        self.thread.start()
+
+    def _report(self, done: int, total: int) -> None:
+        if self.cancel.is_set():
+            raise _Cancelled("cancelled")  # save_artifact removes its temp file
+        self.done, self.total = done, total
+
+    def _run(self, loaded: LoadedModel, key: str, stale_glob: str) -> None:
+        try:
+            _write_entry(loaded, self.entry, key, stale_glob, progress=self._report)
+        finally:
+            _writes.pop(self.entry, None)
+
+
+_writes: dict[Path, _Write] = {}
+
+
+def finish_cache_writes(*, cancel: bool = False) -> None:
+    """Wait for the cache entries this process is writing on threads (a progress bar after a second), or with
+    ``cancel`` stop them (no entry, no temp file is left)."""
+    for w in list(_writes.values()):
+        if cancel:
+            w.cancel.set()
+            w.thread.join()
+            continue
+        with progress_bar(f"writing the cache entry {w.entry.name}") as report:
+            while w.thread.is_alive():
+                report(w.done, w.total)
+                w.thread.join(0.1)
 
 
 def _load_default(quant: str) -> LoadedModel:

@@ -39,6 +39,7 @@ def _setup_logging(verbose: bool) -> None:
 def serve_command(args: argparse.Namespace) -> int:
     _check_installed()  # the option values were checked by the CLI, as every command's are
     from kestrel_core.model.engine import load, load_preset
+    from kestrel_core.model.loader import finish_cache_writes
     from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING, DEFAULT_TOKEN_BUDGET
     from kestrel_core.serve.server import bind_socket, serve
 
@@ -62,4 +63,5 @@ def serve_command(args: argparse.Namespace) -> int:
                   model_name=args.served_model_name, shutdown_grace_s=args.shutdown_grace)
     finally:
         sock.close()
+        finish_cache_writes(cancel=True)  # a stopping server does not wait for its model's cache entry
     return 0

@@ -7,6 +7,7 @@ import json
 import logging
 import mmap
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -159,6 +160,71 @@ def test_a_writer_that_fails_leaves_no_temp_and_no_entry(home: Path, hf, builds:
     monkeypatch.setattr(artifact_write, "_write_safetensors", REAL_WRITER)
     load_model(root, quant="q8")
     assert len(_entries(home)) == 1 and [p.name for p in (home / "cache").iterdir() if p.suffix == ".tmp"] == []
+
+
+@pytest.fixture
+def gated_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Every entry written on a thread (whatever its size), each writer held until the returned event is set."""
+    go = threading.Event()
+
+    def held(*args, **kwargs):
+        assert go.wait(10)
+        return REAL_WRITER(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "BACKGROUND_WRITE_BYTES", 0)
+    monkeypatch.setattr(artifact_write, "_write_safetensors", held)
+    yield go
+    go.set()
+    loader.finish_cache_writes(cancel=True)
+
+
+def _temps(home: Path) -> list[str]:
+    return [p.name for p in (home / "cache").iterdir() if p.suffix == ".tmp"]
+
+
+def test_a_large_entry_is_written_on_a_thread_while_the_load_goes_on(home: Path, hf, builds: list[str],
+                                                                     gated_writer: threading.Event) -> None:
+    root, _ = hf
+    first = load_model(root, quant="q8")  # returns while its entry is still being written
+    assert builds == ["q8"] and _entries(home) == [] and not _mapped(first.model.layers[0].q.codes)
+    _same(first.model, _fresh(root, "q8"))
+    gated_writer.set()
+    loader.finish_cache_writes()
+    assert len(_entries(home)) == 1 and _temps(home) == []
+    second = load_model(root, quant="q8")
+    assert builds == ["q8"] and _mapped(second.model.layers[0].q.codes)  # a cache hit
+    _same(second.model, first.model)
+
+
+def test_a_load_of_an_entry_being_written_waits_for_it(home: Path, hf, builds: list[str],
+                                                       gated_writer: threading.Event) -> None:
+    root, _ = hf
+    load_model(root, quant="q8")
+    threading.Timer(0.2, gated_writer.set).start()
+    again = load_model(root, quant="q8")  # not a second build of the same entry
+    assert builds == ["q8"] and _mapped(again.model.layers[0].q.codes)
+
+
+def test_a_cancelled_or_failed_write_on_a_thread_leaves_no_entry_and_no_temp(
+        home: Path, hf, builds: list[str], gated_writer: threading.Event, monkeypatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    root, _ = hf
+    load_model(root, quant="q8")
+    threading.Timer(0.2, gated_writer.set).start()
+    with caplog.at_level(logging.WARNING, logger="kestrel"):
+        loader.finish_cache_writes(cancel=True)
+    assert list((home / "cache").iterdir()) == [] and "could not cache" not in caplog.text
+
+    def dies(f, *args, **kwargs):
+        f.write(b"half an artifact")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(artifact_write, "_write_safetensors", dies)
+    with caplog.at_level(logging.WARNING, logger="kestrel"):
+        load_model(root, quant="q8")
+        loader.finish_cache_writes()
+    assert "could not cache the quantized model" in caplog.text and "No space left" in caplog.text
+    assert list((home / "cache").iterdir()) == [] and builds == ["q8", "q8"]
 
 
 def test_a_corrupt_entry_is_rebuilt_with_a_warning(home: Path, hf, builds: list[str],
