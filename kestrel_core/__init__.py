@@ -23,7 +23,7 @@ _EXPORTS = {
     "StripCache": "kestrel_core.contract", "quantize_activations": "kestrel_core.contract",
     "quantize_weight": "kestrel_core.contract", "reference_gemm_f32": "kestrel_core.contract",
     "reference_gemm_q8": "kestrel_core.contract",
-    "Offload": "kestrel_core.dispatch",
+    "Deferred": "kestrel_core.dispatch", "Offload": "kestrel_core.dispatch",
     "BackendUnavailable": "kestrel_core.errors", "ContractError": "kestrel_core.errors",
     "InvalidRequest": "kestrel_core.errors", "KestrelError": "kestrel_core.errors", "Overloaded": "kestrel_core.errors",
     # the backend interface (hookspecs imports no registry, so a backend may import these first)
@@ -36,7 +36,7 @@ _EXPORTS = {
     "rope_inv_freq": "kestrel_core.model.rope",
     "PROJ_GROUPS": "kestrel_core.wkey", "ProjGroup": "kestrel_core.wkey", "wkey_expert": "kestrel_core.wkey",
     "AsyncEngine": "kestrel_core.model.async_engine",
-    "Engine": "kestrel_core.model.engine", "load": "kestrel_core.model.engine",
+    "Engine": "kestrel_core.model.engine", "Step": "kestrel_core.model.engine", "load": "kestrel_core.model.engine",
     "SamplingParams": "kestrel_core.model.sampling",
     "RequestOutput": "kestrel_core.model.scheduler", "Scheduler": "kestrel_core.model.scheduler",
     "Backend": "kestrel_core.registry", "Registry": "kestrel_core.registry",

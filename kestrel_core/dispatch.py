@@ -53,6 +53,21 @@ _FALLBACK = {
 }
 
 
+class Deferred:
+    """A backend's step still running on its device: ``result()`` waits for it and gives what the hook would
+    have returned, checked (None: declined). Resolved once."""
+
+    def __init__(self, resolve: Callable[[], Any]) -> None:
+        self._resolve: Callable[[], Any] | None = resolve
+
+    def result(self) -> Any:
+        resolve, self._resolve = self._resolve, None
+        if resolve is None:
+            raise RuntimeError("a deferred step is resolved only once")
+        out = resolve()
+        return None if out is None else list(out)
+
+
 class Offload:
     """Routes GEMMs and model-level hooks to ``backend``, with ``cpu`` as the always-correct fallback."""
 
@@ -92,34 +107,46 @@ class Offload:
 
     # -- the 0/1 protocol ----------------------------------------------------------------------------
 
-    def _offer(self, hook: str, flops: int, call: Callable[[], Any], check: Callable[[Any], str | None]) -> Any:
-        """The backend's result, or None when it (or the core on its behalf) declined."""
+    def _offer(self, hook: str, flops: int, call: Callable[[], Any], check: Callable[[Any], str | None],
+               deferrable: bool = False) -> Any:
+        """The backend's result, or None when it (or the core on its behalf) declined. With ``deferrable``, a
+        callable result is the backend's step still running: a ``Deferred`` that checks it once it is called."""
         counters = self.counters.get(hook) or self.counters.setdefault(hook, HookCounters())
         counters.offered += 1
         reason = self._core_decline(hook, flops)
-        result = None
-        if reason is None:
-            try:
-                result = call()
-            except KeyboardInterrupt:  # the user's Ctrl-C
-                raise
-            except BaseException as exc:  # the device must never take kestrel down (sys.exit included)
-                reason = f"error: {type(exc).__name__}"
-                self._report(hook, reason, exc)
-            else:
-                if result is None:
-                    reason = DECLINED
-                else:
-                    bad = check(result)
-                    if bad:
-                        reason = f"bad result: {bad}"
-                        self._report(hook, reason, None)
-                        result = None
-        if reason is None:
-            counters.accepted += 1
-        else:
+        if reason is not None:
             counters.declined[reason] += 1
-        return result
+            return None
+        result = self._called(hook, call)
+        if deferrable and callable(result):
+            return Deferred(lambda: self._checked(hook, counters, self._called(hook, result), check))
+        return self._checked(hook, counters, result, check)
+
+    def _called(self, hook: str, call: Callable[[], Any]) -> Any:
+        """``call()``, or an exception raised in it (reported once) in its place."""
+        try:
+            return call()
+        except KeyboardInterrupt:  # the user's Ctrl-C
+            raise
+        except BaseException as exc:  # the device must never take kestrel down (sys.exit included)
+            self._report(hook, f"error: {type(exc).__name__}", exc)
+            return exc
+
+    def _checked(self, hook: str, counters: HookCounters, result: Any, check: Callable[[Any], str | None]) -> Any:
+        """The result, or None (counted with its reason: an exception, a decline, a bad result)."""
+        if isinstance(result, BaseException):
+            reason = f"error: {type(result).__name__}"
+        elif result is None:
+            reason = DECLINED
+        else:
+            bad = check(result)
+            if not bad:
+                counters.accepted += 1
+                return result
+            reason = f"bad result: {bad}"
+            self._report(hook, reason, None)
+        counters.declined[reason] += 1
+        return None
 
     def _core_decline(self, hook: str, flops: int) -> str | None:
         if self.on_cpu:
@@ -236,15 +263,19 @@ class Offload:
                                            all_logits=all_logits),
                            lambda r: _check_array(r, (rows, vocab)))
 
-    def forward_batch(self, model: Any, batch: Sequence[BatchEntry], vocab: int) -> list[np.ndarray] | None:
+    def forward_batch(self, model: Any, batch: Sequence[BatchEntry], vocab: int
+                      ) -> list[np.ndarray] | Deferred | None:
         """The backend's batched whole step, or None: one float32 array [logit_rows, vocab] per entry, or int64
-        token ids [logit_rows] for an entry marked ``argmax_only``."""
+        token ids [logit_rows] for an entry marked ``argmax_only``; or a ``Deferred`` of them while the step
+        runs on the device (until it is resolved, nothing else may be offered to the backend)."""
         forward = None if self.on_cpu else self._caller(self.backend, "kestrel_forward_batch")
         if forward is None:
             return None
         out = self._offer("kestrel_forward_batch", 0, lambda: forward(model=model, batch=list(batch)),
-                          lambda r: _check_batch(r, batch, vocab))
-        return None if out is None else list(out)
+                          lambda r: _check_batch(r, batch, vocab), deferrable=True)
+        if out is None or isinstance(out, Deferred):
+            return out
+        return list(out)
 
     def decode_greedy(self, model: Any, seq_id: int, token: int, start: int, count: int,
                       vocab: int) -> Iterator[int] | None:

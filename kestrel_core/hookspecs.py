@@ -20,7 +20,7 @@ from kestrel_core.batch import BatchEntry as BatchEntry
 from kestrel_core.errors import BackendUnavailable as BackendUnavailable
 
 PROJECT = "kestrel"
-API_VERSION = (1, 2)  # (major, minor): a backend must have the same major and a minor <= ours
+API_VERSION = (1, 3)  # (major, minor): a backend must have the same major and a minor <= ours
 KINDS = ("cpu", "gpu", "npu", "simulator")  # BackendInfo.kind; `--backend auto` picks a gpu, then an npu
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -106,7 +106,10 @@ def kestrel_forward_batch(device: Any, model: Any, batch: Any) -> Any:
     Returns a list with one float32 array [entry.logit_rows, vocab] per entry, in order (an entry marked
     ``argmax_only`` may get int64 token ids [entry.logit_rows] instead, since API 1.2), or None to decline
     the whole step: the engine then offers ``kestrel_forward`` per sequence, and runs what is still declined
-    layer by layer with one GEMM per projection for the whole batch. firstresult.
+    layer by layer with one GEMM per projection for the whole batch. Since API 1.3 it may instead return a
+    call without arguments that waits for the step and returns that list (or None): the step runs on the
+    device while the engine reports the last one, and the engine makes that call before any other into the
+    backend. firstresult.
     """
 
 

@@ -245,7 +245,7 @@ def _rerun_argmax_only(backend: Backend, model: Any, first_seq: int, script_toks
         batch = [BatchEntry(first_seq + 3 + s, t, starts[s], rows, tuple(caches[s].blocks), pool.block_size,
                             pool.num_blocks, argmax_only=True) for (s, _, rows), t in zip(step, toks)]
         try:
-            out = backend.hook.kestrel_forward_batch(device=backend.device, model=model, batch=batch)
+            out = _batch_step(backend, model, batch)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
@@ -264,6 +264,12 @@ def _rerun_argmax_only(backend: Backend, model: Any, first_seq: int, script_toks
         for s, n, _ in step:
             starts[s] += n
     return ""
+
+
+def _batch_step(backend: Backend, model: Any, batch: list[BatchEntry]) -> Any:
+    """The batched hook's result; a step still running on the device (a call, since API 1.3) is waited for."""
+    out = backend.hook.kestrel_forward_batch(device=backend.device, model=model, batch=batch)
+    return out() if callable(out) else out
 
 
 def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str, seed: int,
@@ -296,7 +302,7 @@ def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str
             batch = [BatchEntry(first_seq + s, t, starts[s], rows, tuple(caches[s].blocks), pool.block_size,
                                 pool.num_blocks) for (s, _, rows), t in zip(step, toks)]
             try:
-                got = backend.hook.kestrel_forward_batch(device=backend.device, model=model, batch=batch)
+                got = _batch_step(backend, model, batch)
             except KeyboardInterrupt:
                 raise
             except BaseException as exc:

@@ -184,6 +184,8 @@ class AsyncEngine:
             for kind, payload in inbox:
                 if kind == "call":
                     fn, done = payload
+                    if sched.step_running:  # the engine is free once it is in (failed or not)
+                        self._deliver_step(sched.drain)
                     try:
                         done.set_result(fn())
                     except BaseException as exc:  # handed to the caller, whatever it is
@@ -201,17 +203,21 @@ class AsyncEngine:
                     self._drop(payload)
             if stopping and not sched.has_work:
                 return
-            try:
-                outputs = sched.step()
-            except Exception as exc:  # a failed step ends its requests; the loop serves the next ones
-                self.counters.failed_steps += 1
-                log.error("kestrel: a batched step failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
-                for request_id in self._orphans():
-                    self._deliver_error(request_id, KestrelError(f"the step failed: {exc}"))
-                continue
-            self.counters.steps += 1
-            for out in outputs:
-                self._deliver(out)
+            self._deliver_step(sched.step)
+
+    def _deliver_step(self, step: Callable[[], list[RequestOutput]]) -> None:
+        """Run ``step`` (the scheduler's step or drain) and hand its outputs over."""
+        try:
+            outputs = step()
+        except Exception as exc:  # a failed step ends its requests; the loop serves the next ones
+            self.counters.failed_steps += 1
+            log.error("kestrel: a batched step failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
+            for request_id in self._orphans():
+                self._deliver_error(request_id, KestrelError(f"the step failed: {exc}"))
+            return
+        self.counters.steps += 1
+        for out in outputs:
+            self._deliver(out)
 
     def _orphans(self) -> list[str]:
         """Clients whose request the scheduler no longer holds (ended by a failed step)."""

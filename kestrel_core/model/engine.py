@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kestrel_core.batch import BatchEntry
-from kestrel_core.dispatch import Offload, all_finite
+from kestrel_core.dispatch import Deferred, Offload, all_finite
 from kestrel_core.errors import KestrelError, NonFiniteLogits
 from kestrel_core.model.decoder import ACTIVATIONS, PREFILL_CHUNK, Decoder
 from kestrel_core.model.kv_pool import KVPool, SeqCache
@@ -58,6 +58,27 @@ class SeqState:
     cache: SeqCache  # the host KV cache: cache.length positions
     tokens: list[int] = field(default_factory=list)  # every token run so far, position = index
     device_len: int = 0  # positions the device's own KV cache holds
+
+
+class Step:
+    """One started ``Engine.start_batch`` step; ``result()`` (once) gives its outputs, as ``run_batch`` does."""
+
+    def __init__(self, engine: Engine, runs: list[tuple[SeqState, np.ndarray, int]], entries: list[BatchEntry],
+                 batched: list[np.ndarray] | Deferred | None) -> None:
+        self._engine: Engine | None = engine
+        self._runs, self._entries, self._batched = runs, entries, batched
+
+    @property
+    def running(self) -> bool:
+        """Whether the backend is still running it on its device (the caller may do other work meanwhile)."""
+        return isinstance(self._batched, Deferred)
+
+    def result(self) -> list[np.ndarray]:
+        if self._engine is None:
+            raise RuntimeError("a step's result is taken once")
+        engine, self._engine = self._engine, None
+        batched = self._batched.result() if isinstance(self._batched, Deferred) else self._batched
+        return engine._finish_batch(self._runs, self._entries, batched)
 
 
 class Engine:
@@ -146,6 +167,12 @@ class Engine:
         float32 logits [logit_rows, vocab] of its last ``logit_rows`` new tokens. A sequence whose
         ``argmax_only`` flag is set may get int64 token ids [logit_rows] instead (each row's argmax), when the
         backend's batched step chose them on the device."""
+        return self.start_batch(work, argmax_only).result()
+
+    def start_batch(self, work: Sequence[tuple[SeqState, Sequence[int], int]],
+                    argmax_only: Sequence[bool] = ()) -> Step:
+        """``run_batch``, started: the backend's batched step may still be running on its device when this
+        returns (``Step.running``). Nothing else may use the engine until ``Step.result()`` is called."""
         c = self.config
         runs = []
         for seq, new, rows in work:
@@ -163,8 +190,14 @@ class Engine:
         entries = [BatchEntry(seq.seq_id, _behind(seq.tokens, seq.device_len, new), seq.device_len, rows,
                               tuple(seq.cache.blocks), pool.block_size, pool.num_blocks, flag)
                    for (seq, new, rows), flag in zip(runs, flags)]
-        outs: list[np.ndarray | None] = [None] * len(runs)
         batched = self.offload.forward_batch(self.model, entries, c.vocab_size) if self.whole_step else None
+        return Step(self, runs, entries, batched)
+
+    def _finish_batch(self, runs: list[tuple[SeqState, np.ndarray, int]], entries: list[BatchEntry],
+                      batched: list[np.ndarray] | None) -> list[np.ndarray]:
+        """What the batched hook declined: a 1.0 backend's per-sequence step, then the host's layers."""
+        c, pool = self.config, self.pool
+        outs: list[np.ndarray | None] = [None] * len(runs)
         if batched is not None:
             outs = list(batched)
         elif self.whole_step:
@@ -260,7 +293,7 @@ class Engine:
                     yield out
                 t0 = time.perf_counter()
         finally:
-            scheduler.abort(request.request_id)
+            scheduler.close()
 
     @property
     def stats(self) -> dict[str, Any]:

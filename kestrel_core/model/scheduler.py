@@ -1,11 +1,16 @@
 """Continuous (iteration-level) batching: requests join and leave the running batch at any step.
 
-Each ``step()`` is one ``Engine.run_batch``: one row for every running sequence that is decoding, then
+Each ``step()`` is one ``Engine.start_batch``: one row for every running sequence that is decoding, then
 chunks of prompts (chunked prefill) while the step's token budget lasts. A request is admitted when the KV
 pool has blocks for its tokens (with a block of headroom for each running sequence); when a running
 sequence cannot grow, the most recently admitted one is preempted: its blocks are freed and it waits again
 at the head of the queue, to be recomputed from its prompt and the tokens it has generated. A row's result
 does not depend on the batch (``kernels``), so a recomputed sequence carries on exactly where it stopped.
+
+Where the backend runs a step on its device while the host goes on (``Engine.start_batch``), the next step
+starts as soon as this one's tokens are in, and the host then detokenizes and reports them while the device
+works. A request that a stop string ends there has a row in the step already running: that row's token is
+dropped, and the request's sequence is freed once the step is in.
 
 The scheduler is not thread-safe: one thread drives it (``AsyncEngine``, or ``Engine.generate``).
 """
@@ -13,6 +18,7 @@ The scheduler is not thread-safe: one thread drives it (``AsyncEngine``, or ``En
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -25,6 +31,8 @@ from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
 from kestrel_core.model.detokenize import TextStream
 from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
 from kestrel_core.model.tokenizer import NoTokenizer
+
+log = logging.getLogger("kestrel")
 
 DEFAULT_MAX_BATCH = 64
 DEFAULT_TOKEN_BUDGET = 512  # tokens per step: decode rows plus prompt chunks
@@ -106,6 +114,9 @@ class Scheduler:
         self.steps = 0
         self.preemptions = 0
         self._ended: list[RequestOutput] = []  # requests ended while scheduling, reported by the next step
+        self._running_step: tuple[list[tuple[Request, list[int], int]], Any] | None = None  # on the device
+        self._start_error: Exception | None = None  # starting the next step failed: the next step() raises it
+        self._held: list[Any] = []  # sequences of ended requests that the running step still uses
 
     # -- requests ------------------------------------------------------------------------------------
 
@@ -139,6 +150,15 @@ class Scheduler:
         self.waiting.append(request)
         return request
 
+    def close(self) -> None:
+        """Abort every request and finish the step still running on the device (a failure of it is logged)."""
+        for request in list(self.waiting) + list(self.running):
+            self._finish(request, "abort")
+        try:
+            self.drain()
+        except Exception as exc:
+            log.warning("kestrel: the last step failed: %s", exc)
+
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its sequence (nothing if it already finished)."""
         request = self.requests.get(request_id)
@@ -147,7 +167,12 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._ended)
+        return bool(self.waiting or self.running or self._ended or self._running_step or self._start_error)
+
+    @property
+    def step_running(self) -> bool:
+        """Whether a step is still running on the device (``drain`` finishes it)."""
+        return self._running_step is not None
 
     @property
     def num_waiting(self) -> int:
@@ -161,24 +186,65 @@ class Scheduler:
 
     def step(self) -> list[RequestOutput]:
         """Run one batched step; the outputs of every request that got a token or finished."""
-        if self._device_step_possible():
+        if self._running_step is None and self._device_step_possible():
             return self._device_step(self.running[0])
-        work = self._schedule()
+        started, self._running_step = self._running_step, None
+        if started is None:
+            started = self._start()
         outputs, self._ended = self._ended, []
-        if not work:
+        if started is None:
             return outputs
-        self.steps += 1
+        on_device = started[1].running
+        tokens = self._collect(started)
+        if on_device and not self._device_step_possible():
+            try:  # the device works on the next step while this one's tokens are reported
+                self._running_step = self._start()
+            except Exception as exc:  # raised by the next step() call, after these outputs are out
+                self._start_error = exc
+        outputs.extend(self._report(request, token) for request, token in tokens)
+        return outputs
+
+    def drain(self) -> list[RequestOutput]:
+        """Finish the step still running on the device, if one is, starting none: its outputs (the engine is
+        then free for other work). Raises what that step raised."""
+        outputs, self._ended = self._ended, []
+        started, self._running_step = self._running_step, None
+        if started is not None:
+            outputs.extend(self._report(request, token) for request, token in self._collect(started))
+        return outputs
+
+    def _collect(self, started: tuple[list[tuple[Request, list[int], int]], Any]
+                 ) -> list[tuple[Request, tuple[int, TokenLogprob | None]]]:
+        """A started step's result: each of its requests still running takes its new token."""
+        work, step = started
         try:
-            logits = self.engine.run_batch([(r.seq, toks, rows) for r, toks, rows in work],
-                                           [r.argmax_only for r, _, _ in work])
+            logits = step.result()
         except Exception:  # the step failed as a whole: its requests end; the scheduler goes on
             for request, _, _ in work:
                 self._finish(request, "abort")
             raise
-        for (request, _, rows), out in zip(work, logits):
-            if rows:
-                outputs.append(self._advance(request, self._sample(request, out[-1])))
-        return outputs
+        finally:
+            self._release_held()
+        return [(request, self._accept(request, self._sample(request, out[-1])))
+                for (request, _, rows), out in zip(work, logits) if rows and not request.finished]
+
+    def _start(self) -> tuple[list[tuple[Request, list[int], int]], Any] | None:
+        """Schedule a step and start it on the engine: (work, its Step), or None when there is nothing to run."""
+        if self._start_error is not None:
+            exc, self._start_error = self._start_error, None
+            raise exc
+        work = self._schedule()
+        if not work:
+            return None
+        self.steps += 1
+        try:
+            step = self.engine.start_batch([(r.seq, toks, rows) for r, toks, rows in work],
+                                           [r.argmax_only for r, _, _ in work])
+        except Exception:
+            for request, _, _ in work:
+                self._finish(request, "abort")
+            raise
+        return work, step
 
     def _schedule(self) -> list[tuple[Request, list[int], int]]:
         budget = self.token_budget
@@ -249,27 +315,32 @@ class Scheduler:
         p = request.params
         return token, logprobs_of(logits, token, p.top_logprobs) if p.logprobs else None
 
-    def _advance(self, request: Request, sampled: tuple[int, TokenLogprob | None]) -> RequestOutput:
-        """Append a new token, check the stop conditions, and say what changed."""
-        token, logprob = sampled
+    def _accept(self, request: Request, sampled: tuple[int, TokenLogprob | None]) -> tuple[int, TokenLogprob | None]:
+        """Append a new token and check the stop conditions that need no text (before the next step starts)."""
+        token = sampled[0]
         p = request.params
         request.output_ids.append(token)
         if request.first_token_at is None:
             request.first_token_at = time.monotonic()
-        text = request.text.push(token) if request.text is not None else ""
-        reason = None
         if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
-            reason = "stop"
-        elif request.text is not None and request.text.stopped:
-            reason = "stop"
+            self._finish(request, "stop")
         elif len(request.output_ids) >= p.max_tokens:
-            reason = "length"
+            self._finish(request, "length")
         elif len(request.tokens) > self.engine.config.max_position:
-            reason = "length"  # the context is full: no position left to run the last token at
-        if reason is not None:
-            if request.text is not None:
-                text += request.text.flush()
-            self._finish(request, reason)
+            self._finish(request, "length")  # the context is full: no position left to run the last token at
+        return sampled
+
+    def _report(self, request: Request, sampled: tuple[int, TokenLogprob | None]) -> RequestOutput:
+        """The new token's text, the stop strings, and what changed."""
+        token, logprob = sampled
+        text = request.text.push(token) if request.text is not None else ""
+        if request.text is not None and request.text.stopped and request.finish_reason != "stop":
+            if request.finished:
+                request.finish_reason = "stop"  # a stop string ends it, whatever else did at the same token
+            else:
+                self._finish(request, "stop")
+        if request.finished and request.text is not None:
+            text += request.text.flush()
         return RequestOutput(request.request_id, [token], text, [logprob] if logprob is not None else None,
                              request.finished, request.finish_reason, len(request.prompt_ids),
                              len(request.output_ids))
@@ -277,7 +348,10 @@ class Scheduler:
     def _finish(self, request: Request, reason: str) -> None:
         self._drop_device(request)
         if request.seq is not None:
-            self.engine.release(request.seq)
+            if self._running_step is not None and any(r is request for r, _, _ in self._running_step[0]):
+                self._held.append(request.seq)  # the running step still uses it
+            else:
+                self.engine.release(request.seq)
             request.seq = None
         if request in self.running:
             self.running.remove(request)
@@ -317,7 +391,12 @@ class Scheduler:
         seq.tokens.append(request.output_ids[-1])  # the device ran it and chose the next token
         seq.device_len = len(seq.tokens)
         request.sampler.count(nxt)
-        return [self._advance(request, (nxt, None))]
+        return [self._report(request, self._accept(request, (nxt, None)))]
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, []
+        for seq in held:
+            self.engine.release(seq)
 
     def _drop_device(self, request: Request) -> None:
         tokens, request._device_tokens = request._device_tokens, None

@@ -204,12 +204,21 @@ class CudaDevice:
             return fwd.forward(model, seq_id, tokens, start, all_logits)
 
     def run_forward_batch(self, model: Any, batch: Any) -> Any:
-        """The batched step (``DeviceForward.forward_batch``); errors propagate as ``run_forward``'s."""
+        """The batched step (``DeviceForward.start_batch``: its results, or the call that waits for them);
+        errors propagate as ``run_forward``'s."""
         fwd = self.forward_engine()
         if fwd is None:
             return self._decline("no device forward")
         with self.device:
-            return fwd.forward_batch(model, batch)
+            out = fwd.start_batch(model, batch)
+        if not callable(out):
+            return out
+
+        def results() -> Any:
+            with self.device:
+                return out()
+
+        return results
 
     def run_greedy(self, model: Any, seq_id: int, token: int, start: int, count: int) -> Iterator[int] | None:
         """The pipelined greedy decode (``DeviceForward.greedy``); every step it runs is under this device."""

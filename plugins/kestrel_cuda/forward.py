@@ -315,7 +315,14 @@ class DeviceForward:
         self._teardown()
 
     def forward_batch(self, model: Model, batch: Sequence[BatchEntry]) -> list[np.ndarray] | None:
-        """One step of several sequences (``kestrel_forward_batch``): logits [logit_rows, vocab] each, or None.
+        """One step of several sequences: logits [logit_rows, vocab] each (ids where argmax_only), or None."""
+        out = self.start_batch(model, batch)
+        return out() if callable(out) else out
+
+    def start_batch(self, model: Model, batch: Sequence[BatchEntry]
+                    ) -> list[np.ndarray] | Callable[[], list[np.ndarray]] | None:
+        """``forward_batch`` as ``kestrel_forward_batch`` runs it: a step of one pass over the pool returns,
+        once launched, the call that waits for it and downloads its results.
 
         A batch of one runs the lone-sequence path (its own cache: captured step, pipelined greedy decode);
         more run their rows together over the paged pool, a decode-only batch as the captured step of its
@@ -357,7 +364,9 @@ class DeviceForward:
             pool.held[e.seq_id] = (e.end, e.blocks)
         return outs
 
-    def _run_pooled(self, st: State, pool: paged.Pool, batch: Sequence[BatchEntry]) -> list[np.ndarray]:
+    def _run_pooled(self, st: State, pool: paged.Pool, batch: Sequence[BatchEntry]
+                    ) -> list[np.ndarray] | Callable[[], list[np.ndarray]]:
+        """The passes of a pooled step; a step of one pass returns its results' call without waiting."""
         ops, total = self.ops, sum(len(e.tokens) for e in batch)
         if st.logits_all is None:
             st.logits_all = ops.zeros((PREFILL_CHUNK, st.config.vocab_size), np.float32)
@@ -370,8 +379,11 @@ class DeviceForward:
         b = paged.bucket(total) if decode and self._graphs(st.config, total) else None
         whole = all(needs)  # every row's logits come back, in one download a pass
         fetched: list[tuple[np.ndarray, dict[int, np.ndarray]]] = []  # per pass: (logits or ids, logit rows)
+        fetches: list[Callable[[], tuple[np.ndarray, dict[int, np.ndarray]]]] = []  # the passes' downloads
         done = 0  # returned rows so far
         for first in range(0, total, PREFILL_CHUNK):
+            if fetches:  # an earlier pass's results come back before the next pass reuses its buffers
+                fetched.append(fetches.pop()())
             m = min(PREFILL_CHUNK, total - first)
             tokens, rows, tables = paged.row_map(batch, first, m, b or m, pool.blocks, pool.table_width)
             ops.write_meta(st.meta, np.concatenate([np.zeros(1, np.int32), tokens]))
@@ -380,7 +392,7 @@ class DeviceForward:
             if b is not None:
                 self._batch_graph(st, pool, b)()
                 self.counters["batch_graph_replays"] += 1
-                fetched.append(self._fetch(st, st.logits_all, needs, whole))
+                fetches.append(lambda: self._fetch(st, st.logits_all, needs, whole))
                 continue
             local = [r - first for r in wanted if first <= r < first + m]
             index = None
@@ -391,13 +403,19 @@ class DeviceForward:
                                                             pool.hsel))
             if local:
                 src = st.logits_all if len(local) > 1 else st.logits
-                fetched.append(self._fetch(st, src, needs[done:done + len(local)], whole))
+                part = needs[done:done + len(local)]
+                fetches.append(lambda src=src, part=part: self._fetch(st, src, part, whole))
                 done += len(local)
         self.counters["batch_steps"] += 1
         self.counters["batch_argmax_steps"] += bool(needs) and not any(needs)  # token ids only came back
         self.counters["batch_rows"] += total
-        ops.synchronize()
-        return _per_entry(batch, fetched, st.config.vocab_size, whole)
+
+        def results() -> list[np.ndarray]:
+            fetched.extend(f() for f in fetches)
+            ops.synchronize()
+            return _per_entry(batch, fetched, st.config.vocab_size, whole)
+
+        return results if total <= PREFILL_CHUNK else results()
 
     def _fetch(self, st: State, logits: Any, needs: list[bool], whole: bool
                ) -> tuple[np.ndarray, dict[int, np.ndarray]]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kestrel_core import BatchEntry, Offload, Proj, Registry, quantize_weight, wkey
+from kestrel_core import BatchEntry, Deferred, Offload, Proj, Registry, quantize_weight, wkey
 from kestrel_core.contract import quantize_activations, reference_gemm_q8
 from kestrel_core.wkey import fused_wkey
 
@@ -221,6 +221,31 @@ def test_argmax_only_entries_may_get_token_ids_which_are_checked(nonfinite) -> N
             assert got is None
     reasons = offload.stats()["kestrel_forward_batch"]["declined_reasons"]
     assert sorted(reasons) == sorted(f"bad result: {w}" for w in results if w != "ok")
+
+
+def test_a_step_still_running_is_checked_when_its_results_are_taken(nonfinite) -> None:
+    """A batched hook may return a call that waits for its step (API 1.3): a Deferred, counted and checked when
+    resolved, once; a bad result, None or an exception then is a decline with its reason."""
+    offload, _, _ = nonfinite
+    batch = [BatchEntry(1, np.arange(3, dtype=np.int64), 0, 1, argmax_only=True)]
+
+    def boom():
+        raise RuntimeError("device lost")
+
+    cases = [("ok", lambda: [np.array([7])]), ("bad", lambda: [np.array([11])]), ("none", lambda: None),
+             ("raises", boom)]
+    for want, later in cases:
+        offload._callers[("nonfinite", "kestrel_forward_batch")] = lambda later=later, **kw: later
+        pending = offload.forward_batch(None, batch, 11)
+        assert isinstance(pending, Deferred)
+        got = pending.result()
+        assert (got is not None and got[0].tolist() == [7]) if want == "ok" else got is None, want
+        with pytest.raises(RuntimeError, match="once"):
+            pending.result()
+    stats = offload.stats()["kestrel_forward_batch"]
+    assert stats["offered"] == 4 and stats["accepted"] == 1
+    assert stats["declined_reasons"] == {"bad result: token ids outside [0, 11)": 1, "declined by backend": 1,
+                                         "error: RuntimeError": 1}
 
 
 def test_one_row_token_ids_are_checked_the_same_way(nonfinite) -> None:

@@ -327,7 +327,7 @@ BATCH_BACKEND = DECLINING_BACKEND + '''
 def kestrel_forward_batch(device, model, batch):
     if not FWD:
         FWD.append(MAKE())
-    return FWD[0].forward_batch(model, batch)
+    return FWD[0].start_batch(model, batch)  # as the CUDA hook does: a one-pass step's results come later
 '''
 
 
@@ -380,3 +380,70 @@ def test_engine_serves_concurrent_requests_through_the_batched_hook(tmp_path, mo
     assert offload["kestrel_forward_batch"]["accepted"] >= 6
     assert fwd.counters["batch_rows"] >= sum(len(p) for p in prompts)
     assert fwd.counters["batch_argmax_steps"] == (0 if logprobs else fwd.counters["batch_steps"])
+
+
+def test_steps_start_before_the_last_ones_are_reported_and_change_nothing(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The pool's steps come back as calls that wait for them (``start_batch``): the scheduler starts the next
+    step first and reports while it runs. Requests that stop strings end while their row is in the running
+    step (its token dropped), one that max_tokens ends and one aborted midway give what they give alone; every
+    sequence is freed, on the device and in the engine's pool."""
+    import kestrel_core
+    from kestrel_core.model.sampling import SamplingParams
+    from kestrel_core.model.scheduler import Scheduler
+
+    model = _model("qwen3", "q8", seed=9)
+    prompts = [p.tolist() for p in _prompts(model, (4, 30, 11, 17, 9), seed=6)]
+    make = "lambda: DeviceForward(ops=__import__('kestrel_cuda.ops_numpy').ops_numpy.NumpyOps())"
+    path = tmp_path / "fwdcuda.py"
+    path.write_text(BATCH_BACKEND.format(decline=set(), make=make, greedy=None))
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(path))
+    free = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    def alone(engine, prompt, params):  # type: ignore[no-untyped-def]
+        outs = list(engine.stream(prompt, params))
+        return ([t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs), outs[-1].finish_reason)
+
+    with kestrel_core.load(model, backend="cpu", activations="q8") as cpu:
+        params = []
+        for i, p in enumerate(prompts):
+            texts = [o.new_text for o in cpu.stream(p, free)]
+            stop = next((t[0] for t in texts[3:] if t), None) if i < 3 else None
+            params.append(free if stop is None else SamplingParams(max_tokens=12, ignore_eos=True, stop=(stop,)))
+        want = [alone(cpu, p, s) for p, s in zip(prompts, params)]
+    assert sum(reason == "stop" for _, _, reason in want) >= 2  # stop strings really end requests early
+    reported_while_running: list[bool] = []
+    original = Scheduler._report
+
+    def report(self, request, token):  # type: ignore[no-untyped-def]
+        reported_while_running.append(self.step_running)
+        return original(self, request, token)
+
+    held: list[int] = []  # sequences freed only once the step that still used them was in
+    release = Scheduler._release_held
+
+    def release_held(self):  # type: ignore[no-untyped-def]
+        held.append(len(self._held))
+        release(self)
+
+    monkeypatch.setattr(Scheduler, "_report", report)
+    monkeypatch.setattr(Scheduler, "_release_held", release_held)
+    with kestrel_core.load(model, backend="fwdcuda") as engine:
+        sched = Scheduler(engine)
+        requests = [sched.add(p, s) for p, s in zip(prompts, params)]
+        got: dict[str, list] = {r.request_id: [[], "", None] for r in requests}
+        steps = 0
+        while sched.has_work:
+            for out in sched.step():
+                g = got[out.request_id]
+                g[0].extend(out.new_token_ids)
+                g[1] += out.new_text
+                g[2] = out.finish_reason
+            steps += 1
+            if steps == 6:
+                sched.abort(requests[4].request_id)  # its row is in the running step
+        fwd = engine.backend.plugin.FWD[0]
+        assert [tuple(got[r.request_id]) for r in requests[:4]] == want[:4]
+        aborted = got[requests[4].request_id]
+        assert aborted[0] == want[4][0][:len(aborted[0])] and 0 < len(aborted[0]) < 12
+        assert sum(reported_while_running) > len(reported_while_running) // 2 and sum(held) >= 3
+        assert engine.pool.free_blocks == engine.pool.num_blocks and not fwd._pool.held

@@ -43,13 +43,13 @@ def _run_all(scheduler: Scheduler, requests: list) -> dict[str, list[int]]:
 def _count_rows(engine, monkeypatch) -> list[int]:
     """Rows of every engine step, recorded."""
     rows: list[int] = []
-    original = type(engine).run_batch
+    original = type(engine).start_batch
 
     def recording(self, work, argmax_only=()):
         rows.append(len(work))
         return original(self, work, argmax_only)
 
-    monkeypatch.setattr(type(engine), "run_batch", recording)
+    monkeypatch.setattr(type(engine), "start_batch", recording)
     return rows
 
 
