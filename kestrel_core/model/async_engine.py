@@ -175,6 +175,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         sched = self.scheduler
+        sched.on_start = self._admit  # requests that arrive while a step runs join the next one
         while True:
             with self._lock:
                 while not self._inbox and not sched.has_work and not self._stopping:
@@ -190,20 +191,33 @@ class AsyncEngine:
                         done.set_result(fn())
                     except BaseException as exc:  # handed to the caller, whatever it is
                         done.set_exception(exc)
-                elif kind == "add":
-                    request_id, ids, params = payload
-                    try:
-                        sched.add(ids, params, request_id)
-                    except KestrelError as exc:
-                        self._deliver_error(request_id, exc)
                 else:
-                    if payload in sched.requests:
-                        self.counters.finished["abort"] = self.counters.finished.get("abort", 0) + 1
-                    sched.abort(payload)
-                    self._drop(payload)
+                    self._take(kind, payload)
             if stopping and not sched.has_work:
                 return
             self._deliver_step(sched.step)
+
+    def _admit(self) -> None:
+        """Before a step is scheduled: the requests and aborts that arrived meanwhile (calls wait)."""
+        with self._lock:
+            taken = [item for item in self._inbox if item[0] != "call"]
+            self._inbox = [item for item in self._inbox if item[0] == "call"]
+        for kind, payload in taken:
+            self._take(kind, payload)
+
+    def _take(self, kind: str, payload: Any) -> None:
+        sched = self.scheduler
+        if kind == "add":
+            request_id, ids, params = payload
+            try:
+                sched.add(ids, params, request_id)
+            except KestrelError as exc:
+                self._deliver_error(request_id, exc)
+        else:
+            if payload in sched.requests:
+                self.counters.finished["abort"] = self.counters.finished.get("abort", 0) + 1
+            sched.abort(payload)
+            self._drop(payload)
 
     def _deliver_step(self, step: Callable[[], list[RequestOutput]]) -> None:
         """Run ``step`` (the scheduler's step or drain) and hand its outputs over."""

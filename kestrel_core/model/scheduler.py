@@ -21,7 +21,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +117,7 @@ class Scheduler:
         self._running_step: tuple[list[tuple[Request, list[int], int]], Any] | None = None  # on the device
         self._start_error: Exception | None = None  # starting the next step failed: the next step() raises it
         self._held: list[Any] = []  # sequences of ended requests that the running step still uses
+        self.on_start: Callable[[], None] | None = None  # called before each step is scheduled
 
     # -- requests ------------------------------------------------------------------------------------
 
@@ -233,6 +234,8 @@ class Scheduler:
         if self._start_error is not None:
             exc, self._start_error = self._start_error, None
             raise exc
+        if self.on_start is not None:
+            self.on_start()
         work = self._schedule()
         if not work:
             return None
@@ -274,8 +277,11 @@ class Scheduler:
         return work
 
     def _chunk(self, request: Request, n: int) -> tuple[Request, list[int], int]:
-        done = len(request.seq.tokens)
-        tokens = request.tokens[done:done + n]
+        done, prompt = len(request.seq.tokens), len(request.prompt_ids)
+        if done >= prompt:  # a decode row: not the whole sequence's list for one token
+            tokens = request.output_ids[done - prompt:done - prompt + n]
+        else:
+            tokens = request.tokens[done:done + n]
         return request, tokens, int(n == request.pending)  # logits once the chunk reaches the last token
 
     def _grow(self, request: Request, n: int) -> bool:

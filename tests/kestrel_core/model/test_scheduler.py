@@ -195,3 +195,29 @@ def test_a_sequence_that_outgrows_the_whole_cache_ends_with_length(model) -> Non
         assert outs[-1].finish_reason == "length"
         assert sum(len(o.new_token_ids) for o in outs) == 64 - 3 + 1
         assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def test_requests_taken_in_by_on_start_run_in_that_step(engine) -> None:
+    """``on_start`` (the AsyncEngine's inbox) runs before each step is scheduled: what it adds or aborts then
+    is part of that very step."""
+    first, second = _prompts(2, engine.config.vocab_size, seed=5)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    scheduler = Scheduler(engine)
+    running = scheduler.add(first, params)
+    late: list = []
+
+    def on_start() -> None:
+        if not late:
+            late.append(scheduler.add(second, params))
+        elif len(late) == 1:
+            scheduler.abort(running.request_id)
+            late.append(None)
+
+    scheduler.on_start = on_start
+    outs = scheduler.step()
+    assert {o.request_id for o in outs} == {running.request_id, late[0].request_id}  # both prompts ran
+    outs += scheduler.step()
+    assert running.finished and running.finish_reason == "abort" and not late[0].finished
+    got = [t for o in outs if o.request_id == late[0].request_id for t in o.new_token_ids]
+    got += _run_all(scheduler, [late[0]])[late[0].request_id]
+    assert got == _alone(engine, second, params)
