@@ -1,0 +1,113 @@
+"""Where a batched step's time goes under ``kestrel bench --concurrency``'s load: each decode step's start (the
+host's work up to the launch: scheduling, the engine's entries, the backend's own host work) and its wait for
+the results, against the whole step.
+
+    python benchmarks/step_parts.py --preset qwen3-8b --backend cuda --quant q8 --concurrency 32,64
+
+Each level is ``run_concurrency_bench`` of its own (512-token prompts, 256 tokens each by default); the
+figures are medians over the steps where every stream decodes one token. A tree before
+``Engine.start_batch`` is timed through ``Engine.run_batch`` and the batched hook instead (wait: the hook,
+start: the rest of the engine's call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+from kestrel_core import dispatch
+from kestrel_core.model import engine as engine_mod
+from kestrel_core.model import scheduler as scheduler_mod
+from kestrel_core.model.bench import run_concurrency_bench
+
+
+def _instrument(rec: dict[str, Any]) -> None:
+    """Wrap the engine's step calls so that each scheduler step records its rows, start and wait."""
+    engine_cls = engine_mod.Engine
+    if hasattr(engine_cls, "start_batch"):
+        start, result = engine_cls.start_batch, engine_mod.Step.result
+
+        def timed_start(self, work, argmax_only=()):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            out = start(self, work, argmax_only)
+            rec.update(start=time.perf_counter() - t, rows=len(work), tokens=sum(len(w[1]) for w in work))
+            return out
+
+        def timed_result(self):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            out = result(self)
+            rec["wait"] = time.perf_counter() - t
+            return out
+
+        engine_cls.start_batch, engine_mod.Step.result = timed_start, timed_result
+        return
+    run, hook = engine_cls.run_batch, dispatch.Offload.forward_batch
+
+    def timed_hook(self, model, batch, vocab):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        out = hook(self, model, batch, vocab)
+        rec["wait"] = time.perf_counter() - t
+        return out
+
+    def timed_run(self, work, argmax_only=()):  # type: ignore[no-untyped-def]
+        rec["wait"] = 0.0  # a backend without the batched hook runs the step on the host: all "start"
+        t = time.perf_counter()
+        out = run(self, work, argmax_only)
+        rec.update(start=time.perf_counter() - t - rec["wait"], rows=len(work),
+                   tokens=sum(len(w[1]) for w in work))
+        return out
+
+    engine_cls.run_batch, dispatch.Offload.forward_batch = timed_run, timed_hook
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="qwen3-8b")
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--quant", default="q8")
+    ap.add_argument("--concurrency", default="32,64")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=256)
+    ap.add_argument("--kv-cache-mb", type=float, default=24576)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rec: dict[str, Any] = {}
+    steps: list[dict[str, Any]] = []
+    _instrument(rec)
+    step = scheduler_mod.Scheduler.step
+
+    def timed_step(self):  # type: ignore[no-untyped-def]
+        rec.clear()
+        t = time.perf_counter()
+        out = step(self)
+        steps.append({**rec, "step": time.perf_counter() - t})
+        return out
+
+    scheduler_mod.Scheduler.step = timed_step
+    engine = engine_mod.load_preset(args.preset, backend=args.backend, quant=args.quant,
+                                    kv_cache_mb=args.kv_cache_mb)
+    out = []
+    for level in [int(c) for c in args.concurrency.split(",")]:
+        steps.clear()
+        bench = run_concurrency_bench(engine, [level], prompt_tokens=args.prompt_tokens,
+                                      decode_tokens=args.decode_tokens).levels[0]
+        decode = [s for s in steps if s.get("rows") == level and s.get("tokens") == level and "wait" in s]
+        fig = {"concurrency": level, "decode_tok_s": bench.decode_tok_s, "decode_steps": len(decode)}
+        for part in ("step", "start", "wait"):
+            fig[f"{part}_ms"] = statistics.median(s[part] for s in decode) * 1e3 if decode else 0.0
+        out.append(fig)
+        print(f"{level} streams: decode {fig['decode_tok_s']:.1f} tok/s; {len(decode)} decode steps, medians: "
+              f"step {fig['step_ms']:.2f} ms, start {fig['start_ms']:.2f} ms, wait {fig['wait_ms']:.2f} ms",
+              flush=True)
+    engine.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
