@@ -195,7 +195,8 @@ class Engine:
 
     def _finish_batch(self, runs: list[tuple[SeqState, np.ndarray, int]], entries: list[BatchEntry],
                       batched: list[np.ndarray] | None) -> list[np.ndarray]:
-        """What the batched hook declined: a 1.0 backend's per-sequence step, then the host's layers."""
+        """The step's outputs: the batched hook's, else a 1.0 backend's per-sequence step, and the host's layers
+        for what is still declined; then each sequence's tokens and cache lengths move on."""
         c, pool = self.config, self.pool
         outs: list[np.ndarray | None] = [None] * len(runs)
         if batched is not None:

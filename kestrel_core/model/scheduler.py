@@ -340,11 +340,11 @@ class Scheduler:
         """The new token's text, the stop strings, and what changed."""
         token, logprob = sampled
         text = request.text.push(token) if request.text is not None else ""
-        if request.text is not None and request.text.stopped and request.finish_reason != "stop":
-            if request.finished:
-                request.finish_reason = "stop"  # a stop string ends it, whatever else did at the same token
-            else:
+        if request.text is not None and request.text.stopped:
+            if not request.finished:
                 self._finish(request, "stop")
+            elif request.finish_reason == "length":
+                request.finish_reason = "stop"  # a stop string and max_tokens at the same token: the string's
         if request.finished and request.text is not None:
             text += request.text.flush()
         return RequestOutput(request.request_id, [token], text, [logprob] if logprob is not None else None,
