@@ -447,3 +447,55 @@ def test_steps_start_before_the_last_ones_are_reported_and_change_nothing(tmp_pa
         assert aborted[0] == want[4][0][:len(aborted[0])] and 0 < len(aborted[0]) < 12
         assert sum(reported_while_running) > len(reported_while_running) // 2 and sum(held) >= 3
         assert engine.pool.free_blocks == engine.pool.num_blocks and not fwd._pool.held
+
+
+def test_the_async_engine_over_steps_that_run_ahead(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The AsyncEngine over the deferred hook: concurrent requests get what they get alone, one whose caller
+    leaves midway is aborted and freed, a ``run_sync`` call between steps finds the engine free (the running
+    step drained), and at the end every block and device sequence is released."""
+    import asyncio
+
+    import kestrel_core
+    from kestrel_core.model.async_engine import AsyncEngine
+    from kestrel_core.model.sampling import SamplingParams
+
+    model = _model("qwen3", "q8", seed=9)
+    prompts = [p.tolist() for p in _prompts(model, (4, 30, 11, 17), seed=6)]
+    make = "lambda: DeviceForward(ops=__import__('kestrel_cuda.ops_numpy').ops_numpy.NumpyOps())"
+    path = tmp_path / "fwdcuda.py"
+    path.write_text(BATCH_BACKEND.format(decline=set(), make=make, greedy=None))
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(path))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    with kestrel_core.load(model, backend="cpu", activations="q8") as cpu:
+        want = [list(cpu.generate(p, params=params)) for p in prompts]
+
+    with kestrel_core.load(model, backend="fwdcuda") as engine:
+        ae = AsyncEngine(engine)
+        seen_running: list[bool] = []
+
+        async def consume(prompt, leave_after=None, call_after=None):  # type: ignore[no-untyped-def]
+            got: list[int] = []
+            gen = ae.generate(prompt, params)
+            async for out in gen:
+                got.extend(out.new_token_ids)
+                if len(got) == call_after:  # the others still decode: a step is in flight
+                    seen_running.append(await ae.call(lambda: ae.scheduler.step_running))
+                if leave_after is not None and len(got) >= leave_after:
+                    await gen.aclose()  # the caller leaves: the request is aborted
+                    break
+            return got
+
+        async def main():  # type: ignore[no-untyped-def]
+            ae.start()
+            tasks = [asyncio.create_task(consume(p, 3 if i == 3 else None, 2 if i == 0 else None))
+                     for i, p in enumerate(prompts)]
+            got = await asyncio.gather(*tasks)
+            await ae.shutdown(grace_s=5)
+            return got
+
+        got = asyncio.run(main())
+        fwd = engine.backend.plugin.FWD[0]
+        assert got[:3] == want[:3] and got[3] == want[3][:len(got[3])] and 3 <= len(got[3]) < 8
+        assert seen_running == [False]  # a call runs only once the step in flight is in
+        assert engine.pool.free_blocks == engine.pool.num_blocks and not fwd._pool.held
+        assert engine.stats["offload"]["kestrel_forward_batch"]["accepted"] >= 6
