@@ -1,6 +1,6 @@
 """The CUDA backend's own host work per batched decode step, no GPU needed: checking the batch
 (``paged.check``), mapping its rows and page tables (``paged.row_map``) and splitting the returned ids per
-entry (``forward._per_entry``), for S decode rows of ~700-position contexts.
+entry (``paged.per_entry``), for S decode rows of ~700-position contexts.
 
     python benchmarks/cuda_batch_host.py [--rows 32,64] [--repeat 2000]
 """
@@ -15,7 +15,6 @@ import numpy as np
 
 from kestrel_core.batch import BatchEntry
 from kestrel_cuda import paged
-from kestrel_cuda.forward import _per_entry
 
 VOCAB, CONTEXT, POOL_BLOCKS, TABLE_WIDTH = 151936, 700, 20000, 64
 
@@ -30,7 +29,7 @@ def time_rows(s: int, repeat: int) -> dict[str, float]:
     fetched = [(np.full(s, 5, np.int32), {})]
     steps = {"check": lambda: paged.check(batch, VOCAB, 40960, 512),
              "row_map": lambda: paged.row_map(batch, 0, s, s, POOL_BLOCKS, TABLE_WIDTH),
-             "per_entry": lambda: _per_entry(batch, fetched, VOCAB, False)}
+             "per_entry": lambda: paged.per_entry(batch, fetched, VOCAB, False)}
     out = {}
     for name, fn in steps.items():
         t0 = time.perf_counter()

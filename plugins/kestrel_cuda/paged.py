@@ -8,7 +8,8 @@ device's: no allocator here, and a sequence never finds the pool full. One more 
 writes of the rows that pad a captured batch to its bucket.
 
 A sequence moves between its own cache (a lone sequence: the captured M = 1 step and the pipelined greedy
-decode) and the pool (two sequences or more) by copying its positions block by block.
+decode) and the pool (two sequences or more) by copying its positions block by block. ``per_entry`` splits a
+pooled step's downloads back into each entry's result.
 """
 
 from __future__ import annotations
@@ -130,3 +131,34 @@ def row_map(batch: Sequence[BatchEntry], first: int, count: int, pad_to: int, sc
             rows[lo - first:hi - first, 1] = i
         at += t
     return tokens, rows, tables
+
+
+def per_entry(batch: Sequence[BatchEntry], fetched: list[tuple[np.ndarray, dict[int, np.ndarray]]],
+               vocab: int, whole: bool) -> list[np.ndarray]:
+    """Each entry's result from the passes' downloads (``DeviceForward._fetch``'s), in batch order: its logits
+    [logit_rows, vocab] (views of one array when ``whole``: every row came back), or its greedy tokens int64
+    [logit_rows] (argmax_only)."""
+    if not fetched:  # prompt chunks only, none of whose logits are due yet
+        return [np.zeros(0, np.int64) if e.argmax_only else np.zeros((0, vocab), np.float32) for e in batch]
+    if whole:
+        rows_out = np.concatenate([out for out, _ in fetched]) if len(fetched) > 1 else fetched[0][0]
+        parts, at = [], 0
+        for e in batch:
+            parts.append(rows_out[at:at + e.logit_rows])
+            at += e.logit_rows
+        return parts
+    ids, logit_rows, base = [], {}, 0  # every returned row's greedy token, and the logits some rows need
+    for out, extra in fetched:
+        ids.append(out.astype(np.int64))
+        logit_rows.update({base + r: row for r, row in extra.items()})
+        base += len(out)
+    all_ids = np.concatenate(ids)
+    parts, at = [], 0
+    for e in batch:
+        rows = range(at, at + e.logit_rows)
+        if e.argmax_only:
+            parts.append(all_ids[at:at + e.logit_rows])
+        else:
+            parts.append(np.concatenate([logit_rows[r] for r in rows]) if rows else np.zeros((0, vocab), np.float32))
+        at += e.logit_rows
+    return parts

@@ -321,6 +321,14 @@ def serve_all(engine, prompts: list[list[int]], params) -> list[list[int]]:  # t
     return [got[i] for i in ids]
 
 
+def _bind_batch_backend(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The backend ``fwdcuda``: BATCH_BACKEND over the numpy mirrors, bound through KESTREL_BACKEND_PATH."""
+    make = "lambda: DeviceForward(ops=__import__('kestrel_cuda.ops_numpy').ops_numpy.NumpyOps())"
+    path = tmp_path / "fwdcuda.py"
+    path.write_text(BATCH_BACKEND.format(decline=set(), make=make, greedy=None))
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(path))
+
+
 BATCH_BACKEND = DECLINING_BACKEND + '''
 
 @hookimpl
@@ -341,10 +349,7 @@ def test_a_mixture_of_experts_serves_concurrent_requests_on_the_device(tmp_path,
     model = load_model(str(Path(__file__).resolve().parents[1] / "fixtures" / "models" / "tiny-qwen2-moe"), "q8",
                        cache="off").model
     prompts = [p.tolist() for p in _prompts(model, (4, 30, 11), seed=6)]
-    make = "lambda: DeviceForward(ops=__import__('kestrel_cuda.ops_numpy').ops_numpy.NumpyOps())"
-    path = tmp_path / "fwdcuda.py"
-    path.write_text(BATCH_BACKEND.format(decline=set(), make=make, greedy=None))
-    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(path))
+    _bind_batch_backend(tmp_path, monkeypatch)
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     with kestrel_core.load(model, backend="cpu", activations="q8") as cpu:
         want = [list(cpu.generate(p, params=params)) for p in prompts]
@@ -365,10 +370,7 @@ def test_engine_serves_concurrent_requests_through_the_batched_hook(tmp_path, mo
 
     model = _model("qwen3", "q8", seed=9)
     prompts = [p.tolist() for p in _prompts(model, (4, 30, 11, 17), seed=6)]
-    make = "lambda: DeviceForward(ops=__import__('kestrel_cuda.ops_numpy').ops_numpy.NumpyOps())"
-    path = tmp_path / "fwdcuda.py"
-    path.write_text(BATCH_BACKEND.format(decline=set(), make=make, greedy=None))
-    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(path))
+    _bind_batch_backend(tmp_path, monkeypatch)
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=logprobs)
     with kestrel_core.load(model, backend="cpu", activations="q8") as cpu:
         want = [list(cpu.generate(p, params=params)) for p in prompts]
@@ -393,10 +395,7 @@ def test_steps_start_before_the_last_ones_are_reported_and_change_nothing(tmp_pa
 
     model = _model("qwen3", "q8", seed=9)
     prompts = [p.tolist() for p in _prompts(model, (4, 30, 11, 17, 9), seed=6)]
-    make = "lambda: DeviceForward(ops=__import__('kestrel_cuda.ops_numpy').ops_numpy.NumpyOps())"
-    path = tmp_path / "fwdcuda.py"
-    path.write_text(BATCH_BACKEND.format(decline=set(), make=make, greedy=None))
-    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(path))
+    _bind_batch_backend(tmp_path, monkeypatch)
     free = SamplingParams(max_tokens=12, ignore_eos=True)
 
     def alone(engine, prompt, params):  # type: ignore[no-untyped-def]
@@ -461,10 +460,7 @@ def test_the_async_engine_over_steps_that_run_ahead(tmp_path, monkeypatch) -> No
 
     model = _model("qwen3", "q8", seed=9)
     prompts = [p.tolist() for p in _prompts(model, (4, 30, 11, 17), seed=6)]
-    make = "lambda: DeviceForward(ops=__import__('kestrel_cuda.ops_numpy').ops_numpy.NumpyOps())"
-    path = tmp_path / "fwdcuda.py"
-    path.write_text(BATCH_BACKEND.format(decline=set(), make=make, greedy=None))
-    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(path))
+    _bind_batch_backend(tmp_path, monkeypatch)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     with kestrel_core.load(model, backend="cpu", activations="q8") as cpu:
         want = [list(cpu.generate(p, params=params)) for p in prompts]
