@@ -244,6 +244,8 @@ class _Write:
     def _run(self, loaded: LoadedModel, key: str, stale_glob: str) -> None:
         try:
             _write_entry(loaded, self.entry, key, stale_glob, progress=self._report)
+        except Exception as exc:  # nobody catches on this thread: one warning, not a traceback
+            log.warning("could not cache the quantized model in %s: %s: %s", self.entry, type(exc).__name__, exc)
         finally:
             _writes.pop(self.entry, None)
 

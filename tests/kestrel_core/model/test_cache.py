@@ -226,6 +226,17 @@ def test_a_cancelled_or_failed_write_on_a_thread_leaves_no_entry_and_no_temp(
     assert "could not cache the quantized model" in caplog.text and "No space left" in caplog.text
     assert list((home / "cache").iterdir()) == [] and builds == ["q8", "q8"]
 
+    def bug(f, *args, **kwargs):
+        raise ZeroDivisionError("a bug in the writer")
+
+    monkeypatch.setattr(artifact_write, "_write_safetensors", bug)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kestrel"):
+        load_model(root, quant="q8")
+        loader.finish_cache_writes()
+    assert "ZeroDivisionError: a bug in the writer" in caplog.text  # a warning, the thread ends quietly
+    assert list((home / "cache").iterdir()) == []
+
 
 def test_a_corrupt_entry_is_rebuilt_with_a_warning(home: Path, hf, builds: list[str],
                                                    caplog: pytest.LogCaptureFixture) -> None:
