@@ -202,15 +202,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """The CLI; Ctrl-C at any moment of it (argument parsing and logging setup too) is "interrupted", exit 130."""
     try:
-        return _main(argv)
+        code = _main(argv)
+        _finish_cache_writes()  # what the command left writing, failed or not
+        return code
     except KeyboardInterrupt:
+        _finish_cache_writes(cancel=True)
         print("interrupted", file=sys.stderr)
         return 130
 
 
 def _finish_cache_writes(cancel: bool = False) -> None:
-    """A command's model cache entry written on a thread: waited for (``kestrel run`` of a new checkpoint), or
-    cancelled on Ctrl-C. Nothing to do where the loader was never imported."""
+    """A command's model cache entry still being written on a thread (a large new checkpoint): waited for at
+    the command's end, with a progress bar, or cancelled on Ctrl-C. Nothing to do where no loader ran."""
     loader = sys.modules.get("kestrel_core.model.loader")
     if loader is not None:
         loader.finish_cache_writes(cancel=cancel)
@@ -227,9 +230,7 @@ def _main(argv: Sequence[str] | None) -> int:
         check_cli_args(args)  # every command's values, before anything slow
         args.backend_options = parse_backend_options(getattr(args, "backend_option", None))
         with default_options(args.backend_options):  # every Registry this command builds opens with them
-            code = int(args.func(args) or 0)
-        _finish_cache_writes()
-        return code
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         _finish_cache_writes(cancel=True)
         err.print("interrupted")

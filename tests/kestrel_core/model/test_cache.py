@@ -395,3 +395,21 @@ def test_the_former_cache_variable_is_refused_by_name(monkeypatch: pytest.Monkey
     monkeypatch.setenv("KESTREL_HF_CACHE", "0")
     with pytest.raises(KestrelError, match="KESTREL_HF_CACHE was renamed KESTREL_MODEL_CACHE"):
         load_model(hf[0], quant="q8")
+
+
+def test_a_kestrel_command_waits_for_the_entry_it_left_writing(home: Path, hf, builds: list[str],
+                                                               gated_writer: threading.Event, monkeypatch,
+                                                               capsys) -> None:
+    """``kestrel run`` of a checkpoint whose entry is written on a thread ends once the entry is whole."""
+    from kestrel_core import cli
+
+    root, _ = hf
+    waiting = loader.finish_cache_writes
+
+    def opens_the_gate(**kwargs):  # type: ignore[no-untyped-def]
+        gated_writer.set()  # the write goes on only once the command waits for it
+        waiting(**kwargs)
+
+    monkeypatch.setattr(loader, "finish_cache_writes", opens_the_gate)
+    assert cli.main(["run", "hi", "--model", str(root), "--max-tokens", "2", "--backend", "cpu", "--no-chat"]) == 0
+    assert len(_entries(home)) == 1 and _temps(home) == [] and not loader._writes
