@@ -221,8 +221,7 @@ class Scheduler:
         try:
             logits = step.result()
         except Exception:  # the step failed as a whole: its requests end; the scheduler goes on
-            for request, _, _ in work:
-                self._finish(request, "abort")
+            self._abort_step(work)
             raise
         finally:
             self._release_held()
@@ -244,8 +243,7 @@ class Scheduler:
             step = self.engine.start_batch([(r.seq, toks, rows) for r, toks, rows in work],
                                            [r.argmax_only for r, _, _ in work])
         except Exception:
-            for request, _, _ in work:
-                self._finish(request, "abort")
+            self._abort_step(work)
             raise
         return work, step
 
@@ -398,6 +396,10 @@ class Scheduler:
         seq.device_len = len(seq.tokens)
         request.sampler.count(nxt)
         return [self._report(request, self._accept(request, (nxt, None)))]
+
+    def _abort_step(self, work: list[tuple[Request, list[int], int]]) -> None:
+        for request, _, _ in work:
+            self._finish(request, "abort")
 
     def _release_held(self) -> None:
         held, self._held = self._held, []
