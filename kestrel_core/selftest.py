@@ -4,10 +4,11 @@ Any backend, ours or a third party's, is run with ``kestrel selftest --backend N
 when every output element is within a float-rounding bound of the reference: integer block sums are exact in
 every correct implementation, so only the order of the float accumulation over blocks may differ.
 
-A whole step cannot be held to a fixed bound: every linear quantizes its input to int8, so an activation
-within rounding of a code boundary gets the neighbouring code in another (correct) implementation, and later
-layers amplify that. The batched-step cases therefore measure their band: the CPU decoder is run a second
-time with every linear's input nudged by a few ulps (``JITTER``), and the backend may differ from the CPU by
+A whole step cannot be held to a fixed bound: every linear quantizes its input to int8 (and the KV cache
+rounds keys and values to float16), so a value within rounding of a boundary rounds the other way in another
+(correct) implementation, and later layers amplify that. The batched-step cases therefore measure their band:
+the CPU decoder is run a second time with every linear's input and output nudged by a few ulps (``JITTER``),
+and the backend may differ from the CPU by
 ``JITTER_FACTOR`` times what the nudge alone changes. On the small random models here that band is 1-3 %
 (relative L2 of the logits), so these cases catch what a wrong kernel does (a bad index, a missing bias, the
 rows of another sequence: tens of %), while the GEMM cases above catch subtle errors in the arithmetic.
@@ -35,7 +36,7 @@ from kestrel_core.wkey import PROJ_GROUPS
 
 GEMM_HOOKS = ("kestrel_gemm_q8", "kestrel_gemm_f32", "kestrel_gemm_fused_q8")
 FORWARD_BATCH = "kestrel_forward_batch"
-JITTER = 2.0 ** -21  # relative nudge of linear inputs: 4 float32 ulps
+JITTER = 2.0 ** -21  # relative nudge of linear inputs and outputs: 4 float32 ulps
 JITTER_FACTOR = 3.0  # a backend may differ by this many times the nudge's effect (relative L2 of the logits)
 JITTER_FLOOR = 1e-5  # relative, for when the nudge changes no code at all
 EPS32 = float(np.finfo(np.float32).eps)
@@ -194,7 +195,9 @@ def run_case(backend: Backend, case: SelfTestCase, layer: int) -> CaseResult:
 
 
 class JitterOffload(Offload):
-    """The CPU offload with every linear's input multiplied by (1 +- JITTER), seeded signs."""
+    """The CPU offload with every linear's input and output multiplied by (1 +- JITTER), seeded signs: a
+    backend's GEMMs sum in another order, so its outputs differ by float rounding, and so may every rounding
+    after them (the next linear's int8 codes, the float16 keys and values of the cache)."""
 
     def __init__(self, cpu: Backend, seed: int) -> None:
         super().__init__(cpu, cpu)
@@ -205,10 +208,10 @@ class JitterOffload(Offload):
         return (x * (np.float32(1) + np.float32(JITTER) * signs)).astype(np.float32)
 
     def linear(self, x: np.ndarray, weight: StripCache, wkey: int) -> np.ndarray:
-        return super().linear(self._nudge(x), weight, wkey)
+        return self._nudge(super().linear(self._nudge(x), weight, wkey))
 
     def linear_fused(self, x: np.ndarray, weights: Any, wkeys: Any, fused_wkey: int) -> list[np.ndarray]:
-        return super().linear_fused(self._nudge(x), weights, wkeys, fused_wkey)
+        return [self._nudge(y) for y in super().linear_fused(self._nudge(x), weights, wkeys, fused_wkey)]
 
 
 # Steps of the batched-step cases: (sequence, new tokens, logit rows) each. Sequences join late, prompts

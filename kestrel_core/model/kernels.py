@@ -7,6 +7,10 @@ with it, which sequences they belong to, or how a prompt was split into chunks: 
 same whether it is decoded alone, in a batch of 64, or teacher-forced in a prefill. Batching and chunked
 prefill therefore change no result, and a preempted sequence recomputed later gets its cache back bit for bit.
 
+Keys and values are cached at float16 precision, rounded to nearest, ties to even (``_f16``), as llama.cpp's
+and vLLM's caches hold them: a device backend stores them in half the bytes of float32 and reads them back
+exactly. The host pool keeps them in float32 arrays.
+
 Attention dot products run with the positions as the inner, independent loop over keys stored transposed
 ([blocks, KV, hd, block]), so LLVM vectorises them without reassociating anything.
 
@@ -36,20 +40,43 @@ def _rmsnorm_rows(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.nd
             out[i, j] = x[i, j] * inv * weight[j]
 
 
+def _f16(x: np.ndarray) -> None:
+    # x: float32 [n], rounded in place to the nearest IEEE binary16 value (ties to even), kept as float32:
+    # an 11-bit significand from 2^-14 up, steps of 2^-24 below, +-inf from 65520 on (CUDA's
+    # __float2half_rn, numpy's astype(float16)). On the bits: add half a float16 step less one (plus the
+    # kept lowest bit, for ties) and truncate; a carry into the exponent is the right rounding up.
+    b = x.view(np.uint32)
+    for i in range(b.shape[0]):
+        e = (b[i] >> 23) & 0xFF
+        if e >= 113 and e < 255:  # |x| >= 2^-14, finite
+            r = (b[i] + np.uint32(0xFFF) + ((b[i] >> 13) & 1)) & np.uint32(0xFFFFE000)
+            if (r & np.uint32(0x7FFFFFFF)) >= np.uint32(0x47800000):  # 65536 and up: overflow
+                r = (b[i] & np.uint32(0x80000000)) | np.uint32(0x7F800000)
+            b[i] = r
+        elif e < 113:  # float16's subnormal steps, exact in float64 but the one rint
+            x[i] = np.float32(np.rint(np.float64(x[i]) * 16777216.0) / 16777216.0)
+
+
 def _rope_write(k: np.ndarray, v: np.ndarray, kt: np.ndarray, vc: np.ndarray, slots: np.ndarray,
                 cos: np.ndarray, sin: np.ndarray) -> None:
     # k, v: [M, KV, hd] new keys/values; kt: [NB, KV, hd, BS] and vc: [NB, BS, KV, hd] one layer's pool;
     # slots: [M] block * BS + offset of each row's position; cos/sin: [M, hd] (sin carries rotate_half's sign).
+    # Both are stored rounded to float16 (f16).
     m, n_kv, hd = k.shape
     bs = kt.shape[3]
     half = hd // 2
+    row = np.empty(2 * hd, np.float32)  # a head's rotated key, then its value
     for r in range(m):
         blk, off = slots[r] // bs, slots[r] % bs
         for kh in range(n_kv):  # x * cos + rotate_half(x) * sin
             for j in range(hd):
                 js = j + half if j < half else j - half
-                kt[blk, kh, j, off] = k[r, kh, j] * cos[r, j] + k[r, kh, js] * sin[r, j]
-                vc[blk, off, kh, j] = v[r, kh, j]
+                row[j] = k[r, kh, j] * cos[r, j] + k[r, kh, js] * sin[r, j]
+                row[hd + j] = v[r, kh, j]
+            f16(row)
+            for j in range(hd):
+                kt[blk, kh, j, off] = row[j]
+                vc[blk, off, kh, j] = row[hd + j]
 
 
 def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, row_seq: np.ndarray,
@@ -134,6 +161,7 @@ def prange(*args: int) -> range:
 
 
 COMPILE_ERRORS: tuple[type[BaseException], ...] = ()
+f16: Any = _f16
 rmsnorm_rows: Any = _rmsnorm_rows
 rope_write: Any = _rope_write
 attend: Any = _attend
@@ -142,7 +170,7 @@ AVAILABLE = False
 
 
 def _build() -> bool:
-    global rmsnorm_rows, rope_write, attend, rows_dot, COMPILE_ERRORS, prange
+    global f16, rmsnorm_rows, rope_write, attend, rows_dot, COMPILE_ERRORS, prange
     try:
         import numba
         from numba import njit
@@ -153,6 +181,7 @@ def _build() -> bool:
     COMPILE_ERRORS = (NumbaError,)
     prange = numba.prange  # a global the parallel kernel resolves when it compiles
     jit = njit(cache=True, nogil=True)
+    f16 = jit(_f16)  # a global rope_write resolves when it compiles
     rmsnorm_rows = jit(_rmsnorm_rows)
     rope_write = jit(_rope_write)
     rows_dot = jit(_rows_dot)

@@ -1,5 +1,6 @@
-// Attention over the device KV cache: attn_decode (one query row, split over positions), attn_rows (a batch
-// of sequences' decode rows over the paged pool) and attn_prefill (causal, 16 query rows a block).
+// Attention over the device KV cache (float16 keys and values, forward.cuh kv_t; every sum in float32):
+// attn_decode (one query row, split over positions), attn_rows (a batch of sequences' decode rows over the
+// paged pool) and attn_prefill (causal, 16 query rows a block).
 
 // Decode attention (one query row at position meta[0], keys 0..meta[0], or the last ``window`` of them),
 // split over positions.
@@ -15,7 +16,7 @@
 // keep AB x 2 x MAXJ loads in flight per lane at either size.
 template <int NS, int MAXJ>
 __global__ void __launch_bounds__(AW * 32) attn_decode(
-    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
+    const float* __restrict__ q, const kv_t* __restrict__ kc, const kv_t* __restrict__ vc, int cap, int H,
     int KV, int hd, float scale, const int* __restrict__ meta, float* __restrict__ part,
     int* __restrict__ counters, float* __restrict__ out, int window)
 {
@@ -35,8 +36,8 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     const int pb = split * chunk;
     const int pe = min(seen, pb + chunk);
     const int kvh = h / (H / KV);
-    const float* kb = kc + ((size_t)kvh * cap + lo) * hd;
-    const float* vb = vc + ((size_t)kvh * cap + lo) * hd;
+    const kv_t* kb = kc + ((size_t)kvh * cap + lo) * hd;
+    const kv_t* vb = vc + ((size_t)kvh * cap + lo) * hd;
     float qr[MAXJ], acc[MAXJ];
 #pragma unroll
     for (int j = 0; j < MAXJ; ++j) {
@@ -55,8 +56,8 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
                 const int d = lane + 32 * j;
                 const bool ok = p < pe && d < hd;
                 const size_t at = (size_t)(p < pe ? p : 0) * hd + d;
-                kr[b][j] = ok ? kb[at] : 0.f;
-                vr[b][j] = ok ? vb[at] : 0.f;
+                kr[b][j] = ok ? from_kv(kb[at]) : 0.f;
+                vr[b][j] = ok ? from_kv(vb[at]) : 0.f;
             }
         }
         float sc[AB];
@@ -151,18 +152,19 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 // a block takes query heads part * NW .. part * NW + NW - 1 (NW = blockDim.x / 32 <= 8 warps, one a head) of
 // the G = H / KV heads of KV head blockIdx.x, over its split's share of the row's pages (``splits`` of them:
 // enough blocks when the batch is small), so each page of keys and values is read from memory once for them:
-// the block stages page after page in shared memory (two buffers, cp.async; a page's KV_BLOCK == PT positions
-// are contiguous), and each warp runs attn_prefill's scheme on it: lane j scores position j (16-byte shared
-// reads), a warp-wide online softmax, lane j accumulates dimensions 4j..4j+3. With splits > 1 each head's (max,
+// the block stages page after page in shared memory (two buffers, 8-byte cp.async of 4 float16; a page's
+// KV_BLOCK == PT positions are contiguous), and each warp runs attn_prefill's scheme on it: lane j scores
+// position j (8-byte shared reads of 4 dimensions, conflict-free with key rows padded by 4), a warp-wide online
+// softmax, lane j accumulates dimensions 4j..4j+3. With splits > 1 each head's (max,
 // sum, acc[hd]) goes to part[row][head][split] (records of hd + 4 floats) and the last block of (row, KV head,
 // part) to arrive merges the splits in order, as attn_decode does. hd % 4 == 0, hd <= 256 (a lane's NCH
 // chunks of 4 dimensions, 128 apart); HD: hd known at
 // compile time (the page copy's index arithmetic and the dot products unrolled), 0: read from ``hd``. The dot
 // products and the value sums are fused multiply-adds (--fmad=false keeps every other kernel's apart).
-// Dynamic shared memory: (2 * PT * (2 * hd + 4) + NW * hd) floats.
+// Dynamic shared memory: 2 * PT * (2 * hd + 4) float16, then NW * hd floats.
 template <int HD>
 __global__ void __launch_bounds__(256) attn_rows(
-    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
+    const float* __restrict__ q, const kv_t* __restrict__ kc, const kv_t* __restrict__ vc, int cap, int H,
     int KV, int hd_arg, float scale, const int* __restrict__ rows, const int* __restrict__ tables, int tb,
     float* __restrict__ out, int splits, float* __restrict__ part, int* __restrict__ counters, int window)
 {
@@ -170,19 +172,19 @@ __global__ void __launch_bounds__(256) attn_rows(
     grid_dep_wait();
     extern __shared__ float smem[];
     const int hd = HD ? HD : hd_arg;
-    const int ldk = hd + 4;                 // 16-byte aligned rows, conflict-free per quarter warp
+    const int ldk = hd + 4;                 // 8-byte aligned rows, conflict-free per half warp
     const int G = H / KV, kvh = blockIdx.x, row = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const int parts = (G + nw - 1) / nw, hpart = blockIdx.z % parts, split = blockIdx.z / parts;
     const int g0 = hpart * nw, heads = min(nw, G - g0);  // this block's heads of the group
-    float* ks = smem;                       // [2][PT][hd + 4]
-    float* vs = ks + 2 * PT * ldk;          // [2][PT][hd]
-    float* qs = vs + 2 * PT * hd;           // [NW][hd], scaled
+    kv_t* ks = reinterpret_cast<kv_t*>(smem);  // [2][PT][hd + 4]
+    kv_t* vs = ks + 2 * PT * ldk;           // [2][PT][hd]
+    float* qs = reinterpret_cast<float*>(vs + 2 * PT * hd);  // [NW][hd], scaled (16-byte aligned: 128 (2 hd + 4) B)
     const int len = rows[2 * row] + 1;
     const int lo = window > 0 ? max(0, len - window) : 0;  // a sliding window's first position
     const int* table = tables + (size_t)rows[2 * row + 1] * tb;
-    const float* kb = kc + (size_t)kvh * cap * hd;
-    const float* vb = vc + (size_t)kvh * cap * hd;
+    const kv_t* kb = kc + (size_t)kvh * cap * hd;
+    const kv_t* vb = vc + (size_t)kvh * cap * hd;
     const float* qr = q + (size_t)row * H * hd + (size_t)(kvh * G + g0) * hd;
     for (int i = threadIdx.x; i < heads * hd; i += blockDim.x) qs[i] = qr[i] * scale;
     const int p0 = lo / PT;                 // the first page holding a visible position
@@ -194,8 +196,8 @@ __global__ void __launch_bounds__(256) attn_rows(
         for (int i = threadIdx.x; i < PT * hd4; i += blockDim.x) {
             const int r = i / hd4, d = 4 * (i - r * hd4);
             const bool ok = t * PT + r < len;
-            cp_async16(smem_u32(ks + (buf * PT + r) * ldk + d), ok ? kb + base + (size_t)r * hd + d : kb, ok ? 16 : 0);
-            cp_async16(smem_u32(vs + (buf * PT + r) * hd + d), ok ? vb + base + (size_t)r * hd + d : vb, ok ? 16 : 0);
+            cp_async8(smem_u32(ks + (buf * PT + r) * ldk + d), ok ? kb + base + (size_t)r * hd + d : kb, ok ? 8 : 0);
+            cp_async8(smem_u32(vs + (buf * PT + r) * hd + d), ok ? vb + base + (size_t)r * hd + d : vb, ok ? 8 : 0);
         }
     };
     if (pb < pages) load(pb, 0);
@@ -209,14 +211,14 @@ __global__ void __launch_bounds__(256) attn_rows(
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();                    // page t (and the scaled q) visible to every warp
-        const float* kt = ks + ((t - pb) & 1) * PT * ldk;
-        const float* vt = vs + ((t - pb) & 1) * PT * hd;
+        const kv_t* kt = ks + ((t - pb) & 1) * PT * ldk;
+        const kv_t* vt = vs + ((t - pb) & 1) * PT * hd;
         const int p = t * PT + lane;
-        const float4* k4 = reinterpret_cast<const float4*>(kt + lane * ldk);
+        const uint2* k4 = reinterpret_cast<const uint2*>(kt + lane * ldk);
         float sc = 0.f;
 #pragma unroll 8
         for (int dd = 0; dd < hd4; ++dd) {
-            const float4 kk = k4[dd], qq = q4[dd];
+            const float4 kk = from_kv4(k4[dd]), qq = q4[dd];
             sc = fmaf(qq.x, kk.x, sc); sc = fmaf(qq.y, kk.y, sc); sc = fmaf(qq.z, kk.z, sc);
             sc = fmaf(qq.w, kk.w, sc);
         }
@@ -239,7 +241,7 @@ __global__ void __launch_bounds__(256) attn_rows(
             for (int ch = 0; ch < NCH; ++ch) {
                 const int d = d4 + 128 * ch;
                 if (d < hd) {
-                    const float4 vv = *reinterpret_cast<const float4*>(vt + r * hd + d);
+                    const float4 vv = from_kv4(*reinterpret_cast<const uint2*>(vt + r * hd + d));
                     acc[ch][0] = fmaf(w, vv.x, acc[ch][0]); acc[ch][1] = fmaf(w, vv.y, acc[ch][1]);
                     acc[ch][2] = fmaf(w, vv.z, acc[ch][2]); acc[ch][3] = fmaf(w, vv.w, acc[ch][3]);
                 }
@@ -310,7 +312,7 @@ __global__ void __launch_bounds__(256) attn_rows(
 // Grid: x = H, y = ceil(M / 16); block 256; dynamic shared memory (32*(hd+4) + 32*hd + 16*hd) floats.
 #define PQ2 16
 extern "C" __global__ void __launch_bounds__(256) attn_prefill(
-    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int cap, int H,
+    const float* __restrict__ q, const kv_t* __restrict__ kc, const kv_t* __restrict__ vc, int cap, int H,
     int KV, int hd, float scale, const int* __restrict__ meta, int M, float* __restrict__ out, int window)
 {
     grid_dep_launch();
@@ -330,8 +332,8 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill(
     const int lob = window > 0 ? loa + 1 : 0;
     const int first = window > 0 ? max(0, pos0 + r0 - window + 1) : 0;  // the block's first row's first key
     const int kvh = h / (H / KV);
-    const float* kb = kc + (size_t)kvh * cap * hd;
-    const float* vb = vc + (size_t)kvh * cap * hd;
+    const kv_t* kb = kc + (size_t)kvh * cap * hd;
+    const kv_t* vb = vc + (size_t)kvh * cap * hd;
     for (int i = threadIdx.x; i < PQ2 * hd; i += 256) {
         const int r = i / hd, d = i - r * hd;
         qs[i] = r0 + r < M ? q[(size_t)(r0 + r) * H * hd + h * hd + d] * scale : 0.f;
@@ -347,7 +349,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill(
             const int r = i / hd, d = i - r * hd;
             const int p = t0 + r;
             float kv = 0.f, vv = 0.f;
-            if (p <= pmax) { kv = kb[(size_t)p * hd + d]; vv = vb[(size_t)p * hd + d]; }
+            if (p <= pmax) { kv = from_kv(kb[(size_t)p * hd + d]); vv = from_kv(vb[(size_t)p * hd + d]); }
             ks[r * ldk + d] = kv;
             vs[r * hd + d] = vv;
         }

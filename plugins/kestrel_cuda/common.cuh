@@ -69,7 +69,25 @@ __device__ __forceinline__ bool arrive_last(int* counter, int count, int* flag) 
     return *flag;
 }
 
-// cp.async: 16- and 4-byte global -> shared copies (bytes < size: the rest zero-filled), groups, waits.
+// Programmatic dependent launch (sm_90): a kernel launched with programmatic stream serialization may start
+// while its predecessor in the stream is still running. Everything before grid_dep_wait() must touch only
+// what no kernel of the step writes (weights, norms, tables); the wait returns once the predecessor has
+// completed and its writes are visible. Without that launch attribute the wait returns at once. Every
+// kernel of a captured step (the forward's, and the tiled GEMM of its steps of several rows) lets its
+// dependents launch at its start: they only prefetch weights until their own wait.
+__device__ __forceinline__ void grid_dep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_dep_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// cp.async: 16-, 8- and 4-byte global -> shared copies (bytes < size: the rest zero-filled), groups, waits.
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
@@ -78,6 +96,10 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
 
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ void cp_async4(u32 dst, const void* src, int bytes) {

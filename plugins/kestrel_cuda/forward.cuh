@@ -10,7 +10,7 @@
 //   weights   codes K-major [K][Npad] int8, or int4 [K/8][Npad] 32-bit words of 8 k of one column (common.cuh),
 //             scales [K/G][Npad]
 //   h         [M][D] residual stream; qkv [M][Nqkv] (q | k | v); q [M][H*hd]; attn [M][H*hd]; gu [M][2F]
-//   kv cache  one layer: k [KV][cap][hd], v [KV][cap][hd]
+//   kv cache  one layer: k [KV][cap][hd], v [KV][cap][hd], float16 (kv_t): the CPU decoder's float16 rounding
 //   meta      int32 device memory: meta[0] = absolute position of row 0 (the graph reads it at run time)
 
 #define NT 256          // threads of a GEMV block (8 warps)
@@ -18,22 +18,25 @@
 #define FULL FULL_MASK
 #define NEG_INF __int_as_float(0xff800000)  // -inf without math headers (NVRTC)
 
-// Programmatic dependent launch (sm_90): a kernel launched with programmatic stream serialization may start
-// while its predecessor in the stream is still running. Everything before grid_dep_wait() must touch only
-// what no kernel of the step writes (weights, norms, tables); the wait returns once the predecessor has
-// completed and its writes are visible. Without that launch attribute the wait returns at once. Every
-// kernel here lets its dependents launch at its start: they only prefetch weights until their own wait.
-__device__ __forceinline__ void grid_dep_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
+// Keys and values are cached as IEEE float16, rounded to nearest even like the CPU decoder's (kernels.f16),
+// and read back exactly. Conversions by PTX: NVRTC sees no cuda_fp16.h.
+typedef unsigned short kv_t;
+__device__ __forceinline__ kv_t to_kv(float x) {
+    kv_t h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+__device__ __forceinline__ float from_kv(kv_t h) {
+    float x;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h));
+    return x;
+}
+// four float16 of a uint2 (memory order), as floats
+__device__ __forceinline__ float4 from_kv4(uint2 w) {
+    return make_float4(from_kv((kv_t)(w.x & 0xffffu)), from_kv((kv_t)(w.x >> 16)), from_kv((kv_t)(w.y & 0xffffu)),
+                       from_kv((kv_t)(w.y >> 16)));
 }
 
-__device__ __forceinline__ void grid_dep_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
 
 // gelu_tanh(g) * u in the CPU decoder's order: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) * u (Gemma's
 // GeGLU); tanhf's last bits may differ from numpy's tanh.

@@ -36,7 +36,7 @@ API (what the ``kestrel_forward`` / ``kestrel_release_sequence`` hookimpls call)
   ``fuse_rope``: at M = 1 with head_dim == TILE_N the q|k|v GEMV's epilogue does qkv_rope's work (one head a
   column tile: a launch fewer per layer and step, the same bits); False keeps the separate kernel.
 - ``forward``: ``tokens`` (integers) [T] at absolute positions ``start..start+T-1`` of sequence ``seq_id``.
-  The KV cache lives on the device, one per ``seq_id`` (float32, grown 1024 positions at a time up to
+  The KV cache lives on the device, one per ``seq_id`` (float16, grown 1024 positions at a time up to
   min(model context, ``config.max_context``)); ``start == 0`` resets it; ``start`` below the cached length
   rewinds. Declines (returns None; the engine recomputes on the CPU): ``start`` above the cached length (the
   engine ran steps on the CPU meanwhile), a context beyond the maximum, a token outside the vocabulary, an
@@ -74,6 +74,7 @@ from kestrel_cuda.forward_state import Projections, State, WeightSource, build_s
 from kestrel_cuda.plan import (
     EPI_ADD,
     EPI_STORE,
+    KV_DTYPE,
     MAX_HEAD_DIM,
     PRO_GELU_MUL,
     PRO_PLAIN,
@@ -118,7 +119,7 @@ def unsupported_reason(model: Model) -> str | None:
 
 @dataclass
 class _Seq:
-    kv: Any  # float32 [L, 2, KV, cap, hd]
+    kv: Any  # float16 [L, 2, KV, cap, hd]
     length: int = 0
     graph: Callable[[], None] | None = None
 
@@ -537,7 +538,7 @@ class DeviceForward:
             return seq
         c = st.config
         cap = min(st.max_context, -(-end // CAP_CHUNK) * CAP_CHUNK)
-        kv = self.ops.zeros((c.num_layers, 2, c.num_kv_heads, cap, c.head_dim), np.float32)
+        kv = self.ops.zeros((c.num_layers, 2, c.num_kv_heads, cap, c.head_dim), KV_DTYPE)
         if seq is None:
             seq = self._seqs[seq_id] = _Seq(kv)
         else:

@@ -134,14 +134,14 @@ class DeviceGemm:
         self.sm_count = sm_count
         self._workspaces: dict[int, Workspace] = {}
         self.launches = {"gemv": 0, "mma": 0, "f32": 0, "quantize": 0}
-        self._ex: Any = None
-        if clusters:
-            with contextlib.suppress(OSError, AttributeError):  # no cuLaunchKernelEx: the workspace merge
-                self._ex = ExLauncher()
+        self._ex: Any = None  # cuLaunchKernelEx, for clusters and programmatic dependent launch
+        with contextlib.suppress(OSError, AttributeError):  # none: the workspace merge, plain launches
+            self._ex = ExLauncher()
+        self._clusters = clusters and self._ex is not None
 
     @property
     def clusters(self) -> bool:
-        return self._ex is not None
+        return self._clusters
 
     def workspace(self, stream: Any | None = None) -> Workspace:
         """The split-K workspace of ``stream`` (created on first use: call it before a graph capture)."""
@@ -166,9 +166,12 @@ class DeviceGemm:
     # -- GEMMs ---------------------------------------------------------------------------------------
 
     def q8(self, a_codes: Any, a_scales: Any, weight: DeviceWeight, out: Any, n: int | None = None,
-           stream: Any = None, *, variant: tuple | None = None, splits: int | None = None,
+           stream: Any = None, *, pdl: bool = False, variant: tuple | None = None, splits: int | None = None,
            mma_tile: str | None = None) -> None:
         """out[:M, :n] = int8 GEMM of a_codes [M,K] (scales [M,K/G]) with ``weight``.
+
+        ``pdl`` (the tensor-core kernel, inside a graph capture): launched with programmatic stream
+        serialization, so it copies its first weights while the previous kernel still runs (gemm_mma.cu).
 
         Benchmarks and tests may force a kernel: ``variant`` ("warp", MT, VEC, BITS) of the GEMV, ``splits`` its
         split-K (or the tensor-core kernel's), ``mma_tile`` the tensor-core kernel (a ``kernels.MMA_TILES``
@@ -204,9 +207,10 @@ class DeviceGemm:
         smem = tile.smem_bytes(g.code_bits, g.group_size)
         args = (_ptr(a_codes), _ptr(a_scales), i32(m), _ptr(weight.codes), _ptr(weight.scales), _ptr(out),
                 i32(ldo), i32(n), i32(k), i32(g.npad), _ptr(ws.partial), _ptr(ws.counters), i32(per), NULL, NULL)
-        if 1 < nz <= MAX_CLUSTER and self._ex is not None:
+        cluster = (1, 1, nz) if 1 < nz <= MAX_CLUSTER and self._clusters else None
+        if (cluster or pdl) and self._ex is not None:
             self._ex.launch(kern, grid, (tile.threads,), args, smem,
-                            stream if stream is not None else self.cp.cuda.get_current_stream(), False, (1, 1, nz))
+                            stream if stream is not None else self.cp.cuda.get_current_stream(), pdl, cluster)
         else:
             _launch(kern, grid, (tile.threads,), args, stream, smem)
         self.launches["mma"] += 1

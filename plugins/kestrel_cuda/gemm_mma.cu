@@ -21,6 +21,10 @@
 // loop's instructions, docs/performance.md), and scale each group with one fused multiply-add,
 // fmaf((float)s, a_scale * w_scale, acc) (within the reference's bound, not its bits).
 //
+// Programmatic dependent launch (common.cuh; a captured step of several rows launches it so): a block copies its
+// first stages' weights and weight scales, which no kernel writes, before it waits for the previous kernel,
+// and its activations after; its dependents may launch at its start.
+//
 // Exact block sums. One k32 step is one block of G = 32 (an eighth of G = 256). The mma accumulators start
 // from MAGIC = 0x4B400000 (the bits of 1.5 * 2^23) instead of 0: for |s| <= 2^22 the integer MAGIC + s is the
 // bit pattern of the float 1.5 * 2^23 + s, so (float)s = __int_as_float(MAGIC + s) - 1.5 * 2^23 exactly, one
@@ -96,6 +100,7 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     static_assert(THREADS % BM == 0 && THREADS % BN == 0, "scale copy plan");
     extern __shared__ __align__(16) unsigned char smem[];
 
+    grid_dep_launch();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp / WN, wn = warp % WN;
     const int gid = lane >> 2, tig = lane & 3;
@@ -152,23 +157,18 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     const u32 bs_dst = T::A_BYTES + T::B_BYTES + T::AS_BYTES + 4 * tid;
 
     // -- one stage: global -> shared, asynchronous; zero-filled outside M, K and Npad ------------------------
-    auto load_stage = [&](int st, int buf) {
+    // The groups that end in stage st (their scales are copied with it): the first, or -1 for none.
+    auto stage_group = [&](int st) -> int {
+        if constexpr (G < BK) return st * SG;
+        else return ((st + 1) * BK) % G == 0 ? ((st + 1) * BK) / G - 1 : -1;
+    };
+    auto load_b = [&](int st, int buf) {  // weight codes and scales
         const u32 sb = sbase + buf * T::STAGE;
-        const int k0 = st * BK;
-        if constexpr (SPLIT) {  // whole stages and tiles: bounds on M only
-#pragma unroll
-            for (int p = 0; p < AP; ++p)
-                cp_async16(sb + a_dst + p * A_RSTEP * BK, a_rows[p] ? a_rows[p] + k0 : A, a_rows[p] ? 16 : 0);
+        if constexpr (SPLIT) {  // whole stages and tiles: no bounds
             const u8* src = b_src + (size_t)st * BROWS * ldb;
 #pragma unroll
             for (int p = 0; p < BP; ++p) cp_async16(sb + b_dst + p * B_RSTEP * BROWB, src + (size_t)p * B_RSTEP * ldb, 16);
         } else {
-            const bool a_kok = k0 + 16 * a_c < K;
-#pragma unroll
-            for (int p = 0; p < AP; ++p) {
-                const bool ok = a_kok && m0 + a_r0 + p * A_RSTEP < M;
-                cp_async16(sb + a_dst + p * A_RSTEP * BK, ok ? a_src + (size_t)p * A_RSTEP * K + k0 : A, ok ? 16 : 0);
-            }
 #pragma unroll
             for (int p = 0; p < BP; ++p) {
                 const int r = b_r0 + p * B_RSTEP;
@@ -188,20 +188,8 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
                 }
             }
         }
-        // scales of the groups that end in this stage (SPLIT: every group of the stage exists)
-        int g0;
-        if constexpr (G < BK) g0 = st * SG;
-        else {
-            if (((st + 1) * BK) % G != 0) return;
-            g0 = ((st + 1) * BK) / G - 1;
-        }
-#pragma unroll
-        for (int p = 0; p < ASP; ++p) {
-            const int slot = tid / BM + p * (THREADS / BM);
-            if (slot >= SG) break;
-            const bool ok = as_on && (SPLIT || g0 + slot < ng);
-            cp_async4(sb + as_dst + 4 * p * THREADS, ok ? as_src + g0 + p * (THREADS / BM) : As, ok ? 4 : 0);
-        }
+        const int g0 = stage_group(st);  // SPLIT: every group of the stage exists
+        if (g0 < 0) return;
 #pragma unroll
         for (int p = 0; p < BSP; ++p) {
             const int slot = tid / BN + p * (THREADS / BN);
@@ -209,6 +197,31 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
             const bool ok = SPLIT || (bs_on && g0 + slot < ng);
             cp_async4(sb + bs_dst + 4 * p * THREADS, ok ? bs_src + (size_t)(g0 + p * (THREADS / BN)) * Npad : Ws,
                       ok ? 4 : 0);
+        }
+    };
+    auto load_a = [&](int st, int buf) {  // activation codes and scales
+        const u32 sb = sbase + buf * T::STAGE;
+        const int k0 = st * BK;
+        if constexpr (SPLIT) {  // bounds on M only
+#pragma unroll
+            for (int p = 0; p < AP; ++p)
+                cp_async16(sb + a_dst + p * A_RSTEP * BK, a_rows[p] ? a_rows[p] + k0 : A, a_rows[p] ? 16 : 0);
+        } else {
+            const bool a_kok = k0 + 16 * a_c < K;
+#pragma unroll
+            for (int p = 0; p < AP; ++p) {
+                const bool ok = a_kok && m0 + a_r0 + p * A_RSTEP < M;
+                cp_async16(sb + a_dst + p * A_RSTEP * BK, ok ? a_src + (size_t)p * A_RSTEP * K + k0 : A, ok ? 16 : 0);
+            }
+        }
+        const int g0 = stage_group(st);
+        if (g0 < 0) return;
+#pragma unroll
+        for (int p = 0; p < ASP; ++p) {
+            const int slot = tid / BM + p * (THREADS / BM);
+            if (slot >= SG) break;
+            const bool ok = as_on && (SPLIT || g0 + slot < ng);
+            cp_async4(sb + as_dst + 4 * p * THREADS, ok ? as_src + g0 + p * (THREADS / BM) : As, ok ? 4 : 0);
         }
     };
 
@@ -222,9 +235,15 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
 #pragma unroll
             for (int e = 0; e < 4; ++e) { facc[i][j][e] = 0.0f; iacc[i][j][e] = GQ_MAGIC; }
 
+    // the first stages' weights before the wait for the previous kernel, its activations after: the first
+    // commit group holds those weights and stage 0's activations, the others a stage's activations each
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+        if (st0 + s < nst) load_b(st0 + s, s);
+    grid_dep_wait();
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (st0 + s < nst) load_stage(st0 + s, s);
+        if (st0 + s < nst) load_a(st0 + s, s);
         cp_async_commit();
     }
 
@@ -233,7 +252,10 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
         __syncthreads();  // stage st is visible to all; every warp is done with stage st - 1's buffer
         {
             const int nx = st + STAGES - 1;
-            if (nx < nst) load_stage(nx, (nx - st0) % STAGES);
+            if (nx < nst) {
+                load_b(nx, (nx - st0) % STAGES);
+                load_a(nx, (nx - st0) % STAGES);
+            }
             cp_async_commit();
         }
         const int buf = (st - st0) % STAGES;

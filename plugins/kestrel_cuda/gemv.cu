@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     float* __restrict__ part, int* __restrict__ counters, unsigned long long* __restrict__ merge,
     unsigned* __restrict__ epochs, const float* __restrict__ ssq_in, float* __restrict__ ssq_out,
     const float* qnorm, const float* knorm, const float* cosT, const float* sinT, const int* meta, float* qout,
-    float* kc, float* vc, int H, int KV, int cap, const unsigned long long* __restrict__ etab,
+    kv_t* kc, kv_t* vc, int H, int KV, int cap, const unsigned long long* __restrict__ etab,
     const int* __restrict__ esel)
 {
     constexpr int KC = NT;                      // rows of a chunk: one 32-row slot a warp, one row a thread

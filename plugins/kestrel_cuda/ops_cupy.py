@@ -221,13 +221,17 @@ class CupyOps:
         else:
             self._launch(kernel, grid, block, args, smem, cluster)
 
+    def _pdl(self) -> bool:
+        """Counts a launch; whether it may overlap its predecessor (inside a capture, after its first)."""
+        self.launches += 1
+        if not self._capturing:
+            return False
+        self._captured += 1
+        return self.pdl and self._captured > 1
+
     def _launch(self, fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, smem: int,
                 cluster: int) -> None:
-        self.launches += 1
-        pdl = False
-        if self._capturing:
-            self._captured += 1
-            pdl = self.pdl and self._captured > 1
+        pdl = self._pdl()
         if pdl or cluster > 1:
             self._ex.launch(fn, grid, block, args, smem, self.stream, pdl, (1, cluster, 1) if cluster > 1 else None)
             return
@@ -359,8 +363,7 @@ class CupyOps:
                     name="add_rows")
 
     def _gemm_q8(self, codes: Any, scales: Any, weight: Any, out: Any, n: int) -> None:
-        self.launches += 1
-        self.gemm.q8(codes, scales, weight, out, n, self.stream)
+        self.gemm.q8(codes, scales, weight, out, n, self.stream, pdl=self._pdl())
 
     def _scratch(self, name: str, size: int, dtype: Any) -> Any:
         """A flat scratch buffer of at least ``size`` elements (grown outside graph capture: prefill only)."""
@@ -457,8 +460,9 @@ def _attn_prefill_smem(hd: int) -> int:
 
 
 def _attn_rows_smem(hd: int, warps: int) -> int:
-    """attn_rows' dynamic shared memory: two pages of keys (rows padded by 4) and values, a query per warp."""
-    return (2 * KV_BLOCK * (2 * hd + 4) + warps * hd) * 4
+    """attn_rows' dynamic shared memory: two pages of float16 keys (rows padded by 4) and values, a float32
+    query per warp."""
+    return 2 * KV_BLOCK * (2 * hd + 4) * 2 + warps * hd * 4
 
 
 def _rope_args(r: QkvRope | None) -> tuple[Any, ...]:

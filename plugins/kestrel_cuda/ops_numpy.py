@@ -36,11 +36,9 @@ from kestrel_cuda.plan import (
 def _prologue(x: np.ndarray, k: int, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
               ssq: np.ndarray | None = None) -> np.ndarray:
     xv = np.asarray(x, np.float32)
-    if pro == PRO_RMSNORM:
-        if ssq is None:
-            ss = np.einsum("mk,mk->m", xv[:, :k], xv[:, :k])[:, None]  # [M, 1]
-        else:  # M = 1: the producer's tile sums
-            ss = ssq[:ssq_count(k)].sum(dtype=np.float32).reshape(1, 1)
+    if pro == PRO_RMSNORM:  # the sum of squares of each row's 32-column tiles (M = 1: its producer's), in one order
+        tiles = [ssq[:ssq_count(k)]] if ssq is not None else [_row_ssq(row) for row in xv[:, :k]]
+        ss = np.array([t.sum(dtype=np.float32) for t in tiles], np.float32)[:, None]  # [M, 1]
         r = np.sqrt(ss / np.float32(k) + np.float32(eps))
         return xv[:, :k] / r * pw
     if pro == PRO_SILU_MUL:

@@ -2,7 +2,7 @@
 
 The engine admits, preempts and frees sequences by the blocks of its own KV pool and hands each batched
 step every sequence's page table (``BatchEntry.blocks``). The device keeps keys and values in a pool of as
-many blocks, laid out like a sequence's own cache (float32 [L, 2, KV, positions, hd], position p of a
+many blocks, laid out like a sequence's own cache (float16 [L, 2, KV, positions, hd], position p of a
 sequence at row ``blocks[p // KV_BLOCK] * KV_BLOCK + p % KV_BLOCK``), so the engine's accounting is the
 device's: no allocator here, and a sequence never finds the pool full. One more block at the end takes the
 writes of the rows that pad a captured batch to its bucket.
@@ -21,14 +21,14 @@ from typing import Any
 import numpy as np
 
 from kestrel_core.batch import BatchEntry, id_range
-from kestrel_cuda.plan import KV_BLOCK
+from kestrel_cuda.plan import KV_BLOCK, KV_DTYPE
 
 BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256)  # batch sizes a decode step is captured for (rows padded up)
 
 
 @dataclass
 class Pool:
-    kv: Any  # float32 [L, 2, KV, (blocks + 1) * KV_BLOCK, hd]
+    kv: Any  # float16 [L, 2, KV, (blocks + 1) * KV_BLOCK, hd]
     blocks: int  # the engine's; block ``blocks`` is the padding rows' scratch
     rows: Any  # int32 [R, 2] device: each row's position and page-table row
     tables: Any  # int32 [R + 1, tb] device: page tables
@@ -56,7 +56,7 @@ class Paged:
 def new_pool(ops: Any, config: Any, blocks: int, max_rows: int, max_context: int) -> Pool:
     c = config
     tb = -(-max_context // KV_BLOCK)
-    return Pool(kv=ops.zeros((c.num_layers, 2, c.num_kv_heads, (blocks + 1) * KV_BLOCK, c.head_dim), np.float32),
+    return Pool(kv=ops.zeros((c.num_layers, 2, c.num_kv_heads, (blocks + 1) * KV_BLOCK, c.head_dim), KV_DTYPE),
                 blocks=blocks, rows=ops.zeros((max_rows, 2), np.int32), tables=ops.zeros((max_rows + 1, tb), np.int32),
                 index=ops.zeros(max_rows, np.int32), hsel=ops.zeros((max_rows, c.hidden_size), np.float32))
 
@@ -94,7 +94,7 @@ def slots(blocks: Sequence[int], n: int) -> list[tuple[int, int]]:
 
 
 def to_pool(ops: Any, own_kv: Any, pool: Pool, blocks: Sequence[int], n: int) -> None:
-    """Positions 0..n-1 of a sequence's own cache (float32 [L, 2, KV, cap, hd]) into its pool blocks."""
+    """Positions 0..n-1 of a sequence's own cache ([L, 2, KV, cap, hd]) into its pool blocks."""
     for j, (row, length) in enumerate(slots(blocks, n)):
         p = j * KV_BLOCK
         ops.copy(pool.kv[:, :, :, row:row + length], own_kv[:, :, :, p:p + length])

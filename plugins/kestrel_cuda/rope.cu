@@ -11,7 +11,7 @@ extern "C" __global__ void __launch_bounds__(RW * 32) qkv_rope(
     const float* __restrict__ qkv, int ldqkv, int H, int KV, int hd,
     const float* __restrict__ qnorm, const float* __restrict__ knorm, float eps,
     const float* __restrict__ cosT, const float* __restrict__ sinT, const int* __restrict__ meta,
-    float* __restrict__ qout, float* __restrict__ kc, float* __restrict__ vc, int cap,
+    float* __restrict__ qout, kv_t* __restrict__ kc, kv_t* __restrict__ vc, int cap,
     const int* __restrict__ rows, const int* __restrict__ tables, int tb)
 {
     grid_dep_launch();

@@ -1,5 +1,6 @@
 // Where the q|k|v heads go (qkv_rope, and qgemv's epilogue at M = 1): per-head rmsnorm weights (null: none),
-// the RoPE tables [positions][hd / 2], the position, q [H * hd] of the row, and this layer's KV cache.
+// the RoPE tables [positions][hd / 2], the position, q [H * hd] of the row, and this layer's KV cache
+// (float16).
 struct QkvRope {
     const float* qnorm;
     const float* knorm;
@@ -7,8 +8,8 @@ struct QkvRope {
     const float* sinT;
     const int* meta;
     float* qout;
-    float* kc;
-    float* vc;
+    kv_t* kc;
+    kv_t* vc;
     int H, KV, cap;
     float eps;
 };
@@ -31,8 +32,8 @@ __device__ __forceinline__ void rope_head(const QkvRope& qr, const float* src, i
 {
     const int H = qr.H, KV = qr.KV;
     if (head >= H + KV) {
-        float* vdst = qr.vc + ((size_t)(head - H - KV) * qr.cap + slot) * hd;
-        for (int d = lane; d < hd; d += 32) vdst[d] = src[d];
+        kv_t* vdst = qr.vc + ((size_t)(head - H - KV) * qr.cap + slot) * hd;
+        for (int d = lane; d < hd; d += 32) vdst[d] = to_kv(src[d]);
         return;
     }
     const bool isq = head < H;
@@ -59,13 +60,15 @@ __device__ __forceinline__ void rope_head(const QkvRope& qr, const float* src, i
             if (i < half) { x1[t] = x1[t] / r * nw[i]; x2[t] = x2[t] / r * nw[i + half]; }
         }
     }
-    float* dst = isq ? qr.qout + (size_t)head * hd : qr.kc + ((size_t)kvh * qr.cap + slot) * hd;
+    float* qdst = qr.qout + (size_t)head * hd;
+    kv_t* kdst = qr.kc + ((size_t)kvh * qr.cap + slot) * hd;
 #pragma unroll
     for (int t = 0; t < PAIRS; ++t) {
         const int i = lane + 32 * t;
         if (i < half) {
-            dst[i] = x1[t] * c[t] - x2[t] * s[t];
-            dst[i + half] = x2[t] * c[t] + x1[t] * s[t];
+            const float y1 = x1[t] * c[t] - x2[t] * s[t], y2 = x2[t] * c[t] + x1[t] * s[t];
+            if (isq) { qdst[i] = y1; qdst[i + half] = y2; }
+            else { kdst[i] = to_kv(y1); kdst[i + half] = to_kv(y2); }
         }
     }
 }

@@ -6,9 +6,11 @@ lands within float32 rounding of a rounding boundary gets a code one step (1/127
 away from the other implementation's, and the network then amplifies that difference through later
 quantizations. Two correct implementations that sum in a different order therefore differ by much more
 than float32 rounding, and by an amount that depends on the model. The tolerance is measured instead: the
-CPU decoder is run a second time with every linear's input nudged by a few ulps (``selftest.JITTER``), and
-the device may differ from the CPU by ``FACTOR`` times what that nudge alone changes. A wrong kernel (a bad
-index, a missing bias, a wrong scale) moves logits by O(1) of their spread, far above that band.
+CPU decoder is run a second time with every linear's input and output nudged by a few ulps
+(``selftest.JITTER``; the outputs' nudge reaches the float16 rounding of the keys and values, as the device's
+summation order does), and the device may differ from the CPU by ``FACTOR`` times what that nudge alone
+changes. A wrong kernel (a bad index, a missing bias, a wrong scale) moves logits by O(1) of their spread, far
+above that band.
 """
 
 from __future__ import annotations

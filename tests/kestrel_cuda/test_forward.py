@@ -1,7 +1,7 @@
 """The whole-step device forward on the GPU (its kernels through CupyOps) against the CPU decoder.
 
 Skipped where CuPy or a CUDA device is missing (CI); run on the H200 machine. The tolerance is measured,
-not fixed (forward_check explains why): the CPU is re-run with its linear inputs nudged by a
+not fixed (forward_check explains why): the CPU is re-run with its linear inputs and outputs nudged by a
 few ulps, and the device must stay within FACTOR times that effect, its argmax must be the CPU's or tie
 with it within the nudge's range, and greedy decoding must pick the CPU's tokens.
 """

@@ -83,12 +83,12 @@ def test_the_cuda_backend_serves_concurrent_requests_in_batches(quant: str) -> N
 @pytest.mark.parametrize("heads,kv_heads,hd,copies", [(32, 8, 128, 1), (32, 8, 128, 8), (24, 2, 64, 1),
                                                       (4, 4, 32, 1), (8, 4, 256, 1), (16, 8, 256, 8)])
 def test_attn_rows_is_the_mirrors_attention(heads: int, kv_heads: int, hd: int, copies: int, stream) -> None:  # type: ignore[no-untyped-def]
-    """attn_rows over a paged pool (pages scattered, lengths ending inside and at the end of a page, one row
-    a page long, a group of 12 query heads split over two blocks; split over positions, with empty splits,
-    and with enough rows for none) against the numpy mirror's softmax."""
+    """attn_rows over a paged pool of float16 keys and values (pages scattered, lengths ending inside and at the
+    end of a page, one row a page long, a group of 12 query heads split over two blocks; split over positions,
+    with empty splits, and with enough rows for none) against the numpy mirror's softmax."""
     from kestrel_cuda.ops_cupy import CupyOps, _attn_rows_smem
     from kestrel_cuda.ops_numpy import NumpyOps
-    from kestrel_cuda.plan import KV_BLOCK, attn_rows_splits
+    from kestrel_cuda.plan import KV_BLOCK, KV_DTYPE, attn_rows_splits
 
     rng = np.random.default_rng([heads, kv_heads, hd])
     blocks, width = 40, 8
@@ -102,8 +102,8 @@ def test_attn_rows_is_the_mirrors_attention(heads: int, kv_heads: int, hd: int, 
     tables = np.stack([rng.permutation(blocks)[:width] for _ in positions]).astype(np.int32)
     tables = np.concatenate([tables, np.zeros((1, width), np.int32)])  # the padding rows' table
     rows = np.array([[p, i] for i, p in enumerate(positions)], np.int32)
-    kc = rng.standard_normal((kv_heads, (blocks + 1) * KV_BLOCK, hd)).astype(np.float32)
-    vc = rng.standard_normal(kc.shape).astype(np.float32)
+    kc = rng.standard_normal((kv_heads, (blocks + 1) * KV_BLOCK, hd)).astype(KV_DTYPE)
+    vc = rng.standard_normal(kc.shape).astype(KV_DTYPE)
     q = rng.standard_normal((len(positions), heads * hd)).astype(np.float32)
     scale = float(np.float32(hd ** -0.5))
     want = np.zeros_like(q)

@@ -321,6 +321,11 @@ def serve_all(engine, prompts: list[list[int]], params) -> list[list[int]]:  # t
     return [got[i] for i in ids]
 
 
+def serve_alone(engine, prompts: list[list[int]], params) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """Each prompt run to the end on its own (a batch of one: the backend's lone-sequence path)."""
+    return [serve_all(engine, [p], params)[0] for p in prompts]
+
+
 def _bind_batch_backend(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The backend ``fwdcuda``: BATCH_BACKEND over the numpy mirrors, bound through KESTREL_BACKEND_PATH."""
     make = "lambda: DeviceForward(ops=__import__('kestrel_cuda.ops_numpy').ops_numpy.NumpyOps())"
@@ -363,8 +368,8 @@ def test_a_mixture_of_experts_serves_concurrent_requests_on_the_device(tmp_path,
 @pytest.mark.parametrize("logprobs", [False, True])
 def test_engine_serves_concurrent_requests_through_the_batched_hook(tmp_path, monkeypatch, logprobs: bool) -> None:  # type: ignore[no-untyped-def]
     """The scheduler's batched steps go to kestrel_forward_batch with the engine's page tables; each request's
-    greedy tokens equal what it generates alone on the CPU. Greedy requests get the device's argmax (ids,
-    not logits) unless they ask for logprobs."""
+    greedy tokens equal what it generates alone on the same backend. Greedy requests get the device's argmax
+    (ids, not logits) unless they ask for logprobs."""
     import kestrel_core
     from kestrel_core.model.sampling import SamplingParams
 
@@ -372,9 +377,8 @@ def test_engine_serves_concurrent_requests_through_the_batched_hook(tmp_path, mo
     prompts = [p.tolist() for p in _prompts(model, (4, 30, 11, 17), seed=6)]
     _bind_batch_backend(tmp_path, monkeypatch)
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=logprobs)
-    with kestrel_core.load(model, backend="cpu", activations="q8") as cpu:
-        want = [list(cpu.generate(p, params=params)) for p in prompts]
     with kestrel_core.load(model, backend="fwdcuda") as engine:
+        want = serve_alone(engine, prompts, params)
         got = serve_all(engine, prompts, params)
         offload = engine.stats["offload"]
         fwd = engine.backend.plugin.FWD[0]
@@ -387,8 +391,8 @@ def test_engine_serves_concurrent_requests_through_the_batched_hook(tmp_path, mo
 def test_steps_start_before_the_last_ones_are_reported_and_change_nothing(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The pool's steps come back as calls that wait for them (``start_batch``): the scheduler starts the next
     step first and reports while it runs. Requests that stop strings end while their row is in the running
-    step (its token dropped), one that max_tokens ends and one aborted midway give what they give alone; every
-    sequence is freed, on the device and in the engine's pool."""
+    step (its token dropped), one that max_tokens ends and one aborted midway give what they give alone on the
+    same backend; every sequence is freed, on the device and in the engine's pool."""
     import kestrel_core
     from kestrel_core.model.sampling import SamplingParams
     from kestrel_core.model.scheduler import Scheduler
@@ -402,13 +406,13 @@ def test_steps_start_before_the_last_ones_are_reported_and_change_nothing(tmp_pa
         outs = list(engine.stream(prompt, params))
         return ([t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs), outs[-1].finish_reason)
 
-    with kestrel_core.load(model, backend="cpu", activations="q8") as cpu:
-        params = []
-        for i, p in enumerate(prompts):
-            texts = [o.new_text for o in cpu.stream(p, free)]
-            stop = next((t[0] for t in texts[3:] if t), None) if i < 3 else None
-            params.append(free if stop is None else SamplingParams(max_tokens=12, ignore_eos=True, stop=(stop,)))
-        want = [alone(cpu, p, s) for p, s in zip(prompts, params)]
+    engine = kestrel_core.load(model, backend="fwdcuda")
+    params = []
+    for i, p in enumerate(prompts):
+        texts = [o.new_text for o in engine.stream(p, free)]
+        stop = next((t[0] for t in texts[3:] if t), None) if i < 3 else None
+        params.append(free if stop is None else SamplingParams(max_tokens=12, ignore_eos=True, stop=(stop,)))
+    want = [alone(engine, p, s) for p, s in zip(prompts, params)]
     assert sum(reason == "stop" for _, _, reason in want) >= 2  # stop strings really end requests early
     reported_while_running: list[bool] = []
     original = Scheduler._report
@@ -426,7 +430,7 @@ def test_steps_start_before_the_last_ones_are_reported_and_change_nothing(tmp_pa
 
     monkeypatch.setattr(Scheduler, "_report", report)
     monkeypatch.setattr(Scheduler, "_release_held", release_held)
-    with kestrel_core.load(model, backend="fwdcuda") as engine:
+    with engine:
         sched = Scheduler(engine)
         requests = [sched.add(p, s) for p, s in zip(prompts, params)]
         got: dict[str, list] = {r.request_id: [[], "", None] for r in requests}
@@ -449,9 +453,9 @@ def test_steps_start_before_the_last_ones_are_reported_and_change_nothing(tmp_pa
 
 
 def test_the_async_engine_over_steps_that_run_ahead(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The AsyncEngine over the deferred hook: concurrent requests get what they get alone, one whose caller
-    leaves midway is aborted and freed, a ``run_sync`` call between steps finds the engine free (the running
-    step drained), and at the end every block and device sequence is released."""
+    """The AsyncEngine over the deferred hook: concurrent requests get what they get alone on the same backend,
+    one whose caller leaves midway is aborted and freed, a ``run_sync`` call between steps finds the engine free
+    (the running step drained), and at the end every block and device sequence is released."""
     import asyncio
 
     import kestrel_core
@@ -462,10 +466,8 @@ def test_the_async_engine_over_steps_that_run_ahead(tmp_path, monkeypatch) -> No
     prompts = [p.tolist() for p in _prompts(model, (4, 30, 11, 17), seed=6)]
     _bind_batch_backend(tmp_path, monkeypatch)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    with kestrel_core.load(model, backend="cpu", activations="q8") as cpu:
-        want = [list(cpu.generate(p, params=params)) for p in prompts]
-
     with kestrel_core.load(model, backend="fwdcuda") as engine:
+        want = serve_alone(engine, prompts, params)
         ae = AsyncEngine(engine)
         seen_running: list[bool] = []
 

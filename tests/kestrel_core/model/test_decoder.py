@@ -77,11 +77,11 @@ def _reference_logits(model, tokens: list[int]) -> np.ndarray:
             kv = head * n_kv // n_heads  # HF repeat_kv: consecutive query heads share a kv head
             qh = q[:, head * hd:(head + 1) * hd]
             kh = k[:, kv * hd:(kv + 1) * hd]
-            vh = v[:, kv * hd:(kv + 1) * hd].astype(np.float64)
+            vh = v[:, kv * hd:(kv + 1) * hd].astype(np.float16).astype(np.float64)  # cached at float16
             if lw.q_norm is not None:
                 qh, kh = norm(qh, lw.q_norm), norm(kh, lw.k_norm)
             qh = qh * cos + rotate_half(qh) * sin
-            kh = kh * cos + rotate_half(kh) * sin
+            kh = (kh * cos + rotate_half(kh) * sin).astype(np.float32).astype(np.float16)
             scores = (qh @ kh.T) / math.sqrt(hd)
             scores[np.triu_indices(t, 1)] = -np.inf
             p = np.exp(scores - scores.max(axis=1, keepdims=True))
