@@ -3,11 +3,14 @@ host's work up to the launch: scheduling, the engine's entries, the backend's ow
 the results, against the whole step.
 
     python benchmarks/step_parts.py --preset qwen3-8b --backend cuda --quant q8 --concurrency 32,64
+    python benchmarks/step_parts.py --preset qwen3-8b --backend cuda --quant q8 --ttft-under-load 32
 
 Each level is ``run_concurrency_bench`` of its own (512-token prompts, 256 tokens each by default); the
-figures are medians over the steps where every stream decodes one token. A tree before
-``Engine.start_batch`` is timed through ``Engine.run_batch`` and the batched hook instead (wait: the hook,
-start: the rest of the engine's call).
+figures are medians over the steps where every stream decodes one token. ``--ttft-under-load N``: instead,
+N - 1 streams decode while a prompt arrives (three, one after another), and each step from its arrival to its
+first token is listed (its rows: decode rows plus prompt tokens), the engine's time to first token without
+HTTP. A tree before ``Engine.start_batch`` is timed through ``Engine.run_batch`` and the batched hook instead
+(wait: the hook, start: the rest of the engine's call).
 """
 
 from __future__ import annotations
@@ -63,6 +66,36 @@ def _instrument(rec: dict[str, Any]) -> None:
     engine_cls.run_batch, dispatch.Offload.forward_batch = timed_run, timed_hook
 
 
+def ttft_under_load(engine: Any, streams: int, prompt_tokens: int, decode_tokens: int, steps: list[dict[str, Any]],
+                    budget: int, probes: int = 3) -> list[dict[str, Any]]:
+    """Each probe's time to first token while ``streams - 1`` requests decode, and the steps it took."""
+    import numpy as np
+
+    from kestrel_core.model.sampling import SamplingParams
+
+    rng = np.random.default_rng(0)
+    vocab = engine.config.vocab_size
+    sched = scheduler_mod.Scheduler(engine, max_batch=streams, token_budget=budget)
+    background = [sched.add(rng.integers(0, vocab, prompt_tokens).tolist(),
+                            SamplingParams(max_tokens=decode_tokens, ignore_eos=True)) for _ in range(streams - 1)]
+    while any(not r.output_ids for r in background):
+        sched.step()
+    out = []
+    for _ in range(probes):
+        steps.clear()
+        t0 = time.perf_counter()
+        probe = sched.add(rng.integers(0, vocab, prompt_tokens).tolist(), SamplingParams(max_tokens=1))
+        while not any(o.request_id == probe.request_id for o in sched.step()):
+            pass
+        ttft = time.perf_counter() - t0
+        if any(r.finished for r in background):
+            raise SystemExit("a background stream ended before the probes: raise --decode-tokens")
+        out.append({"ttft_ms": ttft * 1e3, "steps": [
+            {k: round(v * 1e3, 2) if k in ("step", "start", "wait") else v for k, v in st.items()} for st in steps]})
+    sched.close()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-8b")
@@ -72,6 +105,8 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--kv-cache-mb", type=float, default=24576)
+    ap.add_argument("--ttft-under-load", type=int, default=0, metavar="N")
+    ap.add_argument("--token-budget", type=int, default=scheduler_mod.DEFAULT_TOKEN_BUDGET)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rec: dict[str, Any] = {}
@@ -89,11 +124,19 @@ def main() -> int:
     scheduler_mod.Scheduler.step = timed_step
     engine = engine_mod.load_preset(args.preset, backend=args.backend, quant=args.quant,
                                     kv_cache_mb=args.kv_cache_mb)
-    out = []
-    for level in [int(c) for c in args.concurrency.split(",")]:
+    out: list[dict[str, Any]] = []
+    if args.ttft_under_load > 1:
+        for probe in ttft_under_load(engine, args.ttft_under_load, args.prompt_tokens, args.decode_tokens, steps,
+                                     args.token_budget):
+            out.append(probe)
+            parts = ", ".join(f"{st.get('tokens', 0)} rows: start {st.get('start', 0):.2f} + wait "
+                              f"{st.get('wait', 0):.2f} of {st['step']:.2f}" for st in probe["steps"])
+            print(f"time to first token {probe['ttft_ms']:.1f} ms under {args.ttft_under_load - 1} streams; steps "
+                  f"(ms): {parts}", flush=True)
+    for level in [int(c) for c in args.concurrency.split(",")] if not args.ttft_under_load else []:
         steps.clear()
         bench = run_concurrency_bench(engine, [level], prompt_tokens=args.prompt_tokens,
-                                      decode_tokens=args.decode_tokens).levels[0]
+                                      decode_tokens=args.decode_tokens, token_budget=args.token_budget).levels[0]
         decode = [s for s in steps if s.get("rows") == level and s.get("tokens") == level and "wait" in s]
         fig = {"concurrency": level, "decode_tok_s": bench.decode_tok_s, "decode_steps": len(decode)}
         for part in ("step", "start", "wait"):
