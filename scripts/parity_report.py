@@ -3,13 +3,10 @@
     python scripts/parity_report.py                 # every fixture and mode, SmolLM2 if pulled
     python scripts/parity_report.py --no-default-model
     python scripts/parity_report.py --backend cuda  # the same golden data through another backend
-    python scripts/parity_report.py --kv-f16        # the CPU decoder with keys and values rounded to float16
 
 The figures are measured by tests/kestrel_core/model/test_parity.py's own ``measure`` (imported from the
 file, so the table and the tests cannot disagree on what they compute), on the CPU backend unless
-``--backend`` names another (the limits printed are the CPU tests' limits). ``--kv-f16`` measures what
-half-precision keys and values would cost: every key and value the CPU decoder writes to its cache is rounded
-to float16 (round to nearest even) and back.
+``--backend`` names another (the limits printed are the CPU tests' limits).
 """
 
 from __future__ import annotations
@@ -32,32 +29,12 @@ def _parity_module():  # noqa: ANN202 (a module loaded from a file path)
     return mod
 
 
-def round_kv_to_f16() -> None:
-    """Make the CPU decoder's cache writes round each new key and value to float16 and back."""
-    import numpy as np
-
-    from kestrel_core.model import kernels
-
-    write = kernels.rope_write
-
-    def rounded(k, v, kt, vc, slots, cos, sin) -> None:  # type: ignore[no-untyped-def]
-        write(k, v, kt, vc, slots, cos, sin)
-        blk, off = slots // kt.shape[3], slots % kt.shape[3]  # kt: [NB, KV, hd, BS], vc: [NB, BS, KV, hd]
-        kt[blk, :, :, off] = kt[blk, :, :, off].astype(np.float16).astype(np.float32)
-        vc[blk, off] = vc[blk, off].astype(np.float16).astype(np.float32)
-
-    kernels.rope_write = rounded
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-default-model", action="store_true", help="skip SmolLM2 even if it was pulled")
     ap.add_argument("--backend", default="cpu", help="backend to measure (default cpu, as the tests)")
-    ap.add_argument("--kv-f16", action="store_true", help="the CPU decoder's keys and values rounded to float16")
     ap.add_argument("--modes", default="", help="only these quant modes (comma-separated)")
     args = ap.parse_args(argv)
-    if args.kv_f16:
-        round_kv_to_f16()
     tp = _parity_module()
     rows = ["| model | quant | positions | top-1 agreement | max rel. error | median rel. error | limits "
             "(top-1 >=, max <=, median <=) | within |",

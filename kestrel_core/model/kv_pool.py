@@ -30,7 +30,8 @@ class KVPool:
     """Host keys and values of many sequences in fixed-size blocks (a page table per sequence).
 
     Keys are stored transposed, ``kt`` float32 [L, blocks, KV, hd, BLOCK_SIZE], the layout the attention's
-    dot products run over; values ``v`` float32 [L, blocks, BLOCK_SIZE, KV, hd]. The arrays are allocated
+    dot products run over; values ``v`` float32 [L, blocks, BLOCK_SIZE, KV, hd]. Both hold float16 values
+    (``kernels.f16``), which every backend's cache holds. The arrays are allocated
     once, untouched: the OS maps a page only when a block is first written.
     """
 
