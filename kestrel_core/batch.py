@@ -26,6 +26,12 @@ class BatchEntry:
     no logprobs), so the backend may return int64 token ids [logit_rows] instead of the logits: numpy's
     argmax of each row (the first largest), or -1 for a row holding a NaN or an infinity (the step is then
     declined, as non-finite logits are). Since API 1.2.
+
+    ``fed``: the entry's one token is not known to the engine yet: it is the token this backend chose on its
+    device for the sequence's last row in the step before (an ``argmax_only`` entry of the step the engine
+    has not yet taken the results of), and ``tokens`` holds a placeholder (-1). The engine offers such a
+    step while the one before still runs, so the device need not wait for the host. A backend that cannot
+    resolve a fed entry declines the step. Since API 1.4, and only to a backend that declares it.
     """
 
     seq_id: int
@@ -36,6 +42,7 @@ class BatchEntry:
     block_size: int = 0
     num_blocks: int = 0
     argmax_only: bool = False
+    fed: bool = False
 
     @property
     def end(self) -> int:

@@ -60,25 +60,51 @@ class SeqState:
     device_len: int = 0  # positions the device's own KV cache holds
 
 
+FED = -1  # the placeholder token of a fed BatchEntry
+
+
 class Step:
-    """One started ``Engine.start_batch`` step; ``result()`` (once) gives its outputs, as ``run_batch`` does."""
+    """One started ``Engine.start_batch`` step; ``result()`` (once) gives its outputs, as ``run_batch`` does.
+    ``after``: the step that was still running when this one started (its fed rows take that one's tokens)."""
 
     def __init__(self, engine: Engine, runs: list[tuple[SeqState, np.ndarray, int]], entries: list[BatchEntry],
-                 batched: list[np.ndarray] | Deferred | None) -> None:
+                 batched: list[np.ndarray] | Deferred | None, after: Step | None = None) -> None:
         self._engine: Engine | None = engine
-        self._runs, self._entries, self._batched = runs, entries, batched
+        self._runs, self._entries, self._batched, self._after = runs, entries, batched, after
+        self._outs: list[np.ndarray] | None = None  # once taken
+        self.on_device = False  # once taken: whether the backend's batched step gave every output
 
     @property
     def running(self) -> bool:
         """Whether the backend is still running it on its device (the caller may do other work meanwhile)."""
         return isinstance(self._batched, Deferred)
 
+    def ends(self) -> dict[int, tuple[int, int, bool]]:
+        """Each sequence's (positions after this step, tokens it adds, whether its next token may be fed: its
+        last row's argmax is chosen on the device)."""
+        return {e.seq_id: (e.end, len(new), e.argmax_only and e.logit_rows > 0)
+                for (_, new, _), e in zip(self._runs, self._entries)}
+
     def result(self) -> list[np.ndarray]:
         if self._engine is None:
             raise RuntimeError("a step's result is taken once")
         engine, self._engine = self._engine, None
         batched = self._batched.result() if isinstance(self._batched, Deferred) else self._batched
-        return engine._finish_batch(self._runs, self._entries, batched)
+        after = self._after
+        if after is not None:
+            if after._outs is None:
+                raise KestrelError("the step before a fed step failed")
+            # the fed tokens: the step before's outputs; if the device did not give them all, its own fed rows
+            # ran on tokens the engine did not keep, so the host recomputes this step as well
+            chosen = {e.seq_id: _greedy(out) for e, out in zip(after._entries, after._outs) if e.logit_rows}
+            for seq, new, _ in self._runs:
+                if new.size == 1 and new[0] == FED:
+                    new[0] = chosen[seq.seq_id]
+        device = after is None or after.on_device
+        self._outs = engine._finish_batch(self._runs, self._entries, batched if device else None, device)
+        self.on_device = batched is not None
+        self._after = None
+        return self._outs
 
 
 class Engine:
@@ -169,39 +195,63 @@ class Engine:
         backend's batched step chose them on the device."""
         return self.start_batch(work, argmax_only).result()
 
-    def start_batch(self, work: Sequence[tuple[SeqState, Sequence[int], int]],
-                    argmax_only: Sequence[bool] = ()) -> Step:
+    @property
+    def feeds(self) -> bool:
+        """Whether a step may start before the one running is taken (``start_batch``'s ``after``): the backend
+        runs batched steps on its device and takes fed entries (API 1.4)."""
+        info = self.backend.info
+        return (self.whole_step and not self.offload.on_cpu and info is not None and tuple(info.api_version) >= (1, 4)
+                and self.backend.implements("kestrel_forward_batch"))
+
+    def start_batch(self, work: Sequence[tuple[SeqState, Sequence[int] | None, int]],
+                    argmax_only: Sequence[bool] = (), after: Step | None = None) -> Step | None:
         """``run_batch``, started: the backend's batched step may still be running on its device when this
-        returns (``Step.running``). Nothing else may use the engine until ``Step.result()`` is called."""
+        returns (``Step.running``). Nothing else may use the engine until ``Step.result()`` is called, but this:
+        with ``after`` (a running step, if ``feeds``), the next step starts first. Its work may then be ``None``
+        for a sequence whose last row in ``after`` is chosen on the device: it runs that token (a fed entry).
+        Such a step is None if the backend did not take it (nothing ran); it is taken after ``after``."""
         c = self.config
-        runs = []
+        ahead = after.ends() if after is not None else {}
+        runs, fed, bases = [], [], []
         for seq, new, rows in work:
-            new = np.asarray(new, dtype=np.int64).reshape(-1)
-            end = len(seq.tokens) + len(new)
+            end_before, added, feedable = ahead.get(seq.seq_id, (seq.device_len, 0, False))
+            if new is None:
+                if not feedable:
+                    raise KestrelError("a fed row needs its sequence's argmax in the step before")
+                new = np.array([FED], np.int64)
+            else:
+                new = np.asarray(new, dtype=np.int64).reshape(-1)
+            base = len(seq.tokens) + added  # positions before this step's
+            end = base + len(new)
             if end > c.max_position:
                 raise KestrelError(f"the sequence needs {end} positions; the model's context is {c.max_position}")
             if not 0 <= rows <= len(new):
                 raise KestrelError(f"logit rows {rows} outside [0, {len(new)}]")
             runs.append((seq, new, rows))
+            fed.append(new.size == 1 and new[0] == FED)
+            bases.append((base, end_before if seq.seq_id in ahead else seq.device_len))
         pool = self.pool
-        for seq, new, _ in runs:  # the scheduler reserved already; a direct caller (logits) gets them here
-            pool.reserve(seq.cache, len(seq.tokens) + len(new))
+        for (seq, new, _), (base, _) in zip(runs, bases):  # the scheduler reserved already; a direct caller here
+            pool.reserve(seq.cache, base + len(new))
         flags = list(argmax_only) or [False] * len(runs)
-        entries = [BatchEntry(seq.seq_id, _behind(seq.tokens, seq.device_len, new), seq.device_len, rows,
-                              tuple(seq.cache.blocks), pool.block_size, pool.num_blocks, flag)
-                   for (seq, new, rows), flag in zip(runs, flags)]
+        entries = [BatchEntry(seq.seq_id, new.copy() if start == base else _behind(seq.tokens, start, new), start,
+                              rows, tuple(seq.cache.blocks), pool.block_size, pool.num_blocks, flag, is_fed)
+                   for (seq, new, rows), flag, is_fed, (base, start) in zip(runs, flags, fed, bases)]
         batched = self.offload.forward_batch(self.model, entries, c.vocab_size) if self.whole_step else None
-        return Step(self, runs, entries, batched)
+        if after is not None and batched is None:
+            return None
+        return Step(self, runs, entries, batched, after)
 
     def _finish_batch(self, runs: list[tuple[SeqState, np.ndarray, int]], entries: list[BatchEntry],
-                      batched: list[np.ndarray] | None) -> list[np.ndarray]:
-        """The step's outputs: the batched hook's, else a 1.0 backend's per-sequence step, and the host's layers
-        for what is still declined; then each sequence's tokens and cache lengths move on."""
+                      batched: list[np.ndarray] | None, device: bool = True) -> list[np.ndarray]:
+        """The step's outputs: the batched hook's, else a 1.0 backend's per-sequence step (unless not
+        ``device``), and the host's layers for what is still declined; then each sequence's tokens and cache
+        lengths move on."""
         c, pool = self.config, self.pool
         outs: list[np.ndarray | None] = [None] * len(runs)
         if batched is not None:
             outs = list(batched)
-        elif self.whole_step:
+        elif self.whole_step and device:
             for i, e in enumerate(entries):  # a 1.0 backend's per-sequence whole step
                 all_logits = e.logit_rows > 1
                 out = self.offload.forward(self.model, e.seq_id, e.tokens, e.start, all_logits, c.vocab_size)
@@ -312,6 +362,11 @@ class Engine:
             "prefix_cache": self.prefix_cache, "prefix_hit_tokens": self.pool.prefix_hit_tokens,
             "prefix_cached_blocks": self.pool.cached_blocks,
         }
+
+
+def _greedy(out: np.ndarray) -> int:
+    """The greedy token of a step's output for a sequence: its last row's id, or its last row's argmax."""
+    return int(out[-1]) if out.ndim == 1 else int(np.argmax(out[-1]))
 
 
 def _behind(tokens: list[int], start: int, new: np.ndarray) -> np.ndarray:

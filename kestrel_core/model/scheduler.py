@@ -9,8 +9,12 @@ does not depend on the batch (``kernels``), so a recomputed sequence carries on 
 
 Where the backend runs a step on its device while the host goes on (``Engine.start_batch``), the next step
 starts as soon as this one's tokens are in, and the host then detokenizes and reports them while the device
-works. A request that a stop string ends there has a row in the step already running: that row's token is
-dropped, and the request's sequence is freed once the step is in.
+works. Where the backend also takes fed rows (``Engine.feeds``) and every request the running step returns a
+token for has it chosen on the device (greedy, ``argmax_only``), the next step starts before that: its decode
+rows run the tokens the device chose, so the device never waits for the host; only the requests that
+``max_tokens`` or the context end at the running step are left out of it, and it admits no request that would
+need another preempted. A request that the running step ends (EOS, a stop string, an abort) has a row in the
+next one already: that row's token is dropped, and the request's sequence is freed once that step is in.
 
 The scheduler is not thread-safe: one thread drives it (``AsyncEngine``, or ``Engine.generate``).
 """
@@ -196,8 +200,13 @@ class Scheduler:
         if started is None:
             return outputs
         on_device = started[1].running
-        tokens = self._collect(started)
-        if on_device and not self._device_step_possible():
+        self._running_step = self._start(started) if on_device else None
+        try:
+            tokens = self._collect(started)
+        except Exception:
+            self._drop_fed()
+            raise
+        if self._running_step is None and on_device and not self._device_step_possible():
             try:  # the device works on the next step while this one's tokens are reported
                 self._running_step = self._start()
             except Exception as exc:  # raised by the next step() call, after these outputs are out
@@ -228,35 +237,91 @@ class Scheduler:
         return [(request, self._accept(request, self._sample(request, out[-1])))
                 for (request, _, rows), out in zip(work, logits) if rows and not request.finished]
 
-    def _start(self) -> tuple[list[tuple[Request, list[int], int]], Any] | None:
-        """Schedule a step and start it on the engine: (work, its Step), or None when there is nothing to run."""
-        if self._start_error is not None:
+    def _start(self, before: tuple[list[tuple[Request, list[int] | None, int]], Any] | None = None
+               ) -> tuple[list[tuple[Request, list[int] | None, int]], Any] | None:
+        """Schedule a step and start it on the engine: (work, its Step), or None when there is nothing to run.
+        With ``before`` (the step still on the device), the step after it, its decode rows fed with the tokens
+        the device chooses there: None also when it cannot be (see the module docstring) or the backend did not
+        take it, and the step then starts as usual once ``before`` is in."""
+        ahead = None
+        if before is not None:
+            if not self.engine.feeds or any(rows and not r.argmax_only for r, _, rows in before[0] if not r.finished):
+                return None  # a request sampled on the host: its next token is not the device's
+            ahead = {id(r): (1 if toks is None else len(toks), rows) for r, toks, rows in before[0]}
+            self._running_step = before  # what ends while scheduling is held for the step on the device
+        elif self._start_error is not None:
             exc, self._start_error = self._start_error, None
             raise exc
-        if self.on_start is not None:
-            self.on_start()
-        work = self._schedule()
+        try:
+            if self.on_start is not None:
+                self.on_start()
+            work = self._schedule(ahead)
+        finally:
+            if before is not None:
+                self._running_step = None
         if not work:
             return None
         self.steps += 1
+        args = ([(r.seq, toks, rows) for r, toks, rows in work], [r.argmax_only for r, _, _ in work])
         try:
-            step = self.engine.start_batch([(r.seq, toks, rows) for r, toks, rows in work],
-                                           [r.argmax_only for r, _, _ in work])
+            step = self.engine.start_batch(*args) if before is None else self.engine.start_batch(*args, after=before[1])
         except Exception:
-            self._abort_step(work)
-            raise
-        return work, step
+            if before is None:
+                self._abort_step(work)
+                raise
+            step = None
+        if step is None:
+            self.steps -= 1
+        return None if step is None else (work, step)
 
-    def _schedule(self) -> list[tuple[Request, list[int], int]]:
+    def _drop_fed(self) -> None:
+        """The step before a fed step failed: the fed step's outputs are void; wait for it, quietly."""
+        fed, self._running_step = self._running_step, None
+        if fed is not None:
+            try:
+                fed[1].result()
+            except Exception:
+                pass
+            finally:
+                self._release_held()
+
+    def _schedule(self, ahead: dict[int, tuple[int, int]] | None = None
+                  ) -> list[tuple[Request, list[int] | None, int]]:
+        """This step's work: (request, its new tokens, logit rows). With ``ahead`` (each request of the step
+        still running: the tokens it runs there, its logit rows), the step that follows that one: a request
+        whose token comes from it is fed (None), and no request is preempted (nothing is scheduled instead)."""
         budget = self.token_budget
-        work: list[tuple[Request, list[int], int]] = []
+        work: list[tuple[Request, list[int] | None, int]] = []
+        limit = self.engine.config.max_position
         for request in list(self.running):
             if request.status != RUNNING or budget == 0:
                 continue
-            n = min(request.pending, budget)
-            if not self._grow(request, n):
-                continue  # preempted, or finished for lack of room
-            work.append(self._chunk(request, n))
+            before = ahead.get(id(request)) if ahead is not None else None
+            if before is None:
+                n = min(request.pending, budget)
+                grown = self._grow(request, n) if ahead is None else self.pool.reserve(
+                    request.seq.cache, len(request.seq.tokens) + n)
+                if not grown:
+                    if ahead is not None:
+                        return []
+                    continue  # preempted, or finished for lack of room
+                work.append(self._chunk(request, n))
+                budget -= n
+                continue
+            done = len(request.seq.tokens) + before[0]  # positions once the running step is in
+            if before[1]:  # its next token is the running step's: fed, unless that token ends it
+                if len(request.output_ids) + 1 >= request.params.max_tokens or len(request.tokens) + 1 > limit:
+                    continue
+                if not self.pool.reserve(request.seq.cache, done + 1):
+                    return []
+                work.append((request, None, 1))
+                budget -= 1
+                continue
+            left = len(request.tokens) - done  # the rest of its prompt
+            n = min(left, budget)
+            if not self.pool.reserve(request.seq.cache, done + n):
+                return []
+            work.append((request, request.tokens[done:done + n], int(n == left)))
             budget -= n
         while self.waiting and budget and len(self.running) < self.max_batch:
             request = self.waiting[0]
@@ -268,7 +333,10 @@ class Scheduler:
             request.status = RUNNING
             self.running.append(request)
             n = min(request.pending, budget)
-            if not self._grow(request, n):
+            if ahead is not None:
+                if not self.pool.reserve(request.seq.cache, len(request.seq.tokens) + n):
+                    return []
+            elif not self._grow(request, n):
                 continue
             work.append(self._chunk(request, n))
             budget -= n

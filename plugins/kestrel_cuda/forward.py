@@ -156,10 +156,13 @@ class DeviceForward:
         self._seqs: dict[int, _Seq] = {}
         self._spare: _Seq | None = None  # the last released sequence: KV cache and graph, for the next one
         self._pool: paged.Pool | None = None  # batched steps' KV (paged.py), made at the first batch
+        # the last pooled step's greedy ids on the device and each sequence's row there: what fed rows take
+        self._feed: tuple[Any, dict[int, int]] | None = None
         self.counters: dict[str, int] = {"steps": 0, "graph_replays": 0, "graph_captures": 0,
                                          "prefill_tokens": 0, "decode_tokens": 0, "declined": 0,
                                          "sequences_reused": 0, "batch_steps": 0, "batch_rows": 0,
-                                         "batch_graph_replays": 0, "batch_argmax_steps": 0, "pool_moves": 0}
+                                         "batch_graph_replays": 0, "batch_argmax_steps": 0, "pool_moves": 0,
+                                         "fed_rows": 0}
         self.last_decline = ""
 
     # -- API -----------------------------------------------------------------------------------------
@@ -174,6 +177,7 @@ class DeviceForward:
         st = self._state(model)
         if st is None:
             return None
+        self._feed = None
         end = start + len(toks)
         if end > st.max_context:
             return self._decline(f"context {end} beyond the device maximum {st.max_context}")
@@ -302,8 +306,12 @@ class DeviceForward:
         if st is None:
             return None
         reason = paged.check(batch, model.config.vocab_size, st.max_context, PREFILL_CHUNK)
+        if reason is None and any(e.fed for e in batch):
+            chosen = self._feed[1] if self._feed is not None and len(batch) > 1 else {}
+            reason = None if all(e.seq_id in chosen for e in batch if e.fed) else "a fed row the device did not choose"
         if reason is not None:
             return self._decline(reason)
+        self._feed, feed = None, self._feed
         if len(batch) == 1:
             e = batch[0]
             out = self.forward(model, e.seq_id, e.tokens, e.start, e.logit_rows > 1)
@@ -325,7 +333,7 @@ class DeviceForward:
                     self._spare = own
                     self.counters["pool_moves"] += 1
                 pool.held[e.seq_id] = (e.start, e.blocks)
-            outs = self._run_pooled(st, pool, batch)
+            outs = self._run_pooled(st, pool, batch, feed)
         except BaseException:
             for e in batch:
                 pool.held.pop(e.seq_id, None)  # their pool blocks may be half written
@@ -334,9 +342,12 @@ class DeviceForward:
             pool.held[e.seq_id] = (e.end, e.blocks)
         return outs
 
-    def _run_pooled(self, st: State, pool: paged.Pool, batch: Sequence[BatchEntry]
+    def _run_pooled(self, st: State, pool: paged.Pool, batch: Sequence[BatchEntry],
+                    feed: tuple[Any, dict[int, int]] | None = None
                     ) -> list[np.ndarray] | Callable[[], list[np.ndarray]]:
-        """The passes of a pooled step; a step of one pass returns its results' call without waiting."""
+        """The passes of a pooled step; a step of one pass returns its results' call without waiting. Fed rows
+        take their tokens from ``feed`` (the step before's ids on the device). A step of one pass that returns
+        only greedy ids leaves them on the device for the next step's fed rows (``_feed``)."""
         ops, total = self.ops, sum(len(e.tokens) for e in batch)
         if st.logits_all is None:
             st.logits_all = ops.zeros((PREFILL_CHUNK, st.config.vocab_size), np.float32)
@@ -348,6 +359,12 @@ class DeviceForward:
         decode = total == len(batch) and len(wanted) == total
         b = paged.bucket(total) if decode and self._graphs(st.config, total) else None
         whole = all(needs)  # every row's logits come back, in one download a pass
+        ids_only = bool(needs) and not any(needs) and total <= PREFILL_CHUNK  # greedy ids alone, one pass
+        row_of, at = {}, 0  # each batch row's index, for the fed rows
+        for e in batch:
+            if e.fed:
+                row_of[at] = feed[1][e.seq_id]  # type: ignore[index]
+            at += len(e.tokens)
         fetched: list[tuple[np.ndarray, dict[int, np.ndarray]]] = []  # per pass: (logits or ids, logit rows)
         fetches: list[Callable[[], tuple[np.ndarray, dict[int, np.ndarray]]]] = []  # the passes' downloads
         done = 0  # returned rows so far
@@ -356,13 +373,19 @@ class DeviceForward:
                 fetched.append(fetches.pop()())
             m = min(PREFILL_CHUNK, total - first)
             tokens, rows, tables = paged.row_map(batch, first, m, b or m, pool.blocks, pool.table_width)
+            tokens[tokens < 0] = 0  # fed rows: their tokens come from the device, below
             ops.write_meta(st.meta, np.concatenate([np.zeros(1, np.int32), tokens]))
+            fed = [(r - first, src) for r, src in row_of.items() if first <= r < first + m]
+            if fed:
+                ops.put_ids(st.meta, np.array([1 + r for r, _ in fed], np.int32), feed[0],  # type: ignore[index]
+                            np.array([src for _, src in fed], np.int32))
             ops.write_meta(pool.rows.reshape(-1), rows.reshape(-1))
             ops.write_meta(pool.tables.reshape(-1), tables.reshape(-1))
             if b is not None:
                 self._batch_graph(st, pool, b)()
                 self.counters["batch_graph_replays"] += 1
-                fetches.append(lambda: self._fetch(st, st.logits_all, needs, whole))
+                fetches.append(self._ids_later(st, st.logits_all, batch, needs) if ids_only else
+                               lambda: self._fetch(st, st.logits_all, needs, whole))
                 continue
             local = [r - first for r in wanted if first <= r < first + m]
             index = None
@@ -374,18 +397,35 @@ class DeviceForward:
             if local:
                 src = st.logits_all if len(local) > 1 else st.logits
                 part = needs[done:done + len(local)]
-                fetches.append(lambda src=src, part=part: self._fetch(st, src, part, whole))
+                fetches.append(self._ids_later(st, src, batch, part) if ids_only else
+                               lambda src=src, part=part: self._fetch(st, src, part, whole))
                 done += len(local)
         self.counters["batch_steps"] += 1
         self.counters["batch_argmax_steps"] += bool(needs) and not any(needs)  # token ids only came back
         self.counters["batch_rows"] += total
+        self.counters["fed_rows"] += len(row_of)
 
         def results() -> list[np.ndarray]:
             fetched.extend(f() for f in fetches)
-            ops.synchronize()
+            if not fetches:
+                ops.synchronize()
             return paged.per_entry(batch, fetched, st.config.vocab_size, whole)
 
         return results if total <= PREFILL_CHUNK else results()
+
+    def _ids_later(self, st: State, logits: Any, batch: Sequence[BatchEntry], needs: list[bool]
+                   ) -> Callable[[], tuple[np.ndarray, dict[int, np.ndarray]]]:
+        """A one-pass step's greedy ids (no row needs its logits), chosen now: they stay on the device for the
+        next step's fed rows (each sequence's last returned row) and come back without waiting for later work."""
+        ids = self.ops.argmax_rows(logits, len(needs), st.argmax)
+        rows, at = {}, 0
+        for e in batch:
+            at += e.logit_rows
+            if e.logit_rows:
+                rows[e.seq_id] = at - 1
+        self._feed = (ids, rows)
+        host = self.ops.download_later(ids, len(needs))
+        return lambda: (host(), {})
 
     def _fetch(self, st: State, logits: Any, needs: list[bool], whole: bool
                ) -> tuple[np.ndarray, dict[int, np.ndarray]]:

@@ -167,6 +167,19 @@ class CupyOps:
         a[:rows].get(stream=self.stream, out=host, blocking=True)
         return host
 
+    def download_later(self, a: Any, rows: int) -> Callable[[], np.ndarray]:
+        """``download``, enqueued: the call waits for the copy (not for later work on the stream) and returns
+        the rows."""
+        host = self.cupyx.empty_pinned((rows, *a.shape[1:]), a.dtype)
+        a[:rows].get(stream=self.stream, out=host, blocking=False)
+        done = self.record()
+        return lambda: (done.synchronize(), host)[1]
+
+    def put_ids(self, dst: Any, at: np.ndarray, src: Any, take: np.ndarray) -> None:
+        """dst[at[i]] = src[take[i]] on the stream (device int32 arrays; ``at``/``take`` host indices)."""
+        with self.stream:
+            dst[self.cp.asarray(at)] = src[self.cp.asarray(take)]
+
     def write_meta(self, meta: Any, values: np.ndarray) -> None:
         meta[:len(values)].set(np.ascontiguousarray(values, np.int32), stream=self.stream)
 

@@ -102,6 +102,14 @@ class NumpyOps:
     def download(self, a: np.ndarray, rows: int) -> np.ndarray:
         return np.array(a[:rows], copy=True)
 
+    def download_later(self, a: np.ndarray, rows: int) -> Callable[[], np.ndarray]:
+        out: list[np.ndarray] = []
+        self._run(lambda: out.append(np.array(a[:rows], copy=True)))
+        return lambda: out[-1]
+
+    def put_ids(self, dst: np.ndarray, at: np.ndarray, src: np.ndarray, take: np.ndarray) -> None:
+        self._run(lambda: dst.__setitem__(at, src[take]))
+
     def write_meta(self, meta: np.ndarray, values: np.ndarray) -> None:
         meta[:len(values)] = values
 

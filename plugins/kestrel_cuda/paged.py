@@ -72,10 +72,10 @@ def check(batch: Sequence[BatchEntry], vocab: int, max_context: int, max_rows: i
         return f"{len(batch)} sequences in one step (at most {max_rows})"
     for e in batch:
         toks = np.asarray(e.tokens)
-        if toks.size == 0 or toks.dtype.kind not in "iu" or e.start < 0:
-            return "no tokens or a bad start"
+        if toks.size == 0 or toks.dtype.kind not in "iu" or e.start < 0 or (e.fed and toks.size != 1):
+            return "no tokens, a bad start or a fed entry of several tokens"
         lo, hi = id_range(toks)
-        if lo < 0 or hi >= vocab:
+        if not e.fed and (lo < 0 or hi >= vocab):
             return "token id outside the vocabulary"
         if e.end > max_context:
             return f"context {e.end} beyond the device maximum {max_context}"

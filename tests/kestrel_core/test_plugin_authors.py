@@ -73,7 +73,7 @@ def test_api_version_as_a_string(monkeypatch: pytest.MonkeyPatch) -> None:
     assert good.as_dict()["api_version"] == "1.0"
     bad = reg.bind("api_garbage")
     assert bad.reason == ("api_version must be (major, minor) such as kestrel_core.API_VERSION or a string like "
-                          "'1.3', got 'v1'")
+                          "'1.4', got 'v1'")
     reg.close()
 
 

@@ -30,7 +30,7 @@ def registry(monkeypatch: pytest.MonkeyPatch) -> Registry:
 
 @pytest.mark.parametrize(("name", "reason"), [
     ("missing_hook", "missing required hook(s): kestrel_gemm_f32"),
-    ("bad_api", "incompatible API version 2.0 (kestrel has 1.3)"),
+    ("bad_api", "incompatible API version 2.0 (kestrel has 1.4)"),
     ("open_raises", "device open failed: RuntimeError: driver exploded"),
     ("unavailable", "no widget attached"),
     ("bad_signature", "invalid hook"),

@@ -386,6 +386,8 @@ def test_engine_serves_concurrent_requests_through_the_batched_hook(tmp_path, mo
     assert offload["kestrel_forward_batch"]["accepted"] >= 6
     assert fwd.counters["batch_rows"] >= sum(len(p) for p in prompts)
     assert fwd.counters["batch_argmax_steps"] == (0 if logprobs else fwd.counters["batch_steps"])
+    # greedy requests' decode rows run the tokens the device chose, each step started before the last is in
+    assert (fwd.counters["fed_rows"] > 0) == (not logprobs)
 
 
 def test_steps_start_before_the_last_ones_are_reported_and_change_nothing(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
