@@ -12,8 +12,9 @@
 #define AW 4
 #define PT 32    // positions of a shared-memory tile (attn_rows: one page of the pool, KV_BLOCK)
 #define NCH 2    // attn_rows, attn_prefill: a lane's 4-dimension chunks, 128 dimensions apart (hd <= 256)
-// MAXJ: a lane's dimensions, hd <= 32 * MAXJ (4: hd <= 128, 8: hd <= 256); AB = 32 / MAXJ positions a step
-// keep AB x 2 x MAXJ loads in flight per lane at either size.
+// MAXJ: a lane's dimensions, hd <= 32 * MAXJ (4: hd <= 128, 8: hd <= 256), in chunks of 4 consecutive ones
+// 128 apart (dimension 4 lane + 128 (j / 4) + j % 4), each chunk of a key or value one 8-byte load of float16;
+// AB = 32 / MAXJ positions a step keep AB x 2 x MAXJ / 4 loads in flight per lane at either size.
 template <int NS, int MAXJ>
 __global__ void __launch_bounds__(AW * 32) attn_decode(
     const float* __restrict__ q, const kv_t* __restrict__ kc, const kv_t* __restrict__ vc, int cap, int H,
@@ -25,7 +26,7 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     constexpr int AB = 32 / MAXJ;
     constexpr int NW = NS > AW ? NS : AW;   // s_m, s_l hold the warps' partials first, then the splits'
     __shared__ float s_m[NW], s_l[NW], s_w[NS];
-    __shared__ float s_acc[AW][32 * MAXJ];
+    __shared__ __align__(16) float s_acc[AW][32 * MAXJ];
     __shared__ int s_last;
     const int h = blockIdx.x, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -38,10 +39,11 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     const int kvh = h / (H / KV);
     const kv_t* kb = kc + ((size_t)kvh * cap + lo) * hd;
     const kv_t* vb = vc + ((size_t)kvh * cap + lo) * hd;
+    constexpr int NC = MAXJ / 4;            // a lane's chunks
     float qr[MAXJ], acc[MAXJ];
 #pragma unroll
     for (int j = 0; j < MAXJ; ++j) {
-        const int d = lane + 32 * j;
+        const int d = 4 * lane + 128 * (j / 4) + j % 4;
         qr[j] = d < hd ? q[(size_t)h * hd + d] * scale : 0.f;
         acc[j] = 0.f;
     }
@@ -52,12 +54,15 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
         for (int b = 0; b < AB; ++b) {
             const int p = p0 + b;
 #pragma unroll
-            for (int j = 0; j < MAXJ; ++j) {
-                const int d = lane + 32 * j;
+            for (int c = 0; c < NC; ++c) {
+                const int d = 4 * lane + 128 * c;
                 const bool ok = p < pe && d < hd;
                 const size_t at = (size_t)(p < pe ? p : 0) * hd + d;
-                kr[b][j] = ok ? from_kv(kb[at]) : 0.f;
-                vr[b][j] = ok ? from_kv(vb[at]) : 0.f;
+                const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+                const float4 kk = ok ? from_kv4(*reinterpret_cast<const uint2*>(kb + at)) : zero;
+                const float4 vv = ok ? from_kv4(*reinterpret_cast<const uint2*>(vb + at)) : zero;
+                kr[b][4 * c] = kk.x; kr[b][4 * c + 1] = kk.y; kr[b][4 * c + 2] = kk.z; kr[b][4 * c + 3] = kk.w;
+                vr[b][4 * c] = vv.x; vr[b][4 * c + 1] = vv.y; vr[b][4 * c + 2] = vv.z; vr[b][4 * c + 3] = vv.w;
             }
         }
         float sc[AB];
@@ -93,9 +98,11 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     }
     if (lane == 0) { s_m[warp] = mx; s_l[warp] = l; }
 #pragma unroll
-    for (int j = 0; j < MAXJ; ++j) {
-        const int d = lane + 32 * j;
-        if (d < hd) s_acc[warp][d] = acc[j];
+    for (int c = 0; c < NC; ++c) {
+        const int d = 4 * lane + 128 * c;
+        if (d < hd)
+            *reinterpret_cast<float4*>(&s_acc[warp][d]) =
+                make_float4(acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3]);
     }
     __syncthreads();
     float* pp = part + ((size_t)h * NS + split) * (hd + 2);

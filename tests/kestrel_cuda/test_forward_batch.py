@@ -80,7 +80,7 @@ def test_the_cuda_backend_serves_concurrent_requests_in_batches(quant: str) -> N
         assert greedy_agrees(tokens, model, np.array(p), tol) == [], (p, tokens)
 
 
-@pytest.mark.parametrize("heads,kv_heads,hd,copies", [(32, 8, 128, 1), (32, 8, 128, 8), (24, 2, 64, 1),
+@pytest.mark.parametrize("heads,kv_heads,hd,copies", [(32, 8, 128, 1), (32, 8, 128, 16), (24, 2, 64, 1),
                                                       (4, 4, 32, 1), (8, 4, 256, 1), (16, 8, 256, 8)])
 def test_attn_rows_is_the_mirrors_attention(heads: int, kv_heads: int, hd: int, copies: int, stream) -> None:  # type: ignore[no-untyped-def]
     """attn_rows over a paged pool of float16 keys and values (pages scattered, lengths ending inside and at the
