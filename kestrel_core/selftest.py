@@ -269,6 +269,57 @@ def _rerun_argmax_only(backend: Backend, model: Any, first_seq: int, script_toks
     return ""
 
 
+def _greedy_of(out: Any) -> list[int]:
+    """Each returned row's greedy token: ids as they are, logits by their argmax."""
+    return [int(t) for t in out] if out.ndim == 1 else [int(np.argmax(row)) for row in out]
+
+
+def _fed_steps(backend: Backend, model: Any, first_seq: int, caches: dict[int, Any], pool: Any) -> str:
+    """Two prompts in one step (argmax_only), then, before its results are taken, a step whose entries are
+    ``fed`` (API 1.4): its tokens must be those the same two steps give with the first one's tokens written out
+    (fresh sequences, the same blocks). What is wrong, or "" (also for a backend that answers at once, which is
+    never offered fed entries, or that declines them)."""
+    rng = np.random.default_rng(first_seq)
+    prompts = [rng.integers(0, model.config.vocab_size, n) for n in (9, 5)]
+
+    def entry(seq: int, i: int, tokens: np.ndarray, start: int, fed: bool = False) -> BatchEntry:
+        return BatchEntry(seq, tokens, start, 1, tuple(caches[i].blocks), pool.block_size, pool.num_blocks, True, fed)
+
+    def offer(batch: list[BatchEntry]) -> Any:
+        return backend.hook.kestrel_forward_batch(device=backend.device, model=model, batch=batch)
+
+    def done(out: Any) -> list[list[int]] | None:
+        out = out() if callable(out) else out
+        return None if out is None else [_greedy_of(o) for o in out]
+
+    def release(seqs: range) -> None:
+        if backend.implements("kestrel_release_sequence"):
+            for seq in seqs:
+                backend.hook.kestrel_release_sequence(device=backend.device, seq_id=seq)
+
+    release(range(first_seq, first_seq + 6))
+    fed_seq, ref_seq = first_seq + 6, first_seq + 8
+    first = offer([entry(fed_seq + i, i, p, 0) for i, p in enumerate(prompts)])
+    if not callable(first):
+        return ""
+    second = offer([entry(fed_seq + i, i, np.array([-1]), len(p), True) for i, p in enumerate(prompts)])
+    got_first = done(first)
+    got_second = done(second) if second is not None else None
+    release(range(fed_seq, fed_seq + 2))
+    if got_second is None or got_first is None:
+        return ""
+    want_first = done(offer([entry(ref_seq + i, i, p, 0) for i, p in enumerate(prompts)]))
+    want_second = None if want_first is None else done(
+        offer([entry(ref_seq + i, i, np.array(t[-1:]), len(p)) for i, (p, t) in enumerate(zip(prompts, want_first))]))
+    release(range(ref_seq, ref_seq + 2))
+    if want_second is None:
+        return ""
+    if got_first != want_first or got_second != want_second:
+        return (f"fed step: tokens {got_first} then {got_second}, with the tokens written out {want_first} then "
+                f"{want_second}")
+    return ""
+
+
 def _batch_step(backend: Backend, model: Any, batch: list[BatchEntry]) -> Any:
     """The batched hook's result; a step still running on the device (a call, since API 1.3) is waited for."""
     out = backend.hook.kestrel_forward_batch(device=backend.device, model=model, batch=batch)
@@ -278,7 +329,8 @@ def _batch_step(backend: Backend, model: Any, batch: list[BatchEntry]) -> Any:
 def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str, seed: int,
                            first_seq: int) -> CaseResult:
     """The backend's batched steps of BATCH_SCRIPT against the CPU decoder, within the measured band; then
-    with every entry argmax_only, whose token ids must be the argmax of the same steps' logits."""
+    with every entry argmax_only, whose token ids must be the argmax of the same steps' logits; then fed steps
+    (API 1.4), which must give the tokens written-out ones give."""
     from kestrel_core.model.decoder import Decoder
     from kestrel_core.model.kv_pool import KVPool
     from kestrel_core.model.presets import synthetic_model
@@ -330,11 +382,13 @@ def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str
             for s, n, _ in step:
                 starts[s] += n
         bad_ids = _rerun_argmax_only(backend, model, first_seq, script_toks, caches, host.pool, got_all)
+        if not bad_ids and tuple(backend.info.api_version) >= (1, 4):
+            bad_ids = _fed_steps(backend, model, first_seq, caches, host.pool)
         if bad_ids:
             return CaseResult(name, FORWARD_BATCH, False, float("inf"), detail=bad_ids)
     finally:
         if backend.implements("kestrel_release_sequence"):
-            for s in range(6):
+            for s in range(10):
                 backend.hook.kestrel_release_sequence(device=backend.device, seq_id=first_seq + s)
     got_v, ref_v = (np.concatenate([a.ravel() for a in x]).astype(np.float64) for x in (got_all, ref_all))
     if not np.all(np.isfinite(got_v)):

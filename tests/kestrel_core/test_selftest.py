@@ -89,6 +89,8 @@ def test_seeded_fixtures_are_reproducible() -> None:
 
 
 # A batched whole step on the host decoder with its own caches per sequence; MODE breaks it on purpose.
+# "fed" answers with a call (its step "runs" until then) and takes fed entries (the last greedy token of the
+# sequence); "wrong_fed" feeds the token after it.
 FORWARD_BATCH_BACKEND = '''
 import numpy as np
 from kestrel_core import API_VERSION, BackendInfo, hookimpl
@@ -101,6 +103,7 @@ MODE = "{mode}"
 _cpu = Registry().cpu()
 STATE = {{}}
 RELEASED = []
+LAST = {{}}  # each sequence's last greedy token
 
 
 @hookimpl
@@ -120,8 +123,14 @@ def kestrel_forward_batch(device, model, batch):
     for e in batch:
         cache = caches.setdefault(e.seq_id, dec.new_cache())
         assert cache.length == e.start, (cache.length, e.start)
-        work.append((cache, e.tokens, e.logit_rows))
+        tokens = e.tokens
+        if e.fed:
+            tokens = np.array([(LAST[e.seq_id] + int(MODE == "wrong_fed")) % model.config.vocab_size])
+        work.append((cache, tokens, e.logit_rows))
     outs = dec.forward_batch(work)
+    for e, o in zip(batch, outs):
+        if e.logit_rows:
+            LAST[e.seq_id] = int(np.argmax(o[-1]))
     if MODE == "scaled":  # a wrong scale: 25 % on every logit
         outs = [o * np.float32(1.25) for o in outs]
     if MODE == "swapped" and len(outs) > 1 and outs[0].shape == outs[1].shape:  # rows of another sequence
@@ -129,6 +138,8 @@ def kestrel_forward_batch(device, model, batch):
     if MODE in ("ids", "wrong_ids"):  # argmax_only entries get token ids; wrong_ids: the next id over
         shift = int(MODE == "wrong_ids")
         outs = [(np.argmax(o, axis=1) + shift) % o.shape[1] if e.argmax_only else o for o, e in zip(outs, batch)]
+    if MODE in ("fed", "wrong_fed"):
+        return lambda: outs
     return outs
 
 
@@ -141,7 +152,7 @@ def kestrel_release_sequence(device, seq_id):
 
 
 @pytest.mark.parametrize("mode, ok", [("right", True), ("ids", True), ("scaled", False), ("swapped", False),
-                                      ("wrong_ids", False), ("decline", False)])
+                                      ("wrong_ids", False), ("decline", False), ("fed", True), ("wrong_fed", False)])
 def test_the_batched_whole_step_is_checked_against_the_cpu(tmp_path: Path, monkeypatch, mode: str,
                                                            ok: bool) -> None:
     (tmp_path / f"fb_{mode}.py").write_text(FORWARD_BATCH_BACKEND.format(mode=mode, name=f"fb_{mode}"))
@@ -154,6 +165,8 @@ def test_the_batched_whole_step_is_checked_against_the_cpu(tmp_path: Path, monke
     assert report.ok is ok
     if mode == "right":
         assert all(c.max_err == 0 for c in cases if not c.declined)  # the CPU itself: bit for bit
-        assert len(set(registry.backends["fb_right"].plugin.RELEASED)) == 6 * 2  # every case's sequences released
+        assert len(set(registry.backends["fb_right"].plugin.RELEASED)) == 10 * 2  # every case's sequences released
     if mode == "wrong_ids":
         assert all("argmax_only ids" in c.detail for c in cases)
+    if mode == "wrong_fed":
+        assert all("fed step" in c.detail for c in cases)
