@@ -360,11 +360,7 @@ class DeviceForward:
         b = paged.bucket(total) if decode and self._graphs(st.config, total) else None
         whole = all(needs)  # every row's logits come back, in one download a pass
         ids_only = bool(needs) and not any(needs) and total <= PREFILL_CHUNK  # greedy ids alone, one pass
-        row_of, at = {}, 0  # each batch row's index, for the fed rows
-        for e in batch:
-            if e.fed:
-                row_of[at] = feed[1][e.seq_id]  # type: ignore[index]
-            at += len(e.tokens)
+        row_of = paged.fed_rows(batch, feed[1]) if feed is not None else {}
         fetched: list[tuple[np.ndarray, dict[int, np.ndarray]]] = []  # per pass: (logits or ids, logit rows)
         fetches: list[Callable[[], tuple[np.ndarray, dict[int, np.ndarray]]]] = []  # the passes' downloads
         done = 0  # returned rows so far
@@ -385,7 +381,7 @@ class DeviceForward:
                 self._batch_graph(st, pool, b)()
                 self.counters["batch_graph_replays"] += 1
                 fetches.append(self._ids_later(st, st.logits_all, batch, needs) if ids_only else
-                               lambda: self._fetch(st, st.logits_all, needs, whole))
+                               lambda: paged.fetch(ops, st.argmax, st.logits_all, needs, whole))
                 continue
             local = [r - first for r in wanted if first <= r < first + m]
             index = None
@@ -398,7 +394,7 @@ class DeviceForward:
                 src = st.logits_all if len(local) > 1 else st.logits
                 part = needs[done:done + len(local)]
                 fetches.append(self._ids_later(st, src, batch, part) if ids_only else
-                               lambda src=src, part=part: self._fetch(st, src, part, whole))
+                               lambda src=src, part=part: paged.fetch(ops, st.argmax, src, part, whole))
                 done += len(local)
         self.counters["batch_steps"] += 1
         self.counters["batch_argmax_steps"] += bool(needs) and not any(needs)  # token ids only came back
@@ -415,32 +411,9 @@ class DeviceForward:
 
     def _ids_later(self, st: State, logits: Any, batch: Sequence[BatchEntry], needs: list[bool]
                    ) -> Callable[[], tuple[np.ndarray, dict[int, np.ndarray]]]:
-        """A one-pass step's greedy ids (no row needs its logits), chosen now: they stay on the device for the
-        next step's fed rows (each sequence's last returned row) and come back without waiting for later work."""
-        ids = self.ops.argmax_rows(logits, len(needs), st.argmax)
-        rows, at = {}, 0
-        for e in batch:
-            at += e.logit_rows
-            if e.logit_rows:
-                rows[e.seq_id] = at - 1
-        self._feed = (ids, rows)
-        host = self.ops.download_later(ids, len(needs))
-        return lambda: (host(), {})
-
-    def _fetch(self, st: State, logits: Any, needs: list[bool], whole: bool
-               ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-        """The first ``len(needs)`` rows of ``logits`` on the host: all of them when the batch's every row
-        needs its logits (``whole``: float32 [rows, vocab], {}); else their greedy tokens (int32 [rows]) and
-        the logits [1, vocab] of the rows that need them, by row, so only those cross the bus (in one
-        download of the block when most do)."""
-        rows = len(needs)
-        if whole:
-            return self.ops.download(logits, rows), {}
-        ids = self.ops.download(self.ops.argmax_rows(logits, rows, st.argmax), rows)
-        if 2 * sum(needs) > rows:
-            block = self.ops.download(logits, rows)
-            return ids, {r: block[r:r + 1] for r in range(rows) if needs[r]}
-        return ids, {r: self.ops.download(logits[r:r + 1], 1) for r in range(rows) if needs[r]}
+        """``paged.ids_later``, whose ids the next step's fed rows take (``_feed``)."""
+        self._feed, call = paged.ids_later(self.ops, st.argmax, logits, batch, len(needs))
+        return call
 
     def _batch_graph(self, st: State, pool: paged.Pool, b: int) -> Callable[[], None]:
         """The decode step of ``b`` pooled rows as a captured graph (rows, tables and tokens read from the

@@ -8,8 +8,9 @@ device's: no allocator here, and a sequence never finds the pool full. One more 
 writes of the rows that pad a captured batch to its bucket.
 
 A sequence moves between its own cache (a lone sequence: the captured M = 1 step and the pipelined greedy
-decode) and the pool (two sequences or more) by copying its positions block by block. ``per_entry`` splits a
-pooled step's downloads back into each entry's result.
+decode) and the pool (two sequences or more) by copying its positions block by block. ``fetch`` and
+``ids_later`` download a pooled step's results, ``per_entry`` splits them back into each entry's, and
+``fed_rows`` finds where a step's fed rows take their tokens from.
 """
 
 from __future__ import annotations
@@ -131,6 +132,47 @@ def row_map(batch: Sequence[BatchEntry], first: int, count: int, pad_to: int, sc
             rows[lo - first:hi - first, 1] = i
         at += t
     return tokens, rows, tables
+
+
+def fetch(ops: Any, argmax: Any, logits: Any, needs: list[bool], whole: bool
+          ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+    """The first ``len(needs)`` rows of ``logits`` on the host: all of them when the batch's every row needs its
+    logits (``whole``: float32 [rows, vocab], {}); else their greedy tokens (int32 [rows], by ``argmax_rows``
+    into its scratch ``argmax``) and the logits [1, vocab] of the rows that need them, by row, so only those
+    cross the bus (in one download of the block when most do)."""
+    rows = len(needs)
+    if whole:
+        return ops.download(logits, rows), {}
+    ids = ops.download(ops.argmax_rows(logits, rows, argmax), rows)
+    if 2 * sum(needs) > rows:
+        block = ops.download(logits, rows)
+        return ids, {r: block[r:r + 1] for r in range(rows) if needs[r]}
+    return ids, {r: ops.download(logits[r:r + 1], 1) for r in range(rows) if needs[r]}
+
+
+def ids_later(ops: Any, argmax: Any, logits: Any, batch: Sequence[BatchEntry], rows: int
+              ) -> tuple[tuple[Any, dict[int, int]], Callable[[], tuple[np.ndarray, dict[int, np.ndarray]]]]:
+    """A one-pass step's greedy ids (no row needs its logits), chosen now: (the ids on the device and each
+    sequence's last returned row among them, for the next step's fed rows; the call that returns them as
+    ``fetch`` does, waiting for their download alone, not for later work)."""
+    ids = ops.argmax_rows(logits, rows, argmax)
+    last, at = {}, 0
+    for e in batch:
+        at += e.logit_rows
+        if e.logit_rows:
+            last[e.seq_id] = at - 1
+    host = ops.download_later(ids, rows)
+    return (ids, last), lambda: (host(), {})
+
+
+def fed_rows(batch: Sequence[BatchEntry], last: dict[int, int]) -> dict[int, int]:
+    """Each fed entry's row of the step: its sequence's row among the step before's ids (``ids_later``)."""
+    rows, at = {}, 0
+    for e in batch:
+        if e.fed:
+            rows[at] = last[e.seq_id]
+        at += len(e.tokens)
+    return rows
 
 
 def per_entry(batch: Sequence[BatchEntry], fetched: list[tuple[np.ndarray, dict[int, np.ndarray]]],
