@@ -177,9 +177,9 @@ def fed_rows(batch: Sequence[BatchEntry], last: dict[int, int]) -> dict[int, int
 
 def per_entry(batch: Sequence[BatchEntry], fetched: list[tuple[np.ndarray, dict[int, np.ndarray]]],
                vocab: int, whole: bool) -> list[np.ndarray]:
-    """Each entry's result from the passes' downloads (``DeviceForward._fetch``'s), in batch order: its logits
-    [logit_rows, vocab] (views of one array when ``whole``: every row came back), or its greedy tokens int64
-    [logit_rows] (argmax_only)."""
+    """Each entry's result from the passes' downloads (``fetch``'s or ``ids_later``'s), in batch order: its
+    logits [logit_rows, vocab] (views of one array when ``whole``: every row came back), or its greedy tokens
+    int64 [logit_rows] (argmax_only)."""
     if not fetched:  # prompt chunks only, none of whose logits are due yet
         return [np.zeros(0, np.int64) if e.argmax_only else np.zeros((0, vocab), np.float32) for e in batch]
     if whole:
