@@ -49,6 +49,11 @@ class BatchEntry:
         return self.start + len(self.tokens)
 
 
+def greedy_token(out: np.ndarray) -> int:
+    """The greedy token of an entry's result: its last row's id (argmax_only), or its last row's argmax."""
+    return int(out[-1]) if out.ndim == 1 else int(np.argmax(out[-1]))
+
+
 def id_range(ids: np.ndarray) -> tuple[int, int]:
     """(min, max) of a non-empty integer array as Python ints; a decode row's one id is read directly, since
     numpy's reductions cost more than the check that wants them."""

@@ -8,10 +8,10 @@ A whole step cannot be held to a fixed bound: every linear quantizes its input t
 rounds keys and values to float16), so a value within rounding of a boundary rounds the other way in another
 (correct) implementation, and later layers amplify that. The batched-step cases therefore measure their band:
 the CPU decoder is run a second time with every linear's input and output nudged by a few ulps (``JITTER``),
-and the backend may differ from the CPU by
-``JITTER_FACTOR`` times what the nudge alone changes. On the small random models here that band is 1-3 %
-(relative L2 of the logits), so these cases catch what a wrong kernel does (a bad index, a missing bias, the
-rows of another sequence: tens of %), while the GEMM cases above catch subtle errors in the arithmetic.
+and the backend may differ from the CPU by ``JITTER_FACTOR`` times what the nudge alone changes. On the small
+random models here that band is 1-3 % (relative L2 of the logits), so these cases catch what a wrong kernel
+does (a bad index, a missing bias, the rows of another sequence: tens of %), while the GEMM cases above catch
+subtle errors in the arithmetic.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kestrel_core.batch import BatchEntry
+from kestrel_core.batch import BatchEntry, greedy_token
 from kestrel_core.contract import (
     CODE_RANGE,
     StripCache,
@@ -269,11 +269,6 @@ def _rerun_argmax_only(backend: Backend, model: Any, first_seq: int, script_toks
     return ""
 
 
-def _greedy_of(out: Any) -> list[int]:
-    """Each returned row's greedy token: ids as they are, logits by their argmax."""
-    return [int(t) for t in out] if out.ndim == 1 else [int(np.argmax(row)) for row in out]
-
-
 def _fed_steps(backend: Backend, model: Any, first_seq: int, caches: dict[int, Any], pool: Any) -> str:
     """Two prompts in one step (argmax_only), then, before its results are taken, a step whose entries are
     ``fed`` (API 1.4): its tokens must be those the same two steps give with the first one's tokens written out
@@ -288,9 +283,9 @@ def _fed_steps(backend: Backend, model: Any, first_seq: int, caches: dict[int, A
     def offer(batch: list[BatchEntry]) -> Any:
         return backend.hook.kestrel_forward_batch(device=backend.device, model=model, batch=batch)
 
-    def done(out: Any) -> list[list[int]] | None:
+    def done(out: Any) -> list[int] | None:
         out = out() if callable(out) else out
-        return None if out is None else [_greedy_of(o) for o in out]
+        return None if out is None else [greedy_token(o) for o in out]
 
     def release(seqs: range) -> None:
         if backend.implements("kestrel_release_sequence"):
@@ -310,7 +305,7 @@ def _fed_steps(backend: Backend, model: Any, first_seq: int, caches: dict[int, A
         return ""
     want_first = done(offer([entry(ref_seq + i, i, p, 0) for i, p in enumerate(prompts)]))
     want_second = None if want_first is None else done(
-        offer([entry(ref_seq + i, i, np.array(t[-1:]), len(p)) for i, (p, t) in enumerate(zip(prompts, want_first))]))
+        offer([entry(ref_seq + i, i, np.array([t]), len(p)) for i, (p, t) in enumerate(zip(prompts, want_first))]))
     release(range(ref_seq, ref_seq + 2))
     if want_second is None:
         return ""

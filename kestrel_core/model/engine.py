@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kestrel_core.batch import BatchEntry
+from kestrel_core.batch import BatchEntry, greedy_token
 from kestrel_core.dispatch import Deferred, Offload, all_finite
 from kestrel_core.errors import KestrelError, NonFiniteLogits
 from kestrel_core.model.decoder import ACTIVATIONS, PREFILL_CHUNK, Decoder
@@ -96,9 +96,9 @@ class Step:
                 raise KestrelError("the step before a fed step failed")
             # the fed tokens: the step before's outputs; if the device did not give them all, its own fed rows
             # ran on tokens the engine did not keep, so the host recomputes this step as well
-            chosen = {e.seq_id: _greedy(out) for e, out in zip(after._entries, after._outs) if e.logit_rows}
-            for seq, new, _ in self._runs:
-                if new.size == 1 and new[0] == FED:
+            chosen = {e.seq_id: greedy_token(out) for e, out in zip(after._entries, after._outs) if e.logit_rows}
+            for (seq, new, _), e in zip(self._runs, self._entries):
+                if e.fed:
                     new[0] = chosen[seq.seq_id]
         device = after is None or after.on_device
         self._outs = engine._finish_batch(self._runs, self._entries, batched if device else None, device)
@@ -212,9 +212,10 @@ class Engine:
         Such a step is None if the backend did not take it (nothing ran); it is taken after ``after``."""
         c = self.config
         ahead = after.ends() if after is not None else {}
-        runs, fed, bases = [], [], []
+        runs, fed, bases = [], [], []  # fed: whether each run's token is the device's
         for seq, new, rows in work:
             end_before, added, feedable = ahead.get(seq.seq_id, (seq.device_len, 0, False))
+            fed.append(new is None)
             if new is None:
                 if not feedable:
                     raise KestrelError("a fed row needs its sequence's argmax in the step before")
@@ -228,7 +229,6 @@ class Engine:
             if not 0 <= rows <= len(new):
                 raise KestrelError(f"logit rows {rows} outside [0, {len(new)}]")
             runs.append((seq, new, rows))
-            fed.append(new.size == 1 and new[0] == FED)
             bases.append((base, end_before if seq.seq_id in ahead else seq.device_len))
         pool = self.pool
         for (seq, new, _), (base, _) in zip(runs, bases):  # the scheduler reserved already; a direct caller here
@@ -362,11 +362,6 @@ class Engine:
             "prefix_cache": self.prefix_cache, "prefix_hit_tokens": self.pool.prefix_hit_tokens,
             "prefix_cached_blocks": self.pool.cached_blocks,
         }
-
-
-def _greedy(out: np.ndarray) -> int:
-    """The greedy token of a step's output for a sequence: its last row's id, or its last row's argmax."""
-    return int(out[-1]) if out.ndim == 1 else int(np.argmax(out[-1]))
 
 
 def _behind(tokens: list[int], start: int, new: np.ndarray) -> np.ndarray:

@@ -359,7 +359,8 @@ class DeviceForward:
         decode = total == len(batch) and len(wanted) == total
         b = paged.bucket(total) if decode and self._graphs(st.config, total) else None
         whole = all(needs)  # every row's logits come back, in one download a pass
-        ids_only = bool(needs) and not any(needs) and total <= PREFILL_CHUNK  # greedy ids alone, one pass
+        argmax_step = bool(needs) and not any(needs)  # token ids alone come back
+        ids_only = argmax_step and total <= PREFILL_CHUNK  # ... in one pass: chosen at launch (_ids_later)
         row_of = paged.fed_rows(batch, feed[1]) if feed is not None else {}
         fetched: list[tuple[np.ndarray, dict[int, np.ndarray]]] = []  # per pass: (logits or ids, logit rows)
         fetches: list[Callable[[], tuple[np.ndarray, dict[int, np.ndarray]]]] = []  # the passes' downloads
@@ -397,7 +398,7 @@ class DeviceForward:
                                lambda src=src, part=part: paged.fetch(ops, st.argmax, src, part, whole))
                 done += len(local)
         self.counters["batch_steps"] += 1
-        self.counters["batch_argmax_steps"] += bool(needs) and not any(needs)  # token ids only came back
+        self.counters["batch_argmax_steps"] += argmax_step
         self.counters["batch_rows"] += total
         self.counters["fed_rows"] += len(row_of)
 
