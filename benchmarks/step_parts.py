@@ -3,7 +3,7 @@ host's work up to the launch: scheduling, the engine's entries, the backend's ow
 the results, against the whole step.
 
     python benchmarks/step_parts.py --preset qwen3-8b --backend cuda --quant q8 --concurrency 32,64
-    python benchmarks/step_parts.py --preset qwen3-8b --backend cuda --quant q8 --ttft-under-load 32
+    python benchmarks/step_parts.py --preset qwen3-8b --backend cuda --quant q8 --ttft-under-load 32 [--profile]
 
 Each level is ``run_concurrency_bench`` of its own (512-token prompts, 256 tokens each by default); the
 figures are medians over the steps where every stream decodes one token. ``--ttft-under-load N``: instead,
@@ -16,7 +16,9 @@ HTTP. A tree before ``Engine.start_batch`` is timed through ``Engine.run_batch``
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import time
 from typing import Any
@@ -67,8 +69,9 @@ def _instrument(rec: dict[str, Any]) -> None:
 
 
 def ttft_under_load(engine: Any, streams: int, prompt_tokens: int, decode_tokens: int, steps: list[dict[str, Any]],
-                    budget: int, probes: int = 3) -> list[dict[str, Any]]:
-    """Each probe's time to first token while ``streams - 1`` requests decode, and the steps it took."""
+                    budget: int, probes: int = 3, profile: Any = None) -> list[dict[str, Any]]:
+    """Each probe's time to first token while ``streams - 1`` requests decode, and the steps it took;
+    ``profile`` (a cProfile.Profile) runs over the probes' steps."""
     import numpy as np
 
     from kestrel_core.model.sampling import SamplingParams
@@ -85,9 +88,13 @@ def ttft_under_load(engine: Any, streams: int, prompt_tokens: int, decode_tokens
         steps.clear()
         t0 = time.perf_counter()
         probe = sched.add(rng.integers(0, vocab, prompt_tokens).tolist(), SamplingParams(max_tokens=1))
+        if profile is not None:
+            profile.enable()
         while not any(o.request_id == probe.request_id for o in sched.step()):
             pass
         ttft = time.perf_counter() - t0
+        if profile is not None:
+            profile.disable()
         if any(r.finished for r in background):
             raise SystemExit("a background stream ended before the probes: raise --decode-tokens")
         out.append({"ttft_ms": ttft * 1e3, "steps": [
@@ -107,6 +114,7 @@ def main() -> int:
     ap.add_argument("--kv-cache-mb", type=float, default=24576)
     ap.add_argument("--ttft-under-load", type=int, default=0, metavar="N")
     ap.add_argument("--token-budget", type=int, default=scheduler_mod.DEFAULT_TOKEN_BUDGET)
+    ap.add_argument("--profile", action="store_true", help="with --ttft-under-load: a cProfile of the probes' steps")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rec: dict[str, Any] = {}
@@ -125,14 +133,17 @@ def main() -> int:
     engine = engine_mod.load_preset(args.preset, backend=args.backend, quant=args.quant,
                                     kv_cache_mb=args.kv_cache_mb)
     out: list[dict[str, Any]] = []
+    profile = cProfile.Profile() if args.profile else None
     if args.ttft_under_load > 1:
         for probe in ttft_under_load(engine, args.ttft_under_load, args.prompt_tokens, args.decode_tokens, steps,
-                                     args.token_budget):
+                                     args.token_budget, profile=profile):
             out.append(probe)
             parts = ", ".join(f"{st.get('tokens', 0)} rows: start {st.get('start', 0):.2f} + wait "
                               f"{st.get('wait', 0):.2f} of {st['step']:.2f}" for st in probe["steps"])
             print(f"time to first token {probe['ttft_ms']:.1f} ms under {args.ttft_under_load - 1} streams; steps "
                   f"(ms): {parts}", flush=True)
+    if profile is not None:
+        pstats.Stats(profile).sort_stats("tottime").print_stats(30)
     for level in [int(c) for c in args.concurrency.split(",")] if not args.ttft_under_load else []:
         steps.clear()
         bench = run_concurrency_bench(engine, [level], prompt_tokens=args.prompt_tokens,

@@ -159,16 +159,18 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 // a block takes query heads part * NW .. part * NW + NW - 1 (NW = blockDim.x / 32 <= 8 warps, one a head) of
 // the G = H / KV heads of KV head blockIdx.x, over its split's share of the row's pages (``splits`` of them:
 // enough blocks when the batch is small), so each page of keys and values is read from memory once for them:
-// the block stages page after page in shared memory (two buffers, 8-byte cp.async of 4 float16; a page's
-// KV_BLOCK == PT positions are contiguous), and each warp runs attn_prefill's scheme on it: lane j scores
-// position j (8-byte shared reads of 4 dimensions, conflict-free with key rows padded by 4), a warp-wide online
-// softmax, lane j accumulates dimensions 4j..4j+3. With splits > 1 each head's (max,
+// the block stages page after page in shared memory (two float16 buffers, 8-byte cp.async of 4 values; a
+// page's KV_BLOCK == PT positions are contiguous), each thread converts the chunks it copied to a float32 page
+// (once per value, not once per query head that reads it: the conversions bound the kernel), and each warp
+// runs attn_prefill's scheme on that: lane j scores position j (16-byte shared reads of 4 dimensions,
+// conflict-free with key rows padded by 4), a warp-wide online softmax, lane j accumulates dimensions
+// 4j..4j+3. With splits > 1 each head's (max,
 // sum, acc[hd]) goes to part[row][head][split] (records of hd + 4 floats) and the last block of (row, KV head,
 // part) to arrive merges the splits in order, as attn_decode does. hd % 4 == 0, hd <= 256 (a lane's NCH
 // chunks of 4 dimensions, 128 apart); HD: hd known at
 // compile time (the page copy's index arithmetic and the dot products unrolled), 0: read from ``hd``. The dot
 // products and the value sums are fused multiply-adds (--fmad=false keeps every other kernel's apart).
-// Dynamic shared memory: 2 * PT * (2 * hd + 4) float16, then NW * hd floats.
+// Dynamic shared memory: PT * (2 * hd + 4) + NW * hd floats, then 2 * PT * 2 * hd float16.
 template <int HD>
 __global__ void __launch_bounds__(256) attn_rows(
     const float* __restrict__ q, const kv_t* __restrict__ kc, const kv_t* __restrict__ vc, int cap, int H,
@@ -179,14 +181,16 @@ __global__ void __launch_bounds__(256) attn_rows(
     grid_dep_wait();
     extern __shared__ float smem[];
     const int hd = HD ? HD : hd_arg;
-    const int ldk = hd + 4;                 // 8-byte aligned rows, conflict-free per half warp
+    const int ldk = hd + 4;                 // 16-byte aligned rows, conflict-free per quarter warp
     const int G = H / KV, kvh = blockIdx.x, row = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const int parts = (G + nw - 1) / nw, hpart = blockIdx.z % parts, split = blockIdx.z / parts;
     const int g0 = hpart * nw, heads = min(nw, G - g0);  // this block's heads of the group
-    kv_t* ks = reinterpret_cast<kv_t*>(smem);  // [2][PT][hd + 4]
-    kv_t* vs = ks + 2 * PT * ldk;           // [2][PT][hd]
-    float* qs = reinterpret_cast<float*>(vs + 2 * PT * hd);  // [NW][hd], scaled (16-byte aligned: 128 (2 hd + 4) B)
+    float* kf = smem;                       // [PT][hd + 4], the page being read
+    float* vf = kf + PT * ldk;              // [PT][hd]
+    float* qs = vf + PT * hd;               // [NW][hd], scaled
+    kv_t* ks = reinterpret_cast<kv_t*>(qs + nw * hd);  // [2][PT][hd], pages in flight
+    kv_t* vs = ks + 2 * PT * hd;            // [2][PT][hd]
     const int len = rows[2 * row] + 1;
     const int lo = window > 0 ? max(0, len - window) : 0;  // a sliding window's first position
     const int* table = tables + (size_t)rows[2 * row + 1] * tb;
@@ -203,8 +207,17 @@ __global__ void __launch_bounds__(256) attn_rows(
         for (int i = threadIdx.x; i < PT * hd4; i += blockDim.x) {
             const int r = i / hd4, d = 4 * (i - r * hd4);
             const bool ok = t * PT + r < len;
-            cp_async8(smem_u32(ks + (buf * PT + r) * ldk + d), ok ? kb + base + (size_t)r * hd + d : kb, ok ? 8 : 0);
+            cp_async8(smem_u32(ks + (buf * PT + r) * hd + d), ok ? kb + base + (size_t)r * hd + d : kb, ok ? 8 : 0);
             cp_async8(smem_u32(vs + (buf * PT + r) * hd + d), ok ? vb + base + (size_t)r * hd + d : vb, ok ? 8 : 0);
+        }
+    };
+    auto convert = [&](int buf) {           // the chunks this thread copied (visible to it once they landed)
+        for (int i = threadIdx.x; i < PT * hd4; i += blockDim.x) {
+            const int r = i / hd4, d = 4 * (i - r * hd4);
+            *reinterpret_cast<float4*>(kf + r * ldk + d) =
+                from_kv4(*reinterpret_cast<const uint2*>(ks + (buf * PT + r) * hd + d));
+            *reinterpret_cast<float4*>(vf + r * hd + d) =
+                from_kv4(*reinterpret_cast<const uint2*>(vs + (buf * PT + r) * hd + d));
         }
     };
     if (pb < pages) load(pb, 0);
@@ -217,15 +230,14 @@ __global__ void __launch_bounds__(256) attn_rows(
         if (t + 1 < pages) load(t + 1, (t + 1 - pb) & 1);
         cp_async_commit();
         cp_async_wait<1>();
-        __syncthreads();                    // page t (and the scaled q) visible to every warp
-        const kv_t* kt = ks + ((t - pb) & 1) * PT * ldk;
-        const kv_t* vt = vs + ((t - pb) & 1) * PT * hd;
+        convert((t - pb) & 1);
+        __syncthreads();                    // page t (and the scaled q) visible to every warp as float32
         const int p = t * PT + lane;
-        const uint2* k4 = reinterpret_cast<const uint2*>(kt + lane * ldk);
+        const float4* k4 = reinterpret_cast<const float4*>(kf + lane * ldk);
         float sc = 0.f;
 #pragma unroll 8
         for (int dd = 0; dd < hd4; ++dd) {
-            const float4 kk = from_kv4(k4[dd]), qq = q4[dd];
+            const float4 kk = k4[dd], qq = q4[dd];
             sc = fmaf(qq.x, kk.x, sc); sc = fmaf(qq.y, kk.y, sc); sc = fmaf(qq.z, kk.z, sc);
             sc = fmaf(qq.w, kk.w, sc);
         }
@@ -248,13 +260,13 @@ __global__ void __launch_bounds__(256) attn_rows(
             for (int ch = 0; ch < NCH; ++ch) {
                 const int d = d4 + 128 * ch;
                 if (d < hd) {
-                    const float4 vv = from_kv4(*reinterpret_cast<const uint2*>(vt + r * hd + d));
+                    const float4 vv = *reinterpret_cast<const float4*>(vf + r * hd + d);
                     acc[ch][0] = fmaf(w, vv.x, acc[ch][0]); acc[ch][1] = fmaf(w, vv.y, acc[ch][1]);
                     acc[ch][2] = fmaf(w, vv.z, acc[ch][2]); acc[ch][3] = fmaf(w, vv.w, acc[ch][3]);
                 }
             }
         }
-        __syncthreads();                    // every warp is done with buffer t & 1 before page t + 2 lands in it
+        __syncthreads();                    // every warp is done with the float32 page before the next is converted
     }
     const int head = kvh * G + g0 + warp;
     float* o = out + (size_t)row * H * hd + (size_t)head * hd + d4;
