@@ -230,8 +230,7 @@ class AsyncEngine:
                 self._deliver_error(request_id, KestrelError(f"the step failed: {exc}"))
             return
         self.counters.steps += 1
-        for out in outputs:
-            self._deliver(out)
+        self._deliver(outputs)
 
     def _orphans(self) -> list[str]:
         """Clients whose request the scheduler no longer holds (ended by a failed step)."""
@@ -239,17 +238,22 @@ class AsyncEngine:
             pending = {payload[0] for kind, payload in self._inbox if kind == "add"}
             return [r for r in self._clients if r not in self.scheduler.requests and r not in pending]
 
-    def _deliver(self, out: RequestOutput) -> None:
-        self.counters.step_rows += len(out.new_token_ids)
-        if out.finished:
-            reason = out.finish_reason or "stop"
-            self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their clients: one wake-up of each event loop for the whole step, not one per
+        request (each wake-up is a write to the loop's self-pipe and a turn of the loop)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], RequestOutput]]] = {}
         with self._lock:
-            client = self._clients.get(out.request_id)
-            if out.finished:
-                self._clients.pop(out.request_id, None)
-        if client is not None:
-            client.loop.call_soon_threadsafe(client.queue.put_nowait, out)
+            for out in outputs:
+                self.counters.step_rows += len(out.new_token_ids)
+                client = self._clients.get(out.request_id)
+                if out.finished:
+                    reason = out.finish_reason or "stop"
+                    self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+                    self._clients.pop(out.request_id, None)
+                if client is not None:
+                    by_loop.setdefault(client.loop, []).append((client.queue, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
         with self._lock:
@@ -264,3 +268,8 @@ class AsyncEngine:
             client.loop.call_soon_threadsafe(
                 client.queue.put_nowait,
                 RequestOutput(request_id, [], "", None, True, "abort", 0, 0))
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
