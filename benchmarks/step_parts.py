@@ -69,7 +69,7 @@ def _instrument(rec: dict[str, Any]) -> None:
 
 
 def ttft_under_load(engine: Any, streams: int, prompt_tokens: int, decode_tokens: int, steps: list[dict[str, Any]],
-                    budget: int, probes: int = 3, profile: Any = None) -> list[dict[str, Any]]:
+                    budget: int | None, probes: int = 3, profile: Any = None) -> list[dict[str, Any]]:
     """Each probe's time to first token while ``streams - 1`` requests decode, and the steps it took;
     ``profile`` (a cProfile.Profile) runs over the probes' steps."""
     import numpy as np
@@ -113,7 +113,7 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--kv-cache-mb", type=float, default=24576)
     ap.add_argument("--ttft-under-load", type=int, default=0, metavar="N")
-    ap.add_argument("--token-budget", type=int, default=scheduler_mod.DEFAULT_TOKEN_BUDGET)
+    ap.add_argument("--token-budget", type=int, default=None, help="tokens per step (the scheduler's default)")
     ap.add_argument("--profile", action="store_true", help="with --ttft-under-load: a cProfile of the probes' steps")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

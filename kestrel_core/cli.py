@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=None, help="sequences in the running batch (default: 64)")
     p.add_argument("--max-waiting", type=int, default=None,
                    help="requests queued beyond the batch before 429s (default: 256)")
-    p.add_argument("--token-budget", type=int, default=None, help="tokens per batched step (default: 512)")
+    p.add_argument("--token-budget", type=int, default=None,
+                   help="tokens per batched step (default: 512 + --max-batch)")
     p.add_argument("--kv-cache-mb", type=float, default=None, help="host KV cache budget (default: 2048)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM/SIGINT (default: 30)")

@@ -25,7 +25,6 @@ from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_WAITING,
-    DEFAULT_TOKEN_BUDGET,
     RequestOutput,
     Scheduler,
 )
@@ -53,7 +52,7 @@ class EngineCounters:
 class AsyncEngine:
     """Continuous batching over an ``Engine`` for concurrent callers (the server, or any asyncio code)."""
 
-    def __init__(self, engine: Any, *, max_batch: int = DEFAULT_MAX_BATCH, token_budget: int = DEFAULT_TOKEN_BUDGET,
+    def __init__(self, engine: Any, *, max_batch: int = DEFAULT_MAX_BATCH, token_budget: int | None = None,
                  max_waiting: int = DEFAULT_MAX_WAITING) -> None:
         self.engine = engine
         self.scheduler = Scheduler(engine, max_batch=max_batch, token_budget=token_budget, max_waiting=max_waiting)

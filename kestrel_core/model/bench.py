@@ -145,7 +145,7 @@ def run_concurrency_bench(engine: Engine, levels: list[int], *, prompt_tokens: i
     ``prompt_tokens``, greedy, ``decode_tokens`` each (EOS ignored), all submitted at once to the scheduler.
     Decode tok/s is ``all_decoding_rate``: while all of them decode, not in the prompts' ramp or the tail."""
     from kestrel_core.model.sampling import SamplingParams
-    from kestrel_core.model.scheduler import DEFAULT_TOKEN_BUDGET, Scheduler
+    from kestrel_core.model.scheduler import Scheduler
 
     if not levels or min(levels) < 1 or prompt_tokens < 1 or decode_tokens < 1:
         raise KestrelError("bench needs --concurrency levels >= 1, --prompt-tokens >= 1, --decode-tokens >= 1")
@@ -154,16 +154,15 @@ def run_concurrency_bench(engine: Engine, levels: list[int], *, prompt_tokens: i
                            f"of {engine.config.max_position}")
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=decode_tokens, ignore_eos=True)
-    budget = token_budget or DEFAULT_TOKEN_BUDGET
     result = ConcurrencyBench(engine.source, engine.backend_name, engine.backend.device_description, quant,
                               prompt_tokens, decode_tokens)
-    warm = Scheduler(engine, max_batch=2, token_budget=budget)  # compiles, caches: untimed
+    warm = Scheduler(engine, max_batch=2, token_budget=token_budget)  # compiles, caches: untimed
     for _ in range(2):
         warm.add(rng.integers(0, engine.config.vocab_size, prompt_tokens).tolist(), replace(params, max_tokens=4))
     while warm.has_work:
         warm.step()
     for level in levels:
-        scheduler = Scheduler(engine, max_batch=level, token_budget=budget, max_waiting=level)
+        scheduler = Scheduler(engine, max_batch=level, token_budget=token_budget, max_waiting=level)
         prompts = [rng.integers(0, engine.config.vocab_size, prompt_tokens).tolist() for _ in range(level)]
         t0 = time.perf_counter()
         requests = [scheduler.add(p, params) for p in prompts]

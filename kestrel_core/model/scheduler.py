@@ -35,11 +35,11 @@ from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
 from kestrel_core.model.detokenize import TextStream
 from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
 from kestrel_core.model.tokenizer import NoTokenizer
+from kestrel_core.model.weights import PREFILL_CHUNK
 
 log = logging.getLogger("kestrel")
 
 DEFAULT_MAX_BATCH = 64
-DEFAULT_TOKEN_BUDGET = 512  # tokens per step: decode rows plus prompt chunks
 DEFAULT_MAX_WAITING = 256
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -98,11 +98,20 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids) - done
 
 
-class Scheduler:
-    """Requests in, one batched step at a time, ``RequestOutput``s out."""
+def default_token_budget(max_batch: int) -> int:
+    """Tokens per step (decode rows plus prompt chunks) when none is given: a whole prompt chunk beside a full
+    batch of decode rows, so a prompt of up to PREFILL_CHUNK tokens that arrives while others decode gets its
+    first token from one step."""
+    return PREFILL_CHUNK + max_batch
 
-    def __init__(self, engine: Any, *, max_batch: int = DEFAULT_MAX_BATCH, token_budget: int = DEFAULT_TOKEN_BUDGET,
+
+class Scheduler:
+    """Requests in, one batched step at a time, ``RequestOutput``s out. ``token_budget``: tokens per step
+    (None: ``default_token_budget``)."""
+
+    def __init__(self, engine: Any, *, max_batch: int = DEFAULT_MAX_BATCH, token_budget: int | None = None,
                  max_waiting: int = DEFAULT_MAX_WAITING) -> None:
+        token_budget = default_token_budget(max_batch) if token_budget is None else token_budget
         if max_batch < 1 or token_budget < 1 or max_waiting < 0:
             raise KestrelError("the scheduler needs max_batch >= 1, token_budget >= 1 and max_waiting >= 0")
         self.engine = engine

@@ -40,7 +40,7 @@ def serve_command(args: argparse.Namespace) -> int:
     _check_installed()  # the option values were checked by the CLI, as every command's are
     from kestrel_core.model.engine import load, load_preset
     from kestrel_core.model.loader import finish_cache_writes
-    from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING, DEFAULT_TOKEN_BUDGET
+    from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING
     from kestrel_core.serve.server import bind_socket, serve
 
     _setup_logging(bool(getattr(args, "verbose", False)))
@@ -59,7 +59,7 @@ def serve_command(args: argparse.Namespace) -> int:
             serve(engine, host=args.host, port=args.port, api_key=api_key, sock=sock,
                   max_batch=args.max_batch if args.max_batch is not None else DEFAULT_MAX_BATCH,
                   max_waiting=args.max_waiting if args.max_waiting is not None else DEFAULT_MAX_WAITING,
-                  token_budget=args.token_budget if args.token_budget is not None else DEFAULT_TOKEN_BUDGET,
+                  token_budget=args.token_budget,
                   model_name=args.served_model_name, shutdown_grace_s=args.shutdown_grace)
     finally:
         sock.close()

@@ -29,7 +29,7 @@ import uvicorn
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.async_engine import AsyncEngine
-from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING, DEFAULT_TOKEN_BUDGET
+from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING
 from kestrel_core.serve.app import create_app
 
 log = logging.getLogger("kestrel.serve")
@@ -187,7 +187,7 @@ def build_server(async_engine: AsyncEngine, model_name: str, *, host: str = "127
 
 def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, *,
           max_batch: int = DEFAULT_MAX_BATCH, max_waiting: int = DEFAULT_MAX_WAITING,
-          token_budget: int = DEFAULT_TOKEN_BUDGET, model_name: str | None = None,
+          token_budget: int | None = None, model_name: str | None = None,
           shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S, sock: socket.socket | None = None) -> None:
     """Serve ``engine`` over HTTP until SIGTERM/SIGINT; returns once drained (the caller then exits 0).
     ``sock``: a socket bound already (``bind_socket``), e.g. to fail on a busy port before loading a model."""

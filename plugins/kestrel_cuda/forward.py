@@ -76,6 +76,7 @@ from kestrel_cuda.plan import (
     EPI_STORE,
     KV_DTYPE,
     MAX_HEAD_DIM,
+    PASS_ROWS,
     PRO_GELU_MUL,
     PRO_PLAIN,
     PRO_RMSNORM,
@@ -305,7 +306,7 @@ class DeviceForward:
         st = self._state(model)
         if st is None:
             return None
-        reason = paged.check(batch, model.config.vocab_size, st.max_context, PREFILL_CHUNK)
+        reason = paged.check(batch, model.config.vocab_size, st.max_context, PASS_ROWS)
         if reason is None and any(e.fed for e in batch):
             chosen = self._feed[1] if self._feed is not None and len(batch) > 1 else {}
             reason = None if all(e.seq_id in chosen for e in batch if e.fed) else "a fed row the device did not choose"
@@ -318,7 +319,7 @@ class DeviceForward:
             return None if out is None else [out[len(out) - e.logit_rows:]]
         pool = self._pool
         if pool is None or pool.blocks != batch[0].num_blocks:
-            pool = self._pool = paged.new_pool(self.ops, st.config, batch[0].num_blocks, PREFILL_CHUNK,
+            pool = self._pool = paged.new_pool(self.ops, st.config, batch[0].num_blocks, PASS_ROWS,
                                                st.max_context)
         for e in batch:
             own = self._seqs.get(e.seq_id)
@@ -350,7 +351,7 @@ class DeviceForward:
         only greedy ids leaves them on the device for the next step's fed rows (``_feed``)."""
         ops, total = self.ops, sum(len(e.tokens) for e in batch)
         if st.logits_all is None:
-            st.logits_all = ops.zeros((PREFILL_CHUNK, st.config.vocab_size), np.float32)
+            st.logits_all = ops.zeros((PASS_ROWS, st.config.vocab_size), np.float32)
         wanted, needs, at = [], [], 0  # rows whose logits are returned, in batch order; which need the logits
         for e in batch:
             at += len(e.tokens)
@@ -360,15 +361,15 @@ class DeviceForward:
         b = paged.bucket(total) if decode and self._graphs(st.config, total) else None
         whole = all(needs)  # every row's logits come back, in one download a pass
         argmax_step = bool(needs) and not any(needs)  # token ids alone come back
-        ids_only = argmax_step and total <= PREFILL_CHUNK  # ... in one pass: chosen at launch (_ids_later)
+        ids_only = argmax_step and total <= PASS_ROWS  # ... in one pass: chosen at launch (_ids_later)
         row_of = paged.fed_rows(batch, feed[1]) if feed is not None else {}
         fetched: list[tuple[np.ndarray, dict[int, np.ndarray]]] = []  # per pass: (logits or ids, logit rows)
         fetches: list[Callable[[], tuple[np.ndarray, dict[int, np.ndarray]]]] = []  # the passes' downloads
         done = 0  # returned rows so far
-        for first in range(0, total, PREFILL_CHUNK):
+        for first in range(0, total, PASS_ROWS):
             if fetches:  # an earlier pass's results come back before the next pass reuses its buffers
                 fetched.append(fetches.pop()())
-            m = min(PREFILL_CHUNK, total - first)
+            m = min(PASS_ROWS, total - first)
             tokens, rows, tables = paged.row_map(batch, first, m, b or m, pool.blocks, pool.table_width)
             tokens[tokens < 0] = 0  # fed rows: their tokens come from the device, below
             ops.write_meta(st.meta, np.concatenate([np.zeros(1, np.int32), tokens]))
@@ -408,7 +409,7 @@ class DeviceForward:
                 ops.synchronize()
             return paged.per_entry(batch, fetched, st.config.vocab_size, whole)
 
-        return results if total <= PREFILL_CHUNK else results()
+        return results if total <= PASS_ROWS else results()
 
     def _ids_later(self, st: State, logits: Any, batch: Sequence[BatchEntry], needs: list[bool]
                    ) -> Callable[[], tuple[np.ndarray, dict[int, np.ndarray]]]:
@@ -451,9 +452,9 @@ class DeviceForward:
     def _run(self, st: State, seq: _Seq, toks: np.ndarray, start: int, all_logits: bool) -> np.ndarray:
         ops, t = self.ops, len(toks)
         if all_logits and t > 1 and st.logits_all is None:
-            st.logits_all = self.ops.zeros((PREFILL_CHUNK, st.config.vocab_size), np.float32)
+            st.logits_all = self.ops.zeros((PASS_ROWS, st.config.vocab_size), np.float32)
         outs = []
-        for c0 in range(0, t, PREFILL_CHUNK):
+        for c0 in range(0, t, PREFILL_CHUNK):  # a lone sequence's chunks, as the engine sends them
             chunk = toks[c0:c0 + PREFILL_CHUNK]
             m = len(chunk)
             last = c0 + PREFILL_CHUNK >= t

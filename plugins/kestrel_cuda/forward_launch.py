@@ -36,8 +36,7 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_LaunchAttr)), ("num_attrs", ctypes.c_uint)]
 
 
-_CTYPES = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int32): ctypes.c_int32,
-           np.dtype(np.float32): ctypes.c_float}
+_CTYPES = {np.uint64: ctypes.c_uint64, np.int32: ctypes.c_int32, np.float32: ctypes.c_float}  # by scalar type
 
 
 def ptr_arg(a: Any) -> np.uint64:
@@ -77,7 +76,7 @@ class ExLauncher:
             n += 1
         cfg = _LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], smem, ctypes.c_void_p(stream.ptr),
                             self._attrs, n)
-        values = [_CTYPES[np.asarray(a).dtype](a.item() if hasattr(a, "item") else a) for a in args]
+        values = [_CTYPES[type(a)](a) for a in args]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         err = self._launch(ctypes.byref(cfg), ctypes.c_void_p(kernel.kernel.ptr), params, None)
         if err != 0:

@@ -16,12 +16,13 @@ import numpy as np
 
 from kestrel_core.contract import StripCache
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.decoder import PREFILL_CHUNK, rope_inv_freq
+from kestrel_core.model.decoder import rope_inv_freq
 from kestrel_core.model.weights import Model
 from kestrel_core.wkey import lm_head_wkey
 from kestrel_cuda.layout import StripGroup, fusable, layer_groups, pack_kmajor, pad_n
 from kestrel_cuda.plan import (
     FINISH_COLS,
+    PASS_ROWS,
     TOKEN_RING,
     Lin,
     attn_part_size,
@@ -92,15 +93,15 @@ class State:
     final_norm: Any
     layers: list[Layer]
     lm_head: Lin | None
-    meta: Any  # int32 [1 + PREFILL_CHUNK]: position, then token ids
+    meta: Any  # int32 [1 + PASS_ROWS]: position, then token ids
     h: Any
-    out: Any  # [PREFILL_CHUNK, D]: the o and down projections' outputs where a post-norm follows (Gemma)
+    out: Any  # [PASS_ROWS, D]: the o and down projections' outputs where a post-norm follows (Gemma)
     ssq: Any  # float32 [ceil(D / 32)]: h's sums of squares per 32 columns, M = 1 (forward.cuh)
     qkv: Any
     q: Any
     attn: Any
     gu: Any
-    moe: tuple[Any, Any, Any, Any] | None  # mixture of experts, T = PREFILL_CHUNK: the normed rows xn [T, D]; by
+    moe: tuple[Any, Any, Any, Any] | None  # mixture of experts, T = PASS_ROWS: the normed rows xn [T, D]; by
     # (row, slot) sorted by expert: the rows xs [T k, D], gate|up outputs [T k, 2 F_e] and outputs ys [T (k + 1), D]
     # (the shared expert's after the routed ones; a decode step's slots are rows 0..k)
     route: tuple[Any, Any, Any, Any] | None  # moe_route's logits [T, R] and counters [T], sel [T, k], wts [T, k+1]
@@ -240,7 +241,7 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
         layers.append(Layer(up(lw.attn_norm), up(lw.mlp_norm), optional[0], optional[1], bias, *tables[key],
                             optional[2], optional[3], router=router))
     emb = model.embedding
-    t = PREFILL_CHUNK
+    t = PASS_ROWS
     st = State(model=model, config=c, max_context=max_context, emb_codes=up(emb.codes),
                emb_scales=up(emb.scales), emb_group=emb.group_size, final_norm=up(model.final_norm),
                layers=layers, lm_head=None,

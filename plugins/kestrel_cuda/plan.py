@@ -28,6 +28,7 @@ ATTN_ROWS_MAX_SPLITS = 8
 MAX_HEAD_DIM = 256  # attention and qkv_rope keep hd/32 (<= 8) values a lane
 PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL, PRO_GELU_MUL = 0, 1, 2, 3  # prologues (gemv.cu, rows.cu)
 EPI_STORE, EPI_ADD = 0, 1
+PASS_ROWS = 1024  # rows of one pass of a pooled step: a whole prompt chunk (PREFILL_CHUNK) beside 512 decode rows
 KV_BLOCK = 32  # positions per block of the paged KV pool (rope.cuh KV_BLOCK): the engine's page size
 KV_DTYPE = np.float16  # keys and values on the device (forward.cuh kv_t), rounded as the CPU decoder rounds them
 TOKEN_RING = 64  # greedy tokens kept in host memory by lm_finish, indexed by position modulo this

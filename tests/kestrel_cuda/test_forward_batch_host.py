@@ -216,13 +216,13 @@ def test_a_mixed_batch_gets_ids_where_they_do_and_logits_where_they_are_needed(m
 
 
 def test_a_mixed_batch_over_two_passes(make_fwd) -> None:  # type: ignore[no-untyped-def]
-    """A batch of more rows than a pass holds (PREFILL_CHUNK), a prompt's logit rows on both sides of the
+    """A batch of more rows than a pass holds (PASS_ROWS), a prompt's logit rows on both sides of the
     boundary and a greedy decode row after them: the prompt's rows are its logits, the decode row its argmax,
     the same as the step with every entry's logits."""
-    from kestrel_core.model.decoder import PREFILL_CHUNK
+    from kestrel_cuda.plan import PASS_ROWS
 
     model = _model("qwen2")
-    long, short = _prompts(model, (PREFILL_CHUNK + 8, 6), seed=9)
+    long, short = _prompts(model, (PASS_ROWS + 8, 6), seed=9)
     results = []
     for mixed in (False, True):
         pages, fwd = Pages(11), make_fwd()

@@ -10,6 +10,7 @@ from kestrel_core.errors import InvalidRequest, Overloaded
 from kestrel_core.model.presets import synthetic_model
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import Scheduler
+from kestrel_core.model.weights import PREFILL_CHUNK
 
 
 @pytest.fixture
@@ -102,6 +103,28 @@ def test_requests_join_and_leave_at_any_step(engine) -> None:
         if len(requests) == len(prompts) and not scheduler.has_work:
             break
     assert [tokens[r.request_id] for r in requests] == alone
+
+
+@pytest.mark.parametrize("budget", [None, PREFILL_CHUNK])
+def test_default_budget_takes_a_whole_prompt_chunk_beside_a_full_batch(tiny_config, budget: int | None) -> None:
+    """A prompt of PREFILL_CHUNK tokens that arrives while max_batch - 1 requests decode gets its first token
+    from one step under the default budget; a budget of PREFILL_CHUNK alone needs a second step."""
+    model = synthetic_model(tiny_config("qwen3", max_position=PREFILL_CHUNK + 64), "q8", seed=22)
+    with kestrel_core.load(model, backend="cpu") as engine:
+        scheduler = Scheduler(engine, max_batch=4, token_budget=budget)
+        decoding = [scheduler.add(p, SamplingParams(max_tokens=30, ignore_eos=True))
+                    for p in _prompts(3, model.config.vocab_size, seed=8)]
+        while any(not r.output_ids for r in decoding):
+            scheduler.step()
+        rng = np.random.default_rng(9)
+        probe = scheduler.add(rng.integers(0, model.config.vocab_size, PREFILL_CHUNK).tolist(),
+                              SamplingParams(max_tokens=1))
+        steps = 1
+        while not any(o.request_id == probe.request_id for o in scheduler.step()):
+            steps += 1
+        assert steps == (1 if budget is None else 2)
+        assert all(not r.finished for r in decoding)
+        scheduler.close()
 
 
 def test_preempted_sequences_are_recomputed_with_the_same_tokens(model) -> None:
