@@ -159,10 +159,11 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 // a block takes query heads part * NW .. part * NW + NW - 1 (NW = blockDim.x / 32 <= 8 warps, one a head) of
 // the G = H / KV heads of KV head blockIdx.x, over its split's share of the row's pages (``splits`` of them:
 // enough blocks when the batch is small), so each page of keys and values is read from memory once for them:
-// the block stages page after page in shared memory (two float16 buffers, 8-byte cp.async of 4 values; a
-// page's KV_BLOCK == PT positions are contiguous), each thread converts the chunks it copied to a float32 page
-// (once per value, not once per query head that reads it: the conversions bound the kernel), and each warp
-// runs attn_prefill's scheme on that: lane j scores position j (16-byte shared reads of 4 dimensions,
+// the block stages page after page in shared memory (8-byte cp.async of 4 float16; a page's KV_BLOCK == PT
+// positions are contiguous): each thread converts the chunks it copied to the float32 page (once per value,
+// not once per query head that reads it: the conversions bound the kernel), then copies its chunks of the
+// next page into the one float16 buffer while the warps read this one, and each warp runs attn_prefill's
+// scheme on the float32 page: lane j scores position j (16-byte shared reads of 4 dimensions,
 // conflict-free with key rows padded by 4), a warp-wide online softmax, lane j accumulates dimensions
 // 4j..4j+3. With splits > 1 each head's (max,
 // sum, acc[hd]) goes to part[row][head][split] (records of hd + 4 floats) and the last block of (row, KV head,
@@ -170,7 +171,7 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 // chunks of 4 dimensions, 128 apart); HD: hd known at
 // compile time (the page copy's index arithmetic and the dot products unrolled), 0: read from ``hd``. The dot
 // products and the value sums are fused multiply-adds (--fmad=false keeps every other kernel's apart).
-// Dynamic shared memory: PT * (2 * hd + 4) + NW * hd floats, then 2 * PT * 2 * hd float16.
+// Dynamic shared memory: PT * (2 * hd + 4) + NW * hd floats, then PT * 2 * hd float16.
 template <int HD>
 __global__ void __launch_bounds__(256) attn_rows(
     const float* __restrict__ q, const kv_t* __restrict__ kc, const kv_t* __restrict__ vc, int cap, int H,
@@ -189,8 +190,8 @@ __global__ void __launch_bounds__(256) attn_rows(
     float* kf = smem;                       // [PT][hd + 4], the page being read
     float* vf = kf + PT * ldk;              // [PT][hd]
     float* qs = vf + PT * hd;               // [NW][hd], scaled
-    kv_t* ks = reinterpret_cast<kv_t*>(qs + nw * hd);  // [2][PT][hd], pages in flight
-    kv_t* vs = ks + 2 * PT * hd;            // [2][PT][hd]
+    kv_t* ks = reinterpret_cast<kv_t*>(qs + nw * hd);  // [PT][hd], the page in flight
+    kv_t* vs = ks + PT * hd;                // [PT][hd]
     const int len = rows[2 * row] + 1;
     const int lo = window > 0 ? max(0, len - window) : 0;  // a sliding window's first position
     const int* table = tables + (size_t)rows[2 * row + 1] * tb;
@@ -202,35 +203,34 @@ __global__ void __launch_bounds__(256) attn_rows(
     const int per = ((len + PT - 1) / PT - p0 + splits - 1) / splits;  // pages of a split
     const int pb = p0 + split * per, pages = min((len + PT - 1) / PT, pb + per);
     const int hd4 = hd / 4;
-    auto load = [&](int t, int buf) {       // page t, zero-filled past len
+    // a thread's chunks: the same ones in load and convert, so it waits only for its own copies, and its reads of
+    // a page's chunks precede (in its program order) the copies of the next page into them
+    auto load = [&](int t) {                // page t, zero-filled past len
         const size_t base = (size_t)kv_slot(table, t * PT) * hd;
         for (int i = threadIdx.x; i < PT * hd4; i += blockDim.x) {
             const int r = i / hd4, d = 4 * (i - r * hd4);
             const bool ok = t * PT + r < len;
-            cp_async8(smem_u32(ks + (buf * PT + r) * hd + d), ok ? kb + base + (size_t)r * hd + d : kb, ok ? 8 : 0);
-            cp_async8(smem_u32(vs + (buf * PT + r) * hd + d), ok ? vb + base + (size_t)r * hd + d : vb, ok ? 8 : 0);
+            cp_async8(smem_u32(ks + r * hd + d), ok ? kb + base + (size_t)r * hd + d : kb, ok ? 8 : 0);
+            cp_async8(smem_u32(vs + r * hd + d), ok ? vb + base + (size_t)r * hd + d : vb, ok ? 8 : 0);
         }
+        cp_async_commit();
     };
-    auto convert = [&](int buf) {           // the chunks this thread copied (visible to it once they landed)
+    auto convert = [&]() {
         for (int i = threadIdx.x; i < PT * hd4; i += blockDim.x) {
             const int r = i / hd4, d = 4 * (i - r * hd4);
-            *reinterpret_cast<float4*>(kf + r * ldk + d) =
-                from_kv4(*reinterpret_cast<const uint2*>(ks + (buf * PT + r) * hd + d));
-            *reinterpret_cast<float4*>(vf + r * hd + d) =
-                from_kv4(*reinterpret_cast<const uint2*>(vs + (buf * PT + r) * hd + d));
+            *reinterpret_cast<float4*>(kf + r * ldk + d) = from_kv4(*reinterpret_cast<const uint2*>(ks + r * hd + d));
+            *reinterpret_cast<float4*>(vf + r * hd + d) = from_kv4(*reinterpret_cast<const uint2*>(vs + r * hd + d));
         }
     };
-    if (pb < pages) load(pb, 0);
-    cp_async_commit();
+    if (pb < pages) load(pb);
     const int d4 = 4 * lane;                // chunk c holds dimensions d4 + 128 c .. + 3
     float acc[NCH][4] = {};
     float mx = NEG_INF, l = 0.f;
     const float4* q4 = reinterpret_cast<const float4*>(qs + warp * hd);
     for (int t = pb; t < pages; ++t) {
-        if (t + 1 < pages) load(t + 1, (t + 1 - pb) & 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-        convert((t - pb) & 1);
+        cp_async_wait<0>();                 // this thread's copies of page t
+        convert();
+        if (t + 1 < pages) load(t + 1);     // in flight while the warps read page t
         __syncthreads();                    // page t (and the scaled q) visible to every warp as float32
         const int p = t * PT + lane;
         const float4* k4 = reinterpret_cast<const float4*>(kf + lane * ldk);

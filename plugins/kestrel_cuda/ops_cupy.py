@@ -474,8 +474,8 @@ def _attn_prefill_smem(hd: int) -> int:
 
 def _attn_rows_smem(hd: int, warps: int) -> int:
     """attn_rows' dynamic shared memory: a float32 page of keys (rows padded by 4) and values, a float32 query
-    per warp, two float16 pages of keys and values in flight."""
-    return KV_BLOCK * (2 * hd + 4) * 4 + warps * hd * 4 + 2 * KV_BLOCK * 2 * hd * 2
+    per warp, a float16 page of keys and values in flight."""
+    return KV_BLOCK * (2 * hd + 4) * 4 + warps * hd * 4 + KV_BLOCK * 2 * hd * 2
 
 
 def _rope_args(r: QkvRope | None) -> tuple[Any, ...]:
