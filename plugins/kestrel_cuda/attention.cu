@@ -4,12 +4,15 @@
 
 // Decode attention (one query row at position meta[0], keys 0..meta[0], or the last ``window`` of them),
 // split over positions.
-// Grid: x = H, y = NS splits; block 128 (4 warps). Each warp runs an online softmax over groups of AB
-// positions (their keys and values loaded together: AB x 2 x MAXJ loads in flight per lane); the block
-// merges its warps, writes (max, sum, acc[hd]) to part[h][split], and the last block of a head merges the
-// NS splits (every split's partial loaded at once, merge weights computed once, fixed order). q is scaled
-// by 1/sqrt(hd) before the dot products.
+// Grid: x = KV heads x ceil(G / GH) (a block takes up to GH of the G = H / KV query heads of one KV head, so
+// each key and value is loaded and converted once for them), y = NS splits; block 128 (4 warps). Each warp
+// runs an online softmax per head over groups of AB positions (their keys and values loaded together: AB x 2
+// x MAXJ / 4 loads in flight per lane); the block merges its warps, writes each head's (max, sum, acc[hd]) to
+// part[h][split], and the last block of a column to arrive merges the NS splits of its heads (every split's
+// partial loaded at once, merge weights computed once, fixed order). q is scaled by 1/sqrt(hd) before the dot
+// products. Each head's sums are those of one head a block, in the same order.
 #define AW 4
+#define GH 4     // attn_decode: query heads a block takes
 #define PT 32    // positions of a shared-memory tile (attn_rows: one page of the pool, KV_BLOCK)
 #define NCH 2    // attn_rows, attn_prefill: a lane's 4-dimension chunks, 128 dimensions apart (hd <= 256)
 // MAXJ: a lane's dimensions, hd <= 32 * MAXJ (4: hd <= 128, 8: hd <= 256), in chunks of 4 consecutive ones
@@ -25,10 +28,12 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     grid_dep_wait();
     constexpr int AB = 32 / MAXJ;
     constexpr int NW = NS > AW ? NS : AW;   // s_m, s_l hold the warps' partials first, then the splits'
-    __shared__ float s_m[NW], s_l[NW], s_w[NS];
-    __shared__ __align__(16) float s_acc[AW][32 * MAXJ];
+    __shared__ float s_m[GH][NW], s_l[GH][NW], s_w[NS];
+    __shared__ __align__(16) float s_acc[GH][AW][32 * MAXJ];
     __shared__ int s_last;
-    const int h = blockIdx.x, split = blockIdx.y;
+    const int G = H / KV, hparts = (G + GH - 1) / GH;
+    const int kvh = blockIdx.x / hparts, h0 = kvh * G + (blockIdx.x % hparts) * GH, split = blockIdx.y;
+    const int nh = min(GH, kvh * G + G - h0);  // this block's heads: h0 .. h0 + nh - 1
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int len = meta[0] + 1;
     // positions from a sliding window's first, lo, counted from there (the loop then is the windowless one)
@@ -36,18 +41,21 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     const int chunk = (seen + NS - 1) / NS;
     const int pb = split * chunk;
     const int pe = min(seen, pb + chunk);
-    const int kvh = h / (H / KV);
     const kv_t* kb = kc + ((size_t)kvh * cap + lo) * hd;
     const kv_t* vb = vc + ((size_t)kvh * cap + lo) * hd;
     constexpr int NC = MAXJ / 4;            // a lane's chunks
-    float qr[MAXJ], acc[MAXJ];
+    float qr[GH][MAXJ], acc[GH][MAXJ], mx[GH], l[GH];
 #pragma unroll
-    for (int j = 0; j < MAXJ; ++j) {
-        const int d = 4 * lane + 128 * (j / 4) + j % 4;
-        qr[j] = d < hd ? q[(size_t)h * hd + d] * scale : 0.f;
-        acc[j] = 0.f;
+    for (int g = 0; g < GH; ++g) {
+#pragma unroll
+        for (int j = 0; j < MAXJ; ++j) {
+            const int d = 4 * lane + 128 * (j / 4) + j % 4;
+            qr[g][j] = g < nh && d < hd ? q[(size_t)(h0 + g) * hd + d] * scale : 0.f;
+            acc[g][j] = 0.f;
+        }
+        mx[g] = NEG_INF;
+        l[g] = 0.f;
     }
-    float mx = NEG_INF, l = 0.f;
     for (int p0 = pb + AB * warp; p0 < pe; p0 += AB * AW) {
         float kr[AB][MAXJ], vr[AB][MAXJ];
 #pragma unroll
@@ -65,92 +73,104 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
                 vr[b][4 * c] = vv.x; vr[b][4 * c + 1] = vv.y; vr[b][4 * c + 2] = vv.z; vr[b][4 * c + 3] = vv.w;
             }
         }
-        float sc[AB];
 #pragma unroll
-        for (int b = 0; b < AB; ++b) {
-            float t = 0.f;
+        for (int g = 0; g < GH; ++g) {
+            if (g >= nh) break;             // the same in every thread of the block
+            float sc[AB];
 #pragma unroll
-            for (int j = 0; j < MAXJ; ++j) t += qr[j] * kr[b][j];
-            sc[b] = t;
-        }
+            for (int b = 0; b < AB; ++b) {
+                float t = 0.f;
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-            for (int b = 0; b < AB; ++b) sc[b] += __shfl_xor_sync(FULL, sc[b], o);
-        float mb = NEG_INF;
-#pragma unroll
-        for (int b = 0; b < AB; ++b) if (p0 + b < pe) mb = fmaxf(mb, sc[b]);
-        const float mn = fmaxf(mx, mb);
-        const float corr = expf(mx - mn);
-        l *= corr;
-#pragma unroll
-        for (int j = 0; j < MAXJ; ++j) acc[j] *= corr;
-#pragma unroll
-        for (int b = 0; b < AB; ++b) {
-            if (p0 + b < pe) {
-                const float e = expf(sc[b] - mn);
-                l += e;
-#pragma unroll
-                for (int j = 0; j < MAXJ; ++j) acc[j] += e * vr[b][j];
+                for (int j = 0; j < MAXJ; ++j) t += qr[g][j] * kr[b][j];
+                sc[b] = t;
             }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+                for (int b = 0; b < AB; ++b) sc[b] += __shfl_xor_sync(FULL, sc[b], o);
+            float mb = NEG_INF;
+#pragma unroll
+            for (int b = 0; b < AB; ++b) if (p0 + b < pe) mb = fmaxf(mb, sc[b]);
+            const float mn = fmaxf(mx[g], mb);
+            const float corr = expf(mx[g] - mn);
+            l[g] *= corr;
+#pragma unroll
+            for (int j = 0; j < MAXJ; ++j) acc[g][j] *= corr;
+#pragma unroll
+            for (int b = 0; b < AB; ++b) {
+                if (p0 + b < pe) {
+                    const float e = expf(sc[b] - mn);
+                    l[g] += e;
+#pragma unroll
+                    for (int j = 0; j < MAXJ; ++j) acc[g][j] += e * vr[b][j];
+                }
+            }
+            mx[g] = mn;
         }
-        mx = mn;
     }
-    if (lane == 0) { s_m[warp] = mx; s_l[warp] = l; }
 #pragma unroll
-    for (int c = 0; c < NC; ++c) {
-        const int d = 4 * lane + 128 * c;
-        if (d < hd)
-            *reinterpret_cast<float4*>(&s_acc[warp][d]) =
-                make_float4(acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3]);
-    }
-    __syncthreads();
-    float* pp = part + ((size_t)h * NS + split) * (hd + 2);
-    float bm = NEG_INF;
+    for (int g = 0; g < GH; ++g) {
+        if (lane == 0) { s_m[g][warp] = mx[g]; s_l[g][warp] = l[g]; }
 #pragma unroll
-    for (int w = 0; w < AW; ++w) bm = fmaxf(bm, s_m[w]);
-    float wgt[AW];
-#pragma unroll
-    for (int w = 0; w < AW; ++w) wgt[w] = s_l[w] > 0.f ? expf(s_m[w] - bm) : 0.f;
-    if (threadIdx.x == 0) {
-        float bl = 0.f;
-#pragma unroll
-        for (int w = 0; w < AW; ++w) bl += s_l[w] * wgt[w];
-        pp[0] = bm;
-        pp[1] = bl;
-    }
-    for (int d = threadIdx.x; d < hd; d += AW * 32) {
-        float a = 0.f;
-#pragma unroll
-        for (int w = 0; w < AW; ++w) a += s_acc[w][d] * wgt[w];
-        pp[2 + d] = a;
-    }
-    if (!arrive_last(&counters[h], NS, &s_last)) return;
-    const float* ph = part + (size_t)h * NS * (hd + 2);
-    if (threadIdx.x < NS) {
-        s_m[threadIdx.x] = __ldcg(ph + (size_t)threadIdx.x * (hd + 2));
-        s_l[threadIdx.x] = __ldcg(ph + (size_t)threadIdx.x * (hd + 2) + 1);
+        for (int c = 0; c < NC; ++c) {
+            const int d = 4 * lane + 128 * c;
+            if (d < hd)
+                *reinterpret_cast<float4*>(&s_acc[g][warp][d]) =
+                    make_float4(acc[g][4 * c], acc[g][4 * c + 1], acc[g][4 * c + 2], acc[g][4 * c + 3]);
+        }
     }
     __syncthreads();
-    float gm = NEG_INF;
+    for (int g = 0; g < nh; ++g) {
+        float* pp = part + ((size_t)(h0 + g) * NS + split) * (hd + 2);
+        float bm = NEG_INF;
 #pragma unroll
-    for (int t = 0; t < NS; ++t) gm = fmaxf(gm, s_m[t]);
-    if (threadIdx.x < NS)
-        s_w[threadIdx.x] = s_l[threadIdx.x] > 0.f ? expf(s_m[threadIdx.x] - gm) : 0.f;
-    __syncthreads();
-    float gl = 0.f;
+        for (int w = 0; w < AW; ++w) bm = fmaxf(bm, s_m[g][w]);
+        float wgt[AW];
 #pragma unroll
-    for (int t = 0; t < NS; ++t) gl += s_l[t] * s_w[t];
-    for (int d = threadIdx.x; d < hd; d += AW * 32) {
-        float v[NS];
+        for (int w = 0; w < AW; ++w) wgt[w] = s_l[g][w] > 0.f ? expf(s_m[g][w] - bm) : 0.f;
+        if (threadIdx.x == 0) {
+            float bl = 0.f;
 #pragma unroll
-        for (int t = 0; t < NS; ++t) v[t] = __ldcg(ph + (size_t)t * (hd + 2) + 2 + d);
-        float a = 0.f;
+            for (int w = 0; w < AW; ++w) bl += s_l[g][w] * wgt[w];
+            pp[0] = bm;
+            pp[1] = bl;
+        }
+        for (int d = threadIdx.x; d < hd; d += AW * 32) {
+            float a = 0.f;
 #pragma unroll
-        for (int t = 0; t < NS; ++t) a += v[t] * s_w[t];
-        out[(size_t)h * hd + d] = a / gl;
+            for (int w = 0; w < AW; ++w) a += s_acc[g][w][d] * wgt[w];
+            pp[2 + d] = a;
+        }
     }
-    if (threadIdx.x == 0) counters[h] = 0;
+    if (!arrive_last(&counters[blockIdx.x], NS, &s_last)) return;  // (its barriers: s_m, s_l are free again)
+    for (int g = 0; g < nh; ++g) {
+        const float* ph = part + (size_t)(h0 + g) * NS * (hd + 2);
+        if (threadIdx.x < NS) {
+            s_m[g][threadIdx.x] = __ldcg(ph + (size_t)threadIdx.x * (hd + 2));
+            s_l[g][threadIdx.x] = __ldcg(ph + (size_t)threadIdx.x * (hd + 2) + 1);
+        }
+        __syncthreads();
+        float gm = NEG_INF;
+#pragma unroll
+        for (int t = 0; t < NS; ++t) gm = fmaxf(gm, s_m[g][t]);
+        if (threadIdx.x < NS)
+            s_w[threadIdx.x] = s_l[g][threadIdx.x] > 0.f ? expf(s_m[g][threadIdx.x] - gm) : 0.f;
+        __syncthreads();
+        float gl = 0.f;
+#pragma unroll
+        for (int t = 0; t < NS; ++t) gl += s_l[g][t] * s_w[t];
+        for (int d = threadIdx.x; d < hd; d += AW * 32) {
+            float v[NS];
+#pragma unroll
+            for (int t = 0; t < NS; ++t) v[t] = __ldcg(ph + (size_t)t * (hd + 2) + 2 + d);
+            float a = 0.f;
+#pragma unroll
+            for (int t = 0; t < NS; ++t) a += v[t] * s_w[t];
+            out[(size_t)(h0 + g) * hd + d] = a / gl;
+        }
+        __syncthreads();                    // s_w is the next head's
+    }
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -437,6 +457,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill(
     }
 }
 #undef AW
+#undef GH
 #undef NCH
 #undef PT
 #undef PQ2

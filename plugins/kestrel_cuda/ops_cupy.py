@@ -38,6 +38,7 @@ from kestrel_cuda.plan import (
 
 ATTN_ROWS_HEAD_DIMS = (128, 64, 256, 0)  # attn_rows instances: head_dim known at compile time, 0 any other
 ATTN_DECODE_LANE_DIMS = (4, 8)  # attn_decode instances: a lane's dimensions (head_dim <= 128, <= 256)
+ATTN_DECODE_HEADS = 4  # query heads of one KV head that one attn_decode block takes (attention.cu GH)
 # (bits, G, MR): qgemv with MR rows per block: M = 1 (MR = 1) and, without a tiled GEMM, M > 1 (MR = 8)
 GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
 # extern "C" kernels: no name expression
@@ -440,7 +441,8 @@ class CupyOps:
                         smem, name="attn_rows")
             return
         if m == 1:
-            self.launch(self._attn_decode[4 if hd <= 128 else 8], (heads, ATTN_SPLITS, 1), (128,),
+            columns = kv_heads * -(-(heads // kv_heads) // ATTN_DECODE_HEADS)
+            self.launch(self._attn_decode[4 if hd <= 128 else 8], (columns, ATTN_SPLITS, 1), (128,),
                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                          np.float32(scale), _ptr(meta), _ptr(self.attn_part), _ptr(self.attn_counters),
                          _ptr(out), _i32(window)), name="attn_decode")
