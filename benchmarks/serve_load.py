@@ -12,7 +12,8 @@ the server for its interpreter): decode tok/s while every stream decodes, per-st
 first token. Same definitions as ``kestrel bench --concurrency``.
 
 ``--ttft-under-load N`` adds, through the server, the time to first token of a prompt that arrives while N - 1
-other streams decode (three such prompts, one after another; the others are then cancelled).
+other streams decode (three such prompts, one after another, from a client process of their own: the one
+reading the N - 1 streams would delay their answers by its own queue).
 """
 
 from __future__ import annotations
@@ -71,30 +72,34 @@ async def _level(port: int, model: str, prompts: list[list[int]], tokens: int) -
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99))}
 
 
-async def _ttft_under_load(port: int, model: str, background: list[list[int]], late: list[list[int]],
-                           tokens: int) -> dict[str, Any]:
-    """Times to first token of each ``late`` prompt, sent once every ``background`` stream has its first token."""
+async def _background(port: int, model: str, prompts: list[list[int]], tokens: int) -> int:
+    """Streams ``prompts`` to the end; how many ran their ``tokens`` tokens."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="bench", max_retries=0,
                                 timeout=3600)
-    decoding = asyncio.Event()
-    started = 0
 
-    async def stream(prompt: list[int]) -> None:
-        nonlocal started
+    async def stream(prompt: list[int]) -> int:
         response = await client.completions.create(model=model, prompt=prompt, max_tokens=tokens, temperature=0,
-                                                   stream=True, extra_body={"ignore_eos": True})
-        first = True
+                                                   stream=True, stream_options={"include_usage": True},
+                                                   extra_body={"ignore_eos": True})
+        used = 0
         async for chunk in response:
-            if first and chunk.choices:
-                first = False
-                started += 1
-                if started == len(background):
-                    decoding.set()
+            if chunk.usage is not None:
+                used = chunk.usage.completion_tokens
+        return int(used == tokens)
 
-    tasks = [asyncio.create_task(stream(p)) for p in background]
-    await decoding.wait()
+    done = sum(await asyncio.gather(*(stream(p) for p in prompts)))
+    await client.close()
+    return done
+
+
+async def _probes(port: int, model: str, late: list[list[int]]) -> list[float]:
+    """Times to first token of each ``late`` prompt, one after another."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="bench", max_retries=0,
+                                timeout=3600)
     ttfts = []
     for prompt in late:
         t0 = time.perf_counter()
@@ -105,18 +110,30 @@ async def _ttft_under_load(port: int, model: str, background: list[list[int]], l
                 ttfts.append(time.perf_counter() - t0)
                 break
         await response.close()
-    running = sum(1 for t in tasks if not t.done())
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
     await client.close()
-    return {"background": len(background), "still_decoding": running,
+    return ttfts
+
+
+def _ttft_under_load(clients: Any, front: AsyncEngine, port: int, background: list[list[int]],
+                     late: list[list[int]], tokens: int) -> dict[str, Any]:
+    """Times to first token of each ``late`` prompt, sent once every ``background`` stream decodes. The
+    background streams are read by one client process and the probes sent by another, as by different
+    users: a client busy parsing the other streams would delay the probe's answer by its own queue."""
+    streams = clients.submit(_client, "background", port, "bench", background, tokens)
+    while len([r for r in list(front.scheduler.running) if r.output_ids]) < len(background):
+        if streams.done():
+            raise SystemExit(f"the background streams ended before the probes: {streams.result()}")
+        time.sleep(0.01)
+    ttfts = clients.submit(_client, "probes", port, "bench", late).result()
+    decoding = len(front.scheduler.running)
+    done = streams.result()
+    return {"background": len(background), "still_decoding": decoding, "background_completed": done,
             "ttft_ms": [round(t * 1e3, 1) for t in ttfts], "ttft_median_ms": round(statistics.median(ttfts) * 1e3, 1)}
 
 
 def _client(job: str, *args: Any) -> dict[str, Any]:
-    """One client run (``_level`` or ``_ttft_under_load``), in the client process."""
-    return asyncio.run({"level": _level, "ttft": _ttft_under_load}[job](*args))
+    """One client run (``_level``, ``_background`` or ``_probes``), in a client process."""
+    return asyncio.run({"level": _level, "background": _background, "probes": _probes}[job](*args))
 
 
 def main() -> None:
@@ -162,7 +179,7 @@ def main() -> None:
     assert server.wait_started(120)
     rng = np.random.default_rng(1)
     vocab = engine.config.vocab_size
-    clients = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    clients = concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
     try:
         def client(*job: Any) -> dict[str, Any]:
             return clients.submit(_client, *job).result()
@@ -173,8 +190,8 @@ def main() -> None:
                                 args.decode_tokens) for n in levels]
         if args.ttft_under_load > 1:
             prompts = [rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(args.ttft_under_load + 2)]
-            out["ttft_under_load"] = client("ttft", server.port, "bench", prompts[:args.ttft_under_load - 1],
-                                            prompts[args.ttft_under_load - 1:], args.decode_tokens)
+            out["ttft_under_load"] = _ttft_under_load(clients, front, server.port, prompts[:args.ttft_under_load - 1],
+                                                      prompts[args.ttft_under_load - 1:], args.decode_tokens)
     finally:
         clients.shutdown()
         server.request_shutdown()
@@ -191,7 +208,8 @@ def main() -> None:
     if "ttft_under_load" in out:
         t = out["ttft_under_load"]
         print(f"time to first token of a {args.prompt_tokens}-token prompt while {t['background']} streams decode "
-              f"(server): median {t['ttft_median_ms']} ms of {t['ttft_ms']} ({t['still_decoding']} still decoding)")
+              f"(server): median {t['ttft_median_ms']} ms of {t['ttft_ms']} ({t['still_decoding']} still decoding, "
+              f"{t['background_completed']} completed)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
