@@ -18,6 +18,7 @@ import cProfile
 import json
 import pstats
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -26,7 +27,7 @@ from kestrel_core.model.engine import load_preset
 
 
 def _time_rows(engine, fwd, m: int, context: int, steps: int, seed: int,  # type: ignore[no-untyped-def]
-               breakdown: dict | None = None, argmax: bool = True) -> float:
+               breakdown: dict | None = None, argmax: bool = True, prompt: int = 0) -> float:
     """Seconds per decode step of ``m`` sequences through ``forward_batch``; with ``breakdown`` (a dict, M > 1),
     GPU microseconds per kernel kind of one more step, and of the tiled GEMM's core alone, filled in."""
     model, pool = engine.model, engine.pool
@@ -49,10 +50,42 @@ def _time_rows(engine, fwd, m: int, context: int, steps: int, seed: int,  # type
             assert out is not None, fwd.last_decline
         if breakdown is not None and m > 1:
             _breakdown(fwd, model, entries, context + steps + 2, breakdown)
+        if prompt:
+            seqs.append(engine.new_sequence())
+            pool.reserve(seqs[-1].cache, prompt + 1)
+            _mixed(fwd, model, entries, context + steps + 2, BatchEntry(
+                seqs[-1].seq_id, rng.integers(0, model.config.vocab_size, prompt), 0, 1, tuple(seqs[-1].cache.blocks),
+                pool.block_size, pool.num_blocks), breakdown)
         return float(np.median(times[2:]))
     finally:
         for s in seqs:
             engine.release(s)
+
+
+def _mixed(fwd, model, entries, pos: int, prompt: BatchEntry, breakdown: dict | None) -> None:  # type: ignore[no-untyped-def]
+    """The step that takes ``prompt`` whole beside the decode rows (a prompt arriving under load): its
+    wall time (median of 3, greedy ids downloaded) and, with ``breakdown``, its GPU time per kernel kind."""
+    import cupy as cp
+    from cuda_e2e import record_launches, replay_breakdown
+
+    def step():  # type: ignore[no-untyped-def]
+        batch = [BatchEntry(e.seq_id, np.array([7]), pos, 1, e.blocks, e.block_size, e.num_blocks, argmax_only=True)
+                 for e in entries]
+        return fwd.forward_batch(model, batch + [replace(prompt, argmax_only=True)])
+
+    times = []
+    for _ in range(3):  # the decode rows' positions rewritten in place, the prompt's from 0 again
+        t0 = time.perf_counter()
+        assert step() is not None, fwd.last_decline
+        times.append(time.perf_counter() - t0)
+    print(f"  a {len(prompt.tokens)}-token prompt beside {len(entries)} decode rows: {np.median(times) * 1e3:.2f} ms "
+          f"a step", flush=True)
+    if breakdown is not None:
+        kinds = replay_breakdown(cp, fwd.ops, record_launches(fwd.ops, step, ("gemv", "qkv_rope", "attention",
+                                                                               "embed", "gather_rows")))
+        breakdown["mixed"] = {"ms": float(np.median(times) * 1e3), "kinds": kinds}
+        print(f"  its GPU us per kind (sum {sum(v['us'] for v in kinds.values()):.0f}):", json.dumps(kinds),
+              flush=True)
 
 
 def _breakdown(fwd, model, entries, pos: int, out: dict) -> None:  # type: ignore[no-untyped-def]
@@ -87,6 +120,9 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="GPU time per kernel kind at each M > 1")
     ap.add_argument("--logits", action="store_true", help="download every row's logits, not its greedy token")
+    ap.add_argument("--prompt", type=int, default=0, metavar="N",
+                    help="also: the step that takes an N-token prompt beside each M's decode rows (with --breakdown: "
+                         "its GPU time per kind)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     engine = load_preset(args.preset, backend="cuda", quant=args.quant, kv_cache_mb=args.kv_cache_mb)
@@ -97,7 +133,8 @@ def main() -> int:
     print(f"{'M':>4} {'ms a step':>10} {'tok/s':>8}")
     for m in rows:
         parts: dict | None = {} if args.breakdown else None
-        sec = _time_rows(engine, fwd, m, args.context, args.steps, seed=m, breakdown=parts, argmax=not args.logits)
+        sec = _time_rows(engine, fwd, m, args.context, args.steps, seed=m, breakdown=parts, argmax=not args.logits,
+                         prompt=args.prompt if m > 1 else 0)
         out["rows"][m] = {"ms": sec * 1e3, "tok_s": m / sec, **({"breakdown": parts} if parts else {})}
         print(f"{m:>4} {sec * 1e3:>10.2f} {m / sec:>8.0f}", flush=True)
     if args.profile:
