@@ -114,17 +114,19 @@ async def _probes(port: int, model: str, late: list[list[int]]) -> list[float]:
     return ttfts
 
 
-def _ttft_under_load(clients: Any, front: AsyncEngine, port: int, background: list[list[int]],
+def _ttft_under_load(clients: Any, prober: Any, front: AsyncEngine, port: int, background: list[list[int]],
                      late: list[list[int]], tokens: int) -> dict[str, Any]:
     """Times to first token of each ``late`` prompt, sent once every ``background`` stream decodes. The
-    background streams are read by one client process and the probes sent by another, as by different
-    users: a client busy parsing the other streams would delay the probe's answer by its own queue."""
+    background streams are read by one client process (``clients``) and the probes sent by another
+    (``prober``, started beforehand), as by different users: a client busy parsing the other streams would
+    delay the probe's answer by its own queue."""
+    prober.submit(_client, "probes", port, "bench", []).result()  # the process is up, openai imported
     streams = clients.submit(_client, "background", port, "bench", background, tokens)
     while len([r for r in list(front.scheduler.running) if r.output_ids]) < len(background):
         if streams.done():
             raise SystemExit(f"the background streams ended before the probes: {streams.result()}")
         time.sleep(0.01)
-    ttfts = clients.submit(_client, "probes", port, "bench", late).result()
+    ttfts = prober.submit(_client, "probes", port, "bench", late).result()
     decoding = len(front.scheduler.running)
     done = streams.result()
     return {"background": len(background), "still_decoding": decoding, "background_completed": done,
@@ -179,7 +181,8 @@ def main() -> None:
     assert server.wait_started(120)
     rng = np.random.default_rng(1)
     vocab = engine.config.vocab_size
-    clients = concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
+    clients = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    prober = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     try:
         def client(*job: Any) -> dict[str, Any]:
             return clients.submit(_client, *job).result()
@@ -190,10 +193,12 @@ def main() -> None:
                                 args.decode_tokens) for n in levels]
         if args.ttft_under_load > 1:
             prompts = [rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(args.ttft_under_load + 2)]
-            out["ttft_under_load"] = _ttft_under_load(clients, front, server.port, prompts[:args.ttft_under_load - 1],
+            out["ttft_under_load"] = _ttft_under_load(clients, prober, front, server.port,
+                                                      prompts[:args.ttft_under_load - 1],
                                                       prompts[args.ttft_under_load - 1:], args.decode_tokens)
     finally:
         clients.shutdown()
+        prober.shutdown()
         server.request_shutdown()
         thread.join(60)
         engine.close()

@@ -4,15 +4,12 @@
 
 // Decode attention (one query row at position meta[0], keys 0..meta[0], or the last ``window`` of them),
 // split over positions.
-// Grid: x = KV heads x ceil(G / GH) (a block takes up to GH of the G = H / KV query heads of one KV head, so
-// each key and value is loaded and converted once for them), y = NS splits; block 128 (4 warps). Each warp
-// runs an online softmax per head over groups of AB positions (their keys and values loaded together: AB x 2
-// x MAXJ / 4 loads in flight per lane); the block merges its warps, writes each head's (max, sum, acc[hd]) to
-// part[h][split], and the last block of a column to arrive merges the NS splits of its heads (every split's
-// partial loaded at once, merge weights computed once, fixed order). q is scaled by 1/sqrt(hd) before the dot
-// products. Each head's sums are those of one head a block, in the same order.
+// Grid: x = H, y = NS splits; block 128 (4 warps). Each warp runs an online softmax over groups of AB
+// positions (their keys and values loaded together: AB x 2 x MAXJ loads in flight per lane); the block
+// merges its warps, writes (max, sum, acc[hd]) to part[h][split], and the last block of a head merges the
+// NS splits (every split's partial loaded at once, merge weights computed once, fixed order). q is scaled
+// by 1/sqrt(hd) before the dot products.
 #define AW 4
-#define GH 4     // attn_decode: query heads a block takes
 #define PT 32    // positions of a shared-memory tile (attn_rows: one page of the pool, KV_BLOCK)
 #define NCH 2    // attn_rows, attn_prefill: a lane's 4-dimension chunks, 128 dimensions apart (hd <= 256)
 // MAXJ: a lane's dimensions, hd <= 32 * MAXJ (4: hd <= 128, 8: hd <= 256), in chunks of 4 consecutive ones
@@ -28,12 +25,10 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     grid_dep_wait();
     constexpr int AB = 32 / MAXJ;
     constexpr int NW = NS > AW ? NS : AW;   // s_m, s_l hold the warps' partials first, then the splits'
-    __shared__ float s_m[GH][NW], s_l[GH][NW], s_w[NS];
-    __shared__ __align__(16) float s_acc[GH][AW][32 * MAXJ];
+    __shared__ float s_m[NW], s_l[NW], s_w[NS];
+    __shared__ __align__(16) float s_acc[AW][32 * MAXJ];
     __shared__ int s_last;
-    const int G = H / KV, hparts = (G + GH - 1) / GH;
-    const int kvh = blockIdx.x / hparts, h0 = kvh * G + (blockIdx.x % hparts) * GH, split = blockIdx.y;
-    const int nh = min(GH, kvh * G + G - h0);  // this block's heads: h0 .. h0 + nh - 1
+    const int h = blockIdx.x, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int len = meta[0] + 1;
     // positions from a sliding window's first, lo, counted from there (the loop then is the windowless one)
@@ -41,21 +36,18 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
     const int chunk = (seen + NS - 1) / NS;
     const int pb = split * chunk;
     const int pe = min(seen, pb + chunk);
+    const int kvh = h / (H / KV);
     const kv_t* kb = kc + ((size_t)kvh * cap + lo) * hd;
     const kv_t* vb = vc + ((size_t)kvh * cap + lo) * hd;
     constexpr int NC = MAXJ / 4;            // a lane's chunks
-    float qr[GH][MAXJ], acc[GH][MAXJ], mx[GH], l[GH];
+    float qr[MAXJ], acc[MAXJ];
 #pragma unroll
-    for (int g = 0; g < GH; ++g) {
-#pragma unroll
-        for (int j = 0; j < MAXJ; ++j) {
-            const int d = 4 * lane + 128 * (j / 4) + j % 4;
-            qr[g][j] = g < nh && d < hd ? q[(size_t)(h0 + g) * hd + d] * scale : 0.f;
-            acc[g][j] = 0.f;
-        }
-        mx[g] = NEG_INF;
-        l[g] = 0.f;
+    for (int j = 0; j < MAXJ; ++j) {
+        const int d = 4 * lane + 128 * (j / 4) + j % 4;
+        qr[j] = d < hd ? q[(size_t)h * hd + d] * scale : 0.f;
+        acc[j] = 0.f;
     }
+    float mx = NEG_INF, l = 0.f;
     for (int p0 = pb + AB * warp; p0 < pe; p0 += AB * AW) {
         float kr[AB][MAXJ], vr[AB][MAXJ];
 #pragma unroll
@@ -73,104 +65,92 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
                 vr[b][4 * c] = vv.x; vr[b][4 * c + 1] = vv.y; vr[b][4 * c + 2] = vv.z; vr[b][4 * c + 3] = vv.w;
             }
         }
+        float sc[AB];
 #pragma unroll
-        for (int g = 0; g < GH; ++g) {
-            if (g >= nh) break;             // the same in every thread of the block
-            float sc[AB];
+        for (int b = 0; b < AB; ++b) {
+            float t = 0.f;
 #pragma unroll
-            for (int b = 0; b < AB; ++b) {
-                float t = 0.f;
-#pragma unroll
-                for (int j = 0; j < MAXJ; ++j) t += qr[g][j] * kr[b][j];
-                sc[b] = t;
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-                for (int b = 0; b < AB; ++b) sc[b] += __shfl_xor_sync(FULL, sc[b], o);
-            float mb = NEG_INF;
-#pragma unroll
-            for (int b = 0; b < AB; ++b) if (p0 + b < pe) mb = fmaxf(mb, sc[b]);
-            const float mn = fmaxf(mx[g], mb);
-            const float corr = expf(mx[g] - mn);
-            l[g] *= corr;
-#pragma unroll
-            for (int j = 0; j < MAXJ; ++j) acc[g][j] *= corr;
-#pragma unroll
-            for (int b = 0; b < AB; ++b) {
-                if (p0 + b < pe) {
-                    const float e = expf(sc[b] - mn);
-                    l[g] += e;
-#pragma unroll
-                    for (int j = 0; j < MAXJ; ++j) acc[g][j] += e * vr[b][j];
-                }
-            }
-            mx[g] = mn;
+            for (int j = 0; j < MAXJ; ++j) t += qr[j] * kr[b][j];
+            sc[b] = t;
         }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int b = 0; b < AB; ++b) sc[b] += __shfl_xor_sync(FULL, sc[b], o);
+        float mb = NEG_INF;
+#pragma unroll
+        for (int b = 0; b < AB; ++b) if (p0 + b < pe) mb = fmaxf(mb, sc[b]);
+        const float mn = fmaxf(mx, mb);
+        const float corr = expf(mx - mn);
+        l *= corr;
+#pragma unroll
+        for (int j = 0; j < MAXJ; ++j) acc[j] *= corr;
+#pragma unroll
+        for (int b = 0; b < AB; ++b) {
+            if (p0 + b < pe) {
+                const float e = expf(sc[b] - mn);
+                l += e;
+#pragma unroll
+                for (int j = 0; j < MAXJ; ++j) acc[j] += e * vr[b][j];
+            }
+        }
+        mx = mn;
     }
+    if (lane == 0) { s_m[warp] = mx; s_l[warp] = l; }
 #pragma unroll
-    for (int g = 0; g < GH; ++g) {
-        if (lane == 0) { s_m[g][warp] = mx[g]; s_l[g][warp] = l[g]; }
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            const int d = 4 * lane + 128 * c;
-            if (d < hd)
-                *reinterpret_cast<float4*>(&s_acc[g][warp][d]) =
-                    make_float4(acc[g][4 * c], acc[g][4 * c + 1], acc[g][4 * c + 2], acc[g][4 * c + 3]);
-        }
+    for (int c = 0; c < NC; ++c) {
+        const int d = 4 * lane + 128 * c;
+        if (d < hd)
+            *reinterpret_cast<float4*>(&s_acc[warp][d]) =
+                make_float4(acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3]);
     }
     __syncthreads();
-    for (int g = 0; g < nh; ++g) {
-        float* pp = part + ((size_t)(h0 + g) * NS + split) * (hd + 2);
-        float bm = NEG_INF;
+    float* pp = part + ((size_t)h * NS + split) * (hd + 2);
+    float bm = NEG_INF;
 #pragma unroll
-        for (int w = 0; w < AW; ++w) bm = fmaxf(bm, s_m[g][w]);
-        float wgt[AW];
+    for (int w = 0; w < AW; ++w) bm = fmaxf(bm, s_m[w]);
+    float wgt[AW];
 #pragma unroll
-        for (int w = 0; w < AW; ++w) wgt[w] = s_l[g][w] > 0.f ? expf(s_m[g][w] - bm) : 0.f;
-        if (threadIdx.x == 0) {
-            float bl = 0.f;
+    for (int w = 0; w < AW; ++w) wgt[w] = s_l[w] > 0.f ? expf(s_m[w] - bm) : 0.f;
+    if (threadIdx.x == 0) {
+        float bl = 0.f;
 #pragma unroll
-            for (int w = 0; w < AW; ++w) bl += s_l[g][w] * wgt[w];
-            pp[0] = bm;
-            pp[1] = bl;
-        }
-        for (int d = threadIdx.x; d < hd; d += AW * 32) {
-            float a = 0.f;
-#pragma unroll
-            for (int w = 0; w < AW; ++w) a += s_acc[g][w][d] * wgt[w];
-            pp[2 + d] = a;
-        }
+        for (int w = 0; w < AW; ++w) bl += s_l[w] * wgt[w];
+        pp[0] = bm;
+        pp[1] = bl;
     }
-    if (!arrive_last(&counters[blockIdx.x], NS, &s_last)) return;  // (its barriers: s_m, s_l are free again)
-    for (int g = 0; g < nh; ++g) {
-        const float* ph = part + (size_t)(h0 + g) * NS * (hd + 2);
-        if (threadIdx.x < NS) {
-            s_m[g][threadIdx.x] = __ldcg(ph + (size_t)threadIdx.x * (hd + 2));
-            s_l[g][threadIdx.x] = __ldcg(ph + (size_t)threadIdx.x * (hd + 2) + 1);
-        }
-        __syncthreads();
-        float gm = NEG_INF;
+    for (int d = threadIdx.x; d < hd; d += AW * 32) {
+        float a = 0.f;
 #pragma unroll
-        for (int t = 0; t < NS; ++t) gm = fmaxf(gm, s_m[g][t]);
-        if (threadIdx.x < NS)
-            s_w[threadIdx.x] = s_l[g][threadIdx.x] > 0.f ? expf(s_m[g][threadIdx.x] - gm) : 0.f;
-        __syncthreads();
-        float gl = 0.f;
-#pragma unroll
-        for (int t = 0; t < NS; ++t) gl += s_l[g][t] * s_w[t];
-        for (int d = threadIdx.x; d < hd; d += AW * 32) {
-            float v[NS];
-#pragma unroll
-            for (int t = 0; t < NS; ++t) v[t] = __ldcg(ph + (size_t)t * (hd + 2) + 2 + d);
-            float a = 0.f;
-#pragma unroll
-            for (int t = 0; t < NS; ++t) a += v[t] * s_w[t];
-            out[(size_t)(h0 + g) * hd + d] = a / gl;
-        }
-        __syncthreads();                    // s_w is the next head's
+        for (int w = 0; w < AW; ++w) a += s_acc[w][d] * wgt[w];
+        pp[2 + d] = a;
     }
-    if (threadIdx.x == 0) counters[blockIdx.x] = 0;
+    if (!arrive_last(&counters[h], NS, &s_last)) return;
+    const float* ph = part + (size_t)h * NS * (hd + 2);
+    if (threadIdx.x < NS) {
+        s_m[threadIdx.x] = __ldcg(ph + (size_t)threadIdx.x * (hd + 2));
+        s_l[threadIdx.x] = __ldcg(ph + (size_t)threadIdx.x * (hd + 2) + 1);
+    }
+    __syncthreads();
+    float gm = NEG_INF;
+#pragma unroll
+    for (int t = 0; t < NS; ++t) gm = fmaxf(gm, s_m[t]);
+    if (threadIdx.x < NS)
+        s_w[threadIdx.x] = s_l[threadIdx.x] > 0.f ? expf(s_m[threadIdx.x] - gm) : 0.f;
+    __syncthreads();
+    float gl = 0.f;
+#pragma unroll
+    for (int t = 0; t < NS; ++t) gl += s_l[t] * s_w[t];
+    for (int d = threadIdx.x; d < hd; d += AW * 32) {
+        float v[NS];
+#pragma unroll
+        for (int t = 0; t < NS; ++t) v[t] = __ldcg(ph + (size_t)t * (hd + 2) + 2 + d);
+        float a = 0.f;
+#pragma unroll
+        for (int t = 0; t < NS; ++t) a += v[t] * s_w[t];
+        out[(size_t)h * hd + d] = a / gl;
+    }
+    if (threadIdx.x == 0) counters[h] = 0;
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -179,19 +159,16 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 // a block takes query heads part * NW .. part * NW + NW - 1 (NW = blockDim.x / 32 <= 8 warps, one a head) of
 // the G = H / KV heads of KV head blockIdx.x, over its split's share of the row's pages (``splits`` of them:
 // enough blocks when the batch is small), so each page of keys and values is read from memory once for them:
-// the block stages page after page in shared memory (8-byte cp.async of 4 float16; a page's KV_BLOCK == PT
-// positions are contiguous): each thread converts the chunks it copied to the float32 page (once per value,
-// not once per query head that reads it: the conversions bound the kernel), then copies its chunks of the
-// next page into the one float16 buffer while the warps read this one, and each warp runs attn_prefill's
-// scheme on the float32 page: lane j scores position j (16-byte shared reads of 4 dimensions,
-// conflict-free with key rows padded by 4), a warp-wide online softmax, lane j accumulates dimensions
-// 4j..4j+3. With splits > 1 each head's (max,
+// the block stages page after page in shared memory (two buffers, 8-byte cp.async of 4 float16; a page's
+// KV_BLOCK == PT positions are contiguous), and each warp runs attn_prefill's scheme on it: lane j scores
+// position j (8-byte shared reads of 4 dimensions, conflict-free with key rows padded by 4), a warp-wide online
+// softmax, lane j accumulates dimensions 4j..4j+3. With splits > 1 each head's (max,
 // sum, acc[hd]) goes to part[row][head][split] (records of hd + 4 floats) and the last block of (row, KV head,
 // part) to arrive merges the splits in order, as attn_decode does. hd % 4 == 0, hd <= 256 (a lane's NCH
 // chunks of 4 dimensions, 128 apart); HD: hd known at
 // compile time (the page copy's index arithmetic and the dot products unrolled), 0: read from ``hd``. The dot
 // products and the value sums are fused multiply-adds (--fmad=false keeps every other kernel's apart).
-// Dynamic shared memory: PT * (2 * hd + 4) + NW * hd floats, then PT * 2 * hd float16.
+// Dynamic shared memory: 2 * PT * (2 * hd + 4) float16, then NW * hd floats.
 template <int HD>
 __global__ void __launch_bounds__(256) attn_rows(
     const float* __restrict__ q, const kv_t* __restrict__ kc, const kv_t* __restrict__ vc, int cap, int H,
@@ -202,16 +179,14 @@ __global__ void __launch_bounds__(256) attn_rows(
     grid_dep_wait();
     extern __shared__ float smem[];
     const int hd = HD ? HD : hd_arg;
-    const int ldk = hd + 4;                 // 16-byte aligned rows, conflict-free per quarter warp
+    const int ldk = hd + 4;                 // 8-byte aligned rows, conflict-free per half warp
     const int G = H / KV, kvh = blockIdx.x, row = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const int parts = (G + nw - 1) / nw, hpart = blockIdx.z % parts, split = blockIdx.z / parts;
     const int g0 = hpart * nw, heads = min(nw, G - g0);  // this block's heads of the group
-    float* kf = smem;                       // [PT][hd + 4], the page being read
-    float* vf = kf + PT * ldk;              // [PT][hd]
-    float* qs = vf + PT * hd;               // [NW][hd], scaled
-    kv_t* ks = reinterpret_cast<kv_t*>(qs + nw * hd);  // [PT][hd], the page in flight
-    kv_t* vs = ks + PT * hd;                // [PT][hd]
+    kv_t* ks = reinterpret_cast<kv_t*>(smem);  // [2][PT][hd + 4]
+    kv_t* vs = ks + 2 * PT * ldk;           // [2][PT][hd]
+    float* qs = reinterpret_cast<float*>(vs + 2 * PT * hd);  // [NW][hd], scaled (16-byte aligned: 128 (2 hd + 4) B)
     const int len = rows[2 * row] + 1;
     const int lo = window > 0 ? max(0, len - window) : 0;  // a sliding window's first position
     const int* table = tables + (size_t)rows[2 * row + 1] * tb;
@@ -223,41 +198,34 @@ __global__ void __launch_bounds__(256) attn_rows(
     const int per = ((len + PT - 1) / PT - p0 + splits - 1) / splits;  // pages of a split
     const int pb = p0 + split * per, pages = min((len + PT - 1) / PT, pb + per);
     const int hd4 = hd / 4;
-    // a thread's chunks: the same ones in load and convert, so it waits only for its own copies, and its reads of
-    // a page's chunks precede (in its program order) the copies of the next page into them
-    auto load = [&](int t) {                // page t, zero-filled past len
+    auto load = [&](int t, int buf) {       // page t, zero-filled past len
         const size_t base = (size_t)kv_slot(table, t * PT) * hd;
         for (int i = threadIdx.x; i < PT * hd4; i += blockDim.x) {
             const int r = i / hd4, d = 4 * (i - r * hd4);
             const bool ok = t * PT + r < len;
-            cp_async8(smem_u32(ks + r * hd + d), ok ? kb + base + (size_t)r * hd + d : kb, ok ? 8 : 0);
-            cp_async8(smem_u32(vs + r * hd + d), ok ? vb + base + (size_t)r * hd + d : vb, ok ? 8 : 0);
-        }
-        cp_async_commit();
-    };
-    auto convert = [&]() {
-        for (int i = threadIdx.x; i < PT * hd4; i += blockDim.x) {
-            const int r = i / hd4, d = 4 * (i - r * hd4);
-            *reinterpret_cast<float4*>(kf + r * ldk + d) = from_kv4(*reinterpret_cast<const uint2*>(ks + r * hd + d));
-            *reinterpret_cast<float4*>(vf + r * hd + d) = from_kv4(*reinterpret_cast<const uint2*>(vs + r * hd + d));
+            cp_async8(smem_u32(ks + (buf * PT + r) * ldk + d), ok ? kb + base + (size_t)r * hd + d : kb, ok ? 8 : 0);
+            cp_async8(smem_u32(vs + (buf * PT + r) * hd + d), ok ? vb + base + (size_t)r * hd + d : vb, ok ? 8 : 0);
         }
     };
-    if (pb < pages) load(pb);
+    if (pb < pages) load(pb, 0);
+    cp_async_commit();
     const int d4 = 4 * lane;                // chunk c holds dimensions d4 + 128 c .. + 3
     float acc[NCH][4] = {};
     float mx = NEG_INF, l = 0.f;
     const float4* q4 = reinterpret_cast<const float4*>(qs + warp * hd);
     for (int t = pb; t < pages; ++t) {
-        cp_async_wait<0>();                 // this thread's copies of page t
-        convert();
-        if (t + 1 < pages) load(t + 1);     // in flight while the warps read page t
-        __syncthreads();                    // page t (and the scaled q) visible to every warp as float32
+        if (t + 1 < pages) load(t + 1, (t + 1 - pb) & 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();                    // page t (and the scaled q) visible to every warp
+        const kv_t* kt = ks + ((t - pb) & 1) * PT * ldk;
+        const kv_t* vt = vs + ((t - pb) & 1) * PT * hd;
         const int p = t * PT + lane;
-        const float4* k4 = reinterpret_cast<const float4*>(kf + lane * ldk);
+        const uint2* k4 = reinterpret_cast<const uint2*>(kt + lane * ldk);
         float sc = 0.f;
 #pragma unroll 8
         for (int dd = 0; dd < hd4; ++dd) {
-            const float4 kk = k4[dd], qq = q4[dd];
+            const float4 kk = from_kv4(k4[dd]), qq = q4[dd];
             sc = fmaf(qq.x, kk.x, sc); sc = fmaf(qq.y, kk.y, sc); sc = fmaf(qq.z, kk.z, sc);
             sc = fmaf(qq.w, kk.w, sc);
         }
@@ -280,13 +248,13 @@ __global__ void __launch_bounds__(256) attn_rows(
             for (int ch = 0; ch < NCH; ++ch) {
                 const int d = d4 + 128 * ch;
                 if (d < hd) {
-                    const float4 vv = *reinterpret_cast<const float4*>(vf + r * hd + d);
+                    const float4 vv = from_kv4(*reinterpret_cast<const uint2*>(vt + r * hd + d));
                     acc[ch][0] = fmaf(w, vv.x, acc[ch][0]); acc[ch][1] = fmaf(w, vv.y, acc[ch][1]);
                     acc[ch][2] = fmaf(w, vv.z, acc[ch][2]); acc[ch][3] = fmaf(w, vv.w, acc[ch][3]);
                 }
             }
         }
-        __syncthreads();                    // every warp is done with the float32 page before the next is converted
+        __syncthreads();                    // every warp is done with buffer t & 1 before page t + 2 lands in it
     }
     const int head = kvh * G + g0 + warp;
     float* o = out + (size_t)row * H * hd + (size_t)head * hd + d4;
@@ -457,7 +425,6 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill(
     }
 }
 #undef AW
-#undef GH
 #undef NCH
 #undef PT
 #undef PQ2

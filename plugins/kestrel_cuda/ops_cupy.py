@@ -38,7 +38,6 @@ from kestrel_cuda.plan import (
 
 ATTN_ROWS_HEAD_DIMS = (128, 64, 256, 0)  # attn_rows instances: head_dim known at compile time, 0 any other
 ATTN_DECODE_LANE_DIMS = (4, 8)  # attn_decode instances: a lane's dimensions (head_dim <= 128, <= 256)
-ATTN_DECODE_HEADS = 4  # query heads of one KV head that one attn_decode block takes (attention.cu GH)
 # (bits, G, MR): qgemv with MR rows per block: M = 1 (MR = 1) and, without a tiled GEMM, M > 1 (MR = 8)
 GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
 # extern "C" kernels: no name expression
@@ -441,8 +440,7 @@ class CupyOps:
                         smem, name="attn_rows")
             return
         if m == 1:
-            columns = kv_heads * -(-(heads // kv_heads) // ATTN_DECODE_HEADS)
-            self.launch(self._attn_decode[4 if hd <= 128 else 8], (columns, ATTN_SPLITS, 1), (128,),
+            self.launch(self._attn_decode[4 if hd <= 128 else 8], (heads, ATTN_SPLITS, 1), (128,),
                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                          np.float32(scale), _ptr(meta), _ptr(self.attn_part), _ptr(self.attn_counters),
                          _ptr(out), _i32(window)), name="attn_decode")
@@ -475,9 +473,9 @@ def _attn_prefill_smem(hd: int) -> int:
 
 
 def _attn_rows_smem(hd: int, warps: int) -> int:
-    """attn_rows' dynamic shared memory: a float32 page of keys (rows padded by 4) and values, a float32 query
-    per warp, a float16 page of keys and values in flight."""
-    return KV_BLOCK * (2 * hd + 4) * 4 + warps * hd * 4 + KV_BLOCK * 2 * hd * 2
+    """attn_rows' dynamic shared memory: two pages of float16 keys (rows padded by 4) and values, a float32
+    query per warp."""
+    return 2 * KV_BLOCK * (2 * hd + 4) * 2 + warps * hd * 4
 
 
 def _rope_args(r: QkvRope | None) -> tuple[Any, ...]:
