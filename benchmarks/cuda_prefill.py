@@ -3,7 +3,7 @@
 ``kestrel_cuda.kernels.MMA_TILES`` against cuBLAS fp16, with bitwise checks on fresh random data, and the GEMM
 total of one 512-token qwen3-8b prefill.
 
-    python benchmarks/cuda_prefill.py [--json out.json] [--m 512] [--extra-tiles "1,4,2,2,4;2,4,1,2,3"]
+    python benchmarks/cuda_prefill.py [--json out.json] [--m 512]
 
 At M <= SPLIT_MAX_M (decode batches: ``--m 8``) the tensor-core kernel splits K (``gemm.mma_splits``); the
 table adds it without splits (``nosplit``), with the splits for other grid targets (``--split-targets``) and,
@@ -50,28 +50,12 @@ class PrefillBench(Bench):
         super().__init__(args)
         from kestrel_cuda import kernels
 
-        for spec in args.extra_tiles:
-            self.add_tile(kernels.MmaTile(*spec[:4], stages=spec[4], split=bool(spec[5]) if len(spec) > 5 else True))
         self.tiles = list(kernels.MMA_TILES)
         self.results["tiles"] = {
             name: {"bm": t.bm, "bn": t.bn, "threads": t.threads,
                    "regs": self.dev.kernels.mma[(8, 32, name)].attributes.get("num_regs"),
                    "local_bytes": self.dev.kernels.mma[(8, 32, name)].attributes.get("local_size_bytes")}
             for name, t in kernels.MMA_TILES.items()}
-
-    def add_tile(self, tile: Any) -> None:
-        """A block shape beside kernels.MMA_TILES for this run (--extra-tiles), compiled for every mode."""
-        from kestrel_cuda import kernels
-
-        names = {(b, g): tile.name(b, g) for b in kernels.BITS for g in kernels.GROUP_SIZES}
-        module = self.cp.RawModule(code=kernels.source_text(), options=kernels.OPTIONS,
-                                   name_expressions=list(names.values()))
-        label = f"{tile.key}:{tile.wm}x{tile.wn}x{tile.mi}/{tile.min_blocks}/{tile.stages}"
-        for (b, g), name in names.items():
-            fn = module.get_function(name)
-            fn.max_dynamic_shared_size_bytes = tile.smem_bytes(b, g)
-            self.dev.kernels.mma[(b, g, label)] = fn
-        kernels.MMA_TILES[label] = tile
 
     def kernels_for(self, m: int) -> dict[str, Any]:
         """label -> launch(a, s, w, out, n) for every kernel under test at M = m; the tiles and "auto" first
@@ -249,9 +233,6 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default="")
     p.add_argument("--m", type=int, default=512)
-    p.add_argument("--extra-tiles", default="", type=lambda t: [tuple(int(x) for x in spec.split(","))
-                                                                 for spec in t.split(";") if spec],
-                   help="block shapes to time beside MMA_TILES: 'wm,wn,mi,min_blocks,stages[,split 0/1]' joined by ;")
     p.add_argument("--split-targets", default="", type=lambda t: [int(x) for x in t.split(",") if x],
                    help="at M <= 64: also the K splits for these blocks per SM (e.g. 2,4,6)")
     args = p.parse_args(argv)

@@ -2,7 +2,7 @@
 // shared-memory pipeline.
 //
 // Tiles: a block of WM x WN warps covers BM = WM*MI*16 rows by BN = WN*32 columns; each warp owns MI m16 tiles
-// by four n8 tiles. K advances in stages of BK = 128 bytes (4 k32 steps); STAGES stages are in flight
+// by four n8 tiles. K advances in stages of BK = 128 bytes (4 k32 steps); STAGES = 3 stages are in flight
 // (cp.async.cg 16-byte copies for the codes, 4-byte copies for the scales, zero-filled outside M, K and Npad, so
 // a K that ends inside a stage adds exact zero terms), one barrier per stage. The block shapes in use are listed
 // in kernels.MMA_TILES.
@@ -45,6 +45,7 @@
 // therefore physical column 4 * j + ni of the warp's 32 (ni = tile index), which makes each thread's outputs 8
 // consecutive columns (two 16-byte stores) and its weight scales two float4 reads.
 #define GQ_BK 128     // K per shared-memory stage: 64 measured 5-12 % slower (twice the barriers)
+#define GQ_STAGES 3   // stages in flight
 #define GQ_MAGIC 0x4B400000
 #define GQ_MAGIC_F 12582912.0f
 
@@ -63,9 +64,9 @@ __device__ __forceinline__ void mma_s8(int (&d)[4], const u32 (&a)[4], const u32
 }
 
 // Shared memory layout of one block (bytes); kernels.MmaTile.smem_bytes computes the same total.
-template <int BITS, int G, int WM, int WN, int MI, int STAGES_>
+template <int BITS, int G, int WM, int WN, int MI>
 struct GqTile {
-    static constexpr int BK = GQ_BK, STAGES = STAGES_;
+    static constexpr int BK = GQ_BK, STAGES = GQ_STAGES;
     static constexpr int BM = WM * MI * 16, BN = WN * 32, THREADS = WM * WN * 32;
     static constexpr int BKB = BK * BITS / 8;        // B bytes per column per stage (int4: packed)
     static constexpr int SG = G < BK ? BK / G : 1;   // scale slots per stage
@@ -79,14 +80,14 @@ struct GqTile {
 // different chunk columns
 __device__ __forceinline__ int aswz(int row) { return row & 7; }
 
-template <int BITS, int G, int WM, int WN, int MI, int MINB, bool SPLIT, int STAGES_>
+template <int BITS, int G, int WM, int WN, int MI, int MINB, bool SPLIT>
 __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
         const i8* __restrict__ A, const float* __restrict__ As, int M,
         const u8* __restrict__ W, const float* __restrict__ Ws,
         float* __restrict__ out, int ldo, int N, int K, int Npad,
         float* __restrict__ part, unsigned* __restrict__ counters, int kstages,
         const int* __restrict__ groups, const unsigned long long* __restrict__ etab) {
-    using T = GqTile<BITS, G, WM, WN, MI, STAGES_>;
+    using T = GqTile<BITS, G, WM, WN, MI>;
     constexpr int BK = T::BK, STAGES = T::STAGES;
     constexpr int BM = T::BM, BN = T::BN, THREADS = T::THREADS, SG = T::SG;
     constexpr int KS = BK / 32;                   // k32 steps per stage

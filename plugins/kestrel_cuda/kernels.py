@@ -44,7 +44,6 @@ class MmaTile:
     mi: int
     min_blocks: int  # __launch_bounds__ minimum resident blocks per SM (caps the registers)
     split: bool = False  # K splits, whole stages and column tiles only (decode batches, gemm_mma.cu SPLIT)
-    stages: int = 3  # shared-memory stages in flight
 
     @property
     def key(self) -> str:
@@ -67,15 +66,14 @@ class MmaTile:
         """Dynamic shared memory of one block; the same sum as GqTile::SMEM in gemm_mma.cu."""
         slots = MMA_BK // group_size if group_size < MMA_BK else 1
         stage = self.bm * MMA_BK + MMA_BK * bits // 8 * self.bn + 4 * slots * (self.bm + self.bn)
-        return self.stages * stage
+        return MMA_STAGES * stage
 
     def name(self, bits: int, group_size: int) -> str:
         split = "true" if self.split else "false"
-        return (f"k_gemm_q8_tc<{bits}, {group_size}, {self.wm}, {self.wn}, {self.mi}, {self.min_blocks}, {split}, "
-                f"{self.stages}>")
+        return f"k_gemm_q8_tc<{bits}, {group_size}, {self.wm}, {self.wn}, {self.mi}, {self.min_blocks}, {split}>"
 
 
-MMA_BK = 128  # K bytes per shared-memory stage (GQ_BK in gemm_mma.cu)
+MMA_BK, MMA_STAGES = 128, 3  # K bytes per shared-memory stage, stages in flight (GQ_BK, GQ_STAGES in gemm_mma.cu)
 # Block shapes (measured on the H200, docs/performance.md): 128x128 with 8 warps of 64x32 (1 block/SM, ~210
 # registers) for large grids, 64x128 with 8 warps of 32x32 (<= 128 registers, 2 blocks/SM) for short ones; split
 # over K for decode batches: 16x128s with 4 warps of 16x32 for 2-16 rows, 32x128s with 4 warps of 32x32 for
