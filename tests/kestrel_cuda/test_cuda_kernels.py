@@ -43,6 +43,7 @@ from kestrel_cuda.gemm import (  # noqa: E402
     gemv_warp_variant,
     mma_splits,
     mma_tile_for,
+    split_rows,
 )
 from kestrel_cuda.kernels import (  # noqa: E402
     GEMV_WARP_VARIANTS,
@@ -206,6 +207,21 @@ def test_split_gemm_is_batch_invariant(dev, bits: int, g: int) -> None:
         np.testing.assert_array_equal(run_q8(dev, a_codes[:m], a_scales[:m], w, gemm=merged), full[:m])
     one = run_q8(dev, a_codes[:40], a_scales[:40], w, splits=1)
     assert_close_q8(one, a_codes[:40], a_scales[:40], w)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("g", [32, 256])
+def test_rows_past_whole_blocks_run_apart(dev, bits: int, g: int) -> None:
+    """544 rows: the first 512 through the large block as the reference adds them (identical), the last 32
+    through the split shapes, within the bound and with the bits they have alone."""
+    rng = np.random.default_rng([bits, g, 544])
+    w = rand_weight(rng, 384, 2048, g, bits)
+    a_codes, a_scales = quantize_activations(rng.standard_normal((544, w.k)).astype(np.float32), g)
+    assert split_rows(544, w.k, pad_n(w.n)) == 32
+    got = run_q8(dev, a_codes, a_scales, w)
+    np.testing.assert_array_equal(got[:512], reference_gemm_q8(a_codes[:512], a_scales[:512], w))
+    assert_close_q8(got[512:], a_codes[512:], a_scales[512:], w)
+    np.testing.assert_array_equal(got[512:], run_q8(dev, a_codes[512:], a_scales[512:], w))
 
 
 @pytest.mark.parametrize("tile", [t for t in MMA_TILES if not MMA_TILES[t].split])

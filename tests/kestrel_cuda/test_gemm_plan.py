@@ -3,7 +3,7 @@ split shapes take."""
 
 from __future__ import annotations
 
-from kestrel_cuda.gemm import SPLIT_MAX_M, mma_splits, mma_tile_for, split_fits
+from kestrel_cuda.gemm import SPLIT_MAX_M, mma_splits, mma_tile_for, split_fits, split_rows
 from kestrel_cuda.kernels import (
     MMA_BK,
     MMA_TILE_DEFAULT,
@@ -56,3 +56,12 @@ def test_splits_fit_one_cluster_in_whole_groups() -> None:
                 for blocks in (1, 2, 4, 8):
                     nz, per = mma_splits(k, npad, g, 132, blocks)
                     assert 1 <= nz <= MAX_CLUSTER and per * 128 % g == 0 and (nz - 1) * per * MMA_BK < k
+
+
+def test_rows_past_whole_large_blocks_run_apart() -> None:
+    """From 512 rows in whole 128-row blocks, a last 1..64 rows run through the split shapes: a prompt chunk of
+    512 tokens beside up to 64 decode rows leaves no padded row block."""
+    assert [split_rows(m, 4096, 4096) for m in (512, 513, 543, 576, 577, 600)] == [0, 1, 31, 64, 0, 0]
+    assert split_rows(130, 4096, 4096) == 0 and split_rows(64, 4096, 4096) == 0  # under 512 whole rows
+    assert split_rows(1024 + 40, 12288, 4096) == 40
+    assert split_rows(543, 4096 + 32, 4096) == 0 and split_rows(543, 4096, 4096 + 8) == 0  # not whole stages/tiles
