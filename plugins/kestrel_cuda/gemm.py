@@ -88,8 +88,9 @@ def split_fits(k: int, npad: int) -> bool:
 def split_rows(m: int, k: int, npad: int) -> int:
     """The rows of an M-row GEMM that run apart from the rest (0: none): beyond ROW_SPLIT_MIN rows, the last
     1..SPLIT_MAX_M rows past a whole number of large blocks run through the split shapes, which read the
-    weights again rather than leave most of a padded row block idle (a step of a 512-token prompt beside 32
-    decode rows: its GEMMs 38.6 ms rather than 47.1 at M = 544, cuda_prefill.py)."""
+    weights again rather than leave most of a padded row block idle (a 512-token prompt beside 32 decode rows,
+    M = 544: the qwen3-8b GEMMs 39.5 ms against 46.6 / 53.3 in the 64- / 128-row blocks alone, cuda_prefill.py
+    --m 544)."""
     rows = m % MMA_TILES[MMA_TILE_DEFAULT].bm
     return rows if m - rows >= ROW_SPLIT_MIN and 0 < rows <= SPLIT_MAX_M and split_fits(k, npad) else 0
 
