@@ -154,160 +154,274 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 }
 
 // ------------------------------------------------------------------------------------------------------
-// Batched decode attention over the paged pool: row blockIdx.y, at position rows[2y], sees keys 0..rows[2y] (or
-// the last ``window`` of them) of the sequence whose page table is tables[rows[2y + 1]] (rope.cuh kv_slot). blockIdx.z = part + parts * split:
-// a block takes query heads part * NW .. part * NW + NW - 1 (NW = blockDim.x / 32 <= 8 warps, one a head) of
-// the G = H / KV heads of KV head blockIdx.x, over its split's share of the row's pages (``splits`` of them:
-// enough blocks when the batch is small), so each page of keys and values is read from memory once for them:
-// the block stages page after page in shared memory (two buffers, 8-byte cp.async of 4 float16; a page's
-// KV_BLOCK == PT positions are contiguous), and each warp runs attn_prefill's scheme on it: lane j scores
-// position j (8-byte shared reads of 4 dimensions, conflict-free with key rows padded by 4), a warp-wide online
-// softmax, lane j accumulates dimensions 4j..4j+3. With splits > 1 each head's (max,
-// sum, acc[hd]) goes to part[row][head][split] (records of hd + 4 floats) and the last block of (row, KV head,
-// part) to arrive merges the splits in order, as attn_decode does. hd % 4 == 0, hd <= 256 (a lane's NCH
-// chunks of 4 dimensions, 128 apart); HD: hd known at
-// compile time (the page copy's index arithmetic and the dot products unrolled), 0: read from ``hd``. The dot
-// products and the value sums are fused multiply-adds (--fmad=false keeps every other kernel's apart).
-// Dynamic shared memory: 2 * PT * (2 * hd + 4) float16, then NW * hd floats.
-template <int HD>
-__global__ void __launch_bounds__(256) attn_rows(
+// Batched decode attention over the paged pool, on the tensor cores: row blockIdx.y, at position rows[2y], sees
+// keys 0..rows[2y] (or the last ``window`` of them) of the sequence whose page table is tables[rows[2y + 1]]
+// (rope.cuh kv_slot). blockIdx.z = part + parts * split. One warp a block takes query heads part * 16 .. + 15
+// of the G = H / KV heads of KV head blockIdx.x, the 16 rows of its m16 tiles (rows past them repeat head 0 and
+// are dropped), over its split's share of the row's pages (``splits`` of them: enough blocks when the batch is
+// small). It stages page after page (KV_BLOCK == PT contiguous positions) in shared memory, two buffers of
+// cp.async, so each key and value is read from memory once for all the heads. Per page: scores S = Q K^T as
+// m16n8k16 float16 products with float32 sums, an online softmax in float32, O += P V likewise.
+// The float16 operands keep float32's accuracy: the scaled query and the probabilities go in as two float16
+// terms each, hi = f16(x) and lo = f16(x - hi) (keys and values are float16 already), so each product is exact
+// and only the float32 sums round (in another order than the CPU's). The query is multiplied by a power of two
+// that keeps it below 2^14 (undone on the scores), the probabilities by 2^12 (undone at the end), so neither
+// term leaves float16's normal range where it matters.
+// With splits > 1 each head's (max, sum, acc[hd]) goes to part[row][head][split] (records of hd + 4 floats)
+// and the last block of (row, KV head, part) merges the splits in order, as attn_decode does.
+// HDP: an instance's head dimension, a power of two from 16 to 256; hd <= HDP, hd % 4 == 0 (dimensions hd..HDP
+// are zero). Dynamic shared memory (float16): q [2][heads][HDP + 8] (hi, lo), then keys and values
+// [2 buffers][PT][HDP + 8] each: rows padded by 16 bytes, so the 8 rows one ldmatrix phase reads hit 8 bank groups.
+#define ROWS_HEADS 16          // query heads of one attn_rows block (plan.ATTN_ROWS_HEADS)
+#define ROWS_MAX_SPLITS 8      // position splits of attn_rows, at most (plan.ATTN_ROWS_MAX_SPLITS)
+#define P_SCALE 4096.f
+#define P_UNSCALE (1.f / 4096.f)
+
+// float16 pair of x0 (low half) and x1
+__device__ __forceinline__ u32 pack_f16x2(float x0, float x1) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
+    return r;
+}
+
+// x0, x1 as two float16 pairs: hi = f16(x), lo = f16(x - hi)
+__device__ __forceinline__ void split_f16x2(float x0, float x1, u32& hi, u32& lo) {
+    hi = pack_f16x2(x0, x1);
+    lo = pack_f16x2(x0 - from_kv((kv_t)(hi & 0xffffu)), x1 - from_kv((kv_t)(hi >> 16)));
+}
+
+// d += a * b: m16n8k16, float16 operands, float32 sums
+__device__ __forceinline__ void mma_f16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int HDP>
+__global__ void __launch_bounds__(32) attn_rows(
     const float* __restrict__ q, const kv_t* __restrict__ kc, const kv_t* __restrict__ vc, int cap, int H,
-    int KV, int hd_arg, float scale, const int* __restrict__ rows, const int* __restrict__ tables, int tb,
+    int KV, int hd, float scale, const int* __restrict__ rows, const int* __restrict__ tables, int tb,
     float* __restrict__ out, int splits, float* __restrict__ part, int* __restrict__ counters, int window)
 {
+    static_assert(HDP >= 16 && HDP <= 256 && (HDP & (HDP - 1)) == 0, "HDP: a power of two, 16..256");
+    constexpr int LD = HDP + 8, KS = HDP / 16, NV = HDP / 8;  // row stride, k16 steps of a score, n8 tiles of O
     grid_dep_launch();
     grid_dep_wait();
-    extern __shared__ float smem[];
-    const int hd = HD ? HD : hd_arg;
-    const int ldk = hd + 4;                 // 8-byte aligned rows, conflict-free per half warp
+    extern __shared__ __align__(16) kv_t smem_h[];
+    const int lane = threadIdx.x, gid = lane >> 2, tig = lane & 3;
     const int G = H / KV, kvh = blockIdx.x, row = blockIdx.y;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    const int parts = (G + nw - 1) / nw, hpart = blockIdx.z % parts, split = blockIdx.z / parts;
-    const int g0 = hpart * nw, heads = min(nw, G - g0);  // this block's heads of the group
-    kv_t* ks = reinterpret_cast<kv_t*>(smem);  // [2][PT][hd + 4]
-    kv_t* vs = ks + 2 * PT * ldk;           // [2][PT][hd]
-    float* qs = reinterpret_cast<float*>(vs + 2 * PT * hd);  // [NW][hd], scaled (16-byte aligned: 128 (2 hd + 4) B)
+    const int parts = (G + ROWS_HEADS - 1) / ROWS_HEADS, hpart = blockIdx.z % parts, split = blockIdx.z / parts;
+    const int g0 = hpart * ROWS_HEADS, heads = min(ROWS_HEADS, G - g0), head0 = kvh * G + g0;
+    kv_t* qs = smem_h;                      // [2][heads][LD]
+    kv_t* ks = qs + 2 * heads * LD;         // [2][PT][LD]
+    kv_t* vs = ks + 2 * PT * LD;            // [2][PT][LD]
     const int len = rows[2 * row] + 1;
     const int lo = window > 0 ? max(0, len - window) : 0;  // a sliding window's first position
     const int* table = tables + (size_t)rows[2 * row + 1] * tb;
     const kv_t* kb = kc + (size_t)kvh * cap * hd;
     const kv_t* vb = vc + (size_t)kvh * cap * hd;
-    const float* qr = q + (size_t)row * H * hd + (size_t)(kvh * G + g0) * hd;
-    for (int i = threadIdx.x; i < heads * hd; i += blockDim.x) qs[i] = qr[i] * scale;
     const int p0 = lo / PT;                 // the first page holding a visible position
     const int per = ((len + PT - 1) / PT - p0 + splits - 1) / splits;  // pages of a split
     const int pb = p0 + split * per, pages = min((len + PT - 1) / PT, pb + per);
-    const int hd4 = hd / 4;
+    // a page's copy: chunks of 8 dimensions (16 bytes; 4 dimensions, 8 bytes, where hd % 8 != 0), chunk i of
+    // a lane being lane + 32 i of the page's, row-major
+    const int cw = (hd & 7) == 0 ? 8 : 4, cpr = hd / cw;
+    const int r0 = lane / cpr, c0 = lane - r0 * cpr, dr = 32 / cpr, dc = 32 - dr * cpr;
     auto load = [&](int t, int buf) {       // page t, zero-filled past len
         const size_t base = (size_t)kv_slot(table, t * PT) * hd;
-        for (int i = threadIdx.x; i < PT * hd4; i += blockDim.x) {
-            const int r = i / hd4, d = 4 * (i - r * hd4);
-            const bool ok = t * PT + r < len;
-            cp_async8(smem_u32(ks + (buf * PT + r) * ldk + d), ok ? kb + base + (size_t)r * hd + d : kb, ok ? 8 : 0);
-            cp_async8(smem_u32(vs + (buf * PT + r) * hd + d), ok ? vb + base + (size_t)r * hd + d : vb, ok ? 8 : 0);
+        const int live = len - t * PT;
+        const u32 kd = smem_u32(ks + buf * PT * LD), vd = smem_u32(vs + buf * PT * LD);
+        for (int r = r0, c = c0; r < PT;) {
+            const bool ok = r < live;
+            const size_t at = base + (size_t)r * hd + c * cw;
+            const u32 so = 2 * (r * LD + c * cw);
+            if (cw == 8) {
+                cp_async16(kd + so, ok ? kb + at : kb, ok ? 16 : 0);
+                cp_async16(vd + so, ok ? vb + at : vb, ok ? 16 : 0);
+            } else {
+                cp_async8(kd + so, ok ? kb + at : kb, ok ? 8 : 0);
+                cp_async8(vd + so, ok ? vb + at : vb, ok ? 8 : 0);
+            }
+            r += dr; c += dc;
+            if (c >= cpr) { c -= cpr; ++r; }
         }
     };
+    // ldmatrix rows of this lane: the query's (A), the keys' of n8 tiles j, j + 1 (B), the values' (B, .trans)
+    const u32 qa = smem_u32(qs + ((lane & 15) < heads ? lane & 15 : 0) * LD + ((lane >> 4) << 3));
+    const int krow = ((lane >> 4) << 3) + (lane & 7), kcol = ((lane >> 3) & 1) << 3;
+    const int vrow = (lane & 7) + (((lane >> 3) & 1) << 3), vcol = (lane >> 4) << 3;
+
+    float o[NV][4];
+#pragma unroll
+    for (int n = 0; n < NV; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float mx0 = NEG_INF, mx1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // rows gid and gid + 8; l: this lane's terms
     if (pb < pages) load(pb, 0);
     cp_async_commit();
-    const int d4 = 4 * lane;                // chunk c holds dimensions d4 + 128 c .. + 3
-    float acc[NCH][4] = {};
-    float mx = NEG_INF, l = 0.f;
-    const float4* q4 = reinterpret_cast<const float4*>(qs + warp * hd);
+    // the query, scaled, as float16 hi and lo terms (dimensions hd..HDP zero), while the first page arrives:
+    // float4 loads, four a lane in flight; multiplied by 2^-sh (sh > 0 only past float16's range: a second pass)
+    const float4* qr = reinterpret_cast<const float4*>(q + (size_t)row * H * hd + (size_t)head0 * hd);
+    const int nq4 = heads * hd / 4, hd4 = hd / 4;
+    auto stage_q = [&](float qmul) -> float {
+        float amax = 0.f;
+        for (int i0 = 0; i0 < nq4; i0 += 128) {
+            float4 v[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int i = i0 + 32 * u + lane;
+                v[u] = i < nq4 ? __ldg(qr + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int i = i0 + 32 * u + lane;
+                if (i >= nq4) break;
+                const float x[4] = {(v[u].x * scale) * qmul, (v[u].y * scale) * qmul, (v[u].z * scale) * qmul,
+                                    (v[u].w * scale) * qmul};
+                amax = fmaxf(amax, fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3]))));
+                u32 hi[2], lo[2];
+                split_f16x2(x[0], x[1], hi[0], lo[0]);
+                split_f16x2(x[2], x[3], hi[1], lo[1]);
+                const int h = i / hd4, d = 4 * (i - h * hd4);
+                *reinterpret_cast<uint2*>(qs + h * LD + d) = make_uint2(hi[0], hi[1]);
+                *reinterpret_cast<uint2*>(qs + (heads + h) * LD + d) = make_uint2(lo[0], lo[1]);
+            }
+        }
+        return warp_max(amax);
+    };
+    const int ex = ((__float_as_int(stage_q(1.f)) >> 23) & 0xff) - 127;  // max |q| < 2^(ex + 1)
+    const int sh = ex >= 14 ? ex - 13 : 0;
+    if (sh) stage_q(__int_as_float((127 - sh) << 23));
+    const float smul = __int_as_float((127 + sh) << 23);
+    for (int i = lane; hd < HDP && i < 2 * heads * (HDP - hd); i += 32)  // the query rows' padding
+        qs[i / (HDP - hd) * LD + hd + i % (HDP - hd)] = 0;
+    for (int i = lane; hd < HDP && i < 4 * PT * (HDP - hd); i += 32)  // both buffers' key and value rows'
+        ks[i / (HDP - hd) * LD + hd + i % (HDP - hd)] = 0;
     for (int t = pb; t < pages; ++t) {
         if (t + 1 < pages) load(t + 1, (t + 1 - pb) & 1);
         cp_async_commit();
         cp_async_wait<1>();
-        __syncthreads();                    // page t (and the scaled q) visible to every warp
-        const kv_t* kt = ks + ((t - pb) & 1) * PT * ldk;
-        const kv_t* vt = vs + ((t - pb) & 1) * PT * hd;
-        const int p = t * PT + lane;
-        const uint2* k4 = reinterpret_cast<const uint2*>(kt + lane * ldk);
-        float sc = 0.f;
-#pragma unroll 8
-        for (int dd = 0; dd < hd4; ++dd) {
-            const float4 kk = from_kv4(k4[dd]), qq = q4[dd];
-            sc = fmaf(qq.x, kk.x, sc); sc = fmaf(qq.y, kk.y, sc); sc = fmaf(qq.z, kk.z, sc);
-            sc = fmaf(qq.w, kk.w, sc);
+        __syncwarp();                       // page t, and the query at the first, visible to every lane
+        const int buf = (t - pb) & 1;
+        const u32 kt = smem_u32(ks + buf * PT * LD), vt = smem_u32(vs + buf * PT * LD);
+        float s[4][4] = {};                 // n8 tile j: rows gid, gid + 8 x positions 8 j + 2 tig, + 1
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+            u32 ah[4], al[4], b01[4], b23[4];
+            ldmatrix_x4(ah, qa + 32 * kk);
+            ldmatrix_x4(al, qa + 32 * kk + 2 * heads * LD);
+            ldmatrix_x4(b01, kt + 2 * (krow * LD + 16 * kk + kcol));
+            ldmatrix_x4(b23, kt + 2 * ((krow + 16) * LD + 16 * kk + kcol));
+            mma_f16(s[0], ah, b01[0], b01[1]); mma_f16(s[0], al, b01[0], b01[1]);
+            mma_f16(s[1], ah, b01[2], b01[3]); mma_f16(s[1], al, b01[2], b01[3]);
+            mma_f16(s[2], ah, b23[0], b23[1]); mma_f16(s[2], al, b23[0], b23[1]);
+            mma_f16(s[3], ah, b23[2], b23[3]); mma_f16(s[3], al, b23[2], b23[3]);
         }
-        const bool valid = p < len && p >= lo;
-        // some position of every page from p0 on is visible (lo < (p0 + 1) * PT, t * PT < len): mn is finite
-        const float mn = fmaxf(mx, warp_max(valid ? sc : NEG_INF));
-        const float corr = expf(mx - mn);
-        const float e = valid ? expf(sc - mn) : 0.f;
-        l = l * corr + warp_sum(e);
-        mx = mn;
+        float m0 = NEG_INF, m1 = NEG_INF;
 #pragma unroll
-        for (int ch = 0; ch < NCH; ++ch)
+        for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) acc[ch][c] *= corr;
-        const int live = min(PT, len - t * PT);
-#pragma unroll 4
-        for (int r = 0; r < live; ++r) {    // the same count in every lane: the shuffle sees the whole warp
-            const float w = __shfl_sync(FULL, e, r);
+            for (int e = 0; e < 4; ++e) {
+                const int p = t * PT + 8 * j + 2 * tig + (e & 1);
+                s[j][e] = p >= lo && p < len ? s[j][e] * smul : NEG_INF;
+                if (e < 2) m0 = fmaxf(m0, s[j][e]); else m1 = fmaxf(m1, s[j][e]);
+            }
+        m0 = fmaxf(m0, __shfl_xor_sync(FULL, m0, 1));
+        m0 = fmaxf(m0, __shfl_xor_sync(FULL, m0, 2));
+        m1 = fmaxf(m1, __shfl_xor_sync(FULL, m1, 1));
+        m1 = fmaxf(m1, __shfl_xor_sync(FULL, m1, 2));
+        // every page from p0 on holds a visible position, so the new maxima are finite
+        const float n0 = fmaxf(mx0, m0), n1 = fmaxf(mx1, m1);
+        const float cr0 = expf(mx0 - n0), cr1 = expf(mx1 - n1);
+        mx0 = n0;
+        mx1 = n1;
+        l0 *= cr0;
+        l1 *= cr1;
+        if (__any_sync(FULL, cr0 != 1.f || cr1 != 1.f)) {
+#pragma unroll
+            for (int n = 0; n < NV; ++n) { o[n][0] *= cr0; o[n][1] *= cr0; o[n][2] *= cr1; o[n][3] *= cr1; }
+        }
+        u32 ph[2][4], pl[2][4];             // P as the A operand of positions 0..15 and 16..31
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float e0 = expf(s[j][0] - n0), e1 = expf(s[j][1] - n0);
+            const float e2 = expf(s[j][2] - n1), e3 = expf(s[j][3] - n1);
+            l0 += e0 + e1;
+            l1 += e2 + e3;
+            split_f16x2(e0 * P_SCALE, e1 * P_SCALE, ph[j >> 1][2 * (j & 1)], pl[j >> 1][2 * (j & 1)]);
+            split_f16x2(e2 * P_SCALE, e3 * P_SCALE, ph[j >> 1][2 * (j & 1) + 1], pl[j >> 1][2 * (j & 1) + 1]);
+        }
+#pragma unroll
+        for (int kp = 0; kp < 2; ++kp)
+#pragma unroll
+            for (int n = 0; n < NV; n += 2) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, vt + 2 * ((16 * kp + vrow) * LD + 8 * n + vcol));
+                mma_f16(o[n], ph[kp], b[0], b[1]); mma_f16(o[n], pl[kp], b[0], b[1]);
+                mma_f16(o[n + 1], ph[kp], b[2], b[3]); mma_f16(o[n + 1], pl[kp], b[2], b[3]);
+            }
+        __syncwarp();                       // every lane is done with buffer buf before page t + 2 lands in it
+    }
+    cp_async_wait<0>();
+    l0 += __shfl_xor_sync(FULL, l0, 1);
+    l0 += __shfl_xor_sync(FULL, l0, 2);
+    l1 += __shfl_xor_sync(FULL, l1, 1);
+    l1 += __shfl_xor_sync(FULL, l1, 2);
+    const int rec = hd + 4;                 // a split's record: max, sum, 2 spare, acc[hd] (16-byte aligned)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // rows gid, gid + 8
+        const int r = gid + 8 * half;
+        if (r >= heads) continue;
+        const float l = half ? l1 : l0;
+        float* dst = splits == 1 ? out + ((size_t)row * H + head0 + r) * hd
+                                 : part + (((size_t)row * H + head0 + r) * splits + split) * rec + 4;
+        if (splits > 1 && tig == 0) { dst[-4] = half ? mx1 : mx0; dst[-3] = l; }  // empty: -inf, 0
+#pragma unroll
+        for (int n = 0; n < NV; ++n) {
+            const int d = 8 * n + 2 * tig;  // d < hd, hd % 4 == 0: d + 1 < hd
+            if (d >= hd) continue;
+            float2 v = make_float2(o[n][2 * half] * P_UNSCALE, o[n][2 * half + 1] * P_UNSCALE);
+            if (splits == 1) { v.x = v.x / l; v.y = v.y / l; }
+            *reinterpret_cast<float2*>(dst + d) = v;
+        }
+    }
+    if (splits == 1) return;
+    __shared__ int s_last;
+    if (!arrive_last(counters + ((size_t)row * KV + kvh) * parts + hpart, splits, &s_last)) return;
+    const int d4 = 4 * lane;                // chunk c holds dimensions d4 + 128 c .. + 3
+    for (int r = 0; r < heads; ++r) {       // lane s holds split s's max and sum
+        const float* ph = part + ((size_t)row * H + head0 + r) * splits * rec;
+        const float ms = lane < splits ? __ldcg(ph + (size_t)lane * rec) : NEG_INF;
+        const float ls = lane < splits ? __ldcg(ph + (size_t)lane * rec + 1) : 0.f;
+        float4 v[ROWS_MAX_SPLITS][NCH];     // every split's chunks in flight at once
+#pragma unroll
+        for (int t = 0; t < ROWS_MAX_SPLITS; ++t)
 #pragma unroll
             for (int ch = 0; ch < NCH; ++ch) {
                 const int d = d4 + 128 * ch;
-                if (d < hd) {
-                    const float4 vv = from_kv4(*reinterpret_cast<const uint2*>(vt + r * hd + d));
-                    acc[ch][0] = fmaf(w, vv.x, acc[ch][0]); acc[ch][1] = fmaf(w, vv.y, acc[ch][1]);
-                    acc[ch][2] = fmaf(w, vv.z, acc[ch][2]); acc[ch][3] = fmaf(w, vv.w, acc[ch][3]);
-                }
+                v[t][ch] = t < splits && d < hd ? __ldcg(reinterpret_cast<const float4*>(ph + (size_t)t * rec + 4 + d))
+                                                : make_float4(0.f, 0.f, 0.f, 0.f);
             }
-        }
-        __syncthreads();                    // every warp is done with buffer t & 1 before page t + 2 lands in it
-    }
-    const int head = kvh * G + g0 + warp;
-    float* o = out + (size_t)row * H * hd + (size_t)head * hd + d4;
-    if (splits == 1) {
-        if (warp < heads) {
-#pragma unroll
-            for (int ch = 0; ch < NCH; ++ch)
-                if (d4 + 128 * ch < hd) {
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) o[128 * ch + c] = acc[ch][c] / l;
-                }
-        }
-        return;
-    }
-    const int rec = hd + 4;                 // a split's record: max, sum, 2 spare, acc[hd] (16-byte aligned)
-    float* ph = part + ((size_t)row * H + head) * splits * rec;  // this head's splits
-    if (warp < heads) {
-        float* pp = ph + (size_t)split * rec;
-        if (lane == 0) { pp[0] = mx; pp[1] = l; }  // an empty split: max -inf, sum 0
-#pragma unroll
-        for (int ch = 0; ch < NCH; ++ch)
-            if (d4 + 128 * ch < hd)
-                *reinterpret_cast<float4*>(pp + 4 + d4 + 128 * ch) =
-                    make_float4(acc[ch][0], acc[ch][1], acc[ch][2], acc[ch][3]);
-    }
-    __shared__ int s_last;
-    if (!arrive_last(counters + ((size_t)row * KV + kvh) * parts + hpart, splits, &s_last)) return;
-    if (warp < heads) {                     // lane s holds split s's max and sum (splits <= 32)
-        const float ms = lane < splits ? __ldcg(ph + (size_t)lane * rec) : NEG_INF;
-        const float ls = lane < splits ? __ldcg(ph + (size_t)lane * rec + 1) : 0.f;
         const float gm = warp_max(ms);
         const float ws = ls > 0.f ? expf(ms - gm) : 0.f;
         float gl = 0.f, a[NCH][4] = {};
-        for (int t = 0; t < splits; ++t) {  // in split order
+#pragma unroll
+        for (int t = 0; t < ROWS_MAX_SPLITS; ++t) {  // in split order
+            if (t >= splits) break;
             const float w = __shfl_sync(FULL, ws, t);
             gl += __shfl_sync(FULL, ls, t) * w;
 #pragma unroll
             for (int ch = 0; ch < NCH; ++ch) {
-                const int d = d4 + 128 * ch;
-                if (d < hd) {
-                    const float4 v = __ldcg(reinterpret_cast<const float4*>(ph + (size_t)t * rec + 4 + d));
-                    a[ch][0] += v.x * w; a[ch][1] += v.y * w; a[ch][2] += v.z * w; a[ch][3] += v.w * w;
-                }
+                a[ch][0] += v[t][ch].x * w; a[ch][1] += v[t][ch].y * w; a[ch][2] += v[t][ch].z * w;
+                a[ch][3] += v[t][ch].w * w;
             }
         }
+        float* dst = out + ((size_t)row * H + head0 + r) * hd + d4;
 #pragma unroll
         for (int ch = 0; ch < NCH; ++ch)
-            if (d4 + 128 * ch < hd) {
-#pragma unroll
-                for (int c = 0; c < 4; ++c) o[128 * ch + c] = a[ch][c] / gl;
-            }
+            if (d4 + 128 * ch < hd)
+                *reinterpret_cast<float4*>(dst + 128 * ch) =
+                    make_float4(a[ch][0] / gl, a[ch][1] / gl, a[ch][2] / gl, a[ch][3] / gl);
     }
-    if (threadIdx.x == 0) counters[((size_t)row * KV + kvh) * parts + hpart] = 0;
+    if (lane == 0) counters[((size_t)row * KV + kvh) * parts + hpart] = 0;
 }
 
 // ------------------------------------------------------------------------------------------------------

@@ -111,6 +111,19 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
+// ldmatrix: four 8x8 matrices of 16-bit elements, lane l giving the shared address of row l % 8 of matrix l / 8;
+// register i gets matrix i, lane t holding row t / 4, elements 2 (t % 4) and 2 (t % 4) + 1 (.trans: column t / 4,
+// rows 2 (t % 4) and 2 (t % 4) + 1), the fragment layout of mma.sync's operands.
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
 // Thread block clusters (sm_90): the K splits of a GEMV tile (plan.cluster_split) or of a decode batch's GEMM
 // tile (gemm.mma_splits) launched as one cluster add their partial sums through distributed shared memory, on
 // chip, instead of through L2; KESTREL_CUDA_CLUSTER=0 turns them off. No-ops below sm_90, where no cluster is

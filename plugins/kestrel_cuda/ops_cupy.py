@@ -19,7 +19,8 @@ from kestrel_cuda.forward_launch import ptr_arg as _ptr
 from kestrel_cuda.kernels import FORWARD_SOURCES, OPTIONS, source_text
 from kestrel_cuda.layout import Geometry
 from kestrel_cuda.plan import (
-    ATTN_ROWS_WARPS,
+    ATTN_ROWS_HEAD_DIMS,
+    ATTN_ROWS_HEADS,
     ATTN_SPLITS,
     FINISH_COLS,
     KV_BLOCK,
@@ -31,12 +32,13 @@ from kestrel_cuda.plan import (
     TILE_N,
     Lin,
     QkvRope,
+    attn_rows_instance,
+    attn_rows_per_sm,
     attn_rows_splits,
     check_expert_table,
     tagged_merge,
 )
 
-ATTN_ROWS_HEAD_DIMS = (128, 64, 256, 0)  # attn_rows instances: head_dim known at compile time, 0 any other
 ATTN_DECODE_LANE_DIMS = (4, 8)  # attn_decode instances: a lane's dimensions (head_dim <= 128, <= 256)
 # (bits, G, MR): qgemv with MR rows per block: M = 1 (MR = 1) and, without a tiled GEMM, M > 1 (MR = 8)
 GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
@@ -99,8 +101,8 @@ class CupyOps:
         self._gemv = {v: mod.get_function("qgemv<{},{},{}>".format(*v)) for v in GEMV_VARIANTS}
         self._attn_decode = {j: mod.get_function(f"attn_decode<{ATTN_SPLITS}, {j}>") for j in ATTN_DECODE_LANE_DIMS}
         self._attn_rows = {hd: mod.get_function(f"attn_rows<{hd}>") for hd in ATTN_ROWS_HEAD_DIMS}
-        for fn in self._attn_rows.values():
-            fn.max_dynamic_shared_size_bytes = _attn_rows_smem(MAX_HEAD_DIM, ATTN_ROWS_WARPS)
+        for hdp, fn in self._attn_rows.items():
+            fn.max_dynamic_shared_size_bytes = _attn_rows_smem(hdp, ATTN_ROWS_HEADS)
         self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
         self._fn = {name: mod.get_function(name) for name in KERNELS}
         self._fn["attn_prefill"].max_dynamic_shared_size_bytes = _attn_prefill_smem(MAX_HEAD_DIM)
@@ -426,14 +428,13 @@ class CupyOps:
         kv_heads, cap = kc.shape[0], kc.shape[1]
         if rows is not None:
             group = heads // kv_heads
-            warps = min(group, ATTN_ROWS_WARPS)
-            parts = -(-group // warps)
-            smem = _attn_rows_smem(hd, warps)
-            splits = attn_rows_splits(kv_heads * m * parts, self.sm_count * (self.sm_smem // (smem + 1024)))
+            parts = -(-group // ATTN_ROWS_HEADS)
+            hdp = attn_rows_instance(hd)
+            smem = _attn_rows_smem(hdp, min(group, ATTN_ROWS_HEADS))
+            splits = attn_rows_splits(kv_heads * m * parts, self.sm_count * attn_rows_per_sm(smem, self.sm_smem))
             if splits > 1:
                 self._grow_attn_scratch(m * heads * splits * (hd + 4), m * kv_heads * parts)
-            fn = self._attn_rows.get(hd, self._attn_rows[0])
-            self.launch(fn, (kv_heads, m, parts * splits), (32 * warps,),
+            self.launch(self._attn_rows[hdp], (kv_heads, m, parts * splits), (32,),
                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                          np.float32(scale), _ptr(rows), _ptr(tables), _i32(tables.shape[1]), _ptr(out),
                          _i32(splits), _ptr(self.attn_part), _ptr(self.attn_counters), _i32(window)),
@@ -472,10 +473,10 @@ def _attn_prefill_smem(hd: int) -> int:
     return (32 * (hd + 4) + 32 * hd + 16 * hd) * 4
 
 
-def _attn_rows_smem(hd: int, warps: int) -> int:
-    """attn_rows' dynamic shared memory: two pages of float16 keys (rows padded by 4) and values, a float32
-    query per warp."""
-    return 2 * KV_BLOCK * (2 * hd + 4) * 2 + warps * hd * 4
+def _attn_rows_smem(hdp: int, heads: int) -> int:
+    """attn_rows' dynamic shared memory (instance ``hdp``, ``heads`` query heads a block): the query as two
+    float16 terms, two pages of float16 keys and values, rows padded by 8."""
+    return (2 * heads + 4 * KV_BLOCK) * (hdp + 8) * 2
 
 
 def _rope_args(r: QkvRope | None) -> tuple[Any, ...]:

@@ -23,7 +23,9 @@ CHUNK_BLOCKS_PER_SM = 4  # qgemv's resident blocks per SM at M = 1 (__launch_bou
 TARGET_BLOCKS_PER_SM = 8  # GEMV blocks per SM the K-split planner aims for: measured fastest on the H200
 ONE_WAVE_SPLITS = 16  # a projection whose one wave of blocks gives each tile this many K splits runs one wave
 ATTN_SPLITS = 16  # position splits of decode attention (attn_decode<NS>): 16 measured faster than 32
-ATTN_ROWS_WARPS = 8  # query heads of one KV head that one attn_rows block takes, at most (a warp each)
+ATTN_ROWS_HEADS = 16  # query heads of one KV head that one attn_rows block (a warp) takes: its m16 tiles' rows
+ATTN_ROWS_HEAD_DIMS = (16, 32, 64, 128, 256)  # attn_rows instances: a head_dim runs in the smallest holding it
+BLOCKS_PER_SM_MAX = 32  # resident blocks of one multiprocessor, at most (sm_80 and later)
 ATTN_ROWS_MAX_SPLITS = 8
 MAX_HEAD_DIM = 256  # attention and qkv_rope keep hd/32 (<= 8) values a lane
 PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL, PRO_GELU_MUL = 0, 1, 2, 3  # prologues (gemv.cu, rows.cu)
@@ -210,6 +212,17 @@ def attn_rows_splits(blocks: int, slots: int) -> int:
         n = blocks * s
         return n / (-(-n // slots) * slots)
     return max(range(1, ATTN_ROWS_MAX_SPLITS + 1), key=lambda s: (round(fill(s), 3), -s))
+
+
+def attn_rows_instance(hd: int) -> int:
+    """The attn_rows instance that runs head_dim ``hd`` (<= MAX_HEAD_DIM): its dimensions past hd are zero."""
+    return next(h for h in ATTN_ROWS_HEAD_DIMS if h >= hd)
+
+
+def attn_rows_per_sm(smem: int, sm_smem: int) -> int:
+    """attn_rows blocks one multiprocessor holds at once: its shared memory (1 KiB a block is the driver's)
+    and the resident-block limit decide."""
+    return min(BLOCKS_PER_SM_MAX, sm_smem // (smem + 1024))
 
 
 def attn_part_size(heads: int, hd: int) -> int:

@@ -80,31 +80,43 @@ def test_the_cuda_backend_serves_concurrent_requests_in_batches(quant: str) -> N
         assert greedy_agrees(tokens, model, np.array(p), tol) == [], (p, tokens)
 
 
-@pytest.mark.parametrize("heads,kv_heads,hd,copies", [(32, 8, 128, 1), (32, 8, 128, 16), (24, 2, 64, 1),
-                                                      (4, 4, 32, 1), (8, 4, 256, 1), (16, 8, 256, 8)])
-def test_attn_rows_is_the_mirrors_attention(heads: int, kv_heads: int, hd: int, copies: int, stream) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("heads,kv_heads,hd,copies,scale_q", [
+    (32, 8, 128, 1, 1.0), (32, 8, 128, 16, 1.0), (24, 2, 64, 1, 1.0), (48, 2, 64, 1, 1.0), (4, 4, 32, 1, 1.0),
+    (8, 4, 256, 1, 1.0), (16, 8, 256, 8, 1.0), (8, 2, 96, 1, 1.0), (8, 2, 36, 1, 1.0), (4, 2, 16, 1, 1.0),
+    (32, 8, 128, 1, 2e5)])
+def test_attn_rows_is_the_mirrors_attention(heads: int, kv_heads: int, hd: int, copies: int, scale_q: float,
+                                            stream) -> None:  # type: ignore[no-untyped-def]
     """attn_rows over a paged pool of float16 keys and values (pages scattered, lengths ending inside and at the
-    end of a page, one row a page long, a group of 12 query heads split over two blocks; split over positions,
-    with empty splits, and with enough rows for none) against the numpy mirror's softmax."""
+    end of a page, one row a page long; groups of 1 to 24 query heads, 24 over two blocks; head_dims that fill
+    their instance and ones padded into it, 36 with 8-byte copies; split over positions, with empty splits, and
+    with enough rows for none; queries past float16's range) against the numpy mirror's softmax, within float32
+    rounding: the float16 tensor-core products carry the query and the probabilities as two terms each."""
     from kestrel_cuda.ops_cupy import CupyOps, _attn_rows_smem
     from kestrel_cuda.ops_numpy import NumpyOps
-    from kestrel_cuda.plan import KV_BLOCK, KV_DTYPE, attn_rows_splits
+    from kestrel_cuda.plan import (
+        ATTN_ROWS_HEADS,
+        KV_BLOCK,
+        KV_DTYPE,
+        attn_rows_instance,
+        attn_rows_per_sm,
+        attn_rows_splits,
+    )
 
     rng = np.random.default_rng([heads, kv_heads, hd])
     blocks, width = 40, 8
     positions = [0, 31, 32, 100, 255, 17] * copies  # each row sees keys 0..position
     group = heads // kv_heads
     ops = CupyOps(stream)
-    smem = _attn_rows_smem(hd, min(group, 8))
-    splits = attn_rows_splits(kv_heads * len(positions) * -(-group // min(group, 8)),
-                              ops.sm_count * (ops.sm_smem // (smem + 1024)))
+    smem = _attn_rows_smem(attn_rows_instance(hd), min(group, ATTN_ROWS_HEADS))
+    splits = attn_rows_splits(kv_heads * len(positions) * -(-group // ATTN_ROWS_HEADS),
+                              ops.sm_count * attn_rows_per_sm(smem, ops.sm_smem))
     assert (splits == 1) == (copies > 1)
     tables = np.stack([rng.permutation(blocks)[:width] for _ in positions]).astype(np.int32)
     tables = np.concatenate([tables, np.zeros((1, width), np.int32)])  # the padding rows' table
     rows = np.array([[p, i] for i, p in enumerate(positions)], np.int32)
     kc = rng.standard_normal((kv_heads, (blocks + 1) * KV_BLOCK, hd)).astype(KV_DTYPE)
     vc = rng.standard_normal(kc.shape).astype(KV_DTYPE)
-    q = rng.standard_normal((len(positions), heads * hd)).astype(np.float32)
+    q = (rng.standard_normal((len(positions), heads * hd)) * scale_q).astype(np.float32)
     scale = float(np.float32(hd ** -0.5))
     want = np.zeros_like(q)
     NumpyOps().attention(q, kc, vc, heads, hd, scale, np.zeros(1, np.int32), want, rows, tables)

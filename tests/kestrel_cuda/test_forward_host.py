@@ -324,6 +324,16 @@ def test_the_routers_constants_are_moe_cus() -> None:
     assert define["ROUTE_MAX_EXPERTS"] == "NT" and int(define["NT"]) == plan.ROUTE_MAX_EXPERTS
 
 
+def test_the_attn_rows_constants_are_attention_cus() -> None:
+    """plan.ATTN_ROWS_HEADS (the launch's parts of a group), ATTN_ROWS_MAX_SPLITS (the planner's cap) and
+    KV_BLOCK (a staged page) are attention.cu's."""
+    text = kernels.source_text(kernels.FORWARD_SOURCES)
+    define = {name: value for name, value in re.findall(r"#define (\w+) (\w+)", text)}
+    assert int(define["ROWS_HEADS"]) == plan.ATTN_ROWS_HEADS
+    assert int(define["ROWS_MAX_SPLITS"]) == plan.ATTN_ROWS_MAX_SPLITS
+    assert int(define["PT"]) == plan.KV_BLOCK
+
+
 def test_common_cuh_transpose4x4_transposes_a_4x4_byte_block() -> None:
     calls = _transpose4x4_from_source()
     assert len(calls) == 8
@@ -365,6 +375,21 @@ def test_attn_rows_splits_fill_whole_waves() -> None:
     assert plan.attn_rows_splits(512, 396) == 3
     assert plan.attn_rows_splits(384, 396) == 1
     assert plan.attn_rows_splits(16, 396) == plan.ATTN_ROWS_MAX_SPLITS
+
+
+def test_attn_rows_instances_and_residency() -> None:
+    """A head_dim runs in the smallest power-of-two instance holding it; the H200's 228 KiB hold 6 blocks of
+    qwen3-8b's (hd 128, 4 heads: 37,000 bytes), 3 of hd 256, and never more than 32."""
+    from kestrel_cuda.ops_cupy import _attn_rows_smem
+
+    assert [plan.attn_rows_instance(hd) for hd in (16, 32, 36, 64, 96, 128, 200, 256)] == [
+        16, 32, 64, 64, 128, 128, 256, 256]
+    with pytest.raises(StopIteration):
+        plan.attn_rows_instance(plan.MAX_HEAD_DIM + 4)
+    assert _attn_rows_smem(128, 4) == 36_992
+    assert plan.attn_rows_per_sm(_attn_rows_smem(128, 4), 233_472) == 6
+    assert plan.attn_rows_per_sm(_attn_rows_smem(256, 2), 233_472) == 3
+    assert plan.attn_rows_per_sm(_attn_rows_smem(16, 1), 233_472) == plan.BLOCKS_PER_SM_MAX
 
 
 def test_plan_ksplit_fills_the_gpu_without_exceeding_chunks() -> None:
