@@ -156,12 +156,13 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 // ------------------------------------------------------------------------------------------------------
 // Batched decode attention over the paged pool, on the tensor cores: row blockIdx.y, at position rows[2y], sees
 // keys 0..rows[2y] (or the last ``window`` of them) of the sequence whose page table is tables[rows[2y + 1]]
-// (rope.cuh kv_slot). blockIdx.z = part + parts * split. One warp a block takes query heads part * 16 .. + 15
-// of the G = H / KV heads of KV head blockIdx.x, the 16 rows of its m16 tiles (rows past them repeat head 0 and
-// are dropped), over its split's share of the row's pages (``splits`` of them: enough blocks when the batch is
+// (rope.cuh kv_slot). blockIdx.z = part + parts * split. A block takes query heads part * 16 .. + 15 of the
+// G = H / KV heads of KV head blockIdx.x, the 16 rows of its m16 tiles (rows past them repeat head 0 and are
+// dropped), over its split's share of the row's pages (``splits`` of them: enough blocks when the batch is
 // small). It stages page after page (KV_BLOCK == PT contiguous positions) in shared memory, two buffers of
-// cp.async, so each key and value is read from memory once for all the heads. Per page: scores S = Q K^T as
-// m16n8k16 float16 products with float32 sums, an online softmax in float32, O += P V likewise.
+// cp.async, so each key and value is read from memory once for all the heads; each of its two warps takes 16
+// positions of a page: scores S = Q K^T as m16n8k16 float16 products with float32 sums, an online softmax in
+// float32, O += P V likewise; at the end warp 1's state joins warp 0's through shared memory.
 // The float16 operands keep float32's accuracy: the scaled query and the probabilities go in as two float16
 // terms each, hi = f16(x) and lo = f16(x - hi) (keys and values are float16 already), so each product is exact
 // and only the float32 sums round (in another order than the CPU's). The query is multiplied by a power of two
@@ -173,6 +174,7 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 // are zero). Dynamic shared memory (float16): q [2][heads][HDP + 8] (hi, lo), then keys and values
 // [2 buffers][PT][HDP + 8] each: rows padded by 16 bytes, so the 8 rows one ldmatrix phase reads hit 8 bank groups.
 #define ROWS_HEADS 16          // query heads of one attn_rows block (plan.ATTN_ROWS_HEADS)
+#define ROWS_WARPS 2           // warps of one attn_rows block, each on 16 positions of a page (plan.ATTN_ROWS_WARPS)
 #define ROWS_MAX_SPLITS 8      // position splits of attn_rows, at most (plan.ATTN_ROWS_MAX_SPLITS)
 #define P_SCALE 4096.f
 #define P_UNSCALE (1.f / 4096.f)
@@ -190,6 +192,13 @@ __device__ __forceinline__ void split_f16x2(float x0, float x1, u32& hi, u32& lo
     lo = pack_f16x2(x0 - from_kv((kv_t)(hi & 0xffffu)), x1 - from_kv((kv_t)(hi >> 16)));
 }
 
+// e^x as the special-function unit's 2^(x log2 e): relative error about 2^-22, far inside the comparison bands
+__device__ __forceinline__ float fexp(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+}
+
 // d += a * b: m16n8k16, float16 operands, float32 sums
 __device__ __forceinline__ void mma_f16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -198,7 +207,7 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const u32 (&a)[4], u32 b0
 }
 
 template <int HDP>
-__global__ void __launch_bounds__(32) attn_rows(
+__global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
     const float* __restrict__ q, const kv_t* __restrict__ kc, const kv_t* __restrict__ vc, int cap, int H,
     int KV, int hd, float scale, const int* __restrict__ rows, const int* __restrict__ tables, int tb,
     float* __restrict__ out, int splits, float* __restrict__ part, int* __restrict__ counters, int window)
@@ -208,7 +217,7 @@ __global__ void __launch_bounds__(32) attn_rows(
     grid_dep_launch();
     grid_dep_wait();
     extern __shared__ __align__(16) kv_t smem_h[];
-    const int lane = threadIdx.x, gid = lane >> 2, tig = lane & 3;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
     const int G = H / KV, kvh = blockIdx.x, row = blockIdx.y;
     const int parts = (G + ROWS_HEADS - 1) / ROWS_HEADS, hpart = blockIdx.z % parts, split = blockIdx.z / parts;
     const int g0 = hpart * ROWS_HEADS, heads = min(ROWS_HEADS, G - g0), head0 = kvh * G + g0;
@@ -224,9 +233,10 @@ __global__ void __launch_bounds__(32) attn_rows(
     const int per = ((len + PT - 1) / PT - p0 + splits - 1) / splits;  // pages of a split
     const int pb = p0 + split * per, pages = min((len + PT - 1) / PT, pb + per);
     // a page's copy: chunks of 8 dimensions (16 bytes; 4 dimensions, 8 bytes, where hd % 8 != 0), chunk i of
-    // a lane being lane + 32 i of the page's, row-major
+    // a thread being tid + 64 i of the page's, row-major
+    constexpr int NTH = 32 * ROWS_WARPS;
     const int cw = (hd & 7) == 0 ? 8 : 4, cpr = hd / cw;
-    const int r0 = lane / cpr, c0 = lane - r0 * cpr, dr = 32 / cpr, dc = 32 - dr * cpr;
+    const int r0 = tid / cpr, c0 = tid - r0 * cpr, dr = NTH / cpr, dc = NTH - dr * cpr;
     auto load = [&](int t, int buf) {       // page t, zero-filled past len
         const size_t base = (size_t)kv_slot(table, t * PT) * hd;
         const int live = len - t * PT;
@@ -246,10 +256,11 @@ __global__ void __launch_bounds__(32) attn_rows(
             if (c >= cpr) { c -= cpr; ++r; }
         }
     };
-    // ldmatrix rows of this lane: the query's (A), the keys' of n8 tiles j, j + 1 (B), the values' (B, .trans)
+    // ldmatrix rows of this lane: the query's (A), the keys' of the warp's two n8 tiles (B), the values' (B,
+    // .trans); warp w takes positions 16 w .. 16 w + 15 of each page
     const u32 qa = smem_u32(qs + ((lane & 15) < heads ? lane & 15 : 0) * LD + ((lane >> 4) << 3));
-    const int krow = ((lane >> 4) << 3) + (lane & 7), kcol = ((lane >> 3) & 1) << 3;
-    const int vrow = (lane & 7) + (((lane >> 3) & 1) << 3), vcol = (lane >> 4) << 3;
+    const int krow = 16 * warp + ((lane >> 4) << 3) + (lane & 7), kcol = ((lane >> 3) & 1) << 3;
+    const int vrow = 16 * warp + (lane & 7) + (((lane >> 3) & 1) << 3), vcol = (lane >> 4) << 3;
 
     float o[NV][4];
 #pragma unroll
@@ -258,7 +269,8 @@ __global__ void __launch_bounds__(32) attn_rows(
     if (pb < pages) load(pb, 0);
     cp_async_commit();
     // the query, scaled, as float16 hi and lo terms (dimensions hd..HDP zero), while the first page arrives:
-    // float4 loads, four a lane in flight; multiplied by 2^-sh (sh > 0 only past float16's range: a second pass)
+    // float4 loads, four a lane in flight; multiplied by 2^-sh (sh > 0 only past float16's range: a second pass).
+    // Each warp stages all of it (the same values), so each knows sh without a barrier.
     const float4* qr = reinterpret_cast<const float4*>(q + (size_t)row * H * hd + (size_t)head0 * hd);
     const int nq4 = heads * hd / 4, hd4 = hd / 4;
     auto stage_q = [&](float qmul) -> float {
@@ -299,38 +311,36 @@ __global__ void __launch_bounds__(32) attn_rows(
         if (t + 1 < pages) load(t + 1, (t + 1 - pb) & 1);
         cp_async_commit();
         cp_async_wait<1>();
-        __syncwarp();                       // page t, and the query at the first, visible to every lane
+        __syncthreads();                    // page t, and the query at the first, visible to every thread
         const int buf = (t - pb) & 1;
         const u32 kt = smem_u32(ks + buf * PT * LD), vt = smem_u32(vs + buf * PT * LD);
-        float s[4][4] = {};                 // n8 tile j: rows gid, gid + 8 x positions 8 j + 2 tig, + 1
+        float s[2][4] = {}, sl[2][4] = {};  // n8 tile j: rows gid, gid + 8 x positions 16 w + 8 j + 2 tig, + 1
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-            u32 ah[4], al[4], b01[4], b23[4];
+        for (int kk = 0; kk < KS; ++kk) {   // the hi and lo terms in two chains of sums, added at the end
+            u32 ah[4], al[4], b[4];
             ldmatrix_x4(ah, qa + 32 * kk);
             ldmatrix_x4(al, qa + 32 * kk + 2 * heads * LD);
-            ldmatrix_x4(b01, kt + 2 * (krow * LD + 16 * kk + kcol));
-            ldmatrix_x4(b23, kt + 2 * ((krow + 16) * LD + 16 * kk + kcol));
-            mma_f16(s[0], ah, b01[0], b01[1]); mma_f16(s[0], al, b01[0], b01[1]);
-            mma_f16(s[1], ah, b01[2], b01[3]); mma_f16(s[1], al, b01[2], b01[3]);
-            mma_f16(s[2], ah, b23[0], b23[1]); mma_f16(s[2], al, b23[0], b23[1]);
-            mma_f16(s[3], ah, b23[2], b23[3]); mma_f16(s[3], al, b23[2], b23[3]);
+            ldmatrix_x4(b, kt + 2 * (krow * LD + 16 * kk + kcol));
+            mma_f16(s[0], ah, b[0], b[1]); mma_f16(sl[0], al, b[0], b[1]);
+            mma_f16(s[1], ah, b[2], b[3]); mma_f16(sl[1], al, b[2], b[3]);
         }
         float m0 = NEG_INF, m1 = NEG_INF;
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < 2; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int p = t * PT + 8 * j + 2 * tig + (e & 1);
-                s[j][e] = p >= lo && p < len ? s[j][e] * smul : NEG_INF;
+                const int p = t * PT + 16 * warp + 8 * j + 2 * tig + (e & 1);
+                s[j][e] = p >= lo && p < len ? (s[j][e] + sl[j][e]) * smul : NEG_INF;
                 if (e < 2) m0 = fmaxf(m0, s[j][e]); else m1 = fmaxf(m1, s[j][e]);
             }
         m0 = fmaxf(m0, __shfl_xor_sync(FULL, m0, 1));
         m0 = fmaxf(m0, __shfl_xor_sync(FULL, m0, 2));
         m1 = fmaxf(m1, __shfl_xor_sync(FULL, m1, 1));
         m1 = fmaxf(m1, __shfl_xor_sync(FULL, m1, 2));
-        // every page from p0 on holds a visible position, so the new maxima are finite
+        // a warp's half of a page may hold no visible position: z, the maximum or 0, keeps exp(-inf - z) at 0
         const float n0 = fmaxf(mx0, m0), n1 = fmaxf(mx1, m1);
-        const float cr0 = expf(mx0 - n0), cr1 = expf(mx1 - n1);
+        const float z0 = n0 == NEG_INF ? 0.f : n0, z1 = n1 == NEG_INF ? 0.f : n1;
+        const float cr0 = fexp(mx0 - z0), cr1 = fexp(mx1 - z1);
         mx0 = n0;
         mx1 = n1;
         l0 *= cr0;
@@ -339,37 +349,65 @@ __global__ void __launch_bounds__(32) attn_rows(
 #pragma unroll
             for (int n = 0; n < NV; ++n) { o[n][0] *= cr0; o[n][1] *= cr0; o[n][2] *= cr1; o[n][3] *= cr1; }
         }
-        u32 ph[2][4], pl[2][4];             // P as the A operand of positions 0..15 and 16..31
+        u32 ph[4], pl[4];                   // P as the A operand of the warp's 16 positions
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const float e0 = expf(s[j][0] - n0), e1 = expf(s[j][1] - n0);
-            const float e2 = expf(s[j][2] - n1), e3 = expf(s[j][3] - n1);
+        for (int j = 0; j < 2; ++j) {
+            const float e0 = fexp(s[j][0] - z0), e1 = fexp(s[j][1] - z0);
+            const float e2 = fexp(s[j][2] - z1), e3 = fexp(s[j][3] - z1);
             l0 += e0 + e1;
             l1 += e2 + e3;
-            split_f16x2(e0 * P_SCALE, e1 * P_SCALE, ph[j >> 1][2 * (j & 1)], pl[j >> 1][2 * (j & 1)]);
-            split_f16x2(e2 * P_SCALE, e3 * P_SCALE, ph[j >> 1][2 * (j & 1) + 1], pl[j >> 1][2 * (j & 1) + 1]);
+            split_f16x2(e0 * P_SCALE, e1 * P_SCALE, ph[2 * j], pl[2 * j]);
+            split_f16x2(e2 * P_SCALE, e3 * P_SCALE, ph[2 * j + 1], pl[2 * j + 1]);
         }
 #pragma unroll
-        for (int kp = 0; kp < 2; ++kp)
-#pragma unroll
-            for (int n = 0; n < NV; n += 2) {
-                u32 b[4];
-                ldmatrix_x4_trans(b, vt + 2 * ((16 * kp + vrow) * LD + 8 * n + vcol));
-                mma_f16(o[n], ph[kp], b[0], b[1]); mma_f16(o[n], pl[kp], b[0], b[1]);
-                mma_f16(o[n + 1], ph[kp], b[2], b[3]); mma_f16(o[n + 1], pl[kp], b[2], b[3]);
-            }
-        __syncwarp();                       // every lane is done with buffer buf before page t + 2 lands in it
+        for (int n = 0; n < NV; n += 2) {
+            u32 b[4];
+            ldmatrix_x4_trans(b, vt + 2 * (vrow * LD + 8 * n + vcol));
+            mma_f16(o[n], ph, b[0], b[1]); mma_f16(o[n], pl, b[0], b[1]);
+            mma_f16(o[n + 1], ph, b[2], b[3]); mma_f16(o[n + 1], pl, b[2], b[3]);
+        }
+        __syncthreads();                    // every warp is done with buffer buf before page t + 2 lands in it
     }
     cp_async_wait<0>();
     l0 += __shfl_xor_sync(FULL, l0, 1);
     l0 += __shfl_xor_sync(FULL, l0, 2);
     l1 += __shfl_xor_sync(FULL, l1, 1);
     l1 += __shfl_xor_sync(FULL, l1, 2);
+    {   // warp 1's (max, sum, acc) into warp 0's, lane by lane: both hold the same fragments of their rows
+        float* xs = reinterpret_cast<float*>(ks);  // [NV * 4 + 4][32]: the staged pages are done with
+        __syncthreads();
+        if (warp == 1) {
+#pragma unroll
+            for (int n = 0; n < NV; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) xs[(4 * n + e) * 32 + lane] = o[n][e];
+            xs[(4 * NV) * 32 + lane] = mx0; xs[(4 * NV + 1) * 32 + lane] = mx1;
+            xs[(4 * NV + 2) * 32 + lane] = l0; xs[(4 * NV + 3) * 32 + lane] = l1;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            const float mb0 = xs[(4 * NV) * 32 + lane], mb1 = xs[(4 * NV + 1) * 32 + lane];
+            const float m0 = fmaxf(mx0, mb0), m1 = fmaxf(mx1, mb1);
+            const float z0 = m0 == NEG_INF ? 0.f : m0, z1 = m1 == NEG_INF ? 0.f : m1;  // an empty split
+            const float wa0 = expf(mx0 - z0), wb0 = expf(mb0 - z0), wa1 = expf(mx1 - z1), wb1 = expf(mb1 - z1);
+            l0 = l0 * wa0 + xs[(4 * NV + 2) * 32 + lane] * wb0;
+            l1 = l1 * wa1 + xs[(4 * NV + 3) * 32 + lane] * wb1;
+            mx0 = m0;
+            mx1 = m1;
+#pragma unroll
+            for (int n = 0; n < NV; ++n) {
+                o[n][0] = o[n][0] * wa0 + xs[(4 * n) * 32 + lane] * wb0;
+                o[n][1] = o[n][1] * wa0 + xs[(4 * n + 1) * 32 + lane] * wb0;
+                o[n][2] = o[n][2] * wa1 + xs[(4 * n + 2) * 32 + lane] * wb1;
+                o[n][3] = o[n][3] * wa1 + xs[(4 * n + 3) * 32 + lane] * wb1;
+            }
+        }
+    }
     const int rec = hd + 4;                 // a split's record: max, sum, 2 spare, acc[hd] (16-byte aligned)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {  // rows gid, gid + 8
         const int r = gid + 8 * half;
-        if (r >= heads) continue;
+        if (warp > 0 || r >= heads) continue;
         const float l = half ? l1 : l0;
         float* dst = splits == 1 ? out + ((size_t)row * H + head0 + r) * hd
                                  : part + (((size_t)row * H + head0 + r) * splits + split) * rec + 4;
@@ -387,7 +425,7 @@ __global__ void __launch_bounds__(32) attn_rows(
     __shared__ int s_last;
     if (!arrive_last(counters + ((size_t)row * KV + kvh) * parts + hpart, splits, &s_last)) return;
     const int d4 = 4 * lane;                // chunk c holds dimensions d4 + 128 c .. + 3
-    for (int r = 0; r < heads; ++r) {       // lane s holds split s's max and sum
+    for (int r = 0; r < heads && warp == 0; ++r) {  // lane s holds split s's max and sum
         const float* ph = part + ((size_t)row * H + head0 + r) * splits * rec;
         const float ms = lane < splits ? __ldcg(ph + (size_t)lane * rec) : NEG_INF;
         const float ls = lane < splits ? __ldcg(ph + (size_t)lane * rec + 1) : 0.f;
@@ -421,7 +459,7 @@ __global__ void __launch_bounds__(32) attn_rows(
                 *reinterpret_cast<float4*>(dst + 128 * ch) =
                     make_float4(a[ch][0] / gl, a[ch][1] / gl, a[ch][2] / gl, a[ch][3] / gl);
     }
-    if (lane == 0) counters[((size_t)row * KV + kvh) * parts + hpart] = 0;
+    if (tid == 0) counters[((size_t)row * KV + kvh) * parts + hpart] = 0;
 }
 
 // ------------------------------------------------------------------------------------------------------

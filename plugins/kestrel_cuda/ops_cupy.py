@@ -21,6 +21,7 @@ from kestrel_cuda.layout import Geometry
 from kestrel_cuda.plan import (
     ATTN_ROWS_HEAD_DIMS,
     ATTN_ROWS_HEADS,
+    ATTN_ROWS_WARPS,
     ATTN_SPLITS,
     FINISH_COLS,
     KV_BLOCK,
@@ -103,6 +104,7 @@ class CupyOps:
         self._attn_rows = {hd: mod.get_function(f"attn_rows<{hd}>") for hd in ATTN_ROWS_HEAD_DIMS}
         for hdp, fn in self._attn_rows.items():
             fn.max_dynamic_shared_size_bytes = _attn_rows_smem(hdp, ATTN_ROWS_HEADS)
+        self._attn_rows_regs = {hdp: int(fn.attributes.get("num_regs", 0)) for hdp, fn in self._attn_rows.items()}
         self._quant = {g: mod.get_function(f"quantize_rows<{g}>") for g in (32, 256)}
         self._fn = {name: mod.get_function(name) for name in KERNELS}
         self._fn["attn_prefill"].max_dynamic_shared_size_bytes = _attn_prefill_smem(MAX_HEAD_DIM)
@@ -122,6 +124,7 @@ class CupyOps:
         self._captured = 0  # launches so far in the capture under way
         self.sm_count = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.sm_smem = cp.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"]  # 1 KB a block is the driver's
+        self.sm_regs = cp.cuda.Device().attributes["MaxRegistersPerMultiprocessor"]
         # scratch, sized by ``reserve``
         self.part = self.zeros(1, np.float32)  # split-K partials and counters of qgemv's counter merge
         self.counters = self.zeros(1, np.int32)
@@ -431,10 +434,11 @@ class CupyOps:
             parts = -(-group // ATTN_ROWS_HEADS)
             hdp = attn_rows_instance(hd)
             smem = _attn_rows_smem(hdp, min(group, ATTN_ROWS_HEADS))
-            splits = attn_rows_splits(kv_heads * m * parts, self.sm_count * attn_rows_per_sm(smem, self.sm_smem))
+            per_sm = attn_rows_per_sm(smem, self.sm_smem, self._attn_rows_regs[hdp], self.sm_regs)
+            splits = attn_rows_splits(kv_heads * m * parts, self.sm_count * per_sm)
             if splits > 1:
                 self._grow_attn_scratch(m * heads * splits * (hd + 4), m * kv_heads * parts)
-            self.launch(self._attn_rows[hdp], (kv_heads, m, parts * splits), (32,),
+            self.launch(self._attn_rows[hdp], (kv_heads, m, parts * splits), (32 * ATTN_ROWS_WARPS,),
                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                          np.float32(scale), _ptr(rows), _ptr(tables), _i32(tables.shape[1]), _ptr(out),
                          _i32(splits), _ptr(self.attn_part), _ptr(self.attn_counters), _i32(window)),

@@ -23,7 +23,8 @@ CHUNK_BLOCKS_PER_SM = 4  # qgemv's resident blocks per SM at M = 1 (__launch_bou
 TARGET_BLOCKS_PER_SM = 8  # GEMV blocks per SM the K-split planner aims for: measured fastest on the H200
 ONE_WAVE_SPLITS = 16  # a projection whose one wave of blocks gives each tile this many K splits runs one wave
 ATTN_SPLITS = 16  # position splits of decode attention (attn_decode<NS>): 16 measured faster than 32
-ATTN_ROWS_HEADS = 16  # query heads of one KV head that one attn_rows block (a warp) takes: its m16 tiles' rows
+ATTN_ROWS_HEADS = 16  # query heads of one KV head that one attn_rows block takes: its m16 tiles' rows
+ATTN_ROWS_WARPS = 2  # warps of an attn_rows block, each on 16 positions of every page
 ATTN_ROWS_HEAD_DIMS = (16, 32, 64, 128, 256)  # attn_rows instances: a head_dim runs in the smallest holding it
 BLOCKS_PER_SM_MAX = 32  # resident blocks of one multiprocessor, at most (sm_80 and later)
 ATTN_ROWS_MAX_SPLITS = 8
@@ -219,10 +220,12 @@ def attn_rows_instance(hd: int) -> int:
     return next(h for h in ATTN_ROWS_HEAD_DIMS if h >= hd)
 
 
-def attn_rows_per_sm(smem: int, sm_smem: int) -> int:
-    """attn_rows blocks one multiprocessor holds at once: its shared memory (1 KiB a block is the driver's)
-    and the resident-block limit decide."""
-    return min(BLOCKS_PER_SM_MAX, sm_smem // (smem + 1024))
+def attn_rows_per_sm(smem: int, sm_smem: int, regs: int = 0, sm_regs: int = 65536) -> int:
+    """attn_rows blocks one multiprocessor holds at once: its shared memory (1 KiB a block is the driver's),
+    its registers (``regs`` a thread, allocated 256 a warp at a time; 0: unknown, not counted) and the
+    resident-block limit decide."""
+    by_regs = sm_regs // (ATTN_ROWS_WARPS * -(-regs * 32 // 256) * 256) if regs else BLOCKS_PER_SM_MAX
+    return min(BLOCKS_PER_SM_MAX, sm_smem // (smem + 1024), by_regs)
 
 
 def attn_part_size(heads: int, hd: int) -> int:

@@ -108,8 +108,8 @@ def test_attn_rows_is_the_mirrors_attention(heads: int, kv_heads: int, hd: int, 
     group = heads // kv_heads
     ops = CupyOps(stream)
     smem = _attn_rows_smem(attn_rows_instance(hd), min(group, ATTN_ROWS_HEADS))
-    splits = attn_rows_splits(kv_heads * len(positions) * -(-group // ATTN_ROWS_HEADS),
-                              ops.sm_count * attn_rows_per_sm(smem, ops.sm_smem))
+    per_sm = attn_rows_per_sm(smem, ops.sm_smem, ops._attn_rows_regs[attn_rows_instance(hd)], ops.sm_regs)
+    splits = attn_rows_splits(kv_heads * len(positions) * -(-group // ATTN_ROWS_HEADS), ops.sm_count * per_sm)
     assert (splits == 1) == (copies > 1)
     tables = np.stack([rng.permutation(blocks)[:width] for _ in positions]).astype(np.int32)
     tables = np.concatenate([tables, np.zeros((1, width), np.int32)])  # the padding rows' table

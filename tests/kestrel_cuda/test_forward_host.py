@@ -325,11 +325,12 @@ def test_the_routers_constants_are_moe_cus() -> None:
 
 
 def test_the_attn_rows_constants_are_attention_cus() -> None:
-    """plan.ATTN_ROWS_HEADS (the launch's parts of a group), ATTN_ROWS_MAX_SPLITS (the planner's cap) and
-    KV_BLOCK (a staged page) are attention.cu's."""
+    """plan.ATTN_ROWS_HEADS (the launch's parts of a group), ATTN_ROWS_WARPS (its block), ATTN_ROWS_MAX_SPLITS
+    (the planner's cap) and KV_BLOCK (a staged page) are attention.cu's."""
     text = kernels.source_text(kernels.FORWARD_SOURCES)
     define = {name: value for name, value in re.findall(r"#define (\w+) (\w+)", text)}
     assert int(define["ROWS_HEADS"]) == plan.ATTN_ROWS_HEADS
+    assert int(define["ROWS_WARPS"]) == plan.ATTN_ROWS_WARPS
     assert int(define["ROWS_MAX_SPLITS"]) == plan.ATTN_ROWS_MAX_SPLITS
     assert int(define["PT"]) == plan.KV_BLOCK
 
@@ -379,7 +380,8 @@ def test_attn_rows_splits_fill_whole_waves() -> None:
 
 def test_attn_rows_instances_and_residency() -> None:
     """A head_dim runs in the smallest power-of-two instance holding it; the H200's 228 KiB hold 6 blocks of
-    qwen3-8b's (hd 128, 4 heads: 37,000 bytes), 3 of hd 256, and never more than 32."""
+    qwen3-8b's (hd 128, 4 heads: 37,000 bytes), 3 of hd 256, and never more than 32; 255 registers a thread
+    leave room for 4 in the 64 K registers."""
     from kestrel_cuda.ops_cupy import _attn_rows_smem
 
     assert [plan.attn_rows_instance(hd) for hd in (16, 32, 36, 64, 96, 128, 200, 256)] == [
@@ -390,6 +392,8 @@ def test_attn_rows_instances_and_residency() -> None:
     assert plan.attn_rows_per_sm(_attn_rows_smem(128, 4), 233_472) == 6
     assert plan.attn_rows_per_sm(_attn_rows_smem(256, 2), 233_472) == 3
     assert plan.attn_rows_per_sm(_attn_rows_smem(16, 1), 233_472) == plan.BLOCKS_PER_SM_MAX
+    assert plan.attn_rows_per_sm(_attn_rows_smem(128, 4), 233_472, regs=255) == 4  # 2 warps x 8,192
+    assert plan.attn_rows_per_sm(_attn_rows_smem(128, 4), 233_472, regs=168) == 6
 
 
 def test_plan_ksplit_fills_the_gpu_without_exceeding_chunks() -> None:
