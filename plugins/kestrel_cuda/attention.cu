@@ -213,6 +213,7 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
     float* __restrict__ out, int splits, float* __restrict__ part, int* __restrict__ counters, int window)
 {
     static_assert(HDP >= 16 && HDP <= 256 && (HDP & (HDP - 1)) == 0, "HDP: a power of two, 16..256");
+    static_assert(ROWS_WARPS == 2, "each warp takes 16 of a page's PT = 32 positions; warp 1 joins warp 0 at the end");
     constexpr int LD = HDP + 8, KS = HDP / 16, NV = HDP / 8;  // row stride, k16 steps of a score, n8 tiles of O
     grid_dep_launch();
     grid_dep_wait();
@@ -303,9 +304,9 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
     const int sh = ex >= 14 ? ex - 13 : 0;
     if (sh) stage_q(__int_as_float((127 - sh) << 23));
     const float smul = __int_as_float((127 + sh) << 23);
-    for (int i = lane; hd < HDP && i < 2 * heads * (HDP - hd); i += 32)  // the query rows' padding
+    for (int i = tid; hd < HDP && i < 2 * heads * (HDP - hd); i += NTH)  // the query rows' padding
         qs[i / (HDP - hd) * LD + hd + i % (HDP - hd)] = 0;
-    for (int i = lane; hd < HDP && i < 4 * PT * (HDP - hd); i += 32)  // both buffers' key and value rows'
+    for (int i = tid; hd < HDP && i < 4 * PT * (HDP - hd); i += NTH)  // both buffers' key and value rows'
         ks[i / (HDP - hd) * LD + hd + i % (HDP - hd)] = 0;
     for (int t = pb; t < pages; ++t) {
         if (t + 1 < pages) load(t + 1, (t + 1 - pb) & 1);

@@ -422,6 +422,16 @@ class CupyOps:
                      _i32(kc.shape[1]), _ptr(rows), _ptr(tables), _i32(0 if tables is None else tables.shape[1])),
                     name="qkv_rope")
 
+    def attn_rows_plan(self, m: int, heads: int, kv_heads: int, hd: int) -> tuple[int, int, int, int]:
+        """attn_rows for m rows: (instance, dynamic shared memory, blocks a KV head's group takes, position
+        splits), the splits filling this GPU's block slots (its shared memory and the instance's registers)."""
+        group = heads // kv_heads
+        parts = -(-group // ATTN_ROWS_HEADS)
+        hdp = attn_rows_instance(hd)
+        smem = _attn_rows_smem(hdp, min(group, ATTN_ROWS_HEADS))
+        per_sm = attn_rows_per_sm(smem, self.sm_smem, self._attn_rows_regs[hdp], self.sm_regs)
+        return hdp, smem, parts, attn_rows_splits(kv_heads * m * parts, self.sm_count * per_sm)
+
     def attention(self, q: Any, kc: Any, vc: Any, heads: int, hd: int, scale: float, meta: Any,
                   out: Any, rows: Any = None, tables: Any = None, window: int = 0) -> None:
         """``rows``/``tables`` as ``qkv_rope``'s: each row attends over its own sequence (attn_rows: a
@@ -430,12 +440,7 @@ class CupyOps:
         m = q.shape[0]
         kv_heads, cap = kc.shape[0], kc.shape[1]
         if rows is not None:
-            group = heads // kv_heads
-            parts = -(-group // ATTN_ROWS_HEADS)
-            hdp = attn_rows_instance(hd)
-            smem = _attn_rows_smem(hdp, min(group, ATTN_ROWS_HEADS))
-            per_sm = attn_rows_per_sm(smem, self.sm_smem, self._attn_rows_regs[hdp], self.sm_regs)
-            splits = attn_rows_splits(kv_heads * m * parts, self.sm_count * per_sm)
+            hdp, smem, parts, splits = self.attn_rows_plan(m, heads, kv_heads, hd)
             if splits > 1:
                 self._grow_attn_scratch(m * heads * splits * (hd + 4), m * kv_heads * parts)
             self.launch(self._attn_rows[hdp], (kv_heads, m, parts * splits), (32 * ATTN_ROWS_WARPS,),

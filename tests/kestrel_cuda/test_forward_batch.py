@@ -91,25 +91,15 @@ def test_attn_rows_is_the_mirrors_attention(heads: int, kv_heads: int, hd: int, 
     their instance and ones padded into it, 36 with 8-byte copies; split over positions, with empty splits, and
     with enough rows for none; queries past float16's range) against the numpy mirror's softmax, within float32
     rounding: the float16 tensor-core products carry the query and the probabilities as two terms each."""
-    from kestrel_cuda.ops_cupy import CupyOps, _attn_rows_smem
+    from kestrel_cuda.ops_cupy import CupyOps
     from kestrel_cuda.ops_numpy import NumpyOps
-    from kestrel_cuda.plan import (
-        ATTN_ROWS_HEADS,
-        KV_BLOCK,
-        KV_DTYPE,
-        attn_rows_instance,
-        attn_rows_per_sm,
-        attn_rows_splits,
-    )
+    from kestrel_cuda.plan import KV_BLOCK, KV_DTYPE
 
     rng = np.random.default_rng([heads, kv_heads, hd])
     blocks, width = 40, 8
     positions = [0, 31, 32, 100, 255, 17] * copies  # each row sees keys 0..position
-    group = heads // kv_heads
     ops = CupyOps(stream)
-    smem = _attn_rows_smem(attn_rows_instance(hd), min(group, ATTN_ROWS_HEADS))
-    per_sm = attn_rows_per_sm(smem, ops.sm_smem, ops._attn_rows_regs[attn_rows_instance(hd)], ops.sm_regs)
-    splits = attn_rows_splits(kv_heads * len(positions) * -(-group // ATTN_ROWS_HEADS), ops.sm_count * per_sm)
+    splits = ops.attn_rows_plan(len(positions), heads, kv_heads, hd)[3]
     assert (splits == 1) == (copies > 1)
     tables = np.stack([rng.permutation(blocks)[:width] for _ in positions]).astype(np.int32)
     tables = np.concatenate([tables, np.zeros((1, width), np.int32)])  # the padding rows' table
