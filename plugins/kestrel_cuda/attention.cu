@@ -5,7 +5,7 @@
 // Decode attention (one query row at position meta[0], keys 0..meta[0], or the last ``window`` of them),
 // split over positions.
 // Grid: x = H, y = NS splits; block 128 (4 warps). Each warp runs an online softmax over groups of AB
-// positions (their keys and values loaded together: AB x 2 x MAXJ loads in flight per lane); the block
+// positions (their keys and values loaded together, the next group's while one is computed); the block
 // merges its warps, writes (max, sum, acc[hd]) to part[h][split], and the last block of a head merges the
 // NS splits (every split's partial loaded at once, merge weights computed once, fixed order). q is scaled
 // by 1/sqrt(hd) before the dot products.
@@ -48,8 +48,10 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
         acc[j] = 0.f;
     }
     float mx = NEG_INF, l = 0.f;
-    for (int p0 = pb + AB * warp; p0 < pe; p0 += AB * AW) {
-        float kr[AB][MAXJ], vr[AB][MAXJ];
+    // the float16 keys and values of AB positions from p0 (zero past pe and hd); the next group's are loaded
+    // while this one is computed
+    uint2 kraw[AB][NC], vraw[AB][NC];
+    auto load = [&](int p0) {
 #pragma unroll
         for (int b = 0; b < AB; ++b) {
             const int p = p0 + b;
@@ -58,13 +60,23 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
                 const int d = 4 * lane + 128 * c;
                 const bool ok = p < pe && d < hd;
                 const size_t at = (size_t)(p < pe ? p : 0) * hd + d;
-                const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-                const float4 kk = ok ? from_kv4(*reinterpret_cast<const uint2*>(kb + at)) : zero;
-                const float4 vv = ok ? from_kv4(*reinterpret_cast<const uint2*>(vb + at)) : zero;
+                kraw[b][c] = ok ? *reinterpret_cast<const uint2*>(kb + at) : make_uint2(0u, 0u);
+                vraw[b][c] = ok ? *reinterpret_cast<const uint2*>(vb + at) : make_uint2(0u, 0u);
+            }
+        }
+    };
+    if (pb + AB * warp < pe) load(pb + AB * warp);
+    for (int p0 = pb + AB * warp; p0 < pe; p0 += AB * AW) {
+        float kr[AB][MAXJ], vr[AB][MAXJ];
+#pragma unroll
+        for (int b = 0; b < AB; ++b)
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                const float4 kk = from_kv4(kraw[b][c]), vv = from_kv4(vraw[b][c]);
                 kr[b][4 * c] = kk.x; kr[b][4 * c + 1] = kk.y; kr[b][4 * c + 2] = kk.z; kr[b][4 * c + 3] = kk.w;
                 vr[b][4 * c] = vv.x; vr[b][4 * c + 1] = vv.y; vr[b][4 * c + 2] = vv.z; vr[b][4 * c + 3] = vv.w;
             }
-        }
+        if (p0 + AB * AW < pe) load(p0 + AB * AW);
         float sc[AB];
 #pragma unroll
         for (int b = 0; b < AB; ++b) {

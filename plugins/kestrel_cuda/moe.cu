@@ -49,9 +49,7 @@ extern "C" __global__ void __launch_bounds__(NT) moe_route(
     if (ssq_in) {
         r = rms_from_tiles(ssq_in, D, eps);
     } else {
-        float ss = 0.f;
-        for (int j = tid; j < D; j += NT) { const float v = hr[j]; ss += v * v; }
-        r = sqrtf(block_sum(ss, s_red) / (float)D + eps);
+        r = sqrtf(block_sum(thread_ssq(hr, D), s_red) / (float)D + eps);
     }
     for (int j = tid; j < D; j += NT) {
         const float v = hr[j] / r * normw[j];

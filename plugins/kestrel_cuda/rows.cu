@@ -36,9 +36,7 @@ __global__ void __launch_bounds__(NT) quantize_rows(
     const int m = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const float* xr = X + (size_t)m * ldx;
     if (pro == 1) {
-        float ss = 0.f;
-        for (int k = tid; k < K; k += NT) { const float v = xr[k]; ss += v * v; }
-        ss = block_sum(ss, s_red);
+        const float ss = block_sum(thread_ssq(xr, K), s_red);
         if (tid == 0) s_r = sqrtf(ss / (float)K + eps);
         __syncthreads();
     }
@@ -83,27 +81,54 @@ extern "C" __global__ void add_rows(const float* __restrict__ T, int ldt, int M,
 // Y[m][:] += rmsnorm(X[m][:], w, eps): a post-norm on a projection's output before the residual add (Gemma),
 // X / sqrt(mean(X^2) + eps) * w as the CPU decoder computes it (a sum per row; here per block, then its
 // threads' partials in order). One block of NT threads per row; ssq_out (M = 1): Y's sums of squares per 32
-// columns (forward.cuh), each 32 columns being one warp's in one pass of the loop.
+// columns (forward.cuh), each 32 columns being one warp's in one pass of the loop. A pass takes ROW_LOADS
+// columns a thread, their loads issued together; the first pass's norm weights are loaded before the PDL wait
+// (not step data) and its X and Y together after it, so a row of up to NT * ROW_LOADS takes one round trip.
 extern "C" __global__ void __launch_bounds__(NT) norm_add_rows(
     const float* __restrict__ X, int ldx, int D, const float* __restrict__ w, float eps, float* __restrict__ Y,
     int ldy, float* __restrict__ ssq_out)
 {
     grid_dep_launch();
-    grid_dep_wait();
     __shared__ float s_red[NT / 32];
-    const int m = blockIdx.x, tid = threadIdx.x;
-    const float* xr = X + (size_t)m * ldx;
-    float* yr = Y + (size_t)m * ldy;
-    float ss = 0.f;
-    for (int k = tid; k < D; k += NT) { const float v = xr[k]; ss += v * v; }
+    constexpr int PASS = NT * ROW_LOADS;
+    const int tid = threadIdx.x;
+    const float* xr = X + (size_t)blockIdx.x * ldx;
+    float* yr = Y + (size_t)blockIdx.x * ldy;
+    float xv[ROW_LOADS], yv[ROW_LOADS], wv[ROW_LOADS];
+#pragma unroll
+    for (int j = 0; j < ROW_LOADS; ++j) wv[j] = j * NT + tid < D ? w[j * NT + tid] : 0.f;
+    grid_dep_wait();
+#pragma unroll
+    for (int j = 0; j < ROW_LOADS; ++j) {
+        const bool ok = j * NT + tid < D;
+        xv[j] = ok ? __ldcg(xr + j * NT + tid) : 0.f;
+        yv[j] = ok ? yr[j * NT + tid] : 0.f;
+    }
+    float ss = 0.f;  // thread_ssq's order: the first pass, then the rest
+#pragma unroll
+    for (int j = 0; j < ROW_LOADS; ++j) ss += xv[j] * xv[j];
+    if (D > PASS) ss += thread_ssq(xr + PASS, D - PASS);
     const float r = sqrtf(block_sum(ss, s_red) / (float)D + eps);
-    for (int k0 = 0; k0 < D; k0 += NT) {
-        const int k = k0 + tid;
-        float y = 0.f;
-        if (k < D) {
-            y = yr[k] + xr[k] / r * w[k];
-            yr[k] = y;
+    for (int k0 = 0; k0 < D; k0 += PASS) {  // the same passes in every thread (warp sums below)
+        if (k0 > 0) {
+#pragma unroll
+            for (int j = 0; j < ROW_LOADS; ++j) {
+                const int k = k0 + j * NT + tid;
+                const bool ok = k < D;
+                xv[j] = ok ? __ldcg(xr + k) : 0.f;
+                yv[j] = ok ? yr[k] : 0.f;
+                wv[j] = ok ? w[k] : 0.f;
+            }
         }
-        if (ssq_out && (k & ~31) < D) store_warp_ssq(y, ssq_out, k & ~31);
+#pragma unroll
+        for (int j = 0; j < ROW_LOADS; ++j) {
+            const int k = k0 + j * NT + tid;
+            float y = 0.f;
+            if (k < D) {
+                y = yv[j] + xv[j] / r * wv[j];
+                yr[k] = y;
+            }
+            if (ssq_out && (k & ~31) < D) store_warp_ssq(y, ssq_out, k & ~31);
+        }
     }
 }

@@ -553,6 +553,28 @@ def test_lm_finish_is_numpys_argmax(stream) -> None:  # type: ignore[no-untyped-
     assert meta.get().tolist() == [999, int(np.argmax(base))]
 
 
+@pytest.mark.parametrize(("m", "d"), [(1, 3840), (1, 4100), (3, 8200), (2, 96)])
+def test_norm_add_rows_matches_the_mirror(m, d, stream) -> None:  # type: ignore[no-untyped-def]
+    """Gemma's post-norm y += rmsnorm(x, w): one pass of loads a thread (3840), a second pass, partly filled
+    (4100: a warp with 4 columns in it), rows of several passes, a row narrower than the block; at M = 1 the
+    tile sums of y as well."""
+    from kestrel_cuda.ops_cupy import CupyOps
+    from kestrel_cuda.ops_numpy import NumpyOps
+    from kestrel_cuda.plan import ssq_count
+
+    rng = np.random.default_rng(d)
+    x, y = (rng.standard_normal((m, d)).astype(np.float32) * 3 for _ in range(2))
+    w = rng.standard_normal(d).astype(np.float32)
+    ops = CupyOps(stream)
+    dy, ssq = ops.upload(y), ops.zeros(ssq_count(d), np.float32)
+    ops.norm_add(ops.upload(x), ops.upload(w), 1e-6, dy, ssq_out=ssq if m == 1 else None)
+    ops.synchronize()
+    want, want_ssq = y.copy(), np.zeros(ssq_count(d), np.float32)
+    NumpyOps().norm_add(x, w, 1e-6, want, ssq_out=want_ssq if m == 1 else None)
+    np.testing.assert_allclose(dy.get(), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ssq.get(), want_ssq, rtol=1e-5)
+
+
 @pytest.mark.parametrize("quant", ("q8", "q4", "q4-g256"))
 @pytest.mark.parametrize("arch", ("qwen3", "qwen2-hd128"))
 def test_fused_rope_epilogue_equals_the_qkv_rope_kernel_bitwise(arch, quant, stream, gemm) -> None:  # type: ignore[no-untyped-def]
