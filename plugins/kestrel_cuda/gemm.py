@@ -12,11 +12,12 @@ workspaces are preallocated by the caller.
 
 ``weight`` is a ``residency.DeviceWeight`` (see ``weights.py`` for its layout); ``n`` is how many output
 columns to write: the weight's N, or its NG for a fused buffer (members side by side, in order); ``out``'s
-row stride is its second dimension. M <= GEMV_MAX_M runs the decode GEMV (``gemv_warp.cu``), larger M the
-tensor-core kernel (``gemm_mma.cu``, block shape by ``mma_tile_for``); up to SPLIT_MAX_M rows (decode batches)
-it splits K over enough blocks to keep the memory system busy (``mma_splits``), and with ``clusters`` (sm_90)
-each tile's splits run as one thread block cluster that adds their sums in shared memory; so do the last few
-rows of a larger M past whole large blocks (``split_rows``).
+rows must be contiguous, its row stride is its own (a column slice of a wider buffer is written in place).
+M <= GEMV_MAX_M runs the decode GEMV (``gemv_warp.cu``), larger M the tensor-core kernel (``gemm_mma.cu``,
+block shape by ``mma_tile_for``); up to SPLIT_MAX_M rows (decode batches) it splits K over enough blocks to
+keep the memory system busy (``mma_splits``), and with ``clusters`` (sm_90) each tile's splits run as one
+thread block cluster that adds their sums in shared memory; so do the last few rows of a larger M past whole
+large blocks (``split_rows``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ class Workspace:
     @classmethod
     def create(cls, cp: Any) -> Workspace:
         return cls(cp.empty(PARTIAL_FLOATS, dtype=cp.float32), cp.zeros(COUNTERS, dtype=cp.uint32))
+
+
+def row_stride(out: Any) -> int:
+    """The elements between two rows of a 2-D output whose rows are contiguous (a column slice of a wider
+    buffer included)."""
+    if out.ndim != 2 or out.strides[1] != out.itemsize or out.strides[0] % out.itemsize:
+        raise ValueError(f"output rows must be contiguous (shape {out.shape}, strides {out.strides})")
+    return out.strides[0] // out.itemsize
 
 
 def gemv_warp_variant(npad: int, bits: int) -> tuple[str, int, int, int]:
@@ -192,8 +201,8 @@ class DeviceGemm:
         g = weight.geometry
         m, k = a_codes.shape
         n = g.npad if n is None else n
-        ldo = out.shape[1]
-        if k != g.k or a_scales.shape != (m, g.ngroups) or out.shape[0] < m or ldo < n or n > g.npad:
+        ldo = row_stride(out)
+        if k != g.k or a_scales.shape != (m, g.ngroups) or out.shape[0] < m or out.shape[1] < n or n > g.npad:
             raise ValueError(f"q8: shapes do not match (A {a_codes.shape}, weight K={g.k} Npad={g.npad})")
         if (m <= GEMV_MAX_M or variant is not None) and mma_tile is None:
             self._gemv_warp(a_codes, a_scales, weight, out, n, ldo, stream, variant, splits)
@@ -247,7 +256,7 @@ class DeviceGemm:
             raise ValueError(f"grouped: no kernel or shapes do not match (A {a_codes.shape}, K={g.k})")
         ws = self.workspace(stream)
         _launch(kern, (blocks, _cdiv(g.npad, tile.bn), 1), (tile.threads,),
-                (a_codes, a_scales, i32(a_codes.shape[0]), NULL, NULL, out, i32(out.shape[1]), i32(n), i32(g.k),
+                (a_codes, a_scales, i32(a_codes.shape[0]), NULL, NULL, out, i32(row_stride(out)), i32(n), i32(g.k),
                  i32(g.npad), ws.partial, ws.counters, i32(_cdiv(g.k, MMA_BK)), groups, table), stream,
                 tile.smem_bytes(g.code_bits, g.group_size))
         self.launches["mma"] += 1
@@ -278,8 +287,8 @@ class DeviceGemm:
         g = weight.geometry
         m, k = a.shape
         n = g.npad if n is None else n
-        ldo = out.shape[1]
-        if k != g.k or out.shape[0] < m or ldo < n or n > g.npad:
+        ldo = row_stride(out)
+        if k != g.k or out.shape[0] < m or out.shape[1] < n or n > g.npad:
             raise ValueError("f32: shapes do not match")
         _launch(self.kernels.f32[g.code_bits], (_cdiv(g.npad // 4, F32_THREADS), _cdiv(m, F32_MT)),
                 (F32_THREADS,), (a, i32(m), weight.codes, weight.scales, out, i32(ldo), i32(n), i32(k),

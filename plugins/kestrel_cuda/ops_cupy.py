@@ -23,6 +23,7 @@ from kestrel_cuda.plan import (
     ATTN_ROWS_HEADS,
     ATTN_ROWS_WARPS,
     ATTN_SPLITS,
+    EPI_STORE,
     FINISH_COLS,
     KV_BLOCK,
     MAX_HEAD_DIM,
@@ -363,11 +364,13 @@ class CupyOps:
 
     def _tiled(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
                bias: Any) -> None:
-        """Prologue kernel -> codes/scales, the tiled GEMM (gemm.DeviceGemm) -> tmp, epilogue kernel -> y."""
+        """Prologue kernel -> codes/scales, the tiled GEMM (gemm.DeviceGemm) -> tmp, epilogue kernel -> y; a
+        plain store (no bias) goes from the GEMM to y itself."""
         m, k, g = x.shape[0], lin.k, lin.group_size
         codes = self._scratch("codes", m * k, np.int8).reshape(m, k)
         scales = self._scratch("scales", m * (k // g), np.float32).reshape(m, k // g)
-        tmp = self._scratch("tmp", m * lin.npad, np.float32).reshape(m, lin.npad)
+        direct = epi == EPI_STORE and bias is None
+        tmp = y if direct else self._scratch("tmp", m * lin.npad, np.float32).reshape(m, lin.npad)
         self.launch(self._quant[g], (-(-k // 256), m), (256,),
                     (_ptr(x), _ld(x), _i32(m), _i32(k), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
                      _ptr(codes), _ptr(scales)), name="quantize_rows")
@@ -376,6 +379,8 @@ class CupyOps:
             self.on_launch("gemm_q8 (tiled)", lambda: self._gemm_q8(codes, scales, weight, tmp, lin.n))
         else:
             self._gemm_q8(codes, scales, weight, tmp, lin.n)
+        if direct:
+            return
         self.launch(self._fn["add_rows"], (-(-lin.n // 256), m), (256,),
                     (_ptr(tmp), _ld(tmp), _i32(m), _i32(lin.n), _ptr(y), _ld(y), _i32(epi), _ptr(bias)),
                     name="add_rows")

@@ -130,10 +130,12 @@ def cluster_split(lin: Lin, ksplit: int, sm_count: int) -> int:
     on whole GPCs than the merge saves. Within one wave, blocks of one chunk each always gained; blocks of
     several chunks gained where the grid still fills more than half the wave (q|k|v at q8: 384 blocks of two
     chunks, 80.5 against 77.0 % of copy, -40 us per step) and lost where it does not (q and o at q8: 256
-    blocks, 64 against 74 %; docs/performance.md)."""
+    blocks, 64 against 74 %), and where the chunks do not divide evenly among the cluster's blocks (Gemma 3
+    12B's q|k|v, 15 chunks: 8 splits as a cluster 13.1 us, the planner's 15 splits 11.9; docs/performance.md)."""
     split = min(ksplit, MAX_CLUSTER)
     blocks, wave = lin.tiles * split, CHUNK_BLOCKS_PER_SM * sm_count
-    return split if split > 1 and blocks <= wave and (lin.chunks <= split or 2 * blocks > wave) else 0
+    fits = lin.chunks <= split or (2 * blocks > wave and lin.chunks % split == 0)
+    return split if split > 1 and blocks <= wave and fits else 0
 
 
 def plan_split(lin: Lin, sm_count: int, target_blocks: int | None = None, clusters: bool = False) -> int:
