@@ -74,7 +74,8 @@ _PROJ = {0: "q/k/v", 1: "q/k/v", 2: "q/k/v", 3: "o", 4: "gate/up", 5: "gate/up",
 
 
 def record_launches(ops: Any, run: Any, names: tuple[str, ...] = ("gemv", "qkv_rope", "attention", "embed",
-                                                                   "moe_route", "moe_combine"),
+                                                                   "norm_add", "moe_route", "moe_combine",
+                                                                   "greedy_token"),
                     ) -> list[tuple[str, int, Any]]:
     """Run ``run()`` eagerly with ``ops``' methods ``names`` wrapped; its launches as (kind, weight bytes,
     replay closure)."""

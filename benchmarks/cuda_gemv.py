@@ -3,7 +3,7 @@
 activation quantization, the hook's CPU/GPU crossover (the default min FLOPs), and preload.
 
     python benchmarks/cuda_gemv.py [--json out.json] [--quick] [--no-preload] [--no-crossover] [--decode-only]
-                                   [--splits plan,8,8c,16]
+                                   [--splits plan,8,8c,16] [--shapes "q|k|v=8192:3840,o=3840:4096"]
 
 Two decode GEMVs are measured: the hook path's (``gemm.q8`` on pre-quantized activations, gemv_warp.cu),
 and the whole-step decode's (gemv.cu ``qgemv`` through ``CupyOps.gemv``: activation quantization fused,
@@ -39,6 +39,18 @@ L2_BYTES = 60 << 20
 
 def log(*a: Any) -> None:
     print(*a, flush=True)
+
+
+def parse_shapes(text: str) -> dict[str, tuple[int, int]]:
+    """``--shapes``: "name=N:K,..." (another model's projections), or DECODE_SHAPES for ""."""
+    if not text:
+        return DECODE_SHAPES
+    shapes = {}
+    for item in text.split(","):
+        name, nk = item.split("=")
+        n, k = nk.split(":")
+        shapes[name] = (int(n), int(k))
+    return shapes
 
 
 def plan_decode(ops: Any, lins: list[Any], setting: str = "plan") -> None:
@@ -253,7 +265,7 @@ extern "C" __global__ void copy16(const uint4* __restrict__ s, uint4* __restrict
         # CupyOps.capture, not graph_time_us's plain capture: its launches carry PDL as in the decode step
         ops = self.decode_ops()
         rows = []
-        for name, (n, k) in DECODE_SHAPES.items():
+        for name, (n, k) in parse_shapes(self.args.shapes).items():
             for bits in (8, 4):
                 ws = self.weight_copies(n, k, 32, bits)
                 copies, wbytes = len(ws), ws[0].geometry.nbytes
@@ -458,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-crossover", action="store_true")
     p.add_argument("--decode-only", action="store_true", help="the copy and the whole-step decode GEMV only")
     p.add_argument("--splits", default="plan", help='decode GEMV K splits to measure, e.g. "plan,8,8c,16"')
+    p.add_argument("--shapes", default="", help='decode GEMV shapes "name=N:K,..." (default: Qwen3-8B\'s)')
     args = p.parse_args(argv)
     b = Bench(args)
     bw = b.copy_bandwidth()
