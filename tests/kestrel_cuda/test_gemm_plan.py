@@ -3,7 +3,10 @@ split shapes take."""
 
 from __future__ import annotations
 
-from kestrel_cuda.gemm import SPLIT_MAX_M, mma_splits, mma_tile_for, split_fits, split_rows
+import numpy as np
+import pytest
+
+from kestrel_cuda.gemm import SPLIT_MAX_M, mma_splits, mma_tile_for, row_stride, split_fits, split_rows
 from kestrel_cuda.kernels import (
     MMA_BK,
     MMA_TILE_DEFAULT,
@@ -65,3 +68,16 @@ def test_rows_past_whole_large_blocks_run_apart() -> None:
     assert split_rows(130, 4096, 4096) == 0 and split_rows(64, 4096, 4096) == 0  # under 512 whole rows
     assert split_rows(1024 + 40, 12288, 4096) == 40
     assert split_rows(543, 4096 + 32, 4096) == 0 and split_rows(543, 4096, 4096 + 8) == 0  # not whole stages/tiles
+
+
+def test_outputs_are_written_with_their_own_row_stride() -> None:
+    """A GEMM output is any array whose rows are contiguous: a whole buffer, a column slice of a wider one
+    (a fused q|k|v buffer's member: the buffer's width), rows of either; a transposed view is refused."""
+    buf = np.zeros((8, 6144), np.float32)
+    assert row_stride(buf) == 6144
+    assert row_stride(buf[:, 4096:5120]) == row_stride(buf[3:, 4096:5120]) == 6144
+    assert row_stride(np.zeros((4, 10), np.float32)) == 10
+    with pytest.raises(ValueError, match="contiguous"):
+        row_stride(buf.T)
+    with pytest.raises(ValueError, match="contiguous"):
+        row_stride(buf[:, ::2])
