@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
             for (int i = 0; i < MR; ++i) {
                 const int m = m0 + i;
                 float ss = 0.f;
-                if (m < M) {
+                if (m < M) {  // not thread_ssq: its 16 loads in flight would not fit the M=1 kernel's 64 registers
                     const float* xr = X + (size_t)m * ldx;
 #pragma unroll 8
                     for (int k = tid; k < K; k += NT) { const float v = xr[k]; ss += v * v; }
