@@ -86,7 +86,7 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 
 // This thread's share of a row's sum of squares: x[k]^2 for k = tid, tid + NT, ... added in that order (the
 // same bits as one load at a time), the loads issued ROW_LOADS at once (one at a time, each waited for,
-// Gemma 3 12B's 96 post-norms took 665 us a step, 399 so). Through L2 (ld.global.cg): x is step data,
+// Gemma 3 12B's 96 post-norms took 665 us a step, 392 so). Through L2 (ld.global.cg): x is step data,
 // written by the kernel before (see qgemv's early loads).
 #define ROW_LOADS 16
 __device__ __forceinline__ float thread_ssq(const float* x, int K) {
