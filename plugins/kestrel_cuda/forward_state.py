@@ -152,7 +152,7 @@ class Projections:
         routed = experts[:model.config.num_experts]
         slots = model.config.experts_per_token
         for lin in (lin for ex in routed for lin in (*ex.gate_up, ex.down)):
-            lin.ksplit = plan_routed(lin, slots, self.sm_count)
+            lin.ksplit = plan_routed(lin, slots, self.sm_count, self.clusters)
         tables = ExpertTables([self.ops.expert_table([ex.gate_up[j] for ex in routed])
                                for j in range(len(routed[0].gate_up))],
                               self.ops.expert_table([ex.down for ex in routed]))
@@ -191,7 +191,8 @@ class Projections:
             members += [Lin(None, None, s.k, s.n, pad_n(s.n), s.group_size, s.bits, wkey=key)  # unfused members
                         for s, key in zip(strips, keys)]  # may have more tiles
             for lin in members:
-                lin.ksplit = plan_routed(lin, c.experts_per_token, self.sm_count) if j in routed else self.plan(lin)
+                lin.ksplit = (plan_routed(lin, c.experts_per_token, self.sm_count, self.clusters) if j in routed
+                              else self.plan(lin))
             lins += members
         return gemv_scratch(lins)
 

@@ -43,18 +43,39 @@ extern "C" __global__ void __launch_bounds__(NT) moe_route(
             wpre[q][i] = r0 + q < R && j < D4 ? __ldg(reinterpret_cast<const float4*>(router + (size_t)(r0 + q) * D) + j)
                                               : make_float4(0.f, 0.f, 0.f, 0.f);
         }
+    // the row in passes of ROW_LOADS columns a thread, a pass's loads issued together: the norm weights of the
+    // first before the wait (not step data), its row after it
+    constexpr int PASS = NT * ROW_LOADS;
+    float xv[ROW_LOADS], wv[ROW_LOADS];
+#pragma unroll
+    for (int i = 0; i < ROW_LOADS; ++i) wv[i] = tid + i * NT < D ? __ldg(normw + tid + i * NT) : 0.f;
     grid_dep_wait();
     const float* hr = h + (size_t)m * ldh;
+#pragma unroll
+    for (int i = 0; i < ROW_LOADS; ++i) xv[i] = tid + i * NT < D ? __ldcg(hr + tid + i * NT) : 0.f;
     float r;
     if (ssq_in) {
         r = rms_from_tiles(ssq_in, D, eps);
     } else {
         r = sqrtf(block_sum(thread_ssq(hr, D), s_red) / (float)D + eps);
     }
-    for (int j = tid; j < D; j += NT) {
-        const float v = hr[j] / r * normw[j];
-        s_x[j] = v;
-        if (blockIdx.x == 0) xn[(size_t)m * ldxn + j] = v;
+    for (int p = 0; p < D; p += PASS) {
+        if (p > 0) {
+#pragma unroll
+            for (int i = 0; i < ROW_LOADS; ++i) {
+                const int j = p + tid + i * NT;
+                xv[i] = j < D ? __ldcg(hr + j) : 0.f;
+                wv[i] = j < D ? __ldg(normw + j) : 0.f;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < ROW_LOADS; ++i) {
+            const int j = p + tid + i * NT;
+            if (j >= D) break;
+            const float v = xv[i] / r * wv[i];
+            s_x[j] = v;
+            if (blockIdx.x == 0) xn[(size_t)m * ldxn + j] = v;
+        }
     }
     __syncthreads();
     float acc[ROUTE_ROWS];

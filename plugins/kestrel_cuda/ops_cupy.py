@@ -294,7 +294,7 @@ class CupyOps:
         mr = 1 if one else SMALL_M
         ksplit = lin.ksplit if one else 1
         fn = self._gemv[(lin.bits, lin.group_size, mr)]
-        cluster = ksplit if m == 1 and lin.cluster and self.cluster else 1
+        cluster = ksplit if one and lin.cluster and self.cluster else 1
         tagged = (ksplit > 1 and cluster == 1 and experts is None
                   and tagged_merge(self.merge_mode, lin.tiles * ksplit, self.sm_count))
         if tagged and (lin.tiles > self.merge_tiles or ksplit > MERGE_SPLITS):

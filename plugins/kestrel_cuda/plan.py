@@ -123,7 +123,7 @@ def one_wave_split(lin: Lin, sm_count: int) -> int:
     return split if split >= ONE_WAVE_SPLITS else 0
 
 
-def cluster_split(lin: Lin, ksplit: int, sm_count: int) -> int:
+def cluster_split(lin: Lin, ksplit: int, sm_count: int, slots: int = 1) -> int:
     """K splits of the M=1 GEMV to run as one thread block cluster per tile (their partial sums added in
     shared memory, not through L2), or 0 to keep ``ksplit`` and the global merge. Clusters measured faster
     only for a grid of one wave (CHUNK_BLOCKS_PER_SM per SM): larger grids lose more to the clusters' placement
@@ -131,9 +131,10 @@ def cluster_split(lin: Lin, ksplit: int, sm_count: int) -> int:
     several chunks gained where the grid still fills more than half the wave (q|k|v at q8: 384 blocks of two
     chunks, 80.5 against 77.0 % of copy, -40 us per step) and lost where it does not (q and o at q8: 256
     blocks, 64 against 74 %), and where the chunks do not divide evenly among the cluster's blocks (Gemma 3
-    12B's q|k|v, 15 chunks: 8 splits as a cluster 13.1 us, the planner's 15 splits 11.9; docs/performance.md)."""
+    12B's q|k|v, 15 chunks: 8 splits as a cluster 13.1 us, the planner's 15 splits 11.9; docs/performance.md).
+    ``slots``: rows a launch runs, each its own grid z (plan_routed)."""
     split = min(ksplit, MAX_CLUSTER)
-    blocks, wave = lin.tiles * split, CHUNK_BLOCKS_PER_SM * sm_count
+    blocks, wave = lin.tiles * split * slots, CHUNK_BLOCKS_PER_SM * sm_count
     fits = lin.chunks <= split or (2 * blocks > wave and lin.chunks % split == 0)
     return split if split > 1 and blocks <= wave and fits else 0
 
@@ -153,12 +154,16 @@ def plan_split(lin: Lin, sm_count: int, target_blocks: int | None = None, cluste
     return split or ksplit
 
 
-def plan_routed(lin: Lin, slots: int, sm_count: int) -> int:
+def plan_routed(lin: Lin, slots: int, sm_count: int, clusters: bool = False) -> int:
     """K splits of a routed expert's M=1 GEMV, launched for ``slots`` chosen experts at once (a grid z each):
-    TARGET_BLOCKS_PER_SM per SM over all of them, merged through the counters (clusters and the tagged merge
-    are per column tile, not per slot)."""
-    lin.slots, lin.cluster = slots, False
-    return plan_ksplit(lin, max(1, TARGET_BLOCKS_PER_SM * sm_count // slots))
+    TARGET_BLOCKS_PER_SM per SM over all of them, merged through the counters (the tagged merge is per column
+    tile, not per slot) or, by cluster_split's rule over the whole grid, as one cluster per tile and slot
+    (qwen3-30b-a3b's experts' down, 384 blocks: 318.6 against 383.3 us a decode step, docs/performance.md)."""
+    lin.slots = slots
+    ksplit = plan_ksplit(lin, max(1, TARGET_BLOCKS_PER_SM * sm_count // slots))
+    split = cluster_split(lin, ksplit, sm_count, slots) if clusters else 0
+    lin.cluster = split > 0
+    return split or ksplit
 
 
 def expert_groups(top: np.ndarray, rows: int = GROUPED_ROWS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

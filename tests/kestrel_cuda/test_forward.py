@@ -169,12 +169,14 @@ def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, 
         assert np.all(err <= bound), f"ksplit {ksplit}: max err {err.max()} over bound {bound[err.argmax()]}"
 
 
-@pytest.mark.parametrize(("experts", "k", "shared", "m"), ((128, 8, False, 1), (128, 8, False, 5), (60, 4, True, 1),
-                                                        (60, 4, True, 3), (8, 2, False, 1)))
-def test_moe_route_and_the_chosen_experts_match_the_mirrors(experts, k, shared, m, stream) -> None:  # type: ignore[no-untyped-def]
-    """moe_route at Qwen3-MoE's and Qwen2-MoE's router shapes (D = 2048; M = 1 reads the tile sums) against
-    its numpy mirror (itself checked against the CPU decoder's route): the same experts, weights within
-    float32 summation order; then the chosen experts' GEMVs (split over K) and moe_combine at M = 1."""
+@pytest.mark.parametrize(("experts", "k", "shared", "m", "d"), (
+    (128, 8, False, 1, 2048), (128, 8, False, 5, 2048), (60, 4, True, 1, 2048), (60, 4, True, 3, 2048),
+    (8, 2, False, 1, 2048), (16, 4, False, 1, 6144), (16, 4, False, 2, 6144)))
+def test_moe_route_and_the_chosen_experts_match_the_mirrors(experts, k, shared, m, d, stream) -> None:  # type: ignore[no-untyped-def]
+    """moe_route at Qwen3-MoE's and Qwen2-MoE's router shapes (D = 2048; M = 1 reads the tile sums) and a row
+    wider than one pass of its loads (D = 6144) against its numpy mirror (itself checked against the CPU
+    decoder's route): the same experts, weights within float32 summation order; then the chosen experts'
+    GEMVs (split over K, merged through the counters and as clusters) and moe_combine at M = 1."""
     from kestrel_cuda.layout import pack_kmajor, pad_n
     from kestrel_cuda.ops_cupy import CupyOps
     from kestrel_cuda.ops_numpy import NumpyOps, _row_ssq
@@ -182,7 +184,7 @@ def test_moe_route_and_the_chosen_experts_match_the_mirrors(experts, k, shared, 
 
     ops, ref = CupyOps(stream), NumpyOps()
     rng = np.random.default_rng(experts + m)
-    d, f = 2048, 96
+    f = 96
     h = rng.standard_normal((m, d)).astype(np.float32)
     norm = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
     router = (0.05 * rng.standard_normal((experts + shared, d))).astype(np.float32)
@@ -208,24 +210,26 @@ def test_moe_route_and_the_chosen_experts_match_the_mirrors(experts, k, shared, 
         sc = np.zeros((d // 32, pad_n(f)), np.float32)
         sc[:, :f] = rng.uniform(0.001, 0.02, size=(f, d // 32)).T
         for o in (ops, ref):
-            lin = Lin(o.upload(pack_kmajor(codes, 8)), o.upload(sc), d, f, pad_n(f), 32, 8)
-            lin.ksplit = plan_routed(lin, k, ops.sm_count)
-            lins[o].append(lin)
-    assert lins[ops][0].ksplit > 1
+            lins[o].append(Lin(o.upload(pack_kmajor(codes, 8)), o.upload(sc), d, f, pad_n(f), 32, 8))
     yc = rng.standard_normal((k, d)).astype(np.float32)  # the slots' outputs, for the sum
-    ys = []
-    for o, chosen, w in ((ops, sel, wts), (ref, rsel, rwts)):
-        if o is ops:
-            o.reserve(lins[o][0].ksplit * k * pad_n(f), lins[o][0].tiles * k, 1, 1)
-        y, hh = o.zeros((k, f), np.float32), o.upload(h)
-        o.gemv(lins[o][0], o.upload(rxn), PRO_PLAIN, None, 0.0, 0, y, EPI_STORE, None,
-               experts=(o.expert_table(lins[o]), chosen[0], k))
-        o.moe_combine(o.upload(yc), k, w, hh)
-        o.synchronize()
-        ys.append((y, hh) if o is ref else (cp.asnumpy(y), cp.asnumpy(hh)))
-    (y, hh), (ry, rhh) = ys
-    np.testing.assert_allclose(y, ry, rtol=1e-4, atol=1e-5 * np.abs(ry).max())
-    np.testing.assert_allclose(hh, rhh, rtol=1e-5, atol=1e-6)
+    for clusters in (False, True):  # the K splits merged through the counters, then as one cluster a slot
+        for o in (ops, ref):
+            for lin in lins[o]:
+                lin.ksplit = plan_routed(lin, k, ops.sm_count, clusters)
+        assert lins[ops][0].ksplit > 1 and lins[ops][0].cluster == (clusters and d == 2048)  # 8 chunks: one cluster
+        ys = []
+        for o, chosen, w in ((ops, sel, ops.upload(rwts)), (ref, rsel, rwts)):  # the same weights: checked above
+            if o is ops:
+                o.reserve(lins[o][0].ksplit * k * pad_n(f), lins[o][0].tiles * k, 1, 1)
+            y, hh = o.zeros((k, f), np.float32), o.upload(h)
+            o.gemv(lins[o][0], o.upload(rxn), PRO_PLAIN, None, 0.0, 0, y, EPI_STORE, None,
+                   experts=(o.expert_table(lins[o]), chosen[0], k))
+            o.moe_combine(o.upload(yc), k, w, hh)
+            o.synchronize()
+            ys.append((y, hh) if o is ref else (cp.asnumpy(y), cp.asnumpy(hh)))
+        (y, hh), (ry, rhh) = ys
+        np.testing.assert_allclose(y, ry, rtol=1e-4, atol=1e-5 * np.abs(ry).max())
+        np.testing.assert_allclose(hh, rhh, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(("bits", "group"), ((8, 32), (4, 32), (8, 256), (4, 256)))
