@@ -74,7 +74,8 @@ __device__ __forceinline__ bool arrive_last(int* counter, int count, int* flag) 
 // what no kernel of the step writes (weights, norms, tables); the wait returns once the predecessor has
 // completed and its writes are visible. Without that launch attribute the wait returns at once. Every
 // kernel of a captured step (the forward's, and the tiled GEMM of its steps of several rows) lets its
-// dependents launch at its start: they only prefetch weights until their own wait.
+// dependents launch at its start: they only prefetch weights until their own wait. The one exception, a
+// routed expert GEMV's choices (gemv.cu), holds because its predecessor lets it launch only after its own wait.
 __device__ __forceinline__ void grid_dep_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

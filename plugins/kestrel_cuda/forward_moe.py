@@ -31,11 +31,11 @@ def moe_mlp(ops: Any, st: State, i: int, w: LayerLins, m: int, eps: float, ssq: 
     gate_up, down = w.experts[0].gate_up, w.experts[0].down  # every routed expert's shape and plan
     p = m * k  # (row, slot) pairs
     if m == 1:
-        for j, lin in enumerate(gate_up):
+        for j, lin in enumerate(gate_up):  # after the first, each follows a routed GEMV on the same choices
             ops.gemv(lin, xn[:1], PRO_PLAIN, None, eps, 0, gus[:k, lin.col:lin.col + lin.n], EPI_STORE, None,
-                     experts=(w.tables.gate_up[j], sel[0], k))
+                     experts=(w.tables.gate_up[j], sel[0], k), sel_ready=j > 0)
         ops.gemv(down, gus[:k], PRO_SILU_MUL, None, eps, down.k, ys[:k], EPI_STORE, None,
-                 experts=(w.tables.down, sel[0], k))
+                 experts=(w.tables.down, sel[0], k), sel_ready=True)
         index = None
     else:
         source, position, groups = expert_groups(ops.download(sel, m))

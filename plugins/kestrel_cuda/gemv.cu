@@ -70,7 +70,10 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 // part[y][m][Npad] and the last block of a tile to arrive on its counter (then reset) reads them back.
 // With etab (MR = 1 only: a mixture of experts' chosen experts, one a row) block z's weights are expert esel[z]'s,
 // codes and scales pointers etab[2e], etab[2e + 1] of the same shape; row z of X (ldx 0: one row for all) and
-// of Y is the slot's.
+// of Y is the slot's. Such a block lets its dependents launch only once it knows esel, so when a routed GEMV
+// follows another on the same choices (esel_ready: the router's kernel has completed before it can launch),
+// it reads esel before its PDL wait and streams its first weights while its predecessor runs, as a dense
+// projection does.
 // Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += acc (+ bias). With qout (M = 1, the q|k|v projection,
 // hd == TN: tile x is head x; the other pointers and H, KV, cap as QkvRope's, eps the prologue's) the tile's
 // outputs go through rope_head instead of to Y: qkv_rope's work, in the block that has the head's sums,
@@ -84,11 +87,12 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     unsigned* __restrict__ epochs, const float* __restrict__ ssq_in, float* __restrict__ ssq_out,
     const float* qnorm, const float* knorm, const float* cosT, const float* sinT, const int* meta, float* qout,
     kv_t* kc, kv_t* vc, int H, int KV, int cap, const unsigned long long* __restrict__ etab,
-    const int* __restrict__ esel)
+    const int* __restrict__ esel, int esel_ready)
 {
     constexpr int KC = NT;                      // rows of a chunk: one 32-row slot a warp, one row a thread
     constexpr int NW = BITS == 8 ? 32 : 16;     // 4-byte words of one slot
-    grid_dep_launch();  // the wait follows the block's first weight loads
+    const bool routed = MR == 1 && etab;
+    if (!routed) grid_dep_launch();  // the wait follows the block's first weight loads
     __shared__ int s_aq[MR][KC / 4];            // activation codes of this chunk, 4 per word
     __shared__ float s_as[MR][KC / 32];         // activation scale per group (G = 256: element 0)
     __shared__ int s_asum[MR][KC / 32];         // sum of activation codes per group (int4 bias)
@@ -100,9 +104,10 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     __shared__ __align__(8) unsigned long long s_push_bar;    // counts their bytes
     __shared__ int s_last;
 
-    if (MR == 1 && etab) {                      // block z runs slot z's expert, which an earlier kernel chose
-        grid_dep_wait();
-        const int e = esel[blockIdx.z];
+    if (routed) {                               // block z runs slot z's expert, which an earlier kernel chose
+        if (!esel_ready) grid_dep_wait();
+        grid_dep_launch();
+        const int e = __ldcg(esel + blockIdx.z);
         W = reinterpret_cast<const unsigned char*>(etab[2 * e]);
         WS = reinterpret_cast<const float*>(etab[2 * e + 1]);
     }

@@ -274,12 +274,13 @@ class CupyOps:
 
     def gemv(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
              bias: Any, ssq_in: Any = None, ssq_out: Any = None, rope: QkvRope | None = None,
-             experts: tuple[Any, Any, int] | None = None) -> None:
+             experts: tuple[Any, Any, int] | None = None, sel_ready: bool = False) -> None:
         """ssq_in / ssq_out (M = 1 only): the residual stream's tile sums of squares, read by an RMSNorm
         prologue (pro 1) instead of the row, written with a residual-add epilogue's outputs. ``rope`` (M = 1,
         one head per column tile): the epilogue does qkv_rope's work instead of storing. ``experts`` (table,
         sel, slots): row j of y gets the expert sel[j] of ``table`` (``expert_table``; ``lin`` has their shape
-        and plan) on row j of x, or on its one row."""
+        and plan) on row j of x, or on its one row; ``sel_ready``: the launch before this one in the stream is
+        a routed GEMV on the same ``sel`` (gemv.cu: this one then reads sel before its PDL wait)."""
         m = x.shape[0]
         if m > 1:
             ssq_in = ssq_out = None
@@ -307,7 +308,8 @@ class CupyOps:
                      _ptr(x), ldx, _i32(m), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
                      _ptr(y), _ld(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters), _ptr(self.merge),
                      _ptr(self.epochs if tagged else None), _ptr(ssq_in), _ptr(ssq_out), *_rope_args(rope),
-                     *((_ptr(None), _ptr(None)) if experts is None else (_ptr(table), _ptr(sel)))),
+                     *((_ptr(None), _ptr(None)) if experts is None else (_ptr(table), _ptr(sel))),
+                     _i32(sel_ready and experts is not None)),
                     cluster=cluster, name="qgemv")
 
     def expert_table(self, lins: list[Lin]) -> Any:

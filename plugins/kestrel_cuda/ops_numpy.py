@@ -165,7 +165,7 @@ class NumpyOps:
     def gemv(self, lin: Lin, x: np.ndarray, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
              y: np.ndarray, epi: int, bias: np.ndarray | None, ssq_in: np.ndarray | None = None,
              ssq_out: np.ndarray | None = None, rope: QkvRope | None = None,
-             experts: tuple[list[Lin], np.ndarray, int] | None = None) -> None:
+             experts: tuple[list[Lin], np.ndarray, int] | None = None, sel_ready: bool = False) -> None:
         def fn() -> None:
             if experts is not None:  # row j: expert sel[j] on row j of x (or its one row)
                 table, sel, slots = experts

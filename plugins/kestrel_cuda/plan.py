@@ -158,10 +158,17 @@ def plan_routed(lin: Lin, slots: int, sm_count: int, clusters: bool = False) -> 
     """K splits of a routed expert's M=1 GEMV, launched for ``slots`` chosen experts at once (a grid z each):
     TARGET_BLOCKS_PER_SM per SM over all of them, merged through the counters (the tagged merge is per column
     tile, not per slot) or, by cluster_split's rule over the whole grid, as one cluster per tile and slot
-    (qwen3-30b-a3b's experts' down, 384 blocks: 318.6 against 383.3 us a decode step, docs/performance.md)."""
+    (qwen3-30b-a3b's experts' down, 384 blocks: 318.6 against 383.3 us a decode step, docs/performance.md).
+    Where that grid is more than one wave, the most splits of at most two chunks a block (as the dense q|k|v
+    clusters measured) that divide the chunks evenly and make one wave of clusters by the same rule
+    (qwen3-30b-a3b's gate|up: 4 splits, 384 blocks, not 8 splits in 768 blocks through the counters)."""
     lin.slots = slots
     ksplit = plan_ksplit(lin, max(1, TARGET_BLOCKS_PER_SM * sm_count // slots))
-    split = cluster_split(lin, ksplit, sm_count, slots) if clusters else 0
+    split = 0
+    if clusters:
+        fewer = (s for s in range(min(ksplit, MAX_CLUSTER), 1, -1)
+                 if lin.chunks % s == 0 and lin.chunks // s <= 2 and cluster_split(lin, s, sm_count, slots) == s)
+        split = cluster_split(lin, ksplit, sm_count, slots) or next(fewer, 0)
     lin.cluster = split > 0
     return split or ksplit
 

@@ -221,13 +221,17 @@ def test_moe_route_and_the_chosen_experts_match_the_mirrors(experts, k, shared, 
         for o, chosen, w in ((ops, sel, ops.upload(rwts)), (ref, rsel, rwts)):  # the same weights: checked above
             if o is ops:
                 o.reserve(lins[o][0].ksplit * k * pad_n(f), lins[o][0].tiles * k, 1, 1)
-            y, hh = o.zeros((k, f), np.float32), o.upload(h)
-            o.gemv(lins[o][0], o.upload(rxn), PRO_PLAIN, None, 0.0, 0, y, EPI_STORE, None,
-                   experts=(o.expert_table(lins[o]), chosen[0], k))
+            y, y2, hh = o.zeros((k, f), np.float32), o.zeros((k, f), np.float32), o.upload(h)
+            table, x = o.expert_table(lins[o]), o.upload(rxn)
+            o.gemv(lins[o][0], x, PRO_PLAIN, None, 0.0, 0, y, EPI_STORE, None, experts=(table, chosen[0], k))
+            # a routed GEMV after another on the same choices reads them before its PDL wait
+            o.gemv(lins[o][0], x, PRO_PLAIN, None, 0.0, 0, y2, EPI_STORE, None, experts=(table, chosen[0], k),
+                   sel_ready=True)
             o.moe_combine(o.upload(yc), k, w, hh)
             o.synchronize()
-            ys.append((y, hh) if o is ref else (cp.asnumpy(y), cp.asnumpy(hh)))
-        (y, hh), (ry, rhh) = ys
+            ys.append((y, hh, y2) if o is ref else (cp.asnumpy(y), cp.asnumpy(hh), cp.asnumpy(y2)))
+        (y, hh, y2), (ry, rhh, _) = ys
+        assert np.array_equal(y2, y)
         np.testing.assert_allclose(y, ry, rtol=1e-4, atol=1e-5 * np.abs(ry).max())
         np.testing.assert_allclose(hh, rhh, rtol=1e-5, atol=1e-6)
 

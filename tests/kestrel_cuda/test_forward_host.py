@@ -476,16 +476,19 @@ def test_cluster_splits_only_within_one_wave(k: int, n: int, bits: int, cluster:
         assert blocks <= 4 * 132 and (lin.chunks <= split or (2 * blocks > 4 * 132 and lin.chunks % split == 0))
 
 
-@pytest.mark.parametrize("k,n,cluster", [(2048, 1536, 0), (768, 2048, 3)])
-def test_routed_experts_cluster_by_the_whole_grid(k: int, n: int, cluster: int) -> None:
-    """Qwen3-30B-A3B's routed experts, 8 slots on 132 SMs: gate|up (12 tiles x 8 splits x 8 slots, beyond one
-    wave) keeps the counters' merge; down (16 x 3 x 8 = 384 blocks, a chunk each) runs a cluster a tile and
-    slot."""
+@pytest.mark.parametrize("k,n,slots,free,cluster", [(2048, 1536, 8, 8, 4), (768, 2048, 8, 3, 3),
+                                                      (4096, 28672, 2, 4, 0)])
+def test_routed_experts_cluster_by_the_whole_grid(k: int, n: int, slots: int, free: int, cluster: int) -> None:
+    """Routed experts on 132 SMs. Qwen3-30B-A3B's 8 slots: down (16 tiles x 3 splits x 8 = 384 blocks, a chunk
+    each) runs a cluster a tile and slot; gate|up, whose planned 8 splits (768 blocks) are beyond one wave, runs
+    4 splits of two chunks as clusters (384 blocks). Mixtral's gate|up (224 tiles, 2 slots) has no one-wave
+    split of two chunks a block and keeps the counters' merge."""
     lin = plan.Lin(None, None, k, n, pad_n(n), 32, 8)
-    free = plan.plan_routed(lin, 8, 132)
-    assert not lin.cluster
-    split = plan.plan_routed(lin, 8, 132, clusters=True)
+    assert plan.plan_routed(lin, slots, 132) == free and not lin.cluster
+    split = plan.plan_routed(lin, slots, 132, clusters=True)
     assert lin.cluster == (cluster > 0) and split == (cluster or free)
+    if lin.cluster:
+        assert lin.tiles * split * slots <= 4 * 132 and lin.chunks % split == 0 and lin.chunks // split <= 2
 
 
 # -- pipelined greedy decode ---------------------------------------------
