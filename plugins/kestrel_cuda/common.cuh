@@ -166,15 +166,6 @@ __device__ __forceinline__ float4 ld_cluster_f4(unsigned addr) {
     return v;
 }
 
-// float at shared address ``addr`` of a cluster block (cluster_addr)
-__device__ __forceinline__ float ld_cluster_f32(unsigned addr) {
-    float v = 0.f;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
-#endif
-    return v;
-}
-
 // The cluster barrier's two halves: arrive early, wait late, for a block that only needs the others to have
 // started; a block may exit without waiting. Together: shared-memory writes before them are visible to the
 // cluster after.

@@ -4,17 +4,15 @@
 // step stays one captured graph.
 
 #define ROUTE_MAX_EXPERTS NT  // the choosing block holds one router logit a thread
-#define ROUTE_ROWS 16         // router rows a block: 128 experts in one portable cluster of 8 blocks
+#define ROUTE_ROWS 8          // router rows a block
 #define ROUTE_PREFETCH 2      // float4s of each row a thread loads before the PDL wait (all of D <= 2048)
 
 // Router rows R = E (+ 1: Qwen2-MoE's shared-expert gate, row E) of D floats, [R][D] (D % 4 == 0); grid
-// (M, ceil(R / ROUTE_ROWS)), NT threads, D floats of dynamic shared memory. Each block normalises its row,
+// (ceil(R / ROUTE_ROWS), M), NT threads, D floats of dynamic shared memory. Each block normalises its row,
 // x = rmsnorm(h[m], w) (M = 1: from the residual stream's tile sums, as qgemv's prologue; else a sum of its
-// own), block 0 stores it in xn[m] (the experts' input), and computes the logits x . router[r] of its
+// own), block 0 stores it in xn[m] (the experts' input), and computes logits[m][r] = x . router[r] for its
 // ROUTE_ROWS rows, every thread over its float4s of each row (loaded before the wait where they fit: the
-// router is not step data). Launched as one cluster per row (grid y, at most MAX_CLUSTER blocks), the blocks
-// leave their logits in shared memory and block 0 reads them all; otherwise each writes them to logits[m]
-// and the last to arrive (counters[m], reset) reads them back. That block chooses as
+// router is not step data). The row's last block to arrive (counters[m], reset) chooses as
 // kestrel_core.model.decoder.route: softmax over the E logits, the k most probable (ties: the lower expert),
 // renormalised over the k if norm_topk; sel[m][0..k) are those experts in increasing order (the order the CPU
 // decoder adds them in), wts[m][j] their weights, and with a shared gate wts[m][k] = sigmoid(logit E). wts
@@ -34,9 +32,8 @@ extern "C" __global__ void __launch_bounds__(NT) moe_route(
     __shared__ float s_ranked[ROUTE_MAX_EXPERTS];  // the chosen probabilities by rank
     __shared__ int s_count[NT / 32];
     __shared__ int s_last;
-    __shared__ float s_logit[ROUTE_ROWS];
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, m = blockIdx.x;
-    const int R = E + (shared_gate ? 1 : 0), D4 = D / 4, r0 = blockIdx.y * ROUTE_ROWS;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, m = blockIdx.y;
+    const int R = E + (shared_gate ? 1 : 0), D4 = D / 4, r0 = blockIdx.x * ROUTE_ROWS;
     float4 wpre[ROUTE_ROWS][ROUTE_PREFETCH];
 #pragma unroll
     for (int q = 0; q < ROUTE_ROWS; ++q)
@@ -77,7 +74,7 @@ extern "C" __global__ void __launch_bounds__(NT) moe_route(
             if (j >= D) break;
             const float v = xv[i] / r * wv[i];
             s_x[j] = v;
-            if (blockIdx.y == 0) xn[(size_t)m * ldxn + j] = v;
+            if (blockIdx.x == 0) xn[(size_t)m * ldxn + j] = v;
         }
     }
     __syncthreads();
@@ -108,32 +105,16 @@ extern "C" __global__ void __launch_bounds__(NT) moe_route(
         if (lane == 0) s_dot[q][warp] = v;
     }
     __syncthreads();
-    const bool clustered = cluster_size() > 1;
     if (tid < ROUTE_ROWS && r0 + tid < R) {
         float v = 0.f;
 #pragma unroll
         for (int w = 0; w < NT / 32; ++w) v += s_dot[tid][w];
-        if (clustered) s_logit[tid] = v;
-        else logits[(size_t)m * R + r0 + tid] = v;
+        logits[(size_t)m * R + r0 + tid] = v;
     }
-    float l, gate = 0.f;                        // expert tid's logit (-inf past E), the shared gate's
-    if (clustered) {
-        cluster_arrive();
-        cluster_wait();                         // every block's logits are in its shared memory
-        if (cluster_rank() != 0) {
-            cluster_arrive();
-            cluster_wait();                     // block 0 has read them: its shared memory may go
-            return;
-        }
-        l = tid < E ? ld_cluster_f32(cluster_addr(s_logit + tid % ROUTE_ROWS, tid / ROUTE_ROWS)) : NEG_INF;
-        if (shared_gate && tid == 0) gate = ld_cluster_f32(cluster_addr(s_logit + E % ROUTE_ROWS, E / ROUTE_ROWS));
-        cluster_arrive();
-    } else {
-        if (!arrive_last(counters + m, gridDim.y, &s_last)) return;
-        const float* lr = logits + (size_t)m * R;
-        l = tid < E ? __ldcg(lr + tid) : NEG_INF;
-        if (shared_gate && tid == 0) gate = __ldcg(lr + E);
-    }
+    if (!arrive_last(counters + m, gridDim.x, &s_last)) return;
+
+    const float* lr = logits + (size_t)m * R;
+    const float l = tid < E ? __ldcg(lr + tid) : NEG_INF;
     float mx = warp_max(l);
     if (lane == 0) s_red[warp] = mx;
     __syncthreads();
@@ -162,8 +143,8 @@ extern "C" __global__ void __launch_bounds__(NT) moe_route(
         wts[(size_t)m * (k + 1) + slot] = norm_topk ? prob / total : prob;
     }
     if (tid == 0) {
-        if (shared_gate) wts[(size_t)m * (k + 1) + k] = 1.f / (1.f + expf(-gate));
-        if (!clustered) counters[m] = 0;
+        if (shared_gate) wts[(size_t)m * (k + 1) + k] = 1.f / (1.f + expf(-__ldcg(lr + E)));
+        counters[m] = 0;
     }
 }
 

@@ -26,7 +26,6 @@ from kestrel_cuda.plan import (
     EPI_STORE,
     FINISH_COLS,
     KV_BLOCK,
-    MAX_CLUSTER,
     MAX_HEAD_DIM,
     MERGE_MODES,
     MERGE_SPLITS,
@@ -327,12 +326,10 @@ class CupyOps:
         m, d = h.shape
         rows = router.shape[0]
         logits, counters = scratch
-        blocks = -(-rows // ROUTE_ROWS)  # a row's: one cluster where they fit one
-        cluster = blocks if self.cluster and 1 < blocks <= MAX_CLUSTER else 1
-        self.launch(self._fn["moe_route"], (m, blocks), (256,),
+        self.launch(self._fn["moe_route"], (-(-rows // ROUTE_ROWS), m), (256,),
                     (_ptr(h), _ld(h), _i32(d), _ptr(norm), np.float32(eps), _ptr(ssq_in if m == 1 else None),
                      _ptr(router), _i32(experts), _i32(rows - experts), _i32(k), _i32(norm_topk), _ptr(xn), _ld(xn),
-                     _ptr(logits), _ptr(counters), _ptr(sel), _ptr(wts)), 4 * d, cluster=cluster, name="moe_route")
+                     _ptr(logits), _ptr(counters), _ptr(sel), _ptr(wts)), 4 * d, name="moe_route")
 
     def moe_combine(self, y: Any, k: int, wts: Any, h: Any, index: Any = None, shared: Any = None,
                     ssq_out: Any = None) -> None:
