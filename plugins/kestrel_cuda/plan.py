@@ -130,13 +130,24 @@ def cluster_split(lin: Lin, ksplit: int, sm_count: int, slots: int = 1) -> int:
     on whole GPCs than the merge saves. Within one wave, blocks of one chunk each always gained; blocks of
     several chunks gained where the grid still fills more than half the wave (q|k|v at q8: 384 blocks of two
     chunks, 80.5 against 77.0 % of copy, -40 us per step) and lost where it does not (q and o at q8: 256
-    blocks, 64 against 74 %), and where the chunks do not divide evenly among the cluster's blocks (Gemma 3
-    12B's q|k|v, 15 chunks: 8 splits as a cluster 13.1 us, the planner's 15 splits 11.9; docs/performance.md).
-    ``slots``: rows a launch runs, each its own grid z (plan_routed)."""
+    blocks, 64 against 74 %), and where the chunks do not divide evenly among the cluster's blocks.
+    Where ``ksplit`` gives no such cluster, the most splits of at most three chunks a block that do, if any:
+    Gemma 3 12B's q|k|v (15 chunks) as 5 splits, 320 blocks, 10.16 against 11.27 us for the planner's 15
+    (7.00 against 7.84 at q4; 8 as a cluster, uneven, 13.1); qwen3-30b-a3b's routed gate|up as 4 splits, 384
+    blocks, not 8 in 768 (docs/performance.md). ``slots``: rows a launch runs, each its own grid z
+    (plan_routed)."""
+    wave = CHUNK_BLOCKS_PER_SM * sm_count
+
+    def fits(split: int) -> bool:
+        blocks = lin.tiles * split * slots
+        even = lin.chunks <= split or (2 * blocks > wave and lin.chunks % split == 0)
+        return split > 1 and blocks <= wave and even
+
     split = min(ksplit, MAX_CLUSTER)
-    blocks, wave = lin.tiles * split * slots, CHUNK_BLOCKS_PER_SM * sm_count
-    fits = lin.chunks <= split or (2 * blocks > wave and lin.chunks % split == 0)
-    return split if split > 1 and blocks <= wave and fits else 0
+    if fits(split):
+        return split
+    fewer = (s for s in range(split - 1, 1, -1) if lin.chunks % s == 0 and lin.chunks <= 3 * s and fits(s))
+    return next(fewer, 0)
 
 
 def plan_split(lin: Lin, sm_count: int, target_blocks: int | None = None, clusters: bool = False) -> int:
@@ -159,16 +170,10 @@ def plan_routed(lin: Lin, slots: int, sm_count: int, clusters: bool = False) -> 
     TARGET_BLOCKS_PER_SM per SM over all of them, merged through the counters (the tagged merge is per column
     tile, not per slot) or, by cluster_split's rule over the whole grid, as one cluster per tile and slot
     (qwen3-30b-a3b's experts' down, 384 blocks: 318.6 against 383.3 us a decode step, docs/performance.md).
-    Where that grid is more than one wave, the most splits of at most two chunks a block (as the dense q|k|v
-    clusters measured) that divide the chunks evenly and make one wave of clusters by the same rule
-    (qwen3-30b-a3b's gate|up: 4 splits, 384 blocks, not 8 splits in 768 blocks through the counters)."""
+    qwen3-30b-a3b's gate|up, beyond one wave at its 8 planned splits, runs 4 as clusters."""
     lin.slots = slots
     ksplit = plan_ksplit(lin, max(1, TARGET_BLOCKS_PER_SM * sm_count // slots))
-    split = 0
-    if clusters:
-        fewer = (s for s in range(min(ksplit, MAX_CLUSTER), 1, -1)
-                 if lin.chunks % s == 0 and lin.chunks // s <= 2 and cluster_split(lin, s, sm_count, slots) == s)
-        split = cluster_split(lin, ksplit, sm_count, slots) or next(fewer, 0)
+    split = cluster_split(lin, ksplit, sm_count, slots) if clusters else 0
     lin.cluster = split > 0
     return split or ksplit
 
