@@ -484,13 +484,13 @@ def test_routed_experts_cluster_by_the_whole_grid(k: int, n: int, slots: int, fr
     """Routed experts on 132 SMs. Qwen3-30B-A3B's 8 slots: down (16 tiles x 3 splits x 8 = 384 blocks, a chunk
     each) runs a cluster a tile and slot; gate|up, whose planned 8 splits (768 blocks) are beyond one wave, runs
     4 splits of two chunks as clusters (384 blocks). Mixtral's gate|up (224 tiles, 2 slots) has no one-wave
-    split of two chunks a block and keeps the counters' merge."""
+    split of at most three chunks a block and keeps the counters' merge."""
     lin = plan.Lin(None, None, k, n, pad_n(n), 32, 8)
     assert plan.plan_routed(lin, slots, 132) == free and not lin.cluster
     split = plan.plan_routed(lin, slots, 132, clusters=True)
     assert lin.cluster == (cluster > 0) and split == (cluster or free)
     if lin.cluster:
-        assert lin.tiles * split * slots <= 4 * 132 and lin.chunks % split == 0 and lin.chunks // split <= 2
+        assert lin.tiles * split * slots <= 4 * 132 and lin.chunks % split == 0 and lin.chunks <= 3 * split
 
 
 # -- pipelined greedy decode ---------------------------------------------
