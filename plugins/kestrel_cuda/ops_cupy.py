@@ -135,6 +135,7 @@ class CupyOps:
         self.attn_part = self.zeros(1, np.float32)
         self.attn_counters = self.zeros(1, np.int32)
         self._tiled_bufs: dict[str, Any] = {}
+        self._outgrown: list[Any] = []  # scratch buffers a captured batch graph may still write and read
 
     def reserve(self, part: int, counters: int, attn_part: int, attn_counters: int, merge_tiles: int = 0) -> None:
         """Grow the split-K and attention scratch (counters start and end every launch at zero; the merge slots
@@ -391,10 +392,15 @@ class CupyOps:
         self.gemm.q8(codes, scales, weight, out, n, self.stream, pdl=self._pdl())
 
     def _scratch(self, name: str, size: int, dtype: Any) -> Any:
-        """A flat scratch buffer of at least ``size`` elements (grown outside graph capture: prefill only)."""
+        """A flat scratch buffer of at least ``size`` elements, grown outside graph capture. A buffer it
+        outgrows stays allocated, since a batch graph captured earlier still uses it (freed, CuPy's pool would
+        hand it to other arrays); growth at least doubles, so those add up to less than the buffer in use."""
         buf = self._tiled_bufs.get(name)
         if buf is None or buf.size < size:
-            buf = self._tiled_bufs[name] = self.zeros(size, dtype)
+            grown = size if buf is None else max(size, 2 * buf.size)
+            if buf is not None:
+                self._outgrown.append(buf)
+            buf = self._tiled_bufs[name] = self.zeros(grown, dtype)
         return buf[:size]
 
     def greedy_token(self, logits: Any, scratch: tuple[Any, Any, Any], meta: Any, limit: int,

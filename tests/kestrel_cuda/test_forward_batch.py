@@ -116,3 +116,35 @@ def test_attn_rows_is_the_mirrors_attention(heads: int, kv_heads: int, hd: int, 
                       out, cp.asarray(rows), cp.asarray(tables))
         got = cp.asnumpy(out)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_captured_step_outlives_the_scratch_a_larger_step_outgrows(stream, gemm) -> None:  # type: ignore[no-untyped-def]
+    """A captured step of 4 rows through the tiled GEMM holds its scratch's addresses; an eager step of 64 rows
+    then needs more scratch. Replayed after it, the graph still gives the eager result and writes nothing that
+    arrays allocated since then hold (an outgrown scratch freed to CuPy's pool would be handed to them)."""
+    from kestrel_cuda.layout import pack_kmajor, pad_n
+    from kestrel_cuda.ops_cupy import CupyOps
+    from kestrel_cuda.plan import EPI_STORE, PRO_PLAIN, Lin
+
+    ops = CupyOps(stream, gemm)
+    rng = np.random.default_rng(3)
+    k, n = 512, 256
+    codes = rng.integers(-127, 128, size=(n, k)).astype(np.int8)
+    sc = np.zeros((k // 32, pad_n(n)), np.float32)
+    sc[:, :n] = rng.uniform(0.001, 0.02, size=(n, k // 32)).T
+    lin = Lin(ops.upload(pack_kmajor(codes, 8)), ops.upload(sc), k, n, pad_n(n), 32, 8)
+    x4, x64 = (ops.upload(rng.standard_normal((m, k)).astype(np.float32)) for m in (4, 64))
+    y4, y64 = ops.zeros((4, n), np.float32), ops.zeros((64, n), np.float32)
+    ops.gemv(lin, x4, PRO_PLAIN, None, 0.0, 0, y4, EPI_STORE, None)  # eagerly first: the scratch for 4 rows
+    ops.synchronize()
+    expect = cp.asnumpy(y4)
+    replay = ops.capture(lambda: ops.gemv(lin, x4, PRO_PLAIN, None, 0.0, 0, y4, EPI_STORE, None))
+    ops.gemv(lin, x64, PRO_PLAIN, None, 0.0, 0, y64, EPI_STORE, None)  # grows the scratch
+    ops.synchronize()
+    with stream:  # arrays of the 4-row scratch's sizes on its stream, where the pool would put them if it were free
+        held = [cp.full(4 * k, 7, np.int8), cp.full(4 * (k // 32), 7.0, np.float32)]
+        y4.fill(0)
+    replay()
+    ops.synchronize()
+    assert np.array_equal(cp.asnumpy(y4), expect)
+    assert all(bool((h == 7).all()) for h in held)
