@@ -193,7 +193,7 @@ class DeviceForward:
             raise
 
     def greedy(self, model: Model, seq_id: int, token: int, start: int, count: int) -> Iterator[int] | None:
-        if not self._graphs(model.config):
+        if not self.use_graph:
             why = ("the residency window uploads weights between layers" if self.layer_boundary is not None else
                    "CUDA graphs are off")
             return self._decline(f"pipelined greedy decode needs the captured decode graph ({why})")
@@ -358,7 +358,7 @@ class DeviceForward:
             wanted.extend(range(at - e.logit_rows, at))
             needs.extend([not e.argmax_only] * e.logit_rows)
         decode = total == len(batch) and len(wanted) == total
-        b = paged.bucket(total) if decode and self._graphs(st.config, total) else None
+        b = paged.bucket(total) if decode and self.use_graph else None
         whole = all(needs)  # every row's logits come back, in one download a pass
         argmax_step = bool(needs) and not any(needs)  # token ids alone come back
         ids_only = argmax_step and total <= PASS_ROWS  # ... in one pass: chosen at launch (_ids_later)
@@ -461,7 +461,7 @@ class DeviceForward:
             rows = m if all_logits else (1 if last else 0)
             pos = start + c0
             ops.write_meta(st.meta, np.concatenate([np.array([pos], np.int32), chunk]))
-            if m == 1 and self._graphs(st.config):
+            if m == 1 and self.use_graph:
                 self._graph(st, seq)
                 seq.graph()
                 self.counters["graph_replays"] += 1
@@ -541,10 +541,6 @@ class DeviceForward:
         self.ops.gemv(lin, x, pro, None, eps, xoff, st.out[:m], EPI_STORE, None)
         self.ops.norm_add(st.out[:m], post_norm, eps, st.h[:m], ssq_out=ssq)
 
-    def _graphs(self, config: Any, rows: int = 1) -> bool:
-        """Whether a step of ``rows`` rows may be captured: not a mixture of experts' batch, whose rows the host
-        groups by their chosen experts."""
-        return self.use_graph and (rows == 1 or not config.is_moe)
 
     # -- sequences -----------------------------------------------------------------------------------
 

@@ -2,19 +2,18 @@
 
 ``moe_route`` normalises the rows and chooses each one's experts and weights. A decode step (one row) then runs
 the chosen experts' GEMVs, one launch per projection over a table of the layer's experts, and ``moe_combine``
-adds them up: no host round trip, so the step is captured in a graph like a dense model's. A step of several
-rows (a prefill chunk, a batch) reads the choices back, sorts its (row, expert) pairs by expert and runs each
-projection of every chosen expert as one grouped GEMM over them; the shared expert runs on every row.
+adds them up. A step of several rows (a prefill chunk, a batch) sorts its (row, expert) pairs by expert with
+``moe_group`` and runs each projection of every chosen expert as one grouped GEMM over them, its grid sized for
+the most groups the rows can need; the shared expert runs on every row. No step waits on the host, so each is
+captured in a graph like a dense model's.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from kestrel_cuda.forward_state import ExpertLins, LayerLins, State
-from kestrel_cuda.plan import EPI_STORE, PRO_PLAIN, PRO_SILU_MUL, expert_groups
+from kestrel_cuda.plan import EPI_STORE, PRO_PLAIN, PRO_SILU_MUL, group_capacity
 
 
 def moe_mlp(ops: Any, st: State, i: int, w: LayerLins, m: int, eps: float, ssq: Any) -> None:
@@ -38,22 +37,18 @@ def moe_mlp(ops: Any, st: State, i: int, w: LayerLins, m: int, eps: float, ssq: 
                  experts=(w.tables.down, sel[0], k), sel_ready=True)
         index = None
     else:
-        source, position, groups = expert_groups(ops.download(sel, m))
-        at = ops.upload(_concat(source, position, groups.reshape(-1)))
-        index, groups_dev, blocks = at[p:2 * p], at[2 * p:].reshape(-1, 3), len(groups)
-        ops.gather_rows(xn, at[:p], xs[:p])
+        source, position, groups = st.group
+        blocks = group_capacity(p, c.num_experts)
+        ops.moe_group(sel[:m], c.num_experts, source[:p], position[:p], groups[:blocks])
+        index = position[:p]
+        ops.gather_rows(xn, source[:p], xs[:p])
         for j, lin in enumerate(gate_up):
             ops.experts_gemm(lin, xs[:p], PRO_PLAIN, 0, gus[:p, lin.col:lin.col + lin.n], w.tables.gate_up[j],
-                             groups_dev, blocks)
-        ops.experts_gemm(down, gus[:p], PRO_SILU_MUL, down.k, ys[:p], w.tables.down, groups_dev, blocks)
+                             groups[:blocks], blocks)
+        ops.experts_gemm(down, gus[:p], PRO_SILU_MUL, down.k, ys[:p], w.tables.down, groups[:blocks], blocks)
     if shared is not None:
         _expert(ops, st, shared, xn[:m], ys[p:p + m], eps)
     ops.moe_combine(ys[:p], k, wts[:m], st.h[:m], index, ys[p:p + m] if shared is not None else None, ssq)
-
-
-def _concat(*parts: np.ndarray) -> np.ndarray:
-    """int32 arrays as one, for one upload."""
-    return np.concatenate([np.asarray(a, np.int32).reshape(-1) for a in parts])
 
 
 def _expert(ops: Any, st: State, expert: ExpertLins, x: Any, y: Any, eps: float) -> None:

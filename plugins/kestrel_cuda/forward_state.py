@@ -27,6 +27,7 @@ from kestrel_cuda.plan import (
     Lin,
     attn_part_size,
     gemv_scratch,
+    group_capacity,
     plan_routed,
     plan_split,
     ssq_count,
@@ -105,6 +106,7 @@ class State:
     # (row, slot) sorted by expert: the rows xs [T k, D], gate|up outputs [T k, 2 F_e] and outputs ys [T (k + 1), D]
     # (the shared expert's after the routed ones; a decode step's slots are rows 0..k)
     route: tuple[Any, Any, Any, Any] | None  # moe_route's logits [T, R] and counters [T], sel [T, k], wts [T, k+1]
+    group: tuple[Any, Any, Any] | None  # moe_group's source [T k], position [T k], groups [capacity, 3] (int32)
     finish: tuple[Any, Any, Any]  # lm_finish's per-block (value, index) and its arrival counter
     argmax: tuple[Any, Any, Any, Any, Any]  # argmax_rows' per-row blocks' (value, index, non-finite), counters, ids
     tokens: np.ndarray  # int32 [TOKEN_RING] pinned host memory: lm_finish's greedy token by position
@@ -256,6 +258,9 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
                     zeros((t * (c.experts_per_token + 1), d), np.float32)) if c.is_moe else None,
                route=(zeros((t, c.num_experts + 1), np.float32), zeros(t, np.int32),
                       zeros((t, c.experts_per_token), np.int32), zeros((t, c.experts_per_token + 1), np.float32))
+               if c.is_moe else None,
+               group=(zeros(t * c.experts_per_token, np.int32), zeros(t * c.experts_per_token, np.int32),
+                      zeros((group_capacity(t * c.experts_per_token, c.num_experts), 3), np.int32))
                if c.is_moe else None,
                finish=(zeros(-(-c.vocab_size // FINISH_COLS), np.float32),
                        zeros(-(-c.vocab_size // FINISH_COLS), np.int32), zeros(1, np.int32)),

@@ -1,7 +1,8 @@
-// A mixture of experts on the device: moe_route (each row's experts and weights, chosen by the router) and
-// moe_combine (the chosen experts' outputs, weighted, into the residual stream). Between them the experts'
-// GEMVs run as qgemv over a table of expert weights (gemv.cu: block z takes slot z's expert), so a decode
-// step stays one captured graph.
+// A mixture of experts on the device: moe_route (each row's experts and weights, chosen by the router),
+// moe_combine (the chosen experts' outputs, weighted, into the residual stream) and, for a step of several rows,
+// moe_group (the rows' chosen experts sorted into the grouped GEMM's blocks). Between route and combine a
+// decode step's experts run as qgemv over a table of expert weights (gemv.cu: block z takes slot z's expert),
+// a step of several rows' as grouped GEMMs (gemm_mma.cu), so either step is one captured graph.
 
 #define ROUTE_MAX_EXPERTS NT  // the choosing block holds one router logit a thread
 #define ROUTE_ROWS 8          // router rows a block
@@ -175,3 +176,69 @@ extern "C" __global__ void __launch_bounds__(NT) moe_combine(
     const int w0 = n & ~31;
     if (ssq_out && w0 < D) store_warp_ssq(y, ssq_out, w0);
 }
+
+// plan.expert_groups on the device, for a step of several rows: sel [M][k] (each row's experts), P = M k pairs,
+// pair p = row * k + slot. Sorted by expert, then by p: position[p] is where pair p lands, source[q] the row
+// that sorted position q reads, groups[g] = (expert, first position, count) for blocks of at most ``rows``
+// positions of one expert in expert order, then (0, 0, 0) up to ``capacity`` groups (grouped GEMM blocks that
+// do nothing, so the launch's grid is fixed and the step can be captured). One block: thread e counts, then
+// places, expert e's pairs (E <= NT) in p order, over chunks of the pairs staged in shared memory.
+#define GROUP_CHUNK 2048
+extern "C" __global__ void __launch_bounds__(NT) moe_group(
+    const int* __restrict__ sel, int P, int k, int E, int rows, int capacity, int* __restrict__ source,
+    int* __restrict__ position, int* __restrict__ groups)
+{
+    grid_dep_launch();
+    grid_dep_wait();
+    __shared__ int s_sel[GROUP_CHUNK];
+    __shared__ int s_warp[2][NT / 32];
+    const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
+    auto stage = [&](int c0) {                  // pairs c0 .. c0 + GROUP_CHUNK into shared memory
+        __syncthreads();
+        for (int i = threadIdx.x; i < GROUP_CHUNK && c0 + i < P; i += NT) s_sel[i] = sel[c0 + i];
+        __syncthreads();
+    };
+    int count = 0;
+    for (int c0 = 0; c0 < P; c0 += GROUP_CHUNK) {
+        stage(c0);
+        const int n = min(GROUP_CHUNK, P - c0);
+        if (e < E)
+            for (int i = 0; i < n; ++i) count += s_sel[i] == e;
+    }
+    const int blocks = (count + rows - 1) / rows;
+    int first = count, g0 = blocks;             // inclusive scans over the threads, made exclusive below
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int a = __shfl_up_sync(FULL, first, o), b = __shfl_up_sync(FULL, g0, o);
+        if (lane >= o) { first += a; g0 += b; }
+    }
+    if (lane == 31) { s_warp[0][warp] = first; s_warp[1][warp] = g0; }
+    __syncthreads();
+    int total = 0;
+    for (int w = 0; w < NT / 32; ++w) {
+        if (w < warp) { first += s_warp[0][w]; g0 += s_warp[1][w]; }
+        total += s_warp[1][w];
+    }
+    first -= count;
+    g0 -= blocks;
+    int placed = 0;
+    for (int c0 = 0; c0 < P; c0 += GROUP_CHUNK) {
+        stage(c0);
+        const int n = min(GROUP_CHUNK, P - c0);
+        if (e < E && placed < count)
+            for (int i = 0; i < n; ++i)
+                if (s_sel[i] == e) {
+                    const int q = first + placed++;
+                    position[c0 + i] = q;
+                    source[q] = (c0 + i) / k;
+                }
+    }
+    for (int j = 0; j < blocks; ++j) {
+        int* g = groups + 3 * (g0 + j);
+        g[0] = e;
+        g[1] = first + j * rows;
+        g[2] = min(rows, count - j * rows);
+    }
+    for (int g = total + threadIdx.x; g < capacity; g += NT) groups[3 * g] = groups[3 * g + 1] = groups[3 * g + 2] = 0;
+}
+#undef GROUP_CHUNK

@@ -25,6 +25,7 @@ from kestrel_cuda.plan import (
     ATTN_SPLITS,
     EPI_STORE,
     FINISH_COLS,
+    GROUPED_ROWS,
     KV_BLOCK,
     MAX_HEAD_DIM,
     MERGE_MODES,
@@ -46,7 +47,7 @@ ATTN_DECODE_LANE_DIMS = (4, 8)  # attn_decode instances: a lane's dimensions (he
 GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
 # extern "C" kernels: no name expression
 KERNELS = ("embed_rows", "qkv_rope", "attn_prefill", "add_rows", "norm_add_rows", "lm_finish", "argmax_rows",
-           "moe_route", "moe_combine")
+           "moe_route", "moe_combine", "moe_group")
 Observer = Callable[[str, Callable[[], None]], None]
 
 
@@ -331,6 +332,15 @@ class CupyOps:
                     (_ptr(h), _ld(h), _i32(d), _ptr(norm), np.float32(eps), _ptr(ssq_in if m == 1 else None),
                      _ptr(router), _i32(experts), _i32(rows - experts), _i32(k), _i32(norm_topk), _ptr(xn), _ld(xn),
                      _ptr(logits), _ptr(counters), _ptr(sel), _ptr(wts)), 4 * d, name="moe_route")
+
+    def moe_group(self, sel: Any, experts: int, source: Any, position: Any, groups: Any) -> None:
+        """The (row, slot) pairs of sel [M, k] sorted by expert as plan.expert_groups sorts them: ``position``
+        [M k] where each lands, ``source`` [M k] the row each sorted position reads, ``groups`` [capacity, 3]
+        the grouped GEMM's blocks, zero past the pairs' own (moe.cu moe_group)."""
+        m, k = sel.shape
+        self.launch(self._fn["moe_group"], (1,), (256,),
+                    (_ptr(sel), _i32(m * k), _i32(k), _i32(experts), _i32(GROUPED_ROWS), _i32(groups.shape[0]),
+                     _ptr(source), _ptr(position), _ptr(groups)), name="moe_group")
 
     def moe_combine(self, y: Any, k: int, wts: Any, h: Any, index: Any = None, shared: Any = None,
                     ssq_out: Any = None) -> None:

@@ -29,6 +29,7 @@ from kestrel_cuda.plan import (
     Lin,
     QkvRope,
     check_expert_table,
+    expert_groups,
     ssq_count,
 )
 
@@ -206,6 +207,16 @@ class NumpyOps:
             wts[:, :k] = w / w.sum(axis=1, keepdims=True) if norm_topk else w
             if router.shape[0] > experts:
                 wts[:, k] = np.float32(1) / (np.float32(1) + np.exp(-logits[:, experts]))
+        self._run(fn)
+
+    def moe_group(self, sel: np.ndarray, experts: int, source: np.ndarray, position: np.ndarray,
+                  groups: np.ndarray) -> None:
+        def fn() -> None:
+            src, pos, blocks = expert_groups(sel)
+            source[:] = src
+            position[:] = pos
+            groups[:] = 0
+            groups[:len(blocks)] = blocks
         self._run(fn)
 
     def moe_combine(self, y: np.ndarray, k: int, wts: np.ndarray, h: np.ndarray, index: np.ndarray | None = None,

@@ -195,6 +195,12 @@ def expert_groups(top: np.ndarray, rows: int = GROUPED_ROWS) -> tuple[np.ndarray
     return (order // k).astype(np.int32), position, np.array(groups, np.int32).reshape(-1, 3)
 
 
+def group_capacity(pairs: int, experts: int, rows: int = GROUPED_ROWS) -> int:
+    """Groups (blocks of the grouped GEMM) that ``pairs`` (row, expert) pairs over ``experts`` experts can need,
+    at most: ceil(count / rows) for each chosen expert adds up to no more than this."""
+    return -(-pairs // rows) + min(experts, pairs)
+
+
 def check_expert_table(lins: list[Lin]) -> None:
     """The experts of one table (``ops.expert_table``) share their shape and plan: the launch takes the first's."""
     first = lins[0]

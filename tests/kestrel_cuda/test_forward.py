@@ -272,6 +272,28 @@ def test_grouped_expert_gemm_matches_the_mirror(bits, group, stream, gemm) -> No
     np.testing.assert_allclose(out[0], out[1], rtol=1e-5, atol=1e-5 * np.abs(out[1]).max())
 
 
+@pytest.mark.parametrize(("m", "k", "e"), ((1, 8, 128), (32, 8, 128), (1024, 8, 128), (300, 4, 16), (5, 2, 8)))
+def test_moe_group_sorts_the_pairs_as_the_host_does(m, k, e, stream) -> None:  # type: ignore[no-untyped-def]
+    """moe_group against plan.expert_groups: the same positions, sources and blocks, then zeros up to the
+    capacity; 1,024 rows of 8 (more pairs than one staged chunk), experts with more than a block of rows."""
+    from kestrel_cuda.ops_cupy import CupyOps
+    from kestrel_cuda.plan import expert_groups, group_capacity
+
+    ops = CupyOps(stream)
+    rng = np.random.default_rng(m * k + e)
+    top = np.sort(np.stack([rng.choice(e, k, replace=False) for _ in range(m)]), axis=1).astype(np.int32)
+    source, position, groups = expert_groups(top)
+    cap = group_capacity(m * k, e)
+    got = [ops.upload(np.full(m * k, -1, np.int32)), ops.upload(np.full(m * k, -1, np.int32)),
+           ops.upload(np.full((cap, 3), -1, np.int32))]
+    ops.moe_group(ops.upload(top), e, *got)
+    ops.synchronize()
+    src, pos, grp = (cp.asnumpy(a) for a in got)
+    assert np.array_equal(src, source) and np.array_equal(pos, position)
+    assert np.array_equal(grp[:len(groups)], groups) and not grp[len(groups):].any()
+    assert m < 300 or groups[:, 2].max() == 64
+
+
 def test_tagged_split_merge_is_exact_across_interleaved_launches(stream) -> None:  # type: ignore[no-untyped-def]
     """Two split GEMVs of different widths and split counts share the tagged merge area and advance its tile
     epochs in turn, eagerly and replayed from a graph: every launch gives the same bits as the first, and the

@@ -345,8 +345,9 @@ def kestrel_forward_batch(device, model, batch):
 
 
 def test_a_mixture_of_experts_serves_concurrent_requests_on_the_device(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Qwen2-MoE (routed and shared experts) in batched steps over the pool: each request's greedy tokens are
-    the ones it generates alone on the CPU."""
+    """Qwen2-MoE (routed and shared experts) in batched steps over the pool, the decode steps replaying their
+    bucket's graph (the rows grouped by expert on the device): each request's greedy tokens are the ones it
+    generates alone on the CPU."""
     import kestrel_core
     from kestrel_core.model.loader import load_model
     from kestrel_core.model.sampling import SamplingParams
@@ -362,7 +363,7 @@ def test_a_mixture_of_experts_serves_concurrent_requests_on_the_device(tmp_path,
         got = serve_all(engine, prompts, params)
         fwd = engine.backend.plugin.FWD[0]
     assert got == want
-    assert fwd.counters["batch_steps"] >= 4 and fwd.counters["batch_graph_replays"] == 0
+    assert fwd.counters["batch_steps"] >= 4 and fwd.counters["batch_graph_replays"] >= 2
 
 
 @pytest.mark.parametrize("logprobs", [False, True])

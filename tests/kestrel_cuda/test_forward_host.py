@@ -728,6 +728,25 @@ def test_expert_groups_sort_each_rows_experts_into_blocks() -> None:
         assert np.all(np.diff(source[first:first + rows]) > 0)
 
 
+@pytest.mark.parametrize("m,k,e", [(1, 8, 128), (32, 8, 128), (100, 4, 16), (7, 2, 8)])
+def test_group_capacity_holds_every_grouping_and_the_mirror_pads_to_it(m: int, k: int, e: int) -> None:
+    """The grouped GEMM's grid, group_capacity blocks, takes every grouping of m rows' k of e experts, the
+    most groups included (every expert chosen, its count just past a block); the mirror of moe_group fills
+    the blocks past the rows' own with (0, 0, 0), the GEMM's sign of a block that does nothing."""
+    rng = np.random.default_rng(m + e)
+    top = np.sort(np.stack([rng.choice(e, k, replace=False) for _ in range(m)]), axis=1)
+    cap = plan.group_capacity(m * k, e)
+    source, position, groups = plan.expert_groups(top)
+    assert len(groups) <= cap
+    worst = (e * (plan.GROUPED_ROWS + 1), e)  # pairs and experts for the most groups: e x 2
+    assert plan.group_capacity(*worst) >= 2 * e
+    ops = NumpyOps()
+    got = (np.full(m * k, -1, np.int32), np.full(m * k, -1, np.int32), np.full((cap, 3), -1, np.int32))
+    ops.moe_group(top, e, *got)
+    assert np.array_equal(got[0], source) and np.array_equal(got[1], position)
+    assert np.array_equal(got[2][:len(groups)], groups) and not got[2][len(groups):].any()
+
+
 def test_device_routing_chooses_the_cpu_decoders_experts() -> None:
     """moe_route's mirror against kestrel_core's route: the same experts (in increasing order) and weights,
     with and without renormalising over the k, the shared gate's sigmoid last."""
