@@ -3,9 +3,9 @@
 ``moe_route`` normalises the rows and chooses each one's experts and weights. A decode step (one row) then runs
 the chosen experts' GEMVs, one launch per projection over a table of the layer's experts, and ``moe_combine``
 adds them up. A step of several rows (a prefill chunk, a batch) sorts its (row, expert) pairs by expert with
-``moe_group`` and runs each projection of every chosen expert as one grouped GEMM over them, its grid sized for
-the most groups the rows can need; the shared expert runs on every row. No step waits on the host, so each is
-captured in a graph like a dense model's.
+``moe_group`` and runs each projection of every chosen expert as one grouped GEMM over them (blocks of 16 or
+64 positions, ``plan.grouped_rows``), its grid sized for the most groups the rows can need; the shared expert
+runs on every row. No step waits on the host, so each is captured in a graph like a dense model's.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from kestrel_cuda.forward_state import ExpertLins, LayerLins, State
-from kestrel_cuda.plan import EPI_STORE, PRO_PLAIN, PRO_SILU_MUL, group_capacity
+from kestrel_cuda.plan import EPI_STORE, PRO_PLAIN, PRO_SILU_MUL, group_capacity, grouped_rows
 
 
 def moe_mlp(ops: Any, st: State, i: int, w: LayerLins, m: int, eps: float, ssq: Any) -> None:
@@ -38,14 +38,15 @@ def moe_mlp(ops: Any, st: State, i: int, w: LayerLins, m: int, eps: float, ssq: 
         index = None
     else:
         source, position, groups = st.group
-        blocks = group_capacity(p, c.num_experts)
-        ops.moe_group(sel[:m], c.num_experts, source[:p], position[:p], groups[:blocks])
+        rows = grouped_rows(p, c.num_experts)
+        blocks = group_capacity(p, c.num_experts, rows)
+        ops.moe_group(sel[:m], c.num_experts, source[:p], position[:p], groups[:blocks], rows)
         index = position[:p]
         ops.gather_rows(xn, source[:p], xs[:p])
         for j, lin in enumerate(gate_up):
             ops.experts_gemm(lin, xs[:p], PRO_PLAIN, 0, gus[:p, lin.col:lin.col + lin.n], w.tables.gate_up[j],
-                             groups[:blocks], blocks)
-        ops.experts_gemm(down, gus[:p], PRO_SILU_MUL, down.k, ys[:p], w.tables.down, groups[:blocks], blocks)
+                             groups[:blocks], blocks, rows)
+        ops.experts_gemm(down, gus[:p], PRO_SILU_MUL, down.k, ys[:p], w.tables.down, groups[:blocks], blocks, rows)
     if shared is not None:
         _expert(ops, st, shared, xn[:m], ys[p:p + m], eps)
     ops.moe_combine(ys[:p], k, wts[:m], st.h[:m], index, ys[p:p + m] if shared is not None else None, ssq)

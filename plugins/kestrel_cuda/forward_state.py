@@ -22,6 +22,7 @@ from kestrel_core.wkey import lm_head_wkey
 from kestrel_cuda.layout import StripGroup, fusable, layer_groups, pack_kmajor, pad_n
 from kestrel_cuda.plan import (
     FINISH_COLS,
+    GROUPED_ROWS_FEW,
     PASS_ROWS,
     TOKEN_RING,
     Lin,
@@ -260,7 +261,8 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
                       zeros((t, c.experts_per_token), np.int32), zeros((t, c.experts_per_token + 1), np.float32))
                if c.is_moe else None,
                group=(zeros(t * c.experts_per_token, np.int32), zeros(t * c.experts_per_token, np.int32),
-                      zeros((group_capacity(t * c.experts_per_token, c.num_experts), 3), np.int32))
+                      zeros((group_capacity(t * c.experts_per_token, c.num_experts, GROUPED_ROWS_FEW), 3),
+                            np.int32))
                if c.is_moe else None,
                finish=(zeros(-(-c.vocab_size // FINISH_COLS), np.float32),
                        zeros(-(-c.vocab_size // FINISH_COLS), np.int32), zeros(1, np.int32)),

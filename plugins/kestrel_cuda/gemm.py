@@ -39,11 +39,13 @@ from kestrel_cuda.kernels import (
     MMA_TILES,
 )
 from kestrel_cuda.layout import Geometry
-from kestrel_cuda.plan import GROUPED_ROWS, MAX_CLUSTER
+from kestrel_cuda.plan import GROUPED_ROWS, GROUPED_ROWS_FEW, MAX_CLUSTER
 from kestrel_cuda.residency import DeviceWeight
 
 GEMV_MAX_M = 1
-GROUPED_TILE = "64x128"  # a mixture of experts' prefill: ~32 rows an expert at 512 tokens, 8 of 128 experts
+# a mixture of experts' grouped GEMM by its positions a block (plan.grouped_rows): a prefill's (~32 rows an
+# expert at 512 tokens, 8 of 128 experts) or a decode batch's (one or two rows an expert)
+GROUPED_TILES = {GROUPED_ROWS: "64x128", GROUPED_ROWS_FEW: "16x128"}
 NULL = np.uint64(0)
 SPLIT_MAX_M = 64  # up to this many rows the tensor-core GEMM splits K (the 16x128s or 32x128s block)
 SPLIT_BLOCKS_PER_SM = 2  # the split GEMM's grid target, in blocks per SM
@@ -243,15 +245,16 @@ class DeviceGemm:
         self.launches["mma"] += 1
 
     def grouped(self, a_codes: Any, a_scales: Any, geometry: Geometry, table: Any, groups: Any, blocks: int,
-                out: Any, n: int, stream: Any = None) -> None:
+                out: Any, n: int, stream: Any = None, rows: int = GROUPED_ROWS) -> None:
         """A mixture of experts' GEMMs in one launch: a_codes [P,K] (scales [P,K/G]) are every expert's rows,
         sorted by expert; ``groups`` int32 [blocks, 3] names each block row's (expert, first row, rows) (at
-        most GROUPED_TILE's BM rows), ``table`` uint64 [E, 2] the experts' (codes, scales) pointers, all of
-        ``geometry``; out[:P, :n] gets each row's outputs."""
+        most ``rows``, a key of GROUPED_TILES), ``table`` uint64 [E, 2] the experts' (codes, scales) pointers,
+        all of ``geometry``; out[:P, :n] gets each row's outputs."""
         g = geometry
-        tile = MMA_TILES[GROUPED_TILE]
-        assert tile.bm == GROUPED_ROWS and not tile.split
-        kern = self.kernels.mma.get((g.code_bits, g.group_size, GROUPED_TILE))
+        name = GROUPED_TILES[rows]
+        tile = MMA_TILES[name]
+        assert tile.bm == rows and not tile.split
+        kern = self.kernels.mma.get((g.code_bits, g.group_size, name))
         if kern is None or a_codes.shape[1] != g.k or out.shape[1] < n or n > g.npad:
             raise ValueError(f"grouped: no kernel or shapes do not match (A {a_codes.shape}, K={g.k})")
         ws = self.workspace(stream)

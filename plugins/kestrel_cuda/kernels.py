@@ -75,12 +75,14 @@ class MmaTile:
 
 MMA_BK, MMA_STAGES = 128, 3  # K bytes per shared-memory stage, stages in flight (GQ_BK, GQ_STAGES in gemm_mma.cu)
 # Block shapes (measured on the H200, docs/performance.md): 128x128 with 8 warps of 64x32 (1 block/SM, ~210
-# registers) for large grids, 64x128 with 8 warps of 32x32 (<= 128 registers, 2 blocks/SM) for short ones; split
+# registers) for large grids, 64x128 with 8 warps of 32x32 (<= 128 registers, 2 blocks/SM) for short ones and a
+# prefill's grouped expert GEMM, 16x128 with 4 warps of 16x32 for a decode batch's grouped expert GEMM; split
 # over K for decode batches: 16x128s with 4 warps of 16x32 for 2-16 rows, 32x128s with 4 warps of 32x32 for
 # 17-64 (three blocks/SM each).
 MMA_TILES: dict[str, MmaTile] = {
     "128x128": MmaTile(2, 4, 4, 1),
     "64x128": MmaTile(2, 4, 2, 2),
+    "16x128": MmaTile(1, 4, 1, 3),
     "16x128s": MmaTile(1, 4, 1, 3, split=True),
     "32x128s": MmaTile(1, 4, 2, 3, split=True),
 }

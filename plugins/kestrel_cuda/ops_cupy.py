@@ -25,7 +25,6 @@ from kestrel_cuda.plan import (
     ATTN_SPLITS,
     EPI_STORE,
     FINISH_COLS,
-    GROUPED_ROWS,
     KV_BLOCK,
     MAX_HEAD_DIM,
     MERGE_MODES,
@@ -333,13 +332,13 @@ class CupyOps:
                      _ptr(router), _i32(experts), _i32(rows - experts), _i32(k), _i32(norm_topk), _ptr(xn), _ld(xn),
                      _ptr(logits), _ptr(counters), _ptr(sel), _ptr(wts)), 4 * d, name="moe_route")
 
-    def moe_group(self, sel: Any, experts: int, source: Any, position: Any, groups: Any) -> None:
+    def moe_group(self, sel: Any, experts: int, source: Any, position: Any, groups: Any, rows: int) -> None:
         """The (row, slot) pairs of sel [M, k] sorted by expert as plan.expert_groups sorts them: ``position``
         [M k] where each lands, ``source`` [M k] the row each sorted position reads, ``groups`` [capacity, 3]
-        the grouped GEMM's blocks, zero past the pairs' own (moe.cu moe_group)."""
+        the grouped GEMM's blocks of at most ``rows`` positions, zero past the pairs' own (moe.cu moe_group)."""
         m, k = sel.shape
         self.launch(self._fn["moe_group"], (1,), (256,),
-                    (_ptr(sel), _i32(m * k), _i32(k), _i32(experts), _i32(GROUPED_ROWS), _i32(groups.shape[0]),
+                    (_ptr(sel), _i32(m * k), _i32(k), _i32(experts), _i32(rows), _i32(groups.shape[0]),
                      _ptr(source), _ptr(position), _ptr(groups)), name="moe_group")
 
     def moe_combine(self, y: Any, k: int, wts: Any, h: Any, index: Any = None, shared: Any = None,
@@ -353,7 +352,7 @@ class CupyOps:
                     name="moe_combine")
 
     def experts_gemm(self, lin: Lin, x: Any, pro: int, xoff: int, y: Any, table: Any, groups: Any,
-                     blocks: int) -> None:
+                     blocks: int, rows: int) -> None:
         """y[:P, :lin.n] = each expert's projection of its rows of x [P, K] (prologue ``pro``), the rows sorted
         by expert as ``groups`` int32 [blocks, 3] (expert, first row, rows) says; ``table``: ``expert_table``
         of experts shaped like ``lin`` (gemm.DeviceGemm.grouped)."""
@@ -369,7 +368,7 @@ class CupyOps:
 
         def run() -> None:
             self.launches += 1
-            self.gemm.grouped(codes, scales, geometry, table, groups, blocks, y, lin.n, self.stream)
+            self.gemm.grouped(codes, scales, geometry, table, groups, blocks, y, lin.n, self.stream, rows)
         if self.on_launch is not None:
             self.on_launch("gemm_q8 (grouped)", run)
         else:

@@ -210,9 +210,9 @@ class NumpyOps:
         self._run(fn)
 
     def moe_group(self, sel: np.ndarray, experts: int, source: np.ndarray, position: np.ndarray,
-                  groups: np.ndarray) -> None:
+                  groups: np.ndarray, rows: int) -> None:
         def fn() -> None:
-            src, pos, blocks = expert_groups(sel)
+            src, pos, blocks = expert_groups(sel, rows)
             source[:] = src
             position[:] = pos
             groups[:] = 0
@@ -235,7 +235,7 @@ class NumpyOps:
         self._run(fn)
 
     def experts_gemm(self, lin: Lin, x: np.ndarray, pro: int, xoff: int, y: np.ndarray, table: list[Lin],
-                     groups: np.ndarray, blocks: int) -> None:
+                     groups: np.ndarray, blocks: int, rows: int) -> None:
         def fn() -> None:
             for e, row0, rows in groups[:blocks]:
                 y[row0:row0 + rows] = _qgemv(table[int(e)], x[row0:row0 + rows], pro, None, 0.0, xoff, None)

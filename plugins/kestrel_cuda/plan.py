@@ -40,7 +40,8 @@ MERGE_MODES = ("auto", "tagged", "counter")
 ROUTE_ROWS = 8  # router rows of one moe_route block (moe.cu ROUTE_ROWS)
 ROUTE_MAX_EXPERTS = 256  # moe_route: a router logit per thread of the choosing block (moe.cu ROUTE_MAX_EXPERTS)
 ROUTE_MAX_HIDDEN = 8192  # moe_route: the normed row in 32 KiB of shared memory (48 KiB with no opt-in)
-GROUPED_ROWS = 64  # positions of one block of a mixture of experts' grouped GEMM (gemm.GROUPED_TILE's rows)
+GROUPED_ROWS = 64  # positions of one block of a mixture of experts' grouped GEMM (gemm.GROUPED_TILES' rows)
+GROUPED_ROWS_FEW = 16  # ... where the pairs average at most that many an expert (a decode batch's)
 
 
 @dataclass
@@ -193,6 +194,13 @@ def expert_groups(top: np.ndarray, rows: int = GROUPED_ROWS) -> tuple[np.ndarray
     groups = [(e, int(starts[e]) + r, min(rows, int(counts[e]) - r))
               for e in np.nonzero(counts)[0] for r in range(0, int(counts[e]), rows)]
     return (order // k).astype(np.int32), position, np.array(groups, np.int32).reshape(-1, 3)
+
+
+def grouped_rows(pairs: int, experts: int) -> int:
+    """Positions of one grouped GEMM block for ``pairs`` (row, expert) pairs over ``experts`` experts: a
+    prefill's experts take tens of rows each, a decode batch's one or two, whose 64-row blocks would be
+    almost all padding."""
+    return GROUPED_ROWS_FEW if pairs <= GROUPED_ROWS_FEW * experts else GROUPED_ROWS
 
 
 def group_capacity(pairs: int, experts: int, rows: int = GROUPED_ROWS) -> int:

@@ -237,9 +237,11 @@ def test_moe_route_and_the_chosen_experts_match_the_mirrors(experts, k, shared, 
 
 
 @pytest.mark.parametrize(("bits", "group"), ((8, 32), (4, 32), (8, 256), (4, 256)))
-def test_grouped_expert_gemm_matches_the_mirror(bits, group, stream, gemm) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("rows", (64, 16))
+def test_grouped_expert_gemm_matches_the_mirror(bits, group, rows, stream, gemm) -> None:  # type: ignore[no-untyped-def]
     """One launch of the grouped tensor-core GEMM over 100 rows' chosen experts (4 of 16 a row; expert 0 on 80
-    rows: two blocks, expert 15 on one row), the SiLU-gated prologue included, against the numpy mirror."""
+    rows: two blocks of 64 or five of 16, expert 15 on one row), the SiLU-gated prologue included, and blocks
+    past the groups (count 0, as moe_group pads them), against the numpy mirror."""
     from kestrel_cuda.layout import pack_kmajor, pad_n
     from kestrel_cuda.ops_cupy import CupyOps
     from kestrel_cuda.ops_numpy import NumpyOps
@@ -251,7 +253,8 @@ def test_grouped_expert_gemm_matches_the_mirror(bits, group, stream, gemm) -> No
     top = np.sort(np.stack([[0, *(1 + rng.choice(e - 2, k - 1, replace=False))] if r < 80 else
                             [*(1 + rng.choice(e - 3, k - 1, replace=False)), e - 1 if r == 80 else e - 2]
                             for r in range(m)]), axis=1)
-    source, position, groups = expert_groups(top)
+    source, position, groups = expert_groups(top, rows)
+    padded = np.concatenate([groups, np.zeros((3, 3), np.int32)])
     x = rng.standard_normal((m * k, 2 * kk)).astype(np.float32)[source]
     lo, hi = (-127, 127) if bits == 8 else (-8, 7)
     weights = []
@@ -264,34 +267,37 @@ def test_grouped_expert_gemm_matches_the_mirror(bits, group, stream, gemm) -> No
     for o in (ops, ref):
         lins = [Lin(o.upload(c), o.upload(sc), kk, n, pad_n(n), group, bits) for c, sc in weights]
         y = o.zeros((m * k, n), np.float32)
-        o.experts_gemm(lins[0], o.upload(x), PRO_SILU_MUL, kk, y, o.expert_table(lins), o.upload(groups),
-                       len(groups))
+        o.experts_gemm(lins[0], o.upload(x), PRO_SILU_MUL, kk, y, o.expert_table(lins), o.upload(padded),
+                       len(padded), rows)
         o.synchronize()
         out.append(cp.asnumpy(y) if o is ops else y)
-    assert len(groups) == e + 1 and groups[:, 2].min() == 1
+    counts = np.bincount(top.reshape(-1), minlength=e)
+    assert len(groups) == (-(-counts // rows)).sum() and groups[:, 2].min() == 1 and counts[0] > rows
     np.testing.assert_allclose(out[0], out[1], rtol=1e-5, atol=1e-5 * np.abs(out[1]).max())
 
 
-@pytest.mark.parametrize(("m", "k", "e"), ((1, 8, 128), (32, 8, 128), (1024, 8, 128), (300, 4, 16), (5, 2, 8)))
-def test_moe_group_sorts_the_pairs_as_the_host_does(m, k, e, stream) -> None:  # type: ignore[no-untyped-def]
-    """moe_group against plan.expert_groups: the same positions, sources and blocks, then zeros up to the
-    capacity; 1,024 rows of 8 (more pairs than one staged chunk), experts with more than a block of rows."""
+@pytest.mark.parametrize(("m", "k", "e", "rows"), ((1, 8, 128, 16), (32, 8, 128, 16), (32, 8, 128, 64),
+                                                  (1024, 8, 128, 64), (300, 4, 16, 64), (300, 4, 16, 16),
+                                                  (5, 2, 8, 16)))
+def test_moe_group_sorts_the_pairs_as_the_host_does(m, k, e, rows, stream) -> None:  # type: ignore[no-untyped-def]
+    """moe_group against plan.expert_groups: the same positions, sources and blocks of 16 or 64, then zeros up
+    to the capacity; 1,024 rows of 8 (more pairs than one staged chunk), experts with more than a block."""
     from kestrel_cuda.ops_cupy import CupyOps
     from kestrel_cuda.plan import expert_groups, group_capacity
 
     ops = CupyOps(stream)
     rng = np.random.default_rng(m * k + e)
     top = np.sort(np.stack([rng.choice(e, k, replace=False) for _ in range(m)]), axis=1).astype(np.int32)
-    source, position, groups = expert_groups(top)
-    cap = group_capacity(m * k, e)
+    source, position, groups = expert_groups(top, rows)
+    cap = group_capacity(m * k, e, rows)
     got = [ops.upload(np.full(m * k, -1, np.int32)), ops.upload(np.full(m * k, -1, np.int32)),
            ops.upload(np.full((cap, 3), -1, np.int32))]
-    ops.moe_group(ops.upload(top), e, *got)
+    ops.moe_group(ops.upload(top), e, *got, rows)
     ops.synchronize()
     src, pos, grp = (cp.asnumpy(a) for a in got)
     assert np.array_equal(src, source) and np.array_equal(pos, position)
     assert np.array_equal(grp[:len(groups)], groups) and not grp[len(groups):].any()
-    assert m < 300 or groups[:, 2].max() == 64
+    assert m < 300 or groups[:, 2].max() == rows
 
 
 def test_tagged_split_merge_is_exact_across_interleaved_launches(stream) -> None:  # type: ignore[no-untyped-def]

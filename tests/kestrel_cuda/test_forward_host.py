@@ -735,16 +735,25 @@ def test_group_capacity_holds_every_grouping_and_the_mirror_pads_to_it(m: int, k
     the blocks past the rows' own with (0, 0, 0), the GEMM's sign of a block that does nothing."""
     rng = np.random.default_rng(m + e)
     top = np.sort(np.stack([rng.choice(e, k, replace=False) for _ in range(m)]), axis=1)
-    cap = plan.group_capacity(m * k, e)
-    source, position, groups = plan.expert_groups(top)
+    rows = plan.grouped_rows(m * k, e)
+    cap = plan.group_capacity(m * k, e, rows)
+    source, position, groups = plan.expert_groups(top, rows)
     assert len(groups) <= cap
-    worst = (e * (plan.GROUPED_ROWS + 1), e)  # pairs and experts for the most groups: e x 2
-    assert plan.group_capacity(*worst) >= 2 * e
+    for r in (plan.GROUPED_ROWS, plan.GROUPED_ROWS_FEW):
+        worst = (e * (r + 1), e)  # pairs and experts for the most groups: e x 2
+        assert plan.group_capacity(*worst, r) >= 2 * e
     ops = NumpyOps()
     got = (np.full(m * k, -1, np.int32), np.full(m * k, -1, np.int32), np.full((cap, 3), -1, np.int32))
-    ops.moe_group(top, e, *got)
+    ops.moe_group(top, e, *got, rows)
     assert np.array_equal(got[0], source) and np.array_equal(got[1], position)
     assert np.array_equal(got[2][:len(groups)], groups) and not got[2][len(groups):].any()
+
+
+def test_grouped_blocks_are_small_for_a_decode_batch_and_large_for_a_prefill() -> None:
+    """Qwen3-30B-A3B (8 of 128 experts): up to 256 decode rows (at most 16 pairs an expert on average) take
+    blocks of 16 positions; a 512-token prefill chunk's (32 an expert) blocks of 64."""
+    assert plan.grouped_rows(32 * 8, 128) == plan.grouped_rows(256 * 8, 128) == 16
+    assert plan.grouped_rows(257 * 8, 128) == plan.grouped_rows(512 * 8, 128) == 64
 
 
 def test_device_routing_chooses_the_cpu_decoders_experts() -> None:
@@ -794,10 +803,10 @@ def test_a_mixture_of_experts_decoded_with_the_wrong_experts_leaves_the_band() -
             super().gemv(lin, x, *args, experts=experts, **kw)
 
     class NextGroup(NumpyOps):
-        def experts_gemm(self, lin, x, pro, xoff, y, table, groups, blocks):  # type: ignore[no-untyped-def]
+        def experts_gemm(self, lin, x, pro, xoff, y, table, groups, blocks, rows):  # type: ignore[no-untyped-def]
             shifted = groups.copy()
             shifted[:, 0] = (shifted[:, 0] + 1) % len(table)
-            super().experts_gemm(lin, x, pro, xoff, y, table, shifted, blocks)
+            super().experts_gemm(lin, x, pro, xoff, y, table, shifted, blocks, rows)
 
     model = load_model(str(FIXTURES / "tiny-qwen3-moe"), "q8", cache="off").model
     for wrong in (NextExpert(), NextGroup()):
