@@ -134,7 +134,7 @@ def cluster_split(lin: Lin, ksplit: int, sm_count: int, slots: int = 1) -> int:
     blocks, 64 against 74 %), and where the chunks do not divide evenly among the cluster's blocks.
     Where ``ksplit`` gives no such cluster, the most splits of at most three chunks a block that do, if any:
     Gemma 3 12B's q|k|v (15 chunks) as 5 splits, 320 blocks, 10.16 against 11.27 us for the planner's 15
-    (6.98 against 7.84 at q4; 8 as a cluster, uneven, 13.1 in an earlier call); qwen3-30b-a3b's routed
+    (6.98 against 7.84 at q4; 8 as a cluster, uneven, 13.1); qwen3-30b-a3b's routed
     gate|up as 4 splits, 384 blocks, not 8 in 768 (docs/performance.md). ``slots``: rows a launch runs, each
     its own grid z (plan_routed)."""
     wave = CHUNK_BLOCKS_PER_SM * sm_count
