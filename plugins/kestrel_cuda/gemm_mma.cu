@@ -18,8 +18,10 @@
 // part[z][M][Npad] and the last block of a tile to arrive on its counter (then reset) adds them in z order:
 // the same bits. With one split the sums go straight to out. They take whole stages and column tiles only
 // (K % BK == 0, Npad % BN == 0: gemm.split_fits), so their copies carry no bounds checks (about half the
-// loop's instructions, docs/performance.md), and scale each group with one fused multiply-add,
-// fmaf((float)s, a_scale * w_scale, acc) (within the reference's bound, not its bits).
+// loop's instructions, docs/performance.md), and scale each group with two fused multiply-adds instead of three
+// operations (the scaling is most of the loop's instructions; MAGIC: below): y = fmaf(MAGIC + s, a, -MAGIC * a) = s * a
+// rounded once, for the row scale a rounded to 22 significant bits, so that MAGIC * a = 3 * 2^22 * a is exact;
+// then acc = fmaf(y, w_scale, acc). Within the reference's bound, not its bits.
 //
 // Programmatic dependent launch (common.cuh; a captured step of several rows launches it so): a block copies its
 // first stages' weights and weight scales, which no kernel writes, before it waits for the previous kernel,
@@ -319,6 +321,14 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
                         sa[q] = v.x; sa[q + 1] = v.y; sa[q + 2] = v.z; sa[q + 3] = v.w;
                     }
                 }
+                float nb[2 * MI];  // SPLIT: -MAGIC * the row scale rounded to 22 bits (exact: see above)
+                if constexpr (SPLIT) {
+#pragma unroll
+                    for (int q = 0; q < 2 * MI; ++q) {
+                        sa[q] = __uint_as_float((__float_as_uint(sa[q]) + 2u) & ~3u);
+                        nb[q] = -GQ_MAGIC_F * sa[q];
+                    }
+                }
 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi) {
                     const float sa0 = sa[2 * mi], sa1 = sa[2 * mi + 1];
@@ -326,16 +336,20 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
                     for (int ni = 0; ni < 4; ++ni) {
                         // element e: row gid + 8 * (e >> 1), n8 column 2 * tig + (e & 1) = physical 8 * tig +
                         // 4 * (e & 1) + ni of the warp's 32
-                        const float f0 = __int_as_float(iacc[mi][ni][0]) - GQ_MAGIC_F;
-                        const float f1 = __int_as_float(iacc[mi][ni][1]) - GQ_MAGIC_F;
-                        const float f2 = __int_as_float(iacc[mi][ni][2]) - GQ_MAGIC_F;
-                        const float f3 = __int_as_float(iacc[mi][ni][3]) - GQ_MAGIC_F;
-                        if constexpr (SPLIT) {
-                            facc[mi][ni][0] = fmaf(f0, sa0 * sw[ni], facc[mi][ni][0]);
-                            facc[mi][ni][1] = fmaf(f1, sa0 * sw[4 + ni], facc[mi][ni][1]);
-                            facc[mi][ni][2] = fmaf(f2, sa1 * sw[ni], facc[mi][ni][2]);
-                            facc[mi][ni][3] = fmaf(f3, sa1 * sw[4 + ni], facc[mi][ni][3]);
+                        if constexpr (SPLIT) {  // (MAGIC + s) * sa - MAGIC * sa = s * sa, rounded once
+                            const float y0 = fmaf(__int_as_float(iacc[mi][ni][0]), sa0, nb[2 * mi]);
+                            const float y1 = fmaf(__int_as_float(iacc[mi][ni][1]), sa0, nb[2 * mi]);
+                            const float y2 = fmaf(__int_as_float(iacc[mi][ni][2]), sa1, nb[2 * mi + 1]);
+                            const float y3 = fmaf(__int_as_float(iacc[mi][ni][3]), sa1, nb[2 * mi + 1]);
+                            facc[mi][ni][0] = fmaf(y0, sw[ni], facc[mi][ni][0]);
+                            facc[mi][ni][1] = fmaf(y1, sw[4 + ni], facc[mi][ni][1]);
+                            facc[mi][ni][2] = fmaf(y2, sw[ni], facc[mi][ni][2]);
+                            facc[mi][ni][3] = fmaf(y3, sw[4 + ni], facc[mi][ni][3]);
                         } else {
+                            const float f0 = __int_as_float(iacc[mi][ni][0]) - GQ_MAGIC_F;
+                            const float f1 = __int_as_float(iacc[mi][ni][1]) - GQ_MAGIC_F;
+                            const float f2 = __int_as_float(iacc[mi][ni][2]) - GQ_MAGIC_F;
+                            const float f3 = __int_as_float(iacc[mi][ni][3]) - GQ_MAGIC_F;
                             facc[mi][ni][0] += (f0 * sa0) * sw[ni];
                             facc[mi][ni][1] += (f1 * sa0) * sw[4 + ni];
                             facc[mi][ni][2] += (f2 * sa1) * sw[ni];
@@ -371,11 +385,14 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
         constexpr int Q = BM * BN / 4;  // float4s of the tile
         const int z = blockIdx.z, q0 = z * Q / nz, q1 = (z + 1) * Q / nz;
         for (int q = q0 + tid; q < q1; q += THREADS) {
-            float4 s = ld_cluster_f4(cluster_addr(tile + 4 * q, 0));
-            for (int r = 1; r < nz; ++r) {  // in z order, as the counter merge below
-                const float4 v = ld_cluster_f4(cluster_addr(tile + 4 * q, r));
-                s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
-            }
+            float4 v[MAX_CLUSTER];  // every split's loads in flight at once
+#pragma unroll
+            for (int r = 0; r < MAX_CLUSTER; ++r)
+                if (r < nz) v[r] = ld_cluster_f4(cluster_addr(tile + 4 * q, r));
+            float4 s = v[0];
+#pragma unroll
+            for (int r = 1; r < MAX_CLUSTER; ++r)  // in z order, as the counter merge below
+                if (r < nz) { s.x += v[r].x; s.y += v[r].y; s.z += v[r].z; s.w += v[r].w; }
             const int row = m0 + 4 * q / BN, col = n0 + 4 * q % BN;
             if (row >= M) continue;
             float* o = out + (size_t)row * ldo + col;
@@ -388,7 +405,7 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
                     if (col + c < N) o[c] = v[c];
             }
         }
-        cluster_arrive();
+        cluster_arrive_relaxed();  // the loads above are done: nothing to publish
         cluster_wait();  // no block leaves while another still reads its shared memory
         return;
     }
