@@ -114,6 +114,22 @@ __device__ __forceinline__ float rms_from_tiles(const float* __restrict__ ssq, i
     return sqrtf(s / (float)K + eps);
 }
 
+// A post-norm h' = h + out * w / ro folded into the GEMVs around it (plan.PostNorm): from the sums st[t] (one
+// float4 a column tile t of out's GEMV, T = ceil(K / TN)) of out², h·out·w, (out·w)² and h² that out's GEMV left,
+// the post-norm's denominator ro and h''s, rh (sum h'² = sum h² + 2 / ro sum h·out·w + 1 / ro² sum (out·w)²).
+// Every warp computes the same.
+__device__ __forceinline__ void postnorm_rms(const float4* __restrict__ st, int K, float eps, float& ro, float& rh) {
+    const int lane = threadIdx.x & 31, T = (K + TN - 1) / TN;  // T <= 64 (plan.POSTNORM_MAX_D); a loop spilled
+    const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 s = lane < T ? __ldcg(st + lane) : z;  // written by the kernel before
+    const float4 v = lane + 32 < T ? __ldcg(st + lane + 32) : z;
+    s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+    const float ik = __frcp_rn((float)K);  // one division instead of four: the M = 1 GEMV has 64 registers
+    ro = sqrtf(warp_sum(s.x) * ik + eps);
+    const float io = __frcp_rn(ro);
+    rh = sqrtf(fmaxf(warp_sum(s.w) + io * (2.f * warp_sum(s.y) + io * warp_sum(s.z)), 0.f) * ik + eps);
+}
+
 // ssq[n0 / 32] = sum of the squares of the calling warp's outputs y (0 where a lane holds none), n0 the
 // warp's first column
 __device__ __forceinline__ void store_warp_ssq(float y, float* __restrict__ ssq, int n0) {

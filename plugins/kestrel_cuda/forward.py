@@ -70,54 +70,26 @@ from kestrel_core.model.weights import Model
 from kestrel_cuda import paged
 from kestrel_cuda.config import CudaConfig
 from kestrel_cuda.forward_moe import moe_mlp
-from kestrel_cuda.forward_state import Projections, State, WeightSource, build_state
+from kestrel_cuda.forward_state import Projections, State, WeightSource, build_state, unsupported_reason
 from kestrel_cuda.plan import (
     EPI_ADD,
     EPI_STORE,
     KV_DTYPE,
-    MAX_HEAD_DIM,
     PASS_ROWS,
     PRO_GELU_MUL,
     PRO_PLAIN,
+    PRO_POSTNORM,
     PRO_RMSNORM,
     PRO_SILU_MUL,
-    ROUTE_MAX_EXPERTS,
-    ROUTE_MAX_HIDDEN,
     TILE_N,
     TOKEN_RING,
     Lin,
+    PostNorm,
     QkvRope,
     head_scale,
 )
 
 CAP_CHUNK = 1024  # KV positions are allocated this many at a time
-DEVICE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe")
-
-
-def unsupported_reason(model: Model) -> str | None:
-    """Why the device forward cannot run ``model`` (None: it can): the decoders it knows are Llama, Qwen2,
-    Qwen3, Mistral, Phi-3, Gemma 3 (post-norms, GeGLU, scaled embeddings and queries, a RoPE per layer kind,
-    sliding windows) and the mixtures of experts Qwen3-MoE, Mixtral and Qwen2-MoE (up to ROUTE_MAX_EXPERTS
-    experts, routed on the device); Gemma 2's soft caps run through the GEMM hooks."""
-    c = model.config
-    if c.arch not in DEVICE_ARCHITECTURES:
-        return f"architecture {c.arch!r}"
-    if c.attn_softcap is not None or c.final_softcap is not None:
-        return "attention or logit soft caps"
-    if c.activation not in ("silu", "gelu_tanh"):
-        return f"activation {c.activation!r}"
-    if c.head_dim % 4 or c.head_dim > MAX_HEAD_DIM:
-        return f"head_dim {c.head_dim} (needs a multiple of 4 <= {MAX_HEAD_DIM})"
-    if c.num_kv_heads <= 0 or c.num_heads % c.num_kv_heads:
-        return f"{c.num_heads} heads over {c.num_kv_heads} KV heads"
-    if model.embedding.k != c.hidden_size:
-        return "embedding width differs from hidden_size"
-    if c.is_moe and (c.num_experts > ROUTE_MAX_EXPERTS or c.hidden_size > ROUTE_MAX_HIDDEN or c.hidden_size % 4):
-        return (f"{c.num_experts} experts of width {c.hidden_size} (the router takes up to {ROUTE_MAX_EXPERTS} of"
-                f" a width up to {ROUTE_MAX_HIDDEN}, a multiple of 4)")
-    return None
-
-
 @dataclass
 class _Seq:
     kv: Any  # float16 [L, 2, KV, cap, hd]
@@ -493,6 +465,13 @@ class DeviceForward:
         act = PRO_GELU_MUL if c.activation == "gelu_tanh" else PRO_SILU_MUL
         h = st.h[:m]
         ssq = st.ssq if m == 1 else None  # h's tile sums: left by its writers, read by the norms
+        # Gemma's post-norms at M = 1 fold into the GEMVs around them (plan.PostNorm), the residual stream moving
+        # between the rows of ``fold``: ``pending`` is one the next normed GEMV applies
+        gather = pool is not None and pool.index is not None
+        fold = (st.h[:1], st.post[0]) if st.post is not None and m == 1 and not gather else None
+        pending: PostNorm | None = None
+        if fold is not None:
+            h = fold[0]
         ops.embed(st.emb_codes, st.emb_scales, st.emb_group, st.ids, h, ssq, c.embed_scale)
         for i, layer in enumerate(st.layers):
             if self.layer_boundary is not None:
@@ -507,39 +486,56 @@ class DeviceForward:
                                st.q[:1], kc, vc)
             for lin in w.qkv:
                 bias = None if layer.qkv_bias is None else layer.qkv_bias[lin.col:lin.col + lin.n]
-                ops.gemv(lin, h, PRO_RMSNORM, layer.attn_norm, eps, 0, st.qkv[:m, lin.col:lin.col + lin.n],
-                         EPI_STORE, bias, ssq_in=ssq, rope=rope)
+                self._normed(lin, h, layer.attn_norm, eps, st.qkv[:m, lin.col:lin.col + lin.n], bias, ssq, pending,
+                             rope)
+            h, pending = (h, None) if pending is None else (pending.h_next, None)
             if rope is None:
                 ops.qkv_rope(st.qkv[:m], heads, kv_heads, hd, layer.q_norm, layer.k_norm, eps, layer.cos, layer.sin,
                              st.meta, st.q[:m], kc, vc, **at)
             ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m], **at, window=c.window_of(i) or 0)
-            self._residual(w.o, st.attn[:m], PRO_PLAIN, 0, layer.post_attn_norm, st, m, eps, ssq)
+            pending = self._residual(w.o, st.attn[:m], PRO_PLAIN, 0, layer.post_attn_norm, st, h, m, eps, ssq, fold)
             if w.experts:
                 moe_mlp(self.ops, st, i, w, m, eps, ssq)
                 continue
             for lin in w.gate_up:
-                ops.gemv(lin, h, PRO_RMSNORM, layer.mlp_norm, eps, 0, st.gu[:m, lin.col:lin.col + lin.n],
-                         EPI_STORE, None, ssq_in=ssq)
-            self._residual(w.down, st.gu[:m], act, f, layer.post_mlp_norm, st, m, eps, ssq)
+                self._normed(lin, h, layer.mlp_norm, eps, st.gu[:m, lin.col:lin.col + lin.n], None, ssq, pending)
+            h, pending = (h, None) if pending is None else (pending.h_next, None)
+            pending = self._residual(w.down, st.gu[:m], act, f, layer.post_mlp_norm, st, h, m, eps, ssq, fold)
         if rows:
             lm = st.lm_head or self.projections.lm_head(st.model)
             out = st.logits_all[:rows] if rows > 1 else st.logits
-            src = st.h[m - rows:m]
-            if pool is not None and pool.index is not None:
-                ops.gather_rows(st.h[:m], pool.index[:rows], pool.hsel[:rows])
+            src = h[m - rows:m]
+            if gather:
+                ops.gather_rows(h, pool.index[:rows], pool.hsel[:rows])
                 src = pool.hsel[:rows]
-            ops.gemv(lm, src, PRO_RMSNORM, st.final_norm, eps, 0, out, EPI_STORE, None, ssq_in=ssq)
+            self._normed(lm, src, st.final_norm, eps, out, None, ssq, pending)
             if m == 1 and pool is None:  # the next step's token and position, on the device (pipelined greedy)
                 ops.greedy_token(st.logits, st.finish, st.meta, seq.capacity, st.tokens)
 
-    def _residual(self, lin: Lin, x: Any, pro: int, xoff: int, post_norm: Any, st: State, m: int, eps: float,
-                  ssq: Any) -> None:
-        """h += lin(prologue(x)), or h += rmsnorm(lin(prologue(x)), post_norm) (Gemma's post-norms)."""
+    def _normed(self, lin: Lin, h: Any, norm: Any, eps: float, y: Any, bias: Any, ssq: Any,
+                pending: PostNorm | None, rope: QkvRope | None = None) -> None:
+        """y = lin(rmsnorm(h, norm)) (+ bias), with a pending post-norm applied to h first."""
+        if pending is None:
+            self.ops.gemv(lin, h, PRO_RMSNORM, norm, eps, 0, y, EPI_STORE, bias, ssq_in=ssq, rope=rope)
+        else:
+            self.ops.gemv(lin, h, PRO_POSTNORM, norm, eps, 0, y, EPI_STORE, bias, rope=rope, post=pending)
+
+    def _residual(self, lin: Lin, x: Any, pro: int, xoff: int, post_norm: Any, st: State, h: Any, m: int,
+                  eps: float, ssq: Any, fold: tuple[Any, Any] | None) -> PostNorm | None:
+        """h += lin(prologue(x)), or h += rmsnorm(lin(prologue(x)), post_norm) (Gemma's post-norms): with
+        ``fold`` (the two residual rows, h one of them) left to the next normed GEMV, which stores the sum in the
+        other row, and returned."""
         if post_norm is None:
-            self.ops.gemv(lin, x, pro, None, eps, xoff, st.h[:m], EPI_ADD, None, ssq_out=ssq)
-            return
+            self.ops.gemv(lin, x, pro, None, eps, xoff, h, EPI_ADD, None, ssq_out=ssq)
+            return None
+        if fold is not None:
+            other = fold[1] if h is fold[0] else fold[0]
+            post = PostNorm(post_norm, h, st.out[:1], st.post[1], other)
+            self.ops.gemv(lin, x, pro, None, eps, xoff, st.out[:1], EPI_STORE, None, post=post)
+            return post
         self.ops.gemv(lin, x, pro, None, eps, xoff, st.out[:m], EPI_STORE, None)
-        self.ops.norm_add(st.out[:m], post_norm, eps, st.h[:m], ssq_out=ssq)
+        self.ops.norm_add(st.out[:m], post_norm, eps, h, ssq_out=ssq)
+        return None
 
 
     # -- sequences -----------------------------------------------------------------------------------

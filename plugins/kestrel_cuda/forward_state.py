@@ -3,7 +3,8 @@
 ``Projections`` turns a model's strips into device projections (``plan.Lin``) with their M=1 plans, through
 the weight cache (``weight_source``) or, without one, by packing and uploading them itself. ``build_state``
 makes a model's ``State`` (every projection fetched up front unless a residency window fetches them per
-layer and step) and reserves the split-K scratch its plans need.
+layer and step) and reserves the split-K scratch its plans need; ``unsupported_reason`` says why a model has
+none.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from kestrel_cuda.layout import StripGroup, fusable, layer_groups, pack_kmajor, 
 from kestrel_cuda.plan import (
     FINISH_COLS,
     GROUPED_ROWS_FEW,
+    MAX_HEAD_DIM,
     PASS_ROWS,
+    POSTNORM_MAX_D,
+    ROUTE_MAX_EXPERTS,
+    ROUTE_MAX_HIDDEN,
+    TILE_N,
     TOKEN_RING,
     Lin,
     attn_part_size,
@@ -33,6 +39,33 @@ from kestrel_cuda.plan import (
     plan_split,
     ssq_count,
 )
+
+DEVICE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe")
+
+
+def unsupported_reason(model: Model) -> str | None:
+    """Why the device forward cannot run ``model`` (None: it can): the decoders it knows are Llama, Qwen2,
+    Qwen3, Mistral, Phi-3, Gemma 3 (post-norms, GeGLU, scaled embeddings and queries, a RoPE per layer kind,
+    sliding windows) and the mixtures of experts Qwen3-MoE, Mixtral and Qwen2-MoE (up to ROUTE_MAX_EXPERTS
+    experts, routed on the device); Gemma 2's soft caps run through the GEMM hooks."""
+    c = model.config
+    if c.arch not in DEVICE_ARCHITECTURES:
+        return f"architecture {c.arch!r}"
+    if c.attn_softcap is not None or c.final_softcap is not None:
+        return "attention or logit soft caps"
+    if c.activation not in ("silu", "gelu_tanh"):
+        return f"activation {c.activation!r}"
+    if c.head_dim % 4 or c.head_dim > MAX_HEAD_DIM:
+        return f"head_dim {c.head_dim} (needs a multiple of 4 <= {MAX_HEAD_DIM})"
+    if c.num_kv_heads <= 0 or c.num_heads % c.num_kv_heads:
+        return f"{c.num_heads} heads over {c.num_kv_heads} KV heads"
+    if model.embedding.k != c.hidden_size:
+        return "embedding width differs from hidden_size"
+    if c.is_moe and (c.num_experts > ROUTE_MAX_EXPERTS or c.hidden_size > ROUTE_MAX_HIDDEN or c.hidden_size % 4):
+        return (f"{c.num_experts} experts of width {c.hidden_size} (the router takes up to {ROUTE_MAX_EXPERTS} of"
+                f" a width up to {ROUTE_MAX_HIDDEN}, a multiple of 4)")
+    return None
+
 
 WeightSource = Callable[[int, Sequence[StripCache]], Any]
 
@@ -98,6 +131,7 @@ class State:
     meta: Any  # int32 [1 + PASS_ROWS]: position, then token ids
     h: Any
     out: Any  # [PASS_ROWS, D]: the o and down projections' outputs where a post-norm follows (Gemma)
+    post: tuple[Any, Any] | None  # Gemma, M = 1: the post-norms' second residual row [1, D] and sums [4 * 64]
     ssq: Any  # float32 [ceil(D / 32)]: h's sums of squares per 32 columns, M = 1 (forward.cuh)
     qkv: Any
     q: Any
@@ -250,7 +284,10 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
                emb_scales=up(emb.scales), emb_group=emb.group_size, final_norm=up(model.final_norm),
                layers=layers, lm_head=None,
                meta=zeros(1 + t, np.int32), h=zeros((t, d), np.float32),
-               out=zeros((t, d), np.float32) if c.post_norms else None, ssq=zeros(ssq_count(d), np.float32),
+               out=zeros((t, d), np.float32) if c.post_norms else None,
+               post=(zeros((1, d), np.float32), zeros(4 * -(-d // TILE_N), np.float32))
+               if c.post_norms and not c.is_moe and d <= POSTNORM_MAX_D else None,
+               ssq=zeros(ssq_count(d), np.float32),
                qkv=zeros((t, nq + 2 * nkv), np.float32), q=zeros((t, nq), np.float32),
                attn=zeros((t, nq), np.float32),
                gu=zeros((t, 2 * (c.shared_expert_intermediate_size if c.is_moe else f)), np.float32),

@@ -57,7 +57,9 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 //
 // out[m][n] = sum_g (sum_{k in g} Aq[m][k] Wq[k][n]) * a_scale[m][g] * w_scale[g][n]   (integer block sums)
 // where A = prologue(X): pro 0: X; pro 1: rmsnorm(X, pw, eps); pro 2: silu(X[:, k]) * X[:, k + xoff]; pro 3:
-// gelu_tanh(X[:, k]) * X[:, k + xoff],
+// gelu_tanh(X[:, k]) * X[:, k + xoff]; pro 4 (M = 1): rmsnorm(h', pw, eps) for h' = X + pn_src / ro, a
+// post-norm (plan.PostNorm) whose sums pn_stats holds (postnorm_rms) and whose weight its projection has applied
+// (pn_src = out * w); column tile 0 stores h' in pn_next.
 // quantized per G-block exactly as contract.quantize_activations.
 // Grid: x = column tiles of TN, y = K splits (chunks of KC strided by gridDim.y), z = row blocks of MR.
 // A chunk is 256 rows, one 32-row slot a warp (int8: 32 KB, int4: 16 KB). int4 chunks of 512 rows (two slots
@@ -77,7 +79,9 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 // Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += acc (+ bias). With qout (M = 1, the q|k|v projection,
 // hd == TN: tile x is head x; the other pointers and H, KV, cap as QkvRope's, eps the prologue's) the tile's
 // outputs go through rope_head instead of to Y: qkv_rope's work, in the block that has the head's sums,
-// without a kernel of its own.
+// without a kernel of its own. With pn_stats and pro != 4 (M = 1: the projection before a post-norm) it stores
+// y * pn_w (so the next GEMV needs no second weight a row: with one it spilled) and the column tile's sums of
+// y², pn_src·y·pn_w, (y·pn_w)² and pn_src² (pn_src: the residual h) in pn_stats.
 template <int BITS, int G, int MR>
 __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
@@ -87,7 +91,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     unsigned* __restrict__ epochs, const float* __restrict__ ssq_in, float* __restrict__ ssq_out,
     const float* qnorm, const float* knorm, const float* cosT, const float* sinT, const int* meta, float* qout,
     kv_t* kc, kv_t* vc, int H, int KV, int cap, const unsigned long long* __restrict__ etab,
-    const int* __restrict__ esel, int esel_ready)
+    const int* __restrict__ esel, int esel_ready, const float* __restrict__ pn_w, const float* __restrict__ pn_src,
+    float* pn_stats, float* __restrict__ pn_next)
 {
     constexpr int KC = NT;                      // rows of a chunk: one 32-row slot a warp, one row a thread
     constexpr int NW = BITS == 8 ? 32 : 16;     // 4-byte words of one slot
@@ -134,7 +139,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     // barrier before the dot, and the first chunk none before them either (every warp computes the tile-sums
     // norm itself, r1: the same bits as one warp's)
     constexpr bool warp_local = G == 32;
-    float r1 = 0.f;
+    float r1 = 0.f, ro = 0.f;                   // pro 4: r1 is h''s
 #pragma unroll
     for (int i = 0; i < MR; ++i) acc[i] = 0.f;
 
@@ -151,8 +156,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
             if (G == 32) ws = ld_stream(reinterpret_cast<const float4*>(WS + (size_t)(kw / 32) * Npad + col));
         }
         if (G != 32 && tid < TN && n0 + tid < Npad) wsg = __ldg(WS + (size_t)(k0 / G) * Npad + n0 + tid);
-        // rmsnorm weight of this thread's chunk row (not step data)
-        const float pwv = pro == 1 && k0 + tid < K ? __ldg(pw + k0 + tid) : 0.f;
+        // rmsnorm weights of this thread's chunk row (not step data)
+        const float pwv = (pro == 1 || pro == 4) && k0 + tid < K ? __ldg(pw + k0 + tid) : 0.f;
         if (c == (int)blockIdx.y) {
             grid_dep_wait();                    // X (and the epoch) come from the kernels before this one
             if (tagged) epoch = __ldcg(epochs + blockIdx.x);
@@ -164,9 +169,12 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         constexpr bool early = MR == 1;
         const bool eok = early && m0 < M && k0 + tid < K;
         const float xe = eok ? __ldcg(X + (size_t)m0 * ldx + k0 + tid) : 0.f;
-        const float ue = eok && pro >= 2 ? __ldcg(X + (size_t)m0 * ldx + k0 + tid + xoff) : 0.f;
+        const float ue = eok && (pro == 2 || pro == 3) ? __ldcg(X + (size_t)m0 * ldx + k0 + tid + xoff)
+                         : eok && pro == 4 ? __ldcg(pn_src + k0 + tid) : 0.f;  // pro 4: out
         if (pro == 1 && c == (int)blockIdx.y && ssq_in) {  // M = 1: from the tile sums
             r1 = rms_from_tiles(ssq_in, K, eps);  // every warp: s_r is not needed (ssq_in implies MR = 1)
+        } else if (pro == 4 && c == (int)blockIdx.y) {
+            postnorm_rms(reinterpret_cast<const float4*>(pn_stats), K, eps, ro, r1);
         } else if (pro == 1 && c == (int)blockIdx.y) {
             // rmsnorm denominators over the whole row, computed (identically) by every block, while its
             // first weight loads are in flight
@@ -193,6 +201,10 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
                 const float xk = early ? xe : xr[k];
                 if (pro == 1) {
                     v = xk / (MR == 1 && ssq_in ? r1 : s_r[i]) * pwv;
+                } else if (pro == 4) {          // MR = 1
+                    const float hn = xk + ue / ro;
+                    if (blockIdx.x == 0) pn_next[k] = hn;
+                    v = hn / r1 * pwv;
                 } else if (pro == 2) {
                     v = xk / (1.f + expf(-xk)) * (early ? ue : xr[k + xoff]);
                 } else if (pro == 3) {
@@ -291,6 +303,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
 #pragma unroll
     for (int i = 0; i < MR; ++i) yin[i] = nok && epi == 1 && m0 + i < M ? Y[(size_t)(m0 + i) * ldy + n] : 0.f;
     if (nok && bias) bn = bias[n];
+    const bool pn_prod = pn_stats && pro != 4;  // the projection before a post-norm: its sums
+    const float hres = pn_prod && nok ? __ldcg(pn_src + n) : 0.f, pwn = pn_prod && nok ? __ldg(pn_w + n) : 0.f;
     if (MR == 1 && csize > 1) {                 // the cluster's shared memory: pushed to block 0
         const unsigned rank = cluster_rank();
         if (rank != 0) {
@@ -373,9 +387,24 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
             float y = acc[i];
             if (bias) y = y + bn;
             y = epi == 1 ? yin[i] + y : y;
-            Y[(size_t)m * ldy + n] = y;
+            Y[(size_t)m * ldy + n] = pn_prod ? y * pwn : y;
             if (i == 0) y0 = y;
         }
     }
     if (ssq_out && warp < TN / 32 && n0 + 32 * warp < N) store_warp_ssq(y0, ssq_out, n0 + 32 * warp);
+    if (pn_prod) {                              // the tile's sums, its warps' in order (postnorm_rms)
+        if (warp < TN / 32) {
+            const float yw = y0 * pwn;
+            const float s0 = warp_sum(y0 * y0), s1 = warp_sum(hres * yw), s2 = warp_sum(yw * yw);
+            const float s3 = warp_sum(hres * hres);
+            if (lane < 4) s_part[0][4 * warp + lane] = lane == 0 ? s0 : lane == 1 ? s1 : lane == 2 ? s2 : s3;
+        }
+        __syncthreads();
+        if (tid < 4) {
+            float t = 0.f;
+#pragma unroll
+            for (int w = 0; w < TN / 32; ++w) t += s_part[0][4 * w + tid];
+            pn_stats[4 * blockIdx.x + tid] = t;
+        }
+    }
 }

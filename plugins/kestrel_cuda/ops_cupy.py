@@ -29,10 +29,12 @@ from kestrel_cuda.plan import (
     MAX_HEAD_DIM,
     MERGE_MODES,
     MERGE_SPLITS,
+    PRO_POSTNORM,
     ROUTE_ROWS,
     SMALL_M,
     TILE_N,
     Lin,
+    PostNorm,
     QkvRope,
     attn_rows_instance,
     attn_rows_per_sm,
@@ -275,14 +277,19 @@ class CupyOps:
 
     def gemv(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
              bias: Any, ssq_in: Any = None, ssq_out: Any = None, rope: QkvRope | None = None,
-             experts: tuple[Any, Any, int] | None = None, sel_ready: bool = False) -> None:
+             experts: tuple[Any, Any, int] | None = None, sel_ready: bool = False,
+             post: PostNorm | None = None) -> None:
         """ssq_in / ssq_out (M = 1 only): the residual stream's tile sums of squares, read by an RMSNorm
-        prologue (pro 1) instead of the row, written with a residual-add epilogue's outputs. ``rope`` (M = 1,
+        prologue (pro 1) instead of the row, written with a residual-add epilogue's outputs. ``post`` (M = 1):
+        with pro PRO_POSTNORM this GEMV reads the post-norm (x is its ``h``), else it is the projection before
+        it (y is its ``out``). ``rope`` (M = 1,
         one head per column tile): the epilogue does qkv_rope's work instead of storing. ``experts`` (table,
         sel, slots): row j of y gets the expert sel[j] of ``table`` (``expert_table``; ``lin`` has their shape
         and plan) on row j of x, or on its one row; ``sel_ready``: the launch before this one in the stream is
         a routed GEMV on the same ``sel`` (gemv.cu: this one then reads sel before its PDL wait)."""
         m = x.shape[0]
+        if post is not None and (m != 1 or experts is not None):
+            raise ValueError("a post-norm folds into M = 1 GEMVs only")
         if m > 1:
             ssq_in = ssq_out = None
         ldx = _ld(x)
@@ -310,7 +317,7 @@ class CupyOps:
                      _ptr(y), _ld(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters), _ptr(self.merge),
                      _ptr(self.epochs if tagged else None), _ptr(ssq_in), _ptr(ssq_out), *_rope_args(rope),
                      *((_ptr(None), _ptr(None)) if experts is None else (_ptr(table), _ptr(sel))),
-                     _i32(sel_ready and experts is not None)),
+                     _i32(sel_ready and experts is not None), *_post_args(post, pro)),
                     cluster=cluster, name="qgemv")
 
     def expert_table(self, lins: list[Lin]) -> Any:
@@ -516,6 +523,16 @@ def _rope_args(r: QkvRope | None) -> tuple[Any, ...]:
         return (*(_ptr(None),) * 8, _i32(0), _i32(0), _i32(0))
     return (_ptr(r.qnorm), _ptr(r.knorm), _ptr(r.cos), _ptr(r.sin), _ptr(r.meta), _ptr(r.q), _ptr(r.kc),
             _ptr(r.vc), _i32(r.heads), _i32(r.kv_heads), _i32(r.kc.shape[1]))
+
+
+def _post_args(p: PostNorm | None, pro: int) -> tuple[Any, ...]:
+    """qgemv's post-norm parameters (pn_w, pn_src, pn_stats, pn_next): the GEMV after the post-norm reads out,
+    the one before it the residual h; none (null stats)."""
+    if p is None:
+        return (_ptr(None),) * 4
+    if pro == PRO_POSTNORM:
+        return _ptr(None), _ptr(p.out), _ptr(p.stats), _ptr(p.h_next)
+    return _ptr(p.weight), _ptr(p.h), _ptr(p.stats), _ptr(None)
 
 
 def _as_device_weight(lin: Lin) -> Any:

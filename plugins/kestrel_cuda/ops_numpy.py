@@ -23,10 +23,14 @@ from kestrel_cuda.plan import (
     EPI_ADD,
     KV_BLOCK,
     PRO_GELU_MUL,
+    PRO_PLAIN,
+    PRO_POSTNORM,
     PRO_RMSNORM,
     PRO_SILU_MUL,
     SSQ_COLS,
+    TILE_N,
     Lin,
+    PostNorm,
     QkvRope,
     check_expert_table,
     expert_groups,
@@ -63,6 +67,29 @@ def _qgemv(lin: Lin, x: np.ndarray, pro: int, pw: np.ndarray | None, eps: float,
                      w.reshape(ng, g, lin.npad).astype(np.int64))  # [M, ng, Npad], exact
     f = isum.astype(np.float32) * a_scales[:, :, None] * lin.scales[None]  # [M, ng, Npad]
     return f.sum(axis=1, dtype=np.float32)[:, :lin.n]
+
+
+def _postnorm(x: np.ndarray, k: int, pw: np.ndarray, eps: float, post: PostNorm) -> tuple[np.ndarray, np.ndarray]:
+    """(h', rmsnorm(h', pw)) for h' = x + post.out (out·weight) / ro, the norms from post.stats as
+    forward.cuh postnorm_rms forms them."""
+    t = -(-k // TILE_N)
+    s = post.stats[:4 * t].reshape(t, 4).sum(axis=0, dtype=np.float32)  # out², h·out·w, (out·w)², h²
+    one, kf, e = np.float32(1), np.float32(k), np.float32(eps)
+    ro = np.sqrt(s[0] * (one / kf) + e)
+    io = one / ro
+    rh = np.sqrt(np.maximum(s[3] + io * (np.float32(2) * s[1] + io * s[2]), 0) * (one / kf) + e)
+    hn = np.asarray(x, np.float32)[:, :k] + post.out[:, :k] / ro
+    return hn, hn / rh * pw
+
+
+def _postnorm_stats(y: np.ndarray, post: PostNorm) -> np.ndarray:
+    """The sums qgemv leaves for a post-norm, a float4 a column tile: y², h·y·w, (y·w)², h² (y: [1, D])."""
+    d = y.shape[1]
+    pad = -(-d // TILE_N) * TILE_N - d
+    yv, h, w = (np.pad(np.asarray(a, np.float32).reshape(-1)[:d], (0, pad)).reshape(-1, TILE_N)
+                for a in (y, post.h, post.weight))
+    yw = yv * w
+    return np.stack([yv * yv, h * yw, yw * yw, h * h], axis=1).sum(axis=2, dtype=np.float32).reshape(-1)
 
 
 def _row_ssq(row: np.ndarray) -> np.ndarray:
@@ -166,7 +193,8 @@ class NumpyOps:
     def gemv(self, lin: Lin, x: np.ndarray, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
              y: np.ndarray, epi: int, bias: np.ndarray | None, ssq_in: np.ndarray | None = None,
              ssq_out: np.ndarray | None = None, rope: QkvRope | None = None,
-             experts: tuple[list[Lin], np.ndarray, int] | None = None, sel_ready: bool = False) -> None:
+             experts: tuple[list[Lin], np.ndarray, int] | None = None, sel_ready: bool = False,
+             post: PostNorm | None = None) -> None:
         def fn() -> None:
             if experts is not None:  # row j: expert sel[j] on row j of x (or its one row)
                 table, sel, slots = experts
@@ -175,12 +203,19 @@ class NumpyOps:
                     out = _qgemv(table[int(sel[j])], xr, pro, pw, eps, xoff, None)
                     y[j:j + 1] = y[j:j + 1] + out if epi == EPI_ADD else out
                 return
-            out = _qgemv(lin, x, pro, pw, eps, xoff, ssq_in)
+            if post is not None and pro == PRO_POSTNORM:  # the GEMV after a post-norm: it stores h'
+                post.h_next[...], a = _postnorm(x, lin.k, pw, eps, post)
+                out = _qgemv(lin, a, PRO_PLAIN, None, eps, 0, None)
+            else:
+                out = _qgemv(lin, x, pro, pw, eps, xoff, ssq_in)
             if bias is not None:
                 out = out + bias
             if rope is not None:  # the epilogue does qkv_rope's work instead of storing
                 _qkv_rope(out, rope, out.shape[1] // (rope.heads + 2 * rope.kv_heads))
                 return
+            if post is not None and pro != PRO_POSTNORM:  # the projection before a post-norm
+                post.stats[:4 * -(-lin.n // TILE_N)] = _postnorm_stats(out, post)
+                out = out * post.weight[:lin.n]
             y[...] = y + out if epi == EPI_ADD else out
             if ssq_out is not None:
                 ssq_out[:ssq_count(lin.n)] = _row_ssq(y[0])

@@ -30,6 +30,8 @@ BLOCKS_PER_SM_MAX = 32  # resident blocks of one multiprocessor, at most (sm_80 
 ATTN_ROWS_MAX_SPLITS = 8
 MAX_HEAD_DIM = 256  # attention and qkv_rope keep hd/32 (<= 8) values a lane
 PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL, PRO_GELU_MUL = 0, 1, 2, 3  # prologues (gemv.cu, rows.cu)
+PRO_POSTNORM = 4  # gemv.cu, M = 1: rmsnorm(h + rmsnorm(out, w)) from a PostNorm's tile sums
+POSTNORM_MAX_D = 64 * TILE_N  # widest residual stream a PostNorm folds (forward.cuh postnorm_rms: two loads a lane)
 EPI_STORE, EPI_ADD = 0, 1
 PASS_ROWS = 1024  # rows of one pass of a pooled step: a whole prompt chunk (PREFILL_CHUNK) beside 512 decode rows
 KV_BLOCK = 32  # positions per block of the paged KV pool (rope.cuh KV_BLOCK): the engine's page size
@@ -100,6 +102,20 @@ class QkvRope:
     q: Any
     kc: Any
     vc: Any
+
+
+@dataclass
+class PostNorm:
+    """A post-norm h' = h + rmsnorm(out, weight) (Gemma) folded into the M = 1 GEMVs around it instead of a
+    kernel of its own (gemv.cu): the projection stores out·weight in ``out`` and leaves ``stats``, the tile
+    sums of out², h·out·weight, (out·weight)² and h² per 32 columns; the next GEMV (prologue PRO_POSTNORM,
+    input ``h``) forms h' and its norm from them, and its first column tile stores h' in ``h_next``."""
+
+    weight: Any  # [D]
+    h: Any  # [1, D]: the residual stream before the post-norm's add
+    out: Any  # [1, D]: out·weight
+    stats: Any  # float32 [4 * ssq_count(D)]
+    h_next: Any  # [1, D]
 
 
 def plan_ksplit(lin: Lin, target_blocks: int) -> int:

@@ -8,8 +8,9 @@ shapes (decode batches) form sum_g * a' with one rounding, a' the row scale roun
 reference's. Beyond that only the order in which the terms of the ng groups are added differs (the
 reference adds them sequentially; the GEMV splits K over lanes, warps and blocks, the split shapes over
 blocks). Any summation order of n terms is within (n-1) * u * sum|t_g| of the exact sum (u = 2^-24), so two
-orders differ by at most 2 * (ng-1) * u * sum|t_g|; the bound below uses 2 * ng + 6. The unsplit tensor-core shapes add the groups in the reference's order, so they must match bit for
-bit. The block shape and split choices, host-side, are tested in test_gemm_plan.py.
+orders differ by at most 2 * (ng-1) * u * sum|t_g|; the bound below uses 2 * ng + 6. The unsplit
+tensor-core shapes add the groups in the reference's order, so they must match bit for bit. The block
+shape and split choices, host-side, are tested in test_gemm_plan.py.
 """
 
 from __future__ import annotations

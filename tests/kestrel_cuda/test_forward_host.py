@@ -659,6 +659,13 @@ class _NoPostNorm(NumpyOps):
         super().norm_add(x * 0, w, eps, y, ssq_out)  # the projection's output dropped with its norm
 
 
+class _NoFoldedPostNorm(NumpyOps):
+    def gemv(self, lin, x, pro, pw, eps, xoff, y, epi, bias, post=None, **kw):  # type: ignore[no-untyped-def]
+        if post is not None and pro == plan.PRO_POSTNORM:  # the decode steps' post-norms: the output dropped
+            post = replace(post, out=post.out * 0)
+        super().gemv(lin, x, pro, pw, eps, xoff, y, epi, bias, post=post, **kw)
+
+
 class _NoEmbedScale(NumpyOps):
     def embed(self, codes, scales, group, ids, h, ssq_out=None, mul=1.0):  # type: ignore[no-untyped-def]
         super().embed(codes, scales, group, ids, h, ssq_out)
@@ -670,9 +677,31 @@ class _SiluForGelu(NumpyOps):
                      **kw)
 
 
-@pytest.mark.parametrize("wrong", [_NoPostNorm, _NoEmbedScale, _SiluForGelu], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("wrong", [_NoPostNorm, _NoFoldedPostNorm, _NoEmbedScale, _SiluForGelu],
+                         ids=lambda c: c.__name__)
 def test_gemma3_done_wrong_on_the_device_leaves_the_band(wrong: type) -> None:
     _assert_leaves_the_band(synthetic_model(CONFIGS["gemma3"], "q8", seed=3), wrong())
+
+
+def test_gemma3_decode_steps_fold_their_post_norms_into_the_gemvs() -> None:
+    """At M = 1 no post-norm runs as a kernel of its own: the projection before it leaves its sums and the
+    normed GEMV after it applies it (plan.PostNorm); prefill chunks keep norm_add. Within the band."""
+
+    class Counting(NumpyOps):
+        norm_adds: list[int] = []
+
+        def norm_add(self, x, w, eps, y, ssq_out=None):  # type: ignore[no-untyped-def]
+            self.norm_adds.append(x.shape[0])
+            super().norm_add(x, w, eps, y, ssq_out)
+
+    model = synthetic_model(CONFIGS["gemma3"], "q8", seed=5)
+    toks = _tokens(model.config, 30)
+    ref = cpu_logits(model, toks, 12)
+    ops = Counting()
+    result = compare(device_logits(DeviceForward(ops=ops), model, toks, 12), ref,
+                     jitter_effect(model, toks, 12, ref))
+    assert result.ok, str(result)
+    assert ops.norm_adds and 1 not in ops.norm_adds  # the prompt's, and none of a decode step
 
 
 def test_a_head_dim_of_256_matches_the_cpu() -> None:
