@@ -488,7 +488,8 @@ class DeviceForward:
                 bias = None if layer.qkv_bias is None else layer.qkv_bias[lin.col:lin.col + lin.n]
                 self._normed(lin, h, layer.attn_norm, eps, st.qkv[:m, lin.col:lin.col + lin.n], bias, ssq, pending,
                              rope)
-            h, pending = (h, None) if pending is None else (pending.h_next, None)
+            if pending is not None:  # applied: the residual is now the row it stored
+                h, pending = pending.h_next, None
             if rope is None:
                 ops.qkv_rope(st.qkv[:m], heads, kv_heads, hd, layer.q_norm, layer.k_norm, eps, layer.cos, layer.sin,
                              st.meta, st.q[:m], kc, vc, **at)
@@ -499,7 +500,8 @@ class DeviceForward:
                 continue
             for lin in w.gate_up:
                 self._normed(lin, h, layer.mlp_norm, eps, st.gu[:m, lin.col:lin.col + lin.n], None, ssq, pending)
-            h, pending = (h, None) if pending is None else (pending.h_next, None)
+            if pending is not None:
+                h, pending = pending.h_next, None
             pending = self._residual(w.down, st.gu[:m], act, f, layer.post_mlp_norm, st, h, m, eps, ssq, fold)
         if rows:
             lm = st.lm_head or self.projections.lm_head(st.model)

@@ -18,10 +18,10 @@
 // part[z][M][Npad] and the last block of a tile to arrive on its counter (then reset) adds them in z order:
 // the same bits. With one split the sums go straight to out. They take whole stages and column tiles only
 // (K % BK == 0, Npad % BN == 0: gemm.split_fits), so their copies carry no bounds checks (about half the
-// loop's instructions, docs/performance.md), and scale each group with two fused multiply-adds instead of three
-// operations (the scaling is most of the loop's instructions; MAGIC: below): y = fmaf(MAGIC + s, a, -MAGIC * a) = s * a
-// rounded once, for the row scale a rounded to 22 significant bits, so that MAGIC * a = 3 * 2^22 * a is exact;
-// then acc = fmaf(y, w_scale, acc). Within the reference's bound, not its bits.
+// loop's instructions, docs/performance.md), and scale each group with two fused multiply-adds instead of
+// three operations (the scaling is most of the loop's instructions; MAGIC: below): y = fmaf(MAGIC + s, a,
+// -MAGIC * a) = s * a rounded once, for the row scale a rounded to 22 significant bits, so that MAGIC * a =
+// 3 * 2^22 * a is exact; then acc = fmaf(y, w_scale, acc). Within the reference's bound, not its bits.
 //
 // Programmatic dependent launch (common.cuh; a captured step of several rows launches it so): a block copies its
 // first stages' weights and weight scales, which no kernel writes, before it waits for the previous kernel,
@@ -385,14 +385,14 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
         constexpr int Q = BM * BN / 4;  // float4s of the tile
         const int z = blockIdx.z, q0 = z * Q / nz, q1 = (z + 1) * Q / nz;
         for (int q = q0 + tid; q < q1; q += THREADS) {
-            float4 v[MAX_CLUSTER];  // every split's loads in flight at once
+            float4 split[MAX_CLUSTER];  // every split's loads in flight at once
 #pragma unroll
             for (int r = 0; r < MAX_CLUSTER; ++r)
-                if (r < nz) v[r] = ld_cluster_f4(cluster_addr(tile + 4 * q, r));
-            float4 s = v[0];
+                if (r < nz) split[r] = ld_cluster_f4(cluster_addr(tile + 4 * q, r));
+            float4 s = split[0];
 #pragma unroll
             for (int r = 1; r < MAX_CLUSTER; ++r)  // in z order, as the counter merge below
-                if (r < nz) { s.x += v[r].x; s.y += v[r].y; s.z += v[r].z; s.w += v[r].w; }
+                if (r < nz) { s.x += split[r].x; s.y += split[r].y; s.z += split[r].z; s.w += split[r].w; }
             const int row = m0 + 4 * q / BN, col = n0 + 4 * q % BN;
             if (row >= M) continue;
             float* o = out + (size_t)row * ldo + col;
