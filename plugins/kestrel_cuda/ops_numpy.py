@@ -272,8 +272,8 @@ class NumpyOps:
     def experts_gemm(self, lin: Lin, x: np.ndarray, pro: int, xoff: int, y: np.ndarray, table: list[Lin],
                      groups: np.ndarray, blocks: int, rows: int) -> None:
         def fn() -> None:
-            for e, row0, rows in groups[:blocks]:
-                y[row0:row0 + rows] = _qgemv(table[int(e)], x[row0:row0 + rows], pro, None, 0.0, xoff, None)
+            for e, row0, count in groups[:blocks]:  # each at most ``rows`` positions: the kernel's tile only
+                y[row0:row0 + count] = _qgemv(table[int(e)], x[row0:row0 + count], pro, None, 0.0, xoff, None)
         self._run(fn)
 
     def greedy_token(self, logits: np.ndarray, scratch: Any, meta: np.ndarray, limit: int,

@@ -688,7 +688,9 @@ def test_gemma3_decode_steps_fold_their_post_norms_into_the_gemvs() -> None:
     normed GEMV after it applies it (plan.PostNorm); prefill chunks keep norm_add. Within the band."""
 
     class Counting(NumpyOps):
-        norm_adds: list[int] = []
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm_adds: list[int] = []  # the rows of each norm_add
 
         def norm_add(self, x, w, eps, y, ssq_out=None):  # type: ignore[no-untyped-def]
             self.norm_adds.append(x.shape[0])
