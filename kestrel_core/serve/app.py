@@ -88,7 +88,7 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None) -
         params = _params(body, served.context_left(len(prompt_ids)))
         shape = ChatShape(new_id("chatcmpl"), model_name, served.tokens, body.include_usage)
         return await generation.respond(async_engine, request, prompt_ids, params, shape,
-                                        stream=bool(body.stream), prompt_param="messages")
+                                        stream=bool(body.stream), prompt_param="messages", choices=body.choices)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -100,7 +100,8 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None) -
             raise from_kestrel_error(exc, param="prompt") from None
         params = _params(body, served.context_left(len(prompt_ids)))
         shape = CompletionShape(new_id("cmpl"), model_name, served.tokens, body.include_usage)
-        return await generation.respond(async_engine, request, prompt_ids, params, shape, stream=bool(body.stream))
+        return await generation.respond(async_engine, request, prompt_ids, params, shape, stream=bool(body.stream),
+                                        choices=body.choices)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

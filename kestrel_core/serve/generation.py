@@ -1,5 +1,9 @@
 """One request through the AsyncEngine, answered whole (JSON) or as server-sent events.
 
+A request of ``n`` choices runs as ``n`` engine requests (ids ``<response id>-<i>``; one choice keeps the
+response id): answered whole once all have finished, streamed with each chunk naming its choice's index as
+its tokens come, the usage (the prompt counted once) after the last.
+
 Errors the engine raises before the first output (a bad request, a full queue, a shutdown) become HTTP
 statuses, so a stream waits for its first output before it sends its headers; later errors can only be an
 ``error`` event in the stream. A client that leaves frees its sequence at once: while we wait for tokens
@@ -13,7 +17,6 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -21,11 +24,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
-from kestrel_core.model.sampling import SamplingParams, TokenLogprob
+from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import RequestOutput
 from kestrel_core.serve.access import CLIENT_CLOSED, RequestRecord, record_of
 from kestrel_core.serve.errors import APIError, error_body, from_kestrel_error
-from kestrel_core.serve.protocol import Shape
+from kestrel_core.serve.protocol import ChoiceResult, Shape, choice_params
 
 T = TypeVar("T")
 
@@ -34,14 +37,6 @@ SHUTDOWN_MESSAGE = "the server shut down before the request finished"
 
 class ClientGone(Exception):
     """The client disconnected while the server was still working on its answer."""
-
-
-@dataclass
-class _Result:
-    text: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
-    completion_tokens: int = 0
 
 
 async def _disconnected(request: Request) -> None:
@@ -78,27 +73,47 @@ def engine_error(exc: KestrelError, accepting: bool, prompt_param: str) -> APIEr
 
 
 async def respond(async_engine: Any, request: Request, prompt_ids: Sequence[int], params: SamplingParams,
-                  shape: Shape, *, stream: bool, prompt_param: str = "prompt") -> Response:
-    """Run the request; its answer, or the APIError to answer instead. ``prompt_param`` names the field
-    that made the prompt, for errors about it ("messages" for chat)."""
+                  shape: Shape, *, stream: bool, prompt_param: str = "prompt", choices: int = 1) -> Response:
+    """Run the request's ``choices`` sequences; its answer, or the APIError to answer instead.
+    ``prompt_param`` names the field that made the prompt, for errors about it ("messages" for chat)."""
     record = record_of(request)
-    gen = async_engine.generate(prompt_ids, params, request_id=shape.id)
+    ids = [shape.id] if choices == 1 else [f"{shape.id}-{i}" for i in range(choices)]
+    gens = [async_engine.generate(prompt_ids, choice_params(params, i), request_id=rid) for i, rid in enumerate(ids)]
+
+    def abort() -> None:  # every choice's sequence freed at the engine's next step (a no-op once finished)
+        for rid in ids:
+            async_engine.abort(rid)
+
     try:
         if stream:
-            first: RequestOutput = await _unless_disconnected(_next(gen), request)
+            firsts = await _unless_disconnected(_all([_next(g) for g in gens]), request)
             record.prompt_tokens = len(prompt_ids)
-            events = _events(gen, first, shape, record, len(prompt_ids))
-            return EventStreamResponse(events, on_close=lambda: async_engine.abort(shape.id))
-        result = await _unless_disconnected(_collect(gen, record, params, len(prompt_ids)), request)
+            return EventStreamResponse(_events(gens, firsts, shape, record, len(prompt_ids)), on_close=abort)
+        results = await _unless_disconnected(
+            _all([_collect(g, record, params, len(prompt_ids)) for g in gens]), request)
     except ClientGone:
+        abort()
         return Response(status_code=CLIENT_CLOSED)
     except KestrelError as exc:
+        abort()
         raise engine_error(exc, async_engine.accepting, prompt_param) from None
-    if result.finish_reason == "abort":
+    if any(r.finish_reason == "abort" for r in results):
         raise APIError(503, SHUTDOWN_MESSAGE, code="server_shutting_down")
-    body = shape.response("".join(result.text), result.finish_reason, result.logprobs, len(prompt_ids),
-                          result.completion_tokens)
-    return JSONResponse(body)
+    return JSONResponse(shape.response(results, len(prompt_ids)))
+
+
+async def _all(works: list[Awaitable[T]]) -> list[T]:
+    """Every work's result, in order; on the first failure (or a cancellation) the others are cancelled
+    before it is raised."""
+    if len(works) == 1:
+        return [await works[0]]
+    tasks = [asyncio.ensure_future(w) for w in works]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _next(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -106,8 +121,8 @@ async def _next(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 
 async def _collect(gen: AsyncIterator[RequestOutput], record: RequestRecord, params: SamplingParams,
-                   prompt_tokens: int) -> _Result:
-    result = _Result(logprobs=[] if params.logprobs else None)
+                   prompt_tokens: int) -> ChoiceResult:
+    result = ChoiceResult(logprobs=[] if params.logprobs else None)
     async for out in gen:
         if record.prompt_tokens == 0:
             record.prompt_tokens = prompt_tokens  # admitted: the prompt counts
@@ -130,32 +145,64 @@ def sse(data: dict[str, Any] | str) -> bytes:
 DONE = sse("[DONE]")
 
 
-async def _events(gen: AsyncIterator[RequestOutput], first: RequestOutput, shape: Shape, record: RequestRecord,
-                  prompt_tokens: int) -> AsyncIterator[bytes]:
-    """OpenAI's chunk sequence: the role (chat), the deltas, the finish reason, the usage, ``[DONE]``."""
-    completion_tokens = 0
+async def _arrivals(gens: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput]
+                    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) as they come, until every choice has finished: the first outputs, then
+    whichever choice's next one is ready (ties in index order)."""
+    if len(gens) == 1:
+        yield 0, firsts[0]
+        if not firsts[0].finished:
+            async for out in gens[0]:
+                yield 0, out
+        return
+    pending: dict[asyncio.Future[RequestOutput], int] = {}
     try:
-        for chunk in shape.first_chunks():
+        for i, out in enumerate(firsts):
+            yield i, out
+            if not out.finished:
+                pending[asyncio.ensure_future(_next(gens[i]))] = i
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                out = task.result()
+                yield i, out
+                if not out.finished:
+                    pending[asyncio.ensure_future(_next(gens[i]))] = i
+    finally:  # left early: no read of a generator may outlive this one
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def _events(gens: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput], shape: Shape,
+                  record: RequestRecord, prompt_tokens: int) -> AsyncIterator[bytes]:
+    """OpenAI's chunk sequence: the role (chat), the deltas and each choice's finish reason, the usage,
+    ``[DONE]``."""
+    completion_tokens = 0
+    arrivals = _arrivals(gens, firsts)
+    try:
+        for chunk in shape.first_chunks(len(gens)):
             yield sse(chunk)
-        out = first
-        while True:
+        async for i, out in arrivals:
             record.tokens(len(out.new_token_ids))
             completion_tokens += len(out.new_token_ids)
             if out.finish_reason == "abort":
                 yield sse(error_body(SHUTDOWN_MESSAGE, "server_error", None, "server_shutting_down"))
                 break
             if out.new_token_ids or out.new_text or out.logprobs:  # a chunk per step that made tokens, as
-                yield sse(shape.delta_chunk(out.new_text, out.logprobs))  # OpenAI's ("" while text is held)
+                yield sse(shape.delta_chunk(out.new_text, out.logprobs, i))  # OpenAI's ("" while text is held)
             if out.finished:
-                yield sse(shape.finish_chunk(out.finish_reason))
-                if shape.include_usage:
-                    yield sse(shape.usage_chunk(prompt_tokens, completion_tokens))
-                break
-            out = await gen.__anext__()
+                yield sse(shape.finish_chunk(out.finish_reason, i))
+        else:
+            if shape.include_usage:
+                yield sse(shape.usage_chunk(prompt_tokens, completion_tokens))
     except KestrelError as exc:  # a failed step, after the headers went out: the stream says so
         yield sse(error_body(str(exc), "server_error", None, "engine_error"))
     finally:
-        await gen.aclose()  # a no-op when it finished; otherwise the engine aborts the request
+        await arrivals.aclose()  # its reads of the generators first
+        for gen in gens:  # a no-op for one that finished; otherwise the engine aborts its request
+            await gen.aclose()  # type: ignore[attr-defined]
     yield DONE
 
 

@@ -3,8 +3,10 @@
 Requests are pydantic models with OpenAI's field names; unknown fields are ignored (clients send many), and
 scalar fields are strict (``"0.5"`` is not a temperature), so a wrong type is a 400 naming the field. Ranges
 are not repeated here: ``SamplingParams.check`` is the one place that knows them, and its ``InvalidRequest``
-names the field too. Fields kestrel cannot honour (``n`` > 1, ``echo``, ``logit_bias``, tools...) are
-refused rather than silently ignored, since ignoring them would change what the client gets.
+names the field too. Fields kestrel cannot honour (``echo``, ``logit_bias``, tools...) are refused rather
+than silently ignored, since ignoring them would change what the client gets. ``n`` choices are ``n``
+sequences of one prompt (prefix caching shares its full blocks); with a ``seed``, choice i samples with
+seed + i, so the choices differ and the request is reproducible.
 
 Responses are plain dicts built to OpenAI's shapes (ids ``chatcmpl-...`` / ``cmpl-...``, object names,
 ``created``, ``model``, ``choices``, ``usage``) by ``ChatShape`` and ``CompletionShape``, which both the
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import (
@@ -33,6 +36,7 @@ from kestrel_core.errors import InvalidRequest, KestrelError
 from kestrel_core.model.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; kestrel's own SamplingParams default is greedy
+MAX_CHOICES = 128  # n, at most (OpenAI's bound)
 
 
 def new_id(prefix: str) -> str:
@@ -115,9 +119,14 @@ class _Generation(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def choices(self) -> int:
+        """How many choices to answer with (``n``)."""
+        return 1 if self.n is None else self.n
+
     def _refuse_unsupported(self) -> None:
-        if self.n is not None and self.n != 1:
-            raise InvalidRequest(f"n must be 1 (kestrel returns one choice per request), got {self.n}", param="n")
+        if not 1 <= self.choices <= MAX_CHOICES:
+            raise InvalidRequest(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n}", param="n")
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported", param="logit_bias")
 
@@ -200,8 +209,8 @@ class CompletionRequest(_Generation):
         self._refuse_unsupported()
         if self.echo:
             raise InvalidRequest("echo is not supported", param="echo")
-        if self.best_of is not None and self.best_of != 1:
-            raise InvalidRequest(f"best_of must be 1, got {self.best_of}", param="best_of")
+        if self.best_of is not None and self.best_of != self.choices:
+            raise InvalidRequest(f"best_of must equal n ({self.choices}), got {self.best_of}", param="best_of")
         if self.suffix:
             raise InvalidRequest("suffix is not supported", param="suffix")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -212,6 +221,23 @@ class CompletionRequest(_Generation):
 
 
 # -- responses ----------------------------------------------------------------------------------------
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s sampling: seed + index with a seed (seeds wrap below 2^63), else the request's."""
+    if params.seed is None or index == 0:
+        return params
+    return replace(params, seed=(params.seed + index) % 2 ** 63)
+
+
+@dataclass
+class ChoiceResult:
+    """One choice's whole answer (the non-streaming response)."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    completion_tokens: int = 0
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -276,6 +302,15 @@ class _Shape:
         body["usage"] = usage(prompt_tokens, completion_tokens)
         return body
 
+    def response(self, results: list[ChoiceResult], prompt_tokens: int) -> dict[str, Any]:
+        """The whole answer: a choice per result, in order; usage counts the prompt once."""
+        body = self._envelope(self.object, [self.choice(i, r) for i, r in enumerate(results)])
+        body["usage"] = usage(prompt_tokens, sum(r.completion_tokens for r in results))
+        return body
+
+    def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
+        raise NotImplementedError
+
 
 class ChatShape(_Shape):
     object = "chat.completion"
@@ -290,24 +325,20 @@ class ChatShape(_Shape):
              "top_logprobs": [{"token": t(i), "logprob": lp, "bytes": t.bytes(i)} for i, lp in e.top]}
             for e in entries], "refusal": None}
 
-    def response(self, text: str, reason: str | None, entries: list[TokenLogprob] | None,
-                 prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                  "logprobs": self.logprobs(entries), "finish_reason": finish_reason(reason)}
-        body = self._envelope(self.object, [choice])
-        body["usage"] = usage(prompt_tokens, completion_tokens)
-        return body
+    def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": "".join(result.text), "refusal": None},
+                "logprobs": self.logprobs(result.logprobs), "finish_reason": finish_reason(result.finish_reason)}
 
-    def first_chunks(self) -> list[dict[str, Any]]:
-        return [self.chunk({"index": 0, "delta": {"role": "assistant", "content": "", "refusal": None},
-                            "logprobs": None, "finish_reason": None})]
+    def first_chunks(self, choices: int = 1) -> list[dict[str, Any]]:
+        return [self.chunk({"index": i, "delta": {"role": "assistant", "content": "", "refusal": None},
+                            "logprobs": None, "finish_reason": None}) for i in range(choices)]
 
-    def delta_chunk(self, text: str, entries: list[TokenLogprob] | None) -> dict[str, Any]:
-        return self.chunk({"index": 0, "delta": {"content": text}, "logprobs": self.logprobs(entries),
+    def delta_chunk(self, text: str, entries: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any]:
+        return self.chunk({"index": index, "delta": {"content": text}, "logprobs": self.logprobs(entries),
                            "finish_reason": None})
 
-    def finish_chunk(self, reason: str | None) -> dict[str, Any]:
-        return self.chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(reason)})
+    def finish_chunk(self, reason: str | None, index: int = 0) -> dict[str, Any]:
+        return self.chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(reason)})
 
 
 class CompletionShape(_Shape):
@@ -316,10 +347,10 @@ class CompletionShape(_Shape):
 
     def __init__(self, response_id: str, model: str, tokens: TokenStrings, include_usage: bool = False) -> None:
         super().__init__(response_id, model, tokens, include_usage)
-        self._offset = 0  # text_offset runs on across a stream's chunks
+        self._offsets: dict[int, int] = {}  # each choice's text_offset runs on across a stream's chunks
 
-    def logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
-        """The legacy shape: parallel lists; offsets are into the completion text, token by token."""
+    def logprobs(self, entries: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any] | None:
+        """The legacy shape: parallel lists; offsets are into the choice's text, token by token."""
         if entries is None:
             return None
         t = self.tokens
@@ -332,28 +363,28 @@ class CompletionShape(_Shape):
             for i, lp in e.top:
                 top.setdefault(t(i), lp)  # two ids with one text: the likelier one
             out["top_logprobs"].append(top)
-            out["text_offset"].append(self._offset)
-            self._offset += len(token)
+            offset = self._offsets.get(index, 0)
+            out["text_offset"].append(offset)
+            self._offsets[index] = offset + len(token)
         return out
 
-    def response(self, text: str, reason: str | None, entries: list[TokenLogprob] | None,
-                 prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        choice = {"text": text, "index": 0, "logprobs": self.logprobs(entries), "finish_reason": finish_reason(reason)}
-        body = self._envelope(self.object, [choice])
-        body["usage"] = usage(prompt_tokens, completion_tokens)
-        return body
+    def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
+        return {"text": "".join(result.text), "index": index, "logprobs": self.logprobs(result.logprobs, index),
+                "finish_reason": finish_reason(result.finish_reason)}
 
-    def first_chunks(self) -> list[dict[str, Any]]:
+    def first_chunks(self, choices: int = 1) -> list[dict[str, Any]]:
         return []
 
-    def delta_chunk(self, text: str, entries: list[TokenLogprob] | None) -> dict[str, Any]:
-        return self.chunk({"text": text, "index": 0, "logprobs": self.logprobs(entries), "finish_reason": None})
+    def delta_chunk(self, text: str, entries: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any]:
+        return self.chunk({"text": text, "index": index, "logprobs": self.logprobs(entries, index),
+                           "finish_reason": None})
 
-    def finish_chunk(self, reason: str | None) -> dict[str, Any]:
-        return self.chunk({"text": "", "index": 0, "logprobs": None, "finish_reason": finish_reason(reason)})
+    def finish_chunk(self, reason: str | None, index: int = 0) -> dict[str, Any]:
+        return self.chunk({"text": "", "index": index, "logprobs": None, "finish_reason": finish_reason(reason)})
 
 
 Shape = ChatShape | CompletionShape
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "ChatShape", "CompletionRequest", "CompletionShape",
-           "ContentPart", "Shape", "StreamOptions", "TokenStrings", "finish_reason", "new_id", "usage"]
+__all__ = ["ChatCompletionRequest", "ChatMessage", "ChatShape", "ChoiceResult", "CompletionRequest",
+           "CompletionShape", "ContentPart", "Shape", "StreamOptions", "TokenStrings", "choice_params",
+           "finish_reason", "new_id", "usage"]

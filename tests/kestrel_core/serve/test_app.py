@@ -181,6 +181,41 @@ def test_stop_string_is_cut(client: openai.OpenAI) -> None:
     assert r.choices[0].message.content == full[:full.index(word)]
 
 
+def test_n_choices_whole_and_streamed(client: openai.OpenAI, engine: Any) -> None:
+    """n = 3 sampled choices: choice i is the request alone with seed + i; streamed, the same texts by index."""
+    kw: dict[str, Any] = {"max_tokens": 8, "temperature": 1.0, "seed": 5}
+    whole = _chat(client, n=3, **kw)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    alone = [_chat(client, **{**kw, "seed": 5 + i}) for i in range(3)]
+    assert [c.message.content for c in whole.choices] == [a.choices[0].message.content for a in alone]
+    assert len({c.message.content for c in whole.choices}) > 1  # the seeds differ, so do the choices
+    assert whole.usage.prompt_tokens == len(engine.tokenizer.encode_chat(HI))  # the prompt counted once
+    assert whole.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    chunks = list(_chat(client, n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    texts, roles, reasons = ["", "", ""], [0, 0, 0], [[], [], []]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        roles[choice.index] += choice.delta.role == "assistant"
+        texts[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            reasons[choice.index].append(choice.finish_reason)
+    assert texts == [c.message.content for c in whole.choices] and roles == [1, 1, 1]
+    assert reasons == [[c.finish_reason] for c in whole.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_completions_n_choices(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=NAME, prompt="1, 2, 3,", max_tokens=4, temperature=0, n=2, best_of=2,
+                                  logprobs=1)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].text == r.choices[1].text  # greedy: the same tokens twice
+    assert r.choices[0].logprobs.text_offset == r.choices[1].logprobs.text_offset  # each from its own 0
+    assert r.choices[0].logprobs.text_offset[0] == 0 and r.usage.completion_tokens == 8
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=NAME, prompt="x", max_tokens=4, n=2, best_of=3)
+    assert info.value.body["param"] == "best_of"
+
+
 # -- concurrency and disconnects ---------------------------------------------------------------------
 
 
@@ -219,6 +254,18 @@ def test_client_disconnect_mid_stream_frees_the_sequence(client: openai.OpenAI, 
     _assert_stopped(async_engine, engine)
 
 
+def test_client_disconnect_mid_stream_frees_every_choice(client: openai.OpenAI, async_engine: AsyncEngine,
+                                                         engine: Any) -> None:
+    stream = _chat(client, max_tokens=4000, n=2, stream=True, extra_body={"ignore_eos": True})
+    it = iter(stream)
+    for _ in range(6):  # two role chunks and some tokens
+        next(it)
+    assert async_engine.num_running == 2
+    stream.close()
+    _wait_idle(async_engine, timeout=3.0)
+    _assert_stopped(async_engine, engine)
+
+
 def test_client_disconnect_while_waiting_for_a_whole_answer(server: KestrelServer, async_engine: AsyncEngine,
                                                             engine: Any) -> None:
     short = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=0.5)
@@ -235,7 +282,8 @@ def test_client_disconnect_while_waiting_for_a_whole_answer(server: KestrelServe
     ({"temperature": -1}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 129}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": "ten"}, "max_tokens"),
     ({"max_completion_tokens": -3}, "max_completion_tokens"),
@@ -329,6 +377,16 @@ def test_a_burst_over_capacity_gets_429s(small_server: KestrelServer) -> None:
     assert results.count("ok") >= 1 and results.count("429") >= 1, results
     assert results.count("ok") <= 2, results  # one running plus one waiting
     _wait_idle(small_server.async_engine)
+
+
+def test_choices_over_capacity_get_a_429_and_leave_nothing_running(small_server: KestrelServer) -> None:
+    """Three choices where one running and one waiting fit: refused whole, its admitted choices aborted."""
+    client = openai.OpenAI(base_url=f"{small_server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    with pytest.raises(openai.RateLimitError) as info:
+        _chat(client, n=3, max_tokens=4000, extra_body={"ignore_eos": True})
+    assert "capacity" in info.value.body["message"]
+    _wait_idle(small_server.async_engine, timeout=3.0)
+    assert len(_chat(client, n=2, max_tokens=4).choices) == 2  # two fit
 
 
 def test_api_key_is_required_on_v1_only(small_server: KestrelServer) -> None:

@@ -14,9 +14,11 @@ from kestrel_core.serve.errors import from_kestrel_error, param_path, validation
 from kestrel_core.serve.protocol import (
     ChatCompletionRequest,
     ChatShape,
+    ChoiceResult,
     CompletionRequest,
     CompletionShape,
     TokenStrings,
+    choice_params,
     new_id,
 )
 
@@ -53,7 +55,7 @@ def test_fields_reach_sampling_params() -> None:
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"n": 3}, "n"), ({"temperature": 101.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+    ({"n": 0}, "n"), ({"n": 129}, "n"), ({"temperature": 101.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"logit_bias": {"1": 5}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"top_logprobs": 1}, "top_logprobs"), ({"stop": ""}, "stop"),
@@ -120,7 +122,7 @@ def test_engine_errors_map_to_statuses() -> None:
 def test_chat_shapes() -> None:
     shape = ChatShape(new_id("chatcmpl"), "m", TokenStrings(_Letters()), include_usage=True)
     lp = [TokenLogprob(0, -0.1, [(0, -0.1), (1, -2.0)])]
-    body = shape.response("a", "length", lp, 3, 1)
+    body = shape.response([ChoiceResult(["a"], lp, "length", 1)], 3)
     assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "a", "refusal": None},
                                 "finish_reason": "length", "logprobs": {"refusal": None, "content": [
@@ -134,6 +136,19 @@ def test_chat_shapes() -> None:
     assert shape.usage_chunk(3, 1)["choices"] == []
 
 
+def test_choices_in_one_response_and_their_seeds() -> None:
+    shape = ChatShape("chatcmpl-x", "m", TokenStrings(_Letters()))
+    body = shape.response([ChoiceResult(["a", "b"], None, "stop", 2), ChoiceResult(["c"], None, "length", 1)], 5)
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == \
+        [(0, "ab", "stop"), (1, "c", "length")]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert [c["index"] for c in shape.first_chunks(2)[0]["choices"] + shape.first_chunks(2)[1]["choices"]] == [0, 1]
+    params = _chat(seed=2 ** 63 - 1).sampling_params(10)
+    assert [choice_params(params, i).seed for i in range(3)] == [2 ** 63 - 1, 0, 1]  # wrapped below 2^63
+    unseeded = _chat().sampling_params(10)
+    assert choice_params(unseeded, 1).seed is None and choice_params(params, 1).max_tokens == params.max_tokens
+
+
 def test_completion_logprobs_offsets_run_on_across_chunks() -> None:
     shape = CompletionShape("cmpl-x", "m", TokenStrings(_Letters()))
     first = shape.delta_chunk("ab", [TokenLogprob(0, -1.0, [(0, -1.0)]), TokenLogprob(1, -2.0, [])])
@@ -143,6 +158,8 @@ def test_completion_logprobs_offsets_run_on_across_chunks() -> None:
                                                "top_logprobs": [{"a": -1.0}, {}], "text_offset": [0, 1]}
     assert second["choices"][0]["logprobs"]["text_offset"] == [2]
     assert second["choices"][0]["logprobs"]["top_logprobs"] == [{"c": -3.0, "d": -4.0}]
+    other = shape.delta_chunk("a", [TokenLogprob(0, -1.0, [])], index=1)  # another choice's offsets start at 0
+    assert other["choices"][0]["index"] == 1 and other["choices"][0]["logprobs"]["text_offset"] == [0]
 
 
 def test_token_strings_without_a_tokenizer() -> None:
