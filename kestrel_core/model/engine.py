@@ -23,7 +23,7 @@ from kestrel_core.dispatch import Deferred, Offload, all_finite
 from kestrel_core.errors import KestrelError, NonFiniteLogits
 from kestrel_core.model.decoder import ACTIVATIONS, PREFILL_CHUNK, Decoder
 from kestrel_core.model.kv_pool import KVPool, SeqCache
-from kestrel_core.model.sampling import SamplingParams
+from kestrel_core.model.sampling import SamplingParams, TokenLogprob, logprobs_of
 from kestrel_core.model.weights import Model
 from kestrel_core.registry import Backend, Registry
 
@@ -297,14 +297,29 @@ class Engine:
     def logits(self, token_ids: Sequence[int], prompt_len: int | None = None) -> np.ndarray:
         """Teacher-forced logits of the whole sequence: float32 [T, vocab]. In "mixed" mode the first
         ``prompt_len`` tokens (default: all) run as a prompt, the rest as generated tokens would."""
+        outs = list(self._chunk_logits(token_ids, prompt_len))
+        return np.concatenate(outs) if len(outs) > 1 else outs[0]
+
+    def prompt_logprobs(self, token_ids: Sequence[int], top: int = 0) -> list[TokenLogprob]:
+        """Each token after the first, scored by the logits before it (a prompt's logprobs, as the sampler
+        reports a generated token's: the log-softmax, with the ``top`` likeliest alternatives)."""
+        ids = [int(i) for i in token_ids]
+        scored: list[TokenLogprob] = []
+        for rows in self._chunk_logits(ids):  # a chunk at a time: never the whole [T, vocab]
+            start = len(scored)
+            scored.extend(logprobs_of(row, ids[start + j + 1], top) for j, row in enumerate(rows)
+                          if start + j + 1 < len(ids))
+        return scored
+
+    def _chunk_logits(self, token_ids: Sequence[int], prompt_len: int | None = None) -> Iterator[np.ndarray]:
+        """``logits``, a prefill chunk at a time (float32 [chunk, vocab] each)."""
         ids = self.check_ids(token_ids, "input")
         seq = self.new_sequence(len(ids) if prompt_len is None else prompt_len)
         try:
             t0 = time.perf_counter()
-            outs = [self.run_batch([(seq, ids[s:s + PREFILL_CHUNK], len(ids[s:s + PREFILL_CHUNK]))])[0]
-                    for s in range(0, len(ids), PREFILL_CHUNK)]
+            for s in range(0, len(ids), PREFILL_CHUNK):
+                yield self.run_batch([(seq, ids[s:s + PREFILL_CHUNK], len(ids[s:s + PREFILL_CHUNK]))])[0]
             self.last = RunStats(prompt_tokens=len(ids), prefill_s=time.perf_counter() - t0)
-            return np.concatenate(outs) if len(outs) > 1 else outs[0]
         finally:
             self.release(seq)
 

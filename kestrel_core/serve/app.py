@@ -2,7 +2,8 @@
 
 ``create_app`` takes a running-or-not ``AsyncEngine`` (its lifespan starts the scheduler thread and stops it
 on shutdown), so one process can hold several apps (the tests do). Requests become prompt token ids here
-(the chat template, or the tokenizer, or the ids as given), then ``generation.respond`` runs them.
+(the chat template, or the tokenizer, or the ids as given), then ``generation.respond`` runs them; an echoed
+completions prompt is scored here first.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.serve import generation
 from kestrel_core.serve.access import AccessMiddleware, ApiKeyMiddleware
 from kestrel_core.serve.errors import APIError, from_kestrel_error, install_error_handlers
+from kestrel_core.serve.generation import Prompt
 from kestrel_core.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kestrel_core.serve.protocol import (
     ChatCompletionRequest,
     ChatShape,
     CompletionRequest,
     CompletionShape,
+    Echo,
     TokenStrings,
     new_id,
 )
@@ -50,6 +53,19 @@ class _Served:
     def context_left(self, prompt_tokens: int) -> int:
         """The default max_tokens: what the model's context has room for after the prompt."""
         return self.engine.config.max_position - prompt_tokens
+
+    async def echo(self, prompt: str | list[int], ids: list[int], logprobs: int | None) -> Echo:
+        """A completions prompt echoed: its text and, with ``logprobs`` (the alternatives a token), the scores
+        of its tokens after the first (computed between two engine steps)."""
+        try:
+            self.engine.check_ids(ids, "prompt")
+            text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
+            scored = None
+            if logprobs is not None:
+                scored = await self.async_engine.call(lambda: self.engine.prompt_logprobs(ids, logprobs))
+        except KestrelError as exc:
+            raise from_kestrel_error(exc, param="prompt") from None
+        return Echo(text, ids[0], scored)
 
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kestrel"}
@@ -87,20 +103,28 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None) -
             raise from_kestrel_error(exc, param="messages") from None
         params = _params(body, served.context_left(len(prompt_ids)))
         shape = ChatShape(new_id("chatcmpl"), model_name, served.tokens, body.include_usage)
-        return await generation.respond(async_engine, request, prompt_ids, params, shape,
+        return await generation.respond(async_engine, request, [Prompt(prompt_ids, params, params.logprobs)], shape,
                                         stream=bool(body.stream), prompt_param="messages", choices=body.choices)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         served.check_model(body.model)
         try:
-            prompt = body.single_prompt()
-            prompt_ids = list(served.engine.tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
+            texts = body.prompts()
+            token_ids = [list(served.engine.tokenizer.encode(p)) if isinstance(p, str) else p for p in texts]
         except KestrelError as exc:
             raise from_kestrel_error(exc, param="prompt") from None
-        params = _params(body, served.context_left(len(prompt_ids)))
-        shape = CompletionShape(new_id("cmpl"), model_name, served.tokens, body.include_usage)
-        return await generation.respond(async_engine, request, prompt_ids, params, shape, stream=bool(body.stream),
+        prompts = []
+        for ids in token_ids:
+            params = _params(body, served.context_left(len(ids)))
+            prompts.append(Prompt(ids, params, body.logprobs is not None))
+        echoes: list[Echo | None] = []
+        if body.echo:
+            for text, p in zip(texts, prompts):
+                echo = await served.echo(text, p.ids, body.logprobs)
+                echoes.extend([echo] * body.choices)
+        shape = CompletionShape(new_id("cmpl"), model_name, served.tokens, body.include_usage, echoes)
+        return await generation.respond(async_engine, request, prompts, shape, stream=bool(body.stream),
                                         choices=body.choices)
 
     @app.get("/v1/models")

@@ -1,8 +1,10 @@
 """One request through the AsyncEngine, answered whole (JSON) or as server-sent events.
 
-A request of ``n`` choices runs as ``n`` engine requests (ids ``<response id>-<i>``; one choice keeps the
-response id): answered whole once all have finished, streamed with each chunk naming its choice's index as
-its tokens come, the usage (the prompt counted once) after the last.
+A request of several prompts and ``n`` choices each runs as an engine request per choice (ids ``<response
+id>-<k>`` for choice k = p * n + i, prompt p's i-th; a single choice keeps the response id): answered whole
+once all have finished, streamed with each chunk naming its choice's index as its tokens come, the usage
+(each prompt counted once) after the last. A prompt whose choices generate nothing (an echo alone) gets one
+finished output, "length", at once.
 
 Errors the engine raises before the first output (a bad request, a full queue, a shutdown) become HTTP
 statuses, so a stream waits for its first output before it sends its headers; later errors can only be an
@@ -17,6 +19,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -33,6 +36,16 @@ from kestrel_core.serve.protocol import ChoiceResult, Shape, choice_params
 T = TypeVar("T")
 
 SHUTDOWN_MESSAGE = "the server shut down before the request finished"
+
+
+@dataclass
+class Prompt:
+    """One prompt of a request: its tokens, how its choices sample (None: they generate nothing) and
+    whether they report logprobs."""
+
+    ids: list[int]
+    params: SamplingParams | None
+    logprobs: bool
 
 
 class ClientGone(Exception):
@@ -72,13 +85,16 @@ def engine_error(exc: KestrelError, accepting: bool, prompt_param: str) -> APIEr
     return APIError(500, str(exc), code="engine_error")
 
 
-async def respond(async_engine: Any, request: Request, prompt_ids: Sequence[int], params: SamplingParams,
-                  shape: Shape, *, stream: bool, prompt_param: str = "prompt", choices: int = 1) -> Response:
-    """Run the request's ``choices`` sequences; its answer, or the APIError to answer instead.
-    ``prompt_param`` names the field that made the prompt, for errors about it ("messages" for chat)."""
+async def respond(async_engine: Any, request: Request, prompts: Sequence[Prompt], shape: Shape, *, stream: bool,
+                  prompt_param: str = "prompt", choices: int = 1) -> Response:
+    """Run ``choices`` sequences of each prompt; the answer, or the APIError to answer instead.
+    ``prompt_param`` names the field that made the prompts, for errors about them ("messages" for chat)."""
     record = record_of(request)
-    ids = [shape.id] if choices == 1 else [f"{shape.id}-{i}" for i in range(choices)]
-    gens = [async_engine.generate(prompt_ids, choice_params(params, i), request_id=rid) for i, rid in enumerate(ids)]
+    jobs = [(p, i) for p in prompts for i in range(choices)]
+    ids = [shape.id] if len(jobs) == 1 else [f"{shape.id}-{k}" for k in range(len(jobs))]
+    gens = [async_engine.generate(p.ids, choice_params(p.params, i), request_id=rid) if p.params is not None
+            else _nothing(rid, p) for (p, i), rid in zip(jobs, ids)]
+    prompt_tokens = sum(len(p.ids) for p in prompts)
 
     def abort() -> None:  # every choice's sequence freed at the engine's next step (a no-op once finished)
         for rid in ids:
@@ -87,10 +103,10 @@ async def respond(async_engine: Any, request: Request, prompt_ids: Sequence[int]
     try:
         if stream:
             firsts = await _unless_disconnected(_all([_next(g) for g in gens]), request)
-            record.prompt_tokens = len(prompt_ids)
-            return EventStreamResponse(_events(gens, firsts, shape, record, len(prompt_ids)), on_close=abort)
+            record.prompt_tokens = prompt_tokens
+            return EventStreamResponse(_events(gens, firsts, shape, record, prompt_tokens), on_close=abort)
         results = await _unless_disconnected(
-            _all([_collect(g, record, params, len(prompt_ids)) for g in gens]), request)
+            _all([_collect(g, record, p.logprobs, prompt_tokens) for g, (p, _) in zip(gens, jobs)]), request)
     except ClientGone:
         abort()
         return Response(status_code=CLIENT_CLOSED)
@@ -99,7 +115,12 @@ async def respond(async_engine: Any, request: Request, prompt_ids: Sequence[int]
         raise engine_error(exc, async_engine.accepting, prompt_param) from None
     if any(r.finish_reason == "abort" for r in results):
         raise APIError(503, SHUTDOWN_MESSAGE, code="server_shutting_down")
-    return JSONResponse(shape.response(results, len(prompt_ids)))
+    return JSONResponse(shape.response(results, prompt_tokens))
+
+
+async def _nothing(request_id: str, prompt: Prompt) -> AsyncIterator[RequestOutput]:
+    """The one output of a choice that generates nothing."""
+    yield RequestOutput(request_id, [], "", [] if prompt.logprobs else None, True, "length", len(prompt.ids), 0)
 
 
 async def _all(works: list[Awaitable[T]]) -> list[T]:
@@ -120,9 +141,9 @@ async def _next(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
     return await gen.__anext__()
 
 
-async def _collect(gen: AsyncIterator[RequestOutput], record: RequestRecord, params: SamplingParams,
+async def _collect(gen: AsyncIterator[RequestOutput], record: RequestRecord, logprobs: bool,
                    prompt_tokens: int) -> ChoiceResult:
-    result = ChoiceResult(logprobs=[] if params.logprobs else None)
+    result = ChoiceResult(logprobs=[] if logprobs else None)
     async for out in gen:
         if record.prompt_tokens == 0:
             record.prompt_tokens = prompt_tokens  # admitted: the prompt counts

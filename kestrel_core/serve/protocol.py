@@ -3,10 +3,12 @@
 Requests are pydantic models with OpenAI's field names; unknown fields are ignored (clients send many), and
 scalar fields are strict (``"0.5"`` is not a temperature), so a wrong type is a 400 naming the field. Ranges
 are not repeated here: ``SamplingParams.check`` is the one place that knows them, and its ``InvalidRequest``
-names the field too. Fields kestrel cannot honour (``echo``, ``logit_bias``, tools...) are refused rather
+names the field too. Fields kestrel cannot honour (``logit_bias``, ``suffix``, tools...) are refused rather
 than silently ignored, since ignoring them would change what the client gets. ``n`` choices are ``n``
 sequences of one prompt (prefix caching shares its full blocks); with a ``seed``, choice i samples with
-seed + i, so the choices differ and the request is reproducible.
+seed + i, so the choices differ and the request is reproducible. A completions request may hold several
+prompts (choice p * n + i is prompt p's i-th) and ``echo`` them, with their tokens' logprobs and, with
+``max_tokens`` 0, nothing generated: what evaluation harnesses send to score text.
 
 Responses are plain dicts built to OpenAI's shapes (ids ``chatcmpl-...`` / ``cmpl-...``, object names,
 ``created``, ``model``, ``choices``, ``usage``) by ``ChatShape`` and ``CompletionShape``, which both the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -37,6 +40,7 @@ from kestrel_core.model.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenL
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; kestrel's own SamplingParams default is greedy
 MAX_CHOICES = 128  # n, at most (OpenAI's bound)
+MAX_PROMPTS = 128  # prompts of one completions request, at most
 
 
 def new_id(prefix: str) -> str:
@@ -192,23 +196,30 @@ class CompletionRequest(_Generation):
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt: text, or token ids (a batch of one is accepted; a larger batch is refused)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids: one, or a list of up to MAX_PROMPTS."""
         p = self.prompt
         if isinstance(p, str):
-            return p
+            return [p]
         if not p:
             raise InvalidRequest("the prompt is empty", param="prompt")
         if all(isinstance(x, int) for x in p):
-            return list(p)  # type: ignore[arg-type]
-        if len(p) != 1:
-            raise InvalidRequest(f"one prompt per request is supported, got {len(p)}", param="prompt")
-        return p[0]  # type: ignore[return-value]
+            return [list(p)]  # type: ignore[arg-type]
+        if len(p) > MAX_PROMPTS:
+            raise InvalidRequest(f"at most {MAX_PROMPTS} prompts a request, got {len(p)}", param="prompt")
+        return list(p)  # type: ignore[arg-type]
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams | None:
+        """SamplingParams for one prompt (``default_max_tokens``: the context left after it); None where
+        nothing is generated (``echo`` with ``max_tokens`` 0)."""
         self._refuse_unsupported()
-        if self.echo:
-            raise InvalidRequest("echo is not supported", param="echo")
+        self._check_fields()
+        if self.echo and self.max_tokens == 0:
+            return None
+        max_tokens = self._max_tokens(self.max_tokens, "max_tokens", default_max_tokens)
+        return self._params(max_tokens, self.logprobs is not None, self.logprobs or 0)
+
+    def _check_fields(self) -> None:
         if self.best_of is not None and self.best_of != self.choices:
             raise InvalidRequest(f"best_of must equal n ({self.choices}), got {self.best_of}", param="best_of")
         if self.suffix:
@@ -216,8 +227,6 @@ class CompletionRequest(_Generation):
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
                                  param="logprobs")
-        max_tokens = self._max_tokens(self.max_tokens, "max_tokens", default_max_tokens)
-        return self._params(max_tokens, self.logprobs is not None, self.logprobs or 0)
 
 
 # -- responses ----------------------------------------------------------------------------------------
@@ -238,6 +247,16 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     completion_tokens: int = 0
+
+
+@dataclass
+class Echo:
+    """A completions prompt repeated before its choices' text (``echo``): its text, its first token (no
+    logprob: nothing comes before it) and the other tokens' logprobs (None: none were asked for)."""
+
+    text: str
+    first_token: int
+    logprobs: list[TokenLogprob] | None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -342,38 +361,62 @@ class ChatShape(_Shape):
 
 
 class CompletionShape(_Shape):
+    """``echoes``: each choice's Echo (None: not echoed), or none at all."""
+
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def __init__(self, response_id: str, model: str, tokens: TokenStrings, include_usage: bool = False) -> None:
+    def __init__(self, response_id: str, model: str, tokens: TokenStrings, include_usage: bool = False,
+                 echoes: Sequence[Echo | None] = ()) -> None:
         super().__init__(response_id, model, tokens, include_usage)
+        self.echoes = list(echoes)
         self._offsets: dict[int, int] = {}  # each choice's text_offset runs on across a stream's chunks
 
-    def logprobs(self, entries: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any] | None:
-        """The legacy shape: parallel lists; offsets are into the choice's text, token by token."""
+    def logprobs(self, entries: list[TokenLogprob] | None, index: int = 0,
+                 first: int | None = None) -> dict[str, Any] | None:
+        """The legacy shape: parallel lists; offsets are into the choice's text, token by token. ``first``: a
+        token before the entries with no logprob (an echoed prompt's first)."""
         if entries is None:
             return None
         t = self.tokens
         out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        rows: list[tuple[int, float | None, dict[str, float] | None]] = [] if first is None else [(first, None, None)]
         for e in entries:
-            token = t(e.token_id)
-            out["tokens"].append(token)
-            out["token_logprobs"].append(e.logprob)
             top: dict[str, float] = {}
             for i, lp in e.top:
                 top.setdefault(t(i), lp)  # two ids with one text: the likelier one
-            out["top_logprobs"].append(top)
+            rows.append((e.token_id, e.logprob, top))
+        for token_id, logprob, top_row in rows:
+            token = t(token_id)
+            out["tokens"].append(token)
+            out["token_logprobs"].append(logprob)
+            out["top_logprobs"].append(top_row)
             offset = self._offsets.get(index, 0)
             out["text_offset"].append(offset)
             self._offsets[index] = offset + len(token)
         return out
 
+    def _echo(self, index: int) -> Echo | None:
+        return self.echoes[index] if index < len(self.echoes) else None
+
+    def _echo_logprobs(self, echo: Echo, index: int) -> dict[str, Any] | None:
+        return self.logprobs(echo.logprobs, index, first=echo.first_token)
+
     def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
-        return {"text": "".join(result.text), "index": index, "logprobs": self.logprobs(result.logprobs, index),
+        echo = self._echo(index)
+        head = self._echo_logprobs(echo, index) if echo is not None else None
+        logprobs = self.logprobs(result.logprobs, index)
+        if head is not None and logprobs is not None:
+            logprobs = {key: head[key] + logprobs[key] for key in head}
+        text = (echo.text if echo is not None else "") + "".join(result.text)
+        return {"text": text, "index": index, "logprobs": logprobs,
                 "finish_reason": finish_reason(result.finish_reason)}
 
     def first_chunks(self, choices: int = 1) -> list[dict[str, Any]]:
-        return []
+        """A chunk of each echoed choice's prompt."""
+        return [self.chunk({"text": echo.text, "index": i, "logprobs": self._echo_logprobs(echo, i),
+                            "finish_reason": None})
+                for i in range(choices) if (echo := self._echo(i)) is not None]
 
     def delta_chunk(self, text: str, entries: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any]:
         return self.chunk({"text": text, "index": index, "logprobs": self.logprobs(entries, index),
@@ -386,5 +429,5 @@ class CompletionShape(_Shape):
 Shape = ChatShape | CompletionShape
 
 __all__ = ["ChatCompletionRequest", "ChatMessage", "ChatShape", "ChoiceResult", "CompletionRequest",
-           "CompletionShape", "ContentPart", "Shape", "StreamOptions", "TokenStrings", "choice_params",
+           "CompletionShape", "ContentPart", "Echo", "Shape", "StreamOptions", "TokenStrings", "choice_params",
            "finish_reason", "new_id", "usage"]

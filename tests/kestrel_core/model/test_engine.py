@@ -204,3 +204,21 @@ def test_stats_report_the_run_and_the_offload_counters(model) -> None:
     layers = model.config.num_layers
     # per step: a QKV and a gate/up fused call (3 + 2 GEMMs on the CPU), o, down per layer, then lm_head
     assert stats["offload"]["kestrel_gemm_q8"]["offered"] == 5 * (7 * layers + 1)
+
+
+def test_prompt_logprobs_score_each_token_by_the_logits_before_it(model, monkeypatch) -> None:
+    from kestrel_core.model import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 7)  # several chunks: the scores run on across them
+    ids = list(range(3, 23))
+    with kestrel_core.load(model, "cpu") as engine:
+        scored = engine.prompt_logprobs(ids, top=2)
+        logits = engine.logits(ids).astype(np.float64)
+        assert engine.prompt_logprobs(ids[:1]) == []  # a single token: nothing before it
+    ref = logits - logits.max(axis=1, keepdims=True)
+    ref -= np.log(np.exp(ref).sum(axis=1, keepdims=True))
+    assert [s.token_id for s in scored] == ids[1:]
+    np.testing.assert_allclose([s.logprob for s in scored], [ref[t, ids[t + 1]] for t in range(len(ids) - 1)],
+                               atol=1e-5)
+    assert [s.top[0][0] for s in scored] == [int(np.argmax(ref[t])) for t in range(len(ids) - 1)]
+    assert all(len(s.top) == 2 for s in scored)

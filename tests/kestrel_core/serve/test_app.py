@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import openai
 import pytest
 
@@ -216,6 +217,61 @@ def test_completions_n_choices(client: openai.OpenAI) -> None:
     assert info.value.body["param"] == "best_of"
 
 
+def test_completions_several_prompts(client: openai.OpenAI, engine: Any) -> None:
+    """Choice p * n + i is prompt p's i-th; each as that prompt alone gets it; the prompts counted once each."""
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    kw: dict[str, Any] = {"max_tokens": 4, "temperature": 0}
+    alone = [client.completions.create(model=NAME, prompt=p, **kw) for p in prompts]
+    r = client.completions.create(model=NAME, prompt=prompts, n=2, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(len(engine.tokenizer.encode(p)) for p in prompts)
+    assert r.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    texts = ["", "", "", ""]
+    for chunk in client.completions.create(model=NAME, prompt=prompts, n=2, stream=True, **kw):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in r.choices]
+
+
+def _log_softmax(logits: Any) -> Any:
+    shifted = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+
+
+def test_completions_echo_scores_the_prompt(client: openai.OpenAI, async_engine: AsyncEngine, engine: Any) -> None:
+    """echo with logprobs and max_tokens 0 (what lm-eval's loglikelihood sends): each prompt token after the
+    first scored by the model's log-softmax before it, the alternatives the likeliest; nothing generated."""
+    prompt = "The capital of France is Paris"
+    ids = engine.tokenizer.encode(prompt)
+    r = client.completions.create(model=NAME, prompt=prompt, echo=True, max_tokens=0, logprobs=2)
+    (c,) = r.choices
+    assert c.text == prompt and c.finish_reason == "length" and r.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = _log_softmax(async_engine.run_sync(lambda: engine.logits(ids)))  # float64, the engine's own logits
+    assert lp.token_logprobs[1:] == pytest.approx([ref[t, ids[t + 1]] for t in range(len(ids) - 1)], abs=1e-4)
+    for t, top in enumerate(lp.top_logprobs[1:]):
+        assert 1 <= len(top) <= 2 and max(top.values()) == pytest.approx(ref[t].max(), abs=1e-4)
+    assert lp.text_offset == [sum(len(tok) for tok in lp.tokens[:i]) for i in range(len(ids))]
+
+
+def test_completions_echo_then_generate(client: openai.OpenAI) -> None:
+    prompt = "1, 2, 3,"
+    kw: dict[str, Any] = {"max_tokens": 3, "temperature": 0, "logprobs": 1}
+    plain = client.completions.create(model=NAME, prompt=prompt, **kw).choices[0]
+    echoed = client.completions.create(model=NAME, prompt=prompt, echo=True, **kw).choices[0]
+    assert echoed.text == prompt + plain.text
+    scored = client.completions.create(model=NAME, prompt=prompt, echo=True, max_tokens=0, logprobs=1).choices[0]
+    n = len(scored.logprobs.tokens)  # the prompt's tokens, then the completion's
+    assert echoed.logprobs.tokens == scored.logprobs.tokens + plain.logprobs.tokens
+    assert echoed.logprobs.token_logprobs[:n] == scored.logprobs.token_logprobs
+    assert echoed.logprobs.token_logprobs[n:] == plain.logprobs.token_logprobs
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, echo=True, stream=True, **kw))
+    assert chunks[0].choices[0].text == prompt  # the echo comes first, as its own chunk
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == echoed.text
+
+
 # -- concurrency and disconnects ---------------------------------------------------------------------
 
 
@@ -333,8 +389,9 @@ def test_body_that_is_not_json(server: KestrelServer) -> None:
     ({"prompt": ""}, "prompt"),
     ({"prompt": [10**7]}, "prompt"),
     ({"prompt": list(range(9000))}, "prompt"),  # longer than the model's 8192-token context
-    ({"prompt": ["a", "b"]}, "prompt"),
-    ({"echo": True}, "echo"),
+    ({"prompt": ["a"] * 129}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt"),
+    ({"suffix": "end"}, "suffix"),
     ({"best_of": 3}, "best_of"),
 ])
 def test_bad_completions_request(client: openai.OpenAI, kwargs: dict[str, Any], param: str) -> None:

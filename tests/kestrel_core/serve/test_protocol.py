@@ -17,6 +17,7 @@ from kestrel_core.serve.protocol import (
     ChoiceResult,
     CompletionRequest,
     CompletionShape,
+    Echo,
     TokenStrings,
     choice_params,
     new_id,
@@ -75,13 +76,19 @@ def test_content_parts_and_roles() -> None:
                                        {"role": "user", "content": "a\nb"}, {"role": "assistant", "content": ""}]
 
 
-def test_single_prompt() -> None:
-    def prompt(p: Any) -> Any:
-        return CompletionRequest.model_validate({"prompt": p}).single_prompt()
+def test_prompts() -> None:
+    def prompts(p: Any) -> Any:
+        return CompletionRequest.model_validate({"prompt": p}).prompts()
 
-    assert prompt("hi") == "hi" and prompt([1, 2]) == [1, 2] and prompt(["hi"]) == "hi" and prompt([[3]]) == [3]
-    with pytest.raises(InvalidRequest):
-        prompt(["a", "b"])
+    assert prompts("hi") == ["hi"] and prompts([1, 2]) == [[1, 2]] and prompts(["hi"]) == ["hi"]
+    assert prompts([[3], [4, 5]]) == [[3], [4, 5]] and prompts(["a", "b"]) == ["a", "b"]
+    for bad in ([], ["a"] * 129):
+        with pytest.raises(InvalidRequest):
+            prompts(bad)
+    echo_only = CompletionRequest.model_validate({"prompt": "x", "echo": True, "max_tokens": 0, "logprobs": 1})
+    assert echo_only.sampling_params(10) is None  # scored, nothing generated
+    with pytest.raises(InvalidRequest):  # without echo, max_tokens 0 asks for nothing
+        CompletionRequest.model_validate({"prompt": "x", "max_tokens": 0}).sampling_params(10)
 
 
 def _validation_param(model: type, body: dict[str, Any]) -> tuple[str | None, str]:
@@ -160,6 +167,22 @@ def test_completion_logprobs_offsets_run_on_across_chunks() -> None:
     assert second["choices"][0]["logprobs"]["top_logprobs"] == [{"c": -3.0, "d": -4.0}]
     other = shape.delta_chunk("a", [TokenLogprob(0, -1.0, [])], index=1)  # another choice's offsets start at 0
     assert other["choices"][0]["index"] == 1 and other["choices"][0]["logprobs"]["text_offset"] == [0]
+
+
+def test_echoed_prompt_comes_first_with_no_logprob_for_its_first_token() -> None:
+    echo = Echo("ab", 0, [TokenLogprob(1, -0.5, [(1, -0.5)])])
+    shape = CompletionShape("cmpl-x", "m", TokenStrings(_Letters()), echoes=[echo, None])
+    body = shape.response([ChoiceResult(["c"], [TokenLogprob(2, -1.0, [])], "length", 1),
+                           ChoiceResult(["d"], [TokenLogprob(3, -2.0, [])], "length", 1)], 2)
+    first, second = body["choices"]
+    assert first["text"] == "abc" and second["text"] == "d"
+    assert first["logprobs"] == {"tokens": ["a", "b", "c"], "token_logprobs": [None, -0.5, -1.0],
+                                 "top_logprobs": [None, {"b": -0.5}, {}], "text_offset": [0, 1, 2]}
+    assert second["logprobs"]["text_offset"] == [0]
+    streamed = CompletionShape("cmpl-y", "m", TokenStrings(_Letters()), echoes=[echo, None])
+    (chunk,) = streamed.first_chunks(2)  # the echoed choice's prompt, before any token
+    assert chunk["choices"][0]["text"] == "ab" and chunk["choices"][0]["logprobs"]["token_logprobs"] == [None, -0.5]
+    assert streamed.delta_chunk("c", [TokenLogprob(2, -1.0, [])])["choices"][0]["logprobs"]["text_offset"] == [2]
 
 
 def test_token_strings_without_a_tokenizer() -> None:
