@@ -21,7 +21,6 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.serve import generation
 from kestrel_core.serve.access import AccessMiddleware, ApiKeyMiddleware
 from kestrel_core.serve.errors import APIError, from_kestrel_error, install_error_handlers
-from kestrel_core.serve.generation import Prompt
 from kestrel_core.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kestrel_core.serve.protocol import (
     ChatCompletionRequest,
@@ -103,8 +102,9 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None) -
             raise from_kestrel_error(exc, param="messages") from None
         params = _params(body, served.context_left(len(prompt_ids)))
         shape = ChatShape(new_id("chatcmpl"), model_name, served.tokens, body.include_usage)
-        return await generation.respond(async_engine, request, [Prompt(prompt_ids, params, params.logprobs)], shape,
-                                        stream=bool(body.stream), prompt_param="messages", choices=body.choices)
+        prompt = generation.Prompt(prompt_ids, params, params.logprobs)
+        return await generation.respond(async_engine, request, [prompt], shape, stream=bool(body.stream),
+                                        prompt_param="messages", choices=body.choices)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -117,7 +117,7 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None) -
         prompts = []
         for ids in token_ids:
             params = _params(body, served.context_left(len(ids)))
-            prompts.append(Prompt(ids, params, body.logprobs is not None))
+            prompts.append(generation.Prompt(ids, params, body.logprobs is not None))
         echoes: list[Echo | None] = []
         if body.echo:
             for text, p in zip(texts, prompts):
