@@ -17,6 +17,7 @@ import numpy as np
 from kestrel_core.errors import InvalidRequest
 
 MAX_TOP_LOGPROBS = 5
+MAX_LOGIT_BIAS = 300  # tokens one logit_bias names, at most (OpenAI's bound)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per token, 0..MAX_TOP_LOGPROBS
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100]), OpenAI's
 
     def check(self) -> SamplingParams:
         def bad(name: str, why: str) -> InvalidRequest:
@@ -64,6 +66,12 @@ class SamplingParams:
             raise bad("logprobs", f"must be a boolean, got {self.logprobs!r}")
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if not isinstance(self.logit_bias, tuple) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"must hold at most {MAX_LOGIT_BIAS} (token id, bias) pairs")
+        for pair in self.logit_bias:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0
+                    and _is_number(pair[1]) and -100 <= pair[1] <= 100):
+                raise bad("logit_bias", f"must map token ids >= 0 to numbers in [-100, 100], got {pair!r}")
         return self
 
     @property
@@ -73,6 +81,11 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def adjusted(self) -> bool:
+        """Whether the logits change before sampling (penalties, a logit bias): the device's argmax will not do."""
+        return self.penalized or bool(self.logit_bias)
 
 
 def _is_int(x: object) -> bool:
@@ -100,6 +113,8 @@ class Sampler:
         seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2 ** 63)
         self.rng = np.random.default_rng(seed)
         self.counts: Counter[int] = Counter()  # generated token -> times, for the penalties
+        bias = dict(self.params.logit_bias)  # a token named twice: its last bias, as in a JSON object
+        self._bias = (np.fromiter(bias.keys(), np.int64, len(bias)), np.fromiter(bias.values(), np.float32, len(bias)))
 
     @property
     def greedy(self) -> bool:
@@ -122,15 +137,21 @@ class Sampler:
         self.counts[token] += 1
 
     def processed(self, logits: np.ndarray) -> np.ndarray:
-        """The logits [vocab] after the presence and frequency penalties (float32; a copy only if penalized)."""
+        """The logits [vocab] with the logit bias added, after the presence and frequency penalties (float32; a
+        copy only if adjusted)."""
         z = np.asarray(logits, dtype=np.float32).reshape(-1)
         p = self.params
-        if not p.penalized or not self.counts:
+        penalize = p.penalized and bool(self.counts)
+        if not penalize and not p.logit_bias:
             return z
-        ids = np.fromiter(self.counts.keys(), np.int64, len(self.counts))
-        times = np.fromiter(self.counts.values(), np.float32, len(self.counts))
         z = z.copy()
-        z[ids] -= np.float32(p.presence_penalty) + np.float32(p.frequency_penalty) * times
+        if p.logit_bias:
+            ids, bias = self._bias
+            z[ids] += bias
+        if penalize:
+            ids = np.fromiter(self.counts.keys(), np.int64, len(self.counts))
+            times = np.fromiter(self.counts.values(), np.float32, len(self.counts))
+            z[ids] -= np.float32(p.presence_penalty) + np.float32(p.frequency_penalty) * times
         return z
 
     def distribution(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -84,7 +84,7 @@ class Request:
     def argmax_only(self) -> bool:
         """Only the greedy token of its logits is needed (a backend may choose it on the device)."""
         p = self.params
-        return p.greedy and not p.penalized and not p.logprobs
+        return p.greedy and not p.adjusted and not p.logprobs
 
     @property
     def tokens(self) -> list[int]:
@@ -143,6 +143,11 @@ class Scheduler:
             self.engine.check_ids(prompt_ids, "prompt")
         except KestrelError as exc:
             raise InvalidRequest(str(exc), param="prompt") from None
+        vocab = self.engine.config.vocab_size
+        outside = [t for t, _ in params.logit_bias if t >= vocab]
+        if outside:
+            raise InvalidRequest(f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})",
+                                 param="logit_bias")
         if self.pool.blocks_for(len(prompt_ids)) > self.pool.num_blocks:
             raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds "
                                  f"{self.pool.capacity}", param="prompt")

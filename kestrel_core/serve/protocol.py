@@ -3,7 +3,7 @@
 Requests are pydantic models with OpenAI's field names; unknown fields are ignored (clients send many), and
 scalar fields are strict (``"0.5"`` is not a temperature), so a wrong type is a 400 naming the field. Ranges
 are not repeated here: ``SamplingParams.check`` is the one place that knows them, and its ``InvalidRequest``
-names the field too. Fields kestrel cannot honour (``logit_bias``, ``suffix``, tools...) are refused rather
+names the field too. Fields kestrel cannot honour (``suffix``, tools...) are refused rather
 than silently ignored, since ignoring them would change what the client gets. ``n`` choices are ``n``
 sequences of one prompt (prefix caching shares its full blocks); with a ``seed``, choice i samples with
 seed + i, so the choices differ and the request is reproducible. A completions request may hold several
@@ -115,7 +115,7 @@ class _Generation(_Request):
     seed: StrictInt | None = None
     presence_penalty: StrictFloat | None = None
     frequency_penalty: StrictFloat | None = None
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, StrictInt | StrictFloat] | None = None  # token id (as a string) -> bias
     ignore_eos: StrictBool | None = None  # an extension: generate max_tokens even past the end of text
     user: StrictStr | None = None
 
@@ -131,8 +131,6 @@ class _Generation(_Request):
     def _refuse_unsupported(self) -> None:
         if not 1 <= self.choices <= MAX_CHOICES:
             raise InvalidRequest(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n}", param="n")
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
 
     def _max_tokens(self, value: int | None, name: str, default: int) -> int:
         if value is None:
@@ -155,8 +153,17 @@ class _Generation(_Request):
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             ignore_eos=bool(self.ignore_eos),
+            logit_bias=self._logit_bias(),
         )
         return params.check()
+
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            pairs.append((int(key), float(bias)))
+        return tuple(pairs)
 
 
 class ChatCompletionRequest(_Generation):

@@ -119,6 +119,9 @@ def test_the_same_seed_gives_the_same_tokens() -> None:
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": float("inf")}, "frequency_penalty"),
     ({"top_logprobs": 6}, "top_logprobs"), ({"stop": ("",)}, "stop"), ({"stop": ("a",) * 5}, "stop"),
     ({"stop_token_ids": (-3,)}, "stop_token_ids"), ({"logprobs": 1}, "logprobs"),
+    ({"logit_bias": ((1, 100.5),)}, "logit_bias"), ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
+    ({"logit_bias": ((1, float("nan")),)}, "logit_bias"), ({"logit_bias": {1: 2.0}}, "logit_bias"),
+    ({"logit_bias": tuple((i, 1.0) for i in range(301))}, "logit_bias"),
 ])
 def test_bad_parameters_name_their_field(kwargs: dict, param: str) -> None:
     with pytest.raises(InvalidRequest) as info:
@@ -135,6 +138,17 @@ def test_presence_and_frequency_penalties_follow_openais_formula() -> None:
     want = logits - np.array([0.5 + 2 * 0.25, 0.5 + 0.25, 0, 0], np.float32)
     np.testing.assert_array_equal(s.processed(logits), want)
     assert s(logits) == 1  # 3.0 - 1.0 < 2.9 - 0.75
+
+
+def test_logit_bias_is_added_before_the_penalties_and_the_choice() -> None:
+    logits = np.array([3.0, 2.9, 0.0, -1.0], np.float32)
+    s = _Sampler(SamplingParams(logit_bias=((3, 5.0), (0, -100.0), (3, 4.5)), presence_penalty=1.0))
+    assert SamplingParams(logit_bias=((3, 5.0),)).adjusted and not SamplingParams().adjusted
+    np.testing.assert_array_equal(s.processed(logits), logits + np.array([-100, 0, 0, 4.5], np.float32))  # the last
+    assert s(logits) == 3  # -1 + 4.5 beats 2.9: biased, and counted for the penalty
+    assert s(logits) == 1  # 3.5 - 1 (presence) < 2.9
+    free = _Sampler(SamplingParams())
+    np.testing.assert_array_equal(free.processed(logits), logits)
 
 
 def test_logprobs_are_the_models_log_softmax_with_the_top_alternatives() -> None:

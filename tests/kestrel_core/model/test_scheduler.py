@@ -195,6 +195,20 @@ def test_an_aborted_request_frees_its_sequence_and_the_others_go_on(engine) -> N
     assert engine.pool.free_blocks == engine.pool.num_blocks
 
 
+def test_a_logit_bias_steers_greedy_tokens_and_keeps_them_off_the_device_argmax(engine) -> None:
+    prompt = _prompts(1, engine.config.vocab_size)[0]
+    free = _alone(engine, prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    forced = SamplingParams(max_tokens=4, ignore_eos=True, logit_bias=((7, 100.0),))
+    assert _alone(engine, prompt, forced) == [7, 7, 7, 7] != free
+    barred = _alone(engine, prompt, SamplingParams(max_tokens=4, ignore_eos=True, logit_bias=((free[0], -100.0),)))
+    assert barred[0] != free[0]
+    scheduler = Scheduler(engine)
+    assert not scheduler.add(prompt, forced).argmax_only and scheduler.add(prompt, SamplingParams()).argmax_only
+    for request in list(scheduler.requests.values()):
+        scheduler.abort(request.request_id)
+    scheduler.step()
+
+
 def test_requests_that_cannot_run_are_refused_and_a_full_queue_is_overloaded(model) -> None:
     with kestrel_core.load(model, backend="cpu", kv_cache_mb=0.125) as engine:  # 4 blocks: 128 positions
         scheduler = Scheduler(engine, max_batch=1, max_waiting=1)
@@ -205,6 +219,9 @@ def test_requests_that_cannot_run_are_refused_and_a_full_queue_is_overloaded(mod
             scheduler.add([1] * 161, SamplingParams())
         with pytest.raises(InvalidRequest, match="top_p"):
             scheduler.add([1, 2], SamplingParams(top_p=0))
+        with pytest.raises(InvalidRequest, match="outside the vocabulary") as info:
+            scheduler.add([1, 2], SamplingParams(logit_bias=((engine.config.vocab_size, 1.0),)))
+        assert info.value.param == "logit_bias"
         scheduler.add([1, 2], SamplingParams(max_tokens=3))
         scheduler.step()  # the first runs
         scheduler.add([3, 4], SamplingParams(max_tokens=3))  # the second waits

@@ -173,6 +173,12 @@ def test_completions_logprobs(client: openai.OpenAI) -> None:
     assert streamed == lp.text_offset  # offsets run on across chunks
 
 
+def test_logit_bias_forces_a_token(client: openai.OpenAI, engine: Any) -> None:
+    (paris,) = engine.tokenizer.encode("Paris")
+    r = _chat(client, max_tokens=3, logit_bias={str(paris): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == "ParisParisParis"
+
+
 def test_stop_string_is_cut(client: openai.OpenAI) -> None:
     full = _chat(client, max_tokens=12).choices[0].message.content
     assert " " in full
@@ -355,6 +361,9 @@ def test_client_disconnect_while_waiting_for_a_whole_answer(server: KestrelServe
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.[0].content"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"10000000": 1}}, "logit_bias"),  # outside the vocabulary
+    ({"logit_bias": {"five": 1}}, "logit_bias"),
 ])
 def test_bad_chat_request_is_a_400_naming_the_field(client: openai.OpenAI, kwargs: dict[str, Any],
                                                      param: str) -> None:
