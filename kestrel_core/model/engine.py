@@ -20,7 +20,7 @@ import numpy as np
 
 from kestrel_core.batch import BatchEntry, greedy_token
 from kestrel_core.dispatch import Deferred, Offload, all_finite
-from kestrel_core.errors import KestrelError, NonFiniteLogits
+from kestrel_core.errors import KestrelError, NonFiniteLogits, Overloaded
 from kestrel_core.model.decoder import ACTIVATIONS, PREFILL_CHUNK, Decoder
 from kestrel_core.model.kv_pool import KVPool, SeqCache
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob, logprobs_of
@@ -316,6 +316,8 @@ class Engine:
         ids = self.check_ids(token_ids, "input")
         seq = self.new_sequence(len(ids) if prompt_len is None else prompt_len)
         try:
+            if not self.pool.reserve(seq.cache, len(ids)):  # the cache is shared with a scheduler's sequences
+                raise Overloaded(f"the KV cache has no room for {len(ids)} positions now; retry later")
             t0 = time.perf_counter()
             for s in range(0, len(ids), PREFILL_CHUNK):
                 yield self.run_batch([(seq, ids[s:s + PREFILL_CHUNK], len(ids[s:s + PREFILL_CHUNK]))])[0]

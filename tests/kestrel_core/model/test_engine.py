@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kestrel_core
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import KestrelError, Overloaded
 from kestrel_core.model.presets import synthetic_model
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "backends"
@@ -222,3 +222,15 @@ def test_prompt_logprobs_score_each_token_by_the_logits_before_it(model, monkeyp
                                atol=1e-5)
     assert [s.top[0][0] for s in scored] == [int(np.argmax(ref[t])) for t in range(len(ids) - 1)]
     assert all(len(s.top) == 2 for s in scored)
+
+
+def test_scoring_with_no_room_in_the_shared_cache_is_overloaded(model) -> None:
+    """The pool is a scheduler's too: a prompt scored while its sequences hold the blocks waits its turn."""
+    with kestrel_core.load(model, backend="cpu") as engine:
+        held = engine.new_sequence()
+        assert engine.pool.reserve(held.cache, engine.pool.capacity)
+        with pytest.raises(Overloaded, match="no room"):
+            engine.prompt_logprobs([1, 2, 3])
+        engine.release(held)
+        assert len(engine.prompt_logprobs([1, 2, 3])) == 2
+        assert engine.pool.free_blocks == engine.pool.num_blocks
