@@ -316,6 +316,8 @@ class Engine:
         ids = self.check_ids(token_ids, "input")
         seq = self.new_sequence(len(ids) if prompt_len is None else prompt_len)
         try:
+            if self.pool.blocks_for(len(ids)) > self.pool.num_blocks:
+                raise KestrelError(f"the input has {len(ids)} tokens; the KV cache holds {self.pool.capacity}")
             if not self.pool.reserve(seq.cache, len(ids)):  # the cache is shared with a scheduler's sequences
                 raise Overloaded(f"the KV cache has no room for {len(ids)} positions now; retry later")
             t0 = time.perf_counter()

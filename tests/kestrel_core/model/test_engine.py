@@ -234,3 +234,12 @@ def test_scoring_with_no_room_in_the_shared_cache_is_overloaded(model) -> None:
         engine.release(held)
         assert len(engine.prompt_logprobs([1, 2, 3])) == 2
         assert engine.pool.free_blocks == engine.pool.num_blocks
+    from kestrel_core.model.kv_pool import BLOCK_SIZE, bytes_per_position
+
+    one_block = bytes_per_position(model.config) * BLOCK_SIZE / 2 ** 20
+    with kestrel_core.load(model, backend="cpu", kv_cache_mb=one_block) as engine:  # fewer positions than the context
+        n = engine.pool.capacity + 1
+        assert n <= model.config.max_position
+        with pytest.raises(KestrelError, match=f"holds {engine.pool.capacity}") as info:
+            engine.logits(list(range(n)))
+        assert not isinstance(info.value, Overloaded)  # no retry makes it fit
