@@ -2,7 +2,9 @@
 
 Each ``step()`` is one ``Engine.start_batch``: one row for every running sequence that is decoding, then
 chunks of prompts (chunked prefill) while the step's token budget lasts. A request is admitted when the KV
-pool has blocks for its tokens (with a block of headroom for each running sequence); when a running
+pool has blocks for its tokens (with a block of headroom for each running sequence), and, with the prefix
+cache, not while a running request with the same prompt still computes it (the ``n`` choices of one prompt):
+it then attaches that prompt's blocks instead of computing them again. When a running
 sequence cannot grow, the most recently admitted one is preempted: its blocks are freed and it waits again
 at the head of the queue, to be recomputed from its prompt and the tokens it has generated. A row's result
 does not depend on the batch (``kernels``), so a recomputed sequence carries on exactly where it stopped.
@@ -342,6 +344,8 @@ class Scheduler:
             tokens = len(request.tokens)
             if self.pool.blocks_for(tokens + 1) + len(self.running) > self.pool.free_blocks and self.running:
                 break  # no room yet: it waits for running sequences to finish
+            if self._twin_computing(request):
+                break
             self.waiting.popleft()
             request.seq = self.engine.new_sequence(len(request.prompt_ids), request.tokens)
             request.status = RUNNING
@@ -355,6 +359,15 @@ class Scheduler:
             work.append(self._chunk(request, n))
             budget -= n
         return work
+
+    def _twin_computing(self, request: Request) -> bool:
+        """Whether a running request with ``request``'s prompt (at least a block long) has not finished it: its
+        blocks are shared once it has (prefix cache), so ``request`` waits rather than computes them too."""
+        prompt = request.prompt_ids
+        if not self.engine.prefix_cache or request.preemptions or len(prompt) <= self.pool.block_size:
+            return False
+        return any(r.seq is not None and len(r.seq.tokens) < len(r.prompt_ids) and r.prompt_ids == prompt
+                   for r in self.running)
 
     def _chunk(self, request: Request, n: int) -> tuple[Request, list[int], int]:
         done, prompt = len(request.seq.tokens), len(request.prompt_ids)

@@ -195,6 +195,29 @@ def test_an_aborted_request_frees_its_sequence_and_the_others_go_on(engine) -> N
     assert engine.pool.free_blocks == engine.pool.num_blocks
 
 
+def test_choices_of_one_prompt_compute_it_once(model, engine, monkeypatch) -> None:
+    """n requests of one prompt: the first computes it, the others wait for it and attach its full blocks."""
+    prompt = _prompts(1, engine.config.vocab_size)[0][:8] * 10  # 80 tokens: two full blocks and a part
+    params = [SamplingParams(max_tokens=6, temperature=0.9, seed=3 + i, ignore_eos=True) for i in range(3)]
+    with kestrel_core.load(model, backend="cpu") as other:  # its own cache: nothing published in this one's
+        alone = [_alone(other, prompt, p) for p in params]
+    hits = engine.pool.prefix_hit_tokens
+    computed: list[int] = []
+    original = type(engine).start_batch
+
+    def counting(self, work, argmax_only=()):  # prompt positions each step computes
+        computed.append(sum(len(toks) for _, toks, _ in work if toks is not None and len(toks) > 1))
+        return original(self, work, argmax_only)
+
+    monkeypatch.setattr(type(engine), "start_batch", counting)
+    scheduler = Scheduler(engine, max_batch=4)
+    requests = [scheduler.add(prompt, p) for p in params]
+    got = _run_all(scheduler, requests)
+    assert [got[r.request_id] for r in requests] == alone
+    assert engine.pool.prefix_hit_tokens - hits == 2 * 64
+    assert sum(computed) == 80 + 2 * 16  # the prompt once, then each twin's last part block
+
+
 def test_a_logit_bias_steers_greedy_tokens_and_keeps_them_off_the_device_argmax(engine) -> None:
     prompt = _prompts(1, engine.config.vocab_size)[0]
     free = _alone(engine, prompt, SamplingParams(max_tokens=4, ignore_eos=True))
