@@ -3,12 +3,12 @@
 Requests are pydantic models with OpenAI's field names; unknown fields are ignored (clients send many), and
 scalar fields are strict (``"0.5"`` is not a temperature), so a wrong type is a 400 naming the field. Ranges
 are not repeated here: ``SamplingParams.check`` is the one place that knows them, and its ``InvalidRequest``
-names the field too. Fields kestrel cannot honour (``suffix``, tools...) are refused rather
-than silently ignored, since ignoring them would change what the client gets. ``n`` choices are ``n``
-sequences of one prompt (prefix caching shares its full blocks); with a ``seed``, choice i samples with
-seed + i, so the choices differ and the request is reproducible. A completions request may hold several
-prompts (choice p * n + i is prompt p's i-th) and ``echo`` them, with their tokens' logprobs and, with
-``max_tokens`` 0, nothing generated: what evaluation harnesses send to score text.
+names the field too. Fields kestrel cannot honour (``suffix``, tools...) are refused rather than silently
+ignored, since ignoring them would change what the client gets. ``n`` choices are ``n`` sequences of one
+prompt (with the prefix cache, the first computes it and the others attach its blocks); with a ``seed``,
+choice i samples with seed + i, so the choices differ and the request is reproducible. A completions
+request may hold several prompts (choice p * n + i is prompt p's i-th) and ``echo`` them, with their tokens'
+logprobs and, with ``max_tokens`` 0, nothing generated: what evaluation harnesses send to score text.
 
 Responses are plain dicts built to OpenAI's shapes (ids ``chatcmpl-...`` / ``cmpl-...``, object names,
 ``created``, ``model``, ``choices``, ``usage``) by ``ChatShape`` and ``CompletionShape``, which both the
