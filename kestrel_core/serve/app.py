@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 import kestrel_core
 from kestrel_core.errors import KestrelError
+from kestrel_core.model.sampling import TokenLogprob
 from kestrel_core.serve import generation
 from kestrel_core.serve.access import AccessMiddleware, ApiKeyMiddleware
 from kestrel_core.serve.errors import APIError, from_kestrel_error, install_error_handlers
@@ -53,18 +54,20 @@ class _Served:
         """The default max_tokens: what the model's context has room for after the prompt."""
         return self.engine.config.max_position - prompt_tokens
 
-    async def echo(self, prompt: str | list[int], ids: list[int], logprobs: int | None) -> Echo:
-        """A completions prompt echoed: its text and, with ``logprobs`` (the alternatives a token), the scores
-        of its tokens after the first (computed between two engine steps)."""
+    async def echoes(self, prompts: list[str | list[int]], ids: list[list[int]], logprobs: int | None) -> list[Echo]:
+        """Completions prompts echoed: their text and, with ``logprobs`` (the alternatives a token), the scores
+        of their tokens after the first (every prompt's in one call between two engine steps)."""
         try:
-            self.engine.check_ids(ids, "prompt")
-            text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
-            scored = None
+            for one in ids:
+                self.engine.check_ids(one, "prompt")
+            texts = [p if isinstance(p, str) else self.engine.tokenizer.decode(one) for p, one in zip(prompts, ids)]
+            scored: list[list[TokenLogprob] | None] = [None] * len(ids)
             if logprobs is not None:
-                scored = await self.async_engine.call(lambda: self.engine.prompt_logprobs(ids, logprobs))
+                scored = await self.async_engine.call(
+                    lambda: [self.engine.prompt_logprobs(one, logprobs) for one in ids])
         except KestrelError as exc:
             raise from_kestrel_error(exc, param="prompt") from None
-        return Echo(text, ids[0], scored)
+        return [Echo(text, one[0], s) for text, one, s in zip(texts, ids, scored)]
 
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kestrel"}
@@ -119,9 +122,8 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None) -
             params = _params(body, served.context_left(len(ids)))
             prompts.append(generation.Prompt(ids, params, body.logprobs is not None))
         echoes: list[Echo | None] = []
-        if body.echo:
-            for text, p in zip(texts, prompts):
-                echo = await served.echo(text, p.ids, body.logprobs)
+        if body.echo:  # each prompt's, once for each of its choices
+            for echo in await served.echoes(texts, token_ids, body.logprobs):
                 echoes.extend([echo] * body.choices)
         shape = CompletionShape(new_id("cmpl"), model_name, served.tokens, body.include_usage, echoes)
         return await generation.respond(async_engine, request, prompts, shape, stream=bool(body.stream),

@@ -238,6 +238,11 @@ def test_completions_several_prompts(client: openai.OpenAI, engine: Any) -> None
         for choice in chunk.choices:
             texts[choice.index] += choice.text
     assert texts == [c.text for c in r.choices]
+    scored = client.completions.create(model=NAME, prompt=prompts, echo=True, max_tokens=0, logprobs=1)
+    singly = [client.completions.create(model=NAME, prompt=p, echo=True, max_tokens=0, logprobs=1).choices[0]
+              for p in prompts]
+    assert [c.text for c in scored.choices] == prompts
+    assert [c.logprobs.token_logprobs for c in scored.choices] == [c.logprobs.token_logprobs for c in singly]
 
 
 def _log_softmax(logits: Any) -> Any:
