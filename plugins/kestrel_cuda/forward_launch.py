@@ -36,6 +36,12 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_LaunchAttr)), ("num_attrs", ctypes.c_uint)]
 
 
+class TensorMap(ctypes.Structure):
+    """A CUtensorMap (128 bytes, 64-byte aligned on the device: gemm_tma.cu TmaDesc), passed by value."""
+
+    _fields_ = [("v", ctypes.c_uint64 * 16)]
+
+
 _CTYPES = {np.uint64: ctypes.c_uint64, np.int32: ctypes.c_int32, np.float32: ctypes.c_float}  # by scalar type
 
 
@@ -76,8 +82,38 @@ class ExLauncher:
             n += 1
         cfg = _LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], smem, ctypes.c_void_p(stream.ptr),
                             self._attrs, n)
-        values = [_CTYPES[type(a)](a) for a in args]
+        values = [a if isinstance(a, TensorMap) else _CTYPES[type(a)](a) for a in args]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         err = self._launch(ctypes.byref(cfg), ctypes.c_void_p(kernel.kernel.ptr), params, None)
         if err != 0:
             raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
+
+
+class TensorMapEncoder:
+    """``tiled(ptr, dtype, dims, row_bytes, box, swizzle128)``: a 2-D CUtensorMap through cuTensorMapEncodeTiled
+    (dims and box innermost first; uint8 or float32; out-of-bounds elements read as zeros)."""
+
+    UINT8, FLOAT32 = 0, 7  # CUtensorMapDataType
+    SWIZZLE_NONE, SWIZZLE_128B = 0, 3
+    L2_PROMOTION_128B = 2
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        self._encode = lib.cuTensorMapEncodeTiled
+        self._encode.restype = ctypes.c_int
+        u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+        self._encode.argtypes = [ctypes.POINTER(TensorMap), ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                                 u64p, u64p, u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+
+    def tiled(self, ptr: int, dtype: int, dims: tuple[int, int], row_bytes: int, box: tuple[int, int],
+              swizzle128: bool) -> TensorMap:
+        tmap = TensorMap()
+        gdim = (ctypes.c_uint64 * 2)(*dims)
+        gstride = (ctypes.c_uint64 * 1)(row_bytes)
+        bdim = (ctypes.c_uint32 * 2)(*box)
+        estride = (ctypes.c_uint32 * 2)(1, 1)
+        err = self._encode(ctypes.byref(tmap), dtype, 2, ctypes.c_void_p(ptr), gdim, gstride, bdim, estride, 0,
+                           self.SWIZZLE_128B if swizzle128 else self.SWIZZLE_NONE, self.L2_PROMOTION_128B, 0)
+        if err != 0:
+            raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err}")
+        return tmap

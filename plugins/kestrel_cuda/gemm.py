@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kestrel_cuda.forward_launch import ExLauncher
+from kestrel_cuda.forward_launch import ExLauncher, TensorMapEncoder
 from kestrel_cuda.forward_launch import ptr_arg as _ptr
 from kestrel_cuda.kernels import (
     MMA_BK,
@@ -37,6 +37,8 @@ from kestrel_cuda.kernels import (
     MMA_TILE_SPLIT,
     MMA_TILE_SPLIT_SMALL,
     MMA_TILES,
+    TMA_TILE,
+    TMA_TILES,
 )
 from kestrel_cuda.layout import Geometry
 from kestrel_cuda.plan import GROUPED_ROWS, GROUPED_ROWS_FEW, MAX_CLUSTER
@@ -158,13 +160,22 @@ class DeviceGemm:
         self._workspaces: dict[int, Workspace] = {}
         self.launches = {"gemv": 0, "mma": 0, "f32": 0, "quantize": 0}
         self._ex: Any = None  # cuLaunchKernelEx, for clusters and programmatic dependent launch
+        self._tma: Any = None
+        self._maps: dict[tuple, Any] = {}
         with contextlib.suppress(OSError, AttributeError):  # none: the workspace merge, plain launches
             self._ex = ExLauncher()
+            self._tma = TensorMapEncoder()
         self._clusters = clusters and self._ex is not None
 
     @property
     def clusters(self) -> bool:
         return self._clusters
+
+    @property
+    def tensor_copies(self) -> bool:
+        """Whether the 17-64-row split GEMM at int8 G = 32 runs the tensor-copy block (gemm_tma.cu): sm_90 with
+        clusters on, and the driver's tensor-map encoder."""
+        return self._clusters and self._tma is not None
 
     def workspace(self, stream: Any | None = None) -> Workspace:
         """The split-K workspace of ``stream`` (created on first use: call it before a graph capture)."""
@@ -215,8 +226,8 @@ class DeviceGemm:
             self.q8(a_codes[:head], a_scales[:head], weight, out[:head], n, stream, pdl=pdl)
             self.q8(a_codes[head:], a_scales[head:], weight, out[head:m], n, stream, pdl=pdl)
             return
-        name = mma_tile or mma_tile_for(m, g.npad, self.sm_count, k)
-        tile = MMA_TILES[name]
+        name = mma_tile or self.tile_for(m, g)
+        tile = {**MMA_TILES, **TMA_TILES}[name]
         if tile.split and not split_fits(k, g.npad):
             raise ValueError(f"q8: the split block shapes take whole stages and tiles (K={k}, Npad={g.npad})")
         kern = self.kernels.mma.get((g.code_bits, g.group_size, name))
@@ -237,12 +248,39 @@ class DeviceGemm:
         args = (_ptr(a_codes), _ptr(a_scales), i32(m), _ptr(weight.codes), _ptr(weight.scales), _ptr(out),
                 i32(ldo), i32(n), i32(k), i32(g.npad), _ptr(ws.partial), _ptr(ws.counters), i32(per), NULL, NULL)
         cluster = (1, 1, nz) if 1 < nz <= MAX_CLUSTER and self._clusters else None
-        if (cluster or pdl) and self._ex is not None:
+        if name in TMA_TILES:
+            if not self.tensor_copies:
+                raise ValueError("q8: the tensor-copy GEMM needs sm_90's clusters and tensor maps")
+            enc = self._tma
+            tw = self._map(weight.codes.data.ptr, enc.UINT8, (g.npad, k), g.npad, (128, 128), True)
+            tws = self._map(weight.scales.data.ptr, enc.FLOAT32, (g.npad, g.ngroups), 4 * g.npad, (128, 4), False)
+            ta = self._map(a_codes.data.ptr, enc.UINT8, (k, m), k, (128, tile.bm), True)
+            args = (tw, tws, ta, _ptr(a_scales), i32(m), _ptr(out), i32(ldo), i32(n), i32(k), i32(per))
+        if (cluster or pdl or name in TMA_TILES) and self._ex is not None:
             self._ex.launch(kern, grid, (tile.threads,), args, smem,
                             stream if stream is not None else self.cp.cuda.get_current_stream(), pdl, cluster)
         else:
             _launch(kern, grid, (tile.threads,), args, stream, smem)
         self.launches["mma"] += 1
+
+    def tile_for(self, m: int, geometry: Geometry) -> str:
+        """The block shape ``q8`` runs an M-row GEMM with: ``mma_tile_for``'s, with the tensor-copy block in
+        place of the 32-row split one at int8 G = 32 where ``tensor_copies``."""
+        g = geometry
+        name = mma_tile_for(m, g.npad, self.sm_count, g.k)
+        if name == MMA_TILE_SPLIT and self.tensor_copies and g.code_bits == 8 and g.group_size == 32:
+            return TMA_TILE
+        return name
+
+    def _map(self, ptr: int, dtype: int, dims: tuple[int, int], row_bytes: int, box: tuple[int, int],
+             swizzle128: bool) -> Any:
+        key = (ptr, dtype, dims, row_bytes, box)
+        tmap = self._maps.get(key)
+        if tmap is None:
+            if len(self._maps) > 4096:
+                self._maps.clear()
+            tmap = self._maps[key] = self._tma.tiled(ptr, dtype, dims, row_bytes, box, swizzle128)
+        return tmap
 
     def grouped(self, a_codes: Any, a_scales: Any, geometry: Geometry, table: Any, groups: Any, blocks: int,
                 out: Any, n: int, stream: Any = None, rows: int = GROUPED_ROWS) -> None:

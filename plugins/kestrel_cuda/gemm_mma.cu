@@ -48,17 +48,6 @@
 // consecutive columns (two 16-byte stores) and its weight scales two float4 reads.
 #define GQ_BK 128     // K per shared-memory stage: 64 measured 5-12 % slower (twice the barriers)
 #define GQ_STAGES 3   // stages in flight
-#define GQ_MAGIC 0x4B400000
-#define GQ_MAGIC_F 12582912.0f
-
-// d = a * b + c
-__device__ __forceinline__ void mma_s8(int (&d)[4], const u32 (&a)[4], const u32 (&b)[2], const int (&c)[4]) {
-    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
-                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
-                   "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]));
-}
 
 // Shared memory layout of one block (bytes); kernels.MmaTile.smem_bytes computes the same total.
 template <int BITS, int G, int WM, int WN, int MI>
@@ -329,23 +318,14 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
                         nb[q] = -GQ_MAGIC_F * sa[q];
                     }
                 }
+                if constexpr (SPLIT) {  // two fused multiply-adds a term (gemm_tile.cuh)
+                    tile_scale_split<MI>(iacc, facc, sw, sa, nb);
+                } else {  // ((float)s * a_scale) * w_scale, as the reference
 #pragma unroll
-                for (int mi = 0; mi < MI; ++mi) {
-                    const float sa0 = sa[2 * mi], sa1 = sa[2 * mi + 1];
+                    for (int mi = 0; mi < MI; ++mi) {
+                        const float sa0 = sa[2 * mi], sa1 = sa[2 * mi + 1];
 #pragma unroll
-                    for (int ni = 0; ni < 4; ++ni) {
-                        // element e: row gid + 8 * (e >> 1), n8 column 2 * tig + (e & 1) = physical 8 * tig +
-                        // 4 * (e & 1) + ni of the warp's 32
-                        if constexpr (SPLIT) {  // (MAGIC + s) * sa - MAGIC * sa = s * sa, rounded once
-                            const float y0 = fmaf(__int_as_float(iacc[mi][ni][0]), sa0, nb[2 * mi]);
-                            const float y1 = fmaf(__int_as_float(iacc[mi][ni][1]), sa0, nb[2 * mi]);
-                            const float y2 = fmaf(__int_as_float(iacc[mi][ni][2]), sa1, nb[2 * mi + 1]);
-                            const float y3 = fmaf(__int_as_float(iacc[mi][ni][3]), sa1, nb[2 * mi + 1]);
-                            facc[mi][ni][0] = fmaf(y0, sw[ni], facc[mi][ni][0]);
-                            facc[mi][ni][1] = fmaf(y1, sw[4 + ni], facc[mi][ni][1]);
-                            facc[mi][ni][2] = fmaf(y2, sw[ni], facc[mi][ni][2]);
-                            facc[mi][ni][3] = fmaf(y3, sw[4 + ni], facc[mi][ni][3]);
-                        } else {
+                        for (int ni = 0; ni < 4; ++ni) {
                             const float f0 = __int_as_float(iacc[mi][ni][0]) - GQ_MAGIC_F;
                             const float f1 = __int_as_float(iacc[mi][ni][1]) - GQ_MAGIC_F;
                             const float f2 = __int_as_float(iacc[mi][ni][2]) - GQ_MAGIC_F;
@@ -355,11 +335,15 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
                             facc[mi][ni][2] += (f2 * sa1) * sw[ni];
                             facc[mi][ni][3] += (f3 * sa1) * sw[4 + ni];
                         }
-                        if constexpr (GS > 1) {
+                    }
+                }
+                if constexpr (GS > 1) {
+#pragma unroll
+                    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                        for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
                             for (int e = 0; e < 4; ++e) iacc[mi][ni][e] = GQ_MAGIC;
-                        }
-                    }
                 }
             }
         }
@@ -370,43 +354,8 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     const bool vec = (ldo & 3) == 0 && (reinterpret_cast<size_t>(out) & 15) == 0;  // 16-byte output stores
     if (SPLIT && nz > 1 && cluster_size() > 1) {  // the splits are one cluster: every block adds 1/nz of the tile
         __syncthreads();  // every warp is done with the pipeline's buffers
-        float* tile = reinterpret_cast<float*>(smem);  // this split's sums [BM][BN]
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float4* t = reinterpret_cast<float4*>(tile + (wm * MI * 16 + mi * 16 + gid + 8 * h) * BN + wn * 32 + 8 * tig);
-                const int e = 2 * h;
-                t[0] = make_float4(facc[mi][0][e], facc[mi][1][e], facc[mi][2][e], facc[mi][3][e]);
-                t[1] = make_float4(facc[mi][0][e + 1], facc[mi][1][e + 1], facc[mi][2][e + 1], facc[mi][3][e + 1]);
-            }
-        cluster_arrive();
-        cluster_wait();  // every split's sums are in its block's shared memory
-        constexpr int Q = BM * BN / 4;  // float4s of the tile
-        const int z = blockIdx.z, q0 = z * Q / nz, q1 = (z + 1) * Q / nz;
-        for (int q = q0 + tid; q < q1; q += THREADS) {
-            float4 split[MAX_CLUSTER];  // every split's loads in flight at once
-#pragma unroll
-            for (int r = 0; r < MAX_CLUSTER; ++r)
-                if (r < nz) split[r] = ld_cluster_f4(cluster_addr(tile + 4 * q, r));
-            float4 s = split[0];
-#pragma unroll
-            for (int r = 1; r < MAX_CLUSTER; ++r)  // in z order, as the counter merge below
-                if (r < nz) { s.x += split[r].x; s.y += split[r].y; s.z += split[r].z; s.w += split[r].w; }
-            const int row = m0 + 4 * q / BN, col = n0 + 4 * q % BN;
-            if (row >= M) continue;
-            float* o = out + (size_t)row * ldo + col;
-            if (vec && col + 4 <= N) {
-                *reinterpret_cast<float4*>(o) = s;
-            } else {
-                const float v[4] = {s.x, s.y, s.z, s.w};
-#pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    if (col + c < N) o[c] = v[c];
-            }
-        }
-        cluster_arrive_relaxed();  // the loads above are done: nothing to publish
-        cluster_wait();  // no block leaves while another still reads its shared memory
+        tile_cluster_store<MI, BM, BN>(facc, true, reinterpret_cast<float*>(smem), wm * MI * 16, wn * 32, out, ldo,
+                                       M, N, m0, n0, vec);
         return;
     }
     if (nz > 1) {  // this split's sums to part; the tile's last block adds every split's in z order
@@ -462,24 +411,5 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
         if (tid == 0) counters[tile] = 0;
     }
 
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = m0 + wm * MI * 16 + mi * 16 + gid + 8 * h;
-            const int c = n0 + wn * 32 + 8 * tig;
-            if (r >= M) continue;
-            float v[8];
-#pragma unroll
-            for (int q = 0; q < 8; ++q) v[q] = facc[mi][q & 3][2 * h + (q >> 2)];
-            float* o = out + (size_t)r * ldo + c;
-            if (vec && c + 8 <= N) {
-                *reinterpret_cast<float4*>(o) = make_float4(v[0], v[1], v[2], v[3]);
-                *reinterpret_cast<float4*>(o + 4) = make_float4(v[4], v[5], v[6], v[7]);
-            } else {
-#pragma unroll
-                for (int q = 0; q < 8; ++q)
-                    if (c + q < N) o[q] = v[q];
-            }
-        }
+    tile_store_rows<MI>(facc, out, ldo, M, N, m0 + wm * MI * 16, n0 + wn * 32, vec);
 }

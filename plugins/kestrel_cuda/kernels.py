@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("common.cuh", "transpose.cu", "quantize.cu", "gemv_warp.cu", "gemm_mma.cu", "gemm_f32.cu")
+SOURCES = ("common.cuh", "gemm_tile.cuh", "transpose.cu", "quantize.cu", "gemv_warp.cu", "gemm_mma.cu", "gemm_tma.cu",
+           "gemm_f32.cu")
 FORWARD_SOURCES = ("common.cuh", "forward.cuh", "merge.cuh", "rope.cuh",
                    "gemv.cu", "rope.cu", "attention.cu", "rows.cu", "lm_finish.cu", "moe.cu")
 OPTIONS = ("--fmad=false", "-std=c++17")
@@ -86,6 +87,30 @@ MMA_TILES: dict[str, MmaTile] = {
     "16x128s": MmaTile(1, 4, 1, 3, split=True),
     "32x128s": MmaTile(1, 4, 2, 3, split=True),
 }
+
+
+@dataclass(frozen=True)
+class TmaTile:
+    """The tensor-copy split block (gemm_tma.cu, sm_90, int8 G = 32): 4 consumer warps of 32x32 and a producer."""
+
+    bm: int = 32
+    bn: int = 128
+    threads: int = 160
+    stages: int = 3  # TMA_STAGES
+    split: bool = True
+
+    def smem_bytes(self, bits: int, group_size: int) -> int:
+        """TmaTile::SMEM in gemm_tma.cu: 1 KiB of alignment slack, the stages, their mbarriers."""
+        stage = -(-(MMA_BK * self.bn + self.bm * MMA_BK + 4 * self.bn * 4 + 4 * self.bm * 8) // 1024) * 1024
+        return 1024 + self.stages * stage + 16 * self.stages
+
+    def name(self, bits: int, group_size: int) -> str:
+        return TMA_KERNEL
+
+
+TMA_KERNEL = "k_gemm_q8_tma"
+TMA_TILE = "32x128t"  # the split block of 17-64 rows at int8 G = 32 where tensor copies and clusters are there
+TMA_TILES: dict[str, TmaTile] = {TMA_TILE: TmaTile()}
 MMA_TILE_DEFAULT = "128x128"  # large grids
 MMA_TILE_SMALL_GRID = "64x128"  # grids whose last wave of MMA_TILE_DEFAULT blocks would be under half full
 MMA_TILE_SPLIT_SMALL, MMA_TILE_SPLIT = "16x128s", "32x128s"  # decode batches
@@ -125,6 +150,7 @@ def kernel_names() -> list[str]:
     return ([TRANSPOSE_I8, TRANSPOSE_F32] + [f"k_quantize_act<{g}>" for g in GROUP_SIZES]
             + [gemv_warp_name(*v) for v in GEMV_WARP_VARIANTS]
             + [t.name(b, g) for b in BITS for g in GROUP_SIZES for t in MMA_TILES.values()]
+            + [TMA_KERNEL]
             + [f"k_gemm_f32<{b}>" for b in BITS])
 
 
@@ -142,11 +168,12 @@ def compile_kernels(cp: Any) -> Kernels:
             transpose_pack4=get("k_transpose_pack4"),
             quantize={g: get(f"k_quantize_act<{g}>") for g in GROUP_SIZES},
             gemv_warp={v: get(gemv_warp_name(*v)) for v in GEMV_WARP_VARIANTS},
-            mma={(b, g, tn): get(t.name(b, g)) for b in BITS for g in GROUP_SIZES for tn, t in MMA_TILES.items()},
+            mma={(b, g, tn): get(t.name(b, g)) for b in BITS for g in GROUP_SIZES for tn, t in MMA_TILES.items()}
+            | {(8, 32, TMA_TILE): get(TMA_KERNEL)},
             f32={b: get(f"k_gemm_f32<{b}>") for b in BITS},
         )
         for (b, g, tn), kern in kernels.mma.items():  # above 48 KiB a block must ask for its shared memory
-            kern.max_dynamic_shared_size_bytes = MMA_TILES[tn].smem_bytes(b, g)
+            kern.max_dynamic_shared_size_bytes = {**MMA_TILES, **TMA_TILES}[tn].smem_bytes(b, g)
     except Exception as exc:  # CompileException, a missing symbol, a driver that cannot load the cubin
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise KernelCompileError(f"{type(exc).__name__}: {first}") from exc

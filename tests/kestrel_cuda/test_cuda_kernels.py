@@ -51,8 +51,10 @@ from kestrel_cuda.kernels import (  # noqa: E402
     MMA_TILE_SPLIT,
     MMA_TILE_SPLIT_SMALL,
     MMA_TILES,
+    TMA_TILE,
 )
 from kestrel_cuda.layout import pad_n  # noqa: E402
+from kestrel_cuda.weights import geometry_for  # noqa: E402
 
 U = 2.0 ** -24
 
@@ -252,6 +254,29 @@ def test_split_mma_tiles(dev, bits: int, g: int, m: int) -> None:
     odd = rand_weight(rng, 200, 1280, g, bits)
     with pytest.raises(ValueError, match="whole stages and tiles"):
         run_q8(dev, a_codes, a_scales, odd, mma_tile=MMA_TILE_SPLIT)
+
+
+@pytest.mark.parametrize("m", [3, 17, 40, 64])
+def test_tensor_copy_split_block(dev, m: int) -> None:
+    """The tensor-copy block (sm_90, int8 G = 32) has the bits of the cp.async split block at every M (rows past
+    M arrive as zeros), is the one 17..64 rows run with, and takes no other code width."""
+    assert dev.gemm.tensor_copies == (dev.compute_capability >= 90 and dev.gemm.clusters)
+    if not dev.gemm.tensor_copies:
+        pytest.skip("tensor copies need sm_90 with clusters")
+    rng = np.random.default_rng([8, 32, m])
+    w = rand_weight(rng, 640, 3072, 32, 8)
+    a_codes, a_scales = quantize_activations(rng.standard_normal((m, w.k)).astype(np.float32), 32)
+    got = run_q8(dev, a_codes, a_scales, w, mma_tile=TMA_TILE)
+    assert_close_q8(got, a_codes, a_scales, w)
+    np.testing.assert_array_equal(got, run_q8(dev, a_codes, a_scales, w, mma_tile=MMA_TILE_SPLIT))
+    np.testing.assert_array_equal(run_q8(dev, a_codes, a_scales, w, splits=1, mma_tile=TMA_TILE),
+                                  run_q8(dev, a_codes, a_scales, w, splits=1, mma_tile=MMA_TILE_SPLIT))
+    assert dev.gemm.tile_for(m, geometry_for([w])) == (TMA_TILE if m > MMA_TILES[MMA_TILE_SPLIT_SMALL].bm else
+                                              MMA_TILE_SPLIT_SMALL)
+    q4 = rand_weight(rng, 640, 3072, 32, 4)
+    assert dev.gemm.tile_for(m, geometry_for([q4])) != TMA_TILE
+    with pytest.raises(ValueError, match="no tensor-core kernel"):
+        run_q8(dev, a_codes, a_scales, q4, mma_tile=TMA_TILE)
 
 
 @pytest.mark.parametrize("g", [32, 256])

@@ -1,0 +1,112 @@
+// The tensor-core GEMMs' shared pieces (gemm_mma.cu, gemm_tma.cu): the int8 product, the split shapes' scaling
+// of a finished group and their epilogues. A warp's sums are facc[MI][4][4]: element e of n8 tile ni of m16
+// tile mi is row mi * 16 + gid + 8 (e / 2) of the warp's rows, physical column 8 tig + 4 (e % 2) + ni of its 32.
+#define GQ_MAGIC 0x4B400000
+#define GQ_MAGIC_F 12582912.0f
+
+// d = a * b + c
+__device__ __forceinline__ void mma_s8(int (&d)[4], const u32 (&a)[4], const u32 (&b)[2], const int (&c)[4]) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+                   "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]));
+}
+
+// A finished group's exact sums (biased by MAGIC) into the float sums, two fused multiply-adds each:
+// (MAGIC + s) * a - MAGIC * a = s * a rounded once (a: the row scale rounded to 22 bits, sa[2 mi + h], with
+// nb = -MAGIC * a), then times the weight scale sw[4 (e % 2) + ni] into the sum.
+template <int MI>
+__device__ __forceinline__ void tile_scale_split(const int (&iacc)[MI][4][4], float (&facc)[MI][4][4],
+                                                 const float (&sw)[8], const float (&sa)[2 * MI],
+                                                 const float (&nb)[2 * MI]) {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) {
+            const float y0 = fmaf(__int_as_float(iacc[mi][ni][0]), sa[2 * mi], nb[2 * mi]);
+            const float y1 = fmaf(__int_as_float(iacc[mi][ni][1]), sa[2 * mi], nb[2 * mi]);
+            const float y2 = fmaf(__int_as_float(iacc[mi][ni][2]), sa[2 * mi + 1], nb[2 * mi + 1]);
+            const float y3 = fmaf(__int_as_float(iacc[mi][ni][3]), sa[2 * mi + 1], nb[2 * mi + 1]);
+            facc[mi][ni][0] = fmaf(y0, sw[ni], facc[mi][ni][0]);
+            facc[mi][ni][1] = fmaf(y1, sw[4 + ni], facc[mi][ni][1]);
+            facc[mi][ni][2] = fmaf(y2, sw[ni], facc[mi][ni][2]);
+            facc[mi][ni][3] = fmaf(y3, sw[4 + ni], facc[mi][ni][3]);
+        }
+}
+
+// A warp's sums stored to rows r0.. (its first row; rows >= M skipped), columns c0 + 8 tig .. + 7 of out.
+template <int MI>
+__device__ __forceinline__ void tile_store_rows(const float (&facc)[MI][4][4], float* __restrict__ out, int ldo,
+                                                int M, int N, int r0, int c0, bool vec) {
+    const int gid = (threadIdx.x & 31) >> 2, tig = threadIdx.x & 3;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = r0 + mi * 16 + gid + 8 * h;
+            const int c = c0 + 8 * tig;
+            if (r >= M) continue;
+            float v[8];
+#pragma unroll
+            for (int q = 0; q < 8; ++q) v[q] = facc[mi][q & 3][2 * h + (q >> 2)];
+            float* o = out + (size_t)r * ldo + c;
+            if (vec && c + 8 <= N) {
+                *reinterpret_cast<float4*>(o) = make_float4(v[0], v[1], v[2], v[3]);
+                *reinterpret_cast<float4*>(o + 4) = make_float4(v[4], v[5], v[6], v[7]);
+            } else {
+#pragma unroll
+                for (int q = 0; q < 8; ++q)
+                    if (c + q < N) o[q] = v[q];
+            }
+        }
+}
+
+// The K splits of a BM x BN tile launched as one cluster (blockIdx.z = split) add their sums through
+// distributed shared memory: each block's warps that hold sums (``holds``; their tile rows from wr0, columns
+// from wc0) put them in its shared ``tile``, then every block adds 1/nz of the tile over the splits in z order
+// and stores it. Called by every thread of the block, after its last read of ``tile``'s memory.
+template <int MI, int BM, int BN>
+__device__ __forceinline__ void tile_cluster_store(const float (&facc)[MI][4][4], bool holds, float* tile, int wr0,
+                                                   int wc0, float* __restrict__ out, int ldo, int M, int N, int m0,
+                                                   int n0, bool vec) {
+    const int gid = (threadIdx.x & 31) >> 2, tig = threadIdx.x & 3;
+    if (holds) {
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float4* t = reinterpret_cast<float4*>(tile + (wr0 + mi * 16 + gid + 8 * h) * BN + wc0 + 8 * tig);
+                const int e = 2 * h;
+                t[0] = make_float4(facc[mi][0][e], facc[mi][1][e], facc[mi][2][e], facc[mi][3][e]);
+                t[1] = make_float4(facc[mi][0][e + 1], facc[mi][1][e + 1], facc[mi][2][e + 1], facc[mi][3][e + 1]);
+            }
+    }
+    cluster_arrive();
+    cluster_wait();  // every split's sums are in its block's shared memory
+    constexpr int Q = BM * BN / 4;  // float4s of the tile
+    const int nz = gridDim.z, z = blockIdx.z, q0 = z * Q / nz, q1 = (z + 1) * Q / nz;
+    for (int q = q0 + (int)threadIdx.x; q < q1; q += (int)blockDim.x) {
+        float4 split[MAX_CLUSTER];  // every split's loads in flight at once
+#pragma unroll
+        for (int r = 0; r < MAX_CLUSTER; ++r)
+            if (r < nz) split[r] = ld_cluster_f4(cluster_addr(tile + 4 * q, r));
+        float4 s = split[0];
+#pragma unroll
+        for (int r = 1; r < MAX_CLUSTER; ++r)  // in z order, as the workspace merge
+            if (r < nz) { s.x += split[r].x; s.y += split[r].y; s.z += split[r].z; s.w += split[r].w; }
+        const int row = m0 + 4 * q / BN, col = n0 + 4 * q % BN;
+        if (row >= M) continue;
+        float* o = out + (size_t)row * ldo + col;
+        if (vec && col + 4 <= N) {
+            *reinterpret_cast<float4*>(o) = s;
+        } else {
+            const float v[4] = {s.x, s.y, s.z, s.w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                if (col + c < N) o[c] = v[c];
+        }
+    }
+    cluster_arrive_relaxed();  // the loads above are done: nothing to publish
+    cluster_wait();  // no block leaves while another still reads its shared memory
+}
