@@ -6,7 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kestrel_cuda.gemm import SPLIT_MAX_M, mma_splits, mma_tile_for, row_stride, split_fits, split_rows
+from kestrel_cuda.gemm import (
+    SPLIT_MAX_M,
+    DeviceGemm,
+    mma_splits,
+    mma_tile_for,
+    row_stride,
+    split_fits,
+    split_rows,
+)
 from kestrel_cuda.kernels import (
     MMA_BK,
     MMA_TILE_DEFAULT,
@@ -14,7 +22,9 @@ from kestrel_cuda.kernels import (
     MMA_TILE_SPLIT,
     MMA_TILE_SPLIT_SMALL,
     MMA_TILES,
+    TMA_TILE,
 )
+from kestrel_cuda.layout import Geometry
 from kestrel_cuda.plan import MAX_CLUSTER
 
 
@@ -30,6 +40,19 @@ def test_mma_tile_choice() -> None:
     assert MMA_TILES[mma_tile_for(65, 4096, 132)].bm == 64
     # decode batches of weights the split shapes do not take: the unsplit 64-row block
     assert mma_tile_for(8, 4096, 132, k=1120) == mma_tile_for(8, 4104, 132) == MMA_TILE_SMALL_GRID
+
+
+def test_tensor_copy_block_choice() -> None:
+    """17-64 rows of int8 codes at G = 32 run the tensor-copy block where tensor copies are there; 2-16 rows,
+    int4 codes, G = 256 and GPUs without them keep the cp.async blocks."""
+    gemm = DeviceGemm(cp=None, kernels=None, sm_count=132)
+    gemm._clusters, gemm._tma = True, object()  # sm_90 with clusters, the driver's encoder found
+    q8, q4, g256 = Geometry(4096, 4096, 128), Geometry(4096, 4096, 128, 4), Geometry(4096, 4096, 16)
+    assert [gemm.tile_for(m, q8) for m in (2, 16, 17, 64)] == [MMA_TILE_SPLIT_SMALL] * 2 + [TMA_TILE] * 2
+    assert gemm.tile_for(32, q4) == gemm.tile_for(32, g256) == MMA_TILE_SPLIT
+    assert gemm.tile_for(65, q8) == mma_tile_for(65, 4096, 132)
+    gemm._tma = None
+    assert gemm.tile_for(32, q8) == MMA_TILE_SPLIT
 
 
 def test_split_choice() -> None:
