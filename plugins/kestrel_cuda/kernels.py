@@ -79,7 +79,7 @@ MMA_BK, MMA_STAGES = 128, 3  # K bytes per shared-memory stage, stages in flight
 # registers) for large grids, 64x128 with 8 warps of 32x32 (<= 128 registers, 2 blocks/SM) for short ones and a
 # prefill's grouped expert GEMM, 16x128 with 4 warps of 16x32 for a decode batch's grouped expert GEMM; split
 # over K for decode batches: 16x128s with 4 warps of 16x32 for 2-16 rows, 32x128s with 4 warps of 32x32 for
-# 17-64 (three blocks/SM each).
+# 17-64 (three blocks/SM each; on sm_90 at int8 G = 32 the tensor-copy block TMA_TILE takes 17-64).
 MMA_TILES: dict[str, MmaTile] = {
     "128x128": MmaTile(2, 4, 4, 1),
     "64x128": MmaTile(2, 4, 2, 2),
