@@ -32,6 +32,7 @@ import numpy as np
 from kestrel_cuda.forward_launch import ExLauncher, TensorMapEncoder
 from kestrel_cuda.forward_launch import ptr_arg as _ptr
 from kestrel_cuda.kernels import (
+    BLOCK_SHAPES,
     MMA_BK,
     MMA_TILE_DEFAULT,
     MMA_TILE_SMALL_GRID,
@@ -228,7 +229,7 @@ class DeviceGemm:
             self.q8(a_codes[head:], a_scales[head:], weight, out[head:m], n, stream, pdl=pdl)
             return
         name = mma_tile or self.tile_for(m, g)
-        tile = {**MMA_TILES, **TMA_TILES}[name]
+        tile = BLOCK_SHAPES[name]
         if tile.split and not split_fits(k, g.npad):
             raise ValueError(f"q8: the split block shapes take whole stages and tiles (K={k}, Npad={g.npad})")
         kern = self.kernels.mma.get((g.code_bits, g.group_size, name))
@@ -246,17 +247,20 @@ class DeviceGemm:
             raise ValueError(f"q8: {nz} K splits of {m} x {g.npad} do not fit the workspace")
         # blockIdx.x walks M, so the blocks resident together share one weight tile
         smem = tile.smem_bytes(g.code_bits, g.group_size)
-        args = (_ptr(a_codes), _ptr(a_scales), i32(m), _ptr(weight.codes), _ptr(weight.scales), _ptr(out),
-                i32(ldo), i32(n), i32(k), i32(g.npad), _ptr(ws.partial), _ptr(ws.counters), i32(per), NULL, NULL)
         cluster = (1, 1, nz) if 1 < nz <= MAX_CLUSTER and self._clusters else None
-        if name in TMA_TILES:
+        if name in TMA_TILES:  # tensor maps of the weight codes, weight scales and activation codes
             if not self.tensor_copies:
                 raise ValueError("q8: the tensor-copy GEMM needs sm_90's clusters and tensor maps")
             enc = self._tma
-            tw = self._map(weight.codes.data.ptr, enc.UINT8, (g.npad, k), g.npad, (128, 128), True)
-            tws = self._map(weight.scales.data.ptr, enc.FLOAT32, (g.npad, g.ngroups), 4 * g.npad, (128, 4), False)
-            ta = self._map(a_codes.data.ptr, enc.UINT8, (k, m), k, (128, tile.bm), True)
+            tw = self._map(weight.codes.data.ptr, enc.UINT8, (g.npad, k), g.npad, (tile.bn, MMA_BK), True)
+            tws = self._map(weight.scales.data.ptr, enc.FLOAT32, (g.npad, g.ngroups), 4 * g.npad,
+                            (tile.bn, MMA_BK // 32), False)
+            ta = self._map(a_codes.data.ptr, enc.UINT8, (k, m), k, (MMA_BK, tile.bm), True)
             args = (tw, tws, ta, _ptr(a_scales), i32(m), _ptr(out), i32(ldo), i32(n), i32(k), i32(per))
+        else:
+            args = (_ptr(a_codes), _ptr(a_scales), i32(m), _ptr(weight.codes), _ptr(weight.scales), _ptr(out),
+                    i32(ldo), i32(n), i32(k), i32(g.npad), _ptr(ws.partial), _ptr(ws.counters), i32(per), NULL,
+                    NULL)
         if (cluster or pdl or name in TMA_TILES) and self._ex is not None:
             self._ex.launch(kern, grid, (tile.threads,), args, smem,
                             stream if stream is not None else self.cp.cuda.get_current_stream(), pdl, cluster)

@@ -111,6 +111,7 @@ class TmaTile:
 TMA_KERNEL = "k_gemm_q8_tma"
 TMA_TILE = "32x128t"  # the split block of 17-64 rows at int8 G = 32 where tensor copies and clusters are there
 TMA_TILES: dict[str, TmaTile] = {TMA_TILE: TmaTile()}
+BLOCK_SHAPES: dict[str, MmaTile | TmaTile] = {**MMA_TILES, **TMA_TILES}  # every block shape by name
 MMA_TILE_DEFAULT = "128x128"  # large grids
 MMA_TILE_SMALL_GRID = "64x128"  # grids whose last wave of MMA_TILE_DEFAULT blocks would be under half full
 MMA_TILE_SPLIT_SMALL, MMA_TILE_SPLIT = "16x128s", "32x128s"  # decode batches
@@ -173,7 +174,7 @@ def compile_kernels(cp: Any) -> Kernels:
             f32={b: get(f"k_gemm_f32<{b}>") for b in BITS},
         )
         for (b, g, tn), kern in kernels.mma.items():  # above 48 KiB a block must ask for its shared memory
-            kern.max_dynamic_shared_size_bytes = {**MMA_TILES, **TMA_TILES}[tn].smem_bytes(b, g)
+            kern.max_dynamic_shared_size_bytes = BLOCK_SHAPES[tn].smem_bytes(b, g)
     except Exception as exc:  # CompileException, a missing symbol, a driver that cannot load the cubin
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise KernelCompileError(f"{type(exc).__name__}: {first}") from exc
