@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
                 if constexpr (SPLIT) {
 #pragma unroll
                     for (int q = 0; q < 2 * MI; ++q) {
-                        sa[q] = __uint_as_float((__float_as_uint(sa[q]) + 2u) & ~3u);
+                        sa[q] = split_row_scale(sa[q]);
                         nb[q] = -GQ_MAGIC_F * sa[q];
                     }
                 }

@@ -13,6 +13,9 @@ __device__ __forceinline__ void mma_s8(int (&d)[4], const u32 (&a)[4], const u32
                    "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]));
 }
 
+// The split shapes' form of a row scale: rounded to 22 significant bits, so that MAGIC times it is exact.
+__device__ __forceinline__ float split_row_scale(float a) { return __uint_as_float((__float_as_uint(a) + 2u) & ~3u); }
+
 // A finished group's exact sums (biased by MAGIC) into the float sums, two fused multiply-adds each:
 // (MAGIC + s) * a - MAGIC * a = s * a rounded once (a: the row scale rounded to 22 bits, sa[2 mi + h], with
 // nb = -MAGIC * a), then times the weight scale sw[4 (e % 2) + ni] into the sum.

@@ -106,7 +106,7 @@ extern "C" __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
                 const int pos = (r & 7) * 8 + ((r >> 4) * 2 + ((r & 15) >> 3)) * 2;
 #pragma unroll
                 for (int g = 0; g < SG; ++g) {
-                    const float a = __uint_as_float((__float_as_uint(sv[g]) + 2u) & ~3u);
+                    const float a = split_row_scale(sv[g]);
                     *reinterpret_cast<float2*>(sas + g * BM * 2 + pos) = make_float2(a, -GQ_MAGIC_F * a);
                 }
             }
