@@ -168,16 +168,19 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 // ------------------------------------------------------------------------------------------------------
 // Batched decode attention over the paged pool, on the tensor cores: row blockIdx.y, at position rows[2y], sees
 // keys 0..rows[2y] (or the last ``window`` of them) of the sequence whose page table is tables[rows[2y + 1]]
-// (rope.cuh kv_slot). blockIdx.z = part + parts * split. A block takes query heads part * 16 .. + 15 of the
-// G = H / KV heads of KV head blockIdx.x, the 16 rows of its m16 tiles (rows past them repeat head 0 and are
-// dropped), over its split's share of the row's pages (``splits`` of them: enough blocks when the batch is
+// (rope.cuh kv_slot). blockIdx.z = part + parts * split. A block takes query heads part * 8 .. + 7 of the
+// G = H / KV heads of KV head blockIdx.x (heads past G repeat head 0 and are dropped), over its split's share of
+// the row's pages (``splits`` of them: enough blocks when the batch is
 // small). It stages page after page (KV_BLOCK == PT contiguous positions) in shared memory, two buffers of
 // cp.async, so each key and value is read from memory once for all the heads; each of its two warps takes 16
 // positions of a page: scores S = Q K^T as m16n8k16 float16 products with float32 sums, an online softmax in
 // float32, O += P V likewise; at the end warp 1's state joins warp 0's through shared memory.
 // The float16 operands keep float32's accuracy: the scaled query and the probabilities go in as two float16
 // terms each, hi = f16(x) and lo = f16(x - hi) (keys and values are float16 already), so each product is exact
-// and only the float32 sums round (in another order than the CPU's). The query is multiplied by a power of two
+// and only the float32 sums round (in another order than the CPU's). Head h's hi terms are row h of the m16
+// tiles, its lo terms row 8 + h, so a lane holds both halves of its head's scores and of its O (added at the
+// end), and one product serves both terms: half the products and softmax work of a head a row and its terms
+// in two products (docs/performance.md). The query is multiplied by a power of two
 // that keeps it below 2^14 (undone on the scores), the probabilities by 2^12 (undone at the end), so neither
 // term leaves float16's normal range where it matters.
 // With splits > 1 each head's (max, sum, acc[hd]) goes to part[row][head][split] (records of hd + 4 floats)
@@ -185,7 +188,7 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 // HDP: an instance's head dimension, a power of two from 16 to 256; hd <= HDP, hd % 4 == 0 (dimensions hd..HDP
 // are zero). Dynamic shared memory (float16): q [2][heads][HDP + 8] (hi, lo), then keys and values
 // [2 buffers][PT][HDP + 8] each: rows padded by 16 bytes, so the 8 rows one ldmatrix phase reads hit 8 bank groups.
-#define ROWS_HEADS 16          // query heads of one attn_rows block (plan.ATTN_ROWS_HEADS)
+#define ROWS_HEADS 8           // query heads of one attn_rows block (plan.ATTN_ROWS_HEADS)
 #define ROWS_WARPS 2           // warps of one attn_rows block, each on 16 positions of a page (plan.ATTN_ROWS_WARPS)
 #define ROWS_MAX_SPLITS 8      // position splits of attn_rows, at most (plan.ATTN_ROWS_MAX_SPLITS)
 #define P_SCALE 4096.f
@@ -226,6 +229,7 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
 {
     static_assert(HDP >= 16 && HDP <= 256 && (HDP & (HDP - 1)) == 0, "HDP: a power of two, 16..256");
     static_assert(ROWS_WARPS == 2, "each warp takes 16 of a page's PT = 32 positions; warp 1 joins warp 0 at the end");
+    static_assert(PT == KV_BLOCK, "a staged tile is one page of the pool");
     constexpr int LD = HDP + 8, KS = HDP / 16, NV = HDP / 8;  // row stride, k16 steps of a score, n8 tiles of O
     grid_dep_launch();
     grid_dep_wait();
@@ -250,10 +254,27 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
     constexpr int NTH = 32 * ROWS_WARPS;
     const int cw = (hd & 7) == 0 ? 8 : 4, cpr = hd / cw;
     const int r0 = tid / cpr, c0 = tid - r0 * cpr, dr = NTH / cpr, dc = NTH - dr * cpr;
+    // the split's first 32 page numbers, lane i holding page pb + i's (read once, not before each page)
+    const int first_pages = pb + lane < pages ? table[pb + lane] : 0;
     auto load = [&](int t, int buf) {       // page t, zero-filled past len
-        const size_t base = (size_t)kv_slot(table, t * PT) * hd;
+        const int page = t - pb < 32 ? __shfl_sync(FULL, first_pages, t - pb) : table[t];
+        const size_t base = (size_t)page * PT * hd;  // kv_slot(table, t * PT)
         const int live = len - t * PT;
         const u32 kd = smem_u32(ks + buf * PT * LD), vd = smem_u32(vs + buf * PT * LD);
+        if (hd == HDP) {  // a thread's chunks: one column, NTH / (HDP / 8) rows apart (the address math once)
+            constexpr int CPR = HDP / 8, DR = NTH / CPR;
+            const int r = tid / CPR, c = tid % CPR;
+            const kv_t* kp = kb + base + r * HDP + c * 8;
+            const kv_t* vp = vb + base + r * HDP + c * 8;
+            const u32 so = 2 * (r * LD + c * 8);
+#pragma unroll
+            for (int i = 0; i < PT / DR; ++i) {
+                const bool ok = r + i * DR < live;
+                cp_async16(kd + so + 2 * i * DR * LD, ok ? kp + i * DR * HDP : kb, ok ? 16 : 0);
+                cp_async16(vd + so + 2 * i * DR * LD, ok ? vp + i * DR * HDP : vb, ok ? 16 : 0);
+            }
+            return;
+        }
         for (int r = r0, c = c0; r < PT;) {
             const bool ok = r < live;
             const size_t at = base + (size_t)r * hd + c * cw;
@@ -271,14 +292,15 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
     };
     // ldmatrix rows of this lane: the query's (A), the keys' of the warp's two n8 tiles (B), the values' (B,
     // .trans); warp w takes positions 16 w .. 16 w + 15 of each page
-    const u32 qa = smem_u32(qs + ((lane & 15) < heads ? lane & 15 : 0) * LD + ((lane >> 4) << 3));
+    const int qh = lane & 7;           // row lane % 16: head qh's hi (< 8) or lo term
+    const u32 qa = smem_u32(qs + (((lane >> 3) & 1) * heads + (qh < heads ? qh : 0)) * LD + ((lane >> 4) << 3));
     const int krow = 16 * warp + ((lane >> 4) << 3) + (lane & 7), kcol = ((lane >> 3) & 1) << 3;
     const int vrow = 16 * warp + (lane & 7) + (((lane >> 3) & 1) << 3), vcol = (lane >> 4) << 3;
 
     float o[NV][4];
 #pragma unroll
     for (int n = 0; n < NV; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    float mx0 = NEG_INF, mx1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // rows gid and gid + 8; l: this lane's terms
+    float mx0 = NEG_INF, l0 = 0.f;     // head gid's; l: this lane's terms
     if (pb < pages) load(pb, 0);
     cp_async_commit();
     // the query, scaled, as float16 hi and lo terms (dimensions hd..HDP zero), while the first page arrives:
@@ -327,110 +349,92 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
         __syncthreads();                    // page t, and the query at the first, visible to every thread
         const int buf = (t - pb) & 1;
         const u32 kt = smem_u32(ks + buf * PT * LD), vt = smem_u32(vs + buf * PT * LD);
-        float s[2][4] = {}, sl[2][4] = {};  // n8 tile j: rows gid, gid + 8 x positions 16 w + 8 j + 2 tig, + 1
+        float s[2][4] = {};  // n8 tile j: head gid's hi (0, 1) and lo (2, 3) terms x positions 16 w + 8 j + 2 tig, + 1
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {   // the hi and lo terms in two chains of sums, added at the end
-            u32 ah[4], al[4], b[4];
-            ldmatrix_x4(ah, qa + 32 * kk);
-            ldmatrix_x4(al, qa + 32 * kk + 2 * heads * LD);
+        for (int kk = 0; kk < KS; ++kk) {
+            u32 a[4], b[4];
+            ldmatrix_x4(a, qa + 32 * kk);
             ldmatrix_x4(b, kt + 2 * (krow * LD + 16 * kk + kcol));
-            mma_f16(s[0], ah, b[0], b[1]); mma_f16(sl[0], al, b[0], b[1]);
-            mma_f16(s[1], ah, b[2], b[3]); mma_f16(sl[1], al, b[2], b[3]);
+            mma_f16(s[0], a, b[0], b[1]);
+            mma_f16(s[1], a, b[2], b[3]);
         }
-        float m0 = NEG_INF, m1 = NEG_INF;
+        float m0 = NEG_INF, sc[2][2];
+        const bool whole = t * PT >= lo && (t + 1) * PT <= len;  // every position of the page visible
 #pragma unroll
         for (int j = 0; j < 2; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int p = t * PT + 16 * warp + 8 * j + 2 * tig + (e & 1);
-                s[j][e] = p >= lo && p < len ? (s[j][e] + sl[j][e]) * smul : NEG_INF;
-                if (e < 2) m0 = fmaxf(m0, s[j][e]); else m1 = fmaxf(m1, s[j][e]);
+            for (int e = 0; e < 2; ++e) {
+                const int p = t * PT + 16 * warp + 8 * j + 2 * tig + e;
+                sc[j][e] = whole || (p >= lo && p < len) ? (s[j][e] + s[j][e + 2]) * smul : NEG_INF;
+                m0 = fmaxf(m0, sc[j][e]);
             }
         m0 = fmaxf(m0, __shfl_xor_sync(FULL, m0, 1));
         m0 = fmaxf(m0, __shfl_xor_sync(FULL, m0, 2));
-        m1 = fmaxf(m1, __shfl_xor_sync(FULL, m1, 1));
-        m1 = fmaxf(m1, __shfl_xor_sync(FULL, m1, 2));
         // a warp's half of a page may hold no visible position: z, the maximum or 0, keeps exp(-inf - z) at 0
-        const float n0 = fmaxf(mx0, m0), n1 = fmaxf(mx1, m1);
-        const float z0 = n0 == NEG_INF ? 0.f : n0, z1 = n1 == NEG_INF ? 0.f : n1;
-        const float cr0 = fexp(mx0 - z0), cr1 = fexp(mx1 - z1);
+        const float n0 = fmaxf(mx0, m0);
+        const float z0 = n0 == NEG_INF ? 0.f : n0;
+        const float cr0 = fexp(mx0 - z0);
         mx0 = n0;
-        mx1 = n1;
         l0 *= cr0;
-        l1 *= cr1;
-        if (__any_sync(FULL, cr0 != 1.f || cr1 != 1.f)) {
+        if (__any_sync(FULL, cr0 != 1.f)) {
 #pragma unroll
-            for (int n = 0; n < NV; ++n) { o[n][0] *= cr0; o[n][1] *= cr0; o[n][2] *= cr1; o[n][3] *= cr1; }
+            for (int n = 0; n < NV; ++n) { o[n][0] *= cr0; o[n][1] *= cr0; o[n][2] *= cr0; o[n][3] *= cr0; }
         }
-        u32 ph[4], pl[4];                   // P as the A operand of the warp's 16 positions
+        u32 pa[4];                          // P as the A operand of the warp's 16 positions: hi, lo, hi, lo
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-            const float e0 = fexp(s[j][0] - z0), e1 = fexp(s[j][1] - z0);
-            const float e2 = fexp(s[j][2] - z1), e3 = fexp(s[j][3] - z1);
+            const float e0 = fexp(sc[j][0] - z0), e1 = fexp(sc[j][1] - z0);
             l0 += e0 + e1;
-            l1 += e2 + e3;
-            split_f16x2(e0 * P_SCALE, e1 * P_SCALE, ph[2 * j], pl[2 * j]);
-            split_f16x2(e2 * P_SCALE, e3 * P_SCALE, ph[2 * j + 1], pl[2 * j + 1]);
+            split_f16x2(e0 * P_SCALE, e1 * P_SCALE, pa[2 * j], pa[2 * j + 1]);
         }
 #pragma unroll
         for (int n = 0; n < NV; n += 2) {
             u32 b[4];
             ldmatrix_x4_trans(b, vt + 2 * (vrow * LD + 8 * n + vcol));
-            mma_f16(o[n], ph, b[0], b[1]); mma_f16(o[n], pl, b[0], b[1]);
-            mma_f16(o[n + 1], ph, b[2], b[3]); mma_f16(o[n + 1], pl, b[2], b[3]);
+            mma_f16(o[n], pa, b[0], b[1]);
+            mma_f16(o[n + 1], pa, b[2], b[3]);
         }
         __syncthreads();                    // every warp is done with buffer buf before page t + 2 lands in it
     }
     cp_async_wait<0>();
     l0 += __shfl_xor_sync(FULL, l0, 1);
     l0 += __shfl_xor_sync(FULL, l0, 2);
-    l1 += __shfl_xor_sync(FULL, l1, 1);
-    l1 += __shfl_xor_sync(FULL, l1, 2);
     {   // warp 1's (max, sum, acc) into warp 0's, lane by lane: both hold the same fragments of their rows
-        float* xs = reinterpret_cast<float*>(ks);  // [NV * 4 + 4][32]: the staged pages are done with
+        float* xs = reinterpret_cast<float*>(ks);  // [NV * 4 + 2][32]: the staged pages are done with
         __syncthreads();
         if (warp == 1) {
 #pragma unroll
             for (int n = 0; n < NV; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) xs[(4 * n + e) * 32 + lane] = o[n][e];
-            xs[(4 * NV) * 32 + lane] = mx0; xs[(4 * NV + 1) * 32 + lane] = mx1;
-            xs[(4 * NV + 2) * 32 + lane] = l0; xs[(4 * NV + 3) * 32 + lane] = l1;
+            xs[(4 * NV) * 32 + lane] = mx0;
+            xs[(4 * NV + 1) * 32 + lane] = l0;
         }
         __syncthreads();
         if (warp == 0) {
-            const float mb0 = xs[(4 * NV) * 32 + lane], mb1 = xs[(4 * NV + 1) * 32 + lane];
-            const float m0 = fmaxf(mx0, mb0), m1 = fmaxf(mx1, mb1);
-            const float z0 = m0 == NEG_INF ? 0.f : m0, z1 = m1 == NEG_INF ? 0.f : m1;  // an empty split
-            const float wa0 = expf(mx0 - z0), wb0 = expf(mb0 - z0), wa1 = expf(mx1 - z1), wb1 = expf(mb1 - z1);
-            l0 = l0 * wa0 + xs[(4 * NV + 2) * 32 + lane] * wb0;
-            l1 = l1 * wa1 + xs[(4 * NV + 3) * 32 + lane] * wb1;
+            const float mb0 = xs[(4 * NV) * 32 + lane];
+            const float m0 = fmaxf(mx0, mb0);
+            const float z0 = m0 == NEG_INF ? 0.f : m0;  // an empty split
+            const float wa0 = expf(mx0 - z0), wb0 = expf(mb0 - z0);
+            l0 = l0 * wa0 + xs[(4 * NV + 1) * 32 + lane] * wb0;
             mx0 = m0;
-            mx1 = m1;
 #pragma unroll
-            for (int n = 0; n < NV; ++n) {
-                o[n][0] = o[n][0] * wa0 + xs[(4 * n) * 32 + lane] * wb0;
-                o[n][1] = o[n][1] * wa0 + xs[(4 * n + 1) * 32 + lane] * wb0;
-                o[n][2] = o[n][2] * wa1 + xs[(4 * n + 2) * 32 + lane] * wb1;
-                o[n][3] = o[n][3] * wa1 + xs[(4 * n + 3) * 32 + lane] * wb1;
-            }
+            for (int n = 0; n < NV; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[n][e] = o[n][e] * wa0 + xs[(4 * n + e) * 32 + lane] * wb0;
         }
     }
     const int rec = hd + 4;                 // a split's record: max, sum, 2 spare, acc[hd] (16-byte aligned)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {  // rows gid, gid + 8
-        const int r = gid + 8 * half;
-        if (warp > 0 || r >= heads) continue;
-        const float l = half ? l1 : l0;
-        float* dst = splits == 1 ? out + ((size_t)row * H + head0 + r) * hd
-                                 : part + (((size_t)row * H + head0 + r) * splits + split) * rec + 4;
-        if (splits > 1 && tig == 0) { dst[-4] = half ? mx1 : mx0; dst[-3] = l; }  // empty: -inf, 0
+    if (warp == 0 && gid < heads) {         // head gid: its hi and lo terms' sums added
+        float* dst = splits == 1 ? out + ((size_t)row * H + head0 + gid) * hd
+                                 : part + (((size_t)row * H + head0 + gid) * splits + split) * rec + 4;
+        if (splits > 1 && tig == 0) { dst[-4] = mx0; dst[-3] = l0; }  // empty: -inf, 0
 #pragma unroll
         for (int n = 0; n < NV; ++n) {
             const int d = 8 * n + 2 * tig;  // d < hd, hd % 4 == 0: d + 1 < hd
             if (d >= hd) continue;
-            float2 v = make_float2(o[n][2 * half] * P_UNSCALE, o[n][2 * half + 1] * P_UNSCALE);
-            if (splits == 1) { v.x = v.x / l; v.y = v.y / l; }
+            float2 v = make_float2((o[n][0] + o[n][2]) * P_UNSCALE, (o[n][1] + o[n][3]) * P_UNSCALE);
+            if (splits == 1) { v.x = v.x / l0; v.y = v.y / l0; }
             *reinterpret_cast<float2*>(dst + d) = v;
         }
     }

@@ -44,6 +44,7 @@ from kestrel_cuda.plan import (
 )
 
 ATTN_DECODE_LANE_DIMS = (4, 8)  # attn_decode instances: a lane's dimensions (head_dim <= 128, <= 256)
+QUANT_CHUNK = 256 * 4  # elements of a row that one quantize_rows block takes (rows.cu: NT * QUANT_LOADS)
 # (bits, G, MR): qgemv with MR rows per block: M = 1 (MR = 1) and, without a tiled GEMM, M > 1 (MR = 8)
 GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
 # extern "C" kernels: no name expression
@@ -368,9 +369,7 @@ class CupyOps:
         p, k, g = x.shape[0], lin.k, lin.group_size
         codes = self._scratch("codes", p * k, np.int8).reshape(p, k)
         scales = self._scratch("scales", p * (k // g), np.float32).reshape(p, k // g)
-        self.launch(self._quant[g], (-(-k // 256), p), (256,),
-                    (_ptr(x), _ld(x), _i32(p), _i32(k), _i32(pro), _ptr(None), np.float32(0), _i32(xoff),
-                     _ptr(codes), _ptr(scales)), name="quantize_rows")
+        self._quantize_rows(x, p, k, g, pro, None, 0.0, xoff, codes, scales)
         geometry = Geometry(k, lin.npad, k // g, lin.bits)
 
         def run() -> None:
@@ -390,9 +389,7 @@ class CupyOps:
         scales = self._scratch("scales", m * (k // g), np.float32).reshape(m, k // g)
         direct = epi == EPI_STORE and bias is None
         tmp = y if direct else self._scratch("tmp", m * lin.npad, np.float32).reshape(m, lin.npad)
-        self.launch(self._quant[g], (-(-k // 256), m), (256,),
-                    (_ptr(x), _ld(x), _i32(m), _i32(k), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
-                     _ptr(codes), _ptr(scales)), name="quantize_rows")
+        self._quantize_rows(x, m, k, g, pro, pw, eps, xoff, codes, scales)
         weight = _as_device_weight(lin)
         if self.on_launch is not None:
             self.on_launch("gemm_q8 (tiled)", lambda: self._gemm_q8(codes, scales, weight, tmp, lin.n))
@@ -403,6 +400,13 @@ class CupyOps:
         self.launch(self._fn["add_rows"], (-(-lin.n // 256), m), (256,),
                     (_ptr(tmp), _ld(tmp), _i32(m), _i32(lin.n), _ptr(y), _ld(y), _i32(epi), _ptr(bias)),
                     name="add_rows")
+
+    def _quantize_rows(self, x: Any, m: int, k: int, g: int, pro: int, pw: Any, eps: float, xoff: int,
+                       codes: Any, scales: Any) -> None:
+        """codes [m, k] int8 and scales [m, k / g] of prologue ``pro`` of x's rows (rows.cu quantize_rows)."""
+        self.launch(self._quant[g], (-(-k // QUANT_CHUNK), m), (256,),
+                    (_ptr(x), _ld(x), _i32(m), _i32(k), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
+                     _ptr(codes), _ptr(scales)), name="quantize_rows")
 
     def _gemm_q8(self, codes: Any, scales: Any, weight: Any, out: Any, n: int) -> None:
         self.gemm.q8(codes, scales, weight, out, n, self.stream, pdl=self._pdl())

@@ -23,7 +23,7 @@ CHUNK_BLOCKS_PER_SM = 4  # qgemv's resident blocks per SM at M = 1 (__launch_bou
 TARGET_BLOCKS_PER_SM = 8  # GEMV blocks per SM the K-split planner aims for: measured fastest on the H200
 ONE_WAVE_SPLITS = 16  # a projection whose one wave of blocks gives each tile this many K splits runs one wave
 ATTN_SPLITS = 16  # position splits of decode attention (attn_decode<NS>): 16 measured faster than 32
-ATTN_ROWS_HEADS = 16  # query heads of one KV head that one attn_rows block takes: its m16 tiles' rows
+ATTN_ROWS_HEADS = 8  # query heads of one KV head that one attn_rows block takes (rows h, 8 + h: hi, lo)
 ATTN_ROWS_WARPS = 2  # warps of an attn_rows block, each on 16 positions of every page
 ATTN_ROWS_HEAD_DIMS = (16, 32, 64, 128, 256)  # attn_rows instances: a head_dim runs in the smallest holding it
 BLOCKS_PER_SM_MAX = 32  # resident blocks of one multiprocessor, at most (sm_80 and later)

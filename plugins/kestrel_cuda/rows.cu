@@ -23,44 +23,85 @@ extern "C" __global__ void embed_rows(const signed char* __restrict__ codes, con
 }
 
 // Prologue alone, for the tiled-GEMM path: A = prologue(X) quantized per G-block -> codes [M][K], scales
-// [M][K/G]. One block per (row, chunk of NT elements).
+// [M][K/G]. One block per (row, chunk of NT * QUANT_LOADS elements); a thread takes elements tid + i NT of its
+// chunk, so warp w holds group 8 i + w of it whole (G = 32; G = 256: the 8 warps' of pass i). The RMSNorm's sum
+// of squares is thread_ssq's; a row of up to NT * ROW_LOADS takes one round trip of loads, the block's values
+// being among thread_ssq's. Four values a thread measured best at 64 rows (docs/performance.md).
+#define QUANT_LOADS 4
 template <int G>
 __global__ void __launch_bounds__(NT) quantize_rows(
     const float* __restrict__ X, int ldx, int M, int K, int pro, const float* __restrict__ pw, float eps,
     int xoff, signed char* __restrict__ codes, float* __restrict__ scales)
 {
+    static_assert(G == 32 || G == NT, "a group: one warp's or the block's values of a pass");
     grid_dep_launch();
-    grid_dep_wait();
     __shared__ float s_red[NT / 32];
-    __shared__ float s_r;
-    const int m = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    __shared__ float s_max[QUANT_LOADS][NT / 32];
+    const int m = blockIdx.y, c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int k0 = c * NT * QUANT_LOADS + tid;
     const float* xr = X + (size_t)m * ldx;
+    float v[QUANT_LOADS], u[QUANT_LOADS];
+    if (pro == 1) {  // the norm's weights (not step data) before the PDL wait
+#pragma unroll
+        for (int i = 0; i < QUANT_LOADS; ++i) u[i] = k0 + i * NT < K ? pw[k0 + i * NT] : 0.f;
+    }
+    grid_dep_wait();
     if (pro == 1) {
-        const float ss = block_sum(thread_ssq(xr, K), s_red);
-        if (tid == 0) s_r = sqrtf(ss / (float)K + eps);
-        __syncthreads();
+        float ss = 0.f;
+        if (K <= NT * ROW_LOADS) {  // thread_ssq's one pass, keeping this chunk's values
+            float row[ROW_LOADS];
+#pragma unroll
+            for (int j = 0; j < ROW_LOADS; ++j) row[j] = tid + j * NT < K ? __ldcg(xr + tid + j * NT) : 0.f;
+#pragma unroll
+            for (int j = 0; j < ROW_LOADS; ++j) {
+                ss += row[j] * row[j];
+                if (j / QUANT_LOADS == c) v[j % QUANT_LOADS] = row[j];
+            }
+        } else {
+            ss = thread_ssq(xr, K);
+#pragma unroll
+            for (int i = 0; i < QUANT_LOADS; ++i) v[i] = k0 + i * NT < K ? __ldcg(xr + k0 + i * NT) : 0.f;
+        }
+        const float r = sqrtf(block_sum(ss, s_red) / (float)K + eps);
+#pragma unroll
+        for (int i = 0; i < QUANT_LOADS; ++i) v[i] = v[i] / r * u[i];
+    } else {
+#pragma unroll
+        for (int i = 0; i < QUANT_LOADS; ++i) {
+            const int k = k0 + i * NT;
+            v[i] = k < K ? __ldcg(xr + k) : 0.f;
+            u[i] = pro >= 2 && k < K ? __ldcg(xr + k + xoff) : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < QUANT_LOADS; ++i) {
+            if (pro == 2) v[i] = v[i] / (1.f + expf(-v[i])) * u[i];
+            else if (pro == 3) v[i] = gelu_tanh_mul(v[i], u[i]);
+        }
     }
-    const int k = blockIdx.x * NT + tid;
-    float v = 0.f;
-    if (k < K) {
-        if (pro == 1) v = xr[k] / s_r * pw[k];
-        else if (pro == 2) { const float g = xr[k]; v = g / (1.f + expf(-g)) * xr[k + xoff]; }
-        else if (pro == 3) v = gelu_tanh_mul(xr[k], xr[k + xoff]);
-        else v = xr[k];
-    }
-    float amax = warp_max(fabsf(v));
-    if (G == 256) {
+    float amax[QUANT_LOADS];
+#pragma unroll
+    for (int i = 0; i < QUANT_LOADS; ++i) amax[i] = warp_max(fabsf(v[i]));
+    if (G == NT) {
+        if (lane == 0) {
+#pragma unroll
+            for (int i = 0; i < QUANT_LOADS; ++i) s_max[i][warp] = amax[i];
+        }
         __syncthreads();
-        if (lane == 0) s_red[warp] = amax;
-        __syncthreads();
-        amax = s_red[0];
-        for (int w = 1; w < NT / 32; ++w) amax = fmaxf(amax, s_red[w]);
+#pragma unroll
+        for (int i = 0; i < QUANT_LOADS; ++i) {
+            amax[i] = s_max[i][0];
+            for (int w = 1; w < NT / 32; ++w) amax[i] = fmaxf(amax[i], s_max[i][w]);
+        }
     }
-    const float d = amax / 127.f;
-    const float inv = d == 0.f ? 0.f : 1.f / d;
-    if (k < K) {
-        codes[(size_t)m * K + k] = (signed char)(int)roundf(v * inv);
-        if (k % G == 0) scales[(size_t)m * (K / G) + k / G] = d;
+#pragma unroll
+    for (int i = 0; i < QUANT_LOADS; ++i) {
+        const int k = k0 + i * NT;
+        const float d = amax[i] / 127.f;
+        const float inv = d == 0.f ? 0.f : 1.f / d;
+        if (k < K) {
+            codes[(size_t)m * K + k] = (signed char)(int)roundf(v[i] * inv);
+            if (k % G == 0) scales[(size_t)m * (K / G) + k / G] = d;
+        }
     }
 }
 
