@@ -7,8 +7,10 @@ decode steps of all M at once (one token each, their greedy tokens downloaded as
 or with ``--logits`` the whole logits as sampled requests do): milliseconds
 per step and decode tok/s of the hook (M = 1: the lone sequence's captured step; more: the captured step of
 the batch's bucket). ``--breakdown`` adds, at each M > 1, the GPU time of one step per kernel kind (each kind's
-launches replayed in a graph of their own) and of the tiled GEMM alone. ``--profile`` adds the host's share of
-a scheduler step at the largest M (cProfile of ``Scheduler.step``, top entries by cumulative time).
+launches replayed in a graph of their own) and of the tiled GEMM alone; ``--kernels`` the same per kernel name
+(every launch of one eager step, each name's in a graph of its own) and of all of them in one graph.
+``--profile`` adds the host's share of a scheduler step at the largest M (cProfile of ``Scheduler.step``, top
+entries by cumulative time).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from kestrel_core.model.engine import load_preset
 
 
 def _time_rows(engine, fwd, m: int, context: int, steps: int, seed: int,  # type: ignore[no-untyped-def]
-               breakdown: dict | None = None, argmax: bool = True, prompt: int = 0) -> float:
+               breakdown: dict | None = None, argmax: bool = True, prompt: int = 0,
+               kernels: dict | None = None) -> float:
     """Seconds per decode step of ``m`` sequences through ``forward_batch``; with ``breakdown`` (a dict, M > 1),
     GPU microseconds per kernel kind of one more step, and of the tiled GEMM's core alone, filled in."""
     model, pool = engine.model, engine.pool
@@ -50,6 +53,8 @@ def _time_rows(engine, fwd, m: int, context: int, steps: int, seed: int,  # type
             assert out is not None, fwd.last_decline
         if breakdown is not None and m > 1:
             _breakdown(fwd, model, entries, context + steps + 2, breakdown)
+        if kernels is not None and m > 1:
+            _kernels(fwd, model, entries, context + steps + 2, kernels)
         if prompt:
             seqs.append(engine.new_sequence())
             pool.reserve(seqs[-1].cache, prompt + 1)
@@ -109,6 +114,26 @@ def _breakdown(fwd, model, entries, pos: int, out: dict) -> None:  # type: ignor
     print("  tiled GEMM core:", json.dumps(out["tiled_gemm_core"]), flush=True)
 
 
+def _kernels(fwd, model, entries, pos: int, out: dict) -> None:  # type: ignore[no-untyped-def]
+    import cupy as cp
+    from cuda_e2e import _events_us, replay_breakdown
+
+    ops, calls = fwd.ops, []
+    batch = [BatchEntry(e.seq_id, np.array([7]), pos, 1, e.blocks, e.block_size, e.num_blocks, argmax_only=True)
+             for e in entries]
+    use_graph, fwd.use_graph = fwd.use_graph, False
+    observer, ops.on_launch = ops.on_launch, lambda name, launch: (calls.append((name, 0, launch)), launch())
+    try:
+        assert fwd.forward_batch(model, batch) is not None, fwd.last_decline
+    finally:
+        ops.on_launch, fwd.use_graph = observer, use_graph
+    whole = ops.capture(lambda: [launch() for _, _, launch in calls])
+    out["all_us"] = round(_events_us(cp, ops.stream, whole, 7), 1)
+    out["kernels"] = replay_breakdown(cp, ops, calls)
+    print(f"  GPU us of its {len(calls)} launches in one graph: {out['all_us']:.0f}; per kernel:",
+          json.dumps(out["kernels"]), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-8b")
@@ -119,6 +144,7 @@ def main() -> int:
     ap.add_argument("--kv-cache-mb", type=float, default=24576)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="GPU time per kernel kind at each M > 1")
+    ap.add_argument("--kernels", action="store_true", help="GPU time per kernel name at each M > 1")
     ap.add_argument("--logits", action="store_true", help="download every row's logits, not its greedy token")
     ap.add_argument("--prompt", type=int, default=0, metavar="N",
                     help="also: the step that takes an N-token prompt beside each M's decode rows (with --breakdown: "
@@ -133,9 +159,11 @@ def main() -> int:
     print(f"{'M':>4} {'ms a step':>10} {'tok/s':>8}")
     for m in rows:
         parts: dict | None = {} if args.breakdown else None
+        names: dict | None = {} if args.kernels else None
         sec = _time_rows(engine, fwd, m, args.context, args.steps, seed=m, breakdown=parts, argmax=not args.logits,
-                         prompt=args.prompt if m > 1 else 0)
-        out["rows"][m] = {"ms": sec * 1e3, "tok_s": m / sec, **({"breakdown": parts} if parts else {})}
+                         prompt=args.prompt if m > 1 else 0, kernels=names)
+        out["rows"][m] = {"ms": sec * 1e3, "tok_s": m / sec, **({"breakdown": parts} if parts else {}),
+                          **({"kernels": names} if names else {})}
         print(f"{m:>4} {sec * 1e3:>10.2f} {m / sec:>8.0f}", flush=True)
     if args.profile:
         from kestrel_core.model.sampling import SamplingParams
