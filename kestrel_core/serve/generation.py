@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
-from kestrel_core.model.sampling import SamplingParams
+from kestrel_core.model.sampling import SamplingParams, TokenLogprob
 from kestrel_core.model.scheduler import RequestOutput
 from kestrel_core.serve.access import CLIENT_CLOSED, RequestRecord, record_of
 from kestrel_core.serve.errors import APIError, error_body, from_kestrel_error
@@ -164,6 +164,27 @@ def sse(data: dict[str, Any] | str) -> bytes:
 
 
 DONE = sse("[DONE]")
+_MARK = "\ue000kestrel\ue000"  # a text no token decodes to alone: where a template's text goes
+_MARK_JSON = json.dumps(_MARK, ensure_ascii=False).encode()
+
+
+class DeltaEvents:
+    """A stream's delta chunks as server-sent events, ``sse(shape.delta_chunk(...))`` byte for byte: a chunk
+    without logprobs is its choice's template around the text's JSON, since everything else in it is the same
+    at every token (encoding the whole chunk was a tenth of the server's event loop at 64 streams)."""
+
+    def __init__(self, shape: Shape) -> None:
+        self.shape = shape
+        self._parts: dict[int, tuple[bytes, bytes]] = {}
+
+    def __call__(self, text: str, entries: list[TokenLogprob] | None, index: int) -> bytes:
+        if entries is not None:
+            return sse(self.shape.delta_chunk(text, entries, index))
+        parts = self._parts.get(index)
+        if parts is None:
+            head, tail = sse(self.shape.delta_chunk(_MARK, None, index)).split(_MARK_JSON)
+            parts = self._parts[index] = (head, tail)
+        return parts[0] + json.dumps(text, ensure_ascii=False).encode() + parts[1]
 
 
 async def _arrivals(gens: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput]
@@ -202,6 +223,7 @@ async def _events(gens: list[AsyncIterator[RequestOutput]], firsts: list[Request
     ``[DONE]``."""
     completion_tokens = 0
     arrivals = _arrivals(gens, firsts)
+    deltas = DeltaEvents(shape)
     try:
         for chunk in shape.first_chunks(len(gens)):
             yield sse(chunk)
@@ -212,7 +234,7 @@ async def _events(gens: list[AsyncIterator[RequestOutput]], firsts: list[Request
                 yield sse(error_body(SHUTDOWN_MESSAGE, "server_error", None, "server_shutting_down"))
                 break
             if out.new_token_ids or out.new_text or out.logprobs:  # a chunk per step that made tokens, as
-                yield sse(shape.delta_chunk(out.new_text, out.logprobs, i))  # OpenAI's ("" while text is held)
+                yield deltas(out.new_text, out.logprobs, i)  # OpenAI's ("" while text is held)
             if out.finished:
                 yield sse(shape.finish_chunk(out.finish_reason, i))
         else:
