@@ -87,10 +87,11 @@ def test_the_cuda_backend_serves_concurrent_requests_in_batches(quant: str) -> N
 def test_attn_rows_is_the_mirrors_attention(heads: int, kv_heads: int, hd: int, copies: int, scale_q: float,
                                             stream) -> None:  # type: ignore[no-untyped-def]
     """attn_rows over a paged pool of float16 keys and values (pages scattered, lengths ending inside and at the
-    end of a page, one row a page long; groups of 1 to 24 query heads, 12 and 24 over two and three blocks; head_dims that fill
-    their instance and ones padded into it, 36 with 8-byte copies; split over positions, with empty splits, and
-    with enough rows for none; queries past float16's range) against the numpy mirror's softmax, within float32
-    rounding: the float16 tensor-core products carry the query and the probabilities as two terms each."""
+    end of a page, one row a page long; groups of 1 to 24 query heads, 12 and 24 over two and three blocks;
+    head_dims that fill their instance and ones padded into it, 36 with 8-byte copies; split over positions,
+    with empty splits, and with enough rows for none; queries past float16's range) against the numpy mirror's
+    softmax, within float32 rounding: the float16 tensor-core products carry the query and the probabilities as
+    two terms each."""
     from kestrel_cuda.ops_cupy import CupyOps
     from kestrel_cuda.ops_numpy import NumpyOps
     from kestrel_cuda.plan import KV_BLOCK, KV_DTYPE
