@@ -170,17 +170,16 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 // keys 0..rows[2y] (or the last ``window`` of them) of the sequence whose page table is tables[rows[2y + 1]]
 // (rope.cuh kv_slot). blockIdx.z = part + parts * split. A block takes query heads part * 8 .. + 7 of the
 // G = H / KV heads of KV head blockIdx.x (heads past G repeat head 0 and are dropped), over its split's share of
-// the row's pages (``splits`` of them: enough blocks when the batch is
-// small). It stages page after page (KV_BLOCK == PT contiguous positions) in shared memory, two buffers of
+// the row's pages (``splits`` of them: enough blocks when the batch is small). It stages page after page (KV_BLOCK == PT contiguous positions) in shared memory, two buffers of
 // cp.async, so each key and value is read from memory once for all the heads; each of its two warps takes 16
 // positions of a page: scores S = Q K^T as m16n8k16 float16 products with float32 sums, an online softmax in
 // float32, O += P V likewise; at the end warp 1's state joins warp 0's through shared memory.
 // The float16 operands keep float32's accuracy: the scaled query and the probabilities go in as two float16
 // terms each, hi = f16(x) and lo = f16(x - hi) (keys and values are float16 already), so each product is exact
 // and only the float32 sums round (in another order than the CPU's). Head h's hi terms are row h of the m16
-// tiles, its lo terms row 8 + h, so a lane holds both halves of its head's scores and of its O (added at the
-// end), and one product serves both terms: half the products and softmax work of a head a row and its terms
-// in two products (docs/performance.md). The query is multiplied by a power of two
+// tiles and its lo terms row 8 + h, so one product carries both and a lane holds both halves of its head's
+// scores and of its O (added at the end): half the products and softmax work of a head a row with its terms in
+// two products (docs/performance.md). The query is multiplied by a power of two
 // that keeps it below 2^14 (undone on the scores), the probabilities by 2^12 (undone at the end), so neither
 // term leaves float16's normal range where it matters.
 // With splits > 1 each head's (max, sum, acc[hd]) goes to part[row][head][split] (records of hd + 4 floats)
