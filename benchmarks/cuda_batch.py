@@ -28,6 +28,12 @@ from kestrel_core.batch import BatchEntry
 from kestrel_core.model.engine import load_preset
 
 
+def _decode_rows(entries: list[BatchEntry], pos: int, argmax: bool) -> list[BatchEntry]:
+    """A decode step of ``entries``' sequences at position ``pos``: one token each (greedy ids back if ``argmax``)."""
+    return [BatchEntry(e.seq_id, np.array([7]), pos, 1, e.blocks, e.block_size, e.num_blocks, argmax_only=argmax)
+            for e in entries]
+
+
 def _time_rows(engine, fwd, m: int, context: int, steps: int, seed: int,  # type: ignore[no-untyped-def]
                breakdown: dict | None = None, argmax: bool = True, prompt: int = 0,
                kernels: dict | None = None) -> float:
@@ -45,8 +51,7 @@ def _time_rows(engine, fwd, m: int, context: int, steps: int, seed: int,  # type
             fwd.forward_batch(model, [e])
         times = []
         for i in range(steps + 2):  # two warm-up steps: the bucket's eager step and its capture
-            batch = [BatchEntry(e.seq_id, np.array([7]), context + i, 1, e.blocks, e.block_size, e.num_blocks,
-                                argmax_only=argmax) for e in entries]
+            batch = _decode_rows(entries, context + i, argmax)
             t0 = time.perf_counter()
             out = fwd.forward_batch(model, batch)
             times.append(time.perf_counter() - t0)
@@ -74,8 +79,7 @@ def _mixed(fwd, model, entries, pos: int, prompt: BatchEntry, breakdown: dict | 
     from cuda_e2e import record_launches, replay_breakdown
 
     def step():  # type: ignore[no-untyped-def]
-        batch = [BatchEntry(e.seq_id, np.array([7]), pos, 1, e.blocks, e.block_size, e.num_blocks, argmax_only=True)
-                 for e in entries]
+        batch = _decode_rows(entries, pos, True)
         return fwd.forward_batch(model, batch + [replace(prompt, argmax_only=True)])
 
     times = []
@@ -98,7 +102,7 @@ def _breakdown(fwd, model, entries, pos: int, out: dict) -> None:  # type: ignor
     from cuda_e2e import record_launches, replay_breakdown
 
     def step(at: int):  # type: ignore[no-untyped-def]
-        batch = [BatchEntry(e.seq_id, np.array([7]), at, 1, e.blocks, e.block_size, e.num_blocks) for e in entries]
+        batch = _decode_rows(entries, at, False)
         return lambda: fwd.forward_batch(model, batch)
 
     use_graph, fwd.use_graph = fwd.use_graph, False
@@ -119,8 +123,7 @@ def _kernels(fwd, model, entries, pos: int, out: dict) -> None:  # type: ignore[
     from cuda_e2e import _events_us, replay_breakdown
 
     ops, calls = fwd.ops, []
-    batch = [BatchEntry(e.seq_id, np.array([7]), pos, 1, e.blocks, e.block_size, e.num_blocks, argmax_only=True)
-             for e in entries]
+    batch = _decode_rows(entries, pos, True)
     use_graph, fwd.use_graph = fwd.use_graph, False
     observer, ops.on_launch = ops.on_launch, lambda name, launch: (calls.append((name, 0, launch)), launch())
     try:

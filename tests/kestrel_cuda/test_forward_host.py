@@ -335,6 +335,15 @@ def test_the_attn_rows_constants_are_attention_cus() -> None:
     assert int(define["PT"]) == plan.KV_BLOCK
 
 
+def test_the_quantize_rows_chunk_is_rows_cus() -> None:
+    """ops_cupy.QUANT_CHUNK (the launch's blocks a row) is rows.cu's NT * QUANT_LOADS."""
+    from kestrel_cuda.ops_cupy import QUANT_CHUNK
+
+    text = kernels.source_text(kernels.FORWARD_SOURCES)
+    define = {name: value for name, value in re.findall(r"#define (\w+) (\w+)", text)}
+    assert int(define["NT"]) * int(define["QUANT_LOADS"]) == QUANT_CHUNK
+
+
 def test_common_cuh_transpose4x4_transposes_a_4x4_byte_block() -> None:
     calls = _transpose4x4_from_source()
     assert len(calls) == 8
