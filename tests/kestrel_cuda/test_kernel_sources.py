@@ -16,7 +16,8 @@ from kestrel_cuda.kernels import FORWARD_SOURCES, OPTIONS, SOURCES, kernel_names
 from kestrel_cuda.ops_cupy import KERNELS, forward_kernel_names
 
 ARCH = "sm_90"
-PLAIN = {"hook": ("k_transpose_pack4",), "forward": KERNELS}  # extern "C" kernels, looked up by name
+# extern "C" kernels, looked up by name
+PLAIN = {"hook": ("k_transpose_pack8", "k_transpose_pack4"), "forward": KERNELS}
 
 
 def _nvrtc() -> ctypes.CDLL | None:
