@@ -9,7 +9,8 @@ once. First ``kestrel bench``'s own figures (batch-1 ``run_bench`` and ``run_con
 same load through a real ``kestrel serve`` server on 127.0.0.1 with the official ``openai`` client (streamed
 completions, one request per task, in a process of its own so that parsing the streams does not compete with
 the server for its interpreter): decode tok/s while every stream decodes, per-stream tok/s, time to
-first token. Same definitions as ``kestrel bench --concurrency``.
+first token. Same definitions as ``kestrel bench --concurrency``; a chunk counts the tokens it carries (more
+than one when the server fell behind the stream), read from its running usage (``continuous_usage_stats``).
 
 ``--ttft-under-load N`` adds, through the server, the time to first token of a prompt that arrives while N - 1
 other streams decode (three such prompts, one after another, from a client process of their own: the one
@@ -36,20 +37,25 @@ from kestrel_core.model.bench import all_decoding_rate, run_bench, run_concurren
 from kestrel_core.model.engine import load_preset
 
 
-async def _one(client: Any, model: str, prompt: list[int], tokens: int) -> tuple[float, list[float], int]:
-    """(send time, chunk arrival times, completion tokens) of one streamed completion."""
+async def _one(client: Any, model: str, prompt: list[int], tokens: int) -> tuple[float, list[float], list[int]]:
+    """(send time, chunk arrival times, each chunk's tokens) of one streamed completion: with continuous usage
+    every chunk says the completion tokens sent so far, so a chunk's tokens are the rise since the last."""
     t0 = time.perf_counter()
     stamps: list[float] = []
-    used = 0
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=tokens, temperature=0,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True})
+    counts: list[int] = []
+    sent = 0
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True})
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].finish_reason is None:  # one chunk per step with tokens
-            stamps.append(time.perf_counter())
-        if chunk.usage is not None:
-            used = chunk.usage.completion_tokens
-    return t0, stamps, used
+        now = time.perf_counter()
+        if chunk.usage is None:
+            raise RuntimeError("a chunk without usage: the server does not do continuous_usage_stats")
+        if chunk.choices and chunk.usage.completion_tokens > sent:  # a chunk with tokens (not a finish alone)
+            stamps.append(now)
+            counts.append(chunk.usage.completion_tokens - sent)
+        sent = chunk.usage.completion_tokens
+    return t0, stamps, counts
 
 
 async def _level(port: int, model: str, prompts: list[list[int]], tokens: int) -> dict[str, float]:
@@ -61,13 +67,13 @@ async def _level(port: int, model: str, prompts: list[list[int]], tokens: int) -
     results = await asyncio.gather(*(_one(client, model, p, tokens) for p in prompts))
     end = time.perf_counter()
     await client.close()
-    # a chunk carries the text of one or more tokens: count tokens from usage, spread over the chunks
-    streamed = [s for _, s, _ in results if s]
-    weights = [used / len(s) for _, s, used in results if s]
-    per_stream = [(used - 1) / (s[-1] - s[0]) for _, s, used in results if len(s) > 1 and s[-1] > s[0]]
+    # a chunk carries one or more tokens (more when the server fell behind the stream): each chunk's own count
+    streamed = [(s, c) for _, s, c in results if s]
+    per_stream = [(sum(c) - c[0]) / (s[-1] - s[0]) for _, s, c in results if len(s) > 1 and s[-1] > s[0]]
     ttft = np.array([s[0] - t0 for t0, s, _ in results if s])
-    return {"concurrency": len(prompts), "decode_tok_s": all_decoding_rate(streamed, weights),
-            "output_tok_s": sum(u for _, _, u in results) / (end - start),
+    return {"concurrency": len(prompts),
+            "decode_tok_s": all_decoding_rate([s for s, _ in streamed], [c for _, c in streamed]),
+            "output_tok_s": sum(sum(c) for _, _, c in results) / (end - start),
             "stream_tok_s": statistics.median(per_stream) if per_stream else 0.0,
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99))}
 

@@ -7,6 +7,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from numbers import Real
 from typing import Any
 
 import numpy as np
@@ -126,17 +127,27 @@ class ConcurrencyBench:
         return asdict(self)
 
 
-def all_decoding_rate(streams: Sequence[Sequence[float]], weights: Sequence[float] | None = None) -> float:
+def all_decoding_rate(streams: Sequence[Sequence[float]],
+                      weights: Sequence[float | Sequence[float]] | None = None) -> float:
     """Aggregate tokens per second while every stream decodes: from the last stream's first token to the first
     stream's last (the tokens of that window over its length). ``streams``: each stream's token time stamps,
-    the first its first token; ``weights``: tokens per stamp of each stream (1 each if not given)."""
+    the first its first token; ``weights``: tokens per stamp of each stream (1 each if not given), one number
+    for all its stamps or one for each (a stream's chunks that carry different numbers of tokens)."""
     live = [(s, w) for s, w in zip(streams, weights or [1.0] * len(streams)) if s]
     if not live:
         return 0.0
     lo, hi = max(s[0] for s, _ in live), min(s[-1] for s, _ in live)
     if hi <= lo:
         return 0.0
-    return sum(w * sum(1 for t in s if lo < t <= hi) for s, w in live) / (hi - lo)
+    tokens = 0.0
+    for s, w in live:
+        if isinstance(w, Real):
+            tokens += w * sum(1 for t in s if lo < t <= hi)
+        elif len(w) != len(s):
+            raise ValueError(f"{len(w)} weights for {len(s)} stamps")
+        else:
+            tokens += sum(n for t, n in zip(s, w) if lo < t <= hi)
+    return tokens / (hi - lo)
 
 
 def run_concurrency_bench(engine: Engine, levels: list[int], *, prompt_tokens: int = 256, decode_tokens: int = 64,

@@ -104,7 +104,7 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None) -
         except KestrelError as exc:  # no messages, no template, or a template that failed on these
             raise from_kestrel_error(exc, param="messages") from None
         params = _params(body, served.context_left(len(prompt_ids)))
-        shape = ChatShape(new_id("chatcmpl"), model_name, served.tokens, body.include_usage)
+        shape = ChatShape(new_id("chatcmpl"), model_name, served.tokens, body.include_usage, body.continuous_usage)
         prompt = generation.Prompt(prompt_ids, params, params.logprobs)
         return await generation.respond(async_engine, request, [prompt], shape, stream=bool(body.stream),
                                         prompt_param="messages", choices=body.choices)
@@ -125,7 +125,8 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None) -
         if body.echo:  # each prompt's, once for each of its choices
             for echo in await served.echoes(texts, token_ids, body.logprobs):
                 echoes.extend([echo] * body.choices)
-        shape = CompletionShape(new_id("cmpl"), model_name, served.tokens, body.include_usage, echoes)
+        shape = CompletionShape(new_id("cmpl"), model_name, served.tokens, body.include_usage, echoes,
+                                body.continuous_usage)
         return await generation.respond(async_engine, request, prompts, shape, stream=bool(body.stream),
                                         choices=body.choices)
 

@@ -170,21 +170,34 @@ _MARK_JSON = json.dumps(_MARK, ensure_ascii=False).encode()
 
 class DeltaEvents:
     """A stream's delta chunks as server-sent events, ``sse(shape.delta_chunk(...))`` byte for byte: a chunk
-    without logprobs is its choice's template around the text's JSON, since everything else in it is the same
-    at every token (encoding the whole chunk was a tenth of the server's event loop at 64 streams)."""
+    without logprobs is its choice's template around the text's JSON (and, with continuous usage, the running
+    usage's), since everything else in it is the same at every token (encoding the whole chunk was a tenth of
+    the server's event loop at 64 streams)."""
 
     def __init__(self, shape: Shape) -> None:
         self.shape = shape
-        self._parts: dict[int, tuple[bytes, bytes]] = {}
+        self._parts: dict[int, list[bytes]] = {}
 
     def __call__(self, text: str, entries: list[TokenLogprob] | None, index: int) -> bytes:
+        shape = self.shape
         if entries is not None:
-            return sse(self.shape.delta_chunk(text, entries, index))
+            return sse(shape.delta_chunk(text, entries, index))
         parts = self._parts.get(index)
         if parts is None:
-            head, tail = sse(self.shape.delta_chunk(_MARK, None, index)).split(_MARK_JSON)
-            parts = self._parts[index] = (head, tail)
-        return parts[0] + json.dumps(text, ensure_ascii=False).encode() + parts[1]
+            parts = self._parts[index] = self._template(index)
+        text_json = json.dumps(text, ensure_ascii=False).encode()
+        if not shape.continuous_usage:
+            return parts[0] + text_json + parts[1]
+        p, c = shape.prompt_tokens, shape.completion_tokens
+        running = f'{{"prompt_tokens":{p},"completion_tokens":{c},"total_tokens":{p + c}}}'.encode()
+        return parts[0] + text_json + parts[1] + running + parts[2]
+
+    def _template(self, index: int) -> list[bytes]:
+        """The chunk's bytes split where the text goes (and the usage, with continuous usage)."""
+        body = self.shape.delta_chunk(_MARK, None, index)
+        if self.shape.continuous_usage:
+            body["usage"] = _MARK
+        return sse(body).split(_MARK_JSON)
 
 
 async def _arrivals(gens: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput]
@@ -220,8 +233,8 @@ async def _arrivals(gens: list[AsyncIterator[RequestOutput]], firsts: list[Reque
 async def _events(gens: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput], shape: Shape,
                   record: RequestRecord, prompt_tokens: int) -> AsyncIterator[bytes]:
     """OpenAI's chunk sequence: the role (chat), the deltas and each choice's finish reason, the usage,
-    ``[DONE]``."""
-    completion_tokens = 0
+    ``[DONE]``. The shape counts the tokens sent, for the chunks' usage with continuous usage."""
+    shape.prompt_tokens, shape.completion_tokens = prompt_tokens, 0
     arrivals = _arrivals(gens, firsts)
     deltas = DeltaEvents(shape)
     try:
@@ -229,7 +242,7 @@ async def _events(gens: list[AsyncIterator[RequestOutput]], firsts: list[Request
             yield sse(chunk)
         async for i, out in arrivals:
             record.tokens(len(out.new_token_ids))
-            completion_tokens += len(out.new_token_ids)
+            shape.completion_tokens += len(out.new_token_ids)
             if out.finish_reason == "abort":
                 yield sse(error_body(SHUTDOWN_MESSAGE, "server_error", None, "server_shutting_down"))
                 break
@@ -239,7 +252,7 @@ async def _events(gens: list[AsyncIterator[RequestOutput]], firsts: list[Request
                 yield sse(shape.finish_chunk(out.finish_reason, i))
         else:
             if shape.include_usage:
-                yield sse(shape.usage_chunk(prompt_tokens, completion_tokens))
+                yield sse(shape.usage_chunk(prompt_tokens, shape.completion_tokens))
     except KestrelError as exc:  # a failed step, after the headers went out: the stream says so
         yield sse(error_body(str(exc), "server_error", None, "engine_error"))
     finally:

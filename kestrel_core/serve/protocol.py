@@ -98,6 +98,7 @@ class ChatMessage(_Request):
 
 class StreamOptions(_Request):
     include_usage: StrictBool | None = None
+    continuous_usage_stats: StrictBool | None = None  # vLLM's extension: every chunk's running usage
 
 
 class _Generation(_Request):
@@ -122,6 +123,11 @@ class _Generation(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries the usage so far (vLLM's ``continuous_usage_stats``; only with include_usage)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def choices(self) -> int:
@@ -301,17 +307,24 @@ class TokenStrings:
 
 
 class _Shape:
-    """What the two endpoints' responses share: the id, the creation time and the model name."""
+    """What the two endpoints' responses share: the id, the creation time and the model name.
+
+    With ``continuous_usage`` every chunk's usage is ``prompt_tokens`` and ``completion_tokens``, the tokens the
+    stream has sent so far, which the stream keeps up to date (a client can count each chunk's tokens)."""
 
     object: str = ""
     chunk_object: str = ""
 
-    def __init__(self, response_id: str, model: str, tokens: TokenStrings, include_usage: bool = False) -> None:
+    def __init__(self, response_id: str, model: str, tokens: TokenStrings, include_usage: bool = False,
+                 continuous_usage: bool = False) -> None:
         self.id = response_id
         self.model = model
         self.created = int(time.time())
         self.tokens = tokens
         self.include_usage = include_usage
+        self.continuous_usage = include_usage and continuous_usage
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -319,7 +332,9 @@ class _Shape:
 
     def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         body = self._envelope(self.chunk_object, [choice])
-        if self.include_usage:
+        if self.continuous_usage:
+            body["usage"] = usage(self.prompt_tokens, self.completion_tokens)
+        elif self.include_usage:
             body["usage"] = None  # as OpenAI: every chunk but the last says usage: null
         return body
 
@@ -374,8 +389,8 @@ class CompletionShape(_Shape):
     chunk_object = "text_completion"
 
     def __init__(self, response_id: str, model: str, tokens: TokenStrings, include_usage: bool = False,
-                 echoes: Sequence[Echo | None] = ()) -> None:
-        super().__init__(response_id, model, tokens, include_usage)
+                 echoes: Sequence[Echo | None] = (), continuous_usage: bool = False) -> None:
+        super().__init__(response_id, model, tokens, include_usage, continuous_usage)
         self.echoes = list(echoes)
         self._offsets: dict[int, int] = {}  # each choice's text_offset runs on across a stream's chunks
 

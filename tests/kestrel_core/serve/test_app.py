@@ -146,6 +146,61 @@ def test_completions_stream_and_not(client: openai.OpenAI, engine: Any) -> None:
     assert ids.choices[0].text == choice.text  # a token-id prompt is the same prompt
 
 
+CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+
+
+def _running(chunks: list[Any]) -> list[int]:
+    """Each chunk's completion tokens so far (continuous usage: every chunk has a usage)."""
+    assert all(c.usage is not None for c in chunks)
+    return [c.usage.completion_tokens for c in chunks]
+
+
+def test_chat_stream_with_continuous_usage(client: openai.OpenAI, engine: Any) -> None:
+    """Every chunk's usage counts the tokens sent so far: a delta chunk's rise is its tokens (as many as its
+    logprobs entries), a finish chunk's none, and the last delta's count is the final usage's."""
+    whole = _chat(client, max_tokens=16, logprobs=True)
+    chunks = list(_chat(client, max_tokens=16, logprobs=True, stream=True, stream_options=CONTINUOUS))
+    running = _running(chunks)
+    prompt = len(engine.tokenizer.encode_chat(HI))
+    assert all(c.usage.prompt_tokens == prompt and c.usage.total_tokens == prompt + c.usage.completion_tokens
+               for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant" and running[0] == 0
+    deltas = [k for k, c in enumerate(chunks) if c.choices and c.choices[0].finish_reason is None][1:]
+    assert [running[k] - running[k - 1] for k in deltas] == [len(chunks[k].choices[0].logprobs.content)
+                                                             for k in deltas]
+    assert running[deltas[-1]] == running[-2] == running[-1] == whole.usage.completion_tokens
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert "".join(chunks[k].choices[0].delta.content for k in deltas) == whole.choices[0].message.content
+
+
+def test_completions_stream_with_continuous_usage(client: openai.OpenAI, server: KestrelServer) -> None:
+    """n = 2: the count runs over both choices; each text chunk adds its tokens, nothing else adds any."""
+    kw: dict[str, Any] = {"prompt": "1, 2, 3,", "max_tokens": 10, "temperature": 0, "n": 2, "stream": True}
+    chunks = list(client.completions.create(model=NAME, **kw, stream_options=CONTINUOUS,
+                                            extra_body={"ignore_eos": True}))
+    running = _running(chunks)
+    rises = [b - a for a, b in zip([0] + running, running)]
+    texts = [k for k, c in enumerate(chunks) if c.choices and c.choices[0].finish_reason is None]
+    assert all(rises[k] >= 1 for k in texts) and len(texts) >= 4
+    assert [sum(rises[k] for k in texts if chunks[k].choices[0].index == i) for i in (0, 1)] == [10, 10]
+    assert all(rises[k] == 0 for k in range(len(chunks)) if k not in texts)  # finish chunks, the usage chunk
+    assert running[texts[-1]] == chunks[-1].usage.completion_tokens == 20 and chunks[-1].choices == []
+    for options, usage in (({"include_usage": True}, None), ({"continuous_usage_stats": True}, "absent")):
+        status, _, body = http("POST", f"{server.url}/v1/completions",
+                               {"model": NAME, **kw, "ignore_eos": True, "stream_options": options})
+        events = [json.loads(e[len("data: "):]) for e in body.decode().split("\n\n") if e and "[DONE]" not in e]
+        with_choices = [e for e in events if e["choices"]]
+        assert status == 200 and len(with_choices) >= 6
+        assert all(e.get("usage", "absent") == usage for e in with_choices)  # null; no key without include_usage
+
+
+def test_continuous_usage_stats_must_be_a_boolean(server: KestrelServer) -> None:
+    status, _, raw = http("POST", f"{server.url}/v1/chat/completions",
+                          {"messages": HI, "max_tokens": 4, "stream": True,
+                           "stream_options": {"include_usage": True, "continuous_usage_stats": "yes"}})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "stream_options.continuous_usage_stats"
+
+
 def test_chat_logprobs(client: openai.OpenAI) -> None:
     r = _chat(client, max_tokens=6, logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content

@@ -112,6 +112,8 @@ def test_validation_errors_name_the_field_the_openai_way() -> None:
     assert _validation_param(ChatCompletionRequest, {})[1] == "messages is required"
     assert _validation_param(ChatCompletionRequest, {"messages": HI, "temperature": "0.5"})[0] == "temperature"
     assert _validation_param(ChatCompletionRequest, {"messages": HI, "stream": 1})[0] == "stream"
+    assert _validation_param(ChatCompletionRequest, {"messages": HI, "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": "yes"}})[0] == "stream_options.continuous_usage_stats"
     assert _validation_param(CompletionRequest, {"prompt": [1, "a"]})[0] == "prompt"
 
 
@@ -143,6 +145,22 @@ def test_chat_shapes() -> None:
     assert shape.delta_chunk("a", None)["usage"] is None  # include_usage: null on every chunk but the last
     assert shape.finish_chunk("abort")["choices"][0]["finish_reason"] is None
     assert shape.usage_chunk(3, 1)["choices"] == []
+
+
+def test_continuous_usage_chunks_carry_the_tokens_so_far() -> None:
+    shape = ChatShape("chatcmpl-x", "m", TokenStrings(_Letters()), include_usage=True, continuous_usage=True)
+    shape.prompt_tokens, shape.completion_tokens = 3, 2
+    running = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert shape.first_chunks()[0]["usage"] == shape.delta_chunk("a", None)["usage"] == running
+    assert shape.finish_chunk("stop")["usage"] == running
+    assert shape.usage_chunk(3, 4)["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    alone = CompletionShape("cmpl-x", "m", TokenStrings(_Letters()), continuous_usage=True)  # no include_usage
+    assert "usage" not in alone.delta_chunk("a", None)
+    on = {"include_usage": True, "continuous_usage_stats": True}
+    assert _chat(stream=True, stream_options=on).continuous_usage
+    assert not _chat(stream=True, stream_options={"continuous_usage_stats": True}).continuous_usage
+    assert not _chat(stream=False, stream_options=on).continuous_usage
+    assert CompletionRequest.model_validate({"prompt": "x", "stream": True, "stream_options": on}).continuous_usage
 
 
 def test_choices_in_one_response_and_their_seeds() -> None:
