@@ -6,8 +6,20 @@ typedef signed char i8;
 
 #define FULL_MASK 0xffffffffu
 
-// int8 codes are stored as 32-bit words of 4 consecutive k of one column ([K/4][Npad]): byte j holds k0 + j,
-// the operand order of __dp4a and of mma.sync's B fragment, so no kernel transposes bytes.
+// Four words holding rows k0..k3 of four consecutive columns (byte j = column j) become four words holding
+// columns 0..3 (byte r = row k0+r): the operand order __dp4a and mma.sync want. 8 byte permutes.
+__device__ __forceinline__ void transpose4x4(u32 w0, u32 w1, u32 w2, u32 w3,
+                                             u32& c0, u32& c1, u32& c2, u32& c3) {
+    const u32 t0 = __byte_perm(w0, w1, 0x5140);  // w0.b0 w1.b0 w0.b1 w1.b1
+    const u32 t1 = __byte_perm(w0, w1, 0x7362);  // w0.b2 w1.b2 w0.b3 w1.b3
+    const u32 t2 = __byte_perm(w2, w3, 0x5140);
+    const u32 t3 = __byte_perm(w2, w3, 0x7362);
+    c0 = __byte_perm(t0, t2, 0x5410);
+    c1 = __byte_perm(t0, t2, 0x7632);
+    c2 = __byte_perm(t1, t3, 0x5410);
+    c3 = __byte_perm(t1, t3, 0x7632);
+}
+
 // int4 codes are stored offset by +8 (0..15) as 32-bit words of 8 consecutive k of one column: byte j holds
 // k0 + j in its low nibble and k0 + 4 + j in its high one, so (x & 0x0F0F0F0F) is k0..k3 and (x & 0xF0F0F0F0)
 // is 16 x (k4..k7), each ready for __dp4a against 4 activation codes without any byte transpose.

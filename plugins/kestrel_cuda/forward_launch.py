@@ -90,9 +90,8 @@ class ExLauncher:
 
 
 class TensorMapEncoder:
-    """``tiled(ptr, dtype, dims, strides, box, swizzle128)``: a CUtensorMap of len(dims) dimensions through
-    cuTensorMapEncodeTiled (dims and box innermost first, strides the bytes between the outer dimensions'
-    steps; uint8 or float32; out-of-bounds elements read as zeros)."""
+    """``tiled(ptr, dtype, dims, row_bytes, box, swizzle128)``: a 2-D CUtensorMap through cuTensorMapEncodeTiled
+    (dims and box innermost first; uint8 or float32; out-of-bounds elements read as zeros)."""
 
     UINT8, FLOAT32 = 0, 7  # CUtensorMapDataType
     SWIZZLE_NONE, SWIZZLE_128B = 0, 3
@@ -106,15 +105,14 @@ class TensorMapEncoder:
         self._encode.argtypes = [ctypes.POINTER(TensorMap), ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
                                  u64p, u64p, u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
 
-    def tiled(self, ptr: int, dtype: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...],
+    def tiled(self, ptr: int, dtype: int, dims: tuple[int, int], row_bytes: int, box: tuple[int, int],
               swizzle128: bool) -> TensorMap:
-        rank = len(dims)
         tmap = TensorMap()
-        gdim = (ctypes.c_uint64 * rank)(*dims)
-        gstride = (ctypes.c_uint64 * (rank - 1))(*strides)
-        bdim = (ctypes.c_uint32 * rank)(*box)
-        estride = (ctypes.c_uint32 * rank)(*[1] * rank)
-        err = self._encode(ctypes.byref(tmap), dtype, rank, ctypes.c_void_p(ptr), gdim, gstride, bdim, estride, 0,
+        gdim = (ctypes.c_uint64 * 2)(*dims)
+        gstride = (ctypes.c_uint64 * 1)(row_bytes)
+        bdim = (ctypes.c_uint32 * 2)(*box)
+        estride = (ctypes.c_uint32 * 2)(1, 1)
+        err = self._encode(ctypes.byref(tmap), dtype, 2, ctypes.c_void_p(ptr), gdim, gstride, bdim, estride, 0,
                            self.SWIZZLE_128B if swizzle128 else self.SWIZZLE_NONE, self.L2_PROMOTION_128B, 0)
         if err != 0:
             raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err}")

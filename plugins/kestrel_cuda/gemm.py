@@ -252,12 +252,10 @@ class DeviceGemm:
             if not self.tensor_copies:
                 raise ValueError("q8: the tensor-copy GEMM needs sm_90's clusters and tensor maps")
             enc = self._tma
-            # the codes' rows of 4-k words as 128-byte lines (the 128-byte swizzle's widest box row)
-            tw = self._map(weight.codes.data.ptr, enc.UINT8, (128, g.npad // 32, k // 4), (128, 4 * g.npad),
-                           (128, tile.bn // 32, MMA_BK // 4), True)
-            tws = self._map(weight.scales.data.ptr, enc.FLOAT32, (g.npad, g.ngroups), (4 * g.npad,),
+            tw = self._map(weight.codes.data.ptr, enc.UINT8, (g.npad, k), g.npad, (tile.bn, MMA_BK), True)
+            tws = self._map(weight.scales.data.ptr, enc.FLOAT32, (g.npad, g.ngroups), 4 * g.npad,
                             (tile.bn, MMA_BK // 32), False)
-            ta = self._map(a_codes.data.ptr, enc.UINT8, (k, m), (k,), (MMA_BK, tile.bm), True)
+            ta = self._map(a_codes.data.ptr, enc.UINT8, (k, m), k, (MMA_BK, tile.bm), True)
             args = (tw, tws, ta, _ptr(a_scales), i32(m), _ptr(out), i32(ldo), i32(n), i32(k), i32(per))
         else:
             args = (_ptr(a_codes), _ptr(a_scales), i32(m), _ptr(weight.codes), _ptr(weight.scales), _ptr(out),
@@ -279,14 +277,14 @@ class DeviceGemm:
             return TMA_TILE
         return name
 
-    def _map(self, ptr: int, dtype: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...],
+    def _map(self, ptr: int, dtype: int, dims: tuple[int, int], row_bytes: int, box: tuple[int, int],
              swizzle128: bool) -> Any:
-        key = (ptr, dtype, dims, strides, box)
+        key = (ptr, dtype, dims, row_bytes, box)
         tmap = self._maps.get(key)
         if tmap is None:
             if len(self._maps) > 4096:
                 self._maps.clear()
-            tmap = self._maps[key] = self._tma.tiled(ptr, dtype, dims, strides, box, swizzle128)
+            tmap = self._maps[key] = self._tma.tiled(ptr, dtype, dims, row_bytes, box, swizzle128)
         return tmap
 
     def grouped(self, a_codes: Any, a_scales: Any, geometry: Geometry, table: Any, groups: Any, blocks: int,

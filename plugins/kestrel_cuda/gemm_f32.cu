@@ -25,13 +25,12 @@ __global__ void __launch_bounds__(F32_THREADS) k_gemm_f32(
 #pragma unroll
             for (int j = 0; j < 4; ++j) bs[m][j] = 0.0f;
         for (int k = g * G; k < (g + 1) * G; ++k) {
-            float w[4];  // from the words of columns n..n+3 that hold k: its byte (int4: its nibble)
+            float w[4];
             if constexpr (BITS == 8) {
-                const uint4 v = __ldg(reinterpret_cast<const uint4*>(W + ((size_t)(k >> 2) * Npad + n) * 4));
-                const u32 words[4] = {v.x, v.y, v.z, v.w};
+                const u32 word = __ldg(reinterpret_cast<const u32*>(W + (size_t)k * Npad + n));
 #pragma unroll
-                for (int j = 0; j < 4; ++j) w[j] = (float)(i8)(words[j] >> (8 * (k & 3)));
-            } else {
+                for (int j = 0; j < 4; ++j) w[j] = (float)(i8)(word >> (8 * j));
+            } else {  // the 8-k words of columns n..n+3; k's nibble
                 const uint4 v = __ldg(reinterpret_cast<const uint4*>(W + ((size_t)(k >> 3) * Npad + n) * 4));
                 const u32 words[4] = {v.x, v.y, v.z, v.w};
                 const int shift = 8 * (k & 3) + 4 * ((k >> 2) & 1);

@@ -37,12 +37,13 @@
 // accumulators in increasing group order: bit-identical to kestrel_core.contract.reference_gemm_q8.
 //
 // Shared memory per stage: A codes [BM][BK] bytes, 16-byte chunk c of row r stored at c ^ aswz(r) (ldmatrix.x4
-// reads 8 rows of one chunk column conflict-free); B codes as they lie in device memory (common.cuh): int8
-// [BK/4][BN] words of 4 k, 16-byte chunk c of row r stored at c ^ ((r & 3) << 1); int4 [BK/8][BN] words of 8 k,
-// chunk c of row r at c ^ ((r & 1) << 2); A scales [SG][BM] (rows permuted so a thread's are contiguous) and B
-// scales [SG][BN] floats for the SG groups that end in the stage.
-// The B fragment of an n8 tile wants 4 consecutive k of one column in a register: each thread reads the words
-// of 4 columns that hold its k (one 16-byte read), int4 then the nibble half of its 4 k. The n8 tile's column j is
+// reads 8 rows of one chunk column conflict-free); B codes as they lie in device memory: int8 K-major [BK][BN]
+// bytes, word w of row r stored at w ^ (((r / 4) & 3) << 3); int4 [BK/8][BN] words of 8 k (common.cuh), 16-byte
+// chunk c of row r stored at c ^ ((r & 1) << 2); A scales [SG][BM] (rows permuted so a thread's are contiguous)
+// and B scales [SG][BN] floats for the SG groups that end in the stage.
+// The B fragment of an n8 tile wants 4 consecutive k of one column in a register. int8: each thread reads one
+// word (4 columns) from 4 k rows and transposes the 4 x 4 bytes in registers; int4: it reads the 8-k words of
+// the same 4 columns (one 16-byte read) and takes the nibble half of its 4 k. The n8 tile's column j is
 // therefore physical column 4 * j + ni of the warp's 32 (ni = tile index), which makes each thread's outputs 8
 // consecutive columns (two 16-byte stores) and its weight scales two float4 reads.
 #define GQ_BK 128     // K per shared-memory stage: 64 measured 5-12 % slower (twice the barriers)
@@ -76,9 +77,8 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     constexpr int BK = T::BK, STAGES = T::STAGES;
     constexpr int BM = T::BM, BN = T::BN, THREADS = T::THREADS, SG = T::SG;
     constexpr int KS = BK / 32;                   // k32 steps per stage
-    constexpr int KW = BITS == 8 ? 4 : 8;         // k of a stored word
-    constexpr int BROWS = BK / KW;                // stored B rows (of words) per stage
-    constexpr int BROWB = 4 * BN;                 // bytes of one stored B row of the tile
+    constexpr int BROWS = BITS == 8 ? BK : BK / 8;  // stored B rows per stage (int4: rows of 8-k words)
+    constexpr int BROWB = BITS == 8 ? BN : 4 * BN;  // bytes of one stored B row of the tile
     constexpr int GS = G / 32;                    // k32 steps per group
     static_assert(G == 32 || G == 256, "G must be 32 or 256");
     static_assert(MI == 1 || MI % 2 == 0, "row scales are read as float2 or float4");
@@ -103,30 +103,32 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     const int ng = K / G;
     const int st0 = SPLIT ? blockIdx.z * kstages : 0;  // this split's stages
     const int nst = SPLIT ? min((K + BK - 1) / BK, st0 + kstages) : (K + BK - 1) / BK;
-    const int krows = K / KW;                     // rows of the device code matrix
-    const int ldb = 4 * Npad;                     // its bytes per row (16-byte chunks: Npad % 4 == 0)
+    const int krows = BITS == 8 ? K : K / 8;      // rows of the device code matrix
+    const int ldb = BITS == 8 ? Npad : 4 * Npad;  // its bytes per row
+    const bool b16 = (ldb & 15) == 0;             // 16-byte copies of B rows stay aligned (int4: always)
     const u32 sbase = smem_u32(smem);
 
     // Per-thread copy plan, fixed for the whole K loop (only the k offset moves). A: 16-byte chunk a_c of rows
-    // a_r0 + p * A_RSTEP; B: chunk b_c of word rows b_r0 + p * B_RSTEP. The row steps keep every row of a thread
-    // on the same swizzle (A: a multiple of 8; B: of 4 for int8, of 2 for int4).
+    // a_r0 + p * A_RSTEP; B: chunk b_c of k rows b_r0 + p * B_RSTEP. The row steps keep every row of a thread on
+    // the same swizzle (A: a multiple of 8; B: of 16 for int8, of 2 for int4).
     constexpr int ACH = BK / 16, BCH = BROWB / 16;
     constexpr int A_RSTEP = THREADS / ACH, B_RSTEP = THREADS / BCH;
     constexpr int AP = BM / A_RSTEP, BP = (BROWS + B_RSTEP - 1) / B_RSTEP;
-    static_assert(BM % A_RSTEP == 0 && A_RSTEP % 8 == 0 && B_RSTEP % (BITS == 8 ? 4 : 2) == 0, "copy plan");
+    static_assert(BM % A_RSTEP == 0 && A_RSTEP % 8 == 0 && B_RSTEP % (BITS == 8 ? 16 : 2) == 0, "copy plan");
     const int a_c = tid % ACH, a_r0 = tid / ACH;
     const int b_c = tid % BCH, b_r0 = tid / BCH;
     const i8* a_src = A + (size_t)(m0 + a_r0) * K + 16 * a_c;
     const u32 a_dst = a_r0 * BK + ((a_c ^ aswz(a_r0)) << 4);
-    const int b_byte0 = 4 * n0 + 16 * b_c;        // first byte of the chunk in its row
+    const int b_byte0 = (BITS == 8 ? n0 : 4 * n0) + 16 * b_c;  // first byte of the chunk in its row
     const u8* b_src = W + (size_t)b_r0 * ldb + b_byte0;
-    const int b_swz = BITS == 8 ? (b_r0 & 3) << 1 : (b_r0 & 1) << 2;
+    const int b_swz = BITS == 8 ? ((b_r0 / 4) & 3) << 1 : (b_r0 & 1) << 2;
     const u32 b_dst = T::A_BYTES + b_r0 * BROWB + ((b_c ^ b_swz) << 4);
     const i8* a_rows[SPLIT ? AP : 1];  // SPLIT: the A chunks' rows, nullptr past M (zero-filled)
 #pragma unroll
     for (int p = 0; p < (SPLIT ? AP : 1); ++p)
         a_rows[p] = m0 + a_r0 + p * A_RSTEP < M ? A + (size_t)(m0 + a_r0 + p * A_RSTEP) * K + 16 * a_c : nullptr;
-    const bool b_in = b_byte0 < ldb;              // the chunk (4 columns) is inside Npad
+    const int b_left = ldb - b_byte0;
+    const int b_nvalid = b_left < 0 ? 0 : b_left > 16 ? 16 : b_left;  // bytes of the chunk inside Npad
     // scales: thread tid copies row tid % BM of A's slots tid / BM + p * THREADS / BM, and column tid % BN of B's
     // slots tid / BN + p * THREADS / BN
     constexpr int ASP = (SG * BM + THREADS - 1) / THREADS, BSP = (SG * BN + THREADS - 1) / THREADS;
@@ -161,8 +163,16 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
                 const int gr = st * BROWS + r;
                 const u32 dst = sb + b_dst + p * B_RSTEP * BROWB;
                 const u8* src = b_src + ((size_t)st * BROWS + p * B_RSTEP) * ldb;
-                const bool ok = gr < krows && b_in;
-                cp_async16(dst, ok ? src : W, ok ? 16 : 0);
+                if (b16) {
+                    const bool ok = gr < krows && b_nvalid > 0;
+                    cp_async16(dst, ok ? src : W, ok ? 16 : 0);
+                } else {  // int8, Npad % 16 != 0: word copies (Npad % 4 == 0 keeps a word wholly in or out)
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) {
+                        const bool ok = gr < krows && 4 * w < b_nvalid;
+                        cp_async4(dst + 4 * w, ok ? src + 4 * w : W, ok ? 4 : 0);
+                    }
+                }
             }
         }
         const int g0 = stage_group(st);  // SPLIT: every group of the stage exists
@@ -252,11 +262,15 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {  // k 16h + 4tig .. 16h + 4tig + 3 of this k32 step
-                const int word = wn * 8 + gid;  // the 16-byte chunk of the warp's columns 4 gid .. 4 gid + 3
+                const int word = wn * 8 + gid;
                 if constexpr (BITS == 8) {
-                    const int r = ks * 8 + h * 4 + tig;                // word row; r & 3 == tig
-                    const uint4 v = *reinterpret_cast<const uint4*>(sbp + r * BROWB + ((word ^ (tig << 1)) << 4));
-                    bf[0][h] = v.x; bf[1][h] = v.y; bf[2][h] = v.z; bf[3][h] = v.w;
+                    u32 w[4];
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const int r = ks * 32 + h * 16 + 4 * tig + j;  // (r >> 2) & 3 == tig
+                        w[j] = *reinterpret_cast<const u32*>(sbp + r * BN + 4 * (word ^ (tig << 3)));
+                    }
+                    transpose4x4(w[0], w[1], w[2], w[3], bf[0][h], bf[1][h], bf[2][h], bf[3][h]);
                 } else {
                     const int r = ks * 4 + h * 2 + (tig >> 1);         // word row; nibble half tig & 1
                     const uint4 v = *reinterpret_cast<const uint4*>(sbp + r * BROWB + ((word ^ ((r & 1) << 2)) << 4));

@@ -6,15 +6,13 @@
 //
 // A block is 4 consumer warps of 32 x 32 (BM = 32 rows by BN = 128 columns) and one producer warp. For each of
 // TMA_STAGES shared-memory stages of BK = 128 k the producer's lane 0 issues three tensor copies
-// (cp.async.bulk.tensor, completing on the stage's `full` mbarrier): the weight codes [BK/4][BN] words of 4 k
-// (common.cuh) as 128-byte lines [BK/4][BN/32][32 words] and the activation codes [BM][BK], both with the
-// 128-byte swizzle, and the weight scales [4][BN]. Its lanes load the
+// (cp.async.bulk.tensor, completing on the stage's `full` mbarrier): the weight codes [BK][BN] and the
+// activation codes [BM][BK], both with the 128-byte swizzle, and the weight scales [4][BN]. Its lanes load the
 // row scales, round each once to 22 bits and store it paired with -MAGIC x it (gemm_tile.cuh), then arrive.
 // The consumers wait on `full`, compute, and release the stage on its `empty` mbarrier. Rows past M arrive as
 // zeros (the tensor copy's out-of-bounds fill) with zero scales.
-// 128-byte swizzle: 16-byte chunk c of 128-byte line l lies at chunk c ^ (l % 8) (stages 1024-byte aligned).
-// ldmatrix's 8 rows then hit 8 bank groups; a B read (the 16-byte chunk gid of word row 4h + tig, line 4 row +
-// wn) meets the lane of tig + 2 (2 ways).
+// 128-byte swizzle: 16-byte chunk c of row r lies at chunk c ^ (r % 8) (stages 1024-byte aligned). ldmatrix's
+// 8 rows then hit 8 bank groups; the 4 rows 4 tig + j of a thread's B word meet 2 ways.
 // PDL: the first stages' weights are requested before the producer's grid_dep_wait, the activations after;
 // the consumers touch global memory only through the producer's stages and their final stores.
 #define TMA_BK 128
@@ -40,11 +38,6 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
 __device__ __forceinline__ void tma_2d(u32 dst, const TmaDesc* map, int x, int y, u32 bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
                  ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(bar) : "memory");
-}
-__device__ __forceinline__ void tma_3d(u32 dst, const TmaDesc* map, int x, int y, int z, u32 bar) {
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
-                 ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(z), "r"(bar)
-                 : "memory");
 }
 #endif
 
@@ -96,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
             const int st = st0 + i;
             const u32 sb = sbase + (i % STAGES) * T::STAGE, full = bars + 8 * (i % STAGES);
             mbar_expect_tx(full, T::TX);
-            tma_3d(sb + T::B_OFF, &tw, 0, n0 / 32, st * (BK / 4), full);
+            tma_2d(sb + T::B_OFF, &tw, n0, st * BK, full);
             tma_2d(sb + T::SW_OFF, &tws, n0, st * SG, full);
         };
         auto activations = [&](int i) {  // stage i's activation codes (lane 0) and row scales; every lane arrives
@@ -143,9 +136,11 @@ extern "C" __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
         const int magic[4] = {GQ_MAGIC, GQ_MAGIC, GQ_MAGIC, GQ_MAGIC};
         // ldmatrix: row mi * 16 + lane % 16, chunk 2 ks + lane / 16, swizzled by the row's lane % 8
         const int a_row = (lane & 15) * BK, a_x = (lane >> 4) ^ (lane & 7);
-        // B: chunk gid (columns 4 gid .. 4 gid + 3 of the warp's 32) of word row ks * 8 + h * 4 + tig, in line
-        // 4 row + wn, whose index % 8 is 4 (tig % 2) + wn
-        const int b_off = (4 * tig + wn) * 128 + ((gid ^ (4 * (tig & 1) + wn)) << 4);
+        // B word wn * 8 + gid (chunk 2 wn + gid / 4) of rows ks * 32 + h * 16 + 4 tig + j, whose row % 8 is 4 (tig % 2) + j
+        int b_off[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            b_off[j] = (4 * tig + j) * BN + (((2 * wn + (gid >> 2)) ^ (4 * (tig & 1) + j)) << 4) + 4 * (gid & 3);
         for (int i = 0; i < nst; ++i) {
             const int buf = i % STAGES;
             mbar_wait(bars + 8 * buf, (i / STAGES) & 1);
@@ -160,9 +155,12 @@ extern "C" __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi) ldmatrix_x4(af[mi], sa + a_row + mi * 16 * BK + a_chunk);
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {  // word rows of 4 BN bytes
-                    const uint4 v = *reinterpret_cast<const uint4*>(sbp + (ks * 8 + h * 4) * 4 * BN + b_off);
-                    bf[0][h] = v.x; bf[1][h] = v.y; bf[2][h] = v.z; bf[3][h] = v.w;
+                for (int h = 0; h < 2; ++h) {
+                    u32 w[4];
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        w[j] = *reinterpret_cast<const u32*>(sbp + (ks * 32 + h * 16) * BN + b_off[j]);
+                    transpose4x4(w[0], w[1], w[2], w[3], bf[0][h], bf[1][h], bf[2][h], bf[3][h]);
                 }
                 int iacc[MI][4][4];
 #pragma unroll

@@ -1,17 +1,22 @@
 // qgemv: every projection of the whole-step forward (and lm_head) at M <= 8, its activation prologue
 // (RMSNorm, SiLU*up) and quantization fused in; split-K merges in merge.cuh.
 
-// One lane's 32-row slot of weights, 4 columns from col, rows kr .. kr + 31: w[4r + c] = the stored word of
-// column c, k = kr + 4r .. kr + 4r + 3 (int4: kr + 8r .. kr + 8r + 7).
+// One lane's 32-row slot of weights, 4 columns from col, rows kr .. kr + 31. int8: w[r] = row kr + r (byte c =
+// column c); int4: w[4r + c] = the 8-k word of column c, k = kr + 8r .. kr + 8r + 7.
 template <int BITS>
 __device__ __forceinline__ void load_slot(const unsigned char* __restrict__ W, int Npad, int kr, int col,
                                           unsigned (&w)[BITS == 8 ? 32 : 16]) {
-    constexpr int KW = BITS == 8 ? 4 : 8;  // k of a word
-    const uint4* p = reinterpret_cast<const uint4*>(W + ((size_t)(kr / KW) * Npad + col) * 4);
+    if constexpr (BITS == 8) {
+        const unsigned* p = reinterpret_cast<const unsigned*>(W + (size_t)kr * Npad + col);
 #pragma unroll
-    for (int r = 0; r < 32 / KW; ++r) {
-        const uint4 v = ld_stream(p + (size_t)r * (Npad / 4));
-        w[4 * r] = v.x; w[4 * r + 1] = v.y; w[4 * r + 2] = v.z; w[4 * r + 3] = v.w;
+        for (int r = 0; r < 32; ++r) w[r] = ld_stream(p + (size_t)r * (Npad / 4));
+    } else {
+        const uint4* p = reinterpret_cast<const uint4*>(W + ((size_t)(kr / 8) * Npad + col) * 4);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const uint4 v = ld_stream(p + (size_t)r * (Npad / 4));
+            w[4 * r] = v.x; w[4 * r + 1] = v.y; w[4 * r + 2] = v.z; w[4 * r + 3] = v.w;
+        }
     }
 }
 
@@ -23,11 +28,14 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
                                          int (&isum)[MR][4]) {
     if constexpr (BITS == 8) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j)        // 8 words of 4 k a column
+        for (int j = 0; j < 8; ++j) {      // 8 quads of 4 rows
+            u32 cw[4];
+            transpose4x4(w[4 * j], w[4 * j + 1], w[4 * j + 2], w[4 * j + 3], cw[0], cw[1], cw[2], cw[3]);
 #pragma unroll
             for (int i = 0; i < MR; ++i)
 #pragma unroll
-                for (int c = 0; c < 4; ++c) isum[i][c] = __dp4a((int)w[4 * j + c], aw[i][j], isum[i][c]);
+                for (int c = 0; c < 4; ++c) isum[i][c] = __dp4a((int)cw[c], aw[i][j], isum[i][c]);
+        }
     } else {
 #pragma unroll
         for (int i = 0; i < MR; ++i) {

@@ -1,10 +1,10 @@
 // Decode GEMV, warp-row layout (the default): out[m][n] = sum_g (sum_{k in g} A[m][k] W[k][n]) As[m][g] Ws[g][n].
 //
-// A warp's 32 lanes lie along the columns (VEC columns each: 4 * VEC bytes of one row of 4-k words, int4 8-k
-// words), so every load instruction of a warp reads contiguous bytes of one stored row. Each warp of a block takes one 32-row slice of K per
+// A warp's 32 lanes lie along the columns (VEC columns each, VEC-byte loads; int4: 4 * VEC bytes of one row of
+// 8-k words), so every load instruction of a warp reads contiguous bytes of one stored row. Each warp of a block takes one 32-row slice of K per
 // iteration (8 warps: 256 rows); a thread issues every load of its slice (rows, scales, activations) before
-// the first use, so each thread has a whole slice in flight. Block sums are exact int32 (__dp4a on the stored
-// words, int4 on its unpacked nibbles); for G = 32 a slice is a group and the thread scales it itself; for G = 256 the 8
+// the first use, so each thread has a whole slice in flight. Block sums are exact int32 (__dp4a on 4x4
+// byte-transposed words, int4 on its unpacked nibbles); for G = 32 a slice is a group and the thread scales it itself; for G = 256 the 8
 // warps' int32 slice sums are added exactly through shared memory before the one multiply by the scales.
 // Blocks of blockIdx.y split K (interleaved 256-row steps); the last block of a column tile to finish adds
 // the partials in a fixed order and re-arms its counter, so the next launch finds it at zero.
@@ -19,9 +19,9 @@ __global__ void __launch_bounds__(GW_THREADS) k_gemv_warp(
         float* __restrict__ partial, unsigned int* __restrict__ counters,
         int K, int Npad, int G) {
     constexpr int BN = 32 * VEC;                  // columns per block
-    constexpr int NW = VEC / 4;                   // float4 weight scales per thread
-    constexpr int KW = BITS == 8 ? 4 : 8;         // k of a stored word
-    constexpr int PR = 32 / KW;                   // stored rows of a 32-row slice
+    constexpr int NW = VEC / 4;                   // words per row per thread
+    constexpr int PR = BITS == 8 ? 32 : 4;        // stored rows of a 32-row slice (int4: rows of 8-k words)
+    constexpr int RW = BITS == 8 ? NW : VEC;      // 32-bit words of a stored row per thread
     constexpr int CPT = (MT * BN + GW_THREADS - 1) / GW_THREADS;  // (m, column) outputs per thread
     __shared__ float red[GW_WARPS][MT][BN];
     __shared__ int s_last;
@@ -48,13 +48,14 @@ __global__ void __launch_bounds__(GW_THREADS) k_gemv_warp(
         const int s = base + warp;
         const bool ok = col_ok && s < nslices;
         const int k0 = s * 32;
-        u32 rows[PR][VEC];
+        u32 rows[PR][RW];
         int aw[MT][8];
         float ws[VEC], sa[MT];
         if (ok) {
 #pragma unroll
             for (int r = 0; r < PR; ++r)
-                load_vec<4 * VEC>(W + ((size_t)(k0 / KW + r) * Npad + c0) * 4, rows[r]);
+                load_vec<4 * RW>(W + (BITS == 8 ? (size_t)(k0 + r) * Npad + c0 : ((size_t)(k0 / 8 + r) * Npad + c0) * 4),
+                                 rows[r]);
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
                 if (m < mcount) {
@@ -81,7 +82,7 @@ __global__ void __launch_bounds__(GW_THREADS) k_gemv_warp(
 #pragma unroll
             for (int r = 0; r < PR; ++r)
 #pragma unroll
-                for (int w = 0; w < VEC; ++w) rows[r][w] = 0u;
+                for (int w = 0; w < RW; ++w) rows[r][w] = 0u;
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -92,13 +93,21 @@ __global__ void __launch_bounds__(GW_THREADS) k_gemv_warp(
         for (int m = 0; m < MT; ++m)
 #pragma unroll
             for (int j = 0; j < VEC; ++j) acc[m][j] = 0;
-        if constexpr (BITS == 8) {  // word j of row r: k0 + 4r .. k0 + 4r + 3 of column j
+        if constexpr (BITS == 8) {
 #pragma unroll
-            for (int r = 0; r < PR; ++r)
+            for (int q = 0; q < 8; ++q) {
 #pragma unroll
-                for (int j = 0; j < VEC; ++j)
+                for (int w = 0; w < NW; ++w) {
+                    u32 c[4];
+                    transpose4x4(rows[4 * q][w], rows[4 * q + 1][w], rows[4 * q + 2][w], rows[4 * q + 3][w],
+                                 c[0], c[1], c[2], c[3]);
 #pragma unroll
-                    for (int m = 0; m < MT; ++m) acc[m][j] = __dp4a(aw[m][r], (int)rows[r][j], acc[m][j]);
+                    for (int m = 0; m < MT; ++m)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            acc[m][4 * w + e] = __dp4a(aw[m][q], (int)c[e], acc[m][4 * w + e]);
+                }
+            }
         } else {  // word j of row r: k0 + 8r .. k0 + 8r + 7 of column j
 #pragma unroll
             for (int r = 0; r < PR; ++r)

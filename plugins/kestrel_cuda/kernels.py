@@ -32,7 +32,7 @@ OPTIONS = ("--fmad=false", "-std=c++17")
 # GEMV at MT = 4, docs/performance.md).
 GEMV_WARP_VARIANTS: tuple[tuple[int, int, int], ...] = tuple((1, vec, bits) for bits in (8, 4) for vec in (8, 4))
 GROUP_SIZES = (32, 256)
-TRANSPOSE_F32 = "k_transpose<float>"
+TRANSPOSE_I8, TRANSPOSE_F32 = "k_transpose<signed char>", "k_transpose<float>"
 BITS = (8, 4)
 
 
@@ -135,8 +135,8 @@ class Kernels:
     """Every compiled kernel of the backend, by role."""
 
     module: Any
+    transpose_i8: Any
     transpose_f32: Any
-    transpose_pack8: Any
     transpose_pack4: Any
     quantize: dict[int, Any]  # G -> kernel
     gemv_warp: dict[tuple[int, int, int], Any]
@@ -148,7 +148,7 @@ class Kernels:
 
 def kernel_names() -> list[str]:
     """The name expressions of every template kernel of the hook module (``SOURCES``)."""
-    return ([TRANSPOSE_F32] + [f"k_quantize_act<{g}>" for g in GROUP_SIZES]
+    return ([TRANSPOSE_I8, TRANSPOSE_F32] + [f"k_quantize_act<{g}>" for g in GROUP_SIZES]
             + [gemv_warp_name(*v) for v in GEMV_WARP_VARIANTS]
             + [t.name(b, g) for b in BITS for g in GROUP_SIZES for t in MMA_TILES.values()]
             + [TMA_KERNEL]
@@ -164,8 +164,8 @@ def compile_kernels(cp: Any) -> Kernels:
         get = module.get_function
         kernels = Kernels(
             module=module,
+            transpose_i8=get(TRANSPOSE_I8),
             transpose_f32=get(TRANSPOSE_F32),
-            transpose_pack8=get("k_transpose_pack8"),
             transpose_pack4=get("k_transpose_pack4"),
             quantize={g: get(f"k_quantize_act<{g}>") for g in GROUP_SIZES},
             gemv_warp={v: get(gemv_warp_name(*v)) for v in GEMV_WARP_VARIANTS},

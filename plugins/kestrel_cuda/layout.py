@@ -4,9 +4,8 @@
     StripCache, ``Geometry.fused(strips)`` for a Q|K|V or gate|up buffer (``fusable(strips)`` says whether the
     members may share one, else use per-projection weights); ``pack_int4=True`` sizes int4 codes at 4 bits.
     One allocation of ``nbytes`` holds both regions (``npad = pad_n(N) = (N+3) & ~3``, fused: sum of the Ns):
-        [0, codes_nbytes)                        codes, K-major: int8 [K/4][Npad] 32-bit words of 4
-                                                 consecutive k of one column; code_bits=4: [K/8][Npad] words
-                                                 of 8 (common.cuh)
+        [0, codes_nbytes)                        codes, K-major: int8 [K][Npad]; code_bits=4: [K/8][Npad]
+                                                 32-bit words of 8 consecutive k of one column (common.cuh)
         [scales_offset, +scales_nbytes)          scales, float32 [ngroups][Npad]; offset = codes rounded up to
                                                  256 bytes (cudaMalloc alignment, so vector loads stay aligned)
     The pool key ``layout = (codes_nbytes, scales_nbytes)`` is exactly what makes two buffers interchangeable:
@@ -133,23 +132,20 @@ def layer_groups(layer: int, lw: LayerWeights) -> list[StripGroup]:
 
 
 def pack_kmajor(codes: np.ndarray, bits: int) -> np.ndarray:
-    """Host packing of int8 codes [N][K] into the device layout: uint8 [K/4][4 * Npad] or, 4-bit,
-    [K/8][4 * Npad].
+    """Host packing of int8 codes [N][K] into the device layout: uint8 [K][Npad] or, 4-bit, [K/8][4 * Npad].
 
-    The layout the transpose kernels produce (Npad = (N+3) & ~3, padding zero), as common.cuh describes:
-    32-bit words of consecutive k of one column. int8: 4 k, byte b = k0 + b. int4: 8 k, +8 biased, byte b =
-    k0 + b (low nibble) | k0 + 4 + b (high nibble).
+    The layout the transpose kernels produce (Npad = (N+3) & ~3, padding zero). int4: 32-bit words of 8
+    consecutive k of one column, +8 biased, byte b = k0 + b (low nibble) | k0 + 4 + b (high nibble), as
+    common.cuh describes.
     """
     n, k = codes.shape
     npad = pad_n(n)
-    step = 4 if bits == 8 else 8
-    if k % step:
-        raise ValueError(f"int{bits} packing needs K % {step} == 0, got {k}")
     t = np.zeros((k, npad), np.int8)
     t[:, :n] = codes.T
-    if bits == 8:  # [kw][b][n] -> [kw][n][b]
-        words8 = t.view(np.uint8).reshape(k // 4, 4, npad).transpose(0, 2, 1)
-        return np.ascontiguousarray(words8).reshape(k // 4, 4 * npad)
+    if bits == 8:
+        return t.view(np.uint8)
+    if k % 8:
+        raise ValueError(f"int4 packing needs K % 8 == 0, got {k}")
     u = (t.astype(np.int16) + 8).astype(np.uint8).reshape(k // 8, 2, 4, npad)  # [kw][half][b][n]
     words = u[:, 0] | (u[:, 1] << 4)                                           # [kw][b][n]
     return np.ascontiguousarray(words.transpose(0, 2, 1)).reshape(k // 8, 4 * npad)
@@ -157,9 +153,9 @@ def pack_kmajor(codes: np.ndarray, bits: int) -> np.ndarray:
 
 def unpack_kmajor(packed: np.ndarray, bits: int) -> np.ndarray:
     """Inverse of ``pack_kmajor``: int8 codes [K][Npad]."""
-    kw, npad = packed.shape[0], packed.shape[1] // 4
     if bits == 8:
-        return np.ascontiguousarray(packed.view(np.int8).reshape(kw, npad, 4).transpose(0, 2, 1)).reshape(4 * kw, npad)
+        return packed.view(np.int8)
+    kw, npad = packed.shape[0], packed.shape[1] // 4
     b = packed.reshape(kw, npad, 4).transpose(0, 2, 1)  # [kw][b][n]
     out = np.empty((kw, 2, 4, npad), np.int8)
     out[:, 0] = (b & 0x0F).astype(np.int8) - 8

@@ -72,7 +72,7 @@ class Lin:
         """A projection over a cache weight (``residency.DeviceWeight``), its codes viewed as pack_kmajor lays
         them out."""
         g = dw.geometry
-        shape = (g.k // (4 if g.code_bits == 8 else 8), 4 * g.npad)
+        shape = (g.k, g.npad) if g.code_bits == 8 else (g.k // 8, 4 * g.npad)
         return cls(dw.codes.view(np.uint8).reshape(shape), dw.scales, g.k, n, g.npad, g.group_size, g.code_bits,
                    col, wkey=wkey)
 

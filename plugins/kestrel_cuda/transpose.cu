@@ -15,7 +15,7 @@ __device__ __forceinline__ void load_tile(const T* __restrict__ in, int R, int C
     __syncthreads();
 }
 
-// float32 scales: [R][C] -> [C][ldo]
+// int8 codes and float32 scales: [R][C] -> [C][ldo]
 template <typename T>
 __global__ void k_transpose(const T* __restrict__ in, T* __restrict__ out, int R, int C, int ldo, int col_off) {
     __shared__ T t[TT][TT + 1];
@@ -24,24 +24,6 @@ __global__ void k_transpose(const T* __restrict__ in, T* __restrict__ out, int R
         const int ro = blockIdx.x * TT + j;         // output row = input column
         const int co = blockIdx.y * TT + threadIdx.x;  // output column = input row
         if (ro < C && co < R) out[(size_t)ro * ldo + col_off + co] = t[threadIdx.x][j];
-    }
-}
-
-// int8 codes: [R][C] -> words [C/4][ldo] (common.cuh's layout): word (kw, n) byte b = w[n][4kw + b]. C is a
-// multiple of 32 (K % G == 0), so a tile holds whole words.
-extern "C" __global__ void k_transpose_pack8(const i8* __restrict__ in, u32* __restrict__ out,
-                                             int R, int C, int ldo, int col_off) {
-    __shared__ i8 t[TT][TT + 1];
-    load_tile(in, R, C, t);
-    for (int j = threadIdx.y; j < TT / 4; j += blockDim.y) {
-        const int kw = blockIdx.x * (TT / 4) + j;      // output word row: input columns 4kw .. 4kw + 3
-        const int co = blockIdx.y * TT + threadIdx.x;
-        if (4 * kw < C && co < R) {
-            u32 word = 0;
-#pragma unroll
-            for (int b = 0; b < 4; ++b) word |= (u32)(u8)t[threadIdx.x][4 * j + b] << (8 * b);
-            out[(size_t)kw * ldo + col_off + co] = word;
-        }
     }
 }
 

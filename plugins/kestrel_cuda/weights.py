@@ -64,8 +64,10 @@ def make_upload(cp: Any, kernels: Any, strips: Sequence[StripCache], stream: Any
                 src_s = cp.asarray(s.scales)    # [N][K/G] float32
                 grid = (_cdiv(s.k, TILE), _cdiv(s.n, TILE))
                 args = (src, codes, i32(s.n), i32(s.k), i32(g.npad), i32(off))
-                pack = kernels.transpose_pack4 if g.code_bits == 4 else kernels.transpose_pack8
-                pack(grid, TRANSPOSE_BLOCK, args)
+                if g.code_bits == 4:
+                    kernels.transpose_pack4(grid, TRANSPOSE_BLOCK, args)
+                else:
+                    kernels.transpose_i8(grid, TRANSPOSE_BLOCK, args)
                 kernels.transpose_f32((_cdiv(s.ngroups, TILE), _cdiv(s.n, TILE)), TRANSPOSE_BLOCK,
                                       (src_s, scales, i32(s.n), i32(s.ngroups), i32(g.npad), i32(off)))
 

@@ -279,14 +279,26 @@ def test_pack_kmajor_layout(bits: int) -> None:
     lo, hi = (-127, 127) if bits == 8 else (-8, 7)
     codes = np.random.default_rng(0).integers(lo, hi + 1, size=(13, 64)).astype(np.int8)
     packed = pack_kmajor(codes, bits)
-    assert packed.shape == ((16, 64) if bits == 8 else (8, 64))
+    assert packed.shape == ((64, 16) if bits == 8 else (8, 64))
     assert np.array_equal(unpack_kmajor(packed, bits)[:, :13], codes.T)
     assert np.all(unpack_kmajor(packed, bits)[:, 13:] == 0)
-    kw, n, b = 5, 7, 2  # common.cuh's layout: word (kw, n) of column n, byte b
-    if bits == 8:  # c[4kw + b]
-        assert packed[kw, 4 * n + b] == int(codes[n, 4 * kw + b]) & 0xFF
-    else:  # (c[8kw + b] + 8) | (c[8kw + 4 + b] + 8) << 4
+    if bits == 4:  # common.cuh's layout: word (kw, n), byte b = (c[8kw + b] + 8) | (c[8kw + 4 + b] + 8) << 4
+        kw, n, b = 5, 7, 2
         assert packed[kw, 4 * n + b] == (int(codes[n, 8 * kw + b]) + 8) | ((int(codes[n, 8 * kw + 4 + b]) + 8) << 4)
+
+
+def _byte_perm(x: int, y: int, s: int) -> int:
+    src = [(x >> (8 * i)) & 0xFF for i in range(4)] + [(y >> (8 * i)) & 0xFF for i in range(4)]
+    return sum(src[(s >> (4 * i)) & 0x7] << (8 * i) for i in range(4))
+
+
+def _transpose4x4_from_source() -> list[tuple[str, str, str, int]]:
+    """The __byte_perm calls of common.cuh's transpose4x4, in order: (dest, x, y, selector)."""
+    text = (kernels.HERE / "common.cuh").read_text()
+    body = text[text.index("void transpose4x4("):]
+    body = body[:body.index("\n}\n")]
+    calls = re.findall(r"(\w+) = __byte_perm\((\w+), (\w+), (0x[0-9a-fA-F]+)\)", body)
+    return [(d, x, y, int(s, 16)) for d, x, y, s in calls]
 
 
 @pytest.mark.parametrize("sources", (kernels.SOURCES, kernels.FORWARD_SOURCES))
@@ -330,6 +342,20 @@ def test_the_quantize_rows_chunk_is_rows_cus() -> None:
     text = kernels.source_text(kernels.FORWARD_SOURCES)
     define = {name: value for name, value in re.findall(r"#define (\w+) (\w+)", text)}
     assert int(define["NT"]) * int(define["QUANT_LOADS"]) == QUANT_CHUNK
+
+
+def test_common_cuh_transpose4x4_transposes_a_4x4_byte_block() -> None:
+    calls = _transpose4x4_from_source()
+    assert len(calls) == 8
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        block = rng.integers(0, 256, size=(4, 4))  # block[r][c]: row r (k), column c
+        env = {f"w{r}": int(sum(int(block[r, c]) << (8 * c) for c in range(4))) for r in range(4)}
+        for dest, x, y, sel in calls:
+            env[dest] = _byte_perm(env[x], env[y], sel)
+        for c in range(4):
+            col = env[f"c{c}"]
+            assert [(col >> (8 * r)) & 0xFF for r in range(4)] == [int(block[r, c]) for r in range(4)]
 
 
 def test_int4_word_dot_product_as_the_kernels_compute_it() -> None:

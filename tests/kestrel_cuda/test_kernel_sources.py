@@ -16,8 +16,7 @@ from kestrel_cuda.kernels import FORWARD_SOURCES, OPTIONS, SOURCES, kernel_names
 from kestrel_cuda.ops_cupy import KERNELS, forward_kernel_names
 
 ARCH = "sm_90"
-# extern "C" kernels, looked up by name
-PLAIN = {"hook": ("k_transpose_pack8", "k_transpose_pack4"), "forward": KERNELS}
+PLAIN = {"hook": ("k_transpose_pack4",), "forward": KERNELS}  # extern "C" kernels, looked up by name
 
 
 def _nvrtc() -> ctypes.CDLL | None:
