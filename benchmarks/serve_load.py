@@ -58,24 +58,43 @@ async def _one(client: Any, model: str, prompt: list[int], tokens: int) -> tuple
     return t0, stamps, counts
 
 
-async def _level(port: int, model: str, prompts: list[list[int]], tokens: int) -> dict[str, float]:
+async def _streams(port: int, model: str, prompts: list[list[int]], tokens: int, start_at: float
+                   ) -> dict[str, Any]:
+    """Every prompt's stream from ``start_at`` (a perf_counter time, which every process of the machine shares):
+    each one's (send time, chunk stamps, chunk tokens), and this process's CPU seconds over its wall time."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="bench", max_retries=0,
                                 timeout=3600)
-    start = time.perf_counter()
+    await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+    cpu0, start = time.process_time(), time.perf_counter()
     results = await asyncio.gather(*(_one(client, model, p, tokens) for p in prompts))
-    end = time.perf_counter()
+    busy = (time.process_time() - cpu0) / (time.perf_counter() - start)
     await client.close()
+    return {"results": results, "busy": busy}
+
+
+def run_level(clients: Any, procs: int, port: int, model: str, prompts: list[list[int]], tokens: int
+              ) -> dict[str, float]:
+    """One concurrency level through the server: the prompts' streams spread over ``procs`` processes of the
+    ``clients`` pool (each parses its streams in Python; one process for 64 streams can be what limits the
+    figure), started together. ``client_busy``: the busiest client process's CPU time over its wall time."""
+    start_at = time.perf_counter() + 0.5
+    jobs = [clients.submit(_client, "streams", port, model, prompts[i::procs], tokens, start_at)
+            for i in range(min(procs, len(prompts)))]
+    parts = [job.result() for job in jobs]
+    end = time.perf_counter()
+    results = [r for part in parts for r in part["results"]]
     # a chunk carries one or more tokens (more when the server fell behind the stream): each chunk's own count
     streamed = [(s, c) for _, s, c in results if s]
     per_stream = [(sum(c) - c[0]) / (s[-1] - s[0]) for _, s, c in results if len(s) > 1 and s[-1] > s[0]]
     ttft = np.array([s[0] - t0 for t0, s, _ in results if s])
     return {"concurrency": len(prompts),
             "decode_tok_s": all_decoding_rate([s for s, _ in streamed], [c for _, c in streamed]),
-            "output_tok_s": sum(sum(c) for _, _, c in results) / (end - start),
+            "output_tok_s": sum(sum(c) for _, _, c in results) / (end - start_at),
             "stream_tok_s": statistics.median(per_stream) if per_stream else 0.0,
-            "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99))}
+            "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
+            "client_busy": max(part["busy"] for part in parts)}
 
 
 async def _background(port: int, model: str, prompts: list[list[int]], tokens: int) -> int:
@@ -140,8 +159,8 @@ def _ttft_under_load(clients: Any, prober: Any, front: AsyncEngine, port: int, b
 
 
 def _client(job: str, *args: Any) -> dict[str, Any]:
-    """One client run (``_level``, ``_background`` or ``_probes``), in a client process."""
-    return asyncio.run({"level": _level, "background": _background, "probes": _probes}[job](*args))
+    """One client run (``_streams``, ``_background`` or ``_probes``), in a client process."""
+    return asyncio.run({"streams": _streams, "background": _background, "probes": _probes}[job](*args))
 
 
 def main() -> None:
@@ -158,6 +177,7 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=None, help="tokens per batched step (the scheduler's default)")
     ap.add_argument("--ttft-under-load", type=int, default=0, metavar="N",
                     help="also: the time to first token of a prompt arriving while N - 1 streams decode")
+    ap.add_argument("--clients", type=int, default=4, help="client processes that read a level's streams")
     ap.add_argument("--json", default=None, help="write the figures here too")
     args = ap.parse_args()
     from kestrel_core.serve.server import build_server
@@ -187,16 +207,15 @@ def main() -> None:
     assert server.wait_started(120)
     rng = np.random.default_rng(1)
     vocab = engine.config.vocab_size
-    clients = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    clients = concurrent.futures.ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
     prober = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     try:
-        def client(*job: Any) -> dict[str, Any]:
-            return clients.submit(_client, *job).result()
+        def level(n: int, tokens: int) -> dict[str, float]:
+            prompts = [rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(n)]
+            return run_level(clients, args.clients, server.port, "bench", prompts, tokens)
 
-        client("level", server.port, "bench", [rng.integers(0, vocab, args.prompt_tokens).tolist()], 4)  # warm-up
-        out["server"] = [client("level", server.port, "bench",
-                                [rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(n)],
-                                args.decode_tokens) for n in levels]
+        level(args.clients, 4)  # warm-up: every client process up, openai imported
+        out["server"] = [level(n, args.decode_tokens) for n in levels]
         if args.ttft_under_load > 1:
             prompts = [rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(args.ttft_under_load + 2)]
             out["ttft_under_load"] = _ttft_under_load(clients, prober, front, server.port,
@@ -216,6 +235,8 @@ def main() -> None:
         print(f"{b['concurrency']:>4} {b['decode_tok_s']:>13.1f} {s['decode_tok_s']:>14.1f} {b['stream_tok_s']:>13.1f} "
               f"{s['stream_tok_s']:>14.1f} {b['ttft_p50_s'] * 1e3:>10.0f}/{b['ttft_p99_s'] * 1e3:<11.0f} "
               f"{s['ttft_p50_s'] * 1e3:>11.0f}/{s['ttft_p99_s'] * 1e3:<11.0f}")
+    print(f"server levels read by {args.clients} client processes; the busiest one's CPU share: "
+          + ", ".join(f"{s['client_busy']:.0%} at {s['concurrency']}" for s in out["server"]))
     if "ttft_under_load" in out:
         t = out["ttft_under_load"]
         print(f"time to first token of a {args.prompt_tokens}-token prompt while {t['background']} streams decode "

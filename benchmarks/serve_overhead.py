@@ -63,10 +63,11 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--step-ms", type=float, default=6.0)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--clients", type=int, default=1, help="client processes that read the streams")
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import numpy as np
-    from serve_load import _client
+    from serve_load import run_level
 
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "stub_step.py").write_text(STUB, encoding="utf-8")
@@ -83,13 +84,13 @@ def main() -> int:
         thread.start()
         assert server.wait_started(120)
         rng = np.random.default_rng(0)
-        clients = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        clients = concurrent.futures.ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
         try:
             def level(n: int, tokens: int) -> dict:  # type: ignore[type-arg]
                 prompts = [rng.integers(0, 1000, args.prompt_tokens).tolist() for _ in range(n)]
-                return clients.submit(_client, "level", server.port, "bench", prompts, tokens).result()
+                return run_level(clients, args.clients, server.port, "bench", prompts, tokens)
 
-            level(2, 8)  # warm-up: the client process, the server's first requests
+            level(2 * args.clients, 8)  # warm-up: the client processes, the server's first requests
             for run in range(args.runs):
                 c0, t0 = os.times(), time.perf_counter()
                 fig = level(args.streams, args.tokens)
@@ -97,7 +98,7 @@ def main() -> int:
                 cpu = (c1.user - c0.user) + (c1.system - c0.system)
                 print(f"run {run + 1}: {args.streams} streams x {args.tokens} tokens, server CPU {cpu:.2f} s over "
                       f"{t1 - t0:.2f} s: {cpu / (args.streams * args.tokens) * 1e6:.0f} us a token; decode "
-                      f"{fig['decode_tok_s']:.0f} tok/s", flush=True)
+                      f"{fig['decode_tok_s']:.0f} tok/s (the busiest client {fig['client_busy']:.0%} busy)", flush=True)
         finally:
             clients.shutdown()
             server.request_shutdown()
