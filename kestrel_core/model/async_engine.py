@@ -111,25 +111,15 @@ class AsyncEngine:
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as its tokens come; InvalidRequest or Overloaded before the first one. Outputs
-        that queued up while the caller was busy come as one (``RequestOutput.then``): a caller that falls
-        behind, such as a server streaming to many clients, does its per-output work once for all of them."""
+        """The request's outputs as its tokens come; InvalidRequest or Overloaded before the first one."""
         request_id, client = self.submit(prompt_ids, params, request_id)
         finished = False
-        held: RequestOutput | BaseException | None = None
         try:
             while True:
-                item = held if held is not None else await client.queue.get()
-                held = None
+                item = await client.queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                while not item.finished and not client.queue.empty():  # the caller fell behind: catch up at once
-                    later = client.queue.get_nowait()
-                    if isinstance(later, BaseException) or later.finish_reason == "abort":
-                        held = later  # after the tokens before it
-                        break
-                    item = item.then(later)
                 finished = item.finished
                 yield item
                 if finished:

@@ -60,14 +60,6 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
 
-    def then(self, later: RequestOutput) -> RequestOutput:
-        """This output and the same request's next one as one: what both steps added."""
-        logprobs = None if self.logprobs is None and later.logprobs is None else \
-            (self.logprobs or []) + (later.logprobs or [])
-        return RequestOutput(self.request_id, self.new_token_ids + later.new_token_ids, self.new_text + later.new_text,
-                             logprobs, later.finished, later.finish_reason, later.prompt_tokens,
-                             later.completion_tokens)
-
 
 @dataclass
 class Request:

@@ -40,20 +40,16 @@ class RequestRecord:
     last_token_at: float | None = None
 
     def tokens(self, n: int) -> None:
-        """``n`` new tokens arrived now (one engine output). Each inter-token latency is its token's share of
-        the wait for its output; the first output's wait is the time to first token, its other tokens' 0."""
+        """``n`` new tokens arrived now (one engine output)."""
         if n <= 0:
             return
         now = time.perf_counter()
-        gaps, wait = n, 0.0 if self.last_token_at is None else now - self.last_token_at
         if self.first_token_at is None:
             self.first_token_at = now
-            gaps = n - 1
             if self.metrics is not None:
                 self.metrics.time_to_first_token.observe(now - self.start)
-        if self.metrics is not None:
-            for _ in range(gaps):
-                self.metrics.inter_token_latency.observe(wait / gaps)
+        elif self.metrics is not None and self.last_token_at is not None:
+            self.metrics.inter_token_latency.observe(now - self.last_token_at)
         self.last_token_at = now
         self.completion_tokens += n
 

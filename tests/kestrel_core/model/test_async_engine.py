@@ -1,4 +1,4 @@
-"""The asyncio front: concurrent callers, early exits that abort, capacity, shutdown, callers that fall behind."""
+"""The asyncio front: concurrent callers, early exits that abort, capacity, shutdown."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import kestrel_core
 from kestrel_core.errors import InvalidRequest, Overloaded, ShuttingDown
 from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.presets import synthetic_model
-from kestrel_core.model.sampling import SamplingParams, TokenLogprob
-from kestrel_core.model.scheduler import RequestOutput
+from kestrel_core.model.sampling import SamplingParams
 
 
 @pytest.fixture
@@ -118,60 +117,3 @@ def test_run_sync_runs_on_the_scheduler_thread_and_passes_errors_back(engine) ->
             == list(engine.generate([1, 2, 3], max_tokens=3, stop_at_eos=False))
     finally:
         asyncio.run(front.shutdown(grace_s=1))
-
-
-def test_a_caller_that_falls_behind_gets_what_queued_up_as_one_output(engine) -> None:
-    prompt = _prompts(1, seed=5)[0]
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
-    alone = list(engine.generate(prompt, params=params))
-
-    async def main() -> list[RequestOutput]:
-        front = AsyncEngine(engine)
-        front.start()
-        try:
-            stream = front.generate(prompt, params)
-            outs = [await anext(stream)]
-            while front.active:  # the request finishes on the engine while nobody reads
-                await asyncio.sleep(0.01)
-            outs += [out async for out in stream]
-            return outs
-        finally:
-            await front.shutdown(grace_s=1)
-
-    first, rest = asyncio.run(main())
-    assert first.new_token_ids == alone[:1] and not first.finished
-    assert rest.new_token_ids == alone[1:] and rest.finished and rest.finish_reason == "length"
-    assert rest.completion_tokens == 10
-    assert first.new_text + rest.new_text == engine.tokenizer.decode(alone)
-
-
-def _out(tokens: list[int], text: str, finished: bool = False, reason: str | None = None,
-         logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
-    return RequestOutput("r", tokens, text, logprobs, finished, reason, 3, len(tokens))
-
-
-def test_merging_keeps_an_abort_or_an_error_after_the_tokens_before_it(engine) -> None:
-    lp = [TokenLogprob(5, -0.5, [(5, -0.5)]), TokenLogprob(6, -1.0, [(6, -1.0)])]
-
-    async def run(items: list[RequestOutput | BaseException]) -> list[RequestOutput | str]:
-        front = AsyncEngine(engine)  # not started: the outputs are put on the request's queue here
-        stream = front.generate([1, 2], SamplingParams(), request_id="r")
-        first = asyncio.ensure_future(anext(stream))
-        await asyncio.sleep(0)  # submitted; waiting for its first output
-        for item in items:
-            front._clients["r"].queue.put_nowait(item)
-        got: list[RequestOutput | str] = [await first]
-        try:
-            got += [out async for out in stream]
-        except RuntimeError as exc:
-            got.append(str(exc))
-        return got
-
-    merged, abort = asyncio.run(run([_out([5], "a", logprobs=lp[:1]), _out([6], "b", logprobs=lp[1:]),
-                                     _out([], "", True, "abort")]))
-    assert (merged.new_token_ids, merged.new_text, merged.logprobs, merged.finished) == ([5, 6], "ab", lp, False)
-    assert merged.completion_tokens == 1 and abort.finish_reason == "abort"
-    merged, error = asyncio.run(run([_out([5], "a"), _out([6], "b"), RuntimeError("the step failed")]))
-    assert (merged.new_token_ids, merged.logprobs, error) == ([5, 6], None, "the step failed")
-    done, = asyncio.run(run([_out([5], "a"), _out([6], "b", True, "stop")]))
-    assert (done.new_token_ids, done.finished, done.finish_reason) == ([5, 6], True, "stop")

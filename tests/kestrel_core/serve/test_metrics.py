@@ -8,7 +8,6 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from kestrel_core.model.async_engine import EngineCounters
-from kestrel_core.serve import access
 from kestrel_core.serve.metrics import ServerMetrics
 
 
@@ -69,20 +68,3 @@ def test_prefix_cache_figures_are_the_pools() -> None:
     assert s[("kestrel_prefix_cache_hit_tokens_total", ())] == 128 and s[("kestrel_prefix_cache_blocks", ())] == 5
     ae.engine.pool.prefix_hit_tokens = 192
     assert _samples(ServerMetrics(ae))[("kestrel_prefix_cache_hit_tokens_total", ())] == 192
-
-
-def test_an_outputs_wait_is_shared_by_its_tokens(monkeypatch) -> None:
-    metrics = ServerMetrics(_fake_async_engine())
-    clock = iter([10.5, 11.1, 11.2])
-    monkeypatch.setattr(access.time, "perf_counter", lambda: next(clock))
-    record = access.RequestRecord(metrics, start=10.0)
-    record.tokens(2)  # at 10.5: the first token (TTFT 0.5) and one more with it (0 s)
-    record.tokens(3)  # at 11.1: 0.2 s each
-    record.tokens(0)  # nothing: no reading of the clock
-    record.tokens(1)  # at 11.2: 0.1 s
-    s = _samples(metrics)
-    assert s[("kestrel_time_to_first_token_seconds_sum", ())] == 0.5
-    assert s[("kestrel_inter_token_latency_seconds_count", ())] == 5
-    assert abs(s[("kestrel_inter_token_latency_seconds_sum", ())] - 0.7) < 1e-9
-    assert s[("kestrel_inter_token_latency_seconds_bucket", (("le", "0.1"),))] == 2  # the 0 and the 0.1
-    assert record.completion_tokens == 6
