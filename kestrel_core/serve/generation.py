@@ -104,7 +104,8 @@ async def respond(async_engine: Any, request: Request, prompts: Sequence[Prompt]
         if stream:
             firsts = await _unless_disconnected(_all([_next(g) for g in gens]), request)
             record.prompt_tokens = prompt_tokens
-            return EventStreamResponse(_events(gens, firsts, shape, record, prompt_tokens), on_close=abort)
+            events = _events(gens, firsts, shape, record, prompt_tokens, [len(p.ids) for p, _ in jobs])
+            return EventStreamResponse(events, on_close=abort)
         results = await _unless_disconnected(
             _all([_collect(g, record, p.logprobs, prompt_tokens) for g, (p, _) in zip(gens, jobs)]), request)
     except ClientGone:
@@ -170,7 +171,7 @@ _MARK_JSON = json.dumps(_MARK, ensure_ascii=False).encode()
 
 class DeltaEvents:
     """A stream's delta chunks as server-sent events, ``sse(shape.delta_chunk(...))`` byte for byte: a chunk
-    without logprobs is its choice's template around the text's JSON (and, with continuous usage, the running
+    without logprobs is its choice's template around the text's JSON (and, with continuous usage, the choice's
     usage's), since everything else in it is the same at every token (encoding the whole chunk was a tenth of
     the server's event loop at 64 streams)."""
 
@@ -188,7 +189,7 @@ class DeltaEvents:
         text_json = json.dumps(text, ensure_ascii=False).encode()
         if not shape.continuous_usage:
             return parts[0] + text_json + parts[1]
-        p, c = shape.prompt_tokens, shape.completion_tokens
+        p, c = shape.choice_counts(index)
         running = f'{{"prompt_tokens":{p},"completion_tokens":{c},"total_tokens":{p + c}}}'.encode()
         return parts[0] + text_json + parts[1] + running + parts[2]
 
@@ -231,10 +232,13 @@ async def _arrivals(gens: list[AsyncIterator[RequestOutput]], firsts: list[Reque
 
 
 async def _events(gens: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput], shape: Shape,
-                  record: RequestRecord, prompt_tokens: int) -> AsyncIterator[bytes]:
+                  record: RequestRecord, prompt_tokens: int, choice_prompt_tokens: list[int]
+                  ) -> AsyncIterator[bytes]:
     """OpenAI's chunk sequence: the role (chat), the deltas and each choice's finish reason, the usage,
-    ``[DONE]``. The shape counts the tokens sent, for the chunks' usage with continuous usage."""
-    shape.prompt_tokens, shape.completion_tokens = prompt_tokens, 0
+    ``[DONE]``. ``prompt_tokens``: the request's (each prompt once), for the usage; ``choice_prompt_tokens``:
+    each choice's prompt's, which the shape counts with each choice's tokens sent, for continuous usage."""
+    shape.start_usage(choice_prompt_tokens)
+    completion_tokens = 0
     arrivals = _arrivals(gens, firsts)
     deltas = DeltaEvents(shape)
     try:
@@ -242,7 +246,8 @@ async def _events(gens: list[AsyncIterator[RequestOutput]], firsts: list[Request
             yield sse(chunk)
         async for i, out in arrivals:
             record.tokens(len(out.new_token_ids))
-            shape.completion_tokens += len(out.new_token_ids)
+            completion_tokens += len(out.new_token_ids)
+            shape.add_sent(i, len(out.new_token_ids))
             if out.finish_reason == "abort":
                 yield sse(error_body(SHUTDOWN_MESSAGE, "server_error", None, "server_shutting_down"))
                 break
@@ -252,7 +257,7 @@ async def _events(gens: list[AsyncIterator[RequestOutput]], firsts: list[Request
                 yield sse(shape.finish_chunk(out.finish_reason, i))
         else:
             if shape.include_usage:
-                yield sse(shape.usage_chunk(prompt_tokens, shape.completion_tokens))
+                yield sse(shape.usage_chunk(prompt_tokens, completion_tokens))
     except KestrelError as exc:  # a failed step, after the headers went out: the stream says so
         yield sse(error_body(str(exc), "server_error", None, "engine_error"))
     finally:

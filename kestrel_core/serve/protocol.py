@@ -309,8 +309,9 @@ class TokenStrings:
 class _Shape:
     """What the two endpoints' responses share: the id, the creation time and the model name.
 
-    With ``continuous_usage`` every chunk's usage is ``prompt_tokens`` and ``completion_tokens``, the tokens the
-    stream has sent so far, which the stream keeps up to date (a client can count each chunk's tokens)."""
+    With ``continuous_usage`` every chunk's usage is its choice's, as vLLM's: the choice's prompt tokens and the
+    tokens the stream has sent of that choice so far, which the stream counts (``start_usage``, ``add_sent``),
+    so a client can count each chunk's tokens."""
 
     object: str = ""
     chunk_object: str = ""
@@ -323,17 +324,30 @@ class _Shape:
         self.tokens = tokens
         self.include_usage = include_usage
         self.continuous_usage = include_usage and continuous_usage
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
+        self._prompt_tokens: list[int] = []
+        self._sent: list[int] = []
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices}
 
+    def start_usage(self, prompt_tokens: Sequence[int]) -> None:
+        """Each choice's prompt tokens, by index, before a stream's first chunk; no tokens sent yet."""
+        self._prompt_tokens = list(prompt_tokens)
+        self._sent = [0] * len(self._prompt_tokens)
+
+    def add_sent(self, index: int, tokens: int) -> None:
+        """Choice ``index``'s ``tokens`` go out with its next chunk."""
+        self._sent[index] += tokens
+
+    def choice_counts(self, index: int) -> tuple[int, int]:
+        """Choice ``index``'s prompt tokens and the tokens sent of it so far."""
+        return self._prompt_tokens[index], self._sent[index]
+
     def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         body = self._envelope(self.chunk_object, [choice])
         if self.continuous_usage:
-            body["usage"] = usage(self.prompt_tokens, self.completion_tokens)
+            body["usage"] = usage(*self.choice_counts(choice["index"]))
         elif self.include_usage:
             body["usage"] = None  # as OpenAI: every chunk but the last says usage: null
         return body

@@ -173,18 +173,28 @@ def test_chat_stream_with_continuous_usage(client: openai.OpenAI, engine: Any) -
     assert "".join(chunks[k].choices[0].delta.content for k in deltas) == whole.choices[0].message.content
 
 
-def test_completions_stream_with_continuous_usage(client: openai.OpenAI, server: KestrelServer) -> None:
-    """n = 2: the count runs over both choices; each text chunk adds its tokens, nothing else adds any."""
-    kw: dict[str, Any] = {"prompt": "1, 2, 3,", "max_tokens": 10, "temperature": 0, "n": 2, "stream": True}
+def test_completions_stream_with_continuous_usage(client: openai.OpenAI, server: KestrelServer,
+                                                  engine: Any) -> None:
+    """Two prompts of different lengths, n = 2: each chunk's usage is its choice's (vLLM's), its prompt's tokens
+    and its own tokens so far; each text chunk adds its tokens, a finish chunk none; the last chunk the totals."""
+    prompts = ["1, 2, 3,", "The capital of France is"]
+    lengths = [len(engine.tokenizer.encode(p)) for p in prompts]
+    assert lengths[0] != lengths[1]
+    kw: dict[str, Any] = {"prompt": prompts, "max_tokens": 10, "temperature": 0, "n": 2, "stream": True}
     chunks = list(client.completions.create(model=NAME, **kw, stream_options=CONTINUOUS,
                                             extra_body={"ignore_eos": True}))
-    running = _running(chunks)
-    rises = [b - a for a, b in zip([0] + running, running)]
-    texts = [k for k, c in enumerate(chunks) if c.choices and c.choices[0].finish_reason is None]
-    assert all(rises[k] >= 1 for k in texts) and len(texts) >= 4
-    assert [sum(rises[k] for k in texts if chunks[k].choices[0].index == i) for i in (0, 1)] == [10, 10]
-    assert all(rises[k] == 0 for k in range(len(chunks)) if k not in texts)  # finish chunks, the usage chunk
-    assert running[texts[-1]] == chunks[-1].usage.completion_tokens == 20 and chunks[-1].choices == []
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == sum(lengths)
+    assert chunks[-1].usage.completion_tokens == 40 and chunks[-1].usage.total_tokens == sum(lengths) + 40
+    running = _running(chunks[:-1])
+    for i in range(4):
+        mine = [k for k, c in enumerate(chunks[:-1]) if c.choices[0].index == i]
+        assert all(chunks[k].usage.prompt_tokens == lengths[i // 2] and
+                   chunks[k].usage.total_tokens == lengths[i // 2] + running[k] for k in mine)
+        counts = [running[k] for k in mine]
+        rises = [b - a for a, b in zip([0] + counts, counts)]
+        texts = [n for n, k in enumerate(mine) if chunks[k].choices[0].finish_reason is None]
+        assert texts == list(range(len(mine) - 1)) and all(rises[n] >= 1 for n in texts)
+        assert rises[-1] == 0 and counts[-1] == 10  # the finish chunk: the choice's 10 tokens again
     for options, usage in (({"include_usage": True}, None), ({"continuous_usage_stats": True}, "absent")):
         status, _, body = http("POST", f"{server.url}/v1/completions",
                                {"model": NAME, **kw, "ignore_eos": True, "stream_options": options})

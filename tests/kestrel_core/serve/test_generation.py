@@ -13,7 +13,7 @@ from kestrel_core.model.sampling import TokenLogprob
 from kestrel_core.model.scheduler import RequestOutput
 from kestrel_core.serve.access import RequestRecord
 from kestrel_core.serve.generation import DeltaEvents, _events, sse
-from kestrel_core.serve.protocol import ChatShape, CompletionShape, TokenStrings
+from kestrel_core.serve.protocol import ChatShape, CompletionShape, Echo, TokenStrings
 
 
 class _Letters:
@@ -33,18 +33,22 @@ def test_delta_events_are_the_whole_chunks_bytes(shape_type: type, usage: bool, 
     reference = shape_type("id-x", "m\"odel", TokenStrings(_Letters()), include_usage=usage,
                            continuous_usage=continuous)
     reference.created = events.shape.created
-    events.shape.prompt_tokens = reference.prompt_tokens = 7
+    prompts = [7, 40]
+    events.shape.start_usage(prompts)
+    reference.start_usage(prompts)
+    sent = [0, 0]
     for index in (0, 1, 0):
         for text in TEXTS:
-            events.shape.completion_tokens += 3
-            reference.completion_tokens = events.shape.completion_tokens
+            sent[index] += 3 + index
+            events.shape.add_sent(index, 3 + index)
+            reference.add_sent(index, 3 + index)
             got = events(text, None, index)
             assert got == sse(reference.delta_chunk(text, None, index))
             body = json.loads(got.decode()[len("data: "):])
             assert body["choices"][0]["index"] == index
-            if continuous:
-                c = events.shape.completion_tokens
-                assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": c, "total_tokens": 7 + c}
+            if continuous:  # the choice's own prompt and tokens so far
+                p, c = prompts[index], sent[index]
+                assert body["usage"] == {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
             else:
                 assert body.get("usage", "absent") == (None if usage else "absent")
     entries = [TokenLogprob(0, -1.0, [(0, -1.0)])]
@@ -56,12 +60,13 @@ async def _outputs(outputs: list[RequestOutput]) -> AsyncIterator[RequestOutput]
         yield out
 
 
-def _streamed(shape: Any, choices: list[list[RequestOutput]], prompt_tokens: int) -> list[dict[str, Any]]:
+def _streamed(shape: Any, choices: list[list[RequestOutput]], prompt_tokens: int,
+              choice_prompt_tokens: list[int]) -> list[dict[str, Any]]:
     """The chunks ``_events`` sends for these outputs of each choice (the first of each already read)."""
     async def run() -> list[bytes]:
         gens = [_outputs(outs[1:]) for outs in choices]
         return [e async for e in _events(gens, [outs[0] for outs in choices], shape, RequestRecord(),
-                                         prompt_tokens)]
+                                         prompt_tokens, choice_prompt_tokens)]
 
     events = b"".join(asyncio.run(run())).decode().split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""]
@@ -78,22 +83,28 @@ CHOICES = [[_out([1]), _out([2, 3, 4]), _out([5], "length")], [_out([1, 2], "sto
 
 
 @pytest.mark.parametrize("shape_type", [ChatShape, CompletionShape])
-def test_continuous_usage_counts_the_tokens_sent_so_far(shape_type: type) -> None:
-    shape = shape_type("id-x", "m", TokenStrings(_Letters()), include_usage=True, continuous_usage=True)
-    chunks = _streamed(shape, CHOICES, 5)
-    roles = [(0, 0), (1, 0)] if shape_type is ChatShape else []  # (choice, completion tokens so far)
-    assert [(c["choices"][0]["index"], c["usage"]["completion_tokens"]) for c in chunks[:-1]] == \
-        roles + [(0, 1), (1, 3), (1, 3), (0, 6), (0, 7), (0, 7)]  # deltas; each finish repeats its delta's
-    assert all(c["usage"]["prompt_tokens"] == 5 and c["usage"]["total_tokens"] == 5 + c["usage"]["completion_tokens"]
+def test_continuous_usage_is_each_choices_own(shape_type: type) -> None:
+    """As vLLM's: a chunk's usage is its choice's prompt and that choice's tokens sent so far (here two prompts,
+    of 5 and 9 tokens, a choice each); the last chunk's, the request's."""
+    echoes = [Echo("ab", 0, None), Echo("c", 2, None)]
+    shape = (ChatShape("id-x", "m", TokenStrings(_Letters()), include_usage=True, continuous_usage=True)
+             if shape_type is ChatShape else
+             CompletionShape("id-x", "m", TokenStrings(_Letters()), True, echoes, continuous_usage=True))
+    chunks = _streamed(shape, CHOICES, 14, [5, 9])
+    firsts = [(0, 5, 0), (1, 9, 0)]  # (choice, prompt tokens, completion tokens so far): the roles, the echoes
+    assert [(c["choices"][0]["index"], c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"])
+            for c in chunks[:-1]] == \
+        firsts + [(0, 5, 1), (1, 9, 2), (1, 9, 2), (0, 5, 4), (0, 5, 5), (0, 5, 5)]  # each finish repeats its count
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
                for c in chunks)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == \
-        {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+        {"prompt_tokens": 14, "completion_tokens": 7, "total_tokens": 21}
 
 
 @pytest.mark.parametrize(("usage", "continuous"), [(True, False), (False, True), (False, False)])
 def test_without_continuous_usage_chunks_say_null_or_nothing(usage: bool, continuous: bool) -> None:
     shape = CompletionShape("id-x", "m", TokenStrings(_Letters()), include_usage=usage, continuous_usage=continuous)
-    chunks = _streamed(shape, CHOICES, 5)
+    chunks = _streamed(shape, CHOICES, 14, [5, 9])
     if usage:
         assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["completion_tokens"] == 7
     else:  # continuous_usage_stats alone is ignored, as vLLM does

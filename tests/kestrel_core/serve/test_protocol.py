@@ -147,13 +147,27 @@ def test_chat_shapes() -> None:
     assert shape.usage_chunk(3, 1)["choices"] == []
 
 
-def test_continuous_usage_chunks_carry_the_tokens_so_far() -> None:
+def test_continuous_usage_chunks_carry_their_choices_counts() -> None:
+    """Each chunk its own choice's prompt tokens and tokens sent so far, as vLLM's; the usage chunk the request's."""
     shape = ChatShape("chatcmpl-x", "m", TokenStrings(_Letters()), include_usage=True, continuous_usage=True)
-    shape.prompt_tokens, shape.completion_tokens = 3, 2
-    running = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-    assert shape.first_chunks()[0]["usage"] == shape.delta_chunk("a", None)["usage"] == running
-    assert shape.finish_chunk("stop")["usage"] == running
-    assert shape.usage_chunk(3, 4)["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    shape.start_usage([3, 6])
+    assert [c["usage"] for c in shape.first_chunks(2)] == \
+        [{"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3},
+         {"prompt_tokens": 6, "completion_tokens": 0, "total_tokens": 6}]
+    shape.add_sent(0, 2)
+    shape.add_sent(1, 1)
+    shape.add_sent(0, 3)
+    first = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert shape.delta_chunk("a", None, 0)["usage"] == shape.finish_chunk("stop", 0)["usage"] == first
+    assert shape.delta_chunk("a", None, 1)["usage"] == shape.finish_chunk("stop", 1)["usage"] == \
+        {"prompt_tokens": 6, "completion_tokens": 1, "total_tokens": 7}
+    assert shape.usage_chunk(3, 6)["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+    echoed = CompletionShape("cmpl-x", "m", TokenStrings(_Letters()), True, [None, Echo("b", 1, None)],
+                             continuous_usage=True)
+    echoed.start_usage([4, 2])
+    (echo,) = echoed.first_chunks(2)
+    assert echo["choices"][0]["index"] == 1 and echo["usage"] == \
+        {"prompt_tokens": 2, "completion_tokens": 0, "total_tokens": 2}
     alone = CompletionShape("cmpl-x", "m", TokenStrings(_Letters()), continuous_usage=True)  # no include_usage
     assert "usage" not in alone.delta_chunk("a", None)
     on = {"include_usage": True, "continuous_usage_stats": True}
