@@ -7,7 +7,6 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from numbers import Real
 from typing import Any
 
 import numpy as np
@@ -127,27 +126,19 @@ class ConcurrencyBench:
         return asdict(self)
 
 
-def all_decoding_rate(streams: Sequence[Sequence[float]],
-                      weights: Sequence[float | Sequence[float]] | None = None) -> float:
+def all_decoding_rate(streams: Sequence[Sequence[float]], counts: Sequence[Sequence[int]] | None = None) -> float:
     """Aggregate tokens per second while every stream decodes: from the last stream's first token to the first
     stream's last (the tokens of that window over its length). ``streams``: each stream's token time stamps,
-    the first its first token; ``weights``: tokens per stamp of each stream (1 each if not given), one number
-    for all its stamps or one for each (a stream's chunks that carry different numbers of tokens)."""
-    live = [(s, w) for s, w in zip(streams, weights or [1.0] * len(streams)) if s]
+    the first its first token; ``counts``: the tokens each stamp carries (1 each if not given)."""
+    live = [(s, c) for s, c in zip(streams, counts or [[1] * len(s) for s in streams]) if s]
     if not live:
         return 0.0
+    if any(len(c) != len(s) for s, c in live):
+        raise ValueError("a stream needs a token count for every stamp")
     lo, hi = max(s[0] for s, _ in live), min(s[-1] for s, _ in live)
     if hi <= lo:
         return 0.0
-    tokens = 0.0
-    for s, w in live:
-        if isinstance(w, Real):
-            tokens += w * sum(1 for t in s if lo < t <= hi)
-        elif len(w) != len(s):
-            raise ValueError(f"{len(w)} weights for {len(s)} stamps")
-        else:
-            tokens += sum(n for t, n in zip(s, w) if lo < t <= hi)
-    return tokens / (hi - lo)
+    return sum(n for s, c in live for t, n in zip(s, c) if lo < t <= hi) / (hi - lo)
 
 
 def run_concurrency_bench(engine: Engine, levels: list[int], *, prompt_tokens: int = 256, decode_tokens: int = 64,

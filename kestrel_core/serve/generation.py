@@ -31,7 +31,7 @@ from kestrel_core.model.sampling import SamplingParams, TokenLogprob
 from kestrel_core.model.scheduler import RequestOutput
 from kestrel_core.serve.access import CLIENT_CLOSED, RequestRecord, record_of
 from kestrel_core.serve.errors import APIError, error_body, from_kestrel_error
-from kestrel_core.serve.protocol import ChoiceResult, Shape, choice_params
+from kestrel_core.serve.protocol import ChoiceResult, Shape, choice_params, usage
 
 T = TypeVar("T")
 
@@ -189,8 +189,7 @@ class DeltaEvents:
         text_json = json.dumps(text, ensure_ascii=False).encode()
         if not shape.continuous_usage:
             return parts[0] + text_json + parts[1]
-        p, c = shape.choice_counts(index)
-        running = f'{{"prompt_tokens":{p},"completion_tokens":{c},"total_tokens":{p + c}}}'.encode()
+        running = json.dumps(usage(*shape.choice_counts(index)), separators=(",", ":")).encode()
         return parts[0] + text_json + parts[1] + running + parts[2]
 
     def _template(self, index: int) -> list[bytes]:

@@ -247,12 +247,11 @@ def test_all_decoding_rate_counts_only_while_every_stream_decodes() -> None:
     a = [float(t) for t in range(11)]
     b = [float(t) for t in range(4, 15)]
     assert all_decoding_rate([a, b]) == 12 / 6  # 6 tokens each after t = 4 up to t = 10
-    assert all_decoding_rate([a, b], [2.0, 1.0]) == (2 * 6 + 6) / 6  # tokens per stamp
     chunks = [t % 3 + 1 for t in range(11)]  # a's stamps carry 1, 2, 3, 1... tokens: 3 1 2 3 1 2 in (4, 10]
-    assert all_decoding_rate([a, b], [chunks, 1]) == (12 + 6) / 6  # tokens of each stamp
-    assert all_decoding_rate([a, b], [chunks, [1] * 11]) == all_decoding_rate([a, b], [chunks, 1.0])
+    assert all_decoding_rate([a, b], [chunks, [1] * 11]) == (12 + 6) / 6  # tokens of each stamp
+    assert all_decoding_rate([a, b], [[2] * 11, [1] * 11]) == (2 * 6 + 6) / 6
     with pytest.raises(ValueError):
-        all_decoding_rate([a, b], [chunks[:-1], 1])  # a count for every stamp
+        all_decoding_rate([a, b], [chunks[:-1], [1] * 11])  # a count for every stamp
     assert all_decoding_rate([a]) == 10 / 10
     assert all_decoding_rate([[0.0, 1.0], [5.0, 6.0]]) == 0.0  # never all at once
     assert all_decoding_rate([]) == 0.0
