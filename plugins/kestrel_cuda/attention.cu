@@ -190,6 +190,9 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 #define ROWS_HEADS 8           // query heads of one attn_rows block (plan.ATTN_ROWS_HEADS)
 #define ROWS_WARPS 2           // warps of one attn_rows block, each on 16 positions of a page (plan.ATTN_ROWS_WARPS)
 #define ROWS_MAX_SPLITS 8      // position splits of attn_rows, at most (plan.ATTN_ROWS_MAX_SPLITS)
+// pages in shared memory (plan.attn_rows_buffers): three at head dimensions up to 128, so two are in flight while
+// one is read (an SM's blocks hold 8 pages in flight instead of 6: docs/performance.md); two at 256
+__host__ __device__ constexpr int rows_buffers(int hdp) { return hdp <= 128 ? 3 : 2; }
 #define P_SCALE 4096.f
 #define P_UNSCALE (1.f / 4096.f)
 
@@ -230,6 +233,7 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
     static_assert(ROWS_WARPS == 2, "each warp takes 16 of a page's PT = 32 positions; warp 1 joins warp 0 at the end");
     static_assert(PT == KV_BLOCK, "a staged tile is one page of the pool");
     constexpr int LD = HDP + 8, KS = HDP / 16, NV = HDP / 8;  // row stride, k16 steps of a score, n8 tiles of O
+    constexpr int NBUF = rows_buffers(HDP);
     grid_dep_launch();
     grid_dep_wait();
     extern __shared__ __align__(16) kv_t smem_h[];
@@ -238,8 +242,8 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
     const int parts = (G + ROWS_HEADS - 1) / ROWS_HEADS, hpart = blockIdx.z % parts, split = blockIdx.z / parts;
     const int g0 = hpart * ROWS_HEADS, heads = min(ROWS_HEADS, G - g0), head0 = kvh * G + g0;
     kv_t* qs = smem_h;                      // [2][heads][LD]
-    kv_t* ks = qs + 2 * heads * LD;         // [2][PT][LD]
-    kv_t* vs = ks + 2 * PT * LD;            // [2][PT][LD]
+    kv_t* ks = qs + 2 * heads * LD;         // [NBUF][PT][LD]
+    kv_t* vs = ks + NBUF * PT * LD;         // [NBUF][PT][LD]
     const int len = rows[2 * row] + 1;
     const int lo = window > 0 ? max(0, len - window) : 0;  // a sliding window's first position
     const int* table = tables + (size_t)rows[2 * row + 1] * tb;
@@ -300,8 +304,11 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
 #pragma unroll
     for (int n = 0; n < NV; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     float mx0 = NEG_INF, l0 = 0.f;     // head gid's; l: this lane's terms
-    if (pb < pages) load(pb, 0);
-    cp_async_commit();
+#pragma unroll
+    for (int i = 0; i < NBUF - 1; ++i) {    // the first pages in flight, one copy group each
+        if (pb + i < pages) load(pb + i, i);
+        cp_async_commit();
+    }
     // the query, scaled, as float16 hi and lo terms (dimensions hd..HDP zero), while the first page arrives:
     // float4 loads, four a lane in flight; multiplied by 2^-sh (sh > 0 only past float16's range: a second pass).
     // Each warp stages all of it (the same values), so each knows sh without a barrier.
@@ -339,14 +346,13 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
     const float smul = __int_as_float((127 + sh) << 23);
     for (int i = tid; hd < HDP && i < 2 * heads * (HDP - hd); i += NTH)  // the query rows' padding
         qs[i / (HDP - hd) * LD + hd + i % (HDP - hd)] = 0;
-    for (int i = tid; hd < HDP && i < 4 * PT * (HDP - hd); i += NTH)  // both buffers' key and value rows'
+    for (int i = tid; hd < HDP && i < 2 * NBUF * PT * (HDP - hd); i += NTH)  // every buffer's key and value rows'
         ks[i / (HDP - hd) * LD + hd + i % (HDP - hd)] = 0;
-    for (int t = pb; t < pages; ++t) {
-        if (t + 1 < pages) load(t + 1, (t + 1 - pb) & 1);
+    for (int t = pb, buf = 0, next = NBUF - 1; t < pages; ++t) {  // page t in buffer buf, t + NBUF - 1 to next
+        if (t + NBUF - 1 < pages) load(t + NBUF - 1, next);
         cp_async_commit();
-        cp_async_wait<1>();
+        cp_async_wait<NBUF - 1>();
         __syncthreads();                    // page t, and the query at the first, visible to every thread
-        const int buf = (t - pb) & 1;
         const u32 kt = smem_u32(ks + buf * PT * LD), vt = smem_u32(vs + buf * PT * LD);
         float s[2][4] = {};  // n8 tile j: head gid's hi (0, 1) and lo (2, 3) terms x positions 16 w + 8 j + 2 tig, + 1
 #pragma unroll
@@ -393,7 +399,9 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
             mma_f16(o[n], pa, b[0], b[1]);
             mma_f16(o[n + 1], pa, b[2], b[3]);
         }
-        __syncthreads();                    // every warp is done with buffer buf before page t + 2 lands in it
+        __syncthreads();                    // every warp is done with buffer buf before page t + NBUF lands in it
+        next = buf;
+        buf = buf + 1 == NBUF ? 0 : buf + 1;
     }
     cp_async_wait<0>();
     l0 += __shfl_xor_sync(FULL, l0, 1);

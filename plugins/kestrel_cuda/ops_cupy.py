@@ -36,6 +36,7 @@ from kestrel_cuda.plan import (
     Lin,
     PostNorm,
     QkvRope,
+    attn_rows_buffers,
     attn_rows_instance,
     attn_rows_per_sm,
     attn_rows_splits,
@@ -517,8 +518,8 @@ def _attn_prefill_smem(hd: int) -> int:
 
 def _attn_rows_smem(hdp: int, heads: int) -> int:
     """attn_rows' dynamic shared memory (instance ``hdp``, ``heads`` query heads a block): the query as two
-    float16 terms, two pages of float16 keys and values, rows padded by 8."""
-    return (2 * heads + 4 * KV_BLOCK) * (hdp + 8) * 2
+    float16 terms, its page buffers of float16 keys and values, rows padded by 8."""
+    return (2 * heads + 2 * attn_rows_buffers(hdp) * KV_BLOCK) * (hdp + 8) * 2
 
 
 def _rope_args(r: QkvRope | None) -> tuple[Any, ...]:

@@ -264,6 +264,12 @@ def attn_rows_splits(blocks: int, slots: int) -> int:
     return max(range(1, ATTN_ROWS_MAX_SPLITS + 1), key=lambda s: (round(fill(s), 3), -s))
 
 
+def attn_rows_buffers(hdp: int) -> int:
+    """Pages of keys and values an attn_rows block of instance ``hdp`` holds in shared memory (attention.cu
+    rows_buffers): three up to 128 (two in flight while one is read), two at 256."""
+    return 3 if hdp <= 128 else 2
+
+
 def attn_rows_instance(hd: int) -> int:
     """The attn_rows instance that runs head_dim ``hd`` (<= MAX_HEAD_DIM): its dimensions past hd are zero."""
     return next(h for h in ATTN_ROWS_HEAD_DIMS if h >= hd)

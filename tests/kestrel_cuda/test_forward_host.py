@@ -388,21 +388,23 @@ def test_attn_rows_splits_fill_whole_waves() -> None:
 
 
 def test_attn_rows_instances_and_residency() -> None:
-    """A head_dim runs in the smallest power-of-two instance holding it; the H200's 228 KiB hold 6 blocks of
-    qwen3-8b's (hd 128, 4 heads: 37,000 bytes), 3 of hd 256, and never more than 32; 255 registers a thread
-    leave room for 4 in the 64 K registers."""
+    """A head_dim runs in the smallest power-of-two instance holding it, with three page buffers up to 128 and
+    two at 256; the H200's 228 KiB hold 4 blocks of qwen3-8b's (hd 128, 4 heads: 54,400 bytes), 3 of hd 256,
+    and never more than 32; 255 and 168 registers a thread leave room for 4 and 6 in the 64 K registers."""
     from kestrel_cuda.ops_cupy import _attn_rows_smem
 
     assert [plan.attn_rows_instance(hd) for hd in (16, 32, 36, 64, 96, 128, 200, 256)] == [
         16, 32, 64, 64, 128, 128, 256, 256]
     with pytest.raises(StopIteration):
         plan.attn_rows_instance(plan.MAX_HEAD_DIM + 4)
-    assert _attn_rows_smem(128, 4) == 36_992
-    assert plan.attn_rows_per_sm(_attn_rows_smem(128, 4), 233_472) == 6
+    assert [plan.attn_rows_buffers(h) for h in plan.ATTN_ROWS_HEAD_DIMS] == [3, 3, 3, 3, 2]
+    assert _attn_rows_smem(128, 4) == 54_400
+    assert plan.attn_rows_per_sm(_attn_rows_smem(128, 4), 233_472) == 4
     assert plan.attn_rows_per_sm(_attn_rows_smem(256, 2), 233_472) == 3
-    assert plan.attn_rows_per_sm(_attn_rows_smem(16, 1), 233_472) == plan.BLOCKS_PER_SM_MAX
-    assert plan.attn_rows_per_sm(_attn_rows_smem(128, 4), 233_472, regs=255) == 4  # 2 warps x 8,192
-    assert plan.attn_rows_per_sm(_attn_rows_smem(128, 4), 233_472, regs=168) == 6
+    assert plan.attn_rows_per_sm(4096, 233_472) == plan.BLOCKS_PER_SM_MAX
+    assert plan.attn_rows_per_sm(_attn_rows_smem(64, 4), 233_472) == 7
+    assert plan.attn_rows_per_sm(_attn_rows_smem(64, 4), 233_472, regs=255) == 4  # 2 warps x 8,192
+    assert plan.attn_rows_per_sm(_attn_rows_smem(64, 4), 233_472, regs=168) == 6
 
 
 def test_plan_ksplit_fills_the_gpu_without_exceeding_chunks() -> None:
