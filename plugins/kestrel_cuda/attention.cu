@@ -170,8 +170,9 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 // keys 0..rows[2y] (or the last ``window`` of them) of the sequence whose page table is tables[rows[2y + 1]]
 // (rope.cuh kv_slot). blockIdx.z = part + parts * split. A block takes query heads part * 8 .. + 7 of the
 // G = H / KV heads of KV head blockIdx.x (heads past G repeat head 0 and are dropped), over its split's share of
-// the row's pages (``splits`` of them: enough blocks when the batch is small). It stages page after page (KV_BLOCK == PT contiguous positions) in shared memory, two buffers of
-// cp.async, so each key and value is read from memory once for all the heads; each of its two warps takes 16
+// the row's pages (``splits`` of them: enough blocks when the batch is small). It stages page after page
+// (KV_BLOCK == PT contiguous positions) in shared memory by cp.async, rows_buffers(HDP) pages of buffers (all but
+// one in flight), so each key and value is read from memory once for all the heads; each of its two warps takes 16
 // positions of a page: scores S = Q K^T as m16n8k16 float16 products with float32 sums, an online softmax in
 // float32, O += P V likewise; at the end warp 1's state joins warp 0's through shared memory.
 // The float16 operands keep float32's accuracy: the scaled query and the probabilities go in as two float16
@@ -186,7 +187,7 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 // and the last block of (row, KV head, part) merges the splits in order, as attn_decode does.
 // HDP: an instance's head dimension, a power of two from 16 to 256; hd <= HDP, hd % 4 == 0 (dimensions hd..HDP
 // are zero). Dynamic shared memory (float16): q [2][heads][HDP + 8] (hi, lo), then keys and values
-// [2 buffers][PT][HDP + 8] each: rows padded by 16 bytes, so the 8 rows one ldmatrix phase reads hit 8 bank groups.
+// [NBUF][PT][HDP + 8] each: rows padded by 16 bytes, so the 8 rows one ldmatrix phase reads hit 8 bank groups.
 #define ROWS_HEADS 8           // query heads of one attn_rows block (plan.ATTN_ROWS_HEADS)
 #define ROWS_WARPS 2           // warps of one attn_rows block, each on 16 positions of a page (plan.ATTN_ROWS_WARPS)
 #define ROWS_MAX_SPLITS 8      // position splits of attn_rows, at most (plan.ATTN_ROWS_MAX_SPLITS)
