@@ -134,6 +134,16 @@ def mma_splits(k: int, npad: int, group_size: int, sm_count: int,
     return split_stages(k, group_size, min(want, MAX_CLUSTER, PARTIAL_FLOATS // (SPLIT_MAX_M * npad)))
 
 
+def tma_chunks(m: int, block_rows: int, splits: int, tile_floats: int) -> int:
+    """K chunks a block of the tensor-copy GEMM takes (gemm_tma.cu): two where M is more than one row block, so
+    the grid is half as deep (one wave where the split target would leave a second wave part full); one where
+    there is a single split or the first chunks' sums (``tile_floats`` a split) would not fit the workspace.
+    Each chunk is still summed on its own and added in K order: a row's bits do not depend on it."""
+    if m <= block_rows or splits < 2 or _cdiv(splits, 2) * tile_floats > PARTIAL_FLOATS:
+        return 1
+    return 2
+
+
 def split_stages(k: int, group_size: int, splits: int) -> tuple[int, int]:
     """(K splits, stages a split) for at most ``splits`` splits of whole groups (at least one, at most one a
     group)."""
@@ -241,13 +251,16 @@ class DeviceGemm:
             nz, per = 1, stages
         elif splits is not None:
             nz, per = split_stages(k, g.group_size, splits)
-        grid = (_cdiv(m, tile.bm), _cdiv(g.npad, tile.bn), nz)
+        chunks = 1
+        if name in TMA_TILES:
+            chunks = tma_chunks(m, tile.bm, nz, _cdiv(m, tile.bm) * _cdiv(g.npad, tile.bn) * tile.bm * tile.bn)
+        grid = (_cdiv(m, tile.bm), _cdiv(g.npad, tile.bn), _cdiv(nz, chunks))
         ws = self.workspace(stream)
         if nz > 1 and (nz * m * g.npad > PARTIAL_FLOATS or grid[0] * grid[1] > COUNTERS):
             raise ValueError(f"q8: {nz} K splits of {m} x {g.npad} do not fit the workspace")
         # blockIdx.x walks M, so the blocks resident together share one weight tile
         smem = tile.smem_bytes(g.code_bits, g.group_size)
-        cluster = (1, 1, nz) if 1 < nz <= MAX_CLUSTER and self._clusters else None
+        cluster = (1, 1, grid[2]) if 1 < grid[2] <= MAX_CLUSTER and self._clusters else None
         if name in TMA_TILES:  # tensor maps of the weight codes, weight scales and activation codes
             if not self.tensor_copies:
                 raise ValueError("q8: the tensor-copy GEMM needs sm_90's clusters and tensor maps")
@@ -256,7 +269,8 @@ class DeviceGemm:
             tws = self._map(weight.scales.data.ptr, enc.FLOAT32, (g.npad, g.ngroups), 4 * g.npad,
                             (tile.bn, MMA_BK // 32), False)
             ta = self._map(a_codes.data.ptr, enc.UINT8, (k, m), k, (MMA_BK, tile.bm), True)
-            args = (tw, tws, ta, _ptr(a_scales), i32(m), _ptr(out), i32(ldo), i32(n), i32(k), i32(per))
+            args = (tw, tws, ta, _ptr(a_scales), i32(m), _ptr(out), i32(ldo), i32(n), i32(k), i32(per), i32(chunks),
+                    _ptr(ws.partial))
         else:
             args = (_ptr(a_codes), _ptr(a_scales), i32(m), _ptr(weight.codes), _ptr(weight.scales), _ptr(out),
                     i32(ldo), i32(n), i32(k), i32(g.npad), _ptr(ws.partial), _ptr(ws.counters), i32(per), NULL,

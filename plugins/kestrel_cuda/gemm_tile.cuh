@@ -65,39 +65,63 @@ __device__ __forceinline__ void tile_store_rows(const float (&facc)[MI][4][4], f
         }
 }
 
-// The K splits of a BM x BN tile launched as one cluster (blockIdx.z = split) add their sums through
-// distributed shared memory: each block's warps that hold sums (``holds``; their tile rows from wr0, columns
-// from wc0) put them in its shared ``tile``, then every block adds 1/nz of the tile over the splits in z order
-// and stores it. Called by every thread of the block, after its last read of ``tile``'s memory.
-template <int MI, int BM, int BN>
-__device__ __forceinline__ void tile_cluster_store(const float (&facc)[MI][4][4], bool holds, float* tile, int wr0,
-                                                   int wc0, float* __restrict__ out, int ldo, int M, int N, int m0,
-                                                   int n0, bool vec) {
+// A warp's sums into a BM x BN tile (row-major floats; its rows from wr0, columns from wc0), or, with
+// ``add``, the tile's values added to them (the tile's first: the earlier K chunk's sums are its values)
+template <int MI, int BN>
+__device__ __forceinline__ void tile_put(float (&facc)[MI][4][4], float* tile, int wr0, int wc0, bool add) {
     const int gid = (threadIdx.x & 31) >> 2, tig = threadIdx.x & 3;
-    if (holds) {
 #pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
+    for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float4* t = reinterpret_cast<float4*>(tile + (wr0 + mi * 16 + gid + 8 * h) * BN + wc0 + 8 * tig);
-                const int e = 2 * h;
+        for (int h = 0; h < 2; ++h) {
+            float4* t = reinterpret_cast<float4*>(tile + (wr0 + mi * 16 + gid + 8 * h) * BN + wc0 + 8 * tig);
+            const int e = 2 * h;
+            if (add) {
+                const float4 a = t[0], b = t[1];
+                facc[mi][0][e] = a.x + facc[mi][0][e]; facc[mi][1][e] = a.y + facc[mi][1][e];
+                facc[mi][2][e] = a.z + facc[mi][2][e]; facc[mi][3][e] = a.w + facc[mi][3][e];
+                facc[mi][0][e + 1] = b.x + facc[mi][0][e + 1]; facc[mi][1][e + 1] = b.y + facc[mi][1][e + 1];
+                facc[mi][2][e + 1] = b.z + facc[mi][2][e + 1]; facc[mi][3][e + 1] = b.w + facc[mi][3][e + 1];
+            } else {
                 t[0] = make_float4(facc[mi][0][e], facc[mi][1][e], facc[mi][2][e], facc[mi][3][e]);
                 t[1] = make_float4(facc[mi][0][e + 1], facc[mi][1][e + 1], facc[mi][2][e + 1], facc[mi][3][e + 1]);
             }
-    }
+        }
+}
+
+// The K splits of a BM x BN tile launched as one cluster (blockIdx.z = split) add their sums through
+// distributed shared memory: each block's warps that hold sums (``holds``; their tile rows from wr0, columns
+// from wc0) put them in its shared ``tile``, then every block adds 1/nz of the tile over the splits in z order
+// and stores it. A split of two K chunks (ranks below ``nstash``) left its first chunk's sums in global memory,
+// ``stash`` + rank x BM x BN (tile_put): it comes before the split's shared tile, so the sums are added chunk
+// by chunk in K order whatever the chunks a split. Called by every thread of the block, after its last read of
+// ``tile``'s memory.
+template <int MI, int BM, int BN>
+__device__ __forceinline__ void tile_cluster_store(float (&facc)[MI][4][4], bool holds, float* tile, int wr0,
+                                                   int wc0, float* __restrict__ out, int ldo, int M, int N, int m0,
+                                                   int n0, bool vec, const float* stash, int nstash) {
+    if (holds) tile_put<MI, BN>(facc, tile, wr0, wc0, false);
     cluster_arrive();
     cluster_wait();  // every split's sums are in its block's shared memory
     constexpr int Q = BM * BN / 4;  // float4s of the tile
     const int nz = gridDim.z, z = blockIdx.z, q0 = z * Q / nz, q1 = (z + 1) * Q / nz;
     for (int q = q0 + (int)threadIdx.x; q < q1; q += (int)blockDim.x) {
-        float4 split[MAX_CLUSTER];  // every split's loads in flight at once
+        float4 split[MAX_CLUSTER], first[MAX_CLUSTER / 2];  // every split's loads in flight at once
 #pragma unroll
         for (int r = 0; r < MAX_CLUSTER; ++r)
             if (r < nz) split[r] = ld_cluster_f4(cluster_addr(tile + 4 * q, r));
-        float4 s = split[0];
 #pragma unroll
-        for (int r = 1; r < MAX_CLUSTER; ++r)  // in z order, as the workspace merge
+        for (int r = 0; r < MAX_CLUSTER / 2; ++r)
+            if (r < nstash) first[r] = __ldcg(reinterpret_cast<const float4*>(stash + (size_t)r * BM * BN) + q);
+        float4 s = split[0];
+        if (nstash > 0) s = make_float4(first[0].x + s.x, first[0].y + s.y, first[0].z + s.z, first[0].w + s.w);
+#pragma unroll
+        for (int r = 1; r < MAX_CLUSTER; ++r) {  // in z order (a split's chunks in K order), as the workspace merge
+            if (r < MAX_CLUSTER / 2 && r < nstash) {
+                s.x += first[r].x; s.y += first[r].y; s.z += first[r].z; s.w += first[r].w;
+            }
             if (r < nz) { s.x += split[r].x; s.y += split[r].y; s.z += split[r].z; s.w += split[r].w; }
+        }
         const int row = m0 + 4 * q / BN, col = n0 + 4 * q % BN;
         if (row >= M) continue;
         float* o = out + (size_t)row * ldo + col;

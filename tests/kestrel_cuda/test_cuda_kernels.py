@@ -279,6 +279,23 @@ def test_tensor_copy_split_block(dev, m: int) -> None:
         run_q8(dev, a_codes, a_scales, q4, mma_tile=TMA_TILE)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 8])  # one block of two chunks; two, the last of one chunk; four
+def test_tensor_copy_blocks_of_two_chunks(dev, splits: int) -> None:
+    """From 33 rows a tensor-copy block takes two K chunks, the first's sums stashed and added before the
+    second's (in the block itself where the grid has one split, else in the cluster's merge): the bits of the
+    cp.async block, whose blocks take one chunk each, and of the same rows in a batch of 2-32."""
+    if not dev.gemm.tensor_copies:
+        pytest.skip("tensor copies need sm_90 with clusters")
+    rng = np.random.default_rng([8, 32, splits])
+    w = rand_weight(rng, 640, 3072, 32, 8)
+    a_codes, a_scales = quantize_activations(rng.standard_normal((40, w.k)).astype(np.float32), 32)
+    got = run_q8(dev, a_codes, a_scales, w, splits=splits, mma_tile=TMA_TILE)
+    assert_close_q8(got, a_codes, a_scales, w)
+    np.testing.assert_array_equal(got, run_q8(dev, a_codes, a_scales, w, splits=splits, mma_tile=MMA_TILE_SPLIT))
+    np.testing.assert_array_equal(got[:20], run_q8(dev, a_codes[:20], a_scales[:20], w, splits=splits,
+                                                   mma_tile=TMA_TILE))
+
+
 @pytest.mark.parametrize("g", [32, 256])
 @pytest.mark.parametrize("n", [136, 256])  # the unsplit and the split block shapes
 def test_mma_extreme_block_sums(dev, g: int, n: int) -> None:

@@ -14,6 +14,7 @@ from kestrel_cuda.gemm import (
     row_stride,
     split_fits,
     split_rows,
+    tma_chunks,
 )
 from kestrel_cuda.kernels import (
     MMA_BK,
@@ -63,6 +64,17 @@ def test_split_choice() -> None:
     assert mma_splits(4096, 6144, 32, 132, 1) == (3, 11)   # q|k|v: 48 tiles, one block per SM
     assert mma_splits(4096, 151936, 32, 132) == (1, 32)    # lm_head: 1187 tiles, no split
     assert mma_splits(4096, 24576, 256, 132, 3) == (2, 16)  # gate|up: 192 tiles, capped by the workspace
+
+
+def test_tensor_copy_blocks_take_two_chunks_beyond_one_row_block() -> None:
+    """From 33 rows a tensor-copy block takes two K chunks (the grid half as deep), at 2-32 rows, with one
+    split or without room for the first chunks' sums one: the qwen3-8b projections at 64 rows fit."""
+    tile = 32 * 128
+    assert tma_chunks(32, 32, 8, tile) == 1
+    assert tma_chunks(33, 32, 8, 2 * 32 * tile) == 2  # o: 2 row blocks x 32 column tiles
+    assert tma_chunks(64, 32, 2, 2 * 192 * tile) == 2  # gate|up: 2 splits, so one block a tile
+    assert tma_chunks(64, 32, 1, 2 * 1187 * tile) == 1  # lm_head: no split
+    assert tma_chunks(64, 32, 8, 2 * 600 * tile) == 1  # 4 x 1,200 tiles' sums: more than the workspace
 
 
 def test_split_shapes_take_whole_stages_and_tiles() -> None:
