@@ -18,7 +18,8 @@ block shape by ``mma_tile_for``); up to SPLIT_MAX_M rows (decode batches) it spl
 keep the memory system busy (``mma_splits``), and with ``clusters`` (sm_90) each tile's splits run as one
 thread block cluster that adds their sums in shared memory; so do the last few rows of a larger M past whole
 large blocks (``split_rows``). On sm_90, 17..64 rows of int8 codes at G = 32 run the tensor-copy block
-(``gemm_tma.cu``, ``tile_for``), its weights and activations requested through tensor maps.
+(``gemm_tma.cu``, ``tile_for``), its weights and activations requested through tensor maps; from 33 rows its
+blocks take two of the K splits each (``tma_chunks``), with the same bits.
 """
 
 from __future__ import annotations
