@@ -65,6 +65,16 @@ __device__ __forceinline__ void tile_store_rows(const float (&facc)[MI][4][4], f
         }
 }
 
+template <int MI>
+__device__ __forceinline__ void tile_zero(float (&facc)[MI][4][4]) {
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) facc[i][j][e] = 0.0f;
+}
+
 // A warp's sums into a BM x BN tile (row-major floats; its rows from wr0, columns from wc0), or, with
 // ``add``, the tile's values added to them (the tile's first: the earlier K chunk's sums are its values)
 template <int MI, int BN>

@@ -133,12 +133,7 @@ extern "C" __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
     }
 
     float facc[MI][4][4];
-#pragma unroll
-    for (int i = 0; i < MI; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) facc[i][j][e] = 0.0f;
+    tile_zero<MI>(facc);
     const int wn = warp % 4, gid = lane >> 2, tig = lane & 3;  // a consumer's columns wn * 32 ..
     if (warp < CW) {  // consumers
         const int magic[4] = {GQ_MAGIC, GQ_MAGIC, GQ_MAGIC, GQ_MAGIC};
@@ -153,12 +148,7 @@ extern "C" __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
             const int buf = i % STAGES;
             if (i == kstages) {  // the second chunk: the first's sums to the stash, then from zero
                 tile_put<MI, BN>(facc, tile_stash + (size_t)blockIdx.z * BM * BN, 0, wn * 32, false);
-#pragma unroll
-                for (int a = 0; a < MI; ++a)
-#pragma unroll
-                    for (int j = 0; j < 4; ++j)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) facc[a][j][e] = 0.0f;
+                tile_zero<MI>(facc);
             }
             mbar_wait(bars + 8 * buf, (i / STAGES) & 1);
             const u32 sa = sbase + buf * T::STAGE + T::A_OFF;
