@@ -1,6 +1,6 @@
 // Attention over the device KV cache (float16 keys and values, forward.cuh kv_t; every sum in float32):
-// attn_decode (one query row, split over positions), attn_rows (a batch of sequences' decode rows over the
-// paged pool) and attn_prefill (causal, 16 query rows a block).
+// attn_decode (one query row, split over positions) and attn_rows (a batch of sequences' decode rows over the
+// paged pool); attn_prefill is attention_prefill.cu's, which follows this file in the module (PT, NCH).
 
 // Decode attention (one query row at position meta[0], keys 0..meta[0], or the last ``window`` of them),
 // split over positions.
@@ -171,8 +171,8 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 // (rope.cuh kv_slot). blockIdx.z = part + parts * split. A block takes query heads part * 8 .. + 7 of the
 // G = H / KV heads of KV head blockIdx.x (heads past G repeat head 0 and are dropped), over its split's share of
 // the row's pages (``splits`` of them: enough blocks when the batch is small). It stages page after page
-// (KV_BLOCK == PT contiguous positions) in shared memory by cp.async, rows_buffers(HDP) pages of buffers (all but
-// one in flight), so each key and value is read from memory once for all the heads; each of its two warps takes 16
+// (KV_BLOCK == PT contiguous positions) in shared memory by cp.async, NBUF pages of buffers (all but one
+// in flight), so each key and value is read from memory once for all the heads; each of its two warps takes 16
 // positions of a page: scores S = Q K^T as m16n8k16 float16 products with float32 sums, an online softmax in
 // float32, O += P V likewise; at the end warp 1's state joins warp 0's through shared memory.
 // The float16 operands keep float32's accuracy: the scaled query and the probabilities go in as two float16
@@ -191,9 +191,8 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 #define ROWS_HEADS 8           // query heads of one attn_rows block (plan.ATTN_ROWS_HEADS)
 #define ROWS_WARPS 2           // warps of one attn_rows block, each on 16 positions of a page (plan.ATTN_ROWS_WARPS)
 #define ROWS_MAX_SPLITS 8      // position splits of attn_rows, at most (plan.ATTN_ROWS_MAX_SPLITS)
-// pages in shared memory (plan.attn_rows_buffers): three at head dimensions up to 128, so two are in flight while
-// one is read (an SM's blocks hold 8 pages in flight instead of 6: docs/performance.md); two at 256
-__host__ __device__ constexpr int rows_buffers(int hdp) { return hdp <= 128 ? 3 : 2; }
+#define ROWS_BUFFERS 3         // pages in shared memory up to head_dim 128, two at 256 (plan.attn_rows_buffers):
+                               // two in flight while one is read (8 pages an SM instead of 6: docs/performance.md)
 #define P_SCALE 4096.f
 #define P_UNSCALE (1.f / 4096.f)
 
@@ -234,7 +233,7 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
     static_assert(ROWS_WARPS == 2, "each warp takes 16 of a page's PT = 32 positions; warp 1 joins warp 0 at the end");
     static_assert(PT == KV_BLOCK, "a staged tile is one page of the pool");
     constexpr int LD = HDP + 8, KS = HDP / 16, NV = HDP / 8;  // row stride, k16 steps of a score, n8 tiles of O
-    constexpr int NBUF = rows_buffers(HDP);
+    constexpr int NBUF = HDP <= 128 ? ROWS_BUFFERS : 2;
     grid_dep_launch();
     grid_dep_wait();
     extern __shared__ __align__(16) kv_t smem_h[];
@@ -486,122 +485,4 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
     }
     if (tid == 0) counters[((size_t)row * KV + kvh) * parts + hpart] = 0;
 }
-
-// ------------------------------------------------------------------------------------------------------
-// Prefill attention: rows m of q at positions meta[0] + m see keys 0..meta[0] + m (causal; with ``window``,
-// the last ``window`` of them). 16 query rows
-// per block (two per warp), so each key/value tile staged in shared memory (PT positions) serves 16
-// queries, and 16-byte shared-memory reads: lane j scores key j against both of its warp's queries, then
-// accumulates its chunks of 4 consecutive dimensions of each. hd % 4 == 0, hd <= 256.
-// Grid: x = H, y = ceil(M / 16); block 256; dynamic shared memory (32*(hd+4) + 32*hd + 16*hd) floats.
-#define PQ2 16
-extern "C" __global__ void __launch_bounds__(256) attn_prefill(
-    const float* __restrict__ q, const kv_t* __restrict__ kc, const kv_t* __restrict__ vc, int cap, int H,
-    int KV, int hd, float scale, const int* __restrict__ meta, int M, float* __restrict__ out, int window)
-{
-    grid_dep_launch();
-    grid_dep_wait();
-    extern __shared__ float smem[];
-    const int ldk = hd + 4;                 // keeps rows 16-byte aligned; per quarter-warp conflict-free
-    float* ks = smem;                       // [PT][hd+4]
-    float* vs = ks + PT * ldk;              // [PT][hd]
-    float* qs = vs + PT * hd;               // [PQ2][hd]
-    const int h = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int r0 = blockIdx.y * PQ2;
-    const int ma = r0 + 2 * warp, mb = ma + 1;   // this warp's two query rows
-    const int pos0 = meta[0];
-    const int pmax = pos0 + min(M - 1, r0 + PQ2 - 1);
-    const int pa = pos0 + ma, pbq = pos0 + mb;
-    const int loa = window > 0 ? pa - window + 1 : 0;  // the rows' sliding windows' first keys
-    const int lob = window > 0 ? loa + 1 : 0;
-    const int first = window > 0 ? max(0, pos0 + r0 - window + 1) : 0;  // the block's first row's first key
-    const int kvh = h / (H / KV);
-    const kv_t* kb = kc + (size_t)kvh * cap * hd;
-    const kv_t* vb = vc + (size_t)kvh * cap * hd;
-    for (int i = threadIdx.x; i < PQ2 * hd; i += 256) {
-        const int r = i / hd, d = i - r * hd;
-        qs[i] = r0 + r < M ? q[(size_t)(r0 + r) * H * hd + h * hd + d] * scale : 0.f;
-    }
-    const int d4 = 4 * lane;                // this lane's chunks of 4 dimensions: d4 + 128 c .. + 3
-    float acc_a[NCH][4] = {}, acc_b[NCH][4] = {};
-    float mxa = NEG_INF, mxb = NEG_INF, la = 0.f, lb = 0.f;
-    const float4* qa4 = reinterpret_cast<const float4*>(qs + (2 * warp) * hd);
-    const float4* qb4 = reinterpret_cast<const float4*>(qs + (2 * warp + 1) * hd);
-    for (int t0 = first / PT * PT; t0 <= pmax; t0 += PT) {
-        __syncthreads();
-        for (int i = threadIdx.x; i < PT * hd; i += 256) {
-            const int r = i / hd, d = i - r * hd;
-            const int p = t0 + r;
-            float kv = 0.f, vv = 0.f;
-            if (p <= pmax) { kv = from_kv(kb[(size_t)p * hd + d]); vv = from_kv(vb[(size_t)p * hd + d]); }
-            ks[r * ldk + d] = kv;
-            vs[r * hd + d] = vv;
-        }
-        __syncthreads();
-        if (ma >= M || t0 > pbq) continue;  // the warp's later row sees at least as far as its earlier one
-        const int p = t0 + lane;
-        const float4* k4 = reinterpret_cast<const float4*>(ks + lane * ldk);
-        float da = 0.f, db = 0.f;
-        for (int dd = 0; dd < hd / 4; ++dd) {
-            const float4 kk = k4[dd], xa = qa4[dd], xb = qb4[dd];
-            da += xa.x * kk.x; da += xa.y * kk.y; da += xa.z * kk.z; da += xa.w * kk.w;
-            db += xb.x * kk.x; db += xb.y * kk.y; db += xb.z * kk.z; db += xb.w * kk.w;
-        }
-        const bool va = p <= pa && p >= loa, vbk = mb < M && p <= pbq && p >= lob;
-        const float sa = va ? da : NEG_INF, sb = vbk ? db : NEG_INF;
-        // a row updates only on a tile holding one of its keys (then its max is finite)
-        float ea = 0.f, eb = 0.f, corr_a = 1.f, corr_b = 1.f;
-        if (t0 <= pa && t0 + PT > loa) {
-            const float mn = fmaxf(mxa, warp_max(sa));
-            corr_a = expf(mxa - mn);
-            ea = va ? expf(sa - mn) : 0.f;
-            la = la * corr_a + warp_sum(ea);
-            mxa = mn;
-        }
-        if (mb < M && t0 + PT > lob) {
-            const float mn = fmaxf(mxb, warp_max(sb));
-            corr_b = expf(mxb - mn);
-            eb = vbk ? expf(sb - mn) : 0.f;
-            lb = lb * corr_b + warp_sum(eb);
-            mxb = mn;
-        }
-#pragma unroll
-        for (int ch = 0; ch < NCH; ++ch)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) { acc_a[ch][c] *= corr_a; acc_b[ch][c] *= corr_b; }
-        for (int r = 0; r < PT; ++r) {
-            // every lane shuffles (full-mask shuffles must be reached by the whole warp); lanes past hd skip
-            // the accumulation
-            const float wa = __shfl_sync(FULL, ea, r), wb = __shfl_sync(FULL, eb, r);
-            if (wa == 0.f && wb == 0.f) continue;
-#pragma unroll
-            for (int ch = 0; ch < NCH; ++ch) {
-                const int d = d4 + 128 * ch;
-                if (d < hd) {
-                    const float4 vv = *reinterpret_cast<const float4*>(vs + r * hd + d);
-                    acc_a[ch][0] += wa * vv.x; acc_a[ch][1] += wa * vv.y; acc_a[ch][2] += wa * vv.z;
-                    acc_a[ch][3] += wa * vv.w;
-                    acc_b[ch][0] += wb * vv.x; acc_b[ch][1] += wb * vv.y; acc_b[ch][2] += wb * vv.z;
-                    acc_b[ch][3] += wb * vv.w;
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int ch = 0; ch < NCH; ++ch) {
-        const int d = d4 + 128 * ch;
-        if (d >= hd) continue;
-        if (ma < M) {
-#pragma unroll
-            for (int c = 0; c < 4; ++c) out[(size_t)ma * H * hd + h * hd + d + c] = acc_a[ch][c] / la;
-        }
-        if (mb < M) {
-#pragma unroll
-            for (int c = 0; c < 4; ++c) out[(size_t)mb * H * hd + h * hd + d + c] = acc_b[ch][c] / lb;
-        }
-    }
-}
 #undef AW
-#undef NCH
-#undef PT
-#undef PQ2

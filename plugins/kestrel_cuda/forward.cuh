@@ -1,5 +1,6 @@
-// Device helpers shared by the whole-step forward's kernels (gemv.cu, rope.cu, attention.cu, rows.cu,
-// lm_finish.cu): one NVRTC unit after common.cuh, in the order of kernels.FORWARD_SOURCES.
+// Device helpers shared by the whole-step forward's kernels (gemv.cu, rope.cu, attention.cu,
+// attention_prefill.cu, rows.cu, lm_finish.cu): one NVRTC unit after common.cuh, in the order of
+// kernels.FORWARD_SOURCES.
 //
 // NVRTC compiles it with --fmad=false, so every float expression rounds exactly as written (the CPU decoder's
 // numpy order where it matters: rmsnorm x / sqrt(ms + eps) * w, RoPE x1*c - x2*s, silu g / (1 + exp(-g)) * u,

@@ -24,7 +24,8 @@ HERE = Path(__file__).resolve().parent
 SOURCES = ("common.cuh", "gemm_tile.cuh", "transpose.cu", "quantize.cu", "gemv_warp.cu", "gemm_mma.cu", "gemm_tma.cu",
            "gemm_f32.cu")
 FORWARD_SOURCES = ("common.cuh", "forward.cuh", "merge.cuh", "rope.cuh",
-                   "gemv.cu", "rope.cu", "attention.cu", "rows.cu", "lm_finish.cu", "moe.cu")
+                   "gemv.cu", "rope.cu", "attention.cu", "attention_prefill.cu", "rows.cu", "lm_finish.cu",
+                   "moe.cu")
 OPTIONS = ("--fmad=false", "-std=c++17")
 
 # GEMV variants (gemv_warp.cu): (MT rows per launch, VEC columns per lane, BITS). MT = 1 only: from two rows

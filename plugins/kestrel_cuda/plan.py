@@ -28,6 +28,7 @@ ATTN_ROWS_WARPS = 2  # warps of an attn_rows block, each on 16 positions of ever
 ATTN_ROWS_HEAD_DIMS = (16, 32, 64, 128, 256)  # attn_rows instances: a head_dim runs in the smallest holding it
 BLOCKS_PER_SM_MAX = 32  # resident blocks of one multiprocessor, at most (sm_80 and later)
 ATTN_ROWS_MAX_SPLITS = 8
+ATTN_ROWS_BUFFERS = 3  # attn_rows' page buffers up to head_dim 128 (attention.cu ROWS_BUFFERS)
 MAX_HEAD_DIM = 256  # attention and qkv_rope keep hd/32 (<= 8) values a lane
 PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL, PRO_GELU_MUL = 0, 1, 2, 3  # prologues (gemv.cu, rows.cu)
 PRO_POSTNORM = 4  # gemv.cu, M = 1: rmsnorm(h + rmsnorm(out, w)) from a PostNorm's tile sums
@@ -266,8 +267,8 @@ def attn_rows_splits(blocks: int, slots: int) -> int:
 
 def attn_rows_buffers(hdp: int) -> int:
     """Pages of keys and values an attn_rows block of instance ``hdp`` holds in shared memory (attention.cu
-    rows_buffers): three up to 128 (two in flight while one is read), two at 256."""
-    return 3 if hdp <= 128 else 2
+    NBUF): ATTN_ROWS_BUFFERS up to 128 (two in flight while one is read), two at 256."""
+    return ATTN_ROWS_BUFFERS if hdp <= 128 else 2
 
 
 def attn_rows_instance(hd: int) -> int:

@@ -326,9 +326,10 @@ def test_the_routers_constants_are_moe_cus() -> None:
 
 def test_the_attn_rows_constants_are_attention_cus() -> None:
     """plan.ATTN_ROWS_HEADS (the launch's parts of a group), ATTN_ROWS_WARPS (its block), ATTN_ROWS_MAX_SPLITS
-    (the planner's cap) and KV_BLOCK (a staged page) are attention.cu's."""
+    (the planner's cap), ATTN_ROWS_BUFFERS (its shared memory) and KV_BLOCK (a staged page) are attention.cu's."""
     text = kernels.source_text(kernels.FORWARD_SOURCES)
     define = {name: value for name, value in re.findall(r"#define (\w+) (\w+)", text)}
+    assert int(define["ROWS_BUFFERS"]) == plan.ATTN_ROWS_BUFFERS
     assert int(define["ROWS_HEADS"]) == plan.ATTN_ROWS_HEADS
     assert int(define["ROWS_WARPS"]) == plan.ATTN_ROWS_WARPS
     assert int(define["ROWS_MAX_SPLITS"]) == plan.ATTN_ROWS_MAX_SPLITS
