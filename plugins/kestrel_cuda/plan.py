@@ -2,7 +2,7 @@
 the M=1 GEMV's K-split planners.
 
 Every planner is a pure function of shapes and the SM count, so the plans are tested on the CPU
-(tests/kestrel_cuda/test_forward_host.py) for the GPU they were measured on (132 SMs, the H200).
+(tests/kestrel_cuda/test_plan.py) for the GPU they were measured on (132 SMs, the H200).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""How the device forward is checked against the CPU decoder (test_forward.py on the GPU, test_forward_host.py on
-the numpy mirrors).
+"""How the device forward is checked against the CPU decoder (test_forward.py on the GPU, test_forward_host.py and
+test_forward_models_host.py on the numpy mirrors).
 
 Why not a fixed tolerance: every linear quantizes its input per block to int8 (Q8_0). An activation that
 lands within float32 rounding of a rounding boundary gets a code one step (1/127 of its block's maximum)
@@ -16,6 +16,7 @@ above that band.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,9 +27,12 @@ from kestrel_core.model.decoder import Decoder
 from kestrel_core.model.weights import Model
 from kestrel_core.registry import Registry
 from kestrel_core.selftest import JITTER_FACTOR, JITTER_FLOOR, JitterOffload
+from kestrel_cuda.forward import DeviceForward
+from kestrel_cuda.ops_numpy import NumpyOps
 
 FACTOR, FLOOR = JITTER_FACTOR, JITTER_FLOOR  # the selftest's band: FACTOR times the nudge's effect, at least FLOOR
 
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 JITTER_SEEDS = (5, 6)  # the effect is the larger over these nudges
 
 
@@ -236,3 +240,28 @@ def cuda_device_count() -> int:
         return int(cupy.cuda.runtime.getDeviceCount())
     except Exception:
         return 0
+
+
+def random_tokens(cfg: ModelConfig, n: int, seed: int = 1) -> np.ndarray:
+    """``n`` token ids drawn uniformly from the vocabulary."""
+    return np.random.default_rng(seed).integers(0, cfg.vocab_size, n)
+
+
+def assert_in_the_band(model, n_tokens: int, n_prefill: int) -> DeviceForward:  # type: ignore[no-untyped-def]
+    """A prefill of ``n_prefill`` tokens and decode steps to ``n_tokens`` over the numpy mirrors: the CPU
+    decoder's logits within the band. Returns the forward, for its counters."""
+    toks = random_tokens(model.config, n_tokens)
+    ref = cpu_logits(model, toks, n_prefill)
+    fwd = DeviceForward(ops=NumpyOps())
+    result = compare(device_logits(fwd, model, toks, n_prefill), ref, jitter_effect(model, toks, n_prefill, ref))
+    assert result.ok, str(result)
+    return fwd
+
+
+def assert_leaves_the_band(model, ops, n_tokens: int = 40, n_prefill: int = 24) -> None:  # type: ignore[no-untyped-def]
+    """A forward over ``ops`` (a deliberately wrong mirror) lands far outside the CPU's band: over twice it."""
+    toks = random_tokens(model.config, n_tokens)
+    ref = cpu_logits(model, toks, n_prefill)
+    result = compare(device_logits(DeviceForward(ops=ops), model, toks, n_prefill), ref,
+                     jitter_effect(model, toks, n_prefill, ref))
+    assert not result.ok and result.rel_err > 2 * result.tol, str(result)

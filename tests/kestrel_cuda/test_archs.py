@@ -7,8 +7,6 @@ Skipped where CuPy or a CUDA device is missing (CI); run on the H200 machine.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -17,11 +15,9 @@ pytest.importorskip("cupy")
 import kestrel_core  # noqa: E402
 from kestrel_core.model.weights import engine_weights  # noqa: E402
 
-from .forward_check import compare, cpu_logits, cuda_device_count, jitter_effect  # noqa: E402
+from .forward_check import FIXTURES, compare, cpu_logits, cuda_device_count, jitter_effect  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device")]
-
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 
 
 @pytest.mark.parametrize(("fixture", "path"), [("tiny-gemma2", "hooks"), ("tiny-gemma3", "forward"),

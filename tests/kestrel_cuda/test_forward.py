@@ -33,6 +33,7 @@ from .forward_check import (  # noqa: E402
     device_logits,
     greedy_agrees,
     jitter_effect,
+    random_tokens,
     stepwise_greedy,
 )
 
@@ -58,10 +59,6 @@ def gemm(stream):  # type: ignore[no-untyped-def]
     return g
 
 
-def _tokens(cfg, n: int, seed: int = 1) -> np.ndarray:  # type: ignore[no-untyped-def]
-    return np.random.default_rng(seed).integers(0, cfg.vocab_size, n)
-
-
 def _check(model, toks, n_prefill, got):  # type: ignore[no-untyped-def]
     ref = cpu_logits(model, toks, n_prefill)
     result = compare(got, ref, jitter_effect(model, toks, n_prefill, ref))
@@ -75,7 +72,7 @@ def _check(model, toks, n_prefill, got):  # type: ignore[no-untyped-def]
 def test_a_sliding_window_matches_the_cpu(n_prefill, stream, gemm) -> None:  # type: ignore[no-untyped-def]
     """Mistral with a window of 12: attn_prefill within and past it, then captured attn_decode steps past it."""
     model = synthetic_model(replace(SMALL_CONFIGS["llama"], arch="mistral", sliding_window=12), "q8", seed=3)
-    toks = _tokens(model.config, 40)
+    toks = random_tokens(model.config, 40)
     _check(model, toks, n_prefill, device_logits(DeviceForward(stream=stream, gemm=gemm), model, toks, n_prefill))
 
 
@@ -87,7 +84,7 @@ def test_a_mixture_of_experts_matches_the_cpu(fixture, stream, gemm) -> None:  #
 
     model = load_model(str(Path(__file__).resolve().parents[1] / "fixtures" / "models" / fixture), "q8",
                        cache="off").model
-    toks = _tokens(model.config, 20)
+    toks = random_tokens(model.config, 20)
     fwd = DeviceForward(stream=stream, gemm=gemm)
     _check(model, toks, 12, device_logits(fwd, model, toks, 12))
     assert fwd.counters["graph_captures"] == 1 and fwd.counters["graph_replays"] == 8
@@ -98,7 +95,7 @@ def test_a_mixture_of_experts_matches_the_cpu(fixture, stream, gemm) -> None:  #
 def test_prefill_and_decode_logits_match_the_cpu(arch, quant, stream, gemm) -> None:  # type: ignore[no-untyped-def]
     """24-token prefill (tiled GEMM path), then 16 graph-replayed decode steps, teacher-forced."""
     model = synthetic_model(SMALL_CONFIGS[arch], quant, seed=3)
-    toks = _tokens(model.config, 40)
+    toks = random_tokens(model.config, 40)
     fwd = DeviceForward(stream=stream, gemm=gemm)
     _check(model, toks, 24, device_logits(fwd, model, toks, 24))
     assert fwd.counters["graph_captures"] == 1 and fwd.counters["graph_replays"] == 16
@@ -110,7 +107,7 @@ def test_graph_decode_with_and_without_pdl_matches_the_cpu(arch, pdl, stream, ge
     """The captured decode step with its kernels launched in plain stream order and with programmatic
     dependent launch (pdl: each kernel may start under its predecessor's tail)."""
     model = synthetic_model(SMALL_CONFIGS[arch], "q4", seed=14)
-    toks = _tokens(model.config, 30)
+    toks = random_tokens(model.config, 30)
     fwd = DeviceForward(config=CudaConfig(pdl=pdl == "1"), stream=stream, gemm=gemm)
     assert fwd.ops.pdl == (pdl == "1")
     _check(model, toks, 10, device_logits(fwd, model, toks, 10))
@@ -121,7 +118,7 @@ def test_graph_decode_with_and_without_pdl_matches_the_cpu(arch, pdl, stream, ge
 def test_fused_gemv_prefill_without_the_tiled_gemm(n_prefill, stream) -> None:  # type: ignore[no-untyped-def]
     """Without cuda-kernels' GEMM every prefill row runs the fused GEMV (8 rows per weight pass)."""
     model = synthetic_model(SMALL_CONFIGS["qwen2"], "q8", seed=4)
-    toks = _tokens(model.config, n_prefill + 6)
+    toks = random_tokens(model.config, n_prefill + 6)
     _check(model, toks, n_prefill, device_logits(DeviceForward(stream=stream), model, toks, n_prefill))
 
 
@@ -350,7 +347,7 @@ def test_tagged_split_merge_is_exact_across_interleaved_launches(stream) -> None
 def test_chunked_gemv_with_several_chunks_per_block(quant, stream, gemm) -> None:  # type: ignore[no-untyped-def]
     """qgemv at M = 1 with few blocks: several chunks a block (down's K = 768: three 256-row chunks)."""
     model = synthetic_model(SMALL_CONFIGS["qwen3"], quant, seed=11)
-    toks = _tokens(model.config, 20)
+    toks = random_tokens(model.config, 20)
     fwd = DeviceForward(stream=stream, gemm=gemm, target_blocks=2)
     _check(model, toks, 12, device_logits(fwd, model, toks, 12))
     assert any(lin.chunks > lin.ksplit for lin in fwd._st.layers[0].weights.gate_up + [fwd._st.layers[0].weights.down])
@@ -367,7 +364,7 @@ def test_attention_matches_the_cpu(arch, stream, gemm) -> None:  # type: ignore[
     """attn_prefill and attn_decode: prefill, graph decode, and a prefill continued at a nonzero start (rows
     see earlier positions)."""
     model = synthetic_model(ATTN_CONFIGS[arch], "q8", seed=12)
-    toks = _tokens(model.config, 60)
+    toks = random_tokens(model.config, 60)
     fwd = DeviceForward(stream=stream, gemm=gemm)
     _check(model, toks, 37, device_logits(fwd, model, toks, 37))
     fwd.forward(model, 6, toks[:23], 0, False)
@@ -382,7 +379,7 @@ def test_attention_long_context_and_graph(pdl, stream, gemm) -> None:  # type: i
     """Decode past 1,024 positions: each warp of attn_decode runs several rounds of positions."""
     model = synthetic_model(replace(SMALL_CONFIGS["qwen2"], num_layers=1), "q4", seed=13)
     n = CAP_CHUNK - 2
-    toks = _tokens(model.config, n + 5)
+    toks = random_tokens(model.config, n + 5)
     graph = device_logits(DeviceForward(config=CudaConfig(pdl=pdl == "1"), stream=stream, gemm=gemm), model, toks, n)
     _check(model, toks, n, graph)
     eager = device_logits(DeviceForward(config=CudaConfig(pdl=pdl == "1", graph=False), stream=stream, gemm=gemm),
@@ -394,7 +391,7 @@ def test_attention_long_context_and_graph(pdl, stream, gemm) -> None:  # type: i
 def test_graph_replay_equals_eager_and_runs_are_deterministic(pdl, stream, gemm) -> None:  # type: ignore[no-untyped-def]
     """Bitwise: graph replay (with PDL: kernels overlapping their predecessors) == eager launches."""
     model = synthetic_model(SMALL_CONFIGS["qwen3"], "q4", seed=5)
-    toks = _tokens(model.config, 30)
+    toks = random_tokens(model.config, 30)
 
     def run(graph: bool) -> np.ndarray:
         fwd = DeviceForward(config=CudaConfig(pdl=pdl == "1", graph=graph), stream=stream, gemm=gemm)
@@ -410,7 +407,7 @@ def test_next_sequence_replays_the_released_ones_graph(pdl, stream, gemm) -> Non
     """A longer first prompt leaves stale keys past the second's positions: bitwise the same as a fresh
     forward, with one capture for both."""
     model = synthetic_model(SMALL_CONFIGS["qwen3"], "q4", seed=9)
-    a, b = _tokens(model.config, 40, seed=1), _tokens(model.config, 24, seed=2)
+    a, b = random_tokens(model.config, 40, seed=1), random_tokens(model.config, 24, seed=2)
     config = CudaConfig(pdl=pdl == "1")
     fwd = DeviceForward(config=config, stream=stream, gemm=gemm)
     device_logits(fwd, model, a, 30, seq_id=1)
@@ -430,7 +427,7 @@ def test_cluster_split_sums_equal_the_global_merge_bitwise(quant, stream, gemm) 
 
     model = synthetic_model(replace(SMALL_CONFIGS["qwen3"], hidden_size=1024, intermediate_size=2048), quant,
                             seed=11)
-    toks = _tokens(model.config, 14)
+    toks = random_tokens(model.config, 14)
     runs, plans = {}, []
     for mode in ("0", "1"):  # target 64 blocks: several splits per tile at this size
         fwd = DeviceForward(config=CudaConfig(cluster=mode == "1"), stream=stream, gemm=gemm, target_blocks=64)
@@ -449,7 +446,7 @@ def test_cluster_split_sums_equal_the_global_merge_bitwise(quant, stream, gemm) 
 @pytest.mark.parametrize("arch", list(SMALL_CONFIGS))
 def test_greedy_tokens_are_the_cpus_for_16_steps(arch, stream, gemm) -> None:  # type: ignore[no-untyped-def]
     model = synthetic_model(SMALL_CONFIGS[arch], "q8", seed=6)
-    prompt = _tokens(model.config, 12)
+    prompt = random_tokens(model.config, 12)
     tokens, _ = stepwise_greedy(DeviceForward(stream=stream, gemm=gemm), model, prompt, 15)
     seq = np.concatenate([prompt, tokens[:-1]])
     ref = cpu_logits(model, seq, len(prompt))
@@ -464,7 +461,7 @@ def test_long_prefill_in_chunks_and_kv_growth(stream, gemm) -> None:  # type: ig
     cross the first KV-capacity chunk (graph re-captured on the grown cache)."""
     model = synthetic_model(replace(SMALL_CONFIGS["llama"], num_layers=1), "q8", seed=7)
     n = CAP_CHUNK - 2
-    toks = _tokens(model.config, n + 5)
+    toks = random_tokens(model.config, n + 5)
     fwd = DeviceForward(stream=stream, gemm=gemm)
     got = device_logits(fwd, model, toks, n)
     assert n > PREFILL_CHUNK
@@ -477,7 +474,7 @@ def test_residency_window_gives_the_same_logits() -> None:
     from kestrel_cuda.binding import open_device
 
     model = synthetic_model(SMALL_CONFIGS["qwen3"], "q4", seed=8)
-    toks = _tokens(model.config, 16)
+    toks = random_tokens(model.config, 16)
     dev = open_device({})
     try:
         plain = DeviceForward(dev.weight, None, stream=dev.stream, gemm=dev.gemm, pin=dev.cache.pin,
@@ -501,7 +498,7 @@ def test_engine_recomputes_a_declined_step_on_the_cpu(tmp_path: Path, monkeypatc
     """End to end: the engine offers each step to the device forward; step 3 is declined, the host decoder
     catches up and runs it, and the device is later offered the tokens it missed."""
     model = synthetic_model(SMALL_CONFIGS["qwen3"], "q8", seed=9)
-    prompt = _tokens(model.config, 10).tolist()
+    prompt = random_tokens(model.config, 10).tolist()
     (tmp_path / "fwdcuda.py").write_text(DECLINING_BACKEND.format(decline={3}, make="DeviceForward", greedy=None))
     monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "fwdcuda.py"))
     with kestrel_core.load(model, backend="fwdcuda") as engine:
@@ -520,7 +517,7 @@ def test_engine_recomputes_a_declined_step_on_the_cpu(tmp_path: Path, monkeypatc
 def test_cuda_backend_runs_the_whole_step_forward() -> None:
     """Through the real cuda backend (cuda-kernels' hookimpl): the engine's steps go to DeviceForward."""
     model = synthetic_model(SMALL_CONFIGS["llama"], "q8", seed=10)
-    prompt = _tokens(model.config, 9).tolist()
+    prompt = random_tokens(model.config, 9).tolist()
     with kestrel_core.load(model, backend="cuda") as engine:
         tokens = list(engine.generate(prompt, max_tokens=8, stop_at_eos=False))
         fwd = engine.stats["offload"].get("kestrel_forward_batch", {})
@@ -543,7 +540,7 @@ def test_pipelined_greedy_yields_the_step_by_step_argmax(quant, pdl, stream, gem
     """lm_finish's argmax, fed back on the device with two steps in flight, gives the tokens of the host's
     argmax over the downloaded logits, step by step; a consumer that stops early leaves a rewindable cache."""
     model = synthetic_model(SMALL_CONFIGS["qwen3"], quant, seed=21)
-    prompt = _tokens(model.config, 9)
+    prompt = random_tokens(model.config, 9)
     fwd = DeviceForward(config=CudaConfig(pdl=pdl == "1"), stream=stream, gemm=gemm)
     expect, rows = stepwise_greedy(fwd, model, prompt, 16)
     first = expect[0]
@@ -618,7 +615,7 @@ def test_fused_rope_epilogue_equals_the_qkv_rope_kernel_bitwise(arch, quant, str
     head it merged, the same function as qkv_rope: bit-identical logits, with q/k norms or with a bias."""
     cfg = SMALL_CONFIGS["qwen3"] if arch == "qwen3" else replace(SMALL_CONFIGS["qwen2"], head_dim=128)
     model = synthetic_model(replace(cfg, hidden_size=1024), quant, seed=25)
-    toks = _tokens(model.config, 12)
+    toks = random_tokens(model.config, 12)
     runs = {}
     for mode in ("1", "0"):
         fwd = DeviceForward(stream=stream, gemm=gemm, fuse_rope=mode == "1")
@@ -632,7 +629,7 @@ def test_pipelined_greedy_across_a_kv_growth(stream, gemm) -> None:  # type: ign
     """The pipeline crossing the KV capacity (drain, grow, re-capture, position and token from the host) gives
     the step-by-step argmax tokens."""
     model = synthetic_model(SMALL_CONFIGS["qwen3"], "q4", seed=27)
-    prompt = _tokens(model.config, CAP_CHUNK - 3)
+    prompt = random_tokens(model.config, CAP_CHUNK - 3)
     expect, _ = stepwise_greedy(DeviceForward(stream=stream, gemm=gemm), model, prompt, 8)
     first = expect[0]
     fwd = DeviceForward(stream=stream, gemm=gemm)
@@ -648,7 +645,7 @@ def test_on_launch_sees_every_kernel_and_changes_nothing(stream, gemm) -> None: 
     from kestrel_cuda.ops_cupy import CupyOps
 
     model = synthetic_model(SMALL_CONFIGS["qwen2"], "q8", seed=28)
-    toks = _tokens(model.config, 20)
+    toks = random_tokens(model.config, 20)
     seen: list[str] = []
 
     def observe(name: str, launch) -> None:  # type: ignore[no-untyped-def]

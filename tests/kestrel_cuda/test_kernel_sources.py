@@ -1,17 +1,21 @@
 """The CUDA backend's two NVRTC modules compiled for the H200 (sm_90, machine code) on any machine, no GPU
 needed: NVRTC from the ``nvidia-cuda-nvrtc`` wheel (in the dev extra), every template instance and extern "C"
 kernel the backend looks up. A compile error, a failed static_assert or a missing instance would make the
-backend fail to bind on the GPU; here it fails CI. Skipped where the library cannot be loaded."""
+backend fail to bind on the GPU; here it fails CI. Skipped where the library cannot be loaded. Also, with no
+compiler: each module is its headers then its kernel files, and the constants the launches share with the
+sources are the sources'."""
 
 from __future__ import annotations
 
 import ctypes
 import glob
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
+from kestrel_cuda import kernels, plan
 from kestrel_cuda.kernels import FORWARD_SOURCES, OPTIONS, SOURCES, kernel_names, source_text
 from kestrel_cuda.ops_cupy import KERNELS, forward_kernel_names
 
@@ -31,7 +35,7 @@ def _nvrtc() -> ctypes.CDLL | None:
 
 
 NVRTC = _nvrtc()
-pytestmark = pytest.mark.skipif(NVRTC is None, reason="no NVRTC library (pip install nvidia-cuda-nvrtc)")
+needs_nvrtc = pytest.mark.skipif(NVRTC is None, reason="no NVRTC library (pip install nvidia-cuda-nvrtc)")
 
 
 def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:
@@ -70,6 +74,7 @@ def compile_module(source: str, names: list[str]) -> tuple[bytes, dict[str, str]
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+@needs_nvrtc
 @pytest.mark.parametrize("module", ["hook", "forward"])
 def test_every_kernel_compiles_for_sm90(module: str) -> None:
     sources, names = (SOURCES, kernel_names()) if module == "hook" else (FORWARD_SOURCES, forward_kernel_names())
@@ -77,3 +82,47 @@ def test_every_kernel_compiles_for_sm90(module: str) -> None:
     assert set(lowered) == set(names)
     for symbol in [*lowered.values(), *PLAIN[module]]:  # each kernel's entry in the machine code
         assert symbol.encode() + b"\0" in cubin, symbol
+
+
+@pytest.mark.parametrize("sources", (kernels.SOURCES, kernels.FORWARD_SOURCES))
+def test_each_module_is_its_headers_then_its_kernel_files(sources: tuple[str, ...]) -> None:
+    headers = [name for name in sources if name.endswith(".cuh")]
+    assert list(sources[:len(headers)]) == headers and all((kernels.HERE / name).is_file() for name in sources)
+
+
+def test_forward_sources_define_each_kernel_the_ops_load_once() -> None:
+    from kestrel_cuda import ops_cupy
+
+    text = kernels.source_text(kernels.FORWARD_SOURCES)
+    for name in ("qgemv", "attn_decode", "quantize_rows", *ops_cupy.KERNELS):
+        assert len(re.findall(rf"__global__ void (?:__launch_bounds__\([^)]*\) )?{name}\(", text)) == 1, name
+
+
+def test_the_routers_constants_are_moe_cus() -> None:
+    """plan.ROUTE_ROWS and ROUTE_MAX_EXPERTS (the launch's grid, the experts the device forward takes) are
+    moe.cu's: router rows a block, one logit per thread of NT."""
+    text = kernels.source_text(kernels.FORWARD_SOURCES)
+    define = {name: value for name, value in re.findall(r"#define (\w+) (\w+)", text)}
+    assert int(define["ROUTE_ROWS"]) == plan.ROUTE_ROWS
+    assert define["ROUTE_MAX_EXPERTS"] == "NT" and int(define["NT"]) == plan.ROUTE_MAX_EXPERTS
+
+
+def test_the_attn_rows_constants_are_attention_cus() -> None:
+    """plan.ATTN_ROWS_HEADS (the launch's parts of a group), ATTN_ROWS_WARPS (its block), ATTN_ROWS_MAX_SPLITS
+    (the planner's cap), ATTN_ROWS_BUFFERS (its shared memory) and KV_BLOCK (a staged page) are attention.cu's."""
+    text = kernels.source_text(kernels.FORWARD_SOURCES)
+    define = {name: value for name, value in re.findall(r"#define (\w+) (\w+)", text)}
+    assert int(define["ROWS_BUFFERS"]) == plan.ATTN_ROWS_BUFFERS
+    assert int(define["ROWS_HEADS"]) == plan.ATTN_ROWS_HEADS
+    assert int(define["ROWS_WARPS"]) == plan.ATTN_ROWS_WARPS
+    assert int(define["ROWS_MAX_SPLITS"]) == plan.ATTN_ROWS_MAX_SPLITS
+    assert int(define["PT"]) == plan.KV_BLOCK
+
+
+def test_the_quantize_rows_chunk_is_rows_cus() -> None:
+    """ops_cupy.QUANT_CHUNK (the launch's blocks a row) is rows.cu's NT * QUANT_LOADS."""
+    from kestrel_cuda.ops_cupy import QUANT_CHUNK
+
+    text = kernels.source_text(kernels.FORWARD_SOURCES)
+    define = {name: value for name, value in re.findall(r"#define (\w+) (\w+)", text)}
+    assert int(define["NT"]) * int(define["QUANT_LOADS"]) == QUANT_CHUNK

@@ -1,0 +1,247 @@
+"""The device forward's host side for the models beyond the Llama family, over the numpy mirrors of its kernels
+(as test_forward_host.py): Mistral's sliding window, Gemma 3 (post-norms, GeGLU, a head_dim of 256) and
+mixtures of experts (routing, expert groups, the residency window), each against the CPU decoder, and each
+done deliberately wrong leaving the band."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from kestrel_core.model.presets import synthetic_model
+from kestrel_cuda import plan
+from kestrel_cuda.allocator import NumpyAllocator
+from kestrel_cuda.forward import DeviceForward, unsupported_reason
+from kestrel_cuda.ops_numpy import NumpyOps
+from kestrel_cuda.residency import WeightCache
+
+from .forward_check import (
+    FIXTURES,
+    SMALL_CONFIGS,
+    assert_in_the_band,
+    assert_leaves_the_band,
+    cache_source,
+    compare,
+    cpu_logits,
+    device_logits,
+    jitter_effect,
+    random_tokens,
+    stepwise_greedy,
+)
+
+CONFIGS = SMALL_CONFIGS
+
+
+@pytest.mark.parametrize("n_prefill", [8, 20])
+def test_a_sliding_window_on_the_device_matches_the_cpu(n_prefill: int) -> None:
+    """Mistral's window of 12: a prefill within it or past it (the prefill attention's first tile starts at the
+    window), then decode steps past it: the CPU decoder's logits, which apply the window, within the band;
+    the same without the window leaves it."""
+    cfg = replace(CONFIGS["llama"], arch="mistral", sliding_window=12)
+    model = synthetic_model(cfg, "q8", seed=3)
+    toks = random_tokens(model.config, 40)
+    ref = cpu_logits(model, toks, n_prefill)
+    fwd = DeviceForward(ops=NumpyOps())
+    result = compare(device_logits(fwd, model, toks, n_prefill), ref, jitter_effect(model, toks, n_prefill, ref))
+    assert result.ok, str(result)
+
+    class NoWindow(NumpyOps):
+        def attention(self, *args, **kw):  # type: ignore[no-untyped-def]
+            super().attention(*args, **{**kw, "window": 0})
+
+    wrong = compare(device_logits(DeviceForward(ops=NoWindow()), model, toks, n_prefill), ref,
+                    jitter_effect(model, toks, n_prefill, ref))
+    assert not wrong.ok, str(wrong)
+
+
+class _NoPostNorm(NumpyOps):
+    def norm_add(self, x, w, eps, y, ssq_out=None):  # type: ignore[no-untyped-def]
+        super().norm_add(x * 0, w, eps, y, ssq_out)  # the projection's output dropped with its norm
+
+
+class _NoFoldedPostNorm(NumpyOps):
+    def gemv(self, lin, x, pro, pw, eps, xoff, y, epi, bias, post=None, **kw):  # type: ignore[no-untyped-def]
+        if post is not None and pro == plan.PRO_POSTNORM:  # the decode steps' post-norms: the output dropped
+            post = replace(post, out=post.out * 0)
+        super().gemv(lin, x, pro, pw, eps, xoff, y, epi, bias, post=post, **kw)
+
+
+class _NoEmbedScale(NumpyOps):
+    def embed(self, codes, scales, group, ids, h, ssq_out=None, mul=1.0):  # type: ignore[no-untyped-def]
+        super().embed(codes, scales, group, ids, h, ssq_out)
+
+
+class _SiluForGelu(NumpyOps):
+    def gemv(self, lin, x, pro, pw, eps, xoff, y, epi, bias, **kw):  # type: ignore[no-untyped-def]
+        super().gemv(lin, x, plan.PRO_SILU_MUL if pro == plan.PRO_GELU_MUL else pro, pw, eps, xoff, y, epi, bias,
+                     **kw)
+
+
+@pytest.mark.parametrize("wrong", [_NoPostNorm, _NoFoldedPostNorm, _NoEmbedScale, _SiluForGelu],
+                         ids=lambda c: c.__name__)
+def test_gemma3_done_wrong_on_the_device_leaves_the_band(wrong: type) -> None:
+    assert_leaves_the_band(synthetic_model(CONFIGS["gemma3"], "q8", seed=3), wrong())
+
+
+def test_gemma3_decode_steps_fold_their_post_norms_into_the_gemvs() -> None:
+    """At M = 1 no post-norm runs as a kernel of its own: the projection before it leaves its sums and the
+    normed GEMV after it applies it (plan.PostNorm); prefill chunks keep norm_add. Within the band."""
+
+    class Counting(NumpyOps):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm_adds: list[int] = []  # the rows of each norm_add
+
+        def norm_add(self, x, w, eps, y, ssq_out=None):  # type: ignore[no-untyped-def]
+            self.norm_adds.append(x.shape[0])
+            super().norm_add(x, w, eps, y, ssq_out)
+
+    model = synthetic_model(CONFIGS["gemma3"], "q8", seed=5)
+    toks = random_tokens(model.config, 30)
+    ref = cpu_logits(model, toks, 12)
+    ops = Counting()
+    result = compare(device_logits(DeviceForward(ops=ops), model, toks, 12), ref,
+                     jitter_effect(model, toks, 12, ref))
+    assert result.ok, str(result)
+    assert ops.norm_adds and 1 not in ops.norm_adds  # the prompt's, and none of a decode step
+
+
+def test_a_head_dim_of_256_matches_the_cpu() -> None:
+    """Gemma 3 1B-12B's head_dim: one forward and its decode steps, the fused RoPE epilogue off (a head is
+    two GEMV column tiles)."""
+    model = synthetic_model(replace(CONFIGS["gemma3"], head_dim=256), "q8", seed=4)
+    assert unsupported_reason(model) is None
+    assert_in_the_band(model, 30, 20)
+
+
+def test_gemma3_from_its_checkpoint_matches_the_cpu() -> None:
+    """tiny-gemma3 as transformers wrote it (sliding window 8, five sliding layers and a full one with their own
+    RoPE, query_pre_attn_scalar, tied embedding): a prefill past the window and decode steps, the CPU
+    decoder's logits within the band."""
+    from kestrel_core.model.loader import load_model
+
+    model = load_model(str(FIXTURES / "tiny-gemma3"), "q8", cache="off").model
+    assert unsupported_reason(model) is None
+    assert_in_the_band(model, 24, 13)
+
+
+def test_a_mixture_of_experts_through_the_window_matches_the_resident_forward() -> None:
+    """Per-layer fetches of every expert through a WeightCache with keep=1 (each step's expert tables made from
+    what the cache holds then): the resident forward's logits, bit for bit."""
+    from kestrel_core.model.loader import load_model
+
+    model = load_model(str(FIXTURES / "tiny-qwen2-moe"), "q8", cache="off").model
+    toks = random_tokens(model.config, 16)
+    cache = WeightCache(NumpyAllocator(1 << 30), budget=1 << 30, keep=1)
+    uploads: list[int] = []
+    windowed = DeviceForward(cache_source(cache, uploads), cache.on_layer_boundary, ops=NumpyOps())
+    a = device_logits(windowed, model, toks, 8)
+    b = device_logits(DeviceForward(ops=NumpyOps()), model, toks, 8)
+    assert np.array_equal(a, b) and cache.stats()["evictions"] > 0
+
+
+@pytest.mark.parametrize("fixture", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-qwen2-moe"])
+def test_a_mixture_of_experts_from_its_checkpoint_matches_the_cpu(fixture: str) -> None:
+    """The routed experts (and Qwen2-MoE's gated shared one), routed on the device: a prefill (each chosen
+    expert on its rows) and captured decode steps (the chosen experts' GEMVs) within the band; the pipelined
+    greedy decode gives the step-by-step tokens."""
+    from kestrel_core.model.loader import load_model
+
+    model = load_model(str(FIXTURES / fixture), "q8", cache="off").model
+    assert unsupported_reason(model) is None
+    fwd = assert_in_the_band(model, 20, 12)
+    assert fwd.counters["graph_captures"] == 1 and fwd.counters["graph_replays"] == 8
+    prompt = random_tokens(model.config, 7)
+    expect, _ = stepwise_greedy(DeviceForward(ops=NumpyOps()), model, prompt, 6)
+    fwd = DeviceForward(ops=NumpyOps())
+    fwd.forward(model, 1, prompt, 0, False)
+    assert [expect[0]] + list(fwd.greedy(model, 1, expect[0], len(prompt), 6)) == expect
+
+
+@pytest.mark.parametrize("m,k,e", [(1, 8, 128), (32, 8, 128), (100, 4, 16), (7, 2, 8)])
+def test_group_capacity_holds_every_grouping_and_the_mirror_pads_to_it(m: int, k: int, e: int) -> None:
+    """The grouped GEMM's grid, group_capacity blocks, takes every grouping of m rows' k of e experts, the
+    most groups included (every expert chosen, its count just past a block); the mirror of moe_group fills
+    the blocks past the rows' own with (0, 0, 0), the GEMM's sign of a block that does nothing."""
+    rng = np.random.default_rng(m + e)
+    top = np.sort(np.stack([rng.choice(e, k, replace=False) for _ in range(m)]), axis=1)
+    rows = plan.grouped_rows(m * k, e)
+    cap = plan.group_capacity(m * k, e, rows)
+    source, position, groups = plan.expert_groups(top, rows)
+    assert len(groups) <= cap
+    for r in (plan.GROUPED_ROWS, plan.GROUPED_ROWS_FEW):
+        worst = (e * (r + 1), e)  # pairs and experts for the most groups: e x 2
+        assert plan.group_capacity(*worst, r) >= 2 * e
+    ops = NumpyOps()
+    got = (np.full(m * k, -1, np.int32), np.full(m * k, -1, np.int32), np.full((cap, 3), -1, np.int32))
+    ops.moe_group(top, e, *got, rows)
+    assert np.array_equal(got[0], source) and np.array_equal(got[1], position)
+    assert np.array_equal(got[2][:len(groups)], groups) and not got[2][len(groups):].any()
+
+
+def test_device_routing_chooses_the_cpu_decoders_experts() -> None:
+    """moe_route's mirror against kestrel_core's route: the same experts (in increasing order) and weights,
+    with and without renormalising over the k, the shared gate's sigmoid last."""
+    from kestrel_core.model.decoder import rmsnorm, route, shared_expert_scale
+
+    rng = np.random.default_rng(5)
+    m, d, e, k = 6, 64, 16, 4
+    h = rng.standard_normal((m, d)).astype(np.float32)
+    norm = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    router = rng.standard_normal((e, d)).astype(np.float32)
+    gate = rng.standard_normal((1, d)).astype(np.float32)
+    for norm_topk in (True, False):
+        sel, wts, xn = np.zeros((m, k), np.int32), np.zeros((m, k + 1), np.float32), np.zeros((m, d), np.float32)
+        NumpyOps().moe_route(h, norm, 1e-6, np.concatenate([router, gate]), e, k, norm_topk, xn, None, sel, wts)
+        x = rmsnorm(h, norm, np.float32(1e-6))
+        top, weights = route(x, router, k, norm_topk)
+        order = np.argsort(top, axis=1)
+        assert np.array_equal(sel, np.take_along_axis(top, order, axis=1))
+        np.testing.assert_allclose(wts[:, :k], np.take_along_axis(weights, order, axis=1), rtol=1e-5)
+        np.testing.assert_allclose(wts[:, k:], shared_expert_scale(x, gate), rtol=1e-5)
+
+
+def test_a_mixture_of_experts_done_wrong_on_the_device_leaves_the_band() -> None:
+    """Each row's experts summed without their router weights: far outside the band."""
+    from kestrel_core.model.loader import load_model
+
+    class Unweighted(NumpyOps):
+        def moe_combine(self, y, k, wts, h, *args):  # type: ignore[no-untyped-def]
+            super().moe_combine(y, k, np.ones_like(wts), h, *args)
+
+    assert_leaves_the_band(load_model(str(FIXTURES / "tiny-qwen3-moe"), "q8", cache="off").model, Unweighted(),
+                            n_tokens=20, n_prefill=12)
+
+
+def test_a_mixture_of_experts_decoded_with_the_wrong_experts_leaves_the_band() -> None:
+    """The decode steps' GEMVs or the prefill's grouped GEMMs taking the expert after each chosen one: far
+    outside the band."""
+    from kestrel_core.model.loader import load_model
+
+    class NextExpert(NumpyOps):
+        def gemv(self, lin, x, *args, experts=None, **kw):  # type: ignore[no-untyped-def]
+            if experts is not None:
+                table, sel, slots = experts
+                experts = (table, (sel + 1) % len(table), slots)
+            super().gemv(lin, x, *args, experts=experts, **kw)
+
+    class NextGroup(NumpyOps):
+        def experts_gemm(self, lin, x, pro, xoff, y, table, groups, blocks, rows):  # type: ignore[no-untyped-def]
+            shifted = groups.copy()
+            shifted[:, 0] = (shifted[:, 0] + 1) % len(table)
+            super().experts_gemm(lin, x, pro, xoff, y, table, shifted, blocks, rows)
+
+    model = load_model(str(FIXTURES / "tiny-qwen3-moe"), "q8", cache="off").model
+    for wrong in (NextExpert(), NextGroup()):
+        assert_leaves_the_band(model, wrong, n_tokens=20, n_prefill=12)
+
+
+@pytest.mark.parametrize(("fixture", "why"), [("tiny-gemma2", "architecture 'gemma2'")])
+def test_device_forward_names_what_it_cannot_run(fixture: str, why: str) -> None:
+    """Gemma 2 (soft caps) goes through the GEMM hooks; the reason names the architecture."""
+    from kestrel_core.model.loader import load_model
+
+    model = load_model(str(FIXTURES / fixture), "q8", cache="off").model
+    assert unsupported_reason(model) == why
