@@ -116,6 +116,11 @@ __device__ __forceinline__ void tile_cluster_store(float (&facc)[MI][4][4], bool
     constexpr int Q = BM * BN / 4;  // float4s of the tile
     const int nz = gridDim.z, z = blockIdx.z, q0 = z * Q / nz, q1 = (z + 1) * Q / nz;
     for (int q = q0 + (int)threadIdx.x; q < q1; q += (int)blockDim.x) {
+        // what is not stored (rows past M, columns past N) is not loaded: a load whose value nothing waits for
+        // may still be in flight when the block it reads exits after the last barrier (its arrive is relaxed),
+        // and reading an exited block's shared memory is an error
+        const int row = m0 + 4 * q / BN, col = n0 + 4 * q % BN;
+        if (row >= M || col >= N) continue;
         float4 split[MAX_CLUSTER], first[MAX_CLUSTER / 2];  // every split's loads in flight at once
 #pragma unroll
         for (int r = 0; r < MAX_CLUSTER; ++r)
@@ -132,8 +137,6 @@ __device__ __forceinline__ void tile_cluster_store(float (&facc)[MI][4][4], bool
             }
             if (r < nz) { s.x += split[r].x; s.y += split[r].y; s.z += split[r].z; s.w += split[r].w; }
         }
-        const int row = m0 + 4 * q / BN, col = n0 + 4 * q % BN;
-        if (row >= M) continue;
         float* o = out + (size_t)row * ldo + col;
         if (vec && col + 4 <= N) {
             *reinterpret_cast<float4*>(o) = s;
@@ -144,6 +147,6 @@ __device__ __forceinline__ void tile_cluster_store(float (&facc)[MI][4][4], bool
                 if (col + c < N) o[c] = v[c];
         }
     }
-    cluster_arrive_relaxed();  // the loads above are done: nothing to publish
+    cluster_arrive_relaxed();  // every load above is done (its sum is stored): nothing to publish
     cluster_wait();  // no block leaves while another still reads its shared memory
 }
