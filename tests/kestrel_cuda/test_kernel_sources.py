@@ -126,3 +126,15 @@ def test_the_quantize_rows_chunk_is_rows_cus() -> None:
     text = kernels.source_text(kernels.FORWARD_SOURCES)
     define = {name: value for name, value in re.findall(r"#define (\w+) (\w+)", text)}
     assert int(define["NT"]) * int(define["QUANT_LOADS"]) == QUANT_CHUNK
+
+
+def test_the_cluster_merge_loads_only_what_it_stores() -> None:
+    """gemm_tile.cuh's tile_cluster_store skips the float4s it will not store (rows past M, columns past N)
+    before it loads them from the cluster's blocks: a distributed shared-memory load whose value no store waits
+    for may still be in flight at the relaxed arrive, and the block it reads may have exited by then."""
+    text = (kernels.HERE / "gemm_tile.cuh").read_text(encoding="utf-8")
+    body = text[text.index("void tile_cluster_store("):]
+    body = body[:body.index("\n}\n")]
+    skip = re.search(r"if \(row >= M \|\| col >= N\) continue;", body)
+    assert skip is not None and skip.start() < body.index("ld_cluster_f4(")
+    assert body.index("cluster_arrive_relaxed()") > body.rindex("ld_cluster_f4(")
