@@ -223,11 +223,21 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const u32 (&a)[4], u32 b0
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// With ``codes``, attn_rows also writes the o projection's activation codes and scales of its rows, as
+// quantize_rows (pro 0, G = 32) would make them from out (common.cuh q8_scale): hd % 32 == 0, so a group is
+// one head's. A group's values are held by ``lanes`` consecutive lanes (a power of two); group_scale exchanges
+// their largest magnitudes and returns the group's scale.
+__device__ __forceinline__ float group_scale(float amax, int lanes) {
+    for (int o = 1; o < lanes; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, o));
+    return q8_scale(amax);
+}
+
 template <int HDP>
 __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
     const float* __restrict__ q, const kv_t* __restrict__ kc, const kv_t* __restrict__ vc, int cap, int H,
     int KV, int hd, float scale, const int* __restrict__ rows, const int* __restrict__ tables, int tb,
-    float* __restrict__ out, int splits, float* __restrict__ part, int* __restrict__ counters, int window)
+    float* __restrict__ out, int splits, float* __restrict__ part, int* __restrict__ counters, int window,
+    i8* __restrict__ codes, float* __restrict__ cscales)
 {
     static_assert(HDP >= 16 && HDP <= 256 && (HDP & (HDP - 1)) == 0, "HDP: a power of two, 16..256");
     static_assert(ROWS_WARPS == 2, "each warp takes 16 of a page's PT = 32 positions; warp 1 joins warp 0 at the end");
@@ -432,17 +442,34 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
         }
     }
     const int rec = hd + 4;                 // a split's record: max, sum, 2 spare, acc[hd] (16-byte aligned)
-    if (warp == 0 && gid < heads) {         // head gid: its hi and lo terms' sums added
-        float* dst = splits == 1 ? out + ((size_t)row * H + head0 + gid) * hd
-                                 : part + (((size_t)row * H + head0 + gid) * splits + split) * rec + 4;
-        if (splits > 1 && tig == 0) { dst[-4] = mx0; dst[-3] = l0; }  // empty: -inf, 0
+    if (warp == 0) {                        // head gid (< heads: the others repeat head 0): hi and lo sums added
+        const bool live = gid < heads;
+        const size_t at = ((size_t)row * H + head0 + gid) * hd;  // its first value in out and in codes
+        float* dst = splits == 1 ? out + at : part + (((size_t)row * H + head0 + gid) * splits + split) * rec + 4;
+        if (live && splits > 1 && tig == 0) { dst[-4] = mx0; dst[-3] = l0; }  // empty: -inf, 0
+        float2 v[NV];
 #pragma unroll
         for (int n = 0; n < NV; ++n) {
             const int d = 8 * n + 2 * tig;  // d < hd, hd % 4 == 0: d + 1 < hd
-            if (d >= hd) continue;
-            float2 v = make_float2((o[n][0] + o[n][2]) * P_UNSCALE, (o[n][1] + o[n][3]) * P_UNSCALE);
-            if (splits == 1) { v.x = v.x / l0; v.y = v.y / l0; }
-            *reinterpret_cast<float2*>(dst + d) = v;
+            v[n] = make_float2((o[n][0] + o[n][2]) * P_UNSCALE, (o[n][1] + o[n][3]) * P_UNSCALE);
+            if (splits == 1) { v[n].x = v[n].x / l0; v[n].y = v[n].y / l0; }
+            if (live && d < hd) *reinterpret_cast<float2*>(dst + d) = v[n];
+        }
+#pragma unroll
+        for (int g = 0; g < NV / 4; ++g) {  // group g: pairs n = 4 g .. 4 g + 3 of the head's four lanes
+            if (splits == 1 && codes && 32 * g < hd) {
+                float amax = 0.f;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fmaxf(fabsf(v[4 * g + j].x), fabsf(v[4 * g + j].y)));
+                const float d = group_scale(amax, 4), inv = q8_inv(d);
+                if (live) {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        *reinterpret_cast<char2*>(codes + at + 8 * (4 * g + j) + 2 * tig) =
+                            make_char2(q8_code(v[4 * g + j].x, inv), q8_code(v[4 * g + j].y, inv));
+                    if (tig == 0) cscales[at / 32 + g] = d;
+                }
+            }
         }
     }
     if (splits == 1) return;
@@ -476,12 +503,20 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
                 a[ch][3] += v[t][ch].w * w;
             }
         }
-        float* dst = out + ((size_t)row * H + head0 + r) * hd + d4;
+        const size_t at = ((size_t)row * H + head0 + r) * hd + d4;
 #pragma unroll
-        for (int ch = 0; ch < NCH; ++ch)
-            if (d4 + 128 * ch < hd)
-                *reinterpret_cast<float4*>(dst + 128 * ch) =
-                    make_float4(a[ch][0] / gl, a[ch][1] / gl, a[ch][2] / gl, a[ch][3] / gl);
+        for (int ch = 0; ch < NCH; ++ch) {
+            const bool in = d4 + 128 * ch < hd;  // with codes the same for a group's 8 lanes (hd % 32 == 0)
+            const float4 y = make_float4(a[ch][0] / gl, a[ch][1] / gl, a[ch][2] / gl, a[ch][3] / gl);
+            if (in) *reinterpret_cast<float4*>(out + at + 128 * ch) = y;
+            if (!codes) continue;
+            const float d = group_scale(fmaxf(fmaxf(fabsf(y.x), fabsf(y.y)), fmaxf(fabsf(y.z), fabsf(y.w))), 8);
+            const float inv = q8_inv(d);
+            if (!in) continue;
+            *reinterpret_cast<char4*>(codes + at + 128 * ch) =
+                make_char4(q8_code(y.x, inv), q8_code(y.y, inv), q8_code(y.z, inv), q8_code(y.w, inv));
+            if ((lane & 7) == 0) cscales[(at + 128 * ch) / 32] = d;
+        }
     }
     if (tid == 0) counters[((size_t)row * KV + kvh) * parts + hpart] = 0;
 }

@@ -6,6 +6,13 @@ typedef signed char i8;
 
 #define FULL_MASK 0xffffffffu
 
+// Q8_0 of a group of activations, bit for bit as kestrel_core.contract.quantize_activations: the scale
+// d = amax / 127 (amax: the group's largest magnitude), inv = 1 / d (0 when d == 0), a value's code
+// roundf(v * inv) (half away from zero), in float32 with IEEE division (NVRTC's default -prec-div=true).
+__device__ __forceinline__ float q8_scale(float amax) { return amax / 127.0f; }
+__device__ __forceinline__ float q8_inv(float d) { return d == 0.0f ? 0.0f : 1.0f / d; }
+__device__ __forceinline__ i8 q8_code(float v, float inv) { return (i8)(int)roundf(v * inv); }
+
 // Four words holding rows k0..k3 of four consecutive columns (byte j = column j) become four words holding
 // columns 0..3 (byte r = row k0+r): the operand order __dp4a and mma.sync want. 8 byte permutes.
 __device__ __forceinline__ void transpose4x4(u32 w0, u32 w1, u32 w2, u32 w3,

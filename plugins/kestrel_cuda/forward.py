@@ -493,8 +493,10 @@ class DeviceForward:
             if rope is None:
                 ops.qkv_rope(st.qkv[:m], heads, kv_heads, hd, layer.q_norm, layer.k_norm, eps, layer.cos, layer.sin,
                              st.meta, st.q[:m], kc, vc, **at)
-            ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m], **at, window=c.window_of(i) or 0)
-            pending = self._residual(w.o, st.attn[:m], PRO_PLAIN, 0, layer.post_attn_norm, st, h, m, eps, ssq, fold)
+            quantized = ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m], **at,
+                                      window=c.window_of(i) or 0, quantize_for=w.o if fold is None else None)
+            pending = self._residual(w.o, st.attn[:m], PRO_PLAIN, 0, layer.post_attn_norm, st, h, m, eps, ssq, fold,
+                                     quantized)
             if w.experts:
                 moe_mlp(self.ops, st, i, w, m, eps, ssq)
                 continue
@@ -523,19 +525,19 @@ class DeviceForward:
             self.ops.gemv(lin, h, PRO_POSTNORM, norm, eps, 0, y, EPI_STORE, bias, rope=rope, post=pending)
 
     def _residual(self, lin: Lin, x: Any, pro: int, xoff: int, post_norm: Any, st: State, h: Any, m: int,
-                  eps: float, ssq: Any, fold: tuple[Any, Any] | None) -> PostNorm | None:
+                  eps: float, ssq: Any, fold: tuple[Any, Any] | None, quantized: bool = False) -> PostNorm | None:
         """h += lin(prologue(x)), or h += rmsnorm(lin(prologue(x)), post_norm) (Gemma's post-norms): with
         ``fold`` (the two residual rows, h one of them) left to the next normed GEMV, which stores the sum in the
-        other row, and returned."""
+        other row, and returned. ``quantized``: x's codes are written already (ops.gemv)."""
         if post_norm is None:
-            self.ops.gemv(lin, x, pro, None, eps, xoff, h, EPI_ADD, None, ssq_out=ssq)
+            self.ops.gemv(lin, x, pro, None, eps, xoff, h, EPI_ADD, None, ssq_out=ssq, quantized=quantized)
             return None
         if fold is not None:
             other = fold[1] if h is fold[0] else fold[0]
             post = PostNorm(post_norm, h, st.out[:1], st.post[1], other)
             self.ops.gemv(lin, x, pro, None, eps, xoff, st.out[:1], EPI_STORE, None, post=post)
             return post
-        self.ops.gemv(lin, x, pro, None, eps, xoff, st.out[:m], EPI_STORE, None)
+        self.ops.gemv(lin, x, pro, None, eps, xoff, st.out[:m], EPI_STORE, None, quantized=quantized)
         self.ops.norm_add(st.out[:m], post_norm, eps, h, ssq_out=ssq)
         return None
 

@@ -213,9 +213,10 @@ class DeviceGemm:
     # -- GEMMs ---------------------------------------------------------------------------------------
 
     def q8(self, a_codes: Any, a_scales: Any, weight: DeviceWeight, out: Any, n: int | None = None,
-           stream: Any = None, *, pdl: bool = False, variant: tuple | None = None, splits: int | None = None,
-           mma_tile: str | None = None) -> None:
-        """out[:M, :n] = int8 GEMM of a_codes [M,K] (scales [M,K/G]) with ``weight``.
+           stream: Any = None, *, pdl: bool = False, accumulate: bool = False, variant: tuple | None = None,
+           splits: int | None = None, mma_tile: str | None = None) -> None:
+        """out[:M, :n] = int8 GEMM of a_codes [M,K] (scales [M,K/G]) with ``weight``; with ``accumulate``
+        (the tensor-core kernel) out[:M, :n] += it instead (the residual add, bits as out + a stored result).
 
         ``pdl`` (the tensor-core kernel, inside a graph capture): launched with programmatic stream
         serialization, so it copies its first weights while the previous kernel still runs (gemm_mma.cu).
@@ -231,13 +232,15 @@ class DeviceGemm:
         if k != g.k or a_scales.shape != (m, g.ngroups) or out.shape[0] < m or out.shape[1] < n or n > g.npad:
             raise ValueError(f"q8: shapes do not match (A {a_codes.shape}, weight K={g.k} Npad={g.npad})")
         if (m <= GEMV_MAX_M or variant is not None) and mma_tile is None:
+            if accumulate:
+                raise ValueError("q8: accumulate is the tensor-core kernel's (M > 1)")
             self._gemv_warp(a_codes, a_scales, weight, out, n, ldo, stream, variant, splits)
             return
         rest = split_rows(m, k, g.npad) if mma_tile is None and splits is None else 0
         if rest:
             head = m - rest
-            self.q8(a_codes[:head], a_scales[:head], weight, out[:head], n, stream, pdl=pdl)
-            self.q8(a_codes[head:], a_scales[head:], weight, out[head:m], n, stream, pdl=pdl)
+            self.q8(a_codes[:head], a_scales[:head], weight, out[:head], n, stream, pdl=pdl, accumulate=accumulate)
+            self.q8(a_codes[head:], a_scales[head:], weight, out[head:m], n, stream, pdl=pdl, accumulate=accumulate)
             return
         name = mma_tile or self.tile_for(m, g)
         tile = BLOCK_SHAPES[name]
@@ -270,12 +273,12 @@ class DeviceGemm:
             tws = self._map(weight.scales.data.ptr, enc.FLOAT32, (g.npad, g.ngroups), 4 * g.npad,
                             (tile.bn, MMA_BK // 32), False)
             ta = self._map(a_codes.data.ptr, enc.UINT8, (k, m), k, (MMA_BK, tile.bm), True)
-            args = (tw, tws, ta, _ptr(a_scales), i32(m), _ptr(out), i32(ldo), i32(n), i32(k), i32(per), i32(chunks),
-                    _ptr(ws.partial))
+            args = (tw, tws, ta, _ptr(a_scales), i32(m), _ptr(out), i32(ldo), i32(accumulate), i32(n), i32(k),
+                    i32(per), i32(chunks), _ptr(ws.partial))
         else:
             args = (_ptr(a_codes), _ptr(a_scales), i32(m), _ptr(weight.codes), _ptr(weight.scales), _ptr(out),
-                    i32(ldo), i32(n), i32(k), i32(g.npad), _ptr(ws.partial), _ptr(ws.counters), i32(per), NULL,
-                    NULL)
+                    i32(ldo), i32(accumulate), i32(n), i32(k), i32(g.npad), _ptr(ws.partial), _ptr(ws.counters),
+                    i32(per), NULL, NULL)
         if (cluster or pdl or name in TMA_TILES) and self._ex is not None:
             self._ex.launch(kern, grid, (tile.threads,), args, smem,
                             stream if stream is not None else self.cp.cuda.get_current_stream(), pdl, cluster)
@@ -317,8 +320,8 @@ class DeviceGemm:
             raise ValueError(f"grouped: no kernel or shapes do not match (A {a_codes.shape}, K={g.k})")
         ws = self.workspace(stream)
         _launch(kern, (blocks, _cdiv(g.npad, tile.bn), 1), (tile.threads,),
-                (a_codes, a_scales, i32(a_codes.shape[0]), NULL, NULL, out, i32(row_stride(out)), i32(n), i32(g.k),
-                 i32(g.npad), ws.partial, ws.counters, i32(_cdiv(g.k, MMA_BK)), groups, table), stream,
+                (a_codes, a_scales, i32(a_codes.shape[0]), NULL, NULL, out, i32(row_stride(out)), i32(0), i32(n),
+                 i32(g.k), i32(g.npad), ws.partial, ws.counters, i32(_cdiv(g.k, MMA_BK)), groups, table), stream,
                 tile.smem_bytes(g.code_bits, g.group_size))
         self.launches["mma"] += 1
 

@@ -16,7 +16,8 @@
 // groups). Launched as one thread block cluster per tile (sm_90), the splits add their sums through
 // distributed shared memory, each block a 1/nz slice of the tile in z order; otherwise each stores its sums to
 // part[z][M][Npad] and the last block of a tile to arrive on its counter (then reset) adds them in z order:
-// the same bits. With one split the sums go straight to out. They take whole stages and column tiles only
+// the same bits. With one split the sums go straight to out. ``add``: every shape adds its sums to what out
+// holds (the residual add: out + sum, as add_rows would) instead of storing them. They take whole stages and column tiles only
 // (K % BK == 0, Npad % BN == 0: gemm.split_fits), so their copies carry no bounds checks (about half the
 // loop's instructions, docs/performance.md), and scale each group with two fused multiply-adds instead of
 // three operations (the scaling is most of the loop's instructions; MAGIC: below): y = fmaf(MAGIC + s, a,
@@ -70,7 +71,7 @@ template <int BITS, int G, int WM, int WN, int MI, int MINB, bool SPLIT>
 __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
         const i8* __restrict__ A, const float* __restrict__ As, int M,
         const u8* __restrict__ W, const float* __restrict__ Ws,
-        float* __restrict__ out, int ldo, int N, int K, int Npad,
+        float* __restrict__ out, int ldo, int add, int N, int K, int Npad,
         float* __restrict__ part, unsigned* __restrict__ counters, int kstages,
         const int* __restrict__ groups, const unsigned long long* __restrict__ etab) {
     using T = GqTile<BITS, G, WM, WN, MI>;
@@ -355,7 +356,7 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     if (SPLIT && nz > 1 && cluster_size() > 1) {  // the splits are one cluster: every block adds 1/nz of the tile
         __syncthreads();  // every warp is done with the pipeline's buffers
         tile_cluster_store<MI, BM, BN>(facc, true, reinterpret_cast<float*>(smem), wm * MI * 16, wn * 32, out, ldo,
-                                       M, N, m0, n0, vec, nullptr, 0);
+                                       M, N, m0, n0, vec, add, nullptr, 0);
         return;
     }
     if (nz > 1) {  // this split's sums to part; the tile's last block adds every split's in z order
@@ -411,5 +412,5 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
         if (tid == 0) counters[tile] = 0;
     }
 
-    tile_store_rows<MI>(facc, out, ldo, M, N, m0 + wm * MI * 16, n0 + wn * 32, vec);
+    tile_store_rows<MI>(facc, out, ldo, M, N, m0 + wm * MI * 16, n0 + wn * 32, vec, add);
 }

@@ -38,10 +38,21 @@ __device__ __forceinline__ void tile_scale_split(const int (&iacc)[MI][4][4], fl
         }
 }
 
-// A warp's sums stored to rows r0.. (its first row; rows >= M skipped), columns c0 + 8 tig .. + 7 of out.
+// out's four floats at o (16-byte aligned) set to v, or with ``add`` to their sum with v (the residual add)
+__device__ __forceinline__ void put4(float* o, float4 v, bool add) {
+    float4* o4 = reinterpret_cast<float4*>(o);
+    if (add) {
+        const float4 p = *o4;
+        v = make_float4(p.x + v.x, p.y + v.y, p.z + v.z, p.w + v.w);
+    }
+    *o4 = v;
+}
+
+// A warp's sums stored to rows r0.. (its first row; rows >= M skipped), columns c0 + 8 tig .. + 7 of out, or
+// with ``add`` added to what out holds there.
 template <int MI>
 __device__ __forceinline__ void tile_store_rows(const float (&facc)[MI][4][4], float* __restrict__ out, int ldo,
-                                                int M, int N, int r0, int c0, bool vec) {
+                                                int M, int N, int r0, int c0, bool vec, bool add) {
     const int gid = (threadIdx.x & 31) >> 2, tig = threadIdx.x & 3;
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
@@ -55,12 +66,12 @@ __device__ __forceinline__ void tile_store_rows(const float (&facc)[MI][4][4], f
             for (int q = 0; q < 8; ++q) v[q] = facc[mi][q & 3][2 * h + (q >> 2)];
             float* o = out + (size_t)r * ldo + c;
             if (vec && c + 8 <= N) {
-                *reinterpret_cast<float4*>(o) = make_float4(v[0], v[1], v[2], v[3]);
-                *reinterpret_cast<float4*>(o + 4) = make_float4(v[4], v[5], v[6], v[7]);
+                put4(o, make_float4(v[0], v[1], v[2], v[3]), add);
+                put4(o + 4, make_float4(v[4], v[5], v[6], v[7]), add);
             } else {
 #pragma unroll
                 for (int q = 0; q < 8; ++q)
-                    if (c + q < N) o[q] = v[q];
+                    if (c + q < N) o[q] = add ? o[q] + v[q] : v[q];
             }
         }
 }
@@ -104,12 +115,12 @@ __device__ __forceinline__ void tile_put(float (&facc)[MI][4][4], float* tile, i
 // from wc0) put them in its shared ``tile``, then every block adds 1/nz of the tile over the splits in z order
 // and stores it. A split of two K chunks (ranks below ``nstash``) left its first chunk's sums in global memory,
 // ``stash`` + rank x BM x BN (tile_put): it comes before the split's shared tile, so the sums are added chunk
-// by chunk in K order whatever the chunks a split. Called by every thread of the block, after its last read of
-// ``tile``'s memory.
+// by chunk in K order whatever the chunks a split. ``add``: the tile added to what out holds. Called by every
+// thread of the block, after its last read of ``tile``'s memory.
 template <int MI, int BM, int BN>
 __device__ __forceinline__ void tile_cluster_store(float (&facc)[MI][4][4], bool holds, float* tile, int wr0,
                                                    int wc0, float* __restrict__ out, int ldo, int M, int N, int m0,
-                                                   int n0, bool vec, const float* stash, int nstash) {
+                                                   int n0, bool vec, bool add, const float* stash, int nstash) {
     if (holds) tile_put<MI, BN>(facc, tile, wr0, wc0, false);
     cluster_arrive();
     cluster_wait();  // every split's sums are in its block's shared memory
@@ -139,12 +150,12 @@ __device__ __forceinline__ void tile_cluster_store(float (&facc)[MI][4][4], bool
         }
         float* o = out + (size_t)row * ldo + col;
         if (vec && col + 4 <= N) {
-            *reinterpret_cast<float4*>(o) = s;
+            put4(o, s, add);
         } else {
             const float v[4] = {s.x, s.y, s.z, s.w};
 #pragma unroll
             for (int c = 0; c < 4; ++c)
-                if (col + c < N) o[c] = v[c];
+                if (col + c < N) o[c] = add ? o[c] + v[c] : v[c];
         }
     }
     cluster_arrive_relaxed();  // every load above is done (its sum is stored): nothing to publish

@@ -19,7 +19,7 @@
 // shape only) and a block takes ``chunks`` (1 or 2) of them, z-th of the cluster. Each chunk's sums start from
 // zero: a block of two stashes its first chunk's in global memory (``stash``: BM x BN floats a block) and the
 // merge adds every chunk in K order, so a row has the same bits whatever the chunks a block (fewer, longer
-// blocks at 33-64 rows: gemm.py).
+// blocks at 33-64 rows: gemm.py). ``add``: the sums added to what out holds, as gemm_mma.cu.
 #define TMA_BK 128
 #define TMA_BM 32
 #define TMA_STAGES 3  // three blocks an SM (registers <= 136 and shared memory); 4 stages at 2 blocks: slower
@@ -57,7 +57,7 @@ struct TmaTile {
 
 extern "C" __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
         const __grid_constant__ TmaDesc tw, const __grid_constant__ TmaDesc tws, const __grid_constant__ TmaDesc ta,
-        const float* __restrict__ As, int M, float* __restrict__ out, int ldo, int N, int K, int kstages,
+        const float* __restrict__ As, int M, float* __restrict__ out, int ldo, int add, int N, int K, int kstages,
         int chunks, float* __restrict__ stash) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     using T = TmaTile;
@@ -192,12 +192,12 @@ extern "C" __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
     if (gridDim.z > 1) {  // the splits are one cluster (gemm.py launches no other way)
         __syncthreads();  // every stage is consumed: the buffers are free
         tile_cluster_store<MI, BM, BN>(facc, warp < CW, reinterpret_cast<float*>(smem), 0, wn * 32, out, ldo,
-                                       M, N, m0, n0, vec, tile_stash, nstash);
+                                       M, N, m0, n0, vec, add, tile_stash, nstash);
         return;
     }
     if (warp < CW) {
         if (nstash) tile_put<MI, BN>(facc, tile_stash, 0, wn * 32, true);  // the first chunk's sums, then this one's
-        tile_store_rows<MI>(facc, out, ldo, M, N, m0, n0 + wn * 32, vec);
+        tile_store_rows<MI>(facc, out, ldo, M, N, m0, n0 + wn * 32, vec, add);
     }
 #else
     __trap();  // launched on sm_90 only (gemm.py)

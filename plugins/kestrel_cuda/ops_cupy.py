@@ -19,16 +19,18 @@ from kestrel_cuda.forward_launch import ptr_arg as _ptr
 from kestrel_cuda.kernels import FORWARD_SOURCES, OPTIONS, source_text
 from kestrel_cuda.layout import Geometry
 from kestrel_cuda.plan import (
+    ATTN_CODES_GROUP,
     ATTN_ROWS_HEAD_DIMS,
     ATTN_ROWS_HEADS,
     ATTN_ROWS_WARPS,
     ATTN_SPLITS,
-    EPI_STORE,
+    EPI_ADD,
     FINISH_COLS,
     KV_BLOCK,
     MAX_HEAD_DIM,
     MERGE_MODES,
     MERGE_SPLITS,
+    PRO_PLAIN,
     PRO_POSTNORM,
     ROUTE_ROWS,
     SMALL_M,
@@ -280,7 +282,7 @@ class CupyOps:
     def gemv(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
              bias: Any, ssq_in: Any = None, ssq_out: Any = None, rope: QkvRope | None = None,
              experts: tuple[Any, Any, int] | None = None, sel_ready: bool = False,
-             post: PostNorm | None = None) -> None:
+             post: PostNorm | None = None, quantized: bool = False) -> None:
         """ssq_in / ssq_out (M = 1 only): the residual stream's tile sums of squares, read by an RMSNorm
         prologue (pro 1) instead of the row, written with a residual-add epilogue's outputs. ``post`` (M = 1):
         with pro PRO_POSTNORM this GEMV reads the post-norm (x is its ``h``), else it is the projection before
@@ -288,7 +290,9 @@ class CupyOps:
         one head per column tile): the epilogue does qkv_rope's work instead of storing. ``experts`` (table,
         sel, slots): row j of y gets the expert sel[j] of ``table`` (``expert_table``; ``lin`` has their shape
         and plan) on row j of x, or on its one row; ``sel_ready``: the launch before this one in the stream is
-        a routed GEMV on the same ``sel`` (gemv.cu: this one then reads sel before its PDL wait)."""
+        a routed GEMV on the same ``sel`` (gemv.cu: this one then reads sel before its PDL wait). ``quantized``
+        (M > 1, the tiled GEMM, PRO_PLAIN, G = 32): x's codes are where that GEMM reads them already
+        (``attention(quantize_for=lin)`` wrote them), so no prologue kernel runs."""
         m = x.shape[0]
         if post is not None and (m != 1 or experts is not None):
             raise ValueError("a post-norm folds into M = 1 GEMVs only")
@@ -299,8 +303,10 @@ class CupyOps:
             table, sel, m = experts
             ldx = _i32(0) if x.shape[0] == 1 else ldx
         elif m > 1 and self.gemm is not None:
-            self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias)
+            self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias, quantized)
             return
+        if quantized:
+            raise ValueError("pre-quantized rows are the tiled GEMM's (M > 1)")
         one = m == 1 or experts is not None  # one row a block
         mr = 1 if one else SMALL_M
         ksplit = lin.ksplit if one else 1
@@ -368,8 +374,7 @@ class CupyOps:
         if self.gemm is None:
             raise RuntimeError("a mixture of experts' step of several rows needs the tiled GEMM")
         p, k, g = x.shape[0], lin.k, lin.group_size
-        codes = self._scratch("codes", p * k, np.int8).reshape(p, k)
-        scales = self._scratch("scales", p * (k // g), np.float32).reshape(p, k // g)
+        codes, scales = self.gemm_input(p, k, g)
         self._quantize_rows(x, p, k, g, pro, None, 0.0, xoff, codes, scales)
         geometry = Geometry(k, lin.npad, k // g, lin.bits)
 
@@ -382,25 +387,34 @@ class CupyOps:
             run()
 
     def _tiled(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
-               bias: Any) -> None:
-        """Prologue kernel -> codes/scales, the tiled GEMM (gemm.DeviceGemm) -> tmp, epilogue kernel -> y; a
-        plain store (no bias) goes from the GEMM to y itself."""
+               bias: Any, quantized: bool = False) -> None:
+        """Prologue kernel -> codes/scales, the tiled GEMM (gemm.DeviceGemm) -> tmp, epilogue kernel -> y;
+        without a bias the GEMM stores into y, or adds to it (EPI_ADD), itself."""
         m, k, g = x.shape[0], lin.k, lin.group_size
-        codes = self._scratch("codes", m * k, np.int8).reshape(m, k)
-        scales = self._scratch("scales", m * (k // g), np.float32).reshape(m, k // g)
-        direct = epi == EPI_STORE and bias is None
+        codes, scales = self.gemm_input(m, k, g)
+        direct = bias is None
         tmp = y if direct else self._scratch("tmp", m * lin.npad, np.float32).reshape(m, lin.npad)
-        self._quantize_rows(x, m, k, g, pro, pw, eps, xoff, codes, scales)
+        if not quantized:
+            self._quantize_rows(x, m, k, g, pro, pw, eps, xoff, codes, scales)
+        elif g != ATTN_CODES_GROUP or pro != PRO_PLAIN:
+            raise ValueError(f"pre-quantized rows are plain G = {ATTN_CODES_GROUP} codes")
         weight = _as_device_weight(lin)
+        add = direct and epi == EPI_ADD
         if self.on_launch is not None:
-            self.on_launch("gemm_q8 (tiled)", lambda: self._gemm_q8(codes, scales, weight, tmp, lin.n))
+            self.on_launch("gemm_q8 (tiled)", lambda: self._gemm_q8(codes, scales, weight, tmp, lin.n, add))
         else:
-            self._gemm_q8(codes, scales, weight, tmp, lin.n)
+            self._gemm_q8(codes, scales, weight, tmp, lin.n, add)
         if direct:
             return
         self.launch(self._fn["add_rows"], (-(-lin.n // 256), m), (256,),
                     (_ptr(tmp), _ld(tmp), _i32(m), _i32(lin.n), _ptr(y), _ld(y), _i32(epi), _ptr(bias)),
                     name="add_rows")
+
+    def gemm_input(self, m: int, k: int, g: int) -> tuple[Any, Any]:
+        """The codes int8 [m, k] and scales float32 [m, k / g] the tiled GEMMs read their input from (scratch:
+        each GEMM's prologue, or ``attention(quantize_for=...)``, writes them just before it)."""
+        codes = self._scratch("codes", m * k, np.int8).reshape(m, k)
+        return codes, self._scratch("scales", m * (k // g), np.float32).reshape(m, k // g)
 
     def _quantize_rows(self, x: Any, m: int, k: int, g: int, pro: int, pw: Any, eps: float, xoff: int,
                        codes: Any, scales: Any) -> None:
@@ -409,8 +423,8 @@ class CupyOps:
                     (_ptr(x), _ld(x), _i32(m), _i32(k), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
                      _ptr(codes), _ptr(scales)), name="quantize_rows")
 
-    def _gemm_q8(self, codes: Any, scales: Any, weight: Any, out: Any, n: int) -> None:
-        self.gemm.q8(codes, scales, weight, out, n, self.stream, pdl=self._pdl())
+    def _gemm_q8(self, codes: Any, scales: Any, weight: Any, out: Any, n: int, accumulate: bool) -> None:
+        self.gemm.q8(codes, scales, weight, out, n, self.stream, pdl=self._pdl(), accumulate=accumulate)
 
     def _scratch(self, name: str, size: int, dtype: Any) -> Any:
         """A flat scratch buffer of at least ``size`` elements, grown outside graph capture. A buffer it
@@ -467,32 +481,43 @@ class CupyOps:
         return hdp, smem, parts, attn_rows_splits(kv_heads * m * parts, self.sm_count * per_sm)
 
     def attention(self, q: Any, kc: Any, vc: Any, heads: int, hd: int, scale: float, meta: Any,
-                  out: Any, rows: Any = None, tables: Any = None, window: int = 0) -> None:
+                  out: Any, rows: Any = None, tables: Any = None, window: int = 0,
+                  quantize_for: Lin | None = None) -> bool:
         """``rows``/``tables`` as ``qkv_rope``'s: each row attends over its own sequence (attn_rows: a
         block per row and KV head); else one sequence's rows at meta[0]..: decode (M = 1) or causal prefill.
-        ``window`` > 0: a row sees only the last ``window`` positions (itself included)."""
+        ``window`` > 0: a row sees only the last ``window`` positions (itself included). ``quantize_for``: the
+        projection that reads ``out`` next; where it runs on the tiled GEMM at G = 32 (M > 1) and a group is
+        one head's (attn_rows, hd % 32 == 0), attn_rows also writes out's codes where that GEMM reads them,
+        bit for bit quantize_rows', and this returns True (pass ``quantized`` to its ``gemv``)."""
         m = q.shape[0]
         kv_heads, cap = kc.shape[0], kc.shape[1]
         if rows is not None:
             hdp, smem, parts, splits = self.attn_rows_plan(m, heads, kv_heads, hd)
             if splits > 1:
                 self._grow_attn_scratch(m * heads * splits * (hd + 4), m * kv_heads * parts)
+            codes = scales = None
+            lin = quantize_for
+            if (lin is not None and m > 1 and self.gemm is not None and lin.group_size == ATTN_CODES_GROUP
+                    and hd % ATTN_CODES_GROUP == 0 and lin.k == heads * hd):
+                codes, scales = self.gemm_input(m, lin.k, ATTN_CODES_GROUP)
             self.launch(self._attn_rows[hdp], (kv_heads, m, parts * splits), (32 * ATTN_ROWS_WARPS,),
                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                          np.float32(scale), _ptr(rows), _ptr(tables), _i32(tables.shape[1]), _ptr(out),
-                         _i32(splits), _ptr(self.attn_part), _ptr(self.attn_counters), _i32(window)),
+                         _i32(splits), _ptr(self.attn_part), _ptr(self.attn_counters), _i32(window),
+                         _ptr(codes), _ptr(scales)),
                         smem, name="attn_rows")
-            return
+            return codes is not None
         if m == 1:
             self.launch(self._attn_decode[4 if hd <= 128 else 8], (heads, ATTN_SPLITS, 1), (128,),
                         (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                          np.float32(scale), _ptr(meta), _ptr(self.attn_part), _ptr(self.attn_counters),
                          _ptr(out), _i32(window)), name="attn_decode")
-            return
+            return False
         self.launch(self._fn["attn_prefill"], (heads, -(-m // 16)), (256,),
                     (_ptr(q), _ptr(kc), _ptr(vc), _i32(cap), _i32(heads), _i32(kv_heads), _i32(hd),
                      np.float32(scale), _ptr(meta), _i32(m), _ptr(out), _i32(window)), _attn_prefill_smem(hd),
                     name="attn_prefill")
+        return False
 
     def _grow_attn_scratch(self, floats: int, counters: int) -> None:
         """attn_rows' split scratch, grown in the eager step that precedes a batch graph's capture."""

@@ -194,7 +194,8 @@ class NumpyOps:
              y: np.ndarray, epi: int, bias: np.ndarray | None, ssq_in: np.ndarray | None = None,
              ssq_out: np.ndarray | None = None, rope: QkvRope | None = None,
              experts: tuple[list[Lin], np.ndarray, int] | None = None, sel_ready: bool = False,
-             post: PostNorm | None = None) -> None:
+             post: PostNorm | None = None, quantized: bool = False) -> None:
+        # ``quantized``: CupyOps' codes written by attention; here x's rows are quantized as those were
         def fn() -> None:
             if experts is not None:  # row j: expert sel[j] on row j of x (or its one row)
                 table, sel, slots = experts
@@ -302,7 +303,7 @@ class NumpyOps:
 
     def attention(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, heads: int, hd: int, scale: float,
                   meta: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None,
-                  tables: np.ndarray | None = None, window: int = 0) -> None:
+                  tables: np.ndarray | None = None, window: int = 0, quantize_for: Lin | None = None) -> bool:
         def fn() -> None:
             m = q.shape[0]
             pos, slots = _row_slots(m, meta, rows, tables)
@@ -316,6 +317,7 @@ class NumpyOps:
                     e = np.exp(s - s.max())
                     out[r, h * hd:(h + 1) * hd] = (e / e.sum()) @ vc[h // g, cache]
         self._run(fn)
+        return False  # the next gemv quantizes ``out`` itself
 
     def gather_rows(self, src: np.ndarray, index: np.ndarray, dst: np.ndarray) -> None:
         self._run(lambda: np.take(src, index, axis=0, out=dst))

@@ -29,6 +29,7 @@ ATTN_ROWS_HEAD_DIMS = (16, 32, 64, 128, 256)  # attn_rows instances: a head_dim 
 BLOCKS_PER_SM_MAX = 32  # resident blocks of one multiprocessor, at most (sm_80 and later)
 ATTN_ROWS_MAX_SPLITS = 8
 ATTN_ROWS_BUFFERS = 3  # attn_rows' page buffers up to head_dim 128 (attention.cu ROWS_BUFFERS)
+ATTN_CODES_GROUP = 32  # attn_rows writes the o projection's codes at this group size (a head holds whole groups)
 MAX_HEAD_DIM = 256  # attention and qkv_rope keep hd/32 (<= 8) values a lane
 PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL, PRO_GELU_MUL = 0, 1, 2, 3  # prologues (gemv.cu, rows.cu)
 PRO_POSTNORM = 4  # gemv.cu, M = 1: rmsnorm(h + rmsnorm(out, w)) from a PostNorm's tile sums

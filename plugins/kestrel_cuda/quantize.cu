@@ -1,7 +1,5 @@
-// Activation quantization, Q8_0 semantics bit for bit as kestrel_core.contract.quantize_activations:
-// d = amax / 127, inv = 1 / d (0 when d == 0), code = roundf(x * inv) (half away from zero, exact: ggml's
-// rounding, which contract.round_half_away reproduces), all in float32 with IEEE division (NVRTC's default
-// -prec-div=true) and no FMA contraction (--fmad=false).
+// Activation quantization, Q8_0 semantics bit for bit as kestrel_core.contract.quantize_activations
+// (common.cuh q8_scale; half away from zero is ggml's rounding, which contract.round_half_away reproduces).
 // One warp per (row, block of G); each lane holds G / 32 values.
 template <int G>
 __global__ void k_quantize_act(const float* __restrict__ x, i8* __restrict__ codes,
@@ -22,11 +20,8 @@ __global__ void k_quantize_act(const float* __restrict__ x, i8* __restrict__ cod
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
-    const float d = amax / 127.0f;
-    const float inv = d == 0.0f ? 0.0f : 1.0f / d;
+    const float d = q8_scale(amax), inv = q8_inv(d);
 #pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        codes[base + i * 32 + lane] = (i8)(int)roundf(v[i] * inv);
-    }
+    for (int i = 0; i < PER; ++i) codes[base + i * 32 + lane] = q8_code(v[i], inv);
     if (lane == 0) scales[(size_t)m * ng + g] = d;
 }

@@ -96,10 +96,9 @@ __global__ void __launch_bounds__(NT) quantize_rows(
 #pragma unroll
     for (int i = 0; i < QUANT_LOADS; ++i) {
         const int k = k0 + i * NT;
-        const float d = amax[i] / 127.f;
-        const float inv = d == 0.f ? 0.f : 1.f / d;
+        const float d = q8_scale(amax[i]), inv = q8_inv(d);
         if (k < K) {
-            codes[(size_t)m * K + k] = (signed char)(int)roundf(v[i] * inv);
+            codes[(size_t)m * K + k] = q8_code(v[i], inv);
             if (k % G == 0) scales[(size_t)m * (K / G) + k / G] = d;
         }
     }

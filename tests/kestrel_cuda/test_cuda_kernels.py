@@ -90,11 +90,12 @@ def assert_close_q8(got: np.ndarray, a_codes: np.ndarray, a_scales: np.ndarray, 
     assert np.all(err <= tol), f"err {err[worst]:.3g} > tol {tol[worst]:.3g} at {worst}"
 
 
-def run_q8(dev, a_codes, a_scales, w, key=NO_CACHE, gemm=None, **kw) -> np.ndarray:
+def run_q8(dev, a_codes, a_scales, w, key=NO_CACHE, gemm=None, init=None, **kw) -> np.ndarray:
+    """The GEMM's output, written over NaN (every element must be written) or over ``init``."""
     with dev.stream:  # the device stream is non-blocking: the poison fill must be ordered before the GEMM
         a = cp.asarray(a_codes)
         s = cp.asarray(a_scales)
-        out = cp.full((a_codes.shape[0], w.n), np.nan, dtype=cp.float32)  # poison: every element must be written
+        out = cp.full((a_codes.shape[0], w.n), np.nan, dtype=cp.float32) if init is None else cp.asarray(init)
     dw = dev.weight(key, [w])
     (gemm or dev.gemm).q8(a, s, dw, out, w.n, dev.stream, **kw)
     dev.stream.synchronize()
@@ -294,6 +295,28 @@ def test_tensor_copy_blocks_of_two_chunks(dev, splits: int) -> None:
     np.testing.assert_array_equal(got, run_q8(dev, a_codes, a_scales, w, splits=splits, mma_tile=MMA_TILE_SPLIT))
     np.testing.assert_array_equal(got[:20], run_q8(dev, a_codes[:20], a_scales[:20], w, splits=splits,
                                                    mma_tile=TMA_TILE))
+
+
+@pytest.mark.parametrize("m,n,kw", [
+    (3, 640, {}), (40, 640, {}), (40, 640, {"splits": 1}), (64, 640, {"mma_tile": MMA_TILE_SPLIT}),
+    (5, 640, {"merged": True}), (70, 200, {}), (544, 384, {})])
+def test_accumulate_adds_the_product_to_what_out_holds(dev, m: int, n: int, kw: dict) -> None:
+    """``accumulate`` (the residual add in the GEMM's own store): out + the product the same call would
+    store, bit for bit, in every shape: the split blocks (a cluster's merge, one split, the workspace merge of
+    the last split to arrive), the tensor-copy block, the unsplit block (a width whose last columns take
+    scalar stores) and rows past whole large blocks."""
+    rng = np.random.default_rng([m, n])
+    w = rand_weight(rng, n, 2048, 32, 8)
+    a_codes, a_scales = quantize_activations(rng.standard_normal((m, w.k)).astype(np.float32), 32)
+    kw = dict(kw)
+    if kw.pop("merged", False):
+        kw["gemm"] = DeviceGemm(cp, dev.kernels, dev.sm_count, clusters=False)
+    stored = run_q8(dev, a_codes, a_scales, w, **kw)
+    residual = rng.standard_normal(stored.shape).astype(np.float32)
+    got = run_q8(dev, a_codes, a_scales, w, init=residual, accumulate=True, **kw)
+    np.testing.assert_array_equal(got, residual + stored)
+    with pytest.raises(ValueError, match="accumulate"):
+        run_q8(dev, a_codes[:1], a_scales[:1], w, accumulate=True)
 
 
 @pytest.mark.parametrize("g", [32, 256])

@@ -85,21 +85,23 @@ def test_the_cuda_backend_serves_concurrent_requests_in_batches(quant: str) -> N
     (8, 4, 256, 1, 1.0), (16, 8, 256, 8, 1.0), (8, 2, 96, 1, 1.0), (8, 2, 36, 1, 1.0), (4, 2, 16, 1, 1.0),
     (32, 8, 128, 1, 2e5)])
 def test_attn_rows_is_the_mirrors_attention(heads: int, kv_heads: int, hd: int, copies: int, scale_q: float,
-                                            stream) -> None:  # type: ignore[no-untyped-def]
+                                            stream, gemm) -> None:  # type: ignore[no-untyped-def]
     """attn_rows over a paged pool of float16 keys and values (pages scattered, lengths ending inside and at the
     end of a page, one row a page long; groups of 1 to 24 query heads, 12 and 24 over two and three blocks;
     head_dims that fill their instance and ones padded into it, 36 with 8-byte copies; split over positions,
     with empty splits, and with enough rows for none; queries past float16's range) against the numpy mirror's
     softmax, within float32 rounding: the float16 tensor-core products carry the query and the probabilities as
-    two terms each."""
+    two terms each. Asked to quantize for the o projection (G = 32) where a head holds whole groups, it writes
+    the codes and scales the contract makes of its output, bit for bit, where the tiled GEMM reads them."""
+    from kestrel_core.contract import quantize_activations
     from kestrel_cuda.ops_cupy import CupyOps
     from kestrel_cuda.ops_numpy import NumpyOps
-    from kestrel_cuda.plan import KV_BLOCK, KV_DTYPE
+    from kestrel_cuda.plan import KV_BLOCK, KV_DTYPE, Lin
 
     rng = np.random.default_rng([heads, kv_heads, hd])
     blocks, width = 40, 8
     positions = [0, 31, 32, 100, 255, 17] * copies  # each row sees keys 0..position
-    ops = CupyOps(stream)
+    ops = CupyOps(stream, gemm)
     splits = ops.attn_rows_plan(len(positions), heads, kv_heads, hd)[3]
     assert (splits == 1) == (copies > 1)
     tables = np.stack([rng.permutation(blocks)[:width] for _ in positions]).astype(np.int32)
@@ -111,12 +113,23 @@ def test_attn_rows_is_the_mirrors_attention(heads: int, kv_heads: int, hd: int, 
     scale = float(np.float32(hd ** -0.5))
     want = np.zeros_like(q)
     NumpyOps().attention(q, kc, vc, heads, hd, scale, np.zeros(1, np.int32), want, rows, tables)
+    o_proj = Lin(None, None, heads * hd, 64, 128, 32, 8)
+    codes, scales = ops.gemm_input(len(positions), o_proj.k, 32)
     with stream:
         out = cp.full(q.shape, np.nan, np.float32)
-        ops.attention(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), heads, hd, scale, cp.zeros(1, np.int32),
-                      out, cp.asarray(rows), cp.asarray(tables))
+        codes.fill(99)
+        quantized = ops.attention(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), heads, hd, scale,
+                                  cp.zeros(1, np.int32), out, cp.asarray(rows), cp.asarray(tables),
+                                  quantize_for=o_proj)
         got = cp.asnumpy(out)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert quantized == (hd % 32 == 0)
+    if quantized:  # float64 input: the contract's defining path (test_cuda_kernels.test_quantize_bit_identical)
+        want_codes, want_scales = quantize_activations(got.astype(np.float64), 32)
+        np.testing.assert_array_equal(cp.asnumpy(codes), want_codes)
+        np.testing.assert_array_equal(cp.asnumpy(scales), want_scales)
+    else:
+        assert bool((codes == 99).all())
 
 
 def test_a_captured_step_outlives_the_scratch_a_larger_step_outgrows(stream, gemm) -> None:  # type: ignore[no-untyped-def]

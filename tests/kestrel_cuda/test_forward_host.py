@@ -61,7 +61,7 @@ def test_comparison_catches_a_wrong_forward() -> None:
 
     class WrongScale(NumpyOps):
         def attention(self, q, kc, vc, heads, hd, scale, meta, out, **kw):  # type: ignore[no-untyped-def]
-            super().attention(q, kc, vc, heads, hd, scale * 1.1, meta, out, **kw)
+            return super().attention(q, kc, vc, heads, hd, scale * 1.1, meta, out, **kw)
 
     assert_leaves_the_band(synthetic_model(CONFIGS["qwen3"], "q8", seed=3), WrongScale())
 

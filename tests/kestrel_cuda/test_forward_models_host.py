@@ -49,7 +49,7 @@ def test_a_sliding_window_on_the_device_matches_the_cpu(n_prefill: int) -> None:
 
     class NoWindow(NumpyOps):
         def attention(self, *args, **kw):  # type: ignore[no-untyped-def]
-            super().attention(*args, **{**kw, "window": 0})
+            return super().attention(*args, **{**kw, "window": 0})
 
     wrong = compare(device_logits(DeviceForward(ops=NoWindow()), model, toks, n_prefill), ref,
                     jitter_effect(model, toks, n_prefill, ref))
