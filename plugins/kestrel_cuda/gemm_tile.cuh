@@ -38,41 +38,67 @@ __device__ __forceinline__ void tile_scale_split(const int (&iacc)[MI][4][4], fl
         }
 }
 
-// out's four floats at o (16-byte aligned) set to v, or with ``add`` to their sum with v (the residual add)
-__device__ __forceinline__ void put4(float* o, float4 v, bool add) {
-    float4* o4 = reinterpret_cast<float4*>(o);
-    if (add) {
-        const float4 p = *o4;
-        v = make_float4(p.x + v.x, p.y + v.y, p.z + v.z, p.w + v.w);
+// out's four floats at o (columns col.. of N; vec: 16-byte aligned and whole), 0 past N
+__device__ __forceinline__ float4 load_out4(const float* o, int col, int N, bool vec) {
+    if (vec && col + 4 <= N) return *reinterpret_cast<const float4*>(o);
+    float v[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) v[c] = col + c < N ? o[c] : 0.f;
+    return make_float4(v[0], v[1], v[2], v[3]);
+}
+
+// v to out's four floats at o, those past N skipped
+__device__ __forceinline__ void store_out4(float* o, float4 v, int col, int N, bool vec) {
+    if (vec && col + 4 <= N) {
+        *reinterpret_cast<float4*>(o) = v;
+        return;
     }
-    *o4 = v;
+    const float w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+        if (col + c < N) o[c] = w[c];
+}
+
+__device__ __forceinline__ float4 add4(float4 a, float4 b) {
+    return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
 }
 
 // A warp's sums stored to rows r0.. (its first row; rows >= M skipped), columns c0 + 8 tig .. + 7 of out, or
-// with ``add`` added to what out holds there.
+// with ``add`` added to what out holds there (its values all loaded before the first store).
 template <int MI>
 __device__ __forceinline__ void tile_store_rows(const float (&facc)[MI][4][4], float* __restrict__ out, int ldo,
                                                 int M, int N, int r0, int c0, bool vec, bool add) {
     const int gid = (threadIdx.x & 31) >> 2, tig = threadIdx.x & 3;
+    const int c = c0 + 8 * tig;
+    float4 res[MI][2][2];
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = r0 + mi * 16 + gid + 8 * h;
-            const int c = c0 + 8 * tig;
-            if (r >= M) continue;
-            float v[8];
-#pragma unroll
-            for (int q = 0; q < 8; ++q) v[q] = facc[mi][q & 3][2 * h + (q >> 2)];
-            float* o = out + (size_t)r * ldo + c;
-            if (vec && c + 8 <= N) {
-                put4(o, make_float4(v[0], v[1], v[2], v[3]), add);
-                put4(o + 4, make_float4(v[4], v[5], v[6], v[7]), add);
-            } else {
-#pragma unroll
-                for (int q = 0; q < 8; ++q)
-                    if (c + q < N) o[q] = add ? o[q] + v[q] : v[q];
+            const float* o = out + (size_t)r * ldo + c;
+            res[mi][h][0] = res[mi][h][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (add && r < M) {
+                res[mi][h][0] = load_out4(o, c, N, vec);
+                res[mi][h][1] = load_out4(o + 4, c + 4, N, vec);
             }
+        }
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = r0 + mi * 16 + gid + 8 * h;
+            if (r >= M) continue;
+            const int e = 2 * h;
+            float4 v0 = make_float4(facc[mi][0][e], facc[mi][1][e], facc[mi][2][e], facc[mi][3][e]);
+            float4 v1 = make_float4(facc[mi][0][e + 1], facc[mi][1][e + 1], facc[mi][2][e + 1], facc[mi][3][e + 1]);
+            if (add) {
+                v0 = add4(res[mi][h][0], v0);
+                v1 = add4(res[mi][h][1], v1);
+            }
+            float* o = out + (size_t)r * ldo + c;
+            store_out4(o, v0, c, N, vec);
+            store_out4(o + 4, v1, c + 4, N, vec);
         }
 }
 
@@ -132,7 +158,10 @@ __device__ __forceinline__ void tile_cluster_store(float (&facc)[MI][4][4], bool
         // and reading an exited block's shared memory is an error
         const int row = m0 + 4 * q / BN, col = n0 + 4 * q % BN;
         if (row >= M || col >= N) continue;
-        float4 split[MAX_CLUSTER], first[MAX_CLUSTER / 2];  // every split's loads in flight at once
+        float* o = out + (size_t)row * ldo + col;
+        // every split's loads in flight at once, and with ``add`` the residual's
+        float4 split[MAX_CLUSTER], first[MAX_CLUSTER / 2];
+        const float4 res = add ? load_out4(o, col, N, vec) : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int r = 0; r < MAX_CLUSTER; ++r)
             if (r < nz) split[r] = ld_cluster_f4(cluster_addr(tile + 4 * q, r));
@@ -148,15 +177,7 @@ __device__ __forceinline__ void tile_cluster_store(float (&facc)[MI][4][4], bool
             }
             if (r < nz) { s.x += split[r].x; s.y += split[r].y; s.z += split[r].z; s.w += split[r].w; }
         }
-        float* o = out + (size_t)row * ldo + col;
-        if (vec && col + 4 <= N) {
-            put4(o, s, add);
-        } else {
-            const float v[4] = {s.x, s.y, s.z, s.w};
-#pragma unroll
-            for (int c = 0; c < 4; ++c)
-                if (col + c < N) o[c] = add ? o[c] + v[c] : v[c];
-        }
+        store_out4(o, add ? add4(res, s) : s, col, N, vec);
     }
     cluster_arrive_relaxed();  // every load above is done (its sum is stored): nothing to publish
     cluster_wait();  // no block leaves while another still reads its shared memory
