@@ -299,12 +299,12 @@ def test_tensor_copy_blocks_of_two_chunks(dev, splits: int) -> None:
 
 @pytest.mark.parametrize("m,n,kw", [
     (3, 640, {}), (40, 640, {}), (40, 640, {"splits": 1}), (64, 640, {"mma_tile": MMA_TILE_SPLIT}),
-    (5, 640, {"merged": True}), (70, 200, {}), (544, 384, {})])
+    (5, 640, {"merged": True}), (70, 200, {}), (544, 384, {}), (512, 4096, {})])
 def test_accumulate_adds_the_product_to_what_out_holds(dev, m: int, n: int, kw: dict) -> None:
     """``accumulate`` (the residual add in the GEMM's own store): out + the product the same call would
     store, bit for bit, in every shape: the split blocks (a cluster's merge, one split, the workspace merge of
-    the last split to arrive), the tensor-copy block, the unsplit block (a width whose last columns take
-    scalar stores) and rows past whole large blocks."""
+    the last split to arrive), the tensor-copy block, the unsplit blocks (a width whose last columns take
+    scalar stores; the large block) and rows past whole large blocks."""
     rng = np.random.default_rng([m, n])
     w = rand_weight(rng, n, 2048, 32, 8)
     a_codes, a_scales = quantize_activations(rng.standard_normal((m, w.k)).astype(np.float32), 32)
