@@ -223,13 +223,20 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const u32 (&a)[4], u32 b0
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// With ``codes``, attn_rows also writes the o projection's activation codes and scales of its rows, as
-// quantize_rows (pro 0, G = 32) would make them from out (common.cuh q8_scale): hd % 32 == 0, so a group is
-// one head's. A group's values are held by ``lanes`` consecutive lanes (a power of two); group_scale exchanges
-// their largest magnitudes and returns the group's scale.
-__device__ __forceinline__ float group_scale(float amax, int lanes) {
-    for (int o = 1; o < lanes; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, o));
-    return q8_scale(amax);
+// out[at .. at + 3] = y where ``in``. With ``codes``, attn_rows also writes the o projection's activation codes
+// and scales of its rows, as quantize_rows (pro 0, G = 32) would make them from out (common.cuh q8_scale): hd %
+// 32 == 0, so a group is one head's; the 8 lanes holding a group (lanes 8 i .. 8 i + 7) exchange their largest
+// magnitudes, so every lane of the warp calls this together.
+__device__ __forceinline__ void store_out4(float* out, i8* codes, float* cscales, size_t at, float4 y, bool in) {
+    if (in) *reinterpret_cast<float4*>(out + at) = y;
+    if (!codes) return;
+    float amax = fmaxf(fmaxf(fabsf(y.x), fabsf(y.y)), fmaxf(fabsf(y.z), fabsf(y.w)));
+    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, o));
+    const float d = q8_scale(amax), inv = q8_inv(d);
+    if (!in) return;
+    *reinterpret_cast<char4*>(codes + at) =
+        make_char4(q8_code(y.x, inv), q8_code(y.y, inv), q8_code(y.z, inv), q8_code(y.w, inv));
+    if ((at & 31) == 0) cscales[at / 32] = d;
 }
 
 template <int HDP>
@@ -442,37 +449,32 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
         }
     }
     const int rec = hd + 4;                 // a split's record: max, sum, 2 spare, acc[hd] (16-byte aligned)
+    float* staged = reinterpret_cast<float*>(vs);  // [heads][hd]: the block's output, unsplit, before its stores
     if (warp == 0) {                        // head gid (< heads: the others repeat head 0): hi and lo sums added
         const bool live = gid < heads;
-        const size_t at = ((size_t)row * H + head0 + gid) * hd;  // its first value in out and in codes
-        float* dst = splits == 1 ? out + at : part + (((size_t)row * H + head0 + gid) * splits + split) * rec + 4;
+        float* dst = splits == 1 ? staged + gid * hd
+                                 : part + (((size_t)row * H + head0 + gid) * splits + split) * rec + 4;
         if (live && splits > 1 && tig == 0) { dst[-4] = mx0; dst[-3] = l0; }  // empty: -inf, 0
-        float2 v[NV];
 #pragma unroll
         for (int n = 0; n < NV; ++n) {
             const int d = 8 * n + 2 * tig;  // d < hd, hd % 4 == 0: d + 1 < hd
-            v[n] = make_float2((o[n][0] + o[n][2]) * P_UNSCALE, (o[n][1] + o[n][3]) * P_UNSCALE);
-            if (splits == 1) { v[n].x = v[n].x / l0; v[n].y = v[n].y / l0; }
-            if (live && d < hd) *reinterpret_cast<float2*>(dst + d) = v[n];
-        }
-#pragma unroll
-        for (int g = 0; g < NV / 4; ++g) {  // group g: pairs n = 4 g .. 4 g + 3 of the head's four lanes
-            if (splits == 1 && codes && 32 * g < hd) {
-                float amax = 0.f;
-#pragma unroll
-                for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fmaxf(fabsf(v[4 * g + j].x), fabsf(v[4 * g + j].y)));
-                const float d = group_scale(amax, 4), inv = q8_inv(d);
-                if (live) {
-#pragma unroll
-                    for (int j = 0; j < 4; ++j)
-                        *reinterpret_cast<char2*>(codes + at + 8 * (4 * g + j) + 2 * tig) =
-                            make_char2(q8_code(v[4 * g + j].x, inv), q8_code(v[4 * g + j].y, inv));
-                    if (tig == 0) cscales[at / 32 + g] = d;
-                }
-            }
+            float2 v = make_float2((o[n][0] + o[n][2]) * P_UNSCALE, (o[n][1] + o[n][3]) * P_UNSCALE);
+            if (splits == 1) { v.x = v.x / l0; v.y = v.y / l0; }
+            if (live && d < hd) *reinterpret_cast<float2*>(dst + d) = v;
         }
     }
-    if (splits == 1) return;
+    if (splits == 1) {  // the block's heads are contiguous in out: written a float4 a thread, coalesced
+        __syncthreads();
+        const int n4 = heads * hd / 4;      // a multiple of 8 where there are codes (hd % 32 == 0)
+        const size_t at = ((size_t)row * H + head0) * hd;
+        for (int i0 = 0; i0 < n4; i0 += NTH) {
+            const int i = i0 + tid;
+            const bool in = i < n4;
+            store_out4(out, codes, cscales, at + 4 * i,
+                       in ? reinterpret_cast<const float4*>(staged)[i] : make_float4(0.f, 0.f, 0.f, 0.f), in);
+        }
+        return;
+    }
     __shared__ int s_last;
     if (!arrive_last(counters + ((size_t)row * KV + kvh) * parts + hpart, splits, &s_last)) return;
     const int d4 = 4 * lane;                // chunk c holds dimensions d4 + 128 c .. + 3
@@ -505,18 +507,9 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
         }
         const size_t at = ((size_t)row * H + head0 + r) * hd + d4;
 #pragma unroll
-        for (int ch = 0; ch < NCH; ++ch) {
-            const bool in = d4 + 128 * ch < hd;  // with codes the same for a group's 8 lanes (hd % 32 == 0)
-            const float4 y = make_float4(a[ch][0] / gl, a[ch][1] / gl, a[ch][2] / gl, a[ch][3] / gl);
-            if (in) *reinterpret_cast<float4*>(out + at + 128 * ch) = y;
-            if (!codes) continue;
-            const float d = group_scale(fmaxf(fmaxf(fabsf(y.x), fabsf(y.y)), fmaxf(fabsf(y.z), fabsf(y.w))), 8);
-            const float inv = q8_inv(d);
-            if (!in) continue;
-            *reinterpret_cast<char4*>(codes + at + 128 * ch) =
-                make_char4(q8_code(y.x, inv), q8_code(y.y, inv), q8_code(y.z, inv), q8_code(y.w, inv));
-            if ((lane & 7) == 0) cscales[(at + 128 * ch) / 32] = d;
-        }
+        for (int ch = 0; ch < NCH; ++ch)  // with codes, in is the same for a group's 8 lanes (hd % 32 == 0)
+            store_out4(out, codes, cscales, at + 128 * ch,
+                       make_float4(a[ch][0] / gl, a[ch][1] / gl, a[ch][2] / gl, a[ch][3] / gl), d4 + 128 * ch < hd);
     }
     if (tid == 0) counters[((size_t)row * KV + kvh) * parts + hpart] = 0;
 }

@@ -31,6 +31,28 @@ __device__ __forceinline__ void block_argmax(float& v, int& i, float* s_v, int* 
         if (argmax_beats(s_v[w], s_i[w], v, i)) { v = s_v[w]; i = s_i[w]; }
 }
 
+// This thread's best (value bv, index bi) of its FIN_E columns of block blockIdx.x's FIN_T * FIN_E in x [N],
+// their loads all in flight at once; returns whether one of them is a NaN or an infinity.
+__device__ __forceinline__ bool block_columns(const float* __restrict__ x, int N, float& bv, int& bi) {
+    float v[FIN_E];
+#pragma unroll
+    for (int e = 0; e < FIN_E; ++e) {
+        const int n = (blockIdx.x * FIN_E + e) * FIN_T + threadIdx.x;
+        v[e] = n < N ? __ldcg(x + n) : 0.f;
+    }
+    bv = NEG_INF;
+    bi = 0x7fffffff;
+    bool bad = false;
+#pragma unroll
+    for (int e = 0; e < FIN_E; ++e) {
+        const int n = (blockIdx.x * FIN_E + e) * FIN_T + threadIdx.x;
+        if (n >= N) continue;
+        bad |= (__float_as_uint(v[e]) & 0x7f800000u) == 0x7f800000u;  // exponent all ones: inf or NaN
+        if (argmax_beats(v[e], n, bv, bi)) { bv = v[e]; bi = n; }
+    }
+    return bad;
+}
+
 extern "C" __global__ void __launch_bounds__(FIN_T) lm_finish(
     const float* __restrict__ logits, int N, float* __restrict__ bval, int* __restrict__ bidx,
     int* __restrict__ counter, int* __restrict__ meta, int limit, int* __restrict__ tokens, int ntok)
@@ -41,19 +63,9 @@ extern "C" __global__ void __launch_bounds__(FIN_T) lm_finish(
     __shared__ int s_i[FIN_T / 32];
     __shared__ int s_last;
     const int tid = threadIdx.x;
-    float v[FIN_E];
-#pragma unroll
-    for (int e = 0; e < FIN_E; ++e) {
-        const int n = (blockIdx.x * FIN_E + e) * FIN_T + tid;
-        v[e] = n < N ? __ldcg(logits + n) : 0.f;
-    }
-    float bv = NEG_INF;
-    int bi = 0x7fffffff;
-#pragma unroll
-    for (int e = 0; e < FIN_E; ++e) {
-        const int n = (blockIdx.x * FIN_E + e) * FIN_T + tid;
-        if (n < N && argmax_beats(v[e], n, bv, bi)) { bv = v[e]; bi = n; }
-    }
+    float bv;
+    int bi;
+    block_columns(logits, N, bv, bi);
     block_argmax(bv, bi, s_v, s_i);
     if (tid == 0) { bval[blockIdx.x] = bv; bidx[blockIdx.x] = bi; }
     if (!arrive_last(counter, gridDim.x, &s_last)) return;
@@ -86,19 +98,12 @@ extern "C" __global__ void __launch_bounds__(FIN_T) argmax_rows(
     __shared__ float s_v[FIN_T / 32];
     __shared__ int s_i[FIN_T / 32];
     __shared__ int s_last;
+    grid_dep_launch();
+    grid_dep_wait();
     const int tid = threadIdx.x, row = blockIdx.y, nb = gridDim.x;
-    const float* x = logits + (size_t)row * N;
-    float bv = NEG_INF;
-    int bi = 0x7fffffff, bad = 0;
-#pragma unroll
-    for (int e = 0; e < FIN_E; ++e) {
-        const int n = (blockIdx.x * FIN_E + e) * FIN_T + tid;
-        if (n >= N) break;
-        const float v = __ldcg(x + n);
-        bad |= (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u;  // exponent all ones: inf or NaN
-        if (argmax_beats(v, n, bv, bi)) { bv = v; bi = n; }
-    }
-    bad = __syncthreads_or(bad);
+    float bv;
+    int bi;
+    int bad = __syncthreads_or(block_columns(logits + (size_t)row * N, N, bv, bi));
     block_argmax(bv, bi, s_v, s_i);
     if (tid == 0) { bval[row * nb + blockIdx.x] = bv; bidx[row * nb + blockIdx.x] = bi; bbad[row * nb + blockIdx.x] = bad; }
     if (!arrive_last(counter + row, nb, &s_last)) return;
