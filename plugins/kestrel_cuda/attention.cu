@@ -227,7 +227,7 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const u32 (&a)[4], u32 b0
 // and scales of its rows, as quantize_rows (pro 0, G = 32) would make them from out (common.cuh q8_scale): hd %
 // 32 == 0, so a group is one head's; the 8 lanes holding a group (lanes 8 i .. 8 i + 7) exchange their largest
 // magnitudes, so every lane of the warp calls this together.
-__device__ __forceinline__ void store_out4(float* out, i8* codes, float* cscales, size_t at, float4 y, bool in) {
+__device__ __forceinline__ void store_out_codes4(float* out, i8* codes, float* cscales, size_t at, float4 y, bool in) {
     if (in) *reinterpret_cast<float4*>(out + at) = y;
     if (!codes) return;
     float amax = fmaxf(fmaxf(fabsf(y.x), fabsf(y.y)), fmaxf(fabsf(y.z), fabsf(y.w)));
@@ -470,7 +470,7 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
         for (int i0 = 0; i0 < n4; i0 += NTH) {
             const int i = i0 + tid;
             const bool in = i < n4;
-            store_out4(out, codes, cscales, at + 4 * i,
+            store_out_codes4(out, codes, cscales, at + 4 * i,
                        in ? reinterpret_cast<const float4*>(staged)[i] : make_float4(0.f, 0.f, 0.f, 0.f), in);
         }
         return;
@@ -508,7 +508,7 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
         const size_t at = ((size_t)row * H + head0 + r) * hd + d4;
 #pragma unroll
         for (int ch = 0; ch < NCH; ++ch)  // with codes, in is the same for a group's 8 lanes (hd % 32 == 0)
-            store_out4(out, codes, cscales, at + 128 * ch,
+            store_out_codes4(out, codes, cscales, at + 128 * ch,
                        make_float4(a[ch][0] / gl, a[ch][1] / gl, a[ch][2] / gl, a[ch][3] / gl), d4 + 128 * ch < hd);
     }
     if (tid == 0) counters[((size_t)row * KV + kvh) * parts + hpart] = 0;
