@@ -17,12 +17,13 @@
 // distributed shared memory, each block a 1/nz slice of the tile in z order; otherwise each stores its sums to
 // part[z][M][Npad] and the last block of a tile to arrive on its counter (then reset) adds them in z order:
 // the same bits. With one split the sums go straight to out. ``add``: every shape adds its sums to what out
-// holds (the residual add: out + sum, as add_rows would) instead of storing them. They take whole stages and column tiles only
-// (K % BK == 0, Npad % BN == 0: gemm.split_fits), so their copies carry no bounds checks (about half the
-// loop's instructions, docs/performance.md), and scale each group with two fused multiply-adds instead of
-// three operations (the scaling is most of the loop's instructions; MAGIC: below): y = fmaf(MAGIC + s, a,
-// -MAGIC * a) = s * a rounded once, for the row scale a rounded to 22 significant bits, so that MAGIC * a =
-// 3 * 2^22 * a is exact; then acc = fmaf(y, w_scale, acc). Within the reference's bound, not its bits.
+// holds (the residual add: out + sum, as add_rows would) instead of storing them. They take whole stages
+// and column tiles only (K % BK == 0, Npad % BN == 0: gemm.split_fits), so their copies carry no bounds
+// checks (about half the loop's instructions, docs/performance.md), and scale each group with two fused
+// multiply-adds instead of three operations (the scaling is most of the loop's instructions; MAGIC: below):
+// y = fmaf(MAGIC + s, a, -MAGIC * a) = s * a rounded once, for the row scale a rounded to 22 significant bits,
+// so that MAGIC * a = 3 * 2^22 * a is exact; then acc = fmaf(y, w_scale, acc). Within the reference's bound,
+// not its bits.
 //
 // Programmatic dependent launch (common.cuh; a captured step of several rows launches it so): a block copies its
 // first stages' weights and weight scales, which no kernel writes, before it waits for the previous kernel,
