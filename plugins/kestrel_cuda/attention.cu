@@ -251,8 +251,7 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
     static_assert(PT == KV_BLOCK, "a staged tile is one page of the pool");
     constexpr int LD = HDP + 8, KS = HDP / 16, NV = HDP / 8;  // row stride, k16 steps of a score, n8 tiles of O
     constexpr int NBUF = HDP <= 128 ? ROWS_BUFFERS : 2;
-    grid_dep_launch();
-    grid_dep_wait();
+    grid_dep_launch();  // the wait follows the copies of the pages earlier steps wrote (below)
     extern __shared__ __align__(16) kv_t smem_h[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
     const int G = H / KV, kvh = blockIdx.x, row = blockIdx.y;
@@ -321,8 +320,28 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
 #pragma unroll
     for (int n = 0; n < NV; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     float mx0 = NEG_INF, l0 = 0.f;     // head gid's; l: this lane's terms
+    // The first pages in flight, one copy group each. Those whose every position an earlier step wrote are
+    // copied before the wait for the kernels before this one (PDL: qkv_rope writes this step's positions, and
+    // the query). A sequence's rows of a pass are consecutive, at consecutive positions, so this pass writes
+    // position q of this row's sequence iff row ``row - (len - 1 - q)`` is at q in the same sequence; a step
+    // launched with PDL (a captured one) is one pass. The rows and page tables come from the host.
+    auto settled = [&](int t) {             // page t's last visible position, so all of it, is older
+        const int last = min((t + 1) * PT, len) - 1, back = row - (len - 1 - last);
+        return back < 0 || rows[2 * back] != last || rows[2 * back + 1] != rows[2 * row + 1];
+    };
+    bool early[NBUF - 1];                   // a prefix of the pages: each one's positions precede the next's
 #pragma unroll
-    for (int i = 0; i < NBUF - 1; ++i) {    // the first pages in flight, one copy group each
+    for (int i = 0; i < NBUF - 1; ++i) {
+        early[i] = (i == 0 || early[i - 1]) && pb + i < pages && settled(pb + i);
+        if (early[i]) {
+            load(pb + i, i);
+            cp_async_commit();
+        }
+    }
+    grid_dep_wait();
+#pragma unroll
+    for (int i = 0; i < NBUF - 1; ++i) {
+        if (early[i]) continue;
         if (pb + i < pages) load(pb + i, i);
         cp_async_commit();
     }
