@@ -490,7 +490,7 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
             const int i = i0 + tid;
             const bool in = i < n4;
             store_out_codes4(out, codes, cscales, at + 4 * i,
-                       in ? reinterpret_cast<const float4*>(staged)[i] : make_float4(0.f, 0.f, 0.f, 0.f), in);
+                             in ? reinterpret_cast<const float4*>(staged)[i] : make_float4(0.f, 0.f, 0.f, 0.f), in);
         }
         return;
     }
@@ -528,7 +528,8 @@ __global__ void __launch_bounds__(32 * ROWS_WARPS) attn_rows(
 #pragma unroll
         for (int ch = 0; ch < NCH; ++ch)  // with codes, in is the same for a group's 8 lanes (hd % 32 == 0)
             store_out_codes4(out, codes, cscales, at + 128 * ch,
-                       make_float4(a[ch][0] / gl, a[ch][1] / gl, a[ch][2] / gl, a[ch][3] / gl), d4 + 128 * ch < hd);
+                             make_float4(a[ch][0] / gl, a[ch][1] / gl, a[ch][2] / gl, a[ch][3] / gl),
+                             d4 + 128 * ch < hd);
     }
     if (tid == 0) counters[((size_t)row * KV + kvh) * parts + hpart] = 0;
 }
