@@ -13,6 +13,19 @@ __device__ __forceinline__ float q8_scale(float amax) { return amax / 127.0f; }
 __device__ __forceinline__ float q8_inv(float d) { return d == 0.0f ? 0.0f : 1.0f / d; }
 __device__ __forceinline__ i8 q8_code(float v, float inv) { return (i8)(int)roundf(v * inv); }
 
+__device__ __forceinline__ float warp_sum(float v) {
+    // xor butterfly: every lane ends with the same bits (float addition is commutative)
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
 // Four words holding rows k0..k3 of four consecutive columns (byte j = column j) become four words holding
 // columns 0..3 (byte r = row k0+r): the operand order __dp4a and mma.sync want. 8 byte permutes.
 __device__ __forceinline__ void transpose4x4(u32 w0, u32 w1, u32 w2, u32 w3,

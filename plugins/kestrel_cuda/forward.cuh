@@ -53,19 +53,6 @@ __device__ __forceinline__ float gelu_tanh_mul(float g, float u) {
     return g * t * u;
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-    // xor butterfly: every lane ends with the same bits (float addition is commutative)
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL, v, o));
-    return v;
-}
-
 __device__ __forceinline__ int warp_isum(int v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);

@@ -70,7 +70,7 @@ from kestrel_core.model.weights import Model
 from kestrel_cuda import paged
 from kestrel_cuda.config import CudaConfig
 from kestrel_cuda.forward_moe import moe_mlp
-from kestrel_cuda.forward_state import Projections, State, WeightSource, build_state, unsupported_reason
+from kestrel_cuda.forward_state import Projections, State, WeightSource, build_state, pin_weights, unsupported_reason
 from kestrel_cuda.plan import (
     EPI_ADD,
     EPI_STORE,
@@ -472,6 +472,7 @@ class DeviceForward:
         pending: PostNorm | None = None
         if fold is not None:
             h = fold[0]
+        normed = False  # h's rows quantized for the next normed GEMM by the residual add before it (the norm fold)
         ops.embed(st.emb_codes, st.emb_scales, st.emb_group, st.ids, h, ssq, c.embed_scale)
         for i, layer in enumerate(st.layers):
             if self.layer_boundary is not None:
@@ -487,7 +488,7 @@ class DeviceForward:
             for lin in w.qkv:
                 bias = None if layer.qkv_bias is None else layer.qkv_bias[lin.col:lin.col + lin.n]
                 self._normed(lin, h, layer.attn_norm, eps, st.qkv[:m, lin.col:lin.col + lin.n], bias, ssq, pending,
-                             rope)
+                             rope, normed)
             if pending is not None:  # applied: the residual is now the row it stored
                 h, pending = pending.h_next, None
             if rope is None:
@@ -495,16 +496,22 @@ class DeviceForward:
                              st.meta, st.q[:m], kc, vc, **at)
             quantized = ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m], **at,
                                       window=c.window_of(i) or 0, quantize_for=w.o if fold is None else None)
+            normed = not w.experts and layer.post_attn_norm is None and ops.norm_fold(m, w.o, w.gate_up)
             pending = self._residual(w.o, st.attn[:m], PRO_PLAIN, 0, layer.post_attn_norm, st, h, m, eps, ssq, fold,
-                                     quantized)
+                                     quantized, layer.mlp_norm if normed else None)
             if w.experts:
                 moe_mlp(self.ops, st, i, w, m, eps, ssq)
                 continue
             for lin in w.gate_up:
-                self._normed(lin, h, layer.mlp_norm, eps, st.gu[:m, lin.col:lin.col + lin.n], None, ssq, pending)
+                self._normed(lin, h, layer.mlp_norm, eps, st.gu[:m, lin.col:lin.col + lin.n], None, ssq, pending,
+                             prenormed=normed)
             if pending is not None:
                 h, pending = pending.h_next, None
-            pending = self._residual(w.down, st.gu[:m], act, f, layer.post_mlp_norm, st, h, m, eps, ssq, fold)
+            after = st.layers[i + 1] if i + 1 < len(st.layers) else None
+            normed = (after is not None and after.weights is not None and layer.post_mlp_norm is None
+                      and ops.norm_fold(m, w.down, after.weights.qkv))
+            pending = self._residual(w.down, st.gu[:m], act, f, layer.post_mlp_norm, st, h, m, eps, ssq, fold,
+                                     fold_norm=after.attn_norm if normed else None)
         if rows:
             lm = st.lm_head or self.projections.lm_head(st.model)
             out = st.logits_all[:rows] if rows > 1 else st.logits
@@ -517,20 +524,25 @@ class DeviceForward:
                 ops.greedy_token(st.logits, st.finish, st.meta, seq.capacity, st.tokens)
 
     def _normed(self, lin: Lin, h: Any, norm: Any, eps: float, y: Any, bias: Any, ssq: Any,
-                pending: PostNorm | None, rope: QkvRope | None = None) -> None:
-        """y = lin(rmsnorm(h, norm)) (+ bias), with a pending post-norm applied to h first."""
+                pending: PostNorm | None, rope: QkvRope | None = None, prenormed: bool = False) -> None:
+        """y = lin(rmsnorm(h, norm)) (+ bias), with a pending post-norm applied to h first; ``prenormed``: the
+        residual add before it quantized h's rows for it (the norm fold)."""
         if pending is None:
-            self.ops.gemv(lin, h, PRO_RMSNORM, norm, eps, 0, y, EPI_STORE, bias, ssq_in=ssq, rope=rope)
+            self.ops.gemv(lin, h, PRO_RMSNORM, norm, eps, 0, y, EPI_STORE, bias, ssq_in=ssq, rope=rope,
+                          prenormed=prenormed)
         else:
             self.ops.gemv(lin, h, PRO_POSTNORM, norm, eps, 0, y, EPI_STORE, bias, rope=rope, post=pending)
 
     def _residual(self, lin: Lin, x: Any, pro: int, xoff: int, post_norm: Any, st: State, h: Any, m: int,
-                  eps: float, ssq: Any, fold: tuple[Any, Any] | None, quantized: bool = False) -> PostNorm | None:
+                  eps: float, ssq: Any, fold: tuple[Any, Any] | None, quantized: bool = False,
+                  fold_norm: Any = None) -> PostNorm | None:
         """h += lin(prologue(x)), or h += rmsnorm(lin(prologue(x)), post_norm) (Gemma's post-norms): with
         ``fold`` (the two residual rows, h one of them) left to the next normed GEMV, which stores the sum in the
-        other row, and returned. ``quantized``: x's codes are written already (ops.gemv)."""
+        other row, and returned. ``quantized``: x's codes are written already; ``fold_norm``: the next norm's
+        weights, h's new rows quantized for the normed GEMMs after it (ops.gemv)."""
         if post_norm is None:
-            self.ops.gemv(lin, x, pro, None, eps, xoff, h, EPI_ADD, None, ssq_out=ssq, quantized=quantized)
+            self.ops.gemv(lin, x, pro, None, eps, xoff, h, EPI_ADD, None, ssq_out=ssq, quantized=quantized,
+                          fold_norm=fold_norm)
             return None
         if fold is not None:
             other = fold[1] if h is fold[0] else fold[0]
@@ -540,7 +552,6 @@ class DeviceForward:
         self.ops.gemv(lin, x, pro, None, eps, xoff, st.out[:m], EPI_STORE, None, quantized=quantized)
         self.ops.norm_add(st.out[:m], post_norm, eps, h, ssq_out=ssq)
         return None
-
 
     # -- sequences -----------------------------------------------------------------------------------
 
@@ -583,12 +594,5 @@ class DeviceForward:
                 self.unpin(key)
 
     def _pin_weights(self, st: State) -> None:
-        """Before a graph captures weight addresses: pin them in the cache (once per model state)."""
-        if self.pin is None or st.pinned or self.weight_source is None:
-            return
-        keys = [lin.wkey for layer in st.layers if layer.weights for lin in layer.weights.all_lins()]
-        if st.lm_head is not None:
-            keys.append(st.lm_head.wkey)
-        for key in keys:
-            self.pin(key)
-            st.pinned.append(key)
+        if self.pin is not None and self.weight_source is not None:
+            pin_weights(st, self.pin)

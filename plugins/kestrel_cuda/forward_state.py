@@ -317,3 +317,15 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
         st.lm_head = projections.lm_head(model)
     ops.synchronize_device()  # weights a cache uploaded on another stream are complete
     return st
+
+
+def pin_weights(st: State, pin: Callable[[int], None]) -> None:
+    """Before a graph captures weight addresses: pin them in the cache (once per model state)."""
+    if st.pinned:
+        return
+    keys = [lin.wkey for layer in st.layers if layer.weights for lin in layer.weights.all_lins()]
+    if st.lm_head is not None:
+        keys.append(st.lm_head.wkey)
+    for key in keys:
+        pin(key)
+        st.pinned.append(key)

@@ -25,6 +25,7 @@ blocks take two of the K splits each (``tma_chunks``), with the same bits.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,9 +215,15 @@ class DeviceGemm:
 
     def q8(self, a_codes: Any, a_scales: Any, weight: DeviceWeight, out: Any, n: int | None = None,
            stream: Any = None, *, pdl: bool = False, accumulate: bool = False, variant: tuple | None = None,
-           splits: int | None = None, mma_tile: str | None = None) -> None:
+           splits: int | None = None, mma_tile: str | None = None, fold: tuple[Any, Any, Any, Any] | None = None,
+           row_ssq: tuple[Any, float] | None = None) -> None:
         """out[:M, :n] = int8 GEMM of a_codes [M,K] (scales [M,K/G]) with ``weight``; with ``accumulate``
         (the tensor-core kernel) out[:M, :n] += it instead (the residual add, bits as out + a stored result).
+
+        The norm fold (``norm_fold`` says where it runs; gemm_tile.cuh NormFold): ``fold`` (w, codes, scales,
+        ssq) also quantizes out's rows times the norm's weights w for the next normed GEMM, codes [M, n] and
+        scales [M, n / 32] as of the row before its norm, and leaves its sums of squares ssq [n / 128, M];
+        ``row_ssq`` (ssq, eps): a_scales are such a row's, times its 1 / rms from ssq here.
 
         ``pdl`` (the tensor-core kernel, inside a graph capture): launched with programmatic stream
         serialization, so it copies its first weights while the previous kernel still runs (gemm_mma.cu).
@@ -249,22 +256,18 @@ class DeviceGemm:
         kern = self.kernels.mma.get((g.code_bits, g.group_size, name))
         if kern is None:
             raise ValueError(f"no tensor-core kernel for int{g.code_bits} G={g.group_size}")
-        stages = _cdiv(k, MMA_BK)
-        nz, per = mma_splits(k, g.npad, g.group_size, self.sm_count) if m <= SPLIT_MAX_M else (1, stages)
-        if not tile.split:
-            nz, per = 1, stages
-        elif splits is not None:
-            nz, per = split_stages(k, g.group_size, splits)
-        chunks = 1
-        if name in TMA_TILES:
-            chunks = tma_chunks(m, tile.bm, nz, _cdiv(m, tile.bm) * _cdiv(g.npad, tile.bn) * tile.bm * tile.bn)
-        grid = (_cdiv(m, tile.bm), _cdiv(g.npad, tile.bn), _cdiv(nz, chunks))
+        nz, per, chunks, grid = self._grid(m, g, name, splits)
         ws = self.workspace(stream)
         if nz > 1 and (nz * m * g.npad > PARTIAL_FLOATS or grid[0] * grid[1] > COUNTERS):
             raise ValueError(f"q8: {nz} K splits of {m} x {g.npad} do not fit the workspace")
         # blockIdx.x walks M, so the blocks resident together share one weight tile
         smem = tile.smem_bytes(g.code_bits, g.group_size)
         cluster = (1, 1, grid[2]) if 1 < grid[2] <= MAX_CLUSTER and self._clusters else None
+        if (fold is not None and (cluster is None or name not in TMA_TILES or n != g.npad)
+                or row_ssq is not None and (name not in TMA_TILES or fold is not None)):
+            raise ValueError(f"q8: no norm fold in the {name} GEMM of {m} rows (K={k}, N={n}, Npad={g.npad})")
+        if name in TMA_TILES:
+            kern = self.kernels.tma[1 if row_ssq is not None else 2 if fold is not None else 0]
         if name in TMA_TILES:  # tensor maps of the weight codes, weight scales and activation codes
             if not self.tensor_copies:
                 raise ValueError("q8: the tensor-copy GEMM needs sm_90's clusters and tensor maps")
@@ -273,8 +276,11 @@ class DeviceGemm:
             tws = self._map(weight.scales.data.ptr, enc.FLOAT32, (g.npad, g.ngroups), 4 * g.npad,
                             (tile.bn, MMA_BK // 32), False)
             ta = self._map(a_codes.data.ptr, enc.UINT8, (k, m), k, (MMA_BK, tile.bm), True)
+            fw, fcodes, fscales, fssq = fold or (None, None, None, None)
+            rssq, eps = row_ssq or (None, 0.0)
             args = (tw, tws, ta, _ptr(a_scales), i32(m), _ptr(out), i32(ldo), i32(accumulate), i32(n), i32(k),
-                    i32(per), i32(chunks), _ptr(ws.partial))
+                    i32(per), i32(chunks), _ptr(ws.partial), _ptr(fw), _ptr(fcodes), _ptr(fscales), _ptr(fssq),
+                    _ptr(rssq), np.float32(eps))
         else:
             args = (_ptr(a_codes), _ptr(a_scales), i32(m), _ptr(weight.codes), _ptr(weight.scales), _ptr(out),
                     i32(ldo), i32(accumulate), i32(n), i32(k), i32(g.npad), _ptr(ws.partial), _ptr(ws.counters),
@@ -285,6 +291,30 @@ class DeviceGemm:
         else:
             _launch(kern, grid, (tile.threads,), args, stream, smem)
         self.launches["mma"] += 1
+
+    def _grid(self, m: int, g: Geometry, name: str, splits: int | None = None
+              ) -> tuple[int, int, int, tuple[int, int, int]]:
+        """(K splits, stages a split, K chunks a block, grid) of ``q8``'s M-row launch in block shape ``name``."""
+        tile = BLOCK_SHAPES[name]
+        stages = _cdiv(g.k, MMA_BK)
+        nz, per = mma_splits(g.k, g.npad, g.group_size, self.sm_count) if m <= SPLIT_MAX_M else (1, stages)
+        if not tile.split:
+            nz, per = 1, stages
+        elif splits is not None:
+            nz, per = split_stages(g.k, g.group_size, splits)
+        chunks = 1
+        if name in TMA_TILES:
+            chunks = tma_chunks(m, tile.bm, nz, _cdiv(m, tile.bm) * _cdiv(g.npad, tile.bn) * tile.bm * tile.bn)
+        return nz, per, chunks, (_cdiv(m, tile.bm), _cdiv(g.npad, tile.bn), _cdiv(nz, chunks))
+
+    def norm_fold(self, m: int, producer: Geometry, n: int, consumers: Sequence[Geometry]) -> bool:
+        """Whether an M-row residual add into ``producer`` (n columns) takes ``q8(fold=...)`` and each of the
+        normed GEMMs after it ``q8(row_ssq=...)``: all of them the tensor-copy block, the producer's K splits
+        one cluster a tile (the fold's rows are whole in the cluster's store) and its columns whole tiles."""
+        names = [self.tile_for(m, g) for g in (producer, *consumers)]
+        if any(name not in TMA_TILES for name in names) or n != producer.npad or not consumers:
+            return False
+        return 1 < self._grid(m, producer, names[0])[3][2] <= MAX_CLUSTER
 
     def tile_for(self, m: int, geometry: Geometry) -> str:
         """The block shape ``q8`` runs an M-row GEMM with: ``mma_tile_for``'s, with the tensor-copy block in

@@ -136,48 +136,92 @@ __device__ __forceinline__ void tile_put(float (&facc)[MI][4][4], float* tile, i
         }
 }
 
+// The norm fold: where a residual-add GEMM stores its rows, the next normed projection's input is quantized
+// too, the codes and G = 32 scales of out * w (the norm's weights) as quantize_rows makes them of the normed
+// row, the row's 1 / rms left to the GEMM that reads them (gemm_tma.cu row_ssq), from the sums of squares of
+// out that the fold leaves, one a BN-column tile of a row, tile-major so that the reader's lanes, a row each,
+// find a tile's in one line (scattered, a row's partials took 11 us more a GEMM at 64 rows). All null: no fold.
+struct NormFold {
+    const float* w;  // [N]
+    i8* codes;       // [M][N]
+    float* scales;   // [M][N / 32]
+    float* ssq;      // [N / BN][M]
+};
+
+// A warp's fold of one row's BN columns, four a lane (s: its sums at columns col..col + 3; N % BN == 0)
+template <int BN>
+__device__ __forceinline__ void norm_fold_row(const NormFold& f, float4 w, float4 s, int row, int col, int M,
+                                              int N) {
+    static_assert(BN == 128, "a row of the tile is one warp's, a G = 32 group eight lanes'");
+    const int lane = threadIdx.x & 31;
+    const float v[4] = {s.x * w.x, s.y * w.y, s.z * w.z, s.w * w.w};
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
+    const float d = q8_scale(amax), inv = q8_inv(d);
+    u32 c = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) c |= (u32)(u8)q8_code(v[j], inv) << (8 * j);
+    *reinterpret_cast<u32*>(f.codes + (size_t)row * N + col) = c;
+    if ((lane & 7) == 0) f.scales[(size_t)row * (N / 32) + col / 32] = d;
+    const float ss = warp_sum(s.x * s.x + s.y * s.y + s.z * s.z + s.w * s.w);
+    if (lane == 0) f.ssq[(size_t)(col / BN) * M + row] = ss;
+}
+
 // The K splits of a BM x BN tile launched as one cluster (blockIdx.z = split) add their sums through
 // distributed shared memory: each block's warps that hold sums (``holds``; their tile rows from wr0, columns
-// from wc0) put them in its shared ``tile``, then every block adds 1/nz of the tile over the splits in z order
-// and stores it. A split of two K chunks (ranks below ``nstash``) left its first chunk's sums in global memory,
-// ``stash`` + rank x BM x BN (tile_put): it comes before the split's shared tile, so the sums are added chunk
-// by chunk in K order whatever the chunks a split. ``add``: the tile added to what out holds. Called by every
-// thread of the block, after its last read of ``tile``'s memory.
-template <int MI, int BM, int BN>
+// from wc0) put them in its shared ``tile``, then every block adds its share of the tile's rows over the splits
+// in z order and stores them, a row's BN / 4 float4s one warp's. A split of two K chunks (ranks below
+// ``nstash``) left its first chunk's sums in global memory, ``stash`` + rank x BM x BN (tile_put): it comes
+// before the split's shared tile, so the sums are added chunk by chunk in K order whatever the chunks a split.
+// ``add``: the tile added to what out holds. FOLD: the norm fold of the stored rows (``fold``), each block's
+// share whole rows. Called by every thread of the block, after its last read of ``tile``'s memory.
+template <int MI, int BM, int BN, bool FOLD>
 __device__ __forceinline__ void tile_cluster_store(float (&facc)[MI][4][4], bool holds, float* tile, int wr0,
                                                    int wc0, float* __restrict__ out, int ldo, int M, int N, int m0,
-                                                   int n0, bool vec, bool add, const float* stash, int nstash) {
+                                                   int n0, bool vec, bool add, const float* stash, int nstash,
+                                                   const NormFold& fold) {
+    // FOLD: a thread's columns are the same in every pass (its lane's four of the tile): their norm weights, which
+    // no kernel writes, loaded before the barrier
+    const int wcol = n0 + 4 * (threadIdx.x % 32);
+    const float4 w = FOLD && wcol < N ? *reinterpret_cast<const float4*>(fold.w + wcol)
+                                      : make_float4(0.f, 0.f, 0.f, 0.f);
     if (holds) tile_put<MI, BN>(facc, tile, wr0, wc0, false);
     cluster_arrive();
     cluster_wait();  // every split's sums are in its block's shared memory
-    constexpr int Q = BM * BN / 4;  // float4s of the tile
-    const int nz = gridDim.z, z = blockIdx.z, q0 = z * Q / nz, q1 = (z + 1) * Q / nz;
-    for (int q = q0 + (int)threadIdx.x; q < q1; q += (int)blockDim.x) {
+    constexpr int RQ = BN / 4, Q = BM * RQ;  // float4s of a tile row (32: a warp's) and of the tile
+    const int nz = gridDim.z, z = blockIdx.z;
+    const int q0 = FOLD ? z * BM / nz * RQ : z * Q / nz, q1 = FOLD ? (z + 1) * BM / nz * RQ : (z + 1) * Q / nz;
+    for (int q = q0 + (int)threadIdx.x; q < q1; q += (int)blockDim.x) {  // FOLD: whole warps (blockDim % 32 == 0)
+        const int row = m0 + q / RQ, col = n0 + 4 * (q % RQ);
         // what is not stored (rows past M, columns past N) is not loaded: a load whose value nothing waits for
         // may still be in flight when the block it reads exits after the last barrier (its arrive is relaxed),
         // and reading an exited block's shared memory is an error
-        const int row = m0 + 4 * q / BN, col = n0 + 4 * q % BN;
-        if (row >= M || col >= N) continue;
+        if (row >= M || (!FOLD && col >= N)) continue;  // FOLD: the warp's row
+        const bool in = col < N;
         float* o = out + (size_t)row * ldo + col;
-        // every split's loads in flight at once, and with ``add`` the residual's
-        float4 split[MAX_CLUSTER], first[MAX_CLUSTER / 2];
-        const float4 res = add ? load_out4(o, col, N, vec) : make_float4(0.f, 0.f, 0.f, 0.f);
+        float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (in) {
+            // every split's loads in flight at once, and with ``add`` the residual's
+            float4 split[MAX_CLUSTER], first[MAX_CLUSTER / 2];
+            const float4 res = add ? load_out4(o, col, N, vec) : s;
 #pragma unroll
-        for (int r = 0; r < MAX_CLUSTER; ++r)
-            if (r < nz) split[r] = ld_cluster_f4(cluster_addr(tile + 4 * q, r));
+            for (int r = 0; r < MAX_CLUSTER; ++r)
+                if (r < nz) split[r] = ld_cluster_f4(cluster_addr(tile + 4 * q, r));
 #pragma unroll
-        for (int r = 0; r < MAX_CLUSTER / 2; ++r)
-            if (r < nstash) first[r] = __ldcg(reinterpret_cast<const float4*>(stash + (size_t)r * BM * BN) + q);
-        float4 s = split[0];
-        if (nstash > 0) s = make_float4(first[0].x + s.x, first[0].y + s.y, first[0].z + s.z, first[0].w + s.w);
+            for (int r = 0; r < MAX_CLUSTER / 2; ++r)
+                if (r < nstash) first[r] = __ldcg(reinterpret_cast<const float4*>(stash + (size_t)r * BM * BN) + q);
+            s = split[0];
+            if (nstash > 0) s = add4(first[0], s);
 #pragma unroll
-        for (int r = 1; r < MAX_CLUSTER; ++r) {  // in z order (a split's chunks in K order), as the workspace merge
-            if (r < MAX_CLUSTER / 2 && r < nstash) {
-                s.x += first[r].x; s.y += first[r].y; s.z += first[r].z; s.w += first[r].w;
+            for (int r = 1; r < MAX_CLUSTER; ++r) {  // in z order (a split's chunks in K order), as the workspace merge
+                if (r < MAX_CLUSTER / 2 && r < nstash) s = add4(s, first[r]);
+                if (r < nz) s = add4(s, split[r]);
             }
-            if (r < nz) { s.x += split[r].x; s.y += split[r].y; s.z += split[r].z; s.w += split[r].w; }
+            if (add) s = add4(res, s);
+            store_out4(o, s, col, N, vec);
         }
-        store_out4(o, add ? add4(res, s) : s, col, N, vec);
+        if constexpr (FOLD) norm_fold_row<BN>(fold, w, s, row, col, M, N);
     }
     cluster_arrive_relaxed();  // every load above is done (its sum is stored): nothing to publish
     cluster_wait();  // no block leaves while another still reads its shared memory

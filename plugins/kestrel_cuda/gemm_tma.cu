@@ -46,6 +46,21 @@ __device__ __forceinline__ void tma_2d(u32 dst, const TmaDesc* map, int x, int y
 }
 #endif
 
+// 1 / sqrt(mean square + eps) of a row of K from its tiles' sums of squares (NormFold.ssq: K / 128 of them, M
+// apart, in order), the factor quantize_rows divides the row by, with the approximate reciprocals (no slow-path
+// calls)
+__device__ __forceinline__ float row_rsqrt(const float* __restrict__ ssq, int M, int K, float eps) {
+    float s = 0.f;
+    for (int t0 = 0; t0 < K / 128; t0 += 32) {  // one round trip up to K = 4096, beside stage 0's row scales
+        float v[32];
+#pragma unroll
+        for (int j = 0; j < 32; ++j) v[j] = t0 + j < K / 128 ? __ldcg(ssq + (size_t)(t0 + j) * M) : 0.f;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) s += v[j];
+    }
+    return rsqrtf(__fdividef(s, (float)K) + eps);
+}
+
 struct TmaTile {
     static constexpr int BM = TMA_BM, BN = 128, BK = TMA_BK, SG = BK / 32, CW = 4, STAGES = TMA_STAGES;
     static constexpr int THREADS = 32 * (CW + 1);
@@ -55,10 +70,14 @@ struct TmaTile {
     static constexpr int SMEM = 1024 + STAGES * STAGE + 16 * STAGES;  // alignment slack, stages, mbarriers
 };
 
-extern "C" __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
+// NORM (the norm fold, gemm_tile.cuh NormFold; one instance each): 0 none; 1 the activations are the fold's
+// codes and scales, whose row's factor 1 / rms comes from row_ssq; 2 the store folds (fold_*, a cluster's).
+template <int NORM>
+__global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
         const __grid_constant__ TmaDesc tw, const __grid_constant__ TmaDesc tws, const __grid_constant__ TmaDesc ta,
         const float* __restrict__ As, int M, float* __restrict__ out, int ldo, int add, int N, int K, int kstages,
-        int chunks, float* __restrict__ stash) {
+        int chunks, float* __restrict__ stash, const float* __restrict__ fold_w, i8* __restrict__ fold_codes,
+        float* __restrict__ fold_scales, float* __restrict__ fold_ssq, const float* __restrict__ row_ssq, float eps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     using T = TmaTile;
     constexpr int BM = T::BM, BN = T::BN, BK = T::BK, SG = T::SG, CW = T::CW, STAGES = T::STAGES, MI = 2;
@@ -93,6 +112,7 @@ extern "C" __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
             asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&ta)) : "memory");
         }
         const int arows = min(BM, M - m0);
+        float rinv = 1.f;  // NORM 1: the lane's row's 1 / rms, its scales' factor (those of the row before its norm)
         auto weights = [&](int i) {  // stage i's weight codes and scales; lane 0
             const int st = st0 + i;
             const u32 sb = sbase + (i % STAGES) * T::STAGE, full = bars + 8 * (i % STAGES);
@@ -109,12 +129,13 @@ extern "C" __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
                 const int r = lane;  // BM == 32
                 float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
                 if (r < arows) v = __ldg(reinterpret_cast<const float4*>(As + (size_t)(m0 + r) * ng + st * SG));
+                if (NORM == 1 && i == 0 && r < arows) rinv = row_rsqrt(row_ssq + m0 + r, M, K, eps);
                 const float sv[4] = {v.x, v.y, v.z, v.w};
                 // row r is row (r % 16) / 8 of m16 tile r / 16, read by the lanes of group row r % 8
                 const int pos = (r & 7) * 8 + ((r >> 4) * 2 + ((r & 15) >> 3)) * 2;
 #pragma unroll
                 for (int g = 0; g < SG; ++g) {
-                    const float a = split_row_scale(sv[g]);
+                    const float a = split_row_scale(NORM == 1 ? sv[g] * rinv : sv[g]);
                     *reinterpret_cast<float2*>(sas + g * BM * 2 + pos) = make_float2(a, -GQ_MAGIC_F * a);
                 }
             }
@@ -191,8 +212,9 @@ extern "C" __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
     const bool vec = (ldo & 3) == 0 && (reinterpret_cast<size_t>(out) & 15) == 0;
     if (gridDim.z > 1) {  // the splits are one cluster (gemm.py launches no other way)
         __syncthreads();  // every stage is consumed: the buffers are free
-        tile_cluster_store<MI, BM, BN>(facc, warp < CW, reinterpret_cast<float*>(smem), 0, wn * 32, out, ldo,
-                                       M, N, m0, n0, vec, add, tile_stash, nstash);
+        tile_cluster_store<MI, BM, BN, NORM == 2>(facc, warp < CW, reinterpret_cast<float*>(smem), 0, wn * 32, out, ldo,
+                                       M, N, m0, n0, vec, add, tile_stash, nstash,
+                                       NormFold{fold_w, fold_codes, fold_scales, fold_ssq});
         return;
     }
     if (warp < CW) {

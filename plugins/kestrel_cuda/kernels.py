@@ -106,10 +106,15 @@ class TmaTile:
         return 1024 + self.stages * stage + 16 * self.stages
 
     def name(self, bits: int, group_size: int) -> str:
-        return TMA_KERNEL
+        return tma_kernel_name(0)
 
 
-TMA_KERNEL = "k_gemm_q8_tma"
+def tma_kernel_name(norm: int) -> str:
+    """The tensor-copy block's instance for the norm fold's role ``norm`` (gemm_tma.cu NORM: TMA_NORMS)."""
+    return f"k_gemm_q8_tma<{norm}>"
+
+
+TMA_NORMS = (0, 1, 2)  # none, reading the fold's rows, folding the store
 TMA_TILE = "32x128t"  # the split block of 17-64 rows at int8 G = 32 where tensor copies and clusters are there
 TMA_TILES: dict[str, TmaTile] = {TMA_TILE: TmaTile()}
 BLOCK_SHAPES: dict[str, MmaTile | TmaTile] = {**MMA_TILES, **TMA_TILES}  # every block shape by name
@@ -142,6 +147,7 @@ class Kernels:
     quantize: dict[int, Any]  # G -> kernel
     gemv_warp: dict[tuple[int, int, int], Any]
     mma: dict[tuple[int, int, str], Any]  # (bits, G, tile name) -> kernel
+    tma: dict[int, Any]  # the tensor-copy block by its norm-fold role (TMA_NORMS); mma's is role 0
     f32: dict[int, Any]  # bits -> kernel
     compile_s: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
@@ -152,7 +158,7 @@ def kernel_names() -> list[str]:
     return ([TRANSPOSE_I8, TRANSPOSE_F32] + [f"k_quantize_act<{g}>" for g in GROUP_SIZES]
             + [gemv_warp_name(*v) for v in GEMV_WARP_VARIANTS]
             + [t.name(b, g) for b in BITS for g in GROUP_SIZES for t in MMA_TILES.values()]
-            + [TMA_KERNEL]
+            + [tma_kernel_name(norm) for norm in TMA_NORMS]
             + [f"k_gemm_f32<{b}>" for b in BITS])
 
 
@@ -171,11 +177,14 @@ def compile_kernels(cp: Any) -> Kernels:
             quantize={g: get(f"k_quantize_act<{g}>") for g in GROUP_SIZES},
             gemv_warp={v: get(gemv_warp_name(*v)) for v in GEMV_WARP_VARIANTS},
             mma={(b, g, tn): get(t.name(b, g)) for b in BITS for g in GROUP_SIZES for tn, t in MMA_TILES.items()}
-            | {(8, 32, TMA_TILE): get(TMA_KERNEL)},
+            | {(8, 32, TMA_TILE): get(tma_kernel_name(0))},
+            tma={norm: get(tma_kernel_name(norm)) for norm in TMA_NORMS},
             f32={b: get(f"k_gemm_f32<{b}>") for b in BITS},
         )
         for (b, g, tn), kern in kernels.mma.items():  # above 48 KiB a block must ask for its shared memory
             kern.max_dynamic_shared_size_bytes = BLOCK_SHAPES[tn].smem_bytes(b, g)
+        for kern in kernels.tma.values():
+            kern.max_dynamic_shared_size_bytes = TMA_TILES[TMA_TILE].smem_bytes(8, 32)
     except Exception as exc:  # CompileException, a missing symbol, a driver that cannot load the cubin
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise KernelCompileError(f"{type(exc).__name__}: {first}") from exc

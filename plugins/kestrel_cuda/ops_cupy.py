@@ -8,7 +8,7 @@ once (benchmarks/cuda_e2e.py times every kernel of a prefill that way).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -32,6 +32,7 @@ from kestrel_cuda.plan import (
     MERGE_SPLITS,
     PRO_PLAIN,
     PRO_POSTNORM,
+    PRO_RMSNORM,
     ROUTE_ROWS,
     SMALL_M,
     TILE_N,
@@ -282,7 +283,8 @@ class CupyOps:
     def gemv(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
              bias: Any, ssq_in: Any = None, ssq_out: Any = None, rope: QkvRope | None = None,
              experts: tuple[Any, Any, int] | None = None, sel_ready: bool = False,
-             post: PostNorm | None = None, quantized: bool = False) -> None:
+             post: PostNorm | None = None, quantized: bool = False, fold_norm: Any = None,
+             prenormed: bool = False) -> None:
         """ssq_in / ssq_out (M = 1 only): the residual stream's tile sums of squares, read by an RMSNorm
         prologue (pro 1) instead of the row, written with a residual-add epilogue's outputs. ``post`` (M = 1):
         with pro PRO_POSTNORM this GEMV reads the post-norm (x is its ``h``), else it is the projection before
@@ -292,7 +294,9 @@ class CupyOps:
         and plan) on row j of x, or on its one row; ``sel_ready``: the launch before this one in the stream is
         a routed GEMV on the same ``sel`` (gemv.cu: this one then reads sel before its PDL wait). ``quantized``
         (M > 1, the tiled GEMM, PRO_PLAIN, G = 32): x's codes are where that GEMM reads them already
-        (``attention(quantize_for=lin)`` wrote them), so no prologue kernel runs."""
+        (``attention(quantize_for=lin)`` wrote them), so no prologue kernel runs. The norm fold (M > 1, where
+        ``norm_fold`` says): ``fold_norm``, the next norm's weights, with EPI_ADD: the GEMM also quantizes y's
+        new rows for the normed GEMMs after it; ``prenormed`` (pro PRO_RMSNORM): x's are those codes."""
         m = x.shape[0]
         if post is not None and (m != 1 or experts is not None):
             raise ValueError("a post-norm folds into M = 1 GEMVs only")
@@ -303,9 +307,9 @@ class CupyOps:
             table, sel, m = experts
             ldx = _i32(0) if x.shape[0] == 1 else ldx
         elif m > 1 and self.gemm is not None:
-            self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias, quantized)
+            self._tiled(lin, x, pro, pw, eps, xoff, y, epi, bias, quantized, fold_norm, prenormed)
             return
-        if quantized:
+        if quantized or prenormed or fold_norm is not None:
             raise ValueError("pre-quantized rows are the tiled GEMM's (M > 1)")
         one = m == 1 or experts is not None  # one row a block
         mr = 1 if one else SMALL_M
@@ -387,23 +391,28 @@ class CupyOps:
             run()
 
     def _tiled(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
-               bias: Any, quantized: bool = False) -> None:
+               bias: Any, quantized: bool, fold_norm: Any, prenormed: bool) -> None:
         """Prologue kernel -> codes/scales, the tiled GEMM (gemm.DeviceGemm) -> tmp, epilogue kernel -> y;
         without a bias the GEMM stores into y, or adds to it (EPI_ADD), itself."""
         m, k, g = x.shape[0], lin.k, lin.group_size
-        codes, scales = self.gemm_input(m, k, g)
         direct = bias is None
         tmp = y if direct else self._scratch("tmp", m * lin.npad, np.float32).reshape(m, lin.npad)
-        if not quantized:
+        add = direct and epi == EPI_ADD
+        if prenormed and pro != PRO_RMSNORM or fold_norm is not None and not add:
+            raise ValueError("the norm fold goes from a residual add (no bias) to an RMSNorm prologue")
+        codes, scales, ssq = self.norm_input(m, k) if prenormed else (*self.gemm_input(m, k, g), None)
+        if not (quantized or prenormed):
             self._quantize_rows(x, m, k, g, pro, pw, eps, xoff, codes, scales)
-        elif g != ATTN_CODES_GROUP or pro != PRO_PLAIN:
+        elif quantized and (g != ATTN_CODES_GROUP or pro != PRO_PLAIN):
             raise ValueError(f"pre-quantized rows are plain G = {ATTN_CODES_GROUP} codes")
         weight = _as_device_weight(lin)
-        add = direct and epi == EPI_ADD
+        fold = None if fold_norm is None else (fold_norm, *self.norm_input(m, lin.n))
+        row_ssq = None if ssq is None else (ssq, eps)
         if self.on_launch is not None:
-            self.on_launch("gemm_q8 (tiled)", lambda: self._gemm_q8(codes, scales, weight, tmp, lin.n, add))
+            self.on_launch("gemm_q8 (tiled)", lambda: self._gemm_q8(codes, scales, weight, tmp, lin.n, add, fold,
+                                                                    row_ssq))
         else:
-            self._gemm_q8(codes, scales, weight, tmp, lin.n, add)
+            self._gemm_q8(codes, scales, weight, tmp, lin.n, add, fold, row_ssq)
         if direct:
             return
         self.launch(self._fn["add_rows"], (-(-lin.n // 256), m), (256,),
@@ -416,6 +425,20 @@ class CupyOps:
         codes = self._scratch("codes", m * k, np.int8).reshape(m, k)
         return codes, self._scratch("scales", m * (k // g), np.float32).reshape(m, k // g)
 
+    def norm_input(self, m: int, k: int) -> tuple[Any, ...]:
+        """The norm fold's codes int8 [m, k], scales float32 [m, k / 32] and sums of squares [k / 128, m]
+        (gemm.DeviceGemm.q8 ``fold``): apart from ``gemm_input``, which the GEMM that writes them reads."""
+        parts = (("codes", 1, np.int8), ("scales", 32, np.float32), ("ssq", 128, np.float32))
+        bufs = [self._scratch(f"norm_{name}", m * k // d, t).reshape(m, k // d) for name, d, t in parts]
+        return bufs[0], bufs[1], bufs[2].reshape(k // 128, m)
+
+    def norm_fold(self, m: int, producer: Lin, consumers: Sequence[Lin]) -> bool:
+        """Whether an M-row residual add through ``producer`` quantizes its rows for the normed ``consumers``
+        after it (``gemv(fold_norm=...)``, then theirs with ``prenormed``): gemm.DeviceGemm.norm_fold."""
+        return (m > 1 and self.gemm is not None
+                and self.gemm.norm_fold(m, _as_device_weight(producer).geometry, producer.n,
+                                        [_as_device_weight(c).geometry for c in consumers]))
+
     def _quantize_rows(self, x: Any, m: int, k: int, g: int, pro: int, pw: Any, eps: float, xoff: int,
                        codes: Any, scales: Any) -> None:
         """codes [m, k] int8 and scales [m, k / g] of prologue ``pro`` of x's rows (rows.cu quantize_rows)."""
@@ -423,8 +446,10 @@ class CupyOps:
                     (_ptr(x), _ld(x), _i32(m), _i32(k), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
                      _ptr(codes), _ptr(scales)), name="quantize_rows")
 
-    def _gemm_q8(self, codes: Any, scales: Any, weight: Any, out: Any, n: int, accumulate: bool) -> None:
-        self.gemm.q8(codes, scales, weight, out, n, self.stream, pdl=self._pdl(), accumulate=accumulate)
+    def _gemm_q8(self, codes: Any, scales: Any, weight: Any, out: Any, n: int, accumulate: bool,
+                 fold: tuple | None = None, row_ssq: tuple | None = None) -> None:
+        self.gemm.q8(codes, scales, weight, out, n, self.stream, pdl=self._pdl(), accumulate=accumulate, fold=fold,
+                     row_ssq=row_ssq)
 
     def _scratch(self, name: str, size: int, dtype: Any) -> Any:
         """A flat scratch buffer of at least ``size`` elements, grown outside graph capture. A buffer it

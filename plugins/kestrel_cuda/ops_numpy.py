@@ -11,13 +11,15 @@ rounding: both compute exact integer block sums of the same codes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from kestrel_core.contract import quantize_activations
 from kestrel_core.model.decoder import gelu_tanh_mul
+from kestrel_cuda.gemm import SPLIT_MAX_M, split_fits
+from kestrel_cuda.kernels import MMA_TILE_SPLIT_SMALL, MMA_TILES
 from kestrel_cuda.layout import unpack_kmajor
 from kestrel_cuda.plan import (
     EPI_ADD,
@@ -55,12 +57,25 @@ def _prologue(x: np.ndarray, k: int, pro: int, pw: np.ndarray | None, eps: float
     return xv[:, :k]
 
 
+def _folded(x: np.ndarray, k: int, pw: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """The norm fold's codes and scales (gemm_tile.cuh NormFold, gemm_tma.cu row_rsqrt): x * pw quantized per 32
+    columns, each row's scales times its 1 / rms from its sums of squares per 128 columns, added in order."""
+    h = np.asarray(x, np.float32)[:, :k]
+    codes, scales = quantize_activations((h * pw[:k]).astype(np.float64), 32)
+    tiles = (h * h).reshape(len(h), -1, 128).sum(axis=2, dtype=np.float32)  # [M, K / 128]
+    ss = np.cumsum(tiles, axis=1, dtype=np.float32)[:, -1:]
+    return codes, (scales * (np.float32(1) / np.sqrt(ss / np.float32(k) + np.float32(eps)))).astype(np.float32)
+
+
 def _qgemv(lin: Lin, x: np.ndarray, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
-           ssq: np.ndarray | None) -> np.ndarray:
-    """qgemv's sums [M, n]: exact integer block sums of the quantized prologue and ``lin``'s codes, scaled."""
+           ssq: np.ndarray | None, prenormed: bool = False) -> np.ndarray:
+    """qgemv's sums [M, n]: exact integer block sums of the quantized prologue and ``lin``'s codes, scaled;
+    ``prenormed``: the norm fold's codes of x instead."""
     m, g = x.shape[0], lin.group_size
-    a = _prologue(x, lin.k, pro, pw, eps, xoff, ssq)  # [M, K]
-    a_codes, a_scales = quantize_activations(a, g)
+    if prenormed:
+        a_codes, a_scales = _folded(x, lin.k, pw, eps)
+    else:
+        a_codes, a_scales = quantize_activations(_prologue(x, lin.k, pro, pw, eps, xoff, ssq), g)  # [M, K]
     w = unpack_kmajor(lin.codes, lin.bits)[:lin.k]  # [K, Npad]
     ng = lin.k // g
     isum = np.einsum("mgi,gin->mgn", a_codes.reshape(m, ng, g).astype(np.int64),
@@ -100,6 +115,10 @@ def _row_ssq(row: np.ndarray) -> np.ndarray:
     return (padded * padded).reshape(-1, SSQ_COLS).sum(axis=1, dtype=np.float32)
 
 
+def _same_rows(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+
+
 class NumpyOps:
     """The kernels' math in numpy on host arrays; ``capture`` records calls and replays them."""
 
@@ -109,6 +128,7 @@ class NumpyOps:
     def __init__(self) -> None:
         self._recording: list[Callable[[], None]] | None = None
         self.launches = 0
+        self._fold: tuple[np.ndarray, np.ndarray] | None = None  # (rows, norm) of the last norm fold
 
     def _run(self, fn: Callable[[], None]) -> None:
         if self._recording is not None:
@@ -194,8 +214,15 @@ class NumpyOps:
              y: np.ndarray, epi: int, bias: np.ndarray | None, ssq_in: np.ndarray | None = None,
              ssq_out: np.ndarray | None = None, rope: QkvRope | None = None,
              experts: tuple[list[Lin], np.ndarray, int] | None = None, sel_ready: bool = False,
-             post: PostNorm | None = None, quantized: bool = False) -> None:
-        # ``quantized``: CupyOps' codes written by attention; here x's rows are quantized as those were
+             post: PostNorm | None = None, quantized: bool = False, fold_norm: np.ndarray | None = None,
+             prenormed: bool = False) -> None:
+        # ``quantized``: CupyOps' codes written by attention; here x's rows are quantized as those were. The
+        # norm fold: a ``prenormed`` GEMV reads the rows the last ``fold_norm`` residual add stored, for its norm
+        if prenormed and (self._fold is None or self._fold[1] is not pw or not _same_rows(self._fold[0], x)):
+            raise ValueError("prenormed rows without the norm fold of those rows for that norm")
+        if epi == EPI_ADD:  # y's rows change
+            self._fold = (y, fold_norm) if fold_norm is not None else None
+
         def fn() -> None:
             if experts is not None:  # row j: expert sel[j] on row j of x (or its one row)
                 table, sel, slots = experts
@@ -208,7 +235,7 @@ class NumpyOps:
                 post.h_next[...], a = _postnorm(x, lin.k, pw, eps, post)
                 out = _qgemv(lin, a, PRO_PLAIN, None, eps, 0, None)
             else:
-                out = _qgemv(lin, x, pro, pw, eps, xoff, ssq_in)
+                out = _qgemv(lin, x, pro, pw, eps, xoff, ssq_in, prenormed)
             if bias is not None:
                 out = out + bias
             if rope is not None:  # the epilogue does qkv_rope's work instead of storing
@@ -221,6 +248,13 @@ class NumpyOps:
             if ssq_out is not None:
                 ssq_out[:ssq_count(lin.n)] = _row_ssq(y[0])
         self._run(fn)
+
+    def norm_fold(self, m: int, producer: Lin, consumers: Sequence[Lin]) -> bool:
+        """CupyOps' rule on the H200 (gemm.DeviceGemm.norm_fold), every GEMM the tensor-copy block: 17..64 rows,
+        int8 codes at G = 32 in whole stages and column tiles, the producer's columns whole tiles."""
+        return (bool(consumers) and MMA_TILES[MMA_TILE_SPLIT_SMALL].bm < m <= SPLIT_MAX_M
+                and producer.n == producer.npad
+                and all(x.bits == 8 and x.group_size == 32 and split_fits(x.k, x.npad) for x in (producer, *consumers)))
 
     def expert_table(self, lins: list[Lin]) -> list[Lin]:
         check_expert_table(lins)

@@ -319,6 +319,42 @@ def test_accumulate_adds_the_product_to_what_out_holds(dev, m: int, n: int, kw: 
         run_q8(dev, a_codes[:1], a_scales[:1], w, accumulate=True)
 
 
+@pytest.mark.parametrize("m,splits", [(24, None), (40, None), (64, 3)])  # one chunk a block; two; a cluster of 2
+def test_the_norm_fold(dev, m: int, splits: int | None) -> None:
+    """The norm fold: a residual add in the tensor-copy block also writes its new rows times the norm's weights
+    as quantize_activations makes their codes and scales, and the rows' sums of squares per 128 columns
+    (tile-major); the GEMM that reads those codes with ``row_ssq`` multiplies each row's scales by its 1 / rms
+    from them (the split block's bound against the reference on those scales). The sums out holds are the plain
+    residual add's."""
+    if not dev.gemm.tensor_copies:
+        pytest.skip("tensor copies need sm_90 with clusters")
+    rng = np.random.default_rng([m, 7])
+    w, after = rand_weight(rng, 512, 2048, 32, 8), rand_weight(rng, 384, 512, 32, 8)
+    a_codes, a_scales = quantize_activations(rng.standard_normal((m, w.k)).astype(np.float32), 32)
+    residual = rng.standard_normal((m, w.n)).astype(np.float32)
+    norm, eps = rng.uniform(0.5, 1.5, w.n).astype(np.float32), 1e-6
+    assert dev.gemm.norm_fold(m, geometry_for([w]), w.n, [geometry_for([after])])
+    codes = cp.full((m, w.n), 99, dtype=cp.int8)
+    scales, ssq = cp.full((m, w.n // 32), np.nan, dtype=cp.float32), cp.full((w.n // 128, m), np.nan, cp.float32)
+    kw = {} if splits is None else {"splits": splits}
+    got = run_q8(dev, a_codes, a_scales, w, init=residual, accumulate=True,
+                 fold=(cp.asarray(norm), codes, scales, ssq), **kw)
+    np.testing.assert_array_equal(got, run_q8(dev, a_codes, a_scales, w, init=residual, accumulate=True, **kw))
+    want_codes, want_scales = quantize_activations((got * norm).astype(np.float64), 32)
+    np.testing.assert_array_equal(cp.asnumpy(codes), want_codes)
+    np.testing.assert_array_equal(cp.asnumpy(scales), want_scales)
+    sums = cp.asnumpy(ssq).T  # [M, N / 128]
+    np.testing.assert_allclose(sums, (got.astype(np.float64) ** 2).reshape(m, -1, 128).sum(axis=2), rtol=1e-5)
+    ss = np.cumsum(sums, axis=1, dtype=np.float32)[:, -1:]
+    rinv = np.float32(1) / np.sqrt(ss / np.float32(w.n) + np.float32(eps))
+    out = run_q8(dev, codes, scales, after, row_ssq=(ssq, eps))
+    assert_close_q8(out, want_codes, (want_scales * rinv).astype(np.float32), after)
+    assert not dev.gemm.norm_fold(8, geometry_for([w]), w.n, [geometry_for([after])])
+    with pytest.raises(ValueError, match="no norm fold"):
+        run_q8(dev, a_codes[:8], a_scales[:8], w, init=residual[:8], accumulate=True,
+               fold=(cp.asarray(norm), codes, scales, ssq))
+
+
 @pytest.mark.parametrize("g", [32, 256])
 @pytest.mark.parametrize("n", [136, 256])  # the unsplit and the split block shapes
 def test_mma_extreme_block_sums(dev, g: int, n: int) -> None:

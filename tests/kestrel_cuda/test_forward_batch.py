@@ -162,3 +162,41 @@ def test_a_captured_step_outlives_the_scratch_a_larger_step_outgrows(stream, gem
     ops.synchronize()
     assert np.array_equal(cp.asnumpy(y4), expect)
     assert all(bool((h == 7).all()) for h in held)
+
+
+def test_the_norm_fold_in_steps_of_the_tensor_copy_gemm(stream) -> None:  # type: ignore[no-untyped-def]
+    """Passes of 17..64 rows with clusters on (sm_90: every GEMM the tensor-copy block): the residual adds
+    quantize their rows for the normed GEMMs after them (the norm fold, every layer's o and all but the last
+    one's down), and every row is still the CPU decoder's within the band."""
+    from kestrel_cuda.gemm import DeviceGemm
+    from kestrel_cuda.kernels import compile_kernels
+
+    from .test_forward_batch_host import Pages, _assert_like_cpu, _model
+
+    gemm = DeviceGemm(cp, compile_kernels(cp), cp.cuda.Device().attributes["MultiProcessorCount"], clusters=True)
+    if not gemm.tensor_copies:
+        pytest.skip("tensor copies need sm_90 with clusters")
+    gemm.workspace(stream)
+    fwd = DeviceForward(stream=stream, gemm=gemm)
+    folds, gemv = [], fwd.ops.gemv
+
+    def counted(*args, **kw):  # type: ignore[no-untyped-def]
+        folds.append(kw.get("fold_norm") is not None)
+        return gemv(*args, **kw)
+
+    fwd.ops.gemv = counted
+    model = _model("qwen3")
+    prompts = _prompts(model, (9, 14, 30))
+    pages = Pages()
+    rows = [[o] for o in fwd.forward_batch(model, [pages.entry(i, p, 0, 1) for i, p in enumerate(prompts[:2])])]
+    layers = model.config.num_layers
+    assert sum(folds) == 2 * layers - 1  # 23 rows
+    del folds[:]
+    outs = fwd.forward_batch(model, [pages.entry(2, prompts[2], 0, 1)] + [  # 30 + 2 rows
+        pages.entry(i, np.array([int(np.argmax(r[-1]))]), len(prompts[i]), 1) for i, r in enumerate(rows)])
+    assert sum(folds) == 2 * layers - 1
+    for i in range(2):
+        rows[i].append(outs[1 + i])
+        seq = np.concatenate([prompts[i], [int(np.argmax(rows[i][0][-1]))]])
+        _assert_like_cpu(model, seq, np.concatenate(rows[i]))
+    _assert_like_cpu(model, prompts[2], outs[0])

@@ -135,6 +135,9 @@ def test_the_cluster_merge_loads_only_what_it_stores() -> None:
     text = (kernels.HERE / "gemm_tile.cuh").read_text(encoding="utf-8")
     body = text[text.index("void tile_cluster_store("):]
     body = body[:body.index("\n}\n")]
-    skip = re.search(r"if \(row >= M \|\| col >= N\) continue;", body)
-    assert skip is not None and skip.start() < body.index("ld_cluster_f4(")
+    first_load = body.index("ld_cluster_f4(")
+    skip = re.search(r"if \(row >= M \|\| \(!FOLD && col >= N\)\) continue;", body)
+    inside = re.search(r"const bool in = col < N;", body)
+    guard = re.search(r"if \(in\) \{", body)
+    assert skip and inside and guard and skip.start() < inside.start() < guard.start() < first_load
     assert body.index("cluster_arrive_relaxed()") > body.rindex("ld_cluster_f4(")
