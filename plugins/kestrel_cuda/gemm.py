@@ -223,7 +223,7 @@ class DeviceGemm:
         The norm fold (``norm_fold`` says where it runs; gemm_tile.cuh NormFold): ``fold`` (w, codes, scales,
         ssq) also quantizes out's rows times the norm's weights w for the next normed GEMM, codes [M, n] and
         scales [M, n / 32] as of the row before its norm, and leaves its sums of squares ssq [n / 128, M];
-        ``row_ssq`` (ssq, eps): a_scales are such a row's, times its 1 / rms from ssq here.
+        ``row_ssq`` (ssq, eps): a_scales are such a row's, its sums stored times its 1 / rms from ssq.
 
         ``pdl`` (the tensor-core kernel, inside a graph capture): launched with programmatic stream
         serialization, so it copies its first weights while the previous kernel still runs (gemm_mma.cu).

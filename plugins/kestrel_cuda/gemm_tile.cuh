@@ -112,6 +112,20 @@ __device__ __forceinline__ void tile_zero(float (&facc)[MI][4][4]) {
             for (int e = 0; e < 4; ++e) facc[i][j][e] = 0.0f;
 }
 
+// A warp's sums times their row's factor (f[r]: row r of the warp's rows)
+template <int MI>
+__device__ __forceinline__ void tile_scale_rows(float (&facc)[MI][4][4], const float* f) {
+    const int gid = (threadIdx.x & 31) >> 2;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float a = f[mi * 16 + gid + 8 * (e / 2)];
+#pragma unroll
+            for (int ni = 0; ni < 4; ++ni) facc[mi][ni][e] *= a;
+        }
+}
+
 // A warp's sums into a BM x BN tile (row-major floats; its rows from wr0, columns from wc0), or, with
 // ``add``, the tile's values added to them (the tile's first: the earlier K chunk's sums are its values)
 template <int MI, int BN>
@@ -174,13 +188,14 @@ __device__ __forceinline__ void norm_fold_row(const NormFold& f, float4 w, float
 // in z order and stores them, a row's BN / 4 float4s one warp's. A split of two K chunks (ranks below
 // ``nstash``) left its first chunk's sums in global memory, ``stash`` + rank x BM x BN (tile_put): it comes
 // before the split's shared tile, so the sums are added chunk by chunk in K order whatever the chunks a split.
-// ``add``: the tile added to what out holds. FOLD: the norm fold of the stored rows (``fold``), each block's
-// share whole rows. Called by every thread of the block, after its last read of ``tile``'s memory.
+// ``row_f`` (or null): the sums of tile row r times row_f[r], before ``add``. ``add``: the tile added to what out
+// holds. FOLD: the norm fold of the stored rows (``fold``), each block's share whole rows. Called by every thread
+// of the block, after its last read of ``tile``'s memory.
 template <int MI, int BM, int BN, bool FOLD>
 __device__ __forceinline__ void tile_cluster_store(float (&facc)[MI][4][4], bool holds, float* tile, int wr0,
                                                    int wc0, float* __restrict__ out, int ldo, int M, int N, int m0,
                                                    int n0, bool vec, bool add, const float* stash, int nstash,
-                                                   const NormFold& fold) {
+                                                   const NormFold& fold, const float* row_f) {
     // FOLD: a thread's columns are the same in every pass (its lane's four of the tile): their norm weights, which
     // no kernel writes, loaded before the barrier
     const int wcol = n0 + 4 * (threadIdx.x % 32);
@@ -217,6 +232,10 @@ __device__ __forceinline__ void tile_cluster_store(float (&facc)[MI][4][4], bool
             for (int r = 1; r < MAX_CLUSTER; ++r) {  // in z order (a split's chunks in K order), as the workspace merge
                 if (r < MAX_CLUSTER / 2 && r < nstash) s = add4(s, first[r]);
                 if (r < nz) s = add4(s, split[r]);
+            }
+            if (row_f) {
+                const float f = row_f[row - m0];
+                s = make_float4(s.x * f, s.y * f, s.z * f, s.w * f);
             }
             if (add) s = add4(res, s);
             store_out4(o, s, col, N, vec);

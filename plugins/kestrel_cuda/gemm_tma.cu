@@ -48,7 +48,8 @@ __device__ __forceinline__ void tma_2d(u32 dst, const TmaDesc* map, int x, int y
 
 // 1 / sqrt(mean square + eps) of a row of K from its tiles' sums of squares (NormFold.ssq: K / 128 of them, M
 // apart, in order), the factor quantize_rows divides the row by, with the approximate reciprocals (no slow-path
-// calls)
+// calls). The producer forms it after its last stage and the store multiplies the row's sums by it: applied to
+// the first stage's row scales it held that stage back by the loads' round trip (1 - 2 us a GEMM at 64 rows).
 __device__ __forceinline__ float row_rsqrt(const float* __restrict__ ssq, int M, int K, float eps) {
     float s = 0.f;
     for (int t0 = 0; t0 < K / 128; t0 += 32) {  // one round trip up to K = 4096, beside stage 0's row scales
@@ -67,11 +68,12 @@ struct TmaTile {
     static constexpr int B_OFF = 0, A_OFF = BK * BN, SW_OFF = A_OFF + BM * BK, AS_OFF = SW_OFF + SG * BN * 4;
     static constexpr int TX = BK * BN + BM * BK + SG * BN * 4;  // bytes of a stage's tensor copies
     static constexpr int STAGE = (AS_OFF + SG * BM * 8 + 1023) / 1024 * 1024;
-    static constexpr int SMEM = 1024 + STAGES * STAGE + 16 * STAGES;  // alignment slack, stages, mbarriers
+    static constexpr int SMEM = 1024 + STAGES * STAGE + 16 * STAGES + 4 * BM;  // slack, stages, mbarriers, row_f
 };
 
 // NORM (the norm fold, gemm_tile.cuh NormFold; one instance each): 0 none; 1 the activations are the fold's
-// codes and scales, whose row's factor 1 / rms comes from row_ssq; 2 the store folds (fold_*, a cluster's).
+// codes and scales, the sums of whose rows are stored times 1 / rms from row_ssq; 2 the store folds (fold_*, a
+// cluster's).
 template <int NORM>
 __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
         const __grid_constant__ TmaDesc tw, const __grid_constant__ TmaDesc tws, const __grid_constant__ TmaDesc ta,
@@ -96,6 +98,7 @@ __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
     unsigned char* smem = smem_raw + pad;
     const u32 sbase = raw + pad;
     const u32 bars = sbase + STAGES * T::STAGE;  // full[s] at bars + 8 s, empty[s] at bars + 8 (STAGES + s)
+    float* row_f = reinterpret_cast<float*>(smem + STAGES * T::STAGE + 16 * STAGES);  // NORM 1: rows' 1 / rms
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bars + 8 * s, 32);             // the producer's lanes (and the tensor copies' bytes)
@@ -112,7 +115,6 @@ __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
             asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&ta)) : "memory");
         }
         const int arows = min(BM, M - m0);
-        float rinv = 1.f;  // NORM 1: the lane's row's 1 / rms, its scales' factor (those of the row before its norm)
         auto weights = [&](int i) {  // stage i's weight codes and scales; lane 0
             const int st = st0 + i;
             const u32 sb = sbase + (i % STAGES) * T::STAGE, full = bars + 8 * (i % STAGES);
@@ -129,13 +131,12 @@ __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
                 const int r = lane;  // BM == 32
                 float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
                 if (r < arows) v = __ldg(reinterpret_cast<const float4*>(As + (size_t)(m0 + r) * ng + st * SG));
-                if (NORM == 1 && i == 0 && r < arows) rinv = row_rsqrt(row_ssq + m0 + r, M, K, eps);
                 const float sv[4] = {v.x, v.y, v.z, v.w};
                 // row r is row (r % 16) / 8 of m16 tile r / 16, read by the lanes of group row r % 8
                 const int pos = (r & 7) * 8 + ((r >> 4) * 2 + ((r & 15) >> 3)) * 2;
 #pragma unroll
                 for (int g = 0; g < SG; ++g) {
-                    const float a = split_row_scale(NORM == 1 ? sv[g] * rinv : sv[g]);
+                    const float a = split_row_scale(sv[g]);
                     *reinterpret_cast<float2*>(sas + g * BM * 2 + pos) = make_float2(a, -GQ_MAGIC_F * a);
                 }
             }
@@ -151,6 +152,7 @@ __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
             }
             activations(i);
         }
+        if (NORM == 1) row_f[lane] = lane < arows ? row_rsqrt(row_ssq + m0 + lane, M, K, eps) : 0.f;
     }
 
     float facc[MI][4][4];
@@ -211,14 +213,17 @@ __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
 
     const bool vec = (ldo & 3) == 0 && (reinterpret_cast<size_t>(out) & 15) == 0;
     if (gridDim.z > 1) {  // the splits are one cluster (gemm.py launches no other way)
-        __syncthreads();  // every stage is consumed: the buffers are free
+        __syncthreads();  // every stage is consumed: the buffers are free (NORM 1: row_f is written)
         tile_cluster_store<MI, BM, BN, NORM == 2>(facc, warp < CW, reinterpret_cast<float*>(smem), 0, wn * 32, out, ldo,
                                        M, N, m0, n0, vec, add, tile_stash, nstash,
-                                       NormFold{fold_w, fold_codes, fold_scales, fold_ssq});
+                                       NormFold{fold_w, fold_codes, fold_scales, fold_ssq},
+                                       NORM == 1 ? row_f : nullptr);
         return;
     }
+    if (NORM == 1) __syncthreads();  // row_f is written
     if (warp < CW) {
         if (nstash) tile_put<MI, BN>(facc, tile_stash, 0, wn * 32, true);  // the first chunk's sums, then this one's
+        if (NORM == 1) tile_scale_rows<MI>(facc, row_f);
         tile_store_rows<MI>(facc, out, ldo, M, N, m0, n0 + wn * 32, vec, add);
     }
 #else

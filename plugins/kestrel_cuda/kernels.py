@@ -101,9 +101,9 @@ class TmaTile:
     split: bool = True
 
     def smem_bytes(self, bits: int, group_size: int) -> int:
-        """TmaTile::SMEM in gemm_tma.cu: 1 KiB of alignment slack, the stages, their mbarriers."""
+        """TmaTile::SMEM in gemm_tma.cu: 1 KiB of alignment slack, the stages, their mbarriers, the rows' factors."""
         stage = -(-(MMA_BK * self.bn + self.bm * MMA_BK + 4 * self.bn * 4 + 4 * self.bm * 8) // 1024) * 1024
-        return 1024 + self.stages * stage + 16 * self.stages
+        return 1024 + self.stages * stage + 16 * self.stages + 4 * self.bm
 
     def name(self, bits: int, group_size: int) -> str:
         return tma_kernel_name(0)

@@ -243,10 +243,14 @@ class CupyOps:
         with PDL on, every launch after the capture's first may overlap its predecessor (forward_launch; each
         kernel waits for it before reading its outputs). ``cluster`` > 1: grid y in clusters of that many
         blocks (the M=1 GEMV's K splits). ``name``: what ``on_launch`` is told."""
+        self._observed(name, lambda: self._launch(kernel, grid, block, args, smem, cluster))
+
+    def _observed(self, name: str, run: Callable[[], None]) -> None:
+        """run(), or handed to ``on_launch`` as ``name``."""
         if self.on_launch is not None:
-            self.on_launch(name, lambda: self._launch(kernel, grid, block, args, smem, cluster))
+            self.on_launch(name, run)
         else:
-            self._launch(kernel, grid, block, args, smem, cluster)
+            run()
 
     def _pdl(self) -> bool:
         """Counts a launch; whether it may overlap its predecessor (inside a capture, after its first)."""
@@ -385,10 +389,7 @@ class CupyOps:
         def run() -> None:
             self.launches += 1
             self.gemm.grouped(codes, scales, geometry, table, groups, blocks, y, lin.n, self.stream, rows)
-        if self.on_launch is not None:
-            self.on_launch("gemm_q8 (grouped)", run)
-        else:
-            run()
+        self._observed("gemm_q8 (grouped)", run)
 
     def _tiled(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
                bias: Any, quantized: bool, fold_norm: Any, prenormed: bool) -> None:
@@ -408,11 +409,7 @@ class CupyOps:
         weight = _as_device_weight(lin)
         fold = None if fold_norm is None else (fold_norm, *self.norm_input(m, lin.n))
         row_ssq = None if ssq is None else (ssq, eps)
-        if self.on_launch is not None:
-            self.on_launch("gemm_q8 (tiled)", lambda: self._gemm_q8(codes, scales, weight, tmp, lin.n, add, fold,
-                                                                    row_ssq))
-        else:
-            self._gemm_q8(codes, scales, weight, tmp, lin.n, add, fold, row_ssq)
+        self._observed("gemm_q8 (tiled)", lambda: self._gemm_q8(codes, scales, weight, tmp, lin.n, add, fold, row_ssq))
         if direct:
             return
         self.launch(self._fn["add_rows"], (-(-lin.n // 256), m), (256,),

@@ -57,23 +57,24 @@ def _prologue(x: np.ndarray, k: int, pro: int, pw: np.ndarray | None, eps: float
     return xv[:, :k]
 
 
-def _folded(x: np.ndarray, k: int, pw: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """The norm fold's codes and scales (gemm_tile.cuh NormFold, gemm_tma.cu row_rsqrt): x * pw quantized per 32
-    columns, each row's scales times its 1 / rms from its sums of squares per 128 columns, added in order."""
+def _folded(x: np.ndarray, k: int, pw: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The norm fold's codes and scales of x * pw per 32 columns (gemm_tile.cuh NormFold) and each row's 1 / rms
+    from its sums of squares per 128 columns, added in order (gemm_tma.cu row_rsqrt), [M, 1]."""
     h = np.asarray(x, np.float32)[:, :k]
     codes, scales = quantize_activations((h * pw[:k]).astype(np.float64), 32)
     tiles = (h * h).reshape(len(h), -1, 128).sum(axis=2, dtype=np.float32)  # [M, K / 128]
     ss = np.cumsum(tiles, axis=1, dtype=np.float32)[:, -1:]
-    return codes, (scales * (np.float32(1) / np.sqrt(ss / np.float32(k) + np.float32(eps)))).astype(np.float32)
+    return codes, scales, np.float32(1) / np.sqrt(ss / np.float32(k) + np.float32(eps))
 
 
 def _qgemv(lin: Lin, x: np.ndarray, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
            ssq: np.ndarray | None, prenormed: bool = False) -> np.ndarray:
     """qgemv's sums [M, n]: exact integer block sums of the quantized prologue and ``lin``'s codes, scaled;
-    ``prenormed``: the norm fold's codes of x instead."""
+    ``prenormed``: the norm fold's codes of x instead, each row's sums times its 1 / rms."""
     m, g = x.shape[0], lin.group_size
+    rinv = None
     if prenormed:
-        a_codes, a_scales = _folded(x, lin.k, pw, eps)
+        a_codes, a_scales, rinv = _folded(x, lin.k, pw, eps)
     else:
         a_codes, a_scales = quantize_activations(_prologue(x, lin.k, pro, pw, eps, xoff, ssq), g)  # [M, K]
     w = unpack_kmajor(lin.codes, lin.bits)[:lin.k]  # [K, Npad]
@@ -81,7 +82,8 @@ def _qgemv(lin: Lin, x: np.ndarray, pro: int, pw: np.ndarray | None, eps: float,
     isum = np.einsum("mgi,gin->mgn", a_codes.reshape(m, ng, g).astype(np.int64),
                      w.reshape(ng, g, lin.npad).astype(np.int64))  # [M, ng, Npad], exact
     f = isum.astype(np.float32) * a_scales[:, :, None] * lin.scales[None]  # [M, ng, Npad]
-    return f.sum(axis=1, dtype=np.float32)[:, :lin.n]
+    out = f.sum(axis=1, dtype=np.float32)[:, :lin.n]
+    return out if rinv is None else out * rinv
 
 
 def _postnorm(x: np.ndarray, k: int, pw: np.ndarray, eps: float, post: PostNorm) -> tuple[np.ndarray, np.ndarray]:

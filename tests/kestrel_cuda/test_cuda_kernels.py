@@ -323,9 +323,9 @@ def test_accumulate_adds_the_product_to_what_out_holds(dev, m: int, n: int, kw: 
 def test_the_norm_fold(dev, m: int, splits: int | None) -> None:
     """The norm fold: a residual add in the tensor-copy block also writes its new rows times the norm's weights
     as quantize_activations makes their codes and scales, and the rows' sums of squares per 128 columns
-    (tile-major); the GEMM that reads those codes with ``row_ssq`` multiplies each row's scales by its 1 / rms
-    from them (the split block's bound against the reference on those scales). The sums out holds are the plain
-    residual add's."""
+    (tile-major); the GEMM that reads those codes with ``row_ssq`` multiplies each row's sums by its 1 / rms
+    from them (the split block's bound against the reference on the scales times 1 / rms). The sums out holds
+    are the plain residual add's."""
     if not dev.gemm.tensor_copies:
         pytest.skip("tensor copies need sm_90 with clusters")
     rng = np.random.default_rng([m, 7])
