@@ -239,15 +239,17 @@ class DeviceGemm:
         if k != g.k or a_scales.shape != (m, g.ngroups) or out.shape[0] < m or out.shape[1] < n or n > g.npad:
             raise ValueError(f"q8: shapes do not match (A {a_codes.shape}, weight K={g.k} Npad={g.npad})")
         if (m <= GEMV_MAX_M or variant is not None) and mma_tile is None:
-            if accumulate:
-                raise ValueError("q8: accumulate is the tensor-core kernel's (M > 1)")
+            if accumulate or fold is not None or row_ssq is not None:
+                raise ValueError("q8: accumulate and the norm fold are the tensor-core kernel's (M > 1)")
             self._gemv_warp(a_codes, a_scales, weight, out, n, ldo, stream, variant, splits)
             return
-        rest = split_rows(m, k, g.npad) if mma_tile is None and splits is None else 0
-        if rest:
+        plain = mma_tile is None and splits is None and fold is None and row_ssq is None
+        rest = split_rows(m, k, g.npad) if plain else 0
+        if rest:  # the last rows through the split shapes, one row too (the GEMV has no ``accumulate``)
             head = m - rest
             self.q8(a_codes[:head], a_scales[:head], weight, out[:head], n, stream, pdl=pdl, accumulate=accumulate)
-            self.q8(a_codes[head:], a_scales[head:], weight, out[head:m], n, stream, pdl=pdl, accumulate=accumulate)
+            self.q8(a_codes[head:], a_scales[head:], weight, out[head:m], n, stream, pdl=pdl, accumulate=accumulate,
+                    mma_tile=self.tile_for(rest, g))
             return
         name = mma_tile or self.tile_for(m, g)
         tile = BLOCK_SHAPES[name]

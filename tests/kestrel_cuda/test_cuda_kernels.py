@@ -47,6 +47,7 @@ from kestrel_cuda.gemm import (  # noqa: E402
     split_rows,
 )
 from kestrel_cuda.kernels import (  # noqa: E402
+    BLOCK_SHAPES,
     GEMV_WARP_VARIANTS,
     MMA_TILE_SPLIT,
     MMA_TILE_SPLIT_SMALL,
@@ -215,17 +216,21 @@ def test_split_gemm_is_batch_invariant(dev, bits: int, g: int) -> None:
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("g", [32, 256])
-def test_rows_past_whole_blocks_run_apart(dev, bits: int, g: int) -> None:
-    """544 rows: the first 512 through the large block as the reference adds them (identical), the last 32
-    through the split shapes, within the bound and with the bits they have alone."""
-    rng = np.random.default_rng([bits, g, 544])
+@pytest.mark.parametrize("m", [544, 513])
+def test_rows_past_whole_blocks_run_apart(dev, bits: int, g: int, m: int) -> None:
+    """544 / 513 rows: the first 512 through the large block as the reference adds them (identical), the last
+    32 / 1 through the split shapes (the last row alone too, not the GEMV), within the bound and with the bits
+    that block gives them alone."""
+    rng = np.random.default_rng([bits, g, m])
     w = rand_weight(rng, 384, 2048, g, bits)
-    a_codes, a_scales = quantize_activations(rng.standard_normal((544, w.k)).astype(np.float32), g)
-    assert split_rows(544, w.k, pad_n(w.n)) == 32
+    a_codes, a_scales = quantize_activations(rng.standard_normal((m, w.k)).astype(np.float32), g)
+    assert split_rows(m, w.k, pad_n(w.n)) == m - 512
     got = run_q8(dev, a_codes, a_scales, w)
     np.testing.assert_array_equal(got[:512], reference_gemm_q8(a_codes[:512], a_scales[:512], w))
     assert_close_q8(got[512:], a_codes[512:], a_scales[512:], w)
-    np.testing.assert_array_equal(got[512:], run_q8(dev, a_codes[512:], a_scales[512:], w))
+    tile = dev.gemm.tile_for(m - 512, geometry_for([w]))
+    assert BLOCK_SHAPES[tile].split
+    np.testing.assert_array_equal(got[512:], run_q8(dev, a_codes[512:], a_scales[512:], w, mma_tile=tile))
 
 
 @pytest.mark.parametrize("tile", [t for t in MMA_TILES if not MMA_TILES[t].split])
@@ -299,12 +304,12 @@ def test_tensor_copy_blocks_of_two_chunks(dev, splits: int) -> None:
 
 @pytest.mark.parametrize("m,n,kw", [
     (3, 640, {}), (40, 640, {}), (40, 640, {"splits": 1}), (64, 640, {"mma_tile": MMA_TILE_SPLIT}),
-    (5, 640, {"merged": True}), (70, 200, {}), (544, 384, {}), (512, 4096, {})])
+    (5, 640, {"merged": True}), (70, 200, {}), (544, 384, {}), (513, 384, {}), (512, 4096, {})])
 def test_accumulate_adds_the_product_to_what_out_holds(dev, m: int, n: int, kw: dict) -> None:
     """``accumulate`` (the residual add in the GEMM's own store): out + the product the same call would
     store, bit for bit, in every shape: the split blocks (a cluster's merge, one split, the workspace merge of
     the last split to arrive), the tensor-copy block, the unsplit blocks (a width whose last columns take
-    scalar stores; the large block) and rows past whole large blocks."""
+    scalar stores; the large block) and rows past whole large blocks (one row too: the split block's)."""
     rng = np.random.default_rng([m, n])
     w = rand_weight(rng, n, 2048, 32, 8)
     a_codes, a_scales = quantize_activations(rng.standard_normal((m, w.k)).astype(np.float32), 32)
