@@ -268,9 +268,8 @@ class DeviceGemm:
         if (fold is not None and (cluster is None or name not in TMA_TILES or n != g.npad)
                 or row_ssq is not None and (name not in TMA_TILES or fold is not None)):
             raise ValueError(f"q8: no norm fold in the {name} GEMM of {m} rows (K={k}, N={n}, Npad={g.npad})")
-        if name in TMA_TILES:
-            kern = self.kernels.tma[1 if row_ssq is not None else 2 if fold is not None else 0]
         if name in TMA_TILES:  # tensor maps of the weight codes, weight scales and activation codes
+            kern = self.kernels.tma[1 if row_ssq is not None else 2 if fold is not None else 0]
             if not self.tensor_copies:
                 raise ValueError("q8: the tensor-copy GEMM needs sm_90's clusters and tensor maps")
             enc = self._tma

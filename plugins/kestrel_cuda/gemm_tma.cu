@@ -52,7 +52,7 @@ __device__ __forceinline__ void tma_2d(u32 dst, const TmaDesc* map, int x, int y
 // the first stage's row scales it held that stage back by the loads' round trip (1 - 2 us a GEMM at 64 rows).
 __device__ __forceinline__ float row_rsqrt(const float* __restrict__ ssq, int M, int K, float eps) {
     float s = 0.f;
-    for (int t0 = 0; t0 < K / 128; t0 += 32) {  // one round trip up to K = 4096, beside stage 0's row scales
+    for (int t0 = 0; t0 < K / 128; t0 += 32) {  // one round trip up to K = 4096
         float v[32];
 #pragma unroll
         for (int j = 0; j < 32; ++j) v[j] = t0 + j < K / 128 ? __ldcg(ssq + (size_t)(t0 + j) * M) : 0.f;
