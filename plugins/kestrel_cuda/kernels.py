@@ -169,6 +169,7 @@ def compile_kernels(cp: Any) -> Kernels:
     try:
         module = cp.RawModule(code=source_text(), options=OPTIONS, name_expressions=names)
         get = module.get_function
+        tma = {norm: get(tma_kernel_name(norm)) for norm in TMA_NORMS}
         kernels = Kernels(
             module=module,
             transpose_i8=get(TRANSPOSE_I8),
@@ -177,8 +178,8 @@ def compile_kernels(cp: Any) -> Kernels:
             quantize={g: get(f"k_quantize_act<{g}>") for g in GROUP_SIZES},
             gemv_warp={v: get(gemv_warp_name(*v)) for v in GEMV_WARP_VARIANTS},
             mma={(b, g, tn): get(t.name(b, g)) for b in BITS for g in GROUP_SIZES for tn, t in MMA_TILES.items()}
-            | {(8, 32, TMA_TILE): get(tma_kernel_name(0))},
-            tma={norm: get(tma_kernel_name(norm)) for norm in TMA_NORMS},
+            | {(8, 32, TMA_TILE): tma[0]},
+            tma=tma,
             f32={b: get(f"k_gemm_f32<{b}>") for b in BITS},
         )
         for (b, g, tn), kern in kernels.mma.items():  # above 48 KiB a block must ask for its shared memory
