@@ -52,8 +52,8 @@ API (what the ``kestrel_forward`` / ``kestrel_release_sequence`` hookimpls call)
   are read. Declines without the captured graph.
 
 The model math is kestrel_core.model.decoder's; the kernels are the ``.cu`` files of kernels.FORWARD_SOURCES,
-launched by ops_cupy.py; forward_state.py holds what one model keeps on the device, forward_moe.py runs a
-mixture of experts' MLP.
+launched by ops_cupy.py (its mixture-of-experts kernels by ops_moe.py); forward_state.py holds what one model
+keeps on the device, forward_moe.py runs a mixture of experts' MLP.
 """
 
 from __future__ import annotations

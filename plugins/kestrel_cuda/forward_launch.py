@@ -50,6 +50,16 @@ def ptr_arg(a: Any) -> np.uint64:
     return np.uint64(0 if a is None else a.data.ptr)
 
 
+def i32_arg(v: int) -> np.int32:
+    """A kernel int argument."""
+    return np.int32(v)
+
+
+def ld_arg(a: Any) -> np.int32:
+    """A kernel row-stride argument: the elements between two rows of a 2-D view."""
+    return np.int32(a.strides[0] // a.itemsize)
+
+
 class ExLauncher:
     """``launch(kernel, grid, block, args, smem, stream, pdl, cluster)`` through cuLaunchKernelEx: ``pdl``
     sets programmatic stream serialization, ``cluster`` (x, y, z) the cluster shape.
