@@ -18,8 +18,8 @@ block shape by ``mma_tile_for``); up to SPLIT_MAX_M rows (decode batches) it spl
 keep the memory system busy (``mma_splits``), and with ``clusters`` (sm_90) each tile's splits run as one
 thread block cluster that adds their sums in shared memory; so do the last few rows of a larger M past whole
 large blocks (``split_rows``). On sm_90, 17..64 rows of int8 codes at G = 32 run the tensor-copy block
-(``gemm_tma.cu``, ``tile_for``), its weights and activations requested through tensor maps; from 33 rows its
-blocks take two of the K splits each (``tma_chunks``), with the same bits.
+(``gemm_tma.cu``, ``tile_for``), its weights and activations requested through tensor maps; from 33 rows in
+half as many K splits (``tma_splits``).
 """
 
 from __future__ import annotations
@@ -130,20 +130,18 @@ def mma_splits(k: int, npad: int, group_size: int, sm_count: int,
     """(K splits, stages a split) of the tensor-core GEMM at 2..SPLIT_MAX_M rows: splits of whole groups, enough
     for ``blocks_per_sm`` blocks per SM, at most MAX_CLUSTER (one cluster) and as many as the workspace holds
     at SPLIT_MAX_M rows. Independent of M, so a row's sums are added in the same order in every batch of that
-    range (batch-invariant bits), and of whether the splits run as a cluster."""
+    range (batch-invariant bits; the tensor-copy block halves them from 33 rows: ``tma_splits``), and of
+    whether the splits run as a cluster."""
     tiles = _cdiv(npad, MMA_TILES[MMA_TILE_DEFAULT].bn)
     want = _cdiv(blocks_per_sm * sm_count, tiles)
     return split_stages(k, group_size, min(want, MAX_CLUSTER, PARTIAL_FLOATS // (SPLIT_MAX_M * npad)))
 
 
-def tma_chunks(m: int, block_rows: int, splits: int, tile_floats: int) -> int:
-    """K chunks a block of the tensor-copy GEMM takes (gemm_tma.cu): two where M is more than one row block, so
-    the grid is half as deep (one wave where the split target would leave a second wave part full); one where
-    there is a single split or the first chunks' sums (``tile_floats`` a split) would not fit the workspace.
-    Each chunk is still summed on its own and added in K order: a row's bits do not depend on it."""
-    if m <= block_rows or splits < 2 or _cdiv(splits, 2) * tile_floats > PARTIAL_FLOATS:
-        return 1
-    return 2
+def tma_splits(m: int, block_rows: int, splits: int) -> int:
+    """K splits of the tensor-copy GEMM (gemm_tma.cu) for the split target's ``splits``: as many at one row
+    block, half as many from two, so that the grid stays as deep as one row block's (one wave). A row's bits
+    are the same in every batch of 2-32 rows and in every batch of 33-64, not between the two."""
+    return splits if m <= block_rows else _cdiv(splits, 2)
 
 
 def split_stages(k: int, group_size: int, splits: int) -> tuple[int, int]:
@@ -258,7 +256,7 @@ class DeviceGemm:
         kern = self.kernels.mma.get((g.code_bits, g.group_size, name))
         if kern is None:
             raise ValueError(f"no tensor-core kernel for int{g.code_bits} G={g.group_size}")
-        nz, per, chunks, grid = self._grid(m, g, name, splits)
+        nz, per, grid = self._grid(m, g, name, splits)
         ws = self.workspace(stream)
         if nz > 1 and (nz * m * g.npad > PARTIAL_FLOATS or grid[0] * grid[1] > COUNTERS):
             raise ValueError(f"q8: {nz} K splits of {m} x {g.npad} do not fit the workspace")
@@ -280,8 +278,7 @@ class DeviceGemm:
             fw, fcodes, fscales, fssq = fold or (None, None, None, None)
             rssq, eps = row_ssq or (None, 0.0)
             args = (tw, tws, ta, _ptr(a_scales), i32(m), _ptr(out), i32(ldo), i32(accumulate), i32(n), i32(k),
-                    i32(per), i32(chunks), _ptr(ws.partial), _ptr(fw), _ptr(fcodes), _ptr(fscales), _ptr(fssq),
-                    _ptr(rssq), np.float32(eps))
+                    i32(per), _ptr(fw), _ptr(fcodes), _ptr(fscales), _ptr(fssq), _ptr(rssq), np.float32(eps))
         else:
             args = (_ptr(a_codes), _ptr(a_scales), i32(m), _ptr(weight.codes), _ptr(weight.scales), _ptr(out),
                     i32(ldo), i32(accumulate), i32(n), i32(k), i32(g.npad), _ptr(ws.partial), _ptr(ws.counters),
@@ -294,8 +291,8 @@ class DeviceGemm:
         self.launches["mma"] += 1
 
     def _grid(self, m: int, g: Geometry, name: str, splits: int | None = None
-              ) -> tuple[int, int, int, tuple[int, int, int]]:
-        """(K splits, stages a split, K chunks a block, grid) of ``q8``'s M-row launch in block shape ``name``."""
+              ) -> tuple[int, int, tuple[int, int, int]]:
+        """(K splits, stages a split, grid) of ``q8``'s M-row launch in block shape ``name``."""
         tile = BLOCK_SHAPES[name]
         stages = _cdiv(g.k, MMA_BK)
         nz, per = mma_splits(g.k, g.npad, g.group_size, self.sm_count) if m <= SPLIT_MAX_M else (1, stages)
@@ -303,10 +300,9 @@ class DeviceGemm:
             nz, per = 1, stages
         elif splits is not None:
             nz, per = split_stages(g.k, g.group_size, splits)
-        chunks = 1
-        if name in TMA_TILES:
-            chunks = tma_chunks(m, tile.bm, nz, _cdiv(m, tile.bm) * _cdiv(g.npad, tile.bn) * tile.bm * tile.bn)
-        return nz, per, chunks, (_cdiv(m, tile.bm), _cdiv(g.npad, tile.bn), _cdiv(nz, chunks))
+        elif name in TMA_TILES:
+            nz, per = split_stages(g.k, g.group_size, tma_splits(m, tile.bm, nz))
+        return nz, per, (_cdiv(m, tile.bm), _cdiv(g.npad, tile.bn), nz)
 
     def norm_fold(self, m: int, producer: Geometry, n: int, consumers: Sequence[Geometry]) -> bool:
         """Whether an M-row residual add into ``producer`` (n columns) takes ``q8(fold=...)`` and each of the
@@ -315,7 +311,7 @@ class DeviceGemm:
         names = [self.tile_for(m, g) for g in (producer, *consumers)]
         if any(name not in TMA_TILES for name in names) or n != producer.npad or not consumers:
             return False
-        return 1 < self._grid(m, producer, names[0])[3][2] <= MAX_CLUSTER
+        return 1 < self._grid(m, producer, names[0])[2][2] <= MAX_CLUSTER
 
     def tile_for(self, m: int, geometry: Geometry) -> str:
         """The block shape ``q8`` runs an M-row GEMM with: ``mma_tile_for``'s, with the tensor-copy block in

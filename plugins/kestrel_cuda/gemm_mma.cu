@@ -357,7 +357,7 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     if (SPLIT && nz > 1 && cluster_size() > 1) {  // the splits are one cluster: every block adds 1/nz of the tile
         __syncthreads();  // every warp is done with the pipeline's buffers
         tile_cluster_store<MI, BM, BN, false>(facc, true, reinterpret_cast<float*>(smem), wm * MI * 16, wn * 32, out, ldo,
-                                       M, N, m0, n0, vec, add, nullptr, 0, NormFold{}, nullptr);
+                                       M, N, m0, n0, vec, add, NormFold{}, nullptr);
         return;
     }
     if (nz > 1) {  // this split's sums to part; the tile's last block adds every split's in z order

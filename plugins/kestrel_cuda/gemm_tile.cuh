@@ -126,10 +126,9 @@ __device__ __forceinline__ void tile_scale_rows(float (&facc)[MI][4][4], const f
         }
 }
 
-// A warp's sums into a BM x BN tile (row-major floats; its rows from wr0, columns from wc0), or, with
-// ``add``, the tile's values added to them (the tile's first: the earlier K chunk's sums are its values)
+// A warp's sums into a BM x BN tile (row-major floats; its rows from wr0, columns from wc0)
 template <int MI, int BN>
-__device__ __forceinline__ void tile_put(float (&facc)[MI][4][4], float* tile, int wr0, int wc0, bool add) {
+__device__ __forceinline__ void tile_put(const float (&facc)[MI][4][4], float* tile, int wr0, int wc0) {
     const int gid = (threadIdx.x & 31) >> 2, tig = threadIdx.x & 3;
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
@@ -137,16 +136,8 @@ __device__ __forceinline__ void tile_put(float (&facc)[MI][4][4], float* tile, i
         for (int h = 0; h < 2; ++h) {
             float4* t = reinterpret_cast<float4*>(tile + (wr0 + mi * 16 + gid + 8 * h) * BN + wc0 + 8 * tig);
             const int e = 2 * h;
-            if (add) {
-                const float4 a = t[0], b = t[1];
-                facc[mi][0][e] = a.x + facc[mi][0][e]; facc[mi][1][e] = a.y + facc[mi][1][e];
-                facc[mi][2][e] = a.z + facc[mi][2][e]; facc[mi][3][e] = a.w + facc[mi][3][e];
-                facc[mi][0][e + 1] = b.x + facc[mi][0][e + 1]; facc[mi][1][e + 1] = b.y + facc[mi][1][e + 1];
-                facc[mi][2][e + 1] = b.z + facc[mi][2][e + 1]; facc[mi][3][e + 1] = b.w + facc[mi][3][e + 1];
-            } else {
-                t[0] = make_float4(facc[mi][0][e], facc[mi][1][e], facc[mi][2][e], facc[mi][3][e]);
-                t[1] = make_float4(facc[mi][0][e + 1], facc[mi][1][e + 1], facc[mi][2][e + 1], facc[mi][3][e + 1]);
-            }
+            t[0] = make_float4(facc[mi][0][e], facc[mi][1][e], facc[mi][2][e], facc[mi][3][e]);
+            t[1] = make_float4(facc[mi][0][e + 1], facc[mi][1][e + 1], facc[mi][2][e + 1], facc[mi][3][e + 1]);
         }
 }
 
@@ -185,23 +176,21 @@ __device__ __forceinline__ void norm_fold_row(const NormFold& f, float4 w, float
 // The K splits of a BM x BN tile launched as one cluster (blockIdx.z = split) add their sums through
 // distributed shared memory: each block's warps that hold sums (``holds``; their tile rows from wr0, columns
 // from wc0) put them in its shared ``tile``, then every block adds its share of the tile's rows over the splits
-// in z order and stores them, a row's BN / 4 float4s one warp's. A split of two K chunks (ranks below
-// ``nstash``) left its first chunk's sums in global memory, ``stash`` + rank x BM x BN (tile_put): it comes
-// before the split's shared tile, so the sums are added chunk by chunk in K order whatever the chunks a split.
+// in z order and stores them, a row's BN / 4 float4s one warp's.
 // ``row_f`` (or null): the sums of tile row r times row_f[r], before ``add``. ``add``: the tile added to what out
 // holds. FOLD: the norm fold of the stored rows (``fold``), each block's share whole rows. Called by every thread
 // of the block, after its last read of ``tile``'s memory.
 template <int MI, int BM, int BN, bool FOLD>
 __device__ __forceinline__ void tile_cluster_store(float (&facc)[MI][4][4], bool holds, float* tile, int wr0,
                                                    int wc0, float* __restrict__ out, int ldo, int M, int N, int m0,
-                                                   int n0, bool vec, bool add, const float* stash, int nstash,
+                                                   int n0, bool vec, bool add,
                                                    const NormFold& fold, const float* row_f) {
     // FOLD: a thread's columns are the same in every pass (its lane's four of the tile): their norm weights, which
     // no kernel writes, loaded before the barrier
     const int wcol = n0 + 4 * (threadIdx.x % 32);
     const float4 w = FOLD && wcol < N ? *reinterpret_cast<const float4*>(fold.w + wcol)
                                       : make_float4(0.f, 0.f, 0.f, 0.f);
-    if (holds) tile_put<MI, BN>(facc, tile, wr0, wc0, false);
+    if (holds) tile_put<MI, BN>(facc, tile, wr0, wc0);
     cluster_arrive();
     cluster_wait();  // every split's sums are in its block's shared memory
     constexpr int RQ = BN / 4, Q = BM * RQ;  // float4s of a tile row (32: a warp's) and of the tile
@@ -218,21 +207,15 @@ __device__ __forceinline__ void tile_cluster_store(float (&facc)[MI][4][4], bool
         float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
         if (in) {
             // every split's loads in flight at once, and with ``add`` the residual's
-            float4 split[MAX_CLUSTER], first[MAX_CLUSTER / 2];
+            float4 split[MAX_CLUSTER];
             const float4 res = add ? load_out4(o, col, N, vec) : s;
 #pragma unroll
             for (int r = 0; r < MAX_CLUSTER; ++r)
                 if (r < nz) split[r] = ld_cluster_f4(cluster_addr(tile + 4 * q, r));
-#pragma unroll
-            for (int r = 0; r < MAX_CLUSTER / 2; ++r)
-                if (r < nstash) first[r] = __ldcg(reinterpret_cast<const float4*>(stash + (size_t)r * BM * BN) + q);
             s = split[0];
-            if (nstash > 0) s = add4(first[0], s);
 #pragma unroll
-            for (int r = 1; r < MAX_CLUSTER; ++r) {  // in z order (a split's chunks in K order), as the workspace merge
-                if (r < MAX_CLUSTER / 2 && r < nstash) s = add4(s, first[r]);
+            for (int r = 1; r < MAX_CLUSTER; ++r)  // in z order, as the workspace merge
                 if (r < nz) s = add4(s, split[r]);
-            }
             if (row_f) {
                 const float f = row_f[row - m0];
                 s = make_float4(s.x * f, s.y * f, s.z * f, s.w * f);

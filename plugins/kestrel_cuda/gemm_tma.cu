@@ -14,12 +14,10 @@
 // 128-byte swizzle: 16-byte chunk c of row r lies at chunk c ^ (r % 8) (stages 1024-byte aligned). ldmatrix's
 // 8 rows then hit 8 bank groups; the 4 rows 4 tig + j of a thread's B word meet 2 ways.
 // PDL: the first stages' weights are requested before the producer's grid_dep_wait, the activations after;
-// the consumers touch global memory only through the producer's stages and their final stores (and a stash).
-// K chunks: K is cut into chunks of ``kstages`` stages (the split of gemm.mma_splits, a function of the weight's
-// shape only) and a block takes ``chunks`` (1 or 2) of them, z-th of the cluster. Each chunk's sums start from
-// zero: a block of two stashes its first chunk's in global memory (``stash``: BM x BN floats a block) and the
-// merge adds every chunk in K order, so a row has the same bits whatever the chunks a block (fewer, longer
-// blocks at 33-64 rows: gemm.py). ``add``: the sums added to what out holds, as gemm_mma.cu.
+// the consumers touch global memory only through the producer's stages and their final stores.
+// K splits: block z of the cluster takes ``kstages`` stages from z x kstages (gemm.py: the split of
+// gemm.mma_splits, a function of the weight's shape, and from 33 rows half as many, each twice as long).
+// ``add``: the sums added to what out holds, as gemm_mma.cu.
 #define TMA_BK 128
 #define TMA_BM 32
 #define TMA_STAGES 3  // three blocks an SM (registers <= 136 and shared memory); 4 stages at 2 blocks: slower
@@ -78,7 +76,7 @@ template <int NORM>
 __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
         const __grid_constant__ TmaDesc tw, const __grid_constant__ TmaDesc tws, const __grid_constant__ TmaDesc ta,
         const float* __restrict__ As, int M, float* __restrict__ out, int ldo, int add, int N, int K, int kstages,
-        int chunks, float* __restrict__ stash, const float* __restrict__ fold_w, i8* __restrict__ fold_codes,
+        const float* __restrict__ fold_w, i8* __restrict__ fold_codes,
         float* __restrict__ fold_scales, float* __restrict__ fold_ssq, const float* __restrict__ row_ssq, float eps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     using T = TmaTile;
@@ -89,10 +87,8 @@ __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
     const int ng = K / 32;
-    const int st0 = blockIdx.z * chunks * kstages;
-    const int nst = min(K / BK, st0 + chunks * kstages) - st0;  // this split's stages
-    const int nstash = chunks == 2 ? (K / BK + kstages - 1) / kstages / 2 : 0;  // splits of two chunks
-    float* tile_stash = stash + (size_t)(blockIdx.y * gridDim.x + blockIdx.x) * gridDim.z * BM * BN;
+    const int st0 = blockIdx.z * kstages;
+    const int nst = min(K / BK, st0 + kstages) - st0;  // this split's stages
     const u32 raw = smem_u32(smem_raw);
     const u32 pad = (1024 - (raw & 1023)) & 1023;
     unsigned char* smem = smem_raw + pad;
@@ -169,10 +165,6 @@ __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
             b_off[j] = (4 * tig + j) * BN + (((2 * wn + (gid >> 2)) ^ (4 * (tig & 1) + j)) << 4) + 4 * (gid & 3);
         for (int i = 0; i < nst; ++i) {
             const int buf = i % STAGES;
-            if (i == kstages) {  // the second chunk: the first's sums to the stash, then from zero
-                tile_put<MI, BN>(facc, tile_stash + (size_t)blockIdx.z * BM * BN, 0, wn * 32, false);
-                tile_zero<MI>(facc);
-            }
             mbar_wait(bars + 8 * buf, (i / STAGES) & 1);
             const u32 sa = sbase + buf * T::STAGE + T::A_OFF;
             const unsigned char* sbp = smem + buf * T::STAGE + T::B_OFF;
@@ -215,14 +207,13 @@ __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
     if (gridDim.z > 1) {  // the splits are one cluster (gemm.py launches no other way)
         __syncthreads();  // every stage is consumed: the buffers are free (NORM 1: row_f is written)
         tile_cluster_store<MI, BM, BN, NORM == 2>(facc, warp < CW, reinterpret_cast<float*>(smem), 0, wn * 32, out, ldo,
-                                       M, N, m0, n0, vec, add, tile_stash, nstash,
+                                       M, N, m0, n0, vec, add,
                                        NormFold{fold_w, fold_codes, fold_scales, fold_ssq},
                                        NORM == 1 ? row_f : nullptr);
         return;
     }
     if (NORM == 1) __syncthreads();  // row_f is written
     if (warp < CW) {
-        if (nstash) tile_put<MI, BN>(facc, tile_stash, 0, wn * 32, true);  // the first chunk's sums, then this one's
         if (NORM == 1) tile_scale_rows<MI>(facc, row_f);
         tile_store_rows<MI>(facc, out, ldo, M, N, m0, n0 + wn * 32, vec, add);
     }

@@ -194,8 +194,9 @@ def test_gemm_q8(dev, bits: int, g: int, m: int, n: int, k: int) -> None:
 @pytest.mark.parametrize("g", [32, 256])
 def test_split_gemm_is_batch_invariant(dev, bits: int, g: int) -> None:
     """2..SPLIT_MAX_M rows split K the same way whatever M (and so the block shape), so a row's result has the
-    same bits in every batch; the splits' sums added by a cluster (sm_90) and from the workspace by the last
-    split to arrive are the same bits too."""
+    same bits in every batch (the tensor-copy block: in every batch of 2-32 rows and in every batch of 33-64,
+    whose splits are half as many); the splits' sums added by a cluster (sm_90) and from the workspace by the
+    last split to arrive are the same bits too."""
     rng = np.random.default_rng([bits, g, 3])
     k = 3072
     w = rand_weight(rng, 1024, k, g, bits)
@@ -204,9 +205,17 @@ def test_split_gemm_is_batch_invariant(dev, bits: int, g: int) -> None:
     a_codes, a_scales = quantize_activations(rng.standard_normal((SPLIT_MAX_M, k)).astype(np.float32), g)
     full = run_q8(dev, a_codes, a_scales, w)
     assert_close_q8(full, a_codes, a_scales, w)
-    for m in (2, 5, 16, 17, 32, 33):
+    halves = dev.gemm.tile_for(SPLIT_MAX_M, geometry_for([w])) == TMA_TILE
+    lower = run_q8(dev, a_codes[-32:], a_scales[-32:], w) if halves else full[-32:]
+    assert_close_q8(lower, a_codes[-32:], a_scales[-32:], w)
+    for m in (2, 5, 16, 17, 32, 33, 40):
         assert MMA_TILES[mma_tile_for(m, pad_n(w.n), dev.gemm.sm_count, k)].split
-        np.testing.assert_array_equal(run_q8(dev, a_codes[-m:], a_scales[-m:], w), full[-m:])
+        np.testing.assert_array_equal(run_q8(dev, a_codes[-m:], a_scales[-m:], w), (full if m > 32 else lower)[-m:])
+    if halves:  # the bits of half the splits, not the target's
+        splits = mma_splits(k, pad_n(w.n), g, dev.gemm.sm_count)[0]
+        assert not np.array_equal(full[-32:], lower)
+        np.testing.assert_array_equal(full, run_q8(dev, a_codes, a_scales, w, splits=-(-splits // 2),
+                                                   mma_tile=MMA_TILE_SPLIT))
     merged = DeviceGemm(cp, dev.kernels, dev.sm_count, clusters=False)
     for m in (5, SPLIT_MAX_M):
         np.testing.assert_array_equal(run_q8(dev, a_codes[:m], a_scales[:m], w, gemm=merged), full[:m])
@@ -283,23 +292,6 @@ def test_tensor_copy_split_block(dev, m: int) -> None:
     assert dev.gemm.tile_for(m, geometry_for([q4])) != TMA_TILE
     with pytest.raises(ValueError, match="no tensor-core kernel"):
         run_q8(dev, a_codes, a_scales, q4, mma_tile=TMA_TILE)
-
-
-@pytest.mark.parametrize("splits", [2, 3, 8])  # one block of two chunks; two, the last of one chunk; four
-def test_tensor_copy_blocks_of_two_chunks(dev, splits: int) -> None:
-    """From 33 rows a tensor-copy block takes two K chunks, the first's sums stashed and added before the
-    second's (in the block itself where the grid has one split, else in the cluster's merge): the bits of the
-    cp.async block, whose blocks take one chunk each, and of the same rows in a batch of 2-32."""
-    if not dev.gemm.tensor_copies:
-        pytest.skip("tensor copies need sm_90 with clusters")
-    rng = np.random.default_rng([8, 32, splits])
-    w = rand_weight(rng, 640, 3072, 32, 8)
-    a_codes, a_scales = quantize_activations(rng.standard_normal((40, w.k)).astype(np.float32), 32)
-    got = run_q8(dev, a_codes, a_scales, w, splits=splits, mma_tile=TMA_TILE)
-    assert_close_q8(got, a_codes, a_scales, w)
-    np.testing.assert_array_equal(got, run_q8(dev, a_codes, a_scales, w, splits=splits, mma_tile=MMA_TILE_SPLIT))
-    np.testing.assert_array_equal(got[:20], run_q8(dev, a_codes[:20], a_scales[:20], w, splits=splits,
-                                                   mma_tile=TMA_TILE))
 
 
 @pytest.mark.parametrize("m,n,kw", [

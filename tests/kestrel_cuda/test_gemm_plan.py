@@ -14,7 +14,7 @@ from kestrel_cuda.gemm import (
     row_stride,
     split_fits,
     split_rows,
-    tma_chunks,
+    tma_splits,
 )
 from kestrel_cuda.kernels import (
     MMA_BK,
@@ -66,15 +66,20 @@ def test_split_choice() -> None:
     assert mma_splits(4096, 24576, 256, 132, 3) == (2, 16)  # gate|up: 192 tiles, capped by the workspace
 
 
-def test_tensor_copy_blocks_take_two_chunks_beyond_one_row_block() -> None:
-    """From 33 rows a tensor-copy block takes two K chunks (the grid half as deep), at 2-32 rows, with one
-    split or without room for the first chunks' sums one: the qwen3-8b projections at 64 rows fit."""
-    tile = 32 * 128
-    assert tma_chunks(32, 32, 8, tile) == 1
-    assert tma_chunks(33, 32, 8, 2 * 32 * tile) == 2  # o: 2 row blocks x 32 column tiles
-    assert tma_chunks(64, 32, 2, 2 * 192 * tile) == 2  # gate|up: 2 splits, so one block a tile
-    assert tma_chunks(64, 32, 1, 2 * 1187 * tile) == 1  # lm_head: no split
-    assert tma_chunks(64, 32, 8, 2 * 600 * tile) == 1  # 4 x 1,200 tiles' sums: more than the workspace
+def test_tensor_copy_splits_halve_beyond_one_row_block() -> None:
+    """From 33 rows the tensor-copy GEMM runs half the split target's K splits (two row blocks, the grid as
+    deep as one row block's), rounded up; at 2-32 rows the target's."""
+    assert tma_splits(32, 32, 8) == 8
+    assert tma_splits(33, 32, 8) == 4  # o, down: clusters of 4 at 64 rows
+    assert tma_splits(64, 32, 6) == 3  # q|k|v
+    assert tma_splits(64, 32, 2) == 1  # gate|up
+    assert tma_splits(64, 32, 1) == 1  # lm_head: no split
+    gemm = DeviceGemm(cp=None, kernels=None, sm_count=132)
+    qkv = Geometry(4096, 6144, 128)
+    assert gemm._grid(32, qkv, TMA_TILE) == (6, 6, (1, 48, 6))
+    assert gemm._grid(64, qkv, TMA_TILE) == (3, 11, (2, 48, 3))  # 11, 11 and 10 stages: the longest is short
+    assert gemm._grid(64, qkv, TMA_TILE, splits=6) == (6, 6, (2, 48, 6))  # as asked
+    assert gemm._grid(64, qkv, MMA_TILE_SPLIT) == (6, 6, (2, 48, 6))  # the cp.async block keeps the target's
 
 
 def test_split_shapes_take_whole_stages_and_tiles() -> None:
