@@ -45,6 +45,7 @@ from kestrel_cuda.gemm import (  # noqa: E402
     mma_splits,
     mma_tile_for,
     split_rows,
+    tma_splits,
 )
 from kestrel_cuda.kernels import (  # noqa: E402
     BLOCK_SHAPES,
@@ -200,25 +201,25 @@ def test_split_gemm_is_batch_invariant(dev, bits: int, g: int) -> None:
     rng = np.random.default_rng([bits, g, 3])
     k = 3072
     w = rand_weight(rng, 1024, k, g, bits)
-    assert mma_splits(k, pad_n(w.n), g, dev.gemm.sm_count)[0] > 1
+    splits = mma_splits(k, pad_n(w.n), g, dev.gemm.sm_count)[0]
+    assert splits > 1
     assert dev.gemm.clusters == (dev.compute_capability >= 90)
     a_codes, a_scales = quantize_activations(rng.standard_normal((SPLIT_MAX_M, k)).astype(np.float32), g)
     full = run_q8(dev, a_codes, a_scales, w)
     assert_close_q8(full, a_codes, a_scales, w)
-    halves = dev.gemm.tile_for(SPLIT_MAX_M, geometry_for([w])) == TMA_TILE
-    lower = run_q8(dev, a_codes[-32:], a_scales[-32:], w) if halves else full[-32:]
-    assert_close_q8(lower, a_codes[-32:], a_scales[-32:], w)
+    target = run_q8(dev, a_codes, a_scales, w, mma_tile=MMA_TILE_SPLIT)  # the cp.async block: the target's splits
+    if dev.gemm.tile_for(SPLIT_MAX_M, geometry_for([w])) == TMA_TILE:
+        assert not np.array_equal(full, target)
+        half = tma_splits(SPLIT_MAX_M, BLOCK_SHAPES[TMA_TILE].bm, splits)
+        np.testing.assert_array_equal(full, run_q8(dev, a_codes, a_scales, w, splits=half, mma_tile=MMA_TILE_SPLIT))
+    else:
+        np.testing.assert_array_equal(full, target)
     for m in (2, 5, 16, 17, 32, 33, 40):
         assert MMA_TILES[mma_tile_for(m, pad_n(w.n), dev.gemm.sm_count, k)].split
-        np.testing.assert_array_equal(run_q8(dev, a_codes[-m:], a_scales[-m:], w), (full if m > 32 else lower)[-m:])
-    if halves:  # the bits of half the splits, not the target's
-        splits = mma_splits(k, pad_n(w.n), g, dev.gemm.sm_count)[0]
-        assert not np.array_equal(full[-32:], lower)
-        np.testing.assert_array_equal(full, run_q8(dev, a_codes, a_scales, w, splits=-(-splits // 2),
-                                                   mma_tile=MMA_TILE_SPLIT))
+        np.testing.assert_array_equal(run_q8(dev, a_codes[-m:], a_scales[-m:], w), (full if m > 32 else target)[-m:])
     merged = DeviceGemm(cp, dev.kernels, dev.sm_count, clusters=False)
     for m in (5, SPLIT_MAX_M):
-        np.testing.assert_array_equal(run_q8(dev, a_codes[:m], a_scales[:m], w, gemm=merged), full[:m])
+        np.testing.assert_array_equal(run_q8(dev, a_codes[:m], a_scales[:m], w, gemm=merged), target[:m])
     one = run_q8(dev, a_codes[:40], a_scales[:40], w, splits=1)
     assert_close_q8(one, a_codes[:40], a_scales[:40], w)
 
@@ -273,8 +274,8 @@ def test_split_mma_tiles(dev, bits: int, g: int, m: int) -> None:
 
 @pytest.mark.parametrize("m", [3, 17, 40, 64])
 def test_tensor_copy_split_block(dev, m: int) -> None:
-    """The tensor-copy block (sm_90, int8 G = 32) has the bits of the cp.async split block at every M (rows past
-    M arrive as zeros), is the one 17..64 rows run with, and takes no other code width."""
+    """The tensor-copy block (sm_90, int8 G = 32) has the bits of the cp.async split block with the same K splits
+    at every M (rows past M arrive as zeros), is the one 17..64 rows run with, and takes no other code width."""
     assert dev.gemm.tensor_copies == (dev.compute_capability >= 90 and dev.gemm.clusters)
     if not dev.gemm.tensor_copies:
         pytest.skip("tensor copies need sm_90 with clusters")
@@ -283,7 +284,9 @@ def test_tensor_copy_split_block(dev, m: int) -> None:
     a_codes, a_scales = quantize_activations(rng.standard_normal((m, w.k)).astype(np.float32), 32)
     got = run_q8(dev, a_codes, a_scales, w, mma_tile=TMA_TILE)
     assert_close_q8(got, a_codes, a_scales, w)
-    np.testing.assert_array_equal(got, run_q8(dev, a_codes, a_scales, w, mma_tile=MMA_TILE_SPLIT))
+    target = mma_splits(w.k, pad_n(w.n), 32, dev.gemm.sm_count)[0]
+    splits = tma_splits(m, BLOCK_SHAPES[TMA_TILE].bm, target)  # half from 33 rows
+    np.testing.assert_array_equal(got, run_q8(dev, a_codes, a_scales, w, splits=splits, mma_tile=MMA_TILE_SPLIT))
     np.testing.assert_array_equal(run_q8(dev, a_codes, a_scales, w, splits=1, mma_tile=TMA_TILE),
                                   run_q8(dev, a_codes, a_scales, w, splits=1, mma_tile=MMA_TILE_SPLIT))
     assert dev.gemm.tile_for(m, geometry_for([w])) == (TMA_TILE if m > MMA_TILES[MMA_TILE_SPLIT_SMALL].bm else
