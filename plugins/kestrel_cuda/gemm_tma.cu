@@ -16,7 +16,7 @@
 // PDL: the first stages' weights are requested before the producer's grid_dep_wait, the activations after;
 // the consumers touch global memory only through the producer's stages and their final stores.
 // K splits: block z of the cluster takes ``kstages`` stages from z x kstages (gemm.py: the split of
-// gemm.mma_splits, a function of the weight's shape, and from 33 rows half as many, each twice as long).
+// gemm.mma_splits, a function of the weight's shape, and from 33 rows half as many, about twice as long).
 // ``add``: the sums added to what out holds, as gemm_mma.cu.
 #define TMA_BK 128
 #define TMA_BM 32
