@@ -6,16 +6,15 @@ also a target for Nsight Compute:
 
     python benchmarks/cuda_experts.py --preset qwen3-30b-a3b --quant q8
     ncu --clock-control none --kernel-name regex:qgemv --launch-count 1 --section SpeedOfLight \\
-        --section MemoryWorkloadAnalysis python benchmarks/cuda_experts.py --steps 1
+        --section MemoryWorkloadAnalysis --section LaunchStats python benchmarks/cuda_experts.py --steps 1
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import numpy as np
-from cuda_e2e import copy_bandwidth, lin_bytes, log, replay_breakdown
+from cuda_e2e import _events_us, copy_bandwidth, lin_bytes, log, replay_breakdown
 
 from kestrel_core.model.presets import preset_config
 
@@ -91,16 +90,7 @@ def main() -> None:
     for kind, v in replay_breakdown(cp, ops, calls).items():
         rate = f", {v['gb_s'] / 1e3:.2f} TB/s ({100 * v['gb_s'] / copy:.0f} % of copy)" if v["gb_s"] else ""
         log(f"  {kind:12s} {v['us'] / v['launches']:7.2f} us a launch{rate}")
-    graph = ops.capture(lambda: [fn() for _, _, fn in calls])
-    times = []
-    for _ in range(7):
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record(ops.stream)
-        graph()
-        e1.record(ops.stream)
-        e1.synchronize()
-        times.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
-    us = statistics.median(times) / s
+    us = _events_us(cp, ops.stream, ops.capture(lambda: [fn() for _, _, fn in calls]), 7) / s
     log(f"  all four, one graph: {us:.2f} us a row ({expert_bytes / us / 1e6:.2f} TB/s of the chosen experts); "
         f"copy {copy / 1e3:.2f} TB/s")
 
