@@ -71,8 +71,8 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 // and the others exit at once, freeing their SM slots for the next wave; otherwise each block writes them to
 // part[y][m][Npad] and the last block of a tile to arrive on its counter (then reset) reads them back.
 // With etab (MR = 1 only: a mixture of experts' chosen experts, one a row) block z's weights are expert esel[z]'s,
-// codes and scales pointers etab[2e], etab[2e + 1] of the same shape; row z of X (ldx 0: one row for all) and
-// of Y is the slot's. Such a block lets its dependents launch only once it knows esel, so when a routed GEMV
+// codes and scales pointers etab[2e], etab[2e + 1] of the same shape, the table's NT rows copied to NT * 16 bytes
+// of dynamic shared memory before the PDL wait; row z of X (ldx 0: one row for all) and of Y is the slot's. Such a block lets its dependents launch only once it knows esel, so when a routed GEMV
 // follows another on the same choices (esel_ready: the router's kernel has completed before it can launch),
 // it reads esel before its PDL wait and streams its first weights while its predecessor runs, as a dense
 // projection does.
@@ -110,11 +110,15 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     __shared__ int s_last;
 
     if (routed) {                               // block z runs slot z's expert, which an earlier kernel chose
+        extern __shared__ uint4 s_etab[];       // [EXPERT_TABLE_ROWS == NT]: every expert's (codes, scales)
+        s_etab[threadIdx.x] = __ldg(reinterpret_cast<const uint4*>(etab) + threadIdx.x);  // not step data
         if (!esel_ready) grid_dep_wait();
         grid_dep_launch();
         const int e = __ldcg(esel + blockIdx.z);
-        W = reinterpret_cast<const unsigned char*>(etab[2 * e]);
-        WS = reinterpret_cast<const float*>(etab[2 * e + 1]);
+        __syncthreads();
+        const uint4 t = s_etab[e];              // one round trip after the wait, not two
+        W = reinterpret_cast<const unsigned char*>(((unsigned long long)t.y << 32) | t.x);
+        WS = reinterpret_cast<const float*>(((unsigned long long)t.w << 32) | t.z);
     }
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int n0 = blockIdx.x * TN;

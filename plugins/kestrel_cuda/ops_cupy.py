@@ -28,6 +28,7 @@ from kestrel_cuda.plan import (
     ATTN_ROWS_WARPS,
     ATTN_SPLITS,
     EPI_ADD,
+    EXPERT_TABLE_ROWS,
     FINISH_COLS,
     KV_BLOCK,
     MAX_HEAD_DIM,
@@ -326,7 +327,7 @@ class CupyOps(MoeOps):
                      _ptr(self.epochs if tagged else None), _ptr(ssq_in), _ptr(ssq_out), *_rope_args(rope),
                      *((_ptr(None), _ptr(None)) if experts is None else (_ptr(table), _ptr(sel))),
                      _i32(sel_ready and experts is not None), *_post_args(post, pro)),
-                    cluster=cluster, name="qgemv")
+                    EXPERT_TABLE_ROWS * 16 if experts is not None else 0, cluster=cluster, name="qgemv")
 
     def _tiled(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
                bias: Any, quantized: bool, fold_norm: Any, prenormed: bool) -> None:

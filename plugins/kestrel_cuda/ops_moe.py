@@ -12,17 +12,19 @@ from kestrel_cuda.forward_launch import i32_arg as _i32
 from kestrel_cuda.forward_launch import ld_arg as _ld
 from kestrel_cuda.forward_launch import ptr_arg as _ptr
 from kestrel_cuda.layout import Geometry
-from kestrel_cuda.plan import ROUTE_ROWS, Lin, check_expert_table
+from kestrel_cuda.plan import EXPERT_TABLE_ROWS, ROUTE_ROWS, Lin, check_expert_table
 
 
 class MoeOps:
     """Mixed into ``ops_cupy.CupyOps``: its ``launch``, ``upload``, kernels (``_fn``), tiled GEMM and scratch."""
 
     def expert_table(self, lins: list[Lin]) -> Any:
-        """The routed experts' weights of one projection for ``gemv(experts=...)``: uint64 [E][2] (codes,
-        scales) device pointers; every expert of one shape."""
+        """The routed experts' weights of one projection for ``gemv(experts=...)``: uint64 [EXPERT_TABLE_ROWS][2]
+        (codes, scales) device pointers, rows past the E experts zero; every expert of one shape."""
         check_expert_table(lins)
-        return self.upload(np.array([[lin.codes.data.ptr, lin.scales.data.ptr] for lin in lins], np.uint64))
+        table = np.zeros((EXPERT_TABLE_ROWS, 2), np.uint64)
+        table[:len(lins)] = [[lin.codes.data.ptr, lin.scales.data.ptr] for lin in lins]
+        return self.upload(table)
 
     def moe_route(self, h: Any, norm: Any, eps: float, router: Any, experts: int, k: int, norm_topk: bool,
                   xn: Any, scratch: tuple[Any, Any], sel: Any, wts: Any, ssq_in: Any = None) -> None:

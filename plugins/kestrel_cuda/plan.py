@@ -44,6 +44,7 @@ MERGE_MODES = ("auto", "tagged", "counter")
 ROUTE_ROWS = 8  # router rows of one moe_route block (moe.cu ROUTE_ROWS)
 ROUTE_MAX_EXPERTS = 256  # moe_route: a router logit per thread of the choosing block (moe.cu ROUTE_MAX_EXPERTS)
 ROUTE_MAX_HIDDEN = 8192  # moe_route: the normed row in 32 KiB of shared memory (48 KiB with no opt-in)
+EXPERT_TABLE_ROWS = 256  # rows of a routed GEMV's expert table: one a thread, copied to shared memory (gemv.cu)
 GROUPED_ROWS = 64  # positions of one block of a mixture of experts' grouped GEMM (gemm.GROUPED_TILES' rows)
 GROUPED_ROWS_FEW = 16  # ... where the pairs average at most that many an expert (a decode batch's)
 
@@ -229,6 +230,8 @@ def group_capacity(pairs: int, experts: int, rows: int = GROUPED_ROWS) -> int:
 
 def check_expert_table(lins: list[Lin]) -> None:
     """The experts of one table (``ops.expert_table``) share their shape and plan: the launch takes the first's."""
+    if len(lins) > EXPERT_TABLE_ROWS:
+        raise ValueError(f"{len(lins)} experts in a table of {EXPERT_TABLE_ROWS} rows")
     first = lins[0]
     shape = (first.k, first.n, first.npad, first.group_size, first.bits, first.col, first.ksplit)
     if any((lin.k, lin.n, lin.npad, lin.group_size, lin.bits, lin.col, lin.ksplit) != shape for lin in lins):
