@@ -100,10 +100,11 @@ def test_forward_sources_define_each_kernel_the_ops_load_once() -> None:
 
 def test_the_routers_constants_are_moe_cus() -> None:
     """plan.ROUTE_ROWS and ROUTE_MAX_EXPERTS (the launch's grid, the experts the device forward takes) are
-    moe.cu's: router rows a block, one logit per thread of NT."""
+    moe.cu's: router rows a block, one logit per thread of NT; EXPERT_TABLE_ROWS is NT (a routed GEMV copies
+    a table row a thread)."""
     text = kernels.source_text(kernels.FORWARD_SOURCES)
     define = {name: value for name, value in re.findall(r"#define (\w+) (\w+)", text)}
-    assert int(define["ROUTE_ROWS"]) == plan.ROUTE_ROWS
+    assert int(define["ROUTE_ROWS"]) == plan.ROUTE_ROWS and int(define["NT"]) == plan.EXPERT_TABLE_ROWS
     assert define["ROUTE_MAX_EXPERTS"] == "NT" and int(define["NT"]) == plan.ROUTE_MAX_EXPERTS
 
 
