@@ -71,11 +71,12 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 // and the others exit at once, freeing their SM slots for the next wave; otherwise each block writes them to
 // part[y][m][Npad] and the last block of a tile to arrive on its counter (then reset) reads them back.
 // With etab (MR = 1 only: a mixture of experts' chosen experts, one a row) block z's weights are expert esel[z]'s,
-// codes and scales pointers etab[2e], etab[2e + 1] of the same shape, the table's NT rows copied to NT * 16 bytes
-// of dynamic shared memory before the PDL wait; row z of X (ldx 0: one row for all) and of Y is the slot's. Such a block lets its dependents launch only once it knows esel, so when a routed GEMV
-// follows another on the same choices (esel_ready: the router's kernel has completed before it can launch),
-// it reads esel before its PDL wait and streams its first weights while its predecessor runs, as a dense
-// projection does.
+// codes and scales pointers etab[2e], etab[2e + 1] of the same shape; row z of X (ldx 0: one row for all) and
+// of Y is the slot's. The table's NT rows are copied to NT * 16 bytes of dynamic shared memory before the PDL
+// wait, so the weights are one L2 round trip (esel) after it. Such a block lets its dependents launch only once
+// it knows esel, so when a routed GEMV follows another on the same choices (esel_ready: the router's kernel has
+// completed before it can launch), it reads esel before its PDL wait and streams its first weights while its
+// predecessor runs, as a dense projection does.
 // Epilogue: epi 0: Y = acc (+ bias); epi 1: Y += acc (+ bias). With qout (M = 1, the q|k|v projection,
 // hd == TN: tile x is head x; the other pointers and H, KV, cap as QkvRope's, eps the prologue's) the tile's
 // outputs go through rope_head instead of to Y: qkv_rope's work, in the block that has the head's sums,

@@ -150,3 +150,16 @@ def test_grouped_blocks_are_small_for_a_decode_batch_and_large_for_a_prefill() -
     blocks of 16 positions; a 512-token prefill chunk's (32 an expert) blocks of 64."""
     assert plan.grouped_rows(32 * 8, 128) == plan.grouped_rows(256 * 8, 128) == 16
     assert plan.grouped_rows(257 * 8, 128) == plan.grouped_rows(512 * 8, 128) == 64
+
+
+def test_an_expert_table_holds_experts_of_one_shape_up_to_its_rows() -> None:
+    """A routed GEMV reads every expert's weights through the first's shape and plan, from a table of
+    EXPERT_TABLE_ROWS rows: another shape, or more experts than rows, is refused."""
+    def lin(n: int = 96) -> plan.Lin:
+        return plan.Lin(None, None, 2048, n, pad_n(n), 32, 8)
+
+    plan.check_expert_table([lin() for _ in range(plan.EXPERT_TABLE_ROWS)])
+    with pytest.raises(ValueError, match="differ"):
+        plan.check_expert_table([lin(), lin(128)])
+    with pytest.raises(ValueError, match="rows"):
+        plan.check_expert_table([lin() for _ in range(plan.EXPERT_TABLE_ROWS + 1)])
