@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         grid_dep_launch();
         const int e = __ldcg(esel + blockIdx.z);
         __syncthreads();
-        const uint4 t = s_etab[e];              // one round trip after the wait, not two
+        const uint4 t = s_etab[e];
         W = reinterpret_cast<const unsigned char*>(((unsigned long long)t.y << 32) | t.x);
         WS = reinterpret_cast<const float*>(((unsigned long long)t.w << 32) | t.z);
     }
