@@ -1,37 +1,67 @@
-"""The device forward's mixture-of-experts MLP, routed on the device (moe.cu).
+"""The device forward's mixture-of-experts MLP, routed on the device (moe.cu, route.cuh).
 
-``moe_route`` normalises the rows and chooses each one's experts and weights. A decode step (one row) then runs
-the chosen experts' GEMVs, one launch per projection over a table of the layer's experts, and ``moe_combine``
-adds them up. A step of several rows (a prefill chunk, a batch) sorts its (row, expert) pairs by expert with
-``moe_group`` and runs each projection of every chosen expert as one grouped GEMM over them (blocks of 16 or
-64 positions, ``plan.grouped_rows``), its grid sized for the most groups the rows can need; the shared expert
-runs on every row. No step waits on the host, so each is captured in a graph like a dense model's.
+A decode step (one row) routes beside its o projection (``fold_router``: plan.RouteFold), whose GEMV then
+stores h' in the other residual row; the chosen experts' GEMVs, one launch per projection over a table of the
+layer's experts, normalise h' themselves, and ``moe_combine`` adds them up. A step of several rows (a prefill
+chunk, a batch) runs ``moe_route`` (the rows normalised, each one's experts chosen), sorts its (row, expert)
+pairs by expert with ``moe_group`` and runs each projection of every chosen expert as one grouped GEMM over
+them (blocks of 16 or 64 positions, ``plan.grouped_rows``), its grid sized for the most groups the rows can
+need; the shared expert runs on every row. No step waits on the host, so each is captured in a graph like a
+dense model's.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kestrel_cuda.forward_state import ExpertLins, LayerLins, State
-from kestrel_cuda.plan import EPI_STORE, PRO_PLAIN, PRO_SILU_MUL, group_capacity, grouped_rows
+from kestrel_cuda.forward_state import ExpertLins, Layer, LayerLins, State
+from kestrel_cuda.plan import (
+    EPI_STORE,
+    PRO_PLAIN,
+    PRO_RMSNORM,
+    PRO_SILU_MUL,
+    Lin,
+    RouteFold,
+    group_capacity,
+    grouped_rows,
+    route_fold_span,
+)
 
 
-def moe_mlp(ops: Any, st: State, i: int, w: LayerLins, m: int, eps: float, ssq: Any) -> None:
-    """h[:m] += the mixture of experts of layer i on rmsnorm(h) (the CPU decoder's ``_moe``): each row's chosen
+def fold_router(st: State, layer: Layer, o: Lin, h: Any, rows: tuple[Any, Any]) -> tuple[RouteFold, Any] | None:
+    """The router of a decode step's layer folded into its o projection's GEMV, and the residual row of
+    ``rows`` (the one that is not h) that GEMV stores h' in; None where the layer has no fold or its o plan
+    gives it no span."""
+    span = route_fold_span(o.n, o.k, o.ksplit) if layer.route_fold is not None else 0
+    if not span:
+        return None
+    c = st.config
+    logits, counters, sel, wts = st.route
+    fold = RouteFold(layer.route_fold, c.num_experts, c.experts_per_token, c.norm_topk_prob, span,
+                     logits.reshape(-1), counters[:2], sel[:1], wts[:1])
+    return fold, rows[1] if h is rows[0] else rows[0]
+
+
+def moe_mlp(ops: Any, st: State, i: int, w: LayerLins, h: Any, eps: float, ssq: Any, folded: bool) -> None:
+    """h += the mixture of experts of layer i on rmsnorm(h) (the CPU decoder's ``_moe``): each row's chosen
     experts weighted and added in expert order, then the shared expert scaled by its gate. ``ssq``: h's tile
-    sums (M = 1), read by the router's norm and left by the sum."""
+    sums (M = 1), read by the norms and left by the sum; ``folded``: the o projection chose (``fold_router``)."""
     c, layer = st.config, st.layers[i]
-    k = c.experts_per_token
+    m, k = h.shape[0], c.experts_per_token
     xn, xs, gus, ys = st.moe
     logits, counters, sel, wts = st.route
-    ops.moe_route(st.h[:m], layer.mlp_norm, eps, layer.router, c.num_experts, k, c.norm_topk_prob, xn[:m],
-                  (logits, counters), sel[:m], wts[:m], ssq_in=ssq)
+    if folded:  # the experts normalise h themselves, from its tile sums
+        x, pro, pw = h, PRO_RMSNORM, layer.mlp_norm
+    else:
+        ops.moe_route(h, layer.mlp_norm, eps, layer.router, c.num_experts, k, c.norm_topk_prob, xn[:m],
+                      (logits, counters), sel[:m], wts[:m], ssq_in=ssq)
+        x, pro, pw = xn[:m], PRO_PLAIN, None
     shared = w.experts[c.num_experts] if len(w.experts) > c.num_experts else None
     gate_up, down = w.experts[0].gate_up, w.experts[0].down  # every routed expert's shape and plan
     p = m * k  # (row, slot) pairs
     if m == 1:
         for j, lin in enumerate(gate_up):  # after the first, each follows a routed GEMV on the same choices
-            ops.gemv(lin, xn[:1], PRO_PLAIN, None, eps, 0, gus[:k, lin.col:lin.col + lin.n], EPI_STORE, None,
+            ops.gemv(lin, x, pro, pw, eps, 0, gus[:k, lin.col:lin.col + lin.n], EPI_STORE, None, ssq_in=ssq,
                      experts=(w.tables.gate_up[j], sel[0], k), sel_ready=j > 0)
         ops.gemv(down, gus[:k], PRO_SILU_MUL, None, eps, down.k, ys[:k], EPI_STORE, None,
                  experts=(w.tables.down, sel[0], k), sel_ready=True)
@@ -42,19 +72,20 @@ def moe_mlp(ops: Any, st: State, i: int, w: LayerLins, m: int, eps: float, ssq: 
         blocks = group_capacity(p, c.num_experts, rows)
         ops.moe_group(sel[:m], c.num_experts, source[:p], position[:p], groups[:blocks], rows)
         index = position[:p]
-        ops.gather_rows(xn, source[:p], xs[:p])
+        ops.gather_rows(x, source[:p], xs[:p])
         for j, lin in enumerate(gate_up):
             ops.experts_gemm(lin, xs[:p], PRO_PLAIN, 0, gus[:p, lin.col:lin.col + lin.n], w.tables.gate_up[j],
                              groups[:blocks], blocks, rows)
         ops.experts_gemm(down, gus[:p], PRO_SILU_MUL, down.k, ys[:p], w.tables.down, groups[:blocks], blocks, rows)
     if shared is not None:
-        _expert(ops, st, shared, xn[:m], ys[p:p + m], eps)
-    ops.moe_combine(ys[:p], k, wts[:m], st.h[:m], index, ys[p:p + m] if shared is not None else None, ssq)
+        _expert(ops, st, shared, x, pro, pw, ssq, ys[p:p + m], eps)
+    ops.moe_combine(ys[:p], k, wts[:m], h, index, ys[p:p + m] if shared is not None else None, ssq)
 
 
-def _expert(ops: Any, st: State, expert: ExpertLins, x: Any, y: Any, eps: float) -> None:
-    """y = one expert's SiLU-gated MLP on the normed rows x."""
+def _expert(ops: Any, st: State, expert: ExpertLins, x: Any, pro: int, pw: Any, ssq: Any, y: Any,
+            eps: float) -> None:
+    """y = one expert's SiLU-gated MLP on the rows x (through prologue ``pro``)."""
     n = x.shape[0]
     for lin in expert.gate_up:
-        ops.gemv(lin, x, PRO_PLAIN, None, eps, 0, st.gu[:n, lin.col:lin.col + lin.n], EPI_STORE, None)
+        ops.gemv(lin, x, pro, pw, eps, 0, st.gu[:n, lin.col:lin.col + lin.n], EPI_STORE, None, ssq_in=ssq)
     ops.gemv(expert.down, st.gu[:n], PRO_SILU_MUL, None, eps, expert.down.k, y, EPI_STORE, None)

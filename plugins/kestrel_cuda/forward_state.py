@@ -37,6 +37,7 @@ from kestrel_cuda.plan import (
     group_capacity,
     plan_routed,
     plan_split,
+    route_fold_weights,
     ssq_count,
 )
 
@@ -112,6 +113,7 @@ class Layer:
     post_attn_norm: Any = None  # Gemma: RMSNorm of the attention's and the MLP's outputs before the residual add
     post_mlp_norm: Any = None
     router: Any = None  # mixture of experts: float32 [E, D], then Qwen2-MoE's shared-expert gate [1, D]
+    route_fold: Any = None  # ... its plan.RouteFold weights [R, D + K] (route_fold_weights), where it folds
     weights: LayerLins | None = None  # None when fetched per step (residency window)
 
 
@@ -272,12 +274,15 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
         if lw.q_bias is not None:
             bias = up(np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias]).astype(np.float32))
         optional = [None if w is None else up(w) for w in (lw.q_norm, lw.k_norm, lw.post_attn_norm, lw.post_mlp_norm)]
-        router = None
+        router = fold = None
         if lw.router is not None:
             gate = [] if lw.shared_expert_gate is None else [lw.shared_expert_gate.reshape(1, -1)]
-            router = up(np.concatenate([lw.router, *gate]).astype(np.float32))
+            rows = np.concatenate([lw.router, *gate]).astype(np.float32)
+            router = up(rows)
+            if lw.post_attn_norm is None and lw.o.group_size == 32:
+                fold = up(route_fold_weights(rows, lw.mlp_norm, lw.o.codes, lw.o.scales))
         layers.append(Layer(up(lw.attn_norm), up(lw.mlp_norm), optional[0], optional[1], bias, *tables[key],
-                            optional[2], optional[3], router=router))
+                            optional[2], optional[3], router=router, route_fold=fold))
     emb = model.embedding
     t = PASS_ROWS
     st = State(model=model, config=c, max_context=max_context, emb_codes=up(emb.codes),

@@ -83,7 +83,12 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 // without a kernel of its own. With pn_stats and pro != 4 (M = 1: the projection before a post-norm) it stores
 // y * pn_w (so the next GEMV needs no second weight a row: with one it spilled) and the column tile's sums of
 // y², pn_src·y·pn_w, (y·pn_w)² and pn_src² (pn_src: the residual h) in pn_stats.
-template <int BITS, int G, int MR>
+// With FOLD (M = 1: a decode step's o projection, the bias its residual h, Y the other residual row) the last
+// rgroups column tiles of the grid are the router's (route.cuh route_part): they run beside the projection's
+// blocks, from h and the projection's input, and choose; the last of the choice and the tiles' merging blocks
+// weighs the chosen experts. An
+// instance of its own: in every other one the router's code made ptxas spill (24-48 bytes).
+template <int BITS, int G, int MR, int FOLD>
 __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
     const float* __restrict__ X, int ldx, int M, int pro, const float* __restrict__ pw, float eps, int xoff,
@@ -93,12 +98,24 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const float* qnorm, const float* knorm, const float* cosT, const float* sinT, const int* meta, float* qout,
     kv_t* kc, kv_t* vc, int H, int KV, int cap, const unsigned long long* __restrict__ etab,
     const int* __restrict__ esel, int esel_ready, const float* __restrict__ pn_w, const float* __restrict__ pn_src,
-    float* pn_stats, float* __restrict__ pn_next)
+    float* pn_stats, float* __restrict__ pn_next, const float* __restrict__ rw, int rgroups, int rrows, int rexperts,
+    int rk, int rnorm_topk, int rspan, float* rpart, int* rcount, int* rsel, float* rwts)
 {
     constexpr int KC = NT;                      // rows of a chunk: one 32-row slot a warp, one row a thread
     constexpr int NW = BITS == 8 ? 32 : 16;     // 4-byte words of one slot
+    if constexpr (FOLD) {  // MR = 1, the o projection: no other option (as constants, ptxas does not spill)
+        pro = 0; epi = 0; etab = nullptr; qout = nullptr; pn_stats = nullptr; ssq_in = nullptr; epochs = nullptr;
+    }
     const bool routed = MR == 1 && etab;
     if (!routed) grid_dep_launch();  // the wait follows the block's first weight loads
+    if constexpr (FOLD) {
+        if ((int)blockIdx.x >= (int)gridDim.x - rgroups) {  // a block of the router folded in
+            const RouteArgs ra{rw, rgroups, rrows, rexperts, rk, rnorm_topk, rspan, rpart, rcount, rsel, rwts};
+            const int tiles = gridDim.x - rgroups;
+            route_part(ra, blockIdx.x - tiles, blockIdx.y, gridDim.y, tiles, bias, X, N, ssq_out, eps);
+            return;
+        }
+    }
     __shared__ int s_aq[MR][KC / 4];            // activation codes of this chunk, 4 per word
     __shared__ float s_as[MR][KC / 32];         // activation scale per group (G = 256: element 0)
     __shared__ int s_asum[MR][KC / 32];         // sum of activation codes per group (int4 bias)
@@ -307,7 +324,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const bool nok = tid < TN && n < N;
 #pragma unroll
     for (int i = 0; i < MR; ++i) yin[i] = nok && epi == 1 && m0 + i < M ? Y[(size_t)(m0 + i) * ldy + n] : 0.f;
-    if (nok && bias) bn = bias[n];
+    if (nok && bias) bn = __ldcg(bias + n);  // through L2: the router fold's bias is the residual stream
     const bool pn_prod = pn_stats && pro != 4;  // the projection before a post-norm: its sums
     const float hres = pn_prod && nok ? __ldcg(pn_src + n) : 0.f, pwn = pn_prod && nok ? __ldg(pn_w + n) : 0.f;
     if (MR == 1 && csize > 1) {                 // the cluster's shared memory: pushed to block 0
@@ -410,6 +427,12 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
 #pragma unroll
             for (int w = 0; w < TN / 32; ++w) t += s_part[0][4 * w + tid];
             pn_stats[4 * blockIdx.x + tid] = t;
+        }
+    }
+    if constexpr (FOLD) {                       // the tile's h' and its sums are stored: it arrives for the router
+        if (arrive_last(rcount + 1, gridDim.x - rgroups + 1, &s_last)) {
+            const RouteArgs ra{rw, rgroups, rrows, rexperts, rk, rnorm_topk, rspan, rpart, rcount, rsel, rwts};
+            route_weigh_folded(ra, gridDim.y, ssq_out, N, eps);
         }
     }
 }

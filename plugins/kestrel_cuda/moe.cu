@@ -4,7 +4,6 @@
 // decode step's experts run as qgemv over a table of expert weights (gemv.cu: block z takes slot z's expert),
 // a step of several rows' as grouped GEMMs (gemm_mma.cu), so either step is one captured graph.
 
-#define ROUTE_MAX_EXPERTS NT  // the choosing block holds one router logit a thread
 #define ROUTE_ROWS 8          // router rows a block
 #define ROUTE_PREFETCH 2      // float4s of each row a thread loads before the PDL wait (all of D <= 2048)
 
@@ -13,11 +12,9 @@
 // x = rmsnorm(h[m], w) (M = 1: from the residual stream's tile sums, as qgemv's prologue; else a sum of its
 // own), block 0 stores it in xn[m] (the experts' input), and computes logits[m][r] = x . router[r] for its
 // ROUTE_ROWS rows, every thread over its float4s of each row (loaded before the wait where they fit: the
-// router is not step data). The row's last block to arrive (counters[m], reset) chooses as
-// kestrel_core.model.decoder.route: softmax over the E logits, the k most probable (ties: the lower expert),
-// renormalised over the k if norm_topk; sel[m][0..k) are those experts in increasing order (the order the CPU
-// decoder adds them in), wts[m][j] their weights, and with a shared gate wts[m][k] = sigmoid(logit E). wts
-// rows are k + 1 floats.
+// router is not step data). The row's last block to arrive (counters[m], reset) chooses (route.cuh route_top,
+// route_weights): sel[m][0..k) the experts in increasing order, wts[m] (rows of k + 1) their weights, then a
+// shared gate's.
 extern "C" __global__ void __launch_bounds__(NT) moe_route(
     const float* __restrict__ h, int ldh, int D, const float* __restrict__ normw, float eps,
     const float* __restrict__ ssq_in, const float* __restrict__ router, int E, int shared_gate, int k,
@@ -29,9 +26,6 @@ extern "C" __global__ void __launch_bounds__(NT) moe_route(
     float* s_x = reinterpret_cast<float*>(s_x4);
     __shared__ float s_red[NT / 32];
     __shared__ float s_dot[ROUTE_ROWS][NT / 32];
-    __shared__ __align__(16) float s_p[ROUTE_MAX_EXPERTS];  // past E: -1, below every probability
-    __shared__ float s_ranked[ROUTE_MAX_EXPERTS];  // the chosen probabilities by rank
-    __shared__ int s_count[NT / 32];
     __shared__ int s_last;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, m = blockIdx.y;
     const int R = E + (shared_gate ? 1 : 0), D4 = D / 4, r0 = blockIdx.x * ROUTE_ROWS;
@@ -115,43 +109,12 @@ extern "C" __global__ void __launch_bounds__(NT) moe_route(
     if (!arrive_last(counters + m, gridDim.x, &s_last)) return;
 
     const float* lr = logits + (size_t)m * R;
-    const float l = tid < E ? __ldcg(lr + tid) : NEG_INF;
-    float mx = warp_max(l);
-    if (lane == 0) s_red[warp] = mx;
+    const float l = tid < E ? __ldcg(lr + tid) : 0.f;
+    route_top(l, E, k, sel + (size_t)m * k);
     __syncthreads();
-    mx = s_red[0];
-#pragma unroll
-    for (int w = 1; w < NT / 32; ++w) mx = fmaxf(mx, s_red[w]);
-    const float p = tid < E ? expf(l - mx) : 0.f;
-    const float prob = p / block_sum(p, s_red);
-    s_p[tid] = tid < E ? prob : -1.f;  // NT == ROUTE_MAX_EXPERTS
-    __syncthreads();
-    int rank = 0;                               // experts ahead of this one
-    if (tid < E)
-#pragma unroll 8
-        for (int j = 0; j < E; j += 4) {        // four a load: 295 against 356 us a qwen3-30b-a3b step
-            const float4 q = *reinterpret_cast<const float4*>(s_p + j);
-            rank += (q.x > prob || (q.x == prob && j < tid)) + (q.y > prob || (q.y == prob && j + 1 < tid))
-                  + (q.z > prob || (q.z == prob && j + 2 < tid)) + (q.w > prob || (q.w == prob && j + 3 < tid));
-        }
-    const bool chosen = tid < E && rank < k;
-    const unsigned below = __ballot_sync(FULL, chosen);
-    if (chosen) s_ranked[rank] = prob;
-    if (lane == 0) s_count[warp] = __popc(below);
-    __syncthreads();
-    if (chosen) {
-        int slot = __popc(below & ((1u << lane) - 1));  // chosen experts below this one
-        for (int w = 0; w < warp; ++w) slot += s_count[w];
-        float total = 0.f;                      // the chosen probabilities summed in rank order
-#pragma unroll 8
-        for (int q = 0; q < k; ++q) total += s_ranked[q];
-        sel[(size_t)m * k + slot] = tid;
-        wts[(size_t)m * (k + 1) + slot] = norm_topk ? prob / total : prob;
-    }
-    if (tid == 0) {
-        if (shared_gate) wts[(size_t)m * (k + 1) + k] = 1.f / (1.f + expf(-__ldcg(lr + E)));
-        counters[m] = 0;
-    }
+    route_weights(l, tid == 0 && shared_gate ? __ldcg(lr + E) : 0.f, E, k, norm_topk, shared_gate, sel + (size_t)m * k,
+                  wts + (size_t)m * (k + 1));
+    if (tid == 0) counters[m] = 0;
 }
 
 // h[m][:] += sum_{j < K} Y[y(m, j)][:] * wts[m][j], then + Ysh[m][:] * wts[m][K] (a shared expert), summed from

@@ -42,17 +42,21 @@ from kestrel_cuda.plan import (
     Lin,
     PostNorm,
     QkvRope,
+    RouteFold,
     attn_rows_buffers,
     attn_rows_instance,
     attn_rows_per_sm,
     attn_rows_splits,
+    check_route_fold,
     tagged_merge,
 )
 
 ATTN_DECODE_LANE_DIMS = (4, 8)  # attn_decode instances: a lane's dimensions (head_dim <= 128, <= 256)
 QUANT_CHUNK = 256 * 4  # elements of a row that one quantize_rows block takes (rows.cu: NT * QUANT_LOADS)
-# (bits, G, MR): qgemv with MR rows per block: M = 1 (MR = 1) and, without a tiled GEMM, M > 1 (MR = 8)
-GEMV_VARIANTS = [(bits, g, mr) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
+# (bits, G, MR, FOLD): qgemv with MR rows per block: M = 1 (MR = 1) and, without a tiled GEMM, M > 1 (MR = 8);
+# FOLD: a decode step's o projection with its router's blocks beside it (plan.RouteFold, G = 32)
+GEMV_VARIANTS = ([(bits, g, mr, 0) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
+                 + [(bits, 32, 1, 1) for bits in (8, 4)])
 # extern "C" kernels: no name expression
 KERNELS = ("embed_rows", "qkv_rope", "attn_prefill", "add_rows", "norm_add_rows", "lm_finish", "argmax_rows",
            "moe_route", "moe_combine", "moe_group")
@@ -61,7 +65,7 @@ Observer = Callable[[str, Callable[[], None]], None]
 
 def forward_kernel_names() -> list[str]:
     """The name expressions of every template kernel of the forward module (``FORWARD_SOURCES``)."""
-    return ([f"qgemv<{b},{g},{mr}>" for b, g, mr in GEMV_VARIANTS]
+    return ([f"qgemv<{b},{g},{mr},{fold}>" for b, g, mr, fold in GEMV_VARIANTS]
             + [f"attn_decode<{ATTN_SPLITS}, {j}>" for j in ATTN_DECODE_LANE_DIMS]
             + ["quantize_rows<32>", "quantize_rows<256>"]
             + [f"attn_rows<{hd}>" for hd in ATTN_ROWS_HEAD_DIMS])
@@ -100,7 +104,7 @@ class CupyOps(MoeOps):
         self.xp = cp
         self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
         mod = _module()
-        self._gemv = {v: mod.get_function("qgemv<{},{},{}>".format(*v)) for v in GEMV_VARIANTS}
+        self._gemv = {v: mod.get_function("qgemv<{},{},{},{}>".format(*v)) for v in GEMV_VARIANTS}
         self._attn_decode = {j: mod.get_function(f"attn_decode<{ATTN_SPLITS}, {j}>") for j in ATTN_DECODE_LANE_DIMS}
         self._attn_rows = {hd: mod.get_function(f"attn_rows<{hd}>") for hd in ATTN_ROWS_HEAD_DIMS}
         for hdp, fn in self._attn_rows.items():
@@ -281,7 +285,7 @@ class CupyOps(MoeOps):
              bias: Any, ssq_in: Any = None, ssq_out: Any = None, rope: QkvRope | None = None,
              experts: tuple[Any, Any, int] | None = None, sel_ready: bool = False,
              post: PostNorm | None = None, quantized: bool = False, fold_norm: Any = None,
-             prenormed: bool = False) -> None:
+             prenormed: bool = False, route: RouteFold | None = None) -> None:
         """ssq_in / ssq_out (M = 1 only): the residual stream's tile sums of squares, read by an RMSNorm
         prologue (pro 1) instead of the row, written with a residual-add epilogue's outputs. ``post`` (M = 1):
         with pro PRO_POSTNORM this GEMV reads the post-norm (x is its ``h``), else it is the projection before
@@ -293,8 +297,12 @@ class CupyOps(MoeOps):
         (M > 1, the tiled GEMM, PRO_PLAIN, G = 32): x's codes are where that GEMM reads them already
         (``attention(quantize_for=lin)`` wrote them), so no prologue kernel runs. The norm fold (M > 1, where
         ``norm_fold`` says): ``fold_norm``, the next norm's weights, with EPI_ADD: the GEMM also quantizes y's
-        new rows for the normed GEMMs after it; ``prenormed`` (pro PRO_RMSNORM): x's are those codes."""
+        new rows for the normed GEMMs after it; ``prenormed`` (pro PRO_RMSNORM): x's are those codes. ``route``
+        (M = 1, the o projection: PRO_PLAIN, EPI_STORE, ``bias`` the residual h, y the other row, G = 32): the
+        router's blocks beside it (plan.RouteFold), its K splits merged through the counters or a cluster."""
         m = x.shape[0]
+        if route is not None:
+            check_route_fold(route, lin, m, pro, epi, bias, experts is not None or post is not None or rope is not None)
         if post is not None and (m != 1 or experts is not None):
             raise ValueError("a post-norm folds into M = 1 GEMVs only")
         if m > 1:
@@ -311,22 +319,22 @@ class CupyOps(MoeOps):
         one = m == 1 or experts is not None  # one row a block
         mr = 1 if one else SMALL_M
         ksplit = lin.ksplit if one else 1
-        fn = self._gemv[(lin.bits, lin.group_size, mr)]
+        fn = self._gemv[(lin.bits, lin.group_size, mr, int(route is not None))]
         cluster = ksplit if one and lin.cluster and self.cluster else 1
-        tagged = (ksplit > 1 and cluster == 1 and experts is None
+        tagged = (ksplit > 1 and cluster == 1 and experts is None and route is None
                   and tagged_merge(self.merge_mode, lin.tiles * ksplit, self.sm_count))
         if tagged and (lin.tiles > self.merge_tiles or ksplit > MERGE_SPLITS):
             raise RuntimeError(f"split-K merge area for {lin.tiles} tiles x {ksplit} splits not reserved")
         if ksplit > 1 and not tagged and cluster == 1 and (ksplit * m * lin.npad > self.part.size
                                                            or lin.tiles * -(-m // mr) > self.counters.size):
             raise RuntimeError(f"split-K scratch for {m} rows x {lin.tiles} tiles x {ksplit} splits not reserved")
-        self.launch(fn, (lin.tiles, ksplit, -(-m // mr)), (256,),
+        self.launch(fn, (lin.tiles + (route.groups if route else 0), ksplit, -(-m // mr)), (256,),
                     (_ptr(lin.codes), _ptr(lin.scales), _i32(lin.k), _i32(lin.n), _i32(lin.npad),
                      _ptr(x), ldx, _i32(m), _i32(pro), _ptr(pw), np.float32(eps), _i32(xoff),
                      _ptr(y), _ld(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters), _ptr(self.merge),
                      _ptr(self.epochs if tagged else None), _ptr(ssq_in), _ptr(ssq_out), *_rope_args(rope),
                      *((_ptr(None), _ptr(None)) if experts is None else (_ptr(table), _ptr(sel))),
-                     _i32(sel_ready and experts is not None), *_post_args(post, pro)),
+                     _i32(sel_ready and experts is not None), *_post_args(post, pro), *_route_args(route)),
                     EXPERT_TABLE_ROWS * 16 if experts is not None else 0, cluster=cluster, name="qgemv")
 
     def _tiled(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
@@ -513,6 +521,14 @@ def _rope_args(r: QkvRope | None) -> tuple[Any, ...]:
         return (*(_ptr(None),) * 8, _i32(0), _i32(0), _i32(0))
     return (_ptr(r.qnorm), _ptr(r.knorm), _ptr(r.cos), _ptr(r.sin), _ptr(r.meta), _ptr(r.q), _ptr(r.kc),
             _ptr(r.vc), _i32(r.heads), _i32(r.kv_heads), _i32(r.kc.shape[1]))
+
+
+def _route_args(r: RouteFold | None) -> tuple[Any, ...]:
+    """qgemv's router fold (plan.RouteFold: route.cuh RouteArgs), or none (null weights)."""
+    if r is None:
+        return (_ptr(None), *(_i32(0),) * 6, *(_ptr(None),) * 4)
+    return (_ptr(r.weights), _i32(r.groups), _i32(r.rows), _i32(r.experts), _i32(r.k), _i32(r.norm_topk), _i32(r.span),
+            _ptr(r.part), _ptr(r.counter), _ptr(r.sel), _ptr(r.wts))
 
 
 def _post_args(p: PostNorm | None, pro: int) -> tuple[Any, ...]:

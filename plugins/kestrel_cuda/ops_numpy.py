@@ -34,7 +34,9 @@ from kestrel_cuda.plan import (
     Lin,
     PostNorm,
     QkvRope,
+    RouteFold,
     check_expert_table,
+    check_route_fold,
     expert_groups,
     ssq_count,
 )
@@ -115,6 +117,30 @@ def _row_ssq(row: np.ndarray) -> np.ndarray:
     padded = np.zeros(ssq_count(n) * SSQ_COLS, np.float32)
     padded[:n] = row.reshape(-1)
     return (padded * padded).reshape(-1, SSQ_COLS).sum(axis=1, dtype=np.float32)
+
+
+def _choose(logits: np.ndarray, experts: int, k: int, norm_topk: bool, sel: np.ndarray, wts: np.ndarray) -> None:
+    """route.cuh route_top and route_weights on logits [M, R]: each row's k most probable experts into sel [M, k]
+    (increasing), their weights (renormalised if norm_topk) into wts [M, k + 1], a shared gate's sigmoid last."""
+    with np.errstate(over="ignore"):
+        p = np.exp(logits[:, :experts] - logits[:, :experts].max(axis=1, keepdims=True))
+    prob = p / p.sum(axis=1, keepdims=True)
+    top = np.sort(np.argsort(-prob, axis=1, kind="stable")[:, :k], axis=1)  # [M, k], increasing
+    w = np.take_along_axis(prob, top, axis=1)
+    sel[...] = top
+    wts[:, :k] = w / w.sum(axis=1, keepdims=True) if norm_topk else w
+    if logits.shape[1] > experts:
+        wts[:, k] = np.float32(1) / (np.float32(1) + np.exp(-logits[:, experts]))
+
+
+def _route_fold(route: RouteFold, lin: Lin, x: np.ndarray, h: np.ndarray, hn: np.ndarray, eps: float) -> None:
+    """The choice a RouteFold's blocks make beside the o projection: the router's sums over [h | Q(x)] (Q: the
+    GEMV's own G = 32 codes times their scales) divided by the rms of h' = hn, as route_finish takes it."""
+    codes, scales = quantize_activations(np.asarray(x, np.float32)[:, :lin.k], 32)
+    qa = (codes.reshape(-1, 32).astype(np.float32) * scales.reshape(-1, 1)).reshape(-1)  # [K]
+    sums = route.weights @ np.concatenate([np.asarray(h, np.float32).reshape(-1)[:lin.n], qa])  # [R]
+    r = np.sqrt(_row_ssq(hn[0]).sum(dtype=np.float32) / np.float32(lin.n) + np.float32(eps))
+    _choose((sums / r)[None].astype(np.float32), route.experts, route.k, route.norm_topk, route.sel, route.wts)
 
 
 def _same_rows(a: np.ndarray, b: np.ndarray) -> bool:
@@ -217,13 +243,16 @@ class NumpyOps:
              ssq_out: np.ndarray | None = None, rope: QkvRope | None = None,
              experts: tuple[list[Lin], np.ndarray, int] | None = None, sel_ready: bool = False,
              post: PostNorm | None = None, quantized: bool = False, fold_norm: np.ndarray | None = None,
-             prenormed: bool = False) -> None:
+             prenormed: bool = False, route: RouteFold | None = None) -> None:
         # ``quantized``: CupyOps' codes written by attention; here x's rows are quantized as those were. The
         # norm fold: a ``prenormed`` GEMV reads the rows the last ``fold_norm`` residual add stored, for its norm
         if prenormed and (self._fold is None or self._fold[1] is not pw or not _same_rows(self._fold[0], x)):
             raise ValueError("prenormed rows without the norm fold of those rows for that norm")
         if epi == EPI_ADD:  # y's rows change
             self._fold = (y, fold_norm) if fold_norm is not None else None
+        if route is not None:
+            check_route_fold(route, lin, x.shape[0], pro, epi, bias,
+                             experts is not None or post is not None or rope is not None)
 
         def fn() -> None:
             if experts is not None:  # row j: expert sel[j] on row j of x (or its one row)
@@ -249,6 +278,8 @@ class NumpyOps:
             y[...] = y + out if epi == EPI_ADD else out
             if ssq_out is not None:
                 ssq_out[:ssq_count(lin.n)] = _row_ssq(y[0])
+            if route is not None:
+                _route_fold(route, lin, x, bias, y, eps)
         self._run(fn)
 
     def norm_fold(self, m: int, producer: Lin, consumers: Sequence[Lin]) -> bool:
@@ -269,16 +300,7 @@ class NumpyOps:
             m = h.shape[0]
             x = _prologue(h, h.shape[1], PRO_RMSNORM, norm, eps, 0, ssq_in if m == 1 else None)  # [M, D]
             xn[...] = x
-            logits = x @ router.T  # [M, R]
-            with np.errstate(over="ignore"):
-                p = np.exp(logits[:, :experts] - logits[:, :experts].max(axis=1, keepdims=True))
-            prob = p / p.sum(axis=1, keepdims=True)
-            top = np.sort(np.argsort(-prob, axis=1, kind="stable")[:, :k], axis=1)  # [M, k], increasing
-            w = np.take_along_axis(prob, top, axis=1)
-            sel[...] = top
-            wts[:, :k] = w / w.sum(axis=1, keepdims=True) if norm_topk else w
-            if router.shape[0] > experts:
-                wts[:, k] = np.float32(1) / (np.float32(1) + np.exp(-logits[:, experts]))
+            _choose(x @ router.T, experts, k, norm_topk, sel, wts)
         self._run(fn)
 
     def moe_group(self, sel: np.ndarray, experts: int, source: np.ndarray, position: np.ndarray,

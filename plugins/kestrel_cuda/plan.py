@@ -44,6 +44,8 @@ MERGE_MODES = ("auto", "tagged", "counter")
 ROUTE_ROWS = 8  # router rows of one moe_route block (moe.cu ROUTE_ROWS)
 ROUTE_MAX_EXPERTS = 256  # moe_route: a router logit per thread of the choosing block (moe.cu ROUTE_MAX_EXPERTS)
 ROUTE_MAX_HIDDEN = 8192  # moe_route: the normed row in 32 KiB of shared memory (48 KiB with no opt-in)
+ROUTE_FOLD_ROWS = 16  # router rows of one block of a RouteFold (route.cuh: 16 threads a row)
+ROUTE_FOLD_MAX_SPAN = 512  # K range of one RouteFold block at most (route.cuh ROUTE_FOLD_F4: 8 float4s a thread)
 EXPERT_TABLE_ROWS = 256  # rows of a routed GEMV's expert table: one a thread, copied to shared memory (gemv.cu)
 GROUPED_ROWS = 64  # positions of one block of a mixture of experts' grouped GEMM (gemm.GROUPED_TILES' rows)
 GROUPED_ROWS_FEW = 16  # ... where the pairs average at most that many an expert (a decode batch's)
@@ -119,6 +121,66 @@ class PostNorm:
     out: Any  # [1, D]: out·weight
     stats: Any  # float32 [4 * ssq_count(D)]
     h_next: Any  # [1, D]
+
+
+@dataclass
+class RouteFold:
+    """A decode step's router run by blocks of its own beside the o projection's M = 1 GEMV (gemv.cu FOLD,
+    route.cuh), instead of by ``moe_route`` after it. The router reads rmsnorm(h', norm) for h' = h + W_o a, so
+    a logit is (router·diag(norm)·h + router·diag(norm)·W_o·Q(a)) / rms(h'), where Q(a) is the quantized input
+    the o GEMV itself multiplies: these blocks need h and a, which are ready when the o projection starts, and
+    only the division waits for h'. The last of them chooses (the order of the logits does not depend on the
+    division); the last of that choice and the o tiles' merging blocks weighs the chosen experts (route.cuh). The o
+    GEMV stores h' in the other residual row (``bias`` h, EPI_STORE), so h stays readable."""
+
+    weights: Any  # float32 [R, D + K] (``route_fold_weights``): R = experts (+ 1: a shared-expert gate)
+    experts: int
+    k: int  # experts chosen a row
+    norm_topk: bool
+    span: int  # K range of [h | a] one block sums (``route_fold_span``)
+    part: Any  # float32 [>= (K splits + 1) x R]: each split's sums, then their totals
+    counter: Any  # int32 [2]: the router blocks' arrivals, then the choice's and the o tiles' (reset by the last)
+    sel: Any  # int32 [1, k]
+    wts: Any  # float32 [1, k + 1]
+
+    @property
+    def rows(self) -> int:
+        return int(self.weights.shape[0])
+
+    @property
+    def groups(self) -> int:
+        """Router blocks of each K split."""
+        return -(-self.rows // ROUTE_FOLD_ROWS)
+
+
+def route_fold_weights(router: np.ndarray, norm: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """A RouteFold's weights, float32 [R, D + K]: g = router·diag(norm) [R, D], then g times the o projection's
+    weights [D, K] (``codes`` int8 [D, K] times ``scales`` [D, K/G], as the contract dequantizes them)."""
+    g = (np.asarray(router, np.float32) * np.asarray(norm, np.float32)[None, :]).astype(np.float32)
+    d, k = codes.shape
+    group = k // scales.shape[1]
+    w_o = (codes.reshape(d, -1, group) * scales[:, :, None].astype(np.float32)).reshape(d, k)  # [D, K]
+    return np.concatenate([g, g @ w_o], axis=1).astype(np.float32)
+
+
+def route_fold_span(d: int, k: int, ksplit: int) -> int:
+    """The K range one RouteFold block sums when the o projection (input width ``k``, residual width ``d``) runs
+    ``ksplit`` K splits: (d + k) / ksplit, a multiple of 64 (16 threads a row, a float4 each) up to
+    ROUTE_FOLD_MAX_SPAN with d a multiple of 32 (a warp quantizes one group of a); 0 where it is none."""
+    total = d + k
+    if d % 32 or total % ksplit:
+        return 0
+    span = total // ksplit
+    return span if span % 64 == 0 and span <= ROUTE_FOLD_MAX_SPAN else 0
+
+
+def check_route_fold(route: RouteFold, lin: Lin, m: int, pro: int, epi: int, bias: Any, other: bool) -> None:
+    """What a GEMV with a RouteFold must be (``ops.gemv(route=...)``): one row, the plain prologue, a store with
+    the residual as its bias, G = 32, the fold's span over this plan's K splits, and ``other`` (experts, a
+    post-norm or RoPE) none."""
+    if (m != 1 or pro != PRO_PLAIN or epi != EPI_STORE or bias is None or other or lin.group_size != 32
+            or route.span != route_fold_span(lin.n, lin.k, lin.ksplit)):
+        raise ValueError("a router folds into the o projection's M = 1 GEMV at G = 32 only, storing h + o(x)")
 
 
 def plan_ksplit(lin: Lin, target_blocks: int) -> int:

@@ -233,6 +233,66 @@ def test_moe_route_and_the_chosen_experts_match_the_mirrors(experts, k, shared, 
         np.testing.assert_allclose(hh, rhh, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(("experts", "k", "shared", "d", "width", "bits"), (
+    (128, 8, False, 2048, 4096, 8), (128, 8, False, 2048, 4096, 4), (60, 4, True, 2048, 2048, 8),
+    (8, 2, False, 4096, 4096, 8)))
+@pytest.mark.parametrize("clusters", (False, True))
+def test_a_router_folded_into_the_o_projection_matches_the_mirror_and_moe_route(  # type: ignore[no-untyped-def]
+        experts, k, shared, d, width, bits, clusters, stream) -> None:
+    """The o projection's GEMV with the router's blocks beside it (plan.RouteFold) at Qwen3-MoE's, Qwen2-MoE's
+    and Mixtral's shapes, its K splits merged through the counters and as clusters: h' and the choice are the
+    numpy mirror's, the choice is moe_route's on h' (the router unfolded), and a second launch (the arrival
+    count reset) gives the same bits."""
+    from kestrel_cuda.layout import pack_kmajor, pad_n
+    from kestrel_cuda.ops_cupy import CupyOps
+    from kestrel_cuda.ops_numpy import NumpyOps, _row_ssq
+    from kestrel_cuda.plan import EPI_STORE, PRO_PLAIN, Lin, RouteFold, plan_split, route_fold_span, route_fold_weights
+
+    ops, ref = CupyOps(stream), NumpyOps()
+    rng = np.random.default_rng(experts + d + bits)
+    lo, hi = (-127, 128) if bits == 8 else (-8, 8)
+    codes = rng.integers(lo, hi, size=(d, width)).astype(np.int8)  # o: [D, K]
+    scales = rng.uniform(0.002, 0.01, size=(d, width // 32)).astype(np.float32)
+    h = rng.standard_normal((1, d)).astype(np.float32)
+    a = rng.standard_normal((1, width)).astype(np.float32)
+    norm = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    router = (0.05 * rng.standard_normal((experts + shared, d))).astype(np.float32)
+    fold = route_fold_weights(router, norm, codes, scales)
+    sc = np.zeros((width // 32, pad_n(d)), np.float32)
+    sc[:, :d] = scales.T
+    outs = {}
+    for o in (ops, ref):
+        lin = Lin(o.upload(pack_kmajor(codes, bits)), o.upload(sc), width, d, pad_n(d), 32, bits)
+        lin.ksplit = plan_split(lin, ops.sm_count, None, clusters and ops.cluster)
+        span = route_fold_span(d, width, lin.ksplit)
+        assert span > 0, f"no fold span for {lin.ksplit} splits"
+        if o is ops:
+            o.reserve(lin.ksplit * pad_n(d), lin.tiles, 1, 1)
+        runs = []
+        for _ in range(2):
+            part, count = o.zeros((lin.ksplit + 1) * (experts + shared), np.float32), o.zeros(2, np.int32)
+            route = RouteFold(o.upload(fold), experts, k, True, span, part, count, o.zeros((1, k), np.int32),
+                              o.zeros((1, k + 1), np.float32))
+            y, ssq = o.zeros((1, d), np.float32), o.zeros(d // 32, np.float32)
+            o.gemv(lin, o.upload(a), PRO_PLAIN, None, 1e-6, 0, y, EPI_STORE, o.upload(h), ssq_out=ssq, route=route)
+            o.synchronize()
+            runs.append([np.asarray(v.get() if o is ops else v) for v in (y, ssq, route.sel, route.wts, count)])
+        outs[o] = runs
+    (y, ssq, sel, wts, count), again = outs[ops]
+    ry, _, rsel, rwts, _ = outs[ref][0]
+    assert all(np.array_equal(u, v) for u, v in zip(again, outs[ops][0])) and not count.any()
+    np.testing.assert_allclose(y, ry, rtol=1e-5, atol=1e-5 * np.abs(ry).max())
+    np.testing.assert_allclose(ssq, _row_ssq(y[0]), rtol=1e-5)
+    assert np.array_equal(sel, rsel)
+    np.testing.assert_allclose(wts[:, :k + shared], rwts[:, :k + shared], rtol=2e-5)
+    usel, uwts = ops.zeros((1, k), np.int32), ops.zeros((1, k + 1), np.float32)  # the router unfolded, on h'
+    ops.moe_route(ops.upload(y), ops.upload(norm), 1e-6, ops.upload(router), experts, k, True,
+                  ops.zeros((1, d), np.float32), (ops.zeros((1, experts + 1), np.float32), ops.zeros(1, np.int32)),
+                  usel, uwts, ssq_in=ops.upload(ssq))
+    assert np.array_equal(usel.get(), sel)
+    np.testing.assert_allclose(uwts.get()[:, :k + shared], wts[:, :k + shared], rtol=2e-5)
+
+
 @pytest.mark.parametrize(("bits", "group"), ((8, 32), (4, 32), (8, 256), (4, 256)))
 @pytest.mark.parametrize("rows", (64, 16))
 def test_grouped_expert_gemm_matches_the_mirror(bits, group, rows, stream, gemm) -> None:  # type: ignore[no-untyped-def]
