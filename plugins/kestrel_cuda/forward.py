@@ -503,13 +503,14 @@ class DeviceForward:
             routed = fold_router(st, layer, w.o, h, h_rows) if h_rows is not None else None
             if routed is not None:  # h' = h + o(attn) into the other row, the router beside it
                 route, h_next = routed
-                ops.gemv(w.o, st.attn[:1], PRO_PLAIN, None, eps, 0, h_next, EPI_STORE, h, ssq_out=ssq, route=route)
+                ops.gemv(w.o, st.attn[:1], PRO_PLAIN, None, eps, 0, h_next, EPI_STORE, h, ssq_out=st.ssq_mid,
+                         route=route)
                 h = h_next
             else:
                 pending = self._residual(w.o, st.attn[:m], PRO_PLAIN, 0, layer.post_attn_norm, st, h, m, eps, ssq,
                                          fold, quantized, layer.mlp_norm if normed else None)
             if w.experts:
-                moe_mlp(self.ops, st, i, w, h, eps, ssq, routed is not None)
+                moe_mlp(self.ops, st, i, w, h, eps, ssq, routed[0] if routed is not None else None)
                 continue
             for lin in w.gate_up:
                 self._normed(lin, h, layer.mlp_norm, eps, st.gu[:m, lin.col:lin.col + lin.n], None, ssq, pending,

@@ -38,30 +38,34 @@ def fold_router(st: State, layer: Layer, o: Lin, h: Any, rows: tuple[Any, Any]) 
     c = st.config
     logits, counters, sel, wts = st.route
     fold = RouteFold(layer.route_fold, c.num_experts, c.experts_per_token, c.norm_topk_prob, span,
-                     logits.reshape(-1), counters[:2], sel[:1], wts[:1])
+                     logits.reshape(-1), counters[:1], sel[:1], wts[:1])
     return fold, rows[1] if h is rows[0] else rows[0]
 
 
-def moe_mlp(ops: Any, st: State, i: int, w: LayerLins, h: Any, eps: float, ssq: Any, folded: bool) -> None:
+def moe_mlp(ops: Any, st: State, i: int, w: LayerLins, h: Any, eps: float, ssq: Any,
+            route: RouteFold | None) -> None:
     """h += the mixture of experts of layer i on rmsnorm(h) (the CPU decoder's ``_moe``): each row's chosen
     experts weighted and added in expert order, then the shared expert scaled by its gate. ``ssq``: h's tile
-    sums (M = 1), read by the norms and left by the sum; ``folded``: the o projection chose (``fold_router``)."""
+    sums (M = 1), read by the norms and left by the sum; ``route``: the o projection chose (``fold_router``),
+    h's tile sums are then ``st.ssq_mid``."""
     c, layer = st.config, st.layers[i]
     m, k = h.shape[0], c.experts_per_token
     xn, xs, gus, ys = st.moe
     logits, counters, sel, wts = st.route
-    if folded:  # the experts normalise h themselves, from its tile sums
-        x, pro, pw = h, PRO_RMSNORM, layer.mlp_norm
+    fold = None
+    if route is not None:  # the experts normalise h themselves, from its tile sums; moe_combine weighs the choice
+        x, pro, pw, ssq_x = h, PRO_RMSNORM, layer.mlp_norm, st.ssq_mid
+        fold = (route, st.ssq_mid, eps)
     else:
         ops.moe_route(h, layer.mlp_norm, eps, layer.router, c.num_experts, k, c.norm_topk_prob, xn[:m],
                       (logits, counters), sel[:m], wts[:m], ssq_in=ssq)
-        x, pro, pw = xn[:m], PRO_PLAIN, None
+        x, pro, pw, ssq_x = xn[:m], PRO_PLAIN, None, None
     shared = w.experts[c.num_experts] if len(w.experts) > c.num_experts else None
     gate_up, down = w.experts[0].gate_up, w.experts[0].down  # every routed expert's shape and plan
     p = m * k  # (row, slot) pairs
     if m == 1:
         for j, lin in enumerate(gate_up):  # after the first, each follows a routed GEMV on the same choices
-            ops.gemv(lin, x, pro, pw, eps, 0, gus[:k, lin.col:lin.col + lin.n], EPI_STORE, None, ssq_in=ssq,
+            ops.gemv(lin, x, pro, pw, eps, 0, gus[:k, lin.col:lin.col + lin.n], EPI_STORE, None, ssq_in=ssq_x,
                      experts=(w.tables.gate_up[j], sel[0], k), sel_ready=j > 0)
         ops.gemv(down, gus[:k], PRO_SILU_MUL, None, eps, down.k, ys[:k], EPI_STORE, None,
                  experts=(w.tables.down, sel[0], k), sel_ready=True)
@@ -78,8 +82,8 @@ def moe_mlp(ops: Any, st: State, i: int, w: LayerLins, h: Any, eps: float, ssq: 
                              groups[:blocks], blocks, rows)
         ops.experts_gemm(down, gus[:p], PRO_SILU_MUL, down.k, ys[:p], w.tables.down, groups[:blocks], blocks, rows)
     if shared is not None:
-        _expert(ops, st, shared, x, pro, pw, ssq, ys[p:p + m], eps)
-    ops.moe_combine(ys[:p], k, wts[:m], h, index, ys[p:p + m] if shared is not None else None, ssq)
+        _expert(ops, st, shared, x, pro, pw, ssq_x, ys[p:p + m], eps)
+    ops.moe_combine(ys[:p], k, wts[:m], h, index, ys[p:p + m] if shared is not None else None, ssq, fold)
 
 
 def _expert(ops: Any, st: State, expert: ExpertLins, x: Any, pro: int, pw: Any, ssq: Any, y: Any,

@@ -149,6 +149,8 @@ class State:
     tokens: np.ndarray  # int32 [TOKEN_RING] pinned host memory: lm_finish's greedy token by position
     logits: Any
     logits_all: Any = None
+    ssq_mid: Any = None  # M = 1, a mixture of experts: h''s tile sums, the residual after an o projection with a
+    # RouteFold (its weights need them after the next residual add has replaced ssq's)
     pinned: list[int] = field(default_factory=list)
 
     @property
@@ -311,7 +313,8 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
                argmax=(zeros((t, -(-c.vocab_size // FINISH_COLS)), np.float32),
                        zeros((t, -(-c.vocab_size // FINISH_COLS)), np.int32),
                        zeros((t, -(-c.vocab_size // FINISH_COLS)), np.int32), zeros(t, np.int32), zeros(t, np.int32)),
-               tokens=ops.mapped_ints(TOKEN_RING), logits=zeros((1, c.vocab_size), np.float32))
+               tokens=ops.mapped_ints(TOKEN_RING), logits=zeros((1, c.vocab_size), np.float32),
+               ssq_mid=zeros(ssq_count(d), np.float32) if c.is_moe else None)
     reserve = getattr(ops, "reserve", None)  # split-K and attention scratch (the numpy mirror needs none)
     if reserve is not None:
         part, counters, merge_tiles = projections.scratch(model)

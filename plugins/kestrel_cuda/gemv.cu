@@ -85,8 +85,7 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 // y², pn_src·y·pn_w, (y·pn_w)² and pn_src² (pn_src: the residual h) in pn_stats.
 // With FOLD (M = 1: a decode step's o projection, the bias its residual h, Y the other residual row) the last
 // rgroups column tiles of the grid are the router's (route.cuh route_part): they run beside the projection's
-// blocks, from h and the projection's input, and choose; the last of the choice and the tiles' merging blocks
-// weighs the chosen experts. An
+// blocks, from h and the projection's input, and choose (moe_combine weighs the choice). An
 // instance of its own: in every other one the router's code made ptxas spill (24-48 bytes).
 template <int BITS, int G, int MR, int FOLD>
 __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
@@ -112,7 +111,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         if ((int)blockIdx.x >= (int)gridDim.x - rgroups) {  // a block of the router folded in
             const RouteArgs ra{rw, rgroups, rrows, rexperts, rk, rnorm_topk, rspan, rpart, rcount, rsel, rwts};
             const int tiles = gridDim.x - rgroups;
-            route_part(ra, blockIdx.x - tiles, blockIdx.y, gridDim.y, tiles, bias, X, N, ssq_out, eps);
+            route_part(ra, blockIdx.x - tiles, blockIdx.y, gridDim.y, bias, X, N);
             return;
         }
     }
@@ -427,12 +426,6 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
 #pragma unroll
             for (int w = 0; w < TN / 32; ++w) t += s_part[0][4 * w + tid];
             pn_stats[4 * blockIdx.x + tid] = t;
-        }
-    }
-    if constexpr (FOLD) {                       // the tile's h' and its sums are stored: it arrives for the router
-        if (arrive_last(rcount + 1, gridDim.x - rgroups + 1, &s_last)) {
-            const RouteArgs ra{rw, rgroups, rrows, rexperts, rk, rnorm_topk, rspan, rpart, rcount, rsel, rwts};
-            route_weigh_folded(ra, gridDim.y, ssq_out, N, eps);
         }
     }
 }

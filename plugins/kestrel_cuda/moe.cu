@@ -120,16 +120,30 @@ extern "C" __global__ void __launch_bounds__(NT) moe_route(
 // h[m][:] += sum_{j < K} Y[y(m, j)][:] * wts[m][j], then + Ysh[m][:] * wts[m][K] (a shared expert), summed from
 // zero in that order as the CPU decoder does (a row's chosen experts are in increasing order); y(m, j) =
 // index[m * K + j] (a prefill's expert-sorted rows) or m * K + j. wts rows hold ldw floats. Grid (ceil(D / NT),
-// M); ssq_out (M = 1): h's sums of squares per 32 columns (forward.cuh).
+// M); ssq_out (M = 1): h's sums of squares per 32 columns (forward.cuh). With rssq (M = 1, a RouteFold's choice:
+// wts holds the chosen experts' router totals and the gate's, rtotals all E, rsel the experts) every block first
+// weighs them as route_weights does, each total divided by h's rms (from rssq, its sums of squares).
 extern "C" __global__ void __launch_bounds__(NT) moe_combine(
     const float* __restrict__ Y, int ldy, int K, const int* __restrict__ index, const float* __restrict__ Ysh,
     int ldsh, const float* __restrict__ wts, int ldw, float* __restrict__ h, int ldh, int D,
-    float* __restrict__ ssq_out)
+    float* __restrict__ ssq_out, const float* __restrict__ rssq, const float* __restrict__ rtotals,
+    const int* __restrict__ rsel, int E, int norm_topk, float eps)
 {
+    __shared__ float s_w[ROUTE_MAX_EXPERTS + 1];
     grid_dep_launch();
     grid_dep_wait();
     const int m = blockIdx.y, n = blockIdx.x * NT + threadIdx.x;
     const float* w = wts + (size_t)m * ldw;
+    if (rssq) {
+        const int tid = threadIdx.x;
+        float ss = 0.f;                         // h's sum of squares, as rms_from_tiles adds it
+        for (int t = tid & 31; t < (D + 31) / 32; t += 32) ss += __ldcg(rssq + t);
+        const float r = sqrtf(warp_sum(ss) / (float)D + eps);
+        const float l = tid < E ? __ldcg(rtotals + tid) / r : 0.f;
+        route_weights(l, tid == 0 && Ysh ? __ldcg(wts + K) / r : 0.f, E, K, norm_topk, Ysh != nullptr, rsel, s_w);
+        __syncthreads();
+        w = s_w;
+    }
     float y = 0.f;
     if (n < D) {
         float acc = 0.f;

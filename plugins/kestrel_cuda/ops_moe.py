@@ -12,7 +12,7 @@ from kestrel_cuda.forward_launch import i32_arg as _i32
 from kestrel_cuda.forward_launch import ld_arg as _ld
 from kestrel_cuda.forward_launch import ptr_arg as _ptr
 from kestrel_cuda.layout import Geometry
-from kestrel_cuda.plan import EXPERT_TABLE_ROWS, ROUTE_ROWS, Lin, check_expert_table
+from kestrel_cuda.plan import EXPERT_TABLE_ROWS, ROUTE_ROWS, Lin, RouteFold, check_expert_table
 
 
 class MoeOps:
@@ -49,13 +49,17 @@ class MoeOps:
                      _ptr(source), _ptr(position), _ptr(groups)), name="moe_group")
 
     def moe_combine(self, y: Any, k: int, wts: Any, h: Any, index: Any = None, shared: Any = None,
-                    ssq_out: Any = None) -> None:
+                    ssq_out: Any = None, fold: tuple[RouteFold, Any, float] | None = None) -> None:
         """h[m] += sum_{j<k} y[index[m * k + j] or m * k + j] * wts[m, j] (+ shared[m] * wts[m, k]), from zero
-        in that order (moe.cu moe_combine)."""
+        in that order (moe.cu moe_combine). ``fold`` (route, ssq, eps; M = 1): wts are a RouteFold's totals,
+        weighed first with h's rms from its tile sums ``ssq``."""
         m, d = h.shape
+        route, ssq, eps = fold if fold is not None else (None, None, 0.0)
         self.launch(self._fn["moe_combine"], (-(-d // 256), m), (256,),
                     (_ptr(y), _ld(y), _i32(k), _ptr(index), _ptr(shared), _ld(shared) if shared is not None else
-                     _i32(0), _ptr(wts), _ld(wts), _ptr(h), _ld(h), _i32(d), _ptr(ssq_out if m == 1 else None)),
+                     _i32(0), _ptr(wts), _ld(wts), _ptr(h), _ld(h), _i32(d), _ptr(ssq_out if m == 1 else None),
+                     _ptr(ssq), _ptr(route.part if route else None), _ptr(route.sel if route else None),
+                     _i32(route.experts if route else 0), _i32(route.norm_topk if route else 0), np.float32(eps)),
                     name="moe_combine")
 
     def experts_gemm(self, lin: Lin, x: Any, pro: int, xoff: int, y: Any, table: Any, groups: Any,

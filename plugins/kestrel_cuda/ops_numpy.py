@@ -134,13 +134,18 @@ def _choose(logits: np.ndarray, experts: int, k: int, norm_topk: bool, sel: np.n
 
 
 def _route_fold(route: RouteFold, lin: Lin, x: np.ndarray, h: np.ndarray, hn: np.ndarray, eps: float) -> None:
-    """The choice a RouteFold's blocks make beside the o projection: the router's sums over [h | Q(x)] (Q: the
-    GEMV's own G = 32 codes times their scales) divided by the rms of h' = hn, as route_finish takes it."""
+    """The choice a RouteFold's blocks make beside the o projection: the router's totals over [h | Q(x)] (Q: the
+    GEMV's own G = 32 codes times their scales), the experts of the most probable (the totals divided by the
+    rms of h' = hn); the chosen totals (then the gate's) into wts, all of them into part, for moe_combine."""
     codes, scales = quantize_activations(np.asarray(x, np.float32)[:, :lin.k], 32)
     qa = (codes.reshape(-1, 32).astype(np.float32) * scales.reshape(-1, 1)).reshape(-1)  # [K]
-    sums = route.weights @ np.concatenate([np.asarray(h, np.float32).reshape(-1)[:lin.n], qa])  # [R]
+    sums = (route.weights @ np.concatenate([np.asarray(h, np.float32).reshape(-1)[:lin.n], qa])).astype(np.float32)
     r = np.sqrt(_row_ssq(hn[0]).sum(dtype=np.float32) / np.float32(lin.n) + np.float32(eps))
-    _choose((sums / r)[None].astype(np.float32), route.experts, route.k, route.norm_topk, route.sel, route.wts)
+    _choose((sums / r)[None], route.experts, route.k, route.norm_topk, route.sel, route.wts)
+    route.part[:route.rows] = sums  # the totals moe_combine weighs
+    route.wts[0, :route.k] = sums[route.sel[0]]
+    if route.rows > route.experts:
+        route.wts[0, route.k] = sums[route.experts]
 
 
 def _same_rows(a: np.ndarray, b: np.ndarray) -> bool:
@@ -314,9 +319,18 @@ class NumpyOps:
         self._run(fn)
 
     def moe_combine(self, y: np.ndarray, k: int, wts: np.ndarray, h: np.ndarray, index: np.ndarray | None = None,
-                    shared: np.ndarray | None = None, ssq_out: np.ndarray | None = None) -> None:
+                    shared: np.ndarray | None = None, ssq_out: np.ndarray | None = None,
+                    fold: tuple[RouteFold, np.ndarray, float] | None = None) -> None:
         def fn() -> None:
+            nonlocal wts
             m = h.shape[0]
+            if fold is not None:  # the RouteFold's totals, weighed with h's rms
+                route, ssq, eps = fold
+                d = h.shape[1]
+                r = np.sqrt(ssq[:ssq_count(d)].sum(dtype=np.float32) / np.float32(d) + np.float32(eps))
+                wts = np.zeros((1, k + 1), np.float32)
+                _choose((route.part[:route.rows] / r)[None].astype(np.float32), route.experts, k, route.norm_topk,
+                        np.zeros((1, k), np.int32), wts)
             rows = (np.arange(m * k) if index is None else index[:m * k]).reshape(m, k)
             acc = np.zeros_like(h)
             for j in range(k):

@@ -130,18 +130,18 @@ class RouteFold:
     a logit is (router·diag(norm)·h + router·diag(norm)·W_o·Q(a)) / rms(h'), where Q(a) is the quantized input
     the o GEMV itself multiplies: these blocks need h and a, which are ready when the o projection starts, and
     only the division waits for h'. The last of them chooses (the order of the logits does not depend on the
-    division); the last of that choice and the o tiles' merging blocks weighs the chosen experts (route.cuh). The o
-    GEMV stores h' in the other residual row (``bias`` h, EPI_STORE), so h stays readable."""
+    division) and ``moe_combine(fold=...)`` weighs the choice. The o GEMV stores h' in the other residual row
+    (``bias`` h, EPI_STORE), so h stays readable."""
 
     weights: Any  # float32 [R, D + K] (``route_fold_weights``): R = experts (+ 1: a shared-expert gate)
     experts: int
     k: int  # experts chosen a row
     norm_topk: bool
     span: int  # K range of [h | a] one block sums (``route_fold_span``)
-    part: Any  # float32 [>= (K splits + 1) x R]: each split's sums, then their totals
-    counter: Any  # int32 [2]: the router blocks' arrivals, then the choice's and the o tiles' (reset by the last)
+    part: Any  # float32 [>= K splits x R]: each split's sums, row 0 then the totals (moe_combine weighs them)
+    counter: Any  # int32 [1]: the router blocks' arrivals (reset by the last)
     sel: Any  # int32 [1, k]
-    wts: Any  # float32 [1, k + 1]
+    wts: Any  # float32 [1, k + 1]: the chosen experts' totals, then the shared gate's
 
     @property
     def rows(self) -> int:

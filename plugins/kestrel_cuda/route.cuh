@@ -1,7 +1,7 @@
 // A mixture of experts' router on the device: route_top and route_weights choose a row's experts from its
-// logits (moe.cu moe_route, and the router folded into a decode step's o projection); route_part,
-// route_choose_folded and route_weigh_folded are that fold's (plan.RouteFold, run by qgemv beside the o
-// projection's own blocks).
+// logits (moe.cu moe_route; for the router folded into a decode step's o projection, route_top in the fold's
+// last block and route_weights in moe_combine); route_part and route_choose_folded are that fold's blocks
+// (plan.RouteFold, run by qgemv beside the o projection's own).
 
 #define ROUTE_MAX_EXPERTS NT  // the choosing block holds one router logit a thread
 #define ROUTE_FOLD_ROWS 16    // router rows of one fold block: 16 threads a row
@@ -12,8 +12,8 @@
 // order; ties: the lower expert) into sel[0..k) in increasing order, the order the CPU decoder adds them in; and
 // route_weights, their softmax probabilities over the E (renormalised over the k if norm_topk) into wts[0..k),
 // and with a shared gate wts[k] = sigmoid(gate). Thread e holds expert e's logit l (e < E) or, for route_top,
-// any value in the same order; every thread calls them.
-__device__ __forceinline__ void route_top(float l, int E, int k, int* __restrict__ sel)
+// any value in the same order (it returns e's slot, or -1); every thread calls them.
+__device__ __forceinline__ int route_top(float l, int E, int k, int* __restrict__ sel)
 {
     __shared__ __align__(16) float s_l[ROUTE_MAX_EXPERTS];  // past E: -inf, below every logit
     __shared__ int s_count[NT / 32];
@@ -32,11 +32,13 @@ __device__ __forceinline__ void route_top(float l, int E, int k, int* __restrict
     const unsigned below = __ballot_sync(FULL, chosen);
     if (lane == 0) s_count[warp] = __popc(below);
     __syncthreads();
+    int slot = -1;
     if (chosen) {
-        int slot = __popc(below & ((1u << lane) - 1));  // chosen experts below this one
+        slot = __popc(below & ((1u << lane) - 1));  // chosen experts below this one
         for (int w = 0; w < warp; ++w) slot += s_count[w];
         sel[slot] = tid;
     }
+    return slot;                                // -1: not chosen
 }
 
 // sel: written by this block before a barrier, or by another before this block's arrival.
@@ -69,9 +71,9 @@ __device__ __forceinline__ void route_weights(float l, float gate, int E, int k,
 
 // The router's arguments for a fold (plan.RouteFold, qgemv's last parameters r*): w [R][D + K] (router·diag(norm),
 // then its product with the o projection's weights), R rows (E experts, + 1: a shared-expert gate), k chosen a
-// row, span the K range of [h | a] a fold block sums, part [K splits + 1][R] their sums (the last row: the
-// totals), count[0] the fold blocks' arrivals and count[1] the choice's and the o tiles', sel [k] and wts
-// [k + 1] the choice; groups = ceil(R / ROUTE_FOLD_ROWS) fold blocks a K split.
+// row, span the K range of [h | a] a fold block sums, part [K splits][R] their sums (row 0 then the totals),
+// count the arrivals, sel [k] the choice and wts [k + 1] its totals (the gate's last), which moe_combine weighs
+// once h''s rms is known; groups = ceil(R / ROUTE_FOLD_ROWS) fold blocks a K split.
 struct RouteArgs {
     const float* w;
     int groups, R, E, k, norm_topk, span;
@@ -81,49 +83,32 @@ struct RouteArgs {
     float* wts;
 };
 
-// The last fold block: each row's total over the splits in split order, stored in part[splits]; the experts by
-// those totals (route_top: dividing by h''s rms keeps their order); then it arrives with the o tiles.
-__device__ __forceinline__ bool route_choose_folded(const RouteArgs& ra, int splits, int tiles, int* s_last)
+// The last fold block: each row's total over the splits in split order (into part's row 0, each thread over its
+// own column), the experts by those totals (route_top: dividing by h''s rms keeps their order), their totals
+// into wts; the count reset for the next launch.
+__device__ __forceinline__ void route_choose_folded(const RouteArgs& ra, int splits)
 {
     const int tid = threadIdx.x;
-    float l = 0.f;
+    float l = 0.f, gate = 0.f;
     if (tid < ra.R)
 #pragma unroll 16
         for (int s = 0; s < splits; ++s) l += __ldcg(ra.part + (size_t)s * ra.R + tid);
-    if (tid < ra.R) ra.part[(size_t)splits * ra.R + tid] = l;
-    if (tid == 0 && ra.R > NT) {                // a shared gate after NT experts
-        float g = 0.f;
-        for (int s = 0; s < splits; ++s) g += __ldcg(ra.part + (size_t)s * ra.R + NT);
-        ra.part[(size_t)splits * ra.R + NT] = g;
-    }
-    route_top(l, ra.E, ra.k, ra.sel);
-    if (tid == 0) ra.count[0] = 0;
-    return arrive_last(ra.count + 1, tiles + 1, s_last);
-}
-
-// The last of the choice and the o tiles' merging blocks: the chosen experts' weights from the totals divided by
-// h''s rms (from the sums of squares per 32 columns the tiles left in ssq, width D).
-__device__ __forceinline__ void route_weigh_folded(const RouteArgs& ra, int splits, const float* ssq, int D,
-                                                   float eps)
-{
-    const int tid = threadIdx.x;
-    const float* total = ra.part + (size_t)splits * ra.R;
-    const float l = tid < ra.E ? __ldcg(total + tid) : 0.f;
-    const float gate = tid == 0 && ra.R > ra.E ? __ldcg(total + ra.E) : 0.f;
-    float ss = 0.f;                             // h''s sum of squares, as rms_from_tiles adds it
-    for (int t = tid & 31; t < (D + 31) / 32; t += 32) ss += __ldcg(ssq + t);  // written by this launch's tiles
-    const float r = sqrtf(warp_sum(ss) / (float)D + eps);
-    route_weights(l / r, gate / r, ra.E, ra.k, ra.norm_topk, ra.R > ra.E, ra.sel, ra.wts);
-    if (tid == 0) ra.count[1] = 0;
+    if (tid == 0 && ra.R > NT)                  // a shared gate after NT experts
+        for (int s = 0; s < splits; ++s) gate += __ldcg(ra.part + (size_t)s * ra.R + NT);
+    if (tid < ra.R) ra.part[tid] = l;
+    if (tid == 0 && ra.R > NT) ra.part[NT] = gate;
+    const int slot = route_top(l, ra.E, ra.k, ra.sel);
+    if (slot >= 0) ra.wts[slot] = l;
+    if (ra.R > ra.E && tid == (ra.E < NT ? ra.E : 0)) ra.wts[ra.k] = ra.E < NT ? l : gate;
+    if (tid == 0) *ra.count = 0;
 }
 
 // Fold block (group, split) of a decode step's o projection: router rows e0 = group x ROUTE_FOLD_ROWS on the
 // span [k0, k0 + span) of the row [h | Q(a)] (h: the residual stream before the o projection's add, D wide; a:
 // its input, quantized per 32 as its prologue quantizes it, each value code x scale); the sums go to part[split],
 // then it arrives (route_choose_folded if last). Its rows are loaded before the PDL wait: not step data.
-__device__ __forceinline__ void route_part(const RouteArgs& ra, int group, int split, int splits, int tiles,
-                                           const float* __restrict__ h, const float* __restrict__ a, int D,
-                                           const float* ssq, float eps)
+__device__ __forceinline__ void route_part(const RouteArgs& ra, int group, int split, int splits,
+                                           const float* __restrict__ h, const float* __restrict__ a, int D)
 {
     __shared__ __align__(16) float s_in[ROUTE_FOLD_F4 * 4 * ROUTE_FOLD_ROWS];
     __shared__ int s_last;
@@ -160,6 +145,5 @@ __device__ __forceinline__ void route_part(const RouteArgs& ra, int group, int s
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) acc += __shfl_xor_sync(FULL, acc, o);  // the row's 16 threads
     if (sub == 0 && e < ra.R) ra.part[(size_t)split * ra.R + e] = acc;
-    if (arrive_last(ra.count, ra.groups * splits, &s_last) && route_choose_folded(ra, splits, tiles, &s_last))
-        route_weigh_folded(ra, splits, ssq, D, eps);
+    if (arrive_last(ra.count, ra.groups * splits, &s_last)) route_choose_folded(ra, splits);
 }

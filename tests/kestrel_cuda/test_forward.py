@@ -240,9 +240,9 @@ def test_moe_route_and_the_chosen_experts_match_the_mirrors(experts, k, shared, 
 def test_a_router_folded_into_the_o_projection_matches_the_mirror_and_moe_route(  # type: ignore[no-untyped-def]
         experts, k, shared, d, width, bits, clusters, stream) -> None:
     """The o projection's GEMV with the router's blocks beside it (plan.RouteFold) at Qwen3-MoE's, Qwen2-MoE's
-    and Mixtral's shapes, its K splits merged through the counters and as clusters: h' and the choice are the
-    numpy mirror's, the choice is moe_route's on h' (the router unfolded), and a second launch (the arrival
-    count reset) gives the same bits."""
+    and Mixtral's shapes, its K splits merged through the counters and as clusters, then moe_combine weighing
+    its choice: h', the choice and the sum are the numpy mirror's, and the choice and the sum are those of
+    moe_route on h' (the router unfolded); a second launch (the arrival count reset) gives the same bits."""
     from kestrel_cuda.layout import pack_kmajor, pad_n
     from kestrel_cuda.ops_cupy import CupyOps
     from kestrel_cuda.ops_numpy import NumpyOps, _row_ssq
@@ -255,6 +255,7 @@ def test_a_router_folded_into_the_o_projection_matches_the_mirror_and_moe_route(
     scales = rng.uniform(0.002, 0.01, size=(d, width // 32)).astype(np.float32)
     h = rng.standard_normal((1, d)).astype(np.float32)
     a = rng.standard_normal((1, width)).astype(np.float32)
+    ys = rng.standard_normal((k + 1, d)).astype(np.float32)  # the chosen experts' outputs, then the shared one's
     norm = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
     router = (0.05 * rng.standard_normal((experts + shared, d))).astype(np.float32)
     fold = route_fold_weights(router, norm, codes, scales)
@@ -270,27 +271,37 @@ def test_a_router_folded_into_the_o_projection_matches_the_mirror_and_moe_route(
             o.reserve(lin.ksplit * pad_n(d), lin.tiles, 1, 1)
         runs = []
         for _ in range(2):
-            part, count = o.zeros((lin.ksplit + 1) * (experts + shared), np.float32), o.zeros(2, np.int32)
+            part, count = o.zeros(lin.ksplit * (experts + shared), np.float32), o.zeros(1, np.int32)
             route = RouteFold(o.upload(fold), experts, k, True, span, part, count, o.zeros((1, k), np.int32),
                               o.zeros((1, k + 1), np.float32))
-            y, ssq = o.zeros((1, d), np.float32), o.zeros(d // 32, np.float32)
+            y, ssq, ssq2 = o.zeros((1, d), np.float32), o.zeros(d // 32, np.float32), o.zeros(d // 32, np.float32)
             o.gemv(lin, o.upload(a), PRO_PLAIN, None, 1e-6, 0, y, EPI_STORE, o.upload(h), ssq_out=ssq, route=route)
+            h1 = o.upload(np.asarray(y.get() if o is ops else y))
+            y_all = o.upload(ys)
+            o.moe_combine(y_all[:k], k, route.wts, h1, None, y_all[k:] if shared else None, ssq2,
+                          fold=(route, ssq, 1e-6))
             o.synchronize()
-            runs.append([np.asarray(v.get() if o is ops else v) for v in (y, ssq, route.sel, route.wts, count)])
+            runs.append([np.asarray(v.get() if o is ops else v) for v in (y, ssq, route.sel, route.wts, count, h1,
+                                                                         part[:experts + shared])])
         outs[o] = runs
-    (y, ssq, sel, wts, count), again = outs[ops]
-    ry, _, rsel, rwts, _ = outs[ref][0]
-    assert all(np.array_equal(u, v) for u, v in zip(again, outs[ops][0])) and not count.any()
+    (y, ssq, sel, wts, count, h2, totals), again = outs[ops]
+    ry, _, rsel, rwts, _, rh2, rtotals = outs[ref][0]
+    assert all(np.array_equal(u, v) for u, v in zip(again, outs[ops][0])) and count[0] == 0
     np.testing.assert_allclose(y, ry, rtol=1e-5, atol=1e-5 * np.abs(ry).max())
     np.testing.assert_allclose(ssq, _row_ssq(y[0]), rtol=1e-5)
     assert np.array_equal(sel, rsel)
-    np.testing.assert_allclose(wts[:, :k + shared], rwts[:, :k + shared], rtol=2e-5)
-    usel, uwts = ops.zeros((1, k), np.int32), ops.zeros((1, k + 1), np.float32)  # the router unfolded, on h'
+    np.testing.assert_allclose(totals, rtotals, rtol=1e-4, atol=1e-4 * np.abs(rtotals).max())
+    np.testing.assert_allclose(wts[:, :k + shared], rwts[:, :k + shared], rtol=1e-4, atol=1e-4 * np.abs(rtotals).max())
+    np.testing.assert_allclose(h2, rh2, rtol=1e-5, atol=1e-5 * np.abs(rh2).max())
+    # the router unfolded: moe_route on h', its weights into the same sum
+    usel, uwts, uh = ops.zeros((1, k), np.int32), ops.zeros((1, k + 1), np.float32), ops.upload(y)
     ops.moe_route(ops.upload(y), ops.upload(norm), 1e-6, ops.upload(router), experts, k, True,
                   ops.zeros((1, d), np.float32), (ops.zeros((1, experts + 1), np.float32), ops.zeros(1, np.int32)),
                   usel, uwts, ssq_in=ops.upload(ssq))
+    y_all = ops.upload(ys)
+    ops.moe_combine(y_all[:k], k, uwts, uh, None, y_all[k:] if shared else None)
     assert np.array_equal(usel.get(), sel)
-    np.testing.assert_allclose(uwts.get()[:, :k + shared], wts[:, :k + shared], rtol=2e-5)
+    np.testing.assert_allclose(uh.get(), h2, rtol=1e-5, atol=1e-5 * np.abs(h2).max())
 
 
 @pytest.mark.parametrize(("bits", "group"), ((8, 32), (4, 32), (8, 256), (4, 256)))
