@@ -282,7 +282,7 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
             rows = np.concatenate([lw.router, *gate]).astype(np.float32)
             router = up(rows)
             if lw.post_attn_norm is None and lw.o.group_size == 32:
-                fold = up(route_fold_weights(rows, lw.mlp_norm, lw.o.codes, lw.o.scales))
+                fold = up(route_fold_weights(rows, lw.mlp_norm, lw.o))
         layers.append(Layer(up(lw.attn_norm), up(lw.mlp_norm), optional[0], optional[1], bias, *tables[key],
                             optional[2], optional[3], router=router, route_fold=fold))
     emb = model.embedding

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from kestrel_core.contract import StripCache
+
 TILE_N = 128  # columns of a GEMV block (forward.cuh TN)
 SSQ_COLS = 32  # columns per entry of the residual stream's sums of squares (forward.cuh)
 CHUNK_K = 256  # rows of a GEMV chunk (gemv.cu KC: one 32-row slot per warp), int8 and int4
@@ -153,14 +155,11 @@ class RouteFold:
         return -(-self.rows // ROUTE_FOLD_ROWS)
 
 
-def route_fold_weights(router: np.ndarray, norm: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+def route_fold_weights(router: np.ndarray, norm: np.ndarray, o: StripCache) -> np.ndarray:
     """A RouteFold's weights, float32 [R, D + K]: g = router·diag(norm) [R, D], then g times the o projection's
-    weights [D, K] (``codes`` int8 [D, K] times ``scales`` [D, K/G], as the contract dequantizes them)."""
+    dequantized weights [D, K]."""
     g = (np.asarray(router, np.float32) * np.asarray(norm, np.float32)[None, :]).astype(np.float32)
-    d, k = codes.shape
-    group = k // scales.shape[1]
-    w_o = (codes.reshape(d, -1, group) * scales[:, :, None].astype(np.float32)).reshape(d, k)  # [D, K]
-    return np.concatenate([g, g @ w_o], axis=1).astype(np.float32)
+    return np.concatenate([g, g @ o.dequantize()], axis=1).astype(np.float32)
 
 
 def route_fold_span(d: int, k: int, ksplit: int) -> int:

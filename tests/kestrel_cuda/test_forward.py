@@ -243,6 +243,7 @@ def test_a_router_folded_into_the_o_projection_matches_the_mirror_and_moe_route(
     and Mixtral's shapes, its K splits merged through the counters and as clusters, then moe_combine weighing
     its choice: h', the choice and the sum are the numpy mirror's, and the choice and the sum are those of
     moe_route on h' (the router unfolded); a second launch (the arrival count reset) gives the same bits."""
+    from kestrel_core.contract import StripCache
     from kestrel_cuda.layout import pack_kmajor, pad_n
     from kestrel_cuda.ops_cupy import CupyOps
     from kestrel_cuda.ops_numpy import NumpyOps, _row_ssq
@@ -258,7 +259,7 @@ def test_a_router_folded_into_the_o_projection_matches_the_mirror_and_moe_route(
     ys = rng.standard_normal((k + 1, d)).astype(np.float32)  # the chosen experts' outputs, then the shared one's
     norm = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
     router = (0.05 * rng.standard_normal((experts + shared, d))).astype(np.float32)
-    fold = route_fold_weights(router, norm, codes, scales)
+    fold = route_fold_weights(router, norm, StripCache(codes, scales, 32, bits))
     sc = np.zeros((width // 32, pad_n(d)), np.float32)
     sc[:, :d] = scales.T
     outs = {}

@@ -163,3 +163,38 @@ def test_an_expert_table_holds_experts_of_one_shape_up_to_its_rows() -> None:
         plan.check_expert_table([lin(), lin(128)])
     with pytest.raises(ValueError, match="rows"):
         plan.check_expert_table([lin() for _ in range(plan.EXPERT_TABLE_ROWS + 1)])
+
+
+def test_a_folded_router_gives_the_routers_logits_on_the_residual_after_the_o_projection() -> None:
+    """(fold · [h | Q(a)]) / rms(h') is rmsnorm(h', norm) · router for h' = h + W_o Q(a), in float64 from the
+    contract's own dequantization and activation codes; a fold without the norm's weights is not."""
+    from kestrel_core.contract import StripCache, quantize_activations
+
+    rng = np.random.default_rng(5)
+    d, k, e = 64, 96, 10
+    codes = rng.integers(-127, 128, (d, k)).astype(np.int8)
+    o = StripCache(codes, rng.uniform(0.01, 0.02, (d, k // 32)).astype(np.float32), 32, 8)
+    router = rng.standard_normal((e, d)).astype(np.float32)
+    norm = (1 + 0.5 * rng.standard_normal(d)).astype(np.float32)
+    h, a = rng.standard_normal(d), rng.standard_normal((1, k)).astype(np.float32)
+    a_codes, scales = quantize_activations(a, 32)
+    qa = (a_codes.reshape(-1, 32) * scales.reshape(-1, 1).astype(np.float64)).reshape(-1)
+    h1 = h + o.dequantize().astype(np.float64) @ qa
+    rms = np.sqrt(np.mean(h1 * h1) + 1e-6)
+    want = (h1 / rms * norm) @ router.T.astype(np.float64)
+    fold = plan.route_fold_weights(router, norm, o)
+    assert fold.shape == (e, d + k) and fold.dtype == np.float32
+    np.testing.assert_allclose(fold @ np.concatenate([h, qa]) / rms, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    unnormed = plan.route_fold_weights(router, np.ones(d, np.float32), o)
+    assert not np.allclose(unnormed @ np.concatenate([h, qa]) / rms, want, rtol=1e-2)
+
+
+def test_a_folded_routers_span_is_its_k_split_of_the_whole_row() -> None:
+    """A fold block sums (D + K) / splits of [h | a]: qwen3-30b-a3b's o (D 2048, K 4096, 16 splits) 384;
+    none where the splits do not divide it into multiples of 64 up to 512, or D is not whole groups of 32."""
+    assert plan.route_fold_span(2048, 4096, 16) == 384
+    assert plan.route_fold_span(64, 64, 1) == 128
+    assert plan.route_fold_span(2048, 4096, 8) == 0  # 768 > 512
+    assert plan.route_fold_span(2048, 2048, 3) == 0
+    assert plan.route_fold_span(48, 80, 1) == 0  # D not whole groups
+    assert plan.route_fold_span(4096, 2048, 16) == 384
