@@ -143,6 +143,7 @@ class State:
     # (row, slot) sorted by expert: the rows xs [T k, D], gate|up outputs [T k, 2 F_e] and outputs ys [T (k + 1), D]
     # (the shared expert's after the routed ones; a decode step's slots are rows 0..k)
     route: tuple[Any, Any, Any, Any] | None  # moe_route's logits [T, R] and counters [T], sel [T, k], wts [T, k+1]
+    # (a decode step's RouteFold: its split sums in the logits, its count in counters[0])
     group: tuple[Any, Any, Any] | None  # moe_group's source [T k], position [T k], groups [capacity, 3] (int32)
     finish: tuple[Any, Any, Any]  # lm_finish's per-block (value, index) and its arrival counter
     argmax: tuple[Any, Any, Any, Any, Any]  # argmax_rows' per-row blocks' (value, index, non-finite), counters, ids
