@@ -69,7 +69,7 @@ from kestrel_core.model.decoder import PREFILL_CHUNK
 from kestrel_core.model.weights import Model
 from kestrel_cuda import paged
 from kestrel_cuda.config import CudaConfig
-from kestrel_cuda.forward_moe import fold_router, moe_mlp
+from kestrel_cuda.forward_moe import moe_mlp, o_routed
 from kestrel_cuda.forward_state import Projections, State, WeightSource, build_state, pin_weights, unsupported_reason
 from kestrel_cuda.plan import (
     EPI_ADD,
@@ -470,11 +470,8 @@ class DeviceForward:
         gather = pool is not None and pool.index is not None
         fold = (st.h[:1], st.post[0]) if st.post is not None and m == 1 and not gather else None
         pending: PostNorm | None = None
-        if fold is not None:
-            h = fold[0]
-        # a decode step's routers fold into the o projections (forward_moe.fold_router), which move the residual
-        # stream between these rows
-        h_rows = (h, st.h[1:2]) if m == 1 and fold is None and c.is_moe else None
+        h = fold[0] if fold is not None else h
+        h_rows = (h, st.h[1:2]) if m == 1 and fold is None and c.is_moe else None  # forward_moe.o_routed's
         normed = False  # h's rows quantized for the next normed GEMM by the residual add before it (the norm fold)
         ops.embed(st.emb_codes, st.emb_scales, st.emb_group, st.ids, h, ssq, c.embed_scale)
         for i, layer in enumerate(st.layers):
@@ -500,17 +497,12 @@ class DeviceForward:
             quantized = ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m], **at,
                                       window=c.window_of(i) or 0, quantize_for=w.o if fold is None else None)
             normed = not w.experts and layer.post_attn_norm is None and ops.norm_fold(m, w.o, w.gate_up)
-            routed = fold_router(st, layer, w.o, h, h_rows) if h_rows is not None else None
-            if routed is not None:  # h' = h + o(attn) into the other row, the router beside it
-                route, h_next = routed
-                ops.gemv(w.o, st.attn[:1], PRO_PLAIN, None, eps, 0, h_next, EPI_STORE, h, ssq_out=st.ssq_mid,
-                         route=route)
-                h = h_next
-            else:
+            route, h = o_routed(ops, st, layer, w.o, h, h_rows, eps) if h_rows is not None else (None, h)
+            if route is None:
                 pending = self._residual(w.o, st.attn[:m], PRO_PLAIN, 0, layer.post_attn_norm, st, h, m, eps, ssq,
                                          fold, quantized, layer.mlp_norm if normed else None)
             if w.experts:
-                moe_mlp(self.ops, st, i, w, h, eps, ssq, routed[0] if routed is not None else None)
+                moe_mlp(self.ops, st, i, w, h, eps, ssq, route)
                 continue
             for lin in w.gate_up:
                 self._normed(lin, h, layer.mlp_norm, eps, st.gu[:m, lin.col:lin.col + lin.n], None, ssq, pending,

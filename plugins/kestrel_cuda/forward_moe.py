@@ -1,6 +1,6 @@
 """The device forward's mixture-of-experts MLP, routed on the device (moe.cu, route.cuh).
 
-A decode step (one row) routes beside its o projection (``fold_router``: plan.RouteFold), whose GEMV then
+A decode step (one row) routes beside its o projection (``o_routed``: plan.RouteFold), whose GEMV then
 stores h' in the other residual row; the chosen experts' GEMVs, one launch per projection over a table of the
 layer's experts, normalise h' themselves, and ``moe_combine`` adds them up. A step of several rows (a prefill
 chunk, a batch) runs ``moe_route`` (the rows normalised, each one's experts chosen), sorts its (row, expert)
@@ -28,25 +28,28 @@ from kestrel_cuda.plan import (
 )
 
 
-def fold_router(st: State, layer: Layer, o: Lin, h: Any, rows: tuple[Any, Any]) -> tuple[RouteFold, Any] | None:
-    """The router of a decode step's layer folded into its o projection's GEMV, and the residual row of
-    ``rows`` (the one that is not h) that GEMV stores h' in; None where the layer has no fold or its o plan
-    gives it no span."""
+def o_routed(ops: Any, st: State, layer: Layer, o: Lin, h: Any, rows: tuple[Any, Any],
+             eps: float) -> tuple[RouteFold | None, Any]:
+    """A decode step's o projection with its layer's router beside it: h' = h + o(attn) into the residual row of
+    ``rows`` that is not h, returned with the fold (plan.RouteFold); (None, h) and nothing launched where the
+    layer has no fold or its o plan gives it no span."""
     span = route_fold_span(o.n, o.k, o.ksplit) if layer.route_fold is not None else 0
     if not span:
-        return None
+        return None, h
     c = st.config
     logits, counters, sel, wts = st.route
-    fold = RouteFold(layer.route_fold, c.num_experts, c.experts_per_token, c.norm_topk_prob, span,
-                     logits.reshape(-1), counters[:1], sel[:1], wts[:1])
-    return fold, rows[1] if h is rows[0] else rows[0]
+    route = RouteFold(layer.route_fold, c.num_experts, c.experts_per_token, c.norm_topk_prob, span,
+                      logits.reshape(-1), counters[:1], sel[:1], wts[:1])
+    h_next = rows[1] if h is rows[0] else rows[0]
+    ops.gemv(o, st.attn[:1], PRO_PLAIN, None, eps, 0, h_next, EPI_STORE, h, ssq_out=st.ssq_mid, route=route)
+    return route, h_next
 
 
 def moe_mlp(ops: Any, st: State, i: int, w: LayerLins, h: Any, eps: float, ssq: Any,
             route: RouteFold | None) -> None:
     """h += the mixture of experts of layer i on rmsnorm(h) (the CPU decoder's ``_moe``): each row's chosen
     experts weighted and added in expert order, then the shared expert scaled by its gate. ``ssq``: h's tile
-    sums (M = 1), read by the norms and left by the sum; ``route``: the o projection chose (``fold_router``),
+    sums (M = 1), read by the norms and left by the sum; ``route``: the o projection chose (``o_routed``),
     h's tile sums are then ``st.ssq_mid``."""
     c, layer = st.config, st.layers[i]
     m, k = h.shape[0], c.experts_per_token
