@@ -98,14 +98,18 @@ def test_forward_sources_define_each_kernel_the_ops_load_once() -> None:
         assert len(re.findall(rf"__global__ void (?:__launch_bounds__\([^)]*\) )?{name}\(", text)) == 1, name
 
 
-def test_the_routers_constants_are_moe_cus() -> None:
+def test_the_routers_constants_are_the_kernels() -> None:
     """plan.ROUTE_ROWS and ROUTE_MAX_EXPERTS (the launch's grid, the experts the device forward takes) are
-    moe.cu's: router rows a block, one logit per thread of NT; EXPERT_TABLE_ROWS is NT (a routed GEMV copies
-    a table row a thread)."""
+    moe.cu's and route.cuh's: router rows a block, one logit per thread of NT; EXPERT_TABLE_ROWS is NT (a routed
+    GEMV copies a table row a thread); ROUTE_FOLD_ROWS and ROUTE_FOLD_MAX_SPAN (a RouteFold's groups and span)
+    are route.cuh's rows a fold block and its 16 threads a row of ROUTE_FOLD_F4 float4s."""
     text = kernels.source_text(kernels.FORWARD_SOURCES)
     define = {name: value for name, value in re.findall(r"#define (\w+) (\w+)", text)}
     assert int(define["ROUTE_ROWS"]) == plan.ROUTE_ROWS and int(define["NT"]) == plan.EXPERT_TABLE_ROWS
     assert define["ROUTE_MAX_EXPERTS"] == "NT" and int(define["NT"]) == plan.ROUTE_MAX_EXPERTS
+    rows = int(define["ROUTE_FOLD_ROWS"])
+    assert rows == plan.ROUTE_FOLD_ROWS and int(define["NT"]) // rows * 4 * int(define["ROUTE_FOLD_F4"]) == (
+        plan.ROUTE_FOLD_MAX_SPAN)
 
 
 def test_the_attn_rows_constants_are_attention_cus() -> None:
