@@ -122,7 +122,9 @@ extern "C" __global__ void __launch_bounds__(NT) moe_route(
 // index[m * K + j] (a prefill's expert-sorted rows) or m * K + j. wts rows hold ldw floats. Grid (ceil(D / NT),
 // M); ssq_out (M = 1): h's sums of squares per 32 columns (forward.cuh). With rssq (M = 1, a RouteFold's choice:
 // wts holds the chosen experts' router totals and the gate's, rtotals all E, rsel the experts) every block first
-// weighs them as route_weights does, each total divided by h's rms (from rssq, its sums of squares).
+// weighs them, each total divided by h's rms (from rssq, its sums of squares): norm_topk, a softmax over the k
+// chosen (the same weights as route_weights' renormalised probabilities), else as route_weights does.
+#define COMBINE_REGS 8        // slots a thread loads at once: every k of Qwen3-MoE, Qwen2-MoE and Mixtral
 extern "C" __global__ void __launch_bounds__(NT) moe_combine(
     const float* __restrict__ Y, int ldy, int K, const int* __restrict__ index, const float* __restrict__ Ysh,
     int ldsh, const float* __restrict__ wts, int ldw, float* __restrict__ h, int ldh, int D,
@@ -133,26 +135,49 @@ extern "C" __global__ void __launch_bounds__(NT) moe_combine(
     grid_dep_launch();
     grid_dep_wait();
     const int m = blockIdx.y, n = blockIdx.x * NT + threadIdx.x;
+    auto y_at = [&](int j) {                    // this thread's value of the row of slot j
+        const size_t row = index ? (size_t)index[(size_t)m * K + j] : (size_t)m * K + j;
+        return Y[row * ldy + n];
+    };
+    // the first COMBINE_REGS slots' values, h's and the shared expert's loaded together, before the weights
+    float yv[COMBINE_REGS], hv = 0.f, shv = 0.f;
+#pragma unroll
+    for (int j = 0; j < COMBINE_REGS; ++j) yv[j] = j < K && n < D ? y_at(j) : 0.f;
+    if (n < D) {
+        hv = h[(size_t)m * ldh + n];
+        if (Ysh) shv = Ysh[(size_t)m * ldsh + n];
+    }
     const float* w = wts + (size_t)m * ldw;
     if (rssq) {
         const int tid = threadIdx.x;
         float ss = 0.f;                         // h's sum of squares, as rms_from_tiles adds it
         for (int t = tid & 31; t < (D + 31) / 32; t += 32) ss += __ldcg(rssq + t);
         const float r = sqrtf(warp_sum(ss) / (float)D + eps);
-        const float l = tid < E ? __ldcg(rtotals + tid) / r : 0.f;
-        route_weights(l, tid == 0 && Ysh ? __ldcg(wts + K) / r : 0.f, E, K, norm_topk, Ysh != nullptr, rsel, s_w);
+        if (norm_topk) {                        // the k chosen totals read once: no block-wide sums over the E
+            if (tid <= K) s_w[tid] = __ldcg(wts + tid) / r;
+            __syncthreads();
+            float mx = s_w[0], z = 0.f;
+            for (int j = 1; j < K; ++j) mx = fmaxf(mx, s_w[j]);
+            for (int j = 0; j < K; ++j) z += expf(s_w[j] - mx);
+            const float mine = tid < K ? expf(s_w[tid] - mx) / z : Ysh ? 1.f / (1.f + expf(-s_w[K])) : 0.f;
+            __syncthreads();
+            if (tid <= K) s_w[tid] = mine;
+        } else {
+            const float l = tid < E ? __ldcg(rtotals + tid) / r : 0.f;
+            route_weights(l, tid == 0 && Ysh ? __ldcg(wts + K) / r : 0.f, E, K, 0, Ysh != nullptr, rsel, s_w);
+        }
         __syncthreads();
         w = s_w;
     }
     float y = 0.f;
     if (n < D) {
         float acc = 0.f;
-        for (int j = 0; j < K; ++j) {
-            const size_t row = index ? (size_t)index[(size_t)m * K + j] : (size_t)m * K + j;
-            acc += Y[row * ldy + n] * w[j];
-        }
-        if (Ysh) acc += Ysh[(size_t)m * ldsh + n] * w[K];
-        y = h[(size_t)m * ldh + n] + acc;
+#pragma unroll
+        for (int j = 0; j < COMBINE_REGS; ++j)
+            if (j < K) acc += yv[j] * w[j];
+        for (int j = COMBINE_REGS; j < K; ++j) acc += y_at(j) * w[j];
+        if (Ysh) acc += shv * w[K];
+        y = hv + acc;
         h[(size_t)m * ldh + n] = y;
     }
     const int w0 = n & ~31;

@@ -322,21 +322,29 @@ class NumpyOps:
                     shared: np.ndarray | None = None, ssq_out: np.ndarray | None = None,
                     fold: tuple[RouteFold, np.ndarray, float] | None = None) -> None:
         def fn() -> None:
-            nonlocal wts
             m = h.shape[0]
+            w = wts
             if fold is not None:  # the RouteFold's totals, weighed with h's rms
                 route, ssq, eps = fold
                 d = h.shape[1]
                 r = np.sqrt(ssq[:ssq_count(d)].sum(dtype=np.float32) / np.float32(d) + np.float32(eps))
-                wts = np.zeros((1, k + 1), np.float32)
-                _choose((route.part[:route.rows] / r)[None].astype(np.float32), route.experts, k, route.norm_topk,
-                        np.zeros((1, k), np.int32), wts)
+                if route.norm_topk:  # a softmax over the k chosen totals (moe.cu), a shared gate's sigmoid last
+                    t = (wts[0, :k + 1] / r).astype(np.float32)
+                    e = np.exp(t[:k] - t[:k].max())
+                    gate = np.zeros(1, np.float32)
+                    if shared is not None:
+                        gate = np.float32(1) / (np.float32(1) + np.exp(-t[k:]))
+                    w = np.concatenate([e / np.add.reduce(e, dtype=np.float32), gate])[None]
+                else:
+                    w = np.zeros((1, k + 1), np.float32)
+                    _choose((route.part[:route.rows] / r)[None].astype(np.float32), route.experts, k, False,
+                            np.zeros((1, k), np.int32), w)
             rows = (np.arange(m * k) if index is None else index[:m * k]).reshape(m, k)
             acc = np.zeros_like(h)
             for j in range(k):
-                acc += y[rows[:, j]] * wts[:m, j:j + 1]
+                acc += y[rows[:, j]] * w[:m, j:j + 1]
             if shared is not None:
-                acc += shared[:m] * wts[:m, k:k + 1]
+                acc += shared[:m] * w[:m, k:k + 1]
             h[...] = h + acc
             if ssq_out is not None:
                 ssq_out[:ssq_count(h.shape[1])] = _row_ssq(h[0])

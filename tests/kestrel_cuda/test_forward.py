@@ -168,12 +168,14 @@ def test_m1_gemv_kernel_matches_the_reference_at_every_split(bits, group, n, k, 
 
 @pytest.mark.parametrize(("experts", "k", "shared", "m", "d"), (
     (128, 8, False, 1, 2048), (128, 8, False, 5, 2048), (60, 4, True, 1, 2048), (60, 4, True, 3, 2048),
-    (8, 2, False, 1, 2048), (10, 3, True, 1, 2048), (16, 4, False, 1, 6144), (16, 4, False, 2, 6144)))
+    (8, 2, False, 1, 2048), (10, 3, True, 1, 2048), (16, 4, False, 1, 6144), (16, 4, False, 2, 6144),
+    (16, 10, False, 1, 2048)))
 def test_moe_route_and_the_chosen_experts_match_the_mirrors(experts, k, shared, m, d, stream) -> None:  # type: ignore[no-untyped-def]
     """moe_route at Qwen3-MoE's and Qwen2-MoE's router shapes (D = 2048; M = 1 reads the tile sums) and a row
     wider than one pass of its loads (D = 6144) against its numpy mirror (itself checked against the CPU
     decoder's route): the same experts, weights within float32 summation order; then the chosen experts'
-    GEMVs (split over K, merged through the counters and as clusters) and moe_combine at M = 1."""
+    GEMVs (split over K, merged through the counters and as clusters) and moe_combine at M = 1 (k = 10: past
+    the slots it holds in registers)."""
     from kestrel_cuda.layout import pack_kmajor, pad_n
     from kestrel_cuda.ops_cupy import CupyOps
     from kestrel_cuda.ops_numpy import NumpyOps, _row_ssq
