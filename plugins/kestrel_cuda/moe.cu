@@ -137,16 +137,18 @@ extern "C" __global__ void __launch_bounds__(NT) moe_combine(
     const int m = blockIdx.y, n = blockIdx.x * NT + threadIdx.x;
     auto y_at = [&](int j) {                    // this thread's value of the row of slot j
         const size_t row = index ? (size_t)index[(size_t)m * K + j] : (size_t)m * K + j;
-        return Y[row * ldy + n];
+        return __ldcg(Y + row * ldy + n);       // through L2: an ld.global.nc may be hoisted above the wait
     };
-    // the first COMBINE_REGS slots' values, h's and the shared expert's loaded together, before the weights
+    // the first COMBINE_REGS slots' values, h's, the shared expert's and a fold's totals loaded together, before
+    // the weights
     float yv[COMBINE_REGS], hv = 0.f, shv = 0.f;
 #pragma unroll
     for (int j = 0; j < COMBINE_REGS; ++j) yv[j] = j < K && n < D ? y_at(j) : 0.f;
     if (n < D) {
         hv = h[(size_t)m * ldh + n];
-        if (Ysh) shv = Ysh[(size_t)m * ldsh + n];
+        if (Ysh) shv = __ldcg(Ysh + (size_t)m * ldsh + n);
     }
+    const float total = rssq && norm_topk && (int)threadIdx.x <= K ? __ldcg(wts + threadIdx.x) : 0.f;
     const float* w = wts + (size_t)m * ldw;
     if (rssq) {
         const int tid = threadIdx.x;
@@ -154,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(NT) moe_combine(
         for (int t = tid & 31; t < (D + 31) / 32; t += 32) ss += __ldcg(rssq + t);
         const float r = sqrtf(warp_sum(ss) / (float)D + eps);
         if (norm_topk) {                        // the k chosen totals read once: no block-wide sums over the E
-            if (tid <= K) s_w[tid] = __ldcg(wts + tid) / r;
+            if (tid <= K) s_w[tid] = total / r;
             __syncthreads();
             float mx = s_w[0], z = 0.f;
             for (int j = 1; j < K; ++j) mx = fmaxf(mx, s_w[j]);
