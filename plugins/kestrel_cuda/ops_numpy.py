@@ -42,13 +42,17 @@ from kestrel_cuda.plan import (
 )
 
 
+def _rms_from_tiles(tiles: np.ndarray, n: int, eps: float) -> np.float32:
+    """A row's rms from its 32-column tiles' sums of squares, added in tile order (forward.cuh rms_from_tiles)."""
+    return np.sqrt(tiles.sum(dtype=np.float32) / np.float32(n) + np.float32(eps))
+
+
 def _prologue(x: np.ndarray, k: int, pro: int, pw: np.ndarray | None, eps: float, xoff: int,
               ssq: np.ndarray | None = None) -> np.ndarray:
     xv = np.asarray(x, np.float32)
     if pro == PRO_RMSNORM:  # the sum of squares of each row's 32-column tiles (M = 1: its producer's), in one order
         tiles = [ssq[:ssq_count(k)]] if ssq is not None else [_row_ssq(row) for row in xv[:, :k]]
-        ss = np.array([t.sum(dtype=np.float32) for t in tiles], np.float32)[:, None]  # [M, 1]
-        r = np.sqrt(ss / np.float32(k) + np.float32(eps))
+        r = np.array([_rms_from_tiles(t, k, eps) for t in tiles], np.float32)[:, None]  # [M, 1]
         return xv[:, :k] / r * pw
     if pro == PRO_SILU_MUL:
         g = xv[:, :k]
@@ -140,7 +144,7 @@ def _route_fold(route: RouteFold, lin: Lin, x: np.ndarray, h: np.ndarray, hn: np
     codes, scales = quantize_activations(np.asarray(x, np.float32)[:, :lin.k], 32)
     qa = (codes.reshape(-1, 32).astype(np.float32) * scales.reshape(-1, 1)).reshape(-1)  # [K]
     sums = (route.weights @ np.concatenate([np.asarray(h, np.float32).reshape(-1)[:lin.n], qa])).astype(np.float32)
-    r = np.sqrt(_row_ssq(hn[0]).sum(dtype=np.float32) / np.float32(lin.n) + np.float32(eps))
+    r = _rms_from_tiles(_row_ssq(hn[0]), lin.n, eps)
     _choose((sums / r)[None], route.experts, route.k, route.norm_topk, route.sel, route.wts)
     route.part[:route.rows] = sums  # the totals moe_combine weighs
     route.wts[0, :route.k] = sums[route.sel[0]]
@@ -327,7 +331,7 @@ class NumpyOps:
             if fold is not None:  # the RouteFold's totals, weighed with h's rms
                 route, ssq, eps = fold
                 d = h.shape[1]
-                r = np.sqrt(ssq[:ssq_count(d)].sum(dtype=np.float32) / np.float32(d) + np.float32(eps))
+                r = _rms_from_tiles(ssq[:ssq_count(d)], d, eps)
                 if route.norm_topk:  # a softmax over the k chosen totals (moe.cu), a shared gate's sigmoid last
                     t = (wts[0, :k + 1] / r).astype(np.float32)
                     e = np.exp(t[:k] - t[:k].max())
