@@ -89,14 +89,15 @@ __device__ __forceinline__ bool arrive_last(int* counter, int count, int* flag) 
     return *flag;
 }
 
-// Programmatic dependent launch (sm_90): a kernel launched with programmatic stream serialization may start
-// while its predecessor in the stream is still running. Everything before grid_dep_wait() must touch only
-// what no kernel of the step writes (weights, norms, tables; attn_rows: keys and values of positions earlier
-// steps wrote); the wait returns once the predecessor has completed and its writes are visible. Without that
-// launch attribute the wait returns at once. Every kernel of a captured step (the forward's, and the tiled
-// GEMM of its steps of several rows) lets its dependents launch at its start: they only prefetch until their
-// own wait. The one exception, a routed expert GEMV's choices (gemv.cu), holds because its predecessor lets it
-// launch only after its own wait.
+// Programmatic dependent launch (sm_90): a kernel launched with programmatic stream serialization may start while its
+// predecessor in the stream is still running. Everything before grid_dep_wait() must touch only what no kernel of the
+// step writes (weights, norms, tables; attn_rows: keys and values of positions earlier steps wrote), or what only the
+// step's last kernel writes (a decode step's position meta[0], which qgemv's RoPE epilogue reads early: lm_finish,
+// which waits for every kernel before it to complete); the wait returns once the predecessor has completed and its
+// writes are visible. Without that launch attribute the wait returns at once. Every kernel of a captured step (the
+// forward's, and the tiled GEMM of its steps of several rows) lets its dependents launch at its start: they only
+// prefetch until their own wait. The one exception, a routed expert GEMV's choices (gemv.cu), holds because its
+// predecessor lets it launch only after its own wait.
 __device__ __forceinline__ void grid_dep_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -122,6 +122,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     __shared__ float s_red[NT / 32];
     __shared__ __align__(16) int s_acc[NT / 32][MR][TN];  // per-warp partial results (float bits; ints at G=256)
     __shared__ float s_part[MR][TN];            // with qout: the head's outputs for rope_head
+    __shared__ float s_rope[MR == 1 ? 4 * (TN / 64) : 1][32];  // with qout: warp 0's rope_lane factors
+    __shared__ int s_pos;                       // with qout: the row's position
     __shared__ float s_push[MR == 1 ? MAX_CLUSTER : 1][TN];  // cluster block 0: the other blocks' sums
     __shared__ __align__(8) unsigned long long s_push_bar;    // counts their bytes
     __shared__ int s_last;
@@ -164,6 +166,25 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
 #pragma unroll
     for (int i = 0; i < MR; ++i) acc[i] = 0.f;
 
+    // with qout, warp 0: the row's position and its head's rope_lane factors, the step's constants (meta changes
+    // only in the step's last kernel, lm_finish, or on the host between steps), loaded before the PDL wait
+    constexpr int PAIRS = TN / 64;
+    const QkvRope qr = {qnorm, knorm, cosT, sinT, meta, qout, kc, vc, H, KV, cap, eps};
+    auto rope_preload = [&]() {
+        if (MR == 1 && qout && warp == 0) {
+            const int pos = meta[0];
+            const RopeLane<PAIRS> f = rope_lane<PAIRS>(qr, blockIdx.x, TN, pos, lane);
+#pragma unroll
+            for (int t = 0; t < PAIRS; ++t) {
+                s_rope[t][lane] = f.c[t];
+                s_rope[PAIRS + t][lane] = f.s[t];
+                s_rope[2 * PAIRS + t][lane] = f.w1[t];
+                s_rope[3 * PAIRS + t][lane] = f.w2[t];
+            }
+            if (lane == 0) s_pos = pos;
+        }
+    };
+
     unsigned wr[NW];
     float4 ws;                                  // G = 32: weight scales of the warp's slot
     float wsg = 0.f;                            // G = 256: weight scale of the chunk's group (tid < TN)
@@ -180,6 +201,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         // rmsnorm weights of this thread's chunk row (not step data)
         const float pwv = (pro == 1 || pro == 4) && k0 + tid < K ? __ldg(pw + k0 + tid) : 0.f;
         if (c == (int)blockIdx.y) {
+            rope_preload();
             grid_dep_wait();                    // X (and the epoch) come from the kernels before this one
             if (tagged) epoch = __ldcg(epochs + blockIdx.x);
         }
@@ -315,6 +337,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         }
     }
 
+    if ((int)blockIdx.y >= nck) rope_preload();  // a block without a chunk
     grid_dep_wait();  // blocks without a chunk: before the epoch (a no-op once waited)
     if (tagged && (int)blockIdx.y >= nck) epoch = __ldcg(epochs + blockIdx.x);
     // the epilogue's inputs from earlier kernels, loaded now: their round trip overlaps the merge's
@@ -396,8 +419,17 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     if (MR == 1 && qout) {
         if (tid < TN) s_part[0][tid] = nok ? (bias ? acc[0] + bn : acc[0]) : 0.f;
         __syncthreads();
-        const QkvRope qr = {qnorm, knorm, cosT, sinT, meta, qout, kc, vc, H, KV, cap, eps};
-        if (warp == 0) rope_head<TN / 64>(qr, s_part[0], blockIdx.x, TN, meta[0], meta[0], lane);
+        if (warp == 0) {
+            RopeLane<PAIRS> f;
+#pragma unroll
+            for (int t = 0; t < PAIRS; ++t) {
+                f.c[t] = s_rope[t][lane];
+                f.s[t] = s_rope[PAIRS + t][lane];
+                f.w1[t] = s_rope[2 * PAIRS + t][lane];
+                f.w2[t] = s_rope[3 * PAIRS + t][lane];
+            }
+            rope_head<PAIRS>(qr, s_part[0], blockIdx.x, TN, s_pos, lane, f);
+        }
         return;
     }
     float y0 = 0.f;                             // row m0's output (ssq_out: M = 1)

@@ -23,7 +23,7 @@ extern "C" __global__ void __launch_bounds__(RW * 32) qkv_rope(
     const int pos = rows ? rows[2 * m] : meta[0] + m;
     const int slot = kv_slot(rows ? tables + (size_t)rows[2 * m + 1] * tb : nullptr, pos);
     const float* src = qkv + (size_t)m * ldqkv + (size_t)head * hd;
-    if (hd <= 128) rope_head<2>(qr, src, head, hd, pos, slot, lane);
-    else rope_head<4>(qr, src, head, hd, pos, slot, lane);
+    if (hd <= 128) rope_head<2>(qr, src, head, hd, slot, lane, rope_lane<2>(qr, head, hd, pos, lane));
+    else rope_head<4>(qr, src, head, hd, slot, lane, rope_lane<4>(qr, head, hd, pos, lane));
 }
 #undef RW

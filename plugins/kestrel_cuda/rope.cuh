@@ -21,14 +21,39 @@ __device__ __forceinline__ int kv_slot(const int* table, int pos) {
     return table ? table[pos / KV_BLOCK] * KV_BLOCK + pos % KV_BLOCK : pos;
 }
 
-// One warp: head ``head`` (q: < H, k: < H + KV, then v) of a q|k|v row, src its hd values: q and k heads
-// get the optional per-head rmsnorm and RoPE at pos, to qout or the key cache; v heads go to the value cache,
-// both at cache row ``slot``.
+// A lane's factors of a head for rope_head, pairs lane + 32 t (zero past hd / 2 and for v heads): RoPE's
+// cosines and sines at pos and the head norm's weights. qgemv's epilogue loads them before its PDL wait.
+template <int PAIRS>
+struct RopeLane {
+    float c[PAIRS], s[PAIRS], w1[PAIRS], w2[PAIRS];
+};
+template <int PAIRS>
+__device__ __forceinline__ RopeLane<PAIRS> rope_lane(const QkvRope& qr, int head, int hd, int pos, int lane)
+{
+    RopeLane<PAIRS> f;
+    const int half = hd / 2;
+    const bool rotated = head < qr.H + qr.KV;
+    const float* nw = head < qr.H ? qr.qnorm : qr.knorm;
+#pragma unroll
+    for (int t = 0; t < PAIRS; ++t) {
+        const int i = lane + 32 * t;
+        const bool ok = rotated && i < half;
+        f.c[t] = ok ? qr.cosT[(size_t)pos * half + i] : 0.f;
+        f.s[t] = ok ? qr.sinT[(size_t)pos * half + i] : 0.f;
+        f.w1[t] = ok && nw ? nw[i] : 0.f;
+        f.w2[t] = ok && nw ? nw[i + half] : 0.f;
+    }
+    return f;
+}
+
+// One warp: head ``head`` (q: < H, k: < H + KV, then v) of a q|k|v row, src its hd values, f its lanes'
+// rope_lane: q and k heads get the optional per-head rmsnorm and RoPE, to qout or the key cache; v heads go
+// to the value cache, both at cache row ``slot``.
 // PAIRS: a lane's (x1, x2) pairs, hd <= 64 * PAIRS (2: hd <= 128, the GEMV epilogue's; 4: hd <= 256), so the
 // fused epilogue carries no registers for head_dims it never sees.
 template <int PAIRS>
-__device__ __forceinline__ void rope_head(const QkvRope& qr, const float* src, int head, int hd, int pos,
-                                          int slot, int lane)
+__device__ __forceinline__ void rope_head(const QkvRope& qr, const float* src, int head, int hd, int slot,
+                                          int lane, const RopeLane<PAIRS>& f)
 {
     const int H = qr.H, KV = qr.KV;
     if (head >= H + KV) {
@@ -39,25 +64,22 @@ __device__ __forceinline__ void rope_head(const QkvRope& qr, const float* src, i
     const bool isq = head < H;
     const int kvh = head - H;
     const int half = hd / 2;
-    const float* nw = isq ? qr.qnorm : qr.knorm;
-    const float* cs = qr.cosT + (size_t)pos * half;
-    const float* sn = qr.sinT + (size_t)pos * half;
-    float x1[PAIRS], x2[PAIRS], c[PAIRS], s[PAIRS];  // pairs lane + 32 t
+    float x1[PAIRS], x2[PAIRS];  // pairs lane + 32 t
     float ss = 0.f;
 #pragma unroll
     for (int t = 0; t < PAIRS; ++t) {
         const int i = lane + 32 * t;
-        x1[t] = x2[t] = c[t] = s[t] = 0.f;
-        if (i < half) { x1[t] = src[i]; x2[t] = src[i + half]; c[t] = cs[i]; s[t] = sn[i]; }
+        x1[t] = x2[t] = 0.f;
+        if (i < half) { x1[t] = src[i]; x2[t] = src[i + half]; }
         ss += x1[t] * x1[t] + x2[t] * x2[t];
     }
-    if (nw) {
+    if (isq ? qr.qnorm : qr.knorm) {
         ss = warp_sum(ss);
         const float r = sqrtf(ss / (float)hd + qr.eps);
 #pragma unroll
         for (int t = 0; t < PAIRS; ++t) {
             const int i = lane + 32 * t;
-            if (i < half) { x1[t] = x1[t] / r * nw[i]; x2[t] = x2[t] / r * nw[i + half]; }
+            if (i < half) { x1[t] = x1[t] / r * f.w1[t]; x2[t] = x2[t] / r * f.w2[t]; }
         }
     }
     float* qdst = qr.qout + (size_t)head * hd;
@@ -66,7 +88,7 @@ __device__ __forceinline__ void rope_head(const QkvRope& qr, const float* src, i
     for (int t = 0; t < PAIRS; ++t) {
         const int i = lane + 32 * t;
         if (i < half) {
-            const float y1 = x1[t] * c[t] - x2[t] * s[t], y2 = x2[t] * c[t] + x1[t] * s[t];
+            const float y1 = x1[t] * f.c[t] - x2[t] * f.s[t], y2 = x2[t] * f.c[t] + x1[t] * f.s[t];
             if (isq) { qdst[i] = y1; qdst[i + half] = y2; }
             else { kdst[i] = to_kv(y1); kdst[i + half] = to_kv(y2); }
         }
