@@ -135,9 +135,10 @@ extern "C" __global__ void __launch_bounds__(NT) moe_combine(
     grid_dep_launch();
     grid_dep_wait();
     const int m = blockIdx.y, n = blockIdx.x * NT + threadIdx.x;
-    auto y_at = [&](int j) {                    // this thread's value of the row of slot j
-        const size_t row = index ? (size_t)index[(size_t)m * K + j] : (size_t)m * K + j;
-        return __ldcg(Y + row * ldy + n);       // through L2: an ld.global.nc may be hoisted above the wait
+    auto y_at = [&](int j) {                    // this thread's value of the row of slot j, the index and the
+        // value through L2: moe_group and the experts wrote them, and an ld.global.nc may be hoisted above the wait
+        const size_t row = index ? (size_t)__ldcg(index + (size_t)m * K + j) : (size_t)m * K + j;
+        return __ldcg(Y + row * ldy + n);
     };
     // the first COMBINE_REGS slots' values, h's, the shared expert's and a fold's totals loaded together, before
     // the weights
