@@ -98,6 +98,12 @@ __device__ __forceinline__ bool arrive_last(int* counter, int count, int* flag) 
 // forward's, and the tiled GEMM of its steps of several rows) lets its dependents launch at its start: they only
 // prefetch until their own wait. The one exception, a routed expert GEMV's choices (gemv.cu), holds because its
 // predecessor lets it launch only after its own wait.
+// A load of what no kernel of the step writes, issued before grid_dep_wait() and kept before it: ptxas moves an
+// ld.global.nc (__ldg) past griddepcontrol.wait (in the SASS: the router fold's rows, moe_route's, norm_add_rows'
+// weights), not a strong L2 load (ld.global.cg).
+template <typename T>
+__device__ __forceinline__ T ld_before_wait(const T* p) { return __ldcg(p); }
+
 __device__ __forceinline__ void grid_dep_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

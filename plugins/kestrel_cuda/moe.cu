@@ -35,15 +35,15 @@ extern "C" __global__ void __launch_bounds__(NT) moe_route(
 #pragma unroll
         for (int i = 0; i < ROUTE_PREFETCH; ++i) {
             const int j = tid + i * NT;
-            wpre[q][i] = r0 + q < R && j < D4 ? __ldg(reinterpret_cast<const float4*>(router + (size_t)(r0 + q) * D) + j)
-                                              : make_float4(0.f, 0.f, 0.f, 0.f);
+            const float4* row = reinterpret_cast<const float4*>(router + (size_t)(r0 + q) * D);
+            wpre[q][i] = r0 + q < R && j < D4 ? ld_before_wait(row + j) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
     // the row in passes of ROW_LOADS columns a thread, a pass's loads issued together: the norm weights of the
     // first before the wait (not step data), its row after it
     constexpr int PASS = NT * ROW_LOADS;
     float xv[ROW_LOADS], wv[ROW_LOADS];
 #pragma unroll
-    for (int i = 0; i < ROW_LOADS; ++i) wv[i] = tid + i * NT < D ? __ldg(normw + tid + i * NT) : 0.f;
+    for (int i = 0; i < ROW_LOADS; ++i) wv[i] = tid + i * NT < D ? ld_before_wait(normw + tid + i * NT) : 0.f;
     grid_dep_wait();
     const float* hr = h + (size_t)m * ldh;
 #pragma unroll

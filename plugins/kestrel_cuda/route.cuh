@@ -114,11 +114,11 @@ __device__ __forceinline__ void route_part(const RouteArgs& ra, int group, int s
     __shared__ int s_last;
     const int tid = threadIdx.x, row = tid >> 4, sub = tid & 15, e = group * ROUTE_FOLD_ROWS + row;
     const int k0 = split * ra.span, nf = ra.span / (4 * ROUTE_FOLD_ROWS), KR = ra.span * splits;  // D + K
+    const float4* wrow = reinterpret_cast<const float4*>(ra.w + (size_t)e * KR + k0) + sub;
     float4 wv[ROUTE_FOLD_F4];
 #pragma unroll
     for (int i = 0; i < ROUTE_FOLD_F4; ++i)
-        wv[i] = e < ra.R && i < nf ? __ldg(reinterpret_cast<const float4*>(ra.w + (size_t)e * KR + k0) + sub + 16 * i)
-                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+        wv[i] = e < ra.R && i < nf ? ld_before_wait(wrow + 16 * i) : make_float4(0.f, 0.f, 0.f, 0.f);
     grid_dep_wait();
     for (int j = tid; j < ra.span; j += NT) {   // a warp's 32 values: one group of h or of a (D % 32 == 0)
         const int kk = k0 + j;

@@ -136,7 +136,7 @@ extern "C" __global__ void __launch_bounds__(NT) norm_add_rows(
     float* yr = Y + (size_t)blockIdx.x * ldy;
     float xv[ROW_LOADS], yv[ROW_LOADS], wv[ROW_LOADS];
 #pragma unroll
-    for (int j = 0; j < ROW_LOADS; ++j) wv[j] = j * NT + tid < D ? w[j * NT + tid] : 0.f;
+    for (int j = 0; j < ROW_LOADS; ++j) wv[j] = j * NT + tid < D ? ld_before_wait(w + j * NT + tid) : 0.f;
     grid_dep_wait();
 #pragma unroll
     for (int j = 0; j < ROW_LOADS; ++j) {
