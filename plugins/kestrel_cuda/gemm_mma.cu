@@ -94,7 +94,10 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     const int gid = lane >> 2, tig = lane & 3;
     int m0 = blockIdx.x * BM;
     const int n0 = blockIdx.y * BN;
-    if (!SPLIT && groups) {  // grouped: block row x is rows [row0, row0 + rows) of expert e, whose weights etab holds
+    // grouped: block row x is rows [row0, row0 + rows) of expert e, whose weights etab holds. groups is step data
+    // (moe_group's) read before the PDL wait: it holds because the gather between them (ops.gather_rows, a CuPy
+    // take, launched without PDL) starts only once moe_group has finished.
+    if (!SPLIT && groups) {
         if (groups[3 * blockIdx.x + 2] == 0) return;  // past the step's groups (moe_group pads to its capacity)
         const int e = groups[3 * blockIdx.x], row0 = groups[3 * blockIdx.x + 1];
         W = reinterpret_cast<const u8*>(etab[2 * e]);
