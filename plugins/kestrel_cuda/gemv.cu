@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     __shared__ float s_red[NT / 32];
     __shared__ __align__(16) int s_acc[NT / 32][MR][TN];  // per-warp partial results (float bits; ints at G=256)
     __shared__ float s_part[MR][TN];            // with qout: the head's outputs for rope_head
-    __shared__ float s_rope[MR == 1 ? 4 * (TN / 64) : 1][32];  // with qout: warp 0's rope_lane factors
+    __shared__ RopeLane<TN / 64> s_rope[MR == 1 ? 32 : 1];  // with qout: warp 0's rope_lane factors
     __shared__ int s_pos;                       // with qout: the row's position
     __shared__ float s_push[MR == 1 ? MAX_CLUSTER : 1][TN];  // cluster block 0: the other blocks' sums
     __shared__ __align__(8) unsigned long long s_push_bar;    // counts their bytes
@@ -173,14 +173,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     auto rope_preload = [&]() {
         if (MR == 1 && qout && warp == 0) {
             const int pos = meta[0];
-            const RopeLane<PAIRS> f = rope_lane<PAIRS>(qr, blockIdx.x, TN, pos, lane);
-#pragma unroll
-            for (int t = 0; t < PAIRS; ++t) {
-                s_rope[t][lane] = f.c[t];
-                s_rope[PAIRS + t][lane] = f.s[t];
-                s_rope[2 * PAIRS + t][lane] = f.w1[t];
-                s_rope[3 * PAIRS + t][lane] = f.w2[t];
-            }
+            s_rope[lane] = rope_lane<PAIRS>(qr, blockIdx.x, TN, pos, lane);
             if (lane == 0) s_pos = pos;
         }
     };
@@ -419,17 +412,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     if (MR == 1 && qout) {
         if (tid < TN) s_part[0][tid] = nok ? (bias ? acc[0] + bn : acc[0]) : 0.f;
         __syncthreads();
-        if (warp == 0) {
-            RopeLane<PAIRS> f;
-#pragma unroll
-            for (int t = 0; t < PAIRS; ++t) {
-                f.c[t] = s_rope[t][lane];
-                f.s[t] = s_rope[PAIRS + t][lane];
-                f.w1[t] = s_rope[2 * PAIRS + t][lane];
-                f.w2[t] = s_rope[3 * PAIRS + t][lane];
-            }
-            rope_head<PAIRS>(qr, s_part[0], blockIdx.x, TN, s_pos, lane, f);
-        }
+        if (warp == 0) rope_head<PAIRS>(qr, s_part[0], blockIdx.x, TN, s_pos, lane, s_rope[lane]);
         return;
     }
     float y0 = 0.f;                             // row m0's output (ssq_out: M = 1)
