@@ -68,3 +68,38 @@ extern "C" __global__ void floor_cluster_merge(float* buf, float* part, int* cou
         buf[(size_t)tile * FLOOR_TN + tid] = s;
     }
 }
+
+// The same splits through tagged slots (merge.cuh, the GEMV merge of multi-wave grids): each split stores its
+// partial with the launch's tag and exits, no fence or counter; the tile's last split polls every split's slot
+// until all carry the tag. counters[tile] is the tile's epoch.
+extern "C" __global__ void floor_tagged_merge(float* buf, float* part, int* counters) {
+    grid_dep_launch();
+    grid_dep_wait();
+    const int tid = threadIdx.x, tile = blockIdx.x, ns = gridDim.y;
+    const unsigned tag = (unsigned)__ldcg(counters + tile) + 1;
+    unsigned long long* slots = reinterpret_cast<unsigned long long*>(part) + (size_t)tile * 16 * FLOOR_TN + tid;
+    if (tid < FLOOR_TN)
+        st_tagged(slots + (size_t)blockIdx.y * FLOOR_TN, __ldcg(buf + (size_t)tile * FLOOR_TN + tid) + blockIdx.y,
+                  tag);
+    if ((int)blockIdx.y != ns - 1) return;
+    if (tid < FLOOR_TN) {
+        unsigned long long w[16];
+#pragma unroll
+        for (int y = 0; y < 16; ++y) w[y] = y < ns ? ld_tagged(slots + (size_t)y * FLOOR_TN) : 0ull;
+        for (;;) {
+            bool ready = true;
+#pragma unroll
+            for (int y = 0; y < 16; ++y) ready &= y >= ns || (unsigned)(w[y] >> 32) == tag;
+            if (ready) break;
+#pragma unroll
+            for (int y = 0; y < 16; ++y)
+                if (y < ns && (unsigned)(w[y] >> 32) != tag) w[y] = ld_tagged(slots + (size_t)y * FLOOR_TN);
+        }
+        float s = 0.f;
+#pragma unroll
+        for (int y = 0; y < 16; ++y) s += y < ns ? __uint_as_float((unsigned)w[y]) : 0.f;
+        buf[(size_t)tile * FLOOR_TN + tid] = s;
+    }
+    __syncthreads();
+    if (tid == 0) counters[tile] = (int)tag;
+}

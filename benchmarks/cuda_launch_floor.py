@@ -1,8 +1,8 @@
 """What a captured decode step's hand-overs cost on the GPU with no work in them: a graph of ``--launches``
 kernels chained under programmatic dependent launch (PDL), each only waiting for its predecessor, reading one
-value it wrote, or merging K splits of 128-column tiles the two ways the forward does (the last split to arrive
-through an L2 counter, or one thread block cluster pushing into block 0's shared memory), against the same
-graph launched without PDL.
+value it wrote, or merging K splits of 128-column tiles the three ways the forward does (the last split to
+arrive through an L2 counter, tagged slots polled by the last split, or one thread block cluster pushing into
+block 0's shared memory), against the same graph launched without PDL.
 
     python benchmarks/cuda_launch_floor.py
 
@@ -25,7 +25,9 @@ CASES = (
     ("floor_round_trip", 384, 1, 256, False),
     ("floor_counter_merge", 32, 16, 128, False),
     ("floor_counter_merge", 40, 8, 256, False),
+    ("floor_tagged_merge", 32, 16, 128, False),
     ("floor_cluster_merge", 40, 8, 256, True),
+    ("floor_tagged_merge", 40, 8, 256, False),
 )
 
 
