@@ -43,7 +43,7 @@ extern "C" __global__ void floor_counter_merge(float* buf, float* part, int* cou
 // The same splits as one thread block cluster (the M = 1 GEMV's): each pushes its partial into block 0's
 // shared memory and exits; block 0 adds them in rank order.
 extern "C" __global__ void floor_cluster_merge(float* buf, float* part, int* counters) {
-    __shared__ float s_push[16][FLOOR_TN];  // up to the non-portable cluster size
+    __shared__ float s_push[MAX_CLUSTER][FLOOR_TN];
     __shared__ __align__(8) unsigned long long s_bar;
     const int tid = threadIdx.x, tile = blockIdx.x;
     const unsigned csize = cluster_size(), rank = cluster_rank();

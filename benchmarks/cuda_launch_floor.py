@@ -28,17 +28,13 @@ CASES = (
     ("floor_tagged_merge", 32, 16, 128, False),
     ("floor_cluster_merge", 40, 8, 256, True),
     ("floor_tagged_merge", 40, 8, 256, False),
-    ("floor_cluster_merge", 32, 16, 128, True),
 )
-NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--launches", type=int, default=289, help="kernels in the graph (a qwen3-30b-a3b step's)")
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed")
-    ap.add_argument("--smem", type=int, nargs="+", default=[0],
-                    help="dynamic shared memory a block, bytes (fewer resident blocks, as the forward's kernels)")
     args = ap.parse_args()
 
     import cupy as cp
@@ -58,10 +54,10 @@ def main() -> None:
     print(f"{'kernel':20s} {'grid':>12s} {'threads':>7s} {'PDL':>7s} {'no PDL':>7s}")
 
     def per_launch_us(kernel: object, grid: tuple[int, int], threads: int, pdl: bool,
-                      cluster: tuple[int, int, int] | None, smem: int) -> float:
+                      cluster: tuple[int, int, int] | None) -> float:
         def step() -> None:
             for _ in range(args.launches):
-                launcher.launch(kernel, grid, (threads,), kernel_args, smem, stream, pdl, cluster)
+                launcher.launch(kernel, grid, (threads,), kernel_args, 0, stream, pdl, cluster)
 
         with stream:
             counters.fill(0)  # the counter merge's arrivals, the tagged merge's epochs
@@ -74,16 +70,12 @@ def main() -> None:
             graph.launch(stream)
         return _events_us(cp, stream, lambda: graph.launch(stream), args.reps) / args.launches
 
-    for smem in args.smem:
-        print(f"{smem} bytes of shared memory a block")
-        for name, tiles, splits, threads, cluster in CASES:
-            kernel = module.get_function(name)
-            if cluster and splits > 8:
-                cp.cuda.driver.funcSetAttribute(kernel.kernel.ptr, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-            shape = (1, splits, 1) if cluster else None
-            pdl, plain = (per_launch_us(kernel, (tiles, splits), threads, p, shape, smem) for p in (True, False))
-            grid = f"{tiles} x {splits}" + (" cl" if cluster else "")
-            print(f"{name:20s} {grid:>12s} {threads:7d} {pdl:7.2f} {plain:7.2f}", flush=True)
+    for name, tiles, splits, threads, cluster in CASES:
+        kernel = module.get_function(name)
+        shape = (1, splits, 1) if cluster else None
+        pdl, plain = (per_launch_us(kernel, (tiles, splits), threads, p, shape) for p in (True, False))
+        grid = f"{tiles} x {splits}" + (" cl" if cluster else "")
+        print(f"{name:20s} {grid:>12s} {threads:7d} {pdl:7.2f} {plain:7.2f}", flush=True)
 
 
 if __name__ == "__main__":
