@@ -1,7 +1,7 @@
 // What a decode step's hand-overs cost without any work (benchmarks/cuda_launch_floor.py): kernels chained
 // under programmatic dependent launch that only wait, read what their predecessor wrote, or merge a tile's K
-// splits as the forward does (common.cuh's arrive_last, merge.cuh's cluster push), each split's partial a value
-// of that predecessor's. Appended to the forward's common.cuh and merge.cuh.
+// splits as the forward does (common.cuh's arrive_last, merge.cuh's tagged slots and cluster push), each split's
+// partial a value of that predecessor's. Appended to the forward's common.cuh and merge.cuh.
 
 #define FLOOR_TN 128  // a tile's columns
 
