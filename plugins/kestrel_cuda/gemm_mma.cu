@@ -159,7 +159,8 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
         if constexpr (SPLIT) {  // whole stages and tiles: no bounds
             const u8* src = b_src + (size_t)st * BROWS * ldb;
 #pragma unroll
-            for (int p = 0; p < BP; ++p) cp_async16(sb + b_dst + p * B_RSTEP * BROWB, src + (size_t)p * B_RSTEP * ldb, 16);
+            for (int p = 0; p < BP; ++p)
+                cp_async16(sb + b_dst + p * B_RSTEP * BROWB, src + (size_t)p * B_RSTEP * ldb, 16);
         } else {
 #pragma unroll
             for (int p = 0; p < BP; ++p) {
@@ -311,7 +312,8 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
                 } else {
 #pragma unroll
                     for (int q = 0; q < 2 * MI; q += 4) {
-                        const float4 v = *reinterpret_cast<const float4*>(sasp + slot * BM + wm * MI * 16 + gid * 2 * MI + q);
+                        const float4 v =
+                            *reinterpret_cast<const float4*>(sasp + slot * BM + wm * MI * 16 + gid * 2 * MI + q);
                         sa[q] = v.x; sa[q + 1] = v.y; sa[q + 2] = v.z; sa[q + 3] = v.w;
                     }
                 }
@@ -359,8 +361,8 @@ __global__ void __launch_bounds__(WM * WN * 32, MINB) k_gemm_q8_tc(
     const bool vec = (ldo & 3) == 0 && (reinterpret_cast<size_t>(out) & 15) == 0;  // 16-byte output stores
     if (SPLIT && nz > 1 && cluster_size() > 1) {  // the splits are one cluster: every block adds 1/nz of the tile
         __syncthreads();  // every warp is done with the pipeline's buffers
-        tile_cluster_store<MI, BM, BN, false>(facc, true, reinterpret_cast<float*>(smem), wm * MI * 16, wn * 32, out, ldo,
-                                       M, N, m0, n0, vec, add, NormFold{}, nullptr);
+        tile_cluster_store<MI, BM, BN, false>(facc, true, reinterpret_cast<float*>(smem), wm * MI * 16, wn * 32, out,
+                                              ldo, M, N, m0, n0, vec, add, NormFold{}, nullptr);
         return;
     }
     if (nz > 1) {  // this split's sums to part; the tile's last block adds every split's in z order

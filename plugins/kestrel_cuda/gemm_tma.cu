@@ -39,7 +39,8 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
 }
 // box at coordinates (x inner, y outer) of the tensor map into shared memory at dst
 __device__ __forceinline__ void tma_2d(u32 dst, const TmaDesc* map, int x, int y, u32 bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];"
                  ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(bar) : "memory");
 }
 #endif
@@ -158,7 +159,8 @@ __global__ void __launch_bounds__(TmaTile::THREADS, 3) k_gemm_q8_tma(
         const int magic[4] = {GQ_MAGIC, GQ_MAGIC, GQ_MAGIC, GQ_MAGIC};
         // ldmatrix: row mi * 16 + lane % 16, chunk 2 ks + lane / 16, swizzled by the row's lane % 8
         const int a_row = (lane & 15) * BK, a_x = (lane >> 4) ^ (lane & 7);
-        // B word wn * 8 + gid (chunk 2 wn + gid / 4) of rows ks * 32 + h * 16 + 4 tig + j, whose row % 8 is 4 (tig % 2) + j
+        // B word wn * 8 + gid (chunk 2 wn + gid / 4) of rows ks * 32 + h * 16 + 4 tig + j, whose row % 8 is
+        // 4 (tig % 2) + j
         int b_off[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j)

@@ -198,8 +198,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
             grid_dep_wait();                    // X (and the epoch) come from the kernels before this one
             if (tagged) epoch = __ldcg(epochs + blockIdx.x);
         }
-        // MR = 1: the thread's input (and the gated activation's up value), loaded before the norm's sums and the barrier
-        // below, so that the round trips overlap (measured 100-130 us per q4 step faster). Through L2
+        // MR = 1: the thread's input (and the gated activation's up value), loaded before the norm's sums and the
+        // barrier below, so that the round trips overlap (measured 100-130 us per q4 step faster). Through L2
         // (ld.global.cg): a plain load of this const __restrict__ row compiles to ld.global.nc, which may be
         // scheduled above griddepcontrol.wait and read the previous step's values (measured: wrong logits).
         constexpr bool early = MR == 1;

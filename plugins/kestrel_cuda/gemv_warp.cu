@@ -1,11 +1,12 @@
 // Decode GEMV, warp-row layout (the default): out[m][n] = sum_g (sum_{k in g} A[m][k] W[k][n]) As[m][g] Ws[g][n].
 //
 // A warp's 32 lanes lie along the columns (VEC columns each, VEC-byte loads; int4: 4 * VEC bytes of one row of
-// 8-k words), so every load instruction of a warp reads contiguous bytes of one stored row. Each warp of a block takes one 32-row slice of K per
-// iteration (8 warps: 256 rows); a thread issues every load of its slice (rows, scales, activations) before
-// the first use, so each thread has a whole slice in flight. Block sums are exact int32 (__dp4a on 4x4
-// byte-transposed words, int4 on its unpacked nibbles); for G = 32 a slice is a group and the thread scales it itself; for G = 256 the 8
-// warps' int32 slice sums are added exactly through shared memory before the one multiply by the scales.
+// 8-k words), so every load instruction of a warp reads contiguous bytes of one stored row. Each warp of a block
+// takes one 32-row slice of K per iteration (8 warps: 256 rows); a thread issues every load of its slice (rows,
+// scales, activations) before the first use, so each thread has a whole slice in flight. Block sums are exact
+// int32 (__dp4a on 4x4 byte-transposed words, int4 on its unpacked nibbles); for G = 32 a slice is a group and
+// the thread scales it itself; for G = 256 the 8 warps' int32 slice sums are added exactly through shared memory
+// before the one multiply by the scales.
 // Blocks of blockIdx.y split K (interleaved 256-row steps); the last block of a column tile to finish adds
 // the partials in a fixed order and re-arms its counter, so the next launch finds it at zero.
 #define GW_WARPS 8
@@ -54,8 +55,8 @@ __global__ void __launch_bounds__(GW_THREADS) k_gemv_warp(
         if (ok) {
 #pragma unroll
             for (int r = 0; r < PR; ++r)
-                load_vec<4 * RW>(W + (BITS == 8 ? (size_t)(k0 + r) * Npad + c0 : ((size_t)(k0 / 8 + r) * Npad + c0) * 4),
-                                 rows[r]);
+                load_vec<4 * RW>(
+                    W + (BITS == 8 ? (size_t)(k0 + r) * Npad + c0 : ((size_t)(k0 / 8 + r) * Npad + c0) * 4), rows[r]);
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
                 if (m < mcount) {

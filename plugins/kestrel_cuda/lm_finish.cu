@@ -105,7 +105,11 @@ extern "C" __global__ void __launch_bounds__(FIN_T) argmax_rows(
     int bi;
     int bad = __syncthreads_or(block_columns(logits + (size_t)row * N, N, bv, bi));
     block_argmax(bv, bi, s_v, s_i);
-    if (tid == 0) { bval[row * nb + blockIdx.x] = bv; bidx[row * nb + blockIdx.x] = bi; bbad[row * nb + blockIdx.x] = bad; }
+    if (tid == 0) {
+        bval[row * nb + blockIdx.x] = bv;
+        bidx[row * nb + blockIdx.x] = bi;
+        bbad[row * nb + blockIdx.x] = bad;
+    }
     if (!arrive_last(counter + row, nb, &s_last)) return;
     bv = NEG_INF;
     bi = 0x7fffffff;
