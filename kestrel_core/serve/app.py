@@ -32,6 +32,7 @@ from kestrel_core.serve.protocol import (
     TokenStrings,
     new_id,
 )
+from kestrel_core.serve.tools import tool_format
 
 
 class _Served:
@@ -43,6 +44,7 @@ class _Served:
         self.model_name = model_name
         self.tokens = TokenStrings(self.engine.tokenizer)
         self.created = int(time.time())
+        self.tool_format = tool_format(getattr(self.engine.tokenizer, "chat_template", None))
 
     def check_model(self, model: str | None) -> None:
         """OpenAI answers an unknown model with 404 model_not_found; no model at all means ours."""
@@ -100,11 +102,17 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None) -
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         served.check_model(body.model)
         try:
-            prompt_ids = list(served.engine.tokenizer.encode_chat(body.template_messages()))
+            tools = body.tool_calls(served.tool_format)
+        except KestrelError as exc:
+            raise from_kestrel_error(exc, param="tools") from None
+        try:
+            prompt_ids = list(served.engine.tokenizer.encode_chat(body.template_messages(),
+                                                                  tools=body.template_tools()))
         except KestrelError as exc:  # no messages, no template, or a template that failed on these
             raise from_kestrel_error(exc, param="messages") from None
         params = _params(body, served.context_left(len(prompt_ids)))
-        shape = ChatShape(new_id("chatcmpl"), model_name, served.tokens, body.include_usage, body.continuous_usage)
+        shape = ChatShape(new_id("chatcmpl"), model_name, served.tokens, body.include_usage, body.continuous_usage,
+                          tools)
         prompt = generation.Prompt(prompt_ids, params, params.logprobs)
         return await generation.respond(async_engine, request, [prompt], shape, stream=bool(body.stream),
                                         prompt_param="messages", choices=body.choices)

@@ -250,10 +250,12 @@ async def _events(gens: list[AsyncIterator[RequestOutput]], firsts: list[Request
             if out.finish_reason == "abort":
                 yield sse(error_body(SHUTDOWN_MESSAGE, "server_error", None, "server_shutting_down"))
                 break
+            text = shape.stream_text(i, out.new_text)
             if out.new_token_ids or out.new_text or out.logprobs:  # a chunk per step that made tokens, as
-                yield deltas(out.new_text, out.logprobs, i)  # OpenAI's ("" while text is held)
+                yield deltas(text, out.logprobs, i)  # OpenAI's ("" while text is held)
             if out.finished:
-                yield sse(shape.finish_chunk(out.finish_reason, i))
+                for chunk in shape.finish_chunks(out.finish_reason, i):
+                    yield sse(chunk)
         else:
             if shape.include_usage:
                 yield sse(shape.usage_chunk(prompt_tokens, completion_tokens))

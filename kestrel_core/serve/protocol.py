@@ -3,12 +3,14 @@
 Requests are pydantic models with OpenAI's field names; unknown fields are ignored (clients send many), and
 scalar fields are strict (``"0.5"`` is not a temperature), so a wrong type is a 400 naming the field. Ranges
 are not repeated here: ``SamplingParams.check`` is the one place that knows them, and its ``InvalidRequest``
-names the field too. Fields kestrel cannot honour (``suffix``, tools...) are refused rather than silently
-ignored, since ignoring them would change what the client gets. ``n`` choices are ``n`` sequences of one
-prompt (with the prefix cache, the first computes it and the others attach its blocks); with a ``seed``,
-choice i samples with seed + i, so the choices differ and the request is reproducible. A completions
-request may hold several prompts (choice p * n + i is prompt p's i-th) and ``echo`` them, with their tokens'
-logprobs and, with ``max_tokens`` 0, nothing generated: what evaluation harnesses send to score text.
+names the field too. Fields kestrel cannot honour (``suffix``, a ``tool_choice`` that forces a call...) are
+refused rather than silently ignored, since ignoring them would change what the client gets. Tools are shown to
+the model by its chat template, and the calls it writes are read back out of its answers (serve/tools.py).
+``n`` choices are ``n`` sequences of one prompt (with the prefix cache, the first computes it and the others
+attach its blocks); with a ``seed``, choice i samples with seed + i, so the choices differ and the request is
+reproducible. A completions request may hold several prompts (choice p * n + i is prompt p's i-th) and ``echo``
+them, with their tokens' logprobs and, with ``max_tokens`` 0, nothing generated: what evaluation harnesses send
+to score text.
 
 Responses are plain dicts built to OpenAI's shapes (ids ``chatcmpl-...`` / ``cmpl-...``, object names,
 ``created``, ``model``, ``choices``, ``usage``) by ``ChatShape`` and ``CompletionShape``, which both the
@@ -17,6 +19,7 @@ streaming and the non-streaming paths use.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Sequence
@@ -37,6 +40,7 @@ from pydantic import (
 
 from kestrel_core.errors import InvalidRequest, KestrelError
 from kestrel_core.model.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
+from kestrel_core.serve.tools import UNKNOWN, ToolCalls, ToolStream, parse
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; kestrel's own SamplingParams default is greedy
 MAX_CHOICES = 128  # n, at most (OpenAI's bound)
@@ -62,10 +66,36 @@ class ContentPart(_Request):
     text: StrictStr | None = None
 
 
+class FunctionCall(_Request):
+    name: StrictStr
+    arguments: StrictStr  # a JSON object's text, as OpenAI sends it
+
+
+class AssistantToolCall(_Request):
+    """A call an earlier assistant message made, sent back with the conversation."""
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict[str, Any]:
+        """As Hugging Face templates read it: the arguments as an object (text that is not one stays text)."""
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        if not isinstance(arguments, dict):
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: StrictStr | list[ContentPart] | None = Field(default=None, validate_default=True)
     name: StrictStr | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: StrictStr | None = None
 
     @field_validator("content")
     @classmethod
@@ -87,13 +117,37 @@ class ChatMessage(_Request):
             return self.content
         return "\n".join(part.text or "" for part in self.content)
 
-    def for_template(self) -> dict[str, str]:
+    def for_template(self) -> dict[str, Any]:
         """What the chat template sees: OpenAI's ``developer`` role is the templates' ``system``."""
         role = "system" if self.role == "developer" else self.role
-        message = {"role": role, "content": self.text()}
+        message: dict[str, Any] = {"role": role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+class FunctionTool(_Request):
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema
+    strict: StrictBool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionTool
+
+    def for_template(self) -> dict[str, Any]:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True, exclude={"strict"})}
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: dict[str, Any]
 
 
 class StreamOptions(_Request):
@@ -177,20 +231,48 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: StrictInt | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     response_format: dict[str, Any] | None = None
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise InvalidRequest("messages must hold at least one message", param="messages")
         return [m.for_template() for m in self.messages]
 
+    def tool_calls(self, fmt: str | None) -> ToolCalls | None:
+        """How this request's answers carry tool calls, given the format the model's template teaches (None:
+        its template renders no tools); None where the request offers none (or ``tool_choice`` is "none": the
+        model is not shown them)."""
+        if not self._shows_tools:
+            return None
+        if self.tool_choice is not None and self.tool_choice != "auto":
+            choice = f'"{self.tool_choice}"' if isinstance(self.tool_choice, str) else "naming a function"
+            raise InvalidRequest(f"tool_choice {choice} is not supported: kestrel does not constrain an answer to a "
+                                 "tool call; use \"auto\"", param="tool_choice")
+        if fmt is None:
+            raise InvalidRequest("this model's chat template does not render tools", param="tools")
+        if fmt == UNKNOWN:
+            raise InvalidRequest("this model's chat template renders tools, but in none of the formats kestrel "
+                                 "reads calls in (<tool_call> blocks, Mistral's [TOOL_CALLS], Llama 3's JSON)",
+                                 param="tools")
+        return ToolCalls(fmt, self.parallel_tool_calls is not False)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as Hugging Face chat templates read them (``tools``), or None where the model is not
+        shown them."""
+        if not self._shows_tools:
+            return None
+        return [tool.for_template() for tool in self.tools or ()]
+
+    @property
+    def _shows_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """SamplingParams for this request (``default_max_tokens``: the context left after the prompt)."""
         self._refuse_unsupported()
-        if self.tools:
-            raise InvalidRequest("tools are not supported", param="tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise InvalidRequest("only response_format {\"type\": \"text\"} is supported", param="response_format")
         if self.top_logprobs and not self.logprobs:
@@ -278,8 +360,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def finish_reason(reason: str | None) -> str | None:
-    """OpenAI's finish reasons are "stop" and "length"; an abort never reaches a client as one."""
-    return reason if reason in ("stop", "length") else None
+    """OpenAI's finish reasons are "stop", "length" and "tool_calls"; an abort never reaches a client as one."""
+    return reason if reason in ("stop", "length", "tool_calls") else None
+
+
+def _calls_reason(reason: str | None) -> str | None:
+    """An answer that made tool calls: "tool_calls" where the model stopped by itself, else its reason."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 class TokenStrings:
@@ -366,10 +453,29 @@ class _Shape:
     def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
         raise NotImplementedError
 
+    def stream_text(self, index: int, text: str) -> str:
+        """What of choice ``index``'s new ``text`` a stream sends now."""
+        return text
+
+    def finish_chunks(self, reason: str | None, index: int = 0) -> list[dict[str, Any]]:
+        """The chunks that end choice ``index``'s stream."""
+        return [self.finish_chunk(reason, index)]
+
+    def finish_chunk(self, reason: str | None, index: int = 0) -> dict[str, Any]:
+        raise NotImplementedError
+
 
 class ChatShape(_Shape):
+    """``tools``: the request's tool calls (None: its answers are text), read out of each choice's text."""
+
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+
+    def __init__(self, response_id: str, model: str, tokens: TokenStrings, include_usage: bool = False,
+                 continuous_usage: bool = False, tools: ToolCalls | None = None) -> None:
+        super().__init__(response_id, model, tokens, include_usage, continuous_usage)
+        self.tools = tools
+        self._streams: dict[int, ToolStream] = {}
 
     def logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if entries is None:
@@ -381,8 +487,38 @@ class ChatShape(_Shape):
             for e in entries], "refusal": None}
 
     def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": "".join(result.text), "refusal": None},
-                "logprobs": self.logprobs(result.logprobs), "finish_reason": finish_reason(result.finish_reason)}
+        text, reason = "".join(result.text), finish_reason(result.finish_reason)
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if self.tools is not None:
+            parsed = parse(self.tools.fmt, text, self.tools.parallel)
+            if parsed.calls:
+                message["content"] = parsed.content
+                message["tool_calls"] = self.tools.message_calls(parsed.calls)
+                reason = _calls_reason(reason)
+        return {"index": index, "message": message, "logprobs": self.logprobs(result.logprobs),
+                "finish_reason": reason}
+
+    def stream_text(self, index: int, text: str) -> str:
+        if self.tools is None:
+            return text
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = ToolStream(self.tools.fmt, self.tools.parallel)
+        return stream.feed(text)
+
+    def finish_chunks(self, reason: str | None, index: int = 0) -> list[dict[str, Any]]:
+        stream = self._streams.pop(index, None)
+        if stream is None:
+            return [self.finish_chunk(reason, index)]
+        assert self.tools is not None
+        rest, calls = stream.finish()
+        chunks = [self.delta_chunk(rest, None, index)] if rest else []
+        if calls:
+            deltas = [{"index": k, **call} for k, call in enumerate(self.tools.message_calls(calls))]
+            chunks.append(self.chunk({"index": index, "delta": {"tool_calls": deltas}, "logprobs": None,
+                                      "finish_reason": None}))
+            reason = _calls_reason(reason)
+        return chunks + [self.finish_chunk(reason, index)]
 
     def first_chunks(self, choices: int = 1) -> list[dict[str, Any]]:
         return [self.chunk({"index": i, "delta": {"role": "assistant", "content": "", "refusal": None},

@@ -22,6 +22,7 @@ from kestrel_core.serve.protocol import (
     choice_params,
     new_id,
 )
+from kestrel_core.serve.tools import HERMES, MISTRAL, UNKNOWN, ToolCalls
 
 HI = [{"role": "user", "content": "Hi"}]
 
@@ -128,6 +129,61 @@ def test_engine_errors_map_to_statuses() -> None:
     assert (full.status, full.type, full.headers) == (429, "rate_limit_error", {"Retry-After": "1"})
     assert from_kestrel_error(Overloaded("bye"), accepting=False).status == 503
     assert from_kestrel_error(KestrelError("template failed"), param="messages").param == "messages"
+
+
+def test_tool_calls_and_results_for_the_template() -> None:
+    """Hugging Face templates read a call's arguments as an object; text that is not a JSON object stays text."""
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": a}}
+             for i, a in enumerate(['{"x": 1}', "not json", "[1]"])]
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c0", "content": "done"}]})
+    assert req.template_messages() == [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c0", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "not json"}},
+            {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]},
+        {"role": "tool", "content": "done", "tool_call_id": "c0"}]
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}
+
+
+@pytest.mark.parametrize(("fields", "fmt", "expected"), [
+    ({}, HERMES, None),  # no tools offered
+    ({"tools": [TOOL]}, HERMES, ToolCalls(HERMES)),
+    ({"tools": [TOOL], "tool_choice": "auto", "parallel_tool_calls": False}, MISTRAL, ToolCalls(MISTRAL, False)),
+    ({"tools": [TOOL], "tool_choice": "none"}, None, None),  # not shown to the model, so no template needed
+])
+def test_a_requests_tool_calls(fields: dict[str, Any], fmt: str | None, expected: ToolCalls | None) -> None:
+    req = _chat(**fields)
+    assert req.tool_calls(fmt) == expected
+    assert req.template_tools() == (None if expected is None else
+                                    [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+
+
+@pytest.mark.parametrize(("fields", "fmt", "param", "says"), [
+    ({"tool_choice": "required"}, HERMES, "tool_choice", 'tool_choice "required" is not supported'),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, HERMES, "tool_choice", "naming a function"),
+    ({}, None, "tools", "does not render tools"),
+    ({}, UNKNOWN, "tools", "none of the formats"),
+])
+def test_tool_calls_kestrel_cannot_make(fields: dict[str, Any], fmt: str | None, param: str, says: str) -> None:
+    with pytest.raises(InvalidRequest, match=says) as info:
+        _chat(tools=[TOOL], **fields).tool_calls(fmt)
+    assert info.value.param == param
+
+
+def test_chat_choices_with_tool_calls() -> None:
+    shape = ChatShape("id", "m", TokenStrings(_Letters()), tools=ToolCalls(HERMES))
+    call = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    body = shape.response([ChoiceResult(["Sure. ", call], None, "stop", 9),
+                           ChoiceResult([call], None, "length", 9), ChoiceResult(["plain"], None, "stop", 1)], 3)
+    made, cut, plain = (c["message"] for c in body["choices"])
+    assert [c["finish_reason"] for c in body["choices"]] == ["tool_calls", "length", "stop"]
+    assert made["content"] == "Sure." and made["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    assert cut["content"] is None and len(cut["tool_calls"]) == 1
+    assert plain == {"role": "assistant", "content": "plain", "refusal": None}
 
 
 def test_chat_shapes() -> None:

@@ -1,0 +1,195 @@
+"""Tool calls in chat completions: the model's chat template renders the tools a request offers, and the calls
+the model writes are read back out of its text in the format that template teaches it.
+
+``tool_format(template)`` names the format from the template's source: ``hermes`` (Qwen2, Qwen2.5, Qwen3:
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, anywhere in the answer), ``mistral``
+(``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``: the control token is not text, so the answer
+starts with the list) or ``llama3`` (Llama 3.1+: the answer is ``{"name": ..., "parameters": {...}}``, several
+separated by ``;``); None where the template never reads ``tools``. ``parse`` splits a whole answer into its
+content and its calls; ``ToolStream`` does the same for a stream, sending content as soon as it cannot be the
+start of a call. An answer whose calls do not parse (bad JSON, a missing name) is content, as it came.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+import jinja2.meta
+
+HERMES, MISTRAL, LLAMA3, UNKNOWN = "hermes", "mistral", "llama3", "unknown"
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.DOTALL)
+_OPENERS = {MISTRAL: "[", LLAMA3: "{"}  # formats whose answer is the calls alone, and how the calls start
+_ID_CHARS = string.ascii_letters + string.digits
+
+
+def tool_format(template: str | None) -> str | None:
+    """The tool-call format the chat template ``template`` teaches: None if it does not render ``tools``,
+    UNKNOWN if it does in a format kestrel cannot read."""
+    if not template:
+        return None
+    try:
+        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+        reads = jinja2.meta.find_undeclared_variables(env.parse(template))
+    except jinja2.TemplateError:
+        return None  # the sandbox compiles it again and says what is wrong
+    if "tools" not in reads:
+        return None
+    if HERMES_OPEN in template:
+        return HERMES
+    if "[TOOL_CALLS]" in template:
+        return MISTRAL
+    if "<|start_header_id|>" in template:
+        return LLAMA3
+    return UNKNOWN
+
+
+def call_id(fmt: str) -> str:
+    """A new tool call's id: Mistral's templates take nine letters and digits, the others OpenAI's shape."""
+    if fmt == MISTRAL:
+        return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
+    return f"call_{secrets.token_hex(12)}"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model wrote: the function's name and its arguments as a JSON object's text."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """An answer split: its content (None when only calls remain) and its calls (none: it is all content)."""
+
+    content: str | None
+    calls: tuple[ToolCall, ...]
+
+
+def _call(obj: Any, keys: tuple[str, ...]) -> ToolCall | None:
+    """``{"name": str, <one of keys>: {...}}`` (the arguments may also be a JSON object's text) as a ToolCall."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = next((obj[k] for k in keys if k in obj), {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _calls(values: list[Any], keys: tuple[str, ...]) -> tuple[ToolCall, ...] | None:
+    calls = [_call(v, keys) for v in values]
+    return None if not calls or None in calls else tuple(c for c in calls if c is not None)
+
+
+def _hermes(text: str) -> Parsed | None:
+    values = []
+    for block in _HERMES_BLOCK.finditer(text):
+        try:
+            values.append(json.loads(block.group(1)))
+        except ValueError:
+            return None
+    calls = _calls(values, ("arguments",))
+    if calls is None:
+        return None
+    return Parsed(_HERMES_BLOCK.sub("", text).rstrip() or None, calls)
+
+
+def _leading_json(text: str, fmt: str) -> Parsed | None:
+    """The whole answer as calls: Mistral's list, or Llama 3's objects separated by ';'."""
+    rest = text.lstrip().removeprefix("[TOOL_CALLS]") if fmt == MISTRAL else text.lstrip()
+    if not rest.startswith(_OPENERS[fmt]):
+        return None
+    decoder, values = json.JSONDecoder(), []
+    while rest:
+        try:
+            value, end = decoder.raw_decode(rest)
+        except ValueError:
+            return None
+        values.extend(value if fmt == MISTRAL and isinstance(value, list) else [value])
+        rest = rest[end:].lstrip()
+        if fmt == MISTRAL and rest or fmt == LLAMA3 and rest and not rest.startswith(";"):
+            return None
+        rest = rest.removeprefix(";").lstrip()
+    calls = _calls(values, ("arguments",) if fmt == MISTRAL else ("parameters", "arguments"))
+    return None if calls is None else Parsed(None, calls)
+
+
+def parse(fmt: str, text: str, parallel: bool = True) -> Parsed:
+    """``text`` (a whole answer) split into content and the calls in format ``fmt``; with ``parallel`` False
+    only the first call is kept (OpenAI's ``parallel_tool_calls``)."""
+    parsed = _hermes(text) if fmt == HERMES else _leading_json(text, fmt)
+    if parsed is None:
+        return Parsed(text, ())
+    return parsed if parallel else Parsed(parsed.content, parsed.calls[:1])
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that begins ``marker`` (a marker the next text may finish)."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolStream:
+    """One streamed choice's text in format ``fmt``: ``feed`` gives the content that can go out now, ``finish``
+    the rest of the content and the calls. Content is held from where a call may begin; so is whitespace at its
+    end, which a call's answer leaves out. Sent content is always the start of ``parse``'s content."""
+
+    def __init__(self, fmt: str, parallel: bool = True) -> None:
+        self.fmt, self.parallel = fmt, parallel
+        self.text = ""
+        self.sent = 0  # characters of text sent as content
+        self.holding = False  # a call may have begun: the rest is held to the end
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        if self.holding:
+            return ""
+        if self.fmt == HERMES:
+            start = self.text.find(HERMES_OPEN, self.sent)
+            self.holding = start >= 0
+            end = start if self.holding else len(self.text) - _partial_suffix(self.text, HERMES_OPEN)
+            end = len(self.text[:end].rstrip())
+        else:
+            head = self.text.lstrip()
+            if self.sent == 0 and not head:
+                return ""
+            if self.sent == 0 and head.startswith(_OPENERS[self.fmt]):
+                self.holding = True
+                return ""
+            end = len(self.text)
+        out, self.sent = self.text[self.sent:max(end, self.sent)], max(end, self.sent)
+        return out
+
+    def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
+        """(the content not yet sent, the calls) once the answer is whole."""
+        parsed = parse(self.fmt, self.text, self.parallel)
+        if not parsed.calls:
+            return self.text[self.sent:], ()
+        return (parsed.content or "")[self.sent:], parsed.calls
+
+
+@dataclass(frozen=True)
+class ToolCalls:
+    """A request's tool calls: the format its answers write them in, and whether several may come at once."""
+
+    fmt: str
+    parallel: bool = True
+
+    def message_calls(self, calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
+        """OpenAI's ``tool_calls`` of a message, each with a new id."""
+        return [{"id": call_id(self.fmt), "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments}} for c in calls]

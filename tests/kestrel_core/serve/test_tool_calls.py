@@ -1,0 +1,205 @@
+"""Tool calls through a real server and the official openai client: the tools reach the prompt through the model's
+chat template, and the calls in an answer come back as OpenAI's ``tool_calls``, whole and streamed.
+
+The answers are scripted (``_Scripted``, an AsyncEngine whose ``generate`` yields a given text a few characters
+at a time), since no model small enough for the tests writes a call on cue; the prompt, the chat template, the
+server and the client are the real ones, over the default model's tokenizer with a Hermes-style template.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import openai
+import pytest
+
+import kestrel_core
+from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.model.sampling import SamplingParams
+from kestrel_core.model.scheduler import RequestOutput
+from kestrel_core.serve.server import KestrelServer
+
+from .helpers import running_server
+
+pytestmark = pytest.mark.default_model
+
+NAME = "tools-test"
+# Qwen2.5's way of offering tools and writing calls, written for these tests
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call these functions:\n<tools>\n"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n"
+    'Answer a call as <tool_call>\n{"name": <name>, "arguments": <object>}\n</tool_call><|im_end|>\n{%- endif %}'
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n{{ message.content }}"
+    "{%- for call in message.tool_calls %}<tool_call>\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}\n</tool_call>'
+    "{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _call(name: str, arguments: dict[str, Any]) -> str:
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+PARIS = _call("get_weather", {"city": "Paris"})
+
+
+class _Scripted(AsyncEngine):
+    """An AsyncEngine whose answers are ``answers`` in order, 3 characters an output; the prompts it was given
+    are kept as text."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine, max_batch=4)
+        self.answers: list[str] = []
+        self.prompts: list[str] = []
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        self.prompts.append(self.engine.tokenizer.decode(list(prompt_ids)))
+        text = self.answers.pop(0)
+        pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+        for k, piece in enumerate(pieces):
+            last = k == len(pieces) - 1
+            yield RequestOutput(request_id or "r", [1], piece, None, last, "stop" if last else None,
+                                len(prompt_ids), k + 1)
+
+
+@pytest.fixture(scope="module")
+def scripted() -> Iterator[_Scripted]:
+    with kestrel_core.load(None, backend="cpu") as engine:
+        engine.tokenizer.chat_template = HERMES_TEMPLATE
+        yield _Scripted(engine)
+
+
+@pytest.fixture(scope="module")
+def server(scripted: _Scripted) -> Iterator[KestrelServer]:
+    with running_server(scripted, NAME) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server: KestrelServer, scripted: _Scripted) -> openai.OpenAI:
+    scripted.answers.clear()
+    scripted.prompts.clear()
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _answer(scripted: _Scripted, client: openai.OpenAI, text: str, **kwargs: Any) -> Any:
+    scripted.answers.append(text)
+    args: dict[str, Any] = {"model": NAME, "messages": ASK, "tools": [WEATHER, TIME]}
+    return client.chat.completions.create(**{**args, **kwargs})
+
+
+def test_the_tools_reach_the_prompt(scripted: _Scripted, client: openai.OpenAI) -> None:
+    _answer(scripted, client, "Sunny.")
+    prompt = scripted.prompts[-1]
+    assert "<tools>" in prompt and json.dumps(WEATHER, ensure_ascii=False) in prompt
+    assert json.dumps(TIME, ensure_ascii=False) in prompt
+
+
+def test_a_call_comes_back_as_tool_calls(scripted: _Scripted, client: openai.OpenAI) -> None:
+    choice = _answer(scripted, client, PARIS).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_text_before_a_call_is_the_content(scripted: _Scripted, client: openai.OpenAI) -> None:
+    choice = _answer(scripted, client, "Let me look that up.\n\n" + PARIS).choices[0]
+    assert choice.message.content == "Let me look that up."
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("answer", ["It is sunny in Paris.", "<tool_call>\n{not json}\n</tool_call>",
+                                    '<tool_call>\n{"arguments": {}}\n</tool_call>'])
+def test_an_answer_without_a_readable_call_is_text(scripted: _Scripted, client: openai.OpenAI, answer: str) -> None:
+    choice = _answer(scripted, client, answer).choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content == answer and not choice.message.tool_calls
+
+
+@pytest.mark.parametrize(("parallel", "names"), [(None, ["get_weather", "get_time"]), (False, ["get_weather"])])
+def test_several_calls_unless_parallel_calls_are_off(scripted: _Scripted, client: openai.OpenAI,
+                                                     parallel: bool | None, names: list[str]) -> None:
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    message = _answer(scripted, client, PARIS + "\n" + _call("get_time", {}), **extra).choices[0].message
+    assert [c.function.name for c in message.tool_calls] == names
+    assert len({c.id for c in message.tool_calls}) == len(names)
+
+
+def _stream(scripted: _Scripted, client: openai.OpenAI, texts: list[str], **kwargs: Any
+            ) -> tuple[dict[int, str], dict[int, list[dict[str, Any]]], dict[int, str]]:
+    """Each choice's streamed content, its tool calls (from their deltas) and its finish reason."""
+    scripted.answers.extend(texts)
+    content: dict[int, str] = {}
+    calls: dict[int, list[dict[str, Any]]] = {}
+    reasons: dict[int, str] = {}
+    for chunk in _answer(scripted, client, texts[0], stream=True, **kwargs):
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        delta = choice.delta
+        content[choice.index] = content.get(choice.index, "") + (delta.content or "")
+        for call in delta.tool_calls or []:
+            calls.setdefault(choice.index, []).append(
+                {"index": call.index, "id": call.id, "name": call.function.name, "arguments": call.function.arguments})
+        if choice.finish_reason:
+            reasons[choice.index] = choice.finish_reason
+    scripted.answers.clear()
+    return content, calls, reasons
+
+
+def test_a_streamed_call(scripted: _Scripted, client: openai.OpenAI) -> None:
+    content, calls, reasons = _stream(scripted, client, ["Let me look that up.\n\n" + PARIS])
+    assert content == {0: "Let me look that up."} and reasons == {0: "tool_calls"}
+    (call,) = calls[0]
+    assert call["index"] == 0 and call["id"].startswith("call_") and call["name"] == "get_weather"
+    assert json.loads(call["arguments"]) == {"city": "Paris"}
+
+
+def test_streamed_choices_each_have_their_calls(scripted: _Scripted, client: openai.OpenAI) -> None:
+    content, calls, reasons = _stream(scripted, client, [PARIS, "No call here <tool_"], n=2)
+    assert reasons == {0: "tool_calls", 1: "stop"}
+    assert content == {0: "", 1: "No call here <tool_"}
+    assert [c["name"] for c in calls[0]] == ["get_weather"] and 1 not in calls
+
+
+def test_a_conversation_with_calls_and_results(scripted: _Scripted, client: openai.OpenAI) -> None:
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    reply = _answer(scripted, client, "It is 18 C and sunny.", messages=messages)
+    assert reply.choices[0].message.content == "It is 18 C and sunny."
+    prompt = scripted.prompts[-1]
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt  # an object, not a string
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in prompt
+
+
+def test_tool_choice_none_shows_no_tools_and_reads_no_calls(scripted: _Scripted, client: openai.OpenAI) -> None:
+    choice = _answer(scripted, client, PARIS, tool_choice="none").choices[0]
+    assert choice.message.content == PARIS and not choice.message.tool_calls
+    assert "<tools>" not in scripted.prompts[-1]
+
+
+@pytest.mark.parametrize(("kwargs", "param"), [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.[0].type"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.[0].function.name"),
+])
+def test_what_kestrel_cannot_do_is_a_400(client: openai.OpenAI, kwargs: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**{"model": NAME, "messages": ASK, "tools": [WEATHER], **kwargs})
+    assert info.value.body["param"] == param, info.value.body

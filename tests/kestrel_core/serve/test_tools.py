@@ -1,0 +1,131 @@
+"""serve/tools.py: the tool-call format a chat template teaches, calls read out of whole answers, and a stream's
+content held back exactly where a call may begin."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from kestrel_core.serve.tools import (
+    HERMES,
+    LLAMA3,
+    MISTRAL,
+    UNKNOWN,
+    Parsed,
+    ToolCall,
+    ToolCalls,
+    ToolStream,
+    call_id,
+    parse,
+    tool_format,
+)
+
+
+@pytest.mark.parametrize(("template", "fmt"), [
+    ("{% for t in tools %}{{ t | tojson }}{% endfor %}Calls go in <tool_call></tool_call>.", HERMES),
+    ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]", MISTRAL),
+    ("<|start_header_id|>system<|end_header_id|>{% if tools is not none %}{{ tools | tojson }}{% endif %}", LLAMA3),
+    ("{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{% endfor %}{{ tools }}<tool_call>",
+     HERMES),  # the loop controls the sandbox allows
+    ("{% for t in tools %}{{ t.function.name }}{% endfor %}", UNKNOWN),
+    ("{% for m in messages %}{{ m.content }}{% endfor %} tools <tool_call>", None),  # "tools" only as text
+    ("{% set tools = [] %}{{ tools }}<tool_call>", None),  # its own variable, not the request's
+    ("", None),
+    (None, None),
+])
+def test_the_format_a_template_teaches(template: str | None, fmt: str | None) -> None:
+    assert tool_format(template) == fmt
+
+
+def test_a_template_that_does_not_parse_has_no_format() -> None:
+    assert tool_format("{% for t in tools %}<tool_call>") is None  # the chat template's own error says why
+
+
+def _calls(*pairs: tuple[str, dict[str, object]]) -> tuple[ToolCall, ...]:
+    return tuple(ToolCall(name, json.dumps(args)) for name, args in pairs)
+
+
+CASES = [
+    (HERMES, '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>', Parsed(None, _calls(("f", {"x": 1})))),
+    (HERMES, 'Sure.\n\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "g", '
+             '"arguments": "{\\"y\\": [1, 2]}"}</tool_call>\n',
+     Parsed("Sure.", _calls(("f", {}), ("g", {"y": [1, 2]})))),
+    (HERMES, '<tool_call>{"name": "f", "arguments": {"s": "\u00e9\u4e2d"}}</tool_call>',
+     Parsed(None, (ToolCall("f", '{"s": "\u00e9\u4e2d"}'),))),
+    (HERMES, '<tool_call>{"name": "f"}</tool_call>', Parsed(None, _calls(("f", {})))),  # no arguments: none
+    (HERMES, "Just text, no call.", Parsed("Just text, no call.", ())),
+    (HERMES, "<tool_call>{bad json}</tool_call>", Parsed("<tool_call>{bad json}</tool_call>", ())),
+    (HERMES, '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+     Parsed('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', ())),
+    (HERMES, '<tool_call>{"name": "", "arguments": {}}</tool_call>',
+     Parsed('<tool_call>{"name": "", "arguments": {}}</tool_call>', ())),
+    (HERMES, '<tool_call>{"name": "f", "arguments": {}}', Parsed('<tool_call>{"name": "f", "arguments": {}}', ())),
+    (MISTRAL, ' [{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]',
+     Parsed(None, _calls(("f", {"x": 1}), ("g", {})))),
+    (MISTRAL, '[TOOL_CALLS][{"name": "f", "arguments": {}}]', Parsed(None, _calls(("f", {})))),
+    (MISTRAL, '[{"name": "f", "arguments": {}}] and then text',
+     Parsed('[{"name": "f", "arguments": {}}] and then text', ())),
+    (MISTRAL, "[a link](http://x)", Parsed("[a link](http://x)", ())),
+    (MISTRAL, '{"name": "f", "arguments": {}}', Parsed('{"name": "f", "arguments": {}}', ())),
+    (LLAMA3, '{"name": "f", "parameters": {"x": 1}}', Parsed(None, _calls(("f", {"x": 1})))),
+    (LLAMA3, '{"name": "f", "parameters": {}}; {"name": "g", "arguments": {"y": 2}}',
+     Parsed(None, _calls(("f", {}), ("g", {"y": 2})))),
+    (LLAMA3, '{"name": "f", "parameters": {}} is what I would call',
+     Parsed('{"name": "f", "parameters": {}} is what I would call', ())),
+    (LLAMA3, '{"x": 1}', Parsed('{"x": 1}', ())),
+    (LLAMA3, "Hello {name}", Parsed("Hello {name}", ())),
+]
+
+
+@pytest.mark.parametrize(("fmt", "text", "expected"), CASES)
+def test_parse(fmt: str, text: str, expected: Parsed) -> None:
+    assert parse(fmt, text) == expected
+
+
+def test_parallel_off_keeps_the_first_call() -> None:
+    text = '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    assert parse(HERMES, text, parallel=False) == Parsed(None, _calls(("f", {})))
+
+
+def _chunkings(text: str) -> list[list[str]]:
+    sizes = [1, 2, 3, 7, len(text) or 1]
+    return [[text[i:i + n] for i in range(0, len(text), n)] for n in sizes]
+
+
+@pytest.mark.parametrize(("fmt", "text", "expected"), CASES + [
+    (HERMES, "Ends in a half marker <tool_ca", Parsed("Ends in a half marker <tool_ca", ())),
+    (HERMES, "Spaces at the end   \n", Parsed("Spaces at the end   \n", ())),
+    (LLAMA3, "   \n  ", Parsed("   \n  ", ())),
+])
+def test_a_stream_sends_what_the_whole_answer_has(fmt: str, text: str, expected: Parsed) -> None:
+    """However the text arrives, the content sent as it comes plus the rest at the end is the whole answer's
+    content, the calls are its calls, and nothing of a call is ever sent as content."""
+    for pieces in _chunkings(text):
+        stream = ToolStream(fmt)
+        sent = ""
+        for piece in pieces:
+            sent += stream.feed(piece)
+            assert (expected.content or "").startswith(sent)
+            if expected.calls:
+                assert "<tool_call" not in sent and "[{" not in sent and not sent.lstrip().startswith("{")
+        rest, calls = stream.finish()
+        assert (sent + rest, calls) == (expected.content or "", expected.calls)
+
+
+def test_a_stream_sends_text_as_soon_as_it_cannot_begin_a_call() -> None:
+    stream = ToolStream(HERMES)
+    assert stream.feed("Hello <to") == "Hello"
+    assert stream.feed("ken> there ") == " <token> there"
+    assert stream.feed("<tool_call>{") == ""
+    llama = ToolStream(LLAMA3)
+    assert llama.feed("  ") == "" and llama.feed("Hi") == "  Hi"
+
+
+def test_call_ids() -> None:
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", call_id(MISTRAL))  # Mistral's templates check for nine
+    ids = {call_id(HERMES) for _ in range(100)}
+    assert len(ids) == 100 and all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids)
+    calls = ToolCalls(LLAMA3).message_calls(_calls(("f", {"x": 1})))
+    assert calls[0]["type"] == "function" and calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
