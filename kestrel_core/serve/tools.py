@@ -119,8 +119,8 @@ def _leading_json(text: str, fmt: str) -> Parsed | None:
             return None
         values.extend(value if fmt == MISTRAL and isinstance(value, list) else [value])
         rest = rest[end:].lstrip()
-        if fmt == MISTRAL and rest or fmt == LLAMA3 and rest and not rest.startswith(";"):
-            return None
+        if rest and (fmt == MISTRAL or not rest.startswith(";")):
+            return None  # Mistral's list is the whole answer; Llama 3's calls are separated by ';'
         rest = rest.removeprefix(";").lstrip()
     calls = _calls(values, ("arguments",) if fmt == MISTRAL else ("parameters", "arguments"))
     return None if calls is None else Parsed(None, calls)
