@@ -1,7 +1,7 @@
 """Tool calls in chat completions: the model's chat template renders the tools a request offers, and the calls
 the model writes are read back out of its text in the format that template teaches it.
 
-``tool_format(template)`` names the format from the template's source: ``hermes`` (Qwen2, Qwen2.5, Qwen3:
+``tool_format(template)`` names the format from the template's source: ``hermes`` (Qwen2.5, Qwen3, Hermes:
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, anywhere in the answer), ``mistral``
 (``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``: the control token is not text, so the answer
 starts with the list) or ``llama3`` (Llama 3.1+: the answer is ``{"name": ..., "parameters": {...}}``, several
