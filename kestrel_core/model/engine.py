@@ -20,8 +20,9 @@ import numpy as np
 
 from kestrel_core.batch import BatchEntry, greedy_token
 from kestrel_core.dispatch import Deferred, Offload, all_finite
-from kestrel_core.errors import KestrelError, NonFiniteLogits, Overloaded
+from kestrel_core.errors import InvalidRequest, KestrelError, NonFiniteLogits, Overloaded
 from kestrel_core.model.decoder import ACTIVATIONS, PREFILL_CHUNK, Decoder
+from kestrel_core.model.grammar import Constraint, grammar_vocab
 from kestrel_core.model.kv_pool import KVPool, SeqCache
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob, logprobs_of
 from kestrel_core.model.weights import Model
@@ -130,6 +131,7 @@ class Engine:
         self._next_seq = 1
         self.preload_s = 0.0
         self.load_s = 0.0  # reading/building the model, set by load()
+        self._grammar_vocab: Any = None  # llguidance's view of the vocabulary, built for the first grammar
         if preload:
             t0 = time.perf_counter()
             self.offload.preload(model)
@@ -162,6 +164,16 @@ class Engine:
     @property
     def eos_token_ids(self) -> set[int]:
         return set(self.config.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+
+    def constraint(self, grammar: str) -> Constraint:
+        """A request's place in ``grammar`` (SamplingParams.grammar) over this model's vocabulary."""
+        if self._grammar_vocab is None:
+            to_json = getattr(self.tokenizer, "to_json_str", None)  # NoTokenizer's attributes are AttributeErrors
+            if to_json is None:
+                raise InvalidRequest("a grammar needs the model's own tokenizer (tokenizer.json or a GGUF "
+                                     "vocabulary), and this model has none", param="grammar")
+            self._grammar_vocab = grammar_vocab(to_json(), self.config.vocab_size, sorted(self.eos_token_ids))
+        return Constraint(self._grammar_vocab, grammar, sorted(self.eos_token_ids))
 
     # -- sequences and steps -------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +38,7 @@ class SamplingParams:
     top_logprobs: int = 0  # alternatives per token, 0..MAX_TOP_LOGPROBS
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100]), OpenAI's
+    grammar: str | None = None  # llguidance grammar text the answer must match (kestrel_core.model.grammar)
 
     def check(self) -> SamplingParams:
         def bad(name: str, why: str) -> InvalidRequest:
@@ -72,6 +74,8 @@ class SamplingParams:
             if not (isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0
                     and _is_number(pair[1]) and -100 <= pair[1] <= 100):
                 raise bad("logit_bias", f"must map token ids >= 0 to numbers in [-100, 100], got {pair!r}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise bad("grammar", f"must be llguidance's grammar text, got {type(self.grammar).__name__}")
         return self
 
     @property
@@ -84,8 +88,9 @@ class SamplingParams:
 
     @property
     def adjusted(self) -> bool:
-        """Whether the logits change before sampling (penalties, a logit bias): the device's argmax will not do."""
-        return self.penalized or bool(self.logit_bias)
+        """Whether the logits change before sampling (penalties, a logit bias, a grammar): the device's argmax
+        will not do."""
+        return self.penalized or bool(self.logit_bias) or self.grammar is not None
 
 
 def _is_int(x: object) -> bool:
@@ -106,10 +111,12 @@ class TokenLogprob:
 
 
 class Sampler:
-    """Picks one token id from a row of logits [vocab]; the same seed gives the same tokens."""
+    """Picks one token id from a row of logits [vocab]; the same seed gives the same tokens. ``constraint``: the
+    request's grammar (kestrel_core.model.grammar.Constraint), which every token chosen keeps to."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, constraint: Any = None) -> None:
         self.params = params.check()
+        self.constraint = constraint
         seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2 ** 63)
         self.rng = np.random.default_rng(seed)
         self.counts: Counter[int] = Counter()  # generated token -> times, for the penalties
@@ -123,6 +130,8 @@ class Sampler:
     def __call__(self, logits: np.ndarray) -> int:
         """The next token; counted for the penalties."""
         z = self.processed(logits)
+        if self.constraint is not None:
+            z = self.constraint.allow(z)
         if self.greedy:
             token = int(np.argmax(z))  # the first maximum: deterministic
         else:
@@ -133,8 +142,10 @@ class Sampler:
         return token
 
     def count(self, token: int) -> None:
-        """Record a generated token (for the penalties), whoever chose it."""
+        """Record a generated token (for the penalties and the grammar), whoever chose it."""
         self.counts[token] += 1
+        if self.constraint is not None:
+            self.constraint.accept(token)
 
     def processed(self, logits: np.ndarray) -> np.ndarray:
         """The logits [vocab] with the logit bias added, after the presence and frequency penalties (float32; a

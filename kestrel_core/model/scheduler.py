@@ -35,6 +35,7 @@ import numpy as np
 
 from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
 from kestrel_core.model.detokenize import TextStream
+from kestrel_core.model.grammar import check_grammar
 from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
 from kestrel_core.model.tokenizer import NoTokenizer
 from kestrel_core.model.weights import PREFILL_CHUNK
@@ -141,6 +142,8 @@ class Scheduler:
         params.check()
         if params.stop and isinstance(self.engine.tokenizer, NoTokenizer):
             raise InvalidRequest("stop strings need a tokenizer, and this model has none", param="stop")
+        if params.grammar is not None:
+            check_grammar(params.grammar)
         try:
             self.engine.check_ids(prompt_ids, "prompt")
         except KestrelError as exc:
@@ -166,7 +169,8 @@ class Scheduler:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         tokenizer = self.engine.tokenizer
         text = None if isinstance(tokenizer, NoTokenizer) else TextStream(tokenizer, params.stop)
-        request = Request(request_id, prompt_ids, params, Sampler(params), text)
+        constraint = self.engine.constraint(params.grammar) if params.grammar is not None else None
+        request = Request(request_id, prompt_ids, params, Sampler(params, constraint), text)
         self.requests[request_id] = request
         self.waiting.append(request)
         return request

@@ -1,0 +1,112 @@
+"""Generation constrained by a grammar, on llguidance (the library llama.cpp and vLLM use for it).
+
+A request's ``SamplingParams.grammar`` is llguidance's grammar text, made by ``json_schema_grammar`` (JSON that
+a JSON Schema accepts), ``lark_grammar`` or ``regex_grammar``. Its ``Constraint`` (an ``LLMatcher`` over the
+model's ``grammar_vocab``) sets every token the grammar does not allow next to -inf before the sampler chooses,
+and consumes each token chosen; the end of text is allowed exactly where the grammar is complete. Grammars come
+from clients, so llguidance's default limits bound the work of each token's mask; a grammar that fails in
+generation (past a limit) ends its answer at once. llguidance is imported on first use.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kestrel_core.errors import InvalidRequest, KestrelError
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError:  # pragma: no cover - a dependency of kestrel
+        raise KestrelError("constrained generation needs llguidance: pip install llguidance") from None
+    return llguidance
+
+
+def json_schema_grammar(schema: dict[str, Any] | str, param: str = "grammar") -> str:
+    """The grammar of the JSON texts ``schema`` (a JSON Schema, as an object or its text) accepts, compactly
+    written (no whitespace between tokens). A schema kestrel cannot read is an InvalidRequest naming ``param``."""
+    try:
+        grammar = _llguidance().LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest(f"invalid JSON Schema: {exc}", param=param) from None
+    check_grammar(grammar, param)
+    return grammar
+
+
+def lark_grammar(lark: str, param: str = "grammar") -> str:
+    """The grammar of a Lark grammar's text (llguidance's dialect: ``%json {schema}`` embeds a JSON Schema)."""
+    grammar = _llguidance().LLMatcher.grammar_from_lark(lark)
+    check_grammar(grammar, param)
+    return grammar
+
+
+def regex_grammar(regex: str, param: str = "grammar") -> str:
+    """The grammar of the texts a regular expression matches whole."""
+    grammar = _llguidance().LLMatcher.grammar_from_regex(regex)
+    check_grammar(grammar, param)
+    return grammar
+
+
+def check_grammar(grammar: str, param: str = "grammar") -> None:
+    """InvalidRequest (naming ``param``) for a grammar llguidance refuses; cheap: no vocabulary is needed."""
+    if not isinstance(grammar, str):
+        raise InvalidRequest(f"a grammar is llguidance's grammar text, got {type(grammar).__name__}", param=param)
+    error = _llguidance().LLMatcher.validate_grammar(grammar)
+    if error and not error.startswith("WARNING"):
+        raise InvalidRequest(f"invalid grammar: {' '.join(error.split())}", param=param)
+
+
+def grammar_vocab(tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
+    """llguidance's view of a model's vocabulary (its ``LLTokenizer``, about a second to build: the engine keeps
+    one). ``vocab_size``: the model's logits, which may be more than the tokenizer's tokens."""
+    return _llguidance().LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+
+
+class Constraint:
+    """One request's place in its grammar. ``allow`` masks a row of logits; ``accept`` consumes a token."""
+
+    def __init__(self, vocab: Any, grammar: str, eos_token_ids: Sequence[int]) -> None:
+        self.matcher = _llguidance().LLMatcher(vocab, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise InvalidRequest(f"invalid grammar: {' '.join(self.matcher.get_error().split())}", param="grammar")
+        self.vocab_size = vocab.vocab_size
+        self.eos = int(eos_token_ids[0]) if len(eos_token_ids) else None
+        self._bits = np.zeros((self.vocab_size + 31) // 32, np.int32)
+
+    def allowed(self) -> np.ndarray:
+        """bool [vocab]: the tokens the grammar allows next (only the end of text once it has failed)."""
+        out = np.zeros(self.vocab_size, bool)
+        if self.matcher.is_error():
+            if self.eos is not None:
+                out[self.eos] = True
+            return out
+        self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
+
+    def allow(self, z: np.ndarray) -> np.ndarray:
+        """Logits z [vocab] with every token the grammar does not allow next at -inf (a copy)."""
+        allowed = self.allowed()
+        if not allowed.any():  # nothing at all: let the end of text through rather than choose blind
+            allowed[self.eos if self.eos is not None else int(np.argmax(z))] = True
+        return np.where(allowed[:len(z)], z, np.float32(-np.inf)).astype(np.float32, copy=False)
+
+    def accept(self, token: int) -> None:
+        """Consume the chosen ``token`` (a token the grammar refuses puts it in its failed state)."""
+        if not self.matcher.is_error():
+            self.matcher.consume_token(int(token))
+
+    @property
+    def failed(self) -> str:
+        """Why the grammar failed, or ""."""
+        return self.matcher.get_error() if self.matcher.is_error() else ""
+
+
+def schema_text(schema: Any) -> str:
+    """A JSON Schema as compact text (for a grammar's ``%json`` embedding)."""
+    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))

@@ -1,0 +1,121 @@
+"""Constrained generation (model/grammar.py): the default model's answers keep to a JSON Schema, a regular
+expression and a Lark grammar, greedy and sampled, and a bad grammar is a one-line InvalidRequest."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kestrel_core
+from kestrel_core.errors import InvalidRequest
+from kestrel_core.model.engine import load_preset
+from kestrel_core.model.grammar import Constraint, check_grammar, grammar_vocab, json_schema_grammar, lark_grammar
+from kestrel_core.model.sampling import Sampler, SamplingParams
+
+CITY = {"type": "object", "additionalProperties": False, "required": ["city", "population", "country"],
+        "properties": {"city": {"type": "string", "maxLength": 30}, "population": {"type": "integer"},
+                       "country": {"enum": ["France", "Italy", "Spain"]}}}
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Any]:
+    with kestrel_core.load(None, backend="cpu") as e:
+        yield e
+
+
+def _answer(engine: Any, question: str, **params: Any) -> tuple[str, str | None]:
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": question}])
+    outs = list(engine.stream(ids, SamplingParams(**params)))
+    return "".join(o.new_text for o in outs), outs[-1].finish_reason
+
+
+def _check_city(value: Any) -> None:
+    assert isinstance(value, dict) and set(value) == {"city", "population", "country"}
+    assert isinstance(value["city"], str) and len(value["city"]) <= 30
+    assert isinstance(value["population"], int) and value["country"] in ("France", "Italy", "Spain")
+
+
+QUESTION = "Describe Paris as a JSON object with its population and country."
+
+
+@pytest.mark.default_model
+def test_without_a_grammar_the_answer_is_not_that_json(engine: Any) -> None:
+    """The reference point: the same question unconstrained is prose, so the tests below can fail."""
+    text, _ = _answer(engine, QUESTION, max_tokens=40)
+    with pytest.raises(ValueError):
+        _check_city(json.loads(text))
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 7}, {"temperature": 1.5, "top_p": 0.9,
+                                                                          "seed": 11}])
+def test_answers_keep_to_a_json_schema(engine: Any, sampling: dict[str, Any]) -> None:
+    text, reason = _answer(engine, QUESTION, max_tokens=80, grammar=json_schema_grammar(CITY), **sampling)
+    assert reason == "stop", text
+    _check_city(json.loads(text))
+
+
+@pytest.mark.default_model
+def test_answers_keep_to_a_regex_and_a_lark_grammar(engine: Any) -> None:
+    text, reason = _answer(engine, "Is Paris in France? Answer yes or no.", max_tokens=8,
+                           grammar=kestrel_core.regex_grammar(r"(yes|no)\."))
+    assert reason == "stop" and text in ("yes.", "no.")
+    lark = 'start: "The answer is " NUMBER "."\nNUMBER: /[0-9]{1,3}/'
+    text, reason = _answer(engine, "What is 12 times 3?", max_tokens=12, temperature=1.0, seed=1,
+                           grammar=lark_grammar(lark))
+    assert reason == "stop" and re.fullmatch(r"The answer is [0-9]{1,3}\.", text), text
+
+
+@pytest.mark.default_model
+def test_a_grammar_ends_where_it_is_complete_or_at_max_tokens(engine: Any) -> None:
+    text, reason = _answer(engine, "Say hi.", max_tokens=30, grammar=kestrel_core.regex_grammar("hi"))
+    assert (text, reason) == ("hi", "stop")
+    text, reason = _answer(engine, QUESTION, max_tokens=3, grammar=json_schema_grammar(CITY))
+    assert reason == "length" and text.startswith('{"')
+
+
+@pytest.mark.default_model
+def test_a_constraint_masks_and_consumes(engine: Any) -> None:
+    vocab = grammar_vocab(engine.tokenizer.to_json_str(), engine.config.vocab_size, [2])
+    c = Constraint(vocab, kestrel_core.regex_grammar("ab"), [2])
+    allowed = c.allowed()
+    assert allowed.shape == (engine.config.vocab_size,) and 0 < allowed.sum() < 10
+    assert {engine.tokenizer.decode([int(i)]) for i in np.flatnonzero(allowed)} <= {"a", "ab"}
+    z = np.zeros(engine.config.vocab_size, np.float32)
+    assert np.isneginf(c.allow(z)[~allowed]).all() and (c.allow(z)[allowed] == 0).all()
+    c.accept(engine.tokenizer.encode("ab", add_special_tokens=False)[0])
+    sampler = Sampler(SamplingParams(), c)
+    while not c.matcher.is_stopped():
+        sampler(np.random.default_rng(0).standard_normal(engine.config.vocab_size).astype(np.float32))
+    assert np.flatnonzero(c.allowed()).tolist() == [2]  # complete: only the end of text
+    c.accept(5)  # a token the grammar refuses: it fails, and lets only the end of text through
+    assert c.failed and np.flatnonzero(c.allowed()).tolist() == [2]
+
+
+def test_a_grammar_is_not_an_argmax_for_the_device() -> None:
+    assert SamplingParams(grammar="x").adjusted and not SamplingParams().adjusted
+
+
+@pytest.mark.parametrize(("make", "says"), [
+    (lambda: json_schema_grammar("{not json"), "invalid JSON Schema"),
+    (lambda: json_schema_grammar({"type": "object", "properties": {"a": {"type": "nonsense"}}}), "invalid"),
+    (lambda: lark_grammar("start: missing_rule"), "invalid grammar"),
+    (lambda: kestrel_core.regex_grammar("(unclosed"), "invalid grammar"),
+    (lambda: check_grammar("not a grammar at all {"), "invalid grammar"),
+    (lambda: SamplingParams(grammar=5).check(), "grammar"),  # type: ignore[arg-type]
+])
+def test_bad_grammars_are_one_line_errors(make: Any, says: str) -> None:
+    with pytest.raises(InvalidRequest, match=says) as info:
+        make()
+    assert info.value.param == "grammar" and "\n" not in str(info.value)
+
+
+def test_a_model_without_its_own_tokenizer_takes_no_grammar() -> None:
+    with load_preset("smollm2-135m", backend="cpu", num_layers=1, vocab_size=512) as engine, \
+            pytest.raises(InvalidRequest, match="tokenizer"):
+        list(engine.stream([1, 2, 3], SamplingParams(max_tokens=2, grammar=kestrel_core.regex_grammar("a"))))
