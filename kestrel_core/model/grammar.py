@@ -27,16 +27,25 @@ def _llguidance() -> Any:
     return llguidance
 
 
+# JSON as models write it (json.dumps' separators), with no whitespace to wander into; keywords llguidance does
+# not implement are ignored rather than refused
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
+
+
 def json_schema_grammar(schema: dict[str, Any] | str, param: str = "grammar") -> str:
-    """The grammar of the JSON texts ``schema`` (a JSON Schema, as an object or its text) accepts, compactly
-    written (no whitespace between tokens). A schema kestrel cannot read is an InvalidRequest naming ``param``."""
+    """The grammar of the JSON texts ``schema`` (a JSON Schema, as an object or its text) accepts, written as
+    ``JSON_OPTIONS`` say. A schema kestrel cannot read is an InvalidRequest naming ``param``."""
     try:
-        grammar = _llguidance().LLMatcher.grammar_from_json_schema(
-            schema, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+        grammar = _llguidance().LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as exc:
         raise InvalidRequest(f"invalid JSON Schema: {exc}", param=param) from None
     check_grammar(grammar, param)
     return grammar
+
+
+def lark_json(schema: dict[str, Any]) -> str:
+    """A Lark rule's body for the JSON a schema accepts, written as ``JSON_OPTIONS`` say (for ``lark_grammar``)."""
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
 
 
 def lark_grammar(lark: str, param: str = "grammar") -> str:
@@ -105,8 +114,3 @@ class Constraint:
     def failed(self) -> str:
         """Why the grammar failed, or ""."""
         return self.matcher.get_error() if self.matcher.is_error() else ""
-
-
-def schema_text(schema: Any) -> str:
-    """A JSON Schema as compact text (for a grammar's ``%json`` embedding)."""
-    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,7 +33,7 @@ from kestrel_core.serve.protocol import (
     TokenStrings,
     new_id,
 )
-from kestrel_core.serve.tools import tool_format
+from kestrel_core.serve.tools import MISTRAL, tool_format
 
 
 class _Served:
@@ -45,6 +46,8 @@ class _Served:
         self.tokens = TokenStrings(self.engine.tokenizer)
         self.created = int(time.time())
         self.tool_format = tool_format(getattr(self.engine.tokenizer, "chat_template", None))
+        backend = getattr(self.engine.tokenizer, "backend", None)  # Mistral's [TOOL_CALLS] is a control token
+        self.tool_calls_id = backend.token_to_id("[TOOL_CALLS]") if self.tool_format == MISTRAL and backend else None
 
     def check_model(self, model: str | None) -> None:
         """OpenAI answers an unknown model with 404 model_not_found; no model at all means ours."""
@@ -103,6 +106,7 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None) -
         served.check_model(body.model)
         try:
             tools = body.tool_calls(served.tool_format)
+            grammar = body.grammar(tools, served.tool_calls_id)
         except KestrelError as exc:
             raise from_kestrel_error(exc, param="tools") from None
         try:
@@ -110,7 +114,7 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None) -
                                                                   tools=body.template_tools()))
         except KestrelError as exc:  # no messages, no template, or a template that failed on these
             raise from_kestrel_error(exc, param="messages") from None
-        params = _params(body, served.context_left(len(prompt_ids)))
+        params = replace(_params(body, served.context_left(len(prompt_ids))), grammar=grammar)
         shape = ChatShape(new_id("chatcmpl"), model_name, served.tokens, body.include_usage, body.continuous_usage,
                           tools)
         prompt = generation.Prompt(prompt_ids, params, params.logprobs)

@@ -3,9 +3,10 @@
 Requests are pydantic models with OpenAI's field names; unknown fields are ignored (clients send many), and
 scalar fields are strict (``"0.5"`` is not a temperature), so a wrong type is a 400 naming the field. Ranges
 are not repeated here: ``SamplingParams.check`` is the one place that knows them, and its ``InvalidRequest``
-names the field too. Fields kestrel cannot honour (``suffix``, a ``tool_choice`` that forces a call...) are
-refused rather than silently ignored, since ignoring them would change what the client gets. Tools are shown to
-the model by its chat template, and the calls it writes are read back out of its answers (serve/tools.py).
+names the field too. Fields kestrel cannot honour (``suffix``, image parts...) are refused rather than
+silently ignored, since ignoring them would change what the client gets. Tools are shown to the model by its
+chat template and the calls it writes are read back out of its answers (serve/tools.py); a forced call and a
+JSON ``response_format`` are grammars the answer keeps to (``grammar``, kestrel_core.model.grammar).
 ``n`` choices are ``n`` sequences of one prompt (with the prefix cache, the first computes it and the others
 attach its blocks); with a ``seed``, choice i samples with seed + i, so the choices differ and the request is
 reproducible. A completions request may hold several prompts (choice p * n + i is prompt p's i-th) and ``echo``
@@ -39,8 +40,9 @@ from pydantic import (
 )
 
 from kestrel_core.errors import InvalidRequest, KestrelError
+from kestrel_core.model.grammar import json_schema_grammar
 from kestrel_core.model.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
-from kestrel_core.serve.tools import UNKNOWN, ToolCalls, ToolStream, parse
+from kestrel_core.serve.tools import UNKNOWN, ToolCalls, ToolStream, call_grammar, parse
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; kestrel's own SamplingParams default is greedy
 MAX_CHOICES = 128  # n, at most (OpenAI's bound)
@@ -145,9 +147,13 @@ class Tool(_Request):
         return {"type": "function", "function": self.function.model_dump(exclude_none=True, exclude={"strict"})}
 
 
+class NamedFunction(_Request):
+    name: StrictStr
+
+
 class NamedToolChoice(_Request):
     type: Literal["function"]
-    function: dict[str, Any]
+    function: NamedFunction
 
 
 class StreamOptions(_Request):
@@ -247,10 +253,6 @@ class ChatCompletionRequest(_Generation):
         model is not shown them)."""
         if not self._shows_tools:
             return None
-        if self.tool_choice is not None and self.tool_choice != "auto":
-            choice = f'"{self.tool_choice}"' if isinstance(self.tool_choice, str) else "naming a function"
-            raise InvalidRequest(f"tool_choice {choice} is not supported: kestrel does not constrain an answer to a "
-                                 "tool call; use \"auto\"", param="tool_choice")
         if fmt is None:
             raise InvalidRequest("this model's chat template does not render tools", param="tools")
         if fmt == UNKNOWN:
@@ -258,6 +260,35 @@ class ChatCompletionRequest(_Generation):
                                  "reads calls in (<tool_call> blocks, Mistral's [TOOL_CALLS], Llama 3's JSON)",
                                  param="tools")
         return ToolCalls(fmt, self.parallel_tool_calls is not False)
+
+    def grammar(self, tools: ToolCalls | None, tool_calls_id: int | None = None) -> str | None:
+        """The grammar the answer keeps to (kestrel_core.model.grammar): calls of the tools where ``tool_choice``
+        is "required" or names a function (``tools``: ``tool_calls``' answer; ``tool_calls_id``: the id of
+        Mistral's control token), else the JSON ``response_format`` asks for; None for free text."""
+        kind = (self.response_format or {}).get("type", "text")
+        if self.tool_choice not in (None, "auto", "none"):
+            if tools is None or not self.tools:
+                raise InvalidRequest("tool_choice forces a call, but the request offers no tools", param="tool_choice")
+            if kind != "text":
+                raise InvalidRequest("a forced tool call and a JSON response_format cannot both shape the answer",
+                                     param="response_format")
+            name = None if isinstance(self.tool_choice, str) else self.tool_choice.function.name
+            functions = [t.function.model_dump(exclude_none=True) for t in self.tools
+                         if name is None or t.function.name == name]
+            if not functions:
+                raise InvalidRequest(f"tool_choice names the function {name!r}, which is not one of the tools",
+                                     param="tool_choice")
+            return call_grammar(tools.fmt, functions, tools.parallel and name is None, tool_calls_id)
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return json_schema_grammar({"type": "object"}, param="response_format")
+        spec = (self.response_format or {}).get("json_schema")
+        if kind != "json_schema" or not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise InvalidRequest('response_format must be {"type": "text"}, {"type": "json_object"} or '
+                                 '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+                                 param="response_format")
+        return json_schema_grammar(spec.get("schema", {}), param="response_format")
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as Hugging Face chat templates read them (``tools``), or None where the model is not
@@ -273,8 +304,6 @@ class ChatCompletionRequest(_Generation):
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """SamplingParams for this request (``default_max_tokens``: the context left after the prompt)."""
         self._refuse_unsupported()
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequest("only response_format {\"type\": \"text\"} is supported", param="response_format")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.max_completion_tokens is not None:

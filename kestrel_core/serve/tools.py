@@ -16,11 +16,14 @@ import json
 import re
 import secrets
 import string
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jinja2
 import jinja2.meta
+
+from kestrel_core.model.grammar import lark_grammar, lark_json
 
 HERMES, MISTRAL, LLAMA3, UNKNOWN = "hermes", "mistral", "llama3", "unknown"
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -180,6 +183,27 @@ class ToolStream:
         if not parsed.calls:
             return self.text[self.sent:], ()
         return (parsed.content or "")[self.sent:], parsed.calls
+
+
+def call_grammar(fmt: str, functions: Sequence[dict[str, Any]], many: bool, tool_calls_id: int | None = None) -> str:
+    """The grammar of answers that are calls, in format ``fmt``, of the ``functions`` (OpenAI's ``function``
+    objects: a name, and a JSON Schema of its arguments as ``parameters``): one call, or with ``many`` one or
+    more. ``tool_calls_id``: the id of Mistral's ``[TOOL_CALLS]`` control token (None: it is text)."""
+    key = "parameters" if fmt == LLAMA3 else "arguments"
+    call = lark_json({"anyOf": [
+        {"type": "object", "additionalProperties": False, "required": ["name", key],
+         "properties": {"name": {"const": f["name"]}, key: f.get("parameters") or {"type": "object"}}}
+        for f in functions]})
+    if fmt == HERMES:
+        start = 'block ("\\n" block)*' if many else "block"
+        rules = f'block: "{HERMES_OPEN}\\n" call "\\n{HERMES_CLOSE}"\n'
+    elif fmt == LLAMA3:
+        start, rules = ('call ("; " call)*' if many else "call"), ""
+    else:
+        head = f"<[{tool_calls_id}]>" if tool_calls_id is not None else '"[TOOL_CALLS]"'
+        more = ' (", " call)*' if many else ""
+        start, rules = f'{head} " "? "[" call{more} "]"', ""
+    return lark_grammar(f"start: {start}\n{rules}call: {call}\n", param="tool_choice")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from kestrel_core.serve.protocol import (
     choice_params,
     new_id,
 )
-from kestrel_core.serve.tools import HERMES, MISTRAL, UNKNOWN, ToolCalls
+from kestrel_core.serve.tools import HERMES, LLAMA3, MISTRAL, UNKNOWN, ToolCalls
 
 HI = [{"role": "user", "content": "Hi"}]
 
@@ -61,7 +61,6 @@ def test_fields_reach_sampling_params() -> None:
     ({"max_tokens": 0}, "max_tokens"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"logit_bias": {"1": 500}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"²": 1}}, "logit_bias"), ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"top_logprobs": 1}, "top_logprobs"), ({"stop": ""}, "stop"),
 ])
 def test_semantic_errors_name_the_field(fields: dict[str, Any], param: str) -> None:
@@ -163,14 +162,47 @@ def test_a_requests_tool_calls(fields: dict[str, Any], fmt: str | None, expected
 
 
 @pytest.mark.parametrize(("fields", "fmt", "param", "says"), [
-    ({"tool_choice": "required"}, HERMES, "tool_choice", 'tool_choice "required" is not supported'),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, HERMES, "tool_choice", "naming a function"),
     ({}, None, "tools", "does not render tools"),
     ({}, UNKNOWN, "tools", "none of the formats"),
 ])
-def test_tool_calls_kestrel_cannot_make(fields: dict[str, Any], fmt: str | None, param: str, says: str) -> None:
+def test_tool_calls_kestrel_cannot_read(fields: dict[str, Any], fmt: str | None, param: str, says: str) -> None:
     with pytest.raises(InvalidRequest, match=says) as info:
         _chat(tools=[TOOL], **fields).tool_calls(fmt)
+    assert info.value.param == param
+
+
+@pytest.mark.parametrize(("fields", "fmt", "needle"), [
+    ({}, None, None),
+    ({"response_format": {"type": "text"}}, None, None),
+    ({"response_format": {"type": "json_object"}}, None, '"type":"object"'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "array"}}}}, None,
+     '"type":"array"'),
+    ({"tools": [TOOL], "tool_choice": "auto"}, HERMES, None),
+    ({"tools": [TOOL], "tool_choice": "required"}, HERMES, 'block ("\\n" block)*'),
+    ({"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False}, LLAMA3, "start: call\n"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}}, MISTRAL, '<[9]> " "? "["'),
+])
+def test_the_grammar_an_answer_keeps_to(fields: dict[str, Any], fmt: str | None, needle: str | None) -> None:
+    req = _chat(**fields)
+    grammar = req.grammar(req.tool_calls(fmt), 9)
+    assert (grammar is None) == (needle is None)
+    if needle is not None:
+        assert needle in grammar.replace(" ", "") if needle.startswith('"') else needle in grammar
+
+
+@pytest.mark.parametrize(("fields", "param", "says"), [
+    ({"response_format": {"type": "xml"}}, "response_format", "must be"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "must be"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}}, "response_format", "must be"),
+    ({"tool_choice": "required"}, "tool_choice", "offers no tools"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "'g'"),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+     "cannot both"),
+])
+def test_grammars_kestrel_cannot_make(fields: dict[str, Any], param: str, says: str) -> None:
+    req = _chat(**fields)
+    with pytest.raises(InvalidRequest, match=says) as info:
+        req.grammar(req.tool_calls(HERMES))
     assert info.value.param == param
 
 

@@ -42,8 +42,10 @@ HERMES_TEMPLATE = (
     "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"],
+                   "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {},
+                                                                          "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -194,8 +196,10 @@ def test_tool_choice_none_shows_no_tools_and_reads_no_calls(scripted: _Scripted,
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),  # not offered
+    ({"tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [{"type": "retrieval"}]}, "tools.[0].type"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.[0].function.name"),
 ])
@@ -203,3 +207,66 @@ def test_what_kestrel_cannot_do_is_a_400(client: openai.OpenAI, kwargs: dict[str
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(**{"model": NAME, "messages": ASK, "tools": [WEATHER], **kwargs})
     assert info.value.body["param"] == param, info.value.body
+
+
+# -- a forced call, written by the model itself --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_client() -> Iterator[openai.OpenAI]:
+    """A server over the default model itself, with the Hermes-style template: its answers are its own."""
+    with kestrel_core.load(None, backend="cpu") as engine:
+        engine.tokenizer.chat_template = HERMES_TEMPLATE
+        with running_server(AsyncEngine(engine, max_batch=4), NAME) as s:
+            yield openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _weather_args(arguments: str) -> None:
+    args = json.loads(arguments)
+    assert set(args) == {"city"} and isinstance(args["city"], str), args
+
+
+@pytest.mark.parametrize(("temperature", "parallel"), [(0.0, None), (1.0, False), (1.0, None)])
+def test_a_required_call_is_one_of_the_tools_with_its_arguments(model_client: openai.OpenAI, temperature: float,
+                                                               parallel: bool | None) -> None:
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    choice = model_client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER, TIME], seed=3,
+                                                  tool_choice="required", temperature=temperature,
+                                                  max_tokens=250, **extra).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = choice.message.tool_calls
+    assert calls and (parallel is None or len(calls) == 1) and choice.message.content is None
+    for call in calls:
+        assert call.function.name in ("get_weather", "get_time")
+        if call.function.name == "get_weather":
+            _weather_args(call.function.arguments)
+        else:
+            assert json.loads(call.function.arguments) == {}
+
+
+def test_a_named_call_streamed(model_client: openai.OpenAI) -> None:
+    chunks = list(model_client.chat.completions.create(
+        model=NAME, messages=ASK, tools=[WEATHER, TIME], max_tokens=60, temperature=0, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    calls = [c for chunk in chunks if chunk.choices for c in chunk.choices[0].delta.tool_calls or []]
+    assert [c.function.name for c in calls] == ["get_weather"]
+    _weather_args(calls[0].function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == ""
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER["function"]["parameters"]}},
+])
+def test_a_json_response_format(model_client: openai.OpenAI, response_format: dict[str, Any]) -> None:
+    messages = [{"role": "system", "content": "You are a helpful AI assistant."},
+                {"role": "user", "content": "Give me a JSON object with the name and country of the capital of "
+                                            "France."}]
+    choice = model_client.chat.completions.create(model=NAME, messages=messages, max_tokens=100, temperature=0,
+                                                  response_format=response_format).choices[0]
+    assert choice.finish_reason == "stop", choice
+    value = json.loads(choice.message.content)
+    assert isinstance(value, dict)
+    if response_format["type"] == "json_schema":
+        _weather_args(json.dumps(value))
