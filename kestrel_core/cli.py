@@ -144,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true")
     p.add_argument("--stats", action="store_true", help="also print the per-hook offload counters")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                       help="answer with JSON this JSON Schema accepts (its text, or @file)")
+    shape.add_argument("--regex", default=None, help="answer with text this regular expression matches")
+    shape.add_argument("--grammar", default=None, metavar="LARK",
+                       help="answer with text this Lark grammar accepts (its text, or @file; llguidance's dialect)")
     p.add_argument("--preset", default=None, help="synthetic model preset (random weights) instead of --model")
     p.set_defaults(func=cmd_run)
 

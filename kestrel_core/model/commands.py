@@ -18,8 +18,9 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.table import Table
 
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import InvalidRequest, KestrelError
 from kestrel_core.model.engine import Engine, load, load_preset
+from kestrel_core.model.grammar import json_schema_grammar, lark_grammar, regex_grammar
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.validate import read_line_stdin, read_text_stdin
 
@@ -63,10 +64,47 @@ def _check_context(engine: Engine, ids: Sequence[int]) -> None:
         raise KestrelError("the prompt is empty")
 
 
-def _stream(engine: Engine, ids: list[int], args: argparse.Namespace, out: TextIO | None) -> tuple[str, list[int]]:
+def _option_text(value: str, option: str) -> str:
+    """An option's value, or with a leading @ the text of the file it names."""
+    if not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KestrelError(f"{option}: cannot read {value[1:]} ({getattr(exc, 'strerror', None) or exc})") from None
+
+
+def _grammar(args: argparse.Namespace) -> str | None:
+    """The grammar ``run``'s answer keeps to (--json-schema, --regex, --grammar), or None."""
+    try:
+        return _option_grammar(args)
+    except InvalidRequest as exc:
+        raise KestrelError(f"{exc.param}: {exc}") from None
+
+
+def _option_grammar(args: argparse.Namespace) -> str | None:
+    if getattr(args, "json_schema", None) is not None:
+        text = _option_text(args.json_schema, "--json-schema")
+        try:
+            schema = json.loads(text)
+        except ValueError as exc:
+            raise KestrelError(f"--json-schema: not JSON ({exc})") from None
+        if not isinstance(schema, dict):
+            raise KestrelError("--json-schema: a JSON Schema is a JSON object")
+        return json_schema_grammar(schema, param="--json-schema")
+    if getattr(args, "regex", None) is not None:
+        return regex_grammar(args.regex, param="--regex")
+    if getattr(args, "grammar", None) is not None:
+        return lark_grammar(_option_text(args.grammar, "--grammar"), param="--grammar")
+    return None
+
+
+def _stream(engine: Engine, ids: list[int], args: argparse.Namespace, out: TextIO | None,
+            grammar: str | None = None) -> tuple[str, list[int]]:
     """Generate, writing text to ``out`` as it arrives; returns (text, token ids)."""
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=tuple(getattr(args, "stop", None) or ()))
+                            top_p=args.top_p, seed=args.seed, stop=tuple(getattr(args, "stop", None) or ()),
+                            grammar=grammar)
     pieces: list[str] = []
     tokens: list[int] = []
     for step in engine.stream(ids, params):
@@ -121,10 +159,11 @@ def _backend_table(stats: dict[str, Any]) -> Table | None:
 
 def run(args: argparse.Namespace) -> int:
     text_in = _read_prompt(args)
+    grammar = _grammar(args)
     with _open_engine(args) as engine:
         ids = _prompt_ids(engine, [{"role": "user", "content": text_in}], chat=not args.no_chat)
         _check_context(engine, ids)
-        text, tokens = _stream(engine, ids, args, None if args.json else sys.stdout)
+        text, tokens = _stream(engine, ids, args, None if args.json else sys.stdout, grammar)
         stats = engine.stats
         if args.json:
             print(dumps({"text": text, "tokens": tokens, "prompt_tokens": len(ids), "stats": stats}))

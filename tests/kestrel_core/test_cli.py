@@ -42,6 +42,11 @@ def test_an_explicit_other_quant_on_an_artifact_is_reported(artifact: Path, capl
     (["run", "--model", str(TINY), "--quant", "q5", "hi"], "unknown quant mode 'q5'"),
     (["run", "--model", str(TINY), "--backend", "nope", "hi"], "unknown backend 'nope'"),
     (["selftest", "--backend", "nope"], "unknown backend 'nope'"),
+    (["run", "--model", str(TINY), "--json-schema", "{bad", "hi"], "--json-schema: not JSON"),
+    (["run", "--model", str(TINY), "--json-schema", "[1]", "hi"], "--json-schema: a JSON Schema is a JSON object"),
+    (["run", "--model", str(TINY), "--json-schema", "@/nonexistent/schema.json", "hi"], "cannot read"),
+    (["run", "--model", str(TINY), "--grammar", "start: missing", "hi"], "--grammar: invalid grammar"),
+    (["run", "--model", str(TINY), "--regex", "(open", "hi"], "--regex: invalid grammar"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, capsys) -> None:
     assert main(argv) == 2
@@ -166,3 +171,22 @@ def test_a_ctrl_c_python_drops_reaches_the_main_thread(hook: str, outcome: str) 
                           timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == outcome, done.stdout + done.stderr
     assert ("Exception ignored" in done.stderr) == (hook == "none"), done.stderr
+
+
+@pytest.mark.parametrize(("option", "value", "pattern"), [
+    ("--regex", "(yes|no)[.!]", r"(yes|no)[.!]"),
+    ("--grammar", 'start: "It is " COLOR "."\nCOLOR: "red" | "blue"', r"It is (red|blue)\."),
+    ("--json-schema", "@schema.json", r'\{"ok": (true|false), "color": "(red|blue)"\}'),
+])
+def test_run_answers_keep_to_a_grammar(option: str, value: str, pattern: str, tmp_path: Path, monkeypatch,
+                                       capsys) -> None:
+    """A random model's answers, sampled, still keep to the grammar (and stop where it is complete)."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok", "color"],
+              "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}}}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    monkeypatch.chdir(tmp_path)
+    for seed in range(3):
+        assert main(["run", "--model", str(TINY), "--backend", "cpu", "-n", "40", "-t", "1.0", "--seed", str(seed),
+                     "--json", option, value, "hi"]) == 0
+        text = json.loads(capsys.readouterr().out)["text"]
+        assert re.fullmatch(pattern, text), text
