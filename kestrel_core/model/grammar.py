@@ -1,4 +1,4 @@
-"""Generation constrained by a grammar, on llguidance (the library llama.cpp and vLLM use for it).
+"""Generation constrained by a grammar, on llguidance (a grammar backend of both vLLM and llama.cpp).
 
 A request's ``SamplingParams.grammar`` is llguidance's grammar text, made by ``json_schema_grammar`` (JSON that
 a JSON Schema accepts), ``lark_grammar`` or ``regex_grammar``. Its ``Constraint`` (an ``LLMatcher`` over the
@@ -103,7 +103,7 @@ class Constraint:
         allowed = self.allowed()
         if not allowed.any():  # nothing at all: let the end of text through rather than choose blind
             allowed[self.eos if self.eos is not None else int(np.argmax(z))] = True
-        return np.where(allowed[:len(z)], z, np.float32(-np.inf)).astype(np.float32, copy=False)
+        return np.where(allowed, z, np.float32(-np.inf)).astype(np.float32, copy=False)
 
     def accept(self, token: int) -> None:
         """Consume the chosen ``token`` (a token the grammar refuses puts it in its failed state)."""

@@ -11,11 +11,14 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kestrel_core.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from kestrel_core.model.grammar import Constraint
 
 MAX_TOP_LOGPROBS = 5
 MAX_LOGIT_BIAS = 300  # tokens one logit_bias names, at most (OpenAI's bound)
@@ -114,7 +117,7 @@ class Sampler:
     """Picks one token id from a row of logits [vocab]; the same seed gives the same tokens. ``constraint``: the
     request's grammar (kestrel_core.model.grammar.Constraint), which every token chosen keeps to."""
 
-    def __init__(self, params: SamplingParams, constraint: Any = None) -> None:
+    def __init__(self, params: SamplingParams, constraint: Constraint | None = None) -> None:
         self.params = params.check()
         self.constraint = constraint
         seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2 ** 63)
