@@ -74,7 +74,10 @@ def check_grammar(grammar: str, param: str = "grammar") -> None:
 def grammar_vocab(tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
     """llguidance's view of a model's vocabulary (its ``LLTokenizer``, about a second to build: the engine keeps
     one). ``vocab_size``: the model's logits, which may be more than the tokenizer's tokens."""
-    return _llguidance().LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+    try:
+        return _llguidance().LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+    except (ValueError, TypeError, RuntimeError) as exc:  # a tokenizer llguidance cannot take apart
+        raise KestrelError(f"llguidance cannot read this model's tokenizer: {' '.join(str(exc).split())}") from None
 
 
 class Constraint:

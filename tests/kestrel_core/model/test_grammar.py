@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kestrel_core
-from kestrel_core.errors import InvalidRequest
+from kestrel_core.errors import InvalidRequest, KestrelError
 from kestrel_core.model.engine import load_preset
 from kestrel_core.model.grammar import Constraint, check_grammar, grammar_vocab, json_schema_grammar, lark_grammar
 from kestrel_core.model.sampling import Sampler, SamplingParams
@@ -119,3 +119,9 @@ def test_a_model_without_its_own_tokenizer_takes_no_grammar() -> None:
     with load_preset("smollm2-135m", backend="cpu", num_layers=1, vocab_size=512) as engine, \
             pytest.raises(InvalidRequest, match="tokenizer"):
         list(engine.stream([1, 2, 3], SamplingParams(max_tokens=2, grammar=kestrel_core.regex_grammar("a"))))
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_one_line() -> None:
+    with pytest.raises(KestrelError, match="llguidance cannot read this model's tokenizer") as info:
+        grammar_vocab("{}", 16, [1])
+    assert "\n" not in str(info.value)
