@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -125,3 +126,18 @@ def test_a_tokenizer_llguidance_cannot_read_is_one_line() -> None:
     with pytest.raises(KestrelError, match="llguidance cannot read this model's tokenizer") as info:
         grammar_vocab("{}", 16, [1])
     assert "\n" not in str(info.value)
+
+
+MODELS = Path(__file__).resolve().parents[2] / "fixtures" / "models"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in MODELS.glob("tiny-*")))
+def test_every_architectures_tokenizer_takes_a_grammar(name: str) -> None:
+    """llguidance reads the tokenizers kestrel builds from Hugging Face directories and GGUF vocabularies
+    (byte-level BPE and SentencePiece): a random model's sampled answer keeps to the grammar, whole where it
+    stopped, else a start of it."""
+    with kestrel_core.load(str(MODELS / name), backend="cpu") as engine:
+        outs = list(engine.stream(engine.tokenizer.encode("hello"), SamplingParams(
+            max_tokens=12, temperature=1.0, seed=1, grammar=kestrel_core.regex_grammar("(ab|cd)+x"))))
+    text = "".join(o.new_text for o in outs)
+    assert re.fullmatch(r"(ab|cd)+x" if outs[-1].finish_reason == "stop" else r"(ab|cd)*(a|c)?", text), text
