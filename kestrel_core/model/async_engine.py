@@ -111,8 +111,14 @@ class AsyncEngine:
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as its tokens come; InvalidRequest or Overloaded before the first one."""
-        request_id, client = self.submit(prompt_ids, params, request_id)
+        """The request's outputs as its tokens come; InvalidRequest or Overloaded before the first one. A
+        grammar's constraint is built first, on a worker thread: compiling a client's grammar may take a while,
+        and the steps' thread does not wait for it."""
+        constraint = None
+        if isinstance(params.grammar, str):
+            constraint = await asyncio.get_running_loop().run_in_executor(None, self.engine.constraint,
+                                                                          params.grammar)
+        request_id, client = self.submit(prompt_ids, params, request_id, constraint)
         finished = False
         try:
             while True:
@@ -128,8 +134,8 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
-               request_id: str | None = None) -> tuple[str, _Client]:
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+               constraint: Any = None) -> tuple[str, _Client]:
         ids = [int(t) for t in prompt_ids]
         self.scheduler.check(ids, params)  # reads only the engine's config and pool size: safe here
         loop = asyncio.get_running_loop()
@@ -146,7 +152,7 @@ class AsyncEngine:
                 raise KestrelError(f"request id {request_id!r} is already in use")
             client = _Client(loop, asyncio.Queue())
             self._clients[request_id] = client
-            self._inbox.append(("add", (request_id, ids, params)))
+            self._inbox.append(("add", (request_id, ids, params, constraint)))
             self._wake.notify()
         return request_id, client
 
@@ -207,9 +213,9 @@ class AsyncEngine:
     def _take(self, kind: str, payload: Any) -> None:
         sched = self.scheduler
         if kind == "add":
-            request_id, ids, params = payload
+            request_id, ids, params, constraint = payload
             try:
-                sched.add(ids, params, request_id)
+                sched.add(ids, params, request_id, constraint)
             except KestrelError as exc:
                 self._deliver_error(request_id, exc)
         else:

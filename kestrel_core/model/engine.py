@@ -11,6 +11,7 @@ likewise a device that declined earlier is offered the tokens it missed along wi
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -132,6 +133,7 @@ class Engine:
         self.preload_s = 0.0
         self.load_s = 0.0  # reading/building the model, set by load()
         self._grammar_vocab: Any = None  # llguidance's view of the vocabulary, built for the first grammar
+        self._grammar_lock = threading.Lock()
         if preload:
             t0 = time.perf_counter()
             self.offload.preload(model)
@@ -167,12 +169,13 @@ class Engine:
 
     def constraint(self, grammar: str) -> Constraint:
         """A request's place in ``grammar`` (SamplingParams.grammar) over this model's vocabulary."""
-        if self._grammar_vocab is None:
-            to_json = getattr(self.tokenizer, "to_json_str", None)  # NoTokenizer's attributes are AttributeErrors
-            if to_json is None:
-                raise InvalidRequest("a grammar needs the model's own tokenizer (tokenizer.json or a GGUF "
-                                     "vocabulary), and this model has none", param="grammar")
-            self._grammar_vocab = grammar_vocab(to_json(), self.config.vocab_size, sorted(self.eos_token_ids))
+        with self._grammar_lock:  # callers on worker threads (AsyncEngine) build the vocabulary once
+            if self._grammar_vocab is None:
+                to_json = getattr(self.tokenizer, "to_json_str", None)  # NoTokenizer's: AttributeErrors
+                if to_json is None:
+                    raise InvalidRequest("a grammar needs the model's own tokenizer (tokenizer.json or a GGUF "
+                                         "vocabulary), and this model has none", param="grammar")
+                self._grammar_vocab = grammar_vocab(to_json(), self.config.vocab_size, sorted(self.eos_token_ids))
         return Constraint(self._grammar_vocab, grammar, sorted(self.eos_token_ids))
 
     # -- sequences and steps -------------------------------------------------------------------------

@@ -35,7 +35,7 @@ import numpy as np
 
 from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
 from kestrel_core.model.detokenize import TextStream
-from kestrel_core.model.grammar import check_grammar
+from kestrel_core.model.grammar import Constraint, check_grammar
 from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
 from kestrel_core.model.tokenizer import NoTokenizer
 from kestrel_core.model.weights import PREFILL_CHUNK
@@ -157,8 +157,10 @@ class Scheduler:
             raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds "
                                  f"{self.pool.capacity}", param="prompt")
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
-        """Queue a request; InvalidRequest if it can never run, Overloaded if the queue is full."""
+    def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+            constraint: Constraint | None = None) -> Request:
+        """Queue a request; InvalidRequest if it can never run, Overloaded if the queue is full. ``constraint``:
+        its grammar's, built already (``Engine.constraint``), else built here."""
         prompt_ids = [int(t) for t in prompt_ids]
         self.check(prompt_ids, params)
         if len(self.waiting) >= self.max_waiting and len(self.running) >= self.max_batch:
@@ -169,7 +171,8 @@ class Scheduler:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         tokenizer = self.engine.tokenizer
         text = None if isinstance(tokenizer, NoTokenizer) else TextStream(tokenizer, params.stop)
-        constraint = self.engine.constraint(params.grammar) if params.grammar is not None else None
+        if constraint is None and params.grammar is not None:
+            constraint = self.engine.constraint(params.grammar)
         request = Request(request_id, prompt_ids, params, Sampler(params, constraint), text)
         self.requests[request_id] = request
         self.waiting.append(request)

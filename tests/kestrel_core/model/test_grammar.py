@@ -3,8 +3,10 @@ expression and a Lark grammar, greedy and sampled, and a bad grammar is a one-li
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ import pytest
 
 import kestrel_core
 from kestrel_core.errors import InvalidRequest, KestrelError
+from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.engine import load_preset
 from kestrel_core.model.grammar import Constraint, check_grammar, grammar_vocab, json_schema_grammar, lark_grammar
 from kestrel_core.model.sampling import Sampler, SamplingParams
@@ -141,3 +144,35 @@ def test_every_architectures_tokenizer_takes_a_grammar(name: str) -> None:
             max_tokens=12, temperature=1.0, seed=1, grammar=kestrel_core.regex_grammar("(ab|cd)+x"))))
     text = "".join(o.new_text for o in outs)
     assert re.fullmatch(r"(ab|cd)+x" if outs[-1].finish_reason == "stop" else r"(ab|cd)*(a|c)?", text), text
+
+
+def test_an_async_request_builds_its_constraint_off_the_steps_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiling a client's grammar may take a while: AsyncEngine does it on a worker thread, and a grammar that
+    fails to compile is an InvalidRequest before the first output."""
+    threads: list[str] = []
+    with kestrel_core.load(str(MODELS / "tiny-qwen3"), backend="cpu") as engine:
+        build = engine.constraint
+
+        def recorded(grammar: str) -> Constraint:
+            threads.append(threading.current_thread().name)
+            return build(grammar)
+
+        monkeypatch.setattr(engine, "constraint", recorded)
+
+        async def main() -> tuple[str, str]:
+            front = AsyncEngine(engine, max_batch=2)
+            front.start()
+            try:
+                params = SamplingParams(max_tokens=8, grammar=kestrel_core.regex_grammar("(ab)+x"))
+                text = "".join([out.new_text async for out in front.generate(engine.tokenizer.encode("hi"), params)])
+                with pytest.raises(InvalidRequest) as info:
+                    async for _ in front.generate([1, 2], SamplingParams(grammar="%llguidance {}\nstart: nope")):
+                        pass
+                return text, str(info.value)
+            finally:
+                await front.shutdown(grace_s=1)
+
+        text, error = asyncio.run(main())
+    assert re.fullmatch(r"(ab)*a?|(ab)+x", text), text
+    assert "grammar" in error and len(threads) == 2
+    assert "kestrel-scheduler" not in threads and threading.main_thread().name not in threads
