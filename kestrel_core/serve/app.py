@@ -33,6 +33,7 @@ from kestrel_core.serve.protocol import (
     TokenStrings,
     new_id,
 )
+from kestrel_core.serve.reasoning import Reasoning, opens_in_prompt, thinks
 from kestrel_core.serve.tools import MISTRAL, tool_format
 
 
@@ -45,7 +46,9 @@ class _Served:
         self.model_name = model_name
         self.tokens = TokenStrings(self.engine.tokenizer)
         self.created = int(time.time())
-        self.tool_format = tool_format(getattr(self.engine.tokenizer, "chat_template", None))
+        template = getattr(self.engine.tokenizer, "chat_template", None)
+        self.tool_format = tool_format(template)
+        self.thinks = thinks(template)  # its answers start with a reasoning block (serve/reasoning.py)
         backend = getattr(self.engine.tokenizer, "backend", None)  # Mistral's [TOOL_CALLS] is a control token
         self.tool_calls_id = backend.token_to_id("[TOOL_CALLS]") if self.tool_format == MISTRAL and backend else None
 
@@ -110,13 +113,19 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None) -
         except KestrelError as exc:
             raise from_kestrel_error(exc, param="tools") from None
         try:
-            prompt_ids = list(served.engine.tokenizer.encode_chat(body.template_messages(),
-                                                                  tools=body.template_tools()))
+            context = body.template_context()
+        except KestrelError as exc:
+            raise from_kestrel_error(exc) from None
+        try:
+            tokenizer = served.engine.tokenizer
+            prompt = tokenizer.apply_chat_template(body.template_messages(), **context)
+            prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=False))  # the template wrote any BOS
         except KestrelError as exc:  # no messages, no template, or a template that failed on these
             raise from_kestrel_error(exc, param="messages") from None
+        reasoning = Reasoning(opens_in_prompt(prompt)) if served.thinks else None
         params = replace(_params(body, served.context_left(len(prompt_ids))), grammar=grammar)
         shape = ChatShape(new_id("chatcmpl"), model_name, served.tokens, body.include_usage, body.continuous_usage,
-                          tools)
+                          tools, reasoning)
         prompt = generation.Prompt(prompt_ids, params, params.logprobs)
         return await generation.respond(async_engine, request, [prompt], shape, stream=bool(body.stream),
                                         prompt_param="messages", choices=body.choices)

@@ -250,8 +250,12 @@ async def _events(gens: list[AsyncIterator[RequestOutput]], firsts: list[Request
             if out.finish_reason == "abort":
                 yield sse(error_body(SHUTDOWN_MESSAGE, "server_error", None, "server_shutting_down"))
                 break
-            text = shape.stream_text(i, out.new_text)
-            if out.new_token_ids or out.new_text or out.logprobs:  # a chunk per step that made tokens, as
+            reasoning, text = shape.stream_text(i, out.new_text)
+            if reasoning:  # the step's logprobs go with its content where it has any
+                yield sse(shape.reasoning_chunk(reasoning, None if text else out.logprobs, i))
+                if text:
+                    yield deltas(text, out.logprobs, i)
+            elif out.new_token_ids or out.new_text or out.logprobs:  # a chunk per step that made tokens, as
                 yield deltas(text, out.logprobs, i)  # OpenAI's ("" while text is held)
             if out.finished:
                 for chunk in shape.finish_chunks(out.finish_reason, i):

@@ -42,11 +42,14 @@ from pydantic import (
 from kestrel_core.errors import InvalidRequest, KestrelError
 from kestrel_core.model.grammar import json_schema_grammar
 from kestrel_core.model.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
+from kestrel_core.serve.reasoning import Reasoning, ReasoningStream, split
 from kestrel_core.serve.tools import UNKNOWN, ToolCalls, ToolStream, call_grammar, parse
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; kestrel's own SamplingParams default is greedy
 MAX_CHOICES = 128  # n, at most (OpenAI's bound)
 MAX_PROMPTS = 128  # prompts of one completions request, at most
+# the chat template's variables kestrel sets (model/tokenizer.py, ChatCompletionRequest.template_context)
+TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
 
 
 def new_id(prefix: str) -> str:
@@ -241,6 +244,7 @@ class ChatCompletionRequest(_Generation):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: more variables for the template
 
     def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:
@@ -290,12 +294,17 @@ class ChatCompletionRequest(_Generation):
                                  param="response_format")
         return json_schema_grammar(spec.get("schema", {}), param="response_format")
 
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as Hugging Face chat templates read them (``tools``), or None where the model is not
-        shown them."""
-        if not self._shows_tools:
-            return None
-        return [tool.for_template() for tool in self.tools or ()]
+    def template_context(self) -> dict[str, Any]:
+        """What the chat template sees beside the messages: the tools as Hugging Face templates read them
+        (None where the model is not shown them) and ``chat_template_kwargs`` (e.g. Qwen3's
+        ``enable_thinking``), which may not replace a variable kestrel sets."""
+        extra = self.chat_template_kwargs or {}
+        taken = sorted(set(extra) & TEMPLATE_VARIABLES)
+        if taken:
+            raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(taken)}: kestrel sets it",
+                                 param="chat_template_kwargs")
+        tools = [tool.for_template() for tool in self.tools or ()] if self._shows_tools else None
+        return {**extra, "tools": tools}
 
     @property
     def _shows_tools(self) -> bool:
@@ -482,9 +491,9 @@ class _Shape:
     def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
         raise NotImplementedError
 
-    def stream_text(self, index: int, text: str) -> str:
-        """What of choice ``index``'s new ``text`` a stream sends now."""
-        return text
+    def stream_text(self, index: int, text: str) -> tuple[str, str]:
+        """What of choice ``index``'s new ``text`` a stream sends now: (reasoning, content)."""
+        return "", text
 
     def finish_chunks(self, reason: str | None, index: int = 0) -> list[dict[str, Any]]:
         """The chunks that end choice ``index``'s stream."""
@@ -493,18 +502,24 @@ class _Shape:
     def finish_chunk(self, reason: str | None, index: int = 0) -> dict[str, Any]:
         raise NotImplementedError
 
+    def reasoning_chunk(self, text: str, entries: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any]:
+        raise NotImplementedError  # only chat answers reason (stream_text gives none otherwise)
+
 
 class ChatShape(_Shape):
-    """``tools``: the request's tool calls (None: its answers are text), read out of each choice's text."""
+    """``tools``: the request's tool calls (None: its answers are text), read out of each choice's content;
+    ``reasoning``: its answers' reasoning block (None: they have none), answered as ``reasoning_content``."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, response_id: str, model: str, tokens: TokenStrings, include_usage: bool = False,
-                 continuous_usage: bool = False, tools: ToolCalls | None = None) -> None:
+                 continuous_usage: bool = False, tools: ToolCalls | None = None,
+                 reasoning: Reasoning | None = None) -> None:
         super().__init__(response_id, model, tokens, include_usage, continuous_usage)
         self.tools = tools
-        self._streams: dict[int, ToolStream] = {}
+        self.reasoning = reasoning
+        self._streams: dict[int, tuple[ReasoningStream | None, ToolStream | None]] = {}
 
     def logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if entries is None:
@@ -518,6 +533,11 @@ class ChatShape(_Shape):
     def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
         text, reason = "".join(result.text), finish_reason(result.finish_reason)
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if self.reasoning is not None:
+            thought, text = split(text, self.reasoning.open_in_prompt)
+            message["content"] = text
+            if thought is not None:
+                message["reasoning_content"] = thought
         if self.tools is not None:
             parsed = parse(self.tools.fmt, text, self.tools.parallel)
             if parsed.calls:
@@ -527,27 +547,39 @@ class ChatShape(_Shape):
         return {"index": index, "message": message, "logprobs": self.logprobs(result.logprobs),
                 "finish_reason": reason}
 
-    def stream_text(self, index: int, text: str) -> str:
-        if self.tools is None:
-            return text
-        stream = self._streams.get(index)
-        if stream is None:
-            stream = self._streams[index] = ToolStream(self.tools.fmt, self.tools.parallel)
-        return stream.feed(text)
+    def stream_text(self, index: int, text: str) -> tuple[str, str]:
+        if self.reasoning is None and self.tools is None:
+            return "", text
+        thinking, tools = self._streams.get(index) or self._streams.setdefault(index, (
+            None if self.reasoning is None else ReasoningStream(self.reasoning.open_in_prompt),
+            None if self.tools is None else ToolStream(self.tools.fmt, self.tools.parallel)))
+        reasoning = ""
+        if thinking is not None:
+            reasoning, text = thinking.feed(text)
+        return reasoning, text if tools is None else tools.feed(text)
 
     def finish_chunks(self, reason: str | None, index: int = 0) -> list[dict[str, Any]]:
-        stream = self._streams.pop(index, None)
-        if stream is None:
-            return [self.finish_chunk(reason, index)]
-        assert self.tools is not None
-        rest, calls = stream.finish()
-        chunks = [self.delta_chunk(rest, None, index)] if rest else []
+        thinking, tools = self._streams.pop(index, (None, None))
+        reasoning, rest = thinking.finish() if thinking is not None else ("", "")
+        chunks = [self.reasoning_chunk(reasoning, None, index)] if reasoning else []
+        calls: tuple[Any, ...] = ()
+        if tools is not None:
+            rest = tools.feed(rest)
+            tail, calls = tools.finish()
+            rest += tail
+        if rest:
+            chunks.append(self.delta_chunk(rest, None, index))
         if calls:
+            assert self.tools is not None
             deltas = [{"index": k, **call} for k, call in enumerate(self.tools.message_calls(calls))]
             chunks.append(self.chunk({"index": index, "delta": {"tool_calls": deltas}, "logprobs": None,
                                       "finish_reason": None}))
             reason = _calls_reason(reason)
         return chunks + [self.finish_chunk(reason, index)]
+
+    def reasoning_chunk(self, text: str, entries: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any]:
+        return self.chunk({"index": index, "delta": {"reasoning_content": text}, "logprobs": self.logprobs(entries),
+                           "finish_reason": None})
 
     def first_chunks(self, choices: int = 1) -> list[dict[str, Any]]:
         return [self.chunk({"index": i, "delta": {"role": "assistant", "content": "", "refusal": None},

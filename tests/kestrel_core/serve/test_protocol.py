@@ -157,8 +157,8 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 def test_a_requests_tool_calls(fields: dict[str, Any], fmt: str | None, expected: ToolCalls | None) -> None:
     req = _chat(**fields)
     assert req.tool_calls(fmt) == expected
-    assert req.template_tools() == (None if expected is None else
-                                    [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    assert req.template_context()["tools"] == (None if expected is None else [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
 
 
 @pytest.mark.parametrize(("fields", "fmt", "param", "says"), [

@@ -270,3 +270,75 @@ def test_a_json_response_format(model_client: openai.OpenAI, response_format: di
     assert isinstance(value, dict)
     if response_format["type"] == "json_schema":
         _weather_args(json.dumps(value))
+
+
+# -- reasoning ------------------------------------------------------------------------------------------------
+
+# the Hermes-style template with Qwen3's reasoning switches (and one that opens the block itself, as
+# DeepSeek-R1's distills do)
+THINKING_TEMPLATE = HERMES_TEMPLATE.replace(
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}",
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{%- endif %}"
+    "{%- if open_block is defined and open_block %}<think>\n{%- endif %}{%- endif %}")
+THOUGHT = "The user wants the weather; get_weather takes a city."
+
+
+@pytest.fixture(scope="module")
+def thinking() -> Iterator[_Scripted]:
+    with kestrel_core.load(None, backend="cpu") as engine:
+        engine.tokenizer.chat_template = THINKING_TEMPLATE
+        yield _Scripted(engine)
+
+
+@pytest.fixture(scope="module")
+def thinking_server(thinking: _Scripted) -> Iterator[KestrelServer]:
+    with running_server(thinking, NAME) as s:
+        yield s
+
+
+@pytest.fixture
+def thinking_client(thinking_server: KestrelServer, thinking: _Scripted) -> openai.OpenAI:
+    thinking.answers.clear()
+    thinking.prompts.clear()
+    return openai.OpenAI(base_url=f"{thinking_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_reasoning_is_its_own_field(thinking: _Scripted, thinking_client: openai.OpenAI) -> None:
+    assert THINKING_TEMPLATE != HERMES_TEMPLATE
+    message = _answer(thinking, thinking_client, f"<think>\n{THOUGHT}\n</think>\n\n{PARIS}").choices[0].message
+    assert message.reasoning_content == THOUGHT and message.content is None
+    assert [c.function.name for c in message.tool_calls] == ["get_weather"]
+    message = _answer(thinking, thinking_client, "<think>\nEasy.\n</think>\n\nSunny.", tools=None).choices[0].message
+    assert (message.reasoning_content, message.content) == ("Easy.", "Sunny.")
+    message = _answer(thinking, thinking_client, "Sunny.").choices[0].message
+    assert message.content == "Sunny." and getattr(message, "reasoning_content", None) is None
+
+
+def test_streamed_reasoning_comes_before_the_content(thinking: _Scripted, thinking_client: openai.OpenAI) -> None:
+    thinking.answers.append(f"<think>\n{THOUGHT}\n</think>\n\nLet me look.\n{PARIS}")
+    chunks = [c for c in thinking_client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER],
+                                                                  stream=True) if c.choices]
+    parts = [("reasoning", d.reasoning_content) if getattr(d, "reasoning_content", None) else ("content", d.content)
+             for d in (c.choices[0].delta for c in chunks) if getattr(d, "reasoning_content", None) or d.content]
+    kinds = [k for k, _ in parts]
+    assert kinds == sorted(kinds, key=lambda k: k == "content") and len(kinds) > 3  # all reasoning first
+    assert "".join(t for k, t in parts if k == "reasoning") == THOUGHT
+    assert "".join(t for k, t in parts if k == "content") == "Let me look."
+    calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+    assert [c.function.name for c in calls] == ["get_weather"] and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_chat_template_kwargs_reach_the_template(thinking: _Scripted, thinking_client: openai.OpenAI) -> None:
+    reply = _answer(thinking, thinking_client, "Sunny.", tools=None,
+                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert thinking.prompts[-1].endswith("<|im_start|>assistant<think>\n\n</think>")  # {%- eats the rest
+    assert reply.choices[0].message.content == "Sunny."
+    reply = _answer(thinking, thinking_client, "I know this.\n</think>\n\nSunny.", tools=None,
+                    extra_body={"chat_template_kwargs": {"open_block": True}})  # the answer starts inside it
+    assert thinking.prompts[-1].endswith("<|im_start|>assistant<think>")
+    assert (reply.choices[0].message.reasoning_content, reply.choices[0].message.content) == \
+        ("I know this.", "Sunny.")
+    with pytest.raises(openai.BadRequestError) as info:
+        _answer(thinking, thinking_client, "x", extra_body={"chat_template_kwargs": {"tools": []}})
+    assert info.value.body["param"] == "chat_template_kwargs"

@@ -1,0 +1,96 @@
+"""Reasoning in chat answers: a model whose chat template teaches a ``<think>...</think>`` block (Qwen3, QwQ,
+DeepSeek-R1's distills) answers with its reasoning first. The server returns that block's text as the message's
+``reasoning_content`` (DeepSeek's and vLLM's field) and what follows as its ``content``, where tool calls are
+read (serve/tools.py).
+
+``thinks(template)`` says whether a template teaches the block (it closes one: ``</think>``). An answer that
+starts with ``<think>`` reasons until ``</think>``, as does one whose prompt ended with ``<think>`` (a template
+that opens the block itself); an answer cut before ``</think>`` is all reasoning. ``split`` does this for a whole
+answer, ``ReasoningStream`` for a stream, holding back only what may be the start of a tag and the whitespace
+that the whole answer's parts leave out at their edges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """A request's answers carry a reasoning block; ``open_in_prompt``: they start inside it."""
+
+    open_in_prompt: bool = False
+
+
+def thinks(template: str | None) -> bool:
+    """Whether the chat template teaches a reasoning block."""
+    return bool(template) and THINK_CLOSE in template
+
+
+def opens_in_prompt(prompt: str) -> bool:
+    """Whether the rendered prompt leaves the answer inside a reasoning block (the template wrote ``<think>``)."""
+    return prompt.rstrip().endswith(THINK_OPEN)
+
+
+def split(text: str, open_in_prompt: bool = False) -> tuple[str | None, str]:
+    """(the reasoning, None where the answer has none; the content) of a whole answer."""
+    head = text.lstrip()
+    if head.startswith(THINK_OPEN):
+        body = head[len(THINK_OPEN):]
+    elif open_in_prompt:
+        body = text
+    else:
+        return None, text
+    end = body.find(THINK_CLOSE)
+    if end < 0:
+        return body.strip() or None, ""
+    return body[:end].strip() or None, body[end + len(THINK_CLOSE):].lstrip()
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that begins ``marker``."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningStream:
+    """One streamed choice's answer: ``feed`` gives the (reasoning, content) that can go out now, ``finish`` the
+    rest. What goes out is always the start of ``split``'s parts, so it adds up to them."""
+
+    def __init__(self, open_in_prompt: bool = False) -> None:
+        self.open_in_prompt = open_in_prompt
+        self.text = ""
+        self.sent = [0, 0]  # characters of the reasoning and of the content sent
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        self.text += delta
+        return self._send(*self._known())
+
+    def finish(self) -> tuple[str, str]:
+        reasoning, content = split(self.text, self.open_in_prompt)
+        return self._send(reasoning or "", content)
+
+    def _known(self) -> tuple[str, str]:
+        """The parts as far as the text so far settles them."""
+        head = self.text.lstrip()
+        if self.open_in_prompt:
+            body = self.text
+        elif head.startswith(THINK_OPEN):
+            body = head[len(THINK_OPEN):]
+        elif THINK_OPEN.startswith(head):  # whitespace, or the tag's start: not known yet
+            return "", ""
+        else:
+            return "", self.text
+        end = body.find(THINK_CLOSE)
+        if end >= 0:
+            return body[:end].strip(), body[end + len(THINK_CLOSE):].lstrip()
+        return body[:len(body) - _partial_suffix(body, THINK_CLOSE)].strip(), ""
+
+    def _send(self, reasoning: str, content: str) -> tuple[str, str]:
+        out = reasoning[self.sent[0]:], content[self.sent[1]:]
+        self.sent = [max(self.sent[0], len(reasoning)), max(self.sent[1], len(content))]
+        return out
