@@ -122,7 +122,9 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None) -
             prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=False))  # the template wrote any BOS
         except KestrelError as exc:  # no messages, no template, or a template that failed on these
             raise from_kestrel_error(exc, param="messages") from None
-        reasoning = Reasoning(opens_in_prompt(prompt)) if served.thinks else None
+        # a constrained answer is what it is constrained to from its first token, even where the prompt opened a
+        # reasoning block
+        reasoning = Reasoning(opens_in_prompt(prompt) and grammar is None) if served.thinks else None
         params = replace(_params(body, served.context_left(len(prompt_ids))), grammar=grammar)
         shape = ChatShape(new_id("chatcmpl"), model_name, served.tokens, body.include_usage, body.continuous_usage,
                           tools, reasoning)

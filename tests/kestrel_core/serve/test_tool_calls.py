@@ -339,6 +339,10 @@ def test_chat_template_kwargs_reach_the_template(thinking: _Scripted, thinking_c
     assert thinking.prompts[-1].endswith("<|im_start|>assistant<think>")
     assert (reply.choices[0].message.reasoning_content, reply.choices[0].message.content) == \
         ("I know this.", "Sunny.")
+    reply = _answer(thinking, thinking_client, '{"a": 1}', tools=None, response_format={"type": "json_object"},
+                    extra_body={"chat_template_kwargs": {"open_block": True}})  # constrained: JSON from the start
+    assert reply.choices[0].message.content == '{"a": 1}'
+    assert getattr(reply.choices[0].message, "reasoning_content", None) is None
     with pytest.raises(openai.BadRequestError) as info:
         _answer(thinking, thinking_client, "x", extra_body={"chat_template_kwargs": {"tools": []}})
     assert info.value.body["param"] == "chat_template_kwargs"
