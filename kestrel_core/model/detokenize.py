@@ -68,8 +68,14 @@ class TextStream:
 
     def _held(self) -> int:
         """Characters at the end of the text that could begin a stop string."""
-        for n in range(min(len(self.text) - self.sent, max(map(len, self.stop), default=1) - 1), 0, -1):
-            tail = self.text[-n:]
-            if any(s.startswith(tail) for s in self.stop):
-                return n
-        return 0
+        return partial_suffix(self.text, self.stop, self.sent)
+
+
+def partial_suffix(text: str, markers: Sequence[str], start: int = 0) -> int:
+    """The length of the longest end of ``text[start:]`` that begins one of ``markers`` (text that what comes
+    next may complete into one, so a stream holds it back)."""
+    for n in range(min(len(text) - start, max(map(len, markers), default=1) - 1), 0, -1):
+        tail = text[-n:]
+        if any(m.startswith(tail) for m in markers):
+            return n
+    return 0

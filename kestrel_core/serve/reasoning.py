@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kestrel_core.model.detokenize import partial_suffix
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
@@ -49,14 +51,6 @@ def split(text: str, open_in_prompt: bool = False) -> tuple[str | None, str]:
     return body[:end].strip() or None, body[end + len(THINK_CLOSE):].lstrip()
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that begins ``marker``."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class ReasoningStream:
     """One streamed choice's answer: ``feed`` gives the (reasoning, content) that can go out now, ``finish`` the
     rest. What goes out is always the start of ``split``'s parts, so it adds up to them."""
@@ -88,7 +82,7 @@ class ReasoningStream:
         end = body.find(THINK_CLOSE)
         if end >= 0:
             return body[:end].strip(), body[end + len(THINK_CLOSE):].lstrip()
-        return body[:len(body) - _partial_suffix(body, THINK_CLOSE)].strip(), ""
+        return body[:len(body) - partial_suffix(body, (THINK_CLOSE,))].strip(), ""
 
     def _send(self, reasoning: str, content: str) -> tuple[str, str]:
         out = reasoning[self.sent[0]:], content[self.sent[1]:]

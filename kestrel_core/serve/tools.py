@@ -23,6 +23,7 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
+from kestrel_core.model.detokenize import partial_suffix
 from kestrel_core.model.grammar import lark_grammar, lark_json
 
 HERMES, MISTRAL, LLAMA3, UNKNOWN = "hermes", "mistral", "llama3", "unknown"
@@ -138,14 +139,6 @@ def parse(fmt: str, text: str, parallel: bool = True) -> Parsed:
     return parsed if parallel else Parsed(parsed.content, parsed.calls[:1])
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that begins ``marker`` (a marker the next text may finish)."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class ToolStream:
     """One streamed choice's text in format ``fmt``: ``feed`` gives the content that can go out now, ``finish``
     the rest of the content and the calls. Content is held from where a call may begin; so is whitespace at its
@@ -164,7 +157,7 @@ class ToolStream:
         if self.fmt == HERMES:
             start = self.text.find(HERMES_OPEN, self.sent)
             self.holding = start >= 0
-            end = start if self.holding else len(self.text) - _partial_suffix(self.text, HERMES_OPEN)
+            end = start if self.holding else len(self.text) - partial_suffix(self.text, (HERMES_OPEN,))
             end = len(self.text[:end].rstrip())
         else:
             head = self.text.lstrip()

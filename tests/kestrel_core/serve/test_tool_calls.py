@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import openai
@@ -19,7 +20,6 @@ import kestrel_core
 from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import RequestOutput
-from kestrel_core.serve.server import KestrelServer
 
 from .helpers import running_server
 
@@ -76,24 +76,37 @@ class _Scripted(AsyncEngine):
                                 len(prompt_ids), k + 1)
 
 
-@pytest.fixture(scope="module")
-def scripted() -> Iterator[_Scripted]:
+@contextmanager
+def _served(template: str, scripted: bool = True) -> Iterator[tuple[Any, openai.OpenAI]]:
+    """A server over the default model with ``template``, its answers scripted (``_Scripted``) or the model's own,
+    and a client of it."""
     with kestrel_core.load(None, backend="cpu") as engine:
-        engine.tokenizer.chat_template = HERMES_TEMPLATE
-        yield _Scripted(engine)
+        engine.tokenizer.chat_template = template
+        front = _Scripted(engine) if scripted else AsyncEngine(engine, max_batch=4)
+        with running_server(front, NAME) as s:
+            yield front, openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _fresh(pair: tuple[_Scripted, openai.OpenAI]) -> _Scripted:
+    pair[0].answers.clear()
+    pair[0].prompts.clear()
+    return pair[0]
 
 
 @pytest.fixture(scope="module")
-def server(scripted: _Scripted) -> Iterator[KestrelServer]:
-    with running_server(scripted, NAME) as s:
-        yield s
+def hermes() -> Iterator[tuple[_Scripted, openai.OpenAI]]:
+    with _served(HERMES_TEMPLATE) as pair:
+        yield pair
 
 
 @pytest.fixture
-def client(server: KestrelServer, scripted: _Scripted) -> openai.OpenAI:
-    scripted.answers.clear()
-    scripted.prompts.clear()
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+def scripted(hermes: tuple[_Scripted, openai.OpenAI]) -> _Scripted:
+    return _fresh(hermes)
+
+
+@pytest.fixture
+def client(hermes: tuple[_Scripted, openai.OpenAI]) -> openai.OpenAI:
+    return hermes[1]
 
 
 def _answer(scripted: _Scripted, client: openai.OpenAI, text: str, **kwargs: Any) -> Any:
@@ -215,10 +228,8 @@ def test_what_kestrel_cannot_do_is_a_400(client: openai.OpenAI, kwargs: dict[str
 @pytest.fixture(scope="module")
 def model_client() -> Iterator[openai.OpenAI]:
     """A server over the default model itself, with the Hermes-style template: its answers are its own."""
-    with kestrel_core.load(None, backend="cpu") as engine:
-        engine.tokenizer.chat_template = HERMES_TEMPLATE
-        with running_server(AsyncEngine(engine, max_batch=4), NAME) as s:
-            yield openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    with _served(HERMES_TEMPLATE, scripted=False) as (_, model_client):
+        yield model_client
 
 
 def _weather_args(arguments: str) -> None:
@@ -285,23 +296,19 @@ THOUGHT = "The user wants the weather; get_weather takes a city."
 
 
 @pytest.fixture(scope="module")
-def thinking() -> Iterator[_Scripted]:
-    with kestrel_core.load(None, backend="cpu") as engine:
-        engine.tokenizer.chat_template = THINKING_TEMPLATE
-        yield _Scripted(engine)
-
-
-@pytest.fixture(scope="module")
-def thinking_server(thinking: _Scripted) -> Iterator[KestrelServer]:
-    with running_server(thinking, NAME) as s:
-        yield s
+def thinking_pair() -> Iterator[tuple[_Scripted, openai.OpenAI]]:
+    with _served(THINKING_TEMPLATE) as pair:
+        yield pair
 
 
 @pytest.fixture
-def thinking_client(thinking_server: KestrelServer, thinking: _Scripted) -> openai.OpenAI:
-    thinking.answers.clear()
-    thinking.prompts.clear()
-    return openai.OpenAI(base_url=f"{thinking_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+def thinking(thinking_pair: tuple[_Scripted, openai.OpenAI]) -> _Scripted:
+    return _fresh(thinking_pair)
+
+
+@pytest.fixture
+def thinking_client(thinking_pair: tuple[_Scripted, openai.OpenAI]) -> openai.OpenAI:
+    return thinking_pair[1]
 
 
 def test_reasoning_is_its_own_field(thinking: _Scripted, thinking_client: openai.OpenAI) -> None:
