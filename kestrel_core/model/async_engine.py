@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kestrel_core.errors import KestrelError, Overloaded, ShuttingDown
 from kestrel_core.model.sampling import SamplingParams
@@ -28,6 +28,9 @@ from kestrel_core.model.scheduler import (
     RequestOutput,
     Scheduler,
 )
+
+if TYPE_CHECKING:
+    from kestrel_core.model.grammar import Constraint
 
 log = logging.getLogger("kestrel")
 T = TypeVar("T")
@@ -135,7 +138,7 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-               constraint: Any = None) -> tuple[str, _Client]:
+               constraint: Constraint | None = None) -> tuple[str, _Client]:
         ids = [int(t) for t in prompt_ids]
         self.scheduler.check(ids, params)  # reads only the engine's config and pool size: safe here
         loop = asyncio.get_running_loop()

@@ -107,12 +107,9 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None) -
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         served.check_model(body.model)
-        try:
+        try:  # each of these names its field
             tools = body.tool_calls(served.tool_format)
             grammar = body.grammar(tools, served.tool_calls_id)
-        except KestrelError as exc:
-            raise from_kestrel_error(exc, param="tools") from None
-        try:
             context = body.template_context()
         except KestrelError as exc:
             raise from_kestrel_error(exc) from None
