@@ -101,6 +101,7 @@ class ChatMessage(_Request):
     name: StrictStr | None = None
     tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: StrictStr | None = None
+    reasoning_content: StrictStr | None = None  # an earlier answer's reasoning, which some templates show again
 
     @field_validator("content")
     @classmethod
@@ -132,6 +133,8 @@ class ChatMessage(_Request):
             message["tool_calls"] = [call.for_template() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 

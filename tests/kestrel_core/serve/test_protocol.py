@@ -136,13 +136,15 @@ def test_tool_calls_and_results_for_the_template() -> None:
              for i, a in enumerate(['{"x": 1}', "not json", "[1]"])]
     req = ChatCompletionRequest.model_validate({"messages": [
         {"role": "assistant", "content": None, "tool_calls": calls},
-        {"role": "tool", "tool_call_id": "c0", "content": "done"}]})
+        {"role": "tool", "tool_call_id": "c0", "content": "done"},
+        {"role": "assistant", "content": "Done.", "reasoning_content": "It worked."}]})
     assert req.template_messages() == [
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c0", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "not json"}},
             {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]},
-        {"role": "tool", "content": "done", "tool_call_id": "c0"}]
+        {"role": "tool", "content": "done", "tool_call_id": "c0"},
+        {"role": "assistant", "content": "Done.", "reasoning_content": "It worked."}]
 
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}
