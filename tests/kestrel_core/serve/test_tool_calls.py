@@ -94,19 +94,20 @@ def _fresh(pair: tuple[_Scripted, openai.OpenAI]) -> _Scripted:
 
 
 @pytest.fixture(scope="module")
-def hermes() -> Iterator[tuple[_Scripted, openai.OpenAI]]:
-    with _served(HERMES_TEMPLATE) as pair:
-        yield pair
+def servers() -> Iterator[dict[str, tuple[_Scripted, openai.OpenAI]]]:
+    """Scripted servers with the Hermes-style template and with its thinking variant (THINKING_TEMPLATE)."""
+    with _served(HERMES_TEMPLATE) as hermes, _served(THINKING_TEMPLATE) as thinking:
+        yield {"hermes": hermes, "thinking": thinking}
 
 
 @pytest.fixture
-def scripted(hermes: tuple[_Scripted, openai.OpenAI]) -> _Scripted:
-    return _fresh(hermes)
+def scripted(servers: dict[str, tuple[_Scripted, openai.OpenAI]]) -> _Scripted:
+    return _fresh(servers["hermes"])
 
 
 @pytest.fixture
-def client(hermes: tuple[_Scripted, openai.OpenAI]) -> openai.OpenAI:
-    return hermes[1]
+def client(servers: dict[str, tuple[_Scripted, openai.OpenAI]]) -> openai.OpenAI:
+    return servers["hermes"][1]
 
 
 def _answer(scripted: _Scripted, client: openai.OpenAI, text: str, **kwargs: Any) -> Any:
@@ -295,20 +296,14 @@ THINKING_TEMPLATE = HERMES_TEMPLATE.replace(
 THOUGHT = "The user wants the weather; get_weather takes a city."
 
 
-@pytest.fixture(scope="module")
-def thinking_pair() -> Iterator[tuple[_Scripted, openai.OpenAI]]:
-    with _served(THINKING_TEMPLATE) as pair:
-        yield pair
+@pytest.fixture
+def thinking(servers: dict[str, tuple[_Scripted, openai.OpenAI]]) -> _Scripted:
+    return _fresh(servers["thinking"])
 
 
 @pytest.fixture
-def thinking(thinking_pair: tuple[_Scripted, openai.OpenAI]) -> _Scripted:
-    return _fresh(thinking_pair)
-
-
-@pytest.fixture
-def thinking_client(thinking_pair: tuple[_Scripted, openai.OpenAI]) -> openai.OpenAI:
-    return thinking_pair[1]
+def thinking_client(servers: dict[str, tuple[_Scripted, openai.OpenAI]]) -> openai.OpenAI:
+    return servers["thinking"][1]
 
 
 def test_reasoning_is_its_own_field(thinking: _Scripted, thinking_client: openai.OpenAI) -> None:
