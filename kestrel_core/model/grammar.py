@@ -90,6 +90,7 @@ class Constraint:
         self.vocab_size = vocab.vocab_size
         self.eos = int(eos_token_ids[0]) if len(eos_token_ids) else None
         self._bits = np.zeros((self.vocab_size + 31) // 32, np.int32)
+        self._ready = False  # _bits hold the next token's mask already (prepare_masks)
 
     def allowed(self) -> np.ndarray:
         """bool [vocab]: the tokens the grammar allows next (only the end of text once it has failed)."""
@@ -98,7 +99,9 @@ class Constraint:
             if self.eos is not None:
                 out[self.eos] = True
             return out
-        self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        if not self._ready:
+            self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        self._ready = False
         return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
 
     def allow(self, z: np.ndarray) -> np.ndarray:
@@ -110,6 +113,7 @@ class Constraint:
 
     def accept(self, token: int) -> None:
         """Consume the chosen ``token`` (a token the grammar refuses puts it in its failed state)."""
+        self._ready = False
         if not self.matcher.is_error():
             self.matcher.consume_token(int(token))
 
@@ -117,3 +121,23 @@ class Constraint:
     def failed(self) -> str:
         """Why the grammar failed, or ""."""
         return self.matcher.get_error() if self.matcher.is_error() else ""
+
+
+_EXECUTOR: list[Any] = []  # llguidance's thread pool, made on first use
+
+
+def prepare_masks(constraints: Sequence[Constraint]) -> None:
+    """Compute the next masks of a step's constrained rows at once, on llguidance's thread pool (80 % of the
+    CPUs, at most 32), rather than one after another as each row is sampled; each ``allowed`` then reads its
+    own. The constraints are of one model (one vocabulary)."""
+    live = [c for c in constraints if not c.matcher.is_error()]
+    if len(live) < 2:
+        return
+    if not _EXECUTOR:
+        _EXECUTOR.append(_llguidance().LLExecutor())
+    bits = np.zeros((len(live), len(live[0]._bits)), np.int32)  # [rows, vocab / 32]
+    _EXECUTOR[0].unsafe_compute_mask_ptr([(c.matcher, i) for i, c in enumerate(live)], bits.ctypes.data,
+                                         bits.shape[1] * 4, len(live))
+    for c, row in zip(live, bits, strict=True):
+        c._bits[:] = row
+        c._ready = True

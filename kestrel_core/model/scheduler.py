@@ -35,7 +35,7 @@ import numpy as np
 
 from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
 from kestrel_core.model.detokenize import TextStream
-from kestrel_core.model.grammar import Constraint, check_grammar
+from kestrel_core.model.grammar import Constraint, check_grammar, prepare_masks
 from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
 from kestrel_core.model.tokenizer import NoTokenizer
 from kestrel_core.model.weights import PREFILL_CHUNK
@@ -257,8 +257,9 @@ class Scheduler:
             raise
         finally:
             self._release_held()
-        return [(request, self._accept(request, self._sample(request, out[-1])))
-                for (request, _, rows), out in zip(work, logits) if rows and not request.finished]
+        taking = [(request, out) for (request, _, rows), out in zip(work, logits) if rows and not request.finished]
+        prepare_masks([r.sampler.constraint for r, _ in taking if r.sampler.constraint is not None])
+        return [(request, self._accept(request, self._sample(request, out[-1]))) for request, out in taking]
 
     def _start(self, before: tuple[list[tuple[Request, list[int] | None, int]], Any] | None = None
                ) -> tuple[list[tuple[Request, list[int] | None, int]], Any] | None:

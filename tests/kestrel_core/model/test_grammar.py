@@ -18,8 +18,16 @@ import kestrel_core
 from kestrel_core.errors import InvalidRequest, KestrelError
 from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.engine import load_preset
-from kestrel_core.model.grammar import Constraint, check_grammar, grammar_vocab, json_schema_grammar, lark_grammar
+from kestrel_core.model.grammar import (
+    Constraint,
+    check_grammar,
+    grammar_vocab,
+    json_schema_grammar,
+    lark_grammar,
+    prepare_masks,
+)
 from kestrel_core.model.sampling import Sampler, SamplingParams
+from kestrel_core.model.scheduler import Scheduler
 
 CITY = {"type": "object", "additionalProperties": False, "required": ["city", "population", "country"],
         "properties": {"city": {"type": "string", "maxLength": 30}, "population": {"type": "integer"},
@@ -176,3 +184,35 @@ def test_an_async_request_builds_its_constraint_off_the_steps_thread(monkeypatch
     assert re.fullmatch(r"(ab)*a?|(ab)+x", text), text
     assert "grammar" in error and len(threads) == 2
     assert "kestrel-scheduler" not in threads and threading.main_thread().name not in threads
+
+
+@pytest.mark.default_model
+def test_a_steps_masks_at_once_are_each_ones_own(engine: Any) -> None:
+    """prepare_masks (llguidance's thread pool) gives each constraint the mask it would compute alone."""
+    grammars = [kestrel_core.regex_grammar(r) for r in ("ab(c|d)", "[0-9]+", "(yes|no)")]
+    eos = sorted(engine.eos_token_ids)
+    together = [engine.constraint(g) for g in grammars]
+    alone = [engine.constraint(g) for g in grammars]
+    for c in (together[0], alone[0]):
+        c.accept(engine.tokenizer.encode("ab", add_special_tokens=False)[0])
+    prepare_masks(together)
+    for a, b in zip(together, alone, strict=True):
+        assert a._ready and (a.allowed() == b.allowed()).all() and not a._ready
+    assert len(eos) and not (together[1].allowed() == together[2].allowed()).all()
+
+
+@pytest.mark.default_model
+def test_constrained_requests_batched_answer_as_they_do_alone(engine: Any) -> None:
+    prompts = ["Count to five.", "Is water wet?", "Name a color."]
+    grammars = [r"[0-9](, [0-9]){0,5}\.", r"(Yes|No)\.", r"(red|green|blue)"]
+    alone = [_answer(engine, q, max_tokens=20, grammar=kestrel_core.regex_grammar(g))
+             for q, g in zip(prompts, grammars, strict=True)]
+    scheduler = Scheduler(engine, max_batch=3)
+    texts: dict[str, str] = {}
+    for i, (q, g) in enumerate(zip(prompts, grammars, strict=True)):
+        ids = engine.tokenizer.encode_chat([{"role": "user", "content": q}])
+        scheduler.add(ids, SamplingParams(max_tokens=20, grammar=kestrel_core.regex_grammar(g)), f"r{i}")
+    while scheduler.has_work:
+        for out in scheduler.step():
+            texts[out.request_id] = texts.get(out.request_id, "") + out.new_text
+    assert [texts[f"r{i}"] for i in range(3)] == [text for text, _ in alone]
