@@ -24,16 +24,9 @@ from kestrel_core.serve import generation
 from kestrel_core.serve.access import AccessMiddleware, ApiKeyMiddleware
 from kestrel_core.serve.errors import APIError, from_kestrel_error, install_error_handlers
 from kestrel_core.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from kestrel_core.serve.protocol import (
-    ChatCompletionRequest,
-    ChatShape,
-    CompletionRequest,
-    CompletionShape,
-    Echo,
-    TokenStrings,
-    new_id,
-)
+from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest
 from kestrel_core.serve.reasoning import Reasoning, opens_in_prompt, thinks
+from kestrel_core.serve.responses import ChatShape, CompletionShape, Echo, TokenStrings, new_id
 from kestrel_core.serve.tools import MISTRAL, tool_format
 
 

@@ -31,7 +31,7 @@ from kestrel_core.model.sampling import SamplingParams, TokenLogprob
 from kestrel_core.model.scheduler import RequestOutput
 from kestrel_core.serve.access import CLIENT_CLOSED, RequestRecord, record_of
 from kestrel_core.serve.errors import APIError, error_body, from_kestrel_error
-from kestrel_core.serve.protocol import ChoiceResult, Shape, choice_params, usage
+from kestrel_core.serve.responses import ChoiceResult, Shape, choice_params, usage
 
 T = TypeVar("T")
 

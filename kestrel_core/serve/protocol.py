@@ -1,4 +1,4 @@
-"""OpenAI's request and response shapes for ``/v1/chat/completions`` and ``/v1/completions``.
+"""OpenAI's requests for ``/v1/chat/completions`` and ``/v1/completions``.
 
 Requests are pydantic models with OpenAI's field names; unknown fields are ignored (clients send many), and
 scalar fields are strict (``"0.5"`` is not a temperature), so a wrong type is a 400 naming the field. Ranges
@@ -13,18 +13,12 @@ reproducible. A completions request may hold several prompts (choice p * n + i i
 them, with their tokens' logprobs and, with ``max_tokens`` 0, nothing generated: what evaluation harnesses send
 to score text.
 
-Responses are plain dicts built to OpenAI's shapes (ids ``chatcmpl-...`` / ``cmpl-...``, object names,
-``created``, ``model``, ``choices``, ``usage``) by ``ChatShape`` and ``CompletionShape``, which both the
-streaming and the non-streaming paths use.
+The responses' shapes are serve/responses.py's.
 """
 
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import (
@@ -39,22 +33,16 @@ from pydantic import (
     field_validator,
 )
 
-from kestrel_core.errors import InvalidRequest, KestrelError
+from kestrel_core.errors import InvalidRequest
 from kestrel_core.model.grammar import json_schema_grammar
-from kestrel_core.model.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
-from kestrel_core.serve.reasoning import Reasoning, ReasoningStream, split
-from kestrel_core.serve.tools import UNKNOWN, ToolCalls, ToolStream, call_grammar, parse
+from kestrel_core.model.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from kestrel_core.serve.tools import UNKNOWN, ToolCalls, call_grammar
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; kestrel's own SamplingParams default is greedy
 MAX_CHOICES = 128  # n, at most (OpenAI's bound)
 MAX_PROMPTS = 128  # prompts of one completions request, at most
 # the chat template's variables kestrel sets (model/tokenizer.py, ChatCompletionRequest.template_context)
 TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
-
-
-def new_id(prefix: str) -> str:
-    """A response id the way OpenAI spells them: ``chatcmpl-<hex>``, ``cmpl-<hex>``."""
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 # -- requests -----------------------------------------------------------------------------------------
@@ -365,305 +353,4 @@ class CompletionRequest(_Generation):
                                  param="logprobs")
 
 
-# -- responses ----------------------------------------------------------------------------------------
-
-
-def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice ``index``'s sampling: seed + index with a seed (seeds wrap below 2^63), else the request's."""
-    if params.seed is None or index == 0:
-        return params
-    return replace(params, seed=(params.seed + index) % 2 ** 63)
-
-
-@dataclass
-class ChoiceResult:
-    """One choice's whole answer (the non-streaming response)."""
-
-    text: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
-    completion_tokens: int = 0
-
-
-@dataclass
-class Echo:
-    """A completions prompt repeated before its choices' text (``echo``): its text, its first token (no
-    logprob: nothing comes before it) and the other tokens' logprobs (None: none were asked for)."""
-
-    text: str
-    first_token: int
-    logprobs: list[TokenLogprob] | None
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def finish_reason(reason: str | None) -> str | None:
-    """OpenAI's finish reasons are "stop", "length" and "tool_calls"; an abort never reaches a client as one."""
-    return reason if reason in ("stop", "length", "tool_calls") else None
-
-
-def _calls_reason(reason: str | None) -> str | None:
-    """An answer that made tool calls: "tool_calls" where the model stopped by itself, else its reason."""
-    return "tool_calls" if reason == "stop" else reason
-
-
-class TokenStrings:
-    """Each token's own text (decoded alone, special tokens by name) and its UTF-8 bytes, cached per id.
-
-    A model without a tokenizer still serves token-id prompts; its tokens are then named ``token_id:<id>``.
-    """
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            try:
-                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            except KestrelError:  # NoTokenizer: no text at all
-                text = f"token_id:{token_id}"
-            self._cache[token_id] = text
-        return text
-
-    def bytes(self, token_id: int) -> list[int]:
-        return list(self(token_id).encode("utf-8"))
-
-
-class _Shape:
-    """What the two endpoints' responses share: the id, the creation time and the model name.
-
-    With ``continuous_usage`` every chunk's usage is its choice's, as vLLM's: the choice's prompt tokens and the
-    tokens the stream has sent of that choice so far, which the stream counts (``start_usage``, ``add_sent``),
-    so a client can count each chunk's tokens."""
-
-    object: str = ""
-    chunk_object: str = ""
-
-    def __init__(self, response_id: str, model: str, tokens: TokenStrings, include_usage: bool = False,
-                 continuous_usage: bool = False) -> None:
-        self.id = response_id
-        self.model = model
-        self.created = int(time.time())
-        self.tokens = tokens
-        self.include_usage = include_usage
-        self.continuous_usage = include_usage and continuous_usage
-        self._prompt_tokens: list[int] = []
-        self._sent: list[int] = []
-
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices}
-
-    def start_usage(self, prompt_tokens: Sequence[int]) -> None:
-        """Each choice's prompt tokens, by index, before a stream's first chunk; no tokens sent yet."""
-        self._prompt_tokens = list(prompt_tokens)
-        self._sent = [0] * len(self._prompt_tokens)
-
-    def add_sent(self, index: int, tokens: int) -> None:
-        """Choice ``index``'s ``tokens`` go out with its next chunk."""
-        self._sent[index] += tokens
-
-    def choice_counts(self, index: int) -> tuple[int, int]:
-        """Choice ``index``'s prompt tokens and the tokens sent of it so far."""
-        return self._prompt_tokens[index], self._sent[index]
-
-    def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        body = self._envelope(self.chunk_object, [choice])
-        if self.continuous_usage:
-            body["usage"] = usage(*self.choice_counts(choice["index"]))
-        elif self.include_usage:
-            body["usage"] = None  # as OpenAI: every chunk but the last says usage: null
-        return body
-
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        body = self._envelope(self.chunk_object, [])
-        body["usage"] = usage(prompt_tokens, completion_tokens)
-        return body
-
-    def response(self, results: list[ChoiceResult], prompt_tokens: int) -> dict[str, Any]:
-        """The whole answer: a choice per result, in order; usage counts the prompt once."""
-        body = self._envelope(self.object, [self.choice(i, r) for i, r in enumerate(results)])
-        body["usage"] = usage(prompt_tokens, sum(r.completion_tokens for r in results))
-        return body
-
-    def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def stream_text(self, index: int, text: str) -> tuple[str, str]:
-        """What of choice ``index``'s new ``text`` a stream sends now: (reasoning, content)."""
-        return "", text
-
-    def finish_chunks(self, reason: str | None, index: int = 0) -> list[dict[str, Any]]:
-        """The chunks that end choice ``index``'s stream."""
-        return [self.finish_chunk(reason, index)]
-
-    def finish_chunk(self, reason: str | None, index: int = 0) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def reasoning_chunk(self, text: str, entries: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any]:
-        raise NotImplementedError  # only chat answers reason (stream_text gives none otherwise)
-
-
-class ChatShape(_Shape):
-    """``tools``: the request's tool calls (None: its answers are text), read out of each choice's content;
-    ``reasoning``: its answers' reasoning block (None: they have none), answered as ``reasoning_content``."""
-
-    object = "chat.completion"
-    chunk_object = "chat.completion.chunk"
-
-    def __init__(self, response_id: str, model: str, tokens: TokenStrings, include_usage: bool = False,
-                 continuous_usage: bool = False, tools: ToolCalls | None = None,
-                 reasoning: Reasoning | None = None) -> None:
-        super().__init__(response_id, model, tokens, include_usage, continuous_usage)
-        self.tools = tools
-        self.reasoning = reasoning
-        self._streams: dict[int, tuple[ReasoningStream | None, ToolStream | None]] = {}
-
-    def logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
-        if entries is None:
-            return None
-        t = self.tokens
-        return {"content": [
-            {"token": t(e.token_id), "logprob": e.logprob, "bytes": t.bytes(e.token_id),
-             "top_logprobs": [{"token": t(i), "logprob": lp, "bytes": t.bytes(i)} for i, lp in e.top]}
-            for e in entries], "refusal": None}
-
-    def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
-        text, reason = "".join(result.text), finish_reason(result.finish_reason)
-        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-        if self.reasoning is not None:
-            thought, text = split(text, self.reasoning.open_in_prompt)
-            message["content"] = text
-            if thought is not None:
-                message["reasoning_content"] = thought
-        if self.tools is not None:
-            parsed = parse(self.tools.fmt, text, self.tools.parallel)
-            if parsed.calls:
-                message["content"] = parsed.content
-                message["tool_calls"] = self.tools.message_calls(parsed.calls)
-                reason = _calls_reason(reason)
-        return {"index": index, "message": message, "logprobs": self.logprobs(result.logprobs),
-                "finish_reason": reason}
-
-    def stream_text(self, index: int, text: str) -> tuple[str, str]:
-        if self.reasoning is None and self.tools is None:
-            return "", text
-        thinking, tools = self._streams.get(index) or self._streams.setdefault(index, (
-            None if self.reasoning is None else ReasoningStream(self.reasoning.open_in_prompt),
-            None if self.tools is None else ToolStream(self.tools.fmt, self.tools.parallel)))
-        reasoning = ""
-        if thinking is not None:
-            reasoning, text = thinking.feed(text)
-        return reasoning, text if tools is None else tools.feed(text)
-
-    def finish_chunks(self, reason: str | None, index: int = 0) -> list[dict[str, Any]]:
-        thinking, tools = self._streams.pop(index, (None, None))
-        reasoning, rest = thinking.finish() if thinking is not None else ("", "")
-        chunks = [self.reasoning_chunk(reasoning, None, index)] if reasoning else []
-        calls: tuple[Any, ...] = ()
-        if tools is not None:
-            rest = tools.feed(rest)
-            tail, calls = tools.finish()
-            rest += tail
-        if rest:
-            chunks.append(self.delta_chunk(rest, None, index))
-        if calls:
-            assert self.tools is not None
-            deltas = [{"index": k, **call} for k, call in enumerate(self.tools.message_calls(calls))]
-            chunks.append(self.chunk({"index": index, "delta": {"tool_calls": deltas}, "logprobs": None,
-                                      "finish_reason": None}))
-            reason = _calls_reason(reason)
-        return chunks + [self.finish_chunk(reason, index)]
-
-    def reasoning_chunk(self, text: str, entries: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any]:
-        return self.chunk({"index": index, "delta": {"reasoning_content": text}, "logprobs": self.logprobs(entries),
-                           "finish_reason": None})
-
-    def first_chunks(self, choices: int = 1) -> list[dict[str, Any]]:
-        return [self.chunk({"index": i, "delta": {"role": "assistant", "content": "", "refusal": None},
-                            "logprobs": None, "finish_reason": None}) for i in range(choices)]
-
-    def delta_chunk(self, text: str, entries: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any]:
-        return self.chunk({"index": index, "delta": {"content": text}, "logprobs": self.logprobs(entries),
-                           "finish_reason": None})
-
-    def finish_chunk(self, reason: str | None, index: int = 0) -> dict[str, Any]:
-        return self.chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(reason)})
-
-
-class CompletionShape(_Shape):
-    """``echoes``: each choice's Echo (None: not echoed), or none at all."""
-
-    object = "text_completion"
-    chunk_object = "text_completion"
-
-    def __init__(self, response_id: str, model: str, tokens: TokenStrings, include_usage: bool = False,
-                 echoes: Sequence[Echo | None] = (), continuous_usage: bool = False) -> None:
-        super().__init__(response_id, model, tokens, include_usage, continuous_usage)
-        self.echoes = list(echoes)
-        self._offsets: dict[int, int] = {}  # each choice's text_offset runs on across a stream's chunks
-
-    def logprobs(self, entries: list[TokenLogprob] | None, index: int = 0,
-                 first: int | None = None) -> dict[str, Any] | None:
-        """The legacy shape: parallel lists; offsets are into the choice's text, token by token. ``first``: a
-        token before the entries with no logprob (an echoed prompt's first)."""
-        if entries is None:
-            return None
-        t = self.tokens
-        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        rows: list[tuple[int, float | None, dict[str, float] | None]] = [] if first is None else [(first, None, None)]
-        for e in entries:
-            top: dict[str, float] = {}
-            for i, lp in e.top:
-                top.setdefault(t(i), lp)  # two ids with one text: the likelier one
-            rows.append((e.token_id, e.logprob, top))
-        for token_id, logprob, top_row in rows:
-            token = t(token_id)
-            out["tokens"].append(token)
-            out["token_logprobs"].append(logprob)
-            out["top_logprobs"].append(top_row)
-            offset = self._offsets.get(index, 0)
-            out["text_offset"].append(offset)
-            self._offsets[index] = offset + len(token)
-        return out
-
-    def _echo(self, index: int) -> Echo | None:
-        return self.echoes[index] if index < len(self.echoes) else None
-
-    def _echo_logprobs(self, echo: Echo, index: int) -> dict[str, Any] | None:
-        return self.logprobs(echo.logprobs, index, first=echo.first_token)
-
-    def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
-        echo = self._echo(index)
-        head = self._echo_logprobs(echo, index) if echo is not None else None
-        logprobs = self.logprobs(result.logprobs, index)
-        if head is not None and logprobs is not None:
-            logprobs = {key: head[key] + logprobs[key] for key in head}
-        text = (echo.text if echo is not None else "") + "".join(result.text)
-        return {"text": text, "index": index, "logprobs": logprobs,
-                "finish_reason": finish_reason(result.finish_reason)}
-
-    def first_chunks(self, choices: int = 1) -> list[dict[str, Any]]:
-        """A chunk of each echoed choice's prompt."""
-        return [self.chunk({"text": echo.text, "index": i, "logprobs": self._echo_logprobs(echo, i),
-                            "finish_reason": None})
-                for i in range(choices) if (echo := self._echo(i)) is not None]
-
-    def delta_chunk(self, text: str, entries: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any]:
-        return self.chunk({"text": text, "index": index, "logprobs": self.logprobs(entries, index),
-                           "finish_reason": None})
-
-    def finish_chunk(self, reason: str | None, index: int = 0) -> dict[str, Any]:
-        return self.chunk({"text": "", "index": index, "logprobs": None, "finish_reason": finish_reason(reason)})
-
-
-Shape = ChatShape | CompletionShape
-
-__all__ = ["ChatCompletionRequest", "ChatMessage", "ChatShape", "ChoiceResult", "CompletionRequest",
-           "CompletionShape", "ContentPart", "Echo", "Shape", "StreamOptions", "TokenStrings", "choice_params",
-           "finish_reason", "new_id", "usage"]
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ContentPart", "StreamOptions"]

@@ -10,7 +10,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from kestrel_core.serve.protocol import ChatCompletionRequest
 from kestrel_core.serve.server import KestrelServer, build_server
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+class Letters:
+    """A tokenizer whose token i is the letter chr(ord('a') + i)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def chat_request(**fields: Any) -> ChatCompletionRequest:
+    """A chat request saying "Hi", with ``fields``."""
+    return ChatCompletionRequest.model_validate({"messages": HI, **fields})
 
 
 @contextmanager

@@ -13,13 +13,9 @@ from kestrel_core.model.sampling import TokenLogprob
 from kestrel_core.model.scheduler import RequestOutput
 from kestrel_core.serve.access import RequestRecord
 from kestrel_core.serve.generation import DeltaEvents, _events, sse
-from kestrel_core.serve.protocol import ChatShape, CompletionShape, Echo, TokenStrings
+from kestrel_core.serve.responses import ChatShape, CompletionShape, Echo, TokenStrings
 
-
-class _Letters:
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return "".join(chr(ord("a") + i) for i in ids)
-
+from .helpers import Letters
 
 TEXTS = ["", "a", ' "quoted" \\ back', "line\nbreak\ttab", "\u00e9\u4e2d\U0001f600", "\x00\x1f", "</script>",
          "\ue000kestrel"]
@@ -28,9 +24,9 @@ TEXTS = ["", "a", ' "quoted" \\ back', "line\nbreak\ttab", "\u00e9\u4e2d\U0001f6
 @pytest.mark.parametrize(("usage", "continuous"), [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("shape_type", [ChatShape, CompletionShape])
 def test_delta_events_are_the_whole_chunks_bytes(shape_type: type, usage: bool, continuous: bool) -> None:
-    events = DeltaEvents(shape_type("id-x", "m\"odel", TokenStrings(_Letters()), include_usage=usage,
+    events = DeltaEvents(shape_type("id-x", "m\"odel", TokenStrings(Letters()), include_usage=usage,
                                     continuous_usage=continuous))
-    reference = shape_type("id-x", "m\"odel", TokenStrings(_Letters()), include_usage=usage,
+    reference = shape_type("id-x", "m\"odel", TokenStrings(Letters()), include_usage=usage,
                            continuous_usage=continuous)
     reference.created = events.shape.created
     prompts = [7, 40]
@@ -87,9 +83,9 @@ def test_continuous_usage_is_each_choices_own(shape_type: type) -> None:
     """As vLLM's: a chunk's usage is its choice's prompt and that choice's tokens sent so far (here two prompts,
     of 5 and 9 tokens, a choice each); the last chunk's, the request's."""
     echoes = [Echo("ab", 0, None), Echo("c", 2, None)]
-    shape = (ChatShape("id-x", "m", TokenStrings(_Letters()), include_usage=True, continuous_usage=True)
+    shape = (ChatShape("id-x", "m", TokenStrings(Letters()), include_usage=True, continuous_usage=True)
              if shape_type is ChatShape else
-             CompletionShape("id-x", "m", TokenStrings(_Letters()), True, echoes, continuous_usage=True))
+             CompletionShape("id-x", "m", TokenStrings(Letters()), True, echoes, continuous_usage=True))
     chunks = _streamed(shape, CHOICES, 14, [5, 9])
     firsts = [(0, 5, 0), (1, 9, 0)]  # (choice, prompt tokens, completion tokens so far): the roles, the echoes
     assert [(c["choices"][0]["index"], c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"])
@@ -103,7 +99,7 @@ def test_continuous_usage_is_each_choices_own(shape_type: type) -> None:
 
 @pytest.mark.parametrize(("usage", "continuous"), [(True, False), (False, True), (False, False)])
 def test_without_continuous_usage_chunks_say_null_or_nothing(usage: bool, continuous: bool) -> None:
-    shape = CompletionShape("id-x", "m", TokenStrings(_Letters()), include_usage=usage, continuous_usage=continuous)
+    shape = CompletionShape("id-x", "m", TokenStrings(Letters()), include_usage=usage, continuous_usage=continuous)
     chunks = _streamed(shape, CHOICES, 14, [5, 9])
     if usage:
         assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["completion_tokens"] == 7

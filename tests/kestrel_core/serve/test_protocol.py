@@ -1,4 +1,4 @@
-"""Requests to SamplingParams, errors to OpenAI's params, responses in OpenAI's shapes (no model, no server)."""
+"""Requests to SamplingParams, grammars and template context; errors to OpenAI's params (no model, no server)."""
 
 from __future__ import annotations
 
@@ -9,49 +9,27 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
-from kestrel_core.model.sampling import TokenLogprob
 from kestrel_core.serve.errors import from_kestrel_error, param_path, validation_error
-from kestrel_core.serve.protocol import (
-    ChatCompletionRequest,
-    ChatShape,
-    ChoiceResult,
-    CompletionRequest,
-    CompletionShape,
-    Echo,
-    TokenStrings,
-    choice_params,
-    new_id,
-)
+from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest
 from kestrel_core.serve.tools import HERMES, LLAMA3, MISTRAL, UNKNOWN, ToolCalls
 
-HI = [{"role": "user", "content": "Hi"}]
-
-
-class _Letters:
-    """A tokenizer whose token i is the letter chr(ord('a') + i)."""
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return "".join(chr(ord("a") + i) for i in ids)
-
-
-def _chat(**fields: Any) -> ChatCompletionRequest:
-    return ChatCompletionRequest.model_validate({"messages": HI, **fields})
+from .helpers import HI, chat_request
 
 
 def test_defaults_follow_openai() -> None:
-    p = _chat().sampling_params(default_max_tokens=100)
+    p = chat_request().sampling_params(default_max_tokens=100)
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop, p.logprobs) == \
         (100, 1.0, 1.0, 0, None, (), False)
 
 
 def test_fields_reach_sampling_params() -> None:
-    p = _chat(max_tokens=7, temperature=0, top_p=0.5, top_k=3, seed=9, stop="END", presence_penalty=0.5,
-              frequency_penalty=-0.5, logprobs=True, top_logprobs=4, ignore_eos=True,
-              user="u", some_future_field={"x": 1}).sampling_params(100)
+    p = chat_request(max_tokens=7, temperature=0, top_p=0.5, top_k=3, seed=9, stop="END", presence_penalty=0.5,
+                     frequency_penalty=-0.5, logprobs=True, top_logprobs=4, ignore_eos=True,
+                     user="u", some_future_field={"x": 1}).sampling_params(100)
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop) == (7, 0.0, 0.5, 3, 9, ("END",))
     assert (p.presence_penalty, p.frequency_penalty, p.logprobs, p.top_logprobs, p.ignore_eos) == \
         (0.5, -0.5, True, 4, True)
-    assert _chat(max_tokens=7, max_completion_tokens=3).sampling_params(100).max_tokens == 3
+    assert chat_request(max_tokens=7, max_completion_tokens=3).sampling_params(100).max_tokens == 3
     c = CompletionRequest.model_validate({"prompt": "x", "logprobs": 0, "stop": ["a", "b"]}).sampling_params(5)
     assert (c.logprobs, c.top_logprobs, c.stop, c.max_tokens) == (True, 0, ("a", "b"), 5)
 
@@ -65,7 +43,7 @@ def test_fields_reach_sampling_params() -> None:
 ])
 def test_semantic_errors_name_the_field(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as info:
-        _chat(**fields).sampling_params(100)
+        chat_request(**fields).sampling_params(100)
     assert info.value.param == param
 
 
@@ -157,7 +135,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ({"tools": [TOOL], "tool_choice": "none"}, None, None),  # not shown to the model, so no template needed
 ])
 def test_a_requests_tool_calls(fields: dict[str, Any], fmt: str | None, expected: ToolCalls | None) -> None:
-    req = _chat(**fields)
+    req = chat_request(**fields)
     assert req.tool_calls(fmt) == expected
     assert req.template_context()["tools"] == (None if expected is None else [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
@@ -169,7 +147,7 @@ def test_a_requests_tool_calls(fields: dict[str, Any], fmt: str | None, expected
 ])
 def test_tool_calls_kestrel_cannot_read(fields: dict[str, Any], fmt: str | None, param: str, says: str) -> None:
     with pytest.raises(InvalidRequest, match=says) as info:
-        _chat(tools=[TOOL], **fields).tool_calls(fmt)
+        chat_request(tools=[TOOL], **fields).tool_calls(fmt)
     assert info.value.param == param
 
 
@@ -185,7 +163,7 @@ def test_tool_calls_kestrel_cannot_read(fields: dict[str, Any], fmt: str | None,
     ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}}, MISTRAL, '<[9]> " "? "["'),
 ])
 def test_the_grammar_an_answer_keeps_to(fields: dict[str, Any], fmt: str | None, needle: str | None) -> None:
-    req = _chat(**fields)
+    req = chat_request(**fields)
     grammar = req.grammar(req.tool_calls(fmt), 9)
     assert (grammar is None) == (needle is None)
     if needle is not None:
@@ -202,115 +180,9 @@ def test_the_grammar_an_answer_keeps_to(fields: dict[str, Any], fmt: str | None,
      "cannot both"),
 ])
 def test_grammars_kestrel_cannot_make(fields: dict[str, Any], param: str, says: str) -> None:
-    req = _chat(**fields)
+    req = chat_request(**fields)
     with pytest.raises(InvalidRequest, match=says) as info:
         req.grammar(req.tool_calls(HERMES))
     assert info.value.param == param
 
 
-def test_chat_choices_with_tool_calls() -> None:
-    shape = ChatShape("id", "m", TokenStrings(_Letters()), tools=ToolCalls(HERMES))
-    call = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
-    body = shape.response([ChoiceResult(["Sure. ", call], None, "stop", 9),
-                           ChoiceResult([call], None, "length", 9), ChoiceResult(["plain"], None, "stop", 1)], 3)
-    made, cut, plain = (c["message"] for c in body["choices"])
-    assert [c["finish_reason"] for c in body["choices"]] == ["tool_calls", "length", "stop"]
-    assert made["content"] == "Sure." and made["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
-    assert cut["content"] is None and len(cut["tool_calls"]) == 1
-    assert plain == {"role": "assistant", "content": "plain", "refusal": None}
-
-
-def test_chat_shapes() -> None:
-    shape = ChatShape(new_id("chatcmpl"), "m", TokenStrings(_Letters()), include_usage=True)
-    lp = [TokenLogprob(0, -0.1, [(0, -0.1), (1, -2.0)])]
-    body = shape.response([ChoiceResult(["a"], lp, "length", 1)], 3)
-    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
-    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "a", "refusal": None},
-                                "finish_reason": "length", "logprobs": {"refusal": None, "content": [
-                                    {"token": "a", "logprob": -0.1, "bytes": [97], "top_logprobs": [
-                                        {"token": "a", "logprob": -0.1, "bytes": [97]},
-                                        {"token": "b", "logprob": -2.0, "bytes": [98]}]}]}}]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
-    assert shape.first_chunks()[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert shape.delta_chunk("a", None)["usage"] is None  # include_usage: null on every chunk but the last
-    assert shape.finish_chunk("abort")["choices"][0]["finish_reason"] is None
-    assert shape.usage_chunk(3, 1)["choices"] == []
-
-
-def test_continuous_usage_chunks_carry_their_choices_counts() -> None:
-    """Each chunk its own choice's prompt tokens and tokens sent so far, as vLLM's; the usage chunk the request's."""
-    shape = ChatShape("chatcmpl-x", "m", TokenStrings(_Letters()), include_usage=True, continuous_usage=True)
-    shape.start_usage([3, 6])
-    assert [c["usage"] for c in shape.first_chunks(2)] == \
-        [{"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3},
-         {"prompt_tokens": 6, "completion_tokens": 0, "total_tokens": 6}]
-    shape.add_sent(0, 2)
-    shape.add_sent(1, 1)
-    shape.add_sent(0, 3)
-    first = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
-    assert shape.delta_chunk("a", None, 0)["usage"] == shape.finish_chunk("stop", 0)["usage"] == first
-    assert shape.delta_chunk("a", None, 1)["usage"] == shape.finish_chunk("stop", 1)["usage"] == \
-        {"prompt_tokens": 6, "completion_tokens": 1, "total_tokens": 7}
-    assert shape.usage_chunk(3, 6)["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
-    echoed = CompletionShape("cmpl-x", "m", TokenStrings(_Letters()), True, [None, Echo("b", 1, None)],
-                             continuous_usage=True)
-    echoed.start_usage([4, 2])
-    (echo,) = echoed.first_chunks(2)
-    assert echo["choices"][0]["index"] == 1 and echo["usage"] == \
-        {"prompt_tokens": 2, "completion_tokens": 0, "total_tokens": 2}
-    alone = CompletionShape("cmpl-x", "m", TokenStrings(_Letters()), continuous_usage=True)  # no include_usage
-    assert "usage" not in alone.delta_chunk("a", None)
-    on = {"include_usage": True, "continuous_usage_stats": True}
-    assert _chat(stream=True, stream_options=on).continuous_usage
-    assert not _chat(stream=True, stream_options={"continuous_usage_stats": True}).continuous_usage
-    assert not _chat(stream=False, stream_options=on).continuous_usage
-    assert CompletionRequest.model_validate({"prompt": "x", "stream": True, "stream_options": on}).continuous_usage
-
-
-def test_choices_in_one_response_and_their_seeds() -> None:
-    shape = ChatShape("chatcmpl-x", "m", TokenStrings(_Letters()))
-    body = shape.response([ChoiceResult(["a", "b"], None, "stop", 2), ChoiceResult(["c"], None, "length", 1)], 5)
-    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == \
-        [(0, "ab", "stop"), (1, "c", "length")]
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
-    assert [c["index"] for c in shape.first_chunks(2)[0]["choices"] + shape.first_chunks(2)[1]["choices"]] == [0, 1]
-    params = _chat(seed=2 ** 63 - 1).sampling_params(10)
-    assert [choice_params(params, i).seed for i in range(3)] == [2 ** 63 - 1, 0, 1]  # wrapped below 2^63
-    unseeded = _chat().sampling_params(10)
-    assert choice_params(unseeded, 1).seed is None and choice_params(params, 1).max_tokens == params.max_tokens
-
-
-def test_completion_logprobs_offsets_run_on_across_chunks() -> None:
-    shape = CompletionShape("cmpl-x", "m", TokenStrings(_Letters()))
-    first = shape.delta_chunk("ab", [TokenLogprob(0, -1.0, [(0, -1.0)]), TokenLogprob(1, -2.0, [])])
-    second = shape.delta_chunk("c", [TokenLogprob(2, -3.0, [(2, -3.0), (3, -4.0)])])
-    assert first["object"] == "text_completion" and "usage" not in first
-    assert first["choices"][0]["logprobs"] == {"tokens": ["a", "b"], "token_logprobs": [-1.0, -2.0],
-                                               "top_logprobs": [{"a": -1.0}, {}], "text_offset": [0, 1]}
-    assert second["choices"][0]["logprobs"]["text_offset"] == [2]
-    assert second["choices"][0]["logprobs"]["top_logprobs"] == [{"c": -3.0, "d": -4.0}]
-    other = shape.delta_chunk("a", [TokenLogprob(0, -1.0, [])], index=1)  # another choice's offsets start at 0
-    assert other["choices"][0]["index"] == 1 and other["choices"][0]["logprobs"]["text_offset"] == [0]
-
-
-def test_echoed_prompt_comes_first_with_no_logprob_for_its_first_token() -> None:
-    echo = Echo("ab", 0, [TokenLogprob(1, -0.5, [(1, -0.5)])])
-    shape = CompletionShape("cmpl-x", "m", TokenStrings(_Letters()), echoes=[echo, None])
-    body = shape.response([ChoiceResult(["c"], [TokenLogprob(2, -1.0, [])], "length", 1),
-                           ChoiceResult(["d"], [TokenLogprob(3, -2.0, [])], "length", 1)], 2)
-    first, second = body["choices"]
-    assert first["text"] == "abc" and second["text"] == "d"
-    assert first["logprobs"] == {"tokens": ["a", "b", "c"], "token_logprobs": [None, -0.5, -1.0],
-                                 "top_logprobs": [None, {"b": -0.5}, {}], "text_offset": [0, 1, 2]}
-    assert second["logprobs"]["text_offset"] == [0]
-    streamed = CompletionShape("cmpl-y", "m", TokenStrings(_Letters()), echoes=[echo, None])
-    (chunk,) = streamed.first_chunks(2)  # the echoed choice's prompt, before any token
-    assert chunk["choices"][0]["text"] == "ab" and chunk["choices"][0]["logprobs"]["token_logprobs"] == [None, -0.5]
-    assert streamed.delta_chunk("c", [TokenLogprob(2, -1.0, [])])["choices"][0]["logprobs"]["text_offset"] == [2]
-
-
-def test_token_strings_without_a_tokenizer() -> None:
-    from kestrel_core.model.tokenizer import NoTokenizer
-
-    tokens = TokenStrings(NoTokenizer("none shipped", vocab_size=10))
-    assert tokens(7) == "token_id:7" and tokens.bytes(7) == list(b"token_id:7")
