@@ -176,7 +176,7 @@ class Engine:
                     raise InvalidRequest("a grammar needs the model's own tokenizer (tokenizer.json or a GGUF "
                                          "vocabulary), and this model has none", param="grammar")
                 self._grammar_vocab = grammar_vocab(to_json(), self.config.vocab_size, sorted(self.eos_token_ids))
-        return Constraint(self._grammar_vocab, grammar, sorted(self.eos_token_ids))
+        return Constraint(self._grammar_vocab, grammar)
 
     # -- sequences and steps -------------------------------------------------------------------------
 

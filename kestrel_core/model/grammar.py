@@ -73,7 +73,8 @@ def check_grammar(grammar: str, param: str = "grammar") -> None:
 
 def grammar_vocab(tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
     """llguidance's view of a model's vocabulary (its ``LLTokenizer``, about a second to build: the engine keeps
-    one). ``vocab_size``: the model's logits, which may be more than the tokenizer's tokens."""
+    one). ``vocab_size``: the model's logits, which may be more than the tokenizer's tokens; ``eos_token_ids``
+    (at least one): the tokens that end a text."""
     try:
         return _llguidance().LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
     except (ValueError, TypeError, RuntimeError) as exc:  # a tokenizer llguidance cannot take apart
@@ -83,21 +84,20 @@ def grammar_vocab(tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[
 class Constraint:
     """One request's place in its grammar. ``allow`` masks a row of logits; ``accept`` consumes a token."""
 
-    def __init__(self, vocab: Any, grammar: str, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, vocab: Any, grammar: str) -> None:
         self.matcher = _llguidance().LLMatcher(vocab, grammar, log_level=0)
         if self.matcher.is_error():
             raise InvalidRequest(f"invalid grammar: {' '.join(self.matcher.get_error().split())}", param="grammar")
         self.vocab_size = vocab.vocab_size
-        self.eos = int(eos_token_ids[0]) if len(eos_token_ids) else None
+        self.eos = vocab.eos_token  # the first end-of-text token grammar_vocab was given
         self._bits = np.zeros((self.vocab_size + 31) // 32, np.int32)
         self._ready = False  # _bits hold the next token's mask already (prepare_masks)
 
     def allowed(self) -> np.ndarray:
         """bool [vocab]: the tokens the grammar allows next (only the end of text once it has failed)."""
-        out = np.zeros(self.vocab_size, bool)
         if self.matcher.is_error():
-            if self.eos is not None:
-                out[self.eos] = True
+            out = np.zeros(self.vocab_size, bool)
+            out[self.eos] = True
             return out
         if not self._ready:
             self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
@@ -108,7 +108,7 @@ class Constraint:
         """Logits z [vocab] with every token the grammar does not allow next at -inf (a copy)."""
         allowed = self.allowed()
         if not allowed.any():  # nothing at all: let the end of text through rather than choose blind
-            allowed[self.eos if self.eos is not None else int(np.argmax(z))] = True
+            allowed[self.eos] = True
         return np.where(allowed, z, np.float32(-np.inf)).astype(np.float32, copy=False)
 
     def accept(self, token: int) -> None:

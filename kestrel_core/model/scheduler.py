@@ -35,7 +35,7 @@ import numpy as np
 
 from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
 from kestrel_core.model.detokenize import TextStream
-from kestrel_core.model.grammar import Constraint, check_grammar, prepare_masks
+from kestrel_core.model.grammar import Constraint, prepare_masks
 from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
 from kestrel_core.model.tokenizer import NoTokenizer
 from kestrel_core.model.weights import PREFILL_CHUNK
@@ -142,8 +142,6 @@ class Scheduler:
         params.check()
         if params.stop and isinstance(self.engine.tokenizer, NoTokenizer):
             raise InvalidRequest("stop strings need a tokenizer, and this model has none", param="stop")
-        if params.grammar is not None:
-            check_grammar(params.grammar)
         try:
             self.engine.check_ids(prompt_ids, "prompt")
         except KestrelError as exc:
@@ -160,7 +158,8 @@ class Scheduler:
     def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
             constraint: Constraint | None = None) -> Request:
         """Queue a request; InvalidRequest if it can never run, Overloaded if the queue is full. ``constraint``:
-        its grammar's, built already (``Engine.constraint``), else built here."""
+        its grammar's, built already (``Engine.constraint``), else built here (a grammar that does not compile is
+        then the InvalidRequest)."""
         prompt_ids = [int(t) for t in prompt_ids]
         self.check(prompt_ids, params)
         if len(self.waiting) >= self.max_waiting and len(self.running) >= self.max_batch:

@@ -94,7 +94,7 @@ def test_a_grammar_ends_where_it_is_complete_or_at_max_tokens(engine: Any) -> No
 @pytest.mark.default_model
 def test_a_constraint_masks_and_consumes(engine: Any) -> None:
     vocab = grammar_vocab(engine.tokenizer.to_json_str(), engine.config.vocab_size, [2])
-    c = Constraint(vocab, kestrel_core.regex_grammar("ab"), [2])
+    c = Constraint(vocab, kestrel_core.regex_grammar("ab"))
     allowed = c.allowed()
     assert allowed.shape == (engine.config.vocab_size,) and 0 < allowed.sum() < 10
     assert {engine.tokenizer.decode([int(i)]) for i in np.flatnonzero(allowed)} <= {"a", "ab"}
@@ -216,3 +216,11 @@ def test_constrained_requests_batched_answer_as_they_do_alone(engine: Any) -> No
         for out in scheduler.step():
             texts[out.request_id] = texts.get(out.request_id, "") + out.new_text
     assert [texts[f"r{i}"] for i in range(3)] == [text for text, _ in alone]
+
+
+def test_a_grammar_that_does_not_compile_is_refused_before_it_is_queued() -> None:
+    with kestrel_core.load(str(MODELS / "tiny-qwen3"), backend="cpu") as engine:
+        scheduler = Scheduler(engine)
+        with pytest.raises(InvalidRequest, match="invalid grammar") as info:
+            scheduler.add([1, 2], SamplingParams(grammar="%llguidance {}\nstart: nope"))
+        assert info.value.param == "grammar" and not scheduler.has_work
