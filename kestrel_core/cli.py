@@ -19,6 +19,7 @@ from rich.text import Text
 
 import kestrel_core
 from kestrel_core.errors import KestrelError
+from kestrel_core.model.config import POOLINGS
 
 out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False)
@@ -79,6 +80,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from kestrel_core.model.commands import chat
 
     return chat(args)
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    from kestrel_core.model.commands import embed
+
+    return embed(args)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -178,8 +185,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-mb", type=float, default=None, help="host KV cache budget (default: 2048)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM/SIGINT (default: 30)")
+    p.add_argument("--pooling", default=None, choices=POOLINGS,
+                   help="how /v1/embeddings pools a text's hidden states (default: the model's, else last)")
     p.add_argument("--preset", default=None, help="synthetic model preset (random weights) instead of --model")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("embed", help="embedding vectors of texts (one JSON array per line)")
+    p.add_argument("texts", nargs="*", help="texts to embed (default: one per line of stdin)")
+    _model_args(p)
+    p.add_argument("--pooling", default=None, choices=POOLINGS,
+                   help="last, mean or cls (first) token's final hidden state (default: the model's, else last)")
+    p.add_argument("--dimensions", type=int, default=None, help="keep the first N components (Matryoshka)")
+    p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser("pull", help="fetch the default model into KESTREL_HOME")
     p.set_defaults(func=cmd_pull)

@@ -4,9 +4,10 @@ The engine's steps are blocking numpy/numba work, so they run on a thread of the
 requests and read each request's outputs from an asyncio queue. Leaving the ``generate`` iterator early (a
 client that disconnected, a cancelled task) aborts the request, which frees its sequence at the next step.
 
-Other engine work of the process (a warm-up, a benchmark) goes through ``run_sync``/``call`` onto the same
-thread: numba's OpenMP pool belongs to the thread that starts a parallel kernel, and kernels started from a
-second thread run beside an idle pool of the first (measured on 2 cores: 47 tok/s decode instead of 110).
+Embeddings (``embed``) run there too, a step of an ``EmbedJob`` between two generation steps. Other engine
+work of the process (a warm-up, a benchmark) goes through ``run_sync``/``call`` onto the same thread: numba's
+OpenMP pool belongs to the thread that starts a parallel kernel, and kernels started from a second thread
+run beside an idle pool of the first (measured on 2 cores: 47 tok/s decode instead of 110).
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
+
 from kestrel_core.errors import KestrelError, Overloaded, ShuttingDown
+from kestrel_core.model.embed import EmbedJob
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import (
     DEFAULT_MAX_BATCH,
@@ -67,12 +71,15 @@ class AsyncEngine:
         self._accepting = True
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._exited = False  # the thread returned: a call now would wait for ever
+        self._embedding = 0  # embedding jobs under way
         self._next_id = 0
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> None:
         if self._thread is None:
+            self._exited = False
             self._thread = threading.Thread(target=self._run, name="kestrel-scheduler", daemon=True)
             self._thread.start()
 
@@ -98,9 +105,9 @@ class AsyncEngine:
 
     @property
     def active(self) -> int:
-        """Requests submitted and not finished."""
+        """Requests submitted and not finished, embedding requests included."""
         with self._lock:
-            return len(self._clients)
+            return len(self._clients) + self._embedding
 
     @property
     def num_waiting(self) -> int:
@@ -159,14 +166,45 @@ class AsyncEngine:
             self._wake.notify()
         return request_id, client
 
+    async def embed(self, inputs: Sequence[Sequence[int]], *, pooling: str | None = None,
+                    dimensions: int | None = None) -> np.ndarray:
+        """``Engine.embed``, a step at a time between the generation steps: InvalidRequest before any runs,
+        Overloaded when the KV cache has no room for it and no generation that would free some is running."""
+        job = EmbedJob(self.engine, inputs, pooling=pooling, dimensions=dimensions, budget=self.scheduler.token_budget)
+        with self._lock:
+            if not self._accepting:
+                raise ShuttingDown("the server is shutting down")
+            self._embedding += 1
+        try:
+            while not job.done:
+                try:
+                    await self.call(job.step)
+                except Overloaded:
+                    if not self.scheduler.num_running:
+                        raise
+                    await asyncio.sleep(0.005)  # the running requests free blocks as they finish
+            return job.result()
+        finally:
+            with self._lock:
+                self._embedding -= 1
+            if not job.done:  # given up (an error, a client gone): its blocks go back after the step under way
+                self._post(job.close)
+
     def run_sync(self, fn: Callable[[], T]) -> T:
-        """``fn()`` on the scheduler's thread, between two steps (from any thread but an event loop's)."""
+        """``fn()`` on the scheduler's thread, between two steps (from any thread but an event loop's);
+        ShuttingDown once the thread has stopped."""
         self.start()
+        return self._post(fn).result()
+
+    def _post(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
+            if self._exited:
+                done.set_exception(ShuttingDown("the engine's thread has stopped"))
+                return done
             self._inbox.append(("call", (fn, done)))
             self._wake.notify()
-        return done.result()
+        return done
 
     async def call(self, fn: Callable[[], T]) -> T:
         """``run_sync`` for coroutines."""
@@ -202,7 +240,11 @@ class AsyncEngine:
                 else:
                     self._take(kind, payload)
             if stopping and not sched.has_work:
-                return
+                with self._lock:
+                    if not self._inbox:  # a call that came meanwhile still runs
+                        self._exited = True
+                        return
+                continue
             self._deliver_step(sched.step)
 
     def _admit(self) -> None:

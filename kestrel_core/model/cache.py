@@ -35,8 +35,8 @@ from kestrel_core.model.pull import kestrel_home
 MODEL_CACHE_ENV = "KESTREL_MODEL_CACHE"  # 0 (off, no, false): never cache Hugging Face directories or GGUF files
 RENAMED_ENV = {"KESTREL_HF_CACHE": MODEL_CACHE_ENV}
 HF_KEY_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
-                "tokenizer_config.json", "chat_template.jinja")
-KEY_SCHEME = "kestrel-hf-cache-1"  # bump when what goes into a directory's key changes
+                "tokenizer_config.json", "chat_template.jinja", "modules.json", "1_Pooling/config.json")
+KEY_SCHEME = "kestrel-hf-cache-2"  # bump when what goes into a directory's key changes
 GGUF_KEY_SCHEME = "kestrel-gguf-cache-1"
 
 

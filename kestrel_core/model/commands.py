@@ -1,4 +1,4 @@
-"""The CLI handlers of run, chat, pull, quantize and bench: thin layers over the Python API.
+"""The CLI handlers of run, chat, embed, pull, quantize and bench: thin layers over the Python API.
 
 Each takes the argparse Namespace, its values already checked by the CLI (``validate.check_cli_args``), and
 returns an exit code; errors are KestrelErrors, which the CLI prints as one line. Generated text goes to
@@ -39,6 +39,17 @@ def _open_engine(args: argparse.Namespace) -> Engine:
         engine = load(args.model, backend=args.backend, quant=args.quant, kv_cache_mb=kv_cache_mb,
                       activations=getattr(args, "activations", "auto"))
     err.print(engine.backend_line, soft_wrap=True)
+    return engine
+
+
+def _open_generator(args: argparse.Namespace) -> Engine:
+    """``_open_engine`` for the commands that generate text: an embedding model is refused at once."""
+    engine = _open_engine(args)
+    try:
+        engine.check_generates()
+    except KestrelError:
+        engine.close()
+        raise
     return engine
 
 
@@ -160,7 +171,7 @@ def _backend_table(stats: dict[str, Any]) -> Table | None:
 def run(args: argparse.Namespace) -> int:
     text_in = _read_prompt(args)
     grammar = _grammar(args)
-    with _open_engine(args) as engine:
+    with _open_generator(args) as engine:
         ids = _prompt_ids(engine, [{"role": "user", "content": text_in}], chat=not args.no_chat)
         _check_context(engine, ids)
         text, tokens = _stream(engine, ids, args, None if args.json else sys.stdout, grammar)
@@ -182,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
 def chat(args: argparse.Namespace) -> int:
     """A multi-turn session: each turn re-renders the whole conversation with the chat template."""
     interactive = sys.stdin.isatty()
-    with _open_engine(args) as engine:
+    with _open_generator(args) as engine:
         if interactive:
             err.print("type a message; /exit or Ctrl-D ends, /reset starts over")
         messages: list[dict[str, str]] = []
@@ -211,6 +222,25 @@ def chat(args: argparse.Namespace) -> int:
             sys.stdout.write("\n")
             sys.stdout.flush()
             messages.append({"role": "assistant", "content": reply.strip()})
+    return 0
+
+
+def embed(args: argparse.Namespace) -> int:
+    """Each text's embedding as a JSON array on a line of its own, in the order given."""
+    texts = list(args.texts)
+    if not texts and not sys.stdin.isatty():
+        texts = [line for line in read_text_stdin(sys.stdin).splitlines() if line.strip()]
+    if not texts:
+        raise KestrelError("no text to embed (pass texts as arguments, or one a line on stdin)")
+    with _open_engine(args) as engine:
+        ids = [list(engine.tokenizer.encode(text)) for text in texts]
+        vectors = engine.embed(ids, pooling=args.pooling, dimensions=args.dimensions)
+        for v in vectors:
+            sys.stdout.write(json.dumps(v.tolist()) + "\n")
+        sys.stdout.flush()
+        s = engine.last
+        err.print(f"{len(texts)} texts | {s.prompt_tokens} tok | {s.prefill_tok_s:.1f} tok/s | "
+                  f"{vectors.shape[1]} dimensions", soft_wrap=True, markup=False)
     return 0
 
 

@@ -12,6 +12,7 @@ from kestrel_core.model.validate import ValidationError, check_bool, check_float
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
                  "mixtral")
+POOLINGS = ("last", "mean", "cls")  # how an embedding pools the final hidden states: last, mean or first token
 ACTIVATIONS = ("silu", "gelu_tanh")  # of the gate: SwiGLU, or GeGLU with the tanh GELU (Gemma)
 LAYER_TYPES = ("full", "sliding")
 MAX_EXPERTS = 1 << 12
@@ -57,6 +58,8 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an expert every token runs, gated by a sigmoid; 0: none
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    pooling: str | None = None  # an embedding model's pooling (one of POOLINGS): it gives vectors, not text
+    normalize_embeddings: bool = True  # an embedding scaled to unit length
 
     def __post_init__(self) -> None:
         """Every field by type and range, whoever built the config (HF, GGUF, .kst, presets): a bad value is one
@@ -154,7 +157,9 @@ def validate_config(c: ModelConfig) -> None:
         raise ValidationError("experts_per_token, expert_intermediate_size and shared_expert_intermediate_size "
                               "need num_experts > 0")
     check_int("shared_expert_intermediate_size", c.shared_expert_intermediate_size, 0, MAX_DIM)
-    for name in ("tie_word_embeddings", "qkv_bias", "qk_norm", "post_norms", "norm_topk_prob"):
+    if c.pooling is not None and c.pooling not in POOLINGS:
+        raise ValidationError(f"pooling must be one of {', '.join(POOLINGS)} or null, got {c.pooling!r}")
+    for name in ("tie_word_embeddings", "qkv_bias", "qk_norm", "post_norms", "norm_topk_prob", "normalize_embeddings"):
         check_bool(name, getattr(c, name))
     if c.bos_token_id is not None:
         check_int("bos_token_id", c.bos_token_id, 0)

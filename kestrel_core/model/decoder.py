@@ -126,9 +126,11 @@ class Decoder:
                 outs.append(out)
         return np.concatenate(outs) if len(outs) > 1 else (outs[0] if outs else None)
 
-    def forward_batch(self, batch: Sequence[tuple[SeqCache, np.ndarray, int]]) -> list[np.ndarray]:
+    def forward_batch(self, batch: Sequence[tuple[SeqCache, np.ndarray, int]], hidden: bool = False
+                      ) -> list[np.ndarray]:
         """One step over several sequences: each (cache, tokens [T_i], logit_rows) appends its tokens at
-        cache.length.. and gets the float32 logits of its last ``logit_rows`` rows, [logit_rows, vocab]."""
+        cache.length.. and gets the float32 logits of its last ``logit_rows`` rows, [logit_rows, vocab]; with
+        ``hidden``, their final hidden states after the final norm instead, [logit_rows, D] (embeddings)."""
         c = self.config
         seqs = [cache for cache, _, _ in batch]
         if len({id(s) for s in seqs}) != len(seqs):
@@ -156,7 +158,10 @@ class Decoder:
         for toks, (_, _, rows) in zip(tokens, batch):
             row += len(toks)
             want.extend(range(row - rows, row))
-        logits = self._logits(h[want], precise[want]) if want else np.empty((0, c.vocab_size), np.float32)
+        if hidden:
+            logits = rmsnorm(h[want], self.model.final_norm, self.eps)  # [R, D]
+        else:
+            logits = self._logits(h[want], precise[want]) if want else np.empty((0, c.vocab_size), np.float32)
         at = 0
         for _, _, rows in batch:
             outs.append(logits[at:at + rows])

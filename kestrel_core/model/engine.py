@@ -23,6 +23,7 @@ from kestrel_core.batch import BatchEntry, greedy_token
 from kestrel_core.dispatch import Deferred, Offload, all_finite
 from kestrel_core.errors import InvalidRequest, KestrelError, NonFiniteLogits, Overloaded
 from kestrel_core.model.decoder import ACTIVATIONS, PREFILL_CHUNK, Decoder
+from kestrel_core.model.embed import EmbedJob
 from kestrel_core.model.grammar import Constraint, grammar_vocab
 from kestrel_core.model.kv_pool import KVPool, SeqCache
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob, logprobs_of
@@ -309,6 +310,27 @@ class Engine:
 
     # -- API -----------------------------------------------------------------------------------------
 
+    def check_generates(self) -> None:
+        """InvalidRequest for an embedding model (its checkpoint declares a pooling): it gives vectors, not text."""
+        if self.config.pooling is not None:
+            raise InvalidRequest(f"this is an embedding model ({self.config.pooling} pooling): it gives embeddings "
+                                 "(kestrel embed, /v1/embeddings), not text", param="model")
+
+    def embed(self, inputs: Sequence[Sequence[int]], *, pooling: str | None = None,
+              dimensions: int | None = None) -> np.ndarray:
+        """Each token sequence's embedding, float32 [inputs, dimensions or D] (kestrel_core.model.embed): pooled
+        by ``pooling`` (last, mean or cls; None: the model's), cut to ``dimensions``, normalized where the model
+        says so."""
+        job = EmbedJob(self, inputs, pooling=pooling, dimensions=dimensions)
+        t0 = time.perf_counter()
+        try:
+            while not job.done:
+                job.step()
+        finally:
+            job.close()
+        self.last = RunStats(prompt_tokens=job.prompt_tokens, prefill_s=time.perf_counter() - t0)
+        return job.result()
+
     def logits(self, token_ids: Sequence[int], prompt_len: int | None = None) -> np.ndarray:
         """Teacher-forced logits of the whole sequence: float32 [T, vocab]. In "mixed" mode the first
         ``prompt_len`` tokens (default: all) run as a prompt, the rest as generated tokens would."""
@@ -328,6 +350,7 @@ class Engine:
 
     def _chunk_logits(self, token_ids: Sequence[int], prompt_len: int | None = None) -> Iterator[np.ndarray]:
         """``logits``, a prefill chunk at a time (float32 [chunk, vocab] each)."""
+        self.check_generates()
         ids = self.check_ids(token_ids, "input")
         seq = self.new_sequence(len(ids) if prompt_len is None else prompt_len)
         try:

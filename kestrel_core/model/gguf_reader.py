@@ -67,6 +67,7 @@ _STACKED = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_dow
 GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # llama.cpp's: every 2nd (Gemma 2), 6th (Gemma 3) layer is global
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp scales their queries by 1/sqrt(hidden / heads)
 GEMMA3_SWA_THETA = 10000.0  # llama.cpp's RoPE base of Gemma 3's sliding layers (not in the file)
+GGUF_POOLING = {0: None, 1: "mean", 2: "cls", 3: "last"}  # llama.cpp's pooling_type: none, mean, cls, last
 _GLOBAL_MAP = {"token_embd.weight": "embedding", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -403,6 +404,18 @@ class GGUFCheckpoint:
         except ValidationError as exc:
             raise KestrelError(f"{self.path}: metadata {exc}") from None
 
+    def _pooling(self, arch: str) -> str | None:
+        """An embedding model's pooling (llama.cpp's pooling_type); None for a model that generates."""
+        if self.field(f"{arch}.attention.causal") is False:
+            raise KestrelError(f"{self.path}: bidirectional attention ({arch}.attention.causal false) is not "
+                               "supported")
+        kind = self.int_field(f"{arch}.pooling_type", 0, lo=0)
+        if kind not in GGUF_POOLING:
+            what = "rank (a reranker)" if kind == 4 else str(kind)
+            raise KestrelError(f"{self.path}: {arch}.pooling_type {what} is not supported (kestrel pools by "
+                               "mean, cls or last token)")
+        return GGUF_POOLING[kind]
+
     def _config(self) -> ModelConfig:
         arch = self.field("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
@@ -429,6 +442,7 @@ class GGUFCheckpoint:
         layers = self.int_field(f"{arch}.block_count", required=True)
         assert layers is not None
         extra = self._arch_fields(arch, hidden, heads, head_dim, layers)
+        extra["pooling"] = self._pooling(arch)
         try:
             if self._rope_freqs is not None:
                 freqs = dequantize(self._rope_freqs.data, self._rope_freqs.tensor_type)

@@ -98,10 +98,15 @@ def build_gguf_vocab(fields: Mapping[str, Any], where: str = "GGUF", architectur
                                 for t, ty in zip(tokens, types) if ty == TOKEN_CONTROL])
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED])
-    if add_bos and bos_id is not None:
-        bos = tokens[bos_id]
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, bos_id)])
+    # llama.cpp's tokenizer: BOS before, and where add_eos_token is set (embedding models), EOS after each text
+    bos = tokens[bos_id] if add_bos and bos_id is not None else None
+    eos = tokens[eos_id] if fields.get("tokenizer.ggml.add_eos_token") and eos_id is not None else None
+    if bos is not None or eos is not None:
+        single = " ".join(t for t in (bos, "$A", eos) if t is not None)
+        pair = " ".join(t for t in (bos, "$A", eos, bos and f"{bos}:1", "$B:1", eos and f"{eos}:1") if t)
+        specials = [(t, i) for t, i in ((bos, bos_id), (eos, eos_id)) if t is not None]
+        backend.post_processor = processors.TemplateProcessing(single=single, pair=pair,
+                                                               special_tokens=list(dict.fromkeys(specials)))
     eos_ids = list(dict.fromkeys(i for i in (eos_id, eot_id) if i is not None))
     return GGUFVocab(backend, template, tokens[bos_id] if bos_id is not None else None,
                      tokens[eos_id] if eos_id is not None else None, eos_ids)

@@ -12,6 +12,7 @@ import json
 import math
 import re
 import struct
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,9 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
                     "Gemma3ForCausalLM": "gemma3",
                     "Gemma3ForConditionalGeneration": "gemma3", "Qwen2MoeForCausalLM": "qwen2_moe",
-                    "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+                    "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
+                    # the decoder without its head, as embedding checkpoints (e5-mistral, ...) name it
+                    "LlamaModel": "llama", "Qwen2Model": "qwen2", "Qwen3Model": "qwen3", "MistralModel": "mistral"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen2_moe": "qwen2_moe",
                "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
@@ -82,7 +85,9 @@ _SHARED_MAP = {"mlp.shared_expert.gate_proj.weight": "shared_expert.gate",
 # the language model inside a multimodal checkpoint (Gemma3ForConditionalGeneration), as transformers 4 and 5
 # name it
 _LM_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                ("language_model.lm_head.", "lm_head."))
+                ("language_model.lm_head.", "lm_head."),
+                # a decoder saved without its head (embedding checkpoints): no ``model.`` prefix
+                ("layers.", "model.layers."), ("embed_tokens.", "model.embed_tokens."), ("norm.", "model.norm."))
 # Phi-3 checkpoints hold Q|K|V and gate|up as one tensor each: rows split into these kestrel tensors
 _FUSED_MAP = {"self_attn.qkv_proj.weight": ("q", "k", "v"), "mlp.gate_up_proj.weight": ("gate", "up")}
 _GLOBAL_MAP = {"model.embed_tokens.weight": "embedding", "model.norm.weight": "final_norm",
@@ -272,6 +277,8 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
     partial = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise KestrelError(f"{where}: partial_rotary_factor {partial!r} (RoPE on part of each head) is not supported")
+    if cfg.get("is_causal") is False:
+        raise KestrelError(f"{where}: is_causal false (bidirectional attention) is not supported")
     if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and cfg.get("use_sliding_window"):
         raise KestrelError(f"{where}: {arch} use_sliding_window (sliding-window attention from layer "
                            f"max_window_layers on) is not supported")
@@ -327,6 +334,51 @@ def read_hf_config(model_dir: Path) -> ModelConfig:
     return config_from_hf(read_json(config_path), generation, str(config_path))
 
 
+# sentence-transformers' Pooling modes kestrel pools by (config key -> kestrel's name)
+_ST_POOLING = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+_ST_OTHER_POOLING = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
+                     "pooling_mode_weightedmean_tokens")
+
+
+def sentence_transformers_pooling(model_dir: Path) -> tuple[str, bool] | None:
+    """(pooling, normalized) of a sentence-transformers directory (modules.json: the model, a Pooling module,
+    maybe a Normalize), None for a directory without modules.json; other modules are refused by name."""
+    path = model_dir / "modules.json"
+    if not path.is_file():
+        return None
+    try:
+        modules = json.loads(check_regular_file(path, model_dir).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise KestrelError(f"{path}: cannot read it ({exc})") from None
+    if not isinstance(modules, list) or not all(isinstance(m, dict) and isinstance(m.get("type"), str)
+                                                and isinstance(m.get("path", ""), str) for m in modules):
+        raise KestrelError(f"{path}: expected a list of modules with a type and a path")
+    pooling, normalized = None, False
+    for module in modules:
+        kind = module["type"].rsplit(".", 1)[-1]
+        if kind == "Pooling":
+            pooling = _st_pooling_mode(check_regular_file(model_dir / module["path"] / "config.json", model_dir))
+        elif kind == "Normalize":
+            normalized = True
+        elif kind != "Transformer" or module.get("path", "") != "":
+            raise KestrelError(f"{path}: module {module['type']} at {module.get('path')!r} is not supported "
+                               "(kestrel reads the model itself, Pooling and Normalize)")
+    if pooling is None:
+        raise KestrelError(f"{path}: no Pooling module")
+    return pooling, normalized
+
+
+def _st_pooling_mode(path: Path) -> str:
+    cfg = read_json(path)
+    other = [k for k in _ST_OTHER_POOLING if cfg.get(k)]
+    modes = [mode for key, mode in _ST_POOLING.items() if cfg.get(key)]
+    if other or len(modes) != 1:
+        named = ", ".join(other) if other else f"{len(modes)} modes"
+        raise KestrelError(f"{path}: pooling by {named} is not supported (kestrel pools by one of "
+                           f"{', '.join(_ST_POOLING)})")
+    return modes[0]
+
+
 def _safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
     """(offset of the data section, the header dict) of a safetensors file."""
     with open(path, "rb") as f:
@@ -375,6 +427,11 @@ class HFCheckpoint:
         self._handles: dict[Path, Any] = {}
         self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}
         self._index()
+        pooling = sentence_transformers_pooling(self.dir)
+        if pooling is not None:  # an embedding model; its unused output head, often left out, is the embedding's
+            tied = self.config.tie_word_embeddings or not self.has("lm_head")
+            self.config = replace(self.config, pooling=pooling[0], normalize_embeddings=pooling[1],
+                                  tie_word_embeddings=tied)
 
     def _index(self) -> None:
         for shard in weight_files(self.dir):

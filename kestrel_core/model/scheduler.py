@@ -139,6 +139,7 @@ class Scheduler:
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest for a request that can never run (before it is queued)."""
+        self.engine.check_generates()
         params.check()
         if params.stop and isinstance(self.engine.tokenizer, NoTokenizer):
             raise InvalidRequest("stop strings need a tokenizer, and this model has none", param="stop")

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI's chat and text completions, the model list, a health probe and the metrics.
+"""The FastAPI app: OpenAI's chat and text completions and embeddings, the model list, a health probe and the
+metrics.
 
 ``create_app`` takes a running-or-not ``AsyncEngine`` (its lifespan starts the scheduler thread and stops it
 on shutdown), so one process can hold several apps (the tests do). Requests become prompt token ids here
@@ -8,6 +9,7 @@ completions prompt is scored here first.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,7 +26,7 @@ from kestrel_core.serve import generation
 from kestrel_core.serve.access import AccessMiddleware, ApiKeyMiddleware
 from kestrel_core.serve.errors import APIError, from_kestrel_error, install_error_handlers
 from kestrel_core.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest
+from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from kestrel_core.serve.reasoning import Reasoning, opens_in_prompt, thinks
 from kestrel_core.serve.responses import ChatShape, CompletionShape, Echo, TokenStrings, new_id
 from kestrel_core.serve.tools import MISTRAL, tool_format
@@ -51,6 +53,14 @@ class _Served:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
+    def check_request(self, model: str | None) -> None:
+        """A generation request: for our model, and a model that generates."""
+        self.check_model(model)
+        try:
+            self.engine.check_generates()
+        except KestrelError as exc:
+            raise from_kestrel_error(exc) from None
+
     def context_left(self, prompt_tokens: int) -> int:
         """The default max_tokens: what the model's context has room for after the prompt."""
         return self.engine.config.max_position - prompt_tokens
@@ -74,9 +84,9 @@ class _Served:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kestrel"}
 
 
-def create_app(async_engine: Any, model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(async_engine: Any, model_name: str, api_key: str | None = None, pooling: str | None = None) -> FastAPI:
     """The OpenAI-compatible app over ``async_engine``, serving it as ``model_name``; with ``api_key``,
-    /v1/* needs ``Authorization: Bearer <api_key>``."""
+    /v1/* needs ``Authorization: Bearer <api_key>``; ``pooling``: the embeddings' (None: the model's)."""
     served = _Served(async_engine, model_name)
     metrics = ServerMetrics(async_engine)
 
@@ -99,7 +109,7 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None) -
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        served.check_model(body.model)
+        served.check_request(body.model)
         try:  # each of these names its field
             tools = body.tool_calls(served.tool_format)
             grammar = body.grammar(tools, served.tool_calls_id)
@@ -124,7 +134,7 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None) -
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        served.check_model(body.model)
+        served.check_request(body.model)
         try:
             texts = body.prompts()
             token_ids = [list(served.engine.tokenizer.encode(p)) if isinstance(p, str) else p for p in texts]
@@ -142,6 +152,21 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None) -
                                 body.continuous_usage)
         return await generation.respond(async_engine, request, prompts, shape, stream=bool(body.stream),
                                         choices=body.choices)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        served.check_model(body.model)
+        tokenizer = served.engine.tokenizer
+
+        def tokenize() -> list[list[int]]:
+            return [list(tokenizer.encode(t)) if isinstance(t, str) else t for t in body.inputs()]
+
+        try:  # up to MAX_INPUTS texts: off the event loop
+            inputs = await asyncio.get_running_loop().run_in_executor(None, tokenize)
+        except KestrelError as exc:
+            raise from_kestrel_error(exc, param="input") from None
+        return await generation.embed(async_engine, request, inputs, pooling=pooling, dimensions=body.dimensions,
+                                      encoding_format=body.encoding_format, model=model_name)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

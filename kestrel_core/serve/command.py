@@ -60,7 +60,7 @@ def serve_command(args: argparse.Namespace) -> int:
                   max_batch=args.max_batch if args.max_batch is not None else DEFAULT_MAX_BATCH,
                   max_waiting=args.max_waiting if args.max_waiting is not None else DEFAULT_MAX_WAITING,
                   token_budget=args.token_budget,
-                  model_name=args.served_model_name, shutdown_grace_s=args.shutdown_grace)
+                  model_name=args.served_model_name, shutdown_grace_s=args.shutdown_grace, pooling=args.pooling)
     finally:
         sock.close()
         finish_cache_writes(cancel=True)  # a stopping server does not wait for its model's cache entry

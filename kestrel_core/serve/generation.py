@@ -1,4 +1,4 @@
-"""One request through the AsyncEngine, answered whole (JSON) or as server-sent events.
+"""One request through the AsyncEngine, answered whole (JSON) or as server-sent events (embeddings: whole).
 
 A request of several prompts and ``n`` choices each runs as an engine request per choice (ids ``<response
 id>-<k>`` for choice k = p * n + i, prompt p's i-th; a single choice keeps the response id): answered whole
@@ -31,7 +31,7 @@ from kestrel_core.model.sampling import SamplingParams, TokenLogprob
 from kestrel_core.model.scheduler import RequestOutput
 from kestrel_core.serve.access import CLIENT_CLOSED, RequestRecord, record_of
 from kestrel_core.serve.errors import APIError, error_body, from_kestrel_error
-from kestrel_core.serve.responses import ChoiceResult, Shape, choice_params, usage
+from kestrel_core.serve.responses import ChoiceResult, Shape, choice_params, embedding_list, usage
 
 T = TypeVar("T")
 
@@ -117,6 +117,22 @@ async def respond(async_engine: Any, request: Request, prompts: Sequence[Prompt]
     if any(r.finish_reason == "abort" for r in results):
         raise APIError(503, SHUTDOWN_MESSAGE, code="server_shutting_down")
     return JSONResponse(shape.response(results, prompt_tokens))
+
+
+async def embed(async_engine: Any, request: Request, inputs: list[list[int]], *, pooling: str | None,
+                dimensions: int | None, encoding_format: str, model: str) -> Response:
+    """``/v1/embeddings``: the inputs' vectors, computed between the engine's generation steps; a client that
+    leaves gives the job's KV blocks back."""
+    record = record_of(request)
+    try:
+        vectors = await _unless_disconnected(async_engine.embed(inputs, pooling=pooling, dimensions=dimensions),
+                                             request)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    except KestrelError as exc:
+        raise engine_error(exc, async_engine.accepting, "input") from None
+    record.prompt_tokens = sum(len(ids) for ids in inputs)
+    return JSONResponse(embedding_list(vectors, encoding_format, model, record.prompt_tokens))
 
 
 async def _nothing(request_id: str, prompt: Prompt) -> AsyncIterator[RequestOutput]:

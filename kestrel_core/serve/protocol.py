@@ -1,4 +1,4 @@
-"""OpenAI's requests for ``/v1/chat/completions`` and ``/v1/completions``.
+"""OpenAI's requests for ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings``.
 
 Requests are pydantic models with OpenAI's field names; unknown fields are ignored (clients send many), and
 scalar fields are strict (``"0.5"`` is not a temperature), so a wrong type is a 400 naming the field. Ranges
@@ -41,6 +41,7 @@ from kestrel_core.serve.tools import UNKNOWN, ToolCalls, call_grammar
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; kestrel's own SamplingParams default is greedy
 MAX_CHOICES = 128  # n, at most (OpenAI's bound)
 MAX_PROMPTS = 128  # prompts of one completions request, at most
+MAX_INPUTS = 2048  # inputs of one embeddings request, at most (OpenAI's bound)
 # the chat template's variables kestrel sets (model/tokenizer.py, ChatCompletionRequest.template_context)
 TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
 
@@ -353,4 +354,31 @@ class CompletionRequest(_Generation):
                                  param="logprobs")
 
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ContentPart", "StreamOptions"]
+class EmbeddingRequest(_Request):
+    """``/v1/embeddings``: one input or a list, each text or token ids; the vectors as floats or base64."""
+
+    input: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    model: StrictStr | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: StrictStr | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        """The inputs, each text or token ids: one, or a list of up to MAX_INPUTS."""
+        p = self.input
+        if not p:
+            raise InvalidRequest("the input is empty", param="input")
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        if len(p) > MAX_INPUTS:
+            raise InvalidRequest(f"at most {MAX_INPUTS} inputs a request, got {len(p)}", param="input")
+        empty = next((i for i, x in enumerate(p) if not x), None)  # type: ignore[arg-type]
+        if empty is not None:
+            raise InvalidRequest(f"input {empty} is empty", param="input")
+        return list(p)  # type: ignore[arg-type]
+
+
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ContentPart", "EmbeddingRequest",
+           "StreamOptions"]

@@ -1,17 +1,20 @@
-"""OpenAI's response shapes for ``/v1/chat/completions`` and ``/v1/completions``: plain dicts (ids
-``chatcmpl-...`` / ``cmpl-...``, object names, ``created``, ``model``, ``choices``, ``usage``) built by
-``ChatShape`` and ``CompletionShape``, which both the streaming and the non-streaming paths use. A chat answer's
-reasoning block (serve/reasoning.py) and tool calls (serve/tools.py) are read out of its text here, whole or as
-it streams.
+"""OpenAI's response shapes: plain dicts. Chat and text completions (ids ``chatcmpl-...`` / ``cmpl-...``,
+object names, ``created``, ``model``, ``choices``, ``usage``) are built by ``ChatShape`` and ``CompletionShape``,
+which both the streaming and the non-streaming paths use; a chat answer's reasoning block (serve/reasoning.py)
+and tool calls (serve/tools.py) are read out of its text here, whole or as it streams. Embeddings are
+``embedding_list``'s.
 """
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import numpy as np
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob
@@ -49,6 +52,18 @@ class Echo:
     text: str
     first_token: int
     logprobs: list[TokenLogprob] | None
+
+
+def embedding_list(vectors: np.ndarray, encoding_format: str, model: str, prompt_tokens: int) -> dict[str, Any]:
+    """``/v1/embeddings``' answer: each vector [D] as floats, or as base64 of its little-endian float32 bytes."""
+    def encode(v: np.ndarray) -> list[float] | str:
+        if encoding_format == "base64":
+            return base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
+        return v.tolist()
+
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

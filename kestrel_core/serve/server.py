@@ -166,17 +166,20 @@ def warm_up(async_engine: AsyncEngine) -> None:
     compiled kernels (seconds on a CPU), which would otherwise land on the first client's request. On the
     scheduler's thread, where every step of the server runs (see ``AsyncEngine.run_sync``)."""
     engine = async_engine.engine
-    vocab = engine.config.vocab_size
-    async_engine.run_sync(lambda: list(engine.generate([i % vocab for i in range(8)], max_tokens=2,
-                                                       stop_at_eos=False)))
+    ids = [i % engine.config.vocab_size for i in range(8)]
+    if engine.config.pooling is not None:  # an embedding model: it only embeds
+        async_engine.run_sync(lambda: engine.embed([ids]))
+    else:
+        async_engine.run_sync(lambda: list(engine.generate(ids, max_tokens=2, stop_at_eos=False)))
 
 
 def build_server(async_engine: AsyncEngine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
                  api_key: str | None = None, shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
-                 sock: socket.socket | None = None, **uvicorn_options: Any) -> KestrelServer:
+                 sock: socket.socket | None = None, pooling: str | None = None,
+                 **uvicorn_options: Any) -> KestrelServer:
     """The app over ``async_engine`` in a KestrelServer bound to host:port (or serving ``sock``, already
     bound), not yet running."""
-    app = create_app(async_engine, model_name, api_key=api_key)
+    app = create_app(async_engine, model_name, api_key=api_key, pooling=pooling)
     sock = sock if sock is not None else bind_socket(host, port)
     options: dict[str, Any] = {"log_config": None, "log_level": "warning", "access_log": False,
                                "lifespan": "on", "timeout_graceful_shutdown": 5.0}
@@ -188,14 +191,16 @@ def build_server(async_engine: AsyncEngine, model_name: str, *, host: str = "127
 def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, *,
           max_batch: int = DEFAULT_MAX_BATCH, max_waiting: int = DEFAULT_MAX_WAITING,
           token_budget: int | None = None, model_name: str | None = None,
-          shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S, sock: socket.socket | None = None) -> None:
+          shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S, sock: socket.socket | None = None,
+          pooling: str | None = None) -> None:
     """Serve ``engine`` over HTTP until SIGTERM/SIGINT; returns once drained (the caller then exits 0).
-    ``sock``: a socket bound already (``bind_socket``), e.g. to fail on a busy port before loading a model."""
+    ``sock``: a socket bound already (``bind_socket``), e.g. to fail on a busy port before loading a model;
+    ``pooling``: the embeddings' (None: the model's)."""
     async_engine = AsyncEngine(engine, max_batch=max_batch, token_budget=token_budget, max_waiting=max_waiting)
     name = model_name or default_model_name(str(getattr(engine, "source", "")))
     warm_up(async_engine)
     server = build_server(async_engine, name, host=host, port=port, api_key=api_key,
-                          shutdown_grace_s=shutdown_grace_s, sock=sock)
+                          shutdown_grace_s=shutdown_grace_s, sock=sock, pooling=pooling)
 
     def announce(s: KestrelServer) -> None:
         auth = ", API key required" if api_key else ""

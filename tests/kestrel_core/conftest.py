@@ -162,8 +162,10 @@ GGUF_NAMES = {"attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight", "q
 
 def write_gguf(path: Path, src: DictSource, *, qtype: str = "F32", tokenizer: Tokenizer | None = None,
                pre: str = "gpt2", chat_template: str | None = None, rope_freqs: np.ndarray | None = None,
-               permute: bool | None = None, arch: str | None = None) -> Path:
-    """Write ``src`` as llama.cpp would: ggml names, Q/K permuted for llama, matrices as F32/F16/Q8_0/Q4_0."""
+               permute: bool | None = None, arch: str | None = None,
+               metadata: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
+    """Write ``src`` as llama.cpp would: ggml names, Q/K permuted for llama, matrices as F32/F16/Q8_0/Q4_0;
+    ``metadata(writer)`` adds more keys."""
     c = src.config
     arch = arch or c.arch
     permute = arch == "llama" if permute is None else permute
@@ -191,6 +193,8 @@ def write_gguf(path: Path, src: DictSource, *, qtype: str = "F32", tokenizer: To
         w.add_add_bos_token(False)
     if chat_template is not None:
         w.add_chat_template(chat_template)
+    if metadata is not None:
+        metadata(w)
     qt = getattr(gguf.GGMLQuantizationType, qtype)
 
     def put(name: str, arr: np.ndarray) -> None:

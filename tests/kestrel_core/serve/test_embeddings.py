@@ -1,0 +1,166 @@
+"""``/v1/embeddings`` through a real server and the official openai client.
+
+The embedding model is tiny-qwen3-embed (a Qwen3-Embedding-style checkpoint; golden vectors from
+sentence-transformers, scripts/make_embedding_golden.py); a generative model (tiny-qwen3) serves embeddings
+beside a running generation stream.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+
+import kestrel_core
+from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.serve.server import KestrelServer
+
+from .helpers import http, running_server
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
+GOLDEN = np.load(FIXTURES / "tiny-qwen3-embed" / "golden.npz")
+TEXTS = ["What is the capital of France?", "The capital of France is Paris.",
+         "Quantization maps each weight to a small integer; the scale brings it back."]
+NAME = "embed-test"
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Any]:
+    with kestrel_core.load(str(FIXTURES / "tiny-qwen3-embed"), backend="cpu") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def async_engine(engine: Any) -> AsyncEngine:
+    return AsyncEngine(engine, max_batch=8, token_budget=64)
+
+
+@pytest.fixture(scope="module")
+def server(async_engine: AsyncEngine) -> Iterator[KestrelServer]:
+    with running_server(async_engine, NAME) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: KestrelServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _vectors(response: Any) -> np.ndarray:
+    assert [d.index for d in response.data] == list(range(len(response.data)))
+    return np.array([d.embedding for d in response.data], np.float32)
+
+
+def test_texts_give_sentence_transformers_vectors(client: openai.OpenAI, engine: Any) -> None:
+    response = client.embeddings.create(model=NAME, input=TEXTS)  # the client asks for base64
+    got = _vectors(response)
+    want = GOLDEN["embeddings"][:len(TEXTS)]
+    assert (np.sum(got * want, axis=1)).min() >= 0.999
+    assert np.array_equal(got, engine.embed([engine.tokenizer.encode(t) for t in TEXTS]))
+    ids = sum(len(GOLDEN[f"ids_{i}"]) for i in range(len(TEXTS)))
+    assert (response.usage.prompt_tokens, response.usage.total_tokens) == (ids, ids)
+    assert response.model == NAME and response.object == "list"
+
+
+def test_floats_base64_and_token_ids_agree(client: openai.OpenAI, server: KestrelServer) -> None:
+    floats = _vectors(client.embeddings.create(model=NAME, input=TEXTS[0], encoding_format="float"))
+    assert floats.shape == (1, 64)
+    ids = GOLDEN["ids_0"].tolist()
+    assert np.array_equal(_vectors(client.embeddings.create(model=NAME, input=ids)), floats)
+    assert np.array_equal(_vectors(client.embeddings.create(model=NAME, input=[ids, ids]))[1], floats[0])
+    status, _, body = http("POST", f"{server.url}/v1/embeddings", {"input": TEXTS[0], "encoding_format": "base64"})
+    assert status == 200
+    raw = json.loads(body)["data"][0]["embedding"]
+    assert np.array_equal(np.frombuffer(base64.b64decode(raw), "<f4"), floats[0])
+
+
+def test_dimensions(client: openai.OpenAI) -> None:
+    full = _vectors(client.embeddings.create(model=NAME, input=TEXTS))
+    cut = _vectors(client.embeddings.create(model=NAME, input=TEXTS, dimensions=16))
+    assert cut.shape == (len(TEXTS), 16)
+    np.testing.assert_allclose(cut, full[:, :16] / np.linalg.norm(full[:, :16], axis=1, keepdims=True), atol=1e-6)
+
+
+def test_concurrent_requests_each_get_their_own_vectors(client: openai.OpenAI, engine: Any) -> None:
+    want = engine.embed([engine.tokenizer.encode(t) for t in TEXTS])
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda k: _vectors(client.embeddings.create(model=NAME, input=TEXTS[k % 3])),
+                                range(16)))
+    for k, got in enumerate(results):
+        assert np.array_equal(got[0], want[k % 3])
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": []}, "input"),
+    ({"input": ""}, "input"),
+    ({"input": ["a", ""]}, "input"),
+    ({"input": [[]]}, "input"),
+    ({"input": [1, 100000]}, "input"),
+    ({"input": [1] * 300}, "input"),  # longer than the model's context (256)
+    ({"input": ["a"] * 2049}, "input"),
+    ({"input": 5}, "input"),
+    ({"input": "a", "dimensions": 0}, "dimensions"),
+    ({"input": "a", "dimensions": 65}, "dimensions"),
+    ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
+])
+def test_bad_requests_are_400_naming_the_field(server: KestrelServer, body: dict[str, Any], param: str) -> None:
+    status, _, raw = http("POST", f"{server.url}/v1/embeddings", body)
+    error = json.loads(raw)["error"]
+    assert status == 400, error
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_an_unknown_model_is_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="text-embedding-3-small", input="a")
+
+
+def test_an_embedding_model_does_not_chat(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="embedding model"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+
+
+def test_a_client_that_leaves_stops_its_job(server: KestrelServer, async_engine: AsyncEngine, engine: Any) -> None:
+    """2048 long inputs take minutes; the client gives up after half a second and the job stops with it."""
+    short = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=0.5)
+    long_text = TEXTS[2] * 6
+    steps = async_engine.counters.steps
+    with pytest.raises(openai.APITimeoutError):
+        short.embeddings.create(model=NAME, input=[long_text] * 2048)
+    t0 = time.monotonic()
+    while async_engine.active or engine.pool.free_blocks != engine.pool.num_blocks:
+        assert time.monotonic() - t0 < 5, "the job did not stop"
+        time.sleep(0.02)
+    assert async_engine.counters.steps > steps + 5  # it ran
+    steps = async_engine.counters.steps
+    time.sleep(0.3)
+    assert async_engine.counters.steps == steps
+
+
+def test_a_generative_model_embeds_between_its_generation_steps() -> None:
+    """A long stream and embeddings share the engine's thread: both go on, and the vectors (pooled as the
+    server's --pooling says) are the ones the engine gives alone: a row's result does not depend on the batch."""
+    with kestrel_core.load(str(FIXTURES / "tiny-qwen3"), backend="cpu") as engine:
+        want = engine.embed([engine.tokenizer.encode(t) for t in TEXTS], pooling="mean")
+        async_engine = AsyncEngine(engine, max_batch=4, token_budget=16)
+        with running_server(async_engine, "gen", pooling="mean") as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+            stream = client.completions.create(model="gen", prompt="The sea", max_tokens=200, stream=True,
+                                               extra_body={"ignore_eos": True})
+            it = iter(stream)
+            next(it)
+            steps = async_engine.counters.steps
+            got = _vectors(client.embeddings.create(model="gen", input=TEXTS))
+            assert async_engine.num_running == 1  # the stream still runs
+            text = "".join(chunk.choices[0].text or "" for chunk in it)
+            assert len(engine.tokenizer.encode(text)) >= 150
+            assert async_engine.counters.steps > steps
+    assert np.array_equal(got, want)
