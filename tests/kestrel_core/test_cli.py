@@ -190,3 +190,34 @@ def test_run_answers_keep_to_a_grammar(option: str, value: str, pattern: str, tm
                      "--json", option, value, "hi"]) == 0
         text = json.loads(capsys.readouterr().out)["text"]
         assert re.fullmatch(pattern, text), text
+
+
+EMBED = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "tiny-qwen3-embed"
+
+
+def test_embed_prints_a_json_vector_a_line(capsys, monkeypatch) -> None:
+    import io
+
+    import numpy as np
+
+    import kestrel_core
+
+    with kestrel_core.load(str(EMBED), backend="cpu") as engine:
+        want = engine.embed([engine.tokenizer.encode(t) for t in ("Paris", "Rome")], dimensions=8)
+    assert main(["embed", "--model", str(EMBED), "--dimensions", "8", "Paris", "Rome"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert np.array_equal(np.array([json.loads(line) for line in lines], np.float32), want)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"Paris\n\nRome\n")))
+    assert main(["embed", "--model", str(EMBED), "--dimensions", "8"]) == 0
+    assert capsys.readouterr().out.splitlines() == lines  # one text a line of stdin, blank lines skipped
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["embed", "--model", str(EMBED), "--dimensions", "0", "x"], "--dimensions: dimensions must be an integer >= 1"),
+    (["embed", "--model", str(EMBED), "--dimensions", "65", "x"], "dimensions must be in [1, 64]"),
+    (["run", "--model", str(EMBED), "hi"], "this is an embedding model (last pooling)"),
+])
+def test_embed_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert needle in err[-1] and "Traceback" not in "\n".join(err)

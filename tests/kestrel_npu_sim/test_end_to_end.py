@@ -104,3 +104,26 @@ def test_an_expert_artifact_gives_the_cpu_logits(npu_backend, tmp_path) -> None:
             assert engine.model.layers[0].experts and engine.model.layers[0].router.dtype == np.float32
             out[backend] = engine.logits(ids)
     np.testing.assert_array_equal(out["npu_sim"], out["cpu"])
+
+
+def test_an_embedding_artifact_gives_the_cpu_vectors(npu_backend, tmp_path) -> None:  # noqa: ANN001
+    """An embedding model's .kst keeps its pooling; the simulated NPU's GEMMs give the CPU's vectors bit for bit."""
+    from pathlib import Path
+
+    import kestrel_core
+    from kestrel_core.model.loader import load_model, write_artifact
+
+    root = Path(__file__).resolve().parents[1] / "fixtures" / "models"
+    kst = write_artifact(load_model(str(root / "tiny-qwen3-embed"), "q8", cache="off"), tmp_path / "embed.kst")
+    golden = np.load(root / "tiny-qwen3-embed" / "golden.npz")
+    ids = [golden[f"ids_{i}"].tolist() for i in range(len(golden["embeddings"]))]
+    out = {}
+    for backend in ("cpu", "npu_sim"):
+        with kestrel_core.load(str(kst), backend=backend, activations="q8") as engine:
+            assert engine.config.pooling == "last"
+            out[backend] = engine.embed(ids)
+            if backend == "npu_sim":
+                offload = engine.stats["offload"]
+                assert sum(offload[h]["accepted"] for h in ("kestrel_gemm_q8", "kestrel_gemm_fused_q8")) > 0
+    np.testing.assert_array_equal(out["npu_sim"], out["cpu"])
+    assert (np.sum(out["cpu"] * golden["embeddings"], axis=1)).min() >= 0.995  # int8 activations: 0.9988 measured

@@ -117,3 +117,42 @@ def test_run_sync_runs_on_the_scheduler_thread_and_passes_errors_back(engine) ->
             == list(engine.generate([1, 2, 3], max_tokens=3, stop_at_eos=False))
     finally:
         asyncio.run(front.shutdown(grace_s=1))
+
+
+def test_embeddings_run_between_steps_and_shutdown_waits_for_them(engine) -> None:
+    """An embedding job of many steps shares the thread with a running request; shutdown lets it finish and then
+    refuses new ones; a call after the thread stopped is ShuttingDown, not a wait for ever."""
+    prompts = _prompts(6, seed=3)
+    want = engine.embed(prompts)
+
+    async def main() -> None:
+        front = AsyncEngine(engine, token_budget=8)
+        front.start()
+        task = asyncio.create_task(_collect(front, [4, 5, 6], SamplingParams(max_tokens=40, ignore_eos=True)))
+        embedding = asyncio.create_task(front.embed(prompts))
+        await asyncio.sleep(0)  # both under way: each waits for the thread
+        assert front.active == 2
+        await front.shutdown(grace_s=30)
+        assert np.array_equal(await embedding, want) and len(await task) == 40
+        with pytest.raises(ShuttingDown):
+            await front.embed(prompts)
+        with pytest.raises(ShuttingDown, match="stopped"):
+            front._post(lambda: None).result(timeout=5)  # the thread returned at its last pass
+
+    asyncio.run(main())
+    assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def test_an_embedding_given_up_frees_its_blocks(engine) -> None:
+    async def main() -> None:
+        front = AsyncEngine(engine, token_budget=4)
+        front.start()
+        task = asyncio.create_task(front.embed(_prompts(8, seed=5)))
+        await asyncio.sleep(0)  # its first step is on the thread
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await front.shutdown(grace_s=5)
+
+    asyncio.run(main())
+    assert engine.pool.free_blocks == engine.pool.num_blocks

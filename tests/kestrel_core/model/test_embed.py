@@ -190,3 +190,12 @@ def test_gguf_rerankers_and_bidirectional_models_are_refused(tmp_path: Path, syn
                           metadata=lambda w: w.add_causal_attention(False))
     with pytest.raises(KestrelError, match="bidirectional attention"):
         GGUFCheckpoint(both)
+
+
+def test_the_artifact_keeps_the_pooling_and_the_vectors(tmp_path: Path, engine) -> None:
+    from kestrel_core.model.loader import load_model, write_artifact
+
+    kst = write_artifact(load_model(str(EMBED), "q8", cache="off"), tmp_path / "embed.kst")
+    with kestrel_core.load(str(kst), backend="cpu") as again:
+        assert (again.config.pooling, again.config.normalize_embeddings) == ("last", True)
+        assert np.array_equal(again.embed(IDS), engine.embed(IDS))
