@@ -38,6 +38,7 @@ _EXPORTS = {
     "AsyncEngine": "kestrel_core.model.async_engine",
     "Engine": "kestrel_core.model.engine", "Step": "kestrel_core.model.engine", "load": "kestrel_core.model.engine",
     "SamplingParams": "kestrel_core.model.sampling",
+    "EmbedJob": "kestrel_core.model.embed", "POOLINGS": "kestrel_core.model.config",
     "json_schema_grammar": "kestrel_core.model.grammar", "lark_grammar": "kestrel_core.model.grammar",
     "regex_grammar": "kestrel_core.model.grammar",
     "RequestOutput": "kestrel_core.model.scheduler", "Scheduler": "kestrel_core.model.scheduler",

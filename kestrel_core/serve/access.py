@@ -23,7 +23,7 @@ from kestrel_core.serve.metrics import ServerMetrics
 log = logging.getLogger("kestrel.serve")
 
 GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
-ENDPOINTS = (*GENERATION_ENDPOINTS, "/v1/models", "/health", "/metrics")
+ENDPOINTS = (*GENERATION_ENDPOINTS, "/v1/embeddings", "/v1/models", "/health", "/metrics")
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer: logs and metrics only
 
 
@@ -105,7 +105,8 @@ class AccessMiddleware:
             level = logging.INFO
         if log.isEnabledFor(level):
             tokens = (f" prompt={record.prompt_tokens} completion={record.completion_tokens}"
-                      if path in GENERATION_ENDPOINTS else "")
+                      if path in GENERATION_ENDPOINTS else f" prompt={record.prompt_tokens}"
+                      if path == "/v1/embeddings" else "")
             log.log(level, "%s %s %d%s %.3fs", scope.get("method", "?"), path, status, tokens, duration)
 
 

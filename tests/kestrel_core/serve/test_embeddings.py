@@ -164,3 +164,16 @@ def test_a_generative_model_embeds_between_its_generation_steps() -> None:
             assert len(engine.tokenizer.encode(text)) >= 150
             assert async_engine.counters.steps > steps
     assert np.array_equal(got, want)
+
+
+def test_metrics_count_embedding_requests_and_their_tokens(client: openai.OpenAI, server: KestrelServer) -> None:
+    def scrape() -> tuple[float, float]:
+        _, _, body = http("GET", f"{server.url}/metrics")
+        lines = body.decode().splitlines()
+        ok = [ln for ln in lines if ln.startswith('kestrel_requests_total{endpoint="/v1/embeddings",status="200"}')]
+        tokens = [ln for ln in lines if ln.startswith("kestrel_prompt_tokens_total ")]
+        return (float(ok[0].split()[-1]) if ok else 0.0), float(tokens[0].split()[-1])
+
+    requests, tokens = scrape()
+    response = client.embeddings.create(model=NAME, input=TEXTS)
+    assert scrape() == (requests + 1, tokens + response.usage.prompt_tokens)
