@@ -204,7 +204,9 @@ def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str |
 
     def announce(s: KestrelServer) -> None:
         auth = ", API key required" if api_key else ""
-        log.info("kestrel serve: %s/v1 (model %s, backend %s, max batch %d%s)", s.url, name,
+        pooled = engine.config.pooling
+        kind = f", embeddings only ({pooling or pooled} pooling)" if pooled else ""
+        log.info("kestrel serve: %s/v1 (model %s%s, backend %s, max batch %d%s)", s.url, name, kind,
                  getattr(engine, "backend_name", "?"), max_batch, auth)
 
     server.on_started = announce

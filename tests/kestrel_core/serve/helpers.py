@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import openai
+
 from kestrel_core.serve.protocol import ChatCompletionRequest
 from kestrel_core.serve.server import KestrelServer, build_server
 
@@ -44,6 +46,11 @@ def running_server(async_engine: Any, model_name: str, api_key: str | None = Non
         server.request_shutdown()
         thread.join(30)
         assert not thread.is_alive(), "the test server did not stop within 30 s"
+
+
+def openai_client(server: KestrelServer, api_key: str = "unused", timeout: float = 60) -> openai.OpenAI:
+    """The official client for ``server``, no retries."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=timeout)
 
 
 def http(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None,

@@ -21,7 +21,7 @@ import kestrel_core
 from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.serve.server import KestrelServer
 
-from .helpers import http, running_server
+from .helpers import http, openai_client, running_server
 
 pytestmark = pytest.mark.default_model
 
@@ -39,17 +39,6 @@ def engine() -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def async_engine(engine: Any) -> AsyncEngine:
     return AsyncEngine(engine, max_batch=16)
-
-
-@pytest.fixture(scope="module")
-def server(async_engine: AsyncEngine) -> Iterator[KestrelServer]:
-    with running_server(async_engine, NAME) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server: KestrelServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -400,7 +389,7 @@ def test_client_disconnect_mid_stream_frees_every_choice(client: openai.OpenAI, 
 
 def test_client_disconnect_while_waiting_for_a_whole_answer(server: KestrelServer, async_engine: AsyncEngine,
                                                             engine: Any) -> None:
-    short = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=0.5)
+    short = openai_client(server, timeout=0.5)
     with pytest.raises(openai.APITimeoutError):  # the client gives up and closes the connection
         _chat(short, max_tokens=4000, extra_body={"ignore_eos": True})
     _wait_idle(async_engine, timeout=3.0)
@@ -496,7 +485,7 @@ def test_unknown_route_is_an_openai_404(server: KestrelServer) -> None:
 
 
 def test_a_burst_over_capacity_gets_429s(small_server: KestrelServer) -> None:
-    client = openai.OpenAI(base_url=f"{small_server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    client = openai_client(small_server, KEY)
     barrier = threading.Barrier(6)
 
     def one(_: int) -> str:
@@ -517,7 +506,7 @@ def test_a_burst_over_capacity_gets_429s(small_server: KestrelServer) -> None:
 
 def test_choices_over_capacity_get_a_429_and_leave_nothing_running(small_server: KestrelServer) -> None:
     """Three choices where one running and one waiting fit: refused whole, its admitted choices aborted."""
-    client = openai.OpenAI(base_url=f"{small_server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    client = openai_client(small_server, KEY)
     with pytest.raises(openai.RateLimitError) as info:
         _chat(client, n=3, max_tokens=4000, extra_body={"ignore_eos": True})
     assert "capacity" in info.value.body["message"]

@@ -23,7 +23,7 @@ import kestrel_core
 from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.serve.server import KestrelServer
 
-from .helpers import http, running_server
+from .helpers import http, openai_client, running_server
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 GOLDEN = np.load(FIXTURES / "tiny-qwen3-embed" / "golden.npz")
@@ -41,17 +41,6 @@ def engine() -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def async_engine(engine: Any) -> AsyncEngine:
     return AsyncEngine(engine, max_batch=8, token_budget=64)
-
-
-@pytest.fixture(scope="module")
-def server(async_engine: AsyncEngine) -> Iterator[KestrelServer]:
-    with running_server(async_engine, NAME) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server: KestrelServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def _vectors(response: Any) -> np.ndarray:
@@ -130,7 +119,7 @@ def test_an_embedding_model_does_not_chat(client: openai.OpenAI) -> None:
 
 def test_a_client_that_leaves_stops_its_job(server: KestrelServer, async_engine: AsyncEngine, engine: Any) -> None:
     """2048 long inputs take minutes; the client gives up after half a second and the job stops with it."""
-    short = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=0.5)
+    short = openai_client(server, timeout=0.5)
     long_text = TEXTS[2] * 6
     steps = async_engine.counters.steps
     with pytest.raises(openai.APITimeoutError):
@@ -152,7 +141,7 @@ def test_a_generative_model_embeds_between_its_generation_steps() -> None:
         want = engine.embed([engine.tokenizer.encode(t) for t in TEXTS], pooling="mean")
         async_engine = AsyncEngine(engine, max_batch=4, token_budget=16)
         with running_server(async_engine, "gen", pooling="mean") as server:
-            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+            client = openai_client(server)
             stream = client.completions.create(model="gen", prompt="The sea", max_tokens=200, stream=True,
                                                extra_body={"ignore_eos": True})
             it = iter(stream)

@@ -136,3 +136,20 @@ def test_sigint_when_idle_exits_0() -> None:
     finally:
         serve.kill()
     assert "Traceback" not in "\n".join(serve.seen)
+
+
+def test_an_embedding_model_serves_embeddings_then_exits_0_on_sigterm() -> None:
+    model = ROOT / "tests" / "fixtures" / "models" / "tiny-qwen3-embed.gguf"
+    serve = _Serve("--model", str(model), "--pooling", "mean")
+    try:
+        url = serve.wait_for(r"kestrel serve: (\S+)/v1 \(model tiny-qwen3-embed, embeddings only \(mean pooling\), "
+                             r"backend cpu").group(1)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        response = client.embeddings.create(model="tiny-qwen3-embed", input=["Paris", "Rome"], dimensions=8)
+        assert [len(d.embedding) for d in response.data] == [8, 8]
+        serve.proc.send_signal(signal.SIGTERM)
+        assert serve.finish() == 0
+    finally:
+        serve.kill()
+    log = "\n".join(serve.seen)
+    assert re.search(r"POST /v1/embeddings 200 prompt=\d+ ", log) and "Traceback" not in log

@@ -21,7 +21,7 @@ from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import RequestOutput
 
-from .helpers import running_server
+from .helpers import openai_client, running_server
 
 pytestmark = pytest.mark.default_model
 
@@ -84,7 +84,7 @@ def _served(template: str, scripted: bool = True) -> Iterator[tuple[Any, openai.
         engine.tokenizer.chat_template = template
         front = _Scripted(engine) if scripted else AsyncEngine(engine, max_batch=4)
         with running_server(front, NAME) as s:
-            yield front, openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+            yield front, openai_client(s)
 
 
 def _fresh(pair: tuple[_Scripted, openai.OpenAI]) -> _Scripted:
