@@ -477,7 +477,7 @@ def test_unknown_model_is_404_model_not_found(client: openai.OpenAI) -> None:
 
 
 def test_unknown_route_is_an_openai_404(server: KestrelServer) -> None:
-    status, _, raw = http("POST", f"{server.url}/v1/embeddings", {"input": "x"})
+    status, _, raw = http("POST", f"{server.url}/v1/audio/speech", {"input": "x"})
     assert status == 404 and "error" in json.loads(raw)
 
 
