@@ -20,6 +20,7 @@ from rich.table import Table
 
 from kestrel_core.errors import InvalidRequest, KestrelError
 from kestrel_core.model.engine import Engine, load, load_preset
+from kestrel_core.model.fim import fim_prompt_ids
 from kestrel_core.model.grammar import json_schema_grammar, lark_grammar, regex_grammar
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.validate import read_line_stdin, read_text_stdin
@@ -111,11 +112,11 @@ def _option_grammar(args: argparse.Namespace) -> str | None:
 
 
 def _stream(engine: Engine, ids: list[int], args: argparse.Namespace, out: TextIO | None,
-            grammar: str | None = None) -> tuple[str, list[int]]:
+            grammar: str | None = None, stop_token_ids: tuple[int, ...] = ()) -> tuple[str, list[int]]:
     """Generate, writing text to ``out`` as it arrives; returns (text, token ids)."""
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=tuple(getattr(args, "stop", None) or ()),
-                            grammar=grammar)
+                            grammar=grammar, stop_token_ids=stop_token_ids)
     pieces: list[str] = []
     tokens: list[int] = []
     for step in engine.stream(ids, params):
@@ -172,9 +173,16 @@ def run(args: argparse.Namespace) -> int:
     text_in = _read_prompt(args)
     grammar = _grammar(args)
     with _open_generator(args) as engine:
-        ids = _prompt_ids(engine, [{"role": "user", "content": text_in}], chat=not args.no_chat)
+        stops: tuple[int, ...] = ()
+        if args.suffix is not None:  # the prompt is the prefix of a fill-in-the-middle prompt
+            try:
+                ids, stops = fim_prompt_ids(engine.tokenizer, text_in, args.suffix)
+            except InvalidRequest as exc:
+                raise KestrelError(f"--suffix: {exc}") from None
+        else:
+            ids = _prompt_ids(engine, [{"role": "user", "content": text_in}], chat=not args.no_chat)
         _check_context(engine, ids)
-        text, tokens = _stream(engine, ids, args, None if args.json else sys.stdout, grammar)
+        text, tokens = _stream(engine, ids, args, None if args.json else sys.stdout, grammar, stops)
         stats = engine.stats
         if args.json:
             print(dumps({"text": text, "tokens": tokens, "prompt_tokens": len(ids), "stats": stats}))

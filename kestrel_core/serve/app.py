@@ -137,12 +137,14 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None, p
         served.check_request(body.model)
         try:
             texts = body.prompts()
-            token_ids = [list(served.engine.tokenizer.encode(p)) if isinstance(p, str) else p for p in texts]
+            token_ids, stops = body.prompt_ids(served.engine.tokenizer)
         except KestrelError as exc:
             raise from_kestrel_error(exc, param="prompt") from None
         prompts = []
         for ids in token_ids:
             params = _params(body, served.context_left(len(ids)))
+            if params is not None and stops:  # a fill-in-the-middle answer ends at its format's stop tokens too
+                params = replace(params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + stops)))
             prompts.append(generation.Prompt(ids, params, body.logprobs is not None))
         echoes: list[Echo | None] = []
         if body.echo:  # each prompt's, once for each of its choices

@@ -3,15 +3,17 @@
 Requests are pydantic models with OpenAI's field names; unknown fields are ignored (clients send many), and
 scalar fields are strict (``"0.5"`` is not a temperature), so a wrong type is a 400 naming the field. Ranges
 are not repeated here: ``SamplingParams.check`` is the one place that knows them, and its ``InvalidRequest``
-names the field too. Fields kestrel cannot honour (``suffix``, image parts...) are refused rather than
-silently ignored, since ignoring them would change what the client gets. Tools are shown to the model by its
+names the field too. Fields kestrel cannot honour (image parts, a ``suffix`` for a model without
+fill-in-the-middle tokens...) are refused rather than silently ignored, since ignoring them would change what
+the client gets. Tools are shown to the model by its
 chat template and the calls it writes are read back out of its answers (serve/tools.py); a forced call and a
 JSON ``response_format`` are grammars the answer keeps to (``grammar``, kestrel_core.model.grammar).
 ``n`` choices are ``n`` sequences of one prompt (with the prefix cache, the first computes it and the others
 attach its blocks); with a ``seed``, choice i samples with seed + i, so the choices differ and the request is
 reproducible. A completions request may hold several prompts (choice p * n + i is prompt p's i-th) and ``echo``
 them, with their tokens' logprobs and, with ``max_tokens`` 0, nothing generated: what evaluation harnesses send
-to score text.
+to score text, or give a ``suffix``: each prompt is then the prefix of a fill-in-the-middle prompt
+(kestrel_core.model.fim), what code editors send.
 
 The responses' shapes are serve/responses.py's.
 """
@@ -34,6 +36,7 @@ from pydantic import (
 )
 
 from kestrel_core.errors import InvalidRequest
+from kestrel_core.model.fim import fim_format, fim_prompt_ids
 from kestrel_core.model.grammar import json_schema_grammar
 from kestrel_core.model.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from kestrel_core.serve.tools import UNKNOWN, ToolCalls, call_grammar
@@ -334,6 +337,18 @@ class CompletionRequest(_Generation):
             raise InvalidRequest(f"at most {MAX_PROMPTS} prompts a request, got {len(p)}", param="prompt")
         return list(p)  # type: ignore[arg-type]
 
+    def prompt_ids(self, tokenizer: Any) -> tuple[list[list[int]], tuple[int, ...]]:
+        """Each prompt's token ids, and the stop token ids a fill-in-the-middle answer adds. With a ``suffix``,
+        each text prompt is the prefix of a fill-in-the-middle prompt (kestrel_core.model.fim); an empty suffix
+        on a model without that format is a plain completion (nothing comes after the prompt)."""
+        prompts = self.prompts()
+        if self.suffix is None or not (self.suffix or fim_format(tokenizer)):
+            return [list(tokenizer.encode(p)) if isinstance(p, str) else p for p in prompts], ()
+        if not all(isinstance(p, str) for p in prompts):
+            raise InvalidRequest("a suffix needs text prompts, not token ids", param="suffix")
+        built = [fim_prompt_ids(tokenizer, p, self.suffix) for p in prompts]  # type: ignore[arg-type]
+        return [ids for ids, _ in built], built[0][1]
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams | None:
         """SamplingParams for one prompt (``default_max_tokens``: the context left after it); None where
         nothing is generated (``echo`` with ``max_tokens`` 0)."""
@@ -347,8 +362,8 @@ class CompletionRequest(_Generation):
     def _check_fields(self) -> None:
         if self.best_of is not None and self.best_of != self.choices:
             raise InvalidRequest(f"best_of must equal n ({self.choices}), got {self.best_of}", param="best_of")
-        if self.suffix:
-            raise InvalidRequest("suffix is not supported", param="suffix")
+        if self.suffix is not None and self.echo:
+            raise InvalidRequest("suffix and echo together are not supported", param="suffix")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
                                  param="logprobs")

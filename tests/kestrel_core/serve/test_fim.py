@@ -1,0 +1,69 @@
+"""Completions with a ``suffix`` (fill in the middle) through a real server and the official openai client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+import kestrel_core
+from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.model.fim import fim_prompt_ids
+from kestrel_core.model.sampling import SamplingParams
+
+from ..model.test_fim import TINY, fim_engine
+from .helpers import openai_client, running_server
+
+NAME = "fim-test"
+PREFIX, SUFFIX = "def add(a, b):\n    return", "\n\nprint(add(1, 2))\n"
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Any]:
+    with fim_engine() as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def async_engine(engine: Any) -> AsyncEngine:
+    return AsyncEngine(engine, max_batch=4)
+
+
+def test_a_suffix_fills_the_middle(client: openai.OpenAI, engine: Any) -> None:
+    ids, stops = fim_prompt_ids(engine.tokenizer, PREFIX, SUFFIX)
+    want = "".join(out.new_text for out in engine.stream(ids, SamplingParams(max_tokens=8, stop_token_ids=stops)))
+    reply = client.completions.create(model=NAME, prompt=PREFIX, suffix=SUFFIX, max_tokens=8, temperature=0)
+    assert reply.usage.prompt_tokens == len(ids) and reply.choices[0].text == want
+    plain = client.completions.create(model=NAME, prompt=PREFIX, max_tokens=8, temperature=0)
+    assert plain.usage.prompt_tokens == len(engine.tokenizer.encode(PREFIX)) < len(ids)
+
+
+def test_the_answer_ends_at_the_formats_padding_token(client: openai.OpenAI, engine: Any) -> None:
+    pad = engine.tokenizer.backend.token_to_id("<|fim_pad|>")
+    reply = client.completions.create(model=NAME, prompt=PREFIX, suffix=SUFFIX, max_tokens=8, temperature=0,
+                                      logit_bias={str(pad): 100})
+    assert (reply.choices[0].finish_reason, reply.usage.completion_tokens) == ("stop", 1)
+    plain = client.completions.create(model=NAME, prompt=PREFIX, max_tokens=8, temperature=0,
+                                      logit_bias={str(pad): 100})
+    assert (plain.choices[0].finish_reason, plain.usage.completion_tokens) == ("length", 8)  # not a stop there
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"prompt": [1, 2, 3]}, "needs text prompts"),
+    ({"prompt": PREFIX, "echo": True}, "suffix and echo"),
+])
+def test_bad_suffix_requests_are_400(client: openai.OpenAI, kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(openai.BadRequestError, match=match) as info:
+        client.completions.create(model=NAME, suffix=SUFFIX, max_tokens=2, **kwargs)
+    assert info.value.body["param"] == "suffix"
+
+
+def test_a_model_without_the_tokens_refuses_a_suffix_but_not_an_empty_one() -> None:
+    with kestrel_core.load(str(TINY), backend="cpu") as engine, running_server(AsyncEngine(engine), "tiny") as server:
+        client = openai_client(server)
+        with pytest.raises(openai.BadRequestError, match="no fill-in-the-middle tokens"):
+            client.completions.create(model="tiny", prompt="a", suffix="b", max_tokens=2)
+        reply = client.completions.create(model="tiny", prompt="a", suffix="", max_tokens=2)
+        assert reply.usage.prompt_tokens == len(engine.tokenizer.encode("a"))
