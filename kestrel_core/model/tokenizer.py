@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ class Tokenizer:
                  eos_token: str | None = None, eos_token_ids: Sequence[int] = ()) -> None:
         self.backend = backend
         self.chat_template = chat_template
+        self._compiled: tuple[str, jinja2.Template] | None = None
         self.bos_token = bos_token
         self.eos_token = eos_token
         ids = list(eos_token_ids)
@@ -121,11 +121,14 @@ class Tokenizer:
     def token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
-    @cached_property
+    @property
     def _template(self) -> jinja2.Template:
+        """The chat template compiled, once for each text it is set to."""
         if not self.chat_template:
             raise KestrelError("this model has no chat template (use --no-chat)")
-        return compile_chat_template(self.chat_template)
+        if self._compiled is None or self._compiled[0] != self.chat_template:
+            self._compiled = (self.chat_template, compile_chat_template(self.chat_template))
+        return self._compiled[1]
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:

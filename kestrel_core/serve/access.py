@@ -22,8 +22,10 @@ from kestrel_core.serve.metrics import ServerMetrics
 
 log = logging.getLogger("kestrel.serve")
 
-GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
-ENDPOINTS = (*GENERATION_ENDPOINTS, "/v1/embeddings", "/v1/models", "/health", "/metrics")
+GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/api/chat", "/api/generate")
+EMBEDDING_ENDPOINTS = ("/v1/embeddings", "/api/embed", "/api/embeddings")
+ENDPOINTS = (*GENERATION_ENDPOINTS, *EMBEDDING_ENDPOINTS, "/v1/models", "/api/tags", "/api/show", "/api/ps",
+             "/api/version", "/health", "/metrics")
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer: logs and metrics only
 
 
@@ -88,7 +90,7 @@ class AccessMiddleware:
                       exc_info=log.isEnabledFor(logging.DEBUG))
             if record.status == 0:
                 error = APIError(500, f"internal error: {type(exc).__name__}: {exc}")
-                await error.response()(scope, receive, send_wrapper)
+                await error.response(scope.get("path", ""))(scope, receive, send_wrapper)
         finally:
             self._finish(scope, record)
 
@@ -106,22 +108,23 @@ class AccessMiddleware:
         if log.isEnabledFor(level):
             tokens = (f" prompt={record.prompt_tokens} completion={record.completion_tokens}"
                       if path in GENERATION_ENDPOINTS else f" prompt={record.prompt_tokens}"
-                      if path == "/v1/embeddings" else "")
+                      if path in EMBEDDING_ENDPOINTS else "")
             log.log(level, "%s %s %d%s %.3fs", scope.get("method", "?"), path, status, tokens, duration)
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer KEY`` on /v1/*; /health and /metrics stay open for probes and scrapers."""
+    """``Authorization: Bearer KEY`` on /v1/* and /api/*; /health and /metrics stay open for probes and scrapers."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("path", "").startswith("/v1/") and not self._allowed(scope):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path.startswith(("/v1/", "/api/")) and not self._allowed(scope):
             error = APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'.",
                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            await error.response()(scope, receive, send)
+            await error.response(path)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 

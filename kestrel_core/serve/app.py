@@ -1,5 +1,5 @@
 """The FastAPI app: OpenAI's chat and text completions and embeddings, the model list, a health probe and the
-metrics.
+metrics; Ollama's API beside them (serve/ollama.py), answered by the same handlers.
 
 ``create_app`` takes a running-or-not ``AsyncEngine`` (its lifespan starts the scheduler thread and stops it
 on shutdown), so one process can hold several apps (the tests do). Requests become prompt token ids here
@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 import kestrel_core
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.sampling import TokenLogprob
-from kestrel_core.serve import generation
+from kestrel_core.serve import generation, ollama
 from kestrel_core.serve.access import AccessMiddleware, ApiKeyMiddleware
 from kestrel_core.serve.errors import APIError, from_kestrel_error, install_error_handlers
 from kestrel_core.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -32,13 +32,14 @@ from kestrel_core.serve.responses import ChatShape, CompletionShape, Echo, Token
 from kestrel_core.serve.tools import MISTRAL, tool_format
 
 
-class _Served:
+class Served:
     """What the routes share: the engine, the model's public name, its token strings."""
 
-    def __init__(self, async_engine: Any, model_name: str) -> None:
+    def __init__(self, async_engine: Any, model_name: str, pooling: str | None = None) -> None:
         self.async_engine = async_engine
         self.engine = async_engine.engine
         self.model_name = model_name
+        self.pooling = pooling  # the embeddings' (None: the model's)
         self.tokens = TokenStrings(self.engine.tokenizer)
         self.created = int(time.time())
         template = getattr(self.engine.tokenizer, "chat_template", None)
@@ -80,6 +81,71 @@ class _Served:
             raise from_kestrel_error(exc, param="prompt") from None
         return [Echo(text, one[0], s) for text, one, s in zip(texts, ids, scored)]
 
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        """``/v1/chat/completions``' answer (whole, or the stream's response)."""
+        self.check_request(body.model)
+        try:  # each of these names its field
+            tools = body.tool_calls(self.tool_format)
+            grammar = body.grammar(tools, self.tool_calls_id)
+            context = body.template_context()
+        except KestrelError as exc:
+            raise from_kestrel_error(exc) from None
+        try:
+            tokenizer = self.engine.tokenizer
+            prompt = tokenizer.apply_chat_template(body.template_messages(), **context)
+            prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=False))  # the template wrote any BOS
+        except KestrelError as exc:  # no messages, no template, or a template that failed on these
+            raise from_kestrel_error(exc, param="messages") from None
+        # a constrained answer is what it is constrained to from its first token, even where the prompt opened a
+        # reasoning block
+        reasoning = Reasoning(opens_in_prompt(prompt) and grammar is None) if self.thinks else None
+        params = replace(_params(body, self.context_left(len(prompt_ids))), grammar=grammar)
+        shape = ChatShape(new_id("chatcmpl"), self.model_name, self.tokens, body.include_usage,
+                          body.continuous_usage, tools, reasoning)
+        one = generation.Prompt(prompt_ids, params, params.logprobs)
+        return await generation.respond(self.async_engine, request, [one], shape, stream=bool(body.stream),
+                                        prompt_param="messages", choices=body.choices)
+
+    async def complete(self, body: CompletionRequest, request: Request) -> Response:
+        """``/v1/completions``' answer."""
+        self.check_request(body.model)
+        try:
+            texts = body.prompts()
+            token_ids, stops = body.prompt_ids(self.engine.tokenizer)
+        except KestrelError as exc:
+            raise from_kestrel_error(exc, param="prompt") from None
+        prompts = []
+        for ids in token_ids:
+            params = _params(body, self.context_left(len(ids)))
+            if params is not None and stops:  # a fill-in-the-middle answer ends at its format's stop tokens too
+                params = replace(params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + stops)))
+            prompts.append(generation.Prompt(ids, params, body.logprobs is not None))
+        echoes: list[Echo | None] = []
+        if body.echo:  # each prompt's, once for each of its choices
+            for echo in await self.echoes(texts, token_ids, body.logprobs):
+                echoes.extend([echo] * body.choices)
+        shape = CompletionShape(new_id("cmpl"), self.model_name, self.tokens, body.include_usage, echoes,
+                                body.continuous_usage)
+        return await generation.respond(self.async_engine, request, prompts, shape, stream=bool(body.stream),
+                                        choices=body.choices)
+
+    async def embed(self, body: EmbeddingRequest, request: Request, truncate: bool = False) -> Response:
+        """``/v1/embeddings``' answer; ``truncate``: inputs longer than the context keep their first tokens."""
+        self.check_model(body.model)
+        tokenizer, context = self.engine.tokenizer, self.engine.config.max_position
+
+        def tokenize() -> list[list[int]]:
+            ids = [list(tokenizer.encode(t)) if isinstance(t, str) else t for t in body.inputs()]
+            return [one[:context] for one in ids] if truncate else ids
+
+        try:  # up to MAX_INPUTS texts: off the event loop
+            inputs = await asyncio.get_running_loop().run_in_executor(None, tokenize)
+        except KestrelError as exc:
+            raise from_kestrel_error(exc, param="input") from None
+        return await generation.embed(self.async_engine, request, inputs, pooling=self.pooling,
+                                      dimensions=body.dimensions, encoding_format=body.encoding_format,
+                                      model=self.model_name)
+
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kestrel"}
 
@@ -87,7 +153,7 @@ class _Served:
 def create_app(async_engine: Any, model_name: str, api_key: str | None = None, pooling: str | None = None) -> FastAPI:
     """The OpenAI-compatible app over ``async_engine``, serving it as ``model_name``; with ``api_key``,
     /v1/* needs ``Authorization: Bearer <api_key>``; ``pooling``: the embeddings' (None: the model's)."""
-    served = _Served(async_engine, model_name)
+    served = Served(async_engine, model_name, pooling)
     metrics = ServerMetrics(async_engine)
 
     @asynccontextmanager
@@ -109,66 +175,17 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None, p
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        served.check_request(body.model)
-        try:  # each of these names its field
-            tools = body.tool_calls(served.tool_format)
-            grammar = body.grammar(tools, served.tool_calls_id)
-            context = body.template_context()
-        except KestrelError as exc:
-            raise from_kestrel_error(exc) from None
-        try:
-            tokenizer = served.engine.tokenizer
-            prompt = tokenizer.apply_chat_template(body.template_messages(), **context)
-            prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=False))  # the template wrote any BOS
-        except KestrelError as exc:  # no messages, no template, or a template that failed on these
-            raise from_kestrel_error(exc, param="messages") from None
-        # a constrained answer is what it is constrained to from its first token, even where the prompt opened a
-        # reasoning block
-        reasoning = Reasoning(opens_in_prompt(prompt) and grammar is None) if served.thinks else None
-        params = replace(_params(body, served.context_left(len(prompt_ids))), grammar=grammar)
-        shape = ChatShape(new_id("chatcmpl"), model_name, served.tokens, body.include_usage, body.continuous_usage,
-                          tools, reasoning)
-        prompt = generation.Prompt(prompt_ids, params, params.logprobs)
-        return await generation.respond(async_engine, request, [prompt], shape, stream=bool(body.stream),
-                                        prompt_param="messages", choices=body.choices)
+        return await served.chat(body, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        served.check_request(body.model)
-        try:
-            texts = body.prompts()
-            token_ids, stops = body.prompt_ids(served.engine.tokenizer)
-        except KestrelError as exc:
-            raise from_kestrel_error(exc, param="prompt") from None
-        prompts = []
-        for ids in token_ids:
-            params = _params(body, served.context_left(len(ids)))
-            if params is not None and stops:  # a fill-in-the-middle answer ends at its format's stop tokens too
-                params = replace(params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + stops)))
-            prompts.append(generation.Prompt(ids, params, body.logprobs is not None))
-        echoes: list[Echo | None] = []
-        if body.echo:  # each prompt's, once for each of its choices
-            for echo in await served.echoes(texts, token_ids, body.logprobs):
-                echoes.extend([echo] * body.choices)
-        shape = CompletionShape(new_id("cmpl"), model_name, served.tokens, body.include_usage, echoes,
-                                body.continuous_usage)
-        return await generation.respond(async_engine, request, prompts, shape, stream=bool(body.stream),
-                                        choices=body.choices)
+        return await served.complete(body, request)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        served.check_model(body.model)
-        tokenizer = served.engine.tokenizer
+        return await served.embed(body, request)
 
-        def tokenize() -> list[list[int]]:
-            return [list(tokenizer.encode(t)) if isinstance(t, str) else t for t in body.inputs()]
-
-        try:  # up to MAX_INPUTS texts: off the event loop
-            inputs = await asyncio.get_running_loop().run_in_executor(None, tokenize)
-        except KestrelError as exc:
-            raise from_kestrel_error(exc, param="input") from None
-        return await generation.embed(async_engine, request, inputs, pooling=pooling, dimensions=body.dimensions,
-                                      encoding_format=body.encoding_format, model=model_name)
+    ollama.install(app, served)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``, for every failure the server reports.
+"""OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``, for every failure the server reports
+(Ollama's ``{"error": message}`` under its ``/api/`` routes).
 
 Clients (the ``openai`` package among them) map the HTTP status to an exception class and read ``param`` to
 say which field was wrong, so every error path, validation included, goes through ``APIError``.
@@ -36,8 +37,15 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        """The answer; under Ollama's ``/api/`` (``path``) its body is Ollama's ``{"error": message}``."""
+        body = {"error": self.message} if is_ollama(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def is_ollama(path: str) -> bool:
+    """Whether ``path`` is one of Ollama's routes (serve/ollama.py), whose errors Ollama's clients read."""
+    return path.startswith("/api/")
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -112,14 +120,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+        return validation_error(exc).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return APIError(exc.status_code, message, code=code).response()
+        return APIError(exc.status_code, message, code=code).response(request.url.path)

@@ -6,12 +6,15 @@ import json
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import openai
 
+from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.model.sampling import SamplingParams
+from kestrel_core.model.scheduler import RequestOutput
 from kestrel_core.serve.protocol import ChatCompletionRequest
 from kestrel_core.serve.server import KestrelServer, build_server
 
@@ -65,3 +68,23 @@ def http(method: str, url: str, body: Any = None, headers: dict[str, str] | None
             return resp.status, dict(resp.headers), resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, dict(exc.headers), exc.read()
+
+
+class Scripted(AsyncEngine):
+    """An AsyncEngine whose answers are ``answers`` in order, 3 characters an output; the prompts it was given
+    are kept as text."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine, max_batch=4)
+        self.answers: list[str] = []
+        self.prompts: list[str] = []
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        self.prompts.append(self.engine.tokenizer.decode(list(prompt_ids)))
+        text = self.answers.pop(0)
+        pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+        for k, piece in enumerate(pieces):
+            last = k == len(pieces) - 1
+            yield RequestOutput(request_id or "r", [1], piece, None, last, "stop" if last else None,
+                                len(prompt_ids), k + 1)

@@ -1,7 +1,7 @@
 """Tool calls through a real server and the official openai client: the tools reach the prompt through the model's
 chat template, and the calls in an answer come back as OpenAI's ``tool_calls``, whole and streamed.
 
-The answers are scripted (``_Scripted``, an AsyncEngine whose ``generate`` yields a given text a few characters
+The answers are scripted (``Scripted``, an AsyncEngine whose ``generate`` yields a given text a few characters
 at a time), since no model small enough for the tests writes a call on cue; the prompt, the chat template, the
 server and the client are the real ones, over the default model's tokenizer with a Hermes-style template.
 """
@@ -9,7 +9,7 @@ server and the client are the real ones, over the default model's tokenizer with
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -18,10 +18,8 @@ import pytest
 
 import kestrel_core
 from kestrel_core.model.async_engine import AsyncEngine
-from kestrel_core.model.sampling import SamplingParams
-from kestrel_core.model.scheduler import RequestOutput
 
-from .helpers import openai_client, running_server
+from .helpers import Scripted, openai_client, running_server
 
 pytestmark = pytest.mark.default_model
 
@@ -56,74 +54,54 @@ def _call(name: str, arguments: dict[str, Any]) -> str:
 PARIS = _call("get_weather", {"city": "Paris"})
 
 
-class _Scripted(AsyncEngine):
-    """An AsyncEngine whose answers are ``answers`` in order, 3 characters an output; the prompts it was given
-    are kept as text."""
-
-    def __init__(self, engine: Any) -> None:
-        super().__init__(engine, max_batch=4)
-        self.answers: list[str] = []
-        self.prompts: list[str] = []
-
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        self.prompts.append(self.engine.tokenizer.decode(list(prompt_ids)))
-        text = self.answers.pop(0)
-        pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
-        for k, piece in enumerate(pieces):
-            last = k == len(pieces) - 1
-            yield RequestOutput(request_id or "r", [1], piece, None, last, "stop" if last else None,
-                                len(prompt_ids), k + 1)
-
-
 @contextmanager
 def _served(template: str, scripted: bool = True) -> Iterator[tuple[Any, openai.OpenAI]]:
-    """A server over the default model with ``template``, its answers scripted (``_Scripted``) or the model's own,
+    """A server over the default model with ``template``, its answers scripted (``Scripted``) or the model's own,
     and a client of it."""
     with kestrel_core.load(None, backend="cpu") as engine:
         engine.tokenizer.chat_template = template
-        front = _Scripted(engine) if scripted else AsyncEngine(engine, max_batch=4)
+        front = Scripted(engine) if scripted else AsyncEngine(engine, max_batch=4)
         with running_server(front, NAME) as s:
             yield front, openai_client(s)
 
 
-def _fresh(pair: tuple[_Scripted, openai.OpenAI]) -> _Scripted:
+def _fresh(pair: tuple[Scripted, openai.OpenAI]) -> Scripted:
     pair[0].answers.clear()
     pair[0].prompts.clear()
     return pair[0]
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[dict[str, tuple[_Scripted, openai.OpenAI]]]:
+def servers() -> Iterator[dict[str, tuple[Scripted, openai.OpenAI]]]:
     """Scripted servers with the Hermes-style template and with its thinking variant (THINKING_TEMPLATE)."""
     with _served(HERMES_TEMPLATE) as hermes, _served(THINKING_TEMPLATE) as thinking:
         yield {"hermes": hermes, "thinking": thinking}
 
 
 @pytest.fixture
-def scripted(servers: dict[str, tuple[_Scripted, openai.OpenAI]]) -> _Scripted:
+def scripted(servers: dict[str, tuple[Scripted, openai.OpenAI]]) -> Scripted:
     return _fresh(servers["hermes"])
 
 
 @pytest.fixture
-def client(servers: dict[str, tuple[_Scripted, openai.OpenAI]]) -> openai.OpenAI:
+def client(servers: dict[str, tuple[Scripted, openai.OpenAI]]) -> openai.OpenAI:
     return servers["hermes"][1]
 
 
-def _answer(scripted: _Scripted, client: openai.OpenAI, text: str, **kwargs: Any) -> Any:
+def _answer(scripted: Scripted, client: openai.OpenAI, text: str, **kwargs: Any) -> Any:
     scripted.answers.append(text)
     args: dict[str, Any] = {"model": NAME, "messages": ASK, "tools": [WEATHER, TIME]}
     return client.chat.completions.create(**{**args, **kwargs})
 
 
-def test_the_tools_reach_the_prompt(scripted: _Scripted, client: openai.OpenAI) -> None:
+def test_the_tools_reach_the_prompt(scripted: Scripted, client: openai.OpenAI) -> None:
     _answer(scripted, client, "Sunny.")
     prompt = scripted.prompts[-1]
     assert "<tools>" in prompt and json.dumps(WEATHER, ensure_ascii=False) in prompt
     assert json.dumps(TIME, ensure_ascii=False) in prompt
 
 
-def test_a_call_comes_back_as_tool_calls(scripted: _Scripted, client: openai.OpenAI) -> None:
+def test_a_call_comes_back_as_tool_calls(scripted: Scripted, client: openai.OpenAI) -> None:
     choice = _answer(scripted, client, PARIS).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -131,7 +109,7 @@ def test_a_call_comes_back_as_tool_calls(scripted: _Scripted, client: openai.Ope
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
 
 
-def test_text_before_a_call_is_the_content(scripted: _Scripted, client: openai.OpenAI) -> None:
+def test_text_before_a_call_is_the_content(scripted: Scripted, client: openai.OpenAI) -> None:
     choice = _answer(scripted, client, "Let me look that up.\n\n" + PARIS).choices[0]
     assert choice.message.content == "Let me look that up."
     assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
@@ -139,13 +117,13 @@ def test_text_before_a_call_is_the_content(scripted: _Scripted, client: openai.O
 
 @pytest.mark.parametrize("answer", ["It is sunny in Paris.", "<tool_call>\n{not json}\n</tool_call>",
                                     '<tool_call>\n{"arguments": {}}\n</tool_call>'])
-def test_an_answer_without_a_readable_call_is_text(scripted: _Scripted, client: openai.OpenAI, answer: str) -> None:
+def test_an_answer_without_a_readable_call_is_text(scripted: Scripted, client: openai.OpenAI, answer: str) -> None:
     choice = _answer(scripted, client, answer).choices[0]
     assert choice.finish_reason == "stop" and choice.message.content == answer and not choice.message.tool_calls
 
 
 @pytest.mark.parametrize(("parallel", "names"), [(None, ["get_weather", "get_time"]), (False, ["get_weather"])])
-def test_several_calls_unless_parallel_calls_are_off(scripted: _Scripted, client: openai.OpenAI,
+def test_several_calls_unless_parallel_calls_are_off(scripted: Scripted, client: openai.OpenAI,
                                                      parallel: bool | None, names: list[str]) -> None:
     extra = {} if parallel is None else {"parallel_tool_calls": parallel}
     message = _answer(scripted, client, PARIS + "\n" + _call("get_time", {}), **extra).choices[0].message
@@ -153,7 +131,7 @@ def test_several_calls_unless_parallel_calls_are_off(scripted: _Scripted, client
     assert len({c.id for c in message.tool_calls}) == len(names)
 
 
-def _stream(scripted: _Scripted, client: openai.OpenAI, texts: list[str], **kwargs: Any
+def _stream(scripted: Scripted, client: openai.OpenAI, texts: list[str], **kwargs: Any
             ) -> tuple[dict[int, str], dict[int, list[dict[str, Any]]], dict[int, str]]:
     """Each choice's streamed content, its tool calls (from their deltas) and its finish reason."""
     scripted.answers.extend(texts)
@@ -175,7 +153,7 @@ def _stream(scripted: _Scripted, client: openai.OpenAI, texts: list[str], **kwar
     return content, calls, reasons
 
 
-def test_a_streamed_call(scripted: _Scripted, client: openai.OpenAI) -> None:
+def test_a_streamed_call(scripted: Scripted, client: openai.OpenAI) -> None:
     content, calls, reasons = _stream(scripted, client, ["Let me look that up.\n\n" + PARIS])
     assert content == {0: "Let me look that up."} and reasons == {0: "tool_calls"}
     (call,) = calls[0]
@@ -183,14 +161,14 @@ def test_a_streamed_call(scripted: _Scripted, client: openai.OpenAI) -> None:
     assert json.loads(call["arguments"]) == {"city": "Paris"}
 
 
-def test_streamed_choices_each_have_their_calls(scripted: _Scripted, client: openai.OpenAI) -> None:
+def test_streamed_choices_each_have_their_calls(scripted: Scripted, client: openai.OpenAI) -> None:
     content, calls, reasons = _stream(scripted, client, [PARIS, "No call here <tool_"], n=2)
     assert reasons == {0: "tool_calls", 1: "stop"}
     assert content == {0: "", 1: "No call here <tool_"}
     assert [c["name"] for c in calls[0]] == ["get_weather"] and 1 not in calls
 
 
-def test_a_conversation_with_calls_and_results(scripted: _Scripted, client: openai.OpenAI) -> None:
+def test_a_conversation_with_calls_and_results(scripted: Scripted, client: openai.OpenAI) -> None:
     messages = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function",
@@ -203,7 +181,7 @@ def test_a_conversation_with_calls_and_results(scripted: _Scripted, client: open
     assert "<tool_response>\n18 C, sunny\n</tool_response>" in prompt
 
 
-def test_tool_choice_none_shows_no_tools_and_reads_no_calls(scripted: _Scripted, client: openai.OpenAI) -> None:
+def test_tool_choice_none_shows_no_tools_and_reads_no_calls(scripted: Scripted, client: openai.OpenAI) -> None:
     choice = _answer(scripted, client, PARIS, tool_choice="none").choices[0]
     assert choice.message.content == PARIS and not choice.message.tool_calls
     assert "<tools>" not in scripted.prompts[-1]
@@ -297,16 +275,16 @@ THOUGHT = "The user wants the weather; get_weather takes a city."
 
 
 @pytest.fixture
-def thinking(servers: dict[str, tuple[_Scripted, openai.OpenAI]]) -> _Scripted:
+def thinking(servers: dict[str, tuple[Scripted, openai.OpenAI]]) -> Scripted:
     return _fresh(servers["thinking"])
 
 
 @pytest.fixture
-def thinking_client(servers: dict[str, tuple[_Scripted, openai.OpenAI]]) -> openai.OpenAI:
+def thinking_client(servers: dict[str, tuple[Scripted, openai.OpenAI]]) -> openai.OpenAI:
     return servers["thinking"][1]
 
 
-def test_reasoning_is_its_own_field(thinking: _Scripted, thinking_client: openai.OpenAI) -> None:
+def test_reasoning_is_its_own_field(thinking: Scripted, thinking_client: openai.OpenAI) -> None:
     assert THINKING_TEMPLATE != HERMES_TEMPLATE
     message = _answer(thinking, thinking_client, f"<think>\n{THOUGHT}\n</think>\n\n{PARIS}").choices[0].message
     assert message.reasoning_content == THOUGHT and message.content is None
@@ -317,7 +295,7 @@ def test_reasoning_is_its_own_field(thinking: _Scripted, thinking_client: openai
     assert message.content == "Sunny." and getattr(message, "reasoning_content", None) is None
 
 
-def test_streamed_reasoning_comes_before_the_content(thinking: _Scripted, thinking_client: openai.OpenAI) -> None:
+def test_streamed_reasoning_comes_before_the_content(thinking: Scripted, thinking_client: openai.OpenAI) -> None:
     thinking.answers.append(f"<think>\n{THOUGHT}\n</think>\n\nLet me look.\n{PARIS}")
     chunks = [c for c in thinking_client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER],
                                                                   stream=True) if c.choices]
@@ -331,7 +309,7 @@ def test_streamed_reasoning_comes_before_the_content(thinking: _Scripted, thinki
     assert [c.function.name for c in calls] == ["get_weather"] and chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_chat_template_kwargs_reach_the_template(thinking: _Scripted, thinking_client: openai.OpenAI) -> None:
+def test_chat_template_kwargs_reach_the_template(thinking: Scripted, thinking_client: openai.OpenAI) -> None:
     reply = _answer(thinking, thinking_client, "Sunny.", tools=None,
                     extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert thinking.prompts[-1].endswith("<|im_start|>assistant<think>\n\n</think>")  # {%- eats the rest

@@ -1,0 +1,422 @@
+"""Ollama's API (``/api/*``) over the same engine, for the clients and tools written against Ollama.
+
+Each generation route translates its request into the OpenAI request kestrel already answers (``/api/chat``
+into a chat completion, ``/api/generate`` into a chat completion of one user turn, or a plain completion when
+``raw``, when the model has no chat template or with a ``suffix``; ``/api/embed`` into embeddings) and that
+answer back into Ollama's shape: one JSON object, or newline-delimited JSON objects when streamed (Ollama
+streams unless ``stream`` is false), the last with ``done: true``, the reason and the counts and durations
+(nanoseconds). Errors are ``{"error": message}`` with the same statuses. A model is named as served, with or
+without the ``:latest`` tag; options Ollama has and kestrel does not (``num_ctx``, ``repeat_penalty``...) are
+ignored, as Ollama ignores options a model does not use. Defaults are Ollama's: temperature 0.8, top-k 40,
+top-p 0.9, the context's length for ``num_predict``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+import kestrel_core
+from kestrel_core.model.fim import fim_format
+from kestrel_core.model.quantize import model_quant
+from kestrel_core.serve.access import record_of
+from kestrel_core.serve.errors import APIError, validation_error
+from kestrel_core.serve.generation import EventStreamResponse
+from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+
+if TYPE_CHECKING:
+    from kestrel_core.serve.app import Served
+
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's, where a Modelfile sets none
+DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop"}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Options(_Body):
+    """The options kestrel honours; the rest of Ollama's are ignored."""
+
+    temperature: StrictFloat | StrictInt | None = None
+    top_p: StrictFloat | StrictInt | None = None
+    top_k: StrictInt | None = None
+    seed: StrictInt | None = None
+    num_predict: StrictInt | None = None  # -1: until the context ends (as -2)
+    stop: list[StrictStr] | None = None
+    presence_penalty: StrictFloat | StrictInt | None = None
+    frequency_penalty: StrictFloat | StrictInt | None = None
+
+
+class ToolFunction(_Body):
+    name: StrictStr
+    arguments: dict[str, Any]
+
+
+class ToolCall(_Body):
+    function: ToolFunction
+
+
+class Message(_Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: StrictStr = ""
+    images: list[StrictStr] | None = None
+    thinking: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_name: StrictStr | None = None
+
+
+class _Generation(_Body):
+    model: StrictStr
+    format: Literal["json"] | dict[str, Any] | None = None
+    options: Options | None = None
+    stream: StrictBool = True
+    think: StrictBool | None = None
+    keep_alive: Any = None  # a model stays loaded while the server runs
+
+    def sampling(self, stream: bool) -> dict[str, Any]:
+        """The OpenAI request's sampling fields."""
+        o = self.options or Options()
+        fields: dict[str, Any] = {
+            "temperature": float(DEFAULTS["temperature"] if o.temperature is None else o.temperature),
+            "top_p": float(DEFAULTS["top_p"] if o.top_p is None else o.top_p),
+            "top_k": DEFAULTS["top_k"] if o.top_k is None else o.top_k, "seed": o.seed, "stop": o.stop,
+            "stream": stream, "stream_options": {"include_usage": True} if stream else None}
+        if o.presence_penalty is not None:
+            fields["presence_penalty"] = float(o.presence_penalty)
+        if o.frequency_penalty is not None:
+            fields["frequency_penalty"] = float(o.frequency_penalty)
+        if o.num_predict is not None and o.num_predict >= 0:
+            fields["max_tokens"] = o.num_predict
+        return fields
+
+    def response_format(self) -> dict[str, Any] | None:
+        if self.format == "json":
+            return {"type": "json_object"}
+        if isinstance(self.format, dict):
+            return {"type": "json_schema", "json_schema": {"name": "format", "schema": self.format}}
+        return None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        return None if self.think is None else {"enable_thinking": self.think}  # Qwen3's switch
+
+
+class ChatBody(_Generation):
+    messages: list[Message] = []
+    tools: list[dict[str, Any]] | None = None
+
+    def openai(self) -> dict[str, Any]:
+        messages = [_openai_message(m, i) for i, m in enumerate(self.messages)]
+        return {"messages": messages, "tools": self.tools, "response_format": self.response_format(),
+                "chat_template_kwargs": self.template_kwargs(), **self.sampling(self.stream)}
+
+
+class GenerateBody(_Generation):
+    prompt: StrictStr = ""
+    suffix: StrictStr | None = None
+    system: StrictStr | None = None
+    raw: StrictBool = False
+    images: list[StrictStr] | None = None
+    template: StrictStr | None = None
+    context: list[StrictInt] | None = None
+
+
+class EmbedBody(_Body):
+    model: StrictStr
+    input: StrictStr | list[StrictStr]
+    truncate: StrictBool = True
+    dimensions: StrictInt | None = None
+
+
+class LegacyEmbeddingsBody(_Body):
+    model: StrictStr
+    prompt: StrictStr
+
+
+class ShowBody(_Body):
+    model: StrictStr | None = None
+    name: StrictStr | None = None  # the older field
+
+
+def _openai_message(m: Message, index: int) -> dict[str, Any]:
+    if m.images:
+        raise APIError(400, "images are not supported (kestrel serves text models)", param="messages")
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.thinking:
+        out["reasoning_content"] = m.thinking
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": f"call_{index}_{k}", "type": "function",
+                              "function": {"name": c.function.name, "arguments": json.dumps(c.function.arguments)}}
+                             for k, c in enumerate(m.tool_calls)]
+    if m.role == "tool":
+        out["tool_call_id"] = f"call_{index}"
+        if m.tool_name:
+            out["name"] = m.tool_name
+    return out
+
+
+def _validated(model: type[BaseModel], data: dict[str, Any]) -> Any:
+    """The OpenAI request a translation made; a field it refuses is a 400 naming it."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(RequestValidationError(exc.errors())) from None
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class _Answer:
+    """One answer's Ollama objects: the model and creation time, and the counts and durations of the last."""
+
+    def __init__(self, served: Served, request: Request, key: str) -> None:
+        self.model = ollama_name(served)
+        self.key = key  # "message" (chat) or "response" (generate)
+        self.record = record_of(request)  # its start and its first token's time
+
+    def part(self, content: str = "", thinking: str = "", tool_calls: list[dict[str, Any]] | None = None,
+             done: bool = False) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "created_at": _now()}
+        if self.key == "message":
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if thinking:
+                message["thinking"] = thinking
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            body["message"] = message
+        else:
+            body["response"] = content
+            if thinking:
+                body["thinking"] = thinking
+        body["done"] = done
+        return body
+
+    def last(self, finish_reason: str | None, usage: dict[str, int], **fields: Any) -> dict[str, Any]:
+        end = time.perf_counter()
+        start, first = self.record.start, self.record.first_token_at or end
+        body = self.part(**fields, done=True)
+        body.update(done_reason=DONE_REASONS.get(finish_reason or "stop", "stop"),
+                    total_duration=_ns(end - start), load_duration=0,
+                    prompt_eval_count=usage.get("prompt_tokens", 0), prompt_eval_duration=_ns(first - start),
+                    eval_count=usage.get("completion_tokens", 0), eval_duration=_ns(end - first))
+        return body
+
+
+def _ns(seconds: float) -> int:
+    return max(0, int(seconds * 1e9))
+
+
+def _ollama_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """OpenAI's tool calls as Ollama's: the arguments as an object."""
+    if not calls:
+        return None
+    out = []
+    for call in calls:
+        fn = call.get("function") or {}
+        try:
+            arguments = json.loads(fn.get("arguments") or "{}")
+        except ValueError:
+            arguments = {}
+        out.append({"function": {"name": fn.get("name", ""), "arguments": arguments}})
+    return out
+
+
+def _whole(answer: _Answer, body: dict[str, Any]) -> dict[str, Any]:
+    """A whole OpenAI answer (chat or text completion) as Ollama's one object."""
+    choice = body["choices"][0]
+    if "message" in choice:
+        message = choice["message"]
+        fields = {"content": message.get("content") or "", "thinking": message.get("reasoning_content") or "",
+                  "tool_calls": _ollama_calls(message.get("tool_calls"))}
+    else:
+        fields = {"content": choice.get("text") or ""}
+    return answer.last(choice.get("finish_reason"), body.get("usage") or {}, **fields)
+
+
+async def _lines(answer: _Answer, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """An OpenAI stream's server-sent events as Ollama's lines: a line a delta, the last with the counts."""
+    finish: str | None = None
+    calls: list[dict[str, Any]] = []
+    async for event in events:
+        data = event.decode()
+        if not data.startswith("data: "):
+            continue
+        data = data[len("data: "):].strip()
+        if data == "[DONE]":
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            yield _line({"error": chunk["error"].get("message", "error")})
+            return
+        if not chunk.get("choices"):  # the usage: the answer is complete
+            yield _line(answer.last(finish, chunk.get("usage") or {}, tool_calls=_ollama_calls(calls)))
+            return
+        choice = chunk["choices"][0]
+        finish = choice.get("finish_reason") or finish
+        delta = choice.get("delta") or {}
+        calls.extend(delta.get("tool_calls") or ())
+        text = choice.get("text", delta.get("content")) or ""
+        thinking = delta.get("reasoning_content") or ""
+        if text or thinking:
+            yield _line(answer.part(text, thinking))
+
+
+def _line(body: dict[str, Any]) -> bytes:
+    return (json.dumps(body, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+
+
+class NDJSONResponse(EventStreamResponse):
+    media_type = "application/x-ndjson"
+
+
+def _translate(answer: _Answer, response: Response, stream: bool) -> Response:
+    """kestrel's OpenAI answer as Ollama's: its stream's events as lines (the request aborted however the
+    stream ends), or its one object."""
+    if response.status_code != 200:  # a client that left (499): nothing to say
+        return response
+    if stream and isinstance(response, EventStreamResponse):
+        return NDJSONResponse(_lines(answer, response.body_iterator), on_close=response.on_close)  # type: ignore[arg-type]
+    return JSONResponse(_whole(answer, json.loads(bytes(response.body))))
+
+
+def install(app: FastAPI, served: Served) -> None:
+    """Ollama's routes on ``app``, answered by ``served``'s handlers."""
+
+    @app.post("/api/chat")
+    async def chat(body: ChatBody, request: Request) -> Response:
+        check_model(served, body.model)
+        openai = _validated(ChatCompletionRequest, body.openai())
+        return _translate(_Answer(served, request, "message"), await served.chat(openai, request), body.stream)
+
+    @app.post("/api/generate")
+    async def generate(body: GenerateBody, request: Request) -> Response:
+        check_model(served, body.model)
+        answer = _Answer(served, request, "response")
+        if body.images:
+            raise APIError(400, "images are not supported (kestrel serves text models)", param="images")
+        if not body.prompt and body.suffix is None:  # a client loading the model: it is loaded
+            return JSONResponse({**answer.part(done=True), "done_reason": "load"})
+        sampling = body.sampling(body.stream)
+        templated = not body.raw and body.suffix is None and served.engine.tokenizer.chat_template
+        if templated:
+            messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
+                {"role": "user", "content": body.prompt}]
+            openai = _validated(ChatCompletionRequest, {
+                "messages": messages, "response_format": body.response_format(),
+                "chat_template_kwargs": body.template_kwargs(), **sampling})
+            response = await served.chat(openai, request)
+        else:
+            if body.format is not None:
+                raise APIError(400, "format needs the model's chat template (not raw, no suffix)", param="format")
+            openai = _validated(CompletionRequest, {"prompt": body.prompt, "suffix": body.suffix, **sampling})
+            response = await served.complete(openai, request)
+        return _translate(answer, response, body.stream)
+
+    @app.post("/api/embed")
+    async def embed(body: EmbedBody, request: Request) -> Response:
+        check_model(served, body.model)
+        start = record_of(request).start
+        openai = _validated(EmbeddingRequest, {"input": body.input, "dimensions": body.dimensions})
+        response = await served.embed(openai, request, truncate=body.truncate)
+        if response.status_code != 200:
+            return response
+        data = json.loads(bytes(response.body))
+        return JSONResponse({"model": ollama_name(served), "embeddings": [d["embedding"] for d in data["data"]],
+                             "total_duration": _ns(time.perf_counter() - start), "load_duration": 0,
+                             "prompt_eval_count": data["usage"]["prompt_tokens"]})
+
+    @app.post("/api/embeddings")
+    async def embeddings(body: LegacyEmbeddingsBody, request: Request) -> Response:
+        check_model(served, body.model)
+        openai = _validated(EmbeddingRequest, {"input": body.prompt})
+        response = await served.embed(openai, request, truncate=True)
+        if response.status_code != 200:
+            return response
+        return JSONResponse({"embedding": json.loads(bytes(response.body))["data"][0]["embedding"]})
+
+    @app.get("/api/tags")
+    async def tags() -> dict[str, Any]:
+        return {"models": [card(served)]}
+
+    @app.get("/api/ps")
+    async def ps() -> dict[str, Any]:
+        return {"models": [{**card(served), "expires_at": "2100-01-01T00:00:00Z", "size_vram": 0}]}
+
+    @app.post("/api/show")
+    async def show(body: ShowBody) -> dict[str, Any]:
+        check_model(served, body.model or body.name or "")
+        return show_model(served)
+
+    @app.get("/api/version")
+    async def version() -> dict[str, str]:
+        return {"version": kestrel_core.__version__}
+
+
+def ollama_name(served: Served) -> str:
+    """The served name as Ollama spells model names: with a tag (``:latest`` where it has none)."""
+    return served.model_name if ":" in served.model_name else f"{served.model_name}:latest"
+
+
+def check_model(served: Served, name: str) -> None:
+    if name not in (served.model_name, ollama_name(served)):
+        raise APIError(404, f"model '{name}' not found; this server serves '{ollama_name(served)}'", param="model")
+
+
+def details(served: Served) -> dict[str, Any]:
+    c = served.engine.config
+    source = str(served.engine.source)
+    fmt = "gguf" if source.endswith(".gguf") else "kst" if source.endswith(".kst") else "safetensors"
+    params = sum(w.n * w.k for w in _tensors(served))
+    return {"parent_model": "", "format": fmt, "family": c.arch, "families": [c.arch],
+            "parameter_size": f"{params / 1e9:.1f}B" if params >= 1e8 else f"{params / 1e6:.1f}M",
+            "quantization_level": model_quant(served.engine.model).upper()}
+
+
+def _tensors(served: Served) -> list[Any]:
+    """The model's strip-caches, each once (a tied lm_head is the embedding)."""
+    model = served.engine.model
+    tensors = {id(w): w for _, w in model.weights()}
+    tensors[id(model.embedding)] = model.embedding
+    return list(tensors.values())
+
+
+def card(served: Served) -> dict[str, Any]:
+    """The model as ``/api/tags`` lists it."""
+    size = sum(w.nbytes for w in _tensors(served))
+    created = datetime.fromtimestamp(served.created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"name": ollama_name(served), "model": ollama_name(served), "modified_at": created, "size": size,
+            "digest": "", "details": details(served)}
+
+
+def show_model(served: Served) -> dict[str, Any]:
+    """``/api/show``: the details, the chat template, the architecture's figures and the capabilities."""
+    c = served.engine.config
+    info = {"general.architecture": c.arch, f"{c.arch}.context_length": c.max_position,
+            f"{c.arch}.embedding_length": c.hidden_size, f"{c.arch}.block_count": c.num_layers,
+            f"{c.arch}.attention.head_count": c.num_heads, f"{c.arch}.attention.head_count_kv": c.num_kv_heads}
+    return {"modelfile": "", "parameters": "", "template": served.engine.tokenizer.chat_template or "",
+            "details": details(served), "model_info": info, "capabilities": capabilities(served)}
+
+
+def capabilities(served: Served) -> list[str]:
+    """What Ollama's ``/api/show`` says the model does."""
+    engine = served.engine
+    if engine.config.pooling is not None:
+        return ["embedding"]
+    caps = ["completion"]
+    if served.tool_format is not None:
+        caps.append("tools")
+    if served.thinks:
+        caps.append("thinking")
+    if fim_format(engine.tokenizer) is not None:
+        caps.append("insert")
+    return caps

@@ -1,0 +1,227 @@
+"""Ollama's API through a real server and the official ``ollama`` client, against kestrel's own OpenAI answers.
+
+Generation is greedy (``temperature`` 0) on the tiny fixtures, so an Ollama answer and the OpenAI answer to the
+same request are the same tokens; tool calls and reasoning come from scripted answers (``Scripted``) over the
+real templates, prompt and server.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ollama
+import openai
+import pytest
+
+import kestrel_core
+from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.serve.server import KestrelServer
+
+from ..model.test_fim import fim_engine
+from .helpers import Scripted, http, openai_client, running_server
+from .test_tool_calls import PARIS, THINKING_TEMPLATE, WEATHER
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
+NAME = "tiny"
+HI = [{"role": "user", "content": "Hi"}]
+GREEDY = {"temperature": 0, "num_predict": 12}
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Any]:
+    with kestrel_core.load(str(FIXTURES / "tiny-qwen3"), backend="cpu") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def async_engine(engine: Any) -> AsyncEngine:
+    return AsyncEngine(engine, max_batch=8)
+
+
+@pytest.fixture(scope="module")
+def ol(server: KestrelServer) -> ollama.Client:
+    return ollama.Client(host=server.url)
+
+
+def _openai_chat(client: openai.OpenAI, messages: list[dict[str, Any]], **kw: Any) -> Any:
+    return client.chat.completions.create(model=NAME, messages=messages, temperature=0, max_tokens=12, **kw)
+
+
+# -- the model ------------------------------------------------------------------------------------------
+
+
+def test_the_model_is_listed_shown_and_running(ol: ollama.Client, engine: Any) -> None:
+    (model,) = ol.list().models
+    assert model.model == "tiny:latest" and model.details.family == "qwen3" and model.size > 0
+    shown = ol.show("tiny")
+    assert shown.capabilities == ["completion"] and shown.template == engine.tokenizer.chat_template
+    assert shown.modelinfo["qwen3.context_length"] == engine.config.max_position
+    assert [m.model for m in ol.ps().models] == ["tiny:latest"]
+
+
+def test_an_unknown_model_is_404(ol: ollama.Client) -> None:
+    for call in (lambda: ol.chat(model="llama3.2", messages=HI), lambda: ol.show("llama3.2"),
+                 lambda: ol.embed(model="llama3.2", input="x")):
+        with pytest.raises(ollama.ResponseError) as info:
+            call()
+        assert info.value.status_code == 404 and "model 'llama3.2' not found" in info.value.error
+
+
+# -- chat and generate ----------------------------------------------------------------------------------
+
+
+def test_chat_is_the_openai_answer(ol: ollama.Client, client: openai.OpenAI) -> None:
+    want = _openai_chat(client, HI)
+    got = ol.chat(model="tiny", messages=HI, options=GREEDY)
+    assert got.message.role == "assistant" and got.message.content == want.choices[0].message.content
+    assert (got.done, got.done_reason) == (True, "length")
+    assert (got.prompt_eval_count, got.eval_count) == (want.usage.prompt_tokens, want.usage.completion_tokens)
+    assert got.total_duration >= got.prompt_eval_duration > 0 and got.model == "tiny:latest"
+
+
+def test_a_chat_stream_is_its_answer_in_parts(ol: ollama.Client) -> None:
+    whole = ol.chat(model="tiny:latest", messages=HI, options=GREEDY)
+    parts = list(ol.chat(model="tiny:latest", messages=HI, options=GREEDY, stream=True))
+    assert all(not p.done for p in parts[:-1]) and parts[-1].done and len(parts) > 2
+    assert "".join(p.message.content for p in parts) == whole.message.content
+    assert (parts[-1].done_reason, parts[-1].eval_count) == ("length", 12)
+
+
+def test_generate_is_a_chat_turn_or_raw_a_completion(ol: ollama.Client, client: openai.OpenAI) -> None:
+    system = [{"role": "system", "content": "Be brief."}]
+    turn = ol.generate(model="tiny", prompt="Hi", system="Be brief.", options=GREEDY)
+    assert turn.response == _openai_chat(client, system + HI).choices[0].message.content
+    raw = ol.generate(model="tiny", prompt="The sea", raw=True, options=GREEDY)
+    plain = client.completions.create(model=NAME, prompt="The sea", temperature=0, max_tokens=12)
+    assert raw.response == plain.choices[0].text and raw.prompt_eval_count == plain.usage.prompt_tokens
+    parts = list(ol.generate(model="tiny", prompt="The sea", raw=True, options=GREEDY, stream=True))
+    assert "".join(p.response for p in parts) == raw.response and parts[-1].done
+    loaded = ol.generate(model="tiny", prompt="")  # what clients send to load a model
+    assert (loaded.done, loaded.done_reason, loaded.response) == (True, "load", "")
+
+
+def test_options_map_onto_sampling(ol: ollama.Client) -> None:
+    a = ol.generate(model="tiny", prompt="The sea", raw=True, options={"seed": 7, "num_predict": 10})
+    b = ol.generate(model="tiny", prompt="The sea", raw=True, options={"seed": 7, "num_predict": 10,
+                                                                         "num_ctx": 4096, "repeat_penalty": 1.1})
+    assert a.response == b.response and a.eval_count == 10  # a seed reproduces; unknown options are ignored
+    stopped = ol.generate(model="tiny", prompt="The sea", raw=True,
+                          options={"seed": 7, "num_predict": 10, "stop": [a.response[2:4]]})
+    assert stopped.done_reason == "stop" and len(stopped.response) < len(a.response)
+
+
+def test_a_json_schema_format_shapes_the_answer(ol: ollama.Client) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    got = ol.chat(model="tiny", messages=HI, format=schema, options={"num_predict": 40, "seed": 3})
+    assert got.done_reason == "stop" and set(json.loads(got.message.content)) == {"ok"}
+
+
+@pytest.mark.parametrize(("call", "needle"), [
+    ({"messages": [{"role": "user", "content": "Hi", "images": ["aGk="]}]}, "images are not supported"),
+    ({"messages": HI, "options": {"temperature": -1}}, "temperature must be"),
+    ({"messages": [{"role": "robot", "content": "Hi"}]}, "role"),
+])
+def test_bad_chat_requests_are_400_with_ollamas_error(server: KestrelServer, call: dict[str, Any],
+                                                      needle: str) -> None:
+    status, _, raw = http("POST", f"{server.url}/api/chat", {"model": "tiny", "stream": False, **call})
+    body = json.loads(raw)
+    assert status == 400 and set(body) == {"error"} and needle in body["error"]
+
+
+def test_a_client_that_leaves_a_stream_frees_its_sequence(ol: ollama.Client, async_engine: AsyncEngine,
+                                                          engine: Any) -> None:
+    stream = ol.chat(model="tiny", messages=HI, options={"num_predict": 200, "temperature": 0}, stream=True)
+    next(stream), next(stream)
+    assert async_engine.num_running == 1
+    stream.close()
+    deadline = time.monotonic() + 3
+    while async_engine.num_running or engine.pool.free_blocks != engine.pool.num_blocks:
+        assert time.monotonic() < deadline, "the sequence was not freed"
+        time.sleep(0.02)
+
+
+# -- tool calls, thinking, fill in the middle, embeddings ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def scripted(engine: Any) -> Iterator[tuple[Scripted, ollama.Client]]:
+    """A server whose answers are scripted, over tiny-qwen3 with the thinking Hermes template."""
+    template = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = THINKING_TEMPLATE
+    try:
+        front = Scripted(engine)
+        with running_server(front, NAME) as s:
+            yield front, ollama.Client(host=s.url)
+    finally:
+        engine.tokenizer.chat_template = template
+
+
+def test_tool_calls_and_thinking_come_back_in_ollamas_shape(scripted: tuple[Scripted, ollama.Client]) -> None:
+    front, ol = scripted
+    assert ol.show("tiny").capabilities == ["completion", "tools", "thinking"]
+    front.answers.append(f"<think>Paris is a city.</think>\n{PARIS}")
+    got = ol.chat(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER])
+    assert got.message.thinking == "Paris is a city." and got.done_reason == "stop"
+    (call,) = got.message.tool_calls
+    assert (call.function.name, dict(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    front.answers.append(f"<think>Again.</think>\n{PARIS}")
+    parts = list(ol.chat(model="tiny", messages=[{"role": "user", "content": "And now?"}], tools=[WEATHER],
+                         stream=True))
+    assert "".join(p.message.thinking or "" for p in parts) == "Again."
+    assert [c.function.name for p in parts for c in p.message.tool_calls or ()] == ["get_weather"]
+    # the call and its result go back into the conversation as the template writes them
+    front.answers.append("Sunny.")
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
+                                                                                 "arguments": {"city": "Paris"}}}]},
+               {"role": "tool", "content": "22 C, sunny", "tool_name": "get_weather"}]
+    assert ol.chat(model="tiny", messages=history, tools=[WEATHER], think=False).message.content == "Sunny."
+    prompt = front.prompts[-1]
+    assert '"arguments": {"city": "Paris"}' in prompt and "<tool_response>\n22 C, sunny" in prompt
+    assert prompt.rstrip().endswith("<think>\n\n</think>")  # think=False: the template's enable_thinking
+
+
+def test_generate_with_a_suffix_fills_the_middle() -> None:
+    with fim_engine() as engine, running_server(AsyncEngine(engine), "fim") as server:
+        ol, oa = ollama.Client(host=server.url), openai_client(server)
+        got = ol.generate(model="fim", prompt="def f(x):\n    return", suffix="\n\nf(1)\n", options=GREEDY)
+        want = oa.completions.create(model="fim", prompt="def f(x):\n    return", suffix="\n\nf(1)\n",
+                                     temperature=0, max_tokens=12)
+        assert got.response == want.choices[0].text and got.prompt_eval_count == want.usage.prompt_tokens
+        assert "insert" in ol.show("fim").capabilities
+
+
+def test_embed_is_the_openai_vectors_and_truncates_by_default() -> None:
+    with kestrel_core.load(str(FIXTURES / "tiny-qwen3-embed"), backend="cpu") as engine, \
+            running_server(AsyncEngine(engine), "embed") as server:
+        ol, oa = ollama.Client(host=server.url), openai_client(server)
+        assert ol.show("embed").capabilities == ["embedding"]
+        got = ol.embed(model="embed", input=["Paris", "Rome"], dimensions=16)
+        want = oa.embeddings.create(model="embed", input=["Paris", "Rome"], dimensions=16, encoding_format="float")
+        assert np.array_equal(np.array(got.embeddings, np.float32),
+                              np.array([d.embedding for d in want.data], np.float32))
+        assert got.prompt_eval_count == want.usage.prompt_tokens
+        long = "Paris " * 400  # past the 256-token context
+        assert len(ol.embed(model="embed", input=long).embeddings[0]) == 64
+        with pytest.raises(ollama.ResponseError, match="context") as info:
+            ol.embed(model="embed", input=long, truncate=False)
+        assert info.value.status_code == 400
+        legacy = ol.embeddings(model="embed", prompt="Paris")
+        assert np.allclose(legacy.embedding, oa.embeddings.create(model="embed", input="Paris").data[0].embedding)
+        with pytest.raises(ollama.ResponseError, match="embedding model"):
+            ol.chat(model="embed", messages=HI)
+
+
+def test_the_api_key_guards_ollamas_routes_too(engine: Any) -> None:
+    with running_server(AsyncEngine(engine), NAME, api_key="sekrit") as server:
+        with pytest.raises(ollama.ResponseError) as info:
+            ollama.Client(host=server.url).list()
+        assert info.value.status_code == 401
+        keyed = ollama.Client(host=server.url, headers={"Authorization": "Bearer sekrit"})
+        assert [m.model for m in keyed.list().models] == ["tiny:latest"]
