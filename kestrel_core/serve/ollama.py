@@ -288,12 +288,20 @@ def _translate(answer: _Answer, response: Response, stream: bool) -> Response:
     return JSONResponse(_whole(answer, json.loads(bytes(response.body))))
 
 
+def _loaded(answer: _Answer, keep_alive: Any) -> JSONResponse:
+    """The answer to a request with nothing to generate, which clients send to load a model (or, with
+    ``keep_alive`` 0, to unload it): the model is loaded for as long as the server runs."""
+    return JSONResponse({**answer.part(done=True), "done_reason": "unload" if keep_alive == 0 else "load"})
+
+
 def install(app: FastAPI, served: Served) -> None:
     """Ollama's routes on ``app``, answered by ``served``'s handlers."""
 
     @app.post("/api/chat")
     async def chat(body: ChatBody, request: Request) -> Response:
         check_model(served, body.model)
+        if not body.messages:  # a client loading (or unloading) the model: it stays loaded while serving
+            return _loaded(_Answer(served, request, "message"), body.keep_alive)
         openai = _validated(ChatCompletionRequest, body.openai())
         return _translate(_Answer(served, request, "message"), await served.chat(openai, request), body.stream)
 
@@ -303,8 +311,8 @@ def install(app: FastAPI, served: Served) -> None:
         answer = _Answer(served, request, "response")
         if body.images:
             raise APIError(400, "images are not supported (kestrel serves text models)", param="images")
-        if not body.prompt and body.suffix is None:  # a client loading the model: it is loaded
-            return JSONResponse({**answer.part(done=True), "done_reason": "load"})
+        if not body.prompt and body.suffix is None:
+            return _loaded(answer, body.keep_alive)
         sampling = body.sampling(body.stream)
         templated = not body.raw and body.suffix is None and served.engine.tokenizer.chat_template
         if templated:

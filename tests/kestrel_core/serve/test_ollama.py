@@ -103,6 +103,8 @@ def test_generate_is_a_chat_turn_or_raw_a_completion(ol: ollama.Client, client: 
     assert "".join(p.response for p in parts) == raw.response and parts[-1].done
     loaded = ol.generate(model="tiny", prompt="")  # what clients send to load a model
     assert (loaded.done, loaded.done_reason, loaded.response) == (True, "load", "")
+    assert ol.chat(model="tiny", messages=[]).done_reason == "load"
+    assert ol.generate(model="tiny", prompt="", keep_alive=0).done_reason == "unload"
 
 
 def test_options_map_onto_sampling(ol: ollama.Client) -> None:
