@@ -22,10 +22,10 @@ from kestrel_core.serve.metrics import ServerMetrics
 
 log = logging.getLogger("kestrel.serve")
 
-GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/api/chat", "/api/generate")
+GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/api/chat", "/api/generate")
 EMBEDDING_ENDPOINTS = ("/v1/embeddings", "/api/embed", "/api/embeddings")
-ENDPOINTS = (*GENERATION_ENDPOINTS, *EMBEDDING_ENDPOINTS, "/v1/models", "/api/tags", "/api/show", "/api/ps",
-             "/api/version", "/health", "/metrics")
+ENDPOINTS = (*GENERATION_ENDPOINTS, *EMBEDDING_ENDPOINTS, "/v1/models", "/v1/messages/count_tokens", "/api/tags",
+             "/api/show", "/api/ps", "/api/version", "/health", "/metrics")
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer: logs and metrics only
 
 
@@ -113,11 +113,13 @@ class AccessMiddleware:
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer KEY`` on /v1/* and /api/*; /health and /metrics stay open for probes and scrapers."""
+    """``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``) on /v1/* and /api/*; /health and /metrics
+    stay open for probes and scrapers."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()  # Anthropic's clients send it as x-api-key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -129,5 +131,7 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
     def _allowed(self, scope: Scope) -> bool:
-        got: Any = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
-        return secrets.compare_digest(bytes(got), self.expected)
+        headers = scope.get("headers", ())
+        bearer: Any = next((v for k, v in headers if k == b"authorization"), b"")
+        key: Any = next((v for k, v in headers if k == b"x-api-key"), b"")
+        return secrets.compare_digest(bytes(bearer), self.expected) or secrets.compare_digest(bytes(key), self.key)

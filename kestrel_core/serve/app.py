@@ -1,5 +1,6 @@
 """The FastAPI app: OpenAI's chat and text completions and embeddings, the model list, a health probe and the
-metrics; Ollama's API beside them (serve/ollama.py), answered by the same handlers.
+metrics; Ollama's API (serve/ollama.py) and Anthropic's Messages API (serve/anthropic.py) beside them, answered
+by the same handlers.
 
 ``create_app`` takes a running-or-not ``AsyncEngine`` (its lifespan starts the scheduler thread and stops it
 on shutdown), so one process can hold several apps (the tests do). Requests become prompt token ids here
@@ -22,14 +23,14 @@ from fastapi.responses import JSONResponse, Response
 import kestrel_core
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.sampling import TokenLogprob
-from kestrel_core.serve import generation, ollama
+from kestrel_core.serve import anthropic, generation, ollama
 from kestrel_core.serve.access import AccessMiddleware, ApiKeyMiddleware
 from kestrel_core.serve.errors import APIError, from_kestrel_error, install_error_handlers
 from kestrel_core.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from kestrel_core.serve.reasoning import Reasoning, opens_in_prompt, thinks
 from kestrel_core.serve.responses import ChatShape, CompletionShape, Echo, TokenStrings, new_id
-from kestrel_core.serve.tools import MISTRAL, tool_format
+from kestrel_core.serve.tools import MISTRAL, ToolCalls, tool_format
 
 
 class Served:
@@ -81,8 +82,8 @@ class Served:
             raise from_kestrel_error(exc, param="prompt") from None
         return [Echo(text, one[0], s) for text, one, s in zip(texts, ids, scored)]
 
-    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        """``/v1/chat/completions``' answer (whole, or the stream's response)."""
+    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[int], ToolCalls | None, str | None]:
+        """A chat request's prompt: its text and token ids, how its answers carry tool calls, its grammar."""
         self.check_request(body.model)
         try:  # each of these names its field
             tools = body.tool_calls(self.tool_format)
@@ -96,6 +97,11 @@ class Served:
             prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=False))  # the template wrote any BOS
         except KestrelError as exc:  # no messages, no template, or a template that failed on these
             raise from_kestrel_error(exc, param="messages") from None
+        return prompt, prompt_ids, tools, grammar
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        """``/v1/chat/completions``' answer (whole, or the stream's response)."""
+        prompt, prompt_ids, tools, grammar = self.chat_prompt(body)
         # a constrained answer is what it is constrained to from its first token, even where the prompt opened a
         # reasoning block
         reasoning = Reasoning(opens_in_prompt(prompt) and grammar is None) if self.thinks else None
@@ -186,6 +192,7 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None, p
         return await served.embed(body, request)
 
     ollama.install(app, served)
+    anthropic.install(app, served)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

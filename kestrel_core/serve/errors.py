@@ -1,5 +1,5 @@
 """OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``, for every failure the server reports
-(Ollama's ``{"error": message}`` under its ``/api/`` routes).
+(Ollama's and Anthropic's shapes under their routes).
 
 Clients (the ``openai`` package among them) map the HTTP status to an exception class and read ``param`` to
 say which field was wrong, so every error path, validation included, goes through ``APIError``.
@@ -13,12 +13,17 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                    429: "rate_limit_error", 503: "overloaded_error"}
 
 
 class APIError(Exception):
@@ -38,14 +43,17 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self, path: str = "") -> JSONResponse:
-        """The answer; under Ollama's ``/api/`` (``path``) its body is Ollama's ``{"error": message}``."""
-        body = {"error": self.message} if is_ollama(path) else self.body()
+        """The answer, in the shape the clients of the API ``path`` belongs to read: Ollama's
+        ``{"error": message}`` under ``/api/``, Anthropic's ``{"type": "error", "error": {"type", "message"}}``
+        under ``/v1/messages``, else OpenAI's."""
+        if path.startswith("/api/"):
+            body: dict[str, Any] = {"error": self.message}
+        elif path == "/v1/messages" or path.startswith("/v1/messages/"):
+            kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
+            body = {"type": "error", "error": {"type": kind, "message": self.message}}
+        else:
+            body = self.body()
         return JSONResponse(body, status_code=self.status, headers=self.headers)
-
-
-def is_ollama(path: str) -> bool:
-    """Whether ``path`` is one of Ollama's routes (serve/ollama.py), whose errors Ollama's clients read."""
-    return path.startswith("/api/")
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -113,6 +121,15 @@ def validation_error(exc: RequestValidationError) -> APIError:
         message += f" (and {len(groups) - 1} more bad field{'s' if len(groups) > 2 else ''})"
     code = "missing_required_parameter" if errors[0].get("type") == "missing" else "invalid_value"
     return APIError(400, message, param=param, code=code)
+
+
+def validated(model: type[BaseModel], data: dict[str, Any]) -> Any:
+    """``data`` as the request ``model`` (a request another API's was translated into); a field it refuses is
+    a 400 naming it."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(RequestValidationError(exc.errors())) from None
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -20,15 +20,14 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
 import kestrel_core
 from kestrel_core.model.fim import fim_format
 from kestrel_core.model.quantize import model_quant
 from kestrel_core.serve.access import record_of
-from kestrel_core.serve.errors import APIError, validation_error
+from kestrel_core.serve.errors import APIError, validated
 from kestrel_core.serve.generation import EventStreamResponse
 from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
@@ -163,14 +162,6 @@ def _openai_message(m: Message, index: int) -> dict[str, Any]:
     return out
 
 
-def _validated(model: type[BaseModel], data: dict[str, Any]) -> Any:
-    """The OpenAI request a translation made; a field it refuses is a 400 naming it."""
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(RequestValidationError(exc.errors())) from None
-
-
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
@@ -302,7 +293,7 @@ def install(app: FastAPI, served: Served) -> None:
         check_model(served, body.model)
         if not body.messages:  # a client loading (or unloading) the model: it stays loaded while serving
             return _loaded(_Answer(served, request, "message"), body.keep_alive)
-        openai = _validated(ChatCompletionRequest, body.openai())
+        openai = validated(ChatCompletionRequest, body.openai())
         return _translate(_Answer(served, request, "message"), await served.chat(openai, request), body.stream)
 
     @app.post("/api/generate")
@@ -318,14 +309,14 @@ def install(app: FastAPI, served: Served) -> None:
         if templated:
             messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
                 {"role": "user", "content": body.prompt}]
-            openai = _validated(ChatCompletionRequest, {
+            openai = validated(ChatCompletionRequest, {
                 "messages": messages, "response_format": body.response_format(),
                 "chat_template_kwargs": body.template_kwargs(), **sampling})
             response = await served.chat(openai, request)
         else:
             if body.format is not None:
                 raise APIError(400, "format needs the model's chat template (not raw, no suffix)", param="format")
-            openai = _validated(CompletionRequest, {"prompt": body.prompt, "suffix": body.suffix, **sampling})
+            openai = validated(CompletionRequest, {"prompt": body.prompt, "suffix": body.suffix, **sampling})
             response = await served.complete(openai, request)
         return _translate(answer, response, body.stream)
 
@@ -333,7 +324,7 @@ def install(app: FastAPI, served: Served) -> None:
     async def embed(body: EmbedBody, request: Request) -> Response:
         check_model(served, body.model)
         start = record_of(request).start
-        openai = _validated(EmbeddingRequest, {"input": body.input, "dimensions": body.dimensions})
+        openai = validated(EmbeddingRequest, {"input": body.input, "dimensions": body.dimensions})
         response = await served.embed(openai, request, truncate=body.truncate)
         if response.status_code != 200:
             return response
@@ -345,7 +336,7 @@ def install(app: FastAPI, served: Served) -> None:
     @app.post("/api/embeddings")
     async def embeddings(body: LegacyEmbeddingsBody, request: Request) -> Response:
         check_model(served, body.model)
-        openai = _validated(EmbeddingRequest, {"input": body.prompt})
+        openai = validated(EmbeddingRequest, {"input": body.prompt})
         response = await served.embed(openai, request, truncate=True)
         if response.status_code != 200:
             return response

@@ -1,0 +1,316 @@
+"""Anthropic's Messages API (``/v1/messages``, ``/v1/messages/count_tokens``) over the same engine, for the
+clients and agents written against it (the ``anthropic`` SDKs, Claude Code pointed at a local server).
+
+A request is translated into the OpenAI chat request kestrel already answers: ``system`` first, each user
+turn's ``tool_result`` blocks as tool messages, an assistant turn's ``tool_use`` and ``thinking`` blocks as its
+tool calls and reasoning, ``tools`` as functions, ``tool_choice`` auto / any / tool / none as auto / required /
+a named function / none, ``thinking`` enabled or disabled as the template's ``enable_thinking`` (adaptive: the
+template's default), ``output_config.format`` (a JSON Schema) as a JSON response format; ``temperature``, ``top_p``
+and ``top_k``, which the current SDKs no longer send, are read where a client sends them. The answer comes
+back as Anthropic's content blocks (``thinking``, ``text``, ``tool_use``), whole or as Anthropic's event stream
+(``message_start``, a ``content_block_start`` / ``_delta`` / ``_stop`` run a block, ``message_delta`` with the
+stop reason and the output tokens, ``message_stop``). Stop reasons: ``end_turn``, ``max_tokens``, ``tool_use``;
+a stop sequence that ended the answer is reported as ``end_turn`` (the engine does not say which string matched).
+Thinking blocks carry an empty signature: nothing here signs them. Errors are Anthropic's
+``{"type": "error", "error": {"type", "message"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from kestrel_core.serve.errors import APIError, validated
+from kestrel_core.serve.generation import EventStreamResponse
+from kestrel_core.serve.protocol import ChatCompletionRequest
+
+if TYPE_CHECKING:
+    from kestrel_core.serve.app import Served
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Block(_Body):
+    """A content block of a message (the kinds kestrel reads; an image is refused)."""
+
+    type: StrictStr
+    text: StrictStr | None = None
+    id: StrictStr | None = None  # tool_use
+    name: StrictStr | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: StrictStr | None = None  # tool_result
+    content: StrictStr | list[Block] | None = None
+    is_error: StrictBool | None = None
+    thinking: StrictStr | None = None  # thinking
+
+
+class Message(_Body):
+    role: Literal["user", "assistant"]
+    content: StrictStr | list[Block]
+
+
+class Tool(_Body):
+    name: StrictStr
+    description: StrictStr | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: StrictStr | None = None
+    disable_parallel_tool_use: StrictBool | None = None
+
+
+class Thinking(_Body):
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: StrictInt | None = None
+
+
+class OutputFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    format: OutputFormat | None = None
+    effort: StrictStr | None = None  # how hard a model reasons: the template decides here
+
+
+class MessagesBody(_Body):
+    model: StrictStr
+    messages: list[Message]
+    max_tokens: StrictInt | None = None  # required by Anthropic; count_tokens has none
+    system: StrictStr | list[Block] | None = None
+    temperature: StrictFloat | StrictInt | None = None
+    top_p: StrictFloat | StrictInt | None = None
+    top_k: StrictInt | None = None
+    stop_sequences: list[StrictStr] | None = None
+    stream: StrictBool = False
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    metadata: dict[str, Any] | None = None
+
+    def openai(self, stream: bool) -> dict[str, Any]:
+        messages: list[dict[str, Any]] = []
+        if self.system:
+            messages.append({"role": "system", "content": _text(self.system, "system")})
+        for i, m in enumerate(self.messages):
+            messages.extend(_openai_messages(m, f"messages.[{i}].content"))
+        choice = self.tool_choice
+        out: dict[str, Any] = {
+            "messages": messages, "max_tokens": self.max_tokens, "stop": self.stop_sequences, "top_k": self.top_k,
+            "temperature": 1.0 if self.temperature is None else float(self.temperature),  # Anthropic's default
+            "top_p": None if self.top_p is None else float(self.top_p),
+            "stream": stream, "stream_options": {"include_usage": True, "continuous_usage_stats": True}
+            if stream else None,
+            "tools": [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                        "parameters": t.input_schema}} for t in self.tools or ()]
+            or None}
+        if choice is not None:
+            out["tool_choice"] = ({"type": "function", "function": {"name": choice.name}} if choice.type == "tool"
+                                  else {"any": "required"}.get(choice.type, choice.type))
+            if choice.disable_parallel_tool_use:
+                out["parallel_tool_calls"] = False
+        if self.thinking is not None and self.thinking.type in ("enabled", "disabled"):
+            out["chat_template_kwargs"] = {"enable_thinking": self.thinking.type == "enabled"}
+        if self.output_config is not None and self.output_config.format is not None:
+            out["response_format"] = {"type": "json_schema",
+                                      "json_schema": {"name": "output", "schema": self.output_config.format.schema_}}
+        return out
+
+
+def _text(content: str | list[Block], where: str) -> str:
+    """The text of a string or of text blocks (any other block is refused, naming where)."""
+    if isinstance(content, str):
+        return content
+    for block in content:
+        if block.type != "text":
+            raise APIError(400, f"{where}: a {block.type!r} block is not supported here", param=where)
+    return "\n".join(block.text or "" for block in content)
+
+
+def _openai_messages(m: Message, where: str) -> list[dict[str, Any]]:
+    """One Anthropic turn as OpenAI messages: a user turn's tool results first (a tool message each), then its
+    text; an assistant turn's text, reasoning and tool calls as one message."""
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    out: list[dict[str, Any]] = []
+    texts, calls, thinking = [], [], []
+    for block in m.content:
+        if block.type == "text":
+            texts.append(block.text or "")
+        elif block.type == "tool_result" and m.role == "user":
+            result = _text(block.content or "", where)
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id or "",
+                        "content": f"Error: {result}" if block.is_error else result})
+        elif block.type == "tool_use" and m.role == "assistant":
+            calls.append({"id": block.id or f"toolu_{len(calls)}", "type": "function",
+                          "function": {"name": block.name or "", "arguments": json.dumps(block.input or {})}})
+        elif block.type == "thinking" and m.role == "assistant":
+            thinking.append(block.thinking or "")
+        elif block.type != "redacted_thinking":
+            raise APIError(400, f"{where}: a {block.type!r} block is not supported in a {m.role} turn", param=where)
+    if m.role == "user":
+        return out + ([{"role": "user", "content": "\n".join(texts)}] if texts else [])
+    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    if calls:
+        message["tool_calls"] = calls
+    if thinking:
+        message["reasoning_content"] = "\n".join(thinking)
+    return [message]
+
+
+def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """An OpenAI answer's message as Anthropic's content blocks."""
+    blocks: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        blocks.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
+    if message.get("content"):
+        blocks.append({"type": "text", "text": message["content"]})
+    for call in message.get("tool_calls") or ():
+        blocks.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                       "input": _arguments(call["function"]["arguments"])})
+    return blocks
+
+
+def _arguments(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _envelope(message_id: str, model: str, content: list[dict[str, Any]], stop_reason: str | None,
+              usage: dict[str, int]) -> dict[str, Any]:
+    return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": stop_reason, "stop_sequence": None, "usage": usage}
+
+
+def _event(kind: str, body: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **body}, ensure_ascii=False)}\n\n".encode()
+
+
+class _Blocks:
+    """The stream's content blocks: which one is open, and the events that open, fill and close them."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None
+
+    def to(self, kind: str, start: dict[str, Any]) -> list[bytes]:
+        """The events that make a block of ``kind`` the open one (closing the one open before)."""
+        if self.open == kind and kind != "tool_use":
+            return []
+        events = self.close()
+        self.index += 1
+        self.open = kind
+        return [*events, _event("content_block_start", {"index": self.index, "content_block": start})]
+
+    def delta(self, delta: dict[str, Any]) -> bytes:
+        return _event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        events = [self.delta({"type": "signature_delta", "signature": ""})] if self.open == "thinking" else []
+        self.open = None
+        return [*events, _event("content_block_stop", {"index": self.index})]
+
+
+async def _events(message_id: str, model: str, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """An OpenAI chat stream's server-sent events as Anthropic's event stream."""
+    blocks = _Blocks()
+    started = False
+    finish: str | None = None
+    output = 0
+    async for event in chunks:
+        data = event.decode()
+        if not data.startswith("data: "):
+            continue
+        data = data[len("data: "):].strip()
+        if data == "[DONE]":
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            error = {"type": "api_error", "message": chunk["error"].get("message", "error")}
+            yield _event("error", {"error": error})
+            return
+        usage = chunk.get("usage") or {}
+        output = usage.get("completion_tokens", output)
+        if not started:
+            started = True
+            start = _envelope(message_id, model, [], None, {"input_tokens": usage.get("prompt_tokens", 0),
+                                                            "output_tokens": 0})
+            yield _event("message_start", {"message": start})
+        if not chunk.get("choices"):  # the final usage: the message is complete
+            for e in blocks.close():
+                yield e
+            delta = {"stop_reason": STOP_REASONS.get(finish or "stop", "end_turn"), "stop_sequence": None}
+            yield _event("message_delta", {"delta": delta, "usage": {"output_tokens": output}})
+            yield _event("message_stop", {})
+            return
+        choice = chunk["choices"][0]
+        finish = choice.get("finish_reason") or finish
+        delta = choice.get("delta") or {}
+        if delta.get("reasoning_content"):
+            for e in blocks.to("thinking", {"type": "thinking", "thinking": ""}):
+                yield e
+            yield blocks.delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]})
+        if delta.get("content"):
+            for e in blocks.to("text", {"type": "text", "text": ""}):
+                yield e
+            yield blocks.delta({"type": "text_delta", "text": delta["content"]})
+        for call in delta.get("tool_calls") or ():
+            fn = call.get("function") or {}
+            for e in blocks.to("tool_use", {"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
+                                            "input": {}}):
+                yield e
+            yield blocks.delta({"type": "input_json_delta", "partial_json": fn.get("arguments") or "{}"})
+
+
+def install(app: FastAPI, served: Served) -> None:
+    """Anthropic's routes on ``app``, answered by ``served``'s chat handler."""
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesBody, request: Request) -> Response:
+        if body.max_tokens is None:
+            raise APIError(400, "max_tokens: Field required", param="max_tokens")
+        _check_model(served, body.model)
+        openai = validated(ChatCompletionRequest, body.openai(body.stream))
+        response = await served.chat(openai, request)
+        if response.status_code != 200:  # a client that left (499)
+            return response
+        message_id = f"msg_{uuid.uuid4().hex}"
+        if body.stream and isinstance(response, EventStreamResponse):
+            return EventStreamResponse(_events(message_id, body.model, response.body_iterator),  # type: ignore[arg-type]
+                                       on_close=response.on_close)
+        answer = json.loads(bytes(response.body))
+        choice, usage = answer["choices"][0], answer.get("usage") or {}
+        return JSONResponse(_envelope(message_id, body.model, _blocks(choice["message"]),
+                                      STOP_REASONS.get(choice.get("finish_reason") or "stop", "end_turn"),
+                                      {"input_tokens": usage.get("prompt_tokens", 0),
+                                       "output_tokens": usage.get("completion_tokens", 0)}))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: MessagesBody) -> dict[str, int]:
+        _check_model(served, body.model)
+        _, prompt_ids, _, _ = served.chat_prompt(validated(ChatCompletionRequest, body.openai(False)))
+        return {"input_tokens": len(prompt_ids)}
+
+
+def _check_model(served: Served, model: str) -> None:
+    if model != served.model_name:
+        raise APIError(404, f"model: {model} (this server serves {served.model_name})", param="model")

@@ -1,0 +1,150 @@
+"""Anthropic's Messages API through a real server and the official ``anthropic`` client, against kestrel's own
+OpenAI answers (greedy on tiny-qwen3); tool use and thinking from scripted answers over the real templates."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+import kestrel_core
+from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.serve.server import KestrelServer
+
+from .helpers import Scripted, http, running_server
+from .test_tool_calls import PARIS, THINKING_TEMPLATE, WEATHER
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
+NAME = "tiny"
+HI = [{"role": "user", "content": "Hi"}]
+GREEDY = {"extra_body": {"temperature": 0}}  # the current SDK no longer sends temperature itself
+TOOL = {"name": "get_weather", "description": WEATHER["function"]["description"],
+        "input_schema": WEATHER["function"]["parameters"]}
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Any]:
+    with kestrel_core.load(str(FIXTURES / "tiny-qwen3"), backend="cpu") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def async_engine(engine: Any) -> AsyncEngine:
+    return AsyncEngine(engine, max_batch=8)
+
+
+@pytest.fixture(scope="module")
+def an(server: KestrelServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+
+
+def test_a_message_is_the_openai_answer(an: anthropic.Anthropic, client: openai.OpenAI) -> None:
+    want = client.chat.completions.create(model=NAME, messages=HI, temperature=0, max_tokens=10)
+    got = an.messages.create(model=NAME, max_tokens=10, messages=HI, **GREEDY)
+    assert [b.type for b in got.content] == ["text"] and got.content[0].text == want.choices[0].message.content
+    assert (got.stop_reason, got.role, got.model) == ("max_tokens", "assistant", NAME)
+    assert (got.usage.input_tokens, got.usage.output_tokens) == (want.usage.prompt_tokens, 10)
+    assert an.messages.count_tokens(model=NAME, messages=HI).input_tokens == want.usage.prompt_tokens
+    system = an.messages.count_tokens(model=NAME, messages=HI, system="Answer in French.").input_tokens
+    assert system > want.usage.prompt_tokens
+
+
+def test_a_stream_is_its_message_in_events(an: anthropic.Anthropic) -> None:
+    whole = an.messages.create(model=NAME, max_tokens=10, messages=HI, **GREEDY)
+    with an.messages.stream(model=NAME, max_tokens=10, messages=HI, **GREEDY) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 1
+    assert final.content[0].text == whole.content[0].text and final.stop_reason == "max_tokens"
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (whole.usage.input_tokens, 10)
+
+
+def test_a_json_schema_output_shapes_the_answer(an: anthropic.Anthropic) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    got = an.messages.create(model=NAME, max_tokens=40, messages=HI,
+                             output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert got.stop_reason == "end_turn" and set(json.loads(got.content[0].text)) == {"ok"}
+
+
+@pytest.mark.parametrize(("body", "status", "kind", "needle"), [
+    ({"model": "claude-sonnet-4-5", "max_tokens": 5, "messages": HI}, 404, "not_found_error", "claude-sonnet-4-5"),
+    ({"model": NAME, "messages": HI}, 400, "invalid_request_error", "max_tokens"),
+    ({"model": NAME, "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGk="}}]}]},
+     400, "invalid_request_error", "'image' block"),
+    ({"model": NAME, "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, 400,
+     "invalid_request_error", "role"),
+])
+def test_bad_requests_get_anthropics_error(server: KestrelServer, body: dict[str, Any], status: int, kind: str,
+                                           needle: str) -> None:
+    got, _, raw = http("POST", f"{server.url}/v1/messages", body)
+    error = json.loads(raw)
+    assert got == status and error["type"] == "error" and error["error"]["type"] == kind
+    assert needle in error["error"]["message"]
+
+
+def test_a_client_that_leaves_a_stream_frees_its_sequence(an: anthropic.Anthropic, async_engine: AsyncEngine,
+                                                          engine: Any) -> None:
+    with an.messages.stream(model=NAME, max_tokens=200, messages=HI, **GREEDY) as stream:
+        events = iter(stream)
+        for _ in range(4):
+            next(events)
+        assert async_engine.num_running == 1
+    deadline = time.monotonic() + 3
+    while async_engine.num_running or engine.pool.free_blocks != engine.pool.num_blocks:
+        assert time.monotonic() < deadline, "the sequence was not freed"
+        time.sleep(0.02)
+
+
+def test_the_api_key_is_read_from_x_api_key(engine: Any) -> None:
+    with running_server(AsyncEngine(engine), NAME, api_key="sekrit") as server:
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
+                model=NAME, max_tokens=2, messages=HI)
+        keyed = anthropic.Anthropic(base_url=server.url, api_key="sekrit", max_retries=0)
+        assert keyed.messages.create(model=NAME, max_tokens=2, messages=HI).usage.output_tokens == 2
+
+
+def test_tool_use_and_thinking_blocks(engine: Any) -> None:
+    template = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = THINKING_TEMPLATE
+    try:
+        front = Scripted(engine)
+        with running_server(front, NAME) as server:
+            an = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+            ask = [{"role": "user", "content": "Weather in Paris?"}]
+            front.answers.append(f"<think>Paris is a city.</think>\n{PARIS}")
+            got = an.messages.create(model=NAME, max_tokens=100, messages=ask, tools=[TOOL])
+            assert [b.type for b in got.content] == ["thinking", "tool_use"] and got.stop_reason == "tool_use"
+            thought, call = got.content
+            assert thought.thinking == "Paris is a city." and (call.name, call.input) == ("get_weather",
+                                                                                        {"city": "Paris"})
+            front.answers.append(f"<think>Again.</think>\n{PARIS}")
+            with an.messages.stream(model=NAME, max_tokens=100, messages=ask, tools=[TOOL]) as stream:
+                final = stream.get_final_message()
+            assert [b.type for b in final.content] == ["thinking", "tool_use"]
+            assert final.content[0].thinking == "Again." and final.content[1].input == {"city": "Paris"}
+            assert final.stop_reason == "tool_use"
+            # the call and its result go back as the template writes them
+            front.answers.append("Sunny.")
+            history = [*ask, {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "Paris is a city.", "signature": ""},
+                {"type": "tool_use", "id": call.id, "name": "get_weather", "input": {"city": "Paris"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                              "content": "22 C, sunny"}]}]
+            reply = an.messages.create(model=NAME, max_tokens=100, messages=history, tools=[TOOL],
+                                       thinking={"type": "disabled"})
+            assert reply.content[0].text == "Sunny." and reply.stop_reason == "end_turn"
+            prompt = front.prompts[-1]
+            assert '"arguments": {"city": "Paris"}' in prompt and "<tool_response>\n22 C, sunny" in prompt
+            assert prompt.rstrip().endswith("<think>\n\n</think>")  # thinking disabled: enable_thinking false
+    finally:
+        engine.tokenizer.chat_template = template
