@@ -22,7 +22,8 @@ from kestrel_core.serve.metrics import ServerMetrics
 
 log = logging.getLogger("kestrel.serve")
 
-GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/api/chat", "/api/generate")
+GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/api/chat",
+                        "/api/generate")
 EMBEDDING_ENDPOINTS = ("/v1/embeddings", "/api/embed", "/api/embeddings")
 ENDPOINTS = (*GENERATION_ENDPOINTS, *EMBEDDING_ENDPOINTS, "/v1/models", "/v1/messages/count_tokens", "/api/tags",
              "/api/show", "/api/ps", "/api/version", "/health", "/metrics")

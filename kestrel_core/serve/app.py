@@ -1,6 +1,6 @@
 """The FastAPI app: OpenAI's chat and text completions and embeddings, the model list, a health probe and the
-metrics; Ollama's API (serve/ollama.py) and Anthropic's Messages API (serve/anthropic.py) beside them, answered
-by the same handlers.
+metrics; OpenAI's Responses API (serve/responses_api.py), Ollama's API (serve/ollama.py) and Anthropic's
+Messages API (serve/anthropic.py) beside them, answered by the same handlers.
 
 ``create_app`` takes a running-or-not ``AsyncEngine`` (its lifespan starts the scheduler thread and stops it
 on shutdown), so one process can hold several apps (the tests do). Requests become prompt token ids here
@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 import kestrel_core
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.sampling import TokenLogprob
-from kestrel_core.serve import anthropic, generation, ollama
+from kestrel_core.serve import anthropic, generation, ollama, responses_api
 from kestrel_core.serve.access import AccessMiddleware, ApiKeyMiddleware
 from kestrel_core.serve.errors import APIError, from_kestrel_error, install_error_handlers
 from kestrel_core.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -193,6 +193,7 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None, p
 
     ollama.install(app, served)
     anthropic.install(app, served)
+    responses_api.install(app, served)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

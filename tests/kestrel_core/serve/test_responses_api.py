@@ -1,0 +1,125 @@
+"""OpenAI's Responses API through a real server and the official openai client (``client.responses``), against
+kestrel's own chat answers (greedy on tiny-qwen3); function calls and reasoning from scripted answers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from pydantic import BaseModel
+
+import kestrel_core
+from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.serve.server import KestrelServer
+
+from .helpers import Scripted, http, openai_client, running_server
+from .test_tool_calls import PARIS, THINKING_TEMPLATE, WEATHER
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
+NAME = "tiny"
+HI = [{"role": "user", "content": "Hi"}]
+TOOL = {"type": "function", **WEATHER["function"]}
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Any]:
+    with kestrel_core.load(str(FIXTURES / "tiny-qwen3"), backend="cpu") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def async_engine(engine: Any) -> AsyncEngine:
+    return AsyncEngine(engine, max_batch=8)
+
+
+class Ok(BaseModel):
+    ok: bool
+
+
+def test_a_response_is_the_chat_answer(client: openai.OpenAI) -> None:
+    want = client.chat.completions.create(model=NAME, messages=HI, temperature=0, max_tokens=10)
+    got = client.responses.create(model=NAME, input="Hi", temperature=0, max_output_tokens=10)
+    assert got.output_text == want.choices[0].message.content and got.object == "response"
+    assert (got.status, got.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert (got.usage.input_tokens, got.usage.output_tokens) == (want.usage.prompt_tokens, 10)
+    (item,) = got.output
+    assert (item.type, item.role, item.content[0].type) == ("message", "assistant", "output_text")
+
+
+def test_a_stream_is_its_response_in_events(client: openai.OpenAI) -> None:
+    whole = client.responses.create(model=NAME, input=HI, temperature=0, max_output_tokens=10)
+    with client.responses.stream(model=NAME, input=HI, temperature=0, max_output_tokens=10) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.output[0].content[0].text == whole.output_text
+
+
+def test_a_json_schema_format_is_parsed(client: openai.OpenAI) -> None:
+    got = client.responses.parse(model=NAME, input="Hi", max_output_tokens=40, text_format=Ok)
+    assert got.status == "completed" and isinstance(got.output_parsed, Ok)
+    with client.responses.stream(model=NAME, input="Hi", max_output_tokens=40, text_format=Ok) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed" and isinstance(final.output_parsed, Ok)
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"input": "Hi", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input.[0]"),
+    ({"input": "Hi", "tools": [{"type": "web_search"}]}, 400, "tools.[0]"),
+    ({"input": [{"type": "computer_call"}]}, 400, "input.[0]"),
+    ({"input": "Hi", "model": "gpt-5"}, 404, "model"),
+])
+def test_bad_requests_name_the_field(server: KestrelServer, body: dict[str, Any], status: int, param: str) -> None:
+    got, _, raw = http("POST", f"{server.url}/v1/responses", body)
+    assert got == status and json.loads(raw)["error"]["param"] == param
+
+
+def test_nothing_is_stored(server: KestrelServer) -> None:
+    for method in ("GET", "DELETE"):
+        status, _, raw = http(method, f"{server.url}/v1/responses/resp_123")
+        assert status == 404 and "stores no responses" in json.loads(raw)["error"]["message"]
+
+
+def test_function_calls_reasoning_and_their_outputs(engine: Any) -> None:
+    template = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = THINKING_TEMPLATE
+    try:
+        front = Scripted(engine)
+        with running_server(front, NAME) as server:
+            client = openai_client(server)
+            ask = [{"role": "user", "content": "Weather in Paris?"}]
+            front.answers.append(f"<think>Paris is a city.</think>\n{PARIS}")
+            got = client.responses.create(model=NAME, input=ask, tools=[TOOL], instructions="Use the tools.")
+            assert [i.type for i in got.output] == ["reasoning", "function_call"] and got.status == "completed"
+            reasoning, call = got.output
+            assert reasoning.content[0].text == "Paris is a city."
+            assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+            assert "<|im_start|>system\nUse the tools.<|im_end|>" in front.prompts[-1]
+            front.answers.append(f"<think>Again.</think>\n{PARIS}")
+            with client.responses.stream(model=NAME, input=ask, tools=[TOOL]) as stream:
+                kinds = [e.type for e in stream]
+                final = stream.get_final_response()
+            assert "response.reasoning_text.delta" in kinds and "response.function_call_arguments.done" in kinds
+            assert [i.type for i in final.output] == ["reasoning", "function_call"]
+            # the call and its output go back as the template writes them
+            front.answers.append("Sunny.")
+            history = [*ask, {"type": "function_call", "call_id": call.call_id, "name": "get_weather",
+                              "arguments": call.arguments},
+                       {"type": "function_call_output", "call_id": call.call_id, "output": "22 C, sunny"}]
+            reply = client.responses.create(model=NAME, input=history, tools=[TOOL], reasoning={"effort": "none"})
+            assert reply.output_text == "Sunny."
+            prompt = front.prompts[-1]
+            assert '"arguments": {"city": "Paris"}' in prompt and "<tool_response>\n22 C, sunny" in prompt
+            assert prompt.rstrip().endswith("<think>\n\n</think>")  # effort none: enable_thinking false
+    finally:
+        engine.tokenizer.chat_template = template
