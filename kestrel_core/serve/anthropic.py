@@ -23,11 +23,11 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from kestrel_core.serve.errors import APIError, validated
-from kestrel_core.serve.generation import EventStreamResponse
+from kestrel_core.serve.generation import retold
 from kestrel_core.serve.protocol import ChatCompletionRequest
 
 if TYPE_CHECKING:
@@ -230,20 +230,13 @@ class _Blocks:
         return [*events, _event("content_block_stop", {"index": self.index})]
 
 
-async def _events(message_id: str, model: str, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """An OpenAI chat stream's server-sent events as Anthropic's event stream."""
+async def _events(message_id: str, model: str, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """An OpenAI chat stream's chunks as Anthropic's event stream."""
     blocks = _Blocks()
     started = False
     finish: str | None = None
     output = 0
-    async for event in chunks:
-        data = event.decode()
-        if not data.startswith("data: "):
-            continue
-        data = data[len("data: "):].strip()
-        if data == "[DONE]":
-            break
-        chunk = json.loads(data)
+    async for chunk in chunks:
         if "error" in chunk:
             error = {"type": "api_error", "message": chunk["error"].get("message", "error")}
             yield _event("error", {"error": error})
@@ -290,19 +283,17 @@ def install(app: FastAPI, served: Served) -> None:
             raise APIError(400, "max_tokens: Field required", param="max_tokens")
         _check_model(served, body.model)
         openai = validated(ChatCompletionRequest, body.openai(body.stream))
-        response = await served.chat(openai, request)
-        if response.status_code != 200:  # a client that left (499)
-            return response
         message_id = f"msg_{uuid.uuid4().hex}"
-        if body.stream and isinstance(response, EventStreamResponse):
-            return EventStreamResponse(_events(message_id, body.model, response.body_iterator),  # type: ignore[arg-type]
-                                       on_close=response.on_close)
-        answer = json.loads(bytes(response.body))
-        choice, usage = answer["choices"][0], answer.get("usage") or {}
-        return JSONResponse(_envelope(message_id, body.model, _blocks(choice["message"]),
-                                      STOP_REASONS.get(choice.get("finish_reason") or "stop", "end_turn"),
-                                      {"input_tokens": usage.get("prompt_tokens", 0),
-                                       "output_tokens": usage.get("completion_tokens", 0)}))
+
+        def whole(answer: dict[str, Any]) -> dict[str, Any]:
+            choice, usage = answer["choices"][0], answer.get("usage") or {}
+            return _envelope(message_id, body.model, _blocks(choice["message"]),
+                             STOP_REASONS.get(choice.get("finish_reason") or "stop", "end_turn"),
+                             {"input_tokens": usage.get("prompt_tokens", 0),
+                              "output_tokens": usage.get("completion_tokens", 0)})
+
+        return retold(await served.chat(openai, request), whole,
+                      lambda chunks: _events(message_id, body.model, chunks))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: MessagesBody) -> dict[str, int]:

@@ -288,13 +288,40 @@ async def _events(gens: list[AsyncIterator[RequestOutput]], firsts: list[Request
     yield DONE
 
 
+async def answer_chunks(events: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
+    """The chunks of a stream ``respond`` answered (its server-sent events), as dicts, up to ``[DONE]``."""
+    async for event in events:
+        data = event.decode()
+        if not data.startswith("data: "):
+            continue
+        data = data[len("data: "):].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def retold(response: Response, whole: Callable[[dict[str, Any]], dict[str, Any]],
+           events: Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[bytes]],
+           media_type: str = "text/event-stream") -> Response:
+    """An answer of ``respond`` retold in another API's shape: ``whole`` of a whole answer's body, ``events`` of a
+    stream's chunks (the request aborted however the new stream ends); a client that left (499) is answered as
+    it was."""
+    if response.status_code != 200:
+        return response
+    if isinstance(response, EventStreamResponse):
+        return EventStreamResponse(events(answer_chunks(response.body_iterator)),  # type: ignore[arg-type]
+                                   response.on_close, media_type)
+    return JSONResponse(whole(json.loads(bytes(response.body))))
+
+
 class EventStreamResponse(StreamingResponse):
-    """A ``text/event-stream`` response that aborts its request however it ends (client gone, cancelled)."""
+    """A streamed response (``text/event-stream``, or Ollama's ``application/x-ndjson``) that aborts its request
+    however it ends (client gone, cancelled)."""
 
-    media_type = "text/event-stream"
-
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None],
+                 media_type: str = "text/event-stream") -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                         media_type=media_type)
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

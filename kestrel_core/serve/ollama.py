@@ -28,7 +28,7 @@ from kestrel_core.model.fim import fim_format
 from kestrel_core.model.quantize import model_quant
 from kestrel_core.serve.access import record_of
 from kestrel_core.serve.errors import APIError, validated
-from kestrel_core.serve.generation import EventStreamResponse
+from kestrel_core.serve.generation import retold
 from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
 if TYPE_CHECKING:
@@ -233,18 +233,11 @@ def _whole(answer: _Answer, body: dict[str, Any]) -> dict[str, Any]:
     return answer.last(choice.get("finish_reason"), body.get("usage") or {}, **fields)
 
 
-async def _lines(answer: _Answer, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """An OpenAI stream's server-sent events as Ollama's lines: a line a delta, the last with the counts."""
+async def _lines(answer: _Answer, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """An OpenAI stream's chunks as Ollama's lines: a line a delta, the last with the counts."""
     finish: str | None = None
     calls: list[dict[str, Any]] = []
-    async for event in events:
-        data = event.decode()
-        if not data.startswith("data: "):
-            continue
-        data = data[len("data: "):].strip()
-        if data == "[DONE]":
-            break
-        chunk = json.loads(data)
+    async for chunk in chunks:
         if "error" in chunk:
             yield _line({"error": chunk["error"].get("message", "error")})
             return
@@ -265,18 +258,10 @@ def _line(body: dict[str, Any]) -> bytes:
     return (json.dumps(body, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
 
 
-class NDJSONResponse(EventStreamResponse):
-    media_type = "application/x-ndjson"
-
-
-def _translate(answer: _Answer, response: Response, stream: bool) -> Response:
-    """kestrel's OpenAI answer as Ollama's: its stream's events as lines (the request aborted however the
-    stream ends), or its one object."""
-    if response.status_code != 200:  # a client that left (499): nothing to say
-        return response
-    if stream and isinstance(response, EventStreamResponse):
-        return NDJSONResponse(_lines(answer, response.body_iterator), on_close=response.on_close)  # type: ignore[arg-type]
-    return JSONResponse(_whole(answer, json.loads(bytes(response.body))))
+def _translate(answer: _Answer, response: Response) -> Response:
+    """kestrel's OpenAI answer as Ollama's: its stream's chunks as lines, or its one object."""
+    return retold(response, lambda body: _whole(answer, body), lambda chunks: _lines(answer, chunks),
+                  "application/x-ndjson")
 
 
 def _loaded(answer: _Answer, keep_alive: Any) -> JSONResponse:
@@ -294,7 +279,7 @@ def install(app: FastAPI, served: Served) -> None:
         if not body.messages:  # a client loading (or unloading) the model: it stays loaded while serving
             return _loaded(_Answer(served, request, "message"), body.keep_alive)
         openai = validated(ChatCompletionRequest, body.openai())
-        return _translate(_Answer(served, request, "message"), await served.chat(openai, request), body.stream)
+        return _translate(_Answer(served, request, "message"), await served.chat(openai, request))
 
     @app.post("/api/generate")
     async def generate(body: GenerateBody, request: Request) -> Response:
@@ -318,7 +303,7 @@ def install(app: FastAPI, served: Served) -> None:
                 raise APIError(400, "format needs the model's chat template (not raw, no suffix)", param="format")
             openai = validated(CompletionRequest, {"prompt": body.prompt, "suffix": body.suffix, **sampling})
             response = await served.complete(openai, request)
-        return _translate(answer, response, body.stream)
+        return _translate(answer, response)
 
     @app.post("/api/embed")
     async def embed(body: EmbedBody, request: Request) -> Response:

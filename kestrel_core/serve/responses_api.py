@@ -23,11 +23,11 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from kestrel_core.serve.errors import APIError, validated
-from kestrel_core.serve.generation import EventStreamResponse
+from kestrel_core.serve.generation import retold
 from kestrel_core.serve.protocol import ChatCompletionRequest
 
 if TYPE_CHECKING:
@@ -299,20 +299,13 @@ class _Stream:
         return events
 
 
-async def _events(response: _Response, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """A chat stream's server-sent events as the Responses API's."""
+async def _events(response: _Response, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """A chat stream's chunks as the Responses API's events."""
     stream = _Stream(response)
     yield stream.event("response.created", response=response.envelope("in_progress"))
     yield stream.event("response.in_progress", response=response.envelope("in_progress"))
     finish: str | None = None
-    async for event in chunks:
-        data = event.decode()
-        if not data.startswith("data: "):
-            continue
-        data = data[len("data: "):].strip()
-        if data == "[DONE]":
-            break
-        chunk = json.loads(data)
+    async for chunk in chunks:
         if "error" in chunk:
             error = chunk["error"]
             yield stream.event("error", code=error.get("code"), message=error.get("message", "error"), param=None)
@@ -344,14 +337,9 @@ def install(app: FastAPI, served: Served) -> None:
     async def responses(body: ResponsesBody, request: Request) -> Response:
         served.check_model(body.model)
         openai = validated(ChatCompletionRequest, body.openai())
-        answer = await served.chat(openai, request)
-        if answer.status_code != 200:  # a client that left (499)
-            return answer
         response = _Response(served, body)
-        if body.stream and isinstance(answer, EventStreamResponse):
-            return EventStreamResponse(_events(response, answer.body_iterator),  # type: ignore[arg-type]
-                                       on_close=answer.on_close)
-        return JSONResponse(_whole(response, json.loads(bytes(answer.body))))
+        return retold(await served.chat(openai, request), lambda answer: _whole(response, answer),
+                      lambda chunks: _events(response, chunks))
 
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def stored(response_id: str) -> Response:

@@ -3,14 +3,31 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 
+import kestrel_core
 from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.serve.server import KestrelServer
 
 from .helpers import openai_client, running_server
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Any]:
+    """tiny-qwen3 on the CPU (a module may serve another engine: its own ``engine`` fixture)."""
+    with kestrel_core.load(str(FIXTURES / "tiny-qwen3"), backend="cpu") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def async_engine(engine: Any) -> AsyncEngine:
+    return AsyncEngine(engine, max_batch=8)
 
 
 @pytest.fixture(scope="module")

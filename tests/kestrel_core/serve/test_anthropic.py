@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,6 @@ import anthropic
 import openai
 import pytest
 
-import kestrel_core
 from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.serve.server import KestrelServer
 
@@ -26,17 +24,6 @@ HI = [{"role": "user", "content": "Hi"}]
 GREEDY = {"extra_body": {"temperature": 0}}  # the current SDK no longer sends temperature itself
 TOOL = {"name": "get_weather", "description": WEATHER["function"]["description"],
         "input_schema": WEATHER["function"]["parameters"]}
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Any]:
-    with kestrel_core.load(str(FIXTURES / "tiny-qwen3"), backend="cpu") as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
-def async_engine(engine: Any) -> AsyncEngine:
-    return AsyncEngine(engine, max_batch=8)
 
 
 @pytest.fixture(scope="module")

@@ -33,17 +33,6 @@ GREEDY = {"temperature": 0, "num_predict": 12}
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Any]:
-    with kestrel_core.load(str(FIXTURES / "tiny-qwen3"), backend="cpu") as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
-def async_engine(engine: Any) -> AsyncEngine:
-    return AsyncEngine(engine, max_batch=8)
-
-
-@pytest.fixture(scope="module")
 def ol(server: KestrelServer) -> ollama.Client:
     return ollama.Client(host=server.url)
 

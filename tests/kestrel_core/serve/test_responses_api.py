@@ -4,7 +4,6 @@ kestrel's own chat answers (greedy on tiny-qwen3); function calls and reasoning 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +11,6 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-import kestrel_core
-from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.serve.server import KestrelServer
 
 from .helpers import Scripted, http, openai_client, running_server
@@ -23,17 +20,6 @@ FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 NAME = "tiny"
 HI = [{"role": "user", "content": "Hi"}]
 TOOL = {"type": "function", **WEATHER["function"]}
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Any]:
-    with kestrel_core.load(str(FIXTURES / "tiny-qwen3"), backend="cpu") as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
-def async_engine(engine: Any) -> AsyncEngine:
-    return AsyncEngine(engine, max_batch=8)
 
 
 class Ok(BaseModel):
