@@ -122,6 +122,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "mixed, or q8 on a backend that runs whole steps on its device")
     p.add_argument("--backend-option", action="append", default=None, metavar="KEY=VALUE",
                    help="passed to every backend's kestrel_open as options[KEY] = VALUE (a string); repeatable")
+    p.add_argument("--speculate", type=int, default=0, metavar="N",
+                   help="greedy decoding guesses up to N tokens a step from the context (prompt lookup) and keeps "
+                        "what the model confirms: the same tokens, fewer steps (default: 0, off)")
 
 
 def build_parser() -> argparse.ArgumentParser:

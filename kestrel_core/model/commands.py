@@ -39,6 +39,7 @@ def _open_engine(args: argparse.Namespace) -> Engine:
     else:
         engine = load(args.model, backend=args.backend, quant=args.quant, kv_cache_mb=kv_cache_mb,
                       activations=getattr(args, "activations", "auto"))
+    engine.speculate = getattr(args, "speculate", 0)
     err.print(engine.backend_line, soft_wrap=True)
     return engine
 

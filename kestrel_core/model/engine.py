@@ -128,7 +128,10 @@ class Engine:
         self.decoder = Decoder(model, self.offload, self.pool, self.activations)
         # prompts share the KV blocks of a cached prefix (kv_pool) where the host runs the steps: a backend's
         # whole steps keep KV caches of their own
-        self.prefix_cache = not (self.whole_step and runs_whole_steps(backend))
+        self.prefix_cache = self.steps_on_host
+        # draft tokens a greedy request's step may guess from its context, where the host runs the steps (0: none;
+        # kestrel_core.model.speculate); read by each Scheduler made after it is set
+        self.speculate = 0
         self.last = RunStats()
         self._next_seq = 1
         self.preload_s = 0.0
@@ -182,6 +185,12 @@ class Engine:
     # -- sequences and steps -------------------------------------------------------------------------
 
     @property
+    def steps_on_host(self) -> bool:
+        """Whether the host runs the steps (layer by layer, the backend's GEMMs offered): its KV cache is the
+        only one, so its prefixes can be shared and its sequences rewound."""
+        return not (self.whole_step and runs_whole_steps(self.backend))
+
+    @property
     def whole_step(self) -> bool:
         """Whether the backend's whole-step hooks are offered: they compute with int8 activations."""
         return self.activations == "q8"
@@ -197,6 +206,13 @@ class Engine:
             attached = self.pool.attach_prefix(seq.cache, tokens, prompt_len - 1)
             seq.tokens = [int(t) for t in tokens[:attached]]
         return seq
+
+    def rewind(self, seq: SeqState, length: int) -> None:
+        """Forget a sequence's positions from ``length`` on (draft tokens the model did not confirm); the host's
+        KV cache only (``steps_on_host``)."""
+        del seq.tokens[length:]
+        seq.cache.truncate(length)
+        seq.device_len = min(seq.device_len, length)
 
     def release(self, seq: SeqState) -> None:
         """Forget a sequence: its device state and its host KV blocks."""

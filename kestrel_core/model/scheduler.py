@@ -37,6 +37,7 @@ from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
 from kestrel_core.model.detokenize import TextStream
 from kestrel_core.model.grammar import Constraint, prepare_masks
 from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
+from kestrel_core.model.speculate import PromptLookup
 from kestrel_core.model.tokenizer import NoTokenizer
 from kestrel_core.model.weights import PREFILL_CHUNK
 
@@ -78,6 +79,8 @@ class Request:
     first_token_at: float | None = None
     _device_tokens: Iterator[int] | None = None  # the backend's pipelined greedy decode, while it runs
     _device_offered: bool = False
+    lookup: PromptLookup | None = None  # its tokens' n-grams, for drafts (speculative decoding)
+    draft: list[int] = field(default_factory=list)  # the tokens its running step guessed after its next one
 
     @property
     def finished(self) -> bool:
@@ -129,6 +132,9 @@ class Scheduler:
         self._ids = itertools.count(1)
         self.steps = 0
         self.preemptions = 0
+        self.speculate = int(getattr(engine, "speculate", 0))  # draft tokens a greedy step may guess
+        self.drafted = 0  # draft tokens run
+        self.accepted = 0  # draft tokens the model confirmed
         self._ended: list[RequestOutput] = []  # requests ended while scheduling, reported by the next step
         self._running_step: tuple[list[tuple[Request, list[int], int]], Any] | None = None  # on the device
         self._start_error: Exception | None = None  # starting the next step failed: the next step() raises it
@@ -234,7 +240,7 @@ class Scheduler:
                 self._running_step = self._start()
             except Exception as exc:  # raised by the next step() call, after these outputs are out
                 self._start_error = exc
-        outputs.extend(self._report(request, token) for request, token in tokens)
+        outputs.extend(self._report(request, sampled) for request, sampled in tokens)
         return outputs
 
     def drain(self) -> list[RequestOutput]:
@@ -243,12 +249,13 @@ class Scheduler:
         outputs, self._ended = self._ended, []
         started, self._running_step = self._running_step, None
         if started is not None:
-            outputs.extend(self._report(request, token) for request, token in self._collect(started))
+            outputs.extend(self._report(request, sampled) for request, sampled in self._collect(started))
         return outputs
 
     def _collect(self, started: tuple[list[tuple[Request, list[int], int]], Any]
-                 ) -> list[tuple[Request, tuple[int, TokenLogprob | None]]]:
-        """A started step's result: each of its requests still running takes its new token."""
+                 ) -> list[tuple[Request, list[tuple[int, TokenLogprob | None]]]]:
+        """A started step's result: each of its requests still running takes its new token (or tokens, where
+        its draft was right)."""
         work, step = started
         try:
             logits = step.result()
@@ -259,7 +266,24 @@ class Scheduler:
             self._release_held()
         taking = [(request, out) for (request, _, rows), out in zip(work, logits) if rows and not request.finished]
         prepare_masks([r.sampler.constraint for r, _ in taking if r.sampler.constraint is not None])
-        return [(request, self._accept(request, self._sample(request, out[-1]))) for request, out in taking]
+        return [(request, self._take_draft(request, out) if request.draft
+                 else [self._accept(request, self._sample(request, out[-1]))]) for request, out in taking]
+
+    def _take_draft(self, request: Request, out: np.ndarray) -> list[tuple[int, TokenLogprob | None]]:
+        """A speculative step's tokens: each row's argmax while the draft agrees with the one before, and the
+        first that disagrees (or the row after the whole draft); the positions of the guesses it did not keep
+        are rewound."""
+        draft, request.draft = request.draft, []
+        sampled: list[tuple[int, TokenLogprob | None]] = []
+        for j in range(len(draft) + 1):
+            sampled.append(self._accept(request, self._sample(request, out[j])))
+            if request.finished or j == len(draft) or sampled[-1][0] != draft[j]:
+                break
+        kept = len(sampled) - 1  # guesses confirmed: the inputs of the rows after them were right
+        self.accepted += kept
+        if not request.finished:
+            self.engine.rewind(request.seq, len(request.seq.tokens) - (len(draft) - kept))
+        return sampled
 
     def _start(self, before: tuple[list[tuple[Request, list[int] | None, int]], Any] | None = None
                ) -> tuple[list[tuple[Request, list[int] | None, int]], Any] | None:
@@ -329,8 +353,10 @@ class Scheduler:
                     if ahead is not None:
                         return []
                     continue  # preempted, or finished for lack of room
+                if ahead is None and self._decoding_greedily(request):
+                    self._guess(request, budget - 1)
                 work.append(self._chunk(request, n))
-                budget -= n
+                budget -= n + len(request.draft)
                 continue
             done = len(request.seq.tokens) + before[0]  # positions once the running step is in
             if before[1]:  # its next token is the running step's: fed, unless that token ends it
@@ -379,11 +405,36 @@ class Scheduler:
 
     def _chunk(self, request: Request, n: int) -> tuple[Request, list[int], int]:
         done, prompt = len(request.seq.tokens), len(request.prompt_ids)
+        if request.draft:  # its next token and the guesses after it, each row's logits wanted
+            return request, [request.output_ids[-1], *request.draft], 1 + len(request.draft)
         if done >= prompt:  # a decode row: not the whole sequence's list for one token
             tokens = request.output_ids[done - prompt:done - prompt + n]
         else:
             tokens = request.tokens[done:done + n]
         return request, tokens, int(n == request.pending)  # logits once the chunk reaches the last token
+
+    def _decoding_greedily(self, request: Request) -> bool:
+        """Whether ``request``'s step may carry a draft: speculation is on, the host runs the steps (it rewinds
+        what the model did not confirm), and the request decodes greedily with nothing else to run first."""
+        return (self.speculate > 0 and request.argmax_only and self.engine.steps_on_host and request.pending == 1
+                and len(request.seq.tokens) >= len(request.prompt_ids))
+
+    def _guess(self, request: Request, room: int) -> None:
+        """Draft up to ``speculate`` tokens after ``request``'s next one (``request.draft``), within ``room``
+        more tokens of the step, its ``max_tokens``, the context and the KV blocks free now (a guess never
+        preempts anyone)."""
+        left = min(self.speculate, room, request.params.max_tokens - len(request.output_ids) - 1,
+                   self.engine.config.max_position - len(request.tokens))
+        if left <= 0:
+            return
+        if request.lookup is None:
+            request.lookup = PromptLookup()
+        tokens = request.tokens
+        request.lookup.extend(tokens[len(request.lookup.tokens):])
+        draft = request.lookup.draft(left)
+        if draft and self.pool.reserve(request.seq.cache, len(request.seq.tokens) + 1 + len(draft)):
+            request.draft = draft
+            self.drafted += len(draft)
 
     def _grow(self, request: Request, n: int) -> bool:
         """KV blocks for n more tokens of ``request``, preempting later-admitted requests if needed."""
@@ -437,20 +488,32 @@ class Scheduler:
             self._finish(request, "length")  # the context is full: no position left to run the last token at
         return sampled
 
-    def _report(self, request: Request, sampled: tuple[int, TokenLogprob | None]) -> RequestOutput:
-        """The new token's text, the stop strings, and what changed."""
-        token, logprob = sampled
-        text = request.text.push(token) if request.text is not None else ""
-        if request.text is not None and request.text.stopped:
-            if not request.finished:
-                self._finish(request, "stop")
-            elif request.finish_reason == "length":
-                request.finish_reason = "stop"  # a stop string and max_tokens at the same token: the string's
+    def _report(self, request: Request, sampled: list[tuple[int, TokenLogprob | None]]) -> RequestOutput:
+        """The new tokens' text, the stop strings, and what changed. A stop string ends the answer at its token:
+        tokens a draft added after it are dropped."""
+        tokens: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        text = ""
+        for token, logprob in sampled:
+            tokens.append(token)
+            if logprob is not None:
+                logprobs.append(logprob)
+            if request.text is None:
+                continue
+            text += request.text.push(token)
+            if request.text.stopped:
+                if not request.finished:
+                    self._finish(request, "stop")
+                elif request.finish_reason == "length":
+                    request.finish_reason = "stop"  # a stop string and max_tokens at the same token: the string's
+                dropped = len(sampled) - len(tokens)
+                if dropped:
+                    del request.output_ids[len(request.output_ids) - dropped:]
+                break
         if request.finished and request.text is not None:
             text += request.text.flush()
-        return RequestOutput(request.request_id, [token], text, [logprob] if logprob is not None else None,
-                             request.finished, request.finish_reason, len(request.prompt_ids),
-                             len(request.output_ids))
+        return RequestOutput(request.request_id, tokens, text, logprobs or None, request.finished,
+                             request.finish_reason, len(request.prompt_ids), len(request.output_ids))
 
     def _finish(self, request: Request, reason: str) -> None:
         self._drop_device(request)
@@ -498,7 +561,7 @@ class Scheduler:
         seq.tokens.append(request.output_ids[-1])  # the device ran it and chose the next token
         seq.device_len = len(seq.tokens)
         request.sampler.count(nxt)
-        return [self._report(request, self._accept(request, (nxt, None)))]
+        return [self._report(request, [self._accept(request, (nxt, None))])]
 
     def _abort_step(self, work: list[tuple[Request, list[int], int]]) -> None:
         for request, _, _ in work:

@@ -55,6 +55,7 @@ def serve_command(args: argparse.Namespace) -> int:
             engine = load_preset(args.preset, **options)
         else:
             engine = load(args.model, **options)
+        engine.speculate = args.speculate
         with engine:
             serve(engine, host=args.host, port=args.port, api_key=api_key, sock=sock,
                   max_batch=args.max_batch if args.max_batch is not None else DEFAULT_MAX_BATCH,

@@ -47,6 +47,13 @@ class _EngineCollector(Collector):
         yield steps
         yield failed
         yield finished
+        drafted = CounterMetricFamily("kestrel_spec_decode_draft_tokens",
+                                      "Draft tokens greedy steps guessed (--speculate).")
+        drafted.add_metric([], ae.scheduler.drafted)
+        accepted = CounterMetricFamily("kestrel_spec_decode_accepted_tokens", "Draft tokens the model confirmed.")
+        accepted.add_metric([], ae.scheduler.accepted)
+        yield drafted
+        yield accepted
         pool = getattr(ae.engine, "pool", None)
         if pool is not None:
             hits = CounterMetricFamily("kestrel_prefix_cache_hit_tokens",

@@ -21,7 +21,8 @@ class _Offload:
 
 def _fake_async_engine() -> Any:
     return SimpleNamespace(num_waiting=3, num_running=2, counters=EngineCounters(steps=7, finished={"stop": 2}),
-                           engine=SimpleNamespace(offload=_Offload()))
+                           engine=SimpleNamespace(offload=_Offload()),
+                           scheduler=SimpleNamespace(drafted=40, accepted=25))
 
 
 def _samples(metrics: ServerMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -36,6 +37,8 @@ def test_engine_state_and_offload_counters_are_read_at_scrape_time() -> None:
     assert s[("kestrel_num_requests_waiting", ())] == 3 and s[("kestrel_num_requests_running", ())] == 2
     assert s[("kestrel_engine_steps_total", ())] == 7
     assert s[("kestrel_engine_finished_requests_total", (("reason", "stop"),))] == 2
+    assert s[("kestrel_spec_decode_draft_tokens_total", ())] == 40
+    assert s[("kestrel_spec_decode_accepted_tokens_total", ())] == 25
     assert not any(name.startswith("kestrel_offload") for name, _ in s)  # nothing offered yet
     ae.num_running = 0
     ae.engine.offload.counts["kestrel_gemm_q8"] = {"offered": 5, "accepted": 3, "declined": 2,

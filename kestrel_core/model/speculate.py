@@ -1,0 +1,39 @@
+"""Draft tokens for speculative decoding by prompt lookup: the text that followed the last time the sequence's
+latest tokens appeared (in its prompt or its answer so far).
+
+A greedy request's next ``k`` tokens are guessed from its own context (answers that quote, edit or repeat their
+input: code edits, summaries, extraction), run with its next token as one chunk, and kept up to the first guess
+the model's argmax disagrees with, plus that argmax. A row's logits do not depend on the rest of the batch
+(kestrel_core.model.kernels), so the kept tokens are exactly the ones decoding one at a time gives; what a step
+costs grows little with a few more rows while decode is memory-bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+MAX_NGRAM = 3  # the longest suffix looked up; a longer match is tried first
+
+
+class PromptLookup:
+    """The latest continuation of every n-gram (n <= MAX_NGRAM) of one sequence's tokens, kept as they come."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self._next: dict[tuple[int, ...], int] = {}  # n-gram -> the index of the token that followed it last
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            t = len(self.tokens)  # the n-grams ending just before it now have a continuation: it
+            for n in range(1, min(MAX_NGRAM, t) + 1):
+                self._next[tuple(self.tokens[t - n:t])] = t
+            self.tokens.append(int(token))
+
+    def draft(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the longest suffix of the sequence seen before; [] if none was."""
+        tokens = self.tokens
+        for n in range(min(MAX_NGRAM, len(tokens)), 0, -1):
+            start = self._next.get(tuple(tokens[-n:]))
+            if start is not None:
+                return tokens[start:start + k]
+        return []

@@ -1,0 +1,104 @@
+"""Speculative decoding by prompt lookup: the drafts, and answers token for token the same as without it.
+
+The tiny random models decode greedily into loops (a token, or a few, over and over), so their drafts are often
+right: the tests check both that guesses are kept and that nothing the model would not have said comes out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kestrel_core
+from kestrel_core.model.sampling import SamplingParams
+from kestrel_core.model.scheduler import Scheduler
+from kestrel_core.model.speculate import PromptLookup
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
+
+
+def test_the_draft_follows_the_longest_suffix_seen_before() -> None:
+    lookup = PromptLookup()
+    lookup.extend([1, 2, 3, 9, 2, 3, 7, 8, 4, 5])
+    assert lookup.draft(3) == []  # 5 never appeared before
+    lookup.extend([2, 3])
+    assert lookup.draft(2) == [7, 8]  # "2 3" was last followed by 7 (the 3-gram "5 2 3" is new)
+    lookup.extend([9])
+    assert lookup.draft(4) == [2, 3, 7, 8]  # "3 9" is longer than "9" and was followed by "2 3 7 8"
+    lookup.extend([1])
+    assert lookup.draft(2) == [2, 3]  # only "1" matches: the start
+
+
+def _run(engine: kestrel_core.Engine, speculate: int, requests: list[tuple[list[int], SamplingParams]],
+         max_batch: int = 8) -> tuple[list[tuple[list[int], str, str | None]], Scheduler]:
+    engine.speculate = speculate
+    scheduler = Scheduler(engine, max_batch=max_batch)
+    added = [scheduler.add(ids, params) for ids, params in requests]
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in added}
+    text: dict[str, str] = {r.request_id: "" for r in added}
+    while any(not r.finished for r in added):
+        for out in scheduler.step():
+            tokens[out.request_id] += out.new_token_ids
+            text[out.request_id] += out.new_text
+    engine.speculate = 0
+    return [(tokens[r.request_id], text[r.request_id], r.finish_reason) for r in added], scheduler
+
+
+def _prompts(engine: kestrel_core.Engine, n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    vocab = engine.config.vocab_size
+    base = rng.integers(3, vocab, 12).tolist()
+    return [base + rng.integers(3, vocab, int(rng.integers(2, 10))).tolist() + base[:6] for _ in range(n)]
+
+
+@pytest.mark.parametrize("fixture", ["tiny-qwen3", "tiny-llama", "tiny-gemma3", "tiny-qwen3-moe"])
+def test_a_batch_decodes_the_same_tokens_in_fewer_steps(fixture: str) -> None:
+    with kestrel_core.load(str(FIXTURES / fixture), backend="cpu") as engine:
+        prompts = _prompts(engine, 5)
+        greedy = [(ids, SamplingParams(max_tokens=40, ignore_eos=True)) for ids in prompts]
+        plain, before = _run(engine, 0, greedy)
+        fast, after = _run(engine, 4, greedy)
+        assert fast == plain
+        assert after.accepted > 0 and after.steps < before.steps
+        mixed = [*greedy, (prompts[0], SamplingParams(max_tokens=40, temperature=0.9, seed=3))]  # sampled: no drafts
+        assert _run(engine, 4, mixed)[0] == _run(engine, 0, mixed)[0]
+        assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def test_stops_and_limits_inside_a_draft_end_the_answer_where_they_would_have() -> None:
+    with kestrel_core.load(str(FIXTURES / "tiny-qwen3"), backend="cpu") as engine:
+        ids = _prompts(engine, 1, seed=2)[0]  # its answer loops on one token, then says another at 19
+        greedy, _ = _run(engine, 0, [(ids, SamplingParams(max_tokens=40, ignore_eos=True))])
+        answer = greedy[0][0]
+        token = next(t for i, t in enumerate(answer) if i >= 5 and t not in answer[:i])  # new after the loop
+        cut = engine.tokenizer.decode([token])
+        for params in (SamplingParams(max_tokens=13, ignore_eos=True),
+                       SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=(token,)),
+                       SamplingParams(max_tokens=40, ignore_eos=True, stop=(cut,))):
+            plain, _ = _run(engine, 0, [(ids, params)])
+            fast, scheduler = _run(engine, 6, [(ids, params)])
+            assert fast == plain, params
+            assert scheduler.drafted > 0
+        assert len(fast[0][0]) <= 40
+
+
+def test_logprobs_sampling_and_device_steps_are_not_speculated() -> None:
+    with kestrel_core.load(str(FIXTURES / "tiny-qwen3"), backend="cpu") as engine:
+        ids = _prompts(engine, 1)[0]
+        for params in (SamplingParams(max_tokens=20, logprobs=True), SamplingParams(max_tokens=20, temperature=1.0,
+                                                                                    seed=1)):
+            _, scheduler = _run(engine, 4, [(ids, params)])
+            assert scheduler.drafted == 0, params
+
+
+def test_preemption_under_a_small_cache_keeps_the_answers() -> None:
+    """A KV pool too small for every sequence at once: sequences are preempted and recomputed, drafts are
+    only taken where blocks are free, and the answers stay the plain ones."""
+    with kestrel_core.load(str(FIXTURES / "tiny-qwen3"), backend="cpu", kv_cache_mb=0.3) as engine:
+        requests = [(ids, SamplingParams(max_tokens=30, ignore_eos=True)) for ids in _prompts(engine, 6, seed=2)]
+        plain, before = _run(engine, 0, requests, max_batch=6)
+        fast, after = _run(engine, 4, requests, max_batch=6)
+        assert fast == plain and after.preemptions > 0 and after.accepted > 0
+        assert engine.pool.free_blocks == engine.pool.num_blocks
