@@ -13,10 +13,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 MAX_NGRAM = 3  # the longest suffix looked up; a longer match is tried first
+# The shortest: a one-token match guessed wrong too often. Default model, CPU, 128-token greedy answers
+# (benchmarks/speculate.py, 4 drafts): from one-token matches a story kept 35 of 182 drafts and ran 112 -> 109
+# tok/s alone, 247 -> 212 at 4 streams; from two-token matches it kept 24 of 74 and ran 110 -> 118 and 246 -> 251,
+# while a code edit gained as much either way (100 -> 157, 99 -> 153 tok/s)
+MIN_NGRAM = 2
 
 
 class PromptLookup:
-    """The latest continuation of every n-gram (n <= MAX_NGRAM) of one sequence's tokens, kept as they come."""
+    """The latest continuation of every n-gram (n <= MAX_NGRAM) of one sequence's tokens, kept as they come; drafts
+    follow suffixes of MIN_NGRAM tokens or more."""
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -32,7 +38,7 @@ class PromptLookup:
     def draft(self, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the longest suffix of the sequence seen before; [] if none was."""
         tokens = self.tokens
-        for n in range(min(MAX_NGRAM, len(tokens)), 0, -1):
+        for n in range(min(MAX_NGRAM, len(tokens)), MIN_NGRAM - 1, -1):
             start = self._next.get(tuple(tokens[-n:]))
             if start is not None:
                 return tokens[start:start + k]

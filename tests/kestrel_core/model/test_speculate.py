@@ -28,7 +28,7 @@ def test_the_draft_follows_the_longest_suffix_seen_before() -> None:
     lookup.extend([9])
     assert lookup.draft(4) == [2, 3, 7, 8]  # "3 9" is longer than "9" and was followed by "2 3 7 8"
     lookup.extend([1])
-    assert lookup.draft(2) == [2, 3]  # only "1" matches: the start
+    assert lookup.draft(2) == []  # only "1" matches: one token is too weak a match
 
 
 def _run(engine: kestrel_core.Engine, speculate: int, requests: list[tuple[list[int], SamplingParams]],
@@ -61,7 +61,7 @@ def test_a_batch_decodes_the_same_tokens_in_fewer_steps(fixture: str) -> None:
         plain, before = _run(engine, 0, greedy)
         fast, after = _run(engine, 4, greedy)
         assert fast == plain
-        assert after.accepted > 0 and after.steps < before.steps
+        assert after.accepted > 0 and after.steps <= before.steps  # the batch runs as long as its slowest
         mixed = [*greedy, (prompts[0], SamplingParams(max_tokens=40, temperature=0.9, seed=3))]  # sampled: no drafts
         assert _run(engine, 4, mixed)[0] == _run(engine, 0, mixed)[0]
         assert engine.pool.free_blocks == engine.pool.num_blocks
@@ -77,10 +77,10 @@ def test_stops_and_limits_inside_a_draft_end_the_answer_where_they_would_have() 
         for params in (SamplingParams(max_tokens=13, ignore_eos=True),
                        SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=(token,)),
                        SamplingParams(max_tokens=40, ignore_eos=True, stop=(cut,))):
-            plain, _ = _run(engine, 0, [(ids, params)])
+            plain, before = _run(engine, 0, [(ids, params)])
             fast, scheduler = _run(engine, 6, [(ids, params)])
             assert fast == plain, params
-            assert scheduler.drafted > 0
+            assert scheduler.accepted > 0 and scheduler.steps < before.steps
         assert len(fast[0][0]) <= 40
 
 
