@@ -102,3 +102,40 @@ def test_preemption_under_a_small_cache_keeps_the_answers() -> None:
         fast, after = _run(engine, 4, requests, max_batch=6)
         assert fast == plain and after.preemptions > 0 and after.accepted > 0
         assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def test_concurrent_async_requests_get_the_plain_answers() -> None:
+    import asyncio
+
+    from kestrel_core.model.async_engine import AsyncEngine
+
+    async def answers(front: AsyncEngine, prompts: list[list[int]]) -> list[list[int]]:
+        async def one(ids: list[int]) -> list[int]:
+            params = SamplingParams(max_tokens=30, ignore_eos=True)
+            return [t async for out in front.generate(ids, params) for t in out.new_token_ids]
+        front.start()
+        try:
+            return list(await asyncio.gather(*(one(ids) for ids in prompts)))
+        finally:
+            await front.shutdown(grace_s=5)
+
+    with kestrel_core.load(str(FIXTURES / "tiny-llama"), backend="cpu") as engine:
+        prompts = _prompts(engine, 4, seed=5)
+        plain = asyncio.run(answers(AsyncEngine(engine), prompts))
+        engine.speculate = 4
+        front = AsyncEngine(engine)
+        assert asyncio.run(answers(front, prompts)) == plain and front.scheduler.accepted > 0
+
+
+def test_the_cli_option_gives_the_same_answer(capsys) -> None:
+    import json
+
+    from kestrel_core.cli import main
+
+    outs = []
+    for extra in ([], ["--speculate", "4"]):
+        assert main(["run", "--model", str(FIXTURES / "tiny-qwen3"), "--max-tokens", "24", "--json", *extra,
+                     "Repeat: the sea, the sea, the sea"]) == 0
+        outs.append(json.loads(capsys.readouterr().out)["tokens"])
+    assert outs[0] == outs[1] and len(outs[0]) == 24
+    assert main(["run", "--model", str(FIXTURES / "tiny-qwen3"), "--speculate", "65", "x"]) == 2
