@@ -112,8 +112,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_command(args)
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default=None, help="HF model dir, .gguf, or .kst artifact (default: SmolLM2)")
+def _model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
+    if several:
+        p.add_argument("--model", "-m", action="append", default=None,
+                       help="HF model dir, .gguf, or .kst artifact (default: SmolLM2); repeat it to serve several "
+                            "(the first answers requests that name no model)")
+    else:
+        p.add_argument("--model", "-m", default=None, help="HF model dir, .gguf, or .kst artifact (default: SmolLM2)")
     p.add_argument("--backend", "-b", default="auto", help="backend name, or auto (default)")
     p.add_argument("--quant", "-q", default=None,
                    help="q8 (default), q4, q8-g256, q4-g256; a .kst artifact keeps its own")
@@ -176,12 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/serving.md)")
-    _model_args(p)
+    _model_args(p, several=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0: any free port)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $KESTREL_API_KEY, else none)")
-    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: from the model)")
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="the model's name in the API (default: from the model); one a --model, in order")
     p.add_argument("--max-batch", type=int, default=None, help="sequences in the running batch (default: 64)")
     p.add_argument("--max-waiting", type=int, default=None,
                    help="requests queued beyond the batch before 429s (default: 256)")

@@ -256,8 +256,9 @@ def check_cli_args(args: Any) -> None:
             raise KestrelError(f"--{name.replace('_', '-')}: {name} must be in {span}, got {value!r}")
     for name in CLI_TEXT:
         value = getattr(args, name, None)
-        if value is not None and not str(value).strip():
-            raise KestrelError(f"--{name.replace('_', '-')}: {name} must not be empty, got {value!r}")
+        for one in value if isinstance(value, list) else [value]:  # a repeatable option: each value
+            if one is not None and not str(one).strip():
+                raise KestrelError(f"--{name.replace('_', '-')}: {name} must not be empty, got {one!r}")
 
 
 def _strict_text(text: str, what: str) -> str:

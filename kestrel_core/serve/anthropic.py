@@ -12,7 +12,7 @@ back as Anthropic's content blocks (``thinking``, ``text``, ``tool_use``), whole
 stop reason and the output tokens, ``message_stop``). Stop reasons: ``end_turn``, ``max_tokens``, ``tool_use``;
 a stop sequence that ended the answer is reported as ``end_turn`` (the engine does not say which string matched).
 Thinking blocks carry an empty signature: nothing here signs them. Errors are Anthropic's
-``{"type": "error", "error": {"type", "message"}}``.
+``{"type": "error", "error": {"type", "message"}}``; the model is one the server serves, by its name.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from kestrel_core.serve.generation import retold
 from kestrel_core.serve.protocol import ChatCompletionRequest
 
 if TYPE_CHECKING:
-    from kestrel_core.serve.app import Served
+    from kestrel_core.serve.app import Models
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -274,14 +274,14 @@ async def _events(message_id: str, model: str, chunks: AsyncIterator[dict[str, A
             yield blocks.delta({"type": "input_json_delta", "partial_json": fn.get("arguments") or "{}"})
 
 
-def install(app: FastAPI, served: Served) -> None:
-    """Anthropic's routes on ``app``, answered by ``served``'s chat handler."""
+def install(app: FastAPI, models: Models) -> None:
+    """Anthropic's routes on ``app``, answered by the named model's chat handler."""
 
     @app.post("/v1/messages")
     async def messages(body: MessagesBody, request: Request) -> Response:
         if body.max_tokens is None:
             raise APIError(400, "max_tokens: Field required", param="max_tokens")
-        _check_model(served, body.model)
+        served = models.get(body.model)
         openai = validated(ChatCompletionRequest, body.openai(body.stream))
         message_id = f"msg_{uuid.uuid4().hex}"
 
@@ -297,11 +297,6 @@ def install(app: FastAPI, served: Served) -> None:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: MessagesBody) -> dict[str, int]:
-        _check_model(served, body.model)
-        _, prompt_ids, _, _ = served.chat_prompt(validated(ChatCompletionRequest, body.openai(False)))
+        _, prompt_ids, _, _ = models.get(body.model).chat_prompt(validated(ChatCompletionRequest, body.openai(False)))
         return {"input_tokens": len(prompt_ids)}
 
-
-def _check_model(served: Served, model: str) -> None:
-    if model != served.model_name:
-        raise APIError(404, f"model: {model} (this server serves {served.model_name})", param="model")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -49,15 +49,8 @@ class Served:
         backend = getattr(self.engine.tokenizer, "backend", None)  # Mistral's [TOOL_CALLS] is a control token
         self.tool_calls_id = backend.token_to_id("[TOOL_CALLS]") if self.tool_format == MISTRAL and backend else None
 
-    def check_model(self, model: str | None) -> None:
-        """OpenAI answers an unknown model with 404 model_not_found; no model at all means ours."""
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                           param="model", code="model_not_found")
-
-    def check_request(self, model: str | None) -> None:
-        """A generation request: for our model, and a model that generates."""
-        self.check_model(model)
+    def check_request(self) -> None:
+        """A generation request: for a model that generates."""
         try:
             self.engine.check_generates()
         except KestrelError as exc:
@@ -84,7 +77,7 @@ class Served:
 
     def chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[int], ToolCalls | None, str | None]:
         """A chat request's prompt: its text and token ids, how its answers carry tool calls, its grammar."""
-        self.check_request(body.model)
+        self.check_request()
         try:  # each of these names its field
             tools = body.tool_calls(self.tool_format)
             grammar = body.grammar(tools, self.tool_calls_id)
@@ -114,7 +107,7 @@ class Served:
 
     async def complete(self, body: CompletionRequest, request: Request) -> Response:
         """``/v1/completions``' answer."""
-        self.check_request(body.model)
+        self.check_request()
         try:
             texts = body.prompts()
             token_ids, stops = body.prompt_ids(self.engine.tokenizer)
@@ -137,7 +130,6 @@ class Served:
 
     async def embed(self, body: EmbeddingRequest, request: Request, truncate: bool = False) -> Response:
         """``/v1/embeddings``' answer; ``truncate``: inputs longer than the context keep their first tokens."""
-        self.check_model(body.model)
         tokenizer, context = self.engine.tokenizer, self.engine.config.max_position
 
         def tokenize() -> list[list[int]]:
@@ -156,24 +148,46 @@ class Served:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kestrel"}
 
 
-def create_app(async_engine: Any, model_name: str, api_key: str | None = None, pooling: str | None = None) -> FastAPI:
-    """The OpenAI-compatible app over ``async_engine``, serving it as ``model_name``; with ``api_key``,
-    /v1/* needs ``Authorization: Bearer <api_key>``; ``pooling``: the embeddings' (None: the model's)."""
-    served = Served(async_engine, model_name, pooling)
-    metrics = ServerMetrics(async_engine)
+class Models:
+    """The models a server serves, by their public names; the first answers requests that name none."""
+
+    def __init__(self, engines: Mapping[str, Any], pooling: str | None = None) -> None:
+        if not engines:
+            raise KestrelError("a server needs at least one model")
+        self.served = {name: Served(ae, name, pooling) for name, ae in engines.items()}
+        self.default = next(iter(self.served.values()))
+
+    def __iter__(self) -> Iterator[Served]:
+        return iter(self.served.values())
+
+    def get(self, name: str | None) -> Served:
+        """The model ``name`` names (None: the first); OpenAI's 404 model_not_found for another."""
+        if name is None:
+            return self.default
+        served = self.served.get(name)
+        if served is None:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                           f"{', '.join(f'`{n}`' for n in self.served)}.", param="model", code="model_not_found")
+        return served
+
+
+def create_app(engines: Mapping[str, Any], api_key: str | None = None, pooling: str | None = None) -> FastAPI:
+    """The OpenAI-compatible app over ``engines`` (public name -> AsyncEngine; the first answers requests that
+    name no model); with ``api_key``, /v1/* and /api/* need it; ``pooling``: the embeddings' (None: each
+    model's)."""
+    models = Models(engines, pooling)
+    metrics = ServerMetrics(list(engines.values()))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
+        for ae in engines.values():
+            ae.start()
         yield
         # the server has already waited for (or cancelled) its requests: whatever is left is aborted
-        await async_engine.shutdown(grace_s=0.0)
+        await asyncio.gather(*(ae.shutdown(grace_s=0.0) for ae in engines.values()))
 
     app = FastAPI(title="kestrel", version=kestrel_core.__version__, lifespan=lifespan,
                   summary="An OpenAI-compatible API over kestrel's continuous-batching engine.")
-    app.state.async_engine = async_engine
-    app.state.metrics = metrics
-    app.state.model_name = model_name
     install_error_handlers(app)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
@@ -181,32 +195,31 @@ def create_app(async_engine: Any, model_name: str, api_key: str | None = None, p
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await served.chat(body, request)
+        return await models.get(body.model).chat(body, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await served.complete(body, request)
+        return await models.get(body.model).complete(body, request)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        return await served.embed(body, request)
+        return await models.get(body.model).embed(body, request)
 
-    ollama.install(app, served)
-    anthropic.install(app, served)
-    responses_api.install(app, served)
+    ollama.install(app, models)
+    anthropic.install(app, models)
+    responses_api.install(app, models)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [served.model_card()]}
+        return {"object": "list", "data": [served.model_card() for served in models]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
-        served.check_model(model_id)
-        return served.model_card()
+        return models.get(model_id).model_card()
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if async_engine.accepting:
+        if all(ae.accepting for ae in engines.values()):
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "shutting down"}, status_code=503)
 

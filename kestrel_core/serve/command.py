@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import logging
 import sys
+from typing import Any
 
 from kestrel_core.env import env_str
 from kestrel_core.errors import KestrelError
@@ -24,11 +25,23 @@ def _check_installed() -> None:
         raise KestrelError(f"kestrel serve needs {', '.join(missing)}: pip install \"kestrel[serve]\"")
 
 
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """A handler that writes to ``sys.stderr`` as it is when a record comes (not the stream it was first)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def _setup_logging(verbose: bool) -> None:
     """Request lines and the startup line go to stderr as plain lines, whatever the CLI's root logging."""
     logger = logging.getLogger("kestrel.serve")
     if not any(getattr(h, "_kestrel_serve", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
         handler._kestrel_serve = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
@@ -45,24 +58,31 @@ def serve_command(args: argparse.Namespace) -> int:
 
     _setup_logging(bool(getattr(args, "verbose", False)))
     api_key = args.api_key or env_str(API_KEY_ENV) or None
+    names = args.served_model_name or []
+    if len(names) > max(1, len(args.model or ())):
+        raise KestrelError(f"{len(names)} --served-model-name for {len(args.model or ()) or 1} model(s)")
     sock = bind_socket(args.host, args.port)  # a busy port fails now, not after the model has loaded
+    engines = []
     try:
         options = dict(backend=args.backend, quant=args.quant, kv_cache_mb=args.kv_cache_mb,
                        activations=getattr(args, "activations", "auto"))
         if getattr(args, "preset", None):
             if args.model:
                 raise KestrelError("give either --model or --preset, not both")
-            engine = load_preset(args.preset, **options)
+            engines.append(load_preset(args.preset, **options))
         else:
-            engine = load(args.model, **options)
-        engine.speculate = args.speculate
-        with engine:
-            serve(engine, host=args.host, port=args.port, api_key=api_key, sock=sock,
-                  max_batch=args.max_batch if args.max_batch is not None else DEFAULT_MAX_BATCH,
-                  max_waiting=args.max_waiting if args.max_waiting is not None else DEFAULT_MAX_WAITING,
-                  token_budget=args.token_budget,
-                  model_name=args.served_model_name, shutdown_grace_s=args.shutdown_grace, pooling=args.pooling)
+            for model in args.model or [None]:
+                engines.append(load(model, **options))
+        for engine in engines:
+            engine.speculate = args.speculate
+        serve(engines, host=args.host, port=args.port, api_key=api_key, sock=sock,
+              max_batch=args.max_batch if args.max_batch is not None else DEFAULT_MAX_BATCH,
+              max_waiting=args.max_waiting if args.max_waiting is not None else DEFAULT_MAX_WAITING,
+              token_budget=args.token_budget, model_names=names, shutdown_grace_s=args.shutdown_grace,
+              pooling=args.pooling)
     finally:
+        for engine in engines:
+            engine.close()
         sock.close()
         finish_cache_writes(cancel=True)  # a stopping server does not wait for its model's cache entry
     return 0

@@ -32,7 +32,7 @@ from kestrel_core.serve.generation import retold
 from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
 if TYPE_CHECKING:
-    from kestrel_core.serve.app import Served
+    from kestrel_core.serve.app import Models, Served
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's, where a Modelfile sets none
 DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop"}
@@ -270,12 +270,12 @@ def _loaded(answer: _Answer, keep_alive: Any) -> JSONResponse:
     return JSONResponse({**answer.part(done=True), "done_reason": "unload" if keep_alive == 0 else "load"})
 
 
-def install(app: FastAPI, served: Served) -> None:
-    """Ollama's routes on ``app``, answered by ``served``'s handlers."""
+def install(app: FastAPI, models: Models) -> None:
+    """Ollama's routes on ``app``, answered by the named model's handlers."""
 
     @app.post("/api/chat")
     async def chat(body: ChatBody, request: Request) -> Response:
-        check_model(served, body.model)
+        served = model_of(models, body.model)
         if not body.messages:  # a client loading (or unloading) the model: it stays loaded while serving
             return _loaded(_Answer(served, request, "message"), body.keep_alive)
         openai = validated(ChatCompletionRequest, body.openai())
@@ -283,7 +283,7 @@ def install(app: FastAPI, served: Served) -> None:
 
     @app.post("/api/generate")
     async def generate(body: GenerateBody, request: Request) -> Response:
-        check_model(served, body.model)
+        served = model_of(models, body.model)
         answer = _Answer(served, request, "response")
         if body.images:
             raise APIError(400, "images are not supported (kestrel serves text models)", param="images")
@@ -307,7 +307,7 @@ def install(app: FastAPI, served: Served) -> None:
 
     @app.post("/api/embed")
     async def embed(body: EmbedBody, request: Request) -> Response:
-        check_model(served, body.model)
+        served = model_of(models, body.model)
         start = record_of(request).start
         openai = validated(EmbeddingRequest, {"input": body.input, "dimensions": body.dimensions})
         response = await served.embed(openai, request, truncate=body.truncate)
@@ -320,7 +320,7 @@ def install(app: FastAPI, served: Served) -> None:
 
     @app.post("/api/embeddings")
     async def embeddings(body: LegacyEmbeddingsBody, request: Request) -> Response:
-        check_model(served, body.model)
+        served = model_of(models, body.model)
         openai = validated(EmbeddingRequest, {"input": body.prompt})
         response = await served.embed(openai, request, truncate=True)
         if response.status_code != 200:
@@ -329,16 +329,16 @@ def install(app: FastAPI, served: Served) -> None:
 
     @app.get("/api/tags")
     async def tags() -> dict[str, Any]:
-        return {"models": [card(served)]}
+        return {"models": [card(served) for served in models]}
 
     @app.get("/api/ps")
     async def ps() -> dict[str, Any]:
-        return {"models": [{**card(served), "expires_at": "2100-01-01T00:00:00Z", "size_vram": 0}]}
+        return {"models": [{**card(served), "expires_at": "2100-01-01T00:00:00Z", "size_vram": 0}
+                           for served in models]}
 
     @app.post("/api/show")
     async def show(body: ShowBody) -> dict[str, Any]:
-        check_model(served, body.model or body.name or "")
-        return show_model(served)
+        return show_model(model_of(models, body.model or body.name or ""))
 
     @app.get("/api/version")
     async def version() -> dict[str, str]:
@@ -350,9 +350,13 @@ def ollama_name(served: Served) -> str:
     return served.model_name if ":" in served.model_name else f"{served.model_name}:latest"
 
 
-def check_model(served: Served, name: str) -> None:
-    if name not in (served.model_name, ollama_name(served)):
-        raise APIError(404, f"model '{name}' not found; this server serves '{ollama_name(served)}'", param="model")
+def model_of(models: Models, name: str) -> Served:
+    """The model Ollama's ``name`` names: a served name, with or without its ``:latest`` tag."""
+    for served in models:
+        if name in (served.model_name, ollama_name(served)):
+            return served
+    names = ", ".join(f"'{ollama_name(served)}'" for served in models)
+    raise APIError(404, f"model '{name}' not found; this server serves {names}", param="model")
 
 
 def details(served: Served) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from kestrel_core.serve.generation import retold
 from kestrel_core.serve.protocol import ChatCompletionRequest
 
 if TYPE_CHECKING:
-    from kestrel_core.serve.app import Served
+    from kestrel_core.serve.app import Models, Served
 
 
 class _Body(BaseModel):
@@ -330,12 +330,12 @@ async def _events(response: _Response, chunks: AsyncIterator[dict[str, Any]]) ->
                 yield e
 
 
-def install(app: FastAPI, served: Served) -> None:
-    """The Responses API's route on ``app``, answered by ``served``'s chat handler."""
+def install(app: FastAPI, models: Models) -> None:
+    """The Responses API's route on ``app``, answered by the named model's chat handler."""
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesBody, request: Request) -> Response:
-        served.check_model(body.model)
+        served = models.get(body.model)
         openai = validated(ChatCompletionRequest, body.openai())
         response = _Response(served, body)
         return retold(await served.chat(openai, request), lambda answer: _whole(response, answer),

@@ -20,7 +20,7 @@ import re
 import signal
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -77,10 +77,10 @@ class KestrelServer(uvicorn.Server):
     """uvicorn's server with a drain-then-exit shutdown (``request_shutdown``, or SIGTERM/SIGINT in the main
     thread); it serves on ``sock``."""
 
-    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, sock: socket.socket,
+    def __init__(self, config: uvicorn.Config, async_engines: list[AsyncEngine], sock: socket.socket,
                  shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
         super().__init__(config)
-        self.async_engine = async_engine
+        self.async_engines = async_engines  # one a model
         self.sock = sock
         self.shutdown_grace_s = shutdown_grace_s
         self.url = url_of(sock)
@@ -118,18 +118,22 @@ class KestrelServer(uvicorn.Server):
             return
         loop.call_soon_threadsafe(self._shutdown_now)
 
+    @property
+    def active(self) -> int:
+        """Requests in flight, over every model."""
+        return sum(ae.active for ae in self.async_engines)
+
     def _shutdown_now(self) -> None:
         self._signals += 1
-        ae = self.async_engine
         if self._signals == 1:
-            if ae.active:
+            if self.active:
                 log.info("kestrel serve: shutting down: %d request(s) in flight get up to %.0f s to finish "
-                         "(signal again to abort them)", ae.active, self.shutdown_grace_s)
+                         "(signal again to abort them)", self.active, self.shutdown_grace_s)
             else:
                 log.info("kestrel serve: shutting down")
             self._drain = asyncio.ensure_future(self._drain_then_exit(self.shutdown_grace_s))
         elif self._signals == 2:  # abort what runs: the streams end with an error event, the answers with 503
-            log.info("kestrel serve: aborting %d request(s)", ae.active)
+            log.info("kestrel serve: aborting %d request(s)", self.active)
             if self._drain is not None:
                 self._drain.cancel()
             self._drain = asyncio.ensure_future(self._drain_then_exit(0.0))
@@ -138,7 +142,7 @@ class KestrelServer(uvicorn.Server):
             self.should_exit = True
 
     async def _drain_then_exit(self, grace_s: float) -> None:
-        await self.async_engine.shutdown(grace_s)
+        await asyncio.gather(*(ae.shutdown(grace_s) for ae in self.async_engines))
         self.should_exit = True
 
     @contextlib.contextmanager
@@ -173,45 +177,60 @@ def warm_up(async_engine: AsyncEngine) -> None:
         async_engine.run_sync(lambda: list(engine.generate(ids, max_tokens=2, stop_at_eos=False)))
 
 
-def build_server(async_engine: AsyncEngine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
+def build_server(engines: Mapping[str, AsyncEngine], *, host: str = "127.0.0.1", port: int = 8000,
                  api_key: str | None = None, shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
                  sock: socket.socket | None = None, pooling: str | None = None,
                  **uvicorn_options: Any) -> KestrelServer:
-    """The app over ``async_engine`` in a KestrelServer bound to host:port (or serving ``sock``, already
-    bound), not yet running."""
-    app = create_app(async_engine, model_name, api_key=api_key, pooling=pooling)
+    """The app over ``engines`` (public name -> AsyncEngine, the first the default) in a KestrelServer bound to
+    host:port (or serving ``sock``, already bound), not yet running."""
+    app = create_app(engines, api_key=api_key, pooling=pooling)
     sock = sock if sock is not None else bind_socket(host, port)
     options: dict[str, Any] = {"log_config": None, "log_level": "warning", "access_log": False,
                                "lifespan": "on", "timeout_graceful_shutdown": 5.0}
     options.update(uvicorn_options)
     config = uvicorn.Config(app, **options)
-    return KestrelServer(config, async_engine, sock, shutdown_grace_s)
+    return KestrelServer(config, list(engines.values()), sock, shutdown_grace_s)
 
 
-def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, *,
+def serve(engines: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, *,
           max_batch: int = DEFAULT_MAX_BATCH, max_waiting: int = DEFAULT_MAX_WAITING,
-          token_budget: int | None = None, model_name: str | None = None,
+          token_budget: int | None = None, model_names: Sequence[str | None] = (),
           shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S, sock: socket.socket | None = None,
           pooling: str | None = None) -> None:
-    """Serve ``engine`` over HTTP until SIGTERM/SIGINT; returns once drained (the caller then exits 0).
-    ``sock``: a socket bound already (``bind_socket``), e.g. to fail on a busy port before loading a model;
-    ``pooling``: the embeddings' (None: the model's)."""
-    async_engine = AsyncEngine(engine, max_batch=max_batch, token_budget=token_budget, max_waiting=max_waiting)
-    name = model_name or default_model_name(str(getattr(engine, "source", "")))
-    warm_up(async_engine)
-    server = build_server(async_engine, name, host=host, port=port, api_key=api_key,
-                          shutdown_grace_s=shutdown_grace_s, sock=sock, pooling=pooling)
+    """Serve an engine, or a list of them (the first answers requests that name no model), over HTTP until
+    SIGTERM/SIGINT; returns once drained (the caller then exits 0). ``model_names``: their public names (default:
+    from each model's source); ``sock``: a socket bound already (``bind_socket``), e.g. to fail on a busy port
+    before loading a model; ``pooling``: the embeddings' (None: each model's)."""
+    engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
+    named: dict[str, AsyncEngine] = {}
+    for i, engine in enumerate(engines):
+        given = model_names[i] if i < len(model_names) else None
+        name = given or default_model_name(str(getattr(engine, "source", "")))
+        if name in named:
+            raise KestrelError(f"two models are named {name!r}: give each its own --served-model-name")
+        named[name] = AsyncEngine(engine, max_batch=max_batch, token_budget=token_budget, max_waiting=max_waiting)
+    for ae in named.values():
+        warm_up(ae)
+    server = build_server(named, host=host, port=port, api_key=api_key, shutdown_grace_s=shutdown_grace_s,
+                          sock=sock, pooling=pooling)
 
     def announce(s: KestrelServer) -> None:
         auth = ", API key required" if api_key else ""
-        pooled = engine.config.pooling
-        kind = f", embeddings only ({pooling or pooled} pooling)" if pooled else ""
-        log.info("kestrel serve: %s/v1 (model %s%s, backend %s, max batch %d%s)", s.url, name, kind,
-                 getattr(engine, "backend_name", "?"), max_batch, auth)
+        described = ", ".join(_describe(name, ae.engine, pooling) for name, ae in named.items())
+        log.info("kestrel serve: %s/v1 (%s; max batch %d%s)", s.url, described, max_batch, auth)
 
     server.on_started = announce
     try:
         server.run_forever()
     finally:  # a no-op after a drain; after a forced exit it aborts what is left and stops the thread
-        asyncio.run(async_engine.shutdown(0.0))
+        async def stop() -> None:
+            await asyncio.gather(*(ae.shutdown(0.0) for ae in named.values()))
+        asyncio.run(stop())
     log.info("kestrel serve: stopped")
+
+
+def _describe(name: str, engine: Any, pooling: str | None) -> str:
+    """One model in the startup line: its name, what it does, its backend."""
+    pooled = engine.config.pooling
+    kind = f", embeddings only ({pooling or pooled} pooling)" if pooled else ""
+    return f"model {name}{kind}, backend {getattr(engine, 'backend_name', '?')}"

@@ -38,7 +38,7 @@ def running_server(async_engine: Any, model_name: str, api_key: str | None = Non
                    shutdown_grace_s: float = 5.0, **options: Any) -> Iterator[KestrelServer]:
     """A KestrelServer on 127.0.0.1:<free port> in a daemon thread (``options``: build_server's); drained and
     joined on exit."""
-    server = build_server(async_engine, model_name, host="127.0.0.1", port=0, api_key=api_key,
+    server = build_server({model_name: async_engine}, host="127.0.0.1", port=0, api_key=api_key,
                           shutdown_grace_s=shutdown_grace_s, **options)
     thread = threading.Thread(target=server.run_forever, name="kestrel-test-server", daemon=True)
     thread.start()

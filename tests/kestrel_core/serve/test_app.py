@@ -501,7 +501,7 @@ def test_a_burst_over_capacity_gets_429s(small_server: KestrelServer) -> None:
         results = list(pool.map(one, range(6)))
     assert results.count("ok") >= 1 and results.count("429") >= 1, results
     assert results.count("ok") <= 2, results  # one running plus one waiting
-    _wait_idle(small_server.async_engine)
+    _wait_idle(small_server.async_engines[0])
 
 
 def test_choices_over_capacity_get_a_429_and_leave_nothing_running(small_server: KestrelServer) -> None:
@@ -510,7 +510,7 @@ def test_choices_over_capacity_get_a_429_and_leave_nothing_running(small_server:
     with pytest.raises(openai.RateLimitError) as info:
         _chat(client, n=3, max_tokens=4000, extra_body={"ignore_eos": True})
     assert "capacity" in info.value.body["message"]
-    _wait_idle(small_server.async_engine, timeout=3.0)
+    _wait_idle(small_server.async_engines[0], timeout=3.0)
     assert len(_chat(client, n=2, max_tokens=4).choices) == 2  # two fit
 
 

@@ -6,6 +6,7 @@ import importlib.util
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from kestrel_core.cli import main
 from kestrel_core.serve import command
 
 # the shared CLI check words them as it does run's and bench's: "--flag: field must be ..."
+TINY = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-qwen3"
 BAD_VALUES = [
     (["--port", "70000"], "--port: port must be an integer in [0, 65535], got 70000"),
     (["--port", "-1"], "--port: port must be an integer in [0, 65535], got -1"),
@@ -35,6 +37,8 @@ BAD_VALUES = [
     (["--backend", "nope"], "unknown backend 'nope'"),
     (["--preset", "tiny", "--model", "m.gguf"], "either --model or --preset"),
     (["--preset", "gpt5"], "unknown preset 'gpt5'"),
+    (["--served-model-name", "a", "--served-model-name", "b"], "2 --served-model-name for 1 model(s)"),
+    (["--model", str(TINY), "--model", str(TINY)], "two models are named 'tiny-qwen3'"),
 ])
 def test_bad_options_are_one_line_and_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", *argv]) == 2

@@ -32,7 +32,7 @@ def _samples(metrics: ServerMetrics) -> dict[tuple[str, tuple[tuple[str, str], .
 
 def test_engine_state_and_offload_counters_are_read_at_scrape_time() -> None:
     ae = _fake_async_engine()
-    metrics = ServerMetrics(ae)
+    metrics = ServerMetrics([ae])
     s = _samples(metrics)
     assert s[("kestrel_num_requests_waiting", ())] == 3 and s[("kestrel_num_requests_running", ())] == 2
     assert s[("kestrel_engine_steps_total", ())] == 7
@@ -51,7 +51,7 @@ def test_engine_state_and_offload_counters_are_read_at_scrape_time() -> None:
 
 
 def test_request_metrics_and_separate_registries() -> None:
-    a, b = ServerMetrics(_fake_async_engine()), ServerMetrics(_fake_async_engine())  # no clash
+    a, b = ServerMetrics([_fake_async_engine()]), ServerMetrics([_fake_async_engine()])  # no clash
     a.observe_request("/v1/completions", 200, 0.5, prompt_tokens=4, completion_tokens=6)
     a.observe_request("/v1/completions", 429, 0.001, prompt_tokens=0, completion_tokens=0)
     a.time_to_first_token.observe(0.2)
@@ -67,7 +67,7 @@ def test_request_metrics_and_separate_registries() -> None:
 def test_prefix_cache_figures_are_the_pools() -> None:
     ae = _fake_async_engine()
     ae.engine.pool = SimpleNamespace(prefix_hit_tokens=128, cached_blocks=5)
-    s = _samples(ServerMetrics(ae))
+    s = _samples(ServerMetrics([ae]))
     assert s[("kestrel_prefix_cache_hit_tokens_total", ())] == 128 and s[("kestrel_prefix_cache_blocks", ())] == 5
     ae.engine.pool.prefix_hit_tokens = 192
-    assert _samples(ServerMetrics(ae))[("kestrel_prefix_cache_hit_tokens_total", ())] == 192
+    assert _samples(ServerMetrics([ae]))[("kestrel_prefix_cache_hit_tokens_total", ())] == 192

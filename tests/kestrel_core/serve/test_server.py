@@ -153,3 +153,19 @@ def test_an_embedding_model_serves_embeddings_then_exits_0_on_sigterm() -> None:
         serve.kill()
     log = "\n".join(serve.seen)
     assert re.search(r"POST /v1/embeddings 200 prompt=\d+ ", log) and "Traceback" not in log
+
+
+def test_two_models_are_served_and_named() -> None:
+    models = ROOT / "tests" / "fixtures" / "models"
+    serve = _Serve("--model", str(models / "tiny-qwen3"), "--model", str(models / "tiny-qwen3-embed.gguf"),
+                   "--served-model-name", "chat")
+    try:
+        url = serve.wait_for(r"kestrel serve: (\S+)/v1 \(model chat, backend cpu, model tiny-qwen3-embed, "
+                             r"embeddings only \(last pooling\), backend cpu; max batch").group(1)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["chat", "tiny-qwen3-embed"]
+        serve.proc.send_signal(signal.SIGTERM)
+        assert serve.finish() == 0
+    finally:
+        serve.kill()
+    assert "Traceback" not in "\n".join(serve.seen)
