@@ -18,6 +18,10 @@ rows run the tokens the device chose, so the device never waits for the host; on
 need another preempted. A request that the running step ends (EOS, a stop string, an abort) has a row in the
 next one already: that row's token is dropped, and the request's sequence is freed once that step is in.
 
+With ``Engine.speculate`` set, where the host runs the steps, a greedy request's decode row is followed by up
+to that many tokens guessed from its context (kestrel_core.model.speculate); the step keeps each row's argmax
+while the guesses agree, and the sequence is rewound past the first that does not.
+
 The scheduler is not thread-safe: one thread drives it (``AsyncEngine``, or ``Engine.generate``).
 """
 
