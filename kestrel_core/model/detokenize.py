@@ -23,6 +23,7 @@ class TextStream:
         self.text = ""  # every character decoded so far
         self.sent = 0  # text[:sent] has been handed out
         self.stopped = False
+        self.stopped_by: str | None = None  # the stop string the text ended before
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -54,10 +55,11 @@ class TextStream:
         if self.stop:
             # a stop string may straddle what was already handed out: search from the longest one back
             start = max(0, self.sent - max(map(len, self.stop)) + 1)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
             if hits:
                 self.stopped = True
-                cut = max(min(hits), self.sent)
+                first, self.stopped_by = min(hits)
+                cut = max(first, self.sent)
                 out, self.sent = self.text[self.sent:cut], cut
                 return out
         safe = len(self.text) if final else len(self.text) - self._held()

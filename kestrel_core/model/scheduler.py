@@ -65,6 +65,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop" (EOS, a stop token or string), "length", "abort", or None
     prompt_tokens: int
     completion_tokens: int
+    stop_reason: str | int | None = None  # what stopped it: the stop string, or stop token id (None: end of text)
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Request:
     _device_offered: bool = False
     lookup: PromptLookup | None = None  # its tokens' n-grams, for drafts (speculative decoding)
     draft: list[int] = field(default_factory=list)  # the tokens its running step guessed after its next one
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
     @property
     def finished(self) -> bool:
@@ -484,7 +486,10 @@ class Scheduler:
         request.output_ids.append(token)
         if request.first_token_at is None:
             request.first_token_at = time.monotonic()
-        if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
+        if token in p.stop_token_ids:
+            request.stop_reason = token
+            self._finish(request, "stop")
+        elif token in self.eos and not p.ignore_eos:
             self._finish(request, "stop")
         elif len(request.output_ids) >= p.max_tokens:
             self._finish(request, "length")
@@ -506,6 +511,7 @@ class Scheduler:
                 continue
             text += request.text.push(token)
             if request.text.stopped:
+                request.stop_reason = request.text.stopped_by
                 if not request.finished:
                     self._finish(request, "stop")
                 elif request.finish_reason == "length":
@@ -517,7 +523,8 @@ class Scheduler:
         if request.finished and request.text is not None:
             text += request.text.flush()
         return RequestOutput(request.request_id, tokens, text, logprobs or None, request.finished,
-                             request.finish_reason, len(request.prompt_ids), len(request.output_ids))
+                             request.finish_reason, len(request.prompt_ids), len(request.output_ids),
+                             request.stop_reason if request.finished else None)
 
     def _finish(self, request: Request, reason: str) -> None:
         self._drop_device(request)

@@ -9,10 +9,10 @@ template's default), ``output_config.format`` (a JSON Schema) as a JSON response
 and ``top_k``, which the current SDKs no longer send, are read where a client sends them. The answer comes
 back as Anthropic's content blocks (``thinking``, ``text``, ``tool_use``), whole or as Anthropic's event stream
 (``message_start``, a ``content_block_start`` / ``_delta`` / ``_stop`` run a block, ``message_delta`` with the
-stop reason and the output tokens, ``message_stop``). Stop reasons: ``end_turn``, ``max_tokens``, ``tool_use``;
-a stop sequence that ended the answer is reported as ``end_turn`` (the engine does not say which string matched).
-Thinking blocks carry an empty signature: nothing here signs them. Errors are Anthropic's
-``{"type": "error", "error": {"type", "message"}}``; the model is one the server serves, by its name.
+stop reason and the output tokens, ``message_stop``). Stop reasons: ``end_turn``, ``max_tokens``, ``tool_use``,
+and ``stop_sequence`` with the sequence that ended the answer. Thinking blocks carry an empty signature: nothing
+here signs them. Errors are Anthropic's ``{"type": "error", "error": {"type", "message"}}``; the model is one
+the server serves, by its name.
 """
 
 from __future__ import annotations
@@ -193,10 +193,18 @@ def _arguments(text: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _envelope(message_id: str, model: str, content: list[dict[str, Any]], stop_reason: str | None,
+def _stop(choice: dict[str, Any]) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of an OpenAI choice that finished (vLLM's ``stop_reason``: the string)."""
+    by = choice.get("stop_reason")
+    if isinstance(by, str):
+        return "stop_sequence", by
+    return STOP_REASONS.get(choice.get("finish_reason") or "stop", "end_turn"), None
+
+
+def _envelope(message_id: str, model: str, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
               usage: dict[str, int]) -> dict[str, Any]:
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop_reason, "stop_sequence": None, "usage": usage}
+            "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
 
 
 def _event(kind: str, body: dict[str, Any]) -> bytes:
@@ -234,7 +242,7 @@ async def _events(message_id: str, model: str, chunks: AsyncIterator[dict[str, A
     """An OpenAI chat stream's chunks as Anthropic's event stream."""
     blocks = _Blocks()
     started = False
-    finish: str | None = None
+    finish: dict[str, Any] = {}  # the choice that finished
     output = 0
     async for chunk in chunks:
         if "error" in chunk:
@@ -245,18 +253,19 @@ async def _events(message_id: str, model: str, chunks: AsyncIterator[dict[str, A
         output = usage.get("completion_tokens", output)
         if not started:
             started = True
-            start = _envelope(message_id, model, [], None, {"input_tokens": usage.get("prompt_tokens", 0),
-                                                            "output_tokens": 0})
+            start = _envelope(message_id, model, [], (None, None), {"input_tokens": usage.get("prompt_tokens", 0),
+                                                                    "output_tokens": 0})
             yield _event("message_start", {"message": start})
         if not chunk.get("choices"):  # the final usage: the message is complete
             for e in blocks.close():
                 yield e
-            delta = {"stop_reason": STOP_REASONS.get(finish or "stop", "end_turn"), "stop_sequence": None}
+            reason, sequence = _stop(finish)
+            delta = {"stop_reason": reason, "stop_sequence": sequence}
             yield _event("message_delta", {"delta": delta, "usage": {"output_tokens": output}})
             yield _event("message_stop", {})
             return
         choice = chunk["choices"][0]
-        finish = choice.get("finish_reason") or finish
+        finish = choice if choice.get("finish_reason") else finish
         delta = choice.get("delta") or {}
         if delta.get("reasoning_content"):
             for e in blocks.to("thinking", {"type": "thinking", "thinking": ""}):
@@ -287,8 +296,7 @@ def install(app: FastAPI, models: Models) -> None:
 
         def whole(answer: dict[str, Any]) -> dict[str, Any]:
             choice, usage = answer["choices"][0], answer.get("usage") or {}
-            return _envelope(message_id, body.model, _blocks(choice["message"]),
-                             STOP_REASONS.get(choice.get("finish_reason") or "stop", "end_turn"),
+            return _envelope(message_id, body.model, _blocks(choice["message"]), _stop(choice),
                              {"input_tokens": usage.get("prompt_tokens", 0),
                               "output_tokens": usage.get("completion_tokens", 0)})
 

@@ -170,7 +170,7 @@ async def _collect(gen: AsyncIterator[RequestOutput], record: RequestRecord, log
         if out.logprobs and result.logprobs is not None:
             result.logprobs.extend(out.logprobs)
         if out.finished:
-            result.finish_reason = out.finish_reason
+            result.finish_reason, result.stop_reason = out.finish_reason, out.stop_reason
     return result
 
 
@@ -274,7 +274,7 @@ async def _events(gens: list[AsyncIterator[RequestOutput]], firsts: list[Request
             elif out.new_token_ids or out.new_text or out.logprobs:  # a chunk per step that made tokens, as
                 yield deltas(text, out.logprobs, i)  # OpenAI's ("" while text is held)
             if out.finished:
-                for chunk in shape.finish_chunks(out.finish_reason, i):
+                for chunk in shape.finish_chunks(out.finish_reason, i, out.stop_reason):
                     yield sse(chunk)
         else:
             if shape.include_usage:

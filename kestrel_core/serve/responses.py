@@ -42,6 +42,7 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     completion_tokens: int = 0
+    stop_reason: str | int | None = None  # the stop string or token id that ended it (vLLM's field)
 
 
 @dataclass
@@ -169,11 +170,13 @@ class _Shape:
         """What of choice ``index``'s new ``text`` a stream sends now: (reasoning, content)."""
         return "", text
 
-    def finish_chunks(self, reason: str | None, index: int = 0) -> list[dict[str, Any]]:
-        """The chunks that end choice ``index``'s stream."""
-        return [self.finish_chunk(reason, index)]
+    def finish_chunks(self, reason: str | None, index: int = 0, stop_reason: str | int | None = None
+                      ) -> list[dict[str, Any]]:
+        """The chunks that end choice ``index``'s stream (``stop_reason``: the stop string or token id)."""
+        return [self.finish_chunk(reason, index, stop_reason)]
 
-    def finish_chunk(self, reason: str | None, index: int = 0) -> dict[str, Any]:
+    def finish_chunk(self, reason: str | None, index: int = 0, stop_reason: str | int | None = None
+                     ) -> dict[str, Any]:
         raise NotImplementedError
 
     def reasoning_chunk(self, text: str, entries: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any]:
@@ -219,7 +222,7 @@ class ChatShape(_Shape):
                 message["tool_calls"] = self.tools.message_calls(parsed.calls)
                 reason = _calls_reason(reason)
         return {"index": index, "message": message, "logprobs": self.logprobs(result.logprobs),
-                "finish_reason": reason}
+                "finish_reason": reason, "stop_reason": result.stop_reason}
 
     def stream_text(self, index: int, text: str) -> tuple[str, str]:
         if self.reasoning is None and self.tools is None:
@@ -232,7 +235,8 @@ class ChatShape(_Shape):
             reasoning, text = thinking.feed(text)
         return reasoning, text if tools is None else tools.feed(text)
 
-    def finish_chunks(self, reason: str | None, index: int = 0) -> list[dict[str, Any]]:
+    def finish_chunks(self, reason: str | None, index: int = 0, stop_reason: str | int | None = None
+                      ) -> list[dict[str, Any]]:
         thinking, tools = self._streams.pop(index, (None, None))
         reasoning, rest = thinking.finish() if thinking is not None else ("", "")
         chunks = [self.reasoning_chunk(reasoning, None, index)] if reasoning else []
@@ -249,7 +253,7 @@ class ChatShape(_Shape):
             chunks.append(self.chunk({"index": index, "delta": {"tool_calls": deltas}, "logprobs": None,
                                       "finish_reason": None}))
             reason = _calls_reason(reason)
-        return chunks + [self.finish_chunk(reason, index)]
+        return chunks + [self.finish_chunk(reason, index, stop_reason)]
 
     def reasoning_chunk(self, text: str, entries: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any]:
         return self.chunk({"index": index, "delta": {"reasoning_content": text}, "logprobs": self.logprobs(entries),
@@ -263,8 +267,10 @@ class ChatShape(_Shape):
         return self.chunk({"index": index, "delta": {"content": text}, "logprobs": self.logprobs(entries),
                            "finish_reason": None})
 
-    def finish_chunk(self, reason: str | None, index: int = 0) -> dict[str, Any]:
-        return self.chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(reason)})
+    def finish_chunk(self, reason: str | None, index: int = 0, stop_reason: str | int | None = None
+                     ) -> dict[str, Any]:
+        return self.chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(reason),
+                           "stop_reason": stop_reason})
 
 
 class CompletionShape(_Shape):
@@ -317,7 +323,7 @@ class CompletionShape(_Shape):
             logprobs = {key: head[key] + logprobs[key] for key in head}
         text = (echo.text if echo is not None else "") + "".join(result.text)
         return {"text": text, "index": index, "logprobs": logprobs,
-                "finish_reason": finish_reason(result.finish_reason)}
+                "finish_reason": finish_reason(result.finish_reason), "stop_reason": result.stop_reason}
 
     def first_chunks(self, choices: int = 1) -> list[dict[str, Any]]:
         """A chunk of each echoed choice's prompt."""
@@ -329,8 +335,10 @@ class CompletionShape(_Shape):
         return self.chunk({"text": text, "index": index, "logprobs": self.logprobs(entries, index),
                            "finish_reason": None})
 
-    def finish_chunk(self, reason: str | None, index: int = 0) -> dict[str, Any]:
-        return self.chunk({"text": "", "index": index, "logprobs": None, "finish_reason": finish_reason(reason)})
+    def finish_chunk(self, reason: str | None, index: int = 0, stop_reason: str | int | None = None
+                     ) -> dict[str, Any]:
+        return self.chunk({"text": "", "index": index, "logprobs": None, "finish_reason": finish_reason(reason),
+                           "stop_reason": stop_reason})
 
 
 Shape = ChatShape | CompletionShape

@@ -97,7 +97,7 @@ def test_the_api_key_is_read_from_x_api_key(engine: Any) -> None:
             anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
                 model=NAME, max_tokens=2, messages=HI)
         keyed = anthropic.Anthropic(base_url=server.url, api_key="sekrit", max_retries=0)
-        assert keyed.messages.create(model=NAME, max_tokens=2, messages=HI).usage.output_tokens == 2
+        assert keyed.messages.create(model=NAME, max_tokens=2, messages=HI, **GREEDY).usage.output_tokens == 2
 
 
 def test_tool_use_and_thinking_blocks(engine: Any) -> None:
@@ -135,3 +135,19 @@ def test_tool_use_and_thinking_blocks(engine: Any) -> None:
             assert prompt.rstrip().endswith("<think>\n\n</think>")  # thinking disabled: enable_thinking false
     finally:
         engine.tokenizer.chat_template = template
+
+
+def test_a_stop_sequence_is_named(an: anthropic.Anthropic, client: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "The quick brown fox"}]  # tiny-qwen3 answers it with two characters
+    text = an.messages.create(model=NAME, max_tokens=12, messages=ask, **GREEDY).content[0].text
+    stop = next(c for c in text if c != text[0])
+    plain = client.chat.completions.create(model=NAME, messages=ask, temperature=0, max_tokens=12, stop=[stop])
+    assert plain.choices[0].model_extra["stop_reason"] == stop  # vLLM's field: what stopped it
+    got = an.messages.create(model=NAME, max_tokens=12, messages=ask, stop_sequences=[stop, "zzz"], **GREEDY)
+    assert (got.stop_reason, got.stop_sequence) == ("stop_sequence", stop)
+    assert got.content[0].text == plain.choices[0].message.content == text[:text.index(stop)]
+    with an.messages.stream(model=NAME, max_tokens=12, messages=ask, stop_sequences=[stop], **GREEDY) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+    whole = an.messages.create(model=NAME, max_tokens=12, messages=ask, **GREEDY)
+    assert (whole.stop_reason, whole.stop_sequence) == ("max_tokens", None)

@@ -58,7 +58,8 @@ def test_each_request_goes_to_the_model_it_names(server: KestrelServer, engines:
         client.chat.completions.create(model="embed", messages=HI, max_tokens=2)
     with pytest.raises(openai.NotFoundError, match="`chat`, `embed`"):
         client.chat.completions.create(model="gpt-4o", messages=HI, max_tokens=2)
-    assert client.responses.create(model="chat", input="Hi", max_output_tokens=3).usage.output_tokens == 3
+    assert client.responses.create(model="chat", input="Hi", max_output_tokens=3,
+                                   temperature=0).usage.output_tokens == 3
 
 
 def test_ollamas_and_anthropics_clients_see_every_model(server: KestrelServer) -> None:
@@ -66,9 +67,10 @@ def test_ollamas_and_anthropics_clients_see_every_model(server: KestrelServer) -
     assert [m.model for m in ol.list().models] == ["chat:latest", "embed:latest"]
     assert ol.show("embed").capabilities == ["embedding"] and ol.show("chat:latest").capabilities == ["completion"]
     assert len(ol.embed(model="embed", input="Paris").embeddings[0]) == 64
-    assert ol.chat(model="chat", messages=HI, options={"num_predict": 3}).eval_count == 3
+    assert ol.chat(model="chat", messages=HI, options={"num_predict": 3, "temperature": 0}).eval_count == 3
     an = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
-    assert an.messages.create(model="chat", max_tokens=3, messages=HI).usage.output_tokens == 3
+    assert an.messages.create(model="chat", max_tokens=3, messages=HI,
+                              extra_body={"temperature": 0}).usage.output_tokens == 3
     with pytest.raises(anthropic.BadRequestError, match="embedding model"):
         an.messages.create(model="embed", max_tokens=3, messages=HI)
 

@@ -40,7 +40,10 @@ def test_chat_shapes() -> None:
                                 "finish_reason": "length", "logprobs": {"refusal": None, "content": [
                                     {"token": "a", "logprob": -0.1, "bytes": [97], "top_logprobs": [
                                         {"token": "a", "logprob": -0.1, "bytes": [97]},
-                                        {"token": "b", "logprob": -2.0, "bytes": [98]}]}]}}]
+                                        {"token": "b", "logprob": -2.0, "bytes": [98]}]}]}, "stop_reason": None}]
+    stopped = shape.response([ChoiceResult(["a"], None, "stop", 1, stop_reason="\n\n")], 3)["choices"][0]
+    assert (stopped["finish_reason"], stopped["stop_reason"]) == ("stop", "\n\n")
+    assert shape.finish_chunk("stop", 0, 7)["choices"][0]["stop_reason"] == 7  # a stop token id
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
     assert shape.first_chunks()[0]["choices"][0]["delta"]["role"] == "assistant"
     assert shape.delta_chunk("a", None)["usage"] is None  # include_usage: null on every chunk but the last

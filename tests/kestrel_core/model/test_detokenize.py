@@ -1,0 +1,20 @@
+"""TextStream's stop strings: the text ends before the first one, and says which one it was."""
+
+from __future__ import annotations
+
+from kestrel_core.model.detokenize import TextStream
+
+
+class Letters:
+    """Token i is the letter chr(ord('a') + i)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def test_the_first_stop_string_in_the_text_ends_it_and_is_named() -> None:
+    stream = TextStream(Letters(), stop=("cd", "bc", "zz"))
+    text = "".join(stream.push(t) for t in range(6))  # abcdef: "bc" comes before "cd"
+    assert (text + stream.flush(), stream.stopped, stream.stopped_by) == ("a", True, "bc")
+    plain = TextStream(Letters(), stop=("zz",))
+    assert "".join(plain.push(t) for t in range(3)) + plain.flush() == "abc" and plain.stopped_by is None
