@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from kestrel_core.serve.errors import APIError, validated
 from kestrel_core.serve.generation import retold
-from kestrel_core.serve.protocol import ChatCompletionRequest
+from kestrel_core.serve.protocol import ChatCompletionRequest, RequestBody
 
 if TYPE_CHECKING:
     from kestrel_core.serve.app import Models
@@ -36,11 +36,7 @@ if TYPE_CHECKING:
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class Block(_Body):
+class Block(RequestBody):
     """A content block of a message (the kinds kestrel reads; an image is refused)."""
 
     type: StrictStr
@@ -54,39 +50,39 @@ class Block(_Body):
     thinking: StrictStr | None = None  # thinking
 
 
-class Message(_Body):
+class Message(RequestBody):
     role: Literal["user", "assistant"]
     content: StrictStr | list[Block]
 
 
-class Tool(_Body):
+class Tool(RequestBody):
     name: StrictStr
     description: StrictStr | None = None
     input_schema: dict[str, Any]
 
 
-class ToolChoice(_Body):
+class ToolChoice(RequestBody):
     type: Literal["auto", "any", "tool", "none"]
     name: StrictStr | None = None
     disable_parallel_tool_use: StrictBool | None = None
 
 
-class Thinking(_Body):
+class Thinking(RequestBody):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: StrictInt | None = None
 
 
-class OutputFormat(_Body):
+class OutputFormat(RequestBody):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Body):
+class OutputConfig(RequestBody):
     format: OutputFormat | None = None
     effort: StrictStr | None = None  # how hard a model reasons: the template decides here
 
 
-class MessagesBody(_Body):
+class MessagesBody(RequestBody):
     model: StrictStr
     messages: list[Message]
     max_tokens: StrictInt | None = None  # required by Anthropic; count_tokens has none

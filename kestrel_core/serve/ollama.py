@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr
 
 import kestrel_core
 from kestrel_core.model.fim import fim_format
@@ -29,7 +29,7 @@ from kestrel_core.model.quantize import model_quant
 from kestrel_core.serve.access import record_of
 from kestrel_core.serve.errors import APIError, validated
 from kestrel_core.serve.generation import retold
-from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RequestBody
 
 if TYPE_CHECKING:
     from kestrel_core.serve.app import Models, Served
@@ -38,11 +38,7 @@ DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's, where a 
 DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop"}
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class Options(_Body):
+class Options(RequestBody):
     """The options kestrel honours; the rest of Ollama's are ignored."""
 
     temperature: StrictFloat | StrictInt | None = None
@@ -55,16 +51,16 @@ class Options(_Body):
     frequency_penalty: StrictFloat | StrictInt | None = None
 
 
-class ToolFunction(_Body):
+class ToolFunction(RequestBody):
     name: StrictStr
     arguments: dict[str, Any]
 
 
-class ToolCall(_Body):
+class ToolCall(RequestBody):
     function: ToolFunction
 
 
-class Message(_Body):
+class Message(RequestBody):
     role: Literal["system", "user", "assistant", "tool"]
     content: StrictStr = ""
     images: list[StrictStr] | None = None
@@ -73,7 +69,7 @@ class Message(_Body):
     tool_name: StrictStr | None = None
 
 
-class _Generation(_Body):
+class _Generation(RequestBody):
     model: StrictStr
     format: Literal["json"] | dict[str, Any] | None = None
     options: Options | None = None
@@ -128,19 +124,19 @@ class GenerateBody(_Generation):
     context: list[StrictInt] | None = None
 
 
-class EmbedBody(_Body):
+class EmbedBody(RequestBody):
     model: StrictStr
     input: StrictStr | list[StrictStr]
     truncate: StrictBool = True
     dimensions: StrictInt | None = None
 
 
-class LegacyEmbeddingsBody(_Body):
+class LegacyEmbeddingsBody(RequestBody):
     model: StrictStr
     prompt: StrictStr
 
 
-class ShowBody(_Body):
+class ShowBody(RequestBody):
     model: StrictStr | None = None
     name: StrictStr | None = None  # the older field
 

@@ -52,23 +52,25 @@ TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "b
 # -- requests -----------------------------------------------------------------------------------------
 
 
-class _Request(BaseModel):
+class RequestBody(BaseModel):
+    """A request body: unknown fields ignored (clients send many); every API's requests are these."""
+
     model_config = ConfigDict(extra="ignore")
 
 
-class ContentPart(_Request):
+class ContentPart(RequestBody):
     """One part of a message's content; only ``{"type": "text", "text": ...}`` parts carry meaning here."""
 
     type: StrictStr
     text: StrictStr | None = None
 
 
-class FunctionCall(_Request):
+class FunctionCall(RequestBody):
     name: StrictStr
     arguments: StrictStr  # a JSON object's text, as OpenAI sends it
 
 
-class AssistantToolCall(_Request):
+class AssistantToolCall(RequestBody):
     """A call an earlier assistant message made, sent back with the conversation."""
 
     id: StrictStr
@@ -87,7 +89,7 @@ class AssistantToolCall(_Request):
                 "function": {"name": self.function.name, "arguments": arguments}}
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: StrictStr | list[ContentPart] | None = Field(default=None, validate_default=True)
     name: StrictStr | None = None
@@ -130,14 +132,14 @@ class ChatMessage(_Request):
         return message
 
 
-class FunctionTool(_Request):
+class FunctionTool(RequestBody):
     name: StrictStr
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema
     strict: StrictBool | None = None
 
 
-class Tool(_Request):
+class Tool(RequestBody):
     type: Literal["function"]
     function: FunctionTool
 
@@ -145,21 +147,21 @@ class Tool(_Request):
         return {"type": "function", "function": self.function.model_dump(exclude_none=True, exclude={"strict"})}
 
 
-class NamedFunction(_Request):
+class NamedFunction(RequestBody):
     name: StrictStr
 
 
-class NamedToolChoice(_Request):
+class NamedToolChoice(RequestBody):
     type: Literal["function"]
     function: NamedFunction
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestBody):
     include_usage: StrictBool | None = None
     continuous_usage_stats: StrictBool | None = None  # vLLM's extension: every chunk's running usage
 
 
-class _Generation(_Request):
+class _Generation(RequestBody):
     """The fields both endpoints share."""
 
     model: StrictStr | None = None  # None: the served model
@@ -369,7 +371,7 @@ class CompletionRequest(_Generation):
                                  param="logprobs")
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(RequestBody):
     """``/v1/embeddings``: one input or a list, each text or token ids; the vectors as floats or base64."""
 
     input: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]

@@ -24,33 +24,29 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from kestrel_core.serve.errors import APIError, validated
 from kestrel_core.serve.generation import retold
-from kestrel_core.serve.protocol import ChatCompletionRequest
+from kestrel_core.serve.protocol import ChatCompletionRequest, RequestBody
 
 if TYPE_CHECKING:
     from kestrel_core.serve.app import Models, Served
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class Reasoning(_Body):
+class Reasoning(RequestBody):
     effort: StrictStr | None = None
     summary: StrictStr | None = None
 
 
-class TextFormat(_Body):
+class TextFormat(RequestBody):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: StrictStr | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: StrictBool | None = None
 
 
-class ResponsesBody(_Body):
+class ResponsesBody(RequestBody):
     model: StrictStr | None = None
     input: StrictStr | list[dict[str, Any]]
     instructions: StrictStr | None = None
@@ -195,7 +191,7 @@ class _Response:
         self.body = body
         self.output = _Output()
 
-    def envelope(self, status: str, usage: dict[str, int] | None = None, finish: str | None = None) -> dict[str, Any]:
+    def envelope(self, status: str, usage: dict[str, int] | None = None) -> dict[str, Any]:
         b = self.body
         incomplete = status == "incomplete"
         return {
