@@ -24,7 +24,7 @@ log = logging.getLogger("kestrel.serve")
 
 GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/api/chat",
                         "/api/generate")
-EMBEDDING_ENDPOINTS = ("/v1/embeddings", "/api/embed", "/api/embeddings")
+EMBEDDING_ENDPOINTS = ("/v1/embeddings", "/v1/score", "/v1/rerank", "/v2/rerank", "/api/embed", "/api/embeddings")
 ENDPOINTS = (*GENERATION_ENDPOINTS, *EMBEDDING_ENDPOINTS, "/v1/models", "/v1/messages/count_tokens", "/api/tags",
              "/api/show", "/api/ps", "/api/version", "/health", "/metrics")
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer: logs and metrics only
@@ -114,8 +114,8 @@ class AccessMiddleware:
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``) on /v1/* and /api/*; /health and /metrics
-    stay open for probes and scrapers."""
+    """``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``) on /v1/*, /v2/* and /api/*; /health and
+    /metrics stay open for probes and scrapers."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -124,7 +124,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and path.startswith(("/v1/", "/api/")) and not self._allowed(scope):
+        if scope["type"] == "http" and path.startswith(("/v1/", "/v2/", "/api/")) and not self._allowed(scope):
             error = APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'.",
                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             await error.response(path)(scope, receive, send)

@@ -1,6 +1,6 @@
 """The FastAPI app: OpenAI's chat and text completions and embeddings, the model list, a health probe and the
-metrics; OpenAI's Responses API (serve/responses_api.py), Ollama's API (serve/ollama.py) and Anthropic's
-Messages API (serve/anthropic.py) beside them, answered by the same handlers.
+metrics; OpenAI's Responses API (serve/responses_api.py), Ollama's API (serve/ollama.py), Anthropic's Messages
+API (serve/anthropic.py) and relevance scores (serve/scores.py) beside them, answered by the same handlers.
 
 ``create_app`` takes a running-or-not ``AsyncEngine`` (its lifespan starts the scheduler thread and stops it
 on shutdown), so one process can hold several apps (the tests do). Requests become prompt token ids here
@@ -12,24 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import kestrel_core
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.sampling import TokenLogprob
-from kestrel_core.serve import anthropic, generation, ollama, responses_api
+from kestrel_core.serve import anthropic, generation, ollama, responses_api, scores
 from kestrel_core.serve.access import AccessMiddleware, ApiKeyMiddleware
 from kestrel_core.serve.errors import APIError, from_kestrel_error, install_error_handlers
 from kestrel_core.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from kestrel_core.serve.reasoning import Reasoning, opens_in_prompt, thinks
-from kestrel_core.serve.responses import ChatShape, CompletionShape, Echo, TokenStrings, new_id
+from kestrel_core.serve.responses import ChatShape, CompletionShape, Echo, TokenStrings, embedding_list, new_id
 from kestrel_core.serve.tools import MISTRAL, ToolCalls, tool_format
 
 
@@ -130,19 +131,28 @@ class Served:
 
     async def embed(self, body: EmbeddingRequest, request: Request, truncate: bool = False) -> Response:
         """``/v1/embeddings``' answer; ``truncate``: inputs longer than the context keep their first tokens."""
+        inputs = await self.tokenized(body.inputs, "input", truncate)
+
+        def answer(vectors: np.ndarray, prompt_tokens: int) -> dict[str, Any]:
+            return embedding_list(vectors, body.encoding_format, self.model_name, prompt_tokens)
+
+        return await generation.embed(self.async_engine, request, inputs, answer, pooling=self.pooling,
+                                      dimensions=body.dimensions)
+
+    async def tokenized(self, texts: Callable[[], list[str | list[int]]], param: str,
+                        truncate: bool = False) -> list[list[int]]:
+        """The token ids of ``texts()`` (texts, or token ids as given), made off the event loop (a request may
+        hold thousands); ``truncate``: each keeps its first context's worth."""
         tokenizer, context = self.engine.tokenizer, self.engine.config.max_position
 
         def tokenize() -> list[list[int]]:
-            ids = [list(tokenizer.encode(t)) if isinstance(t, str) else t for t in body.inputs()]
+            ids = [list(tokenizer.encode(t)) if isinstance(t, str) else t for t in texts()]
             return [one[:context] for one in ids] if truncate else ids
 
-        try:  # up to MAX_INPUTS texts: off the event loop
-            inputs = await asyncio.get_running_loop().run_in_executor(None, tokenize)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, tokenize)
         except KestrelError as exc:
-            raise from_kestrel_error(exc, param="input") from None
-        return await generation.embed(self.async_engine, request, inputs, pooling=self.pooling,
-                                      dimensions=body.dimensions, encoding_format=body.encoding_format,
-                                      model=self.model_name)
+            raise from_kestrel_error(exc, param=param) from None
 
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kestrel"}
@@ -208,6 +218,7 @@ def create_app(engines: Mapping[str, Any], api_key: str | None = None, pooling: 
     ollama.install(app, models)
     anthropic.install(app, models)
     responses_api.install(app, models)
+    scores.install(app, models)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -31,7 +32,7 @@ from kestrel_core.model.sampling import SamplingParams, TokenLogprob
 from kestrel_core.model.scheduler import RequestOutput
 from kestrel_core.serve.access import CLIENT_CLOSED, RequestRecord, record_of
 from kestrel_core.serve.errors import APIError, error_body, from_kestrel_error
-from kestrel_core.serve.responses import ChoiceResult, Shape, choice_params, embedding_list, usage
+from kestrel_core.serve.responses import ChoiceResult, Shape, choice_params, usage
 
 T = TypeVar("T")
 
@@ -79,7 +80,8 @@ async def _unless_disconnected(work: Awaitable[T], request: Request) -> T:
 def engine_error(exc: KestrelError, accepting: bool, prompt_param: str) -> APIError:
     """An error from the engine: InvalidRequest -> 400, Overloaded -> 429 (503 shutting down), else 500."""
     if isinstance(exc, InvalidRequest):
-        return from_kestrel_error(InvalidRequest(str(exc), prompt_param if exc.param == "prompt" else exc.param))
+        param = prompt_param if exc.param in ("prompt", "input") else exc.param  # the field the tokens came from
+        return from_kestrel_error(InvalidRequest(str(exc), param))
     if isinstance(exc, Overloaded):
         return from_kestrel_error(exc, accepting=accepting)
     return APIError(500, str(exc), code="engine_error")
@@ -119,10 +121,12 @@ async def respond(async_engine: Any, request: Request, prompts: Sequence[Prompt]
     return JSONResponse(shape.response(results, prompt_tokens))
 
 
-async def embed(async_engine: Any, request: Request, inputs: list[list[int]], *, pooling: str | None,
-                dimensions: int | None, encoding_format: str, model: str) -> Response:
-    """``/v1/embeddings``: the inputs' vectors, computed between the engine's generation steps; a client that
-    leaves gives the job's KV blocks back."""
+async def embed(async_engine: Any, request: Request, inputs: list[list[int]],
+                answer: Callable[[np.ndarray, int], dict[str, Any]], *, pooling: str | None,
+                dimensions: int | None = None, param: str = "input") -> Response:
+    """The inputs' vectors [inputs, D], computed between the engine's generation steps, answered as
+    ``answer(vectors, prompt tokens)``; a client that leaves gives the job's KV blocks back. ``param``: the
+    field the inputs came from, for errors about them."""
     record = record_of(request)
     try:
         vectors = await _unless_disconnected(async_engine.embed(inputs, pooling=pooling, dimensions=dimensions),
@@ -130,9 +134,9 @@ async def embed(async_engine: Any, request: Request, inputs: list[list[int]], *,
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
     except KestrelError as exc:
-        raise engine_error(exc, async_engine.accepting, "input") from None
+        raise engine_error(exc, async_engine.accepting, param) from None
     record.prompt_tokens = sum(len(ids) for ids in inputs)
-    return JSONResponse(embedding_list(vectors, encoding_format, model, record.prompt_tokens))
+    return JSONResponse(answer(vectors, record.prompt_tokens))
 
 
 async def _nothing(request_id: str, prompt: Prompt) -> AsyncIterator[RequestOutput]:

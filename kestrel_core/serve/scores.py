@@ -1,0 +1,126 @@
+"""Relevance scores from an embedding model: vLLM's ``/v1/score`` and the rerank API of Jina and Cohere
+(``/v1/rerank``, ``/v2/rerank``), which retrieval pipelines call to order documents for a query.
+
+A score is the cosine similarity of the two texts' embeddings, as vLLM scores with an embedding model (a
+bi-encoder: each text embedded on its own, in one embedding job). Cross-encoder rerankers, which read the query
+and a document together, are not served; a model that generates is refused, since its last hidden state is no
+trained embedding.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import StrictBool, StrictInt, StrictStr
+
+from kestrel_core.serve import generation
+from kestrel_core.serve.errors import APIError
+from kestrel_core.serve.protocol import MAX_INPUTS, RequestBody
+from kestrel_core.serve.responses import new_id
+
+if TYPE_CHECKING:
+    from kestrel_core.serve.app import Models, Served
+
+
+class ScoreBody(RequestBody):
+    model: StrictStr | None = None
+    text_1: StrictStr | list[StrictStr]
+    text_2: StrictStr | list[StrictStr]
+
+    def pairs(self) -> tuple[list[str], list[str]]:
+        """(left, right) texts of each pair: one text against many, or two lists pair by pair."""
+        left = [self.text_1] if isinstance(self.text_1, str) else self.text_1
+        right = [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        if len(left) == 1:
+            left = left * len(right)
+        if not right or len(left) != len(right):
+            raise APIError(400, f"text_1 holds {len(left)} texts and text_2 {len(right)}: give one text_1, or as "
+                           "many as text_2", param="text_2")
+        _check_count(len(left) + len(right), "text_2")
+        return left, right
+
+
+class Document(RequestBody):
+    text: StrictStr
+
+
+class RerankBody(RequestBody):
+    model: StrictStr | None = None
+    query: StrictStr
+    documents: list[StrictStr | Document]
+    top_n: StrictInt | None = None
+    return_documents: StrictBool = True
+
+    def texts(self) -> list[str]:
+        if not self.documents:
+            raise APIError(400, "documents is empty", param="documents")
+        _check_count(1 + len(self.documents), "documents")
+        if self.top_n is not None and self.top_n < 1:
+            raise APIError(400, f"top_n must be at least 1, got {self.top_n}", param="top_n")
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
+def _check_count(n: int, param: str) -> None:
+    if n > MAX_INPUTS:
+        raise APIError(400, f"at most {MAX_INPUTS} texts a request, got {n}", param=param)
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Each row of a [N, D] against the same row of b [N, D]: the cosine similarity [N]."""
+    dot = np.sum(a.astype(np.float64) * b, axis=1)
+    norms = np.linalg.norm(a.astype(np.float64), axis=1) * np.linalg.norm(b.astype(np.float64), axis=1)
+    return dot / np.maximum(norms, 1e-12)
+
+
+def _embedder(models: Models, name: str | None) -> Served:
+    served = models.get(name)
+    if served.engine.config.pooling is None:
+        raise APIError(400, f"scores need an embedding model; `{served.model_name}` generates text", param="model")
+    return served
+
+
+def install(app: FastAPI, models: Models) -> None:
+    """The score and rerank routes on ``app``."""
+
+    @app.post("/v1/score")
+    async def score(body: ScoreBody, request: Request) -> Response:
+        served = _embedder(models, body.model)
+        left, right = body.pairs()
+        unique = list(dict.fromkeys(left + right))  # "one against many" embeds the one once
+        ids = await served.tokenized(lambda: unique, "text_1")
+        at = {text: i for i, text in enumerate(unique)}
+
+        def answer(vectors: np.ndarray, prompt_tokens: int) -> dict[str, Any]:
+            scores = cosines(vectors[[at[t] for t in left]], vectors[[at[t] for t in right]])
+            return {"id": new_id("score"), "object": "list", "created": int(time.time()), "model": served.model_name,
+                    "data": [{"index": i, "object": "score", "score": float(s)} for i, s in enumerate(scores)],
+                    "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+        return await generation.embed(served.async_engine, request, ids, answer, pooling=served.pooling,
+                                      param="text_2")
+
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(body: RerankBody, request: Request) -> Response:
+        served = _embedder(models, body.model)
+        documents = body.texts()
+        ids = await served.tokenized(lambda: [body.query, *documents], "documents")
+
+        def answer(vectors: np.ndarray, prompt_tokens: int) -> dict[str, Any]:
+            scores = cosines(np.repeat(vectors[:1], len(documents), axis=0), vectors[1:])
+            order = np.argsort(-scores, kind="stable")[:body.top_n]
+            results = []
+            for i in order:
+                result: dict[str, Any] = {"index": int(i), "relevance_score": float(scores[i])}
+                if body.return_documents:
+                    result["document"] = {"text": documents[i]}
+                results.append(result)
+            return {"id": new_id("rerank"), "model": served.model_name, "results": results,
+                    "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+        return await generation.embed(served.async_engine, request, ids, answer, pooling=served.pooling,
+                                      param="documents")
