@@ -186,7 +186,7 @@ def create_app(engines: Mapping[str, Any], api_key: str | None = None, pooling: 
     name no model); with ``api_key``, /v1/* and /api/* need it; ``pooling``: the embeddings' (None: each
     model's)."""
     models = Models(engines, pooling)
-    metrics = ServerMetrics(list(engines.values()))
+    metrics = ServerMetrics(engines)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one server (all the models it serves), in a registry of its own.
+"""Prometheus metrics of one server (the engines' labelled by model), in a registry of its own.
 
 Each app gets its own ``CollectorRegistry`` (not prometheus-client's global one), so several servers in one
 process, as in the tests, do not clash. Request counters and latency histograms are updated as requests
@@ -8,7 +8,7 @@ scrape time by a custom collector, so they are never stale and cost nothing betw
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -22,79 +22,59 @@ _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.
 
 
 class _EngineCollector(Collector):
-    """The AsyncEngines' gauges and counters, and each ``engine.offload.stats()`` per hook, read at each scrape
-    (summed over the models a server serves)."""
+    """Each served model's AsyncEngine gauges and counters, and its ``engine.offload.stats()`` per hook, read at
+    each scrape and labelled with the model's name (as vLLM labels its metrics)."""
 
-    def __init__(self, async_engines: Sequence[Any]) -> None:
-        self.async_engines = list(async_engines)
+    def __init__(self, async_engines: Mapping[str, Any]) -> None:
+        self.async_engines = dict(async_engines)
 
     def collect(self) -> Iterator[Metric]:
-        engines = self.async_engines
-        waiting = GaugeMetricFamily("kestrel_num_requests_waiting", "Requests queued for the running batch.")
-        waiting.add_metric([], sum(ae.num_waiting for ae in engines))
-        running = GaugeMetricFamily("kestrel_num_requests_running", "Sequences in the running batch.")
-        running.add_metric([], sum(ae.num_running for ae in engines))
-        yield waiting
-        yield running
-        steps = CounterMetricFamily("kestrel_engine_steps", "Batched engine steps run.")
-        steps.add_metric([], sum(ae.counters.steps for ae in engines))
-        failed = CounterMetricFamily("kestrel_engine_failed_steps", "Batched engine steps that raised.")
-        failed.add_metric([], sum(ae.counters.failed_steps for ae in engines))
-        finished = CounterMetricFamily("kestrel_engine_finished_requests", "Requests the engine finished, by reason.",
-                                       labels=["reason"])
-        for reason, n in sorted(_summed(dict(ae.counters.finished) for ae in engines).items()):
-            finished.add_metric([reason], n)
-        yield steps
-        yield failed
-        yield finished
-        drafted = CounterMetricFamily("kestrel_spec_decode_draft_tokens",
-                                      "Draft tokens greedy steps guessed (--speculate).")
-        drafted.add_metric([], sum(ae.scheduler.drafted for ae in engines))
-        accepted = CounterMetricFamily("kestrel_spec_decode_accepted_tokens", "Draft tokens the model confirmed.")
-        accepted.add_metric([], sum(ae.scheduler.accepted for ae in engines))
-        yield drafted
-        yield accepted
-        pools = [ae.engine.pool for ae in engines if getattr(ae.engine, "pool", None) is not None]
-        if pools:
-            hits = CounterMetricFamily("kestrel_prefix_cache_hit_tokens",
-                                       "Prompt positions attached from the prefix cache instead of computed.")
-            hits.add_metric([], sum(pool.prefix_hit_tokens for pool in pools))
-            cached = GaugeMetricFamily("kestrel_prefix_cache_blocks", "KV blocks the prefix cache holds.")
-            cached.add_metric([], sum(pool.cached_blocks for pool in pools))
-            yield hits
-            yield cached
-        yield from self._offload()
+        def family(kind: type, name: str, doc: str, *labels: str) -> Any:
+            return kind(name, doc, labels=["model", *labels])
 
-    def _offload(self) -> Iterator[Metric]:
-        offered = CounterMetricFamily("kestrel_offload_offered", "Offloads offered to the backend, per hook.",
-                                      labels=["hook"])
-        accepted = CounterMetricFamily("kestrel_offload_accepted", "Offloads the backend computed, per hook.",
-                                       labels=["hook"])
-        declined = CounterMetricFamily("kestrel_offload_declined",
-                                       "Offloads computed by the CPU instead, per hook and reason.",
-                                       labels=["hook", "reason"])
-        stats = [_offload_stats(ae.engine) for ae in self.async_engines]
-        for hook in sorted({hook for s in stats for hook in s}):
-            per = [s[hook] for s in stats if hook in s]
-            offered.add_metric([hook], sum(s.get("offered", 0) for s in per))
-            accepted.add_metric([hook], sum(s.get("accepted", 0) for s in per))
-            reasons = _summed(s.get("declined_reasons") or {} for s in per)
-            if reasons:
-                for reason, n in sorted(reasons.items()):
-                    declined.add_metric([hook, str(reason)], n)
-            elif any(s.get("declined") for s in per):
-                declined.add_metric([hook, "unknown"], sum(s.get("declined", 0) for s in per))
-        yield offered
-        yield accepted
-        yield declined
-
-
-def _summed(counts: Iterable[dict[str, int]]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for c in counts:
-        for key, n in c.items():
-            out[key] = out.get(key, 0) + n
-    return out
+        waiting = family(GaugeMetricFamily, "kestrel_num_requests_waiting", "Requests queued for the running batch.")
+        running = family(GaugeMetricFamily, "kestrel_num_requests_running", "Sequences in the running batch.")
+        steps = family(CounterMetricFamily, "kestrel_engine_steps", "Batched engine steps run.")
+        failed = family(CounterMetricFamily, "kestrel_engine_failed_steps", "Batched engine steps that raised.")
+        finished = family(CounterMetricFamily, "kestrel_engine_finished_requests",
+                          "Requests the engine finished, by reason.", "reason")
+        drafted = family(CounterMetricFamily, "kestrel_spec_decode_draft_tokens",
+                         "Draft tokens greedy steps guessed (--speculate).")
+        accepted = family(CounterMetricFamily, "kestrel_spec_decode_accepted_tokens",
+                          "Draft tokens the model confirmed.")
+        hits = family(CounterMetricFamily, "kestrel_prefix_cache_hit_tokens",
+                      "Prompt positions attached from the prefix cache instead of computed.")
+        cached = family(GaugeMetricFamily, "kestrel_prefix_cache_blocks", "KV blocks the prefix cache holds.")
+        offered = family(CounterMetricFamily, "kestrel_offload_offered", "Offloads offered to the backend, per hook.",
+                         "hook")
+        taken = family(CounterMetricFamily, "kestrel_offload_accepted", "Offloads the backend computed, per hook.",
+                       "hook")
+        declined = family(CounterMetricFamily, "kestrel_offload_declined",
+                          "Offloads computed by the CPU instead, per hook and reason.", "hook", "reason")
+        for model, ae in self.async_engines.items():
+            waiting.add_metric([model], ae.num_waiting)
+            running.add_metric([model], ae.num_running)
+            steps.add_metric([model], ae.counters.steps)
+            failed.add_metric([model], ae.counters.failed_steps)
+            for reason, n in sorted(dict(ae.counters.finished).items()):
+                finished.add_metric([model, reason], n)
+            drafted.add_metric([model], ae.scheduler.drafted)
+            accepted.add_metric([model], ae.scheduler.accepted)
+            pool = getattr(ae.engine, "pool", None)
+            if pool is not None:
+                hits.add_metric([model], pool.prefix_hit_tokens)
+                cached.add_metric([model], pool.cached_blocks)
+            for hook, s in _offload_stats(ae.engine).items():
+                offered.add_metric([model, hook], s.get("offered", 0))
+                taken.add_metric([model, hook], s.get("accepted", 0))
+                reasons = s.get("declined_reasons") or {}
+                if reasons:
+                    for reason, n in sorted(reasons.items()):
+                        declined.add_metric([model, hook, str(reason)], n)
+                elif s.get("declined"):
+                    declined.add_metric([model, hook, "unknown"], s["declined"])
+        yield from (waiting, running, steps, failed, finished, drafted, accepted, hits, cached, offered, taken,
+                    declined)
 
 
 def _offload_stats(engine: Any) -> dict[str, dict[str, Any]]:
@@ -113,7 +93,7 @@ def _offload_stats(engine: Any) -> dict[str, dict[str, Any]]:
 class ServerMetrics:
     """The server's metrics; ``render()`` is the /metrics body."""
 
-    def __init__(self, async_engines: Sequence[Any]) -> None:
+    def __init__(self, async_engines: Mapping[str, Any]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kestrel_requests", "HTTP requests, by endpoint and status.",

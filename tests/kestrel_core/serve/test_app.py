@@ -549,7 +549,7 @@ def test_metrics(server: KestrelServer, client: openai.OpenAI) -> None:
     samples = _samples(text)
     assert samples['kestrel_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 2
     assert samples['kestrel_requests_total{endpoint="/v1/chat/completions",status="400"}'] >= 1
-    assert samples["kestrel_num_requests_running"] == 0
+    assert samples[f'kestrel_num_requests_running{{model="{NAME}"}}'] == 0
     assert samples["kestrel_generation_tokens_total"] >= 8
     assert samples["kestrel_time_to_first_token_seconds_count"] >= 2
 
@@ -561,7 +561,8 @@ def test_a_conversation_sent_again_attaches_its_prefix(server: KestrelServer, cl
     turn = [system, {"role": "user", "content": "Name a colour."}]
 
     def hits() -> float:
-        return _samples(http("GET", f"{server.url}/metrics")[2].decode())["kestrel_prefix_cache_hit_tokens_total"]
+        text = http("GET", f"{server.url}/metrics")[2].decode()
+        return _samples(text)[f'kestrel_prefix_cache_hit_tokens_total{{model="{NAME}"}}']
 
     first = _chat(client, turn, max_tokens=6)
     before = hits()

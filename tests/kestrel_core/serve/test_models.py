@@ -80,6 +80,6 @@ def test_metrics_count_every_model(server: KestrelServer) -> None:
     client.chat.completions.create(model="chat", messages=HI, max_tokens=2)
     client.embeddings.create(model="embed", input="x")
     _, _, body = http("GET", f"{server.url}/metrics")
-    steps = next(float(line.split()[-1]) for line in body.decode().splitlines()
-                 if line.startswith("kestrel_engine_steps_total "))
-    assert steps >= 2 and http("GET", f"{server.url}/health")[0] == 200
+    steps = {line.split('"')[1]: float(line.split()[-1]) for line in body.decode().splitlines()
+             if line.startswith("kestrel_engine_steps_total{")}
+    assert steps["chat"] >= 1 and steps["embed"] >= 1 and http("GET", f"{server.url}/health")[0] == 200
