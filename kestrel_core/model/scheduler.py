@@ -347,6 +347,7 @@ class Scheduler:
         budget = self.token_budget
         work: list[tuple[Request, list[int] | None, int]] = []
         limit = self.engine.config.max_position
+        guessing = self.speculate > 0 and ahead is None and self.engine.steps_on_host
         for request in list(self.running):
             if request.status != RUNNING or budget == 0:
                 continue
@@ -359,10 +360,11 @@ class Scheduler:
                     if ahead is not None:
                         return []
                     continue  # preempted, or finished for lack of room
-                if ahead is None and self._decoding_greedily(request):
+                if guessing and self._decoding_greedily(request):
                     self._guess(request, budget - 1)
+                    n += len(request.draft)
                 work.append(self._chunk(request, n))
-                budget -= n + len(request.draft)
+                budget -= n
                 continue
             done = len(request.seq.tokens) + before[0]  # positions once the running step is in
             if before[1]:  # its next token is the running step's: fed, unless that token ends it
@@ -420,10 +422,9 @@ class Scheduler:
         return request, tokens, int(n == request.pending)  # logits once the chunk reaches the last token
 
     def _decoding_greedily(self, request: Request) -> bool:
-        """Whether ``request``'s step may carry a draft: speculation is on, the host runs the steps (it rewinds
-        what the model did not confirm), and the request decodes greedily with nothing else to run first."""
-        return (self.speculate > 0 and request.argmax_only and self.engine.steps_on_host and request.pending == 1
-                and len(request.seq.tokens) >= len(request.prompt_ids))
+        """Whether ``request``'s step may carry a draft (speculation on, the host running the steps, which can
+        rewind what the model did not confirm): it decodes greedily, with nothing else to run first."""
+        return request.argmax_only and request.pending == 1 and len(request.seq.tokens) >= len(request.prompt_ids)
 
     def _guess(self, request: Request, room: int) -> None:
         """Draft up to ``speculate`` tokens after ``request``'s next one (``request.draft``), within ``room``
@@ -500,18 +501,16 @@ class Scheduler:
     def _report(self, request: Request, sampled: list[tuple[int, TokenLogprob | None]]) -> RequestOutput:
         """The new tokens' text, the stop strings, and what changed. A stop string ends the answer at its token:
         tokens a draft added after it are dropped."""
+        stream = request.text
         tokens: list[int] = []
-        logprobs: list[TokenLogprob] = []
         text = ""
-        for token, logprob in sampled:
+        for token, _ in sampled:
             tokens.append(token)
-            if logprob is not None:
-                logprobs.append(logprob)
-            if request.text is None:
+            if stream is None:
                 continue
-            text += request.text.push(token)
-            if request.text.stopped:
-                request.stop_reason = request.text.stopped_by
+            text += stream.push(token)
+            if stream.stopped:
+                request.stop_reason = stream.stopped_by
                 if not request.finished:
                     self._finish(request, "stop")
                 elif request.finish_reason == "length":
@@ -520,10 +519,11 @@ class Scheduler:
                 if dropped:
                     del request.output_ids[len(request.output_ids) - dropped:]
                 break
-        if request.finished and request.text is not None:
-            text += request.text.flush()
-        return RequestOutput(request.request_id, tokens, text, logprobs or None, request.finished,
-                             request.finish_reason, len(request.prompt_ids), len(request.output_ids),
+        if request.finished and stream is not None:
+            text += stream.flush()
+        logprobs = [lp for _, lp in sampled[:len(tokens)]] if sampled[0][1] is not None else None
+        return RequestOutput(request.request_id, tokens, text, logprobs, request.finished, request.finish_reason,
+                             len(request.prompt_ids), len(request.output_ids),
                              request.stop_reason if request.finished else None)
 
     def _finish(self, request: Request, reason: str) -> None:
