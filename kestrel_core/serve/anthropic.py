@@ -29,6 +29,7 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from kestrel_core.serve.errors import APIError, validated
 from kestrel_core.serve.generation import retold
 from kestrel_core.serve.protocol import ChatCompletionRequest, RequestBody
+from kestrel_core.serve.tools import arguments_object
 
 if TYPE_CHECKING:
     from kestrel_core.serve.app import Models
@@ -177,16 +178,8 @@ def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
         blocks.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or ():
         blocks.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                       "input": _arguments(call["function"]["arguments"])})
+                       "input": arguments_object(call["function"]["arguments"])})
     return blocks
-
-
-def _arguments(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text or "{}")
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _stop(choice: dict[str, Any]) -> tuple[str, str | None]:

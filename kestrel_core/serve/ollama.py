@@ -30,6 +30,7 @@ from kestrel_core.serve.access import record_of
 from kestrel_core.serve.errors import APIError, validated
 from kestrel_core.serve.generation import retold
 from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RequestBody
+from kestrel_core.serve.tools import arguments_object
 
 if TYPE_CHECKING:
     from kestrel_core.serve.app import Models, Served
@@ -209,11 +210,7 @@ def _ollama_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | 
     out = []
     for call in calls:
         fn = call.get("function") or {}
-        try:
-            arguments = json.loads(fn.get("arguments") or "{}")
-        except ValueError:
-            arguments = {}
-        out.append({"function": {"name": fn.get("name", ""), "arguments": arguments}})
+        out.append({"function": {"name": fn.get("name", ""), "arguments": arguments_object(fn.get("arguments"))}})
     return out
 
 

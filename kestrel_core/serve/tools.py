@@ -210,3 +210,13 @@ class ToolCalls:
         """OpenAI's ``tool_calls`` of a message, each with a new id."""
         return [{"id": call_id(self.fmt), "type": "function",
                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+def arguments_object(text: str) -> dict[str, Any]:
+    """An OpenAI tool call's ``arguments`` (JSON text) as the object Ollama's and Anthropic's calls carry; {}
+    where the text is not a JSON object."""
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
