@@ -112,13 +112,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_command(args)
 
 
+MODEL_HELP = ("HF model dir, Hugging Face Hub name (owner/name[:TAG]), .gguf, or .kst artifact "
+              "(default: SmolLM2)")
+
+
 def _model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
     if several:
         p.add_argument("--model", "-m", action="append", default=None,
-                       help="HF model dir, .gguf, or .kst artifact (default: SmolLM2); repeat it to serve several "
-                            "(the first answers requests that name no model)")
+                       help=f"{MODEL_HELP}; repeat it to serve several (the first answers requests that name no "
+                            "model)")
     else:
-        p.add_argument("--model", "-m", default=None, help="HF model dir, .gguf, or .kst artifact (default: SmolLM2)")
+        p.add_argument("--model", "-m", default=None, help=MODEL_HELP)
     p.add_argument("--backend", "-b", default="auto", help="backend name, or auto (default)")
     p.add_argument("--quant", "-q", default=None,
                    help="q8 (default), q4, q8-g256, q4-g256; a .kst artifact keeps its own")
@@ -210,7 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dimensions", type=int, default=None, help="keep the first N components (Matryoshka)")
     p.set_defaults(func=cmd_embed)
 
-    p = sub.add_parser("pull", help="fetch the default model into KESTREL_HOME")
+    p = sub.add_parser("pull", help="fetch a model from the Hugging Face Hub (default: SmolLM2 into KESTREL_HOME)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="a Hub name, owner/name[@revision][:TAG] (TAG: a GGUF repository's quantization)")
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("quantize", help="quantize a model into a .kst strip-cache artifact")

@@ -254,9 +254,16 @@ def embed(args: argparse.Namespace) -> int:
 
 
 def pull(args: argparse.Namespace) -> int:
+    from kestrel_core.model.hub import fetch, parse_hub_spec
     from kestrel_core.model.pull import pull_default_model
 
-    print(pull_default_model(progress=True))
+    if args.model is None:
+        print(pull_default_model(progress=True))
+        return 0
+    spec = parse_hub_spec(args.model)
+    if spec is None:
+        raise KestrelError(f"{args.model!r} is not a Hugging Face Hub name (owner/name[@revision][:TAG])")
+    print(fetch(spec))
     return 0
 
 

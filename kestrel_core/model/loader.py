@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from kestrel_core.artifact_load import load_artifact
 from kestrel_core.artifact_write import remove_stale_temps, save_artifact
 from kestrel_core.errors import KestrelError
 from kestrel_core.model import cache as store
+from kestrel_core.model.hub import fetch, parse_hub_spec
 from kestrel_core.model.pull import DEFAULT_MODEL, pull_default_model
 from kestrel_core.model.quantize import parse_quant, quantize_model
 from kestrel_core.model.tokenizer import NoTokenizer, Tokenizer
@@ -298,9 +299,17 @@ def load_model(path: str | os.PathLike[str] | None = None, quant: str | None = "
     if path is None:
         return _load_default(mode)
     p = Path(path).expanduser()
-    if not p.exists():
-        raise KestrelError(f"model {path} does not exist (give a Hugging Face model directory, a .gguf file "
-                           "or a .kst artifact)")
+    if p.exists():
+        return _load_path(p, mode, quant, cache)
+    spec = parse_hub_spec(str(path))
+    if spec is None:
+        raise KestrelError(f"model {path} does not exist (give a Hugging Face model directory or Hub name such "
+                           "as Qwen/Qwen3-0.6B, a .gguf file or a .kst artifact)")
+    loaded = _load_path(fetch(spec), mode, quant, cache)
+    return replace(loaded, source=f"{spec} ({loaded.source})")
+
+
+def _load_path(p: Path, mode: str, quant: str | None, cache: str) -> LoadedModel:
     cached = cache != "off" and store.model_cache_enabled()
     if p.is_dir():
         return _load_hf_cached(p, mode, cache) if cached else _load_hf(p, mode)

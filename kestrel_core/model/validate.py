@@ -98,11 +98,21 @@ def check_regular_file(path: str | os.PathLike[str], root: str | os.PathLike[str
                 else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
         raise KestrelError(f"{p}: is {kind}; kestrel opens regular files only as model files")
     if root is not None:
-        base = Path(root).resolve()
+        base = link_root(root)
         real = p.resolve()
         if real != base and base not in real.parents:
             raise KestrelError(f"{p}: is a link to {real}, outside the model directory {base}; refused")
     return p
+
+
+def link_root(root: str | os.PathLike[str]) -> Path:
+    """The directory the files of model directory ``root`` may link into: ``root`` itself, or for a snapshot in
+    the Hugging Face cache (models--OWNER--NAME/snapshots/COMMIT, whose files link to ../../blobs) its
+    repository's folder."""
+    base = Path(root).resolve()
+    if base.parent.name == "snapshots" and base.parent.parent.name.startswith("models--"):
+        return base.parent.parent
+    return base
 
 
 def open_regular(path: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> Any:

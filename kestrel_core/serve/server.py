@@ -29,6 +29,7 @@ import uvicorn
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.model.hub import parse_hub_spec
 from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING
 from kestrel_core.serve.app import create_app
 
@@ -40,8 +41,11 @@ _MODEL_SUFFIXES = (".gguf", ".kst", ".safetensors")
 
 def default_model_name(source: str) -> str:
     """A short public name from ``engine.source``: "SmolLM2-135M-Instruct (/cache/x.gguf)" ->
-    "SmolLM2-135M-Instruct", "/models/Qwen3-0.6B" -> "Qwen3-0.6B", "q.q8.kst" -> "q.q8"."""
+    "SmolLM2-135M-Instruct", "/models/Qwen3-0.6B" -> "Qwen3-0.6B", "q.q8.kst" -> "q.q8", and a Hub name as it
+    was given, "Qwen/Qwen3-0.6B (/hf/cache/...)" -> "Qwen/Qwen3-0.6B" (as vLLM names it)."""
     head = source.split(" (", 1)[0].strip().rstrip("/\\")
+    if " (" in source and parse_hub_spec(head) is not None:
+        return head
     name = Path(head).name if head else ""
     for suffix in _MODEL_SUFFIXES:
         if name.lower().endswith(suffix):

@@ -157,6 +157,27 @@ def test_symlinks_leaving_the_model_directory_are_refused(tmp_path: Path) -> Non
         assert f.read() == b"y"
 
 
+def test_a_hugging_face_cache_snapshot_may_link_into_its_own_blobs_only(tmp_path: Path) -> None:
+    """The cache's layout: snapshots/COMMIT/FILE -> ../../blobs/HASH, inside models--OWNER--NAME."""
+    repo = tmp_path / "hub" / "models--org--m"
+    snap, blobs = repo / "snapshots" / "0123abcd", repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    (blobs / "f00d").write_bytes(b"w")
+    (snap / "model.safetensors").symlink_to(Path("../../blobs/f00d"))
+    (tmp_path / "hub" / "models--org--other").mkdir()
+    (tmp_path / "hub" / "models--org--other" / "x").write_bytes(b"o")
+    (snap / "other.safetensors").symlink_to(tmp_path / "hub" / "models--org--other" / "x")
+    assert check_regular_file(snap / "model.safetensors", snap) == snap / "model.safetensors"
+    with pytest.raises(KestrelError, match="outside the model directory .*models--org--m; refused"):
+        check_regular_file(snap / "other.safetensors", snap)
+    plain = tmp_path / "snapshots" / "m"  # a directory named like one, outside a cache's models-- folder
+    plain.mkdir(parents=True)
+    (plain / "w.safetensors").symlink_to(blobs / "f00d")
+    with pytest.raises(KestrelError, match="outside the model directory"):
+        check_regular_file(plain / "w.safetensors", plain)
+
+
 def test_gguf_reader_refuses_a_fifo(tmp_path: Path) -> None:
     from kestrel_core.model.gguf_reader import GGUFCheckpoint
 

@@ -32,6 +32,9 @@ URL = re.compile(r"kestrel serve: (http://127\.0\.0\.1:(\d+))/v1 \(model (\S+), 
     ("qwen3-0.6b.q8.kst", "qwen3-0.6b.q8"),
     ("/x/model.Q8_0.gguf", "model.Q8_0"),
     ("preset qwen3-8b (q8, seed 0)", "preset-qwen3-8b"),
+    ("Qwen/Qwen3-0.6B (/hf/hub/models--Qwen--Qwen3-0.6B/snapshots/abc)", "Qwen/Qwen3-0.6B"),
+    ("org/m-GGUF:Q4_K_M (/hf/hub/models--org--m-GGUF/snapshots/abc/m-Q4_K_M.gguf)", "org/m-GGUF:Q4_K_M"),
+    ("models/m", "m"),
     ("", "kestrel"),
 ])
 def test_default_model_name(source: str, name: str) -> None:

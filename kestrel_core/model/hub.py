@@ -1,0 +1,183 @@
+"""Models by name from the Hugging Face Hub: ``kestrel run -m Qwen/Qwen3-0.6B``.
+
+A model that is not a local path but reads ``owner/name`` (``hf.co/`` or ``https://huggingface.co/`` before it
+allowed, ``@revision`` and ``:TAG`` after it) is fetched with ``huggingface_hub`` into its cache (``HF_HOME``,
+shared with transformers and vLLM; ``HF_TOKEN`` for gated or private repositories), and the local path is
+loaded like any other:
+
+- a repository of safetensors weights: only what kestrel reads (``*.safetensors``, the JSON configs and
+  tokenizer files, a sentence-transformers pooling config), never a pickle checkpoint or code;
+- a repository of GGUF files: the one whose name holds ``TAG`` (``Q4_K_M``, as llama.cpp's ``-hf``), else the
+  most precise of the usual quantizations, Q8_0 first (kestrel's q8 codes are Q8_0's own).
+
+Offline (``HF_HUB_OFFLINE=1``, or the Hub unreachable) a model already in the cache is used as it is.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kestrel_core.errors import KestrelError
+
+HUB_PREFIXES = ("https://huggingface.co/", "http://huggingface.co/", "huggingface.co/", "hf.co/")
+_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
+_SPEC = re.compile(rf"^(?P<repo>{_NAME}/{_NAME})(?:@(?P<revision>[A-Za-z0-9._/-]+?))?(?::(?P<tag>[A-Za-z0-9._-]+))?$")
+# what a safetensors repository needs: config, weights, tokenizer, chat template, sentence-transformers pooling
+WEIGHT_PATTERNS = ("*.safetensors", "*.json", "tokenizer.model", "*.jinja", "1_Pooling/config.json")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# a GGUF repository without a tag: the most precise first (kestrel requantizes to q8 or q4 as it loads)
+GGUF_PREFERENCE = ("Q8_0", "F16", "BF16", "F32", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_0")
+_SHARD = re.compile(r"-\d{5}-of-\d{5}$")
+
+
+@dataclass(frozen=True)
+class HubSpec:
+    """A model named on the Hub: ``owner/name[@revision][:tag]``."""
+
+    repo: str
+    revision: str | None = None
+    tag: str | None = None
+
+    def __str__(self) -> str:
+        return self.repo + (f"@{self.revision}" if self.revision else "") + (f":{self.tag}" if self.tag else "")
+
+
+def parse_hub_spec(text: str) -> HubSpec | None:
+    """``text`` as a Hub model name, or None where it is not one."""
+    for prefix in HUB_PREFIXES:
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+            break
+    m = _SPEC.match(text.rstrip("/"))
+    if m is None or ".." in text:
+        return None
+    return HubSpec(m["repo"], m["revision"], m["tag"])
+
+
+@dataclass(frozen=True)
+class Hub:
+    """``huggingface_hub`` (imported on first use) at ``endpoint`` (None: ``HF_ENDPOINT`` or huggingface.co)
+    with its cache at ``cache_dir`` (None: ``HF_HUB_CACHE``)."""
+
+    endpoint: str | None = None
+    cache_dir: str | None = None
+
+    def fetch(self, spec: HubSpec) -> Path:
+        """The local path of the model ``spec`` names (a snapshot directory or a GGUF file), downloaded into the
+        cache unless it is there; a KestrelError of one line where it cannot be had."""
+        from huggingface_hub import HfApi, constants
+        from huggingface_hub.errors import HfHubHTTPError
+
+        if constants.HF_HUB_OFFLINE:
+            return self._cached(spec, "HF_HUB_OFFLINE is set")
+        try:  # repo_info: one request (list_repo_files retries an unreachable Hub for half a minute)
+            info = HfApi(endpoint=self.endpoint).repo_info(spec.repo, revision=spec.revision)
+            files = [s.rfilename for s in info.siblings or ()]
+        except HfHubHTTPError as exc:  # the Hub answered: no such repository, gated, ...
+            raise KestrelError(_refusal(spec, exc)) from exc
+        except Exception as exc:  # noqa: BLE001: the Hub cannot be reached (no network, DNS, timeout)
+            return self._cached(spec, f"the Hub cannot be reached: {_first_line(exc)}")
+        kind, chosen = choose_files(spec, files)
+        try:
+            return self._download(spec, kind, chosen, offline=False)
+        except HfHubHTTPError as exc:
+            raise KestrelError(_refusal(spec, exc)) from exc
+        except Exception as exc:  # noqa: BLE001
+            raise KestrelError(f"model {spec}: downloading it failed ({_first_line(exc)})") from exc
+
+    def _download(self, spec: HubSpec, kind: str, chosen: str, offline: bool) -> Path:
+        from huggingface_hub import hf_hub_download, snapshot_download
+
+        common = {"revision": spec.revision, "cache_dir": self.cache_dir, "local_files_only": offline}
+        if kind == "gguf":
+            return Path(hf_hub_download(spec.repo, chosen, endpoint=self.endpoint, **common))
+        return Path(snapshot_download(spec.repo, allow_patterns=list(WEIGHT_PATTERNS), endpoint=self.endpoint,
+                                      **common))
+
+    def _cached(self, spec: HubSpec, why: str) -> Path:
+        """The model from the cache alone: the files of its snapshot there (the cache's documented layout,
+        models--OWNER--NAME/refs/REV and snapshots/COMMIT) decide its kind."""
+        from huggingface_hub import constants
+        from huggingface_hub.file_download import repo_folder_name
+
+        folder = Path(self.cache_dir or constants.HF_HUB_CACHE) / repo_folder_name(repo_id=spec.repo, repo_type="model")
+        rev = spec.revision or "main"
+        try:
+            commit = rev if re.fullmatch(r"[0-9a-f]{40}", rev) else (folder / "refs" / rev).read_text().strip()
+        except OSError:
+            commit = ""
+        snap = folder / "snapshots" / commit
+        files = [p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file()] if commit else []
+        if not files:
+            raise KestrelError(f"model {spec} is not in the Hugging Face cache and {why}")
+        kind, chosen = choose_files(spec, files)
+        return snap / chosen if kind == "gguf" else snap
+
+
+def fetch(spec: HubSpec) -> Path:
+    """``Hub().fetch(spec)``: the Hub and cache the environment names."""
+    return Hub().fetch(spec)
+
+
+def choose_files(spec: HubSpec, files: Sequence[str]) -> tuple[str, str]:
+    """("safetensors", "") or ("gguf", the file) for a repository holding ``files``; a KestrelError saying
+    what is missing otherwise."""
+    ggufs = [f for f in files if f.lower().endswith(".gguf")]
+    if spec.tag is None and "config.json" in files and any(f.endswith(".safetensors") for f in files):
+        return "safetensors", ""
+    if ggufs:
+        return "gguf", _pick_gguf(spec, ggufs)
+    if spec.tag is not None:
+        raise KestrelError(f"model {spec}: the repository has no GGUF file to pick by the tag {spec.tag!r}")
+    if any(f.lower().endswith(PICKLE_SUFFIXES) for f in files):
+        raise KestrelError(f"model {spec}: its weights are pickle checkpoints (.bin, .pt), which kestrel never "
+                           "loads (loading one can run code); use a repository of safetensors or GGUF weights")
+    raise KestrelError(f"model {spec}: the repository has neither safetensors weights with a config.json nor "
+                       "a GGUF file")
+
+
+def _pick_gguf(spec: HubSpec, ggufs: list[str]) -> str:
+    """The GGUF file of ``spec``'s tag, or the most precise usual one; split files are refused by name."""
+    def has(f: str, quant: str) -> bool:
+        stem = _SHARD.sub("", f[:-5]).lower()
+        return re.search(rf"(^|[._/-]){re.escape(quant.lower())}([._-]|$)", stem) is not None
+
+    wanted = [spec.tag] if spec.tag is not None else list(GGUF_PREFERENCE)
+    for quant in wanted:
+        hits = sorted((f for f in ggufs if has(f, quant)), key=lambda f: (len(f), f))
+        whole = [f for f in hits if not _SHARD.search(f[:-5])]
+        if whole:
+            return whole[0]
+        if hits:
+            raise KestrelError(f"model {spec}: its {quant} GGUF is split into parts ({hits[0]}, ...), which kestrel "
+                               "does not read; merge them with llama.cpp's gguf-split")
+    if spec.tag is not None:
+        listed = ", ".join(sorted(ggufs)[:6]) + (", ..." if len(ggufs) > 6 else "")
+        raise KestrelError(f"model {spec}: no GGUF file for the tag {spec.tag!r} (the repository has {listed})")
+    whole = sorted(f for f in ggufs if not _SHARD.search(f[:-5]))
+    if not whole:
+        raise KestrelError(f"model {spec}: its GGUF files are split into parts ({ggufs[0]}, ...), which kestrel "
+                           "does not read; merge them with llama.cpp's gguf-split")
+    return whole[0]
+
+
+def _refusal(spec: HubSpec, exc: Exception) -> str:
+    """One line for the Hub's answer ``exc`` (an HfHubHTTPError)."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    if isinstance(exc, GatedRepoError):
+        return (f"model {spec} is gated: accept its terms on huggingface.co/{spec.repo}, then set HF_TOKEN "
+                "(or run `hf auth login`)")
+    if isinstance(exc, RepositoryNotFoundError):
+        return f"model {spec}: no such repository on the Hugging Face Hub (a private one needs HF_TOKEN)"
+    if isinstance(exc, RevisionNotFoundError):
+        return f"model {spec}: the repository has no revision {spec.revision!r}"
+    return f"model {spec}: the Hugging Face Hub refused it ({_first_line(exc)})"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

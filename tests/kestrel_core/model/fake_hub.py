@@ -1,0 +1,118 @@
+"""A Hugging Face Hub on 127.0.0.1 for the real ``huggingface_hub`` client: the calls it makes to list a
+repository (``/api/models/R/tree/REV``, ``/api/models/R/revision/REV``) and to download a file
+(``/R/resolve/REV/FILE``, HEAD then GET), with the Hub's error codes for a missing, gated or unknown-revision
+repository."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+
+@dataclass
+class FakeHub:
+    """Repositories ``{"owner/name": {path: bytes}}``; ``gated`` ones answer 401 GatedRepo; ``served`` lists the
+    files downloaded (GET)."""
+
+    repos: dict[str, dict[str, bytes]]
+    gated: set[str] = field(default_factory=set)
+    served: list[str] = field(default_factory=list)
+    url: str = ""
+
+    @staticmethod
+    def sha(repo: str) -> str:
+        return hashlib.sha1(repo.encode()).hexdigest()
+
+    def answer(self, method: str, path: str) -> tuple[int, dict[str, str], bytes]:
+        parts = [unquote(p) for p in urlsplit(path).path.strip("/").split("/")]
+        api = parts[:2] == ["api", "models"]
+        repo = "/".join(parts[2:4] if api else parts[:2])
+        files = self.repos.get(repo)
+        if files is None:
+            return _error(404, "RepoNotFound", f"Repository Not Found for url: {path}")
+        if repo in self.gated:
+            return _error(401, "GatedRepo", f"Access to model {repo} is restricted.")
+        if api and len(parts) == 4:  # the repository's info at main
+            parts += ["revision", "main"]
+        rev = parts[5] if api else parts[3] if len(parts) > 3 else ""
+        if rev not in ("main", self.sha(repo)):
+            return _error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
+        if api and parts[4] == "revision":
+            info = {"id": repo, "modelId": repo, "sha": self.sha(repo), "private": False,
+                    "siblings": [{"rfilename": f} for f in sorted(files)]}
+            return _json(info)
+        if api and parts[4] == "tree":
+            return _json([{"type": "file", "path": f, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+                          for f, b in sorted(files.items())])
+        if not api and len(parts) > 4 and parts[2] == "resolve":
+            name = "/".join(parts[4:])
+            body = files.get(name)
+            if body is None:
+                return _error(404, "EntryNotFound", f"{name} does not exist on {rev}")
+            if method == "GET":
+                self.served.append(f"{repo}/{name}")
+            headers = {"X-Repo-Commit": self.sha(repo), "ETag": f'"{hashlib.sha256(body).hexdigest()}"',
+                       "Content-Length": str(len(body)), "Content-Type": "application/octet-stream"}
+            return 200, headers, body
+        return _error(404, "", f"no route {path}")
+
+
+def _json(value: object) -> tuple[int, dict[str, str], bytes]:
+    body = json.dumps(value).encode()
+    return 200, {"Content-Type": "application/json", "Content-Length": str(len(body))}, body
+
+
+def _error(status: int, code: str, message: str) -> tuple[int, dict[str, str], bytes]:
+    body = json.dumps({"error": message}).encode()
+    headers = {"Content-Type": "application/json", "Content-Length": str(len(body)), "X-Error-Message": message}
+    if code:
+        headers["X-Error-Code"] = code
+    return status, headers, body
+
+
+def repo_files(root: Path) -> dict[str, bytes]:
+    """A local model directory (or one file) as a repository's files."""
+    if root.is_file():
+        return {root.name: root.read_bytes()}
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@contextmanager
+def serving(hub: FakeHub) -> Iterator[FakeHub]:
+    """``hub`` answering on 127.0.0.1 (``hub.url``) until the block ends."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self, method: str) -> None:
+            status, headers, body = hub.answer(method, self.path)
+            self.send_response(status)
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.end_headers()
+            if method == "GET":
+                self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802
+            self._reply("GET")
+
+        def do_HEAD(self) -> None:  # noqa: N802
+            self._reply("HEAD")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    hub.url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        yield hub
+    finally:
+        server.shutdown()
+        server.server_close()

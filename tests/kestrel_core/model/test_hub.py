@@ -1,0 +1,150 @@
+"""Models by Hub name (kestrel_core/model/hub.py) against a Hub on 127.0.0.1 (fake_hub) through the real
+``huggingface_hub`` client: what is fetched, what is picked, what is refused, and the cache used offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.hub import Hub, HubSpec, choose_files, parse_hub_spec
+
+from .fake_hub import FakeHub, repo_files, serving
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
+GGUF = (FIXTURES / "tiny-llama.gguf").read_bytes()
+
+
+@pytest.fixture
+def hub() -> Iterator[FakeHub]:
+    repos = {
+        "org/tiny": repo_files(FIXTURES / "tiny-qwen3") | {"pytorch_model.bin": b"pickle", "modeling.py": b"code"},
+        "org/tiny-GGUF": {"tiny-Q4_K_M.gguf": GGUF, "tiny-Q8_0.gguf": GGUF + b"\0", "README.md": b"#"},
+        "org/pickled": {"config.json": b"{}", "pytorch_model.bin": b"pickle"},
+        "org/gated": {"config.json": b"{}"},
+    }
+    with serving(FakeHub(repos, gated={"org/gated"})) as h:
+        yield h
+
+
+@pytest.mark.parametrize(("text", "spec"), [
+    ("Qwen/Qwen3-0.6B", HubSpec("Qwen/Qwen3-0.6B")),
+    ("hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M", HubSpec("bartowski/Llama-3.2-1B-Instruct-GGUF",
+                                                                  tag="Q4_K_M")),
+    ("https://huggingface.co/org/m@v1.0", HubSpec("org/m", revision="v1.0")),
+    ("org/m@refs/pr/1:Q8_0", HubSpec("org/m", revision="refs/pr/1", tag="Q8_0")),
+])
+def test_a_hub_name_is_read_with_its_revision_and_tag(text: str, spec: HubSpec) -> None:
+    assert parse_hub_spec(text) == spec
+    assert parse_hub_spec(str(spec)) == spec
+
+
+@pytest.mark.parametrize("text", ["model", "./org/m", "/abs/m", "org/m/extra", "org/..", "../m", "org/m@..",
+                                  "~/m", "org/-m", ""])
+def test_what_is_not_a_hub_name_stays_a_missing_path(text: str) -> None:
+    assert parse_hub_spec(text) is None
+
+
+def test_the_file_picked_from_a_repository() -> None:
+    plain = HubSpec("o/m")
+    assert choose_files(plain, ["config.json", "model.safetensors", "m-Q8_0.gguf"]) == ("safetensors", "")
+    assert choose_files(HubSpec("o/m", tag="Q8_0"), ["config.json", "model.safetensors", "m-Q8_0.gguf"]) == (
+        "gguf", "m-Q8_0.gguf")
+    many = ["m-Q2_K.gguf", "m-Q4_K_M.gguf", "m-f16.gguf", "m-Q8_0.gguf", "m-IQ4_XS.gguf"]
+    assert choose_files(plain, many) == ("gguf", "m-Q8_0.gguf")  # kestrel's q8 codes are Q8_0's
+    assert choose_files(plain, many[:3]) == ("gguf", "m-f16.gguf")
+    assert choose_files(HubSpec("o/m", tag="q4_k_m"), many) == ("gguf", "m-Q4_K_M.gguf")
+    assert choose_files(plain, ["m-IQ4_XS.gguf"]) == ("gguf", "m-IQ4_XS.gguf")
+    with pytest.raises(KestrelError, match="split into parts"):
+        choose_files(plain, ["m-Q8_0-00001-of-00002.gguf", "m-Q8_0-00002-of-00002.gguf"])
+    with pytest.raises(KestrelError, match=r"no GGUF file for the tag 'Q3_K_S' \(the repository has m-IQ4"):
+        choose_files(HubSpec("o/m", tag="Q3_K_S"), many)
+    with pytest.raises(KestrelError, match="pickle"):
+        choose_files(plain, ["config.json", "pytorch_model.bin"])
+    with pytest.raises(KestrelError, match="neither safetensors"):
+        choose_files(plain, ["README.md"])
+
+
+def test_a_safetensors_repository_is_fetched_without_pickles_or_code(hub: FakeHub, tmp_path: Path) -> None:
+    snap = Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/tiny"))
+    assert sorted(p.name for p in snap.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                      "tokenizer_config.json"]
+    assert not any(f.endswith((".bin", ".py")) for f in hub.served)
+    assert (snap / "model.safetensors").read_bytes() == (FIXTURES / "tiny-qwen3" / "model.safetensors").read_bytes()
+
+
+def test_a_gguf_repository_gives_the_tagged_or_the_most_precise_file(hub: FakeHub, tmp_path: Path) -> None:
+    h = Hub(hub.url, str(tmp_path))
+    assert h.fetch(HubSpec("org/tiny-GGUF")).name == "tiny-Q8_0.gguf"
+    tagged = h.fetch(HubSpec("org/tiny-GGUF", tag="Q4_K_M"))
+    assert tagged.name == "tiny-Q4_K_M.gguf" and tagged.read_bytes() == GGUF
+    assert sorted(hub.served) == ["org/tiny-GGUF/tiny-Q4_K_M.gguf", "org/tiny-GGUF/tiny-Q8_0.gguf"]
+
+
+@pytest.mark.parametrize(("name", "why"), [
+    ("org/missing", "no such repository on the Hugging Face Hub"),
+    ("org/gated", "is gated: accept its terms on huggingface.co/org/gated, then set HF_TOKEN"),
+    ("org/tiny@v9", "the repository has no revision 'v9'"),
+    ("org/pickled", "pickle checkpoints"),
+    ("org/tiny-GGUF:Q2_K", "no GGUF file for the tag 'Q2_K'"),
+])
+def test_what_the_hub_refuses_is_one_line(hub: FakeHub, tmp_path: Path, name: str, why: str) -> None:
+    spec = parse_hub_spec(name)
+    assert spec is not None
+    with pytest.raises(KestrelError, match=why) as info:
+        Hub(hub.url, str(tmp_path)).fetch(spec)
+    assert "\n" not in str(info.value)
+
+
+def test_an_unreachable_hub_falls_back_to_the_cache(hub: FakeHub, tmp_path: Path) -> None:
+    Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/tiny"))
+    Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/tiny-GGUF", tag="Q4_K_M"))
+    down = Hub("http://127.0.0.1:9", str(tmp_path))  # nothing listens on the discard port
+    assert (down.fetch(HubSpec("org/tiny")) / "config.json").is_file()
+    assert down.fetch(HubSpec("org/tiny-GGUF")).name == "tiny-Q4_K_M.gguf"  # the one the cache holds
+    with pytest.raises(KestrelError, match="org/gated is not in the Hugging Face cache and the Hub cannot be"):
+        down.fetch(HubSpec("org/gated"))
+
+
+def _kestrel(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kestrel_core.cli", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **env})
+
+
+def test_kestrel_run_and_pull_take_a_hub_name_and_run_offline_after(hub: FakeHub, tmp_path: Path) -> None:
+    """The CLI end to end: `kestrel pull` fetches into HF_HOME, `kestrel run` generates from the Hub name the
+    same tokens as from the local directory, and with HF_HUB_OFFLINE=1 from the cache alone."""
+    env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "KESTREL_HOME": str(tmp_path / "k"),
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    pulled = _kestrel("pull", "org/tiny", env=env)
+    assert pulled.returncode == 0, pulled.stderr
+    assert Path(pulled.stdout.strip()).joinpath("model.safetensors").is_file()
+    ask = ("run", "--no-chat", "--max-tokens", "6", "--temperature", "0", "--json", "Hello")
+    local = _kestrel(*ask, "-m", str(FIXTURES / "tiny-qwen3"), env=env)
+    by_name = _kestrel(*ask, "-m", "org/tiny", env=env)
+    offline = _kestrel(*ask, "-m", "org/tiny", env={**env, "HF_HUB_OFFLINE": "1"})
+    assert local.returncode == by_name.returncode == offline.returncode == 0, by_name.stderr + offline.stderr
+    texts = [json.loads(r.stdout)["text"] for r in (local, by_name, offline)]
+    assert texts[0] and texts == [texts[0]] * 3
+    missing = _kestrel("run", "-m", "org/missing", "Hi", env=env)
+    assert missing.returncode != 0 and "Traceback" not in missing.stderr
+    assert "org/missing: no such repository on the Hugging Face Hub" in missing.stderr
+
+
+def test_a_model_loaded_by_hub_name_keeps_that_name(hub: FakeHub, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``load_model("org/tiny")`` fetches it; the server names it so (as vLLM does)."""
+    from kestrel_core.model import loader
+    from kestrel_core.serve.server import default_model_name
+
+    monkeypatch.setattr(loader, "fetch", Hub(hub.url, str(tmp_path)).fetch)
+    loaded = loader.load_model("org/tiny", cache="off")
+    assert loaded.source.startswith("org/tiny (") and str(tmp_path) in loaded.source
+    assert default_model_name(loaded.source) == "org/tiny"
+    assert loaded.model.config.arch == "qwen3"
