@@ -104,9 +104,37 @@ __device__ __forceinline__ bool arrive_last(int* counter, int count, int* flag) 
 template <typename T>
 __device__ __forceinline__ T ld_before_wait(const T* p) { return __ldcg(p); }
 
+#ifdef KESTREL_TRACE
+// The diagnostic build (KESTREL_CUDA_TRACE, trace.py): thread 0 of every block that waits records when its wait
+// returned, as [%globaltimer ns, %gridid << 32 | block], in its SM's KESTREL_TRACE_PER_SM records of
+// kestrel_trace_buf; the slot comes from the SM's own counter (no contention), taken before the wait. The two
+// pointers are constants (set once by trace.py), so reading them is no global round trip.
+__constant__ unsigned long long* kestrel_trace_buf;
+__constant__ unsigned* kestrel_trace_count;
+#endif
+
 __device__ __forceinline__ void grid_dep_wait() {
+#ifdef KESTREL_TRACE
+    const bool stamp = threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0;
+    unsigned sm = 0, slot = 0;
+    if (stamp) {
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        slot = atomicAdd(kestrel_trace_count + sm, 1u);
+    }
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+#ifdef KESTREL_TRACE
+    if (stamp && slot < KESTREL_TRACE_PER_SM) {
+        unsigned long long t, grid;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
+        const unsigned block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+        unsigned long long* r = kestrel_trace_buf + 2 * ((size_t)sm * KESTREL_TRACE_PER_SM + slot);
+        r[0] = t;
+        r[1] = grid << 32 | block;
+    }
 #endif
 }
 

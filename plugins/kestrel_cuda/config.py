@@ -46,6 +46,9 @@ SETTINGS = (
     Setting("cluster", "KESTREL_CUDA_CLUSTER", None, "",
             "K splits run as thread block clusters (sm_90): the M=1 GEMVs the planner picks, the decode batches' "
             "GEMMs"),
+    Setting("trace", "KESTREL_CUDA_TRACE", None, "",
+            "diagnostic build of the forward's kernels: every block records when its PDL wait returned "
+            "(benchmarks/cuda_step_trace.py; a little slower)"),
 )
 
 
@@ -60,6 +63,7 @@ class CudaConfig:
     graph: bool = True
     pdl: bool = True
     cluster: bool = True
+    trace: bool = False
 
     @classmethod
     def from_env(cls, options: Mapping[str, Any] | None = None) -> CudaConfig:

@@ -113,7 +113,7 @@ class DeviceForward:
         if ops is None:
             from kestrel_cuda.ops_cupy import CupyOps
 
-            ops = CupyOps(stream, gemm, pdl=config.pdl, cluster=config.cluster)
+            ops = CupyOps(stream, gemm, pdl=config.pdl, cluster=config.cluster, trace=config.trace)
         self.ops = ops
         self.xp = ops.xp
         self.weight_source = weight_source

@@ -50,6 +50,8 @@ from kestrel_cuda.plan import (
     check_route_fold,
     tagged_merge,
 )
+from kestrel_cuda.trace import StepTrace
+from kestrel_cuda.trace import options as trace_options
 
 ATTN_DECODE_LANE_DIMS = (4, 8)  # attn_decode instances: a lane's dimensions (head_dim <= 128, <= 256)
 QUANT_CHUNK = 256 * 4  # elements of a row that one quantize_rows block takes (rows.cu: NT * QUANT_LOADS)
@@ -71,12 +73,13 @@ def forward_kernel_names() -> list[str]:
             + [f"attn_rows<{hd}>" for hd in ATTN_ROWS_HEAD_DIMS])
 
 
-@lru_cache(maxsize=1)
-def _module() -> Any:
+@lru_cache(maxsize=2)
+def _module(trace: bool = False) -> Any:
     import cupy as cp
 
     names = forward_kernel_names()
-    mod = cp.RawModule(code=source_text(FORWARD_SOURCES), options=OPTIONS, name_expressions=tuple(names))
+    options = OPTIONS + (trace_options() if trace else ())
+    mod = cp.RawModule(code=source_text(FORWARD_SOURCES), options=options, name_expressions=tuple(names))
     mod.compile()
     return mod
 
@@ -87,13 +90,14 @@ class CupyOps(MoeOps):
     ``pdl``: captured launches after the first may overlap their predecessor (programmatic dependent launch);
     ``cluster``: split M=1 GEMVs planned as clusters run as clusters (both need sm_90 and cuLaunchKernelEx,
     else they are off); ``merge``: how the other split M=1 GEMVs add their splits (``plan.tagged_merge``);
-    ``on_launch``: see the module docstring.
+    ``on_launch``: see the module docstring; ``trace``: the kernels' diagnostic build, its records in
+    ``self.trace`` (trace.py; else None).
     """
 
     name = "cuda"
 
     def __init__(self, stream: Any = None, gemm: Any = None, *, pdl: bool = True, cluster: bool = True,
-                 merge: str = "auto", on_launch: Observer | None = None) -> None:
+                 merge: str = "auto", on_launch: Observer | None = None, trace: bool = False) -> None:
         import cupy as cp
         import cupyx
 
@@ -103,7 +107,8 @@ class CupyOps(MoeOps):
         self.cupyx = cupyx
         self.xp = cp
         self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
-        mod = _module()
+        mod = _module(trace)
+        self.trace = StepTrace(mod, cp) if trace else None
         self._gemv = {v: mod.get_function("qgemv<{},{},{},{}>".format(*v)) for v in GEMV_VARIANTS}
         self._attn_decode = {j: mod.get_function(f"attn_decode<{ATTN_SPLITS}, {j}>") for j in ATTN_DECODE_LANE_DIMS}
         self._attn_rows = {hd: mod.get_function(f"attn_rows<{hd}>") for hd in ATTN_ROWS_HEAD_DIMS}

@@ -18,16 +18,17 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "backends" / "cuda.md"
 def test_defaults_without_environment() -> None:
     assert CudaConfig.from_env({}) == CudaConfig()
     assert CudaConfig() == CudaConfig(device=0, cache_mb=None, window=0, max_context=32768, graph=True, pdl=True,
-                                      cluster=True)
+                                      cluster=True, trace=False)
 
 
 def test_every_variable_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in [("KESTREL_CUDA_DEVICE", "2"), ("KESTREL_CUDA_CACHE_MB", " 40000 "),
                         ("KESTREL_CUDA_WINDOW", "4"), ("KESTREL_CUDA_MAX_CONTEXT", "4096"),
-                        ("KESTREL_CUDA_GRAPH", "0"), ("KESTREL_CUDA_PDL", "off"), ("KESTREL_CUDA_CLUSTER", "no")]:
+                        ("KESTREL_CUDA_GRAPH", "0"), ("KESTREL_CUDA_PDL", "off"), ("KESTREL_CUDA_CLUSTER", "no"),
+                        ("KESTREL_CUDA_TRACE", "1")]:
         monkeypatch.setenv(name, value)
     assert CudaConfig.from_env() == CudaConfig(device=2, cache_mb=40000, window=4, max_context=4096, graph=False,
-                                               pdl=False, cluster=False)
+                                               pdl=False, cluster=False, trace=True)
 
 
 def test_options_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,6 +18,7 @@ import pytest
 from kestrel_cuda import kernels, plan
 from kestrel_cuda.kernels import FORWARD_SOURCES, OPTIONS, SOURCES, kernel_names, source_text
 from kestrel_cuda.ops_cupy import KERNELS, forward_kernel_names
+from kestrel_cuda.trace import options as trace_options
 
 ARCH = "sm_90"
 PLAIN = {"hook": ("k_transpose_pack4",), "forward": KERNELS}  # extern "C" kernels, looked up by name
@@ -44,8 +45,9 @@ def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:
         raise AssertionError(f"{what}: {lib.nvrtcGetErrorString(rc).decode()}")
 
 
-def compile_module(source: str, names: list[str]) -> tuple[bytes, dict[str, str]]:
-    """(the cubin, name expression -> lowered name); raises AssertionError with the log on failure."""
+def compile_module(source: str, names: list[str], extra: tuple[str, ...] = ()) -> tuple[bytes, dict[str, str]]:
+    """(the cubin, name expression -> lowered name), compiled with OPTIONS and ``extra``; raises AssertionError
+    with the log on failure."""
     lib = NVRTC
     assert lib is not None
     prog = ctypes.c_void_p()
@@ -53,7 +55,7 @@ def compile_module(source: str, names: list[str]) -> tuple[bytes, dict[str, str]
     try:
         for name in names:
             _check(lib, lib.nvrtcAddNameExpression(prog, name.encode()), f"name {name}")
-        opts = [o.encode() for o in (*OPTIONS, f"--gpu-architecture={ARCH}")]
+        opts = [o.encode() for o in (*OPTIONS, *extra, f"--gpu-architecture={ARCH}")]
         rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
         size = ctypes.c_size_t()
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
@@ -75,13 +77,17 @@ def compile_module(source: str, names: list[str]) -> tuple[bytes, dict[str, str]
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("module", ["hook", "forward"])
+@pytest.mark.parametrize("module", ["hook", "forward", "forward traced"])
 def test_every_kernel_compiles_for_sm90(module: str) -> None:
+    """The traced forward is its diagnostic build (KESTREL_CUDA_TRACE): its records' globals are in it too."""
     sources, names = (SOURCES, kernel_names()) if module == "hook" else (FORWARD_SOURCES, forward_kernel_names())
-    cubin, lowered = compile_module(source_text(sources), names)
+    traced = module == "forward traced"
+    cubin, lowered = compile_module(source_text(sources), names, trace_options() if traced else ())
     assert set(lowered) == set(names)
-    for symbol in [*lowered.values(), *PLAIN[module]]:  # each kernel's entry in the machine code
+    globals_ = ("kestrel_trace_buf", "kestrel_trace_count") if traced else ()
+    for symbol in [*lowered.values(), *PLAIN[module.split()[0]], *globals_]:  # each entry in the machine code
         assert symbol.encode() + b"\0" in cubin, symbol
+    assert (b"kestrel_trace_buf\0" in cubin) == traced
 
 
 @pytest.mark.parametrize("sources", (kernels.SOURCES, kernels.FORWARD_SOURCES))
