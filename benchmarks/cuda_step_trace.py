@@ -3,6 +3,7 @@
 share of the path is the next launch's release less its own.
 
     python benchmarks/cuda_step_trace.py [--preset qwen3-30b-a3b] [--quant q8] [--prompt 64] [--reps 20]
+                                         [--save records.npz]
 
 The step is the one ``cuda_e2e.py`` times (a synthetic preset, every weight preloaded, a greedy decode after a
 ``--prompt``-token prompt), its graph replayed ``--reps`` times with the records reset before each; the kinds
@@ -60,6 +61,7 @@ def main() -> int:
     ap.add_argument("--quant", default="q8")
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--save", default="", help="write the last replay's records and the kinds here (.npz)")
     args = ap.parse_args()
 
     import cupy as cp
@@ -89,6 +91,8 @@ def main() -> int:
             seq.graph()
             stream.synchronize()
             rows, dropped = trace.read()
+            if args.save:
+                np.savez(args.save, rows=rows, kinds=np.array(kinds))
             launches = releases(rows)
             if dropped or len(launches) != len(kinds):
                 log(f"{len(launches)} launches traced ({dropped} records dropped), {len(kinds)} launched: "
