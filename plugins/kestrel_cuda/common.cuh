@@ -107,7 +107,8 @@ __device__ __forceinline__ T ld_before_wait(const T* p) { return __ldcg(p); }
 #ifdef KESTREL_TRACE
 // The diagnostic build (KESTREL_CUDA_TRACE, trace.py): thread 0 of every block that waits records when its wait
 // returned, as [%globaltimer ns, %gridid << 32 | block], in its SM's KESTREL_TRACE_PER_SM records of
-// kestrel_trace_buf; the slot comes from the SM's own counter (no contention), taken before the wait. The two
+// kestrel_trace_buf (SMs from KESTREL_TRACE_SMS on record nothing); the slot comes from the SM's own counter (no
+// contention), taken before the wait. The two
 // pointers are constants (set once by trace.py), so reading them is no global round trip.
 __constant__ unsigned long long* kestrel_trace_buf;
 __constant__ unsigned* kestrel_trace_count;
@@ -115,11 +116,12 @@ __constant__ unsigned* kestrel_trace_count;
 
 __device__ __forceinline__ void grid_dep_wait() {
 #ifdef KESTREL_TRACE
-    const bool stamp = threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0;
+    bool stamp = threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0;
     unsigned sm = 0, slot = 0;
     if (stamp) {
         asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-        slot = atomicAdd(kestrel_trace_count + sm, 1u);
+        stamp = sm < KESTREL_TRACE_SMS;
+        if (stamp) slot = atomicAdd(kestrel_trace_count + sm, 1u);
     }
 #endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

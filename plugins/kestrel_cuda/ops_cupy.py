@@ -84,14 +84,22 @@ def _module(trace: bool = False) -> Any:
     return mod
 
 
+@lru_cache(maxsize=1)
+def _trace_records() -> StepTrace:
+    """The diagnostic build's records (trace.py), shared by every traced CupyOps as the module is."""
+    import cupy as cp
+
+    return StepTrace(_module(True), cp)
+
+
 class CupyOps(MoeOps):
     """The forward's kernels on one stream. ``gemm``: optional tiled GEMM for M > 1 (see ``gemv``).
 
     ``pdl``: captured launches after the first may overlap their predecessor (programmatic dependent launch);
     ``cluster``: split M=1 GEMVs planned as clusters run as clusters (both need sm_90 and cuLaunchKernelEx,
     else they are off); ``merge``: how the other split M=1 GEMVs add their splits (``plan.tagged_merge``);
-    ``on_launch``: see the module docstring; ``trace``: the kernels' diagnostic build, its records in
-    ``self.trace`` (trace.py; else None).
+    ``on_launch``: see the module docstring; ``trace``: the kernels' diagnostic build, its records (those of
+    every traced launch of the process) in ``self.trace`` (trace.py; else None).
     """
 
     name = "cuda"
@@ -108,7 +116,7 @@ class CupyOps(MoeOps):
         self.xp = cp
         self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
         mod = _module(trace)
-        self.trace = StepTrace(mod, cp) if trace else None
+        self.trace = _trace_records() if trace else None
         self._gemv = {v: mod.get_function("qgemv<{},{},{},{}>".format(*v)) for v in GEMV_VARIANTS}
         self._attn_decode = {j: mod.get_function(f"attn_decode<{ATTN_SPLITS}, {j}>") for j in ATTN_DECODE_LANE_DIMS}
         self._attn_rows = {hd: mod.get_function(f"attn_rows<{hd}>") for hd in ATTN_ROWS_HEAD_DIMS}

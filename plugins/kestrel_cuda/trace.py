@@ -21,12 +21,12 @@ TRACE_PER_SM = 4096  # records an SM holds, from each reset: a qwen3-30b-a3b dec
 
 def options() -> tuple[str, ...]:
     """The compiler options that make the forward module the diagnostic build."""
-    return ("-DKESTREL_TRACE", f"-DKESTREL_TRACE_PER_SM={TRACE_PER_SM}")
+    return ("-DKESTREL_TRACE", f"-DKESTREL_TRACE_SMS={TRACE_SMS}", f"-DKESTREL_TRACE_PER_SM={TRACE_PER_SM}")
 
 
 class StepTrace:
     """The records' device buffer and the SMs' counters, set into ``module``'s globals (``kestrel_trace_buf``,
-    ``kestrel_trace_count``)."""
+    ``kestrel_trace_count``): one for the module, which every traced launch of the process records into."""
 
     def __init__(self, module: Any, cp: Any) -> None:
         self.cp = cp

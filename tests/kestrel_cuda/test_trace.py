@@ -54,7 +54,7 @@ def test_the_critical_path_splits_by_kind_and_leaves_the_last_launch_out() -> No
 
 def test_the_kernels_record_what_trace_reads() -> None:
     """common.cuh's records are the layout ``records`` reads ([t, grid << 32 | block], KESTREL_TRACE_PER_SM of
-    them an SM) in the globals StepTrace sets, and the build's options define both."""
+    them an SM, KESTREL_TRACE_SMS SMs) in the globals StepTrace sets, and the build's options define those."""
     text = kernels.source_text(("common.cuh",))
     body = text[text.index("void grid_dep_wait()"):]
     body = body[:body.index("\n}\n")]
@@ -62,4 +62,6 @@ def test_the_kernels_record_what_trace_reads() -> None:
     assert re.search(r"r\[0\] = t;\s*r\[1\] = grid << 32 \| block;", body)
     assert re.search(r"__constant__ unsigned long long\* kestrel_trace_buf;", text)
     assert re.search(r"__constant__ unsigned\* kestrel_trace_count;", text)
-    assert options() == ("-DKESTREL_TRACE", f"-DKESTREL_TRACE_PER_SM={TRACE_PER_SM}")
+    assert "stamp = sm < KESTREL_TRACE_SMS;" in body
+    assert options() == ("-DKESTREL_TRACE", f"-DKESTREL_TRACE_SMS={TRACE_SMS}",
+                         f"-DKESTREL_TRACE_PER_SM={TRACE_PER_SM}")
