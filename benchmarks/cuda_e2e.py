@@ -73,6 +73,12 @@ _PROJ = {0: "q/k/v", 1: "q/k/v", 2: "q/k/v", 3: "o", 4: "gate/up", 5: "gate/up",
          9: "q/k/v", 10: "gate/up"}
 
 
+def gemv_kind(lin: Any, experts: Any) -> str:
+    """A GEMV launch's kind in the breakdowns: "gemv <projection>", or "gemv experts <projection>" for a routed
+    one (``experts``: its ``CupyOps.gemv`` argument)."""
+    return ("gemv experts " if experts else "gemv ") + _PROJ.get((lin.wkey & 0xFFFF) - 1, "?")
+
+
 def record_launches(ops: Any, run: Any, names: tuple[str, ...] = ("gemv", "qkv_rope", "attention", "embed",
                                                                    "norm_add", "moe_route", "moe_combine",
                                                                    "greedy_token"),
@@ -87,7 +93,7 @@ def record_launches(ops: Any, run: Any, names: tuple[str, ...] = ("gemv", "qkv_r
         def call(*args: Any, **kwargs: Any) -> None:
             if name == "gemv":
                 lin, experts = args[0], kwargs.get("experts")
-                kind = ("gemv experts " if experts else "gemv ") + _PROJ.get((lin.wkey & 0xFFFF) - 1, "?")
+                kind = gemv_kind(lin, experts)
                 nbytes = lin_bytes(lin) * (experts[2] if experts else 1)
             else:
                 kind = name

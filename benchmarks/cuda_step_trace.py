@@ -22,7 +22,7 @@ from collections import defaultdict
 from typing import Any
 
 import numpy as np
-from cuda_e2e import _PROJ, graph_step_us, greedy, log, make_forward
+from cuda_e2e import gemv_kind, graph_step_us, greedy, log, make_forward
 
 
 def launch_kinds(fwd: Any, model: Any, seq_id: int, token: int, pos: int) -> list[str]:
@@ -34,7 +34,7 @@ def launch_kinds(fwd: Any, model: Any, seq_id: int, token: int, pos: int) -> lis
     gemv = ops.gemv
 
     def named_gemv(lin: Any, *args: Any, **kwargs: Any) -> None:
-        current[0] = ("gemv experts " if kwargs.get("experts") else "gemv ") + _PROJ.get((lin.wkey & 0xFFFF) - 1, "?")
+        current[0] = gemv_kind(lin, kwargs.get("experts"))
         try:
             gemv(lin, *args, **kwargs)
         finally:
