@@ -82,24 +82,7 @@ extern "C" __global__ void floor_tagged_merge(float* buf, float* part, int* coun
         st_tagged(slots + (size_t)blockIdx.y * FLOOR_TN, __ldcg(buf + (size_t)tile * FLOOR_TN + tid) + blockIdx.y,
                   tag);
     if ((int)blockIdx.y != ns - 1) return;
-    if (tid < FLOOR_TN) {
-        unsigned long long w[16];
-#pragma unroll
-        for (int y = 0; y < 16; ++y) w[y] = y < ns ? ld_tagged(slots + (size_t)y * FLOOR_TN) : 0ull;
-        for (;;) {
-            bool ready = true;
-#pragma unroll
-            for (int y = 0; y < 16; ++y) ready &= y >= ns || (unsigned)(w[y] >> 32) == tag;
-            if (ready) break;
-#pragma unroll
-            for (int y = 0; y < 16; ++y)
-                if (y < ns && (unsigned)(w[y] >> 32) != tag) w[y] = ld_tagged(slots + (size_t)y * FLOOR_TN);
-        }
-        float s = 0.f;
-#pragma unroll
-        for (int y = 0; y < 16; ++y) s += y < ns ? __uint_as_float((unsigned)w[y]) : 0.f;
-        buf[(size_t)tile * FLOOR_TN + tid] = s;
-    }
+    if (tid < FLOOR_TN) buf[(size_t)tile * FLOOR_TN + tid] = sum_tagged<16>(slots, FLOOR_TN, ns, tag);
     __syncthreads();
     if (tid == 0) counters[tile] = (int)tag;
 }

@@ -363,27 +363,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         constexpr int PB = 8;                   // polls in flight per thread (16: 12-20 bytes of spills, slower)
         if (tid < TN) st_tagged(slots + (size_t)blockIdx.y * TN, acc[0], tag);
         if ((int)blockIdx.y != ns - 1) return;  // the tile's last split merges
-        if (tid < TN) {
-            float sum = 0.f;
-            for (int y0 = 0; y0 < ns; y0 += PB) {  // PB slots at once, polled together until all are tagged
-                unsigned long long w[PB];
-#pragma unroll
-                for (int j = 0; j < PB; ++j) w[j] = y0 + j < ns ? ld_tagged(slots + (size_t)(y0 + j) * TN) : 0ull;
-                for (;;) {
-                    bool ready = true;
-#pragma unroll
-                    for (int j = 0; j < PB; ++j) ready &= y0 + j >= ns || (unsigned)(w[j] >> 32) == tag;
-                    if (ready) break;
-#pragma unroll
-                    for (int j = 0; j < PB; ++j)
-                        if (y0 + j < ns && (unsigned)(w[j] >> 32) != tag)
-                            w[j] = ld_tagged(slots + (size_t)(y0 + j) * TN);
-                }
-#pragma unroll
-                for (int j = 0; j < PB; ++j) if (y0 + j < ns) sum += __uint_as_float((unsigned)w[j]);
-            }
-            acc[0] = sum;
-        }
+        if (tid < TN) acc[0] = sum_tagged<PB>(slots, TN, ns, tag);
         if (tid == 0) epochs[blockIdx.x] = tag;
     } else if (gridDim.y > 1) {
         if (tid < TN && n0 + tid < Npad) {

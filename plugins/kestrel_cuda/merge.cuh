@@ -17,6 +17,29 @@ __device__ __forceinline__ unsigned long long ld_tagged(const unsigned long long
     asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
     return w;
 }
+// The sum in split order of the ns slots slots[0], slots[stride], ... once each carries ``tag``: the tile's last
+// split's poll, PB slots at a time, polled together until all of them are tagged.
+template <int PB>
+__device__ __forceinline__ float sum_tagged(const unsigned long long* slots, size_t stride, int ns, unsigned tag) {
+    float sum = 0.f;
+    for (int y0 = 0; y0 < ns; y0 += PB) {
+        unsigned long long w[PB];
+#pragma unroll
+        for (int j = 0; j < PB; ++j) w[j] = y0 + j < ns ? ld_tagged(slots + (size_t)(y0 + j) * stride) : 0ull;
+        for (;;) {
+            bool ready = true;
+#pragma unroll
+            for (int j = 0; j < PB; ++j) ready &= y0 + j >= ns || (unsigned)(w[j] >> 32) == tag;
+            if (ready) break;
+#pragma unroll
+            for (int j = 0; j < PB; ++j)
+                if (y0 + j < ns && (unsigned)(w[j] >> 32) != tag) w[j] = ld_tagged(slots + (size_t)(y0 + j) * stride);
+        }
+#pragma unroll
+        for (int j = 0; j < PB; ++j) if (y0 + j < ns) sum += __uint_as_float((unsigned)w[j]);
+    }
+    return sum;
+}
 
 // mbarrier primitives (sm_90; no-ops below, where no cluster is launched)
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
