@@ -112,7 +112,7 @@ class Hub:
         snap = folder / "snapshots" / commit
         files = [p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file()] if commit else []
         if not files:
-            raise KestrelError(f"model {spec} is not in the Hugging Face cache and {why}")
+            raise KestrelError(f"model {spec}: no such local path, not in the Hugging Face cache, and {why}")
         kind, chosen = choose_files(spec, files)
         return snap / chosen if kind == "gguf" else snap
 
@@ -172,7 +172,8 @@ def _refusal(spec: HubSpec, exc: Exception) -> str:
         return (f"model {spec} is gated: accept its terms on huggingface.co/{spec.repo}, then set HF_TOKEN "
                 "(or run `hf auth login`)")
     if isinstance(exc, RepositoryNotFoundError):
-        return f"model {spec}: no such repository on the Hugging Face Hub (a private one needs HF_TOKEN)"
+        return (f"model {spec}: no such local path, and no such repository on the Hugging Face Hub (a private one "
+                "needs HF_TOKEN)")
     if isinstance(exc, RevisionNotFoundError):
         return f"model {spec}: the repository has no revision {spec.revision!r}"
     return f"model {spec}: the Hugging Face Hub refused it ({_first_line(exc)})"

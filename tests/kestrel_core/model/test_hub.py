@@ -88,7 +88,7 @@ def test_a_gguf_repository_gives_the_tagged_or_the_most_precise_file(hub: FakeHu
 
 
 @pytest.mark.parametrize(("name", "why"), [
-    ("org/missing", "no such repository on the Hugging Face Hub"),
+    ("org/missing", "no such local path, and no such repository on the Hugging Face Hub"),
     ("org/gated", "is gated: accept its terms on huggingface.co/org/gated, then set HF_TOKEN"),
     ("org/tiny@v9", "the repository has no revision 'v9'"),
     ("org/pickled", "pickle checkpoints"),
@@ -108,7 +108,7 @@ def test_an_unreachable_hub_falls_back_to_the_cache(hub: FakeHub, tmp_path: Path
     down = Hub("http://127.0.0.1:9", str(tmp_path))  # nothing listens on the discard port
     assert (down.fetch(HubSpec("org/tiny")) / "config.json").is_file()
     assert down.fetch(HubSpec("org/tiny-GGUF")).name == "tiny-Q4_K_M.gguf"  # the one the cache holds
-    with pytest.raises(KestrelError, match="org/gated is not in the Hugging Face cache and the Hub cannot be"):
+    with pytest.raises(KestrelError, match="org/gated: no such local path, not in the Hugging Face cache, and the Hub"):
         down.fetch(HubSpec("org/gated"))
 
 
@@ -134,7 +134,7 @@ def test_kestrel_run_and_pull_take_a_hub_name_and_run_offline_after(hub: FakeHub
     assert texts[0] and texts == [texts[0]] * 3
     missing = _kestrel("run", "-m", "org/missing", "Hi", env=env)
     assert missing.returncode != 0 and "Traceback" not in missing.stderr
-    assert "org/missing: no such repository on the Hugging Face Hub" in missing.stderr
+    assert "org/missing: no such local path, and no such repository on the Hugging Face Hub" in missing.stderr
 
 
 def test_a_model_loaded_by_hub_name_keeps_that_name(hub: FakeHub, tmp_path: Path,
