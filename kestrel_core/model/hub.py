@@ -68,8 +68,12 @@ class Hub:
     def fetch(self, spec: HubSpec) -> Path:
         """The local path of the model ``spec`` names (a snapshot directory or a GGUF file), downloaded into the
         cache unless it is there; a KestrelError of one line where it cannot be had."""
-        from huggingface_hub import HfApi, constants
-        from huggingface_hub.errors import HfHubHTTPError
+        try:
+            from huggingface_hub import HfApi, constants
+            from huggingface_hub.errors import HfHubHTTPError
+        except ImportError as exc:  # a dependency, so only a broken install lacks it
+            raise KestrelError(f"model {spec}: no such local path, and huggingface_hub, which fetches models by "
+                               f"Hub name, cannot be imported ({exc}); pip install huggingface_hub") from None
 
         if constants.HF_HUB_OFFLINE:
             return self._cached(spec, "HF_HUB_OFFLINE is set")

@@ -148,3 +148,9 @@ def test_a_model_loaded_by_hub_name_keeps_that_name(hub: FakeHub, tmp_path: Path
     assert loaded.source.startswith("org/tiny (") and str(tmp_path) in loaded.source
     assert default_model_name(loaded.source) == "org/tiny"
     assert loaded.model.config.arch == "qwen3"
+
+
+def test_without_huggingface_hub_a_hub_name_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import fails as when it is not installed
+    with pytest.raises(KestrelError, match="huggingface_hub, which fetches models by Hub name, cannot be imported"):
+        Hub().fetch(HubSpec("org/m"))
