@@ -86,20 +86,19 @@ class Hub:
             return self._cached(spec, f"the Hub cannot be reached: {_first_line(exc)}")
         kind, chosen = choose_files(spec, files)
         try:
-            return self._download(spec, kind, chosen, offline=False)
+            return self._download(spec, kind, chosen)
         except HfHubHTTPError as exc:
             raise KestrelError(_refusal(spec, exc)) from exc
         except Exception as exc:  # noqa: BLE001
             raise KestrelError(f"model {spec}: downloading it failed ({_first_line(exc)})") from exc
 
-    def _download(self, spec: HubSpec, kind: str, chosen: str, offline: bool) -> Path:
+    def _download(self, spec: HubSpec, kind: str, chosen: str) -> Path:
         from huggingface_hub import hf_hub_download, snapshot_download
 
-        common = {"revision": spec.revision, "cache_dir": self.cache_dir, "local_files_only": offline}
+        common = {"revision": spec.revision, "cache_dir": self.cache_dir, "endpoint": self.endpoint}
         if kind == "gguf":
-            return Path(hf_hub_download(spec.repo, chosen, endpoint=self.endpoint, **common))
-        return Path(snapshot_download(spec.repo, allow_patterns=list(WEIGHT_PATTERNS), endpoint=self.endpoint,
-                                      **common))
+            return Path(hf_hub_download(spec.repo, chosen, **common))
+        return Path(snapshot_download(spec.repo, allow_patterns=list(WEIGHT_PATTERNS), **common))
 
     def _cached(self, spec: HubSpec, why: str) -> Path:
         """The model from the cache alone: the files of its snapshot there (the cache's documented layout,
