@@ -94,6 +94,12 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return pull(args)
 
 
+def cmd_list(args: argparse.Namespace) -> int:
+    from kestrel_core.model.commands import list_models
+
+    return list_models(args)
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from kestrel_core.model.commands import quantize
 
@@ -218,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=None,
                    help="a Hub name, owner/name[@revision][:TAG] (TAG: a GGUF repository's quantization)")
     p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("list", help="the models on this machine: the default one, the Hugging Face cache's")
+    p.add_argument("--json", action="store_true", help="one JSON object a model (name, format, path, size, modified)")
+    p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("quantize", help="quantize a model into a .kst strip-cache artifact")
     p.add_argument("model")

@@ -267,6 +267,36 @@ def pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def list_models(args: argparse.Namespace) -> int:
+    """The models kestrel can load without a download: the default one once pulled, and what the Hugging Face
+    cache holds (``hub.cached_models``), by the name ``--model`` takes."""
+    import datetime
+
+    from kestrel_core.model.hub import CachedModel, cached_models
+    from kestrel_core.model.pull import DEFAULT_MODEL, default_model_path
+
+    models = []
+    default = default_model_path()
+    if default.is_file():
+        st = default.stat()
+        models.append(CachedModel(f"(default) {DEFAULT_MODEL.filename}", "gguf", default, st.st_size, st.st_mtime))
+    models += cached_models()
+    if args.json:
+        for m in models:
+            print(json.dumps({"name": m.name, "format": m.kind, "path": str(m.path), "size": m.size,
+                              "modified": m.modified}))
+        return 0
+    table = Table(title="local models (kestrel run -m NAME)")
+    for column in ("name", "format", "size", "modified"):
+        table.add_column(column, justify="right" if column == "size" else "left")
+    for m in models:
+        when = datetime.datetime.fromtimestamp(m.modified).strftime("%Y-%m-%d %H:%M")
+        table.add_row(m.name, m.kind, f"{m.size / 1e6:,.0f} MB", when)
+    Console(highlight=False).print(table if models else "no local models: kestrel pull, or kestrel run -m "
+                                   "owner/name, fetches one")
+    return 0
+
+
 def quantize(args: argparse.Namespace) -> int:
     from kestrel_core.model.loader import load_model, write_artifact
     from kestrel_core.model.quantize import parse_quant

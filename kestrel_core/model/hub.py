@@ -19,6 +19,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kestrel_core.errors import KestrelError
 
@@ -118,6 +119,62 @@ class Hub:
             raise KestrelError(f"model {spec}: no such local path, not in the Hugging Face cache, and {why}")
         kind, chosen = choose_files(spec, files)
         return snap / chosen if kind == "gguf" else snap
+
+
+@dataclass(frozen=True)
+class CachedModel:
+    """A model in the Hugging Face cache that kestrel can load by ``name``."""
+
+    name: str  # owner/name, @ref where it is not main, :TAG for a GGUF file
+    kind: str  # "safetensors" or "gguf"
+    path: Path  # the snapshot directory or the GGUF file
+    size: int  # bytes on disk
+    modified: float  # seconds since the epoch
+
+
+def cached_models(cache_dir: str | None = None) -> list[CachedModel]:
+    """Every model of the Hugging Face cache (``cache_dir``, None: ``HF_HUB_CACHE``) kestrel can load, by name:
+    a safetensors snapshot, and each GGUF file of one; what it cannot load (datasets, pickle checkpoints) is
+    left out."""
+    from huggingface_hub import scan_cache_dir
+
+    try:
+        info = scan_cache_dir(cache_dir)
+    except Exception:  # noqa: BLE001: no cache directory (CacheNotFound) or one it cannot read
+        return []
+    found = []
+    for repo in info.repos:
+        if repo.repo_type != "model":
+            continue
+        for rev in repo.revisions:
+            for ref in sorted(rev.refs) or [rev.commit_hash]:
+                base = repo.repo_id + ("" if ref == "main" else f"@{ref}")
+                files = {f.file_path.relative_to(rev.snapshot_path).as_posix(): f for f in rev.files}
+                found += _loadable(HubSpec(repo.repo_id), base, rev.snapshot_path, files)
+    return sorted(found, key=lambda m: m.name.lower())
+
+
+def _loadable(spec: HubSpec, base: str, snap: Path, files: dict[str, Any]) -> list[CachedModel]:
+    try:
+        kind, _ = choose_files(spec, list(files))
+    except KestrelError:
+        return []
+    if kind == "safetensors":
+        return [CachedModel(base, kind, snap, sum(f.size_on_disk for f in files.values()),
+                            max(f.blob_last_modified for f in files.values()))]
+    out = []
+    for name, f in files.items():
+        if name.lower().endswith(".gguf") and not _SHARD.search(name[:-5]):
+            tag = gguf_tag(name)
+            out.append(CachedModel(f"{base}:{tag}" if tag else f"{base} ({name})", "gguf", snap / name,
+                                   f.size_on_disk, f.blob_last_modified))
+    return out
+
+
+def gguf_tag(filename: str) -> str | None:
+    """The quantization a GGUF file's name holds, as a ``:TAG`` picks it ("m-Q4_K_M.gguf" -> "Q4_K_M")."""
+    m = re.search(r"(?:^|[._-])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)(?=[._-]|$)", Path(filename).stem, re.IGNORECASE)
+    return m[1] if m else None
 
 
 def fetch(spec: HubSpec) -> Path:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.hub import Hub, HubSpec, choose_files, parse_hub_spec
+from kestrel_core.model.hub import Hub, HubSpec, cached_models, choose_files, parse_hub_spec
 
 from .fake_hub import FakeHub, repo_files, serving
 
@@ -154,3 +154,35 @@ def test_without_huggingface_hub_a_hub_name_is_one_line(monkeypatch: pytest.Monk
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import fails as when it is not installed
     with pytest.raises(KestrelError, match="huggingface_hub, which fetches models by Hub name, cannot be imported"):
         Hub().fetch(HubSpec("org/m"))
+
+
+def test_the_cache_lists_what_kestrel_can_load_by_the_name_it_takes(hub: FakeHub, tmp_path: Path) -> None:
+    h = Hub(hub.url, str(tmp_path))
+    h.fetch(HubSpec("org/tiny"))
+    h.fetch(HubSpec("org/tiny-GGUF", tag="Q4_K_M"))
+    h.fetch(HubSpec("org/tiny-GGUF"))
+    from huggingface_hub import snapshot_download  # a repository kestrel cannot load: left out
+
+    snapshot_download("org/pickled", cache_dir=str(tmp_path), endpoint=hub.url)
+    models = cached_models(str(tmp_path))
+    assert [(m.name, m.kind) for m in models] == [("org/tiny", "safetensors"), ("org/tiny-GGUF:Q4_K_M", "gguf"),
+                                                  ("org/tiny-GGUF:Q8_0", "gguf")]
+    assert models[1].size == len(GGUF) and models[1].path.name == "tiny-Q4_K_M.gguf"
+    for m in models:  # each name loads what the listing shows
+        spec = parse_hub_spec(m.name)
+        assert spec is not None and Hub("http://127.0.0.1:9", str(tmp_path)).fetch(spec) == m.path
+    assert cached_models(str(tmp_path / "none")) == []
+
+
+def test_kestrel_list_shows_the_models_by_name(hub: FakeHub, tmp_path: Path) -> None:
+    env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "KESTREL_HOME": str(tmp_path / "k"),
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    empty = _kestrel("list", env=env)
+    assert empty.returncode == 0 and "no local models" in empty.stdout
+    assert _kestrel("pull", "org/tiny-GGUF:Q4_K_M", env=env).returncode == 0
+    listed = _kestrel("list", "--json", env=env)
+    assert listed.returncode == 0, listed.stderr
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [(r["name"], r["format"], r["size"]) for r in rows] == [("org/tiny-GGUF:Q4_K_M", "gguf", len(GGUF))]
+    table = _kestrel("list", env=env)
+    assert "org/tiny-GGUF:Q4_K_M" in table.stdout
