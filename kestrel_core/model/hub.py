@@ -15,6 +15,7 @@ Offline (``HF_HUB_OFFLINE=1``, or the Hub unreachable) a model already in the ca
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,8 +27,10 @@ from kestrel_core.errors import KestrelError
 HUB_PREFIXES = ("https://huggingface.co/", "http://huggingface.co/", "huggingface.co/", "hf.co/")
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
 _SPEC = re.compile(rf"^(?P<repo>{_NAME}/{_NAME})(?:@(?P<revision>[A-Za-z0-9._/-]+?))?(?::(?P<tag>[A-Za-z0-9._-]+))?$")
-# what a safetensors repository needs: config, weights, tokenizer, chat template, sentence-transformers pooling
-WEIGHT_PATTERNS = ("*.safetensors", "*.json", "tokenizer.model", "*.jinja", "1_Pooling/config.json")
+# besides its weights, what a safetensors repository needs: configs (a sentence-transformers pooling one in its
+# folder too: fnmatch's * crosses /), tokenizer, chat template
+CONFIG_PATTERNS = ("*.json", "tokenizer.model", "*.jinja")
+INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # a GGUF repository without a tag: the most precise first (kestrel requantizes to q8 or q4 as it loads)
 GGUF_PREFERENCE = ("Q8_0", "F16", "BF16", "F32", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_0")
@@ -87,19 +90,32 @@ class Hub:
             return self._cached(spec, f"the Hub cannot be reached: {_first_line(exc)}")
         kind, chosen = choose_files(spec, files)
         try:
-            return self._download(spec, kind, chosen)
+            return self._download(spec, kind, chosen, files)
+        except KestrelError:
+            raise
         except HfHubHTTPError as exc:
             raise KestrelError(_refusal(spec, exc)) from exc
         except Exception as exc:  # noqa: BLE001
             raise KestrelError(f"model {spec}: downloading it failed ({_first_line(exc)})") from exc
 
-    def _download(self, spec: HubSpec, kind: str, chosen: str) -> Path:
+    def _download(self, spec: HubSpec, kind: str, chosen: str, files: Sequence[str]) -> Path:
+        """The GGUF file ``chosen``, or the snapshot of the weights kestrel reads (hf.weight_files: the shards
+        the index names, else the top-level ``*.safetensors``; not a consolidated copy beside the shards) and
+        ``CONFIG_PATTERNS``."""
         from huggingface_hub import hf_hub_download, snapshot_download
 
         common = {"revision": spec.revision, "cache_dir": self.cache_dir, "endpoint": self.endpoint}
         if kind == "gguf":
             return Path(hf_hub_download(spec.repo, chosen, **common))
-        return Path(snapshot_download(spec.repo, allow_patterns=list(WEIGHT_PATTERNS), **common))
+        if INDEX in files:
+            index = json.loads(Path(hf_hub_download(spec.repo, INDEX, **common)).read_text(encoding="utf-8"))
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict):
+                raise KestrelError(f"model {spec}: {INDEX} has no weight_map")
+            weights = sorted({str(v) for v in weight_map.values()})
+        else:
+            weights = [f for f in files if f.endswith(".safetensors") and "/" not in f]
+        return Path(snapshot_download(spec.repo, allow_patterns=[*weights, *CONFIG_PATTERNS], **common))
 
     def _cached(self, spec: HubSpec, why: str) -> Path:
         """The model from the cache alone: the files of its snapshot there (the cache's documented layout,

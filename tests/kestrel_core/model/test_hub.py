@@ -28,6 +28,10 @@ def hub() -> Iterator[FakeHub]:
         "org/tiny-GGUF": {"tiny-Q4_K_M.gguf": GGUF, "tiny-Q8_0.gguf": GGUF + b"\0", "README.md": b"#"},
         "org/pickled": {"config.json": b"{}", "pytorch_model.bin": b"pickle"},
         "org/gated": {"config.json": b"{}"},
+        "org/sharded": {"config.json": b"{}", "model.safetensors.index.json": json.dumps({"weight_map": {
+            "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}).encode(),
+            "model-00001-of-00002.safetensors": b"1", "model-00002-of-00002.safetensors": b"2",
+            "consolidated.safetensors": b"12", "original/params.safetensors": b"p", "1_Pooling/config.json": b"{ }"},
     }
     with serving(FakeHub(repos, gated={"org/gated"})) as h:
         yield h
@@ -77,6 +81,15 @@ def test_a_safetensors_repository_is_fetched_without_pickles_or_code(hub: FakeHu
                                                       "tokenizer_config.json"]
     assert not any(f.endswith((".bin", ".py")) for f in hub.served)
     assert (snap / "model.safetensors").read_bytes() == (FIXTURES / "tiny-qwen3" / "model.safetensors").read_bytes()
+
+
+def test_a_sharded_repository_is_fetched_as_its_index_names_it(hub: FakeHub, tmp_path: Path) -> None:
+    """Only the shards the index names (hf.weight_files reads those), not a consolidated copy or a folder's."""
+    snap = Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/sharded"))
+    assert sorted(f.removeprefix("org/sharded/") for f in hub.served) == [
+        "1_Pooling/config.json", "config.json", "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    assert (snap / "model-00002-of-00002.safetensors").read_bytes() == b"2"
 
 
 def test_a_gguf_repository_gives_the_tagged_or_the_most_precise_file(hub: FakeHub, tmp_path: Path) -> None:
