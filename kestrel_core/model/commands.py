@@ -279,7 +279,8 @@ def list_models(args: argparse.Namespace) -> int:
     default = default_model_path()
     if default.is_file():
         st = default.stat()
-        models.append(CachedModel(f"(default) {DEFAULT_MODEL.filename}", "gguf", default, st.st_size, st.st_mtime))
+        name = f"(default) {DEFAULT_MODEL.filename.split('.')[0]}"  # the one `kestrel run` without --model loads
+        models.append(CachedModel(name, "gguf", default, st.st_size, st.st_mtime))
     models += cached_models()
     if args.json:
         for m in models:
@@ -288,7 +289,7 @@ def list_models(args: argparse.Namespace) -> int:
         return 0
     table = Table(title="local models (kestrel run -m NAME)")
     for column in ("name", "format", "size", "modified"):
-        table.add_column(column, justify="right" if column == "size" else "left")
+        table.add_column(column, justify="right" if column == "size" else "left", no_wrap=True)
     for m in models:
         when = datetime.datetime.fromtimestamp(m.modified).strftime("%Y-%m-%d %H:%M")
         table.add_row(m.name, m.kind, f"{m.size / 1e6:,.0f} MB", when)

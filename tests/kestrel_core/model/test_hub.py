@@ -197,5 +197,8 @@ def test_kestrel_list_shows_the_models_by_name(hub: FakeHub, tmp_path: Path) -> 
     assert listed.returncode == 0, listed.stderr
     rows = [json.loads(line) for line in listed.stdout.splitlines()]
     assert [(r["name"], r["format"], r["size"]) for r in rows] == [("org/tiny-GGUF:Q4_K_M", "gguf", len(GGUF))]
+    (tmp_path / "k" / "models").mkdir(parents=True)
+    (tmp_path / "k" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(GGUF)  # the default, pulled
     table = _kestrel("list", env=env)
-    assert "org/tiny-GGUF:Q4_K_M" in table.stdout
+    assert table.returncode == 0, table.stderr
+    assert "(default) SmolLM2-135M-Instruct" in table.stdout and "org/tiny-GGUF:Q4_K_M" in table.stdout
