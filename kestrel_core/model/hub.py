@@ -37,6 +37,11 @@ GGUF_PREFERENCE = ("Q8_0", "F16", "BF16", "F32", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5
 _SHARD = re.compile(r"-\d{5}-of-\d{5}$")
 
 
+def _is_part(gguf: str) -> bool:
+    """A GGUF file split into parts (``m-Q8_0-00001-of-00003.gguf``), which kestrel does not read."""
+    return _SHARD.search(gguf[:-5]) is not None
+
+
 @dataclass(frozen=True)
 class HubSpec:
     """A model named on the Hub: ``owner/name[@revision][:tag]``."""
@@ -163,9 +168,9 @@ def cached_models(cache_dir: str | None = None) -> list[CachedModel]:
         if repo.repo_type != "model":
             continue
         for rev in repo.revisions:
+            files = {f.file_path.relative_to(rev.snapshot_path).as_posix(): f for f in rev.files}
             for ref in sorted(rev.refs) or [rev.commit_hash]:
                 base = repo.repo_id + ("" if ref == "main" else f"@{ref}")
-                files = {f.file_path.relative_to(rev.snapshot_path).as_posix(): f for f in rev.files}
                 found += _loadable(HubSpec(repo.repo_id), base, rev.snapshot_path, files)
     return sorted(found, key=lambda m: m.name.lower())
 
@@ -180,7 +185,7 @@ def _loadable(spec: HubSpec, base: str, snap: Path, files: dict[str, Any]) -> li
                             max(f.blob_last_modified for f in files.values()))]
     out = []
     for name, f in files.items():
-        if name.lower().endswith(".gguf") and not _SHARD.search(name[:-5]):
+        if name.lower().endswith(".gguf") and not _is_part(name):
             tag = gguf_tag(name)
             out.append(CachedModel(f"{base}:{tag}" if tag else f"{base} ({name})", "gguf", snap / name,
                                    f.size_on_disk, f.blob_last_modified))
@@ -224,7 +229,7 @@ def _pick_gguf(spec: HubSpec, ggufs: list[str]) -> str:
     wanted = [spec.tag] if spec.tag is not None else list(GGUF_PREFERENCE)
     for quant in wanted:
         hits = sorted((f for f in ggufs if has(f, quant)), key=lambda f: (len(f), f))
-        whole = [f for f in hits if not _SHARD.search(f[:-5])]
+        whole = [f for f in hits if not _is_part(f)]
         if whole:
             return whole[0]
         if hits:
@@ -233,7 +238,7 @@ def _pick_gguf(spec: HubSpec, ggufs: list[str]) -> str:
     if spec.tag is not None:
         listed = ", ".join(sorted(ggufs)[:6]) + (", ..." if len(ggufs) > 6 else "")
         raise KestrelError(f"model {spec}: no GGUF file for the tag {spec.tag!r} (the repository has {listed})")
-    whole = sorted(f for f in ggufs if not _SHARD.search(f[:-5]))
+    whole = sorted(f for f in ggufs if not _is_part(f))
     if not whole:
         raise KestrelError(f"model {spec}: its GGUF files are split into parts ({ggufs[0]}, ...), which kestrel "
                            "does not read; merge them with llama.cpp's gguf-split")
