@@ -108,8 +108,8 @@ __device__ __forceinline__ T ld_before_wait(const T* p) { return __ldcg(p); }
 // The diagnostic build (KESTREL_CUDA_TRACE, trace.py): thread 0 of every block that waits records when its wait
 // returned, as [%globaltimer ns, %gridid << 32 | block], in its SM's KESTREL_TRACE_PER_SM records of
 // kestrel_trace_buf (SMs from KESTREL_TRACE_SMS on record nothing); the slot comes from the SM's own counter (no
-// contention), taken before the wait. The two
-// pointers are constants (set once by trace.py), so reading them is no global round trip.
+// contention), taken before the wait. The two pointers are constants (set once by trace.py), so reading them is no
+// global round trip.
 __constant__ unsigned long long* kestrel_trace_buf;
 __constant__ unsigned* kestrel_trace_count;
 #endif
