@@ -300,5 +300,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # ``python -m kestrel_core.cli`` is the ``kestrel`` command, Ctrl-C guard included
+    from kestrel_core.entry import main as kestrel
+
+    sys.exit(kestrel())
