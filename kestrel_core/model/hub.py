@@ -91,7 +91,7 @@ class Hub:
             files = [s.rfilename for s in info.siblings or ()]
         except HfHubHTTPError as exc:  # the Hub answered: no such repository, gated, ...
             raise KestrelError(_refusal(spec, exc)) from exc
-        except Exception as exc:  # noqa: BLE001: the Hub cannot be reached (no network, DNS, timeout)
+        except Exception as exc:  # the Hub cannot be reached (no network, DNS, timeout)
             return self._cached(spec, f"the Hub cannot be reached: {_first_line(exc)}")
         kind, chosen = choose_files(spec, files)
         try:
@@ -100,7 +100,7 @@ class Hub:
             raise
         except HfHubHTTPError as exc:
             raise KestrelError(_refusal(spec, exc)) from exc
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise KestrelError(f"model {spec}: downloading it failed ({_first_line(exc)})") from exc
 
     def _download(self, spec: HubSpec, kind: str, chosen: str, files: Sequence[str]) -> Path:
@@ -161,7 +161,7 @@ def cached_models(cache_dir: str | None = None) -> list[CachedModel]:
 
     try:
         info = scan_cache_dir(cache_dir)
-    except Exception:  # noqa: BLE001: no cache directory (CacheNotFound) or one it cannot read
+    except Exception:  # no cache directory (CacheNotFound) or one it cannot read
         return []
     found = []
     for repo in info.repos:
