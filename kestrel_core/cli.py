@@ -143,7 +143,8 @@ def _model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kestrel", description=kestrel_core.__doc__)
+    parser = argparse.ArgumentParser(prog="kestrel", description=kestrel_core.__doc__.splitlines()[0],
+                                     epilog="kestrel COMMAND --help: that command's options")
     parser.add_argument("--version", action="version", version=f"kestrel {kestrel_core.__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and debug logs")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -160,25 +160,21 @@ def prange(*args: int) -> range:
     return range(*args)
 
 
-COMPILE_ERRORS: tuple[type[BaseException], ...] = ()
 f16: Any = _f16
 rmsnorm_rows: Any = _rmsnorm_rows
 rope_write: Any = _rope_write
 attend: Any = _attend
 rows_dot: Any = _rows_dot
-AVAILABLE = False
 
 
-def _build() -> bool:
-    global f16, rmsnorm_rows, rope_write, attend, rows_dot, COMPILE_ERRORS, prange
+def _build() -> None:
+    global f16, rmsnorm_rows, rope_write, attend, rows_dot, prange
     try:
         import numba
         from numba import njit
-        from numba.core.errors import NumbaError
     except Exception as exc:  # numba missing: the plain-Python loops (correct, slow)
         log.debug("compiled decoder kernels unavailable: %s", exc)
-        return False
-    COMPILE_ERRORS = (NumbaError,)
+        return
     prange = numba.prange  # a global the parallel kernel resolves when it compiles
     jit = njit(cache=True, nogil=True)
     f16 = jit(_f16)  # a global rope_write resolves when it compiles
@@ -186,7 +182,6 @@ def _build() -> bool:
     rope_write = jit(_rope_write)
     rows_dot = jit(_rows_dot)
     attend = njit(cache=True, nogil=True, parallel=True)(_attend)
-    return True
 
 
-AVAILABLE = _build()
+_build()
