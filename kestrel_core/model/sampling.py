@@ -1,4 +1,4 @@
-"""Next-token choice from logits: per-request parameters, penalties, temperature / top-k / top-p, logprobs.
+"""Next-token choice from logits: per-request parameters, penalties, temperature / top-k / top-p / min-p, logprobs.
 
 ``SamplingParams`` is what a request asks for (the OpenAI fields); ``Sampler`` holds one request's state (its
 seeded generator and the counts of the tokens it generated, for the penalties) and picks each token.
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 MAX_TOP_LOGPROBS = 5
 MAX_LOGIT_BIAS = 300  # tokens one logit_bias names, at most (OpenAI's bound)
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(frozen=True)
@@ -32,11 +33,15 @@ class SamplingParams:
     temperature: float = 0.0  # 0: greedy (the first largest logit)
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    min_p: float = 0.0  # tokens less likely than min_p times the most likely are dropped (after top-k, top-p)
     seed: int | None = 0  # None: a fresh random seed
     stop: tuple[str, ...] = ()  # generation ends before the first of these strings
     stop_token_ids: tuple[int, ...] = ()
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated
     frequency_penalty: float = 0.0  # times the number of times it was generated
+    # Hugging Face's (and vLLM's): the logit of every token in the prompt or generated so far is divided by it
+    # where positive, multiplied where negative; 1: off
+    repetition_penalty: float = 1.0
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per token, 0..MAX_TOP_LOGPROBS
     ignore_eos: bool = False
@@ -55,6 +60,11 @@ class SamplingParams:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise bad("repetition_penalty",
+                      f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2 ** 63):
             raise bad("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
@@ -87,7 +97,7 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def adjusted(self) -> bool:
@@ -115,11 +125,15 @@ class TokenLogprob:
 
 class Sampler:
     """Picks one token id from a row of logits [vocab]; the same seed gives the same tokens. ``constraint``: the
-    request's grammar (kestrel_core.model.grammar.Constraint), which every token chosen keeps to."""
+    request's grammar (kestrel_core.model.grammar.Constraint), which every token chosen keeps to; ``prompt_ids``:
+    the prompt's tokens, which the repetition penalty counts as seen."""
 
-    def __init__(self, params: SamplingParams, constraint: Constraint | None = None) -> None:
+    def __init__(self, params: SamplingParams, constraint: Constraint | None = None,
+                 prompt_ids: Sequence[int] = ()) -> None:
         self.params = params.check()
         self.constraint = constraint
+        self._prompt_seen = (np.unique(np.asarray(prompt_ids, np.int64)) if params.repetition_penalty != 1
+                             else np.empty(0, np.int64))
         seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2 ** 63)
         self.rng = np.random.default_rng(seed)
         self.counts: Counter[int] = Counter()  # generated token -> times, for the penalties
@@ -151,28 +165,36 @@ class Sampler:
             self.constraint.accept(token)
 
     def processed(self, logits: np.ndarray) -> np.ndarray:
-        """The logits [vocab] with the logit bias added, after the presence and frequency penalties (float32; a
-        copy only if adjusted)."""
+        """The logits [vocab] with the logit bias added, then the repetition penalty, then the presence and
+        frequency penalties (vLLM's order; float32, a copy only if adjusted)."""
         z = np.asarray(logits, dtype=np.float32).reshape(-1)
         p = self.params
-        penalize = p.penalized and bool(self.counts)
+        penalize = p.penalized and (bool(self.counts) or len(self._prompt_seen) > 0)
         if not penalize and not p.logit_bias:
             return z
         z = z.copy()
         if p.logit_bias:
             ids, bias = self._bias
             z[ids] += bias
-        if penalize:
-            ids = np.fromiter(self.counts.keys(), np.int64, len(self.counts))
+        if not penalize:
+            return z
+        ids = np.fromiter(self.counts.keys(), np.int64, len(self.counts))  # [U] generated tokens
+        if p.repetition_penalty != 1:
+            seen = np.union1d(self._prompt_seen, ids)
+            seen = seen[seen < len(z)]  # a prompt may hold ids the logits do not (a row of another width)
+            penalty = np.float32(p.repetition_penalty)
+            z[seen] = np.where(z[seen] > 0, z[seen] / penalty, z[seen] * penalty)
+        if p.presence_penalty or p.frequency_penalty:
             times = np.fromiter(self.counts.values(), np.float32, len(self.counts))
             z[ids] -= np.float32(p.presence_penalty) + np.float32(p.frequency_penalty) * times
         return z
 
     def distribution(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(candidate ids, their probabilities) of processed logits after temperature, top-k and top-p: every
-        token in vocabulary order without top-k and top-p; else the kept ones, most likely first (ties: the
-        lower id first). top-k keeps the k most likely; top-p then the smallest prefix of what is left whose
-        mass reaches top_p (at least one token)."""
+        """(candidate ids, their probabilities) of processed logits after temperature, top-k, top-p and min-p
+        (transformers' order): every token in vocabulary order without top-k and top-p (those min-p drops at
+        probability 0); else the kept ones, most likely first (ties: the lower id first). top-k keeps the k most
+        likely; top-p then the smallest prefix of what is left whose mass reaches top_p (at least one token);
+        min-p then those at least min_p times as likely as the most likely."""
         ids, weights = self._candidates(z)
         return (np.arange(len(weights)) if ids is None else ids), weights / weights.sum()
 
@@ -185,6 +207,8 @@ class Sampler:
         e -= e.max()
         np.exp(e, out=e)  # the largest 1
         if not 0 < p.top_k < len(e) and p.top_p >= 1:
+            if p.min_p > 0:
+                e[e < p.min_p] = 0.0
             return None, e
         if 0 < p.top_k < len(e):
             ids = _most_likely_first(_top_k(_top_set(e, lambda cand: len(cand) >= p.top_k), e, p.top_k), e)
@@ -196,6 +220,9 @@ class Sampler:
         if p.top_p < 1:
             # the smallest prefix whose mass reaches top_p (at least one token)
             keep = int(np.searchsorted(np.cumsum(probs), p.top_p, side="left")) + 1
+            ids, probs = ids[:keep], probs[:keep] / probs[:keep].sum()
+        if p.min_p > 0:  # probs run most likely first: what is kept is a prefix
+            keep = int(np.count_nonzero(probs >= p.min_p * probs[0]))
             ids, probs = ids[:keep], probs[:keep] / probs[:keep].sum()
         return ids, probs
 

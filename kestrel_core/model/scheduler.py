@@ -185,7 +185,7 @@ class Scheduler:
         text = None if isinstance(tokenizer, NoTokenizer) else TextStream(tokenizer, params.stop)
         if constraint is None and params.grammar is not None:
             constraint = self.engine.constraint(params.grammar)
-        request = Request(request_id, prompt_ids, params, Sampler(params, constraint), text)
+        request = Request(request_id, prompt_ids, params, Sampler(params, constraint, prompt_ids), text)
         self.requests[request_id] = request
         self.waiting.append(request)
         return request

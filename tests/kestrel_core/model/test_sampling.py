@@ -1,6 +1,9 @@
-"""Sampling: greedy, temperature, top-k, top-p, seeds, penalties, logprobs, parameter checks."""
+"""Sampling: greedy, temperature, top-k, top-p, min-p, seeds, penalties, logprobs, parameter checks."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -122,6 +125,8 @@ def test_the_same_seed_gives_the_same_tokens() -> None:
     ({"logit_bias": ((1, 100.5),)}, "logit_bias"), ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
     ({"logit_bias": ((1, float("nan")),)}, "logit_bias"), ({"logit_bias": {1: 2.0}}, "logit_bias"),
     ({"logit_bias": tuple((i, 1.0) for i in range(301))}, "logit_bias"),
+    ({"min_p": -0.1}, "min_p"), ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": 11.0}, "repetition_penalty"), ({"repetition_penalty": float("inf")}, "repetition_penalty"),
 ])
 def test_bad_parameters_name_their_field(kwargs: dict, param: str) -> None:
     with pytest.raises(InvalidRequest) as info:
@@ -149,6 +154,46 @@ def test_logit_bias_is_added_before_the_penalties_and_the_choice() -> None:
     assert s(logits) == 1  # 3.5 - 1 (presence) < 2.9
     free = _Sampler(SamplingParams())
     np.testing.assert_array_equal(free.processed(logits), logits)
+
+
+GOLDEN = json.loads((Path(__file__).parent / "data" / "sampling_golden.json").read_text())["cases"]
+
+
+@pytest.mark.parametrize("case", GOLDEN, ids=lambda c: "-".join(f"{k}={v}" for k, v in c["params"].items()))
+def test_the_distribution_is_transformers_after_its_penalty_and_warpers(case: dict) -> None:
+    """scripts/make_sampling_golden.py: transformers' repetition penalty, temperature, top-k, top-p and min-p."""
+    logits = np.array(case["logits"], np.float32)
+    s = _Sampler(SamplingParams(**case["params"]), prompt_ids=case["prompt"])
+    for token in case["generated"]:
+        s.count(token)
+    ids, probs = s.distribution(s.processed(logits))
+    got = np.zeros(len(logits))
+    got[ids] = probs
+    want = np.array(case["probs"])
+    assert set(np.flatnonzero(got)) == set(np.flatnonzero(want))
+    np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_min_p_drops_what_is_less_likely_than_its_share_of_the_most_likely() -> None:
+    # probabilities 0.05, 0.4, 0.1, 0.3, 0.15: min_p 0.3 keeps those >= 0.12
+    ids, probs = Sampler(1.0, min_p=0.3).distribution(LOGITS)
+    assert set(ids[probs > 0].tolist()) == {1, 3, 4}
+    np.testing.assert_allclose(probs[probs > 0].sum(), 1.0, rtol=1e-6)
+    ids, probs = Sampler(1.0, top_k=2, min_p=0.3).distribution(LOGITS)
+    assert ids.tolist() == [1, 3]
+    freq = _frequencies(Sampler(1.0, min_p=0.3, seed=4), LOGITS, 4000)
+    assert set(np.flatnonzero(freq)) == {1, 3, 4}
+
+
+def test_the_repetition_penalty_counts_the_prompt_and_the_answer() -> None:
+    logits = np.array([2.0, 1.9, -0.5, 1.0], np.float32)
+    s = _Sampler(SamplingParams(repetition_penalty=2.0), prompt_ids=[0, 0, 2])
+    np.testing.assert_array_equal(s.processed(logits), np.array([1.0, 1.9, -1.0, 1.0], np.float32))
+    assert s(logits) == 1  # greedy after the penalty: 1.9 beats 2.0 / 2
+    np.testing.assert_array_equal(s.processed(logits), np.array([1.0, 0.95, -1.0, 1.0], np.float32))
+    assert SamplingParams(repetition_penalty=1.1).adjusted  # the device's argmax will not do
+    unpenalized = _Sampler(SamplingParams(), prompt_ids=[0, 1])
+    np.testing.assert_array_equal(unpenalized.processed(logits), logits)
 
 
 def test_logprobs_are_the_models_log_softmax_with_the_top_alternatives() -> None:
