@@ -142,6 +142,19 @@ def _model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
                         "what the model confirms: the same tokens, fewer steps (default: 0, off)")
 
 
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    """How ``run`` and ``chat`` sample: a value not given is the model's recommendation (its
+    generation_config.json or GGUF metadata), else greedy with no filters."""
+    p.add_argument("--max-tokens", "-n", type=int, default=max_tokens)
+    p.add_argument("--temperature", "-t", type=float, default=None,
+                   help="0: greedy (default: the model's recommendation, else 0)")
+    p.add_argument("--top-k", type=int, default=None, help="0: off (default: the model's, else 0)")
+    p.add_argument("--top-p", type=float, default=None, help="(default: the model's, else 1)")
+    p.add_argument("--min-p", type=float, default=None, help="(default: the model's, else 0)")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="1: off (default: the model's, else 1)")
+    p.add_argument("--seed", type=int, default=0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kestrel", description=kestrel_core.__doc__.splitlines()[0],
                                      epilog="kestrel COMMAND --help: that command's options")
@@ -162,11 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="generate text from a prompt")
     p.add_argument("prompt", nargs="?", default=None)
     _model_args(p)
-    p.add_argument("--max-tokens", "-n", type=int, default=128)
-    p.add_argument("--temperature", "-t", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    _sampling_args(p, max_tokens=128)
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--suffix", default=None,
                    help="fill in the middle: the prompt is the code before, this the code after (code models)")
@@ -183,11 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("chat", help="interactive multi-turn chat")
     _model_args(p)
-    p.add_argument("--max-tokens", "-n", type=int, default=256)
-    p.add_argument("--temperature", "-t", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    _sampling_args(p, max_tokens=256)
     p.add_argument("--preset", default=None, help="synthetic model preset (random weights) instead of --model")
     p.set_defaults(func=cmd_chat)
 

@@ -22,7 +22,6 @@ from kestrel_core.errors import InvalidRequest, KestrelError
 from kestrel_core.model.engine import Engine, load, load_preset
 from kestrel_core.model.fim import fim_prompt_ids
 from kestrel_core.model.grammar import json_schema_grammar, lark_grammar, regex_grammar
-from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.validate import read_line_stdin, read_text_stdin
 
 err = Console(stderr=True, highlight=False)
@@ -115,9 +114,10 @@ def _option_grammar(args: argparse.Namespace) -> str | None:
 def _stream(engine: Engine, ids: list[int], args: argparse.Namespace, out: TextIO | None,
             grammar: str | None = None, stop_token_ids: tuple[int, ...] = ()) -> tuple[str, list[int]]:
     """Generate, writing text to ``out`` as it arrives; returns (text, token ids)."""
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=tuple(getattr(args, "stop", None) or ()),
-                            grammar=grammar, stop_token_ids=stop_token_ids)
+    params = engine.sampling_params(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                    top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                                    seed=args.seed, stop=tuple(getattr(args, "stop", None) or ()), grammar=grammar,
+                                    stop_token_ids=stop_token_ids)
     pieces: list[str] = []
     tokens: list[int] = []
     for step in engine.stream(ids, params):

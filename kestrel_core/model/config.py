@@ -7,7 +7,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import InvalidRequest, KestrelError
+from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.validate import ValidationError, check_bool, check_float, check_int, is_int
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
@@ -22,6 +23,8 @@ MAX_VOCAB = 1 << 24
 MAX_LAYERS = 4096
 MAX_HEADS = 1 << 14
 MAX_POSITION = 1 << 26
+# what a model may recommend for sampling (generation_config.json, GGUF general.sampling.*): SamplingParams' names
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     pooling: str | None = None  # an embedding model's pooling (one of POOLINGS): it gives vectors, not text
     normalize_embeddings: bool = True  # an embedding scaled to unit length
+    # the sampling its authors recommend (some of SAMPLING_FIELDS): what a request leaves unset takes these
+    sampling: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         """Every field by type and range, whoever built the config (HF, GGUF, .kst, presets): a bad value is one
@@ -165,6 +170,18 @@ def validate_config(c: ModelConfig) -> None:
         check_int("bos_token_id", c.bos_token_id, 0)
     if not isinstance(c.eos_token_ids, tuple) or not all(is_int(t) and t >= 0 for t in c.eos_token_ids):
         raise ValidationError(f"eos_token_ids must be token ids >= 0, got {c.eos_token_ids!r}")
+    if c.sampling is not None:
+        check_sampling(c.sampling)
+
+
+def check_sampling(sampling: Any) -> None:
+    """A model's recommended sampling: some of SAMPLING_FIELDS, each in the range SamplingParams allows."""
+    if not isinstance(sampling, dict) or not set(sampling) <= set(SAMPLING_FIELDS):
+        raise ValidationError(f"sampling must be an object of {', '.join(SAMPLING_FIELDS)}, got {sampling!r}")
+    try:
+        SamplingParams(**sampling).check()
+    except InvalidRequest as exc:
+        raise ValidationError(f"sampling.{exc}") from None
 
 
 def check_llama3_scaling(s: dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 from kestrel_core.batch import BatchEntry, greedy_token
 from kestrel_core.dispatch import Deferred, Offload, all_finite
 from kestrel_core.errors import InvalidRequest, KestrelError, NonFiniteLogits, Overloaded
+from kestrel_core.model.config import SAMPLING_FIELDS
 from kestrel_core.model.decoder import ACTIVATIONS, PREFILL_CHUNK, Decoder
 from kestrel_core.model.embed import EmbedJob
 from kestrel_core.model.grammar import Constraint, grammar_vocab
@@ -390,6 +391,13 @@ class Engine:
                                     seed=seed, ignore_eos=not stop_at_eos)
         outputs = self.stream(prompt_ids, params)
         return (token for out in outputs for token in out.new_token_ids)
+
+    def sampling_params(self, **fields: Any) -> SamplingParams:
+        """SamplingParams of ``fields``; a sampling field (SAMPLING_FIELDS) left out or None takes the value the
+        model recommends (``config.sampling``: its generation_config.json or GGUF metadata), else
+        SamplingParams' own default (greedy, no filters)."""
+        given = {k: v for k, v in fields.items() if v is not None or k not in SAMPLING_FIELDS}
+        return SamplingParams(**{**(self.config.sampling or {}), **given})
 
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[RequestOutput]:
         """One request's outputs (tokens, text, logprobs) step by step: the scheduler with this one request."""

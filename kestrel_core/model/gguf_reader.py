@@ -27,7 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.config import ModelConfig
+from kestrel_core.model.config import ModelConfig, check_sampling
 from kestrel_core.model.quantize import fused_rows, layer_name, map_tensor_name
 from kestrel_core.model.validate import ValidationError, check_float, check_int, check_regular_file, open_regular
 from kestrel_core.model.weights import expert_field
@@ -68,6 +68,9 @@ GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # llama.cpp's: every 2nd (Gemma 
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp scales their queries by 1/sqrt(hidden / heads)
 GEMMA3_SWA_THETA = 10000.0  # llama.cpp's RoPE base of Gemma 3's sliding layers (not in the file)
 GGUF_POOLING = {0: None, 1: "mean", 2: "cls", 3: "last"}  # llama.cpp's pooling_type: none, mean, cls, last
+# general.sampling.<key> -> SamplingParams' name: the sampling a file recommends (llama.cpp's keys)
+GGUF_SAMPLING = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                 "penalty_repeat": "repetition_penalty"}
 _GLOBAL_MAP = {"token_embd.weight": "embedding", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -416,6 +419,25 @@ class GGUFCheckpoint:
                                "mean, cls or last token)")
         return GGUF_POOLING[kind]
 
+    def _sampling(self) -> dict[str, float] | None:
+        """The file's recommended sampling (general.sampling.*; None: none); a top_k <= 0 (off) is 0."""
+        out: dict[str, float] = {}
+        for key, name in GGUF_SAMPLING.items():
+            full = f"general.sampling.{key}"
+            if name == "top_k":
+                v = self._typed(full, _INT_TYPES, "an integer")
+                if v is not None:
+                    out[name] = max(int(v), 0)
+            else:
+                v = self._typed(full, _FLOAT_TYPES | _INT_TYPES, "a number")
+                if v is not None:
+                    out[name] = _decimal(v)
+        try:
+            check_sampling(out)
+        except ValidationError as exc:
+            raise KestrelError(f"{self.path}: metadata general.sampling: {exc}") from None
+        return out or None
+
     def _config(self) -> ModelConfig:
         arch = self.field("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
@@ -470,6 +492,7 @@ class GGUFCheckpoint:
                 if arch in ("phi3", "gemma2", "gemma3") else None,
                 bos_token_id=bos,
                 eos_token_ids=tuple(dict.fromkeys(eos)),
+                sampling=self._sampling(),
                 **extra,
             )
         except ValidationError as exc:

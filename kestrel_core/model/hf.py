@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 
 from kestrel_core.contract import BFloat16Bits
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.config import ModelConfig, normalize_rope_scaling
+from kestrel_core.model.config import SAMPLING_FIELDS, ModelConfig, check_sampling, normalize_rope_scaling
 from kestrel_core.model.quantize import fused_rows, layer_name, map_tensor_name
 from kestrel_core.model.validate import (
     ValidationError,
@@ -30,6 +30,7 @@ from kestrel_core.model.validate import (
     check_hf_config,
     check_int,
     check_regular_file,
+    is_int,
 )
 from kestrel_core.model.weights import expert_field
 
@@ -262,6 +263,27 @@ def _moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+# transformers' GenerationConfig defaults: a value equal to its default is no recommendation (vLLM reads the file
+# the same way, through ``to_diff_dict``)
+_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+
+
+def recommended_sampling(generation: dict[str, Any] | None) -> dict[str, float] | None:
+    """The sampling generation_config.json recommends (None: none): its SAMPLING_FIELDS that differ from
+    transformers' defaults; a top_k <= 0 (off) is 0."""
+    if not isinstance(generation, dict):
+        return None
+    out = {k: generation[k] for k in SAMPLING_FIELDS
+           if generation.get(k) is not None and generation[k] != _GENERATION_DEFAULTS[k]}
+    if is_int(out.get("top_k")) and out["top_k"] < 0:
+        out["top_k"] = 0
+    try:
+        check_sampling(out)
+    except ValidationError as exc:
+        raise KestrelError(f"generation_config.json: {exc}") from None
+    return out or None
+
+
 def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None,
                    where: str = "config.json") -> ModelConfig:
     """A ModelConfig from HF's config.json dict (and generation_config.json, whose eos ids are added)."""
@@ -317,6 +339,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             qkv_bias=arch in ("qwen2", "qwen2_moe"),
             bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
             eos_token_ids=tuple(eos),
+            sampling=recommended_sampling(generation),
             **fields,
         )
     except KeyError as exc:

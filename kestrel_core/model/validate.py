@@ -236,7 +236,8 @@ CLI_INT_RANGES: dict[str, tuple[int, int | None]] = {
     "dimensions": (1, None), "speculate": (0, 64),
 }
 CLI_FLOAT_RANGES: dict[str, tuple[float, float]] = {
-    "temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "kv_cache_mb": (0.0, 2.0 ** 40),
+    "temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "repetition_penalty": (0.0, 10.0),
+    "kv_cache_mb": (0.0, 2.0 ** 40),
     "shutdown_grace": (0.0, 86400.0),
 }
 # given, these must hold more than blanks: ``--api-key "$KEY"`` with KEY unset must not serve without a key
@@ -258,7 +259,7 @@ def check_cli_args(args: Any) -> None:
         value = getattr(args, name, None)
         if value is None:
             continue
-        open_lo = name in ("top_p", "kv_cache_mb")
+        open_lo = name in ("top_p", "repetition_penalty", "kv_cache_mb")
         ok = is_number(value) and math.isfinite(value) and (lo_f < value if open_lo else lo_f <= value) \
             and value <= hi_f
         if not ok:
