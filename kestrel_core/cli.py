@@ -153,6 +153,13 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--min-p", type=float, default=None, help="(default: the model's, else 0)")
     p.add_argument("--repetition-penalty", type=float, default=None, help="1: off (default: the model's, else 1)")
     p.add_argument("--seed", type=int, default=0)
+    _model_sampling_arg(p)
+
+
+def _model_sampling_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-model-sampling", action="store_true",
+                   help="ignore the sampling the model recommends: what is not given takes kestrel's defaults "
+                        "(run, chat: greedy) or each API's (serve)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds running requests get to finish on SIGTERM/SIGINT (default: 30)")
     p.add_argument("--pooling", default=None, choices=POOLINGS,
                    help="how /v1/embeddings pools a text's hidden states (default: the model's, else last)")
+    _model_sampling_arg(p)
     p.add_argument("--preset", default=None, help="synthetic model preset (random weights) instead of --model")
     p.set_defaults(func=cmd_serve)
 

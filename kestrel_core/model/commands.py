@@ -39,8 +39,18 @@ def _open_engine(args: argparse.Namespace) -> Engine:
         engine = load(args.model, backend=args.backend, quant=args.quant, kv_cache_mb=kv_cache_mb,
                       activations=getattr(args, "activations", "auto"))
     engine.speculate = getattr(args, "speculate", 0)
+    if getattr(args, "no_model_sampling", False):
+        engine.sampling_defaults = {}
     err.print(engine.backend_line, soft_wrap=True)
     return engine
+
+
+def _note_model_sampling(engine: Engine, args: argparse.Namespace) -> None:
+    """Say which of the model's recommended sampling values this command takes (those not given)."""
+    taken = {k: v for k, v in engine.sampling_defaults.items() if getattr(args, k, None) is None}
+    if taken:
+        values = ", ".join(f"{k.replace('_', '-')} {v:g}" for k, v in taken.items())
+        err.print(f"sampling as the model recommends: {values} (--no-model-sampling: greedy)", soft_wrap=True)
 
 
 def _open_generator(args: argparse.Namespace) -> Engine:
@@ -174,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
     text_in = _read_prompt(args)
     grammar = _grammar(args)
     with _open_generator(args) as engine:
+        _note_model_sampling(engine, args)
         stops: tuple[int, ...] = ()
         if args.suffix is not None:  # the prompt is the prefix of a fill-in-the-middle prompt
             try:
@@ -203,6 +214,7 @@ def chat(args: argparse.Namespace) -> int:
     """A multi-turn session: each turn re-renders the whole conversation with the chat template."""
     interactive = sys.stdin.isatty()
     with _open_generator(args) as engine:
+        _note_model_sampling(engine, args)
         if interactive:
             err.print("type a message; /exit or Ctrl-D ends, /reset starts over")
         messages: list[dict[str, str]] = []

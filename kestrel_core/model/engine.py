@@ -133,6 +133,9 @@ class Engine:
         # draft tokens a greedy request's step may guess from its context, where the host runs the steps (0: none;
         # kestrel_core.model.speculate); read by each Scheduler made after it is set
         self.speculate = 0
+        # what a request's unset sampling fields take (``sampling_params``, the server): the sampling the model
+        # recommends (config.sampling); {} ignores it
+        self.sampling_defaults: dict[str, float] = dict(model.config.sampling or {})
         self.last = RunStats()
         self._next_seq = 1
         self.preload_s = 0.0
@@ -393,11 +396,11 @@ class Engine:
         return (token for out in outputs for token in out.new_token_ids)
 
     def sampling_params(self, **fields: Any) -> SamplingParams:
-        """SamplingParams of ``fields``; a sampling field (SAMPLING_FIELDS) left out or None takes the value the
-        model recommends (``config.sampling``: its generation_config.json or GGUF metadata), else
+        """SamplingParams of ``fields``; a sampling field (SAMPLING_FIELDS) left out or None takes its value in
+        ``sampling_defaults`` (the model's recommendation: its generation_config.json or GGUF metadata), else
         SamplingParams' own default (greedy, no filters)."""
         given = {k: v for k, v in fields.items() if v is not None or k not in SAMPLING_FIELDS}
-        return SamplingParams(**{**(self.config.sampling or {}), **given})
+        return SamplingParams(**{**self.sampling_defaults, **given})
 
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[RequestOutput]:
         """One request's outputs (tokens, text, logprobs) step by step: the scheduler with this one request."""

@@ -108,7 +108,8 @@ class MessagesBody(RequestBody):
         choice = self.tool_choice
         out: dict[str, Any] = {
             "messages": messages, "max_tokens": self.max_tokens, "stop": self.stop_sequences, "top_k": self.top_k,
-            "temperature": 1.0 if self.temperature is None else float(self.temperature),  # Anthropic's default
+            # unset: the model's recommendation, else 1 (Anthropic's default, and the chat route's)
+            "temperature": None if self.temperature is None else float(self.temperature),
             "top_p": None if self.top_p is None else float(self.top_p),
             "stream": stream, "stream_options": {"include_usage": True, "continuous_usage_stats": True}
             if stream else None,

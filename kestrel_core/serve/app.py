@@ -99,7 +99,7 @@ class Served:
         # a constrained answer is what it is constrained to from its first token, even where the prompt opened a
         # reasoning block
         reasoning = Reasoning(opens_in_prompt(prompt) and grammar is None) if self.thinks else None
-        params = replace(_params(body, self.context_left(len(prompt_ids))), grammar=grammar)
+        params = replace(_params(body, self.context_left(len(prompt_ids)), self), grammar=grammar)
         shape = ChatShape(new_id("chatcmpl"), self.model_name, self.tokens, body.include_usage,
                           body.continuous_usage, tools, reasoning)
         one = generation.Prompt(prompt_ids, params, params.logprobs)
@@ -116,7 +116,7 @@ class Served:
             raise from_kestrel_error(exc, param="prompt") from None
         prompts = []
         for ids in token_ids:
-            params = _params(body, self.context_left(len(ids)))
+            params = _params(body, self.context_left(len(ids)), self)
             if params is not None and stops:  # a fill-in-the-middle answer ends at its format's stop tokens too
                 params = replace(params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + stops)))
             prompts.append(generation.Prompt(ids, params, body.logprobs is not None))
@@ -241,8 +241,8 @@ def create_app(engines: Mapping[str, Any], api_key: str | None = None, pooling: 
     return app
 
 
-def _params(body: ChatCompletionRequest | CompletionRequest, context_left: int) -> Any:
+def _params(body: ChatCompletionRequest | CompletionRequest, context_left: int, served: Served) -> Any:
     try:
-        return body.sampling_params(context_left)
+        return body.sampling_params(context_left, served.engine.sampling_defaults)
     except KestrelError as exc:
         raise from_kestrel_error(exc) from None

@@ -75,6 +75,8 @@ def serve_command(args: argparse.Namespace) -> int:
                 engines.append(load(model, **options))
         for engine in engines:
             engine.speculate = args.speculate
+            if args.no_model_sampling:
+                engine.sampling_defaults = {}
         serve(engines, host=args.host, port=args.port, api_key=api_key, sock=sock,
               max_batch=args.max_batch if args.max_batch is not None else DEFAULT_MAX_BATCH,
               max_waiting=args.max_waiting if args.max_waiting is not None else DEFAULT_MAX_WAITING,

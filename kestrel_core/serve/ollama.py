@@ -6,16 +6,18 @@ into a chat completion, ``/api/generate`` into a chat completion of one user tur
 answer back into Ollama's shape: one JSON object, or newline-delimited JSON objects when streamed (Ollama
 streams unless ``stream`` is false), the last with ``done: true``, the reason and the counts and durations
 (nanoseconds). Errors are ``{"error": message}`` with the same statuses. A model is named as served, with or
-without the ``:latest`` tag; options Ollama has and kestrel does not (``num_ctx``, ``repeat_penalty``...) are
-ignored, as Ollama ignores options a model does not use. Defaults are Ollama's: temperature 0.8, top-k 40,
-top-p 0.9, the context's length for ``num_predict``.
+without the ``:latest`` tag; options Ollama has and kestrel does not (``num_ctx``, ``repeat_last_n``...) are
+ignored, as Ollama ignores options a model does not use. An option not given takes the sampling the model
+recommends (as a Modelfile's parameters; ``/api/show`` lists them), else Ollama's default: temperature 0.8,
+top-k 40, top-p 0.9, the context's length for ``num_predict``. ``repeat_penalty`` covers the prompt and the
+answer (Hugging Face's and vLLM's repetition penalty), not Ollama's last ``repeat_last_n`` tokens.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from kestrel_core.serve.app import Models, Served
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's, where a Modelfile sets none
+OLLAMA_NAMES = {"repetition_penalty": "repeat_penalty"}  # its options' names where they differ from kestrel's
 DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop"}
 
 
@@ -45,6 +48,8 @@ class Options(RequestBody):
     temperature: StrictFloat | StrictInt | None = None
     top_p: StrictFloat | StrictInt | None = None
     top_k: StrictInt | None = None
+    min_p: StrictFloat | StrictInt | None = None
+    repeat_penalty: StrictFloat | StrictInt | None = None  # over the prompt and the answer (Hugging Face's)
     seed: StrictInt | None = None
     num_predict: StrictInt | None = None  # -1: until the context ends (as -2)
     stop: list[StrictStr] | None = None
@@ -78,13 +83,16 @@ class _Generation(RequestBody):
     think: StrictBool | None = None
     keep_alive: Any = None  # a model stays loaded while the server runs
 
-    def sampling(self, stream: bool) -> dict[str, Any]:
-        """The OpenAI request's sampling fields."""
+    def sampling(self, stream: bool, recommended: Mapping[str, float]) -> dict[str, Any]:
+        """The OpenAI request's sampling fields: an option not given takes the model's ``recommended`` value,
+        else Ollama's default (as a Modelfile's parameters override Ollama's)."""
         o = self.options or Options()
+        default = {**DEFAULTS, **recommended}
         fields: dict[str, Any] = {
-            "temperature": float(DEFAULTS["temperature"] if o.temperature is None else o.temperature),
-            "top_p": float(DEFAULTS["top_p"] if o.top_p is None else o.top_p),
-            "top_k": DEFAULTS["top_k"] if o.top_k is None else o.top_k, "seed": o.seed, "stop": o.stop,
+            "temperature": float(default["temperature"] if o.temperature is None else o.temperature),
+            "top_p": float(default["top_p"] if o.top_p is None else o.top_p),
+            "top_k": int(default["top_k"] if o.top_k is None else o.top_k), "seed": o.seed, "stop": o.stop,
+            "min_p": o.min_p, "repetition_penalty": o.repeat_penalty,
             "stream": stream, "stream_options": {"include_usage": True} if stream else None}
         if o.presence_penalty is not None:
             fields["presence_penalty"] = float(o.presence_penalty)
@@ -109,10 +117,11 @@ class ChatBody(_Generation):
     messages: list[Message] = []
     tools: list[dict[str, Any]] | None = None
 
-    def openai(self) -> dict[str, Any]:
+    def openai(self, recommended: Mapping[str, float]) -> dict[str, Any]:
+        """The OpenAI chat request (``recommended``: the model's sampling)."""
         messages = [_openai_message(m, i) for i, m in enumerate(self.messages)]
         return {"messages": messages, "tools": self.tools, "response_format": self.response_format(),
-                "chat_template_kwargs": self.template_kwargs(), **self.sampling(self.stream)}
+                "chat_template_kwargs": self.template_kwargs(), **self.sampling(self.stream, recommended)}
 
 
 class GenerateBody(_Generation):
@@ -271,7 +280,7 @@ def install(app: FastAPI, models: Models) -> None:
         served = model_of(models, body.model)
         if not body.messages:  # a client loading (or unloading) the model: it stays loaded while serving
             return _loaded(_Answer(served, request, "message"), body.keep_alive)
-        openai = validated(ChatCompletionRequest, body.openai())
+        openai = validated(ChatCompletionRequest, body.openai(served.engine.sampling_defaults))
         return _translate(_Answer(served, request, "message"), await served.chat(openai, request))
 
     @app.post("/api/generate")
@@ -282,7 +291,7 @@ def install(app: FastAPI, models: Models) -> None:
             raise APIError(400, "images are not supported (kestrel serves text models)", param="images")
         if not body.prompt and body.suffix is None:
             return _loaded(answer, body.keep_alive)
-        sampling = body.sampling(body.stream)
+        sampling = body.sampling(body.stream, served.engine.sampling_defaults)
         templated = not body.raw and body.suffix is None and served.engine.tokenizer.chat_template
         if templated:
             messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
@@ -384,7 +393,8 @@ def show_model(served: Served) -> dict[str, Any]:
     info = {"general.architecture": c.arch, f"{c.arch}.context_length": c.max_position,
             f"{c.arch}.embedding_length": c.hidden_size, f"{c.arch}.block_count": c.num_layers,
             f"{c.arch}.attention.head_count": c.num_heads, f"{c.arch}.attention.head_count_kv": c.num_kv_heads}
-    return {"modelfile": "", "parameters": "", "template": served.engine.tokenizer.chat_template or "",
+    parameters = "\n".join(f"{OLLAMA_NAMES.get(k, k)} {v:g}" for k, v in served.engine.sampling_defaults.items())
+    return {"modelfile": "", "parameters": parameters, "template": served.engine.tokenizer.chat_template or "",
             "details": details(served), "model_info": info, "capabilities": capabilities(served)}
 
 

@@ -3,7 +3,9 @@
 Requests are pydantic models with OpenAI's field names; unknown fields are ignored (clients send many), and
 scalar fields are strict (``"0.5"`` is not a temperature), so a wrong type is a 400 naming the field. Ranges
 are not repeated here: ``SamplingParams.check`` is the one place that knows them, and its ``InvalidRequest``
-names the field too. Fields kestrel cannot honour (image parts, a ``suffix`` for a model without
+names the field too. A sampling field a request leaves unset takes the sampling the model recommends
+(``Engine.sampling_defaults``: its generation_config.json, as vLLM reads it), else OpenAI's default; ``top_k``,
+``min_p`` and ``repetition_penalty`` are vLLM's extensions. Fields kestrel cannot honour (image parts, a ``suffix`` for a model without
 fill-in-the-middle tokens...) are refused rather than silently ignored, since ignoring them would change what
 the client gets. Tools are shown to the model by its
 chat template and the calls it writes are read back out of its answers (serve/tools.py); a forced call and a
@@ -21,6 +23,7 @@ The responses' shapes are serve/responses.py's.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import (
@@ -36,6 +39,7 @@ from pydantic import (
 )
 
 from kestrel_core.errors import InvalidRequest
+from kestrel_core.model.config import SAMPLING_FIELDS
 from kestrel_core.model.fim import fim_format, fim_prompt_ids
 from kestrel_core.model.grammar import json_schema_grammar
 from kestrel_core.model.sampling import MAX_TOP_LOGPROBS, SamplingParams
@@ -169,6 +173,8 @@ class _Generation(RequestBody):
     temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None
     top_k: StrictInt | None = None  # an extension (vLLM has it too): 0 = off
+    min_p: StrictFloat | StrictInt | None = None  # vLLM's extension
+    repetition_penalty: StrictFloat | StrictInt | None = None  # vLLM's extension: 1 = off
     n: StrictInt | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
@@ -205,13 +211,16 @@ class _Generation(RequestBody):
             raise InvalidRequest(f"{name} must be at least 1, got {value}", param=name)
         return value
 
-    def _params(self, max_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    def _params(self, max_tokens: int, logprobs: bool, top_logprobs: int,
+                recommended: Mapping[str, float] | None) -> SamplingParams:
+        """The request's SamplingParams: a sampling field it leaves unset takes the model's ``recommended`` value,
+        else OpenAI's default (temperature 1, no filters)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        given = {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}
+        sampling = {"temperature": DEFAULT_TEMPERATURE, **(recommended or {}), **given}
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
+            **sampling,
             seed=self.seed,
             stop=stop,
             presence_penalty=self.presence_penalty or 0.0,
@@ -307,8 +316,10 @@ class ChatCompletionRequest(_Generation):
     def _shows_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """SamplingParams for this request (``default_max_tokens``: the context left after the prompt)."""
+    def sampling_params(self, default_max_tokens: int,
+                        recommended: Mapping[str, float] | None = None) -> SamplingParams:
+        """SamplingParams for this request (``default_max_tokens``: the context left after the prompt;
+        ``recommended``: the model's sampling, for the fields it leaves unset)."""
         self._refuse_unsupported()
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -316,7 +327,7 @@ class ChatCompletionRequest(_Generation):
             max_tokens = self._max_tokens(self.max_completion_tokens, "max_completion_tokens", default_max_tokens)
         else:
             max_tokens = self._max_tokens(self.max_tokens, "max_tokens", default_max_tokens)
-        return self._params(max_tokens, bool(self.logprobs), self.top_logprobs or 0)
+        return self._params(max_tokens, bool(self.logprobs), self.top_logprobs or 0, recommended)
 
 
 class CompletionRequest(_Generation):
@@ -351,15 +362,16 @@ class CompletionRequest(_Generation):
         built = [fim_prompt_ids(tokenizer, p, self.suffix) for p in prompts]  # type: ignore[arg-type]
         return [ids for ids, _ in built], built[0][1]
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams | None:
-        """SamplingParams for one prompt (``default_max_tokens``: the context left after it); None where
-        nothing is generated (``echo`` with ``max_tokens`` 0)."""
+    def sampling_params(self, default_max_tokens: int,
+                        recommended: Mapping[str, float] | None = None) -> SamplingParams | None:
+        """SamplingParams for one prompt (``default_max_tokens``: the context left after it; ``recommended``:
+        the model's sampling); None where nothing is generated (``echo`` with ``max_tokens`` 0)."""
         self._refuse_unsupported()
         self._check_fields()
         if self.echo and self.max_tokens == 0:
             return None
         max_tokens = self._max_tokens(self.max_tokens, "max_tokens", default_max_tokens)
-        return self._params(max_tokens, self.logprobs is not None, self.logprobs or 0)
+        return self._params(max_tokens, self.logprobs is not None, self.logprobs or 0, recommended)
 
     def _check_fields(self) -> None:
         if self.best_of is not None and self.best_of != self.choices:

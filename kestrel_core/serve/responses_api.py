@@ -84,7 +84,7 @@ class ResponsesBody(RequestBody):
         out: dict[str, Any] = {
             "messages": messages, "max_tokens": self.max_output_tokens, "stream": self.stream,
             "stream_options": {"include_usage": True} if self.stream else None,
-            "temperature": 1.0 if self.temperature is None else float(self.temperature),
+            "temperature": None if self.temperature is None else float(self.temperature),  # as the chat route
             "top_p": None if self.top_p is None else float(self.top_p),
             "tools": [_function(t, f"tools.[{i}]") for i, t in enumerate(self.tools or ())] or None,
             "parallel_tool_calls": self.parallel_tool_calls}

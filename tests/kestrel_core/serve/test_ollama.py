@@ -99,8 +99,11 @@ def test_generate_is_a_chat_turn_or_raw_a_completion(ol: ollama.Client, client: 
 def test_options_map_onto_sampling(ol: ollama.Client) -> None:
     a = ol.generate(model="tiny", prompt="The sea", raw=True, options={"seed": 7, "num_predict": 10})
     b = ol.generate(model="tiny", prompt="The sea", raw=True, options={"seed": 7, "num_predict": 10,
-                                                                         "num_ctx": 4096, "repeat_penalty": 1.1})
+                                                                         "num_ctx": 4096, "repeat_last_n": 8})
     assert a.response == b.response and a.eval_count == 10  # a seed reproduces; unknown options are ignored
+    penalized = ol.generate(model="tiny", prompt="The sea", raw=True,
+                            options={"seed": 7, "num_predict": 10, "repeat_penalty": 5.0, "min_p": 0.05})
+    assert penalized.response != a.response
     stopped = ol.generate(model="tiny", prompt="The sea", raw=True,
                           options={"seed": 7, "num_predict": 10, "stop": [a.response[2:4]]})
     assert stopped.done_reason == "stop" and len(stopped.response) < len(a.response)
