@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -223,6 +224,36 @@ def test_quantize_then_run_the_artifact_gives_the_checkpoints_tokens(capsys, tmp
     assert runs[0]["prompt_tokens"] == runs[1]["prompt_tokens"] > 0
     code, _, err = _run(capsys, "quantize", str(TINY_LLAMA), "-o", str(artifact), "--force")
     assert code == 0
+
+
+def test_run_samples_as_the_model_recommends_unless_told_otherwise(capsys, tmp_path, monkeypatch) -> None:
+    """generation_config.json's sampling fills what the flags leave out, through the artifact and the model
+    cache too; --no-model-sampling (or -t 0) is greedy again."""
+    model = tmp_path / "tiny-llama"
+    shutil.copytree(TINY_LLAMA, model)
+    (model / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.8, "top_k": 7, "top_p": 1.0, "repetition_penalty": 1.4}))
+
+    def tokens(path: Path, *flags: str) -> tuple[list[int], str]:
+        code, out, err = _run(capsys, "run", "hello there", "--model", str(path), "--no-chat", "--json", "-n", "12",
+                              "--backend", "cpu", *flags)
+        assert code == 0, err
+        return json.loads(out)["tokens"], err
+
+    recommended, err = tokens(model)
+    assert "sampling as the model recommends: temperature 0.8, top-k 7, repetition-penalty 1.4 " in err
+    given, err = tokens(model, "-t", "0.8", "--top-k", "7", "--repetition-penalty", "1.4")
+    assert given == recommended and "recommends" not in err  # every recommended value given: no note
+    greedy, err = tokens(model, "--no-model-sampling")
+    assert "recommends" not in err and greedy == tokens(TINY_LLAMA)[0] != recommended
+    assert tokens(model, "-t", "0")[0] not in (greedy, recommended)  # greedy, with the model's repetition penalty
+    artifact = tmp_path / "tiny.kst"
+    assert _run(capsys, "quantize", str(model), "-o", str(artifact))[0] == 0
+    assert tokens(artifact)[0] == recommended
+    monkeypatch.setenv("KESTREL_MODEL_CACHE", "1")
+    monkeypatch.setenv("KESTREL_HOME", str(tmp_path / "home"))
+    assert tokens(model)[0] == tokens(model)[0] == recommended  # written to the cache, then read from it
+    assert list((tmp_path / "home").rglob("*.kst"))
 
 
 def test_pull_prints_the_model_path(capsys, monkeypatch, tmp_path) -> None:

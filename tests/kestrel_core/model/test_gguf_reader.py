@@ -164,6 +164,29 @@ def test_rope_freqs_in_a_file(tmp_path: Path, synth_source, fmt) -> None:
                                hf_llama3_inv_freq(500000.0, 16, rs), rtol=1e-6)
 
 
+def test_general_sampling_is_the_models_recommendation(tmp_path: Path, synth_source, fmt) -> None:
+    """llama.cpp's general.sampling.* keys, as gguf-py writes them (float32 values read back as decimals)."""
+    def recommend(w: gguf.GGUFWriter) -> None:
+        w.add_sampling_temp(0.6)
+        w.add_sampling_top_k(20)
+        w.add_sampling_top_p(0.95)
+        w.add_sampling_min_p(0.05)
+        w.add_sampling_penalty_repeat(1.1)
+        w.add_sampling_mirostat(0)  # no kestrel sampler: not read
+
+    ckpt = GGUFCheckpoint(fmt.write_gguf(tmp_path / "m.gguf", synth_source("llama"), metadata=recommend))
+    assert ckpt.config.sampling == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05,
+                                    "repetition_penalty": 1.1}
+    assert GGUFCheckpoint(fmt.write_gguf(tmp_path / "plain.gguf", synth_source("llama"))).config.sampling is None
+    bad = fmt.write_gguf(tmp_path / "bad.gguf", synth_source("llama"), metadata=lambda w: w.add_sampling_top_p(2.0))
+    with pytest.raises(KestrelError, match=r"metadata general\.sampling: sampling\.top_p must be in \(0, 1\]"):
+        GGUFCheckpoint(bad)
+    typed = fmt.write_gguf(tmp_path / "typed.gguf", synth_source("llama"),
+                           metadata=lambda w: w.add_string("general.sampling.temp", "hot"))
+    with pytest.raises(KestrelError, match="general.sampling.temp must be a number"):
+        GGUFCheckpoint(typed)
+
+
 def test_bad_files_are_one_line_errors(tmp_path: Path, synth_source, fmt) -> None:
     def err(path: Path) -> str:
         with pytest.raises(KestrelError) as exc:

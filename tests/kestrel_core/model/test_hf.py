@@ -142,6 +142,34 @@ def test_generation_config_eos_is_added(tmp_path: Path, synth_source, fmt) -> No
     assert ckpt.config.eos_token_ids == (2, 11)
 
 
+@pytest.mark.parametrize(("generation", "sampling"), [
+    ({"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}, {"temperature": 0.6, "top_p": 0.95,
+                                                                           "top_k": 20}),
+    # transformers' defaults are no recommendation (vLLM reads the file the same way); top_k -1 is off
+    ({"temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}, None),
+    ({"top_k": -1, "min_p": 0.05, "repetition_penalty": 1.05}, {"top_k": 0, "min_p": 0.05, "repetition_penalty": 1.05}),
+    ({"eos_token_id": 2}, None),
+])
+def test_generation_config_sampling_is_the_models_recommendation(tmp_path: Path, synth_source, fmt,
+                                                                  generation: dict, sampling: dict | None) -> None:
+    root = fmt.write_hf_dir(tmp_path / "m", synth_source("qwen3"))
+    (root / "generation_config.json").write_text(json.dumps(generation))
+    assert HFCheckpoint(root).config.sampling == sampling
+
+
+@pytest.mark.parametrize(("generation", "message"), [
+    ({"top_p": 1.5}, "generation_config.json: sampling.top_p must be in (0, 1], got 1.5"),
+    ({"temperature": "0.7"}, "generation_config.json: sampling.temperature must be a number"),
+    ({"repetition_penalty": 0}, "generation_config.json: sampling.repetition_penalty must be in (0, 10]"),
+])
+def test_a_bad_recommendation_is_one_line(tmp_path: Path, synth_source, fmt, generation: dict, message: str) -> None:
+    root = fmt.write_hf_dir(tmp_path / "m", synth_source("qwen3"))
+    (root / "generation_config.json").write_text(json.dumps(generation))
+    with pytest.raises(KestrelError) as exc:
+        HFCheckpoint(root)
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
 def test_bad_directories_are_one_line_errors(tmp_path: Path, synth_source, fmt) -> None:
     def err(path: Path) -> str:
         with pytest.raises(KestrelError) as exc:

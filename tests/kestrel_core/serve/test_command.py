@@ -96,3 +96,20 @@ def test_the_cli_imports_no_web_framework() -> None:
             "print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(("flags", "want"), [([], {"temperature": 0.6, "top_k": 20}), (["--no-model-sampling"], {})])
+def test_the_served_engines_take_the_models_sampling_unless_told_not_to(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str], want: dict) -> None:
+    import json
+    import shutil
+
+    from kestrel_core.serve import server
+
+    model = tmp_path / "tiny-qwen3"
+    shutil.copytree(TINY, model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20}))
+    served: list[dict] = []
+    monkeypatch.setattr(server, "serve", lambda engines, **_: served.extend(e.sampling_defaults for e in engines))
+    assert main(["serve", "--model", str(model), "--port", "0", *flags]) == 0
+    assert served == [want]

@@ -1,0 +1,91 @@
+"""The sampling a model recommends (``Engine.sampling_defaults``) as the default of every API's requests, through a
+real server and the official clients: a field a request leaves unset takes the model's value, else the API's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anthropic
+import ollama
+import openai
+import pytest
+
+from kestrel_core.serve.server import KestrelServer
+
+from .helpers import http
+
+NAME = "tiny"
+HI = [{"role": "user", "content": "Tell me about the sea"}]
+RECOMMENDED = {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "repetition_penalty": 1.3}
+# greedy with a strong repetition penalty: what a recommendation does to a request without a seed stays comparable
+GREEDY_PENALIZED = {"temperature": 0.0, "repetition_penalty": 3.0}
+
+
+@pytest.fixture
+def recommends(engine: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Let the served model recommend ``sampling`` for one test."""
+    return lambda sampling: monkeypatch.setattr(engine, "sampling_defaults", dict(sampling))
+
+
+def _chat(client: openai.OpenAI, **kw: Any) -> str:
+    extra = {k: kw.pop(k) for k in ("top_k", "min_p", "repetition_penalty") if k in kw}
+    answer = client.chat.completions.create(model=NAME, messages=HI, max_tokens=12, seed=5, extra_body=extra, **kw)
+    return answer.choices[0].message.content or ""
+
+
+def test_unset_fields_take_the_models_recommendation(client: openai.OpenAI, recommends: Any) -> None:
+    recommends(RECOMMENDED)
+    implicit = _chat(client)
+    assert implicit == _chat(client, **RECOMMENDED)
+    openai_defaults = _chat(client, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
+    assert implicit != openai_defaults
+    assert _chat(client, temperature=0.0) == _chat(client, **{**RECOMMENDED, "temperature": 0.0})  # one overridden
+    recommends({})  # kestrel serve --no-model-sampling
+    assert _chat(client) == openai_defaults
+
+
+def test_completions_take_it_too(client: openai.OpenAI, recommends: Any) -> None:
+    def complete(**extra: Any) -> str:
+        return client.completions.create(model=NAME, prompt="The sea", max_tokens=12, temperature=0,
+                                         extra_body=extra).choices[0].text
+
+    recommends({"repetition_penalty": 3.0})
+    assert complete() == complete(repetition_penalty=3.0) != complete(repetition_penalty=1.0)
+
+
+@pytest.mark.parametrize(("field", "value", "needle"), [
+    ("min_p", 1.5, "min_p must be in [0, 1]"), ("repetition_penalty", 0, "repetition_penalty must be in (0, 10]"),
+    ("min_p", "0.1", "min_p"),
+])
+def test_bad_extension_values_are_400_naming_the_field(server: KestrelServer, field: str, value: Any,
+                                                       needle: str) -> None:
+    status, _, raw = http("POST", f"{server.url}/v1/chat/completions",
+                          {"model": NAME, "messages": HI, "max_tokens": 2, field: value})
+    assert status == 400 and needle in raw.decode() and field in raw.decode()
+
+
+def test_anthropic_and_responses_requests_take_it(server: KestrelServer, client: openai.OpenAI,
+                                                  recommends: Any) -> None:
+    recommends(GREEDY_PENALIZED)
+    want = _chat(client, **GREEDY_PENALIZED)
+    assert want != _chat(client, temperature=0.0, repetition_penalty=1.0)
+    an = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    message = an.messages.create(model=NAME, max_tokens=12, messages=HI)
+    assert message.content[0].text == want  # type: ignore[union-attr]
+    response = client.responses.create(model=NAME, input=HI[0]["content"], max_output_tokens=12)
+    assert response.output_text == want
+
+
+def test_ollama_options_default_to_the_recommendation_then_ollamas(server: KestrelServer, recommends: Any) -> None:
+    ol = ollama.Client(host=server.url)
+
+    def chat(**options: Any) -> str:
+        return ol.chat(model=NAME, messages=HI, options={"seed": 5, "num_predict": 12, **options}).message.content
+
+    recommends(RECOMMENDED)
+    assert ol.show(NAME).parameters == "temperature 0.7\ntop_p 0.9\ntop_k 5\nrepeat_penalty 1.3"
+    implicit = chat()
+    assert implicit == chat(temperature=0.7, top_p=0.9, top_k=5, repeat_penalty=1.3)
+    recommends({})
+    assert ol.show(NAME).parameters in ("", None)
+    assert chat() == chat(temperature=0.8, top_k=40, top_p=0.9) != implicit  # Ollama's own defaults
