@@ -234,7 +234,9 @@ def serve(engines: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str 
 
 
 def _describe(name: str, engine: Any, pooling: str | None) -> str:
-    """One model in the startup line: its name, what it does, its backend."""
+    """One model in the startup line: its name, what it does, its backend, the sampling it recommends."""
     pooled = engine.config.pooling
     kind = f", embeddings only ({pooling or pooled} pooling)" if pooled else ""
-    return f"model {name}{kind}, backend {getattr(engine, 'backend_name', '?')}"
+    sampling = ", ".join(f"{k} {v:g}" for k, v in engine.sampling_defaults.items())
+    recommends = f", sampling by default as it recommends: {sampling}" if sampling and not pooled else ""
+    return f"model {name}{kind}, backend {getattr(engine, 'backend_name', '?')}{recommends}"

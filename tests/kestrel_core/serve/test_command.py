@@ -109,7 +109,10 @@ def test_the_served_engines_take_the_models_sampling_unless_told_not_to(
     model = tmp_path / "tiny-qwen3"
     shutil.copytree(TINY, model)
     (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20}))
-    served: list[dict] = []
-    monkeypatch.setattr(server, "serve", lambda engines, **_: served.extend(e.sampling_defaults for e in engines))
+    served: list[tuple[dict, str]] = []
+    monkeypatch.setattr(server, "serve", lambda engines, **_: served.extend(
+        (e.sampling_defaults, server._describe("m", e, None)) for e in engines))
     assert main(["serve", "--model", str(model), "--port", "0", *flags]) == 0
-    assert served == [want]
+    ((sampling, startup_line),) = served
+    assert sampling == want
+    assert startup_line.endswith(", sampling by default as it recommends: temperature 0.6, top_k 20") == bool(want)
