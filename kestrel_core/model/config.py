@@ -174,6 +174,16 @@ def validate_config(c: ModelConfig) -> None:
         check_sampling(c.sampling)
 
 
+def recommended_sampling(values: dict[str, Any]) -> dict[str, Any] | None:
+    """A model's recommended sampling from what its file sets of SAMPLING_FIELDS (None: nothing): a top_k <= 0
+    (off) is 0; a value out of SamplingParams' range is a ValidationError naming it."""
+    out = dict(values)
+    if is_int(out.get("top_k")) and out["top_k"] < 0:
+        out["top_k"] = 0
+    check_sampling(out)
+    return out or None
+
+
 def check_sampling(sampling: Any) -> None:
     """A model's recommended sampling: some of SAMPLING_FIELDS, each in the range SamplingParams allows."""
     if not isinstance(sampling, dict) or not set(sampling) <= set(SAMPLING_FIELDS):

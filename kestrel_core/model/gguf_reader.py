@@ -27,7 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.config import ModelConfig, check_sampling
+from kestrel_core.model.config import ModelConfig, recommended_sampling
 from kestrel_core.model.quantize import fused_rows, layer_name, map_tensor_name
 from kestrel_core.model.validate import ValidationError, check_float, check_int, check_regular_file, open_regular
 from kestrel_core.model.weights import expert_field
@@ -419,24 +419,19 @@ class GGUFCheckpoint:
                                "mean, cls or last token)")
         return GGUF_POOLING[kind]
 
-    def _sampling(self) -> dict[str, float] | None:
-        """The file's recommended sampling (general.sampling.*; None: none); a top_k <= 0 (off) is 0."""
-        out: dict[str, float] = {}
+    def _sampling(self) -> dict[str, Any] | None:
+        """The file's recommended sampling (general.sampling.*; None: none)."""
+        values: dict[str, Any] = {}
         for key, name in GGUF_SAMPLING.items():
-            full = f"general.sampling.{key}"
-            if name == "top_k":
-                v = self._typed(full, _INT_TYPES, "an integer")
-                if v is not None:
-                    out[name] = max(int(v), 0)
-            else:
-                v = self._typed(full, _FLOAT_TYPES | _INT_TYPES, "a number")
-                if v is not None:
-                    out[name] = _decimal(v)
+            integral = name == "top_k"
+            v = self._typed(f"general.sampling.{key}", _INT_TYPES if integral else _FLOAT_TYPES | _INT_TYPES,
+                            "an integer" if integral else "a number")
+            if v is not None:
+                values[name] = int(v) if integral else _decimal(v)
         try:
-            check_sampling(out)
+            return recommended_sampling(values)
         except ValidationError as exc:
             raise KestrelError(f"{self.path}: metadata general.sampling: {exc}") from None
-        return out or None
 
     def _config(self) -> ModelConfig:
         arch = self.field("general.architecture")

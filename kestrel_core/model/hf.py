@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 
 from kestrel_core.contract import BFloat16Bits
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.config import SAMPLING_FIELDS, ModelConfig, check_sampling, normalize_rope_scaling
+from kestrel_core.model.config import SAMPLING_FIELDS, ModelConfig, normalize_rope_scaling, recommended_sampling
 from kestrel_core.model.quantize import fused_rows, layer_name, map_tensor_name
 from kestrel_core.model.validate import (
     ValidationError,
@@ -30,7 +30,6 @@ from kestrel_core.model.validate import (
     check_hf_config,
     check_int,
     check_regular_file,
-    is_int,
 )
 from kestrel_core.model.weights import expert_field
 
@@ -268,20 +267,16 @@ def _moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
 _GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
 
 
-def recommended_sampling(generation: dict[str, Any] | None) -> dict[str, float] | None:
+def generation_sampling(generation: dict[str, Any] | None) -> dict[str, Any] | None:
     """The sampling generation_config.json recommends (None: none): its SAMPLING_FIELDS that differ from
-    transformers' defaults; a top_k <= 0 (off) is 0."""
+    transformers' defaults."""
     if not isinstance(generation, dict):
         return None
-    out = {k: generation[k] for k in SAMPLING_FIELDS
-           if generation.get(k) is not None and generation[k] != _GENERATION_DEFAULTS[k]}
-    if is_int(out.get("top_k")) and out["top_k"] < 0:
-        out["top_k"] = 0
     try:
-        check_sampling(out)
+        return recommended_sampling({k: generation[k] for k in SAMPLING_FIELDS
+                                     if generation.get(k) is not None and generation[k] != _GENERATION_DEFAULTS[k]})
     except ValidationError as exc:
         raise KestrelError(f"generation_config.json: {exc}") from None
-    return out or None
 
 
 def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None,
@@ -339,7 +334,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             qkv_bias=arch in ("qwen2", "qwen2_moe"),
             bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
             eos_token_ids=tuple(eos),
-            sampling=recommended_sampling(generation),
+            sampling=generation_sampling(generation),
             **fields,
         )
     except KeyError as exc:
