@@ -46,11 +46,17 @@ def _open_engine(args: argparse.Namespace) -> Engine:
 
 
 def _note_model_sampling(engine: Engine, args: argparse.Namespace) -> None:
-    """Say which of the model's recommended sampling values this command takes (those not given)."""
+    """Say which of the model's recommended sampling values this command takes (those not given), and when
+    --speculate cannot speculate because the answer is sampled."""
     taken = {k: v for k, v in engine.sampling_defaults.items() if getattr(args, k, None) is None}
     if taken:
         values = ", ".join(f"{k.replace('_', '-')} {v:g}" for k, v in taken.items())
         err.print(f"sampling as the model recommends: {values} (--no-model-sampling: greedy)", soft_wrap=True)
+    params = engine.sampling_params(temperature=args.temperature, top_k=args.top_k,
+                                    repetition_penalty=args.repetition_penalty)
+    if engine.speculate and not (params.greedy and not params.penalized):
+        err.print("--speculate: only greedy decoding without penalties guesses tokens; this answer is sampled "
+                  "(-t 0 --repetition-penalty 1 for greedy)", soft_wrap=True)
 
 
 def _open_generator(args: argparse.Namespace) -> Engine:
