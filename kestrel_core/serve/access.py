@@ -114,8 +114,8 @@ class AccessMiddleware:
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``) on /v1/*, /v2/* and /api/*; /health and
-    /metrics stay open for probes and scrapers."""
+    """``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``) on /v1/*, /v2/*, /api/*, /tokenize and
+    /detokenize; /health and /metrics stay open for probes and scrapers."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -124,7 +124,8 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and path.startswith(("/v1/", "/v2/", "/api/")) and not self._allowed(scope):
+        guarded = path.startswith(("/v1/", "/v2/", "/api/")) or path in ("/tokenize", "/detokenize")
+        if scope["type"] == "http" and guarded and not self._allowed(scope):
             error = APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'.",
                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             await error.response(path)(scope, receive, send)

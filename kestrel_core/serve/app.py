@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 import kestrel_core
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.sampling import TokenLogprob
-from kestrel_core.serve import anthropic, generation, ollama, responses_api, scores
+from kestrel_core.serve import anthropic, generation, ollama, responses_api, scores, tokenize
 from kestrel_core.serve.access import AccessMiddleware, ApiKeyMiddleware
 from kestrel_core.serve.errors import APIError, from_kestrel_error, install_error_handlers
 from kestrel_core.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -87,7 +87,8 @@ class Served:
             raise from_kestrel_error(exc) from None
         try:
             tokenizer = self.engine.tokenizer
-            prompt = tokenizer.apply_chat_template(body.template_messages(), **context)
+            prompt = tokenizer.apply_chat_template(body.template_messages(), body.add_generation_prompt is not False,
+                                                   **context)
             prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=False))  # the template wrote any BOS
         except KestrelError as exc:  # no messages, no template, or a template that failed on these
             raise from_kestrel_error(exc, param="messages") from None
@@ -219,6 +220,7 @@ def create_app(engines: Mapping[str, Any], api_key: str | None = None, pooling: 
     anthropic.install(app, models)
     responses_api.install(app, models)
     scores.install(app, models)
+    tokenize.install(app, models)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

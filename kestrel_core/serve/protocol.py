@@ -250,6 +250,7 @@ class ChatCompletionRequest(_Generation):
     parallel_tool_calls: StrictBool | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: more variables for the template
+    add_generation_prompt: StrictBool | None = None  # vLLM's extension: false ends the prompt after the messages
 
     def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:

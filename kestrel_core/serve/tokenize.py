@@ -1,0 +1,78 @@
+"""vLLM's tokenizer endpoints, ``/tokenize`` and ``/detokenize``: the token ids the server itself reads, for the
+clients that count, build or check them (RL trainers tokenize a conversation exactly as the chat route will).
+
+``/tokenize`` takes a ``prompt`` (a completion's text; the tokenizer's special tokens, such as a BOS, are added
+unless ``add_special_tokens`` is false) or ``messages`` (a chat, rendered by the chat route's own code with its
+``tools`` and ``chat_template_kwargs``; ``add_generation_prompt`` true unless given; the template writes any BOS, so
+``add_special_tokens`` is false unless given) and answers ``count``, ``max_model_len`` (the model's context),
+``tokens`` and, with ``return_token_strs``, ``token_strs`` (each token's own text, as logprobs name it).
+``/detokenize`` answers the text of ``tokens`` as ``prompt``. Both take ``model`` as the other routes do.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+from pydantic import StrictBool, StrictInt, StrictStr
+
+from kestrel_core.errors import KestrelError
+from kestrel_core.serve.errors import APIError, from_kestrel_error, validated
+from kestrel_core.serve.protocol import ChatCompletionRequest, RequestBody
+
+if TYPE_CHECKING:
+    from kestrel_core.serve.app import Models, Served
+
+
+class TokenizeBody(RequestBody):
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[dict[str, Any]] | None = None  # checked as a chat request's
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: StrictBool | None = None
+    add_special_tokens: StrictBool | None = None
+    return_token_strs: StrictBool = False
+
+    def token_ids(self, served: Served) -> list[int]:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        tokenizer = served.engine.tokenizer
+        try:
+            if self.prompt is not None:
+                return list(tokenizer.encode(self.prompt, add_special_tokens=self.add_special_tokens is not False))
+            chat = validated(ChatCompletionRequest, {
+                "messages": self.messages, "tools": self.tools, "chat_template_kwargs": self.chat_template_kwargs,
+                "add_generation_prompt": self.add_generation_prompt})
+            prompt, ids, _, _ = served.chat_prompt(chat)
+            return list(tokenizer.encode(prompt, add_special_tokens=True)) if self.add_special_tokens else ids
+        except KestrelError as exc:  # a model without a tokenizer
+            raise from_kestrel_error(exc, param="prompt") from None
+
+
+class DetokenizeBody(RequestBody):
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
+def install(app: FastAPI, models: Models) -> None:
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody) -> dict[str, Any]:
+        served = models.get(body.model)
+        ids = body.token_ids(served)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": served.engine.config.max_position, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = [served.tokens(i) for i in ids]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody) -> dict[str, str]:
+        served = models.get(body.model)
+        vocab = served.engine.config.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+        try:
+            return {"prompt": served.engine.tokenizer.decode(body.tokens)}
+        except KestrelError as exc:  # a model without a tokenizer
+            raise from_kestrel_error(exc, param="tokens") from None
