@@ -11,12 +11,15 @@ class TextStream:
     bytes span several tokens, and tokenizers that need left context (leading spaces) decode right.
 
     With ``stop`` strings, text that may be the start of one is held back until it is known not to be, and
-    the text ends before the first stop string (``stopped`` turns True).
+    the text ends before the first stop string (``stopped`` turns True); with ``min_tokens``, one that begins in
+    the text of the tokens before the min_tokens-th does not count (vLLM's min_tokens).
     """
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.min_tokens = min_tokens
+        self.armed = 0 if not min_tokens else None  # where stop strings may begin, once min_tokens have come
         self.ids: list[int] = []
         self.prefix = 0  # ids[prefix:read] is context already decoded
         self.read = 0
@@ -33,11 +36,14 @@ class TextStream:
         if self.stopped:
             return ""
         self.ids.append(int(token))
+        before = len(self.text)
         done = self._decode(self.ids[self.prefix:self.read])
         text = self._decode(self.ids[self.prefix:])
         if len(text) > len(done) and not text.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(self.ids)
             self.text += text[len(done):]
+        if self.armed is None and len(self.ids) >= self.min_tokens:  # the min_tokens-th token's text may stop
+            self.armed = before
         return self._release(final=False)
 
     def flush(self) -> str:
@@ -52,9 +58,9 @@ class TextStream:
     def _release(self, final: bool) -> str:
         if self.stopped:
             return ""
-        if self.stop:
+        if self.stop and self.armed is not None:
             # a stop string may straddle what was already handed out: search from the longest one back
-            start = max(0, self.sent - max(map(len, self.stop)) + 1)
+            start = max(self.armed, self.sent - max(map(len, self.stop)) + 1)
             hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
             if hits:
                 self.stopped = True
@@ -69,8 +75,8 @@ class TextStream:
         return out
 
     def _held(self) -> int:
-        """Characters at the end of the text that could begin a stop string."""
-        return partial_suffix(self.text, self.stop, self.sent)
+        """Characters at the end of the text that could begin a stop string (none before min_tokens)."""
+        return 0 if self.armed is None else partial_suffix(self.text, self.stop, max(self.sent, self.armed))
 
 
 def partial_suffix(text: str, markers: Sequence[str], start: int = 0) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,6 +30,9 @@ class SamplingParams:
     """How one request is sampled and when it stops. ``check()`` names the first bad field."""
 
     max_tokens: int = 128
+    # vLLM's: the end of text and the stop token ids are not sampled, and stop strings do not end the answer,
+    # before this many tokens
+    min_tokens: int = 0
     temperature: float = 0.0  # 0: greedy (the first largest logit)
     top_p: float = 1.0
     top_k: int = 0  # 0: off
@@ -54,6 +57,9 @@ class SamplingParams:
 
         if not _is_int(self.max_tokens) or self.max_tokens < 0:
             raise bad("max_tokens", f"must be an integer >= 0, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens",
+                      f"must be an integer in [0, max_tokens ({self.max_tokens})], got {self.min_tokens!r}")
         if not _is_number(self.temperature) or not 0 <= self.temperature <= 100:
             raise bad("temperature", f"must be a number in [0, 100], got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -89,6 +95,8 @@ class SamplingParams:
                 raise bad("logit_bias", f"must map token ids >= 0 to numbers in [-100, 100], got {pair!r}")
         if self.grammar is not None and not isinstance(self.grammar, str):
             raise bad("grammar", f"must be llguidance's grammar text, got {type(self.grammar).__name__}")
+        if self.grammar is not None and self.min_tokens:
+            raise bad("min_tokens", "cannot be combined with a grammar (a complete answer must be able to end)")
         return self
 
     @property
@@ -101,9 +109,9 @@ class SamplingParams:
 
     @property
     def adjusted(self) -> bool:
-        """Whether the logits change before sampling (penalties, a logit bias, a grammar): the device's argmax
-        will not do."""
-        return self.penalized or bool(self.logit_bias) or self.grammar is not None
+        """Whether the logits change before sampling (penalties, a logit bias, a grammar, min_tokens): the device's
+        argmax will not do."""
+        return self.penalized or bool(self.logit_bias) or self.grammar is not None or self.min_tokens > 0
 
 
 def _is_int(x: object) -> bool:
@@ -126,12 +134,16 @@ class TokenLogprob:
 class Sampler:
     """Picks one token id from a row of logits [vocab]; the same seed gives the same tokens. ``constraint``: the
     request's grammar (kestrel_core.model.grammar.Constraint), which every token chosen keeps to; ``prompt_ids``:
-    the prompt's tokens, which the repetition penalty counts as seen."""
+    the prompt's tokens, which the repetition penalty counts as seen; ``eos_ids``: the end-of-text tokens, which
+    are not sampled before ``min_tokens`` (unless ``ignore_eos``), as the stop token ids are not."""
 
     def __init__(self, params: SamplingParams, constraint: Constraint | None = None,
-                 prompt_ids: Sequence[int] = ()) -> None:
+                 prompt_ids: Sequence[int] = (), eos_ids: Collection[int] = ()) -> None:
         self.params = params.check()
         self.constraint = constraint
+        self.generated = 0
+        held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        self._held_back = np.array(sorted(held), np.int64) if params.min_tokens else np.empty(0, np.int64)
         self._prompt_seen = (np.unique(np.asarray(prompt_ids, np.int64)) if params.repetition_penalty != 1
                              else np.empty(0, np.int64))
         seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2 ** 63)
@@ -159,7 +171,8 @@ class Sampler:
         return token
 
     def count(self, token: int) -> None:
-        """Record a generated token (for the penalties and the grammar), whoever chose it."""
+        """Record a generated token (for the penalties, min_tokens and the grammar), whoever chose it."""
+        self.generated += 1
         self.counts[token] += 1
         if self.constraint is not None:
             self.constraint.accept(token)
@@ -170,9 +183,13 @@ class Sampler:
         z = np.asarray(logits, dtype=np.float32).reshape(-1)
         p = self.params
         penalize = p.penalized and (bool(self.counts) or len(self._prompt_seen) > 0)
-        if not penalize and not p.logit_bias:
+        hold = self.generated < p.min_tokens
+        if not penalize and not p.logit_bias and not hold:
             return z
         z = z.copy()
+        if hold:
+            held = self._held_back[self._held_back < len(z)]
+            z[held] = -np.inf
         if p.logit_bias:
             ids, bias = self._bias
             z[ids] += bias

@@ -4,16 +4,16 @@ Requests are pydantic models with OpenAI's field names; unknown fields are ignor
 fields are strict (``"0.5"`` is not a temperature), so a wrong type is a 400 naming the field. Ranges are not
 repeated here: ``SamplingParams.check`` is the one place that knows them, and its ``InvalidRequest`` names the field
 too. A sampling field a request leaves unset takes the sampling the model recommends (``Engine.sampling_defaults``:
-its generation_config.json, as vLLM reads it), else OpenAI's default; ``top_k``, ``min_p`` and
-``repetition_penalty`` are vLLM's extensions. Fields kestrel cannot honour (image parts, a ``suffix`` for a model
-without fill-in-the-middle tokens...) are refused rather than silently ignored, since ignoring them would change
-what the client gets. Tools are shown to the model by its chat template and the calls it writes are read back out of
-its answers (serve/tools.py); a forced call and a JSON ``response_format`` are grammars the answer keeps to
-(``grammar``, kestrel_core.model.grammar). ``n`` choices are ``n`` sequences of one prompt (with the prefix cache,
-the first computes it and the others attach its blocks); with a ``seed``, choice i samples with seed + i, so the
-choices differ and the request is reproducible. A completions request may hold several prompts (choice p * n + i is
-prompt p's i-th) and ``echo`` them, with their tokens' logprobs and, with ``max_tokens`` 0, nothing generated: what
-evaluation harnesses send to score text, or give a ``suffix``: each prompt is then the prefix of a
+its generation_config.json, as vLLM reads it), else OpenAI's default; ``top_k``, ``min_p``, ``repetition_penalty``,
+``stop_token_ids`` and ``min_tokens`` are vLLM's extensions. Fields kestrel cannot honour (image parts, a ``suffix``
+for a model without fill-in-the-middle tokens...) are refused rather than silently ignored, since ignoring them
+would change what the client gets. Tools are shown to the model by its chat template and the calls it writes are
+read back out of its answers (serve/tools.py); a forced call and a JSON ``response_format`` are grammars the answer
+keeps to (``grammar``, kestrel_core.model.grammar). ``n`` choices are ``n`` sequences of one prompt (with the prefix
+cache, the first computes it and the others attach its blocks); with a ``seed``, choice i samples with seed + i, so
+the choices differ and the request is reproducible. A completions request may hold several prompts (choice p * n + i
+is prompt p's i-th) and ``echo`` them, with their tokens' logprobs and, with ``max_tokens`` 0, nothing generated:
+what evaluation harnesses send to score text, or give a ``suffix``: each prompt is then the prefix of a
 fill-in-the-middle prompt (kestrel_core.model.fim), what code editors send.
 
 The responses' shapes are serve/responses.py's.
@@ -183,6 +183,8 @@ class _Generation(RequestBody):
     frequency_penalty: StrictFloat | None = None
     logit_bias: dict[str, StrictInt | StrictFloat] | None = None  # token id (as a string) -> bias
     ignore_eos: StrictBool | None = None  # an extension: generate max_tokens even past the end of text
+    stop_token_ids: list[StrictInt] | None = None  # vLLM's extension: token ids that end the answer
+    min_tokens: StrictInt | None = None  # vLLM's extension: no end of text, stop token or stop string before
     user: StrictStr | None = None
 
     @property
@@ -222,6 +224,8 @@ class _Generation(RequestBody):
             **sampling,
             seed=self.seed,
             stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            min_tokens=self.min_tokens or 0,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             logprobs=logprobs,

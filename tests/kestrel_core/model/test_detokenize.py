@@ -12,6 +12,16 @@ class Letters:
         return "".join(chr(ord("a") + i) for i in ids)
 
 
+def test_min_tokens_keeps_stop_strings_from_the_text_of_the_tokens_before_it() -> None:
+    stream = TextStream(Letters(), stop=("b", "de"), min_tokens=3)  # "b" (2nd token) is too early; "de" is not
+    text = "".join(stream.push(t) for t in range(6))  # abcdef
+    assert (text + stream.flush(), stream.stopped_by) == ("abc", "de")
+    at_the_boundary = TextStream(Letters(), stop=("c",), min_tokens=3)  # the 3rd token's own text may stop
+    assert "".join(at_the_boundary.push(t) for t in range(5)) + at_the_boundary.flush() == "ab"
+    straddling = TextStream(Letters(), stop=("bcd",), min_tokens=3)  # it begins before the 3rd token: no stop
+    assert "".join(straddling.push(t) for t in range(5)) + straddling.flush() == "abcde"
+
+
 def test_the_first_stop_string_in_the_text_ends_it_and_is_named() -> None:
     stream = TextStream(Letters(), stop=("cd", "bc", "zz"))
     text = "".join(stream.push(t) for t in range(6))  # abcdef: "bc" comes before "cd"

@@ -125,6 +125,8 @@ def test_the_same_seed_gives_the_same_tokens() -> None:
     ({"logit_bias": ((1, 100.5),)}, "logit_bias"), ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
     ({"logit_bias": ((1, float("nan")),)}, "logit_bias"), ({"logit_bias": {1: 2.0}}, "logit_bias"),
     ({"logit_bias": tuple((i, 1.0) for i in range(301))}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 200, "max_tokens": 100}, "min_tokens"),
+    ({"min_tokens": 2, "grammar": "start: /a+/"}, "min_tokens"),
     ({"min_p": -0.1}, "min_p"), ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"repetition_penalty": 11.0}, "repetition_penalty"), ({"repetition_penalty": float("inf")}, "repetition_penalty"),
 ])
@@ -194,6 +196,16 @@ def test_the_repetition_penalty_counts_the_prompt_and_the_answer() -> None:
     assert SamplingParams(repetition_penalty=1.1).adjusted  # the device's argmax will not do
     unpenalized = _Sampler(SamplingParams(), prompt_ids=[0, 1])
     np.testing.assert_array_equal(unpenalized.processed(logits), logits)
+
+
+def test_min_tokens_masks_the_end_and_the_stop_tokens_until_it_is_reached() -> None:
+    logits = np.array([3.0, 2.9, 0.0, -1.0], np.float32)
+    s = _Sampler(SamplingParams(min_tokens=2, stop_token_ids=(1,)), eos_ids={0})
+    assert SamplingParams(min_tokens=2).adjusted  # the device's argmax will not do
+    assert s(logits) == 2 and s(logits) == 2  # 0 (the end) and 1 (a stop token) are held back twice
+    assert s(logits) == 0
+    keeps_eos = _Sampler(SamplingParams(min_tokens=1, ignore_eos=True), eos_ids={0})
+    assert keeps_eos(logits) == 0  # an end of text that does not end the answer is not held back
 
 
 def test_logprobs_are_the_models_log_softmax_with_the_top_alternatives() -> None:

@@ -169,6 +169,30 @@ def test_stop_strings_stop_tokens_and_max_tokens(engine) -> None:
     assert got == ids[:ids.index(ids[7]) + 1] and outs[-1].finish_reason == "stop"
 
 
+def test_min_tokens_holds_back_the_end_stop_tokens_and_stop_strings(engine) -> None:
+    """vLLM's min_tokens: the end of text and the stop token ids are not sampled, and a stop string does not end
+    the answer, before the min_tokens-th token; after it, each stops the answer again."""
+    engine.tokenizer = _Letters()
+    prompt = _prompts(1, engine.config.vocab_size, seed=6)[0]
+    ids = list(engine.generate(prompt, params=SamplingParams(max_tokens=20, ignore_eos=True)))
+    first = ids[0]
+    stopped = list(engine.generate(prompt, params=SamplingParams(max_tokens=20, stop_token_ids=(first,))))
+    assert stopped == [first]
+    held = list(engine.generate(prompt, params=SamplingParams(max_tokens=20, min_tokens=6, stop_token_ids=(first,))))
+    assert first not in held[:5] and len(held) >= 6 and (held[-1] == first or len(held) == 20)
+    eos = sorted(engine.eos_token_ids)[0]
+    no_end = list(engine.generate(prompt, params=SamplingParams(max_tokens=12, min_tokens=12, stop_token_ids=(eos,))))
+    assert len(no_end) == 12 and eos not in no_end[:11]
+    text = "".join(_Letters().decode([t]) for t in ids)
+    stop = text[0:2]  # at the very start: without min_tokens the answer is empty
+    outs = list(engine.stream(prompt, SamplingParams(max_tokens=20, ignore_eos=True, stop=(stop,))))
+    assert "".join(o.new_text for o in outs) == ""
+    outs = list(engine.stream(prompt, SamplingParams(max_tokens=20, ignore_eos=True, stop=(stop,), min_tokens=3)))
+    later = text.find(stop, 2)
+    want = text[:later] if 0 <= later < 20 else text
+    assert "".join(o.new_text for o in outs) == want
+
+
 def test_logprobs_come_with_each_token(engine) -> None:
     prompt = _prompts(1, engine.config.vocab_size, seed=7)[0]
     outs = list(engine.stream(prompt, SamplingParams(max_tokens=4, logprobs=True, top_logprobs=3, ignore_eos=True)))

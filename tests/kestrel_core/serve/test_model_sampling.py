@@ -53,6 +53,24 @@ def test_completions_take_it_too(client: openai.OpenAI, recommends: Any) -> None
     assert complete() == complete(repetition_penalty=3.0) != complete(repetition_penalty=1.0)
 
 
+def test_stop_token_ids_and_min_tokens_reach_the_engine(client: openai.OpenAI, engine: Any) -> None:
+    """vLLM's extensions, which a client sends in extra_body: neither is ignored."""
+    def complete(**extra: Any) -> Any:
+        return client.completions.create(model=NAME, prompt="The sea", max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True, **extra})
+
+    (first,) = engine.generate(engine.tokenizer.encode("The sea"), max_tokens=1, stop_at_eos=False)
+    free = complete()
+    assert free.usage.completion_tokens == 10
+    stopped = complete(stop_token_ids=[first])
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    held = complete(stop_token_ids=[first], min_tokens=4)
+    assert held.usage.completion_tokens >= 4 and held.choices[0].text != free.choices[0].text
+    as_string = complete(stop=[free.choices[0].text[:1]])  # the answer's first character: an empty answer
+    assert as_string.choices[0].text == ""
+    assert complete(stop=[free.choices[0].text[:1]], min_tokens=4).choices[0].text[:1] == free.choices[0].text[:1]
+
+
 @pytest.mark.parametrize(("field", "value", "needle"), [
     ("min_p", 1.5, "min_p must be in [0, 1]"), ("repetition_penalty", 0, "repetition_penalty must be in (0, 10]"),
     ("min_p", "0.1", "min_p"),
