@@ -255,6 +255,9 @@ class ChatCompletionRequest(_Generation):
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: more variables for the template
     add_generation_prompt: StrictBool | None = None  # vLLM's extension: false ends the prompt after the messages
+    # OpenAI's: the template sees it as reasoning_effort (gpt-oss reads it); none or minimal also turn Qwen3's
+    # enable_thinking off, unless chat_template_kwargs set it
+    reasoning_effort: StrictStr | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:
@@ -306,7 +309,7 @@ class ChatCompletionRequest(_Generation):
 
     def template_context(self) -> dict[str, Any]:
         """What the chat template sees beside the messages: the tools as Hugging Face templates read them
-        (None where the model is not shown them) and ``chat_template_kwargs`` (e.g. Qwen3's
+        (None where the model is not shown them), ``reasoning_effort`` and ``chat_template_kwargs`` (e.g. Qwen3's
         ``enable_thinking``), which may not replace a variable kestrel sets."""
         extra = self.chat_template_kwargs or {}
         taken = sorted(set(extra) & TEMPLATE_VARIABLES)
@@ -314,7 +317,12 @@ class ChatCompletionRequest(_Generation):
             raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(taken)}: kestrel sets it",
                                  param="chat_template_kwargs")
         tools = [tool.for_template() for tool in self.tools or ()] if self._shows_tools else None
-        return {**extra, "tools": tools}
+        effort: dict[str, Any] = {}
+        if self.reasoning_effort is not None:
+            effort["reasoning_effort"] = self.reasoning_effort
+            if self.reasoning_effort in ("none", "minimal"):
+                effort["enable_thinking"] = False
+        return {**effort, **extra, "tools": tools}
 
     @property
     def _shows_tools(self) -> bool:

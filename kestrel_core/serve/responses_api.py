@@ -5,8 +5,8 @@ A request is translated into the chat request kestrel already answers: ``instruc
 (a string, or items: messages with text content, ``function_call`` items as an assistant turn's tool calls,
 ``function_call_output`` items as tool messages; ``reasoning`` items are dropped, as templates drop past
 reasoning), ``tools`` (functions), ``tool_choice``, ``parallel_tool_calls``, ``text.format`` (text, a JSON
-object or a JSON Schema), ``max_output_tokens``, ``temperature``, ``top_p``; ``reasoning.effort`` ``none`` or
-``minimal`` sets the template's ``enable_thinking`` false. The answer comes back as output items (``reasoning``,
+object or a JSON Schema), ``max_output_tokens``, ``temperature``, ``top_p``; ``reasoning.effort`` as the chat
+request's ``reasoning_effort``. The answer comes back as output items (``reasoning``,
 ``message`` with an ``output_text`` part, ``function_call`` a call), whole or as the API's event stream
 (``response.created``, each item's ``output_item.added`` / deltas / ``done`` events, ``response.completed`` or
 ``response.incomplete`` when ``max_output_tokens`` cut it). Nothing is stored: ``store`` is accepted and ignored,
@@ -99,8 +99,8 @@ class ResponsesBody(RequestBody):
         elif fmt.type == "json_schema":
             out["response_format"] = {"type": "json_schema",
                                       "json_schema": {"name": fmt.name or "output", "schema": fmt.schema_ or {}}}
-        if self.reasoning is not None and self.reasoning.effort in ("none", "minimal"):
-            out["chat_template_kwargs"] = {"enable_thinking": False}
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            out["reasoning_effort"] = self.reasoning.effort
         return out
 
 

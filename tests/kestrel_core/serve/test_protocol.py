@@ -189,3 +189,11 @@ def test_grammars_kestrel_cannot_make(fields: dict[str, Any], param: str, says: 
     assert info.value.param == param
 
 
+
+
+def test_reasoning_effort_reaches_the_template_and_none_turns_thinking_off() -> None:
+    assert chat_request(reasoning_effort="none").template_context() == {
+        "reasoning_effort": "none", "enable_thinking": False, "tools": None}
+    assert chat_request(reasoning_effort="high").template_context() == {"reasoning_effort": "high", "tools": None}
+    asked = chat_request(reasoning_effort="minimal", chat_template_kwargs={"enable_thinking": True})
+    assert asked.template_context()["enable_thinking"] is True  # the template's own variable wins
