@@ -54,7 +54,7 @@ def _note_model_sampling(engine: Engine, args: argparse.Namespace) -> None:
         err.print(f"sampling as the model recommends: {values} (--no-model-sampling: greedy)", soft_wrap=True)
     params = engine.sampling_params(temperature=args.temperature, top_k=args.top_k,
                                     repetition_penalty=args.repetition_penalty)
-    if engine.speculate and not (params.greedy and not params.penalized):
+    if engine.speculate and not params.argmax_only:
         err.print("--speculate: only greedy decoding without penalties guesses tokens; this answer is sampled "
                   "(-t 0 --repetition-penalty 1 for greedy)", soft_wrap=True)
 

@@ -113,6 +113,12 @@ class SamplingParams:
         argmax will not do."""
         return self.penalized or bool(self.logit_bias) or self.grammar is not None or self.min_tokens > 0
 
+    @property
+    def argmax_only(self) -> bool:
+        """Only the greedy token of the logits is needed: a backend may choose it on the device, and greedy steps
+        may guess tokens ahead (speculative decoding)."""
+        return self.greedy and not self.adjusted and not self.logprobs
+
 
 def _is_int(x: object) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)

@@ -95,8 +95,7 @@ class Request:
     @property
     def argmax_only(self) -> bool:
         """Only the greedy token of its logits is needed (a backend may choose it on the device)."""
-        p = self.params
-        return p.greedy and not p.adjusted and not p.logprobs
+        return self.params.argmax_only
 
     @property
     def tokens(self) -> list[int]:
