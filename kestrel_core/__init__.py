@@ -33,7 +33,7 @@ _EXPORTS = {
     "ExpertWeights": "kestrel_core.model.weights", "LayerWeights": "kestrel_core.model.weights",
     "Model": "kestrel_core.model.weights",
     "PREFILL_CHUNK": "kestrel_core.model.weights", "engine_weights": "kestrel_core.model.weights",
-    "rope_inv_freq": "kestrel_core.model.rope",
+    "rope_inv_freq": "kestrel_core.model.rope", "rope_tables": "kestrel_core.model.rope",
     "PROJ_GROUPS": "kestrel_core.wkey", "ProjGroup": "kestrel_core.wkey", "wkey_expert": "kestrel_core.wkey",
     "AsyncEngine": "kestrel_core.model.async_engine",
     "Engine": "kestrel_core.model.engine", "Step": "kestrel_core.model.engine", "load": "kestrel_core.model.engine",

@@ -41,10 +41,12 @@ from kestrel_core.model.validate import check_artifact_meta
 from kestrel_core.model.weights import model_tensors as model_tensors
 
 FORMAT_NAME = "kestrel-strip-cache"
+# a model whose RoPE turns part of each head: its q and k rows are reordered within each head (rope.rotary_first)
+ROTARY_FIRST = "rotary-dims-first"
 FORMAT_VERSION = 1
 # What this kestrel understands. A producer that changes the bytes' meaning (e.g. a 4x4 int4 repack) adds a
 # flag; an older reader then refuses the file instead of computing garbage.
-LAYOUT_FLAGS = ("row-major-codes",)
+LAYOUT_FLAGS = ("row-major-codes", ROTARY_FIRST)
 REQUIRED_LAYOUT_FLAGS = ("row-major-codes",)
 ARTIFACT_SUFFIX = ".kst"
 CHECKSUM_ALGORITHM = "xxh64"  # XXH64, seed 0, of each tensor's bytes, as 16 lowercase hex digits (checksum.py)
@@ -73,6 +75,11 @@ class ArtifactMeta:
 
 
 # -- the header -------------------------------------------------------------------------------------------
+
+def layout_flags(config: ModelConfig) -> list[str]:
+    """The layout flags of an artifact of a model of ``config``."""
+    return ["row-major-codes", *([ROTARY_FIRST] if config.rotary < config.head_dim else [])]
+
 
 def refuse(path: Path, what: str) -> KestrelError:
     return KestrelError(f"{path}: {what}")
@@ -270,6 +277,9 @@ def parse_meta(path: Path, meta: dict[str, str], tensor_names: Iterable[str]) ->
         config = ModelConfig.from_dict(config_dict)
     except (TypeError, ValueError) as exc:
         raise refuse(path, f"artifact config does not fit this kestrel's ModelConfig ({exc})") from None
+    if (ROTARY_FIRST in layout) != (ROTARY_FIRST in layout_flags(config)):
+        raise refuse(path, f"layout flag {ROTARY_FIRST!r} {'is' if ROTARY_FIRST in layout else 'is not'} set "
+                           f"but the model's RoPE turns {config.rotary} of each head's {config.head_dim} dims")
     quant = check_artifact_meta(meta.get("quant"), config, tensor_names, str(path))
     tensors = _json(path, meta, "tensors")
     extra = _json(path, meta, "extra", {})

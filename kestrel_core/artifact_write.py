@@ -29,7 +29,7 @@ from kestrel_core.artifact import (
     CHUNK_BYTES,
     FORMAT_NAME,
     FORMAT_VERSION,
-    LAYOUT_FLAGS,
+    layout_flags,
     model_tensors,
 )
 from kestrel_core.contract import StripCache
@@ -68,7 +68,7 @@ def save_artifact(path: str | os.PathLike[str], model: Model, *, tokenizer_json:
     metadata = {
         "format": FORMAT_NAME,
         "format_version": str(FORMAT_VERSION),
-        "layout": json.dumps(list(LAYOUT_FLAGS)),
+        "layout": json.dumps(layout_flags(model.config)),
         "quant": quant,
         "tensors": json.dumps(specs, sort_keys=True),
         "config": json.dumps(model.config.as_dict(), sort_keys=True),

@@ -137,6 +137,10 @@ def _model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
                         "mixed, or q8 on a backend that runs whole steps on its device")
     p.add_argument("--backend-option", action="append", default=None, metavar="KEY=VALUE",
                    help="passed to every backend's kestrel_open as options[KEY] = VALUE (a string); repeatable")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="the context in tokens, at most the model's (default: the model's); a smaller one sizes "
+                        "the KV cache down and, for a longrope model within its pretraining context, takes its "
+                        "short RoPE factors")
     p.add_argument("--speculate", type=int, default=0, metavar="N",
                    help="greedy decoding guesses up to N tokens a step from the context (prompt lookup) and keeps "
                         "what the model confirms: the same tokens, fewer steps (default: 0, off)")

@@ -34,10 +34,12 @@ def _open_engine(args: argparse.Namespace) -> Engine:
     kv_cache_mb = getattr(args, "kv_cache_mb", None)
     if preset:
         engine = load_preset(preset, backend=args.backend, quant=args.quant, seed=getattr(args, "model_seed", 0),
-                             kv_cache_mb=kv_cache_mb, activations=getattr(args, "activations", "auto"))
+                             kv_cache_mb=kv_cache_mb, activations=getattr(args, "activations", "auto"),
+                             max_model_len=getattr(args, "max_model_len", None))
     else:
         engine = load(args.model, backend=args.backend, quant=args.quant, kv_cache_mb=kv_cache_mb,
-                      activations=getattr(args, "activations", "auto"))
+                      activations=getattr(args, "activations", "auto"),
+                      max_model_len=getattr(args, "max_model_len", None))
     engine.speculate = getattr(args, "speculate", 0)
     if getattr(args, "no_model_sampling", False):
         engine.sampling_defaults = {}

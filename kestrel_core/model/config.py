@@ -39,8 +39,11 @@ class ModelConfig:
     head_dim: int  # Qwen3: independent of D / num_heads
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None  # llama3-style: factor, low/high_freq_factor, original_max...
-    max_position: int = 4096
+    rope_scaling: dict[str, Any] | None = None  # linear, llama3, yarn or longrope (normalize_rope_scaling)
+    max_position: int = 4096  # the context: positions a sequence may take
+    # RoPE turns only the first rotary_dim of each head's dims (Phi-4-mini); None: all of them. Such a model's
+    # q and k rows are stored reordered within each head (rope.rotary_first), so the turned pairs are (i, i + hd/2)
+    rotary_dim: int | None = None
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
@@ -91,6 +94,11 @@ class ModelConfig:
         return self.rope_theta, self.rope_scaling
 
     @property
+    def rotary(self) -> int:
+        """The dims of each head RoPE turns."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
     def attention_scale(self) -> float:
         return self.query_scale if self.query_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
@@ -128,13 +136,12 @@ def validate_config(c: ModelConfig) -> None:
         raise ValidationError(f"num_heads ({c.num_heads}) must be a multiple of num_kv_heads ({c.num_kv_heads})")
     check_float("rms_norm_eps", c.rms_norm_eps, 0.0, 1.0, lo_open=True)
     check_float("rope_theta", c.rope_theta, 0.0, lo_open=True)
+    if c.rotary_dim is not None:
+        check_int("rotary_dim", c.rotary_dim, 2, c.head_dim)
+        if c.rotary_dim % 2:
+            raise ValidationError(f"rotary_dim must be even (RoPE rotates pairs), got {c.rotary_dim}")
     if c.rope_scaling is not None:
-        if not isinstance(c.rope_scaling, dict):
-            raise ValidationError(f"rope_scaling must be an object or null, got {c.rope_scaling!r}")
-        if c.rope_scaling.get("rope_type") == "llama3":
-            check_llama3_scaling(c.rope_scaling)
-        elif c.rope_scaling.get("rope_type") == "linear":
-            check_float("rope_scaling.factor", c.rope_scaling.get("factor"), 0.0, lo_open=True)
+        check_rope_scaling(c.rope_scaling, c.rotary // 2)
     check_int("max_position", c.max_position, 1, MAX_POSITION)
     if c.sliding_window is not None:
         check_int("sliding_window", c.sliding_window, 1, MAX_POSITION)
@@ -194,21 +201,52 @@ def check_sampling(sampling: Any) -> None:
         raise ValidationError(f"sampling.{exc}") from None
 
 
-def check_llama3_scaling(s: dict[str, Any]) -> None:
-    """llama3 RoPE scaling parameters: factor >= 1, 0 < low_freq_factor < high_freq_factor (the formula divides by
-    high - low), original_max_position_embeddings >= 1; all finite."""
-    check_float("rope_scaling.factor", s.get("factor"), 1.0)
-    low = check_float("rope_scaling.low_freq_factor", s.get("low_freq_factor"), 0.0, lo_open=True)
-    high = check_float("rope_scaling.high_freq_factor", s.get("high_freq_factor"), 0.0, lo_open=True)
-    if not high > low:
-        raise ValidationError(f"rope_scaling.high_freq_factor ({high:g}) must be greater than low_freq_factor "
-                              f"({low:g})")
+ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")
+
+
+def check_rope_scaling(s: Any, pairs: int) -> None:
+    """A normalized rope_scaling (normalize_rope_scaling's output) of a RoPE turning ``pairs`` pairs a head: its
+    kind is one of ROPE_SCALINGS and each of that kind's parameters is there, finite and in range."""
+    if not isinstance(s, dict) or s.get("rope_type") not in ROPE_SCALINGS:
+        raise ValidationError(f"rope_scaling must be null or an object whose rope_type is one of "
+                              f"{', '.join(ROPE_SCALINGS)}, got {s!r}")
+    kind = s["rope_type"]
+    if kind == "linear":
+        check_float("rope_scaling.factor", s.get("factor"), 0.0, lo_open=True)
+        return
     check_int("rope_scaling.original_max_position_embeddings", s.get("original_max_position_embeddings"), 1,
               MAX_POSITION)
+    if kind == "llama3":
+        check_float("rope_scaling.factor", s.get("factor"), 1.0)
+        low = check_float("rope_scaling.low_freq_factor", s.get("low_freq_factor"), 0.0, lo_open=True)
+        high = check_float("rope_scaling.high_freq_factor", s.get("high_freq_factor"), 0.0, lo_open=True)
+        if not high > low:
+            raise ValidationError(f"rope_scaling.high_freq_factor ({high:g}) must be greater than low_freq_factor "
+                                  f"({low:g})")
+        return
+    check_float("rope_scaling.attention_factor", s.get("attention_factor"), 0.0, lo_open=True)
+    if kind == "yarn":
+        check_float("rope_scaling.factor", s.get("factor"), 0.0, lo_open=True)
+        check_float("rope_scaling.beta_fast", s.get("beta_fast"), 0.0, lo_open=True)
+        check_float("rope_scaling.beta_slow", s.get("beta_slow"), 0.0, lo_open=True)
+        check_bool("rope_scaling.truncate", s.get("truncate"))
+        return
+    for name in ("short_factor", "long_factor"):
+        factors = s.get(name)
+        if not isinstance(factors, list) or len(factors) != pairs:
+            raise ValidationError(f"rope_scaling.{name} must be a list of {pairs} factors (one per pair RoPE "
+                                  f"turns), got {factors!r}")
+        for i, f in enumerate(factors):
+            check_float(f"rope_scaling.{name}[{i}]", f, 0.0, lo_open=True)
 
 
-def normalize_rope_scaling(scaling: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
-    """None for plain RoPE; the llama3 or linear parameters (HF's key names) otherwise; other kinds are refused."""
+def normalize_rope_scaling(scaling: dict[str, Any] | None, where: str, max_position: int | None = None,
+                           original_max_position: int | None = None) -> dict[str, Any] | None:
+    """None for plain RoPE; otherwise the parameters of a linear, llama3, yarn or longrope (alias su) scaling as
+    transformers resolves them (HF's key names), with yarn's and longrope's attention factor computed; other kinds
+    are refused by name. ``max_position``: the model's max_position_embeddings (what a missing factor or
+    original_max_position_embeddings default to); ``original_max_position``: a config's top-level
+    original_max_position_embeddings, which wins over the scaling's own (Phi-3), as in transformers."""
     if not scaling:
         return None
     if not isinstance(scaling, dict):
@@ -216,24 +254,64 @@ def normalize_rope_scaling(scaling: dict[str, Any] | None, where: str) -> dict[s
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return None
-    if kind == "linear":
-        try:
-            factor = check_float("rope_scaling.factor", scaling.get("factor"), 0.0, lo_open=True)
-        except ValidationError as exc:
-            raise KestrelError(f"{where}: linear {exc}") from None
-        return {"rope_type": "linear", "factor": factor}
-    if kind != "llama3":
-        raise KestrelError(f"{where}: rope scaling type {kind!r} is not supported (kestrel supports llama3 "
-                           "and linear)")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [k for k in keys if k not in scaling]
-    if missing:
-        raise KestrelError(f"{where}: llama3 rope scaling lacks {', '.join(missing)}")
-    out: dict[str, Any] = {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
+    kind = "longrope" if kind == "su" else kind
+    if kind not in ROPE_SCALINGS:
+        raise KestrelError(f"{where}: rope scaling type {kind!r} is not supported (kestrel supports "
+                           f"{', '.join(ROPE_SCALINGS)})")
     try:
-        check_llama3_scaling(out)
+        return _resolve_rope_scaling(kind, scaling, max_position, original_max_position)
     except ValidationError as exc:
-        raise KestrelError(f"{where}: llama3 {exc}") from None
-    out.update({k: float(out[k]) for k in keys[:3]})
-    out["original_max_position_embeddings"] = int(out[keys[3]])
+        raise KestrelError(f"{where}: {kind} {exc}") from None
+
+
+def _resolve_rope_scaling(kind: str, s: dict[str, Any], max_position: int | None,
+                          original: int | None) -> dict[str, Any]:
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": check_float("rope_scaling.factor", s.get("factor"), 0.0,
+                                                             lo_open=True)}
+    if original is None:
+        original = s.get("original_max_position_embeddings", max_position)
+    if original is None:
+        raise ValidationError("rope scaling lacks original_max_position_embeddings")
+    original = check_int("rope_scaling.original_max_position_embeddings", original, 1, MAX_POSITION)
+    if kind == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor")
+        missing = [k for k in keys if k not in s]
+        if missing:
+            raise ValidationError(f"rope scaling lacks {', '.join(missing)}")
+        out: dict[str, Any] = {"rope_type": "llama3", **{k: s[k] for k in keys},
+                               "original_max_position_embeddings": original}
+        check_rope_scaling(out, 0)
+        return {**out, **{k: float(out[k]) for k in keys}}
+    factor = s.get("factor")
+    if factor is None:  # transformers: the ratio of the context to the pretraining one
+        if max_position is None:
+            raise ValidationError("rope scaling lacks factor")
+        factor = max_position / original
+    factor = check_float("rope_scaling.factor", factor, 0.0, lo_open=True)
+    attention = s.get("attention_factor")
+    if kind == "yarn":
+        if attention is None:
+            mscale, all_dim = s.get("mscale"), s.get("mscale_all_dim")
+            attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim) if mscale and all_dim
+                         else _yarn_mscale(factor, 1.0))
+        out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
+               "attention_factor": attention, "beta_fast": s.get("beta_fast") or 32.0,
+               "beta_slow": s.get("beta_slow") or 1.0, "truncate": s.get("truncate", True)}
+        check_rope_scaling(out, 0)
+        return {**out, **{k: float(out[k]) for k in ("attention_factor", "beta_fast", "beta_slow")}}
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 and original > 1 else 1.0
+    out = {"rope_type": "longrope", "short_factor": s.get("short_factor"), "long_factor": s.get("long_factor"),
+           "original_max_position_embeddings": original, "attention_factor": attention}
+    for name in ("short_factor", "long_factor"):
+        if not isinstance(out[name], list):
+            raise ValidationError(f"rope scaling lacks {name} (a list of factors)")
+        out[name] = [check_float(f"rope_scaling.{name}", f, 0.0, lo_open=True) for f in out[name]]
+    out["attention_factor"] = check_float("rope_scaling.attention_factor", attention, 0.0, lo_open=True)
     return out
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature (its paper's eq. 21), as transformers' yarn_get_mscale."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

@@ -19,7 +19,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model import kernels
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.kv_pool import KVPool, SeqCache, bytes_per_position
-from kestrel_core.model.rope import rope_inv_freq as rope_inv_freq
+from kestrel_core.model.rope import rope_tables
 from kestrel_core.model.weights import PREFILL_CHUNK as PREFILL_CHUNK
 from kestrel_core.model.weights import LayerWeights, Model
 from kestrel_core.wkey import MLP_GROUPS, PROJ_GROUPS, lm_head_wkey
@@ -40,19 +40,17 @@ class RopeTables:
     """
 
     def __init__(self, config: ModelConfig, layer: int | None = None) -> None:
-        self.inv_freq = rope_inv_freq(config, layer)  # [hd/2]
+        self.config, self.layer = config, layer
         self.max_position = config.max_position
         self.scale = np.float32(config.attention_scale)
-        half = len(self.inv_freq)
+        half = config.head_dim // 2
         self.cos = self.sin = self.q_cos = self.q_sin = np.empty((0, 2, half), np.float32)
 
     def upto(self, n: int) -> None:
         if n <= len(self.cos):
             return
         size = min(max(n, len(self.cos) + CACHE_CHUNK), max(self.max_position, n))
-        positions = np.arange(size, dtype=np.float32)
-        freqs = positions[:, None] * self.inv_freq[None, :]  # [P, hd/2], float32 like HF
-        cos, sin = np.cos(freqs), np.sin(freqs)
+        cos, sin = rope_tables(self.config, size, self.layer)  # [P, hd/2]
         self.cos = np.stack([cos, cos], axis=1)  # [P, 2, hd/2]
         self.sin = np.stack([-sin, sin], axis=1)
         self.q_cos = self.cos * self.scale

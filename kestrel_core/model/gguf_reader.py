@@ -346,9 +346,8 @@ class GGUFCheckpoint:
             name = kestrel_name(t.name)
             if name is not None:
                 self._tensors[name] = t
-            if t.name.startswith("rope_factors_"):
-                raise KestrelError(f"{self.path}: {t.name} (long-context RoPE factors) is not supported")
         self._rope_freqs = next((t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None)
+        self._rope_factors = {t.name: t for t in self.reader.tensors if t.name.startswith("rope_factors_")}
         self.config = self._config()
         for layer, members, t in split:  # rows of the fused tensor in member order
             start = 0
@@ -449,13 +448,8 @@ class GGUFCheckpoint:
         assert hidden is not None and heads is not None
         head_dim = self.int_field(f"{arch}.attention.key_length") or hidden // heads
         theta = self.float_field(f"{arch}.rope.freq_base", 10000.0)
-        kind = self.field(f"{arch}.rope.scaling.type")
-        if kind not in (None, "none", "linear"):
-            raise KestrelError(f"{self.path}: rope scaling type {kind!r} is not supported")
-        orig_ctx = self.int_field(f"{arch}.rope.scaling.original_context_length")
-        scaling = None
-        if kind == "linear":
-            scaling = {"rope_type": "linear", "factor": self.float_field(f"{arch}.rope.scaling.factor", 1.0)}
+        rotary_dim = self.int_field(f"{arch}.rope.dimension_count", head_dim)
+        scaling = self._rope_scaling(arch, rotary_dim)
         layers = self.int_field(f"{arch}.block_count", required=True)
         assert layers is not None
         extra = self._arch_fields(arch, hidden, heads, head_dim, layers)
@@ -463,6 +457,7 @@ class GGUFCheckpoint:
         try:
             if self._rope_freqs is not None:
                 freqs = dequantize(self._rope_freqs.data, self._rope_freqs.tensor_type)
+                orig_ctx = self.int_field(f"{arch}.rope.scaling.original_context_length")
                 scaling = llama3_scaling_from_factors(freqs, theta, head_dim, orig_ctx, str(self.path))
             bos = self.int_field("tokenizer.ggml.bos_token_id", lo=0)
             eos = [v for v in (self.int_field("tokenizer.ggml.eos_token_id", lo=0),
@@ -479,6 +474,7 @@ class GGUFCheckpoint:
                 rms_norm_eps=self.float_field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
                 rope_theta=theta,
                 rope_scaling=scaling,
+                rotary_dim=None if rotary_dim == head_dim else rotary_dim,
                 max_position=self.int_field(f"{arch}.context_length", 4096),
                 tie_word_embeddings="lm_head" not in self._tensors,
                 qkv_bias=arch in ("qwen2", "qwen2moe"),
@@ -494,6 +490,44 @@ class GGUFCheckpoint:
             raise KestrelError(f"{self.path}: {exc}") from None
         except (ValueError, ArithmeticError, FloatingPointError) as exc:  # numpy on absurd rope values
             raise KestrelError(f"{self.path}: bad metadata ({type(exc).__name__}: {exc})") from None
+
+    def _rope_scaling(self, arch: str, rotary_dim: int | None) -> dict[str, Any] | None:
+        """linear or yarn scaling from the metadata, or longrope from phi3's rope_factors_long / _short tensors
+        (llama3's rope_freqs tensor is read by the caller), as llama.cpp applies them."""
+        key = f"{arch}.rope.scaling."
+        kind = self.field(key + "type")
+        if kind not in (None, "none", "linear", "yarn"):
+            raise KestrelError(f"{self.path}: rope scaling type {kind!r} is not supported")
+        context = self.int_field(f"{arch}.context_length", 4096)
+        original = self.int_field(key + "original_context_length")
+        if self._rope_factors:
+            factors = {}
+            for name in ("long", "short"):
+                t = self._rope_factors.get(f"rope_factors_{name}.weight")
+                if t is None:
+                    raise KestrelError(f"{self.path}: rope_factors_{name}.weight is missing beside its pair")
+                factors[f"{name}_factor"] = [float(f) for f in dequantize(t.data, t.tensor_type).reshape(-1)]
+            if (rotary_dim or 0) // 2 != len(factors["long_factor"]):
+                raise KestrelError(f"{self.path}: rope_factors_long.weight has {len(factors['long_factor'])} "
+                                   f"entries; {arch}.rope.dimension_count {rotary_dim} turns {(rotary_dim or 0) // 2} "
+                                   "pairs")
+            # llama.cpp's converter writes the attention factor transformers would compute
+            attention = self.float_field(key + "attn_factor", 1.0)
+            return {"rope_type": "longrope", **factors, "original_max_position_embeddings": original or context,
+                    "attention_factor": attention}
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": self.float_field(key + "factor", 1.0)}
+        if kind != "yarn":
+            return None
+        for unsupported in ("yarn_log_multiplier", "yarn_ext_factor"):
+            if self.field(key + unsupported) is not None:
+                raise KestrelError(f"{self.path}: {key}{unsupported} (DeepSeek's YaRN variant) is not supported")
+        factor = self.float_field(key + "factor", 1.0)
+        # llama.cpp's YaRN: its attention factor times YaRN's own temperature 0.1 ln(factor) + 1
+        attention = self.float_field(key + "yarn_attn_factor", 1.0) * (0.1 * math.log(factor) + 1 if factor > 1 else 1)
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original or context,
+                "attention_factor": attention, "beta_fast": self.float_field(key + "yarn_beta_fast", 32.0),
+                "beta_slow": self.float_field(key + "yarn_beta_slow", 1.0), "truncate": True}
 
     def _arch_fields(self, arch: str, hidden: int, heads: int, head_dim: int, layers: int) -> dict[str, Any]:
         """The ModelConfig fields of Gemma 3 and of the mixture-of-experts files, as llama.cpp reads them."""

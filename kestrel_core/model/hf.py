@@ -226,7 +226,7 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
         **out,
         "layer_types": tuple(names[t] for t in types),
         "rope_theta": check_float("rope_theta", theta, 0.0, lo_open=True),
-        "rope_scaling": normalize_rope_scaling(scaling, where),
+        "rope_scaling": _rope_scaling(arch, cfg, scaling, where),
         "query_scale": qpas ** -0.5,
         "embed_scale": math.sqrt(cfg["hidden_size"]),
         "activation": "gelu_tanh",
@@ -234,6 +234,27 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
         "qk_norm": arch == "gemma3",
         "sliding_window": cfg.get("sliding_window", 4096),
     }
+
+
+def _rope_scaling(arch: str, cfg: dict[str, Any], scaling: Any, where: str) -> dict[str, Any] | None:
+    """The rope scaling as transformers resolves it: a top-level original_max_position_embeddings wins over the
+    scaling's own (Phi3Config always has one, 4096 by default)."""
+    original = cfg.get("original_max_position_embeddings", 4096 if arch == "phi3" else None)
+    return normalize_rope_scaling(scaling, where, max_position=cfg.get("max_position_embeddings", 4096),
+                                  original_max_position=original)
+
+
+def _rotary_dim(cfg: dict[str, Any], head_dim: int, where: str) -> int | None:
+    """The dims of a head RoPE turns, from partial_rotary_factor (None: all)."""
+    partial = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor"))
+    if partial is None or partial == 1:
+        return None
+    check_float("partial_rotary_factor", partial, 0.0, 1.0, lo_open=True)
+    dim = int(head_dim * partial)
+    if dim < 2 or dim % 2:
+        raise KestrelError(f"{where}: partial_rotary_factor {partial!r} turns {dim} of each head's {head_dim} dims; "
+                           "RoPE needs an even number")
+    return dim
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
@@ -291,9 +312,6 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         raise KestrelError(f"{where}: mlp_bias is not supported")
     if arch in ("llama", "gemma2", "gemma3") and cfg.get("attention_bias"):
         raise KestrelError(f"{where}: {arch} attention_bias (with an o_proj bias) is not supported")
-    partial = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise KestrelError(f"{where}: partial_rotary_factor {partial!r} (RoPE on part of each head) is not supported")
     if cfg.get("is_causal") is False:
         raise KestrelError(f"{where}: is_causal false (bidirectional attention) is not supported")
     if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and cfg.get("use_sliding_window"):
@@ -311,7 +329,8 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
                 eos.append(extra)
         fields: dict[str, Any] = {
             "rope_theta": float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            "rope_scaling": None if arch in GEMMA_ARCHITECTURES else normalize_rope_scaling(scaling, where),
+            "rope_scaling": None if arch in GEMMA_ARCHITECTURES else _rope_scaling(arch, cfg, scaling, where),
+            "rotary_dim": _rotary_dim(cfg, int(cfg.get("head_dim") or hidden // heads), where),
             "qk_norm": arch == "qwen3",
             "sliding_window": cfg.get("sliding_window") if arch in WINDOWED else None,
         }

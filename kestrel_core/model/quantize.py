@@ -17,6 +17,7 @@ import numpy as np
 from kestrel_core.contract import StripCache, WeightInput, quantize_weight
 from kestrel_core.errors import ContractError, KestrelError
 from kestrel_core.model.config import ModelConfig
+from kestrel_core.model.rope import ROTARY_FIELDS, rotary_first
 from kestrel_core.model.weights import Model, TensorSpec, assemble, model_specs
 from kestrel_core.model.weights import layer_name as layer_name
 
@@ -110,12 +111,15 @@ def _float(source: TensorSource, spec: TensorSpec) -> np.ndarray:
     return v
 
 
-def _matrix(source: TensorSource, spec: TensorSpec, bits: int, mode: QuantMode) -> StripCache:
-    get_weight = getattr(source, "get_weight", None)  # the optional, copy-free form of get for the quantizer
+def _matrix(source: TensorSource, spec: TensorSpec, bits: int, mode: QuantMode, turned: bool = False) -> StripCache:
+    """``turned``: q or k rows of a model whose RoPE turns part of each head, reordered (rope.rotary_first)."""
+    get_weight = None if turned else getattr(source, "get_weight", None)  # the optional, copy-free form of get
     w = get_weight(spec.name) if get_weight is not None else source.get(spec.name)
     if tuple(w.shape) != spec.shape:
         raise KestrelError(f"{source.description}: {spec.name} has shape {list(w.shape)}, expected "
                            f"{list(spec.shape)}")
+    if turned:
+        w = rotary_first(source.config, np.asarray(w, dtype=np.float32))
     return quantize_tensor(w, bits, mode, spec.name)
 
 
@@ -131,13 +135,16 @@ def quantize_model(source: TensorSource, quant: str | QuantMode = "q8",
     total = sum(s.shape[0] * s.shape[1] for s in specs if s.kind in ("proj", "table"))
     done = 0
     tensors: dict[str, object] = {}
+    turned_part = c.rotary < c.head_dim  # q and k reordered within each head (rope.rotary_first)
     for spec in specs:
+        turned = turned_part and spec.name.rsplit(".", 1)[-1] in ROTARY_FIELDS
         if spec.kind in ("vector", "matrix"):
-            tensors[spec.name] = _float(source, spec)
+            v = _float(source, spec)
+            tensors[spec.name] = rotary_first(c, v) if turned else v
             continue
         if spec.name == "lm_head" and not source.has("lm_head"):
             raise KestrelError(f"{source.description}: no lm_head weight and the embeddings are not tied")
-        tensors[spec.name] = _matrix(source, spec, 8 if spec.kind == "table" else mode.bits, mode)
+        tensors[spec.name] = _matrix(source, spec, 8 if spec.kind == "table" else mode.bits, mode, turned)
         done += spec.shape[0] * spec.shape[1]
         if progress is not None:
             progress(done, total)

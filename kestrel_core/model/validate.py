@@ -233,7 +233,7 @@ CLI_INT_RANGES: dict[str, tuple[int, int | None]] = {
     "max_tokens": (0, None), "top_k": (0, None), "seed": (0, 2 ** 63 - 1), "seeds": (1, 10_000),
     "prompt_tokens": (1, None), "decode_tokens": (0, None), "runs": (1, 10_000), "warmup": (0, 10_000),
     "port": (0, 65535), "max_batch": (1, None), "max_waiting": (0, None), "token_budget": (1, None),
-    "dimensions": (1, None), "speculate": (0, 64),
+    "dimensions": (1, None), "speculate": (0, 64), "max_model_len": (1, None),
 }
 CLI_FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "repetition_penalty": (0.0, 10.0),

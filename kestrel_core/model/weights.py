@@ -3,7 +3,7 @@
 This is the model view the whole-step hooks (``kestrel_preload``, ``kestrel_forward``,
 ``kestrel_forward_batch``, ``kestrel_decode_greedy``) receive, and what a backend may rely on: ``Model``'s
 fields, ``LayerWeights``' fields and ``groups()``, ``ExpertWeights``, ``engine_weights``, ``PREFILL_CHUNK`` and
-``kestrel_core.model.rope.rope_inv_freq`` (docs/plugins.md lists them). The model math is
+``kestrel_core.model.rope.rope_tables`` (docs/plugins.md lists them). The model math is
 ``kestrel_core.model.decoder``'s. ``model_specs`` names every tensor of a config: the quantizer, the artifact
 and the synthetic presets all build a ``Model`` from it through ``assemble``.
 """

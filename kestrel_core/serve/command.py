@@ -65,7 +65,7 @@ def serve_command(args: argparse.Namespace) -> int:
     engines = []
     try:
         options = dict(backend=args.backend, quant=args.quant, kv_cache_mb=args.kv_cache_mb,
-                       activations=getattr(args, "activations", "auto"))
+                       activations=getattr(args, "activations", "auto"), max_model_len=args.max_model_len)
         if getattr(args, "preset", None):
             if args.model:
                 raise KestrelError("give either --model or --preset, not both")

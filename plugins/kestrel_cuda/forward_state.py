@@ -17,7 +17,7 @@ import numpy as np
 
 from kestrel_core.contract import StripCache
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.decoder import rope_inv_freq
+from kestrel_core.model.rope import rope_tables
 from kestrel_core.model.weights import Model
 from kestrel_core.wkey import lm_head_wkey
 from kestrel_cuda.layout import StripGroup, fusable, layer_groups, pack_kmajor, pad_n
@@ -157,14 +157,6 @@ class State:
     @property
     def ids(self) -> Any:
         return self.meta[1:]
-
-
-def rope_tables(config: Any, positions: int, layer: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [positions, hd/2] float32 of angle = position * inv_freq of ``layer``'s RoPE (None: the model's),
-    as the CPU decoder computes them (float32 positions times its float32 inverse frequencies, scaling
-    included)."""
-    freqs = np.arange(positions, dtype=np.float32)[:, None] * rope_inv_freq(config, layer)[None, :]
-    return np.cos(freqs), np.sin(freqs)
 
 
 class Projections:

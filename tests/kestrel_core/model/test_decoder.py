@@ -12,10 +12,12 @@ from kestrel_core.contract import quantize_activations, reference_gemm_q8
 from kestrel_core.dispatch import Offload
 from kestrel_core.errors import KestrelError
 from kestrel_core.model import decoder as decoder_mod
+from kestrel_core.model.config import normalize_rope_scaling
 from kestrel_core.model.decoder import Decoder
 from kestrel_core.model.kv_pool import KVPool
 from kestrel_core.model.presets import synthetic_model
 from kestrel_core.model.rope import rope_inv_freq
+from kestrel_core.model.validate import ValidationError
 from kestrel_core.registry import Registry
 from kestrel_core.wkey import Proj, fused_wkey, lm_head_wkey, wkey
 
@@ -217,8 +219,10 @@ def test_the_context_limit_is_a_one_line_error(tiny_config, cpu_offload) -> None
 
 
 def test_unsupported_rope_scaling_is_named(tiny_config) -> None:
-    with pytest.raises(KestrelError, match="yarn"):
-        rope_inv_freq(tiny_config("llama", rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValidationError, match="rope_type is one of linear, llama3, yarn, longrope.*dynamic"):
+        tiny_config("llama", rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    with pytest.raises(KestrelError, match="config.json: rope scaling type 'dynamic' is not supported"):
+        normalize_rope_scaling({"rope_type": "dynamic", "factor": 4.0}, "config.json")
 
 
 RECORDER = '''
