@@ -29,6 +29,12 @@ Writes under tests/fixtures/models/:
   tiny-qwen2-moe/  Qwen2MoeForCausalLM: 4 experts and a gated shared expert, q/k/v biases, bfloat16
   tiny-qwen2-moe.gguf  llama.cpp's qwen2moe layout (stacked experts, *_shexp tensors); golden = tiny-qwen2-moe's
   tiny-mixtral.gguf  llama.cpp's llama layout with stacked experts (Q/K rows permuted); golden = tiny-mixtral's
+  tiny-phi3-longrope/  Phi3ForCausalLM as Phi-4-mini: RoPE on 12 of 16 dims a head, longrope (pretraining context
+                32, context 256: the golden takes the long factors, short_ids/short_logits the short ones), tied,
+                bfloat16
+  tiny-phi3-longrope.gguf  llama.cpp's phi3 with rope.dimension_count and rope_factors_long/short tensors
+  tiny-qwen3-yarn/  Qwen3ForCausalLM with YaRN (factor 4, pretraining context 64), float16
+  tiny-qwen3-yarn.gguf  llama.cpp's qwen3 with YaRN as rope.scaling metadata
   smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
   MANIFEST.json  versions, shapes, logit ranges, the command
 Every model directory holds golden.npz: ``ids`` int64 [T] and ``logits`` float32 [T, vocab], computed in
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import shutil
 import sys
@@ -99,6 +106,9 @@ STD_ROUTER = 0.5
 # The scales have two mantissa bits, so every weight is exact in bfloat16 and float16 too.
 SCALE_MANTISSAS = np.array([1.0, 1.25, 1.5, 1.75])
 CODE_STD = float(np.sqrt(np.mean(np.arange(-8, 8) ** 2)))
+# longrope's per-pair divisors of the inverse frequencies (6 pairs turned), short and long context
+LONGROPE_SHORT = [1.0, 1.05, 1.2, 1.5, 2.0, 2.5]
+LONGROPE_LONG = [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]
 
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. A strip cache holds int8 codes and one float scale per
@@ -205,6 +215,19 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
                                shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
                                norm_topk_prob=False, tie_word_embeddings=False, rope_theta=1e6,
                                use_sliding_window=False)
+    # Phi-4-mini's RoPE: 12 of each head's 16 dims turned (partial_rotary_factor 0.75), longrope with a pretraining
+    # context of 32 in a context of 256: the 40 golden positions take the long factors, the first 24 (short_ids) the
+    # short ones; tied embeddings as Phi-4-mini's
+    phi3_longrope = Phi3Config(**common, num_hidden_layers=2, intermediate_size=128, tie_word_embeddings=True,
+                               rope_theta=10000.0, sliding_window=None, pad_token_id=None, partial_rotary_factor=0.75,
+                               original_max_position_embeddings=32,
+                               rope_scaling={"rope_type": "longrope", "short_factor": LONGROPE_SHORT,
+                                             "long_factor": LONGROPE_LONG})
+    # YaRN as Qwen3's model cards turn it on (factor 4), the base and pretraining context chosen so the ramp between
+    # kept and interpolated frequencies spans head_dim 16's pairs 0 to 5
+    qwen3_yarn = Qwen3Config(**common, num_hidden_layers=2, intermediate_size=128, head_dim=16,
+                             tie_word_embeddings=False, rope_theta=100.0, use_sliding_window=False,
+                             rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
     mixtral = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
                             num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None)
     return {
@@ -218,6 +241,9 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-mixtral": (mixtral, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
         "tiny-qwen2-moe": (qwen2_moe, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
         "tiny-gemma2": (gemma2, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
+        "tiny-phi3-longrope": (phi3_longrope, {"dtype": torch.bfloat16, "max_shard_size": None,
+                                               "classic_config": True, "short": 24}),
+        "tiny-qwen3-yarn": (qwen3_yarn, {"dtype": torch.float16, "max_shard_size": None, "classic_config": True}),
     }
 
 
@@ -268,6 +294,8 @@ def classic_config(d: Path) -> None:
     cfg = json.loads(path.read_text())
     rp = cfg.pop("rope_parameters")
     cfg["rope_theta"] = rp.pop("rope_theta")
+    if "partial_rotary_factor" in rp:  # the hub keeps it beside the scaling (Phi-4-mini)
+        cfg["partial_rotary_factor"] = rp.pop("partial_rotary_factor")
     cfg["rope_scaling"] = None if rp.get("rope_type", "default") == "default" else rp
     if "dtype" in cfg:
         cfg["torch_dtype"] = cfg.pop("dtype")
@@ -304,7 +332,10 @@ def build_tiny(name: str, config: Any, opts: dict[str, Any], tok: Tokenizer, see
     # Seeded ids, avoiding the specials so nothing downstream treats them as control tokens.
     ids = np.random.default_rng(seed).integers(len(SPECIALS), VOCAB, size=SEQ_LEN).astype(np.int64)
     logits = hf_logits(d, ids)
-    np.savez(d / "golden.npz", ids=ids, logits=logits.astype(np.float32))
+    extra = {}
+    if opts.get("short"):  # the first positions alone: a sequence within a longrope model's pretraining context
+        extra = {"short_ids": ids[:opts["short"]], "short_logits": hf_logits(d, ids[:opts["short"]])}
+    np.savez(d / "golden.npz", ids=ids, logits=logits.astype(np.float32), **extra)
     return {"dir": name, "dtype": str(opts["dtype"]).removeprefix("torch."), "seed": seed,
             "files": sorted(p.name for p in d.iterdir()), **logit_stats(logits)}
 
@@ -363,7 +394,8 @@ def _gguf_writer(dst: Path, arch: str, name: str, cfg: dict[str, Any], tok: Toke
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_rope_dimension_count(int(cfg.get("partial_rotary_factor", 1.0) * head_dim))  # the dims RoPE turns
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     vocab = tok.get_vocab()
@@ -446,13 +478,18 @@ def write_llama_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
 def write_phi3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     """tiny-phi3 as llama.cpp's Phi3MiniModel writes it: fused attn_qkv and ffn_up (gate rows, then up),
     no Q/K permutation, the window as phi3.attention.sliding_window; Q4_0 layer 0, F16 layer 1."""
-    from safetensors.numpy import load_file
-
     cfg = json.loads((src / "config.json").read_text())
-    tensors = load_file(src / "model.safetensors")
-    w = _gguf_writer(dst, "phi3", "tiny-phi3", cfg, tok)
-    w.add_sliding_window(cfg["sliding_window"])
+    tensors = _float32_tensors(src / "model.safetensors")
+    w = _gguf_writer(dst, "phi3", src.name, cfg, tok)
+    w.add_sliding_window(cfg["sliding_window"] or 0)
     put = _gguf_put(w)
+    scaling = cfg.get("rope_scaling")
+    if scaling:  # as Phi3MiniModel: the pretraining context, the attention factor, the factors as tensors
+        context, original = cfg["max_position_embeddings"], cfg["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(context / original) / math.log(original)))
+        put("rope_factors_long.weight", np.asarray(scaling["long_factor"]), "f32")
+        put("rope_factors_short.weight", np.asarray(scaling["short_factor"]), "f32")
     put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -464,7 +501,40 @@ def write_phi3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
         put(f"blk.{i}.ffn_up.weight", tensors[p + "mlp.gate_up_proj.weight"], kind)
         put(f"blk.{i}.ffn_down.weight", tensors[p + "mlp.down_proj.weight"], kind)
     put("output_norm.weight", tensors["model.norm.weight"], "f32")
-    put("output.weight", tensors["lm_head.weight"], "q8_0")
+    if not cfg.get("tie_word_embeddings"):
+        put("output.weight", tensors["lm_head.weight"], "q8_0")
+    return _gguf_finish(w, src, dst)
+
+
+def write_qwen3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """A dense qwen3 as llama.cpp's Qwen3Model writes it: unpermuted Q/K, q/k norms, YaRN as rope.scaling metadata;
+    Q4_0 layer 0, F16 layer 1."""
+    cfg = json.loads((src / "config.json").read_text())
+    tensors = _float32_tensors(src / "model.safetensors")
+    w = _gguf_writer(dst, "qwen3", src.name, cfg, tok)
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    scaling = cfg.get("rope_scaling")
+    if scaling:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(scaling["factor"])
+        w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+    put = _gguf_put(w)
+    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        kind = "q4_0" if i == 0 else "f16"
+        put(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"], "f32")
+        for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+            put(f"blk.{i}.{name}.weight", tensors[p + f"self_attn.{proj}_proj.weight"], kind)
+        for norm in ("q_norm", "k_norm"):
+            put(f"blk.{i}.attn_{norm}.weight", tensors[p + f"self_attn.{norm}.weight"], "f32")
+        put(f"blk.{i}.ffn_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
+        for proj in ("gate", "up", "down"):
+            put(f"blk.{i}.ffn_{proj}.weight", tensors[p + f"mlp.{proj}_proj.weight"], kind)
+    put("output_norm.weight", tensors["model.norm.weight"], "f32")
+    if not cfg.get("tie_word_embeddings"):
+        put("output.weight", tensors["lm_head.weight"], "q8_0")
     return _gguf_finish(w, src, dst)
 
 
@@ -627,7 +697,8 @@ def build_smollm(gguf_path: Path) -> dict[str, Any]:
 # the GGUF twins written from a tiny model's directory (with it, under --model)
 GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "tiny-gemma2": write_gemma_gguf,
               "tiny-qwen3-moe": write_qwen3_moe_gguf, "tiny-mixtral": write_mixtral_gguf,
-              "tiny-qwen2-moe": write_qwen2_moe_gguf}
+              "tiny-qwen2-moe": write_qwen2_moe_gguf, "tiny-phi3-longrope": write_phi3_gguf,
+              "tiny-qwen3-yarn": write_qwen3_gguf}
 
 
 def main(argv: list[str] | None = None) -> int:

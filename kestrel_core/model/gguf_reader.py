@@ -479,7 +479,8 @@ class GGUFCheckpoint:
                 tie_word_embeddings="lm_head" not in self._tensors,
                 qkv_bias=arch in ("qwen2", "qwen2moe"),
                 qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
-                sliding_window=self.int_field(f"{arch}.attention.sliding_window")
+                # llama.cpp's converter writes 0 for a phi3 without a window
+                sliding_window=self.int_field(f"{arch}.attention.sliding_window", lo=0) or None
                 if arch in ("phi3", "gemma2", "gemma3") else None,
                 bos_token_id=bos,
                 eos_token_ids=tuple(dict.fromkeys(eos)),

@@ -216,6 +216,8 @@ def test_embed_prints_a_json_vector_a_line(capsys, monkeypatch) -> None:
     (["embed", "--model", str(EMBED), "--dimensions", "0", "x"], "--dimensions: dimensions must be an integer >= 1"),
     (["embed", "--model", str(EMBED), "--dimensions", "65", "x"], "dimensions must be in [1, 64]"),
     (["run", "--model", str(EMBED), "hi"], "this is an embedding model (last pooling)"),
+    (["run", "--model", str(EMBED), "--max-model-len", "0", "hi"], "--max-model-len: max_model_len must be an integer"),
+    (["embed", "--model", str(EMBED), "--max-model-len", "1000000", "x"], "max_model_len must be an integer in [1, "),
 ])
 def test_embed_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, capsys) -> None:
     assert main(argv) == 2

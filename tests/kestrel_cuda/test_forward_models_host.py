@@ -1,6 +1,6 @@
 """The device forward's host side for the models beyond the Llama family, over the numpy mirrors of its kernels
-(as test_forward_host.py): Mistral's sliding window, Gemma 3 (post-norms, GeGLU, a head_dim of 256) and
-mixtures of experts (routing, expert groups, the residency window), each against the CPU decoder, and each
+(as test_forward_host.py): Mistral's sliding window, Gemma 3 (post-norms, GeGLU, a head_dim of 256), longrope and
+YaRN, and mixtures of experts (routing, expert groups, the residency window), each against the CPU decoder, and each
 done deliberately wrong leaving the band."""
 
 from __future__ import annotations
@@ -123,6 +123,17 @@ def test_gemma3_from_its_checkpoint_matches_the_cpu() -> None:
     from kestrel_core.model.loader import load_model
 
     model = load_model(str(FIXTURES / "tiny-gemma3"), "q8", cache="off").model
+    assert unsupported_reason(model) is None
+    assert_in_the_band(model, 24, 13)
+
+
+@pytest.mark.parametrize("fixture", ["tiny-phi3-longrope", "tiny-qwen3-yarn.gguf"])
+def test_long_context_rope_from_its_checkpoint_matches_the_cpu(fixture: str) -> None:
+    """RoPE on part of each head with longrope (Phi-4-mini's), and YaRN: the device forward takes the core's RoPE
+    tables, attention factor included, and the q/k rows as reordered at load."""
+    from kestrel_core.model.loader import load_model
+
+    model = load_model(str(FIXTURES / fixture), "q8", cache="off").model
     assert unsupported_reason(model) is None
     assert_in_the_band(model, 24, 13)
 

@@ -178,6 +178,17 @@ def test_generation_stops_at_eos_and_at_the_context(model) -> None:
         assert len(list(engine.generate(prompt, max_tokens=100, stop_at_eos=False))) == 64 - 60 + 1
 
 
+def test_max_model_len_cuts_the_context_and_no_more(model) -> None:
+    with kestrel_core.load(model, backend="cpu", max_model_len=32) as engine:
+        assert engine.config.max_position == 32 and engine.model.layers is model.layers  # the weights shared
+        with pytest.raises(KestrelError, match="33 tokens; the model's context is 32"):
+            engine.generate(list(range(33)))
+        assert len(list(engine.generate(list(range(30)), max_tokens=100, stop_at_eos=False))) == 32 - 30 + 1
+    for bad in (0, 65, 2.5):
+        with pytest.raises(KestrelError, match=r"max_model_len must be an integer in \[1, 64\]"):
+            kestrel_core.load(model, backend="cpu", max_model_len=bad)
+
+
 def test_bad_requests_are_one_line_errors(model, monkeypatch) -> None:
     with kestrel_core.load(model, backend="cpu") as engine:
         with pytest.raises(KestrelError, match="65 tokens; the model's context is 64"):

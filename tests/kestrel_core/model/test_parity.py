@@ -71,9 +71,10 @@ ALL_MODES = ("q8", "q4", "q8-g256", "q4-g256")
 class Golden:
     """Golden logits, full ([T, V]) or partial (top-k everywhere, full rows at some positions)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, prefix: str = "") -> None:
+        """``prefix``: another sequence's arrays in the same file (``short_``: tiny-phi3-longrope's first 24)."""
         with np.load(path, allow_pickle=False) as z:
-            data = {k: z[k] for k in z.files}
+            data = {k.removeprefix(prefix): z[k] for k in z.files if k.startswith(prefix)}
         self.ids: list[int] = [int(i) for i in data["ids"]]
         if "logits" in data:
             logits = data["logits"]  # [T, V]
@@ -135,6 +136,10 @@ CASES = (
     Case("tiny-qwen3-moe.gguf", "tiny-qwen3-moe", ALL_MODES, moe=True),  # stacked ffn_*_exps
     Case("tiny-mixtral.gguf", "tiny-mixtral", ALL_MODES, moe=True),  # llama + experts, Q/K permuted
     Case("tiny-qwen2-moe.gguf", "tiny-qwen2-moe", ALL_MODES, moe=True),  # *_shexp tensors
+    Case("tiny-phi3-longrope", "tiny-phi3-longrope", ALL_MODES),  # RoPE on 12 of 16 dims, longrope's long factors
+    Case("tiny-phi3-longrope.gguf", "tiny-phi3-longrope", ALL_MODES),  # rope_factors_long/short tensors
+    Case("tiny-qwen3-yarn", "tiny-qwen3-yarn", ALL_MODES),  # YaRN, factor 4
+    Case("tiny-qwen3-yarn.gguf", "tiny-qwen3-yarn", ALL_MODES),  # YaRN as rope.scaling metadata
     Case("smollm2", "smollm2", ("q8", "q4"), default_model=True),
 )
 
@@ -226,7 +231,8 @@ def test_phi3_with_gate_and_up_swapped_leaves_the_limits(monkeypatch) -> None:  
 
 @pytest.mark.parametrize(("name", "quant"), [("tiny-llama.gguf", "q8"), ("tiny-qwen3", "q4-g256"),
                                              ("tiny-mistral", "q8"), ("tiny-phi3", "q4"), ("tiny-gemma3", "q8"),
-                                             ("tiny-qwen3-moe", "q4"), ("tiny-mixtral", "q8")])
+                                             ("tiny-qwen3-moe", "q4"), ("tiny-mixtral", "q8"),
+                                             ("tiny-phi3-longrope", "q8"), ("tiny-qwen3-yarn", "q8")])
 def test_quantized_artifact_gives_the_same_logits(tmp_path: Path, name: str, quant: str) -> None:
     """A .kst artifact written from a checkpoint runs to the very logits of the checkpoint itself."""
     from kestrel_core.model.loader import load_model, write_artifact
@@ -348,3 +354,54 @@ def test_multimodal_gemma3_checkpoint_runs_its_language_model(tmp_path: Path) ->
         wrapped = engine.logits(golden.ids)
     with kestrel_core.load(str(src), backend="cpu", quant="q8") as engine:
         np.testing.assert_array_equal(wrapped, engine.logits(golden.ids))
+
+
+ROPE_WRONG = {
+    ("tiny-phi3-longrope", "every dim turned"): lambda c: {
+        **c, "partial_rotary_factor": 1.0, "rope_scaling": {
+            **c["rope_scaling"], **{k: c["rope_scaling"][k] + [1.0, 1.0] for k in ("short_factor", "long_factor")}}},
+    ("tiny-phi3-longrope", "no attention factor"): lambda c: {
+        **c, "rope_scaling": {**c["rope_scaling"], "attention_factor": 1.0}},
+    ("tiny-qwen3-yarn", "linear scaling"): lambda c: {**c, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    ("tiny-qwen3-yarn", "no attention factor"): lambda c: {
+        **c, "rope_scaling": {**c["rope_scaling"], "attention_factor": 1.0}},
+}
+
+
+@pytest.mark.parametrize(("name", "wrong"), list(ROPE_WRONG), ids=[f"{n}-{w}" for n, w in ROPE_WRONG])
+def test_long_context_rope_done_wrong_leaves_the_limits(monkeypatch, name: str, wrong: str) -> None:  # type: ignore[no-untyped-def]
+    """Partial rotary dims, longrope's and YaRN's frequencies and their attention factor are each needed (measured:
+    top-1 0.18-0.58, median 0.11-0.45 of the range when wrong)."""
+    _with_config(monkeypatch, ROPE_WRONG[(name, wrong)])
+    fig = measure(next(c for c in CASES if c.name == name), "q8")
+    assert not fig.within(TINY), fig
+
+
+@pytest.mark.parametrize("name", ["tiny-phi3-longrope", "tiny-phi3-longrope.gguf"])
+def test_longrope_takes_its_short_factors_within_the_pretraining_context(name: str) -> None:
+    """A context (max_model_len) within the pretraining one takes the short factors, as transformers does for a
+    sequence that short; the model's own context of 256 takes the long ones, which do not fit this golden."""
+    golden = Golden(FIXTURES / "tiny-phi3-longrope" / "golden.npz", prefix="short_")
+    with kestrel_core.load(str(FIXTURES / name), backend="cpu", quant="q8", max_model_len=32) as engine:
+        assert golden.figures(engine.logits(golden.ids)).within(TINY)
+    with kestrel_core.load(str(FIXTURES / name), backend="cpu", quant="q8") as engine:
+        assert not golden.figures(engine.logits(golden.ids)).within(TINY)
+
+
+def test_partial_rotary_artifact_carries_its_layout_flag(tmp_path: Path) -> None:
+    """The reordered q/k rows of a model whose RoPE turns part of each head are flagged; without the flag (or with
+    it on a model that turns every dim) the artifact is refused, never run with the wrong pairs."""
+    from kestrel_core.artifact import ROTARY_FIRST, open_artifact_file, parse_meta
+    from kestrel_core.model.loader import load_model, write_artifact
+
+    for name, flagged in (("tiny-phi3-longrope", True), ("tiny-qwen3-yarn", False)):
+        kst = write_artifact(load_model(str(FIXTURES / name), quant="q8"), tmp_path / f"{name}.kst")
+        f = open_artifact_file(kst)
+        f.close()
+        meta, names = f.metadata, list(f.entries)
+        layout = json.loads(meta["layout"])
+        assert (ROTARY_FIRST in layout) == flagged
+        parse_meta(kst, meta, names)
+        other = [x for x in layout if x != ROTARY_FIRST] if flagged else [*layout, ROTARY_FIRST]
+        with pytest.raises(kestrel_core.KestrelError, match=ROTARY_FIRST):
+            parse_meta(kst, {**meta, "layout": json.dumps(other)}, names)
