@@ -156,7 +156,8 @@ class Served:
             raise from_kestrel_error(exc, param=param) from None
 
     def model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kestrel"}
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kestrel",
+                "max_model_len": self.engine.config.max_position}  # vLLM's field: clients size prompts by it
 
 
 class Models:

@@ -67,9 +67,10 @@ def _wait_idle(ae: AsyncEngine, timeout: float = 3.0) -> float:
 # -- models, chat, completions -----------------------------------------------------------------------
 
 
-def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+def test_models_lists_the_served_model(client: openai.OpenAI, engine: Any) -> None:
     models = client.models.list().data
     assert [(m.id, m.object, m.owned_by) for m in models] == [(NAME, "model", "kestrel")]
+    assert models[0].model_extra == {"max_model_len": engine.config.max_position}
     assert client.models.retrieve(NAME).id == NAME
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4o")
