@@ -141,6 +141,10 @@ def _model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
                    help="the context in tokens, at most the model's (default: the model's); a smaller one sizes "
                         "the KV cache down and, for a longrope model within its pretraining context, takes its "
                         "short RoPE factors")
+    p.add_argument("--rope-scaling", default=None, metavar="JSON",
+                   help="RoPE scaling in place of the model's, as config.json's rope_scaling (or @file), e.g. "
+                        "'{\"rope_type\":\"yarn\",\"factor\":4.0,\"original_max_position_embeddings\":32768}' "
+                        "for Qwen3 at 131072 tokens (the context becomes original x factor)")
     p.add_argument("--speculate", type=int, default=0, metavar="N",
                    help="greedy decoding guesses up to N tokens a step from the context (prompt lookup) and keeps "
                         "what the model confirms: the same tokens, fewer steps (default: 0, off)")

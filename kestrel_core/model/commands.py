@@ -35,11 +35,10 @@ def _open_engine(args: argparse.Namespace) -> Engine:
     if preset:
         engine = load_preset(preset, backend=args.backend, quant=args.quant, seed=getattr(args, "model_seed", 0),
                              kv_cache_mb=kv_cache_mb, activations=getattr(args, "activations", "auto"),
-                             max_model_len=getattr(args, "max_model_len", None))
+                             **context_options(args))
     else:
         engine = load(args.model, backend=args.backend, quant=args.quant, kv_cache_mb=kv_cache_mb,
-                      activations=getattr(args, "activations", "auto"),
-                      max_model_len=getattr(args, "max_model_len", None))
+                      activations=getattr(args, "activations", "auto"), **context_options(args))
     engine.speculate = getattr(args, "speculate", 0)
     if getattr(args, "no_model_sampling", False):
         engine.sampling_defaults = {}
@@ -92,6 +91,21 @@ def _check_context(engine: Engine, ids: Sequence[int]) -> None:
         raise KestrelError(f"the prompt has {len(ids)} tokens; the model's context is {engine.config.max_position}")
     if not ids:
         raise KestrelError("the prompt is empty")
+
+
+def context_options(args: argparse.Namespace) -> dict[str, Any]:
+    """load()'s ``max_model_len`` and ``rope_scaling`` from --max-model-len and --rope-scaling (JSON as
+    config.json's rope_scaling, or @file)."""
+    out: dict[str, Any] = {"max_model_len": getattr(args, "max_model_len", None), "rope_scaling": None}
+    text = getattr(args, "rope_scaling", None)
+    if text is not None:
+        try:
+            out["rope_scaling"] = json.loads(_option_text(text, "--rope-scaling"))
+        except ValueError as exc:
+            raise KestrelError(f"--rope-scaling: not JSON ({exc})") from None
+        if not isinstance(out["rope_scaling"], dict):
+            raise KestrelError("--rope-scaling: a JSON object, as config.json's rope_scaling")
+    return out
 
 
 def _option_text(value: str, option: str) -> str:

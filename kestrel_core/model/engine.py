@@ -22,13 +22,13 @@ import numpy as np
 from kestrel_core.batch import BatchEntry, greedy_token
 from kestrel_core.dispatch import Deferred, Offload, all_finite
 from kestrel_core.errors import InvalidRequest, KestrelError, NonFiniteLogits, Overloaded
-from kestrel_core.model.config import SAMPLING_FIELDS
+from kestrel_core.model.config import SAMPLING_FIELDS, normalize_rope_scaling
 from kestrel_core.model.decoder import ACTIVATIONS, PREFILL_CHUNK, Decoder
 from kestrel_core.model.embed import EmbedJob
 from kestrel_core.model.grammar import Constraint, grammar_vocab
 from kestrel_core.model.kv_pool import KVPool, SeqCache
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob, logprobs_of
-from kestrel_core.model.validate import is_int
+from kestrel_core.model.validate import ValidationError, is_int
 from kestrel_core.model.weights import Model
 from kestrel_core.registry import Backend, Registry
 
@@ -491,20 +491,37 @@ def runs_whole_steps(backend: Backend) -> bool:
     return any(backend.implements(h) for h in ("kestrel_forward", "kestrel_forward_batch", "kestrel_decode_greedy"))
 
 
-def with_context(model: Model, max_model_len: int | None) -> Model:
-    """``model`` with its context (``config.max_position``) cut to ``max_model_len`` positions, its weights
-    shared (None: as it is). A longer context than the model's is refused: its RoPE was not made for it."""
-    if max_model_len is None or max_model_len == model.config.max_position:
-        return model
-    if not is_int(max_model_len) or not 1 <= max_model_len <= model.config.max_position:
-        raise KestrelError(f"max_model_len must be an integer in [1, {model.config.max_position}] (the model's "
-                           f"context), got {max_model_len!r}")
-    return replace(model, config=replace(model.config, max_position=max_model_len))
+def with_context(model: Model, max_model_len: int | None = None,
+                 rope_scaling: dict[str, Any] | None = None) -> Model:
+    """``model`` with its context (``config.max_position``) set to ``max_model_len`` positions and, given
+    ``rope_scaling`` (transformers' form; ``{"rope_type": "default"}``: none), its RoPE scaling replaced; the
+    weights are shared. The context cannot exceed what the RoPE is made for: the model's own, or with a
+    scaling given, its original_max_position_embeddings times its factor (vLLM's rule), which is then also the
+    context when ``max_model_len`` is None."""
+    c = model.config
+    limit = c.max_position
+    if rope_scaling is not None:
+        if not isinstance(rope_scaling, dict):
+            raise KestrelError(f"rope_scaling must be an object, got {rope_scaling!r}")
+        scaling = normalize_rope_scaling(rope_scaling, "rope_scaling", max_position=c.max_position)
+        if scaling is not None and scaling["rope_type"] in ("linear", "llama3", "yarn"):
+            original = scaling.get("original_max_position_embeddings", c.max_position)
+            limit = max(limit, int(original * scaling["factor"]))
+        try:
+            c = replace(c, rope_scaling=scaling, max_position=limit)
+        except ValidationError as exc:
+            raise KestrelError(f"rope_scaling: {exc}") from None
+    if max_model_len is not None:
+        if not is_int(max_model_len) or not 1 <= max_model_len <= limit:
+            raise KestrelError(f"max_model_len must be an integer in [1, {limit}] (the model's context), got "
+                               f"{max_model_len!r}")
+        c = replace(c, max_position=max_model_len)
+    return model if c == model.config else replace(model, config=c)
 
 
 def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str, kv_cache_mb: float | None = None,
           activations: str = "auto", backend_options: dict[str, str] | None = None,
-          max_model_len: int | None = None) -> Engine:
+          max_model_len: int | None = None, rope_scaling: dict[str, Any] | None = None) -> Engine:
     """Bind first (a backend that cannot bind fails fast, before any model is read), then load, preload."""
     registry = Registry(backend_options)
     try:
@@ -512,7 +529,7 @@ def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str, kv_cache_
         cpu = registry.cpu()
         t0 = time.perf_counter()
         model, tokenizer, source = resolve()
-        model = with_context(model, max_model_len)
+        model = with_context(model, max_model_len, rope_scaling)
         load_s = time.perf_counter() - t0
         engine = Engine(model, tokenizer, chosen, cpu, registry=registry, source=source, kv_cache_mb=kv_cache_mb,
                         activations=activations)
@@ -525,21 +542,23 @@ def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str, kv_cache_
 
 def load(model: str | Model | None = None, backend: str = "auto", quant: str | None = None,
          kv_cache_mb: float | None = None, activations: str = "auto",
-         backend_options: dict[str, str] | None = None, max_model_len: int | None = None) -> Engine:
+         backend_options: dict[str, str] | None = None, max_model_len: int | None = None,
+         rope_scaling: dict[str, Any] | None = None) -> Engine:
     """An engine for ``model`` (a path, None for the default model, or a Model) on ``backend`` (``auto``:
     the best bound gpu/npu accelerator, else cpu); the model is preloaded onto the backend. ``quant``:
     q8 (None: the default; an artifact keeps its own), q4, q8-g256 or q4-g256. ``kv_cache_mb``: the host KV
     cache's budget (default: 2 GiB, at least one sequence at the full context). ``activations``: what the
     projections' inputs are, q8, f32, mixed (the prompt at f32, generated tokens at q8) or auto (see
     ``resolve_activations``). ``backend_options``: string KEY: VALUE pairs every backend's ``kestrel_open``
-    receives. ``max_model_len``: the context, at most the model's (None: the model's; ``with_context``)."""
+    receives. ``max_model_len``: the context (None: the model's); ``rope_scaling``: a RoPE scaling in place of
+    the model's, e.g. YaRN for a longer context (``with_context``)."""
     return _open(lambda: _resolve_model(model, quant), backend, kv_cache_mb, activations, backend_options,
-                 max_model_len)
+                 max_model_len, rope_scaling)
 
 
 def load_preset(name: str, backend: str = "auto", quant: str | None = None, seed: int = 0,
                 kv_cache_mb: float | None = None, activations: str = "auto", max_model_len: int | None = None,
-                **overrides: Any) -> Engine:
+                rope_scaling: dict[str, Any] | None = None, **overrides: Any) -> Engine:
     """An engine for a synthetic preset model (random weights of real shapes, byte tokenizer)."""
     quant = quant or "q8"
     from kestrel_core.model.presets import ByteTokenizer, preset_model
@@ -548,4 +567,4 @@ def load_preset(name: str, backend: str = "auto", quant: str | None = None, seed
         model = preset_model(name, quant, seed, **overrides)
         return model, ByteTokenizer(model.config.vocab_size), f"preset {name} ({quant}, seed {seed})"
 
-    return _open(resolve, backend, kv_cache_mb, activations, max_model_len=max_model_len)
+    return _open(resolve, backend, kv_cache_mb, activations, max_model_len=max_model_len, rope_scaling=rope_scaling)

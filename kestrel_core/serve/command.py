@@ -51,6 +51,7 @@ def _setup_logging(verbose: bool) -> None:
 
 def serve_command(args: argparse.Namespace) -> int:
     _check_installed()  # the option values were checked by the CLI, as every command's are
+    from kestrel_core.model.commands import context_options
     from kestrel_core.model.engine import load, load_preset
     from kestrel_core.model.loader import finish_cache_writes
     from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING
@@ -65,7 +66,7 @@ def serve_command(args: argparse.Namespace) -> int:
     engines = []
     try:
         options = dict(backend=args.backend, quant=args.quant, kv_cache_mb=args.kv_cache_mb,
-                       activations=getattr(args, "activations", "auto"), max_model_len=args.max_model_len)
+                       activations=getattr(args, "activations", "auto"), **context_options(args))
         if getattr(args, "preset", None):
             if args.model:
                 raise KestrelError("give either --model or --preset, not both")

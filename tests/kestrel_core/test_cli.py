@@ -218,6 +218,9 @@ def test_embed_prints_a_json_vector_a_line(capsys, monkeypatch) -> None:
     (["run", "--model", str(EMBED), "hi"], "this is an embedding model (last pooling)"),
     (["run", "--model", str(EMBED), "--max-model-len", "0", "hi"], "--max-model-len: max_model_len must be an integer"),
     (["embed", "--model", str(EMBED), "--max-model-len", "1000000", "x"], "max_model_len must be an integer in [1, "),
+    (["embed", "--model", str(EMBED), "--rope-scaling", "{yarn", "x"], "--rope-scaling: not JSON"),
+    (["embed", "--model", str(EMBED), "--rope-scaling", "[4]", "x"], "--rope-scaling: a JSON object"),
+    (["embed", "--model", str(EMBED), "--rope-scaling", '{"type": "ntk"}', "x"], "rope scaling type 'ntk'"),
 ])
 def test_embed_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, capsys) -> None:
     assert main(argv) == 2

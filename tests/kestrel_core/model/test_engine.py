@@ -189,6 +189,25 @@ def test_max_model_len_cuts_the_context_and_no_more(model) -> None:
             kestrel_core.load(model, backend="cpu", max_model_len=bad)
 
 
+def test_a_rope_scaling_stretches_the_context_as_far_as_it_reaches(model) -> None:
+    """YaRN over a pretraining context of 32 with factor 4 makes a context of 128, what max_model_len may ask for;
+    a scaling kestrel cannot run, or one that does not fit the model, is one line naming it."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    with kestrel_core.load(model, backend="cpu", rope_scaling=yarn) as engine:
+        assert engine.config.max_position == 128 and engine.config.rope_scaling["attention_factor"] > 1
+        assert len(list(engine.generate(list(range(100)), max_tokens=40, stop_at_eos=False))) == 29
+    with kestrel_core.load(model, backend="cpu", rope_scaling=yarn, max_model_len=96) as engine:
+        assert engine.config.max_position == 96
+    bad = [({**yarn}, 129, r"max_model_len must be an integer in \[1, 128\]"),
+           ({"rope_type": "dynamic", "factor": 2.0}, None, "rope scaling type 'dynamic' is not supported"),
+           ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}, None,
+            "rope_scaling: rope_scaling.short_factor must be a list of"),
+           ([1, 2], None, "rope_scaling must be an object")]
+    for scaling, length, says in bad:
+        with pytest.raises(KestrelError, match=says):
+            kestrel_core.load(model, backend="cpu", rope_scaling=scaling, max_model_len=length)
+
+
 def test_bad_requests_are_one_line_errors(model, monkeypatch) -> None:
     with kestrel_core.load(model, backend="cpu") as engine:
         with pytest.raises(KestrelError, match="65 tokens; the model's context is 64"):

@@ -405,3 +405,29 @@ def test_partial_rotary_artifact_carries_its_layout_flag(tmp_path: Path) -> None
         other = [x for x in layout if x != ROTARY_FIRST] if flagged else [*layout, ROTARY_FIRST]
         with pytest.raises(kestrel_core.KestrelError, match=ROTARY_FIRST):
             parse_meta(kst, {**meta, "layout": json.dumps(other)}, names)
+
+
+def test_a_rope_scaling_given_at_load_replaces_the_models(tmp_path: Path) -> None:
+    """``rope_scaling=`` (--rope-scaling) on a checkpoint without one gives the very logits of the checkpoint that
+    has it in its config, and its context becomes original x factor; {"rope_type": "default"} takes a GGUF's
+    YaRN away, which then leaves the limits."""
+    import shutil
+
+    case = next(c for c in CASES if c.name == "tiny-qwen3-yarn")
+    golden = Golden(FIXTURES / case.golden / "golden.npz")
+    plain = tmp_path / "tiny-qwen3-plain"
+    shutil.copytree(FIXTURES / "tiny-qwen3-yarn", plain)
+    cfg = json.loads((plain / "config.json").read_text())
+    yarn = cfg.pop("rope_scaling")
+    (plain / "config.json").write_text(json.dumps(cfg))
+    with kestrel_core.load(case.model_path(), backend="cpu", quant="q8") as engine:
+        want = engine.logits(golden.ids)
+    with kestrel_core.load(str(plain), backend="cpu", quant="q8") as engine:
+        assert not golden.figures(engine.logits(golden.ids)).within(TINY)
+    with kestrel_core.load(str(plain), backend="cpu", quant="q8", rope_scaling=yarn) as engine:
+        np.testing.assert_array_equal(engine.logits(golden.ids), want)
+        assert engine.config.max_position == 64 * 4
+    with kestrel_core.load(case.model_path() + ".gguf", backend="cpu", quant="q8",
+                           rope_scaling={"rope_type": "default"}) as engine:
+        assert engine.config.rope_scaling is None
+        assert not golden.figures(engine.logits(golden.ids)).within(TINY)

@@ -39,6 +39,8 @@ BAD_VALUES = [
     (["--preset", "gpt5"], "unknown preset 'gpt5'"),
     (["--served-model-name", "a", "--served-model-name", "b"], "2 --served-model-name for 1 model(s)"),
     (["--model", str(TINY), "--model", str(TINY)], "two models are named 'tiny-qwen3'"),
+    (["--model", str(TINY), "--max-model-len", "257"], "max_model_len must be an integer in [1, 256]"),
+    (["--model", str(TINY), "--rope-scaling", "yarn"], "--rope-scaling: not JSON"),
 ])
 def test_bad_options_are_one_line_and_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", *argv]) == 2
