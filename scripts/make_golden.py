@@ -35,6 +35,10 @@ Writes under tests/fixtures/models/:
   tiny-phi3-longrope.gguf  llama.cpp's phi3 with rope.dimension_count and rope_factors_long/short tensors
   tiny-qwen3-yarn/  Qwen3ForCausalLM with YaRN (factor 4, pretraining context 64), float16
   tiny-qwen3-yarn.gguf  llama.cpp's qwen3 with YaRN as rope.scaling metadata
+  tiny-gpt-oss/ GptOssForCausalLM: sliding (window 8) and full layers, attention sinks, biases, 4 experts top-2 with
+                the clamped SwiGLU, YaRN without truncation, bfloat16, expert weights on the MXFP4 grid
+  tiny-gpt-oss-mxfp4/  the same weights with the experts as MXFP4 blocks and scales; golden = tiny-gpt-oss's
+  tiny-gpt-oss.gguf  llama.cpp's gpt-oss layout (MXFP4 experts, gate and up split); golden = tiny-gpt-oss's
   smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
   MANIFEST.json  versions, shapes, logit ranges, the command
 Every model directory holds golden.npz: ``ids`` int64 [T] and ``logits`` float32 [T, vocab], computed in
@@ -63,6 +67,7 @@ from transformers import (
     AutoTokenizer,
     Gemma2Config,
     Gemma3TextConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -106,6 +111,8 @@ STD_ROUTER = 0.5
 # The scales have two mantissa bits, so every weight is exact in bfloat16 and float16 too.
 SCALE_MANTISSAS = np.array([1.0, 1.25, 1.5, 1.75])
 CODE_STD = float(np.sqrt(np.mean(np.arange(-8, 8) ** 2)))
+FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]  # E2M1 by code
+GPT_OSS_MLP_NORM = 8.0  # gpt-oss's MLP input norm: gate and up then reach its SwiGLU's clamp of 7
 # longrope's per-pair divisors of the inverse frequencies (6 pairs turned), short and long context
 LONGROPE_SHORT = [1.0, 1.05, 1.2, 1.5, 2.0, 2.5]
 LONGROPE_LONG = [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]
@@ -228,6 +235,14 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     qwen3_yarn = Qwen3Config(**common, num_hidden_layers=2, intermediate_size=128, head_dim=16,
                              tie_word_embeddings=False, rope_theta=100.0, use_sliding_window=False,
                              rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    # gpt-oss: sliding (window 8) and full layers alternating, attention sinks, biases on q/k/v/o, the router and
+    # the experts, the clamped SwiGLU (its mlp norm near 4, so gate and up cross the clamp of 7), YaRN without
+    # truncation, gate|up interleaved in one stacked tensor; expert weights on the MXFP4 grid
+    gpt_oss = GptOssConfig(**common, num_hidden_layers=2, intermediate_size=64, head_dim=16, num_local_experts=4,
+                           num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                            "truncate": False, "original_max_position_embeddings": 64,
+                                            "rope_theta": 150000.0})
     mixtral = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
                             num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None)
     return {
@@ -244,6 +259,7 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-phi3-longrope": (phi3_longrope, {"dtype": torch.bfloat16, "max_shard_size": None,
                                                "classic_config": True, "short": 24}),
         "tiny-qwen3-yarn": (qwen3_yarn, {"dtype": torch.float16, "max_shard_size": None, "classic_config": True}),
+        "tiny-gpt-oss": (gpt_oss, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
     }
 
 
@@ -259,18 +275,34 @@ def q4_grid(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np.
     return codes * np.repeat(scale, span, axis=1)
 
 
+def mxfp4_grid(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np.ndarray:
+    """Weights [N, K] exactly representable by MXFP4: FP4 E2M1 values times a power of two per 32-block."""
+    n, k = shape
+    codes = rng.choice(np.array(FP4_VALUES), size=(n, k // 32, 32))
+    exps = np.round(np.log2(std / np.sqrt(np.mean(np.square(FP4_VALUES))))) + rng.integers(-1, 1, size=(n, k // 32, 1))
+    return (codes * np.exp2(exps)).reshape(n, k)
+
+
 def init_weights(model: torch.nn.Module, seed: int) -> None:
     rng = np.random.default_rng(seed)
     tied = model.config.tie_word_embeddings
     norm_shift = 1.0 if model.config.model_type.startswith("gemma") else 0.0  # Gemma's norms multiply by 1 + w
+    gpt_oss = model.config.model_type == "gpt_oss"
     with torch.no_grad():
         for name, p in model.named_parameters():
             shape = tuple(p.shape)
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
+            if gpt_oss and name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, K, N]: x @ W
+                val = np.stack([mxfp4_grid(rng, (shape[2], shape[1]), STD_PROJ).T for _ in range(shape[0])])
+            elif gpt_oss and name.endswith("post_attention_layernorm.weight"):  # the MLP's input: past the clamp
+                val = GPT_OSS_MLP_NORM + NORM_JITTER * rng.standard_normal(shape)
+            elif name.endswith(("self_attn.sinks", "_proj_bias")):
+                val = STD_BIAS * rng.standard_normal(shape) * (3.0 if name.endswith("sinks") else 1.0)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 val = QK_NORM_MEAN - norm_shift + NORM_JITTER * rng.standard_normal(shape)
             elif name.endswith("norm.weight"):
                 val = 1.0 - norm_shift + NORM_JITTER * rng.standard_normal(shape)
-            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")):
+            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight",
+                                "mlp.router.weight")):
                 # a router, or a shared expert's sigmoid gate
                 val = STD_ROUTER * rng.standard_normal(shape)
             elif name.endswith(".bias"):
@@ -538,6 +570,108 @@ def write_qwen3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     return _gguf_finish(w, src, dst)
 
 
+def _mxfp4_encode(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows [..., N, K] on the MXFP4 grid as transformers' checkpoint holds them: blocks uint8 [..., N, K/32, 16]
+    (two E2M1 codes a byte, the low nibble first) and scales uint8 [..., N, K/32] (exponent + 127)."""
+    blocks = w.reshape(*w.shape[:-1], -1, 32)
+    top = np.abs(blocks).max(axis=-1, keepdims=True)
+    exps = np.where(top > 0, np.ceil(np.log2(np.maximum(top, 1e-30) / 6.0)), 0)  # the largest code is 6
+    scaled = blocks / np.exp2(exps)
+    lut = np.array(FP4_VALUES)
+    codes = np.abs(scaled[..., None] - lut).argmin(axis=-1) | np.where(np.signbit(scaled) & (scaled != 0), 8, 0)
+    codes = np.where(np.abs(scaled[..., None] - lut).min(axis=-1) == 0, codes, -1)
+    if (codes < 0).any():
+        raise SystemExit("weights are not on the MXFP4 grid")
+    codes = codes.astype(np.uint8)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    return packed, (exps[..., 0] + 127).astype(np.uint8)
+
+
+def write_gpt_oss_mxfp4(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-gpt-oss as OpenAI ships gpt-oss: the experts' weights as MXFP4 blocks and scales (checked against
+    transformers' own decoder, convert_moe_packed_tensors), everything else as it was; golden = tiny-gpt-oss's."""
+    from safetensors.torch import save_file
+    from transformers import Mxfp4Config
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    (dst / "golden.npz").unlink()
+    tensors = {k: torch.from_numpy(v) for k, v in _float32_tensors(src / "model.safetensors").items()}
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, K, N]: rows are t[e].T
+            blocks, scales = _mxfp4_encode(t.transpose(1, 2).numpy())
+            back = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+            if not torch.equal(back, t):
+                raise SystemExit(f"{name}: MXFP4 encoding does not decode to the weights")
+            out[name + "_blocks"] = torch.from_numpy(np.ascontiguousarray(blocks))
+            out[name + "_scales"] = torch.from_numpy(np.ascontiguousarray(scales))
+        else:
+            out[name] = t.to(torch.bfloat16)
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    golden = np.load(src / "golden.npz")
+    logits = hf_logits(dst, golden["ids"], quantization_config=Mxfp4Config(dequantize=True))
+    if not np.array_equal(logits, golden["logits"]):  # transformers reads the twin as the very same model
+        raise SystemExit(f"{dst.name}: transformers' logits differ from {src.name}'s")
+    return {"dir": dst.name, "twin": src.name, "files": sorted(p.name for p in dst.iterdir())}
+
+
+def write_gpt_oss_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-gpt-oss as llama.cpp's GptOssModel writes it: gate and up split from the interleaved tensor, experts
+    MXFP4 (gguf-py's quantizer, exact on the grid), attn_sinks, biases, YaRN metadata, post_attention_norm as
+    the MLP's input norm; golden = tiny-gpt-oss's."""
+    cfg = json.loads((src / "config.json").read_text())
+    tensors = _float32_tensors(src / "model.safetensors")
+    w = _gguf_writer(dst, "gpt-oss", src.name, cfg, tok)
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_expert_count(cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    scaling = cfg["rope_scaling"]
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(scaling["factor"])
+    w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+    put = _gguf_put(w)
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+
+    def put_experts(name: str, arr: np.ndarray) -> None:  # [E, N, K]
+        data = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), mxfp4)
+        if not np.array_equal(gguf.quants.dequantize(data, mxfp4), arr):
+            raise SystemExit(f"{name}: weights are not on the MXFP4 grid")
+        w.add_tensor(name, data, raw_dtype=mxfp4)
+
+    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        put(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"], "f32")
+        for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+            put(f"blk.{i}.{name}.weight", tensors[p + f"self_attn.{proj}_proj.weight"], "f16")
+            put(f"blk.{i}.{name}.bias", tensors[p + f"self_attn.{proj}_proj.bias"], "f32")
+        put(f"blk.{i}.attn_sinks.weight", tensors[p + "self_attn.sinks"], "f32")
+        put(f"blk.{i}.post_attention_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
+        put(f"blk.{i}.ffn_gate_inp.weight", tensors[p + "mlp.router.weight"], "f32")
+        put(f"blk.{i}.ffn_gate_inp.bias", tensors[p + "mlp.router.bias"], "f32")
+        gate_up = tensors[p + "mlp.experts.gate_up_proj"].transpose(0, 2, 1)  # [E, 2F, D], gate|up interleaved
+        bias = tensors[p + "mlp.experts.gate_up_proj_bias"]
+        put_experts(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, 0::2])
+        put_experts(f"blk.{i}.ffn_up_exps.weight", gate_up[:, 1::2])
+        put_experts(f"blk.{i}.ffn_down_exps.weight", tensors[p + "mlp.experts.down_proj"].transpose(0, 2, 1))
+        put(f"blk.{i}.ffn_gate_exps.bias", bias[:, 0::2], "f32")
+        put(f"blk.{i}.ffn_up_exps.bias", bias[:, 1::2], "f32")
+        put(f"blk.{i}.ffn_down_exps.bias", tensors[p + "mlp.experts.down_proj_bias"], "f32")
+    put("output_norm.weight", tensors["model.norm.weight"], "f32")
+    put("output.weight", tensors["lm_head.weight"], "q8_0")
+    return _gguf_finish(w, src, dst)
+
+
 def _float32_tensors(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of a safetensors file as float32 (bfloat16 too, which safetensors' numpy loader refuses)."""
     from safetensors.torch import load_file
@@ -698,7 +832,9 @@ def build_smollm(gguf_path: Path) -> dict[str, Any]:
 GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "tiny-gemma2": write_gemma_gguf,
               "tiny-qwen3-moe": write_qwen3_moe_gguf, "tiny-mixtral": write_mixtral_gguf,
               "tiny-qwen2-moe": write_qwen2_moe_gguf, "tiny-phi3-longrope": write_phi3_gguf,
-              "tiny-qwen3-yarn": write_qwen3_gguf}
+              "tiny-qwen3-yarn": write_qwen3_gguf, "tiny-gpt-oss": write_gpt_oss_gguf}
+# other twins written from a tiny model's directory: name -> (twin, writer)
+DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -732,6 +868,10 @@ def main(argv: list[str] | None = None) -> int:
             twin = f"{args.model}.gguf"
             manifest["models"][twin] = {**GGUF_TWINS[args.model](OUT / args.model, OUT / twin, tok),
                                         "command": manifest["models"][args.model]["command"], "versions": versions}
+        if args.model in DIR_TWINS:
+            twin, write = DIR_TWINS[args.model]
+            manifest["models"][twin] = {**write(OUT / args.model, OUT / twin, tok),
+                                        "command": manifest["models"][args.model]["command"], "versions": versions}
         manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         return 0
     manifest["versions"] = versions
@@ -744,6 +884,8 @@ def main(argv: list[str] | None = None) -> int:
             **write_llama_gguf(OUT / "tiny-llama", OUT / "tiny-llama.gguf", tok), "command": command}
         for name, write in GGUF_TWINS.items():
             manifest["models"][f"{name}.gguf"] = {**write(OUT / name, OUT / f"{name}.gguf", tok), "command": command}
+        for name, (twin, write) in DIR_TWINS.items():
+            manifest["models"][twin] = {**write(OUT / name, OUT / twin, tok), "command": command}
     if args.only in (None, "smollm"):
         manifest["models"]["smollm2"] = {**build_smollm(args.smollm), "command": command}
         print(f"smollm2: {manifest['models']['smollm2']}", file=sys.stderr)

@@ -1,5 +1,5 @@
 """Decoder configuration: one dataclass for Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and 3 and the mixtures of
-experts (Qwen2-MoE, Qwen3-MoE, Mixtral)."""
+experts (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.validate import ValidationError, check_bool, check_float, check_int, is_int
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
-                 "mixtral")
+                 "mixtral", "gpt_oss")
 POOLINGS = ("last", "mean", "cls")  # how an embedding pools the final hidden states: last, mean or first token
-ACTIVATIONS = ("silu", "gelu_tanh")  # of the gate: SwiGLU, or GeGLU with the tanh GELU (Gemma)
+# of the gate: SwiGLU, GeGLU with the tanh GELU (Gemma), or gpt-oss's clamped SwiGLU: gate g clamped to at most
+# swiglu_limit, up u to +-swiglu_limit, then (u + 1) * g * sigmoid(swiglu_alpha * g)
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
 LAYER_TYPES = ("full", "sliding")
 MAX_EXPERTS = 1 << 12
 # Upper bounds far above any real model, so a config cannot ask for absurd allocations (2^40 layers...)
@@ -47,6 +49,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
+    o_bias: bool = False  # gpt-oss: the attention's output projection has a bias
+    attn_sinks: bool = False  # gpt-oss: each head's softmax has one more logit, a learned sink that takes no value
     sliding_window: int | None = None  # a windowed position attends to the last sliding_window (itself too)
     # per layer "full" or "sliding" (Gemma 3); empty: every layer is windowed when sliding_window is set
     layer_types: tuple[str, ...] = ()
@@ -61,6 +65,9 @@ class ModelConfig:
     experts_per_token: int = 0  # top-k
     expert_intermediate_size: int = 0  # each expert's F
     norm_topk_prob: bool = False  # the top-k router probabilities renormalised to sum 1
+    moe_bias: bool = False  # gpt-oss: the router and each expert's projections have biases
+    swiglu_limit: float = 7.0  # activation swiglu_oai's clamp
+    swiglu_alpha: float = 1.702  # activation swiglu_oai's sigmoid slope
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an expert every token runs, gated by a sigmoid; 0: none
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -169,9 +176,14 @@ def validate_config(c: ModelConfig) -> None:
         raise ValidationError("experts_per_token, expert_intermediate_size and shared_expert_intermediate_size "
                               "need num_experts > 0")
     check_int("shared_expert_intermediate_size", c.shared_expert_intermediate_size, 0, MAX_DIM)
+    if c.moe_bias and not c.num_experts:
+        raise ValidationError("moe_bias needs num_experts > 0")
+    check_float("swiglu_limit", c.swiglu_limit, 0.0, lo_open=True)
+    check_float("swiglu_alpha", c.swiglu_alpha, 0.0, lo_open=True)
     if c.pooling is not None and c.pooling not in POOLINGS:
         raise ValidationError(f"pooling must be one of {', '.join(POOLINGS)} or null, got {c.pooling!r}")
-    for name in ("tie_word_embeddings", "qkv_bias", "qk_norm", "post_norms", "norm_topk_prob", "normalize_embeddings"):
+    for name in ("tie_word_embeddings", "qkv_bias", "qk_norm", "o_bias", "attn_sinks", "post_norms", "norm_topk_prob",
+                 "moe_bias", "normalize_embeddings"):
         check_bool(name, getattr(c, name))
     if c.bos_token_id is not None:
         check_int("bos_token_id", c.bos_token_id, 0)

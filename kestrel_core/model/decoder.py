@@ -10,6 +10,7 @@ the rest of the batch (see ``kernels``). The host keeps the keys and values in a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import numpy as np
 
@@ -21,7 +22,7 @@ from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.kv_pool import KVPool, SeqCache, bytes_per_position
 from kestrel_core.model.rope import rope_tables
 from kestrel_core.model.weights import PREFILL_CHUNK as PREFILL_CHUNK
-from kestrel_core.model.weights import LayerWeights, Model
+from kestrel_core.model.weights import ExpertWeights, LayerWeights, Model
 from kestrel_core.wkey import MLP_GROUPS, PROJ_GROUPS, lm_head_wkey
 
 CACHE_CHUNK = 256  # RoPE tables grow by this many positions at a time
@@ -93,7 +94,12 @@ class Decoder:
             self.layer_rope.append(seen[key])
         self.eps = np.float32(c.rms_norm_eps)
         self.act = _ACTIVATIONS[c.activation]
+        if c.activation == "swiglu_oai":
+            self.act = partial(swiglu_oai_mul, limit=np.float32(c.swiglu_limit), alpha=np.float32(c.swiglu_alpha))
         self.attn_softcap = np.float32(c.attn_softcap or 0)
+        no_sinks = np.full(c.num_heads, -np.inf, np.float32)
+        self.sinks = [no_sinks if lw.sinks is None else np.ascontiguousarray(lw.sinks, np.float32)
+                      for lw in model.layers]
         # per layer, per PROJ_GROUPS entry: (each member's wkey, the fused weight's or NO_CACHE)
         self.keys = [[(g.keys(i), g.fused_key(i)) for g in PROJ_GROUPS] for i in range(c.num_layers)]
         # per layer, per expert, per MLP_GROUPS entry: the same for each expert's weights
@@ -244,8 +250,10 @@ class Decoder:
                 k = rmsnorm(k, lw.k_norm, self.eps)
             kernels.rope_write(np.ascontiguousarray(k), v, pool.kt[i], pool.v[i], slots, cos, sin)
             kernels.attend(np.ascontiguousarray(q), pool.kt[i], pool.v[i], tables, row_seq, firsts[c.window_of(i)],
-                           lengths, q_cos, q_sin, self.attn_softcap, attn)
+                           lengths, q_cos, q_sin, self.attn_softcap, self.sinks[i], attn)
             out = self._linear(attn, precise, o_w, *o_keys)[0]  # [M, D]
+            if lw.o_bias is not None:
+                out += lw.o_bias
             h += out if lw.post_attn_norm is None else rmsnorm(out, lw.post_attn_norm, self.eps)
             x = rmsnorm(h, lw.mlp_norm, self.eps)
             out = self._moe(i, lw, x, precise) if lw.experts else self._mlp(x, precise, lw.groups()[2:],
@@ -254,12 +262,19 @@ class Decoder:
         return h, precise
 
     def _mlp(self, x: np.ndarray, precise: np.ndarray, groups: Sequence[tuple[StripCache, ...]],
-             keys: Sequence[tuple[tuple[int, ...], int]]) -> np.ndarray:
-        """down(act(gate(x)) * up(x)) [M, D] of x [M, D]: a dense layer's MLP or one expert's."""
+             keys: Sequence[tuple[tuple[int, ...], int]], expert: ExpertWeights | None = None) -> np.ndarray:
+        """down(act(gate(x)) * up(x)) [M, D] of x [M, D]: a dense layer's MLP or one expert's (with its biases,
+        gpt-oss)."""
         (gate_up_w, down_w), (gate_up_keys, down_keys) = groups, keys
         gate, up = self._linear(x, precise, gate_up_w, *gate_up_keys)  # [M, F]
         gate, up = np.ascontiguousarray(gate), np.ascontiguousarray(up)
-        return self._linear(self.act(gate, up), precise, down_w, *down_keys)[0]
+        if expert is not None and expert.gate_bias is not None:
+            gate += expert.gate_bias
+            up += expert.up_bias
+        out = self._linear(self.act(gate, up), precise, down_w, *down_keys)[0]
+        if expert is not None and expert.down_bias is not None:
+            out += expert.down_bias
+        return out
 
     def _moe(self, i: int, lw: LayerWeights, x: np.ndarray, precise: np.ndarray) -> np.ndarray:
         """The mixture of experts of layer ``i`` on x [M, D]: each row through its top-k experts by router
@@ -268,11 +283,12 @@ class Decoder:
         not depend on the other rows."""
         c = self.config
         x = np.ascontiguousarray(x)
-        top, weights = route(x, lw.router, c.experts_per_token, c.norm_topk_prob)
+        top, weights = route(x, lw.router, c.experts_per_token, c.norm_topk_prob, lw.router_bias)
         out = np.zeros_like(x)  # [M, D]
         for e in np.unique(top):
             rows, slot = np.nonzero(top == e)
-            y = self._mlp(x[rows], precise[rows], lw.experts[e].groups(), self.expert_keys[i][e])  # [m_e, D]
+            expert = lw.experts[e]
+            y = self._mlp(x[rows], precise[rows], expert.groups(), self.expert_keys[i][e], expert)  # [m_e, D]
             out[rows] += y * weights[rows, slot][:, None]
         if lw.shared_expert is not None:
             y = self._mlp(x, precise, lw.shared_expert.groups(), self.expert_keys[i][c.num_experts])
@@ -280,11 +296,15 @@ class Decoder:
         return out
 
 
-def route(x: np.ndarray, router: np.ndarray, k: int, norm_topk: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Each row of x [M, D]'s top-k experts [M, k] by router probability (softmax over all experts; ties: the
-    lower expert) and their weights [M, k] (renormalised over the k if ``norm_topk``)."""
+def route(x: np.ndarray, router: np.ndarray, k: int, norm_topk: bool,
+          bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Each row of x [M, D]'s top-k experts [M, k] by router probability (softmax over all experts of the
+    logits, plus ``bias`` [E] where given; ties: the lower expert) and their weights [M, k] (renormalised over
+    the k if ``norm_topk``: the softmax of the k logits, as gpt-oss computes it)."""
     logits = np.empty((len(x), len(router)), np.float32)  # [M, E]
     kernels.rows_dot(np.ascontiguousarray(x), router, logits)
+    if bias is not None:
+        logits += bias
     probs = np.exp(logits - logits.max(axis=1, keepdims=True))
     probs /= probs.sum(axis=1, keepdims=True)
     top = np.argsort(-probs, axis=1, kind="stable")[:, :k]
@@ -331,4 +351,16 @@ def gelu_tanh_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return gate
 
 
-_ACTIVATIONS = {"silu": _silu_mul, "gelu_tanh": gelu_tanh_mul}
+def swiglu_oai_mul(gate: np.ndarray, up: np.ndarray, limit: np.float32, alpha: np.float32) -> np.ndarray:
+    """gpt-oss's clamped SwiGLU in place in ``gate`` [M, F]: g = min(gate, limit), u = clip(up, -limit, limit),
+    (u + 1) * g * sigmoid(alpha * g), as transformers' GptOssExperts; element-wise numpy."""
+    np.minimum(gate, limit, out=gate)
+    t = gate * (-alpha)
+    np.exp(t, out=t)
+    t += np.float32(1)
+    gate /= t
+    gate *= np.clip(up, -limit, limit) + np.float32(1)
+    return gate
+
+
+_ACTIVATIONS = {"silu": _silu_mul, "gelu_tanh": gelu_tanh_mul, "swiglu_oai": swiglu_oai_mul}

@@ -32,7 +32,7 @@ from kestrel_core.model.quantize import fused_rows, layer_name, map_tensor_name
 from kestrel_core.model.validate import ValidationError, check_float, check_int, check_regular_file, open_regular
 from kestrel_core.model.weights import expert_field
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss")
 MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}  # with experts
 EXPERT_WEIGHTS_NORM = {"qwen2moe": False}  # llama.cpp's default where expert_weights_norm is absent: true
 PERMUTED_ARCHITECTURES = ("llama", "mixtral")  # kestrel's names: a llama GGUF with experts is Mixtral
@@ -62,8 +62,13 @@ _LAYER_MAP = {
     "ffn_up_shexp.weight": "shared_expert.up",
     "ffn_down_shexp.weight": "shared_expert.down",
 }
-# a mixture-of-experts layer's experts, stacked [E, N, K] in one tensor each
-_STACKED = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down"}
+# gpt-oss: what its names mean where they differ (post_attention_norm is its MLP's input norm), and its biases
+# and sinks
+_GPT_OSS_MAP = {**_LAYER_MAP, "post_attention_norm.weight": "mlp_norm", "attn_output.bias": "o_bias",
+                "attn_sinks.weight": "sinks", "ffn_gate_inp.bias": "router_bias"}
+# a mixture-of-experts layer's experts, stacked [E, N, K] in one tensor each (gpt-oss's biases [E, N])
+_STACKED = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down",
+            "ffn_gate_exps.bias": "gate_bias", "ffn_up_exps.bias": "up_bias", "ffn_down_exps.bias": "down_bias"}
 GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # llama.cpp's: every 2nd (Gemma 2), 6th (Gemma 3) layer is global
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp scales their queries by 1/sqrt(hidden / heads)
 GEMMA3_SWA_THETA = 10000.0  # llama.cpp's RoPE base of Gemma 3's sliding layers (not in the file)
@@ -75,9 +80,9 @@ _GLOBAL_MAP = {"token_embd.weight": "embedding", "output_norm.weight": "final_no
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def kestrel_name(gguf_name: str) -> str | None:
+def kestrel_name(gguf_name: str, arch: str = "llama") -> str | None:
     """``blk.3.attn_q.weight`` -> ``layers.3.q``; None for tensors kestrel does not use."""
-    return map_tensor_name(gguf_name, _GLOBAL_MAP, _BLK_RE, _LAYER_MAP)
+    return map_tensor_name(gguf_name, _GLOBAL_MAP, _BLK_RE, _GPT_OSS_MAP if arch == "gpt-oss" else _LAYER_MAP)
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -332,7 +337,8 @@ class GGUFCheckpoint:
         self._tensors = {}
         self._rows: dict[str, tuple[int, int]] = {}  # kestrel name -> its rows of a fused tensor
         self._experts: dict[str, tuple[Any, int]] = {}  # kestrel name -> (stacked tensor, expert)
-        fused = FUSED.get(self.field("general.architecture"), {})
+        file_arch = self.field("general.architecture")
+        fused = FUSED.get(file_arch, {})
         split = []
         for t in self.reader.tensors:
             m = _BLK_RE.match(t.name)
@@ -340,10 +346,11 @@ class GGUFCheckpoint:
                 split.append((int(m.group(1)), fused[m.group(2)], t))
                 continue
             if m and m.group(2) in _STACKED:
-                for e in range(int(t.data.shape[0]) if t.data.ndim == 3 else 0):
+                stacked_dims = 2 if m.group(2).endswith(".bias") else 3
+                for e in range(int(t.data.shape[0]) if t.data.ndim == stacked_dims else 0):
                     self._experts[layer_name(int(m.group(1)), expert_field(e, _STACKED[m.group(2)]))] = (t, e)
                 continue
-            name = kestrel_name(t.name)
+            name = kestrel_name(t.name, file_arch)
             if name is not None:
                 self._tensors[name] = t
         self._rope_freqs = next((t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None)
@@ -477,15 +484,13 @@ class GGUFCheckpoint:
                 rotary_dim=None if rotary_dim == head_dim else rotary_dim,
                 max_position=self.int_field(f"{arch}.context_length", 4096),
                 tie_word_embeddings="lm_head" not in self._tensors,
-                qkv_bias=arch in ("qwen2", "qwen2moe"),
-                qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
-                # llama.cpp's converter writes 0 for a phi3 without a window
-                sliding_window=self.int_field(f"{arch}.attention.sliding_window", lo=0) or None
-                if arch in ("phi3", "gemma2", "gemma3") else None,
                 bos_token_id=bos,
                 eos_token_ids=tuple(dict.fromkeys(eos)),
                 sampling=self._sampling(),
-                **extra,
+                **{"qkv_bias": arch in ("qwen2", "qwen2moe"), "qk_norm": arch in ("qwen3", "qwen3moe", "gemma3"),
+                   # llama.cpp's converter writes 0 for a phi3 without a window
+                   "sliding_window": self.int_field(f"{arch}.attention.sliding_window", lo=0) or None
+                   if arch in ("phi3", "gemma2", "gemma3", "gpt-oss") else None, **extra},
             )
         except ValidationError as exc:
             raise KestrelError(f"{self.path}: {exc}") from None
@@ -526,9 +531,10 @@ class GGUFCheckpoint:
         factor = self.float_field(key + "factor", 1.0)
         # llama.cpp's YaRN: its attention factor times YaRN's own temperature 0.1 ln(factor) + 1
         attention = self.float_field(key + "yarn_attn_factor", 1.0) * (0.1 * math.log(factor) + 1 if factor > 1 else 1)
+        # gpt-oss was trained with YaRN's correction range not rounded out (transformers' truncate false)
         return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original or context,
                 "attention_factor": attention, "beta_fast": self.float_field(key + "yarn_beta_fast", 32.0),
-                "beta_slow": self.float_field(key + "yarn_beta_slow", 1.0), "truncate": True}
+                "beta_slow": self.float_field(key + "yarn_beta_slow", 1.0), "truncate": arch != "gpt-oss"}
 
     def _arch_fields(self, arch: str, hidden: int, heads: int, head_dim: int, layers: int) -> dict[str, Any]:
         """The ModelConfig fields of Gemma 3 and of the mixture-of-experts files, as llama.cpp reads them."""
@@ -550,6 +556,13 @@ class GGUFCheckpoint:
                 out["final_softcap"] = self.float_field(f"{arch}.final_logit_softcapping", 30.0)
             return out
         experts = self.int_field(f"{arch}.expert_count", 0, lo=0) or 0
+        if arch == "gpt-oss":  # biases everywhere, sinks, the clamped SwiGLU (llama.cpp's fixed limit and slope)
+            return {"arch": "gpt_oss", "num_experts": experts,
+                    "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
+                    "expert_intermediate_size": self.int_field(f"{arch}.expert_feed_forward_length", required=True),
+                    "norm_topk_prob": True, "moe_bias": True, "qkv_bias": True, "o_bias": True, "attn_sinks": True,
+                    "activation": "swiglu_oai", "layer_types": tuple("sliding" if i % 2 == 0 else "full"
+                                                                     for i in range(layers))}
         if not experts:
             if arch in ("qwen2moe", "qwen3moe"):
                 raise KestrelError(f"{self.path}: {arch}.expert_count is missing")

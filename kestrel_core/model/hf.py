@@ -37,12 +37,12 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
                     "Gemma3ForCausalLM": "gemma3",
                     "Gemma3ForConditionalGeneration": "gemma3", "Qwen2MoeForCausalLM": "qwen2_moe",
-                    "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
+                    "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral", "GptOssForCausalLM": "gpt_oss",
                     # the decoder without its head, as embedding checkpoints (e5-mistral, ...) name it
                     "LlamaModel": "llama", "Qwen2Model": "qwen2", "Qwen3Model": "qwen3", "MistralModel": "mistral"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen2_moe": "qwen2_moe",
-               "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+               "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss"}
 WINDOWED = ("mistral", "phi3", "mixtral")  # architectures whose sliding_window applies to every layer
 # Gemma3TextConfig's defaults: hub configs (the text_config of the multimodal checkpoints) leave many out
 GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -76,7 +76,15 @@ _GEMMA_LAYER_MAP = {**_LAYER_MAP, "post_attention_layernorm.weight": "post_attn_
 # the router and the experts of Qwen3-MoE (mlp.*) and Mixtral (block_sparse_moe.*, w1/w3/w2 = gate/up/down)
 _EXPERT_RE = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _EXPERT_FIELDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
-_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
+_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")
+# gpt-oss: the attention's output bias and sinks, the router's bias
+_GPT_OSS_MAP = {"self_attn.o_proj.bias": "o_bias", "self_attn.sinks": "sinks", "mlp.router.bias": "router_bias"}
+# gpt-oss's experts, stacked [E, ...] in one tensor each: gate|up interleaved by row ([E, D, 2F], or MXFP4 blocks
+# [E, 2F, D/32, 16] and scales [E, 2F, D/32]), down ([E, F, D], or MXFP4 [E, D, F/32, 16]), and their biases
+_GPT_OSS_EXPERTS = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+# transformers' GptOssConfig default RoPE, for a config.json without one
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
 # Qwen2-MoE's shared expert and its gate
 _SHARED_MAP = {"mlp.shared_expert.gate_proj.weight": "shared_expert.gate",
                "mlp.shared_expert.up_proj.weight": "shared_expert.up",
@@ -93,6 +101,8 @@ _FUSED_MAP = {"self_attn.qkv_proj.weight": ("q", "k", "v"), "mlp.gate_up_proj.we
 _GLOBAL_MAP = {"model.embed_tokens.weight": "embedding", "model.norm.weight": "final_norm",
                "lm_head.weight": "lm_head"}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)  # FP4 E2M1 by code, as the OCP MX format defines it
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 
 
@@ -112,6 +122,8 @@ def kestrel_name(hf_name: str, arch: str = "llama") -> str | None:
             return layer_name(int(m.group(1)), "router")
         if m.group(2) in _SHARED_MAP:
             return layer_name(int(m.group(1)), _SHARED_MAP[m.group(2)])
+        if arch == "gpt_oss" and m.group(2) in _GPT_OSS_MAP:
+            return layer_name(int(m.group(1)), _GPT_OSS_MAP[m.group(2)])
     layer_map = _GEMMA_LAYER_MAP if arch in GEMMA_ARCHITECTURES else _LAYER_MAP
     return map_tensor_name(hf_name, _GLOBAL_MAP, _LAYER_RE, layer_map)
 
@@ -197,15 +209,9 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
         for key, name in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
             cap = cfg.get(key, GEMMA2_SOFTCAPS[key])
             out[name] = None if cap is None else check_float(key, cap, 0.0, lo_open=True)
-    layers = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types")
-    if types is None:
-        pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6 if arch == "gemma3" else 2))
-        check_int("sliding_window_pattern", pattern, 1)
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    names = {"sliding_attention": "sliding", "full_attention": "full"}
-    if not isinstance(types, list) or not all(t in names for t in types):
-        raise KestrelError(f"{where}: layer_types must be a list of sliding_attention / full_attention")
+    pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6 if arch == "gemma3" else 2))
+    check_int("sliding_window_pattern", pattern, 1)
+    types = _layer_types(cfg, where, pattern)
     rp = cfg.get("rope_parameters")
     if arch == "gemma2":  # one RoPE for every layer
         theta = cfg.get("rope_theta", (rp or {}).get("rope_theta", 1e4))
@@ -224,7 +230,7 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
     qpas = check_float("query_pre_attn_scalar", cfg.get("query_pre_attn_scalar", 256), 0.0, lo_open=True)
     return {
         **out,
-        "layer_types": tuple(names[t] for t in types),
+        "layer_types": types,
         "rope_theta": check_float("rope_theta", theta, 0.0, lo_open=True),
         "rope_scaling": _rope_scaling(arch, cfg, scaling, where),
         "query_scale": qpas ** -0.5,
@@ -278,9 +284,30 @@ def _moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
         check_bool("norm_topk_prob", norm)
         out.update(expert_intermediate_size=cfg.get("moe_intermediate_size"), norm_topk_prob=norm,
                    qk_norm=arch == "qwen3_moe")
+    elif arch == "gpt_oss":  # softmax over the top-k logits (renormalised), biases everywhere, sinks
+        bias = cfg.get("attention_bias", True)
+        check_bool("attention_bias", bias)
+        limit = check_float("swiglu_limit", cfg.get("swiglu_limit", 7.0), 0.0, lo_open=True)
+        alpha = check_float("swiglu_alpha", cfg.get("swiglu_alpha", 1.702), 0.0, lo_open=True)
+        out.update(expert_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True, moe_bias=True,
+                   qkv_bias=bias, o_bias=bias, attn_sinks=True, activation="swiglu_oai", swiglu_limit=limit,
+                   swiglu_alpha=alpha, layer_types=_layer_types(cfg, where, 2),
+                   sliding_window=cfg.get("sliding_window", 128))
     else:
         out.update(expert_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
     return out
+
+
+def _layer_types(cfg: dict[str, Any], where: str, pattern: int) -> tuple[str, ...]:
+    """config.json's layer_types, or every ``pattern``-th layer global and the others sliding."""
+    types = cfg.get("layer_types")
+    if types is None:
+        layers = cfg["num_hidden_layers"]
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    names = {"sliding_attention": "sliding", "full_attention": "full"}
+    if not isinstance(types, list) or not all(t in names for t in types):
+        raise KestrelError(f"{where}: layer_types must be a list of sliding_attention / full_attention")
+    return tuple(names[t] for t in types)
 
 
 # transformers' GenerationConfig defaults: a value equal to its default is no recommendation (vLLM reads the file
@@ -323,20 +350,23 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         # transformers 5 moves rope_theta / rope_scaling into rope_parameters
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if arch == "gpt_oss" and scaling is None:
+            scaling = GPT_OSS_ROPE
         eos = _ids(cfg.get("eos_token_id"))
         for extra in _ids((generation or {}).get("eos_token_id")):
             if extra not in eos:
                 eos.append(extra)
         fields: dict[str, Any] = {
-            "rope_theta": float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            "rope_theta": float(cfg.get("rope_theta", rope.get("rope_theta", 150000.0 if arch == "gpt_oss" else 1e4))),
             "rope_scaling": None if arch in GEMMA_ARCHITECTURES else _rope_scaling(arch, cfg, scaling, where),
             "rotary_dim": _rotary_dim(cfg, int(cfg.get("head_dim") or hidden // heads), where),
             "qk_norm": arch == "qwen3",
+            "qkv_bias": arch in ("qwen2", "qwen2_moe"),
             "sliding_window": cfg.get("sliding_window") if arch in WINDOWED else None,
         }
         if arch in GEMMA_ARCHITECTURES:
             fields.update(_gemma_fields(arch, cfg, where))
-        if arch in ("qwen2_moe", "qwen3_moe", "mixtral"):
+        if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"):
             fields.update(_moe_fields(arch, cfg, where))
         return ModelConfig(
             arch=arch,
@@ -350,7 +380,6 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch in ("qwen2", "qwen2_moe"),
             bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
             eos_token_ids=tuple(eos),
             sampling=generation_sampling(generation),
@@ -461,6 +490,8 @@ class HFCheckpoint:
         self._files: dict[str, Path] = {}  # kestrel name -> shard
         self._hf_names: dict[str, str] = {}  # kestrel name -> HF name
         self._rows: dict[str, tuple[int, int]] = {}  # kestrel name -> its rows of a fused HF tensor
+        self._expert_part: dict[str, tuple[int, str]] = {}  # kestrel name -> (expert, part) of a stacked tensor
+        self._paths: dict[str, Path] = {}  # HF name -> shard
         self._handles: dict[Path, Any] = {}
         self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}
         self._index()
@@ -474,6 +505,7 @@ class HFCheckpoint:
         for shard in weight_files(self.dir):
             path = self.dir / shard
             for hf_name in self._handle(path).keys():
+                self._paths[hf_name] = path
                 for name, rows in self._names(hf_name):
                     self._files[name] = path
                     self._hf_names[name] = hf_name
@@ -486,6 +518,21 @@ class HFCheckpoint:
         if name is not None:
             return [(name, None)]
         m = _LAYER_RE.match(hf_name)
+        stacked = _GPT_OSS_EXPERTS.match(m.group(2)) if m is not None and self.config.arch == "gpt_oss" else None
+        if stacked is not None:
+            proj, suffix = stacked.groups()
+            if suffix == "_scales":  # read beside its blocks
+                return []
+            parts = ("gate", "up") if proj == "gate_up_proj" else ("down",)
+            if suffix == "_bias":
+                parts = tuple(f"{p}_bias" for p in parts)
+            out = []
+            for e in range(self.config.num_experts):
+                for part in parts:
+                    name = layer_name(int(m.group(1)), expert_field(e, part))
+                    self._expert_part[name] = (e, part)
+                    out.append((name, None))
+            return out
         if m is None or m.group(2) not in _FUSED_MAP:
             return []
         out, start = [], 0
@@ -523,6 +570,8 @@ class HFCheckpoint:
             raise KestrelError(f"{self.dir}: the checkpoint has no tensor for {name} "
                                f"({_hf_name_hint(name)})")
         path, hf_name = self._files[name], self._hf_names[name]
+        if name in self._expert_part:
+            return self._expert_tensor(name, path, hf_name)
         handle = self._handle(path)
         dtype = handle.get_slice(hf_name).get_dtype()
         rows = self._rows.get(name)
@@ -537,6 +586,56 @@ class HFCheckpoint:
             raise KestrelError(f"{path}: cannot read tensor {hf_name} ({exc})") from None
         t = t if rows is None else fused_rows(t, rows, str(path), hf_name)
         return t if t.dtype in (np.float32, np.float16) else t.astype(np.float32)
+
+    def _expert_tensor(self, name: str, path: Path, hf_name: str) -> np.ndarray:
+        """One expert's part of gpt-oss's stacked tensors, float32 in kestrel's orientation: gate [F, D] (the
+        even rows of gate|up as transformers computes x @ W), up [F, D] (the odd ones), down [D, F], or a bias."""
+        e, part = self._expert_part[name]
+        try:
+            if hf_name.endswith("_blocks"):
+                rows = self._mxfp4_rows(path, hf_name, e)  # [2F, D] or [D, F]
+                return np.ascontiguousarray(rows[0::2] if part == "gate" else rows[1::2] if part == "up" else rows)
+            t = self._stacked_slice(path, hf_name, e)
+        except SafetensorError as exc:
+            raise KestrelError(f"{path}: cannot read tensor {hf_name} ({exc})") from None
+        if t.ndim != (1 if part.endswith("_bias") else 2):
+            raise KestrelError(f"{path}: tensor {hf_name} has {t.ndim + 1} dimensions")
+        if part in ("gate", "up"):  # [D, 2F]: gate and up interleaved by column
+            t = t[:, 0::2].T if part == "gate" else t[:, 1::2].T
+        elif part == "down":  # [F, D]
+            t = t.T
+        elif part in ("gate_bias", "up_bias"):
+            t = t[0::2] if part == "gate_bias" else t[1::2]
+        return np.ascontiguousarray(t, dtype=np.float32)
+
+    def _stacked_slice(self, path: Path, hf_name: str, e: int) -> np.ndarray:
+        """Expert ``e``'s slice of a stacked tensor [E, ...] as float32."""
+        dtype = self._handle(path).get_slice(hf_name).get_dtype()
+        if dtype == "BF16":
+            return BFloat16Bits(np.ascontiguousarray(self._bf16_bits(path, hf_name)[e])).to_float32()
+        if dtype not in _FLOAT_DTYPES:
+            raise KestrelError(f"{path}: tensor {hf_name} has dtype {dtype}; kestrel reads BF16, F16, F32")
+        return np.asarray(self._handle(path).get_slice(hf_name)[e:e + 1][0], dtype=np.float32)
+
+    def _mxfp4_rows(self, path: Path, hf_name: str, e: int) -> np.ndarray:
+        """Expert ``e``'s rows [N, K] of MXFP4 blocks [E, N, K/32, 16] (two FP4 E2M1 codes a byte, the low
+        nibble first) and their power-of-two scales [E, N, K/32] (E8M0, bias 127), as transformers decodes them."""
+        scales_name = hf_name.removesuffix("_blocks") + "_scales"
+        if scales_name not in self._paths:
+            raise KestrelError(f"{path}: {hf_name} has no {scales_name} beside it")
+        blocks_slice = self._handle(path).get_slice(hf_name)
+        scales_slice = self._handle(self._paths[scales_name]).get_slice(scales_name)
+        if blocks_slice.get_dtype() != "U8" or scales_slice.get_dtype() != "U8":
+            raise KestrelError(f"{path}: MXFP4 tensors {hf_name} and {scales_name} must be U8")
+        blocks, scales = blocks_slice[e:e + 1][0], scales_slice[e:e + 1][0]  # [N, G, 16], [N, G]
+        if blocks.ndim != 3 or blocks.shape[2] != 16 or scales.shape != blocks.shape[:2]:
+            raise KestrelError(f"{path}: MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} of "
+                               f"{hf_name} do not match")
+        values = np.stack([FP4_VALUES[blocks & 0x0F], FP4_VALUES[blocks >> 4]], axis=-1)  # [N, G, 16, 2]
+        with np.errstate(over="ignore"):  # E8M0's 255 (NaN) overflows to inf, which the quantizer refuses by name
+            scale = np.ldexp(np.float32(1), scales.astype(np.int32) - 127)[..., None]
+        values = values.reshape(*scales.shape, 32) * scale
+        return values.reshape(scales.shape[0], -1).astype(np.float32)
 
     def _bf16_bits(self, path: Path, hf_name: str) -> np.ndarray:
         """The tensor's bfloat16 bit patterns, uint16 in its shape, mapped from the file at the header's offsets."""

@@ -81,11 +81,12 @@ def _rope_write(k: np.ndarray, v: np.ndarray, kt: np.ndarray, vc: np.ndarray, sl
 
 def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, row_seq: np.ndarray,
             firsts: np.ndarray, lengths: np.ndarray, q_cos: np.ndarray, q_sin: np.ndarray, softcap: np.float32,
-            out: np.ndarray) -> None:
+            sinks: np.ndarray, out: np.ndarray) -> None:
     # q: [M, H, hd] (RoPE applied here with the scaled q_ tables [M, hd]); kt/vc: one layer's pool; tables:
     # [S, max_blocks] block ids of each sequence; row_seq: [M] its sequence; each row sees positions
     # firsts[r] .. lengths[r] - 1 (its own position + 1; firsts 0 but under a sliding window); softcap > 0: each
-    # score becomes tanh(score / softcap) * softcap (Gemma 2). out: [M, H*hd].
+    # score becomes tanh(score / softcap) * softcap (Gemma 2); sinks: [H] one more logit in each head's softmax,
+    # which takes no value (gpt-oss; -inf: none, exp gives exactly 0). out: [M, H*hd].
     # Work items are (row, KV head); a KV head's g query heads share each key load. Query head h reads KV
     # head h // g (HF's repeat_kv); softmax normalised after P @ V.
     m, n_heads, hd = q.shape
@@ -123,15 +124,19 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
                     scores[hh, b * bs + o] = score
         pv = np.empty(hd, np.float32)
         for hh in range(g):
+            sink = sinks[kh * g + hh]
             top = scores[hh, s0]
             for s in range(s0 + 1, s_len):
                 if scores[hh, s] > top:
                     top = scores[hh, s]
+            if sink > top:
+                top = sink
             total = np.float32(0)
             for s in range(s0, s_len):
                 e = np.exp(scores[hh, s] - top)
                 scores[hh, s] = e
                 total += e
+            total += np.exp(sink - top)
             pv[:] = np.float32(0)
             for s in range(s0, s_len):  # P @ V
                 p = scores[hh, s]

@@ -186,6 +186,8 @@ def synthetic_model(config: ModelConfig, quant: str | QuantMode = "q8", seed: in
             tensors[s.name] = (rng.standard_normal(s.shape) / np.sqrt(s.shape[1])).astype(np.float32)
         elif s.name.endswith("_bias"):
             tensors[s.name] = (0.1 * rng.standard_normal(s.shape)).astype(np.float32)
+        elif s.name.endswith(".sinks"):  # attention sinks: logits of the size of a score's
+            tensors[s.name] = rng.standard_normal(s.shape).astype(np.float32)
         else:  # norms
             tensors[s.name] = (1.0 + 0.1 * rng.standard_normal(s.shape)).astype(np.float32)
     return assemble(config, tensors)

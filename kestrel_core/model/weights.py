@@ -25,6 +25,7 @@ LAYER_PROJS = tuple(p for group in PROJ_GROUPS for p in group.members)  # Q, K, 
 PROJ_FIELDS = {Proj.Q: "q", Proj.K: "k", Proj.V: "v", Proj.O: "o", Proj.GATE: "gate", Proj.UP: "up",
                Proj.DOWN: "down"}  # the LayerWeights field of each projection
 MLP_FIELDS = ("gate", "up", "down")
+EXPERT_BIASES = ("gate_bias", "up_bias", "down_bias")  # gpt-oss's, beside MLP_FIELDS
 _ATTN_FIELDS = tuple(tuple(PROJ_FIELDS[p] for p in group.members) for group in ATTENTION_GROUPS)
 _MLP_GROUP_FIELDS = tuple(tuple(PROJ_FIELDS[p] for p in group.members) for group in MLP_GROUPS)
 
@@ -36,6 +37,9 @@ class ExpertWeights:
     gate: StripCache  # [Fe, D]
     up: StripCache  # [Fe, D]
     down: StripCache  # [D, Fe]
+    gate_bias: np.ndarray | None = None  # gpt-oss: [Fe]
+    up_bias: np.ndarray | None = None  # [Fe]
+    down_bias: np.ndarray | None = None  # [D]
 
     def groups(self) -> tuple[tuple[StripCache, ...], ...]:
         """(gate, up), (down,): as ``MLP_GROUPS``."""
@@ -50,6 +54,8 @@ class LayerWeights:
     v: StripCache  # [KV*hd, D]
     o: StripCache  # [D, H*hd]
     mlp_norm: np.ndarray  # [D]
+    o_bias: np.ndarray | None = None  # gpt-oss: [D]
+    sinks: np.ndarray | None = None  # gpt-oss: [H], each head's sink logit
     gate: StripCache | None = None  # [F, D]; None in a mixture-of-experts layer
     up: StripCache | None = None  # [F, D]
     down: StripCache | None = None  # [D, F]
@@ -61,6 +67,7 @@ class LayerWeights:
     post_attn_norm: np.ndarray | None = None  # Gemma 3: [D], on the attention's output
     post_mlp_norm: np.ndarray | None = None  # Gemma 3: [D], on the MLP's output
     router: np.ndarray | None = None  # mixture of experts: float32 [E, D]
+    router_bias: np.ndarray | None = None  # gpt-oss: [E]
     experts: tuple[ExpertWeights, ...] = ()
     shared_expert: ExpertWeights | None = None  # Qwen2-MoE: run by every token (its wkeys: expert E)
     shared_expert_gate: np.ndarray | None = None  # float32 [1, D]: sigmoid(x . gate) scales its output
@@ -145,9 +152,14 @@ def layer_specs(c: ModelConfig, i: int) -> list[TensorSpec]:
     if c.is_moe:
         fe = c.expert_intermediate_size
         out.append(("router", "matrix", (c.num_experts, d)))
+        if c.moe_bias:
+            out.append(("router_bias", "vector", (c.num_experts,)))
         for e in range(c.num_experts):
             out += [(expert_field(e, "gate"), "proj", (fe, d)), (expert_field(e, "up"), "proj", (fe, d)),
                     (expert_field(e, "down"), "proj", (d, fe))]
+            if c.moe_bias:
+                out += [(expert_field(e, "gate_bias"), "vector", (fe,)), (expert_field(e, "up_bias"), "vector", (fe,)),
+                        (expert_field(e, "down_bias"), "vector", (d,))]
         fs = c.shared_expert_intermediate_size
         if fs:
             out += [("shared_expert.gate", "proj", (fs, d)), ("shared_expert.up", "proj", (fs, d)),
@@ -157,6 +169,10 @@ def layer_specs(c: ModelConfig, i: int) -> list[TensorSpec]:
         out += [("gate", "proj", (f, d)), ("up", "proj", (f, d)), ("down", "proj", (d, f))]
     if c.qkv_bias:
         out += [("q_bias", "vector", (qn,)), ("k_bias", "vector", (kvn,)), ("v_bias", "vector", (kvn,))]
+    if c.o_bias:
+        out.append(("o_bias", "vector", (d,)))
+    if c.attn_sinks:
+        out.append(("sinks", "vector", (c.num_heads,)))
     if c.qk_norm:
         out += [("q_norm", "vector", (hd,)), ("k_norm", "vector", (hd,))]
     out += [("attn_norm", "vector", (d,)), ("mlp_norm", "vector", (d,))]
@@ -183,7 +199,8 @@ def assemble(c: ModelConfig, tensors: Mapping[str, Any]) -> Model:
     for i in range(c.num_layers):
         prefix = layer_name(i, "")
         fields = {s.name[len(prefix):]: tensors[s.name] for s in layer_specs(c, i)}
-        experts = tuple(ExpertWeights(*(fields.pop(expert_field(e, f)) for f in MLP_FIELDS))
+        experts = tuple(ExpertWeights(*(fields.pop(expert_field(e, f)) for f in MLP_FIELDS),
+                                      *(fields.pop(expert_field(e, b), None) for b in EXPERT_BIASES))
                         for e in range(c.num_experts))
         shared = (ExpertWeights(*(fields.pop(f"shared_expert.{f}") for f in MLP_FIELDS))
                   if c.shared_expert_intermediate_size else None)

@@ -1,6 +1,6 @@
-"""Gemma 2 and 3 and the mixtures of experts on the GPU: Gemma 2 (soft caps) through the GEMM hooks, the device
-forward declining it; Gemma 3 and the mixtures of experts through the device forward. Every projection (each
-expert's too) is preloaded and the logits are the CPU's within the measured tolerance.
+"""Gemma 2 and 3 and the mixtures of experts on the GPU: Gemma 2 (soft caps) and gpt-oss through the GEMM hooks,
+the device forward declining them; Gemma 3 and the other mixtures of experts through the device forward. Every
+projection (each expert's too) is preloaded and the logits are the CPU's within the measured tolerance.
 
 Skipped where CuPy or a CUDA device is missing (CI); run on the H200 machine.
 """
@@ -20,7 +20,8 @@ from .forward_check import FIXTURES, compare, cpu_logits, cuda_device_count, jit
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device")]
 
 
-@pytest.mark.parametrize(("fixture", "path"), [("tiny-gemma2", "hooks"), ("tiny-gemma3", "forward"),
+@pytest.mark.parametrize(("fixture", "path"), [("tiny-gemma2", "hooks"), ("tiny-gpt-oss", "hooks"),
+                                              ("tiny-gemma3", "forward"),
                                               ("tiny-qwen3-moe", "forward"), ("tiny-qwen2-moe", "forward"),
                                               ("tiny-mixtral.gguf", "forward"), ("tiny-phi3-longrope", "forward"),
                                               ("tiny-qwen3-yarn.gguf", "forward")])

@@ -249,9 +249,11 @@ def test_a_mixture_of_experts_decoded_with_the_wrong_experts_leaves_the_band() -
         assert_leaves_the_band(model, wrong, n_tokens=20, n_prefill=12)
 
 
-@pytest.mark.parametrize(("fixture", "why"), [("tiny-gemma2", "architecture 'gemma2'")])
+@pytest.mark.parametrize(("fixture", "why"), [("tiny-gemma2", "architecture 'gemma2'"),
+                                              ("tiny-gpt-oss", "architecture 'gpt_oss'")])
 def test_device_forward_names_what_it_cannot_run(fixture: str, why: str) -> None:
-    """Gemma 2 (soft caps) goes through the GEMM hooks; the reason names the architecture."""
+    """Gemma 2 (soft caps) and gpt-oss (sinks, biases, its clamped SwiGLU) go through the GEMM hooks; the reason
+    names the architecture."""
     from kestrel_core.model.loader import load_model
 
     model = load_model(str(FIXTURES / fixture), "q8", cache="off").model

@@ -230,3 +230,51 @@ def test_a_fused_tensor_too_small_for_its_config_is_one_line(tmp_path: Path) -> 
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(KestrelError, match="fused tensor model.layers.0.self_attn.qkv_proj.weight has shape"):
         HFCheckpoint(d).get("layers.0.v")
+
+
+GPT_OSS_MXFP4 = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-gpt-oss-mxfp4"
+
+
+def _mxfp4_copy(tmp_path: Path, change) -> Path:  # type: ignore[no-untyped-def]
+    """tiny-gpt-oss-mxfp4 with ``change(tensors)`` applied to its safetensors (numpy, BF16 kept as raw bits)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    d = tmp_path / "gpt-oss"
+    shutil.copytree(GPT_OSS_MXFP4, d)
+    tensors = {}
+    with safe_open(str(GPT_OSS_MXFP4 / "model.safetensors"), "numpy") as f:
+        for name in f.keys():
+            if f.get_slice(name).get_dtype() == "U8":
+                tensors[name] = f.get_tensor(name)
+    change(tensors)
+    # the BF16 tensors are not numpy's: keep them out and rebuild the file from the U8 ones and float32 copies
+    src = HFCheckpoint(GPT_OSS_MXFP4)
+    for hf_name, path in src._paths.items():
+        if hf_name not in tensors and not hf_name.endswith(("_blocks", "_scales")):
+            bits = src._bf16_bits(path, hf_name)
+            tensors[hf_name] = BFloat16Bits(np.ascontiguousarray(bits)).to_float32()
+    save_file({k: v for k, v in tensors.items() if v is not None}, str(d / "model.safetensors"))
+    return d
+
+
+def test_mxfp4_experts_are_decoded_as_transformers_writes_them(tmp_path: Path) -> None:
+    """The MXFP4 twin gives each expert's weights exactly (its golden logits are tiny-gpt-oss's, test_parity);
+    a blocks tensor without its scales, or a scale of 255 (E8M0's NaN: 2^128 overflows), is one line naming it."""
+    twin = HFCheckpoint(GPT_OSS_MXFP4)
+    plain = HFCheckpoint(GPT_OSS_MXFP4.parent / "tiny-gpt-oss")
+    for name in ("layers.1.experts.3.gate", "layers.1.experts.3.up", "layers.0.experts.2.down",
+                 "layers.0.experts.1.up_bias"):
+        np.testing.assert_array_equal(twin.get(name), plain.get(name))
+    assert twin.get("layers.0.experts.0.gate").shape == (64, 64)
+    no_scales = _mxfp4_copy(tmp_path / "a", lambda t: t.update({"model.layers.0.mlp.experts.down_proj_scales": None}))
+    with pytest.raises(KestrelError, match="down_proj_blocks has no model.layers.0.mlp.experts.down_proj_scales"):
+        HFCheckpoint(no_scales).get("layers.0.experts.0.down")
+
+    def nan_scale(t: dict) -> None:
+        t["model.layers.1.mlp.experts.gate_up_proj_scales"][2, 5, 1] = 255
+
+    with pytest.raises(KestrelError, match=r"layers\.1\.experts\.2\.(gate|up).*(NaN|infinit)"):
+        quantize_model(HFCheckpoint(_mxfp4_copy(tmp_path / "b", nan_scale)), "q8")
