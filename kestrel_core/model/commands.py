@@ -22,6 +22,7 @@ from kestrel_core.errors import InvalidRequest, KestrelError
 from kestrel_core.model.engine import Engine, load, load_preset
 from kestrel_core.model.fim import fim_prompt_ids
 from kestrel_core.model.grammar import json_schema_grammar, lark_grammar, regex_grammar
+from kestrel_core.model.harmony import HarmonyStream
 from kestrel_core.model.validate import read_line_stdin, read_text_stdin
 
 err = Console(stderr=True, highlight=False)
@@ -144,22 +145,39 @@ def _option_grammar(args: argparse.Namespace) -> str | None:
 
 
 def _stream(engine: Engine, ids: list[int], args: argparse.Namespace, out: TextIO | None,
-            grammar: str | None = None, stop_token_ids: tuple[int, ...] = ()) -> tuple[str, list[int]]:
-    """Generate, writing text to ``out`` as it arrives; returns (text, token ids)."""
+            grammar: str | None = None, stop_token_ids: tuple[int, ...] = (), harmony: bool = False
+            ) -> tuple[str, list[int], str | None]:
+    """Generate, writing text to ``out`` as it arrives; returns (text, token ids, reasoning). ``harmony``: the
+    answer is in gpt-oss's channels (a chat prompt of such a model): its final channel is the text, and its
+    analysis channel the reasoning, shown dimmed on stderr as it comes where ``out`` is given."""
     params = engine.sampling_params(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                     top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                                     seed=args.seed, stop=tuple(getattr(args, "stop", None) or ()), grammar=grammar,
-                                    stop_token_ids=stop_token_ids)
+                                    stop_token_ids=stop_token_ids, skip_special_tokens=not harmony)
+    channels = HarmonyStream() if harmony else None
     pieces: list[str] = []
+    thoughts: list[str] = []
     tokens: list[int] = []
+
+    def show(thought: str, text: str) -> None:
+        thoughts.append(thought)
+        pieces.append(text)
+        if out is not None and thought:
+            err.print(thought, end="", style="dim", markup=False, highlight=False, soft_wrap=True)
+        if out is not None and text:
+            out.write(text)
+            out.flush()
+
     for step in engine.stream(ids, params):
         tokens.extend(step.new_token_ids)
         if step.new_text:
-            pieces.append(step.new_text)
-            if out is not None:
-                out.write(step.new_text)
-                out.flush()
-    return "".join(pieces), tokens
+            show(*(channels.feed(step.new_text) if channels is not None else ("", step.new_text)))
+    if channels is not None:
+        thought, text, _ = channels.finish()
+        show(thought, text)
+        if out is not None and "".join(thoughts):
+            err.print()
+    return "".join(pieces), tokens, "".join(thoughts) or None
 
 
 def _jsonable(value: Any) -> Any:
@@ -216,10 +234,13 @@ def run(args: argparse.Namespace) -> int:
         else:
             ids = _prompt_ids(engine, [{"role": "user", "content": text_in}], chat=not args.no_chat)
         _check_context(engine, ids)
-        text, tokens = _stream(engine, ids, args, None if args.json else sys.stdout, grammar, stops)
+        harmony = engine.harmony and args.suffix is None and not args.no_chat
+        text, tokens, reasoning = _stream(engine, ids, args, None if args.json else sys.stdout, grammar, stops,
+                                          harmony)
         stats = engine.stats
         if args.json:
-            print(dumps({"text": text, "tokens": tokens, "prompt_tokens": len(ids), "stats": stats}))
+            answer = {"text": text, **({"reasoning": reasoning} if harmony else {})}
+            print(dumps({**answer, "tokens": tokens, "prompt_tokens": len(ids), "stats": stats}))
         else:
             sys.stdout.write("\n")
             sys.stdout.flush()
@@ -261,7 +282,7 @@ def chat(args: argparse.Namespace) -> int:
                 err.print(f"error: the conversation has {len(ids)} tokens; the model's context is "
                           f"{engine.config.max_position} (/reset to start over)", markup=False)
                 continue
-            reply, _ = _stream(engine, ids, args, sys.stdout)
+            reply, _, _ = _stream(engine, ids, args, sys.stdout, harmony=engine.harmony)
             sys.stdout.write("\n")
             sys.stdout.flush()
             messages.append({"role": "assistant", "content": reply.strip()})

@@ -12,11 +12,14 @@ class TextStream:
 
     With ``stop`` strings, text that may be the start of one is held back until it is known not to be, and
     the text ends before the first stop string (``stopped`` turns True); with ``min_tokens``, one that begins in
-    the text of the tokens before the min_tokens-th does not count (vLLM's min_tokens).
+    the text of the tokens before the min_tokens-th does not count (vLLM's min_tokens). ``skip_special_tokens``
+    False keeps special tokens' text (harmony's channel markers, kestrel_core.model.harmony).
     """
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), min_tokens: int = 0,
+                 skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
         self.min_tokens = min_tokens
         self.armed = 0 if not min_tokens else None  # where stop strings may begin, once min_tokens have come
@@ -29,7 +32,7 @@ class TextStream:
         self.stopped_by: str | None = None  # the stop string the text ended before
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token: int) -> str:
         """The new text that ``token`` completes ('' while a character is incomplete or held back)."""

@@ -26,6 +26,7 @@ from kestrel_core.model.config import SAMPLING_FIELDS, normalize_rope_scaling
 from kestrel_core.model.decoder import ACTIVATIONS, PREFILL_CHUNK, Decoder
 from kestrel_core.model.embed import EmbedJob
 from kestrel_core.model.grammar import Constraint, grammar_vocab
+from kestrel_core.model.harmony import is_harmony
 from kestrel_core.model.kv_pool import KVPool, SeqCache
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob, logprobs_of
 from kestrel_core.model.validate import ValidationError, is_int
@@ -147,6 +148,11 @@ class Engine:
             t0 = time.perf_counter()
             self.offload.preload(model)
             self.preload_s = time.perf_counter() - t0
+
+    @property
+    def harmony(self) -> bool:
+        """Whether the model answers in harmony's channels (gpt-oss; its chat template writes them)."""
+        return is_harmony(getattr(self.tokenizer, "chat_template", None))
 
     # -- lifecycle -----------------------------------------------------------------------------------
 

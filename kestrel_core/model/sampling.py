@@ -50,6 +50,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100]), OpenAI's
     grammar: str | None = None  # llguidance grammar text the answer must match (kestrel_core.model.grammar)
+    skip_special_tokens: bool = True  # vLLM's: special tokens' text is left out of the answer's text
 
     def check(self) -> SamplingParams:
         def bad(name: str, why: str) -> InvalidRequest:
@@ -83,8 +84,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise bad(name, f"must be a number in [-2, 2], got {value!r}")
-        if not isinstance(self.logprobs, bool):
-            raise bad("logprobs", f"must be a boolean, got {self.logprobs!r}")
+        for name in ("logprobs", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, f"must be a boolean, got {getattr(self, name)!r}")
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         if not isinstance(self.logit_bias, tuple) or len(self.logit_bias) > MAX_LOGIT_BIAS:

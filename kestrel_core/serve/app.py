@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 
 import kestrel_core
 from kestrel_core.errors import KestrelError
+from kestrel_core.model.harmony import is_harmony
 from kestrel_core.model.sampling import TokenLogprob
 from kestrel_core.serve import anthropic, generation, ollama, responses_api, scores, tokenize
 from kestrel_core.serve.access import AccessMiddleware, ApiKeyMiddleware
@@ -47,6 +48,7 @@ class Served:
         template = getattr(self.engine.tokenizer, "chat_template", None)
         self.tool_format = tool_format(template)
         self.thinks = thinks(template)  # its answers start with a reasoning block (serve/reasoning.py)
+        self.harmony = is_harmony(template)  # its answers are harmony's channels (kestrel_core.model.harmony)
         backend = getattr(self.engine.tokenizer, "backend", None)  # Mistral's [TOOL_CALLS] is a control token
         self.tool_calls_id = backend.token_to_id("[TOOL_CALLS]") if self.tool_format == MISTRAL and backend else None
 
@@ -101,8 +103,10 @@ class Served:
         # reasoning block
         reasoning = Reasoning(opens_in_prompt(prompt) and grammar is None) if self.thinks else None
         params = replace(_params(body, self.context_left(len(prompt_ids)), self), grammar=grammar)
+        if self.harmony and grammar is None:  # the channels are special tokens: their text must stay
+            params = replace(params, skip_special_tokens=False)
         shape = ChatShape(new_id("chatcmpl"), self.model_name, self.tokens, body.include_usage,
-                          body.continuous_usage, tools, reasoning)
+                          body.continuous_usage, tools, reasoning, harmony=self.harmony and grammar is None)
         one = generation.Prompt(prompt_ids, params, params.logprobs)
         return await generation.respond(self.async_engine, request, [one], shape, stream=bool(body.stream),
                                         prompt_param="messages", choices=body.choices)

@@ -406,7 +406,7 @@ def capabilities(served: Served) -> list[str]:
     caps = ["completion"]
     if served.tool_format is not None:
         caps.append("tools")
-    if served.thinks:
+    if served.thinks or served.harmony:
         caps.append("thinking")
     if fim_format(engine.tokenizer) is not None:
         caps.append("insert")

@@ -5,10 +5,10 @@ fields are strict (``"0.5"`` is not a temperature), so a wrong type is a 400 nam
 repeated here: ``SamplingParams.check`` is the one place that knows them, and its ``InvalidRequest`` names the field
 too. A sampling field a request leaves unset takes the sampling the model recommends (``Engine.sampling_defaults``:
 its generation_config.json, as vLLM reads it), else OpenAI's default; ``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids`` and ``min_tokens`` are vLLM's extensions. Fields kestrel cannot honour (image parts, a ``suffix``
-for a model without fill-in-the-middle tokens...) are refused rather than silently ignored, since ignoring them
-would change what the client gets. Tools are shown to the model by its chat template and the calls it writes are
-read back out of its answers (serve/tools.py); a forced call and a JSON ``response_format`` are grammars the answer
+``stop_token_ids``, ``min_tokens`` and ``skip_special_tokens`` are vLLM's extensions. Fields kestrel cannot honour
+(image parts, a ``suffix`` for a model without fill-in-the-middle tokens...) are refused rather than silently ignored,
+since ignoring them would change what the client gets. Tools are shown to the model by its chat template and the calls
+it writes are read back out of its answers (serve/tools.py); a forced call and a JSON ``response_format`` are grammars the answer
 keeps to (``grammar``, kestrel_core.model.grammar). ``n`` choices are ``n`` sequences of one prompt (with the prefix
 cache, the first computes it and the others attach its blocks); with a ``seed``, choice i samples with seed + i, so
 the choices differ and the request is reproducible. A completions request may hold several prompts (choice p * n + i
@@ -42,7 +42,7 @@ from kestrel_core.model.config import SAMPLING_FIELDS
 from kestrel_core.model.fim import fim_format, fim_prompt_ids
 from kestrel_core.model.grammar import json_schema_grammar
 from kestrel_core.model.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from kestrel_core.serve.tools import UNKNOWN, ToolCalls, call_grammar
+from kestrel_core.serve.tools import HARMONY, UNKNOWN, ToolCalls, call_grammar
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; kestrel's own SamplingParams default is greedy
 MAX_CHOICES = 128  # n, at most (OpenAI's bound)
@@ -185,6 +185,7 @@ class _Generation(RequestBody):
     ignore_eos: StrictBool | None = None  # an extension: generate max_tokens even past the end of text
     stop_token_ids: list[StrictInt] | None = None  # vLLM's extension: token ids that end the answer
     min_tokens: StrictInt | None = None  # vLLM's extension: no end of text, stop token or stop string before
+    skip_special_tokens: StrictBool | None = None  # vLLM's extension: special tokens' text left out (default)
     user: StrictStr | None = None
 
     @property
@@ -232,6 +233,7 @@ class _Generation(RequestBody):
             top_logprobs=top_logprobs,
             ignore_eos=bool(self.ignore_eos),
             logit_bias=self._logit_bias(),
+            skip_special_tokens=self.skip_special_tokens is not False,
         )
         return params.check()
 
@@ -286,6 +288,9 @@ class ChatCompletionRequest(_Generation):
         if self.tool_choice not in (None, "auto", "none"):
             if tools is None or not self.tools:
                 raise InvalidRequest("tool_choice forces a call, but the request offers no tools", param="tool_choice")
+            if tools.fmt == HARMONY:
+                raise InvalidRequest("tool_choice cannot force a call in harmony (gpt-oss) answers: the model "
+                                     'chooses ("auto")', param="tool_choice")
             if kind != "text":
                 raise InvalidRequest("a forced tool call and a JSON response_format cannot both shape the answer",
                                      param="response_format")

@@ -17,9 +17,11 @@ from typing import Any
 import numpy as np
 
 from kestrel_core.errors import KestrelError
+from kestrel_core.model import harmony
+from kestrel_core.model.harmony import HarmonyStream
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob
 from kestrel_core.serve.reasoning import Reasoning, ReasoningStream, split
-from kestrel_core.serve.tools import ToolCalls, ToolStream, parse
+from kestrel_core.serve.tools import ToolCall, ToolCalls, ToolStream, parse
 
 
 def new_id(prefix: str) -> str:
@@ -185,18 +187,21 @@ class _Shape:
 
 class ChatShape(_Shape):
     """``tools``: the request's tool calls (None: its answers are text), read out of each choice's content;
-    ``reasoning``: its answers' reasoning block (None: they have none), answered as ``reasoning_content``."""
+    ``reasoning``: its answers' reasoning block (None: they have none), answered as ``reasoning_content``;
+    ``harmony``: its answers are harmony's channels (gpt-oss), which hold the reasoning, content and calls."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, response_id: str, model: str, tokens: TokenStrings, include_usage: bool = False,
                  continuous_usage: bool = False, tools: ToolCalls | None = None,
-                 reasoning: Reasoning | None = None) -> None:
+                 reasoning: Reasoning | None = None, harmony: bool = False) -> None:
         super().__init__(response_id, model, tokens, include_usage, continuous_usage)
         self.tools = tools
         self.reasoning = reasoning
+        self.harmony = harmony
         self._streams: dict[int, tuple[ReasoningStream | None, ToolStream | None]] = {}
+        self._channels: dict[int, HarmonyStream] = {}
 
     def logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if entries is None:
@@ -210,12 +215,21 @@ class ChatShape(_Shape):
     def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
         text, reason = "".join(result.text), finish_reason(result.finish_reason)
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-        if self.reasoning is not None:
+        if self.harmony:
+            answer = harmony.parse(text)
+            message["content"] = answer.content
+            if answer.reasoning is not None:
+                message["reasoning_content"] = answer.reasoning
+            if self.tools is not None and answer.calls:
+                message["content"] = answer.content or None
+                message["tool_calls"] = self.tools.message_calls(self._calls(answer.calls))
+                reason = _calls_reason(reason)
+        elif self.reasoning is not None:
             thought, text = split(text, self.reasoning.open_in_prompt)
             message["content"] = text
             if thought is not None:
                 message["reasoning_content"] = thought
-        if self.tools is not None:
+        if self.tools is not None and not self.harmony:
             parsed = parse(self.tools.fmt, text, self.tools.parallel)
             if parsed.calls:
                 message["content"] = parsed.content
@@ -224,7 +238,14 @@ class ChatShape(_Shape):
         return {"index": index, "message": message, "logprobs": self.logprobs(result.logprobs),
                 "finish_reason": reason, "stop_reason": result.stop_reason}
 
+    def _calls(self, calls: tuple[harmony.HarmonyCall, ...]) -> tuple[ToolCall, ...]:
+        assert self.tools is not None
+        out = tuple(ToolCall(c.name, c.arguments) for c in calls)
+        return out if self.tools.parallel else out[:1]
+
     def stream_text(self, index: int, text: str) -> tuple[str, str]:
+        if self.harmony:
+            return self._channels.setdefault(index, HarmonyStream()).feed(text)
         if self.reasoning is None and self.tools is None:
             return "", text
         thinking, tools = self._streams.get(index) or self._streams.setdefault(index, (
@@ -239,8 +260,11 @@ class ChatShape(_Shape):
                       ) -> list[dict[str, Any]]:
         thinking, tools = self._streams.pop(index, (None, None))
         reasoning, rest = thinking.finish() if thinking is not None else ("", "")
-        chunks = [self.reasoning_chunk(reasoning, None, index)] if reasoning else []
         calls: tuple[Any, ...] = ()
+        if self.harmony:
+            reasoning, rest, said = self._channels.pop(index, HarmonyStream()).finish()
+            calls = self._calls(said) if self.tools is not None else ()
+        chunks = [self.reasoning_chunk(reasoning, None, index)] if reasoning else []
         if tools is not None:
             rest = tools.feed(rest)
             tail, calls = tools.finish()

@@ -4,8 +4,9 @@ the model writes are read back out of its text in the format that template teach
 ``tool_format(template)`` names the format from the template's source: ``hermes`` (Qwen2.5, Qwen3, Hermes:
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, anywhere in the answer), ``mistral``
 (``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``: the control token is not text, so the answer
-starts with the list) or ``llama3`` (Llama 3.1+: the answer is ``{"name": ..., "parameters": {...}}``, several
-separated by ``;``); None where the template never reads ``tools``. ``parse`` splits a whole answer into its
+starts with the list), ``llama3`` (Llama 3.1+: the answer is ``{"name": ..., "parameters": {...}}``, several
+separated by ``;``) or ``harmony`` (gpt-oss: a message to ``functions.NAME``, read with the answer's channels by
+kestrel_core.model.harmony); None where the template never reads ``tools``. ``parse`` splits a whole answer into its
 content and its calls; ``ToolStream`` does the same for a stream, sending content as soon as it cannot be the
 start of a call. An answer whose calls do not parse (bad JSON, a missing name) is content, as it came.
 """
@@ -25,8 +26,9 @@ import jinja2.meta
 
 from kestrel_core.model.detokenize import partial_suffix
 from kestrel_core.model.grammar import lark_grammar, lark_json
+from kestrel_core.model.harmony import is_harmony
 
-HERMES, MISTRAL, LLAMA3, UNKNOWN = "hermes", "mistral", "llama3", "unknown"
+HERMES, MISTRAL, LLAMA3, HARMONY, UNKNOWN = "hermes", "mistral", "llama3", "harmony", "unknown"
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.DOTALL)
 _OPENERS = {MISTRAL: "[", LLAMA3: "{"}  # formats whose answer is the calls alone, and how the calls start
@@ -45,6 +47,8 @@ def tool_format(template: str | None) -> str | None:
         return None  # the sandbox compiles it again and says what is wrong
     if "tools" not in reads:
         return None
+    if is_harmony(template):  # gpt-oss: a call is a message to functions.NAME (kestrel_core.model.harmony)
+        return HARMONY
     if HERMES_OPEN in template:
         return HERMES
     if "[TOOL_CALLS]" in template:

@@ -288,3 +288,26 @@ def test_all_decoding_rate_counts_only_while_every_stream_decodes() -> None:
     assert all_decoding_rate([a]) == 10 / 10
     assert all_decoding_rate([[0.0, 1.0], [5.0, 6.0]]) == 0.0  # never all at once
     assert all_decoding_rate([]) == 0.0
+
+
+def test_run_shows_a_harmony_answer_and_its_reasoning_apart(capsys, monkeypatch) -> None:
+    """gpt-oss answers in channels: run keeps the special tokens' text to read them, prints the final channel and
+    shows the analysis channel (the reasoning) on stderr; --json gives both."""
+    from kestrel_core.model.scheduler import RequestOutput
+
+    answer = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Paris."
+    skipped = []
+
+    def scripted(self, ids, params):  # type: ignore[no-untyped-def]
+        skipped.append(params.skip_special_tokens)
+        for k in range(0, len(answer), 4):
+            yield RequestOutput("r", [1], answer[k:k + 4], None, k + 4 >= len(answer), None, len(ids), k // 4 + 1)
+
+    monkeypatch.setattr(engine_mod.Engine, "stream", scripted)
+    monkeypatch.setattr(engine_mod.Engine, "harmony", property(lambda self: True))
+    code, out, err = _run(capsys, "run", "hi", "--preset", "tiny", "-n", "5", "--backend", "cpu")
+    assert (code, out, skipped) == (0, "Paris.\n", [False]) and "Think." in err and "<|" not in out + err
+    code, out, _ = _run(capsys, "run", "hi", "--preset", "tiny", "--json", "--backend", "cpu")
+    assert (json.loads(out)["text"], json.loads(out)["reasoning"]) == ("Paris.", "Think.")
+    code, out, _ = _run(capsys, "run", "hi", "--preset", "tiny", "--no-chat", "--backend", "cpu")
+    assert out == answer + "\n" and skipped[-1] is True  # no chat template: the model's raw text

@@ -28,3 +28,16 @@ def test_the_first_stop_string_in_the_text_ends_it_and_is_named() -> None:
     assert (text + stream.flush(), stream.stopped, stream.stopped_by) == ("a", True, "bc")
     plain = TextStream(Letters(), stop=("zz",))
     assert "".join(plain.push(t) for t in range(3)) + plain.flush() == "abc" and plain.stopped_by is None
+
+
+def test_special_tokens_keep_their_text_only_when_asked() -> None:
+    """Harmony's channel markers are special tokens: skip_special_tokens False keeps their text in the stream."""
+    from pathlib import Path
+
+    from kestrel_core.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_hf_dir(Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-qwen3")
+    ids = tok.encode("<|im_start|>assistant hello", add_special_tokens=False)
+    for skip, want in ((True, "assistant hello"), (False, "<|im_start|>assistant hello")):
+        stream = TextStream(tok, skip_special_tokens=skip)
+        assert "".join(stream.push(t) for t in ids) + stream.flush() == want

@@ -72,16 +72,18 @@ def http(method: str, url: str, body: Any = None, headers: dict[str, str] | None
 
 class Scripted(AsyncEngine):
     """An AsyncEngine whose answers are ``answers`` in order, 3 characters an output; the prompts it was given
-    are kept as text."""
+    are kept as text, and the sampling of each request."""
 
     def __init__(self, engine: Any) -> None:
         super().__init__(engine, max_batch=4)
         self.answers: list[str] = []
         self.prompts: list[str] = []
+        self.params: list[SamplingParams] = []
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         self.prompts.append(self.engine.tokenizer.decode(list(prompt_ids)))
+        self.params.append(params)
         text = self.answers.pop(0)
         pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
         for k, piece in enumerate(pieces):

@@ -29,8 +29,10 @@ def test_fields_reach_sampling_params() -> None:
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop) == (7, 0.0, 0.5, 3, 9, ("END",))
     assert (p.presence_penalty, p.frequency_penalty, p.logprobs, p.top_logprobs, p.ignore_eos) == \
         (0.5, -0.5, True, 4, True)
-    vllm = chat_request(min_p=0.1, repetition_penalty=1.1, stop_token_ids=[5, 7], min_tokens=2).sampling_params(100)
+    vllm = chat_request(min_p=0.1, repetition_penalty=1.1, stop_token_ids=[5, 7], min_tokens=2,
+                        skip_special_tokens=False).sampling_params(100)
     assert (vllm.min_p, vllm.repetition_penalty, vllm.stop_token_ids, vllm.min_tokens) == (0.1, 1.1, (5, 7), 2)
+    assert vllm.skip_special_tokens is False and chat_request().sampling_params(100).skip_special_tokens is True
     assert chat_request(max_tokens=7, max_completion_tokens=3).sampling_params(100).max_tokens == 3
     c = CompletionRequest.model_validate({"prompt": "x", "logprobs": 0, "stop": ["a", "b"]}).sampling_params(5)
     assert (c.logprobs, c.top_logprobs, c.stop, c.max_tokens) == (True, 0, ("a", "b"), 5)

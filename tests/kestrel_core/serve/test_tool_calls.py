@@ -73,9 +73,11 @@ def _fresh(pair: tuple[Scripted, openai.OpenAI]) -> Scripted:
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, tuple[Scripted, openai.OpenAI]]]:
-    """Scripted servers with the Hermes-style template and with its thinking variant (THINKING_TEMPLATE)."""
-    with _served(HERMES_TEMPLATE) as hermes, _served(THINKING_TEMPLATE) as thinking:
-        yield {"hermes": hermes, "thinking": thinking}
+    """Scripted servers with the Hermes-style template, its thinking variant (THINKING_TEMPLATE) and a harmony
+    one (HARMONY_TEMPLATE, gpt-oss's format)."""
+    with _served(HERMES_TEMPLATE) as hermes, _served(THINKING_TEMPLATE) as thinking, \
+            _served(HARMONY_TEMPLATE) as harmony:
+        yield {"hermes": hermes, "thinking": thinking, "harmony": harmony}
 
 
 @pytest.fixture
@@ -326,3 +328,63 @@ def test_chat_template_kwargs_reach_the_template(thinking: Scripted, thinking_cl
     with pytest.raises(openai.BadRequestError) as info:
         _answer(thinking, thinking_client, "x", extra_body={"chat_template_kwargs": {"tools": []}})
     assert info.value.body["param"] == "chat_template_kwargs"
+
+
+# gpt-oss's harmony format as its template writes it (written for these tests): channels, a developer message
+# with the tools as a namespace, calls as messages to functions.NAME
+HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}\n\n"
+    "# Valid channels: analysis, commentary, final.<|end|>"
+    "{%- if tools %}<|start|>developer<|message|># Tools\n\nnamespace functions {\n"
+    "{%- for tool in tools %}\ntype {{ tool.function.name }} = (_: any) => any;{%- endfor %}\n"
+    "} // namespace functions<|end|>{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>"
+    "{%- else %}<|start|>{{ message.role }}<|message|>{{ message.content }}<|end|>{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|start|>assistant{%- endif %}")
+HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather in Paris.<|end|><|start|>assistant<|channel|>commentary"
+                ' to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
+
+
+@pytest.fixture
+def harmony(servers: dict[str, tuple[Scripted, openai.OpenAI]]) -> tuple[Scripted, openai.OpenAI]:
+    return _fresh(servers["harmony"]), servers["harmony"][1]
+
+
+def test_harmony_channels_are_reasoning_content_and_calls(harmony: tuple[Scripted, openai.OpenAI]) -> None:
+    """gpt-oss's analysis channel is the reasoning, its final channel the content, a message to functions.NAME a
+    call; the channels are special tokens, so the server keeps their text in the answer it reads."""
+    scripted, client = harmony
+    message = _answer(scripted, client, HARMONY_CALL).choices[0].message
+    assert scripted.params[-1].skip_special_tokens is False
+    assert "namespace functions" in scripted.prompts[-1] and scripted.prompts[-1].endswith("<|start|>assistant")
+    assert message.reasoning_content == "Need the weather in Paris." and not message.content
+    (call,) = message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    choice = _answer(scripted, client, "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>"
+                     "final<|message|>Sunny.<|return|>", tools=None).choices[0]
+    assert (choice.message.reasoning_content, choice.message.content, choice.finish_reason) == \
+        ("Easy.", "Sunny.", "stop")
+    assert _answer(scripted, client, "Sunny, no channels.", tools=None).choices[0].message.content == \
+        "Sunny, no channels."
+
+
+def test_harmony_streams_reasoning_then_content_then_calls(harmony: tuple[Scripted, openai.OpenAI]) -> None:
+    scripted, client = harmony
+    scripted.answers.append("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>"
+                            "commentary<|message|>Let me look.<|end|>" + HARMONY_CALL.split("<|end|>", 1)[1])
+    chunks = [c for c in client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER], stream=True)
+              if c.choices]
+    deltas = [c.choices[0].delta for c in chunks]
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    content = "".join(d.content or "" for d in deltas)
+    assert (reasoning, content) == ("Need the weather.", "Let me look.") and "<|" not in reasoning + content
+    calls = [c for d in deltas for c in d.tool_calls or []]
+    assert [c.function.name for c in calls] == ["get_weather"] and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_harmony_cannot_force_a_call(harmony: tuple[Scripted, openai.OpenAI]) -> None:
+    scripted, client = harmony
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER], tool_choice="required")
+    assert info.value.body["param"] == "tool_choice" and "harmony" in info.value.body["message"]
