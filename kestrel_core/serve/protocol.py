@@ -6,15 +6,16 @@ repeated here: ``SamplingParams.check`` is the one place that knows them, and it
 too. A sampling field a request leaves unset takes the sampling the model recommends (``Engine.sampling_defaults``:
 its generation_config.json, as vLLM reads it), else OpenAI's default; ``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``min_tokens`` and ``skip_special_tokens`` are vLLM's extensions. Fields kestrel cannot honour
-(image parts, a ``suffix`` for a model without fill-in-the-middle tokens...) are refused rather than silently ignored,
-since ignoring them would change what the client gets. Tools are shown to the model by its chat template and the calls
-it writes are read back out of its answers (serve/tools.py); a forced call and a JSON ``response_format`` are
-grammars the answer keeps to (``grammar``, kestrel_core.model.grammar). ``n`` choices are ``n`` sequences of one prompt (with the prefix
-cache, the first computes it and the others attach its blocks); with a ``seed``, choice i samples with seed + i, so
-the choices differ and the request is reproducible. A completions request may hold several prompts (choice p * n + i
-is prompt p's i-th) and ``echo`` them, with their tokens' logprobs and, with ``max_tokens`` 0, nothing generated:
-what evaluation harnesses send to score text, or give a ``suffix``: each prompt is then the prefix of a
-fill-in-the-middle prompt (kestrel_core.model.fim), what code editors send.
+(image parts, a ``suffix`` for a model without fill-in-the-middle tokens...) are refused rather than silently
+ignored, since ignoring them would change what the client gets. Tools are shown to the model by its chat template
+and the calls it writes are read back out of its answers (serve/tools.py); a forced call and a JSON
+``response_format`` are grammars the answer keeps to (``grammar``, kestrel_core.model.grammar). ``n`` choices are
+``n`` sequences of one prompt (with the prefix cache, the first computes it and the others attach its blocks); with
+a ``seed``, choice i samples with seed + i, so the choices differ and the request is reproducible. A completions
+request may hold several prompts (choice p * n + i is prompt p's i-th) and ``echo`` them, with their tokens'
+logprobs and, with ``max_tokens`` 0, nothing generated: what evaluation harnesses send to score text, or give a
+``suffix``: each prompt is then the prefix of a fill-in-the-middle prompt (kestrel_core.model.fim), what code
+editors send.
 
 The responses' shapes are serve/responses.py's.
 """
