@@ -354,6 +354,7 @@ class GGUFCheckpoint:
             if name is not None:
                 self._tensors[name] = t
         self._rope_freqs = next((t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None)
+        self.fp4_experts = any(t.tensor_type.name == "MXFP4" for t in self.reader.tensors)
         self._rope_factors = {t.name: t for t in self.reader.tensors if t.name.startswith("rope_factors_")}
         self.config = self._config()
         for layer, members, t in split:  # rows of the fused tensor in member order

@@ -495,6 +495,7 @@ class HFCheckpoint:
         self._handles: dict[Path, Any] = {}
         self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}
         self._index()
+        self.fp4_experts = any(name.endswith("_blocks") for name in self._paths)  # gpt-oss as OpenAI ships it
         pooling = sentence_transformers_pooling(self.dir)
         if pooling is not None:  # an embedding model; its unused output head, often left out, is the embedding's
             tied = self.config.tie_word_embeddings or not self.has("lm_head")

@@ -71,6 +71,9 @@ def write_artifact(loaded: LoadedModel, path: str | os.PathLike[str], *, force: 
 
 
 def _quantize(ckpt: Any, quant: str, what: str) -> Model:
+    if getattr(ckpt, "fp4_experts", False) and parse_quant(quant).bits == 4:
+        log.warning("%s: its experts are MXFP4 (FP4 codes, which int4's even steps cannot hold): %s re-rounds "
+                    "them, q8 keeps them to its own rounding (docs/parity.md)", what, quant)
     with progress_bar(f"quantizing {what} ({quant})", unit="weights") as report:
         return quantize_model(ckpt, quant, progress=report)
 

@@ -99,6 +99,13 @@ PRESETS: dict[str, ModelConfig] = {
                                  shared_expert_intermediate_size=5632),
     "mixtral-8x7b": _preset("mixtral", 32000, 4096, 14336, 32, 32, 8, 128, 1e6, 1e-5, 32768, False,
                             num_experts=8, experts_per_token=2, expert_intermediate_size=14336, norm_topk_prob=True),
+    "gpt-oss-20b": _preset("gpt_oss", 201088, 2880, 2880, 24, 64, 8, 64, 150000.0, 1e-5, 131072, False,
+                           rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                                         "attention_factor": 0.1 * math.log(32.0) + 1, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "truncate": False},
+                           sliding_window=128, layer_types=tuple("full" if i % 2 else "sliding" for i in range(24)),
+                           qkv_bias=True, o_bias=True, attn_sinks=True, num_experts=32, experts_per_token=4,
+                           expert_intermediate_size=2880, norm_topk_prob=True, moe_bias=True, activation="swiglu_oai"),
 }
 
 

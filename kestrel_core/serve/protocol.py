@@ -131,8 +131,8 @@ class ChatMessage(RequestBody):
             message["tool_calls"] = [call.for_template() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
-        if self.reasoning_content is not None:
-            message["reasoning_content"] = self.reasoning_content
+        if self.reasoning_content is not None:  # the field as Qwen's templates read it, and as gpt-oss's does
+            message["reasoning_content"] = message["thinking"] = self.reasoning_content
         return message
 
 

@@ -278,3 +278,14 @@ def test_mxfp4_experts_are_decoded_as_transformers_writes_them(tmp_path: Path) -
 
     with pytest.raises(KestrelError, match=r"layers\.1\.experts\.2\.(gate|up).*(NaN|infinit)"):
         quantize_model(HFCheckpoint(_mxfp4_copy(tmp_path / "b", nan_scale)), "q8")
+
+
+def test_q4_of_mxfp4_experts_says_what_it_costs(caplog) -> None:  # type: ignore[no-untyped-def]
+    from kestrel_core.model.loader import load_model
+
+    for path, quant, warned in ((GPT_OSS_MXFP4, "q4", True), (GPT_OSS_MXFP4, "q8", False),
+                                (GPT_OSS_MXFP4.parent / "tiny-gpt-oss", "q4", False),
+                                (GPT_OSS_MXFP4.parent / "tiny-gpt-oss.gguf", "q4-g256", True)):
+        caplog.clear()
+        load_model(str(path), quant, cache="off")
+        assert any("experts are MXFP4" in r.getMessage() for r in caplog.records) == warned, (path, quant)

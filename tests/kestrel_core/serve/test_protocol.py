@@ -114,7 +114,8 @@ def test_engine_errors_map_to_statuses() -> None:
 
 
 def test_tool_calls_and_results_for_the_template() -> None:
-    """Hugging Face templates read a call's arguments as an object; text that is not a JSON object stays text."""
+    """Hugging Face templates read a call's arguments as an object; text that is not a JSON object stays text. An
+    earlier answer's reasoning is there as Qwen's templates (reasoning_content) and gpt-oss's (thinking) read it."""
     calls = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": a}}
              for i, a in enumerate(['{"x": 1}', "not json", "[1]"])]
     req = ChatCompletionRequest.model_validate({"messages": [
@@ -127,7 +128,7 @@ def test_tool_calls_and_results_for_the_template() -> None:
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "not json"}},
             {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]},
         {"role": "tool", "content": "done", "tool_call_id": "c0"},
-        {"role": "assistant", "content": "Done.", "reasoning_content": "It worked."}]
+        {"role": "assistant", "content": "Done.", "reasoning_content": "It worked.", "thinking": "It worked."}]
 
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}
