@@ -80,7 +80,7 @@ class _Generation(RequestBody):
     format: Literal["json"] | dict[str, Any] | None = None
     options: Options | None = None
     stream: StrictBool = True
-    think: StrictBool | None = None
+    think: StrictBool | Literal["low", "medium", "high"] | None = None  # a level: gpt-oss's reasoning effort
     keep_alive: Any = None  # a model stays loaded while the server runs
 
     def sampling(self, stream: bool, recommended: Mapping[str, float]) -> dict[str, Any]:
@@ -110,7 +110,13 @@ class _Generation(RequestBody):
         return None
 
     def template_kwargs(self) -> dict[str, Any] | None:
-        return None if self.think is None else {"enable_thinking": self.think}  # Qwen3's switch
+        """Qwen3's switch (``enable_thinking``), or with a level gpt-oss's ``reasoning_effort``, as Ollama passes
+        them to the template."""
+        if self.think is None:
+            return None
+        if isinstance(self.think, str):
+            return {"enable_thinking": True, "reasoning_effort": self.think}
+        return {"enable_thinking": self.think}
 
 
 class ChatBody(_Generation):

@@ -24,7 +24,7 @@ from kestrel_core.serve.server import KestrelServer
 
 from ..model.test_fim import fim_engine
 from .helpers import Scripted, http, openai_client, running_server
-from .test_tool_calls import PARIS, THINKING_TEMPLATE, WEATHER
+from .test_tool_calls import HARMONY_CALL, HARMONY_TEMPLATE, PARIS, THINKING_TEMPLATE, WEATHER
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 NAME = "tiny"
@@ -179,6 +179,29 @@ def test_tool_calls_and_thinking_come_back_in_ollamas_shape(scripted: tuple[Scri
     prompt = front.prompts[-1]
     assert '"arguments": {"city": "Paris"}' in prompt and "<tool_response>\n22 C, sunny" in prompt
     assert prompt.rstrip().endswith("<think>\n\n</think>")  # think=False: the template's enable_thinking
+
+
+def test_gpt_oss_thinks_at_the_level_asked_and_answers_in_ollamas_shape(engine: Any) -> None:
+    """A harmony model (gpt-oss): ``think`` as a level is its reasoning effort; its analysis channel comes back as
+    ``thinking``, its final channel as the content, a message to functions.NAME as a call."""
+    template = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = HARMONY_TEMPLATE
+    try:
+        front = Scripted(engine)
+        with running_server(front, NAME) as s:
+            ol = ollama.Client(host=s.url)
+            assert ol.show("tiny").capabilities == ["completion", "tools", "thinking"]
+            front.answers.append("<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final"
+                                 "<|message|>Paris.<|return|>")
+            got = ol.chat(model="tiny", messages=[{"role": "user", "content": "Capital of France?"}], think="high")
+            assert (got.message.thinking, got.message.content) == ("Easy.", "Paris.")
+            assert "Reasoning: high" in front.prompts[-1]
+            front.answers.append(HARMONY_CALL)
+            got = ol.chat(model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER])
+            (call,) = got.message.tool_calls
+            assert (call.function.name, dict(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    finally:
+        engine.tokenizer.chat_template = template
 
 
 def test_generate_with_a_suffix_fills_the_middle() -> None:
