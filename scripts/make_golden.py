@@ -39,6 +39,8 @@ Writes under tests/fixtures/models/:
                 the clamped SwiGLU, YaRN without truncation, bfloat16, expert weights on the MXFP4 grid
   tiny-gpt-oss-mxfp4/  the same weights with the experts as MXFP4 blocks and scales; golden = tiny-gpt-oss's
   tiny-gpt-oss.gguf  llama.cpp's gpt-oss layout (MXFP4 experts, gate and up split); golden = tiny-gpt-oss's
+  tiny-smollm3/ SmolLM3ForCausalLM: 4 layers, the 4th without RoPE, tied, bfloat16
+  tiny-smollm3.gguf  llama.cpp's smollm3 (llama's layout, Q/K permuted); golden = tiny-smollm3's
   smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
   MANIFEST.json  versions, shapes, logit ranges, the command
 Every model directory holds golden.npz: ``ids`` int64 [T] and ``logits`` float32 [T, vocab], computed in
@@ -76,6 +78,7 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    SmolLM3Config,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -243,6 +246,9 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
                            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                             "truncate": False, "original_max_position_embeddings": 64,
                                             "rope_theta": 150000.0})
+    # SmolLM3: llama's layers, every 4th without RoPE (layer 3 of 4), as its config and llama.cpp both count them
+    smollm3 = SmolLM3Config(**common, num_hidden_layers=4, intermediate_size=128, tie_word_embeddings=True,
+                            rope_theta=10000.0, use_sliding_window=False, no_rope_layer_interval=4, pad_token_id=None)
     mixtral = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
                             num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None)
     return {
@@ -260,6 +266,7 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
                                                "classic_config": True, "short": 24}),
         "tiny-qwen3-yarn": (qwen3_yarn, {"dtype": torch.float16, "max_shard_size": None, "classic_config": True}),
         "tiny-gpt-oss": (gpt_oss, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
+        "tiny-smollm3": (smollm3, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
     }
 
 
@@ -504,6 +511,30 @@ def write_llama_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
         put(f"blk.{i}.ffn_down.weight", tensors[p + "mlp.down_proj.weight"], kind)
     put("output_norm.weight", tensors["model.norm.weight"], "f32")
     put("output.weight", tensors["lm_head.weight"], "q8_0")
+    return _gguf_finish(w, src, dst)
+
+
+def write_smollm3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-smollm3 as llama.cpp's SmolLM3Model (LlamaModel's converter) writes it: Q/K rows permuted, no output
+    tensor (tied); which layers have no RoPE is llama.cpp's fixed rule, not in the file."""
+    cfg = json.loads((src / "config.json").read_text())
+    tensors = _float32_tensors(src / "model.safetensors")
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = _gguf_writer(dst, "smollm3", src.name, cfg, tok)
+    put = _gguf_put(w)
+    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        kind = "q4_0" if i % 2 == 0 else "f16"
+        put(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"], "f32")
+        put(f"blk.{i}.attn_q.weight", llamacpp_permute(tensors[p + "self_attn.q_proj.weight"], n_head, n_head), kind)
+        put(f"blk.{i}.attn_k.weight", llamacpp_permute(tensors[p + "self_attn.k_proj.weight"], n_head, n_kv), kind)
+        put(f"blk.{i}.attn_v.weight", tensors[p + "self_attn.v_proj.weight"], kind)
+        put(f"blk.{i}.attn_output.weight", tensors[p + "self_attn.o_proj.weight"], kind)
+        put(f"blk.{i}.ffn_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
+        for proj in ("gate", "up", "down"):
+            put(f"blk.{i}.ffn_{proj}.weight", tensors[p + f"mlp.{proj}_proj.weight"], kind)
+    put("output_norm.weight", tensors["model.norm.weight"], "f32")
     return _gguf_finish(w, src, dst)
 
 
@@ -832,7 +863,8 @@ def build_smollm(gguf_path: Path) -> dict[str, Any]:
 GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "tiny-gemma2": write_gemma_gguf,
               "tiny-qwen3-moe": write_qwen3_moe_gguf, "tiny-mixtral": write_mixtral_gguf,
               "tiny-qwen2-moe": write_qwen2_moe_gguf, "tiny-phi3-longrope": write_phi3_gguf,
-              "tiny-qwen3-yarn": write_qwen3_gguf, "tiny-gpt-oss": write_gpt_oss_gguf}
+              "tiny-qwen3-yarn": write_qwen3_gguf, "tiny-gpt-oss": write_gpt_oss_gguf,
+              "tiny-smollm3": write_smollm3_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
 DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
 

@@ -12,7 +12,7 @@ from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.validate import ValidationError, check_bool, check_float, check_int, is_int
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
-                 "mixtral", "gpt_oss")
+                 "mixtral", "gpt_oss", "smollm3")
 POOLINGS = ("last", "mean", "cls")  # how an embedding pools the final hidden states: last, mean or first token
 # of the gate: SwiGLU, GeGLU with the tanh GELU (Gemma), or gpt-oss's clamped SwiGLU: gate g clamped to at most
 # swiglu_limit, up u to +-swiglu_limit, then (u + 1) * g * sigmoid(swiglu_alpha * g)
@@ -55,6 +55,7 @@ class ModelConfig:
     # per layer "full" or "sliding" (Gemma 3); empty: every layer is windowed when sliding_window is set
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None  # Gemma 3: the RoPE base of sliding layers (unscaled); None: rope_theta
+    nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers whose attention has no RoPE at all
     query_scale: float | None = None  # the attention's query scale; None: 1/sqrt(head_dim)
     embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden_size)
     activation: str = "silu"  # one of ACTIVATIONS
@@ -95,7 +96,10 @@ class ModelConfig:
         return self.sliding_window
 
     def rope_of(self, layer: int) -> tuple[float, dict[str, Any] | None]:
-        """(RoPE base, scaling) of ``layer``: Gemma 3's sliding layers have their own, unscaled base."""
+        """(RoPE base, scaling) of ``layer``: Gemma 3's sliding layers have their own, unscaled base; SmolLM3's
+        NoPE layers turn nothing (NO_ROPE)."""
+        if layer in self.nope_layers:
+            return self.rope_theta, NO_ROPE
         if self.rope_local_theta is not None and self.window_of(layer) is not None:
             return self.rope_local_theta, None
         return self.rope_theta, self.rope_scaling
@@ -121,8 +125,9 @@ class ModelConfig:
         if not isinstance(eos, (list, tuple)):
             raise ValidationError(f"eos_token_ids must be a list of token ids, got {eos!r}")
         d["eos_token_ids"] = tuple(eos)
-        if isinstance(d.get("layer_types"), list):  # JSON has no tuples
-            d["layer_types"] = tuple(d["layer_types"])
+        for name in ("layer_types", "nope_layers"):  # JSON has no tuples
+            if isinstance(d.get(name), list):
+                d[name] = tuple(d[name])
         return cls(**d)
 
 
@@ -160,6 +165,8 @@ def validate_config(c: ModelConfig) -> None:
         raise ValidationError("layer_types has sliding layers but sliding_window is not set")
     if c.rope_local_theta is not None:
         check_float("rope_local_theta", c.rope_local_theta, 0.0, lo_open=True)
+    if not isinstance(c.nope_layers, tuple) or not all(is_int(i) and 0 <= i < c.num_layers for i in c.nope_layers):
+        raise ValidationError(f"nope_layers must be layer indices in [0, {c.num_layers}), got {c.nope_layers!r}")
     if c.query_scale is not None:
         check_float("query_scale", c.query_scale, 0.0, lo_open=True)
     check_float("embed_scale", c.embed_scale, 0.0, lo_open=True)
@@ -214,6 +221,7 @@ def check_sampling(sampling: Any) -> None:
 
 
 ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")
+NO_ROPE = {"rope_type": "none"}  # rope_of's scaling of a layer without RoPE (every angle 0)
 
 
 def check_rope_scaling(s: Any, pairs: int) -> None:

@@ -32,10 +32,13 @@ from kestrel_core.model.quantize import fused_rows, layer_name, map_tensor_name
 from kestrel_core.model.validate import ValidationError, check_float, check_int, check_regular_file, open_regular
 from kestrel_core.model.weights import expert_field
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
+                      "smollm3")
 MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}  # with experts
 EXPERT_WEIGHTS_NORM = {"qwen2moe": False}  # llama.cpp's default where expert_weights_norm is absent: true
-PERMUTED_ARCHITECTURES = ("llama", "mixtral")  # kestrel's names: a llama GGUF with experts is Mixtral
+# kestrel's names: a llama GGUF with experts is Mixtral; SmolLM3's converter is llama's
+PERMUTED_ARCHITECTURES = ("llama", "mixtral", "smollm3")
+SMOLLM3_NOPE_STEP = 4  # llama.cpp's: every 4th layer of SmolLM3 has no RoPE (the file does not say)
 # phi3 GGUFs hold Q|K|V and gate|up (llama.cpp's ffn_up of phi3: gate rows, then up) as one tensor each
 FUSED = {"phi3": {"attn_qkv.weight": ("q", "k", "v"), "ffn_up.weight": ("gate", "up")}}
 
@@ -556,6 +559,8 @@ class GGUFCheckpoint:
                 out["attn_softcap"] = self.float_field(f"{arch}.attn_logit_softcapping", 50.0)
                 out["final_softcap"] = self.float_field(f"{arch}.final_logit_softcapping", 30.0)
             return out
+        if arch == "smollm3":
+            return {"nope_layers": tuple(i for i in range(layers) if (i + 1) % SMOLLM3_NOPE_STEP == 0)}
         experts = self.int_field(f"{arch}.expert_count", 0, lo=0) or 0
         if arch == "gpt-oss":  # biases everywhere, sinks, the clamped SwiGLU (llama.cpp's fixed limit and slope)
             return {"arch": "gpt_oss", "num_experts": experts,

@@ -38,11 +38,13 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "Gemma3ForCausalLM": "gemma3",
                     "Gemma3ForConditionalGeneration": "gemma3", "Qwen2MoeForCausalLM": "qwen2_moe",
                     "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral", "GptOssForCausalLM": "gpt_oss",
+                    "SmolLM3ForCausalLM": "smollm3",
                     # the decoder without its head, as embedding checkpoints (e5-mistral, ...) name it
                     "LlamaModel": "llama", "Qwen2Model": "qwen2", "Qwen3Model": "qwen3", "MistralModel": "mistral"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen2_moe": "qwen2_moe",
-               "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss"}
+               "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss",
+               "smollm3": "smollm3"}
 WINDOWED = ("mistral", "phi3", "mixtral")  # architectures whose sliding_window applies to every layer
 # Gemma3TextConfig's defaults: hub configs (the text_config of the multimodal checkpoints) leave many out
 GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -242,6 +244,20 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
     }
 
 
+def _nope_layers(cfg: dict[str, Any], where: str) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: ``no_rope_layers`` (per layer, 1: RoPE, 0: none), else every
+    ``no_rope_layer_interval``-th layer (default 4), as SmolLM3Config computes it."""
+    layers = cfg["num_hidden_layers"]
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = cfg.get("no_rope_layer_interval", 4)
+        check_int("no_rope_layer_interval", interval, 1)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if not isinstance(flags, list) or len(flags) != layers or not all(f in (0, 1) for f in flags):
+        raise KestrelError(f"{where}: no_rope_layers must be a 0/1 flag for each of the {layers} layers")
+    return tuple(i for i, f in enumerate(flags) if not f)
+
+
 def _rope_scaling(arch: str, cfg: dict[str, Any], scaling: Any, where: str) -> dict[str, Any] | None:
     """The rope scaling as transformers resolves it: a top-level original_max_position_embeddings wins over the
     scaling's own (Phi3Config always has one, 4096 by default)."""
@@ -337,11 +353,11 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
     arch = _architecture(cfg, where)
     if cfg.get("mlp_bias"):
         raise KestrelError(f"{where}: mlp_bias is not supported")
-    if arch in ("llama", "gemma2", "gemma3") and cfg.get("attention_bias"):
+    if arch in ("llama", "smollm3", "gemma2", "gemma3") and cfg.get("attention_bias"):
         raise KestrelError(f"{where}: {arch} attention_bias (with an o_proj bias) is not supported")
     if cfg.get("is_causal") is False:
         raise KestrelError(f"{where}: is_causal false (bidirectional attention) is not supported")
-    if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and cfg.get("use_sliding_window"):
+    if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3") and cfg.get("use_sliding_window"):
         raise KestrelError(f"{where}: {arch} use_sliding_window (sliding-window attention from layer "
                            f"max_window_layers on) is not supported")
     try:
@@ -366,6 +382,8 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         }
         if arch in GEMMA_ARCHITECTURES:
             fields.update(_gemma_fields(arch, cfg, where))
+        if arch == "smollm3":
+            fields["nope_layers"] = _nope_layers(cfg, where)
         if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"):
             fields.update(_moe_fields(arch, cfg, where))
         return ModelConfig(

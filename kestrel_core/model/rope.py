@@ -29,6 +29,8 @@ def rope_inv_freq(config: ModelConfig, layer: int | None = None) -> np.ndarray:
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     base = np.power(np.float32(theta), exponents)  # [dim/2]
     kind = None if scaling is None else scaling["rope_type"]
+    if kind == "none":  # a NoPE layer (SmolLM3): no pair turns
+        return np.zeros(config.head_dim // 2, np.float32)
     if kind == "longrope":
         long = config.max_position > scaling["original_max_position_embeddings"]
         ext = np.asarray(scaling["long_factor" if long else "short_factor"], np.float32)

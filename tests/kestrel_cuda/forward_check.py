@@ -247,10 +247,12 @@ def random_tokens(cfg: ModelConfig, n: int, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, cfg.vocab_size, n)
 
 
-def assert_in_the_band(model, n_tokens: int, n_prefill: int) -> DeviceForward:  # type: ignore[no-untyped-def]
+def assert_in_the_band(model, n_tokens: int, n_prefill: int,  # type: ignore[no-untyped-def]
+                       tokens: np.ndarray | None = None) -> DeviceForward:
     """A prefill of ``n_prefill`` tokens and decode steps to ``n_tokens`` over the numpy mirrors: the CPU
-    decoder's logits within the band. Returns the forward, for its counters."""
-    toks = random_tokens(model.config, n_tokens)
+    decoder's logits within the band. ``tokens``: these (default: random ones). Returns the forward, for its
+    counters."""
+    toks = random_tokens(model.config, n_tokens) if tokens is None else np.asarray(tokens[:n_tokens])
     ref = cpu_logits(model, toks, n_prefill)
     fwd = DeviceForward(ops=NumpyOps())
     result = compare(device_logits(fwd, model, toks, n_prefill), ref, jitter_effect(model, toks, n_prefill, ref))
