@@ -141,6 +141,11 @@ def _model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
                    help="the context in tokens, at most the model's (default: the model's); a smaller one sizes "
                         "the KV cache down and, for a longrope model within its pretraining context, takes its "
                         "short RoPE factors")
+    p.add_argument("--lora", default=None, metavar="DIR",
+                   help="a PEFT LoRA adapter (adapter_config.json, adapter_model.safetensors) merged into the "
+                        "model's weights as they load (a Hugging Face directory or a GGUF file)")
+    p.add_argument("--lora-scale", type=float, default=1.0, metavar="S",
+                   help="times the adapter's own scale, lora_alpha / r (default: 1)")
     p.add_argument("--rope-scaling", default=None, metavar="JSON",
                    help="RoPE scaling in place of the model's, as config.json's rope_scaling (or @file), e.g. "
                         "'{\"rope_type\":\"yarn\",\"factor\":4.0,\"original_max_position_embeddings\":32768}' "

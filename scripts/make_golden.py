@@ -41,6 +41,7 @@ Writes under tests/fixtures/models/:
   tiny-gpt-oss.gguf  llama.cpp's gpt-oss layout (MXFP4 experts, gate and up split); golden = tiny-gpt-oss's
   tiny-smollm3/ SmolLM3ForCausalLM: 4 layers, the 4th without RoPE, tied, bfloat16
   tiny-smollm3.gguf  llama.cpp's smollm3 (llama's layout, Q/K permuted); golden = tiny-smollm3's
+  tiny-llama-lora/  a PEFT LoRA adapter of tiny-llama (rank 4 on q, v, o, down); its golden.npz: transformers + PEFT
   smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
   MANIFEST.json  versions, shapes, logit ranges, the command
 Every model directory holds golden.npz: ``ids`` int64 [T] and ``logits`` float32 [T, vocab], computed in
@@ -703,6 +704,40 @@ def write_gpt_oss_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     return _gguf_finish(w, src, dst)
 
 
+LORA_STD = 0.1  # A and B entries: (alpha / r) * B @ A moves the weights by about a third of their own spread
+
+
+@torch.no_grad()
+def build_lora(base: Path, dst: Path, seed: int) -> dict[str, Any]:
+    """A PEFT LoRA adapter of the tiny model ``base`` (rank 4, alpha 8, on q, v, o and down) with random A and B,
+    saved as PEFT saves it; golden.npz holds transformers + PEFT's logits on ``base``'s golden ids."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+                        lora_dropout=0.0, bias="none")
+    peft = get_peft_model(model, config)
+    rng = np.random.default_rng(seed)
+    for name, p in peft.named_parameters():
+        if "lora_" in name:
+            p.copy_(torch.from_numpy(LORA_STD * rng.standard_normal(tuple(p.shape)).astype(np.float32)))
+    peft.save_pretrained(dst, safe_serialization=True)
+    (dst / "README.md").unlink(missing_ok=True)  # PEFT's model card template
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = base.name  # not this machine's path
+    (dst / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    ids = np.load(base / "golden.npz")["ids"]
+    reloaded = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager"), dst)
+    reloaded.eval()
+    logits = reloaded(torch.from_numpy(ids[None].astype(np.int64))).logits[0].float().numpy()
+    np.savez(dst / "golden.npz", ids=ids, logits=logits.astype(np.float32))
+    return {"dir": dst.name, "base": base.name, "seed": seed, "files": sorted(p.name for p in dst.iterdir()),
+            **logit_stats(logits)}
+
+
 def _float32_tensors(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of a safetensors file as float32 (bfloat16 too, which safetensors' numpy loader refuses)."""
     from safetensors.torch import load_file
@@ -867,6 +902,8 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-smollm3": write_smollm3_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
 DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
+# LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is
+ADAPTERS = {"tiny-llama-lora": ("tiny-llama", 101)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -886,11 +923,18 @@ def main(argv: list[str] | None = None) -> int:
                 "transformers": transformers.__version__, "gguf": _version("gguf"),
                 "tokenizers": tokenizers.__version__, "numpy": np.__version__}
     manifest.setdefault("models", {})
+    if args.model in ADAPTERS:
+        base, seed = ADAPTERS[args.model]
+        manifest["models"][args.model] = {**build_lora(OUT / base, OUT / args.model, seed),
+                                          "command": f"python scripts/make_golden.py --model {args.model}",
+                                          "versions": {**versions, "peft": _version("peft")}}
+        manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        return 0
     if args.model:
         tok = train_tokenizer()
         configs = tiny_configs(tok)
         if args.model not in configs:
-            raise SystemExit(f"--model: one of {', '.join(configs)}")
+            raise SystemExit(f"--model: one of {', '.join([*configs, *ADAPTERS])}")
         config, opts = configs[args.model]
         seed = list(configs).index(args.model) + 1
         entry = build_tiny(args.model, config, opts, tok, seed)
@@ -918,6 +962,8 @@ def main(argv: list[str] | None = None) -> int:
             manifest["models"][f"{name}.gguf"] = {**write(OUT / name, OUT / f"{name}.gguf", tok), "command": command}
         for name, (twin, write) in DIR_TWINS.items():
             manifest["models"][twin] = {**write(OUT / name, OUT / twin, tok), "command": command}
+        for name, (base, seed) in ADAPTERS.items():
+            manifest["models"][name] = {**build_lora(OUT / base, OUT / name, seed), "command": command}
     if args.only in (None, "smollm"):
         manifest["models"]["smollm2"] = {**build_smollm(args.smollm), "command": command}
         print(f"smollm2: {manifest['models']['smollm2']}", file=sys.stderr)

@@ -74,6 +74,11 @@ def gguf_stem(path: Path) -> str:
     return _stem("gguf", path)
 
 
+def adapter_stem(path: Path) -> str:
+    """A LoRA adapter's part of a merged model's slot, as ``hf_stem``."""
+    return _stem("lora", path)
+
+
 def _stem(kind: str, path: Path) -> str:
     resolved = path.resolve()
     name = re.sub(r"[^A-Za-z0-9_-]+", "_", resolved.name)[:64] or "model"

@@ -36,10 +36,10 @@ def _open_engine(args: argparse.Namespace) -> Engine:
     if preset:
         engine = load_preset(preset, backend=args.backend, quant=args.quant, seed=getattr(args, "model_seed", 0),
                              kv_cache_mb=kv_cache_mb, activations=getattr(args, "activations", "auto"),
-                             **context_options(args))
+                             **load_options(args, preset=True))
     else:
         engine = load(args.model, backend=args.backend, quant=args.quant, kv_cache_mb=kv_cache_mb,
-                      activations=getattr(args, "activations", "auto"), **context_options(args))
+                      activations=getattr(args, "activations", "auto"), **load_options(args))
     engine.speculate = getattr(args, "speculate", 0)
     if getattr(args, "no_model_sampling", False):
         engine.sampling_defaults = {}
@@ -94,10 +94,14 @@ def _check_context(engine: Engine, ids: Sequence[int]) -> None:
         raise KestrelError("the prompt is empty")
 
 
-def context_options(args: argparse.Namespace) -> dict[str, Any]:
-    """load()'s ``max_model_len`` and ``rope_scaling`` from --max-model-len and --rope-scaling (JSON as
-    config.json's rope_scaling, or @file)."""
+def load_options(args: argparse.Namespace, preset: bool = False) -> dict[str, Any]:
+    """load()'s ``max_model_len``, ``rope_scaling`` (--rope-scaling: JSON as config.json's rope_scaling, or @file)
+    and, for a model that is not a preset, ``lora`` and ``lora_scale``."""
     out: dict[str, Any] = {"max_model_len": getattr(args, "max_model_len", None), "rope_scaling": None}
+    if getattr(args, "lora", None) is not None:
+        if preset:
+            raise KestrelError("--lora merges into a model's checkpoint; a preset has none")
+        out.update(lora=args.lora, lora_scale=args.lora_scale)
     text = getattr(args, "rope_scaling", None)
     if text is not None:
         try:

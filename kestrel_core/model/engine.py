@@ -463,11 +463,14 @@ def _behind(tokens: list[int], start: int, new: np.ndarray) -> np.ndarray:
     return np.concatenate([np.asarray(tokens[start:], np.int64), new])
 
 
-def _resolve_model(model: Any, quant: str | None) -> tuple[Model, Any, str]:
+def _resolve_model(model: Any, quant: str | None, lora: str | None = None,
+                   lora_scale: float = 1.0) -> tuple[Model, Any, str]:
     """(Model, tokenizer, source description) from a path, None (the default model), a Model or a loaded
-    model (anything with ``.model`` and ``.tokenizer``)."""
+    model (anything with ``.model`` and ``.tokenizer``); ``lora``: an adapter merged into a path's weights."""
     from kestrel_core.model.presets import ByteTokenizer
 
+    if lora is not None and not (model is None or isinstance(model, str)):
+        raise KestrelError("a LoRA adapter merges into a checkpoint as it loads: give the model's path")
     if isinstance(model, Model):
         return model, ByteTokenizer(model.config.vocab_size), "in-memory model"
     if hasattr(model, "model") and hasattr(model, "tokenizer"):
@@ -477,7 +480,7 @@ def _resolve_model(model: Any, quant: str | None) -> tuple[Model, Any, str]:
             from kestrel_core.model.loader import load_model
         except ImportError as exc:
             raise KestrelError(f"model loading is not available: {exc}") from None
-        loaded = load_model(model, quant=quant)
+        loaded = load_model(model, quant=quant, lora=lora, lora_scale=lora_scale)
         return loaded.model, loaded.tokenizer, str(loaded.source)
     raise KestrelError(f"cannot load a model from a {type(model).__name__}")
 
@@ -549,7 +552,7 @@ def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str, kv_cache_
 def load(model: str | Model | None = None, backend: str = "auto", quant: str | None = None,
          kv_cache_mb: float | None = None, activations: str = "auto",
          backend_options: dict[str, str] | None = None, max_model_len: int | None = None,
-         rope_scaling: dict[str, Any] | None = None) -> Engine:
+         rope_scaling: dict[str, Any] | None = None, lora: str | None = None, lora_scale: float = 1.0) -> Engine:
     """An engine for ``model`` (a path, None for the default model, or a Model) on ``backend`` (``auto``:
     the best bound gpu/npu accelerator, else cpu); the model is preloaded onto the backend. ``quant``:
     q8 (None: the default; an artifact keeps its own), q4, q8-g256 or q4-g256. ``kv_cache_mb``: the host KV
@@ -557,9 +560,10 @@ def load(model: str | Model | None = None, backend: str = "auto", quant: str | N
     projections' inputs are, q8, f32, mixed (the prompt at f32, generated tokens at q8) or auto (see
     ``resolve_activations``). ``backend_options``: string KEY: VALUE pairs every backend's ``kestrel_open``
     receives. ``max_model_len``: the context (None: the model's); ``rope_scaling``: a RoPE scaling in place of
-    the model's, e.g. YaRN for a longer context (``with_context``)."""
-    return _open(lambda: _resolve_model(model, quant), backend, kv_cache_mb, activations, backend_options,
-                 max_model_len, rope_scaling)
+    the model's, e.g. YaRN for a longer context (``with_context``); ``lora``: a PEFT LoRA adapter directory merged
+    into the weights as they load, its scale times ``lora_scale`` (kestrel_core.model.lora)."""
+    return _open(lambda: _resolve_model(model, quant, lora, lora_scale), backend, kv_cache_mb, activations,
+                 backend_options, max_model_len, rope_scaling)
 
 
 def load_preset(name: str, backend: str = "auto", quant: str | None = None, seed: int = 0,

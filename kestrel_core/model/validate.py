@@ -237,7 +237,7 @@ CLI_INT_RANGES: dict[str, tuple[int, int | None]] = {
 }
 CLI_FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "repetition_penalty": (0.0, 10.0),
-    "kv_cache_mb": (0.0, 2.0 ** 40),
+    "kv_cache_mb": (0.0, 2.0 ** 40), "lora_scale": (-100.0, 100.0),
     "shutdown_grace": (0.0, 86400.0),
 }
 # given, these must hold more than blanks: ``--api-key "$KEY"`` with KEY unset must not serve without a key

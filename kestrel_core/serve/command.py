@@ -51,7 +51,7 @@ def _setup_logging(verbose: bool) -> None:
 
 def serve_command(args: argparse.Namespace) -> int:
     _check_installed()  # the option values were checked by the CLI, as every command's are
-    from kestrel_core.model.commands import context_options
+    from kestrel_core.model.commands import load_options
     from kestrel_core.model.engine import load, load_preset
     from kestrel_core.model.loader import finish_cache_writes
     from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING
@@ -66,14 +66,16 @@ def serve_command(args: argparse.Namespace) -> int:
     engines = []
     try:
         options = dict(backend=args.backend, quant=args.quant, kv_cache_mb=args.kv_cache_mb,
-                       activations=getattr(args, "activations", "auto"), **context_options(args))
+                       activations=getattr(args, "activations", "auto"))
         if getattr(args, "preset", None):
             if args.model:
                 raise KestrelError("give either --model or --preset, not both")
-            engines.append(load_preset(args.preset, **options))
+            engines.append(load_preset(args.preset, **options, **load_options(args, preset=True)))
         else:
+            if args.lora is not None and len(args.model or ()) > 1:
+                raise KestrelError("--lora merges into one model; serve one --model with it")
             for model in args.model or [None]:
-                engines.append(load(model, **options))
+                engines.append(load(model, **options, **load_options(args)))
         for engine in engines:
             engine.speculate = args.speculate
             if args.no_model_sampling:

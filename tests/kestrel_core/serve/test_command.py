@@ -41,6 +41,8 @@ BAD_VALUES = [
     (["--model", str(TINY), "--model", str(TINY)], "two models are named 'tiny-qwen3'"),
     (["--model", str(TINY), "--max-model-len", "257"], "max_model_len must be an integer in [1, 256]"),
     (["--model", str(TINY), "--rope-scaling", "yarn"], "--rope-scaling: not JSON"),
+    (["--model", str(TINY), "--model", str(TINY), "--lora", str(TINY)], "--lora merges into one model"),
+    (["--model", str(TINY), "--lora", str(TINY)], "needs adapter_config.json and adapter_model.safetensors"),
 ])
 def test_bad_options_are_one_line_and_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", *argv]) == 2

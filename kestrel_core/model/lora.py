@@ -1,0 +1,165 @@
+"""LoRA adapters (PEFT's format), merged into the model's float weights before they are quantized.
+
+A PEFT adapter directory holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``, ...) and
+``adapter_model.safetensors`` with, for each adapted projection, ``...<module>.lora_A.weight`` [r, in] and
+``...lora_B.weight`` [out, r]. Merged, the projection is W + s * B @ A with s = lora_alpha / r (rsLoRA:
+lora_alpha / sqrt(r)) times the user's scale, exactly what PEFT's ``merge_and_unload`` computes, so the
+strip-cache quantizes the adapted model itself and every backend runs it at no cost. ``LoraSource`` does the
+merge for any TensorSource (a Hugging Face directory or a GGUF file: kestrel's names and HF's orientation are the
+same for both). What PEFT can hold but kestrel does not merge (DoRA, biases, embeddings or other modules trained in
+full, fused or expert projections, per-module ranks) is refused by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.hf import kestrel_name
+from kestrel_core.model.quantize import TensorSource
+from kestrel_core.model.validate import ValidationError, check_bool, check_float, check_int, check_regular_file
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+MERGED = frozenset({"q", "k", "v", "o", "gate", "up", "down"})  # the projections an adapter may change
+_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """An adapter read for merging: each adapted weight's kestrel name -> (A [r, in], B [out, r]) float32, and its
+    scale; ``key``: a hash of its files, which names it in the model cache."""
+
+    path: Path
+    scale: float
+    deltas: dict[str, tuple[np.ndarray, np.ndarray]]
+    key: str
+
+    def delta(self, name: str) -> np.ndarray | None:
+        """scale * B @ A [out, in] of weight ``name`` (None: the adapter leaves it)."""
+        pair = self.deltas.get(name)
+        if pair is None:
+            return None
+        a, b = pair
+        return (np.float32(self.scale) * (b @ a)).astype(np.float32)
+
+
+def read_adapter(path: str | Path, scale: float = 1.0) -> Adapter:
+    """The PEFT LoRA adapter in directory ``path``; ``scale`` multiplies its own (llama.cpp's --lora-scaled)."""
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise KestrelError(f"LoRA adapter {d}: not a directory (a PEFT adapter: {', '.join(ADAPTER_FILES)})")
+    files = [check_regular_file(d / name, d) for name in ADAPTER_FILES if (d / name).exists()]
+    if len(files) != len(ADAPTER_FILES):
+        raise KestrelError(f"LoRA adapter {d}: needs {' and '.join(ADAPTER_FILES)} (pickle .bin adapters are never "
+                           "opened)")
+    where = f"LoRA adapter {d}"
+    try:
+        cfg = json.loads(files[0].read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise KestrelError(f"{where}: adapter_config.json is not readable JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise KestrelError(f"{where}: adapter_config.json must be an object")
+    try:
+        own = _scale(cfg)
+        scale = check_float("LoRA scale", scale) * own
+    except ValidationError as exc:
+        raise KestrelError(f"{where}: {exc}") from None
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.read_bytes())
+    digest.update(repr(scale).encode())
+    return Adapter(d, scale, _deltas(files[1], where), digest.hexdigest())
+
+
+def _scale(cfg: dict[str, Any]) -> float:
+    """lora_alpha / r (rsLoRA: / sqrt(r)); what the merge cannot honour is a ValidationError naming it."""
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValidationError(f"peft_type {cfg.get('peft_type')!r} is not supported (kestrel merges LORA)")
+    unsupported = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out weights", "modules_to_save":
+                   "modules trained in full", "rank_pattern": "per-module ranks", "alpha_pattern": "per-module alphas",
+                   "layers_to_transform": "a subset of layers by index", "use_qalora": "QA-LoRA"}
+    for key, what in unsupported.items():
+        if cfg.get(key):
+            raise ValidationError(f"{key} ({what}) is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise ValidationError(f"bias {cfg.get('bias')!r} (trained biases) is not supported")
+    r = check_int("r", cfg.get("r"), 1)
+    alpha = check_float("lora_alpha", cfg.get("lora_alpha", r), 0.0)
+    rs = check_bool("use_rslora", cfg.get("use_rslora", False))
+    return alpha / (math.sqrt(r) if rs else r)
+
+
+def _deltas(path: Path, where: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each adapted weight's (A, B), by kestrel name (the projections' names are every architecture's)."""
+    pairs: dict[str, dict[str, np.ndarray]] = {}
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            for key in f.keys():
+                module, sep, part = key.rpartition(".lora_")
+                if not sep or part not in ("A.weight", "B.weight"):
+                    raise KestrelError(f"{where}: tensor {key} is not a LoRA A or B matrix (kestrel merges those "
+                                       "only)")
+                name = kestrel_name(module.removeprefix(_PREFIX) + ".weight")
+                if name is None or name.rsplit(".", 1)[-1] not in MERGED or ".experts." in name:
+                    raise KestrelError(f"{where}: {module.removeprefix(_PREFIX)} is not a projection kestrel "
+                                       f"merges into ({', '.join(sorted(MERGED))} of each layer)")
+                pairs.setdefault(name, {})[part[0]] = np.asarray(f.get_tensor(key), dtype=np.float32)
+    except SafetensorError as exc:
+        raise KestrelError(f"{where}: adapter_model.safetensors is unreadable ({exc}; BF16 adapters: save them "
+                           "as F16 or F32)") from None
+    out = {}
+    for name, ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise KestrelError(f"{where}: {name} has lora_{''.join(ab)} without its pair")
+        a, b = ab["A"], ab["B"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise KestrelError(f"{where}: {name}'s lora_A {list(a.shape)} and lora_B {list(b.shape)} do not make a "
+                               "rank-r product")
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            raise KestrelError(f"{where}: {name} has NaN or infinite values")
+        out[name] = (a, b)
+    if not out:
+        raise KestrelError(f"{where}: adapter_model.safetensors holds no LoRA matrices")
+    return out
+
+
+class LoraSource:
+    """A TensorSource with an adapter merged into its weights (float32 for those it changes)."""
+
+    def __init__(self, source: TensorSource, adapter: Adapter) -> None:
+        self.source = source
+        self.adapter = adapter
+        self.config = source.config
+        self.description = f"{source.description} + LoRA {adapter.path.name}"
+        missing = [n for n in adapter.deltas if not source.has(n)]
+        if missing:
+            raise KestrelError(f"LoRA adapter {adapter.path}: the model has no {missing[0]} to adapt (another base "
+                               "model's adapter?)")
+        self.fp4_experts = getattr(source, "fp4_experts", False)
+
+    def has(self, name: str) -> bool:
+        return self.source.has(name)
+
+    def get(self, name: str) -> np.ndarray:
+        w = self.source.get(name)
+        delta = self.adapter.delta(name)
+        if delta is None:
+            return w
+        if delta.shape != w.shape:
+            raise KestrelError(f"LoRA adapter {self.adapter.path}: {name} is {list(w.shape)} in the model but "
+                               f"B @ A is {list(delta.shape)} (another base model's adapter?)")
+        return np.asarray(w, dtype=np.float32) + delta
+
+    def get_weight(self, name: str) -> Any:
+        if name in self.adapter.deltas:
+            return self.get(name)
+        get_weight = getattr(self.source, "get_weight", None)
+        return get_weight(name) if get_weight is not None else self.source.get(name)
