@@ -41,6 +41,8 @@ Writes under tests/fixtures/models/:
   tiny-gpt-oss.gguf  llama.cpp's gpt-oss layout (MXFP4 experts, gate and up split); golden = tiny-gpt-oss's
   tiny-smollm3/ SmolLM3ForCausalLM: 4 layers, the 4th without RoPE, tied, bfloat16
   tiny-smollm3.gguf  llama.cpp's smollm3 (llama's layout, Q/K permuted); golden = tiny-smollm3's
+  tiny-granite/ GraniteForCausalLM: Llama's layers with its embedding, attention, residual and logits multipliers
+  tiny-granite.gguf  llama.cpp's granite (Q/K permuted, the multipliers as metadata); golden = tiny-granite's
   tiny-llama-lora/  a PEFT LoRA adapter of tiny-llama (rank 4 on q, v, o, down); its golden.npz: transformers + PEFT
   smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
   MANIFEST.json  versions, shapes, logit ranges, the command
@@ -71,6 +73,7 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     GptOssConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -250,6 +253,10 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     # SmolLM3: llama's layers, every 4th without RoPE (layer 3 of 4), as its config and llama.cpp both count them
     smollm3 = SmolLM3Config(**common, num_hidden_layers=4, intermediate_size=128, tie_word_embeddings=True,
                             rope_theta=10000.0, use_sliding_window=False, no_rope_layer_interval=4, pad_token_id=None)
+    # Granite: Llama's layers with its four multipliers, each far enough from 1 to matter
+    granite = GraniteConfig(**common, num_hidden_layers=2, intermediate_size=128, tie_word_embeddings=False,
+                            rope_theta=10000.0, embedding_multiplier=3.0, attention_multiplier=0.1,
+                            residual_multiplier=0.5, logits_scaling=1.5)
     mixtral = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
                             num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None)
     return {
@@ -268,6 +275,7 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-qwen3-yarn": (qwen3_yarn, {"dtype": torch.float16, "max_shard_size": None, "classic_config": True}),
         "tiny-gpt-oss": (gpt_oss, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
         "tiny-smollm3": (smollm3, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
+        "tiny-granite": (granite, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
     }
 
 
@@ -518,10 +526,25 @@ def write_llama_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
 def write_smollm3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     """tiny-smollm3 as llama.cpp's SmolLM3Model (LlamaModel's converter) writes it: Q/K rows permuted, no output
     tensor (tied); which layers have no RoPE is llama.cpp's fixed rule, not in the file."""
+    return _write_llama_like(src, dst, tok, "smollm3")
+
+
+def write_granite_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-granite as llama.cpp's GraniteModel (LlamaModel's converter) writes it: Q/K rows permuted, the
+    multipliers as granite.embedding_scale, .residual_scale, .attention.scale and .logit_scale."""
+    return _write_llama_like(src, dst, tok, "granite")
+
+
+def _write_llama_like(src: Path, dst: Path, tok: Tokenizer, arch: str) -> dict[str, Any]:
     cfg = json.loads((src / "config.json").read_text())
     tensors = _float32_tensors(src / "model.safetensors")
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    w = _gguf_writer(dst, "smollm3", src.name, cfg, tok)
+    w = _gguf_writer(dst, arch, src.name, cfg, tok)
+    if arch == "granite":
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
     put = _gguf_put(w)
     put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
     for i in range(cfg["num_hidden_layers"]):
@@ -536,6 +559,8 @@ def write_smollm3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
         for proj in ("gate", "up", "down"):
             put(f"blk.{i}.ffn_{proj}.weight", tensors[p + f"mlp.{proj}_proj.weight"], kind)
     put("output_norm.weight", tensors["model.norm.weight"], "f32")
+    if not cfg.get("tie_word_embeddings"):
+        put("output.weight", tensors["lm_head.weight"], "q8_0")
     return _gguf_finish(w, src, dst)
 
 
@@ -899,7 +924,7 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-qwen3-moe": write_qwen3_moe_gguf, "tiny-mixtral": write_mixtral_gguf,
               "tiny-qwen2-moe": write_qwen2_moe_gguf, "tiny-phi3-longrope": write_phi3_gguf,
               "tiny-qwen3-yarn": write_qwen3_gguf, "tiny-gpt-oss": write_gpt_oss_gguf,
-              "tiny-smollm3": write_smollm3_gguf}
+              "tiny-smollm3": write_smollm3_gguf, "tiny-granite": write_granite_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
 DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
 # LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is

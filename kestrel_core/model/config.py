@@ -12,7 +12,7 @@ from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.validate import ValidationError, check_bool, check_float, check_int, is_int
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
-                 "mixtral", "gpt_oss", "smollm3")
+                 "mixtral", "gpt_oss", "smollm3", "granite")
 POOLINGS = ("last", "mean", "cls")  # how an embedding pools the final hidden states: last, mean or first token
 # of the gate: SwiGLU, GeGLU with the tanh GELU (Gemma), or gpt-oss's clamped SwiGLU: gate g clamped to at most
 # swiglu_limit, up u to +-swiglu_limit, then (u + 1) * g * sigmoid(swiglu_alpha * g)
@@ -57,7 +57,9 @@ class ModelConfig:
     rope_local_theta: float | None = None  # Gemma 3: the RoPE base of sliding layers (unscaled); None: rope_theta
     nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers whose attention has no RoPE at all
     query_scale: float | None = None  # the attention's query scale; None: 1/sqrt(head_dim)
-    embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden_size)
+    embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden_size); Granite: its embedding_multiplier
+    residual_scale: float = 1.0  # Granite: each attention's and MLP's output times this before the residual add
+    logits_scaling: float = 1.0  # Granite: the logits divided by this
     activation: str = "silu"  # one of ACTIVATIONS
     post_norms: bool = False  # Gemma: RMSNorm on the attention's and the MLP's outputs before the residual add
     attn_softcap: float | None = None  # Gemma 2: attention scores become tanh(s / c) * c
@@ -170,6 +172,8 @@ def validate_config(c: ModelConfig) -> None:
     if c.query_scale is not None:
         check_float("query_scale", c.query_scale, 0.0, lo_open=True)
     check_float("embed_scale", c.embed_scale, 0.0, lo_open=True)
+    check_float("residual_scale", c.residual_scale, 0.0, lo_open=True)
+    check_float("logits_scaling", c.logits_scaling, 0.0, lo_open=True)
     for name in ("attn_softcap", "final_softcap"):
         if getattr(c, name) is not None:
             check_float(name, getattr(c, name), 0.0, lo_open=True)

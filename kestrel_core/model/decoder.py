@@ -177,6 +177,8 @@ class Decoder:
     def _logits(self, h: np.ndarray, precise: np.ndarray) -> np.ndarray:
         x = rmsnorm(h, self.model.final_norm, self.eps)  # [R, D]
         logits = self._linear(x, precise, (self.model.lm_head,), (lm_head_wkey(),), 0)[0]  # [R, vocab]
+        if self.config.logits_scaling != 1.0:  # Granite
+            logits = logits / np.float32(self.config.logits_scaling)
         cap = self.config.final_softcap
         if cap:  # Gemma 2
             logits = np.tanh(logits / np.float32(cap)) * np.float32(cap)
@@ -254,12 +256,20 @@ class Decoder:
             out = self._linear(attn, precise, o_w, *o_keys)[0]  # [M, D]
             if lw.o_bias is not None:
                 out += lw.o_bias
-            h += out if lw.post_attn_norm is None else rmsnorm(out, lw.post_attn_norm, self.eps)
+            h += self._residual(out, lw.post_attn_norm)
             x = rmsnorm(h, lw.mlp_norm, self.eps)
             out = self._moe(i, lw, x, precise) if lw.experts else self._mlp(x, precise, lw.groups()[2:],
                                                                              self.keys[i][2:])
-            h += out if lw.post_mlp_norm is None else rmsnorm(out, lw.post_mlp_norm, self.eps)
+            h += self._residual(out, lw.post_mlp_norm)
         return h, precise
+
+    def _residual(self, out: np.ndarray, post_norm: np.ndarray | None) -> np.ndarray:
+        """What a block adds to the residual stream: its output, normed after (Gemma) or scaled (Granite)."""
+        if post_norm is not None:
+            out = rmsnorm(out, post_norm, self.eps)
+        if self.config.residual_scale != 1.0:
+            out *= np.float32(self.config.residual_scale)
+        return out
 
     def _mlp(self, x: np.ndarray, precise: np.ndarray, groups: Sequence[tuple[StripCache, ...]],
              keys: Sequence[tuple[tuple[int, ...], int]], expert: ExpertWeights | None = None) -> np.ndarray:

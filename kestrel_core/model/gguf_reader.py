@@ -33,11 +33,11 @@ from kestrel_core.model.validate import ValidationError, check_float, check_int,
 from kestrel_core.model.weights import expert_field
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
-                      "smollm3")
+                      "smollm3", "granite")
 MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}  # with experts
 EXPERT_WEIGHTS_NORM = {"qwen2moe": False}  # llama.cpp's default where expert_weights_norm is absent: true
 # kestrel's names: a llama GGUF with experts is Mixtral; SmolLM3's converter is llama's
-PERMUTED_ARCHITECTURES = ("llama", "mixtral", "smollm3")
+PERMUTED_ARCHITECTURES = ("llama", "mixtral", "smollm3", "granite")
 SMOLLM3_NOPE_STEP = 4  # llama.cpp's: every 4th layer of SmolLM3 has no RoPE (the file does not say)
 # phi3 GGUFs hold Q|K|V and gate|up (llama.cpp's ffn_up of phi3: gate rows, then up) as one tensor each
 FUSED = {"phi3": {"attn_qkv.weight": ("q", "k", "v"), "ffn_up.weight": ("gate", "up")}}
@@ -561,6 +561,11 @@ class GGUFCheckpoint:
             return out
         if arch == "smollm3":
             return {"nope_layers": tuple(i for i in range(layers) if (i + 1) % SMOLLM3_NOPE_STEP == 0)}
+        if arch == "granite":  # its multipliers, as llama.cpp names them (absent: 1, and the usual query scale)
+            scale = self.float_field(f"{arch}.attention.scale", 0.0)
+            return {"embed_scale": self.float_field(f"{arch}.embedding_scale", 1.0),
+                    "residual_scale": self.float_field(f"{arch}.residual_scale", 1.0),
+                    "logits_scaling": self.float_field(f"{arch}.logit_scale", 1.0), "query_scale": scale or None}
         experts = self.int_field(f"{arch}.expert_count", 0, lo=0) or 0
         if arch == "gpt-oss":  # biases everywhere, sinks, the clamped SwiGLU (llama.cpp's fixed limit and slope)
             return {"arch": "gpt_oss", "num_experts": experts,

@@ -38,13 +38,13 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "Gemma3ForCausalLM": "gemma3",
                     "Gemma3ForConditionalGeneration": "gemma3", "Qwen2MoeForCausalLM": "qwen2_moe",
                     "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral", "GptOssForCausalLM": "gpt_oss",
-                    "SmolLM3ForCausalLM": "smollm3",
+                    "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite",
                     # the decoder without its head, as embedding checkpoints (e5-mistral, ...) name it
                     "LlamaModel": "llama", "Qwen2Model": "qwen2", "Qwen3Model": "qwen3", "MistralModel": "mistral"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen2_moe": "qwen2_moe",
                "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss",
-               "smollm3": "smollm3"}
+               "smollm3": "smollm3", "granite": "granite"}
 WINDOWED = ("mistral", "phi3", "mixtral")  # architectures whose sliding_window applies to every layer
 # Gemma3TextConfig's defaults: hub configs (the text_config of the multimodal checkpoints) leave many out
 GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -353,7 +353,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
     arch = _architecture(cfg, where)
     if cfg.get("mlp_bias"):
         raise KestrelError(f"{where}: mlp_bias is not supported")
-    if arch in ("llama", "smollm3", "gemma2", "gemma3") and cfg.get("attention_bias"):
+    if arch in ("llama", "smollm3", "granite", "gemma2", "gemma3") and cfg.get("attention_bias"):
         raise KestrelError(f"{where}: {arch} attention_bias (with an o_proj bias) is not supported")
     if cfg.get("is_causal") is False:
         raise KestrelError(f"{where}: is_causal false (bidirectional attention) is not supported")
@@ -384,6 +384,10 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             fields.update(_gemma_fields(arch, cfg, where))
         if arch == "smollm3":
             fields["nope_layers"] = _nope_layers(cfg, where)
+        if arch == "granite":  # its four multipliers (GraniteConfig's defaults: 1)
+            fields.update({name: check_float(key, cfg.get(key, 1.0), 0.0, lo_open=True) for key, name in (
+                ("embedding_multiplier", "embed_scale"), ("attention_multiplier", "query_scale"),
+                ("residual_multiplier", "residual_scale"), ("logits_scaling", "logits_scaling"))})
         if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"):
             fields.update(_moe_fields(arch, cfg, where))
         return ModelConfig(

@@ -251,10 +251,11 @@ def test_a_mixture_of_experts_decoded_with_the_wrong_experts_leaves_the_band() -
 
 
 @pytest.mark.parametrize(("fixture", "why"), [("tiny-gemma2", "architecture 'gemma2'"),
-                                              ("tiny-gpt-oss", "architecture 'gpt_oss'")])
+                                              ("tiny-gpt-oss", "architecture 'gpt_oss'"),
+                                              ("tiny-granite.gguf", "architecture 'granite'")])
 def test_device_forward_names_what_it_cannot_run(fixture: str, why: str) -> None:
-    """Gemma 2 (soft caps) and gpt-oss (sinks, biases, its clamped SwiGLU) go through the GEMM hooks; the reason
-    names the architecture."""
+    """Gemma 2 (soft caps), gpt-oss (sinks, biases, its clamped SwiGLU) and Granite (its residual and logits
+    multipliers) go through the GEMM hooks; the reason names the architecture."""
     from kestrel_core.model.loader import load_model
 
     model = load_model(str(FIXTURES / fixture), "q8", cache="off").model
