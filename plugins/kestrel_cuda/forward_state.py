@@ -58,6 +58,10 @@ def unsupported_reason(model: Model) -> str | None:
         return "attention or logit soft caps"
     if c.activation not in ("silu", "gelu_tanh"):
         return f"activation {c.activation!r}"
+    if c.o_bias or c.attn_sinks or c.moe_bias:
+        return "an output projection bias, attention sinks or expert biases"
+    if c.residual_scale != 1.0 or c.logits_scaling != 1.0:
+        return "residual or logits multipliers"
     if c.head_dim % 4 or c.head_dim > MAX_HEAD_DIM:
         return f"head_dim {c.head_dim} (needs a multiple of 4 <= {MAX_HEAD_DIM})"
     if c.num_kv_heads <= 0 or c.num_heads % c.num_kv_heads:

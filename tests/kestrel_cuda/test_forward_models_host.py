@@ -260,3 +260,15 @@ def test_device_forward_names_what_it_cannot_run(fixture: str, why: str) -> None
 
     model = load_model(str(FIXTURES / fixture), "q8", cache="off").model
     assert unsupported_reason(model) == why
+
+
+
+@pytest.mark.parametrize(("change", "why"), [({"residual_scale": 0.5}, "residual or logits multipliers"),
+                                             ({"logits_scaling": 2.0}, "residual or logits multipliers"),
+                                             ({"o_bias": True}, "an output projection bias")])
+def test_what_a_known_architecture_cannot_carry_is_declined(change: dict, why: str) -> None:
+    """A config the device forward has no kernel for is declined by what it holds, whatever its architecture says
+    (a hand-made artifact, say)."""
+    model = synthetic_model(CONFIGS["llama"], "q8", seed=1)
+    assert unsupported_reason(model) is None
+    assert why in (unsupported_reason(replace(model, config=replace(model.config, **change))) or "")
