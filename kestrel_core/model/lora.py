@@ -8,6 +8,11 @@ strip-cache quantizes the adapted model itself and every backend runs it at no c
 merge for any TensorSource (a Hugging Face directory or a GGUF file: kestrel's names and HF's orientation are the
 same for both). What PEFT can hold but kestrel does not merge (DoRA, biases, embeddings or other modules trained in
 full, fused or expert projections, per-module ranks) is refused by name.
+
+llama.cpp's adapters (``convert_lora_to_gguf.py``: a GGUF of ``general.type`` adapter, ``adapter.lora.alpha``,
+tensors ``blk.N.<tensor>.weight.lora_a`` [r, in] and ``.lora_b`` [out, r]) merge the same way, s = alpha / r; the
+converter permutes B's rows of Q and K for the architectures whose weights it permutes (llama's), which the merge
+undoes with the base's head counts.
 """
 
 from __future__ import annotations
@@ -35,27 +40,38 @@ _PREFIX = "base_model.model."
 @dataclass(frozen=True)
 class Adapter:
     """An adapter read for merging: each adapted weight's kestrel name -> (A [r, in], B [out, r]) float32, and its
-    scale; ``key``: a hash of its files, which names it in the model cache."""
+    scale; ``key``: a hash of its files, which names it in the model cache; ``permuted``: its B rows of Q and K are
+    in llama.cpp's order (a GGUF adapter of a llama-family model)."""
 
     path: Path
     scale: float
     deltas: dict[str, tuple[np.ndarray, np.ndarray]]
     key: str
+    permuted: bool = False
 
-    def delta(self, name: str) -> np.ndarray | None:
-        """scale * B @ A [out, in] of weight ``name`` (None: the adapter leaves it)."""
+    def delta(self, name: str, config: Any) -> np.ndarray | None:
+        """scale * B @ A [out, in] of weight ``name`` of a model of ``config`` (None: the adapter leaves it)."""
         pair = self.deltas.get(name)
         if pair is None:
             return None
         a, b = pair
+        field = name.rsplit(".", 1)[-1]
+        if self.permuted and field in ("q", "k"):
+            from kestrel_core.model.gguf_reader import unpermute_rows
+
+            b = unpermute_rows(b, config.num_heads if field == "q" else config.num_kv_heads)
         return (np.float32(self.scale) * (b @ a)).astype(np.float32)
 
 
 def read_adapter(path: str | Path, scale: float = 1.0) -> Adapter:
-    """The PEFT LoRA adapter in directory ``path``; ``scale`` multiplies its own (llama.cpp's --lora-scaled)."""
+    """The LoRA adapter at ``path``: a PEFT directory or llama.cpp's GGUF; ``scale`` multiplies its own
+    (llama.cpp's --lora-scaled)."""
     d = Path(path).expanduser()
+    if d.is_file():
+        return _gguf_adapter(d, scale)
     if not d.is_dir():
-        raise KestrelError(f"LoRA adapter {d}: not a directory (a PEFT adapter: {', '.join(ADAPTER_FILES)})")
+        raise KestrelError(f"LoRA adapter {d}: no such directory or file (a PEFT adapter: {', '.join(ADAPTER_FILES)};"
+                           " or llama.cpp's GGUF adapter)")
     files = [check_regular_file(d / name, d) for name in ADAPTER_FILES if (d / name).exists()]
     if len(files) != len(ADAPTER_FILES):
         raise KestrelError(f"LoRA adapter {d}: needs {' and '.join(ADAPTER_FILES)} (pickle .bin adapters are never "
@@ -115,6 +131,11 @@ def _deltas(path: Path, where: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     except SafetensorError as exc:
         raise KestrelError(f"{where}: adapter_model.safetensors is unreadable ({exc}; BF16 adapters: save them "
                            "as F16 or F32)") from None
+    return _checked(pairs, where)
+
+
+def _checked(pairs: dict[str, dict[str, np.ndarray]], where: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each weight's (A, B), checked to make a finite rank-r product."""
     out = {}
     for name, ab in pairs.items():
         if set(ab) != {"A", "B"}:
@@ -127,8 +148,58 @@ def _deltas(path: Path, where: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
             raise KestrelError(f"{where}: {name} has NaN or infinite values")
         out[name] = (a, b)
     if not out:
-        raise KestrelError(f"{where}: adapter_model.safetensors holds no LoRA matrices")
+        raise KestrelError(f"{where}: it holds no LoRA matrices")
     return out
+
+
+def _gguf_adapter(path: Path, scale: float) -> Adapter:
+    """llama.cpp's GGUF LoRA adapter at ``path``."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from kestrel_core.model.gguf_reader import PERMUTED_ARCHITECTURES, check_gguf_bounds
+    from kestrel_core.model.gguf_reader import kestrel_name as gguf_name
+
+    where = f"LoRA adapter {path}"
+    check_regular_file(path)
+    check_gguf_bounds(path)
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # gguf-py raises ValueError, struct/IndexError... on bad bytes
+        raise KestrelError(f"{where}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+
+    def field(key: str) -> Any:
+        f = reader.fields.get(key)
+        return None if f is None else f.contents()
+
+    if field("general.type") != "adapter" or field("adapter.type") != "lora":
+        raise KestrelError(f"{where}: not a LoRA adapter (general.type {field('general.type')!r}, adapter.type "
+                           f"{field('adapter.type')!r})")
+    arch = str(field("general.architecture"))
+    pairs: dict[str, dict[str, np.ndarray]] = {}
+    for t in reader.tensors:
+        base, sep, part = t.name.rpartition(".lora_")
+        name = gguf_name(base, arch) if sep and part in ("a", "b") else None
+        if name is None or name.rsplit(".", 1)[-1] not in MERGED or ".experts." in name:
+            raise KestrelError(f"{where}: tensor {t.name} is not a LoRA matrix of a projection kestrel merges into "
+                               f"({', '.join(sorted(MERGED))} of each layer)")
+        try:
+            pairs.setdefault(name, {})[part.upper()] = np.asarray(dequantize(t.data, t.tensor_type), np.float32)
+        except (NotImplementedError, ValueError, IndexError) as exc:
+            raise KestrelError(f"{where}: tensor {t.name} is unreadable ({exc})") from None
+    deltas = _checked(pairs, where)
+    ranks = {a.shape[0] for a, _ in deltas.values()}
+    if len(ranks) > 1:
+        raise KestrelError(f"{where}: its matrices have several ranks; kestrel merges one alpha / r")
+    alpha = field("adapter.lora.alpha")
+    try:  # llama.cpp: alpha / r, or 1 where the file gives no alpha
+        own = 1.0 if not alpha else check_float("adapter.lora.alpha", alpha, 0.0) / ranks.pop()
+        scale = check_float("LoRA scale", scale) * own
+    except ValidationError as exc:
+        raise KestrelError(f"{where}: {exc}") from None
+    digest = hashlib.sha256(path.read_bytes())
+    digest.update(repr(scale).encode())
+    return Adapter(path, scale, deltas, digest.hexdigest(), permuted=arch in PERMUTED_ARCHITECTURES)
 
 
 class LoraSource:
@@ -150,7 +221,7 @@ class LoraSource:
 
     def get(self, name: str) -> np.ndarray:
         w = self.source.get(name)
-        delta = self.adapter.delta(name)
+        delta = self.adapter.delta(name, self.config)
         if delta is None:
             return w
         if delta.shape != w.shape:

@@ -80,7 +80,7 @@ def _renamed(t: dict, old: str, new: str) -> dict:
 
 
 @pytest.mark.parametrize(("make", "says"), [
-    (lambda p: p / "nowhere", "not a directory"),
+    (lambda p: p / "nowhere", "no such directory or file"),
     (lambda p: _adapter(p, {"use_dora": True}), "use_dora (DoRA) is not supported"),
     (lambda p: _adapter(p, {"modules_to_save": ["lm_head"]}), "modules_to_save (modules trained in full)"),
     (lambda p: _adapter(p, {"bias": "all"}), "bias 'all' (trained biases) is not supported"),
@@ -115,3 +115,52 @@ def test_run_with_an_adapter_answers_as_the_merged_model(capsys: pytest.CaptureF
     merged = json.loads(capsys.readouterr().out)["tokens"]
     with kestrel_core.load(str(FIXTURES / "tiny-llama"), backend="cpu", lora=str(ADAPTER)) as engine:
         assert merged == list(engine.generate(engine.tokenizer.encode("hello"), max_tokens=4))
+
+
+def _gguf_adapter(tmp_path: Path, permute: bool = True) -> Path:
+    """tiny-llama-lora as llama.cpp's convert_lora_to_gguf.py writes it: general.type adapter, adapter.lora.alpha,
+    blk.N.<tensor>.weight.lora_a / lora_b, B's Q and K rows permuted as llama's weights are."""
+    import gguf
+
+    cfg = json.loads((ADAPTER / "adapter_config.json").read_text())
+    base = json.loads((FIXTURES / "tiny-llama" / "config.json").read_text())
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    path = tmp_path / "adapter.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_type(gguf.GGUFType.ADAPTER)
+    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(cfg["lora_alpha"]))
+    for key, t in sorted(load_file(str(ADAPTER / "adapter_model.safetensors")).items()):
+        module, part = key.removeprefix("base_model.model.model.layers.").split(".lora_")
+        layer, hf = module.split(".", 1)
+        if permute and part.startswith("B") and hf in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = base["num_attention_heads"] if "q_proj" in hf else base["num_key_value_heads"]
+            t = t.reshape(heads, 2, -1, t.shape[1]).swapaxes(1, 2).reshape(t.shape)
+        w.add_tensor(f"blk.{layer}.{names[hf]}.weight.lora_{part[0].lower()}", np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("base", ["tiny-llama", "tiny-llama.gguf"])
+def test_llama_cpps_gguf_adapter_merges_as_the_peft_one(tmp_path: Path, base: str) -> None:
+    """The same adapter in llama.cpp's GGUF form gives the PEFT directory's logits bit for bit; read without
+    undoing the converter's Q/K permutation of B, it would not."""
+    ids = Golden(ADAPTER / "golden.npz").ids
+    with kestrel_core.load(str(FIXTURES / base), backend="cpu", lora=str(ADAPTER)) as engine:
+        want = engine.logits(ids)
+    with kestrel_core.load(str(FIXTURES / base), backend="cpu", lora=str(_gguf_adapter(tmp_path))) as engine:
+        np.testing.assert_array_equal(engine.logits(ids), want)
+    (tmp_path / "plain").mkdir()
+    unpermuted = _gguf_adapter(tmp_path / "plain", permute=False)
+    with kestrel_core.load(str(FIXTURES / base), backend="cpu", lora=str(unpermuted)) as engine:
+        assert not np.allclose(engine.logits(ids), want, atol=1e-3)
+
+
+def test_a_gguf_that_is_not_a_lora_adapter_is_refused() -> None:
+    with pytest.raises(KestrelError, match="not a LoRA adapter"):
+        load_model(str(FIXTURES / "tiny-llama"), "q8", cache="off", lora=str(FIXTURES / "tiny-llama.gguf"))
