@@ -142,9 +142,9 @@ def _model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
                         "the KV cache down and, for a longrope model within its pretraining context, takes its "
                         "short RoPE factors")
     p.add_argument("--lora", default=None, metavar="PATH",
-                   help="a LoRA adapter merged into the model's weights as they load (a Hugging Face directory or "
-                        "a GGUF file): PEFT's directory (adapter_config.json, adapter_model.safetensors) or llama.cpp's "
-                        "GGUF adapter")
+                   help="a LoRA adapter merged into the model's weights as they load (a Hugging Face directory "
+                        "or a GGUF file): PEFT's directory (adapter_config.json, adapter_model.safetensors) or "
+                        "llama.cpp's GGUF adapter")
     p.add_argument("--lora-scale", type=float, default=1.0, metavar="S",
                    help="times the adapter's own scale, lora_alpha / r (default: 1)")
     p.add_argument("--rope-scaling", default=None, metavar="JSON",
