@@ -43,6 +43,8 @@ Writes under tests/fixtures/models/:
   tiny-smollm3.gguf  llama.cpp's smollm3 (llama's layout, Q/K permuted); golden = tiny-smollm3's
   tiny-granite/ GraniteForCausalLM: Llama's layers with its embedding, attention, residual and logits multipliers
   tiny-granite.gguf  llama.cpp's granite (Q/K permuted, the multipliers as metadata); golden = tiny-granite's
+  tiny-olmo2/   Olmo2ForCausalLM: norms after each block only, q/k norms over the whole projection, bfloat16
+  tiny-olmo2.gguf  llama.cpp's olmo2 (post_attention_norm, post_ffw_norm, no pre-norms); golden = tiny-olmo2's
   tiny-llama-lora/  a PEFT LoRA adapter of tiny-llama (rank 4 on q, v, o, down); its golden.npz: transformers + PEFT
   smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
   MANIFEST.json  versions, shapes, logit ranges, the command
@@ -77,6 +79,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Olmo2Config,
     Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
@@ -257,6 +260,9 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     granite = GraniteConfig(**common, num_hidden_layers=2, intermediate_size=128, tie_word_embeddings=False,
                             rope_theta=10000.0, embedding_multiplier=3.0, attention_multiplier=0.1,
                             residual_multiplier=0.5, logits_scaling=1.5)
+    # OLMo 2: norms after each block instead of before, q/k norms over the whole projection
+    olmo2 = Olmo2Config(**common, num_hidden_layers=2, intermediate_size=128, tie_word_embeddings=False,
+                        rope_theta=10000.0, pad_token_id=None)
     mixtral = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
                             num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None)
     return {
@@ -276,6 +282,7 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-gpt-oss": (gpt_oss, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
         "tiny-smollm3": (smollm3, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
         "tiny-granite": (granite, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
+        "tiny-olmo2": (olmo2, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
     }
 
 
@@ -533,6 +540,30 @@ def write_granite_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     """tiny-granite as llama.cpp's GraniteModel (LlamaModel's converter) writes it: Q/K rows permuted, the
     multipliers as granite.embedding_scale, .residual_scale, .attention.scale and .logit_scale."""
     return _write_llama_like(src, dst, tok, "granite")
+
+
+def write_olmo2_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-olmo2 as llama.cpp's Olmo2Model writes it: no Q/K permutation, attn_q_norm / attn_k_norm over the
+    whole projection, post_attention_norm and post_ffw_norm, no pre-norms."""
+    cfg = json.loads((src / "config.json").read_text())
+    tensors = _float32_tensors(src / "model.safetensors")
+    w = _gguf_writer(dst, "olmo2", src.name, cfg, tok)
+    put = _gguf_put(w)
+    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        kind = "q4_0" if i == 0 else "f16"
+        for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+            put(f"blk.{i}.{name}.weight", tensors[p + f"self_attn.{proj}_proj.weight"], kind)
+        for norm in ("q_norm", "k_norm"):
+            put(f"blk.{i}.attn_{norm}.weight", tensors[p + f"self_attn.{norm}.weight"], "f32")
+        put(f"blk.{i}.post_attention_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
+        put(f"blk.{i}.post_ffw_norm.weight", tensors[p + "post_feedforward_layernorm.weight"], "f32")
+        for proj in ("gate", "up", "down"):
+            put(f"blk.{i}.ffn_{proj}.weight", tensors[p + f"mlp.{proj}_proj.weight"], kind)
+    put("output_norm.weight", tensors["model.norm.weight"], "f32")
+    put("output.weight", tensors["lm_head.weight"], "q8_0")
+    return _gguf_finish(w, src, dst)
 
 
 def _write_llama_like(src: Path, dst: Path, tok: Tokenizer, arch: str) -> dict[str, Any]:
@@ -924,7 +955,7 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-qwen3-moe": write_qwen3_moe_gguf, "tiny-mixtral": write_mixtral_gguf,
               "tiny-qwen2-moe": write_qwen2_moe_gguf, "tiny-phi3-longrope": write_phi3_gguf,
               "tiny-qwen3-yarn": write_qwen3_gguf, "tiny-gpt-oss": write_gpt_oss_gguf,
-              "tiny-smollm3": write_smollm3_gguf, "tiny-granite": write_granite_gguf}
+              "tiny-smollm3": write_smollm3_gguf, "tiny-granite": write_granite_gguf, "tiny-olmo2": write_olmo2_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
 DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
 # LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is

@@ -12,7 +12,7 @@ from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.validate import ValidationError, check_bool, check_float, check_int, is_int
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
-                 "mixtral", "gpt_oss", "smollm3", "granite")
+                 "mixtral", "gpt_oss", "smollm3", "granite", "olmo2")
 POOLINGS = ("last", "mean", "cls")  # how an embedding pools the final hidden states: last, mean or first token
 # of the gate: SwiGLU, GeGLU with the tanh GELU (Gemma), or gpt-oss's clamped SwiGLU: gate g clamped to at most
 # swiglu_limit, up u to +-swiglu_limit, then (u + 1) * g * sigmoid(swiglu_alpha * g)
@@ -49,6 +49,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
+    qk_norm_full: bool = False  # OLMo 2: the q/k norms span the whole projection (H*hd, KV*hd), not each head
+    pre_norms: bool = True  # False (OLMo 2): no RMSNorm before the attention and the MLP, only post_norms after
     o_bias: bool = False  # gpt-oss: the attention's output projection has a bias
     attn_sinks: bool = False  # gpt-oss: each head's softmax has one more logit, a learned sink that takes no value
     sliding_window: int | None = None  # a windowed position attends to the last sliding_window (itself too)
@@ -193,8 +195,12 @@ def validate_config(c: ModelConfig) -> None:
     check_float("swiglu_alpha", c.swiglu_alpha, 0.0, lo_open=True)
     if c.pooling is not None and c.pooling not in POOLINGS:
         raise ValidationError(f"pooling must be one of {', '.join(POOLINGS)} or null, got {c.pooling!r}")
-    for name in ("tie_word_embeddings", "qkv_bias", "qk_norm", "o_bias", "attn_sinks", "post_norms", "norm_topk_prob",
-                 "moe_bias", "normalize_embeddings"):
+    if c.qk_norm_full and not c.qk_norm:
+        raise ValidationError("qk_norm_full needs qk_norm")
+    if not c.pre_norms and not c.post_norms:
+        raise ValidationError("a model without pre_norms needs post_norms")
+    for name in ("tie_word_embeddings", "qkv_bias", "qk_norm", "qk_norm_full", "pre_norms", "o_bias", "attn_sinks",
+                 "post_norms", "norm_topk_prob", "moe_bias", "normalize_embeddings"):
         check_bool(name, getattr(c, name))
     if c.bos_token_id is not None:
         check_int("bos_token_id", c.bos_token_id, 0)

@@ -238,16 +238,18 @@ class Decoder:
             off.layer_boundary(i)
             (qkv_w, o_w), (qkv_keys, o_keys) = lw.groups()[:2], self.keys[i][:2]
             cos, sin, q_cos, q_sin = tables_at[self.layer_rope[i]]
-            x = rmsnorm(h, lw.attn_norm, self.eps)  # [M, D]
+            x = h.copy() if lw.attn_norm is None else rmsnorm(h, lw.attn_norm, self.eps)  # [M, D]
             q, k, v = self._linear(x, precise, qkv_w, *qkv_keys)
             if lw.q_bias is not None:
                 q = q + lw.q_bias
                 k = k + lw.k_bias
                 v = v + lw.v_bias
+            if c.qk_norm_full:  # OLMo 2: over each row's whole projection
+                q, k = rmsnorm(q, lw.q_norm, self.eps), rmsnorm(k, lw.k_norm, self.eps)
             q = q.reshape(m, n_heads, hd)  # [M, H, hd]
             k = k.reshape(m, n_kv, hd)
             v = np.ascontiguousarray(v).reshape(m, n_kv, hd)
-            if lw.q_norm is not None:
+            if lw.q_norm is not None and not c.qk_norm_full:
                 q = rmsnorm(q, lw.q_norm, self.eps)
                 k = rmsnorm(k, lw.k_norm, self.eps)
             kernels.rope_write(np.ascontiguousarray(k), v, pool.kt[i], pool.v[i], slots, cos, sin)
@@ -257,7 +259,7 @@ class Decoder:
             if lw.o_bias is not None:
                 out += lw.o_bias
             h += self._residual(out, lw.post_attn_norm)
-            x = rmsnorm(h, lw.mlp_norm, self.eps)
+            x = h.copy() if lw.mlp_norm is None else rmsnorm(h, lw.mlp_norm, self.eps)
             out = self._moe(i, lw, x, precise) if lw.experts else self._mlp(x, precise, lw.groups()[2:],
                                                                              self.keys[i][2:])
             h += self._residual(out, lw.post_mlp_norm)

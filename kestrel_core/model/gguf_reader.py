@@ -33,7 +33,7 @@ from kestrel_core.model.validate import ValidationError, check_float, check_int,
 from kestrel_core.model.weights import expert_field
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
-                      "smollm3", "granite")
+                      "smollm3", "granite", "olmo2")
 MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}  # with experts
 EXPERT_WEIGHTS_NORM = {"qwen2moe": False}  # llama.cpp's default where expert_weights_norm is absent: true
 # kestrel's names: a llama GGUF with experts is Mixtral; SmolLM3's converter is llama's
@@ -561,6 +561,8 @@ class GGUFCheckpoint:
             return out
         if arch == "smollm3":
             return {"nope_layers": tuple(i for i in range(layers) if (i + 1) % SMOLLM3_NOPE_STEP == 0)}
+        if arch == "olmo2":  # post_attention_norm and post_ffw_norm after each block, whole-projection q/k norms
+            return {"qk_norm": True, "qk_norm_full": True, "pre_norms": False, "post_norms": True}
         if arch == "granite":  # its multipliers, as llama.cpp names them (absent: 1, and the usual query scale)
             scale = self.float_field(f"{arch}.attention.scale", 0.0)
             return {"embed_scale": self.float_field(f"{arch}.embedding_scale", 1.0),

@@ -48,12 +48,12 @@ class ExpertWeights:
 
 @dataclass
 class LayerWeights:
-    attn_norm: np.ndarray  # [D]
     q: StripCache  # [H*hd, D]
     k: StripCache  # [KV*hd, D]
     v: StripCache  # [KV*hd, D]
     o: StripCache  # [D, H*hd]
-    mlp_norm: np.ndarray  # [D]
+    attn_norm: np.ndarray | None = None  # [D]; None without pre_norms (OLMo 2)
+    mlp_norm: np.ndarray | None = None  # [D]
     o_bias: np.ndarray | None = None  # gpt-oss: [D]
     sinks: np.ndarray | None = None  # gpt-oss: [H], each head's sink logit
     gate: StripCache | None = None  # [F, D]; None in a mixture-of-experts layer
@@ -62,7 +62,7 @@ class LayerWeights:
     q_bias: np.ndarray | None = None  # Qwen2: [H*hd]
     k_bias: np.ndarray | None = None
     v_bias: np.ndarray | None = None
-    q_norm: np.ndarray | None = None  # Qwen3, Gemma 3: [hd]
+    q_norm: np.ndarray | None = None  # Qwen3, Gemma 3: [hd]; OLMo 2: [H*hd] (k_norm [KV*hd])
     k_norm: np.ndarray | None = None
     post_attn_norm: np.ndarray | None = None  # Gemma 3: [D], on the attention's output
     post_mlp_norm: np.ndarray | None = None  # Gemma 3: [D], on the MLP's output
@@ -174,8 +174,10 @@ def layer_specs(c: ModelConfig, i: int) -> list[TensorSpec]:
     if c.attn_sinks:
         out.append(("sinks", "vector", (c.num_heads,)))
     if c.qk_norm:
-        out += [("q_norm", "vector", (hd,)), ("k_norm", "vector", (hd,))]
-    out += [("attn_norm", "vector", (d,)), ("mlp_norm", "vector", (d,))]
+        out += [("q_norm", "vector", (qn if c.qk_norm_full else hd,)),
+                ("k_norm", "vector", (kvn if c.qk_norm_full else hd,))]
+    if c.pre_norms:
+        out += [("attn_norm", "vector", (d,)), ("mlp_norm", "vector", (d,))]
     if c.post_norms:
         out += [("post_attn_norm", "vector", (d,)), ("post_mlp_norm", "vector", (d,))]
     return [TensorSpec(layer_name(i, name), kind, shape) for name, kind, shape in out]

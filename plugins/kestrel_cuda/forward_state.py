@@ -58,6 +58,8 @@ def unsupported_reason(model: Model) -> str | None:
         return "attention or logit soft caps"
     if c.activation not in ("silu", "gelu_tanh"):
         return f"activation {c.activation!r}"
+    if not c.pre_norms or c.qk_norm_full:
+        return "norms only after each block, or q/k norms over the whole projection"
     if c.o_bias or c.attn_sinks or c.moe_bias:
         return "an output projection bias, attention sinks or expert biases"
     if c.residual_scale != 1.0 or c.logits_scaling != 1.0:

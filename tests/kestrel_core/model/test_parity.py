@@ -147,6 +147,8 @@ CASES = (
     Case("tiny-smollm3.gguf", "tiny-smollm3", ALL_MODES),  # llama.cpp's smollm3: Q/K permuted, its NoPE rule
     Case("tiny-granite", "tiny-granite", ALL_MODES),  # embedding, attention, residual and logits multipliers
     Case("tiny-granite.gguf", "tiny-granite", ALL_MODES),  # llama.cpp's granite: the multipliers as metadata
+    Case("tiny-olmo2", "tiny-olmo2", ALL_MODES),  # norms after each block only, whole-projection q/k norms
+    Case("tiny-olmo2.gguf", "tiny-olmo2", ALL_MODES),  # llama.cpp's olmo2: post_attention_norm, post_ffw_norm
     Case("tiny-gpt-oss", "tiny-gpt-oss", Q8_MODES, moe=True),  # sinks, biases, clamped SwiGLU, interleaved gate|up
     Case("tiny-gpt-oss-mxfp4", "tiny-gpt-oss", Q8_MODES, moe=True),  # the experts as MXFP4 blocks and scales
     Case("tiny-gpt-oss.gguf", "tiny-gpt-oss", Q8_MODES, moe=True),  # llama.cpp's gpt-oss, MXFP4 experts
@@ -505,4 +507,29 @@ def test_granite_without_a_multiplier_leaves_the_limits(monkeypatch, field: str)
     0.04-0.29 of the range)."""
     _with_config(monkeypatch, lambda c: {**c, field: GRANITE_WRONG[field]})
     fig = measure(next(c for c in CASES if c.name == "tiny-granite"), "q8")
+    assert not fig.within(TINY), fig
+
+
+OLMO2_WRONG = {"no q/k norms": ("q_norm", "k_norm"), "no norm after the attention": ("post_attn_norm",),
+               "no norm after the MLP": ("post_mlp_norm",)}
+
+
+@pytest.mark.parametrize("wrong", OLMO2_WRONG)
+def test_olmo2_done_wrong_leaves_the_limits(wrong: str) -> None:
+    """OLMo 2's norms, each needed (measured: top-1 0.10-0.30, median 0.29-0.55 of the range without one)."""
+    from dataclasses import replace
+
+    from kestrel_core.model.loader import load_model
+
+    loaded = load_model(str(FIXTURES / "tiny-olmo2"), quant="q8", cache="off")
+    for layer in loaded.model.layers:
+        for field in OLMO2_WRONG[wrong]:
+            setattr(layer, field, None)
+    config = loaded.model.config
+    if "q_norm" in OLMO2_WRONG[wrong]:
+        config = replace(config, qk_norm=False, qk_norm_full=False)
+    golden = Golden(FIXTURES / "tiny-olmo2" / "golden.npz")
+    with kestrel_core.load(replace(loaded, model=replace(loaded.model, config=config)), backend="cpu",
+                           activations="q8") as engine:
+        fig = golden.figures(engine.logits(golden.ids))
     assert not fig.within(TINY), fig
