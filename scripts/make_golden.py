@@ -45,6 +45,9 @@ Writes under tests/fixtures/models/:
   tiny-granite.gguf  llama.cpp's granite (Q/K permuted, the multipliers as metadata); golden = tiny-granite's
   tiny-olmo2/   Olmo2ForCausalLM: norms after each block only, q/k norms over the whole projection, bfloat16
   tiny-olmo2.gguf  llama.cpp's olmo2 (post_attention_norm, post_ffw_norm, no pre-norms); golden = tiny-olmo2's
+  tiny-exaone4/ Exaone4ForCausalLM: norms after each block, per-head q/k norms, 3 sliding layers (window 8) then
+                a global one without RoPE, bfloat16
+  tiny-exaone4.gguf  llama.cpp's exaone4; golden = tiny-exaone4's
   tiny-llama-lora/  a PEFT LoRA adapter of tiny-llama (rank 4 on q, v, o, down); its golden.npz: transformers + PEFT
   smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
   MANIFEST.json  versions, shapes, logit ranges, the command
@@ -72,6 +75,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Exaone4Config,
     Gemma2Config,
     Gemma3TextConfig,
     GptOssConfig,
@@ -263,6 +267,10 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     # OLMo 2: norms after each block instead of before, q/k norms over the whole projection
     olmo2 = Olmo2Config(**common, num_hidden_layers=2, intermediate_size=128, tie_word_embeddings=False,
                         rope_theta=10000.0, pad_token_id=None)
+    # EXAONE 4: OLMo 2's norms after each block with per-head q/k norms, three sliding layers (window 8) to one
+    # global, the global ones without RoPE
+    exaone4 = Exaone4Config(**common, num_hidden_layers=4, intermediate_size=128, tie_word_embeddings=False,
+                            rope_theta=10000.0, sliding_window=8, sliding_window_pattern=4, pad_token_id=None)
     mixtral = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
                             num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None)
     return {
@@ -283,6 +291,7 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-smollm3": (smollm3, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
         "tiny-granite": (granite, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
         "tiny-olmo2": (olmo2, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
+        "tiny-exaone4": (exaone4, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
     }
 
 
@@ -545,9 +554,21 @@ def write_granite_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
 def write_olmo2_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     """tiny-olmo2 as llama.cpp's Olmo2Model writes it: no Q/K permutation, attn_q_norm / attn_k_norm over the
     whole projection, post_attention_norm and post_ffw_norm, no pre-norms."""
+    return _write_post_normed(src, dst, tok, "olmo2")
+
+
+def write_exaone4_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-exaone4 as llama.cpp's Exaone4Model writes it: olmo2's tensors (per-head q/k norms) and the window as
+    exaone4.attention.sliding_window; the 3-to-1 pattern and the global layers' lack of RoPE are llama.cpp's rule."""
+    return _write_post_normed(src, dst, tok, "exaone4")
+
+
+def _write_post_normed(src: Path, dst: Path, tok: Tokenizer, arch: str) -> dict[str, Any]:
     cfg = json.loads((src / "config.json").read_text())
     tensors = _float32_tensors(src / "model.safetensors")
-    w = _gguf_writer(dst, "olmo2", src.name, cfg, tok)
+    w = _gguf_writer(dst, arch, src.name, cfg, tok)
+    if cfg.get("sliding_window"):
+        w.add_sliding_window(cfg["sliding_window"])
     put = _gguf_put(w)
     put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
     for i in range(cfg["num_hidden_layers"]):
@@ -955,7 +976,8 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-qwen3-moe": write_qwen3_moe_gguf, "tiny-mixtral": write_mixtral_gguf,
               "tiny-qwen2-moe": write_qwen2_moe_gguf, "tiny-phi3-longrope": write_phi3_gguf,
               "tiny-qwen3-yarn": write_qwen3_gguf, "tiny-gpt-oss": write_gpt_oss_gguf,
-              "tiny-smollm3": write_smollm3_gguf, "tiny-granite": write_granite_gguf, "tiny-olmo2": write_olmo2_gguf}
+              "tiny-smollm3": write_smollm3_gguf, "tiny-granite": write_granite_gguf, "tiny-olmo2": write_olmo2_gguf,
+              "tiny-exaone4": write_exaone4_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
 DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
 # LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is

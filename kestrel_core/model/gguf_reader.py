@@ -33,11 +33,12 @@ from kestrel_core.model.validate import ValidationError, check_float, check_int,
 from kestrel_core.model.weights import expert_field
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
-                      "smollm3", "granite", "olmo2")
+                      "smollm3", "granite", "olmo2", "exaone4")
 MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}  # with experts
 EXPERT_WEIGHTS_NORM = {"qwen2moe": False}  # llama.cpp's default where expert_weights_norm is absent: true
 # kestrel's names: a llama GGUF with experts is Mixtral; SmolLM3's converter is llama's
 PERMUTED_ARCHITECTURES = ("llama", "mixtral", "smollm3", "granite")
+EXAONE4_SWA_PATTERN = 4  # llama.cpp's: every 4th EXAONE 4 layer is global (the file does not say)
 SMOLLM3_NOPE_STEP = 4  # llama.cpp's: every 4th layer of SmolLM3 has no RoPE (the file does not say)
 # phi3 GGUFs hold Q|K|V and gate|up (llama.cpp's ffn_up of phi3: gate rows, then up) as one tensor each
 FUSED = {"phi3": {"attn_qkv.weight": ("q", "k", "v"), "ffn_up.weight": ("gate", "up")}}
@@ -563,6 +564,12 @@ class GGUFCheckpoint:
             return {"nope_layers": tuple(i for i in range(layers) if (i + 1) % SMOLLM3_NOPE_STEP == 0)}
         if arch == "olmo2":  # post_attention_norm and post_ffw_norm after each block, whole-projection q/k norms
             return {"qk_norm": True, "qk_norm_full": True, "pre_norms": False, "post_norms": True}
+        if arch == "exaone4":  # as olmo2 with per-head q/k norms; llama.cpp's 3 sliding layers to 1 global, no RoPE
+            window = self.int_field(f"{arch}.attention.sliding_window", lo=0) or None
+            types = tuple("sliding" if window and (i + 1) % EXAONE4_SWA_PATTERN else "full" for i in range(layers))
+            return {"qk_norm": True, "pre_norms": False, "post_norms": True, "layer_types": types,
+                    "sliding_window": window,
+                    "nope_layers": tuple(i for i, t in enumerate(types) if window and t == "full")}
         if arch == "granite":  # its multipliers, as llama.cpp names them (absent: 1, and the usual query scale)
             scale = self.float_field(f"{arch}.attention.scale", 0.0)
             return {"embed_scale": self.float_field(f"{arch}.embedding_scale", 1.0),

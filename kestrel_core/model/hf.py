@@ -30,6 +30,7 @@ from kestrel_core.model.validate import (
     check_hf_config,
     check_int,
     check_regular_file,
+    is_int,
 )
 from kestrel_core.model.weights import expert_field
 
@@ -39,12 +40,13 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "Gemma3ForConditionalGeneration": "gemma3", "Qwen2MoeForCausalLM": "qwen2_moe",
                     "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral", "GptOssForCausalLM": "gpt_oss",
                     "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
+                    "Exaone4ForCausalLM": "exaone4",
                     # the decoder without its head, as embedding checkpoints (e5-mistral, ...) name it
                     "LlamaModel": "llama", "Qwen2Model": "qwen2", "Qwen3Model": "qwen3", "MistralModel": "mistral"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen2_moe": "qwen2_moe",
                "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss",
-               "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2"}
+               "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2", "exaone4": "exaone4"}
 WINDOWED = ("mistral", "phi3", "mixtral")  # architectures whose sliding_window applies to every layer
 # Gemma3TextConfig's defaults: hub configs (the text_config of the multimodal checkpoints) leave many out
 GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -75,7 +77,8 @@ _LAYER_MAP = {
 _GEMMA_LAYER_MAP = {**_LAYER_MAP, "post_attention_layernorm.weight": "post_attn_norm",
                      "pre_feedforward_layernorm.weight": "mlp_norm",
                      "post_feedforward_layernorm.weight": "post_mlp_norm"}
-# OLMo 2 norms the attention's and the MLP's outputs, not their inputs
+# OLMo 2 and EXAONE 4 norm the attention's and the MLP's outputs, not their inputs
+POST_NORMED = ("olmo2", "exaone4")
 _OLMO2_LAYER_MAP = {**_LAYER_MAP, "post_attention_layernorm.weight": "post_attn_norm",
                     "post_feedforward_layernorm.weight": "post_mlp_norm"}
 # the router and the experts of Qwen3-MoE (mlp.*) and Mixtral (block_sparse_moe.*, w1/w3/w2 = gate/up/down)
@@ -129,7 +132,7 @@ def kestrel_name(hf_name: str, arch: str = "llama") -> str | None:
             return layer_name(int(m.group(1)), _SHARED_MAP[m.group(2)])
         if arch == "gpt_oss" and m.group(2) in _GPT_OSS_MAP:
             return layer_name(int(m.group(1)), _GPT_OSS_MAP[m.group(2)])
-    layer_map = (_GEMMA_LAYER_MAP if arch in GEMMA_ARCHITECTURES else _OLMO2_LAYER_MAP if arch == "olmo2"
+    layer_map = (_GEMMA_LAYER_MAP if arch in GEMMA_ARCHITECTURES else _OLMO2_LAYER_MAP if arch in POST_NORMED
                  else _LAYER_MAP)
     return map_tensor_name(hf_name, _GLOBAL_MAP, _LAYER_RE, layer_map)
 
@@ -248,6 +251,24 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
     }
 
 
+def _exaone4_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """EXAONE 4: norms after each block, per-head q/k norms, and with a sliding window its global layers (every
+    ``sliding_window_pattern``-th, or as ``layer_types`` says) attend without RoPE; without one every layer is global
+    and turns."""
+    out: dict[str, Any] = {"qk_norm": True, "pre_norms": False, "post_norms": True}
+    window = cfg.get("sliding_window")
+    if window is None:
+        return out
+    pattern = cfg.get("sliding_window_pattern", 4)
+    if isinstance(pattern, str):  # "LLLG": local, local, local, global
+        pattern = len(pattern) if pattern and set(pattern) <= {"L", "G"} and pattern.endswith("G") else None
+    if not is_int(pattern) or pattern < 1:
+        raise KestrelError(f"{where}: sliding_window_pattern must be a number of layers or a pattern like 'LLLG'")
+    types = _layer_types(cfg, where, pattern)
+    return {**out, "layer_types": types, "sliding_window": window,
+            "nope_layers": tuple(i for i, t in enumerate(types) if t == "full")}
+
+
 def _nope_layers(cfg: dict[str, Any], where: str) -> tuple[int, ...]:
     """SmolLM3's layers without RoPE: ``no_rope_layers`` (per layer, 1: RoPE, 0: none), else every
     ``no_rope_layer_interval``-th layer (default 4), as SmolLM3Config computes it."""
@@ -357,7 +378,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
     arch = _architecture(cfg, where)
     if cfg.get("mlp_bias"):
         raise KestrelError(f"{where}: mlp_bias is not supported")
-    if arch in ("llama", "smollm3", "granite", "olmo2", "gemma2", "gemma3") and cfg.get("attention_bias"):
+    if arch in ("llama", "smollm3", "granite", *POST_NORMED, "gemma2", "gemma3") and cfg.get("attention_bias"):
         raise KestrelError(f"{where}: {arch} attention_bias (with an o_proj bias) is not supported")
     if cfg.get("is_causal") is False:
         raise KestrelError(f"{where}: is_causal false (bidirectional attention) is not supported")
@@ -390,6 +411,8 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             fields["nope_layers"] = _nope_layers(cfg, where)
         if arch == "olmo2":  # norms after each block, and q/k norms over the whole projection
             fields.update(qk_norm=True, qk_norm_full=True, pre_norms=False, post_norms=True)
+        if arch == "exaone4":
+            fields.update(_exaone4_fields(cfg, where))
         if arch == "granite":  # its four multipliers (GraniteConfig's defaults: 1)
             fields.update({name: check_float(key, cfg.get(key, 1.0), 0.0, lo_open=True) for key, name in (
                 ("embedding_multiplier", "embed_scale"), ("attention_multiplier", "query_scale"),

@@ -253,7 +253,8 @@ def test_a_mixture_of_experts_decoded_with_the_wrong_experts_leaves_the_band() -
 @pytest.mark.parametrize(("fixture", "why"), [("tiny-gemma2", "architecture 'gemma2'"),
                                               ("tiny-gpt-oss", "architecture 'gpt_oss'"),
                                               ("tiny-granite.gguf", "architecture 'granite'"),
-                                              ("tiny-olmo2", "architecture 'olmo2'")])
+                                              ("tiny-olmo2", "architecture 'olmo2'"),
+                                              ("tiny-exaone4.gguf", "architecture 'exaone4'")])
 def test_device_forward_names_what_it_cannot_run(fixture: str, why: str) -> None:
     """Gemma 2 (soft caps), gpt-oss (sinks, biases, its clamped SwiGLU), Granite (its residual and logits
     multipliers) and OLMo 2 (norms after the blocks) go through the GEMM hooks; the reason names the
