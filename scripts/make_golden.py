@@ -48,6 +48,8 @@ Writes under tests/fixtures/models/:
   tiny-exaone4/ Exaone4ForCausalLM: norms after each block, per-head q/k norms, 3 sliding layers (window 8) then
                 a global one without RoPE, bfloat16
   tiny-exaone4.gguf  llama.cpp's exaone4; golden = tiny-exaone4's
+  tiny-seed-oss/ SeedOssForCausalLM: Llama's layers with q/k/v biases, bfloat16
+  tiny-seed-oss.gguf  llama.cpp's seed_oss (post_attention_norm as the MLP norm); golden = tiny-seed-oss's
   tiny-llama-lora/  a PEFT LoRA adapter of tiny-llama (rank 4 on q, v, o, down); its golden.npz: transformers + PEFT
   smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
   MANIFEST.json  versions, shapes, logit ranges, the command
@@ -89,6 +91,7 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    SeedOssConfig,
     SmolLM3Config,
 )
 
@@ -271,6 +274,10 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     # global, the global ones without RoPE
     exaone4 = Exaone4Config(**common, num_hidden_layers=4, intermediate_size=128, tie_word_embeddings=False,
                             rope_theta=10000.0, sliding_window=8, sliding_window_pattern=4, pad_token_id=None)
+    # Seed-OSS: Llama's layers with q/k/v biases (no o bias, as Seed-OSS-36B)
+    seed_oss = SeedOssConfig(**common, num_hidden_layers=2, intermediate_size=128, head_dim=16,
+                             tie_word_embeddings=False, rope_theta=10000.0, attention_bias=True,
+                             attention_out_bias=False, pad_token_id=None)
     mixtral = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
                             num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None)
     return {
@@ -292,6 +299,7 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-granite": (granite, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
         "tiny-olmo2": (olmo2, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
         "tiny-exaone4": (exaone4, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
+        "tiny-seed-oss": (seed_oss, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
     }
 
 
@@ -561,6 +569,30 @@ def write_exaone4_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     """tiny-exaone4 as llama.cpp's Exaone4Model writes it: olmo2's tensors (per-head q/k norms) and the window as
     exaone4.attention.sliding_window; the 3-to-1 pattern and the global layers' lack of RoPE are llama.cpp's rule."""
     return _write_post_normed(src, dst, tok, "exaone4")
+
+
+def write_seed_oss_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-seed-oss as llama.cpp's SeedOssModel writes it: unpermuted, q/k/v biases, post_attention_norm as the MLP's
+    input norm."""
+    cfg = json.loads((src / "config.json").read_text())
+    tensors = _float32_tensors(src / "model.safetensors")
+    w = _gguf_writer(dst, "seed_oss", src.name, cfg, tok)
+    put = _gguf_put(w)
+    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        kind = "q4_0" if i == 0 else "f16"
+        put(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"], "f32")
+        for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+            put(f"blk.{i}.{name}.weight", tensors[p + f"self_attn.{proj}_proj.weight"], kind)
+            if proj != "o":
+                put(f"blk.{i}.{name}.bias", tensors[p + f"self_attn.{proj}_proj.bias"], "f32")
+        put(f"blk.{i}.post_attention_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
+        for proj in ("gate", "up", "down"):
+            put(f"blk.{i}.ffn_{proj}.weight", tensors[p + f"mlp.{proj}_proj.weight"], kind)
+    put("output_norm.weight", tensors["model.norm.weight"], "f32")
+    put("output.weight", tensors["lm_head.weight"], "q8_0")
+    return _gguf_finish(w, src, dst)
 
 
 def _write_post_normed(src: Path, dst: Path, tok: Tokenizer, arch: str) -> dict[str, Any]:
@@ -977,7 +1009,7 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-qwen2-moe": write_qwen2_moe_gguf, "tiny-phi3-longrope": write_phi3_gguf,
               "tiny-qwen3-yarn": write_qwen3_gguf, "tiny-gpt-oss": write_gpt_oss_gguf,
               "tiny-smollm3": write_smollm3_gguf, "tiny-granite": write_granite_gguf, "tiny-olmo2": write_olmo2_gguf,
-              "tiny-exaone4": write_exaone4_gguf}
+              "tiny-exaone4": write_exaone4_gguf, "tiny-seed-oss": write_seed_oss_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
 DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
 # LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is

@@ -33,7 +33,7 @@ from kestrel_core.model.validate import ValidationError, check_float, check_int,
 from kestrel_core.model.weights import expert_field
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
-                      "smollm3", "granite", "olmo2", "exaone4")
+                      "smollm3", "granite", "olmo2", "exaone4", "seed_oss")
 MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}  # with experts
 EXPERT_WEIGHTS_NORM = {"qwen2moe": False}  # llama.cpp's default where expert_weights_norm is absent: true
 # kestrel's names: a llama GGUF with experts is Mixtral; SmolLM3's converter is llama's
@@ -66,9 +66,9 @@ _LAYER_MAP = {
     "ffn_up_shexp.weight": "shared_expert.up",
     "ffn_down_shexp.weight": "shared_expert.down",
 }
-# gpt-oss: what its names mean where they differ (post_attention_norm is its MLP's input norm), and its biases
-# and sinks
-_GPT_OSS_MAP = {**_LAYER_MAP, "post_attention_norm.weight": "mlp_norm", "attn_output.bias": "o_bias",
+# gpt-oss and seed_oss: what their names mean where they differ (post_attention_norm is the MLP's input norm), and
+# gpt-oss's biases and sinks
+_MLP_NORM_AFTER_ATTENTION_MAP = {**_LAYER_MAP, "post_attention_norm.weight": "mlp_norm", "attn_output.bias": "o_bias",
                 "attn_sinks.weight": "sinks", "ffn_gate_inp.bias": "router_bias"}
 # a mixture-of-experts layer's experts, stacked [E, N, K] in one tensor each (gpt-oss's biases [E, N])
 _STACKED = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down",
@@ -86,7 +86,8 @@ _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 def kestrel_name(gguf_name: str, arch: str = "llama") -> str | None:
     """``blk.3.attn_q.weight`` -> ``layers.3.q``; None for tensors kestrel does not use."""
-    return map_tensor_name(gguf_name, _GLOBAL_MAP, _BLK_RE, _GPT_OSS_MAP if arch == "gpt-oss" else _LAYER_MAP)
+    layer_map = _MLP_NORM_AFTER_ATTENTION_MAP if arch in ("gpt-oss", "seed_oss") else _LAYER_MAP
+    return map_tensor_name(gguf_name, _GLOBAL_MAP, _BLK_RE, layer_map)
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -562,6 +563,8 @@ class GGUFCheckpoint:
             return out
         if arch == "smollm3":
             return {"nope_layers": tuple(i for i in range(layers) if (i + 1) % SMOLLM3_NOPE_STEP == 0)}
+        if arch == "seed_oss":  # q/k/v biases, an o bias where the file has one
+            return {"qkv_bias": True, "o_bias": "layers.0.o_bias" in self._tensors}
         if arch == "olmo2":  # post_attention_norm and post_ffw_norm after each block, whole-projection q/k norms
             return {"qk_norm": True, "qk_norm_full": True, "pre_norms": False, "post_norms": True}
         if arch == "exaone4":  # as olmo2 with per-head q/k norms; llama.cpp's 3 sliding layers to 1 global, no RoPE
