@@ -1,6 +1,6 @@
-"""Read a GGUF file (llama incl. Mixtral, qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma2, gemma3) as a
-TensorSource: dequantized float32, HF layout; the experts of a stacked ``ffn_*_exps`` tensor are read one slice
-at a time.
+"""Read a GGUF file (GGUF_ARCHITECTURES: llama incl. Mixtral, qwen2, qwen3, phi3, gemma 2 and 3, the mixtures of
+experts, gpt-oss, smollm3, granite, olmo2, exaone4, seed_oss) as a TensorSource: dequantized float32, HF layout;
+the experts of a stacked ``ffn_*_exps`` tensor are read one slice at a time.
 
 llama.cpp's convert_hf_to_gguf.py permutes the rows of Q and K for the llama architecture only
 (``LlamaModel.permute``: rows ``[n_head, 2, hd/2]`` -> ``[n_head, hd/2, 2]``), because ggml's default RoPE
