@@ -78,7 +78,7 @@ class ArtifactMeta:
 
 def layout_flags(config: ModelConfig) -> list[str]:
     """The layout flags of an artifact of a model of ``config``."""
-    return ["row-major-codes", *([ROTARY_FIRST] if config.rotary < config.head_dim else [])]
+    return ["row-major-codes", *([ROTARY_FIRST] if config.qk_reordered else [])]
 
 
 def refuse(path: Path, what: str) -> KestrelError:
@@ -279,7 +279,8 @@ def parse_meta(path: Path, meta: dict[str, str], tensor_names: Iterable[str]) ->
         raise refuse(path, f"artifact config does not fit this kestrel's ModelConfig ({exc})") from None
     if (ROTARY_FIRST in layout) != (ROTARY_FIRST in layout_flags(config)):
         raise refuse(path, f"layout flag {ROTARY_FIRST!r} {'is' if ROTARY_FIRST in layout else 'is not'} set "
-                           f"but the model's RoPE turns {config.rotary} of each head's {config.head_dim} dims")
+                           f"but the model's RoPE turns {config.rotary} of each head's {config.head_dim} dims"
+                           f"{' in interleaved pairs' if config.rope_interleaved else ''}")
     quant = check_artifact_meta(meta.get("quant"), config, tensor_names, str(path))
     tensors = _json(path, meta, "tensors")
     extra = _json(path, meta, "extra", {})

@@ -50,6 +50,9 @@ Writes under tests/fixtures/models/:
   tiny-exaone4.gguf  llama.cpp's exaone4; golden = tiny-exaone4's
   tiny-seed-oss/ SeedOssForCausalLM: Llama's layers with q/k/v biases, bfloat16
   tiny-seed-oss.gguf  llama.cpp's seed_oss (post_attention_norm as the MLP norm); golden = tiny-seed-oss's
+  tiny-glm4/    Glm4ForCausalLM: RoPE on 8 of 16 dims a head in interleaved pairs, four norms, q/k/v biases, gate|up
+                fused, bfloat16
+  tiny-glm4.gguf  llama.cpp's glm4; golden = tiny-glm4's
   tiny-llama-lora/  a PEFT LoRA adapter of tiny-llama (rank 4 on q, v, o, down); its golden.npz: transformers + PEFT
   smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
   MANIFEST.json  versions, shapes, logit ranges, the command
@@ -80,6 +83,7 @@ from transformers import (
     Exaone4Config,
     Gemma2Config,
     Gemma3TextConfig,
+    Glm4Config,
     GptOssConfig,
     GraniteConfig,
     LlamaConfig,
@@ -278,6 +282,9 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     seed_oss = SeedOssConfig(**common, num_hidden_layers=2, intermediate_size=128, head_dim=16,
                              tie_word_embeddings=False, rope_theta=10000.0, attention_bias=True,
                              attention_out_bias=False, pad_token_id=None)
+    # GLM-4: RoPE on half of each head in interleaved pairs, Gemma's four norms, q/k/v biases, gate|up fused
+    glm4 = Glm4Config(**common, num_hidden_layers=2, intermediate_size=128, head_dim=16, partial_rotary_factor=0.5,
+                      tie_word_embeddings=False, rope_theta=10000.0, attention_bias=True, pad_token_id=None)
     mixtral = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
                             num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None)
     return {
@@ -300,6 +307,7 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-olmo2": (olmo2, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
         "tiny-exaone4": (exaone4, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
         "tiny-seed-oss": (seed_oss, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
+        "tiny-glm4": (glm4, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
     }
 
 
@@ -590,6 +598,33 @@ def write_seed_oss_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
         put(f"blk.{i}.post_attention_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
         for proj in ("gate", "up", "down"):
             put(f"blk.{i}.ffn_{proj}.weight", tensors[p + f"mlp.{proj}_proj.weight"], kind)
+    put("output_norm.weight", tensors["model.norm.weight"], "f32")
+    put("output.weight", tensors["lm_head.weight"], "q8_0")
+    return _gguf_finish(w, src, dst)
+
+
+def write_glm4_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-glm4 as llama.cpp's Glm4Model writes it: q/k/v (unpermuted: its RoPE pairs dims 2i, 2i + 1 as HF's) with
+    biases, ffn_up = gate|up, post_attention_norm after the attention, ffn_norm before the MLP, post_ffw_norm after
+    it, rope.dimension_count half the head."""
+    cfg = json.loads((src / "config.json").read_text())
+    tensors = _float32_tensors(src / "model.safetensors")
+    w = _gguf_writer(dst, "glm4", src.name, cfg, tok)
+    put = _gguf_put(w)
+    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        kind = "q4_0" if i == 0 else "f16"
+        put(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"], "f32")
+        for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v")):
+            put(f"blk.{i}.{name}.weight", tensors[p + f"self_attn.{proj}_proj.weight"], kind)
+            put(f"blk.{i}.{name}.bias", tensors[p + f"self_attn.{proj}_proj.bias"], "f32")
+        put(f"blk.{i}.attn_output.weight", tensors[p + "self_attn.o_proj.weight"], kind)
+        put(f"blk.{i}.post_attention_norm.weight", tensors[p + "post_self_attn_layernorm.weight"], "f32")
+        put(f"blk.{i}.ffn_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
+        put(f"blk.{i}.ffn_up.weight", tensors[p + "mlp.gate_up_proj.weight"], kind)
+        put(f"blk.{i}.ffn_down.weight", tensors[p + "mlp.down_proj.weight"], kind)
+        put(f"blk.{i}.post_ffw_norm.weight", tensors[p + "post_mlp_layernorm.weight"], "f32")
     put("output_norm.weight", tensors["model.norm.weight"], "f32")
     put("output.weight", tensors["lm_head.weight"], "q8_0")
     return _gguf_finish(w, src, dst)
@@ -1009,7 +1044,7 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-qwen2-moe": write_qwen2_moe_gguf, "tiny-phi3-longrope": write_phi3_gguf,
               "tiny-qwen3-yarn": write_qwen3_gguf, "tiny-gpt-oss": write_gpt_oss_gguf,
               "tiny-smollm3": write_smollm3_gguf, "tiny-granite": write_granite_gguf, "tiny-olmo2": write_olmo2_gguf,
-              "tiny-exaone4": write_exaone4_gguf, "tiny-seed-oss": write_seed_oss_gguf}
+              "tiny-exaone4": write_exaone4_gguf, "tiny-seed-oss": write_seed_oss_gguf, "tiny-glm4": write_glm4_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
 DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
 # LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is

@@ -12,7 +12,7 @@ from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.validate import ValidationError, check_bool, check_float, check_int, is_int
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
-                 "mixtral", "gpt_oss", "smollm3", "granite", "olmo2", "exaone4", "seed_oss")
+                 "mixtral", "gpt_oss", "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4")
 POOLINGS = ("last", "mean", "cls")  # how an embedding pools the final hidden states: last, mean or first token
 # of the gate: SwiGLU, GeGLU with the tanh GELU (Gemma), or gpt-oss's clamped SwiGLU: gate g clamped to at most
 # swiglu_limit, up u to +-swiglu_limit, then (u + 1) * g * sigmoid(swiglu_alpha * g)
@@ -46,6 +46,7 @@ class ModelConfig:
     # RoPE turns only the first rotary_dim of each head's dims (Phi-4-mini); None: all of them. Such a model's
     # q and k rows are stored reordered within each head (rope.rotary_first), so the turned pairs are (i, i + hd/2)
     rotary_dim: int | None = None
+    rope_interleaved: bool = False  # GLM-4: RoPE turns the pairs (2i, 2i + 1); its q/k rows are reordered too
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
@@ -112,6 +113,11 @@ class ModelConfig:
     def rotary(self) -> int:
         """The dims of each head RoPE turns."""
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def qk_reordered(self) -> bool:
+        """Whether the q and k rows are stored reordered within each head (rope.rotary_first)."""
+        return self.rotary < self.head_dim or self.rope_interleaved
 
     @property
     def attention_scale(self) -> float:
@@ -199,7 +205,8 @@ def validate_config(c: ModelConfig) -> None:
         raise ValidationError("qk_norm_full needs qk_norm")
     if not c.pre_norms and not c.post_norms:
         raise ValidationError("a model without pre_norms needs post_norms")
-    for name in ("tie_word_embeddings", "qkv_bias", "qk_norm", "qk_norm_full", "pre_norms", "o_bias", "attn_sinks",
+    for name in ("tie_word_embeddings", "rope_interleaved", "qkv_bias", "qk_norm", "qk_norm_full", "pre_norms",
+                 "o_bias", "attn_sinks",
                  "post_norms", "norm_topk_prob", "moe_bias", "normalize_embeddings"):
         check_bool(name, getattr(c, name))
     if c.bos_token_id is not None:

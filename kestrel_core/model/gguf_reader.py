@@ -33,15 +33,17 @@ from kestrel_core.model.validate import ValidationError, check_float, check_int,
 from kestrel_core.model.weights import expert_field
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
-                      "smollm3", "granite", "olmo2", "exaone4", "seed_oss")
+                      "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4")
 MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}  # with experts
 EXPERT_WEIGHTS_NORM = {"qwen2moe": False}  # llama.cpp's default where expert_weights_norm is absent: true
 # kestrel's names: a llama GGUF with experts is Mixtral; SmolLM3's converter is llama's
 PERMUTED_ARCHITECTURES = ("llama", "mixtral", "smollm3", "granite")
 EXAONE4_SWA_PATTERN = 4  # llama.cpp's: every 4th EXAONE 4 layer is global (the file does not say)
 SMOLLM3_NOPE_STEP = 4  # llama.cpp's: every 4th layer of SmolLM3 has no RoPE (the file does not say)
-# phi3 GGUFs hold Q|K|V and gate|up (llama.cpp's ffn_up of phi3: gate rows, then up) as one tensor each
-FUSED = {"phi3": {"attn_qkv.weight": ("q", "k", "v"), "ffn_up.weight": ("gate", "up")}}
+# phi3 GGUFs hold Q|K|V and gate|up (llama.cpp's ffn_up of phi3: gate rows, then up) as one tensor each; glm4's
+# gate|up too
+FUSED = {"phi3": {"attn_qkv.weight": ("q", "k", "v"), "ffn_up.weight": ("gate", "up")},
+         "glm4": {"ffn_up.weight": ("gate", "up")}}
 
 _LAYER_MAP = {
     "attn_norm.weight": "attn_norm",
@@ -563,6 +565,8 @@ class GGUFCheckpoint:
             return out
         if arch == "smollm3":
             return {"nope_layers": tuple(i for i in range(layers) if (i + 1) % SMOLLM3_NOPE_STEP == 0)}
+        if arch == "glm4":  # interleaved RoPE pairs (llama.cpp's NORM rope), Gemma's four norms, q/k/v biases
+            return {"rope_interleaved": True, "post_norms": True, "qkv_bias": "layers.0.q_bias" in self._tensors}
         if arch == "seed_oss":  # q/k/v biases, an o bias where the file has one
             return {"qkv_bias": True, "o_bias": "layers.0.o_bias" in self._tensors}
         if arch == "olmo2":  # post_attention_norm and post_ffw_norm after each block, whole-projection q/k norms

@@ -41,13 +41,14 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral", "GptOssForCausalLM": "gpt_oss",
                     "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
                     "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
+                    "Glm4ForCausalLM": "glm4",
                     # the decoder without its head, as embedding checkpoints (e5-mistral, ...) name it
                     "LlamaModel": "llama", "Qwen2Model": "qwen2", "Qwen3Model": "qwen3", "MistralModel": "mistral"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen2_moe": "qwen2_moe",
                "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss",
                "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2", "exaone4": "exaone4",
-               "seed_oss": "seed_oss"}
+               "seed_oss": "seed_oss", "glm4": "glm4"}
 WINDOWED = ("mistral", "phi3", "mixtral")  # architectures whose sliding_window applies to every layer
 # Gemma3TextConfig's defaults: hub configs (the text_config of the multimodal checkpoints) leave many out
 GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -82,6 +83,9 @@ _GEMMA_LAYER_MAP = {**_LAYER_MAP, "post_attention_layernorm.weight": "post_attn_
 POST_NORMED = ("olmo2", "exaone4")
 _OLMO2_LAYER_MAP = {**_LAYER_MAP, "post_attention_layernorm.weight": "post_attn_norm",
                     "post_feedforward_layernorm.weight": "post_mlp_norm"}
+# GLM-4's four norms: before and after the attention, before (its post_attention_layernorm) and after the MLP
+_GLM4_LAYER_MAP = {**_LAYER_MAP, "post_self_attn_layernorm.weight": "post_attn_norm",
+                   "post_mlp_layernorm.weight": "post_mlp_norm"}
 # the router and the experts of Qwen3-MoE (mlp.*) and Mixtral (block_sparse_moe.*, w1/w3/w2 = gate/up/down)
 _EXPERT_RE = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _EXPERT_FIELDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
@@ -134,7 +138,7 @@ def kestrel_name(hf_name: str, arch: str = "llama") -> str | None:
         if arch == "gpt_oss" and m.group(2) in _GPT_OSS_MAP:
             return layer_name(int(m.group(1)), _GPT_OSS_MAP[m.group(2)])
     layer_map = (_GEMMA_LAYER_MAP if arch in GEMMA_ARCHITECTURES else _OLMO2_LAYER_MAP if arch in POST_NORMED
-                 else _LAYER_MAP)
+                 else _GLM4_LAYER_MAP if arch == "glm4" else _LAYER_MAP)
     return map_tensor_name(hf_name, _GLOBAL_MAP, _LAYER_RE, layer_map)
 
 
@@ -292,9 +296,9 @@ def _rope_scaling(arch: str, cfg: dict[str, Any], scaling: Any, where: str) -> d
                                   original_max_position=original)
 
 
-def _rotary_dim(cfg: dict[str, Any], head_dim: int, where: str) -> int | None:
-    """The dims of a head RoPE turns, from partial_rotary_factor (None: all)."""
-    partial = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor"))
+def _rotary_dim(cfg: dict[str, Any], head_dim: int, where: str, default: float | None = None) -> int | None:
+    """The dims of a head RoPE turns, from partial_rotary_factor (else ``default``, the architecture's; None: all)."""
+    partial = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", default))
     if partial is None or partial == 1:
         return None
     check_float("partial_rotary_factor", partial, 0.0, 1.0, lo_open=True)
@@ -401,7 +405,8 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         fields: dict[str, Any] = {
             "rope_theta": float(cfg.get("rope_theta", rope.get("rope_theta", 150000.0 if arch == "gpt_oss" else 1e4))),
             "rope_scaling": None if arch in GEMMA_ARCHITECTURES else _rope_scaling(arch, cfg, scaling, where),
-            "rotary_dim": _rotary_dim(cfg, int(cfg.get("head_dim") or hidden // heads), where),
+            "rotary_dim": _rotary_dim(cfg, int(cfg.get("head_dim") or hidden // heads), where,
+                                      0.5 if arch == "glm4" else None),
             "qk_norm": arch == "qwen3",
             "qkv_bias": arch in ("qwen2", "qwen2_moe"),
             "sliding_window": cfg.get("sliding_window") if arch in WINDOWED else None,
@@ -414,6 +419,9 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             fields.update(qk_norm=True, qk_norm_full=True, pre_norms=False, post_norms=True)
         if arch == "exaone4":
             fields.update(_exaone4_fields(cfg, where))
+        if arch == "glm4":  # interleaved RoPE pairs, Gemma's four norms, q/k/v biases (gate|up fused: _FUSED_MAP)
+            fields.update(rope_interleaved=True, post_norms=True,
+                          qkv_bias=check_bool("attention_bias", cfg.get("attention_bias", True)))
         if arch == "seed_oss":  # Llama's layers with q/k/v biases (attention_bias) and maybe an o bias
             fields.update(qkv_bias=check_bool("attention_bias", cfg.get("attention_bias", True)),
                           o_bias=check_bool("attention_out_bias", cfg.get("attention_out_bias", False)))

@@ -135,9 +135,8 @@ def quantize_model(source: TensorSource, quant: str | QuantMode = "q8",
     total = sum(s.shape[0] * s.shape[1] for s in specs if s.kind in ("proj", "table"))
     done = 0
     tensors: dict[str, object] = {}
-    turned_part = c.rotary < c.head_dim  # q and k reordered within each head (rope.rotary_first)
     for spec in specs:
-        turned = turned_part and spec.name.rsplit(".", 1)[-1] in ROTARY_FIELDS
+        turned = c.qk_reordered and spec.name.rsplit(".", 1)[-1] in ROTARY_FIELDS
         if spec.kind in ("vector", "matrix"):
             v = _float(source, spec)
             tensors[spec.name] = rotary_first(c, v) if turned else v

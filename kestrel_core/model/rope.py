@@ -2,9 +2,9 @@
 
 A head's pair (i, i + hd/2) turns by position * inv_freq[i] (transformers' rotate_half layout). A model whose RoPE
 turns only its first ``rotary_dim`` dims (transformers' ``partial_rotary_factor``) pairs (i, i + rotary_dim/2)
-instead; kestrel stores its q and k rows reordered within each head (``rotary_first``) so that those pairs sit at
-(i, i + hd/2) and the rest turn by no angle. Every backend then runs one layout: the reorder permutes q and k
-alike, so attention scores do not change.
+instead, and GLM-4's pairs (2i, 2i + 1) (``rope_interleaved``); kestrel stores such a model's q and k rows reordered
+within each head (``rotary_first``) so that those pairs sit at (i, i + hd/2) and the rest turn by no angle. Every
+backend then runs one layout: the reorder permutes q and k alike, so attention scores do not change.
 """
 
 from __future__ import annotations
@@ -66,19 +66,21 @@ def rope_tables(config: ModelConfig, positions: int, layer: int | None = None) -
     return cos, sin
 
 
-def rotary_order(head_dim: int, rotary_dim: int) -> np.ndarray:
-    """Each head's dims in kestrel's order: the turned dims' two halves at the front of the head's two halves."""
+def rotary_order(head_dim: int, rotary_dim: int, interleaved: bool = False) -> np.ndarray:
+    """Each head's dims in kestrel's order: the turned pairs' first and second dims (the two halves of the turned
+    dims, or with ``interleaved`` their even and odd dims) at the front of the head's two halves."""
     half, turned = head_dim // 2, rotary_dim // 2
     passed = half - turned
-    return np.concatenate([np.arange(turned), rotary_dim + np.arange(passed),
-                           turned + np.arange(turned), rotary_dim + passed + np.arange(passed)])
+    firsts = 2 * np.arange(turned) if interleaved else np.arange(turned)
+    seconds = firsts + 1 if interleaved else turned + np.arange(turned)
+    return np.concatenate([firsts, rotary_dim + np.arange(passed), seconds, rotary_dim + passed + np.arange(passed)])
 
 
 def rotary_first(config: ModelConfig, rows: np.ndarray) -> np.ndarray:
     """q or k rows [heads * hd, K], their bias [heads * hd] or a q/k norm [hd] of a checkpoint, reordered within
-    each head (``rotary_order``) for a model whose RoPE turns part of each head."""
+    each head (``rotary_order``) for a model whose RoPE turns part of each head, or interleaved pairs."""
     hd = config.head_dim
-    order = rotary_order(hd, config.rotary)
+    order = rotary_order(hd, config.rotary, config.rope_interleaved)
     return np.ascontiguousarray(rows.reshape(-1, hd, *rows.shape[1:])[:, order].reshape(rows.shape))
 
 
