@@ -1,5 +1,5 @@
 """Decoder configuration: one dataclass for Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, OLMo 2, EXAONE 4,
-Seed-OSS, Gemma 2 and 3 and the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss)."""
+Seed-OSS, GLM-4, Gemma 2 and 3 and the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss)."""
 
 from __future__ import annotations
 

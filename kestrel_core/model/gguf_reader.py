@@ -1,5 +1,5 @@
 """Read a GGUF file (GGUF_ARCHITECTURES: llama incl. Mixtral, qwen2, qwen3, phi3, gemma 2 and 3, the mixtures of
-experts, gpt-oss, smollm3, granite, olmo2, exaone4, seed_oss) as a TensorSource: dequantized float32, HF layout;
+experts, gpt-oss, smollm3, granite, olmo2, exaone4, seed_oss, glm4) as a TensorSource: dequantized float32, HF layout;
 the experts of a stacked ``ffn_*_exps`` tensor are read one slice at a time.
 
 llama.cpp's convert_hf_to_gguf.py permutes the rows of Q and K for the llama architecture only
