@@ -53,6 +53,8 @@ Writes under tests/fixtures/models/:
   tiny-glm4/    Glm4ForCausalLM: RoPE on 8 of 16 dims a head in interleaved pairs, four norms, q/k/v biases, gate|up
                 fused, bfloat16
   tiny-glm4.gguf  llama.cpp's glm4; golden = tiny-glm4's
+  tiny-ernie4_5/ Ernie4_5ForCausalLM: Llama's layers with RoPE in interleaved pairs, tied, bfloat16
+  tiny-ernie4_5.gguf  llama.cpp's ernie4_5; golden = tiny-ernie4_5's
   tiny-llama-lora/  a PEFT LoRA adapter of tiny-llama (rank 4 on q, v, o, down); its golden.npz: transformers + PEFT
   smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
   MANIFEST.json  versions, shapes, logit ranges, the command
@@ -80,6 +82,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Ernie4_5Config,
     Exaone4Config,
     Gemma2Config,
     Gemma3TextConfig,
@@ -285,6 +288,9 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     # GLM-4: RoPE on half of each head in interleaved pairs, Gemma's four norms, q/k/v biases, gate|up fused
     glm4 = Glm4Config(**common, num_hidden_layers=2, intermediate_size=128, head_dim=16, partial_rotary_factor=0.5,
                       tie_word_embeddings=False, rope_theta=10000.0, attention_bias=True, pad_token_id=None)
+    # ERNIE 4.5: Llama's layers with RoPE in interleaved pairs, tied as the 0.3B
+    ernie = Ernie4_5Config(**common, num_hidden_layers=2, intermediate_size=128, head_dim=16, tie_word_embeddings=True,
+                           rope_theta=10000.0, use_bias=False, pad_token_id=None)
     mixtral = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
                             num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None)
     return {
@@ -308,6 +314,7 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-exaone4": (exaone4, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
         "tiny-seed-oss": (seed_oss, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
         "tiny-glm4": (glm4, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
+        "tiny-ernie4_5": (ernie, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
     }
 
 
@@ -561,6 +568,12 @@ def write_smollm3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     return _write_llama_like(src, dst, tok, "smollm3")
 
 
+def write_ernie4_5_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-ernie4_5 as llama.cpp's Ernie4_5Model writes it: llama's tensor names, unpermuted (llama.cpp turns
+    interleaved pairs as HF does), no output tensor (tied)."""
+    return _write_llama_like(src, dst, tok, "ernie4_5", permute=False)
+
+
 def write_granite_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     """tiny-granite as llama.cpp's GraniteModel (LlamaModel's converter) writes it: Q/K rows permuted, the
     multipliers as granite.embedding_scale, .residual_scale, .attention.scale and .logit_scale."""
@@ -654,7 +667,7 @@ def _write_post_normed(src: Path, dst: Path, tok: Tokenizer, arch: str) -> dict[
     return _gguf_finish(w, src, dst)
 
 
-def _write_llama_like(src: Path, dst: Path, tok: Tokenizer, arch: str) -> dict[str, Any]:
+def _write_llama_like(src: Path, dst: Path, tok: Tokenizer, arch: str, permute: bool = True) -> dict[str, Any]:
     cfg = json.loads((src / "config.json").read_text())
     tensors = _float32_tensors(src / "model.safetensors")
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -670,8 +683,11 @@ def _write_llama_like(src: Path, dst: Path, tok: Tokenizer, arch: str) -> dict[s
         p = f"model.layers.{i}."
         kind = "q4_0" if i % 2 == 0 else "f16"
         put(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"], "f32")
-        put(f"blk.{i}.attn_q.weight", llamacpp_permute(tensors[p + "self_attn.q_proj.weight"], n_head, n_head), kind)
-        put(f"blk.{i}.attn_k.weight", llamacpp_permute(tensors[p + "self_attn.k_proj.weight"], n_head, n_kv), kind)
+        q, k = tensors[p + "self_attn.q_proj.weight"], tensors[p + "self_attn.k_proj.weight"]
+        if permute:
+            q, k = llamacpp_permute(q, n_head, n_head), llamacpp_permute(k, n_head, n_kv)
+        put(f"blk.{i}.attn_q.weight", q, kind)
+        put(f"blk.{i}.attn_k.weight", k, kind)
         put(f"blk.{i}.attn_v.weight", tensors[p + "self_attn.v_proj.weight"], kind)
         put(f"blk.{i}.attn_output.weight", tensors[p + "self_attn.o_proj.weight"], kind)
         put(f"blk.{i}.ffn_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
@@ -1044,7 +1060,8 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-qwen2-moe": write_qwen2_moe_gguf, "tiny-phi3-longrope": write_phi3_gguf,
               "tiny-qwen3-yarn": write_qwen3_gguf, "tiny-gpt-oss": write_gpt_oss_gguf,
               "tiny-smollm3": write_smollm3_gguf, "tiny-granite": write_granite_gguf, "tiny-olmo2": write_olmo2_gguf,
-              "tiny-exaone4": write_exaone4_gguf, "tiny-seed-oss": write_seed_oss_gguf, "tiny-glm4": write_glm4_gguf}
+              "tiny-exaone4": write_exaone4_gguf, "tiny-seed-oss": write_seed_oss_gguf, "tiny-glm4": write_glm4_gguf,
+              "tiny-ernie4_5": write_ernie4_5_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
 DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
 # LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is

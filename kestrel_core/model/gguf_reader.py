@@ -1,6 +1,6 @@
 """Read a GGUF file (GGUF_ARCHITECTURES: llama incl. Mixtral, qwen2, qwen3, phi3, gemma 2 and 3, the mixtures of
-experts, gpt-oss, smollm3, granite, olmo2, exaone4, seed_oss, glm4) as a TensorSource: dequantized float32, HF layout;
-the experts of a stacked ``ffn_*_exps`` tensor are read one slice at a time.
+experts, gpt-oss, smollm3, granite, olmo2, exaone4, seed_oss, glm4, ernie4_5) as a TensorSource: dequantized
+float32, HF layout; the experts of a stacked ``ffn_*_exps`` tensor are read one slice at a time.
 
 llama.cpp's convert_hf_to_gguf.py permutes the rows of Q and K for the llama architecture only
 (``LlamaModel.permute``: rows ``[n_head, 2, hd/2]`` -> ``[n_head, hd/2, 2]``), because ggml's default RoPE
@@ -33,7 +33,7 @@ from kestrel_core.model.validate import ValidationError, check_float, check_int,
 from kestrel_core.model.weights import expert_field
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
-                      "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4")
+                      "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5")
 MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}  # with experts
 EXPERT_WEIGHTS_NORM = {"qwen2moe": False}  # llama.cpp's default where expert_weights_norm is absent: true
 # kestrel's names: a llama GGUF with experts is Mixtral; SmolLM3's converter is llama's
@@ -567,6 +567,8 @@ class GGUFCheckpoint:
             return {"nope_layers": tuple(i for i in range(layers) if (i + 1) % SMOLLM3_NOPE_STEP == 0)}
         if arch == "glm4":  # interleaved RoPE pairs (llama.cpp's NORM rope), Gemma's four norms, q/k/v biases
             return {"rope_interleaved": True, "post_norms": True, "qkv_bias": "layers.0.q_bias" in self._tensors}
+        if arch == "ernie4_5":  # llama's tensors, unpermuted: llama.cpp turns its interleaved pairs as HF does
+            return {"rope_interleaved": True}
         if arch == "seed_oss":  # q/k/v biases, an o bias where the file has one
             return {"qkv_bias": True, "o_bias": "layers.0.o_bias" in self._tensors}
         if arch == "olmo2":  # post_attention_norm and post_ffw_norm after each block, whole-projection q/k norms

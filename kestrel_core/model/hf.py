@@ -41,14 +41,14 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral", "GptOssForCausalLM": "gpt_oss",
                     "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
                     "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
-                    "Glm4ForCausalLM": "glm4",
+                    "Glm4ForCausalLM": "glm4", "Ernie4_5ForCausalLM": "ernie4_5",
                     # the decoder without its head, as embedding checkpoints (e5-mistral, ...) name it
                     "LlamaModel": "llama", "Qwen2Model": "qwen2", "Qwen3Model": "qwen3", "MistralModel": "mistral"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen2_moe": "qwen2_moe",
                "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss",
                "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2", "exaone4": "exaone4",
-               "seed_oss": "seed_oss", "glm4": "glm4"}
+               "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5"}
 WINDOWED = ("mistral", "phi3", "mixtral")  # architectures whose sliding_window applies to every layer
 # Gemma3TextConfig's defaults: hub configs (the text_config of the multimodal checkpoints) leave many out
 GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -422,6 +422,9 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         if arch == "glm4":  # interleaved RoPE pairs, Gemma's four norms, q/k/v biases (gate|up fused: _FUSED_MAP)
             fields.update(rope_interleaved=True, post_norms=True,
                           qkv_bias=check_bool("attention_bias", cfg.get("attention_bias", True)))
+        if arch == "ernie4_5":  # Llama's layers with RoPE in interleaved pairs
+            _refuse_set(cfg, where, {"use_bias": "biases on every projection"})
+            fields["rope_interleaved"] = True
         if arch == "seed_oss":  # Llama's layers with q/k/v biases (attention_bias) and maybe an o bias
             fields.update(qkv_bias=check_bool("attention_bias", cfg.get("attention_bias", True)),
                           o_bias=check_bool("attention_out_bias", cfg.get("attention_out_bias", False)))

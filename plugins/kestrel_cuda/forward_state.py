@@ -42,16 +42,16 @@ from kestrel_cuda.plan import (
 )
 
 DEVICE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe",
-                        "smollm3", "seed_oss", "glm4")
+                        "smollm3", "seed_oss", "glm4", "ernie4_5")
 
 
 def unsupported_reason(model: Model) -> str | None:
     """Why the device forward cannot run ``model`` (None: it can): the decoders it knows are Llama, Qwen2,
     Qwen3, Mistral, Phi-3, SmolLM3 (its NoPE layers' RoPE tables turn nothing), Seed-OSS (Qwen2's biases), GLM-4
-    (its interleaved RoPE pairs as stored, Gemma's four norms), Gemma 3 (post-norms, GeGLU, scaled embeddings
-    and queries, a RoPE per layer kind, sliding windows) and the mixtures of experts Qwen3-MoE, Mixtral and
-    Qwen2-MoE (up to ROUTE_MAX_EXPERTS experts, routed on the device); the others (Gemma 2's soft caps, gpt-oss,
-    Granite, OLMo 2, EXAONE 4) run through the GEMM hooks."""
+    (its interleaved RoPE pairs as stored, Gemma's four norms), ERNIE 4.5 (the same pairs), Gemma 3 (post-norms,
+    GeGLU, scaled embeddings and queries, a RoPE per layer kind, sliding windows) and the mixtures of experts
+    Qwen3-MoE, Mixtral and Qwen2-MoE (up to ROUTE_MAX_EXPERTS experts, routed on the device); the others (Gemma
+    2's soft caps, gpt-oss, Granite, OLMo 2, EXAONE 4) run through the GEMM hooks."""
     c = model.config
     if c.arch not in DEVICE_ARCHITECTURES:
         return f"architecture {c.arch!r}"

@@ -128,7 +128,7 @@ def test_gemma3_from_its_checkpoint_matches_the_cpu() -> None:
 
 
 @pytest.mark.parametrize("fixture", ["tiny-phi3-longrope", "tiny-qwen3-yarn.gguf", "tiny-smollm3",
-                                     "tiny-seed-oss.gguf", "tiny-glm4", "tiny-glm4.gguf"])
+                                     "tiny-seed-oss.gguf", "tiny-glm4", "tiny-glm4.gguf", "tiny-ernie4_5.gguf"])
 def test_rope_variants_from_their_checkpoints_match_the_cpu(fixture: str) -> None:
     """RoPE on part of each head with longrope (Phi-4-mini's), YaRN, and SmolLM3's layers without RoPE: the device
     forward takes the core's RoPE tables, attention factor included, and the q/k rows as reordered at load. The
