@@ -200,6 +200,12 @@ def write_tokenizer(tok: Tokenizer, d: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------- models
 
+def _saved(dtype: Any, classic: bool = True, shard: str | None = None, **extra: Any) -> dict[str, Any]:
+    """How build_tiny saves a tiny model: its dtype, the classic (transformers 4) config layout or not, its shard
+    size (None: one file), and any extra (``short``: golden logits of the first N positions too)."""
+    return {"dtype": dtype, "max_shard_size": shard, "classic_config": classic, **extra}
+
+
 def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     """name -> (config, save options)."""
     eos = tok.token_to_id("<|im_end|>")
@@ -294,27 +300,26 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     mixtral = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
                             num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None)
     return {
-        "tiny-llama": (llama, {"dtype": torch.float32, "max_shard_size": "200KB", "classic_config": True}),
-        "tiny-qwen2": (qwen2, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
-        "tiny-qwen3": (qwen3, {"dtype": torch.float16, "max_shard_size": None, "classic_config": False}),
-        "tiny-mistral": (mistral, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
-        "tiny-phi3": (phi3, {"dtype": torch.float16, "max_shard_size": None, "classic_config": True}),
-        "tiny-gemma3": (gemma3, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": False}),
-        "tiny-qwen3-moe": (qwen3_moe, {"dtype": torch.float16, "max_shard_size": None, "classic_config": True}),
-        "tiny-mixtral": (mixtral, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
-        "tiny-qwen2-moe": (qwen2_moe, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
-        "tiny-gemma2": (gemma2, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
-        "tiny-phi3-longrope": (phi3_longrope, {"dtype": torch.bfloat16, "max_shard_size": None,
-                                               "classic_config": True, "short": 24}),
-        "tiny-qwen3-yarn": (qwen3_yarn, {"dtype": torch.float16, "max_shard_size": None, "classic_config": True}),
-        "tiny-gpt-oss": (gpt_oss, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
-        "tiny-smollm3": (smollm3, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
-        "tiny-granite": (granite, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
-        "tiny-olmo2": (olmo2, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
-        "tiny-exaone4": (exaone4, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
-        "tiny-seed-oss": (seed_oss, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
-        "tiny-glm4": (glm4, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
-        "tiny-ernie4_5": (ernie, {"dtype": torch.bfloat16, "max_shard_size": None, "classic_config": True}),
+        "tiny-llama": (llama, _saved(torch.float32, shard="200KB")),
+        "tiny-qwen2": (qwen2, _saved(torch.bfloat16)),
+        "tiny-qwen3": (qwen3, _saved(torch.float16, classic=False)),
+        "tiny-mistral": (mistral, _saved(torch.bfloat16)),
+        "tiny-phi3": (phi3, _saved(torch.float16)),
+        "tiny-gemma3": (gemma3, _saved(torch.bfloat16, classic=False)),
+        "tiny-qwen3-moe": (qwen3_moe, _saved(torch.float16)),
+        "tiny-mixtral": (mixtral, _saved(torch.bfloat16)),
+        "tiny-qwen2-moe": (qwen2_moe, _saved(torch.bfloat16)),
+        "tiny-gemma2": (gemma2, _saved(torch.bfloat16)),
+        "tiny-phi3-longrope": (phi3_longrope, _saved(torch.bfloat16, short=24)),
+        "tiny-qwen3-yarn": (qwen3_yarn, _saved(torch.float16)),
+        "tiny-gpt-oss": (gpt_oss, _saved(torch.bfloat16)),
+        "tiny-smollm3": (smollm3, _saved(torch.bfloat16)),
+        "tiny-granite": (granite, _saved(torch.bfloat16)),
+        "tiny-olmo2": (olmo2, _saved(torch.bfloat16)),
+        "tiny-exaone4": (exaone4, _saved(torch.bfloat16)),
+        "tiny-seed-oss": (seed_oss, _saved(torch.bfloat16)),
+        "tiny-glm4": (glm4, _saved(torch.bfloat16)),
+        "tiny-ernie4_5": (ernie, _saved(torch.bfloat16)),
     }
 
 
@@ -565,134 +570,107 @@ def write_llama_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
 def write_smollm3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     """tiny-smollm3 as llama.cpp's SmolLM3Model (LlamaModel's converter) writes it: Q/K rows permuted, no output
     tensor (tied); which layers have no RoPE is llama.cpp's fixed rule, not in the file."""
-    return _write_llama_like(src, dst, tok, "smollm3")
+    return _write_dense(src, dst, tok, "smollm3", PRE_NORMS, permute=True)
 
 
 def write_ernie4_5_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     """tiny-ernie4_5 as llama.cpp's Ernie4_5Model writes it: llama's tensor names, unpermuted (llama.cpp turns
     interleaved pairs as HF does), no output tensor (tied)."""
-    return _write_llama_like(src, dst, tok, "ernie4_5", permute=False)
+    return _write_dense(src, dst, tok, "ernie4_5", PRE_NORMS)
 
 
 def write_granite_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     """tiny-granite as llama.cpp's GraniteModel (LlamaModel's converter) writes it: Q/K rows permuted, the
     multipliers as granite.embedding_scale, .residual_scale, .attention.scale and .logit_scale."""
-    return _write_llama_like(src, dst, tok, "granite")
+    def scales(w: Any, cfg: dict[str, Any]) -> None:
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
+    return _write_dense(src, dst, tok, "granite", PRE_NORMS, permute=True, configure=scales)
 
 
 def write_olmo2_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     """tiny-olmo2 as llama.cpp's Olmo2Model writes it: no Q/K permutation, attn_q_norm / attn_k_norm over the
     whole projection, post_attention_norm and post_ffw_norm, no pre-norms."""
-    return _write_post_normed(src, dst, tok, "olmo2")
+    return _write_dense(src, dst, tok, "olmo2", POST_NORMS)
 
 
 def write_exaone4_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     """tiny-exaone4 as llama.cpp's Exaone4Model writes it: olmo2's tensors (per-head q/k norms) and the window as
     exaone4.attention.sliding_window; the 3-to-1 pattern and the global layers' lack of RoPE are llama.cpp's rule."""
-    return _write_post_normed(src, dst, tok, "exaone4")
+    return _write_dense(src, dst, tok, "exaone4", POST_NORMS,
+                        configure=lambda w, cfg: w.add_sliding_window(cfg["sliding_window"]))
 
 
 def write_seed_oss_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     """tiny-seed-oss as llama.cpp's SeedOssModel writes it: unpermuted, q/k/v biases, post_attention_norm as the MLP's
     input norm."""
-    cfg = json.loads((src / "config.json").read_text())
-    tensors = _float32_tensors(src / "model.safetensors")
-    w = _gguf_writer(dst, "seed_oss", src.name, cfg, tok)
-    put = _gguf_put(w)
-    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        kind = "q4_0" if i == 0 else "f16"
-        put(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"], "f32")
-        for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
-            put(f"blk.{i}.{name}.weight", tensors[p + f"self_attn.{proj}_proj.weight"], kind)
-            if proj != "o":
-                put(f"blk.{i}.{name}.bias", tensors[p + f"self_attn.{proj}_proj.bias"], "f32")
-        put(f"blk.{i}.post_attention_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
-        for proj in ("gate", "up", "down"):
-            put(f"blk.{i}.ffn_{proj}.weight", tensors[p + f"mlp.{proj}_proj.weight"], kind)
-    put("output_norm.weight", tensors["model.norm.weight"], "f32")
-    put("output.weight", tensors["lm_head.weight"], "q8_0")
-    return _gguf_finish(w, src, dst)
+    return _write_dense(src, dst, tok, "seed_oss", {"input_layernorm": "attn_norm",
+                                                      "post_attention_layernorm": "post_attention_norm"})
 
 
 def write_glm4_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     """tiny-glm4 as llama.cpp's Glm4Model writes it: q/k/v (unpermuted: its RoPE pairs dims 2i, 2i + 1 as HF's) with
     biases, ffn_up = gate|up, post_attention_norm after the attention, ffn_norm before the MLP, post_ffw_norm after
     it, rope.dimension_count half the head."""
-    cfg = json.loads((src / "config.json").read_text())
-    tensors = _float32_tensors(src / "model.safetensors")
-    w = _gguf_writer(dst, "glm4", src.name, cfg, tok)
-    put = _gguf_put(w)
-    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        kind = "q4_0" if i == 0 else "f16"
-        put(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"], "f32")
-        for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v")):
-            put(f"blk.{i}.{name}.weight", tensors[p + f"self_attn.{proj}_proj.weight"], kind)
-            put(f"blk.{i}.{name}.bias", tensors[p + f"self_attn.{proj}_proj.bias"], "f32")
-        put(f"blk.{i}.attn_output.weight", tensors[p + "self_attn.o_proj.weight"], kind)
-        put(f"blk.{i}.post_attention_norm.weight", tensors[p + "post_self_attn_layernorm.weight"], "f32")
-        put(f"blk.{i}.ffn_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
-        put(f"blk.{i}.ffn_up.weight", tensors[p + "mlp.gate_up_proj.weight"], kind)
-        put(f"blk.{i}.ffn_down.weight", tensors[p + "mlp.down_proj.weight"], kind)
-        put(f"blk.{i}.post_ffw_norm.weight", tensors[p + "post_mlp_layernorm.weight"], "f32")
-    put("output_norm.weight", tensors["model.norm.weight"], "f32")
-    put("output.weight", tensors["lm_head.weight"], "q8_0")
-    return _gguf_finish(w, src, dst)
+    norms = {"input_layernorm": "attn_norm", "post_self_attn_layernorm": "post_attention_norm",
+             "post_attention_layernorm": "ffn_norm", "post_mlp_layernorm": "post_ffw_norm"}
+    return _write_dense(src, dst, tok, "glm4", norms, fused_gate_up=True)
 
 
-def _write_post_normed(src: Path, dst: Path, tok: Tokenizer, arch: str) -> dict[str, Any]:
-    cfg = json.loads((src / "config.json").read_text())
-    tensors = _float32_tensors(src / "model.safetensors")
-    w = _gguf_writer(dst, arch, src.name, cfg, tok)
-    if cfg.get("sliding_window"):
-        w.add_sliding_window(cfg["sliding_window"])
-    put = _gguf_put(w)
-    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        kind = "q4_0" if i == 0 else "f16"
-        for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
-            put(f"blk.{i}.{name}.weight", tensors[p + f"self_attn.{proj}_proj.weight"], kind)
-        for norm in ("q_norm", "k_norm"):
-            put(f"blk.{i}.attn_{norm}.weight", tensors[p + f"self_attn.{norm}.weight"], "f32")
-        put(f"blk.{i}.post_attention_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
-        put(f"blk.{i}.post_ffw_norm.weight", tensors[p + "post_feedforward_layernorm.weight"], "f32")
-        for proj in ("gate", "up", "down"):
-            put(f"blk.{i}.ffn_{proj}.weight", tensors[p + f"mlp.{proj}_proj.weight"], kind)
-    put("output_norm.weight", tensors["model.norm.weight"], "f32")
-    put("output.weight", tensors["lm_head.weight"], "q8_0")
-    return _gguf_finish(w, src, dst)
+def write_qwen3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """A dense qwen3 as llama.cpp's Qwen3Model writes it: unpermuted Q/K, q/k norms, YaRN as rope.scaling metadata;
+    Q4_0 layer 0, F16 layer 1."""
+    def yarn(w: Any, cfg: dict[str, Any]) -> None:
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        scaling = cfg.get("rope_scaling")
+        if scaling:
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(scaling["factor"])
+            w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+    return _write_dense(src, dst, tok, "qwen3", PRE_NORMS, configure=yarn)
 
 
-def _write_llama_like(src: Path, dst: Path, tok: Tokenizer, arch: str, permute: bool = True) -> dict[str, Any]:
+# HF norm -> llama.cpp tensor, by where an architecture puts its norms
+PRE_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+POST_NORMS = {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _write_dense(src: Path, dst: Path, tok: Tokenizer, arch: str, norms: dict[str, str], *, permute: bool = False,
+                 fused_gate_up: bool = False, configure: Any = None) -> dict[str, Any]:
+    """A dense model's GGUF as llama.cpp's converter writes ``arch``: ``norms`` (HF name -> tensor name), Q/K rows
+    permuted as llama's where ``permute``, biases and q/k norms where the checkpoint has them, gate|up as one ffn_up
+    where ``fused_gate_up``, no output tensor where the embeddings are tied; ``configure(writer, config)`` adds the
+    architecture's metadata. Q4_0 even layers, F16 odd ones."""
     cfg = json.loads((src / "config.json").read_text())
     tensors = _float32_tensors(src / "model.safetensors")
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = _gguf_writer(dst, arch, src.name, cfg, tok)
-    if arch == "granite":
-        w.add_embedding_scale(cfg["embedding_multiplier"])
-        w.add_residual_scale(cfg["residual_multiplier"])
-        w.add_attention_scale(cfg["attention_multiplier"])
-        w.add_logit_scale(cfg["logits_scaling"])
+    if configure is not None:
+        configure(w, cfg)
     put = _gguf_put(w)
     put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         kind = "q4_0" if i % 2 == 0 else "f16"
-        put(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"], "f32")
-        q, k = tensors[p + "self_attn.q_proj.weight"], tensors[p + "self_attn.k_proj.weight"]
-        if permute:
-            q, k = llamacpp_permute(q, n_head, n_head), llamacpp_permute(k, n_head, n_kv)
-        put(f"blk.{i}.attn_q.weight", q, kind)
-        put(f"blk.{i}.attn_k.weight", k, kind)
-        put(f"blk.{i}.attn_v.weight", tensors[p + "self_attn.v_proj.weight"], kind)
-        put(f"blk.{i}.attn_output.weight", tensors[p + "self_attn.o_proj.weight"], kind)
-        put(f"blk.{i}.ffn_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
-        for proj in ("gate", "up", "down"):
-            put(f"blk.{i}.ffn_{proj}.weight", tensors[p + f"mlp.{proj}_proj.weight"], kind)
+        for hf_norm, name in norms.items():
+            put(f"blk.{i}.{name}.weight", tensors[p + hf_norm + ".weight"], "f32")
+        for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+            t = tensors[p + f"self_attn.{proj}_proj.weight"]
+            if permute and proj in ("q", "k"):
+                t = llamacpp_permute(t, n_head, n_head if proj == "q" else n_kv)
+            put(f"blk.{i}.{name}.weight", t, kind)
+            if p + f"self_attn.{proj}_proj.bias" in tensors:
+                put(f"blk.{i}.{name}.bias", tensors[p + f"self_attn.{proj}_proj.bias"], "f32")
+        for norm in ("q_norm", "k_norm"):
+            if p + f"self_attn.{norm}.weight" in tensors:
+                put(f"blk.{i}.attn_{norm}.weight", tensors[p + f"self_attn.{norm}.weight"], "f32")
+        mlp = ("up",) if fused_gate_up else ("gate", "up")
+        for proj in (*mlp, "down"):
+            hf = "gate_up" if fused_gate_up and proj == "up" else proj
+            put(f"blk.{i}.ffn_{proj}.weight", tensors[p + f"mlp.{hf}_proj.weight"], kind)
     put("output_norm.weight", tensors["model.norm.weight"], "f32")
     if not cfg.get("tie_word_embeddings"):
         put("output.weight", tensors["lm_head.weight"], "q8_0")
@@ -724,38 +702,6 @@ def write_phi3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
         put(f"blk.{i}.ffn_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
         put(f"blk.{i}.ffn_up.weight", tensors[p + "mlp.gate_up_proj.weight"], kind)
         put(f"blk.{i}.ffn_down.weight", tensors[p + "mlp.down_proj.weight"], kind)
-    put("output_norm.weight", tensors["model.norm.weight"], "f32")
-    if not cfg.get("tie_word_embeddings"):
-        put("output.weight", tensors["lm_head.weight"], "q8_0")
-    return _gguf_finish(w, src, dst)
-
-
-def write_qwen3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
-    """A dense qwen3 as llama.cpp's Qwen3Model writes it: unpermuted Q/K, q/k norms, YaRN as rope.scaling metadata;
-    Q4_0 layer 0, F16 layer 1."""
-    cfg = json.loads((src / "config.json").read_text())
-    tensors = _float32_tensors(src / "model.safetensors")
-    w = _gguf_writer(dst, "qwen3", src.name, cfg, tok)
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    scaling = cfg.get("rope_scaling")
-    if scaling:
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(scaling["factor"])
-        w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
-    put = _gguf_put(w)
-    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        kind = "q4_0" if i == 0 else "f16"
-        put(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"], "f32")
-        for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
-            put(f"blk.{i}.{name}.weight", tensors[p + f"self_attn.{proj}_proj.weight"], kind)
-        for norm in ("q_norm", "k_norm"):
-            put(f"blk.{i}.attn_{norm}.weight", tensors[p + f"self_attn.{norm}.weight"], "f32")
-        put(f"blk.{i}.ffn_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
-        for proj in ("gate", "up", "down"):
-            put(f"blk.{i}.ffn_{proj}.weight", tensors[p + f"mlp.{proj}_proj.weight"], kind)
     put("output_norm.weight", tensors["model.norm.weight"], "f32")
     if not cfg.get("tie_word_embeddings"):
         put("output.weight", tensors["lm_head.weight"], "q8_0")

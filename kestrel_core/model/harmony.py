@@ -30,8 +30,9 @@ def is_harmony(template: str | None) -> bool:
 
 
 @dataclass(frozen=True)
-class HarmonyCall:
-    """A message to a tool: its name (``functions.`` taken off) and its body, the arguments' JSON text."""
+class ToolCall:
+    """One call the model wrote: the function's name and its arguments as a JSON object's text (harmony's: a
+    message to ``functions.NAME``, its body; the chat templates' formats, serve/tools.py)."""
 
     name: str
     arguments: str
@@ -41,7 +42,7 @@ class HarmonyCall:
 class HarmonyAnswer:
     reasoning: str | None  # the analysis messages' bodies, a line apart; None: there were none
     content: str  # the final (and preamble) messages' bodies
-    calls: tuple[HarmonyCall, ...]
+    calls: tuple[ToolCall, ...]
 
 
 def parse(text: str) -> HarmonyAnswer:
@@ -50,14 +51,14 @@ def parse(text: str) -> HarmonyAnswer:
     return HarmonyAnswer("\n".join(reasoning) if reasoning else None, "".join(content), tuple(calls))
 
 
-def _read(text: str, final: bool) -> tuple[list[str], list[str], list[HarmonyCall], bool]:
+def _read(text: str, final: bool) -> tuple[list[str], list[str], list[ToolCall], bool]:
     """The messages' bodies by kind, and whether the text is harmony at all. A body still streaming (``final``
     False) stops short of what may be the start of its end token; its message is not a call yet."""
     if MESSAGE not in text:
         return [], [text], [], False  # not harmony (or, streaming, not yet: HarmonyStream holds a header back)
     reasoning: list[str] = []
     content: list[str] = []
-    calls: list[HarmonyCall] = []
+    calls: list[ToolCall] = []
     for segment in text.split(START):
         header, sep, body = segment.partition(MESSAGE)
         if not sep:
@@ -72,7 +73,7 @@ def _read(text: str, final: bool) -> tuple[list[str], list[str], list[HarmonyCal
         channel = _CHANNEL.search(header)
         if recipient is not None:
             if complete or final:
-                calls.append(HarmonyCall(recipient.group(1).removeprefix("functions."), _arguments(body)))
+                calls.append(ToolCall(recipient.group(1).removeprefix("functions."), _arguments(body)))
         elif channel is not None and channel.group(1) == "analysis":
             reasoning.append(body)
         else:
@@ -104,7 +105,7 @@ class HarmonyStream:
         reasoning, content, _, _ = _read(self.text, final=False)
         return self._send("\n".join(reasoning), "".join(content))
 
-    def finish(self) -> tuple[str, str, tuple[HarmonyCall, ...]]:
+    def finish(self) -> tuple[str, str, tuple[ToolCall, ...]]:
         answer = parse(self.text)
         reasoning, content = self._send(answer.reasoning or "", answer.content)
         return reasoning, content, answer.calls

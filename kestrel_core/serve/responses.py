@@ -238,10 +238,10 @@ class ChatShape(_Shape):
         return {"index": index, "message": message, "logprobs": self.logprobs(result.logprobs),
                 "finish_reason": reason, "stop_reason": result.stop_reason}
 
-    def _calls(self, calls: tuple[harmony.HarmonyCall, ...]) -> tuple[ToolCall, ...]:
+    def _calls(self, calls: tuple[ToolCall, ...]) -> tuple[ToolCall, ...]:
+        """A harmony answer's calls, the first only where parallel calls are off."""
         assert self.tools is not None
-        out = tuple(ToolCall(c.name, c.arguments) for c in calls)
-        return out if self.tools.parallel else out[:1]
+        return calls if self.tools.parallel else calls[:1]
 
     def stream_text(self, index: int, text: str) -> tuple[str, str]:
         if self.harmony:

@@ -26,7 +26,7 @@ import jinja2.meta
 
 from kestrel_core.model.detokenize import partial_suffix
 from kestrel_core.model.grammar import lark_grammar, lark_json
-from kestrel_core.model.harmony import is_harmony
+from kestrel_core.model.harmony import ToolCall, is_harmony
 
 HERMES, MISTRAL, LLAMA3, HARMONY, UNKNOWN = "hermes", "mistral", "llama3", "harmony", "unknown"
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -63,14 +63,6 @@ def call_id(fmt: str) -> str:
     if fmt == MISTRAL:
         return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
     return f"call_{secrets.token_hex(12)}"
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One call the model wrote: the function's name and its arguments as a JSON object's text."""
-
-    name: str
-    arguments: str
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kestrel_core.model.harmony import HarmonyCall, HarmonyStream, is_harmony, parse
+from kestrel_core.model.harmony import HarmonyStream, ToolCall, is_harmony, parse
 
 THOUGHT, ANSWER = "The user asks for the capital; it is Paris.", "The capital of France is Paris."
 PLAIN = f"<|channel|>analysis<|message|>{THOUGHT}<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}"
@@ -16,13 +16,13 @@ CASES = {
     "analysis then final": (PLAIN + "<|return|>", THOUGHT, ANSWER, ()),
     "final cut at max_tokens": (PLAIN[:-6], THOUGHT, ANSWER[:-6], ()),
     "a call, recipient after the channel": (CALL, "Need the weather.", "",
-                                            (HarmonyCall("get_weather", '{"city": "Paris"}'),)),
+                                            (ToolCall("get_weather", '{"city": "Paris"}'),)),
     "a call, recipient before the channel": (
         '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>', None, "",
-        (HarmonyCall("get_time", "{}"),)),
+        (ToolCall("get_time", "{}"),)),
     "a preamble, then a call": (
         '<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant to=functions.get_time'
-        '<|channel|>commentary json<|message|>{ }<|call|>', None, "Let me look.", (HarmonyCall("get_time", "{}"),)),
+        '<|channel|>commentary json<|message|>{ }<|call|>', None, "Let me look.", (ToolCall("get_time", "{}"),)),
     "two analysis messages": (
         "<|channel|>analysis<|message|>One.<|end|><|start|>assistant<|channel|>analysis<|message|>Two.<|end|>"
         "<|start|>assistant<|channel|>final<|message|>Done.<|end|>", "One.\nTwo.", "Done.", ()),
