@@ -20,6 +20,7 @@ from rich.text import Text
 import kestrel_core
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import POOLINGS
+from kestrel_core.model.reasoning import THINK_LEVELS
 
 out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False)
@@ -167,7 +168,18 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--min-p", type=float, default=None, help="(default: the model's, else 0)")
     p.add_argument("--repetition-penalty", type=float, default=None, help="1: off (default: the model's, else 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--think", type=_think_arg, default=None, metavar="true|false|low|medium|high",
+                   help="reasoning, as Ollama's --think: false turns Qwen3's thinking off (its template's "
+                        "enable_thinking); a level is gpt-oss's reasoning effort (default: the template's)")
     _model_sampling_arg(p)
+
+
+def _think_arg(value: str) -> bool | str:
+    """--think's value: true, false, or a reasoning effort (low, medium, high)."""
+    words = {"true": True, "false": False, **{level: level for level in THINK_LEVELS}}
+    if value.lower() not in words:
+        raise argparse.ArgumentTypeError(f"expected true, false or one of {', '.join(THINK_LEVELS)}, got {value!r}")
+    return words[value.lower()]
 
 
 def _model_sampling_arg(p: argparse.ArgumentParser) -> None:

@@ -23,6 +23,7 @@ from kestrel_core.model.engine import Engine, load, load_preset
 from kestrel_core.model.fim import fim_prompt_ids
 from kestrel_core.model.grammar import json_schema_grammar, lark_grammar, regex_grammar
 from kestrel_core.model.harmony import HarmonyStream
+from kestrel_core.model.reasoning import ReasoningStream, opens_in_prompt, think_kwargs, thinks
 from kestrel_core.model.validate import read_line_stdin, read_text_stdin
 
 err = Console(stderr=True, highlight=False)
@@ -80,11 +81,19 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return read_text_stdin(sys.stdin)
 
 
-def _prompt_ids(engine: Engine, messages: list[dict[str, str]], chat: bool) -> list[int]:
+def _prompt(engine: Engine, messages: list[dict[str, str]], chat: bool, args: argparse.Namespace
+            ) -> tuple[list[int], HarmonyStream | ReasoningStream | None]:
+    """The prompt's ids (the chat template's, with --think's variables, or the last message's text alone) and how
+    its answer is read: harmony's channels (gpt-oss), a reasoning block (a template that teaches one), or as text."""
     tok = engine.tokenizer
-    if chat:
-        return list(tok.encode_chat(messages))
-    return list(tok.encode(messages[-1]["content"]))
+    if not chat:
+        return list(tok.encode(messages[-1]["content"])), None
+    text = tok.apply_chat_template(messages, True, **(think_kwargs(getattr(args, "think", None)) or {}))
+    ids = list(tok.encode(text, add_special_tokens=False))  # the template writes any BOS itself
+    template = getattr(tok, "chat_template", None)
+    if engine.harmony:
+        return ids, HarmonyStream()
+    return ids, ReasoningStream(opens_in_prompt(text)) if thinks(template) else None
 
 
 def _check_context(engine: Engine, ids: Sequence[int]) -> None:
@@ -149,16 +158,17 @@ def _option_grammar(args: argparse.Namespace) -> str | None:
 
 
 def _stream(engine: Engine, ids: list[int], args: argparse.Namespace, out: TextIO | None,
-            grammar: str | None = None, stop_token_ids: tuple[int, ...] = (), harmony: bool = False
-            ) -> tuple[str, list[int], str | None]:
-    """Generate, writing text to ``out`` as it arrives; returns (text, token ids, reasoning). ``harmony``: the
-    answer is in gpt-oss's channels (a chat prompt of such a model): its final channel is the text, and its
-    analysis channel the reasoning, shown dimmed on stderr as it comes where ``out`` is given."""
+            grammar: str | None = None, stop_token_ids: tuple[int, ...] = (),
+            reader: HarmonyStream | ReasoningStream | None = None) -> tuple[str, list[int], str | None]:
+    """Generate, writing text to ``out`` as it arrives; returns (text, token ids, reasoning). ``reader`` (from
+    ``_prompt``) splits the answer's reasoning (gpt-oss's analysis channel, or a ``<think>`` block) from its text:
+    the reasoning is shown dimmed on stderr as it comes where ``out`` is given."""
+    channels = None if grammar is not None else reader  # a constrained answer is what it is constrained to
     params = engine.sampling_params(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                     top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                                     seed=args.seed, stop=tuple(getattr(args, "stop", None) or ()), grammar=grammar,
-                                    stop_token_ids=stop_token_ids, skip_special_tokens=not harmony)
-    channels = HarmonyStream() if harmony else None
+                                    stop_token_ids=stop_token_ids,
+                                    skip_special_tokens=not isinstance(channels, HarmonyStream))
     pieces: list[str] = []
     thoughts: list[str] = []
     tokens: list[int] = []
@@ -177,7 +187,7 @@ def _stream(engine: Engine, ids: list[int], args: argparse.Namespace, out: TextI
         if step.new_text:
             show(*(channels.feed(step.new_text) if channels is not None else ("", step.new_text)))
     if channels is not None:
-        thought, text, _ = channels.finish()
+        thought, text = channels.finish()[:2]
         show(thought, text)
         if out is not None and "".join(thoughts):
             err.print()
@@ -235,15 +245,15 @@ def run(args: argparse.Namespace) -> int:
                 ids, stops = fim_prompt_ids(engine.tokenizer, text_in, args.suffix)
             except InvalidRequest as exc:
                 raise KestrelError(f"--suffix: {exc}") from None
+            reader = None
         else:
-            ids = _prompt_ids(engine, [{"role": "user", "content": text_in}], chat=not args.no_chat)
+            ids, reader = _prompt(engine, [{"role": "user", "content": text_in}], not args.no_chat, args)
         _check_context(engine, ids)
-        harmony = engine.harmony and args.suffix is None and not args.no_chat
         text, tokens, reasoning = _stream(engine, ids, args, None if args.json else sys.stdout, grammar, stops,
-                                          harmony)
+                                          reader)
         stats = engine.stats
         if args.json:
-            answer = {"text": text, **({"reasoning": reasoning} if harmony else {})}
+            answer = {"text": text, **({"reasoning": reasoning} if reader is not None and grammar is None else {})}
             print(dumps({**answer, "tokens": tokens, "prompt_tokens": len(ids), "stats": stats}))
         else:
             sys.stdout.write("\n")
@@ -280,13 +290,13 @@ def chat(args: argparse.Namespace) -> int:
             if not line:
                 continue
             messages.append({"role": "user", "content": line})
-            ids = _prompt_ids(engine, messages, chat=True)
+            ids, reader = _prompt(engine, messages, True, args)
             if len(ids) + 1 > engine.config.max_position:
                 messages.pop()
                 err.print(f"error: the conversation has {len(ids)} tokens; the model's context is "
                           f"{engine.config.max_position} (/reset to start over)", markup=False)
                 continue
-            reply, _, _ = _stream(engine, ids, args, sys.stdout, harmony=engine.harmony)
+            reply, _, _ = _stream(engine, ids, args, sys.stdout, reader=reader)
             sys.stdout.write("\n")
             sys.stdout.flush()
             messages.append({"role": "assistant", "content": reply.strip()})

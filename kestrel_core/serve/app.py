@@ -24,13 +24,13 @@ from fastapi.responses import JSONResponse, Response
 import kestrel_core
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.harmony import is_harmony
+from kestrel_core.model.reasoning import Reasoning, opens_in_prompt, thinks
 from kestrel_core.model.sampling import TokenLogprob
 from kestrel_core.serve import anthropic, generation, ollama, responses_api, scores, tokenize
 from kestrel_core.serve.access import AccessMiddleware, ApiKeyMiddleware
 from kestrel_core.serve.errors import APIError, from_kestrel_error, install_error_handlers
 from kestrel_core.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from kestrel_core.serve.reasoning import Reasoning, opens_in_prompt, thinks
 from kestrel_core.serve.responses import ChatShape, CompletionShape, Echo, TokenStrings, embedding_list, new_id
 from kestrel_core.serve.tools import MISTRAL, ToolCalls, tool_format
 
@@ -47,7 +47,7 @@ class Served:
         self.created = int(time.time())
         template = getattr(self.engine.tokenizer, "chat_template", None)
         self.tool_format = tool_format(template)
-        self.thinks = thinks(template)  # its answers start with a reasoning block (serve/reasoning.py)
+        self.thinks = thinks(template)  # its answers start with a reasoning block (kestrel_core.model.reasoning)
         self.harmony = is_harmony(template)  # its answers are harmony's channels (kestrel_core.model.harmony)
         backend = getattr(self.engine.tokenizer, "backend", None)  # Mistral's [TOOL_CALLS] is a control token
         self.tool_calls_id = backend.token_to_id("[TOOL_CALLS]") if self.tool_format == MISTRAL and backend else None

@@ -28,6 +28,7 @@ from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr
 import kestrel_core
 from kestrel_core.model.fim import fim_format
 from kestrel_core.model.quantize import model_quant
+from kestrel_core.model.reasoning import think_kwargs
 from kestrel_core.serve.access import record_of
 from kestrel_core.serve.errors import APIError, validated
 from kestrel_core.serve.generation import retold
@@ -110,13 +111,7 @@ class _Generation(RequestBody):
         return None
 
     def template_kwargs(self) -> dict[str, Any] | None:
-        """Qwen3's switch (``enable_thinking``), or with a level gpt-oss's ``reasoning_effort``, as Ollama passes
-        them to the template."""
-        if self.think is None:
-            return None
-        if isinstance(self.think, str):
-            return {"enable_thinking": True, "reasoning_effort": self.think}
-        return {"enable_thinking": self.think}
+        return think_kwargs(self.think)
 
 
 class ChatBody(_Generation):

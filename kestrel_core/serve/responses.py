@@ -1,6 +1,6 @@
 """OpenAI's response shapes: plain dicts. Chat and text completions (ids ``chatcmpl-...`` / ``cmpl-...``,
 object names, ``created``, ``model``, ``choices``, ``usage``) are built by ``ChatShape`` and ``CompletionShape``,
-which both the streaming and the non-streaming paths use; a chat answer's reasoning block (serve/reasoning.py)
+which both the streaming and the non-streaming paths use; a chat answer's reasoning block (kestrel_core.model.reasoning)
 and tool calls (serve/tools.py) are read out of its text here, whole or as it streams. Embeddings are
 ``embedding_list``'s.
 """
@@ -19,8 +19,8 @@ import numpy as np
 from kestrel_core.errors import KestrelError
 from kestrel_core.model import harmony
 from kestrel_core.model.harmony import HarmonyStream
+from kestrel_core.model.reasoning import Reasoning, ReasoningStream, split
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob
-from kestrel_core.serve.reasoning import Reasoning, ReasoningStream, split
 from kestrel_core.serve.tools import ToolCall, ToolCalls, ToolStream, parse
 
 

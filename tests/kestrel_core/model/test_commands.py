@@ -311,3 +311,32 @@ def test_run_shows_a_harmony_answer_and_its_reasoning_apart(capsys, monkeypatch)
     assert (json.loads(out)["text"], json.loads(out)["reasoning"]) == ("Paris.", "Think.")
     code, out, _ = _run(capsys, "run", "hi", "--preset", "tiny", "--no-chat", "--backend", "cpu")
     assert out == answer + "\n" and skipped[-1] is True  # no chat template: the model's raw text
+
+
+def test_run_shows_a_think_block_apart_and_passes_think_to_the_template(capsys, monkeypatch) -> None:
+    """A template that teaches <think> (Qwen3): the block is the reasoning on stderr, what follows the answer;
+    --think false reaches the template as enable_thinking (Qwen3's switch), a level as reasoning_effort too."""
+    from kestrel_core.model import commands
+    from kestrel_core.model.scheduler import RequestOutput
+
+    answer = "<think>\nPondering.\n</think>\n\nParis."
+    contexts = []
+
+    def scripted(self, ids, params):  # type: ignore[no-untyped-def]
+        for k in range(0, len(answer), 3):
+            yield RequestOutput("r", [1], answer[k:k + 3], None, k + 3 >= len(answer), None, len(ids), k // 3 + 1)
+
+    real = ByteTokenizer.apply_chat_template
+
+    def template(self, messages, add_generation_prompt=True, **kwargs):  # type: ignore[no-untyped-def]
+        contexts.append(kwargs)
+        return real(self, messages, add_generation_prompt, **kwargs)
+
+    monkeypatch.setattr(engine_mod.Engine, "stream", scripted)
+    monkeypatch.setattr(commands, "thinks", lambda template: True)
+    monkeypatch.setattr(ByteTokenizer, "apply_chat_template", template)
+    code, out, err = _run(capsys, "run", "hi", "--preset", "tiny", "--backend", "cpu", "--think", "false")
+    assert (code, out, contexts[-1]) == (0, "Paris.\n", {"enable_thinking": False}) and "Pondering." in err
+    code, out, _ = _run(capsys, "run", "hi", "--preset", "tiny", "--backend", "cpu", "--json", "--think", "high")
+    assert (json.loads(out)["text"], json.loads(out)["reasoning"]) == ("Paris.", "Pondering.")
+    assert contexts[-1] == {"enable_thinking": True, "reasoning_effort": "high"}

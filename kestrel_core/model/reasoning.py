@@ -1,7 +1,8 @@
 """Reasoning in chat answers: a model whose chat template teaches a ``<think>...</think>`` block (Qwen3, QwQ,
 DeepSeek-R1's distills) answers with its reasoning first. The server returns that block's text as the message's
 ``reasoning_content`` (DeepSeek's and vLLM's field) and what follows as its ``content``, where tool calls are
-read (serve/tools.py).
+read (serve/tools.py); ``kestrel run`` and ``chat`` show it apart from the answer (model/commands.py). gpt-oss's
+channels are kestrel_core.model.harmony's.
 
 ``thinks(template)`` says whether a template teaches the block (it closes one: ``</think>``). An answer that
 starts with ``<think>`` reasons until ``</think>``, as does one whose prompt ended with ``<think>`` (a template
@@ -13,6 +14,7 @@ that the whole answer's parts leave out at their edges.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kestrel_core.model.detokenize import partial_suffix
 
@@ -24,6 +26,19 @@ class Reasoning:
     """A request's answers carry a reasoning block; ``open_in_prompt``: they start inside it."""
 
     open_in_prompt: bool = False
+
+
+THINK_LEVELS = ("low", "medium", "high")  # gpt-oss's reasoning efforts
+
+
+def think_kwargs(think: bool | str | None) -> dict[str, Any] | None:
+    """The chat template's variables for Ollama's ``think``: Qwen3's switch ``enable_thinking``, and for a level
+    (THINK_LEVELS) also gpt-oss's ``reasoning_effort``; None: neither."""
+    if think is None:
+        return None
+    if isinstance(think, str):
+        return {"enable_thinking": True, "reasoning_effort": think}
+    return {"enable_thinking": think}
 
 
 def thinks(template: str | None) -> bool:

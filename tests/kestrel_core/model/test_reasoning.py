@@ -1,10 +1,10 @@
-"""serve/reasoning.py: an answer's reasoning block split from its content, whole and however a stream cuts it."""
+"""model/reasoning.py: an answer's reasoning block split from its content, whole and however a stream cuts it."""
 
 from __future__ import annotations
 
 import pytest
 
-from kestrel_core.serve.reasoning import ReasoningStream, opens_in_prompt, split, thinks
+from kestrel_core.model.reasoning import ReasoningStream, opens_in_prompt, split, thinks
 
 CASES = [
     ("<think>\nLet me think.\n</think>\n\nParis.", False, ("Let me think.", "Paris.")),
