@@ -7,16 +7,21 @@ END is ``<|end|>``, ``<|call|>`` or ``<|return|>``. The analysis channel is the 
 commentary to no one: a preamble the user sees) the content, and a message to ``functions.NAME`` a call whose
 arguments are its body. Reading it needs the special tokens in the text (``SamplingParams.skip_special_tokens``
 False). ``parse`` reads a whole answer, ``HarmonyStream`` a streamed one; an answer with no harmony message at
-all is content, as it came.
+all is content, as it came. ``json_grammar`` and ``call_grammar`` keep an answer to JSON or to a call (a JSON
+response format, a forced tool call) in harmony's own shape: the analysis may come first, the final message or
+the call is constrained.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kestrel_core.model.detokenize import partial_suffix
+from kestrel_core.model.grammar import lark_grammar, lark_json
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -88,6 +93,28 @@ def _arguments(body: str) -> str:
     except ValueError:
         return body.strip()
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else body.strip()
+
+
+# an analysis message before the answer a grammar keeps to (llguidance's Lark: <|name|> is that special token)
+_ANALYSIS = ('analysis: <|channel|> "analysis" <|message|> THOUGHT <|end|> <|start|> "assistant"\n'
+             "THOUGHT: /(.|\\n)*/\n")
+
+
+def json_grammar(schema: dict[str, Any], param: str = "response_format") -> str:
+    """The grammar of harmony answers whose final message is JSON ``schema`` accepts, reasoning first or not."""
+    return lark_grammar(f'start: analysis? <|channel|> "final" <|message|> json\njson: {lark_json(schema)}\n'
+                        + _ANALYSIS, param=param)
+
+
+def call_grammar(functions: Sequence[dict[str, Any]], param: str = "tool_choice") -> str:
+    """The grammar of harmony answers that call one of ``functions`` (OpenAI's: a name and a JSON Schema of its
+    arguments as ``parameters``), reasoning first or not: ``<|channel|>commentary to=functions.NAME
+    <|constrain|>json<|message|>ARGUMENTS``, as gpt-oss writes a call."""
+    calls = [f'call{i}: {json.dumps(f["name"] + " ")} <|constrain|> "json" <|message|> '
+             f'{lark_json(f.get("parameters") or {"type": "object"})}' for i, f in enumerate(functions)]
+    names = " | ".join(f"call{i}" for i in range(len(functions)))
+    return lark_grammar(f'start: analysis? <|channel|> "commentary to=functions." ({names})\n' + "\n".join(calls)
+                        + "\n" + _ANALYSIS, param=param)
 
 
 class HarmonyStream:

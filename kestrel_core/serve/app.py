@@ -83,7 +83,7 @@ class Served:
         self.check_request()
         try:  # each of these names its field
             tools = body.tool_calls(self.tool_format)
-            grammar = body.grammar(tools, self.tool_calls_id)
+            grammar = body.grammar(tools, self.tool_calls_id, self.harmony)
             context = body.template_context()
         except KestrelError as exc:
             raise from_kestrel_error(exc) from None
@@ -103,10 +103,10 @@ class Served:
         # reasoning block
         reasoning = Reasoning(opens_in_prompt(prompt) and grammar is None) if self.thinks else None
         params = replace(_params(body, self.context_left(len(prompt_ids)), self), grammar=grammar)
-        if self.harmony and grammar is None:  # the channels are special tokens: their text must stay
+        if self.harmony:  # the channels are special tokens: their text must stay
             params = replace(params, skip_special_tokens=False)
         shape = ChatShape(new_id("chatcmpl"), self.model_name, self.tokens, body.include_usage,
-                          body.continuous_usage, tools, reasoning, harmony=self.harmony and grammar is None)
+                          body.continuous_usage, tools, reasoning, harmony=self.harmony)
         one = generation.Prompt(prompt_ids, params, params.logprobs)
         return await generation.respond(self.async_engine, request, [one], shape, stream=bool(body.stream),
                                         prompt_param="messages", choices=body.choices)

@@ -39,6 +39,7 @@ from pydantic import (
 )
 
 from kestrel_core.errors import InvalidRequest
+from kestrel_core.model import harmony as harmony_answers
 from kestrel_core.model.config import SAMPLING_FIELDS
 from kestrel_core.model.fim import fim_format, fim_prompt_ids
 from kestrel_core.model.grammar import json_schema_grammar
@@ -281,7 +282,7 @@ class ChatCompletionRequest(_Generation):
                                  param="tools")
         return ToolCalls(fmt, self.parallel_tool_calls is not False)
 
-    def grammar(self, tools: ToolCalls | None, tool_calls_id: int | None = None) -> str | None:
+    def grammar(self, tools: ToolCalls | None, tool_calls_id: int | None = None, harmony: bool = False) -> str | None:
         """The grammar the answer keeps to (kestrel_core.model.grammar): calls of the tools where ``tool_choice``
         is "required" or names a function (``tools``: ``tool_calls``' answer; ``tool_calls_id``: the id of
         Mistral's control token), else the JSON ``response_format`` asks for; None for free text."""
@@ -289,9 +290,6 @@ class ChatCompletionRequest(_Generation):
         if self.tool_choice not in (None, "auto", "none"):
             if tools is None or not self.tools:
                 raise InvalidRequest("tool_choice forces a call, but the request offers no tools", param="tool_choice")
-            if tools.fmt == HARMONY:
-                raise InvalidRequest("tool_choice cannot force a call in harmony (gpt-oss) answers: the model "
-                                     'chooses ("auto")', param="tool_choice")
             if kind != "text":
                 raise InvalidRequest("a forced tool call and a JSON response_format cannot both shape the answer",
                                      param="response_format")
@@ -301,16 +299,22 @@ class ChatCompletionRequest(_Generation):
             if not functions:
                 raise InvalidRequest(f"tool_choice names the function {name!r}, which is not one of the tools",
                                      param="tool_choice")
+            if tools.fmt == HARMONY:  # one call a turn, in harmony's shape
+                return harmony_answers.call_grammar(functions)
             return call_grammar(tools.fmt, functions, tools.parallel and name is None, tool_calls_id)
         if kind == "text":
             return None
         if kind == "json_object":
+            if harmony:
+                return harmony_answers.json_grammar({"type": "object"})
             return json_schema_grammar({"type": "object"}, param="response_format")
         spec = (self.response_format or {}).get("json_schema")
         if kind != "json_schema" or not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise InvalidRequest('response_format must be {"type": "text"}, {"type": "json_object"} or '
                                  '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
                                  param="response_format")
+        if harmony:
+            return harmony_answers.json_grammar(spec.get("schema", {}))
         return json_schema_grammar(spec.get("schema", {}), param="response_format")
 
     def template_context(self) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kestrel_core.model.harmony import HarmonyStream, ToolCall, is_harmony, parse
+from kestrel_core.model.harmony import HarmonyStream, ToolCall, call_grammar, is_harmony, json_grammar, parse
 
 THOUGHT, ANSWER = "The user asks for the capital; it is Paris.", "The capital of France is Paris."
 PLAIN = f"<|channel|>analysis<|message|>{THOUGHT}<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}"
@@ -65,3 +65,62 @@ def test_the_reasoning_streams_before_the_answer_ends_and_no_marker_leaks() -> N
 def test_a_harmony_template_is_known_by_its_channels() -> None:
     assert is_harmony("<|start|>assistant<|channel|>final<|message|>{{ content }}<|end|>")
     assert not is_harmony("<|im_start|>assistant\n{{ content }}<|im_end|>") and not is_harmony(None)
+
+
+SPECIALS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+
+
+@pytest.fixture(scope="module")
+def harmony_vocab():  # type: ignore[no-untyped-def]
+    """The tiny models' tokenizer with harmony's special tokens added, as llguidance sees it; <|return|> and
+    <|call|> end a text (gpt-oss's generation_config)."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from kestrel_core.model.grammar import grammar_vocab
+
+    tok = Tokenizer.from_file(str(Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-gpt-oss"
+                                  / "tokenizer.json"))
+    tok.add_special_tokens(list(SPECIALS))
+    ids = {s: tok.token_to_id(s) for s in SPECIALS}
+    return tok, ids, grammar_vocab(tok.to_str(), tok.get_vocab_size(), [ids["<|return|>"], ids["<|call|>"]])
+
+
+def _keeps_to(harmony_vocab, grammar: str, pieces: list[str]) -> str:  # type: ignore[no-untyped-def]
+    """'done' where the grammar takes ``pieces`` (special tokens by name, text tokenized) and may end there."""
+    from kestrel_core.model.grammar import Constraint
+
+    tok, ids, vocab = harmony_vocab
+    constraint = Constraint(vocab, grammar)
+    for piece in pieces:
+        for token in [ids[piece]] if piece in ids else tok.encode(piece, add_special_tokens=False).ids:
+            if not constraint.allowed()[token]:
+                return f"refused {piece!r}"
+            constraint.accept(token)
+    return "done" if constraint.allowed()[ids["<|return|>"]] else "not done"
+
+
+FINAL = ["<|channel|>", "final", "<|message|>"]
+THINKING = ["<|channel|>", "analysis", "<|message|>", "Plan.\nThen answer.", "<|end|>", "<|start|>", "assistant"]
+
+
+def test_a_json_answer_keeps_harmonys_shape(harmony_vocab) -> None:  # type: ignore[no-untyped-def]
+    """A JSON response format on gpt-oss: reasoning may come first, the final message is the JSON."""
+    grammar = json_grammar({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    assert _keeps_to(harmony_vocab, grammar, [*FINAL, '{"a": 1}']) == "done"
+    assert _keeps_to(harmony_vocab, grammar, [*THINKING, *FINAL, '{"a": 1}']) == "done"
+    assert _keeps_to(harmony_vocab, grammar, [*FINAL, '{"a": "x"}']).startswith("refused")
+    assert _keeps_to(harmony_vocab, grammar, ['{"a": 1}']).startswith("refused")  # no channel: not harmony
+
+
+def test_a_forced_call_keeps_harmonys_shape(harmony_vocab) -> None:  # type: ignore[no-untyped-def]
+    weather = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                     "required": ["city"]}}
+    grammar = call_grammar([weather, {"name": "get_time"}])
+    call = ["<|channel|>", "commentary to=functions.get_weather ", "<|constrain|>", "json", "<|message|>"]
+    assert _keeps_to(harmony_vocab, grammar, [*THINKING, *call, '{"city": "Paris"}']) == "done"
+    assert _keeps_to(harmony_vocab, grammar, [*call, "{}"]).startswith("refused")  # city is required
+    assert _keeps_to(harmony_vocab, grammar, ["<|channel|>", "commentary to=functions.get_news "]).startswith(
+        "refused")
+    assert _keeps_to(harmony_vocab, grammar, [*FINAL, "Sunny."]).startswith("refused")
