@@ -329,8 +329,8 @@ def check_hf_dir(root: Path) -> None:
 
 
 def check_config(cfg: dict[str, Any]) -> None:
-    """hf.config_from_hf, which runs validate.check_hf_config first and ModelConfig's checks last."""
-    from kestrel_core.model.hf import config_from_hf
+    """hf_config.config_from_hf, which runs validate.check_hf_config first and ModelConfig's checks last."""
+    from kestrel_core.model.hf_config import config_from_hf
 
     config_from_hf(cfg)
 

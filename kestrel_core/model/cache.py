@@ -88,7 +88,7 @@ def _stem(kind: str, path: Path) -> str:
 def gguf_key(path: Path, quant: str) -> str:
     """The content key of a GGUF file at ``quant``: its size, mtime_ns and header bytes (up to the tensor data,
     found by the reader's bounds walk); KestrelError or OSError where it is not a readable GGUF file."""
-    from kestrel_core.model.gguf_reader import check_gguf_bounds  # the GGUF path only
+    from kestrel_core.model.gguf_bounds import check_gguf_bounds  # the GGUF path only
 
     data_start = check_gguf_bounds(path)
     with open(path, "rb") as f:

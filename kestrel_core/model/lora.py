@@ -157,7 +157,8 @@ def _gguf_adapter(path: Path, scale: float) -> Adapter:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    from kestrel_core.model.gguf_reader import PERMUTED_ARCHITECTURES, check_gguf_bounds
+    from kestrel_core.model.gguf_bounds import check_gguf_bounds
+    from kestrel_core.model.gguf_reader import PERMUTED_ARCHITECTURES
     from kestrel_core.model.gguf_reader import kestrel_name as gguf_name
 
     where = f"LoRA adapter {path}"

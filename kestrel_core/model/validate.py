@@ -137,7 +137,7 @@ def open_regular(path: str | os.PathLike[str], root: str | os.PathLike[str] | No
 # -- Hugging Face config.json ------------------------------------------------------------------------------
 
 # field -> (kind, required); kinds: "pos" int >= 1, "nonneg" int >= 0, "float+" finite > 0, "bool", "rope" dict
-HF_CONFIG_FIELDS: dict[str, tuple[str, bool]] = {  # in the order hf.config_from_hf reads them
+HF_CONFIG_FIELDS: dict[str, tuple[str, bool]] = {  # in the order hf_config.config_from_hf reads them
     "num_attention_heads": ("pos", True),
     "hidden_size": ("pos", True),
     "vocab_size": ("pos", True),
@@ -164,7 +164,7 @@ def check_hf_config(cfg: Mapping[str, Any], where: str = "config.json") -> None:
     """Type and range of every config.json field kestrel reads, before ``int()``/``float()`` can coerce them.
 
     ``num_hidden_layers: true``, ``"3"`` and ``3.5`` are refused (int() would make them 1, 3 and 3); ``null``
-    counts as absent for optional fields, as transformers treats it. hf.config_from_hf must call this first.
+    counts as absent for optional fields, as transformers treats it. hf_config.config_from_hf must call this first.
     """
     if not isinstance(cfg, Mapping):
         raise KestrelError(f"{where}: expected a JSON object")

@@ -20,7 +20,7 @@ import pytest
 
 import kestrel_core
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.gguf_reader import MAX_ARRAY_ELEMENTS, check_gguf_bounds
+from kestrel_core.model.gguf_bounds import MAX_ARRAY_ELEMENTS, check_gguf_bounds
 
 U32, STRING, ARRAY, F32 = 4, 8, 9, 6
 

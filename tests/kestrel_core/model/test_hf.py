@@ -12,7 +12,8 @@ import pytest
 from kestrel_core.artifact import model_tensors
 from kestrel_core.contract import BFloat16Bits, StripCache
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.hf import HFCheckpoint, config_from_hf, kestrel_name
+from kestrel_core.model.hf import HFCheckpoint, kestrel_name
+from kestrel_core.model.hf_config import config_from_hf
 from kestrel_core.model.quantize import quantize_model
 
 

@@ -226,14 +226,14 @@ def test_kv_cache_decode_matches_transformers(case: Case) -> None:
 
 def test_mistral_without_its_sliding_window_leaves_the_limits(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The window is what makes tiny-mistral agree: attending to every position instead fails the limits."""
-    from kestrel_core.model import hf
+    from kestrel_core.model import hf_config
 
-    real = hf.config_from_hf
+    real = hf_config.config_from_hf
 
     def no_window(cfg, *args, **kwargs):  # type: ignore[no-untyped-def]
         return real({**cfg, "sliding_window": None}, *args, **kwargs)
 
-    monkeypatch.setattr(hf, "config_from_hf", no_window)
+    monkeypatch.setattr(hf_config, "config_from_hf", no_window)
     case = next(c for c in CASES if c.name == "tiny-mistral")
     fig = measure(case, "q8")
     assert not fig.within(TINY), fig
@@ -271,10 +271,10 @@ def test_quantized_artifact_gives_the_same_logits(tmp_path: Path, name: str, qua
 
 def _with_config(monkeypatch, change) -> None:  # type: ignore[no-untyped-def]
     """Load checkpoints with ``change(cfg)`` applied to their config.json."""
-    from kestrel_core.model import hf
+    from kestrel_core.model import hf_config
 
-    real = hf.config_from_hf
-    monkeypatch.setattr(hf, "config_from_hf", lambda cfg, *a, **kw: real(change(dict(cfg)), *a, **kw))
+    real = hf_config.config_from_hf
+    monkeypatch.setattr(hf_config, "config_from_hf", lambda cfg, *a, **kw: real(change(dict(cfg)), *a, **kw))
 
 
 GEMMA3_WRONG = {

@@ -79,7 +79,7 @@ def test_hf_config_accepts_real_spellings() -> None:
 
 def test_hf_loader_gets_the_model_config_checks() -> None:
     """End to end through hf.py: the ModelConfig checks reach it without edits there (0 and -1 layers, NaN)."""
-    from kestrel_core.model.hf import config_from_hf
+    from kestrel_core.model.hf_config import config_from_hf
 
     for change in ({"num_hidden_layers": 0}, {"num_hidden_layers": -1}, {"num_key_value_heads": -2},
                    {"rms_norm_eps": math.nan}, {"rope_theta": 0.0},
@@ -92,7 +92,7 @@ def test_hf_loader_gets_the_model_config_checks() -> None:
                                     {"num_hidden_layers": 3.5}, {"num_attention_heads": 0},
                                     {"rope_parameters": 5}, {"architectures": 5}])
 def test_hf_loader_refuses_coercible_values(change: dict[str, Any]) -> None:
-    from kestrel_core.model.hf import config_from_hf
+    from kestrel_core.model.hf_config import config_from_hf
 
     with pytest.raises(KestrelError):
         config_from_hf({**HF, **change})
@@ -344,7 +344,7 @@ def test_each_bad_gemma_or_expert_field_is_one_line_naming_it(field: str, value:
     {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": [1]},
 ])
 def test_bad_gemma3_and_expert_configs_are_one_line(change: dict[str, Any]) -> None:
-    from kestrel_core.model.hf import config_from_hf
+    from kestrel_core.model.hf_config import config_from_hf
 
     with pytest.raises(KestrelError) as info:
         config_from_hf({**HF, **change}, where="m/config.json")

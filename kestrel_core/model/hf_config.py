@@ -1,0 +1,378 @@
+"""A Hugging Face model's config.json (and generation_config.json) as a ModelConfig: which architectures kestrel
+reads (HF_ARCHITECTURES, MODEL_TYPES), each one's fields as transformers resolves them, and what is refused by
+name. model/hf.py reads the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.config import SAMPLING_FIELDS, ModelConfig, normalize_rope_scaling, recommended_sampling
+from kestrel_core.model.validate import (
+    ValidationError,
+    check_bool,
+    check_float,
+    check_hf_config,
+    check_int,
+    check_regular_file,
+    is_int,
+)
+
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                    "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
+                    "Gemma3ForCausalLM": "gemma3",
+                    "Gemma3ForConditionalGeneration": "gemma3", "Qwen2MoeForCausalLM": "qwen2_moe",
+                    "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral", "GptOssForCausalLM": "gpt_oss",
+                    "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
+                    "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
+                    "Glm4ForCausalLM": "glm4", "Ernie4_5ForCausalLM": "ernie4_5",
+                    # the decoder without its head, as embedding checkpoints (e5-mistral, ...) name it
+                    "LlamaModel": "llama", "Qwen2Model": "qwen2", "Qwen3Model": "qwen3", "MistralModel": "mistral"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
+               "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen2_moe": "qwen2_moe",
+               "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss",
+               "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2", "exaone4": "exaone4",
+               "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5"}
+WINDOWED = ("mistral", "phi3", "mixtral")  # architectures whose sliding_window applies to every layer
+# Gemma3TextConfig's defaults: hub configs (the text_config of the multimodal checkpoints) leave many out
+GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                   "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+                   "sliding_window": 4096, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1}
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # Gemma2Config's defaults
+POST_NORMED = ("olmo2", "exaone4")
+# transformers' GptOssConfig default RoPE, for a config.json without one
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return list(value)
+    raise KestrelError(f"token id must be an int or a list of ints, got {value!r}")
+
+
+def _architecture(cfg: dict[str, Any], where: str) -> str:
+    archs = cfg.get("architectures") or []
+    arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+    if arch is None and not archs:
+        arch = MODEL_TYPES.get(cfg.get("model_type", ""))
+    if arch is None:
+        named = ", ".join(archs) if archs else f"model_type {cfg.get('model_type')!r}"
+        raise KestrelError(f"{where}: unsupported architecture {named} "
+                           f"(kestrel supports {', '.join(HF_ARCHITECTURES)})")
+    return arch
+
+
+def _is_gemma3(cfg: dict[str, Any]) -> bool:
+    """Gemma 3 by name, before the config's types are checked (check_hf_config refuses bad ones next)."""
+    archs = cfg.get("architectures")
+    if isinstance(archs, list) and archs:
+        return any(HF_ARCHITECTURES.get(a) == "gemma3" for a in archs if isinstance(a, str))
+    return MODEL_TYPES.get(cfg.get("model_type")) == "gemma3" if isinstance(cfg.get("model_type"), str) else False
+
+
+def _text_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """The language model's settings: a multimodal Gemma 3's text_config (with its own defaults), or cfg."""
+    if not _is_gemma3(cfg):
+        return cfg
+    text = cfg.get("text_config", cfg)
+    if not isinstance(text, dict):
+        raise KestrelError(f"{where}: text_config must be an object, got {text!r}")
+    out = {**GEMMA3_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
+    out["architectures"] = ["Gemma3ForCausalLM"]
+    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):  # the outer config's win
+        if cfg.get(key) is not None:
+            out[key] = cfg[key]
+    return out
+
+
+def _refuse_set(cfg: dict[str, Any], where: str, keys: dict[str, str]) -> None:
+    """Refuse, by name, each of ``keys`` (config key -> what it is) the config sets to a truthy value."""
+    for key, what in keys.items():
+        if cfg.get(key):
+            raise KestrelError(f"{where}: {key} ({what}) is not supported")
+
+
+def _gemma_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """Gemma 2's and 3's own ModelConfig fields: layer types, RoPE (Gemma 3: a base per layer type), the query
+    and embedding scales; Gemma 2's soft-capping."""
+    act = cfg.get("hidden_activation", cfg.get("hidden_act", "gelu_pytorch_tanh"))
+    if act != "gelu_pytorch_tanh":
+        raise KestrelError(f"{where}: hidden_activation {act!r} is not supported (Gemma uses gelu_pytorch_tanh)")
+    _refuse_set(cfg, where, {"use_bidirectional_attention": "bidirectional attention"})
+    out: dict[str, Any] = {}
+    if arch == "gemma3":
+        _refuse_set(cfg, where, {"final_logit_softcapping": "tanh soft-capping of the logits",
+                                 "attn_logit_softcapping": "tanh soft-capping of attention scores"})
+    else:
+        for key, name in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
+            cap = cfg.get(key, GEMMA2_SOFTCAPS[key])
+            out[name] = None if cap is None else check_float(key, cap, 0.0, lo_open=True)
+    pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6 if arch == "gemma3" else 2))
+    check_int("sliding_window_pattern", pattern, 1)
+    types = _layer_types(cfg, where, pattern)
+    rp = cfg.get("rope_parameters")
+    if arch == "gemma2":  # one RoPE for every layer
+        theta = cfg.get("rope_theta", (rp or {}).get("rope_theta", 1e4))
+        scaling = cfg.get("rope_scaling") or (rp if (rp or {}).get("rope_type", "default") != "default" else None)
+    elif isinstance(rp, dict) and ("full_attention" in rp or "sliding_attention" in rp):
+        full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+        theta, local_theta = full.get("rope_theta", 1e6), local.get("rope_theta", 1e4)
+        scaling = full if full.get("rope_type", "default") != "default" else None
+        if local.get("rope_type", "default") != "default":
+            raise KestrelError(f"{where}: rope scaling of the sliding layers is not supported")
+        out["rope_local_theta"] = check_float("rope_local_base_freq", local_theta, 0.0, lo_open=True)
+    else:
+        theta, scaling = cfg.get("rope_theta", 1e6), cfg.get("rope_scaling")
+        out["rope_local_theta"] = check_float("rope_local_base_freq", cfg.get("rope_local_base_freq", 1e4), 0.0,
+                                              lo_open=True)
+    qpas = check_float("query_pre_attn_scalar", cfg.get("query_pre_attn_scalar", 256), 0.0, lo_open=True)
+    return {
+        **out,
+        "layer_types": types,
+        "rope_theta": check_float("rope_theta", theta, 0.0, lo_open=True),
+        "rope_scaling": _rope_scaling(arch, cfg, scaling, where),
+        "query_scale": qpas ** -0.5,
+        "embed_scale": math.sqrt(cfg["hidden_size"]),
+        "activation": "gelu_tanh",
+        "post_norms": True,
+        "qk_norm": arch == "gemma3",
+        "sliding_window": cfg.get("sliding_window", 4096),
+    }
+
+
+def _exaone4_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """EXAONE 4: norms after each block, per-head q/k norms, and with a sliding window its global layers (every
+    ``sliding_window_pattern``-th, or as ``layer_types`` says) attend without RoPE; without one every layer is global
+    and turns."""
+    out: dict[str, Any] = {"qk_norm": True, "pre_norms": False, "post_norms": True}
+    window = cfg.get("sliding_window")
+    if window is None:
+        return out
+    pattern = cfg.get("sliding_window_pattern", 4)
+    if isinstance(pattern, str):  # "LLLG": local, local, local, global
+        pattern = len(pattern) if pattern and set(pattern) <= {"L", "G"} and pattern.endswith("G") else None
+    if not is_int(pattern) or pattern < 1:
+        raise KestrelError(f"{where}: sliding_window_pattern must be a number of layers or a pattern like 'LLLG'")
+    types = _layer_types(cfg, where, pattern)
+    return {**out, "layer_types": types, "sliding_window": window,
+            "nope_layers": tuple(i for i, t in enumerate(types) if t == "full")}
+
+
+def _nope_layers(cfg: dict[str, Any], where: str) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: ``no_rope_layers`` (per layer, 1: RoPE, 0: none), else every
+    ``no_rope_layer_interval``-th layer (default 4), as SmolLM3Config computes it."""
+    layers = cfg["num_hidden_layers"]
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = cfg.get("no_rope_layer_interval", 4)
+        check_int("no_rope_layer_interval", interval, 1)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if not isinstance(flags, list) or len(flags) != layers or not all(f in (0, 1) for f in flags):
+        raise KestrelError(f"{where}: no_rope_layers must be a 0/1 flag for each of the {layers} layers")
+    return tuple(i for i, f in enumerate(flags) if not f)
+
+
+def _rope_scaling(arch: str, cfg: dict[str, Any], scaling: Any, where: str) -> dict[str, Any] | None:
+    """The rope scaling as transformers resolves it: a top-level original_max_position_embeddings wins over the
+    scaling's own (Phi3Config always has one, 4096 by default)."""
+    original = cfg.get("original_max_position_embeddings", 4096 if arch == "phi3" else None)
+    return normalize_rope_scaling(scaling, where, max_position=cfg.get("max_position_embeddings", 4096),
+                                  original_max_position=original)
+
+
+def _rotary_dim(cfg: dict[str, Any], head_dim: int, where: str, default: float | None = None) -> int | None:
+    """The dims of a head RoPE turns, from partial_rotary_factor (else ``default``, the architecture's; None: all)."""
+    partial = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", default))
+    if partial is None or partial == 1:
+        return None
+    check_float("partial_rotary_factor", partial, 0.0, 1.0, lo_open=True)
+    dim = int(head_dim * partial)
+    if dim < 2 or dim % 2:
+        raise KestrelError(f"{where}: partial_rotary_factor {partial!r} turns {dim} of each head's {head_dim} dims; "
+                           "RoPE needs an even number")
+    return dim
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """The experts of Qwen2-MoE and Qwen3-MoE (moe_intermediate_size wide, norm_topk_prob as set; Qwen2-MoE's
+    shared expert) and Mixtral (intermediate_size wide, always renormalised)."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if experts is None:
+        raise KestrelError(f"{where}: missing 'num_experts'")
+    out = {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok", 2)}
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+            raise KestrelError(f"{where}: mlp_only_layers / decoder_sparse_step (dense MLP layers between the "
+                               "expert layers) are not supported")
+        if arch == "qwen3_moe":
+            _refuse_set(cfg, where, {"shared_expert_intermediate_size": "a shared expert"})
+        else:
+            shared = cfg.get("shared_expert_intermediate_size", 0)
+            check_int("shared_expert_intermediate_size", shared, 0)
+            out["shared_expert_intermediate_size"] = shared
+        norm = cfg.get("norm_topk_prob", False)
+        check_bool("norm_topk_prob", norm)
+        out.update(expert_intermediate_size=cfg.get("moe_intermediate_size"), norm_topk_prob=norm,
+                   qk_norm=arch == "qwen3_moe")
+    elif arch == "gpt_oss":  # softmax over the top-k logits (renormalised), biases everywhere, sinks
+        bias = cfg.get("attention_bias", True)
+        check_bool("attention_bias", bias)
+        limit = check_float("swiglu_limit", cfg.get("swiglu_limit", 7.0), 0.0, lo_open=True)
+        alpha = check_float("swiglu_alpha", cfg.get("swiglu_alpha", 1.702), 0.0, lo_open=True)
+        out.update(expert_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True, moe_bias=True,
+                   qkv_bias=bias, o_bias=bias, attn_sinks=True, activation="swiglu_oai", swiglu_limit=limit,
+                   swiglu_alpha=alpha, layer_types=_layer_types(cfg, where, 2),
+                   sliding_window=cfg.get("sliding_window", 128))
+    else:
+        out.update(expert_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+    return out
+
+
+def _layer_types(cfg: dict[str, Any], where: str, pattern: int) -> tuple[str, ...]:
+    """config.json's layer_types, or every ``pattern``-th layer global and the others sliding."""
+    types = cfg.get("layer_types")
+    if types is None:
+        layers = cfg["num_hidden_layers"]
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    names = {"sliding_attention": "sliding", "full_attention": "full"}
+    if not isinstance(types, list) or not all(t in names for t in types):
+        raise KestrelError(f"{where}: layer_types must be a list of sliding_attention / full_attention")
+    return tuple(names[t] for t in types)
+
+
+# transformers' GenerationConfig defaults: a value equal to its default is no recommendation (vLLM reads the file
+# the same way, through ``to_diff_dict``)
+_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+
+
+def generation_sampling(generation: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The sampling generation_config.json recommends (None: none): its SAMPLING_FIELDS that differ from
+    transformers' defaults."""
+    if not isinstance(generation, dict):
+        return None
+    try:
+        return recommended_sampling({k: generation[k] for k in SAMPLING_FIELDS
+                                     if generation.get(k) is not None and generation[k] != _GENERATION_DEFAULTS[k]})
+    except ValidationError as exc:
+        raise KestrelError(f"generation_config.json: {exc}") from None
+
+
+def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None,
+                   where: str = "config.json") -> ModelConfig:
+    """A ModelConfig from HF's config.json dict (and generation_config.json, whose eos ids are added)."""
+    if not isinstance(cfg, dict):
+        raise KestrelError(f"{where}: expected a JSON object")
+    cfg = _text_config(cfg, where)
+    check_hf_config(cfg, where)  # types and ranges before int()/float() can coerce true, "3" or 3.5
+    arch = _architecture(cfg, where)
+    if cfg.get("mlp_bias"):
+        raise KestrelError(f"{where}: mlp_bias is not supported")
+    if arch in ("llama", "smollm3", "granite", *POST_NORMED, "gemma2", "gemma3") and cfg.get("attention_bias"):
+        raise KestrelError(f"{where}: {arch} attention_bias (with an o_proj bias) is not supported")
+    if cfg.get("is_causal") is False:
+        raise KestrelError(f"{where}: is_causal false (bidirectional attention) is not supported")
+    if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3") and cfg.get("use_sliding_window"):
+        raise KestrelError(f"{where}: {arch} use_sliding_window (sliding-window attention from layer "
+                           f"max_window_layers on) is not supported")
+    try:
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        # transformers 5 moves rope_theta / rope_scaling into rope_parameters
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if arch == "gpt_oss" and scaling is None:
+            scaling = GPT_OSS_ROPE
+        eos = _ids(cfg.get("eos_token_id"))
+        for extra in _ids((generation or {}).get("eos_token_id")):
+            if extra not in eos:
+                eos.append(extra)
+        fields: dict[str, Any] = {
+            "rope_theta": float(cfg.get("rope_theta", rope.get("rope_theta", 150000.0 if arch == "gpt_oss" else 1e4))),
+            "rope_scaling": None if arch in GEMMA_ARCHITECTURES else _rope_scaling(arch, cfg, scaling, where),
+            "rotary_dim": _rotary_dim(cfg, int(cfg.get("head_dim") or hidden // heads), where,
+                                      0.5 if arch == "glm4" else None),
+            "qk_norm": arch == "qwen3",
+            "qkv_bias": arch in ("qwen2", "qwen2_moe"),
+            "sliding_window": cfg.get("sliding_window") if arch in WINDOWED else None,
+        }
+        if arch in GEMMA_ARCHITECTURES:
+            fields.update(_gemma_fields(arch, cfg, where))
+        if arch == "smollm3":
+            fields["nope_layers"] = _nope_layers(cfg, where)
+        if arch == "olmo2":  # norms after each block, and q/k norms over the whole projection
+            fields.update(qk_norm=True, qk_norm_full=True, pre_norms=False, post_norms=True)
+        if arch == "exaone4":
+            fields.update(_exaone4_fields(cfg, where))
+        if arch == "glm4":  # interleaved RoPE pairs, Gemma's four norms, q/k/v biases (gate|up fused: _FUSED_MAP)
+            fields.update(rope_interleaved=True, post_norms=True,
+                          qkv_bias=check_bool("attention_bias", cfg.get("attention_bias", True)))
+        if arch == "ernie4_5":  # Llama's layers with RoPE in interleaved pairs
+            _refuse_set(cfg, where, {"use_bias": "biases on every projection"})
+            fields["rope_interleaved"] = True
+        if arch == "seed_oss":  # Llama's layers with q/k/v biases (attention_bias) and maybe an o bias
+            fields.update(qkv_bias=check_bool("attention_bias", cfg.get("attention_bias", True)),
+                          o_bias=check_bool("attention_out_bias", cfg.get("attention_out_bias", False)))
+        if arch == "granite":  # its four multipliers (GraniteConfig's defaults: 1)
+            fields.update({name: check_float(key, cfg.get(key, 1.0), 0.0, lo_open=True) for key, name in (
+                ("embedding_multiplier", "embed_scale"), ("attention_multiplier", "query_scale"),
+                ("residual_multiplier", "residual_scale"), ("logits_scaling", "logits_scaling"))})
+        if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"):
+            fields.update(_moe_fields(arch, cfg, where))
+        return ModelConfig(
+            arch=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
+            eos_token_ids=tuple(eos),
+            sampling=generation_sampling(generation),
+            **fields,
+        )
+    except KeyError as exc:
+        raise KestrelError(f"{where}: missing {exc.args[0]!r}") from None
+    except ValidationError as exc:
+        raise KestrelError(f"{where}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise KestrelError(f"{where}: bad value ({exc})") from None
+
+
+def read_hf_config(model_dir: Path) -> ModelConfig:
+    gen_path = model_dir / "generation_config.json"
+    generation = read_json(check_regular_file(gen_path, model_dir)) if gen_path.is_file() else None
+    config_path = check_regular_file(model_dir / "config.json", model_dir)
+    return config_from_hf(read_json(config_path), generation, str(config_path))
+
+
+# sentence-transformers' Pooling modes kestrel pools by (config key -> kestrel's name)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise KestrelError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KestrelError(f"{path}: cannot read it ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise KestrelError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise KestrelError(f"{path}: expected a JSON object")
+    return data
