@@ -27,6 +27,13 @@ class Proj(IntEnum):
     EMBED = 8
     QKV = 9  # fused Q|K|V
     GATE_UP = 10  # fused gate|up
+    ATTN_GATE = 11  # gated attention (Qwen3.5): sigmoid(x . W) scales the attention's output
+    QKV_GATE = 12  # fused Q|K|V|ATTN_GATE
+    LIN_QKV = 13  # a linear-attention layer's q|k|v, before its convolution
+    LIN_Z = 14  # its output gate
+    LIN_BETA = 15  # its delta rule's step size, per value head
+    LIN_ALPHA = 16  # its decay's input, per value head
+    LIN_IN = 17  # fused LIN_QKV|LIN_Z|LIN_BETA|LIN_ALPHA (its output projection is O)
 
 
 MAX_EXPERT = 0xFFFE
@@ -105,7 +112,8 @@ class ProjGroup:
 
 
 # A layer's projections in execution order, grouped by input: Q|K|V (the attention input), O, gate|up (the
-# MLP input), down. Every fused offer (kestrel_gemm_fused_q8, a device's fused weights) follows these groups.
+# MLP input), down. Every fused offer (kestrel_gemm_fused_q8, a device's fused weights) follows these groups, or a
+# hybrid layer's token mixer's below (weights.LayerWeights.proj_groups says which a layer has).
 PROJ_GROUPS = (
     ProjGroup((Proj.Q, Proj.K, Proj.V), Proj.QKV),
     ProjGroup((Proj.O,)),
@@ -114,3 +122,7 @@ PROJ_GROUPS = (
 )
 ATTENTION_GROUPS = PROJ_GROUPS[:2]
 MLP_GROUPS = PROJ_GROUPS[2:]  # a dense layer's MLP, or each expert's (under the expert's wkeys)
+# the token mixer of a gated attention layer (Qwen3.5): its output gate reads the attention's input
+GATED_ATTENTION_GROUPS = (ProjGroup((Proj.Q, Proj.K, Proj.V, Proj.ATTN_GATE), Proj.QKV_GATE), PROJ_GROUPS[1])
+# the token mixer of a linear-attention layer (Gated DeltaNet): its four input projections, then O
+LINEAR_GROUPS = (ProjGroup((Proj.LIN_QKV, Proj.LIN_Z, Proj.LIN_BETA, Proj.LIN_ALPHA), Proj.LIN_IN), PROJ_GROUPS[1])

@@ -70,6 +70,7 @@ import math
 import platform
 import shutil
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,8 @@ from transformers import (
     Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
     SeedOssConfig,
@@ -136,6 +139,8 @@ STD_ROUTER = 0.5
 SCALE_MANTISSAS = np.array([1.0, 1.25, 1.5, 1.75])
 CODE_STD = float(np.sqrt(np.mean(np.arange(-8, 8) ** 2)))
 FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]  # E2M1 by code
+KEY_FROM_QUERY = 0.75  # the share of a linear-attention key's weights taken from its query's (_keys_near_queries)
+LINEAR_CONV_STD = 0.6  # a linear-attention layer's convolution taps: its q, k and v mix a token with the 3 before
 GPT_OSS_MLP_NORM = 8.0  # gpt-oss's MLP input norm: gate and up then reach its SwiGLU's clamp of 7
 # longrope's per-pair divisors of the inverse frequencies (6 pairs turned), short and long context
 LONGROPE_SHORT = [1.0, 1.05, 1.2, 1.5, 2.0, 2.5]
@@ -297,6 +302,16 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     # ERNIE 4.5: Llama's layers with RoPE in interleaved pairs, tied as the 0.3B
     ernie = Ernie4_5Config(**common, num_hidden_layers=2, intermediate_size=128, head_dim=16, tie_word_embeddings=True,
                            rope_theta=10000.0, use_bias=False, pad_token_id=None)
+    # Qwen3.5: three Gated DeltaNet layers to one gated attention layer, 2 key heads to 4 value heads (llama.cpp's
+    # converter reorders the value heads), RoPE on a quarter of each head, every RMSNorm but the gated one 1 + w;
+    # saved as the hub's multimodal checkpoints nest it (``nest``)
+    linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=32,
+                  linear_conv_kernel_dim=4, head_dim=32, num_hidden_layers=4,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    qwen3_5 = Qwen3_5TextConfig(**common, **linear, intermediate_size=128, tie_word_embeddings=False)
+    # Qwen3.5-MoE: the same layers with 4 experts (top 2, renormalised) and a gated shared expert, tied embeddings
+    qwen3_5_moe = Qwen3_5MoeTextConfig(**common, **linear, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                       num_experts=4, num_experts_per_tok=2, tie_word_embeddings=True)
     mixtral = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
                             num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None)
     return {
@@ -320,6 +335,8 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-seed-oss": (seed_oss, _saved(torch.bfloat16)),
         "tiny-glm4": (glm4, _saved(torch.bfloat16)),
         "tiny-ernie4_5": (ernie, _saved(torch.bfloat16)),
+        "tiny-qwen3_5": (qwen3_5, _saved(torch.bfloat16, classic=False, nest=True)),
+        "tiny-qwen3_5-moe": (qwen3_5_moe, _saved(torch.bfloat16, classic=False)),
     }
 
 
@@ -346,7 +363,8 @@ def mxfp4_grid(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> 
 def init_weights(model: torch.nn.Module, seed: int) -> None:
     rng = np.random.default_rng(seed)
     tied = model.config.tie_word_embeddings
-    norm_shift = 1.0 if model.config.model_type.startswith("gemma") else 0.0  # Gemma's norms multiply by 1 + w
+    # Gemma's and Qwen3.5's norms multiply by 1 + w (Qwen3.5's gated linear_attn.norm by w)
+    norm_shift = 1.0 if model.config.model_type.startswith(("gemma", "qwen3_5")) else 0.0
     gpt_oss = model.config.model_type == "gpt_oss"
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -357,6 +375,18 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                 val = GPT_OSS_MLP_NORM + NORM_JITTER * rng.standard_normal(shape)
             elif name.endswith(("self_attn.sinks", "_proj_bias")):
                 val = STD_BIAS * rng.standard_normal(shape) * (3.0 if name.endswith("sinks") else 1.0)
+            elif name.endswith("linear_attn.A_log"):  # A from 0.02 to 4: decays exp(-A softplus(.)) near 1 to near 0
+                val = rng.uniform(np.log(0.02), np.log(4.0), size=shape)
+            elif name.endswith("linear_attn.dt_bias"):
+                val = rng.uniform(-1.0, 1.0, size=shape)
+            elif name.endswith("linear_attn.conv1d.weight"):  # [C, 1, kernel]
+                val = LINEAR_CONV_STD * rng.standard_normal(shape)
+            elif name.endswith("linear_attn.norm.weight"):
+                val = 1.0 + NORM_JITTER * rng.standard_normal(shape)
+            elif name.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight",
+                                "linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight",
+                                "linear_attn.out_proj.weight")):
+                val = q4_grid(rng, shape, STD_PROJ)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 val = QK_NORM_MEAN - norm_shift + NORM_JITTER * rng.standard_normal(shape)
             elif name.endswith("norm.weight"):
@@ -378,6 +408,24 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
             else:
                 raise SystemExit(f"no init rule for {name}")
             p.copy_(torch.from_numpy(np.asarray(val, dtype=np.float32)))
+        for layer in getattr(getattr(model, "model", None), "layers", []):
+            if hasattr(layer, "linear_attn"):
+                _keys_near_queries(layer.linear_attn, rng)
+
+
+def _keys_near_queries(attn: Any, rng: np.random.Generator) -> None:
+    """Give a linear-attention layer's keys most of their queries' weights (whole 32-blocks of in_proj_qkv rows,
+    and convolution taps), as a trained model's are far from orthogonal. Random q and k are nearly orthogonal, and
+    the gated RMSNorm after the delta rule then scales each head's output up by 1 / (q . k): the logits would hang
+    on the rounding of every input, whoever computes them."""
+    kd = attn.num_k_heads * attn.head_k_dim
+    w = attn.in_proj_qkv.weight  # [C, D]
+    blocks = torch.from_numpy(rng.random((kd, w.shape[1] // 32)) < KEY_FROM_QUERY)
+    take = blocks.repeat_interleave(32, dim=1)
+    w[kd:2 * kd] = torch.where(take, w[:kd], w[kd:2 * kd])
+    conv = attn.conv1d.weight  # [C, 1, kernel]
+    taps = torch.from_numpy(rng.random(kd) < KEY_FROM_QUERY)[:, None, None]
+    conv[kd:2 * kd] = torch.where(taps, conv[:kd], conv[kd:2 * kd])
 
 
 def classic_config(d: Path) -> None:
@@ -428,8 +476,32 @@ def build_tiny(name: str, config: Any, opts: dict[str, Any], tok: Tokenizer, see
     if opts.get("short"):  # the first positions alone: a sequence within a longrope model's pretraining context
         extra = {"short_ids": ids[:opts["short"]], "short_logits": hf_logits(d, ids[:opts["short"]])}
     np.savez(d / "golden.npz", ids=ids, logits=logits.astype(np.float32), **extra)
+    if opts.get("nest"):
+        nest_multimodal(d)
     return {"dir": name, "dtype": str(opts["dtype"]).removeprefix("torch."), "seed": seed,
             "files": sorted(p.name for p in d.iterdir()), **logit_stats(logits)}
+
+
+def nest_multimodal(d: Path) -> None:
+    """Rewrite a saved Qwen3.5 text model as the hub's Qwen3_5ForConditionalGeneration checkpoints hold it: the
+    settings under text_config (tie_word_embeddings outside), the language model's tensors under
+    model.language_model., and a vision tower's and an MTP head's tensors beside them (which a text-only reader
+    skips)."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((d / "config.json").read_text())
+    text = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version", "tie_word_embeddings")}
+    hub = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
+           "vision_config": {"model_type": "qwen3_5", "depth": 1, "hidden_size": 32},
+           "tie_word_embeddings": cfg["tie_word_embeddings"], "transformers_version": cfg["transformers_version"]}
+    (d / "config.json").write_text(json.dumps(hub, indent=2, sort_keys=True) + "\n")
+    tensors = load_file(d / "model.safetensors")
+    nested = {(k if k.startswith("lm_head.") else k.replace("model.", "model.language_model.", 1)): v
+              for k, v in tensors.items()}
+    dtype = next(iter(tensors.values())).dtype
+    nested["model.visual.patch_embed.proj.weight"] = torch.zeros(32, 3, 2, 16, 16, dtype=dtype)
+    nested["mtp.fc.weight"] = torch.zeros(64, 128, dtype=dtype)
+    save_file(nested, d / "model.safetensors", metadata={"format": "pt"})
 
 
 def logit_stats(logits: np.ndarray) -> dict[str, Any]:
@@ -958,6 +1030,89 @@ def write_mixtral_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     return _write_moe_gguf(src, dst, tok, "llama", True, ("w1", "w3", "w2"), "block_sparse_moe")
 
 
+def _tiled_value_heads(t: np.ndarray, axis: int, key_heads: int, per_key: int, head_dim: int) -> np.ndarray:
+    """llama.cpp's _LinearAttentionVReorderBase._reorder_v_heads: value heads grouped by key head (HF) -> tiled."""
+    t = np.moveaxis(t, axis, 0)
+    rest = t.shape[1:]
+    t = t.reshape(key_heads, per_key, head_dim, *rest).swapaxes(0, 1).reshape(-1, *rest)
+    return np.ascontiguousarray(np.moveaxis(t, 0, axis))
+
+
+def write_qwen3_5_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-qwen3_5 / tiny-qwen3_5-moe as llama.cpp's Qwen3_5TextModel / Qwen3_5MoeTextModel write them: every norm
+    but linear_attn.norm + 1, A_log as -exp(A_log) (ssm_a), dt_bias as ssm_dt.bias, the convolution squeezed, the
+    value heads of every linear-attention tensor reordered from grouped to tiled, q_proj whole (each head's query,
+    then its gate); experts stacked, the shared expert as *_shexp. Q4_0 even layers, F16 odd ones."""
+    cfg = json.loads((src / "config.json").read_text())
+    cfg = {**cfg.get("text_config", {}), **{k: v for k, v in cfg.items() if k != "text_config"}}
+    moe = "num_experts" in cfg
+    rope = cfg["rope_parameters"]
+    flat = {**cfg, "rope_theta": rope["rope_theta"], "partial_rotary_factor": rope["partial_rotary_factor"],
+            "intermediate_size": cfg.get("intermediate_size") or cfg["moe_intermediate_size"]}
+    tensors = {(k.replace("model.language_model.", "model.", 1)): v
+               for k, v in _float32_tensors(src / "model.safetensors").items()}
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    w = _gguf_writer(dst, "qwen35moe" if moe else "qwen35", src.name, flat, tok)
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(dk)
+    w.add_ssm_group_count(hk)
+    w.add_ssm_time_step_rank(hv)
+    w.add_ssm_inner_size(dv * hv)
+    w.add_full_attention_interval(cfg["layer_types"].index("full_attention") + 1)
+    w.add_rope_dimension_sections([11, 11, 10, 0])
+    if moe:
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    put = _gguf_put(w)
+    tiled = partial(_tiled_value_heads, key_heads=hk, per_key=hv // hk)
+    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
+    for i, kind_of_layer in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}."
+        kind = "q4_0" if i % 2 == 0 else "f16"
+        put(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"] + 1, "f32")
+        put(f"blk.{i}.post_attention_norm.weight", tensors[p + "post_attention_layernorm.weight"] + 1, "f32")
+        if kind_of_layer == "linear_attention":
+            a = p + "linear_attn."
+            qkv = tensors[a + "in_proj_qkv.weight"]
+            qkv = np.concatenate([qkv[:2 * hk * dk], tiled(qkv[2 * hk * dk:], 0, head_dim=dv)])
+            conv = tensors[a + "conv1d.weight"][:, 0]  # [C, kernel]
+            conv = np.concatenate([conv[:2 * hk * dk], tiled(conv[2 * hk * dk:], 0, head_dim=dv)])
+            put(f"blk.{i}.attn_qkv.weight", qkv, kind)
+            put(f"blk.{i}.attn_gate.weight", tiled(tensors[a + "in_proj_z.weight"], 0, head_dim=dv), kind)
+            put(f"blk.{i}.ssm_beta.weight", tiled(tensors[a + "in_proj_b.weight"], 0, head_dim=1), kind)
+            put(f"blk.{i}.ssm_alpha.weight", tiled(tensors[a + "in_proj_a.weight"], 0, head_dim=1), kind)
+            put(f"blk.{i}.ssm_a", tiled(-np.exp(tensors[a + "A_log"]), 0, head_dim=1), "f32")
+            put(f"blk.{i}.ssm_dt.bias", tiled(tensors[a + "dt_bias"], 0, head_dim=1), "f32")
+            put(f"blk.{i}.ssm_conv1d.weight", conv, "f32")
+            put(f"blk.{i}.ssm_norm.weight", tensors[a + "norm.weight"], "f32")
+            put(f"blk.{i}.ssm_out.weight", tiled(tensors[a + "out_proj.weight"], 1, head_dim=dv), kind)
+        else:
+            for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+                put(f"blk.{i}.{name}.weight", tensors[p + f"self_attn.{proj}_proj.weight"], kind)
+            for norm in ("q_norm", "k_norm"):
+                put(f"blk.{i}.attn_{norm}.weight", tensors[p + f"self_attn.{norm}.weight"] + 1, "f32")
+        if moe:
+            put(f"blk.{i}.ffn_gate_inp.weight", tensors[p + "mlp.gate.weight"], "f32")
+            names = ("gate_proj", "up_proj", "down_proj")
+            for name, stacked in _stack_experts(tensors, p + "mlp.experts.", names, cfg["num_experts"]).items():
+                put(f"blk.{i}.ffn_{name}_exps.weight", stacked, kind)
+            put(f"blk.{i}.ffn_gate_inp_shexp.weight", tensors[p + "mlp.shared_expert_gate.weight"][0], "f32")
+            for name in ("gate", "up", "down"):
+                put(f"blk.{i}.ffn_{name}_shexp.weight", tensors[p + f"mlp.shared_expert.{name}_proj.weight"], kind)
+        else:
+            for name in ("gate", "up", "down"):
+                put(f"blk.{i}.ffn_{name}.weight", tensors[p + f"mlp.{name}_proj.weight"], kind)
+    put("output_norm.weight", tensors["model.norm.weight"] + 1, "f32")
+    if not cfg["tie_word_embeddings"]:
+        put("output.weight", tensors["lm_head.weight"], "q8_0")
+    return _gguf_finish(w, src, dst)
+
+
 # ------------------------------------------------------------------------------------------------- SmolLM2
 
 SMOLLM_MESSAGES = [
@@ -1007,7 +1162,8 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-qwen3-yarn": write_qwen3_gguf, "tiny-gpt-oss": write_gpt_oss_gguf,
               "tiny-smollm3": write_smollm3_gguf, "tiny-granite": write_granite_gguf, "tiny-olmo2": write_olmo2_gguf,
               "tiny-exaone4": write_exaone4_gguf, "tiny-seed-oss": write_seed_oss_gguf, "tiny-glm4": write_glm4_gguf,
-              "tiny-ernie4_5": write_ernie4_5_gguf}
+              "tiny-ernie4_5": write_ernie4_5_gguf, "tiny-qwen3_5": write_qwen3_5_gguf,
+              "tiny-qwen3_5-moe": write_qwen3_5_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
 DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
 # LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is

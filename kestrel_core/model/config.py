@@ -1,5 +1,6 @@
 """Decoder configuration: one dataclass for Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, OLMo 2, EXAONE 4,
-Seed-OSS, GLM-4, ERNIE 4.5, Gemma 2 and 3 and the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss)."""
+Seed-OSS, GLM-4, ERNIE 4.5, Gemma 2 and 3, the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss) and the
+hybrids of linear and full attention (Qwen3.5, dense and MoE)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.validate import ValidationError, check_bool, check_float, check_int, is_int
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
-                 "mixtral", "gpt_oss", "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5")
+                 "mixtral", "gpt_oss", "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5",
+                 "qwen3_5", "qwen3_5_moe")
 POOLINGS = ("last", "mean", "cls")  # how an embedding pools the final hidden states: last, mean or first token
 # of the gate: SwiGLU, GeGLU with the tanh GELU (Gemma), or gpt-oss's clamped SwiGLU: gate g clamped to at most
 # swiglu_limit, up u to +-swiglu_limit, then (u + 1) * g * sigmoid(swiglu_alpha * g)
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
-LAYER_TYPES = ("full", "sliding")
+# a layer's token mixer: attention over every earlier position, over a sliding window, or linear attention (Gated
+# DeltaNet: a recurrent state per sequence instead of keys and values)
+LAYER_TYPES = ("full", "sliding", "linear")
 MAX_EXPERTS = 1 << 12
 # Upper bounds far above any real model, so a config cannot ask for absurd allocations (2^40 layers...)
 MAX_DIM = 1 << 20  # hidden, intermediate, head_dim
@@ -55,7 +59,8 @@ class ModelConfig:
     o_bias: bool = False  # gpt-oss: the attention's output projection has a bias
     attn_sinks: bool = False  # gpt-oss: each head's softmax has one more logit, a learned sink that takes no value
     sliding_window: int | None = None  # a windowed position attends to the last sliding_window (itself too)
-    # per layer "full" or "sliding" (Gemma 3); empty: every layer is windowed when sliding_window is set
+    # per layer "full", "sliding" (Gemma 3) or "linear" (Qwen3.5); empty: every layer is windowed when
+    # sliding_window is set
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None  # Gemma 3: the RoPE base of sliding layers (unscaled); None: rope_theta
     nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers whose attention has no RoPE at all
@@ -75,6 +80,15 @@ class ModelConfig:
     swiglu_limit: float = 7.0  # activation swiglu_oai's clamp
     swiglu_alpha: float = 1.702  # activation swiglu_oai's sigmoid slope
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an expert every token runs, gated by a sigmoid; 0: none
+    attn_output_gate: bool = False  # Qwen3.5: the attention's output times sigmoid(x . W_gate) before o
+    # the "linear" layers' Gated DeltaNet (Qwen3.5): query/key heads and their dims, value heads (a multiple of the
+    # key heads; value head h reads key head h // (value heads / key heads)) and their dims, and the width of the
+    # causal depthwise convolution over q|k|v; 0 without linear layers
+    linear_key_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_heads: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     pooling: str | None = None  # an embedding model's pooling (one of POOLINGS): it gives vectors, not text
@@ -93,6 +107,25 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether ``layer`` mixes tokens by linear attention (a recurrent state), not by attention over a KV cache."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear"
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_linear(i))
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with a KV cache."""
+        return tuple(i for i in range(self.num_layers) if not self.is_linear(i))
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """The channels of a linear layer's convolution: its q, k and v, [2 * key heads * key dim + value heads *
+        value dim]."""
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of ``layer``'s attention; None: it attends to every earlier position."""
@@ -173,6 +206,7 @@ def validate_config(c: ModelConfig) -> None:
         raise ValidationError(f"layer_types names {len(c.layer_types)} layers; the model has {c.num_layers}")
     if "sliding" in c.layer_types and c.sliding_window is None:
         raise ValidationError("layer_types has sliding layers but sliding_window is not set")
+    _check_linear(c)
     if c.rope_local_theta is not None:
         check_float("rope_local_theta", c.rope_local_theta, 0.0, lo_open=True)
     if not isinstance(c.nope_layers, tuple) or not all(is_int(i) and 0 <= i < c.num_layers for i in c.nope_layers):
@@ -206,7 +240,7 @@ def validate_config(c: ModelConfig) -> None:
     if not c.pre_norms and not c.post_norms:
         raise ValidationError("a model without pre_norms needs post_norms")
     for name in ("tie_word_embeddings", "rope_interleaved", "qkv_bias", "qk_norm", "qk_norm_full", "pre_norms",
-                 "o_bias", "attn_sinks",
+                 "o_bias", "attn_sinks", "attn_output_gate",
                  "post_norms", "norm_topk_prob", "moe_bias", "normalize_embeddings"):
         check_bool(name, getattr(c, name))
     if c.bos_token_id is not None:
@@ -215,6 +249,23 @@ def validate_config(c: ModelConfig) -> None:
         raise ValidationError(f"eos_token_ids must be token ids >= 0, got {c.eos_token_ids!r}")
     if c.sampling is not None:
         check_sampling(c.sampling)
+
+
+LINEAR_FIELDS = ("linear_key_heads", "linear_key_dim", "linear_value_heads", "linear_value_dim", "linear_conv_kernel")
+
+
+def _check_linear(c: ModelConfig) -> None:
+    """The Gated DeltaNet fields: set (value heads a multiple of key heads) exactly when a layer is "linear"."""
+    if "linear" not in c.layer_types:
+        for name in LINEAR_FIELDS:
+            if getattr(c, name) != 0:
+                raise ValidationError(f"{name} needs linear layers (layer_types)")
+        return
+    for name in LINEAR_FIELDS:
+        check_int(name, getattr(c, name), 1, MAX_HEADS if name.endswith("heads") else MAX_DIM)
+    if c.linear_value_heads % c.linear_key_heads:
+        raise ValidationError(f"linear_value_heads ({c.linear_value_heads}) must be a multiple of linear_key_heads "
+                              f"({c.linear_key_heads})")
 
 
 def recommended_sampling(values: dict[str, Any]) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ the rest of the batch (see ``kernels``). The host keeps the keys and values in a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -23,7 +24,7 @@ from kestrel_core.model.kv_pool import KVPool, SeqCache, bytes_per_position
 from kestrel_core.model.rope import rope_tables
 from kestrel_core.model.weights import PREFILL_CHUNK as PREFILL_CHUNK
 from kestrel_core.model.weights import ExpertWeights, LayerWeights, Model
-from kestrel_core.wkey import MLP_GROUPS, PROJ_GROUPS, lm_head_wkey
+from kestrel_core.wkey import MLP_GROUPS, lm_head_wkey
 
 CACHE_CHUNK = 256  # RoPE tables grow by this many positions at a time
 # What the projections' inputs are: int8 per block (Q8_0, gemm_q8), float32 (gemm_f32), or "mixed": float32
@@ -66,6 +67,20 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return out.reshape(x.shape)
 
 
+@dataclass
+class _Rows:
+    """Where a step's rows [M] sit, as every layer's token mixer reads it."""
+
+    precise: np.ndarray  # [M] bool: float32 activations (else int8 per block)
+    row_seq: np.ndarray  # [M] each row's sequence in the batch
+    tables: np.ndarray  # [S, max blocks] each sequence's KV blocks
+    slots: np.ndarray  # [M] each row's KV pool slot (block * BLOCK_SIZE + offset)
+    lengths: np.ndarray  # [M] keys each row sees (its position + 1)
+    firsts: dict[int | None, np.ndarray]  # window -> [M] each row's first key
+    tables_at: list[tuple[np.ndarray, ...]]  # per distinct RoPE: cos, sin, q_cos, q_sin [M, hd]
+    state_slots: np.ndarray | None  # [M] each row's recurrent-state slot (linear-attention layers)
+
+
 class Decoder:
     """Runs batches of tokens through the model on the host, appending to their ``SeqCache``s."""
 
@@ -100,8 +115,9 @@ class Decoder:
         no_sinks = np.full(c.num_heads, -np.inf, np.float32)
         self.sinks = [no_sinks if lw.sinks is None else np.ascontiguousarray(lw.sinks, np.float32)
                       for lw in model.layers]
-        # per layer, per PROJ_GROUPS entry: (each member's wkey, the fused weight's or NO_CACHE)
-        self.keys = [[(g.keys(i), g.fused_key(i)) for g in PROJ_GROUPS] for i in range(c.num_layers)]
+        # per layer, per projection group (LayerWeights.proj_groups): (each member's wkey, the fused weight's or
+        # NO_CACHE)
+        self.keys = [[(g.keys(i), g.fused_key(i)) for g, _ in lw.proj_groups()] for i, lw in enumerate(model.layers)]
         # per layer, per expert, per MLP_GROUPS entry: the same for each expert's weights
         experts = c.num_experts + (1 if c.shared_expert_intermediate_size else 0)  # the shared one is expert E
         self.expert_keys = [[[(g.keys(i, e), g.fused_key(i, e)) for g in MLP_GROUPS] for e in range(experts)]
@@ -207,8 +223,7 @@ class Decoder:
     def _layers(self, seqs: list[SeqCache], tokens: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """All layers over the batch's rows: the final hidden state [M, D] (M = all new tokens) and which rows
         ran with float32 activations [M]."""
-        c, off, pool = self.config, self.offload, self.pool
-        hd, n_heads, n_kv = c.head_dim, c.num_heads, c.num_kv_heads
+        c, pool = self.config, self.pool
         bs = pool.block_size
         positions = np.concatenate([np.arange(s.length, s.length + len(t)) for s, t in zip(seqs, tokens)])
         m = len(positions)
@@ -216,7 +231,6 @@ class Decoder:
         tables = np.zeros((len(seqs), max(len(s.blocks) for s in seqs)), np.int64)  # [S, max blocks]
         for i, s in enumerate(seqs):
             tables[i, :len(s.blocks)] = s.blocks
-        slots = tables[row_seq, positions // bs] * bs + positions % bs  # [M] pool slot of each row
         lengths = positions + 1  # [M] keys each row sees (its own position included)
         firsts = {}  # window -> [M] each row's first key
         for w in {c.window_of(i) for i in range(c.num_layers)}:
@@ -224,46 +238,78 @@ class Decoder:
         tables_at = []  # per distinct RoPE: cos, sin, q_cos, q_sin [M, hd] (the [2, hd/2] halves in a row)
         for rope in self.ropes:
             rope.upto(int(positions.max()) + 1)
-            tables_at.append(tuple(t[positions].reshape(m, hd) for t in (rope.cos, rope.sin, rope.q_cos, rope.q_sin)))
+            tables_at.append(tuple(t[positions].reshape(m, c.head_dim)
+                                   for t in (rope.cos, rope.sin, rope.q_cos, rope.q_sin)))
         if self.activations == "mixed":
             prompt_len = np.repeat(np.array([s.prompt_len for s in seqs], np.int64), [len(t) for t in tokens])
             precise = positions < prompt_len  # [M]
         else:
             precise = np.full(m, self.activations == "f32")
+        rows = _Rows(precise, row_seq, tables, slots=tables[row_seq, positions // bs] * bs + positions % bs,
+                     lengths=lengths, firsts=firsts, tables_at=tables_at,
+                     state_slots=(np.array([pool.state_slot(s) for s in seqs], np.int64)[row_seq]
+                                  if pool.states is not None else None))
         h = self.model.embedding.dequantize(np.concatenate(tokens))  # [M, D]
         if c.embed_scale != 1.0:
             h *= np.float32(c.embed_scale)
-        attn = np.empty((m, n_heads * hd), np.float32)  # [M, H*hd]
         for i, lw in enumerate(self.model.layers):
-            off.layer_boundary(i)
-            (qkv_w, o_w), (qkv_keys, o_keys) = lw.groups()[:2], self.keys[i][:2]
-            cos, sin, q_cos, q_sin = tables_at[self.layer_rope[i]]
+            self.offload.layer_boundary(i)
             x = h.copy() if lw.attn_norm is None else rmsnorm(h, lw.attn_norm, self.eps)  # [M, D]
-            q, k, v = self._linear(x, precise, qkv_w, *qkv_keys)
-            if lw.q_bias is not None:
-                q = q + lw.q_bias
-                k = k + lw.k_bias
-                v = v + lw.v_bias
-            if c.qk_norm_full:  # OLMo 2: over each row's whole projection
-                q, k = rmsnorm(q, lw.q_norm, self.eps), rmsnorm(k, lw.k_norm, self.eps)
-            q = q.reshape(m, n_heads, hd)  # [M, H, hd]
-            k = k.reshape(m, n_kv, hd)
-            v = np.ascontiguousarray(v).reshape(m, n_kv, hd)
-            if lw.q_norm is not None and not c.qk_norm_full:
-                q = rmsnorm(q, lw.q_norm, self.eps)
-                k = rmsnorm(k, lw.k_norm, self.eps)
-            kernels.rope_write(np.ascontiguousarray(k), v, pool.kt[i], pool.v[i], slots, cos, sin)
-            kernels.attend(np.ascontiguousarray(q), pool.kt[i], pool.v[i], tables, row_seq, firsts[c.window_of(i)],
-                           lengths, q_cos, q_sin, self.attn_softcap, self.sinks[i], attn)
-            out = self._linear(attn, precise, o_w, *o_keys)[0]  # [M, D]
-            if lw.o_bias is not None:
-                out += lw.o_bias
-            h += self._residual(out, lw.post_attn_norm)
+            mix = self._linear_attention if lw.is_linear else self._attention
+            h += self._residual(mix(i, lw, x, rows), lw.post_attn_norm)
             x = h.copy() if lw.mlp_norm is None else rmsnorm(h, lw.mlp_norm, self.eps)
             out = self._moe(i, lw, x, precise) if lw.experts else self._mlp(x, precise, lw.groups()[2:],
                                                                              self.keys[i][2:])
             h += self._residual(out, lw.post_mlp_norm)
         return h, precise
+
+    def _attention(self, i: int, lw: LayerWeights, x: np.ndarray, rows: _Rows) -> np.ndarray:
+        """Layer ``i``'s attention on x [M, D]: its keys and values written to the pool, [M, D] out."""
+        c, pool, m = self.config, self.pool, len(x)
+        hd, n_heads, n_kv = c.head_dim, c.num_heads, c.num_kv_heads
+        (qkv_w, o_w), (qkv_keys, o_keys) = lw.groups()[:2], self.keys[i][:2]
+        cos, sin, q_cos, q_sin = rows.tables_at[self.layer_rope[i]]
+        q, k, v, *gate = self._linear(x, rows.precise, qkv_w, *qkv_keys)
+        if lw.q_bias is not None:
+            q = q + lw.q_bias
+            k = k + lw.k_bias
+            v = v + lw.v_bias
+        if c.qk_norm_full:  # OLMo 2: over each row's whole projection
+            q, k = rmsnorm(q, lw.q_norm, self.eps), rmsnorm(k, lw.k_norm, self.eps)
+        q = q.reshape(m, n_heads, hd)  # [M, H, hd]
+        k = k.reshape(m, n_kv, hd)
+        v = np.ascontiguousarray(v).reshape(m, n_kv, hd)
+        if lw.q_norm is not None and not c.qk_norm_full:
+            q = rmsnorm(q, lw.q_norm, self.eps)
+            k = rmsnorm(k, lw.k_norm, self.eps)
+        kv = pool.kv_index[i]
+        attn = np.empty((m, n_heads * hd), np.float32)  # [M, H*hd]
+        kernels.rope_write(np.ascontiguousarray(k), v, pool.kt[kv], pool.v[kv], rows.slots, cos, sin)
+        kernels.attend(np.ascontiguousarray(q), pool.kt[kv], pool.v[kv], rows.tables, rows.row_seq,
+                       rows.firsts[c.window_of(i)], rows.lengths, q_cos, q_sin, self.attn_softcap, self.sinks[i], attn)
+        if gate:  # Qwen3.5's gated attention
+            attn *= _sigmoid(gate[0])
+        out = self._linear(attn, rows.precise, o_w, *o_keys)[0]  # [M, D]
+        if lw.o_bias is not None:
+            out += lw.o_bias
+        return out
+
+    def _linear_attention(self, i: int, lw: LayerWeights, x: np.ndarray, rows: _Rows) -> np.ndarray:
+        """Layer ``i``'s Gated DeltaNet on x [M, D] (``kernels.gated_delta``, each sequence's recurrent state
+        updated in place), its output normed per value head and gated by silu(z), projected: [M, D]."""
+        c, states = self.config, self.pool.states
+        assert states is not None
+        (in_w, o_w), (in_keys, o_keys) = lw.groups()[:2], self.keys[i][:2]
+        qkv, z, beta, alpha = self._linear(x, rows.precise, in_w, *in_keys)  # [M, C], [M, Hv*dv], [M, Hv] x2
+        m, dv = len(x), c.linear_value_dim
+        core = np.empty((m, c.linear_value_heads * dv), np.float32)  # [M, Hv*dv]
+        j = states.layer_index[i]
+        kernels.gated_delta(np.ascontiguousarray(qkv), np.ascontiguousarray(beta), np.ascontiguousarray(alpha),
+                            lw.lin_conv, lw.lin_decay, lw.lin_dt_bias, states.conv[j], states.ssm[j], rows.state_slots,
+                            c.linear_key_heads, c.linear_key_dim, dv, core)
+        core = rmsnorm(core.reshape(-1, dv), lw.lin_norm, self.eps).reshape(m, -1)
+        core *= np.ascontiguousarray(z) * _sigmoid(z)
+        return self._linear(core, rows.precise, o_w, *o_keys)[0]
 
     def _residual(self, out: np.ndarray, post_norm: np.ndarray | None) -> np.ndarray:
         """What a block adds to the residual stream: its output, normed after (Gemma) or scaled (Granite)."""
@@ -331,6 +377,14 @@ def shared_expert_scale(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
     g = np.empty((len(x), 1), np.float32)
     kernels.rows_dot(np.ascontiguousarray(x), gate, g)
     return np.float32(1) / (np.float32(1) + np.exp(-g))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    """1 / (1 + exp(-x)), element-wise float32 (exp overflows to inf for very negative x: the limit, 0)."""
+    t = np.negative(x, dtype=np.float32)
+    np.exp(t, out=t)
+    t += np.float32(1)
+    return np.reciprocal(t, out=t)
 
 
 def _silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:

@@ -20,14 +20,22 @@ from safetensors import SafetensorError, safe_open
 
 from kestrel_core.contract import BFloat16Bits
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.hf_config import GEMMA_ARCHITECTURES, POST_NORMED, read_hf_config, read_json
-from kestrel_core.model.quantize import fused_rows, layer_name, map_tensor_name
+from kestrel_core.model.hf_config import (
+    GEMMA_ARCHITECTURES,
+    HYBRID_ARCHITECTURES,
+    POST_NORMED,
+    read_hf_config,
+    read_json,
+)
+from kestrel_core.model.quantize import fused_rows, head_rows, layer_name, map_tensor_name
 from kestrel_core.model.validate import (
     check_regular_file,
 )
 from kestrel_core.model.weights import expert_field
 
 GEMMA_NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "final_norm")
+# the architectures whose RMSNorms multiply by 1 + weight (GEMMA_NORMS; Qwen3.5's gated lin_norm is a plain factor)
+ONE_PLUS_NORMS = (*GEMMA_ARCHITECTURES, *HYBRID_ARCHITECTURES)
 
 _LAYER_MAP = {
     "input_layernorm.weight": "attn_norm",
@@ -45,6 +53,12 @@ _LAYER_MAP = {
     "mlp.up_proj.weight": "up",
     "mlp.down_proj.weight": "down",
 }
+# Qwen3.5's linear-attention layers (Gated DeltaNet); q_proj holds each head's query and gate rows in turn
+_LINEAR_ATTN_MAP = {**_LAYER_MAP, "linear_attn.in_proj_qkv.weight": "lin_qkv", "linear_attn.in_proj_z.weight": "lin_z",
+                    "linear_attn.in_proj_b.weight": "lin_beta", "linear_attn.in_proj_a.weight": "lin_alpha",
+                    "linear_attn.out_proj.weight": "o", "linear_attn.conv1d.weight": "lin_conv",
+                    "linear_attn.A_log": "lin_decay", "linear_attn.dt_bias": "lin_dt_bias",
+                    "linear_attn.norm.weight": "lin_norm"}
 # Gemma 2 and 3 name their four norms by position around the attention and the MLP
 _GEMMA_LAYER_MAP = {**_LAYER_MAP, "post_attention_layernorm.weight": "post_attn_norm",
                      "pre_feedforward_layernorm.weight": "mlp_norm",
@@ -69,8 +83,8 @@ _SHARED_MAP = {"mlp.shared_expert.gate_proj.weight": "shared_expert.gate",
                "mlp.shared_expert.up_proj.weight": "shared_expert.up",
                "mlp.shared_expert.down_proj.weight": "shared_expert.down",
                "mlp.shared_expert_gate.weight": "shared_expert_gate"}
-# the language model inside a multimodal checkpoint (Gemma3ForConditionalGeneration), as transformers 4 and 5
-# name it
+# the language model inside a multimodal checkpoint (Gemma3ForConditionalGeneration,
+# Qwen3_5ForConditionalGeneration), as transformers 4 and 5 name it
 _LM_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                 ("language_model.lm_head.", "lm_head."),
                 # a decoder saved without its head (embedding checkpoints): no ``model.`` prefix
@@ -85,13 +99,18 @@ FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0,
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 
 
+def _plain_name(hf_name: str) -> str:
+    """A tensor's name as a causal LM without a vision tower names it (``_LM_PREFIXES``)."""
+    for prefix, plain in _LM_PREFIXES:
+        if hf_name.startswith(prefix):
+            return plain + hf_name[len(prefix):]
+    return hf_name
+
+
 def kestrel_name(hf_name: str, arch: str = "llama") -> str | None:
     """``model.layers.3.self_attn.q_proj.weight`` -> ``layers.3.q`` (``...mlp.experts.5.up_proj.weight`` ->
     ``layers.3.experts.5.up``); None for tensors kestrel does not use."""
-    for prefix, plain in _LM_PREFIXES:
-        if hf_name.startswith(prefix):
-            hf_name = plain + hf_name[len(prefix):]
-            break
+    hf_name = _plain_name(hf_name)
     m = _LAYER_RE.match(hf_name)
     if m is not None:
         e = _EXPERT_RE.match(m.group(2))
@@ -104,7 +123,8 @@ def kestrel_name(hf_name: str, arch: str = "llama") -> str | None:
         if arch == "gpt_oss" and m.group(2) in _GPT_OSS_MAP:
             return layer_name(int(m.group(1)), _GPT_OSS_MAP[m.group(2)])
     layer_map = (_GEMMA_LAYER_MAP if arch in GEMMA_ARCHITECTURES else _OLMO2_LAYER_MAP if arch in POST_NORMED
-                 else _GLM4_LAYER_MAP if arch == "glm4" else _LAYER_MAP)
+                 else _GLM4_LAYER_MAP if arch == "glm4" else _LINEAR_ATTN_MAP if arch in HYBRID_ARCHITECTURES
+                 else _LAYER_MAP)
     return map_tensor_name(hf_name, _GLOBAL_MAP, _LAYER_RE, layer_map)
 
 
@@ -196,7 +216,7 @@ class HFCheckpoint:
         self.config = read_hf_config(self.dir)
         self._files: dict[str, Path] = {}  # kestrel name -> shard
         self._hf_names: dict[str, str] = {}  # kestrel name -> HF name
-        self._rows: dict[str, tuple[int, int]] = {}  # kestrel name -> its rows of a fused HF tensor
+        self._rows: dict[str, tuple[int, int] | np.ndarray] = {}  # kestrel name -> its rows of a fused HF tensor
         self._expert_part: dict[str, tuple[int, str]] = {}  # kestrel name -> (expert, part) of a stacked tensor
         self._paths: dict[str, Path] = {}  # HF name -> shard
         self._handles: dict[Path, Any] = {}
@@ -220,12 +240,17 @@ class HFCheckpoint:
                     if rows is not None:
                         self._rows[name] = rows
 
-    def _names(self, hf_name: str) -> list[tuple[str, tuple[int, int] | None]]:
-        """The kestrel tensors ``hf_name`` holds: one, or the row ranges of a fused Q|K|V / gate|up."""
+    def _names(self, hf_name: str) -> list[tuple[str, tuple[int, int] | np.ndarray | None]]:
+        """The kestrel tensors ``hf_name`` holds: one, or the rows of each part of a fused tensor (Q|K|V, gate|up,
+        Qwen3.5's query|gate)."""
+        c = self.config
+        m = _LAYER_RE.match(_plain_name(hf_name))
+        if c.attn_output_gate and m is not None and m.group(2) == "self_attn.q_proj.weight":  # Qwen3.5
+            return [(layer_name(int(m.group(1)), name), head_rows(c.num_heads, c.head_dim, part))
+                    for part, name in enumerate(("q", "attn_gate"))]
         name = kestrel_name(hf_name, self.config.arch)
         if name is not None:
             return [(name, None)]
-        m = _LAYER_RE.match(hf_name)
         stacked = _GPT_OSS_EXPERTS.match(m.group(2)) if m is not None and self.config.arch == "gpt_oss" else None
         if stacked is not None:
             proj, suffix = stacked.groups()
@@ -268,8 +293,13 @@ class HFCheckpoint:
         multiply by, 1 + weight in float32 (its RMSNorm's ``1.0 + self.weight.float()``)."""
         t = self.get_weight(name)
         t = t.to_float32() if isinstance(t, BFloat16Bits) else t
-        if self.config.arch in GEMMA_ARCHITECTURES and name.rsplit(".", 1)[-1] in GEMMA_NORMS:
+        field = name.rsplit(".", 1)[-1]
+        if self.config.arch in ONE_PLUS_NORMS and field in GEMMA_NORMS:
             return np.float32(1) + t.astype(np.float32)
+        if field == "lin_conv":  # nn.Conv1d's depthwise weight [C, 1, kernel]
+            return t.reshape(t.shape[0], -1)
+        if field == "lin_decay":  # stored as A_log; the model runs -exp(A_log), as GGUF's ssm_a holds it
+            return -np.exp(t.astype(np.float32))
         return t
 
     def get_weight(self, name: str) -> np.ndarray | BFloat16Bits:

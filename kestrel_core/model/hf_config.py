@@ -30,13 +30,16 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
                     "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
                     "Glm4ForCausalLM": "glm4", "Ernie4_5ForCausalLM": "ernie4_5",
+                    "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3_5ForConditionalGeneration": "qwen3_5",
+                    "Qwen3_5MoeForCausalLM": "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
                     # the decoder without its head, as embedding checkpoints (e5-mistral, ...) name it
                     "LlamaModel": "llama", "Qwen2Model": "qwen2", "Qwen3Model": "qwen3", "MistralModel": "mistral"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen2_moe": "qwen2_moe",
                "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss",
                "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2", "exaone4": "exaone4",
-               "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5"}
+               "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "qwen3_5": "qwen3_5",
+               "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe"}
 WINDOWED = ("mistral", "phi3", "mixtral")  # architectures whose sliding_window applies to every layer
 # Gemma3TextConfig's defaults: hub configs (the text_config of the multimodal checkpoints) leave many out
 GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -44,6 +47,12 @@ GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_siz
                    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
                    "sliding_window": 4096, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1}
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+# linear attention (Gated DeltaNet) beside gated full attention, every RMSNorm but the gated one a 1 + weight factor
+HYBRID_ARCHITECTURES = ("qwen3_5", "qwen3_5_moe")
+# Qwen3_5TextConfig's defaults of what a text_config may leave out
+QWEN3_5_DEFAULTS = {"head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                    "rms_norm_eps": 1e-6, "max_position_embeddings": 32768}
 GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # Gemma2Config's defaults
 POST_NORMED = ("olmo2", "exaone4")
 # transformers' GptOssConfig default RoPE, for a config.json without one
@@ -73,25 +82,35 @@ def _architecture(cfg: dict[str, Any], where: str) -> str:
     return arch
 
 
-def _is_gemma3(cfg: dict[str, Any]) -> bool:
-    """Gemma 3 by name, before the config's types are checked (check_hf_config refuses bad ones next)."""
+def _named_arch(cfg: dict[str, Any]) -> str | None:
+    """The architecture a config names, before its types are checked (check_hf_config refuses bad ones next)."""
     archs = cfg.get("architectures")
     if isinstance(archs, list) and archs:
-        return any(HF_ARCHITECTURES.get(a) == "gemma3" for a in archs if isinstance(a, str))
-    return MODEL_TYPES.get(cfg.get("model_type")) == "gemma3" if isinstance(cfg.get("model_type"), str) else False
+        return next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
+    return MODEL_TYPES.get(cfg.get("model_type")) if isinstance(cfg.get("model_type"), str) else None
+
+
+# architectures whose multimodal checkpoints nest the language model's settings in text_config: the causal LM's
+# name, and the defaults its config class gives what a hub config leaves out
+_TEXT_CONFIGS = {"gemma3": ("Gemma3ForCausalLM", GEMMA3_DEFAULTS), "qwen3_5": ("Qwen3_5ForCausalLM", QWEN3_5_DEFAULTS),
+                 "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", {**QWEN3_5_DEFAULTS, "moe_intermediate_size": 512,
+                                                           "num_experts": 256, "num_experts_per_tok": 8})}
 
 
 def _text_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    """The language model's settings: a multimodal Gemma 3's text_config (with its own defaults), or cfg."""
-    if not _is_gemma3(cfg):
+    """The language model's settings: a multimodal Gemma 3's or Qwen3.5's text_config (with its own defaults), or
+    cfg."""
+    arch = _named_arch(cfg)
+    if arch not in _TEXT_CONFIGS:
         return cfg
+    name, defaults = _TEXT_CONFIGS[arch]
     text = cfg.get("text_config", cfg)
     if not isinstance(text, dict):
         raise KestrelError(f"{where}: text_config must be an object, got {text!r}")
-    out = {**GEMMA3_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
-    out["architectures"] = ["Gemma3ForCausalLM"]
+    out = {**defaults, **{k: v for k, v in text.items() if v is not None}}
+    out["architectures"] = [name]
     for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):  # the outer config's win
-        if cfg.get(key) is not None:
+        if text is not cfg and cfg.get(key) is not None:
             out[key] = cfg[key]
     return out
 
@@ -169,6 +188,29 @@ def _exaone4_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
             "nope_layers": tuple(i for i, t in enumerate(types) if t == "full")}
 
 
+def _hybrid_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """Qwen3.5's: linear-attention layers (layer_types, else every ``full_attention_interval``-th layer full), their
+    Gated DeltaNet's heads, dims and convolution, gated full attention with per-head q/k norms. Its interleaved
+    multimodal RoPE turns text positions as plain RoPE does (every section gets the same position)."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise KestrelError(f"{where}: hidden_act {act!r} is not supported (Qwen3.5 uses silu)")
+    _refuse_set(cfg, where, {"attention_bias": "biases on the attention's projections"})
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = cfg.get("full_attention_interval", 4)
+        check_int("full_attention_interval", interval, 1)
+        types = ["linear_attention" if (i + 1) % interval else "full_attention"
+                 for i in range(cfg["num_hidden_layers"])]
+    names = {"linear_attention": "linear", "full_attention": "full"}
+    if not isinstance(types, list) or not all(t in names for t in types):
+        raise KestrelError(f"{where}: layer_types must be a list of linear_attention / full_attention")
+    return {"layer_types": tuple(names[t] for t in types), "qk_norm": True, "attn_output_gate": True,
+            "linear_key_heads": cfg["linear_num_key_heads"], "linear_key_dim": cfg["linear_key_head_dim"],
+            "linear_value_heads": cfg["linear_num_value_heads"], "linear_value_dim": cfg["linear_value_head_dim"],
+            "linear_conv_kernel": cfg["linear_conv_kernel_dim"]}
+
+
 def _nope_layers(cfg: dict[str, Any], where: str) -> tuple[int, ...]:
     """SmolLM3's layers without RoPE: ``no_rope_layers`` (per layer, 1: RoPE, 0: none), else every
     ``no_rope_layer_interval``-th layer (default 4), as SmolLM3Config computes it."""
@@ -225,6 +267,11 @@ def _moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
         check_bool("norm_topk_prob", norm)
         out.update(expert_intermediate_size=cfg.get("moe_intermediate_size"), norm_topk_prob=norm,
                    qk_norm=arch == "qwen3_moe")
+    elif arch == "qwen3_5_moe":  # Qwen2-MoE's shared expert, the top-k always renormalised
+        shared = cfg.get("shared_expert_intermediate_size", 512)
+        check_int("shared_expert_intermediate_size", shared, 0)
+        out.update(expert_intermediate_size=cfg.get("moe_intermediate_size", 512), norm_topk_prob=True,
+                   shared_expert_intermediate_size=shared)
     elif arch == "gpt_oss":  # softmax over the top-k logits (renormalised), biases everywhere, sinks
         bias = cfg.get("attention_bias", True)
         check_bool("attention_bias", bias)
@@ -301,7 +348,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             "rope_theta": float(cfg.get("rope_theta", rope.get("rope_theta", 150000.0 if arch == "gpt_oss" else 1e4))),
             "rope_scaling": None if arch in GEMMA_ARCHITECTURES else _rope_scaling(arch, cfg, scaling, where),
             "rotary_dim": _rotary_dim(cfg, int(cfg.get("head_dim") or hidden // heads), where,
-                                      0.5 if arch == "glm4" else None),
+                                      {"glm4": 0.5, "qwen3_5": 0.25, "qwen3_5_moe": 0.25}.get(arch)),
             "qk_norm": arch == "qwen3",
             "qkv_bias": arch in ("qwen2", "qwen2_moe"),
             "sliding_window": cfg.get("sliding_window") if arch in WINDOWED else None,
@@ -327,13 +374,17 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             fields.update({name: check_float(key, cfg.get(key, 1.0), 0.0, lo_open=True) for key, name in (
                 ("embedding_multiplier", "embed_scale"), ("attention_multiplier", "query_scale"),
                 ("residual_multiplier", "residual_scale"), ("logits_scaling", "logits_scaling"))})
-        if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"):
+        if arch in HYBRID_ARCHITECTURES:
+            fields.update(_hybrid_fields(cfg, where))
+        if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe"):
             fields.update(_moe_fields(arch, cfg, where))
         return ModelConfig(
             arch=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            # Qwen3.5-MoE's config has no dense width: every layer's MLP is its experts
+            intermediate_size=int(cfg.get("intermediate_size") or cfg.get("moe_intermediate_size")
+                                  or cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),

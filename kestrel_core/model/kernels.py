@@ -1,5 +1,5 @@
-"""Compiled host maths of the decoder (numba): norms, RoPE, paged attention and MoE routing over the rows of a
-batch.
+"""Compiled host maths of the decoder (numba): norms, RoPE, paged attention, MoE routing and linear attention
+(Gated DeltaNet) over the rows of a batch.
 
 Every kernel computes each row on its own, with one fixed sequence of float32 operations (no fastmath: no
 FMA contraction, no reassociation) and sequential sums, so a row's bits do not depend on how many rows run
@@ -160,6 +160,72 @@ def _rows_dot(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
             out[r, e] = acc
 
 
+def _gated_delta(qkv: np.ndarray, beta_in: np.ndarray, alpha_in: np.ndarray, conv_w: np.ndarray, decay: np.ndarray,
+                 dt_bias: np.ndarray, conv_state: np.ndarray, ssm: np.ndarray, row_slot: np.ndarray, n_k: int,
+                 dk: int, dv: int, out: np.ndarray) -> None:
+    # One linear-attention layer (Gated DeltaNet) over the rows, each sequence's rows in position order.
+    # qkv: [M, C] q|k|v before the causal depthwise convolution conv_w [C, W] (oldest tap first); beta_in, alpha_in:
+    # [M, Hv]; decay: [Hv] (-exp(A_log)); conv_state: [slots, W-1, C] each sequence's last W-1 inputs, oldest
+    # first; ssm: [slots, Hv, dk, dv]; row_slot: [M] each row's state slot. out: [M, Hv*dv] the delta rule's output.
+    # Per row: x = silu(conv), q and k L2-normed per head (q also by 1/sqrt(dk)); value head h reads key head
+    # h // (Hv / Hk); S = S * exp(decay * softplus(alpha + dt_bias)); S += k (beta (v - S^T k))^T; o = S^T q.
+    m, c = qkv.shape
+    w = conv_w.shape[1]
+    n_v = out.shape[1] // dv
+    kd = n_k * dk
+    group = n_v // n_k
+    scale = np.float32(1) / np.sqrt(np.float32(dk))
+    x = np.empty(c, np.float32)
+    qn = np.empty(kd, np.float32)
+    kn = np.empty(kd, np.float32)
+    for r in range(m):
+        st = conv_state[row_slot[r]]  # [W-1, C]
+        for ch in range(c):
+            acc = np.float32(0)
+            for j in range(w - 1):
+                acc += conv_w[ch, j] * st[j, ch]
+            acc += conv_w[ch, w - 1] * qkv[r, ch]
+            x[ch] = acc / (np.float32(1) + np.exp(-acc))
+            for j in range(w - 2):
+                st[j, ch] = st[j + 1, ch]
+            if w > 1:
+                st[w - 2, ch] = qkv[r, ch]
+        for h in range(n_k):
+            sq = np.float32(0)
+            sk = np.float32(0)
+            for j in range(dk):
+                sq += x[h * dk + j] * x[h * dk + j]
+                sk += x[kd + h * dk + j] * x[kd + h * dk + j]
+            iq = np.float32(1) / np.sqrt(sq + np.float32(1e-6))
+            ik = np.float32(1) / np.sqrt(sk + np.float32(1e-6))
+            for j in range(dk):
+                qn[h * dk + j] = x[h * dk + j] * iq * scale
+                kn[h * dk + j] = x[kd + h * dk + j] * ik
+        s = ssm[row_slot[r]]  # [Hv, dk, dv]
+        for hv in prange(n_v):
+            k0 = (hv // group) * dk
+            v0 = 2 * kd + hv * dv
+            beta = np.float32(1) / (np.float32(1) + np.exp(-beta_in[r, hv]))
+            a = alpha_in[r, hv] + dt_bias[hv]
+            soft = a if a > np.float32(20) else np.float32(np.log1p(np.exp(a)))  # torch's softplus
+            gate = np.float32(np.exp(decay[hv] * soft))
+            delta = np.zeros(dv, np.float32)
+            for j in range(dk):
+                kj = kn[k0 + j]
+                for e in range(dv):
+                    s[hv, j, e] *= gate
+                    delta[e] += s[hv, j, e] * kj
+            for e in range(dv):
+                delta[e] = (x[v0 + e] - delta[e]) * beta
+                out[r, hv * dv + e] = np.float32(0)
+            for j in range(dk):
+                kj = kn[k0 + j]
+                qj = qn[k0 + j]
+                for e in range(dv):
+                    s[hv, j, e] += kj * delta[e]
+                    out[r, hv * dv + e] += s[hv, j, e] * qj
+
+
 def prange(*args: int) -> range:
     """numba's parallel range where compiled; a plain range in the Python fallback."""
     return range(*args)
@@ -170,10 +236,11 @@ rmsnorm_rows: Any = _rmsnorm_rows
 rope_write: Any = _rope_write
 attend: Any = _attend
 rows_dot: Any = _rows_dot
+gated_delta: Any = _gated_delta
 
 
 def _build() -> None:
-    global f16, rmsnorm_rows, rope_write, attend, rows_dot, prange
+    global f16, rmsnorm_rows, rope_write, attend, rows_dot, gated_delta, prange
     try:
         import numba
         from numba import njit
@@ -187,6 +254,7 @@ def _build() -> None:
     rope_write = jit(_rope_write)
     rows_dot = jit(_rows_dot)
     attend = njit(cache=True, nogil=True, parallel=True)(_attend)
+    gated_delta = njit(cache=True, nogil=True, parallel=True)(_gated_delta)
 
 
 _build()

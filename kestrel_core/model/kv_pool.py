@@ -21,6 +21,7 @@ import numpy as np
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig
+from kestrel_core.model.state_pool import StatePool
 
 BLOCK_SIZE = 32  # positions per KV block
 DEFAULT_KV_MB = 2048  # the host pool's default budget (at least one full context); pages are touched on use
@@ -29,10 +30,11 @@ DEFAULT_KV_MB = 2048  # the host pool's default budget (at least one full contex
 class KVPool:
     """Host keys and values of many sequences in fixed-size blocks (a page table per sequence).
 
-    Keys are stored transposed, ``kt`` float32 [L, blocks, KV, hd, BLOCK_SIZE], the layout the attention's
-    dot products run over; values ``v`` float32 [L, blocks, BLOCK_SIZE, KV, hd]. Both hold float16 values
-    (``kernels.f16``), which every backend's cache holds. The arrays are allocated
-    once, untouched: the OS maps a page only when a block is first written.
+    Keys are stored transposed, ``kt`` float32 [La, blocks, KV, hd, BLOCK_SIZE], the layout the attention's
+    dot products run over; values ``v`` float32 [La, blocks, BLOCK_SIZE, KV, hd], over the La layers with
+    attention (``kv_index``: model layer -> first axis). Both hold float16 values (``kernels.f16``), which every
+    backend's cache holds. The arrays are allocated once, untouched: the OS maps a page only when a block is first
+    written. A model with linear-attention layers also keeps each sequence's recurrent state (``states``).
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
@@ -42,8 +44,11 @@ class KVPool:
         self.config = config
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kt = np.empty((c.num_layers, num_blocks, c.num_kv_heads, c.head_dim, block_size), np.float32)
-        self.v = np.empty((c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim), np.float32)
+        self.kv_index = {layer: j for j, layer in enumerate(c.attention_layers)}
+        layers = len(self.kv_index)
+        self.kt = np.empty((layers, num_blocks, c.num_kv_heads, c.head_dim, block_size), np.float32)
+        self.v = np.empty((layers, num_blocks, block_size, c.num_kv_heads, c.head_dim), np.float32)
+        self.states = StatePool(c) if c.linear_layers else None
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the most recently freed block first
         self._refs = [0] * num_blocks  # sequences holding each block
         self._prefix: dict[bytes, int] = {}  # chain hash of a full prompt block -> the block holding it
@@ -55,7 +60,7 @@ class KVPool:
     @classmethod
     def for_budget(cls, config: ModelConfig, megabytes: float | None = None) -> KVPool:
         """A pool of ``megabytes`` (default: DEFAULT_KV_MB, and at least one sequence at the full context)."""
-        per_block = bytes_per_position(config) * BLOCK_SIZE
+        per_block = max(bytes_per_position(config), 1) * BLOCK_SIZE
         if megabytes is None:
             blocks = max(int(DEFAULT_KV_MB * 2 ** 20 // per_block), -(-config.max_position // BLOCK_SIZE))
         else:
@@ -99,11 +104,22 @@ class KVPool:
         return True
 
     def release(self, seq: SeqCache) -> None:
-        self.give_back(seq.blocks)
+        self.give_back(seq.blocks, seq.state)
         seq.length = 0
 
-    def give_back(self, blocks: list[int]) -> None:
-        """A sequence lets go of ``blocks`` (emptied): cached ones stay cached, the others are free again."""
+    def state_slot(self, seq: SeqCache) -> int:
+        """The recurrent-state slot of ``seq`` (a model with linear layers), taken zeroed on first use."""
+        if not seq.state:
+            assert self.states is not None
+            seq.state.append(self.states.take())
+        return seq.state[0]
+
+    def give_back(self, blocks: list[int], state: list[int] | None = None) -> None:
+        """A sequence lets go of ``blocks`` and its recurrent-state slot ``state`` (both emptied): cached blocks
+        stay cached, the others are free again."""
+        if state:
+            assert self.states is not None
+            self.states.give_back(state.pop())
         for block in reversed(blocks):
             self._refs[block] -= 1
             if self._refs[block] == 0:
@@ -169,8 +185,8 @@ def _link(chain: bytes, block_tokens: np.ndarray) -> bytes:
 
 
 def bytes_per_position(config: ModelConfig) -> int:
-    """Host KV bytes one position takes over all layers (float32 keys and values)."""
-    return 2 * 4 * config.num_layers * config.num_kv_heads * config.head_dim
+    """Host KV bytes one position takes over the layers with attention (float32 keys and values)."""
+    return 2 * 4 * len(config.attention_layers) * config.num_kv_heads * config.head_dim
 
 
 class SeqCache:
@@ -180,9 +196,10 @@ class SeqCache:
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
         self.blocks: list[int] = []
+        self.state: list[int] = []  # its recurrent-state slot in pool.states, once a linear layer ran (0 or 1)
         self.length = 0
         self.prompt_len = 0  # positions below it are the prompt (float32 activations in "mixed" mode)
-        self._finalizer = weakref.finalize(self, pool.give_back, self.blocks)
+        self._finalizer = weakref.finalize(self, pool.give_back, self.blocks, self.state)
 
     @property
     def capacity(self) -> int:
@@ -190,7 +207,10 @@ class SeqCache:
 
     def truncate(self, n: int) -> None:
         """Forget positions from ``n`` on (their blocks stay reserved). Not into an attached prefix, whose
-        blocks other sequences read."""
+        blocks other sequences read, nor at all where a recurrent state holds every position."""
+        if n < self.length and self.state:
+            raise KestrelError("cannot truncate a sequence of a model with linear-attention layers: its recurrent "
+                               "state holds every position")
         if n < self.length and n < self._shared_positions():
             raise KestrelError(f"cannot truncate to {n}: positions below {self._shared_positions()} are a "
                                "shared prefix")

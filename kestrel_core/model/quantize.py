@@ -27,12 +27,20 @@ FALLBACK_GROUP = 32
 
 
 
-def fused_rows(t: np.ndarray, rows: tuple[int, int], where: str, tensor: str) -> np.ndarray:
-    """Rows ``rows`` of a fused checkpoint tensor (Q|K|V, gate|up), checked against what the config needs."""
-    if t.ndim != 2 or t.shape[0] < rows[1]:
+def fused_rows(t: np.ndarray, rows: tuple[int, int] | np.ndarray, where: str, tensor: str) -> np.ndarray:
+    """Rows of a fused checkpoint tensor: a range (Q|K|V, gate|up) or row indices (Qwen3.5's query and gate,
+    interleaved per head: ``head_rows``), checked against what the config needs."""
+    need = rows[1] if isinstance(rows, tuple) else int(rows.max()) + 1
+    if t.ndim != 2 or t.shape[0] < need:
         raise KestrelError(f"{where}: fused tensor {tensor} has shape {list(t.shape)}; the config needs at "
-                           f"least {rows[1]} rows")
-    return np.ascontiguousarray(t[rows[0]:rows[1]])
+                           f"least {need} rows")
+    return np.ascontiguousarray(t[rows[0]:rows[1]] if isinstance(rows, tuple) else t[rows])
+
+
+def head_rows(heads: int, head_dim: int, part: int, parts: int = 2) -> np.ndarray:
+    """The rows of part ``part`` of a tensor whose heads each hold ``parts`` parts of ``head_dim`` rows in turn
+    (Qwen3.5's q_proj: each head's query rows, then its gate rows)."""
+    return (np.arange(heads)[:, None] * parts * head_dim + part * head_dim + np.arange(head_dim)).reshape(-1)
 
 
 def map_tensor_name(name: str, global_map: dict[str, str], layer_re: re.Pattern[str],

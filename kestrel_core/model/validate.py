@@ -141,7 +141,7 @@ HF_CONFIG_FIELDS: dict[str, tuple[str, bool]] = {  # in the order hf_config.conf
     "num_attention_heads": ("pos", True),
     "hidden_size": ("pos", True),
     "vocab_size": ("pos", True),
-    "intermediate_size": ("pos", True),
+    "intermediate_size": ("pos", False),  # absent from Qwen3.5-MoE (moe_intermediate_size); else required
     "num_hidden_layers": ("pos", True),
     "num_key_value_heads": ("pos", False),
     "head_dim": ("pos", False),
@@ -153,6 +153,12 @@ HF_CONFIG_FIELDS: dict[str, tuple[str, bool]] = {  # in the order hf_config.conf
     "rope_parameters": ("rope", False),
     "rope_local_base_freq": ("float+", False),  # Gemma 3
     "query_pre_attn_scalar": ("float+", False),
+    "linear_num_key_heads": ("pos", False),  # Qwen3.5's linear attention
+    "linear_num_value_heads": ("pos", False),
+    "linear_key_head_dim": ("pos", False),
+    "linear_value_head_dim": ("pos", False),
+    "linear_conv_kernel_dim": ("pos", False),
+    "full_attention_interval": ("pos", False),
     "num_experts": ("pos", False),  # Qwen3-MoE; Mixtral says num_local_experts
     "num_local_experts": ("pos", False),
     "num_experts_per_tok": ("pos", False),

@@ -18,16 +18,30 @@ import numpy as np
 
 from kestrel_core.contract import StripCache
 from kestrel_core.model.config import ModelConfig
-from kestrel_core.wkey import ATTENTION_GROUPS, MLP_GROUPS, PROJ_GROUPS, Proj, lm_head_wkey, wkey
+from kestrel_core.wkey import (
+    ATTENTION_GROUPS,
+    GATED_ATTENTION_GROUPS,
+    LINEAR_GROUPS,
+    MLP_GROUPS,
+    Proj,
+    ProjGroup,
+    lm_head_wkey,
+    wkey,
+)
 
 PREFILL_CHUNK = 512  # tokens of one sequence the host decoder runs at once: MLP activations [T, F] stay bounded
-LAYER_PROJS = tuple(p for group in PROJ_GROUPS for p in group.members)  # Q, K, V, O, GATE, UP, DOWN
 PROJ_FIELDS = {Proj.Q: "q", Proj.K: "k", Proj.V: "v", Proj.O: "o", Proj.GATE: "gate", Proj.UP: "up",
-               Proj.DOWN: "down"}  # the LayerWeights field of each projection
+               Proj.DOWN: "down", Proj.ATTN_GATE: "attn_gate", Proj.LIN_QKV: "lin_qkv", Proj.LIN_Z: "lin_z",
+               Proj.LIN_BETA: "lin_beta", Proj.LIN_ALPHA: "lin_alpha"}  # the LayerWeights field of each projection
 MLP_FIELDS = ("gate", "up", "down")
 EXPERT_BIASES = ("gate_bias", "up_bias", "down_bias")  # gpt-oss's, beside MLP_FIELDS
-_ATTN_FIELDS = tuple(tuple(PROJ_FIELDS[p] for p in group.members) for group in ATTENTION_GROUPS)
-_MLP_GROUP_FIELDS = tuple(tuple(PROJ_FIELDS[p] for p in group.members) for group in MLP_GROUPS)
+
+
+def _fields(groups: tuple[ProjGroup, ...]) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(PROJ_FIELDS[p] for p in group.members) for group in groups)
+
+
+_MLP_GROUP_FIELDS = _fields(MLP_GROUPS)
 
 
 @dataclass
@@ -48,10 +62,10 @@ class ExpertWeights:
 
 @dataclass
 class LayerWeights:
-    q: StripCache  # [H*hd, D]
-    k: StripCache  # [KV*hd, D]
-    v: StripCache  # [KV*hd, D]
-    o: StripCache  # [D, H*hd]
+    q: StripCache | None = None  # [H*hd, D]; None in a linear-attention layer
+    k: StripCache | None = None  # [KV*hd, D]
+    v: StripCache | None = None  # [KV*hd, D]
+    o: StripCache | None = None  # [D, H*hd]; a linear-attention layer's output projection [D, Hv*dv]
     attn_norm: np.ndarray | None = None  # [D]; None without pre_norms (OLMo 2)
     mlp_norm: np.ndarray | None = None  # [D]
     o_bias: np.ndarray | None = None  # gpt-oss: [D]
@@ -66,11 +80,25 @@ class LayerWeights:
     k_norm: np.ndarray | None = None
     post_attn_norm: np.ndarray | None = None  # Gemma 3: [D], on the attention's output
     post_mlp_norm: np.ndarray | None = None  # Gemma 3: [D], on the MLP's output
+    attn_gate: StripCache | None = None  # Qwen3.5's gated attention: [H*hd, D]
+    # a linear-attention layer (Gated DeltaNet, Qwen3.5), value heads in HF's order (grouped by key head)
+    lin_qkv: StripCache | None = None  # [C, D], C = 2*Hk*dk + Hv*dv: q, k, v before the convolution
+    lin_z: StripCache | None = None  # [Hv*dv, D]: the output gate
+    lin_beta: StripCache | None = None  # [Hv, D]: sigmoid of it is the delta rule's step
+    lin_alpha: StripCache | None = None  # [Hv, D]: the decay's input
+    lin_conv: np.ndarray | None = None  # float32 [C, kernel]: the causal depthwise convolution, oldest tap first
+    lin_decay: np.ndarray | None = None  # [Hv]: -exp(A_log); the log-decay is lin_decay * softplus(alpha + dt_bias)
+    lin_dt_bias: np.ndarray | None = None  # [Hv]
+    lin_norm: np.ndarray | None = None  # [dv]: the gated RMSNorm's weight (a plain factor)
     router: np.ndarray | None = None  # mixture of experts: float32 [E, D]
     router_bias: np.ndarray | None = None  # gpt-oss: [E]
     experts: tuple[ExpertWeights, ...] = ()
     shared_expert: ExpertWeights | None = None  # Qwen2-MoE: run by every token (its wkeys: expert E)
     shared_expert_gate: np.ndarray | None = None  # float32 [1, D]: sigmoid(x . gate) scales its output
+
+    @property
+    def is_linear(self) -> bool:
+        return self.lin_qkv is not None
 
     def all_experts(self) -> tuple[ExpertWeights, ...]:
         """The routed experts, then the shared one: expert index e of every wkey."""
@@ -79,14 +107,22 @@ class LayerWeights:
     def proj(self, p: Proj) -> StripCache:
         w = getattr(self, PROJ_FIELDS[p])
         if w is None:
-            raise KeyError(f"{PROJ_FIELDS[p]}: a mixture-of-experts layer has it per expert")
+            raise KeyError(f"{PROJ_FIELDS[p]}: this layer has no such projection (a mixture-of-experts layer has "
+                           "its MLP's per expert)")
         return w
 
+    def proj_groups(self) -> tuple[tuple[ProjGroup, tuple[StripCache, ...]], ...]:
+        """(group, its strips) of each projection group in execution order: the token mixer's (``ATTENTION_GROUPS``,
+        ``GATED_ATTENTION_GROUPS`` or ``LINEAR_GROUPS``), then the MLP's (``MLP_GROUPS``; none in a mixture-of-
+        experts layer, whose experts have ``ExpertWeights.groups()``)."""
+        mixer = (LINEAR_GROUPS if self.is_linear else GATED_ATTENTION_GROUPS if self.attn_gate is not None
+                 else ATTENTION_GROUPS)
+        groups = mixer if self.experts else mixer + MLP_GROUPS
+        return tuple((g, tuple(getattr(self, name) for name in fields)) for g, fields in zip(groups, _fields(groups)))
+
     def groups(self) -> tuple[tuple[StripCache, ...], ...]:
-        """The strips of each of ``PROJ_GROUPS``: (q, k, v), (o,), (gate, up), (down,); a mixture-of-experts
-        layer has only the first two (its experts' are ``ExpertWeights.groups()``)."""
-        fields = _ATTN_FIELDS if self.experts else _ATTN_FIELDS + _MLP_GROUP_FIELDS
-        return tuple(tuple(getattr(self, name) for name in group) for group in fields)
+        """The strips of each of ``proj_groups()``: (q, k, v), (o,), (gate, up), (down,) in a Llama layer."""
+        return tuple(strips for _, strips in self.proj_groups())
 
 
 @dataclass
@@ -101,10 +137,10 @@ class Model:
         """Every (wkey, StripCache) the GEMMs use, in execution order (a layer's experts after its attention)."""
         out = []
         for i, layer in enumerate(self.layers):
-            projs = LAYER_PROJS[:4] if layer.experts else LAYER_PROJS
-            out += [(wkey(i, p), layer.proj(p)) for p in projs]
+            out += [(wkey(i, p), w) for g, strips in layer.proj_groups() for p, w in zip(g.members, strips)]
             for e, ex in enumerate(layer.all_experts()):
-                out += [(wkey(i, p, e), getattr(ex, PROJ_FIELDS[p])) for p in LAYER_PROJS[4:]]
+                out += [(wkey(i, p, e), w) for g, strips in zip(MLP_GROUPS, ex.groups())
+                        for p, w in zip(g.members, strips)]
         return out + [(lm_head_wkey(), self.lm_head)]
 
     @property
@@ -119,7 +155,7 @@ def engine_weights(model: Model) -> list[tuple[int, tuple[StripCache, ...]]]:
     expert's wkeys (the shared expert's as expert E), then lm_head."""
     out = []
     for i, lw in enumerate(model.layers):
-        out += [(group.key(i), strips) for group, strips in zip(PROJ_GROUPS, lw.groups())]
+        out += [(group.key(i), strips) for group, strips in lw.proj_groups()]
         for e, ex in enumerate(lw.all_experts()):
             out += [(group.key(i, e), strips) for group, strips in zip(MLP_GROUPS, ex.groups())]
     return out + [(lm_head_wkey(), (model.lm_head,))]
@@ -148,7 +184,14 @@ def layer_specs(c: ModelConfig, i: int) -> list[TensorSpec]:
     """The tensors of layer ``i``, in the order the quantizer reads them."""
     d, hd = c.hidden_size, c.head_dim
     qn, kvn = c.num_heads * hd, c.num_kv_heads * hd
-    out = [("q", "proj", (qn, d)), ("k", "proj", (kvn, d)), ("v", "proj", (kvn, d)), ("o", "proj", (d, qn))]
+    linear = c.is_linear(i)
+    if linear:
+        out = _linear_mixer_specs(c)
+    else:
+        out = [("q", "proj", (qn, d)), ("k", "proj", (kvn, d)), ("v", "proj", (kvn, d))]
+        if c.attn_output_gate:
+            out.append(("attn_gate", "proj", (qn, d)))
+        out.append(("o", "proj", (d, qn)))
     if c.is_moe:
         fe = c.expert_intermediate_size
         out.append(("router", "matrix", (c.num_experts, d)))
@@ -167,13 +210,13 @@ def layer_specs(c: ModelConfig, i: int) -> list[TensorSpec]:
     else:
         f = c.intermediate_size
         out += [("gate", "proj", (f, d)), ("up", "proj", (f, d)), ("down", "proj", (d, f))]
-    if c.qkv_bias:
+    if c.qkv_bias and not linear:
         out += [("q_bias", "vector", (qn,)), ("k_bias", "vector", (kvn,)), ("v_bias", "vector", (kvn,))]
-    if c.o_bias:
+    if c.o_bias and not linear:
         out.append(("o_bias", "vector", (d,)))
-    if c.attn_sinks:
+    if c.attn_sinks and not linear:
         out.append(("sinks", "vector", (c.num_heads,)))
-    if c.qk_norm:
+    if c.qk_norm and not linear:
         out += [("q_norm", "vector", (qn if c.qk_norm_full else hd,)),
                 ("k_norm", "vector", (kvn if c.qk_norm_full else hd,))]
     if c.pre_norms:
@@ -181,6 +224,17 @@ def layer_specs(c: ModelConfig, i: int) -> list[TensorSpec]:
     if c.post_norms:
         out += [("post_attn_norm", "vector", (d,)), ("post_mlp_norm", "vector", (d,))]
     return [TensorSpec(layer_name(i, name), kind, shape) for name, kind, shape in out]
+
+
+def _linear_mixer_specs(c: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
+    """A linear-attention layer's token mixer (Gated DeltaNet): its projections, convolution, decay and norm."""
+    d, hv, vd = c.hidden_size, c.linear_value_heads, c.linear_value_heads * c.linear_value_dim
+    conv = c.linear_conv_dim
+    return [("lin_qkv", "proj", (conv, d)), ("lin_z", "proj", (vd, d)), ("lin_beta", "proj", (hv, d)),
+            ("lin_alpha", "proj", (hv, d)), ("o", "proj", (d, vd)),
+            ("lin_conv", "matrix", (conv, c.linear_conv_kernel)), ("lin_decay", "vector", (hv,)),
+            ("lin_dt_bias", "vector", (hv,)),
+            ("lin_norm", "vector", (c.linear_value_dim,))]
 
 
 def model_specs(c: ModelConfig) -> list[TensorSpec]:

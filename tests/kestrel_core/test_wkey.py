@@ -60,14 +60,14 @@ def test_projection_groups_share_an_input_and_name_their_fused_weight() -> None:
 def test_layer_groups_and_engine_weights_follow_the_groups() -> None:
     from kestrel_core.model.config import ModelConfig
     from kestrel_core.model.presets import synthetic_model
-    from kestrel_core.model.weights import LAYER_PROJS, engine_weights
+    from kestrel_core.model.weights import engine_weights
 
     config = ModelConfig(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
                          num_heads=2, num_kv_heads=1, head_dim=32, max_position=32)
     model = synthetic_model(config, "q8", seed=0)
     lw = model.layers[1]
     assert all(a is b for a, b in zip(sum(lw.groups(), ()), (lw.q, lw.k, lw.v, lw.o, lw.gate, lw.up, lw.down)))
-    assert LAYER_PROJS == (Proj.Q, Proj.K, Proj.V, Proj.O, Proj.GATE, Proj.UP, Proj.DOWN)
+    assert [g for g, _ in lw.proj_groups()] == list(PROJ_GROUPS)
     got = engine_weights(model)
     assert [key for key, _ in got] == [g.key(i) for i in range(2) for g in PROJ_GROUPS] + [lm_head_wkey()]
     assert [w is s for w, s in zip(got[4][1], (lw.q, lw.k, lw.v))] == [True] * 3
@@ -98,3 +98,27 @@ def test_expert_wkeys_keep_their_layer_and_never_collide() -> None:
         assert len(set(keys)) == len(keys)
         assert {wkey_expert(k) for k in keys} == {None, 0, 1, 2, 3}
     assert len(model.weights()) == 2 * (4 + 4 * 3) + 1
+
+
+def test_hybrid_layers_have_their_own_groups_and_distinct_wkeys() -> None:
+    """A Qwen3.5 model's linear-attention layers offer their four input projections as one fused group and the
+    output as O; its gated attention layers offer the output gate fused with Q|K|V; every wkey is distinct."""
+    from kestrel_core.model.config import ModelConfig
+    from kestrel_core.model.presets import synthetic_model
+    from kestrel_core.model.weights import engine_weights
+    from kestrel_core.wkey import GATED_ATTENTION_GROUPS, LINEAR_GROUPS, MLP_GROUPS
+
+    config = ModelConfig(arch="qwen3_5", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
+                         num_heads=2, num_kv_heads=1, head_dim=32, max_position=32, qk_norm=True, rotary_dim=8,
+                         layer_types=("linear", "full"), attn_output_gate=True, linear_key_heads=1, linear_key_dim=16,
+                         linear_value_heads=2, linear_value_dim=32, linear_conv_kernel=4)
+    model = synthetic_model(config, "q8", seed=0)
+    linear, full = model.layers
+    assert [g for g, _ in linear.proj_groups()] == [*LINEAR_GROUPS, *MLP_GROUPS]
+    assert linear.groups()[0] == (linear.lin_qkv, linear.lin_z, linear.lin_beta, linear.lin_alpha)
+    assert [g for g, _ in full.proj_groups()] == [*GATED_ATTENTION_GROUPS, *MLP_GROUPS]
+    assert full.groups()[0] == (full.q, full.k, full.v, full.attn_gate)
+    keys = [k for k, _ in model.weights()]
+    assert len(set(keys)) == len(keys) == 2 * (4 + 1 + 3) + 1  # per layer: 4 inputs (fused), O, the MLP; lm_head
+    assert [k for k, _ in engine_weights(model)][:2] == [fused_wkey(0, Proj.LIN_IN), wkey(0, Proj.O)]
+    assert decode_wkey(wkey(1, Proj.ATTN_GATE)) == (1, Proj.ATTN_GATE)
