@@ -130,8 +130,8 @@ class Engine:
         self.activations = resolve_activations(activations, backend)
         self.decoder = Decoder(model, self.offload, self.pool, self.activations)
         # prompts share the KV blocks of a cached prefix (kv_pool) where the host runs the steps: a backend's
-        # whole steps keep KV caches of their own
-        self.prefix_cache = self.steps_on_host
+        # whole steps keep KV caches of their own, and a recurrent state (linear layers) is no per-block prefix
+        self.prefix_cache = self.rewinds
         # draft tokens a greedy request's step may guess from its context, where the host runs the steps (0: none;
         # kestrel_core.model.speculate); read by each Scheduler made after it is set
         self.speculate = 0
@@ -202,6 +202,13 @@ class Engine:
         return not (self.whole_step and runs_whole_steps(self.backend))
 
     @property
+    def rewinds(self) -> bool:
+        """Whether a sequence can go back to an earlier length (draft tokens not confirmed) and share a prefix's
+        blocks: where the host runs the steps of a model without linear-attention layers, whose recurrent states
+        hold every position at once."""
+        return self.steps_on_host and not self.config.linear_layers
+
+    @property
     def whole_step(self) -> bool:
         """Whether the backend's whole-step hooks are offered: they compute with int8 activations."""
         return self.activations == "q8"
@@ -220,7 +227,7 @@ class Engine:
 
     def rewind(self, seq: SeqState, length: int) -> None:
         """Forget a sequence's positions from ``length`` on (draft tokens the model did not confirm); the host's
-        KV cache only (``steps_on_host``)."""
+        KV cache only (``rewinds``)."""
         del seq.tokens[length:]
         seq.cache.truncate(length)
         seq.device_len = min(seq.device_len, length)

@@ -1,6 +1,7 @@
 """Read a GGUF file (GGUF_ARCHITECTURES: llama incl. Mixtral, qwen2, qwen3, phi3, gemma 2 and 3, the mixtures of
-experts, gpt-oss, smollm3, granite, olmo2, exaone4, seed_oss, glm4, ernie4_5) as a TensorSource: dequantized
-float32, HF layout; the experts of a stacked ``ffn_*_exps`` tensor are read one slice at a time.
+experts, gpt-oss, smollm3, granite, olmo2, exaone4, seed_oss, glm4, ernie4_5, qwen35 and qwen35moe) as a
+TensorSource: dequantized float32, HF layout; the experts of a stacked ``ffn_*_exps`` tensor are read one slice at a
+time.
 
 llama.cpp's convert_hf_to_gguf.py permutes the rows of Q and K for the llama architecture only
 (``LlamaModel.permute``: rows ``[n_head, 2, hd/2]`` -> ``[n_head, hd/2, 2]``), because ggml's default RoPE
@@ -26,12 +27,13 @@ from gguf.quants import dequantize
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig, recommended_sampling
 from kestrel_core.model.gguf_bounds import check_gguf_bounds
-from kestrel_core.model.quantize import fused_rows, layer_name, map_tensor_name
+from kestrel_core.model.quantize import fused_rows, head_rows, layer_name, map_tensor_name
 from kestrel_core.model.validate import ValidationError, check_float, check_int, check_regular_file
 from kestrel_core.model.weights import expert_field
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
-                      "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5")
+                      "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5", "qwen35", "qwen35moe")
+HYBRID_ARCHITECTURES = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}  # linear attention beside gated attention
 MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}  # with experts
 EXPERT_WEIGHTS_NORM = {"qwen2moe": False}  # llama.cpp's default where expert_weights_norm is absent: true
 # kestrel's names: a llama GGUF with experts is Mixtral; SmolLM3's converter is llama's
@@ -70,6 +72,15 @@ _LAYER_MAP = {
 # gpt-oss's biases and sinks
 _MLP_NORM_AFTER_ATTENTION_MAP = {**_LAYER_MAP, "post_attention_norm.weight": "mlp_norm", "attn_output.bias": "o_bias",
                 "attn_sinks.weight": "sinks", "ffn_gate_inp.bias": "router_bias"}
+# Qwen3.5's: a linear-attention layer's tensors (llama.cpp's SSM names), post_attention_norm the MLP's input norm
+_HYBRID_MAP = {**_LAYER_MAP, "post_attention_norm.weight": "mlp_norm", "attn_qkv.weight": "lin_qkv",
+               "attn_gate.weight": "lin_z", "ssm_beta.weight": "lin_beta", "ssm_alpha.weight": "lin_alpha",
+               "ssm_out.weight": "o", "ssm_conv1d.weight": "lin_conv", "ssm_a": "lin_decay",
+               "ssm_dt.bias": "lin_dt_bias", "ssm_norm.weight": "lin_norm"}
+# what llama.cpp's converter (_LinearAttentionVReorderBase) reorders from HF's value heads grouped by key head to
+# tiled: each tensor's axis and the length of a head along it; kestrel takes them back to HF's order
+_TILED_VALUE_HEADS = {"lin_qkv": (0, "dv"), "lin_z": (0, "dv"), "lin_beta": (0, 1), "lin_alpha": (0, 1),
+                      "lin_decay": (0, 1), "lin_dt_bias": (0, 1), "lin_conv": (0, "dv"), "o": (1, "dv")}
 # a mixture-of-experts layer's experts, stacked [E, N, K] in one tensor each (gpt-oss's biases [E, N])
 _STACKED = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down",
             "ffn_gate_exps.bias": "gate_bias", "ffn_up_exps.bias": "up_bias", "ffn_down_exps.bias": "down_bias"}
@@ -86,8 +97,19 @@ _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 def kestrel_name(gguf_name: str, arch: str = "llama") -> str | None:
     """``blk.3.attn_q.weight`` -> ``layers.3.q``; None for tensors kestrel does not use."""
-    layer_map = _MLP_NORM_AFTER_ATTENTION_MAP if arch in ("gpt-oss", "seed_oss") else _LAYER_MAP
+    layer_map = (_MLP_NORM_AFTER_ATTENTION_MAP if arch in ("gpt-oss", "seed_oss") else _HYBRID_MAP
+                 if arch in HYBRID_ARCHITECTURES else _LAYER_MAP)
     return map_tensor_name(gguf_name, _GLOBAL_MAP, _BLK_RE, layer_map)
+
+
+def grouped_value_heads(w: np.ndarray, axis: int, key_heads: int, value_heads: int, head_dim: int) -> np.ndarray:
+    """Value heads along ``axis`` from llama.cpp's tiled order (value head j of every key head, then j + 1) back
+    to HF's, grouped by key head; the rows before them (a q|k|v tensor's q and k) stay."""
+    w = np.moveaxis(w, axis, 0)
+    lead = w.shape[0] - value_heads * head_dim
+    heads = w[lead:].reshape(value_heads // key_heads, key_heads, head_dim, *w.shape[1:]).swapaxes(0, 1)
+    out = np.concatenate([w[:lead], heads.reshape(-1, *w.shape[1:])])
+    return np.ascontiguousarray(np.moveaxis(out, 0, axis))
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -178,7 +200,7 @@ class GGUFCheckpoint:
             raise KestrelError(f"{self.path}: not a readable GGUF file (truncated or corrupt: "
                                f"{type(exc).__name__}: {' '.join(str(exc).split())})") from None
         self._tensors = {}
-        self._rows: dict[str, tuple[int, int]] = {}  # kestrel name -> its rows of a fused tensor
+        self._rows: dict[str, tuple[int, int] | np.ndarray] = {}  # kestrel name -> its rows of a fused tensor
         self._experts: dict[str, tuple[Any, int]] = {}  # kestrel name -> (stacked tensor, expert)
         file_arch = self.field("general.architecture")
         fused = FUSED.get(file_arch, {})
@@ -187,6 +209,9 @@ class GGUFCheckpoint:
             m = _BLK_RE.match(t.name)
             if m and m.group(2) in fused:
                 split.append((int(m.group(1)), fused[m.group(2)], t))
+                continue
+            if m and file_arch in HYBRID_ARCHITECTURES and m.group(2) == "attn_q.weight":  # each head's query|gate
+                split.append((int(m.group(1)), ("q", "attn_gate"), t))
                 continue
             if m and m.group(2) in _STACKED:
                 stacked_dims = 2 if m.group(2).endswith(".bias") else 3
@@ -200,13 +225,17 @@ class GGUFCheckpoint:
         self.fp4_experts = any(t.tensor_type.name == "MXFP4" for t in self.reader.tensors)
         self._rope_factors = {t.name: t for t in self.reader.tensors if t.name.startswith("rope_factors_")}
         self.config = self._config()
+        c = self.config
         for layer, members, t in split:  # rows of the fused tensor in member order
             start = 0
-            for member in members:
+            for part, member in enumerate(members):
                 name = layer_name(layer, member)
                 self._tensors[name] = t
-                self._rows[name] = (start, start + self.config.rows_of(member))
-                start = self._rows[name][1]
+                if members == ("q", "attn_gate"):
+                    self._rows[name] = head_rows(c.num_heads, c.head_dim, part)
+                    continue
+                self._rows[name] = (start, start + c.rows_of(member))
+                start += c.rows_of(member)
 
     # -- metadata ----------------------------------------------------------------------------------------
 
@@ -317,7 +346,9 @@ class GGUFCheckpoint:
                 arch=extra.pop("arch", arch),
                 vocab_size=vocab_size,
                 hidden_size=hidden,
-                intermediate_size=self.int_field(f"{arch}.feed_forward_length", required=True),
+                # qwen35moe's every MLP is its experts: no dense width
+                intermediate_size=self.int_field(f"{arch}.feed_forward_length", required=arch != "qwen35moe")
+                or extra.get("expert_intermediate_size"),
                 num_layers=layers,
                 num_heads=heads,
                 num_kv_heads=self.int_field(f"{arch}.attention.head_count_kv") or heads,
@@ -421,6 +452,8 @@ class GGUFCheckpoint:
                     "residual_scale": self.float_field(f"{arch}.residual_scale", 1.0),
                     "logits_scaling": self.float_field(f"{arch}.logit_scale", 1.0), "query_scale": scale or None}
         experts = self.int_field(f"{arch}.expert_count", 0, lo=0) or 0
+        if arch in HYBRID_ARCHITECTURES:
+            return self._hybrid_fields(arch, layers, experts)
         if arch == "gpt-oss":  # biases everywhere, sinks, the clamped SwiGLU (llama.cpp's fixed limit and slope)
             return {"arch": "gpt_oss", "num_experts": experts,
                     "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
@@ -442,6 +475,32 @@ class GGUFCheckpoint:
         return {"arch": MOE_ARCHITECTURES[arch], "num_experts": experts,
                 "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
                 "expert_intermediate_size": ff, "norm_topk_prob": norm, "shared_expert_intermediate_size": shared}
+
+    def _hybrid_fields(self, arch: str, layers: int, experts: int) -> dict[str, Any]:
+        """Qwen3.5's, as llama.cpp reads them: every full_attention_interval-th layer full (gated attention, q/k
+        norms), the others Gated DeltaNet with ssm.group_count key heads of ssm.state_size dims and
+        ssm.time_step_rank value heads sharing ssm.inner_size; the experts and the shared expert of qwen35moe."""
+        interval = self.int_field(f"{arch}.full_attention_interval", 4)
+        assert interval is not None
+        value_heads = self.int_field(f"{arch}.ssm.time_step_rank", required=True)
+        inner = self.int_field(f"{arch}.ssm.inner_size", required=True)
+        assert value_heads is not None and inner is not None
+        if inner % value_heads:
+            raise KestrelError(f"{self.path}: {arch}.ssm.inner_size {inner} is not a multiple of "
+                               f"{arch}.ssm.time_step_rank {value_heads}")
+        out: dict[str, Any] = {
+            "arch": HYBRID_ARCHITECTURES[arch], "qk_norm": True, "attn_output_gate": True,
+            "layer_types": tuple("full" if (i + 1) % interval == 0 else "linear" for i in range(layers)),
+            "linear_key_heads": self.int_field(f"{arch}.ssm.group_count", required=True),
+            "linear_key_dim": self.int_field(f"{arch}.ssm.state_size", required=True),
+            "linear_value_heads": value_heads, "linear_value_dim": inner // value_heads,
+            "linear_conv_kernel": self.int_field(f"{arch}.ssm.conv_kernel", required=True)}
+        if arch == "qwen35moe":
+            shared = self.int_field(f"{arch}.expert_shared_feed_forward_length", 0, lo=0) or 0
+            out.update(num_experts=experts, norm_topk_prob=True, shared_expert_intermediate_size=shared,
+                       experts_per_token=self.int_field(f"{arch}.expert_used_count", required=True),
+                       expert_intermediate_size=self.int_field(f"{arch}.expert_feed_forward_length", required=True))
+        return out
 
     def tokenizer_fields(self) -> dict[str, Any]:
         """Every tokenizer.* metadata value, decoded (what Tokenizer.from_gguf_vocab needs)."""
@@ -474,8 +533,12 @@ class GGUFCheckpoint:
         if rows is not None:
             w = fused_rows(w, rows, str(self.path), t.name)
         c = self.config
+        field = name.rsplit(".", 1)[-1]
+        if c.linear_layers and field in _TILED_VALUE_HEADS and c.is_linear(int(name.split(".")[1])):
+            axis, head = _TILED_VALUE_HEADS[field]
+            w = grouped_value_heads(w, axis, c.linear_key_heads, c.linear_value_heads,
+                                    c.linear_value_dim if head == "dv" else 1)
         if c.arch in PERMUTED_ARCHITECTURES:
-            field = name.rsplit(".", 1)[-1]
             if field in ("q", "q_bias"):
                 w = unpermute_rows(w, c.num_heads)
             elif field in ("k", "k_bias"):

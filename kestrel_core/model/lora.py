@@ -215,6 +215,9 @@ class LoraSource:
         if missing:
             raise KestrelError(f"LoRA adapter {adapter.path}: the model has no {missing[0]} to adapt (another base "
                                "model's adapter?)")
+        if self.config.attn_output_gate and any(n.endswith(".q") for n in adapter.deltas):
+            raise KestrelError(f"LoRA adapter {adapter.path}: q_proj of gated attention (each head's query and gate "
+                               "rows in one tensor) is not supported")
         self.fp4_experts = getattr(source, "fp4_experts", False)
 
     def has(self, name: str) -> bool:

@@ -347,7 +347,7 @@ class Scheduler:
         budget = self.token_budget
         work: list[tuple[Request, list[int] | None, int]] = []
         limit = self.engine.config.max_position
-        guessing = self.speculate > 0 and ahead is None and self.engine.steps_on_host
+        guessing = self.speculate > 0 and ahead is None and self.engine.rewinds
         for request in list(self.running):
             if request.status != RUNNING or budget == 0:
                 continue

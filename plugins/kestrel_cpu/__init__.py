@@ -120,7 +120,8 @@ def kestrel_gemm_q8(device: CpuDevice, a_codes: np.ndarray, a_scales: np.ndarray
 @hookimpl
 def kestrel_gemm_fused_q8(device: CpuDevice, a_codes: np.ndarray, a_scales: np.ndarray,
                           weights: list[StripCache], wkeys: list[int], fused_wkey: int) -> list[np.ndarray] | None:
-    """Q/K/V or gate/up in one parallel pass (one thread fork/join and one call instead of several)."""
+    """Q/K/V or gate/up in one parallel pass (one thread fork/join and one call instead of several); a larger
+    group (Qwen3.5's four input projections) in passes of up to ``kernels.MAX_WEIGHTS``, the same bits."""
     if not weights:
         return []
     first = weights[0]
@@ -130,8 +131,13 @@ def kestrel_gemm_fused_q8(device: CpuDevice, a_codes: np.ndarray, a_scales: np.n
         return [reference_gemm_q8(a_codes, a_scales, w) for w in weights]
     a_codes, a_scales = _activations(a_codes, a_scales, first)
     packs = [device.packed_for(k, w) for k, w in zip(wkeys, weights)] if device.vnni else None
-    return device.kernels.gemm_q8_multi(a_codes, a_scales, [w.codes for w in weights],
-                                        [w.scales for w in weights], packs, vnni=device.vnni)
+    step = device.kernels.MAX_WEIGHTS
+    outs: list[np.ndarray] = []
+    for s in range(0, len(weights), step):
+        part = weights[s:s + step]
+        outs += device.kernels.gemm_q8_multi(a_codes, a_scales, [w.codes for w in part], [w.scales for w in part],
+                                             None if packs is None else packs[s:s + step], vnni=device.vnni)
+    return outs
 
 
 @hookimpl

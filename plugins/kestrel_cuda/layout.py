@@ -29,7 +29,7 @@ import numpy as np
 
 from kestrel_core.contract import StripCache
 from kestrel_core.model.weights import LayerWeights
-from kestrel_core.wkey import MLP_GROUPS, PROJ_GROUPS
+from kestrel_core.wkey import MLP_GROUPS
 
 ALIGN = 256
 VEC = 4  # columns per vectorised store: Npad is a multiple of it
@@ -121,10 +121,10 @@ class StripGroup(NamedTuple):
 
 
 def layer_groups(layer: int, lw: LayerWeights) -> list[StripGroup]:
-    """The projections of model layer ``layer`` in launch order: ``kestrel_core.wkey.PROJ_GROUPS`` (a mixture of
+    """The projections of model layer ``layer`` in launch order: ``LayerWeights.proj_groups`` (a mixture of
     experts layer: Q|K|V, O, then each expert's gate|up and down under its wkeys, the shared one's last)."""
     out = [StripGroup(list(strips), list(group.keys(layer)), group.fused_key(layer))
-           for group, strips in zip(PROJ_GROUPS, lw.groups())]
+           for group, strips in lw.proj_groups()]
     for e, ex in enumerate(lw.all_experts()):
         out += [StripGroup(list(strips), list(group.keys(layer, e)), group.fused_key(layer, e))
                 for group, strips in zip(MLP_GROUPS, ex.groups())]
