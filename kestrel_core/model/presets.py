@@ -66,6 +66,14 @@ _LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, 
                  "original_max_position_embeddings": 8192}
 _LLAMA31_ROPE = {**_LLAMA32_ROPE, "factor": 8.0}
 
+_QWEN3_5 = dict(rotary_dim=64, qk_norm=True, attn_output_gate=True, linear_key_heads=16, linear_key_dim=128,
+                linear_value_heads=32, linear_value_dim=128, linear_conv_kernel=4)  # and 3 linear layers to 1 full
+
+
+def _qwen3_5_layers(n: int) -> tuple[str, ...]:
+    return tuple("full" if (i + 1) % 4 == 0 else "linear" for i in range(n))
+
+
 # Shapes from each model's Hugging Face config.json.
 PRESETS: dict[str, ModelConfig] = {
     "smollm2-135m": _preset("llama", 49152, 576, 1536, 30, 9, 3, 64, 100000.0, 1e-5, 8192, True),
@@ -106,6 +114,11 @@ PRESETS: dict[str, ModelConfig] = {
                            sliding_window=128, layer_types=tuple("full" if i % 2 else "sliding" for i in range(24)),
                            qkv_bias=True, o_bias=True, attn_sinks=True, num_experts=32, experts_per_token=4,
                            expert_intermediate_size=2880, norm_topk_prob=True, moe_bias=True, activation="swiglu_oai"),
+    "qwen3.5-9b": _preset("qwen3_5", 248320, 4096, 12288, 32, 16, 4, 256, 1e7, 1e-6, 262144, False,
+                          layer_types=_qwen3_5_layers(32), **_QWEN3_5),
+    "qwen3.5-35b-a3b": _preset("qwen3_5_moe", 248320, 2048, 512, 40, 16, 2, 256, 1e7, 1e-6, 262144, False,
+                               layer_types=_qwen3_5_layers(40), **_QWEN3_5, num_experts=256, experts_per_token=8, expert_intermediate_size=512,
+                               norm_topk_prob=True, shared_expert_intermediate_size=512),
 }
 
 
@@ -193,6 +206,8 @@ def synthetic_model(config: ModelConfig, quant: str | QuantMode = "q8", seed: in
             tensors[s.name] = (rng.standard_normal(s.shape) / np.sqrt(s.shape[1])).astype(np.float32)
         elif s.name.endswith("_bias"):
             tensors[s.name] = (0.1 * rng.standard_normal(s.shape)).astype(np.float32)
+        elif s.name.endswith(".lin_decay"):  # -exp(A_log), A from 0.02 to 4: each step keeps some of the state
+            tensors[s.name] = -np.exp(rng.uniform(np.log(0.02), np.log(4.0), s.shape)).astype(np.float32)
         elif s.name.endswith(".sinks"):  # attention sinks: logits of the size of a score's
             tensors[s.name] = rng.standard_normal(s.shape).astype(np.float32)
         else:  # norms

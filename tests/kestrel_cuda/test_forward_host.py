@@ -371,3 +371,18 @@ def test_pipelined_greedy_grows_the_kv_cache_as_it_goes() -> None:
     got = [next(tokens) for _ in range(8)]
     assert [first] + got == expect
     assert fwd._seqs[1].capacity == 2 * CAP_CHUNK and fwd.counters["graph_captures"] == 2
+
+
+def test_declines_linear_attention_and_gated_attention_whatever_the_architecture() -> None:
+    """Qwen3.5's Gated DeltaNet layers and gated attention have no kernels: the device forward declines them by
+    name (even under an architecture it knows), and the GEMM hooks run them."""
+    from kestrel_core.model.config import ModelConfig
+
+    hybrid = ModelConfig(arch="qwen3_5", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
+                         num_heads=2, num_kv_heads=1, head_dim=32, max_position=32, qk_norm=True,
+                         layer_types=("linear", "full"), attn_output_gate=True, linear_key_heads=1,
+                         linear_key_dim=16, linear_value_heads=2, linear_value_dim=32, linear_conv_kernel=4)
+    model = synthetic_model(hybrid, "q8", seed=1)
+    assert unsupported_reason(model) == "architecture 'qwen3_5'"
+    model.config = replace(hybrid, arch="qwen3")
+    assert unsupported_reason(model) == "linear-attention layers or gated attention"

@@ -15,8 +15,10 @@ from kestrel_core.model.quantize import parse_quant
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_builds_a_consistent_model(name: str) -> None:
     cfg = preset_config(name)
-    model = preset_model(name, "q4", num_layers=1, vocab_size=512)  # the real widths, fewer rows
-    lw = model.layers[0]
+    # the real widths, fewer rows; a hybrid's first full-attention layer (its first three are linear)
+    layers = cfg.attention_layers[0] + 1
+    model = preset_model(name, "q4", num_layers=layers, vocab_size=512)
+    lw = model.layers[layers - 1]
     qn, kvn = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     assert lw.q.shape == (qn, cfg.hidden_size) and lw.k.shape == lw.v.shape == (kvn, cfg.hidden_size)
     assert lw.o.shape == (cfg.hidden_size, qn)
@@ -25,7 +27,11 @@ def test_every_preset_builds_a_consistent_model(name: str) -> None:
     assert len(mlps) == max(cfg.num_experts, 1) and (lw.router is not None) == cfg.is_moe
     for mlp in mlps:
         assert mlp.down.shape == (cfg.hidden_size, f) and mlp.gate.shape == mlp.up.shape == (f, cfg.hidden_size)
-    assert (lw.q_norm is not None) == cfg.qk_norm == (cfg.arch in ("qwen3", "qwen3_moe", "gemma3"))
+    assert (lw.q_norm is not None) == cfg.qk_norm == (cfg.arch in ("qwen3", "qwen3_moe", "gemma3", "qwen3_5",
+                                                                   "qwen3_5_moe"))
+    for linear in model.layers[:layers - 1]:  # Gated DeltaNet: q|k|v before the convolution, z, beta, alpha, out
+        assert linear.lin_qkv.shape == (cfg.linear_conv_dim, cfg.hidden_size) and linear.q is None
+        assert linear.o.shape == (cfg.hidden_size, cfg.linear_value_heads * cfg.linear_value_dim)
     assert (model.lm_head is model.embedding) == cfg.tie_word_embeddings
     assert model.embedding.bits == model.lm_head.bits == 8 and lw.q.bits == 4
     assert cfg.num_heads % cfg.num_kv_heads == 0

@@ -1,0 +1,187 @@
+"""Qwen3.5's hybrid layers: each of its rules is needed to agree with transformers, the hub's nested checkpoint
+reads as the flat one, and a sequence's recurrent state behaves (slots, no rewind, no shared prefix, preemption)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kestrel_core
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.config import ModelConfig
+from kestrel_core.model.sampling import SamplingParams
+from kestrel_core.model.scheduler import Scheduler
+from kestrel_core.model.validate import ValidationError
+
+from .test_parity import CASES, FIXTURES, HYBRID, MOE, Golden, _with_config, measure
+
+DENSE = next(c for c in CASES if c.name == "tiny-qwen3_5")
+DENSE_GGUF = next(c for c in CASES if c.name == "tiny-qwen3_5.gguf")
+MIXTURE = next(c for c in CASES if c.name == "tiny-qwen3_5-moe")
+
+
+def _get_changed(mp, field: str, change) -> None:  # type: ignore[no-untyped-def]
+    """HFCheckpoint.get with ``change`` applied to every tensor of ``field``."""
+    from kestrel_core.model import hf
+
+    real = hf.HFCheckpoint.get
+    mp.setattr(hf.HFCheckpoint, "get", lambda self, name: change(real(self, name))
+               if name.rsplit(".", 1)[-1] == field else real(self, name))
+
+
+def _query_and_gate_swapped(mp) -> None:  # type: ignore[no-untyped-def]
+    from kestrel_core.model import hf, quantize
+
+    real = quantize.head_rows
+    mp.setattr(hf, "head_rows", lambda heads, dim, part, parts=2: real(heads, dim, 1 - part, parts))
+
+
+WRONG = {
+    "norms as plain weights, not 1 + w": lambda mp: mp.setattr("kestrel_core.model.hf.ONE_PLUS_NORMS", ()),
+    "q_proj's gate rows read as the query": _query_and_gate_swapped,
+    "no decay (A_log left out)": lambda mp: _get_changed(mp, "lin_decay", np.zeros_like),
+    "the convolution's taps in reverse": lambda mp: _get_changed(mp, "lin_conv", lambda t: t[:, ::-1].copy()),
+    "value heads tiled, not grouped by key head": lambda mp: _get_changed(
+        mp, "lin_dt_bias", lambda t: t.reshape(2, 2).T.reshape(-1).copy()),
+}
+
+
+@pytest.mark.parametrize("wrong", WRONG)
+def test_qwen3_5_done_wrong_leaves_the_limits(monkeypatch, wrong: str) -> None:  # type: ignore[no-untyped-def]
+    """Each of Qwen3.5's rules is needed for tiny-qwen3_5 to agree."""
+    WRONG[wrong](monkeypatch)
+    fig = measure(DENSE, "q8")
+    assert not fig.within(HYBRID), fig
+
+
+def test_qwen3_5_gguf_with_its_value_heads_left_tiled_leaves_the_limits(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """llama.cpp's converter reorders the value heads of every linear-attention tensor; read as stored, the
+    GGUF twin disagrees."""
+    monkeypatch.setattr("kestrel_core.model.gguf_reader._TILED_VALUE_HEADS", {})
+    fig = measure(DENSE_GGUF, "q8")
+    assert not fig.within(HYBRID), fig
+
+
+def test_qwen3_5_moe_without_its_shared_expert_leaves_the_limits(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    _with_config(monkeypatch, lambda c: {**c, "shared_expert_intermediate_size": 0})
+    fig = measure(MIXTURE, "q8")
+    assert not fig.within(MOE), fig
+
+
+def test_the_hubs_nested_checkpoint_reads_as_the_flat_one(tmp_path: Path) -> None:
+    """Qwen3_5ForConditionalGeneration nests the language model (text_config, model.language_model.*) beside a
+    vision tower and an MTP head, which kestrel leaves; written flat as Qwen3_5ForCausalLM, the same logits."""
+    nested = FIXTURES / "tiny-qwen3_5"
+    flat = tmp_path / "flat"
+    shutil.copytree(nested, flat)
+    cfg = json.loads((nested / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    text = {**cfg["text_config"], "architectures": ["Qwen3_5ForCausalLM"],
+            "tie_word_embeddings": cfg["tie_word_embeddings"]}
+    (flat / "config.json").write_text(json.dumps(text))
+    raw = (nested / "model.safetensors").read_bytes()  # bfloat16: renamed in the header, the data as it is
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + size])
+    assert any(k.startswith("model.visual.") for k in header) and any(k.startswith("mtp.") for k in header)
+    renamed = json.dumps({k.replace("model.language_model.", "model."): v for k, v in header.items()}).encode()
+    (flat / "model.safetensors").write_bytes(len(renamed).to_bytes(8, "little") + renamed + raw[8 + size:])
+    ids = Golden(nested / "golden.npz").ids
+    with kestrel_core.load(str(nested), backend="cpu") as a, \
+            kestrel_core.load(str(flat), backend="cpu") as b:
+        np.testing.assert_array_equal(a.logits(ids), b.logits(ids))
+
+
+@pytest.fixture
+def engine():  # type: ignore[no-untyped-def]
+    with kestrel_core.load(str(FIXTURES / "tiny-qwen3_5"), backend="cpu") as engine:
+        yield engine
+
+
+def test_states_are_per_sequence_and_slots_come_back_zeroed(engine) -> None:  # type: ignore[no-untyped-def]
+    """Two sequences decoding side by side keep their own states; a released slot, taken again, starts from
+    zero: the same prompt gives the same logits as on a fresh engine."""
+    dec, ids = engine.decoder, Golden(FIXTURES / "tiny-qwen3_5" / "golden.npz").ids
+    first = dec.new_cache()
+    alone = dec.forward(ids[:12], first, all_logits=True)
+    other = dec.new_cache()
+    dec.forward(ids[20:31], other)
+    first.release()
+    again = dec.new_cache()
+    assert again.state == [] and engine.pool.states is not None
+    np.testing.assert_array_equal(dec.forward(ids[:12], again, all_logits=True), alone)
+    step = [dec.forward(ids[12:13], again), dec.forward(ids[31:32], other)]
+    whole = dec.new_cache()
+    np.testing.assert_array_equal(dec.forward(ids[:13], whole), step[0])
+
+
+def test_a_recurrent_state_is_not_rewound_shared_or_guessed_ahead(engine) -> None:  # type: ignore[no-untyped-def]
+    """The state holds every position: truncate refuses, the engine neither shares prefix blocks nor drafts, and
+    --speculate's greedy answer is the same as without it."""
+    assert not engine.rewinds and not engine.prefix_cache
+    cache = engine.decoder.new_cache()
+    engine.decoder.forward([5, 6, 7], cache)
+    with pytest.raises(KestrelError, match="recurrent state"):
+        cache.truncate(1)
+    prompt = [9, 10, 11, 9, 10, 11, 9, 10, 11, 9, 10]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = list(engine.generate(prompt, params=params))
+    engine.speculate = 4
+    scheduler = Scheduler(engine, max_batch=2)
+    request = scheduler.add(prompt, params)
+    while scheduler.has_work:
+        scheduler.step()
+    assert request.output_ids == plain and scheduler.drafted == 0
+
+
+def test_preempted_hybrid_sequences_are_recomputed_with_the_same_tokens() -> None:
+    """A cache too small for every sequence preempts some; recomputed from their tokens (a fresh state), they
+    give each request's tokens alone."""
+    path = str(FIXTURES / "tiny-qwen3_5")
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 512, int(rng.integers(2, 40))).tolist() for _ in range(5)]
+    params = SamplingParams(max_tokens=60, temperature=0.8, seed=3, ignore_eos=True)
+    with kestrel_core.load(path, backend="cpu") as roomy:
+        alone = [list(roomy.generate(p, params=params)) for p in prompts]
+    # 512 bytes a position (one attention layer of four): 0.125 MB is 8 blocks of 32 for five sequences of 3
+    with kestrel_core.load(path, backend="cpu", kv_cache_mb=0.125) as tight:
+        assert tight.pool.num_blocks == 8
+        scheduler = Scheduler(tight, max_batch=5, token_budget=64)
+        requests = [scheduler.add(p, params) for p in prompts]
+        while scheduler.has_work:
+            scheduler.step()
+        assert scheduler.preemptions > 0
+        assert [r.output_ids for r in requests] == alone
+        assert tight.pool.states is not None and len(tight.pool.states._free) == tight.pool.states.slots
+
+
+@pytest.mark.parametrize(("fields", "error"), [
+    ({"linear_key_heads": 2}, "needs linear layers"),
+    ({"layer_types": ("linear", "full"), "linear_key_heads": 2, "linear_key_dim": 16, "linear_value_heads": 3,
+      "linear_value_dim": 16, "linear_conv_kernel": 4}, "multiple of linear_key_heads"),
+    ({"layer_types": ("linear", "full"), "linear_key_heads": 2, "linear_key_dim": 16, "linear_value_heads": 4,
+      "linear_value_dim": 16}, "linear_conv_kernel"),
+])
+def test_linear_attention_config_is_checked(fields: dict, error: str) -> None:
+    base = dict(arch="qwen3_5", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=2,
+                num_kv_heads=1, head_dim=32)
+    with pytest.raises(ValidationError, match=error):
+        ModelConfig(**{**base, **fields})
+
+
+def test_grouped_value_heads_undo_llamacpps_tiling() -> None:
+    """llama.cpp's converter turns [key head, value head of it, dim] into [value head of it, key head, dim]
+    (_LinearAttentionVReorderBase); kestrel reads it back, along rows or columns, past a q|k prefix."""
+    from kestrel_core.model.gguf_reader import grouped_value_heads
+
+    key_heads, per_key, dim, lead = 2, 3, 4, 5
+    hf = np.arange(lead + key_heads * per_key * dim, dtype=np.float32)[:, None] * np.ones((1, 7), np.float32)
+    heads = hf[lead:].reshape(key_heads, per_key, dim, 7)
+    tiled = np.concatenate([hf[:lead], heads.transpose(1, 0, 2, 3).reshape(-1, 7)])
+    assert not np.array_equal(tiled, hf)
+    np.testing.assert_array_equal(grouped_value_heads(tiled, 0, key_heads, key_heads * per_key, dim), hf)
+    np.testing.assert_array_equal(grouped_value_heads(tiled.T[:, lead:], 1, key_heads, key_heads * per_key, dim),
+                                  hf.T[:, lead:])
