@@ -117,8 +117,9 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3.5-9b": _preset("qwen3_5", 248320, 4096, 12288, 32, 16, 4, 256, 1e7, 1e-6, 262144, False,
                           layer_types=_qwen3_5_layers(32), **_QWEN3_5),
     "qwen3.5-35b-a3b": _preset("qwen3_5_moe", 248320, 2048, 512, 40, 16, 2, 256, 1e7, 1e-6, 262144, False,
-                               layer_types=_qwen3_5_layers(40), **_QWEN3_5, num_experts=256, experts_per_token=8, expert_intermediate_size=512,
-                               norm_topk_prob=True, shared_expert_intermediate_size=512),
+                               layer_types=_qwen3_5_layers(40), **_QWEN3_5, num_experts=256, experts_per_token=8,
+                               expert_intermediate_size=512, norm_topk_prob=True,
+                               shared_expert_intermediate_size=512),
 }
 
 
