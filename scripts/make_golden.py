@@ -99,6 +99,7 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
+    Qwen3NextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
     SeedOssConfig,
@@ -312,6 +313,10 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     # Qwen3.5-MoE: the same layers with 4 experts (top 2, renormalised) and a gated shared expert, tied embeddings
     qwen3_5_moe = Qwen3_5MoeTextConfig(**common, **linear, moe_intermediate_size=32, shared_expert_intermediate_size=64,
                                        num_experts=4, num_experts_per_tok=2, tie_word_embeddings=True)
+    # Qwen3-Next: Qwen3.5-MoE's layers with the linear attention's inputs fused per key head (in_proj_qkvz, in_proj_ba)
+    qwen3_next = Qwen3NextConfig(**common, **linear, intermediate_size=128, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                                 norm_topk_prob=True, tie_word_embeddings=False)
     mixtral = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
                             num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None)
     return {
@@ -337,6 +342,7 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-ernie4_5": (ernie, _saved(torch.bfloat16)),
         "tiny-qwen3_5": (qwen3_5, _saved(torch.bfloat16, classic=False, nest=True)),
         "tiny-qwen3_5-moe": (qwen3_5_moe, _saved(torch.bfloat16, classic=False)),
+        "tiny-qwen3-next": (qwen3_next, _saved(torch.bfloat16, classic=False)),
     }
 
 
@@ -385,6 +391,7 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                 val = 1.0 + NORM_JITTER * rng.standard_normal(shape)
             elif name.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight",
                                 "linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight",
+                                "linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight",
                                 "linear_attn.out_proj.weight")):
                 val = q4_grid(rng, shape, STD_PROJ)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
@@ -418,11 +425,16 @@ def _keys_near_queries(attn: Any, rng: np.random.Generator) -> None:
     and convolution taps), as a trained model's are far from orthogonal. Random q and k are nearly orthogonal, and
     the gated RMSNorm after the delta rule then scales each head's output up by 1 / (q . k): the logits would hang
     on the rounding of every input, whoever computes them."""
-    kd = attn.num_k_heads * attn.head_k_dim
-    w = attn.in_proj_qkv.weight  # [C, D]
+    kd, dk = attn.num_k_heads * attn.head_k_dim, attn.head_k_dim
+    fused = hasattr(attn, "in_proj_qkvz")  # Qwen3-Next: per key head, q, k, v, z
+    w = attn.in_proj_qkvz.weight if fused else attn.in_proj_qkv.weight  # [rows, D]
+    group = w.shape[0] // attn.num_k_heads if fused else 0
+    q_rows = torch.cat([torch.arange(h * group, h * group + dk) for h in range(attn.num_k_heads)]) if fused \
+        else torch.arange(kd)
+    k_rows = q_rows + dk if fused else q_rows + kd
     blocks = torch.from_numpy(rng.random((kd, w.shape[1] // 32)) < KEY_FROM_QUERY)
     take = blocks.repeat_interleave(32, dim=1)
-    w[kd:2 * kd] = torch.where(take, w[:kd], w[kd:2 * kd])
+    w[k_rows] = torch.where(take, w[q_rows], w[k_rows])
     conv = attn.conv1d.weight  # [C, 1, kernel]
     taps = torch.from_numpy(rng.random(kd) < KEY_FROM_QUERY)[:, None, None]
     conv[kd:2 * kd] = torch.where(taps, conv[:kd], conv[kd:2 * kd])
@@ -1113,6 +1125,65 @@ def write_qwen3_5_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     return _gguf_finish(w, src, dst)
 
 
+def write_qwen3_next_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-qwen3-next as llama.cpp's Qwen3NextModel writes it: as qwen35moe's but in_proj_qkvz split into attn_qkv
+    (every key head's q, then k, then v) and attn_gate (z), in_proj_ba whole as ssm_ba, value heads not reordered."""
+    cfg = json.loads((src / "config.json").read_text())
+    rope = cfg["rope_parameters"]
+    flat = {**cfg, "rope_theta": rope["rope_theta"], "partial_rotary_factor": rope["partial_rotary_factor"]}
+    tensors = _float32_tensors(src / "model.safetensors")
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    w = _gguf_writer(dst, "qwen3next", src.name, flat, tok)
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(dk)
+    w.add_ssm_group_count(hk)
+    w.add_ssm_time_step_rank(hv)
+    w.add_ssm_inner_size(dv * hv)
+    w.add_full_attention_interval(cfg["layer_types"].index("full_attention") + 1)
+    w.add_expert_count(cfg["num_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    put = _gguf_put(w)
+    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
+    for i, kind_of_layer in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}."
+        kind = "q4_0" if i % 2 == 0 else "f16"
+        put(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"] + 1, "f32")
+        put(f"blk.{i}.post_attention_norm.weight", tensors[p + "post_attention_layernorm.weight"] + 1, "f32")
+        if kind_of_layer == "linear_attention":
+            a = p + "linear_attn."
+            per = hv // hk * dv
+            qkvz = tensors[a + "in_proj_qkvz.weight"].reshape(hk, 2 * dk + 2 * per, -1)
+            q, k, v, z = np.split(qkvz, [dk, 2 * dk, 2 * dk + per], axis=1)
+            put(f"blk.{i}.attn_qkv.weight", np.concatenate([t.reshape(-1, t.shape[-1]) for t in (q, k, v)]), kind)
+            put(f"blk.{i}.attn_gate.weight", z.reshape(-1, z.shape[-1]), kind)
+            put(f"blk.{i}.ssm_ba.weight", tensors[a + "in_proj_ba.weight"], kind)
+            put(f"blk.{i}.ssm_a", -np.exp(tensors[a + "A_log"]), "f32")
+            put(f"blk.{i}.ssm_dt.bias", tensors[a + "dt_bias"], "f32")
+            put(f"blk.{i}.ssm_conv1d.weight", tensors[a + "conv1d.weight"][:, 0], "f32")
+            put(f"blk.{i}.ssm_norm.weight", tensors[a + "norm.weight"], "f32")
+            put(f"blk.{i}.ssm_out.weight", tensors[a + "out_proj.weight"], kind)
+        else:
+            for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+                put(f"blk.{i}.{name}.weight", tensors[p + f"self_attn.{proj}_proj.weight"], kind)
+            for norm in ("q_norm", "k_norm"):
+                put(f"blk.{i}.attn_{norm}.weight", tensors[p + f"self_attn.{norm}.weight"] + 1, "f32")
+        put(f"blk.{i}.ffn_gate_inp.weight", tensors[p + "mlp.gate.weight"], "f32")
+        for name, stacked in _stack_experts(tensors, p + "mlp.experts.", ("gate_proj", "up_proj", "down_proj"),
+                                            cfg["num_experts"]).items():
+            put(f"blk.{i}.ffn_{name}_exps.weight", stacked, kind)
+        put(f"blk.{i}.ffn_gate_inp_shexp.weight", tensors[p + "mlp.shared_expert_gate.weight"][0], "f32")
+        for name in ("gate", "up", "down"):
+            put(f"blk.{i}.ffn_{name}_shexp.weight", tensors[p + f"mlp.shared_expert.{name}_proj.weight"], kind)
+    put("output_norm.weight", tensors["model.norm.weight"] + 1, "f32")
+    put("output.weight", tensors["lm_head.weight"], "q8_0")
+    return _gguf_finish(w, src, dst)
+
+
 # ------------------------------------------------------------------------------------------------- SmolLM2
 
 SMOLLM_MESSAGES = [
@@ -1163,7 +1234,7 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-smollm3": write_smollm3_gguf, "tiny-granite": write_granite_gguf, "tiny-olmo2": write_olmo2_gguf,
               "tiny-exaone4": write_exaone4_gguf, "tiny-seed-oss": write_seed_oss_gguf, "tiny-glm4": write_glm4_gguf,
               "tiny-ernie4_5": write_ernie4_5_gguf, "tiny-qwen3_5": write_qwen3_5_gguf,
-              "tiny-qwen3_5-moe": write_qwen3_5_gguf}
+              "tiny-qwen3_5-moe": write_qwen3_5_gguf, "tiny-qwen3-next": write_qwen3_next_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
 DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
 # LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is

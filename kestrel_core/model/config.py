@@ -1,6 +1,6 @@
 """Decoder configuration: one dataclass for Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, OLMo 2, EXAONE 4,
 Seed-OSS, GLM-4, ERNIE 4.5, Gemma 2 and 3, the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss) and the
-hybrids of linear and full attention (Qwen3.5, dense and MoE)."""
+hybrids of linear and full attention (Qwen3.5 dense and MoE, Qwen3-Next)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from kestrel_core.model.validate import ValidationError, check_bool, check_float
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
                  "mixtral", "gpt_oss", "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5",
-                 "qwen3_5", "qwen3_5_moe")
+                 "qwen3_5", "qwen3_5_moe", "qwen3_next")
 POOLINGS = ("last", "mean", "cls")  # how an embedding pools the final hidden states: last, mean or first token
 # of the gate: SwiGLU, GeGLU with the tanh GELU (Gemma), or gpt-oss's clamped SwiGLU: gate g clamped to at most
 # swiglu_limit, up u to +-swiglu_limit, then (u + 1) * g * sigmoid(swiglu_alpha * g)

@@ -1,5 +1,5 @@
 """Read a GGUF file (GGUF_ARCHITECTURES: llama incl. Mixtral, qwen2, qwen3, phi3, gemma 2 and 3, the mixtures of
-experts, gpt-oss, smollm3, granite, olmo2, exaone4, seed_oss, glm4, ernie4_5, qwen35 and qwen35moe) as a
+experts, gpt-oss, smollm3, granite, olmo2, exaone4, seed_oss, glm4, ernie4_5, qwen35, qwen35moe and qwen3next) as a
 TensorSource: dequantized float32, HF layout; the experts of a stacked ``ffn_*_exps`` tensor are read one slice at a
 time.
 
@@ -27,13 +27,15 @@ from gguf.quants import dequantize
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig, recommended_sampling
 from kestrel_core.model.gguf_bounds import check_gguf_bounds
-from kestrel_core.model.quantize import fused_rows, head_rows, layer_name, map_tensor_name
+from kestrel_core.model.quantize import fused_rows, hybrid_splits, layer_name, map_tensor_name
 from kestrel_core.model.validate import ValidationError, check_float, check_int, check_regular_file
 from kestrel_core.model.weights import expert_field
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
-                      "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5", "qwen35", "qwen35moe")
-HYBRID_ARCHITECTURES = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}  # linear attention beside gated attention
+                      "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5", "qwen35", "qwen35moe",
+                      "qwen3next")
+# linear attention beside gated attention
+HYBRID_ARCHITECTURES = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next"}
 MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}  # with experts
 EXPERT_WEIGHTS_NORM = {"qwen2moe": False}  # llama.cpp's default where expert_weights_norm is absent: true
 # kestrel's names: a llama GGUF with experts is Mixtral; SmolLM3's converter is llama's
@@ -77,6 +79,9 @@ _HYBRID_MAP = {**_LAYER_MAP, "post_attention_norm.weight": "mlp_norm", "attn_qkv
                "attn_gate.weight": "lin_z", "ssm_beta.weight": "lin_beta", "ssm_alpha.weight": "lin_alpha",
                "ssm_out.weight": "o", "ssm_conv1d.weight": "lin_conv", "ssm_a": "lin_decay",
                "ssm_dt.bias": "lin_dt_bias", "ssm_norm.weight": "lin_norm"}
+# the fused tensors of the hybrids, by their quantize.hybrid_splits role: attn_q (each head's query, then its gate),
+# qwen3next's ssm_ba (per key head: beta, alpha)
+_HYBRID_SPLITS = {"attn_q.weight": "q_gate", "ssm_ba.weight": "ba"}
 # what llama.cpp's converter (_LinearAttentionVReorderBase) reorders from HF's value heads grouped by key head to
 # tiled: each tensor's axis and the length of a head along it; kestrel takes them back to HF's order
 _TILED_VALUE_HEADS = {"lin_qkv": (0, "dv"), "lin_z": (0, "dv"), "lin_beta": (0, 1), "lin_alpha": (0, 1),
@@ -210,8 +215,8 @@ class GGUFCheckpoint:
             if m and m.group(2) in fused:
                 split.append((int(m.group(1)), fused[m.group(2)], t))
                 continue
-            if m and file_arch in HYBRID_ARCHITECTURES and m.group(2) == "attn_q.weight":  # each head's query|gate
-                split.append((int(m.group(1)), ("q", "attn_gate"), t))
+            if m and file_arch in HYBRID_ARCHITECTURES and m.group(2) in _HYBRID_SPLITS:
+                split.append((int(m.group(1)), _HYBRID_SPLITS[m.group(2)], t))
                 continue
             if m and m.group(2) in _STACKED:
                 stacked_dims = 2 if m.group(2).endswith(".bias") else 3
@@ -225,15 +230,20 @@ class GGUFCheckpoint:
         self.fp4_experts = any(t.tensor_type.name == "MXFP4" for t in self.reader.tensors)
         self._rope_factors = {t.name: t for t in self.reader.tensors if t.name.startswith("rope_factors_")}
         self.config = self._config()
+        # Qwen3.5's converter tiles the value heads of its linear attention (Qwen3-Next's keeps HF's order)
+        self.tiled_value_heads = file_arch in ("qwen35", "qwen35moe")
         c = self.config
+        splits = hybrid_splits(c) if c.linear_layers else {}
         for layer, members, t in split:  # rows of the fused tensor in member order
+            if isinstance(members, str):  # a hybrid's, by its role
+                for member, rows in splits[members]:
+                    self._tensors[layer_name(layer, member)] = t
+                    self._rows[layer_name(layer, member)] = rows
+                continue
             start = 0
-            for part, member in enumerate(members):
+            for member in members:
                 name = layer_name(layer, member)
                 self._tensors[name] = t
-                if members == ("q", "attn_gate"):
-                    self._rows[name] = head_rows(c.num_heads, c.head_dim, part)
-                    continue
                 self._rows[name] = (start, start + c.rows_of(member))
                 start += c.rows_of(member)
 
@@ -347,7 +357,8 @@ class GGUFCheckpoint:
                 vocab_size=vocab_size,
                 hidden_size=hidden,
                 # qwen35moe's every MLP is its experts: no dense width
-                intermediate_size=self.int_field(f"{arch}.feed_forward_length", required=arch != "qwen35moe")
+                intermediate_size=self.int_field(f"{arch}.feed_forward_length",
+                                                 required=arch not in ("qwen35moe", "qwen3next"))
                 or extra.get("expert_intermediate_size"),
                 num_layers=layers,
                 num_heads=heads,
@@ -479,7 +490,8 @@ class GGUFCheckpoint:
     def _hybrid_fields(self, arch: str, layers: int, experts: int) -> dict[str, Any]:
         """Qwen3.5's, as llama.cpp reads them: every full_attention_interval-th layer full (gated attention, q/k
         norms), the others Gated DeltaNet with ssm.group_count key heads of ssm.state_size dims and
-        ssm.time_step_rank value heads sharing ssm.inner_size; the experts and the shared expert of qwen35moe."""
+        ssm.time_step_rank value heads sharing ssm.inner_size; the experts and the shared expert of qwen35moe and
+        qwen3next."""
         interval = self.int_field(f"{arch}.full_attention_interval", 4)
         assert interval is not None
         value_heads = self.int_field(f"{arch}.ssm.time_step_rank", required=True)
@@ -495,9 +507,12 @@ class GGUFCheckpoint:
             "linear_key_dim": self.int_field(f"{arch}.ssm.state_size", required=True),
             "linear_value_heads": value_heads, "linear_value_dim": inner // value_heads,
             "linear_conv_kernel": self.int_field(f"{arch}.ssm.conv_kernel", required=True)}
-        if arch == "qwen35moe":
+        if arch in ("qwen35moe", "qwen3next"):
             shared = self.int_field(f"{arch}.expert_shared_feed_forward_length", 0, lo=0) or 0
-            out.update(num_experts=experts, norm_topk_prob=True, shared_expert_intermediate_size=shared,
+            norm = self.field(f"{arch}.expert_weights_norm", True)
+            if not isinstance(norm, bool):
+                raise KestrelError(f"{self.path}: metadata {arch}.expert_weights_norm must be a bool, got {norm!r}")
+            out.update(num_experts=experts, norm_topk_prob=norm, shared_expert_intermediate_size=shared,
                        experts_per_token=self.int_field(f"{arch}.expert_used_count", required=True),
                        expert_intermediate_size=self.int_field(f"{arch}.expert_feed_forward_length", required=True))
         return out
@@ -534,7 +549,7 @@ class GGUFCheckpoint:
             w = fused_rows(w, rows, str(self.path), t.name)
         c = self.config
         field = name.rsplit(".", 1)[-1]
-        if c.linear_layers and field in _TILED_VALUE_HEADS and c.is_linear(int(name.split(".")[1])):
+        if self.tiled_value_heads and field in _TILED_VALUE_HEADS and c.is_linear(int(name.split(".")[1])):
             axis, head = _TILED_VALUE_HEADS[field]
             w = grouped_value_heads(w, axis, c.linear_key_heads, c.linear_value_heads,
                                     c.linear_value_dim if head == "dv" else 1)

@@ -27,7 +27,7 @@ from kestrel_core.model.hf_config import (
     read_hf_config,
     read_json,
 )
-from kestrel_core.model.quantize import fused_rows, head_rows, layer_name, map_tensor_name
+from kestrel_core.model.quantize import fused_rows, hybrid_splits, layer_name, map_tensor_name
 from kestrel_core.model.validate import (
     check_regular_file,
 )
@@ -59,6 +59,10 @@ _LINEAR_ATTN_MAP = {**_LAYER_MAP, "linear_attn.in_proj_qkv.weight": "lin_qkv", "
                     "linear_attn.out_proj.weight": "o", "linear_attn.conv1d.weight": "lin_conv",
                     "linear_attn.A_log": "lin_decay", "linear_attn.dt_bias": "lin_dt_bias",
                     "linear_attn.norm.weight": "lin_norm"}
+# the fused tensors of Qwen3.5 (q_proj: each head's query, then its gate) and Qwen3-Next (its linear attention's
+# inputs, per key head), by their quantize.hybrid_splits role
+_HYBRID_SPLITS = {"self_attn.q_proj.weight": "q_gate", "linear_attn.in_proj_qkvz.weight": "qkvz",
+                  "linear_attn.in_proj_ba.weight": "ba"}
 # Gemma 2 and 3 name their four norms by position around the attention and the MLP
 _GEMMA_LAYER_MAP = {**_LAYER_MAP, "post_attention_layernorm.weight": "post_attn_norm",
                      "pre_feedforward_layernorm.weight": "mlp_norm",
@@ -221,6 +225,7 @@ class HFCheckpoint:
         self._paths: dict[str, Path] = {}  # HF name -> shard
         self._handles: dict[Path, Any] = {}
         self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}
+        self._splits = hybrid_splits(self.config) if self.config.arch in HYBRID_ARCHITECTURES else {}
         self._index()
         self.fp4_experts = any(name.endswith("_blocks") for name in self._paths)  # gpt-oss as OpenAI ships it
         pooling = sentence_transformers_pooling(self.dir)
@@ -245,9 +250,9 @@ class HFCheckpoint:
         Qwen3.5's query|gate)."""
         c = self.config
         m = _LAYER_RE.match(_plain_name(hf_name))
-        if c.attn_output_gate and m is not None and m.group(2) == "self_attn.q_proj.weight":  # Qwen3.5
-            return [(layer_name(int(m.group(1)), name), head_rows(c.num_heads, c.head_dim, part))
-                    for part, name in enumerate(("q", "attn_gate"))]
+        if c.arch in HYBRID_ARCHITECTURES and m is not None and m.group(2) in _HYBRID_SPLITS:
+            return [(layer_name(int(m.group(1)), name), rows)
+                    for name, rows in self._splits[_HYBRID_SPLITS[m.group(2)]]]
         name = kestrel_name(hf_name, self.config.arch)
         if name is not None:
             return [(name, None)]

@@ -32,6 +32,7 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "Glm4ForCausalLM": "glm4", "Ernie4_5ForCausalLM": "ernie4_5",
                     "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3_5ForConditionalGeneration": "qwen3_5",
                     "Qwen3_5MoeForCausalLM": "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+                    "Qwen3NextForCausalLM": "qwen3_next",
                     # the decoder without its head, as embedding checkpoints (e5-mistral, ...) name it
                     "LlamaModel": "llama", "Qwen2Model": "qwen2", "Qwen3Model": "qwen3", "MistralModel": "mistral"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
@@ -39,7 +40,8 @@ MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": 
                "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss",
                "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2", "exaone4": "exaone4",
                "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "qwen3_5": "qwen3_5",
-               "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe"}
+               "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe",
+               "qwen3_next": "qwen3_next"}
 WINDOWED = ("mistral", "phi3", "mixtral")  # architectures whose sliding_window applies to every layer
 # Gemma3TextConfig's defaults: hub configs (the text_config of the multimodal checkpoints) leave many out
 GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -48,7 +50,7 @@ GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_siz
                    "sliding_window": 4096, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1}
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 # linear attention (Gated DeltaNet) beside gated full attention, every RMSNorm but the gated one a 1 + weight factor
-HYBRID_ARCHITECTURES = ("qwen3_5", "qwen3_5_moe")
+HYBRID_ARCHITECTURES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 # Qwen3_5TextConfig's defaults of what a text_config may leave out
 QWEN3_5_DEFAULTS = {"head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
                     "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
@@ -253,7 +255,7 @@ def _moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
     if experts is None:
         raise KestrelError(f"{where}: missing 'num_experts'")
     out = {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok", 2)}
-    if arch in ("qwen2_moe", "qwen3_moe"):
+    if arch in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
         if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
             raise KestrelError(f"{where}: mlp_only_layers / decoder_sparse_step (dense MLP layers between the "
                                "expert layers) are not supported")
@@ -263,10 +265,10 @@ def _moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
             shared = cfg.get("shared_expert_intermediate_size", 0)
             check_int("shared_expert_intermediate_size", shared, 0)
             out["shared_expert_intermediate_size"] = shared
-        norm = cfg.get("norm_topk_prob", False)
+        norm = cfg.get("norm_topk_prob", arch == "qwen3_next")  # Qwen3NextConfig's default: true
         check_bool("norm_topk_prob", norm)
         out.update(expert_intermediate_size=cfg.get("moe_intermediate_size"), norm_topk_prob=norm,
-                   qk_norm=arch == "qwen3_moe")
+                   qk_norm=arch in ("qwen3_moe", "qwen3_next"))
     elif arch == "qwen3_5_moe":  # Qwen2-MoE's shared expert, the top-k always renormalised
         shared = cfg.get("shared_expert_intermediate_size", 512)
         check_int("shared_expert_intermediate_size", shared, 0)
@@ -348,7 +350,8 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             "rope_theta": float(cfg.get("rope_theta", rope.get("rope_theta", 150000.0 if arch == "gpt_oss" else 1e4))),
             "rope_scaling": None if arch in GEMMA_ARCHITECTURES else _rope_scaling(arch, cfg, scaling, where),
             "rotary_dim": _rotary_dim(cfg, int(cfg.get("head_dim") or hidden // heads), where,
-                                      {"glm4": 0.5, "qwen3_5": 0.25, "qwen3_5_moe": 0.25}.get(arch)),
+                                      {"glm4": 0.5, "qwen3_5": 0.25, "qwen3_5_moe": 0.25,
+                                       "qwen3_next": 0.25}.get(arch)),
             "qk_norm": arch == "qwen3",
             "qkv_bias": arch in ("qwen2", "qwen2_moe"),
             "sliding_window": cfg.get("sliding_window") if arch in WINDOWED else None,
@@ -376,7 +379,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
                 ("residual_multiplier", "residual_scale"), ("logits_scaling", "logits_scaling"))})
         if arch in HYBRID_ARCHITECTURES:
             fields.update(_hybrid_fields(cfg, where))
-        if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe"):
+        if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe", "qwen3_next"):
             fields.update(_moe_fields(arch, cfg, where))
         return ModelConfig(
             arch=arch,

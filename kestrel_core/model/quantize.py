@@ -8,7 +8,7 @@ float copy, so at most one float tensor is alive at a time.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,7 +29,7 @@ FALLBACK_GROUP = 32
 
 def fused_rows(t: np.ndarray, rows: tuple[int, int] | np.ndarray, where: str, tensor: str) -> np.ndarray:
     """Rows of a fused checkpoint tensor: a range (Q|K|V, gate|up) or row indices (Qwen3.5's query and gate,
-    interleaved per head: ``head_rows``), checked against what the config needs."""
+    interleaved per head: ``group_rows``), checked against what the config needs."""
     need = rows[1] if isinstance(rows, tuple) else int(rows.max()) + 1
     if t.ndim != 2 or t.shape[0] < need:
         raise KestrelError(f"{where}: fused tensor {tensor} has shape {list(t.shape)}; the config needs at "
@@ -37,10 +37,27 @@ def fused_rows(t: np.ndarray, rows: tuple[int, int] | np.ndarray, where: str, te
     return np.ascontiguousarray(t[rows[0]:rows[1]] if isinstance(rows, tuple) else t[rows])
 
 
-def head_rows(heads: int, head_dim: int, part: int, parts: int = 2) -> np.ndarray:
-    """The rows of part ``part`` of a tensor whose heads each hold ``parts`` parts of ``head_dim`` rows in turn
-    (Qwen3.5's q_proj: each head's query rows, then its gate rows)."""
-    return (np.arange(heads)[:, None] * parts * head_dim + part * head_dim + np.arange(head_dim)).reshape(-1)
+def group_rows(groups: int, sizes: Sequence[int], parts: Sequence[int]) -> np.ndarray:
+    """The rows of ``parts`` (in that order, each across every group) of a tensor made of ``groups`` groups that
+    each hold parts of ``sizes`` rows in turn: Qwen3.5's q_proj (per head: query, gate), Qwen3-Next's in_proj_qkvz
+    (per key head: q, k, v, z) and in_proj_ba (per key head: beta, alpha)."""
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    return np.concatenate([(np.arange(groups)[:, None] * starts[-1] + starts[p] + np.arange(sizes[p])).reshape(-1)
+                           for p in parts])
+
+
+def hybrid_splits(c: ModelConfig) -> dict[str, tuple[tuple[str, np.ndarray], ...]]:
+    """How a hybrid model's fused checkpoint tensors split into kestrel's, by role: "q_gate" (gated attention's
+    q_proj), "qkvz" and "ba" (Qwen3-Next's linear-attention inputs); each (kestrel field, its rows)."""
+    hd, hk = c.head_dim, c.linear_key_heads
+    per_key = c.linear_value_heads // hk if hk else 0
+    v = per_key * c.linear_value_dim
+    qkvz = (c.linear_key_dim, c.linear_key_dim, v, v)
+    return {"q_gate": (("q", group_rows(c.num_heads, (hd, hd), [0])),
+                       ("attn_gate", group_rows(c.num_heads, (hd, hd), [1]))),
+            "qkvz": (("lin_qkv", group_rows(hk, qkvz, [0, 1, 2])), ("lin_z", group_rows(hk, qkvz, [3]))),
+            "ba": (("lin_beta", group_rows(hk, (per_key, per_key), [0])),
+                   ("lin_alpha", group_rows(hk, (per_key, per_key), [1])))}
 
 
 def map_tensor_name(name: str, global_map: dict[str, str], layer_re: re.Pattern[str],

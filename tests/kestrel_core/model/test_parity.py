@@ -72,6 +72,11 @@ HYBRID = Limits(top1_min=0.85, max_rel_max=0.30, median_rel_max=0.025)
 # median of 0.0146 on tiny-qwen3_5-moe (kestrel, which quantizes the experts' inputs too: 0.020 from the checkpoint,
 # 0.025 from its GGUF twin); its wrong variants (no shared expert, top-1 routing) have medians of 0.30 and 0.097
 HYBRID_MOE = Limits(top1_min=0.85, max_rel_max=0.30, median_rel_max=0.035)
+# tiny-qwen3-next's golden top-1 and top-2 logits lie within 0.01 of the range at 12 of its 40 positions (4 to 7 in
+# the other hybrids): int8 activations swap 8 of them (kestrel q8; transformers with int8 activations on all but the
+# experts' inputs, 3), so top-1 says less there and the median carries the comparison (its worst position: 0.28;
+# its broken variants: top-1 0.13-0.33, medians 0.25-0.36)
+HYBRID_NEAR_TIES = Limits(top1_min=0.75, max_rel_max=0.35, median_rel_max=0.035)
 SMOLLM = {"q8": Limits(top1_min=0.88, max_rel_max=0.10, median_rel_max=0.025),
           "q4": Limits(top1_min=0.50, max_rel_max=0.55, median_rel_max=0.11)}
 ALL_MODES = ("q8", "q4", "q8-g256", "q4-g256")
@@ -119,6 +124,7 @@ class Case:
     default_model: bool = False
     moe: bool = False
     hybrid: bool = False  # linear-attention layers (HYBRID's limits)
+    limits_of: Limits | None = None  # the case's own limits
 
     def model_path(self) -> str:
         if self.default_model:
@@ -128,6 +134,8 @@ class Case:
         return str(FIXTURES / self.name)
 
     def limits(self, quant: str) -> Limits:
+        if self.limits_of is not None:
+            return self.limits_of
         if self.default_model:
             return SMOLLM[quant]
         if self.hybrid:
@@ -175,6 +183,8 @@ CASES = (
     Case("tiny-qwen3_5.gguf", "tiny-qwen3_5", ALL_MODES, hybrid=True),  # llama.cpp's qwen35: value heads tiled
     Case("tiny-qwen3_5-moe", "tiny-qwen3_5-moe", ALL_MODES, moe=True, hybrid=True),  # 4 experts and a shared one
     Case("tiny-qwen3_5-moe.gguf", "tiny-qwen3_5-moe", ALL_MODES, moe=True, hybrid=True),  # llama.cpp's qwen35moe
+    Case("tiny-qwen3-next", "tiny-qwen3-next", ALL_MODES, limits_of=HYBRID_NEAR_TIES),  # in_proj_qkvz, in_proj_ba
+    Case("tiny-qwen3-next.gguf", "tiny-qwen3-next", ALL_MODES, limits_of=HYBRID_NEAR_TIES),  # ssm_ba, unreordered
     Case("tiny-gpt-oss", "tiny-gpt-oss", Q8_MODES, moe=True),  # sinks, biases, clamped SwiGLU, interleaved gate|up
     Case("tiny-gpt-oss-mxfp4", "tiny-gpt-oss", Q8_MODES, moe=True),  # the experts as MXFP4 blocks and scales
     Case("tiny-gpt-oss.gguf", "tiny-gpt-oss", Q8_MODES, moe=True),  # llama.cpp's gpt-oss, MXFP4 experts

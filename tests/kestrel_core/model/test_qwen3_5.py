@@ -17,11 +17,13 @@ from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import Scheduler
 from kestrel_core.model.validate import ValidationError
 
-from .test_parity import CASES, FIXTURES, HYBRID, HYBRID_MOE, Golden, _with_config, measure
+from .test_parity import CASES, FIXTURES, HYBRID, HYBRID_MOE, HYBRID_NEAR_TIES, Golden, _with_config, measure
 
 DENSE = next(c for c in CASES if c.name == "tiny-qwen3_5")
 DENSE_GGUF = next(c for c in CASES if c.name == "tiny-qwen3_5.gguf")
 MIXTURE = next(c for c in CASES if c.name == "tiny-qwen3_5-moe")
+NEXT = next(c for c in CASES if c.name == "tiny-qwen3-next")
+NEXT_GGUF = next(c for c in CASES if c.name == "tiny-qwen3-next.gguf")
 
 
 def _get_changed(mp, field: str, change) -> None:  # type: ignore[no-untyped-def]
@@ -33,16 +35,35 @@ def _get_changed(mp, field: str, change) -> None:  # type: ignore[no-untyped-def
                if name.rsplit(".", 1)[-1] == field else real(self, name))
 
 
-def _query_and_gate_swapped(mp) -> None:  # type: ignore[no-untyped-def]
-    from kestrel_core.model import hf, quantize
+def _split_swapped(role: str):  # type: ignore[no-untyped-def]
+    """hybrid_splits with the two parts of ``role`` read the other way round."""
+    def swap(mp, module: str) -> None:  # type: ignore[no-untyped-def]
+        from kestrel_core.model import quantize
 
-    real = quantize.head_rows
-    mp.setattr(hf, "head_rows", lambda heads, dim, part, parts=2: real(heads, dim, 1 - part, parts))
+        def swapped(c):  # type: ignore[no-untyped-def]
+            splits = quantize.hybrid_splits(c)
+            (a, a_rows), (b, b_rows) = splits[role]
+            return {**splits, role: ((a, b_rows), (b, a_rows))}
+
+        mp.setattr(f"kestrel_core.model.{module}.hybrid_splits", swapped)
+    return swap
+
+
+def _qkvz_contiguous(mp, module: str) -> None:  # type: ignore[no-untyped-def]
+    """Qwen3-Next's in_proj_qkvz read as Qwen3.5's in_proj_qkv then in_proj_z (rows not per key head)."""
+    from kestrel_core.model import quantize
+
+    def contiguous(c):  # type: ignore[no-untyped-def]
+        splits = quantize.hybrid_splits(c)
+        (qkv, qkv_rows), (z, z_rows) = splits["qkvz"]
+        return {**splits, "qkvz": ((qkv, np.arange(len(qkv_rows))), (z, len(qkv_rows) + np.arange(len(z_rows))))}
+
+    mp.setattr(f"kestrel_core.model.{module}.hybrid_splits", contiguous)
 
 
 WRONG = {
     "norms as plain weights, not 1 + w": lambda mp: mp.setattr("kestrel_core.model.hf.ONE_PLUS_NORMS", ()),
-    "q_proj's gate rows read as the query": _query_and_gate_swapped,
+    "q_proj's gate rows read as the query": lambda mp: _split_swapped("q_gate")(mp, "hf"),
     "no decay (A_log left out)": lambda mp: _get_changed(mp, "lin_decay", np.zeros_like),
     "the convolution's taps in reverse": lambda mp: _get_changed(mp, "lin_conv", lambda t: t[:, ::-1].copy()),
     "value heads tiled, not grouped by key head": lambda mp: _get_changed(
@@ -73,6 +94,22 @@ def test_qwen3_5_moe_routed_wrong_leaves_the_limits(monkeypatch, wrong: dict) ->
     _with_config(monkeypatch, lambda c: {**c, **wrong})
     fig = measure(MIXTURE, "q8")
     assert not fig.within(HYBRID_MOE), fig
+
+
+NEXT_WRONG = {
+    "in_proj_qkvz read as q|k|v then z": (NEXT, lambda mp: _qkvz_contiguous(mp, "hf")),
+    "in_proj_ba read as alpha, beta": (NEXT, lambda mp: _split_swapped("ba")(mp, "hf")),
+    "the GGUF's ssm_ba read as alpha, beta": (NEXT_GGUF, lambda mp: _split_swapped("ba")(mp, "gguf_reader")),
+}
+
+
+@pytest.mark.parametrize("wrong", NEXT_WRONG)
+def test_qwen3_next_done_wrong_leaves_the_limits(monkeypatch, wrong: str) -> None:  # type: ignore[no-untyped-def]
+    """Qwen3-Next fuses its linear attention's inputs per key head: each split is needed to agree."""
+    case, patch = NEXT_WRONG[wrong]
+    patch(monkeypatch)
+    fig = measure(case, "q8")
+    assert not fig.within(HYBRID_NEAR_TIES), fig
 
 
 def test_the_hubs_nested_checkpoint_reads_as_the_flat_one(tmp_path: Path) -> None:
