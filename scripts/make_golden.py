@@ -1050,14 +1050,16 @@ def _tiled_value_heads(t: np.ndarray, axis: int, key_heads: int, per_key: int, h
     return np.ascontiguousarray(np.moveaxis(t, 0, axis))
 
 
-def write_qwen3_5_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
-    """tiny-qwen3_5 / tiny-qwen3_5-moe as llama.cpp's Qwen3_5TextModel / Qwen3_5MoeTextModel write them: every norm
-    but linear_attn.norm + 1, A_log as -exp(A_log) (ssm_a), dt_bias as ssm_dt.bias, the convolution squeezed, the
-    value heads of every linear-attention tensor reordered from grouped to tiled, q_proj whole (each head's query,
-    then its gate); experts stacked, the shared expert as *_shexp. Q4_0 even layers, F16 odd ones."""
+def write_hybrid_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-qwen3_5 / tiny-qwen3_5-moe / tiny-qwen3-next as llama.cpp's Qwen3_5TextModel / Qwen3_5MoeTextModel /
+    Qwen3NextModel write them: every norm but linear_attn.norm + 1, A_log as -exp(A_log) (ssm_a), dt_bias as
+    ssm_dt.bias, the convolution squeezed, q_proj whole (each head's query, then its gate); experts stacked, the
+    shared expert as *_shexp. Qwen3.5: the value heads of every linear-attention tensor reordered from grouped to
+    tiled. Qwen3-Next: in_proj_qkvz split into attn_qkv (every key head's q, then k, then v) and attn_gate (z),
+    in_proj_ba whole as ssm_ba. Q4_0 even layers, F16 odd ones."""
     cfg = json.loads((src / "config.json").read_text())
     cfg = {**cfg.get("text_config", {}), **{k: v for k, v in cfg.items() if k != "text_config"}}
-    moe = "num_experts" in cfg
+    moe, nxt = "num_experts" in cfg, cfg["model_type"] == "qwen3_next"
     rope = cfg["rope_parameters"]
     flat = {**cfg, "rope_theta": rope["rope_theta"], "partial_rotary_factor": rope["partial_rotary_factor"],
             "intermediate_size": cfg.get("intermediate_size") or cfg["moe_intermediate_size"]}
@@ -1065,7 +1067,7 @@ def write_qwen3_5_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
                for k, v in _float32_tensors(src / "model.safetensors").items()}
     hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
-    w = _gguf_writer(dst, "qwen35moe" if moe else "qwen35", src.name, flat, tok)
+    w = _gguf_writer(dst, "qwen3next" if nxt else "qwen35moe" if moe else "qwen35", src.name, flat, tok)
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
     w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
@@ -1074,14 +1076,16 @@ def write_qwen3_5_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     w.add_ssm_time_step_rank(hv)
     w.add_ssm_inner_size(dv * hv)
     w.add_full_attention_interval(cfg["layer_types"].index("full_attention") + 1)
-    w.add_rope_dimension_sections([11, 11, 10, 0])
+    if not nxt:
+        w.add_rope_dimension_sections([11, 11, 10, 0])
     if moe:
         w.add_expert_count(cfg["num_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     put = _gguf_put(w)
-    tiled = partial(_tiled_value_heads, key_heads=hk, per_key=hv // hk)
+    # Qwen3.5's converter tiles the value heads; Qwen3-Next's keeps them
+    tiled = (lambda t, axis, head_dim: t) if nxt else partial(_tiled_value_heads, key_heads=hk, per_key=hv // hk)
     put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
     for i, kind_of_layer in enumerate(cfg["layer_types"]):
         p = f"model.layers.{i}."
@@ -1090,17 +1094,26 @@ def write_qwen3_5_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
         put(f"blk.{i}.post_attention_norm.weight", tensors[p + "post_attention_layernorm.weight"] + 1, "f32")
         if kind_of_layer == "linear_attention":
             a = p + "linear_attn."
-            qkv = tensors[a + "in_proj_qkv.weight"]
-            qkv = np.concatenate([qkv[:2 * hk * dk], tiled(qkv[2 * hk * dk:], 0, head_dim=dv)])
+            if nxt:
+                per = hv // hk * dv
+                qkvz = tensors[a + "in_proj_qkvz.weight"].reshape(hk, 2 * dk + 2 * per, -1)
+                q, k, v, z = np.split(qkvz, [dk, 2 * dk, 2 * dk + per], axis=1)
+                qkv = np.concatenate([t.reshape(-1, t.shape[-1]) for t in (q, k, v)])
+                z = z.reshape(-1, z.shape[-1])
+            else:
+                qkv, z = tensors[a + "in_proj_qkv.weight"], tensors[a + "in_proj_z.weight"]
             conv = tensors[a + "conv1d.weight"][:, 0]  # [C, kernel]
-            conv = np.concatenate([conv[:2 * hk * dk], tiled(conv[2 * hk * dk:], 0, head_dim=dv)])
-            put(f"blk.{i}.attn_qkv.weight", qkv, kind)
-            put(f"blk.{i}.attn_gate.weight", tiled(tensors[a + "in_proj_z.weight"], 0, head_dim=dv), kind)
-            put(f"blk.{i}.ssm_beta.weight", tiled(tensors[a + "in_proj_b.weight"], 0, head_dim=1), kind)
-            put(f"blk.{i}.ssm_alpha.weight", tiled(tensors[a + "in_proj_a.weight"], 0, head_dim=1), kind)
+            qk = 2 * hk * dk
+            put(f"blk.{i}.attn_qkv.weight", np.concatenate([qkv[:qk], tiled(qkv[qk:], 0, head_dim=dv)]), kind)
+            put(f"blk.{i}.attn_gate.weight", tiled(z, 0, head_dim=dv), kind)
+            if nxt:
+                put(f"blk.{i}.ssm_ba.weight", tensors[a + "in_proj_ba.weight"], kind)
+            else:
+                put(f"blk.{i}.ssm_beta.weight", tiled(tensors[a + "in_proj_b.weight"], 0, head_dim=1), kind)
+                put(f"blk.{i}.ssm_alpha.weight", tiled(tensors[a + "in_proj_a.weight"], 0, head_dim=1), kind)
             put(f"blk.{i}.ssm_a", tiled(-np.exp(tensors[a + "A_log"]), 0, head_dim=1), "f32")
             put(f"blk.{i}.ssm_dt.bias", tiled(tensors[a + "dt_bias"], 0, head_dim=1), "f32")
-            put(f"blk.{i}.ssm_conv1d.weight", conv, "f32")
+            put(f"blk.{i}.ssm_conv1d.weight", np.concatenate([conv[:qk], tiled(conv[qk:], 0, head_dim=dv)]), "f32")
             put(f"blk.{i}.ssm_norm.weight", tensors[a + "norm.weight"], "f32")
             put(f"blk.{i}.ssm_out.weight", tiled(tensors[a + "out_proj.weight"], 1, head_dim=dv), kind)
         else:
@@ -1122,65 +1135,6 @@ def write_qwen3_5_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     put("output_norm.weight", tensors["model.norm.weight"] + 1, "f32")
     if not cfg["tie_word_embeddings"]:
         put("output.weight", tensors["lm_head.weight"], "q8_0")
-    return _gguf_finish(w, src, dst)
-
-
-def write_qwen3_next_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
-    """tiny-qwen3-next as llama.cpp's Qwen3NextModel writes it: as qwen35moe's but in_proj_qkvz split into attn_qkv
-    (every key head's q, then k, then v) and attn_gate (z), in_proj_ba whole as ssm_ba, value heads not reordered."""
-    cfg = json.loads((src / "config.json").read_text())
-    rope = cfg["rope_parameters"]
-    flat = {**cfg, "rope_theta": rope["rope_theta"], "partial_rotary_factor": rope["partial_rotary_factor"]}
-    tensors = _float32_tensors(src / "model.safetensors")
-    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
-    w = _gguf_writer(dst, "qwen3next", src.name, flat, tok)
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
-    w.add_ssm_state_size(dk)
-    w.add_ssm_group_count(hk)
-    w.add_ssm_time_step_rank(hv)
-    w.add_ssm_inner_size(dv * hv)
-    w.add_full_attention_interval(cfg["layer_types"].index("full_attention") + 1)
-    w.add_expert_count(cfg["num_experts"])
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    put = _gguf_put(w)
-    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
-    for i, kind_of_layer in enumerate(cfg["layer_types"]):
-        p = f"model.layers.{i}."
-        kind = "q4_0" if i % 2 == 0 else "f16"
-        put(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"] + 1, "f32")
-        put(f"blk.{i}.post_attention_norm.weight", tensors[p + "post_attention_layernorm.weight"] + 1, "f32")
-        if kind_of_layer == "linear_attention":
-            a = p + "linear_attn."
-            per = hv // hk * dv
-            qkvz = tensors[a + "in_proj_qkvz.weight"].reshape(hk, 2 * dk + 2 * per, -1)
-            q, k, v, z = np.split(qkvz, [dk, 2 * dk, 2 * dk + per], axis=1)
-            put(f"blk.{i}.attn_qkv.weight", np.concatenate([t.reshape(-1, t.shape[-1]) for t in (q, k, v)]), kind)
-            put(f"blk.{i}.attn_gate.weight", z.reshape(-1, z.shape[-1]), kind)
-            put(f"blk.{i}.ssm_ba.weight", tensors[a + "in_proj_ba.weight"], kind)
-            put(f"blk.{i}.ssm_a", -np.exp(tensors[a + "A_log"]), "f32")
-            put(f"blk.{i}.ssm_dt.bias", tensors[a + "dt_bias"], "f32")
-            put(f"blk.{i}.ssm_conv1d.weight", tensors[a + "conv1d.weight"][:, 0], "f32")
-            put(f"blk.{i}.ssm_norm.weight", tensors[a + "norm.weight"], "f32")
-            put(f"blk.{i}.ssm_out.weight", tensors[a + "out_proj.weight"], kind)
-        else:
-            for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
-                put(f"blk.{i}.{name}.weight", tensors[p + f"self_attn.{proj}_proj.weight"], kind)
-            for norm in ("q_norm", "k_norm"):
-                put(f"blk.{i}.attn_{norm}.weight", tensors[p + f"self_attn.{norm}.weight"] + 1, "f32")
-        put(f"blk.{i}.ffn_gate_inp.weight", tensors[p + "mlp.gate.weight"], "f32")
-        for name, stacked in _stack_experts(tensors, p + "mlp.experts.", ("gate_proj", "up_proj", "down_proj"),
-                                            cfg["num_experts"]).items():
-            put(f"blk.{i}.ffn_{name}_exps.weight", stacked, kind)
-        put(f"blk.{i}.ffn_gate_inp_shexp.weight", tensors[p + "mlp.shared_expert_gate.weight"][0], "f32")
-        for name in ("gate", "up", "down"):
-            put(f"blk.{i}.ffn_{name}_shexp.weight", tensors[p + f"mlp.shared_expert.{name}_proj.weight"], kind)
-    put("output_norm.weight", tensors["model.norm.weight"] + 1, "f32")
-    put("output.weight", tensors["lm_head.weight"], "q8_0")
     return _gguf_finish(w, src, dst)
 
 
@@ -1233,8 +1187,8 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-qwen3-yarn": write_qwen3_gguf, "tiny-gpt-oss": write_gpt_oss_gguf,
               "tiny-smollm3": write_smollm3_gguf, "tiny-granite": write_granite_gguf, "tiny-olmo2": write_olmo2_gguf,
               "tiny-exaone4": write_exaone4_gguf, "tiny-seed-oss": write_seed_oss_gguf, "tiny-glm4": write_glm4_gguf,
-              "tiny-ernie4_5": write_ernie4_5_gguf, "tiny-qwen3_5": write_qwen3_5_gguf,
-              "tiny-qwen3_5-moe": write_qwen3_5_gguf, "tiny-qwen3-next": write_qwen3_next_gguf}
+              "tiny-ernie4_5": write_ernie4_5_gguf, "tiny-qwen3_5": write_hybrid_gguf,
+              "tiny-qwen3_5-moe": write_hybrid_gguf, "tiny-qwen3-next": write_hybrid_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
 DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
 # LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is
