@@ -6,7 +6,9 @@ channels are kestrel_core.model.harmony's.
 
 ``thinks(template)`` says whether a template teaches the block (it closes one: ``</think>``). An answer that
 starts with ``<think>`` reasons until ``</think>``, as does one whose prompt ended with ``<think>`` (a template
-that opens the block itself); an answer cut before ``</think>`` is all reasoning. ``split`` does this for a whole
+that opens the block itself, as Qwen3.5's); a ``<tool_call>`` ends the reasoning too (Qwen3.5 may call a tool
+without closing its block: the call is content, where serve/tools.py reads it, as vLLM and Ollama read it); an
+answer cut before either is all reasoning. ``split`` does this for a whole
 answer, ``ReasoningStream`` for a stream, holding back only what may be the start of a tag and the whitespace
 that the whole answer's parts leave out at their edges.
 """
@@ -19,6 +21,7 @@ from typing import Any
 from kestrel_core.model.detokenize import partial_suffix
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_CALL = "<tool_call>"  # a call that ends the reasoning without its </think>
 
 
 @dataclass(frozen=True)
@@ -60,10 +63,19 @@ def split(text: str, open_in_prompt: bool = False) -> tuple[str | None, str]:
         body = text
     else:
         return None, text
-    end = body.find(THINK_CLOSE)
+    end, after = _end(body)
     if end < 0:
         return body.strip() or None, ""
-    return body[:end].strip() or None, body[end + len(THINK_CLOSE):].lstrip()
+    return body[:end].strip() or None, body[after:].lstrip()
+
+
+def _end(body: str) -> tuple[int, int]:
+    """Where the reasoning in ``body`` ends and its content starts: at ``</think>`` (past it) or at a ``<tool_call>``
+    before it (the call is content); (-1, -1) while neither has come."""
+    close, call = body.find(THINK_CLOSE), body.find(TOOL_CALL)
+    if call >= 0 and (close < 0 or call < close):
+        return call, call
+    return (close, close + len(THINK_CLOSE)) if close >= 0 else (-1, -1)
 
 
 class ReasoningStream:
@@ -94,10 +106,10 @@ class ReasoningStream:
             return "", ""
         else:
             return "", self.text
-        end = body.find(THINK_CLOSE)
+        end, after = _end(body)
         if end >= 0:
-            return body[:end].strip(), body[end + len(THINK_CLOSE):].lstrip()
-        return body[:len(body) - partial_suffix(body, (THINK_CLOSE,))].strip(), ""
+            return body[:end].strip(), body[after:].lstrip()
+        return body[:len(body) - partial_suffix(body, (THINK_CLOSE, TOOL_CALL))].strip(), ""
 
     def _send(self, reasoning: str, content: str) -> tuple[str, str]:
         out = reasoning[self.sent[0]:], content[self.sent[1]:]

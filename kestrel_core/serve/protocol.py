@@ -278,9 +278,11 @@ class ChatCompletionRequest(_Generation):
             raise InvalidRequest("this model's chat template does not render tools", param="tools")
         if fmt == UNKNOWN:
             raise InvalidRequest("this model's chat template renders tools, but in none of the formats kestrel "
-                                 "reads calls in (<tool_call> blocks, Mistral's [TOOL_CALLS], Llama 3's JSON)",
+                                 "reads calls in (<tool_call> blocks of JSON or <function=...>, Mistral's "
+                                 "[TOOL_CALLS], Llama 3's JSON)",
                                  param="tools")
-        return ToolCalls(fmt, self.parallel_tool_calls is not False)
+        return ToolCalls(fmt, self.parallel_tool_calls is not False,
+                         {t.function.name: t.function.parameters or {} for t in self.tools or ()})
 
     def grammar(self, tools: ToolCalls | None, tool_calls_id: int | None = None, harmony: bool = False) -> str | None:
         """The grammar the answer keeps to (kestrel_core.model.grammar): calls of the tools where ``tool_choice``

@@ -230,7 +230,7 @@ class ChatShape(_Shape):
             if thought is not None:
                 message["reasoning_content"] = thought
         if self.tools is not None and not self.harmony:
-            parsed = parse(self.tools.fmt, text, self.tools.parallel)
+            parsed = parse(self.tools.fmt, text, self.tools.parallel, self.tools.schemas)
             if parsed.calls:
                 message["content"] = parsed.content
                 message["tool_calls"] = self.tools.message_calls(parsed.calls)
@@ -250,7 +250,7 @@ class ChatShape(_Shape):
             return "", text
         thinking, tools = self._streams.get(index) or self._streams.setdefault(index, (
             None if self.reasoning is None else ReasoningStream(self.reasoning.open_in_prompt),
-            None if self.tools is None else ToolStream(self.tools.fmt, self.tools.parallel)))
+            None if self.tools is None else ToolStream(self.tools.fmt, self.tools.parallel, self.tools.schemas)))
         reasoning = ""
         if thinking is not None:
             reasoning, text = thinking.feed(text)

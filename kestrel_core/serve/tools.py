@@ -2,7 +2,9 @@
 the model writes are read back out of its text in the format that template teaches it.
 
 ``tool_format(template)`` names the format from the template's source: ``hermes`` (Qwen2.5, Qwen3, Hermes:
-``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, anywhere in the answer), ``mistral``
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, anywhere in the answer), ``xml`` (Qwen3.5,
+Qwen3-Coder: ``<tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>`` blocks, each
+value read as its parameter's JSON Schema type says), ``mistral``
 (``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``: the control token is not text, so the answer
 starts with the list), ``llama3`` (Llama 3.1+: the answer is ``{"name": ..., "parameters": {...}}``, several
 separated by ``;``) or ``harmony`` (gpt-oss: a message to ``functions.NAME``, read with the answer's channels by
@@ -18,7 +20,7 @@ import re
 import secrets
 import string
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
@@ -28,9 +30,13 @@ from kestrel_core.model.detokenize import partial_suffix
 from kestrel_core.model.grammar import lark_grammar, lark_json
 from kestrel_core.model.harmony import ToolCall, is_harmony
 
-HERMES, MISTRAL, LLAMA3, HARMONY, UNKNOWN = "hermes", "mistral", "llama3", "harmony", "unknown"
+HERMES, XML, MISTRAL, LLAMA3, HARMONY, UNKNOWN = "hermes", "xml", "mistral", "llama3", "harmony", "unknown"
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.DOTALL)
+XML_FUNCTION = "<function="
+_XML_CALL = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+_BLOCK_FORMATS = (HERMES, XML)  # calls in <tool_call> blocks anywhere in the answer
 _OPENERS = {MISTRAL: "[", LLAMA3: "{"}  # formats whose answer is the calls alone, and how the calls start
 _ID_CHARS = string.ascii_letters + string.digits
 
@@ -50,7 +56,7 @@ def tool_format(template: str | None) -> str | None:
     if is_harmony(template):  # gpt-oss: a call is a message to functions.NAME (kestrel_core.model.harmony)
         return HARMONY
     if HERMES_OPEN in template:
-        return HERMES
+        return XML if XML_FUNCTION in template else HERMES
     if "[TOOL_CALLS]" in template:
         return MISTRAL
     if "<|start_header_id|>" in template:
@@ -106,6 +112,50 @@ def _hermes(text: str) -> Parsed | None:
     return Parsed(_HERMES_BLOCK.sub("", text).rstrip() or None, calls)
 
 
+def _xml(text: str, schemas: dict[str, Any]) -> Parsed | None:
+    """Qwen3.5's blocks: each a function and its parameters, the values typed by ``schemas`` (function name -> its
+    parameters' JSON Schema)."""
+    calls = []
+    for block in _HERMES_BLOCK.finditer(text):
+        call = _XML_CALL.fullmatch(block.group(1))
+        if call is None:
+            return None
+        name, body = call.group(1).strip(), call.group(2)
+        properties = (schemas.get(name) or {}).get("properties") or {}
+        if not name or _XML_PARAMETER.sub("", body).strip():
+            return None  # text beside the parameters: not a call kestrel can read whole
+        arguments = {key.strip(): _typed(value, properties.get(key.strip()))
+                     for key, value in _XML_PARAMETER.findall(body)}
+        calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False)))
+    if not calls:
+        return None
+    return Parsed(_HERMES_BLOCK.sub("", text).rstrip() or None, tuple(calls))
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """A parameter's text as the type its JSON Schema gives (as vLLM's qwen3_coder parser reads it): a string where
+    it says string or nothing, a number, a bool, JSON for the rest; the text itself where it does not convert."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    if kind in (None, "string"):
+        return value
+    text = value.strip()
+    if text == "null":
+        return None
+    try:
+        if kind == "integer":
+            return int(text)
+        if kind == "number":
+            number = float(text)
+            return int(number) if number.is_integer() and not any(c in text for c in ".eE") else number
+        if kind == "boolean":
+            return {"true": True, "false": False}[text.lower()]
+        return json.loads(text)
+    except (ValueError, KeyError):
+        return value
+
+
 def _leading_json(text: str, fmt: str) -> Parsed | None:
     """The whole answer as calls: Mistral's list, or Llama 3's objects separated by ';'."""
     rest = text.lstrip().removeprefix("[TOOL_CALLS]") if fmt == MISTRAL else text.lstrip()
@@ -126,10 +176,12 @@ def _leading_json(text: str, fmt: str) -> Parsed | None:
     return None if calls is None else Parsed(None, calls)
 
 
-def parse(fmt: str, text: str, parallel: bool = True) -> Parsed:
+def parse(fmt: str, text: str, parallel: bool = True, schemas: dict[str, Any] | None = None) -> Parsed:
     """``text`` (a whole answer) split into content and the calls in format ``fmt``; with ``parallel`` False
-    only the first call is kept (OpenAI's ``parallel_tool_calls``)."""
-    parsed = _hermes(text) if fmt == HERMES else _leading_json(text, fmt)
+    only the first call is kept (OpenAI's ``parallel_tool_calls``); ``schemas``: each offered function's
+    parameters' JSON Schema (the xml format types its values by them)."""
+    parsed = (_hermes(text) if fmt == HERMES else _xml(text, schemas or {}) if fmt == XML
+              else _leading_json(text, fmt))
     if parsed is None:
         return Parsed(text, ())
     return parsed if parallel else Parsed(parsed.content, parsed.calls[:1])
@@ -140,8 +192,8 @@ class ToolStream:
     the rest of the content and the calls. Content is held from where a call may begin; so is whitespace at its
     end, which a call's answer leaves out. Sent content is always the start of ``parse``'s content."""
 
-    def __init__(self, fmt: str, parallel: bool = True) -> None:
-        self.fmt, self.parallel = fmt, parallel
+    def __init__(self, fmt: str, parallel: bool = True, schemas: dict[str, Any] | None = None) -> None:
+        self.fmt, self.parallel, self.schemas = fmt, parallel, schemas
         self.text = ""
         self.sent = 0  # characters of text sent as content
         self.holding = False  # a call may have begun: the rest is held to the end
@@ -150,7 +202,7 @@ class ToolStream:
         self.text += delta
         if self.holding:
             return ""
-        if self.fmt == HERMES:
+        if self.fmt in _BLOCK_FORMATS:
             start = self.text.find(HERMES_OPEN, self.sent)
             self.holding = start >= 0
             end = start if self.holding else len(self.text) - partial_suffix(self.text, (HERMES_OPEN,))
@@ -168,7 +220,7 @@ class ToolStream:
 
     def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
         """(the content not yet sent, the calls) once the answer is whole."""
-        parsed = parse(self.fmt, self.text, self.parallel)
+        parsed = parse(self.fmt, self.text, self.parallel, self.schemas)
         if not parsed.calls:
             return self.text[self.sent:], ()
         return (parsed.content or "")[self.sent:], parsed.calls
@@ -178,6 +230,8 @@ def call_grammar(fmt: str, functions: Sequence[dict[str, Any]], many: bool, tool
     """The grammar of answers that are calls, in format ``fmt``, of the ``functions`` (OpenAI's ``function``
     objects: a name, and a JSON Schema of its arguments as ``parameters``): one call, or with ``many`` one or
     more. ``tool_calls_id``: the id of Mistral's ``[TOOL_CALLS]`` control token (None: it is text)."""
+    if fmt == XML:
+        return lark_grammar(_xml_grammar(functions, many), param="tool_choice")
     key = "parameters" if fmt == LLAMA3 else "arguments"
     call = lark_json({"anyOf": [
         {"type": "object", "additionalProperties": False, "required": ["name", key],
@@ -195,12 +249,47 @@ def call_grammar(fmt: str, functions: Sequence[dict[str, Any]], many: bool, tool
     return lark_grammar(f"start: {start}\n{rules}call: {call}\n", param="tool_choice")
 
 
+def _xml_grammar(functions: Sequence[dict[str, Any]], many: bool) -> str:
+    """The Lark text of Qwen3.5's call blocks of ``functions``: each function's parameters in its schema's order,
+    the required ones always; a string's value one of its enum, else text up to the first ``</parameter>`` (as
+    ``parse`` reads it) of at most its maxLength (other string keywords are not kept), another's JSON of its
+    schema."""
+    rules, calls = [], []
+    for i, f in enumerate(functions):
+        schema = f.get("parameters") or {}
+        required = set(schema.get("required") or ())
+        items = []
+        for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
+            kind = prop.get("type") if isinstance(prop, dict) else None
+            choices = prop.get("enum") if isinstance(prop, dict) else None
+            if kind == "string" and choices and all(isinstance(c, str) for c in choices):
+                literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+                item = f'"<parameter={key}>\\n" ({literals}) "\\n</parameter>\\n"'
+            elif kind == "string" and isinstance(prop.get("maxLength"), int) and prop["maxLength"] >= 0:
+                rules.append(f'v{i}_{j}[stop="</parameter>"]: /(.|\\n){{0,{prop["maxLength"] + 1}}}/')
+                item = f'"<parameter={key}>\\n" v{i}_{j} "\\n"'  # the value, and the newline before </parameter>
+            elif kind in (None, "string") or isinstance(kind, list):
+                item = f'"<parameter={key}>\\n" text "\\n"'
+            else:
+                rules.append(f"v{i}_{j}: {lark_json(prop)}")
+                item = f'"<parameter={key}>\\n" v{i}_{j} "\\n</parameter>\\n"'
+            items.append(item if key in required else f"({item})?")
+        rules.append(f'call{i}: "<function={f["name"]}>\\n" {" ".join(items)} "</function>"')
+        calls.append(f"call{i}")
+    start = 'block ("\\n" block)*' if many else "block"
+    return (f"start: {start}\n"
+            f'block: "{HERMES_OPEN}\\n" ({" | ".join(calls)}) "\\n{HERMES_CLOSE}"\n' + "\n".join(rules) +
+            '\ntext[stop="</parameter>"]: /(.|\\n)*/\n')
+
+
 @dataclass(frozen=True)
 class ToolCalls:
-    """A request's tool calls: the format its answers write them in, and whether several may come at once."""
+    """A request's tool calls: the format its answers write them in, whether several may come at once, and each
+    offered function's parameters' JSON Schema (by name: the xml format types its values by them)."""
 
     fmt: str
     parallel: bool = True
+    schemas: dict[str, Any] = field(default_factory=dict)
 
     def message_calls(self, calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
         """OpenAI's ``tool_calls`` of a message, each with a new id."""

@@ -20,6 +20,12 @@ CASES = [
     ("I reason.\n</think>\nAnswer", True, ("I reason.", "Answer")),
     ("no end to it", True, ("no end to it", "")),
     ("", False, (None, "")),
+    # a call ends the reasoning without its </think> (Qwen3.5): the call is content
+    ("I should look it up.\n<tool_call>\n<function=f>\n</function>\n</tool_call>", True,
+     ("I should look it up.", "<tool_call>\n<function=f>\n</function>\n</tool_call>")),
+    ("<think>a<tool_call>x</tool_call></think>b", False, ("a", "<tool_call>x</tool_call></think>b")),
+    ("<think>a</think>b<tool_call>x</tool_call>", False, ("a", "b<tool_call>x</tool_call>")),
+    ("thinking <tool_ca", True, ("thinking <tool_ca", "")),
 ]
 
 

@@ -393,3 +393,64 @@ def test_harmony_forced_calls_and_json_keep_harmonys_shape(harmony: tuple[Script
     reply = _answer(scripted, client, '<|channel|>final<|message|>{"a": 1}', tools=None,
                     response_format={"type": "json_object"})
     assert scripted.params[-1].grammar is not None and reply.choices[0].message.content == '{"a": 1}'
+
+
+# -- Qwen3.5's calls ------------------------------------------------------------------------------------------
+
+# Qwen3.5's (and Qwen3-Coder's) way, written for these tests: the tools as JSON, a call as <function=...> with a
+# <parameter=...> block a value, and the answer opening inside a reasoning block the template starts
+XML_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n<tools>{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n"
+    "Call a function as <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n"
+    "</tool_call><|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{%- else %}<think>\n{%- endif %}{%- endif %}")
+DAYS = {"type": "function", "function": {"name": "get_forecast", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 40}, "days": {"type": "integer"}},
+    "required": ["city", "days"]}}}
+XML_CALL = ("<tool_call>\n<function=get_forecast>\n<parameter=city>\nSaint-Étienne\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.fixture(scope="module")
+def xml_servers() -> Iterator[dict[str, tuple[Any, openai.OpenAI]]]:
+    with _served(XML_TEMPLATE) as scripted, _served(XML_TEMPLATE, scripted=False) as model:
+        yield {"scripted": scripted, "model": model}
+
+
+@pytest.mark.parametrize("closed", [True, False], ids=["after </think>", "inside the reasoning"])
+def test_qwen3_5_calls_come_back_typed_with_the_reasoning_apart(xml_servers, closed: bool) -> None:  # type: ignore[no-untyped-def]
+    """A call in Qwen3.5's format, after the reasoning or in place of its </think>, is a tool call whose values
+    have their schema's types, whole and streamed; the reasoning is reasoning_content."""
+    scripted, client = _fresh(xml_servers["scripted"]), xml_servers["scripted"][1]
+    answer = "Three days of Paris weather.\n" + ("</think>\n\n" if closed else "") + XML_CALL
+    for stream in (False, True):
+        scripted.answers.append(answer)
+        reply = client.chat.completions.create(model=NAME, messages=ASK, tools=[DAYS], stream=stream)
+        if stream:
+            chunks = [c for c in reply if c.choices]
+            reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
+            content = "".join(c.choices[0].delta.content or "" for c in chunks)
+            calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            message = reply.choices[0].message
+            reasoning, content, calls = message.reasoning_content, message.content or "", message.tool_calls
+            reason = reply.choices[0].finish_reason
+        assert scripted.prompts[-1].endswith("<think>")  # the answer opens inside the block
+        assert (reasoning, content, reason) == ("Three days of Paris weather.", "", "tool_calls")
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            ("get_forecast", {"city": "Saint-Étienne", "days": 3})]
+
+
+def test_a_required_qwen3_5_call_keeps_to_its_schema(xml_servers) -> None:  # type: ignore[no-untyped-def]
+    """tool_choice "required" in Qwen3.5's format: the model's own answer is a call of the offered function, its
+    integer an integer."""
+    client = xml_servers["model"][1]
+    choice = client.chat.completions.create(model=NAME, messages=ASK, tools=[DAYS], tool_choice="required",
+                                            temperature=0, max_tokens=200).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_forecast" and isinstance(args["city"], str) and isinstance(args["days"], int)

@@ -13,6 +13,7 @@ from kestrel_core.serve.tools import (
     LLAMA3,
     MISTRAL,
     UNKNOWN,
+    XML,
     Parsed,
     ToolCall,
     ToolCalls,
@@ -30,6 +31,8 @@ from kestrel_core.serve.tools import (
     ("{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{% endfor %}{{ tools }}<tool_call>",
      HERMES),  # the loop controls the sandbox allows
     ("{% for t in tools %}{{ t.function.name }}{% endfor %}", UNKNOWN),
+    ("{% for t in tools %}{{ t | tojson }}{% endfor %}<tool_call>\n<function=NAME>\n<parameter=KEY>\nvalue\n"
+     "</parameter>\n</function>\n</tool_call>", XML),  # Qwen3.5's, Qwen3-Coder's
     ("{% for m in messages %}{{ m.content }}{% endfor %} tools <tool_call>", None),  # "tools" only as text
     ("{% set tools = [] %}{{ tools }}<tool_call>", None),  # its own variable, not the request's
     ("", None),
@@ -84,6 +87,73 @@ def test_parse(fmt: str, text: str, expected: Parsed) -> None:
     assert parse(fmt, text) == expected
 
 
+def _xml(name: str, **values: str) -> str:
+    """A call as Qwen3.5's template writes one."""
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+SCHEMAS = {"f": {"type": "object", "properties": {
+    "s": {"type": "string"}, "i": {"type": "integer"}, "n": {"type": "number"}, "b": {"type": "boolean"},
+    "o": {"type": "object"}, "a": {"type": ["array", "null"]}, "e": {"type": "string", "enum": ["x", "y"]}}}}
+XML_CASES = [
+    (_xml("f", s="12", i="12", n="1.5", b="True", o='{"k": [1]}', a="[1, 2]"),
+     Parsed(None, _calls(("f", {"s": "12", "i": 12, "n": 1.5, "b": True, "o": {"k": [1]}, "a": [1, 2]})))),
+    (_xml("f", s="two\nlines <b>", n="2", a="null"), Parsed(None, _calls(("f", {"s": "two\nlines <b>", "n": 2,
+                                                                               "a": None})))),
+    (_xml("f", i="twelve", o="{not json"), Parsed(None, _calls(("f", {"i": "twelve", "o": "{not json"})))),
+    (_xml("g", i="12") + "\n" + _xml("f"), Parsed(None, _calls(("g", {"i": "12"}), ("f", {})))),  # g: no schema
+    ("Let me look.\n\n" + _xml("f", e="x"), Parsed("Let me look.", _calls(("f", {"e": "x"})))),
+    ("<tool_call>\n<function=f>\nloose text\n</function>\n</tool_call>",
+     Parsed("<tool_call>\n<function=f>\nloose text\n</function>\n</tool_call>", ())),
+    ("<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>",
+     Parsed("<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", ())),  # Hermes' JSON: not this format
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), XML_CASES)
+def test_parse_xml_types_each_value_by_its_schema(text: str, expected: Parsed) -> None:
+    """Qwen3.5's calls: a value is text, read as its parameter's JSON Schema type (a string where the schema says
+    string or nothing; the text itself where it does not convert), as vLLM's qwen3_coder parser reads them."""
+    assert parse(XML, text, schemas=SCHEMAS) == expected
+    stream = ToolStream(XML, schemas=SCHEMAS)
+    sent = "".join(stream.feed(text[i:i + 3]) for i in range(0, len(text), 3))
+    rest, calls = stream.finish()
+    assert (sent + rest, calls) == (expected.content or "", expected.calls)
+
+
+def test_an_xml_grammar_admits_the_calls_parse_reads_and_no_others() -> None:
+    """tool_choice "required" in Qwen3.5's format: the grammar takes any string value up to </parameter>, JSON of
+    the other types, the required parameters always, the functions offered only; what it admits parses back."""
+    from pathlib import Path
+
+    import kestrel_core
+    from kestrel_core.serve.tools import call_grammar
+
+    functions = [{"name": "f", "parameters": {"type": "object", "properties": {"s": {"type": "string"},
+                                                                              "i": {"type": "integer"},
+                                                                              "e": {"type": "string",
+                                                                                    "enum": ["x", "y"]}},
+                                              "required": ["s"]}}, {"name": "g"}]
+    schemas = {f["name"]: f.get("parameters") or {} for f in functions}
+    model = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-qwen3"
+    with kestrel_core.load(str(model), backend="cpu") as engine:
+        def admits(text: str) -> bool:
+            constraint = engine.constraint(call_grammar(XML, functions, many=True))
+            for token in engine.tokenizer.encode(text, add_special_tokens=False):
+                if not constraint.allowed()[token]:
+                    return False
+                constraint.accept(token)
+            return bool(constraint.allowed()[constraint.eos])
+
+        good = [_xml("f", s="New York <b>", i="3", e="y"), _xml("f", s="x") + "\n" + _xml("g")]
+        for text in good:
+            assert admits(text) and parse(XML, text, schemas=schemas).calls, text
+        for bad in (_xml("f", i="3"), _xml("f", s="x", i="three"), _xml("h"), _xml("f", s="x") + " and text",
+                    _xml("f", s="x", e="z")):
+            assert not admits(bad), bad
+
+
 def test_parallel_off_keeps_the_first_call() -> None:
     text = '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>'
     assert parse(HERMES, text, parallel=False) == Parsed(None, _calls(("f", {})))
@@ -96,6 +166,7 @@ def _chunkings(text: str) -> list[list[str]]:
 
 @pytest.mark.parametrize(("fmt", "text", "expected"), CASES + [
     (HERMES, "Ends in a half marker <tool_ca", Parsed("Ends in a half marker <tool_ca", ())),
+    (XML, "Sure: " + _xml("f", x="1"), Parsed("Sure:", _calls(("f", {"x": "1"})))),
     (HERMES, "Spaces at the end   \n", Parsed("Spaces at the end   \n", ())),
     (LLAMA3, "   \n  ", Parsed("   \n  ", ())),
 ])
