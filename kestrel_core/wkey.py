@@ -34,6 +34,7 @@ class Proj(IntEnum):
     LIN_BETA = 15  # its delta rule's step size, per value head
     LIN_ALPHA = 16  # its decay's input, per value head
     LIN_IN = 17  # fused LIN_QKV|LIN_Z|LIN_BETA|LIN_ALPHA (its output projection is O)
+    CONV_IN = 18  # a short-convolution layer's B|C|x (LFM2; its output projection is O)
 
 
 MAX_EXPERT = 0xFFFE
@@ -126,3 +127,5 @@ MLP_GROUPS = PROJ_GROUPS[2:]  # a dense layer's MLP, or each expert's (under the
 GATED_ATTENTION_GROUPS = (ProjGroup((Proj.Q, Proj.K, Proj.V, Proj.ATTN_GATE), Proj.QKV_GATE), PROJ_GROUPS[1])
 # the token mixer of a linear-attention layer (Gated DeltaNet): its four input projections, then O
 LINEAR_GROUPS = (ProjGroup((Proj.LIN_QKV, Proj.LIN_Z, Proj.LIN_BETA, Proj.LIN_ALPHA), Proj.LIN_IN), PROJ_GROUPS[1])
+# the token mixer of a short-convolution layer (LFM2): its input projection, then O
+CONV_GROUPS = (ProjGroup((Proj.CONV_IN,)), PROJ_GROUPS[1])

@@ -46,8 +46,8 @@ def _open_engine(args: argparse.Namespace) -> Engine:
         engine.sampling_defaults = {}
     err.print(engine.backend_line, soft_wrap=True)
     if engine.speculate and not engine.rewinds:
-        why = ("its linear-attention layers keep a recurrent state, which cannot take back a wrong guess"
-               if engine.config.linear_layers else "the backend runs whole steps on a KV cache of its own")
+        why = ("its recurrent layers keep a state, which cannot take back a wrong guess"
+               if engine.config.state_layers else "the backend runs whole steps on a KV cache of its own")
         err.print(f"--speculate: this model decodes without guesses here ({why})", soft_wrap=True)
     return engine
 

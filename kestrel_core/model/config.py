@@ -1,6 +1,7 @@
 """Decoder configuration: one dataclass for Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, OLMo 2, EXAONE 4,
 Seed-OSS, GLM-4, ERNIE 4.5, Gemma 2 and 3, the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss) and the
-hybrids of linear and full attention (Qwen3.5 dense and MoE, Qwen3-Next)."""
+hybrids of full attention with linear attention (Qwen3.5 dense and MoE, Qwen3-Next) or short convolutions
+(LFM2)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,14 @@ from kestrel_core.model.validate import ValidationError, check_bool, check_float
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
                  "mixtral", "gpt_oss", "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5",
-                 "qwen3_5", "qwen3_5_moe", "qwen3_next")
+                 "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2")
 POOLINGS = ("last", "mean", "cls")  # how an embedding pools the final hidden states: last, mean or first token
 # of the gate: SwiGLU, GeGLU with the tanh GELU (Gemma), or gpt-oss's clamped SwiGLU: gate g clamped to at most
 # swiglu_limit, up u to +-swiglu_limit, then (u + 1) * g * sigmoid(swiglu_alpha * g)
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
-# a layer's token mixer: attention over every earlier position, over a sliding window, or linear attention (Gated
-# DeltaNet: a recurrent state per sequence instead of keys and values)
-LAYER_TYPES = ("full", "sliding", "linear")
+# a layer's token mixer: attention over every earlier position, over a sliding window, linear attention (Gated
+# DeltaNet) or a gated short convolution (LFM2); the last two keep a state per sequence instead of keys and values
+LAYER_TYPES = ("full", "sliding", "linear", "conv")
 MAX_EXPERTS = 1 << 12
 # Upper bounds far above any real model, so a config cannot ask for absurd allocations (2^40 layers...)
 MAX_DIM = 1 << 20  # hidden, intermediate, head_dim
@@ -89,6 +90,9 @@ class ModelConfig:
     linear_value_heads: int = 0
     linear_value_dim: int = 0
     linear_conv_kernel: int = 0
+    # the "conv" layers' gated short convolution (LFM2): B, C, x = in(x); out(C * conv(B * x)), conv depthwise over
+    # this many positions; 0 without conv layers
+    short_conv_kernel: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     pooling: str | None = None  # an embedding model's pooling (one of POOLINGS): it gives vectors, not text
@@ -112,14 +116,23 @@ class ModelConfig:
         """Whether ``layer`` mixes tokens by linear attention (a recurrent state), not by attention over a KV cache."""
         return bool(self.layer_types) and self.layer_types[layer] == "linear"
 
+    def is_conv(self, layer: int) -> bool:
+        """Whether ``layer`` mixes tokens by a gated short convolution (LFM2)."""
+        return bool(self.layer_types) and self.layer_types[layer] == "conv"
+
     @property
     def linear_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if self.is_linear(i))
 
     @property
+    def state_layers(self) -> tuple[int, ...]:
+        """The layers with a recurrent state per sequence (linear attention, short convolutions)."""
+        return tuple(i for i in range(self.num_layers) if self.is_linear(i) or self.is_conv(i))
+
+    @property
     def attention_layers(self) -> tuple[int, ...]:
         """The layers with a KV cache."""
-        return tuple(i for i in range(self.num_layers) if not self.is_linear(i))
+        return tuple(i for i in range(self.num_layers) if not (self.is_linear(i) or self.is_conv(i)))
 
     @property
     def linear_conv_dim(self) -> int:
@@ -255,7 +268,12 @@ LINEAR_FIELDS = ("linear_key_heads", "linear_key_dim", "linear_value_heads", "li
 
 
 def _check_linear(c: ModelConfig) -> None:
-    """The Gated DeltaNet fields: set (value heads a multiple of key heads) exactly when a layer is "linear"."""
+    """The Gated DeltaNet fields: set (value heads a multiple of key heads) exactly when a layer is "linear"; the
+    short convolution's width exactly when one is "conv"."""
+    if "conv" in c.layer_types:
+        check_int("short_conv_kernel", c.short_conv_kernel, 1, MAX_DIM)
+    elif c.short_conv_kernel != 0:
+        raise ValidationError("short_conv_kernel needs conv layers (layer_types)")
     if "linear" not in c.layer_types:
         for name in LINEAR_FIELDS:
             if getattr(c, name) != 0:

@@ -255,7 +255,7 @@ class Decoder:
         for i, lw in enumerate(self.model.layers):
             self.offload.layer_boundary(i)
             x = h.copy() if lw.attn_norm is None else rmsnorm(h, lw.attn_norm, self.eps)  # [M, D]
-            mix = self._linear_attention if lw.is_linear else self._attention
+            mix = self._linear_attention if lw.is_linear else self._short_conv if lw.is_conv else self._attention
             h += self._residual(mix(i, lw, x, rows), lw.post_attn_norm)
             x = h.copy() if lw.mlp_norm is None else rmsnorm(h, lw.mlp_norm, self.eps)
             out = self._moe(i, lw, x, precise) if lw.experts else self._mlp(x, precise, lw.groups()[2:],
@@ -303,13 +303,23 @@ class Decoder:
         qkv, z, beta, alpha = self._linear(x, rows.precise, in_w, *in_keys)  # [M, C], [M, Hv*dv], [M, Hv] x2
         m, dv = len(x), c.linear_value_dim
         core = np.empty((m, c.linear_value_heads * dv), np.float32)  # [M, Hv*dv]
-        j = states.layer_index[i]
         kernels.gated_delta(np.ascontiguousarray(qkv), np.ascontiguousarray(beta), np.ascontiguousarray(alpha),
-                            lw.lin_conv, lw.lin_decay, lw.lin_dt_bias, states.conv[j], states.ssm[j], rows.state_slots,
+                            lw.conv, lw.lin_decay, lw.lin_dt_bias, states.conv[i], states.ssm[i], rows.state_slots,
                             c.linear_key_heads, c.linear_key_dim, dv, core)
         core = rmsnorm(core.reshape(-1, dv), lw.lin_norm, self.eps).reshape(m, -1)
         core *= np.ascontiguousarray(z) * _sigmoid(z)
         return self._linear(core, rows.precise, o_w, *o_keys)[0]
+
+    def _short_conv(self, i: int, lw: LayerWeights, x: np.ndarray, rows: _Rows) -> np.ndarray:
+        """Layer ``i``'s gated short convolution on x [M, D] (LFM2): B, C, x' = in(x); out(C * conv(B * x'))
+        (``kernels.short_conv``, each sequence's last inputs updated in place): [M, D]."""
+        states = self.pool.states
+        assert states is not None
+        (in_w, o_w), (in_keys, o_keys) = lw.groups()[:2], self.keys[i][:2]
+        bcx = self._linear(x, rows.precise, in_w, *in_keys)[0]  # [M, 3D]
+        y = np.empty((len(x), self.config.hidden_size), np.float32)  # [M, D]
+        kernels.short_conv(np.ascontiguousarray(bcx), lw.conv, states.conv[i], rows.state_slots, y)
+        return self._linear(y, rows.precise, o_w, *o_keys)[0]
 
     def _residual(self, out: np.ndarray, post_norm: np.ndarray | None) -> np.ndarray:
         """What a block adds to the residual stream: its output, normed after (Gemma) or scaled (Granite)."""

@@ -204,9 +204,9 @@ class Engine:
     @property
     def rewinds(self) -> bool:
         """Whether a sequence can go back to an earlier length (draft tokens not confirmed) and share a prefix's
-        blocks: where the host runs the steps of a model without linear-attention layers, whose recurrent states
-        hold every position at once."""
-        return self.steps_on_host and not self.config.linear_layers
+        blocks: where the host runs the steps of a model without recurrent layers (linear attention, short
+        convolutions), whose states hold every position at once."""
+        return self.steps_on_host and not self.config.state_layers
 
     @property
     def whole_step(self) -> bool:

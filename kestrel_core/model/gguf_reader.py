@@ -77,7 +77,7 @@ _MLP_NORM_AFTER_ATTENTION_MAP = {**_LAYER_MAP, "post_attention_norm.weight": "ml
 # Qwen3.5's: a linear-attention layer's tensors (llama.cpp's SSM names), post_attention_norm the MLP's input norm
 _HYBRID_MAP = {**_LAYER_MAP, "post_attention_norm.weight": "mlp_norm", "attn_qkv.weight": "lin_qkv",
                "attn_gate.weight": "lin_z", "ssm_beta.weight": "lin_beta", "ssm_alpha.weight": "lin_alpha",
-               "ssm_out.weight": "o", "ssm_conv1d.weight": "lin_conv", "ssm_a": "lin_decay",
+               "ssm_out.weight": "o", "ssm_conv1d.weight": "conv", "ssm_a": "lin_decay",
                "ssm_dt.bias": "lin_dt_bias", "ssm_norm.weight": "lin_norm"}
 # the fused tensors of the hybrids, by their quantize.hybrid_splits role: attn_q (each head's query, then its gate),
 # qwen3next's ssm_ba (per key head: beta, alpha)
@@ -85,7 +85,7 @@ _HYBRID_SPLITS = {"attn_q.weight": "q_gate", "ssm_ba.weight": "ba"}
 # what llama.cpp's converter (_LinearAttentionVReorderBase) reorders from HF's value heads grouped by key head to
 # tiled: each tensor's axis and the length of a head along it; kestrel takes them back to HF's order
 _TILED_VALUE_HEADS = {"lin_qkv": (0, "dv"), "lin_z": (0, "dv"), "lin_beta": (0, 1), "lin_alpha": (0, 1),
-                      "lin_decay": (0, 1), "lin_dt_bias": (0, 1), "lin_conv": (0, "dv"), "o": (1, "dv")}
+                      "lin_decay": (0, 1), "lin_dt_bias": (0, 1), "conv": (0, "dv"), "o": (1, "dv")}
 # a mixture-of-experts layer's experts, stacked [E, N, K] in one tensor each (gpt-oss's biases [E, N])
 _STACKED = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down",
             "ffn_gate_exps.bias": "gate_bias", "ffn_up_exps.bias": "up_bias", "ffn_down_exps.bias": "down_bias"}

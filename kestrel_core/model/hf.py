@@ -56,7 +56,7 @@ _LAYER_MAP = {
 # Qwen3.5's linear-attention layers (Gated DeltaNet); q_proj holds each head's query and gate rows in turn
 _LINEAR_ATTN_MAP = {**_LAYER_MAP, "linear_attn.in_proj_qkv.weight": "lin_qkv", "linear_attn.in_proj_z.weight": "lin_z",
                     "linear_attn.in_proj_b.weight": "lin_beta", "linear_attn.in_proj_a.weight": "lin_alpha",
-                    "linear_attn.out_proj.weight": "o", "linear_attn.conv1d.weight": "lin_conv",
+                    "linear_attn.out_proj.weight": "o", "linear_attn.conv1d.weight": "conv",
                     "linear_attn.A_log": "lin_decay", "linear_attn.dt_bias": "lin_dt_bias",
                     "linear_attn.norm.weight": "lin_norm"}
 # the fused tensors of Qwen3.5 (q_proj: each head's query, then its gate) and Qwen3-Next (its linear attention's
@@ -301,7 +301,7 @@ class HFCheckpoint:
         field = name.rsplit(".", 1)[-1]
         if self.config.arch in ONE_PLUS_NORMS and field in GEMMA_NORMS:
             return np.float32(1) + t.astype(np.float32)
-        if field == "lin_conv":  # nn.Conv1d's depthwise weight [C, 1, kernel]
+        if field == "conv":  # nn.Conv1d's depthwise weight [C, 1, kernel]
             return t.reshape(t.shape[0], -1)
         if field == "lin_decay":  # stored as A_log; the model runs -exp(A_log), as GGUF's ssm_a holds it
             return -np.exp(t.astype(np.float32))

@@ -1,5 +1,5 @@
-"""Compiled host maths of the decoder (numba): norms, RoPE, paged attention, MoE routing and linear attention
-(Gated DeltaNet) over the rows of a batch.
+"""Compiled host maths of the decoder (numba): norms, RoPE, paged attention, MoE routing, linear attention (Gated
+DeltaNet) and short convolutions over the rows of a batch.
 
 Every kernel computes each row on its own, with one fixed sequence of float32 operations (no fastmath: no
 FMA contraction, no reassociation) and sequential sums, so a row's bits do not depend on how many rows run
@@ -226,6 +226,28 @@ def _gated_delta(qkv: np.ndarray, beta_in: np.ndarray, alpha_in: np.ndarray, con
                     out[r, hv * dv + e] += s[hv, j, e] * qj
 
 
+def _short_conv(bcx: np.ndarray, conv_w: np.ndarray, conv_state: np.ndarray, row_slot: np.ndarray,
+                out: np.ndarray) -> None:
+    # One short-convolution layer (LFM2) over the rows, each sequence's rows in position order. bcx: [M, 3D] the
+    # rows' B | C | x; conv_w: [D, W] (oldest tap first); conv_state: [slots, W-1, D] each sequence's last W-1
+    # values of B * x, oldest first; row_slot: [M]. out: [M, D] = C * conv(B * x).
+    m = bcx.shape[0]
+    d, w = conv_w.shape
+    for r in range(m):
+        st = conv_state[row_slot[r]]  # [W-1, D]
+        for ch in range(d):
+            bx = bcx[r, ch] * bcx[r, 2 * d + ch]
+            acc = np.float32(0)
+            for j in range(w - 1):
+                acc += conv_w[ch, j] * st[j, ch]
+            acc += conv_w[ch, w - 1] * bx
+            out[r, ch] = bcx[r, d + ch] * acc
+            for j in range(w - 2):
+                st[j, ch] = st[j + 1, ch]
+            if w > 1:
+                st[w - 2, ch] = bx
+
+
 def prange(*args: int) -> range:
     """numba's parallel range where compiled; a plain range in the Python fallback."""
     return range(*args)
@@ -237,10 +259,11 @@ rope_write: Any = _rope_write
 attend: Any = _attend
 rows_dot: Any = _rows_dot
 gated_delta: Any = _gated_delta
+short_conv: Any = _short_conv
 
 
 def _build() -> None:
-    global f16, rmsnorm_rows, rope_write, attend, rows_dot, gated_delta, prange
+    global f16, rmsnorm_rows, rope_write, attend, rows_dot, gated_delta, short_conv, prange
     try:
         import numba
         from numba import njit
@@ -253,6 +276,7 @@ def _build() -> None:
     rmsnorm_rows = jit(_rmsnorm_rows)
     rope_write = jit(_rope_write)
     rows_dot = jit(_rows_dot)
+    short_conv = jit(_short_conv)
     attend = njit(cache=True, nogil=True, parallel=True)(_attend)
     gated_delta = njit(cache=True, nogil=True, parallel=True)(_gated_delta)
 

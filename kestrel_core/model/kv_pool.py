@@ -34,7 +34,8 @@ class KVPool:
     dot products run over; values ``v`` float32 [La, blocks, BLOCK_SIZE, KV, hd], over the La layers with
     attention (``kv_index``: model layer -> first axis). Both hold float16 values (``kernels.f16``), which every
     backend's cache holds. The arrays are allocated once, untouched: the OS maps a page only when a block is first
-    written. A model with linear-attention layers also keeps each sequence's recurrent state (``states``).
+    written. A model with linear-attention or short-convolution layers also keeps each sequence's recurrent state
+    (``states``).
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
@@ -48,7 +49,7 @@ class KVPool:
         layers = len(self.kv_index)
         self.kt = np.empty((layers, num_blocks, c.num_kv_heads, c.head_dim, block_size), np.float32)
         self.v = np.empty((layers, num_blocks, block_size, c.num_kv_heads, c.head_dim), np.float32)
-        self.states = StatePool(c) if c.linear_layers else None
+        self.states = StatePool(c) if c.state_layers else None
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the most recently freed block first
         self._refs = [0] * num_blocks  # sequences holding each block
         self._prefix: dict[bytes, int] = {}  # chain hash of a full prompt block -> the block holding it
@@ -209,8 +210,8 @@ class SeqCache:
         """Forget positions from ``n`` on (their blocks stay reserved). Not into an attached prefix, whose
         blocks other sequences read, nor at all where a recurrent state holds every position."""
         if n < self.length and self.state:
-            raise KestrelError("cannot truncate a sequence of a model with linear-attention layers: its recurrent "
-                               "state holds every position")
+            raise KestrelError("cannot truncate a sequence of a model with recurrent layers (linear attention, "
+                               "short convolutions): its state holds every position")
         if n < self.length and n < self._shared_positions():
             raise KestrelError(f"cannot truncate to {n}: positions below {self._shared_positions()} are a "
                                "shared prefix")

@@ -20,6 +20,7 @@ from kestrel_core.contract import StripCache
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.wkey import (
     ATTENTION_GROUPS,
+    CONV_GROUPS,
     GATED_ATTENTION_GROUPS,
     LINEAR_GROUPS,
     MLP_GROUPS,
@@ -32,7 +33,8 @@ from kestrel_core.wkey import (
 PREFILL_CHUNK = 512  # tokens of one sequence the host decoder runs at once: MLP activations [T, F] stay bounded
 PROJ_FIELDS = {Proj.Q: "q", Proj.K: "k", Proj.V: "v", Proj.O: "o", Proj.GATE: "gate", Proj.UP: "up",
                Proj.DOWN: "down", Proj.ATTN_GATE: "attn_gate", Proj.LIN_QKV: "lin_qkv", Proj.LIN_Z: "lin_z",
-               Proj.LIN_BETA: "lin_beta", Proj.LIN_ALPHA: "lin_alpha"}  # the LayerWeights field of each projection
+               Proj.LIN_BETA: "lin_beta", Proj.LIN_ALPHA: "lin_alpha",
+               Proj.CONV_IN: "conv_in"}  # the LayerWeights field of each projection
 MLP_FIELDS = ("gate", "up", "down")
 EXPERT_BIASES = ("gate_bias", "up_bias", "down_bias")  # gpt-oss's, beside MLP_FIELDS
 
@@ -86,7 +88,9 @@ class LayerWeights:
     lin_z: StripCache | None = None  # [Hv*dv, D]: the output gate
     lin_beta: StripCache | None = None  # [Hv, D]: sigmoid of it is the delta rule's step
     lin_alpha: StripCache | None = None  # [Hv, D]: the decay's input
-    lin_conv: np.ndarray | None = None  # float32 [C, kernel]: the causal depthwise convolution, oldest tap first
+    conv: np.ndarray | None = None  # float32 [C, kernel]: the causal depthwise convolution, oldest tap first
+    # a short-convolution layer (LFM2): out(C * conv(B * x)) with conv [D, kernel] above, o its output projection
+    conv_in: StripCache | None = None  # [3D, D]: B, C, x
     lin_decay: np.ndarray | None = None  # [Hv]: -exp(A_log); the log-decay is lin_decay * softplus(alpha + dt_bias)
     lin_dt_bias: np.ndarray | None = None  # [Hv]
     lin_norm: np.ndarray | None = None  # [dv]: the gated RMSNorm's weight (a plain factor)
@@ -100,6 +104,10 @@ class LayerWeights:
     def is_linear(self) -> bool:
         return self.lin_qkv is not None
 
+    @property
+    def is_conv(self) -> bool:
+        return self.conv_in is not None
+
     def all_experts(self) -> tuple[ExpertWeights, ...]:
         """The routed experts, then the shared one: expert index e of every wkey."""
         return self.experts + ((self.shared_expert,) if self.shared_expert is not None else ())
@@ -112,11 +120,11 @@ class LayerWeights:
         return w
 
     def proj_groups(self) -> tuple[tuple[ProjGroup, tuple[StripCache, ...]], ...]:
-        """(group, its strips) of each projection group in execution order: the token mixer's (``ATTENTION_GROUPS``,
-        ``GATED_ATTENTION_GROUPS`` or ``LINEAR_GROUPS``), then the MLP's (``MLP_GROUPS``; none in a mixture-of-
-        experts layer, whose experts have ``ExpertWeights.groups()``)."""
-        mixer = (LINEAR_GROUPS if self.is_linear else GATED_ATTENTION_GROUPS if self.attn_gate is not None
-                 else ATTENTION_GROUPS)
+        """(group, its strips) of each projection group in execution order: the token mixer's
+        (``ATTENTION_GROUPS``, ``GATED_ATTENTION_GROUPS``, ``LINEAR_GROUPS`` or ``CONV_GROUPS``), then the MLP's
+        (``MLP_GROUPS``; none in a mixture-of-experts layer, whose experts have ``ExpertWeights.groups()``)."""
+        mixer = (LINEAR_GROUPS if self.is_linear else CONV_GROUPS if self.is_conv
+                 else GATED_ATTENTION_GROUPS if self.attn_gate is not None else ATTENTION_GROUPS)
         groups = mixer if self.experts else mixer + MLP_GROUPS
         return tuple((g, tuple(getattr(self, name) for name in fields)) for g, fields in zip(groups, _fields(groups)))
 
@@ -184,9 +192,11 @@ def layer_specs(c: ModelConfig, i: int) -> list[TensorSpec]:
     """The tensors of layer ``i``, in the order the quantizer reads them."""
     d, hd = c.hidden_size, c.head_dim
     qn, kvn = c.num_heads * hd, c.num_kv_heads * hd
-    linear = c.is_linear(i)
-    if linear:
+    linear = c.is_linear(i) or c.is_conv(i)  # no attention: none of its tensors
+    if c.is_linear(i):
         out = _linear_mixer_specs(c)
+    elif c.is_conv(i):
+        out = [("conv_in", "proj", (3 * d, d)), ("o", "proj", (d, d)), ("conv", "matrix", (d, c.short_conv_kernel))]
     else:
         out = [("q", "proj", (qn, d)), ("k", "proj", (kvn, d)), ("v", "proj", (kvn, d))]
         if c.attn_output_gate:
@@ -232,7 +242,7 @@ def _linear_mixer_specs(c: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]
     conv = c.linear_conv_dim
     return [("lin_qkv", "proj", (conv, d)), ("lin_z", "proj", (vd, d)), ("lin_beta", "proj", (hv, d)),
             ("lin_alpha", "proj", (hv, d)), ("o", "proj", (d, vd)),
-            ("lin_conv", "matrix", (conv, c.linear_conv_kernel)), ("lin_decay", "vector", (hv,)),
+            ("conv", "matrix", (conv, c.linear_conv_kernel)), ("lin_decay", "vector", (hv,)),
             ("lin_dt_bias", "vector", (hv,)),
             ("lin_norm", "vector", (c.linear_value_dim,))]
 

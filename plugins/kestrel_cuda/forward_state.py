@@ -61,8 +61,8 @@ def unsupported_reason(model: Model) -> str | None:
         return f"activation {c.activation!r}"
     if not c.pre_norms or c.qk_norm_full:
         return "norms only after each block, or q/k norms over the whole projection"
-    if c.linear_layers or c.attn_output_gate:
-        return "linear-attention layers or gated attention"
+    if c.state_layers or c.attn_output_gate:
+        return "linear-attention or short-convolution layers, or gated attention"
     if c.o_bias or c.attn_sinks or c.moe_bias:
         return "an output projection bias, attention sinks or expert biases"
     if c.residual_scale != 1.0 or c.logits_scaling != 1.0:

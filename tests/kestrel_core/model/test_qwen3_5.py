@@ -65,7 +65,7 @@ WRONG = {
     "norms as plain weights, not 1 + w": lambda mp: mp.setattr("kestrel_core.model.hf.ONE_PLUS_NORMS", ()),
     "q_proj's gate rows read as the query": lambda mp: _split_swapped("q_gate")(mp, "hf"),
     "no decay (A_log left out)": lambda mp: _get_changed(mp, "lin_decay", np.zeros_like),
-    "the convolution's taps in reverse": lambda mp: _get_changed(mp, "lin_conv", lambda t: t[:, ::-1].copy()),
+    "the convolution's taps in reverse": lambda mp: _get_changed(mp, "conv", lambda t: t[:, ::-1].copy()),
     "value heads tiled, not grouped by key head": lambda mp: _get_changed(
         mp, "lin_dt_bias", lambda t: t.reshape(2, 2).T.reshape(-1).copy()),
 }
@@ -164,7 +164,7 @@ def test_a_recurrent_state_is_not_rewound_shared_or_guessed_ahead(engine) -> Non
     assert not engine.rewinds and not engine.prefix_cache
     cache = engine.decoder.new_cache()
     engine.decoder.forward([5, 6, 7], cache)
-    with pytest.raises(KestrelError, match="recurrent state"):
+    with pytest.raises(KestrelError, match="its state holds every position"):
         cache.truncate(1)
     prompt = [9, 10, 11, 9, 10, 11, 9, 10, 11, 9, 10]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
