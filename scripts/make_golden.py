@@ -90,6 +90,7 @@ from transformers import (
     Glm4Config,
     GptOssConfig,
     GraniteConfig,
+    Lfm2Config,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -317,6 +318,14 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     qwen3_next = Qwen3NextConfig(**common, **linear, intermediate_size=128, moe_intermediate_size=32,
                                  shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
                                  norm_topk_prob=True, tie_word_embeddings=False)
+    # LFM2: gated short convolutions (3 wide) beside attention with q/k norms; the MLP's width adjusted from
+    # block_ff_dim 192 to 128 as LFM2's config computes it; tied embeddings, its final norm named embedding_norm
+    lfm2 = Lfm2Config(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, bos_token_id=bos, eos_token_id=eos, pad_token_id=None, norm_eps=1e-5,
+                      intermediate_size=192, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
+                      block_auto_adjust_ff_dim=True, conv_L_cache=3, num_hidden_layers=4,
+                      layer_types=["conv", "conv", "full_attention", "conv"], tie_word_embeddings=True,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     mixtral = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
                             num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None)
     return {
@@ -343,6 +352,7 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-qwen3_5": (qwen3_5, _saved(torch.bfloat16, classic=False, nest=True)),
         "tiny-qwen3_5-moe": (qwen3_5_moe, _saved(torch.bfloat16, classic=False)),
         "tiny-qwen3-next": (qwen3_next, _saved(torch.bfloat16, classic=False)),
+        "tiny-lfm2": (lfm2, _saved(torch.bfloat16, classic=False)),
     }
 
 
@@ -385,7 +395,7 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                 val = rng.uniform(np.log(0.02), np.log(4.0), size=shape)
             elif name.endswith("linear_attn.dt_bias"):
                 val = rng.uniform(-1.0, 1.0, size=shape)
-            elif name.endswith("linear_attn.conv1d.weight"):  # [C, 1, kernel]
+            elif name.endswith(("linear_attn.conv1d.weight", "conv.conv.weight")):  # [C, 1, kernel]
                 val = LINEAR_CONV_STD * rng.standard_normal(shape)
             elif name.endswith("linear_attn.norm.weight"):
                 val = 1.0 + NORM_JITTER * rng.standard_normal(shape)
@@ -394,7 +404,9 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                                 "linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight",
                                 "linear_attn.out_proj.weight")):
                 val = q4_grid(rng, shape, STD_PROJ)
-            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            elif name.endswith(("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")):
+                val = q4_grid(rng, shape, STD_PROJ)  # LFM2's MLP
+            elif name.endswith(("q_norm.weight", "k_norm.weight", "q_layernorm.weight", "k_layernorm.weight")):
                 val = QK_NORM_MEAN - norm_shift + NORM_JITTER * rng.standard_normal(shape)
             elif name.endswith("norm.weight"):
                 val = 1.0 - norm_shift + NORM_JITTER * rng.standard_normal(shape)
@@ -1138,6 +1150,41 @@ def write_hybrid_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     return _gguf_finish(w, src, dst)
 
 
+def write_lfm2_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-lfm2 as llama.cpp's LFM2Model writes it: head_count_kv per layer (0: a short-convolution layer),
+    shortconv.l_cache, the MLP's adjusted width as feed_forward_length, the convolution squeezed, the final norm
+    as token_embd_norm; unpermuted. Q4_0 even layers, F16 odd ones; tied (no output)."""
+    cfg = json.loads((src / "config.json").read_text())
+    tensors = _float32_tensors(src / "model.safetensors")
+    width = tensors["model.layers.0.feed_forward.w1.weight"].shape[0]
+    flat = {**cfg, "rope_theta": cfg["rope_parameters"]["rope_theta"], "intermediate_size": width,
+            "rms_norm_eps": cfg["norm_eps"]}
+    w = _gguf_writer(dst, "lfm2", src.name, flat, tok)
+    w.add_head_count_kv([cfg["num_key_value_heads"] if t != "conv" else 0 for t in cfg["layer_types"]])
+    w.add_shortconv_l_cache(cfg["conv_L_cache"])
+    put = _gguf_put(w)
+    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
+    put("token_embd_norm.weight", tensors["model.embedding_norm.weight"], "f32")
+    for i, kind_of_layer in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}."
+        kind = "q4_0" if i % 2 == 0 else "f16"
+        put(f"blk.{i}.attn_norm.weight", tensors[p + "operator_norm.weight"], "f32")
+        put(f"blk.{i}.ffn_norm.weight", tensors[p + "ffn_norm.weight"], "f32")
+        if kind_of_layer == "conv":
+            put(f"blk.{i}.shortconv.in_proj.weight", tensors[p + "conv.in_proj.weight"], kind)
+            put(f"blk.{i}.shortconv.conv.weight", tensors[p + "conv.conv.weight"][:, 0], "f32")
+            put(f"blk.{i}.shortconv.out_proj.weight", tensors[p + "conv.out_proj.weight"], kind)
+        else:
+            for proj, name in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"),
+                               ("out_proj", "attn_output")):
+                put(f"blk.{i}.{name}.weight", tensors[p + f"self_attn.{proj}.weight"], kind)
+            put(f"blk.{i}.attn_q_norm.weight", tensors[p + "self_attn.q_layernorm.weight"], "f32")
+            put(f"blk.{i}.attn_k_norm.weight", tensors[p + "self_attn.k_layernorm.weight"], "f32")
+        for hf, name in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
+            put(f"blk.{i}.ffn_{name}.weight", tensors[p + f"feed_forward.{hf}.weight"], kind)
+    return _gguf_finish(w, src, dst)
+
+
 # ------------------------------------------------------------------------------------------------- SmolLM2
 
 SMOLLM_MESSAGES = [
@@ -1188,7 +1235,8 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-smollm3": write_smollm3_gguf, "tiny-granite": write_granite_gguf, "tiny-olmo2": write_olmo2_gguf,
               "tiny-exaone4": write_exaone4_gguf, "tiny-seed-oss": write_seed_oss_gguf, "tiny-glm4": write_glm4_gguf,
               "tiny-ernie4_5": write_ernie4_5_gguf, "tiny-qwen3_5": write_hybrid_gguf,
-              "tiny-qwen3_5-moe": write_hybrid_gguf, "tiny-qwen3-next": write_hybrid_gguf}
+              "tiny-qwen3_5-moe": write_hybrid_gguf, "tiny-qwen3-next": write_hybrid_gguf,
+              "tiny-lfm2": write_lfm2_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
 DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
 # LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is

@@ -1,5 +1,6 @@
 """Read a GGUF file (GGUF_ARCHITECTURES: llama incl. Mixtral, qwen2, qwen3, phi3, gemma 2 and 3, the mixtures of
-experts, gpt-oss, smollm3, granite, olmo2, exaone4, seed_oss, glm4, ernie4_5, qwen35, qwen35moe and qwen3next) as a
+experts, gpt-oss, smollm3, granite, olmo2, exaone4, seed_oss, glm4, ernie4_5, qwen35, qwen35moe, qwen3next and
+lfm2) as a
 TensorSource: dequantized float32, HF layout; the experts of a stacked ``ffn_*_exps`` tensor are read one slice at a
 time.
 
@@ -28,12 +29,12 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig, recommended_sampling
 from kestrel_core.model.gguf_bounds import check_gguf_bounds
 from kestrel_core.model.quantize import fused_rows, hybrid_splits, layer_name, map_tensor_name
-from kestrel_core.model.validate import ValidationError, check_float, check_int, check_regular_file
+from kestrel_core.model.validate import ValidationError, check_float, check_int, check_regular_file, is_int
 from kestrel_core.model.weights import expert_field
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
                       "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5", "qwen35", "qwen35moe",
-                      "qwen3next")
+                      "qwen3next", "lfm2")
 # linear attention beside gated attention
 HYBRID_ARCHITECTURES = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next"}
 MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}  # with experts
@@ -82,6 +83,9 @@ _HYBRID_MAP = {**_LAYER_MAP, "post_attention_norm.weight": "mlp_norm", "attn_qkv
 # the fused tensors of the hybrids, by their quantize.hybrid_splits role: attn_q (each head's query, then its gate),
 # qwen3next's ssm_ba (per key head: beta, alpha)
 _HYBRID_SPLITS = {"attn_q.weight": "q_gate", "ssm_ba.weight": "ba"}
+# LFM2's: its short convolutions, and its final norm under the name of an embedding norm
+_LFM2_MAP = {**_LAYER_MAP, "shortconv.in_proj.weight": "conv_in", "shortconv.conv.weight": "conv",
+             "shortconv.out_proj.weight": "o"}
 # what llama.cpp's converter (_LinearAttentionVReorderBase) reorders from HF's value heads grouped by key head to
 # tiled: each tensor's axis and the length of a head along it; kestrel takes them back to HF's order
 _TILED_VALUE_HEADS = {"lin_qkv": (0, "dv"), "lin_z": (0, "dv"), "lin_beta": (0, 1), "lin_alpha": (0, 1),
@@ -97,14 +101,15 @@ GGUF_POOLING = {0: None, 1: "mean", 2: "cls", 3: "last"}  # llama.cpp's pooling_
 GGUF_SAMPLING = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                  "penalty_repeat": "repetition_penalty"}
 _GLOBAL_MAP = {"token_embd.weight": "embedding", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
+_LFM2_GLOBAL_MAP = {**_GLOBAL_MAP, "token_embd_norm.weight": "final_norm"}
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def kestrel_name(gguf_name: str, arch: str = "llama") -> str | None:
     """``blk.3.attn_q.weight`` -> ``layers.3.q``; None for tensors kestrel does not use."""
     layer_map = (_MLP_NORM_AFTER_ATTENTION_MAP if arch in ("gpt-oss", "seed_oss") else _HYBRID_MAP
-                 if arch in HYBRID_ARCHITECTURES else _LAYER_MAP)
-    return map_tensor_name(gguf_name, _GLOBAL_MAP, _BLK_RE, layer_map)
+                 if arch in HYBRID_ARCHITECTURES else _LFM2_MAP if arch == "lfm2" else _LAYER_MAP)
+    return map_tensor_name(gguf_name, _LFM2_GLOBAL_MAP if arch == "lfm2" else _GLOBAL_MAP, _BLK_RE, layer_map)
 
 
 def grouped_value_heads(w: np.ndarray, axis: int, key_heads: int, value_heads: int, head_dim: int) -> np.ndarray:
@@ -362,7 +367,7 @@ class GGUFCheckpoint:
                 or extra.get("expert_intermediate_size"),
                 num_layers=layers,
                 num_heads=heads,
-                num_kv_heads=self.int_field(f"{arch}.attention.head_count_kv") or heads,
+                num_kv_heads=self._kv_heads(arch) or heads,
                 head_dim=head_dim,
                 rms_norm_eps=self.float_field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
                 rope_theta=theta,
@@ -465,6 +470,9 @@ class GGUFCheckpoint:
         experts = self.int_field(f"{arch}.expert_count", 0, lo=0) or 0
         if arch in HYBRID_ARCHITECTURES:
             return self._hybrid_fields(arch, layers, experts)
+        if arch == "lfm2":  # short convolutions where a layer has no KV heads; per-head q/k norms; unpermuted
+            return {"layer_types": tuple("full" if h else "conv" for h in self._per_layer_kv(arch)), "qk_norm": True,
+                    "short_conv_kernel": self.int_field(f"{arch}.shortconv.l_cache", required=True)}
         if arch == "gpt-oss":  # biases everywhere, sinks, the clamped SwiGLU (llama.cpp's fixed limit and slope)
             return {"arch": "gpt_oss", "num_experts": experts,
                     "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
@@ -486,6 +494,25 @@ class GGUFCheckpoint:
         return {"arch": MOE_ARCHITECTURES[arch], "num_experts": experts,
                 "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
                 "expert_intermediate_size": ff, "norm_topk_prob": norm, "shared_expert_intermediate_size": shared}
+
+    def _kv_heads(self, arch: str) -> int | None:
+        """``attention.head_count_kv``: one number, or (LFM2) one per layer, 0 for a layer without attention."""
+        if arch != "lfm2":
+            return self.int_field(f"{arch}.attention.head_count_kv")
+        per_layer = self._per_layer_kv(arch)
+        heads = {h for h in per_layer if h}
+        if len(heads) != 1:
+            raise KestrelError(f"{self.path}: {arch}.attention.head_count_kv must give its attention layers one "
+                               f"count of KV heads, got {per_layer}")
+        return heads.pop()
+
+    def _per_layer_kv(self, arch: str) -> list[int]:
+        value = self.field(f"{arch}.attention.head_count_kv")
+        layers = self.int_field(f"{arch}.block_count", required=True)
+        if not isinstance(value, list) or len(value) != layers or not all(is_int(v) and v >= 0 for v in value):
+            raise KestrelError(f"{self.path}: {arch}.attention.head_count_kv must be a count for each of the "
+                               f"{layers} layers (0: a short-convolution layer)")
+        return [int(v) for v in value]
 
     def _hybrid_fields(self, arch: str, layers: int, experts: int) -> dict[str, Any]:
         """Qwen3.5's, as llama.cpp reads them: every full_attention_interval-th layer full (gated attention, q/k

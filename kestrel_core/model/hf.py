@@ -63,6 +63,12 @@ _LINEAR_ATTN_MAP = {**_LAYER_MAP, "linear_attn.in_proj_qkv.weight": "lin_qkv", "
 # inputs, per key head), by their quantize.hybrid_splits role
 _HYBRID_SPLITS = {"self_attn.q_proj.weight": "q_gate", "linear_attn.in_proj_qkvz.weight": "qkvz",
                   "linear_attn.in_proj_ba.weight": "ba"}
+# LFM2's: its norms, attention output and MLP by their own names, and its short-convolution layers
+_LFM2_LAYER_MAP = {**_LAYER_MAP, "operator_norm.weight": "attn_norm", "ffn_norm.weight": "mlp_norm",
+                   "self_attn.out_proj.weight": "o", "self_attn.q_layernorm.weight": "q_norm",
+                   "self_attn.k_layernorm.weight": "k_norm", "feed_forward.w1.weight": "gate",
+                   "feed_forward.w3.weight": "up", "feed_forward.w2.weight": "down",
+                   "conv.in_proj.weight": "conv_in", "conv.out_proj.weight": "o", "conv.conv.weight": "conv"}
 # Gemma 2 and 3 name their four norms by position around the attention and the MLP
 _GEMMA_LAYER_MAP = {**_LAYER_MAP, "post_attention_layernorm.weight": "post_attn_norm",
                      "pre_feedforward_layernorm.weight": "mlp_norm",
@@ -96,6 +102,7 @@ _LM_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "
 # Phi-3 checkpoints hold Q|K|V and gate|up as one tensor each: rows split into these kestrel tensors
 _FUSED_MAP = {"self_attn.qkv_proj.weight": ("q", "k", "v"), "mlp.gate_up_proj.weight": ("gate", "up")}
 _GLOBAL_MAP = {"model.embed_tokens.weight": "embedding", "model.norm.weight": "final_norm",
+               "model.embedding_norm.weight": "final_norm",  # LFM2's name for the final norm
                "lm_head.weight": "lm_head"}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
@@ -128,7 +135,7 @@ def kestrel_name(hf_name: str, arch: str = "llama") -> str | None:
             return layer_name(int(m.group(1)), _GPT_OSS_MAP[m.group(2)])
     layer_map = (_GEMMA_LAYER_MAP if arch in GEMMA_ARCHITECTURES else _OLMO2_LAYER_MAP if arch in POST_NORMED
                  else _GLM4_LAYER_MAP if arch == "glm4" else _LINEAR_ATTN_MAP if arch in HYBRID_ARCHITECTURES
-                 else _LAYER_MAP)
+                 else _LFM2_LAYER_MAP if arch == "lfm2" else _LAYER_MAP)
     return map_tensor_name(hf_name, _GLOBAL_MAP, _LAYER_RE, layer_map)
 
 
@@ -301,7 +308,7 @@ class HFCheckpoint:
         field = name.rsplit(".", 1)[-1]
         if self.config.arch in ONE_PLUS_NORMS and field in GEMMA_NORMS:
             return np.float32(1) + t.astype(np.float32)
-        if field == "conv":  # nn.Conv1d's depthwise weight [C, 1, kernel]
+        if field == "conv":  # nn.Conv1d's depthwise weight [C, 1, kernel] (Qwen3.5's, LFM2's)
             return t.reshape(t.shape[0], -1)
         if field == "lin_decay":  # stored as A_log; the model runs -exp(A_log), as GGUF's ssm_a holds it
             return -np.exp(t.astype(np.float32))

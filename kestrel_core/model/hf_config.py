@@ -32,7 +32,7 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "Glm4ForCausalLM": "glm4", "Ernie4_5ForCausalLM": "ernie4_5",
                     "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3_5ForConditionalGeneration": "qwen3_5",
                     "Qwen3_5MoeForCausalLM": "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
-                    "Qwen3NextForCausalLM": "qwen3_next",
+                    "Qwen3NextForCausalLM": "qwen3_next", "Lfm2ForCausalLM": "lfm2",
                     # the decoder without its head, as embedding checkpoints (e5-mistral, ...) name it
                     "LlamaModel": "llama", "Qwen2Model": "qwen2", "Qwen3Model": "qwen3", "MistralModel": "mistral"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
@@ -41,7 +41,7 @@ MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": 
                "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2", "exaone4": "exaone4",
                "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "qwen3_5": "qwen3_5",
                "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe",
-               "qwen3_next": "qwen3_next"}
+               "qwen3_next": "qwen3_next", "lfm2": "lfm2"}
 WINDOWED = ("mistral", "phi3", "mixtral")  # architectures whose sliding_window applies to every layer
 # Gemma3TextConfig's defaults: hub configs (the text_config of the multimodal checkpoints) leave many out
 GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -213,6 +213,44 @@ def _hybrid_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
             "linear_conv_kernel": cfg["linear_conv_kernel_dim"]}
 
 
+def _lfm2_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """LFM2's: gated short-convolution layers (``conv_L_cache`` wide) beside attention with per-head q/k norms, as
+    ``layer_types`` (or the attention layers ``full_attn_idxs``) says."""
+    _refuse_set(cfg, where, {"conv_bias": "biases on the short convolutions and their projections"})
+    types = cfg.get("layer_types")
+    if types is None:
+        full = cfg.get("full_attn_idxs")
+        if not isinstance(full, list):
+            raise KestrelError(f"{where}: missing 'layer_types' (or 'full_attn_idxs')")
+        types = ["full_attention" if i in full else "conv" for i in range(cfg["num_hidden_layers"])]
+    names = {"conv": "conv", "full_attention": "full"}
+    if not isinstance(types, list) or not all(t in names for t in types):
+        raise KestrelError(f"{where}: layer_types must be a list of conv / full_attention")
+    return {"layer_types": tuple(names[t] for t in types), "qk_norm": True,
+            "short_conv_kernel": check_int("conv_L_cache", cfg.get("conv_L_cache", 3), 1)}
+
+
+def _intermediate_size(arch: str, cfg: dict[str, Any]) -> int:
+    """The MLP's width: config.json's, or what the architecture's config class computes from it (LFM2 adjusts
+    ``block_ff_dim`` to 2/3, times ``block_ffn_dim_multiplier``, up to a multiple of ``block_multiple_of``); a
+    Qwen3.5-MoE config has none (every layer's MLP is its experts)."""
+    if arch == "qwen3_5_moe" and not cfg.get("intermediate_size"):
+        return int(cfg["moe_intermediate_size"])
+    if arch != "lfm2":
+        return int(cfg["intermediate_size"])
+    width = cfg.get("block_ff_dim", cfg.get("intermediate_size"))
+    if not is_int(width):
+        raise KestrelError("LFM2's intermediate_size (or block_ff_dim) must be an integer")
+    if cfg.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        multiplier = cfg.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            width = int(check_float("block_ffn_dim_multiplier", multiplier, 0.0, lo_open=True) * width)
+        step = check_int("block_multiple_of", cfg.get("block_multiple_of", 256), 1)
+        width = step * ((width + step - 1) // step)
+    return width
+
+
 def _nope_layers(cfg: dict[str, Any], where: str) -> tuple[int, ...]:
     """SmolLM3's layers without RoPE: ``no_rope_layers`` (per layer, 1: RoPE, 0: none), else every
     ``no_rope_layer_interval``-th layer (default 4), as SmolLM3Config computes it."""
@@ -379,20 +417,20 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
                 ("residual_multiplier", "residual_scale"), ("logits_scaling", "logits_scaling"))})
         if arch in HYBRID_ARCHITECTURES:
             fields.update(_hybrid_fields(cfg, where))
+        if arch == "lfm2":
+            fields.update(_lfm2_fields(cfg, where))
         if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe", "qwen3_next"):
             fields.update(_moe_fields(arch, cfg, where))
         return ModelConfig(
             arch=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            # Qwen3.5-MoE's config has no dense width: every layer's MLP is its experts
-            intermediate_size=int(cfg.get("intermediate_size") or cfg.get("moe_intermediate_size")
-                                  or cfg["intermediate_size"]),
+            intermediate_size=_intermediate_size(arch, cfg),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", cfg.get("norm_eps", 1e-6))),  # LFM2: norm_eps
             max_position=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,

@@ -159,6 +159,10 @@ HF_CONFIG_FIELDS: dict[str, tuple[str, bool]] = {  # in the order hf_config.conf
     "linear_value_head_dim": ("pos", False),
     "linear_conv_kernel_dim": ("pos", False),
     "full_attention_interval": ("pos", False),
+    "norm_eps": ("float+", False),  # LFM2's rms_norm_eps
+    "conv_L_cache": ("pos", False),
+    "block_ff_dim": ("pos", False),
+    "block_multiple_of": ("pos", False),
     "num_experts": ("pos", False),  # Qwen3-MoE; Mixtral says num_local_experts
     "num_local_experts": ("pos", False),
     "num_experts_per_tok": ("pos", False),

@@ -1,4 +1,4 @@
-"""Qwen3.5's hybrid layers: each of its rules is needed to agree with transformers, the hub's nested checkpoint
+"""The hybrid models (Qwen3.5, Qwen3-Next: linear attention; LFM2: short convolutions): each of their rules is needed to agree with transformers, the hub's nested checkpoint
 reads as the flat one, and a sequence's recurrent state behaves (slots, no rewind, no shared prefix, preemption)."""
 
 from __future__ import annotations
@@ -27,12 +27,20 @@ NEXT_GGUF = next(c for c in CASES if c.name == "tiny-qwen3-next.gguf")
 
 
 def _get_changed(mp, field: str, change) -> None:  # type: ignore[no-untyped-def]
-    """HFCheckpoint.get with ``change`` applied to every tensor of ``field``."""
+    """HFCheckpoint.get_weight (which get reads through) with ``change`` applied to every checkpoint tensor of
+    ``field``, as stored (A_log before kestrel's -exp)."""
+    from kestrel_core.contract import BFloat16Bits
     from kestrel_core.model import hf
 
-    real = hf.HFCheckpoint.get
-    mp.setattr(hf.HFCheckpoint, "get", lambda self, name: change(real(self, name))
-               if name.rsplit(".", 1)[-1] == field else real(self, name))
+    real = hf.HFCheckpoint.get_weight
+
+    def changed(self, name):  # type: ignore[no-untyped-def]
+        t = real(self, name)
+        if name.rsplit(".", 1)[-1] != field:
+            return t
+        return change(t.to_float32() if isinstance(t, BFloat16Bits) else np.asarray(t, np.float32))
+
+    mp.setattr(hf.HFCheckpoint, "get_weight", changed)
 
 
 def _split_swapped(role: str):  # type: ignore[no-untyped-def]
@@ -64,8 +72,8 @@ def _qkvz_contiguous(mp, module: str) -> None:  # type: ignore[no-untyped-def]
 WRONG = {
     "norms as plain weights, not 1 + w": lambda mp: mp.setattr("kestrel_core.model.hf.ONE_PLUS_NORMS", ()),
     "q_proj's gate rows read as the query": lambda mp: _split_swapped("q_gate")(mp, "hf"),
-    "no decay (A_log left out)": lambda mp: _get_changed(mp, "lin_decay", np.zeros_like),
-    "the convolution's taps in reverse": lambda mp: _get_changed(mp, "conv", lambda t: t[:, ::-1].copy()),
+    "one decay rate for every head (A_log read as 0)": lambda mp: _get_changed(mp, "lin_decay", np.zeros_like),
+    "the convolution's taps in reverse": lambda mp: _get_changed(mp, "conv", lambda t: t[..., ::-1].copy()),
     "value heads tiled, not grouped by key head": lambda mp: _get_changed(
         mp, "lin_dt_bias", lambda t: t.reshape(2, 2).T.reshape(-1).copy()),
 }
@@ -225,3 +233,19 @@ def test_grouped_value_heads_undo_llamacpps_tiling() -> None:
     np.testing.assert_array_equal(grouped_value_heads(tiled, 0, key_heads, key_heads * per_key, dim), hf)
     np.testing.assert_array_equal(grouped_value_heads(tiled.T[:, lead:], 1, key_heads, key_heads * per_key, dim),
                                   hf.T[:, lead:])
+
+
+LFM2 = next(c for c in CASES if c.name == "tiny-lfm2")
+LFM2_WRONG = {
+    "B and C swapped": lambda mp: _get_changed(mp, "conv_in", lambda t: np.concatenate(np.split(t, 3)[1::-1] +
+                                                                                        [np.split(t, 3)[2]])),
+    "the convolution's taps in reverse": lambda mp: _get_changed(mp, "conv", lambda t: t[..., ::-1].copy()),
+}
+
+
+@pytest.mark.parametrize("wrong", LFM2_WRONG)
+def test_lfm2_done_wrong_leaves_the_limits(monkeypatch, wrong: str) -> None:  # type: ignore[no-untyped-def]
+    """LFM2's short convolution: C * conv(B * x), its taps oldest first (measured wrong: medians 0.69)."""
+    LFM2_WRONG[wrong](monkeypatch)
+    fig = measure(LFM2, "q8")
+    assert not fig.within(LFM2.limits("q8")), fig
