@@ -1,5 +1,6 @@
-"""The hybrid models (Qwen3.5, Qwen3-Next: linear attention; LFM2: short convolutions): each of their rules is needed to agree with transformers, the hub's nested checkpoint
-reads as the flat one, and a sequence's recurrent state behaves (slots, no rewind, no shared prefix, preemption)."""
+"""The hybrid models (Qwen3.5 and Qwen3-Next: linear attention; LFM2: short convolutions): each of their rules is
+needed to agree with transformers, the hub's nested checkpoint reads as the flat one, and a sequence's recurrent
+state behaves (slots, no rewind, no shared prefix, preemption)."""
 
 from __future__ import annotations
 
