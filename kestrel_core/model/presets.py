@@ -114,6 +114,9 @@ PRESETS: dict[str, ModelConfig] = {
                            sliding_window=128, layer_types=tuple("full" if i % 2 else "sliding" for i in range(24)),
                            qkv_bias=True, o_bias=True, attn_sinks=True, num_experts=32, experts_per_token=4,
                            expert_intermediate_size=2880, norm_topk_prob=True, moe_bias=True, activation="swiglu_oai"),
+    "lfm2-1.2b": _preset("lfm2", 65536, 2048, 8192, 16, 32, 8, 64, 1e6, 1e-5, 128000, True, qk_norm=True,
+                         short_conv_kernel=3, layer_types=tuple("full" if i in (2, 5, 8, 10, 12, 14) else "conv"
+                                                                for i in range(16))),
     "qwen3.5-9b": _preset("qwen3_5", 248320, 4096, 12288, 32, 16, 4, 256, 1e7, 1e-6, 262144, False,
                           layer_types=_qwen3_5_layers(32), **_QWEN3_5),
     "qwen3.5-35b-a3b": _preset("qwen3_5_moe", 248320, 2048, 512, 40, 16, 2, 256, 1e7, 1e-6, 262144, False,

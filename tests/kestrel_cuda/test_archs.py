@@ -28,7 +28,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_device_count() == 0, rea
                                               ("tiny-qwen3-yarn.gguf", "forward"), ("tiny-smollm3", "forward"),
                                               ("tiny-seed-oss.gguf", "forward"), ("tiny-glm4", "forward"),
                                               ("tiny-ernie4_5", "forward"), ("tiny-qwen3_5", "hooks"),
-                                              ("tiny-qwen3_5-moe.gguf", "hooks"), ("tiny-qwen3-next", "hooks")])
+                                              ("tiny-qwen3_5-moe.gguf", "hooks"), ("tiny-qwen3-next", "hooks"),
+                                              ("tiny-lfm2.gguf", "hooks")])
 def test_each_architecture_matches_the_cpu(fixture: str, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KESTREL_CUDA_MIN_FLOPS", "0")  # the fixtures' GEMMs are below the backend's threshold
     ids = np.load(FIXTURES / fixture.removesuffix(".gguf") / "golden.npz")["ids"]

@@ -28,10 +28,14 @@ def test_every_preset_builds_a_consistent_model(name: str) -> None:
     for mlp in mlps:
         assert mlp.down.shape == (cfg.hidden_size, f) and mlp.gate.shape == mlp.up.shape == (f, cfg.hidden_size)
     assert (lw.q_norm is not None) == cfg.qk_norm == (cfg.arch in ("qwen3", "qwen3_moe", "gemma3", "qwen3_5",
-                                                                   "qwen3_5_moe"))
-    for linear in model.layers[:layers - 1]:  # Gated DeltaNet: q|k|v before the convolution, z, beta, alpha, out
-        assert linear.lin_qkv.shape == (cfg.linear_conv_dim, cfg.hidden_size) and linear.q is None
-        assert linear.o.shape == (cfg.hidden_size, cfg.linear_value_heads * cfg.linear_value_dim)
+                                                                   "qwen3_5_moe", "lfm2"))
+    for before in model.layers[:layers - 1]:  # a hybrid's: Gated DeltaNet's q|k|v (then z, beta, alpha), or B|C|x
+        if before.is_linear:
+            assert before.lin_qkv.shape == (cfg.linear_conv_dim, cfg.hidden_size) and before.q is None
+            assert before.o.shape == (cfg.hidden_size, cfg.linear_value_heads * cfg.linear_value_dim)
+        else:
+            assert before.conv_in.shape == (3 * cfg.hidden_size, cfg.hidden_size) and before.q is None
+            assert before.conv.shape == (cfg.hidden_size, cfg.short_conv_kernel)
     assert (model.lm_head is model.embedding) == cfg.tie_word_embeddings
     assert model.embedding.bits == model.lm_head.bits == 8 and lw.q.bits == 4
     assert cfg.num_heads % cfg.num_kv_heads == 0
