@@ -136,8 +136,9 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 @pytest.mark.parametrize(("fields", "fmt", "expected"), [
     ({}, HERMES, None),  # no tools offered
-    ({"tools": [TOOL]}, HERMES, ToolCalls(HERMES)),
-    ({"tools": [TOOL], "tool_choice": "auto", "parallel_tool_calls": False}, MISTRAL, ToolCalls(MISTRAL, False)),
+    ({"tools": [TOOL]}, HERMES, ToolCalls(HERMES, schemas={"f": {"type": "object"}})),
+    ({"tools": [TOOL], "tool_choice": "auto", "parallel_tool_calls": False}, MISTRAL,
+     ToolCalls(MISTRAL, False, {"f": {"type": "object"}})),
     ({"tools": [TOOL], "tool_choice": "none"}, None, None),  # not shown to the model, so no template needed
 ])
 def test_a_requests_tool_calls(fields: dict[str, Any], fmt: str | None, expected: ToolCalls | None) -> None:
