@@ -118,6 +118,7 @@ class Decoder:
         # per layer, per projection group (LayerWeights.proj_groups): (each member's wkey, the fused weight's or
         # NO_CACHE)
         self.keys = [[(g.keys(i), g.fused_key(i)) for g, _ in lw.proj_groups()] for i, lw in enumerate(model.layers)]
+        self.strips = [lw.groups() for lw in model.layers]  # the same groups' StripCaches, looked up once
         # per layer, per expert, per MLP_GROUPS entry: the same for each expert's weights
         experts = c.num_experts + (1 if c.shared_expert_intermediate_size else 0)  # the shared one is expert E
         self.expert_keys = [[[(g.keys(i, e), g.fused_key(i, e)) for g in MLP_GROUPS] for e in range(experts)]
@@ -258,7 +259,7 @@ class Decoder:
             mix = self._linear_attention if lw.is_linear else self._short_conv if lw.is_conv else self._attention
             h += self._residual(mix(i, lw, x, rows), lw.post_attn_norm)
             x = h.copy() if lw.mlp_norm is None else rmsnorm(h, lw.mlp_norm, self.eps)
-            out = self._moe(i, lw, x, precise) if lw.experts else self._mlp(x, precise, lw.groups()[2:],
+            out = self._moe(i, lw, x, precise) if lw.experts else self._mlp(x, precise, self.strips[i][2:],
                                                                              self.keys[i][2:])
             h += self._residual(out, lw.post_mlp_norm)
         return h, precise
@@ -267,7 +268,7 @@ class Decoder:
         """Layer ``i``'s attention on x [M, D]: its keys and values written to the pool, [M, D] out."""
         c, pool, m = self.config, self.pool, len(x)
         hd, n_heads, n_kv = c.head_dim, c.num_heads, c.num_kv_heads
-        (qkv_w, o_w), (qkv_keys, o_keys) = lw.groups()[:2], self.keys[i][:2]
+        (qkv_w, o_w), (qkv_keys, o_keys) = self.strips[i][:2], self.keys[i][:2]
         cos, sin, q_cos, q_sin = rows.tables_at[self.layer_rope[i]]
         q, k, v, *gate = self._linear(x, rows.precise, qkv_w, *qkv_keys)
         if lw.q_bias is not None:
@@ -299,7 +300,7 @@ class Decoder:
         updated in place), its output normed per value head and gated by silu(z), projected: [M, D]."""
         c, states = self.config, self.pool.states
         assert states is not None
-        (in_w, o_w), (in_keys, o_keys) = lw.groups()[:2], self.keys[i][:2]
+        (in_w, o_w), (in_keys, o_keys) = self.strips[i][:2], self.keys[i][:2]
         qkv, z, beta, alpha = self._linear(x, rows.precise, in_w, *in_keys)  # [M, C], [M, Hv*dv], [M, Hv] x2
         m, dv = len(x), c.linear_value_dim
         core = np.empty((m, c.linear_value_heads * dv), np.float32)  # [M, Hv*dv]
@@ -315,7 +316,7 @@ class Decoder:
         (``kernels.short_conv``, each sequence's last inputs updated in place): [M, D]."""
         states = self.pool.states
         assert states is not None
-        (in_w, o_w), (in_keys, o_keys) = lw.groups()[:2], self.keys[i][:2]
+        (in_w, o_w), (in_keys, o_keys) = self.strips[i][:2], self.keys[i][:2]
         bcx = self._linear(x, rows.precise, in_w, *in_keys)[0]  # [M, 3D]
         y = np.empty((len(x), self.config.hidden_size), np.float32)  # [M, D]
         kernels.short_conv(np.ascontiguousarray(bcx), lw.conv, states.conv[i], rows.state_slots, y)
