@@ -35,6 +35,7 @@ class Proj(IntEnum):
     LIN_ALPHA = 16  # its decay's input, per value head
     LIN_IN = 17  # fused LIN_QKV|LIN_Z|LIN_BETA|LIN_ALPHA (its output projection is O)
     CONV_IN = 18  # a short-convolution layer's B|C|x (LFM2; its output projection is O)
+    MAMBA_IN = 19  # a Mamba-2 layer's z|x|B|C|dt (Granite 4.0-H; its output projection is O)
 
 
 MAX_EXPERT = 0xFFFE
@@ -129,3 +130,5 @@ GATED_ATTENTION_GROUPS = (ProjGroup((Proj.Q, Proj.K, Proj.V, Proj.ATTN_GATE), Pr
 LINEAR_GROUPS = (ProjGroup((Proj.LIN_QKV, Proj.LIN_Z, Proj.LIN_BETA, Proj.LIN_ALPHA), Proj.LIN_IN), PROJ_GROUPS[1])
 # the token mixer of a short-convolution layer (LFM2): its input projection, then O
 CONV_GROUPS = (ProjGroup((Proj.CONV_IN,)), PROJ_GROUPS[1])
+# the token mixer of a Mamba-2 layer (Granite 4.0-H): its input projection, then O
+MAMBA_GROUPS = (ProjGroup((Proj.MAMBA_IN,)), PROJ_GROUPS[1])

@@ -90,6 +90,7 @@ from transformers import (
     Glm4Config,
     GptOssConfig,
     GraniteConfig,
+    GraniteMoeHybridConfig,
     Lfm2Config,
     LlamaConfig,
     MistralConfig,
@@ -326,6 +327,20 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
                       block_auto_adjust_ff_dim=True, conv_L_cache=3, num_hidden_layers=4,
                       layer_types=["conv", "conv", "full_attention", "conv"], tie_word_embeddings=True,
                       rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    # Granite 4.0-H: Mamba-2 layers (4 heads of 32 in 2 groups, state 16) beside attention without RoPE, Granite's
+    # multipliers (the attention's 1, so its scores are sharp enough for positions to matter); its shared MLP alone
+    # (dense), or beside 4 routed experts as an ungated shared expert
+    granite4 = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=256, bos_token_id=bos, eos_token_id=eos, pad_token_id=None,
+                    rms_norm_eps=1e-6, num_hidden_layers=4, layer_types=["mamba", "mamba", "attention", "mamba"],
+                    mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_d_head=32, mamba_d_conv=4,
+                    mamba_expand=2, position_embedding_type="nope", embedding_multiplier=3.0,
+                    attention_multiplier=1.0, residual_multiplier=0.5, logits_scaling=1.5, tie_word_embeddings=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    granite4_h = GraniteMoeHybridConfig(**granite4, intermediate_size=128, shared_intermediate_size=128,
+                                        num_local_experts=0)
+    granite4_h_moe = GraniteMoeHybridConfig(**granite4, intermediate_size=32, shared_intermediate_size=64,
+                                            num_local_experts=4, num_experts_per_tok=2)
     mixtral = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
                             num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None)
     return {
@@ -353,6 +368,8 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-qwen3_5-moe": (qwen3_5_moe, _saved(torch.bfloat16, classic=False)),
         "tiny-qwen3-next": (qwen3_next, _saved(torch.bfloat16, classic=False)),
         "tiny-lfm2": (lfm2, _saved(torch.bfloat16, classic=False)),
+        "tiny-granite4-h": (granite4_h, _saved(torch.bfloat16, classic=False)),
+        "tiny-granite4-h-moe": (granite4_h_moe, _saved(torch.bfloat16, classic=False)),
     }
 
 
@@ -391,11 +408,13 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                 val = GPT_OSS_MLP_NORM + NORM_JITTER * rng.standard_normal(shape)
             elif name.endswith(("self_attn.sinks", "_proj_bias")):
                 val = STD_BIAS * rng.standard_normal(shape) * (3.0 if name.endswith("sinks") else 1.0)
-            elif name.endswith("linear_attn.A_log"):  # A from 0.02 to 4: decays exp(-A softplus(.)) near 1 to near 0
+            elif name.endswith(("linear_attn.A_log", "mamba.A_log")):  # A from 0.02 to 4: decays near 1 to near 0
                 val = rng.uniform(np.log(0.02), np.log(4.0), size=shape)
-            elif name.endswith("linear_attn.dt_bias"):
+            elif name.endswith("mamba.D"):  # Mamba-2's skip
+                val = rng.uniform(0.5, 1.5, size=shape)
+            elif name.endswith(("linear_attn.dt_bias", "mamba.dt_bias")):
                 val = rng.uniform(-1.0, 1.0, size=shape)
-            elif name.endswith(("linear_attn.conv1d.weight", "conv.conv.weight")):  # [C, 1, kernel]
+            elif name.endswith(("linear_attn.conv1d.weight", "conv.conv.weight", "mamba.conv1d.weight")):
                 val = LINEAR_CONV_STD * rng.standard_normal(shape)
             elif name.endswith("linear_attn.norm.weight"):
                 val = 1.0 + NORM_JITTER * rng.standard_normal(shape)
@@ -404,14 +423,15 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                                 "linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight",
                                 "linear_attn.out_proj.weight")):
                 val = q4_grid(rng, shape, STD_PROJ)
-            elif name.endswith(("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")):
-                val = q4_grid(rng, shape, STD_PROJ)  # LFM2's MLP
+            elif name.endswith(("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight",
+                                "shared_mlp.input_linear.weight", "shared_mlp.output_linear.weight")):
+                val = q4_grid(rng, shape, STD_PROJ)  # LFM2's MLP, Granite 4.0-H's shared one
             elif name.endswith(("q_norm.weight", "k_norm.weight", "q_layernorm.weight", "k_layernorm.weight")):
                 val = QK_NORM_MEAN - norm_shift + NORM_JITTER * rng.standard_normal(shape)
             elif name.endswith("norm.weight"):
                 val = 1.0 - norm_shift + NORM_JITTER * rng.standard_normal(shape)
             elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight",
-                                "mlp.router.weight")):
+                                "mlp.router.weight", "block_sparse_moe.router.weight")):
                 # a router, or a shared expert's sigmoid gate
                 val = STD_ROUTER * rng.standard_normal(shape)
             elif name.endswith(".bias"):
@@ -1185,6 +1205,74 @@ def write_lfm2_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     return _gguf_finish(w, src, dst)
 
 
+def write_granite_hybrid_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-granite4-h / tiny-granite4-h-moe as llama.cpp's GraniteHybridModel writes them: head_count_kv per layer
+    (0: a Mamba-2 layer), the ssm.* sizes, Granite's multipliers, a context of 2^20 (no RoPE); Q/K rows permuted as
+    llama's; A_log as -exp(A_log) and D as [heads, 1], dt_bias as ssm_dt.bias, the convolution squeezed, the norm
+    as [groups, inner / groups]; the shared MLP split into gate and up (ffn_* alone, *_shexp beside experts), the
+    experts' input_linear into gate and up. Q4_0 even layers, F16 odd ones; tied (no output)."""
+    cfg = json.loads((src / "config.json").read_text())
+    tensors = _float32_tensors(src / "model.safetensors")
+    experts = cfg["num_local_experts"]
+    heads, groups = cfg["mamba_n_heads"], cfg["mamba_n_groups"]
+    inner = cfg["mamba_expand"] * cfg["hidden_size"]
+    attn = [i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"]
+    w = _gguf_writer(dst, "granitehybrid", src.name, {**cfg, "rope_theta": cfg["rope_parameters"]["rope_theta"]}, tok)
+    w.add_context_length(2 ** 20)
+    w.add_head_count_kv([cfg["num_key_value_heads"] if i in attn else 0 for i in range(cfg["num_hidden_layers"])])
+    w.add_embedding_scale(cfg["embedding_multiplier"])
+    w.add_residual_scale(cfg["residual_multiplier"])
+    w.add_attention_scale(cfg["attention_multiplier"])
+    w.add_logit_scale(cfg["logits_scaling"])
+    w.add_expert_count(experts)
+    if experts:
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
+    w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+    w.add_ssm_state_size(cfg["mamba_d_state"])
+    w.add_ssm_group_count(groups)
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_time_step_rank(heads)
+    w.add_rope_scaling_finetuned(False)
+    put = _gguf_put(w)
+    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        kind = "q4_0" if i % 2 == 0 else "f16"
+        put(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"], "f32")
+        put(f"blk.{i}.ffn_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
+        if i in attn:
+            q, k = tensors[p + "self_attn.q_proj.weight"], tensors[p + "self_attn.k_proj.weight"]
+            put(f"blk.{i}.attn_q.weight", llamacpp_permute(q, n_head, n_head), kind)
+            put(f"blk.{i}.attn_k.weight", llamacpp_permute(k, n_head, n_kv), kind)
+            put(f"blk.{i}.attn_v.weight", tensors[p + "self_attn.v_proj.weight"], kind)
+            put(f"blk.{i}.attn_output.weight", tensors[p + "self_attn.o_proj.weight"], kind)
+        else:
+            m = p + "mamba."
+            put(f"blk.{i}.ssm_in.weight", tensors[m + "in_proj.weight"], kind)
+            put(f"blk.{i}.ssm_conv1d.weight", tensors[m + "conv1d.weight"][:, 0], "f32")
+            put(f"blk.{i}.ssm_conv1d.bias", tensors[m + "conv1d.bias"], "f32")
+            put(f"blk.{i}.ssm_dt.bias", tensors[m + "dt_bias"], "f32")
+            put(f"blk.{i}.ssm_a", -np.exp(tensors[m + "A_log"])[:, None], "f32")
+            put(f"blk.{i}.ssm_d", tensors[m + "D"][:, None], "f32")
+            put(f"blk.{i}.ssm_norm.weight", tensors[m + "norm.weight"].reshape(groups, inner // groups), "f32")
+            put(f"blk.{i}.ssm_out.weight", tensors[m + "out_proj.weight"], kind)
+        gate, up = np.split(tensors[p + "shared_mlp.input_linear.weight"], 2)
+        shared = "_shexp" if experts else ""
+        put(f"blk.{i}.ffn_gate{shared}.weight", gate, kind)
+        put(f"blk.{i}.ffn_up{shared}.weight", up, kind)
+        put(f"blk.{i}.ffn_down{shared}.weight", tensors[p + "shared_mlp.output_linear.weight"], kind)
+        if experts:
+            put(f"blk.{i}.ffn_gate_inp.weight", tensors[p + "block_sparse_moe.router.layer.weight"], "f32")
+            gate, up = np.split(tensors[p + "block_sparse_moe.input_linear.weight"], 2, axis=1)
+            put(f"blk.{i}.ffn_gate_exps.weight", gate, kind)
+            put(f"blk.{i}.ffn_up_exps.weight", up, kind)
+            put(f"blk.{i}.ffn_down_exps.weight", tensors[p + "block_sparse_moe.output_linear.weight"], kind)
+    put("output_norm.weight", tensors["model.norm.weight"], "f32")
+    return _gguf_finish(w, src, dst)
+
+
 # ------------------------------------------------------------------------------------------------- SmolLM2
 
 SMOLLM_MESSAGES = [
@@ -1236,7 +1324,8 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-exaone4": write_exaone4_gguf, "tiny-seed-oss": write_seed_oss_gguf, "tiny-glm4": write_glm4_gguf,
               "tiny-ernie4_5": write_ernie4_5_gguf, "tiny-qwen3_5": write_hybrid_gguf,
               "tiny-qwen3_5-moe": write_hybrid_gguf, "tiny-qwen3-next": write_hybrid_gguf,
-              "tiny-lfm2": write_lfm2_gguf}
+              "tiny-lfm2": write_lfm2_gguf, "tiny-granite4-h": write_granite_hybrid_gguf,
+              "tiny-granite4-h-moe": write_granite_hybrid_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
 DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
 # LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is

@@ -1,7 +1,7 @@
 """Decoder configuration: one dataclass for Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, OLMo 2, EXAONE 4,
 Seed-OSS, GLM-4, ERNIE 4.5, Gemma 2 and 3, the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss) and the
-hybrids of full attention with linear attention (Qwen3.5 dense and MoE, Qwen3-Next) or short convolutions
-(LFM2)."""
+hybrids of full attention with linear attention (Qwen3.5 dense and MoE, Qwen3-Next), short convolutions (LFM2) or
+Mamba-2 (Granite 4.0-H)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,16 @@ from kestrel_core.model.validate import ValidationError, check_bool, check_float
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
                  "mixtral", "gpt_oss", "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5",
-                 "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2")
+                 "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granitemoehybrid")
 POOLINGS = ("last", "mean", "cls")  # how an embedding pools the final hidden states: last, mean or first token
 # of the gate: SwiGLU, GeGLU with the tanh GELU (Gemma), or gpt-oss's clamped SwiGLU: gate g clamped to at most
 # swiglu_limit, up u to +-swiglu_limit, then (u + 1) * g * sigmoid(swiglu_alpha * g)
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
 # a layer's token mixer: attention over every earlier position, over a sliding window, linear attention (Gated
-# DeltaNet) or a gated short convolution (LFM2); the last two keep a state per sequence instead of keys and values
-LAYER_TYPES = ("full", "sliding", "linear", "conv")
+# DeltaNet), a gated short convolution (LFM2) or Mamba-2 (Granite 4.0-H); the last three keep a state per sequence
+# instead of keys and values
+LAYER_TYPES = ("full", "sliding", "linear", "conv", "mamba")
+STATE_TYPES = ("linear", "conv", "mamba")
 MAX_EXPERTS = 1 << 12
 # Upper bounds far above any real model, so a config cannot ask for absurd allocations (2^40 layers...)
 MAX_DIM = 1 << 20  # hidden, intermediate, head_dim
@@ -93,6 +95,16 @@ class ModelConfig:
     # the "conv" layers' gated short convolution (LFM2): B, C, x = in(x); out(C * conv(B * x)), conv depthwise over
     # this many positions; 0 without conv layers
     short_conv_kernel: int = 0
+    # the "mamba" layers' Mamba-2 (Granite 4.0-H): heads of head_dim channels (inner = heads * head_dim), B and C
+    # shared by groups of heads, each head's state [head_dim, mamba_state], a causal depthwise convolution over
+    # x|B|C this wide (with a bias where mamba_conv_bias); 0 without mamba layers
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    mamba_state: int = 0
+    mamba_conv_kernel: int = 0
+    mamba_conv_bias: bool = False
+    shared_expert_gated: bool = True  # False (Granite 4.0-H): the shared expert's output is added as it is
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     pooling: str | None = None  # an embedding model's pooling (one of POOLINGS): it gives vectors, not text
@@ -120,19 +132,32 @@ class ModelConfig:
         """Whether ``layer`` mixes tokens by a gated short convolution (LFM2)."""
         return bool(self.layer_types) and self.layer_types[layer] == "conv"
 
+    def is_mamba(self, layer: int) -> bool:
+        """Whether ``layer`` mixes tokens by Mamba-2 (Granite 4.0-H)."""
+        return bool(self.layer_types) and self.layer_types[layer] == "mamba"
+
     @property
     def linear_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if self.is_linear(i))
 
     @property
     def state_layers(self) -> tuple[int, ...]:
-        """The layers with a recurrent state per sequence (linear attention, short convolutions)."""
-        return tuple(i for i in range(self.num_layers) if self.is_linear(i) or self.is_conv(i))
+        """The layers with a recurrent state per sequence (linear attention, short convolutions, Mamba-2)."""
+        return tuple(i for i in range(self.num_layers) if self.layer_types and self.layer_types[i] in STATE_TYPES)
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
         """The layers with a KV cache."""
-        return tuple(i for i in range(self.num_layers) if not (self.is_linear(i) or self.is_conv(i)))
+        return tuple(i for i in range(self.num_layers) if not (self.layer_types and self.layer_types[i] in STATE_TYPES))
+
+    @property
+    def mamba_inner(self) -> int:
+        return self.mamba_heads * self.mamba_head_dim
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        """The channels of a mamba layer's convolution: x, B and C, [inner + 2 * groups * state]."""
+        return self.mamba_inner + 2 * self.mamba_groups * self.mamba_state
 
     @property
     def linear_conv_dim(self) -> int:
@@ -253,7 +278,7 @@ def validate_config(c: ModelConfig) -> None:
     if not c.pre_norms and not c.post_norms:
         raise ValidationError("a model without pre_norms needs post_norms")
     for name in ("tie_word_embeddings", "rope_interleaved", "qkv_bias", "qk_norm", "qk_norm_full", "pre_norms",
-                 "o_bias", "attn_sinks", "attn_output_gate",
+                 "o_bias", "attn_sinks", "attn_output_gate", "mamba_conv_bias", "shared_expert_gated",
                  "post_norms", "norm_topk_prob", "moe_bias", "normalize_embeddings"):
         check_bool(name, getattr(c, name))
     if c.bos_token_id is not None:
@@ -264,6 +289,7 @@ def validate_config(c: ModelConfig) -> None:
         check_sampling(c.sampling)
 
 
+MAMBA_FIELDS = ("mamba_heads", "mamba_head_dim", "mamba_groups", "mamba_state", "mamba_conv_kernel")
 LINEAR_FIELDS = ("linear_key_heads", "linear_key_dim", "linear_value_heads", "linear_value_dim", "linear_conv_kernel")
 
 
@@ -274,6 +300,14 @@ def _check_linear(c: ModelConfig) -> None:
         check_int("short_conv_kernel", c.short_conv_kernel, 1, MAX_DIM)
     elif c.short_conv_kernel != 0:
         raise ValidationError("short_conv_kernel needs conv layers (layer_types)")
+    if "mamba" in c.layer_types:
+        for name in MAMBA_FIELDS:
+            check_int(name, getattr(c, name), 1, MAX_HEADS if name.endswith(("heads", "groups")) else MAX_DIM)
+        if c.mamba_heads % c.mamba_groups:
+            raise ValidationError(f"mamba_heads ({c.mamba_heads}) must be a multiple of mamba_groups "
+                                  f"({c.mamba_groups})")
+    elif any(getattr(c, name) != 0 for name in MAMBA_FIELDS):
+        raise ValidationError("the mamba_* fields need mamba layers (layer_types)")
     if "linear" not in c.layer_types:
         for name in LINEAR_FIELDS:
             if getattr(c, name) != 0:

@@ -119,6 +119,9 @@ class Decoder:
         # NO_CACHE)
         self.keys = [[(g.keys(i), g.fused_key(i)) for g, _ in lw.proj_groups()] for i, lw in enumerate(model.layers)]
         self.strips = [lw.groups() for lw in model.layers]  # the same groups' StripCaches, looked up once
+        if c.mamba_groups:  # Mamba-2's norm is per group of channels, its weight over all of them
+            self.unit_norm = np.ones(c.mamba_inner // c.mamba_groups, np.float32)
+            self.no_conv_bias = np.zeros(c.mamba_conv_dim, np.float32)
         # per layer, per expert, per MLP_GROUPS entry: the same for each expert's weights
         experts = c.num_experts + (1 if c.shared_expert_intermediate_size else 0)  # the shared one is expert E
         self.expert_keys = [[[(g.keys(i, e), g.fused_key(i, e)) for g in MLP_GROUPS] for e in range(experts)]
@@ -256,7 +259,8 @@ class Decoder:
         for i, lw in enumerate(self.model.layers):
             self.offload.layer_boundary(i)
             x = h.copy() if lw.attn_norm is None else rmsnorm(h, lw.attn_norm, self.eps)  # [M, D]
-            mix = self._linear_attention if lw.is_linear else self._short_conv if lw.is_conv else self._attention
+            mix = (self._linear_attention if lw.is_linear else self._short_conv if lw.is_conv
+                   else self._mamba if lw.is_mamba else self._attention)
             h += self._residual(mix(i, lw, x, rows), lw.post_attn_norm)
             x = h.copy() if lw.mlp_norm is None else rmsnorm(h, lw.mlp_norm, self.eps)
             out = self._moe(i, lw, x, precise) if lw.experts else self._mlp(x, precise, self.strips[i][2:],
@@ -322,6 +326,24 @@ class Decoder:
         kernels.short_conv(np.ascontiguousarray(bcx), lw.conv, states.conv[i], rows.state_slots, y)
         return self._linear(y, rows.precise, o_w, *o_keys)[0]
 
+    def _mamba(self, i: int, lw: LayerWeights, x: np.ndarray, rows: _Rows) -> np.ndarray:
+        """Layer ``i``'s Mamba-2 on x [M, D] (Granite 4.0-H): z, x|B|C, dt = in(x); y = the selective scan
+        (``kernels.mamba2``, each sequence's state updated in place); y * silu(z) normed per group, projected."""
+        c, states = self.config, self.pool.states
+        assert states is not None
+        (in_w, o_w), (in_keys, o_keys) = self.strips[i][:2], self.keys[i][:2]
+        proj = self._linear(x, rows.precise, in_w, *in_keys)[0]  # [M, inner + C + heads]
+        inner, m = c.mamba_inner, len(x)
+        y = np.empty((m, inner), np.float32)  # [M, inner]
+        bias = lw.conv_bias if lw.conv_bias is not None else self.no_conv_bias
+        kernels.mamba2(np.ascontiguousarray(proj), lw.conv, bias, lw.ssm_a, lw.ssm_dt_bias, lw.ssm_d,
+                       states.conv[i], states.ssm[i], rows.state_slots, c.mamba_groups, c.mamba_state, y)
+        z = np.ascontiguousarray(proj[:, :inner])
+        y *= z * _sigmoid(z)
+        group = inner // c.mamba_groups
+        y = rmsnorm(y.reshape(-1, group), self.unit_norm, self.eps).reshape(m, inner) * lw.ssm_norm
+        return self._linear(y, rows.precise, o_w, *o_keys)[0]
+
     def _residual(self, out: np.ndarray, post_norm: np.ndarray | None) -> np.ndarray:
         """What a block adds to the residual stream: its output, normed after (Gemma) or scaled (Granite)."""
         if post_norm is not None:
@@ -348,7 +370,8 @@ class Decoder:
     def _moe(self, i: int, lw: LayerWeights, x: np.ndarray, precise: np.ndarray) -> np.ndarray:
         """The mixture of experts of layer ``i`` on x [M, D]: each row through its top-k experts by router
         probability (softmax over all experts, then optionally renormalised over the k), weighted and summed
-        in expert order, then the shared expert scaled by its sigmoid gate (Qwen2-MoE); a row's result does
+        in expert order, then the shared expert scaled by its sigmoid gate (Qwen2-MoE; Granite 4.0-H's has none);
+        a row's result does
         not depend on the other rows."""
         c = self.config
         x = np.ascontiguousarray(x)
@@ -361,7 +384,7 @@ class Decoder:
             out[rows] += y * weights[rows, slot][:, None]
         if lw.shared_expert is not None:
             y = self._mlp(x, precise, lw.shared_expert.groups(), self.expert_keys[i][c.num_experts])
-            out += y * shared_expert_scale(x, lw.shared_expert_gate)
+            out += y if lw.shared_expert_gate is None else y * shared_expert_scale(x, lw.shared_expert_gate)
         return out
 
 

@@ -34,13 +34,13 @@ from kestrel_core.model.weights import expert_field
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
                       "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5", "qwen35", "qwen35moe",
-                      "qwen3next", "lfm2")
+                      "qwen3next", "lfm2", "granitehybrid")
 # linear attention beside gated attention
 HYBRID_ARCHITECTURES = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next"}
 MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}  # with experts
 EXPERT_WEIGHTS_NORM = {"qwen2moe": False}  # llama.cpp's default where expert_weights_norm is absent: true
 # kestrel's names: a llama GGUF with experts is Mixtral; SmolLM3's converter is llama's
-PERMUTED_ARCHITECTURES = ("llama", "mixtral", "smollm3", "granite")
+PERMUTED_ARCHITECTURES = ("llama", "mixtral", "smollm3", "granite", "granitemoehybrid")
 EXAONE4_SWA_PATTERN = 4  # llama.cpp's: every 4th EXAONE 4 layer is global (the file does not say)
 SMOLLM3_NOPE_STEP = 4  # llama.cpp's: every 4th layer of SmolLM3 has no RoPE (the file does not say)
 # phi3 GGUFs hold Q|K|V and gate|up (llama.cpp's ffn_up of phi3: gate rows, then up) as one tensor each; glm4's
@@ -83,9 +83,16 @@ _HYBRID_MAP = {**_LAYER_MAP, "post_attention_norm.weight": "mlp_norm", "attn_qkv
 # the fused tensors of the hybrids, by their quantize.hybrid_splits role: attn_q (each head's query, then its gate),
 # qwen3next's ssm_ba (per key head: beta, alpha)
 _HYBRID_SPLITS = {"attn_q.weight": "q_gate", "ssm_ba.weight": "ba"}
+PER_LAYER_KV = ("lfm2", "granitehybrid")  # head_count_kv per layer: 0 where a layer has no attention
 # LFM2's: its short convolutions, and its final norm under the name of an embedding norm
 _LFM2_MAP = {**_LAYER_MAP, "shortconv.in_proj.weight": "conv_in", "shortconv.conv.weight": "conv",
              "shortconv.out_proj.weight": "o"}
+# Granite 4.0-H's Mamba-2 layers (llama.cpp's names); ssm_a, ssm_d ([heads, 1]) and ssm_norm ([groups, inner / groups])
+# are read flat
+_GRANITE_HYBRID_MAP = {**_LAYER_MAP, "ssm_in.weight": "mamba_in", "ssm_conv1d.weight": "conv",
+                       "ssm_conv1d.bias": "conv_bias", "ssm_dt.bias": "ssm_dt_bias", "ssm_a": "ssm_a", "ssm_d": "ssm_d",
+                       "ssm_norm.weight": "ssm_norm", "ssm_out.weight": "o"}
+_FLAT = ("ssm_a", "ssm_d", "ssm_norm")
 # what llama.cpp's converter (_LinearAttentionVReorderBase) reorders from HF's value heads grouped by key head to
 # tiled: each tensor's axis and the length of a head along it; kestrel takes them back to HF's order
 _TILED_VALUE_HEADS = {"lin_qkv": (0, "dv"), "lin_z": (0, "dv"), "lin_beta": (0, 1), "lin_alpha": (0, 1),
@@ -108,7 +115,8 @@ _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 def kestrel_name(gguf_name: str, arch: str = "llama") -> str | None:
     """``blk.3.attn_q.weight`` -> ``layers.3.q``; None for tensors kestrel does not use."""
     layer_map = (_MLP_NORM_AFTER_ATTENTION_MAP if arch in ("gpt-oss", "seed_oss") else _HYBRID_MAP
-                 if arch in HYBRID_ARCHITECTURES else _LFM2_MAP if arch == "lfm2" else _LAYER_MAP)
+                 if arch in HYBRID_ARCHITECTURES else _LFM2_MAP if arch == "lfm2" else _GRANITE_HYBRID_MAP
+                 if arch == "granitehybrid" else _LAYER_MAP)
     return map_tensor_name(gguf_name, _LFM2_GLOBAL_MAP if arch == "lfm2" else _GLOBAL_MAP, _BLK_RE, layer_map)
 
 
@@ -361,9 +369,9 @@ class GGUFCheckpoint:
                 arch=extra.pop("arch", arch),
                 vocab_size=vocab_size,
                 hidden_size=hidden,
-                # qwen35moe's every MLP is its experts: no dense width
-                intermediate_size=self.int_field(f"{arch}.feed_forward_length",
-                                                 required=arch not in ("qwen35moe", "qwen3next"))
+                # qwen35moe's every MLP is its experts: no dense width; Granite 4.0-H's is its shared MLP's
+                intermediate_size=extra.pop("intermediate_size", None)
+                or self.int_field(f"{arch}.feed_forward_length", required=arch not in ("qwen35moe", "qwen3next"))
                 or extra.get("expert_intermediate_size"),
                 num_layers=layers,
                 num_heads=heads,
@@ -462,14 +470,13 @@ class GGUFCheckpoint:
             return {"qk_norm": True, "pre_norms": False, "post_norms": True, "layer_types": types,
                     "sliding_window": window,
                     "nope_layers": tuple(i for i, t in enumerate(types) if window and t == "full")}
-        if arch == "granite":  # its multipliers, as llama.cpp names them (absent: 1, and the usual query scale)
-            scale = self.float_field(f"{arch}.attention.scale", 0.0)
-            return {"embed_scale": self.float_field(f"{arch}.embedding_scale", 1.0),
-                    "residual_scale": self.float_field(f"{arch}.residual_scale", 1.0),
-                    "logits_scaling": self.float_field(f"{arch}.logit_scale", 1.0), "query_scale": scale or None}
+        if arch == "granite":
+            return self._granite_multipliers(arch)
         experts = self.int_field(f"{arch}.expert_count", 0, lo=0) or 0
         if arch in HYBRID_ARCHITECTURES:
             return self._hybrid_fields(arch, layers, experts)
+        if arch == "granitehybrid":
+            return self._granite_hybrid_fields(arch, experts)
         if arch == "lfm2":  # short convolutions where a layer has no KV heads; per-head q/k norms; unpermuted
             return {"layer_types": tuple("full" if h else "conv" for h in self._per_layer_kv(arch)), "qk_norm": True,
                     "short_conv_kernel": self.int_field(f"{arch}.shortconv.l_cache", required=True)}
@@ -495,9 +502,48 @@ class GGUFCheckpoint:
                 "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
                 "expert_intermediate_size": ff, "norm_topk_prob": norm, "shared_expert_intermediate_size": shared}
 
+    def _granite_hybrid_fields(self, arch: str, experts: int) -> dict[str, Any]:
+        """Granite 4.0-H's, as llama.cpp reads them: Mamba-2 where a layer has no KV heads (``ssm.time_step_rank``
+        heads sharing ``ssm.inner_size``, ``ssm.group_count`` groups, ``ssm.state_size``, ``ssm.conv_kernel``),
+        attention without RoPE unless ``rope.scaling.finetuned``, Granite's multipliers; its shared MLP
+        ``expert_shared_feed_forward_length`` wide, the layer's MLP or beside experts an ungated shared expert."""
+        types = tuple("full" if h else "mamba" for h in self._per_layer_kv(arch))
+        heads = self.int_field(f"{arch}.ssm.time_step_rank", required=True)
+        inner = self.int_field(f"{arch}.ssm.inner_size", required=True)
+        assert heads is not None and inner is not None
+        if inner % heads:
+            raise KestrelError(f"{self.path}: {arch}.ssm.inner_size {inner} is not a multiple of "
+                               f"{arch}.ssm.time_step_rank {heads}")
+        shared = self.int_field(f"{arch}.expert_shared_feed_forward_length", required=True)
+        rope = self.field(f"{arch}.rope.scaling.finetuned") is True
+        first = next((i for i, t in enumerate(types) if t == "mamba"), None)
+        out: dict[str, Any] = {
+            "arch": "granitemoehybrid",
+            "layer_types": types, "nope_layers": () if rope else tuple(i for i, t in enumerate(types) if t == "full"),
+            "mamba_heads": heads, "mamba_head_dim": inner // heads,
+            "mamba_groups": self.int_field(f"{arch}.ssm.group_count", required=True),
+            "mamba_state": self.int_field(f"{arch}.ssm.state_size", required=True),
+            "mamba_conv_kernel": self.int_field(f"{arch}.ssm.conv_kernel", required=True),
+            "mamba_conv_bias": first is not None and layer_name(first, "conv_bias") in self._tensors,
+            **self._granite_multipliers(arch)}
+        if not experts:
+            return {**out, "intermediate_size": shared}
+        return {**out, "num_experts": experts, "norm_topk_prob": True, "shared_expert_gated": False,
+                "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
+                "expert_intermediate_size": self.int_field(f"{arch}.feed_forward_length", required=True),
+                "shared_expert_intermediate_size": shared}
+
+    def _granite_multipliers(self, arch: str) -> dict[str, Any]:
+        """Granite's multipliers, as llama.cpp names them (absent: 1, and the usual query scale)."""
+        scale = self.float_field(f"{arch}.attention.scale", 0.0)
+        return {"embed_scale": self.float_field(f"{arch}.embedding_scale", 1.0),
+                "residual_scale": self.float_field(f"{arch}.residual_scale", 1.0),
+                "logits_scaling": self.float_field(f"{arch}.logit_scale", 1.0), "query_scale": scale or None}
+
     def _kv_heads(self, arch: str) -> int | None:
-        """``attention.head_count_kv``: one number, or (LFM2) one per layer, 0 for a layer without attention."""
-        if arch != "lfm2":
+        """``attention.head_count_kv``: one number, or (LFM2, Granite 4.0-H) one per layer, 0 for a layer without
+        attention."""
+        if arch not in PER_LAYER_KV:
             return self.int_field(f"{arch}.attention.head_count_kv")
         per_layer = self._per_layer_kv(arch)
         heads = {h for h in per_layer if h}
@@ -511,7 +557,7 @@ class GGUFCheckpoint:
         layers = self.int_field(f"{arch}.block_count", required=True)
         if not isinstance(value, list) or len(value) != layers or not all(is_int(v) and v >= 0 for v in value):
             raise KestrelError(f"{self.path}: {arch}.attention.head_count_kv must be a count for each of the "
-                               f"{layers} layers (0: a short-convolution layer)")
+                               f"{layers} layers (0: a layer without attention)")
         return [int(v) for v in value]
 
     def _hybrid_fields(self, arch: str, layers: int, experts: int) -> dict[str, Any]:
@@ -576,6 +622,8 @@ class GGUFCheckpoint:
             w = fused_rows(w, rows, str(self.path), t.name)
         c = self.config
         field = name.rsplit(".", 1)[-1]
+        if field in _FLAT and c.arch == "granitemoehybrid":
+            w = w.reshape(-1)
         if self.tiled_value_heads and field in _TILED_VALUE_HEADS and c.is_linear(int(name.split(".")[1])):
             axis, head = _TILED_VALUE_HEADS[field]
             w = grouped_value_heads(w, axis, c.linear_key_heads, c.linear_value_heads,

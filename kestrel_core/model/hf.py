@@ -69,6 +69,13 @@ _LFM2_LAYER_MAP = {**_LAYER_MAP, "operator_norm.weight": "attn_norm", "ffn_norm.
                    "self_attn.k_layernorm.weight": "k_norm", "feed_forward.w1.weight": "gate",
                    "feed_forward.w3.weight": "up", "feed_forward.w2.weight": "down",
                    "conv.in_proj.weight": "conv_in", "conv.out_proj.weight": "o", "conv.conv.weight": "conv"}
+# Granite 4.0-H's Mamba-2 layers and router (its MLPs: _granite_names)
+_GRANITE_HYBRID_MAP = {**_LAYER_MAP, "mamba.in_proj.weight": "mamba_in", "mamba.conv1d.weight": "conv",
+                       "mamba.conv1d.bias": "conv_bias", "mamba.A_log": "ssm_a", "mamba.dt_bias": "ssm_dt_bias",
+                       "mamba.D": "ssm_d", "mamba.norm.weight": "ssm_norm", "mamba.out_proj.weight": "o",
+                       "block_sparse_moe.router.layer.weight": "router"}
+_GRANITE_MLPS = ("shared_mlp.input_linear.weight", "shared_mlp.output_linear.weight",
+                 "block_sparse_moe.input_linear.weight", "block_sparse_moe.output_linear.weight")
 # Gemma 2 and 3 name their four norms by position around the attention and the MLP
 _GEMMA_LAYER_MAP = {**_LAYER_MAP, "post_attention_layernorm.weight": "post_attn_norm",
                      "pre_feedforward_layernorm.weight": "mlp_norm",
@@ -135,7 +142,8 @@ def kestrel_name(hf_name: str, arch: str = "llama") -> str | None:
             return layer_name(int(m.group(1)), _GPT_OSS_MAP[m.group(2)])
     layer_map = (_GEMMA_LAYER_MAP if arch in GEMMA_ARCHITECTURES else _OLMO2_LAYER_MAP if arch in POST_NORMED
                  else _GLM4_LAYER_MAP if arch == "glm4" else _LINEAR_ATTN_MAP if arch in HYBRID_ARCHITECTURES
-                 else _LFM2_LAYER_MAP if arch == "lfm2" else _LAYER_MAP)
+                 else _LFM2_LAYER_MAP if arch == "lfm2" else _GRANITE_HYBRID_MAP if arch == "granitemoehybrid"
+                 else _LAYER_MAP)
     return map_tensor_name(hf_name, _GLOBAL_MAP, _LAYER_RE, layer_map)
 
 
@@ -263,6 +271,8 @@ class HFCheckpoint:
         name = kestrel_name(hf_name, self.config.arch)
         if name is not None:
             return [(name, None)]
+        if c.arch == "granitemoehybrid" and m is not None and m.group(2) in _GRANITE_MLPS:
+            return self._granite_names(int(m.group(1)), m.group(2))
         stacked = _GPT_OSS_EXPERTS.match(m.group(2)) if m is not None and self.config.arch == "gpt_oss" else None
         if stacked is not None:
             proj, suffix = stacked.groups()
@@ -287,6 +297,27 @@ class HFCheckpoint:
             start += rows
         return out
 
+    def _granite_names(self, layer: int, tensor: str) -> list[tuple[str, tuple[int, int] | np.ndarray | None]]:
+        """Granite 4.0-H's MLPs: ``shared_mlp`` (gate|up fused, then down) is the layer's MLP, or beside experts
+        its shared expert; the experts are stacked, ``input_linear`` [E, 2F, D] (gate rows, then up) and
+        ``output_linear`` [E, D, F], read one expert's slice at a time."""
+        c = self.config
+        if tensor.startswith("shared_mlp."):
+            prefix = "shared_expert." if c.is_moe else ""
+            if tensor.endswith("output_linear.weight"):
+                return [(layer_name(layer, prefix + "down"), None)]
+            width = c.shared_expert_intermediate_size if c.is_moe else c.intermediate_size
+            return [(layer_name(layer, prefix + "gate"), (0, width)),
+                    (layer_name(layer, prefix + "up"), (width, 2 * width))]
+        parts = ("gate", "up") if tensor.endswith("input_linear.weight") else ("down",)
+        out: list[tuple[str, tuple[int, int] | np.ndarray | None]] = []
+        for e in range(c.num_experts):
+            for part in parts:
+                name = layer_name(layer, expert_field(e, part))
+                self._expert_part[name] = (e, part)
+                out.append((name, None))
+        return out
+
     def _handle(self, path: Path) -> Any:
         if path not in self._handles:
             try:
@@ -308,9 +339,9 @@ class HFCheckpoint:
         field = name.rsplit(".", 1)[-1]
         if self.config.arch in ONE_PLUS_NORMS and field in GEMMA_NORMS:
             return np.float32(1) + t.astype(np.float32)
-        if field == "conv":  # nn.Conv1d's depthwise weight [C, 1, kernel] (Qwen3.5's, LFM2's)
+        if field == "conv":  # nn.Conv1d's depthwise weight [C, 1, kernel] (Qwen3.5's, LFM2's, Mamba-2's)
             return t.reshape(t.shape[0], -1)
-        if field == "lin_decay":  # stored as A_log; the model runs -exp(A_log), as GGUF's ssm_a holds it
+        if field in ("lin_decay", "ssm_a"):  # stored as A_log; the model runs -exp(A_log), as GGUF's ssm_a holds it
             return -np.exp(t.astype(np.float32))
         return t
 
@@ -338,10 +369,15 @@ class HFCheckpoint:
         return t if t.dtype in (np.float32, np.float16) else t.astype(np.float32)
 
     def _expert_tensor(self, name: str, path: Path, hf_name: str) -> np.ndarray:
-        """One expert's part of gpt-oss's stacked tensors, float32 in kestrel's orientation: gate [F, D] (the
-        even rows of gate|up as transformers computes x @ W), up [F, D] (the odd ones), down [D, F], or a bias."""
+        """One expert's part of a stacked tensor, float32 in kestrel's orientation: gpt-oss's gate [F, D] (the even
+        rows of gate|up as transformers computes x @ W), up [F, D] (the odd ones), down [D, F], or a bias;
+        Granite 4.0-H's (``_granite_names``)."""
         e, part = self._expert_part[name]
         try:
+            if self.config.arch == "granitemoehybrid":  # [2F, D]: gate rows, then up; down [D, F] as it is
+                t = self._stacked_slice(path, hf_name, e)
+                width = self.config.expert_intermediate_size
+                return np.ascontiguousarray(t[:width] if part == "gate" else t[width:] if part == "up" else t)
             if hf_name.endswith("_blocks"):
                 rows = self._mxfp4_rows(path, hf_name, e)  # [2F, D] or [D, F]
                 return np.ascontiguousarray(rows[0::2] if part == "gate" else rows[1::2] if part == "up" else rows)

@@ -33,6 +33,7 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3_5ForConditionalGeneration": "qwen3_5",
                     "Qwen3_5MoeForCausalLM": "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
                     "Qwen3NextForCausalLM": "qwen3_next", "Lfm2ForCausalLM": "lfm2",
+                    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
                     # the decoder without its head, as embedding checkpoints (e5-mistral, ...) name it
                     "LlamaModel": "llama", "Qwen2Model": "qwen2", "Qwen3Model": "qwen3", "MistralModel": "mistral"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
@@ -41,7 +42,7 @@ MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": 
                "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2", "exaone4": "exaone4",
                "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "qwen3_5": "qwen3_5",
                "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe",
-               "qwen3_next": "qwen3_next", "lfm2": "lfm2"}
+               "qwen3_next": "qwen3_next", "lfm2": "lfm2", "granitemoehybrid": "granitemoehybrid"}
 WINDOWED = ("mistral", "phi3", "mixtral")  # architectures whose sliding_window applies to every layer
 # Gemma3TextConfig's defaults: hub configs (the text_config of the multimodal checkpoints) leave many out
 GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -230,12 +231,57 @@ def _lfm2_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
             "short_conv_kernel": check_int("conv_L_cache", cfg.get("conv_L_cache", 3), 1)}
 
 
+GRANITE_HYBRID_LAYERS = {"mamba": "mamba", "linear_attention": "mamba", "attention": "full", "full_attention": "full"}
+
+
+def _granite_hybrid_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """Granite 4.0-H's: Mamba-2 layers beside attention (without RoPE unless position_embedding_type says rope), its
+    MLP the shared one (``shared_intermediate_size`` wide: the layer's MLP, or beside routed experts an ungated
+    shared expert; experts ``intermediate_size`` wide, their top-k logits softmaxed)."""
+    _refuse_set(cfg, where, {"mamba_proj_bias": "biases on the Mamba-2 projections"})
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise KestrelError(f"{where}: hidden_act {act!r} is not supported (Granite 4.0-H uses silu)")
+    limit = cfg.get("time_step_limit")
+    if limit is not None and (not isinstance(limit, list) or len(limit) != 2 or limit[0] != 0
+                              or limit[1] not in (math.inf, {"__float__": "Infinity"})):
+        raise KestrelError(f"{where}: time_step_limit {limit!r} is not supported (kestrel clamps no time step)")
+    types = cfg.get("layer_types", cfg.get("layers_block_type"))
+    if not isinstance(types, list) or not all(t in GRANITE_HYBRID_LAYERS for t in types):
+        raise KestrelError(f"{where}: layer_types must be a list of mamba / attention")
+    types = tuple(GRANITE_HYBRID_LAYERS[t] for t in types)
+    hidden, heads = cfg["hidden_size"], check_int("mamba_n_heads", cfg.get("mamba_n_heads", 128), 1)
+    inner = check_int("mamba_expand", cfg.get("mamba_expand", 2), 1) * hidden
+    head_dim = cfg.get("mamba_d_head", "auto")
+    head_dim = inner // heads if head_dim == "auto" else check_int("mamba_d_head", head_dim, 1)
+    if heads * head_dim != inner:
+        raise KestrelError(f"{where}: mamba_n_heads {heads} x mamba_d_head {head_dim} is not mamba_expand x "
+                           f"hidden_size ({inner})")
+    rope = cfg.get("position_embedding_type") == "rope"
+    out: dict[str, Any] = {
+        "layer_types": types, "nope_layers": () if rope else tuple(i for i, t in enumerate(types) if t == "full"),
+        "mamba_heads": heads, "mamba_head_dim": head_dim,
+        "mamba_groups": check_int("mamba_n_groups", cfg.get("mamba_n_groups", 1), 1),
+        "mamba_state": check_int("mamba_d_state", cfg.get("mamba_d_state", 256), 1),
+        "mamba_conv_kernel": check_int("mamba_d_conv", cfg.get("mamba_d_conv", 4), 1),
+        "mamba_conv_bias": check_bool("mamba_conv_bias", cfg.get("mamba_conv_bias", True))}
+    experts = check_int("num_local_experts", cfg.get("num_local_experts", 8), 0)
+    if experts:
+        out.update(num_experts=experts, experts_per_token=cfg.get("num_experts_per_tok", 2),
+                   expert_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
+                   shared_expert_intermediate_size=cfg.get("shared_intermediate_size", 1024),
+                   shared_expert_gated=False)
+    return out
+
+
 def _intermediate_size(arch: str, cfg: dict[str, Any]) -> int:
     """The MLP's width: config.json's, or what the architecture's config class computes from it (LFM2 adjusts
     ``block_ff_dim`` to 2/3, times ``block_ffn_dim_multiplier``, up to a multiple of ``block_multiple_of``); a
     Qwen3.5-MoE config has none (every layer's MLP is its experts)."""
     if arch == "qwen3_5_moe" and not cfg.get("intermediate_size"):
         return int(cfg["moe_intermediate_size"])
+    if arch == "granitemoehybrid" and not cfg.get("num_local_experts", 8):  # the shared MLP is the layer's
+        return int(cfg.get("shared_intermediate_size", 1024))
     if arch != "lfm2":
         return int(cfg["intermediate_size"])
     width = cfg.get("block_ff_dim", cfg.get("intermediate_size"))
@@ -365,7 +411,8 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
     arch = _architecture(cfg, where)
     if cfg.get("mlp_bias"):
         raise KestrelError(f"{where}: mlp_bias is not supported")
-    if arch in ("llama", "smollm3", "granite", *POST_NORMED, "gemma2", "gemma3") and cfg.get("attention_bias"):
+    if arch in ("llama", "smollm3", "granite", "granitemoehybrid", *POST_NORMED, "gemma2", "gemma3") and \
+            cfg.get("attention_bias"):
         raise KestrelError(f"{where}: {arch} attention_bias (with an o_proj bias) is not supported")
     if cfg.get("is_causal") is False:
         raise KestrelError(f"{where}: is_causal false (bidirectional attention) is not supported")
@@ -411,7 +458,9 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         if arch == "seed_oss":  # Llama's layers with q/k/v biases (attention_bias) and maybe an o bias
             fields.update(qkv_bias=check_bool("attention_bias", cfg.get("attention_bias", True)),
                           o_bias=check_bool("attention_out_bias", cfg.get("attention_out_bias", False)))
-        if arch == "granite":  # its four multipliers (GraniteConfig's defaults: 1)
+        if arch == "granitemoehybrid":
+            fields.update(_granite_hybrid_fields(cfg, where))
+        if arch in ("granite", "granitemoehybrid"):  # their four multipliers (GraniteConfig's defaults: 1)
             fields.update({name: check_float(key, cfg.get(key, 1.0), 0.0, lo_open=True) for key, name in (
                 ("embedding_multiplier", "embed_scale"), ("attention_multiplier", "query_scale"),
                 ("residual_multiplier", "residual_scale"), ("logits_scaling", "logits_scaling"))})

@@ -1,5 +1,5 @@
 """Compiled host maths of the decoder (numba): norms, RoPE, paged attention, MoE routing, linear attention (Gated
-DeltaNet) and short convolutions over the rows of a batch.
+DeltaNet), short convolutions and Mamba-2 scans over the rows of a batch.
 
 Every kernel computes each row on its own, with one fixed sequence of float32 operations (no fastmath: no
 FMA contraction, no reassociation) and sequential sums, so a row's bits do not depend on how many rows run
@@ -248,6 +248,50 @@ def _short_conv(bcx: np.ndarray, conv_w: np.ndarray, conv_state: np.ndarray, row
                 st[w - 2, ch] = bx
 
 
+def _mamba2(proj: np.ndarray, conv_w: np.ndarray, conv_b: np.ndarray, a: np.ndarray, dt_bias: np.ndarray,
+            d_skip: np.ndarray, conv_state: np.ndarray, ssm: np.ndarray, row_slot: np.ndarray, groups: int,
+            n: int, out: np.ndarray) -> None:
+    # One Mamba-2 layer's selective scan over the rows, each sequence's rows in position order. proj: [M, inner +
+    # C + H] the rows' z | x|B|C | dt (z is the caller's); conv_w: [C, W] (oldest tap first), conv_b: [C];
+    # a: [H] (-exp(A_log)); dt_bias, d_skip: [H]; conv_state: [slots, W-1, C]; ssm: [slots, H, P, N];
+    # row_slot: [M]. out: [M, inner] = per head h (P channels, group g = h // (H / groups)):
+    # dt = softplus(dt_in + dt_bias); S = S * exp(dt * a) + dt * x (x) B_g; y = S C_g + D * x, x|B|C = silu(conv).
+    m = proj.shape[0]
+    c, w = conv_w.shape
+    inner = out.shape[1]
+    h_count = a.shape[0]
+    p = inner // h_count
+    per_group = h_count // groups
+    xbc = np.empty(c, np.float32)
+    for r in range(m):
+        st = conv_state[row_slot[r]]  # [W-1, C]
+        for ch in range(c):
+            v = proj[r, inner + ch]
+            acc = conv_b[ch]
+            for j in range(w - 1):
+                acc += conv_w[ch, j] * st[j, ch]
+            acc += conv_w[ch, w - 1] * v
+            xbc[ch] = acc / (np.float32(1) + np.exp(-acc))
+            for j in range(w - 2):
+                st[j, ch] = st[j + 1, ch]
+            if w > 1:
+                st[w - 2, ch] = v
+        s = ssm[row_slot[r]]  # [H, P, N]
+        for h in prange(h_count):
+            g = h // per_group
+            b0, c0 = inner + g * n, inner + groups * n + g * n
+            t = proj[r, inner + c + h] + dt_bias[h]
+            dt = t if t > np.float32(20) else np.float32(np.log1p(np.exp(t)))  # torch's softplus
+            decay = np.float32(np.exp(dt * a[h]))
+            for q in range(p):
+                xv = xbc[h * p + q]
+                acc = np.float32(0)
+                for k in range(n):
+                    s[h, q, k] = s[h, q, k] * decay + dt * xv * xbc[b0 + k]
+                    acc += s[h, q, k] * xbc[c0 + k]
+                out[r, h * p + q] = acc + d_skip[h] * xv
+
+
 def prange(*args: int) -> range:
     """numba's parallel range where compiled; a plain range in the Python fallback."""
     return range(*args)
@@ -260,10 +304,11 @@ attend: Any = _attend
 rows_dot: Any = _rows_dot
 gated_delta: Any = _gated_delta
 short_conv: Any = _short_conv
+mamba2: Any = _mamba2
 
 
 def _build() -> None:
-    global f16, rmsnorm_rows, rope_write, attend, rows_dot, gated_delta, short_conv, prange
+    global f16, rmsnorm_rows, rope_write, attend, rows_dot, gated_delta, short_conv, mamba2, prange
     try:
         import numba
         from numba import njit
@@ -279,6 +324,7 @@ def _build() -> None:
     short_conv = jit(_short_conv)
     attend = njit(cache=True, nogil=True, parallel=True)(_attend)
     gated_delta = njit(cache=True, nogil=True, parallel=True)(_gated_delta)
+    mamba2 = njit(cache=True, nogil=True, parallel=True)(_mamba2)
 
 
 _build()

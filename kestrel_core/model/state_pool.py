@@ -1,8 +1,9 @@
 """The host's recurrent states of the layers that keep no keys and values: a slot per sequence.
 
 A linear-attention layer (Gated DeltaNet: Qwen3.5, Qwen3-Next) keeps, per sequence, the last ``kernel - 1`` inputs
-of its causal convolution (``conv``) and its delta rule's state (``ssm``, [Hv, dk, dv]); a short-convolution layer
-(LFM2) its convolution's last inputs alone. Every new token updates them in place, float32. A state stands for all
+of its causal convolution (``conv``) and its delta rule's state (``ssm``, [Hv, dk, dv]); a Mamba-2 layer (Granite
+4.0-H) its convolution's and its scan's ([heads, head_dim, state]); a short-convolution layer (LFM2) its
+convolution's last inputs alone. Every new token updates them in place, float32. A state stands for all
 of a sequence's positions at once, so it cannot go back to an earlier length: a model with such layers shares no
 prefix blocks and guesses no draft tokens. The arrays grow (doubling) when every slot is taken; a slot is zeroed
 when a sequence takes it.
@@ -19,7 +20,7 @@ FIRST_SLOTS = 4
 
 class StatePool:
     """Per layer with a state: ``conv[layer]`` float32 [slots, kernel - 1, C] (C: its convolution's channels) and,
-    for a linear-attention layer, ``ssm[layer]`` [slots, Hv, dk, dv]."""
+    for a linear-attention or Mamba-2 layer, ``ssm[layer]`` [slots, Hv, dk, dv] / [slots, heads, head_dim, state]."""
 
     def __init__(self, config: ModelConfig, slots: int = FIRST_SLOTS) -> None:
         c = config
@@ -31,6 +32,9 @@ class StatePool:
                 self.conv[i] = np.zeros((slots, c.linear_conv_kernel - 1, c.linear_conv_dim), np.float32)
                 self.ssm[i] = np.zeros((slots, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim),
                                        np.float32)
+            elif c.is_mamba(i):
+                self.conv[i] = np.zeros((slots, c.mamba_conv_kernel - 1, c.mamba_conv_dim), np.float32)
+                self.ssm[i] = np.zeros((slots, c.mamba_heads, c.mamba_head_dim, c.mamba_state), np.float32)
             else:
                 self.conv[i] = np.zeros((slots, c.short_conv_kernel - 1, c.hidden_size), np.float32)
         self.slots = slots

@@ -164,7 +164,7 @@ HF_CONFIG_FIELDS: dict[str, tuple[str, bool]] = {  # in the order hf_config.conf
     "block_ff_dim": ("pos", False),
     "block_multiple_of": ("pos", False),
     "num_experts": ("pos", False),  # Qwen3-MoE; Mixtral says num_local_experts
-    "num_local_experts": ("pos", False),
+    "num_local_experts": ("count", False),  # Granite 4.0-H: 0 for a dense model
     "num_experts_per_tok": ("pos", False),
     "moe_intermediate_size": ("pos", False),
 }
@@ -195,6 +195,8 @@ def check_hf_config(cfg: Mapping[str, Any], where: str = "config.json") -> None:
         try:
             if kind == "pos":
                 check_int(key, value, 1)
+            elif kind == "count":
+                check_int(key, value, 0)
             elif kind == "float+":
                 check_float(key, value, 0.0, lo_open=True)
             elif kind == "bool":

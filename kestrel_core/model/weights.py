@@ -23,6 +23,7 @@ from kestrel_core.wkey import (
     CONV_GROUPS,
     GATED_ATTENTION_GROUPS,
     LINEAR_GROUPS,
+    MAMBA_GROUPS,
     MLP_GROUPS,
     Proj,
     ProjGroup,
@@ -34,7 +35,7 @@ PREFILL_CHUNK = 512  # tokens of one sequence the host decoder runs at once: MLP
 PROJ_FIELDS = {Proj.Q: "q", Proj.K: "k", Proj.V: "v", Proj.O: "o", Proj.GATE: "gate", Proj.UP: "up",
                Proj.DOWN: "down", Proj.ATTN_GATE: "attn_gate", Proj.LIN_QKV: "lin_qkv", Proj.LIN_Z: "lin_z",
                Proj.LIN_BETA: "lin_beta", Proj.LIN_ALPHA: "lin_alpha",
-               Proj.CONV_IN: "conv_in"}  # the LayerWeights field of each projection
+               Proj.CONV_IN: "conv_in", Proj.MAMBA_IN: "mamba_in"}  # the LayerWeights field of each projection
 MLP_FIELDS = ("gate", "up", "down")
 EXPERT_BIASES = ("gate_bias", "up_bias", "down_bias")  # gpt-oss's, beside MLP_FIELDS
 
@@ -91,6 +92,14 @@ class LayerWeights:
     conv: np.ndarray | None = None  # float32 [C, kernel]: the causal depthwise convolution, oldest tap first
     # a short-convolution layer (LFM2): out(C * conv(B * x)) with conv [D, kernel] above, o its output projection
     conv_in: StripCache | None = None  # [3D, D]: B, C, x
+    # a Mamba-2 layer (Granite 4.0-H): conv above [C, kernel] over x|B|C (C = inner + 2 * groups * state), o its
+    # output projection [D, inner]
+    mamba_in: StripCache | None = None  # [inner + C + heads, D]: z, x|B|C, dt
+    conv_bias: np.ndarray | None = None  # [C], where mamba_conv_bias
+    ssm_a: np.ndarray | None = None  # [heads]: -exp(A_log); a step keeps exp(dt * ssm_a) of the state
+    ssm_dt_bias: np.ndarray | None = None  # [heads]: dt = softplus(dt_in + ssm_dt_bias)
+    ssm_d: np.ndarray | None = None  # [heads]: the skip, D * x
+    ssm_norm: np.ndarray | None = None  # [inner]: the gated RMSNorm over each group's channels
     lin_decay: np.ndarray | None = None  # [Hv]: -exp(A_log); the log-decay is lin_decay * softplus(alpha + dt_bias)
     lin_dt_bias: np.ndarray | None = None  # [Hv]
     lin_norm: np.ndarray | None = None  # [dv]: the gated RMSNorm's weight (a plain factor)
@@ -108,6 +117,10 @@ class LayerWeights:
     def is_conv(self) -> bool:
         return self.conv_in is not None
 
+    @property
+    def is_mamba(self) -> bool:
+        return self.mamba_in is not None
+
     def all_experts(self) -> tuple[ExpertWeights, ...]:
         """The routed experts, then the shared one: expert index e of every wkey."""
         return self.experts + ((self.shared_expert,) if self.shared_expert is not None else ())
@@ -121,9 +134,10 @@ class LayerWeights:
 
     def proj_groups(self) -> tuple[tuple[ProjGroup, tuple[StripCache, ...]], ...]:
         """(group, its strips) of each projection group in execution order: the token mixer's
-        (``ATTENTION_GROUPS``, ``GATED_ATTENTION_GROUPS``, ``LINEAR_GROUPS`` or ``CONV_GROUPS``), then the MLP's
+        (``ATTENTION_GROUPS``, ``GATED_ATTENTION_GROUPS``, ``LINEAR_GROUPS``, ``CONV_GROUPS`` or ``MAMBA_GROUPS``),
+        then the MLP's
         (``MLP_GROUPS``; none in a mixture-of-experts layer, whose experts have ``ExpertWeights.groups()``)."""
-        mixer = (LINEAR_GROUPS if self.is_linear else CONV_GROUPS if self.is_conv
+        mixer = (LINEAR_GROUPS if self.is_linear else CONV_GROUPS if self.is_conv else MAMBA_GROUPS if self.is_mamba
                  else GATED_ATTENTION_GROUPS if self.attn_gate is not None else ATTENTION_GROUPS)
         groups = mixer if self.experts else mixer + MLP_GROUPS
         return tuple((g, tuple(getattr(self, name) for name in fields)) for g, fields in zip(groups, _fields(groups)))
@@ -192,11 +206,13 @@ def layer_specs(c: ModelConfig, i: int) -> list[TensorSpec]:
     """The tensors of layer ``i``, in the order the quantizer reads them."""
     d, hd = c.hidden_size, c.head_dim
     qn, kvn = c.num_heads * hd, c.num_kv_heads * hd
-    linear = c.is_linear(i) or c.is_conv(i)  # no attention: none of its tensors
+    linear = i in c.state_layers  # no attention: none of its tensors
     if c.is_linear(i):
         out = _linear_mixer_specs(c)
     elif c.is_conv(i):
         out = [("conv_in", "proj", (3 * d, d)), ("o", "proj", (d, d)), ("conv", "matrix", (d, c.short_conv_kernel))]
+    elif c.is_mamba(i):
+        out = _mamba_specs(c)
     else:
         out = [("q", "proj", (qn, d)), ("k", "proj", (kvn, d)), ("v", "proj", (kvn, d))]
         if c.attn_output_gate:
@@ -216,7 +232,9 @@ def layer_specs(c: ModelConfig, i: int) -> list[TensorSpec]:
         fs = c.shared_expert_intermediate_size
         if fs:
             out += [("shared_expert.gate", "proj", (fs, d)), ("shared_expert.up", "proj", (fs, d)),
-                    ("shared_expert.down", "proj", (d, fs)), ("shared_expert_gate", "matrix", (1, d))]
+                    ("shared_expert.down", "proj", (d, fs))]
+            if c.shared_expert_gated:
+                out.append(("shared_expert_gate", "matrix", (1, d)))
     else:
         f = c.intermediate_size
         out += [("gate", "proj", (f, d)), ("up", "proj", (f, d)), ("down", "proj", (d, f))]
@@ -245,6 +263,17 @@ def _linear_mixer_specs(c: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]
             ("conv", "matrix", (conv, c.linear_conv_kernel)), ("lin_decay", "vector", (hv,)),
             ("lin_dt_bias", "vector", (hv,)),
             ("lin_norm", "vector", (c.linear_value_dim,))]
+
+
+def _mamba_specs(c: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
+    """A Mamba-2 layer's token mixer: its projections, convolution, decay, time-step bias, skip and norm."""
+    d, h, conv = c.hidden_size, c.mamba_heads, c.mamba_conv_dim
+    out = [("mamba_in", "proj", (c.mamba_inner + conv + h, d)), ("o", "proj", (d, c.mamba_inner)),
+           ("conv", "matrix", (conv, c.mamba_conv_kernel))]
+    if c.mamba_conv_bias:
+        out.append(("conv_bias", "vector", (conv,)))
+    return out + [("ssm_a", "vector", (h,)), ("ssm_dt_bias", "vector", (h,)), ("ssm_d", "vector", (h,)),
+                  ("ssm_norm", "vector", (c.mamba_inner,))]
 
 
 def model_specs(c: ModelConfig) -> list[TensorSpec]:

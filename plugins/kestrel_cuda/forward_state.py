@@ -62,7 +62,7 @@ def unsupported_reason(model: Model) -> str | None:
     if not c.pre_norms or c.qk_norm_full:
         return "norms only after each block, or q/k norms over the whole projection"
     if c.state_layers or c.attn_output_gate:
-        return "linear-attention or short-convolution layers, or gated attention"
+        return "recurrent layers (linear attention, short convolutions, Mamba-2) or gated attention"
     if c.o_bias or c.attn_sinks or c.moe_bias:
         return "an output projection bias, attention sinks or expert biases"
     if c.residual_scale != 1.0 or c.logits_scaling != 1.0:

@@ -385,4 +385,5 @@ def test_declines_linear_attention_and_gated_attention_whatever_the_architecture
     model = synthetic_model(hybrid, "q8", seed=1)
     assert unsupported_reason(model) == "architecture 'qwen3_5'"
     model.config = replace(hybrid, arch="qwen3")
-    assert unsupported_reason(model) == "linear-attention or short-convolution layers, or gated attention"
+    reason = "recurrent layers (linear attention, short convolutions, Mamba-2) or gated attention"
+    assert unsupported_reason(model) == reason

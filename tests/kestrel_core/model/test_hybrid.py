@@ -1,6 +1,6 @@
-"""The hybrid models (Qwen3.5 and Qwen3-Next: linear attention; LFM2: short convolutions): each of their rules is
-needed to agree with transformers, the hub's nested checkpoint reads as the flat one, and a sequence's recurrent
-state behaves (slots, no rewind, no shared prefix, preemption)."""
+"""The hybrid models (Qwen3.5 and Qwen3-Next: linear attention; LFM2: short convolutions; Granite 4.0-H: Mamba-2):
+each of their rules is needed to agree with transformers, the hub's nested checkpoint reads as the flat one, and a
+sequence's recurrent state behaves (slots, no rewind, no shared prefix, preemption)."""
 
 from __future__ import annotations
 
@@ -250,3 +250,22 @@ def test_lfm2_done_wrong_leaves_the_limits(monkeypatch, wrong: str) -> None:  # 
     LFM2_WRONG[wrong](monkeypatch)
     fig = measure(LFM2, "q8")
     assert not fig.within(LFM2.limits("q8")), fig
+
+
+GRANITE = next(c for c in CASES if c.name == "tiny-granite4-h")
+GRANITE_WRONG = {
+    "RoPE on its attention layer": lambda mp: _with_config(mp, lambda c: {**c, "position_embedding_type": "rope"}),
+    "no skip (D left out)": lambda mp: _get_changed(mp, "ssm_d", np.zeros_like),
+    "the convolution without its bias": lambda mp: _get_changed(mp, "conv_bias", np.zeros_like),
+    # in_proj's rows: z [0, 128), x [128, 256), B [256, 288), C [288, 320), dt [320, 324)
+    "the scan's B and C swapped": lambda mp: _get_changed(mp, "mamba_in", lambda t: np.concatenate(
+        [t[:256], t[288:320], t[256:288], t[320:]])),
+}
+
+
+@pytest.mark.parametrize("wrong", GRANITE_WRONG)
+def test_granite4_h_done_wrong_leaves_the_limits(monkeypatch, wrong: str) -> None:  # type: ignore[no-untyped-def]
+    """Granite 4.0-H's attention without RoPE and its Mamba-2 scan: the skip, the convolution's bias, B and C."""
+    GRANITE_WRONG[wrong](monkeypatch)
+    fig = measure(GRANITE, "q8")
+    assert not fig.within(GRANITE.limits("q8")), fig

@@ -191,6 +191,10 @@ CASES = (
     Case("tiny-qwen3-next.gguf", "tiny-qwen3-next", ALL_MODES, limits_of=HYBRID_NEAR_TIES),  # ssm_ba, unreordered
     Case("tiny-lfm2", "tiny-lfm2", ALL_MODES, limits_of=SHORT_CONV),  # gated short convolutions, q/k norms
     Case("tiny-lfm2.gguf", "tiny-lfm2", ALL_MODES, limits_of=SHORT_CONV),  # head_count_kv per layer, shortconv.*
+    Case("tiny-granite4-h", "tiny-granite4-h", ALL_MODES),  # Mamba-2 beside attention without RoPE, multipliers
+    Case("tiny-granite4-h.gguf", "tiny-granite4-h", ALL_MODES),  # llama.cpp's granitehybrid: ssm_*, Q/K permuted
+    Case("tiny-granite4-h-moe", "tiny-granite4-h-moe", ALL_MODES, moe=True),  # stacked experts, ungated shared one
+    Case("tiny-granite4-h-moe.gguf", "tiny-granite4-h-moe", ALL_MODES, moe=True),  # *_exps, *_shexp
     Case("tiny-gpt-oss", "tiny-gpt-oss", Q8_MODES, moe=True),  # sinks, biases, clamped SwiGLU, interleaved gate|up
     Case("tiny-gpt-oss-mxfp4", "tiny-gpt-oss", Q8_MODES, moe=True),  # the experts as MXFP4 blocks and scales
     Case("tiny-gpt-oss.gguf", "tiny-gpt-oss", Q8_MODES, moe=True),  # llama.cpp's gpt-oss, MXFP4 experts

@@ -70,7 +70,7 @@ def test_batched_tokens_equal_each_request_alone(engine, monkeypatch, temperatur
 
 
 @pytest.mark.parametrize("fixture", ["tiny-gemma3", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-qwen3_5",
-                                     "tiny-qwen3_5-moe", "tiny-lfm2"])
+                                     "tiny-qwen3_5-moe", "tiny-lfm2", "tiny-granite4-h-moe"])
 def test_batched_tokens_equal_alone_with_windows_and_experts(monkeypatch, fixture: str) -> None:
     """Gemma 3's per-layer windows and RoPE, the routing of a mixture of experts (rows grouped by expert) and
     Qwen3.5's recurrent states (more sequences than the state pool's first slots) keep a row's result independent
