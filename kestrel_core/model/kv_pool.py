@@ -13,6 +13,7 @@ out when the pool needs room.
 from __future__ import annotations
 
 import hashlib
+import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -60,10 +61,18 @@ class KVPool:
 
     @classmethod
     def for_budget(cls, config: ModelConfig, megabytes: float | None = None) -> KVPool:
-        """A pool of ``megabytes`` (default: DEFAULT_KV_MB, and at least one sequence at the full context)."""
+        """A pool of ``megabytes`` (``budget_blocks``)."""
+        return cls(config, cls.budget_blocks(config, megabytes))
+
+    @staticmethod
+    def budget_blocks(config: ModelConfig, megabytes: float | None = None) -> int:
+        """The blocks of a pool of ``megabytes`` (default: DEFAULT_KV_MB, and at least one sequence at the full
+        context where half the machine's memory holds it: a context of 2^20, as llama.cpp writes for Granite
+        4.0-H, would ask for tens of GiB the OS refuses at once)."""
         per_block = max(bytes_per_position(config), 1) * BLOCK_SIZE
         if megabytes is None:
-            blocks = max(int(DEFAULT_KV_MB * 2 ** 20 // per_block), -(-config.max_position // BLOCK_SIZE))
+            full = min(-(-config.max_position // BLOCK_SIZE), _memory_bytes() // 2 // per_block)
+            blocks = max(int(DEFAULT_KV_MB * 2 ** 20 // per_block), full)
         else:
             if not megabytes > 0:
                 raise KestrelError(f"the KV cache size must be > 0 MB, got {megabytes}")
@@ -71,7 +80,7 @@ class KVPool:
             if blocks < 1:
                 raise KestrelError(f"a KV cache of {megabytes} MB holds no block of {BLOCK_SIZE} positions "
                                    f"({per_block / 2 ** 20:.2f} MB each)")
-        return cls(config, blocks)
+        return blocks
 
     @property
     def free_blocks(self) -> int:
@@ -178,6 +187,14 @@ class KVPool:
                 continue
             self._prefix[chain] = block
             self._hash_of[block] = chain
+
+
+def _memory_bytes() -> int:
+    """The machine's physical memory (where the OS does not say: as if it were unbounded)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
 
 
 def _link(chain: bytes, block_tokens: np.ndarray) -> bytes:

@@ -124,3 +124,22 @@ def test_evicted_prefixes_are_recomputed_to_the_same_tokens(tiny_config) -> None
             assert (engine.stats["prefix_hit_tokens"] > 0) == cached
             assert engine.pool.evictions > 0 if cached else engine.pool.cached_blocks == 0
     assert outs[True] == outs[False]
+
+
+def test_a_context_beyond_half_the_memory_does_not_size_the_default_pool(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The default pool holds one sequence at the full context, unless that takes more than half the machine's
+    memory (llama.cpp writes a context of 2^20 for Granite 4.0-H): then the default budget, or half the memory."""
+    from kestrel_core.model import kv_pool
+    from kestrel_core.model.config import ModelConfig
+
+    config = ModelConfig(arch="llama", vocab_size=64, hidden_size=256, intermediate_size=96, num_layers=8,
+                         num_heads=4, num_kv_heads=4, head_dim=64, max_position=1 << 20)
+    per_block = kv_pool.bytes_per_position(config) * kv_pool.BLOCK_SIZE  # 512 KiB: the full context is 16 GiB
+    blocks = kv_pool.KVPool.budget_blocks
+    monkeypatch.setattr(kv_pool, "_memory_bytes", lambda: 1 << 40)
+    assert blocks(config) == (1 << 20) // kv_pool.BLOCK_SIZE
+    monkeypatch.setattr(kv_pool, "_memory_bytes", lambda: 16 << 30)
+    assert blocks(config) == (8 << 30) // per_block
+    monkeypatch.setattr(kv_pool, "_memory_bytes", lambda: 1 << 30)
+    assert blocks(config) == kv_pool.DEFAULT_KV_MB * 2 ** 20 // per_block
+    assert blocks(config, 64) == 128
