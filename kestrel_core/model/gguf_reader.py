@@ -502,25 +502,31 @@ class GGUFCheckpoint:
                 "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
                 "expert_intermediate_size": ff, "norm_topk_prob": norm, "shared_expert_intermediate_size": shared}
 
-    def _granite_hybrid_fields(self, arch: str, experts: int) -> dict[str, Any]:
-        """Granite 4.0-H's, as llama.cpp reads them: Mamba-2 where a layer has no KV heads (``ssm.time_step_rank``
-        heads sharing ``ssm.inner_size``, ``ssm.group_count`` groups, ``ssm.state_size``, ``ssm.conv_kernel``),
-        attention without RoPE unless ``rope.scaling.finetuned``, Granite's multipliers; its shared MLP
-        ``expert_shared_feed_forward_length`` wide, the layer's MLP or beside experts an ungated shared expert."""
-        types = tuple("full" if h else "mamba" for h in self._per_layer_kv(arch))
+    def _ssm_heads(self, arch: str) -> tuple[int, int]:
+        """(heads, each one's dims) of llama.cpp's ssm metadata: ``ssm.time_step_rank`` heads sharing
+        ``ssm.inner_size`` (Gated DeltaNet's value heads, Mamba-2's heads)."""
         heads = self.int_field(f"{arch}.ssm.time_step_rank", required=True)
         inner = self.int_field(f"{arch}.ssm.inner_size", required=True)
         assert heads is not None and inner is not None
         if inner % heads:
             raise KestrelError(f"{self.path}: {arch}.ssm.inner_size {inner} is not a multiple of "
                                f"{arch}.ssm.time_step_rank {heads}")
+        return heads, inner // heads
+
+    def _granite_hybrid_fields(self, arch: str, experts: int) -> dict[str, Any]:
+        """Granite 4.0-H's, as llama.cpp reads them: Mamba-2 where a layer has no KV heads (``ssm.time_step_rank``
+        heads sharing ``ssm.inner_size``, ``ssm.group_count`` groups, ``ssm.state_size``, ``ssm.conv_kernel``),
+        attention without RoPE unless ``rope.scaling.finetuned``, Granite's multipliers; its shared MLP
+        ``expert_shared_feed_forward_length`` wide, the layer's MLP or beside experts an ungated shared expert."""
+        types = tuple("full" if h else "mamba" for h in self._per_layer_kv(arch))
+        heads, head_dim = self._ssm_heads(arch)
         shared = self.int_field(f"{arch}.expert_shared_feed_forward_length", required=True)
         rope = self.field(f"{arch}.rope.scaling.finetuned") is True
         first = next((i for i, t in enumerate(types) if t == "mamba"), None)
         out: dict[str, Any] = {
             "arch": "granitemoehybrid",
             "layer_types": types, "nope_layers": () if rope else tuple(i for i, t in enumerate(types) if t == "full"),
-            "mamba_heads": heads, "mamba_head_dim": inner // heads,
+            "mamba_heads": heads, "mamba_head_dim": head_dim,
             "mamba_groups": self.int_field(f"{arch}.ssm.group_count", required=True),
             "mamba_state": self.int_field(f"{arch}.ssm.state_size", required=True),
             "mamba_conv_kernel": self.int_field(f"{arch}.ssm.conv_kernel", required=True),
@@ -567,18 +573,13 @@ class GGUFCheckpoint:
         qwen3next."""
         interval = self.int_field(f"{arch}.full_attention_interval", 4)
         assert interval is not None
-        value_heads = self.int_field(f"{arch}.ssm.time_step_rank", required=True)
-        inner = self.int_field(f"{arch}.ssm.inner_size", required=True)
-        assert value_heads is not None and inner is not None
-        if inner % value_heads:
-            raise KestrelError(f"{self.path}: {arch}.ssm.inner_size {inner} is not a multiple of "
-                               f"{arch}.ssm.time_step_rank {value_heads}")
+        value_heads, value_dim = self._ssm_heads(arch)
         out: dict[str, Any] = {
             "arch": HYBRID_ARCHITECTURES[arch], "qk_norm": True, "attn_output_gate": True,
             "layer_types": tuple("full" if (i + 1) % interval == 0 else "linear" for i in range(layers)),
             "linear_key_heads": self.int_field(f"{arch}.ssm.group_count", required=True),
             "linear_key_dim": self.int_field(f"{arch}.ssm.state_size", required=True),
-            "linear_value_heads": value_heads, "linear_value_dim": inner // value_heads,
+            "linear_value_heads": value_heads, "linear_value_dim": value_dim,
             "linear_conv_kernel": self.int_field(f"{arch}.ssm.conv_kernel", required=True)}
         if arch in ("qwen35moe", "qwen3next"):
             shared = self.int_field(f"{arch}.expert_shared_feed_forward_length", 0, lo=0) or 0
