@@ -65,10 +65,10 @@ class ExpertWeights:
 
 @dataclass
 class LayerWeights:
-    q: StripCache | None = None  # [H*hd, D]; None in a linear-attention layer
+    q: StripCache | None = None  # [H*hd, D]; None in a layer without attention (linear, conv, mamba)
     k: StripCache | None = None  # [KV*hd, D]
     v: StripCache | None = None  # [KV*hd, D]
-    o: StripCache | None = None  # [D, H*hd]; a linear-attention layer's output projection [D, Hv*dv]
+    o: StripCache | None = None  # [D, H*hd]; a layer without attention: its token mixer's output projection
     attn_norm: np.ndarray | None = None  # [D]; None without pre_norms (OLMo 2)
     mlp_norm: np.ndarray | None = None  # [D]
     o_bias: np.ndarray | None = None  # gpt-oss: [D]
@@ -90,6 +90,9 @@ class LayerWeights:
     lin_beta: StripCache | None = None  # [Hv, D]: sigmoid of it is the delta rule's step
     lin_alpha: StripCache | None = None  # [Hv, D]: the decay's input
     conv: np.ndarray | None = None  # float32 [C, kernel]: the causal depthwise convolution, oldest tap first
+    lin_decay: np.ndarray | None = None  # [Hv]: -exp(A_log); the log-decay is lin_decay * softplus(alpha + dt_bias)
+    lin_dt_bias: np.ndarray | None = None  # [Hv]
+    lin_norm: np.ndarray | None = None  # [dv]: the gated RMSNorm's weight (a plain factor)
     # a short-convolution layer (LFM2): out(C * conv(B * x)) with conv [D, kernel] above, o its output projection
     conv_in: StripCache | None = None  # [3D, D]: B, C, x
     # a Mamba-2 layer (Granite 4.0-H): conv above [C, kernel] over x|B|C (C = inner + 2 * groups * state), o its
@@ -100,9 +103,6 @@ class LayerWeights:
     ssm_dt_bias: np.ndarray | None = None  # [heads]: dt = softplus(dt_in + ssm_dt_bias)
     ssm_d: np.ndarray | None = None  # [heads]: the skip, D * x
     ssm_norm: np.ndarray | None = None  # [inner]: the gated RMSNorm over each group's channels
-    lin_decay: np.ndarray | None = None  # [Hv]: -exp(A_log); the log-decay is lin_decay * softplus(alpha + dt_bias)
-    lin_dt_bias: np.ndarray | None = None  # [Hv]
-    lin_norm: np.ndarray | None = None  # [dv]: the gated RMSNorm's weight (a plain factor)
     router: np.ndarray | None = None  # mixture of experts: float32 [E, D]
     router_bias: np.ndarray | None = None  # gpt-oss: [E]
     experts: tuple[ExpertWeights, ...] = ()
@@ -135,8 +135,8 @@ class LayerWeights:
     def proj_groups(self) -> tuple[tuple[ProjGroup, tuple[StripCache, ...]], ...]:
         """(group, its strips) of each projection group in execution order: the token mixer's
         (``ATTENTION_GROUPS``, ``GATED_ATTENTION_GROUPS``, ``LINEAR_GROUPS``, ``CONV_GROUPS`` or ``MAMBA_GROUPS``),
-        then the MLP's
-        (``MLP_GROUPS``; none in a mixture-of-experts layer, whose experts have ``ExpertWeights.groups()``)."""
+        then the MLP's (``MLP_GROUPS``; none in a mixture-of-experts layer, whose experts have
+        ``ExpertWeights.groups()``)."""
         mixer = (LINEAR_GROUPS if self.is_linear else CONV_GROUPS if self.is_conv else MAMBA_GROUPS if self.is_mamba
                  else GATED_ATTENTION_GROUPS if self.attn_gate is not None else ATTENTION_GROUPS)
         groups = mixer if self.experts else mixer + MLP_GROUPS
@@ -206,7 +206,7 @@ def layer_specs(c: ModelConfig, i: int) -> list[TensorSpec]:
     """The tensors of layer ``i``, in the order the quantizer reads them."""
     d, hd = c.hidden_size, c.head_dim
     qn, kvn = c.num_heads * hd, c.num_kv_heads * hd
-    linear = i in c.state_layers  # no attention: none of its tensors
+    recurrent = i in c.state_layers  # no attention: none of its tensors
     if c.is_linear(i):
         out = _linear_mixer_specs(c)
     elif c.is_conv(i):
@@ -238,13 +238,13 @@ def layer_specs(c: ModelConfig, i: int) -> list[TensorSpec]:
     else:
         f = c.intermediate_size
         out += [("gate", "proj", (f, d)), ("up", "proj", (f, d)), ("down", "proj", (d, f))]
-    if c.qkv_bias and not linear:
+    if c.qkv_bias and not recurrent:
         out += [("q_bias", "vector", (qn,)), ("k_bias", "vector", (kvn,)), ("v_bias", "vector", (kvn,))]
-    if c.o_bias and not linear:
+    if c.o_bias and not recurrent:
         out.append(("o_bias", "vector", (d,)))
-    if c.attn_sinks and not linear:
+    if c.attn_sinks and not recurrent:
         out.append(("sinks", "vector", (c.num_heads,)))
-    if c.qk_norm and not linear:
+    if c.qk_norm and not recurrent:
         out += [("q_norm", "vector", (qn if c.qk_norm_full else hd,)),
                 ("k_norm", "vector", (kvn if c.qk_norm_full else hd,))]
     if c.pre_norms:
