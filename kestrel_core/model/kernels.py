@@ -160,6 +160,20 @@ def _rows_dot(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
             out[r, e] = acc
 
 
+def _conv_step(st: np.ndarray, conv_w: np.ndarray, ch: int, v: np.float32, acc: np.float32) -> np.float32:
+    # Channel ch of a causal depthwise convolution at a new input v: acc (0, or a bias) plus conv_w[ch] [W] (oldest
+    # tap first) over st[:, ch], the channel's last W-1 inputs (oldest first), and v; st then moves on to v.
+    w = conv_w.shape[1]
+    for j in range(w - 1):
+        acc += conv_w[ch, j] * st[j, ch]
+    acc += conv_w[ch, w - 1] * v
+    for j in range(w - 2):
+        st[j, ch] = st[j + 1, ch]
+    if w > 1:
+        st[w - 2, ch] = v
+    return acc
+
+
 def _gated_delta(qkv: np.ndarray, beta_in: np.ndarray, alpha_in: np.ndarray, conv_w: np.ndarray, decay: np.ndarray,
                  dt_bias: np.ndarray, conv_state: np.ndarray, ssm: np.ndarray, row_slot: np.ndarray, n_k: int,
                  dk: int, dv: int, out: np.ndarray) -> None:
@@ -170,7 +184,6 @@ def _gated_delta(qkv: np.ndarray, beta_in: np.ndarray, alpha_in: np.ndarray, con
     # Per row: x = silu(conv), q and k L2-normed per head (q also by 1/sqrt(dk)); value head h reads key head
     # h // (Hv / Hk); S = S * exp(decay * softplus(alpha + dt_bias)); S += k (beta (v - S^T k))^T; o = S^T q.
     m, c = qkv.shape
-    w = conv_w.shape[1]
     n_v = out.shape[1] // dv
     kd = n_k * dk
     group = n_v // n_k
@@ -181,15 +194,8 @@ def _gated_delta(qkv: np.ndarray, beta_in: np.ndarray, alpha_in: np.ndarray, con
     for r in range(m):
         st = conv_state[row_slot[r]]  # [W-1, C]
         for ch in range(c):
-            acc = np.float32(0)
-            for j in range(w - 1):
-                acc += conv_w[ch, j] * st[j, ch]
-            acc += conv_w[ch, w - 1] * qkv[r, ch]
+            acc = conv_step(st, conv_w, ch, qkv[r, ch], np.float32(0))
             x[ch] = acc / (np.float32(1) + np.exp(-acc))
-            for j in range(w - 2):
-                st[j, ch] = st[j + 1, ch]
-            if w > 1:
-                st[w - 2, ch] = qkv[r, ch]
         for h in range(n_k):
             sq = np.float32(0)
             sk = np.float32(0)
@@ -232,20 +238,12 @@ def _short_conv(bcx: np.ndarray, conv_w: np.ndarray, conv_state: np.ndarray, row
     # rows' B | C | x; conv_w: [D, W] (oldest tap first); conv_state: [slots, W-1, D] each sequence's last W-1
     # values of B * x, oldest first; row_slot: [M]. out: [M, D] = C * conv(B * x).
     m = bcx.shape[0]
-    d, w = conv_w.shape
+    d = conv_w.shape[0]
     for r in range(m):
         st = conv_state[row_slot[r]]  # [W-1, D]
         for ch in range(d):
             bx = bcx[r, ch] * bcx[r, 2 * d + ch]
-            acc = np.float32(0)
-            for j in range(w - 1):
-                acc += conv_w[ch, j] * st[j, ch]
-            acc += conv_w[ch, w - 1] * bx
-            out[r, ch] = bcx[r, d + ch] * acc
-            for j in range(w - 2):
-                st[j, ch] = st[j + 1, ch]
-            if w > 1:
-                st[w - 2, ch] = bx
+            out[r, ch] = bcx[r, d + ch] * conv_step(st, conv_w, ch, bx, np.float32(0))
 
 
 def _mamba2(proj: np.ndarray, conv_w: np.ndarray, conv_b: np.ndarray, a: np.ndarray, dt_bias: np.ndarray,
@@ -257,7 +255,7 @@ def _mamba2(proj: np.ndarray, conv_w: np.ndarray, conv_b: np.ndarray, a: np.ndar
     # row_slot: [M]. out: [M, inner] = per head h (P channels, group g = h // (H / groups)):
     # dt = softplus(dt_in + dt_bias); S = S * exp(dt * a) + dt * x (x) B_g; y = S C_g + D * x, x|B|C = silu(conv).
     m = proj.shape[0]
-    c, w = conv_w.shape
+    c = conv_w.shape[0]
     inner = out.shape[1]
     h_count = a.shape[0]
     p = inner // h_count
@@ -266,16 +264,8 @@ def _mamba2(proj: np.ndarray, conv_w: np.ndarray, conv_b: np.ndarray, a: np.ndar
     for r in range(m):
         st = conv_state[row_slot[r]]  # [W-1, C]
         for ch in range(c):
-            v = proj[r, inner + ch]
-            acc = conv_b[ch]
-            for j in range(w - 1):
-                acc += conv_w[ch, j] * st[j, ch]
-            acc += conv_w[ch, w - 1] * v
+            acc = conv_step(st, conv_w, ch, proj[r, inner + ch], conv_b[ch])
             xbc[ch] = acc / (np.float32(1) + np.exp(-acc))
-            for j in range(w - 2):
-                st[j, ch] = st[j + 1, ch]
-            if w > 1:
-                st[w - 2, ch] = v
         s = ssm[row_slot[r]]  # [H, P, N]
         for h in prange(h_count):
             g = h // per_group
@@ -298,6 +288,7 @@ def prange(*args: int) -> range:
 
 
 f16: Any = _f16
+conv_step: Any = _conv_step
 rmsnorm_rows: Any = _rmsnorm_rows
 rope_write: Any = _rope_write
 attend: Any = _attend
@@ -308,7 +299,7 @@ mamba2: Any = _mamba2
 
 
 def _build() -> None:
-    global f16, rmsnorm_rows, rope_write, attend, rows_dot, gated_delta, short_conv, mamba2, prange
+    global f16, conv_step, rmsnorm_rows, rope_write, attend, rows_dot, gated_delta, short_conv, mamba2, prange
     try:
         import numba
         from numba import njit
@@ -318,6 +309,7 @@ def _build() -> None:
     prange = numba.prange  # a global the parallel kernel resolves when it compiles
     jit = njit(cache=True, nogil=True)
     f16 = jit(_f16)  # a global rope_write resolves when it compiles
+    conv_step = njit(cache=True, nogil=True, inline="always")(_conv_step)  # inlined into the recurrent kernels
     rmsnorm_rows = jit(_rmsnorm_rows)
     rope_write = jit(_rope_write)
     rows_dot = jit(_rows_dot)
