@@ -205,10 +205,8 @@ def _hybrid_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         check_int("full_attention_interval", interval, 1)
         types = ["linear_attention" if (i + 1) % interval else "full_attention"
                  for i in range(cfg["num_hidden_layers"])]
-    names = {"linear_attention": "linear", "full_attention": "full"}
-    if not isinstance(types, list) or not all(t in names for t in types):
-        raise KestrelError(f"{where}: layer_types must be a list of linear_attention / full_attention")
-    return {"layer_types": tuple(names[t] for t in types), "qk_norm": True, "attn_output_gate": True,
+    types = _named_layers(types, {"linear_attention": "linear", "full_attention": "full"}, where)
+    return {"layer_types": types, "qk_norm": True, "attn_output_gate": True,
             "linear_key_heads": cfg["linear_num_key_heads"], "linear_key_dim": cfg["linear_key_head_dim"],
             "linear_value_heads": cfg["linear_num_value_heads"], "linear_value_dim": cfg["linear_value_head_dim"],
             "linear_conv_kernel": cfg["linear_conv_kernel_dim"]}
@@ -224,10 +222,7 @@ def _lfm2_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         if not isinstance(full, list):
             raise KestrelError(f"{where}: missing 'layer_types' (or 'full_attn_idxs')")
         types = ["full_attention" if i in full else "conv" for i in range(cfg["num_hidden_layers"])]
-    names = {"conv": "conv", "full_attention": "full"}
-    if not isinstance(types, list) or not all(t in names for t in types):
-        raise KestrelError(f"{where}: layer_types must be a list of conv / full_attention")
-    return {"layer_types": tuple(names[t] for t in types), "qk_norm": True,
+    return {"layer_types": _named_layers(types, {"conv": "conv", "full_attention": "full"}, where), "qk_norm": True,
             "short_conv_kernel": check_int("conv_L_cache", cfg.get("conv_L_cache", 3), 1)}
 
 
@@ -247,9 +242,7 @@ def _granite_hybrid_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
                               or limit[1] not in (math.inf, {"__float__": "Infinity"})):
         raise KestrelError(f"{where}: time_step_limit {limit!r} is not supported (kestrel clamps no time step)")
     types = cfg.get("layer_types", cfg.get("layers_block_type"))
-    if not isinstance(types, list) or not all(t in GRANITE_HYBRID_LAYERS for t in types):
-        raise KestrelError(f"{where}: layer_types must be a list of mamba / attention")
-    types = tuple(GRANITE_HYBRID_LAYERS[t] for t in types)
+    types = _named_layers(types, GRANITE_HYBRID_LAYERS, where)
     hidden, heads = cfg["hidden_size"], check_int("mamba_n_heads", cfg.get("mamba_n_heads", 128), 1)
     inner = check_int("mamba_expand", cfg.get("mamba_expand", 2), 1) * hidden
     head_dim = cfg.get("mamba_d_head", "auto")
@@ -378,9 +371,13 @@ def _layer_types(cfg: dict[str, Any], where: str, pattern: int) -> tuple[str, ..
     if types is None:
         layers = cfg["num_hidden_layers"]
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    names = {"sliding_attention": "sliding", "full_attention": "full"}
-    if not isinstance(types, list) or not all(t in names for t in types):
-        raise KestrelError(f"{where}: layer_types must be a list of sliding_attention / full_attention")
+    return _named_layers(types, {"sliding_attention": "sliding", "full_attention": "full"}, where)
+
+
+def _named_layers(types: Any, names: dict[str, str], where: str) -> tuple[str, ...]:
+    """config.json's layer_types as kestrel's (``names``: each name it may hold -> kestrel's)."""
+    if not isinstance(types, list) or not all(isinstance(t, str) and t in names for t in types):
+        raise KestrelError(f"{where}: layer_types must be a list of {' / '.join(names)}")
     return tuple(names[t] for t in types)
 
 
