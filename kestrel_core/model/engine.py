@@ -130,7 +130,7 @@ class Engine:
         self.activations = resolve_activations(activations, backend)
         self.decoder = Decoder(model, self.offload, self.pool, self.activations)
         # prompts share the KV blocks of a cached prefix (kv_pool) where the host runs the steps: a backend's
-        # whole steps keep KV caches of their own, and a recurrent state (linear layers) is no per-block prefix
+        # whole steps keep KV caches of their own, and a recurrent layer's state is no per-block prefix
         self.prefix_cache = self.rewinds
         # draft tokens a greedy request's step may guess from its context, where the host runs the steps (0: none;
         # kestrel_core.model.speculate); read by each Scheduler made after it is set

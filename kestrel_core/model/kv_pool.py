@@ -35,8 +35,8 @@ class KVPool:
     dot products run over; values ``v`` float32 [La, blocks, BLOCK_SIZE, KV, hd], over the La layers with
     attention (``kv_index``: model layer -> first axis). Both hold float16 values (``kernels.f16``), which every
     backend's cache holds. The arrays are allocated once, untouched: the OS maps a page only when a block is first
-    written. A model with linear-attention or short-convolution layers also keeps each sequence's recurrent state
-    (``states``).
+    written. A model with recurrent layers (linear attention, short convolutions, Mamba-2) also keeps each
+    sequence's state (``states``).
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
@@ -118,7 +118,7 @@ class KVPool:
         seq.length = 0
 
     def state_slot(self, seq: SeqCache) -> int:
-        """The recurrent-state slot of ``seq`` (a model with linear layers), taken zeroed on first use."""
+        """The recurrent-state slot of ``seq`` (a model with recurrent layers), taken zeroed on first use."""
         if not seq.state:
             assert self.states is not None
             seq.state.append(self.states.take())
@@ -214,7 +214,7 @@ class SeqCache:
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
         self.blocks: list[int] = []
-        self.state: list[int] = []  # its recurrent-state slot in pool.states, once a linear layer ran (0 or 1)
+        self.state: list[int] = []  # its recurrent-state slot in pool.states, once a recurrent layer ran (0 or 1)
         self.length = 0
         self.prompt_len = 0  # positions below it are the prompt (float32 activations in "mixed" mode)
         self._finalizer = weakref.finalize(self, pool.give_back, self.blocks, self.state)
@@ -228,7 +228,7 @@ class SeqCache:
         blocks other sequences read, nor at all where a recurrent state holds every position."""
         if n < self.length and self.state:
             raise KestrelError("cannot truncate a sequence of a model with recurrent layers (linear attention, "
-                               "short convolutions): its state holds every position")
+                               "short convolutions, Mamba-2): its state holds every position")
         if n < self.length and n < self._shared_positions():
             raise KestrelError(f"cannot truncate to {n}: positions below {self._shared_positions()} are a "
                                "shared prefix")
