@@ -78,7 +78,7 @@ class _Rows:
     lengths: np.ndarray  # [M] keys each row sees (its position + 1)
     firsts: dict[int | None, np.ndarray]  # window -> [M] each row's first key
     tables_at: list[tuple[np.ndarray, ...]]  # per distinct RoPE: cos, sin, q_cos, q_sin [M, hd]
-    state_slots: np.ndarray | None  # [M] each row's recurrent-state slot (linear attention, short convolutions)
+    state_slots: np.ndarray | None  # [M] each row's recurrent-state slot (models with recurrent layers)
 
 
 class Decoder:
