@@ -55,6 +55,11 @@ Writes under tests/fixtures/models/:
   tiny-glm4.gguf  llama.cpp's glm4; golden = tiny-glm4's
   tiny-ernie4_5/ Ernie4_5ForCausalLM: Llama's layers with RoPE in interleaved pairs, tied, bfloat16
   tiny-ernie4_5.gguf  llama.cpp's ernie4_5; golden = tiny-ernie4_5's
+  tiny-glm4-moe/ Glm4MoeForCausalLM (GLM-4.5): a dense first layer, then 8 experts in 2 groups chosen by a sigmoid
+                router with a choice bias (one group, top-2) and scaled weights, beside a shared expert; RoPE on half
+                of each head, q/k/v biases, bfloat16; a multi-token-prediction layer after the last, which
+                transformers skips
+  tiny-glm4-moe.gguf  llama.cpp's glm4moe (exp_probs_b, *_shexp, the MTP layer as blk.3); golden = tiny-glm4-moe's
   tiny-llama-lora/  a PEFT LoRA adapter of tiny-llama (rank 4 on q, v, o, down); its golden.npz: transformers + PEFT
   smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
   MANIFEST.json  versions, shapes, logit ranges, the command
@@ -88,6 +93,7 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     Glm4Config,
+    Glm4MoeConfig,
     GptOssConfig,
     GraniteConfig,
     GraniteMoeHybridConfig,
@@ -135,6 +141,7 @@ QK_NORM_MEAN = 1.2  # Qwen3 normalizes q and k per head: their norm weights alon
 # Router logits of std ~4 over normalized hidden states: decisive routing, so that few positions sit on a near-tie
 # between the k-th and the next expert (a tie quantization noise can flip; docs/parity.md)
 STD_ROUTER = 0.5
+ROUTER_CHOICE_BIAS_STD = 0.15  # a sigmoid router's choice bias: it changes some choices, not most
 # Projection weights lie on the Q4_0 grid: codes in [-8, 7] times one scale per row (per 256 columns where
 # K allows), with a -8 in every 32-block. q4 and q4-g256 then reproduce them exactly, so the q4 tests check
 # the int4 path itself at q8-like tolerances instead of int4 rounding noise on a chaotic random network.
@@ -302,6 +309,13 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     # GLM-4: RoPE on half of each head in interleaved pairs, Gemma's four norms, q/k/v biases, gate|up fused
     glm4 = Glm4Config(**common, num_hidden_layers=2, intermediate_size=128, head_dim=16, partial_rotary_factor=0.5,
                       tie_word_embeddings=False, rope_theta=10000.0, attention_bias=True, pad_token_id=None)
+    # GLM-4.5: a dense layer, then experts chosen by a sigmoid router in 2 groups of 4 (1 kept, top-2 of it) with a
+    # choice bias (ROUTER_CHOICE_BIAS_STD) and weights scaled by 1.8, a shared expert; RoPE on half of each head
+    glm4_moe = Glm4MoeConfig(**common, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=32,
+                             head_dim=16, partial_rotary_factor=0.5, n_routed_experts=8, num_experts_per_tok=2,
+                             n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                             routed_scaling_factor=1.8, norm_topk_prob=True, attention_bias=True, use_qk_norm=False,
+                             tie_word_embeddings=False, rope_theta=10000.0, pad_token_id=None)
     # ERNIE 4.5: Llama's layers with RoPE in interleaved pairs, tied as the 0.3B
     ernie = Ernie4_5Config(**common, num_hidden_layers=2, intermediate_size=128, head_dim=16, tie_word_embeddings=True,
                            rope_theta=10000.0, use_bias=False, pad_token_id=None)
@@ -364,6 +378,7 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-seed-oss": (seed_oss, _saved(torch.bfloat16)),
         "tiny-glm4": (glm4, _saved(torch.bfloat16)),
         "tiny-ernie4_5": (ernie, _saved(torch.bfloat16)),
+        "tiny-glm4-moe": (glm4_moe, _saved(torch.bfloat16, mtp=True)),
         "tiny-qwen3_5": (qwen3_5, _saved(torch.bfloat16, classic=False, nest=True)),
         "tiny-qwen3_5-moe": (qwen3_5_moe, _saved(torch.bfloat16, classic=False)),
         "tiny-qwen3-next": (qwen3_next, _saved(torch.bfloat16, classic=False)),
@@ -447,6 +462,9 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
             else:
                 raise SystemExit(f"no init rule for {name}")
             p.copy_(torch.from_numpy(np.asarray(val, dtype=np.float32)))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zero at init: the choice would ignore it
+                b.copy_(torch.from_numpy(ROUTER_CHOICE_BIAS_STD * rng.standard_normal(tuple(b.shape))))
         for layer in getattr(getattr(model, "model", None), "layers", []):
             if hasattr(layer, "linear_attn"):
                 _keys_near_queries(layer.linear_attn, rng)
@@ -522,8 +540,28 @@ def build_tiny(name: str, config: Any, opts: dict[str, Any], tok: Tokenizer, see
     np.savez(d / "golden.npz", ids=ids, logits=logits.astype(np.float32), **extra)
     if opts.get("nest"):
         nest_multimodal(d)
+    if opts.get("mtp"):
+        add_mtp_layer(d)
     return {"dir": name, "dtype": str(opts["dtype"]).removeprefix("torch."), "seed": seed,
             "files": sorted(p.name for p in d.iterdir()), **logit_stats(logits)}
+
+
+def add_mtp_layer(d: Path) -> None:
+    """Append the multi-token-prediction layer GLM-4.5's hub checkpoints hold after the last (``num_nextn_predict_layers``
+    of them), which transformers does not load: the last layer's tensors again, and its eh_proj, enorm, hnorm and
+    shared_head norm."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((d / "config.json").read_text())
+    layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    tensors = load_file(d / "model.safetensors")
+    last, mtp = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
+    tensors.update({mtp + k[len(last):]: v.clone() for k, v in tensors.items() if k.startswith(last)})
+    dtype = tensors["model.norm.weight"].dtype
+    tensors[mtp + "eh_proj.weight"] = torch.full((hidden, 2 * hidden), 0.01, dtype=dtype)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[mtp + norm + ".weight"] = torch.ones(hidden, dtype=dtype)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
 
 
 def nest_multimodal(d: Path) -> None:
@@ -821,6 +859,56 @@ def write_phi3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     put("output_norm.weight", tensors["model.norm.weight"], "f32")
     if not cfg.get("tie_word_embeddings"):
         put("output.weight", tensors["lm_head.weight"], "q8_0")
+    return _gguf_finish(w, src, dst)
+
+
+def write_glm4_moe_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-glm4-moe as llama.cpp's Glm4MoeModel writes it: unpermuted q/k/v with biases, post_attention_norm as the
+    MLP's norm, the dense layer's ffn_*, the experts stacked with ffn_gate_inp and exp_probs_b, the shared expert as
+    ffn_*_shexp, the router's metadata, and the MTP layer as one more block (nextn_predict_layers)."""
+    cfg = json.loads((src / "config.json").read_text())
+    tensors = _float32_tensors(src / "model.safetensors")
+    layers = cfg["num_hidden_layers"] + cfg["num_nextn_predict_layers"]
+    w = _gguf_writer(dst, "glm4moe", src.name, {**cfg, "num_hidden_layers": layers}, tok)
+    w.add_expert_count(cfg["n_routed_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_group_count(cfg["n_group"])
+    w.add_expert_group_used_count(cfg["topk_group"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    w.add_expert_weights_norm(cfg["norm_topk_prob"])
+    w.add_nextn_predict_layers(cfg["num_nextn_predict_layers"])
+    put = _gguf_put(w)
+    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
+    for i in range(layers):
+        p, kind = f"model.layers.{i}.", "q4_0" if i % 2 == 0 else "f16"
+        put(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"], "f32")
+        put(f"blk.{i}.post_attention_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
+        for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+            put(f"blk.{i}.{name}.weight", tensors[p + f"self_attn.{proj}_proj.weight"], kind)
+            if p + f"self_attn.{proj}_proj.bias" in tensors:
+                put(f"blk.{i}.{name}.bias", tensors[p + f"self_attn.{proj}_proj.bias"], "f32")
+        if i < cfg["first_k_dense_replace"]:
+            for proj in ("gate", "up", "down"):
+                put(f"blk.{i}.ffn_{proj}.weight", tensors[p + f"mlp.{proj}_proj.weight"], kind)
+            continue
+        put(f"blk.{i}.ffn_gate_inp.weight", tensors[p + "mlp.gate.weight"], "f32")
+        put(f"blk.{i}.exp_probs_b.bias", tensors[p + "mlp.gate.e_score_correction_bias"], "f32")
+        for kind_name, stacked in _stack_experts(tensors, p + "mlp.experts.", ("gate_proj", "up_proj", "down_proj"),
+                                                 cfg["n_routed_experts"]).items():
+            put(f"blk.{i}.ffn_{kind_name}_exps.weight", stacked, kind)
+        for proj in ("gate", "up", "down"):
+            put(f"blk.{i}.ffn_{proj}_shexp.weight", tensors[p + f"mlp.shared_experts.{proj}_proj.weight"], kind)
+        if i >= cfg["num_hidden_layers"]:  # the MTP layer's own tensors
+            put(f"blk.{i}.nextn.eh_proj.weight", tensors[p + "eh_proj.weight"], "f16")
+            for norm in ("enorm", "hnorm"):
+                put(f"blk.{i}.nextn.{norm}.weight", tensors[p + f"{norm}.weight"], "f32")
+            put(f"blk.{i}.nextn.shared_head_norm.weight", tensors[p + "shared_head.norm.weight"], "f32")
+    put("output_norm.weight", tensors["model.norm.weight"], "f32")
+    put("output.weight", tensors["lm_head.weight"], "q8_0")
     return _gguf_finish(w, src, dst)
 
 
@@ -1325,7 +1413,7 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-ernie4_5": write_ernie4_5_gguf, "tiny-qwen3_5": write_hybrid_gguf,
               "tiny-qwen3_5-moe": write_hybrid_gguf, "tiny-qwen3-next": write_hybrid_gguf,
               "tiny-lfm2": write_lfm2_gguf, "tiny-granite4-h": write_granite_hybrid_gguf,
-              "tiny-granite4-h-moe": write_granite_hybrid_gguf}
+              "tiny-granite4-h-moe": write_granite_hybrid_gguf, "tiny-glm4-moe": write_glm4_moe_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
 DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
 # LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is

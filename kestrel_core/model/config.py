@@ -15,11 +15,13 @@ from kestrel_core.model.validate import ValidationError, check_bool, check_float
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
                  "mixtral", "gpt_oss", "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5",
-                 "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granitemoehybrid")
+                 "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granitemoehybrid", "glm4_moe")
 POOLINGS = ("last", "mean", "cls")  # how an embedding pools the final hidden states: last, mean or first token
 # of the gate: SwiGLU, GeGLU with the tanh GELU (Gemma), or gpt-oss's clamped SwiGLU: gate g clamped to at most
 # swiglu_limit, up u to +-swiglu_limit, then (u + 1) * g * sigmoid(swiglu_alpha * g)
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
+# how a router scores the experts: a softmax over every logit, or each logit's sigmoid (DeepSeek-V3, GLM-4.5)
+ROUTER_SCORINGS = ("softmax", "sigmoid")
 # a layer's token mixer: attention over every earlier position, over a sliding window, linear attention (Gated
 # DeltaNet), a gated short convolution (LFM2) or Mamba-2 (Granite 4.0-H); the last three keep a state per sequence
 # instead of keys and values
@@ -76,9 +78,19 @@ class ModelConfig:
     attn_softcap: float | None = None  # Gemma 2: attention scores become tanh(s / c) * c
     final_softcap: float | None = None  # Gemma 2: the logits the same
     num_experts: int = 0  # mixture of experts (Qwen3-MoE, Mixtral): every layer's MLP is E experts and a router
+    # the layers of a mixture of experts whose MLP is dense, intermediate_size wide (GLM-4.5's first layers,
+    # Qwen2-MoE's mlp_only_layers)
+    dense_layers: tuple[int, ...] = ()
     experts_per_token: int = 0  # top-k
     expert_intermediate_size: int = 0  # each expert's F
     norm_topk_prob: bool = False  # the top-k router probabilities renormalised to sum 1
+    router_scoring: str = "softmax"  # one of ROUTER_SCORINGS
+    # a sigmoid router's choice (not its weights) adds a bias per expert, and keeps to the router_topk_groups best
+    # of router_groups equal groups of experts, a group scored by the sum of its two best (DeepSeek-V3's)
+    router_choice_bias: bool = False
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    routed_scaling: float = 1.0  # the routed experts' weights times this (GLM-4.5's routed_scaling_factor)
     moe_bias: bool = False  # gpt-oss: the router and each expert's projections have biases
     swiglu_limit: float = 7.0  # activation swiglu_oai's clamp
     swiglu_alpha: float = 1.702  # activation swiglu_oai's sigmoid slope
@@ -123,6 +135,10 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def has_experts(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def is_linear(self, layer: int) -> bool:
         """Whether ``layer`` mixes tokens by linear attention (a recurrent state), not by attention over a KV cache."""
@@ -206,7 +222,7 @@ class ModelConfig:
         if not isinstance(eos, (list, tuple)):
             raise ValidationError(f"eos_token_ids must be a list of token ids, got {eos!r}")
         d["eos_token_ids"] = tuple(eos)
-        for name in ("layer_types", "nope_layers"):  # JSON has no tuples
+        for name in ("layer_types", "nope_layers", "dense_layers"):  # JSON has no tuples
             if isinstance(d.get(name), list):
                 d[name] = tuple(d[name])
         return cls(**d)
@@ -267,6 +283,7 @@ def validate_config(c: ModelConfig) -> None:
         raise ValidationError("experts_per_token, expert_intermediate_size and shared_expert_intermediate_size "
                               "need num_experts > 0")
     check_int("shared_expert_intermediate_size", c.shared_expert_intermediate_size, 0, MAX_DIM)
+    _check_router(c)
     if c.moe_bias and not c.num_experts:
         raise ValidationError("moe_bias needs num_experts > 0")
     check_float("swiglu_limit", c.swiglu_limit, 0.0, lo_open=True)
@@ -287,6 +304,33 @@ def validate_config(c: ModelConfig) -> None:
         raise ValidationError(f"eos_token_ids must be token ids >= 0, got {c.eos_token_ids!r}")
     if c.sampling is not None:
         check_sampling(c.sampling)
+
+
+def _check_router(c: ModelConfig) -> None:
+    """The dense layers and the router's fields: a sigmoid's choice bias and groups only with a sigmoid router, the
+    groups dividing the experts into groups of two or more, enough of them kept for the top-k."""
+    if not isinstance(c.dense_layers, tuple) or not all(is_int(i) and 0 <= i < c.num_layers for i in c.dense_layers):
+        raise ValidationError(f"dense_layers must be layer indices in [0, {c.num_layers}), got {c.dense_layers!r}")
+    if c.dense_layers and not c.num_experts:
+        raise ValidationError("dense_layers needs num_experts > 0")
+    if c.router_scoring not in ROUTER_SCORINGS:
+        raise ValidationError(f"router_scoring must be one of {', '.join(ROUTER_SCORINGS)}, got {c.router_scoring!r}")
+    check_bool("router_choice_bias", c.router_choice_bias)
+    check_int("router_groups", c.router_groups, 1, MAX_EXPERTS)
+    check_int("router_topk_groups", c.router_topk_groups, 1, c.router_groups)
+    check_float("routed_scaling", c.routed_scaling, 0.0, lo_open=True)
+    sigmoid_only = c.router_choice_bias or c.router_groups > 1
+    if sigmoid_only and (c.router_scoring != "sigmoid" or not c.num_experts):
+        raise ValidationError("router_choice_bias and router_groups need a sigmoid router (router_scoring) and "
+                              "num_experts > 0")
+    if c.router_groups > 1:
+        per_group = c.num_experts // c.router_groups
+        if c.num_experts % c.router_groups or per_group < 2:
+            raise ValidationError(f"router_groups {c.router_groups} must divide the {c.num_experts} experts into "
+                                  "groups of two or more")
+        if c.router_topk_groups * per_group < c.experts_per_token:
+            raise ValidationError(f"router_topk_groups {c.router_topk_groups} keeps fewer experts than "
+                                  f"experts_per_token {c.experts_per_token}")
 
 
 MAMBA_FIELDS = ("mamba_heads", "mamba_head_dim", "mamba_groups", "mamba_state", "mamba_conv_kernel")

@@ -123,9 +123,8 @@ class Decoder:
             self.unit_norm = np.ones(c.mamba_inner // c.mamba_groups, np.float32)
             self.no_conv_bias = np.zeros(c.mamba_conv_dim, np.float32)
         # per layer, per expert, per MLP_GROUPS entry: the same for each expert's weights
-        experts = c.num_experts + (1 if c.shared_expert_intermediate_size else 0)  # the shared one is expert E
-        self.expert_keys = [[[(g.keys(i, e), g.fused_key(i, e)) for g in MLP_GROUPS] for e in range(experts)]
-                            for i in range(c.num_layers)]
+        self.expert_keys = [[[(g.keys(i, e), g.fused_key(i, e)) for g in MLP_GROUPS]  # the shared one: expert E
+                             for e in range(len(lw.all_experts()))] for i, lw in enumerate(model.layers)]
 
     def new_cache(self) -> SeqCache:
         return self.pool.new_sequence()
@@ -368,14 +367,12 @@ class Decoder:
         return out
 
     def _moe(self, i: int, lw: LayerWeights, x: np.ndarray, precise: np.ndarray) -> np.ndarray:
-        """The mixture of experts of layer ``i`` on x [M, D]: each row through its top-k experts by router
-        probability (softmax over all experts, then optionally renormalised over the k), weighted and summed
-        in expert order, then the shared expert scaled by its sigmoid gate (Qwen2-MoE; Granite 4.0-H's has none);
-        a row's result does
-        not depend on the other rows."""
+        """The mixture of experts of layer ``i`` on x [M, D]: each row through its top-k experts (``route``),
+        weighted and summed in expert order, then the shared expert, scaled by its sigmoid gate where it has one
+        (Qwen2-MoE); a row's result does not depend on the other rows."""
         c = self.config
         x = np.ascontiguousarray(x)
-        top, weights = route(x, lw.router, c.experts_per_token, c.norm_topk_prob, lw.router_bias)
+        top, weights = route(x, lw, c)
         out = np.zeros_like(x)  # [M, D]
         for e in np.unique(top):
             rows, slot = np.nonzero(top == e)
@@ -388,21 +385,38 @@ class Decoder:
         return out
 
 
-def route(x: np.ndarray, router: np.ndarray, k: int, norm_topk: bool,
-          bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Each row of x [M, D]'s top-k experts [M, k] by router probability (softmax over all experts of the
-    logits, plus ``bias`` [E] where given; ties: the lower expert) and their weights [M, k] (renormalised over
-    the k if ``norm_topk``: the softmax of the k logits, as gpt-oss computes it)."""
-    logits = np.empty((len(x), len(router)), np.float32)  # [M, E]
-    kernels.rows_dot(np.ascontiguousarray(x), router, logits)
-    if bias is not None:
-        logits += bias
-    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-    probs /= probs.sum(axis=1, keepdims=True)
-    top = np.argsort(-probs, axis=1, kind="stable")[:, :k]
-    weights = np.take_along_axis(probs, top, axis=1)
-    if norm_topk:
+def route(x: np.ndarray, lw: LayerWeights, c: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Each row of x [M, D]'s top-k experts [M, k] and their weights [M, k] by layer ``lw``'s router.
+
+    The logits (plus gpt-oss's router bias) score each expert: softmax over all of them, or each one's sigmoid.
+    A sigmoid router chooses by its scores plus the choice bias, among the experts of the router_topk_groups
+    groups whose two best choice scores sum highest (DeepSeek-V3, GLM-4.5). The weights are the chosen scores,
+    renormalised over the k if norm_topk_prob (for a softmax, the softmax of the k logits, as gpt-oss computes
+    it), times routed_scaling. Ties: the lower expert."""
+    logits = np.empty((len(x), len(lw.router)), np.float32)  # [M, E]
+    kernels.rows_dot(np.ascontiguousarray(x), lw.router, logits)
+    if lw.router_bias is not None:
+        logits += lw.router_bias
+    if c.router_scoring == "sigmoid":
+        scores = _sigmoid(logits)
+        choice = scores if lw.router_choice_bias is None else scores + lw.router_choice_bias
+        if c.router_groups > 1:
+            grouped = choice.reshape(len(x), c.router_groups, -1)  # [M, G, E / G]
+            group_scores = np.sort(grouped, axis=2)[:, :, -2:].sum(axis=2)  # [M, G]
+            kept = np.argsort(-group_scores, axis=1, kind="stable")[:, :c.router_topk_groups]
+            mask = np.zeros(group_scores.shape, bool)
+            np.put_along_axis(mask, kept, True, axis=1)
+            choice = np.where(mask[:, :, None], grouped, -np.inf).reshape(choice.shape)
+    else:
+        scores = np.exp(logits - logits.max(axis=1, keepdims=True))
+        scores /= scores.sum(axis=1, keepdims=True)
+        choice = scores
+    top = np.argsort(-choice, axis=1, kind="stable")[:, :c.experts_per_token]
+    weights = np.take_along_axis(scores, top, axis=1)
+    if c.norm_topk_prob:
         weights /= weights.sum(axis=1, keepdims=True)
+    if c.routed_scaling != 1.0:
+        weights *= np.float32(c.routed_scaling)
     return top, weights
 
 

@@ -30,6 +30,7 @@ GGUF_POOLING = {0: None, 1: "mean", 2: "cls", 3: "last"}  # llama.cpp's pooling_
 # general.sampling.<key> -> SamplingParams' name: the sampling a file recommends (llama.cpp's keys)
 GGUF_SAMPLING = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                  "penalty_repeat": "repetition_penalty"}
+GATING_SIGMOID = 2  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
 PER_LAYER_KV = ("lfm2", "granitehybrid")  # head_count_kv per layer: 0 where a layer has no attention
 # linear attention beside gated attention
 HYBRID_ARCHITECTURES = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next"}
@@ -92,6 +93,11 @@ class GGUFMetadata:
             return check_int(key, v, lo)
         except ValidationError as exc:
             raise KestrelError(f"{self.path}: metadata {exc}") from None
+
+    def bool_field(self, key: str, default: bool) -> bool:
+        """A bool metadata value (an integer or string is refused, not coerced)."""
+        v = self._typed(key, {GGUFValueType.BOOL}, "a bool")
+        return default if v is None else bool(v)
 
     def float_field(self, key: str, default: float) -> float:
         """A float (or integer) metadata value, finite and > 0; float32 read back as its decimal."""
@@ -210,6 +216,8 @@ class GGUFMetadata:
             return self._hybrid_fields(arch, layers, experts)
         if arch == "granitehybrid":
             return self._granite_hybrid_fields(arch, experts)
+        if arch == "glm4moe":
+            return self._glm4moe_fields(arch, layers, experts)
         if arch == "lfm2":  # short convolutions where a layer has no KV heads; per-head q/k norms; unpermuted
             return {"layer_types": tuple("full" if h else "conv" for h in self._per_layer_kv(arch)), "qk_norm": True,
                     "short_conv_kernel": self.int_field(f"{arch}.shortconv.l_cache", required=True)}
@@ -226,14 +234,38 @@ class GGUFMetadata:
             return {}
         if arch not in MOE_ARCHITECTURES:
             raise KestrelError(f"{self.path}: experts in a {arch} file are not supported")
-        norm = self.field(f"{arch}.expert_weights_norm", EXPERT_WEIGHTS_NORM.get(arch, True))
-        if not isinstance(norm, bool):
-            raise KestrelError(f"{self.path}: metadata {arch}.expert_weights_norm must be a bool, got {norm!r}")
+        norm = self.bool_field(f"{arch}.expert_weights_norm", EXPERT_WEIGHTS_NORM.get(arch, True))
         ff = self.int_field(f"{arch}.expert_feed_forward_length") or self.int_field(f"{arch}.feed_forward_length")
         shared = self.int_field(f"{arch}.expert_shared_feed_forward_length", 0, lo=0) or 0
         return {"arch": MOE_ARCHITECTURES[arch], "num_experts": experts,
                 "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
                 "expert_intermediate_size": ff, "norm_topk_prob": norm, "shared_expert_intermediate_size": shared}
+
+    def _glm4moe_fields(self, arch: str, layers: int, experts: int) -> dict[str, Any]:
+        """GLM-4.5's, as llama.cpp reads them: ``leading_dense_block_count`` dense layers, then experts chosen by a
+        sigmoid router (``expert_gating_func`` 2) with a choice bias (``exp_probs_b``), maybe in groups, weighted
+        times ``expert_weights_scale``, beside ``expert_shared_count`` ungated shared experts; q/k/v biases and q/k
+        norms where the file has them."""
+        gating = self.int_field(f"{arch}.expert_gating_func", GATING_SIGMOID)
+        if gating != GATING_SIGMOID:
+            raise KestrelError(f"{self.path}: {arch}.expert_gating_func {gating} is not supported (GLM-4.5's "
+                               f"router is a sigmoid, {GATING_SIGMOID})")
+        width = self.int_field(f"{arch}.expert_feed_forward_length", required=True)
+        assert width is not None
+        dense = self.int_field(f"{arch}.leading_dense_block_count", 0, lo=0) or 0
+        first = min(dense, layers - 1)  # the first layer with experts names its optional tensors
+        return {"arch": "glm4_moe", "qkv_bias": "layers.0.q_bias" in self._tensors,
+                "qk_norm": "layers.0.q_norm" in self._tensors, "num_experts": experts,
+                "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
+                "expert_intermediate_size": width, "dense_layers": tuple(range(min(dense, layers))),
+                "shared_expert_intermediate_size": width * (self.int_field(f"{arch}.expert_shared_count", 0, lo=0)
+                                                            or 0),
+                "shared_expert_gated": False, "norm_topk_prob": self.bool_field(f"{arch}.expert_weights_norm", True),
+                "router_scoring": "sigmoid",
+                "router_choice_bias": layer_name(first, "router_choice_bias") in self._tensors,
+                "router_groups": self.int_field(f"{arch}.expert_group_count", 1),
+                "router_topk_groups": self.int_field(f"{arch}.expert_group_used_count", 1),
+                "routed_scaling": self.float_field(f"{arch}.expert_weights_scale", 1.0)}
 
     def _ssm_heads(self, arch: str) -> tuple[int, int]:
         """(heads, each one's dims) of llama.cpp's ssm metadata: ``ssm.time_step_rank`` heads sharing
@@ -316,9 +348,7 @@ class GGUFMetadata:
             "linear_conv_kernel": self.int_field(f"{arch}.ssm.conv_kernel", required=True)}
         if arch in ("qwen35moe", "qwen3next"):
             shared = self.int_field(f"{arch}.expert_shared_feed_forward_length", 0, lo=0) or 0
-            norm = self.field(f"{arch}.expert_weights_norm", True)
-            if not isinstance(norm, bool):
-                raise KestrelError(f"{self.path}: metadata {arch}.expert_weights_norm must be a bool, got {norm!r}")
+            norm = self.bool_field(f"{arch}.expert_weights_norm", True)
             out.update(num_experts=experts, norm_topk_prob=norm, shared_expert_intermediate_size=shared,
                        experts_per_token=self.int_field(f"{arch}.expert_used_count", required=True),
                        expert_intermediate_size=self.int_field(f"{arch}.expert_feed_forward_length", required=True))

@@ -34,7 +34,7 @@ from kestrel_core.model.weights import expert_field
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
                       "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5", "qwen35", "qwen35moe",
-                      "qwen3next", "lfm2", "granitehybrid")
+                      "qwen3next", "lfm2", "granitehybrid", "glm4moe")
 # kestrel's names: a llama GGUF with experts is Mixtral; SmolLM3's converter is llama's
 PERMUTED_ARCHITECTURES = ("llama", "mixtral", "smollm3", "granite", "granitemoehybrid")
 # phi3 GGUFs hold Q|K|V and gate|up (llama.cpp's ffn_up of phi3: gate rows, then up) as one tensor each; glm4's
@@ -58,6 +58,7 @@ _LAYER_MAP = {
     "ffn_up.weight": "up",
     "ffn_down.weight": "down",
     "ffn_gate_inp.weight": "router",
+    "exp_probs_b.bias": "router_choice_bias",  # a sigmoid router's choice bias (GLM-4.5)
     "post_attention_norm.weight": "post_attn_norm",  # Gemma 3 (its ffn_norm is the pre-MLP norm)
     "post_ffw_norm.weight": "post_mlp_norm",
     "ffn_gate_inp_shexp.weight": "shared_expert_gate",  # Qwen2-MoE's shared expert
@@ -65,7 +66,7 @@ _LAYER_MAP = {
     "ffn_up_shexp.weight": "shared_expert.up",
     "ffn_down_shexp.weight": "shared_expert.down",
 }
-# gpt-oss and seed_oss: what their names mean where they differ (post_attention_norm is the MLP's input norm), and
+# gpt-oss, seed_oss and glm4moe: what their names mean where they differ (post_attention_norm is the MLP's input norm), and
 # gpt-oss's biases and sinks
 _MLP_NORM_AFTER_ATTENTION_MAP = {**_LAYER_MAP, "post_attention_norm.weight": "mlp_norm", "attn_output.bias": "o_bias",
                 "attn_sinks.weight": "sinks", "ffn_gate_inp.bias": "router_bias"}
@@ -100,7 +101,7 @@ _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 def kestrel_name(gguf_name: str, arch: str = "llama") -> str | None:
     """``blk.3.attn_q.weight`` -> ``layers.3.q``; None for tensors kestrel does not use."""
-    layer_map = (_MLP_NORM_AFTER_ATTENTION_MAP if arch in ("gpt-oss", "seed_oss") else _HYBRID_MAP
+    layer_map = (_MLP_NORM_AFTER_ATTENTION_MAP if arch in ("gpt-oss", "seed_oss", "glm4moe") else _HYBRID_MAP
                  if arch in HYBRID_ARCHITECTURES else _LFM2_MAP if arch == "lfm2" else _GRANITE_HYBRID_MAP
                  if arch == "granitehybrid" else _LAYER_MAP)
     return map_tensor_name(gguf_name, _LFM2_GLOBAL_MAP if arch == "lfm2" else _GLOBAL_MAP, _BLK_RE, layer_map)
@@ -256,6 +257,10 @@ class GGUFCheckpoint(GGUFMetadata):
         scaling = self._rope_scaling(arch, rotary_dim)
         layers = self.int_field(f"{arch}.block_count", required=True)
         assert layers is not None
+        nextn = self.int_field(f"{arch}.nextn_predict_layers", 0, lo=0) or 0  # multi-token prediction layers, last
+        if nextn >= layers:
+            raise KestrelError(f"{self.path}: {arch}.nextn_predict_layers {nextn} leaves none of the {layers} blocks")
+        layers -= nextn
         extra = self._arch_fields(arch, hidden, heads, head_dim, layers)
         extra["pooling"] = self._pooling(arch)
         try:

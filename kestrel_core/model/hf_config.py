@@ -34,6 +34,7 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "Qwen3_5MoeForCausalLM": "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
                     "Qwen3NextForCausalLM": "qwen3_next", "Lfm2ForCausalLM": "lfm2",
                     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+                    "Glm4MoeForCausalLM": "glm4_moe",
                     # the decoder without its head, as embedding checkpoints (e5-mistral, ...) name it
                     "LlamaModel": "llama", "Qwen2Model": "qwen2", "Qwen3Model": "qwen3", "MistralModel": "mistral"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
@@ -42,7 +43,8 @@ MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": 
                "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2", "exaone4": "exaone4",
                "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "qwen3_5": "qwen3_5",
                "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe",
-               "qwen3_next": "qwen3_next", "lfm2": "lfm2", "granitemoehybrid": "granitemoehybrid"}
+               "qwen3_next": "qwen3_next", "lfm2": "lfm2", "granitemoehybrid": "granitemoehybrid",
+               "glm4_moe": "glm4_moe"}
 WINDOWED = ("mistral", "phi3", "mixtral")  # architectures whose sliding_window applies to every layer
 # Gemma3TextConfig's defaults: hub configs (the text_config of the multimodal checkpoints) leave many out
 GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -328,14 +330,14 @@ def _rotary_dim(cfg: dict[str, Any], head_dim: int, where: str, default: float |
 def _moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
     """The experts of Qwen2-MoE and Qwen3-MoE (moe_intermediate_size wide, norm_topk_prob as set; Qwen2-MoE's
     shared expert) and Mixtral (intermediate_size wide, always renormalised)."""
-    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
     if experts is None:
         raise KestrelError(f"{where}: missing 'num_experts'")
     out = {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok", 2)}
+    if arch == "glm4_moe":
+        return {**out, **_sigmoid_router_fields(cfg, where)}
     if arch in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
-        if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
-            raise KestrelError(f"{where}: mlp_only_layers / decoder_sparse_step (dense MLP layers between the "
-                               "expert layers) are not supported")
+        out["dense_layers"] = _sparse_step_dense_layers(cfg, where)
         if arch == "qwen3_moe":
             _refuse_set(cfg, where, {"shared_expert_intermediate_size": "a shared expert"})
         else:
@@ -363,6 +365,34 @@ def _moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
     else:
         out.update(expert_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
     return out
+
+
+def _sparse_step_dense_layers(cfg: dict[str, Any], where: str) -> tuple[int, ...]:
+    """Qwen2-MoE's dense layers: those of ``mlp_only_layers``, and those not on a ``decoder_sparse_step``."""
+    layers, only = cfg["num_hidden_layers"], cfg.get("mlp_only_layers") or []
+    step = check_int("decoder_sparse_step", cfg.get("decoder_sparse_step", 1), 1)
+    if not isinstance(only, list) or not all(is_int(i) and 0 <= i < layers for i in only):
+        raise KestrelError(f"{where}: mlp_only_layers must be layer indices below {layers}, got {only!r}")
+    return tuple(i for i in range(layers) if i in only or (i + 1) % step)
+
+
+def _sigmoid_router_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """GLM-4.5's experts (DeepSeek-V3's router): the first ``first_k_dense_replace`` layers dense, a sigmoid router
+    with a choice bias, groups and a scale, shared experts as one ungated expert ``n_shared_experts`` times as
+    wide."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise KestrelError(f"{where}: hidden_act {act!r} is not supported (GLM-4.5 uses silu)")
+    width = check_int("moe_intermediate_size", cfg.get("moe_intermediate_size", 1408), 1)
+    dense = check_int("first_k_dense_replace", cfg.get("first_k_dense_replace", 1), 0)
+    shared = check_int("n_shared_experts", cfg.get("n_shared_experts", 1) or 0, 0)
+    return {"expert_intermediate_size": width, "shared_expert_intermediate_size": width * shared,
+            "shared_expert_gated": False, "dense_layers": tuple(range(min(dense, cfg["num_hidden_layers"]))),
+            "norm_topk_prob": check_bool("norm_topk_prob", cfg.get("norm_topk_prob", True)),
+            "router_scoring": "sigmoid", "router_choice_bias": True, "router_groups": cfg.get("n_group", 1),
+            "router_topk_groups": cfg.get("topk_group", 1),
+            "routed_scaling": check_float("routed_scaling_factor", cfg.get("routed_scaling_factor", 1.0), 0.0,
+                                          lo_open=True)}
 
 
 def _layer_types(cfg: dict[str, Any], where: str, pattern: int) -> tuple[str, ...]:
@@ -432,7 +462,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             "rope_theta": float(cfg.get("rope_theta", rope.get("rope_theta", 150000.0 if arch == "gpt_oss" else 1e4))),
             "rope_scaling": None if arch in GEMMA_ARCHITECTURES else _rope_scaling(arch, cfg, scaling, where),
             "rotary_dim": _rotary_dim(cfg, int(cfg.get("head_dim") or hidden // heads), where,
-                                      {"glm4": 0.5, "qwen3_5": 0.25, "qwen3_5_moe": 0.25,
+                                      {"glm4": 0.5, "glm4_moe": 0.5, "qwen3_5": 0.25, "qwen3_5_moe": 0.25,
                                        "qwen3_next": 0.25}.get(arch)),
             "qk_norm": arch == "qwen3",
             "qkv_bias": arch in ("qwen2", "qwen2_moe"),
@@ -465,7 +495,10 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             fields.update(_hybrid_fields(cfg, where))
         if arch == "lfm2":
             fields.update(_lfm2_fields(cfg, where))
-        if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe", "qwen3_next"):
+        if arch == "glm4_moe":  # q/k/v biases and q/k norms where set
+            fields.update(qkv_bias=check_bool("attention_bias", cfg.get("attention_bias", False)),
+                          qk_norm=check_bool("use_qk_norm", cfg.get("use_qk_norm", False)))
+        if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe", "qwen3_next", "glm4_moe"):
             fields.update(_moe_fields(arch, cfg, where))
         return ModelConfig(
             arch=arch,

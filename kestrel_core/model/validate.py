@@ -167,6 +167,13 @@ HF_CONFIG_FIELDS: dict[str, tuple[str, bool]] = {  # in the order hf_config.conf
     "num_local_experts": ("count", False),  # Granite 4.0-H: 0 for a dense model
     "num_experts_per_tok": ("pos", False),
     "moe_intermediate_size": ("pos", False),
+    "n_routed_experts": ("pos", False),  # GLM-4.5's
+    "n_shared_experts": ("count", False),
+    "first_k_dense_replace": ("count", False),
+    "n_group": ("pos", False),
+    "topk_group": ("pos", False),
+    "routed_scaling_factor": ("float+", False),
+    "decoder_sparse_step": ("pos", False),  # Qwen2-MoE's
 }
 
 

@@ -104,7 +104,8 @@ class LayerWeights:
     ssm_d: np.ndarray | None = None  # [heads]: the skip, D * x
     ssm_norm: np.ndarray | None = None  # [inner]: the gated RMSNorm over each group's channels
     router: np.ndarray | None = None  # mixture of experts: float32 [E, D]
-    router_bias: np.ndarray | None = None  # gpt-oss: [E]
+    router_bias: np.ndarray | None = None  # gpt-oss: [E], added to the logits
+    router_choice_bias: np.ndarray | None = None  # a sigmoid router's: [E], added to the scores it chooses by
     experts: tuple[ExpertWeights, ...] = ()
     shared_expert: ExpertWeights | None = None  # Qwen2-MoE: run by every token (its wkeys: expert E)
     shared_expert_gate: np.ndarray | None = None  # float32 [1, D]: sigmoid(x . gate) scales its output
@@ -218,11 +219,13 @@ def layer_specs(c: ModelConfig, i: int) -> list[TensorSpec]:
         if c.attn_output_gate:
             out.append(("attn_gate", "proj", (qn, d)))
         out.append(("o", "proj", (d, qn)))
-    if c.is_moe:
+    if c.has_experts(i):
         fe = c.expert_intermediate_size
         out.append(("router", "matrix", (c.num_experts, d)))
         if c.moe_bias:
             out.append(("router_bias", "vector", (c.num_experts,)))
+        if c.router_choice_bias:
+            out.append(("router_choice_bias", "vector", (c.num_experts,)))
         for e in range(c.num_experts):
             out += [(expert_field(e, "gate"), "proj", (fe, d)), (expert_field(e, "up"), "proj", (fe, d)),
                     (expert_field(e, "down"), "proj", (d, fe))]
@@ -294,11 +297,12 @@ def assemble(c: ModelConfig, tensors: Mapping[str, Any]) -> Model:
     for i in range(c.num_layers):
         prefix = layer_name(i, "")
         fields = {s.name[len(prefix):]: tensors[s.name] for s in layer_specs(c, i)}
+        routed = c.num_experts if c.has_experts(i) else 0
         experts = tuple(ExpertWeights(*(fields.pop(expert_field(e, f)) for f in MLP_FIELDS),
                                       *(fields.pop(expert_field(e, b), None) for b in EXPERT_BIASES))
-                        for e in range(c.num_experts))
+                        for e in range(routed))
         shared = (ExpertWeights(*(fields.pop(f"shared_expert.{f}") for f in MLP_FIELDS))
-                  if c.shared_expert_intermediate_size else None)
+                  if routed and c.shared_expert_intermediate_size else None)
         layers.append(LayerWeights(**fields, experts=experts, shared_expert=shared))
     embedding = tensors["embedding"]
     lm_head = embedding if c.tie_word_embeddings else tensors["lm_head"]  # tied: the same object, cached once

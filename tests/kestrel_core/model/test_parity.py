@@ -195,6 +195,8 @@ CASES = (
     Case("tiny-granite4-h.gguf", "tiny-granite4-h", ALL_MODES),  # llama.cpp's granitehybrid: ssm_*, Q/K permuted
     Case("tiny-granite4-h-moe", "tiny-granite4-h-moe", ALL_MODES, moe=True),  # stacked experts, ungated shared one
     Case("tiny-granite4-h-moe.gguf", "tiny-granite4-h-moe", ALL_MODES, moe=True),  # *_exps, *_shexp
+    Case("tiny-glm4-moe", "tiny-glm4-moe", ALL_MODES, moe=True),  # a dense layer, a sigmoid router in groups
+    Case("tiny-glm4-moe.gguf", "tiny-glm4-moe", ALL_MODES, moe=True),  # exp_probs_b, *_shexp, an MTP block
     Case("tiny-gpt-oss", "tiny-gpt-oss", Q8_MODES, moe=True),  # sinks, biases, clamped SwiGLU, interleaved gate|up
     Case("tiny-gpt-oss-mxfp4", "tiny-gpt-oss", Q8_MODES, moe=True),  # the experts as MXFP4 blocks and scales
     Case("tiny-gpt-oss.gguf", "tiny-gpt-oss", Q8_MODES, moe=True),  # llama.cpp's gpt-oss, MXFP4 experts
@@ -292,7 +294,7 @@ def test_phi3_with_gate_and_up_swapped_leaves_the_limits(monkeypatch) -> None:  
                                              ("tiny-qwen3-moe", "q4"), ("tiny-mixtral", "q8"),
                                              ("tiny-phi3-longrope", "q8"), ("tiny-qwen3-yarn", "q8"),
                                              ("tiny-gpt-oss-mxfp4", "q8"), ("tiny-glm4", "q8"), ("tiny-qwen3_5", "q8"),
-                                             ("tiny-qwen3-next.gguf", "q4")])
+                                             ("tiny-qwen3-next.gguf", "q4"), ("tiny-glm4-moe.gguf", "q8")])
 def test_quantized_artifact_gives_the_same_logits(tmp_path: Path, name: str, quant: str) -> None:
     """A .kst artifact written from a checkpoint runs to the very logits of the checkpoint itself."""
     from kestrel_core.model.loader import load_model, write_artifact

@@ -1,0 +1,126 @@
+"""GLM-4.5's mixture of experts (DeepSeek-V3's router): each of its rules is needed for tiny-glm4-moe to agree with
+transformers, the router's choice by hand on small cases, its config checks, and Qwen2-MoE's dense layers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kestrel_core
+from kestrel_core.errors import KestrelError
+from kestrel_core.model import hf_config
+from kestrel_core.model.config import ModelConfig
+from kestrel_core.model.decoder import route
+from kestrel_core.model.validate import ValidationError
+from kestrel_core.model.weights import LayerWeights
+
+from .test_parity import CASES, FIXTURES, MOE, _with_config, measure
+
+GLM = next(c for c in CASES if c.name == "tiny-glm4-moe")
+GLM_GGUF = next(c for c in CASES if c.name == "tiny-glm4-moe.gguf")
+
+
+def _with_router(monkeypatch, **fields) -> None:  # type: ignore[no-untyped-def]
+    """Read GLM-4.5's router with ``fields`` in place of its own."""
+    real = hf_config._sigmoid_router_fields
+    monkeypatch.setattr(hf_config, "_sigmoid_router_fields", lambda cfg, where: {**real(cfg, where), **fields})
+
+
+GLM_WRONG = {
+    "a softmax router": lambda mp: _with_router(mp, router_scoring="softmax", router_choice_bias=False,
+                                                router_groups=1, router_topk_groups=1),
+    "no choice bias": lambda mp: _with_router(mp, router_choice_bias=False),
+    "no groups": lambda mp: _with_config(mp, lambda c: {**c, "n_group": 1, "topk_group": 1}),
+    "unscaled weights": lambda mp: _with_config(mp, lambda c: {**c, "routed_scaling_factor": 1.0}),
+    "no shared expert": lambda mp: _with_config(mp, lambda c: {**c, "n_shared_experts": 0}),
+}
+
+
+@pytest.mark.parametrize("wrong", GLM_WRONG, ids=list(GLM_WRONG))
+def test_glm4_moe_done_wrong_leaves_the_limits(monkeypatch, wrong: str) -> None:  # type: ignore[no-untyped-def]
+    """The sigmoid, the choice bias, the groups, the scale and the shared expert each move the logits past MOE."""
+    GLM_WRONG[wrong](monkeypatch)
+    fig = measure(GLM, "q8")
+    assert not fig.within(MOE), fig
+
+
+def test_glm4_moe_gguf_reads_its_router_and_skips_its_mtp_block() -> None:
+    """The GGUF twin's config is the checkpoint's: llama.cpp's router metadata, the nextn block not a layer."""
+    with kestrel_core.load(str(FIXTURES / GLM.name), backend="cpu") as hf, \
+            kestrel_core.load(str(FIXTURES / GLM_GGUF.name), backend="cpu") as gguf:
+        a, b = hf.model.config, gguf.model.config
+        for field in ("num_layers", "dense_layers", "num_experts", "experts_per_token", "expert_intermediate_size",
+                      "shared_expert_intermediate_size", "shared_expert_gated", "router_scoring",
+                      "router_choice_bias", "router_groups", "router_topk_groups", "routed_scaling", "norm_topk_prob",
+                      "qkv_bias", "qk_norm", "rotary_dim"):
+            assert getattr(a, field) == getattr(b, field), field
+        assert a.num_layers == 3 and a.dense_layers == (0,) and a.router_groups == 2
+        assert not gguf.model.layers[0].experts and len(gguf.model.layers[1].experts) == 8
+
+
+def _layer(router: np.ndarray, choice_bias: np.ndarray | None = None) -> LayerWeights:
+    return LayerWeights(router=router.astype(np.float32),
+                        router_choice_bias=None if choice_bias is None else choice_bias.astype(np.float32))
+
+
+def _config(**fields) -> ModelConfig:  # type: ignore[no-untyped-def]
+    base = dict(arch="glm4_moe", vocab_size=8, hidden_size=4, intermediate_size=8, num_layers=2, num_heads=1,
+                num_kv_heads=1, head_dim=4, num_experts=4, experts_per_token=2, expert_intermediate_size=4)
+    return ModelConfig(**{**base, **fields})
+
+
+def test_sigmoid_route_chooses_by_biased_scores_and_weighs_by_plain_ones() -> None:
+    """Logits 0, 1, 2, 3 (x = 1 against one-hot rows): sigmoid scores; a bias of +5 on expert 0 makes it chosen,
+    but its weight is its own sigmoid(0) = 0.5, renormalised with expert 3's, then scaled."""
+    x = np.array([[0.0, 1.0, 2.0, 3.0]], np.float32)
+    router = np.eye(4)
+    c = _config(router_scoring="sigmoid", router_choice_bias=True, norm_topk_prob=True, routed_scaling=2.0)
+    top, weights = route(x, _layer(router, np.array([5.0, 0, 0, 0])), c)
+    s = 1 / (1 + np.exp(-np.array([0.0, 3.0])))
+    assert top.tolist() == [[0, 3]]
+    np.testing.assert_allclose(weights, [2.0 * s / s.sum()], rtol=1e-6)
+
+
+def test_sigmoid_route_keeps_to_the_best_groups() -> None:
+    """Groups {0, 1} and {2, 3}: the second holds the best expert (3) but the first the best pair (2.0 + 1.9), so
+    with one group kept both choices come from the first."""
+    x = np.array([[2.0, 1.9, -3.0, 2.5]], np.float32)
+    c = _config(router_scoring="sigmoid", router_groups=2, router_topk_groups=1)
+    top, _ = route(x, _layer(np.eye(4)), c)
+    assert top.tolist() == [[0, 1]]
+    top, _ = route(x, _layer(np.eye(4)), _config(router_scoring="sigmoid"))
+    assert top.tolist() == [[3, 0]]
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"router_choice_bias": True}, "need a sigmoid router"),
+    ({"router_scoring": "sigmoid", "router_groups": 3}, "must divide"),
+    ({"router_scoring": "sigmoid", "router_groups": 4}, "groups of two or more"),
+    ({"router_scoring": "sigmoid", "router_groups": 2, "router_topk_groups": 1, "experts_per_token": 3},
+     "keeps fewer experts"),
+    ({"router_scoring": "tanh"}, "router_scoring must be one of"),
+    ({"dense_layers": (2,)}, "dense_layers must be layer indices"),
+    ({"routed_scaling": 0.0}, "routed_scaling must be >"),
+])
+def test_router_config_checks(fields: dict, says: str) -> None:
+    with pytest.raises(ValidationError, match=says):
+        _config(**fields)
+
+
+def test_qwen2_moe_sparse_step_makes_dense_layers(tmp_path: Path) -> None:
+    """decoder_sparse_step 2 and mlp_only_layers: transformers' Qwen2MoeDecoderLayer rule for which layers are
+    dense, read from config.json; a dense layer then needs its own MLP tensors, which this checkpoint lacks."""
+    src = FIXTURES / "tiny-qwen2-moe"
+    cfg = json.loads((src / "config.json").read_text())
+    c = hf_config.config_from_hf({**cfg, "num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert c.dense_layers == (0, 2, 3)
+    assert [c.has_experts(i) for i in range(4)] == [False, True, False, False]
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    (d / "config.json").write_text(json.dumps({**cfg, "mlp_only_layers": [1]}))
+    with pytest.raises(KestrelError, match="layers.1.gate"):
+        kestrel_core.load(str(d), backend="cpu")
