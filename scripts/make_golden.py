@@ -547,9 +547,9 @@ def build_tiny(name: str, config: Any, opts: dict[str, Any], tok: Tokenizer, see
 
 
 def add_mtp_layer(d: Path) -> None:
-    """Append the multi-token-prediction layer GLM-4.5's hub checkpoints hold after the last (``num_nextn_predict_layers``
-    of them), which transformers does not load: the last layer's tensors again, and its eh_proj, enorm, hnorm and
-    shared_head norm."""
+    """Append the multi-token-prediction layer GLM-4.5's hub checkpoints hold after the last
+    (``num_nextn_predict_layers`` of them), which transformers does not load: the last layer's tensors again, and its
+    eh_proj, enorm, hnorm and shared_head norm."""
     from safetensors.torch import load_file, save_file
 
     cfg = json.loads((d / "config.json").read_text())

@@ -66,8 +66,8 @@ _LAYER_MAP = {
     "ffn_up_shexp.weight": "shared_expert.up",
     "ffn_down_shexp.weight": "shared_expert.down",
 }
-# gpt-oss, seed_oss and glm4moe: what their names mean where they differ (post_attention_norm is the MLP's input norm), and
-# gpt-oss's biases and sinks
+# gpt-oss, seed_oss and glm4moe: what their names mean where they differ (post_attention_norm is the MLP's input
+# norm), and gpt-oss's biases and sinks
 _MLP_NORM_AFTER_ATTENTION_MAP = {**_LAYER_MAP, "post_attention_norm.weight": "mlp_norm", "attn_output.bias": "o_bias",
                 "attn_sinks.weight": "sinks", "ffn_gate_inp.bias": "router_bias"}
 # Qwen3.5's: a linear-attention layer's tensors (llama.cpp's SSM names), post_attention_norm the MLP's input norm
