@@ -278,8 +278,8 @@ class ChatCompletionRequest(_Generation):
             raise InvalidRequest("this model's chat template does not render tools", param="tools")
         if fmt == UNKNOWN:
             raise InvalidRequest("this model's chat template renders tools, but in none of the formats kestrel "
-                                 "reads calls in (<tool_call> blocks of JSON or <function=...>, Mistral's "
-                                 "[TOOL_CALLS], Llama 3's JSON)",
+                                 "reads calls in (<tool_call> blocks of JSON, <function=...> or <arg_key>, "
+                                 "Mistral's [TOOL_CALLS], Llama 3's JSON)",
                                  param="tools")
         return ToolCalls(fmt, self.parallel_tool_calls is not False,
                          {t.function.name: t.function.parameters or {} for t in self.tools or ()})

@@ -4,7 +4,9 @@ the model writes are read back out of its text in the format that template teach
 ``tool_format(template)`` names the format from the template's source: ``hermes`` (Qwen2.5, Qwen3, Hermes:
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, anywhere in the answer), ``xml`` (Qwen3.5,
 Qwen3-Coder: ``<tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>`` blocks, each
-value read as its parameter's JSON Schema type says), ``mistral``
+value read as its parameter's JSON Schema type says), ``glm`` (GLM-4.5: ``<tool_call>NAME`` then
+``<arg_key>KEY</arg_key><arg_value>value</arg_value>`` pairs, typed the same way, each on a line of its own;
+``glm-compact``: GLM-4.7's, the same without the newlines), ``mistral``
 (``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``: the control token is not text, so the answer
 starts with the list), ``llama3`` (Llama 3.1+: the answer is ``{"name": ..., "parameters": {...}}``, several
 separated by ``;``) or ``harmony`` (gpt-oss: a message to ``functions.NAME``, read with the answer's channels by
@@ -30,13 +32,19 @@ from kestrel_core.model.detokenize import partial_suffix
 from kestrel_core.model.grammar import lark_grammar, lark_json
 from kestrel_core.model.harmony import ToolCall, is_harmony
 
-HERMES, XML, MISTRAL, LLAMA3, HARMONY, UNKNOWN = "hermes", "xml", "mistral", "llama3", "harmony", "unknown"
+HERMES, XML, GLM, GLM_COMPACT, MISTRAL, LLAMA3, HARMONY, UNKNOWN = (
+    "hermes", "xml", "glm", "glm-compact", "mistral", "llama3", "harmony", "unknown")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.DOTALL)
-XML_FUNCTION = "<function="
-_XML_CALL = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
-_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
-_BLOCK_FORMATS = (HERMES, XML)  # calls in <tool_call> blocks anywhere in the answer
+XML_FUNCTION, GLM_KEY, GLM_COMPACT_PAIR = "<function=", "<arg_key>", "</arg_key><arg_value>"
+# a block's (function name, its parameters' text) and each parameter's (key, value), by format
+_GLM_CALL = re.compile(r"\s*([^<\n]+)(.*)", re.DOTALL)
+_GLM_PARAMETER = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+_CALL = {XML: re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL), GLM: _GLM_CALL,
+         GLM_COMPACT: _GLM_CALL}
+_PARAMETER = {XML: re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL), GLM: _GLM_PARAMETER,
+              GLM_COMPACT: _GLM_PARAMETER}
+_BLOCK_FORMATS = (HERMES, *_CALL)  # calls in <tool_call> blocks anywhere in the answer
 _OPENERS = {MISTRAL: "[", LLAMA3: "{"}  # formats whose answer is the calls alone, and how the calls start
 _ID_CHARS = string.ascii_letters + string.digits
 
@@ -56,6 +64,8 @@ def tool_format(template: str | None) -> str | None:
     if is_harmony(template):  # gpt-oss: a call is a message to functions.NAME (kestrel_core.model.harmony)
         return HARMONY
     if HERMES_OPEN in template:
+        if GLM_KEY in template:
+            return GLM_COMPACT if GLM_COMPACT_PAIR in template else GLM
         return XML if XML_FUNCTION in template else HERMES
     if "[TOOL_CALLS]" in template:
         return MISTRAL
@@ -112,20 +122,20 @@ def _hermes(text: str) -> Parsed | None:
     return Parsed(_HERMES_BLOCK.sub("", text).rstrip() or None, calls)
 
 
-def _xml(text: str, schemas: dict[str, Any]) -> Parsed | None:
-    """Qwen3.5's blocks: each a function and its parameters, the values typed by ``schemas`` (function name -> its
-    parameters' JSON Schema)."""
+def _typed_blocks(text: str, fmt: str, schemas: dict[str, Any]) -> Parsed | None:
+    """The blocks of the xml or glm format: each a function and its parameters, the values typed by ``schemas``
+    (function name -> its parameters' JSON Schema)."""
     calls = []
     for block in _HERMES_BLOCK.finditer(text):
-        call = _XML_CALL.fullmatch(block.group(1))
+        call = _CALL[fmt].fullmatch(block.group(1))
         if call is None:
             return None
         name, body = call.group(1).strip(), call.group(2)
         properties = (schemas.get(name) or {}).get("properties") or {}
-        if not name or _XML_PARAMETER.sub("", body).strip():
+        if not name or _PARAMETER[fmt].sub("", body).strip():
             return None  # text beside the parameters: not a call kestrel can read whole
         arguments = {key.strip(): _typed(value, properties.get(key.strip()))
-                     for key, value in _XML_PARAMETER.findall(body)}
+                     for key, value in _PARAMETER[fmt].findall(body)}
         calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False)))
     if not calls:
         return None
@@ -179,8 +189,8 @@ def _leading_json(text: str, fmt: str) -> Parsed | None:
 def parse(fmt: str, text: str, parallel: bool = True, schemas: dict[str, Any] | None = None) -> Parsed:
     """``text`` (a whole answer) split into content and the calls in format ``fmt``; with ``parallel`` False
     only the first call is kept (OpenAI's ``parallel_tool_calls``); ``schemas``: each offered function's
-    parameters' JSON Schema (the xml format types its values by them)."""
-    parsed = (_hermes(text) if fmt == HERMES else _xml(text, schemas or {}) if fmt == XML
+    parameters' JSON Schema (the xml and glm formats type their values by them)."""
+    parsed = (_hermes(text) if fmt == HERMES else _typed_blocks(text, fmt, schemas or {}) if fmt in _CALL
               else _leading_json(text, fmt))
     if parsed is None:
         return Parsed(text, ())
@@ -230,8 +240,8 @@ def call_grammar(fmt: str, functions: Sequence[dict[str, Any]], many: bool, tool
     """The grammar of answers that are calls, in format ``fmt``, of the ``functions`` (OpenAI's ``function``
     objects: a name, and a JSON Schema of its arguments as ``parameters``): one call, or with ``many`` one or
     more. ``tool_calls_id``: the id of Mistral's ``[TOOL_CALLS]`` control token (None: it is text)."""
-    if fmt == XML:
-        return lark_grammar(_xml_grammar(functions, many), param="tool_choice")
+    if fmt in _MARKUP:
+        return lark_grammar(_markup_grammar(_MARKUP[fmt], functions, many), param="tool_choice")
     key = "parameters" if fmt == LLAMA3 else "arguments"
     call = lark_json({"anyOf": [
         {"type": "object", "additionalProperties": False, "required": ["name", key],
@@ -249,11 +259,39 @@ def call_grammar(fmt: str, functions: Sequence[dict[str, Any]], many: bool, tool
     return lark_grammar(f"start: {start}\n{rules}call: {call}\n", param="tool_choice")
 
 
-def _xml_grammar(functions: Sequence[dict[str, Any]], many: bool) -> str:
-    """The Lark text of Qwen3.5's call blocks of ``functions``: each function's parameters in its schema's order,
-    the required ones always; a string's value one of its enum, else text up to the first ``</parameter>`` (as
+@dataclass(frozen=True)
+class _Markup:
+    """How the xml and glm formats spell a call: a block's start and end around its call, the call's start (with
+    the function's name) and end, a parameter's start (with its key) and the end after a JSON or literal value;
+    a string value runs to ``stop`` (the end's first tag), then ``newline``, which also separates blocks."""
+
+    block_open: str
+    block_close: str
+    call_open: str
+    call_close: str
+    param_open: str
+    param_close: str
+    stop: str
+    newline: str = "\n"
+
+
+_MARKUP = {XML: _Markup(f"{HERMES_OPEN}\n", f"\n{HERMES_CLOSE}", "<function={name}>\n", "</function>",
+                        "<parameter={key}>\n", "\n</parameter>\n", "</parameter>"),
+           GLM: _Markup("", "", f"{HERMES_OPEN}{{name}}\n", HERMES_CLOSE,
+                        "<arg_key>{key}</arg_key>\n<arg_value>", "</arg_value>\n", "</arg_value>"),
+           GLM_COMPACT: _Markup("", "", f"{HERMES_OPEN}{{name}}", HERMES_CLOSE, "<arg_key>{key}</arg_key><arg_value>",
+                                "</arg_value>", "</arg_value>", "")}
+
+
+def _markup_grammar(m: _Markup, functions: Sequence[dict[str, Any]], many: bool) -> str:
+    """The Lark text of the call blocks of ``functions`` spelled as ``m``: each function's parameters in its schema's
+    order, the required ones always; a string's value one of its enum, else text up to the first ``m.stop`` (as
     ``parse`` reads it) of at most its maxLength (other string keywords are not kept), another's JSON of its
     schema."""
+    def lit(text: str) -> str:
+        return json.dumps(text, ensure_ascii=False)
+
+    nl = f" {lit(m.newline)}" if m.newline else ""
     rules, calls = [], []
     for i, f in enumerate(functions):
         schema = f.get("parameters") or {}
@@ -262,30 +300,32 @@ def _xml_grammar(functions: Sequence[dict[str, Any]], many: bool) -> str:
         for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
             kind = prop.get("type") if isinstance(prop, dict) else None
             choices = prop.get("enum") if isinstance(prop, dict) else None
+            start = lit(m.param_open.format(key=key))
             if kind == "string" and choices and all(isinstance(c, str) for c in choices):
-                literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-                item = f'"<parameter={key}>\\n" ({literals}) "\\n</parameter>\\n"'
+                item = f'{start} ({" | ".join(lit(c) for c in choices)}) {lit(m.param_close)}'
             elif kind == "string" and isinstance(prop.get("maxLength"), int) and prop["maxLength"] >= 0:
-                rules.append(f'v{i}_{j}[stop="</parameter>"]: /(.|\\n){{0,{prop["maxLength"] + 1}}}/')
-                item = f'"<parameter={key}>\\n" v{i}_{j} "\\n"'  # the value, and the newline before </parameter>
+                rules.append(f'v{i}_{j}[stop={lit(m.stop)}]: /(.|\\n){{0,{prop["maxLength"] + 1}}}/')
+                item = f"{start} v{i}_{j}{nl}"  # the value, and the newline after its end
             elif kind in (None, "string") or isinstance(kind, list):
-                item = f'"<parameter={key}>\\n" text "\\n"'
+                item = f"{start} text{nl}"
             else:
                 rules.append(f"v{i}_{j}: {lark_json(prop)}")
-                item = f'"<parameter={key}>\\n" v{i}_{j} "\\n</parameter>\\n"'
+                item = f"{start} v{i}_{j} {lit(m.param_close)}"
             items.append(item if key in required else f"({item})?")
-        rules.append(f'call{i}: "<function={f["name"]}>\\n" {" ".join(items)} "</function>"')
+        rules.append(f'call{i}: {lit(m.call_open.format(name=f["name"]))} {" ".join(items)} {lit(m.call_close)}')
         calls.append(f"call{i}")
-    start = 'block ("\\n" block)*' if many else "block"
-    return (f"start: {start}\n"
-            f'block: "{HERMES_OPEN}\\n" ({" | ".join(calls)}) "\\n{HERMES_CLOSE}"\n' + "\n".join(rules) +
-            '\ntext[stop="</parameter>"]: /(.|\\n)*/\n')
+    start = ("block+" if not nl else f"block ({nl.strip()} block)*") if many else "block"
+    block = f'({" | ".join(calls)})'
+    if m.block_open:
+        block = f"{lit(m.block_open)} {block} {lit(m.block_close)}"
+    return (f"start: {start}\nblock: {block}\n" + "\n".join(rules) +
+            f'\ntext[stop={lit(m.stop)}]: /(.|\\n)*/\n')
 
 
 @dataclass(frozen=True)
 class ToolCalls:
     """A request's tool calls: the format its answers write them in, whether several may come at once, and each
-    offered function's parameters' JSON Schema (by name: the xml format types its values by them)."""
+    offered function's parameters' JSON Schema (by name: the xml and glm formats type their values by them)."""
 
     fmt: str
     parallel: bool = True

@@ -9,6 +9,8 @@ import re
 import pytest
 
 from kestrel_core.serve.tools import (
+    GLM,
+    GLM_COMPACT,
     HERMES,
     LLAMA3,
     MISTRAL,
@@ -33,6 +35,10 @@ from kestrel_core.serve.tools import (
     ("{% for t in tools %}{{ t.function.name }}{% endfor %}", UNKNOWN),
     ("{% for t in tools %}{{ t | tojson }}{% endfor %}<tool_call>\n<function=NAME>\n<parameter=KEY>\nvalue\n"
      "</parameter>\n</function>\n</tool_call>", XML),  # Qwen3.5's, Qwen3-Coder's
+    ("{% for t in tools %}{{ t | tojson }}{% endfor %}<tool_call>{{ tc.name }}\n<arg_key>{{ k }}</arg_key>\n"
+     "<arg_value>{{ v }}</arg_value>\n</tool_call>", GLM),  # GLM-4.5's, GLM-4.6's
+    ("{% for t in tools %}{{ t | tojson }}{% endfor %}{{- '<tool_call>' + tc.name -}}<arg_key>{{ k }}</arg_key>"
+     "<arg_value>{{ v }}</arg_value></tool_call>", GLM_COMPACT),  # GLM-4.7's
     ("{% for m in messages %}{{ m.content }}{% endfor %} tools <tool_call>", None),  # "tools" only as text
     ("{% set tools = [] %}{{ tools }}<tool_call>", None),  # its own variable, not the request's
     ("", None),
@@ -120,6 +126,78 @@ def test_parse_xml_types_each_value_by_its_schema(text: str, expected: Parsed) -
     sent = "".join(stream.feed(text[i:i + 3]) for i in range(0, len(text), 3))
     rest, calls = stream.finish()
     assert (sent + rest, calls) == (expected.content or "", expected.calls)
+
+
+def _glm(name: str, compact: bool = False, **values: str) -> str:
+    """A call as GLM-4.5's template writes one (``compact``: GLM-4.7's, without the newlines)."""
+    nl = "" if compact else "\n"
+    params = "".join(f"<arg_key>{k}</arg_key>{nl}<arg_value>{v}</arg_value>{nl}" for k, v in values.items())
+    return f"<tool_call>{name}{nl}{params}</tool_call>"
+
+
+GLM_CASES = [
+    (_glm("f", s="12", i="12", n="1.5", b="true", o='{"k": [1]}', a="[1, 2]"),
+     Parsed(None, _calls(("f", {"s": "12", "i": 12, "n": 1.5, "b": True, "o": {"k": [1]}, "a": [1, 2]})))),
+    (_glm("f", True, s="two\nlines <b>", e="y"), Parsed(None, _calls(("f", {"s": "two\nlines <b>", "e": "y"})))),
+    ("<think>Let me check.</think>" + _glm("get_weather", location="Paris"),  # Ollama's GLM-4.6 ground truth
+     Parsed("<think>Let me check.</think>", _calls(("get_weather", {"location": "Paris"})))),
+    ("Two calls:\n" + _glm("f", i="1") + "\n" + _glm("g"), Parsed("Two calls:", _calls(("f", {"i": 1}), ("g", {})))),
+    ("<tool_call>f\nloose text\n</tool_call>", Parsed("<tool_call>f\nloose text\n</tool_call>", ())),
+    ("<tool_call>\n<arg_key>s</arg_key><arg_value>x</arg_value></tool_call>",  # no name
+     Parsed("<tool_call>\n<arg_key>s</arg_key><arg_value>x</arg_value></tool_call>", ())),
+]
+
+
+@pytest.mark.parametrize("fmt", [GLM, GLM_COMPACT])
+@pytest.mark.parametrize(("text", "expected"), GLM_CASES)
+def test_parse_glm_types_each_value_by_its_schema(fmt: str, text: str, expected: Parsed) -> None:
+    """GLM's calls, with or without the newlines, read as the xml format's: each value typed by its schema."""
+    assert parse(fmt, text, schemas=SCHEMAS) == expected
+    stream = ToolStream(fmt, schemas=SCHEMAS)
+    sent = "".join(stream.feed(text[i:i + 3]) for i in range(0, len(text), 3))
+    rest, calls = stream.finish()
+    assert (sent + rest, calls) == (expected.content or "", expected.calls)
+
+
+def _admits(grammar: str, text: str) -> bool:
+    """Whether tiny-qwen3's tokens of ``text`` pass ``grammar`` to its end."""
+    from pathlib import Path
+
+    import kestrel_core
+
+    model = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-qwen3"
+    with kestrel_core.load(str(model), backend="cpu") as engine:
+        constraint = engine.constraint(grammar)
+        for token in engine.tokenizer.encode(text, add_special_tokens=False):
+            if not constraint.allowed()[token]:
+                return False
+            constraint.accept(token)
+        return bool(constraint.allowed()[constraint.eos])
+
+
+@pytest.mark.parametrize("fmt", [GLM, GLM_COMPACT])
+def test_a_glm_grammar_admits_the_calls_parse_reads_and_no_others(fmt: str) -> None:
+    """tool_choice "required" in GLM's format, spelled as the template writes it: a string value up to
+    </arg_value>, JSON of the other types, the required parameters always, the functions offered only."""
+    from kestrel_core.serve.tools import call_grammar
+
+    compact = fmt == GLM_COMPACT
+    functions = [{"name": "f", "parameters": {"type": "object", "properties": {"s": {"type": "string"},
+                                                                              "i": {"type": "integer"},
+                                                                              "e": {"type": "string",
+                                                                                    "enum": ["x", "y"]}},
+                                              "required": ["s"]}}, {"name": "g"}]
+    schemas = {f["name"]: f.get("parameters") or {} for f in functions}
+    grammar = call_grammar(fmt, functions, many=True)
+    between = "" if compact else "\n"
+    good = [_glm("f", compact, s="New York <b>", i="3", e="y"),
+            _glm("f", compact, s="x") + between + _glm("g", compact)]
+    for text in good:
+        assert _admits(grammar, text) and parse(fmt, text, schemas=schemas).calls, text
+    other = _glm("f", not compact, s="x")  # the other spelling
+    for bad in (_glm("f", compact, i="3"), _glm("f", compact, s="x", i="three"), _glm("h", compact),
+                _glm("f", compact, s="x") + " and text", _glm("f", compact, s="x", e="z"), other):
+        assert not _admits(grammar, bad), bad
 
 
 def test_an_xml_grammar_admits_the_calls_parse_reads_and_no_others() -> None:
