@@ -86,16 +86,19 @@ def _stem(kind: str, path: Path) -> str:
 
 
 def gguf_key(path: Path, quant: str) -> str:
-    """The content key of a GGUF file at ``quant``: its size, mtime_ns and header bytes (up to the tensor data,
-    found by the reader's bounds walk); KestrelError or OSError where it is not a readable GGUF file."""
-    from kestrel_core.model.gguf_bounds import check_gguf_bounds  # the GGUF path only
+    """The content key of a GGUF file at ``quant`` (of every part of a split one): each part's size, mtime_ns and
+    header bytes (up to the tensor data, found by the reader's bounds walk); KestrelError or OSError where it is
+    not a readable GGUF file."""
+    from kestrel_core.model.gguf_bounds import check_gguf_bounds, split_parts  # the GGUF path only
 
-    data_start = check_gguf_bounds(path)
-    with open(path, "rb") as f:
-        st = os.fstat(f.fileno())
-        head = f.read(data_start)
-    h = hashlib.sha256(f"{GGUF_KEY_SCHEME}\0{quant}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-    h.update(head)
+    h = hashlib.sha256(f"{GGUF_KEY_SCHEME}\0{quant}\0".encode())
+    for part in split_parts(path):
+        data_start = check_gguf_bounds(part)
+        with open(part, "rb") as f:
+            st = os.fstat(f.fileno())
+            head = f.read(data_start)
+        h.update(f"{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        h.update(head)
     return h.hexdigest()
 
 

@@ -1,7 +1,7 @@
 """The bounds pre-pass of a GGUF file: every length and offset its header names is checked against the file's
 size (and element counts against caps) before gguf-py reads it, since gguf-py allocates what a header says.
 A file that fails is one KestrelError naming what is wrong; ``check_gguf_bounds`` returns where the tensor data
-starts.
+starts. ``split_parts`` names the files of a GGUF split into parts.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ GGML_MAX_DIMS = 4
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
 GGUF_DEFAULT_ALIGNMENT = 32
+# a part of a GGUF split as llama.cpp's gguf-split and convert_hf_to_gguf.py --split-max-size name them
+_SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})(?P<suffix>\.gguf)$", re.IGNORECASE)
 
 
 class _Bounds:
@@ -108,6 +111,19 @@ def _show(raw: bytes) -> str:
     """A key or tensor name from the file, safe for a one-line message (control bytes are escaped)."""
     text = raw[:64].decode("utf-8", "replace")
     return text if text.isprintable() else repr(text)
+
+
+def split_parts(path: Path) -> list[Path]:
+    """The files of the GGUF ``path``: itself, or, where its name is the first part of a split one
+    (``NAME-00001-of-00003.gguf``), every part in order; a KestrelError for a later part."""
+    m = _SPLIT_NAME.match(path.name)
+    if m is None or int(m["count"]) <= 1:
+        return [path]
+    no, count = int(m["no"]), int(m["count"])
+    if no != 1:
+        raise KestrelError(f"{path}: part {no} of {count} of a split GGUF; give its first part, "
+                           f"{m['stem']}-00001-of-{m['count']}{m['suffix']}")
+    return [path.with_name(f"{m['stem']}-{i:05d}-of-{m['count']}{m['suffix']}") for i in range(1, count + 1)]
 
 
 def check_gguf_bounds(path: str | Path) -> int:

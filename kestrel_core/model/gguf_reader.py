@@ -26,7 +26,7 @@ from gguf.quants import dequantize
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig
-from kestrel_core.model.gguf_bounds import check_gguf_bounds
+from kestrel_core.model.gguf_bounds import check_gguf_bounds, split_parts
 from kestrel_core.model.gguf_meta import HYBRID_ARCHITECTURES, GGUFMetadata
 from kestrel_core.model.quantize import fused_rows, hybrid_splits, layer_name, map_tensor_name
 from kestrel_core.model.validate import ValidationError, check_regular_file
@@ -177,28 +177,34 @@ def llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: int
     return scaling
 
 
+def _open_reader(path: Path) -> GGUFReader:
+    """gguf-py's reader of one GGUF file, after the checks that keep it from blocking or over-allocating."""
+    check_regular_file(path)  # a FIFO or a device would block or never end
+    check_gguf_bounds(path)  # every length within the file before gguf-py allocates for it
+    try:
+        return GGUFReader(path)
+    except OSError as exc:
+        raise KestrelError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except Exception as exc:  # gguf-py raises ValueError, struct/IndexError... on bad bytes
+        raise KestrelError(f"{path}: not a readable GGUF file (truncated or corrupt: "
+                           f"{type(exc).__name__}: {' '.join(str(exc).split())})") from None
+
+
 class GGUFCheckpoint(GGUFMetadata):
     """A GGUF file as a TensorSource: each tensor dequantized (and un-permuted) when asked for."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.description = str(self.path)
-        check_regular_file(self.path)  # a FIFO or a device would block or never end
-        check_gguf_bounds(self.path)  # every length within the file before gguf-py allocates for it
-        try:
-            self.reader = GGUFReader(self.path)
-        except OSError as exc:
-            raise KestrelError(f"{self.path}: cannot read it ({exc.strerror or exc})") from None
-        except Exception as exc:  # gguf-py raises ValueError, struct/IndexError... on bad bytes
-            raise KestrelError(f"{self.path}: not a readable GGUF file (truncated or corrupt: "
-                               f"{type(exc).__name__}: {' '.join(str(exc).split())})") from None
+        self.reader = _open_reader(self.path)  # the metadata: a split file's first part holds all of it
+        self.tensors = self._split_tensors()
         self._tensors = {}
         self._rows: dict[str, tuple[int, int] | np.ndarray] = {}  # kestrel name -> its rows of a fused tensor
         self._experts: dict[str, tuple[Any, int]] = {}  # kestrel name -> (stacked tensor, expert)
         file_arch = self.field("general.architecture")
         fused = FUSED.get(file_arch, {})
         split = []
-        for t in self.reader.tensors:
+        for t in self.tensors:
             m = _BLK_RE.match(t.name)
             if m and m.group(2) in fused:
                 split.append((int(m.group(1)), fused[m.group(2)], t))
@@ -214,9 +220,9 @@ class GGUFCheckpoint(GGUFMetadata):
             name = kestrel_name(t.name, file_arch)
             if name is not None:
                 self._tensors[name] = t
-        self._rope_freqs = next((t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None)
-        self.fp4_experts = any(t.tensor_type.name == "MXFP4" for t in self.reader.tensors)
-        self._rope_factors = {t.name: t for t in self.reader.tensors if t.name.startswith("rope_factors_")}
+        self._rope_freqs = next((t for t in self.tensors if t.name == "rope_freqs.weight"), None)
+        self.fp4_experts = any(t.tensor_type.name == "MXFP4" for t in self.tensors)
+        self._rope_factors = {t.name: t for t in self.tensors if t.name.startswith("rope_factors_")}
         self.config = self._config()
         # Qwen3.5's converter tiles the value heads of its linear attention (Qwen3-Next's keeps HF's order)
         self.tiled_value_heads = file_arch in ("qwen35", "qwen35moe")
@@ -234,6 +240,33 @@ class GGUFCheckpoint(GGUFMetadata):
                 self._tensors[name] = t
                 self._rows[name] = (start, start + c.rows_of(member))
                 start += c.rows_of(member)
+
+    def _split_tensors(self) -> list[Any]:
+        """Every tensor of the file, or of every part of a split one (llama.cpp's ``split.*`` metadata: each part
+        names its index and the count, the first the tensors of all), the parts found by name."""
+        count = self.int_field("split.count", 1, lo=1) or 1
+        if count == 1:
+            return list(self.reader.tensors)
+        parts = split_parts(self.path)
+        if len(parts) != count or self.int_field("split.no", 0, lo=0):
+            raise KestrelError(f"{self.path}: the first of {count} parts of a split GGUF must be named "
+                               f"NAME-00001-of-{count:05d}.gguf (its parts are found by name)")
+        tensors = list(self.reader.tensors)
+        for no, part in enumerate(parts[1:], start=1):
+            if not part.exists():
+                raise KestrelError(f"{self.path}: part {no + 1} of {count} of this split GGUF is missing ({part})")
+            reader = _open_reader(part)
+            said = tuple(reader.fields[k].contents() if k in reader.fields else None
+                         for k in ("split.no", "split.count"))
+            if said != (no, count):
+                raise KestrelError(f"{part}: not part {no + 1} of {count} of {self.path.name} (its split.no and "
+                                   "split.count say otherwise)")
+            tensors += reader.tensors
+        total = self.int_field("split.tensors.count", len(tensors), lo=0)
+        if total != len(tensors):
+            raise KestrelError(f"{self.path}: its {count} parts hold {len(tensors)} tensors, split.tensors.count "
+                               f"says {total}")
+        return tensors
 
     # -- metadata ----------------------------------------------------------------------------------------
 

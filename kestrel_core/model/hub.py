@@ -35,11 +35,19 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # a GGUF repository without a tag: the most precise first (kestrel requantizes to q8 or q4 as it loads)
 GGUF_PREFERENCE = ("Q8_0", "F16", "BF16", "F32", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_0")
 _SHARD = re.compile(r"-\d{5}-of-\d{5}$")
+_SHARD_FIRST = re.compile(r"-00001-of-\d{5}$")
 
 
 def _is_part(gguf: str) -> bool:
-    """A GGUF file split into parts (``m-Q8_0-00001-of-00003.gguf``), which kestrel does not read."""
+    """A part of a GGUF file split into parts (``m-Q8_0-00001-of-00003.gguf``)."""
     return _SHARD.search(gguf[:-5]) is not None
+
+
+def _parts(gguf: str) -> list[str]:
+    """The repository paths of every part of the GGUF file ``gguf`` (itself where it is whole)."""
+    from kestrel_core.model.gguf_bounds import split_parts  # gguf-py, for GGUF files only
+
+    return [Path(gguf).with_name(p.name).as_posix() for p in split_parts(Path(gguf))]
 
 
 @dataclass(frozen=True)
@@ -110,8 +118,11 @@ class Hub:
         from huggingface_hub import hf_hub_download, snapshot_download
 
         common = {"revision": spec.revision, "cache_dir": self.cache_dir, "endpoint": self.endpoint}
-        if kind == "gguf":
-            return Path(hf_hub_download(spec.repo, chosen, **common))
+        if kind == "gguf":  # every part of a split file, into one snapshot directory
+            missing = [p for p in _parts(chosen) if p not in files]
+            if missing:
+                raise KestrelError(f"model {spec}: {chosen} is split into parts, and the repository lacks {missing[0]}")
+            return [Path(hf_hub_download(spec.repo, p, **common)) for p in _parts(chosen)][0]
         if INDEX in files:
             index = json.loads(Path(hf_hub_download(spec.repo, INDEX, **common)).read_text(encoding="utf-8"))
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -184,11 +195,15 @@ def _loadable(spec: HubSpec, base: str, snap: Path, files: dict[str, Any]) -> li
         return [CachedModel(base, kind, snap, sum(f.size_on_disk for f in files.values()),
                             max(f.blob_last_modified for f in files.values()))]
     out = []
-    for name, f in files.items():
-        if name.lower().endswith(".gguf") and not _is_part(name):
-            tag = gguf_tag(name)
-            out.append(CachedModel(f"{base}:{tag}" if tag else f"{base} ({name})", "gguf", snap / name,
-                                   f.size_on_disk, f.blob_last_modified))
+    for name in files:
+        if not name.lower().endswith(".gguf") or (_is_part(name) and _SHARD_FIRST.search(name[:-5]) is None):
+            continue
+        parts = [files[p] for p in _parts(name) if p in files]
+        if len(parts) < len(_parts(name)):
+            continue  # a split file not all of whose parts are here
+        tag = gguf_tag(_SHARD.sub("", name[:-5]))
+        out.append(CachedModel(f"{base}:{tag}" if tag else f"{base} ({name})", "gguf", snap / name,
+                               sum(f.size_on_disk for f in parts), max(f.blob_last_modified for f in parts)))
     return out
 
 
@@ -221,28 +236,25 @@ def choose_files(spec: HubSpec, files: Sequence[str]) -> tuple[str, str]:
 
 
 def _pick_gguf(spec: HubSpec, ggufs: list[str]) -> str:
-    """The GGUF file of ``spec``'s tag, or the most precise usual one; split files are refused by name."""
+    """The GGUF file of ``spec``'s tag, or the most precise usual one: a whole file, else the first part of a split
+    one."""
     def has(f: str, quant: str) -> bool:
         stem = _SHARD.sub("", f[:-5]).lower()
         return re.search(rf"(^|[._/-]){re.escape(quant.lower())}([._-]|$)", stem) is not None
 
+    loadable = [f for f in ggufs if not _is_part(f) or _SHARD_FIRST.search(f[:-5])]  # whole, or a first part
     wanted = [spec.tag] if spec.tag is not None else list(GGUF_PREFERENCE)
     for quant in wanted:
-        hits = sorted((f for f in ggufs if has(f, quant)), key=lambda f: (len(f), f))
-        whole = [f for f in hits if not _is_part(f)]
-        if whole:
-            return whole[0]
+        hits = sorted((f for f in loadable if has(f, quant)), key=lambda f: (_is_part(f), len(f), f))
         if hits:
-            raise KestrelError(f"model {spec}: its {quant} GGUF is split into parts ({hits[0]}, ...), which kestrel "
-                               "does not read; merge them with llama.cpp's gguf-split")
+            return hits[0]
     if spec.tag is not None:
         listed = ", ".join(sorted(ggufs)[:6]) + (", ..." if len(ggufs) > 6 else "")
         raise KestrelError(f"model {spec}: no GGUF file for the tag {spec.tag!r} (the repository has {listed})")
-    whole = sorted(f for f in ggufs if not _is_part(f))
-    if not whole:
-        raise KestrelError(f"model {spec}: its GGUF files are split into parts ({ggufs[0]}, ...), which kestrel "
-                           "does not read; merge them with llama.cpp's gguf-split")
-    return whole[0]
+    if not loadable:
+        raise KestrelError(f"model {spec}: its GGUF files are later parts of split ones ({ggufs[0]}, ...) without "
+                           "their first parts")
+    return sorted(loadable, key=lambda f: (_is_part(f), f))[0]
 
 
 def _refusal(spec: HubSpec, exc: Exception) -> str:

@@ -65,8 +65,10 @@ def test_the_file_picked_from_a_repository() -> None:
     assert choose_files(plain, many[:3]) == ("gguf", "m-f16.gguf")
     assert choose_files(HubSpec("o/m", tag="q4_k_m"), many) == ("gguf", "m-Q4_K_M.gguf")
     assert choose_files(plain, ["m-IQ4_XS.gguf"]) == ("gguf", "m-IQ4_XS.gguf")
-    with pytest.raises(KestrelError, match="split into parts"):
-        choose_files(plain, ["m-Q8_0-00001-of-00002.gguf", "m-Q8_0-00002-of-00002.gguf"])
+    split = ["Q8_0/m-Q8_0-00002-of-00002.gguf", "Q8_0/m-Q8_0-00001-of-00002.gguf"]
+    assert choose_files(plain, split) == ("gguf", "Q8_0/m-Q8_0-00001-of-00002.gguf")  # a split file: its first part
+    assert choose_files(plain, [*split, "m-Q4_K_M.gguf"]) == ("gguf", split[1])  # the more precise, though split
+    assert choose_files(plain, [*split, "m-Q8_0.gguf"]) == ("gguf", "m-Q8_0.gguf")  # whole before split
     with pytest.raises(KestrelError, match=r"no GGUF file for the tag 'Q3_K_S' \(the repository has m-IQ4"):
         choose_files(HubSpec("o/m", tag="Q3_K_S"), many)
     with pytest.raises(KestrelError, match="pickle"):
@@ -167,6 +169,26 @@ def test_without_huggingface_hub_a_hub_name_is_one_line(monkeypatch: pytest.Monk
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import fails as when it is not installed
     with pytest.raises(KestrelError, match="huggingface_hub, which fetches models by Hub name, cannot be imported"):
         Hub().fetch(HubSpec("org/m"))
+
+
+def test_a_split_gguf_is_fetched_whole_and_listed_once(tmp_path: Path) -> None:
+    """Every part of the picked quant is fetched into one snapshot directory (and no other quant's), the first
+    part is what loads, and the cache lists the split file once, by its tag, with all its parts' bytes."""
+    from .test_gguf_split import WHOLE, split
+
+    parts = split(WHOLE, tmp_path / "parts" / "tiny-Q8_0.gguf", 10)
+    repo = {f"Q8_0/{p.name}": p.read_bytes() for p in parts} | {"tiny-Q4_K_M.gguf": GGUF}
+    with serving(FakeHub({"org/split-GGUF": repo})) as fake:
+        path = Hub(fake.url, str(tmp_path / "cache")).fetch(HubSpec("org/split-GGUF"))
+        assert sorted(fake.served) == sorted(f"org/split-GGUF/{name}" for name in repo if name.startswith("Q8_0/"))
+    assert path.name == parts[0].name and sorted(p.name for p in path.parent.iterdir()) == [p.name for p in parts]
+    import kestrel_core
+
+    with kestrel_core.load(str(path), backend="cpu") as engine:
+        assert engine.model.config.num_experts == 8
+    (listed,) = cached_models(str(tmp_path / "cache"))
+    assert (listed.name, listed.path, listed.size) == ("org/split-GGUF:Q8_0", path, sum(p.stat().st_size
+                                                                                        for p in parts))
 
 
 def test_the_cache_lists_what_kestrel_can_load_by_the_name_it_takes(hub: FakeHub, tmp_path: Path) -> None:
