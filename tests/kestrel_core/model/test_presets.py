@@ -15,8 +15,10 @@ from kestrel_core.model.quantize import parse_quant
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_builds_a_consistent_model(name: str) -> None:
     cfg = preset_config(name)
-    # the real widths, fewer rows; a hybrid's first full-attention layer (its first three are linear)
-    layers = cfg.attention_layers[0] + 1
+    # the real widths, fewer rows; a hybrid's first full-attention layer (its first three are linear), GLM-4.5's
+    # first with experts (its first is dense)
+    first_moe = next((i for i in range(cfg.num_layers) if cfg.has_experts(i)), 0)
+    layers = max(cfg.attention_layers[0], first_moe) + 1
     model = preset_model(name, "q4", num_layers=layers, vocab_size=512)
     lw = model.layers[layers - 1]
     qn, kvn = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -29,8 +31,10 @@ def test_every_preset_builds_a_consistent_model(name: str) -> None:
         assert mlp.down.shape == (cfg.hidden_size, f) and mlp.gate.shape == mlp.up.shape == (f, cfg.hidden_size)
     assert (lw.q_norm is not None) == cfg.qk_norm == (cfg.arch in ("qwen3", "qwen3_moe", "gemma3", "qwen3_5",
                                                                    "qwen3_5_moe", "lfm2"))
-    for before in model.layers[:layers - 1]:  # a hybrid's: Gated DeltaNet's q|k|v (then z, beta, alpha), or B|C|x
-        if before.is_linear:
+    for i, before in enumerate(model.layers[:layers - 1]):  # a hybrid's: Gated DeltaNet's q|k|v, or B|C|x; a dense
+        if i in cfg.dense_layers:                           # layer among the experts: its own MLP
+            assert before.gate.shape == (cfg.intermediate_size, cfg.hidden_size) and not before.experts
+        elif before.is_linear:
             assert before.lin_qkv.shape == (cfg.linear_conv_dim, cfg.hidden_size) and before.q is None
             assert before.o.shape == (cfg.hidden_size, cfg.linear_value_heads * cfg.linear_value_dim)
         else:
