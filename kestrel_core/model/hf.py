@@ -3,7 +3,8 @@
 Tensors are read lazily, one at a time, and handed out under kestrel names (see quantize.TensorSource).
 numpy has no bfloat16, and safetensors' numpy framework refuses BF16 tensors, so those are read as raw
 uint16 at the offsets of the safetensors header: the quantizer takes those bits (contract.BFloat16Bits) and
-widens them a row at a time; ``get`` widens them to float32 (bf16 is the top half of an f32).
+widens them a row at a time; ``get`` widens them to float32 (bf16 is the top half of an f32). FP8 weights
+(model/fp8.py) are read as raw uint8 the same way and decoded with their scales to float32.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 
 from kestrel_core.contract import BFloat16Bits
 from kestrel_core.errors import KestrelError
+from kestrel_core.model.fp8 import SCALE_SUFFIXES, dequantize_fp8, fp8_scheme
 from kestrel_core.model.hf_config import (
     GEMMA_ARCHITECTURES,
     HYBRID_ARCHITECTURES,
@@ -240,6 +242,8 @@ class HFCheckpoint:
         if not (self.dir / "config.json").is_file():
             raise KestrelError(f"{self.dir}: not a Hugging Face model directory (no config.json)")
         self.config = read_hf_config(self.dir)
+        config_json = self.dir / "config.json"
+        self.fp8 = fp8_scheme(read_json(config_json).get("quantization_config"), str(config_json))
         self._files: dict[str, Path] = {}  # kestrel name -> shard
         self._hf_names: dict[str, str] = {}  # kestrel name -> HF name
         self._rows: dict[str, tuple[int, int] | np.ndarray] = {}  # kestrel name -> its rows of a fused HF tensor
@@ -365,11 +369,15 @@ class HFCheckpoint:
         rows = self._rows.get(name)
         try:
             if dtype == "BF16":
-                bits = self._bf16_bits(path, hf_name)
+                bits = self._raw(path, hf_name, "<u2")
                 return BFloat16Bits(bits if rows is None else fused_rows(bits, rows, str(path), hf_name))
-            if dtype not in _FLOAT_DTYPES:
-                raise KestrelError(f"{path}: tensor {hf_name} has dtype {dtype}; kestrel reads BF16, F16, F32")
-            t = handle.get_tensor(hf_name)
+            if dtype == "F8_E4M3":
+                t = self._fp8(path, hf_name)
+            elif dtype not in _FLOAT_DTYPES:
+                raise KestrelError(f"{path}: tensor {hf_name} has dtype {dtype}; kestrel reads BF16, F16, F32 and "
+                                   "F8_E4M3")
+            else:
+                t = handle.get_tensor(hf_name)
         except SafetensorError as exc:
             raise KestrelError(f"{path}: cannot read tensor {hf_name} ({exc})") from None
         t = t if rows is None else fused_rows(t, rows, str(path), hf_name)
@@ -405,7 +413,7 @@ class HFCheckpoint:
         """Expert ``e``'s slice of a stacked tensor [E, ...] as float32."""
         dtype = self._handle(path).get_slice(hf_name).get_dtype()
         if dtype == "BF16":
-            return BFloat16Bits(np.ascontiguousarray(self._bf16_bits(path, hf_name)[e])).to_float32()
+            return BFloat16Bits(np.ascontiguousarray(self._raw(path, hf_name, "<u2")[e])).to_float32()
         if dtype not in _FLOAT_DTYPES:
             raise KestrelError(f"{path}: tensor {hf_name} has dtype {dtype}; kestrel reads BF16, F16, F32")
         return np.asarray(self._handle(path).get_slice(hf_name)[e:e + 1][0], dtype=np.float32)
@@ -430,8 +438,9 @@ class HFCheckpoint:
         values = values.reshape(*scales.shape, 32) * scale
         return values.reshape(scales.shape[0], -1).astype(np.float32)
 
-    def _bf16_bits(self, path: Path, hf_name: str) -> np.ndarray:
-        """The tensor's bfloat16 bit patterns, uint16 in its shape, mapped from the file at the header's offsets."""
+    def _raw(self, path: Path, hf_name: str, dtype: str) -> np.ndarray:
+        """The tensor's raw elements (bfloat16 bits as "<u2", FP8 codes as "u1") in its shape, mapped from the file
+        at the header's offsets."""
         if path not in self._headers:
             self._headers[path] = _safetensors_header(path)
         base, header = self._headers[path]
@@ -439,14 +448,31 @@ class HFCheckpoint:
         start, end = entry["data_offsets"]
         shape = tuple(entry["shape"])
         count = int(np.prod(shape, dtype=np.int64))
-        if end - start != 2 * count:
+        if end - start != np.dtype(dtype).itemsize * count:
             raise KestrelError(f"{path}: tensor {hf_name} has {end - start} bytes for shape {list(shape)}")
         if base + end > path.stat().st_size:
             raise KestrelError(f"{path}: truncated while reading {hf_name}")
         # mapped, not read: the quantizer reads the page cache itself, and the mapping (its pages in this
         # process's RSS) goes with the array
-        raw = np.memmap(path, dtype="<u2", mode="r", offset=base + start, shape=(count,))
-        return raw.astype(np.uint16, copy=False).reshape(shape)  # native order for the kernels
+        raw = np.memmap(path, dtype=dtype, mode="r", offset=base + start, shape=(count,))
+        return raw.astype(np.dtype(dtype).newbyteorder("="), copy=False).reshape(shape)  # native order
+
+    def _fp8(self, path: Path, hf_name: str) -> np.ndarray:
+        """An FP8 weight decoded to float32 with its scale (model/fp8.py)."""
+        if self.fp8 is None:
+            raise KestrelError(f"{path}: tensor {hf_name} is FP8, but config.json has no FP8 quantization_config")
+        scale_name = next((hf_name + s for s in SCALE_SUFFIXES if hf_name + s in self._paths), None)
+        if scale_name is None:
+            raise KestrelError(f"{path}: FP8 tensor {hf_name} has no {hf_name}_scale_inv or _scale beside it")
+        scale_path = self._paths[scale_name]
+        if self._handle(scale_path).get_slice(scale_name).get_dtype() == "BF16":
+            scale = BFloat16Bits(self._raw(scale_path, scale_name, "<u2")).to_float32()
+        else:
+            scale = self._handle(scale_path).get_tensor(scale_name)
+        codes = self._raw(path, hf_name, "u1")
+        if codes.ndim != 2:
+            raise KestrelError(f"{path}: FP8 tensor {hf_name} has {codes.ndim} dimensions; kestrel reads 2")
+        return dequantize_fp8(codes, scale, self.fp8, f"{path}: {hf_name}")
 
 
 def _hf_name_hint(name: str) -> str:

@@ -1,0 +1,126 @@
+"""FP8 checkpoints (model/fp8.py): tiny-qwen3 with its projections as float8 E4M3 codes and float32 scales, as
+transformers' ``fp8`` (blocks, or one scale a tensor) and compressed-tensors (one a row) store them, written here
+with ml_dtypes' float8 as the reference encoder and decoder. kestrel's weights are the reference decoding times
+the scales exactly, so its logits are those of the same weights saved as float32; what it cannot read is one line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import kestrel_core
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.fp8 import E4M3_VALUES
+from kestrel_core.model.hf import HFCheckpoint
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
+SOURCE = FIXTURES / "tiny-qwen3"
+E4M3_MAX = 448.0
+
+
+def _write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
+    """The safetensors layout (an 8-byte header length, the JSON header, the data) with each tensor's own dtype
+    name, which numpy's writer cannot give F8_E4M3."""
+    header, data, at = {}, bytearray(), 0
+    for name, (dtype, array) in tensors.items():
+        raw = np.ascontiguousarray(array).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [at, at + len(raw)]}
+        data += raw
+        at += len(raw)
+    text = json.dumps({"__metadata__": {"format": "pt"}, **header}).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(data))
+
+
+def _scales(w: np.ndarray, scheme: str) -> np.ndarray:
+    """float32 scales of ``w`` [N, K]: blocks of 32 x 32, one a row, or one for the tensor (amax / 448)."""
+    n, k = w.shape
+    if scheme == "block":
+        pad = np.zeros((math.ceil(n / 32) * 32, math.ceil(k / 32) * 32), np.float32)
+        pad[:n, :k] = np.abs(w)
+        amax = pad.reshape(pad.shape[0] // 32, 32, pad.shape[1] // 32, 32).max(axis=(1, 3))
+    elif scheme == "row":
+        amax = np.abs(w).max(axis=1, keepdims=True)
+    else:
+        amax = np.abs(w).max().reshape(())
+    return (np.maximum(amax, 1e-12) / E4M3_MAX).astype(np.float32)
+
+
+def _spread(scale: np.ndarray, shape: tuple[int, int], scheme: str) -> np.ndarray:
+    if scheme != "block":
+        return np.broadcast_to(scale, shape)
+    return np.repeat(np.repeat(scale, 32, axis=0), 32, axis=1)[:shape[0], :shape[1]]
+
+
+def make_fp8(dst: Path, scheme: str) -> Path:
+    """tiny-qwen3 with every projection FP8 (``scheme``: block, tensor, row), and beside it ``dst``-f32 holding the
+    reference decoding of the same weights as float32."""
+    shutil.copytree(SOURCE, dst)
+    ref = dst.with_name(dst.name + "-f32")
+    shutil.copytree(SOURCE, ref)
+    tensors = load_file(SOURCE / "model.safetensors")
+    fp8: dict[str, tuple[str, np.ndarray]] = {}
+    decoded = {}
+    for name, t in tensors.items():
+        t = t.astype(np.float32)
+        if not name.endswith("_proj.weight"):
+            fp8[name], decoded[name] = ("F32", t), t
+            continue
+        scale = _scales(t, scheme)
+        codes = (t / _spread(scale, t.shape, scheme)).astype(ml_dtypes.float8_e4m3fn)
+        fp8[name] = ("F8_E4M3", codes.view(np.uint8))
+        suffix = "_scale" if scheme == "row" else "_scale_inv"
+        fp8[name + suffix] = ("F32", scale)
+        decoded[name] = codes.astype(np.float32) * _spread(scale, t.shape, scheme)
+    _write_safetensors(dst / "model.safetensors", fp8)
+    save_file(decoded, str(ref / "model.safetensors"))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [32, 32]},
+        "tensor": {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": None},
+        "row": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": {"type": "float", "num_bits": 8, "strategy": "channel"}}}},
+    }[scheme]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return ref
+
+
+def test_the_e4m3_table_is_ml_dtypes_decoding() -> None:
+    codes = np.arange(256, dtype=np.uint8)
+    np.testing.assert_array_equal(E4M3_VALUES, codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+
+
+@pytest.mark.parametrize("scheme", ["block", "tensor", "row"])
+def test_an_fp8_checkpoint_is_its_weights_decoded(tmp_path: Path, scheme: str) -> None:
+    ref = make_fp8(tmp_path / "fp8", scheme)
+    fp8, f32 = HFCheckpoint(tmp_path / "fp8"), HFCheckpoint(ref)
+    for name in ("layers.0.q", "layers.1.down", "layers.2.gate"):
+        np.testing.assert_array_equal(fp8.get(name), f32.get(name))
+    ids = np.load(SOURCE / "golden.npz")["ids"]
+    with kestrel_core.load(str(tmp_path / "fp8"), backend="cpu") as a, kestrel_core.load(str(ref), backend="cpu") as b:
+        assert np.array_equal(a.logits(ids), b.logits(ids))
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    (lambda c: {**c, "quantization_config": {"quant_method": "gptq", "bits": 4}},
+     r"quant_method 'gptq' is not supported"),
+    (lambda c: {**c, "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
+        "g": {"weights": {"type": "int", "num_bits": 4}}}}}, r"group 'g' is not FP8 weights"),
+    (lambda c: {**c, "quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}},
+     r"q_proj.weight: scale of shape \[8, 2\] does not fit a weight of shape \[256, 64\] \(blocks of \[64, 64\]\)"),
+    (lambda c: {k: v for k, v in c.items() if k != "quantization_config"}, r"is FP8, but config.json has no FP8"),
+])
+def test_what_an_fp8_checkpoint_cannot_be_is_one_line(tmp_path: Path, change, says: str) -> None:  # noqa: ANN001
+    make_fp8(tmp_path / "fp8", "block")
+    path = tmp_path / "fp8" / "config.json"
+    path.write_text(json.dumps(change(json.loads(path.read_text()))))
+    with pytest.raises(KestrelError, match=says):
+        kestrel_core.load(str(tmp_path / "fp8"), backend="cpu")
