@@ -60,6 +60,10 @@ Writes under tests/fixtures/models/:
                 of each head, q/k/v biases, bfloat16; a multi-token-prediction layer after the last, which
                 transformers skips
   tiny-glm4-moe.gguf  llama.cpp's glm4moe (exp_probs_b, *_shexp, the MTP layer as blk.3); golden = tiny-glm4-moe's
+  tiny-ernie4_5-moe/ Ernie4_5_MoeForCausalLM: 4 layers, every 2nd from the 2nd with 8 experts (softmax router whose
+                choice adds a bias, top-2) beside two shared experts, the others dense; RoPE in interleaved pairs,
+                bfloat16
+  tiny-ernie4_5-moe.gguf  llama.cpp's ernie4_5-moe (exp_probs_b, *_shexp); golden = tiny-ernie4_5-moe's
   tiny-llama-lora/  a PEFT LoRA adapter of tiny-llama (rank 4 on q, v, o, down); its golden.npz: transformers + PEFT
   smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
   MANIFEST.json  versions, shapes, logit ranges, the command
@@ -88,6 +92,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
     Gemma2Config,
@@ -319,6 +324,12 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     # ERNIE 4.5: Llama's layers with RoPE in interleaved pairs, tied as the 0.3B
     ernie = Ernie4_5Config(**common, num_hidden_layers=2, intermediate_size=128, head_dim=16, tie_word_embeddings=True,
                            rope_theta=10000.0, use_bias=False, pad_token_id=None)
+    # ERNIE 4.5's MoE: layers 1 and 3 with experts (start 1, interval 2), a softmax router whose choice adds a bias
+    # (2 * ROUTER_CHOICE_BIAS_STD: the tiny router's softmax is peaked, top probabilities near 0.5), two shared experts
+    ernie_moe = Ernie4_5_MoeConfig(**common, num_hidden_layers=4, intermediate_size=128, head_dim=16,
+                                   moe_intermediate_size=32, moe_num_experts=8, moe_k=2, moe_num_shared_experts=2,
+                                   moe_layer_start_index=1, moe_layer_interval=2, moe_layer_end_index=-1,
+                                   tie_word_embeddings=False, rope_theta=10000.0, use_bias=False, pad_token_id=None)
     # Qwen3.5: three Gated DeltaNet layers to one gated attention layer, 2 key heads to 4 value heads (llama.cpp's
     # converter reorders the value heads), RoPE on a quarter of each head, every RMSNorm but the gated one 1 + w;
     # saved as the hub's multimodal checkpoints nest it (``nest``)
@@ -379,6 +390,7 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-glm4": (glm4, _saved(torch.bfloat16)),
         "tiny-ernie4_5": (ernie, _saved(torch.bfloat16)),
         "tiny-glm4-moe": (glm4_moe, _saved(torch.bfloat16, mtp=True)),
+        "tiny-ernie4_5-moe": (ernie_moe, _saved(torch.bfloat16)),
         "tiny-qwen3_5": (qwen3_5, _saved(torch.bfloat16, classic=False, nest=True)),
         "tiny-qwen3_5-moe": (qwen3_5_moe, _saved(torch.bfloat16, classic=False)),
         "tiny-qwen3-next": (qwen3_next, _saved(torch.bfloat16, classic=False)),
@@ -449,6 +461,8 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                                 "mlp.router.weight", "block_sparse_moe.router.weight")):
                 # a router, or a shared expert's sigmoid gate
                 val = STD_ROUTER * rng.standard_normal(shape)
+            elif name.endswith("moe_statics.e_score_correction_bias"):  # ERNIE 4.5's, on softmax probabilities
+                val = 2 * ROUTER_CHOICE_BIAS_STD * rng.standard_normal(shape)
             elif name.endswith(".bias"):
                 val = STD_BIAS * rng.standard_normal(shape)
             elif name == "model.embed_tokens.weight":
@@ -863,52 +877,88 @@ def write_phi3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
 
 
 def write_glm4_moe_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
-    """tiny-glm4-moe as llama.cpp's Glm4MoeModel writes it: unpermuted q/k/v with biases, post_attention_norm as the
-    MLP's norm, the dense layer's ffn_*, the experts stacked with ffn_gate_inp and exp_probs_b, the shared expert as
-    ffn_*_shexp, the router's metadata, and the MTP layer as one more block (nextn_predict_layers)."""
+    """tiny-glm4-moe as llama.cpp's Glm4MoeModel writes it: post_attention_norm as the MLP's norm, the router's
+    metadata (sigmoid, groups, scale), and the MTP layer as one more block (nextn_predict_layers)."""
+    cfg = json.loads((src / "config.json").read_text())
+
+    def configure(w: Any) -> None:
+        w.add_expert_count(cfg["n_routed_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        w.add_nextn_predict_layers(cfg["num_nextn_predict_layers"])
+    dense = range(cfg["first_k_dense_replace"])
+    return _write_choice_router_gguf(src, dst, tok, "glm4moe", configure, "post_attention_norm", dense,
+                                     mtp=cfg["num_nextn_predict_layers"])
+
+
+def write_ernie4_5_moe_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-ernie4_5-moe as llama.cpp's Ernie4_5MoeModel writes it: ffn_norm, the leading dense layers and the step
+    between expert layers, the shared experts' count (and the width llama.cpp's converter derives)."""
+    cfg = json.loads((src / "config.json").read_text())
+
+    def configure(w: Any) -> None:
+        w.add_expert_count(cfg["moe_num_experts"])
+        w.add_expert_used_count(cfg["moe_k"])
+        w.add_interleave_moe_layer_step(cfg["moe_layer_interval"])
+        w.add_leading_dense_block_count(cfg["moe_layer_start_index"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_count(cfg["moe_num_shared_experts"])
+        w.add_expert_shared_feed_forward_length(cfg["intermediate_size"] // cfg["num_key_value_heads"])
+    start, step = cfg["moe_layer_start_index"], cfg["moe_layer_interval"]
+    dense = [i for i in range(cfg["num_hidden_layers"]) if (i + 1) % step or i < start]
+    return _write_choice_router_gguf(src, dst, tok, "ernie4_5-moe", configure, "ffn_norm", dense)
+
+
+def _write_choice_router_gguf(src: Path, dst: Path, tok: Tokenizer, arch: str, configure: Any, mlp_norm: str,
+                              dense: Any, mtp: int = 0) -> dict[str, Any]:
+    """A mixture of experts whose router has a choice bias, as llama.cpp's converters write it: unpermuted q/k/v
+    with biases where the checkpoint has them, ``mlp_norm`` the MLP's norm, the ``dense`` layers' ffn_*, the others'
+    experts stacked with ffn_gate_inp and exp_probs_b and their shared experts as ffn_*_shexp; ``mtp`` more blocks
+    (the checkpoint's multi-token-prediction layers) after the last."""
     cfg = json.loads((src / "config.json").read_text())
     tensors = _float32_tensors(src / "model.safetensors")
-    layers = cfg["num_hidden_layers"] + cfg["num_nextn_predict_layers"]
-    w = _gguf_writer(dst, "glm4moe", src.name, {**cfg, "num_hidden_layers": layers}, tok)
-    w.add_expert_count(cfg["n_routed_experts"])
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_expert_group_count(cfg["n_group"])
-    w.add_expert_group_used_count(cfg["topk_group"])
-    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    w.add_expert_shared_count(cfg["n_shared_experts"])
-    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
-    w.add_expert_weights_norm(cfg["norm_topk_prob"])
-    w.add_nextn_predict_layers(cfg["num_nextn_predict_layers"])
+    layers = cfg["num_hidden_layers"] + mtp
+    experts = cfg.get("n_routed_experts") or cfg["moe_num_experts"]
+    w = _gguf_writer(dst, arch, src.name, {**cfg, "num_hidden_layers": layers}, tok)
+    configure(w)
     put = _gguf_put(w)
     put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
     for i in range(layers):
         p, kind = f"model.layers.{i}.", "q4_0" if i % 2 == 0 else "f16"
         put(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"], "f32")
-        put(f"blk.{i}.post_attention_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
+        put(f"blk.{i}.{mlp_norm}.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
         for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
             put(f"blk.{i}.{name}.weight", tensors[p + f"self_attn.{proj}_proj.weight"], kind)
             if p + f"self_attn.{proj}_proj.bias" in tensors:
                 put(f"blk.{i}.{name}.bias", tensors[p + f"self_attn.{proj}_proj.bias"], "f32")
-        if i < cfg["first_k_dense_replace"]:
+        if i in dense:
             for proj in ("gate", "up", "down"):
                 put(f"blk.{i}.ffn_{proj}.weight", tensors[p + f"mlp.{proj}_proj.weight"], kind)
             continue
         put(f"blk.{i}.ffn_gate_inp.weight", tensors[p + "mlp.gate.weight"], "f32")
-        put(f"blk.{i}.exp_probs_b.bias", tensors[p + "mlp.gate.e_score_correction_bias"], "f32")
+        bias = next(tensors[p + n] for n in ("mlp.gate.e_score_correction_bias",
+                                             "mlp.moe_statics.e_score_correction_bias") if p + n in tensors)
+        put(f"blk.{i}.exp_probs_b.bias", bias, "f32")
         for kind_name, stacked in _stack_experts(tensors, p + "mlp.experts.", ("gate_proj", "up_proj", "down_proj"),
-                                                 cfg["n_routed_experts"]).items():
+                                                 experts).items():
             put(f"blk.{i}.ffn_{kind_name}_exps.weight", stacked, kind)
         for proj in ("gate", "up", "down"):
             put(f"blk.{i}.ffn_{proj}_shexp.weight", tensors[p + f"mlp.shared_experts.{proj}_proj.weight"], kind)
-        if i >= cfg["num_hidden_layers"]:  # the MTP layer's own tensors
+        if i >= cfg["num_hidden_layers"]:  # an MTP layer's own tensors
             put(f"blk.{i}.nextn.eh_proj.weight", tensors[p + "eh_proj.weight"], "f16")
             for norm in ("enorm", "hnorm"):
                 put(f"blk.{i}.nextn.{norm}.weight", tensors[p + f"{norm}.weight"], "f32")
             put(f"blk.{i}.nextn.shared_head_norm.weight", tensors[p + "shared_head.norm.weight"], "f32")
     put("output_norm.weight", tensors["model.norm.weight"], "f32")
-    put("output.weight", tensors["lm_head.weight"], "q8_0")
+    if not cfg.get("tie_word_embeddings"):
+        put("output.weight", tensors["lm_head.weight"], "q8_0")
     return _gguf_finish(w, src, dst)
 
 
@@ -1413,7 +1463,8 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-ernie4_5": write_ernie4_5_gguf, "tiny-qwen3_5": write_hybrid_gguf,
               "tiny-qwen3_5-moe": write_hybrid_gguf, "tiny-qwen3-next": write_hybrid_gguf,
               "tiny-lfm2": write_lfm2_gguf, "tiny-granite4-h": write_granite_hybrid_gguf,
-              "tiny-granite4-h-moe": write_granite_hybrid_gguf, "tiny-glm4-moe": write_glm4_moe_gguf}
+              "tiny-granite4-h-moe": write_granite_hybrid_gguf, "tiny-glm4-moe": write_glm4_moe_gguf,
+              "tiny-ernie4_5-moe": write_ernie4_5_moe_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
 DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
 # LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is

@@ -15,7 +15,7 @@ from kestrel_core.model.validate import ValidationError, check_bool, check_float
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
                  "mixtral", "gpt_oss", "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5",
-                 "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granitemoehybrid", "glm4_moe")
+                 "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granitemoehybrid", "glm4_moe", "ernie4_5_moe")
 POOLINGS = ("last", "mean", "cls")  # how an embedding pools the final hidden states: last, mean or first token
 # of the gate: SwiGLU, GeGLU with the tanh GELU (Gemma), or gpt-oss's clamped SwiGLU: gate g clamped to at most
 # swiglu_limit, up u to +-swiglu_limit, then (u + 1) * g * sigmoid(swiglu_alpha * g)
@@ -85,8 +85,9 @@ class ModelConfig:
     expert_intermediate_size: int = 0  # each expert's F
     norm_topk_prob: bool = False  # the top-k router probabilities renormalised to sum 1
     router_scoring: str = "softmax"  # one of ROUTER_SCORINGS
-    # a sigmoid router's choice (not its weights) adds a bias per expert, and keeps to the router_topk_groups best
-    # of router_groups equal groups of experts, a group scored by the sum of its two best (DeepSeek-V3's)
+    # the router's choice (not its weights) adds a bias per expert to the scores (DeepSeek-V3, GLM-4.5: sigmoids;
+    # ERNIE 4.5: softmax probabilities); a sigmoid router's keeps to the router_topk_groups best of router_groups
+    # equal groups of experts, a group scored by the sum of its two best (DeepSeek-V3's)
     router_choice_bias: bool = False
     router_groups: int = 1
     router_topk_groups: int = 1
@@ -307,8 +308,8 @@ def validate_config(c: ModelConfig) -> None:
 
 
 def _check_router(c: ModelConfig) -> None:
-    """The dense layers and the router's fields: a sigmoid's choice bias and groups only with a sigmoid router, the
-    groups dividing the experts into groups of two or more, enough of them kept for the top-k."""
+    """The dense layers and the router's fields: a choice bias only with experts, groups only with a sigmoid router,
+    dividing the experts into groups of two or more, enough of them kept for the top-k."""
     if not isinstance(c.dense_layers, tuple) or not all(is_int(i) and 0 <= i < c.num_layers for i in c.dense_layers):
         raise ValidationError(f"dense_layers must be layer indices in [0, {c.num_layers}), got {c.dense_layers!r}")
     if c.dense_layers and not c.num_experts:
@@ -319,10 +320,10 @@ def _check_router(c: ModelConfig) -> None:
     check_int("router_groups", c.router_groups, 1, MAX_EXPERTS)
     check_int("router_topk_groups", c.router_topk_groups, 1, c.router_groups)
     check_float("routed_scaling", c.routed_scaling, 0.0, lo_open=True)
-    sigmoid_only = c.router_choice_bias or c.router_groups > 1
-    if sigmoid_only and (c.router_scoring != "sigmoid" or not c.num_experts):
-        raise ValidationError("router_choice_bias and router_groups need a sigmoid router (router_scoring) and "
-                              "num_experts > 0")
+    if c.router_choice_bias and not c.num_experts:
+        raise ValidationError("router_choice_bias needs num_experts > 0")
+    if c.router_groups > 1 and (c.router_scoring != "sigmoid" or not c.num_experts):
+        raise ValidationError("router_groups needs a sigmoid router (router_scoring) and num_experts > 0")
     if c.router_groups > 1:
         per_group = c.num_experts // c.router_groups
         if c.num_experts % c.router_groups or per_group < 2:

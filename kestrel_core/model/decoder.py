@@ -389,8 +389,8 @@ def route(x: np.ndarray, lw: LayerWeights, c: ModelConfig) -> tuple[np.ndarray, 
     """Each row of x [M, D]'s top-k experts [M, k] and their weights [M, k] by layer ``lw``'s router.
 
     The logits (plus gpt-oss's router bias) score each expert: softmax over all of them, or each one's sigmoid.
-    A sigmoid router chooses by its scores plus the choice bias, among the experts of the router_topk_groups
-    groups whose two best choice scores sum highest (DeepSeek-V3, GLM-4.5). The weights are the chosen scores,
+    The choice is by the scores plus the choice bias (DeepSeek-V3, GLM-4.5, ERNIE 4.5), among the experts of the
+    router_topk_groups groups whose two best choice scores sum highest. The weights are the chosen scores,
     renormalised over the k if norm_topk_prob (for a softmax, the softmax of the k logits, as gpt-oss computes
     it), times routed_scaling. Ties: the lower expert."""
     logits = np.empty((len(x), len(lw.router)), np.float32)  # [M, E]
@@ -399,18 +399,17 @@ def route(x: np.ndarray, lw: LayerWeights, c: ModelConfig) -> tuple[np.ndarray, 
         logits += lw.router_bias
     if c.router_scoring == "sigmoid":
         scores = _sigmoid(logits)
-        choice = scores if lw.router_choice_bias is None else scores + lw.router_choice_bias
-        if c.router_groups > 1:
-            grouped = choice.reshape(len(x), c.router_groups, -1)  # [M, G, E / G]
-            group_scores = np.sort(grouped, axis=2)[:, :, -2:].sum(axis=2)  # [M, G]
-            kept = np.argsort(-group_scores, axis=1, kind="stable")[:, :c.router_topk_groups]
-            mask = np.zeros(group_scores.shape, bool)
-            np.put_along_axis(mask, kept, True, axis=1)
-            choice = np.where(mask[:, :, None], grouped, -np.inf).reshape(choice.shape)
     else:
         scores = np.exp(logits - logits.max(axis=1, keepdims=True))
         scores /= scores.sum(axis=1, keepdims=True)
-        choice = scores
+    choice = scores if lw.router_choice_bias is None else scores + lw.router_choice_bias
+    if c.router_groups > 1:
+        grouped = choice.reshape(len(x), c.router_groups, -1)  # [M, G, E / G]
+        group_scores = np.sort(grouped, axis=2)[:, :, -2:].sum(axis=2)  # [M, G]
+        kept = np.argsort(-group_scores, axis=1, kind="stable")[:, :c.router_topk_groups]
+        mask = np.zeros(group_scores.shape, bool)
+        np.put_along_axis(mask, kept, True, axis=1)
+        choice = np.where(mask[:, :, None], grouped, -np.inf).reshape(choice.shape)
     top = np.argsort(-choice, axis=1, kind="stable")[:, :c.experts_per_token]
     weights = np.take_along_axis(scores, top, axis=1)
     if c.norm_topk_prob:

@@ -218,6 +218,19 @@ class GGUFMetadata:
             return self._granite_hybrid_fields(arch, experts)
         if arch == "glm4moe":
             return self._glm4moe_fields(arch, layers, experts)
+        if arch == "ernie4_5-moe":  # ernie4_5's layers, every interleave_moe_layer_step-th past the leading dense ones
+            step = self.int_field(f"{arch}.interleave_moe_layer_step", 1) or 1  # with experts
+            lead = self.int_field(f"{arch}.leading_dense_block_count", 0, lo=0) or 0
+            width = self.int_field(f"{arch}.expert_feed_forward_length", required=True)
+            assert width is not None
+            return {"arch": "ernie4_5_moe", "rope_interleaved": True, "num_experts": experts,
+                    "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
+                    "expert_intermediate_size": width,
+                    "shared_expert_intermediate_size": width * (self.int_field(f"{arch}.expert_shared_count", 0, lo=0)
+                                                                or 0),
+                    "shared_expert_gated": False, "norm_topk_prob": True,
+                    "router_choice_bias": layer_name(lead, "router_choice_bias") in self._tensors,
+                    "dense_layers": tuple(i for i in range(layers) if (i + 1) % step or i < lead)}
         if arch == "lfm2":  # short convolutions where a layer has no KV heads; per-head q/k norms; unpermuted
             return {"layer_types": tuple("full" if h else "conv" for h in self._per_layer_kv(arch)), "qk_norm": True,
                     "short_conv_kernel": self.int_field(f"{arch}.shortconv.l_cache", required=True)}

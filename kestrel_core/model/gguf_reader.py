@@ -34,7 +34,7 @@ from kestrel_core.model.weights import expert_field
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
                       "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5", "qwen35", "qwen35moe",
-                      "qwen3next", "lfm2", "granitehybrid", "glm4moe")
+                      "qwen3next", "lfm2", "granitehybrid", "glm4moe", "ernie4_5-moe")
 # kestrel's names: a llama GGUF with experts is Mixtral; SmolLM3's converter is llama's
 PERMUTED_ARCHITECTURES = ("llama", "mixtral", "smollm3", "granite", "granitemoehybrid")
 # phi3 GGUFs hold Q|K|V and gate|up (llama.cpp's ffn_up of phi3: gate rows, then up) as one tensor each; glm4's
@@ -58,7 +58,7 @@ _LAYER_MAP = {
     "ffn_up.weight": "up",
     "ffn_down.weight": "down",
     "ffn_gate_inp.weight": "router",
-    "exp_probs_b.bias": "router_choice_bias",  # a sigmoid router's choice bias (GLM-4.5)
+    "exp_probs_b.bias": "router_choice_bias",  # a router's choice bias (GLM-4.5; ERNIE 4.5's [1, E], read flat)
     "post_attention_norm.weight": "post_attn_norm",  # Gemma 3 (its ffn_norm is the pre-MLP norm)
     "post_ffw_norm.weight": "post_mlp_norm",
     "ffn_gate_inp_shexp.weight": "shared_expert_gate",  # Qwen2-MoE's shared expert
@@ -367,7 +367,7 @@ class GGUFCheckpoint(GGUFMetadata):
             w = fused_rows(w, rows, str(self.path), t.name)
         c = self.config
         field = name.rsplit(".", 1)[-1]
-        if field in _FLAT and c.arch == "granitemoehybrid":
+        if (field in _FLAT and c.arch == "granitemoehybrid") or field == "router_choice_bias":
             w = w.reshape(-1)
         if self.tiled_value_heads and field in _TILED_VALUE_HEADS and c.is_linear(int(name.split(".")[1])):
             axis, head = _TILED_VALUE_HEADS[field]

@@ -92,11 +92,13 @@ _GLM4_LAYER_MAP = {**_LAYER_MAP, "post_self_attn_layernorm.weight": "post_attn_n
 _EXPERT_RE = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _EXPERT_FIELDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 _ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")
-# GLM-4.5's (DeepSeek-V3's) sigmoid router's bias on the scores it chooses by, and its shared experts as one
-_SIGMOID_ROUTER_MAP = {"mlp.gate.e_score_correction_bias": "router_choice_bias",
-                       "mlp.shared_experts.gate_proj.weight": "shared_expert.gate",
-                       "mlp.shared_experts.up_proj.weight": "shared_expert.up",
-                       "mlp.shared_experts.down_proj.weight": "shared_expert.down"}
+# the bias on the scores a router chooses by (GLM-4.5's, DeepSeek-V3's; ERNIE 4.5's [1, E], read flat), and the
+# shared experts as one
+_CHOICE_ROUTER_MAP = {"mlp.gate.e_score_correction_bias": "router_choice_bias",
+                      "mlp.moe_statics.e_score_correction_bias": "router_choice_bias",
+                      "mlp.shared_experts.gate_proj.weight": "shared_expert.gate",
+                      "mlp.shared_experts.up_proj.weight": "shared_expert.up",
+                      "mlp.shared_experts.down_proj.weight": "shared_expert.down"}
 # gpt-oss: the attention's output bias and sinks, the router's bias
 _GPT_OSS_MAP = {"self_attn.o_proj.bias": "o_bias", "self_attn.sinks": "sinks", "mlp.router.bias": "router_bias"}
 # gpt-oss's experts, stacked [E, ...] in one tensor each: gate|up interleaved by row ([E, D, 2F], or MXFP4 blocks
@@ -147,8 +149,8 @@ def kestrel_name(hf_name: str, arch: str = "llama") -> str | None:
             return layer_name(int(m.group(1)), _SHARED_MAP[m.group(2)])
         if arch == "gpt_oss" and m.group(2) in _GPT_OSS_MAP:
             return layer_name(int(m.group(1)), _GPT_OSS_MAP[m.group(2)])
-        if m.group(2) in _SIGMOID_ROUTER_MAP:
-            return layer_name(int(m.group(1)), _SIGMOID_ROUTER_MAP[m.group(2)])
+        if m.group(2) in _CHOICE_ROUTER_MAP:
+            return layer_name(int(m.group(1)), _CHOICE_ROUTER_MAP[m.group(2)])
     layer_map = (_GEMMA_LAYER_MAP if arch in GEMMA_ARCHITECTURES else _OLMO2_LAYER_MAP if arch in POST_NORMED
                  else _GLM4_LAYER_MAP if arch == "glm4" else _LINEAR_ATTN_MAP if arch in HYBRID_ARCHITECTURES
                  else _LFM2_LAYER_MAP if arch == "lfm2" else _GRANITE_HYBRID_MAP if arch == "granitemoehybrid"
@@ -354,6 +356,8 @@ class HFCheckpoint:
             return t.reshape(t.shape[0], -1)
         if field in ("lin_decay", "ssm_a"):  # stored as A_log; the model runs -exp(A_log), as GGUF's ssm_a holds it
             return -np.exp(t.astype(np.float32))
+        if field == "router_choice_bias":
+            return t.reshape(-1)
         return t
 
     def get_weight(self, name: str) -> np.ndarray | BFloat16Bits:

@@ -34,7 +34,7 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "Qwen3_5MoeForCausalLM": "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
                     "Qwen3NextForCausalLM": "qwen3_next", "Lfm2ForCausalLM": "lfm2",
                     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
-                    "Glm4MoeForCausalLM": "glm4_moe",
+                    "Glm4MoeForCausalLM": "glm4_moe", "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
                     # the decoder without its head, as embedding checkpoints (e5-mistral, ...) name it
                     "LlamaModel": "llama", "Qwen2Model": "qwen2", "Qwen3Model": "qwen3", "MistralModel": "mistral"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
@@ -44,7 +44,7 @@ MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": 
                "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "qwen3_5": "qwen3_5",
                "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe",
                "qwen3_next": "qwen3_next", "lfm2": "lfm2", "granitemoehybrid": "granitemoehybrid",
-               "glm4_moe": "glm4_moe"}
+               "glm4_moe": "glm4_moe", "ernie4_5_moe": "ernie4_5_moe"}
 WINDOWED = ("mistral", "phi3", "mixtral")  # architectures whose sliding_window applies to every layer
 # Gemma3TextConfig's defaults: hub configs (the text_config of the multimodal checkpoints) leave many out
 GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -330,6 +330,8 @@ def _rotary_dim(cfg: dict[str, Any], head_dim: int, where: str, default: float |
 def _moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
     """The experts of Qwen2-MoE and Qwen3-MoE (moe_intermediate_size wide, norm_topk_prob as set; Qwen2-MoE's
     shared expert) and Mixtral (intermediate_size wide, always renormalised)."""
+    if arch == "ernie4_5_moe":
+        return _ernie_moe_fields(cfg, where)
     experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
     if experts is None:
         raise KestrelError(f"{where}: missing 'num_experts'")
@@ -393,6 +395,24 @@ def _sigmoid_router_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
             "router_topk_groups": cfg.get("topk_group", 1),
             "routed_scaling": check_float("routed_scaling_factor", cfg.get("routed_scaling_factor", 1.0), 0.0,
                                           lo_open=True)}
+
+
+def _ernie_moe_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """ERNIE 4.5's experts: every ``moe_layer_interval``-th layer from ``moe_layer_start_index`` to
+    ``moe_layer_end_index`` (-1: the last) a mixture of experts, the others dense; a softmax router whose choice
+    adds a bias (``moe_statics``), the top-k renormalised; ``moe_num_shared_experts`` ungated shared experts as one
+    that many times as wide."""
+    layers, experts = cfg["num_hidden_layers"], cfg.get("moe_num_experts", 64)
+    start, interval = cfg.get("moe_layer_start_index", 1), cfg.get("moe_layer_interval", 1)
+    end = cfg.get("moe_layer_end_index", -1)
+    if not is_int(end) or end < -1:
+        raise KestrelError(f"{where}: moe_layer_end_index must be a layer index or -1, got {end!r}")
+    end = layers - 1 if end == -1 else end
+    width = cfg.get("moe_intermediate_size", 1536)
+    return {"num_experts": experts, "experts_per_token": cfg.get("moe_k", 6), "expert_intermediate_size": width,
+            "shared_expert_intermediate_size": width * cfg.get("moe_num_shared_experts", 2),
+            "shared_expert_gated": False, "norm_topk_prob": True, "router_choice_bias": True,
+            "dense_layers": tuple(i for i in range(layers) if (i + 1) % interval or not start <= i <= end)}
 
 
 def _layer_types(cfg: dict[str, Any], where: str, pattern: int) -> tuple[str, ...]:
@@ -479,7 +499,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         if arch == "glm4":  # interleaved RoPE pairs, Gemma's four norms, q/k/v biases (gate|up fused: _FUSED_MAP)
             fields.update(rope_interleaved=True, post_norms=True,
                           qkv_bias=check_bool("attention_bias", cfg.get("attention_bias", True)))
-        if arch == "ernie4_5":  # Llama's layers with RoPE in interleaved pairs
+        if arch in ("ernie4_5", "ernie4_5_moe"):  # Llama's layers with RoPE in interleaved pairs
             _refuse_set(cfg, where, {"use_bias": "biases on every projection"})
             fields["rope_interleaved"] = True
         if arch == "seed_oss":  # Llama's layers with q/k/v biases (attention_bias) and maybe an o bias
@@ -498,7 +518,8 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         if arch == "glm4_moe":  # q/k/v biases and q/k norms where set
             fields.update(qkv_bias=check_bool("attention_bias", cfg.get("attention_bias", False)),
                           qk_norm=check_bool("use_qk_norm", cfg.get("use_qk_norm", False)))
-        if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe", "qwen3_next", "glm4_moe"):
+        if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe", "qwen3_next", "glm4_moe",
+                    "ernie4_5_moe"):
             fields.update(_moe_fields(arch, cfg, where))
         return ModelConfig(
             arch=arch,

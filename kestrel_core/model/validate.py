@@ -174,6 +174,11 @@ HF_CONFIG_FIELDS: dict[str, tuple[str, bool]] = {  # in the order hf_config.conf
     "topk_group": ("pos", False),
     "routed_scaling_factor": ("float+", False),
     "decoder_sparse_step": ("pos", False),  # Qwen2-MoE's
+    "moe_num_experts": ("pos", False),  # ERNIE 4.5's
+    "moe_k": ("pos", False),
+    "moe_num_shared_experts": ("count", False),
+    "moe_layer_start_index": ("count", False),
+    "moe_layer_interval": ("pos", False),
 }
 
 

@@ -1,7 +1,7 @@
-"""Gemma 2 and 3 and the mixtures of experts on the GPU: Gemma 2 (soft caps), gpt-oss, GLM-4.5 (a sigmoid router,
-dense layers among the experts) and the hybrids (Qwen3.5, Qwen3-Next: linear attention, and fused groups of four)
-through the GEMM hooks, the device forward declining them;
-Gemma 3 and the other mixtures of experts through the device forward. Every projection (each expert's too) is
+"""Gemma 2 and 3 and the mixtures of experts on the GPU: Gemma 2 (soft caps), gpt-oss, GLM-4.5 and ERNIE 4.5 MoE
+(routers with a choice bias, dense layers among the experts) and the hybrids (Qwen3.5, Qwen3-Next: linear
+attention, and fused groups of four) through the GEMM hooks, the device forward declining them; Gemma 3 and the
+other mixtures of experts through the device forward. Every projection (each expert's too) is
 preloaded and the logits are the CPU's within the measured tolerance.
 
 Skipped where CuPy or a CUDA device is missing (CI); run on the H200 machine.
@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_device_count() == 0, rea
                                               ("tiny-ernie4_5", "forward"), ("tiny-qwen3_5", "hooks"),
                                               ("tiny-qwen3_5-moe.gguf", "hooks"), ("tiny-qwen3-next", "hooks"),
                                               ("tiny-lfm2.gguf", "hooks"), ("tiny-granite4-h-moe", "hooks"),
-                                              ("tiny-glm4-moe.gguf", "hooks")])
+                                              ("tiny-glm4-moe.gguf", "hooks"), ("tiny-ernie4_5-moe", "hooks")])
 def test_each_architecture_matches_the_cpu(fixture: str, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KESTREL_CUDA_MIN_FLOPS", "0")  # the fixtures' GEMMs are below the backend's threshold
     ids = np.load(FIXTURES / fixture.removesuffix(".gguf") / "golden.npz")["ids"]

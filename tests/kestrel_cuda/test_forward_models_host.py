@@ -197,7 +197,9 @@ def test_group_capacity_holds_every_grouping_and_the_mirror_pads_to_it(m: int, k
 def test_device_routing_chooses_the_cpu_decoders_experts() -> None:
     """moe_route's mirror against kestrel_core's route: the same experts (in increasing order) and weights,
     with and without renormalising over the k, the shared gate's sigmoid last."""
+    from kestrel_core.model.config import ModelConfig
     from kestrel_core.model.decoder import rmsnorm, route, shared_expert_scale
+    from kestrel_core.model.weights import LayerWeights
 
     rng = np.random.default_rng(5)
     m, d, e, k = 6, 64, 16, 4
@@ -209,7 +211,10 @@ def test_device_routing_chooses_the_cpu_decoders_experts() -> None:
         sel, wts, xn = np.zeros((m, k), np.int32), np.zeros((m, k + 1), np.float32), np.zeros((m, d), np.float32)
         NumpyOps().moe_route(h, norm, 1e-6, np.concatenate([router, gate]), e, k, norm_topk, xn, None, sel, wts)
         x = rmsnorm(h, norm, np.float32(1e-6))
-        top, weights = route(x, router, k, norm_topk)
+        c = ModelConfig(arch="qwen3_moe", vocab_size=8, hidden_size=d, intermediate_size=8, num_layers=1, num_heads=1,
+                        num_kv_heads=1, head_dim=4, num_experts=e, experts_per_token=k, expert_intermediate_size=4,
+                        norm_topk_prob=norm_topk)
+        top, weights = route(x, LayerWeights(router=router), c)
         order = np.argsort(top, axis=1)
         assert np.array_equal(sel, np.take_along_axis(top, order, axis=1))
         np.testing.assert_allclose(wts[:, :k], np.take_along_axis(weights, order, axis=1), rtol=1e-5)

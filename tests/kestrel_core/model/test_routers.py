@@ -1,5 +1,6 @@
-"""GLM-4.5's mixture of experts (DeepSeek-V3's router): each of its rules is needed for tiny-glm4-moe to agree with
-transformers, the router's choice by hand on small cases, its config checks, and Qwen2-MoE's dense layers."""
+"""Routers whose choice adds a bias, and dense layers among the experts: each rule of GLM-4.5's (DeepSeek-V3's
+sigmoid router) and ERNIE 4.5's (a softmax one) is needed for tiny-glm4-moe and tiny-ernie4_5-moe to agree with
+transformers; the choice by hand on small cases, the config checks, and Qwen2-MoE's dense layers."""
 
 from __future__ import annotations
 
@@ -46,6 +47,39 @@ def test_glm4_moe_done_wrong_leaves_the_limits(monkeypatch, wrong: str) -> None:
     GLM_WRONG[wrong](monkeypatch)
     fig = measure(GLM, "q8")
     assert not fig.within(MOE), fig
+
+
+ERNIE = next(c for c in CASES if c.name == "tiny-ernie4_5-moe")
+
+
+def _with_ernie(monkeypatch, **fields) -> None:  # type: ignore[no-untyped-def]
+    real = hf_config._ernie_moe_fields
+    monkeypatch.setattr(hf_config, "_ernie_moe_fields", lambda cfg, where: {**real(cfg, where), **fields})
+
+
+ERNIE_WRONG = {
+    "no choice bias": lambda mp: _with_ernie(mp, router_choice_bias=False),
+    "no shared experts": lambda mp: _with_config(mp, lambda c: {**c, "moe_num_shared_experts": 0}),
+}
+
+
+@pytest.mark.parametrize("wrong", ERNIE_WRONG, ids=list(ERNIE_WRONG))
+def test_ernie4_5_moe_done_wrong_leaves_the_limits(monkeypatch, wrong: str) -> None:  # type: ignore[no-untyped-def]
+    ERNIE_WRONG[wrong](monkeypatch)
+    fig = measure(ERNIE, "q8")
+    assert not fig.within(MOE), fig
+
+
+def test_ernie4_5_moe_layers_with_experts_are_every_interval_th_from_the_start() -> None:
+    """transformers' rule, (i + 1) % moe_layer_interval == 0 within [start, end]; the GGUF twin's by llama.cpp's
+    leading_dense_block_count and interleave_moe_layer_step."""
+    cfg = json.loads((FIXTURES / ERNIE.name / "config.json").read_text())
+    assert hf_config.config_from_hf(cfg).dense_layers == (0, 2)
+    c = hf_config.config_from_hf({**cfg, "num_hidden_layers": 8, "moe_layer_start_index": 2,
+                                  "moe_layer_end_index": 6, "moe_layer_interval": 1})
+    assert c.dense_layers == (0, 1, 7)
+    with kestrel_core.load(str(FIXTURES / "tiny-ernie4_5-moe.gguf"), backend="cpu") as engine:
+        assert engine.model.config.dense_layers == (0, 2) and engine.model.config.router_choice_bias
 
 
 def test_glm4_moe_gguf_reads_its_router_and_skips_its_mtp_block() -> None:
@@ -97,7 +131,7 @@ def test_sigmoid_route_keeps_to_the_best_groups() -> None:
 
 
 @pytest.mark.parametrize(("fields", "says"), [
-    ({"router_choice_bias": True}, "need a sigmoid router"),
+    ({"router_groups": 2}, "router_groups needs a sigmoid router"),
     ({"router_scoring": "sigmoid", "router_groups": 3}, "must divide"),
     ({"router_scoring": "sigmoid", "router_groups": 4}, "groups of two or more"),
     ({"router_scoring": "sigmoid", "router_groups": 2, "router_topk_groups": 1, "experts_per_token": 3},

@@ -332,7 +332,7 @@ def test_each_bad_gemma_or_expert_field_is_one_line_naming_it(field: str, value:
     {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 5},
     {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": True},
     {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "moe_intermediate_size": 32,
-     "mlp_only_layers": [0]},
+     "mlp_only_layers": [99]},
     {"architectures": ["Qwen3MoeForCausalLM"], "moe_intermediate_size": 32},
     {"architectures": ["MixtralForCausalLM"], "num_local_experts": "8"},
     {"architectures": ["Gemma3ForCausalLM"], "final_logit_softcapping": 30.0},
