@@ -25,48 +25,31 @@ GLM = next(c for c in CASES if c.name == "tiny-glm4-moe")
 GLM_GGUF = next(c for c in CASES if c.name == "tiny-glm4-moe.gguf")
 
 
-def _with_router(monkeypatch, **fields) -> None:  # type: ignore[no-untyped-def]
-    """Read GLM-4.5's router with ``fields`` in place of its own."""
-    real = hf_config._sigmoid_router_fields
-    monkeypatch.setattr(hf_config, "_sigmoid_router_fields", lambda cfg, where: {**real(cfg, where), **fields})
-
-
-GLM_WRONG = {
-    "a softmax router": lambda mp: _with_router(mp, router_scoring="softmax", router_choice_bias=False,
-                                                router_groups=1, router_topk_groups=1),
-    "no choice bias": lambda mp: _with_router(mp, router_choice_bias=False),
-    "no groups": lambda mp: _with_config(mp, lambda c: {**c, "n_group": 1, "topk_group": 1}),
-    "unscaled weights": lambda mp: _with_config(mp, lambda c: {**c, "routed_scaling_factor": 1.0}),
-    "no shared expert": lambda mp: _with_config(mp, lambda c: {**c, "n_shared_experts": 0}),
-}
-
-
-@pytest.mark.parametrize("wrong", GLM_WRONG, ids=list(GLM_WRONG))
-def test_glm4_moe_done_wrong_leaves_the_limits(monkeypatch, wrong: str) -> None:  # type: ignore[no-untyped-def]
-    """The sigmoid, the choice bias, the groups, the scale and the shared expert each move the logits past MOE."""
-    GLM_WRONG[wrong](monkeypatch)
-    fig = measure(GLM, "q8")
-    assert not fig.within(MOE), fig
+def _with_router(monkeypatch, reader: str, **fields) -> None:  # type: ignore[no-untyped-def]
+    """Read a router's config (hf_config's function ``reader``) with ``fields`` in place of its own."""
+    real = getattr(hf_config, reader)
+    monkeypatch.setattr(hf_config, reader, lambda cfg, where: {**real(cfg, where), **fields})
 
 
 ERNIE = next(c for c in CASES if c.name == "tiny-ernie4_5-moe")
-
-
-def _with_ernie(monkeypatch, **fields) -> None:  # type: ignore[no-untyped-def]
-    real = hf_config._ernie_moe_fields
-    monkeypatch.setattr(hf_config, "_ernie_moe_fields", lambda cfg, where: {**real(cfg, where), **fields})
-
-
-ERNIE_WRONG = {
-    "no choice bias": lambda mp: _with_ernie(mp, router_choice_bias=False),
-    "no shared experts": lambda mp: _with_config(mp, lambda c: {**c, "moe_num_shared_experts": 0}),
+WRONG = {  # (case, what is wrong): how
+    (GLM, "a softmax router"): lambda mp: _with_router(mp, "_sigmoid_router_fields", router_scoring="softmax",
+                                                       router_choice_bias=False, router_groups=1, router_topk_groups=1),
+    (GLM, "no choice bias"): lambda mp: _with_router(mp, "_sigmoid_router_fields", router_choice_bias=False),
+    (GLM, "no groups"): lambda mp: _with_config(mp, lambda c: {**c, "n_group": 1, "topk_group": 1}),
+    (GLM, "unscaled weights"): lambda mp: _with_config(mp, lambda c: {**c, "routed_scaling_factor": 1.0}),
+    (GLM, "no shared expert"): lambda mp: _with_config(mp, lambda c: {**c, "n_shared_experts": 0}),
+    (ERNIE, "no choice bias"): lambda mp: _with_router(mp, "_ernie_moe_fields", router_choice_bias=False),
+    (ERNIE, "no shared experts"): lambda mp: _with_config(mp, lambda c: {**c, "moe_num_shared_experts": 0}),
 }
 
 
-@pytest.mark.parametrize("wrong", ERNIE_WRONG, ids=list(ERNIE_WRONG))
-def test_ernie4_5_moe_done_wrong_leaves_the_limits(monkeypatch, wrong: str) -> None:  # type: ignore[no-untyped-def]
-    ERNIE_WRONG[wrong](monkeypatch)
-    fig = measure(ERNIE, "q8")
+@pytest.mark.parametrize(("case", "wrong"), list(WRONG), ids=[f"{c.name}-{w}" for c, w in WRONG])
+def test_a_router_done_wrong_leaves_the_limits(monkeypatch, case, wrong: str) -> None:  # type: ignore[no-untyped-def]
+    """GLM-4.5's sigmoid, choice bias, groups, scale and shared expert, ERNIE 4.5's choice bias and shared experts:
+    each one left out moves the logits past MOE."""
+    WRONG[(case, wrong)](monkeypatch)
+    fig = measure(case, "q8")
     assert not fig.within(MOE), fig
 
 

@@ -419,6 +419,18 @@ def xml_servers() -> Iterator[dict[str, tuple[Any, openai.OpenAI]]]:
         yield {"scripted": scripted, "model": model}
 
 
+def reply_parts(reply: Any, stream: bool) -> tuple[str | None, str, list[Any], str | None]:
+    """(reasoning, content, tool calls, finish reason) of a chat reply, whole or streamed."""
+    if stream:
+        chunks = [c for c in reply if c.choices]
+        reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
+        return reasoning, content, calls, chunks[-1].choices[0].finish_reason
+    message = reply.choices[0].message
+    return message.reasoning_content, message.content or "", message.tool_calls, reply.choices[0].finish_reason
+
+
 @pytest.mark.parametrize("closed", [True, False], ids=["after </think>", "inside the reasoning"])
 def test_qwen3_5_calls_come_back_typed_with_the_reasoning_apart(xml_servers, closed: bool) -> None:  # type: ignore[no-untyped-def]
     """A call in Qwen3.5's format, after the reasoning or in place of its </think>, is a tool call whose values
@@ -428,16 +440,7 @@ def test_qwen3_5_calls_come_back_typed_with_the_reasoning_apart(xml_servers, clo
     for stream in (False, True):
         scripted.answers.append(answer)
         reply = client.chat.completions.create(model=NAME, messages=ASK, tools=[DAYS], stream=stream)
-        if stream:
-            chunks = [c for c in reply if c.choices]
-            reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
-            content = "".join(c.choices[0].delta.content or "" for c in chunks)
-            calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
-            reason = chunks[-1].choices[0].finish_reason
-        else:
-            message = reply.choices[0].message
-            reasoning, content, calls = message.reasoning_content, message.content or "", message.tool_calls
-            reason = reply.choices[0].finish_reason
+        reasoning, content, calls, reason = reply_parts(reply, stream)
         assert scripted.prompts[-1].endswith("<think>")  # the answer opens inside the block
         assert (reasoning, content, reason) == ("Three days of Paris weather.", "", "tool_calls")
         assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [

@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from .test_tool_calls import ASK, DAYS, NAME, _fresh, _served
+from .test_tool_calls import ASK, DAYS, NAME, _fresh, _served, reply_parts
 
 pytestmark = pytest.mark.default_model
 
@@ -50,16 +50,7 @@ def test_glm_calls_come_back_typed_with_the_reasoning_apart(glm_servers) -> None
     for stream in (False, True):
         scripted.answers.append("<think>Three days of Paris weather.</think>\nLet me look.\n" + _call(compact))
         reply = client.chat.completions.create(model=NAME, messages=ASK, tools=[DAYS], stream=stream)
-        if stream:
-            chunks = [c for c in reply if c.choices]
-            reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
-            content = "".join(c.choices[0].delta.content or "" for c in chunks)
-            calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
-            reason = chunks[-1].choices[0].finish_reason
-        else:
-            message = reply.choices[0].message
-            reasoning, content, calls = message.reasoning_content, message.content, message.tool_calls
-            reason = reply.choices[0].finish_reason
+        reasoning, content, calls, reason = reply_parts(reply, stream)
         assert (reasoning, content, reason) == ("Three days of Paris weather.", "Let me look.", "tool_calls")
         assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
             ("get_forecast", {"city": "Saint-Étienne", "days": 3})]

@@ -159,6 +159,13 @@ def test_parse_glm_types_each_value_by_its_schema(fmt: str, text: str, expected:
     assert (sent + rest, calls) == (expected.content or "", expected.calls)
 
 
+# the functions the call grammars are tried with: one with a required string, an integer and an enum, one bare
+FUNCTIONS = [{"name": "f", "parameters": {"type": "object", "properties": {"s": {"type": "string"},
+                                                                          "i": {"type": "integer"},
+                                                                          "e": {"type": "string", "enum": ["x", "y"]}},
+                                          "required": ["s"]}}, {"name": "g"}]
+
+
 def _admits(grammar: str, text: str) -> bool:
     """Whether tiny-qwen3's tokens of ``text`` pass ``grammar`` to its end."""
     from pathlib import Path
@@ -182,13 +189,8 @@ def test_a_glm_grammar_admits_the_calls_parse_reads_and_no_others(fmt: str) -> N
     from kestrel_core.serve.tools import call_grammar
 
     compact = fmt == GLM_COMPACT
-    functions = [{"name": "f", "parameters": {"type": "object", "properties": {"s": {"type": "string"},
-                                                                              "i": {"type": "integer"},
-                                                                              "e": {"type": "string",
-                                                                                    "enum": ["x", "y"]}},
-                                              "required": ["s"]}}, {"name": "g"}]
-    schemas = {f["name"]: f.get("parameters") or {} for f in functions}
-    grammar = call_grammar(fmt, functions, many=True)
+    schemas = {f["name"]: f.get("parameters") or {} for f in FUNCTIONS}
+    grammar = call_grammar(fmt, FUNCTIONS, many=True)
     between = "" if compact else "\n"
     good = [_glm("f", compact, s="New York <b>", i="3", e="y"),
             _glm("f", compact, s="x") + between + _glm("g", compact)]
@@ -203,33 +205,15 @@ def test_a_glm_grammar_admits_the_calls_parse_reads_and_no_others(fmt: str) -> N
 def test_an_xml_grammar_admits_the_calls_parse_reads_and_no_others() -> None:
     """tool_choice "required" in Qwen3.5's format: the grammar takes any string value up to </parameter>, JSON of
     the other types, the required parameters always, the functions offered only; what it admits parses back."""
-    from pathlib import Path
-
-    import kestrel_core
     from kestrel_core.serve.tools import call_grammar
 
-    functions = [{"name": "f", "parameters": {"type": "object", "properties": {"s": {"type": "string"},
-                                                                              "i": {"type": "integer"},
-                                                                              "e": {"type": "string",
-                                                                                    "enum": ["x", "y"]}},
-                                              "required": ["s"]}}, {"name": "g"}]
-    schemas = {f["name"]: f.get("parameters") or {} for f in functions}
-    model = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-qwen3"
-    with kestrel_core.load(str(model), backend="cpu") as engine:
-        def admits(text: str) -> bool:
-            constraint = engine.constraint(call_grammar(XML, functions, many=True))
-            for token in engine.tokenizer.encode(text, add_special_tokens=False):
-                if not constraint.allowed()[token]:
-                    return False
-                constraint.accept(token)
-            return bool(constraint.allowed()[constraint.eos])
-
-        good = [_xml("f", s="New York <b>", i="3", e="y"), _xml("f", s="x") + "\n" + _xml("g")]
-        for text in good:
-            assert admits(text) and parse(XML, text, schemas=schemas).calls, text
-        for bad in (_xml("f", i="3"), _xml("f", s="x", i="three"), _xml("h"), _xml("f", s="x") + " and text",
-                    _xml("f", s="x", e="z")):
-            assert not admits(bad), bad
+    schemas = {f["name"]: f.get("parameters") or {} for f in FUNCTIONS}
+    grammar = call_grammar(XML, FUNCTIONS, many=True)
+    for text in (_xml("f", s="New York <b>", i="3", e="y"), _xml("f", s="x") + "\n" + _xml("g")):
+        assert _admits(grammar, text) and parse(XML, text, schemas=schemas).calls, text
+    for bad in (_xml("f", i="3"), _xml("f", s="x", i="three"), _xml("h"), _xml("f", s="x") + " and text",
+                _xml("f", s="x", e="z")):
+        assert not _admits(grammar, bad), bad
 
 
 def test_parallel_off_keeps_the_first_call() -> None:
