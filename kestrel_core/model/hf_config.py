@@ -329,7 +329,8 @@ def _rotary_dim(cfg: dict[str, Any], head_dim: int, where: str, default: float |
 
 def _moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
     """The experts of Qwen2-MoE and Qwen3-MoE (moe_intermediate_size wide, norm_topk_prob as set; Qwen2-MoE's
-    shared expert) and Mixtral (intermediate_size wide, always renormalised)."""
+    shared expert; dense layers among them), Mixtral (intermediate_size wide, always renormalised), gpt-oss,
+    Qwen3.5-MoE and Qwen3-Next, GLM-4.5 and ERNIE 4.5 (their routers choose with a bias)."""
     if arch == "ernie4_5_moe":
         return _ernie_moe_fields(cfg, where)
     experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
@@ -371,8 +372,7 @@ def _moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _sparse_step_dense_layers(cfg: dict[str, Any], where: str) -> tuple[int, ...]:
     """Qwen2-MoE's dense layers: those of ``mlp_only_layers``, and those not on a ``decoder_sparse_step``."""
-    layers, only = cfg["num_hidden_layers"], cfg.get("mlp_only_layers") or []
-    step = check_int("decoder_sparse_step", cfg.get("decoder_sparse_step", 1), 1)
+    layers, only, step = cfg["num_hidden_layers"], cfg.get("mlp_only_layers") or [], cfg.get("decoder_sparse_step", 1)
     if not isinstance(only, list) or not all(is_int(i) and 0 <= i < layers for i in only):
         raise KestrelError(f"{where}: mlp_only_layers must be layer indices below {layers}, got {only!r}")
     return tuple(i for i in range(layers) if i in only or (i + 1) % step)
@@ -385,16 +385,13 @@ def _sigmoid_router_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise KestrelError(f"{where}: hidden_act {act!r} is not supported (GLM-4.5 uses silu)")
-    width = check_int("moe_intermediate_size", cfg.get("moe_intermediate_size", 1408), 1)
-    dense = check_int("first_k_dense_replace", cfg.get("first_k_dense_replace", 1), 0)
-    shared = check_int("n_shared_experts", cfg.get("n_shared_experts", 1) or 0, 0)
-    return {"expert_intermediate_size": width, "shared_expert_intermediate_size": width * shared,
+    width, dense = cfg.get("moe_intermediate_size", 1408), cfg.get("first_k_dense_replace", 1)
+    return {"expert_intermediate_size": width,
+            "shared_expert_intermediate_size": width * cfg.get("n_shared_experts", 1),
             "shared_expert_gated": False, "dense_layers": tuple(range(min(dense, cfg["num_hidden_layers"]))),
             "norm_topk_prob": check_bool("norm_topk_prob", cfg.get("norm_topk_prob", True)),
             "router_scoring": "sigmoid", "router_choice_bias": True, "router_groups": cfg.get("n_group", 1),
-            "router_topk_groups": cfg.get("topk_group", 1),
-            "routed_scaling": check_float("routed_scaling_factor", cfg.get("routed_scaling_factor", 1.0), 0.0,
-                                          lo_open=True)}
+            "router_topk_groups": cfg.get("topk_group", 1), "routed_scaling": cfg.get("routed_scaling_factor", 1.0)}
 
 
 def _ernie_moe_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:

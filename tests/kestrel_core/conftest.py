@@ -262,18 +262,23 @@ def to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def write_bf16_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    """safetensors by hand (numpy cannot write BF16): 8-byte header length, JSON header, raw data."""
+def write_raw_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
+    """safetensors by hand, for the dtypes numpy cannot write (BF16, F8_E4M3): each tensor its dtype's name and
+    its raw elements; 8-byte header length, JSON header, raw data."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     blobs, offset = [], 0
-    for name, arr in tensors.items():
-        raw = to_bf16_bits(arr).tobytes()
-        header[name] = {"dtype": "BF16", "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
+    for name, (dtype, arr) in tensors.items():
+        raw = np.ascontiguousarray(arr).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
         blobs.append(raw)
         offset += len(raw)
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
     path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def write_bf16_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    write_raw_safetensors(path, {name: ("BF16", to_bf16_bits(arr)) for name, arr in tensors.items()})
 
 
 def write_hf_dir(root: Path, src, dtype: str = "f32", shards: int = 1, generation_eos: list[int] | None = None):
@@ -304,5 +309,6 @@ def fmt() -> SimpleNamespace:
     """The formats test helpers: tokenizers, GGUF and HF writers, llama.cpp's permute, the corpus."""
     return SimpleNamespace(train_bpe=train_bpe, bpe_vocab=bpe_vocab, write_gguf=write_gguf,
                            write_hf_dir=write_hf_dir, to_bf16_bits=to_bf16_bits, hf_name=hf_name,
+                           write_raw_safetensors=write_raw_safetensors,
                            llamacpp_permute=llamacpp_permute, synth_config=synth_config,
                            synth_tensors=synth_tensors, DictSource=DictSource, CORPUS=CORPUS, SPECIALS=SPECIALS)

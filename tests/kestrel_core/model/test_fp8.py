@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import struct
 from pathlib import Path
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -25,19 +25,6 @@ from kestrel_core.model.hf import HFCheckpoint
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 SOURCE = FIXTURES / "tiny-qwen3"
 E4M3_MAX = 448.0
-
-
-def _write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
-    """The safetensors layout (an 8-byte header length, the JSON header, the data) with each tensor's own dtype
-    name, which numpy's writer cannot give F8_E4M3."""
-    header, data, at = {}, bytearray(), 0
-    for name, (dtype, array) in tensors.items():
-        raw = np.ascontiguousarray(array).tobytes()
-        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [at, at + len(raw)]}
-        data += raw
-        at += len(raw)
-    text = json.dumps({"__metadata__": {"format": "pt"}, **header}).encode()
-    path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(data))
 
 
 def _scales(w: np.ndarray, scheme: str) -> np.ndarray:
@@ -60,7 +47,7 @@ def _spread(scale: np.ndarray, shape: tuple[int, int], scheme: str) -> np.ndarra
     return np.repeat(np.repeat(scale, 32, axis=0), 32, axis=1)[:shape[0], :shape[1]]
 
 
-def make_fp8(dst: Path, scheme: str) -> Path:
+def make_fp8(fmt: SimpleNamespace, dst: Path, scheme: str) -> Path:
     """tiny-qwen3 with every projection FP8 (``scheme``: block, tensor, row), and beside it ``dst``-f32 holding the
     reference decoding of the same weights as float32."""
     shutil.copytree(SOURCE, dst)
@@ -80,7 +67,7 @@ def make_fp8(dst: Path, scheme: str) -> Path:
         suffix = "_scale" if scheme == "row" else "_scale_inv"
         fp8[name + suffix] = ("F32", scale)
         decoded[name] = codes.astype(np.float32) * _spread(scale, t.shape, scheme)
-    _write_safetensors(dst / "model.safetensors", fp8)
+    fmt.write_raw_safetensors(dst / "model.safetensors", fp8)
     save_file(decoded, str(ref / "model.safetensors"))
     cfg = json.loads((dst / "config.json").read_text())
     cfg["quantization_config"] = {
@@ -99,8 +86,8 @@ def test_the_e4m3_table_is_ml_dtypes_decoding() -> None:
 
 
 @pytest.mark.parametrize("scheme", ["block", "tensor", "row"])
-def test_an_fp8_checkpoint_is_its_weights_decoded(tmp_path: Path, scheme: str) -> None:
-    ref = make_fp8(tmp_path / "fp8", scheme)
+def test_an_fp8_checkpoint_is_its_weights_decoded(fmt: SimpleNamespace, tmp_path: Path, scheme: str) -> None:
+    ref = make_fp8(fmt, tmp_path / "fp8", scheme)
     fp8, f32 = HFCheckpoint(tmp_path / "fp8"), HFCheckpoint(ref)
     for name in ("layers.0.q", "layers.1.down", "layers.2.gate"):
         np.testing.assert_array_equal(fp8.get(name), f32.get(name))
@@ -118,8 +105,9 @@ def test_an_fp8_checkpoint_is_its_weights_decoded(tmp_path: Path, scheme: str) -
      r"q_proj.weight: scale of shape \[8, 2\] does not fit a weight of shape \[256, 64\] \(blocks of \[64, 64\]\)"),
     (lambda c: {k: v for k, v in c.items() if k != "quantization_config"}, r"is FP8, but config.json has no FP8"),
 ])
-def test_what_an_fp8_checkpoint_cannot_be_is_one_line(tmp_path: Path, change, says: str) -> None:  # noqa: ANN001
-    make_fp8(tmp_path / "fp8", "block")
+def test_what_an_fp8_checkpoint_cannot_be_is_one_line(fmt: SimpleNamespace, tmp_path: Path, change,  # noqa: ANN001
+                                                      says: str) -> None:
+    make_fp8(fmt, tmp_path / "fp8", "block")
     path = tmp_path / "fp8" / "config.json"
     path.write_text(json.dumps(change(json.loads(path.read_text()))))
     with pytest.raises(KestrelError, match=says):

@@ -255,7 +255,7 @@ def _mxfp4_copy(tmp_path: Path, change) -> Path:  # type: ignore[no-untyped-def]
     src = HFCheckpoint(GPT_OSS_MXFP4)
     for hf_name, path in src._paths.items():
         if hf_name not in tensors and not hf_name.endswith(("_blocks", "_scales")):
-            bits = src._bf16_bits(path, hf_name)
+            bits = src._raw(path, hf_name, "<u2")
             tensors[hf_name] = BFloat16Bits(np.ascontiguousarray(bits)).to_float32()
     save_file({k: v for k, v in tensors.items() if v is not None}, str(d / "model.safetensors"))
     return d
