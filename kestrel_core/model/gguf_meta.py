@@ -19,7 +19,8 @@ from kestrel_core.model.config import recommended_sampling
 from kestrel_core.model.quantize import layer_name
 from kestrel_core.model.validate import ValidationError, check_float, check_int, is_int
 
-MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}  # with experts
+MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "qwen3vlmoe": "qwen3_moe",  # with experts
+                     "llama": "mixtral"}
 EXPERT_WEIGHTS_NORM = {"qwen2moe": False}  # llama.cpp's default where expert_weights_norm is absent: true
 EXAONE4_SWA_PATTERN = 4  # llama.cpp's: every 4th EXAONE 4 layer is global (the file does not say)
 SMOLLM3_NOPE_STEP = 4  # llama.cpp's: every 4th layer of SmolLM3 has no RoPE (the file does not say)
@@ -193,6 +194,8 @@ class GGUFMetadata:
                 out["attn_softcap"] = self.float_field(f"{arch}.attn_logit_softcapping", 50.0)
                 out["final_softcap"] = self.float_field(f"{arch}.final_logit_softcapping", 30.0)
             return out
+        if arch == "qwen3vl":  # Qwen3-VL's language model, qwen3's: rope.dimension_sections turn text as plain RoPE
+            return {"arch": "qwen3"}
         if arch == "smollm3":
             return {"nope_layers": tuple(i for i in range(layers) if (i + 1) % SMOLLM3_NOPE_STEP == 0)}
         if arch == "glm4":  # interleaved RoPE pairs (llama.cpp's NORM rope), Gemma's four norms, q/k/v biases
@@ -242,7 +245,7 @@ class GGUFMetadata:
                     "activation": "swiglu_oai", "layer_types": tuple("sliding" if i % 2 == 0 else "full"
                                                                      for i in range(layers))}
         if not experts:
-            if arch in ("qwen2moe", "qwen3moe"):
+            if arch in ("qwen2moe", "qwen3moe", "qwen3vlmoe"):
                 raise KestrelError(f"{self.path}: {arch}.expert_count is missing")
             return {}
         if arch not in MOE_ARCHITECTURES:

@@ -1,7 +1,8 @@
-"""Read a GGUF file (GGUF_ARCHITECTURES: llama incl. Mixtral, qwen2, qwen3, phi3, gemma 2 and 3, the mixtures of
-experts, gpt-oss, smollm3, granite, olmo2, exaone4, seed_oss, glm4, ernie4_5, qwen35, qwen35moe, qwen3next, lfm2 and
-granitehybrid) as a TensorSource: dequantized float32, HF layout; the experts of a stacked ``ffn_*_exps`` tensor are
-read one slice at a time. Its metadata: model/gguf_meta.py.
+"""Read a GGUF file (GGUF_ARCHITECTURES: llama incl. Mixtral, qwen2, qwen3 and Qwen3-VL's, phi3, gemma 2 and 3, the
+mixtures of experts, gpt-oss, smollm3, granite, olmo2, exaone4, seed_oss, glm4 and glm4moe, ernie4_5 and its MoE,
+qwen35, qwen35moe, qwen3next, lfm2 and granitehybrid; one file, or the parts of a split one) as a TensorSource:
+dequantized float32, HF layout; the experts of a stacked ``ffn_*_exps`` tensor are read one slice at a time. Its
+metadata: model/gguf_meta.py.
 
 llama.cpp's convert_hf_to_gguf.py permutes the rows of Q and K for the llama architecture only
 (``LlamaModel.permute``: rows ``[n_head, 2, hd/2]`` -> ``[n_head, hd/2, 2]``), because ggml's default RoPE
@@ -34,7 +35,7 @@ from kestrel_core.model.weights import expert_field
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
                       "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5", "qwen35", "qwen35moe",
-                      "qwen3next", "lfm2", "granitehybrid", "glm4moe", "ernie4_5-moe")
+                      "qwen3next", "lfm2", "granitehybrid", "glm4moe", "ernie4_5-moe", "qwen3vl", "qwen3vlmoe")
 # kestrel's names: a llama GGUF with experts is Mixtral; SmolLM3's converter is llama's
 PERMUTED_ARCHITECTURES = ("llama", "mixtral", "smollm3", "granite", "granitemoehybrid")
 # phi3 GGUFs hold Q|K|V and gate|up (llama.cpp's ffn_up of phi3: gate rows, then up) as one tensor each; glm4's
@@ -325,7 +326,8 @@ class GGUFCheckpoint(GGUFMetadata):
                 bos_token_id=bos,
                 eos_token_ids=tuple(dict.fromkeys(eos)),
                 sampling=self._sampling(),
-                **{"qkv_bias": arch in ("qwen2", "qwen2moe"), "qk_norm": arch in ("qwen3", "qwen3moe", "gemma3"),
+                **{"qkv_bias": arch in ("qwen2", "qwen2moe"),
+                   "qk_norm": arch in ("qwen3", "qwen3moe", "qwen3vl", "qwen3vlmoe", "gemma3"),
                    # llama.cpp's converter writes 0 for a phi3 without a window
                    "sliding_window": self.int_field(f"{arch}.attention.sliding_window", lo=0) or None
                    if arch in ("phi3", "gemma2", "gemma3", "gpt-oss") else None, **extra},

@@ -101,9 +101,11 @@ _CHOICE_ROUTER_MAP = {"mlp.gate.e_score_correction_bias": "router_choice_bias",
                       "mlp.shared_experts.down_proj.weight": "shared_expert.down"}
 # gpt-oss: the attention's output bias and sinks, the router's bias
 _GPT_OSS_MAP = {"self_attn.o_proj.bias": "o_bias", "self_attn.sinks": "sinks", "mlp.router.bias": "router_bias"}
-# gpt-oss's experts, stacked [E, ...] in one tensor each: gate|up interleaved by row ([E, D, 2F], or MXFP4 blocks
-# [E, 2F, D/32, 16] and scales [E, 2F, D/32]), down ([E, F, D], or MXFP4 [E, D, F/32, 16]), and their biases
-_GPT_OSS_EXPERTS = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+# experts stacked [E, ...] in one tensor each, as x @ W: gpt-oss's gate|up interleaved by column ([E, D, 2F], or MXFP4
+# blocks [E, 2F, D/32, 16] and scales [E, 2F, D/32]), down ([E, F, D], or MXFP4 [E, D, F/32, 16]) and their biases;
+# Qwen3-VL-MoE's gate|up as the two halves of [E, D, 2F]
+_STACKED_EXPERTS = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+STACKED_ARCHITECTURES = ("gpt_oss", "qwen3_moe")
 # Qwen2-MoE's shared expert and its gate
 _SHARED_MAP = {"mlp.shared_expert.gate_proj.weight": "shared_expert.gate",
                "mlp.shared_expert.up_proj.weight": "shared_expert.up",
@@ -286,7 +288,8 @@ class HFCheckpoint:
             return [(name, None)]
         if c.arch == "granitemoehybrid" and m is not None and m.group(2) in _GRANITE_MLPS:
             return self._granite_names(int(m.group(1)), m.group(2))
-        stacked = _GPT_OSS_EXPERTS.match(m.group(2)) if m is not None and self.config.arch == "gpt_oss" else None
+        stacked = (_STACKED_EXPERTS.match(m.group(2)) if m is not None and c.arch in STACKED_ARCHITECTURES
+                   else None)
         if stacked is not None:
             proj, suffix = stacked.groups()
             if suffix == "_scales":  # read beside its blocks
@@ -405,6 +408,8 @@ class HFCheckpoint:
             raise KestrelError(f"{path}: cannot read tensor {hf_name} ({exc})") from None
         if t.ndim != (1 if part.endswith("_bias") else 2):
             raise KestrelError(f"{path}: tensor {hf_name} has {t.ndim + 1} dimensions")
+        if self.config.arch == "qwen3_moe":
+            return self._halves_expert(t, part, path, hf_name)
         if part in ("gate", "up"):  # [D, 2F]: gate and up interleaved by column
             t = t[:, 0::2].T if part == "gate" else t[:, 1::2].T
         elif part == "down":  # [F, D]
@@ -412,6 +417,20 @@ class HFCheckpoint:
         elif part in ("gate_bias", "up_bias"):
             t = t[0::2] if part == "gate_bias" else t[1::2]
         return np.ascontiguousarray(t, dtype=np.float32)
+
+    def _halves_expert(self, t: np.ndarray, part: str, path: Path, hf_name: str) -> np.ndarray:
+        """Qwen3-VL-MoE's expert as its gate [F, D], up or down [D, F]: the hub's x @ W tensors, gate|up [D, 2F] (gate's
+        columns, then up's) and down [F, D], or transformers 5's nn.Linear ones, [2F, D] and [D, F], told apart by
+        their shapes as transformers' conversion tells them."""
+        d, f = self.config.hidden_size, self.config.expert_intermediate_size
+        linear = (d, f) if part == "down" else (2 * f, d)
+        if t.shape not in (linear, linear[::-1]):
+            raise KestrelError(f"{path}: tensor {hf_name} has an expert of shape {list(t.shape)}; expected "
+                               f"{list(linear)} or {list(linear[::-1])}")
+        rows = t if t.shape == linear else t.T
+        if part != "down":
+            rows = rows[:f] if part == "gate" else rows[f:]
+        return np.ascontiguousarray(rows, dtype=np.float32)
 
     def _stacked_slice(self, path: Path, hf_name: str, e: int) -> np.ndarray:
         """Expert ``e``'s slice of a stacked tensor [E, ...] as float32."""

@@ -35,6 +35,8 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "Qwen3NextForCausalLM": "qwen3_next", "Lfm2ForCausalLM": "lfm2",
                     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
                     "Glm4MoeForCausalLM": "glm4_moe", "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
+                    # Qwen3-VL's language models are Qwen3's and Qwen3-MoE's (_TEXT_CONFIGS names them so)
+                    "Qwen3VLForConditionalGeneration": "qwen3_vl", "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
                     # the decoder without its head, as embedding checkpoints (e5-mistral, ...) name it
                     "LlamaModel": "llama", "Qwen2Model": "qwen2", "Qwen3Model": "qwen3", "MistralModel": "mistral"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
@@ -44,7 +46,8 @@ MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": 
                "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "qwen3_5": "qwen3_5",
                "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe",
                "qwen3_next": "qwen3_next", "lfm2": "lfm2", "granitemoehybrid": "granitemoehybrid",
-               "glm4_moe": "glm4_moe", "ernie4_5_moe": "ernie4_5_moe"}
+               "glm4_moe": "glm4_moe", "ernie4_5_moe": "ernie4_5_moe", "qwen3_vl": "qwen3_vl",
+               "qwen3_vl_moe": "qwen3_vl_moe"}
 WINDOWED = ("mistral", "phi3", "mixtral")  # architectures whose sliding_window applies to every layer
 # Gemma3TextConfig's defaults: hub configs (the text_config of the multimodal checkpoints) leave many out
 GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -58,6 +61,8 @@ HYBRID_ARCHITECTURES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 QWEN3_5_DEFAULTS = {"head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
                     "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
                     "rms_norm_eps": 1e-6, "max_position_embeddings": 32768}
+# Qwen3VLTextConfig's defaults of what a text_config may leave out
+QWEN3_VL_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 128000}
 GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # Gemma2Config's defaults
 POST_NORMED = ("olmo2", "exaone4")
 # transformers' GptOssConfig default RoPE, for a config.json without one
@@ -99,12 +104,14 @@ def _named_arch(cfg: dict[str, Any]) -> str | None:
 # name, and the defaults its config class gives what a hub config leaves out
 _TEXT_CONFIGS = {"gemma3": ("Gemma3ForCausalLM", GEMMA3_DEFAULTS), "qwen3_5": ("Qwen3_5ForCausalLM", QWEN3_5_DEFAULTS),
                  "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", {**QWEN3_5_DEFAULTS, "moe_intermediate_size": 512,
-                                                           "num_experts": 256, "num_experts_per_tok": 8})}
+                                                           "num_experts": 256, "num_experts_per_tok": 8}),
+                 "qwen3_vl": ("Qwen3ForCausalLM", QWEN3_VL_DEFAULTS),
+                 "qwen3_vl_moe": ("Qwen3MoeForCausalLM", QWEN3_VL_DEFAULTS)}
 
 
 def _text_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    """The language model's settings: a multimodal Gemma 3's or Qwen3.5's text_config (with its own defaults), or
-    cfg."""
+    """The language model's settings: a multimodal Gemma 3's, Qwen3.5's or Qwen3-VL's text_config (with its own
+    defaults), or cfg."""
     arch = _named_arch(cfg)
     if arch not in _TEXT_CONFIGS:
         return cfg
