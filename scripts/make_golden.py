@@ -64,6 +64,12 @@ Writes under tests/fixtures/models/:
                 choice adds a bias, top-2) beside two shared experts, the others dense; RoPE in interleaved pairs,
                 bfloat16
   tiny-ernie4_5-moe.gguf  llama.cpp's ernie4_5-moe (exp_probs_b, *_shexp); golden = tiny-ernie4_5-moe's
+  tiny-qwen3-vl/ Qwen3VLForConditionalGeneration: Qwen3's layers under model.language_model with interleaved
+                multimodal RoPE (text positions: plain RoPE), a one-block vision tower kestrel does not read, bfloat16
+  tiny-qwen3-vl.gguf  llama.cpp's qwen3vl (rope.dimension_sections); golden = tiny-qwen3-vl's
+  tiny-qwen3-vl-moe/ Qwen3VLMoeForConditionalGeneration: 4 experts top-2, stacked as the Hub ships them (x @ W:
+                gate|up [E, D, 2F], down [E, F, D]), bfloat16
+  tiny-qwen3-vl-moe.gguf  llama.cpp's qwen3vlmoe (ffn_*_exps); golden = tiny-qwen3-vl-moe's
   tiny-llama-lora/  a PEFT LoRA adapter of tiny-llama (rank 4 on q, v, o, down); its golden.npz: transformers + PEFT
   smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
   MANIFEST.json  versions, shapes, logit ranges, the command
@@ -115,6 +121,8 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
     Qwen3NextConfig,
+    Qwen3VLConfig,
+    Qwen3VLMoeConfig,
     SeedOssConfig,
     SmolLM3Config,
 )
@@ -330,6 +338,16 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
                                    moe_intermediate_size=32, moe_num_experts=8, moe_k=2, moe_num_shared_experts=2,
                                    moe_layer_start_index=1, moe_layer_interval=2, moe_layer_end_index=-1,
                                    tie_word_embeddings=False, rope_theta=10000.0, use_bias=False, pad_token_id=None)
+    # Qwen3-VL: Qwen3's language model (interleaved multimodal RoPE) beside a one-block vision tower; its MoE's experts
+    # 96 wide (gate|up 192, neither the hidden 64: the two layouts of stacked experts are told apart by shape)
+    vl_text = dict(**common, num_hidden_layers=2, intermediate_size=128, head_dim=16, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True})
+    vl_vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64,
+                     deepstack_visual_indexes=[0], patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+    qwen3_vl = Qwen3VLConfig(text_config=vl_text, vision_config=vl_vision, tie_word_embeddings=False)
+    qwen3_vl_moe = Qwen3VLMoeConfig(text_config={**vl_text, "num_experts": 4, "num_experts_per_tok": 2,
+                                                 "moe_intermediate_size": 96, "decoder_sparse_step": 1},
+                                    vision_config=vl_vision, tie_word_embeddings=False)
     # Qwen3.5: three Gated DeltaNet layers to one gated attention layer, 2 key heads to 4 value heads (llama.cpp's
     # converter reorders the value heads), RoPE on a quarter of each head, every RMSNorm but the gated one 1 + w;
     # saved as the hub's multimodal checkpoints nest it (``nest``)
@@ -391,6 +409,8 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-ernie4_5": (ernie, _saved(torch.bfloat16)),
         "tiny-glm4-moe": (glm4_moe, _saved(torch.bfloat16, mtp=True)),
         "tiny-ernie4_5-moe": (ernie_moe, _saved(torch.bfloat16)),
+        "tiny-qwen3-vl": (qwen3_vl, _saved(torch.bfloat16, classic=False, vision=True)),
+        "tiny-qwen3-vl-moe": (qwen3_vl_moe, _saved(torch.bfloat16, classic=False, vision=True, hub_experts=True)),
         "tiny-qwen3_5": (qwen3_5, _saved(torch.bfloat16, classic=False, nest=True)),
         "tiny-qwen3_5-moe": (qwen3_5_moe, _saved(torch.bfloat16, classic=False)),
         "tiny-qwen3-next": (qwen3_next, _saved(torch.bfloat16, classic=False)),
@@ -428,6 +448,7 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
     gpt_oss = model.config.model_type == "gpt_oss"
     with torch.no_grad():
         for name, p in model.named_parameters():
+            name = name.replace("model.language_model.", "model.")  # a multimodal model's language model
             shape = tuple(p.shape)
             if gpt_oss and name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, K, N]: x @ W
                 val = np.stack([mxfp4_grid(rng, (shape[2], shape[1]), STD_PROJ).T for _ in range(shape[0])])
@@ -461,6 +482,8 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                                 "mlp.router.weight", "block_sparse_moe.router.weight")):
                 # a router, or a shared expert's sigmoid gate
                 val = STD_ROUTER * rng.standard_normal(shape)
+            elif ".visual." in name:  # Qwen3-VL's vision tower: text logits never read it
+                val = 0.02 * rng.standard_normal(shape)
             elif name.endswith("moe_statics.e_score_correction_bias"):  # ERNIE 4.5's, on softmax probabilities
                 val = 2 * ROUTER_CHOICE_BIAS_STD * rng.standard_normal(shape)
             elif name.endswith(".bias"):
@@ -521,9 +544,8 @@ def classic_config(d: Path) -> None:
 
 
 @torch.no_grad()
-def hf_logits(model_dir: Path, ids: np.ndarray, **kw: Any) -> np.ndarray:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
-                                                 **kw)
+def hf_logits(model_dir: Path, ids: np.ndarray, auto: Any = AutoModelForCausalLM, **kw: Any) -> np.ndarray:
+    model = auto.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager", **kw)
     model.eval()
     out = model(torch.from_numpy(ids[None].astype(np.int64)))
     return out.logits[0].float().numpy()  # [T, V]
@@ -535,7 +557,8 @@ def build_tiny(name: str, config: Any, opts: dict[str, Any], tok: Tokenizer, see
         shutil.rmtree(d)
     d.mkdir(parents=True)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = transformers.AutoModelForImageTextToText if opts.get("vision") else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     init_weights(model, seed)
     model = model.to(opts["dtype"])
     save_kw = {"max_shard_size": opts["max_shard_size"]} if opts["max_shard_size"] else {}
@@ -546,8 +569,10 @@ def build_tiny(name: str, config: Any, opts: dict[str, Any], tok: Tokenizer, see
     write_tokenizer(tok, d)
 
     # Seeded ids, avoiding the specials so nothing downstream treats them as control tokens.
+    if opts.get("hub_experts"):
+        hub_stacked_experts(d)
     ids = np.random.default_rng(seed).integers(len(SPECIALS), VOCAB, size=SEQ_LEN).astype(np.int64)
-    logits = hf_logits(d, ids)
+    logits = hf_logits(d, ids, auto)
     extra = {}
     if opts.get("short"):  # the first positions alone: a sequence within a longrope model's pretraining context
         extra = {"short_ids": ids[:opts["short"]], "short_logits": hf_logits(d, ids[:opts["short"]])}
@@ -558,6 +583,17 @@ def build_tiny(name: str, config: Any, opts: dict[str, Any], tok: Tokenizer, see
         add_mtp_layer(d)
     return {"dir": name, "dtype": str(opts["dtype"]).removeprefix("torch."), "seed": seed,
             "files": sorted(p.name for p in d.iterdir()), **logit_stats(logits)}
+
+
+def hub_stacked_experts(d: Path) -> None:
+    """Rewrite transformers 5's stacked experts (nn.Linear's [E, 2F, D] gate|up, [E, D, F] down) as the Hub ships
+    Qwen3-VL-MoE (x @ W: [E, D, 2F], [E, F, D]); transformers transposes them back as it loads."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(d / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
 
 
 def add_mtp_layer(d: Path) -> None:
@@ -812,8 +848,7 @@ def _write_dense(src: Path, dst: Path, tok: Tokenizer, arch: str, norms: dict[st
     permuted as llama's where ``permute``, biases and q/k norms where the checkpoint has them, gate|up as one ffn_up
     where ``fused_gate_up``, no output tensor where the embeddings are tied; ``configure(writer, config)`` adds the
     architecture's metadata. Q4_0 even layers, F16 odd ones."""
-    cfg = json.loads((src / "config.json").read_text())
-    tensors = _float32_tensors(src / "model.safetensors")
+    cfg, tensors = _checkpoint(src)
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = _gguf_writer(dst, arch, src.name, cfg, tok)
     if configure is not None:
@@ -1098,6 +1133,31 @@ def build_lora(base: Path, dst: Path, seed: int) -> dict[str, Any]:
             **logit_stats(logits)}
 
 
+def _checkpoint(src: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(config, float32 tensors) of a tiny model as a text model's: a multimodal Qwen3-VL's text_config and
+    model.language_model.* tensors as a plain model's, its stacked experts (the Hub's [E, D, 2F] / [E, F, D]) as
+    each expert's gate, up and down; anything else as it is."""
+    cfg = json.loads((src / "config.json").read_text())
+    tensors = _float32_tensors(src / "model.safetensors")
+    if "text_config" not in cfg:
+        return cfg, tensors
+    text = cfg["text_config"]
+    rope = text["rope_parameters"]
+    cfg = {**text, "rope_theta": rope["rope_theta"], "mrope_section": rope["mrope_section"],
+           "tie_word_embeddings": cfg["tie_word_embeddings"], "vision": cfg["vision_config"]}
+    tensors = {k.replace("model.language_model.", "model."): v for k, v in tensors.items() if ".visual." not in k}
+    width = cfg.get("moe_intermediate_size")
+    for name in [n for n in tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        stacked, prefix = tensors.pop(name), name.rsplit(".", 1)[0] + "."
+        for e, w in enumerate(stacked):  # x @ W: gate|up [D, 2F], down [F, D]
+            if name.endswith("gate_up_proj"):
+                tensors[f"{prefix}{e}.gate_proj.weight"] = np.ascontiguousarray(w[:, :width].T)
+                tensors[f"{prefix}{e}.up_proj.weight"] = np.ascontiguousarray(w[:, width:].T)
+            else:
+                tensors[f"{prefix}{e}.down_proj.weight"] = np.ascontiguousarray(w.T)
+    return cfg, tensors
+
+
 def _float32_tensors(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of a safetensors file as float32 (bfloat16 too, which safetensors' numpy loader refuses)."""
     from safetensors.torch import load_file
@@ -1151,13 +1211,14 @@ def write_gemma_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
 
 
 def _write_moe_gguf(src: Path, dst: Path, tok: Tokenizer, arch: str, permute: bool, expert_names: tuple[str, ...],
-                    block: str) -> dict[str, Any]:
-    cfg = json.loads((src / "config.json").read_text())
+                    block: str, configure: Any = None) -> dict[str, Any]:
+    cfg, tensors = _checkpoint(src)
     experts = cfg.get("num_experts") or cfg["num_local_experts"]
     cfg = {**cfg, "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]}
-    tensors = _float32_tensors(src / "model.safetensors")
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = _gguf_writer(dst, arch, src.name, cfg, tok)
+    if configure is not None:
+        configure(w, cfg)
     w.add_expert_count(experts)
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     if "moe_intermediate_size" in cfg:
@@ -1205,6 +1266,25 @@ def write_qwen2_moe_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]
     """tiny-qwen2-moe as llama.cpp's Qwen2MoeModel writes it: qwen2moe, q/k/v biases, stacked experts, the
     shared expert as ffn_*_shexp with its gate ffn_gate_inp_shexp; unpermuted."""
     return _write_moe_gguf(src, dst, tok, "qwen2moe", False, ("gate_proj", "up_proj", "down_proj"), "mlp")
+
+
+def _qwen3_vl_metadata(w: Any, cfg: dict[str, Any]) -> None:
+    """What llama.cpp's Qwen3VLTextModel adds to qwen3's: the multimodal RoPE's sections and the deepstack layers."""
+    w.add_rope_dimension_sections([*cfg["mrope_section"], 0])
+    w.add_uint32(f"{w.arch}.n_deepstack_layers", len(cfg["vision"]["deepstack_visual_indexes"]))
+
+
+def write_qwen3_vl_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-qwen3-vl's language model as llama.cpp's Qwen3VLTextModel writes it (the vision tower goes to its own
+    mmproj file): qwen3's tensors, unpermuted, q/k norms."""
+    return _write_dense(src, dst, tok, "qwen3vl", PRE_NORMS, configure=_qwen3_vl_metadata)
+
+
+def write_qwen3_vl_moe_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-qwen3-vl-moe's language model as llama.cpp's Qwen3VLMoeTextModel writes it: qwen3moe's stacked ffn_*_exps
+    from the Hub's fused gate|up."""
+    return _write_moe_gguf(src, dst, tok, "qwen3vlmoe", False, ("gate_proj", "up_proj", "down_proj"), "mlp",
+                           configure=_qwen3_vl_metadata)
 
 
 def write_mixtral_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
@@ -1464,7 +1544,8 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-qwen3_5-moe": write_hybrid_gguf, "tiny-qwen3-next": write_hybrid_gguf,
               "tiny-lfm2": write_lfm2_gguf, "tiny-granite4-h": write_granite_hybrid_gguf,
               "tiny-granite4-h-moe": write_granite_hybrid_gguf, "tiny-glm4-moe": write_glm4_moe_gguf,
-              "tiny-ernie4_5-moe": write_ernie4_5_moe_gguf}
+              "tiny-ernie4_5-moe": write_ernie4_5_moe_gguf, "tiny-qwen3-vl": write_qwen3_vl_gguf,
+              "tiny-qwen3-vl-moe": write_qwen3_vl_moe_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
 DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
 # LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is

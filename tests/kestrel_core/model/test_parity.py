@@ -199,6 +199,10 @@ CASES = (
     Case("tiny-glm4-moe.gguf", "tiny-glm4-moe", ALL_MODES, moe=True),  # exp_probs_b, *_shexp, an MTP block
     Case("tiny-ernie4_5-moe", "tiny-ernie4_5-moe", ALL_MODES, moe=True),  # every 2nd layer experts, a biased choice
     Case("tiny-ernie4_5-moe.gguf", "tiny-ernie4_5-moe", ALL_MODES, moe=True),  # interleave_moe_layer_step
+    Case("tiny-qwen3-vl", "tiny-qwen3-vl", ALL_MODES),  # Qwen3 under model.language_model, multimodal RoPE
+    Case("tiny-qwen3-vl.gguf", "tiny-qwen3-vl", ALL_MODES),  # llama.cpp's qwen3vl
+    Case("tiny-qwen3-vl-moe", "tiny-qwen3-vl-moe", ALL_MODES, moe=True),  # the Hub's stacked x @ W experts
+    Case("tiny-qwen3-vl-moe.gguf", "tiny-qwen3-vl-moe", ALL_MODES, moe=True),  # llama.cpp's qwen3vlmoe
     Case("tiny-gpt-oss", "tiny-gpt-oss", Q8_MODES, moe=True),  # sinks, biases, clamped SwiGLU, interleaved gate|up
     Case("tiny-gpt-oss-mxfp4", "tiny-gpt-oss", Q8_MODES, moe=True),  # the experts as MXFP4 blocks and scales
     Case("tiny-gpt-oss.gguf", "tiny-gpt-oss", Q8_MODES, moe=True),  # llama.cpp's gpt-oss, MXFP4 experts
