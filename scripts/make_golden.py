@@ -64,6 +64,9 @@ Writes under tests/fixtures/models/:
                 choice adds a bias, top-2) beside two shared experts, the others dense; RoPE in interleaved pairs,
                 bfloat16
   tiny-ernie4_5-moe.gguf  llama.cpp's ernie4_5-moe (exp_probs_b, *_shexp); golden = tiny-ernie4_5-moe's
+  tiny-lfm2-moe/ Lfm2MoeForCausalLM: LFM2's layers, the first dense, the others 4 experts chosen by a sigmoid router
+                with a choice bias; bfloat16
+  tiny-lfm2-moe.gguf  llama.cpp's lfm2moe (stacked ffn_*_exps, exp_probs_b); golden = tiny-lfm2-moe's
   tiny-qwen3-vl/ Qwen3VLForConditionalGeneration: Qwen3's layers under model.language_model with interleaved
                 multimodal RoPE (text positions: plain RoPE), a one-block vision tower kestrel does not read, bfloat16
   tiny-qwen3-vl.gguf  llama.cpp's qwen3vl (rope.dimension_sections); golden = tiny-qwen3-vl's
@@ -109,6 +112,7 @@ from transformers import (
     GraniteConfig,
     GraniteMoeHybridConfig,
     Lfm2Config,
+    Lfm2MoeConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -370,6 +374,15 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
                       block_auto_adjust_ff_dim=True, conv_L_cache=3, num_hidden_layers=4,
                       layer_types=["conv", "conv", "full_attention", "conv"], tie_word_embeddings=True,
                       rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    # LFM2-MoE: LFM2's layers, the first dense (128 wide), the others 4 experts (32 wide) chosen by a sigmoid router
+    # with a choice bias, top-2 renormalised
+    lfm2_moe = Lfm2MoeConfig(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=256, bos_token_id=bos, eos_token_id=eos, pad_token_id=None,
+                             norm_eps=1e-5, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                             num_experts_per_tok=2, num_dense_layers=1, use_expert_bias=True, norm_topk_prob=True,
+                             conv_L_cache=3, num_hidden_layers=4, tie_word_embeddings=True,
+                             layer_types=["conv", "conv", "full_attention", "conv"],
+                             rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     # Granite 4.0-H: Mamba-2 layers (4 heads of 32 in 2 groups, state 16) beside attention without RoPE, Granite's
     # multipliers (the attention's 1, so its scores are sharp enough for positions to matter); its shared MLP alone
     # (dense), or beside 4 routed experts as an ungated shared expert
@@ -409,6 +422,7 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-ernie4_5": (ernie, _saved(torch.bfloat16)),
         "tiny-glm4-moe": (glm4_moe, _saved(torch.bfloat16, mtp=True)),
         "tiny-ernie4_5-moe": (ernie_moe, _saved(torch.bfloat16)),
+        "tiny-lfm2-moe": (lfm2_moe, _saved(torch.bfloat16, classic=False)),
         "tiny-qwen3-vl": (qwen3_vl, _saved(torch.bfloat16, classic=False, vision=True)),
         "tiny-qwen3-vl-moe": (qwen3_vl_moe, _saved(torch.bfloat16, classic=False, vision=True, hub_experts=True)),
         "tiny-qwen3_5": (qwen3_5, _saved(torch.bfloat16, classic=False, nest=True)),
@@ -479,7 +493,7 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
             elif name.endswith("norm.weight"):
                 val = 1.0 - norm_shift + NORM_JITTER * rng.standard_normal(shape)
             elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight",
-                                "mlp.router.weight", "block_sparse_moe.router.weight")):
+                                "mlp.router.weight", "block_sparse_moe.router.weight", "feed_forward.gate.weight")):
                 # a router, or a shared expert's sigmoid gate
                 val = STD_ROUTER * rng.standard_normal(shape)
             elif ".visual." in name:  # Qwen3-VL's vision tower: text logits never read it
@@ -500,7 +514,7 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                 raise SystemExit(f"no init rule for {name}")
             p.copy_(torch.from_numpy(np.asarray(val, dtype=np.float32)))
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # zero at init: the choice would ignore it
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # zero at init: the choice would ignore it
                 b.copy_(torch.from_numpy(ROUTER_CHOICE_BIAS_STD * rng.standard_normal(tuple(b.shape))))
         for layer in getattr(getattr(model, "model", None), "layers", []):
             if hasattr(layer, "linear_attn"):
@@ -1397,9 +1411,16 @@ def write_lfm2_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     width = tensors["model.layers.0.feed_forward.w1.weight"].shape[0]
     flat = {**cfg, "rope_theta": cfg["rope_parameters"]["rope_theta"], "intermediate_size": width,
             "rms_norm_eps": cfg["norm_eps"]}
-    w = _gguf_writer(dst, "lfm2", src.name, flat, tok)
+    experts, dense = cfg.get("num_experts", 0), cfg.get("num_dense_layers", len(cfg["layer_types"]))
+    w = _gguf_writer(dst, "lfm2moe" if experts else "lfm2", src.name, flat, tok)
     w.add_head_count_kv([cfg["num_key_value_heads"] if t != "conv" else 0 for t in cfg["layer_types"]])
     w.add_shortconv_l_cache(cfg["conv_L_cache"])
+    if experts:  # LFM2MoeModel's: the experts, the leading dense layers, a sigmoid router
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_leading_dense_block_count(dense)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     put = _gguf_put(w)
     put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
     put("token_embd_norm.weight", tensors["model.embedding_norm.weight"], "f32")
@@ -1418,8 +1439,15 @@ def write_lfm2_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
                 put(f"blk.{i}.{name}.weight", tensors[p + f"self_attn.{proj}.weight"], kind)
             put(f"blk.{i}.attn_q_norm.weight", tensors[p + "self_attn.q_layernorm.weight"], "f32")
             put(f"blk.{i}.attn_k_norm.weight", tensors[p + "self_attn.k_layernorm.weight"], "f32")
-        for hf, name in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
-            put(f"blk.{i}.ffn_{name}.weight", tensors[p + f"feed_forward.{hf}.weight"], kind)
+        if i < dense:
+            for hf, name in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
+                put(f"blk.{i}.ffn_{name}.weight", tensors[p + f"feed_forward.{hf}.weight"], kind)
+            continue
+        put(f"blk.{i}.ffn_gate_inp.weight", tensors[p + "feed_forward.gate.weight"], "f32")
+        put(f"blk.{i}.exp_probs_b.bias", tensors[p + "feed_forward.expert_bias"], "f32")
+        for kind_name, stacked in _stack_experts(tensors, p + "feed_forward.experts.", ("w1", "w3", "w2"),
+                                                 experts).items():
+            put(f"blk.{i}.ffn_{kind_name}_exps.weight", stacked, kind)
     return _gguf_finish(w, src, dst)
 
 
@@ -1545,7 +1573,7 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-lfm2": write_lfm2_gguf, "tiny-granite4-h": write_granite_hybrid_gguf,
               "tiny-granite4-h-moe": write_granite_hybrid_gguf, "tiny-glm4-moe": write_glm4_moe_gguf,
               "tiny-ernie4_5-moe": write_ernie4_5_moe_gguf, "tiny-qwen3-vl": write_qwen3_vl_gguf,
-              "tiny-qwen3-vl-moe": write_qwen3_vl_moe_gguf}
+              "tiny-qwen3-vl-moe": write_qwen3_vl_moe_gguf, "tiny-lfm2-moe": write_lfm2_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
 DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
 # LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is

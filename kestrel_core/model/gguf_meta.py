@@ -32,7 +32,7 @@ GGUF_POOLING = {0: None, 1: "mean", 2: "cls", 3: "last"}  # llama.cpp's pooling_
 GGUF_SAMPLING = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                  "penalty_repeat": "repetition_penalty"}
 GATING_SIGMOID = 2  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
-PER_LAYER_KV = ("lfm2", "granitehybrid")  # head_count_kv per layer: 0 where a layer has no attention
+PER_LAYER_KV = ("lfm2", "lfm2moe", "granitehybrid")  # head_count_kv per layer: 0 where a layer has no attention
 # linear attention beside gated attention
 HYBRID_ARCHITECTURES = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next"}
 
@@ -234,9 +234,10 @@ class GGUFMetadata:
                     "shared_expert_gated": False, "norm_topk_prob": True,
                     "router_choice_bias": layer_name(lead, "router_choice_bias") in self._tensors,
                     "dense_layers": tuple(i for i in range(layers) if (i + 1) % step or i < lead)}
-        if arch == "lfm2":  # short convolutions where a layer has no KV heads; per-head q/k norms; unpermuted
-            return {"layer_types": tuple("full" if h else "conv" for h in self._per_layer_kv(arch)), "qk_norm": True,
-                    "short_conv_kernel": self.int_field(f"{arch}.shortconv.l_cache", required=True)}
+        if arch in ("lfm2", "lfm2moe"):  # short convolutions where a layer has no KV heads; per-head q/k norms
+            out = {"layer_types": tuple("full" if h else "conv" for h in self._per_layer_kv(arch)), "qk_norm": True,
+                   "short_conv_kernel": self.int_field(f"{arch}.shortconv.l_cache", required=True)}
+            return out if arch == "lfm2" else {**out, **self._lfm2moe_fields(arch, layers, experts)}
         if arch == "gpt-oss":  # biases everywhere, sinks, the clamped SwiGLU (llama.cpp's fixed limit and slope)
             return {"arch": "gpt_oss", "num_experts": experts,
                     "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
@@ -256,6 +257,23 @@ class GGUFMetadata:
         return {"arch": MOE_ARCHITECTURES[arch], "num_experts": experts,
                 "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
                 "expert_intermediate_size": ff, "norm_topk_prob": norm, "shared_expert_intermediate_size": shared}
+
+    def _lfm2moe_fields(self, arch: str, layers: int, experts: int) -> dict[str, Any]:
+        """LFM2-MoE's experts: ``leading_dense_block_count`` dense layers, then a sigmoid router (another
+        ``expert_gating_func`` refused) with its choice bias ``exp_probs_b``, renormalised and scaled as
+        ``expert_weights_norm`` and ``expert_weights_scale`` say (default: yes, 1)."""
+        gating = self.int_field(f"{arch}.expert_gating_func", GATING_SIGMOID)
+        if gating != GATING_SIGMOID:
+            raise KestrelError(f"{self.path}: {arch}.expert_gating_func {gating} is not supported (LFM2-MoE's "
+                               f"router is a sigmoid, {GATING_SIGMOID})")
+        dense = self.int_field(f"{arch}.leading_dense_block_count", 0, lo=0) or 0
+        return {"arch": "lfm2_moe", "num_experts": experts,
+                "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
+                "expert_intermediate_size": self.int_field(f"{arch}.expert_feed_forward_length", required=True),
+                "dense_layers": tuple(range(min(dense, layers))), "router_scoring": "sigmoid",
+                "router_choice_bias": layer_name(min(dense, layers - 1), "router_choice_bias") in self._tensors,
+                "norm_topk_prob": self.bool_field(f"{arch}.expert_weights_norm", True),
+                "routed_scaling": self.float_field(f"{arch}.expert_weights_scale", 1.0)}
 
     def _glm4moe_fields(self, arch: str, layers: int, experts: int) -> dict[str, Any]:
         """GLM-4.5's, as llama.cpp reads them: ``leading_dense_block_count`` dense layers, then experts chosen by a

@@ -35,7 +35,8 @@ from kestrel_core.model.weights import expert_field
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
                       "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5", "qwen35", "qwen35moe",
-                      "qwen3next", "lfm2", "granitehybrid", "glm4moe", "ernie4_5-moe", "qwen3vl", "qwen3vlmoe")
+                      "qwen3next", "lfm2", "granitehybrid", "glm4moe", "ernie4_5-moe", "qwen3vl", "qwen3vlmoe",
+                      "lfm2moe")
 # kestrel's names: a llama GGUF with experts is Mixtral; SmolLM3's converter is llama's
 PERMUTED_ARCHITECTURES = ("llama", "mixtral", "smollm3", "granite", "granitemoehybrid")
 # phi3 GGUFs hold Q|K|V and gate|up (llama.cpp's ffn_up of phi3: gate rows, then up) as one tensor each; glm4's
@@ -103,9 +104,10 @@ _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 def kestrel_name(gguf_name: str, arch: str = "llama") -> str | None:
     """``blk.3.attn_q.weight`` -> ``layers.3.q``; None for tensors kestrel does not use."""
     layer_map = (_MLP_NORM_AFTER_ATTENTION_MAP if arch in ("gpt-oss", "seed_oss", "glm4moe") else _HYBRID_MAP
-                 if arch in HYBRID_ARCHITECTURES else _LFM2_MAP if arch == "lfm2" else _GRANITE_HYBRID_MAP
+                 if arch in HYBRID_ARCHITECTURES else _LFM2_MAP if arch in ("lfm2", "lfm2moe") else _GRANITE_HYBRID_MAP
                  if arch == "granitehybrid" else _LAYER_MAP)
-    return map_tensor_name(gguf_name, _LFM2_GLOBAL_MAP if arch == "lfm2" else _GLOBAL_MAP, _BLK_RE, layer_map)
+    return map_tensor_name(gguf_name, _LFM2_GLOBAL_MAP if arch in ("lfm2", "lfm2moe") else _GLOBAL_MAP, _BLK_RE,
+                           layer_map)
 
 
 def grouped_value_heads(w: np.ndarray, axis: int, key_heads: int, value_heads: int, head_dim: int) -> np.ndarray:

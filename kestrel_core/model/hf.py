@@ -89,13 +89,15 @@ _OLMO2_LAYER_MAP = {**_LAYER_MAP, "post_attention_layernorm.weight": "post_attn_
 _GLM4_LAYER_MAP = {**_LAYER_MAP, "post_self_attn_layernorm.weight": "post_attn_norm",
                    "post_mlp_layernorm.weight": "post_mlp_norm"}
 # the router and the experts of Qwen3-MoE (mlp.*) and Mixtral (block_sparse_moe.*, w1/w3/w2 = gate/up/down)
-_EXPERT_RE = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_RE = re.compile(r"^(?:mlp|block_sparse_moe|feed_forward)\.experts\.(\d+)\."
+                        r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _EXPERT_FIELDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
-_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")
+_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight", "feed_forward.gate.weight")
 # the bias on the scores a router chooses by (GLM-4.5's, DeepSeek-V3's; ERNIE 4.5's [1, E], read flat), and the
 # shared experts as one
 _CHOICE_ROUTER_MAP = {"mlp.gate.e_score_correction_bias": "router_choice_bias",
                       "mlp.moe_statics.e_score_correction_bias": "router_choice_bias",
+                      "feed_forward.expert_bias": "router_choice_bias",  # LFM2-MoE's
                       "mlp.shared_experts.gate_proj.weight": "shared_expert.gate",
                       "mlp.shared_experts.up_proj.weight": "shared_expert.up",
                       "mlp.shared_experts.down_proj.weight": "shared_expert.down"}
@@ -155,7 +157,8 @@ def kestrel_name(hf_name: str, arch: str = "llama") -> str | None:
             return layer_name(int(m.group(1)), _CHOICE_ROUTER_MAP[m.group(2)])
     layer_map = (_GEMMA_LAYER_MAP if arch in GEMMA_ARCHITECTURES else _OLMO2_LAYER_MAP if arch in POST_NORMED
                  else _GLM4_LAYER_MAP if arch == "glm4" else _LINEAR_ATTN_MAP if arch in HYBRID_ARCHITECTURES
-                 else _LFM2_LAYER_MAP if arch == "lfm2" else _GRANITE_HYBRID_MAP if arch == "granitemoehybrid"
+                 else _LFM2_LAYER_MAP if arch in ("lfm2", "lfm2_moe") else _GRANITE_HYBRID_MAP
+                 if arch == "granitemoehybrid"
                  else _LAYER_MAP)
     return map_tensor_name(hf_name, _GLOBAL_MAP, _LAYER_RE, layer_map)
 

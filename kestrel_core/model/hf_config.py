@@ -32,7 +32,7 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "Glm4ForCausalLM": "glm4", "Ernie4_5ForCausalLM": "ernie4_5",
                     "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3_5ForConditionalGeneration": "qwen3_5",
                     "Qwen3_5MoeForCausalLM": "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
-                    "Qwen3NextForCausalLM": "qwen3_next", "Lfm2ForCausalLM": "lfm2",
+                    "Qwen3NextForCausalLM": "qwen3_next", "Lfm2ForCausalLM": "lfm2", "Lfm2MoeForCausalLM": "lfm2_moe",
                     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
                     "Glm4MoeForCausalLM": "glm4_moe", "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
                     # Qwen3-VL's language models are Qwen3's and Qwen3-MoE's (_TEXT_CONFIGS names them so)
@@ -45,7 +45,8 @@ MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": 
                "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2", "exaone4": "exaone4",
                "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "qwen3_5": "qwen3_5",
                "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe",
-               "qwen3_next": "qwen3_next", "lfm2": "lfm2", "granitemoehybrid": "granitemoehybrid",
+               "qwen3_next": "qwen3_next", "lfm2": "lfm2", "lfm2_moe": "lfm2_moe",
+               "granitemoehybrid": "granitemoehybrid",
                "glm4_moe": "glm4_moe", "ernie4_5_moe": "ernie4_5_moe", "qwen3_vl": "qwen3_vl",
                "qwen3_vl_moe": "qwen3_vl_moe"}
 WINDOWED = ("mistral", "phi3", "mixtral")  # architectures whose sliding_window applies to every layer
@@ -346,6 +347,13 @@ def _moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
     out = {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok", 2)}
     if arch == "glm4_moe":
         return {**out, **_sigmoid_router_fields(cfg, where)}
+    if arch == "lfm2_moe":  # LFM2's layers, the first num_dense_layers dense; a sigmoid router with a choice bias
+        return {**out, "expert_intermediate_size": cfg.get("moe_intermediate_size", 1792),
+                "dense_layers": tuple(range(min(cfg.get("num_dense_layers", 2), cfg["num_hidden_layers"]))),
+                "norm_topk_prob": check_bool("norm_topk_prob", cfg.get("norm_topk_prob", True)),
+                "router_scoring": "sigmoid",
+                "router_choice_bias": check_bool("use_expert_bias", cfg.get("use_expert_bias", True)),
+                "routed_scaling": cfg.get("routed_scaling_factor", 1.0)}
     if arch in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
         out["dense_layers"] = _sparse_step_dense_layers(cfg, where)
         if arch == "qwen3_moe":
@@ -517,13 +525,13 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
                 ("residual_multiplier", "residual_scale"), ("logits_scaling", "logits_scaling"))})
         if arch in HYBRID_ARCHITECTURES:
             fields.update(_hybrid_fields(cfg, where))
-        if arch == "lfm2":
+        if arch in ("lfm2", "lfm2_moe"):
             fields.update(_lfm2_fields(cfg, where))
         if arch == "glm4_moe":  # q/k/v biases and q/k norms where set
             fields.update(qkv_bias=check_bool("attention_bias", cfg.get("attention_bias", False)),
                           qk_norm=check_bool("use_qk_norm", cfg.get("use_qk_norm", False)))
         if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe", "qwen3_next", "glm4_moe",
-                    "ernie4_5_moe"):
+                    "ernie4_5_moe", "lfm2_moe"):
             fields.update(_moe_fields(arch, cfg, where))
         return ModelConfig(
             arch=arch,

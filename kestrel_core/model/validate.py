@@ -179,6 +179,7 @@ HF_CONFIG_FIELDS: dict[str, tuple[str, bool]] = {  # in the order hf_config.conf
     "moe_num_shared_experts": ("count", False),
     "moe_layer_start_index": ("count", False),
     "moe_layer_interval": ("pos", False),
+    "num_dense_layers": ("count", False),  # LFM2-MoE's
 }
 
 

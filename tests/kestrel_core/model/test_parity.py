@@ -203,6 +203,8 @@ CASES = (
     Case("tiny-qwen3-vl.gguf", "tiny-qwen3-vl", ALL_MODES),  # llama.cpp's qwen3vl
     Case("tiny-qwen3-vl-moe", "tiny-qwen3-vl-moe", ALL_MODES, moe=True),  # the Hub's stacked x @ W experts
     Case("tiny-qwen3-vl-moe.gguf", "tiny-qwen3-vl-moe", ALL_MODES, moe=True),  # llama.cpp's qwen3vlmoe
+    Case("tiny-lfm2-moe", "tiny-lfm2-moe", ALL_MODES, limits_of=HYBRID_NEAR_TIES),  # short convolutions, experts
+    Case("tiny-lfm2-moe.gguf", "tiny-lfm2-moe", ALL_MODES, limits_of=HYBRID_NEAR_TIES),  # llama.cpp's lfm2moe
     Case("tiny-gpt-oss", "tiny-gpt-oss", Q8_MODES, moe=True),  # sinks, biases, clamped SwiGLU, interleaved gate|up
     Case("tiny-gpt-oss-mxfp4", "tiny-gpt-oss", Q8_MODES, moe=True),  # the experts as MXFP4 blocks and scales
     Case("tiny-gpt-oss.gguf", "tiny-gpt-oss", Q8_MODES, moe=True),  # llama.cpp's gpt-oss, MXFP4 experts

@@ -19,7 +19,7 @@ from kestrel_core.model.decoder import route
 from kestrel_core.model.validate import ValidationError
 from kestrel_core.model.weights import LayerWeights
 
-from .test_parity import CASES, FIXTURES, MOE, _with_config, measure
+from .test_parity import CASES, FIXTURES, _with_config, measure
 
 GLM = next(c for c in CASES if c.name == "tiny-glm4-moe")
 GLM_GGUF = next(c for c in CASES if c.name == "tiny-glm4-moe.gguf")
@@ -28,10 +28,11 @@ GLM_GGUF = next(c for c in CASES if c.name == "tiny-glm4-moe.gguf")
 def _with_router(monkeypatch, reader: str, **fields) -> None:  # type: ignore[no-untyped-def]
     """Read a router's config (hf_config's function ``reader``) with ``fields`` in place of its own."""
     real = getattr(hf_config, reader)
-    monkeypatch.setattr(hf_config, reader, lambda cfg, where: {**real(cfg, where), **fields})
+    monkeypatch.setattr(hf_config, reader, lambda *args: {**real(*args), **fields})
 
 
 ERNIE = next(c for c in CASES if c.name == "tiny-ernie4_5-moe")
+LFM2 = next(c for c in CASES if c.name == "tiny-lfm2-moe")
 WRONG = {  # (case, what is wrong): how
     (GLM, "a softmax router"): lambda mp: _with_router(mp, "_sigmoid_router_fields", router_scoring="softmax",
                                                        router_choice_bias=False, router_groups=1, router_topk_groups=1),
@@ -41,16 +42,18 @@ WRONG = {  # (case, what is wrong): how
     (GLM, "no shared expert"): lambda mp: _with_config(mp, lambda c: {**c, "n_shared_experts": 0}),
     (ERNIE, "no choice bias"): lambda mp: _with_router(mp, "_ernie_moe_fields", router_choice_bias=False),
     (ERNIE, "no shared experts"): lambda mp: _with_config(mp, lambda c: {**c, "moe_num_shared_experts": 0}),
+    (LFM2, "no choice bias"): lambda mp: _with_config(mp, lambda c: {**c, "use_expert_bias": False}),
+    (LFM2, "a softmax router"): lambda mp: _with_router(mp, "_moe_fields", router_scoring="softmax"),
 }
 
 
 @pytest.mark.parametrize(("case", "wrong"), list(WRONG), ids=[f"{c.name}-{w}" for c, w in WRONG])
 def test_a_router_done_wrong_leaves_the_limits(monkeypatch, case, wrong: str) -> None:  # type: ignore[no-untyped-def]
-    """GLM-4.5's sigmoid, choice bias, groups, scale and shared expert, ERNIE 4.5's choice bias and shared experts:
-    each one left out moves the logits past MOE."""
+    """GLM-4.5's sigmoid, choice bias, groups, scale and shared expert, ERNIE 4.5's choice bias and shared experts,
+    LFM2-MoE's choice bias and sigmoid: each one left out moves the logits past the case's limits."""
     WRONG[(case, wrong)](monkeypatch)
     fig = measure(case, "q8")
-    assert not fig.within(MOE), fig
+    assert not fig.within(case.limits("q8")), fig
 
 
 def test_ernie4_5_moe_layers_with_experts_are_every_interval_th_from_the_start() -> None:
