@@ -45,6 +45,9 @@ Writes under tests/fixtures/models/:
   tiny-granite.gguf  llama.cpp's granite (Q/K permuted, the multipliers as metadata); golden = tiny-granite's
   tiny-olmo2/   Olmo2ForCausalLM: norms after each block only, q/k norms over the whole projection, bfloat16
   tiny-olmo2.gguf  llama.cpp's olmo2 (post_attention_norm, post_ffw_norm, no pre-norms); golden = tiny-olmo2's
+  tiny-olmo3/   Olmo3ForCausalLM: OLMo 2's layers, three sliding (window 8) to one full, YaRN on the full ones only,
+                bfloat16, config in the transformers-5 layout (rope_parameters per layer type)
+  tiny-olmo3.gguf  llama.cpp's olmo2 with sliding_window, its pattern and YaRN; golden = tiny-olmo3's
   tiny-exaone4/ Exaone4ForCausalLM: norms after each block, per-head q/k norms, 3 sliding layers (window 8) then
                 a global one without RoPE, bfloat16
   tiny-exaone4.gguf  llama.cpp's exaone4; golden = tiny-exaone4's
@@ -117,6 +120,7 @@ from transformers import (
     MistralConfig,
     MixtralConfig,
     Olmo2Config,
+    Olmo3Config,
     Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
@@ -315,6 +319,14 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     # OLMo 2: norms after each block instead of before, q/k norms over the whole projection
     olmo2 = Olmo2Config(**common, num_hidden_layers=2, intermediate_size=128, tie_word_embeddings=False,
                         rope_theta=10000.0, pad_token_id=None)
+    # OLMo 3: OLMo 2's layers, three sliding (window 8) to one full, the full ones with YaRN (factor 4 over a context
+    # of 64, so it changes every position's frequencies), the sliding ones plain RoPE at the same base
+    olmo3 = Olmo3Config(**common, num_hidden_layers=4, intermediate_size=128, tie_word_embeddings=False,
+                        sliding_window=8, pad_token_id=None, rope_parameters={
+                            "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                               "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                               "attention_factor": 0.1 * math.log(4.0) + 1, "beta_slow": 1.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
     # EXAONE 4: OLMo 2's norms after each block with per-head q/k norms, three sliding layers (window 8) to one
     # global, the global ones without RoPE
     exaone4 = Exaone4Config(**common, num_hidden_layers=4, intermediate_size=128, tie_word_embeddings=False,
@@ -416,6 +428,7 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-smollm3": (smollm3, _saved(torch.bfloat16)),
         "tiny-granite": (granite, _saved(torch.bfloat16)),
         "tiny-olmo2": (olmo2, _saved(torch.bfloat16)),
+        "tiny-olmo3": (olmo3, _saved(torch.bfloat16, classic=False)),
         "tiny-exaone4": (exaone4, _saved(torch.bfloat16)),
         "tiny-seed-oss": (seed_oss, _saved(torch.bfloat16)),
         "tiny-glm4": (glm4, _saved(torch.bfloat16)),
@@ -814,6 +827,20 @@ def write_olmo2_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     return _write_dense(src, dst, tok, "olmo2", POST_NORMS)
 
 
+def write_olmo3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-olmo3 as llama.cpp's Olmo2Model writes OLMo 3: olmo2's tensors, the sliding window and each layer's
+    pattern (true: sliding), the full layers' YaRN with its attention factor as rope.scaling.attn_factor."""
+    def configure(w: Any, cfg: dict[str, Any]) -> None:
+        scaling = cfg["rope_scaling"]
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(scaling["factor"])
+        w.add_rope_scaling_attn_factors(scaling["attention_factor"])
+        w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    return _write_dense(src, dst, tok, "olmo2", POST_NORMS, configure=configure)
+
+
 def write_exaone4_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     """tiny-exaone4 as llama.cpp's Exaone4Model writes it: olmo2's tensors (per-head q/k norms) and the window as
     exaone4.attention.sliding_window; the 3-to-1 pattern and the global layers' lack of RoPE are llama.cpp's rule."""
@@ -1153,6 +1180,10 @@ def _checkpoint(src: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     each expert's gate, up and down; anything else as it is."""
     cfg = json.loads((src / "config.json").read_text())
     tensors = _float32_tensors(src / "model.safetensors")
+    full = (cfg.get("rope_parameters") or {}).get("full_attention")
+    if full is not None:  # RoPE per layer type (OLMo 3): the full layers' base and scaling, as llama.cpp writes them
+        cfg = {**cfg, "rope_theta": full["rope_theta"],
+               "rope_scaling": full if full.get("rope_type", "default") != "default" else None}
     if "text_config" not in cfg:
         return cfg, tensors
     text = cfg["text_config"]
@@ -1567,6 +1598,7 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-qwen2-moe": write_qwen2_moe_gguf, "tiny-phi3-longrope": write_phi3_gguf,
               "tiny-qwen3-yarn": write_qwen3_gguf, "tiny-gpt-oss": write_gpt_oss_gguf,
               "tiny-smollm3": write_smollm3_gguf, "tiny-granite": write_granite_gguf, "tiny-olmo2": write_olmo2_gguf,
+              "tiny-olmo3": write_olmo3_gguf,
               "tiny-exaone4": write_exaone4_gguf, "tiny-seed-oss": write_seed_oss_gguf, "tiny-glm4": write_glm4_gguf,
               "tiny-ernie4_5": write_ernie4_5_gguf, "tiny-qwen3_5": write_hybrid_gguf,
               "tiny-qwen3_5-moe": write_hybrid_gguf, "tiny-qwen3-next": write_hybrid_gguf,

@@ -205,7 +205,17 @@ class GGUFMetadata:
         if arch == "seed_oss":  # q/k/v biases, an o bias where the file has one
             return {"qkv_bias": True, "o_bias": "layers.0.o_bias" in self._tensors}
         if arch == "olmo2":  # post_attention_norm and post_ffw_norm after each block, whole-projection q/k norms
-            return {"qk_norm": True, "qk_norm_full": True, "pre_norms": False, "post_norms": True}
+            out = {"qk_norm": True, "qk_norm_full": True, "pre_norms": False, "post_norms": True}
+            window = self.int_field(f"{arch}.attention.sliding_window", 0, lo=0)
+            if not window:
+                return out
+            # OLMo 3 (llama.cpp writes it as olmo2): sliding layers as the pattern says (else every 4th full), turned
+            # by plain RoPE at the file's base, the full ones by its scaling
+            pattern = self.field(f"{arch}.attention.sliding_window_pattern")
+            types = (tuple("sliding" if p else "full" for p in pattern) if isinstance(pattern, list)
+                     and len(pattern) == layers else tuple("sliding" if (i + 1) % 4 else "full" for i in range(layers)))
+            return {**out, "arch": "olmo3", "layer_types": types, "sliding_window": window,
+                    "rope_local_theta": self.float_field(f"{arch}.rope.freq_base", 10000.0)}
         if arch == "exaone4":  # as olmo2 with per-head q/k norms; llama.cpp's 3 sliding layers to 1 global, no RoPE
             window = self.int_field(f"{arch}.attention.sliding_window", lo=0) or None
             types = tuple("sliding" if window and (i + 1) % EXAONE4_SWA_PATTERN else "full" for i in range(layers))

@@ -28,6 +28,7 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "Gemma3ForConditionalGeneration": "gemma3", "Qwen2MoeForCausalLM": "qwen2_moe",
                     "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral", "GptOssForCausalLM": "gpt_oss",
                     "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
+                    "Olmo3ForCausalLM": "olmo3",
                     "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
                     "Glm4ForCausalLM": "glm4", "Ernie4_5ForCausalLM": "ernie4_5",
                     "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3_5ForConditionalGeneration": "qwen3_5",
@@ -42,7 +43,7 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen2_moe": "qwen2_moe",
                "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss",
-               "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2", "exaone4": "exaone4",
+               "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2", "olmo3": "olmo3", "exaone4": "exaone4",
                "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "qwen3_5": "qwen3_5",
                "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe",
                "qwen3_next": "qwen3_next", "lfm2": "lfm2", "lfm2_moe": "lfm2_moe",
@@ -65,7 +66,7 @@ QWEN3_5_DEFAULTS = {"head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_he
 # Qwen3VLTextConfig's defaults of what a text_config may leave out
 QWEN3_VL_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 128000}
 GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # Gemma2Config's defaults
-POST_NORMED = ("olmo2", "exaone4")
+POST_NORMED = ("olmo2", "olmo3", "exaone4")
 # transformers' GptOssConfig default RoPE, for a config.json without one
 GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096}
@@ -157,17 +158,9 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
     if arch == "gemma2":  # one RoPE for every layer
         theta = cfg.get("rope_theta", (rp or {}).get("rope_theta", 1e4))
         scaling = cfg.get("rope_scaling") or (rp if (rp or {}).get("rope_type", "default") != "default" else None)
-    elif isinstance(rp, dict) and ("full_attention" in rp or "sliding_attention" in rp):
-        full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
-        theta, local_theta = full.get("rope_theta", 1e6), local.get("rope_theta", 1e4)
-        scaling = full if full.get("rope_type", "default") != "default" else None
-        if local.get("rope_type", "default") != "default":
-            raise KestrelError(f"{where}: rope scaling of the sliding layers is not supported")
-        out["rope_local_theta"] = check_float("rope_local_base_freq", local_theta, 0.0, lo_open=True)
     else:
-        theta, scaling = cfg.get("rope_theta", 1e6), cfg.get("rope_scaling")
-        out["rope_local_theta"] = check_float("rope_local_base_freq", cfg.get("rope_local_base_freq", 1e4), 0.0,
-                                              lo_open=True)
+        theta, local_theta, scaling = _layer_type_rope(cfg, where, 1e6, cfg.get("rope_local_base_freq", 1e4))
+        out["rope_local_theta"] = local_theta
     qpas = check_float("query_pre_attn_scalar", cfg.get("query_pre_attn_scalar", 256), 0.0, lo_open=True)
     return {
         **out,
@@ -181,6 +174,32 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
         "qk_norm": arch == "gemma3",
         "sliding_window": cfg.get("sliding_window", 4096),
     }
+
+
+def _layer_type_rope(cfg: dict[str, Any], where: str, theta: float, local_theta: float) -> tuple[float, float, Any]:
+    """(the full layers' RoPE base, the sliding layers', the full layers' scaling) of a model whose sliding layers turn
+    by their own unscaled RoPE (Gemma 3, OLMo 3): transformers 5's rope_parameters per layer type, or the classic
+    rope_theta and rope_scaling (the full layers'), ``theta`` and ``local_theta`` where a config says neither."""
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and ("full_attention" in rp or "sliding_attention" in rp):
+        full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise KestrelError(f"{where}: rope scaling of the sliding layers is not supported")
+        theta, local_theta = full.get("rope_theta", theta), local.get("rope_theta", local_theta)
+        scaling = full if full.get("rope_type", "default") != "default" else None
+    else:
+        theta, scaling = cfg.get("rope_theta", (rp or {}).get("rope_theta", theta)), cfg.get("rope_scaling")
+    return theta, check_float("rope_local_base_freq", local_theta, 0.0, lo_open=True), scaling
+
+
+def _olmo3_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """OLMo 3's: OLMo 2's norms, three sliding layers (window ``sliding_window``) to one full (or as ``layer_types``
+    says); the sliding layers turn by plain RoPE at the same base, the full ones by the config's scaling (YaRN)."""
+    theta, local_theta, scaling = _layer_type_rope(cfg, where, 500000.0, None)
+    return {"layer_types": _layer_types(cfg, where, 4), "sliding_window": cfg.get("sliding_window", 4096),
+            "rope_theta": check_float("rope_theta", theta, 0.0, lo_open=True),
+            "rope_local_theta": theta if local_theta is None else local_theta,
+            "rope_scaling": _rope_scaling("olmo3", cfg, scaling, where)}
 
 
 def _exaone4_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
@@ -504,8 +523,10 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             fields.update(_gemma_fields(arch, cfg, where))
         if arch == "smollm3":
             fields["nope_layers"] = _nope_layers(cfg, where)
-        if arch == "olmo2":  # norms after each block, and q/k norms over the whole projection
+        if arch in ("olmo2", "olmo3"):  # norms after each block, and q/k norms over the whole projection
             fields.update(qk_norm=True, qk_norm_full=True, pre_norms=False, post_norms=True)
+        if arch == "olmo3":
+            fields.update(_olmo3_fields(cfg, where))
         if arch == "exaone4":
             fields.update(_exaone4_fields(cfg, where))
         if arch == "glm4":  # interleaved RoPE pairs, Gemma's four norms, q/k/v biases (gate|up fused: _FUSED_MAP)

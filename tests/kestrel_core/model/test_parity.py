@@ -175,6 +175,8 @@ CASES = (
     Case("tiny-granite.gguf", "tiny-granite", ALL_MODES),  # llama.cpp's granite: the multipliers as metadata
     Case("tiny-olmo2", "tiny-olmo2", ALL_MODES),  # norms after each block only, whole-projection q/k norms
     Case("tiny-olmo2.gguf", "tiny-olmo2", ALL_MODES),  # llama.cpp's olmo2: post_attention_norm, post_ffw_norm
+    Case("tiny-olmo3", "tiny-olmo3", ALL_MODES),  # 3 sliding layers to 1 full, YaRN on the full one only
+    Case("tiny-olmo3.gguf", "tiny-olmo3", ALL_MODES),  # llama.cpp's olmo2 with a window, its pattern and YaRN
     Case("tiny-exaone4", "tiny-exaone4", ALL_MODES),  # OLMo 2's norms, 3 sliding layers to 1 global without RoPE
     Case("tiny-exaone4.gguf", "tiny-exaone4", ALL_MODES),  # llama.cpp's exaone4: its fixed 3-to-1 pattern
     Case("tiny-seed-oss", "tiny-seed-oss", ALL_MODES),  # q/k/v biases
@@ -435,15 +437,28 @@ ROPE_WRONG = {
     ("tiny-qwen3-yarn", "linear scaling"): lambda c: {**c, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
     ("tiny-qwen3-yarn", "no attention factor"): lambda c: {
         **c, "rope_scaling": {**c["rope_scaling"], "attention_factor": 1.0}},
+    ("tiny-olmo3", "no YaRN"): lambda c: {
+        **c, "rope_parameters": {**c["rope_parameters"], "full_attention": c["rope_parameters"]["sliding_attention"]}},
+    ("tiny-olmo3", "every layer full"): lambda c: {**c, "layer_types": ["full_attention"] * 4},
 }
 
 
 @pytest.mark.parametrize(("name", "wrong"), list(ROPE_WRONG), ids=[f"{n}-{w}" for n, w in ROPE_WRONG])
 def test_long_context_rope_done_wrong_leaves_the_limits(monkeypatch, name: str, wrong: str) -> None:  # type: ignore[no-untyped-def]
-    """Partial rotary dims, longrope's and YaRN's frequencies and their attention factor are each needed (measured:
-    top-1 0.18-0.58, median 0.11-0.45 of the range when wrong)."""
+    """Partial rotary dims, longrope's and YaRN's frequencies and their attention factor, and OLMo 3's YaRN on its full
+    layers alone and its sliding window, are each needed (figures in docs/parity.md)."""
     _with_config(monkeypatch, ROPE_WRONG[(name, wrong)])
     fig = measure(next(c for c in CASES if c.name == name), "q8")
+    assert not fig.within(TINY), fig
+
+
+def test_olmo3_with_yarn_on_its_sliding_layers_too_leaves_the_limits(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """OLMo 3's sliding layers turn by plain RoPE: given the full layers' YaRN as well, agreement drops."""
+    from kestrel_core.model import hf_config
+
+    real = hf_config._olmo3_fields
+    monkeypatch.setattr(hf_config, "_olmo3_fields", lambda cfg, where: {**real(cfg, where), "rope_local_theta": None})
+    fig = measure(next(c for c in CASES if c.name == "tiny-olmo3"), "q8")
     assert not fig.within(TINY), fig
 
 
