@@ -16,7 +16,7 @@ from kestrel_core.model.validate import ValidationError, check_bool, check_float
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
                  "mixtral", "gpt_oss", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "glm4",
                  "ernie4_5", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granitemoehybrid", "glm4_moe",
-                 "ernie4_5_moe", "lfm2_moe")
+                 "ernie4_5_moe", "lfm2_moe", "ministral3")
 POOLINGS = ("last", "mean", "cls")  # how an embedding pools the final hidden states: last, mean or first token
 # of the gate: SwiGLU, GeGLU with the tanh GELU (Gemma), or gpt-oss's clamped SwiGLU: gate g clamped to at most
 # swiglu_limit, up u to +-swiglu_limit, then (u + 1) * g * sigmoid(swiglu_alpha * g)
@@ -71,6 +71,10 @@ class ModelConfig:
     rope_local_theta: float | None = None  # Gemma 3: the RoPE base of sliding layers (unscaled); None: rope_theta
     nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers whose attention has no RoPE at all
     query_scale: float | None = None  # the attention's query scale; None: 1/sqrt(head_dim)
+    # Ministral 3's (Llama 4's) attention temperature: the query at position p times 1 + attn_temperature_scale *
+    # ln(1 + floor(p / attn_temperature_length)), 1 before that length; 0: none
+    attn_temperature_scale: float = 0.0
+    attn_temperature_length: int = 0
     embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden_size); Granite: its embedding_multiplier
     residual_scale: float = 1.0  # Granite: each attention's and MLP's output times this before the residual add
     logits_scaling: float = 1.0  # Granite: the logits divided by this
@@ -254,6 +258,9 @@ def validate_config(c: ModelConfig) -> None:
     if c.rope_scaling is not None:
         check_rope_scaling(c.rope_scaling, c.rotary // 2)
     check_int("max_position", c.max_position, 1, MAX_POSITION)
+    check_float("attn_temperature_scale", c.attn_temperature_scale, 0.0)
+    if c.attn_temperature_scale:
+        check_int("attn_temperature_length", c.attn_temperature_length, 1, MAX_POSITION)
     if c.sliding_window is not None:
         check_int("sliding_window", c.sliding_window, 1, MAX_POSITION)
     if not isinstance(c.layer_types, tuple) or not all(t in LAYER_TYPES for t in c.layer_types):

@@ -37,8 +37,9 @@ class RopeTables:
     """cos/sin of absolute positions laid out for ``_rope``: [P, 2, hd/2] (HF's halves), extended on demand.
 
     ``sin`` carries rotate_half's sign ([-sin, sin]); the ``q_`` tables also carry the attention scale
-    (``ModelConfig.attention_scale``), so the query needs no separate multiply. One per distinct RoPE of the
-    model's layers (Gemma 3's sliding layers have their own base).
+    (``ModelConfig.attention_scale``) and each position's attention temperature (Ministral 3's), so the query needs
+    no separate multiply. One per distinct RoPE of the model's layers (Gemma 3's sliding layers have their own
+    base).
     """
 
     def __init__(self, config: ModelConfig, layer: int | None = None) -> None:
@@ -55,8 +56,19 @@ class RopeTables:
         cos, sin = rope_tables(self.config, size, self.layer)  # [P, hd/2]
         self.cos = np.stack([cos, cos], axis=1)  # [P, 2, hd/2]
         self.sin = np.stack([-sin, sin], axis=1)
-        self.q_cos = self.cos * self.scale
-        self.q_sin = self.sin * self.scale
+        scale = self.scale * attention_temperature(self.config, size)[:, None, None]  # [P, 1, 1]
+        self.q_cos = self.cos * scale
+        self.q_sin = self.sin * scale
+
+
+def attention_temperature(config: ModelConfig, positions: int) -> np.ndarray:
+    """float32 [P]: each position's query multiplier, 1 + scale * ln(1 + floor(p / length)) (Ministral 3's, as
+    transformers' get_llama_4_attn_scale), or 1."""
+    out = np.ones(positions, np.float32)
+    if config.attn_temperature_scale:
+        steps = np.arange(positions) // config.attn_temperature_length
+        out[:] = 1 + config.attn_temperature_scale * np.log1p(steps)
+    return out
 
 
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kestrel_core.errors import KestrelError
+from kestrel_core.model import hf_experts
 from kestrel_core.model.config import SAMPLING_FIELDS, ModelConfig, normalize_rope_scaling, recommended_sampling
 from kestrel_core.model.validate import (
     ValidationError,
@@ -28,7 +29,8 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "Gemma3ForConditionalGeneration": "gemma3", "Qwen2MoeForCausalLM": "qwen2_moe",
                     "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral", "GptOssForCausalLM": "gpt_oss",
                     "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
-                    "Olmo3ForCausalLM": "olmo3",
+                    "Olmo3ForCausalLM": "olmo3", "Ministral3ForCausalLM": "ministral3",
+                    "Mistral3ForConditionalGeneration": "mistral3",
                     "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
                     "Glm4ForCausalLM": "glm4", "Ernie4_5ForCausalLM": "ernie4_5",
                     "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3_5ForConditionalGeneration": "qwen3_5",
@@ -49,8 +51,8 @@ MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": 
                "qwen3_next": "qwen3_next", "lfm2": "lfm2", "lfm2_moe": "lfm2_moe",
                "granitemoehybrid": "granitemoehybrid",
                "glm4_moe": "glm4_moe", "ernie4_5_moe": "ernie4_5_moe", "qwen3_vl": "qwen3_vl",
-               "qwen3_vl_moe": "qwen3_vl_moe"}
-WINDOWED = ("mistral", "phi3", "mixtral")  # architectures whose sliding_window applies to every layer
+               "qwen3_vl_moe": "qwen3_vl_moe", "ministral3": "ministral3", "mistral3": "mistral3"}
+WINDOWED = ("mistral", "phi3", "mixtral", "ministral3")  # architectures whose sliding_window applies to every layer
 # Gemma3TextConfig's defaults: hub configs (the text_config of the multimodal checkpoints) leave many out
 GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
@@ -108,12 +110,13 @@ _TEXT_CONFIGS = {"gemma3": ("Gemma3ForCausalLM", GEMMA3_DEFAULTS), "qwen3_5": ("
                  "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", {**QWEN3_5_DEFAULTS, "moe_intermediate_size": 512,
                                                            "num_experts": 256, "num_experts_per_tok": 8}),
                  "qwen3_vl": ("Qwen3ForCausalLM", QWEN3_VL_DEFAULTS),
-                 "qwen3_vl_moe": ("Qwen3MoeForCausalLM", QWEN3_VL_DEFAULTS)}
+                 "qwen3_vl_moe": ("Qwen3MoeForCausalLM", QWEN3_VL_DEFAULTS),
+                 "mistral3": ("Ministral3ForCausalLM", {"head_dim": 128, "rms_norm_eps": 1e-5})}
 
 
 def _text_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    """The language model's settings: a multimodal Gemma 3's, Qwen3.5's or Qwen3-VL's text_config (with its own
-    defaults), or cfg."""
+    """The language model's settings: a multimodal Gemma 3's, Qwen3.5's, Qwen3-VL's or Mistral 3's text_config (with
+    its own defaults), or cfg."""
     arch = _named_arch(cfg)
     if arch not in _TEXT_CONFIGS:
         return cfg
@@ -174,6 +177,17 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
         "qk_norm": arch == "gemma3",
         "sliding_window": cfg.get("sliding_window", 4096),
     }
+
+
+def _attention_temperature(rope: dict[str, Any], where: str) -> dict[str, Any]:
+    """Ministral 3's query temperature from its rope parameters (transformers' get_llama_4_attn_scale: beta
+    ``llama_4_scaling_beta``, its length the pretraining context ``original_max_position_embeddings``)."""
+    beta = rope.get("llama_4_scaling_beta")
+    if not beta:
+        return {}
+    return {"attn_temperature_scale": check_float("llama_4_scaling_beta", beta, 0.0),
+            "attn_temperature_length": check_int("original_max_position_embeddings",
+                                                 rope.get("original_max_position_embeddings"), 1)}
 
 
 def _layer_type_rope(cfg: dict[str, Any], where: str, theta: float, local_theta: float) -> tuple[float, float, Any]:
@@ -354,98 +368,6 @@ def _rotary_dim(cfg: dict[str, Any], head_dim: int, where: str, default: float |
     return dim
 
 
-def _moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    """The experts of Qwen2-MoE and Qwen3-MoE (moe_intermediate_size wide, norm_topk_prob as set; Qwen2-MoE's
-    shared expert; dense layers among them), Mixtral (intermediate_size wide, always renormalised), gpt-oss,
-    Qwen3.5-MoE and Qwen3-Next, GLM-4.5 and ERNIE 4.5 (their routers choose with a bias)."""
-    if arch == "ernie4_5_moe":
-        return _ernie_moe_fields(cfg, where)
-    experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
-    if experts is None:
-        raise KestrelError(f"{where}: missing 'num_experts'")
-    out = {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok", 2)}
-    if arch == "glm4_moe":
-        return {**out, **_sigmoid_router_fields(cfg, where)}
-    if arch == "lfm2_moe":  # LFM2's layers, the first num_dense_layers dense; a sigmoid router with a choice bias
-        return {**out, "expert_intermediate_size": cfg.get("moe_intermediate_size", 1792),
-                "dense_layers": tuple(range(min(cfg.get("num_dense_layers", 2), cfg["num_hidden_layers"]))),
-                "norm_topk_prob": check_bool("norm_topk_prob", cfg.get("norm_topk_prob", True)),
-                "router_scoring": "sigmoid",
-                "router_choice_bias": check_bool("use_expert_bias", cfg.get("use_expert_bias", True)),
-                "routed_scaling": cfg.get("routed_scaling_factor", 1.0)}
-    if arch in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
-        out["dense_layers"] = _sparse_step_dense_layers(cfg, where)
-        if arch == "qwen3_moe":
-            _refuse_set(cfg, where, {"shared_expert_intermediate_size": "a shared expert"})
-        else:
-            shared = cfg.get("shared_expert_intermediate_size", 0)
-            check_int("shared_expert_intermediate_size", shared, 0)
-            out["shared_expert_intermediate_size"] = shared
-        norm = cfg.get("norm_topk_prob", arch == "qwen3_next")  # Qwen3NextConfig's default: true
-        check_bool("norm_topk_prob", norm)
-        out.update(expert_intermediate_size=cfg.get("moe_intermediate_size"), norm_topk_prob=norm,
-                   qk_norm=arch in ("qwen3_moe", "qwen3_next"))
-    elif arch == "qwen3_5_moe":  # Qwen2-MoE's shared expert, the top-k always renormalised
-        shared = cfg.get("shared_expert_intermediate_size", 512)
-        check_int("shared_expert_intermediate_size", shared, 0)
-        out.update(expert_intermediate_size=cfg.get("moe_intermediate_size", 512), norm_topk_prob=True,
-                   shared_expert_intermediate_size=shared)
-    elif arch == "gpt_oss":  # softmax over the top-k logits (renormalised), biases everywhere, sinks
-        bias = cfg.get("attention_bias", True)
-        check_bool("attention_bias", bias)
-        limit = check_float("swiglu_limit", cfg.get("swiglu_limit", 7.0), 0.0, lo_open=True)
-        alpha = check_float("swiglu_alpha", cfg.get("swiglu_alpha", 1.702), 0.0, lo_open=True)
-        out.update(expert_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True, moe_bias=True,
-                   qkv_bias=bias, o_bias=bias, attn_sinks=True, activation="swiglu_oai", swiglu_limit=limit,
-                   swiglu_alpha=alpha, layer_types=_layer_types(cfg, where, 2),
-                   sliding_window=cfg.get("sliding_window", 128))
-    else:
-        out.update(expert_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
-    return out
-
-
-def _sparse_step_dense_layers(cfg: dict[str, Any], where: str) -> tuple[int, ...]:
-    """Qwen2-MoE's dense layers: those of ``mlp_only_layers``, and those not on a ``decoder_sparse_step``."""
-    layers, only, step = cfg["num_hidden_layers"], cfg.get("mlp_only_layers") or [], cfg.get("decoder_sparse_step", 1)
-    if not isinstance(only, list) or not all(is_int(i) and 0 <= i < layers for i in only):
-        raise KestrelError(f"{where}: mlp_only_layers must be layer indices below {layers}, got {only!r}")
-    return tuple(i for i in range(layers) if i in only or (i + 1) % step)
-
-
-def _sigmoid_router_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    """GLM-4.5's experts (DeepSeek-V3's router): the first ``first_k_dense_replace`` layers dense, a sigmoid router
-    with a choice bias, groups and a scale, shared experts as one ungated expert ``n_shared_experts`` times as
-    wide."""
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise KestrelError(f"{where}: hidden_act {act!r} is not supported (GLM-4.5 uses silu)")
-    width, dense = cfg.get("moe_intermediate_size", 1408), cfg.get("first_k_dense_replace", 1)
-    return {"expert_intermediate_size": width,
-            "shared_expert_intermediate_size": width * cfg.get("n_shared_experts", 1),
-            "shared_expert_gated": False, "dense_layers": tuple(range(min(dense, cfg["num_hidden_layers"]))),
-            "norm_topk_prob": check_bool("norm_topk_prob", cfg.get("norm_topk_prob", True)),
-            "router_scoring": "sigmoid", "router_choice_bias": True, "router_groups": cfg.get("n_group", 1),
-            "router_topk_groups": cfg.get("topk_group", 1), "routed_scaling": cfg.get("routed_scaling_factor", 1.0)}
-
-
-def _ernie_moe_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    """ERNIE 4.5's experts: every ``moe_layer_interval``-th layer from ``moe_layer_start_index`` to
-    ``moe_layer_end_index`` (-1: the last) a mixture of experts, the others dense; a softmax router whose choice
-    adds a bias (``moe_statics``), the top-k renormalised; ``moe_num_shared_experts`` ungated shared experts as one
-    that many times as wide."""
-    layers, experts = cfg["num_hidden_layers"], cfg.get("moe_num_experts", 64)
-    start, interval = cfg.get("moe_layer_start_index", 1), cfg.get("moe_layer_interval", 1)
-    end = cfg.get("moe_layer_end_index", -1)
-    if not is_int(end) or end < -1:
-        raise KestrelError(f"{where}: moe_layer_end_index must be a layer index or -1, got {end!r}")
-    end = layers - 1 if end == -1 else end
-    width = cfg.get("moe_intermediate_size", 1536)
-    return {"num_experts": experts, "experts_per_token": cfg.get("moe_k", 6), "expert_intermediate_size": width,
-            "shared_expert_intermediate_size": width * cfg.get("moe_num_shared_experts", 2),
-            "shared_expert_gated": False, "norm_topk_prob": True, "router_choice_bias": True,
-            "dense_layers": tuple(i for i in range(layers) if (i + 1) % interval or not start <= i <= end)}
-
-
 def _layer_types(cfg: dict[str, Any], where: str, pattern: int) -> tuple[str, ...]:
     """config.json's layer_types, or every ``pattern``-th layer global and the others sliding."""
     types = cfg.get("layer_types")
@@ -502,7 +424,8 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         hidden = int(cfg["hidden_size"])
         # transformers 5 moves rope_theta / rope_scaling into rope_parameters
         rope = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", rope.get("type", "default")) != "default"
+                                              else None)
         if arch == "gpt_oss" and scaling is None:
             scaling = GPT_OSS_ROPE
         eos = _ids(cfg.get("eos_token_id"))
@@ -532,6 +455,8 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         if arch == "glm4":  # interleaved RoPE pairs, Gemma's four norms, q/k/v biases (gate|up fused: _FUSED_MAP)
             fields.update(rope_interleaved=True, post_norms=True,
                           qkv_bias=check_bool("attention_bias", cfg.get("attention_bias", True)))
+        if arch == "ministral3":  # Mistral's layers, YaRN, and Llama 4's attention temperature past the pretraining
+            fields.update(_attention_temperature(rope or cfg.get("rope_scaling") or {}, where))  # context
         if arch in ("ernie4_5", "ernie4_5_moe"):  # Llama's layers with RoPE in interleaved pairs
             _refuse_set(cfg, where, {"use_bias": "biases on every projection"})
             fields["rope_interleaved"] = True
@@ -553,7 +478,10 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
                           qk_norm=check_bool("use_qk_norm", cfg.get("use_qk_norm", False)))
         if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe", "qwen3_next", "glm4_moe",
                     "ernie4_5_moe", "lfm2_moe"):
-            fields.update(_moe_fields(arch, cfg, where))
+            fields.update(hf_experts.moe_fields(arch, cfg, where))
+        if arch == "gpt_oss":  # sinks, and alternating sliding and full layers
+            fields.update(attn_sinks=True, layer_types=_layer_types(cfg, where, 2),
+                          sliding_window=cfg.get("sliding_window", 128))
         return ModelConfig(
             arch=arch,
             vocab_size=int(cfg["vocab_size"]),

@@ -13,7 +13,7 @@ import pytest
 
 import kestrel_core
 from kestrel_core.errors import KestrelError
-from kestrel_core.model import hf_config
+from kestrel_core.model import hf_config, hf_experts
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.decoder import route
 from kestrel_core.model.validate import ValidationError
@@ -26,9 +26,9 @@ GLM_GGUF = next(c for c in CASES if c.name == "tiny-glm4-moe.gguf")
 
 
 def _with_router(monkeypatch, reader: str, **fields) -> None:  # type: ignore[no-untyped-def]
-    """Read a router's config (hf_config's function ``reader``) with ``fields`` in place of its own."""
-    real = getattr(hf_config, reader)
-    monkeypatch.setattr(hf_config, reader, lambda *args: {**real(*args), **fields})
+    """Read a router's config (hf_experts' function ``reader``) with ``fields`` in place of its own."""
+    real = getattr(hf_experts, reader)
+    monkeypatch.setattr(hf_experts, reader, lambda *args: {**real(*args), **fields})
 
 
 ERNIE = next(c for c in CASES if c.name == "tiny-ernie4_5-moe")
@@ -43,7 +43,7 @@ WRONG = {  # (case, what is wrong): how
     (ERNIE, "no choice bias"): lambda mp: _with_router(mp, "_ernie_moe_fields", router_choice_bias=False),
     (ERNIE, "no shared experts"): lambda mp: _with_config(mp, lambda c: {**c, "moe_num_shared_experts": 0}),
     (LFM2, "no choice bias"): lambda mp: _with_config(mp, lambda c: {**c, "use_expert_bias": False}),
-    (LFM2, "a softmax router"): lambda mp: _with_router(mp, "_moe_fields", router_scoring="softmax"),
+    (LFM2, "a softmax router"): lambda mp: _with_router(mp, "moe_fields", router_scoring="softmax"),
 }
 
 
