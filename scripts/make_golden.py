@@ -45,6 +45,9 @@ Writes under tests/fixtures/models/:
   tiny-granite.gguf  llama.cpp's granite (Q/K permuted, the multipliers as metadata); golden = tiny-granite's
   tiny-olmo2/   Olmo2ForCausalLM: norms after each block only, q/k norms over the whole projection, bfloat16
   tiny-olmo2.gguf  llama.cpp's olmo2 (post_attention_norm, post_ffw_norm, no pre-norms); golden = tiny-olmo2's
+  tiny-ministral3/ Ministral3's language model saved as the hub's Mistral3ForConditionalGeneration (text_config,
+                model.language_model.*, a vision tower's tensors beside): YaRN, and Llama 4's attention temperature past
+                position 16, bfloat16 (no GGUF twin: llama.cpp's mistral3 metadata is not read)
   tiny-olmo3/   Olmo3ForCausalLM: OLMo 2's layers, three sliding (window 8) to one full, YaRN on the full ones only,
                 bfloat16, config in the transformers-5 layout (rope_parameters per layer type)
   tiny-olmo3.gguf  llama.cpp's olmo2 with sliding_window, its pattern and YaRN; golden = tiny-olmo3's
@@ -117,6 +120,7 @@ from transformers import (
     Lfm2Config,
     Lfm2MoeConfig,
     LlamaConfig,
+    Ministral3Config,
     MistralConfig,
     MixtralConfig,
     Olmo2Config,
@@ -238,7 +242,8 @@ def write_tokenizer(tok: Tokenizer, d: Path) -> None:
 
 def _saved(dtype: Any, classic: bool = True, shard: str | None = None, **extra: Any) -> dict[str, Any]:
     """How build_tiny saves a tiny model: its dtype, the classic (transformers 4) config layout or not, its shard
-    size (None: one file), and any extra (``short``: golden logits of the first N positions too)."""
+    size (None: one file), and any extra (``short``: golden logits of the first N positions too; ``seed``: its own
+    seed, else its place in tiny_configs)."""
     return {"dtype": dtype, "max_shard_size": shard, "classic_config": classic, **extra}
 
 
@@ -319,6 +324,13 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
     # OLMo 2: norms after each block instead of before, q/k norms over the whole projection
     olmo2 = Olmo2Config(**common, num_hidden_layers=2, intermediate_size=128, tie_word_embeddings=False,
                         rope_theta=10000.0, pad_token_id=None)
+    # Ministral 3: Mistral's layers with YaRN and Llama 4's attention temperature past a pretraining context of 16 (so
+    # positions 16 and 32 on take 1 + 0.5 ln 2 and 1 + 0.5 ln 3), saved as the hub's Mistral3ForConditionalGeneration
+    ministral3 = Ministral3Config(**common, num_hidden_layers=2, intermediate_size=128, head_dim=16,
+                                  tie_word_embeddings=False, sliding_window=None, rope_parameters={
+                                      "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                      "llama_4_scaling_beta": 0.5, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 1e6})
     # OLMo 3: OLMo 2's layers, three sliding (window 8) to one full, the full ones with YaRN (factor 4 over a context
     # of 64, so it changes every position's frequencies), the sliding ones plain RoPE at the same base
     olmo3 = Olmo3Config(**common, num_hidden_layers=4, intermediate_size=128, tie_word_embeddings=False,
@@ -428,22 +440,25 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-smollm3": (smollm3, _saved(torch.bfloat16)),
         "tiny-granite": (granite, _saved(torch.bfloat16)),
         "tiny-olmo2": (olmo2, _saved(torch.bfloat16)),
-        "tiny-olmo3": (olmo3, _saved(torch.bfloat16, classic=False)),
         "tiny-exaone4": (exaone4, _saved(torch.bfloat16)),
         "tiny-seed-oss": (seed_oss, _saved(torch.bfloat16)),
         "tiny-glm4": (glm4, _saved(torch.bfloat16)),
         "tiny-ernie4_5": (ernie, _saved(torch.bfloat16)),
-        "tiny-glm4-moe": (glm4_moe, _saved(torch.bfloat16, mtp=True)),
-        "tiny-ernie4_5-moe": (ernie_moe, _saved(torch.bfloat16)),
-        "tiny-lfm2-moe": (lfm2_moe, _saved(torch.bfloat16, classic=False)),
-        "tiny-qwen3-vl": (qwen3_vl, _saved(torch.bfloat16, classic=False, vision=True)),
-        "tiny-qwen3-vl-moe": (qwen3_vl_moe, _saved(torch.bfloat16, classic=False, vision=True, hub_experts=True)),
-        "tiny-qwen3_5": (qwen3_5, _saved(torch.bfloat16, classic=False, nest=True)),
+        "tiny-qwen3_5": (qwen3_5, _saved(torch.bfloat16, classic=False, nest="qwen3_5")),
         "tiny-qwen3_5-moe": (qwen3_5_moe, _saved(torch.bfloat16, classic=False)),
         "tiny-qwen3-next": (qwen3_next, _saved(torch.bfloat16, classic=False)),
         "tiny-lfm2": (lfm2, _saved(torch.bfloat16, classic=False)),
         "tiny-granite4-h": (granite4_h, _saved(torch.bfloat16, classic=False)),
         "tiny-granite4-h-moe": (granite4_h_moe, _saved(torch.bfloat16, classic=False)),
+        # later additions, each with the seed it was built with (a model's seed is otherwise its place in this list)
+        "tiny-glm4-moe": (glm4_moe, _saved(torch.bfloat16, mtp=True, seed=21)),
+        "tiny-ernie4_5-moe": (ernie_moe, _saved(torch.bfloat16, seed=22)),
+        "tiny-lfm2-moe": (lfm2_moe, _saved(torch.bfloat16, classic=False, seed=23)),
+        "tiny-qwen3-vl": (qwen3_vl, _saved(torch.bfloat16, classic=False, vision=True, seed=23)),
+        "tiny-qwen3-vl-moe": (qwen3_vl_moe, _saved(torch.bfloat16, classic=False, vision=True, hub_experts=True,
+                                                   seed=24)),
+        "tiny-olmo3": (olmo3, _saved(torch.bfloat16, classic=False, seed=17)),
+        "tiny-ministral3": (ministral3, _saved(torch.bfloat16, classic=False, nest="mistral3", seed=35)),
     }
 
 
@@ -605,7 +620,7 @@ def build_tiny(name: str, config: Any, opts: dict[str, Any], tok: Tokenizer, see
         extra = {"short_ids": ids[:opts["short"]], "short_logits": hf_logits(d, ids[:opts["short"]])}
     np.savez(d / "golden.npz", ids=ids, logits=logits.astype(np.float32), **extra)
     if opts.get("nest"):
-        nest_multimodal(d)
+        nest_multimodal(d, opts["nest"])
     if opts.get("mtp"):
         add_mtp_layer(d)
     return {"dir": name, "dtype": str(opts["dtype"]).removeprefix("torch."), "seed": seed,
@@ -641,25 +656,34 @@ def add_mtp_layer(d: Path) -> None:
     save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
 
 
-def nest_multimodal(d: Path) -> None:
-    """Rewrite a saved Qwen3.5 text model as the hub's Qwen3_5ForConditionalGeneration checkpoints hold it: the
-    settings under text_config (tie_word_embeddings outside), the language model's tensors under
-    model.language_model., and a vision tower's and an MTP head's tensors beside them (which a text-only reader
-    skips)."""
+# how the hub's multimodal checkpoints hold a text model: (architecture, model_type, vision_config, the tensors beside
+# the language model's as name -> shape, which a text-only reader skips)
+MULTIMODAL = {
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", "qwen3_5", {"model_type": "qwen3_5", "depth": 1, "hidden_size": 32},
+                {"model.visual.patch_embed.proj.weight": (32, 3, 2, 16, 16), "mtp.fc.weight": (64, 128)}),
+    "mistral3": ("Mistral3ForConditionalGeneration", "mistral3", {"model_type": "pixtral", "hidden_size": 32},
+                 {"model.vision_tower.patch_conv.weight": (32, 3, 14, 14),
+                  "model.multi_modal_projector.linear_1.weight": (64, 32)}),
+}
+
+
+def nest_multimodal(d: Path, kind: str) -> None:
+    """Rewrite a saved text model as the hub's multimodal checkpoints of ``kind`` (MULTIMODAL) hold it: the settings
+    under text_config (tie_word_embeddings outside), the language model's tensors under model.language_model., and
+    the vision tower's (and Qwen3.5's MTP head's) beside them."""
     from safetensors.torch import load_file, save_file
 
+    architecture, model_type, vision, extra = MULTIMODAL[kind]
     cfg = json.loads((d / "config.json").read_text())
     text = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version", "tie_word_embeddings")}
-    hub = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
-           "vision_config": {"model_type": "qwen3_5", "depth": 1, "hidden_size": 32},
+    hub = {"architectures": [architecture], "model_type": model_type, "text_config": text, "vision_config": vision,
            "tie_word_embeddings": cfg["tie_word_embeddings"], "transformers_version": cfg["transformers_version"]}
     (d / "config.json").write_text(json.dumps(hub, indent=2, sort_keys=True) + "\n")
     tensors = load_file(d / "model.safetensors")
     nested = {(k if k.startswith("lm_head.") else k.replace("model.", "model.language_model.", 1)): v
               for k, v in tensors.items()}
     dtype = next(iter(tensors.values())).dtype
-    nested["model.visual.patch_embed.proj.weight"] = torch.zeros(32, 3, 2, 16, 16, dtype=dtype)
-    nested["mtp.fc.weight"] = torch.zeros(64, 128, dtype=dtype)
+    nested.update({name: torch.zeros(shape, dtype=dtype) for name, shape in extra.items()})
     save_file(nested, d / "model.safetensors", metadata={"format": "pt"})
 
 
@@ -1642,7 +1666,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.model not in configs:
             raise SystemExit(f"--model: one of {', '.join([*configs, *ADAPTERS])}")
         config, opts = configs[args.model]
-        seed = list(configs).index(args.model) + 1
+        seed = opts.get("seed", list(configs).index(args.model) + 1)
         entry = build_tiny(args.model, config, opts, tok, seed)
         manifest["models"][args.model] = {**entry, "command": f"python scripts/make_golden.py --model {args.model}",
                                           "versions": versions}
@@ -1659,8 +1683,9 @@ def main(argv: list[str] | None = None) -> int:
     manifest["versions"] = versions
     if args.only in (None, "tiny"):
         tok = train_tokenizer()
-        for seed, (name, (config, opts)) in enumerate(tiny_configs(tok).items(), start=1):
-            manifest["models"][name] = {**build_tiny(name, config, opts, tok, seed), "command": command}
+        for place, (name, (config, opts)) in enumerate(tiny_configs(tok).items(), start=1):
+            manifest["models"][name] = {**build_tiny(name, config, opts, tok, opts.get("seed", place)),
+                                        "command": command}
             print(f"{name}: {manifest['models'][name]}", file=sys.stderr)
         manifest["models"]["tiny-llama.gguf"] = {
             **write_llama_gguf(OUT / "tiny-llama", OUT / "tiny-llama.gguf", tok), "command": command}

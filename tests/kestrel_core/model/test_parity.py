@@ -175,6 +175,7 @@ CASES = (
     Case("tiny-granite.gguf", "tiny-granite", ALL_MODES),  # llama.cpp's granite: the multipliers as metadata
     Case("tiny-olmo2", "tiny-olmo2", ALL_MODES),  # norms after each block only, whole-projection q/k norms
     Case("tiny-olmo2.gguf", "tiny-olmo2", ALL_MODES),  # llama.cpp's olmo2: post_attention_norm, post_ffw_norm
+    Case("tiny-ministral3", "tiny-ministral3", ALL_MODES),  # Mistral 3's nesting, YaRN, the attention temperature
     Case("tiny-olmo3", "tiny-olmo3", ALL_MODES),  # 3 sliding layers to 1 full, YaRN on the full one only
     Case("tiny-olmo3.gguf", "tiny-olmo3", ALL_MODES),  # llama.cpp's olmo2 with a window, its pattern and YaRN
     Case("tiny-exaone4", "tiny-exaone4", ALL_MODES),  # OLMo 2's norms, 3 sliding layers to 1 global without RoPE
@@ -440,13 +441,16 @@ ROPE_WRONG = {
     ("tiny-olmo3", "no YaRN"): lambda c: {
         **c, "rope_parameters": {**c["rope_parameters"], "full_attention": c["rope_parameters"]["sliding_attention"]}},
     ("tiny-olmo3", "every layer full"): lambda c: {**c, "layer_types": ["full_attention"] * 4},
+    ("tiny-ministral3", "no attention temperature"): lambda c: {**c, "text_config": {
+        **c["text_config"], "rope_parameters": {**c["text_config"]["rope_parameters"], "llama_4_scaling_beta": 0.0}}},
 }
 
 
 @pytest.mark.parametrize(("name", "wrong"), list(ROPE_WRONG), ids=[f"{n}-{w}" for n, w in ROPE_WRONG])
 def test_long_context_rope_done_wrong_leaves_the_limits(monkeypatch, name: str, wrong: str) -> None:  # type: ignore[no-untyped-def]
-    """Partial rotary dims, longrope's and YaRN's frequencies and their attention factor, and OLMo 3's YaRN on its full
-    layers alone and its sliding window, are each needed (figures in docs/parity.md)."""
+    """Partial rotary dims, longrope's and YaRN's frequencies and their attention factor, OLMo 3's YaRN on its full
+    layers alone and its sliding window, and Ministral 3's attention temperature are each needed (figures in
+    docs/parity.md)."""
     _with_config(monkeypatch, ROPE_WRONG[(name, wrong)])
     fig = measure(next(c for c in CASES if c.name == name), "q8")
     assert not fig.within(TINY), fig
