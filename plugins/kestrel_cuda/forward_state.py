@@ -67,6 +67,8 @@ def unsupported_reason(model: Model) -> str | None:
         return "an output projection bias, attention sinks or expert biases"
     if c.dense_layers or c.router_scoring != "softmax" or c.router_choice_bias or c.routed_scaling != 1.0:
         return "dense layers among the experts, or a sigmoid, biased or scaled router"
+    if c.attn_temperature_scale:
+        return "an attention temperature (Ministral 3's)"
     if c.residual_scale != 1.0 or c.logits_scaling != 1.0:
         return "residual or logits multipliers"
     if c.head_dim % 4 or c.head_dim > MAX_HEAD_DIM:
