@@ -148,16 +148,35 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
                 out[r, o0 + j] = pv[j] / total
 
 
+# rows_dot's partial sums: element j goes to lane j % DOT_LANES, the lanes then summed pairwise. One order for every
+# M, and one LLVM vectorizes, where a single sequential sum runs one dependent add at a time: decoder.route at
+# qwen3-30b-a3b's shapes (one row, 128 experts of width 2048) 231 -> 43 us; 8 to 32 lanes stayed scalar (~78 us
+# for the dot alone, against 28 at 64)
+DOT_LANES = 64
+
+
 def _rows_dot(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-    # x: [M, D]; w: [N, D] float32 (a router); out: [M, N] = x @ w.T, each dot a sequential sum
+    # x: [M, D]; w: [N, D] float32 (a router); out: [M, N] = x @ w.T in DOT_LANES strided partial sums
     m, d = x.shape
     n = w.shape[0]
+    body = d - d % DOT_LANES
+    acc = np.zeros(DOT_LANES, np.float32)
     for r in range(m):
+        xr = x[r]
         for e in range(n):
-            acc = np.float32(0)
-            for j in range(d):
-                acc += x[r, j] * w[e, j]
-            out[r, e] = acc
+            wr = w[e]
+            acc[:] = 0
+            for j in range(0, body, DOT_LANES):
+                for lane in range(DOT_LANES):
+                    acc[lane] += xr[j + lane] * wr[j + lane]
+            for j in range(body, d):
+                acc[j - body] += xr[j] * wr[j]
+            width = DOT_LANES
+            while width > 1:
+                width //= 2
+                for lane in range(width):
+                    acc[lane] += acc[lane + width]
+            out[r, e] = acc[0]
 
 
 def _conv_step(st: np.ndarray, conv_w: np.ndarray, ch: int, v: np.float32, acc: np.float32) -> np.float32:
