@@ -1,8 +1,8 @@
 """Read a GGUF file (GGUF_ARCHITECTURES: llama incl. Mixtral, qwen2, qwen3 and Qwen3-VL's, phi3, gemma 2 and 3, the
-mixtures of experts, gpt-oss, smollm3, granite, olmo2, exaone4, seed_oss, glm4 and glm4moe, ernie4_5 and its MoE,
-qwen35, qwen35moe, qwen3next, lfm2 and granitehybrid; one file, or the parts of a split one) as a TensorSource:
-dequantized float32, HF layout; the experts of a stacked ``ffn_*_exps`` tensor are read one slice at a time. Its
-metadata: model/gguf_meta.py.
+mixtures of experts, gpt-oss, smollm3, granite, olmo2 (OLMo 3's too), exaone4, seed_oss, glm4 and glm4moe, ernie4_5
+and its MoE, qwen35, qwen35moe, qwen3next, lfm2 and lfm2moe, granitehybrid; one file, or the parts of a split one) as
+a TensorSource: dequantized float32, HF layout; the experts of a stacked ``ffn_*_exps`` tensor are read one slice at
+a time. Its metadata: model/gguf_meta.py.
 
 llama.cpp's convert_hf_to_gguf.py permutes the rows of Q and K for the llama architecture only
 (``LlamaModel.permute``: rows ``[n_head, 2, hd/2]`` -> ``[n_head, hd/2, 2]``), because ggml's default RoPE
@@ -200,14 +200,14 @@ class GGUFCheckpoint(GGUFMetadata):
         self.path = Path(path)
         self.description = str(self.path)
         self.reader = _open_reader(self.path)  # the metadata: a split file's first part holds all of it
-        self.tensors = self._split_tensors()
+        self.file_tensors = self._split_tensors()  # every part's
         self._tensors = {}
         self._rows: dict[str, tuple[int, int] | np.ndarray] = {}  # kestrel name -> its rows of a fused tensor
         self._experts: dict[str, tuple[Any, int]] = {}  # kestrel name -> (stacked tensor, expert)
         file_arch = self.field("general.architecture")
         fused = FUSED.get(file_arch, {})
         split = []
-        for t in self.tensors:
+        for t in self.file_tensors:
             m = _BLK_RE.match(t.name)
             if m and m.group(2) in fused:
                 split.append((int(m.group(1)), fused[m.group(2)], t))
@@ -223,9 +223,9 @@ class GGUFCheckpoint(GGUFMetadata):
             name = kestrel_name(t.name, file_arch)
             if name is not None:
                 self._tensors[name] = t
-        self._rope_freqs = next((t for t in self.tensors if t.name == "rope_freqs.weight"), None)
-        self.fp4_experts = any(t.tensor_type.name == "MXFP4" for t in self.tensors)
-        self._rope_factors = {t.name: t for t in self.tensors if t.name.startswith("rope_factors_")}
+        self._rope_freqs = next((t for t in self.file_tensors if t.name == "rope_freqs.weight"), None)
+        self.fp4_experts = any(t.tensor_type.name == "MXFP4" for t in self.file_tensors)
+        self._rope_factors = {t.name: t for t in self.file_tensors if t.name.startswith("rope_factors_")}
         self.config = self._config()
         # Qwen3.5's converter tiles the value heads of its linear attention (Qwen3-Next's keeps HF's order)
         self.tiled_value_heads = file_arch in ("qwen35", "qwen35moe")
