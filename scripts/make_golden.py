@@ -47,7 +47,8 @@ Writes under tests/fixtures/models/:
   tiny-olmo2.gguf  llama.cpp's olmo2 (post_attention_norm, post_ffw_norm, no pre-norms); golden = tiny-olmo2's
   tiny-ministral3/ Ministral3's language model saved as the hub's Mistral3ForConditionalGeneration (text_config,
                 model.language_model.*, a vision tower's tensors beside): YaRN, and Llama 4's attention temperature past
-                position 16, bfloat16 (no GGUF twin: llama.cpp's mistral3 metadata is not read)
+                position 16, bfloat16
+  tiny-ministral3.gguf  llama.cpp's mistral3 (Q/K permuted, yarn_log_multiplier, attention.temperature_scale)
   tiny-olmo3/   Olmo3ForCausalLM: OLMo 2's layers, three sliding (window 8) to one full, YaRN on the full ones only,
                 bfloat16, config in the transformers-5 layout (rope_parameters per layer type)
   tiny-olmo3.gguf  llama.cpp's olmo2 with sliding_window, its pattern and YaRN; golden = tiny-olmo3's
@@ -865,6 +866,22 @@ def write_olmo3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     return _write_dense(src, dst, tok, "olmo2", POST_NORMS, configure=configure)
 
 
+def write_ministral3_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-ministral3's language model as llama.cpp's Ministral3Model writes it: llama's layout (Q/K permuted),
+    YaRN with yarn_log_multiplier = mscale_all_dim, and the attention temperature's scale (its length is the YaRN
+    original context)."""
+    def configure(w: Any, cfg: dict[str, Any]) -> None:
+        rope = cfg["rope_parameters"]
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+        w.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
+    return _write_dense(src, dst, tok, "mistral3", PRE_NORMS, permute=True, configure=configure)
+
+
 def write_exaone4_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     """tiny-exaone4 as llama.cpp's Exaone4Model writes it: olmo2's tensors (per-head q/k norms) and the window as
     exaone4.attention.sliding_window; the 3-to-1 pattern and the global layers' lack of RoPE are llama.cpp's rule."""
@@ -1212,7 +1229,7 @@ def _checkpoint(src: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         return cfg, tensors
     text = cfg["text_config"]
     rope = text["rope_parameters"]
-    cfg = {**text, "rope_theta": rope["rope_theta"], "mrope_section": rope["mrope_section"],
+    cfg = {**text, "rope_theta": rope["rope_theta"], "mrope_section": rope.get("mrope_section"),
            "tie_word_embeddings": cfg["tie_word_embeddings"], "vision": cfg["vision_config"]}
     tensors = {k.replace("model.language_model.", "model."): v for k, v in tensors.items() if ".visual." not in k}
     width = cfg.get("moe_intermediate_size")
@@ -1622,7 +1639,7 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-qwen2-moe": write_qwen2_moe_gguf, "tiny-phi3-longrope": write_phi3_gguf,
               "tiny-qwen3-yarn": write_qwen3_gguf, "tiny-gpt-oss": write_gpt_oss_gguf,
               "tiny-smollm3": write_smollm3_gguf, "tiny-granite": write_granite_gguf, "tiny-olmo2": write_olmo2_gguf,
-              "tiny-olmo3": write_olmo3_gguf,
+              "tiny-olmo3": write_olmo3_gguf, "tiny-ministral3": write_ministral3_gguf,
               "tiny-exaone4": write_exaone4_gguf, "tiny-seed-oss": write_seed_oss_gguf, "tiny-glm4": write_glm4_gguf,
               "tiny-ernie4_5": write_ernie4_5_gguf, "tiny-qwen3_5": write_hybrid_gguf,
               "tiny-qwen3_5-moe": write_hybrid_gguf, "tiny-qwen3-next": write_hybrid_gguf,

@@ -164,12 +164,16 @@ class GGUFMetadata:
             return {"rope_type": "linear", "factor": self.float_field(key + "factor", 1.0)}
         if kind != "yarn":
             return None
-        for unsupported in ("yarn_log_multiplier", "yarn_ext_factor"):
+        # mistral3's yarn_log_multiplier is Ministral 3's mscale_all_dim; its mscale, which the file does not keep, is
+        # the same in Ministral 3's configs, so transformers' attention factor mscale(f, mscale) / mscale(f, all_dim)
+        # is 1
+        for unsupported in ("yarn_ext_factor",) if arch == "mistral3" else ("yarn_log_multiplier", "yarn_ext_factor"):
             if self.field(key + unsupported) is not None:
                 raise KestrelError(f"{self.path}: {key}{unsupported} (DeepSeek's YaRN variant) is not supported")
         factor = self.float_field(key + "factor", 1.0)
         # llama.cpp's YaRN: its attention factor times YaRN's own temperature 0.1 ln(factor) + 1
-        attention = self.float_field(key + "yarn_attn_factor", 1.0) * (0.1 * math.log(factor) + 1 if factor > 1 else 1)
+        attention = 1.0 if arch == "mistral3" else (self.float_field(key + "yarn_attn_factor", 1.0)
+                                                   * (0.1 * math.log(factor) + 1 if factor > 1 else 1))
         # gpt-oss was trained with YaRN's correction range not rounded out (transformers' truncate false)
         return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original or context,
                 "attention_factor": attention, "beta_fast": self.float_field(key + "yarn_beta_fast", 32.0),
@@ -196,6 +200,11 @@ class GGUFMetadata:
             return out
         if arch == "qwen3vl":  # Qwen3-VL's language model, qwen3's: rope.dimension_sections turn text as plain RoPE
             return {"arch": "qwen3"}
+        if arch == "mistral3":  # Ministral 3: llama's layers (Q/K permuted), YaRN, Llama 4's attention temperature
+            original = self.int_field(f"{arch}.rope.scaling.original_context_length")  # its length unless the file
+            return {"arch": "ministral3",                                                # says another
+                    "attn_temperature_scale": self.float_field(f"{arch}.attention.temperature_scale", 0.0),
+                    "attn_temperature_length": self.int_field(f"{arch}.attention.temperature_length", original) or 0}
         if arch == "smollm3":
             return {"nope_layers": tuple(i for i in range(layers) if (i + 1) % SMOLLM3_NOPE_STEP == 0)}
         if arch == "glm4":  # interleaved RoPE pairs (llama.cpp's NORM rope), Gemma's four norms, q/k/v biases

@@ -36,9 +36,9 @@ from kestrel_core.model.weights import expert_field
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
                       "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5", "qwen35", "qwen35moe",
                       "qwen3next", "lfm2", "granitehybrid", "glm4moe", "ernie4_5-moe", "qwen3vl", "qwen3vlmoe",
-                      "lfm2moe")
-# kestrel's names: a llama GGUF with experts is Mixtral; SmolLM3's converter is llama's
-PERMUTED_ARCHITECTURES = ("llama", "mixtral", "smollm3", "granite", "granitemoehybrid")
+                      "lfm2moe", "mistral3")
+# kestrel's names: a llama GGUF with experts is Mixtral; SmolLM3's and Ministral 3's converters are llama's
+PERMUTED_ARCHITECTURES = ("llama", "mixtral", "smollm3", "granite", "granitemoehybrid", "ministral3")
 # phi3 GGUFs hold Q|K|V and gate|up (llama.cpp's ffn_up of phi3: gate rows, then up) as one tensor each; glm4's
 # gate|up too
 FUSED = {"phi3": {"attn_qkv.weight": ("q", "k", "v"), "ffn_up.weight": ("gate", "up")},
