@@ -256,7 +256,9 @@ class GGUFMetadata:
         if arch in ("lfm2", "lfm2moe"):  # short convolutions where a layer has no KV heads; per-head q/k norms
             out = {"layer_types": tuple("full" if h else "conv" for h in self._per_layer_kv(arch)), "qk_norm": True,
                    "short_conv_kernel": self.int_field(f"{arch}.shortconv.l_cache", required=True)}
-            return out if arch == "lfm2" else {**out, **self._lfm2moe_fields(arch, layers, experts)}
+            if arch == "lfm2moe":
+                out.update(arch="lfm2_moe", **self._sigmoid_router_fields(arch, layers, experts, "LFM2-MoE"))
+            return out
         if arch == "gpt-oss":  # biases everywhere, sinks, the clamped SwiGLU (llama.cpp's fixed limit and slope)
             return {"arch": "gpt_oss", "num_experts": experts,
                     "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
@@ -277,48 +279,36 @@ class GGUFMetadata:
                 "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
                 "expert_intermediate_size": ff, "norm_topk_prob": norm, "shared_expert_intermediate_size": shared}
 
-    def _lfm2moe_fields(self, arch: str, layers: int, experts: int) -> dict[str, Any]:
-        """LFM2-MoE's experts: ``leading_dense_block_count`` dense layers, then a sigmoid router (another
-        ``expert_gating_func`` refused) with its choice bias ``exp_probs_b``, renormalised and scaled as
-        ``expert_weights_norm`` and ``expert_weights_scale`` say (default: yes, 1)."""
+    def _sigmoid_router_fields(self, arch: str, layers: int, experts: int, model: str) -> dict[str, Any]:
+        """The experts of llama.cpp's sigmoid-routed files (LFM2-MoE, GLM-4.5): ``leading_dense_block_count``
+        dense layers, then a sigmoid router (another ``expert_gating_func`` refused) with its choice bias
+        ``exp_probs_b`` where the file has one, renormalised and scaled as ``expert_weights_norm`` and
+        ``expert_weights_scale`` say (default: yes, 1)."""
         gating = self.int_field(f"{arch}.expert_gating_func", GATING_SIGMOID)
         if gating != GATING_SIGMOID:
-            raise KestrelError(f"{self.path}: {arch}.expert_gating_func {gating} is not supported (LFM2-MoE's "
+            raise KestrelError(f"{self.path}: {arch}.expert_gating_func {gating} is not supported ({model}'s "
                                f"router is a sigmoid, {GATING_SIGMOID})")
         dense = self.int_field(f"{arch}.leading_dense_block_count", 0, lo=0) or 0
-        return {"arch": "lfm2_moe", "num_experts": experts,
+        first = min(dense, layers - 1)  # the first layer with experts names its optional tensors
+        return {"num_experts": experts,
                 "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
                 "expert_intermediate_size": self.int_field(f"{arch}.expert_feed_forward_length", required=True),
                 "dense_layers": tuple(range(min(dense, layers))), "router_scoring": "sigmoid",
-                "router_choice_bias": layer_name(min(dense, layers - 1), "router_choice_bias") in self._tensors,
+                "router_choice_bias": layer_name(first, "router_choice_bias") in self._tensors,
                 "norm_topk_prob": self.bool_field(f"{arch}.expert_weights_norm", True),
                 "routed_scaling": self.float_field(f"{arch}.expert_weights_scale", 1.0)}
 
     def _glm4moe_fields(self, arch: str, layers: int, experts: int) -> dict[str, Any]:
-        """GLM-4.5's, as llama.cpp reads them: ``leading_dense_block_count`` dense layers, then experts chosen by a
-        sigmoid router (``expert_gating_func`` 2) with a choice bias (``exp_probs_b``), maybe in groups, weighted
-        times ``expert_weights_scale``, beside ``expert_shared_count`` ungated shared experts; q/k/v biases and q/k
-        norms where the file has them."""
-        gating = self.int_field(f"{arch}.expert_gating_func", GATING_SIGMOID)
-        if gating != GATING_SIGMOID:
-            raise KestrelError(f"{self.path}: {arch}.expert_gating_func {gating} is not supported (GLM-4.5's "
-                               f"router is a sigmoid, {GATING_SIGMOID})")
-        width = self.int_field(f"{arch}.expert_feed_forward_length", required=True)
-        assert width is not None
-        dense = self.int_field(f"{arch}.leading_dense_block_count", 0, lo=0) or 0
-        first = min(dense, layers - 1)  # the first layer with experts names its optional tensors
-        return {"arch": "glm4_moe", "qkv_bias": "layers.0.q_bias" in self._tensors,
-                "qk_norm": "layers.0.q_norm" in self._tensors, "num_experts": experts,
-                "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
-                "expert_intermediate_size": width, "dense_layers": tuple(range(min(dense, layers))),
-                "shared_expert_intermediate_size": width * (self.int_field(f"{arch}.expert_shared_count", 0, lo=0)
-                                                            or 0),
-                "shared_expert_gated": False, "norm_topk_prob": self.bool_field(f"{arch}.expert_weights_norm", True),
-                "router_scoring": "sigmoid",
-                "router_choice_bias": layer_name(first, "router_choice_bias") in self._tensors,
+        """GLM-4.5's, as llama.cpp reads them: the sigmoid router's experts, maybe chosen in groups, beside
+        ``expert_shared_count`` ungated shared experts; q/k/v biases and q/k norms where the file has them."""
+        out = self._sigmoid_router_fields(arch, layers, experts, "GLM-4.5")
+        return {**out, "arch": "glm4_moe", "qkv_bias": "layers.0.q_bias" in self._tensors,
+                "qk_norm": "layers.0.q_norm" in self._tensors,
+                "shared_expert_intermediate_size": out["expert_intermediate_size"]
+                * (self.int_field(f"{arch}.expert_shared_count", 0, lo=0) or 0),
+                "shared_expert_gated": False,
                 "router_groups": self.int_field(f"{arch}.expert_group_count", 1),
-                "router_topk_groups": self.int_field(f"{arch}.expert_group_used_count", 1),
-                "routed_scaling": self.float_field(f"{arch}.expert_weights_scale", 1.0)}
+                "router_topk_groups": self.int_field(f"{arch}.expert_group_used_count", 1)}
 
     def _ssm_heads(self, arch: str) -> tuple[int, int]:
         """(heads, each one's dims) of llama.cpp's ssm metadata: ``ssm.time_step_rank`` heads sharing

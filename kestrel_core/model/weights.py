@@ -105,7 +105,7 @@ class LayerWeights:
     ssm_norm: np.ndarray | None = None  # [inner]: the gated RMSNorm over each group's channels
     router: np.ndarray | None = None  # mixture of experts: float32 [E, D]
     router_bias: np.ndarray | None = None  # gpt-oss: [E], added to the logits
-    router_choice_bias: np.ndarray | None = None  # a sigmoid router's: [E], added to the scores it chooses by
+    router_choice_bias: np.ndarray | None = None  # [E], added to the router's scores where it chooses experts
     experts: tuple[ExpertWeights, ...] = ()
     shared_expert: ExpertWeights | None = None  # Qwen2-MoE: run by every token (its wkeys: expert E)
     shared_expert_gate: np.ndarray | None = None  # float32 [1, D]: sigmoid(x . gate) scales its output
