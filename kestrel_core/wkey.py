@@ -36,6 +36,11 @@ class Proj(IntEnum):
     LIN_IN = 17  # fused LIN_QKV|LIN_Z|LIN_BETA|LIN_ALPHA (its output projection is O)
     CONV_IN = 18  # a short-convolution layer's B|C|x (LFM2; its output projection is O)
     MAMBA_IN = 19  # a Mamba-2 layer's z|x|B|C|dt (Granite 4.0-H; its output projection is O)
+    Q_A = 20  # multi-head latent attention (DeepSeek-V2/V3): the query's low-rank down projection
+    KV_A = 21  # the keys' and values' latent, then the shared RoPE key
+    MLA_IN = 22  # fused Q_A|KV_A, or Q|KV_A where the query has no low rank
+    Q_B = 23  # the query's up projection from the normed Q_A
+    KV_B = 24  # each head's key (its part without RoPE) and value from the normed latent
 
 
 MAX_EXPERT = 0xFFFE
@@ -132,3 +137,9 @@ LINEAR_GROUPS = (ProjGroup((Proj.LIN_QKV, Proj.LIN_Z, Proj.LIN_BETA, Proj.LIN_AL
 CONV_GROUPS = (ProjGroup((Proj.CONV_IN,)), PROJ_GROUPS[1])
 # the token mixer of a Mamba-2 layer (Granite 4.0-H): its input projection, then O
 MAMBA_GROUPS = (ProjGroup((Proj.MAMBA_IN,)), PROJ_GROUPS[1])
+# multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash): the query's down projection and the latent from the
+# layer's input, the query's up projection, the keys' and values' from the latent, then O; without a low-rank
+# query (DeepSeek-V2-Lite) Q reads the layer's input beside the latent
+MLA_GROUPS = (ProjGroup((Proj.Q_A, Proj.KV_A), Proj.MLA_IN), ProjGroup((Proj.Q_B,)), ProjGroup((Proj.KV_B,)),
+              PROJ_GROUPS[1])
+MLA_DIRECT_GROUPS = (ProjGroup((Proj.Q, Proj.KV_A), Proj.MLA_IN), ProjGroup((Proj.KV_B,)), PROJ_GROUPS[1])

@@ -108,6 +108,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    DeepseekV2Config,
+    DeepseekV3Config,
     Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
@@ -115,6 +117,7 @@ from transformers import (
     Gemma3TextConfig,
     Glm4Config,
     Glm4MoeConfig,
+    Glm4MoeLiteConfig,
     GptOssConfig,
     GraniteConfig,
     GraniteMoeHybridConfig,
@@ -422,6 +425,31 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
                                         num_local_experts=0)
     granite4_h_moe = GraniteMoeHybridConfig(**granite4, intermediate_size=32, shared_intermediate_size=64,
                                             num_local_experts=4, num_experts_per_tok=2)
+    # multi-head latent attention: each head's key and value from a latent of 32 (RMSNormed), RoPE on its last 8 dims
+    # in interleaved pairs with one RoPE key all 4 heads share; experts after a dense first layer
+    mla = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+               max_position_embeddings=256, bos_token_id=bos, eos_token_id=eos, pad_token_id=None,
+               num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+               num_experts_per_tok=2, kv_lora_rank=32, qk_rope_head_dim=8, tie_word_embeddings=False)
+    # DeepSeek-V3 (Moonlight, Kimi K2): a low-rank query (32), values of 16 dims against keys of 24, YaRN (factor 4
+    # over a context of 64) whose mscale_all_dim scales the softmax, GLM-4.5's router (2 groups of 4, 1 kept)
+    deepseek_v3 = DeepseekV3Config(**mla, rms_norm_eps=1e-6, q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16,
+                                   n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                                   routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+                                   rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                    "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                                    "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
+    # DeepSeek-V2-Lite: the query in one projection, a softmax router's top 2 of 8 (not renormalised), two shared
+    # experts, plain RoPE
+    deepseek_v2 = DeepseekV2Config(**mla, rms_norm_eps=1e-6, q_lora_rank=None, qk_nope_head_dim=16, v_head_dim=16,
+                                   n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy",
+                                   routed_scaling_factor=1.0, norm_topk_prob=False,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    # GLM-4.7-Flash: DeepSeek-V3's layers, values as wide as keys (32), its norms' eps 1e-5 (the latent's 1e-6)
+    glm4_moe_lite = Glm4MoeLiteConfig(**mla, rms_norm_eps=1e-5, q_lora_rank=32, qk_nope_head_dim=24, v_head_dim=32,
+                                      n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.8,
+                                      norm_topk_prob=True,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     mixtral = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
                             num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None)
     return {
@@ -460,6 +488,9 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
                                                    seed=24)),
         "tiny-olmo3": (olmo3, _saved(torch.bfloat16, classic=False, seed=17)),
         "tiny-ministral3": (ministral3, _saved(torch.bfloat16, classic=False, nest="mistral3", seed=35)),
+        "tiny-deepseek-v3": (deepseek_v3, _saved(torch.bfloat16, seed=36)),
+        "tiny-deepseek-v2": (deepseek_v2, _saved(torch.bfloat16, seed=37)),
+        "tiny-glm4-moe-lite": (glm4_moe_lite, _saved(torch.bfloat16, classic=False, seed=38)),
     }
 
 
@@ -535,7 +566,7 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                 val = (STD_LM_HEAD if tied else STD_EMBED) * rng.standard_normal(shape)
             elif name == "lm_head.weight":
                 val = STD_LM_HEAD * rng.standard_normal(shape)
-            elif name.endswith("_proj.weight"):
+            elif name.endswith(("_proj.weight", "kv_a_proj_with_mqa.weight")):
                 val = q4_grid(rng, shape, STD_PROJ)
             elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, N, K], saved per expert
                 val = np.stack([q4_grid(rng, shape[1:], STD_PROJ) for _ in range(shape[0])])

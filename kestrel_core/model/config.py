@@ -1,7 +1,7 @@
 """Decoder configuration: one dataclass for Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, OLMo 2, EXAONE 4,
 Seed-OSS, GLM-4, ERNIE 4.5, Gemma 2 and 3, the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss) and the
 hybrids of full attention with linear attention (Qwen3.5 dense and MoE, Qwen3-Next), short convolutions (LFM2) or
-Mamba-2 (Granite 4.0-H)."""
+Mamba-2 (Granite 4.0-H), and multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from kestrel_core.model.validate import ValidationError, check_bool, check_float
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
                  "mixtral", "gpt_oss", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "glm4",
                  "ernie4_5", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granitemoehybrid", "glm4_moe",
-                 "ernie4_5_moe", "lfm2_moe", "ministral3")
+                 "ernie4_5_moe", "lfm2_moe", "ministral3", "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 POOLINGS = ("last", "mean", "cls")  # how an embedding pools the final hidden states: last, mean or first token
 # of the gate: SwiGLU, GeGLU with the tanh GELU (Gemma), or gpt-oss's clamped SwiGLU: gate g clamped to at most
 # swiglu_limit, up u to +-swiglu_limit, then (u + 1) * g * sigmoid(swiglu_alpha * g)
@@ -123,6 +123,13 @@ class ModelConfig:
     mamba_conv_kernel: int = 0
     mamba_conv_bias: bool = False
     shared_expert_gated: bool = True  # False (Granite 4.0-H): the shared expert's output is added as it is
+    # multi-head latent attention (DeepSeek-V2/V3): each head's key and value come up from a latent of
+    # kv_lora_rank (RMSNormed) beside one RoPE key all heads share; head_dim is the query's and key's (the part
+    # without RoPE, then rotary_dim that turns), v_head_dim the value's. q_lora_rank: the query's low rank (0:
+    # one projection). 0 without it
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    v_head_dim: int = 0  # 0: head_dim
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     pooling: str | None = None  # an embedding model's pooling (one of POOLINGS): it gives vectors, not text
@@ -155,8 +162,17 @@ class ModelConfig:
         return bool(self.layer_types) and self.layer_types[layer] == "conv"
 
     def is_mamba(self, layer: int) -> bool:
-        """Whether ``layer`` mixes tokens by Mamba-2 (Granite 4.0-H)."""
+        """Whether ``layer`` mixes tokens by Mamba-2 (Granite 4.0-H), and multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash)."""
         return bool(self.layer_types) and self.layer_types[layer] == "mamba"
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def value_dim(self) -> int:
+        """The dims of each head's value (and attention output)."""
+        return self.v_head_dim or self.head_dim
 
     @property
     def linear_layers(self) -> tuple[int, ...]:
@@ -270,6 +286,7 @@ def validate_config(c: ModelConfig) -> None:
     if "sliding" in c.layer_types and c.sliding_window is None:
         raise ValidationError("layer_types has sliding layers but sliding_window is not set")
     _check_linear(c)
+    _check_mla(c)
     if c.rope_local_theta is not None:
         check_float("rope_local_theta", c.rope_local_theta, 0.0, lo_open=True)
     if not isinstance(c.nope_layers, tuple) or not all(is_int(i) and 0 <= i < c.num_layers for i in c.nope_layers):
@@ -340,6 +357,24 @@ def _check_router(c: ModelConfig) -> None:
         if c.router_topk_groups * per_group < c.experts_per_token:
             raise ValidationError(f"router_topk_groups {c.router_topk_groups} keeps fewer experts than "
                                   f"experts_per_token {c.experts_per_token}")
+
+
+def _check_mla(c: ModelConfig) -> None:
+    """Multi-head latent attention: a latent, RoPE on part of each head (the shared key's), a key and value a head."""
+    check_int("kv_lora_rank", c.kv_lora_rank, 0, MAX_DIM)
+    check_int("q_lora_rank", c.q_lora_rank, 0, MAX_DIM)
+    check_int("v_head_dim", c.v_head_dim, 0, MAX_DIM)
+    if not c.kv_lora_rank:
+        if c.q_lora_rank or c.v_head_dim:
+            raise ValidationError("q_lora_rank and v_head_dim need kv_lora_rank (multi-head latent attention)")
+        return
+    if c.rotary_dim is None or c.rotary_dim >= c.head_dim:
+        raise ValidationError("multi-head latent attention turns part of each head: rotary_dim must be below head_dim")
+    if c.num_kv_heads != c.num_heads:
+        raise ValidationError(f"multi-head latent attention has a key and value a head: num_kv_heads "
+                              f"({c.num_kv_heads}) must be num_heads ({c.num_heads})")
+    if c.layer_types and set(c.layer_types) != {"full"}:
+        raise ValidationError("multi-head latent attention layers are all full attention")
 
 
 MAMBA_FIELDS = ("mamba_heads", "mamba_head_dim", "mamba_groups", "mamba_state", "mamba_conv_kernel")

@@ -21,12 +21,13 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model import kernels
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.kv_pool import KVPool, SeqCache, bytes_per_position
-from kestrel_core.model.rope import rope_tables
+from kestrel_core.model.rope import head_order, rope_tables
 from kestrel_core.model.weights import PREFILL_CHUNK as PREFILL_CHUNK
 from kestrel_core.model.weights import ExpertWeights, LayerWeights, Model
 from kestrel_core.wkey import MLP_GROUPS, lm_head_wkey
 
 CACHE_CHUNK = 256  # RoPE tables grow by this many positions at a time
+MLA_NORM_EPS = np.float32(1e-6)  # the latent attention's q_a and kv_a RMSNorms: transformers' default, not the config's
 # What the projections' inputs are: int8 per block (Q8_0, gemm_q8), float32 (gemm_f32), or "mixed": float32
 # for the rows of a sequence's prompt and int8 for the tokens it generates (a row's mode follows from its
 # position alone, so batching, chunking and recomputation still change no bit).
@@ -120,6 +121,7 @@ class Decoder:
                 self.ropes.append(RopeTables(c, i))
             self.layer_rope.append(seen[key])
         self.eps = np.float32(c.rms_norm_eps)
+        self.head_order = head_order(c)
         self.act = _ACTIVATIONS[c.activation]
         if c.activation == "swiglu_oai":
             self.act = partial(swiglu_oai_mul, limit=np.float32(c.swiglu_limit), alpha=np.float32(c.swiglu_alpha))
@@ -271,20 +273,19 @@ class Decoder:
             self.offload.layer_boundary(i)
             x = h.copy() if lw.attn_norm is None else rmsnorm(h, lw.attn_norm, self.eps)  # [M, D]
             mix = (self._linear_attention if lw.is_linear else self._short_conv if lw.is_conv
-                   else self._mamba if lw.is_mamba else self._attention)
+                   else self._mamba if lw.is_mamba else self._latent_attention if lw.is_mla else self._attention)
             h += self._residual(mix(i, lw, x, rows), lw.post_attn_norm)
             x = h.copy() if lw.mlp_norm is None else rmsnorm(h, lw.mlp_norm, self.eps)
-            out = self._moe(i, lw, x, precise) if lw.experts else self._mlp(x, precise, self.strips[i][2:],
-                                                                             self.keys[i][2:])
+            out = self._moe(i, lw, x, precise) if lw.experts else self._mlp(x, precise, self.strips[i][-2:],
+                                                                             self.keys[i][-2:])
             h += self._residual(out, lw.post_mlp_norm)
         return h, precise
 
     def _attention(self, i: int, lw: LayerWeights, x: np.ndarray, rows: _Rows) -> np.ndarray:
         """Layer ``i``'s attention on x [M, D]: its keys and values written to the pool, [M, D] out."""
-        c, pool, m = self.config, self.pool, len(x)
+        c, m = self.config, len(x)
         hd, n_heads, n_kv = c.head_dim, c.num_heads, c.num_kv_heads
         (qkv_w, o_w), (qkv_keys, o_keys) = self.strips[i][:2], self.keys[i][:2]
-        cos, sin, q_cos, q_sin = rows.tables_at[self.layer_rope[i]]
         q, k, v, *gate = self._linear(x, rows.precise, qkv_w, *qkv_keys)
         if lw.q_bias is not None:
             q = q + lw.q_bias
@@ -298,17 +299,46 @@ class Decoder:
         if lw.q_norm is not None and not c.qk_norm_full:
             q = rmsnorm(q, lw.q_norm, self.eps)
             k = rmsnorm(k, lw.k_norm, self.eps)
-        kv = pool.kv_index[i]
-        attn = np.empty((m, n_heads * hd), np.float32)  # [M, H*hd]
-        kernels.rope_write(np.ascontiguousarray(k), v, pool.kt[kv], pool.v[kv], rows.slots, cos, sin)
-        kernels.attend(np.ascontiguousarray(q), pool.kt[kv], pool.v[kv], rows.tables, rows.row_seq,
-                       rows.firsts[c.window_of(i)], rows.lengths, q_cos, q_sin, self.attn_softcap, self.sinks[i], attn)
+        attn = self._attend(i, q, k, v, rows)  # [M, H*hd]
         if gate:  # Qwen3.5's gated attention
             attn *= _sigmoid(gate[0])
         out = self._linear(attn, rows.precise, o_w, *o_keys)[0]  # [M, D]
         if lw.o_bias is not None:
             out += lw.o_bias
         return out
+
+    def _attend(self, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, rows: _Rows) -> np.ndarray:
+        """Layer ``i``'s keys k [M, KV, hd] and values v [M, KV, vd] written to the pool, RoPE turning them and the
+        queries q [M, H, hd]; the attention's output [M, H*vd]."""
+        c, pool = self.config, self.pool
+        cos, sin, q_cos, q_sin = rows.tables_at[self.layer_rope[i]]
+        kv = pool.kv_index[i]
+        attn = np.empty((len(q), c.num_heads * c.value_dim), np.float32)  # [M, H*vd]
+        kernels.rope_write(np.ascontiguousarray(k), np.ascontiguousarray(v), pool.kt[kv], pool.v[kv], rows.slots,
+                           cos, sin)
+        kernels.attend(np.ascontiguousarray(q), pool.kt[kv], pool.v[kv], rows.tables, rows.row_seq,
+                       rows.firsts[c.window_of(i)], rows.lengths, q_cos, q_sin, self.attn_softcap, self.sinks[i], attn)
+        return attn
+
+    def _latent_attention(self, i: int, lw: LayerWeights, x: np.ndarray, rows: _Rows) -> np.ndarray:
+        """Layer ``i``'s multi-head latent attention on x [M, D] (DeepSeek-V2/V3): each head's key (its dims without
+        RoPE) and value come up from the RMSNormed latent, beside one RoPE key every head shares; [M, D] out."""
+        c, m = self.config, len(x)
+        h, hd, r = c.num_heads, c.head_dim, c.kv_lora_rank
+        strips, keys = self.strips[i], self.keys[i]
+        q, kva = self._linear(x, rows.precise, strips[0], *keys[0])  # [M, q_lora or H*hd], [M, r + rotary]
+        if lw.q_a is not None:
+            q = self._linear(rmsnorm(q, lw.q_a_norm, MLA_NORM_EPS), rows.precise, strips[1], *keys[1])[0]
+        latent = rmsnorm(kva[:, :r], lw.kv_a_norm, MLA_NORM_EPS)  # [M, r]
+        b = 2 if lw.q_a is not None else 1  # KV_B's group, then O's (wkey.MLA_GROUPS, MLA_DIRECT_GROUPS)
+        kvb = self._linear(latent, rows.precise, strips[b], *keys[b])[0].reshape(m, h, -1)  # [M, H, dn + vd]
+        dn = hd - c.rotary
+        k = np.empty((m, h, hd), np.float32)  # in the checkpoint's order (dn dims, then the shared RoPE key) ...
+        k[:, :, :dn] = kvb[:, :, :dn]
+        k[:, :, dn:] = kva[:, None, r:]
+        k = k[:, :, self.head_order]  # ... then in kestrel's, as the query's rows were stored (rope.head_order)
+        attn = self._attend(i, q.reshape(m, h, hd), k, kvb[:, :, dn:], rows)  # [M, H*vd]
+        return self._linear(attn, rows.precise, strips[b + 1], *keys[b + 1])[0]
 
     def _linear_attention(self, i: int, lw: LayerWeights, x: np.ndarray, rows: _Rows) -> np.ndarray:
         """Layer ``i``'s Gated DeltaNet on x [M, D] (``kernels.gated_delta``, each sequence's recurrent state

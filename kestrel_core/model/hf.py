@@ -54,6 +54,13 @@ _LAYER_MAP = {
     "mlp.gate_proj.weight": "gate",
     "mlp.up_proj.weight": "up",
     "mlp.down_proj.weight": "down",
+    # multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash)
+    "self_attn.q_a_proj.weight": "q_a",
+    "self_attn.q_a_layernorm.weight": "q_a_norm",
+    "self_attn.q_b_proj.weight": "q_b",
+    "self_attn.kv_a_proj_with_mqa.weight": "kv_a",
+    "self_attn.kv_a_layernorm.weight": "kv_a_norm",
+    "self_attn.kv_b_proj.weight": "kv_b",
 }
 # Qwen3.5's linear-attention layers (Gated DeltaNet); q_proj holds each head's query and gate rows in turn
 _LINEAR_ATTN_MAP = {**_LAYER_MAP, "linear_attn.in_proj_qkv.weight": "lin_qkv", "linear_attn.in_proj_z.weight": "lin_z",

@@ -38,6 +38,8 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "Qwen3NextForCausalLM": "qwen3_next", "Lfm2ForCausalLM": "lfm2", "Lfm2MoeForCausalLM": "lfm2_moe",
                     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
                     "Glm4MoeForCausalLM": "glm4_moe", "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
+                    "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
+                    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
                     # Qwen3-VL's language models are Qwen3's and Qwen3-MoE's (_TEXT_CONFIGS names them so)
                     "Qwen3VLForConditionalGeneration": "qwen3_vl", "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
                     # the decoder without its head, as embedding checkpoints (e5-mistral, ...) name it
@@ -51,7 +53,9 @@ MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": 
                "qwen3_next": "qwen3_next", "lfm2": "lfm2", "lfm2_moe": "lfm2_moe",
                "granitemoehybrid": "granitemoehybrid",
                "glm4_moe": "glm4_moe", "ernie4_5_moe": "ernie4_5_moe", "qwen3_vl": "qwen3_vl",
-               "qwen3_vl_moe": "qwen3_vl_moe", "ministral3": "ministral3", "mistral3": "mistral3"}
+               "qwen3_vl_moe": "qwen3_vl_moe", "ministral3": "ministral3", "mistral3": "mistral3",
+               "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3",
+               "glm4_moe_lite": "glm4_moe_lite"}
 WINDOWED = ("mistral", "phi3", "mixtral", "ministral3")  # architectures whose sliding_window applies to every layer
 # Gemma3TextConfig's defaults: hub configs (the text_config of the multimodal checkpoints) leave many out
 GEMMA3_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -69,6 +73,7 @@ QWEN3_5_DEFAULTS = {"head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_he
 QWEN3_VL_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 128000}
 GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # Gemma2Config's defaults
 POST_NORMED = ("olmo2", "olmo3", "exaone4")
+MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")  # multi-head latent attention
 # transformers' GptOssConfig default RoPE, for a config.json without one
 GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096}
@@ -310,6 +315,27 @@ def _granite_hybrid_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+def _mla_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """Multi-head latent attention's (DeepSeek-V2/V3, GLM-4.7-Flash): the latent's and the query's ranks, a head's
+    dims without RoPE and with (in interleaved pairs unless ``rope_interleave`` is false; DeepSeek-V2's always), the
+    value's; the softmax scale times YaRN's mscale(mscale_all_dim) squared, as transformers' yarn_apply_mscale."""
+    _refuse_set(cfg, where, {"attention_bias": "biases on the latent attention's projections"})
+    nope = check_int("qk_nope_head_dim", cfg.get("qk_nope_head_dim", 128), 1)
+    rope = check_int("qk_rope_head_dim", cfg.get("qk_rope_head_dim", 64), 2)
+    scale = (nope + rope) ** -0.5
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if params.get("rope_type", params.get("type", "default")) != "default" and params.get("mscale_all_dim"):
+        factor = check_float("rope_scaling.factor", params.get("factor"), 0.0, lo_open=True)
+        mscale_all = check_float("rope_scaling.mscale_all_dim", params["mscale_all_dim"], 0.0)
+        scale *= (1.0 if factor <= 1 else 0.1 * mscale_all * math.log(factor) + 1.0) ** 2
+    q_rank = cfg.get("q_lora_rank")
+    return {"kv_lora_rank": check_int("kv_lora_rank", cfg.get("kv_lora_rank", 512), 1),
+            "q_lora_rank": 0 if q_rank is None else check_int("q_lora_rank", q_rank, 1),
+            "head_dim": nope + rope, "rotary_dim": rope, "num_kv_heads": cfg["num_attention_heads"],
+            "v_head_dim": check_int("v_head_dim", cfg.get("v_head_dim", 128), 1), "query_scale": scale,
+            "rope_interleaved": arch == "deepseek_v2" or check_bool("rope_interleave", cfg.get("rope_interleave", True))}
+
+
 def _intermediate_size(arch: str, cfg: dict[str, Any]) -> int:
     """The MLP's width: config.json's, or what the architecture's config class computes from it (LFM2 adjusts
     ``block_ff_dim`` to 2/3, times ``block_ffn_dim_multiplier``, up to a multiple of ``block_multiple_of``); a
@@ -477,8 +503,10 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             fields.update(qkv_bias=check_bool("attention_bias", cfg.get("attention_bias", False)),
                           qk_norm=check_bool("use_qk_norm", cfg.get("use_qk_norm", False)))
         if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe", "qwen3_next", "glm4_moe",
-                    "ernie4_5_moe", "lfm2_moe"):
+                    "ernie4_5_moe", "lfm2_moe", *MLA_ARCHITECTURES):
             fields.update(hf_experts.moe_fields(arch, cfg, where))
+        if arch in MLA_ARCHITECTURES:
+            fields.update(_mla_fields(arch, cfg, where))
         if arch == "gpt_oss":  # sinks, and alternating sliding and full layers
             fields.update(attn_sinks=True, layer_types=_layer_types(cfg, where, 2),
                           sliding_window=cfg.get("sliding_window", 128))
@@ -489,15 +517,14 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             intermediate_size=_intermediate_size(arch, cfg),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            **{"num_kv_heads": int(cfg.get("num_key_value_heads") or heads),
+               "head_dim": int(cfg.get("head_dim") or hidden // heads), **fields},
             rms_norm_eps=float(cfg.get("rms_norm_eps", cfg.get("norm_eps", 1e-6))),  # LFM2: norm_eps
             max_position=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
             eos_token_ids=tuple(eos),
             sampling=generation_sampling(generation),
-            **fields,
         )
     except KeyError as exc:
         raise KestrelError(f"{where}: missing {exc.args[0]!r}") from None

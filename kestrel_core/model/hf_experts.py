@@ -21,8 +21,14 @@ def moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
     if experts is None:
         raise KestrelError(f"{where}: missing 'num_experts'")
     out = {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok", 2)}
-    if arch == "glm4_moe":
-        return {**out, **_sigmoid_router_fields(cfg, where)}
+    if arch in ("glm4_moe", "glm4_moe_lite", "deepseek_v3"):
+        if cfg.get("topk_method", "noaux_tc") != "noaux_tc" or cfg.get("scoring_func", "sigmoid") != "sigmoid":
+            raise KestrelError(f"{where}: topk_method {cfg.get('topk_method')!r} with scoring_func "
+                               f"{cfg.get('scoring_func')!r} is not supported (kestrel's {arch} router is noaux_tc, "
+                               "sigmoid)")
+        return {**out, **_sigmoid_router_fields(cfg, where, 3 if arch == "deepseek_v3" else 1)}
+    if arch == "deepseek_v2":
+        return {**out, **_deepseek_v2_router_fields(cfg, where)}
     if arch == "lfm2_moe":  # LFM2's layers, the first num_dense_layers dense; a sigmoid router with a choice bias
         return {**out, "expert_intermediate_size": cfg.get("moe_intermediate_size", 1792),
                 "dense_layers": tuple(range(min(cfg.get("num_dense_layers", 2), cfg["num_hidden_layers"]))),
@@ -67,20 +73,49 @@ def _sparse_step_dense_layers(cfg: dict[str, Any], where: str) -> tuple[int, ...
     return tuple(i for i in range(layers) if i in only or (i + 1) % step)
 
 
-def _sigmoid_router_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    """GLM-4.5's experts (DeepSeek-V3's router): the first ``first_k_dense_replace`` layers dense, a sigmoid router
-    with a choice bias, groups and a scale, shared experts as one ungated expert ``n_shared_experts`` times as
-    wide."""
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise KestrelError(f"{where}: hidden_act {act!r} is not supported (GLM-4.5 uses silu)")
-    width, dense = cfg.get("moe_intermediate_size", 1408), cfg.get("first_k_dense_replace", 1)
-    return {"expert_intermediate_size": width,
-            "shared_expert_intermediate_size": width * cfg.get("n_shared_experts", 1),
-            "shared_expert_gated": False, "dense_layers": tuple(range(min(dense, cfg["num_hidden_layers"]))),
+def _sigmoid_router_fields(cfg: dict[str, Any], where: str, dense_default: int) -> dict[str, Any]:
+    """GLM-4.5's, GLM-4.7-Flash's and DeepSeek-V3's experts: the first ``first_k_dense_replace`` layers dense (or
+    those ``mlp_layer_types`` says), a sigmoid router with a choice bias, groups and a scale, shared experts as one
+    ungated expert ``n_shared_experts`` times as wide."""
+    width = cfg.get("moe_intermediate_size", 1408)
+    return {**_shared_dense_fields(cfg, where, width, dense_default),
             "norm_topk_prob": check_bool("norm_topk_prob", cfg.get("norm_topk_prob", True)),
             "router_scoring": "sigmoid", "router_choice_bias": True, "router_groups": cfg.get("n_group", 1),
             "router_topk_groups": cfg.get("topk_group", 1), "routed_scaling": cfg.get("routed_scaling_factor", 1.0)}
+
+
+def _deepseek_v2_router_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """DeepSeek-V2's experts: a softmax router choosing the top k of every expert (``topk_method`` greedy), its
+    weights the chosen probabilities (never renormalised) times routed_scaling_factor; shared experts and dense layers
+    as DeepSeek-V3's."""
+    method = cfg.get("topk_method", "greedy")
+    if method != "greedy":
+        raise KestrelError(f"{where}: topk_method {method!r} is not supported (kestrel's DeepSeek-V2 router is greedy)")
+    freq = cfg.get("moe_layer_freq", 1)
+    if freq != 1:
+        raise KestrelError(f"{where}: moe_layer_freq {freq!r} is not supported (experts in every layer past "
+                           "first_k_dense_replace)")
+    return {**_shared_dense_fields(cfg, where, cfg.get("moe_intermediate_size", 1407), 0),
+            "routed_scaling": cfg.get("routed_scaling_factor", 1.0)}
+
+
+def _shared_dense_fields(cfg: dict[str, Any], where: str, width: Any, dense_default: int) -> dict[str, Any]:
+    """DeepSeek's experts ``width`` wide, its ungated shared experts as one ``n_shared_experts`` times as wide, and its
+    dense layers: ``mlp_layer_types`` ("dense" / "sparse" a layer), else the first ``first_k_dense_replace``."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise KestrelError(f"{where}: hidden_act {act!r} is not supported (kestrel's DeepSeek-style experts use silu)")
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("mlp_layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers or not set(types) <= {"dense", "sparse"}:
+            raise KestrelError(f"{where}: mlp_layer_types must be 'dense' or 'sparse' for each of the {layers} layers")
+        dense = tuple(i for i, t in enumerate(types) if t == "dense")
+    else:
+        first = cfg.get("first_k_dense_replace", dense_default)
+        dense = tuple(range(min(check_int("first_k_dense_replace", first, 0), layers)))
+    return {"expert_intermediate_size": width, "shared_expert_intermediate_size": width * cfg.get("n_shared_experts", 1),
+            "shared_expert_gated": False, "dense_layers": dense}
 
 
 def _ernie_moe_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:

@@ -59,23 +59,26 @@ def _f16(x: np.ndarray) -> None:
 
 def _rope_write(k: np.ndarray, v: np.ndarray, kt: np.ndarray, vc: np.ndarray, slots: np.ndarray,
                 cos: np.ndarray, sin: np.ndarray) -> None:
-    # k, v: [M, KV, hd] new keys/values; kt: [NB, KV, hd, BS] and vc: [NB, BS, KV, hd] one layer's pool;
-    # slots: [M] block * BS + offset of each row's position; cos/sin: [M, hd] (sin carries rotate_half's sign).
-    # Both are stored rounded to float16 (f16).
+    # k: [M, KV, hd] and v: [M, KV, vd] new keys/values; kt: [NB, KV, hd, BS] and vc: [NB, BS, KV, vd] one layer's
+    # pool; slots: [M] block * BS + offset of each row's position; cos/sin: [M, hd] (sin carries rotate_half's
+    # sign). Both are stored rounded to float16 (f16).
     m, n_kv, hd = k.shape
+    vd = v.shape[2]
     bs = kt.shape[3]
     half = hd // 2
-    row = np.empty(2 * hd, np.float32)  # a head's rotated key, then its value
+    row = np.empty(hd + vd, np.float32)  # a head's rotated key, then its value
     for r in range(m):
         blk, off = slots[r] // bs, slots[r] % bs
         for kh in range(n_kv):  # x * cos + rotate_half(x) * sin
             for j in range(hd):
                 js = j + half if j < half else j - half
                 row[j] = k[r, kh, j] * cos[r, j] + k[r, kh, js] * sin[r, j]
+            for j in range(vd):
                 row[hd + j] = v[r, kh, j]
             f16(row)
             for j in range(hd):
                 kt[blk, kh, j, off] = row[j]
+            for j in range(vd):
                 vc[blk, off, kh, j] = row[hd + j]
 
 
@@ -86,12 +89,13 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
     # [S, max_blocks] block ids of each sequence; row_seq: [M] its sequence; each row sees positions
     # firsts[r] .. lengths[r] - 1 (its own position + 1; firsts 0 but under a sliding window); softcap > 0: each
     # score becomes tanh(score / softcap) * softcap (Gemma 2); sinks: [H] one more logit in each head's softmax,
-    # which takes no value (gpt-oss; -inf: none, exp gives exactly 0). out: [M, H*hd].
+    # which takes no value (gpt-oss; -inf: none, exp gives exactly 0). out: [M, H*vd], vd the values' dims.
     # Work items are (row, KV head); a KV head's g query heads share each key load. Query head h reads KV
     # head h // g (HF's repeat_kv); softmax normalised after P @ V.
     m, n_heads, hd = q.shape
     n_kv = kt.shape[1]
     bs = kt.shape[3]
+    vd = vc.shape[3]
     g = n_heads // n_kv
     half = hd // 2
     for item in prange(m * n_kv):
@@ -122,7 +126,7 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
                     if softcap > 0:
                         score = np.float32(np.tanh(score / softcap)) * softcap
                     scores[hh, b * bs + o] = score
-        pv = np.empty(hd, np.float32)
+        pv = np.empty(vd, np.float32)
         for hh in range(g):
             sink = sinks[kh * g + hh]
             top = scores[hh, s0]
@@ -140,11 +144,11 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
             pv[:] = np.float32(0)
             for s in range(s0, s_len):  # P @ V
                 p = scores[hh, s]
-                vrow = vc[table[s // bs], s % bs, kh]  # [hd]
-                for j in range(hd):
+                vrow = vc[table[s // bs], s % bs, kh]  # [vd]
+                for j in range(vd):
                     pv[j] += p * vrow[j]
-            o0 = (kh * g + hh) * hd
-            for j in range(hd):
+            o0 = (kh * g + hh) * vd
+            for j in range(vd):
                 out[r, o0 + j] = pv[j] / total
 
 

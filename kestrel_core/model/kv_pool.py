@@ -32,8 +32,8 @@ class KVPool:
     """Host keys and values of many sequences in fixed-size blocks (a page table per sequence).
 
     Keys are stored transposed, ``kt`` float32 [La, blocks, KV, hd, BLOCK_SIZE], the layout the attention's
-    dot products run over; values ``v`` float32 [La, blocks, BLOCK_SIZE, KV, hd], over the La layers with
-    attention (``kv_index``: model layer -> first axis). Both hold float16 values (``kernels.f16``), which every
+    dot products run over; values ``v`` float32 [La, blocks, BLOCK_SIZE, KV, vd] (``value_dim``), over the La
+    layers with attention (``kv_index``: model layer -> first axis). Both hold float16 values (``kernels.f16``), which every
     backend's cache holds. The arrays are allocated once, untouched: the OS maps a page only when a block is first
     written. A model with recurrent layers (linear attention, short convolutions, Mamba-2) also keeps each
     sequence's state (``states``).
@@ -49,7 +49,7 @@ class KVPool:
         self.kv_index = {layer: j for j, layer in enumerate(c.attention_layers)}
         layers = len(self.kv_index)
         self.kt = np.empty((layers, num_blocks, c.num_kv_heads, c.head_dim, block_size), np.float32)
-        self.v = np.empty((layers, num_blocks, block_size, c.num_kv_heads, c.head_dim), np.float32)
+        self.v = np.empty((layers, num_blocks, block_size, c.num_kv_heads, c.value_dim), np.float32)
         self.states = StatePool(c) if c.state_layers else None
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the most recently freed block first
         self._refs = [0] * num_blocks  # sequences holding each block
@@ -204,7 +204,7 @@ def _link(chain: bytes, block_tokens: np.ndarray) -> bytes:
 
 def bytes_per_position(config: ModelConfig) -> int:
     """Host KV bytes one position takes over the layers with attention (float32 keys and values)."""
-    return 2 * 4 * len(config.attention_layers) * config.num_kv_heads * config.head_dim
+    return 4 * len(config.attention_layers) * config.num_kv_heads * (config.head_dim + config.value_dim)
 
 
 class SeqCache:

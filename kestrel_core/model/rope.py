@@ -15,7 +15,7 @@ import numpy as np
 
 from kestrel_core.model.config import ModelConfig
 
-ROTARY_FIELDS = ("q", "k", "q_bias", "k_bias", "q_norm", "k_norm")  # what rotary_first reorders
+ROTARY_FIELDS = ("q", "k", "q_bias", "k_bias", "q_norm", "k_norm", "q_b")  # what rotary_first reorders
 
 
 def rope_inv_freq(config: ModelConfig, layer: int | None = None) -> np.ndarray:
@@ -76,12 +76,22 @@ def rotary_order(head_dim: int, rotary_dim: int, interleaved: bool = False) -> n
     return np.concatenate([firsts, rotary_dim + np.arange(passed), seconds, rotary_dim + passed + np.arange(passed)])
 
 
+def head_order(config: ModelConfig) -> np.ndarray:
+    """The checkpoint's dim of each of a head's dims in kestrel's order (``rotary_order``). Multi-head latent attention
+    turns a head's last rotary_dim dims (its query's, and the key all heads share), not its first: those are moved to
+    the front first."""
+    hd, turned = config.head_dim, config.rotary
+    order = rotary_order(hd, turned, config.rope_interleaved)
+    if config.is_mla:
+        order = np.concatenate([np.arange(hd - turned, hd), np.arange(hd - turned)])[order]
+    return order
+
+
 def rotary_first(config: ModelConfig, rows: np.ndarray) -> np.ndarray:
     """q or k rows [heads * hd, K], their bias [heads * hd] or a q/k norm [hd] of a checkpoint, reordered within
-    each head (``rotary_order``) for a model whose RoPE turns part of each head, or interleaved pairs."""
+    each head (``head_order``) for a model whose RoPE turns part of each head, or interleaved pairs."""
     hd = config.head_dim
-    order = rotary_order(hd, config.rotary, config.rope_interleaved)
-    return np.ascontiguousarray(rows.reshape(-1, hd, *rows.shape[1:])[:, order].reshape(rows.shape))
+    return np.ascontiguousarray(rows.reshape(-1, hd, *rows.shape[1:])[:, head_order(config)].reshape(rows.shape))
 
 
 def _llama3(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:

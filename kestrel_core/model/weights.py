@@ -24,6 +24,8 @@ from kestrel_core.wkey import (
     GATED_ATTENTION_GROUPS,
     LINEAR_GROUPS,
     MAMBA_GROUPS,
+    MLA_DIRECT_GROUPS,
+    MLA_GROUPS,
     MLP_GROUPS,
     Proj,
     ProjGroup,
@@ -35,7 +37,8 @@ PREFILL_CHUNK = 512  # tokens of one sequence the host decoder runs at once: MLP
 PROJ_FIELDS = {Proj.Q: "q", Proj.K: "k", Proj.V: "v", Proj.O: "o", Proj.GATE: "gate", Proj.UP: "up",
                Proj.DOWN: "down", Proj.ATTN_GATE: "attn_gate", Proj.LIN_QKV: "lin_qkv", Proj.LIN_Z: "lin_z",
                Proj.LIN_BETA: "lin_beta", Proj.LIN_ALPHA: "lin_alpha",
-               Proj.CONV_IN: "conv_in", Proj.MAMBA_IN: "mamba_in"}  # the LayerWeights field of each projection
+               Proj.CONV_IN: "conv_in", Proj.MAMBA_IN: "mamba_in", Proj.Q_A: "q_a", Proj.KV_A: "kv_a",
+               Proj.Q_B: "q_b", Proj.KV_B: "kv_b"}  # the LayerWeights field of each projection
 MLP_FIELDS = ("gate", "up", "down")
 EXPERT_BIASES = ("gate_bias", "up_bias", "down_bias")  # gpt-oss's, beside MLP_FIELDS
 
@@ -103,6 +106,14 @@ class LayerWeights:
     ssm_dt_bias: np.ndarray | None = None  # [heads]: dt = softplus(dt_in + ssm_dt_bias)
     ssm_d: np.ndarray | None = None  # [heads]: the skip, D * x
     ssm_norm: np.ndarray | None = None  # [inner]: the gated RMSNorm over each group's channels
+    # multi-head latent attention (DeepSeek-V2/V3): q (q_proj) or q_a and q_b, the latent kv_a, kv_b, o; r = kv_lora_rank,
+    # dn = head_dim - rotary_dim (a head's dims without RoPE), rows of q / q_b per head in rope.head_order
+    q_a: StripCache | None = None  # [q_lora_rank, D]
+    q_a_norm: np.ndarray | None = None  # [q_lora_rank]
+    q_b: StripCache | None = None  # [H*hd, q_lora_rank]
+    kv_a: StripCache | None = None  # [r + rotary_dim, D]: the latent, then the shared RoPE key (HF's order)
+    kv_a_norm: np.ndarray | None = None  # [r]
+    kv_b: StripCache | None = None  # [H*(dn + v_head_dim), r]: per head, its key's dn dims, then its value
     router: np.ndarray | None = None  # mixture of experts: float32 [E, D]
     router_bias: np.ndarray | None = None  # gpt-oss: [E], added to the logits
     router_choice_bias: np.ndarray | None = None  # [E], added to the router's scores where it chooses experts
@@ -122,6 +133,10 @@ class LayerWeights:
     def is_mamba(self) -> bool:
         return self.mamba_in is not None
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_a is not None
+
     def all_experts(self) -> tuple[ExpertWeights, ...]:
         """The routed experts, then the shared one: expert index e of every wkey."""
         return self.experts + ((self.shared_expert,) if self.shared_expert is not None else ())
@@ -135,10 +150,12 @@ class LayerWeights:
 
     def proj_groups(self) -> tuple[tuple[ProjGroup, tuple[StripCache, ...]], ...]:
         """(group, its strips) of each projection group in execution order: the token mixer's
-        (``ATTENTION_GROUPS``, ``GATED_ATTENTION_GROUPS``, ``LINEAR_GROUPS``, ``CONV_GROUPS`` or ``MAMBA_GROUPS``),
+        (``ATTENTION_GROUPS``, ``GATED_ATTENTION_GROUPS``, ``LINEAR_GROUPS``, ``CONV_GROUPS``, ``MAMBA_GROUPS``,
+        ``MLA_GROUPS`` or ``MLA_DIRECT_GROUPS``),
         then the MLP's (``MLP_GROUPS``; none in a mixture-of-experts layer, whose experts have
         ``ExpertWeights.groups()``)."""
         mixer = (LINEAR_GROUPS if self.is_linear else CONV_GROUPS if self.is_conv else MAMBA_GROUPS if self.is_mamba
+                 else (MLA_GROUPS if self.q_a is not None else MLA_DIRECT_GROUPS) if self.is_mla
                  else GATED_ATTENTION_GROUPS if self.attn_gate is not None else ATTENTION_GROUPS)
         groups = mixer if self.experts else mixer + MLP_GROUPS
         return tuple((g, tuple(getattr(self, name) for name in fields)) for g, fields in zip(groups, _fields(groups)))
@@ -214,6 +231,8 @@ def layer_specs(c: ModelConfig, i: int) -> list[TensorSpec]:
         out = [("conv_in", "proj", (3 * d, d)), ("o", "proj", (d, d)), ("conv", "matrix", (d, c.short_conv_kernel))]
     elif c.is_mamba(i):
         out = _mamba_specs(c)
+    elif c.is_mla:
+        out = _mla_specs(c)
     else:
         out = [("q", "proj", (qn, d)), ("k", "proj", (kvn, d)), ("v", "proj", (kvn, d))]
         if c.attn_output_gate:
@@ -266,6 +285,16 @@ def _linear_mixer_specs(c: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]
             ("conv", "matrix", (conv, c.linear_conv_kernel)), ("lin_decay", "vector", (hv,)),
             ("lin_dt_bias", "vector", (hv,)),
             ("lin_norm", "vector", (c.linear_value_dim,))]
+
+
+def _mla_specs(c: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
+    """A multi-head latent attention layer's projections and latent norms (``LayerWeights``' q_a ... kv_b)."""
+    d, h, r, qr = c.hidden_size, c.num_heads, c.kv_lora_rank, c.q_lora_rank
+    dn = c.head_dim - c.rotary
+    query = ([("q_a", "proj", (qr, d)), ("q_a_norm", "vector", (qr,)), ("q_b", "proj", (h * c.head_dim, qr))] if qr
+             else [("q", "proj", (h * c.head_dim, d))])
+    return [*query, ("kv_a", "proj", (r + c.rotary, d)), ("kv_a_norm", "vector", (r,)),
+            ("kv_b", "proj", (h * (dn + c.value_dim), r)), ("o", "proj", (d, h * c.value_dim))]
 
 
 def _mamba_specs(c: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
