@@ -162,7 +162,7 @@ class ModelConfig:
         return bool(self.layer_types) and self.layer_types[layer] == "conv"
 
     def is_mamba(self, layer: int) -> bool:
-        """Whether ``layer`` mixes tokens by Mamba-2 (Granite 4.0-H), and multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash)."""
+        """Whether ``layer`` mixes tokens by Mamba-2 (Granite 4.0-H)."""
         return bool(self.layer_types) and self.layer_types[layer] == "mamba"
 
     @property

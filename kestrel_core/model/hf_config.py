@@ -333,7 +333,8 @@ def _mla_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
             "q_lora_rank": 0 if q_rank is None else check_int("q_lora_rank", q_rank, 1),
             "head_dim": nope + rope, "rotary_dim": rope, "num_kv_heads": cfg["num_attention_heads"],
             "v_head_dim": check_int("v_head_dim", cfg.get("v_head_dim", 128), 1), "query_scale": scale,
-            "rope_interleaved": arch == "deepseek_v2" or check_bool("rope_interleave", cfg.get("rope_interleave", True))}
+            "rope_interleaved": arch == "deepseek_v2"
+            or check_bool("rope_interleave", cfg.get("rope_interleave", True))}
 
 
 def _intermediate_size(arch: str, cfg: dict[str, Any]) -> int:

@@ -114,7 +114,8 @@ def _shared_dense_fields(cfg: dict[str, Any], where: str, width: Any, dense_defa
     else:
         first = cfg.get("first_k_dense_replace", dense_default)
         dense = tuple(range(min(check_int("first_k_dense_replace", first, 0), layers)))
-    return {"expert_intermediate_size": width, "shared_expert_intermediate_size": width * cfg.get("n_shared_experts", 1),
+    return {"expert_intermediate_size": width,
+            "shared_expert_intermediate_size": width * cfg.get("n_shared_experts", 1),
             "shared_expert_gated": False, "dense_layers": dense}
 
 
