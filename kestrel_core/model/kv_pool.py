@@ -35,8 +35,8 @@ class KVPool:
     dot products run over; values ``v`` float32 [La, blocks, BLOCK_SIZE, KV, vd] (``value_dim``), over the La
     layers with attention (``kv_index``: model layer -> first axis). Both hold float16 values (``kernels.f16``),
     which every backend's cache holds. The arrays are allocated once, untouched: the OS maps a page only when a
-    block is first written. A model with recurrent layers (linear attention, short convolutions, Mamba-2) also keeps each
-    sequence's state (``states``).
+    block is first written. A model with recurrent layers (linear attention, short convolutions, Mamba-2) also keeps
+    each sequence's state (``states``).
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
