@@ -1110,6 +1110,91 @@ def _write_choice_router_gguf(src: Path, dst: Path, tok: Tokenizer, arch: str, c
     return _gguf_finish(w, src, dst)
 
 
+def write_deepseek2_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """A multi-head latent attention model as llama.cpp's DeepseekV2Model writes it (arch deepseek2): the latent as
+    one KV head (key_length r + rope, value_length r) and each head's dims in key_length_mla and value_length_mla,
+    kv_b split per head into attn_k_b (transposed) and attn_v_b; DeepSeek-V2's twin as files from before that split
+    hold it (head_count_kv the heads, key_length and value_length a head's, attn_kv_b whole). YaRN's mscale_all_dim
+    as yarn_log_multiplier (times 0.1); the router as GLM-4.5's twin writes it, sigmoid or softmax."""
+    cfg = json.loads((src / "config.json").read_text())
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if "rope_theta" not in cfg:
+        cfg["rope_theta"] = rope["rope_theta"]
+    tensors = _float32_tensors(src / "model.safetensors")
+    heads, r, q_rank = cfg["num_attention_heads"], cfg["kv_lora_rank"], cfg.get("q_lora_rank")
+    nope, turned, dv = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    legacy = cfg["model_type"] == "deepseek_v2"
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("mlp_layer_types") or ["dense"] * cfg["first_k_dense_replace"] + ["sparse"] * layers
+    dense = [i for i in range(layers) if types[i] == "dense"]
+    sigmoid = cfg["model_type"] != "deepseek_v2"
+    w = _gguf_writer(dst, "deepseek2", src.name, {**cfg, "num_key_value_heads": heads if legacy else 1,
+                                                   "head_dim": turned}, tok)
+    w.add_key_length(nope + turned if legacy else r + turned)
+    w.add_value_length(dv if legacy else r)
+    if not legacy:
+        w.add_key_length_mla(nope + turned)
+        w.add_value_length_mla(dv)
+    w.add_kv_lora_rank(r)
+    if q_rank:
+        w.add_q_lora_rank(q_rank)
+    w.add_leading_dense_block_count(len(dense))
+    w.add_expert_count(cfg["n_routed_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    if cfg.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
+    if sigmoid:
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    put = _gguf_put(w)
+    put("token_embd.weight", tensors["model.embed_tokens.weight"], "q8_0")
+    for i in range(layers):
+        p, kind = f"model.layers.{i}.", "q4_0" if i % 2 == 0 else "f16"
+        a = p + "self_attn."
+        put(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"], "f32")
+        put(f"blk.{i}.ffn_norm.weight", tensors[p + "post_attention_layernorm.weight"], "f32")
+        if q_rank:
+            put(f"blk.{i}.attn_q_a.weight", tensors[a + "q_a_proj.weight"], kind)
+            put(f"blk.{i}.attn_q_a_norm.weight", tensors[a + "q_a_layernorm.weight"], "f32")
+            put(f"blk.{i}.attn_q_b.weight", tensors[a + "q_b_proj.weight"], kind)
+        else:
+            put(f"blk.{i}.attn_q.weight", tensors[a + "q_proj.weight"], kind)
+        put(f"blk.{i}.attn_kv_a_mqa.weight", tensors[a + "kv_a_proj_with_mqa.weight"], kind)
+        put(f"blk.{i}.attn_kv_a_norm.weight", tensors[a + "kv_a_layernorm.weight"], "f32")
+        kv_b = tensors[a + "kv_b_proj.weight"]  # [H*(nope + dv), r]
+        if legacy:
+            put(f"blk.{i}.attn_kv_b.weight", kv_b, kind)
+        else:
+            per_head = kv_b.reshape(heads, nope + dv, r)
+            put(f"blk.{i}.attn_k_b.weight", per_head[:, :nope].transpose(0, 2, 1), "f16")  # [H, r, nope]
+            put(f"blk.{i}.attn_v_b.weight", per_head[:, nope:], "f16")  # [H, dv, r]
+        put(f"blk.{i}.attn_output.weight", tensors[a + "o_proj.weight"], kind)
+        if i in dense:
+            for proj in ("gate", "up", "down"):
+                put(f"blk.{i}.ffn_{proj}.weight", tensors[p + f"mlp.{proj}_proj.weight"], kind)
+            continue
+        put(f"blk.{i}.ffn_gate_inp.weight", tensors[p + "mlp.gate.weight"], "f32")
+        if sigmoid:
+            put(f"blk.{i}.exp_probs_b.bias", tensors[p + "mlp.gate.e_score_correction_bias"], "f32")
+        for kind_name, stacked in _stack_experts(tensors, p + "mlp.experts.", ("gate_proj", "up_proj", "down_proj"),
+                                                 cfg["n_routed_experts"]).items():
+            put(f"blk.{i}.ffn_{kind_name}_exps.weight", stacked, kind)
+        for proj in ("gate", "up", "down"):
+            put(f"blk.{i}.ffn_{proj}_shexp.weight", tensors[p + f"mlp.shared_experts.{proj}_proj.weight"], kind)
+    put("output_norm.weight", tensors["model.norm.weight"], "f32")
+    put("output.weight", tensors["lm_head.weight"], "q8_0")
+    return _gguf_finish(w, src, dst)
+
+
 def _mxfp4_encode(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows [..., N, K] on the MXFP4 grid as transformers' checkpoint holds them: blocks uint8 [..., N, K/32, 16]
     (two E2M1 codes a byte, the low nibble first) and scales uint8 [..., N, K/32] (exponent + 127)."""
@@ -1676,6 +1761,8 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-qwen3_5-moe": write_hybrid_gguf, "tiny-qwen3-next": write_hybrid_gguf,
               "tiny-lfm2": write_lfm2_gguf, "tiny-granite4-h": write_granite_hybrid_gguf,
               "tiny-granite4-h-moe": write_granite_hybrid_gguf, "tiny-glm4-moe": write_glm4_moe_gguf,
+              "tiny-deepseek-v3": write_deepseek2_gguf, "tiny-deepseek-v2": write_deepseek2_gguf,
+              "tiny-glm4-moe-lite": write_deepseek2_gguf,
               "tiny-ernie4_5-moe": write_ernie4_5_moe_gguf, "tiny-qwen3-vl": write_qwen3_vl_gguf,
               "tiny-qwen3-vl-moe": write_qwen3_vl_moe_gguf, "tiny-lfm2-moe": write_lfm2_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)

@@ -31,7 +31,7 @@ GGUF_POOLING = {0: None, 1: "mean", 2: "cls", 3: "last"}  # llama.cpp's pooling_
 # general.sampling.<key> -> SamplingParams' name: the sampling a file recommends (llama.cpp's keys)
 GGUF_SAMPLING = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                  "penalty_repeat": "repetition_penalty"}
-GATING_SIGMOID = 2  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
+GATING_SOFTMAX, GATING_SIGMOID = 1, 2  # llama.cpp's expert_gating_func
 PER_LAYER_KV = ("lfm2", "lfm2moe", "granitehybrid")  # head_count_kv per layer: 0 where a layer has no attention
 # linear attention beside gated attention
 HYBRID_ARCHITECTURES = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next"}
@@ -164,16 +164,18 @@ class GGUFMetadata:
             return {"rope_type": "linear", "factor": self.float_field(key + "factor", 1.0)}
         if kind != "yarn":
             return None
-        # mistral3's yarn_log_multiplier is Ministral 3's mscale_all_dim; its mscale, which the file does not keep, is
-        # the same in Ministral 3's configs, so transformers' attention factor mscale(f, mscale) / mscale(f, all_dim)
-        # is 1
-        for unsupported in ("yarn_ext_factor",) if arch == "mistral3" else ("yarn_log_multiplier", "yarn_ext_factor"):
+        # mistral3's yarn_log_multiplier is Ministral 3's mscale_all_dim, deepseek2's 0.1 mscale_all_dim; their mscale,
+        # which the file does not keep, is the same in Ministral 3's and DeepSeek's configs, so transformers'
+        # attention factor mscale(f, mscale) / mscale(f, all_dim) is 1 (deepseek2's multiplier scales the softmax:
+        # _deepseek2_fields)
+        mscaled = arch in ("mistral3", "deepseek2")
+        for unsupported in ("yarn_ext_factor",) if mscaled else ("yarn_log_multiplier", "yarn_ext_factor"):
             if self.field(key + unsupported) is not None:
                 raise KestrelError(f"{self.path}: {key}{unsupported} (DeepSeek's YaRN variant) is not supported")
         factor = self.float_field(key + "factor", 1.0)
         # llama.cpp's YaRN: its attention factor times YaRN's own temperature 0.1 ln(factor) + 1
-        attention = 1.0 if arch == "mistral3" else (self.float_field(key + "yarn_attn_factor", 1.0)
-                                                   * (0.1 * math.log(factor) + 1 if factor > 1 else 1))
+        attention = 1.0 if mscaled else (self.float_field(key + "yarn_attn_factor", 1.0)
+                                         * (0.1 * math.log(factor) + 1 if factor > 1 else 1))
         # gpt-oss was trained with YaRN's correction range not rounded out (transformers' truncate false)
         return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original or context,
                 "attention_factor": attention, "beta_fast": self.float_field(key + "yarn_beta_fast", 32.0),
@@ -240,6 +242,8 @@ class GGUFMetadata:
             return self._granite_hybrid_fields(arch, experts)
         if arch == "glm4moe":
             return self._glm4moe_fields(arch, layers, experts)
+        if arch == "deepseek2":
+            return self._deepseek2_fields(arch, layers, experts)
         if arch == "ernie4_5-moe":  # ernie4_5's layers, every interleave_moe_layer_step-th past the leading dense ones
             step = self.int_field(f"{arch}.interleave_moe_layer_step", 1) or 1  # with experts
             lead = self.int_field(f"{arch}.leading_dense_block_count", 0, lo=0) or 0
@@ -309,6 +313,52 @@ class GGUFMetadata:
                 "shared_expert_gated": False,
                 "router_groups": self.int_field(f"{arch}.expert_group_count", 1),
                 "router_topk_groups": self.int_field(f"{arch}.expert_group_used_count", 1)}
+
+    def _deepseek2_fields(self, arch: str, layers: int, experts: int) -> dict[str, Any]:
+        """Multi-head latent attention as llama.cpp writes it (DeepSeek-V2/V3, GLM-4.7-Flash): a head's key and value
+        dims in ``key_length_mla`` and ``value_length_mla`` (the file's key_length and value_length then the latent's
+        MQA view; files from before have none, and their own), RoPE in interleaved pairs (llama.cpp's NORM) on
+        ``rope.dimension_count`` dims, the softmax scaled by YaRN's mscale(``yarn_log_multiplier`` / 0.1) squared.
+        Experts: a sigmoid router (DeepSeek-V3's, GLM-4.5's) or a softmax one (DeepSeek-V2's, its weights not
+        renormalised unless ``expert_weights_norm``), ungated shared experts."""
+        heads = self.int_field(f"{arch}.attention.head_count", required=True)
+        key = self.int_field(f"{arch}.attention.key_length_mla") or self.int_field(f"{arch}.attention.key_length",
+                                                                                   required=True)
+        value = (self.int_field(f"{arch}.attention.value_length_mla")
+                 or self.int_field(f"{arch}.attention.value_length", required=True))
+        rope = self.int_field(f"{arch}.rope.dimension_count", required=True)
+        assert heads is not None and key is not None and rope is not None
+        scale = key ** -0.5
+        log_mul = self.float_field(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0) if self.field(
+            f"{arch}.rope.scaling.type") == "yarn" else 0.0
+        factor = self.float_field(f"{arch}.rope.scaling.factor", 1.0)
+        if log_mul and factor > 1:
+            scale *= (log_mul * math.log(factor) + 1.0) ** 2
+        out: dict[str, Any] = {
+            "arch": "deepseek_v2", "head_dim": key, "num_kv_heads": heads, "rotary_dim": rope, "v_head_dim": value,
+            "rope_interleaved": True, "query_scale": scale,
+            "kv_lora_rank": self.int_field(f"{arch}.attention.kv_lora_rank", required=True),
+            "q_lora_rank": self.int_field(f"{arch}.attention.q_lora_rank", 0, lo=0)}
+        if not experts:
+            return out
+        gating = self.int_field(f"{arch}.expert_gating_func", GATING_SOFTMAX)
+        width = self.int_field(f"{arch}.expert_feed_forward_length", required=True)
+        assert width is not None
+        shared = width * (self.int_field(f"{arch}.expert_shared_count", 0, lo=0) or 0)
+        if gating == GATING_SIGMOID:
+            return {**out, **self._sigmoid_router_fields(arch, layers, experts, "DeepSeek-V3"), "arch": "deepseek_v3",
+                    "shared_expert_intermediate_size": shared, "shared_expert_gated": False,
+                    "router_groups": self.int_field(f"{arch}.expert_group_count", 1),
+                    "router_topk_groups": self.int_field(f"{arch}.expert_group_used_count", 1)}
+        if gating != GATING_SOFTMAX:
+            raise KestrelError(f"{self.path}: {arch}.expert_gating_func {gating} is not supported (softmax "
+                               f"{GATING_SOFTMAX} or sigmoid {GATING_SIGMOID})")
+        dense = self.int_field(f"{arch}.leading_dense_block_count", 0, lo=0) or 0
+        return {**out, "num_experts": experts, "expert_intermediate_size": width,
+                "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
+                "dense_layers": tuple(range(min(dense, layers))), "shared_expert_intermediate_size": shared,
+                "shared_expert_gated": False, "norm_topk_prob": self.bool_field(f"{arch}.expert_weights_norm", False),
+                "routed_scaling": self.float_field(f"{arch}.expert_weights_scale", 1.0)}
 
     def _ssm_heads(self, arch: str) -> tuple[int, int]:
         """(heads, each one's dims) of llama.cpp's ssm metadata: ``ssm.time_step_rank`` heads sharing

@@ -36,7 +36,7 @@ from kestrel_core.model.weights import expert_field
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
                       "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5", "qwen35", "qwen35moe",
                       "qwen3next", "lfm2", "granitehybrid", "glm4moe", "ernie4_5-moe", "qwen3vl", "qwen3vlmoe",
-                      "lfm2moe", "mistral3")
+                      "lfm2moe", "mistral3", "deepseek2")
 # kestrel's names: a llama GGUF with experts is Mixtral; SmolLM3's and Ministral 3's converters are llama's
 PERMUTED_ARCHITECTURES = ("llama", "mixtral", "smollm3", "granite", "granitemoehybrid", "ministral3")
 # phi3 GGUFs hold Q|K|V and gate|up (llama.cpp's ffn_up of phi3: gate rows, then up) as one tensor each; glm4's
@@ -67,6 +67,14 @@ _LAYER_MAP = {
     "ffn_gate_shexp.weight": "shared_expert.gate",
     "ffn_up_shexp.weight": "shared_expert.up",
     "ffn_down_shexp.weight": "shared_expert.down",
+    # multi-head latent attention (deepseek2): attn_kv_b, or as llama.cpp's converter writes it now, per head attn_k_b
+    # (transposed) and attn_v_b (LATENT_UP)
+    "attn_q_a.weight": "q_a",
+    "attn_q_a_norm.weight": "q_a_norm",
+    "attn_q_b.weight": "q_b",
+    "attn_kv_a_mqa.weight": "kv_a",
+    "attn_kv_a_norm.weight": "kv_a_norm",
+    "attn_kv_b.weight": "kv_b",
 }
 # gpt-oss, seed_oss and glm4moe: what their names mean where they differ (post_attention_norm is the MLP's input
 # norm), and gpt-oss's biases and sinks
@@ -89,6 +97,7 @@ _GRANITE_HYBRID_MAP = {**_LAYER_MAP, "ssm_in.weight": "mamba_in", "ssm_conv1d.we
                        "ssm_conv1d.bias": "conv_bias", "ssm_dt.bias": "ssm_dt_bias", "ssm_a": "ssm_a", "ssm_d": "ssm_d",
                        "ssm_norm.weight": "ssm_norm", "ssm_out.weight": "o"}
 _FLAT = ("ssm_a", "ssm_d", "ssm_norm")
+LATENT_UP = ("attn_k_b.weight", "attn_v_b.weight")  # k_b [H, r, dn] and v_b [H, dv, r]: kv_b's rows of each head
 # what llama.cpp's converter (_LinearAttentionVReorderBase) reorders from HF's value heads grouped by key head to
 # tiled: each tensor's axis and the length of a head along it; kestrel takes them back to HF's order
 _TILED_VALUE_HEADS = {"lin_qkv": (0, "dv"), "lin_z": (0, "dv"), "lin_beta": (0, 1), "lin_alpha": (0, 1),
@@ -204,6 +213,7 @@ class GGUFCheckpoint(GGUFMetadata):
         self._tensors = {}
         self._rows: dict[str, tuple[int, int] | np.ndarray] = {}  # kestrel name -> its rows of a fused tensor
         self._experts: dict[str, tuple[Any, int]] = {}  # kestrel name -> (stacked tensor, expert)
+        self._latent_up: dict[str, dict[str, Any]] = {}  # layers.N.kv_b -> its attn_k_b and attn_v_b
         file_arch = self.field("general.architecture")
         fused = FUSED.get(file_arch, {})
         split = []
@@ -214,6 +224,9 @@ class GGUFCheckpoint(GGUFMetadata):
                 continue
             if m and file_arch in HYBRID_ARCHITECTURES and m.group(2) in _HYBRID_SPLITS:
                 split.append((int(m.group(1)), _HYBRID_SPLITS[m.group(2)], t))
+                continue
+            if m and m.group(2) in LATENT_UP:
+                self._latent_up.setdefault(layer_name(int(m.group(1)), "kv_b"), {})[m.group(2)] = t
                 continue
             if m and m.group(2) in _STACKED:
                 stacked_dims = 2 if m.group(2).endswith(".bias") else 3
@@ -317,18 +330,17 @@ class GGUFCheckpoint(GGUFMetadata):
                 or extra.get("expert_intermediate_size"),
                 num_layers=layers,
                 num_heads=heads,
-                num_kv_heads=self._kv_heads(arch) or heads,
-                head_dim=head_dim,
                 rms_norm_eps=self.float_field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
                 rope_theta=theta,
                 rope_scaling=scaling,
-                rotary_dim=None if rotary_dim == head_dim else rotary_dim,
                 max_position=self.int_field(f"{arch}.context_length", 4096),
                 tie_word_embeddings="lm_head" not in self._tensors,
                 bos_token_id=bos,
                 eos_token_ids=tuple(dict.fromkeys(eos)),
                 sampling=self._sampling(),
-                **{"qkv_bias": arch in ("qwen2", "qwen2moe"),
+                **{"num_kv_heads": self._kv_heads(arch) or heads, "head_dim": head_dim,
+                   "rotary_dim": None if rotary_dim == head_dim else rotary_dim,
+                   "qkv_bias": arch in ("qwen2", "qwen2moe"),
                    "qk_norm": arch in ("qwen3", "qwen3moe", "qwen3vl", "qwen3vlmoe", "gemma3"),
                    # llama.cpp's converter writes 0 for a phi3 without a window
                    "sliding_window": self.int_field(f"{arch}.attention.sliding_window", lo=0) or None
@@ -339,6 +351,31 @@ class GGUFCheckpoint(GGUFMetadata):
         except (ValueError, ArithmeticError, FloatingPointError) as exc:  # numpy on absurd rope values
             raise KestrelError(f"{self.path}: bad metadata ({type(exc).__name__}: {exc})") from None
 
+    def _kv_b(self, name: str) -> np.ndarray:
+        """HF's kv_b [H*(dn + dv), r] (per head its key's rows, then its value's) from llama.cpp's attn_k_b [H, r, dn]
+        and attn_v_b [H, dv, r]."""
+        parts = self._latent_up[name]
+        if set(parts) != set(LATENT_UP):
+            raise KestrelError(f"{self.path}: {name}: attn_k_b and attn_v_b come in pairs, found {sorted(parts)}")
+        c = self.config
+        k_b, v_b = (self._dequantized(parts[n]) for n in LATENT_UP)
+        h, r, dn = c.num_heads, c.kv_lora_rank, c.head_dim - c.rotary
+        if k_b.shape != (h, r, dn) or v_b.shape != (h, c.value_dim, r):
+            raise KestrelError(f"{self.path}: {name}: attn_k_b {list(k_b.shape)} and attn_v_b {list(v_b.shape)} do "
+                               f"not match {h} heads, a latent of {r}, keys of {dn} and values of {c.value_dim}")
+        return np.ascontiguousarray(np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, r))
+
+    def _dequantized(self, t: Any, data: np.ndarray | None = None) -> np.ndarray:
+        """Tensor ``t`` (or ``data``, a slice of it) as float32."""
+        try:
+            w = dequantize(t.data if data is None else data, t.tensor_type)
+        except NotImplementedError:
+            raise KestrelError(f"{self.path}: tensor {t.name} uses {t.tensor_type.name}, which gguf-py cannot "
+                               "dequantize") from None
+        except (ValueError, IndexError) as exc:
+            raise KestrelError(f"{self.path}: tensor {t.name} is corrupt ({exc})") from None
+        return np.asarray(w, dtype=np.float32)
+
     def tokenizer_fields(self) -> dict[str, Any]:
         """Every tokenizer.* metadata value, decoded (what Tokenizer.from_gguf_vocab needs)."""
         return {key: self.field(key) for key in self.reader.fields if key.startswith("tokenizer.")}
@@ -346,9 +383,11 @@ class GGUFCheckpoint(GGUFMetadata):
     # -- tensors -----------------------------------------------------------------------------------------
 
     def has(self, name: str) -> bool:
-        return name in self._tensors or name in self._experts
+        return name in self._tensors or name in self._experts or name in self._latent_up
 
     def get(self, name: str) -> np.ndarray:
+        if name in self._latent_up:
+            return self._kv_b(name)
         t = self._tensors.get(name)
         data = None if t is None else t.data
         if t is None and name in self._experts:  # one expert's slice of a stacked tensor
@@ -356,14 +395,7 @@ class GGUFCheckpoint(GGUFMetadata):
             data = t.data[e]
         if t is None:
             raise KestrelError(f"{self.path}: the GGUF has no tensor for {name}")
-        try:
-            w = dequantize(data, t.tensor_type)
-        except NotImplementedError:
-            raise KestrelError(f"{self.path}: tensor {t.name} uses {t.tensor_type.name}, which gguf-py cannot "
-                               "dequantize") from None
-        except (ValueError, IndexError) as exc:
-            raise KestrelError(f"{self.path}: tensor {t.name} is corrupt ({exc})") from None
-        w = np.asarray(w, dtype=np.float32)
+        w = self._dequantized(t, data)
         if name.endswith(".shared_expert_gate") and w.ndim == 1:  # llama.cpp stores the gate's one row as [D]
             w = w.reshape(1, -1)
         rows = self._rows.get(name)

@@ -218,6 +218,11 @@ CASES = (
     Case("tiny-deepseek-v3", "tiny-deepseek-v3", ALL_MODES, limits_of=ROUTER_NEAR_TIE),
     Case("tiny-deepseek-v2", "tiny-deepseek-v2", ALL_MODES, moe=True),  # the query in one projection, a softmax router
     Case("tiny-glm4-moe-lite", "tiny-glm4-moe-lite", ALL_MODES, moe=True),  # values as wide as keys, eps 1e-5 / 1e-6
+    # llama.cpp's deepseek2: kv_b as per-head attn_k_b and attn_v_b, the latent as one KV head (DeepSeek-V2's twin:
+    # attn_kv_b whole, as files from before that split); YaRN's mscale as yarn_log_multiplier
+    Case("tiny-deepseek-v3.gguf", "tiny-deepseek-v3", ALL_MODES, limits_of=ROUTER_NEAR_TIE),
+    Case("tiny-deepseek-v2.gguf", "tiny-deepseek-v2", ALL_MODES, moe=True),
+    Case("tiny-glm4-moe-lite.gguf", "tiny-glm4-moe-lite", ALL_MODES, moe=True),
     Case("tiny-gpt-oss", "tiny-gpt-oss", Q8_MODES, moe=True),  # sinks, biases, clamped SwiGLU, interleaved gate|up
     Case("tiny-gpt-oss-mxfp4", "tiny-gpt-oss", Q8_MODES, moe=True),  # the experts as MXFP4 blocks and scales
     Case("tiny-gpt-oss.gguf", "tiny-gpt-oss", Q8_MODES, moe=True),  # llama.cpp's gpt-oss, MXFP4 experts

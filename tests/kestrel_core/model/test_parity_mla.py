@@ -3,11 +3,18 @@ for the tiny fixtures to agree (the agreement itself: test_parity's CASES; figur
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 
 from kestrel_core.model import hf_config, hf_experts
+from kestrel_core.model.gguf_reader import GGUFCheckpoint
+from kestrel_core.model.hf import HFCheckpoint
 
-from .test_parity import CASES, _with_config, measure
+from .test_parity import CASES, FIXTURES, _with_config, measure
+
+MLA = ("tiny-deepseek-v3", "tiny-deepseek-v2", "tiny-glm4-moe-lite")
 
 
 def _mla_with(monkeypatch, **fields) -> None:  # type: ignore[no-untyped-def]
@@ -39,3 +46,28 @@ def test_latent_attention_done_wrong_leaves_the_limits(monkeypatch, name: str, w
     case = next(c for c in CASES if c.name == name)
     fig = measure(case, "q8")
     assert not fig.within(case.limits("q8")), fig
+
+
+@pytest.mark.parametrize("name", MLA)
+def test_a_deepseek2_gguf_reads_as_its_checkpoint(name: str) -> None:
+    """llama.cpp's deepseek2 metadata gives the checkpoint's config: the latent's and the query's ranks, a head's key
+    and value dims (from key_length_mla, or a file from before it), the turned dims, the softmax scale (YaRN's
+    mscale from yarn_log_multiplier), the router and the dense layers. GLM-4.7-Flash's file names no architecture of
+    its own (deepseek2, sigmoid-routed: DeepSeek-V3's)."""
+    hf = HFCheckpoint(FIXTURES / name).config
+    gguf = GGUFCheckpoint(FIXTURES / f"{name}.gguf").config
+    assert gguf.query_scale == pytest.approx(hf.query_scale, rel=1e-6)
+    same = ("arch", "query_scale", "max_position", "rope_scaling")
+    assert {k: v for k, v in dataclasses.asdict(gguf).items() if k not in same} == \
+        {k: v for k, v in dataclasses.asdict(hf).items() if k not in same}
+    assert gguf.arch == ("deepseek_v2" if name == "tiny-deepseek-v2" else "deepseek_v3")
+    if hf.rope_scaling is not None:
+        assert {k: gguf.rope_scaling[k] for k in ("factor", "attention_factor")} == \
+            {k: hf.rope_scaling[k] for k in ("factor", "attention_factor")}
+
+
+def test_llama_cpp_split_latent_up_projection_is_hf_kv_b() -> None:
+    """attn_k_b (each head's key rows, transposed) and attn_v_b put back together are the checkpoint's kv_b."""
+    hf = HFCheckpoint(FIXTURES / "tiny-deepseek-v3").get("layers.1.kv_b")
+    gguf = GGUFCheckpoint(FIXTURES / "tiny-deepseek-v3.gguf").get("layers.1.kv_b")
+    np.testing.assert_array_equal(gguf, np.float16(hf).astype(np.float32))  # written as float16
