@@ -51,7 +51,8 @@ def unsupported_reason(model: Model) -> str | None:
     (its interleaved RoPE pairs as stored, Gemma's four norms), ERNIE 4.5 (the same pairs), Gemma 3 (post-norms,
     GeGLU, scaled embeddings and queries, a RoPE per layer kind, sliding windows) and the mixtures of experts
     Qwen3-MoE, Mixtral and Qwen2-MoE (up to ROUTE_MAX_EXPERTS experts, routed on the device); the others (Gemma
-    2's soft caps, gpt-oss, Granite, OLMo 2, EXAONE 4) run through the GEMM hooks."""
+    2's soft caps, gpt-oss, Granite, OLMo 2, EXAONE 4, the latent attention of DeepSeek-V2/V3) run through the GEMM
+    hooks."""
     c = model.config
     if c.arch not in DEVICE_ARCHITECTURES:
         return f"architecture {c.arch!r}"
@@ -61,6 +62,8 @@ def unsupported_reason(model: Model) -> str | None:
         return f"activation {c.activation!r}"
     if not c.pre_norms or c.qk_norm_full:
         return "norms only after each block, or q/k norms over the whole projection"
+    if c.is_mla:
+        return "multi-head latent attention (DeepSeek-V2/V3's)"
     if c.state_layers or c.attn_output_gate:
         return "recurrent layers (linear attention, short convolutions, Mamba-2) or gated attention"
     if c.o_bias or c.attn_sinks or c.moe_bias:
