@@ -1,8 +1,8 @@
 """Gemma 2 and 3 and the mixtures of experts on the GPU: Gemma 2 (soft caps), gpt-oss, GLM-4.5 and ERNIE 4.5 MoE
 (routers with a choice bias, dense layers among the experts), the hybrids (Qwen3.5, Qwen3-Next: linear
-attention, and fused groups of four) and multi-head latent attention (DeepSeek-V2/V3) through the GEMM hooks, the device forward declining them; Gemma 3 and the
-other mixtures of experts through the device forward. Every projection (each expert's too) is
-preloaded and the logits are the CPU's within the measured tolerance.
+attention, and fused groups of four) and multi-head latent attention (DeepSeek-V2/V3) through the GEMM hooks, the
+device forward declining them; Gemma 3 and the other mixtures of experts through the device forward. Every
+projection (each expert's too) is preloaded and the logits are the CPU's within the measured tolerance.
 
 Skipped where CuPy or a CUDA device is missing (CI); run on the H200 machine.
 """
