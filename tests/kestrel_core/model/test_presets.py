@@ -22,8 +22,16 @@ def test_every_preset_builds_a_consistent_model(name: str) -> None:
     model = preset_model(name, "q4", num_layers=layers, vocab_size=512)
     lw = model.layers[layers - 1]
     qn, kvn = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    assert lw.q.shape == (qn, cfg.hidden_size) and lw.k.shape == lw.v.shape == (kvn, cfg.hidden_size)
-    assert lw.o.shape == (cfg.hidden_size, qn)
+    if cfg.is_mla:  # the latent and each head's key (dims without RoPE) and value from it
+        r, dn = cfg.kv_lora_rank, cfg.head_dim - cfg.rotary
+        query = lw.q_b if cfg.q_lora_rank else lw.q
+        assert query.shape == (qn, cfg.q_lora_rank or cfg.hidden_size) and lw.k is None
+        assert lw.kv_a.shape == (r + cfg.rotary, cfg.hidden_size) and lw.kv_a_norm.shape == (r,)
+        assert lw.kv_b.shape == (cfg.num_heads * (dn + cfg.value_dim), r)
+        assert lw.o.shape == (cfg.hidden_size, cfg.num_heads * cfg.value_dim)
+    else:
+        assert lw.q.shape == (qn, cfg.hidden_size) and lw.k.shape == lw.v.shape == (kvn, cfg.hidden_size)
+        assert lw.o.shape == (cfg.hidden_size, qn)
     mlps = lw.experts if cfg.is_moe else (lw,)
     f = cfg.expert_intermediate_size if cfg.is_moe else cfg.intermediate_size
     assert len(mlps) == max(cfg.num_experts, 1) and (lw.router is not None) == cfg.is_moe
@@ -41,7 +49,7 @@ def test_every_preset_builds_a_consistent_model(name: str) -> None:
             assert before.conv_in.shape == (3 * cfg.hidden_size, cfg.hidden_size) and before.q is None
             assert before.conv.shape == (cfg.hidden_size, cfg.short_conv_kernel)
     assert (model.lm_head is model.embedding) == cfg.tie_word_embeddings
-    assert model.embedding.bits == model.lm_head.bits == 8 and lw.q.bits == 4
+    assert model.embedding.bits == model.lm_head.bits == 8 and lw.o.bits == 4
     assert cfg.num_heads % cfg.num_kv_heads == 0
 
 
