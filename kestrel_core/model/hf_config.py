@@ -54,7 +54,7 @@ MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": 
                "granitemoehybrid": "granitemoehybrid",
                "glm4_moe": "glm4_moe", "ernie4_5_moe": "ernie4_5_moe", "qwen3_vl": "qwen3_vl",
                "qwen3_vl_moe": "qwen3_vl_moe", "ministral3": "ministral3", "mistral3": "mistral3",
-               "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3",
+               "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3",
                "glm4_moe_lite": "glm4_moe_lite"}
 WINDOWED = ("mistral", "phi3", "mixtral", "ministral3")  # architectures whose sliding_window applies to every layer
 # Gemma3TextConfig's defaults: hub configs (the text_config of the multimodal checkpoints) leave many out
