@@ -40,7 +40,7 @@ class Proj(IntEnum):
     KV_A = 21  # the keys' and values' latent, then the shared RoPE key
     MLA_IN = 22  # fused Q_A|KV_A, or Q|KV_A where the query has no low rank
     Q_B = 23  # the query's up projection from the normed Q_A
-    KV_B = 24  # each head's key (its part without RoPE) and value from the normed latent
+    KV_B = 24  # each head's key (its part without RoPE) and value from the latent: absorbed by the host, not a GEMM
 
 
 MAX_EXPERT = 0xFFFE
@@ -138,8 +138,7 @@ CONV_GROUPS = (ProjGroup((Proj.CONV_IN,)), PROJ_GROUPS[1])
 # the token mixer of a Mamba-2 layer (Granite 4.0-H): its input projection, then O
 MAMBA_GROUPS = (ProjGroup((Proj.MAMBA_IN,)), PROJ_GROUPS[1])
 # multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash): the query's down projection and the latent from the
-# layer's input, the query's up projection, the keys' and values' from the latent, then O; without a low-rank
-# query (DeepSeek-V2-Lite) Q reads the layer's input beside the latent
-MLA_GROUPS = (ProjGroup((Proj.Q_A, Proj.KV_A), Proj.MLA_IN), ProjGroup((Proj.Q_B,)), ProjGroup((Proj.KV_B,)),
-              PROJ_GROUPS[1])
-MLA_DIRECT_GROUPS = (ProjGroup((Proj.Q, Proj.KV_A), Proj.MLA_IN), ProjGroup((Proj.KV_B,)), PROJ_GROUPS[1])
+# layer's input, the query's up projection, then O (KV_B is absorbed into the query and the output on the host:
+# decoder._latent_attention); without a low-rank query (DeepSeek-V2-Lite) Q reads the layer's input beside the latent
+MLA_GROUPS = (ProjGroup((Proj.Q_A, Proj.KV_A), Proj.MLA_IN), ProjGroup((Proj.Q_B,)), PROJ_GROUPS[1])
+MLA_DIRECT_GROUPS = (ProjGroup((Proj.Q, Proj.KV_A), Proj.MLA_IN), PROJ_GROUPS[1])

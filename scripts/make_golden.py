@@ -431,10 +431,12 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
                max_position_embeddings=256, bos_token_id=bos, eos_token_id=eos, pad_token_id=None,
                num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
                num_experts_per_tok=2, kv_lora_rank=32, qk_rope_head_dim=8, tie_word_embeddings=False)
-    # DeepSeek-V3 (Moonlight, Kimi K2): a low-rank query (32), values of 16 dims against keys of 24, YaRN (factor 4
-    # over a context of 64) whose mscale_all_dim scales the softmax, GLM-4.5's router (2 groups of 4, 1 kept)
+    # DeepSeek-V3: a low-rank query (32), values of 16 dims against keys of 24, YaRN (factor 4 over a context of 64)
+    # whose mscale_all_dim scales the softmax, GLM-4.5's router in one group (tiny-glm4-moe has the groups: with two
+    # groups of four and one kept, every seed tried had positions whose group scores float16 keys or int8
+    # activations reorder)
     deepseek_v3 = DeepseekV3Config(**mla, rms_norm_eps=1e-6, q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16,
-                                   n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                                   n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
                                    routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
                                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                     "original_max_position_embeddings": 64, "beta_fast": 32.0,

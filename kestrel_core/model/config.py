@@ -125,8 +125,8 @@ class ModelConfig:
     shared_expert_gated: bool = True  # False (Granite 4.0-H): the shared expert's output is added as it is
     # multi-head latent attention (DeepSeek-V2/V3): each head's key and value come up from a latent of
     # kv_lora_rank (RMSNormed) beside one RoPE key all heads share; head_dim is the query's and key's (the part
-    # without RoPE, then rotary_dim that turns), v_head_dim the value's. q_lora_rank: the query's low rank (0:
-    # one projection). 0 without it
+    # without RoPE, then rotary_dim that turns), v_head_dim the value's; the KV cache holds the latent and the RoPE
+    # key (attention_dims). q_lora_rank: the query's low rank (0: one projection). 0 without it
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
     v_head_dim: int = 0  # 0: head_dim
@@ -225,8 +225,18 @@ class ModelConfig:
 
     @property
     def qk_reordered(self) -> bool:
-        """Whether the q and k rows are stored reordered within each head (rope.rotary_first)."""
-        return self.rotary < self.head_dim or self.rope_interleaved
+        """Whether the q and k rows are stored reordered within each head (rope.rotary_first); a latent attention
+        orders its query and key itself (decoder._latent_attention)."""
+        return not self.is_mla and (self.rotary < self.head_dim or self.rope_interleaved)
+
+    @property
+    def attention_dims(self) -> tuple[int, int, int]:
+        """(KV heads, key dims, value dims) of the keys and values attention reads, as the KV cache holds them a
+        position and layer: a latent attention's one latent (kv_lora_rank) beside its RoPE key, read by every head,
+        its query absorbing each head's key projection and its output each head's value projection."""
+        if self.is_mla:
+            return 1, self.kv_lora_rank + self.rotary, self.kv_lora_rank
+        return self.num_kv_heads, self.head_dim, self.value_dim
 
     @property
     def attention_scale(self) -> float:
@@ -368,6 +378,8 @@ def _check_mla(c: ModelConfig) -> None:
         if c.q_lora_rank or c.v_head_dim:
             raise ValidationError("q_lora_rank and v_head_dim need kv_lora_rank (multi-head latent attention)")
         return
+    if c.kv_lora_rank % 2:
+        raise ValidationError(f"kv_lora_rank must be even (RoPE pairs the cached key's dims), got {c.kv_lora_rank}")
     if c.rotary_dim is None or c.rotary_dim >= c.head_dim:
         raise ValidationError("multi-head latent attention turns part of each head: rotary_dim must be below head_dim")
     if c.num_kv_heads != c.num_heads:

@@ -21,7 +21,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model import kernels
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.kv_pool import KVPool, SeqCache, bytes_per_position
-from kestrel_core.model.rope import head_order, rope_tables
+from kestrel_core.model.rope import rope_tables, rotary_order
 from kestrel_core.model.weights import PREFILL_CHUNK as PREFILL_CHUNK
 from kestrel_core.model.weights import ExpertWeights, LayerWeights, Model
 from kestrel_core.wkey import MLP_GROUPS, lm_head_wkey
@@ -47,7 +47,7 @@ class RopeTables:
         self.config, self.layer = config, layer
         self.max_position = config.max_position
         self.scale = np.float32(config.attention_scale)
-        half = config.head_dim // 2
+        half = config.attention_dims[1] // 2
         self.cos = self.sin = self.q_cos = self.q_sin = np.empty((0, 2, half), np.float32)
 
     def upto(self, n: int) -> None:
@@ -121,7 +121,11 @@ class Decoder:
                 self.ropes.append(RopeTables(c, i))
             self.layer_rope.append(seen[key])
         self.eps = np.float32(c.rms_norm_eps)
-        self.head_order = head_order(c)
+        if c.is_mla:  # the cached key's dims in kestrel's order: its turned dims first (rope.rotary_order)
+            self.latent_order = rotary_order(c.attention_dims[1], c.rotary, c.rope_interleaved)
+        # a latent attention layer's key and value projections, float32 [H, dn, r] and [H, vd, r]: absorbed into the
+        # query and the output, not multiplied into each cached position's key and value
+        self.latent_up = [_latent_up(lw, c) if lw.is_mla else None for lw in model.layers]
         self.act = _ACTIVATIONS[c.activation]
         if c.activation == "swiglu_oai":
             self.act = partial(swiglu_oai_mul, limit=np.float32(c.swiglu_limit), alpha=np.float32(c.swiglu_alpha))
@@ -255,7 +259,7 @@ class Decoder:
         tables_at = []  # per distinct RoPE: cos, sin, q_cos, q_sin [M, hd] (the [2, hd/2] halves in a row)
         for rope in self.ropes:
             rope.upto(int(positions.max()) + 1)
-            tables_at.append(tuple(t[positions].reshape(m, c.head_dim)
+            tables_at.append(tuple(t[positions].reshape(m, c.attention_dims[1])
                                    for t in (rope.cos, rope.sin, rope.q_cos, rope.q_sin)))
         if self.activations == "mixed":
             prompt_len = np.repeat(np.array([s.prompt_len for s in seqs], np.int64), [len(t) for t in tokens])
@@ -309,11 +313,11 @@ class Decoder:
 
     def _attend(self, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, rows: _Rows) -> np.ndarray:
         """Layer ``i``'s keys k [M, KV, hd] and values v [M, KV, vd] written to the pool, RoPE turning them and the
-        queries q [M, H, hd]; the attention's output [M, H*vd]."""
+        queries q [M, H, hd]; the attention's output [M, H*vd] (``ModelConfig.attention_dims``)."""
         c, pool = self.config, self.pool
         cos, sin, q_cos, q_sin = rows.tables_at[self.layer_rope[i]]
         kv = pool.kv_index[i]
-        attn = np.empty((len(q), c.num_heads * c.value_dim), np.float32)  # [M, H*vd]
+        attn = np.empty((len(q), c.num_heads * c.attention_dims[2]), np.float32)  # [M, H*vd]
         kernels.rope_write(np.ascontiguousarray(k), np.ascontiguousarray(v), pool.kt[kv], pool.v[kv], rows.slots,
                            cos, sin)
         kernels.attend(np.ascontiguousarray(q), pool.kt[kv], pool.v[kv], rows.tables, rows.row_seq,
@@ -321,24 +325,27 @@ class Decoder:
         return attn
 
     def _latent_attention(self, i: int, lw: LayerWeights, x: np.ndarray, rows: _Rows) -> np.ndarray:
-        """Layer ``i``'s multi-head latent attention on x [M, D] (DeepSeek-V2/V3): each head's key (its dims without
-        RoPE) and value come up from the RMSNormed latent, beside one RoPE key every head shares; [M, D] out."""
+        """Layer ``i``'s multi-head latent attention on x [M, D] (DeepSeek-V2/V3) as plain attention of one KV head over
+        the cached latent c (RMSNormed, r dims) beside the RoPE key k_pe all heads share: head h's key q_nope .
+        W_uk[h] c + q_pe . k_pe is the query's q_nope W_uk[h] (r dims) beside q_pe against [c, k_pe], and its value
+        W_uv[h] c is W_uv[h] applied to the attention's sum of c; [M, D] out."""
         c, m = self.config, len(x)
-        h, hd, r = c.num_heads, c.head_dim, c.kv_lora_rank
+        h, r, turned = c.num_heads, c.kv_lora_rank, c.rotary
+        dn = c.head_dim - turned
         strips, keys = self.strips[i], self.keys[i]
         q, kva = self._linear(x, rows.precise, strips[0], *keys[0])  # [M, q_lora or H*hd], [M, r + rotary]
         if lw.q_a is not None:
             q = self._linear(rmsnorm(q, lw.q_a_norm, MLA_NORM_EPS), rows.precise, strips[1], *keys[1])[0]
+        q = q.reshape(m, h, c.head_dim)  # [M, H, dn + rotary]: the checkpoint's order, the turned dims last
+        w_uk, w_uv = self.latent_up[i]
         latent = rmsnorm(kva[:, :r], lw.kv_a_norm, MLA_NORM_EPS)  # [M, r]
-        b = 2 if lw.q_a is not None else 1  # KV_B's group, then O's (wkey.MLA_GROUPS, MLA_DIRECT_GROUPS)
-        kvb = self._linear(latent, rows.precise, strips[b], *keys[b])[0].reshape(m, h, -1)  # [M, H, dn + vd]
-        dn = hd - c.rotary
-        k = np.empty((m, h, hd), np.float32)  # in the checkpoint's order (dn dims, then the shared RoPE key) ...
-        k[:, :, :dn] = kvb[:, :, :dn]
-        k[:, :, dn:] = kva[:, None, r:]
-        k = k[:, :, self.head_order]  # ... then in kestrel's, as the query's rows were stored (rope.head_order)
-        attn = self._attend(i, q.reshape(m, h, hd), k, kvb[:, :, dn:], rows)  # [M, H*vd]
-        return self._linear(attn, rows.precise, strips[b + 1], *keys[b + 1])[0]
+        query = np.concatenate([q[:, :, dn:], np.einsum("mhd,hdr->mhr", q[:, :, :dn], w_uk)], axis=2)  # [M, H, rot + r]
+        key = np.concatenate([kva[:, r:], latent], axis=1)[:, None]  # [M, 1, rotary + r]
+        order = self.latent_order
+        lat = self._attend(i, query[:, :, order], key[:, :, order], latent[:, None], rows)  # [M, H*r]
+        attn = np.einsum("mhr,hvr->mhv", lat.reshape(m, h, r), w_uv).reshape(m, -1)  # [M, H*vd]
+        o = 2 if lw.q_a is not None else 1  # O's group (wkey.MLA_GROUPS, MLA_DIRECT_GROUPS)
+        return self._linear(np.ascontiguousarray(attn), rows.precise, strips[o], *keys[o])[0]
 
     def _linear_attention(self, i: int, lw: LayerWeights, x: np.ndarray, rows: _Rows) -> np.ndarray:
         """Layer ``i``'s Gated DeltaNet on x [M, D] (``kernels.gated_delta``, each sequence's recurrent state
@@ -425,6 +432,13 @@ class Decoder:
             y = self._mlp(x, precise, lw.shared_expert.groups(), self.expert_keys[i][c.num_experts])
             out += y if lw.shared_expert_gate is None else y * shared_expert_scale(x, lw.shared_expert_gate)
         return out
+
+
+def _latent_up(lw: LayerWeights, c: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """A latent attention layer's kv_b [H*(dn + vd), r] as float32 (W_uk [H, dn, r], W_uv [H, vd, r])."""
+    up = lw.kv_b.dequantize().reshape(c.num_heads, -1, c.kv_lora_rank)  # [H, dn + vd, r]
+    dn = c.head_dim - c.rotary
+    return np.ascontiguousarray(up[:, :dn]), np.ascontiguousarray(up[:, dn:])
 
 
 def route(x: np.ndarray, lw: LayerWeights, c: ModelConfig) -> tuple[np.ndarray, np.ndarray]:

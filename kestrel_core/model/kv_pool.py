@@ -32,11 +32,11 @@ class KVPool:
     """Host keys and values of many sequences in fixed-size blocks (a page table per sequence).
 
     Keys are stored transposed, ``kt`` float32 [La, blocks, KV, hd, BLOCK_SIZE], the layout the attention's
-    dot products run over; values ``v`` float32 [La, blocks, BLOCK_SIZE, KV, vd] (``value_dim``), over the La
-    layers with attention (``kv_index``: model layer -> first axis). Both hold float16 values (``kernels.f16``),
-    which every backend's cache holds. The arrays are allocated once, untouched: the OS maps a page only when a
-    block is first written. A model with recurrent layers (linear attention, short convolutions, Mamba-2) also keeps
-    each sequence's state (``states``).
+    dot products run over; values ``v`` float32 [La, blocks, BLOCK_SIZE, KV, vd] (``ModelConfig.attention_dims``:
+    a latent attention's latent and RoPE key), over the La layers with attention (``kv_index``: model layer -> first
+    axis). Both hold float16 values (``kernels.f16``), which every backend's cache holds. The arrays are allocated
+    once, untouched: the OS maps a page only when a block is first written. A model with recurrent layers (linear
+    attention, short convolutions, Mamba-2) also keeps each sequence's state (``states``).
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
@@ -48,8 +48,9 @@ class KVPool:
         self.num_blocks = num_blocks
         self.kv_index = {layer: j for j, layer in enumerate(c.attention_layers)}
         layers = len(self.kv_index)
-        self.kt = np.empty((layers, num_blocks, c.num_kv_heads, c.head_dim, block_size), np.float32)
-        self.v = np.empty((layers, num_blocks, block_size, c.num_kv_heads, c.value_dim), np.float32)
+        kv_heads, key_dims, value_dims = c.attention_dims
+        self.kt = np.empty((layers, num_blocks, kv_heads, key_dims, block_size), np.float32)
+        self.v = np.empty((layers, num_blocks, block_size, kv_heads, value_dims), np.float32)
         self.states = StatePool(c) if c.state_layers else None
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the most recently freed block first
         self._refs = [0] * num_blocks  # sequences holding each block
@@ -204,7 +205,8 @@ def _link(chain: bytes, block_tokens: np.ndarray) -> bytes:
 
 def bytes_per_position(config: ModelConfig) -> int:
     """Host KV bytes one position takes over the layers with attention (float32 keys and values)."""
-    return 4 * len(config.attention_layers) * config.num_kv_heads * (config.head_dim + config.value_dim)
+    kv_heads, key_dims, value_dims = config.attention_dims
+    return 4 * len(config.attention_layers) * kv_heads * (key_dims + value_dims)
 
 
 class SeqCache:

@@ -15,12 +15,13 @@ import numpy as np
 
 from kestrel_core.model.config import ModelConfig
 
-ROTARY_FIELDS = ("q", "k", "q_bias", "k_bias", "q_norm", "k_norm", "q_b")  # what rotary_first reorders
+ROTARY_FIELDS = ("q", "k", "q_bias", "k_bias", "q_norm", "k_norm")  # what rotary_first reorders
 
 
 def rope_inv_freq(config: ModelConfig, layer: int | None = None) -> np.ndarray:
     """Inverse frequencies [hd/2] in float32 of ``layer``'s RoPE (None: the model's, rope_theta and rope_scaling):
-    plain, linear, llama3, yarn or longrope, as transformers computes them; the pairs past rotary_dim/2 have 0.
+    plain, linear, llama3, yarn or longrope, as transformers computes them; the pairs past rotary_dim/2 have 0. hd is
+    the width of the keys attention reads (``ModelConfig.attention_dims``: a latent attention's cached key).
 
     longrope has two sets of factors: the long one where the context (``max_position``) exceeds the pretraining
     one, as vLLM and llama.cpp choose, so a sequence's keys all turn by one rule whatever its length."""
@@ -29,8 +30,9 @@ def rope_inv_freq(config: ModelConfig, layer: int | None = None) -> np.ndarray:
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     base = np.power(np.float32(theta), exponents)  # [dim/2]
     kind = None if scaling is None else scaling["rope_type"]
+    hd = config.attention_dims[1]
     if kind == "none":  # a NoPE layer (SmolLM3): no pair turns
-        return np.zeros(config.head_dim // 2, np.float32)
+        return np.zeros(hd // 2, np.float32)
     if kind == "longrope":
         long = config.max_position > scaling["original_max_position_embeddings"]
         ext = np.asarray(scaling["long_factor" if long else "short_factor"], np.float32)
@@ -43,7 +45,7 @@ def rope_inv_freq(config: ModelConfig, layer: int | None = None) -> np.ndarray:
         inv_freq = _llama3(inv_freq, scaling)
     elif kind == "yarn":
         inv_freq = _yarn(base, theta, dim, scaling)
-    return np.concatenate([inv_freq, np.zeros((config.head_dim - dim) // 2, np.float32)]).astype(np.float32)
+    return np.concatenate([inv_freq, np.zeros((hd - dim) // 2, np.float32)]).astype(np.float32)
 
 
 def rope_attention_factor(config: ModelConfig, layer: int | None = None) -> float:
@@ -76,22 +78,12 @@ def rotary_order(head_dim: int, rotary_dim: int, interleaved: bool = False) -> n
     return np.concatenate([firsts, rotary_dim + np.arange(passed), seconds, rotary_dim + passed + np.arange(passed)])
 
 
-def head_order(config: ModelConfig) -> np.ndarray:
-    """The checkpoint's dim of each of a head's dims in kestrel's order (``rotary_order``). Multi-head latent attention
-    turns a head's last rotary_dim dims (its query's, and the key all heads share), not its first: those are moved to
-    the front first."""
-    hd, turned = config.head_dim, config.rotary
-    order = rotary_order(hd, turned, config.rope_interleaved)
-    if config.is_mla:
-        order = np.concatenate([np.arange(hd - turned, hd), np.arange(hd - turned)])[order]
-    return order
-
-
 def rotary_first(config: ModelConfig, rows: np.ndarray) -> np.ndarray:
     """q or k rows [heads * hd, K], their bias [heads * hd] or a q/k norm [hd] of a checkpoint, reordered within
-    each head (``head_order``) for a model whose RoPE turns part of each head, or interleaved pairs."""
+    each head (``rotary_order``) for a model whose RoPE turns part of each head, or interleaved pairs."""
     hd = config.head_dim
-    return np.ascontiguousarray(rows.reshape(-1, hd, *rows.shape[1:])[:, head_order(config)].reshape(rows.shape))
+    order = rotary_order(hd, config.rotary, config.rope_interleaved)
+    return np.ascontiguousarray(rows.reshape(-1, hd, *rows.shape[1:])[:, order].reshape(rows.shape))
 
 
 def _llama3(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:

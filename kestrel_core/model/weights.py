@@ -106,9 +106,9 @@ class LayerWeights:
     ssm_dt_bias: np.ndarray | None = None  # [heads]: dt = softplus(dt_in + ssm_dt_bias)
     ssm_d: np.ndarray | None = None  # [heads]: the skip, D * x
     ssm_norm: np.ndarray | None = None  # [inner]: the gated RMSNorm over each group's channels
-    # multi-head latent attention (DeepSeek-V2/V3): q (q_proj) or q_a and q_b, the latent kv_a, kv_b, o; r =
-    # kv_lora_rank, dn = head_dim - rotary_dim (a head's dims without RoPE), q's / q_b's rows per head in
-    # rope.head_order
+    # multi-head latent attention (DeepSeek-V2/V3), in the checkpoint's order: q (q_proj) or q_a and q_b (per head
+    # its dn = head_dim - rotary_dim dims without RoPE, then the turned ones), the latent kv_a, kv_b (dequantized by
+    # the host, not a GEMM: decoder._latent_attention), o; r = kv_lora_rank
     q_a: StripCache | None = None  # [q_lora_rank, D]
     q_a_norm: np.ndarray | None = None  # [q_lora_rank]
     q_b: StripCache | None = None  # [H*hd, q_lora_rank]

@@ -143,3 +143,17 @@ def test_a_context_beyond_half_the_memory_does_not_size_the_default_pool(monkeyp
     monkeypatch.setattr(kv_pool, "_memory_bytes", lambda: 1 << 30)
     assert blocks(config) == kv_pool.DEFAULT_KV_MB * 2 ** 20 // per_block
     assert blocks(config, 64) == 128
+
+
+def test_a_latent_attention_caches_its_latent_not_each_heads_key_and_value() -> None:
+    """GLM-4.7-Flash's KV cache holds a position's latent (512) and RoPE key (64) once for its 20 heads, and the
+    latent again as the value: 4 x 47 x (576 + 512) bytes, 205 KB, where each head's key (256) and value (256) would
+    take 1.9 MB."""
+    from kestrel_core.model import kv_pool
+    from kestrel_core.model.presets import preset_config
+
+    config = preset_config("glm-4.7-flash")
+    assert config.attention_dims == (1, 576, 512)
+    assert kv_pool.bytes_per_position(config) == 4 * 47 * (576 + 512)
+    pool = kv_pool.KVPool(config, 2)
+    assert pool.kt.shape == (47, 2, 1, 576, kv_pool.BLOCK_SIZE) and pool.v.shape == (47, 2, kv_pool.BLOCK_SIZE, 1, 512)
