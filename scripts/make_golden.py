@@ -81,6 +81,7 @@ Writes under tests/fixtures/models/:
                 gate|up [E, D, 2F], down [E, F, D]), bfloat16
   tiny-qwen3-vl-moe.gguf  llama.cpp's qwen3vlmoe (ffn_*_exps); golden = tiny-qwen3-vl-moe's
   tiny-llama-lora/  a PEFT LoRA adapter of tiny-llama (rank 4 on q, v, o, down); its golden.npz: transformers + PEFT
+  tiny-glm4-moe-lite-lora/  the same on tiny-glm4-moe-lite's latent attention (q_a, q_b, kv_a, kv_b, o)
   smollm2/golden.npz  SmolLM2-135M-Instruct.Q4_1.gguf as transformers dequantizes it (partial logits)
   MANIFEST.json  versions, shapes, logit ranges, the command
 Every model directory holds golden.npz: ``ids`` int64 [T] and ``logits`` float32 [T, vocab], computed in
@@ -1303,16 +1304,15 @@ LORA_STD = 0.1  # A and B entries: (alpha / r) * B @ A moves the weights by abou
 
 
 @torch.no_grad()
-def build_lora(base: Path, dst: Path, seed: int) -> dict[str, Any]:
-    """A PEFT LoRA adapter of the tiny model ``base`` (rank 4, alpha 8, on q, v, o and down) with random A and B,
-    saved as PEFT saves it; golden.npz holds transformers + PEFT's logits on ``base``'s golden ids."""
+def build_lora(base: Path, dst: Path, seed: int, targets: tuple[str, ...]) -> dict[str, Any]:
+    """A PEFT LoRA adapter of the tiny model ``base`` (rank 4, alpha 8, on the ``targets`` modules) with random A and
+    B, saved as PEFT saves it; golden.npz holds transformers + PEFT's logits on ``base``'s golden ids."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if dst.exists():
         shutil.rmtree(dst)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
-                        lora_dropout=0.0, bias="none")
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=0.0, bias="none")
     peft = get_peft_model(model, config)
     rng = np.random.default_rng(seed)
     for name, p in peft.named_parameters():
@@ -1770,7 +1770,10 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
 # other twins written from a tiny model's directory: name -> (twin, writer)
 DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
 # LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is
-ADAPTERS = {"tiny-llama-lora": ("tiny-llama", 101)}
+# adapter -> (base, seed, target modules): tiny-llama's on q, v, o and down; GLM-4.7-Flash's on its latent attention
+ADAPTERS = {"tiny-llama-lora": ("tiny-llama", 101, ("q_proj", "v_proj", "o_proj", "down_proj")),
+            "tiny-glm4-moe-lite-lora": ("tiny-glm4-moe-lite", 102, ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                                                                    "kv_b_proj", "o_proj"))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1791,8 +1794,8 @@ def main(argv: list[str] | None = None) -> int:
                 "tokenizers": tokenizers.__version__, "numpy": np.__version__}
     manifest.setdefault("models", {})
     if args.model in ADAPTERS:
-        base, seed = ADAPTERS[args.model]
-        manifest["models"][args.model] = {**build_lora(OUT / base, OUT / args.model, seed),
+        base, seed, targets = ADAPTERS[args.model]
+        manifest["models"][args.model] = {**build_lora(OUT / base, OUT / args.model, seed, targets),
                                           "command": f"python scripts/make_golden.py --model {args.model}",
                                           "versions": {**versions, "peft": _version("peft")}}
         manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -1830,8 +1833,8 @@ def main(argv: list[str] | None = None) -> int:
             manifest["models"][f"{name}.gguf"] = {**write(OUT / name, OUT / f"{name}.gguf", tok), "command": command}
         for name, (twin, write) in DIR_TWINS.items():
             manifest["models"][twin] = {**write(OUT / name, OUT / twin, tok), "command": command}
-        for name, (base, seed) in ADAPTERS.items():
-            manifest["models"][name] = {**build_lora(OUT / base, OUT / name, seed), "command": command}
+        for name, (base, seed, targets) in ADAPTERS.items():
+            manifest["models"][name] = {**build_lora(OUT / base, OUT / name, seed, targets), "command": command}
     if args.only in (None, "smollm"):
         manifest["models"]["smollm2"] = {**build_smollm(args.smollm), "command": command}
         print(f"smollm2: {manifest['models']['smollm2']}", file=sys.stderr)

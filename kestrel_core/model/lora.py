@@ -33,7 +33,8 @@ from kestrel_core.model.quantize import TensorSource
 from kestrel_core.model.validate import ValidationError, check_bool, check_float, check_int, check_regular_file
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-MERGED = frozenset({"q", "k", "v", "o", "gate", "up", "down"})  # the projections an adapter may change
+# the projections an adapter may change (q_a, q_b, kv_a, kv_b: a latent attention's)
+MERGED = frozenset({"q", "k", "v", "o", "gate", "up", "down", "q_a", "q_b", "kv_a", "kv_b"})
 _PREFIX = "base_model.model."
 
 
