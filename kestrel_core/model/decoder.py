@@ -123,7 +123,7 @@ class Decoder:
         self.eps = np.float32(c.rms_norm_eps)
         if c.is_mla:  # the cached key's dims in kestrel's order: its turned dims first (rope.rotary_order)
             self.latent_order = rotary_order(c.attention_dims[1], c.rotary, c.rope_interleaved)
-        # a latent attention layer's key and value projections, float32 [H, dn, r] and [H, vd, r]: absorbed into the
+        # a latent attention layer's key and value projections, float32 [H, dn, r] and [H, r, vd]: absorbed into the
         # query and the output, not multiplied into each cached position's key and value
         self.latent_up = [_latent_up(lw, c) if lw.is_mla else None for lw in model.layers]
         self.act = _ACTIVATIONS[c.activation]
@@ -339,11 +339,15 @@ class Decoder:
         q = q.reshape(m, h, c.head_dim)  # [M, H, dn + rotary]: the checkpoint's order, the turned dims last
         w_uk, w_uv = self.latent_up[i]
         latent = rmsnorm(kva[:, :r], lw.kv_a_norm, MLA_NORM_EPS)  # [M, r]
-        query = np.concatenate([q[:, :, dn:], np.einsum("mhd,hdr->mhr", q[:, :, :dn], w_uk)], axis=2)  # [M, H, rot + r]
+        q_lat = np.empty((m, h, r), np.float32)
+        kernels.heads_matmul(np.ascontiguousarray(q[:, :, :dn]), w_uk, q_lat)  # [M, H, r]: q_nope W_uk[h]
+        query = np.concatenate([q[:, :, dn:], q_lat], axis=2)  # [M, H, rotary + r]
         key = np.concatenate([kva[:, r:], latent], axis=1)[:, None]  # [M, 1, rotary + r]
         order = self.latent_order
         lat = self._attend(i, query[:, :, order], key[:, :, order], latent[:, None], rows)  # [M, H*r]
-        attn = np.einsum("mhr,hvr->mhv", lat.reshape(m, h, r), w_uv).reshape(m, -1)  # [M, H*vd]
+        attn = np.empty((m, h, c.value_dim), np.float32)
+        kernels.heads_matmul(lat.reshape(m, h, r), w_uv, attn)  # [M, H, vd]: W_uv[h] applied to each head's sum of c
+        attn = attn.reshape(m, -1)  # [M, H*vd]
         o = 2 if lw.q_a is not None else 1  # O's group (wkey.MLA_GROUPS, MLA_DIRECT_GROUPS)
         return self._linear(np.ascontiguousarray(attn), rows.precise, strips[o], *keys[o])[0]
 
@@ -435,10 +439,11 @@ class Decoder:
 
 
 def _latent_up(lw: LayerWeights, c: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
-    """A latent attention layer's kv_b [H*(dn + vd), r] as float32 (W_uk [H, dn, r], W_uv [H, vd, r])."""
+    """A latent attention layer's kv_b [H*(dn + vd), r] as float32 factors for ``kernels.heads_matmul``: W_uk [H, dn,
+    r] (the query's q_nope W_uk[h]) and W_uv transposed [H, r, vd] (the output's lat W_uv[h]^T)."""
     up = lw.kv_b.dequantize().reshape(c.num_heads, -1, c.kv_lora_rank)  # [H, dn + vd, r]
     dn = c.head_dim - c.rotary
-    return np.ascontiguousarray(up[:, :dn]), np.ascontiguousarray(up[:, dn:])
+    return np.ascontiguousarray(up[:, :dn]), np.ascontiguousarray(up[:, dn:].transpose(0, 2, 1))
 
 
 def route(x: np.ndarray, lw: LayerWeights, c: ModelConfig) -> tuple[np.ndarray, np.ndarray]:

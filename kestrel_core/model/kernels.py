@@ -152,6 +152,22 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
                 out[r, o0 + j] = pv[j] / total
 
 
+def _heads_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+    # x: [M, H, K]; w: [H, K, N] float32 (each head its own matrix); out: [M, H, N] = x[m, h] @ w[h], summed over k in
+    # order for every (m, h), N the vectorised lanes (a latent attention's absorbed key and value projections)
+    m, n_heads, k = x.shape
+    n = w.shape[2]
+    for item in prange(m * n_heads):
+        r, h = item // n_heads, item % n_heads
+        acc = np.zeros(n, np.float32)
+        for j in range(k):
+            xj = x[r, h, j]
+            wj = w[h, j]
+            for c in range(n):  # independent lanes, vectorised
+                acc[c] += xj * wj[c]
+        out[r, h] = acc
+
+
 # rows_dot's partial sums: element j goes to lane j % DOT_LANES, the lanes then summed pairwise. One order for every
 # M, and one LLVM vectorizes, where a single sequential sum runs one dependent add at a time: decoder.route at
 # qwen3-30b-a3b's shapes (one row, 128 experts of width 2048) 231 -> 43 us; 8 to 32 lanes stayed scalar (~78 us
@@ -316,13 +332,15 @@ rmsnorm_rows: Any = _rmsnorm_rows
 rope_write: Any = _rope_write
 attend: Any = _attend
 rows_dot: Any = _rows_dot
+heads_matmul: Any = _heads_matmul
 gated_delta: Any = _gated_delta
 short_conv: Any = _short_conv
 mamba2: Any = _mamba2
 
 
 def _build() -> None:
-    global f16, conv_step, rmsnorm_rows, rope_write, attend, rows_dot, gated_delta, short_conv, mamba2, prange
+    global f16, conv_step, rmsnorm_rows, rope_write, attend, rows_dot, heads_matmul, gated_delta, short_conv, mamba2
+    global prange
     try:
         import numba
         from numba import njit
@@ -338,6 +356,7 @@ def _build() -> None:
     rows_dot = jit(_rows_dot)
     short_conv = jit(_short_conv)
     attend = njit(cache=True, nogil=True, parallel=True)(_attend)
+    heads_matmul = njit(cache=True, nogil=True, parallel=True)(_heads_matmul)
     gated_delta = njit(cache=True, nogil=True, parallel=True)(_gated_delta)
     mamba2 = njit(cache=True, nogil=True, parallel=True)(_mamba2)
 

@@ -287,3 +287,20 @@ def test_rmsnorm_rows_agree_with_the_formula_alone_and_batched() -> None:
     batched = decoder_mod.rmsnorm(x, w, 1e-5)
     for i in range(5):
         np.testing.assert_array_equal(decoder_mod.rmsnorm(x[i:i + 1], w, 1e-5), batched[i:i + 1])
+
+
+def test_heads_matmul_is_each_heads_product_and_a_rows_bits_do_not_depend_on_its_batch() -> None:
+    """kernels.heads_matmul (a latent attention's absorbed projections): x[m, h] @ w[h] for every row and head,
+    against float64 einsum, and each row the same bits computed alone as in a batch of 7."""
+    from kestrel_core.model import kernels
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((7, 3, 40)).astype(np.float32)  # [M, H, K]
+    w = rng.standard_normal((3, 40, 24)).astype(np.float32)  # [H, K, N]
+    out = np.empty((7, 3, 24), np.float32)
+    kernels.heads_matmul(x, w, out)
+    np.testing.assert_allclose(out, np.einsum("mhk,hkn->mhn", x.astype(np.float64), w), rtol=1e-5, atol=1e-5)
+    for r in range(7):
+        alone = np.empty((1, 3, 24), np.float32)
+        kernels.heads_matmul(np.ascontiguousarray(x[r:r + 1]), w, alone)
+        np.testing.assert_array_equal(alone[0], out[r])

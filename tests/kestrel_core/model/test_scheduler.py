@@ -70,11 +70,11 @@ def test_batched_tokens_equal_each_request_alone(engine, monkeypatch, temperatur
 
 
 @pytest.mark.parametrize("fixture", ["tiny-gemma3", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-qwen3_5",
-                                     "tiny-qwen3_5-moe", "tiny-lfm2", "tiny-granite4-h-moe"])
+                                     "tiny-qwen3_5-moe", "tiny-lfm2", "tiny-granite4-h-moe", "tiny-deepseek-v3"])
 def test_batched_tokens_equal_alone_with_windows_and_experts(monkeypatch, fixture: str) -> None:
-    """Gemma 3's per-layer windows and RoPE, the routing of a mixture of experts (rows grouped by expert) and
-    Qwen3.5's recurrent states (more sequences than the state pool's first slots) keep a row's result independent
-    of its batch: batched, chunked tokens are each request's alone."""
+    """Gemma 3's per-layer windows and RoPE, the routing of a mixture of experts (rows grouped by expert),
+    Qwen3.5's recurrent states (more sequences than the state pool's first slots) and a latent attention's absorbed
+    projections keep a row's result independent of its batch: batched, chunked tokens are each request's alone."""
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[2] / "fixtures" / "models" / fixture
