@@ -319,8 +319,9 @@ class GGUFMetadata:
         dims in ``key_length_mla`` and ``value_length_mla`` (the file's key_length and value_length then the latent's
         MQA view; files from before have none, and their own), RoPE in interleaved pairs (llama.cpp's NORM) on
         ``rope.dimension_count`` dims, the softmax scaled by YaRN's mscale(``yarn_log_multiplier`` / 0.1) squared.
-        Experts: a sigmoid router (DeepSeek-V3's, GLM-4.5's) or a softmax one (DeepSeek-V2's, its weights not
-        renormalised unless ``expert_weights_norm``), ungated shared experts."""
+        Experts: a sigmoid router (DeepSeek-V3's, GLM-4.5's) or a softmax one (DeepSeek-V2's), their weights
+        renormalised only where ``expert_weights_norm`` says (llama.cpp's default for deepseek2: no), ungated shared
+        experts."""
         heads = self.int_field(f"{arch}.attention.head_count", required=True)
         key = self.int_field(f"{arch}.attention.key_length_mla") or self.int_field(f"{arch}.attention.key_length",
                                                                                    required=True)
@@ -345,9 +346,10 @@ class GGUFMetadata:
         width = self.int_field(f"{arch}.expert_feed_forward_length", required=True)
         assert width is not None
         shared = width * (self.int_field(f"{arch}.expert_shared_count", 0, lo=0) or 0)
+        norm = self.bool_field(f"{arch}.expert_weights_norm", False)  # llama.cpp's default for deepseek2
         if gating == GATING_SIGMOID:
             return {**out, **self._sigmoid_router_fields(arch, layers, experts, "DeepSeek-V3"), "arch": "deepseek_v3",
-                    "shared_expert_intermediate_size": shared, "shared_expert_gated": False,
+                    "norm_topk_prob": norm, "shared_expert_intermediate_size": shared, "shared_expert_gated": False,
                     "router_groups": self.int_field(f"{arch}.expert_group_count", 1),
                     "router_topk_groups": self.int_field(f"{arch}.expert_group_used_count", 1)}
         if gating != GATING_SOFTMAX:
@@ -357,7 +359,7 @@ class GGUFMetadata:
         return {**out, "num_experts": experts, "expert_intermediate_size": width,
                 "experts_per_token": self.int_field(f"{arch}.expert_used_count", required=True),
                 "dense_layers": tuple(range(min(dense, layers))), "shared_expert_intermediate_size": shared,
-                "shared_expert_gated": False, "norm_topk_prob": self.bool_field(f"{arch}.expert_weights_norm", False),
+                "shared_expert_gated": False, "norm_topk_prob": norm,
                 "routed_scaling": self.float_field(f"{arch}.expert_weights_scale", 1.0)}
 
     def _ssm_heads(self, arch: str) -> tuple[int, int]:

@@ -71,3 +71,16 @@ def test_llama_cpp_split_latent_up_projection_is_hf_kv_b() -> None:
     hf = HFCheckpoint(FIXTURES / "tiny-deepseek-v3").get("layers.1.kv_b")
     gguf = GGUFCheckpoint(FIXTURES / "tiny-deepseek-v3.gguf").get("layers.1.kv_b")
     np.testing.assert_array_equal(gguf, np.float16(hf).astype(np.float32))  # written as float16
+
+
+def test_a_deepseek2_gguf_renormalises_only_where_it_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp's converter writes expert_weights_norm only where norm_topk_prob is true, and reads deepseek2 without
+    it as not renormalised: so does kestrel, whichever the router."""
+    from kestrel_core.model.gguf_meta import GGUFMetadata
+
+    path = FIXTURES / "tiny-deepseek-v3.gguf"
+    assert GGUFCheckpoint(path).config.norm_topk_prob
+    real = GGUFMetadata._typed
+    monkeypatch.setattr(GGUFMetadata, "_typed", lambda self, key, *a: None if key.endswith(".expert_weights_norm")
+                        else real(self, key, *a))
+    assert not GGUFCheckpoint(path).config.norm_topk_prob
