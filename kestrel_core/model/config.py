@@ -533,8 +533,8 @@ def _resolve_rope_scaling(kind: str, s: dict[str, Any], max_position: int | None
     if kind == "yarn":
         if attention is None:
             mscale, all_dim = s.get("mscale"), s.get("mscale_all_dim")
-            attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim) if mscale and all_dim
-                         else _yarn_mscale(factor, 1.0))
+            attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim) if mscale and all_dim
+                         else yarn_mscale(factor, 1.0))
         out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
                "attention_factor": attention, "beta_fast": s.get("beta_fast") or 32.0,
                "beta_slow": s.get("beta_slow") or 1.0, "truncate": s.get("truncate", True)}
@@ -552,6 +552,6 @@ def _resolve_rope_scaling(kind: str, s: dict[str, Any], max_position: int | None
     return out
 
 
-def _yarn_mscale(factor: float, mscale: float) -> float:
+def yarn_mscale(factor: float, mscale: float) -> float:
     """YaRN's attention temperature (its paper's eq. 21), as transformers' yarn_get_mscale."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

@@ -15,7 +15,7 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.config import recommended_sampling
+from kestrel_core.model.config import recommended_sampling, yarn_mscale
 from kestrel_core.model.quantize import layer_name
 from kestrel_core.model.validate import ValidationError, check_float, check_int, is_int
 
@@ -333,8 +333,8 @@ class GGUFMetadata:
         log_mul = self.float_field(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0) if self.field(
             f"{arch}.rope.scaling.type") == "yarn" else 0.0
         factor = self.float_field(f"{arch}.rope.scaling.factor", 1.0)
-        if log_mul and factor > 1:
-            scale *= (log_mul * math.log(factor) + 1.0) ** 2
+        if log_mul:
+            scale *= yarn_mscale(factor, log_mul / 0.1) ** 2
         out: dict[str, Any] = {
             "arch": "deepseek_v2", "head_dim": key, "num_kv_heads": heads, "rotary_dim": rope, "v_head_dim": value,
             "rope_interleaved": True, "query_scale": scale,

@@ -12,7 +12,13 @@ from typing import Any
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model import hf_experts
-from kestrel_core.model.config import SAMPLING_FIELDS, ModelConfig, normalize_rope_scaling, recommended_sampling
+from kestrel_core.model.config import (
+    SAMPLING_FIELDS,
+    ModelConfig,
+    normalize_rope_scaling,
+    recommended_sampling,
+    yarn_mscale,
+)
 from kestrel_core.model.validate import (
     ValidationError,
     check_bool,
@@ -327,7 +333,7 @@ def _mla_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
     if params.get("rope_type", params.get("type", "default")) != "default" and params.get("mscale_all_dim"):
         factor = check_float("rope_scaling.factor", params.get("factor"), 0.0, lo_open=True)
         mscale_all = check_float("rope_scaling.mscale_all_dim", params["mscale_all_dim"], 0.0)
-        scale *= (1.0 if factor <= 1 else 0.1 * mscale_all * math.log(factor) + 1.0) ** 2
+        scale *= yarn_mscale(factor, mscale_all) ** 2
     q_rank = cfg.get("q_lora_rank")
     return {"kv_lora_rank": check_int("kv_lora_rank", cfg.get("kv_lora_rank", 512), 1),
             "q_lora_rank": 0 if q_rank is None else check_int("q_lora_rank", q_rank, 1),
