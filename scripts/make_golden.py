@@ -1089,20 +1089,8 @@ def _write_choice_router_gguf(src: Path, dst: Path, tok: Tokenizer, arch: str, c
             put(f"blk.{i}.{name}.weight", tensors[p + f"self_attn.{proj}_proj.weight"], kind)
             if p + f"self_attn.{proj}_proj.bias" in tensors:
                 put(f"blk.{i}.{name}.bias", tensors[p + f"self_attn.{proj}_proj.bias"], "f32")
-        if i in dense:
-            for proj in ("gate", "up", "down"):
-                put(f"blk.{i}.ffn_{proj}.weight", tensors[p + f"mlp.{proj}_proj.weight"], kind)
-            continue
-        put(f"blk.{i}.ffn_gate_inp.weight", tensors[p + "mlp.gate.weight"], "f32")
-        bias = next(tensors[p + n] for n in ("mlp.gate.e_score_correction_bias",
-                                             "mlp.moe_statics.e_score_correction_bias") if p + n in tensors)
-        put(f"blk.{i}.exp_probs_b.bias", bias, "f32")
-        for kind_name, stacked in _stack_experts(tensors, p + "mlp.experts.", ("gate_proj", "up_proj", "down_proj"),
-                                                 experts).items():
-            put(f"blk.{i}.ffn_{kind_name}_exps.weight", stacked, kind)
-        for proj in ("gate", "up", "down"):
-            put(f"blk.{i}.ffn_{proj}_shexp.weight", tensors[p + f"mlp.shared_experts.{proj}_proj.weight"], kind)
-        if i >= cfg["num_hidden_layers"]:  # an MTP layer's own tensors
+        _put_shared_expert_mlp(put, tensors, i, kind, i in dense, experts, choice_bias=True)
+        if i not in dense and i >= cfg["num_hidden_layers"]:  # an MTP layer's own tensors
             put(f"blk.{i}.nextn.eh_proj.weight", tensors[p + "eh_proj.weight"], "f16")
             for norm in ("enorm", "hnorm"):
                 put(f"blk.{i}.nextn.{norm}.weight", tensors[p + f"{norm}.weight"], "f32")
@@ -1181,21 +1169,32 @@ def write_deepseek2_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]
             put(f"blk.{i}.attn_k_b.weight", per_head[:, :nope].transpose(0, 2, 1), "f16")  # [H, r, nope]
             put(f"blk.{i}.attn_v_b.weight", per_head[:, nope:], "f16")  # [H, dv, r]
         put(f"blk.{i}.attn_output.weight", tensors[a + "o_proj.weight"], kind)
-        if i in dense:
-            for proj in ("gate", "up", "down"):
-                put(f"blk.{i}.ffn_{proj}.weight", tensors[p + f"mlp.{proj}_proj.weight"], kind)
-            continue
-        put(f"blk.{i}.ffn_gate_inp.weight", tensors[p + "mlp.gate.weight"], "f32")
-        if sigmoid:
-            put(f"blk.{i}.exp_probs_b.bias", tensors[p + "mlp.gate.e_score_correction_bias"], "f32")
-        for kind_name, stacked in _stack_experts(tensors, p + "mlp.experts.", ("gate_proj", "up_proj", "down_proj"),
-                                                 cfg["n_routed_experts"]).items():
-            put(f"blk.{i}.ffn_{kind_name}_exps.weight", stacked, kind)
-        for proj in ("gate", "up", "down"):
-            put(f"blk.{i}.ffn_{proj}_shexp.weight", tensors[p + f"mlp.shared_experts.{proj}_proj.weight"], kind)
+        _put_shared_expert_mlp(put, tensors, i, kind, i in dense, cfg["n_routed_experts"], choice_bias=sigmoid)
     put("output_norm.weight", tensors["model.norm.weight"], "f32")
     put("output.weight", tensors["lm_head.weight"], "q8_0")
     return _gguf_finish(w, src, dst)
+
+
+def _put_shared_expert_mlp(put: Any, tensors: dict[str, np.ndarray], i: int, kind: str, dense: bool, experts: int,
+                           choice_bias: bool) -> None:
+    """Layer ``i``'s MLP as llama.cpp's converters write a mixture of experts beside shared experts: a dense layer's
+    ffn_*, else the router ffn_gate_inp, its choice bias exp_probs_b (where ``choice_bias``), the experts stacked as
+    ffn_*_exps and the shared ones as ffn_*_shexp."""
+    p = f"model.layers.{i}."
+    if dense:
+        for proj in ("gate", "up", "down"):
+            put(f"blk.{i}.ffn_{proj}.weight", tensors[p + f"mlp.{proj}_proj.weight"], kind)
+        return
+    put(f"blk.{i}.ffn_gate_inp.weight", tensors[p + "mlp.gate.weight"], "f32")
+    if choice_bias:
+        bias = next(tensors[p + n] for n in ("mlp.gate.e_score_correction_bias",
+                                             "mlp.moe_statics.e_score_correction_bias") if p + n in tensors)
+        put(f"blk.{i}.exp_probs_b.bias", bias, "f32")
+    for kind_name, stacked in _stack_experts(tensors, p + "mlp.experts.", ("gate_proj", "up_proj", "down_proj"),
+                                             experts).items():
+        put(f"blk.{i}.ffn_{kind_name}_exps.weight", stacked, kind)
+    for proj in ("gate", "up", "down"):
+        put(f"blk.{i}.ffn_{proj}_shexp.weight", tensors[p + f"mlp.shared_experts.{proj}_proj.weight"], kind)
 
 
 def _mxfp4_encode(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
