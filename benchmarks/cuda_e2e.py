@@ -224,8 +224,12 @@ def pipelined(fwd: Any, model: Any, seq_id: int, prompt: np.ndarray, steps: int)
     return tokens, (len(stamps) - 3) / (stamps[-1] - stamps[2])
 
 
+FORWARD_SWITCHES = ("fuse_rope", "fuse_attention")  # DeviceForward's own switches a configuration may set
+
+
 def parse_config(text: str) -> dict[str, str]:
-    """'PDL=0+CLUSTER=1' -> {'pdl': '0', 'cluster': '1'}: CudaConfig options ('' or 'default': {})."""
+    """'PDL=0+CLUSTER=1' -> {'pdl': '0', 'cluster': '1'}: CudaConfig options, or FORWARD_SWITCHES ('' or
+    'default': {})."""
     options = {}
     for item in text.split("+"):
         item = item.strip()
@@ -240,8 +244,10 @@ def make_forward(dev: Any, options: dict[str, str]) -> Any:
     from kestrel_cuda.config import CudaConfig
     from kestrel_cuda.forward import DeviceForward
 
+    options = dict(options)
+    switches = {name: options.pop(name) != "0" for name in FORWARD_SWITCHES if name in options}
     return DeviceForward(dev.weight, None, config=CudaConfig.from_env(options), stream=dev.stream, gemm=dev.gemm,
-                         pin=dev.cache.pin, unpin=dev.cache.unpin)
+                         pin=dev.cache.pin, unpin=dev.cache.unpin, **switches)
 
 
 def decode_config(cp: Any, dev: Any, model: Any, prompt: np.ndarray, steps: int, name: str,
@@ -379,7 +385,7 @@ def main() -> None:
     p.add_argument("--window-steps", type=int, default=3)
     p.add_argument("--sweep", default="",
                    help="configurations to time, comma-separated, each '+'-joined KEY=VALUE settings of the "
-                        "forward, e.g. PDL=0+CLUSTER=0 ('default' = the environment as it is; '' to skip)")
+                        "forward, e.g. PDL=0+CLUSTER=0 or FUSE_ATTENTION=0 ('default' = the environment as it is; '' to skip)")
     p.add_argument("--sweep-steps", type=int, default=24)
     p.add_argument("--sweep-breakdown", action="store_true", help="per-kind GPU breakdown of every configuration")
     p.add_argument("--keep-default", action="store_true",

@@ -3,18 +3,14 @@
 // paged pool); attn_prefill is attention_prefill.cu's, which follows this file in the module (PT, NCH).
 
 // Decode attention (one query row at position meta[0], keys 0..meta[0], or the last ``window`` of them),
-// split over positions.
-// Grid: x = H, y = NS splits; block 128 (4 warps). Each warp runs an online softmax over groups of AB
-// positions (their keys and values loaded together, the next group's while one is computed); the block
-// merges its warps, writes (max, sum, acc[hd]) to part[h][split], and the last block of a head merges the
-// NS splits (every split's partial loaded at once, merge weights computed once, fixed order). q is scaled
-// by 1/sqrt(hd) before the dot products.
+// split over positions (attend.cuh's pieces).
+// Grid: x = H, y = NS splits; block 128 (4 warps). Each warp runs an online softmax over groups of AB = 32 / MAXJ
+// positions (attend_warp: AB x 2 x MAXJ / 4 loads in flight per lane at either size); the block merges its
+// warps into its record part[h][split], and the last block of a head merges the NS records (every split's loaded
+// at once, merge weights computed once, fixed order). q is scaled by 1/sqrt(hd) before the dot products.
 #define AW 4
 #define PT 32    // positions of a shared-memory tile (attn_rows: one page of the pool, KV_BLOCK)
 #define NCH 2    // attn_rows, attn_prefill: a lane's 4-dimension chunks, 128 dimensions apart (hd <= 256)
-// MAXJ: a lane's dimensions, hd <= 32 * MAXJ (4: hd <= 128, 8: hd <= 256), in chunks of 4 consecutive ones
-// 128 apart (dimension 4 lane + 128 (j / 4) + j % 4), each chunk of a key or value one 8-byte load of float16;
-// AB = 32 / MAXJ positions a step keep AB x 2 x MAXJ / 4 loads in flight per lane at either size.
 template <int NS, int MAXJ>
 __global__ void __launch_bounds__(AW * 32) attn_decode(
     const float* __restrict__ q, const kv_t* __restrict__ kc, const kv_t* __restrict__ vc, int cap, int H,
@@ -23,145 +19,31 @@ __global__ void __launch_bounds__(AW * 32) attn_decode(
 {
     grid_dep_launch();
     grid_dep_wait();
-    constexpr int AB = 32 / MAXJ;
     constexpr int NW = NS > AW ? NS : AW;   // s_m, s_l hold the warps' partials first, then the splits'
     __shared__ float s_m[NW], s_l[NW], s_w[NS];
     __shared__ __align__(16) float s_acc[AW][32 * MAXJ];
     __shared__ int s_last;
     const int h = blockIdx.x, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int len = meta[0] + 1;
-    // positions from a sliding window's first, lo, counted from there (the loop then is the windowless one)
-    const int lo = window > 0 ? max(0, len - window) : 0, seen = len - lo;
-    const int chunk = (seen + NS - 1) / NS;
-    const int pb = split * chunk;
-    const int pe = min(seen, pb + chunk);
+    const int pos = meta[0];
+    int pb, pe;
+    position_share(first_seen(pos, window), pos + 1, split, NS, pb, pe);
     const int kvh = h / (H / KV);
-    const kv_t* kb = kc + ((size_t)kvh * cap + lo) * hd;
-    const kv_t* vb = vc + ((size_t)kvh * cap + lo) * hd;
-    constexpr int NC = MAXJ / 4;            // a lane's chunks
-    float qr[MAXJ], acc[MAXJ];
+    const kv_t* kb = kc + (size_t)kvh * cap * hd;
+    const kv_t* vb = vc + (size_t)kvh * cap * hd;
+    float mx, l, acc[MAXJ];
+    attend_warp<MAXJ, 32 / MAXJ>([&](float (&qr)[MAXJ]) {
 #pragma unroll
-    for (int j = 0; j < MAXJ; ++j) {
-        const int d = 4 * lane + 128 * (j / 4) + j % 4;
-        qr[j] = d < hd ? q[(size_t)h * hd + d] * scale : 0.f;
-        acc[j] = 0.f;
-    }
-    float mx = NEG_INF, l = 0.f;
-    // the float16 keys and values of AB positions from p0 (zero past pe and hd); the next group's are loaded
-    // while this one is computed
-    uint2 kraw[AB][NC], vraw[AB][NC];
-    auto load = [&](int p0) {
-#pragma unroll
-        for (int b = 0; b < AB; ++b) {
-            const int p = p0 + b;
-#pragma unroll
-            for (int c = 0; c < NC; ++c) {
-                const int d = 4 * lane + 128 * c;
-                const bool ok = p < pe && d < hd;
-                const size_t at = (size_t)(p < pe ? p : 0) * hd + d;
-                kraw[b][c] = ok ? *reinterpret_cast<const uint2*>(kb + at) : make_uint2(0u, 0u);
-                vraw[b][c] = ok ? *reinterpret_cast<const uint2*>(vb + at) : make_uint2(0u, 0u);
-            }
+        for (int j = 0; j < MAXJ; ++j) {
+            const int d = 4 * lane + 128 * (j / 4) + j % 4;
+            qr[j] = d < hd ? q[(size_t)h * hd + d] * scale : 0.f;
         }
-    };
-    if (pb + AB * warp < pe) load(pb + AB * warp);
-    for (int p0 = pb + AB * warp; p0 < pe; p0 += AB * AW) {
-        float kr[AB][MAXJ], vr[AB][MAXJ];
-#pragma unroll
-        for (int b = 0; b < AB; ++b)
-#pragma unroll
-            for (int c = 0; c < NC; ++c) {
-                const float4 kk = from_kv4(kraw[b][c]), vv = from_kv4(vraw[b][c]);
-                kr[b][4 * c] = kk.x; kr[b][4 * c + 1] = kk.y; kr[b][4 * c + 2] = kk.z; kr[b][4 * c + 3] = kk.w;
-                vr[b][4 * c] = vv.x; vr[b][4 * c + 1] = vv.y; vr[b][4 * c + 2] = vv.z; vr[b][4 * c + 3] = vv.w;
-            }
-        if (p0 + AB * AW < pe) load(p0 + AB * AW);
-        float sc[AB];
-#pragma unroll
-        for (int b = 0; b < AB; ++b) {
-            float t = 0.f;
-#pragma unroll
-            for (int j = 0; j < MAXJ; ++j) t += qr[j] * kr[b][j];
-            sc[b] = t;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-            for (int b = 0; b < AB; ++b) sc[b] += __shfl_xor_sync(FULL, sc[b], o);
-        float mb = NEG_INF;
-#pragma unroll
-        for (int b = 0; b < AB; ++b) if (p0 + b < pe) mb = fmaxf(mb, sc[b]);
-        const float mn = fmaxf(mx, mb);
-        const float corr = expf(mx - mn);
-        l *= corr;
-#pragma unroll
-        for (int j = 0; j < MAXJ; ++j) acc[j] *= corr;
-#pragma unroll
-        for (int b = 0; b < AB; ++b) {
-            if (p0 + b < pe) {
-                const float e = expf(sc[b] - mn);
-                l += e;
-#pragma unroll
-                for (int j = 0; j < MAXJ; ++j) acc[j] += e * vr[b][j];
-            }
-        }
-        mx = mn;
-    }
-    if (lane == 0) { s_m[warp] = mx; s_l[warp] = l; }
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-        const int d = 4 * lane + 128 * c;
-        if (d < hd)
-            *reinterpret_cast<float4*>(&s_acc[warp][d]) =
-                make_float4(acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3]);
-    }
-    __syncthreads();
-    float* pp = part + ((size_t)h * NS + split) * (hd + 2);
-    float bm = NEG_INF;
-#pragma unroll
-    for (int w = 0; w < AW; ++w) bm = fmaxf(bm, s_m[w]);
-    float wgt[AW];
-#pragma unroll
-    for (int w = 0; w < AW; ++w) wgt[w] = s_l[w] > 0.f ? expf(s_m[w] - bm) : 0.f;
-    if (threadIdx.x == 0) {
-        float bl = 0.f;
-#pragma unroll
-        for (int w = 0; w < AW; ++w) bl += s_l[w] * wgt[w];
-        pp[0] = bm;
-        pp[1] = bl;
-    }
-    for (int d = threadIdx.x; d < hd; d += AW * 32) {
-        float a = 0.f;
-#pragma unroll
-        for (int w = 0; w < AW; ++w) a += s_acc[w][d] * wgt[w];
-        pp[2 + d] = a;
-    }
+    }, kb, vb, hd, pb, pe, warp, AW, lane, mx, l, acc);
+    merge_warps<MAXJ, AW>(mx, l, acc, hd, warp, lane, s_m, s_l, s_acc, part + ((size_t)h * NS + split) * ATT_REC(hd));
     if (!arrive_last(&counters[h], NS, &s_last)) return;
-    const float* ph = part + (size_t)h * NS * (hd + 2);
-    if (threadIdx.x < NS) {
-        s_m[threadIdx.x] = __ldcg(ph + (size_t)threadIdx.x * (hd + 2));
-        s_l[threadIdx.x] = __ldcg(ph + (size_t)threadIdx.x * (hd + 2) + 1);
-    }
-    __syncthreads();
-    float gm = NEG_INF;
-#pragma unroll
-    for (int t = 0; t < NS; ++t) gm = fmaxf(gm, s_m[t]);
-    if (threadIdx.x < NS)
-        s_w[threadIdx.x] = s_l[threadIdx.x] > 0.f ? expf(s_m[threadIdx.x] - gm) : 0.f;
-    __syncthreads();
-    float gl = 0.f;
-#pragma unroll
-    for (int t = 0; t < NS; ++t) gl += s_l[t] * s_w[t];
-    for (int d = threadIdx.x; d < hd; d += AW * 32) {
-        float v[NS];
-#pragma unroll
-        for (int t = 0; t < NS; ++t) v[t] = __ldcg(ph + (size_t)t * (hd + 2) + 2 + d);
-        float a = 0.f;
-#pragma unroll
-        for (int t = 0; t < NS; ++t) a += v[t] * s_w[t];
-        out[(size_t)h * hd + d] = a / gl;
-    }
+    const float* ph = part + (size_t)h * NS * ATT_REC(hd);
+    merge_records<NS, AW * 32>([&](int t, int i) { return __ldcg(ph + (size_t)t * ATT_REC(hd) + i); }, hd, s_m, s_l,
+                               s_w, out + (size_t)h * hd);
     if (threadIdx.x == 0) counters[h] = 0;
 }
 

@@ -3,7 +3,8 @@
 API (what the ``kestrel_forward`` / ``kestrel_release_sequence`` hookimpls call):
 
     fwd = DeviceForward(weight_source=None, layer_boundary=None, *, config=None, stream=None, gemm=None,
-                        pin=None, unpin=None, ops=None, target_blocks=None, fuse_rope=True)
+                        pin=None, unpin=None, ops=None, target_blocks=None, fuse_rope=True,
+                        fuse_attention=True)
     fwd.forward(model, seq_id, tokens, start, all_logits) -> np.ndarray float32 [T or 1, vocab] | None
     fwd.greedy(model, seq_id, token, start, count) -> Iterator[int] | None
     fwd.release(seq_id) -> None
@@ -35,6 +36,9 @@ API (what the ``kestrel_forward`` / ``kestrel_release_sequence`` hookimpls call)
 - ``target_blocks``: the M=1 K-split planner's target (``plan.plan_split``; default its own rule);
   ``fuse_rope``: at M = 1 with head_dim == TILE_N the q|k|v GEMV's epilogue does qkv_rope's work (one head a
   column tile: a launch fewer per layer and step, the same bits); False keeps the separate kernel.
+  ``fuse_attention``: with it, where ``ops.attend_folds`` says (plan.attend_folds), decode attention runs in
+  that GEMV's clusters too (plan.AttendFold: another launch fewer; the splits' records merged in another
+  order, so float32 rounding apart); False keeps attn_decode.
 - ``forward``: ``tokens`` (integers) [T] at absolute positions ``start..start+T-1`` of sequence ``seq_id``.
   The KV cache lives on the device, one per ``seq_id`` (float16, grown 1024 positions at a time up to
   min(model context, ``config.max_context``)); ``start == 0`` resets it; ``start`` below the cached length
@@ -83,6 +87,7 @@ from kestrel_cuda.plan import (
     PRO_SILU_MUL,
     TILE_N,
     TOKEN_RING,
+    AttendFold,
     Lin,
     PostNorm,
     QkvRope,
@@ -108,7 +113,7 @@ class DeviceForward:
                  layer_boundary: Callable[[int], None] | None = None, *, config: CudaConfig | None = None,
                  stream: Any = None, gemm: Any = None, pin: Callable[[int], None] | None = None,
                  unpin: Callable[[int], None] | None = None, ops: Any = None, target_blocks: int | None = None,
-                 fuse_rope: bool = True) -> None:
+                 fuse_rope: bool = True, fuse_attention: bool = True) -> None:
         config = config or CudaConfig()
         if ops is None:
             from kestrel_cuda.ops_cupy import CupyOps
@@ -123,6 +128,7 @@ class DeviceForward:
         self.max_context = config.max_context
         self.use_graph = config.graph and layer_boundary is None
         self.fuse_rope = fuse_rope
+        self.fuse_attention = fuse_attention
         self.projections = Projections(ops, weight_source, getattr(ops, "sm_count", 132),
                                        bool(getattr(ops, "cluster", False)), target_blocks)
         self._st: State | None = None
@@ -483,8 +489,11 @@ class DeviceForward:
             at = {} if pool is None else {"rows": pool.rows, "tables": pool.tables}
             rope = None  # qkv_rope's work in the q|k|v GEMV's epilogue: one head per column tile
             if m == 1 and pool is None and self.fuse_rope and hd == TILE_N and len(w.qkv) == 1:
+                attend = None  # and decode attention, in its clusters
+                if self.fuse_attention and ops.attend_folds(w.qkv[0], kc.shape[1]):
+                    attend = AttendFold(st.attn[:1], scale, c.window_of(i) or 0, *st.attend)
                 rope = QkvRope(heads, kv_heads, layer.q_norm, layer.k_norm, eps, layer.cos, layer.sin, st.meta,
-                               st.q[:1], kc, vc)
+                               st.q[:1], kc, vc, attend)
             for lin in w.qkv:
                 bias = None if layer.qkv_bias is None else layer.qkv_bias[lin.col:lin.col + lin.n]
                 self._normed(lin, h, layer.attn_norm, eps, st.qkv[:m, lin.col:lin.col + lin.n], bias, ssq, pending,
@@ -494,8 +503,10 @@ class DeviceForward:
             if rope is None:
                 ops.qkv_rope(st.qkv[:m], heads, kv_heads, hd, layer.q_norm, layer.k_norm, eps, layer.cos, layer.sin,
                              st.meta, st.q[:m], kc, vc, **at)
-            quantized = ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m], **at,
-                                      window=c.window_of(i) or 0, quantize_for=w.o if fold is None else None)
+            quantized = False
+            if rope is None or rope.attend is None:
+                quantized = ops.attention(st.q[:m], kc, vc, heads, hd, scale, st.meta, st.attn[:m], **at,
+                                          window=c.window_of(i) or 0, quantize_for=w.o if fold is None else None)
             normed = not w.experts and layer.post_attn_norm is None and ops.norm_fold(m, w.o, w.gate_up)
             route, h = o_routed(ops, st, layer, w.o, h, h_rows, eps) if h_rows is not None else (None, h)
             if route is None:

@@ -156,6 +156,7 @@ class State:
     qkv: Any
     q: Any
     attn: Any
+    attend: tuple[Any, Any]  # plan.AttendFold's kv_now uint64 [2 KV hd] and epochs uint32 [H + 2 KV]
     gu: Any
     moe: tuple[Any, Any, Any, Any] | None  # mixture of experts, T = PASS_ROWS: the normed rows xn [T, D]; by
     # (row, slot) sorted by expert: the rows xs [T k, D], gate|up outputs [T k, 2 F_e] and outputs ys [T (k + 1), D]
@@ -308,6 +309,7 @@ def build_state(model: Model, ops: Any, projections: Projections, max_context: i
                ssq=zeros(ssq_count(d), np.float32),
                qkv=zeros((t, nq + 2 * nkv), np.float32), q=zeros((t, nq), np.float32),
                attn=zeros((t, nq), np.float32),
+               attend=(zeros(2 * nkv, np.uint64), zeros(c.num_heads + 2 * c.num_kv_heads, np.uint32)),
                gu=zeros((t, 2 * (c.shared_expert_intermediate_size if c.is_moe else f)), np.float32),
                moe=(zeros((t, d), np.float32), zeros((t * c.experts_per_token, d), np.float32),
                     zeros((t * c.experts_per_token, 2 * c.expert_intermediate_size), np.float32),

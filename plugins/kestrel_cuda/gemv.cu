@@ -83,10 +83,15 @@ __device__ __forceinline__ void dot_slot(const unsigned (&w)[BITS == 8 ? 32 : 16
 // without a kernel of its own. With pn_stats and pro != 4 (M = 1: the projection before a post-norm) it stores
 // y * pn_w (so the next GEMV needs no second weight a row: with one it spilled) and the column tile's sums of
 // y², pn_src·y·pn_w, (y·pn_w)² and pn_src² (pn_src: the residual h) in pn_stats.
-// With FOLD (M = 1: a decode step's o projection, the bias its residual h, Y the other residual row) the last
-// rgroups column tiles of the grid are the router's (route.cuh route_part): they run beside the projection's
-// blocks, from h and the projection's input, and choose (moe_combine weighs the choice). An
-// instance of its own: in every other one the router's code made ptxas spill (24-48 bytes).
+// FOLD, what else the GEMV does, each an instance of its own (with the router's code in every instance, ptxas
+// spilled 24-48 bytes in them):
+// - FOLD_ROUTER (M = 1: a decode step's o projection, the bias its residual h, Y the other residual row): the
+//   last rgroups column tiles of the grid are the router's (route.cuh route_part): they run beside the
+//   projection's blocks, from h and the projection's input, and choose (moe_combine weighs the choice);
+// - FOLD_ATTENTION (M = 1: the q|k|v projection with qout, its K splits one cluster a head): decode attention in
+//   the q heads' clusters (attend.cuh), the KV heads' tiles first in the grid.
+#define FOLD_ROUTER 1
+#define FOLD_ATTENTION 2
 template <int BITS, int G, int MR, int FOLD>
 __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     const unsigned char* __restrict__ W, const float* __restrict__ WS, int K, int N, int Npad,
@@ -98,16 +103,17 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     kv_t* kc, kv_t* vc, int H, int KV, int cap, const unsigned long long* __restrict__ etab,
     const int* __restrict__ esel, int esel_ready, const float* __restrict__ pn_w, const float* __restrict__ pn_src,
     float* pn_stats, float* __restrict__ pn_next, const float* __restrict__ rw, int rgroups, int rrows, int rexperts,
-    int rk, int rnorm_topk, int rspan, float* rpart, int* rcount, int* rsel, float* rwts)
+    int rk, int rnorm_topk, int rspan, float* rpart, int* rcount, int* rsel, float* rwts, float* aout,
+    float ascale, int awindow, unsigned long long* akv, unsigned* aepoch)
 {
     constexpr int KC = NT;                      // rows of a chunk: one 32-row slot a warp, one row a thread
     constexpr int NW = BITS == 8 ? 32 : 16;     // 4-byte words of one slot
-    if constexpr (FOLD) {  // MR = 1, the o projection: no other option (as constants, ptxas does not spill)
+    if constexpr (FOLD == FOLD_ROUTER) {  // MR = 1, the o projection: no other option (as constants, ptxas does not spill)
         pro = 0; epi = 0; etab = nullptr; qout = nullptr; pn_stats = nullptr; ssq_in = nullptr; epochs = nullptr;
     }
     const bool routed = MR == 1 && etab;
     if (!routed) grid_dep_launch();  // the wait follows the block's first weight loads
-    if constexpr (FOLD) {
+    if constexpr (FOLD == FOLD_ROUTER) {
         if ((int)blockIdx.x >= (int)gridDim.x - rgroups) {  // a block of the router folded in
             const RouteArgs ra{rw, rgroups, rrows, rexperts, rk, rnorm_topk, rspan, rpart, rcount, rsel, rwts};
             const int tiles = gridDim.x - rgroups;
@@ -140,7 +146,9 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
         WS = reinterpret_cast<const float*>(((unsigned long long)t.w << 32) | t.z);
     }
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int n0 = blockIdx.x * TN;
+    // the column tile: FOLD_ATTENTION puts the KV heads' (tiles H..) first
+    const int tile = FOLD == FOLD_ATTENTION ? ((int)blockIdx.x + H) % (int)gridDim.x : (int)blockIdx.x;
+    const int n0 = tile * TN;
     const int col = n0 + 4 * lane;
     const int m0 = blockIdx.z * MR;
     const int nck = (K + KC - 1) / KC;
@@ -148,10 +156,13 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     // otherwise the K splits merge through ``merge`` (null epochs: through part and counters)
     const bool tagged = MR == 1 && gridDim.y > 1 && epochs != nullptr && csize == 1;
     if (MR == 1 && csize > 1) {                 // before any block of the cluster can send its sums
-        if (cluster_rank() == 0 && threadIdx.x == 0) {
-            mbar_init(&s_push_bar, 1);
+        if (threadIdx.x == 0) {
+            const bool first = cluster_rank() == 0;
+            if (first) mbar_init(&s_push_bar, 1);
+            if constexpr (FOLD == FOLD_ATTENTION) attend_init();
             mbar_init_fence();
-            mbar_expect_tx(&s_push_bar, (csize - 1) * TN * sizeof(float));
+            if (first) mbar_expect_tx(&s_push_bar, (csize - 1) * TN * sizeof(float));
+            if constexpr (FOLD == FOLD_ATTENTION) attend_arm(cluster_rank(), csize);
         }
         cluster_arrive();
     }
@@ -173,7 +184,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     auto rope_preload = [&]() {
         if (MR == 1 && qout && warp == 0) {
             const int pos = meta[0];
-            s_rope[lane] = rope_lane<PAIRS>(qr, blockIdx.x, TN, pos, lane);
+            s_rope[lane] = rope_lane<PAIRS>(qr, tile, TN, pos, lane);
             if (lane == 0) s_pos = pos;
         }
     };
@@ -342,11 +353,19 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
     if (nok && bias) bn = __ldcg(bias + n);  // through L2: the router fold's bias is the residual stream
     const bool pn_prod = pn_stats && pro != 4;  // the projection before a post-norm: its sums
     const float hres = pn_prod && nok ? __ldcg(pn_src + n) : 0.f, pwn = pn_prod && nok ? __ldg(pn_w + n) : 0.f;
+    // FOLD_ATTENTION: the attention's arguments, and in block 0 the launch's tag
+    const AttendArgs aa{aout, ascale, awindow, akv, aepoch};
+    const unsigned atag = FOLD == FOLD_ATTENTION && cluster_rank() == 0 ? __ldcg(aepoch + tile) + 1u : 0u;
+    const int akvh = FOLD == FOLD_ATTENTION && tile < H ? tile / (H / KV) : 0;  // a q head's KV head
+    const kv_t* akb = qr.kc + (size_t)akvh * cap * TN;
+    const kv_t* avb = qr.vc + (size_t)akvh * cap * TN;
     if (MR == 1 && csize > 1) {                 // the cluster's shared memory: pushed to block 0
         const unsigned rank = cluster_rank();
         if (rank != 0) {
             cluster_wait();                     // block 0's barrier is initialised
-            if (tid < TN) push_to_rank0(&s_push[rank][tid], &s_push_bar, acc[0]);
+            if (tid < TN) push_to(&s_push[rank][tid], &s_push_bar, acc[0], 0);
+            if constexpr (FOLD == FOLD_ATTENTION)
+                if (tile < H) attend_rest(aa, akb, avb, s_pos, rank, csize);
             return;
         }
         mbar_wait(&s_push_bar, 0);
@@ -372,8 +391,8 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
                 if (m < M) part[((size_t)blockIdx.y * M + m) * Npad + n0 + tid] = acc[i];
             }
         }
-        const int tile = blockIdx.z * gridDim.x + blockIdx.x;
-        if (!arrive_last(&counters[tile], gridDim.y, &s_last)) return;
+        const int counter = blockIdx.z * gridDim.x + blockIdx.x;
+        if (!arrive_last(&counters[counter], gridDim.y, &s_last)) return;
         if (tid < TN && n0 + tid < Npad) {
             for (int i = 0; i < MR; ++i) {
                 const int m = m0 + i;
@@ -386,13 +405,22 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
                 acc[i] = s;
             }
         }
-        if (tid == 0) counters[tile] = 0;
+        if (tid == 0) counters[counter] = 0;
     }
 
     if (MR == 1 && qout) {
         if (tid < TN) s_part[0][tid] = nok ? (bias ? acc[0] + bn : acc[0]) : 0.f;
         __syncthreads();
-        if (warp == 0) rope_head<PAIRS>(qr, s_part[0], blockIdx.x, TN, s_pos, lane, s_rope[lane]);
+        if constexpr (FOLD == FOLD_ATTENTION) {
+            const bool isq = tile < H;
+            if (warp == 0)
+                rope_head<PAIRS>(qr, s_part[0], tile, TN, s_pos, lane, s_rope[lane], isq ? attend_smem().q : nullptr,
+                                 isq ? nullptr : akv, atag);
+            if (isq) attend_first(aa, tile, akvh, csize, atag);
+            if (tid == 0) aepoch[tile] = atag;
+            return;
+        }
+        if (warp == 0) rope_head<PAIRS>(qr, s_part[0], tile, TN, s_pos, lane, s_rope[lane]);
         return;
     }
     float y0 = 0.f;                             // row m0's output (ssq_out: M = 1)

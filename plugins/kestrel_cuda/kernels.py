@@ -23,7 +23,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 SOURCES = ("common.cuh", "gemm_tile.cuh", "transpose.cu", "quantize.cu", "gemv_warp.cu", "gemm_mma.cu", "gemm_tma.cu",
            "gemm_f32.cu")
-FORWARD_SOURCES = ("common.cuh", "forward.cuh", "merge.cuh", "rope.cuh", "route.cuh",
+FORWARD_SOURCES = ("common.cuh", "forward.cuh", "merge.cuh", "rope.cuh", "attend.cuh", "route.cuh",
                    "gemv.cu", "rope.cu", "attention.cu", "attention_prefill.cu", "rows.cu", "lm_finish.cu",
                    "moe.cu")
 OPTIONS = ("--fmad=false", "-std=c++17")

@@ -70,10 +70,10 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
 // The M=1 GEMV's cluster merge: block 0 counts the bytes the other blocks store into its shared memory on one
 // mbarrier, so each of them sends its partial sums and exits at once instead of holding its SM slot until
 // block 0 has read them (q|k|v 8.6 -> 7.5 us at q8, 6.2 -> 5.6 at q4; docs/performance.md).
-// v into *p of the cluster's block 0, counted on block 0's ``bar`` (fire and forget)
-__device__ __forceinline__ void push_to_rank0(float* p, unsigned long long* bar, float v) {
+// v into *p of the cluster's block ``rank``, counted on that block's ``bar`` (fire and forget)
+__device__ __forceinline__ void push_to(float* p, unsigned long long* bar, float v, unsigned rank) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
-                 :: "r"(cluster_addr(p, 0)), "f"(v), "r"(cluster_addr(bar, 0)) : "memory");
+                 :: "r"(cluster_addr(p, rank)), "f"(v), "r"(cluster_addr(bar, rank)) : "memory");
 #endif
 }

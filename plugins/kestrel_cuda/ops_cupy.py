@@ -30,6 +30,8 @@ from kestrel_cuda.plan import (
     EPI_ADD,
     EXPERT_TABLE_ROWS,
     FINISH_COLS,
+    FOLD_ATTENTION,
+    FOLD_ROUTER,
     KV_BLOCK,
     MAX_HEAD_DIM,
     MERGE_MODES,
@@ -39,10 +41,12 @@ from kestrel_cuda.plan import (
     PRO_RMSNORM,
     SMALL_M,
     TILE_N,
+    AttendFold,
     Lin,
     PostNorm,
     QkvRope,
     RouteFold,
+    attend_folds,
     attn_rows_buffers,
     attn_rows_instance,
     attn_rows_per_sm,
@@ -56,9 +60,11 @@ from kestrel_cuda.trace import options as trace_options
 ATTN_DECODE_LANE_DIMS = (4, 8)  # attn_decode instances: a lane's dimensions (head_dim <= 128, <= 256)
 QUANT_CHUNK = 256 * 4  # elements of a row that one quantize_rows block takes (rows.cu: NT * QUANT_LOADS)
 # (bits, G, MR, FOLD): qgemv with MR rows per block: M = 1 (MR = 1) and, without a tiled GEMM, M > 1 (MR = 8);
-# FOLD: a decode step's o projection with its router's blocks beside it (plan.RouteFold, G = 32)
+# FOLD_ROUTER: a decode step's o projection with its router's blocks beside it (plan.RouteFold, G = 32);
+# FOLD_ATTENTION: its q|k|v projection with decode attention in its clusters (plan.AttendFold)
 GEMV_VARIANTS = ([(bits, g, mr, 0) for bits in (8, 4) for g in (32, 256) for mr in (1, SMALL_M)]
-                 + [(bits, 32, 1, 1) for bits in (8, 4)])
+                 + [(bits, 32, 1, FOLD_ROUTER) for bits in (8, 4)]
+                 + [(bits, g, 1, FOLD_ATTENTION) for bits in (8, 4) for g in (32, 256)])
 # extern "C" kernels: no name expression
 KERNELS = ("embed_rows", "qkv_rope", "attn_prefill", "add_rows", "norm_add_rows", "lm_finish", "argmax_rows",
            "moe_route", "moe_combine", "moe_group")
@@ -332,8 +338,12 @@ class CupyOps(MoeOps):
         one = m == 1 or experts is not None  # one row a block
         mr = 1 if one else SMALL_M
         ksplit = lin.ksplit if one else 1
-        fn = self._gemv[(lin.bits, lin.group_size, mr, int(route is not None))]
+        attend = rope.attend if rope is not None else None
+        fold = FOLD_ROUTER if route is not None else FOLD_ATTENTION if attend is not None else 0
+        fn = self._gemv[(lin.bits, lin.group_size, mr, fold)]
         cluster = ksplit if one and lin.cluster and self.cluster else 1
+        if attend is not None and (m != 1 or cluster < 2):
+            raise ValueError("decode attention folds into an M = 1 q|k|v GEMV whose K splits are clusters")
         tagged = (ksplit > 1 and cluster == 1 and experts is None and route is None
                   and tagged_merge(self.merge_mode, lin.tiles * ksplit, self.sm_count))
         if tagged and (lin.tiles > self.merge_tiles or ksplit > MERGE_SPLITS):
@@ -347,7 +357,8 @@ class CupyOps(MoeOps):
                      _ptr(y), _ld(y), _i32(epi), _ptr(bias), _ptr(self.part), _ptr(self.counters), _ptr(self.merge),
                      _ptr(self.epochs if tagged else None), _ptr(ssq_in), _ptr(ssq_out), *_rope_args(rope),
                      *((_ptr(None), _ptr(None)) if experts is None else (_ptr(table), _ptr(sel))),
-                     _i32(sel_ready and experts is not None), *_post_args(post, pro), *_route_args(route)),
+                     _i32(sel_ready and experts is not None), *_post_args(post, pro), *_route_args(route),
+                     *_attend_args(attend)),
                     EXPERT_TABLE_ROWS * 16 if experts is not None else 0, cluster=cluster, name="qgemv")
 
     def _tiled(self, lin: Lin, x: Any, pro: int, pw: Any, eps: float, xoff: int, y: Any, epi: int,
@@ -500,6 +511,10 @@ class CupyOps(MoeOps):
                     name="attn_prefill")
         return False
 
+    def attend_folds(self, qkv: Lin, capacity: int) -> bool:
+        """Whether a decode step's attention folds into the q|k|v GEMV (plan.attend_folds)."""
+        return attend_folds(qkv, capacity, self.cluster)
+
     def _grow_attn_scratch(self, floats: int, counters: int) -> None:
         """attn_rows' split scratch, grown in the eager step that precedes a batch graph's capture."""
         if floats > self.attn_part.size or counters > self.attn_counters.size:
@@ -534,6 +549,13 @@ def _rope_args(r: QkvRope | None) -> tuple[Any, ...]:
         return (*(_ptr(None),) * 8, _i32(0), _i32(0), _i32(0))
     return (_ptr(r.qnorm), _ptr(r.knorm), _ptr(r.cos), _ptr(r.sin), _ptr(r.meta), _ptr(r.q), _ptr(r.kc),
             _ptr(r.vc), _i32(r.heads), _i32(r.kv_heads), _i32(r.kc.shape[1]))
+
+
+def _attend_args(a: AttendFold | None) -> tuple[Any, ...]:
+    """qgemv's decode attention (plan.AttendFold: attend.cuh AttendArgs), or none (null output)."""
+    if a is None:
+        return (_ptr(None), np.float32(0), _i32(0), _ptr(None), _ptr(None))
+    return (_ptr(a.out), np.float32(a.scale), _i32(a.window), _ptr(a.kv_now), _ptr(a.epochs))
 
 
 def _route_args(r: RouteFold | None) -> tuple[Any, ...]:

@@ -35,6 +35,7 @@ from kestrel_cuda.plan import (
     PostNorm,
     QkvRope,
     RouteFold,
+    attend_folds,
     check_expert_table,
     check_route_fold,
     expert_groups,
@@ -162,7 +163,8 @@ class NumpyOps:
     xp = np
     name = "numpy"
 
-    def __init__(self) -> None:
+    def __init__(self, cluster: bool = False) -> None:
+        self.cluster = cluster  # plan M=1 GEMVs' K splits as clusters, as CupyOps does on sm_90
         self._recording: list[Callable[[], None]] | None = None
         self.launches = 0
         self._fold: tuple[np.ndarray, np.ndarray] | None = None  # (rows, norm) of the last norm fold
@@ -279,7 +281,11 @@ class NumpyOps:
             if bias is not None:
                 out = out + bias
             if rope is not None:  # the epilogue does qkv_rope's work instead of storing
-                _qkv_rope(out, rope, out.shape[1] // (rope.heads + 2 * rope.kv_heads))
+                hd = out.shape[1] // (rope.heads + 2 * rope.kv_heads)
+                _qkv_rope(out, rope, hd)
+                if rope.attend is not None:
+                    a = rope.attend
+                    _attend(rope.q, rope.kc, rope.vc, rope.heads, hd, a.scale, rope.meta, a.out, window=a.window)
                 return
             if post is not None and pro != PRO_POSTNORM:  # the projection before a post-norm
                 post.stats[:4 * -(-lin.n // TILE_N)] = _postnorm_stats(out, post)
@@ -388,26 +394,34 @@ class NumpyOps:
     def attention(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, heads: int, hd: int, scale: float,
                   meta: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None,
                   tables: np.ndarray | None = None, window: int = 0, quantize_for: Lin | None = None) -> bool:
-        def fn() -> None:
-            m = q.shape[0]
-            pos, slots = _row_slots(m, meta, rows, tables)
-            g = heads // kc.shape[0]
-            for r in range(m):
-                lo = max(0, pos[r] + 1 - window) if window > 0 else 0
-                cache = slots[r][lo:pos[r] + 1]  # cache rows of positions lo..pos
-                qh = q[r].reshape(heads, hd) * np.float32(scale)
-                for h in range(heads):
-                    s = kc[h // g, cache] @ qh[h]  # [n]
-                    e = np.exp(s - s.max())
-                    out[r, h * hd:(h + 1) * hd] = (e / e.sum()) @ vc[h // g, cache]
-        self._run(fn)
+        self._run(lambda: _attend(q, kc, vc, heads, hd, scale, meta, out, rows, tables, window))
         return False  # the next gemv quantizes ``out`` itself
+
+    def attend_folds(self, qkv: Lin, capacity: int) -> bool:
+        """CupyOps' rule (plan.attend_folds)."""
+        return attend_folds(qkv, capacity, self.cluster)
 
     def gather_rows(self, src: np.ndarray, index: np.ndarray, dst: np.ndarray) -> None:
         self._run(lambda: np.take(src, index, axis=0, out=dst))
 
     def write_rows(self, dst: np.ndarray, values: np.ndarray) -> None:
         dst[:len(values)] = values
+
+
+def _attend(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, heads: int, hd: int, scale: float, meta: np.ndarray,
+            out: np.ndarray, rows: np.ndarray | None = None, tables: np.ndarray | None = None, window: int = 0) -> None:
+    """Decode attention and causal prefill: each row of q over its cache positions (the last ``window``)."""
+    m = q.shape[0]
+    pos, slots = _row_slots(m, meta, rows, tables)
+    g = heads // kc.shape[0]
+    for r in range(m):
+        lo = max(0, pos[r] + 1 - window) if window > 0 else 0
+        cache = slots[r][lo:pos[r] + 1]  # cache rows of positions lo..pos
+        qh = q[r].reshape(heads, hd) * np.float32(scale)
+        for h in range(heads):
+            s = kc[h // g, cache] @ qh[h]  # [n]
+            e = np.exp(s - s.max())
+            out[r, h * hd:(h + 1) * hd] = (e / e.sum()) @ vc[h // g, cache]
 
 
 def _row_slots(m: int, meta: np.ndarray, rows: np.ndarray | None,

@@ -25,6 +25,7 @@ CHUNK_BLOCKS_PER_SM = 4  # qgemv's resident blocks per SM at M = 1 (__launch_bou
 TARGET_BLOCKS_PER_SM = 8  # GEMV blocks per SM the K-split planner aims for: measured fastest on the H200
 ONE_WAVE_SPLITS = 16  # a projection whose one wave of blocks gives each tile this many K splits runs one wave
 ATTN_SPLITS = 16  # position splits of decode attention (attn_decode<NS>): 16 measured faster than 32
+ATTEND_FOLD_MAX_CONTEXT = 1024  # KV positions of a sequence up to which decode attention folds into q|k|v
 ATTN_ROWS_HEADS = 8  # query heads of one KV head that one attn_rows block takes (rows h, 8 + h: hi, lo)
 ATTN_ROWS_WARPS = 2  # warps of an attn_rows block, each on 16 positions of every page
 ATTN_ROWS_HEAD_DIMS = (16, 32, 64, 128, 256)  # attn_rows instances: a head_dim runs in the smallest holding it
@@ -37,6 +38,7 @@ PRO_PLAIN, PRO_RMSNORM, PRO_SILU_MUL, PRO_GELU_MUL = 0, 1, 2, 3  # prologues (ge
 PRO_POSTNORM = 4  # gemv.cu, M = 1: rmsnorm(h + rmsnorm(out, w)) from a PostNorm's tile sums
 POSTNORM_MAX_D = 64 * TILE_N  # widest residual stream a PostNorm folds (forward.cuh postnorm_rms: two loads a lane)
 EPI_STORE, EPI_ADD = 0, 1
+FOLD_ROUTER, FOLD_ATTENTION = 1, 2  # what else an M = 1 qgemv instance does (gemv.cu FOLD)
 PASS_ROWS = 1024  # rows of one pass of a pooled step: a whole prompt chunk (PREFILL_CHUNK) beside 512 decode rows
 KV_BLOCK = 32  # positions per block of the paged KV pool (rope.cuh KV_BLOCK): the engine's page size
 KV_DTYPE = np.float16  # keys and values on the device (forward.cuh kv_t), rounded as the CPU decoder rounds them
@@ -93,10 +95,24 @@ class Lin:
 
 
 @dataclass
+class AttendFold:
+    """Decode attention done by the q|k|v projection's clusters (attend.cuh, gemv.cu FOLD_ATTENTION) instead of
+    a launch of its own: the output row, the query's scale, the sliding window (0: none) and the state's scratch:
+    this position's keys and values as tagged words (uint64 [2 KV hd]) and every tile's epoch (uint32 [H + 2 KV],
+    zeroed once; each launch adds one to all of them)."""
+
+    out: Any  # [1, H * hd]
+    scale: float
+    window: int
+    kv_now: Any
+    epochs: Any
+
+
+@dataclass
 class QkvRope:
     """What qkv_rope does after the q|k|v projection, handed to that projection's M=1 GEMV when each of its
     column tiles is one head (head_dim == TILE_N): per-head norms (or None), RoPE tables, the position
-    (``meta``), and where q and this layer's keys and values go."""
+    (``meta``), and where q and this layer's keys and values go; with ``attend``, decode attention as well."""
 
     heads: int
     kv_heads: int
@@ -109,6 +125,7 @@ class QkvRope:
     q: Any
     kc: Any
     vc: Any
+    attend: AttendFold | None = None
 
 
 @dataclass
@@ -347,6 +364,16 @@ def attn_rows_per_sm(smem: int, sm_smem: int, regs: int = 0, sm_regs: int = 6553
     resident-block limit decide."""
     by_regs = sm_regs // (ATTN_ROWS_WARPS * -(-regs * 32 // 256) * 256) if regs else BLOCKS_PER_SM_MAX
     return min(BLOCKS_PER_SM_MAX, sm_smem // (smem + 1024), by_regs)
+
+
+def attend_folds(qkv: Lin, capacity: int, clusters: bool) -> bool:
+    """Whether a decode step's attention folds into the q|k|v projection's M = 1 GEMV (AttendFold): its K splits
+    run as clusters (``clusters``: the device launches them) of at least two blocks, block 0 taking the position
+    itself and the others the earlier ones, and the sequence holds at most ATTEND_FOLD_MAX_CONTEXT positions
+    (``capacity``): a head's earlier positions are spread over at most 7 blocks of 8 warps there, and over
+    ATTN_SPLITS blocks of 4 by attn_decode. The cluster planner's grids are one wave of resident blocks, so
+    every KV head's tile that a q head's block polls for runs beside it."""
+    return clusters and qkv.cluster and qkv.ksplit >= 2 and capacity <= ATTEND_FOLD_MAX_CONTEXT
 
 
 def attn_part_size(heads: int, hd: int) -> int:

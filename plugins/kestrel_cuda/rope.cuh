@@ -47,18 +47,26 @@ __device__ __forceinline__ RopeLane<PAIRS> rope_lane(const QkvRope& qr, int head
 }
 
 // One warp: head ``head`` (q: < H, k: < H + KV, then v) of a q|k|v row, src its hd values, f its lanes'
-// rope_lane: q and k heads get the optional per-head rmsnorm and RoPE, to qout or the key cache; v heads go
-// to the value cache, both at cache row ``slot``.
+// rope_lane: q and k heads get the optional per-head rmsnorm and RoPE, to qout (or ``qdst``) or the key cache;
+// v heads go to the value cache, both at cache row ``slot``. With ``kv_now`` (the q|k|v GEMV that folds decode
+// attention in, attend.cuh) keys and values also go there as tagged words, as the cache rounds them: KV head
+// j's keys at [2 j hd], its values at [(2 j + 1) hd].
 // PAIRS: a lane's (x1, x2) pairs, hd <= 64 * PAIRS (2: hd <= 128, the GEMV epilogue's; 4: hd <= 256), so the
 // fused epilogue carries no registers for head_dims it never sees.
 template <int PAIRS>
 __device__ __forceinline__ void rope_head(const QkvRope& qr, const float* src, int head, int hd, int slot,
-                                          int lane, const RopeLane<PAIRS>& f)
+                                          int lane, const RopeLane<PAIRS>& f, float* qdst = nullptr,
+                                          unsigned long long* kv_now = nullptr, unsigned tag = 0)
 {
     const int H = qr.H, KV = qr.KV;
     if (head >= H + KV) {
-        kv_t* vdst = qr.vc + ((size_t)(head - H - KV) * qr.cap + slot) * hd;
-        for (int d = lane; d < hd; d += 32) vdst[d] = to_kv(src[d]);
+        const int kvh = head - H - KV;
+        kv_t* vdst = qr.vc + ((size_t)kvh * qr.cap + slot) * hd;
+        for (int d = lane; d < hd; d += 32) {
+            const kv_t v = to_kv(src[d]);
+            vdst[d] = v;
+            if (kv_now) st_tagged(kv_now + (size_t)(2 * kvh + 1) * hd + d, from_kv(v), tag);
+        }
         return;
     }
     const bool isq = head < H;
@@ -82,15 +90,20 @@ __device__ __forceinline__ void rope_head(const QkvRope& qr, const float* src, i
             if (i < half) { x1[t] = x1[t] / r * f.w1[t]; x2[t] = x2[t] / r * f.w2[t]; }
         }
     }
-    float* qdst = qr.qout + (size_t)head * hd;
+    if (!qdst) qdst = qr.qout + (size_t)head * hd;
     kv_t* kdst = qr.kc + ((size_t)kvh * qr.cap + slot) * hd;
+    unsigned long long* know = kv_now ? kv_now + (size_t)2 * kvh * hd : nullptr;
 #pragma unroll
     for (int t = 0; t < PAIRS; ++t) {
         const int i = lane + 32 * t;
         if (i < half) {
             const float y1 = x1[t] * f.c[t] - x2[t] * f.s[t], y2 = x2[t] * f.c[t] + x1[t] * f.s[t];
             if (isq) { qdst[i] = y1; qdst[i + half] = y2; }
-            else { kdst[i] = to_kv(y1); kdst[i + half] = to_kv(y2); }
+            else {
+                const kv_t k1 = to_kv(y1), k2 = to_kv(y2);
+                kdst[i] = k1; kdst[i + half] = k2;
+                if (know) { st_tagged(know + i, from_kv(k1), tag); st_tagged(know + i + half, from_kv(k2), tag); }
+            }
         }
     }
 }

@@ -691,12 +691,40 @@ def test_fused_rope_epilogue_equals_the_qkv_rope_kernel_bitwise(arch, quant, str
     model = synthetic_model(replace(cfg, hidden_size=1024), quant, seed=25)
     toks = random_tokens(model.config, 12)
     runs = {}
-    for mode in ("1", "0"):
-        fwd = DeviceForward(stream=stream, gemm=gemm, fuse_rope=mode == "1")
+    for mode in ("1", "0"):  # attention in its own kernel both ways (the fold needs the fused epilogue)
+        fwd = DeviceForward(stream=stream, gemm=gemm, fuse_rope=mode == "1", fuse_attention=False)
         runs[mode] = device_logits(fwd, model, toks, 6)
         assert fwd.fuse_rope == (mode == "1")
     assert np.array_equal(runs["1"], runs["0"])
     _check(model, toks, 6, runs["1"])
+
+
+@pytest.mark.parametrize("quant", ("q8", "q4", "q4-g256"))
+@pytest.mark.parametrize("window", [None, 12])
+def test_attention_folded_into_qkv_matches_attn_decode_and_the_cpu(quant, window, stream, gemm) -> None:  # type: ignore[no-untyped-def]
+    """head_dim 128, the q|k|v GEMV's K splits as clusters (hidden 1024): decode attention in its clusters
+    (attend.cuh; a sliding window's last positions too) gives attn_decode's logits to float32 rounding, as
+    graph replays and eager steps alike, runs no attention kernel, and matches the CPU."""
+    from kestrel_cuda.ops_cupy import CupyOps
+
+    model = synthetic_model(replace(SMALL_CONFIGS["qwen3"], hidden_size=1024, sliding_window=window), quant, seed=32)
+    toks = random_tokens(model.config, 40)
+    runs = {}
+    for fold in (True, False):
+        fwd = DeviceForward(stream=stream, gemm=gemm, fuse_attention=fold)
+        runs[fold] = device_logits(fwd, model, toks, 8)
+        assert fwd.projections.layer(model, 0).qkv[0].cluster
+    np.testing.assert_allclose(runs[True], runs[False], rtol=1e-4, atol=1e-4)
+    _check(model, toks, 8, runs[True])
+    seen: list[str] = []
+
+    def observe(name: str, launch) -> None:  # type: ignore[no-untyped-def]
+        seen.append(name)
+        launch()
+
+    eager = DeviceForward(ops=CupyOps(stream, gemm, on_launch=observe), config=CudaConfig(graph=False))
+    np.testing.assert_array_equal(device_logits(eager, model, toks, 8), runs[True])
+    assert "attn_decode" not in seen and "qkv_rope" not in seen
 
 
 def test_pipelined_greedy_across_a_kv_growth(stream, gemm) -> None:  # type: ignore[no-untyped-def]

@@ -357,6 +357,35 @@ def test_fused_rope_equals_the_qkv_rope_kernel_and_drops_its_launches() -> None:
     assert len(calls) == other.config.num_layers
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_attention_folds_into_the_qkv_gemv_and_drops_its_launches(window: int | None) -> None:
+    """head_dim 128 with the q|k|v GEMV's K splits as clusters (hidden 1024): decode attention runs in that
+    GEMV (plan.AttendFold; with a sliding window too), with the same logits as its own kernel and one launch
+    fewer per layer and step, and the CPU decoder's logits; without clusters it keeps its launch."""
+    cfg = replace(CONFIGS["qwen3"], hidden_size=1024, sliding_window=window)
+    model = synthetic_model(cfg, "q8", seed=31)
+    toks = random_tokens(cfg, 12)
+    runs, launches = {}, {}
+    for fold in (True, False):
+        ops = NumpyOps(cluster=True)
+        fwd = DeviceForward(ops=ops, fuse_attention=fold)
+        runs[fold] = device_logits(fwd, model, toks, 6)
+        assert fwd._state(model).layers and fwd.projections.layer(model, 0).qkv[0].cluster
+        before = ops.launches
+        fwd.forward(model, 1, toks[-1:], len(toks), False)
+        launches[fold] = ops.launches - before
+    assert np.array_equal(runs[True], runs[False])
+    assert launches[False] - launches[True] == cfg.num_layers
+    ref = cpu_logits(model, toks, 6)
+    assert compare(runs[True], ref, jitter_effect(model, toks, 6, ref)).ok
+    ops = NumpyOps()  # no clusters: attn_decode's launch
+    calls = []
+    ops.attention = lambda *a, **k: calls.append(1) or NumpyOps.attention(ops, *a, **k)  # type: ignore[method-assign]
+    DeviceForward(ops=ops, config=CudaConfig(graph=False)).forward(model, 1, toks[:3], 0, False)
+    DeviceForward(ops=ops, config=CudaConfig(graph=False)).forward(model, 1, toks[:1], 0, False)
+    assert len(calls) == 2 * cfg.num_layers
+
+
 def test_pipelined_greedy_grows_the_kv_cache_as_it_goes() -> None:
     """The pipeline reserves one position ahead, not its whole count: crossing the capacity it drains, grows
     the cache (a second capture) and goes on with the same tokens as step by step."""

@@ -84,6 +84,20 @@ def test_cluster_splits_only_within_one_wave(k: int, n: int, bits: int, cluster:
                                                               and lin.chunks <= 3 * split))
 
 
+def test_attention_folds_into_q_k_v_only_as_clusters_and_for_short_contexts() -> None:
+    """Qwen3-30B-A3B's q|k|v on 132 SMs (2048 -> 32 + 2 x 4 heads of 128): clusters of 8 splits, so its decode
+    attention folds in up to ATTEND_FOLD_MAX_CONTEXT positions of capacity; without clusters, or beyond, it does
+    not."""
+    lin = plan.Lin(None, None, 2048, 5120, 5120, 32, 8)
+    lin.ksplit = plan.plan_split(lin, 132, clusters=True)
+    assert lin.cluster and lin.ksplit == 8
+    assert plan.attend_folds(lin, plan.ATTEND_FOLD_MAX_CONTEXT, clusters=True)
+    assert not plan.attend_folds(lin, plan.ATTEND_FOLD_MAX_CONTEXT + 1, clusters=True)
+    assert not plan.attend_folds(lin, 64, clusters=False)
+    lin.ksplit = plan.plan_split(lin, 132)
+    assert not plan.attend_folds(lin, 64, clusters=True)
+
+
 @pytest.mark.parametrize("k,n,slots,free,cluster", [(2048, 1536, 8, 8, 4), (768, 2048, 8, 3, 3),
                                                       (4096, 28672, 2, 4, 0)])
 def test_routed_experts_cluster_by_the_whole_grid(k: int, n: int, slots: int, free: int, cluster: int) -> None:
