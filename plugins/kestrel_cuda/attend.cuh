@@ -179,11 +179,11 @@ struct AttendArgs {
 };
 #define ATTEND_AB 2              // positions of a warp's group: two keep the GEMV's 64 registers a thread
 
-struct AttendSmem {
+struct AttendSmem {                           // float4 accesses: q and acc first, 16-byte aligned
     float q[TN];                              // the head's q (block 0: its own; the others: pushed to them)
+    float acc[NT / 32][TN];                   // merge_warps' warp partials
     float rec[MAX_CLUSTER + 1][ATT_REC(TN)];  // block 0: block r's record at r, the position's last; block r: its
                                               // own at 0
-    float acc[NT / 32][TN];                   // merge_warps' warp partials
     float m[MAX_CLUSTER + 1], l[MAX_CLUSTER + 1], w[MAX_CLUSTER + 1];
     float score[NT / 32];
     unsigned long long q_bar, rec_bar;        // q's bytes (blocks 1..), the other blocks' records (block 0)

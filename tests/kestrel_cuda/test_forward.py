@@ -703,8 +703,9 @@ def test_fused_rope_epilogue_equals_the_qkv_rope_kernel_bitwise(arch, quant, str
 @pytest.mark.parametrize("window", [None, 12])
 def test_attention_folded_into_qkv_matches_attn_decode_and_the_cpu(quant, window, stream, gemm) -> None:  # type: ignore[no-untyped-def]
     """head_dim 128, the q|k|v GEMV's K splits as clusters (hidden 1024): decode attention in its clusters
-    (attend.cuh; a sliding window's last positions too) gives attn_decode's logits to float32 rounding, as
-    graph replays and eager steps alike, runs no attention kernel, and matches the CPU."""
+    (attend.cuh; a sliding window's last positions too) matches the CPU as attn_decode does (their outputs
+    differ by float32 rounding, which the next GEMV's int8 input codes may turn into a code's step), with the
+    same logits from graph replays and eager steps, and runs no attention kernel."""
     from kestrel_cuda.ops_cupy import CupyOps
 
     model = synthetic_model(replace(SMALL_CONFIGS["qwen3"], hidden_size=1024, sliding_window=window), quant, seed=32)
@@ -714,8 +715,8 @@ def test_attention_folded_into_qkv_matches_attn_decode_and_the_cpu(quant, window
         fwd = DeviceForward(stream=stream, gemm=gemm, fuse_attention=fold)
         runs[fold] = device_logits(fwd, model, toks, 8)
         assert fwd.projections.layer(model, 0).qkv[0].cluster
-    np.testing.assert_allclose(runs[True], runs[False], rtol=1e-4, atol=1e-4)
     _check(model, toks, 8, runs[True])
+    _check(model, toks, 8, runs[False])
     seen: list[str] = []
 
     def observe(name: str, launch) -> None:  # type: ignore[no-untyped-def]
@@ -724,7 +725,7 @@ def test_attention_folded_into_qkv_matches_attn_decode_and_the_cpu(quant, window
 
     eager = DeviceForward(ops=CupyOps(stream, gemm, on_launch=observe), config=CudaConfig(graph=False))
     np.testing.assert_array_equal(device_logits(eager, model, toks, 8), runs[True])
-    assert "attn_decode" not in seen and "qkv_rope" not in seen
+    assert "attn_decode" not in seen and "attn_prefill" in seen
 
 
 def test_pipelined_greedy_across_a_kv_growth(stream, gemm) -> None:  # type: ignore[no-untyped-def]
