@@ -370,8 +370,9 @@ def attend_folds(qkv: Lin, capacity: int, clusters: bool) -> bool:
     """Whether a decode step's attention folds into the q|k|v projection's M = 1 GEMV (AttendFold): its K splits
     run as clusters (``clusters``: the device launches them) of at least two blocks, block 0 taking the position
     itself and the others the earlier ones, and the sequence holds at most ATTEND_FOLD_MAX_CONTEXT positions
-    (``capacity``): a head's earlier positions are spread over at most 7 blocks of 8 warps there, and over
-    ATTN_SPLITS blocks of 4 by attn_decode. The cluster planner's grids are one wave of resident blocks, so
+    (``capacity``): a head's earlier positions are spread over at most 7 blocks there, over ATTN_SPLITS by
+    attn_decode, and on an H100 the fold took 3.5 % off a qwen3-8b q8 step at 64-128 positions and was 0.4 %
+    slower at 900-964 (docs/performance.md). The cluster planner's grids are one wave of resident blocks, so
     every KV head's tile that a q head's block polls for runs beside it."""
     return clusters and qkv.cluster and qkv.ksplit >= 2 and capacity <= ATTEND_FOLD_MAX_CONTEXT
 
