@@ -385,7 +385,8 @@ def main() -> None:
     p.add_argument("--window-steps", type=int, default=3)
     p.add_argument("--sweep", default="",
                    help="configurations to time, comma-separated, each '+'-joined KEY=VALUE settings of the "
-                        "forward, e.g. PDL=0+CLUSTER=0 or FUSE_ATTENTION=0 ('default' = the environment as it is; '' to skip)")
+                        "forward, e.g. PDL=0+CLUSTER=0 or FUSE_ATTENTION=0 ('default' = the environment as it is; "
+                        "'' to skip)")
     p.add_argument("--sweep-steps", type=int, default=24)
     p.add_argument("--sweep-breakdown", action="store_true", help="per-kind GPU breakdown of every configuration")
     p.add_argument("--keep-default", action="store_true",
