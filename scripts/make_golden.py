@@ -74,6 +74,10 @@ Writes under tests/fixtures/models/:
   tiny-lfm2-moe/ Lfm2MoeForCausalLM: LFM2's layers, the first dense, the others 4 experts chosen by a sigmoid router
                 with a choice bias; bfloat16
   tiny-lfm2-moe.gguf  llama.cpp's lfm2moe (stacked ffn_*_exps, exp_probs_b); golden = tiny-lfm2-moe's
+  tiny-minimax-m2/ MiniMaxM2ForCausalLM: Qwen3-MoE's layers with q/k norms over the whole projection, RoPE on half of
+                each head, 8 experts (w1/w2/w3) chosen by a sigmoid router with a choice bias, top-2 renormalised,
+                bfloat16
+  tiny-minimax-m2.gguf  llama.cpp's minimax-m2 (stacked ffn_*_exps, exp_probs_b); golden = tiny-minimax-m2's
   tiny-qwen3-vl/ Qwen3VLForConditionalGeneration: Qwen3's layers under model.language_model with interleaved
                 multimodal RoPE (text positions: plain RoPE), a one-block vision tower kestrel does not read, bfloat16
   tiny-qwen3-vl.gguf  llama.cpp's qwen3vl (rope.dimension_sections); golden = tiny-qwen3-vl's
@@ -125,6 +129,7 @@ from transformers import (
     Lfm2Config,
     Lfm2MoeConfig,
     LlamaConfig,
+    MiniMaxM2Config,
     Ministral3Config,
     MistralConfig,
     MixtralConfig,
@@ -453,6 +458,11 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
                                       n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.8,
                                       norm_topk_prob=True,
                                       rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    # MiniMax-M2: q/k norms over the whole projection, RoPE on 8 of 16 dims a head, a sigmoid router's top 2 of 8
+    minimax_m2 = MiniMaxM2Config(**common, num_hidden_layers=2, intermediate_size=64, head_dim=16, num_local_experts=8,
+                                 num_experts_per_tok=2, tie_word_embeddings=False,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                  "partial_rotary_factor": 0.5})
     mixtral = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
                             num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None)
     return {
@@ -494,6 +504,7 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-deepseek-v3": (deepseek_v3, _saved(torch.bfloat16, seed=36)),
         "tiny-deepseek-v2": (deepseek_v2, _saved(torch.bfloat16, seed=37)),
         "tiny-glm4-moe-lite": (glm4_moe_lite, _saved(torch.bfloat16, classic=False, seed=38)),
+        "tiny-minimax-m2": (minimax_m2, _saved(torch.bfloat16, seed=39)),
     }
 
 
@@ -1451,6 +1462,8 @@ def _write_moe_gguf(src: Path, dst: Path, tok: Tokenizer, arch: str, permute: bo
         put(f"blk.{i}.ffn_gate_inp.weight", tensors[f"{p}{block}.gate.weight"], "f32")
         for kind_name, stacked in _stack_experts(tensors, f"{p}{block}.experts.", expert_names, experts).items():
             put(f"blk.{i}.ffn_{kind_name}_exps.weight", stacked, kind)
+        if f"{p}{block}.e_score_correction_bias" in tensors:  # the router's choice bias
+            put(f"blk.{i}.exp_probs_b.bias", tensors[f"{p}{block}.e_score_correction_bias"], "f32")
         if f"{p}{block}.shared_expert_gate.weight" in tensors:  # as llama.cpp's Qwen2MoeModel: the gate as [D]
             put(f"blk.{i}.ffn_gate_inp_shexp.weight", tensors[f"{p}{block}.shared_expert_gate.weight"][0], "f32")
             for name in ("gate", "up", "down"):
@@ -1463,6 +1476,16 @@ def _write_moe_gguf(src: Path, dst: Path, tok: Tokenizer, arch: str, permute: bo
 def write_qwen3_moe_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     """tiny-qwen3-moe as llama.cpp's Qwen3MoeModel writes it: qwen3moe, stacked experts, q/k norms, unpermuted."""
     return _write_moe_gguf(src, dst, tok, "qwen3moe", False, ("gate_proj", "up_proj", "down_proj"), "mlp")
+
+
+def write_minimax_m2_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-minimax-m2 as llama.cpp's MiniMaxM2Model writes it: minimax-m2, stacked experts intermediate_size wide,
+    the router's bias as exp_probs_b, a sigmoid gating function, q/k norms over the whole projection, unpermuted."""
+    def configure(w: Any, cfg: dict[str, Any]) -> None:
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    return _write_moe_gguf(src, dst, tok, "minimax-m2", False, ("w1", "w3", "w2"), "block_sparse_moe",
+                           configure=configure)
 
 
 def write_qwen2_moe_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
@@ -1765,7 +1788,8 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-deepseek-v3": write_deepseek2_gguf, "tiny-deepseek-v2": write_deepseek2_gguf,
               "tiny-glm4-moe-lite": write_deepseek2_gguf,
               "tiny-ernie4_5-moe": write_ernie4_5_moe_gguf, "tiny-qwen3-vl": write_qwen3_vl_gguf,
-              "tiny-qwen3-vl-moe": write_qwen3_vl_moe_gguf, "tiny-lfm2-moe": write_lfm2_gguf}
+              "tiny-qwen3-vl-moe": write_qwen3_vl_moe_gguf, "tiny-lfm2-moe": write_lfm2_gguf,
+              "tiny-minimax-m2": write_minimax_m2_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
 DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
 # LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is

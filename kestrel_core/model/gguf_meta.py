@@ -244,6 +244,9 @@ class GGUFMetadata:
             return self._glm4moe_fields(arch, layers, experts)
         if arch == "deepseek2":
             return self._deepseek2_fields(arch, layers, experts)
+        if arch == "minimax-m2":  # qwen3moe's layers with q/k norms over the whole projection, a sigmoid router
+            return {"arch": "minimax_m2", "qk_norm": True, "qk_norm_full": True,
+                    **self._sigmoid_router_fields(arch, layers, experts, "MiniMax-M2")}
         if arch == "ernie4_5-moe":  # ernie4_5's layers, every interleave_moe_layer_step-th past the leading dense ones
             step = self.int_field(f"{arch}.interleave_moe_layer_step", 1) or 1  # with experts
             lead = self.int_field(f"{arch}.leading_dense_block_count", 0, lo=0) or 0
@@ -284,10 +287,10 @@ class GGUFMetadata:
                 "expert_intermediate_size": ff, "norm_topk_prob": norm, "shared_expert_intermediate_size": shared}
 
     def _sigmoid_router_fields(self, arch: str, layers: int, experts: int, model: str) -> dict[str, Any]:
-        """The experts of llama.cpp's sigmoid-routed files (LFM2-MoE, GLM-4.5): ``leading_dense_block_count``
-        dense layers, then a sigmoid router (another ``expert_gating_func`` refused) with its choice bias
-        ``exp_probs_b`` where the file has one, renormalised and scaled as ``expert_weights_norm`` and
-        ``expert_weights_scale`` say (default: yes, 1)."""
+        """The experts of llama.cpp's sigmoid-routed files (LFM2-MoE, GLM-4.5, MiniMax-M2):
+        ``leading_dense_block_count`` dense layers, then a sigmoid router (another ``expert_gating_func`` refused)
+        with its choice bias ``exp_probs_b`` where the file has one, renormalised and scaled as
+        ``expert_weights_norm`` and ``expert_weights_scale`` say (default: yes, 1)."""
         gating = self.int_field(f"{arch}.expert_gating_func", GATING_SIGMOID)
         if gating != GATING_SIGMOID:
             raise KestrelError(f"{self.path}: {arch}.expert_gating_func {gating} is not supported ({model}'s "

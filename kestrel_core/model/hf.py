@@ -105,6 +105,8 @@ _ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weigh
 _CHOICE_ROUTER_MAP = {"mlp.gate.e_score_correction_bias": "router_choice_bias",
                       "mlp.moe_statics.e_score_correction_bias": "router_choice_bias",
                       "feed_forward.expert_bias": "router_choice_bias",  # LFM2-MoE's
+                      "block_sparse_moe.e_score_correction_bias": "router_choice_bias",  # MiniMax-M2's
+                      "mlp.e_score_correction_bias": "router_choice_bias",  # ... as transformers 5 names it
                       "mlp.shared_experts.gate_proj.weight": "shared_expert.gate",
                       "mlp.shared_experts.up_proj.weight": "shared_expert.up",
                       "mlp.shared_experts.down_proj.weight": "shared_expert.down"}

@@ -45,7 +45,7 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
                     "Glm4MoeForCausalLM": "glm4_moe", "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
                     "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
-                    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
+                    "Glm4MoeLiteForCausalLM": "glm4_moe_lite", "MiniMaxM2ForCausalLM": "minimax_m2",
                     # Qwen3-VL's language models are Qwen3's and Qwen3-MoE's (_TEXT_CONFIGS names them so)
                     "Qwen3VLForConditionalGeneration": "qwen3_vl", "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
                     # the decoder without its head, as embedding checkpoints (e5-mistral, ...) name it
@@ -56,7 +56,7 @@ MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": 
                "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2", "olmo3": "olmo3", "exaone4": "exaone4",
                "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "qwen3_5": "qwen3_5",
                "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe",
-               "qwen3_next": "qwen3_next", "lfm2": "lfm2", "lfm2_moe": "lfm2_moe",
+               "qwen3_next": "qwen3_next", "lfm2": "lfm2", "lfm2_moe": "lfm2_moe", "minimax_m2": "minimax_m2",
                "granitemoehybrid": "granitemoehybrid",
                "glm4_moe": "glm4_moe", "ernie4_5_moe": "ernie4_5_moe", "qwen3_vl": "qwen3_vl",
                "qwen3_vl_moe": "qwen3_vl_moe", "ministral3": "ministral3", "mistral3": "mistral3",
@@ -388,6 +388,25 @@ def _rope_scaling(arch: str, cfg: dict[str, Any], scaling: Any, where: str) -> d
                                   original_max_position=original)
 
 
+def _minimax_m2_fields(cfg: dict[str, Any], head_dim: int, where: str) -> dict[str, Any]:
+    """MiniMax-M2's attention: RMSNorm over the whole q and k projections (``qk_norm_type`` per_layer; released
+    checkpoints' ``use_qk_norm``), and RoPE on ``rotary_dim`` of each head's dims (the released checkpoints' legacy
+    spelling of partial_rotary_factor)."""
+    if not check_bool("use_qk_norm", cfg.get("use_qk_norm", True)):
+        raise KestrelError(f"{where}: use_qk_norm false is not supported (kestrel's MiniMax-M2 norms q and k)")
+    if cfg.get("qk_norm_type", "per_layer") != "per_layer":
+        raise KestrelError(f"{where}: qk_norm_type {cfg.get('qk_norm_type')!r} is not supported (kestrel's "
+                           "MiniMax-M2 norms the whole q and k projections: per_layer)")
+    out: dict[str, Any] = {"qk_norm": True, "qk_norm_full": True}
+    rotary = cfg.get("rotary_dim")
+    if rotary is not None and "partial_rotary_factor" not in cfg:
+        check_int("rotary_dim", rotary, 2, head_dim)
+        if rotary % 2:
+            raise KestrelError(f"{where}: rotary_dim {rotary} is odd; RoPE turns pairs of dims")
+        out["rotary_dim"] = None if rotary == head_dim else rotary
+    return out
+
+
 def _rotary_dim(cfg: dict[str, Any], head_dim: int, where: str, default: float | None = None) -> int | None:
     """The dims of a head RoPE turns, from partial_rotary_factor (else ``default``, the architecture's; None: all)."""
     partial = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", default))
@@ -506,11 +525,13 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             fields.update(_hybrid_fields(cfg, where))
         if arch in ("lfm2", "lfm2_moe"):
             fields.update(_lfm2_fields(cfg, where))
+        if arch == "minimax_m2":  # Qwen3-MoE's layers with q/k norms over the whole projection, partial RoPE
+            fields.update(_minimax_m2_fields(cfg, int(cfg.get("head_dim") or hidden // heads), where))
         if arch == "glm4_moe":  # q/k/v biases and q/k norms where set
             fields.update(qkv_bias=check_bool("attention_bias", cfg.get("attention_bias", False)),
                           qk_norm=check_bool("use_qk_norm", cfg.get("use_qk_norm", False)))
         if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe", "qwen3_next", "glm4_moe",
-                    "ernie4_5_moe", "lfm2_moe", *MLA_ARCHITECTURES):
+                    "ernie4_5_moe", "lfm2_moe", "minimax_m2", *MLA_ARCHITECTURES):
             fields.update(hf_experts.moe_fields(arch, cfg, where))
         if arch in MLA_ARCHITECTURES:
             fields.update(_mla_fields(arch, cfg, where))

@@ -14,7 +14,7 @@ from kestrel_core.model.validate import check_bool, check_float, check_int, is_i
 def moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
     """The experts of Qwen2-MoE and Qwen3-MoE (moe_intermediate_size wide, norm_topk_prob as set; Qwen2-MoE's
     shared expert; dense layers among them), Mixtral (intermediate_size wide, always renormalised), gpt-oss,
-    Qwen3.5-MoE and Qwen3-Next, GLM-4.5 and ERNIE 4.5 (their routers choose with a bias)."""
+    Qwen3.5-MoE and Qwen3-Next, GLM-4.5, ERNIE 4.5 and MiniMax-M2 (their routers choose with a bias)."""
     if arch == "ernie4_5_moe":
         return _ernie_moe_fields(cfg, where)
     experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
@@ -29,6 +29,14 @@ def moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
         return {**out, **_sigmoid_router_fields(cfg, where, 3 if arch == "deepseek_v3" else 1)}
     if arch == "deepseek_v2":
         return {**out, **_deepseek_v2_router_fields(cfg, where)}
+    if arch == "minimax_m2":  # every layer's experts intermediate_size wide, chosen by a sigmoid router (with a bias
+        scoring = cfg.get("scoring_func", "sigmoid")  # where use_routing_bias), the top k always renormalised
+        if scoring != "sigmoid":
+            raise KestrelError(f"{where}: scoring_func {scoring!r} is not supported (kestrel's MiniMax-M2 router is "
+                               "a sigmoid)")
+        return {**out, "expert_intermediate_size": cfg["intermediate_size"], "norm_topk_prob": True,
+                "router_scoring": "sigmoid",
+                "router_choice_bias": check_bool("use_routing_bias", cfg.get("use_routing_bias", True))}
     if arch == "lfm2_moe":  # LFM2's layers, the first num_dense_layers dense; a sigmoid router with a choice bias
         return {**out, "expert_intermediate_size": cfg.get("moe_intermediate_size", 1792),
                 "dense_layers": tuple(range(min(cfg.get("num_dense_layers", 2), cfg["num_hidden_layers"]))),

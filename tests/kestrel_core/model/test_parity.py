@@ -209,6 +209,9 @@ CASES = (
     Case("tiny-qwen3-vl-moe.gguf", "tiny-qwen3-vl-moe", ALL_MODES, moe=True),  # llama.cpp's qwen3vlmoe
     Case("tiny-lfm2-moe", "tiny-lfm2-moe", ALL_MODES, limits_of=HYBRID_NEAR_TIES),  # short convolutions, experts
     Case("tiny-lfm2-moe.gguf", "tiny-lfm2-moe", ALL_MODES, limits_of=HYBRID_NEAR_TIES),  # llama.cpp's lfm2moe
+    # q/k norms over the whole projection, RoPE on half of each head, a sigmoid router with a choice bias
+    Case("tiny-minimax-m2", "tiny-minimax-m2", ALL_MODES, moe=True),
+    Case("tiny-minimax-m2.gguf", "tiny-minimax-m2", ALL_MODES, moe=True),  # llama.cpp's minimax-m2
     # multi-head latent attention: a low-rank query, YaRN's mscale on the softmax, GLM-4.5's router
     Case("tiny-deepseek-v3", "tiny-deepseek-v3", ALL_MODES, moe=True),
     Case("tiny-deepseek-v2", "tiny-deepseek-v2", ALL_MODES, moe=True),  # the query in one projection, a softmax router
@@ -383,6 +386,13 @@ def test_moe_routed_wrong_leaves_the_limits(monkeypatch, name: str, wrong: str) 
     """The router's top-k and its weight normalisation are what make the MoE models agree."""
     _with_config(monkeypatch, MOE_WRONG[(name, wrong)])
     fig = measure(next(c for c in CASES if c.name == name), "q8")
+    assert not fig.within(MOE), fig
+
+
+def test_minimax_m2_with_rope_on_every_dim_leaves_the_limits(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """MiniMax-M2 turns only rotary_dim (here 8) of each head's 16 dims: turned whole, agreement drops."""
+    _with_config(monkeypatch, lambda c: {**c, "partial_rotary_factor": 1.0})
+    fig = measure(next(c for c in CASES if c.name == "tiny-minimax-m2"), "q8")
     assert not fig.within(MOE), fig
 
 

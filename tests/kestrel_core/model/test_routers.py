@@ -33,6 +33,7 @@ def _with_router(monkeypatch, reader: str, **fields) -> None:  # type: ignore[no
 
 ERNIE = next(c for c in CASES if c.name == "tiny-ernie4_5-moe")
 LFM2 = next(c for c in CASES if c.name == "tiny-lfm2-moe")
+MINIMAX = next(c for c in CASES if c.name == "tiny-minimax-m2")
 WRONG = {  # (case, what is wrong): how
     (GLM, "a softmax router"): lambda mp: _with_router(mp, "_sigmoid_router_fields", router_scoring="softmax",
                                                        router_choice_bias=False, router_groups=1, router_topk_groups=1),
@@ -44,13 +45,16 @@ WRONG = {  # (case, what is wrong): how
     (ERNIE, "no shared experts"): lambda mp: _with_config(mp, lambda c: {**c, "moe_num_shared_experts": 0}),
     (LFM2, "no choice bias"): lambda mp: _with_config(mp, lambda c: {**c, "use_expert_bias": False}),
     (LFM2, "a softmax router"): lambda mp: _with_router(mp, "moe_fields", router_scoring="softmax"),
+    (MINIMAX, "no choice bias"): lambda mp: _with_config(mp, lambda c: {**c, "use_routing_bias": False}),
+    (MINIMAX, "a softmax router"): lambda mp: _with_router(mp, "moe_fields", router_scoring="softmax"),
 }
 
 
 @pytest.mark.parametrize(("case", "wrong"), list(WRONG), ids=[f"{c.name}-{w}" for c, w in WRONG])
 def test_a_router_done_wrong_leaves_the_limits(monkeypatch, case, wrong: str) -> None:  # type: ignore[no-untyped-def]
     """GLM-4.5's sigmoid, choice bias, groups, scale and shared expert, ERNIE 4.5's choice bias and shared experts,
-    LFM2-MoE's choice bias and sigmoid: each one left out moves the logits past the case's limits."""
+    LFM2-MoE's and MiniMax-M2's choice bias and sigmoid: each one left out moves the logits past the case's
+    limits."""
     WRONG[(case, wrong)](monkeypatch)
     fig = measure(case, "q8")
     assert not fig.within(case.limits("q8")), fig
@@ -129,6 +133,36 @@ def test_sigmoid_route_keeps_to_the_best_groups() -> None:
 def test_router_config_checks(fields: dict, says: str) -> None:
     with pytest.raises(ValidationError, match=says):
         _config(**fields)
+
+
+MINIMAX_HUB = {"architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "vocab_size": 512,
+               "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
+               "rope_theta": 5e6, "rotary_dim": 8, "use_qk_norm": True, "qk_norm_type": "per_layer",
+               "scoring_func": "sigmoid", "use_routing_bias": True}
+
+
+def test_minimax_m2_hub_config_reads_its_legacy_fields() -> None:
+    """The released MiniMax-M2 config.json: RoPE on ``rotary_dim`` of each head (no partial_rotary_factor), q/k
+    norms over the whole projection, a sigmoid router with its choice bias, every layer's experts as wide as
+    intermediate_size."""
+    c = hf_config.config_from_hf(MINIMAX_HUB)
+    assert (c.arch, c.rotary_dim, c.qk_norm, c.qk_norm_full) == ("minimax_m2", 8, True, True)
+    assert (c.router_scoring, c.router_choice_bias, c.norm_topk_prob, c.dense_layers) == ("sigmoid", True, True, ())
+    assert (c.num_experts, c.experts_per_token, c.expert_intermediate_size) == (8, 2, 64)
+    assert hf_config.config_from_hf({**MINIMAX_HUB, "rotary_dim": 16}).rotary_dim is None
+    assert not hf_config.config_from_hf({**MINIMAX_HUB, "use_routing_bias": False}).router_choice_bias
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"use_qk_norm": False}, "use_qk_norm false is not supported"),
+    ({"qk_norm_type": "per_head"}, "qk_norm_type 'per_head' is not supported"),
+    ({"scoring_func": "softmax"}, "scoring_func 'softmax' is not supported"),
+    ({"rotary_dim": 7}, "rotary_dim 7 is odd"),
+])
+def test_minimax_m2_config_refuses_what_it_does_not_run(change: dict, says: str) -> None:
+    with pytest.raises(KestrelError, match=says):
+        hf_config.config_from_hf({**MINIMAX_HUB, **change})
 
 
 def test_qwen2_moe_sparse_step_makes_dense_layers(tmp_path: Path) -> None:
