@@ -6,7 +6,9 @@ the model writes are read back out of its text in the format that template teach
 Qwen3-Coder: ``<tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>`` blocks, each
 value read as its parameter's JSON Schema type says), ``glm`` (GLM-4.5: ``<tool_call>NAME`` then
 ``<arg_key>KEY</arg_key><arg_value>value</arg_value>`` pairs, typed the same way, each on a line of its own;
-``glm-compact``: GLM-4.7's, the same without the newlines), ``mistral``
+``glm-compact``: GLM-4.7's, the same without the newlines), ``minimax`` (MiniMax-M2: ``<minimax:tool_call>``
+blocks of ``<invoke name="NAME"><parameter name="KEY">value</parameter>...</invoke>`` calls, typed the same way),
+``mistral``
 (``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``: the control token is not text, so the answer
 starts with the list), ``llama3`` (Llama 3.1+: the answer is ``{"name": ..., "parameters": {...}}``, several
 separated by ``;``) or ``harmony`` (gpt-oss: a message to ``functions.NAME``, read with the answer's channels by
@@ -32,10 +34,14 @@ from kestrel_core.model.detokenize import partial_suffix
 from kestrel_core.model.grammar import lark_grammar, lark_json
 from kestrel_core.model.harmony import ToolCall, is_harmony
 
-HERMES, XML, GLM, GLM_COMPACT, MISTRAL, LLAMA3, HARMONY, UNKNOWN = (
-    "hermes", "xml", "glm", "glm-compact", "mistral", "llama3", "harmony", "unknown")
+HERMES, XML, GLM, GLM_COMPACT, MINIMAX, MISTRAL, LLAMA3, HARMONY, UNKNOWN = (
+    "hermes", "xml", "glm", "glm-compact", "minimax", "mistral", "llama3", "harmony", "unknown")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 _HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.DOTALL)
+_MINIMAX_BLOCK = re.compile(re.escape(MINIMAX_OPEN) + r"(.*?)" + re.escape(MINIMAX_CLOSE), re.DOTALL)
+_MINIMAX_INVOKE = re.compile(r'<invoke name="([^">\n]+)">(.*?)</invoke>', re.DOTALL)
+_MINIMAX_PARAMETER = re.compile(r'<parameter name="([^">\n]+)">\n?(.*?)\n?</parameter>', re.DOTALL)
 XML_FUNCTION, GLM_KEY, GLM_COMPACT_PAIR = "<function=", "<arg_key>", "</arg_key><arg_value>"
 # a block's (function name, its parameters' text) and each parameter's (key, value), by format
 _GLM_CALL = re.compile(r"\s*([^<\n]+)(.*)", re.DOTALL)
@@ -44,7 +50,8 @@ _CALL = {XML: re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTAL
          GLM_COMPACT: _GLM_CALL}
 _PARAMETER = {XML: re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL), GLM: _GLM_PARAMETER,
               GLM_COMPACT: _GLM_PARAMETER}
-_BLOCK_FORMATS = (HERMES, *_CALL)  # calls in <tool_call> blocks anywhere in the answer
+# calls in blocks anywhere in the answer, by how a block opens
+_BLOCK_OPEN = {HERMES: HERMES_OPEN, **{fmt: HERMES_OPEN for fmt in _CALL}, MINIMAX: MINIMAX_OPEN}
 _OPENERS = {MISTRAL: "[", LLAMA3: "{"}  # formats whose answer is the calls alone, and how the calls start
 _ID_CHARS = string.ascii_letters + string.digits
 
@@ -63,6 +70,8 @@ def tool_format(template: str | None) -> str | None:
         return None
     if is_harmony(template):  # gpt-oss: a call is a message to functions.NAME (kestrel_core.model.harmony)
         return HARMONY
+    if MINIMAX_OPEN in template:
+        return MINIMAX
     if HERMES_OPEN in template:
         if GLM_KEY in template:
             return GLM_COMPACT if GLM_COMPACT_PAIR in template else GLM
@@ -142,6 +151,25 @@ def _typed_blocks(text: str, fmt: str, schemas: dict[str, Any]) -> Parsed | None
     return Parsed(_HERMES_BLOCK.sub("", text).rstrip() or None, tuple(calls))
 
 
+def _minimax_blocks(text: str, schemas: dict[str, Any]) -> Parsed | None:
+    """MiniMax-M2's blocks: each one or more invokes of a function with its parameters, typed as the xml format's."""
+    calls = []
+    for block in _MINIMAX_BLOCK.finditer(text):
+        if _MINIMAX_INVOKE.sub("", block.group(1)).strip():
+            return None  # text beside the calls
+        for invoke in _MINIMAX_INVOKE.finditer(block.group(1)):
+            name, body = invoke.group(1).strip(), invoke.group(2)
+            if not name or _MINIMAX_PARAMETER.sub("", body).strip():
+                return None
+            properties = (schemas.get(name) or {}).get("properties") or {}
+            arguments = {key.strip(): _typed(value, properties.get(key.strip()))
+                         for key, value in _MINIMAX_PARAMETER.findall(body)}
+            calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False)))
+    if not calls:
+        return None
+    return Parsed(_MINIMAX_BLOCK.sub("", text).rstrip() or None, tuple(calls))
+
+
 def _typed(value: str, schema: Any) -> Any:
     """A parameter's text as the type its JSON Schema gives (as vLLM's qwen3_coder parser reads it): a string where
     it says string or nothing, a number, a bool, JSON for the rest; the text itself where it does not convert."""
@@ -189,9 +217,9 @@ def _leading_json(text: str, fmt: str) -> Parsed | None:
 def parse(fmt: str, text: str, parallel: bool = True, schemas: dict[str, Any] | None = None) -> Parsed:
     """``text`` (a whole answer) split into content and the calls in format ``fmt``; with ``parallel`` False
     only the first call is kept (OpenAI's ``parallel_tool_calls``); ``schemas``: each offered function's
-    parameters' JSON Schema (the xml and glm formats type their values by them)."""
+    parameters' JSON Schema (the xml, glm and minimax formats type their values by them)."""
     parsed = (_hermes(text) if fmt == HERMES else _typed_blocks(text, fmt, schemas or {}) if fmt in _CALL
-              else _leading_json(text, fmt))
+              else _minimax_blocks(text, schemas or {}) if fmt == MINIMAX else _leading_json(text, fmt))
     if parsed is None:
         return Parsed(text, ())
     return parsed if parallel else Parsed(parsed.content, parsed.calls[:1])
@@ -212,10 +240,11 @@ class ToolStream:
         self.text += delta
         if self.holding:
             return ""
-        if self.fmt in _BLOCK_FORMATS:
-            start = self.text.find(HERMES_OPEN, self.sent)
+        if self.fmt in _BLOCK_OPEN:
+            opener = _BLOCK_OPEN[self.fmt]
+            start = self.text.find(opener, self.sent)
             self.holding = start >= 0
-            end = start if self.holding else len(self.text) - partial_suffix(self.text, (HERMES_OPEN,))
+            end = start if self.holding else len(self.text) - partial_suffix(self.text, (opener,))
             end = len(self.text[:end].rstrip())
         else:
             head = self.text.lstrip()
@@ -261,9 +290,9 @@ def call_grammar(fmt: str, functions: Sequence[dict[str, Any]], many: bool, tool
 
 @dataclass(frozen=True)
 class _Markup:
-    """How the xml and glm formats spell a call: a block's start and end around its call, the call's start (with
-    the function's name) and end, a parameter's start (with its key) and the end after a JSON or literal value;
-    a string value runs to ``stop`` (the end's first tag), then ``newline``, which also separates blocks."""
+    """How the xml, glm and minimax formats spell a call: a block's start and end around its call, the call's start
+    (with the function's name) and end, a parameter's start (with its key) and the end after a JSON or literal
+    value; a string value runs to ``stop`` (the end's first tag), then ``newline``, which also separates blocks."""
 
     block_open: str
     block_close: str
@@ -280,7 +309,9 @@ _MARKUP = {XML: _Markup(f"{HERMES_OPEN}\n", f"\n{HERMES_CLOSE}", "<function={nam
            GLM: _Markup("", "", f"{HERMES_OPEN}{{name}}\n", HERMES_CLOSE,
                         "<arg_key>{key}</arg_key>\n<arg_value>", "</arg_value>\n", "</arg_value>"),
            GLM_COMPACT: _Markup("", "", f"{HERMES_OPEN}{{name}}", HERMES_CLOSE, "<arg_key>{key}</arg_key><arg_value>",
-                                "</arg_value>", "</arg_value>", "")}
+                                "</arg_value>", "</arg_value>", ""),
+           MINIMAX: _Markup(f"{MINIMAX_OPEN}\n", f"\n{MINIMAX_CLOSE}", '<invoke name="{name}">\n', "</invoke>",
+                            '<parameter name="{key}">', "</parameter>\n", "</parameter>")}
 
 
 def _markup_grammar(m: _Markup, functions: Sequence[dict[str, Any]], many: bool) -> str:

@@ -13,6 +13,7 @@ from kestrel_core.serve.tools import (
     GLM_COMPACT,
     HERMES,
     LLAMA3,
+    MINIMAX,
     MISTRAL,
     UNKNOWN,
     XML,
@@ -39,6 +40,9 @@ from kestrel_core.serve.tools import (
      "<arg_value>{{ v }}</arg_value>\n</tool_call>", GLM),  # GLM-4.5's, GLM-4.6's
     ("{% for t in tools %}{{ t | tojson }}{% endfor %}{{- '<tool_call>' + tc.name -}}<arg_key>{{ k }}</arg_key>"
      "<arg_value>{{ v }}</arg_value></tool_call>", GLM_COMPACT),  # GLM-4.7's
+    ("{% for t in tools %}<tool>{{ t.function | tojson }}</tool>{% endfor %}<minimax:tool_call>\n"
+     '<invoke name="tool-name-1">\n<parameter name="param-key-1">param-value-1</parameter>\n</invoke>\n'
+     "</minimax:tool_call>", MINIMAX),  # MiniMax-M2's
     ("{% for m in messages %}{{ m.content }}{% endfor %} tools <tool_call>", None),  # "tools" only as text
     ("{% set tools = [] %}{{ tools }}<tool_call>", None),  # its own variable, not the request's
     ("", None),
@@ -159,6 +163,42 @@ def test_parse_glm_types_each_value_by_its_schema(fmt: str, text: str, expected:
     assert (sent + rest, calls) == (expected.content or "", expected.calls)
 
 
+def _minimax(*invokes: tuple[str, dict[str, str]]) -> str:
+    """One block of calls as MiniMax-M2's template writes them."""
+    calls = "".join(f'<invoke name="{name}">\n' + "".join(f'<parameter name="{k}">{v}</parameter>\n'
+                                                           for k, v in values.items()) + "</invoke>\n"
+                    for name, values in invokes)
+    return f"<minimax:tool_call>\n{calls}</minimax:tool_call>"
+
+
+MINIMAX_CASES = [
+    (_minimax(("f", {"s": "12", "i": "12", "n": "1.5", "b": "true", "o": '{"k": [1]}', "a": "[1, 2]"})),
+     Parsed(None, _calls(("f", {"s": "12", "i": 12, "n": 1.5, "b": True, "o": {"k": [1]}, "a": [1, 2]})))),
+    ("<think>Two lookups.</think>\nLet me look.\n" + _minimax(("f", {"s": "two\nlines <b>"}), ("g", {"i": "3"})),
+     Parsed("<think>Two lookups.</think>\nLet me look.", _calls(("f", {"s": "two\nlines <b>"}), ("g", {"i": "3"})))),
+    (_minimax(("f", {"e": "x"})) + "\n" + _minimax(("g", {})), Parsed(None, _calls(("f", {"e": "x"}), ("g", {})))),
+    ('<minimax:tool_call>\n<invoke name="f">\nloose text\n</invoke>\n</minimax:tool_call>',
+     Parsed('<minimax:tool_call>\n<invoke name="f">\nloose text\n</invoke>\n</minimax:tool_call>', ())),
+    ('<minimax:tool_call>\ntext beside <invoke name="f">\n</invoke>\n</minimax:tool_call>',
+     Parsed('<minimax:tool_call>\ntext beside <invoke name="f">\n</invoke>\n</minimax:tool_call>', ())),
+    (_minimax(("f", {})).replace("</minimax:tool_call>", ""),  # never closed
+     Parsed(_minimax(("f", {})).replace("</minimax:tool_call>", ""), ())),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), MINIMAX_CASES)
+def test_parse_minimax_types_each_value_by_its_schema(text: str, expected: Parsed) -> None:
+    """MiniMax-M2's calls, several invokes to a block, each value typed by its schema as the xml format's; a stream
+    of them sends the same content and nothing of a call."""
+    assert parse(MINIMAX, text, schemas=SCHEMAS) == expected
+    for pieces in _chunkings(text):
+        stream = ToolStream(MINIMAX, schemas=SCHEMAS)
+        sent = "".join(stream.feed(piece) for piece in pieces)
+        rest, calls = stream.finish()
+        assert (sent + rest, calls) == (expected.content or "", expected.calls)
+        assert not expected.calls or "<minimax" not in sent
+
+
 # the functions the call grammars are tried with: one with a required string, an integer and an enum, one bare
 FUNCTIONS = [{"name": "f", "parameters": {"type": "object", "properties": {"s": {"type": "string"},
                                                                           "i": {"type": "integer"},
@@ -213,6 +253,21 @@ def test_an_xml_grammar_admits_the_calls_parse_reads_and_no_others() -> None:
         assert _admits(grammar, text) and parse(XML, text, schemas=schemas).calls, text
     for bad in (_xml("f", i="3"), _xml("f", s="x", i="three"), _xml("h"), _xml("f", s="x") + " and text",
                 _xml("f", s="x", e="z")):
+        assert not _admits(grammar, bad), bad
+
+
+def test_a_minimax_grammar_admits_the_calls_parse_reads_and_no_others() -> None:
+    """tool_choice "required" in MiniMax-M2's format: a string value up to </parameter>, JSON of the other types, the
+    required parameters always, the functions offered only; what it admits parses back."""
+    from kestrel_core.serve.tools import call_grammar
+
+    schemas = {f["name"]: f.get("parameters") or {} for f in FUNCTIONS}
+    grammar = call_grammar(MINIMAX, FUNCTIONS, many=True)
+    for text in (_minimax(("f", {"s": "New York <b>", "i": "3", "e": "y"})),
+                 _minimax(("f", {"s": "x"})) + "\n" + _minimax(("g", {}))):
+        assert _admits(grammar, text) and parse(MINIMAX, text, schemas=schemas).calls, text
+    for bad in (_minimax(("f", {"i": "3"})), _minimax(("f", {"s": "x", "i": "three"})), _minimax(("h", {})),
+                _minimax(("f", {"s": "x"})) + " and text", _minimax(("f", {"s": "x", "e": "z"}))):
         assert not _admits(grammar, bad), bad
 
 

@@ -1,9 +1,10 @@
-"""GLM's tool calls through a real server and the official openai client: GLM-4.5's ``<tool_call>NAME`` with
-``<arg_key>``/``<arg_value>`` pairs a line each, and GLM-4.7's without the newlines, come back as OpenAI's
-``tool_calls`` with typed values, whole and streamed, the reasoning apart; a required call keeps to its schema.
+"""Tool calls written as markup, through a real server and the official openai client: GLM-4.5's ``<tool_call>NAME``
+with ``<arg_key>``/``<arg_value>`` pairs a line each, GLM-4.7's without the newlines, and MiniMax-M2's
+``<minimax:tool_call>`` blocks of ``<invoke name=...>`` calls come back as OpenAI's ``tool_calls`` with typed values,
+whole and streamed, the reasoning apart; a required call keeps to its schema.
 
 As in test_tool_calls.py: scripted answers over the default model's tokenizer with templates written for these
-tests in GLM's shapes, and the default model's own answers under the call grammar.
+tests in each model's shape, and the default model's own answers under the call grammar.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from .test_tool_calls import ASK, DAYS, NAME, _fresh, _served, reply_parts
 pytestmark = pytest.mark.default_model
 
 
-def _template(compact: bool) -> str:
+def _glm_template(compact: bool) -> str:
     """GLM's way: the tools as JSON in the system turn, a call spelled as GLM-4.5 (``compact``: GLM-4.7) does."""
     nl = "" if compact else "\n"
     shape = f"<tool_call>NAME{nl}<arg_key>KEY</arg_key>{nl}<arg_value>VALUE</arg_value>{nl}</tool_call>"
@@ -31,24 +32,44 @@ def _template(compact: bool) -> str:
             "\n<think></think>{%- endif %}{%- endif %}")
 
 
-def _call(compact: bool) -> str:
+def _glm_call(compact: bool) -> str:
     nl = "" if compact else "\n"
     return (f"<tool_call>get_forecast{nl}<arg_key>city</arg_key>{nl}<arg_value>Saint-Étienne</arg_value>{nl}"
             f"<arg_key>days</arg_key>{nl}<arg_value>3</arg_value>{nl}</tool_call>")
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["glm-4.5", "glm-4.7"])
-def glm_servers(request: pytest.FixtureRequest) -> Iterator[tuple[bool, dict[str, tuple[Any, openai.OpenAI]]]]:
-    template = _template(request.param)
+# MiniMax-M2's way: the tools as JSON in the system turn, then how to call them; an assistant turn's reasoning in a
+# <think> block, and every answer opening one
+MINIMAX_TEMPLATE = (
+    "{%- if tools %}]~!b[]~b]system\n<tools>\n{%- for tool in tools %}\n<tool>{{ tool.function | tojson }}</tool>"
+    "{%- endfor %}\n</tools>\nCall tools as\n<minimax:tool_call>\n<invoke name=\"tool-name\">\n"
+    "<parameter name=\"param-key\">param-value</parameter>\n</invoke>\n</minimax:tool_call>[e~[\n{%- endif %}"
+    "{%- for m in messages %}]~b]{{ m.role }}\n{%- if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n"
+    "</think>\n\n{%- endif %}{{ m.content }}[e~[\n{%- endfor %}{%- if add_generation_prompt %}]~b]ai\n<think>\n"
+    "{%- endif %}")
+MINIMAX_CALL = ('<minimax:tool_call>\n<invoke name="get_forecast">\n<parameter name="city">Saint-Étienne</parameter>\n'
+                '<parameter name="days">3</parameter>\n</invoke>\n</minimax:tool_call>')
+# by format: (its template, the scripted answer's reasoning as the model writes it, a call of get_forecast)
+FORMATS = {
+    "glm-4.5": (_glm_template(False), "<think>Three days of Paris weather.</think>\n", _glm_call(False)),
+    "glm-4.7": (_glm_template(True), "<think>Three days of Paris weather.</think>\n", _glm_call(True)),
+    "minimax-m2": (MINIMAX_TEMPLATE, "Three days of Paris weather.</think>\n\n", MINIMAX_CALL),  # opened by the prompt
+}
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def markup_servers(request: pytest.FixtureRequest) -> Iterator[tuple[str, dict[str, tuple[Any, openai.OpenAI]]]]:
+    template = FORMATS[request.param][0]
     with _served(template) as scripted, _served(template, scripted=False) as model:
         yield request.param, {"scripted": scripted, "model": model}
 
 
-def test_glm_calls_come_back_typed_with_the_reasoning_apart(glm_servers) -> None:  # type: ignore[no-untyped-def]
-    compact, servers = glm_servers
+def test_calls_come_back_typed_with_the_reasoning_apart(markup_servers) -> None:  # type: ignore[no-untyped-def]
+    fmt, servers = markup_servers
+    _, reasoning_text, call = FORMATS[fmt]
     scripted, client = _fresh(servers["scripted"]), servers["scripted"][1]
     for stream in (False, True):
-        scripted.answers.append("<think>Three days of Paris weather.</think>\nLet me look.\n" + _call(compact))
+        scripted.answers.append(reasoning_text + "Let me look.\n" + call)
         reply = client.chat.completions.create(model=NAME, messages=ASK, tools=[DAYS], stream=stream)
         reasoning, content, calls, reason = reply_parts(reply, stream)
         assert (reasoning, content, reason) == ("Three days of Paris weather.", "Let me look.", "tool_calls")
@@ -56,10 +77,10 @@ def test_glm_calls_come_back_typed_with_the_reasoning_apart(glm_servers) -> None
             ("get_forecast", {"city": "Saint-Étienne", "days": 3})]
 
 
-def test_a_required_glm_call_keeps_to_its_schema(glm_servers) -> None:  # type: ignore[no-untyped-def]
-    """tool_choice "required" in GLM's format: the model's own answer is a call of the offered function, its
+def test_a_required_call_keeps_to_its_schema(markup_servers) -> None:  # type: ignore[no-untyped-def]
+    """tool_choice "required" in the template's format: the model's own answer is a call of the offered function, its
     integer an integer (one call: with more allowed, this small model goes on calling to max_tokens)."""
-    _, servers = glm_servers
+    _, servers = markup_servers
     client = servers["model"][1]
     choice = client.chat.completions.create(model=NAME, messages=ASK, tools=[DAYS], tool_choice="required",
                                             parallel_tool_calls=False, temperature=0, max_tokens=200,
