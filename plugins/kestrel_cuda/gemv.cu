@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(NT, MR == 1 ? 4 : 1) qgemv(
 {
     constexpr int KC = NT;                      // rows of a chunk: one 32-row slot a warp, one row a thread
     constexpr int NW = BITS == 8 ? 32 : 16;     // 4-byte words of one slot
-    if constexpr (FOLD == FOLD_ROUTER) {  // MR = 1, the o projection: no other option (as constants, ptxas does not spill)
+    if constexpr (FOLD == FOLD_ROUTER) {  // MR = 1, the o projection: no other option (constants: no spills)
         pro = 0; epi = 0; etab = nullptr; qout = nullptr; pn_stats = nullptr; ssq_in = nullptr; epochs = nullptr;
     }
     const bool routed = MR == 1 && etab;

@@ -118,6 +118,15 @@ def test_the_routers_constants_are_the_kernels() -> None:
         plan.ROUTE_FOLD_MAX_SPAN)
 
 
+def test_the_gemv_folds_are_gemv_cus() -> None:
+    """plan.FOLD_ROUTER and FOLD_ATTENTION, the qgemv instances the ops pick, are gemv.cu's FOLD values; the
+    attention folds only into clusters, whose blocks are MAX_CLUSTER at most, as attend.cuh's records."""
+    text = kernels.source_text(kernels.FORWARD_SOURCES)
+    define = {name: value for name, value in re.findall(r"#define (\w+) (\w+)", text)}
+    assert (int(define["FOLD_ROUTER"]), int(define["FOLD_ATTENTION"])) == (plan.FOLD_ROUTER, plan.FOLD_ATTENTION)
+    assert int(define["MAX_CLUSTER"]) == plan.MAX_CLUSTER
+
+
 def test_the_attn_rows_constants_are_attention_cus() -> None:
     """plan.ATTN_ROWS_HEADS (the launch's parts of a group), ATTN_ROWS_WARPS (its block), ATTN_ROWS_MAX_SPLITS
     (the planner's cap), ATTN_ROWS_BUFFERS (its shared memory) and KV_BLOCK (a staged page) are attention.cu's."""
