@@ -177,6 +177,8 @@ MINIMAX_CASES = [
     ("<think>Two lookups.</think>\nLet me look.\n" + _minimax(("f", {"s": "two\nlines <b>"}), ("g", {"i": "3"})),
      Parsed("<think>Two lookups.</think>\nLet me look.", _calls(("f", {"s": "two\nlines <b>"}), ("g", {"i": "3"})))),
     (_minimax(("f", {"e": "x"})) + "\n" + _minimax(("g", {})), Parsed(None, _calls(("f", {"e": "x"}), ("g", {})))),
+    ('<minimax:tool_call><invoke name="f"><parameter name="i">7</parameter></invoke></minimax:tool_call>',
+     Parsed(None, _calls(("f", {"i": 7})))),  # written without the newlines
     ('<minimax:tool_call>\n<invoke name="f">\nloose text\n</invoke>\n</minimax:tool_call>',
      Parsed('<minimax:tool_call>\n<invoke name="f">\nloose text\n</invoke>\n</minimax:tool_call>', ())),
     ('<minimax:tool_call>\ntext beside <invoke name="f">\n</invoke>\n</minimax:tool_call>',
