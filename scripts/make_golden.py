@@ -78,6 +78,9 @@ Writes under tests/fixtures/models/:
                 each head, 8 experts (w1/w2/w3) chosen by a sigmoid router with a choice bias, top-2 renormalised,
                 bfloat16
   tiny-minimax-m2.gguf  llama.cpp's minimax-m2 (stacked ffn_*_exps, exp_probs_b); golden = tiny-minimax-m2's
+  tiny-dots1/   Dots1ForCausalLM (dots.llm1): a dense first layer, then 8 experts chosen by a sigmoid router with a
+                choice bias (top-2), renormalised and scaled, beside a shared expert; per-head q/k norms, bfloat16
+  tiny-dots1.gguf  llama.cpp's dots1 (exp_probs_b, *_shexp, no groups); golden = tiny-dots1's
   tiny-qwen3-vl/ Qwen3VLForConditionalGeneration: Qwen3's layers under model.language_model with interleaved
                 multimodal RoPE (text positions: plain RoPE), a one-block vision tower kestrel does not read, bfloat16
   tiny-qwen3-vl.gguf  llama.cpp's qwen3vl (rope.dimension_sections); golden = tiny-qwen3-vl's
@@ -115,6 +118,7 @@ from transformers import (
     AutoTokenizer,
     DeepseekV2Config,
     DeepseekV3Config,
+    Dots1Config,
     Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
@@ -463,6 +467,12 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
                                  num_experts_per_tok=2, tie_word_embeddings=False,
                                  rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                                                   "partial_rotary_factor": 0.5})
+    # dots.llm1: GLM-4.5's router (in one group, as released and as llama.cpp runs it) and shared expert with
+    # Qwen3's attention
+    dots1 = Dots1Config(**common, num_hidden_layers=2, intermediate_size=128, moe_intermediate_size=32, head_dim=16,
+                        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                        n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, sliding_window=None,
+                        tie_word_embeddings=False, rope_theta=10000.0, pad_token_id=None)
     mixtral = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4,
                             num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None)
     return {
@@ -505,6 +515,7 @@ def tiny_configs(tok: Tokenizer) -> dict[str, tuple[Any, dict[str, Any]]]:
         "tiny-deepseek-v2": (deepseek_v2, _saved(torch.bfloat16, seed=37)),
         "tiny-glm4-moe-lite": (glm4_moe_lite, _saved(torch.bfloat16, classic=False, seed=38)),
         "tiny-minimax-m2": (minimax_m2, _saved(torch.bfloat16, seed=39)),
+        "tiny-dots1": (dots1, _saved(torch.bfloat16, seed=43)),
     }
 
 
@@ -1044,20 +1055,38 @@ def write_glm4_moe_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     cfg = json.loads((src / "config.json").read_text())
 
     def configure(w: Any) -> None:
-        w.add_expert_count(cfg["n_routed_experts"])
-        w.add_expert_used_count(cfg["num_experts_per_tok"])
-        w.add_expert_group_count(cfg["n_group"])
-        w.add_expert_group_used_count(cfg["topk_group"])
-        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-        w.add_expert_shared_count(cfg["n_shared_experts"])
-        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
-        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        _sigmoid_router_metadata(w, cfg, groups=True)
         w.add_nextn_predict_layers(cfg["num_nextn_predict_layers"])
     dense = range(cfg["first_k_dense_replace"])
     return _write_choice_router_gguf(src, dst, tok, "glm4moe", configure, "post_attention_norm", dense,
                                      mtp=cfg["num_nextn_predict_layers"])
+
+
+def write_dots1_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """tiny-dots1 as llama.cpp's Dots1Model writes it: ffn_norm, the leading dense layers, the router's metadata
+    (sigmoid, scale, renormalised; no groups) and the shared expert."""
+    cfg = json.loads((src / "config.json").read_text())
+
+    def configure(w: Any) -> None:
+        _sigmoid_router_metadata(w, cfg)
+    return _write_choice_router_gguf(src, dst, tok, "dots1", configure, "ffn_norm", range(cfg["first_k_dense_replace"]))
+
+
+def _sigmoid_router_metadata(w: Any, cfg: dict[str, Any], groups: bool = False) -> None:
+    """What llama.cpp's converters write of a DeepSeek-V3-style router (GLM-4.5's, dots.llm1's): the experts (in
+    groups, where ``groups``), their width, the shared experts' count, the leading dense layers, the sigmoid gating,
+    the scale and the renormalisation."""
+    w.add_expert_count(cfg["n_routed_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if groups:
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    w.add_expert_weights_norm(cfg["norm_topk_prob"])
 
 
 def write_ernie4_5_moe_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
@@ -1081,9 +1110,9 @@ def write_ernie4_5_moe_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, A
 def _write_choice_router_gguf(src: Path, dst: Path, tok: Tokenizer, arch: str, configure: Any, mlp_norm: str,
                               dense: Any, mtp: int = 0) -> dict[str, Any]:
     """A mixture of experts whose router has a choice bias, as llama.cpp's converters write it: unpermuted q/k/v
-    with biases where the checkpoint has them, ``mlp_norm`` the MLP's norm, the ``dense`` layers' ffn_*, the others'
-    experts stacked with ffn_gate_inp and exp_probs_b and their shared experts as ffn_*_shexp; ``mtp`` more blocks
-    (the checkpoint's multi-token-prediction layers) after the last."""
+    with biases and q/k norms where the checkpoint has them, ``mlp_norm`` the MLP's norm, the ``dense`` layers'
+    ffn_*, the others' experts stacked with ffn_gate_inp and exp_probs_b and their shared experts as ffn_*_shexp;
+    ``mtp`` more blocks (the checkpoint's multi-token-prediction layers) after the last."""
     cfg = json.loads((src / "config.json").read_text())
     tensors = _float32_tensors(src / "model.safetensors")
     layers = cfg["num_hidden_layers"] + mtp
@@ -1100,6 +1129,9 @@ def _write_choice_router_gguf(src: Path, dst: Path, tok: Tokenizer, arch: str, c
             put(f"blk.{i}.{name}.weight", tensors[p + f"self_attn.{proj}_proj.weight"], kind)
             if p + f"self_attn.{proj}_proj.bias" in tensors:
                 put(f"blk.{i}.{name}.bias", tensors[p + f"self_attn.{proj}_proj.bias"], "f32")
+        for norm in ("q_norm", "k_norm"):  # dots.llm1's per-head q/k norms
+            if p + f"self_attn.{norm}.weight" in tensors:
+                put(f"blk.{i}.attn_{norm}.weight", tensors[p + f"self_attn.{norm}.weight"], "f32")
         _put_shared_expert_mlp(put, tensors, i, kind, i in dense, experts, choice_bias=True)
         if i not in dense and i >= cfg["num_hidden_layers"]:  # an MTP layer's own tensors
             put(f"blk.{i}.nextn.eh_proj.weight", tensors[p + "eh_proj.weight"], "f16")
@@ -1789,7 +1821,7 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-glm4-moe-lite": write_deepseek2_gguf,
               "tiny-ernie4_5-moe": write_ernie4_5_moe_gguf, "tiny-qwen3-vl": write_qwen3_vl_gguf,
               "tiny-qwen3-vl-moe": write_qwen3_vl_moe_gguf, "tiny-lfm2-moe": write_lfm2_gguf,
-              "tiny-minimax-m2": write_minimax_m2_gguf}
+              "tiny-minimax-m2": write_minimax_m2_gguf, "tiny-dots1": write_dots1_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
 DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
 # LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is

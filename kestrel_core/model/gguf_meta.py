@@ -240,7 +240,7 @@ class GGUFMetadata:
             return self._hybrid_fields(arch, layers, experts)
         if arch == "granitehybrid":
             return self._granite_hybrid_fields(arch, experts)
-        if arch == "glm4moe":
+        if arch in ("glm4moe", "dots1"):
             return self._glm4moe_fields(arch, layers, experts)
         if arch == "deepseek2":
             return self._deepseek2_fields(arch, layers, experts)
@@ -306,11 +306,12 @@ class GGUFMetadata:
                 "routed_scaling": self.float_field(f"{arch}.expert_weights_scale", 1.0)}
 
     def _glm4moe_fields(self, arch: str, layers: int, experts: int) -> dict[str, Any]:
-        """GLM-4.5's, as llama.cpp reads them: the sigmoid router's experts, maybe chosen in groups, beside
-        ``expert_shared_count`` ungated shared experts; q/k/v biases and q/k norms where the file has them."""
-        out = self._sigmoid_router_fields(arch, layers, experts, "GLM-4.5")
-        return {**out, "arch": "glm4_moe", "qkv_bias": "layers.0.q_bias" in self._tensors,
-                "qk_norm": "layers.0.q_norm" in self._tensors,
+        """GLM-4.5's and dots.llm1's, as llama.cpp reads them: the sigmoid router's experts, maybe chosen in
+        groups, beside ``expert_shared_count`` ungated shared experts; q/k/v biases and q/k norms where the file
+        has them."""
+        out = self._sigmoid_router_fields(arch, layers, experts, "GLM-4.5" if arch == "glm4moe" else "dots.llm1")
+        return {**out, "arch": "glm4_moe" if arch == "glm4moe" else "dots1",
+                "qkv_bias": "layers.0.q_bias" in self._tensors, "qk_norm": "layers.0.q_norm" in self._tensors,
                 "shared_expert_intermediate_size": out["expert_intermediate_size"]
                 * (self.int_field(f"{arch}.expert_shared_count", 0, lo=0) or 0),
                 "shared_expert_gated": False,

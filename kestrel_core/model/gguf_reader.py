@@ -1,7 +1,7 @@
 """Read a GGUF file (GGUF_ARCHITECTURES: llama incl. Mixtral, qwen2, qwen3 and Qwen3-VL's, phi3, gemma 2 and 3, the
 mixtures of experts, gpt-oss, smollm3, granite, olmo2 (OLMo 3's too), exaone4, seed_oss, glm4 and glm4moe, ernie4_5
-and its MoE, qwen35, qwen35moe, qwen3next, lfm2 and lfm2moe, granitehybrid, mistral3, deepseek2, minimax-m2; one
-file, or the parts of a split one) as a TensorSource: dequantized float32, HF layout; the experts of a stacked
+and its MoE, qwen35, qwen35moe, qwen3next, lfm2 and lfm2moe, granitehybrid, mistral3, deepseek2, minimax-m2, dots1;
+one file, or the parts of a split one) as a TensorSource: dequantized float32, HF layout; the experts of a stacked
 ``ffn_*_exps`` tensor are read one slice at a time. Its metadata: model/gguf_meta.py.
 
 llama.cpp's convert_hf_to_gguf.py permutes the rows of Q and K for the llama architecture only
@@ -36,7 +36,7 @@ from kestrel_core.model.weights import expert_field
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
                       "smollm3", "granite", "olmo2", "exaone4", "seed_oss", "glm4", "ernie4_5", "qwen35", "qwen35moe",
                       "qwen3next", "lfm2", "granitehybrid", "glm4moe", "ernie4_5-moe", "qwen3vl", "qwen3vlmoe",
-                      "lfm2moe", "mistral3", "deepseek2", "minimax-m2")
+                      "lfm2moe", "mistral3", "deepseek2", "minimax-m2", "dots1")
 # kestrel's names: a llama GGUF with experts is Mixtral; SmolLM3's and Ministral 3's converters are llama's
 PERMUTED_ARCHITECTURES = ("llama", "mixtral", "smollm3", "granite", "granitemoehybrid", "ministral3")
 # phi3 GGUFs hold Q|K|V and gate|up (llama.cpp's ffn_up of phi3: gate rows, then up) as one tensor each; glm4's

@@ -46,6 +46,7 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
                     "Glm4MoeForCausalLM": "glm4_moe", "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
                     "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
                     "Glm4MoeLiteForCausalLM": "glm4_moe_lite", "MiniMaxM2ForCausalLM": "minimax_m2",
+                    "Dots1ForCausalLM": "dots1",
                     # Qwen3-VL's language models are Qwen3's and Qwen3-MoE's (_TEXT_CONFIGS names them so)
                     "Qwen3VLForConditionalGeneration": "qwen3_vl", "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
                     # the decoder without its head, as embedding checkpoints (e5-mistral, ...) name it
@@ -57,6 +58,7 @@ MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": 
                "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "qwen3_5": "qwen3_5",
                "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe",
                "qwen3_next": "qwen3_next", "lfm2": "lfm2", "lfm2_moe": "lfm2_moe", "minimax_m2": "minimax_m2",
+               "dots1": "dots1",
                "granitemoehybrid": "granitemoehybrid",
                "glm4_moe": "glm4_moe", "ernie4_5_moe": "ernie4_5_moe", "qwen3_vl": "qwen3_vl",
                "qwen3_vl_moe": "qwen3_vl_moe", "ministral3": "ministral3", "mistral3": "mistral3",
@@ -388,6 +390,18 @@ def _rope_scaling(arch: str, cfg: dict[str, Any], scaling: Any, where: str) -> d
                                   original_max_position=original)
 
 
+def _dots1_window(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """dots.llm1's sliding layers, as Dots1Config makes them: ``layer_types``, else every layer from
+    ``max_window_layers`` on where ``sliding_window`` is set (the released config: none)."""
+    window, layers = cfg.get("sliding_window"), cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        first = cfg.get("max_window_layers", layers)
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)]
+    kinds = _named_layers(types, {"sliding_attention": "sliding", "full_attention": "full"}, where)
+    return {"layer_types": kinds, "sliding_window": window} if "sliding" in kinds else {}
+
+
 def _minimax_m2_fields(cfg: dict[str, Any], head_dim: int, where: str) -> dict[str, Any]:
     """MiniMax-M2's attention: RMSNorm over the whole q and k projections (``qk_norm_type`` per_layer; released
     checkpoints' ``use_qk_norm``), and RoPE on ``rotary_dim`` of each head's dims (the released checkpoints' legacy
@@ -525,13 +539,15 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
             fields.update(_hybrid_fields(cfg, where))
         if arch in ("lfm2", "lfm2_moe"):
             fields.update(_lfm2_fields(cfg, where))
+        if arch == "dots1":  # Qwen3's attention (per-head q/k norms), sliding from layer max_window_layers on
+            fields.update(qk_norm=True, **_dots1_window(cfg, where))
         if arch == "minimax_m2":  # Qwen3-MoE's layers with q/k norms over the whole projection, partial RoPE
             fields.update(_minimax_m2_fields(cfg, int(cfg.get("head_dim") or hidden // heads), where))
         if arch == "glm4_moe":  # q/k/v biases and q/k norms where set
             fields.update(qkv_bias=check_bool("attention_bias", cfg.get("attention_bias", False)),
                           qk_norm=check_bool("use_qk_norm", cfg.get("use_qk_norm", False)))
         if arch in ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe", "qwen3_next", "glm4_moe",
-                    "ernie4_5_moe", "lfm2_moe", "minimax_m2", *MLA_ARCHITECTURES):
+                    "ernie4_5_moe", "lfm2_moe", "minimax_m2", "dots1", *MLA_ARCHITECTURES):
             fields.update(hf_experts.moe_fields(arch, cfg, where))
         if arch in MLA_ARCHITECTURES:
             fields.update(_mla_fields(arch, cfg, where))

@@ -14,7 +14,7 @@ from kestrel_core.model.validate import check_bool, check_float, check_int, is_i
 def moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
     """The experts of Qwen2-MoE and Qwen3-MoE (moe_intermediate_size wide, norm_topk_prob as set; Qwen2-MoE's
     shared expert; dense layers among them), Mixtral (intermediate_size wide, always renormalised), gpt-oss,
-    Qwen3.5-MoE and Qwen3-Next, GLM-4.5, ERNIE 4.5 and MiniMax-M2 (their routers choose with a bias)."""
+    Qwen3.5-MoE and Qwen3-Next, GLM-4.5, ERNIE 4.5, MiniMax-M2 and dots.llm1 (their routers choose with a bias)."""
     if arch == "ernie4_5_moe":
         return _ernie_moe_fields(cfg, where)
     experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
@@ -29,6 +29,9 @@ def moe_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
         return {**out, **_sigmoid_router_fields(cfg, where, 3 if arch == "deepseek_v3" else 1)}
     if arch == "deepseek_v2":
         return {**out, **_deepseek_v2_router_fields(cfg, where)}
+    if arch == "dots1":  # DeepSeek-V3's router and shared experts; Dots1Config leaves the top k as chosen
+        return {**out, **_sigmoid_router_fields(cfg, where, 0),
+                "norm_topk_prob": check_bool("norm_topk_prob", cfg.get("norm_topk_prob", False))}
     if arch == "minimax_m2":  # every layer's experts intermediate_size wide, chosen by a sigmoid router (with a bias
         scoring = cfg.get("scoring_func", "sigmoid")  # where use_routing_bias), the top k always renormalised
         if scoring != "sigmoid":

@@ -52,7 +52,7 @@ def unsupported_reason(model: Model) -> str | None:
     GeGLU, scaled embeddings and queries, a RoPE per layer kind, sliding windows) and the mixtures of experts
     Qwen3-MoE, Mixtral and Qwen2-MoE (up to ROUTE_MAX_EXPERTS experts, routed on the device); the others (Gemma
     2's soft caps, gpt-oss, Granite, OLMo 2, EXAONE 4, the latent attention of DeepSeek-V2/V3, MiniMax-M2's
-    whole-projection q/k norms and sigmoid router) run through the GEMM hooks."""
+    whole-projection q/k norms and sigmoid router, dots.llm1's sigmoid router) run through the GEMM hooks."""
     c = model.config
     if c.arch not in DEVICE_ARCHITECTURES:
         return f"architecture {c.arch!r}"

@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_device_count() == 0, rea
                                               ("tiny-lfm2-moe.gguf", "hooks"), ("tiny-olmo3.gguf", "hooks"),
                                               ("tiny-ministral3", "hooks"), ("tiny-deepseek-v3", "hooks"),
                                               ("tiny-deepseek-v2.gguf", "hooks"), ("tiny-glm4-moe-lite.gguf", "hooks"),
-                                              ("tiny-minimax-m2.gguf", "hooks")])
+                                              ("tiny-minimax-m2.gguf", "hooks"), ("tiny-dots1", "hooks")])
 def test_each_architecture_matches_the_cpu(fixture: str, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KESTREL_CUDA_MIN_FLOPS", "0")  # the fixtures' GEMMs are below the backend's threshold
     ids = np.load(FIXTURES / fixture.removesuffix(".gguf") / "golden.npz")["ids"]

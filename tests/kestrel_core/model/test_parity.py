@@ -212,6 +212,9 @@ CASES = (
     # q/k norms over the whole projection, RoPE on half of each head, a sigmoid router with a choice bias
     Case("tiny-minimax-m2", "tiny-minimax-m2", ALL_MODES, moe=True),
     Case("tiny-minimax-m2.gguf", "tiny-minimax-m2", ALL_MODES, moe=True),  # llama.cpp's minimax-m2
+    # a dense layer, then a sigmoid router with a choice bias and a scale beside a shared expert; per-head q/k norms
+    Case("tiny-dots1", "tiny-dots1", ALL_MODES, moe=True),
+    Case("tiny-dots1.gguf", "tiny-dots1", ALL_MODES, moe=True),  # llama.cpp's dots1
     # multi-head latent attention: a low-rank query, YaRN's mscale on the softmax, GLM-4.5's router
     Case("tiny-deepseek-v3", "tiny-deepseek-v3", ALL_MODES, moe=True),
     Case("tiny-deepseek-v2", "tiny-deepseek-v2", ALL_MODES, moe=True),  # the query in one projection, a softmax router

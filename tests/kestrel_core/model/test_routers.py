@@ -34,6 +34,7 @@ def _with_router(monkeypatch, reader: str, **fields) -> None:  # type: ignore[no
 ERNIE = next(c for c in CASES if c.name == "tiny-ernie4_5-moe")
 LFM2 = next(c for c in CASES if c.name == "tiny-lfm2-moe")
 MINIMAX = next(c for c in CASES if c.name == "tiny-minimax-m2")
+DOTS = next(c for c in CASES if c.name == "tiny-dots1")
 WRONG = {  # (case, what is wrong): how
     (GLM, "a softmax router"): lambda mp: _with_router(mp, "_sigmoid_router_fields", router_scoring="softmax",
                                                        router_choice_bias=False, router_groups=1, router_topk_groups=1),
@@ -47,14 +48,17 @@ WRONG = {  # (case, what is wrong): how
     (LFM2, "a softmax router"): lambda mp: _with_router(mp, "moe_fields", router_scoring="softmax"),
     (MINIMAX, "no choice bias"): lambda mp: _with_config(mp, lambda c: {**c, "use_routing_bias": False}),
     (MINIMAX, "a softmax router"): lambda mp: _with_router(mp, "moe_fields", router_scoring="softmax"),
+    (DOTS, "no choice bias"): lambda mp: _with_router(mp, "_sigmoid_router_fields", router_choice_bias=False),
+    (DOTS, "unscaled weights"): lambda mp: _with_config(mp, lambda c: {**c, "routed_scaling_factor": 1.0}),
+    (DOTS, "no shared expert"): lambda mp: _with_config(mp, lambda c: {**c, "n_shared_experts": 0}),
 }
 
 
 @pytest.mark.parametrize(("case", "wrong"), list(WRONG), ids=[f"{c.name}-{w}" for c, w in WRONG])
 def test_a_router_done_wrong_leaves_the_limits(monkeypatch, case, wrong: str) -> None:  # type: ignore[no-untyped-def]
     """GLM-4.5's sigmoid, choice bias, groups, scale and shared expert, ERNIE 4.5's choice bias and shared experts,
-    LFM2-MoE's and MiniMax-M2's choice bias and sigmoid: each one left out moves the logits past the case's
-    limits."""
+    LFM2-MoE's and MiniMax-M2's choice bias and sigmoid, dots.llm1's choice bias, scale and shared expert: each one
+    left out moves the logits past the case's limits."""
     WRONG[(case, wrong)](monkeypatch)
     fig = measure(case, "q8")
     assert not fig.within(case.limits("q8")), fig
@@ -163,6 +167,22 @@ def test_minimax_m2_hub_config_reads_its_legacy_fields() -> None:
 def test_minimax_m2_config_refuses_what_it_does_not_run(change: dict, says: str) -> None:
     with pytest.raises(KestrelError, match=says):
         hf_config.config_from_hf({**MINIMAX_HUB, **change})
+
+
+def test_dots1_config_reads_its_sliding_layers_and_leaves_the_top_k_as_chosen() -> None:
+    """Dots1Config's rules: sliding from layer max_window_layers on where sliding_window is set (layer_types, where
+    given, instead), and the top k renormalised only where norm_topk_prob says."""
+    cfg = json.loads((FIXTURES / "tiny-dots1" / "config.json").read_text())
+    cfg.pop("layer_types")
+    c = hf_config.config_from_hf({**cfg, "sliding_window": 8, "max_window_layers": 1})
+    assert (c.layer_types, c.sliding_window) == (("full", "sliding"), 8)
+    assert hf_config.config_from_hf({**cfg, "sliding_window": None}).layer_types == ()
+    assert hf_config.config_from_hf({**cfg, "layer_types": ["sliding_attention"] * 2, "sliding_window": 4}
+                                    ).layer_types == ("sliding", "sliding")
+    assert not hf_config.config_from_hf({k: v for k, v in cfg.items() if k != "norm_topk_prob"}).norm_topk_prob
+    c = hf_config.config_from_hf(cfg)
+    assert (c.router_scoring, c.router_choice_bias, c.routed_scaling, c.dense_layers, c.qk_norm) == (
+        "sigmoid", True, 2.5, (0,), True)
 
 
 def test_qwen2_moe_sparse_step_makes_dense_layers(tmp_path: Path) -> None:
