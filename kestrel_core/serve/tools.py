@@ -139,16 +139,23 @@ def _typed_blocks(text: str, fmt: str, schemas: dict[str, Any]) -> Parsed | None
         call = _CALL[fmt].fullmatch(block.group(1))
         if call is None:
             return None
-        name, body = call.group(1).strip(), call.group(2)
-        properties = (schemas.get(name) or {}).get("properties") or {}
-        if not name or _PARAMETER[fmt].sub("", body).strip():
-            return None  # text beside the parameters: not a call kestrel can read whole
-        arguments = {key.strip(): _typed(value, properties.get(key.strip()))
-                     for key, value in _PARAMETER[fmt].findall(body)}
-        calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False)))
+        typed = _typed_call(call.group(1).strip(), call.group(2), _PARAMETER[fmt], schemas)
+        if typed is None:
+            return None
+        calls.append(typed)
     if not calls:
         return None
     return Parsed(_HERMES_BLOCK.sub("", text).rstrip() or None, tuple(calls))
+
+
+def _typed_call(name: str, body: str, parameter: re.Pattern[str], schemas: dict[str, Any]) -> ToolCall | None:
+    """A call of function ``name`` whose ``body`` is its parameters alone (``parameter``: a (key, value) each), its
+    values typed by ``schemas``; None where the name is empty or text stands beside the parameters."""
+    if not name or parameter.sub("", body).strip():
+        return None  # text beside the parameters: not a call kestrel can read whole
+    properties = (schemas.get(name) or {}).get("properties") or {}
+    arguments = {key.strip(): _typed(value, properties.get(key.strip())) for key, value in parameter.findall(body)}
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
 
 def _minimax_blocks(text: str, schemas: dict[str, Any]) -> Parsed | None:
@@ -158,13 +165,10 @@ def _minimax_blocks(text: str, schemas: dict[str, Any]) -> Parsed | None:
         if _MINIMAX_INVOKE.sub("", block.group(1)).strip():
             return None  # text beside the calls
         for invoke in _MINIMAX_INVOKE.finditer(block.group(1)):
-            name, body = invoke.group(1).strip(), invoke.group(2)
-            if not name or _MINIMAX_PARAMETER.sub("", body).strip():
+            typed = _typed_call(invoke.group(1).strip(), invoke.group(2), _MINIMAX_PARAMETER, schemas)
+            if typed is None:
                 return None
-            properties = (schemas.get(name) or {}).get("properties") or {}
-            arguments = {key.strip(): _typed(value, properties.get(key.strip()))
-                         for key, value in _MINIMAX_PARAMETER.findall(body)}
-            calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False)))
+            calls.append(typed)
     if not calls:
         return None
     return Parsed(_MINIMAX_BLOCK.sub("", text).rstrip() or None, tuple(calls))
