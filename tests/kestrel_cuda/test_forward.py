@@ -695,7 +695,7 @@ def test_fused_rope_epilogue_equals_the_qkv_rope_kernel_bitwise(arch, quant, str
     for mode in ("1", "0"):  # attention in its own kernel both ways (the fold needs the fused epilogue)
         fwd = DeviceForward(stream=stream, gemm=gemm, fuse_rope=mode == "1", fuse_attention=False)
         runs[mode] = device_logits(fwd, model, toks, 6)
-        assert fwd.fuse_rope == (mode == "1")
+        assert fwd.stepper.fuse_rope == (mode == "1")
     assert np.array_equal(runs["1"], runs["0"])
     _check(model, toks, 6, runs["1"])
 
