@@ -1,6 +1,7 @@
 """A Hugging Face model's config.json (and generation_config.json) as a ModelConfig: which architectures kestrel
 reads (HF_ARCHITECTURES, MODEL_TYPES), each one's fields as transformers resolves them, and what is refused by
-name. model/hf.py reads the tensors.
+name; hf_experts.py and hf_hybrid.py read a mixture of experts' and a hybrid decoder's fields. model/hf.py reads
+the tensors.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kestrel_core.errors import KestrelError
-from kestrel_core.model import hf_experts
+from kestrel_core.model import hf_experts, hf_hybrid
 from kestrel_core.model.config import (
     SAMPLING_FIELDS,
     ModelConfig,
@@ -27,6 +28,8 @@ from kestrel_core.model.validate import (
     check_int,
     check_regular_file,
     is_int,
+    named_layers,
+    refuse_set,
 )
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
@@ -145,23 +148,16 @@ def _text_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-def _refuse_set(cfg: dict[str, Any], where: str, keys: dict[str, str]) -> None:
-    """Refuse, by name, each of ``keys`` (config key -> what it is) the config sets to a truthy value."""
-    for key, what in keys.items():
-        if cfg.get(key):
-            raise KestrelError(f"{where}: {key} ({what}) is not supported")
-
-
 def _gemma_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
     """Gemma 2's and 3's own ModelConfig fields: layer types, RoPE (Gemma 3: a base per layer type), the query
     and embedding scales; Gemma 2's soft-capping."""
     act = cfg.get("hidden_activation", cfg.get("hidden_act", "gelu_pytorch_tanh"))
     if act != "gelu_pytorch_tanh":
         raise KestrelError(f"{where}: hidden_activation {act!r} is not supported (Gemma uses gelu_pytorch_tanh)")
-    _refuse_set(cfg, where, {"use_bidirectional_attention": "bidirectional attention"})
+    refuse_set(cfg, where, {"use_bidirectional_attention": "bidirectional attention"})
     out: dict[str, Any] = {}
     if arch == "gemma3":
-        _refuse_set(cfg, where, {"final_logit_softcapping": "tanh soft-capping of the logits",
+        refuse_set(cfg, where, {"final_logit_softcapping": "tanh soft-capping of the logits",
                                  "attn_logit_softcapping": "tanh soft-capping of attention scores"})
     else:
         for key, name in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
@@ -247,87 +243,11 @@ def _exaone4_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
             "nope_layers": tuple(i for i, t in enumerate(types) if t == "full")}
 
 
-def _hybrid_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    """Qwen3.5's: linear-attention layers (layer_types, else every ``full_attention_interval``-th layer full), their
-    Gated DeltaNet's heads, dims and convolution, gated full attention with per-head q/k norms. Its interleaved
-    multimodal RoPE turns text positions as plain RoPE does (every section gets the same position)."""
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise KestrelError(f"{where}: hidden_act {act!r} is not supported (Qwen3.5 uses silu)")
-    _refuse_set(cfg, where, {"attention_bias": "biases on the attention's projections"})
-    types = cfg.get("layer_types")
-    if types is None:
-        interval = cfg.get("full_attention_interval", 4)
-        check_int("full_attention_interval", interval, 1)
-        types = ["linear_attention" if (i + 1) % interval else "full_attention"
-                 for i in range(cfg["num_hidden_layers"])]
-    types = _named_layers(types, {"linear_attention": "linear", "full_attention": "full"}, where)
-    return {"layer_types": types, "qk_norm": True, "attn_output_gate": True,
-            "linear_key_heads": cfg["linear_num_key_heads"], "linear_key_dim": cfg["linear_key_head_dim"],
-            "linear_value_heads": cfg["linear_num_value_heads"], "linear_value_dim": cfg["linear_value_head_dim"],
-            "linear_conv_kernel": cfg["linear_conv_kernel_dim"]}
-
-
-def _lfm2_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    """LFM2's: gated short-convolution layers (``conv_L_cache`` wide) beside attention with per-head q/k norms, as
-    ``layer_types`` (or the attention layers ``full_attn_idxs``) says."""
-    _refuse_set(cfg, where, {"conv_bias": "biases on the short convolutions and their projections"})
-    types = cfg.get("layer_types")
-    if types is None:
-        full = cfg.get("full_attn_idxs")
-        if not isinstance(full, list):
-            raise KestrelError(f"{where}: missing 'layer_types' (or 'full_attn_idxs')")
-        types = ["full_attention" if i in full else "conv" for i in range(cfg["num_hidden_layers"])]
-    return {"layer_types": _named_layers(types, {"conv": "conv", "full_attention": "full"}, where), "qk_norm": True,
-            "short_conv_kernel": check_int("conv_L_cache", cfg.get("conv_L_cache", 3), 1)}
-
-
-GRANITE_HYBRID_LAYERS = {"mamba": "mamba", "linear_attention": "mamba", "attention": "full", "full_attention": "full"}
-
-
-def _granite_hybrid_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    """Granite 4.0-H's: Mamba-2 layers beside attention (without RoPE unless position_embedding_type says rope), its
-    MLP the shared one (``shared_intermediate_size`` wide: the layer's MLP, or beside routed experts an ungated
-    shared expert; experts ``intermediate_size`` wide, their top-k logits softmaxed)."""
-    _refuse_set(cfg, where, {"mamba_proj_bias": "biases on the Mamba-2 projections"})
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise KestrelError(f"{where}: hidden_act {act!r} is not supported (Granite 4.0-H uses silu)")
-    limit = cfg.get("time_step_limit")
-    if limit is not None and (not isinstance(limit, list) or len(limit) != 2 or limit[0] != 0
-                              or limit[1] not in (math.inf, {"__float__": "Infinity"})):
-        raise KestrelError(f"{where}: time_step_limit {limit!r} is not supported (kestrel clamps no time step)")
-    types = cfg.get("layer_types", cfg.get("layers_block_type"))
-    types = _named_layers(types, GRANITE_HYBRID_LAYERS, where)
-    hidden, heads = cfg["hidden_size"], check_int("mamba_n_heads", cfg.get("mamba_n_heads", 128), 1)
-    inner = check_int("mamba_expand", cfg.get("mamba_expand", 2), 1) * hidden
-    head_dim = cfg.get("mamba_d_head", "auto")
-    head_dim = inner // heads if head_dim == "auto" else check_int("mamba_d_head", head_dim, 1)
-    if heads * head_dim != inner:
-        raise KestrelError(f"{where}: mamba_n_heads {heads} x mamba_d_head {head_dim} is not mamba_expand x "
-                           f"hidden_size ({inner})")
-    rope = cfg.get("position_embedding_type") == "rope"
-    out: dict[str, Any] = {
-        "layer_types": types, "nope_layers": () if rope else tuple(i for i, t in enumerate(types) if t == "full"),
-        "mamba_heads": heads, "mamba_head_dim": head_dim,
-        "mamba_groups": check_int("mamba_n_groups", cfg.get("mamba_n_groups", 1), 1),
-        "mamba_state": check_int("mamba_d_state", cfg.get("mamba_d_state", 256), 1),
-        "mamba_conv_kernel": check_int("mamba_d_conv", cfg.get("mamba_d_conv", 4), 1),
-        "mamba_conv_bias": check_bool("mamba_conv_bias", cfg.get("mamba_conv_bias", True))}
-    experts = check_int("num_local_experts", cfg.get("num_local_experts", 8), 0)
-    if experts:
-        out.update(num_experts=experts, experts_per_token=cfg.get("num_experts_per_tok", 2),
-                   expert_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
-                   shared_expert_intermediate_size=cfg.get("shared_intermediate_size", 1024),
-                   shared_expert_gated=False)
-    return out
-
-
 def _mla_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
     """Multi-head latent attention's (DeepSeek-V2/V3, GLM-4.7-Flash): the latent's and the query's ranks, a head's
     dims without RoPE and with (in interleaved pairs unless ``rope_interleave`` is false; DeepSeek-V2's always), the
     value's; the softmax scale times YaRN's mscale(mscale_all_dim) squared, as transformers' yarn_apply_mscale."""
-    _refuse_set(cfg, where, {"attention_bias": "biases on the latent attention's projections"})
+    refuse_set(cfg, where, {"attention_bias": "biases on the latent attention's projections"})
     nope = check_int("qk_nope_head_dim", cfg.get("qk_nope_head_dim", 128), 1)
     rope = check_int("qk_rope_head_dim", cfg.get("qk_rope_head_dim", 64), 2)
     scale = (nope + rope) ** -0.5
@@ -398,7 +318,7 @@ def _dots1_window(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     if types is None:
         first = cfg.get("max_window_layers", layers)
         types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)]
-    kinds = _named_layers(types, {"sliding_attention": "sliding", "full_attention": "full"}, where)
+    kinds = named_layers(types, {"sliding_attention": "sliding", "full_attention": "full"}, where)
     return {"layer_types": kinds, "sliding_window": window} if "sliding" in kinds else {}
 
 
@@ -440,14 +360,7 @@ def _layer_types(cfg: dict[str, Any], where: str, pattern: int) -> tuple[str, ..
     if types is None:
         layers = cfg["num_hidden_layers"]
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    return _named_layers(types, {"sliding_attention": "sliding", "full_attention": "full"}, where)
-
-
-def _named_layers(types: Any, names: dict[str, str], where: str) -> tuple[str, ...]:
-    """config.json's layer_types as kestrel's (``names``: each name it may hold -> kestrel's)."""
-    if not isinstance(types, list) or not all(isinstance(t, str) and t in names for t in types):
-        raise KestrelError(f"{where}: layer_types must be a list of {' / '.join(names)}")
-    return tuple(names[t] for t in types)
+    return named_layers(types, {"sliding_attention": "sliding", "full_attention": "full"}, where)
 
 
 # transformers' GenerationConfig defaults: a value equal to its default is no recommendation (vLLM reads the file
@@ -524,21 +437,21 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         if arch == "ministral3":  # Mistral's layers, YaRN, and Llama 4's attention temperature past the pretraining
             fields.update(_attention_temperature(rope or cfg.get("rope_scaling") or {}, where))  # context
         if arch in ("ernie4_5", "ernie4_5_moe"):  # Llama's layers with RoPE in interleaved pairs
-            _refuse_set(cfg, where, {"use_bias": "biases on every projection"})
+            refuse_set(cfg, where, {"use_bias": "biases on every projection"})
             fields["rope_interleaved"] = True
         if arch == "seed_oss":  # Llama's layers with q/k/v biases (attention_bias) and maybe an o bias
             fields.update(qkv_bias=check_bool("attention_bias", cfg.get("attention_bias", True)),
                           o_bias=check_bool("attention_out_bias", cfg.get("attention_out_bias", False)))
         if arch == "granitemoehybrid":
-            fields.update(_granite_hybrid_fields(cfg, where))
+            fields.update(hf_hybrid.granite_hybrid_fields(cfg, where))
         if arch in ("granite", "granitemoehybrid"):  # their four multipliers (GraniteConfig's defaults: 1)
             fields.update({name: check_float(key, cfg.get(key, 1.0), 0.0, lo_open=True) for key, name in (
                 ("embedding_multiplier", "embed_scale"), ("attention_multiplier", "query_scale"),
                 ("residual_multiplier", "residual_scale"), ("logits_scaling", "logits_scaling"))})
         if arch in HYBRID_ARCHITECTURES:
-            fields.update(_hybrid_fields(cfg, where))
+            fields.update(hf_hybrid.qwen3_5_fields(cfg, where))
         if arch in ("lfm2", "lfm2_moe"):
-            fields.update(_lfm2_fields(cfg, where))
+            fields.update(hf_hybrid.lfm2_fields(cfg, where))
         if arch == "dots1":  # Qwen3's attention (per-head q/k norms), sliding from layer max_window_layers on
             fields.update(qk_norm=True, **_dots1_window(cfg, where))
         if arch == "minimax_m2":  # Qwen3-MoE's layers with q/k norms over the whole projection, partial RoPE

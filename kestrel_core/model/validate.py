@@ -136,6 +136,21 @@ def open_regular(path: str | os.PathLike[str], root: str | os.PathLike[str] | No
 
 # -- Hugging Face config.json ------------------------------------------------------------------------------
 
+
+def refuse_set(cfg: dict[str, Any], where: str, keys: dict[str, str]) -> None:
+    """Refuse, by name, each of ``keys`` (config key -> what it is) the config sets to a truthy value."""
+    for key, what in keys.items():
+        if cfg.get(key):
+            raise KestrelError(f"{where}: {key} ({what}) is not supported")
+
+
+def named_layers(types: Any, names: dict[str, str], where: str) -> tuple[str, ...]:
+    """config.json's layer_types as kestrel's (``names``: each name it may hold -> kestrel's)."""
+    if not isinstance(types, list) or not all(isinstance(t, str) and t in names for t in types):
+        raise KestrelError(f"{where}: layer_types must be a list of {' / '.join(names)}")
+    return tuple(names[t] for t in types)
+
+
 # field -> (kind, required); kinds: "pos" int >= 1, "nonneg" int >= 0, "float+" finite > 0, "bool", "rope" dict
 HF_CONFIG_FIELDS: dict[str, tuple[str, bool]] = {  # in the order hf_config.config_from_hf reads them
     "num_attention_heads": ("pos", True),
