@@ -158,7 +158,7 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if arch == "gemma3":
         refuse_set(cfg, where, {"final_logit_softcapping": "tanh soft-capping of the logits",
-                                 "attn_logit_softcapping": "tanh soft-capping of attention scores"})
+                                "attn_logit_softcapping": "tanh soft-capping of attention scores"})
     else:
         for key, name in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
             cap = cfg.get(key, GEMMA2_SOFTCAPS[key])

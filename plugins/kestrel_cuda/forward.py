@@ -75,11 +75,7 @@ from kestrel_cuda import paged
 from kestrel_cuda.config import CudaConfig
 from kestrel_cuda.forward_state import Projections, State, WeightSource, build_state, pin_weights, unsupported_reason
 from kestrel_cuda.forward_step import Stepper
-from kestrel_cuda.plan import (
-    KV_DTYPE,
-    PASS_ROWS,
-    TOKEN_RING,
-)
+from kestrel_cuda.plan import KV_DTYPE, PASS_ROWS, TOKEN_RING
 
 CAP_CHUNK = 1024  # KV positions are allocated this many at a time
 @dataclass
@@ -354,8 +350,8 @@ class DeviceForward:
             if local and local != list(range(m - len(local), m)):
                 index = pool.index
                 ops.write_meta(index, np.array(local, np.int32))
-            self.stepper.run(st, None, m, len(local), paged.Paged(pool.kv, pool.rows[:m], pool.tables, index,
-                                                            pool.hsel))
+            self.stepper.run(st, None, m, len(local),
+                             paged.Paged(pool.kv, pool.rows[:m], pool.tables, index, pool.hsel))
             if local:
                 src = st.logits_all if len(local) > 1 else st.logits
                 part = needs[done:done + len(local)]
