@@ -4,7 +4,8 @@ The GEMMs run compiled int8 kernels (``kestrel_cpu.kernels``, numba) that comput
 integer block sums and differ from ``kestrel_core.contract.reference_gemm_*`` only in float rounding order
 (tests/kestrel_cpu state the bound). On a CPU with AVX-512 VNNI each weight is repacked once for them (the
 int8 and the float32 GEMMs share it), on first use, and kept under its wkey until the device closes (as
-much memory again as the int8 codes; ``KESTREL_CPU_PACKED=0`` keeps to the codes and the vpmaddwd kernels).
+much memory again as the int8 codes, half as much for an int4 weight, whose packed codes are two to a byte;
+``KESTREL_CPU_PACKED=0`` keeps to the codes and the vpmaddwd kernels).
 Where numba cannot be imported, or with ``KESTREL_CPU_REFERENCE=1``,
 the backend runs the numpy reference functions themselves.
 """
@@ -62,10 +63,10 @@ class CpuDevice:
         if kernels is None or not self.vnni:
             return None
         if wkey == NO_CACHE:
-            return kernels.Packed(weight.codes, weight.scales)
+            return kernels.Packed(weight.codes, weight.scales, weight.bits)
         hit = self.packed.get(wkey)
         if hit is None or hit[0] is not weight.codes:
-            hit = (weight.codes, kernels.Packed(weight.codes, weight.scales))
+            hit = (weight.codes, kernels.Packed(weight.codes, weight.scales, weight.bits))
             self.packed[wkey] = hit
         return hit[1]
 

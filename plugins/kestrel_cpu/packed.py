@@ -1,11 +1,13 @@
 """Int8 and float32 GEMMs for CPUs with AVX-512 VNNI, on weights repacked once (``Packed``).
 
 The layout: 16 output columns x 4 consecutive k in one 64-byte vector, codes biased to unsigned (code + 128),
-zero codes in the padding to 16 columns; scales [column group, block, column]. ``vpdpbusd`` multiplies a
-vector by four activation bytes broadcast to all 16 lanes, so each lane accumulates one output's block sum
-with no horizontal reduction, and the block epilogue runs on 16 outputs at once. The bias comes back out
-exactly as 128 x the block's activation sum, and the float part follows the contract's order, so the int8
-results equal ``reference_gemm_q8`` bit for bit. The float32 GEMM takes each k's 16 codes out of the same
+zero codes in the padding to 16 columns; scales [column group, block, column]. An int4 weight packs two such
+k-quads into one vector, the first in the low nibbles and the next in the high ones (code + 8), so its decode
+GEMV streams half the bytes. ``vpdpbusd`` multiplies a vector by four activation bytes broadcast to all 16
+lanes, so each lane accumulates one output's block sum with no horizontal reduction, and the block epilogue
+runs on 16 outputs at once. The bias comes back out exactly as 128 (int4: 8) x the block's activation sum,
+and the float part follows the contract's order, so the int8 results equal ``reference_gemm_q8`` bit for
+bit. The float32 GEMM takes each k's 16 codes out of the same
 vector as floats, one fused multiply-add per activation row; it is held to the contract's bound.
 
 Tiles are 8 activation rows (8 integer and 8 float accumulators stay in zmm registers) or 1; every row runs
@@ -45,6 +47,7 @@ def host_has_vnni() -> bool:
 HAS_VNNI = host_has_vnni()
 PACK_COLS = 16  # output columns per packed vector (one zmm of int32 lanes)
 PACK_K = 4  # consecutive k per lane (vpdpbusd's dot product width)
+BIAS = {8: 128, 4: 8}  # what a packed code adds to its signed value
 PACK_ROWS = 8  # activation rows per tile: 8 int32 and 8 float accumulators stay in zmm registers
 _V16I = ir.VectorType(_I32, PACK_COLS)
 _V16F = ir.VectorType(_F32, PACK_COLS)
@@ -78,13 +81,22 @@ def _store_rows(context: Any, builder: ir.IRBuilder, aryty: Any, out: ir.Value, 
         builder.store(builder.load(acc), builder.bitcast(dst, _V16F.as_pointer()), align=4)
 
 
-def _make_packed_tile(rows: int) -> Any:
-    """An intrinsic for ``rows`` activation rows x 16 packed columns: out[m0+r, 16j + c] for c < 16.
+def _nibbles(builder: ir.IRBuilder, wv: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """An int4 vector's two k-quads, each byte's low nibble and its high one, as vectors of bytes in [0, 15]."""
+    mask = ir.Constant(wv.type, [0x0F0F0F0F] * wv.type.count)
+    return builder.and_(wv, mask), builder.and_(builder.lshr(wv, ir.Constant(wv.type, [4] * wv.type.count)), mask)
+
+
+def _make_packed_tile(rows: int, bits: int) -> Any:
+    """An intrinsic for ``rows`` activation rows x 16 packed columns of a ``bits`` weight: out[m0+r, 16j + c] for
+    c < 16.
 
     Arguments (offsets in elements of flat C-ordered arrays): wp uint8 packed codes, wp_off (column group j);
     wsp float32 packed scales, wsp_off; a int8, a_off (row m0), a_stride; a_scales and a_sums (int32 block
-    sums of the activations), as_off, as_stride; ng; gq (k-quads per block, G/4); out, out_off, out_stride.
+    sums of the activations), as_off, as_stride; ng; gq (packed vectors per block: G/4, int4 G/8); out,
+    out_off, out_stride.
     """
+    quads = 8 // bits  # k-quads a vector holds
 
     @intrinsic
     def packed_tile(typingctx: Any, wp: Any, wp_off: Any, wsp: Any, wsp_off: Any, a: Any, a_off: Any,
@@ -115,19 +127,21 @@ def _make_packed_tile(rows: int) -> Any:
                 for r in range(rows):
                     builder.store(ir.Constant(_V16I, [0] * PACK_COLS), iacc[r])
                 with cgutils.for_range(builder, gq_) as qloop:
-                    quad = builder.add(builder.mul(g, gq_), qloop.index)
-                    wv = builder.load(builder.bitcast(builder.gep(pw, [builder.mul(quad, vec_bytes)]),
+                    vec = builder.add(builder.mul(g, gq_), qloop.index)
+                    wv = builder.load(builder.bitcast(builder.gep(pw, [builder.mul(vec, vec_bytes)]),
                                                       _V16I.as_pointer()), align=1)
-                    a_at = builder.mul(quad, ir.Constant(idx, PACK_K))
-                    for r in range(rows):  # four activation bytes, the same in every lane
-                        a4 = builder.load(builder.bitcast(builder.gep(pa[r], [a_at]), _I32.as_pointer()), align=1)
-                        acc = builder.call(dot, [builder.load(iacc[r]), wv, _splat(builder, a4, _V16I)])
-                        builder.store(acc, iacc[r])
-                # exact block sums: the bias of 128 on every code comes back out as 128 x sum(a); then the
-                # contract's float order, (float(sum_g) * a_scale) * w_scale added in block order, no FMA
+                    for q, wq in enumerate((wv,) if bits == 8 else _nibbles(builder, wv)):
+                        a_at = builder.add(builder.mul(vec, ir.Constant(idx, quads * PACK_K)),
+                                           ir.Constant(idx, q * PACK_K))
+                        for r in range(rows):  # four activation bytes, the same in every lane
+                            a4 = builder.load(builder.bitcast(builder.gep(pa[r], [a_at]), _I32.as_pointer()), align=1)
+                            acc = builder.call(dot, [builder.load(iacc[r]), wq, _splat(builder, a4, _V16I)])
+                            builder.store(acc, iacc[r])
+                # exact block sums: the bias on every code comes back out as bias x sum(a); then the contract's
+                # float order, (float(sum_g) * a_scale) * w_scale added in block order, no FMA
                 wsv = _block_scales(builder, pws, g, idx)
                 for r in range(rows):
-                    bias = builder.mul(builder.load(builder.gep(psum[r], [g])), ir.Constant(_I32, 128))
+                    bias = builder.mul(builder.load(builder.gep(psum[r], [g])), ir.Constant(_I32, BIAS[bits]))
                     total = builder.sitofp(builder.sub(builder.load(iacc[r]), _splat(builder, bias, _V16I)), _V16F)
                     a_sc = _splat(builder, builder.load(builder.gep(pas[r], [g])), _V16F)
                     term = builder.fmul(builder.fmul(total, a_sc), wsv)
@@ -140,15 +154,17 @@ def _make_packed_tile(rows: int) -> Any:
     return packed_tile
 
 
-def _make_packed_f32_tile(rows: int) -> Any:
+def _make_packed_f32_tile(rows: int, bits: int) -> Any:
     """An intrinsic like the int8 packed tile for float32 activations: out[m0+r, 16j + c] = sum_g w_scale *
     (sum_{k in g} a[k] * code[k]), the codes of each k taken out of the packed vector as 16 floats and
-    multiplied into 16 lanes with a fused multiply-add (the float32 path has no fixed order: it is held to
-    the contract's bound, not to the reference's bits; every row runs the same sequence whatever the tile).
+    multiplied into 16 lanes with a fused multiply-add, k in increasing order whatever ``bits`` (the float32
+    path has no fixed order: it is held to the contract's bound, not to the reference's bits; every row runs
+    the same sequence whatever the tile).
 
     Arguments: wp, wp_off, wsp, wsp_off as the int8 tile's; a float32, a_off, a_stride; ng; gq; out, out_off,
     out_stride.
     """
+    quads = 8 // bits
 
     @intrinsic
     def packed_f32_tile(typingctx: Any, wp: Any, wp_off: Any, wsp: Any, wsp_off: Any, a: Any, a_off: Any,
@@ -169,23 +185,26 @@ def _make_packed_f32_tile(rows: int) -> Any:
             pa = _row_ptrs(context, builder, targs[4], a_, a_off_, a_stride_, rows)
             facc = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * PACK_COLS)) for _ in range(rows)]
             bacc = [cgutils.alloca_once(builder, _V16F) for _ in range(rows)]
-            bias = ir.Constant(_V16F, [128.0] * PACK_COLS)
+            bias = ir.Constant(_V16F, [float(BIAS[bits])] * PACK_COLS)
             with cgutils.for_range(builder, ng_) as gloop:
                 g = gloop.index
                 for r in range(rows):
                     builder.store(ir.Constant(_V16F, [0.0] * PACK_COLS), bacc[r])
                 with cgutils.for_range(builder, gq_) as qloop:
-                    quad = builder.add(builder.mul(g, gq_), qloop.index)
-                    wv = builder.load(builder.bitcast(builder.gep(pw, [builder.mul(quad, vec_bytes)]),
-                                                      v64.as_pointer()), align=1)
-                    for kk in range(PACK_K):
-                        cols = builder.shuffle_vector(wv, ir.Constant(v64, ir.Undefined), ir.Constant(
-                            ir.VectorType(_I32, PACK_COLS), [PACK_K * c + kk for c in range(PACK_COLS)]))
-                        wk = builder.fsub(builder.uitofp(cols, _V16F), bias)  # the codes, exactly
-                        at = builder.add(builder.mul(quad, ir.Constant(idx, PACK_K)), ir.Constant(idx, kk))
-                        for r in range(rows):
-                            av = _splat(builder, builder.load(builder.gep(pa[r], [at])), _V16F)
-                            builder.store(builder.call(fma, [av, wk, builder.load(bacc[r])]), bacc[r])
+                    vec = builder.add(builder.mul(g, gq_), qloop.index)
+                    wv = builder.load(builder.bitcast(builder.gep(pw, [builder.mul(vec, vec_bytes)]),
+                                                      _V16I.as_pointer()), align=1)
+                    for q, wq in enumerate((wv,) if bits == 8 else _nibbles(builder, wv)):
+                        wb = builder.bitcast(wq, v64)
+                        for kk in range(PACK_K):
+                            cols = builder.shuffle_vector(wb, ir.Constant(v64, ir.Undefined), ir.Constant(
+                                ir.VectorType(_I32, PACK_COLS), [PACK_K * c + kk for c in range(PACK_COLS)]))
+                            wk = builder.fsub(builder.uitofp(cols, _V16F), bias)  # the codes, exactly
+                            at = builder.add(builder.mul(vec, ir.Constant(idx, quads * PACK_K)),
+                                             ir.Constant(idx, q * PACK_K + kk))
+                            for r in range(rows):
+                                av = _splat(builder, builder.load(builder.gep(pa[r], [at])), _V16F)
+                                builder.store(builder.call(fma, [av, wk, builder.load(bacc[r])]), bacc[r])
                 wsv = _block_scales(builder, pws, g, idx)
                 for r in range(rows):
                     builder.store(builder.call(fma, [builder.load(bacc[r]), wsv, builder.load(facc[r])]), facc[r])
@@ -197,20 +216,25 @@ def _make_packed_f32_tile(rows: int) -> Any:
     return packed_f32_tile
 
 
-_packed8 = _make_packed_tile(PACK_ROWS)
-_packed1 = _make_packed_tile(1)
-_packed_f32_8 = _make_packed_f32_tile(PACK_ROWS)
-_packed_f32_1 = _make_packed_f32_tile(1)
+_packed8 = _make_packed_tile(PACK_ROWS, 8)
+_packed1 = _make_packed_tile(1, 8)
+_packed8_int4 = _make_packed_tile(PACK_ROWS, 4)
+_packed1_int4 = _make_packed_tile(1, 4)
+_packed_f32_8 = _make_packed_f32_tile(PACK_ROWS, 8)
+_packed_f32_1 = _make_packed_f32_tile(1, 8)
+_packed_f32_8_int4 = _make_packed_f32_tile(PACK_ROWS, 4)
+_packed_f32_1_int4 = _make_packed_f32_tile(1, 4)
 
 
-def _gemm_packed_body(wps: tuple, wsps: tuple, a: np.ndarray, a_scales: np.ndarray, out: np.ndarray) -> None:
-    # wps[i]: [NG_i, K/4 * 64] uint8 packed codes; wsps[i]: [NG_i, ng * 16] packed scales (NG_i = 0 pads the
-    # tuple); a: [M, K] int8; a_scales: [M, ng]; out: [M, sum NG_i * 16], weight i in its groups' columns.
-    # A column group's packed codes stay in cache for all its row tiles.
+def _gemm_packed_body(wps: tuple, wsps: tuple, a: np.ndarray, a_scales: np.ndarray, out: np.ndarray,
+                      bits: int) -> None:
+    # wps[i]: [NG_i, K/4 * 64] uint8 packed codes (int4: K/8 * 64); wsps[i]: [NG_i, ng * 16] packed scales
+    # (NG_i = 0 pads the tuple); a: [M, K] int8; a_scales: [M, ng]; out: [M, sum NG_i * 16], weight i in its
+    # groups' columns. A column group's packed codes stay in cache for all its row tiles.
     m_rows, k = a.shape
     ng = a_scales.shape[1]
     g_size = k // ng
-    gq = g_size // PACK_K
+    gq = g_size // (PACK_K * (8 // bits))  # packed vectors a block
     a_sums = np.empty((m_rows, ng), np.int32)  # the bias's correction: each activation block's sum
     for m in range(m_rows):
         for g in range(ng):
@@ -230,53 +254,72 @@ def _gemm_packed_body(wps: tuple, wsps: tuple, a: np.ndarray, a_scales: np.ndarr
             i += 1
         wp, wsp, jj = wps[i], wsps[i], j - start[i]
         for m in range(0, m8, PACK_ROWS):
-            _packed8(wp, jj * wp.shape[1], wsp, jj * wsp.shape[1], a, m * k, k, a_scales, a_sums, m * ng, ng, ng,
-                     gq, out, m * n_out + j * PACK_COLS, n_out)
+            if bits == 8:
+                _packed8(wp, jj * wp.shape[1], wsp, jj * wsp.shape[1], a, m * k, k, a_scales, a_sums, m * ng, ng,
+                         ng, gq, out, m * n_out + j * PACK_COLS, n_out)
+            else:
+                _packed8_int4(wp, jj * wp.shape[1], wsp, jj * wsp.shape[1], a, m * k, k, a_scales, a_sums, m * ng,
+                              ng, ng, gq, out, m * n_out + j * PACK_COLS, n_out)
         for m in range(m8, m_rows):
-            _packed1(wp, jj * wp.shape[1], wsp, jj * wsp.shape[1], a, m * k, k, a_scales, a_sums, m * ng, ng, ng,
-                     gq, out, m * n_out + j * PACK_COLS, n_out)
+            if bits == 8:
+                _packed1(wp, jj * wp.shape[1], wsp, jj * wsp.shape[1], a, m * k, k, a_scales, a_sums, m * ng, ng,
+                         ng, gq, out, m * n_out + j * PACK_COLS, n_out)
+            else:
+                _packed1_int4(wp, jj * wp.shape[1], wsp, jj * wsp.shape[1], a, m * k, k, a_scales, a_sums, m * ng,
+                              ng, ng, gq, out, m * n_out + j * PACK_COLS, n_out)
 
 
-def _gemm_packed_f32_body(wp: np.ndarray, wsp: np.ndarray, a: np.ndarray, out: np.ndarray) -> None:
+def _gemm_packed_f32_body(wp: np.ndarray, wsp: np.ndarray, a: np.ndarray, out: np.ndarray, bits: int) -> None:
     # wp, wsp: one packed weight; a: [M, K] float32; out: [M, NG * 16]
     m_rows, k = a.shape
     ng = wsp.shape[1] // PACK_COLS
-    gq = k // ng // PACK_K
+    gq = k // ng // (PACK_K * (8 // bits))
     m8 = m_rows - m_rows % PACK_ROWS
     n_out = out.shape[1]
     for j in prange(wp.shape[0]):
         for m in range(0, m8, PACK_ROWS):
-            _packed_f32_8(wp, j * wp.shape[1], wsp, j * wsp.shape[1], a, m * k, k, ng, gq, out,
-                          m * n_out + j * PACK_COLS, n_out)
+            if bits == 8:
+                _packed_f32_8(wp, j * wp.shape[1], wsp, j * wsp.shape[1], a, m * k, k, ng, gq, out,
+                              m * n_out + j * PACK_COLS, n_out)
+            else:
+                _packed_f32_8_int4(wp, j * wp.shape[1], wsp, j * wsp.shape[1], a, m * k, k, ng, gq, out,
+                                   m * n_out + j * PACK_COLS, n_out)
         for m in range(m8, m_rows):
-            _packed_f32_1(wp, j * wp.shape[1], wsp, j * wsp.shape[1], a, m * k, k, ng, gq, out,
-                          m * n_out + j * PACK_COLS, n_out)
+            if bits == 8:
+                _packed_f32_1(wp, j * wp.shape[1], wsp, j * wsp.shape[1], a, m * k, k, ng, gq, out,
+                              m * n_out + j * PACK_COLS, n_out)
+            else:
+                _packed_f32_1_int4(wp, j * wp.shape[1], wsp, j * wsp.shape[1], a, m * k, k, ng, gq, out,
+                                   m * n_out + j * PACK_COLS, n_out)
 
 
 class Packed:
     """One weight in the VNNI layout: ``codes`` uint8 [N/16, K/4 * 64] (column group, k-quad, column, k;
-    code + 128; N padded to 16 with zero codes), ``scales`` float32 [N/16, ng * 16] (column group, block,
-    column); ``n`` its rows."""
+    code + 128; N padded to 16 with zero codes), or for ``bits`` 4 [N/16, K/8 * 64] (column group, k-octet,
+    column, k: the octet's first quad in the low nibbles, code + 8); ``scales`` float32 [N/16, ng * 16]
+    (column group, block, column); ``n`` its rows."""
 
-    __slots__ = ("codes", "scales", "n", "nbytes")
+    __slots__ = ("codes", "scales", "n", "bits", "nbytes")
 
-    def __init__(self, codes: np.ndarray, scales: np.ndarray) -> None:
+    def __init__(self, codes: np.ndarray, scales: np.ndarray, bits: int = 8) -> None:
         n, k = codes.shape
         ng = scales.shape[1]
         n_pad = -(-n // PACK_COLS) * PACK_COLS
         groups = n_pad // PACK_COLS
-        self.n = n
-        biased = np.full((n_pad, k), 128, np.uint8)
-        np.add(codes, 128, out=biased[:n], casting="unsafe", dtype=np.int16)
-        self.codes = np.ascontiguousarray(
-            biased.reshape(groups, PACK_COLS, k // PACK_K, PACK_K).transpose(0, 2, 1, 3)).reshape(groups, k * PACK_COLS)
+        self.n, self.bits = n, bits
+        biased = np.full((n_pad, k), BIAS[bits], np.uint8)
+        np.add(codes, BIAS[bits], out=biased[:n], casting="unsafe", dtype=np.int16)
+        if bits == 4:  # [N, K/8, 2, 4]: each k-octet's second quad into the high nibbles of its first
+            octets = biased.reshape(n_pad, k // 8, 2, PACK_K)
+            biased = (octets[:, :, 0] | (octets[:, :, 1] << 4)).reshape(n_pad, k // 2)
+        kb = biased.shape[1]  # bytes a column
+        self.codes = np.ascontiguousarray(biased.reshape(groups, PACK_COLS, kb // PACK_K, PACK_K)
+                                          .transpose(0, 2, 1, 3)).reshape(groups, kb * PACK_COLS)
         padded = np.zeros((n_pad, ng), np.float32)
         padded[:n] = scales
         self.scales = np.ascontiguousarray(
             padded.reshape(groups, PACK_COLS, ng).transpose(0, 2, 1)).reshape(groups, ng * PACK_COLS)
         self.nbytes = self.codes.nbytes + self.scales.nbytes
-
-
 
 
 _NO_PACKED = Packed(np.zeros((0, 32), np.int8), np.zeros((0, 1), np.float32))
@@ -288,13 +331,17 @@ _f32_serial = njit(cache=True, nogil=True)(named_copy(_gemm_packed_f32_body, "_s
 
 def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, packs: list[Packed], parallel: bool) -> list[np.ndarray]:
     """The contract's int8 GEMM of activations [M, K] (scales [M, K/G]) against each packed weight: float32
-    [M, N_i] each, column slices of one array."""
+    [M, N_i] each, column slices of one array (one pass where the weights share their bits)."""
+    bits = packs[0].bits
+    if any(p.bits != bits for p in packs):
+        return [out for p in packs for out in gemm_q8(a_codes, a_scales, [p], parallel)]
     m, _ = a_codes.shape
     pad = [_NO_PACKED] * (MAX_WEIGHTS - len(packs))
     out = np.empty((m, sum(p.codes.shape[0] for p in packs) * PACK_COLS), dtype=np.float32)
     if out.size:
         kernel = _q8_parallel if parallel else _q8_serial
-        kernel(tuple(p.codes for p in packs + pad), tuple(p.scales for p in packs + pad), a_codes, a_scales, out)
+        kernel(tuple(p.codes for p in packs + pad), tuple(p.scales for p in packs + pad), a_codes, a_scales, out,
+               bits)
     outs, start = [], 0
     for p in packs:
         outs.append(out[:, start:start + p.n])
@@ -305,5 +352,5 @@ def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, packs: list[Packed], para
 def gemm_f32(a: np.ndarray, pack: Packed, parallel: bool) -> np.ndarray:
     """float32 [M, N] of float32 activations [M, K] against a packed weight."""
     out = np.empty((a.shape[0], pack.codes.shape[0] * PACK_COLS), dtype=np.float32)
-    (_f32_parallel if parallel else _f32_serial)(pack.codes, pack.scales, a, out)
+    (_f32_parallel if parallel else _f32_serial)(pack.codes, pack.scales, a, out, pack.bits)
     return np.ascontiguousarray(out[:, :pack.n])

@@ -8,6 +8,8 @@ twice that (test_tolerance_is_not_loose shows the bound still catches a 1e-4 rel
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -267,29 +269,60 @@ def test_parallel_and_serial_builds_have_their_own_disk_cache() -> None:
 needs_vnni = pytest.mark.skipif(not kernels.VNNI, reason="this CPU has no AVX-512 VNNI: the vpmaddwd kernels run")
 
 
+def _unpacked(pack: Any, k: int) -> np.ndarray:
+    """The signed codes a ``Packed`` holds, [N padded to 16, K], read back from its layout."""
+    groups = pack.codes.shape[0]
+    if pack.bits == 8:
+        return pack.codes.reshape(groups, k // 4, 16, 4).transpose(0, 2, 1, 3).reshape(groups * 16, k).astype(
+            np.int16) - 128
+    octets = pack.codes.reshape(groups, k // 8, 16, 4).transpose(0, 2, 1, 3)  # [groups, 16, K/8, 4] bytes
+    quads = np.stack([octets & 0x0F, octets >> 4], axis=3)  # [groups, 16, K/8, 2, 4]: low nibbles first
+    return quads.reshape(groups * 16, k).astype(np.int16) - 8
+
+
 @needs_vnni
 @pytest.mark.parametrize(("m", "n", "k", "g", "bits"), [(1, 576, 576, 32, 8), (8, 17, 256, 256, 4),
-                                                       (13, 48, 64, 32, 8), (64, 100, 512, 256, 8)])
+                                                       (13, 48, 64, 32, 8), (64, 100, 512, 256, 8),
+                                                       (1, 576, 576, 32, 4), (9, 33, 96, 32, 4)])
 def test_packed_layout_holds_each_weight_exactly(m: int, n: int, k: int, g: int, bits: int) -> None:
-    """Packed codes are code + 128 at (column group, k-quad, column, k), zero codes in the padding; the VNNI
-    result equals the reference's for rows beside padded columns, int4 and G = 256 too, extreme codes
-    included."""
+    """Packed int8 codes are code + 128 at (column group, k-quad, column, k), int4 codes two k-quads a vector in
+    its low and high nibbles (code + 8), zero codes in the padding; the VNNI result equals the reference's for
+    rows beside padded columns, G = 256 too, extreme codes included, and the float32 GEMM gives the same bits
+    on either layout."""
     rng = np.random.default_rng(k + n)
     a_codes, a_scales, w, _ = _q8_inputs(rng, m, n, k, g, bits)
     a_codes[0, :32] = -127  # the bias's correction at its extremes
     lo, hi = (-127, 127) if bits == 8 else (-8, 7)
     w.codes[0, :8], w.codes[-1, :8] = lo, hi
-    pack = kernels.Packed(w.codes, w.scales)
+    pack = kernels.Packed(w.codes, w.scales, bits)
     groups = -(-n // 16)
-    assert pack.codes.shape == (groups, k * 16) and pack.n == n
-    layout = pack.codes.reshape(groups, k // 4, 16, 4).transpose(0, 2, 1, 3).reshape(groups * 16, k)
-    np.testing.assert_array_equal(layout[:n].astype(np.int16) - 128, w.codes)
-    assert (layout[n:] == 128).all()
+    assert pack.codes.shape == (groups, k * 16 * bits // 8) and pack.n == n and pack.bits == bits
+    layout = _unpacked(pack, k)
+    np.testing.assert_array_equal(layout[:n], w.codes)
+    assert (layout[n:] == 0).all()
     np.testing.assert_array_equal(kernels.gemm_q8(a_codes, a_scales, w.codes, w.scales, pack),
                                   reference_gemm_q8(a_codes, a_scales, w))
     x = (a_codes * np.repeat(a_scales, g, axis=1)).astype(np.float32)
     got = kernels.gemm_f32(x, w.codes, w.scales, pack)
     assert np.all(np.abs(got - reference_gemm_f32(x, w)) <= _tolerance(np.abs(x), w))
+    np.testing.assert_array_equal(got, kernels.gemm_f32(x, w.codes, w.scales, kernels.Packed(w.codes, w.scales)))
+
+
+@needs_vnni
+def test_int4_weights_pack_at_half_the_bytes_and_fuse_with_int8(cpu: Backend) -> None:
+    """The backend packs a weight at its own bits (an int4 one in half the bytes of codes); a fused pass over
+    weights of both kinds gives each one's reference bits."""
+    import kestrel_cpu
+
+    device = kestrel_cpu.kestrel_open(options={})
+    rng = np.random.default_rng(21)
+    a_codes, a_scales, w4, _ = _q8_inputs(rng, 3, 40, 64, 32, 4)
+    w8 = quantize_weight(rng.standard_normal((24, 64)).astype(np.float32), 8, 32)
+    assert device.packed_for(3, w4).codes.nbytes == 48 * 64 // 2  # 40 rows padded to 48, two codes a byte
+    outs = kestrel_cpu.kestrel_gemm_fused_q8(device=device, a_codes=a_codes, a_scales=a_scales,
+                                             weights=[w4, w8, w4], wkeys=[3, 4, 3], fused_wkey=5)
+    for out, w in zip(outs, (w4, w8, w4)):
+        np.testing.assert_array_equal(out, reference_gemm_q8(a_codes, a_scales, w))
 
 
 @needs_vnni
