@@ -293,6 +293,36 @@ def _gemm_packed_f32_body(wp: np.ndarray, wsp: np.ndarray, a: np.ndarray, out: n
                                    m * n_out + j * PACK_COLS, n_out)
 
 
+def _pack_body(words: np.ndarray, scales: np.ndarray, bits: int, out: np.ndarray, out_scales: np.ndarray) -> None:
+    # words: a weight's codes [N, K] as uint32 [N, K/4] (four k a word); scales: [N, ng]; out: uint32 [NG, K/4, 16]
+    # (int4: [NG, K/8, 16]), words of column c of group g at [g, :, c]; out_scales: [NG, ng, 16]. Adding the bias
+    # byte by byte: int8, code + 128 flips the top bit; int4 (codes in [-8, 7]), code + 8 is its low nibble
+    # with the nibble's top bit flipped.
+    n = words.shape[0]
+    ng = scales.shape[1]
+    n_vec = out.shape[1]
+    pad = np.uint32(0x80808080) if bits == 8 else np.uint32(0x88888888)  # zero codes, biased
+    for g in prange(out.shape[0]):
+        for c in range(PACK_COLS):
+            row = g * PACK_COLS + c
+            for b in range(ng):
+                out_scales[g, b, c] = scales[row, b] if row < n else np.float32(0)
+        for v in range(n_vec):
+            for c in range(PACK_COLS):
+                row = g * PACK_COLS + c
+                if row >= n:
+                    out[g, v, c] = pad
+                elif bits == 8:
+                    out[g, v, c] = words[row, v] ^ np.uint32(0x80808080)
+                else:  # the k-octet's first quad in the low nibbles, its second in the high ones
+                    lo = (words[row, 2 * v] & np.uint32(0x0F0F0F0F)) ^ np.uint32(0x08080808)
+                    hi = (words[row, 2 * v + 1] & np.uint32(0x0F0F0F0F)) ^ np.uint32(0x08080808)
+                    out[g, v, c] = lo | (hi << np.uint32(4))
+
+
+_pack = njit(parallel=True, cache=True, nogil=True)(_pack_body)
+
+
 class Packed:
     """One weight in the VNNI layout: ``codes`` uint8 [N/16, K/4 * 64] (column group, k-quad, column, k;
     code + 128; N padded to 16 with zero codes), or for ``bits`` 4 [N/16, K/8 * 64] (column group, k-octet,
@@ -304,21 +334,15 @@ class Packed:
     def __init__(self, codes: np.ndarray, scales: np.ndarray, bits: int = 8) -> None:
         n, k = codes.shape
         ng = scales.shape[1]
-        n_pad = -(-n // PACK_COLS) * PACK_COLS
-        groups = n_pad // PACK_COLS
+        groups = -(-n // PACK_COLS)
         self.n, self.bits = n, bits
-        biased = np.full((n_pad, k), BIAS[bits], np.uint8)
-        np.add(codes, BIAS[bits], out=biased[:n], casting="unsafe", dtype=np.int16)
-        if bits == 4:  # [N, K/8, 2, 4]: each k-octet's second quad into the high nibbles of its first
-            octets = biased.reshape(n_pad, k // 8, 2, PACK_K)
-            biased = (octets[:, :, 0] | (octets[:, :, 1] << 4)).reshape(n_pad, k // 2)
-        kb = biased.shape[1]  # bytes a column
-        self.codes = np.ascontiguousarray(biased.reshape(groups, PACK_COLS, kb // PACK_K, PACK_K)
-                                          .transpose(0, 2, 1, 3)).reshape(groups, kb * PACK_COLS)
-        padded = np.zeros((n_pad, ng), np.float32)
-        padded[:n] = scales
-        self.scales = np.ascontiguousarray(
-            padded.reshape(groups, PACK_COLS, ng).transpose(0, 2, 1)).reshape(groups, ng * PACK_COLS)
+        words = np.ascontiguousarray(codes).view(np.uint32)  # [N, K/4]
+        out = np.empty((groups, k // (PACK_K * 8 // bits), PACK_COLS), np.uint32)
+        out_scales = np.empty((groups, ng, PACK_COLS), np.float32)
+        if out.size:  # the empty weight that pads a pass needs no kernel (nor its compilation on import)
+            _pack(words, np.ascontiguousarray(scales), bits, out, out_scales)
+        self.codes = out.view(np.uint8).reshape(groups, out.shape[1] * PACK_COLS * 4)
+        self.scales = out_scales.reshape(groups, ng * PACK_COLS)
         self.nbytes = self.codes.nbytes + self.scales.nbytes
 
 
