@@ -5,7 +5,7 @@
 
 For each projection shape [N, K] and each M it times kestrel's ``kestrel_gemm_q8`` hook (through the bound
 cpu backend, as the engine calls it, each weight under its own wkey so a VNNI host packs it once), the same
-hook on the vpmaddwd kernels (``kernels.VNNI`` off: what a CPU without AVX-512 VNNI runs), and ``A @ W.T`` in
+hook on the vpmaddwd kernels (``kernels.VNNI`` off: what a CPU without VNNI runs), and ``A @ W.T`` in
 float32 (numpy's BLAS, the fastest pure-numpy way
 to apply a dequantized weight), in the same process, and reports the median time, GB/s of weight bytes read
 (int8 codes + float32 scales for kestrel, float32 for BLAS) and GFLOP/s. At M=1 each call gets the next of

@@ -2,12 +2,11 @@
 
 The GEMMs run compiled int8 kernels (``kestrel_cpu.kernels``, numba) that compute the contract's exact
 integer block sums and differ from ``kestrel_core.contract.reference_gemm_*`` only in float rounding order
-(tests/kestrel_cpu state the bound). On a CPU with AVX-512 VNNI each weight is repacked once for them (the
-int8 and the float32 GEMMs share it), on first use, and kept under its wkey until the device closes (as
-much memory again as the int8 codes, half as much for an int4 weight, whose packed codes are two to a byte;
-``KESTREL_CPU_PACKED=0`` keeps to the codes and the vpmaddwd kernels).
-Where numba cannot be imported, or with ``KESTREL_CPU_REFERENCE=1``,
-the backend runs the numpy reference functions themselves.
+(tests/kestrel_cpu state the bound). On a CPU with VNNI (AVX-512 VNNI, or AVX-VNNI) each weight is repacked
+once for them (the int8 and the float32 GEMMs share it), on first use, and kept under its wkey until the
+device closes (as much memory again as the int8 codes, half as much for an int4 weight, whose packed codes
+are two to a byte; ``KESTREL_CPU_PACKED=0`` keeps to the codes and the vpmaddwd kernels). Where numba cannot
+be imported, or with ``KESTREL_CPU_REFERENCE=1``, the backend runs the numpy reference functions themselves.
 """
 
 from __future__ import annotations
@@ -46,9 +45,10 @@ def _load_kernels() -> tuple[ModuleType | None, str]:
 class CpuDevice:
     def __init__(self) -> None:
         self.kernels, why = _load_kernels()
-        self.vnni = self.kernels is not None and self.kernels.VNNI and env_flag(PACKED_ENV, default=True)
-        vnni = self.vnni
-        self.description = (f"host CPU (numba int8 kernels{', AVX-512 VNNI' if vnni else ''})" if self.kernels
+        kernels = self.kernels
+        self.vnni = kernels is not None and kernels.VNNI and env_flag(PACKED_ENV, default=True)
+        vnni = f", {'AVX-512 VNNI' if kernels.packed.PACK_COLS == 16 else 'AVX-VNNI'}" if self.vnni else ""
+        self.description = (f"host CPU (numba int8 kernels{vnni})" if kernels
                             else f"host CPU (numpy reference; {why})")
         # wkey -> (the codes it was packed from, the VNNI-packed weight): packed once, on first use, and used
         # by the int8 and the float32 GEMMs alike

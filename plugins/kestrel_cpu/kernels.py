@@ -17,9 +17,9 @@ lanes, |sum| <= 127*127*256), and the float part follows the contract's order: `
 w_scale`` per block, added in block order, no fused multiply-add. Every tile shape does exactly this per
 output, so an output's bits do not depend on the tile, the thread split or the machine.
 
-Where the CPU has AVX-512 VNNI (``VNNI``), ``gemm_q8``, ``gemm_q8_multi`` and ``gemm_f32`` run the kernels of
-``kestrel_cpu.packed`` instead, on each weight repacked once (the backend caches them under the wkey): 4-5x
-the vpmaddwd kernels' rate at 8 rows and more (benchmarks/cpu_gemm.py).
+Where the CPU has VNNI, AVX-512's or AVX's (``VNNI``), ``gemm_q8``, ``gemm_q8_multi`` and ``gemm_f32`` run the
+kernels of ``kestrel_cpu.packed`` instead, on each weight repacked once (the backend caches them under the
+wkey): 4-5x the vpmaddwd kernels' rate at 8 rows and more with AVX-512 (benchmarks/cpu_gemm.py).
 
 This module lives in one file on purpose: numba's on-disk cache is invalidated by the timestamp of the file
 that holds the jitted function, so the intrinsics it inlines must sit in the same file.

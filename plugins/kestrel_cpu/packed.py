@@ -1,24 +1,28 @@
-"""Int8 and float32 GEMMs for CPUs with AVX-512 VNNI, on weights repacked once (``Packed``).
+"""Int8 and float32 GEMMs for CPUs with VNNI (AVX-512 VNNI, or AVX-VNNI), on weights repacked once (``Packed``).
 
-The layout: 16 output columns x 4 consecutive k in one 64-byte vector, codes biased to unsigned (code + 128),
-zero codes in the padding to 16 columns; scales [column group, block, column]. An int4 weight packs two such
-k-quads into one vector, the first in the low nibbles and the next in the high ones (code + 8), so its decode
-GEMV streams half the bytes. ``vpdpbusd`` multiplies a vector by four activation bytes broadcast to all 16
-lanes, so each lane accumulates one output's block sum with no horizontal reduction, and the block epilogue
-runs on 16 outputs at once. The bias comes back out exactly as 128 (int4: 8) x the block's activation sum,
-and the float part follows the contract's order, so the int8 results equal ``reference_gemm_q8`` bit for
-bit. The float32 GEMM takes each k's 16 codes out of the same
-vector as floats, one fused multiply-add per activation row; it is held to the contract's bound.
+The layout: W output columns x 4 consecutive k in one vector of 4W bytes (W = 16, a zmm, with AVX-512 VNNI;
+W = 8, a ymm, with AVX-VNNI alone: Intel's client cores since Alder Lake), codes biased to unsigned (code +
+128), zero codes in the padding to W columns; scales [column group, block, column]. An int4 weight packs two
+such k-quads into one vector, the first in the low nibbles and the next in the high ones (code + 8), so its
+decode GEMV streams half the bytes. ``vpdpbusd`` multiplies a vector by four activation bytes broadcast to
+all W lanes, so each lane accumulates one output's block sum with no horizontal reduction, and the block
+epilogue runs on W outputs at once. The bias comes back out exactly as 128 (int4: 8) x the block's
+activation sum, and the float part follows the contract's order, so the int8 results equal
+``reference_gemm_q8`` bit for bit. The float32 GEMM takes each k's W codes out of the same vector as floats,
+one fused multiply-add per activation row; it is held to the contract's bound.
 
-Tiles are 8 activation rows (8 integer and 8 float accumulators stay in zmm registers) or 1; every row runs
-the same sequence of operations in either, so a row's bits do not depend on its batch. The kernels compile
-only when called, so importing this module on a CPU without VNNI is harmless (``HAS_VNNI`` says whether to
-call them). The intrinsics and the functions that inline them share this file: numba's disk cache follows
-the jitted function's file.
+Tiles are PACK_ROWS activation rows (their integer and float accumulators stay in registers: 8 rows in 32
+zmm, 4 in AVX2's 16 ymm) or 1; every row runs the same sequence of operations in either, so a row's bits do
+not depend on its batch. W is fixed when this module is imported (``VNNI_WIDTH``, 0 where the CPU has
+neither; ``KESTREL_CPU_VNNI=256`` takes the ymm kernels on an AVX-512 CPU, which runs them too), and the
+jitted functions carry it in their names, so numba's disk cache keeps each width's builds apart. The kernels
+compile only when called, so importing this module on a CPU without VNNI is harmless. The intrinsics and the
+functions that inline them share this file: numba's disk cache follows the jitted function's file.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -34,28 +38,38 @@ from kestrel_cpu.codegen import data_ptr as _data_ptr
 from kestrel_cpu.codegen import named_copy
 
 MAX_WEIGHTS = 3  # one pass over up to three weights sharing K and G (Q|K|V, gate|up)
+WIDTH_ENV = "KESTREL_CPU_VNNI"  # 256: the ymm kernels where the CPU also has the zmm ones
 
 
-def host_has_vnni() -> bool:
-    """AVX-512 (F, BW) with VNNI on this CPU, as LLVM sees it (what numba compiles for)."""
-    import llvmlite.binding as llvm
+def host_vnni_width(features: set[str] | None = None) -> int:
+    """Output columns a ``vpdpbusd`` vector holds on this CPU, as LLVM sees it (what numba compiles for): 16
+    with AVX-512 (F, BW) VNNI, 8 with AVX-VNNI (or AVX-512 VNNI on 256-bit vectors), else 0."""
+    if features is None:
+        import llvmlite.binding as llvm
 
-    features = set(llvm.get_host_cpu_features().flatten().split(","))
-    return {"+avx512f", "+avx512bw", "+avx512vnni"} <= features
+        features = set(llvm.get_host_cpu_features().flatten().split(","))
+    wide = {"+avx512f", "+avx512bw", "+avx512vnni"} <= features
+    narrow = "+avx2" in features and ("+avxvnni" in features or {"+avx512vnni", "+avx512vl"} <= features)
+    if wide and os.environ.get(WIDTH_ENV) != "256":
+        return 16
+    return 8 if narrow else 0
 
 
-HAS_VNNI = host_has_vnni()
-PACK_COLS = 16  # output columns per packed vector (one zmm of int32 lanes)
+VNNI_WIDTH = host_vnni_width()
+HAS_VNNI = VNNI_WIDTH > 0
+PACK_COLS = VNNI_WIDTH or 16  # output columns per packed vector (one int32 lane each)
 PACK_K = 4  # consecutive k per lane (vpdpbusd's dot product width)
 BIAS = {8: 128, 4: 8}  # what a packed code adds to its signed value
-PACK_ROWS = 8  # activation rows per tile: 8 int32 and 8 float accumulators stay in zmm registers
-_V16I = ir.VectorType(_I32, PACK_COLS)
-_V16F = ir.VectorType(_F32, PACK_COLS)
+PACK_ROWS = 8 if PACK_COLS == 16 else 4  # activation rows per tile: their accumulators stay in registers
+_VI = ir.VectorType(_I32, PACK_COLS)
+_VF = ir.VectorType(_F32, PACK_COLS)
+_DOT = f"llvm.x86.avx512.vpdpbusd.{32 * PACK_COLS}"  # LLVM emits the VEX form for AVX-VNNI
+_FMA = f"llvm.fma.v{PACK_COLS}f32"
 
 
 def _splat(builder: ir.IRBuilder, value: ir.Value, vec_ty: ir.VectorType) -> ir.Value:
     one = builder.insert_element(ir.Constant(vec_ty, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, ir.Constant(vec_ty, ir.Undefined), ir.Constant(_V16I, [0] * PACK_COLS))
+    return builder.shuffle_vector(one, ir.Constant(vec_ty, ir.Undefined), ir.Constant(_VI, [0] * PACK_COLS))
 
 
 def _row_ptrs(context: Any, builder: ir.IRBuilder, aryty: Any, ary: ir.Value, base: ir.Value, stride: ir.Value,
@@ -66,19 +80,19 @@ def _row_ptrs(context: Any, builder: ir.IRBuilder, aryty: Any, ary: ir.Value, ba
 
 
 def _block_scales(builder: ir.IRBuilder, pws: ir.Value, g: ir.Value, idx: ir.IntType) -> ir.Value:
-    """The 16 columns' scales of block ``g``: <16 x float>."""
+    """The W columns' scales of block ``g``: <W x float>."""
     at = builder.gep(pws, [builder.mul(g, ir.Constant(idx, PACK_COLS))])
-    return builder.load(builder.bitcast(at, _V16F.as_pointer()), align=4)
+    return builder.load(builder.bitcast(at, _VF.as_pointer()), align=4)
 
 
 def _store_rows(context: Any, builder: ir.IRBuilder, aryty: Any, out: ir.Value, out_off: ir.Value,
                 out_stride: ir.Value, facc: list[ir.Value]) -> None:
-    """Each row's 16 accumulated outputs to out[out_off + r * out_stride ...]."""
+    """Each row's W accumulated outputs to out[out_off + r * out_stride ...]."""
     idx = out_off.type
     pout = _data_ptr(context, builder, aryty, out, out_off)
     for r, acc in enumerate(facc):
         dst = builder.gep(pout, [builder.mul(out_stride, ir.Constant(idx, r))])
-        builder.store(builder.load(acc), builder.bitcast(dst, _V16F.as_pointer()), align=4)
+        builder.store(builder.load(acc), builder.bitcast(dst, _VF.as_pointer()), align=4)
 
 
 def _nibbles(builder: ir.IRBuilder, wv: ir.Value) -> tuple[ir.Value, ir.Value]:
@@ -88,8 +102,8 @@ def _nibbles(builder: ir.IRBuilder, wv: ir.Value) -> tuple[ir.Value, ir.Value]:
 
 
 def _make_packed_tile(rows: int, bits: int) -> Any:
-    """An intrinsic for ``rows`` activation rows x 16 packed columns of a ``bits`` weight: out[m0+r, 16j + c] for
-    c < 16.
+    """An intrinsic for ``rows`` activation rows x W packed columns of a ``bits`` weight: out[m0+r, Wj + c] for
+    c < W.
 
     Arguments (offsets in elements of flat C-ordered arrays): wp uint8 packed codes, wp_off (column group j);
     wsp float32 packed scales, wsp_off; a int8, a_off (row m0), a_stride; a_scales and a_sums (int32 block
@@ -110,40 +124,39 @@ def _make_packed_tile(rows: int, bits: int) -> Any:
              out_, out_off_, out_stride_) = args
             targs = signature.args
             idx = wp_off_.type
-            name = "llvm.x86.avx512.vpdpbusd.512"
-            dot = builder.module.globals.get(name) or ir.Function(
-                builder.module, ir.FunctionType(_V16I, [_V16I, _V16I, _V16I]), name)
+            dot = builder.module.globals.get(_DOT) or ir.Function(
+                builder.module, ir.FunctionType(_VI, [_VI, _VI, _VI]), _DOT)
 
             pw = _data_ptr(context, builder, targs[0], wp_, wp_off_)
             pws = _data_ptr(context, builder, targs[2], wsp_, wsp_off_)
             pa = _row_ptrs(context, builder, targs[4], a_, a_off_, a_stride_, rows)
             pas = _row_ptrs(context, builder, targs[7], asc_, as_off_, as_stride_, rows)
             psum = _row_ptrs(context, builder, targs[8], asum_, as_off_, as_stride_, rows)
-            facc = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * PACK_COLS)) for _ in range(rows)]
-            iacc = [cgutils.alloca_once(builder, _V16I) for _ in range(rows)]
+            facc = [cgutils.alloca_once_value(builder, ir.Constant(_VF, [0.0] * PACK_COLS)) for _ in range(rows)]
+            iacc = [cgutils.alloca_once(builder, _VI) for _ in range(rows)]
             vec_bytes = ir.Constant(idx, PACK_COLS * PACK_K)
             with cgutils.for_range(builder, ng_) as gloop:
                 g = gloop.index
                 for r in range(rows):
-                    builder.store(ir.Constant(_V16I, [0] * PACK_COLS), iacc[r])
+                    builder.store(ir.Constant(_VI, [0] * PACK_COLS), iacc[r])
                 with cgutils.for_range(builder, gq_) as qloop:
                     vec = builder.add(builder.mul(g, gq_), qloop.index)
                     wv = builder.load(builder.bitcast(builder.gep(pw, [builder.mul(vec, vec_bytes)]),
-                                                      _V16I.as_pointer()), align=1)
+                                                      _VI.as_pointer()), align=1)
                     for q, wq in enumerate((wv,) if bits == 8 else _nibbles(builder, wv)):
                         a_at = builder.add(builder.mul(vec, ir.Constant(idx, quads * PACK_K)),
                                            ir.Constant(idx, q * PACK_K))
                         for r in range(rows):  # four activation bytes, the same in every lane
                             a4 = builder.load(builder.bitcast(builder.gep(pa[r], [a_at]), _I32.as_pointer()), align=1)
-                            acc = builder.call(dot, [builder.load(iacc[r]), wq, _splat(builder, a4, _V16I)])
+                            acc = builder.call(dot, [builder.load(iacc[r]), wq, _splat(builder, a4, _VI)])
                             builder.store(acc, iacc[r])
                 # exact block sums: the bias on every code comes back out as bias x sum(a); then the contract's
                 # float order, (float(sum_g) * a_scale) * w_scale added in block order, no FMA
                 wsv = _block_scales(builder, pws, g, idx)
                 for r in range(rows):
                     bias = builder.mul(builder.load(builder.gep(psum[r], [g])), ir.Constant(_I32, BIAS[bits]))
-                    total = builder.sitofp(builder.sub(builder.load(iacc[r]), _splat(builder, bias, _V16I)), _V16F)
-                    a_sc = _splat(builder, builder.load(builder.gep(pas[r], [g])), _V16F)
+                    total = builder.sitofp(builder.sub(builder.load(iacc[r]), _splat(builder, bias, _VI)), _VF)
+                    a_sc = _splat(builder, builder.load(builder.gep(pas[r], [g])), _VF)
                     term = builder.fmul(builder.fmul(total, a_sc), wsv)
                     builder.store(builder.fadd(builder.load(facc[r]), term), facc[r])
             _store_rows(context, builder, targs[13], out_, out_off_, out_stride_, facc)
@@ -155,9 +168,9 @@ def _make_packed_tile(rows: int, bits: int) -> Any:
 
 
 def _make_packed_f32_tile(rows: int, bits: int) -> Any:
-    """An intrinsic like the int8 packed tile for float32 activations: out[m0+r, 16j + c] = sum_g w_scale *
-    (sum_{k in g} a[k] * code[k]), the codes of each k taken out of the packed vector as 16 floats and
-    multiplied into 16 lanes with a fused multiply-add, k in increasing order whatever ``bits`` (the float32
+    """An intrinsic like the int8 packed tile for float32 activations: out[m0+r, Wj + c] = sum_g w_scale *
+    (sum_{k in g} a[k] * code[k]), the codes of each k taken out of the packed vector as W floats and
+    multiplied into W lanes with a fused multiply-add, k in increasing order whatever ``bits`` (the float32
     path has no fixed order: it is held to the contract's bound, not to the reference's bits; every row runs
     the same sequence whatever the tile).
 
@@ -175,35 +188,34 @@ def _make_packed_f32_tile(rows: int, bits: int) -> Any:
             wp_, wp_off_, wsp_, wsp_off_, a_, a_off_, a_stride_, ng_, gq_, out_, out_off_, out_stride_ = args
             targs = signature.args
             idx = wp_off_.type
-            name = "llvm.fma.v16f32"
-            fma = builder.module.globals.get(name) or ir.Function(
-                builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), name)
+            fma = builder.module.globals.get(_FMA) or ir.Function(
+                builder.module, ir.FunctionType(_VF, [_VF, _VF, _VF]), _FMA)
             v64 = ir.VectorType(_I8, PACK_COLS * PACK_K)
             vec_bytes = ir.Constant(idx, PACK_COLS * PACK_K)
             pw = _data_ptr(context, builder, targs[0], wp_, wp_off_)
             pws = _data_ptr(context, builder, targs[2], wsp_, wsp_off_)
             pa = _row_ptrs(context, builder, targs[4], a_, a_off_, a_stride_, rows)
-            facc = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * PACK_COLS)) for _ in range(rows)]
-            bacc = [cgutils.alloca_once(builder, _V16F) for _ in range(rows)]
-            bias = ir.Constant(_V16F, [float(BIAS[bits])] * PACK_COLS)
+            facc = [cgutils.alloca_once_value(builder, ir.Constant(_VF, [0.0] * PACK_COLS)) for _ in range(rows)]
+            bacc = [cgutils.alloca_once(builder, _VF) for _ in range(rows)]
+            bias = ir.Constant(_VF, [float(BIAS[bits])] * PACK_COLS)
             with cgutils.for_range(builder, ng_) as gloop:
                 g = gloop.index
                 for r in range(rows):
-                    builder.store(ir.Constant(_V16F, [0.0] * PACK_COLS), bacc[r])
+                    builder.store(ir.Constant(_VF, [0.0] * PACK_COLS), bacc[r])
                 with cgutils.for_range(builder, gq_) as qloop:
                     vec = builder.add(builder.mul(g, gq_), qloop.index)
                     wv = builder.load(builder.bitcast(builder.gep(pw, [builder.mul(vec, vec_bytes)]),
-                                                      _V16I.as_pointer()), align=1)
+                                                      _VI.as_pointer()), align=1)
                     for q, wq in enumerate((wv,) if bits == 8 else _nibbles(builder, wv)):
                         wb = builder.bitcast(wq, v64)
                         for kk in range(PACK_K):
                             cols = builder.shuffle_vector(wb, ir.Constant(v64, ir.Undefined), ir.Constant(
                                 ir.VectorType(_I32, PACK_COLS), [PACK_K * c + kk for c in range(PACK_COLS)]))
-                            wk = builder.fsub(builder.uitofp(cols, _V16F), bias)  # the codes, exactly
+                            wk = builder.fsub(builder.uitofp(cols, _VF), bias)  # the codes, exactly
                             at = builder.add(builder.mul(vec, ir.Constant(idx, quads * PACK_K)),
                                              ir.Constant(idx, q * PACK_K + kk))
                             for r in range(rows):
-                                av = _splat(builder, builder.load(builder.gep(pa[r], [at])), _V16F)
+                                av = _splat(builder, builder.load(builder.gep(pa[r], [at])), _VF)
                                 builder.store(builder.call(fma, [av, wk, builder.load(bacc[r])]), bacc[r])
                 wsv = _block_scales(builder, pws, g, idx)
                 for r in range(rows):
@@ -228,8 +240,8 @@ _packed_f32_1_int4 = _make_packed_f32_tile(1, 4)
 
 def _gemm_packed_body(wps: tuple, wsps: tuple, a: np.ndarray, a_scales: np.ndarray, out: np.ndarray,
                       bits: int) -> None:
-    # wps[i]: [NG_i, K/4 * 64] uint8 packed codes (int4: K/8 * 64); wsps[i]: [NG_i, ng * 16] packed scales
-    # (NG_i = 0 pads the tuple); a: [M, K] int8; a_scales: [M, ng]; out: [M, sum NG_i * 16], weight i in its
+    # wps[i]: [NG_i, K/4 * 4W] uint8 packed codes (int4: K/8 * 4W); wsps[i]: [NG_i, ng * W] packed scales
+    # (NG_i = 0 pads the tuple); a: [M, K] int8; a_scales: [M, ng]; out: [M, sum NG_i * W], weight i in its
     # groups' columns. A column group's packed codes stay in cache for all its row tiles.
     m_rows, k = a.shape
     ng = a_scales.shape[1]
@@ -270,7 +282,7 @@ def _gemm_packed_body(wps: tuple, wsps: tuple, a: np.ndarray, a_scales: np.ndarr
 
 
 def _gemm_packed_f32_body(wp: np.ndarray, wsp: np.ndarray, a: np.ndarray, out: np.ndarray, bits: int) -> None:
-    # wp, wsp: one packed weight; a: [M, K] float32; out: [M, NG * 16]
+    # wp, wsp: one packed weight; a: [M, K] float32; out: [M, NG * W]
     m_rows, k = a.shape
     ng = wsp.shape[1] // PACK_COLS
     gq = k // ng // (PACK_K * (8 // bits))
@@ -294,8 +306,8 @@ def _gemm_packed_f32_body(wp: np.ndarray, wsp: np.ndarray, a: np.ndarray, out: n
 
 
 def _pack_body(words: np.ndarray, scales: np.ndarray, bits: int, out: np.ndarray, out_scales: np.ndarray) -> None:
-    # words: a weight's codes [N, K] as uint32 [N, K/4] (four k a word); scales: [N, ng]; out: uint32 [NG, K/4, 16]
-    # (int4: [NG, K/8, 16]), words of column c of group g at [g, :, c]; out_scales: [NG, ng, 16]. Adding the bias
+    # words: a weight's codes [N, K] as uint32 [N, K/4] (four k a word); scales: [N, ng]; out: uint32 [NG, K/4, W]
+    # (int4: [NG, K/8, W]), words of column c of group g at [g, :, c]; out_scales: [NG, ng, W]. Adding the bias
     # byte by byte: int8, code + 128 flips the top bit; int4 (codes in [-8, 7]), code + 8 is its low nibble
     # with the nibble's top bit flipped.
     n = words.shape[0]
@@ -320,13 +332,18 @@ def _pack_body(words: np.ndarray, scales: np.ndarray, bits: int, out: np.ndarray
                     out[g, v, c] = lo | (hi << np.uint32(4))
 
 
-_pack = njit(parallel=True, cache=True, nogil=True)(_pack_body)
+# A parallel build, and a serial one for small weights: packing one must not start the OpenMP threads in a
+# process that forks after it (the plugin probe's server warms the kernels on a tiny weight; a forked child of
+# a process using GNU OpenMP is terminated at its first parallel region).
+_pack_parallel = njit(parallel=True, cache=True, nogil=True)(named_copy(_pack_body, f"_parallel_w{PACK_COLS}"))
+_pack_serial = njit(cache=True, nogil=True)(named_copy(_pack_body, f"_serial_w{PACK_COLS}"))
+PACK_PARALLEL_MIN_BYTES = 1 << 20
 
 
 class Packed:
-    """One weight in the VNNI layout: ``codes`` uint8 [N/16, K/4 * 64] (column group, k-quad, column, k;
-    code + 128; N padded to 16 with zero codes), or for ``bits`` 4 [N/16, K/8 * 64] (column group, k-octet,
-    column, k: the octet's first quad in the low nibbles, code + 8); ``scales`` float32 [N/16, ng * 16]
+    """One weight in the VNNI layout, W = PACK_COLS: ``codes`` uint8 [N/W, K/4 * 4W] (column group, k-quad,
+    column, k; code + 128; N padded to W with zero codes), or for ``bits`` 4 [N/W, K/8 * 4W] (column group,
+    k-octet, column, k: the octet's first quad in the low nibbles, code + 8); ``scales`` float32 [N/W, ng * W]
     (column group, block, column); ``n`` its rows."""
 
     __slots__ = ("codes", "scales", "n", "bits", "nbytes")
@@ -340,17 +357,19 @@ class Packed:
         out = np.empty((groups, k // (PACK_K * 8 // bits), PACK_COLS), np.uint32)
         out_scales = np.empty((groups, ng, PACK_COLS), np.float32)
         if out.size:  # the empty weight that pads a pass needs no kernel (nor its compilation on import)
-            _pack(words, np.ascontiguousarray(scales), bits, out, out_scales)
+            pack = _pack_parallel if codes.nbytes >= PACK_PARALLEL_MIN_BYTES else _pack_serial
+            pack(words, np.ascontiguousarray(scales), bits, out, out_scales)
         self.codes = out.view(np.uint8).reshape(groups, out.shape[1] * PACK_COLS * 4)
         self.scales = out_scales.reshape(groups, ng * PACK_COLS)
         self.nbytes = self.codes.nbytes + self.scales.nbytes
 
 
 _NO_PACKED = Packed(np.zeros((0, 32), np.int8), np.zeros((0, 1), np.float32))
-_q8_parallel = njit(parallel=True, cache=True, nogil=True)(named_copy(_gemm_packed_body, "_parallel"))
-_q8_serial = njit(cache=True, nogil=True)(named_copy(_gemm_packed_body, "_serial"))
-_f32_parallel = njit(parallel=True, cache=True, nogil=True)(named_copy(_gemm_packed_f32_body, "_parallel"))
-_f32_serial = njit(cache=True, nogil=True)(named_copy(_gemm_packed_f32_body, "_serial"))
+_q8_parallel = njit(parallel=True, cache=True, nogil=True)(named_copy(_gemm_packed_body, f"_parallel_w{PACK_COLS}"))
+_q8_serial = njit(cache=True, nogil=True)(named_copy(_gemm_packed_body, f"_serial_w{PACK_COLS}"))
+_f32_parallel = njit(parallel=True, cache=True, nogil=True)(
+    named_copy(_gemm_packed_f32_body, f"_parallel_w{PACK_COLS}"))
+_f32_serial = njit(cache=True, nogil=True)(named_copy(_gemm_packed_f32_body, f"_serial_w{PACK_COLS}"))
 
 
 def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, packs: list[Packed], parallel: bool) -> list[np.ndarray]:

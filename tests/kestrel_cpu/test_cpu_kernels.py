@@ -260,24 +260,26 @@ def test_parallel_and_serial_builds_have_their_own_disk_cache() -> None:
     the serial build's code (one thread) whenever the serial one was cached first."""
     for par, ser in ((kernels._gemm_q8_parallel, kernels._gemm_q8_serial),
                      (packed._q8_parallel, packed._q8_serial), (packed._f32_parallel, packed._f32_serial),
+                     (packed._pack_parallel, packed._pack_serial),
                      (kernels._gemm_f32_parallel, kernels._gemm_f32_serial)):
         assert par.targetoptions.get("parallel") and not ser.targetoptions.get("parallel")
         assert par.py_func.__qualname__ != ser.py_func.__qualname__
         assert par.py_func.__code__ is ser.py_func.__code__  # the same arithmetic
 
 
-needs_vnni = pytest.mark.skipif(not kernels.VNNI, reason="this CPU has no AVX-512 VNNI: the vpmaddwd kernels run")
+needs_vnni = pytest.mark.skipif(not kernels.VNNI, reason="this CPU has no VNNI: the vpmaddwd kernels run")
 
 
 def _unpacked(pack: Any, k: int) -> np.ndarray:
-    """The signed codes a ``Packed`` holds, [N padded to 16, K], read back from its layout."""
+    """The signed codes a ``Packed`` holds, [N padded to W, K], read back from its layout (W columns a vector)."""
+    w = packed.PACK_COLS
     groups = pack.codes.shape[0]
     if pack.bits == 8:
-        return pack.codes.reshape(groups, k // 4, 16, 4).transpose(0, 2, 1, 3).reshape(groups * 16, k).astype(
+        return pack.codes.reshape(groups, k // 4, w, 4).transpose(0, 2, 1, 3).reshape(groups * w, k).astype(
             np.int16) - 128
-    octets = pack.codes.reshape(groups, k // 8, 16, 4).transpose(0, 2, 1, 3)  # [groups, 16, K/8, 4] bytes
-    quads = np.stack([octets & 0x0F, octets >> 4], axis=3)  # [groups, 16, K/8, 2, 4]: low nibbles first
-    return quads.reshape(groups * 16, k).astype(np.int16) - 8
+    octets = pack.codes.reshape(groups, k // 8, w, 4).transpose(0, 2, 1, 3)  # [groups, W, K/8, 4] bytes
+    quads = np.stack([octets & 0x0F, octets >> 4], axis=3)  # [groups, W, K/8, 2, 4]: low nibbles first
+    return quads.reshape(groups * w, k).astype(np.int16) - 8
 
 
 @needs_vnni
@@ -295,8 +297,9 @@ def test_packed_layout_holds_each_weight_exactly(m: int, n: int, k: int, g: int,
     lo, hi = (-127, 127) if bits == 8 else (-8, 7)
     w.codes[0, :8], w.codes[-1, :8] = lo, hi
     pack = kernels.Packed(w.codes, w.scales, bits)
-    groups = -(-n // 16)
-    assert pack.codes.shape == (groups, k * 16 * bits // 8) and pack.n == n and pack.bits == bits
+    width = packed.PACK_COLS
+    groups = -(-n // width)
+    assert pack.codes.shape == (groups, k * width * bits // 8) and pack.n == n and pack.bits == bits
     layout = _unpacked(pack, k)
     np.testing.assert_array_equal(layout[:n], w.codes)
     assert (layout[n:] == 0).all()
@@ -318,7 +321,8 @@ def test_int4_weights_pack_at_half_the_bytes_and_fuse_with_int8(cpu: Backend) ->
     rng = np.random.default_rng(21)
     a_codes, a_scales, w4, _ = _q8_inputs(rng, 3, 40, 64, 32, 4)
     w8 = quantize_weight(rng.standard_normal((24, 64)).astype(np.float32), 8, 32)
-    assert device.packed_for(3, w4).codes.nbytes == 48 * 64 // 2  # 40 rows padded to 48, two codes a byte
+    padded = -(-40 // packed.PACK_COLS) * packed.PACK_COLS
+    assert device.packed_for(3, w4).codes.nbytes == padded * 64 // 2  # two codes a byte
     outs = kestrel_cpu.kestrel_gemm_fused_q8(device=device, a_codes=a_codes, a_scales=a_scales,
                                              weights=[w4, w8, w4], wkeys=[3, 4, 3], fused_wkey=5)
     for out, w in zip(outs, (w4, w8, w4)):
@@ -354,7 +358,7 @@ def test_f32_rows_do_not_depend_on_the_batch(vnni: bool, monkeypatch: pytest.Mon
     """Each row of the float32 GEMM runs one fixed sequence of operations, alone or in a tile of 8: the
     scheduler's batched = alone guarantee holds for float32 prompts too."""
     if vnni and not kernels.VNNI:
-        pytest.skip("this CPU has no AVX-512 VNNI")
+        pytest.skip("this CPU has no VNNI")
     monkeypatch.setattr(kernels, "VNNI", vnni)
     rng = np.random.default_rng(8)
     w = quantize_weight(rng.standard_normal((45, 576)).astype(np.float32), 8, 32)
