@@ -41,13 +41,24 @@ MAX_WEIGHTS = 3  # one pass over up to three weights sharing K and G (Q|K|V, gat
 WIDTH_ENV = "KESTREL_CPU_VNNI"  # 256: the ymm kernels where the CPU also has the zmm ones
 
 
-def host_vnni_width(features: set[str] | None = None) -> int:
-    """Output columns a ``vpdpbusd`` vector holds on this CPU, as LLVM sees it (what numba compiles for): 16
-    with AVX-512 (F, BW) VNNI, 8 with AVX-VNNI (or AVX-512 VNNI on 256-bit vectors), else 0."""
-    if features is None:
-        import llvmlite.binding as llvm
+def compiled_features() -> set[str]:
+    """The CPU features numba compiles for: ``NUMBA_CPU_FEATURES`` where set (numba's advice for a cache shared
+    between machines, with ``NUMBA_CPU_NAME=generic``), else this CPU's as LLVM sees them."""
+    from numba.core import config
 
-        features = set(llvm.get_host_cpu_features().flatten().split(","))
+    if config.CPU_FEATURES is not None:
+        return {f.strip() for f in config.CPU_FEATURES.split(",") if f.strip()}
+    import llvmlite.binding as llvm
+
+    return set(llvm.get_host_cpu_features().flatten().split(","))
+
+
+def host_vnni_width(features: set[str] | None = None) -> int:
+    """Output columns a ``vpdpbusd`` vector holds in the code numba compiles (``compiled_features``): 16 with
+    AVX-512 (F, BW) VNNI, 8 with AVX-VNNI (or AVX-512 VNNI on 256-bit vectors), else 0. An intrinsic the
+    target lacks would abort the process in LLVM's instruction selection, not raise."""
+    if features is None:
+        features = compiled_features()
     wide = {"+avx512f", "+avx512bw", "+avx512vnni"} <= features
     narrow = "+avx2" in features and ("+avxvnni" in features or {"+avx512vnni", "+avx512vl"} <= features)
     if wide and os.environ.get(WIDTH_ENV) != "256":

@@ -48,3 +48,33 @@ def test_the_256_bit_kernels_pass_the_kernel_tests() -> None:
                           str(tests)], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1]
+
+
+def test_the_width_follows_the_features_numba_compiles_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    from numba.core import config
+
+    monkeypatch.delenv(packed.WIDTH_ENV, raising=False)
+    monkeypatch.setattr(config, "CPU_FEATURES", "")
+    assert packed.host_vnni_width() == 0
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+avxvnni")
+    assert packed.host_vnni_width() == 8
+
+
+def test_a_generic_numba_target_runs_the_gemms_without_vnni(tmp_path: Path) -> None:
+    """NUMBA_CPU_NAME=generic with no features (numba's advice for a cache shared between machines): the
+    kernels compiled for it give the reference's bits, where a VNNI intrinsic would abort the process."""
+    script = (
+        "import numpy as np, kestrel_cpu\n"
+        "from kestrel_cpu import packed\n"
+        "from kestrel_core.contract import quantize_weight, quantize_activations, reference_gemm_q8\n"
+        "assert packed.VNNI_WIDTH == 0\n"
+        "rng = np.random.default_rng(0)\n"
+        "w = quantize_weight(rng.standard_normal((40, 64)).astype(np.float32), 8, 32)\n"
+        "a, s = quantize_activations(rng.standard_normal((3, 64)).astype(np.float32), 32)\n"
+        "device = kestrel_cpu.kestrel_open(options={})\n"
+        "got = kestrel_cpu.kestrel_gemm_q8(device=device, a_codes=a, a_scales=s, weight=w, wkey=3)\n"
+        "assert np.array_equal(got, reference_gemm_q8(a, s, w)) and 'VNNI' not in device.description\n"
+    )
+    env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
