@@ -21,9 +21,11 @@ def data_ptr(context: Any, builder: ir.IRBuilder, aryty: Any, ary: ir.Value, off
     return builder.gep(context.make_array(aryty)(context, builder, ary).data, [offset])
 
 
-def named_copy(fn: Callable[..., Any], suffix: str) -> Callable[..., Any]:
-    """``fn`` under its own name. numba's on-disk cache is keyed by qualified name and source line, not by
-    compile options, so a parallel and a serial build of one function would load each other's code."""
-    copy = FunctionType(fn.__code__, fn.__globals__, fn.__name__ + suffix, fn.__defaults__, fn.__closure__)
+def named_copy(fn: Callable[..., Any], suffix: str, **globals_: Any) -> Callable[..., Any]:
+    """``fn`` under its own name, with ``globals_`` in place of its module's (a build's own kernels). numba's
+    on-disk cache is keyed by qualified name and source line, not by compile options or the globals' values, so
+    two builds of one function under one name would load each other's code."""
+    copy = FunctionType(fn.__code__, {**fn.__globals__, **globals_} if globals_ else fn.__globals__,
+                        fn.__name__ + suffix, fn.__defaults__, fn.__closure__)
     copy.__qualname__ = fn.__qualname__ + suffix
     return copy

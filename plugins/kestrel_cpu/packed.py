@@ -239,25 +239,23 @@ def _make_packed_f32_tile(rows: int, bits: int) -> Any:
     return packed_f32_tile
 
 
-_packed8 = _make_packed_tile(PACK_ROWS, 8)
-_packed1 = _make_packed_tile(1, 8)
-_packed8_int4 = _make_packed_tile(PACK_ROWS, 4)
-_packed1_int4 = _make_packed_tile(1, 4)
-_packed_f32_8 = _make_packed_f32_tile(PACK_ROWS, 8)
-_packed_f32_1 = _make_packed_f32_tile(1, 8)
-_packed_f32_8_int4 = _make_packed_f32_tile(PACK_ROWS, 4)
-_packed_f32_1_int4 = _make_packed_f32_tile(1, 4)
+# Each bits' tiles (PACK_ROWS rows, and one) and k-quads a packed vector; the bodies below name the int8 ones,
+# and each bits' build of a body gets its own (``_builds``), so a model's int8 weights compile no int4 code.
+_TILES = {bits: (_make_packed_tile(PACK_ROWS, bits), _make_packed_tile(1, bits), 8 // bits) for bits in (8, 4)}
+_F32_TILES = {bits: (_make_packed_f32_tile(PACK_ROWS, bits), _make_packed_f32_tile(1, bits), 8 // bits)
+              for bits in (8, 4)}
+_tile_rows, _tile_one, _QUADS = _TILES[8]
+_f32_rows, _f32_one, _ = _F32_TILES[8]
 
 
-def _gemm_packed_body(wps: tuple, wsps: tuple, a: np.ndarray, a_scales: np.ndarray, out: np.ndarray,
-                      bits: int) -> None:
+def _gemm_packed_body(wps: tuple, wsps: tuple, a: np.ndarray, a_scales: np.ndarray, out: np.ndarray) -> None:
     # wps[i]: [NG_i, K/4 * 4W] uint8 packed codes (int4: K/8 * 4W); wsps[i]: [NG_i, ng * W] packed scales
     # (NG_i = 0 pads the tuple); a: [M, K] int8; a_scales: [M, ng]; out: [M, sum NG_i * W], weight i in its
     # groups' columns. A column group's packed codes stay in cache for all its row tiles.
     m_rows, k = a.shape
     ng = a_scales.shape[1]
     g_size = k // ng
-    gq = g_size // (PACK_K * (8 // bits))  # packed vectors a block
+    gq = g_size // (PACK_K * _QUADS)  # packed vectors a block
     a_sums = np.empty((m_rows, ng), np.int32)  # the bias's correction: each activation block's sum
     for m in range(m_rows):
         for g in range(ng):
@@ -277,43 +275,27 @@ def _gemm_packed_body(wps: tuple, wsps: tuple, a: np.ndarray, a_scales: np.ndarr
             i += 1
         wp, wsp, jj = wps[i], wsps[i], j - start[i]
         for m in range(0, m8, PACK_ROWS):
-            if bits == 8:
-                _packed8(wp, jj * wp.shape[1], wsp, jj * wsp.shape[1], a, m * k, k, a_scales, a_sums, m * ng, ng,
-                         ng, gq, out, m * n_out + j * PACK_COLS, n_out)
-            else:
-                _packed8_int4(wp, jj * wp.shape[1], wsp, jj * wsp.shape[1], a, m * k, k, a_scales, a_sums, m * ng,
-                              ng, ng, gq, out, m * n_out + j * PACK_COLS, n_out)
+            _tile_rows(wp, jj * wp.shape[1], wsp, jj * wsp.shape[1], a, m * k, k, a_scales, a_sums, m * ng, ng, ng,
+                       gq, out, m * n_out + j * PACK_COLS, n_out)
         for m in range(m8, m_rows):
-            if bits == 8:
-                _packed1(wp, jj * wp.shape[1], wsp, jj * wsp.shape[1], a, m * k, k, a_scales, a_sums, m * ng, ng,
-                         ng, gq, out, m * n_out + j * PACK_COLS, n_out)
-            else:
-                _packed1_int4(wp, jj * wp.shape[1], wsp, jj * wsp.shape[1], a, m * k, k, a_scales, a_sums, m * ng,
-                              ng, ng, gq, out, m * n_out + j * PACK_COLS, n_out)
+            _tile_one(wp, jj * wp.shape[1], wsp, jj * wsp.shape[1], a, m * k, k, a_scales, a_sums, m * ng, ng, ng,
+                      gq, out, m * n_out + j * PACK_COLS, n_out)
 
 
-def _gemm_packed_f32_body(wp: np.ndarray, wsp: np.ndarray, a: np.ndarray, out: np.ndarray, bits: int) -> None:
+def _gemm_packed_f32_body(wp: np.ndarray, wsp: np.ndarray, a: np.ndarray, out: np.ndarray) -> None:
     # wp, wsp: one packed weight; a: [M, K] float32; out: [M, NG * W]
     m_rows, k = a.shape
     ng = wsp.shape[1] // PACK_COLS
-    gq = k // ng // (PACK_K * (8 // bits))
+    gq = k // ng // (PACK_K * _QUADS)
     m8 = m_rows - m_rows % PACK_ROWS
     n_out = out.shape[1]
     for j in prange(wp.shape[0]):
         for m in range(0, m8, PACK_ROWS):
-            if bits == 8:
-                _packed_f32_8(wp, j * wp.shape[1], wsp, j * wsp.shape[1], a, m * k, k, ng, gq, out,
-                              m * n_out + j * PACK_COLS, n_out)
-            else:
-                _packed_f32_8_int4(wp, j * wp.shape[1], wsp, j * wsp.shape[1], a, m * k, k, ng, gq, out,
-                                   m * n_out + j * PACK_COLS, n_out)
+            _f32_rows(wp, j * wp.shape[1], wsp, j * wsp.shape[1], a, m * k, k, ng, gq, out,
+                      m * n_out + j * PACK_COLS, n_out)
         for m in range(m8, m_rows):
-            if bits == 8:
-                _packed_f32_1(wp, j * wp.shape[1], wsp, j * wsp.shape[1], a, m * k, k, ng, gq, out,
-                              m * n_out + j * PACK_COLS, n_out)
-            else:
-                _packed_f32_1_int4(wp, j * wp.shape[1], wsp, j * wsp.shape[1], a, m * k, k, ng, gq, out,
-                                   m * n_out + j * PACK_COLS, n_out)
+            _f32_one(wp, j * wp.shape[1], wsp, j * wsp.shape[1], a, m * k, k, ng, gq, out,
+                     m * n_out + j * PACK_COLS, n_out)
 
 
 def _pack_body(words: np.ndarray, scales: np.ndarray, bits: int, out: np.ndarray, out_scales: np.ndarray) -> None:
@@ -376,11 +358,19 @@ class Packed:
 
 
 _NO_PACKED = Packed(np.zeros((0, 32), np.int8), np.zeros((0, 1), np.float32))
-_q8_parallel = njit(parallel=True, cache=True, nogil=True)(named_copy(_gemm_packed_body, f"_parallel_w{PACK_COLS}"))
-_q8_serial = njit(cache=True, nogil=True)(named_copy(_gemm_packed_body, f"_serial_w{PACK_COLS}"))
-_f32_parallel = njit(parallel=True, cache=True, nogil=True)(
-    named_copy(_gemm_packed_f32_body, f"_parallel_w{PACK_COLS}"))
-_f32_serial = njit(cache=True, nogil=True)(named_copy(_gemm_packed_f32_body, f"_serial_w{PACK_COLS}"))
+
+
+def _builds(body: Any, tiles: dict[int, tuple[Any, Any, int]], rows: str, one: str) -> dict[tuple[int, bool], Any]:
+    """(bits, parallel) -> a jitted build of ``body`` on that bits' tiles; the serial ones are for small products,
+    where waking the second thread costs more than it saves."""
+    return {(bits, parallel): njit(parallel=parallel, cache=True, nogil=True)(named_copy(
+        body, f"_{'parallel' if parallel else 'serial'}_int{bits}_w{PACK_COLS}",
+        **{rows: tiles[bits][0], one: tiles[bits][1], "_QUADS": tiles[bits][2]}))
+        for bits in tiles for parallel in (True, False)}
+
+
+_Q8 = _builds(_gemm_packed_body, _TILES, "_tile_rows", "_tile_one")
+_F32 = _builds(_gemm_packed_f32_body, _F32_TILES, "_f32_rows", "_f32_one")
 
 
 def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, packs: list[Packed], parallel: bool) -> list[np.ndarray]:
@@ -393,9 +383,8 @@ def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, packs: list[Packed], para
     pad = [_NO_PACKED] * (MAX_WEIGHTS - len(packs))
     out = np.empty((m, sum(p.codes.shape[0] for p in packs) * PACK_COLS), dtype=np.float32)
     if out.size:
-        kernel = _q8_parallel if parallel else _q8_serial
-        kernel(tuple(p.codes for p in packs + pad), tuple(p.scales for p in packs + pad), a_codes, a_scales, out,
-               bits)
+        _Q8[bits, parallel](tuple(p.codes for p in packs + pad), tuple(p.scales for p in packs + pad), a_codes,
+                            a_scales, out)
     outs, start = [], 0
     for p in packs:
         outs.append(out[:, start:start + p.n])
@@ -406,5 +395,5 @@ def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, packs: list[Packed], para
 def gemm_f32(a: np.ndarray, pack: Packed, parallel: bool) -> np.ndarray:
     """float32 [M, N] of float32 activations [M, K] against a packed weight."""
     out = np.empty((a.shape[0], pack.codes.shape[0] * PACK_COLS), dtype=np.float32)
-    (_f32_parallel if parallel else _f32_serial)(pack.codes, pack.scales, a, out, pack.bits)
+    _F32[pack.bits, parallel](pack.codes, pack.scales, a, out)
     return np.ascontiguousarray(out[:, :pack.n])

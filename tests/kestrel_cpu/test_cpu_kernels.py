@@ -257,14 +257,19 @@ def test_fused_hook_declines_weights_that_do_not_share_k_and_g(cpu: Backend) -> 
 
 def test_parallel_and_serial_builds_have_their_own_disk_cache() -> None:
     """numba keys its on-disk cache by qualified name and line: one shared name made the parallel build load
-    the serial build's code (one thread) whenever the serial one was cached first."""
-    for par, ser in ((kernels._gemm_q8_parallel, kernels._gemm_q8_serial),
-                     (packed._q8_parallel, packed._q8_serial), (packed._f32_parallel, packed._f32_serial),
-                     (packed._pack_parallel, packed._pack_serial),
-                     (kernels._gemm_f32_parallel, kernels._gemm_f32_serial)):
+    the serial build's code (one thread) whenever the serial one was cached first. The packed kernels' builds
+    for int8 and int4 weights (each on its own tiles) are told apart the same way."""
+    pairs = [(kernels._gemm_q8_parallel, kernels._gemm_q8_serial), (packed._pack_parallel, packed._pack_serial),
+             (kernels._gemm_f32_parallel, kernels._gemm_f32_serial)]
+    pairs += [(builds[bits, True], builds[bits, False]) for builds in (packed._Q8, packed._F32) for bits in (8, 4)]
+    for par, ser in pairs:
         assert par.targetoptions.get("parallel") and not ser.targetoptions.get("parallel")
         assert par.py_func.__qualname__ != ser.py_func.__qualname__
         assert par.py_func.__code__ is ser.py_func.__code__  # the same arithmetic
+    for builds in (packed._Q8, packed._F32):
+        names = {build.py_func.__qualname__ for build in builds.values()}
+        assert len(names) == len(builds) == 4
+        assert builds[8, True].py_func.__globals__["_QUADS"] == 1 and builds[4, True].py_func.__globals__["_QUADS"] == 2
 
 
 needs_vnni = pytest.mark.skipif(not kernels.VNNI, reason="this CPU has no VNNI: the vpmaddwd kernels run")
