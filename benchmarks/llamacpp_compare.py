@@ -6,10 +6,10 @@
 GGUF defaults to the default model (SmolLM2-135M-Instruct Q4_1, fetched by ``kestrel pull``). llama.cpp runs
 the file as it is (Q4_1, ``n_threads=2``); kestrel loads it with ``kestrel_core.load(path, backend="cpu",
 quant=...)`` (dequantized, re-quantized to the strip-cache, q8 by default). Both see the same random
-256-token prompt and decode 64 tokens greedily; as in ``kestrel bench``, prefill time includes the first
-token's logits and argmax, and each decode step is one forward plus argmax. The two engines alternate run by
-run (warm-up first, a pause between runs), so load from other processes hits both alike; the table shows
-medians, the best run of each and every run.
+256-token prompts (a new one each run) and decode 64 tokens greedily; as in ``kestrel bench``, prefill time
+includes the first token's logits and argmax, and each decode step is one forward plus argmax. The two engines
+alternate run by run (warm-up first, a pause between runs), so load from other processes hits both alike; the
+table shows medians, the best run of each and every run.
 """
 
 from __future__ import annotations
@@ -149,10 +149,11 @@ def main() -> None:
     kestrel = Kestrel(path, args.quant)
     llama = LlamaCpp(path, args.threads, context=args.prompt_tokens + args.decode_tokens + 16)
     vocab = kestrel.engine.config.vocab_size
-    prompt = np.random.default_rng(args.seed).integers(0, vocab, args.prompt_tokens).tolist()
+    # a prompt a run, the same for both engines: a prompt read again would be read from kestrel's prefix cache
+    prompts = np.random.default_rng(args.seed).integers(0, vocab, (args.warmup + args.runs, args.prompt_tokens))
     results = {"llama.cpp": Runs("llama.cpp", llama.detail), "kestrel": Runs(f"kestrel cpu {args.quant}",
                                                                                kestrel.detail)}
-    for i in range(args.warmup + args.runs):
+    for i, prompt in enumerate(prompts.tolist()):
         for name, engine in (("llama.cpp", llama), ("kestrel", kestrel)):
             time.sleep(args.pause)  # both keep OpenMP workers spinning a while after a run: let them sleep
             prefill, decode = engine.run(prompt, args.decode_tokens)

@@ -50,7 +50,8 @@ def run_bench(engine: Engine, *, prompt_tokens: int = 256, decode_tokens: int = 
               warmup: int = 1, seed: int = 0, quant: str = "") -> BenchResult:
     """Greedy generation of ``decode_tokens`` after a random ``prompt_tokens`` prompt, never stopping at EOS.
 
-    The warmup runs (not counted) let a backend compile kernels and fill its caches.
+    The warmup runs (not counted) let a backend compile kernels and fill its caches. Each run reads a prompt of
+    its own: the same prompt again would be read from the prefix cache, and its prefill time would be a block's.
     """
     if prompt_tokens < 1 or decode_tokens < 1 or runs < 1 or warmup < 0:
         raise KestrelError("bench needs --prompt-tokens >= 1, --decode-tokens >= 1, --runs >= 1, --warmup >= 0")
@@ -58,10 +59,10 @@ def run_bench(engine: Engine, *, prompt_tokens: int = 256, decode_tokens: int = 
     if prompt_tokens + decode_tokens > context:
         raise KestrelError(f"{prompt_tokens} prompt + {decode_tokens} decode tokens exceed the model's context "
                            f"of {context}")
-    prompt = np.random.default_rng(seed).integers(0, engine.config.vocab_size, prompt_tokens).tolist()
+    prompts = np.random.default_rng(seed).integers(0, engine.config.vocab_size, (warmup + runs, prompt_tokens))
     prefill, decode = [], []
     uploads = (0.0, 0.0)
-    for i in range(warmup + runs):
+    for i, prompt in enumerate(prompts.tolist()):
         if i == warmup:
             uploads = _uploads(engine.offload.backend_stats())
         n = sum(1 for _ in engine.generate(prompt, max_tokens=decode_tokens + 1, stop_at_eos=False))
