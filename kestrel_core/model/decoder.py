@@ -321,7 +321,8 @@ class Decoder:
         kernels.rope_write(np.ascontiguousarray(k), np.ascontiguousarray(v), pool.kt[kv], pool.v[kv], rows.slots,
                            cos, sin)
         kernels.attend(np.ascontiguousarray(q), pool.kt[kv], pool.v[kv], rows.tables, rows.row_seq,
-                       rows.firsts[c.window_of(i)], rows.lengths, q_cos, q_sin, self.attn_softcap, self.sinks[i], attn)
+                       rows.firsts[c.window_of(i)], rows.lengths, q_cos, q_sin, self.attn_softcap, self.sinks[i],
+                       kernels.attend_heads(q.shape[0], q.shape[1], pool.kt[kv].shape[1]), attn)
         return attn
 
     def _latent_attention(self, i: int, lw: LayerWeights, x: np.ndarray, rows: _Rows) -> np.ndarray:

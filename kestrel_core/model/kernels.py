@@ -14,8 +14,8 @@ exactly. The host pool keeps them in float32 arrays.
 Attention dot products run with the positions as the inner, independent loop over keys stored transposed
 ([blocks, KV, hd, block]), so LLVM vectorises them without reassociating anything.
 
-``AVAILABLE`` is False where numba is missing; the same functions then run as plain Python, with the same
-results and far slower (numba is a dependency: this only keeps a broken install working).
+Where numba is missing the same functions run as plain Python, with the same results and far slower (numba is
+a dependency: this only keeps a broken install working).
 """
 
 from __future__ import annotations
@@ -84,22 +84,24 @@ def _rope_write(k: np.ndarray, v: np.ndarray, kt: np.ndarray, vc: np.ndarray, sl
 
 def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, row_seq: np.ndarray,
             firsts: np.ndarray, lengths: np.ndarray, q_cos: np.ndarray, q_sin: np.ndarray, softcap: np.float32,
-            sinks: np.ndarray, out: np.ndarray) -> None:
+            sinks: np.ndarray, heads: int, out: np.ndarray) -> None:
     # q: [M, H, hd] (RoPE applied here with the scaled q_ tables [M, hd]); kt/vc: one layer's pool; tables:
     # [S, max_blocks] block ids of each sequence; row_seq: [M] its sequence; each row sees positions
     # firsts[r] .. lengths[r] - 1 (its own position + 1; firsts 0 but under a sliding window); softcap > 0: each
     # score becomes tanh(score / softcap) * softcap (Gemma 2); sinks: [H] one more logit in each head's softmax,
     # which takes no value (gpt-oss; -inf: none, exp gives exactly 0). out: [M, H*vd], vd the values' dims.
-    # Work items are (row, KV head); a KV head's g query heads share each key load. Query head h reads KV
-    # head h // g (HF's repeat_kv); softmax normalised after P @ V.
+    # Work items are (row, KV head, ``heads`` query heads): a KV head's g query heads share each key load, or one
+    # head an item where there are too few for the threads (``attend_heads``); each head's operations are the
+    # same either way. Query head h reads KV head h // g (HF's repeat_kv); softmax normalised after P @ V.
     m, n_heads, hd = q.shape
     n_kv = kt.shape[1]
     bs = kt.shape[3]
     vd = vc.shape[3]
-    g = n_heads // n_kv
+    per_kv = n_heads // n_kv // heads  # items a (row, KV head)
     half = hd // 2
-    for item in prange(m * n_kv):
-        r, kh = item // n_kv, item % n_kv
+    for item in prange(m * n_kv * per_kv):
+        r, kh, h0 = item // (n_kv * per_kv), item // per_kv % n_kv, item % per_kv * heads
+        g = heads
         table = tables[row_seq[r]]
         s0, s_len = firsts[r], lengths[r]
         n_blocks = (s_len + bs - 1) // bs
@@ -107,7 +109,7 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
         scores = np.empty((g, n_blocks * bs), np.float32)
         acc = np.empty((g, bs), np.float32)
         for hh in range(g):
-            h = kh * g + hh
+            h = kh * (n_heads // n_kv) + h0 + hh
             for j in range(hd):
                 js = j + half if j < half else j - half
                 qr[hh, j] = q[r, h, j] * q_cos[r, j] + q[r, h, js] * q_sin[r, j]
@@ -128,7 +130,8 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
                     scores[hh, b * bs + o] = score
         pv = np.empty(vd, np.float32)
         for hh in range(g):
-            sink = sinks[kh * g + hh]
+            h = kh * (n_heads // n_kv) + h0 + hh
+            sink = sinks[h]
             top = scores[hh, s0]
             for s in range(s0 + 1, s_len):
                 if scores[hh, s] > top:
@@ -147,7 +150,7 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
                 vrow = vc[table[s // bs], s % bs, kh]  # [vd]
                 for j in range(vd):
                     pv[j] += p * vrow[j]
-            o0 = (kh * g + hh) * vd
+            o0 = h * vd
             for j in range(vd):
                 out[r, o0 + j] = pv[j] / total
 
@@ -326,6 +329,17 @@ def prange(*args: int) -> range:
     return range(*args)
 
 
+def _num_threads() -> int:
+    """numba's thread count where compiled; one in the Python fallback."""
+    return 1
+
+
+def attend_heads(m: int, n_heads: int, n_kv: int) -> int:
+    """Query heads an ``attend`` work item takes: a KV head's all (its key loads shared), or one where the (row,
+    KV head) items would be fewer than twice the threads (a decode step)."""
+    return 1 if m * n_kv < 2 * _num_threads() else n_heads // n_kv
+
+
 f16: Any = _f16
 conv_step: Any = _conv_step
 rmsnorm_rows: Any = _rmsnorm_rows
@@ -340,14 +354,15 @@ mamba2: Any = _mamba2
 
 def _build() -> None:
     global f16, conv_step, rmsnorm_rows, rope_write, attend, rows_dot, heads_matmul, gated_delta, short_conv, mamba2
-    global prange
+    global prange, _num_threads
     try:
         import numba
         from numba import njit
     except Exception as exc:  # numba missing: the plain-Python loops (correct, slow)
         log.debug("compiled decoder kernels unavailable: %s", exc)
         return
-    prange = numba.prange  # a global the parallel kernel resolves when it compiles
+    prange = numba.prange  # a global the parallel kernels resolve when they compile
+    _num_threads = numba.get_num_threads
     jit = njit(cache=True, nogil=True)
     f16 = jit(_f16)  # a global rope_write resolves when it compiles
     conv_step = njit(cache=True, nogil=True, inline="always")(_conv_step)  # inlined into the recurrent kernels
