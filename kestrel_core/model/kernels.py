@@ -100,8 +100,9 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
     per_kv = n_heads // n_kv // heads  # items a (row, KV head)
     half = hd // 2
     for item in prange(m * n_kv * per_kv):
-        r, kh, h0 = item // (n_kv * per_kv), item // per_kv % n_kv, item % per_kv * heads
+        r, kh = item // (n_kv * per_kv), item // per_kv % n_kv
         g = heads
+        h0 = kh * (n_heads // n_kv) + item % per_kv * heads  # the item's first query head
         table = tables[row_seq[r]]
         s0, s_len = firsts[r], lengths[r]
         n_blocks = (s_len + bs - 1) // bs
@@ -109,7 +110,7 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
         scores = np.empty((g, n_blocks * bs), np.float32)
         acc = np.empty((g, bs), np.float32)
         for hh in range(g):
-            h = kh * (n_heads // n_kv) + h0 + hh
+            h = h0 + hh
             for j in range(hd):
                 js = j + half if j < half else j - half
                 qr[hh, j] = q[r, h, j] * q_cos[r, j] + q[r, h, js] * q_sin[r, j]
@@ -130,7 +131,7 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
                     scores[hh, b * bs + o] = score
         pv = np.empty(vd, np.float32)
         for hh in range(g):
-            h = kh * (n_heads // n_kv) + h0 + hh
+            h = h0 + hh
             sink = sinks[h]
             top = scores[hh, s0]
             for s in range(s0 + 1, s_len):
