@@ -18,7 +18,7 @@ import numpy as np
 from kestrel_core.contract import StripCache
 from kestrel_core.dispatch import Offload
 from kestrel_core.errors import KestrelError
-from kestrel_core.model import kernels
+from kestrel_core.model import kernels, paged_attention
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.kv_pool import KVPool, SeqCache, bytes_per_position
 from kestrel_core.model.rope import rope_tables, rotary_order
@@ -318,11 +318,11 @@ class Decoder:
         cos, sin, q_cos, q_sin = rows.tables_at[self.layer_rope[i]]
         kv = pool.kv_index[i]
         attn = np.empty((len(q), c.num_heads * c.attention_dims[2]), np.float32)  # [M, H*vd]
-        kernels.rope_write(np.ascontiguousarray(k), np.ascontiguousarray(v), pool.kt[kv], pool.v[kv], rows.slots,
-                           cos, sin)
-        kernels.attend(np.ascontiguousarray(q), pool.kt[kv], pool.v[kv], rows.tables, rows.row_seq,
-                       rows.firsts[c.window_of(i)], rows.lengths, q_cos, q_sin, self.attn_softcap, self.sinks[i],
-                       kernels.attend_heads(q.shape[0], q.shape[1], pool.kt[kv].shape[1]), attn)
+        kt, vc = pool.kt[kv].view(np.uint16), pool.v[kv].view(np.uint16)  # float16 bits: numba has no float16
+        paged_attention.rope_write(np.ascontiguousarray(k), np.ascontiguousarray(v), kt, vc, rows.slots, cos, sin)
+        paged_attention.attend(np.ascontiguousarray(q), kt, vc, rows.tables, rows.row_seq, rows.firsts[c.window_of(i)],
+                               rows.lengths, q_cos, q_sin, self.attn_softcap, self.sinks[i],
+                               paged_attention.attend_heads(q.shape[0], q.shape[1], kt.shape[1]), attn)
         return attn
 
     def _latent_attention(self, i: int, lw: LayerWeights, x: np.ndarray, rows: _Rows) -> np.ndarray:

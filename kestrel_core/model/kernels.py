@@ -1,18 +1,12 @@
-"""Compiled host maths of the decoder (numba): norms, RoPE, paged attention, MoE routing, linear attention (Gated
-DeltaNet), short convolutions and Mamba-2 scans over the rows of a batch.
+"""Compiled host maths of the decoder (numba): norms, MoE routing, latent attention's per-head projections, linear
+attention (Gated DeltaNet), short convolutions and Mamba-2 scans over the rows of a batch (paged attention is
+paged_attention.py's).
 
 Every kernel computes each row on its own, with one fixed sequence of float32 operations (no fastmath: no
 FMA contraction, no reassociation) and sequential sums, so a row's bits do not depend on how many rows run
 with it, which sequences they belong to, or how a prompt was split into chunks: a token's logits are the
 same whether it is decoded alone, in a batch of 64, or teacher-forced in a prefill. Batching and chunked
 prefill therefore change no result, and a preempted sequence recomputed later gets its cache back bit for bit.
-
-Keys and values are cached at float16 precision, rounded to nearest, ties to even (``_f16``), as llama.cpp's
-and vLLM's caches hold them: a device backend stores them in half the bytes of float32 and reads them back
-exactly. The host pool keeps them in float32 arrays.
-
-Attention dot products run with the positions as the inner, independent loop over keys stored transposed
-([blocks, KV, hd, block]), so LLVM vectorises them without reassociating anything.
 
 Where numba is missing the same functions run as plain Python, with the same results and far slower (numba is
 a dependency: this only keeps a broken install working).
@@ -38,122 +32,6 @@ def _rmsnorm_rows(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.nd
         inv = np.float32(1) / np.sqrt(ss / np.float32(d) + eps)
         for j in range(d):
             out[i, j] = x[i, j] * inv * weight[j]
-
-
-def _f16(x: np.ndarray) -> None:
-    # x: float32 [n], rounded in place to the nearest IEEE binary16 value (ties to even), kept as float32:
-    # an 11-bit significand from 2^-14 up, steps of 2^-24 below, +-inf from 65520 on (CUDA's
-    # __float2half_rn, numpy's astype(float16)). On the bits: add half a float16 step less one (plus the
-    # kept lowest bit, for ties) and truncate; a carry into the exponent is the right rounding up.
-    b = x.view(np.uint32)
-    for i in range(b.shape[0]):
-        e = (b[i] >> 23) & 0xFF
-        if e >= 113 and e < 255:  # |x| >= 2^-14, finite
-            r = (b[i] + np.uint32(0xFFF) + ((b[i] >> 13) & 1)) & np.uint32(0xFFFFE000)
-            if (r & np.uint32(0x7FFFFFFF)) >= np.uint32(0x47800000):  # 65536 and up: overflow
-                r = (b[i] & np.uint32(0x80000000)) | np.uint32(0x7F800000)
-            b[i] = r
-        elif e < 113:  # float16's subnormal steps, exact in float64 but the one rint
-            x[i] = np.float32(np.rint(np.float64(x[i]) * 16777216.0) / 16777216.0)
-
-
-def _rope_write(k: np.ndarray, v: np.ndarray, kt: np.ndarray, vc: np.ndarray, slots: np.ndarray,
-                cos: np.ndarray, sin: np.ndarray) -> None:
-    # k: [M, KV, hd] and v: [M, KV, vd] new keys/values; kt: [NB, KV, hd, BS] and vc: [NB, BS, KV, vd] one layer's
-    # pool; slots: [M] block * BS + offset of each row's position; cos/sin: [M, hd] (sin carries rotate_half's
-    # sign). Both are stored rounded to float16 (f16).
-    m, n_kv, hd = k.shape
-    vd = v.shape[2]
-    bs = kt.shape[3]
-    half = hd // 2
-    row = np.empty(hd + vd, np.float32)  # a head's rotated key, then its value
-    for r in range(m):
-        blk, off = slots[r] // bs, slots[r] % bs
-        for kh in range(n_kv):  # x * cos + rotate_half(x) * sin
-            for j in range(hd):
-                js = j + half if j < half else j - half
-                row[j] = k[r, kh, j] * cos[r, j] + k[r, kh, js] * sin[r, j]
-            for j in range(vd):
-                row[hd + j] = v[r, kh, j]
-            f16(row)
-            for j in range(hd):
-                kt[blk, kh, j, off] = row[j]
-            for j in range(vd):
-                vc[blk, off, kh, j] = row[hd + j]
-
-
-def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, row_seq: np.ndarray,
-            firsts: np.ndarray, lengths: np.ndarray, q_cos: np.ndarray, q_sin: np.ndarray, softcap: np.float32,
-            sinks: np.ndarray, heads: int, out: np.ndarray) -> None:
-    # q: [M, H, hd] (RoPE applied here with the scaled q_ tables [M, hd]); kt/vc: one layer's pool; tables:
-    # [S, max_blocks] block ids of each sequence; row_seq: [M] its sequence; each row sees positions
-    # firsts[r] .. lengths[r] - 1 (its own position + 1; firsts 0 but under a sliding window); softcap > 0: each
-    # score becomes tanh(score / softcap) * softcap (Gemma 2); sinks: [H] one more logit in each head's softmax,
-    # which takes no value (gpt-oss; -inf: none, exp gives exactly 0). out: [M, H*vd], vd the values' dims.
-    # Work items are (row, KV head, ``heads`` query heads): a KV head's g query heads share each key load, or one
-    # head an item where there are too few for the threads (``attend_heads``); each head's operations are the
-    # same either way. Query head h reads KV head h // g (HF's repeat_kv); softmax normalised after P @ V.
-    m, n_heads, hd = q.shape
-    n_kv = kt.shape[1]
-    bs = kt.shape[3]
-    vd = vc.shape[3]
-    per_kv = n_heads // n_kv // heads  # items a (row, KV head)
-    half = hd // 2
-    for item in prange(m * n_kv * per_kv):
-        r, kh = item // (n_kv * per_kv), item // per_kv % n_kv
-        g = heads
-        h0 = kh * (n_heads // n_kv) + item % per_kv * heads  # the item's first query head
-        table = tables[row_seq[r]]
-        s0, s_len = firsts[r], lengths[r]
-        n_blocks = (s_len + bs - 1) // bs
-        qr = np.empty((g, hd), np.float32)
-        scores = np.empty((g, n_blocks * bs), np.float32)
-        acc = np.empty((g, bs), np.float32)
-        for hh in range(g):
-            h = h0 + hh
-            for j in range(hd):
-                js = j + half if j < half else j - half
-                qr[hh, j] = q[r, h, j] * q_cos[r, j] + q[r, h, js] * q_sin[r, j]
-        for b in range(n_blocks):  # scores = q . k, summed over j in order for every position
-            keys = kt[table[b], kh]  # [hd, BS]
-            acc[:] = np.float32(0)
-            for j in range(hd):
-                row = keys[j]
-                for hh in range(g):
-                    qj = qr[hh, j]
-                    for o in range(bs):  # independent lanes, vectorised
-                        acc[hh, o] += qj * row[o]
-            for hh in range(g):
-                for o in range(bs):
-                    score = acc[hh, o]
-                    if softcap > 0:
-                        score = np.float32(np.tanh(score / softcap)) * softcap
-                    scores[hh, b * bs + o] = score
-        pv = np.empty(vd, np.float32)
-        for hh in range(g):
-            h = h0 + hh
-            sink = sinks[h]
-            top = scores[hh, s0]
-            for s in range(s0 + 1, s_len):
-                if scores[hh, s] > top:
-                    top = scores[hh, s]
-            if sink > top:
-                top = sink
-            total = np.float32(0)
-            for s in range(s0, s_len):
-                e = np.exp(scores[hh, s] - top)
-                scores[hh, s] = e
-                total += e
-            total += np.exp(sink - top)
-            pv[:] = np.float32(0)
-            for s in range(s0, s_len):  # P @ V
-                p = scores[hh, s]
-                vrow = vc[table[s // bs], s % bs, kh]  # [vd]
-                for j in range(vd):
-                    pv[j] += p * vrow[j]
-            o0 = h * vd
-            for j in range(vd):
-                out[r, o0 + j] = pv[j] / total
 
 
 def _heads_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
@@ -330,22 +208,8 @@ def prange(*args: int) -> range:
     return range(*args)
 
 
-def _num_threads() -> int:
-    """numba's thread count where compiled; one in the Python fallback."""
-    return 1
-
-
-def attend_heads(m: int, n_heads: int, n_kv: int) -> int:
-    """Query heads an ``attend`` work item takes: a KV head's all (its key loads shared), or one where the (row,
-    KV head) items would be fewer than twice the threads (a decode step)."""
-    return 1 if m * n_kv < 2 * _num_threads() else n_heads // n_kv
-
-
-f16: Any = _f16
 conv_step: Any = _conv_step
 rmsnorm_rows: Any = _rmsnorm_rows
-rope_write: Any = _rope_write
-attend: Any = _attend
 rows_dot: Any = _rows_dot
 heads_matmul: Any = _heads_matmul
 gated_delta: Any = _gated_delta
@@ -354,8 +218,8 @@ mamba2: Any = _mamba2
 
 
 def _build() -> None:
-    global f16, conv_step, rmsnorm_rows, rope_write, attend, rows_dot, heads_matmul, gated_delta, short_conv, mamba2
-    global prange, _num_threads
+    global conv_step, rmsnorm_rows, rows_dot, heads_matmul, gated_delta, short_conv, mamba2
+    global prange
     try:
         import numba
         from numba import njit
@@ -363,15 +227,11 @@ def _build() -> None:
         log.debug("compiled decoder kernels unavailable: %s", exc)
         return
     prange = numba.prange  # a global the parallel kernels resolve when they compile
-    _num_threads = numba.get_num_threads
     jit = njit(cache=True, nogil=True)
-    f16 = jit(_f16)  # a global rope_write resolves when it compiles
     conv_step = njit(cache=True, nogil=True, inline="always")(_conv_step)  # inlined into the recurrent kernels
     rmsnorm_rows = jit(_rmsnorm_rows)
-    rope_write = jit(_rope_write)
     rows_dot = jit(_rows_dot)
     short_conv = jit(_short_conv)
-    attend = njit(cache=True, nogil=True, parallel=True)(_attend)
     heads_matmul = njit(cache=True, nogil=True, parallel=True)(_heads_matmul)
     gated_delta = njit(cache=True, nogil=True, parallel=True)(_gated_delta)
     mamba2 = njit(cache=True, nogil=True, parallel=True)(_mamba2)

@@ -22,6 +22,7 @@ import numpy as np
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig
+from kestrel_core.model.paged_attention import BLOCK_MULTIPLE, padded_dims
 from kestrel_core.model.state_pool import StatePool
 
 BLOCK_SIZE = 32  # positions per KV block
@@ -31,17 +32,20 @@ DEFAULT_KV_MB = 2048  # the host pool's default budget (at least one full contex
 class KVPool:
     """Host keys and values of many sequences in fixed-size blocks (a page table per sequence).
 
-    Keys are stored transposed, ``kt`` float32 [La, blocks, KV, hd, BLOCK_SIZE], the layout the attention's
-    dot products run over; values ``v`` float32 [La, blocks, BLOCK_SIZE, KV, vd] (``ModelConfig.attention_dims``:
-    a latent attention's latent and RoPE key), over the La layers with attention (``kv_index``: model layer -> first
-    axis). Both hold float16 values (``kernels.f16``), which every backend's cache holds. The arrays are allocated
-    once, untouched: the OS maps a page only when a block is first written. A model with recurrent layers (linear
+    Keys are stored transposed, ``kt`` float16 [La, blocks, KV, hd, BLOCK_SIZE], the layout the attention's
+    dot products run over; values ``v`` float16 [La, blocks, KV, BLOCK_SIZE, vdp] (``ModelConfig.attention_dims``:
+    a latent attention's latent and RoPE key; vdp the value dims padded to whole vectors,
+    ``paged_attention.padded_dims``), over the La layers with attention (``kv_index``: model layer -> first axis);
+    ``paged_attention`` writes and reads them. The arrays are allocated once, untouched: the OS maps a page only
+    when a block is first written. A model with recurrent layers (linear
     attention, short convolutions, Mamba-2) also keeps each sequence's state (``states``).
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
         if num_blocks < 1:
             raise KestrelError(f"the KV cache needs at least one block, got {num_blocks}")
+        if block_size < 1 or block_size % BLOCK_MULTIPLE:
+            raise KestrelError(f"a KV block holds a multiple of {BLOCK_MULTIPLE} positions, got {block_size}")
         c = config
         self.config = config
         self.block_size = block_size
@@ -49,8 +53,8 @@ class KVPool:
         self.kv_index = {layer: j for j, layer in enumerate(c.attention_layers)}
         layers = len(self.kv_index)
         kv_heads, key_dims, value_dims = c.attention_dims
-        self.kt = np.empty((layers, num_blocks, kv_heads, key_dims, block_size), np.float32)
-        self.v = np.empty((layers, num_blocks, block_size, kv_heads, value_dims), np.float32)
+        self.kt = np.empty((layers, num_blocks, kv_heads, key_dims, block_size), np.float16)
+        self.v = np.empty((layers, num_blocks, kv_heads, block_size, padded_dims(value_dims)), np.float16)
         self.states = StatePool(c) if c.state_layers else None
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the most recently freed block first
         self._refs = [0] * num_blocks  # sequences holding each block
@@ -204,9 +208,9 @@ def _link(chain: bytes, block_tokens: np.ndarray) -> bytes:
 
 
 def bytes_per_position(config: ModelConfig) -> int:
-    """Host KV bytes one position takes over the layers with attention (float32 keys and values)."""
+    """Host KV bytes one position takes over the layers with attention (float16 keys and padded values)."""
     kv_heads, key_dims, value_dims = config.attention_dims
-    return 4 * len(config.attention_layers) * kv_heads * (key_dims + value_dims)
+    return 2 * len(config.attention_layers) * kv_heads * (key_dims + padded_dims(value_dims))
 
 
 class SeqCache:

@@ -119,16 +119,25 @@ def _calls(values: list[Any], keys: tuple[str, ...]) -> tuple[ToolCall, ...] | N
 
 
 def _hermes(text: str) -> Parsed | None:
-    values = []
-    for block in _HERMES_BLOCK.finditer(text):
+    """Each block's JSON read by the JSON decoder, not up to the first ``</tool_call>``, which a string in the
+    arguments may hold (the call grammar admits it)."""
+    decoder, values, content, at = json.JSONDecoder(), [], [], 0
+    while (start := text.find(HERMES_OPEN, at)) >= 0:
+        body = start + len(HERMES_OPEN)
         try:
-            values.append(json.loads(block.group(1)))
+            value, end = decoder.raw_decode(text, body + len(text[body:]) - len(text[body:].lstrip()))
         except ValueError:
             return None
+        close = end + len(text[end:]) - len(text[end:].lstrip())
+        if not text.startswith(HERMES_CLOSE, close):
+            return None
+        values.append(value)
+        content.append(text[at:start])
+        at = close + len(HERMES_CLOSE)
     calls = _calls(values, ("arguments",))
     if calls is None:
         return None
-    return Parsed(_HERMES_BLOCK.sub("", text).rstrip() or None, calls)
+    return Parsed(("".join(content) + text[at:]).rstrip() or None, calls)
 
 
 def _typed_blocks(text: str, fmt: str, schemas: dict[str, Any]) -> Parsed | None:

@@ -37,12 +37,12 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from kestrel_core.codegen import F32 as _F32
+from kestrel_core.codegen import I8 as _I8
+from kestrel_core.codegen import I32 as _I32
+from kestrel_core.codegen import data_ptr as _data_ptr
+from kestrel_core.codegen import named_copy as _named_copy
 from kestrel_cpu import packed
-from kestrel_cpu.codegen import F32 as _F32
-from kestrel_cpu.codegen import I8 as _I8
-from kestrel_cpu.codegen import I32 as _I32
-from kestrel_cpu.codegen import data_ptr as _data_ptr
-from kestrel_cpu.codegen import named_copy as _named_copy
 from kestrel_cpu.packed import Packed
 
 CHUNK = 32  # int8 values per vector step; every group size (32, 256) is a multiple

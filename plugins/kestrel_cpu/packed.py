@@ -31,26 +31,15 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kestrel_cpu.codegen import F32 as _F32
-from kestrel_cpu.codegen import I8 as _I8
-from kestrel_cpu.codegen import I32 as _I32
-from kestrel_cpu.codegen import data_ptr as _data_ptr
-from kestrel_cpu.codegen import named_copy
+from kestrel_core.codegen import F32 as _F32
+from kestrel_core.codegen import I8 as _I8
+from kestrel_core.codegen import I32 as _I32
+from kestrel_core.codegen import compiled_features, named_copy
+from kestrel_core.codegen import data_ptr as _data_ptr
+from kestrel_core.codegen import splat as _splat
 
 MAX_WEIGHTS = 3  # one pass over up to three weights sharing K and G (Q|K|V, gate|up)
 WIDTH_ENV = "KESTREL_CPU_VNNI"  # 256: the ymm kernels where the CPU also has the zmm ones
-
-
-def compiled_features() -> set[str]:
-    """The CPU features numba compiles for: ``NUMBA_CPU_FEATURES`` where set (numba's advice for a cache shared
-    between machines, with ``NUMBA_CPU_NAME=generic``), else this CPU's as LLVM sees them."""
-    from numba.core import config
-
-    if config.CPU_FEATURES is not None:
-        return {f.strip() for f in config.CPU_FEATURES.split(",") if f.strip()}
-    import llvmlite.binding as llvm
-
-    return set(llvm.get_host_cpu_features().flatten().split(","))
 
 
 def host_vnni_width(features: set[str] | None = None) -> int:
@@ -76,11 +65,6 @@ _VI = ir.VectorType(_I32, PACK_COLS)
 _VF = ir.VectorType(_F32, PACK_COLS)
 _DOT = f"llvm.x86.avx512.vpdpbusd.{32 * PACK_COLS}"  # LLVM emits the VEX form for AVX-VNNI
 _FMA = f"llvm.fma.v{PACK_COLS}f32"
-
-
-def _splat(builder: ir.IRBuilder, value: ir.Value, vec_ty: ir.VectorType) -> ir.Value:
-    one = builder.insert_element(ir.Constant(vec_ty, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, ir.Constant(vec_ty, ir.Undefined), ir.Constant(_VI, [0] * PACK_COLS))
 
 
 def _row_ptrs(context: Any, builder: ir.IRBuilder, aryty: Any, ary: ir.Value, base: ir.Value, stride: ir.Value,

@@ -155,7 +155,7 @@ def test_bench_at_several_concurrency_levels(capsys) -> None:
 def test_bench_says_when_its_kv_cache_is_too_small_for_the_load(capsys) -> None:
     args = ("bench", "--preset", "tiny", "--backend", "cpu", "--prompt-tokens", "40", "--decode-tokens", "8",
             "--concurrency", "4", "--json")
-    code, out, err = _run(capsys, *args, "--kv-cache-mb", "0.15")
+    code, out, err = _run(capsys, *args, "--kv-cache-mb", "0.075")
     assert code == 0 and "4 streams need 256: they will not all run at once (--kv-cache-mb" in err
     squeezed = json.loads(out)["levels"][0]["steps"]
     code, out, err = _run(capsys, *args)

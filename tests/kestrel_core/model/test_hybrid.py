@@ -196,7 +196,7 @@ def test_preempted_hybrid_sequences_are_recomputed_with_the_same_tokens() -> Non
     with kestrel_core.load(path, backend="cpu") as roomy:
         alone = [list(roomy.generate(p, params=params)) for p in prompts]
     # 512 bytes a position (one attention layer of four): 0.125 MB is 8 blocks of 32 for five sequences of 3
-    with kestrel_core.load(path, backend="cpu", kv_cache_mb=0.125) as tight:
+    with kestrel_core.load(path, backend="cpu", kv_cache_mb=0.0625) as tight:
         assert tight.pool.num_blocks == 8
         scheduler = Scheduler(tight, max_batch=5, token_budget=64)
         requests = [scheduler.add(p, params) for p in prompts]

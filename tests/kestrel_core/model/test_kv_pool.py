@@ -134,7 +134,7 @@ def test_a_context_beyond_half_the_memory_does_not_size_the_default_pool(monkeyp
 
     config = ModelConfig(arch="llama", vocab_size=64, hidden_size=256, intermediate_size=96, num_layers=8,
                          num_heads=4, num_kv_heads=4, head_dim=64, max_position=1 << 20)
-    per_block = kv_pool.bytes_per_position(config) * kv_pool.BLOCK_SIZE  # 512 KiB: the full context is 16 GiB
+    per_block = kv_pool.bytes_per_position(config) * kv_pool.BLOCK_SIZE  # 256 KiB: the full context is 8 GiB
     blocks = kv_pool.KVPool.budget_blocks
     monkeypatch.setattr(kv_pool, "_memory_bytes", lambda: 1 << 40)
     assert blocks(config) == (1 << 20) // kv_pool.BLOCK_SIZE
@@ -142,18 +142,18 @@ def test_a_context_beyond_half_the_memory_does_not_size_the_default_pool(monkeyp
     assert blocks(config) == (8 << 30) // per_block
     monkeypatch.setattr(kv_pool, "_memory_bytes", lambda: 1 << 30)
     assert blocks(config) == kv_pool.DEFAULT_KV_MB * 2 ** 20 // per_block
-    assert blocks(config, 64) == 128
+    assert blocks(config, 64) == 256
 
 
 def test_a_latent_attention_caches_its_latent_not_each_heads_key_and_value() -> None:
     """GLM-4.7-Flash's KV cache holds a position's latent (512) and RoPE key (64) once for its 20 heads, and the
-    latent again as the value: 4 x 47 x (576 + 512) bytes, 205 KB, where each head's key (256) and value (256) would
-    take 1.9 MB."""
+    latent again as the value: 2 x 47 x (576 + 512) float16 bytes, 102 KB, where each head's key (256) and value (256)
+    would take 0.96 MB."""
     from kestrel_core.model import kv_pool
     from kestrel_core.model.presets import preset_config
 
     config = preset_config("glm-4.7-flash")
     assert config.attention_dims == (1, 576, 512)
-    assert kv_pool.bytes_per_position(config) == 4 * 47 * (576 + 512)
+    assert kv_pool.bytes_per_position(config) == 2 * 47 * (576 + 512)
     pool = kv_pool.KVPool(config, 2)
-    assert pool.kt.shape == (47, 2, 1, 576, kv_pool.BLOCK_SIZE) and pool.v.shape == (47, 2, kv_pool.BLOCK_SIZE, 1, 512)
+    assert pool.kt.shape == (47, 2, 1, 576, kv_pool.BLOCK_SIZE) and pool.v.shape == (47, 2, 1, kv_pool.BLOCK_SIZE, 512)

@@ -135,7 +135,7 @@ def test_preempted_sequences_are_recomputed_with_the_same_tokens(model) -> None:
     with kestrel_core.load(model, backend="cpu") as roomy:
         alone = [_alone(roomy, p, params) for p in prompts]
     # 1 KiB a position here: 0.25 MB is 8 blocks of 32, for five sequences that need 3 blocks each
-    with kestrel_core.load(model, backend="cpu", kv_cache_mb=0.25) as tight:
+    with kestrel_core.load(model, backend="cpu", kv_cache_mb=0.125) as tight:
         assert tight.pool.num_blocks == 8
         scheduler = Scheduler(tight, max_batch=5, token_budget=64)
         requests = [scheduler.add(p, params) for p in prompts]
@@ -259,7 +259,7 @@ def test_a_logit_bias_steers_greedy_tokens_and_keeps_them_off_the_device_argmax(
 
 
 def test_requests_that_cannot_run_are_refused_and_a_full_queue_is_overloaded(model) -> None:
-    with kestrel_core.load(model, backend="cpu", kv_cache_mb=0.125) as engine:  # 4 blocks: 128 positions
+    with kestrel_core.load(model, backend="cpu", kv_cache_mb=0.0625) as engine:  # 4 blocks: 128 positions
         scheduler = Scheduler(engine, max_batch=1, max_waiting=1)
         with pytest.raises(InvalidRequest, match="KV cache holds 128") as info:
             scheduler.add(list(range(150)), SamplingParams())
@@ -279,7 +279,7 @@ def test_requests_that_cannot_run_are_refused_and_a_full_queue_is_overloaded(mod
 
 
 def test_a_sequence_that_outgrows_the_whole_cache_ends_with_length(model) -> None:
-    with kestrel_core.load(model, backend="cpu", kv_cache_mb=0.0625) as engine:  # 2 blocks: 64 positions
+    with kestrel_core.load(model, backend="cpu", kv_cache_mb=0.03125) as engine:  # 2 blocks: 64 positions
         outs = list(engine.stream([1, 2, 3], SamplingParams(max_tokens=100, ignore_eos=True)))
         assert outs[-1].finish_reason == "length"
         assert sum(len(o.new_token_ids) for o in outs) == 64 - 3 + 1

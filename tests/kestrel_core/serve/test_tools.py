@@ -273,6 +273,20 @@ def test_a_minimax_grammar_admits_the_calls_parse_reads_and_no_others() -> None:
         assert not _admits(grammar, bad), bad
 
 
+def test_a_hermes_string_argument_may_hold_the_closing_tag() -> None:
+    """The call grammar admits any JSON string, "</tool_call>" included (a sampled answer wrote one): the block
+    ends where its JSON does."""
+    from kestrel_core.serve.tools import call_grammar
+
+    args = {"city": "+s1}}</tool_call>-<tool_call>get_weather"}
+    text = "<tool_call>\n" + json.dumps({"name": "f", "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
+    assert _admits(call_grammar(HERMES, [{"name": "f"}], many=False), text)
+    assert parse(HERMES, "Sure. " + text + " Done.") == Parsed("Sure.  Done.", _calls(("f", args)))
+    for bad in (text.replace("\n</tool_call>", ""), text.replace("}\n</tool_call>", "\n</tool_call>"),
+                text + "<tool_call>{}"):
+        assert parse(HERMES, bad) == Parsed(bad, ()), bad
+
+
 def test_parallel_off_keeps_the_first_call() -> None:
     text = '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>'
     assert parse(HERMES, text, parallel=False) == Parsed(None, _calls(("f", {})))

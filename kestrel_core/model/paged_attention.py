@@ -1,0 +1,472 @@
+"""The host KV pool's attention: keys and values stored as IEEE float16 (``rope_write``), read by paged attention
+(``attend``) whose dot products run on LLVM vectors of float32.
+
+Keys are stored transposed, [blocks, KV, hd, BS], so that one key dim of LANES consecutive positions is a vector
+a query element multiplies broadcast; values [blocks, KV, BS, vdp], a position's dims contiguous and padded to
+whole vectors (``padded_dims``). Either way a KV head's block is one contiguous run of memory. A block holds
+whole vectors of positions (``BLOCK_MULTIPLE``).
+
+Every row runs one fixed sequence of float32 operations, as in kernels.py (no FMA, no reassociation): a score is
+0 plus q[j] * k[j] added in order of j, an output dim 0 plus p_s * v_s added in order of position, whatever the
+batch and however many query heads a work item takes. The vector kernels (numba intrinsics) hold those sums in
+registers, SCORE_TILE vectors of positions at once for a head's scores and VALUE_TILE vectors of dims for its
+weighted values, where numba's loops kept them in memory: a decode step's attention over 2,048 positions 3.5x
+faster on the 2-core dev VM (docs/performance.md).
+
+Keys and values are rounded to float16 to nearest, ties to even, as llama.cpp's and vLLM's caches hold them
+(numpy's ``astype(np.float16)``, CUDA's ``__float2half_rn``): a device backend's cache holds the same values,
+and the pool takes half the bytes of float32. numba has no float16, so the pool's arrays are passed as their
+uint16 bit patterns. Where numba is missing the same functions run as plain Python and numpy, with the same
+results and far slower.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("kestrel")
+
+LANES = 16  # positions (keys) or dims (values) a vector holds
+BLOCK_MULTIPLE = LANES  # a KV block's positions come in whole key vectors
+SCORE_TILE = 8  # vectors of positions whose scores one key_scores call sums at once
+VALUE_TILE = 4  # vectors of dims one value_sums call sums at once
+
+
+# A softmax's exp, e^x for shifted logits x <= 0, in float32 steps a vector runs (numba's np.exp is a scalar libm
+# call, most of a long prompt's attention): Cephes' expf, x = n ln2 + r with ln2 in two parts, a degree-7
+# polynomial in r, 2^n put into the exponent; within 2 ulp of e^x. Below EXP_FLOOR (e^x < 4.4e-38, under
+# float32's normal range) it gives 0; NaN stays NaN.
+EXP_FLOOR = -86.0
+_LOG2E = 1.44269504088896341
+_LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+
+
+def padded_dims(dims: int) -> int:
+    """A position's value dims as the pool stores them: whole vectors."""
+    return -(-dims // LANES) * LANES
+
+
+def _half_bits(x: np.ndarray, out: np.ndarray) -> None:
+    # x: float32 [n] -> out: uint16 [n], the IEEE binary16 nearest each (ties to even). On the bits: add half a
+    # float16 step less one (plus the kept lowest bit, for ties) and truncate, a carry into the exponent being
+    # the right rounding up; 65520 and up overflow to infinity; below 2^-14 float16's subnormal steps of 2^-24.
+    b = x.view(np.uint32)
+    for i in range(b.shape[0]):
+        sign = (b[i] >> 16) & 0x8000
+        e = (b[i] >> 23) & 0xFF
+        if e == 255:  # infinity, or NaN (kept a NaN)
+            half = 0x7C00 | (0x200 if b[i] & 0x7FFFFF else 0)
+        elif e >= 113:  # |x| >= 2^-14
+            r = (b[i] & 0x7FFFFFFF) + 0xFFF + ((b[i] >> 13) & 1)
+            half = 0x7C00 if r >= 0x47800000 else (r >> 13) - (112 << 10)
+        else:  # subnormal steps, exact in float64 but the one rint
+            half = np.int64(np.rint(np.float64(abs(x[i])) * 16777216.0))
+        out[i] = sign | half
+
+
+def _exp(x: np.ndarray) -> np.ndarray:
+    """e^x of float32 x <= 0, the vector kernels' exp step for step (the Python fallback's, and their reference)."""
+    f32 = np.float32
+    kept = x >= f32(EXP_FLOOR)
+    xc = np.where(kept, x, f32(0))
+    n = np.rint(xc * f32(_LOG2E))
+    r = (xc - n * f32(_LN2_HI)) - n * f32(_LN2_LO)
+    y = np.full_like(r, f32(_EXP_POLY[0]))
+    for c in _EXP_POLY[1:]:
+        y = y * r + f32(c)
+    y = (y * (r * r) + r) + f32(1)
+    return np.where(kept, np.ldexp(y, n.astype(np.int32)), np.where(np.isnan(x), x, f32(0)))
+
+
+def _softmax(p: np.ndarray, lo: int, count: int, sink: np.float32) -> np.float32:
+    # p: float32 flat scores; p[lo:lo + count] become e^(p - top), top the largest of them and the sink. Returns
+    # their total and the sink's e^(sink - top): position i adds into lane i % LANES, in order, the lanes then
+    # summed in halves (8 + 8, 4 + 4, 2 + 2, 1 + 1), then the sink's. One order for every row, which a vector runs.
+    # The compiled kernel also writes the rest of its last vector, up to p[lo + count + LANES - 2].
+    x = p[lo:lo + count]
+    top = max(x.max(), sink)
+    e = _exp(x - top)
+    p[lo:lo + count] = e
+    lanes = np.zeros(LANES, np.float32)
+    for i in range(0, count, LANES):
+        chunk = e[i:i + LANES]
+        lanes[:len(chunk)] += chunk
+    width = LANES
+    while width > 1:
+        width //= 2
+        lanes = lanes[:width] + lanes[width:2 * width]
+    return lanes[0] + _exp(np.array([sink - top], np.float32))[0]
+
+
+def _rope_write(k: np.ndarray, v: np.ndarray, kt: np.ndarray, vc: np.ndarray, slots: np.ndarray,
+                cos: np.ndarray, sin: np.ndarray) -> None:
+    # k: [M, KV, hd] and v: [M, KV, vd] new keys/values; kt: [NB, KV, hd, BS] and vc: [NB, KV, BS, vdp] one layer's
+    # pool (float16 bits); slots: [M] block * BS + offset of each row's position; cos/sin: [M, hd] (sin carries
+    # rotate_half's sign). A value's padding dims are stored as zeros.
+    m, n_kv, hd = k.shape
+    vd = v.shape[2]
+    vdp = vc.shape[3]
+    bs = kt.shape[3]
+    half = hd // 2
+    row = np.zeros(hd + vdp, np.float32)  # a head's rotated key, then its value
+    bits = np.empty(hd + vdp, np.uint16)
+    for r in range(m):
+        blk, off = slots[r] // bs, slots[r] % bs
+        for kh in range(n_kv):  # x * cos + rotate_half(x) * sin
+            for j in range(hd):
+                js = j + half if j < half else j - half
+                row[j] = k[r, kh, j] * cos[r, j] + k[r, kh, js] * sin[r, j]
+            for j in range(vd):
+                row[hd + j] = v[r, kh, j]
+            half_bits(row, bits)
+            for j in range(hd):
+                kt[blk, kh, j, off] = bits[j]
+            for j in range(vdp):
+                vc[blk, kh, off, j] = bits[hd + j]
+
+
+def _key_scores(q: np.ndarray, q_off: int, hd: int, kt: np.ndarray, offs: np.ndarray, stride: int,
+                scores: np.ndarray, s_off: int) -> None:
+    # q: float32 flat, a head's hd query dims from q_off; kt: the keys' float16 bits, flat; offs: [SCORE_TILE] where
+    # each vector's LANES positions start at dim 0, the next dim ``stride`` further. scores[s_off + t*LANES + o] =
+    # 0 + q[0] * k_t[0, o] + q[1] * k_t[1, o] + ..., in that order.
+    keys = kt.view(np.float16)
+    for t in range(SCORE_TILE):
+        acc = np.zeros(LANES, np.float32)
+        for j in range(hd):
+            at = offs[t] + j * stride
+            acc = acc + q[q_off + j] * keys[at:at + LANES].astype(np.float32)
+        scores[s_off + t * LANES:s_off + (t + 1) * LANES] = acc
+
+
+def _value_sums(p: np.ndarray, p_off: int, count: int, vc: np.ndarray, v_off: int, v_stride: int, acc: np.ndarray,
+                acc_off: int, vectors: int) -> None:
+    # p: float32 flat, the weights of ``count`` positions from p_off; vc: the values' float16 bits, flat, the first
+    # position's dims from v_off, the next ``v_stride`` further; acc[acc_off ...]: ``vectors`` vectors of dims
+    # that each position's p_s * v_s is added to, in order of position.
+    values = vc.view(np.float16)
+    n = vectors * LANES
+    sums = acc[acc_off:acc_off + n].copy()
+    for s in range(count):
+        at = v_off + s * v_stride
+        sums = sums + p[p_off + s] * values[at:at + n].astype(np.float32)
+    acc[acc_off:acc_off + n] = sums
+
+
+def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, row_seq: np.ndarray,
+            firsts: np.ndarray, lengths: np.ndarray, q_cos: np.ndarray, q_sin: np.ndarray, softcap: np.float32,
+            sinks: np.ndarray, heads: int, out: np.ndarray) -> None:
+    # q: [M, H, hd] (RoPE applied here with the scaled q_ tables [M, hd]); kt/vc: one layer's pool (float16 bits);
+    # tables: [S, max_blocks] block ids of each sequence; row_seq: [M] its sequence; each row sees positions
+    # firsts[r] .. lengths[r] - 1 (its own position + 1; firsts 0 but under a sliding window); softcap > 0: each
+    # score becomes tanh(score / softcap) * softcap (Gemma 2); sinks: [H] one more logit in each head's softmax,
+    # which takes no value (gpt-oss; -inf: none, its exp is 0). out: [M, H*vd], vd the values' dims.
+    # Work items are (row, KV head, ``heads`` query heads): a KV head's g query heads read each tile of keys while
+    # it is in the L1 cache, or one head an item where there are too few for the threads (``attend_heads``); each
+    # head's operations are the same either way. Query head h reads KV head h // g (HF's repeat_kv); the softmax
+    # is normalised after P @ V.
+    m, n_heads, hd = q.shape
+    n_kv = kt.shape[1]
+    bs = kt.shape[3]
+    vdp = vc.shape[3]
+    vd = out.shape[1] // n_heads
+    per_kv = n_heads // n_kv // heads  # items a (row, KV head)
+    half = hd // 2
+    block_vectors = bs // LANES
+    value_vectors = vdp // LANES
+    kt_flat, vc_flat = kt.reshape(-1), vc.reshape(-1)
+    for item in prange(m * n_kv * per_kv):
+        r, kh = item // (n_kv * per_kv), item // per_kv % n_kv
+        g = heads
+        h0 = kh * (n_heads // n_kv) + item % per_kv * heads  # the item's first query head
+        table = tables[row_seq[r]]
+        s0, s_len = firsts[r], lengths[r]
+        b0, b1 = s0 // bs, (s_len + bs - 1) // bs  # the blocks the row sees
+        base = b0 * bs  # the position of each head's first score
+        n_vec = (b1 - b0) * block_vectors
+        width = (n_vec + SCORE_TILE - 1) // SCORE_TILE * SCORE_TILE * LANES  # scores a head, whole tiles
+        stride = width + LANES  # and room for softmax's last vector, which may start mid-block
+        qr = np.empty(g * hd, np.float32)
+        scores = np.empty(g * stride, np.float32)
+        offs = np.empty(SCORE_TILE, np.int64)
+        for hh in range(g):
+            h = h0 + hh
+            for j in range(hd):
+                js = j + half if j < half else j - half
+                qr[hh * hd + j] = q[r, h, j] * q_cos[r, j] + q[r, h, js] * q_sin[r, j]
+        for t0 in range(0, n_vec, SCORE_TILE):
+            for t in range(SCORE_TILE):
+                vec = min(t0 + t, n_vec - 1)  # a tile past the last vector repeats it; those scores are not read
+                blk = table[b0 + vec // block_vectors]
+                offs[t] = (blk * n_kv + kh) * hd * bs + vec % block_vectors * LANES
+            for hh in range(g):
+                key_scores(qr, hh * hd, hd, kt_flat, offs, bs, scores, hh * stride + t0 * LANES)
+        pv = np.empty(vdp, np.float32)
+        for hh in range(g):
+            h = h0 + hh
+            p = scores[hh * stride:(hh + 1) * stride]
+            if softcap > 0:
+                for s in range(s0 - base, s_len - base):
+                    p[s] = np.float32(np.tanh(p[s] / softcap)) * softcap
+            total = softmax(p, s0 - base, s_len - s0, sinks[h])
+            pv[:] = np.float32(0)
+            for b in range(b0, b1):  # P @ V, a block's positions at a time
+                lo, hi = max(s0, b * bs), min(s_len, b * bs + bs)
+                v_at = ((table[b] * n_kv + kh) * bs + lo - b * bs) * vdp
+                for c in range(0, value_vectors, VALUE_TILE):
+                    value_sums(p, lo - base, hi - lo, vc_flat, v_at + c * LANES, vdp, pv, c * LANES,
+                               min(VALUE_TILE, value_vectors - c))
+            o0 = h * vd
+            for j in range(vd):
+                out[r, o0 + j] = pv[j] / total
+
+
+def prange(*args: int) -> range:
+    """numba's parallel range where compiled; a plain range in the Python fallback."""
+    return range(*args)
+
+
+def _num_threads() -> int:
+    """numba's thread count where compiled; one in the Python fallback."""
+    return 1
+
+
+def attend_heads(m: int, n_heads: int, n_kv: int) -> int:
+    """Query heads an ``attend`` work item takes: a KV head's all (each tile of keys read from the L1 cache by the
+    others), or one where the (row, KV head) items would be fewer than twice the threads (a decode step)."""
+    return 1 if m * n_kv < 2 * _num_threads() else n_heads // n_kv
+
+
+half_bits: Any = _half_bits
+rope_write: Any = _rope_write
+key_scores: Any = _key_scores
+value_sums: Any = _value_sums
+softmax: Any = _softmax
+attend: Any = _attend
+
+
+def _make_key_scores(native: bool) -> Any:
+    """``_key_scores`` as an intrinsic: the SCORE_TILE sums in registers, the keys widened from float16
+    (``codegen.half_to_float``)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    from kestrel_core.codegen import F32, I16, data_ptr, half_to_float, splat
+
+    vh, vf = ir.VectorType(I16, LANES), ir.VectorType(F32, LANES)
+
+    @intrinsic
+    def key_scores_ir(typingctx: Any, q: Any, q_off: Any, hd: Any, kt: Any, offs: Any, stride: Any, scores: Any,
+                      s_off: Any) -> Any:
+        sig = types.void(q, q_off, hd, kt, offs, stride, scores, s_off)
+
+        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[ir.Value]) -> Any:
+            ty = signature.args
+            q_, q_off_, hd_, kt_, offs_, stride_, scores_, s_off_ = (
+                context.cast(builder, a, t, types.intp) if isinstance(t, types.Integer) else a
+                for a, t in zip(args, ty))
+            idx = q_off_.type
+            pq = data_ptr(context, builder, ty[0], q_, q_off_)
+            starts = [data_ptr(context, builder, ty[3], kt_,
+                               builder.load(data_ptr(context, builder, ty[4], offs_, ir.Constant(idx, t))))
+                      for t in range(SCORE_TILE)]
+            acc = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * LANES)) for _ in range(SCORE_TILE)]
+            with cgutils.for_range(builder, hd_) as loop:
+                qj = splat(builder, builder.load(builder.gep(pq, [loop.index])), vf)
+                at = builder.mul(loop.index, stride_)
+                for t in range(SCORE_TILE):
+                    bits = builder.load(builder.bitcast(builder.gep(starts[t], [at]), vh.as_pointer()), align=2)
+                    term = builder.fmul(qj, half_to_float(builder, bits, native))
+                    builder.store(builder.fadd(builder.load(acc[t]), term), acc[t])
+            for t in range(SCORE_TILE):
+                dst = data_ptr(context, builder, ty[6], scores_, builder.add(s_off_, ir.Constant(idx, t * LANES)))
+                builder.store(builder.load(acc[t]), builder.bitcast(dst, vf.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return key_scores_ir
+
+
+def _make_value_sums(vectors: int, native: bool) -> Any:
+    """``_value_sums`` for ``vectors`` vectors of dims as an intrinsic: the sums in registers."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    from kestrel_core.codegen import F32, I16, data_ptr, half_to_float, splat
+
+    vh, vf = ir.VectorType(I16, LANES), ir.VectorType(F32, LANES)
+
+    @intrinsic
+    def value_sums_ir(typingctx: Any, p: Any, p_off: Any, count: Any, vc: Any, v_off: Any, v_stride: Any, acc: Any,
+                      acc_off: Any) -> Any:
+        sig = types.void(p, p_off, count, vc, v_off, v_stride, acc, acc_off)
+
+        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[ir.Value]) -> Any:
+            ty = signature.args
+            p_, p_off_, count_, vc_, v_off_, v_stride_, acc_, acc_off_ = (
+                context.cast(builder, a, t, types.intp) if isinstance(t, types.Integer) else a
+                for a, t in zip(args, ty))
+            idx = p_off_.type
+            pp = data_ptr(context, builder, ty[0], p_, p_off_)
+            pv = data_ptr(context, builder, ty[3], vc_, v_off_)
+            pa = [builder.bitcast(data_ptr(context, builder, ty[6], acc_,
+                                           builder.add(acc_off_, ir.Constant(idx, c * LANES))), vf.as_pointer())
+                  for c in range(vectors)]
+            sums = [cgutils.alloca_once(builder, vf) for _ in range(vectors)]
+            for c in range(vectors):
+                builder.store(builder.load(pa[c], align=4), sums[c])
+            with cgutils.for_range(builder, count_) as loop:
+                ps = splat(builder, builder.load(builder.gep(pp, [loop.index])), vf)
+                row = builder.gep(pv, [builder.mul(loop.index, v_stride_)])
+                for c in range(vectors):
+                    at = builder.gep(row, [ir.Constant(idx, c * LANES)])
+                    bits = builder.load(builder.bitcast(at, vh.as_pointer()), align=2)
+                    term = builder.fmul(ps, half_to_float(builder, bits, native))
+                    builder.store(builder.fadd(builder.load(sums[c]), term), sums[c])
+            for c in range(vectors):
+                builder.store(builder.load(sums[c]), pa[c], align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return value_sums_ir
+
+
+def _vector_exp(builder: Any, x: Any) -> Any:
+    """``_exp`` on a <LANES x float>, the same float32 steps."""
+    from llvmlite import ir
+
+    from kestrel_core.codegen import I32
+
+    vf, vi = x.type, ir.VectorType(I32, LANES)
+
+    def const(value: float) -> Any:
+        return ir.Constant(vf, [float(np.float32(value))] * LANES)
+
+    module = builder.module
+    rint = module.globals.get("llvm.rint.v16f32") or ir.Function(module, ir.FunctionType(vf, [vf]),
+                                                                 "llvm.rint.v16f32")
+    kept = builder.fcmp_ordered(">=", x, const(EXP_FLOOR))
+    xc = builder.select(kept, x, const(0.0))
+    n = builder.call(rint, [builder.fmul(xc, const(_LOG2E))])
+    r = builder.fsub(builder.fsub(xc, builder.fmul(n, const(_LN2_HI))), builder.fmul(n, const(_LN2_LO)))
+    y = const(_EXP_POLY[0])
+    for c in _EXP_POLY[1:]:
+        y = builder.fadd(builder.fmul(y, r), const(c))
+    y = builder.fadd(builder.fadd(builder.fmul(y, builder.fmul(r, r)), r), const(1.0))
+    scaled = builder.add(builder.bitcast(y, vi), builder.shl(builder.fptosi(n, vi), ir.Constant(vi, [23] * LANES)))
+    nan = builder.fcmp_unordered("uno", x, x)
+    return builder.select(kept, builder.bitcast(scaled, vf), builder.select(nan, x, const(0.0)))
+
+
+def _make_softmax() -> Any:
+    """``_softmax`` as an intrinsic: the max, the exps and the lanes' sums on vectors."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    from kestrel_core.codegen import F32, I32, data_ptr, splat
+
+    vf, vi = ir.VectorType(F32, LANES), ir.VectorType(I32, LANES)
+
+    @intrinsic
+    def softmax_ir(typingctx: Any, p: Any, lo: Any, count: Any, sink: Any) -> Any:
+        sig = types.float32(p, lo, count, types.float32)
+
+        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[ir.Value]) -> Any:
+            ty = signature.args
+            p_, lo_, count_ = (context.cast(builder, a, t, types.intp) if isinstance(t, types.Integer) else a
+                               for a, t in zip(args[:3], ty[:3]))
+            sink_ = context.cast(builder, args[3], ty[3], types.float32)
+            idx = lo_.type
+            start = data_ptr(context, builder, ty[0], p_, lo_)
+            vectors = builder.udiv(builder.add(count_, ir.Constant(idx, LANES - 1)), ir.Constant(idx, LANES))
+            lane = ir.Constant(vi, list(range(LANES)))
+            left = builder.trunc(count_, I32)
+            minus_inf, zero = ir.Constant(vf, [float("-inf")] * LANES), ir.Constant(vf, [0.0] * LANES)
+
+            def vector_at(i: ir.Value) -> tuple[ir.Value, ir.Value]:  # its pointer, and which lanes are in range
+                at = builder.bitcast(builder.gep(start, [builder.mul(i, ir.Constant(idx, LANES))]), vf.as_pointer())
+                first = splat(builder, builder.trunc(builder.mul(i, ir.Constant(idx, LANES)), I32), vi)
+                return at, builder.icmp_signed("<", builder.add(first, lane), splat(builder, left, vi))
+
+            top_v = cgutils.alloca_once_value(builder, minus_inf)
+            with cgutils.for_range(builder, vectors) as loop:
+                at, live = vector_at(loop.index)
+                x = builder.select(live, builder.load(at, align=4), minus_inf)
+                top = builder.load(top_v)
+                builder.store(builder.select(builder.fcmp_ordered(">", x, top), x, top), top_v)
+            top = builder.extract_element(builder.load(top_v), ir.Constant(I32, 0))
+            for k in range(1, LANES):
+                x = builder.extract_element(builder.load(top_v), ir.Constant(I32, k))
+                top = builder.select(builder.fcmp_ordered(">", x, top), x, top)
+            top = builder.select(builder.fcmp_ordered(">", sink_, top), sink_, top)
+            top_s = splat(builder, top, vf)
+            sums = cgutils.alloca_once_value(builder, zero)
+            with cgutils.for_range(builder, vectors) as loop:
+                at, live = vector_at(loop.index)
+                e = _vector_exp(builder, builder.fsub(builder.load(at, align=4), top_s))
+                builder.store(e, at, align=4)
+                builder.store(builder.fadd(builder.load(sums), builder.select(live, e, zero)), sums)
+            lanes, width = builder.load(sums), LANES
+            while width > 1:
+                width //= 2
+                low = builder.shuffle_vector(lanes, lanes, ir.Constant(vi, list(range(width)) + [0] * (LANES - width)))
+                high = builder.shuffle_vector(lanes, lanes, ir.Constant(vi, list(range(width, 2 * width)) +
+                                                                        [0] * (LANES - width)))
+                lanes = builder.fadd(low, high)
+            sink_e = _vector_exp(builder, builder.fsub(splat(builder, sink_, vf), top_s))
+            return builder.fadd(builder.extract_element(lanes, ir.Constant(I32, 0)),
+                                builder.extract_element(sink_e, ir.Constant(I32, 0)))
+
+        return sig, codegen
+
+    return softmax_ir
+
+
+def _build() -> None:
+    global half_bits, rope_write, key_scores, value_sums, softmax, attend, prange, _num_threads
+    try:
+        import numba
+        from numba import njit
+
+        from kestrel_core.codegen import native_half
+    except Exception as exc:  # numba missing: the plain-Python loops (correct, slow)
+        log.debug("compiled attention kernels unavailable: %s", exc)
+        return
+    prange = numba.prange  # a global the parallel kernels resolve when they compile
+    _num_threads = numba.get_num_threads
+    native = native_half()
+    key_scores = _make_key_scores(native)
+    softmax = _make_softmax()
+    sums_1, sums_2, sums_3, sums_4 = (_make_value_sums(n, native) for n in range(1, VALUE_TILE + 1))
+
+    @njit(inline="always")
+    def value_sums_any(p: Any, p_off: Any, count: Any, vc: Any, v_off: Any, v_stride: Any, acc: Any,
+                       acc_off: Any, vectors: Any) -> None:
+        if vectors == 4:
+            sums_4(p, p_off, count, vc, v_off, v_stride, acc, acc_off)
+        elif vectors == 3:
+            sums_3(p, p_off, count, vc, v_off, v_stride, acc, acc_off)
+        elif vectors == 2:
+            sums_2(p, p_off, count, vc, v_off, v_stride, acc, acc_off)
+        else:
+            sums_1(p, p_off, count, vc, v_off, v_stride, acc, acc_off)
+
+    value_sums = value_sums_any
+    half_bits = njit(cache=True, nogil=True)(_half_bits)  # a global rope_write resolves when it compiles
+    rope_write = njit(cache=True, nogil=True)(_rope_write)
+    attend = njit(cache=True, nogil=True, parallel=True)(_attend)
+
+
+_build()

@@ -1,0 +1,216 @@
+"""Paged attention over the float16 pool: float16 rounding as numpy's, attention against float64 softmax
+attention, the same bits however a row's query heads are split into work items, from the Python fallback, and
+from the integer float16 widening a CPU without F16C compiles."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kestrel_core.errors import KestrelError
+from kestrel_core.model import paged_attention as pa
+from kestrel_core.model.kv_pool import KVPool
+
+
+def _edge_floats(rng: np.random.Generator) -> np.ndarray:
+    """Random float32 bit patterns and every rounding edge of float16: ties, overflow, subnormals, NaN."""
+    rand = rng.integers(0, 2 ** 32, 20000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    near = (rng.standard_normal(20000) * 10.0 ** rng.integers(-9, 6, 20000)).astype(np.float32)
+    halves = np.arange(2 ** 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        ties = (halves[:-1].astype(np.float64) + halves[1:]) / 2  # midpoints (NaN where a neighbour is)
+    edges = np.array([0.0, -0.0, 65504, 65519.996, 65520, -65520, 2 ** -14, 2 ** -24, 2 ** -25, 3 * 2 ** -26,
+                      1e-30, np.inf, -np.inf, np.nan], np.float32)
+    return np.concatenate([rand, near, halves, ties.astype(np.float32), edges])
+
+
+@pytest.mark.parametrize("fn", ["compiled", "python"])
+def test_float16_bits_are_numpys_rounding(fn: str) -> None:
+    x = _edge_floats(np.random.default_rng(3))
+    if fn == "python":
+        x = x[::40]  # the plain loop is slow
+    out = np.empty(len(x), np.uint16)
+    (pa.half_bits if fn == "compiled" else pa._half_bits)(x, out)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(out[~nan], want[~nan].view(np.uint16))
+    assert np.isnan(out[nan].view(np.float16)).all()
+
+
+def _problem(seed: int, n_heads: int, n_kv: int, hd: int, vd: int, bs: int, lengths: list[int],
+             firsts: list[int] | None = None) -> dict:
+    """A pool of float16 keys and values, blocks out of order, and a query row per length."""
+    rng = np.random.default_rng(seed)
+    m = len(lengths)
+    n_blocks = -(-max(lengths) // bs) + 2
+    vdp = pa.padded_dims(vd)
+    kt = rng.standard_normal((n_blocks, n_kv, hd, bs)).astype(np.float16)  # [blocks, KV, hd, BS]
+    vc = np.zeros((n_blocks, n_kv, bs, vdp), np.float16)  # [blocks, KV, BS, vdp]
+    vc[..., :vd] = rng.standard_normal((n_blocks, n_kv, bs, vd))
+    return dict(q=(rng.standard_normal((m, n_heads, hd)) / np.sqrt(hd)).astype(np.float32),
+                kt=kt, vc=vc, tables=np.stack([rng.permutation(n_blocks) for _ in range(m)]).astype(np.int64),
+                firsts=np.array(firsts or [0] * m, np.int64), lengths=np.array(lengths, np.int64),
+                sinks=rng.standard_normal(n_heads).astype(np.float32), vd=vd)
+
+
+def _attend(p: dict, heads: int, softcap: float = 0.0, fn=None) -> np.ndarray:
+    m, n_heads, hd = p["q"].shape
+    ones, zeros = np.ones((m, hd), np.float32), np.zeros((m, hd), np.float32)  # RoPE at position 0: none
+    out = np.empty((m, n_heads * p["vd"]), np.float32)
+    (fn or pa.attend)(p["q"], p["kt"].view(np.uint16), p["vc"].view(np.uint16), p["tables"], np.arange(m),
+                      p["firsts"], p["lengths"], ones, zeros, np.float32(softcap), p["sinks"], heads, out)
+    return out
+
+
+def _reference(p: dict, softcap: float = 0.0) -> np.ndarray:
+    """float64 softmax attention with a sink logit, over each row's positions firsts .. lengths - 1."""
+    q, kt, vc, vd = p["q"], p["kt"], p["vc"], p["vd"]
+    m, n_heads, hd = q.shape
+    n_kv = kt.shape[1]
+    out = np.empty((m, n_heads * vd))
+    for r in range(m):
+        blocks = p["tables"][r]
+        keys = kt[blocks].transpose(0, 3, 1, 2).reshape(-1, n_kv, hd).astype(np.float64)  # [positions, KV, hd]
+        values = vc[blocks].transpose(0, 2, 1, 3).reshape(-1, n_kv, vc.shape[3])[..., :vd].astype(np.float64)
+        seen = slice(p["firsts"][r], p["lengths"][r])
+        for h in range(n_heads):
+            kv = h // (n_heads // n_kv)
+            scores = keys[seen, kv] @ q[r, h]
+            if softcap:
+                scores = np.tanh(scores / softcap) * softcap
+            sink = p["sinks"][h]
+            weights = np.exp(np.append(scores, sink) - max(scores.max(), sink))
+            out[r, h * vd:(h + 1) * vd] = weights[:-1] @ values[seen, kv] / weights.sum()
+    return out
+
+
+CASES = [  # n_heads, n_kv, hd, vd, bs, lengths, firsts
+    (9, 3, 64, 64, 32, [300, 257, 1], None),
+    (8, 1, 32, 32, 16, [40, 33, 17], None),
+    (4, 4, 80, 72, 32, [100, 64, 65], [0, 10, 40]),  # value dims padded; a sliding window
+    (4, 1, 576, 512, 32, [70, 5], None),  # a latent attention's shapes
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_attention_matches_float64_softmax_attention_whatever_heads_an_item_takes(case: tuple) -> None:
+    n_heads, n_kv, hd, vd, bs, lengths, firsts = case
+    p = _problem(len(lengths) + hd, n_heads, n_kv, hd, vd, bs, lengths, firsts)
+    outs = [_attend(p, heads) for heads in (n_heads // n_kv, 1)]
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_allclose(outs[0], _reference(p), rtol=1e-4, atol=1e-5)
+    capped = _attend(p, 1, softcap=0.5)
+    np.testing.assert_allclose(capped, _reference(p, softcap=0.5), rtol=1e-4, atol=1e-5)
+    assert np.abs(capped - outs[0]).max() > 1e-3  # the cap was applied
+
+
+def test_a_wrong_key_position_is_caught() -> None:
+    p = _problem(5, 9, 3, 64, 64, 32, [300, 257, 1])
+    good = _attend(p, 3)
+    p["kt"][p["tables"][0, 4], 1, :, 7] += np.float16(1)  # one key of row 0's fifth block
+    bad = _attend(p, 3)
+    assert np.abs(bad[0] - good[0]).max() > 1e-3 and np.array_equal(bad[2], good[2])
+    np.testing.assert_allclose(bad, _reference(p), rtol=1e-4, atol=1e-5)
+
+
+def test_the_softmax_exp_is_within_two_ulp_of_e_to_the_x() -> None:
+    x = np.concatenate([-np.random.default_rng(1).random(100000).astype(np.float32) * 90,
+                        np.float32([0, -0.0, -1e-8, -0.5 * np.log(2), pa.EXP_FLOOR, -np.inf, np.nan])])
+    got = pa._exp(x)
+    want = np.exp(x.astype(np.float64))
+    kept = x >= pa.EXP_FLOOR
+    assert (np.abs(got[kept] - want[kept]) <= 2 * np.spacing(want[kept].astype(np.float32))).all()
+    assert (got[~kept & ~np.isnan(x)] == 0).all() and np.isnan(got[np.isnan(x)]).all()
+    assert got[x == 0].tolist() == [1.0, 1.0]
+
+
+def test_the_python_fallback_gives_the_compiled_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vector kernels' plain-numpy twins give their bits, and so does the whole attention run on them."""
+    import numba
+
+    p = _problem(11, 4, 2, 48, 40, 16, [37, 20], [0, 3])
+    kt, vc = p["kt"].view(np.uint16).reshape(-1), p["vc"].view(np.uint16).reshape(-1)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal(96).astype(np.float32)
+    offs = rng.integers(0, kt.size - 48 * 16 - 16, pa.SCORE_TILE).astype(np.int64)
+    weights = rng.random(40).astype(np.float32)
+    logits = (rng.standard_normal(80) * 30).astype(np.float32)
+
+    @numba.njit
+    def compiled(q, kt, offs, weights, vc, scores, sums, logits, totals):  # type: ignore[no-untyped-def]
+        pa.key_scores(q, 48, 48, kt, offs, 16, scores, 3)
+        for vectors in range(1, pa.VALUE_TILE + 1):
+            pa.value_sums(weights, 5, 30, vc, 7, 2 * 48, sums, 16 * (vectors - 1), vectors)
+        totals[0] = pa.softmax(logits, 3, 37, np.float32(-np.inf))
+        totals[1] = pa.softmax(logits, 55, 1, np.float32(2.5))
+
+    def python(q, kt, offs, weights, vc, scores, sums, logits, totals):  # type: ignore[no-untyped-def]
+        pa._key_scores(q, 48, 48, kt, offs, 16, scores, 3)
+        for vectors in range(1, pa.VALUE_TILE + 1):
+            pa._value_sums(weights, 5, 30, vc, 7, 2 * 48, sums, 16 * (vectors - 1), vectors)
+        totals[0] = pa._softmax(logits, 3, 37, np.float32(-np.inf))
+        totals[1] = pa._softmax(logits, 55, 1, np.float32(2.5))
+
+    start = rng.standard_normal(16 * 7).astype(np.float32)
+    outs = []
+    for fn in (compiled, python):
+        out = (np.full(3 + pa.SCORE_TILE * pa.LANES, np.nan, np.float32), start.copy(), logits.copy(),
+               np.zeros(2, np.float32))
+        fn(q, kt, offs, weights, vc, out[0], out[1], out[2], out[3])
+        outs.append(out)
+    for k in (0, 1, 3):
+        np.testing.assert_array_equal(outs[1][k], outs[0][k])
+    kept = np.r_[3:40, 55]  # the compiled softmax also writes its last vector's spare lanes, which nothing reads
+    np.testing.assert_array_equal(outs[1][2][kept], outs[0][2][kept])
+    assert not np.array_equal(outs[0][1], start) and not np.array_equal(outs[0][2], logits)
+    e = np.exp(logits[3:40].astype(np.float64) - logits[3:40].max())
+    np.testing.assert_allclose(outs[0][2][3:40], e, rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(outs[0][3][0], e.sum(), rtol=1e-6)
+
+    want = _attend(p, 2)
+    for name, fallback in (("key_scores", pa._key_scores), ("value_sums", pa._value_sums),
+                           ("softmax", pa._softmax), ("prange", range)):
+        monkeypatch.setattr(pa, name, fallback)
+    np.testing.assert_array_equal(_attend(p, 2, fn=pa._attend), want)
+
+
+def test_the_integer_float16_widening_gives_the_same_bits(tmp_path: Path) -> None:
+    """NUMBA_CPU_NAME=generic with no features (x86 without F16C, where fpext would call a function numba's JIT
+    cannot resolve): attention widens float16 in integer steps, to the same values."""
+    p = _problem(13, 9, 3, 64, 64, 32, [300, 257, 1])
+    p["kt"].reshape(-1)[:8] = np.array([0, -0.0, 6e-8, -6e-5, 65504, 1e-5, np.inf, 2.5], np.float16)  # table edges
+    np.savez(tmp_path / "p.npz", **{k: v for k, v in p.items() if k != "vd"})
+    script = (
+        "import sys, numpy as np\n"
+        "from kestrel_core import codegen\n"
+        "from kestrel_core.model import paged_attention as pa\n"
+        "p = dict(np.load(sys.argv[1])); m, h, hd = p['q'].shape; out = np.empty((m, h * 64), np.float32)\n"
+        "pa.attend(p['q'], p['kt'].view(np.uint16), p['vc'].view(np.uint16), p['tables'], np.arange(m),\n"
+        "          p['firsts'], p['lengths'], np.ones((m, hd), np.float32), np.zeros((m, hd), np.float32),\n"
+        "          np.float32(0), p['sinks'], 3, out)\n"
+        "np.save(sys.argv[2], out)\n"
+        "print(codegen.native_half())\n"
+    )
+    env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "p.npz"), str(tmp_path / "out.npy")],
+                         env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    import llvmlite.binding as llvm
+
+    if llvm.get_process_triple().startswith("x86_64"):
+        assert run.stdout.strip() == "False"  # the integer route ran
+    got = np.load(tmp_path / "out.npy")
+    np.testing.assert_array_equal(got, _attend(p, 3))
+
+
+def test_a_block_holds_whole_key_vectors(tiny_config) -> None:
+    with pytest.raises(KestrelError, match="multiple of 16"):
+        KVPool(tiny_config("llama"), 4, block_size=24)
+    pool = KVPool(tiny_config("llama"), 4, block_size=48)
+    assert pool.kt.dtype == np.float16 and pool.v.shape[-1] == pa.padded_dims(pool.v.shape[-1])
