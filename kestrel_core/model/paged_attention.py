@@ -6,18 +6,20 @@ a query element multiplies broadcast; values [blocks, KV, BS, vdp], a position's
 whole vectors (``padded_dims``). Either way a KV head's block is one contiguous run of memory. A block holds
 whole vectors of positions (``BLOCK_MULTIPLE``).
 
-Every row runs one fixed sequence of float32 operations, as in kernels.py (no FMA, no reassociation): a score is
-0 plus q[j] * k[j] added in order of j, an output dim 0 plus p_s * v_s added in order of position, whatever the
-batch and however many query heads a work item takes. The vector kernels (numba intrinsics) hold those sums in
-registers, SCORE_TILE vectors of positions at once for a head's scores and VALUE_TILE vectors of dims for its
-weighted values, where numba's loops kept them in memory: a decode step's attention over 2,048 positions 3.5x
-faster on the 2-core dev VM (docs/performance.md).
+Every row runs one fixed sequence of float32 operations, whatever the batch and however many query heads a work
+item takes, so that batching and chunked prefill change no result (kernels.py says why that matters): a score is
+q[j] * k[j] accumulated from 0 in order of j, an output dim p_s * v_s accumulated from 0 in order of position,
+each step one fused multiply-add where the CPU has FMA (``llvm.fmuladd``: one choice for every row), and the
+softmax's exp and total in the fixed steps of ``_exp`` and ``_softmax``. The vector kernels (numba intrinsics)
+hold the sums in registers, SCORE_TILE vectors of positions at once for a head's scores and VALUE_TILE vectors of
+dims for its weighted values, where numba's own loops kept them in memory and called libm's exp a score:
+docs/performance.md has the figures.
 
 Keys and values are rounded to float16 to nearest, ties to even, as llama.cpp's and vLLM's caches hold them
 (numpy's ``astype(np.float16)``, CUDA's ``__float2half_rn``): a device backend's cache holds the same values,
 and the pool takes half the bytes of float32. numba has no float16, so the pool's arrays are passed as their
-uint16 bit patterns. Where numba is missing the same functions run as plain Python and numpy, with the same
-results and far slower.
+uint16 bit patterns. Where numba is missing the same functions run as plain Python and numpy, far slower, with
+the results of a CPU without FMA (numpy's multiply and add round twice).
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def _key_scores(q: np.ndarray, q_off: int, hd: int, kt: np.ndarray, offs: np.nda
                 scores: np.ndarray, s_off: int) -> None:
     # q: float32 flat, a head's hd query dims from q_off; kt: the keys' float16 bits, flat; offs: [SCORE_TILE] where
     # each vector's LANES positions start at dim 0, the next dim ``stride`` further. scores[s_off + t*LANES + o] =
-    # 0 + q[0] * k_t[0, o] + q[1] * k_t[1, o] + ..., in that order.
+    # 0 + q[0] * k_t[0, o] + q[1] * k_t[1, o] + ..., in that order (the compiled kernel fuses each step).
     keys = kt.view(np.float16)
     for t in range(SCORE_TILE):
         acc = np.zeros(LANES, np.float32)
@@ -147,7 +149,7 @@ def _value_sums(p: np.ndarray, p_off: int, count: int, vc: np.ndarray, v_off: in
                 acc_off: int, vectors: int) -> None:
     # p: float32 flat, the weights of ``count`` positions from p_off; vc: the values' float16 bits, flat, the first
     # position's dims from v_off, the next ``v_stride`` further; acc[acc_off ...]: ``vectors`` vectors of dims
-    # that each position's p_s * v_s is added to, in order of position.
+    # that each position's p_s * v_s is added to, in order of position (the compiled kernel fuses each step).
     values = vc.view(np.float16)
     n = vectors * LANES
     sums = acc[acc_off:acc_off + n].copy()
@@ -249,6 +251,15 @@ softmax: Any = _softmax
 attend: Any = _attend
 
 
+def _mul_add(builder: Any, a: Any, b: Any, c: Any) -> Any:
+    """a * b + c on <LANES x float>, one fused multiply-add where the target has one (``llvm.fmuladd``)."""
+    from llvmlite import ir
+
+    name = f"llvm.fmuladd.v{LANES}f32"
+    fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(a.type, [a.type] * 3), name)
+    return builder.call(fn, [a, b, c])
+
+
 def _make_key_scores(native: bool) -> Any:
     """``_key_scores`` as an intrinsic: the SCORE_TILE sums in registers, the keys widened from float16
     (``codegen.half_to_float``)."""
@@ -282,8 +293,8 @@ def _make_key_scores(native: bool) -> Any:
                 at = builder.mul(loop.index, stride_)
                 for t in range(SCORE_TILE):
                     bits = builder.load(builder.bitcast(builder.gep(starts[t], [at]), vh.as_pointer()), align=2)
-                    term = builder.fmul(qj, half_to_float(builder, bits, native))
-                    builder.store(builder.fadd(builder.load(acc[t]), term), acc[t])
+                    key = half_to_float(builder, bits, native)
+                    builder.store(_mul_add(builder, qj, key, builder.load(acc[t])), acc[t])
             for t in range(SCORE_TILE):
                 dst = data_ptr(context, builder, ty[6], scores_, builder.add(s_off_, ir.Constant(idx, t * LANES)))
                 builder.store(builder.load(acc[t]), builder.bitcast(dst, vf.as_pointer()), align=4)
@@ -330,8 +341,8 @@ def _make_value_sums(vectors: int, native: bool) -> Any:
                 for c in range(vectors):
                     at = builder.gep(row, [ir.Constant(idx, c * LANES)])
                     bits = builder.load(builder.bitcast(at, vh.as_pointer()), align=2)
-                    term = builder.fmul(ps, half_to_float(builder, bits, native))
-                    builder.store(builder.fadd(builder.load(sums[c]), term), sums[c])
+                    value = half_to_float(builder, bits, native)
+                    builder.store(_mul_add(builder, ps, value, builder.load(sums[c])), sums[c])
             for c in range(vectors):
                 builder.store(builder.load(sums[c]), pa[c], align=4)
             return context.get_dummy_value()
