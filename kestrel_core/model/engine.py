@@ -426,15 +426,15 @@ class Engine:
 
     def _stream(self, scheduler: Any, request: Any) -> Iterator[RequestOutput]:
         stats = self.last = RunStats(prompt_tokens=len(request.prompt_ids))
-        t0 = time.perf_counter()
+        start = t0 = time.perf_counter()
         try:
             while not request.finished:
                 outputs = scheduler.step()
                 t1 = time.perf_counter()
                 for out in outputs:
                     if out.new_token_ids:
-                        if stats.generated_tokens == 0:
-                            stats.prefill_s = t1 - t0
+                        if stats.generated_tokens == 0:  # a long prompt takes several steps (chunked prefill)
+                            stats.prefill_s = t1 - start
                         else:
                             stats.decode_s += t1 - t0
                             stats.decode_steps += 1
