@@ -33,7 +33,8 @@ log = logging.getLogger("kestrel")
 
 LANES = 16  # positions (keys) or dims (values) a vector holds
 BLOCK_MULTIPLE = LANES  # a KV block's positions come in whole key vectors
-SCORE_TILE = 8  # vectors of positions whose scores one key_scores call sums at once
+SCORE_TILE = 8  # vectors of positions a key_scores call covers
+SCORE_SUMS = 8  # sums a vector kernel holds in registers: heads x position vectors (``_score_vectors``)
 VALUE_TILE = 4  # vectors of dims one value_sums call sums at once
 
 
@@ -131,18 +132,30 @@ def _rope_write(k: np.ndarray, v: np.ndarray, kt: np.ndarray, vc: np.ndarray, sl
                 vc[blk, kh, off, j] = bits[hd + j]
 
 
-def _key_scores(q: np.ndarray, q_off: int, hd: int, kt: np.ndarray, offs: np.ndarray, stride: int,
-                scores: np.ndarray, s_off: int) -> None:
-    # q: float32 flat, a head's hd query dims from q_off; kt: the keys' float16 bits, flat; offs: [SCORE_TILE] where
-    # each vector's LANES positions start at dim 0, the next dim ``stride`` further. scores[s_off + t*LANES + o] =
-    # 0 + q[0] * k_t[0, o] + q[1] * k_t[1, o] + ..., in that order (the compiled kernel fuses each step).
+def _score_vectors(heads: int) -> int:
+    """Position vectors of the vector kernel that scores ``heads`` query heads (1 to 4) at once, each key vector
+    widened once for all of them: their sums within SCORE_SUMS (2 at least)."""
+    return max(2, SCORE_SUMS // heads)
+
+
+_SCORE_VECTORS = (0,) + tuple(_score_vectors(h) for h in range(1, 5))  # by heads, for the compiled dispatch
+
+
+def _key_scores(q: np.ndarray, q_off: int, heads: int, hd: int, kt: np.ndarray, offs: np.ndarray, stride: int,
+                scores: np.ndarray, s_off: int, s_head: int) -> None:
+    # q: float32 flat, ``heads`` query heads of hd dims from q_off; kt: the keys' float16 bits, flat; offs:
+    # [SCORE_TILE] where each vector's LANES positions start at dim 0, the next dim ``stride`` further.
+    # scores[s_off + h*s_head + t*LANES + o] = 0 + q_h[0] * k_t[0, o] + q_h[1] * k_t[1, o] + ..., in that order
+    # (the compiled kernels fuse each step).
     keys = kt.view(np.float16)
-    for t in range(SCORE_TILE):
-        acc = np.zeros(LANES, np.float32)
-        for j in range(hd):
-            at = offs[t] + j * stride
-            acc = acc + q[q_off + j] * keys[at:at + LANES].astype(np.float32)
-        scores[s_off + t * LANES:s_off + (t + 1) * LANES] = acc
+    for h in range(heads):
+        for t in range(SCORE_TILE):
+            acc = np.zeros(LANES, np.float32)
+            for j in range(hd):
+                at = offs[t] + j * stride
+                acc = acc + q[q_off + h * hd + j] * keys[at:at + LANES].astype(np.float32)
+            at = s_off + h * s_head + t * LANES
+            scores[at:at + LANES] = acc
 
 
 def _value_sums(p: np.ndarray, p_off: int, count: int, vc: np.ndarray, v_off: int, v_stride: int, acc: np.ndarray,
@@ -205,8 +218,7 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
                 vec = min(t0 + t, n_vec - 1)  # a tile past the last vector repeats it; those scores are not read
                 blk = table[b0 + vec // block_vectors]
                 offs[t] = (blk * n_kv + kh) * hd * bs + vec % block_vectors * LANES
-            for hh in range(g):
-                key_scores(qr, hh * hd, hd, kt_flat, offs, bs, scores, hh * stride + t0 * LANES)
+            key_scores(qr, 0, g, hd, kt_flat, offs, bs, scores, t0 * LANES, stride)
         pv = np.empty(vdp, np.float32)
         for hh in range(g):
             h = h0 + hh
@@ -260,9 +272,10 @@ def _mul_add(builder: Any, a: Any, b: Any, c: Any) -> Any:
     return builder.call(fn, [a, b, c])
 
 
-def _make_key_scores(native: bool) -> Any:
-    """``_key_scores`` as an intrinsic: the SCORE_TILE sums in registers, the keys widened from float16
-    (``codegen.half_to_float``)."""
+def _make_key_scores(heads: int, native: bool) -> Any:
+    """``_key_scores`` of ``heads`` heads over ``_score_vectors(heads)`` vectors from offs[o_first] as an
+    intrinsic: the sums in registers, each key vector widened from float16 once (``codegen.half_to_float``)."""
+    vectors = _score_vectors(heads)
     from llvmlite import ir
     from numba import types
     from numba.core import cgutils
@@ -273,31 +286,39 @@ def _make_key_scores(native: bool) -> Any:
     vh, vf = ir.VectorType(I16, LANES), ir.VectorType(F32, LANES)
 
     @intrinsic
-    def key_scores_ir(typingctx: Any, q: Any, q_off: Any, hd: Any, kt: Any, offs: Any, stride: Any, scores: Any,
-                      s_off: Any) -> Any:
-        sig = types.void(q, q_off, hd, kt, offs, stride, scores, s_off)
+    def key_scores_ir(typingctx: Any, q: Any, q_off: Any, hd: Any, kt: Any, offs: Any, o_first: Any, stride: Any,
+                      scores: Any, s_off: Any, s_head: Any) -> Any:
+        sig = types.void(q, q_off, hd, kt, offs, o_first, stride, scores, s_off, s_head)
 
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[ir.Value]) -> Any:
             ty = signature.args
-            q_, q_off_, hd_, kt_, offs_, stride_, scores_, s_off_ = (
+            q_, q_off_, hd_, kt_, offs_, o_first_, stride_, scores_, s_off_, s_head_ = (
                 context.cast(builder, a, t, types.intp) if isinstance(t, types.Integer) else a
                 for a, t in zip(args, ty))
             idx = q_off_.type
-            pq = data_ptr(context, builder, ty[0], q_, q_off_)
-            starts = [data_ptr(context, builder, ty[3], kt_,
-                               builder.load(data_ptr(context, builder, ty[4], offs_, ir.Constant(idx, t))))
-                      for t in range(SCORE_TILE)]
-            acc = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * LANES)) for _ in range(SCORE_TILE)]
+
+            def const(value: int) -> ir.Value:
+                return ir.Constant(idx, value)
+
+            pq = [data_ptr(context, builder, ty[0], q_, builder.add(q_off_, builder.mul(hd_, const(h))))
+                  for h in range(heads)]
+            starts = [data_ptr(context, builder, ty[3], kt_, builder.load(
+                data_ptr(context, builder, ty[4], offs_, builder.add(o_first_, const(t))))) for t in range(vectors)]
+            acc = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * LANES)) for _ in range(vectors)]
+                   for _ in range(heads)]
             with cgutils.for_range(builder, hd_) as loop:
-                qj = splat(builder, builder.load(builder.gep(pq, [loop.index])), vf)
+                qj = [splat(builder, builder.load(builder.gep(pq[h], [loop.index])), vf) for h in range(heads)]
                 at = builder.mul(loop.index, stride_)
-                for t in range(SCORE_TILE):
+                for t in range(vectors):
                     bits = builder.load(builder.bitcast(builder.gep(starts[t], [at]), vh.as_pointer()), align=2)
                     key = half_to_float(builder, bits, native)
-                    builder.store(_mul_add(builder, qj, key, builder.load(acc[t])), acc[t])
-            for t in range(SCORE_TILE):
-                dst = data_ptr(context, builder, ty[6], scores_, builder.add(s_off_, ir.Constant(idx, t * LANES)))
-                builder.store(builder.load(acc[t]), builder.bitcast(dst, vf.as_pointer()), align=4)
+                    for h in range(heads):
+                        builder.store(_mul_add(builder, qj[h], key, builder.load(acc[h][t])), acc[h][t])
+            for h in range(heads):
+                for t in range(vectors):
+                    at = builder.add(builder.add(s_off_, builder.mul(s_head_, const(h))), const(t * LANES))
+                    dst = data_ptr(context, builder, ty[7], scores_, at)
+                    builder.store(builder.load(acc[h][t]), builder.bitcast(dst, vf.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -458,8 +479,28 @@ def _build() -> None:
     prange = numba.prange  # a global the parallel kernels resolve when they compile
     _num_threads = numba.get_num_threads
     native = native_half()
-    key_scores = _make_key_scores(native)
+    scores_1, scores_2, scores_3, scores_4 = (_make_key_scores(h, native) for h in range(1, 5))
     softmax = _make_softmax()
+
+    @njit(inline="always")
+    def key_scores_any(q: Any, q_off: Any, heads: Any, hd: Any, kt: Any, offs: Any, stride: Any, scores: Any,
+                       s_off: Any, s_head: Any) -> None:
+        h = 0
+        while h < heads:  # four heads a kernel, then the rest; each head's sums are the same whichever
+            n = min(4, heads - h)
+            for o in range(0, SCORE_TILE, _SCORE_VECTORS[n]):
+                at, s_at = q_off + h * hd, s_off + h * s_head + o * LANES
+                if n == 4:
+                    scores_4(q, at, hd, kt, offs, o, stride, scores, s_at, s_head)
+                elif n == 3:
+                    scores_3(q, at, hd, kt, offs, o, stride, scores, s_at, s_head)
+                elif n == 2:
+                    scores_2(q, at, hd, kt, offs, o, stride, scores, s_at, s_head)
+                else:
+                    scores_1(q, at, hd, kt, offs, o, stride, scores, s_at, s_head)
+            h += n
+
+    key_scores = key_scores_any
     sums_1, sums_2, sums_3, sums_4 = (_make_value_sums(n, native) for n in range(1, VALUE_TILE + 1))
 
     @njit(inline="always")

@@ -146,20 +146,20 @@ def test_the_python_fallback_gives_the_compiled_results(monkeypatch: pytest.Monk
     kt, vc = p["kt"].view(np.uint16).reshape(-1), p["vc"].view(np.uint16).reshape(-1)
     rng = np.random.default_rng(0)
     q = rng.standard_normal(96).astype(np.float32)
-    offs = rng.integers(0, kt.size - 48 * 16 - 16, pa.SCORE_TILE).astype(np.int64)
+    offs = rng.integers(0, kt.size - 12 * 16 - 16, pa.SCORE_TILE).astype(np.int64)
     weights = rng.random(40).astype(np.float32)
     logits = (rng.standard_normal(80) * 30).astype(np.float32)
 
     @numba.njit
     def compiled(q, kt, offs, weights, vc, scores, sums, logits, totals):  # type: ignore[no-untyped-def]
-        pa.key_scores(q, 48, 48, kt, offs, 16, scores, 3)
+        pa.key_scores(q, 3, 7, 12, kt, offs, 16, scores, 3, 130)
         for vectors in range(1, pa.VALUE_TILE + 1):
             pa.value_sums(weights, 5, 30, vc, 7, 2 * 48, sums, 16 * (vectors - 1), vectors)
         totals[0] = pa.softmax(logits, 3, 37, np.float32(-np.inf))
         totals[1] = pa.softmax(logits, 55, 1, np.float32(2.5))
 
     def python(q, kt, offs, weights, vc, scores, sums, logits, totals):  # type: ignore[no-untyped-def]
-        pa._key_scores(q, 48, 48, kt, offs, 16, scores, 3)
+        pa._key_scores(q, 3, 7, 12, kt, offs, 16, scores, 3, 130)
         for vectors in range(1, pa.VALUE_TILE + 1):
             pa._value_sums(weights, 5, 30, vc, 7, 2 * 48, sums, 16 * (vectors - 1), vectors)
         totals[0] = pa._softmax(logits, 3, 37, np.float32(-np.inf))
@@ -168,7 +168,7 @@ def test_the_python_fallback_gives_the_compiled_results(monkeypatch: pytest.Monk
     start = rng.standard_normal(16 * 7).astype(np.float32)
     outs = []
     for fn in (compiled, python):
-        out = (np.full(3 + pa.SCORE_TILE * pa.LANES, np.nan, np.float32), start.copy(), logits.copy(),
+        out = (np.full(3 + 7 * 130, np.nan, np.float32), start.copy(), logits.copy(),
                np.zeros(2, np.float32))
         fn(q, kt, offs, weights, vc, out[0], out[1], out[2], out[3])
         outs.append(out)
