@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from kestrel_core.model.kernels import prange  # numba's, or a plain range where numba is missing
+
 log = logging.getLogger("kestrel")
 
 LANES = 16  # positions (keys) or dims (values) a vector holds
@@ -237,11 +239,6 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
             o0 = h * vd
             for j in range(vd):
                 out[r, o0 + j] = pv[j] / total
-
-
-def prange(*args: int) -> range:
-    """numba's parallel range where compiled; a plain range in the Python fallback."""
-    return range(*args)
 
 
 def _num_threads() -> int:
@@ -467,7 +464,7 @@ def _make_softmax() -> Any:
 
 
 def _build() -> None:
-    global half_bits, rope_write, key_scores, value_sums, softmax, attend, prange, _num_threads
+    global half_bits, rope_write, key_scores, value_sums, softmax, attend, _num_threads
     try:
         import numba
         from numba import njit
@@ -476,7 +473,6 @@ def _build() -> None:
     except Exception as exc:  # numba missing: the plain-Python loops (correct, slow)
         log.debug("compiled attention kernels unavailable: %s", exc)
         return
-    prange = numba.prange  # a global the parallel kernels resolve when they compile
     _num_threads = numba.get_num_threads
     native = native_half()
     scores_1, scores_2, scores_3, scores_4 = (_make_key_scores(h, native) for h in range(1, 5))
