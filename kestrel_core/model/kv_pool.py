@@ -37,8 +37,8 @@ class KVPool:
     a latent attention's latent and RoPE key; vdp the value dims padded to whole vectors,
     ``paged_attention.padded_dims``), over the La layers with attention (``kv_index``: model layer -> first axis);
     ``paged_attention`` writes and reads them. The arrays are allocated once, untouched: the OS maps a page only
-    when a block is first written. A model with recurrent layers (linear
-    attention, short convolutions, Mamba-2) also keeps each sequence's state (``states``).
+    when a block is first written. A model with recurrent layers (linear attention, short convolutions, Mamba-2)
+    also keeps each sequence's state (``states``).
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:

@@ -38,6 +38,7 @@ HERMES, XML, GLM, GLM_COMPACT, MINIMAX, MISTRAL, LLAMA3, HARMONY, UNKNOWN = (
     "hermes", "xml", "glm", "glm-compact", "minimax", "mistral", "llama3", "harmony", "unknown")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+_SPACE = re.compile(r"\s*")
 _HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.DOTALL)
 _MINIMAX_BLOCK = re.compile(re.escape(MINIMAX_OPEN) + r"(.*?)" + re.escape(MINIMAX_CLOSE), re.DOTALL)
 _MINIMAX_INVOKE = re.compile(r'<invoke name="([^">\n]+)">(.*?)</invoke>', re.DOTALL)
@@ -123,12 +124,11 @@ def _hermes(text: str) -> Parsed | None:
     arguments may hold (the call grammar admits it)."""
     decoder, values, content, at = json.JSONDecoder(), [], [], 0
     while (start := text.find(HERMES_OPEN, at)) >= 0:
-        body = start + len(HERMES_OPEN)
         try:
-            value, end = decoder.raw_decode(text, body + len(text[body:]) - len(text[body:].lstrip()))
+            value, end = decoder.raw_decode(text, _SPACE.match(text, start + len(HERMES_OPEN)).end())
         except ValueError:
             return None
-        close = end + len(text[end:]) - len(text[end:].lstrip())
+        close = _SPACE.match(text, end).end()
         if not text.startswith(HERMES_CLOSE, close):
             return None
         values.append(value)
