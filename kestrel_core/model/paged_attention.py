@@ -11,9 +11,10 @@ item takes, so that batching and chunked prefill change no result (kernels.py sa
 q[j] * k[j] accumulated from 0 in order of j, an output dim p_s * v_s accumulated from 0 in order of position,
 each step one fused multiply-add where the CPU has FMA (``llvm.fmuladd``: one choice for every row), and the
 softmax's exp and total in the fixed steps of ``_exp`` and ``_softmax``. The vector kernels (numba intrinsics)
-hold the sums in registers, SCORE_TILE vectors of positions at once for a head's scores and VALUE_TILE vectors of
-dims for its weighted values, where numba's own loops kept them in memory and called libm's exp a score:
-docs/performance.md has the figures.
+hold the sums in registers (numba's own loops keep them in memory) and take the exp on vectors (numba's is a libm
+call a score): a tile of query heads x vectors of positions for the scores (each key vector widened from float16
+once for up to four heads), VALUE_TILE vectors of dims for a head's weighted values; docs/performance.md has the
+figures.
 
 Keys and values are rounded to float16 to nearest, ties to even, as llama.cpp's and vLLM's caches hold them
 (numpy's ``astype(np.float16)``, CUDA's ``__float2half_rn``): a device backend's cache holds the same values,
@@ -182,9 +183,9 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
     # firsts[r] .. lengths[r] - 1 (its own position + 1; firsts 0 but under a sliding window); softcap > 0: each
     # score becomes tanh(score / softcap) * softcap (Gemma 2); sinks: [H] one more logit in each head's softmax,
     # which takes no value (gpt-oss; -inf: none, its exp is 0). out: [M, H*vd], vd the values' dims.
-    # Work items are (row, KV head, ``heads`` query heads): a KV head's g query heads read each tile of keys while
-    # it is in the L1 cache, or one head an item where there are too few for the threads (``attend_heads``); each
-    # head's operations are the same either way. Query head h reads KV head h // g (HF's repeat_kv); the softmax
+    # Work items are (row, KV head, ``heads`` query heads): a KV head's g query heads, each key vector widened once
+    # for up to four of them, or one head an item where there are too few for the threads (``attend_heads``);
+    # each head's operations are the same either way. Query head h reads KV head h // g (HF's repeat_kv); the softmax
     # is normalised after P @ V.
     m, n_heads, hd = q.shape
     n_kv = kt.shape[1]
@@ -247,8 +248,8 @@ def _num_threads() -> int:
 
 
 def attend_heads(m: int, n_heads: int, n_kv: int) -> int:
-    """Query heads an ``attend`` work item takes: a KV head's all (each tile of keys read from the L1 cache by the
-    others), or one where the (row, KV head) items would be fewer than twice the threads (a decode step)."""
+    """Query heads an ``attend`` work item takes: a KV head's all (sharing each key vector), or one where the
+    (row, KV head) items would be fewer than twice the threads (a decode step)."""
     return 1 if m * n_kv < 2 * _num_threads() else n_heads // n_kv
 
 
