@@ -5,7 +5,8 @@ integer block sums and differ from ``kestrel_core.contract.reference_gemm_*`` on
 (tests/kestrel_cpu state the bound). On a CPU with VNNI (AVX-512 VNNI, or AVX-VNNI) each weight is repacked
 once for them (the int8 and the float32 GEMMs share it), on first use, and kept under its wkey until the
 device closes (as much memory again as the int8 codes, half as much for an int4 weight, whose packed codes
-are two to a byte; ``KESTREL_CPU_PACKED=0`` keeps to the codes and the vpmaddwd kernels). Where numba cannot
+are two to a byte; ``KESTREL_CPU_PACKED=0`` keeps to the codes and the vpmaddwd kernels). On AVX2 alone only
+int4 weights are repacked (``packed.PACKED_BITS``). Where numba cannot
 be imported, or with ``KESTREL_CPU_REFERENCE=1``, the backend runs the numpy reference functions themselves.
 """
 
@@ -46,8 +47,13 @@ class CpuDevice:
     def __init__(self) -> None:
         self.kernels, why = _load_kernels()
         kernels = self.kernels
-        self.vnni = kernels is not None and kernels.VNNI and env_flag(PACKED_ENV, default=True)
-        vnni = f", {'AVX-512 VNNI' if kernels.packed.PACK_COLS == 16 else 'AVX-VNNI'}" if self.vnni else ""
+        packing = kernels is not None and env_flag(PACKED_ENV, default=True)
+        self.packed_bits = kernels.packed.PACKED_BITS if packing else ()  # weights packed for the packed kernels
+        self.vnni = 8 in self.packed_bits
+        # the hooks' vnni argument: None lets a kernel take the packed path, False keeps the vpmaddwd one
+        self.vnni_arg = None if packing else False
+        vnni = (f", {'AVX-512 VNNI' if kernels.packed.PACK_COLS == 16 else 'AVX-VNNI'}" if self.vnni
+                else ", AVX2, int4 weights packed" if self.packed_bits else "")
         self.description = (f"host CPU (numba int8 kernels{vnni})" if kernels
                             else f"host CPU (numpy reference; {why})")
         # wkey -> (the codes it was packed from, the VNNI-packed weight): packed once, on first use, and used
@@ -55,12 +61,13 @@ class CpuDevice:
         self.packed: dict[int, tuple[np.ndarray, Any]] = {}
 
     def packed_for(self, wkey: int, weight: StripCache) -> Any:
-        """The VNNI-packed form of ``weight``, cached under ``wkey``; None without VNNI.
+        """The packed form of ``weight``, cached under ``wkey``; None where the packed kernels do not take its
+        bits (``packed.PACKED_BITS``: with VNNI all, on AVX2 int4 only).
 
         An entry holds the codes it was made from, so their memory cannot be reused by another weight under
         the same wkey (another model's) while it lives; a different array under that wkey replaces it."""
         kernels = self.kernels
-        if kernels is None or not self.vnni:
+        if kernels is None or weight.bits not in self.packed_bits:
             return None
         if wkey == NO_CACHE:
             return kernels.Packed(weight.codes, weight.scales, weight.bits)
@@ -115,7 +122,7 @@ def kestrel_gemm_q8(device: CpuDevice, a_codes: np.ndarray, a_scales: np.ndarray
         return reference_gemm_q8(a_codes, a_scales, weight)
     a_codes, a_scales = _activations(a_codes, a_scales, weight)
     return device.kernels.gemm_q8(a_codes, a_scales, weight.codes, weight.scales, device.packed_for(wkey, weight),
-                                  vnni=device.vnni)
+                                  vnni=device.vnni_arg)
 
 
 @hookimpl
@@ -131,13 +138,13 @@ def kestrel_gemm_fused_q8(device: CpuDevice, a_codes: np.ndarray, a_scales: np.n
     if device.kernels is None:
         return [reference_gemm_q8(a_codes, a_scales, w) for w in weights]
     a_codes, a_scales = _activations(a_codes, a_scales, first)
-    packs = [device.packed_for(k, w) for k, w in zip(wkeys, weights)] if device.vnni else None
+    packs = [device.packed_for(k, w) for k, w in zip(wkeys, weights)] if device.packed_bits else None
     step = device.kernels.MAX_WEIGHTS
     outs: list[np.ndarray] = []
     for s in range(0, len(weights), step):
         part = weights[s:s + step]
         outs += device.kernels.gemm_q8_multi(a_codes, a_scales, [w.codes for w in part], [w.scales for w in part],
-                                             None if packs is None else packs[s:s + step], vnni=device.vnni)
+                                             None if packs is None else packs[s:s + step], vnni=device.vnni_arg)
     return outs
 
 
@@ -149,4 +156,4 @@ def kestrel_gemm_f32(device: CpuDevice, a: np.ndarray, weight: StripCache, wkey:
     if a.shape[1] != weight.k:
         raise ContractError(f"activations {list(a.shape)} do not match a weight of K={weight.k}")
     return device.kernels.gemm_f32(a, weight.codes, weight.scales, device.packed_for(wkey, weight),
-                                   vnni=device.vnni)
+                                   vnni=device.vnni_arg)

@@ -19,7 +19,8 @@ output, so an output's bits do not depend on the tile, the thread split or the m
 
 Where the CPU has VNNI, AVX-512's or AVX's (``VNNI``), ``gemm_q8``, ``gemm_q8_multi`` and ``gemm_f32`` run the
 kernels of ``kestrel_cpu.packed`` instead, on each weight repacked once (the backend caches them under the
-wkey): 4-5x the vpmaddwd kernels' rate at 8 rows and more with AVX-512 (benchmarks/cpu_gemm.py).
+wkey): 4-5x the vpmaddwd kernels' rate at 8 rows and more with AVX-512 (benchmarks/cpu_gemm.py). On AVX2
+alone they run for the int4 weights the caller packed.
 
 This module lives in one file on purpose: numba's on-disk cache is invalidated by the timestamp of the file
 that holds the jitted function, so the intrinsics it inlines must sit in the same file.
@@ -322,9 +323,10 @@ _gemm_f32_parallel = njit(parallel=True, cache=True, nogil=True, fastmath=_F32_M
 _gemm_f32_serial = njit(cache=True, nogil=True, fastmath=_F32_MATH)(_named_copy(_gemm_f32_body, "_serial"))
 
 
-def _use_vnni(vnni: bool | None) -> bool:
-    """The packed kernels: where the CPU has VNNI, unless the caller asks for the vpmaddwd ones."""
-    return VNNI and vnni is not False
+def _use_packed(vnni: bool | None, packs: list[Packed | None]) -> bool:
+    """The packed kernels: where the CPU has VNNI, or for weights the caller packed (int4 on AVX2), unless it asks
+    for the vpmaddwd ones."""
+    return vnni is not False and (VNNI or (bool(packs) and all(p is not None for p in packs)))
 
 
 def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, codes: np.ndarray, w_scales: np.ndarray,
@@ -332,10 +334,10 @@ def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, codes: np.ndarray, w_scal
     """float32 [M, N] = contract GEMM of int8 activations [M, K] (scales [M, K/G]) and codes [N, K].
 
     The caller checks shapes and dtypes; arrays must be C-contiguous. ``pack``: this very weight as
-    ``Packed`` (with VNNI; else it is packed for this call); ``vnni=False``: the vpmaddwd kernels whatever the
-    CPU.
+    ``Packed`` (with VNNI it is packed for this call where None; without, a packed int4 weight runs the packed
+    kernels on AVX2); ``vnni=False``: the vpmaddwd kernels whatever the CPU.
     """
-    if _use_vnni(vnni):
+    if _use_packed(vnni, [pack]):
         return np.ascontiguousarray(_gemm_packed(a_codes, a_scales, [pack or Packed(codes, w_scales)])[0])
     m, k = a_codes.shape
     out = np.empty((m, codes.shape[0]), dtype=np.float32)
@@ -354,7 +356,7 @@ def gemm_q8_multi(a_codes: np.ndarray, a_scales: np.ndarray, codes: list[np.ndar
     """
     if not 1 <= len(codes) <= MAX_WEIGHTS:
         raise ValueError(f"gemm_q8_multi takes 1 to {MAX_WEIGHTS} weights, got {len(codes)}")
-    if _use_vnni(vnni):
+    if _use_packed(vnni, packs or []):
         return _gemm_packed(a_codes, a_scales, packs or [Packed(c, s) for c, s in zip(codes, w_scales)])
     pad = MAX_WEIGHTS - len(codes)
     ns = [c.shape[0] for c in codes]
@@ -392,7 +394,7 @@ def gemm_f32(a: np.ndarray, codes: np.ndarray, w_scales: np.ndarray, pack: Packe
     n = codes.shape[0]
     if m == 0 or n == 0 or k == 0:
         return np.zeros((m, n), dtype=np.float32)
-    if _use_vnni(vnni):
+    if _use_packed(vnni, [pack]):
         return packed.gemm_f32(a, pack or Packed(codes, w_scales), m * n * k >= PARALLEL_MIN_MACS)
     out = np.zeros((m, n), dtype=np.float32)
     kernel = _gemm_f32_parallel if m * n * k >= PARALLEL_MIN_MACS else _gemm_f32_serial

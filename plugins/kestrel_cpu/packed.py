@@ -1,4 +1,5 @@
-"""Int8 and float32 GEMMs for CPUs with VNNI (AVX-512 VNNI, or AVX-VNNI), on weights repacked once (``Packed``).
+"""Int8 and float32 GEMMs for CPUs with VNNI (AVX-512 VNNI, or AVX-VNNI), and for int4 weights on AVX2, on
+weights repacked once (``Packed``).
 
 The layout: W output columns x 4 consecutive k in one vector of 4W bytes (W = 16, a zmm, with AVX-512 VNNI;
 W = 8, a ymm, with AVX-VNNI alone: Intel's client cores since Alder Lake), codes biased to unsigned (code +
@@ -6,7 +7,8 @@ W = 8, a ymm, with AVX-VNNI alone: Intel's client cores since Alder Lake), codes
 such k-quads into one vector, the first in the low nibbles and the next in the high ones (code + 8), so its
 decode GEMV streams half the bytes. ``vpdpbusd`` multiplies a vector by four activation bytes broadcast to
 all W lanes, so each lane accumulates one output's block sum with no horizontal reduction, and the block
-epilogue runs on W outputs at once. The bias comes back out exactly as 128 (int4: 8) x the block's
+epilogue runs on W outputs at once. Without VNNI, AVX2 does the same for int4 weights (W = 8) in two steps,
+``vpmaddubsw`` then ``vpmaddwd`` (``_dot``; exact for nibbles, it would saturate on int8 codes). The bias comes back out exactly as 128 (int4: 8) x the block's
 activation sum, and the float part follows the contract's order, so the int8 results equal
 ``reference_gemm_q8`` bit for bit. The float32 GEMM takes each k's W codes out of the same vector as floats,
 one fused multiply-add per activation row; it is held to the contract's bound.
@@ -55,9 +57,19 @@ def host_vnni_width(features: set[str] | None = None) -> int:
     return 8 if narrow else 0
 
 
+def host_pack_width(features: set[str] | None = None) -> int:
+    """Output columns a packed vector holds for int4 weights: the VNNI width, else 8 on AVX2 (with FMA, which the
+    float32 tile needs), where ``vpmaddubsw`` then ``vpmaddwd`` sum a lane's four nibble products exactly (on
+    int8 codes the first would saturate), else 0."""
+    if features is None:
+        features = compiled_features()
+    return host_vnni_width(features) or (8 if {"+avx2", "+fma"} <= features else 0)
+
+
 VNNI_WIDTH = host_vnni_width()
 HAS_VNNI = VNNI_WIDTH > 0
-PACK_COLS = VNNI_WIDTH or 16  # output columns per packed vector (one int32 lane each)
+PACKED_BITS = (8, 4) if HAS_VNNI else (4,) if host_pack_width() else ()  # weights the packed kernels take
+PACK_COLS = VNNI_WIDTH or (8 if PACKED_BITS else 16)  # output columns per packed vector (one int32 lane each)
 PACK_K = 4  # consecutive k per lane (vpdpbusd's dot product width)
 BIAS = {8: 128, 4: 8}  # what a packed code adds to its signed value
 PACK_ROWS = 8 if PACK_COLS == 16 else 4  # activation rows per tile: their accumulators stay in registers
@@ -96,6 +108,24 @@ def _nibbles(builder: ir.IRBuilder, wv: ir.Value) -> tuple[ir.Value, ir.Value]:
     return builder.and_(wv, mask), builder.and_(builder.lshr(wv, ir.Constant(wv.type, [4] * wv.type.count)), mask)
 
 
+def _declared(builder: ir.IRBuilder, name: str, ret: ir.Type, *args: ir.Type) -> ir.Function:
+    return builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(ret, args), name)
+
+
+def _dot(builder: ir.IRBuilder, acc: ir.Value, w: ir.Value, a: ir.Value) -> ir.Value:
+    """acc + each int32 lane's four products of w's unsigned bytes and a's signed ones: ``vpdpbusd`` with VNNI;
+    else (AVX2, int4 weights only) ``vpmaddubsw``'s int16 pair sums, exact for nibbles (2 x 15 x 128), summed in
+    pairs by ``vpmaddwd``."""
+    if HAS_VNNI:
+        return builder.call(_declared(builder, _DOT, _VI, _VI, _VI, _VI), [acc, w, a])
+    v8, v16 = ir.VectorType(_I8, 4 * PACK_COLS), ir.VectorType(ir.IntType(16), 2 * PACK_COLS)
+    pairs = builder.call(_declared(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, v8, v8),
+                         [builder.bitcast(w, v8), builder.bitcast(a, v8)])
+    quads = builder.call(_declared(builder, "llvm.x86.avx2.pmadd.wd", _VI, v16, v16),
+                         [pairs, ir.Constant(v16, [1] * 2 * PACK_COLS)])
+    return builder.add(acc, quads)
+
+
 def _make_packed_tile(rows: int, bits: int) -> Any:
     """An intrinsic for ``rows`` activation rows x W packed columns of a ``bits`` weight: out[m0+r, Wj + c] for
     c < W.
@@ -119,9 +149,6 @@ def _make_packed_tile(rows: int, bits: int) -> Any:
              out_, out_off_, out_stride_) = args
             targs = signature.args
             idx = wp_off_.type
-            dot = builder.module.globals.get(_DOT) or ir.Function(
-                builder.module, ir.FunctionType(_VI, [_VI, _VI, _VI]), _DOT)
-
             pw = _data_ptr(context, builder, targs[0], wp_, wp_off_)
             pws = _data_ptr(context, builder, targs[2], wsp_, wsp_off_)
             pa = _row_ptrs(context, builder, targs[4], a_, a_off_, a_stride_, rows)
@@ -143,7 +170,7 @@ def _make_packed_tile(rows: int, bits: int) -> Any:
                                            ir.Constant(idx, q * PACK_K))
                         for r in range(rows):  # four activation bytes, the same in every lane
                             a4 = builder.load(builder.bitcast(builder.gep(pa[r], [a_at]), _I32.as_pointer()), align=1)
-                            acc = builder.call(dot, [builder.load(iacc[r]), wq, _splat(builder, a4, _VI)])
+                            acc = _dot(builder, builder.load(iacc[r]), wq, _splat(builder, a4, _VI))
                             builder.store(acc, iacc[r])
                 # exact block sums: the bias on every code comes back out as bias x sum(a); then the contract's
                 # float order, (float(sum_g) * a_scale) * w_scale added in block order, no FMA
@@ -183,8 +210,7 @@ def _make_packed_f32_tile(rows: int, bits: int) -> Any:
             wp_, wp_off_, wsp_, wsp_off_, a_, a_off_, a_stride_, ng_, gq_, out_, out_off_, out_stride_ = args
             targs = signature.args
             idx = wp_off_.type
-            fma = builder.module.globals.get(_FMA) or ir.Function(
-                builder.module, ir.FunctionType(_VF, [_VF, _VF, _VF]), _FMA)
+            fma = _declared(builder, _FMA, _VF, _VF, _VF, _VF)
             v64 = ir.VectorType(_I8, PACK_COLS * PACK_K)
             vec_bytes = ir.Constant(idx, PACK_COLS * PACK_K)
             pw = _data_ptr(context, builder, targs[0], wp_, wp_off_)
@@ -361,6 +387,8 @@ def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, packs: list[Packed], para
     """The contract's int8 GEMM of activations [M, K] (scales [M, K/G]) against each packed weight: float32
     [M, N_i] each, column slices of one array (one pass where the weights share their bits)."""
     bits = packs[0].bits
+    if bits not in PACKED_BITS:  # int8 weights need VNNI: vpmaddubsw would saturate on them
+        raise ValueError(f"this CPU's packed kernels take {PACKED_BITS}-bit weights, not {bits}-bit")
     if any(p.bits != bits for p in packs):
         return [out for p in packs for out in gemm_q8(a_codes, a_scales, [p], parallel)]
     m, _ = a_codes.shape

@@ -272,7 +272,13 @@ def test_parallel_and_serial_builds_have_their_own_disk_cache() -> None:
         assert builds[8, True].py_func.__globals__["_QUADS"] == 1 and builds[4, True].py_func.__globals__["_QUADS"] == 2
 
 
-needs_vnni = pytest.mark.skipif(not kernels.VNNI, reason="this CPU has no VNNI: the vpmaddwd kernels run")
+needs_packing = pytest.mark.skipif(not packed.PACKED_BITS, reason="this CPU has neither VNNI nor AVX2: the "
+                                                                   "vpmaddwd kernels run")
+
+
+def _packs(bits: int) -> None:
+    if bits not in packed.PACKED_BITS:
+        pytest.skip(f"this CPU's packed kernels take {packed.PACKED_BITS}-bit weights (int8 ones need VNNI)")
 
 
 def _unpacked(pack: Any, k: int) -> np.ndarray:
@@ -287,7 +293,6 @@ def _unpacked(pack: Any, k: int) -> np.ndarray:
     return quads.reshape(groups * w, k).astype(np.int16) - 8
 
 
-@needs_vnni
 @pytest.mark.parametrize(("m", "n", "k", "g", "bits"), [(1, 576, 576, 32, 8), (8, 17, 256, 256, 4),
                                                        (13, 48, 64, 32, 8), (64, 100, 512, 256, 8),
                                                        (1, 576, 576, 32, 4), (9, 33, 96, 32, 4)])
@@ -296,6 +301,7 @@ def test_packed_layout_holds_each_weight_exactly(m: int, n: int, k: int, g: int,
     its low and high nibbles (code + 8), zero codes in the padding; the VNNI result equals the reference's for
     rows beside padded columns, G = 256 too, extreme codes included, and the float32 GEMM gives the same bits
     on either layout."""
+    _packs(bits)
     rng = np.random.default_rng(k + n)
     a_codes, a_scales, w, _ = _q8_inputs(rng, m, n, k, g, bits)
     a_codes[0, :32] = -127  # the bias's correction at its extremes
@@ -316,10 +322,10 @@ def test_packed_layout_holds_each_weight_exactly(m: int, n: int, k: int, g: int,
     np.testing.assert_array_equal(got, kernels.gemm_f32(x, w.codes, w.scales, kernels.Packed(w.codes, w.scales)))
 
 
-@needs_vnni
+@needs_packing
 def test_int4_weights_pack_at_half_the_bytes_and_fuse_with_int8(cpu: Backend) -> None:
-    """The backend packs a weight at its own bits (an int4 one in half the bytes of codes); a fused pass over
-    weights of both kinds gives each one's reference bits."""
+    """The backend packs a weight at its own bits (an int4 one in half the bytes of codes; an int8 one only with
+    VNNI); a fused pass over weights of both kinds gives each one's reference bits."""
     import kestrel_cpu
 
     device = kestrel_cpu.kestrel_open(options={})
@@ -328,13 +334,14 @@ def test_int4_weights_pack_at_half_the_bytes_and_fuse_with_int8(cpu: Backend) ->
     w8 = quantize_weight(rng.standard_normal((24, 64)).astype(np.float32), 8, 32)
     padded = -(-40 // packed.PACK_COLS) * packed.PACK_COLS
     assert device.packed_for(3, w4).codes.nbytes == padded * 64 // 2  # two codes a byte
+    assert (device.packed_for(4, w8) is None) == (8 not in packed.PACKED_BITS)
     outs = kestrel_cpu.kestrel_gemm_fused_q8(device=device, a_codes=a_codes, a_scales=a_scales,
                                              weights=[w4, w8, w4], wkeys=[3, 4, 3], fused_wkey=5)
     for out, w in zip(outs, (w4, w8, w4)):
         np.testing.assert_array_equal(out, reference_gemm_q8(a_codes, a_scales, w))
 
 
-@needs_vnni
+@needs_packing
 def test_backend_packs_each_weight_once_under_its_wkey(cpu: Backend) -> None:
     """A wkey's packed weights are made once and reused; another array under the same wkey (another model's)
     replaces them; wkey 0 is never cached; closing the device drops them."""
@@ -342,7 +349,7 @@ def test_backend_packs_each_weight_once_under_its_wkey(cpu: Backend) -> None:
 
     device = kestrel_cpu.kestrel_open(options={})
     rng = np.random.default_rng(4)
-    a_codes, a_scales, w, _ = _q8_inputs(rng, 3, 40, 64, 32, 8)
+    a_codes, a_scales, w, _ = _q8_inputs(rng, 3, 40, 64, 32, packed.PACKED_BITS[0])
     first = device.packed_for(7, w)
     assert device.packed_for(7, w) is first and set(device.packed) == {7}
     other = StripCache(w.codes.copy(), w.scales.copy(), w.group_size, w.bits)
@@ -374,16 +381,18 @@ def test_f32_rows_do_not_depend_on_the_batch(vnni: bool, monkeypatch: pytest.Mon
     assert np.all(np.abs(batch - reference_gemm_f32(x, w)) <= _tolerance(np.abs(x), w))
 
 
-@needs_vnni
-def test_packing_can_be_turned_off_for_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+@needs_packing
+@pytest.mark.parametrize("bits", [8, 4])
+def test_packing_can_be_turned_off_for_memory(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """KESTREL_CPU_PACKED=0: no packed copy is kept and the vpmaddwd kernels give the reference's bits."""
     import kestrel_cpu
 
     monkeypatch.setenv(kestrel_cpu.PACKED_ENV, "0")
     device = kestrel_cpu.kestrel_open(options={})
-    assert not device.vnni and "VNNI" not in device.description
+    assert not device.vnni and not device.packed_bits and "VNNI" not in device.description
+    assert "packed" not in device.description
     rng = np.random.default_rng(12)
-    a_codes, a_scales, w, _ = _q8_inputs(rng, 9, 40, 64, 32, 8)
+    a_codes, a_scales, w, _ = _q8_inputs(rng, 9, 40, 64, 32, bits)
     got = kestrel_cpu.kestrel_gemm_q8(device=device, a_codes=a_codes, a_scales=a_scales, weight=w, wkey=5)
     np.testing.assert_array_equal(got, reference_gemm_q8(a_codes, a_scales, w))
     assert device.packed == {}

@@ -1,8 +1,10 @@
-"""The 256-bit VNNI kernels (AVX-VNNI CPUs: Intel's client cores) pass the kernel tests too.
+"""The 256-bit VNNI kernels (AVX-VNNI CPUs: Intel's client cores) and the AVX2 int4 ones pass the kernel tests too.
 
 The packed kernels' width is fixed when ``kestrel_cpu.packed`` is imported, so the 256-bit build runs in a
 process of its own (``KESTREL_CPU_VNNI=256``) wherever this CPU can run it: AVX-512 VNNI CPUs run it as EVEX
-code, with the same results as an AVX-VNNI CPU's VEX code.
+code, with the same results as an AVX-VNNI CPU's VEX code. The AVX2 build runs in a process whose numba
+target has AVX2 and FMA but no VNNI (``NUMBA_CPU_FEATURES``), as a Zen 2 or 3 or an Intel core before Alder
+Lake compiles it.
 """
 
 from __future__ import annotations
@@ -48,6 +50,46 @@ def test_the_256_bit_kernels_pass_the_kernel_tests() -> None:
                           str(tests)], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize(("features", "width", "bits"), [
+    (AVX512, 16, (8, 4)),
+    ({"+avx2", "+avxvnni"}, 8, (8, 4)),
+    ({"+avx2", "+fma"}, 8, (4,)),  # int4 only: vpmaddubsw is exact for nibbles, saturates on int8 codes
+    ({"+avx2"}, 0, ()),
+    (set(), 0, ()),
+])
+def test_int4_weights_pack_on_avx2_alone(features: set[str], width: int, bits: tuple[int, ...],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(packed.WIDTH_ENV, raising=False)
+    assert packed.host_pack_width(features) == width
+    assert ((8, 4) if packed.host_vnni_width(features) else (4,) if width else ()) == bits
+
+
+AVX2_FEATURES = "+sse,+sse2,+sse3,+ssse3,+sse4.1,+sse4.2,+popcnt,+avx,+avx2,+fma,+f16c,+bmi,+bmi2,+lzcnt,+movbe"
+
+
+def _host_features() -> set[str]:
+    import llvmlite.binding as llvm
+
+    return set(llvm.get_host_cpu_features().flatten().split(","))
+
+
+@pytest.mark.skipif(not {"+avx2", "+fma", "+f16c", "+bmi2"} <= _host_features(), reason="this CPU has no AVX2")
+def test_the_avx2_int4_kernels_pass_the_kernel_tests(tmp_path: Path) -> None:
+    env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": AVX2_FEATURES,
+           "NUMBA_CACHE_DIR": str(tmp_path)}
+    env.pop(packed.WIDTH_ENV, None)
+    probe = subprocess.run([sys.executable, "-c", "from kestrel_cpu import packed; print(packed.PACKED_BITS, "
+                            "packed.PACK_COLS)"], env=env, capture_output=True, text=True, check=True)
+    assert probe.stdout.strip() == "(4,) 8"
+    tests = Path(__file__).with_name("test_cpu_kernels.py")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:randomly", "-p", "no:cacheprovider",
+                          str(tests)], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    passed = {line.split("::", 1)[1] for line in run.stdout.splitlines() if line.startswith("PASSED ")}
+    assert {"test_int4_weights_pack_at_half_the_bytes_and_fuse_with_int8",
+            "test_packed_layout_holds_each_weight_exactly[1-576-576-32-4]"} <= passed, run.stdout[-3000:]
 
 
 def test_the_width_follows_the_features_numba_compiles_for(monkeypatch: pytest.MonkeyPatch) -> None:
