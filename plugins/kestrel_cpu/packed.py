@@ -1,17 +1,18 @@
-"""Int8 and float32 GEMMs for CPUs with VNNI (AVX-512 VNNI, or AVX-VNNI), and for int4 weights on AVX2, on
-weights repacked once (``Packed``).
+"""Int8 and float32 GEMMs for CPUs with VNNI (AVX-512 VNNI, or AVX-VNNI), and for int4 weights on AVX2, on weights
+repacked once (``Packed``).
 
 The layout: W output columns x 4 consecutive k in one vector of 4W bytes (W = 16, a zmm, with AVX-512 VNNI;
 W = 8, a ymm, with AVX-VNNI alone: Intel's client cores since Alder Lake), codes biased to unsigned (code +
 128), zero codes in the padding to W columns; scales [column group, block, column]. An int4 weight packs two
 such k-quads into one vector, the first in the low nibbles and the next in the high ones (code + 8), so its
-decode GEMV streams half the bytes. ``vpdpbusd`` multiplies a vector by four activation bytes broadcast to
-all W lanes, so each lane accumulates one output's block sum with no horizontal reduction, and the block
-epilogue runs on W outputs at once. Without VNNI, AVX2 does the same for int4 weights (W = 8) in two steps,
-``vpmaddubsw`` then ``vpmaddwd`` (``_dot``; exact for nibbles, it would saturate on int8 codes). The bias comes back out exactly as 128 (int4: 8) x the block's
-activation sum, and the float part follows the contract's order, so the int8 results equal
-``reference_gemm_q8`` bit for bit. The float32 GEMM takes each k's W codes out of the same vector as floats,
-one fused multiply-add per activation row; it is held to the contract's bound.
+decode GEMV streams half the bytes. ``vpdpbusd`` multiplies a vector by four activation bytes broadcast to all
+W lanes, so each lane accumulates one output's block sum with no horizontal reduction, and the block epilogue
+runs on W outputs at once. Without VNNI, AVX2 does the same for int4 weights (W = 8) in two steps,
+``vpmaddubsw`` then ``vpmaddwd`` (``_dot``; exact for nibbles, it would saturate on int8 codes). The bias
+comes back out exactly as 128 (int4: 8) x the block's activation sum, and the float part follows the
+contract's order, so the int8 results equal ``reference_gemm_q8`` bit for bit. The float32 GEMM takes each k's
+W codes out of the same vector as floats, one fused multiply-add per activation row; it is held to the
+contract's bound.
 
 Tiles are PACK_ROWS activation rows (their integer and float accumulators stay in registers: 8 rows in 32
 zmm, 4 in AVX2's 16 ymm) or 1; every row runs the same sequence of operations in either, so a row's bits do
