@@ -1,5 +1,5 @@
-"""What the compiled kernels' LLVM IR shares: element types, array pointers, broadcasts, float16 loads, the
-CPU features numba compiles for, separately cached builds.
+"""What the compiled kernels' LLVM IR shares: element types, declared intrinsics, index arguments, array pointers,
+broadcasts, float16 loads, the CPU features numba compiles for, separately cached builds.
 
 numba's on-disk cache keys a jitted function by its own file's timestamp, not by the files its intrinsics
 call into: after a change here, touch kestrel_cpu's kernels.py and packed.py and kestrel_core's
@@ -39,6 +39,19 @@ def native_half(features: set[str] | None = None) -> bool:
         features = compiled_features()
     x86 = llvm.get_process_triple().split("-")[0] in {"x86_64", "i386", "i686"}
     return "+f16c" in features or not x86
+
+
+def declared(builder: ir.IRBuilder, name: str, ret: ir.Type, *args: ir.Type) -> ir.Function:
+    """The function ``name`` (an LLVM intrinsic) in the module being built, declared on first use."""
+    return builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(ret, args), name)
+
+
+def index_args(context: Any, builder: ir.IRBuilder, args: list[ir.Value], types_: tuple) -> list[ir.Value]:
+    """An intrinsic's arguments with every integer one as numba's intp, so that offsets of any integer type mix."""
+    from numba import types
+
+    return [context.cast(builder, a, t, types.intp) if isinstance(t, types.Integer) else a
+            for a, t in zip(args, types_)]
 
 
 def data_ptr(context: Any, builder: ir.IRBuilder, aryty: Any, ary: ir.Value, offset: ir.Value) -> ir.Value:

@@ -263,11 +263,9 @@ attend: Any = _attend
 
 def _mul_add(builder: Any, a: Any, b: Any, c: Any) -> Any:
     """a * b + c on <LANES x float>, one fused multiply-add where the target has one (``llvm.fmuladd``)."""
-    from llvmlite import ir
+    from kestrel_core.codegen import declared
 
-    name = f"llvm.fmuladd.v{LANES}f32"
-    fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(a.type, [a.type] * 3), name)
-    return builder.call(fn, [a, b, c])
+    return builder.call(declared(builder, f"llvm.fmuladd.v{LANES}f32", a.type, a.type, a.type, a.type), [a, b, c])
 
 
 def _make_key_scores(heads: int, native: bool) -> Any:
@@ -279,7 +277,7 @@ def _make_key_scores(heads: int, native: bool) -> Any:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    from kestrel_core.codegen import F32, I16, data_ptr, half_to_float, splat
+    from kestrel_core.codegen import F32, I16, data_ptr, half_to_float, index_args, splat
 
     vh, vf = ir.VectorType(I16, LANES), ir.VectorType(F32, LANES)
 
@@ -290,9 +288,8 @@ def _make_key_scores(heads: int, native: bool) -> Any:
 
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[ir.Value]) -> Any:
             ty = signature.args
-            q_, q_off_, hd_, kt_, offs_, o_first_, stride_, scores_, s_off_, s_head_ = (
-                context.cast(builder, a, t, types.intp) if isinstance(t, types.Integer) else a
-                for a, t in zip(args, ty))
+            q_, q_off_, hd_, kt_, offs_, o_first_, stride_, scores_, s_off_, s_head_ = index_args(
+                context, builder, args, ty)
             idx = q_off_.type
 
             def const(value: int) -> ir.Value:
@@ -331,7 +328,7 @@ def _make_value_sums(vectors: int, native: bool) -> Any:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    from kestrel_core.codegen import F32, I16, data_ptr, half_to_float, splat
+    from kestrel_core.codegen import F32, I16, data_ptr, half_to_float, index_args, splat
 
     vh, vf = ir.VectorType(I16, LANES), ir.VectorType(F32, LANES)
 
@@ -342,9 +339,7 @@ def _make_value_sums(vectors: int, native: bool) -> Any:
 
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[ir.Value]) -> Any:
             ty = signature.args
-            p_, p_off_, count_, vc_, v_off_, v_stride_, acc_, acc_off_ = (
-                context.cast(builder, a, t, types.intp) if isinstance(t, types.Integer) else a
-                for a, t in zip(args, ty))
+            p_, p_off_, count_, vc_, v_off_, v_stride_, acc_, acc_off_ = index_args(context, builder, args, ty)
             idx = p_off_.type
             pp = data_ptr(context, builder, ty[0], p_, p_off_)
             pv = data_ptr(context, builder, ty[3], vc_, v_off_)
@@ -375,16 +370,14 @@ def _vector_exp(builder: Any, x: Any) -> Any:
     """``_exp`` on a <LANES x float>, the same float32 steps."""
     from llvmlite import ir
 
-    from kestrel_core.codegen import I32
+    from kestrel_core.codegen import I32, declared
 
     vf, vi = x.type, ir.VectorType(I32, LANES)
 
     def const(value: float) -> Any:
         return ir.Constant(vf, [float(np.float32(value))] * LANES)
 
-    module = builder.module
-    rint = module.globals.get("llvm.rint.v16f32") or ir.Function(module, ir.FunctionType(vf, [vf]),
-                                                                 "llvm.rint.v16f32")
+    rint = declared(builder, f"llvm.rint.v{LANES}f32", vf, vf)
     kept = builder.fcmp_ordered(">=", x, const(EXP_FLOOR))
     xc = builder.select(kept, x, const(0.0))
     n = builder.call(rint, [builder.fmul(xc, const(_LOG2E))])
@@ -405,7 +398,7 @@ def _make_softmax() -> Any:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    from kestrel_core.codegen import F32, I32, data_ptr, splat
+    from kestrel_core.codegen import F32, I32, data_ptr, index_args, splat
 
     vf, vi = ir.VectorType(F32, LANES), ir.VectorType(I32, LANES)
 
@@ -415,8 +408,7 @@ def _make_softmax() -> Any:
 
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[ir.Value]) -> Any:
             ty = signature.args
-            p_, lo_, count_ = (context.cast(builder, a, t, types.intp) if isinstance(t, types.Integer) else a
-                               for a, t in zip(args[:3], ty[:3]))
+            p_, lo_, count_ = index_args(context, builder, args[:3], ty[:3])
             sink_ = context.cast(builder, args[3], ty[3], types.float32)
             idx = lo_.type
             start = data_ptr(context, builder, ty[0], p_, lo_)

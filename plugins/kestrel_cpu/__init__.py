@@ -6,8 +6,8 @@ integer block sums and differ from ``kestrel_core.contract.reference_gemm_*`` on
 once for them (the int8 and the float32 GEMMs share it), on first use, and kept under its wkey until the
 device closes (as much memory again as the int8 codes, half as much for an int4 weight, whose packed codes
 are two to a byte; ``KESTREL_CPU_PACKED=0`` keeps to the codes and the vpmaddwd kernels). On AVX2 alone only
-int4 weights are repacked (``packed.PACKED_BITS``). Where numba cannot
-be imported, or with ``KESTREL_CPU_REFERENCE=1``, the backend runs the numpy reference functions themselves.
+int4 weights are repacked (``packed.PACKED_BITS``). Where numba cannot be imported, or with
+``KESTREL_CPU_REFERENCE=1``, the backend runs the numpy reference functions themselves.
 """
 
 from __future__ import annotations

@@ -42,13 +42,15 @@ from kestrel_core.codegen import F32 as _F32
 from kestrel_core.codegen import I8 as _I8
 from kestrel_core.codegen import I32 as _I32
 from kestrel_core.codegen import data_ptr as _data_ptr
+from kestrel_core.codegen import declared as _declared
 from kestrel_core.codegen import named_copy as _named_copy
 from kestrel_cpu import packed
 from kestrel_cpu.packed import Packed
 
 CHUNK = 32  # int8 values per vector step; every group size (32, 256) is a multiple
 LANES = 8
-VNNI = packed.HAS_VNNI  # the packed kernels run where True (tests turn it off to run the vpmaddwd kernels)
+VNNI = packed.HAS_VNNI  # the packed kernels run for every weight where True, else for int4 weights packed on AVX2
+# (tests turn it off to run the vpmaddwd kernels)
 
 
 
@@ -76,9 +78,7 @@ def _hsum_rows(builder: ir.IRBuilder, vecs: list[ir.Value]) -> ir.Value:
 def _prefetch(builder: ir.IRBuilder, ptr: ir.Value) -> None:
     """llvm.prefetch (read, keep in all cache levels): a hint, it never faults, even past an array's end."""
     i8p = ir.IntType(8).as_pointer()
-    fn = builder.module.globals.get("llvm.prefetch.p0i8")
-    if fn is None:
-        fn = ir.Function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]), "llvm.prefetch.p0i8")
+    fn = _declared(builder, "llvm.prefetch.p0i8", ir.VoidType(), i8p, _I32, _I32, _I32)
     builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
 
 

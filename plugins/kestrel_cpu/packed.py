@@ -37,7 +37,7 @@ from numba.extending import intrinsic
 from kestrel_core.codegen import F32 as _F32
 from kestrel_core.codegen import I8 as _I8
 from kestrel_core.codegen import I32 as _I32
-from kestrel_core.codegen import compiled_features, named_copy
+from kestrel_core.codegen import compiled_features, declared, named_copy
 from kestrel_core.codegen import data_ptr as _data_ptr
 from kestrel_core.codegen import splat as _splat
 
@@ -109,20 +109,16 @@ def _nibbles(builder: ir.IRBuilder, wv: ir.Value) -> tuple[ir.Value, ir.Value]:
     return builder.and_(wv, mask), builder.and_(builder.lshr(wv, ir.Constant(wv.type, [4] * wv.type.count)), mask)
 
 
-def _declared(builder: ir.IRBuilder, name: str, ret: ir.Type, *args: ir.Type) -> ir.Function:
-    return builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(ret, args), name)
-
-
 def _dot(builder: ir.IRBuilder, acc: ir.Value, w: ir.Value, a: ir.Value) -> ir.Value:
     """acc + each int32 lane's four products of w's unsigned bytes and a's signed ones: ``vpdpbusd`` with VNNI;
     else (AVX2, int4 weights only) ``vpmaddubsw``'s int16 pair sums, exact for nibbles (2 x 15 x 128), summed in
     pairs by ``vpmaddwd``."""
     if HAS_VNNI:
-        return builder.call(_declared(builder, _DOT, _VI, _VI, _VI, _VI), [acc, w, a])
+        return builder.call(declared(builder, _DOT, _VI, _VI, _VI, _VI), [acc, w, a])
     v8, v16 = ir.VectorType(_I8, 4 * PACK_COLS), ir.VectorType(ir.IntType(16), 2 * PACK_COLS)
-    pairs = builder.call(_declared(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, v8, v8),
+    pairs = builder.call(declared(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, v8, v8),
                          [builder.bitcast(w, v8), builder.bitcast(a, v8)])
-    quads = builder.call(_declared(builder, "llvm.x86.avx2.pmadd.wd", _VI, v16, v16),
+    quads = builder.call(declared(builder, "llvm.x86.avx2.pmadd.wd", _VI, v16, v16),
                          [pairs, ir.Constant(v16, [1] * 2 * PACK_COLS)])
     return builder.add(acc, quads)
 
@@ -211,7 +207,7 @@ def _make_packed_f32_tile(rows: int, bits: int) -> Any:
             wp_, wp_off_, wsp_, wsp_off_, a_, a_off_, a_stride_, ng_, gq_, out_, out_off_, out_stride_ = args
             targs = signature.args
             idx = wp_off_.type
-            fma = _declared(builder, _FMA, _VF, _VF, _VF, _VF)
+            fma = declared(builder, _FMA, _VF, _VF, _VF, _VF)
             v64 = ir.VectorType(_I8, PACK_COLS * PACK_K)
             vec_bytes = ir.Constant(idx, PACK_COLS * PACK_K)
             pw = _data_ptr(context, builder, targs[0], wp_, wp_off_)
