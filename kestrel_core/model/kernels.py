@@ -1,4 +1,4 @@
-"""Compiled host maths of the decoder (numba): norms, MoE routing, latent attention's per-head projections, linear
+"""Compiled host maths of the decoder (numba): norms, SiLU, MoE routing, latent attention's per-head projections, linear
 attention (Gated DeltaNet), short convolutions and Mamba-2 scans over the rows of a batch (paged attention is
 paged_attention.py's).
 
@@ -21,6 +21,18 @@ import numpy as np
 
 log = logging.getLogger("kestrel")
 
+# e^x for float32 x <= 0 (a softmax's shifted logits, SiLU's e^-|g|) in float32 steps that vectorize (numba's np.exp is
+# a scalar libm call a value): Cephes' expf, x = n ln2 + r with ln2 in two parts, a degree-7 polynomial in r, 2^n put
+# into the exponent; within 2 ulp of e^x. Below EXP_FLOOR (e^x < 4.4e-38, under float32's normal range) it gives 0;
+# NaN stays NaN. The same steps: ``silu_mul`` here, paged_attention's vector softmax and its numpy twin ``_exp``.
+EXP_FLOOR = -86.0
+EXP_LOG2E = 1.44269504088896341
+EXP_LN2_HI, EXP_LN2_LO = 0.693359375, -2.12194440e-4
+EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+_FLOOR32, _LOG2E32, _HI32, _LO32 = (np.float32(v) for v in (EXP_FLOOR, EXP_LOG2E, EXP_LN2_HI, EXP_LN2_LO))
+_ZERO32, _ONE32 = np.float32(0), np.float32(1)
+_P0, _P1, _P2, _P3, _P4, _P5 = (np.float32(c) for c in EXP_POLY)
+
 
 def _rmsnorm_rows(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
     # x, out: [R, D]; weight: [D]. out = x / sqrt(mean(x^2) + eps) * weight, a sequential sum per row.
@@ -32,6 +44,32 @@ def _rmsnorm_rows(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.nd
         inv = np.float32(1) / np.sqrt(ss / np.float32(d) + eps)
         for j in range(d):
             out[i, j] = x[i, j] * inv * weight[j]
+
+
+def _silu_mul(gate: np.ndarray, up: np.ndarray) -> None:
+    # gate, up: [M, F]; gate becomes silu(gate) * up = g * sigmoid(g) * up, sigmoid(g) = 1 / (1 + e) for g >= 0 and
+    # e / (1 + e) below, e = e^-|g| (an exp that cannot overflow). Three passes a row, each vectorized: the exp's
+    # polynomial, its 2^n added into the exponent bits, the rest.
+    m, f = gate.shape
+    y = np.empty(f, np.float32)
+    n = np.empty(f, np.int32)
+    y_bits = y.view(np.int32)
+    for i in range(m):
+        for j in range(f):
+            x = -abs(gate[i, j])
+            xc = x if x >= _FLOOR32 else _ZERO32
+            nf = np.rint(xc * _LOG2E32)
+            r = (xc - nf * _HI32) - nf * _LO32
+            p = ((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5
+            y[j] = (p * (r * r) + r) + _ONE32
+            n[j] = np.int32(nf)
+        for j in range(f):
+            y_bits[j] += n[j] << 23
+        for j in range(f):
+            g = gate[i, j]
+            x = -abs(g)
+            e = y[j] if x >= _FLOOR32 else (x if x != x else _ZERO32)
+            gate[i, j] = g * ((_ONE32 if g >= _ZERO32 else e) / (_ONE32 + e)) * up[i, j]
 
 
 def _heads_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
@@ -210,6 +248,7 @@ def prange(*args: int) -> range:
 
 conv_step: Any = _conv_step
 rmsnorm_rows: Any = _rmsnorm_rows
+silu_mul: Any = _silu_mul
 rows_dot: Any = _rows_dot
 heads_matmul: Any = _heads_matmul
 gated_delta: Any = _gated_delta
@@ -218,7 +257,7 @@ mamba2: Any = _mamba2
 
 
 def _build() -> None:
-    global conv_step, rmsnorm_rows, rows_dot, heads_matmul, gated_delta, short_conv, mamba2
+    global conv_step, rmsnorm_rows, silu_mul, rows_dot, heads_matmul, gated_delta, short_conv, mamba2
     global prange
     try:
         import numba
@@ -230,6 +269,7 @@ def _build() -> None:
     jit = njit(cache=True, nogil=True)
     conv_step = njit(cache=True, nogil=True, inline="always")(_conv_step)  # inlined into the recurrent kernels
     rmsnorm_rows = jit(_rmsnorm_rows)
+    silu_mul = jit(_silu_mul)
     rows_dot = jit(_rows_dot)
     short_conv = jit(_short_conv)
     heads_matmul = njit(cache=True, nogil=True, parallel=True)(_heads_matmul)

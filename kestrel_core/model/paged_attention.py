@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from kestrel_core.model.kernels import prange  # numba's, or a plain range where numba is missing
+# prange: numba's, or a plain range where numba is missing
+from kestrel_core.model.kernels import EXP_FLOOR, EXP_LN2_HI, EXP_LN2_LO, EXP_LOG2E, EXP_POLY, prange
 
 log = logging.getLogger("kestrel")
 
@@ -39,16 +40,6 @@ BLOCK_MULTIPLE = LANES  # a KV block's positions come in whole key vectors
 SCORE_TILE = 8  # vectors of positions a key_scores call covers
 SCORE_SUMS = 8  # sums a vector kernel holds in registers: heads x position vectors (``_score_vectors``)
 VALUE_TILE = 4  # vectors of dims one value_sums call sums at once
-
-
-# A softmax's exp, e^x for shifted logits x <= 0, in float32 steps a vector runs (numba's np.exp is a scalar libm
-# call, most of a long prompt's attention): Cephes' expf, x = n ln2 + r with ln2 in two parts, a degree-7
-# polynomial in r, 2^n put into the exponent; within 2 ulp of e^x. Below EXP_FLOOR (e^x < 4.4e-38, under
-# float32's normal range) it gives 0; NaN stays NaN.
-EXP_FLOOR = -86.0
-_LOG2E = 1.44269504088896341
-_LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4
-_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
 
 
 def padded_dims(dims: int) -> int:
@@ -75,14 +66,15 @@ def _half_bits(x: np.ndarray, out: np.ndarray) -> None:
 
 
 def _exp(x: np.ndarray) -> np.ndarray:
-    """e^x of float32 x <= 0, the vector kernels' exp step for step (the Python fallback's, and their reference)."""
+    """e^x of float32 x <= 0 on arrays (``kernels.EXP_FLOOR``), the vector kernels' exp step for step (the Python
+    fallback's, and their reference)."""
     f32 = np.float32
     kept = x >= f32(EXP_FLOOR)
     xc = np.where(kept, x, f32(0))
-    n = np.rint(xc * f32(_LOG2E))
-    r = (xc - n * f32(_LN2_HI)) - n * f32(_LN2_LO)
-    y = np.full_like(r, f32(_EXP_POLY[0]))
-    for c in _EXP_POLY[1:]:
+    n = np.rint(xc * f32(EXP_LOG2E))
+    r = (xc - n * f32(EXP_LN2_HI)) - n * f32(EXP_LN2_LO)
+    y = np.full_like(r, f32(EXP_POLY[0]))
+    for c in EXP_POLY[1:]:
         y = y * r + f32(c)
     y = (y * (r * r) + r) + f32(1)
     return np.where(kept, np.ldexp(y, n.astype(np.int32)), np.where(np.isnan(x), x, f32(0)))
@@ -380,10 +372,10 @@ def _vector_exp(builder: Any, x: Any) -> Any:
     rint = declared(builder, f"llvm.rint.v{LANES}f32", vf, vf)
     kept = builder.fcmp_ordered(">=", x, const(EXP_FLOOR))
     xc = builder.select(kept, x, const(0.0))
-    n = builder.call(rint, [builder.fmul(xc, const(_LOG2E))])
-    r = builder.fsub(builder.fsub(xc, builder.fmul(n, const(_LN2_HI))), builder.fmul(n, const(_LN2_LO)))
-    y = const(_EXP_POLY[0])
-    for c in _EXP_POLY[1:]:
+    n = builder.call(rint, [builder.fmul(xc, const(EXP_LOG2E))])
+    r = builder.fsub(builder.fsub(xc, builder.fmul(n, const(EXP_LN2_HI))), builder.fmul(n, const(EXP_LN2_LO)))
+    y = const(EXP_POLY[0])
+    for c in EXP_POLY[1:]:
         y = builder.fadd(builder.fmul(y, r), const(c))
     y = builder.fadd(builder.fadd(builder.fmul(y, builder.fmul(r, r)), r), const(1.0))
     scaled = builder.add(builder.bitcast(y, vi), builder.shl(builder.fptosi(n, vi), ir.Constant(vi, [23] * LANES)))
