@@ -411,7 +411,7 @@ def quantize_activations(a: np.ndarray, group_size: int = 32) -> tuple[np.ndarra
     # trunc(v + copysign(0.49999997, v)) equals round_half_away(v) for every float32 with |v| <= 256
     # (checked exhaustively); with 0.5, v = 0.49999997 would round up to 1 like floor(|v| + 0.5).
     m = a.shape[0]
-    compiled = _compiled_q8_rows()
+    compiled = compiled_q8_rows()
     if compiled is not None:
         codes = np.empty(a.shape, np.int8)
         scales = np.empty((m, a.shape[1] // group_size), np.float32)
@@ -452,7 +452,7 @@ def _q8_rows(a: np.ndarray, group_size: int, codes: np.ndarray, scales: np.ndarr
 _COMPILED: dict[str, Any] = {}
 
 
-def _compiled_q8_rows() -> Any:
+def compiled_q8_rows() -> Any:
     """The numba build of _q8_rows (cached on disk), or None where numba is missing or failed."""
     if "q8_rows" not in _COMPILED:
         try:

@@ -233,6 +233,16 @@ class Offload:
                 return list(outs)
         return [self.gemm_q8(a_codes, a_scales, w, k) for w, k in zip(weights, wkeys)]
 
+    def host_dense_layer(self, wkeys: list[tuple[int, ...]], strips: tuple[tuple[StripCache, ...], ...]) -> Any:
+        """The CPU backend's compiled form of a dense layer (its device's ``dense_layer``: one call runs the layer)
+        where the CPU runs every GEMM, else None: another backend is offered the layer's GEMMs one by one."""
+        prepare = getattr(self.cpu.device, "dense_layer", None) if self.on_cpu else None
+        return prepare(wkeys, strips) if prepare is not None else None
+
+    def count_host_gemms(self, calls: int) -> None:
+        """GEMMs a compiled host layer ran, counted as the CPU's hooks count theirs."""
+        self._count_on_cpu("kestrel_gemm_q8", calls)
+
     # -- model-level hooks ---------------------------------------------------------------------------
 
     def layer_boundary(self, layer: int) -> None:

@@ -213,6 +213,9 @@ class JitterOffload(Offload):
     def linear_fused(self, x: np.ndarray, weights: Any, wkeys: Any, fused_wkey: int) -> list[np.ndarray]:
         return [self._nudge(y) for y in super().linear_fused(self._nudge(x), weights, wkeys, fused_wkey)]
 
+    def host_dense_layer(self, wkeys: Any, strips: Any) -> None:
+        return None  # the layers op by op, through the nudged linears
+
 
 # Steps of the batched-step cases: (sequence, new tokens, logit rows) each. Sequences join late, prompts
 # arrive in chunks beside decode rows, one chunk asks for no logits and one for several.

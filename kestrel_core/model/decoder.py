@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -140,6 +141,9 @@ class Decoder:
         if c.mamba_groups:  # Mamba-2's norm is per group of channels, its weight over all of them
             self.unit_norm = np.ones(c.mamba_inner // c.mamba_groups, np.float32)
             self.no_conv_bias = np.zeros(c.mamba_conv_dim, np.float32)
+        # layer -> its compiled form on the CPU backend (``Offload.host_dense_layer``) and that call's arrays, or None:
+        # prepared on first use
+        self.dense: dict[int, tuple[Any, tuple] | None] = {}
         # per layer, per expert, per MLP_GROUPS entry: the same for each expert's weights
         self.expert_keys = [[[(g.keys(i, e), g.fused_key(i, e)) for g in MLP_GROUPS]  # the shared one: expert E
                              for e in range(len(lw.all_experts()))] for i, lw in enumerate(model.layers)]
@@ -273,8 +277,13 @@ class Decoder:
         h = self.model.embedding.dequantize(np.concatenate(tokens))  # [M, D]
         if c.embed_scale != 1.0:
             h *= np.float32(c.embed_scale)
+        quantized = not precise.any()
         for i, lw in enumerate(self.model.layers):
             self.offload.layer_boundary(i)
+            dense = self._dense(i) if quantized else None
+            if dense is not None:
+                self._run_dense(i, *dense, h, rows)
+                continue
             x = h.copy() if lw.attn_norm is None else rmsnorm(h, lw.attn_norm, self.eps)  # [M, D]
             mix = (self._linear_attention if lw.is_linear else self._short_conv if lw.is_conv
                    else self._mamba if lw.is_mamba else self._latent_attention if lw.is_mla else self._attention)
@@ -284,6 +293,38 @@ class Decoder:
                                                                              self.keys[i][-2:])
             h += self._residual(out, lw.post_mlp_norm)
         return h, precise
+
+    def _dense(self, i: int) -> tuple[Any, tuple] | None:
+        """Layer ``i`` compiled whole on the CPU backend, with its norms, biases and head norms as float32, where it is
+        a plain attention layer with a SiLU MLP (what ``_attention`` and ``_mlp`` run for it, the same bits); else
+        None, and the layer runs op by op."""
+        if i not in self.dense:
+            lw, c = self.model.layers[i], self.config
+            arrays = (lw.attn_norm, lw.mlp_norm, lw.q_bias, lw.k_bias, lw.v_bias, lw.q_norm, lw.k_norm)
+            plain = (lw.q is not None and lw.gate is not None and not lw.is_mla and lw.attn_gate is None
+                     and lw.attn_norm is not None and lw.mlp_norm is not None and lw.post_attn_norm is None
+                     and lw.post_mlp_norm is None and lw.o_bias is None and not c.qk_norm_full
+                     and c.residual_scale == 1.0 and c.activation == "silu"
+                     and all(a is None or a.dtype == np.float32 for a in arrays))
+            layer = self.offload.host_dense_layer([keys for keys, _ in self.keys[i]], self.strips[i]) if plain else None
+            self.dense[i] = None if layer is None else (layer, tuple(
+                None if a is None else np.ascontiguousarray(a) for a in arrays))
+        return self.dense[i]
+
+    def _run_dense(self, i: int, layer: Any, arrays: tuple, h: np.ndarray, rows: _Rows) -> None:
+        """Layer ``i`` on h [M, D] in place in one compiled call (``_dense``), its keys and values written to the
+        pool."""
+        c, pool = self.config, self.pool
+        attn_norm, mlp_norm, q_bias, k_bias, v_bias, q_norm, k_norm = arrays
+        kv = pool.kv_index[i]
+        cos, sin, q_cos, q_sin = rows.tables_at[self.layer_rope[i]]
+        heads = (c.num_heads, c.num_kv_heads, c.head_dim,
+                 paged_attention.attend_heads(len(h), c.num_heads, c.num_kv_heads))
+        layer.run(h, attn_norm, mlp_norm, self.eps, (q_bias, k_bias, v_bias), (q_norm, k_norm), heads,
+                  (pool.kt[kv].view(np.uint16), pool.v[kv].view(np.uint16), rows.slots, cos, sin, rows.tables,
+                   rows.row_seq, rows.firsts[c.window_of(i)], rows.lengths, q_cos, q_sin, self.attn_softcap,
+                   self.sinks[i]))
+        self.offload.count_host_gemms(layer.gemms)
 
     def _attention(self, i: int, lw: LayerWeights, x: np.ndarray, rows: _Rows) -> np.ndarray:
         """Layer ``i``'s attention on x [M, D]: its keys and values written to the pool, [M, D] out."""

@@ -77,6 +77,16 @@ class CpuDevice:
             self.packed[wkey] = hit
         return hit[1]
 
+    def dense_layer(self, wkeys: list[tuple[int, ...]], strips: tuple[tuple[StripCache, ...], ...]) -> Any:
+        """A dense layer's GEMMs (Q|K|V, O, gate|up, down: their wkeys and strips) packed for one compiled call a
+        layer (``layer.DenseLayer``), or None where the packed kernels do not take them all."""
+        if not self.packed_bits:
+            return None
+        from kestrel_cpu import layer
+
+        packs = [[self.packed_for(k, w) for k, w in zip(keys, ws)] for keys, ws in zip(wkeys, strips)]
+        return layer.dense_layer(packs, strips)
+
 
 @hookimpl
 def kestrel_backend_info() -> BackendInfo:

@@ -364,7 +364,7 @@ class Packed:
         self.nbytes = self.codes.nbytes + self.scales.nbytes
 
 
-_NO_PACKED = Packed(np.zeros((0, 32), np.int8), np.zeros((0, 1), np.float32))
+NO_PACKED = Packed(np.zeros((0, 32), np.int8), np.zeros((0, 1), np.float32))
 
 
 def _builds(body: Any, tiles: dict[int, tuple[Any, Any, int]], rows: str, one: str) -> dict[tuple[int, bool], Any]:
@@ -376,8 +376,8 @@ def _builds(body: Any, tiles: dict[int, tuple[Any, Any, int]], rows: str, one: s
         for bits in tiles for parallel in (True, False)}
 
 
-_Q8 = _builds(_gemm_packed_body, _TILES, "_tile_rows", "_tile_one")
-_F32 = _builds(_gemm_packed_f32_body, _F32_TILES, "_f32_rows", "_f32_one")
+Q8_BUILDS = _builds(_gemm_packed_body, _TILES, "_tile_rows", "_tile_one")
+F32_BUILDS = _builds(_gemm_packed_f32_body, _F32_TILES, "_f32_rows", "_f32_one")
 
 
 def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, packs: list[Packed], parallel: bool) -> list[np.ndarray]:
@@ -389,10 +389,10 @@ def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, packs: list[Packed], para
     if any(p.bits != bits for p in packs):
         return [out for p in packs for out in gemm_q8(a_codes, a_scales, [p], parallel)]
     m, _ = a_codes.shape
-    pad = [_NO_PACKED] * (MAX_WEIGHTS - len(packs))
+    pad = [NO_PACKED] * (MAX_WEIGHTS - len(packs))
     out = np.empty((m, sum(p.codes.shape[0] for p in packs) * PACK_COLS), dtype=np.float32)
     if out.size:
-        _Q8[bits, parallel](tuple(p.codes for p in packs + pad), tuple(p.scales for p in packs + pad), a_codes,
+        Q8_BUILDS[bits, parallel](tuple(p.codes for p in packs + pad), tuple(p.scales for p in packs + pad), a_codes,
                             a_scales, out)
     outs, start = [], 0
     for p in packs:
@@ -404,5 +404,5 @@ def gemm_q8(a_codes: np.ndarray, a_scales: np.ndarray, packs: list[Packed], para
 def gemm_f32(a: np.ndarray, pack: Packed, parallel: bool) -> np.ndarray:
     """float32 [M, N] of float32 activations [M, K] against a packed weight."""
     out = np.empty((a.shape[0], pack.codes.shape[0] * PACK_COLS), dtype=np.float32)
-    _F32[pack.bits, parallel](pack.codes, pack.scales, a, out)
+    F32_BUILDS[pack.bits, parallel](pack.codes, pack.scales, a, out)
     return np.ascontiguousarray(out[:, :pack.n])

@@ -261,12 +261,13 @@ def test_parallel_and_serial_builds_have_their_own_disk_cache() -> None:
     for int8 and int4 weights (each on its own tiles) are told apart the same way."""
     pairs = [(kernels._gemm_q8_parallel, kernels._gemm_q8_serial), (packed._pack_parallel, packed._pack_serial),
              (kernels._gemm_f32_parallel, kernels._gemm_f32_serial)]
-    pairs += [(builds[bits, True], builds[bits, False]) for builds in (packed._Q8, packed._F32) for bits in (8, 4)]
+    pairs += [(builds[bits, True], builds[bits, False]) for builds in (packed.Q8_BUILDS, packed.F32_BUILDS)
+              for bits in (8, 4)]
     for par, ser in pairs:
         assert par.targetoptions.get("parallel") and not ser.targetoptions.get("parallel")
         assert par.py_func.__qualname__ != ser.py_func.__qualname__
         assert par.py_func.__code__ is ser.py_func.__code__  # the same arithmetic
-    for builds in (packed._Q8, packed._F32):
+    for builds in (packed.Q8_BUILDS, packed.F32_BUILDS):
         names = {build.py_func.__qualname__ for build in builds.values()}
         assert len(names) == len(builds) == 4
         assert builds[8, True].py_func.__globals__["_QUADS"] == 1 and builds[4, True].py_func.__globals__["_QUADS"] == 2

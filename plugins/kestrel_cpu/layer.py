@@ -1,0 +1,204 @@
+"""A dense decoder layer in one compiled call: the CPU backend's forward without the host's per-op Python.
+
+A Llama-style layer (RMSNorm; Q|K|V with optional biases and per-head q/k norms; RoPE, the KV write and paged
+attention; O; RMSNorm; gate|up, SiLU, down; both residual adds) on int8 activations over packed weights
+(``packed``), run as ``Decoder._attention`` and ``Decoder._mlp`` run it op by op: the same compiled kernels
+(kestrel_core's ``kernels``, ``paged_attention`` and activation quantizer, this package's packed GEMMs) in the
+same order on the same float32 values, so a row's bits are the same either way (the tests compare them). Op by
+op, the SmolLM2 decode step spent ~4 of its ~10 ms between the kernels: the dispatcher, the hooks and numpy's
+per-call work, slowed by caches the weights had just flushed.
+
+numba caches a function's machine code with the kernels it calls, but checks only its own file's time: the
+build's name carries a digest of the sources it compiles in, so a change to any of them makes a new build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+import kestrel_core.codegen
+import kestrel_core.contract
+import kestrel_core.model.kernels
+import kestrel_core.model.paged_attention
+from kestrel_core.codegen import named_copy
+from kestrel_core.contract import StripCache, compiled_q8_rows
+from kestrel_core.model.kernels import rmsnorm_rows, silu_mul
+from kestrel_core.model.paged_attention import attend, rope_write
+from kestrel_cpu import packed
+from kestrel_cpu.kernels import PARALLEL_MIN_MACS
+
+_EMPTY = np.zeros(0, np.float32)
+
+
+def _sources_digest() -> str:
+    h = hashlib.sha256()
+    for module in (kestrel_core.codegen, kestrel_core.contract, kestrel_core.model.kernels,
+                   kestrel_core.model.paged_attention, packed):
+        h.update(Path(module.__file__ or "").read_bytes())
+    return h.hexdigest()[:12]
+
+
+# Each build's own globals (``_build``), here the int8 ones: a GEMM's parallel and serial kernels, and the four
+# GEMMs of a layer.
+_GEMM_PARALLEL, _GEMM_SERIAL = packed.Q8_BUILDS[8, True], packed.Q8_BUILDS[8, False]
+_W = packed.PACK_COLS
+_Q8_ROWS = compiled_q8_rows()
+
+
+def _gemm(parallel: bool, wps: tuple, wsps: tuple, a: np.ndarray, a_scales: np.ndarray, out: np.ndarray) -> None:
+    # one packed GEMM (packed.gemm_q8's body) in the build of its weights' bits
+    if parallel:
+        _GEMM_PARALLEL(wps, wsps, a, a_scales, out)
+    else:
+        _GEMM_SERIAL(wps, wsps, a, a_scales, out)
+
+
+@njit(inline="always")
+def _quantize(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    # x: [M, K] float32 -> int8 codes [M, K] and scales [M, K/group] (contract.quantize_activations)
+    m, k = x.shape
+    codes = np.empty((m, k), np.int8)
+    scales = np.empty((m, k // group), np.float32)
+    _Q8_ROWS(x, group, codes, scales)
+    return codes, scales
+
+
+_GEMM_QKV = _GEMM_O = _GEMM_GATE_UP = _GEMM_DOWN = njit(inline="always")(_gemm)
+
+
+def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, wps: tuple, wsps: tuple, groups: tuple,
+                 cols: tuple, parallel: tuple, biases: tuple, head_norms: tuple, heads: tuple, kt: np.ndarray,
+                 vc: np.ndarray, slots: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: np.ndarray,
+                 row_seq: np.ndarray, firsts: np.ndarray, lengths: np.ndarray, q_cos: np.ndarray, q_sin: np.ndarray,
+                 softcap: np.float32, sinks: np.ndarray) -> None:
+    # h: [M, D] the residual stream, updated in place; norms: (attention, MLP) [D]; wps/wsps: the four GEMMs'
+    # packed codes and scales (Q|K|V, O, gate|up, down), each a MAX_WEIGHTS tuple; groups: their block sizes;
+    # cols: where q, k, v, gate and up start in their GEMM's output, and q, k, v, F wide; parallel: each GEMM's
+    # build; biases: q, k, v [N] or empty; head_norms: q, k [hd] or empty; heads: (H, KV, hd, the query heads an
+    # attend item takes); the rest: Decoder._attend's.
+    m, d = h.shape
+    n_heads, n_kv, hd, item_heads = heads
+    q_at, k_at, v_at, g_at, u_at, nq, nk, nv, f = cols
+    widths = [0, 0, 0, 0]  # each GEMM's packed output columns
+    for i in range(4):
+        for t in range(len(wps[i])):
+            widths[i] += wps[i][t].shape[0] * _W
+    x = np.empty((m, d), np.float32)
+    rmsnorm_rows(h, norms[0], eps, x)
+    codes, scales = _quantize(x, groups[0])
+    qkv = np.empty((m, widths[0]), np.float32)
+    _GEMM_QKV(parallel[0], wps[0], wsps[0], codes, scales, qkv)
+    q = np.empty((m, nq), np.float32)
+    k = np.empty((m, nk), np.float32)
+    v = np.empty((m, nv), np.float32)
+    for r in range(m):
+        for j in range(nq):
+            q[r, j] = qkv[r, q_at + j] + biases[0][j] if biases[0].size else qkv[r, q_at + j]
+        for j in range(nk):
+            k[r, j] = qkv[r, k_at + j] + biases[1][j] if biases[1].size else qkv[r, k_at + j]
+        for j in range(nv):
+            v[r, j] = qkv[r, v_at + j] + biases[2][j] if biases[2].size else qkv[r, v_at + j]
+    if head_norms[0].size:
+        qn = np.empty((m * n_heads, hd), np.float32)
+        rmsnorm_rows(q.reshape(m * n_heads, hd), head_norms[0], eps, qn)
+        q = qn.reshape(m, n_heads * hd)
+        kn = np.empty((m * n_kv, hd), np.float32)
+        rmsnorm_rows(k.reshape(m * n_kv, hd), head_norms[1], eps, kn)
+        k = kn.reshape(m, n_kv * hd)
+    vd = nv // n_kv
+    rope_write(k.reshape(m, n_kv, hd), v.reshape(m, n_kv, vd), kt, vc, slots, cos, sin)
+    attn = np.empty((m, n_heads * vd), np.float32)
+    attend(q.reshape(m, n_heads, hd), kt, vc, tables, row_seq, firsts, lengths, q_cos, q_sin, softcap, sinks,
+           item_heads, attn)
+    codes, scales = _quantize(attn, groups[1])
+    o = np.empty((m, widths[1]), np.float32)
+    _GEMM_O(parallel[1], wps[1], wsps[1], codes, scales, o)
+    for r in range(m):
+        for j in range(d):
+            h[r, j] += o[r, j]
+    rmsnorm_rows(h, norms[1], eps, x)
+    codes, scales = _quantize(x, groups[2])
+    gu = np.empty((m, widths[2]), np.float32)
+    _GEMM_GATE_UP(parallel[2], wps[2], wsps[2], codes, scales, gu)
+    gate = np.empty((m, f), np.float32)
+    up = np.empty((m, f), np.float32)
+    for r in range(m):
+        for j in range(f):
+            gate[r, j] = gu[r, g_at + j]
+            up[r, j] = gu[r, u_at + j]
+    silu_mul(gate, up)
+    codes, scales = _quantize(gate, groups[3])
+    down = np.empty((m, widths[3]), np.float32)
+    _GEMM_DOWN(parallel[3], wps[3], wsps[3], codes, scales, down)
+    for r in range(m):
+        for j in range(d):
+            h[r, j] += down[r, j]
+
+
+_BUILDS: dict[tuple[int, ...], Any] = {}
+
+
+def _build(bits: tuple[int, ...]) -> Any:
+    """The layer for its four GEMMs' weight bits (Q|K|V, O, gate|up, down), compiled on first use."""
+    if bits not in _BUILDS:
+        gemms = [njit(inline="always")(named_copy(_gemm, f"_int{b}_w{packed.PACK_COLS}",
+                                                  _GEMM_PARALLEL=packed.Q8_BUILDS[b, True],
+                                                  _GEMM_SERIAL=packed.Q8_BUILDS[b, False])) for b in bits]
+        name = f"_{''.join(map(str, bits))}_w{packed.PACK_COLS}_{_sources_digest()}"
+        layer = named_copy(_dense_layer, name, _GEMM_QKV=gemms[0],
+                           _GEMM_O=gemms[1], _GEMM_GATE_UP=gemms[2], _GEMM_DOWN=gemms[3])
+        _BUILDS[bits] = njit(cache=True, nogil=True)(layer)
+    return _BUILDS[bits]
+
+
+@dataclass(frozen=True)
+class DenseLayer:
+    """One layer's weights as ``run`` takes them: packed (``CpuDevice.packed_for``), in its GEMMs' tuples."""
+
+    wps: tuple
+    wsps: tuple
+    groups: tuple[int, int, int, int]
+    bits: tuple[int, int, int, int]
+    cols: tuple[int, ...]
+    macs: tuple[int, int, int, int]  # K x packed output columns of each GEMM: a row's multiply-adds
+    gemms: int  # the weights it multiplies, as the dispatcher counts GEMMs
+
+    def run(self, h: np.ndarray, attn_norm: np.ndarray, mlp_norm: np.ndarray, eps: np.float32,
+            biases: tuple[np.ndarray | None, ...], head_norms: tuple[np.ndarray | None, ...],
+            heads: tuple[int, int, int, int], attention: tuple) -> None:
+        """The layer on h [M, D] in place, its keys and values written to the pool (``attention``: kt, vc, slots,
+        cos, sin, tables, row_seq, firsts, lengths, q_cos, q_sin, softcap, sinks, as ``paged_attention.attend``
+        and ``rope_write`` take them)."""
+        m = h.shape[0]
+        parallel = tuple(m * macs >= PARALLEL_MIN_MACS for macs in self.macs)
+        _build(self.bits)(h, (attn_norm, mlp_norm), eps, self.wps, self.wsps, self.groups, self.cols, parallel,
+                          tuple(_EMPTY if b is None else b for b in biases),
+                          tuple(_EMPTY if n is None else n for n in head_norms), heads, *attention)
+
+
+def dense_layer(packs: list[list[Any]], strips: tuple[tuple[StripCache, ...], ...]) -> DenseLayer | None:
+    """``packs`` (each GEMM's weights packed) and their ``strips`` (Q|K|V, O, gate|up, down) as a ``DenseLayer``;
+    None where a GEMM's weights differ in bits or block size (op by op they run as separate GEMMs)."""
+    if len(strips) != 4 or [len(s) for s in strips] != [3, 1, 2, 1]:
+        return None
+    bits, groups = [], []
+    for group, ws in zip(packs, strips):
+        if any(p is None for p in group) or len({(p.bits, w.group_size, w.k) for p, w in zip(group, ws)}) != 1:
+            return None
+        bits.append(group[0].bits)
+        groups.append(ws[0].group_size)
+    pad = [packed.NO_PACKED] * packed.MAX_WEIGHTS
+    wps = tuple(tuple(p.codes for p in (group + pad)[:packed.MAX_WEIGHTS]) for group in packs)
+    wsps = tuple(tuple(p.scales for p in (group + pad)[:packed.MAX_WEIGHTS]) for group in packs)
+    w = packed.PACK_COLS
+    (q, k, v), _, (gate, up), _ = packs
+    cols = (0, q.codes.shape[0] * w, (q.codes.shape[0] + k.codes.shape[0]) * w, 0, gate.codes.shape[0] * w,
+            q.n, k.n, v.n, gate.n)
+    macs = tuple(ws[0].k * sum(p.codes.shape[0] for p in group) * w for group, ws in zip(packs, strips))
+    return DenseLayer(wps, wsps, tuple(groups), tuple(bits), cols, macs, 7)

@@ -1,0 +1,125 @@
+"""The CPU backend's compiled dense layer (kestrel_cpu.layer): one call a layer, the op-by-op decoder's bits."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from kestrel_core.contract import quantize_weight
+from kestrel_core.dispatch import Offload
+from kestrel_core.model.config import ModelConfig
+from kestrel_core.model.decoder import Decoder
+from kestrel_core.model.kv_pool import KVPool
+from kestrel_core.model.presets import synthetic_model
+from kestrel_core.model.weights import Model
+from kestrel_core.registry import Registry
+
+kernels = pytest.importorskip("kestrel_cpu.kernels")
+PACKED_BITS = kernels.packed.PACKED_BITS
+
+
+def _config(arch: str, **overrides: object) -> ModelConfig:
+    base: dict[str, object] = dict(
+        arch=arch, vocab_size=320, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position=128, tie_word_embeddings=True)
+    base.update({"qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True, head_dim=32)}.get(arch, {}))
+    base.update(overrides)
+    return ModelConfig(**base)  # type: ignore[arg-type]
+
+
+def _needs(*bits: int) -> None:
+    if not set(bits) <= set(PACKED_BITS):
+        pytest.skip(f"this CPU's packed kernels take {PACKED_BITS}-bit weights; the layer needs {bits}")
+
+
+def _offloads() -> tuple[Offload, Offload]:
+    """The CPU's offload, and one whose layers all run op by op."""
+    reg = Registry()
+    fast, slow = Offload(reg.cpu(), reg.cpu()), Offload(reg.cpu(), reg.cpu())
+    slow.host_dense_layer = lambda *args: None  # type: ignore[method-assign]
+    return fast, slow
+
+
+def _run(model: Model, offload: Offload, activations: str = "q8") -> tuple[list[np.ndarray], Decoder, list]:
+    """Logits of a prompt, decode steps and a two-sequence step (keys and values in blocks out of order)."""
+    dec = Decoder(model, offload, KVPool(model.config, 12, block_size=16), activations=activations)
+    rng = np.random.default_rng(9)
+    other = dec.new_cache()
+    dec.forward(rng.integers(0, 320, 5).tolist(), other)  # takes the first block
+    a, b = dec.new_cache(), dec.new_cache()
+    for cache in (a, b):
+        cache.prompt_len = 21
+    outs = [dec.forward(rng.integers(0, 320, 21).tolist(), a, all_logits=True)]
+    outs += [dec.forward([int(t)], a) for t in rng.integers(0, 320, 4)]
+    dec.forward(rng.integers(0, 320, 9).tolist(), b)
+    outs += dec.forward_batch([(a, np.array([7]), 1), (b, np.array([11, 12]), 2)])
+    return outs, dec, [a, b]
+
+
+def _same_bits(x: np.ndarray, y: np.ndarray) -> bool:
+    return x.dtype == y.dtype and np.array_equal(*(np.ascontiguousarray(a).view(np.uint8) for a in (x, y)))
+
+
+def _pool(dec: Decoder, caches: list) -> list[np.ndarray]:
+    """Each cache's keys and values at its positions: [L, KV, hd] and [L, KV, vdp] each."""
+    pool, bs = dec.pool, dec.pool.block_size
+    at = [(c.blocks[p // bs], p % bs) for c in caches for p in range(c.length)]
+    return [pool.kt[:, b, :, :, o] for b, o in at] + [pool.v[:, b, :, o] for b, o in at]
+
+
+@pytest.mark.parametrize("quant", ["q8", "q4", "q8-g256"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_a_dense_layer_gives_the_op_by_op_bits(arch: str, quant: str) -> None:
+    _needs(4 if quant == "q4" else 8)
+    cfg = _config(arch, hidden_size=256, intermediate_size=512) if quant.endswith("g256") else _config(arch)
+    model = synthetic_model(cfg, quant, seed=2)
+    fast, slow = _offloads()
+    got, fast_dec, fast_caches = _run(model, fast)
+    want, slow_dec, slow_caches = _run(model, slow)
+    assert all(fast_dec.dense[i] is not None for i in range(cfg.num_layers))  # the compiled layer ran
+    assert all(slow_dec.dense[i] is None for i in range(cfg.num_layers))
+    assert len(got) == len(want) == 7
+    for g, w in zip(got, want):
+        assert _same_bits(g, w)
+    for g, w in zip(_pool(fast_dec, fast_caches), _pool(slow_dec, slow_caches)):
+        assert _same_bits(g, w)
+    assert fast.stats()["kestrel_gemm_q8"] == slow.stats()["kestrel_gemm_q8"]  # counted as the GEMMs it ran
+
+
+def test_each_gemm_takes_its_own_bits_but_a_fused_group_needs_one() -> None:
+    _needs(8, 4)
+    model = synthetic_model(_config("llama"), "q8", seed=3)
+    rng = np.random.default_rng(4)
+    layers = list(model.layers)
+    layers[0] = replace(layers[0], down=quantize_weight(rng.standard_normal((64, 96)).astype(np.float32), bits=4))
+    layers[1] = replace(layers[1], v=quantize_weight(rng.standard_normal((32, 64)).astype(np.float32), bits=4))
+    model = replace(model, layers=layers)
+    fast, slow = _offloads()
+    got, dec, _ = _run(model, fast)
+    want, _, _ = _run(model, slow)
+    assert dec.dense[0] is not None and dec.dense[0][0].bits == (8, 8, 8, 4)
+    assert dec.dense[1] is None  # q|k|v of 8, 8 and 4 bits: op by op
+    for g, w in zip(got, want):
+        assert _same_bits(g, w)
+
+
+def test_layers_it_does_not_take_and_prompt_rows_run_op_by_op() -> None:
+    _needs(8)
+    gelu = synthetic_model(_config("llama", activation="gelu_tanh"), "q8", seed=5)
+    fast, slow = _offloads()
+    got, dec, _ = _run(gelu, fast)
+    assert all(dec.dense[i] is None for i in range(2))
+    for g, w in zip(got, _run(gelu, slow)[0]):
+        assert _same_bits(g, w)
+
+    model = synthetic_model(_config("qwen3"), "q8", seed=6)
+    fast, slow = _offloads()
+    runs = []
+    real = fast.host_dense_layer
+    fast.host_dense_layer = lambda *args: runs.append(1) or real(*args)  # type: ignore[method-assign]
+    got, dec, _ = _run(model, fast, activations="mixed")  # the prompt's rows at float32: op by op
+    for g, w in zip(got, _run(model, slow, activations="mixed")[0]):
+        assert _same_bits(g, w)
+    assert len(runs) == 2 and all(dec.dense[i] is not None for i in range(2))  # prepared for the decode steps
