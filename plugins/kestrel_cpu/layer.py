@@ -31,7 +31,6 @@ from kestrel_core.contract import StripCache, compiled_q8_rows
 from kestrel_core.model.kernels import rmsnorm_rows, silu_mul
 from kestrel_core.model.paged_attention import attend, rope_write
 from kestrel_cpu import packed
-from kestrel_cpu.kernels import PARALLEL_MIN_MACS
 
 _EMPTY = np.zeros(0, np.float32)
 
@@ -44,19 +43,12 @@ def _sources_digest() -> str:
     return h.hexdigest()[:12]
 
 
-# Each build's own globals (``_build``), here the int8 ones: a GEMM's parallel and serial kernels, and the four
-# GEMMs of a layer.
-_GEMM_PARALLEL, _GEMM_SERIAL = packed.Q8_BUILDS[8, True], packed.Q8_BUILDS[8, False]
+# Each build's own globals (``_build``), here the int8 ones: the four GEMMs of a layer, each the parallel build of
+# packed.gemm_q8's body for its weights' bits (decode's smallest real GEMMs, SmolLM2's 576 x 576, are above
+# kernels.PARALLEL_MIN_MACS, where a product leaves one thread; a serial build would only add its compilation).
+_GEMM_QKV = _GEMM_O = _GEMM_GATE_UP = _GEMM_DOWN = packed.Q8_BUILDS[8, True]
 _W = packed.PACK_COLS
 _Q8_ROWS = compiled_q8_rows()
-
-
-def _gemm(parallel: bool, wps: tuple, wsps: tuple, a: np.ndarray, a_scales: np.ndarray, out: np.ndarray) -> None:
-    # one packed GEMM (packed.gemm_q8's body) in the build of its weights' bits
-    if parallel:
-        _GEMM_PARALLEL(wps, wsps, a, a_scales, out)
-    else:
-        _GEMM_SERIAL(wps, wsps, a, a_scales, out)
 
 
 @njit(inline="always")
@@ -69,19 +61,16 @@ def _quantize(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
     return codes, scales
 
 
-_GEMM_QKV = _GEMM_O = _GEMM_GATE_UP = _GEMM_DOWN = njit(inline="always")(_gemm)
-
-
 def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, wps: tuple, wsps: tuple, groups: tuple,
-                 cols: tuple, parallel: tuple, biases: tuple, head_norms: tuple, heads: tuple, kt: np.ndarray,
+                 cols: tuple, biases: tuple, head_norms: tuple, heads: tuple, kt: np.ndarray,
                  vc: np.ndarray, slots: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: np.ndarray,
                  row_seq: np.ndarray, firsts: np.ndarray, lengths: np.ndarray, q_cos: np.ndarray, q_sin: np.ndarray,
                  softcap: np.float32, sinks: np.ndarray) -> None:
     # h: [M, D] the residual stream, updated in place; norms: (attention, MLP) [D]; wps/wsps: the four GEMMs'
     # packed codes and scales (Q|K|V, O, gate|up, down), each a MAX_WEIGHTS tuple; groups: their block sizes;
-    # cols: where q, k, v, gate and up start in their GEMM's output, and q, k, v, F wide; parallel: each GEMM's
-    # build; biases: q, k, v [N] or empty; head_norms: q, k [hd] or empty; heads: (H, KV, hd, the query heads an
-    # attend item takes); the rest: Decoder._attend's.
+    # cols: where q, k, v, gate and up start in their GEMM's output, and q, k, v, F wide; biases: q, k, v [N] or
+    # empty; head_norms: q, k [hd] or empty; heads: (H, KV, hd, the query heads an attend item takes); the rest:
+    # Decoder._attend's.
     m, d = h.shape
     n_heads, n_kv, hd, item_heads = heads
     q_at, k_at, v_at, g_at, u_at, nq, nk, nv, f = cols
@@ -93,7 +82,7 @@ def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, wps: tuple, wsps:
     rmsnorm_rows(h, norms[0], eps, x)
     codes, scales = _quantize(x, groups[0])
     qkv = np.empty((m, widths[0]), np.float32)
-    _GEMM_QKV(parallel[0], wps[0], wsps[0], codes, scales, qkv)
+    _GEMM_QKV(wps[0], wsps[0], codes, scales, qkv)
     q = np.empty((m, nq), np.float32)
     k = np.empty((m, nk), np.float32)
     v = np.empty((m, nv), np.float32)
@@ -118,14 +107,14 @@ def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, wps: tuple, wsps:
            item_heads, attn)
     codes, scales = _quantize(attn, groups[1])
     o = np.empty((m, widths[1]), np.float32)
-    _GEMM_O(parallel[1], wps[1], wsps[1], codes, scales, o)
+    _GEMM_O(wps[1], wsps[1], codes, scales, o)
     for r in range(m):
         for j in range(d):
             h[r, j] += o[r, j]
     rmsnorm_rows(h, norms[1], eps, x)
     codes, scales = _quantize(x, groups[2])
     gu = np.empty((m, widths[2]), np.float32)
-    _GEMM_GATE_UP(parallel[2], wps[2], wsps[2], codes, scales, gu)
+    _GEMM_GATE_UP(wps[2], wsps[2], codes, scales, gu)
     gate = np.empty((m, f), np.float32)
     up = np.empty((m, f), np.float32)
     for r in range(m):
@@ -135,7 +124,7 @@ def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, wps: tuple, wsps:
     silu_mul(gate, up)
     codes, scales = _quantize(gate, groups[3])
     down = np.empty((m, widths[3]), np.float32)
-    _GEMM_DOWN(parallel[3], wps[3], wsps[3], codes, scales, down)
+    _GEMM_DOWN(wps[3], wsps[3], codes, scales, down)
     for r in range(m):
         for j in range(d):
             h[r, j] += down[r, j]
@@ -147,12 +136,10 @@ _BUILDS: dict[tuple[int, ...], Any] = {}
 def _build(bits: tuple[int, ...]) -> Any:
     """The layer for its four GEMMs' weight bits (Q|K|V, O, gate|up, down), compiled on first use."""
     if bits not in _BUILDS:
-        gemms = [njit(inline="always")(named_copy(_gemm, f"_int{b}_w{packed.PACK_COLS}",
-                                                  _GEMM_PARALLEL=packed.Q8_BUILDS[b, True],
-                                                  _GEMM_SERIAL=packed.Q8_BUILDS[b, False])) for b in bits]
+        gemms = [packed.Q8_BUILDS[b, True] for b in bits]
         name = f"_{''.join(map(str, bits))}_w{packed.PACK_COLS}_{_sources_digest()}"
-        layer = named_copy(_dense_layer, name, _GEMM_QKV=gemms[0],
-                           _GEMM_O=gemms[1], _GEMM_GATE_UP=gemms[2], _GEMM_DOWN=gemms[3])
+        layer = named_copy(_dense_layer, name, _GEMM_QKV=gemms[0], _GEMM_O=gemms[1], _GEMM_GATE_UP=gemms[2],
+                           _GEMM_DOWN=gemms[3])
         _BUILDS[bits] = njit(cache=True, nogil=True)(layer)
     return _BUILDS[bits]
 
@@ -166,7 +153,6 @@ class DenseLayer:
     groups: tuple[int, int, int, int]
     bits: tuple[int, int, int, int]
     cols: tuple[int, ...]
-    macs: tuple[int, int, int, int]  # K x packed output columns of each GEMM: a row's multiply-adds
     gemms: int  # the weights it multiplies, as the dispatcher counts GEMMs
 
     def run(self, h: np.ndarray, attn_norm: np.ndarray, mlp_norm: np.ndarray, eps: np.float32,
@@ -175,9 +161,7 @@ class DenseLayer:
         """The layer on h [M, D] in place, its keys and values written to the pool (``attention``: kt, vc, slots,
         cos, sin, tables, row_seq, firsts, lengths, q_cos, q_sin, softcap, sinks, as ``paged_attention.attend``
         and ``rope_write`` take them)."""
-        m = h.shape[0]
-        parallel = tuple(m * macs >= PARALLEL_MIN_MACS for macs in self.macs)
-        _build(self.bits)(h, (attn_norm, mlp_norm), eps, self.wps, self.wsps, self.groups, self.cols, parallel,
+        _build(self.bits)(h, (attn_norm, mlp_norm), eps, self.wps, self.wsps, self.groups, self.cols,
                           tuple(_EMPTY if b is None else b for b in biases),
                           tuple(_EMPTY if n is None else n for n in head_norms), heads, *attention)
 
@@ -200,5 +184,4 @@ def dense_layer(packs: list[list[Any]], strips: tuple[tuple[StripCache, ...], ..
     (q, k, v), _, (gate, up), _ = packs
     cols = (0, q.codes.shape[0] * w, (q.codes.shape[0] + k.codes.shape[0]) * w, 0, gate.codes.shape[0] * w,
             q.n, k.n, v.n, gate.n)
-    macs = tuple(ws[0].k * sum(p.codes.shape[0] for p in group) * w for group, ws in zip(packs, strips))
-    return DenseLayer(wps, wsps, tuple(groups), tuple(bits), cols, macs, 7)
+    return DenseLayer(wps, wsps, tuple(groups), tuple(bits), cols, 7)
