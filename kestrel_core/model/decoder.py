@@ -281,8 +281,7 @@ class Decoder:
         for i, lw in enumerate(self.model.layers):
             self.offload.layer_boundary(i)
             dense = self._dense(i) if quantized else None
-            if dense is not None:
-                self._run_dense(i, *dense, h, rows)
+            if dense is not None and self._run_dense(i, *dense, h, rows):
                 continue
             x = h.copy() if lw.attn_norm is None else rmsnorm(h, lw.attn_norm, self.eps)  # [M, D]
             mix = (self._linear_attention if lw.is_linear else self._short_conv if lw.is_conv
@@ -311,20 +310,24 @@ class Decoder:
                 None if a is None else np.ascontiguousarray(a) for a in arrays))
         return self.dense[i]
 
-    def _run_dense(self, i: int, layer: Any, arrays: tuple, h: np.ndarray, rows: _Rows) -> None:
+    def _run_dense(self, i: int, layer: Any, arrays: tuple, h: np.ndarray, rows: _Rows) -> bool:
         """Layer ``i`` on h [M, D] in place in one compiled call (``_dense``), its keys and values written to the
-        pool."""
+        pool; False, nothing done, where it cannot compile (every layer then runs op by op)."""
         c, pool = self.config, self.pool
         attn_norm, mlp_norm, q_bias, k_bias, v_bias, q_norm, k_norm = arrays
         kv = pool.kv_index[i]
         cos, sin, q_cos, q_sin = rows.tables_at[self.layer_rope[i]]
         heads = (c.num_heads, c.num_kv_heads, c.head_dim,
                  paged_attention.attend_heads(len(h), c.num_heads, c.num_kv_heads))
-        layer.run(h, attn_norm, mlp_norm, self.eps, (q_bias, k_bias, v_bias), (q_norm, k_norm), heads,
-                  (pool.kt[kv].view(np.uint16), pool.v[kv].view(np.uint16), rows.slots, cos, sin, rows.tables,
-                   rows.row_seq, rows.firsts[c.window_of(i)], rows.lengths, q_cos, q_sin, self.attn_softcap,
-                   self.sinks[i]))
+        ran = layer.run(h, attn_norm, mlp_norm, self.eps, (q_bias, k_bias, v_bias), (q_norm, k_norm), heads,
+                        (pool.kt[kv].view(np.uint16), pool.v[kv].view(np.uint16), rows.slots, cos, sin, rows.tables,
+                         rows.row_seq, rows.firsts[c.window_of(i)], rows.lengths, q_cos, q_sin, self.attn_softcap,
+                         self.sinks[i]))
+        if not ran:
+            self.dense = {j: None for j in range(c.num_layers)}
+            return False
         self.offload.count_host_gemms(layer.gemms)
+        return True
 
     def _attention(self, i: int, lw: LayerWeights, x: np.ndarray, rows: _Rows) -> np.ndarray:
         """Layer ``i``'s attention on x [M, D]: its keys and values written to the pool, [M, D] out."""

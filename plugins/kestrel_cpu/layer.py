@@ -15,12 +15,14 @@ build's name carries a digest of the sources it compiles in, so a change to any 
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from numba import njit
+from numba.core.errors import NumbaError
 
 import kestrel_core.codegen
 import kestrel_core.contract
@@ -32,6 +34,7 @@ from kestrel_core.model.kernels import rmsnorm_rows, silu_mul
 from kestrel_core.model.paged_attention import attend, rope_write
 from kestrel_cpu import packed
 
+log = logging.getLogger("kestrel")
 _EMPTY = np.zeros(0, np.float32)
 
 
@@ -130,7 +133,7 @@ def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, wps: tuple, wsps:
             h[r, j] += down[r, j]
 
 
-_BUILDS: dict[tuple[int, ...], Any] = {}
+_BUILDS: dict[tuple[int, ...], Any] = {}  # None: the build failed
 
 
 def _build(bits: tuple[int, ...]) -> Any:
@@ -157,13 +160,23 @@ class DenseLayer:
 
     def run(self, h: np.ndarray, attn_norm: np.ndarray, mlp_norm: np.ndarray, eps: np.float32,
             biases: tuple[np.ndarray | None, ...], head_norms: tuple[np.ndarray | None, ...],
-            heads: tuple[int, int, int, int], attention: tuple) -> None:
+            heads: tuple[int, int, int, int], attention: tuple) -> bool:
         """The layer on h [M, D] in place, its keys and values written to the pool (``attention``: kt, vc, slots,
         cos, sin, tables, row_seq, firsts, lengths, q_cos, q_sin, softcap, sinks, as ``paged_attention.attend``
-        and ``rope_write`` take them)."""
-        _build(self.bits)(h, (attn_norm, mlp_norm), eps, self.wps, self.wsps, self.groups, self.cols,
-                          tuple(_EMPTY if b is None else b for b in biases),
-                          tuple(_EMPTY if n is None else n for n in head_norms), heads, *attention)
+        and ``rope_write`` take them); False, with nothing done, where this machine's numba cannot compile it."""
+        run = _build(self.bits)
+        if run is None:
+            return False
+        try:
+            run(h, (attn_norm, mlp_norm), eps, self.wps, self.wsps, self.groups, self.cols,
+                tuple(_EMPTY if b is None else b for b in biases),
+                tuple(_EMPTY if n is None else n for n in head_norms), heads, *attention)
+        except NumbaError as exc:  # raised compiling, before the call touched h or the pool
+            _BUILDS[self.bits] = None
+            log.warning("kestrel_cpu: the compiled layer failed to compile (%s: %s); layers run op by op",
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            return False
+        return True
 
 
 def dense_layer(packs: list[list[Any]], strips: tuple[tuple[StripCache, ...], ...]) -> DenseLayer | None:

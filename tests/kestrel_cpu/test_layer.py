@@ -123,3 +123,23 @@ def test_layers_it_does_not_take_and_prompt_rows_run_op_by_op() -> None:
     for g, w in zip(got, _run(model, slow, activations="mixed")[0]):
         assert _same_bits(g, w)
     assert len(runs) == 2 and all(dec.dense[i] is not None for i in range(2))  # prepared for the decode steps
+
+
+def test_a_layer_that_cannot_compile_runs_op_by_op(monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    _needs(8)
+    from numba.core.errors import TypingError
+
+    from kestrel_cpu import layer
+
+    def broken(*args: object) -> None:
+        raise TypingError("no implementation here")
+
+    model = synthetic_model(_config("qwen2"), "q8", seed=7)
+    monkeypatch.setattr(layer, "_BUILDS", {(8, 8, 8, 8): broken})
+    fast, slow = _offloads()
+    got, dec, _ = _run(model, fast)
+    for g, w in zip(got, _run(model, slow)[0]):
+        assert _same_bits(g, w)
+    assert all(dec.dense[i] is None for i in range(2)) and layer._BUILDS[8, 8, 8, 8] is None
+    assert "failed to compile (TypingError: no implementation here)" in caplog.text
