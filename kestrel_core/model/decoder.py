@@ -295,15 +295,15 @@ class Decoder:
 
     def _dense(self, i: int) -> tuple[Any, tuple] | None:
         """Layer ``i`` compiled whole on the CPU backend, with its norms, biases and head norms as float32, where it is
-        a plain attention layer with a SiLU MLP (what ``_attention`` and ``_mlp`` run for it, the same bits); else
-        None, and the layer runs op by op."""
+        a plain attention layer with a SiLU or GELU MLP (what ``_attention`` and ``_mlp`` run for it, the same bits);
+        else None, and the layer runs op by op."""
         if i not in self.dense:
             lw, c = self.model.layers[i], self.config
-            arrays = (lw.attn_norm, lw.mlp_norm, lw.q_bias, lw.k_bias, lw.v_bias, lw.q_norm, lw.k_norm)
+            arrays = (lw.attn_norm, lw.mlp_norm, lw.post_attn_norm, lw.post_mlp_norm, lw.q_bias, lw.k_bias, lw.v_bias,
+                      lw.q_norm, lw.k_norm)
             plain = (lw.q is not None and lw.gate is not None and not lw.is_mla and lw.attn_gate is None
-                     and lw.attn_norm is not None and lw.mlp_norm is not None and lw.post_attn_norm is None
-                     and lw.post_mlp_norm is None and lw.o_bias is None and not c.qk_norm_full
-                     and c.residual_scale == 1.0 and c.activation == "silu"
+                     and lw.attn_norm is not None and lw.mlp_norm is not None and lw.o_bias is None
+                     and not c.qk_norm_full and c.activation in ("silu", "gelu_tanh")
                      and all(a is None or a.dtype == np.float32 for a in arrays))
             layer = self.offload.host_dense_layer([keys for keys, _ in self.keys[i]], self.strips[i]) if plain else None
             self.dense[i] = None if layer is None else (layer, tuple(
@@ -314,12 +314,12 @@ class Decoder:
         """Layer ``i`` on h [M, D] in place in one compiled call (``_dense``), its keys and values written to the
         pool; False, nothing done, where it cannot compile (every layer then runs op by op)."""
         c, pool = self.config, self.pool
-        attn_norm, mlp_norm, q_bias, k_bias, v_bias, q_norm, k_norm = arrays
         kv = pool.kv_index[i]
         cos, sin, q_cos, q_sin = rows.tables_at[self.layer_rope[i]]
         heads = (c.num_heads, c.num_kv_heads, c.head_dim,
                  paged_attention.attend_heads(len(h), c.num_heads, c.num_kv_heads))
-        ran = layer.run(h, attn_norm, mlp_norm, self.eps, (q_bias, k_bias, v_bias), (q_norm, k_norm), heads,
+        ran = layer.run(h, arrays[:4], self.eps, c.residual_scale, c.activation == "gelu_tanh", arrays[4:7],
+                        arrays[7:], heads,
                         (pool.kt[kv].view(np.uint16), pool.v[kv].view(np.uint16), rows.slots, cos, sin, rows.tables,
                          rows.row_seq, rows.firsts[c.window_of(i)], rows.lengths, q_cos, q_sin, self.attn_softcap,
                          self.sinks[i]))
@@ -541,27 +541,15 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 def _silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """silu(gate) * up in place in ``gate`` [M, F] (``kernels.silu_mul``), the same bits for any M."""
-    kernels.silu_mul(gate, up)
+    """silu(gate) * up in place in ``gate`` [M, F] (``kernels.gated_mul``), the same bits for any M."""
+    kernels.gated_mul(gate, up, False)
     return gate
 
 
-SQRT_2_OVER_PI = np.float32(0.7978845608028654)
-
-
 def gelu_tanh_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """gelu_tanh(gate) * up in place in ``gate`` [M, F]: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), as
-    torch's gelu(approximate="tanh") (Gemma's GeGLU); element-wise numpy, the same bits for any M."""
-    t = gate * gate
-    t *= gate
-    t *= np.float32(0.044715)
-    t += gate
-    t *= SQRT_2_OVER_PI
-    np.tanh(t, out=t)
-    t += np.float32(1)
-    t *= np.float32(0.5)
-    gate *= t
-    gate *= up
+    """gelu_tanh(gate) * up in place in ``gate`` [M, F] (``kernels.gated_mul``): torch's gelu(approximate="tanh"),
+    Gemma's GeGLU, the same bits for any M."""
+    kernels.gated_mul(gate, up, True)
     return gate
 
 

@@ -1,6 +1,6 @@
-"""Compiled host maths of the decoder (numba): norms, SiLU, MoE routing, latent attention's per-head projections, linear
-attention (Gated DeltaNet), short convolutions and Mamba-2 scans over the rows of a batch (paged attention is
-paged_attention.py's).
+"""Compiled host maths of the decoder (numba): norms, the MLP's SiLU and GELU, MoE routing, latent attention's
+per-head projections, linear attention (Gated DeltaNet), short convolutions and Mamba-2 scans over the rows of a
+batch (paged attention is paged_attention.py's).
 
 Every kernel computes each row on its own, with one fixed sequence of float32 operations (no fastmath: no
 FMA contraction, no reassociation) and sequential sums, so a row's bits do not depend on how many rows run
@@ -24,7 +24,7 @@ log = logging.getLogger("kestrel")
 # e^x for float32 x <= 0 (a softmax's shifted logits, SiLU's e^-|g|) in float32 steps that vectorize (numba's np.exp is
 # a scalar libm call a value): Cephes' expf, x = n ln2 + r with ln2 in two parts, a degree-7 polynomial in r, 2^n put
 # into the exponent; within 2 ulp of e^x. Below EXP_FLOOR (e^x < 4.4e-38, under float32's normal range) it gives 0;
-# NaN stays NaN. The same steps: ``silu_mul`` here, paged_attention's vector softmax and its numpy twin ``_exp``.
+# NaN stays NaN. The same steps: ``gated_mul`` here, paged_attention's vector softmax and its numpy twin ``_exp``.
 EXP_FLOOR = -86.0
 EXP_LOG2E = 1.44269504088896341
 EXP_LN2_HI, EXP_LN2_LO = 0.693359375, -2.12194440e-4
@@ -32,6 +32,7 @@ EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 
 _FLOOR32, _LOG2E32, _HI32, _LO32 = (np.float32(v) for v in (EXP_FLOOR, EXP_LOG2E, EXP_LN2_HI, EXP_LN2_LO))
 _ZERO32, _ONE32 = np.float32(0), np.float32(1)
 _P0, _P1, _P2, _P3, _P4, _P5 = (np.float32(c) for c in EXP_POLY)
+_TWO_SQRT_2_OVER_PI, _GELU_CUBIC = np.float32(2 * 0.7978845608028654), np.float32(0.044715)
 
 
 def _rmsnorm_rows(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
@@ -46,17 +47,21 @@ def _rmsnorm_rows(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.nd
             out[i, j] = x[i, j] * inv * weight[j]
 
 
-def _silu_mul(gate: np.ndarray, up: np.ndarray) -> None:
-    # gate, up: [M, F]; gate becomes silu(gate) * up = g * sigmoid(g) * up, sigmoid(g) = 1 / (1 + e) for g >= 0 and
-    # e / (1 + e) below, e = e^-|g| (an exp that cannot overflow). Three passes a row, each vectorized: the exp's
-    # polynomial, its 2^n added into the exponent bits, the rest.
+def _gated_mul(gate: np.ndarray, up: np.ndarray, gelu: bool) -> None:
+    # gate, up: [M, F]; gate becomes act(gate) * up with act(g) = g * sigmoid(z): z = g (SiLU), or for the tanh
+    # GELU (0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), as torch's approximate="tanh") z = 2u. The
+    # sigmoid is 1 / (1 + e) for z >= 0 and e / (1 + e) below, e = e^-|z| (an exp that cannot overflow). Three
+    # passes a row, each vectorized: the exp's polynomial, its 2^n added into the exponent bits, the rest.
     m, f = gate.shape
+    z = np.empty(f, np.float32)
     y = np.empty(f, np.float32)
     n = np.empty(f, np.int32)
     y_bits = y.view(np.int32)
     for i in range(m):
         for j in range(f):
-            x = -abs(gate[i, j])
+            g = gate[i, j]
+            z[j] = _TWO_SQRT_2_OVER_PI * (g + _GELU_CUBIC * (g * g * g)) if gelu else g
+            x = -abs(z[j])
             xc = x if x >= _FLOOR32 else _ZERO32
             nf = np.rint(xc * _LOG2E32)
             r = (xc - nf * _HI32) - nf * _LO32
@@ -66,10 +71,9 @@ def _silu_mul(gate: np.ndarray, up: np.ndarray) -> None:
         for j in range(f):
             y_bits[j] += n[j] << 23
         for j in range(f):
-            g = gate[i, j]
-            x = -abs(g)
+            x = -abs(z[j])
             e = y[j] if x >= _FLOOR32 else (x if x != x else _ZERO32)
-            gate[i, j] = g * ((_ONE32 if g >= _ZERO32 else e) / (_ONE32 + e)) * up[i, j]
+            gate[i, j] = gate[i, j] * ((_ONE32 if z[j] >= _ZERO32 else e) / (_ONE32 + e)) * up[i, j]
 
 
 def _heads_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
@@ -248,7 +252,7 @@ def prange(*args: int) -> range:
 
 conv_step: Any = _conv_step
 rmsnorm_rows: Any = _rmsnorm_rows
-silu_mul: Any = _silu_mul
+gated_mul: Any = _gated_mul
 rows_dot: Any = _rows_dot
 heads_matmul: Any = _heads_matmul
 gated_delta: Any = _gated_delta
@@ -257,7 +261,7 @@ mamba2: Any = _mamba2
 
 
 def _build() -> None:
-    global conv_step, rmsnorm_rows, silu_mul, rows_dot, heads_matmul, gated_delta, short_conv, mamba2
+    global conv_step, rmsnorm_rows, gated_mul, rows_dot, heads_matmul, gated_delta, short_conv, mamba2
     global prange
     try:
         import numba
@@ -269,7 +273,7 @@ def _build() -> None:
     jit = njit(cache=True, nogil=True)
     conv_step = njit(cache=True, nogil=True, inline="always")(_conv_step)  # inlined into the recurrent kernels
     rmsnorm_rows = jit(_rmsnorm_rows)
-    silu_mul = jit(_silu_mul)
+    gated_mul = jit(_gated_mul)
     rows_dot = jit(_rows_dot)
     short_conv = jit(_short_conv)
     heads_matmul = njit(cache=True, nogil=True, parallel=True)(_heads_matmul)

@@ -1,7 +1,8 @@
 """A dense decoder layer in one compiled call: the CPU backend's forward without the host's per-op Python.
 
 A Llama-style layer (RMSNorm; Q|K|V with optional biases and per-head q/k norms; RoPE, the KV write and paged
-attention; O; RMSNorm; gate|up, SiLU, down; both residual adds) on int8 activations over packed weights
+attention; O; RMSNorm; gate|up, SiLU or tanh GELU, down; both residual adds, with Gemma's norms after attention and
+the MLP and Granite's residual scale where the model has them) on int8 activations over packed weights
 (``packed``), run as ``Decoder._attention`` and ``Decoder._mlp`` run it op by op: the same compiled kernels
 (kestrel_core's ``kernels``, ``paged_attention`` and activation quantizer, this package's packed GEMMs) in the
 same order on the same float32 values, so a row's bits are the same either way (the tests compare them). Op by
@@ -30,7 +31,7 @@ import kestrel_core.model.kernels
 import kestrel_core.model.paged_attention
 from kestrel_core.codegen import named_copy
 from kestrel_core.contract import StripCache, compiled_q8_rows
-from kestrel_core.model.kernels import rmsnorm_rows, silu_mul
+from kestrel_core.model.kernels import gated_mul, rmsnorm_rows
 from kestrel_core.model.paged_attention import attend, rope_write
 from kestrel_cpu import packed
 
@@ -64,13 +65,32 @@ def _quantize(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
     return codes, scales
 
 
-def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, wps: tuple, wsps: tuple, groups: tuple,
-                 cols: tuple, biases: tuple, head_norms: tuple, heads: tuple, kt: np.ndarray,
-                 vc: np.ndarray, slots: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: np.ndarray,
-                 row_seq: np.ndarray, firsts: np.ndarray, lengths: np.ndarray, q_cos: np.ndarray, q_sin: np.ndarray,
-                 softcap: np.float32, sinks: np.ndarray) -> None:
-    # h: [M, D] the residual stream, updated in place; norms: (attention, MLP) [D]; wps/wsps: the four GEMMs'
-    # packed codes and scales (Q|K|V, O, gate|up, down), each a MAX_WEIGHTS tuple; groups: their block sizes;
+@njit(inline="always")
+def _add_residual(h: np.ndarray, out: np.ndarray, post_norm: np.ndarray, eps: np.float32, scale: np.float32) -> None:
+    # h [M, D] += out's first D columns, normed first where post_norm is not empty (Gemma), then scaled (Granite; a
+    # factor of 1 changes no bit)
+    m, d = h.shape
+    y = np.empty((m, d), np.float32)
+    for r in range(m):
+        for j in range(d):
+            y[r, j] = out[r, j]
+    if post_norm.size:
+        normed = np.empty((m, d), np.float32)
+        rmsnorm_rows(y, post_norm, eps, normed)
+        y = normed
+    for r in range(m):
+        for j in range(d):
+            h[r, j] += y[r, j] * scale
+
+
+def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, residual_scale: np.float32, gelu: bool, wps: tuple,
+                 wsps: tuple, groups: tuple, cols: tuple, biases: tuple, head_norms: tuple, heads: tuple,
+                 kt: np.ndarray, vc: np.ndarray, slots: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                 tables: np.ndarray, row_seq: np.ndarray, firsts: np.ndarray, lengths: np.ndarray, q_cos: np.ndarray,
+                 q_sin: np.ndarray, softcap: np.float32, sinks: np.ndarray) -> None:
+    # h: [M, D] the residual stream, updated in place; norms: (attention, MLP, after attention, after the MLP) [D]
+    # (the last two may be empty); gelu: the MLP's tanh GELU, else SiLU; wps/wsps: the four GEMMs' packed codes and
+    # scales (Q|K|V, O, gate|up, down), each a MAX_WEIGHTS tuple; groups: their block sizes;
     # cols: where q, k, v, gate and up start in their GEMM's output, and q, k, v, F wide; biases: q, k, v [N] or
     # empty; head_norms: q, k [hd] or empty; heads: (H, KV, hd, the query heads an attend item takes); the rest:
     # Decoder._attend's.
@@ -111,9 +131,7 @@ def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, wps: tuple, wsps:
     codes, scales = _quantize(attn, groups[1])
     o = np.empty((m, widths[1]), np.float32)
     _GEMM_O(wps[1], wsps[1], codes, scales, o)
-    for r in range(m):
-        for j in range(d):
-            h[r, j] += o[r, j]
+    _add_residual(h, o, norms[2], eps, residual_scale)
     rmsnorm_rows(h, norms[1], eps, x)
     codes, scales = _quantize(x, groups[2])
     gu = np.empty((m, widths[2]), np.float32)
@@ -124,13 +142,11 @@ def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, wps: tuple, wsps:
         for j in range(f):
             gate[r, j] = gu[r, g_at + j]
             up[r, j] = gu[r, u_at + j]
-    silu_mul(gate, up)
+    gated_mul(gate, up, gelu)
     codes, scales = _quantize(gate, groups[3])
     down = np.empty((m, widths[3]), np.float32)
     _GEMM_DOWN(wps[3], wsps[3], codes, scales, down)
-    for r in range(m):
-        for j in range(d):
-            h[r, j] += down[r, j]
+    _add_residual(h, down, norms[3], eps, residual_scale)
 
 
 _BUILDS: dict[tuple[int, ...], Any] = {}  # None: the build failed
@@ -147,6 +163,11 @@ def _build(bits: tuple[int, ...]) -> Any:
     return _BUILDS[bits]
 
 
+def _present(arrays: tuple[np.ndarray | None, ...]) -> tuple[np.ndarray, ...]:
+    """Optional float32 vectors as the compiled layer takes them: an absent one empty."""
+    return tuple(_EMPTY if a is None else a for a in arrays)
+
+
 @dataclass(frozen=True)
 class DenseLayer:
     """One layer's weights as ``run`` takes them: packed (``CpuDevice.packed_for``), in its GEMMs' tuples."""
@@ -158,19 +179,19 @@ class DenseLayer:
     cols: tuple[int, ...]
     gemms: int  # the weights it multiplies, as the dispatcher counts GEMMs
 
-    def run(self, h: np.ndarray, attn_norm: np.ndarray, mlp_norm: np.ndarray, eps: np.float32,
-            biases: tuple[np.ndarray | None, ...], head_norms: tuple[np.ndarray | None, ...],
+    def run(self, h: np.ndarray, norms: tuple[np.ndarray | None, ...], eps: np.float32, residual_scale: float,
+            gelu: bool, biases: tuple[np.ndarray | None, ...], head_norms: tuple[np.ndarray | None, ...],
             heads: tuple[int, int, int, int], attention: tuple) -> bool:
-        """The layer on h [M, D] in place, its keys and values written to the pool (``attention``: kt, vc, slots,
-        cos, sin, tables, row_seq, firsts, lengths, q_cos, q_sin, softcap, sinks, as ``paged_attention.attend``
-        and ``rope_write`` take them); False, with nothing done, where this machine's numba cannot compile it."""
+        """The layer on h [M, D] in place, its keys and values written to the pool. ``norms``: before attention,
+        before the MLP, after each (or None); ``attention``: kt, vc, slots, cos, sin, tables, row_seq, firsts,
+        lengths, q_cos, q_sin, softcap, sinks, as ``paged_attention.attend`` and ``rope_write`` take them. False,
+        with nothing done, where this machine's numba cannot compile it."""
         run = _build(self.bits)
         if run is None:
             return False
         try:
-            run(h, (attn_norm, mlp_norm), eps, self.wps, self.wsps, self.groups, self.cols,
-                tuple(_EMPTY if b is None else b for b in biases),
-                tuple(_EMPTY if n is None else n for n in head_norms), heads, *attention)
+            run(h, _present(norms), eps, np.float32(residual_scale), gelu, self.wps, self.wsps, self.groups,
+                self.cols, _present(biases), _present(head_norms), heads, *attention)
         except NumbaError as exc:  # raised compiling, before the call touched h or the pool
             _BUILDS[self.bits] = None
             log.warning("kestrel_cpu: the compiled layer failed to compile (%s: %s); layers run op by op",

@@ -24,7 +24,13 @@ def _config(arch: str, **overrides: object) -> ModelConfig:
     base: dict[str, object] = dict(
         arch=arch, vocab_size=320, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
         head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position=128, tie_word_embeddings=True)
-    base.update({"qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True, head_dim=32)}.get(arch, {}))
+    base.update({"qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True, head_dim=32),
+                 # Gemma 2 and 3: norms after attention and the MLP, GELU, a sliding window every other layer
+                 "gemma2": dict(post_norms=True, activation="gelu_tanh", attn_softcap=50.0, sliding_window=8,
+                                layer_types=("sliding", "full"), embed_scale=8.0, query_scale=0.2),
+                 "gemma3": dict(post_norms=True, activation="gelu_tanh", qk_norm=True, sliding_window=8,
+                                layer_types=("sliding", "full"), rope_local_theta=10000.0, rope_theta=1e6),
+                 "granite": dict(residual_scale=0.22, embed_scale=12.0)}.get(arch, {}))
     base.update(overrides)
     return ModelConfig(**base)  # type: ignore[arg-type]
 
@@ -69,8 +75,9 @@ def _pool(dec: Decoder, caches: list) -> list[np.ndarray]:
     return [pool.kt[:, b, :, :, o] for b, o in at] + [pool.v[:, b, :, o] for b, o in at]
 
 
-@pytest.mark.parametrize("quant", ["q8", "q4", "q8-g256"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize(("arch", "quant"), [(a, q) for a in ("llama", "qwen2", "qwen3")
+                                             for q in ("q8", "q4", "q8-g256")]
+                         + [("gemma2", "q8"), ("gemma3", "q4"), ("granite", "q8")])
 def test_a_dense_layer_gives_the_op_by_op_bits(arch: str, quant: str) -> None:
     _needs(4 if quant == "q4" else 8)
     cfg = _config(arch, hidden_size=256, intermediate_size=512) if quant.endswith("g256") else _config(arch)
@@ -107,11 +114,12 @@ def test_each_gemm_takes_its_own_bits_but_a_fused_group_needs_one() -> None:
 
 def test_layers_it_does_not_take_and_prompt_rows_run_op_by_op() -> None:
     _needs(8)
-    gelu = synthetic_model(_config("llama", activation="gelu_tanh"), "q8", seed=5)
+    olmo = synthetic_model(_config("olmo2", qk_norm=True, qk_norm_full=True, pre_norms=False, post_norms=True), "q8",
+                           seed=5)  # no norm before attention, q/k norms over the whole projection
     fast, slow = _offloads()
-    got, dec, _ = _run(gelu, fast)
+    got, dec, _ = _run(olmo, fast)
     assert all(dec.dense[i] is None for i in range(2))
-    for g, w in zip(got, _run(gelu, slow)[0]):
+    for g, w in zip(got, _run(olmo, slow)[0]):
         assert _same_bits(g, w)
 
     model = synthetic_model(_config("qwen3"), "q8", seed=6)
