@@ -19,7 +19,7 @@ import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from numba import njit
@@ -177,7 +177,7 @@ class DenseLayer:
     groups: tuple[int, int, int, int]
     bits: tuple[int, int, int, int]
     cols: tuple[int, ...]
-    gemms: int  # the weights it multiplies, as the dispatcher counts GEMMs
+    gemms: ClassVar[int] = 7  # the weights it multiplies (q, k, v, o, gate, up, down), as the dispatcher counts GEMMs
 
     def run(self, h: np.ndarray, norms: tuple[np.ndarray | None, ...], eps: np.float32, residual_scale: float,
             gelu: bool, biases: tuple[np.ndarray | None, ...], head_norms: tuple[np.ndarray | None, ...],
@@ -218,4 +218,4 @@ def dense_layer(packs: list[list[Any]], strips: tuple[tuple[StripCache, ...], ..
     (q, k, v), _, (gate, up), _ = packs
     cols = (0, q.codes.shape[0] * w, (q.codes.shape[0] + k.codes.shape[0]) * w, 0, gate.codes.shape[0] * w,
             q.n, k.n, v.n, gate.n)
-    return DenseLayer(wps, wsps, tuple(groups), tuple(bits), cols, 7)
+    return DenseLayer(wps, wsps, tuple(groups), tuple(bits), cols)
