@@ -239,8 +239,15 @@ class Offload:
         prepare = getattr(self.cpu.device, "dense_layer", None) if self.on_cpu else None
         return prepare(wkeys, strips) if prepare is not None else None
 
+    def host_experts(self, wkeys: list[list[tuple[int, ...]]], strips: list[tuple[tuple[StripCache, ...], ...]],
+                     shared: bool) -> Any:
+        """The CPU backend's compiled form of a mixture-of-experts layer's experts (its device's ``experts_pass``)
+        where the CPU runs every GEMM, else None."""
+        prepare = getattr(self.cpu.device, "experts_pass", None) if self.on_cpu else None
+        return prepare(wkeys, strips, shared) if prepare is not None else None
+
     def count_host_gemms(self, calls: int) -> None:
-        """GEMMs a compiled host layer ran, counted as the CPU's hooks count theirs."""
+        """GEMMs a compiled host layer or experts pass ran, counted as the CPU's hooks count theirs."""
         self._count_on_cpu("kestrel_gemm_q8", calls)
 
     # -- model-level hooks ---------------------------------------------------------------------------

@@ -216,6 +216,9 @@ class JitterOffload(Offload):
     def host_dense_layer(self, wkeys: Any, strips: Any) -> None:
         return None  # the layers op by op, through the nudged linears
 
+    def host_experts(self, wkeys: Any, strips: Any, shared: bool) -> None:
+        return None  # and the experts
+
 
 # Steps of the batched-step cases: (sequence, new tokens, logit rows) each. Sequences join late, prompts
 # arrive in chunks beside decode rows, one chunk asks for no logits and one for several.

@@ -144,6 +144,7 @@ class Decoder:
         # layer -> its compiled form on the CPU backend (``Offload.host_dense_layer``) and that call's arrays, or None:
         # prepared on first use
         self.dense: dict[int, tuple[Any, tuple] | None] = {}
+        self.experts: dict[int, Any] = {}  # layer -> its experts compiled on the CPU backend, or None (``_experts``)
         # per layer, per expert, per MLP_GROUPS entry: the same for each expert's weights
         self.expert_keys = [[[(g.keys(i, e), g.fused_key(i, e)) for g in MLP_GROUPS]  # the shared one: expert E
                              for e in range(len(lw.all_experts()))] for i, lw in enumerate(model.layers)]
@@ -464,6 +465,19 @@ class Decoder:
             out += expert.down_bias
         return out
 
+    def _experts(self, i: int) -> Any:
+        """Layer ``i``'s experts compiled into one call on the CPU backend (``Offload.host_experts``), where they are
+        SiLU or GELU MLPs without biases (what ``_mlp`` runs for each, the same bits); else None: op by op."""
+        if i not in self.experts:
+            lw, c = self.model.layers[i], self.config
+            every = lw.all_experts()
+            plain = c.activation in ("silu", "gelu_tanh") and all(
+                e.gate_bias is None and e.up_bias is None and e.down_bias is None for e in every)
+            self.experts[i] = self.offload.host_experts(
+                [[keys for keys, _ in self.expert_keys[i][e]] for e in range(len(every))],
+                [e.groups() for e in every], lw.shared_expert is not None) if plain else None
+        return self.experts[i]
+
     def _moe(self, i: int, lw: LayerWeights, x: np.ndarray, precise: np.ndarray) -> np.ndarray:
         """The mixture of experts of layer ``i`` on x [M, D]: each row through its top-k experts (``route``),
         weighted and summed in expert order, then the shared expert, scaled by its sigmoid gate where it has one
@@ -471,6 +485,16 @@ class Decoder:
         c = self.config
         x = np.ascontiguousarray(x)
         top, weights = route(x, lw, c)
+        compiled = None if precise.any() else self._experts(i)
+        if compiled is not None:
+            gate = lw.shared_expert_gate
+            scale = None if gate is None else shared_expert_scale(x, gate)[:, 0]
+            out = compiled.run(x, top, weights, scale, c.activation == "gelu_tanh")
+            if out is not None:
+                used = len(np.unique(top)) + (lw.shared_expert is not None)
+                self.offload.count_host_gemms(3 * used)  # gate, up and down of each expert that ran
+                return out
+            self.experts = {j: None for j in range(c.num_layers)}
         out = np.zeros_like(x)  # [M, D]
         for e in np.unique(top):
             rows, slot = np.nonzero(top == e)

@@ -87,6 +87,19 @@ class CpuDevice:
         packs = [[self.packed_for(k, w) for k, w in zip(keys, ws)] for keys, ws in zip(wkeys, strips)]
         return layer.dense_layer(packs, strips)
 
+    def experts_pass(self, wkeys: list[list[tuple[int, ...]]], strips: list[tuple[tuple[StripCache, ...], ...]],
+                     shared: bool) -> Any:
+        """A mixture-of-experts layer's experts (each one's (gate, up), (down,): wkeys and strips; the shared expert
+        last where ``shared``) packed for one compiled call a layer (``experts.ExpertsPass``), or None where the
+        packed kernels do not take them all."""
+        if not self.packed_bits:
+            return None
+        from kestrel_cpu import experts
+
+        packs = [[[self.packed_for(k, w) for k, w in zip(keys, ws)] for keys, ws in zip(ex_keys, ex_strips)]
+                 for ex_keys, ex_strips in zip(wkeys, strips)]
+        return experts.experts_pass(packs, strips, shared)
+
 
 @hookimpl
 def kestrel_backend_info() -> BackendInfo:

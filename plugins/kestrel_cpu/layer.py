@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -39,10 +40,11 @@ log = logging.getLogger("kestrel")
 _EMPTY = np.zeros(0, np.float32)
 
 
-def _sources_digest() -> str:
+def sources_digest() -> str:
+    """A digest of the sources the compiled layer and experts build in: part of their builds' names."""
     h = hashlib.sha256()
     for module in (kestrel_core.codegen, kestrel_core.contract, kestrel_core.model.kernels,
-                   kestrel_core.model.paged_attention, packed):
+                   kestrel_core.model.paged_attention, packed, sys.modules[__name__]):
         h.update(Path(module.__file__ or "").read_bytes())
     return h.hexdigest()[:12]
 
@@ -56,7 +58,7 @@ _Q8_ROWS = compiled_q8_rows()
 
 
 @njit(inline="always")
-def _quantize(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+def quantize(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
     # x: [M, K] float32 -> int8 codes [M, K] and scales [M, K/group] (contract.quantize_activations)
     m, k = x.shape
     codes = np.empty((m, k), np.int8)
@@ -103,7 +105,7 @@ def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, residual_scale: n
             widths[i] += wps[i][t].shape[0] * _W
     x = np.empty((m, d), np.float32)
     rmsnorm_rows(h, norms[0], eps, x)
-    codes, scales = _quantize(x, groups[0])
+    codes, scales = quantize(x, groups[0])
     qkv = np.empty((m, widths[0]), np.float32)
     _GEMM_QKV(wps[0], wsps[0], codes, scales, qkv)
     q = np.empty((m, nq), np.float32)
@@ -128,12 +130,12 @@ def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, residual_scale: n
     attn = np.empty((m, n_heads * vd), np.float32)
     attend(q.reshape(m, n_heads, hd), kt, vc, tables, row_seq, firsts, lengths, q_cos, q_sin, softcap, sinks,
            item_heads, attn)
-    codes, scales = _quantize(attn, groups[1])
+    codes, scales = quantize(attn, groups[1])
     o = np.empty((m, widths[1]), np.float32)
     _GEMM_O(wps[1], wsps[1], codes, scales, o)
     _add_residual(h, o, norms[2], eps, residual_scale)
     rmsnorm_rows(h, norms[1], eps, x)
-    codes, scales = _quantize(x, groups[2])
+    codes, scales = quantize(x, groups[2])
     gu = np.empty((m, widths[2]), np.float32)
     _GEMM_GATE_UP(wps[2], wsps[2], codes, scales, gu)
     gate = np.empty((m, f), np.float32)
@@ -143,7 +145,7 @@ def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, residual_scale: n
             gate[r, j] = gu[r, g_at + j]
             up[r, j] = gu[r, u_at + j]
     gated_mul(gate, up, gelu)
-    codes, scales = _quantize(gate, groups[3])
+    codes, scales = quantize(gate, groups[3])
     down = np.empty((m, widths[3]), np.float32)
     _GEMM_DOWN(wps[3], wsps[3], codes, scales, down)
     _add_residual(h, down, norms[3], eps, residual_scale)
@@ -156,7 +158,7 @@ def _build(bits: tuple[int, ...]) -> Any:
     """The layer for its four GEMMs' weight bits (Q|K|V, O, gate|up, down), compiled on first use."""
     if bits not in _BUILDS:
         gemms = [packed.Q8_BUILDS[b, True] for b in bits]
-        name = f"_{''.join(map(str, bits))}_w{packed.PACK_COLS}_{_sources_digest()}"
+        name = f"_{''.join(map(str, bits))}_w{packed.PACK_COLS}_{sources_digest()}"
         layer = named_copy(_dense_layer, name, _GEMM_QKV=gemms[0], _GEMM_O=gemms[1], _GEMM_GATE_UP=gemms[2],
                            _GEMM_DOWN=gemms[3])
         _BUILDS[bits] = njit(cache=True, nogil=True)(layer)
