@@ -282,12 +282,13 @@ class Decoder:
         for i, lw in enumerate(self.model.layers):
             self.offload.layer_boundary(i)
             dense = self._dense(i) if quantized else None
-            if dense is not None and self._run_dense(i, *dense, h, rows):
-                continue
-            x = h.copy() if lw.attn_norm is None else rmsnorm(h, lw.attn_norm, self.eps)  # [M, D]
-            mix = (self._linear_attention if lw.is_linear else self._short_conv if lw.is_conv
-                   else self._mamba if lw.is_mamba else self._latent_attention if lw.is_mla else self._attention)
-            h += self._residual(mix(i, lw, x, rows), lw.post_attn_norm)
+            if dense is None or not self._run_dense(i, *dense, h, rows):
+                x = h.copy() if lw.attn_norm is None else rmsnorm(h, lw.attn_norm, self.eps)  # [M, D]
+                mix = (self._linear_attention if lw.is_linear else self._short_conv if lw.is_conv
+                       else self._mamba if lw.is_mamba else self._latent_attention if lw.is_mla else self._attention)
+                h += self._residual(mix(i, lw, x, rows), lw.post_attn_norm)
+            elif not lw.experts:
+                continue  # the whole layer ran
             x = h.copy() if lw.mlp_norm is None else rmsnorm(h, lw.mlp_norm, self.eps)
             out = self._moe(i, lw, x, precise) if lw.experts else self._mlp(x, precise, self.strips[i][-2:],
                                                                              self.keys[i][-2:])
@@ -296,13 +297,14 @@ class Decoder:
 
     def _dense(self, i: int) -> tuple[Any, tuple] | None:
         """Layer ``i`` compiled whole on the CPU backend, with its norms, biases and head norms as float32, where it is
-        a plain attention layer with a SiLU or GELU MLP (what ``_attention`` and ``_mlp`` run for it, the same bits);
-        else None, and the layer runs op by op."""
+        a plain attention layer with a SiLU or GELU MLP (what ``_attention`` and ``_mlp`` run for it, the same bits),
+        or its attention alone where the MLP is a mixture of experts; else None, and the layer runs op by op."""
         if i not in self.dense:
             lw, c = self.model.layers[i], self.config
             arrays = (lw.attn_norm, lw.mlp_norm, lw.post_attn_norm, lw.post_mlp_norm, lw.q_bias, lw.k_bias, lw.v_bias,
                       lw.q_norm, lw.k_norm)
-            plain = (lw.q is not None and lw.gate is not None and not lw.is_mla and lw.attn_gate is None
+            plain = (lw.q is not None and (lw.gate is not None or bool(lw.experts)) and not lw.is_mla
+                     and lw.attn_gate is None
                      and lw.attn_norm is not None and lw.mlp_norm is not None and lw.o_bias is None
                      and not c.qk_norm_full and c.activation in ("silu", "gelu_tanh")
                      and all(a is None or a.dtype == np.float32 for a in arrays))

@@ -20,7 +20,7 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 from numba import njit
@@ -85,14 +85,16 @@ def _add_residual(h: np.ndarray, out: np.ndarray, post_norm: np.ndarray, eps: np
             h[r, j] += y[r, j] * scale
 
 
-def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, residual_scale: np.float32, gelu: bool, wps: tuple,
+def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, residual_scale: np.float32, mlp: bool, gelu: bool,
+                 wps: tuple,
                  wsps: tuple, groups: tuple, cols: tuple, biases: tuple, head_norms: tuple, heads: tuple,
                  kt: np.ndarray, vc: np.ndarray, slots: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                  tables: np.ndarray, row_seq: np.ndarray, firsts: np.ndarray, lengths: np.ndarray, q_cos: np.ndarray,
                  q_sin: np.ndarray, softcap: np.float32, sinks: np.ndarray) -> None:
     # h: [M, D] the residual stream, updated in place; norms: (attention, MLP, after attention, after the MLP) [D]
-    # (the last two may be empty); gelu: the MLP's tanh GELU, else SiLU; wps/wsps: the four GEMMs' packed codes and
-    # scales (Q|K|V, O, gate|up, down), each a MAX_WEIGHTS tuple; groups: their block sizes;
+    # (the last two may be empty); mlp: the MLP too, else the attention alone (a mixture-of-experts layer's); gelu:
+    # the MLP's tanh GELU, else SiLU; wps/wsps: the four GEMMs' packed codes and scales (Q|K|V, O, gate|up, down),
+    # each a MAX_WEIGHTS tuple; groups: their block sizes;
     # cols: where q, k, v, gate and up start in their GEMM's output, and q, k, v, F wide; biases: q, k, v [N] or
     # empty; head_norms: q, k [hd] or empty; heads: (H, KV, hd, the query heads an attend item takes); the rest:
     # Decoder._attend's.
@@ -134,6 +136,8 @@ def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, residual_scale: n
     o = np.empty((m, widths[1]), np.float32)
     _GEMM_O(wps[1], wsps[1], codes, scales, o)
     _add_residual(h, o, norms[2], eps, residual_scale)
+    if not mlp:
+        return
     rmsnorm_rows(h, norms[1], eps, x)
     codes, scales = quantize(x, groups[2])
     gu = np.empty((m, widths[2]), np.float32)
@@ -179,7 +183,12 @@ class DenseLayer:
     groups: tuple[int, int, int, int]
     bits: tuple[int, int, int, int]
     cols: tuple[int, ...]
-    gemms: ClassVar[int] = 7  # the weights it multiplies (q, k, v, o, gate, up, down), as the dispatcher counts GEMMs
+    mlp: bool  # the layer's MLP too (else its attention alone, a mixture-of-experts layer's)
+
+    @property
+    def gemms(self) -> int:
+        """The weights it multiplies (q, k, v, o; gate, up, down), as the dispatcher counts GEMMs."""
+        return 7 if self.mlp else 4
 
     def run(self, h: np.ndarray, norms: tuple[np.ndarray | None, ...], eps: np.float32, residual_scale: float,
             gelu: bool, biases: tuple[np.ndarray | None, ...], head_norms: tuple[np.ndarray | None, ...],
@@ -192,7 +201,7 @@ class DenseLayer:
         if run is None:
             return False
         try:
-            run(h, _present(norms), eps, np.float32(residual_scale), gelu, self.wps, self.wsps, self.groups,
+            run(h, _present(norms), eps, np.float32(residual_scale), self.mlp, gelu, self.wps, self.wsps, self.groups,
                 self.cols, _present(biases), _present(head_norms), heads, *attention)
         except NumbaError as exc:  # raised compiling, before the call touched h or the pool
             _BUILDS[self.bits] = None
@@ -203,9 +212,11 @@ class DenseLayer:
 
 
 def dense_layer(packs: list[list[Any]], strips: tuple[tuple[StripCache, ...], ...]) -> DenseLayer | None:
-    """``packs`` (each GEMM's weights packed) and their ``strips`` (Q|K|V, O, gate|up, down) as a ``DenseLayer``;
-    None where a GEMM's weights differ in bits or block size (op by op they run as separate GEMMs)."""
-    if len(strips) != 4 or [len(s) for s in strips] != [3, 1, 2, 1]:
+    """``packs`` (each GEMM's weights packed) and their ``strips`` (Q|K|V, O, and gate|up, down unless the layer's
+    MLP is a mixture of experts) as a ``DenseLayer``; None where a GEMM's weights differ in bits or block size (op by
+    op they run as separate GEMMs)."""
+    mlp = [len(s) for s in strips] == [3, 1, 2, 1]
+    if not mlp and [len(s) for s in strips] != [3, 1]:
         return None
     bits, groups = [], []
     for group, ws in zip(packs, strips):
@@ -214,10 +225,13 @@ def dense_layer(packs: list[list[Any]], strips: tuple[tuple[StripCache, ...], ..
         bits.append(group[0].bits)
         groups.append(ws[0].group_size)
     pad = [packed.NO_PACKED] * packed.MAX_WEIGHTS
+    if not mlp:  # the MLP's GEMMs are never called: the O GEMM's build in their place
+        packs, bits, groups = [*packs, [], []], bits + bits[1:] * 2, groups + groups[1:] * 2
     wps = tuple(tuple(p.codes for p in (group + pad)[:packed.MAX_WEIGHTS]) for group in packs)
     wsps = tuple(tuple(p.scales for p in (group + pad)[:packed.MAX_WEIGHTS]) for group in packs)
     w = packed.PACK_COLS
-    (q, k, v), _, (gate, up), _ = packs
-    cols = (0, q.codes.shape[0] * w, (q.codes.shape[0] + k.codes.shape[0]) * w, 0, gate.codes.shape[0] * w,
-            q.n, k.n, v.n, gate.n)
-    return DenseLayer(wps, wsps, tuple(groups), tuple(bits), cols)
+    (q, k, v), _ = packs[:2]
+    gate_cols = (0, packs[2][0].codes.shape[0] * w) if mlp else (0, 0)
+    cols = (0, q.codes.shape[0] * w, (q.codes.shape[0] + k.codes.shape[0]) * w, *gate_cols, q.n, k.n, v.n,
+            packs[2][0].n if mlp else 0)
+    return DenseLayer(wps, wsps, tuple(groups), tuple(bits), cols, mlp)

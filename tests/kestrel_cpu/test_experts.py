@@ -1,5 +1,5 @@
 """The CPU backend's compiled experts pass (kestrel_cpu.experts): a mixture-of-experts layer's experts in one call,
-the op-by-op decoder's bits."""
+beside its attention compiled alone (kestrel_cpu.layer), the op-by-op decoder's bits."""
 
 from __future__ import annotations
 
@@ -40,8 +40,9 @@ def _run(model: Model, compiled: bool) -> tuple[list[np.ndarray], Decoder, dict]
     """Logits of a prompt (int8 rows), decode steps, and a two-sequence step."""
     reg = Registry()
     offload = Offload(reg.cpu(), reg.cpu())
-    if not compiled:
+    if not compiled:  # the layers op by op, their attention too
         offload.host_experts = lambda *args: None  # type: ignore[method-assign]
+        offload.host_dense_layer = lambda *args: None  # type: ignore[method-assign]
     dec = Decoder(model, offload, activations="q8")
     rng = np.random.default_rng(8)
     a, b = dec.new_cache(), dec.new_cache()
@@ -68,6 +69,7 @@ def test_the_compiled_experts_give_the_op_by_op_bits(preset: str, quant: str) ->
     got, dec, got_counts = _run(model, compiled=True)
     want, slow, want_counts = _run(model, compiled=False)
     assert all(dec.experts[i] is not None for i in range(2)) and not any(slow.experts.values())
+    assert all(dec.dense[i] is not None and not dec.dense[i][0].mlp for i in range(2))  # the attention alone
     assert len(got) == len(want) == 6
     for g, w in zip(got, want):
         assert _same_bits(g, w)
