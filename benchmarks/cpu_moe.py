@@ -13,6 +13,7 @@ model's step is about layers / --layers times the layers' part.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from dataclasses import replace
@@ -23,16 +24,15 @@ from kestrel_core.dispatch import Offload
 from kestrel_core.model.decoder import Decoder
 from kestrel_core.model.presets import preset_config, synthetic_model
 from kestrel_core.registry import Registry
+from kestrel_cpu import LAYERS_ENV
 
 
 def _decoder(model, compiled: bool) -> tuple[Decoder, object]:  # type: ignore[no-untyped-def]
-    """A decoder on the CPU backend, its layers compiled or op by op, its cache after a 64-token prompt."""
-    reg = Registry()
-    offload = Offload(reg.cpu(), reg.cpu())
-    if not compiled:  # the layers op by op, their attention too
-        offload.host_experts = lambda *args: None  # type: ignore[method-assign]
-        offload.host_dense_layer = lambda *args: None  # type: ignore[method-assign]
-    dec = Decoder(model, offload, activations="q8")
+    """A decoder on the CPU backend, its layers compiled or op by op (``KESTREL_CPU_LAYERS``), its cache after a
+    64-token prompt."""
+    os.environ[LAYERS_ENV] = "1" if compiled else "0"  # read as the backend opens
+    cpu = Registry().cpu()
+    dec = Decoder(model, Offload(cpu, cpu), activations="q8")
     cache = dec.new_cache()
     dec.forward(np.arange(64) % model.config.vocab_size, cache)
     for _ in range(2):  # compiles, packs

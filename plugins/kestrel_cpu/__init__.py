@@ -29,6 +29,7 @@ log = logging.getLogger("kestrel")
 
 REFERENCE_ENV = "KESTREL_CPU_REFERENCE"
 PACKED_ENV = "KESTREL_CPU_PACKED"  # 0: no packed copy of the weights (half the memory), the vpmaddwd kernels
+LAYERS_ENV = "KESTREL_CPU_LAYERS"  # 0: every layer op by op, through the dispatcher (no compiled layer or experts)
 
 
 def _load_kernels() -> tuple[ModuleType | None, str]:
@@ -49,6 +50,7 @@ class CpuDevice:
         kernels = self.kernels
         packing = kernels is not None and env_flag(PACKED_ENV, default=True)
         self.packed_bits = kernels.packed.PACKED_BITS if packing else ()  # weights packed for the packed kernels
+        self.compiled_layers = bool(self.packed_bits) and env_flag(LAYERS_ENV, default=True)  # layer.py, experts.py
         self.vnni = 8 in self.packed_bits
         # the hooks' vnni argument: None lets a kernel take the packed path, False keeps the vpmaddwd one
         self.vnni_arg = None if packing else False
@@ -80,7 +82,7 @@ class CpuDevice:
     def dense_layer(self, wkeys: list[tuple[int, ...]], strips: tuple[tuple[StripCache, ...], ...]) -> Any:
         """A dense layer's GEMMs (Q|K|V, O, gate|up, down: their wkeys and strips) packed for one compiled call a
         layer (``layer.DenseLayer``), or None where the packed kernels do not take them all."""
-        if not self.packed_bits:
+        if not self.compiled_layers:
             return None
         from kestrel_cpu import layer
 
@@ -92,7 +94,7 @@ class CpuDevice:
         """A mixture-of-experts layer's experts (each one's (gate, up), (down,): wkeys and strips; the shared expert
         last where ``shared``) packed for one compiled call a layer (``experts.ExpertsPass``), or None where the
         packed kernels do not take them all."""
-        if not self.packed_bits:
+        if not self.compiled_layers:
             return None
         from kestrel_cpu import experts
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from kestrel_core.contract import quantize_weight
-from kestrel_core.dispatch import Offload
 from kestrel_core.model.decoder import Decoder
 from kestrel_core.model.presets import preset_config, synthetic_model
 from kestrel_core.model.weights import Model
-from kestrel_core.registry import Registry
+
+from .conftest import cpu_offload
 
 kernels = pytest.importorskip("kestrel_cpu.kernels")
 PACKED_BITS = kernels.packed.PACKED_BITS
@@ -38,11 +38,7 @@ def _needs(*bits: int) -> None:
 
 def _run(model: Model, compiled: bool) -> tuple[list[np.ndarray], Decoder, dict]:
     """Logits of a prompt (int8 rows), decode steps, and a two-sequence step."""
-    reg = Registry()
-    offload = Offload(reg.cpu(), reg.cpu())
-    if not compiled:  # the layers op by op, their attention too
-        offload.host_experts = lambda *args: None  # type: ignore[method-assign]
-        offload.host_dense_layer = lambda *args: None  # type: ignore[method-assign]
+    offload = cpu_offload(layers=compiled)
     dec = Decoder(model, offload, activations="q8")
     rng = np.random.default_rng(8)
     a, b = dec.new_cache(), dec.new_cache()

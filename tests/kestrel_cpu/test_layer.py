@@ -14,7 +14,8 @@ from kestrel_core.model.decoder import Decoder
 from kestrel_core.model.kv_pool import KVPool
 from kestrel_core.model.presets import synthetic_model
 from kestrel_core.model.weights import Model
-from kestrel_core.registry import Registry
+
+from .conftest import cpu_offload
 
 kernels = pytest.importorskip("kestrel_cpu.kernels")
 PACKED_BITS = kernels.packed.PACKED_BITS
@@ -41,11 +42,8 @@ def _needs(*bits: int) -> None:
 
 
 def _offloads() -> tuple[Offload, Offload]:
-    """The CPU's offload, and one whose layers all run op by op."""
-    reg = Registry()
-    fast, slow = Offload(reg.cpu(), reg.cpu()), Offload(reg.cpu(), reg.cpu())
-    slow.host_dense_layer = lambda *args: None  # type: ignore[method-assign]
-    return fast, slow
+    """The CPU's offload, and one whose layers all run op by op (``KESTREL_CPU_LAYERS=0``)."""
+    return cpu_offload(), cpu_offload(layers=False)
 
 
 def _run(model: Model, offload: Offload, activations: str = "q8") -> tuple[list[np.ndarray], Decoder, list]:
