@@ -304,9 +304,8 @@ class Decoder:
             arrays = (lw.attn_norm, lw.mlp_norm, lw.post_attn_norm, lw.post_mlp_norm, lw.q_bias, lw.k_bias, lw.v_bias,
                       lw.q_norm, lw.k_norm)
             plain = (lw.q is not None and (lw.gate is not None or bool(lw.experts)) and not lw.is_mla
-                     and lw.attn_gate is None
-                     and lw.attn_norm is not None and lw.mlp_norm is not None and lw.o_bias is None
-                     and not c.qk_norm_full and c.activation in ("silu", "gelu_tanh")
+                     and lw.attn_gate is None and lw.attn_norm is not None and lw.mlp_norm is not None
+                     and lw.o_bias is None and not c.qk_norm_full and c.activation in ("silu", "gelu_tanh")
                      and all(a is None or a.dtype == np.float32 for a in arrays))
             layer = self.offload.host_dense_layer([keys for keys, _ in self.keys[i]], self.strips[i]) if plain else None
             self.dense[i] = None if layer is None else (layer, tuple(
