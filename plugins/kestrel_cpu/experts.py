@@ -143,12 +143,14 @@ class ExpertsPass:
 
 def experts_pass(packs: list[list[list[Any]]], strips: list[tuple[tuple[StripCache, ...], ...]],
                  shared: bool) -> ExpertsPass | None:
-    """Each expert's ``packs`` ((gate, up), (down,): packed) and ``strips`` as an ``ExpertsPass``; None where
-    their bits or block sizes differ (op by op each runs as it is)."""
+    """Each expert's ``packs`` ((gate, up), (down,): packed) and ``strips`` as an ``ExpertsPass``; None where a
+    weight has no packed form, or their bits or block sizes differ (op by op each runs as it is)."""
+    if any(p is None for ex in packs for group in ex for p in group):
+        return None
     gu_keys = {(g.bits, u.bits, gs.group_size, us.group_size, gs.k, us.k)
                for ((g, u), _), ((gs, us), _) in zip(packs, strips)}
     down_keys = {(d.bits, ds.group_size) for (_, (d,)), (_, (ds,)) in zip(packs, strips)}
-    if any(p is None for ex in packs for group in ex for p in group) or len(gu_keys) != 1 or len(down_keys) != 1:
+    if len(gu_keys) != 1 or len(down_keys) != 1:
         return None
     (gate_bits, up_bits, gate_g, up_g, _, _), = gu_keys
     ((down_bits, down_g),) = down_keys

@@ -109,3 +109,19 @@ def test_experts_that_cannot_compile_run_op_by_op(monkeypatch: pytest.MonkeyPatc
         assert _same_bits(g, w)
     assert not any(dec.experts.values()) and experts._BUILDS[8, 8] is None
     assert "failed to compile (TypingError: no implementation here)" in caplog.text
+
+
+def test_weights_the_packed_kernels_do_not_take_run_op_by_op() -> None:
+    _needs(8)
+    model = _model("qwen1.5-moe-a2.7b", "q8", seed=9)
+    offload = cpu_offload()
+    device = offload.cpu.device  # as on an AVX2-only CPU: int8 weights have no packed form, the vpmaddwd kernels
+    device.packed_bits, device.vnni_arg = (4,), False
+    dec = Decoder(model, offload, activations="q8")
+    cache = dec.new_cache()
+    got = [dec.forward(list(range(5, 14)), cache, all_logits=True), dec.forward([7], cache)]
+    assert not any(dec.experts.values()) and not any(dec.dense.values())
+    ref = Decoder(model, cpu_offload(layers=False), activations="q8")
+    ref_cache = ref.new_cache()
+    for g, w in zip(got, [ref.forward(list(range(5, 14)), ref_cache, all_logits=True), ref.forward([7], ref_cache)]):
+        assert _same_bits(g, w)
