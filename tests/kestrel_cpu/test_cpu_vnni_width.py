@@ -83,7 +83,7 @@ def test_the_avx2_int4_kernels_pass_the_kernel_tests(tmp_path: Path) -> None:
     probe = subprocess.run([sys.executable, "-c", "from kestrel_cpu import packed; print(packed.PACKED_BITS, "
                             "packed.PACK_COLS)"], env=env, capture_output=True, text=True, check=True)
     assert probe.stdout.strip() == "(4,) 8"
-    tests = [Path(__file__).with_name(name) for name in ("test_cpu_kernels.py", "test_layer.py")]
+    tests = [Path(__file__).with_name(name) for name in ("test_cpu_kernels.py", "test_layer.py", "test_experts.py")]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:randomly", "-p", "no:cacheprovider",
                           *map(str, tests)], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
@@ -91,7 +91,8 @@ def test_the_avx2_int4_kernels_pass_the_kernel_tests(tmp_path: Path) -> None:
     assert {"test_int4_weights_pack_at_half_the_bytes_and_fuse_with_int8",
             "test_packed_layout_holds_each_weight_exactly[1-576-576-32-4]",
             "test_a_dense_layer_gives_the_op_by_op_bits[qwen3-q4]",  # the compiled layer on the AVX2 int4 GEMMs
-            "test_a_dense_layer_gives_the_op_by_op_bits[gemma3-q4]"} <= passed, run.stdout[-3000:]
+            "test_a_dense_layer_gives_the_op_by_op_bits[gemma3-q4]",
+            "test_the_compiled_experts_give_the_op_by_op_bits[glm4.5-air-q4]"} <= passed, run.stdout[-3000:]
 
 
 def test_the_width_follows_the_features_numba_compiles_for(monkeypatch: pytest.MonkeyPatch) -> None:
