@@ -13,49 +13,20 @@ would be unboxed on every call.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from numba import njit
-from numba.core.errors import NumbaError
 from numba.typed import List
 
 from kestrel_core.codegen import named_copy
 from kestrel_core.contract import StripCache
-from kestrel_core.model.kernels import gated_mul
 from kestrel_cpu import packed
-from kestrel_cpu.layer import quantize, sources_digest
+from kestrel_cpu.layer import mlp_build, run_build, sources_digest
 
-log = logging.getLogger("kestrel")
-
-# Each build's own globals (``_build``), here the int8 ones: the parallel packed GEMM of the experts' gate|up and
-# of their down projections.
-_GEMM_GATE_UP = _GEMM_DOWN = packed.Q8_BUILDS[8, True]
-_W = packed.PACK_COLS
-
-
-@njit(inline="always")
-def _expert_mlp(x: np.ndarray, e: int, gu_w: Any, gu_s: Any, down_w: Any, down_s: Any, shape: np.ndarray,
-                groups: tuple, gelu: bool) -> np.ndarray:
-    # x: [m, D] -> expert e's down(act(gate x) * up x), [m, D]; shape[e]: (up's first column, F)
-    m, d = x.shape
-    up_at, f = shape[e, 0], shape[e, 1]
-    codes, scales = quantize(x, groups[0])
-    gu = np.empty((m, up_at + (gu_w[e][1].shape[0] * _W)), np.float32)
-    _GEMM_GATE_UP(gu_w[e], gu_s[e], codes, scales, gu)
-    gate = np.empty((m, f), np.float32)
-    up = np.empty((m, f), np.float32)
-    for r in range(m):
-        for j in range(f):
-            gate[r, j] = gu[r, j]
-            up[r, j] = gu[r, up_at + j]
-    gated_mul(gate, up, gelu)
-    codes, scales = quantize(gate, groups[1])
-    down = np.empty((m, down_w[e][0].shape[0] * _W), np.float32)
-    _GEMM_DOWN(down_w[e], down_s[e], codes, scales, down)
-    return down[:, :d]
+# Each build's own global (``_build``), here the int8 one: the experts' gate|up and down MLP (``layer.mlp_build``).
+_gated_mlp = mlp_build(8, 8)
 
 
 def _experts(x: np.ndarray, top: np.ndarray, weights: np.ndarray, shared_scale: np.ndarray, gu_w: Any, gu_s: Any,
@@ -82,13 +53,14 @@ def _experts(x: np.ndarray, top: np.ndarray, weights: np.ndarray, shared_scale: 
         for i in range(n):
             for j in range(d):
                 xe[i, j] = x[rows[i], j]
-        y = _expert_mlp(xe, e, gu_w, gu_s, down_w, down_s, shape, groups, gelu)
+        y = _gated_mlp(xe, gu_w[e], gu_s[e], down_w[e], down_s[e], shape[e, 0], shape[e, 1], groups, gelu)
         for i in range(n):
             w = weights[rows[i], slots[i]]
             for j in range(d):
                 out[rows[i], j] += y[i, j] * w
     if shared:
-        y = _expert_mlp(x, n_routed, gu_w, gu_s, down_w, down_s, shape, groups, gelu)
+        y = _gated_mlp(x, gu_w[n_routed], gu_s[n_routed], down_w[n_routed], down_s[n_routed], shape[n_routed, 0],
+                       shape[n_routed, 1], groups, gelu)
         for r in range(m):
             for j in range(d):
                 out[r, j] += y[r, j] * shared_scale[r]
@@ -101,9 +73,7 @@ def _build(bits: tuple[int, int]) -> Any:
     """The experts' pass for their gate|up and down bits, compiled on first use."""
     if bits not in _BUILDS:
         name = f"_{bits[0]}{bits[1]}_w{packed.PACK_COLS}_{sources_digest()}"
-        mlp = njit(inline="always")(named_copy(_expert_mlp.py_func, name, _GEMM_GATE_UP=packed.Q8_BUILDS[bits[0], True],
-                                               _GEMM_DOWN=packed.Q8_BUILDS[bits[1], True]))
-        _BUILDS[bits] = njit(cache=True, nogil=True)(named_copy(_experts, name, _expert_mlp=mlp))
+        _BUILDS[bits] = njit(cache=True, nogil=True)(named_copy(_experts, name, _gated_mlp=mlp_build(*bits)))
     return _BUILDS[bits]
 
 
@@ -125,20 +95,13 @@ class ExpertsPass:
         """The experts' weighted sum [M, D] for rows x [M, D] routed to ``top`` [M, k] with ``weights``, plus the
         shared expert's times ``shared_scale`` [M] (None: 1); None, with nothing done, where this machine's numba
         cannot compile it."""
-        run = _build(self.bits)
-        if run is None:
-            return None
+        _build(self.bits)
         out = np.zeros(x.shape, np.float32)
         scale = np.ones(len(x), np.float32) if shared_scale is None else shared_scale
-        try:
-            run(x, np.ascontiguousarray(top, np.int64), np.ascontiguousarray(weights, np.float32), scale, self.gu_w,
-                self.gu_s, self.down_w, self.down_s, self.shape, self.groups, gelu, self.shared, out)
-        except NumbaError as exc:  # raised compiling, before the call ran
-            _BUILDS[self.bits] = None
-            log.warning("kestrel_cpu: the compiled experts failed to compile (%s: %s); experts run op by op",
-                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-            return None
-        return out
+        ran = run_build(_BUILDS, self.bits, "experts", x, np.ascontiguousarray(top, np.int64),
+                        np.ascontiguousarray(weights, np.float32), scale, self.gu_w, self.gu_s, self.down_w,
+                        self.down_s, self.shape, self.groups, gelu, self.shared, out)
+        return out if ran else None
 
 
 def experts_pass(packs: list[list[list[Any]]], strips: list[tuple[tuple[StripCache, ...], ...]],

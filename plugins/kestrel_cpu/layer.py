@@ -49,8 +49,8 @@ def sources_digest() -> str:
     return h.hexdigest()[:12]
 
 
-# Each build's own globals (``_build``), here the int8 ones: the four GEMMs of a layer, each the parallel build of
-# packed.gemm_q8's body for its weights' bits (decode's smallest real GEMMs, SmolLM2's 576 x 576, are above
+# Each build's own globals (``_build``, ``mlp_build``), here the int8 ones: a layer's GEMMs, each the parallel build
+# of packed.gemm_q8's body for its weights' bits (decode's smallest real GEMMs, SmolLM2's 576 x 576, are above
 # kernels.PARALLEL_MIN_MACS, where a product leaves one thread; a serial build would only add its compilation).
 _GEMM_QKV = _GEMM_O = _GEMM_GATE_UP = _GEMM_DOWN = packed.Q8_BUILDS[8, True]
 _W = packed.PACK_COLS
@@ -65,6 +65,63 @@ def quantize(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
     scales = np.empty((m, k // group), np.float32)
     _Q8_ROWS(x, group, codes, scales)
     return codes, scales
+
+
+@njit(inline="always")
+def _width(wps: tuple) -> int:
+    # the output columns of a packed GEMM over the weights ``wps`` (their padded column groups)
+    n = 0
+    for w in wps:
+        n += w.shape[0] * _W
+    return n
+
+
+def gated_mlp(x: np.ndarray, gu_w: tuple, gu_s: tuple, down_w: tuple, down_s: tuple, up_at: int, f: int,
+              groups: tuple, gelu: bool) -> np.ndarray:
+    # x: [M, K] -> down(act(gate x) * up x), [M, the down GEMM's columns]: gate|up's packed GEMM puts gate at column
+    # 0 and up at up_at, each F wide; groups: (gate|up's, down's) block sizes; gelu: tanh GELU, else SiLU.
+    # _GEMM_GATE_UP and _GEMM_DOWN are each build's own (``mlp_build``).
+    m = x.shape[0]
+    codes, scales = quantize(x, groups[0])
+    gu = np.empty((m, _width(gu_w)), np.float32)
+    _GEMM_GATE_UP(gu_w, gu_s, codes, scales, gu)
+    gate = np.empty((m, f), np.float32)
+    up = np.empty((m, f), np.float32)
+    for r in range(m):
+        for j in range(f):
+            gate[r, j] = gu[r, j]
+            up[r, j] = gu[r, up_at + j]
+    gated_mul(gate, up, gelu)
+    codes, scales = quantize(gate, groups[1])
+    down = np.empty((m, _width(down_w)), np.float32)
+    _GEMM_DOWN(down_w, down_s, codes, scales, down)
+    return down
+
+
+def mlp_build(gate_up_bits: int, down_bits: int) -> Any:
+    """``gated_mlp`` on the GEMM builds of its weights' bits, to inline into a compiled layer or experts pass."""
+    return njit(inline="always")(named_copy(gated_mlp, f"_int{gate_up_bits}{down_bits}_w{packed.PACK_COLS}",
+                                            _GEMM_GATE_UP=packed.Q8_BUILDS[gate_up_bits, True],
+                                            _GEMM_DOWN=packed.Q8_BUILDS[down_bits, True]))
+
+
+def run_build(builds: dict[Any, Any], key: Any, what: str, *args: Any) -> bool:
+    """``builds[key](*args)``; False, with nothing done, where that build failed: numba's errors are raised compiling,
+    before the call touches its arrays (reported once, and the build marked failed)."""
+    run = builds[key]
+    if run is None:
+        return False
+    try:
+        run(*args)
+    except NumbaError as exc:
+        builds[key] = None
+        log.warning("kestrel_cpu: the compiled %s failed to compile (%s: %s); it runs op by op", what,
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return False
+    return True
+
+
+_gated_mlp = njit(inline="always")(gated_mlp)  # the int8 one; each build its own (``mlp_build``)
 
 
 @njit(inline="always")
@@ -95,20 +152,16 @@ def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, residual_scale: n
     # (the last two may be empty); mlp: the MLP too, else the attention alone (a mixture-of-experts layer's); gelu:
     # the MLP's tanh GELU, else SiLU; wps/wsps: the four GEMMs' packed codes and scales (Q|K|V, O, gate|up, down),
     # each a MAX_WEIGHTS tuple; groups: their block sizes;
-    # cols: where q, k, v, gate and up start in their GEMM's output, and q, k, v, F wide; biases: q, k, v [N] or
+    # cols: where q, k, v and up start in their GEMM's output (gate at 0), and q, k, v, F wide; biases: q, k, v [N] or
     # empty; head_norms: q, k [hd] or empty; heads: (H, KV, hd, the query heads an attend item takes); the rest:
     # Decoder._attend's.
     m, d = h.shape
     n_heads, n_kv, hd, item_heads = heads
-    q_at, k_at, v_at, g_at, u_at, nq, nk, nv, f = cols
-    widths = [0, 0, 0, 0]  # each GEMM's packed output columns
-    for i in range(4):
-        for t in range(len(wps[i])):
-            widths[i] += wps[i][t].shape[0] * _W
+    q_at, k_at, v_at, up_at, nq, nk, nv, f = cols
     x = np.empty((m, d), np.float32)
     rmsnorm_rows(h, norms[0], eps, x)
     codes, scales = quantize(x, groups[0])
-    qkv = np.empty((m, widths[0]), np.float32)
+    qkv = np.empty((m, _width(wps[0])), np.float32)
     _GEMM_QKV(wps[0], wsps[0], codes, scales, qkv)
     q = np.empty((m, nq), np.float32)
     k = np.empty((m, nk), np.float32)
@@ -133,25 +186,13 @@ def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, residual_scale: n
     attend(q.reshape(m, n_heads, hd), kt, vc, tables, row_seq, firsts, lengths, q_cos, q_sin, softcap, sinks,
            item_heads, attn)
     codes, scales = quantize(attn, groups[1])
-    o = np.empty((m, widths[1]), np.float32)
+    o = np.empty((m, _width(wps[1])), np.float32)
     _GEMM_O(wps[1], wsps[1], codes, scales, o)
     _add_residual(h, o, norms[2], eps, residual_scale)
     if not mlp:
         return
     rmsnorm_rows(h, norms[1], eps, x)
-    codes, scales = quantize(x, groups[2])
-    gu = np.empty((m, widths[2]), np.float32)
-    _GEMM_GATE_UP(wps[2], wsps[2], codes, scales, gu)
-    gate = np.empty((m, f), np.float32)
-    up = np.empty((m, f), np.float32)
-    for r in range(m):
-        for j in range(f):
-            gate[r, j] = gu[r, g_at + j]
-            up[r, j] = gu[r, u_at + j]
-    gated_mul(gate, up, gelu)
-    codes, scales = quantize(gate, groups[3])
-    down = np.empty((m, widths[3]), np.float32)
-    _GEMM_DOWN(wps[3], wsps[3], codes, scales, down)
+    down = _gated_mlp(x, wps[2], wsps[2], wps[3], wsps[3], up_at, f, (groups[2], groups[3]), gelu)
     _add_residual(h, down, norms[3], eps, residual_scale)
 
 
@@ -161,10 +202,9 @@ _BUILDS: dict[tuple[int, ...], Any] = {}  # None: the build failed
 def _build(bits: tuple[int, ...]) -> Any:
     """The layer for its four GEMMs' weight bits (Q|K|V, O, gate|up, down), compiled on first use."""
     if bits not in _BUILDS:
-        gemms = [packed.Q8_BUILDS[b, True] for b in bits]
         name = f"_{''.join(map(str, bits))}_w{packed.PACK_COLS}_{sources_digest()}"
-        layer = named_copy(_dense_layer, name, _GEMM_QKV=gemms[0], _GEMM_O=gemms[1], _GEMM_GATE_UP=gemms[2],
-                           _GEMM_DOWN=gemms[3])
+        layer = named_copy(_dense_layer, name, _GEMM_QKV=packed.Q8_BUILDS[bits[0], True],
+                           _GEMM_O=packed.Q8_BUILDS[bits[1], True], _gated_mlp=mlp_build(bits[2], bits[3]))
         _BUILDS[bits] = njit(cache=True, nogil=True)(layer)
     return _BUILDS[bits]
 
@@ -197,18 +237,10 @@ class DenseLayer:
         before the MLP, after each (or None); ``attention``: kt, vc, slots, cos, sin, tables, row_seq, firsts,
         lengths, q_cos, q_sin, softcap, sinks, as ``paged_attention.attend`` and ``rope_write`` take them. False,
         with nothing done, where this machine's numba cannot compile it."""
-        run = _build(self.bits)
-        if run is None:
-            return False
-        try:
-            run(h, _present(norms), eps, np.float32(residual_scale), self.mlp, gelu, self.wps, self.wsps, self.groups,
-                self.cols, _present(biases), _present(head_norms), heads, *attention)
-        except NumbaError as exc:  # raised compiling, before the call touched h or the pool
-            _BUILDS[self.bits] = None
-            log.warning("kestrel_cpu: the compiled layer failed to compile (%s: %s); layers run op by op",
-                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-            return False
-        return True
+        _build(self.bits)
+        return run_build(_BUILDS, self.bits, "layer", h, _present(norms), eps, np.float32(residual_scale), self.mlp,
+                         gelu, self.wps, self.wsps, self.groups, self.cols, _present(biases), _present(head_norms),
+                         heads, *attention)
 
 
 def dense_layer(packs: list[list[Any]], strips: tuple[tuple[StripCache, ...], ...]) -> DenseLayer | None:
@@ -231,7 +263,6 @@ def dense_layer(packs: list[list[Any]], strips: tuple[tuple[StripCache, ...], ..
     wsps = tuple(tuple(p.scales for p in (group + pad)[:packed.MAX_WEIGHTS]) for group in packs)
     w = packed.PACK_COLS
     (q, k, v), _ = packs[:2]
-    gate_cols = (0, packs[2][0].codes.shape[0] * w) if mlp else (0, 0)
-    cols = (0, q.codes.shape[0] * w, (q.codes.shape[0] + k.codes.shape[0]) * w, *gate_cols, q.n, k.n, v.n,
-            packs[2][0].n if mlp else 0)
+    cols = (0, q.codes.shape[0] * w, (q.codes.shape[0] + k.codes.shape[0]) * w,
+            packs[2][0].codes.shape[0] * w if mlp else 0, q.n, k.n, v.n, packs[2][0].n if mlp else 0)
     return DenseLayer(wps, wsps, tuple(groups), tuple(bits), cols, mlp)
