@@ -19,7 +19,7 @@ from rich.text import Text
 
 import kestrel_core
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.config import POOLINGS
+from kestrel_core.model.config import KV_TYPES, POOLINGS
 from kestrel_core.model.reasoning import THINK_LEVELS
 
 out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -142,6 +142,10 @@ def _model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
                    help="the context in tokens, at most the model's (default: the model's); a smaller one sizes "
                         "the KV cache down and, for a longrope model within its pretraining context, takes its "
                         "short RoPE factors")
+    p.add_argument("--kv-cache-type", default="f16", choices=KV_TYPES,
+                   help="what the host's KV cache holds: float16 keys and values (default), or q8: int8 with a scale "
+                        "every 32 dims, about half the bytes, so twice the context in --kv-cache-mb and faster decode "
+                        "at long contexts")
     p.add_argument("--lora", default=None, metavar="PATH",
                    help="a LoRA adapter merged into the model's weights as they load (a Hugging Face directory "
                         "or a GGUF file): PEFT's directory (adapter_config.json, adapter_model.safetensors) or "

@@ -108,9 +108,10 @@ def _check_context(engine: Engine, ids: Sequence[int]) -> None:
 
 
 def load_options(args: argparse.Namespace, preset: bool = False) -> dict[str, Any]:
-    """load()'s ``max_model_len``, ``rope_scaling`` (--rope-scaling: JSON as config.json's rope_scaling, or @file)
-    and, for a model that is not a preset, ``lora`` and ``lora_scale``."""
-    out: dict[str, Any] = {"max_model_len": getattr(args, "max_model_len", None), "rope_scaling": None}
+    """load()'s ``max_model_len``, ``kv_cache_type``, ``rope_scaling`` (--rope-scaling: JSON as config.json's
+    rope_scaling, or @file) and, for a model that is not a preset, ``lora`` and ``lora_scale``."""
+    out: dict[str, Any] = {"max_model_len": getattr(args, "max_model_len", None), "rope_scaling": None,
+                           "kv_cache_type": getattr(args, "kv_cache_type", "f16")}
     if getattr(args, "lora", None) is not None:
         if preset:
             raise KestrelError("--lora merges into a model's checkpoint; a preset has none")
@@ -442,7 +443,7 @@ def _bench_concurrency(args: argparse.Namespace) -> int:
     with _open_engine(args) as engine:
         need = max(levels) * engine.pool.blocks_for(args.prompt_tokens + args.decode_tokens + 1)
         if need > engine.pool.num_blocks:
-            per_block_mb = bytes_per_position(engine.config) * engine.pool.block_size / 2 ** 20
+            per_block_mb = bytes_per_position(engine.config, engine.pool.kv_type) * engine.pool.block_size / 2 ** 20
             err.print(f"[yellow]the KV cache holds {engine.pool.capacity} positions, {max(levels)} streams need "
                       f"{need * engine.pool.block_size}: they will not all run at once (--kv-cache-mb "
                       f"{math.ceil(need * per_block_mb)} gives them room)[/yellow]", soft_wrap=True)

@@ -19,6 +19,7 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3
                  "ernie4_5_moe", "lfm2_moe", "ministral3", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
                  "minimax_m2", "dots1")
 POOLINGS = ("last", "mean", "cls")  # how an embedding pools the final hidden states: last, mean or first token
+KV_TYPES = ("f16", "q8")  # what the host's KV cache holds a key or value dim as (``kv_pool.KVPool``)
 # of the gate: SwiGLU, GeGLU with the tanh GELU (Gemma), or gpt-oss's clamped SwiGLU: gate g clamped to at most
 # swiglu_limit, up u to +-swiglu_limit, then (u + 1) * g * sigmoid(swiglu_alpha * g)
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")

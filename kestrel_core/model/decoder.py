@@ -195,7 +195,7 @@ class Decoder:
         for cache, toks in zip(seqs, tokens):
             if not self.pool.reserve(cache, cache.length + len(toks)):
                 raise KestrelError(f"the KV cache is full ({self.pool.capacity} positions of "
-                                   f"{bytes_per_position(c)} bytes; a larger budget holds more)")
+                                   f"{bytes_per_position(c, self.pool.kv_type)} bytes; a larger budget holds more)")
         with np.errstate(over="ignore"):  # exp(-x) of SiLU overflows to inf for very negative x: the limit
             h, precise = self._layers(seqs, tokens)
         outs: list[np.ndarray] = []
@@ -315,16 +315,14 @@ class Decoder:
     def _run_dense(self, i: int, layer: Any, arrays: tuple, h: np.ndarray, rows: _Rows) -> bool:
         """Layer ``i`` on h [M, D] in place in one compiled call (``_dense``), its keys and values written to the
         pool; False, nothing done, where it cannot compile (every layer then runs op by op)."""
-        c, pool = self.config, self.pool
-        kv = pool.kv_index[i]
+        c = self.config
         cos, sin, q_cos, q_sin = rows.tables_at[self.layer_rope[i]]
         heads = (c.num_heads, c.num_kv_heads, c.head_dim,
                  paged_attention.attend_heads(len(h), c.num_heads, c.num_kv_heads))
         ran = layer.run(h, arrays[:4], self.eps, c.residual_scale, c.activation == "gelu_tanh", arrays[4:7],
                         arrays[7:], heads,
-                        (pool.kt[kv].view(np.uint16), pool.v[kv].view(np.uint16), rows.slots, cos, sin, rows.tables,
-                         rows.row_seq, rows.firsts[c.window_of(i)], rows.lengths, q_cos, q_sin, self.attn_softcap,
-                         self.sinks[i]))
+                        (*self.pool.layer_arrays(i), rows.slots, cos, sin, rows.tables, rows.row_seq,
+                         rows.firsts[c.window_of(i)], rows.lengths, q_cos, q_sin, self.attn_softcap, self.sinks[i]))
         if not ran:
             self.dense = {j: None for j in range(c.num_layers)}
             return False
@@ -362,13 +360,13 @@ class Decoder:
         queries q [M, H, hd]; the attention's output [M, H*vd] (``ModelConfig.attention_dims``)."""
         c, pool = self.config, self.pool
         cos, sin, q_cos, q_sin = rows.tables_at[self.layer_rope[i]]
-        kv = pool.kv_index[i]
         attn = np.empty((len(q), c.num_heads * c.attention_dims[2]), np.float32)  # [M, H*vd]
-        kt, vc = pool.kt[kv].view(np.uint16), pool.v[kv].view(np.uint16)  # float16 bits: numba has no float16
-        paged_attention.rope_write(np.ascontiguousarray(k), np.ascontiguousarray(v), kt, vc, rows.slots, cos, sin)
-        paged_attention.attend(np.ascontiguousarray(q), kt, vc, rows.tables, rows.row_seq, rows.firsts[c.window_of(i)],
-                               rows.lengths, q_cos, q_sin, self.attn_softcap, self.sinks[i],
-                               paged_attention.attend_heads(q.shape[0], q.shape[1], kt.shape[1]), attn)
+        kt, vc, ks, vs = pool.layer_arrays(i)
+        paged_attention.rope_write(np.ascontiguousarray(k), np.ascontiguousarray(v), kt, vc, ks, vs, rows.slots, cos,
+                                   sin)
+        paged_attention.attend(np.ascontiguousarray(q), kt, vc, ks, vs, rows.tables, rows.row_seq,
+                               rows.firsts[c.window_of(i)], rows.lengths, q_cos, q_sin, self.attn_softcap,
+                               self.sinks[i], paged_attention.attend_heads(q.shape[0], q.shape[1], kt.shape[1]), attn)
         return attn
 
     def _latent_attention(self, i: int, lw: LayerWeights, x: np.ndarray, rows: _Rows) -> np.ndarray:

@@ -118,7 +118,7 @@ class Engine:
 
     def __init__(self, model: Model, tokenizer: Any, backend: Backend, cpu: Backend, *,
                  registry: Registry | None = None, source: str = "", preload: bool = True,
-                 kv_cache_mb: float | None = None, activations: str = "auto") -> None:
+                 kv_cache_mb: float | None = None, activations: str = "auto", kv_cache_type: str = "f16") -> None:
         self.model = model
         self.config = model.config
         self.tokenizer = tokenizer
@@ -126,8 +126,12 @@ class Engine:
         self.registry = registry
         self.source = source
         self.offload = Offload(backend, cpu)
-        self.pool = KVPool.for_budget(model.config, kv_cache_mb)
         self.activations = resolve_activations(activations, backend)
+        if kv_cache_type != "f16" and not self.steps_on_host:
+            raise KestrelError(f"the KV cache type {kv_cache_type} is the host's: the {backend.name} backend runs "
+                               "whole steps on a float16 KV cache of its own (--activations f32 or mixed runs the "
+                               "steps on the host)")
+        self.pool = KVPool.for_budget(model.config, kv_cache_mb, kv_cache_type)
         self.decoder = Decoder(model, self.offload, self.pool, self.activations)
         # prompts share the KV blocks of a cached prefix (kv_pool) where the host runs the steps: a backend's
         # whole steps keep KV caches of their own, and a recurrent layer's state is no per-block prefix
@@ -537,7 +541,8 @@ def with_context(model: Model, max_model_len: int | None = None,
 
 def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str, kv_cache_mb: float | None = None,
           activations: str = "auto", backend_options: dict[str, str] | None = None,
-          max_model_len: int | None = None, rope_scaling: dict[str, Any] | None = None) -> Engine:
+          max_model_len: int | None = None, rope_scaling: dict[str, Any] | None = None,
+          kv_cache_type: str = "f16") -> Engine:
     """Bind first (a backend that cannot bind fails fast, before any model is read), then load, preload."""
     registry = Registry(backend_options)
     try:
@@ -548,7 +553,7 @@ def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str, kv_cache_
         model = with_context(model, max_model_len, rope_scaling)
         load_s = time.perf_counter() - t0
         engine = Engine(model, tokenizer, chosen, cpu, registry=registry, source=source, kv_cache_mb=kv_cache_mb,
-                        activations=activations)
+                        activations=activations, kv_cache_type=kv_cache_type)
         engine.load_s = load_s
         return engine
     except BaseException:
@@ -559,23 +564,25 @@ def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str, kv_cache_
 def load(model: str | Model | None = None, backend: str = "auto", quant: str | None = None,
          kv_cache_mb: float | None = None, activations: str = "auto",
          backend_options: dict[str, str] | None = None, max_model_len: int | None = None,
-         rope_scaling: dict[str, Any] | None = None, lora: str | None = None, lora_scale: float = 1.0) -> Engine:
+         rope_scaling: dict[str, Any] | None = None, lora: str | None = None, lora_scale: float = 1.0,
+         kv_cache_type: str = "f16") -> Engine:
     """An engine for ``model`` (a path, None for the default model, or a Model) on ``backend`` (``auto``:
     the best bound gpu/npu accelerator, else cpu); the model is preloaded onto the backend. ``quant``:
     q8 (None: the default; an artifact keeps its own), q4, q8-g256 or q4-g256. ``kv_cache_mb``: the host KV
-    cache's budget (default: 2 GiB, at least one sequence at the full context). ``activations``: what the
+    cache's budget (default: 2 GiB, at least one sequence at the full context); ``kv_cache_type``: what it holds,
+    f16 (float16 keys and values) or q8 (int8, a scale every 32 dims: about half the bytes). ``activations``: what the
     projections' inputs are, q8, f32, mixed (the prompt at f32, generated tokens at q8) or auto (see
     ``resolve_activations``). ``backend_options``: string KEY: VALUE pairs every backend's ``kestrel_open``
     receives. ``max_model_len``: the context (None: the model's); ``rope_scaling``: a RoPE scaling in place of
     the model's, e.g. YaRN for a longer context (``with_context``); ``lora``: a PEFT LoRA adapter directory merged
     into the weights as they load, its scale times ``lora_scale`` (kestrel_core.model.lora)."""
     return _open(lambda: _resolve_model(model, quant, lora, lora_scale), backend, kv_cache_mb, activations,
-                 backend_options, max_model_len, rope_scaling)
+                 backend_options, max_model_len, rope_scaling, kv_cache_type)
 
 
 def load_preset(name: str, backend: str = "auto", quant: str | None = None, seed: int = 0,
                 kv_cache_mb: float | None = None, activations: str = "auto", max_model_len: int | None = None,
-                rope_scaling: dict[str, Any] | None = None, **overrides: Any) -> Engine:
+                rope_scaling: dict[str, Any] | None = None, kv_cache_type: str = "f16", **overrides: Any) -> Engine:
     """An engine for a synthetic preset model (random weights of real shapes, byte tokenizer)."""
     quant = quant or "q8"
     from kestrel_core.model.presets import ByteTokenizer, preset_model
@@ -584,4 +591,5 @@ def load_preset(name: str, backend: str = "auto", quant: str | None = None, seed
         model = preset_model(name, quant, seed, **overrides)
         return model, ByteTokenizer(model.config.vocab_size), f"preset {name} ({quant}, seed {seed})"
 
-    return _open(resolve, backend, kv_cache_mb, activations, max_model_len=max_model_len, rope_scaling=rope_scaling)
+    return _open(resolve, backend, kv_cache_mb, activations, max_model_len=max_model_len, rope_scaling=rope_scaling,
+                 kv_cache_type=kv_cache_type)

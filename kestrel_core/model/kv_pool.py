@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.config import ModelConfig
-from kestrel_core.model.paged_attention import BLOCK_MULTIPLE, padded_dims
+from kestrel_core.model.config import KV_TYPES, ModelConfig
+from kestrel_core.model.paged_attention import BLOCK_MULTIPLE, KV_GROUP, padded_dims
 from kestrel_core.model.state_pool import StatePool
 
 BLOCK_SIZE = 32  # positions per KV block
@@ -36,12 +36,16 @@ class KVPool:
     dot products run over; values ``v`` float16 [La, blocks, KV, BLOCK_SIZE, vdp] (``ModelConfig.attention_dims``:
     a latent attention's latent and RoPE key; vdp the value dims padded to whole vectors,
     ``paged_attention.padded_dims``), over the La layers with attention (``kv_index``: model layer -> first axis);
-    ``paged_attention`` writes and reads them. The arrays are allocated once, untouched: the OS maps a page only
-    when a block is first written. A model with recurrent layers (linear attention, short convolutions, Mamba-2)
+    ``paged_attention`` writes and reads them. With ``kv_type`` "q8" they are int8 codes instead, each KV_GROUP
+    dims of a key or value with a float32 scale (``ks`` [La, blocks, KV, hd/G, BLOCK_SIZE], ``vs`` [La, blocks,
+    KV, BLOCK_SIZE, vdp/G]): about half the bytes. The arrays are allocated once, untouched: the OS maps a page
+    only when a block is first written. A model with recurrent layers (linear attention, short convolutions, Mamba-2)
     also keeps each sequence's state (``states``).
     """
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE,
+                 kv_type: str = "f16") -> None:
+        check_kv_type(config, kv_type)
         if num_blocks < 1:
             raise KestrelError(f"the KV cache needs at least one block, got {num_blocks}")
         if block_size < 1 or block_size % BLOCK_MULTIPLE:
@@ -50,11 +54,19 @@ class KVPool:
         self.config = config
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.kv_type = kv_type
         self.kv_index = {layer: j for j, layer in enumerate(c.attention_layers)}
         layers = len(self.kv_index)
         kv_heads, key_dims, value_dims = c.attention_dims
-        self.kt = np.empty((layers, num_blocks, kv_heads, key_dims, block_size), np.float16)
-        self.v = np.empty((layers, num_blocks, kv_heads, block_size, padded_dims(value_dims)), np.float16)
+        vdp = padded_dims(value_dims)
+        dtype = np.int8 if kv_type == "q8" else np.float16
+        self.kt = np.empty((layers, num_blocks, kv_heads, key_dims, block_size), dtype)
+        self.v = np.empty((layers, num_blocks, kv_heads, block_size, vdp), dtype)
+        if kv_type == "q8":
+            self.ks = np.empty((layers, num_blocks, kv_heads, key_dims // KV_GROUP, block_size), np.float32)
+            self.vs = np.empty((layers, num_blocks, kv_heads, block_size, vdp // KV_GROUP), np.float32)
+        else:
+            self.ks = self.vs = np.zeros((layers, 0, 0, 0, 0), np.float32)
         self.states = StatePool(c) if c.state_layers else None
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the most recently freed block first
         self._refs = [0] * num_blocks  # sequences holding each block
@@ -65,16 +77,24 @@ class KVPool:
         self.evictions = 0  # cached blocks given to other sequences
 
     @classmethod
-    def for_budget(cls, config: ModelConfig, megabytes: float | None = None) -> KVPool:
+    def for_budget(cls, config: ModelConfig, megabytes: float | None = None, kv_type: str = "f16") -> KVPool:
         """A pool of ``megabytes`` (``budget_blocks``)."""
-        return cls(config, cls.budget_blocks(config, megabytes))
+        return cls(config, cls.budget_blocks(config, megabytes, kv_type), kv_type=kv_type)
+
+    def layer_arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Model layer ``layer``'s keys, values and their scales as ``paged_attention`` takes them: float16 as its
+        bit patterns (numba has no float16) beside empty scales, or int8 codes and their scales."""
+        j = self.kv_index[layer]
+        kt, v = (self.kt[j], self.v[j]) if self.kv_type == "q8" else (self.kt[j].view(np.uint16),
+                                                                       self.v[j].view(np.uint16))
+        return kt, v, self.ks[j], self.vs[j]
 
     @staticmethod
-    def budget_blocks(config: ModelConfig, megabytes: float | None = None) -> int:
+    def budget_blocks(config: ModelConfig, megabytes: float | None = None, kv_type: str = "f16") -> int:
         """The blocks of a pool of ``megabytes`` (default: DEFAULT_KV_MB, and at least one sequence at the full
         context where half the machine's memory holds it: a context of 2^20, as llama.cpp writes for Granite
         4.0-H, would ask for tens of GiB the OS refuses at once)."""
-        per_block = max(bytes_per_position(config), 1) * BLOCK_SIZE
+        per_block = max(bytes_per_position(config, kv_type), 1) * BLOCK_SIZE
         if megabytes is None:
             full = min(-(-config.max_position // BLOCK_SIZE), _memory_bytes() // 2 // per_block)
             blocks = max(int(DEFAULT_KV_MB * 2 ** 20 // per_block), full)
@@ -207,10 +227,22 @@ def _link(chain: bytes, block_tokens: np.ndarray) -> bytes:
     return hashlib.blake2b(chain + block_tokens.tobytes(), digest_size=16).digest()
 
 
-def bytes_per_position(config: ModelConfig) -> int:
-    """Host KV bytes one position takes over the layers with attention (float16 keys and padded values)."""
+def bytes_per_position(config: ModelConfig, kv_type: str = "f16") -> int:
+    """Host KV bytes one position takes over the layers with attention (keys and padded values, as ``kv_type``)."""
     kv_heads, key_dims, value_dims = config.attention_dims
-    return 2 * len(config.attention_layers) * kv_heads * (key_dims + padded_dims(value_dims))
+    dims = key_dims + padded_dims(value_dims)
+    per_dim = 1 + 4 / KV_GROUP if kv_type == "q8" else 2
+    return int(len(config.attention_layers) * kv_heads * dims * per_dim)
+
+
+def check_kv_type(config: ModelConfig, kv_type: str) -> None:
+    """Raise unless the pool can hold ``config``'s keys and values as ``kv_type`` (``KV_TYPES``)."""
+    if kv_type not in KV_TYPES:
+        raise KestrelError(f"unknown KV cache type {kv_type!r}: one of {', '.join(KV_TYPES)}")
+    _, key_dims, value_dims = config.attention_dims
+    if kv_type == "q8" and (key_dims % KV_GROUP or padded_dims(value_dims) % KV_GROUP):
+        raise KestrelError(f"an int8 KV cache quantizes blocks of {KV_GROUP} dims; this model's keys have {key_dims} "
+                           f"and its values {value_dims}: use the float16 cache (--kv-cache-type f16)")
 
 
 class SeqCache:

@@ -21,6 +21,13 @@ Keys and values are rounded to float16 to nearest, ties to even, as llama.cpp's 
 and the pool takes half the bytes of float32. numba has no float16, so the pool's arrays are passed as their
 uint16 bit patterns. Where numba is missing the same functions run as plain Python and numpy, far slower, with
 the results of a CPU without FMA (numpy's multiply and add round twice).
+
+A pool may hold int8 keys and values instead (``KVPool``'s ``kv_type`` "q8"): every KV_GROUP dims of a head's
+rotated key or value at a position quantized as the contract quantizes activations (Q8_0's codes, a float32
+scale; ``contract._q8_rows``), the scales beside the codes (keys' [blocks, KV, hd/G, BS], values' [blocks, KV, BS,
+vdp/G]). A score is then the sum over the key's blocks, in order, of each block's scale times its codes' dot
+product with q (that from 0 in order of j), and an output dim adds p_s times the block's scale times the code.
+Half the bytes of float16, read by a decode step that at long contexts waits on them.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ import logging
 from typing import Any
 
 import numpy as np
+
+from kestrel_core.contract import quantize_activations
 
 # prange: numba's, or a plain range where numba is missing
 from kestrel_core.model.kernels import EXP_FLOOR, EXP_LN2_HI, EXP_LN2_LO, EXP_LOG2E, EXP_POLY, prange
@@ -40,6 +49,7 @@ BLOCK_MULTIPLE = LANES  # a KV block's positions come in whole key vectors
 SCORE_TILE = 8  # vectors of positions a key_scores call covers
 SCORE_SUMS = 8  # sums a vector kernel holds in registers: heads x position vectors (``_score_vectors``)
 VALUE_TILE = 4  # vectors of dims one value_sums call sums at once
+KV_GROUP = 32  # dims an int8 key's or value's scale covers (Q8_0's block)
 
 
 def padded_dims(dims: int) -> int:
@@ -100,18 +110,22 @@ def _softmax(p: np.ndarray, lo: int, count: int, sink: np.float32) -> np.float32
     return lanes[0] + _exp(np.array([sink - top], np.float32))[0]
 
 
-def _rope_write(k: np.ndarray, v: np.ndarray, kt: np.ndarray, vc: np.ndarray, slots: np.ndarray,
-                cos: np.ndarray, sin: np.ndarray) -> None:
+def _rope_write(k: np.ndarray, v: np.ndarray, kt: np.ndarray, vc: np.ndarray, ks: np.ndarray, vs: np.ndarray,
+                slots: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
     # k: [M, KV, hd] and v: [M, KV, vd] new keys/values; kt: [NB, KV, hd, BS] and vc: [NB, KV, BS, vdp] one layer's
-    # pool (float16 bits); slots: [M] block * BS + offset of each row's position; cos/sin: [M, hd] (sin carries
+    # pool (float16 bits, or int8 codes with their scales ks: [NB, KV, hd/G, BS] and vs: [NB, KV, BS, vdp/G]; empty
+    # for float16); slots: [M] block * BS + offset of each row's position; cos/sin: [M, hd] (sin carries
     # rotate_half's sign). A value's padding dims are stored as zeros.
     m, n_kv, hd = k.shape
     vd = v.shape[2]
     vdp = vc.shape[3]
     bs = kt.shape[3]
     half = hd // 2
+    quantized = ks.size > 0
     row = np.zeros(hd + vdp, np.float32)  # a head's rotated key, then its value
     bits = np.empty(hd + vdp, np.uint16)
+    codes = np.empty((1, hd + vdp), np.int8)
+    scales = np.empty((1, (hd + vdp) // KV_GROUP), np.float32)
     for r in range(m):
         blk, off = slots[r] // bs, slots[r] % bs
         for kh in range(n_kv):  # x * cos + rotate_half(x) * sin
@@ -120,11 +134,22 @@ def _rope_write(k: np.ndarray, v: np.ndarray, kt: np.ndarray, vc: np.ndarray, sl
                 row[j] = k[r, kh, j] * cos[r, j] + k[r, kh, js] * sin[r, j]
             for j in range(vd):
                 row[hd + j] = v[r, kh, j]
-            half_bits(row, bits)
-            for j in range(hd):
-                kt[blk, kh, j, off] = bits[j]
-            for j in range(vdp):
-                vc[blk, kh, off, j] = bits[hd + j]
+            if quantized:
+                q8_rows(row.reshape(1, hd + vdp), KV_GROUP, codes, scales)
+                for j in range(hd):
+                    kt[blk, kh, j, off] = codes[0, j]
+                for g in range(hd // KV_GROUP):
+                    ks[blk, kh, g, off] = scales[0, g]
+                for j in range(vdp):
+                    vc[blk, kh, off, j] = codes[0, hd + j]
+                for g in range(vdp // KV_GROUP):
+                    vs[blk, kh, off, g] = scales[0, hd // KV_GROUP + g]
+            else:
+                half_bits(row, bits)
+                for j in range(hd):
+                    kt[blk, kh, j, off] = bits[j]
+                for j in range(vdp):
+                    vc[blk, kh, off, j] = bits[hd + j]
 
 
 def _score_vectors(heads: int) -> int:
@@ -136,41 +161,58 @@ def _score_vectors(heads: int) -> int:
 _SCORE_VECTORS = (0,) + tuple(_score_vectors(h) for h in range(1, 5))  # by heads, for the compiled dispatch
 
 
-def _key_scores(q: np.ndarray, q_off: int, heads: int, hd: int, kt: np.ndarray, offs: np.ndarray, stride: int,
-                scores: np.ndarray, s_off: int, s_head: int) -> None:
+def _key_scores(q: np.ndarray, q_off: int, heads: int, hd: int, kt: np.ndarray, ks: np.ndarray, offs: np.ndarray,
+                soffs: np.ndarray, stride: int, scores: np.ndarray, s_off: int, s_head: int) -> None:
     # q: float32 flat, ``heads`` query heads of hd dims from q_off; kt: the keys' float16 bits, flat; offs:
     # [SCORE_TILE] where each vector's LANES positions start at dim 0, the next dim ``stride`` further.
     # scores[s_off + h*s_head + t*LANES + o] = 0 + q_h[0] * k_t[0, o] + q_h[1] * k_t[1, o] + ..., in that order
-    # (the compiled kernels fuse each step).
-    keys = kt.view(np.float16)
+    # (the compiled kernels fuse each step). int8 keys kt: each KV_GROUP dims' sum so, times its scales (ks, flat,
+    # a vector's from soffs[t], the next block's ``stride`` further) added into the score in order of block.
+    quantized = kt.dtype == np.int8
+    keys = kt if quantized else kt.view(np.float16)
     for h in range(heads):
         for t in range(SCORE_TILE):
+            total = np.zeros(LANES, np.float32)
             acc = np.zeros(LANES, np.float32)
             for j in range(hd):
                 at = offs[t] + j * stride
                 acc = acc + q[q_off + h * hd + j] * keys[at:at + LANES].astype(np.float32)
+                if quantized and (j + 1) % KV_GROUP == 0:
+                    at = soffs[t] + j // KV_GROUP * stride
+                    total = total + acc * ks[at:at + LANES]
+                    acc = np.zeros(LANES, np.float32)
             at = s_off + h * s_head + t * LANES
-            scores[at:at + LANES] = acc
+            scores[at:at + LANES] = total if quantized else acc
 
 
-def _value_sums(p: np.ndarray, p_off: int, count: int, vc: np.ndarray, v_off: int, v_stride: int, acc: np.ndarray,
-                acc_off: int, vectors: int) -> None:
+def _value_sums(p: np.ndarray, p_off: int, count: int, vc: np.ndarray, vs: np.ndarray, v_off: int, v_stride: int,
+                vs_off: int, vs_stride: int, d0: int, acc: np.ndarray, acc_off: int, vectors: int) -> None:
     # p: float32 flat, the weights of ``count`` positions from p_off; vc: the values' float16 bits, flat, the first
     # position's dims from v_off, the next ``v_stride`` further; acc[acc_off ...]: ``vectors`` vectors of dims
     # that each position's p_s * v_s is added to, in order of position (the compiled kernel fuses each step).
-    values = vc.view(np.float16)
+    # int8 values vc: p_s * (the scale of the vector's block) * the codes, the scales (vs, flat) of the first
+    # position from vs_off, the next ``vs_stride`` further, the first vector's dims from d0.
+    quantized = vc.dtype == np.int8
+    values = vc if quantized else vc.view(np.float16)
     n = vectors * LANES
     sums = acc[acc_off:acc_off + n].copy()
     for s in range(count):
         at = v_off + s * v_stride
-        sums = sums + p[p_off + s] * values[at:at + n].astype(np.float32)
+        if quantized:
+            for c in range(vectors):
+                w = p[p_off + s] * vs[vs_off + s * vs_stride + (d0 + c * LANES) // KV_GROUP]
+                sums[c * LANES:(c + 1) * LANES] = (sums[c * LANES:(c + 1) * LANES]
+                                                   + w * values[at + c * LANES:at + (c + 1) * LANES].astype(np.float32))
+        else:
+            sums = sums + p[p_off + s] * values[at:at + n].astype(np.float32)
     acc[acc_off:acc_off + n] = sums
 
 
-def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, row_seq: np.ndarray,
-            firsts: np.ndarray, lengths: np.ndarray, q_cos: np.ndarray, q_sin: np.ndarray, softcap: np.float32,
-            sinks: np.ndarray, heads: int, out: np.ndarray) -> None:
-    # q: [M, H, hd] (RoPE applied here with the scaled q_ tables [M, hd]); kt/vc: one layer's pool (float16 bits);
+def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, ks: np.ndarray, vs: np.ndarray, tables: np.ndarray,
+            row_seq: np.ndarray, firsts: np.ndarray, lengths: np.ndarray, q_cos: np.ndarray, q_sin: np.ndarray,
+            softcap: np.float32, sinks: np.ndarray, heads: int, out: np.ndarray) -> None:
+    # q: [M, H, hd] (RoPE applied here with the scaled q_ tables [M, hd]); kt/vc/ks/vs: one layer's pool (as
+    # ``rope_write`` takes it);
     # tables: [S, max_blocks] block ids of each sequence; row_seq: [M] its sequence; each row sees positions
     # firsts[r] .. lengths[r] - 1 (its own position + 1; firsts 0 but under a sliding window); softcap > 0: each
     # score becomes tanh(score / softcap) * softcap (Gemma 2); sinks: [H] one more logit in each head's softmax,
@@ -188,7 +230,8 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
     half = hd // 2
     block_vectors = bs // LANES
     value_vectors = vdp // LANES
-    kt_flat, vc_flat = kt.reshape(-1), vc.reshape(-1)
+    key_groups, value_groups = ks.shape[2], vs.shape[3]  # int8: scales a key, a value; float16: 0
+    kt_flat, vc_flat, ks_flat, vs_flat = kt.reshape(-1), vc.reshape(-1), ks.reshape(-1), vs.reshape(-1)
     for item in prange(m * n_kv * per_kv):
         r, kh = item // (n_kv * per_kv), item // per_kv % n_kv
         g = heads
@@ -203,6 +246,7 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
         qr = np.empty(g * hd, np.float32)
         scores = np.empty(g * stride, np.float32)
         offs = np.empty(SCORE_TILE, np.int64)
+        soffs = np.empty(SCORE_TILE, np.int64)
         for hh in range(g):
             h = h0 + hh
             for j in range(hd):
@@ -213,7 +257,8 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
                 vec = min(t0 + t, n_vec - 1)  # a tile past the last vector repeats it; those scores are not read
                 blk = table[b0 + vec // block_vectors]
                 offs[t] = (blk * n_kv + kh) * hd * bs + vec % block_vectors * LANES
-            key_scores(qr, 0, g, hd, kt_flat, offs, bs, scores, t0 * LANES, stride)
+                soffs[t] = (blk * n_kv + kh) * key_groups * bs + vec % block_vectors * LANES
+            key_scores(qr, 0, g, hd, kt_flat, ks_flat, offs, soffs, bs, scores, t0 * LANES, stride)
         pv = np.empty(vdp, np.float32)
         for hh in range(g):
             h = h0 + hh
@@ -225,10 +270,10 @@ def _attend(q: np.ndarray, kt: np.ndarray, vc: np.ndarray, tables: np.ndarray, r
             pv[:] = np.float32(0)
             for b in range(b0, b1):  # P @ V, a block's positions at a time
                 lo, hi = max(s0, b * bs), min(s_len, b * bs + bs)
-                v_at = ((table[b] * n_kv + kh) * bs + lo - b * bs) * vdp
+                at = (table[b] * n_kv + kh) * bs + lo - b * bs  # the run's first position in the pool
                 for c in range(0, value_vectors, VALUE_TILE):
-                    value_sums(p, lo - base, hi - lo, vc_flat, v_at + c * LANES, vdp, pv, c * LANES,
-                               min(VALUE_TILE, value_vectors - c))
+                    value_sums(p, lo - base, hi - lo, vc_flat, vs_flat, at * vdp + c * LANES, vdp, at * value_groups,
+                               value_groups, c * LANES, pv, c * LANES, min(VALUE_TILE, value_vectors - c))
             o0 = h * vd
             for j in range(vd):
                 out[r, o0 + j] = pv[j] / total
@@ -245,7 +290,13 @@ def attend_heads(m: int, n_heads: int, n_kv: int) -> int:
     return 1 if m * n_kv < 2 * _num_threads() else n_heads // n_kv
 
 
+def _q8_rows(x: np.ndarray, group: int, codes: np.ndarray, scales: np.ndarray) -> None:
+    """``contract.compiled_q8_rows``'s call on numpy: x [M, K] into int8 codes [M, K] and scales [M, K/group]."""
+    codes[:], scales[:] = quantize_activations(x, group)
+
+
 half_bits: Any = _half_bits
+q8_rows: Any = _q8_rows
 rope_write: Any = _rope_write
 key_scores: Any = _key_scores
 value_sums: Any = _value_sums
@@ -262,49 +313,82 @@ def _mul_add(builder: Any, a: Any, b: Any, c: Any) -> Any:
 
 def _make_key_scores(heads: int, native: bool) -> Any:
     """``_key_scores`` of ``heads`` heads over ``_score_vectors(heads)`` vectors from offs[o_first] as an
-    intrinsic: the sums in registers, each key vector widened from float16 once (``codegen.half_to_float``)."""
+    intrinsic: the sums in registers, each key vector widened from float16 (``codegen.half_to_float``) or int8
+    once."""
     vectors = _score_vectors(heads)
     from llvmlite import ir
     from numba import types
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    from kestrel_core.codegen import F32, I16, data_ptr, half_to_float, index_args, splat
+    from kestrel_core.codegen import F32, I8, I16, data_ptr, half_to_float, index_args, splat
 
-    vh, vf = ir.VectorType(I16, LANES), ir.VectorType(F32, LANES)
+    vh, vb, vf = ir.VectorType(I16, LANES), ir.VectorType(I8, LANES), ir.VectorType(F32, LANES)
 
     @intrinsic
-    def key_scores_ir(typingctx: Any, q: Any, q_off: Any, hd: Any, kt: Any, offs: Any, o_first: Any, stride: Any,
-                      scores: Any, s_off: Any, s_head: Any) -> Any:
-        sig = types.void(q, q_off, hd, kt, offs, o_first, stride, scores, s_off, s_head)
+    def key_scores_ir(typingctx: Any, q: Any, q_off: Any, hd: Any, kt: Any, ks: Any, offs: Any, soffs: Any,
+                      o_first: Any, stride: Any, scores: Any, s_off: Any, s_head: Any) -> Any:
+        sig = types.void(q, q_off, hd, kt, ks, offs, soffs, o_first, stride, scores, s_off, s_head)
+        quantized = kt.dtype == types.int8
 
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[ir.Value]) -> Any:
             ty = signature.args
-            q_, q_off_, hd_, kt_, offs_, o_first_, stride_, scores_, s_off_, s_head_ = index_args(
+            q_, q_off_, hd_, kt_, ks_, offs_, soffs_, o_first_, stride_, scores_, s_off_, s_head_ = index_args(
                 context, builder, args, ty)
             idx = q_off_.type
 
             def const(value: int) -> ir.Value:
                 return ir.Constant(idx, value)
 
+            def starts(arg: int, ary: ir.Value, at: ir.Value) -> list[ir.Value]:  # each vector's first element
+                return [data_ptr(context, builder, ty[arg], ary, builder.load(data_ptr(
+                    context, builder, ty[at], offs_ if at == 5 else soffs_, builder.add(o_first_, const(t)))))
+                    for t in range(vectors)]
+
+            def zero() -> ir.Value:
+                return cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * LANES))
+
             pq = [data_ptr(context, builder, ty[0], q_, builder.add(q_off_, builder.mul(hd_, const(h))))
                   for h in range(heads)]
-            starts = [data_ptr(context, builder, ty[3], kt_, builder.load(
-                data_ptr(context, builder, ty[4], offs_, builder.add(o_first_, const(t))))) for t in range(vectors)]
-            acc = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * LANES)) for _ in range(vectors)]
-                   for _ in range(heads)]
-            with cgutils.for_range(builder, hd_) as loop:
-                qj = [splat(builder, builder.load(builder.gep(pq[h], [loop.index])), vf) for h in range(heads)]
-                at = builder.mul(loop.index, stride_)
-                for t in range(vectors):
-                    bits = builder.load(builder.bitcast(builder.gep(starts[t], [at]), vh.as_pointer()), align=2)
-                    key = half_to_float(builder, bits, native)
+            keys = starts(3, kt_, 5)
+            acc = [[zero() for _ in range(vectors)] for _ in range(heads)]
+
+            def dims(first: ir.Value, count: ir.Value) -> None:  # acc += q[j] * k[j] for j in first .. + count
+                with cgutils.for_range(builder, count) as loop:
+                    j = builder.add(first, loop.index)
+                    qj = [splat(builder, builder.load(builder.gep(pq[h], [j])), vf) for h in range(heads)]
+                    at = builder.mul(j, stride_)
+                    for t in range(vectors):
+                        ptr = builder.gep(keys[t], [at])
+                        if quantized:
+                            key = builder.sitofp(builder.load(builder.bitcast(ptr, vb.as_pointer()), align=1), vf)
+                        else:
+                            key = half_to_float(builder, builder.load(builder.bitcast(ptr, vh.as_pointer()),
+                                                                      align=2), native)
+                        for h in range(heads):
+                            builder.store(_mul_add(builder, qj[h], key, builder.load(acc[h][t])), acc[h][t])
+
+            if quantized:
+                scales = starts(4, ks_, 6)
+                total = [[zero() for _ in range(vectors)] for _ in range(heads)]
+                with cgutils.for_range(builder, builder.udiv(hd_, const(KV_GROUP))) as groups:
                     for h in range(heads):
-                        builder.store(_mul_add(builder, qj[h], key, builder.load(acc[h][t])), acc[h][t])
+                        for t in range(vectors):
+                            builder.store(ir.Constant(vf, [0.0] * LANES), acc[h][t])
+                    dims(builder.mul(groups.index, const(KV_GROUP)), const(KV_GROUP))
+                    for t in range(vectors):
+                        ptr = builder.gep(scales[t], [builder.mul(groups.index, stride_)])
+                        scale = builder.load(builder.bitcast(ptr, vf.as_pointer()), align=4)
+                        for h in range(heads):
+                            builder.store(_mul_add(builder, builder.load(acc[h][t]), scale,
+                                                   builder.load(total[h][t])), total[h][t])
+                acc = total
+            else:
+                dims(const(0), hd_)
             for h in range(heads):
                 for t in range(vectors):
                     at = builder.add(builder.add(s_off_, builder.mul(s_head_, const(h))), const(t * LANES))
-                    dst = data_ptr(context, builder, ty[7], scores_, at)
+                    dst = data_ptr(context, builder, ty[9], scores_, at)
                     builder.store(builder.load(acc[h][t]), builder.bitcast(dst, vf.as_pointer()), align=4)
             return context.get_dummy_value()
 
@@ -320,35 +404,47 @@ def _make_value_sums(vectors: int, native: bool) -> Any:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    from kestrel_core.codegen import F32, I16, data_ptr, half_to_float, index_args, splat
+    from kestrel_core.codegen import F32, I8, I16, data_ptr, half_to_float, index_args, splat
 
-    vh, vf = ir.VectorType(I16, LANES), ir.VectorType(F32, LANES)
+    vh, vb, vf = ir.VectorType(I16, LANES), ir.VectorType(I8, LANES), ir.VectorType(F32, LANES)
 
     @intrinsic
-    def value_sums_ir(typingctx: Any, p: Any, p_off: Any, count: Any, vc: Any, v_off: Any, v_stride: Any, acc: Any,
-                      acc_off: Any) -> Any:
-        sig = types.void(p, p_off, count, vc, v_off, v_stride, acc, acc_off)
+    def value_sums_ir(typingctx: Any, p: Any, p_off: Any, count: Any, vc: Any, vs: Any, v_off: Any, v_stride: Any,
+                      vs_off: Any, vs_stride: Any, d0: Any, acc: Any, acc_off: Any) -> Any:
+        sig = types.void(p, p_off, count, vc, vs, v_off, v_stride, vs_off, vs_stride, d0, acc, acc_off)
+        quantized = vc.dtype == types.int8
 
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[ir.Value]) -> Any:
             ty = signature.args
-            p_, p_off_, count_, vc_, v_off_, v_stride_, acc_, acc_off_ = index_args(context, builder, args, ty)
+            p_, p_off_, count_, vc_, vs_, v_off_, v_stride_, vs_off_, vs_stride_, d0_, acc_, acc_off_ = index_args(
+                context, builder, args, ty)
             idx = p_off_.type
             pp = data_ptr(context, builder, ty[0], p_, p_off_)
             pv = data_ptr(context, builder, ty[3], vc_, v_off_)
-            pa = [builder.bitcast(data_ptr(context, builder, ty[6], acc_,
+            ps_ = data_ptr(context, builder, ty[4], vs_, vs_off_)
+            pa = [builder.bitcast(data_ptr(context, builder, ty[10], acc_,
                                            builder.add(acc_off_, ir.Constant(idx, c * LANES))), vf.as_pointer())
                   for c in range(vectors)]
+            group = [builder.udiv(builder.add(d0_, ir.Constant(idx, c * LANES)), ir.Constant(idx, KV_GROUP))
+                     for c in range(vectors)]  # each vector's scale within a position's
             sums = [cgutils.alloca_once(builder, vf) for _ in range(vectors)]
             for c in range(vectors):
                 builder.store(builder.load(pa[c], align=4), sums[c])
             with cgutils.for_range(builder, count_) as loop:
-                ps = splat(builder, builder.load(builder.gep(pp, [loop.index])), vf)
+                p_s = builder.load(builder.gep(pp, [loop.index]))
+                ps = splat(builder, p_s, vf)
                 row = builder.gep(pv, [builder.mul(loop.index, v_stride_)])
+                row_scales = builder.gep(ps_, [builder.mul(loop.index, vs_stride_)])
                 for c in range(vectors):
                     at = builder.gep(row, [ir.Constant(idx, c * LANES)])
-                    bits = builder.load(builder.bitcast(at, vh.as_pointer()), align=2)
-                    value = half_to_float(builder, bits, native)
-                    builder.store(_mul_add(builder, ps, value, builder.load(sums[c])), sums[c])
+                    if quantized:
+                        value = builder.sitofp(builder.load(builder.bitcast(at, vb.as_pointer()), align=1), vf)
+                        w = splat(builder, builder.fmul(p_s, builder.load(builder.gep(row_scales, [group[c]]))), vf)
+                    else:
+                        value = half_to_float(builder, builder.load(builder.bitcast(at, vh.as_pointer()), align=2),
+                                              native)
+                        w = ps
+                    builder.store(_mul_add(builder, w, value, builder.load(sums[c])), sums[c])
             for c in range(vectors):
                 builder.store(builder.load(sums[c]), pa[c], align=4)
             return context.get_dummy_value()
@@ -449,12 +545,13 @@ def _make_softmax() -> Any:
 
 
 def _build() -> None:
-    global half_bits, rope_write, key_scores, value_sums, softmax, attend, _num_threads
+    global half_bits, q8_rows, rope_write, key_scores, value_sums, softmax, attend, _num_threads
     try:
         import numba
         from numba import njit
 
         from kestrel_core.codegen import native_half
+        from kestrel_core.contract import compiled_q8_rows
     except Exception as exc:  # numba missing: the plain-Python loops (correct, slow)
         log.debug("compiled attention kernels unavailable: %s", exc)
         return
@@ -464,40 +561,41 @@ def _build() -> None:
     softmax = _make_softmax()
 
     @njit(inline="always")
-    def key_scores_any(q: Any, q_off: Any, heads: Any, hd: Any, kt: Any, offs: Any, stride: Any, scores: Any,
-                       s_off: Any, s_head: Any) -> None:
+    def key_scores_any(q: Any, q_off: Any, heads: Any, hd: Any, kt: Any, ks: Any, offs: Any, soffs: Any,
+                       stride: Any, scores: Any, s_off: Any, s_head: Any) -> None:
         h = 0
         while h < heads:  # four heads a kernel, then the rest; each head's sums are the same whichever
             n = min(4, heads - h)
             for o in range(0, SCORE_TILE, _SCORE_VECTORS[n]):
                 at, s_at = q_off + h * hd, s_off + h * s_head + o * LANES
                 if n == 4:
-                    scores_4(q, at, hd, kt, offs, o, stride, scores, s_at, s_head)
+                    scores_4(q, at, hd, kt, ks, offs, soffs, o, stride, scores, s_at, s_head)
                 elif n == 3:
-                    scores_3(q, at, hd, kt, offs, o, stride, scores, s_at, s_head)
+                    scores_3(q, at, hd, kt, ks, offs, soffs, o, stride, scores, s_at, s_head)
                 elif n == 2:
-                    scores_2(q, at, hd, kt, offs, o, stride, scores, s_at, s_head)
+                    scores_2(q, at, hd, kt, ks, offs, soffs, o, stride, scores, s_at, s_head)
                 else:
-                    scores_1(q, at, hd, kt, offs, o, stride, scores, s_at, s_head)
+                    scores_1(q, at, hd, kt, ks, offs, soffs, o, stride, scores, s_at, s_head)
             h += n
 
     key_scores = key_scores_any
     sums_1, sums_2, sums_3, sums_4 = (_make_value_sums(n, native) for n in range(1, VALUE_TILE + 1))
 
     @njit(inline="always")
-    def value_sums_any(p: Any, p_off: Any, count: Any, vc: Any, v_off: Any, v_stride: Any, acc: Any,
-                       acc_off: Any, vectors: Any) -> None:
+    def value_sums_any(p: Any, p_off: Any, count: Any, vc: Any, vs: Any, v_off: Any, v_stride: Any, vs_off: Any,
+                       vs_stride: Any, d0: Any, acc: Any, acc_off: Any, vectors: Any) -> None:
         if vectors == 4:
-            sums_4(p, p_off, count, vc, v_off, v_stride, acc, acc_off)
+            sums_4(p, p_off, count, vc, vs, v_off, v_stride, vs_off, vs_stride, d0, acc, acc_off)
         elif vectors == 3:
-            sums_3(p, p_off, count, vc, v_off, v_stride, acc, acc_off)
+            sums_3(p, p_off, count, vc, vs, v_off, v_stride, vs_off, vs_stride, d0, acc, acc_off)
         elif vectors == 2:
-            sums_2(p, p_off, count, vc, v_off, v_stride, acc, acc_off)
+            sums_2(p, p_off, count, vc, vs, v_off, v_stride, vs_off, vs_stride, d0, acc, acc_off)
         else:
-            sums_1(p, p_off, count, vc, v_off, v_stride, acc, acc_off)
+            sums_1(p, p_off, count, vc, vs, v_off, v_stride, vs_off, vs_stride, d0, acc, acc_off)
 
     value_sums = value_sums_any
     half_bits = njit(cache=True, nogil=True)(_half_bits)  # a global rope_write resolves when it compiles
+    q8_rows = compiled_q8_rows()
     rope_write = njit(cache=True, nogil=True)(_rope_write)
     attend = njit(cache=True, nogil=True, parallel=True)(_attend)
 

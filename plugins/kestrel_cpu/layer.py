@@ -145,7 +145,8 @@ def _add_residual(h: np.ndarray, out: np.ndarray, post_norm: np.ndarray, eps: np
 def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, residual_scale: np.float32, mlp: bool, gelu: bool,
                  wps: tuple,
                  wsps: tuple, groups: tuple, cols: tuple, biases: tuple, head_norms: tuple, heads: tuple,
-                 kt: np.ndarray, vc: np.ndarray, slots: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                 kt: np.ndarray, vc: np.ndarray, ks: np.ndarray, vs: np.ndarray, slots: np.ndarray, cos: np.ndarray,
+                 sin: np.ndarray,
                  tables: np.ndarray, row_seq: np.ndarray, firsts: np.ndarray, lengths: np.ndarray, q_cos: np.ndarray,
                  q_sin: np.ndarray, softcap: np.float32, sinks: np.ndarray) -> None:
     # h: [M, D] the residual stream, updated in place; norms: (attention, MLP, after attention, after the MLP) [D]
@@ -181,9 +182,9 @@ def _dense_layer(h: np.ndarray, norms: tuple, eps: np.float32, residual_scale: n
         rmsnorm_rows(k.reshape(m * n_kv, hd), head_norms[1], eps, kn)
         k = kn.reshape(m, n_kv * hd)
     vd = nv // n_kv
-    rope_write(k.reshape(m, n_kv, hd), v.reshape(m, n_kv, vd), kt, vc, slots, cos, sin)
+    rope_write(k.reshape(m, n_kv, hd), v.reshape(m, n_kv, vd), kt, vc, ks, vs, slots, cos, sin)
     attn = np.empty((m, n_heads * vd), np.float32)
-    attend(q.reshape(m, n_heads, hd), kt, vc, tables, row_seq, firsts, lengths, q_cos, q_sin, softcap, sinks,
+    attend(q.reshape(m, n_heads, hd), kt, vc, ks, vs, tables, row_seq, firsts, lengths, q_cos, q_sin, softcap, sinks,
            item_heads, attn)
     codes, scales = quantize(attn, groups[1])
     o = np.empty((m, _width(wps[1])), np.float32)
@@ -234,7 +235,7 @@ class DenseLayer:
             gelu: bool, biases: tuple[np.ndarray | None, ...], head_norms: tuple[np.ndarray | None, ...],
             heads: tuple[int, int, int, int], attention: tuple) -> bool:
         """The layer on h [M, D] in place, its keys and values written to the pool. ``norms``: before attention,
-        before the MLP, after each (or None); ``attention``: kt, vc, slots, cos, sin, tables, row_seq, firsts,
+        before the MLP, after each (or None); ``attention``: kt, vc, ks, vs, slots, cos, sin, tables, row_seq, firsts,
         lengths, q_cos, q_sin, softcap, sinks, as ``paged_attention.attend`` and ``rope_write`` take them. False,
         with nothing done, where this machine's numba cannot compile it."""
         _build(self.bits)

@@ -46,9 +46,10 @@ def _offloads() -> tuple[Offload, Offload]:
     return cpu_offload(), cpu_offload(layers=False)
 
 
-def _run(model: Model, offload: Offload, activations: str = "q8") -> tuple[list[np.ndarray], Decoder, list]:
+def _run(model: Model, offload: Offload, activations: str = "q8",
+         kv_type: str = "f16") -> tuple[list[np.ndarray], Decoder, list]:
     """Logits of a prompt, decode steps and a two-sequence step (keys and values in blocks out of order)."""
-    dec = Decoder(model, offload, KVPool(model.config, 12, block_size=16), activations=activations)
+    dec = Decoder(model, offload, KVPool(model.config, 12, block_size=16, kv_type=kv_type), activations=activations)
     rng = np.random.default_rng(9)
     other = dec.new_cache()
     dec.forward(rng.integers(0, 320, 5).tolist(), other)  # takes the first block
@@ -67,10 +68,14 @@ def _same_bits(x: np.ndarray, y: np.ndarray) -> bool:
 
 
 def _pool(dec: Decoder, caches: list) -> list[np.ndarray]:
-    """Each cache's keys and values at its positions: [L, KV, hd] and [L, KV, vdp] each."""
+    """Each cache's keys and values at its positions: [L, KV, hd] and [L, KV, vdp] each (and an int8 pool's
+    scales)."""
     pool, bs = dec.pool, dec.pool.block_size
     at = [(c.blocks[p // bs], p % bs) for c in caches for p in range(c.length)]
-    return [pool.kt[:, b, :, :, o] for b, o in at] + [pool.v[:, b, :, o] for b, o in at]
+    out = [pool.kt[:, b, :, :, o] for b, o in at] + [pool.v[:, b, :, o] for b, o in at]
+    if pool.kv_type == "q8":
+        out += [pool.ks[:, b, :, :, o] for b, o in at] + [pool.vs[:, b, :, o] for b, o in at]
+    return out
 
 
 @pytest.mark.parametrize(("arch", "quant"), [(a, q) for a in ("llama", "qwen2", "qwen3")
@@ -91,6 +96,25 @@ def test_a_dense_layer_gives_the_op_by_op_bits(arch: str, quant: str) -> None:
     for g, w in zip(_pool(fast_dec, fast_caches), _pool(slow_dec, slow_caches)):
         assert _same_bits(g, w)
     assert fast.stats()["kestrel_gemm_q8"] == slow.stats()["kestrel_gemm_q8"]  # counted as the GEMMs it ran
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_a_dense_layer_on_an_int8_kv_cache_gives_the_op_by_op_bits(arch: str) -> None:
+    _needs(8)
+    model = synthetic_model(_config(arch, head_dim=32), "q8", seed=7)
+    fast, slow = _offloads()
+    got, fast_dec, fast_caches = _run(model, fast, kv_type="q8")
+    want, slow_dec, slow_caches = _run(model, slow, kv_type="q8")
+    assert fast_dec.dense[0] is not None and slow_dec.dense[0] is None
+    for g, w in zip(got, want):
+        assert _same_bits(g, w)
+    pools = _pool(fast_dec, fast_caches), _pool(slow_dec, slow_caches)
+    assert pools[0][0].dtype == np.int8 and pools[0][-1].dtype == np.float32  # codes, and scales compared too
+    for g, w in zip(*pools):
+        assert _same_bits(g, w)
+    float16 = _run(model, slow)[0]  # the int8 cache moves the logits, a little
+    assert all(np.abs(g - f).max() > 0 for g, f in zip(got[1:], float16[1:]))
+    np.testing.assert_allclose(got[-1], float16[-1], atol=0.05 * float(np.ptp(float16[-1])))
 
 
 def test_each_gemm_takes_its_own_bits_but_a_fused_group_needs_one() -> None:

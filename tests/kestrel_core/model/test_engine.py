@@ -273,3 +273,15 @@ def test_scoring_with_no_room_in_the_shared_cache_is_overloaded(model) -> None:
         with pytest.raises(KestrelError, match=f"holds {engine.pool.capacity}") as info:
             engine.logits(list(range(n)))
         assert not isinstance(info.value, Overloaded)  # no retry makes it fit
+
+
+def test_an_int8_kv_cache_is_the_hosts(model, tmp_path, monkeypatch) -> None:
+    """A backend that runs whole steps keeps float16 keys and values of its own: asking it for the host's int8
+    cache is an error with that reason; with the steps on the host (float32 activations) the pool holds int8."""
+    _forward_backend(tmp_path, monkeypatch)
+    with pytest.raises(KestrelError, match="fwd backend runs whole steps on a float16 KV cache of its own"):
+        kestrel_core.load(model, backend="fwd", kv_cache_type="q8")
+    with kestrel_core.load(model, backend="fwd", kv_cache_type="q8", activations="f32") as engine:
+        assert engine.pool.kv_type == "q8" and engine.pool.kt.dtype == np.int8
+        tokens = list(engine.generate(PROMPT, max_tokens=6, stop_at_eos=False))
+        assert len(tokens) == 6 and "kestrel_forward" not in engine.stats["offload"]

@@ -157,3 +157,23 @@ def test_a_latent_attention_caches_its_latent_not_each_heads_key_and_value() -> 
     assert kv_pool.bytes_per_position(config) == 2 * 47 * (576 + 512)
     pool = kv_pool.KVPool(config, 2)
     assert pool.kt.shape == (47, 2, 1, 576, kv_pool.BLOCK_SIZE) and pool.v.shape == (47, 2, 1, kv_pool.BLOCK_SIZE, 512)
+
+
+def test_an_int8_pool_takes_a_byte_a_dim_and_a_scale_every_32() -> None:
+    """q8: GLM-4.7-Flash's 47 x (576 + 512) dims a position at 1 + 4/32 bytes each, against float16's 2: a budget
+    holds 16/9 the blocks."""
+    from kestrel_core.model import kv_pool
+    from kestrel_core.model.presets import preset_config
+
+    config = preset_config("glm-4.7-flash")
+    assert kv_pool.bytes_per_position(config, "q8") == 47 * (576 + 512) * 9 // 8
+    pool = kv_pool.KVPool.for_budget(config, 64, kv_type="q8")
+    assert pool.num_blocks == kv_pool.KVPool.budget_blocks(config, 64, "q8") > kv_pool.KVPool.budget_blocks(config, 64)
+    assert pool.kt.dtype == pool.v.dtype == np.int8
+    assert pool.ks.shape == (47, pool.num_blocks, 1, 576 // 32, kv_pool.BLOCK_SIZE)
+    assert pool.vs.shape == (47, pool.num_blocks, 1, kv_pool.BLOCK_SIZE, 512 // 32)
+    kt, vc, ks, vs = pool.layer_arrays(config.attention_layers[3])
+    assert kt.base is pool.kt and ks.base is pool.ks and vs.shape == pool.vs.shape[1:]
+    f16 = kv_pool.KVPool(config, 2)
+    kt, vc, ks, vs = f16.layer_arrays(config.attention_layers[0])
+    assert kt.dtype == vc.dtype == np.uint16 and ks.size == vs.size == 0

@@ -1,6 +1,7 @@
-"""Paged attention over the float16 pool: float16 rounding as numpy's, attention against float64 softmax
-attention, the same bits however a row's query heads are split into work items, from the Python fallback, and
-from the integer float16 widening a CPU without F16C compiles."""
+"""Paged attention over the float16 pool and the int8 one: float16 rounding as numpy's, int8 codes as the
+contract's activation quantizer, attention against float64 softmax attention over the values the pool holds, the
+same bits however a row's query heads are split into work items, from the Python fallback, and from the integer
+float16 widening a CPU without F16C compiles."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kestrel_core.contract import quantize_activations
 from kestrel_core.errors import KestrelError
 from kestrel_core.model import paged_attention as pa
 from kestrel_core.model.kv_pool import KVPool
@@ -43,41 +45,71 @@ def test_float16_bits_are_numpys_rounding(fn: str) -> None:
     assert np.isnan(out[nan].view(np.float16)).all()
 
 
+def _int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [..., dims] as the int8 pool holds it: codes [..., dims] and scales [..., dims / KV_GROUP]."""
+    codes, scales = quantize_activations(np.ascontiguousarray(x.reshape(-1, x.shape[-1]), np.float32), pa.KV_GROUP)
+    return codes.reshape(x.shape), scales.reshape(*x.shape[:-1], -1)
+
+
 def _problem(seed: int, n_heads: int, n_kv: int, hd: int, vd: int, bs: int, lengths: list[int],
-             firsts: list[int] | None = None) -> dict:
-    """A pool of float16 keys and values, blocks out of order, and a query row per length."""
+             firsts: list[int] | None = None, kv_type: str = "f16") -> dict:
+    """A pool of float16 (or int8) keys and values, blocks out of order, and a query row per length."""
     rng = np.random.default_rng(seed)
     m = len(lengths)
     n_blocks = -(-max(lengths) // bs) + 2
     vdp = pa.padded_dims(vd)
-    kt = rng.standard_normal((n_blocks, n_kv, hd, bs)).astype(np.float16)  # [blocks, KV, hd, BS]
-    vc = np.zeros((n_blocks, n_kv, bs, vdp), np.float16)  # [blocks, KV, BS, vdp]
-    vc[..., :vd] = rng.standard_normal((n_blocks, n_kv, bs, vd))
-    return dict(q=(rng.standard_normal((m, n_heads, hd)) / np.sqrt(hd)).astype(np.float32),
-                kt=kt, vc=vc, tables=np.stack([rng.permutation(n_blocks) for _ in range(m)]).astype(np.int64),
-                firsts=np.array(firsts or [0] * m, np.int64), lengths=np.array(lengths, np.int64),
-                sinks=rng.standard_normal(n_heads).astype(np.float32), vd=vd)
+    keys = rng.standard_normal((n_blocks, n_kv, bs, hd)).astype(np.float32)  # [blocks, KV, BS, hd]
+    values = np.zeros((n_blocks, n_kv, bs, vdp), np.float32)  # [blocks, KV, BS, vdp]
+    values[..., :vd] = rng.standard_normal((n_blocks, n_kv, bs, vd))
+    p = dict(q=(rng.standard_normal((m, n_heads, hd)) / np.sqrt(hd)).astype(np.float32),
+             tables=np.stack([rng.permutation(n_blocks) for _ in range(m)]).astype(np.int64),
+             firsts=np.array(firsts or [0] * m, np.int64), lengths=np.array(lengths, np.int64),
+             sinks=rng.standard_normal(n_heads).astype(np.float32), vd=vd)
+    if kv_type == "q8":
+        (kc, ks), (vc, vs) = _int8(keys), _int8(values)
+        p.update(kt=np.ascontiguousarray(kc.transpose(0, 1, 3, 2)), vc=vc,
+                 ks=np.ascontiguousarray(ks.transpose(0, 1, 3, 2)), vs=vs)  # [blocks, KV, hd, BS], [.., hd/G, BS]
+    else:
+        p.update(kt=np.ascontiguousarray(keys.transpose(0, 1, 3, 2)).astype(np.float16), vc=values.astype(np.float16))
+    return p
+
+
+def _pool(p: dict) -> tuple[np.ndarray, ...]:
+    """The problem's kt, vc, ks, vs as ``attend`` takes them (``KVPool.layer_arrays``)."""
+    if "ks" in p:
+        return p["kt"], p["vc"], p["ks"], p["vs"]
+    empty = np.zeros((0, 0, 0, 0), np.float32)
+    return p["kt"].view(np.uint16), p["vc"].view(np.uint16), empty, empty
+
+
+def _held(p: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The keys [blocks, KV, hd, BS] and values [blocks, KV, BS, vdp] the pool holds, as float64."""
+    if "ks" not in p:
+        return p["kt"].astype(np.float64), p["vc"].astype(np.float64)
+    g = pa.KV_GROUP
+    return (p["kt"] * np.repeat(p["ks"], g, axis=2).astype(np.float64),
+            p["vc"] * np.repeat(p["vs"], g, axis=3).astype(np.float64))
 
 
 def _attend(p: dict, heads: int, softcap: float = 0.0, fn=None) -> np.ndarray:
     m, n_heads, hd = p["q"].shape
     ones, zeros = np.ones((m, hd), np.float32), np.zeros((m, hd), np.float32)  # RoPE at position 0: none
     out = np.empty((m, n_heads * p["vd"]), np.float32)
-    (fn or pa.attend)(p["q"], p["kt"].view(np.uint16), p["vc"].view(np.uint16), p["tables"], np.arange(m),
-                      p["firsts"], p["lengths"], ones, zeros, np.float32(softcap), p["sinks"], heads, out)
+    (fn or pa.attend)(p["q"], *_pool(p), p["tables"], np.arange(m), p["firsts"], p["lengths"], ones, zeros,
+                      np.float32(softcap), p["sinks"], heads, out)
     return out
 
 
 def _reference(p: dict, softcap: float = 0.0) -> np.ndarray:
     """float64 softmax attention with a sink logit, over each row's positions firsts .. lengths - 1."""
-    q, kt, vc, vd = p["q"], p["kt"], p["vc"], p["vd"]
+    (kt, vc), q, vd = _held(p), p["q"], p["vd"]
     m, n_heads, hd = q.shape
     n_kv = kt.shape[1]
     out = np.empty((m, n_heads * vd))
     for r in range(m):
         blocks = p["tables"][r]
-        keys = kt[blocks].transpose(0, 3, 1, 2).reshape(-1, n_kv, hd).astype(np.float64)  # [positions, KV, hd]
-        values = vc[blocks].transpose(0, 2, 1, 3).reshape(-1, n_kv, vc.shape[3])[..., :vd].astype(np.float64)
+        keys = kt[blocks].transpose(0, 3, 1, 2).reshape(-1, n_kv, hd)  # [positions, KV, hd]
+        values = vc[blocks].transpose(0, 2, 1, 3).reshape(-1, n_kv, vc.shape[3])[..., :vd]
         seen = slice(p["firsts"][r], p["lengths"][r])
         for h in range(n_heads):
             kv = h // (n_heads // n_kv)
@@ -98,10 +130,13 @@ CASES = [  # n_heads, n_kv, hd, vd, bs, lengths, firsts
 ]
 
 
+@pytest.mark.parametrize("kv_type", ["f16", "q8"])
 @pytest.mark.parametrize("case", CASES)
-def test_attention_matches_float64_softmax_attention_whatever_heads_an_item_takes(case: tuple) -> None:
+def test_attention_matches_float64_softmax_attention_whatever_heads_an_item_takes(case: tuple, kv_type: str) -> None:
     n_heads, n_kv, hd, vd, bs, lengths, firsts = case
-    p = _problem(len(lengths) + hd, n_heads, n_kv, hd, vd, bs, lengths, firsts)
+    if kv_type == "q8" and hd % pa.KV_GROUP:
+        pytest.skip("an int8 pool needs key dims in whole blocks (the next test)")
+    p = _problem(len(lengths) + hd, n_heads, n_kv, hd, vd, bs, lengths, firsts, kv_type)
     outs = [_attend(p, heads) for heads in (n_heads // n_kv, 1)]
     np.testing.assert_array_equal(outs[0], outs[1])
     np.testing.assert_allclose(outs[0], _reference(p), rtol=1e-4, atol=1e-5)
@@ -110,13 +145,56 @@ def test_attention_matches_float64_softmax_attention_whatever_heads_an_item_take
     assert np.abs(capped - outs[0]).max() > 1e-3  # the cap was applied
 
 
-def test_a_wrong_key_position_is_caught() -> None:
-    p = _problem(5, 9, 3, 64, 64, 32, [300, 257, 1])
+def test_an_int8_pool_needs_whole_blocks_of_dims(tiny_config) -> None:
+    from dataclasses import replace
+
+    config = tiny_config("llama")
+    odd = replace(config, hidden_size=config.num_heads * 48, head_dim=48)
+    with pytest.raises(KestrelError, match="blocks of 32 dims; this model's keys have 48"):
+        KVPool(odd, 4, kv_type="q8")
+    with pytest.raises(KestrelError, match="unknown KV cache type 'q4'"):
+        KVPool(config, 4, kv_type="q4")
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8"])
+def test_a_wrong_key_position_or_scale_is_caught(kv_type: str) -> None:
+    p = _problem(5, 9, 3, 64, 64, 32, [300, 257, 1], kv_type=kv_type)
     good = _attend(p, 3)
-    p["kt"][p["tables"][0, 4], 1, :, 7] += np.float16(1)  # one key of row 0's fifth block
+    p["kt"][p["tables"][0, 4], 1, :, 7] += p["kt"].dtype.type(1)  # one key of row 0's fifth block
     bad = _attend(p, 3)
     assert np.abs(bad[0] - good[0]).max() > 1e-3 and np.array_equal(bad[2], good[2])
     np.testing.assert_allclose(bad, _reference(p), rtol=1e-4, atol=1e-5)
+    if kv_type == "q8":  # a key's second block's scale, a value's first
+        p["ks"][p["tables"][1, 2], 2, 1, 5] *= 2
+        p["vs"][p["tables"][1, 3], 0, 9, 0] *= 2
+        worse = _attend(p, 3)
+        assert np.abs(worse[1] - bad[1]).max() > 1e-3
+        np.testing.assert_allclose(worse, _reference(p), rtol=1e-4, atol=1e-5)
+
+
+def test_the_int8_pool_holds_the_contracts_codes_of_each_rotated_key_and_value(tiny_config) -> None:
+    """rope_write into an int8 pool: each head's rotated key and value quantized per KV_GROUP dims, bit for bit as
+    the contract's activation quantizer (itself checked against gguf-py's Q8_0) does it, compiled or not."""
+    rng = np.random.default_rng(4)
+    m, n_kv, hd, vd, bs = 5, 2, 64, 64, 16
+    k = rng.standard_normal((m, n_kv, hd)).astype(np.float32) * 3
+    v = rng.standard_normal((m, n_kv, vd)).astype(np.float32)
+    angle = rng.random((m, hd // 2)).astype(np.float32) * 6
+    cos = np.cos(np.concatenate([angle, angle], 1)).astype(np.float32)
+    sin = np.sin(np.concatenate([angle, angle], 1)).astype(np.float32) * np.repeat(np.float32([-1, 1]), hd // 2)
+    slots = np.array([0, 17, 5, 31, 40], np.int64)
+    half = hd // 2
+    turned = k * cos[:, None] + np.concatenate([k[..., half:], k[..., :half]], -1) * sin[:, None]
+    (kc, kscale), (vc_, vscale) = _int8(turned), _int8(v)
+    for fn in (pa.rope_write, pa._rope_write):
+        kt, vc = np.zeros((3, n_kv, hd, bs), np.int8), np.zeros((3, n_kv, bs, vd), np.int8)
+        ks, vs = np.zeros((3, n_kv, hd // 32, bs), np.float32), np.zeros((3, n_kv, bs, vd // 32), np.float32)
+        fn(k, v, kt, vc, ks, vs, slots, cos, sin)
+        blk, off = slots // bs, slots % bs
+        np.testing.assert_array_equal(kt[blk, :, :, off], kc)
+        np.testing.assert_array_equal(ks[blk, :, :, off], kscale)
+        np.testing.assert_array_equal(vc[blk, :, off], vc_)
+        np.testing.assert_array_equal(vs[blk, :, off], vscale)
 
 
 def test_the_softmax_exp_is_within_two_ulp_of_e_to_the_x() -> None:
@@ -143,35 +221,44 @@ def test_the_python_fallback_gives_the_compiled_results(monkeypatch: pytest.Monk
     import numba
 
     p = _problem(11, 4, 2, 48, 40, 16, [37, 20], [0, 3])
+    q8 = _problem(12, 4, 2, 64, 64, 16, [37, 20], [0, 3], kv_type="q8")
     kt, vc = p["kt"].view(np.uint16).reshape(-1), p["vc"].view(np.uint16).reshape(-1)
+    kt8, vc8, ks, vs = (q8[name].reshape(-1) for name in ("kt", "vc", "ks", "vs"))
+    empty = np.zeros(0, np.float32)
     rng = np.random.default_rng(0)
     q = rng.standard_normal(96).astype(np.float32)
     offs = rng.integers(0, kt.size - 12 * 16 - 16, pa.SCORE_TILE).astype(np.int64)
+    offs8 = rng.integers(0, kt8.size - 64 * 16 - 16, pa.SCORE_TILE).astype(np.int64)
+    soffs = rng.integers(0, ks.size - 2 * 16 - 16, pa.SCORE_TILE).astype(np.int64)
     weights = rng.random(40).astype(np.float32)
     logits = (rng.standard_normal(80) * 30).astype(np.float32)
 
-    @numba.njit
-    def compiled(q, kt, offs, weights, vc, scores, sums, logits, totals):  # type: ignore[no-untyped-def]
-        pa.key_scores(q, 3, 7, 12, kt, offs, 16, scores, 3, 130)
-        for vectors in range(1, pa.VALUE_TILE + 1):
-            pa.value_sums(weights, 5, 30, vc, 7, 2 * 48, sums, 16 * (vectors - 1), vectors)
-        totals[0] = pa.softmax(logits, 3, 37, np.float32(-np.inf))
-        totals[1] = pa.softmax(logits, 55, 1, np.float32(2.5))
+    def kernels(key_scores, value_sums, softmax):  # type: ignore[no-untyped-def]
+        def calls(q, kt, offs, weights, vc, scores, sums, logits, totals,  # type: ignore[no-untyped-def]
+                  kt8, ks, offs8, soffs, vc8, vs, empty, scores8, sums8):
+            key_scores(q, 3, 7, 12, kt, empty, offs, offs, 16, scores, 3, 130)
+            key_scores(q, 3, 1, 64, kt8, ks, offs8, soffs, 16, scores8, 0, 130)
+            for vectors in range(1, pa.VALUE_TILE + 1):
+                value_sums(weights, 5, 30, vc, empty, 7, 2 * 48, 0, 0, 0, sums, 16 * (vectors - 1), vectors)
+                value_sums(weights, 5, 30, vc8, vs, 64 + 16 * (4 - vectors), 64, 2, 2, 16 * (4 - vectors), sums8,
+                           16 * (4 - vectors), vectors)
+            totals[0] = softmax(logits, 3, 37, np.float32(-np.inf))
+            totals[1] = softmax(logits, 55, 1, np.float32(2.5))
+        return calls
 
-    def python(q, kt, offs, weights, vc, scores, sums, logits, totals):  # type: ignore[no-untyped-def]
-        pa._key_scores(q, 3, 7, 12, kt, offs, 16, scores, 3, 130)
-        for vectors in range(1, pa.VALUE_TILE + 1):
-            pa._value_sums(weights, 5, 30, vc, 7, 2 * 48, sums, 16 * (vectors - 1), vectors)
-        totals[0] = pa._softmax(logits, 3, 37, np.float32(-np.inf))
-        totals[1] = pa._softmax(logits, 55, 1, np.float32(2.5))
-
+    compiled = numba.njit(kernels(pa.key_scores, pa.value_sums, pa.softmax))
+    python = kernels(pa._key_scores, pa._value_sums, pa._softmax)
     start = rng.standard_normal(16 * 7).astype(np.float32)
     outs = []
     for fn in (compiled, python):
         out = (np.full(3 + 7 * 130, np.nan, np.float32), start.copy(), logits.copy(),
-               np.zeros(2, np.float32))
-        fn(q, kt, offs, weights, vc, out[0], out[1], out[2], out[3])
+               np.zeros(2, np.float32), np.full(130, np.nan, np.float32), start[:64].copy())
+        fn(q, kt, offs, weights, vc, out[0], out[1], out[2], out[3], kt8, ks, offs8, soffs, vc8, vs, empty, out[4],
+           out[5])
         outs.append(out)
+    for k in (4, 5):  # the int8 sums: each block's scale applied
+        np.testing.assert_allclose(outs[1][k], outs[0][k], rtol=1e-5, atol=1e-5)
+    assert not np.isnan(outs[0][4][:128]).any() and not np.array_equal(outs[0][5], start[:64])
     for k in (0, 1):
         np.testing.assert_allclose(outs[1][k], outs[0][k], rtol=1e-5, atol=1e-5)
     kept = np.r_[3:40, 55]  # the compiled softmax also writes its last vector's spare lanes, which nothing reads
@@ -182,9 +269,10 @@ def test_the_python_fallback_gives_the_compiled_results(monkeypatch: pytest.Monk
     np.testing.assert_allclose(outs[0][2][3:40], e, rtol=1e-6, atol=1e-12)
     np.testing.assert_allclose(outs[0][3][0], e.sum(), rtol=1e-6)
 
-    want = _attend(p, 2)
+    want = _attend(p, 2), _attend(q8, 2)
     _fallback(monkeypatch)
-    np.testing.assert_allclose(_attend(p, 2, fn=pa._attend), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_attend(p, 2, fn=pa._attend), want[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_attend(q8, 2, fn=pa._attend), want[1], rtol=1e-5, atol=1e-6)
 
 
 def test_a_cpu_without_f16c_or_fma_gives_the_fallbacks_bits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -201,7 +289,8 @@ def test_a_cpu_without_f16c_or_fma_gives_the_fallbacks_bits(tmp_path: Path, monk
         "from kestrel_core import codegen\n"
         "from kestrel_core.model import paged_attention as pa\n"
         "p = dict(np.load(sys.argv[1])); m, h, hd = p['q'].shape; out = np.empty((m, h * 64), np.float32)\n"
-        "pa.attend(p['q'], p['kt'].view(np.uint16), p['vc'].view(np.uint16), p['tables'], np.arange(m),\n"
+        "e = np.zeros((0, 0, 0, 0), np.float32)\n"
+        "pa.attend(p['q'], p['kt'].view(np.uint16), p['vc'].view(np.uint16), e, e, p['tables'], np.arange(m),\n"
         "          p['firsts'], p['lengths'], np.ones((m, hd), np.float32), np.zeros((m, hd), np.float32),\n"
         "          np.float32(0), p['sinks'], 3, out)\n"
         "np.save(sys.argv[2], out)\n"
