@@ -3,6 +3,7 @@
     python scripts/parity_report.py                 # every fixture and mode, SmolLM2 if pulled
     python scripts/parity_report.py --no-default-model
     python scripts/parity_report.py --backend cuda  # the same golden data through another backend
+    python scripts/parity_report.py --kv-cache-type q8  # an int8 KV cache, on the fixtures that can hold one
 
 The figures are measured by tests/kestrel_core/model/test_parity.py's own ``measure`` (imported from the
 file, so the table and the tests cannot disagree on what they compute), on the CPU backend unless
@@ -34,12 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-default-model", action="store_true", help="skip SmolLM2 even if it was pulled")
     ap.add_argument("--backend", default="cpu", help="backend to measure (default cpu, as the tests)")
     ap.add_argument("--modes", default="", help="only these quant modes (comma-separated)")
+    ap.add_argument("--kv-cache-type", default="f16", choices=("f16", "q8"),
+                    help="what the KV cache holds (q8: the fixtures whose dims come in blocks of 32, KV_INT8)")
     args = ap.parse_args(argv)
     tp = _parity_module()
     rows = ["| model | quant | positions | top-1 agreement | max rel. error | median rel. error | limits "
             "(top-1 >=, max <=, median <=) | within |",
             "|---|---|---|---|---|---|---|---|"]
     for case in tp.CASES:
+        if args.kv_cache_type == "q8" and case.name not in tp.KV_INT8:
+            continue
         if case.default_model:
             if args.no_default_model:
                 continue
@@ -52,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         for quant in case.modes:
             if args.modes and quant not in args.modes.split(","):
                 continue
-            fig = tp.measure(case, quant, args.backend)
+            fig = tp.measure(case, quant, args.backend, kv_cache_type=args.kv_cache_type)
             lim = case.limits(quant)
             rows.append(f"| {case.name} | {quant} | {fig.positions} | {fig.top1:.3f} | {fig.max_rel:.4f} | "
                         f"{fig.median_rel:.4f} | {lim.top1_min}, {lim.max_rel_max}, {lim.median_rel_max} | "
