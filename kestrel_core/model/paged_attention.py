@@ -23,9 +23,9 @@ uint16 bit patterns. Where numba is missing the same functions run as plain Pyth
 the results of a CPU without FMA (numpy's multiply and add round twice).
 
 A pool may hold int8 keys and values instead (``KVPool``'s ``kv_type`` "q8"): every KV_GROUP dims of a head's
-rotated key or value at a position quantized as the contract quantizes activations (Q8_0's codes, a float32
-scale; ``contract.quantize_activations``), the scales beside the codes (keys' [blocks, KV, hd/G, BS], values'
-[blocks, KV, BS, vdp/G]). A score is then the sum over the key's blocks, in order, of each block's scale times its codes' dot
+rotated key or value at a position quantized as the contract quantizes activations (Q8_0's codes, a float32 scale;
+``contract.quantize_activations``), the scales beside the codes (keys' [blocks, KV, hd/G, BS], values' [blocks, KV,
+BS, vdp/G]). A score is then the sum over the key's blocks, in order, of each block's scale times its codes' dot
 product with q (that from 0 in order of j), and an output dim adds p_s times the block's scale times the code.
 9/16 of float16's bytes: the pool holds 1.78x the positions.
 """
