@@ -31,6 +31,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # a client's lone surrogate, quoted
         super().__init__(message)
         self.status = status
         self.message = message

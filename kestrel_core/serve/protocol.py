@@ -36,6 +36,7 @@ from pydantic import (
     StrictStr,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from kestrel_core.errors import InvalidRequest
@@ -44,6 +45,7 @@ from kestrel_core.model.config import SAMPLING_FIELDS
 from kestrel_core.model.fim import fim_format, fim_prompt_ids
 from kestrel_core.model.grammar import json_schema_grammar
 from kestrel_core.model.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from kestrel_core.serve.errors import APIError, param_path
 from kestrel_core.serve.tools import HARMONY, UNKNOWN, ToolCalls, call_grammar
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; kestrel's own SamplingParams default is greedy
@@ -61,6 +63,35 @@ class RequestBody(BaseModel):
     """A request body: unknown fields ignored (clients send many); every API's requests are these."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text(cls, data: Any) -> Any:
+        """Every string is Unicode text: JSON's escapes can spell a lone UTF-16 surrogate ("\\ud800"), which
+        neither a tokenizer nor UTF-8 takes. The outermost body looks first, so the field is named from the top."""
+        where = _lone_surrogate(data)
+        if where is not None:
+            param = param_path(where) or "body"
+            raise APIError(400, f"{param}: not Unicode text (a lone UTF-16 surrogate)", param=param,
+                           code="invalid_value")
+        return data
+
+
+def _lone_surrogate(value: Any, loc: tuple[int | str, ...] = ()) -> tuple[int | str, ...] | None:
+    """Where in a request's raw JSON value a string (or an object's key) holds a lone surrogate, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return loc
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _lone_surrogate(key, loc + (key,)) if isinstance(key, str) else None
+        found = found or _lone_surrogate(item, loc + (key,))
+        if found is not None:
+            return found
+    return None
 
 
 class ContentPart(RequestBody):

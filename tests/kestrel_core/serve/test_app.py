@@ -447,6 +447,35 @@ def test_malformed_chat_body(server: KestrelServer, body: dict[str, Any], param:
     assert json.loads(raw)["error"]["param"] == param
 
 
+LONE = "\ud800 hi"  # JSON's escape of half a UTF-16 pair: valid JSON, not Unicode text
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONE}]}, "messages.[0].content"),
+    ("/v1/chat/completions", {"model": LONE, "messages": HI}, "model"),
+    ("/v1/completions", {"prompt": ["Hi", LONE]}, "prompt.[1]"),
+    ("/v1/embeddings", {"input": LONE}, "input"),
+    ("/tokenize", {"prompt": LONE}, "prompt"),
+    ("/detokenize", {"model": LONE, "tokens": [1]}, "model"),
+    ("/v1/responses", {"input": LONE}, "input"),
+    ("/api/chat", {"model": NAME, "messages": [{"role": "user", "content": LONE}]}, None),
+    ("/api/generate", {"model": NAME, "prompt": LONE}, None),
+    ("/v1/messages", {"model": LONE, "max_tokens": 4, "messages": HI}, None),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(server: KestrelServer, path: str, body: dict[str, Any],
+                                                     param: str | None) -> None:
+    body = {"model": NAME, **body} if path.startswith("/v1/") and path != "/v1/messages" else body
+    status, _, raw = http("POST", f"{server.url}{path}", body)
+    answer = json.loads(raw)
+    assert status == 400, answer
+    error = answer["error"]  # Ollama's a string, OpenAI's and Anthropic's an object
+    assert "lone UTF-16 surrogate" in (error if isinstance(error, str) else error["message"])
+    if param is not None:
+        assert answer["error"]["param"] == param
+    status, _, _ = http("POST", f"{server.url}/v1/chat/completions", {"model": NAME, "messages": HI, "max_tokens": 1})
+    assert status == 200
+
+
 def test_body_that_is_not_json(server: KestrelServer) -> None:
     status, _, raw = http("POST", f"{server.url}/v1/chat/completions", raw=b"{not json")
     error = json.loads(raw)["error"]
