@@ -7,7 +7,8 @@ say which field was wrong, so every error path, validation included, goes throug
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -42,6 +43,15 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
+
+    def renamed(self, names: Mapping[str, str]) -> APIError:
+        """This error naming its field as ``names`` maps the first part of ``param`` (and of the message)."""
+        head = (self.param or "").split(".")[0]
+        if head not in names:
+            return self
+        message = names[head] + self.message[len(head):] if self.message.startswith(head) else self.message
+        return APIError(self.status, message, param=names[head] + self.param[len(head):], code=self.code,
+                        type=self.type, headers=self.headers)
 
     def response(self, path: str = "") -> JSONResponse:
         """The answer, in the shape the clients of the API ``path`` belongs to read: Ollama's
@@ -131,6 +141,16 @@ def validated(model: type[BaseModel], data: dict[str, Any]) -> Any:
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(RequestValidationError(exc.errors())) from None
+
+
+@contextmanager
+def named_as(names: Mapping[str, str]) -> Iterator[None]:
+    """A request translated from another API's: its errors name the fields the client sent, ``names`` mapping the
+    translation's (max_tokens) to the client's (max_output_tokens)."""
+    try:
+        yield
+    except APIError as exc:
+        raise exc.renamed(names) from None
 
 
 def install_error_handlers(app: FastAPI) -> None:

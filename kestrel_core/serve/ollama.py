@@ -30,7 +30,7 @@ from kestrel_core.model.fim import fim_format
 from kestrel_core.model.quantize import model_quant
 from kestrel_core.model.reasoning import think_kwargs
 from kestrel_core.serve.access import record_of
-from kestrel_core.serve.errors import APIError, validated
+from kestrel_core.serve.errors import APIError, named_as, validated
 from kestrel_core.serve.generation import retold
 from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RequestBody
 from kestrel_core.serve.tools import arguments_object
@@ -40,6 +40,11 @@ if TYPE_CHECKING:
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's, where a Modelfile sets none
 OLLAMA_NAMES = {"repetition_penalty": "repeat_penalty"}  # its options' names where they differ from kestrel's
+# the chat or completions request's fields an Ollama request sets, by the names it sends them under (its errors
+# name those)
+REQUEST_NAMES = {**{name: f"options.{OLLAMA_NAMES.get(name, name)}" for name in (
+    "temperature", "top_p", "top_k", "seed", "stop", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty")}, "max_tokens": "options.num_predict", "response_format": "format"}
 DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop"}
 
 
@@ -281,8 +286,10 @@ def install(app: FastAPI, models: Models) -> None:
         served = model_of(models, body.model)
         if not body.messages:  # a client loading (or unloading) the model: it stays loaded while serving
             return _loaded(_Answer(served, request, "message"), body.keep_alive)
-        openai = validated(ChatCompletionRequest, body.openai(served.engine.sampling_defaults))
-        return _translate(_Answer(served, request, "message"), await served.chat(openai, request))
+        with named_as(REQUEST_NAMES):
+            openai = validated(ChatCompletionRequest, body.openai(served.engine.sampling_defaults))
+            response = await served.chat(openai, request)
+        return _translate(_Answer(served, request, "message"), response)
 
     @app.post("/api/generate")
     async def generate(body: GenerateBody, request: Request) -> Response:
@@ -294,18 +301,19 @@ def install(app: FastAPI, models: Models) -> None:
             return _loaded(answer, body.keep_alive)
         sampling = body.sampling(body.stream, served.engine.sampling_defaults)
         templated = not body.raw and body.suffix is None and served.engine.tokenizer.chat_template
-        if templated:
-            messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
-                {"role": "user", "content": body.prompt}]
-            openai = validated(ChatCompletionRequest, {
-                "messages": messages, "response_format": body.response_format(),
-                "chat_template_kwargs": body.template_kwargs(), **sampling})
-            response = await served.chat(openai, request)
-        else:
-            if body.format is not None:
-                raise APIError(400, "format needs the model's chat template (not raw, no suffix)", param="format")
-            openai = validated(CompletionRequest, {"prompt": body.prompt, "suffix": body.suffix, **sampling})
-            response = await served.complete(openai, request)
+        if not templated and body.format is not None:
+            raise APIError(400, "format needs the model's chat template (not raw, no suffix)", param="format")
+        with named_as(REQUEST_NAMES):
+            if templated:
+                messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
+                    {"role": "user", "content": body.prompt}]
+                openai = validated(ChatCompletionRequest, {
+                    "messages": messages, "response_format": body.response_format(),
+                    "chat_template_kwargs": body.template_kwargs(), **sampling})
+                response = await served.chat(openai, request)
+            else:
+                completion = validated(CompletionRequest, {"prompt": body.prompt, "suffix": body.suffix, **sampling})
+                response = await served.complete(completion, request)
         return _translate(answer, response)
 
     @app.post("/api/embed")

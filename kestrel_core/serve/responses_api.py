@@ -26,13 +26,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from kestrel_core.serve.errors import APIError, validated
+from kestrel_core.serve.errors import APIError, named_as, validated
 from kestrel_core.serve.generation import retold
 from kestrel_core.serve.protocol import ChatCompletionRequest, RequestBody
 
 if TYPE_CHECKING:
     from kestrel_core.serve.app import Models, Served
 
+# the chat request's fields a Responses request sets, by the names it sends them under (its errors name those)
+CHAT_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format",
+              "reasoning_effort": "reasoning.effort"}
 
 class Reasoning(RequestBody):
     effort: StrictStr | None = None
@@ -69,7 +72,8 @@ class ResponsesBody(RequestBody):
             return TextFormat()
         if not isinstance(fmt, dict):
             raise APIError(400, "text.format must be an object", param="text.format")
-        return validated(TextFormat, fmt)
+        with named_as({name: f"text.format.{name}" for name in ("type", "name", "schema", "strict")}):
+            return validated(TextFormat, fmt)
 
     def openai(self) -> dict[str, Any]:
         if self.previous_response_id is not None:
@@ -332,10 +336,11 @@ def install(app: FastAPI, models: Models) -> None:
     @app.post("/v1/responses")
     async def responses(body: ResponsesBody, request: Request) -> Response:
         served = models.get(body.model)
-        openai = validated(ChatCompletionRequest, body.openai())
+        with named_as(CHAT_NAMES):
+            openai = validated(ChatCompletionRequest, body.openai())
+            answer = await served.chat(openai, request)
         response = _Response(served, body)
-        return retold(await served.chat(openai, request), lambda answer: _whole(response, answer),
-                      lambda chunks: _events(response, chunks))
+        return retold(answer, lambda whole: _whole(response, whole), lambda chunks: _events(response, chunks))
 
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def stored(response_id: str) -> Response:

@@ -118,7 +118,8 @@ def test_a_json_schema_format_shapes_the_answer(ol: ollama.Client) -> None:
 
 @pytest.mark.parametrize(("call", "needle"), [
     ({"messages": [{"role": "user", "content": "Hi", "images": ["aGk="]}]}, "images are not supported"),
-    ({"messages": HI, "options": {"temperature": -1}}, "temperature must be"),
+    ({"messages": HI, "options": {"temperature": -1}}, "options.temperature must be"),  # Ollama's names
+    ({"messages": HI, "options": {"num_predict": 0}}, "options.num_predict must be at least 1"),
     ({"messages": [{"role": "robot", "content": "Hi"}]}, "role"),
 ])
 def test_bad_chat_requests_are_400_with_ollamas_error(server: KestrelServer, call: dict[str, Any],

@@ -64,10 +64,15 @@ def test_a_json_schema_format_is_parsed(client: openai.OpenAI) -> None:
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, 400, "tools.[0]"),
     ({"input": [{"type": "computer_call"}]}, 400, "input.[0]"),
     ({"input": "Hi", "model": "gpt-5"}, 404, "model"),
+    ({"input": "Hi", "max_output_tokens": 0}, 400, "max_output_tokens"),  # the Responses API's names, not chat's
+    ({"input": "Hi", "text": {"format": {"type": "wat"}}}, 400, "text.format.type"),
+    ({"input": "Hi", "text": {"format": {"type": "json_schema", "schema": {"type": "wat"}}}}, 400, "text.format"),
 ])
 def test_bad_requests_name_the_field(server: KestrelServer, body: dict[str, Any], status: int, param: str) -> None:
     got, _, raw = http("POST", f"{server.url}/v1/responses", body)
-    assert got == status and json.loads(raw)["error"]["param"] == param
+    error = json.loads(raw)["error"]
+    assert got == status and error["param"] == param, error
+    assert not {"max_tokens", "response_format"} & set(error["message"].replace(":", " ").split())  # chat's names
 
 
 def test_nothing_is_stored(server: KestrelServer) -> None:
