@@ -8,9 +8,9 @@ its pages (a file rewritten in place would kill it with SIGBUS).
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
+import re
 import signal
 import stat
 import struct
@@ -51,10 +51,7 @@ def save_artifact(path: str | os.PathLike[str], model: Model, *, tokenizer_json:
     same destination left by a writer that was killed outright are removed once they are an hour old.
     """
     path = Path(path)
-    if path.exists() and not force:
-        raise KestrelError(f"{path} already exists; pass --force to overwrite it")
-    if path.is_dir():
-        raise KestrelError(f"{path} is a directory")
+    check_output(path, force)
     if model.config.tie_word_embeddings != (model.lm_head is model.embedding):
         raise KestrelError("the model's lm_head must be its embedding object exactly when tie_word_embeddings")
     arrays: list[tuple[str, np.ndarray]] = []
@@ -80,7 +77,7 @@ def save_artifact(path: str | os.PathLike[str], model: Model, *, tokenizer_json:
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise KestrelError(f"cannot write {path}: directory {parent} does not exist")
-    remove_stale_temps(parent, f".{glob.escape(path.name)}.*.tmp")
+    remove_stale_temps(parent, path.name)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
     with _removed_on_sigterm(tmp):
         try:
@@ -146,11 +143,32 @@ def _write_safetensors(f: BinaryIO, arrays: list[tuple[str, np.ndarray]], metada
     f.write(final)
 
 
-def remove_stale_temps(directory: Path, pattern: str, max_age_s: float = TEMP_MAX_AGE_S) -> None:
-    """Remove the regular files in ``directory`` matching ``pattern`` not modified for ``max_age_s``: the temp
-    files of writers that were killed outright (a live writer touches its file with every chunk)."""
+def check_output(path: Path, force: bool) -> None:
+    """Raise unless ``path`` may be written: absent, or with ``force`` a regular file (or a link, replaced itself);
+    never a directory, device, FIFO or socket, which renaming over would destroy."""
+    if not str(path) or str(path) == ".":
+        raise KestrelError("the output needs a file name")
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        raise KestrelError(f"{path} is a directory")
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+        raise KestrelError(f"{path} is not a regular file; kestrel writes only files")
+    if not force:
+        raise KestrelError(f"{path} already exists; pass --force to overwrite it")
+
+
+def remove_stale_temps(directory: Path, name: str | None = None, max_age_s: float = TEMP_MAX_AGE_S) -> None:
+    """Remove the temp files ``save_artifact`` writes for ``name`` (None: for any name) in ``directory`` that were
+    not modified for ``max_age_s``: those of writers killed outright (a live writer touches its file with every
+    chunk). Only mkstemp's exact names, ``.NAME.XXXXXXXX.tmp``: nothing of the user's that merely looks alike."""
     now = time.time()
-    for p in directory.glob(pattern):
+    temp = re.compile(rf"\.{'.+' if name is None else re.escape(name)}\.[a-z0-9_]{{8}}\.tmp")
+    for p in directory.iterdir() if directory.is_dir() else ():
+        if not temp.fullmatch(p.name):
+            continue
         try:
             st = p.lstat()
             if stat.S_ISREG(st.st_mode) and now - st.st_mtime > max_age_s:

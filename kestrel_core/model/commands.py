@@ -373,12 +373,14 @@ def list_models(args: argparse.Namespace) -> int:
 
 
 def quantize(args: argparse.Namespace) -> int:
+    from kestrel_core.artifact_write import check_output
     from kestrel_core.model.loader import load_model, write_artifact
     from kestrel_core.model.quantize import parse_quant
 
     out = Path(args.output)
-    if out.exists() and not args.force:  # before the (slow) load
-        raise KestrelError(f"{out} already exists; pass --force to overwrite it")
+    check_output(out, args.force)  # before the (slow) load
+    if out.exists() and Path(args.model).exists() and out.samefile(args.model):
+        raise KestrelError(f"{out} is the model being quantized: write the artifact to another file")
     parse_quant(args.quant)
     loaded = load_model(args.model, quant=args.quant, cache="read")  # a cached build is reused, not copied
     path = write_artifact(loaded, out, force=args.force)

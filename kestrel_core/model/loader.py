@@ -229,7 +229,7 @@ def _write_entry(loaded: LoadedModel, entry: Path, key: str, stale_glob: str, pr
     written, which only costs speed. ``progress``: None shows a bar of its own."""
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temps(entry.parent, ".*.tmp")  # writers that were killed outright
+        remove_stale_temps(entry.parent)  # writers that were killed outright
         write_artifact(loaded, entry, force=True, extra={"cache_key": key}, progress=progress)
         for stale in entry.parent.glob(stale_glob):
             if stale != entry:

@@ -226,3 +226,39 @@ def test_embed_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, ca
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert needle in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_quantize_never_writes_over_its_input_or_what_is_not_a_file(artifact: Path, tmp_path: Path, capsys) -> None:
+    """Even with --force: not the model being quantized (a .kst into itself), nor a FIFO or device the rename
+    would replace; nothing is touched."""
+    import os
+
+    copy = tmp_path / "copy.kst"
+    copy.write_bytes(artifact.read_bytes())
+    assert main(["quantize", str(copy), "-o", str(copy), "--force"]) == 2
+    assert "is the model being quantized" in capsys.readouterr().err
+    assert copy.read_bytes() == artifact.read_bytes()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert main(["quantize", str(TINY), "-o", str(fifo), "--force"]) == 2
+    assert "not a regular file" in capsys.readouterr().err and fifo.is_fifo()
+    assert main(["quantize", str(TINY), "-o", ""]) == 2
+    assert "needs a file name" in capsys.readouterr().err
+    dangling = tmp_path / "link.kst"
+    dangling.symlink_to(tmp_path / "nowhere")
+    assert main(["quantize", str(TINY), "-o", str(dangling)]) == 2  # a link is the user's too
+    assert "already exists" in capsys.readouterr().err and dangling.is_symlink()
+
+
+def test_quantize_removes_only_its_own_stale_temp_files(tmp_path: Path) -> None:
+    """A killed writer's temp file (mkstemp's name, an hour old) goes; a user's file that merely looks alike
+    stays."""
+    import os
+    import time
+
+    ours, theirs = tmp_path / ".out.kst.ab12cd34.tmp", tmp_path / ".out.kst.notes.tmp"
+    for path in (ours, theirs):
+        path.write_text("x")
+        os.utime(path, (time.time() - 7200, time.time() - 7200))
+    assert main(["quantize", str(TINY), "-o", str(tmp_path / "out.kst")]) == 0
+    assert not ours.exists() and theirs.read_text() == "x"

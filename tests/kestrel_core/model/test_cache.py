@@ -306,7 +306,7 @@ def test_stale_temps_go_and_the_cache_can_be_off_or_read_only(home: Path, hf, bu
     root, _ = hf
     cache = home / "cache"
     cache.mkdir(parents=True)
-    stale, live = cache / ".dead.kst.x1.tmp", cache / ".live.kst.x2.tmp"
+    stale, live = cache / ".dead.kst.x1y2z3w4.tmp", cache / ".live.kst.x2y3z4w5.tmp"  # mkstemp's names
     stale.write_bytes(b"killed writer")
     live.write_bytes(b"writing now")
     old = time.time() - 7200
