@@ -81,6 +81,31 @@ def _check_size(value: Any) -> Any:
     return value
 
 
+def _text_size(value: Any, per_item: int = 4) -> int:
+    """About the characters ``value`` takes as text (str() or JSON): its strings' lengths plus ``per_item`` a
+    container's item (punctuation, indent), 24 a number or other scalar. The walk stops once past
+    MAX_TEMPLATE_CHARS, so measuring ``[s] * 4000000`` costs no more than the limit, unlike printing it."""
+    total, stack = 0, [value]
+    while stack and total <= MAX_TEMPLATE_CHARS:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v) + 2
+        elif isinstance(v, (list, tuple, set, frozenset, dict)):
+            total += 2 + per_item * len(v)
+            if total <= MAX_TEMPLATE_CHARS:
+                stack.extend(v.items() if isinstance(v, dict) else v)
+        else:
+            total += 24
+    return total
+
+
+def _check_text(value: Any, per_item: int = 4) -> Any:
+    """``value`` unless it would print as more than MAX_TEMPLATE_CHARS characters (checked before printing)."""
+    if not isinstance(value, str) and _text_size(value, per_item) > MAX_TEMPLATE_CHARS:
+        raise TemplateLimitError(f"a value that prints as more than {MAX_TEMPLATE_CHARS} characters")
+    return value
+
+
 def _check_int_args(args: Iterable[Any]) -> None:
     for a in args:
         if isinstance(a, int) and not isinstance(a, bool) and abs(a) > MAX_TEMPLATE_INT_ARG:
@@ -96,6 +121,7 @@ def _check_format(fmt: Any, args: Any) -> None:
         raise TemplateLimitError("a format width of a million or more")
     values = args.values() if isinstance(args, Mapping) else args if isinstance(args, (tuple, list)) else (args,)
     _check_int_args(values)
+    _check_text(list(values))
 
 
 def _guard_iter(iterable: Any) -> Any:
@@ -119,7 +145,7 @@ class _GuardedIterable:
 def _guard_concat(*parts: Any) -> str:
     """``a ~ b ~ c`` (rewritten to call this): the joined length is checked before joining."""
     _tick()
-    texts = [p if isinstance(p, str) else str(p) for p in parts]
+    texts = [p if isinstance(p, str) else str(_check_text(p)) for p in parts]
     if sum(map(len, texts)) > MAX_TEMPLATE_CHARS:
         raise TemplateLimitError(f"a string longer than {MAX_TEMPLATE_CHARS} characters")
     return "".join(texts)
@@ -241,9 +267,15 @@ def _check_replace(text: Any, old: Any, new: Any) -> None:
 
 def _check_join(sep: Any, items: Any) -> None:
     if isinstance(items, (list, tuple)):
-        total = sum(len(x) if isinstance(x, str) else 32 for x in items) + len(items) * len(str(sep))
+        total = _text_size(items, len(str(_check_text(sep))))
         if total > MAX_TEMPLATE_CHARS:
             raise TemplateLimitError(f"a join making more than {MAX_TEMPLATE_CHARS} characters")
+
+
+# the built-in filters that print their input (str() or repr()) before working on it
+_PRINTING_FILTERS = frozenset({"string", "pprint", "safe", "escape", "e", "forceescape", "capitalize", "lower",
+                               "upper", "title", "trim", "striptags", "wordwrap", "wordcount", "truncate", "center",
+                               "urlencode", "urlize", "indent", "replace", "filesizeformat"})
 
 
 def _bounded_filter(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
@@ -269,6 +301,8 @@ def _bounded_filter(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
                 raise TemplateLimitError(f"an indent making more than {MAX_TEMPLATE_CHARS} characters")
         elif name == "format" and values:
             _check_format(values[0], values[1:] + list(kwargs.values()))
+        elif name in _PRINTING_FILTERS and values:
+            _check_text(values[0])
         return _check_size(f(*args, **kwargs))
 
     return bounded
@@ -285,6 +319,7 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
             sort_keys: bool = False) -> str:
     if indent is not None and (not _is_int(indent) or not 0 <= indent <= MAX_JSON_INDENT):
         raise TemplateLimitError(f"tojson indent must be an integer in [0, {MAX_JSON_INDENT}], got {indent!r}")
+    _check_text(x, per_item=4 + 2 * (indent or 0))
     return _check_size(json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                                   sort_keys=sort_keys))
 
@@ -301,7 +336,8 @@ def compile_chat_template(source: str) -> jinja2.Template:
         raise KestrelError(f"invalid chat template: expected text, got {type(source).__name__}")
     if len(source) > MAX_TEMPLATE_CHARS:
         raise KestrelError(f"invalid chat template: {len(source)} characters (the limit is {MAX_TEMPLATE_CHARS})")
-    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
+                         finalize=_check_text)  # every {{ value }}, measured before it is printed
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

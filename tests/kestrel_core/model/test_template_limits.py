@@ -47,6 +47,15 @@ HOSTILE = {
                     "{% endfor %}{% endfor %}",
     "recursive loop": "{% for x in range(100) recursive %}{{ loop(range(100)) }}{% endfor %}",
     "tojson indent": "{{ messages|tojson(indent=100000000) }}",
+    # a value within the limits that prints as terabytes: four million references to one 4 MB string
+    "tojson of shared items": "{{ (['x' * 4000000] * 4000000)|tojson }}",
+    "string of shared items": "{{ (['x' * 4000000] * 100)|string }}",
+    "pprint of shared items": "{{ (['x' * 4000000] * 100)|pprint }}",
+    "printed shared items": "{{ ['x' * 4000000] * 100 }}",
+    "percent of shared items": "{{ '%s' % (['x' * 4000000] * 100) }}",
+    "concat of shared items": "{{ 'a' ~ (['x' * 4000000] * 100) }}",
+    "join of shared items": "{{ [['x' * 4000000] * 100]|join(',') }}",
+    "format of shared items": "{{ '{}'.format(['x' * 4000000] * 100) }}",
 }
 
 
@@ -138,7 +147,8 @@ def test_allocation_bombs_stay_under_the_memory_limit() -> None:
     """In a subprocess with 1 GiB of address space to spare: the template bombs end in KestrelErrors that are not
     memory errors (without the limits the doubling concat needs 1 TB, ``[1, 2] * 10**8`` 1.6 GB)."""
     names = ["string repetition", "list repetition", "doubling concat", "doubling +", "center filter",
-             "format width", "percent width", "replace blowup", "join blowup", "str method"]
+             "format width", "percent width", "replace blowup", "join blowup", "str method",
+             *(name for name in HOSTILE if name.endswith("shared items"))]
     root = str(Path(kestrel_core.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-c", BOUNDED, *(HOSTILE[n] for n in names)], capture_output=True,
