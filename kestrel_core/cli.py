@@ -8,7 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
+import warnings
 from collections.abc import Sequence
 
 from rich.console import Console
@@ -22,7 +25,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import KV_TYPES, POOLINGS
 from kestrel_core.model.reasoning import THINK_LEVELS
 
-out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+out = Console(highlight=False, width=None if sys.stdout is not None and sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False)
 
 
@@ -318,6 +321,8 @@ def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s",
                         handlers=[RichHandler(console=err, show_time=False, show_path=False)])
+    if not args.verbose:  # numpy's overflow and invalid-value notes: what they lead to is checked and reported
+        warnings.simplefilter("ignore", RuntimeWarning)
     try:
         from kestrel_core.model.validate import check_cli_args
         from kestrel_core.registry import default_options, parse_backend_options
@@ -330,6 +335,9 @@ def _main(argv: Sequence[str] | None) -> int:
         _finish_cache_writes(cancel=True)
         err.print("interrupted")
         return 130
+    except BrokenPipeError:  # the reader left (``kestrel run ... | head``): stop quietly, as a killed writer does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        return 128 + signal.SIGPIPE
     except (KestrelError, OSError) as exc:
         if args.verbose:
             err.print_exception()

@@ -67,7 +67,18 @@ def redeliver_interrupts() -> None:
     sys.unraisablehook = hook
 
 
+def open_closed_streams() -> None:
+    """A standard stream closed at launch (``kestrel list >&-``, ``kestrel run <&-``) is None in Python: the
+    command reads it as empty and writes to it as to /dev/null, instead of failing on the None."""
+    import os
+
+    for name, mode in (("stdin", "r"), ("stdout", "w"), ("stderr", "w")):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, mode, encoding="utf-8"))  # noqa: SIM115 (the process's stream)
+
+
 def main() -> int:
+    open_closed_streams()
     note_interrupts()
     redeliver_interrupts()
     try:

@@ -80,9 +80,10 @@ def _open_generator(args: argparse.Namespace) -> Engine:
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         return args.prompt
-    if sys.stdin.isatty():
+    text = "" if sys.stdin.isatty() else read_text_stdin(sys.stdin)
+    if not text:
         raise KestrelError("no prompt given (pass it as an argument or on stdin)")
-    return read_text_stdin(sys.stdin)
+    return text
 
 
 def _prompt(engine: Engine, messages: list[dict[str, str]], chat: bool, args: argparse.Namespace

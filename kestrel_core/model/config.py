@@ -37,6 +37,7 @@ MAX_VOCAB = 1 << 24
 MAX_LAYERS = 4096
 MAX_HEADS = 1 << 14
 MAX_POSITION = 1 << 26
+MAX_ROPE_FACTOR = 1024.0  # a RoPE scaling's factor, at most (and at least its reciprocal); real ones: 4 to 64
 # what a model may recommend for sampling (generation_config.json, GGUF general.sampling.*): SamplingParams' names
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -454,12 +455,12 @@ def check_rope_scaling(s: Any, pairs: int) -> None:
                               f"{', '.join(ROPE_SCALINGS)}, got {s!r}")
     kind = s["rope_type"]
     if kind == "linear":
-        check_float("rope_scaling.factor", s.get("factor"), 0.0, lo_open=True)
+        check_float("rope_scaling.factor", s.get("factor"), 1 / MAX_ROPE_FACTOR, MAX_ROPE_FACTOR)
         return
     check_int("rope_scaling.original_max_position_embeddings", s.get("original_max_position_embeddings"), 1,
               MAX_POSITION)
     if kind == "llama3":
-        check_float("rope_scaling.factor", s.get("factor"), 1.0)
+        check_float("rope_scaling.factor", s.get("factor"), 1.0, MAX_ROPE_FACTOR)
         low = check_float("rope_scaling.low_freq_factor", s.get("low_freq_factor"), 0.0, lo_open=True)
         high = check_float("rope_scaling.high_freq_factor", s.get("high_freq_factor"), 0.0, lo_open=True)
         if not high > low:
@@ -468,7 +469,7 @@ def check_rope_scaling(s: Any, pairs: int) -> None:
         return
     check_float("rope_scaling.attention_factor", s.get("attention_factor"), 0.0, lo_open=True)
     if kind == "yarn":
-        check_float("rope_scaling.factor", s.get("factor"), 0.0, lo_open=True)
+        check_float("rope_scaling.factor", s.get("factor"), 1 / MAX_ROPE_FACTOR, MAX_ROPE_FACTOR)
         check_float("rope_scaling.beta_fast", s.get("beta_fast"), 0.0, lo_open=True)
         check_float("rope_scaling.beta_slow", s.get("beta_slow"), 0.0, lo_open=True)
         check_bool("rope_scaling.truncate", s.get("truncate"))
@@ -509,8 +510,8 @@ def normalize_rope_scaling(scaling: dict[str, Any] | None, where: str, max_posit
 def _resolve_rope_scaling(kind: str, s: dict[str, Any], max_position: int | None,
                           original: int | None) -> dict[str, Any]:
     if kind == "linear":
-        return {"rope_type": "linear", "factor": check_float("rope_scaling.factor", s.get("factor"), 0.0,
-                                                             lo_open=True)}
+        return {"rope_type": "linear", "factor": check_float("rope_scaling.factor", s.get("factor"),
+                                                             1 / MAX_ROPE_FACTOR, MAX_ROPE_FACTOR)}
     if original is None:
         original = s.get("original_max_position_embeddings", max_position)
     if original is None:
@@ -530,7 +531,7 @@ def _resolve_rope_scaling(kind: str, s: dict[str, Any], max_position: int | None
         if max_position is None:
             raise ValidationError("rope scaling lacks factor")
         factor = max_position / original
-    factor = check_float("rope_scaling.factor", factor, 0.0, lo_open=True)
+    factor = check_float("rope_scaling.factor", factor, 1 / MAX_ROPE_FACTOR, MAX_ROPE_FACTOR)
     attention = s.get("attention_factor")
     if kind == "yarn":
         if attention is None:

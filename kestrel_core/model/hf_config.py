@@ -423,6 +423,9 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         }
         if arch in GEMMA_ARCHITECTURES:
             fields.update(_gemma_fields(arch, cfg, where))
+        elif cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # what every other architecture gates by
+            raise KestrelError(f"{where}: hidden_act {cfg['hidden_act']!r} is not supported ({arch} gates its MLP "
+                               "by SiLU)")
         if arch == "smollm3":
             fields["nope_layers"] = _nope_layers(cfg, where)
         if arch in ("olmo2", "olmo3"):  # norms after each block, and q/k norms over the whole projection

@@ -79,6 +79,8 @@ class Tokenizer:
                 cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise KestrelError(f"{cfg_path}: cannot read it ({one_line(exc)})") from None
+            if not isinstance(cfg, dict):
+                raise KestrelError(f"{cfg_path}: expected a JSON object")
         template = cfg.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}

@@ -270,7 +270,7 @@ def check_artifact_meta(quant: Any, config: Any, tensor_names: Iterable[str], wh
 
 
 CLI_INT_RANGES: dict[str, tuple[int, int | None]] = {
-    "max_tokens": (0, None), "top_k": (0, None), "seed": (0, 2 ** 63 - 1), "seeds": (1, 10_000),
+    "max_tokens": (1, None), "top_k": (0, None), "seed": (0, 2 ** 63 - 1), "seeds": (1, 10_000),
     "prompt_tokens": (1, None), "decode_tokens": (0, None), "runs": (1, 10_000), "warmup": (0, 10_000),
     "port": (0, 65535), "max_batch": (1, None), "max_waiting": (0, None), "token_budget": (1, None),
     "dimensions": (1, None), "speculate": (0, 64), "max_model_len": (1, None),
@@ -281,7 +281,9 @@ CLI_FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "shutdown_grace": (0.0, 86400.0),
 }
 # given, these must hold more than blanks: ``--api-key "$KEY"`` with KEY unset must not serve without a key
-CLI_TEXT = ("host", "served_model_name", "api_key")
+CLI_TEXT = ("host", "served_model_name", "api_key", "quant", "backend", "model", "output")
+_POSITIONAL = {"prompt": "the prompt", "texts": "a text to embed"}
+_PATHS = frozenset({"model", "output", "lora"})
 
 
 def check_cli_args(args: Any) -> None:
@@ -310,6 +312,12 @@ def check_cli_args(args: Any) -> None:
         for one in value if isinstance(value, list) else [value]:  # a repeatable option: each value
             if one is not None and not str(one).strip():
                 raise KestrelError(f"--{name.replace('_', '-')}: {name} must not be empty, got {one!r}")
+    for name, value in vars(args).items():  # Python decodes the command line's invalid UTF-8 as lone surrogates
+        if name in _PATHS:  # a file's name may be any bytes
+            continue
+        for one in value if isinstance(value, list) else [value]:
+            if isinstance(one, str):
+                _strict_text(one, _POSITIONAL.get(name, f"--{name.replace('_', '-')}"))
 
 
 def _strict_text(text: str, what: str) -> str:
@@ -322,22 +330,31 @@ def _strict_text(text: str, what: str) -> str:
     return text
 
 
+MAX_STDIN_BYTES = 1 << 26  # 64 MiB of text on stdin, at most: some 16 million tokens, past any model's context
+
+
 def read_text_stdin(stream: Any, what: str = "stdin") -> str:
     """All of ``stream`` as text, strictly UTF-8 whatever the stream's own error handler, newlines translated as
-    a text stream does; invalid UTF-8 is one line naming ``what``, not a UnicodeDecodeError (exit 1)."""
+    a text stream does; invalid UTF-8 is one line naming ``what``, not a UnicodeDecodeError (exit 1), and so is
+    more than MAX_STDIN_BYTES (``kestrel run < /dev/zero`` would fill the memory)."""
     buffer = getattr(stream, "buffer", None)
+    raw = (stream if buffer is None else buffer).read(MAX_STDIN_BYTES + 1)
+    if len(raw) > MAX_STDIN_BYTES:
+        raise KestrelError(f"{what} holds more than {MAX_STDIN_BYTES >> 20} MiB of text")
     try:
-        if buffer is None:
-            return _strict_text(stream.read(), what)
-        text = buffer.read().decode("utf-8")
+        text = _strict_text(raw, what) if buffer is None else raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise KestrelError(f"{what} is not valid UTF-8 (byte {exc.start}: {exc.reason})") from None
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def read_line_stdin(stream: Any, what: str = "stdin") -> str:
-    """One line of ``stream`` (``""`` at the end); invalid UTF-8 is one line naming ``what``."""
+    """One line of ``stream`` (``""`` at the end); invalid UTF-8 is one line naming ``what``, and so is a line of
+    more than MAX_STDIN_BYTES."""
     try:
-        return _strict_text(stream.readline(), what)
+        line = _strict_text(stream.readline(MAX_STDIN_BYTES + 1), what)
+        if len(line) > MAX_STDIN_BYTES:
+            raise KestrelError(f"{what}: a line of more than {MAX_STDIN_BYTES >> 20} MiB")
+        return line
     except UnicodeDecodeError as exc:
         raise KestrelError(f"{what} is not valid UTF-8 (byte {exc.start}: {exc.reason})") from None

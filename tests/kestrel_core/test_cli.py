@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,6 +50,16 @@ def test_an_explicit_other_quant_on_an_artifact_is_reported(artifact: Path, capl
     (["run", "--model", str(TINY), "--json-schema", "@/nonexistent/schema.json", "hi"], "cannot read"),
     (["run", "--model", str(TINY), "--grammar", "start: missing", "hi"], "--grammar: invalid grammar"),
     (["run", "--model", str(TINY), "--regex", "(open", "hi"], "--regex: invalid grammar"),
+    (["run", "--model", str(TINY), "x\udcff"], "the prompt is not valid UTF-8"),  # argv's invalid UTF-8, decoded
+    (["run", "--model", str(TINY), "--regex", "x\udcff", "hi"], "--regex is not valid UTF-8"),
+    (["embed", "--model", str(TINY), "x\udcff"], "a text to embed is not valid UTF-8"),
+    (["run", "--model", str(TINY), "-n", "0", "hi"], "max_tokens must be an integer >= 1"),
+    (["run", "--model", str(TINY), "--quant", "", "hi"], "--quant: quant must not be empty"),
+    (["run", "--model", "", "hi"], "--model: model must not be empty"),
+    (["run", "--model", str(TINY), "--rope-scaling", '{"rope_type": "yarn", "factor": 1e308}', "hi"],
+     "rope_scaling.factor must be <= 1024"),
+    (["run", "--model", str(TINY), "--rope-scaling", '{"rope_type": "linear", "factor": 1e-300}', "hi"],
+     "rope_scaling.factor must be >= 0.000976562"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, capsys) -> None:
     assert main(argv) == 2
@@ -243,7 +256,7 @@ def test_quantize_never_writes_over_its_input_or_what_is_not_a_file(artifact: Pa
     assert main(["quantize", str(TINY), "-o", str(fifo), "--force"]) == 2
     assert "not a regular file" in capsys.readouterr().err and fifo.is_fifo()
     assert main(["quantize", str(TINY), "-o", ""]) == 2
-    assert "needs a file name" in capsys.readouterr().err
+    assert "output must not be empty" in capsys.readouterr().err
     dangling = tmp_path / "link.kst"
     dangling.symlink_to(tmp_path / "nowhere")
     assert main(["quantize", str(TINY), "-o", str(dangling)]) == 2  # a link is the user's too
@@ -262,3 +275,47 @@ def test_quantize_removes_only_its_own_stale_temp_files(tmp_path: Path) -> None:
         os.utime(path, (time.time() - 7200, time.time() - 7200))
     assert main(["quantize", str(TINY), "-o", str(tmp_path / "out.kst")]) == 0
     assert not ours.exists() and theirs.read_text() == "x"
+
+
+def _cli(args: list[str], **kwargs) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
+    return subprocess.run([sys.executable, "-m", "kestrel_core.cli", *args], capture_output=kwargs.pop(
+        "capture_output", True), text=True, timeout=300, **kwargs)
+
+
+def test_a_standard_stream_closed_at_launch_is_empty_or_nowhere() -> None:
+    """``kestrel list >&-`` runs (its output goes nowhere); ``kestrel run <&-`` has no prompt: one line, exit 2."""
+    listed = subprocess.run([sys.executable, "-m", "kestrel_core.cli", "list"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, timeout=300, preexec_fn=lambda: os.close(1))
+    assert listed.returncode == 0 and "Traceback" not in listed.stderr and "Error" not in listed.stderr
+    run = subprocess.run([sys.executable, "-m", "kestrel_core.cli", "run", "--model", str(TINY), "--backend",
+                          "cpu"], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300,
+                         preexec_fn=lambda: os.close(0))
+    assert run.returncode == 2 and run.stderr.strip().endswith("no prompt given (pass it as an argument or on stdin)")
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly() -> None:
+    """``kestrel run ... | head -c 1``: the write that finds the pipe closed ends the command as SIGPIPE would
+    (128 + 13), without an error line."""
+    proc = subprocess.Popen([sys.executable, "-m", "kestrel_core.cli", "run", "--model", str(TINY), "--backend",
+                             "cpu", "--no-chat", "-n", "400", "--regex", "x{300}", "hi"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(1)
+    proc.stdout.close()
+    assert proc.wait(timeout=300) == 141
+    assert "error" not in proc.stderr.read()
+
+
+def test_stdin_past_its_limit_is_one_line(monkeypatch) -> None:
+    import io
+
+    from kestrel_core.errors import KestrelError
+    from kestrel_core.model import validate
+
+    monkeypatch.setattr(validate, "MAX_STDIN_BYTES", 1 << 10)
+    stream = io.TextIOWrapper(io.BytesIO(b"x" * 2048), encoding="utf-8")
+    with pytest.raises(KestrelError, match="stdin holds more than"):
+        validate.read_text_stdin(stream)
+    with pytest.raises(KestrelError, match="a line of more than"):
+        validate.read_line_stdin(io.StringIO("y" * 2048))
+    assert validate.read_text_stdin(io.TextIOWrapper(io.BytesIO(b"ok\r\n"), encoding="utf-8")) == "ok\n"

@@ -135,6 +135,10 @@ def test_config_variants() -> None:
     ({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "llama3", "factor": 4.0}},
      "llama3 rope scaling lacks"),
     ({"architectures": ["LlamaForCausalLM"], "attention_bias": True}, "attention_bias"),
+    ({"architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"architectures": ["Qwen3ForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 1e308,
+                                                              "original_max_position_embeddings": 32}},
+     "yarn rope_scaling.factor must be <= 1024"),
 ])
 def test_unsupported_configs_are_named(cfg: dict, match: str) -> None:
     base = {"vocab_size": 10, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,

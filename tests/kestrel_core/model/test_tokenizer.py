@@ -104,6 +104,14 @@ def write_tokenizer_dir(root: Path, fmt, config: dict | None = None, jinja: str 
     return root
 
 
+@pytest.mark.parametrize("config", [[1, 2], "a string", 7])
+def test_a_tokenizer_config_that_is_not_an_object_is_named(tmp_path: Path, fmt, config) -> None:
+    root = write_tokenizer_dir(tmp_path, fmt)
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(KestrelError, match="tokenizer_config.json: expected a JSON object"):
+        Tokenizer.from_hf_dir(root)
+
+
 def test_from_hf_dir_template_forms_and_special_tokens(tmp_path: Path, fmt) -> None:
     t1 = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
     cfg = {"chat_template": t1, "bos_token": {"content": "<|im_start|>", "special": True},
