@@ -227,7 +227,8 @@ def test_strip_cache_can_skip_its_range_scan() -> None:
 
 def test_stale_temp_files_go_on_the_next_write(tmp_path: Path, synth_source) -> None:
     model = quantize_model(synth_source("llama"), "q8")
-    old, fresh, other = tmp_path / ".m.kst.abc.tmp", tmp_path / ".m.kst.def.tmp", tmp_path / ".n.kst.ghi.tmp"
+    old, fresh, other = (tmp_path / name for name in (".m.kst.abc12345.tmp", ".m.kst.def12345.tmp",
+                                                      ".n.kst.ghi12345.tmp"))  # mkstemp's names
     for p in (old, fresh, other):
         p.write_bytes(b"partial")
     hour_ago = time.time() - 2 * 3600
