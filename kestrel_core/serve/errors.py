@@ -32,11 +32,11 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict[str, str] | None = None) -> None:
-        message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # a client's lone surrogate, quoted
+        message = _quoted(message)
         super().__init__(message)
         self.status = status
         self.message = message
-        self.param = param
+        self.param = None if param is None else _quoted(param)
         self.code = code
         self.type = type or _TYPES.get(status, "server_error")
         self.headers = headers
@@ -65,6 +65,11 @@ class APIError(Exception):
         else:
             body = self.body()
         return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _quoted(text: str) -> str:
+    """``text`` with a client's lone surrogates written as escapes (``\\ud800``): UTF-8, and so JSON, has none."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

@@ -77,20 +77,23 @@ class RequestBody(BaseModel):
         return data
 
 
-def _lone_surrogate(value: Any, loc: tuple[int | str, ...] = ()) -> tuple[int | str, ...] | None:
-    """Where in a request's raw JSON value a string (or an object's key) holds a lone surrogate, or None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return loc
-        return None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        found = _lone_surrogate(key, loc + (key,)) if isinstance(key, str) else None
-        found = found or _lone_surrogate(item, loc + (key,))
-        if found is not None:
-            return found
+def _lone_surrogate(value: Any) -> tuple[int | str, ...] | None:
+    """Where in a request's raw JSON value a string (or an object's key) holds a lone surrogate, or None; a walk
+    of its own stack, as deep as the JSON parser let the body nest."""
+    stack: list[tuple[Any, tuple[int | str, ...]]] = [(value, ())]
+    while stack:
+        v, loc = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return loc
+        elif isinstance(v, (dict, list)):
+            items = list(v.items() if isinstance(v, dict) else enumerate(v))
+            for key, item in reversed(items):  # the first field first
+                stack.append((item, loc + (key,)))
+                if isinstance(key, str):
+                    stack.append((key, loc + (key,)))
     return None
 
 

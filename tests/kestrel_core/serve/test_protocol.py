@@ -201,3 +201,20 @@ def test_reasoning_effort_reaches_the_template_and_none_turns_thinking_off() -> 
     assert chat_request(reasoning_effort="high").template_context() == {"reasoning_effort": "high", "tools": None}
     asked = chat_request(reasoning_effort="minimal", chat_template_kwargs={"enable_thinking": True})
     assert asked.template_context()["enable_thinking"] is True  # the template's own variable wins
+
+
+def test_a_lone_surrogate_is_found_however_deep() -> None:
+    """The walk has a stack of its own: a body nested as deep as the JSON parser allows is still read whole."""
+    import json
+
+    from kestrel_core.serve.errors import APIError
+
+    deep = json.loads('{"messages": [{"role": "user", "content": "Hi"}], "stop": ' + "[" * 900 + '"\\udc80"'
+                      + "]" * 900 + "}")
+    with pytest.raises(APIError) as info:
+        ChatCompletionRequest.model_validate(deep)
+    assert info.value.status == 400 and info.value.param.startswith("stop.[0].[0]")
+    with pytest.raises(APIError, match="not Unicode text") as info:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}],
+                                              "metadata": {"\ud800": 1}})
+    assert info.value.param == "metadata.\\ud800" and info.value.response().body  # quoted: it encodes
