@@ -159,10 +159,11 @@ class Scheduler:
         except KestrelError as exc:
             raise InvalidRequest(str(exc), param="prompt") from None
         vocab = self.engine.config.vocab_size
-        outside = [t for t, _ in params.logit_bias if t >= vocab]
-        if outside:
-            raise InvalidRequest(f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})",
-                                 param="logit_bias")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise InvalidRequest(f"{name} token id {outside[0]} is outside the vocabulary [0, {vocab})",
+                                     param=name)
         if self.pool.blocks_for(len(prompt_ids)) > self.pool.num_blocks:
             raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds "
                                  f"{self.pool.capacity}", param="prompt")

@@ -423,6 +423,7 @@ def test_client_disconnect_while_waiting_for_a_whole_answer(server: KestrelServe
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"10000000": 1}}, "logit_bias"),  # outside the vocabulary
+    ({"extra_body": {"stop_token_ids": [1, 10000000]}}, "stop_token_ids"),  # likewise (vLLM's field)
     ({"logit_bias": {"five": 1}}, "logit_bias"),
 ])
 def test_bad_chat_request_is_a_400_naming_the_field(client: openai.OpenAI, kwargs: dict[str, Any],
