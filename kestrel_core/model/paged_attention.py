@@ -121,11 +121,7 @@ def _rope_write(k: np.ndarray, v: np.ndarray, kt: np.ndarray, vc: np.ndarray, ks
     vdp = vc.shape[3]
     bs = kt.shape[3]
     half = hd // 2
-    quantized = ks.size > 0
     row = np.zeros(hd + vdp, np.float32)  # a head's rotated key, then its value
-    bits = np.empty(hd + vdp, np.uint16)
-    codes = np.empty((1, hd + vdp), np.int8)
-    scales = np.empty((1, (hd + vdp) // KV_GROUP), np.float32)
     for r in range(m):
         blk, off = slots[r] // bs, slots[r] % bs
         for kh in range(n_kv):  # x * cos + rotate_half(x) * sin
@@ -134,22 +130,42 @@ def _rope_write(k: np.ndarray, v: np.ndarray, kt: np.ndarray, vc: np.ndarray, ks
                 row[j] = k[r, kh, j] * cos[r, j] + k[r, kh, js] * sin[r, j]
             for j in range(vd):
                 row[hd + j] = v[r, kh, j]
-            if quantized:
-                q8_rows(row.reshape(1, hd + vdp), KV_GROUP, codes, scales)
-                for j in range(hd):
-                    kt[blk, kh, j, off] = codes[0, j]
-                for g in range(hd // KV_GROUP):
-                    ks[blk, kh, g, off] = scales[0, g]
-                for j in range(vdp):
-                    vc[blk, kh, off, j] = codes[0, hd + j]
-                for g in range(vdp // KV_GROUP):
-                    vs[blk, kh, off, g] = scales[0, hd // KV_GROUP + g]
-            else:
-                half_bits(row, bits)
-                for j in range(hd):
-                    kt[blk, kh, j, off] = bits[j]
-                for j in range(vdp):
-                    vc[blk, kh, off, j] = bits[hd + j]
+            store_row(row, hd, kt, vc, ks, vs, blk, kh, off)
+
+
+def _store_half(row: np.ndarray, hd: int, kt: np.ndarray, vc: np.ndarray, ks: np.ndarray, vs: np.ndarray,
+                blk: int, kh: int, off: int) -> None:
+    # row: KV head kh's rotated key [hd] then value [vdp], written as float16 bits at position off of block blk
+    bits = np.empty(row.shape[0], np.uint16)
+    half_bits(row, bits)
+    for j in range(hd):
+        kt[blk, kh, j, off] = bits[j]
+    for j in range(vc.shape[3]):
+        vc[blk, kh, off, j] = bits[hd + j]
+
+
+def _store_q8(row: np.ndarray, hd: int, kt: np.ndarray, vc: np.ndarray, ks: np.ndarray, vs: np.ndarray,
+              blk: int, kh: int, off: int) -> None:
+    # the same as int8 codes and their scales
+    n = row.shape[0]
+    codes = np.empty((1, n), np.int8)
+    scales = np.empty((1, n // KV_GROUP), np.float32)
+    q8_rows(row.reshape(1, n), KV_GROUP, codes, scales)
+    for j in range(hd):
+        kt[blk, kh, j, off] = codes[0, j]
+    for g in range(hd // KV_GROUP):
+        ks[blk, kh, g, off] = scales[0, g]
+    for j in range(vc.shape[3]):
+        vc[blk, kh, off, j] = codes[0, hd + j]
+    for g in range(vs.shape[3]):
+        vs[blk, kh, off, g] = scales[0, hd // KV_GROUP + g]
+
+
+def _store_row(row: np.ndarray, hd: int, kt: np.ndarray, vc: np.ndarray, ks: np.ndarray, vs: np.ndarray,
+               blk: int, kh: int, off: int) -> None:
+    """A head's rotated key and value into the pool at position ``off`` of block ``blk``, as the pool holds them:
+    compiled, the choice is made by kt's type (``_build``), so a float16 pool's build has no int8 code."""
+    (_store_q8 if kt.dtype == np.int8 else _store_half)(row, hd, kt, vc, ks, vs, blk, kh, off)
 
 
 def _score_vectors(heads: int) -> int:
@@ -297,6 +313,7 @@ def _q8_rows(x: np.ndarray, group: int, codes: np.ndarray, scales: np.ndarray) -
 
 half_bits: Any = _half_bits
 q8_rows: Any = _q8_rows
+store_row: Any = _store_row
 rope_write: Any = _rope_write
 key_scores: Any = _key_scores
 value_sums: Any = _value_sums
@@ -548,7 +565,8 @@ def _build() -> None:
     global half_bits, q8_rows, rope_write, key_scores, value_sums, softmax, attend, _num_threads
     try:
         import numba
-        from numba import njit
+        from numba import njit, types
+        from numba.extending import overload
 
         from kestrel_core.codegen import native_half
         from kestrel_core.contract import compiled_q8_rows
@@ -596,6 +614,11 @@ def _build() -> None:
     value_sums = value_sums_any
     half_bits = njit(cache=True, nogil=True)(_half_bits)  # a global rope_write resolves when it compiles
     q8_rows = compiled_q8_rows()
+    @overload(_store_row, inline="always")
+    def _store_row_typed(row: np.ndarray, hd: int, kt: np.ndarray, vc: np.ndarray, ks: np.ndarray, vs: np.ndarray,
+                         blk: int, kh: int, off: int) -> Any:  # numba compares it with the implementations' own
+        return _store_q8 if kt.dtype == types.int8 else _store_half
+
     rope_write = njit(cache=True, nogil=True)(_rope_write)
     attend = njit(cache=True, nogil=True, parallel=True)(_attend)
 
