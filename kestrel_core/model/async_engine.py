@@ -124,6 +124,7 @@ class AsyncEngine:
         """The request's outputs as its tokens come; InvalidRequest or Overloaded before the first one. A
         grammar's constraint is built first, on a worker thread: compiling a client's grammar may take a while,
         and the steps' thread does not wait for it."""
+        self.scheduler.check(prompt_ids, params)  # a bad request fails before its grammar is compiled
         constraint = None
         if isinstance(params.grammar, str):
             constraint = await asyncio.get_running_loop().run_in_executor(None, self.engine.constraint,
@@ -146,8 +147,7 @@ class AsyncEngine:
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
                constraint: Constraint | None = None) -> tuple[str, _Client]:
-        ids = [int(t) for t in prompt_ids]
-        self.scheduler.check(ids, params)  # reads only the engine's config and pool size: safe here
+        ids = self.scheduler.check(prompt_ids, params)  # reads only the engine's config and pool size: safe here
         loop = asyncio.get_running_loop()
         with self._lock:
             if not self._accepting:
@@ -164,6 +164,7 @@ class AsyncEngine:
             self._clients[request_id] = client
             self._inbox.append(("add", (request_id, ids, params, constraint)))
             self._wake.notify()
+        self.start()  # the steps' thread, on first use (a server starts it itself)
         return request_id, client
 
     async def embed(self, inputs: Sequence[Sequence[int]], *, pooling: str | None = None,

@@ -40,8 +40,8 @@ class EmbedJob:
     def __init__(self, engine: Any, inputs: Sequence[Sequence[int]], *, pooling: str | None = None,
                  dimensions: int | None = None, budget: int = PREFILL_CHUNK) -> None:
         c = engine.config
-        if not inputs:
-            raise InvalidRequest("no input to embed", param="input")
+        if isinstance(inputs, (str, bytes)) or len(inputs) == 0:
+            raise InvalidRequest("no input to embed: give a sequence of token id sequences", param="input")
         self.inputs = []
         for ids in inputs:
             try:

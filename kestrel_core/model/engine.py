@@ -11,9 +11,10 @@ likewise a device that declined earlier is offered the tokens it missed along wi
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,7 @@ from kestrel_core.model.embed import EmbedJob
 from kestrel_core.model.grammar import Constraint, grammar_vocab
 from kestrel_core.model.harmony import is_harmony
 from kestrel_core.model.kv_pool import KVPool, SeqCache
-from kestrel_core.model.sampling import SamplingParams, TokenLogprob, logprobs_of
+from kestrel_core.model.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob, logprobs_of
 from kestrel_core.model.validate import ValidationError, is_int
 from kestrel_core.model.weights import Model
 from kestrel_core.registry import Backend, Registry
@@ -126,6 +127,7 @@ class Engine:
         self.registry = registry
         self.source = source
         self.offload = Offload(backend, cpu)
+        self.closed = False  # ``close()``: its backends are closed, it takes no more requests
         self.activations = resolve_activations(activations, backend)
         if kv_cache_type != "f16" and not self.steps_on_host:
             raise KestrelError(f"the KV cache type {kv_cache_type} is the host's: the {backend.name} backend runs "
@@ -161,6 +163,8 @@ class Engine:
     # -- lifecycle -----------------------------------------------------------------------------------
 
     def close(self) -> None:
+        """Close the backends; every later request is a KestrelError (closing again does nothing)."""
+        self.closed = True
         if self.registry is not None:
             self.registry.close()
             self.registry = None
@@ -335,6 +339,12 @@ class Engine:
         return outs  # type: ignore[return-value]
 
     def check_ids(self, ids: Sequence[int], what: str) -> list[int]:
+        """``ids`` as a list of token ids in the vocabulary and the context, for a request on this open engine."""
+        if self.closed:
+            raise KestrelError("the engine is closed")
+        if isinstance(ids, (str, bytes)) or not _token_ids(ids):
+            raise KestrelError(f"the {what} must be a sequence of token ids (integers; text goes through "
+                               f"engine.tokenizer.encode first), got {type(ids).__name__}")
         ids = [int(i) for i in ids]
         if not ids:
             raise KestrelError(f"the {what} is empty")
@@ -378,7 +388,9 @@ class Engine:
     def prompt_logprobs(self, token_ids: Sequence[int], top: int = 0) -> list[TokenLogprob]:
         """Each token after the first, scored by the logits before it (a prompt's logprobs, as the sampler
         reports a generated token's: the log-softmax, with the ``top`` likeliest alternatives)."""
-        ids = [int(i) for i in token_ids]
+        if not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}", param="top")
+        ids = self.check_ids(token_ids, "input")
         scored: list[TokenLogprob] = []
         for rows in self._chunk_logits(ids):  # a chunk at a time: never the whole [T, vocab]
             start = len(scored)
@@ -424,8 +436,12 @@ class Engine:
         """One request's outputs (tokens, text, logprobs) step by step: the scheduler with this one request."""
         from kestrel_core.model.scheduler import Scheduler
 
+        if not isinstance(params, SamplingParams):
+            raise KestrelError(f"params must be a SamplingParams (engine.sampling_params(...) makes one), got "
+                               f"{type(params).__name__}")
+
         scheduler = Scheduler(self, max_batch=1)
-        request = scheduler.add(list(prompt_ids), params)  # checks the prompt and parameters now, not at next()
+        request = scheduler.add(prompt_ids, params)  # checks the prompt and parameters now, not at next()
         return self._stream(scheduler, request)
 
     def _stream(self, scheduler: Any, request: Any) -> Iterator[RequestOutput]:
@@ -496,6 +512,16 @@ def _resolve_model(model: Any, quant: str | None, lora: str | None = None,
     raise KestrelError(f"cannot load a model from a {type(model).__name__}")
 
 
+def _token_ids(ids: Any) -> bool:
+    """Whether ``ids`` is a sequence (or a 1-D integer array) of integers, as token ids are."""
+    if isinstance(ids, np.ndarray):
+        return ids.ndim == 1 and (ids.dtype.kind in "iu" or ids.size == 0)
+    try:
+        return all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids)
+    except TypeError:  # not iterable
+        return False
+
+
 def resolve_activations(activations: str, backend: Backend) -> str:
     """``auto``: "mixed" (the prompt read at float32, the cost of a slower prefill only) unless the backend
     runs whole steps on its device, which compute with int8 activations: then "q8"."""
@@ -544,6 +570,9 @@ def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str, kv_cache_
           max_model_len: int | None = None, rope_scaling: dict[str, Any] | None = None,
           kv_cache_type: str = "f16") -> Engine:
     """Bind first (a backend that cannot bind fails fast, before any model is read), then load, preload."""
+    if backend_options is not None and not (isinstance(backend_options, Mapping) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in backend_options.items())):
+        raise KestrelError(f"backend_options must map option names to strings, got {backend_options!r}")
     registry = Registry(backend_options)
     try:
         chosen = registry.select(backend)  # an explicit backend that did not bind raises with its reason
@@ -576,6 +605,8 @@ def load(model: str | Model | None = None, backend: str = "auto", quant: str | N
     receives. ``max_model_len``: the context (None: the model's); ``rope_scaling``: a RoPE scaling in place of
     the model's, e.g. YaRN for a longer context (``with_context``); ``lora``: a PEFT LoRA adapter directory merged
     into the weights as they load, its scale times ``lora_scale`` (kestrel_core.model.lora)."""
+    if lora is not None and not isinstance(lora, (str, os.PathLike)):
+        raise KestrelError(f"lora must be a path, got {type(lora).__name__}")
     return _open(lambda: _resolve_model(model, quant, lora, lora_scale), backend, kv_cache_mb, activations,
                  backend_options, max_model_len, rope_scaling, kv_cache_type)
 

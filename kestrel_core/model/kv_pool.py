@@ -13,6 +13,7 @@ out when the pool needs room.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import weakref
 from collections import OrderedDict
@@ -24,6 +25,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import KV_TYPES, ModelConfig
 from kestrel_core.model.paged_attention import BLOCK_MULTIPLE, KV_GROUP, padded_dims
 from kestrel_core.model.state_pool import StatePool
+from kestrel_core.model.validate import is_number
 
 BLOCK_SIZE = 32  # positions per KV block
 DEFAULT_KV_MB = 2048  # the host pool's default budget (at least one full context); pages are touched on use
@@ -99,8 +101,11 @@ class KVPool:
             full = min(-(-config.max_position // BLOCK_SIZE), _memory_bytes() // 2 // per_block)
             blocks = max(int(DEFAULT_KV_MB * 2 ** 20 // per_block), full)
         else:
-            if not megabytes > 0:
-                raise KestrelError(f"the KV cache size must be > 0 MB, got {megabytes}")
+            if not is_number(megabytes) or not megabytes > 0 or not math.isfinite(megabytes):
+                raise KestrelError(f"the KV cache size must be a number of MB > 0, got {megabytes!r}")
+            if megabytes * 2 ** 20 > _memory_bytes():
+                raise KestrelError(f"a KV cache of {megabytes:g} MB is more than this machine's memory "
+                                   f"({_memory_bytes() / 2 ** 20:.0f} MB)")
             blocks = int(megabytes * 2 ** 20 // per_block)
             if blocks < 1:
                 raise KestrelError(f"a KV cache of {megabytes} MB holds no block of {BLOCK_SIZE} positions "

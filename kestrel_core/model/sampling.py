@@ -75,11 +75,11 @@ class SamplingParams:
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2 ** 63):
             raise bad("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", "must be non-empty strings")
+            raise bad("stop", f"must be a tuple of non-empty strings, got {self.stop!r}")
         if len(self.stop) > 4:
             raise bad("stop", f"allows at most 4 strings, got {len(self.stop)}")
         if not isinstance(self.stop_token_ids, tuple) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be token ids >= 0")
+            raise bad("stop_token_ids", f"must be a tuple of token ids >= 0, got {self.stop_token_ids!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:

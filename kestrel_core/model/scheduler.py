@@ -31,7 +31,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,14 +148,20 @@ class Scheduler:
 
     # -- requests ------------------------------------------------------------------------------------
 
-    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequest for a request that can never run (before it is queued)."""
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids as a list; InvalidRequest for a request that can never run (before it is
+        queued)."""
         self.engine.check_generates()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be a SamplingParams, got {type(params).__name__}", param="params")
         params.check()
+        if params.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1 to generate, got {params.max_tokens}",
+                                 param="max_tokens")
         if params.stop and isinstance(self.engine.tokenizer, NoTokenizer):
             raise InvalidRequest("stop strings need a tokenizer, and this model has none", param="stop")
         try:
-            self.engine.check_ids(prompt_ids, "prompt")
+            prompt_ids = self.engine.check_ids(prompt_ids, "prompt")
         except KestrelError as exc:
             raise InvalidRequest(str(exc), param="prompt") from None
         vocab = self.engine.config.vocab_size
@@ -167,14 +173,14 @@ class Scheduler:
         if self.pool.blocks_for(len(prompt_ids)) > self.pool.num_blocks:
             raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds "
                                  f"{self.pool.capacity}", param="prompt")
+        return prompt_ids
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+    def add(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
             constraint: Constraint | None = None) -> Request:
         """Queue a request; InvalidRequest if it can never run, Overloaded if the queue is full. ``constraint``:
         its grammar's, built already (``Engine.constraint``), else built here (a grammar that does not compile is
         then the InvalidRequest)."""
-        prompt_ids = [int(t) for t in prompt_ids]
-        self.check(prompt_ids, params)
+        prompt_ids = self.check(prompt_ids, params)
         if len(self.waiting) >= self.max_waiting and len(self.running) >= self.max_batch:
             raise Overloaded(f"the server is at capacity ({len(self.running)} running, {len(self.waiting)} "
                              "waiting); retry later")

@@ -156,3 +156,21 @@ def test_an_embedding_given_up_frees_its_blocks(engine) -> None:
 
     asyncio.run(main())
     assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def test_a_request_starts_the_steps_thread_and_a_dict_of_params_is_refused(engine) -> None:
+    """The README's ``AsyncEngine(engine)`` with no ``start()``: the first request starts the thread (it waited
+    for ever); params that are not a SamplingParams fail before anything is queued."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    alone = list(engine.generate(_prompts(1)[0], params=params))
+
+    async def main() -> list[int]:
+        front = AsyncEngine(engine)
+        try:
+            with pytest.raises(InvalidRequest, match="params must be a SamplingParams"):
+                await _collect(front, _prompts(1)[0], {"max_tokens": 4})  # type: ignore[arg-type]
+            return await asyncio.wait_for(_collect(front, _prompts(1)[0], params), 60)
+        finally:
+            await front.shutdown(grace_s=1)
+
+    assert asyncio.run(main()) == alone

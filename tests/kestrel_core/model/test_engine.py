@@ -285,3 +285,34 @@ def test_an_int8_kv_cache_is_the_hosts(model, tmp_path, monkeypatch) -> None:
         assert engine.pool.kv_type == "q8" and engine.pool.kt.dtype == np.int8
         tokens = list(engine.generate(PROMPT, max_tokens=6, stop_at_eos=False))
         assert len(tokens) == 6 and "kestrel_forward" not in engine.stats["offload"]
+
+
+def test_misuse_of_the_api_is_a_kestrel_error_naming_it(model) -> None:
+    """Text where token ids go, a dict for SamplingParams, max_tokens 0, an out-of-range ``top``, bad load
+    arguments, and any request after close(): each a KestrelError that says what is wrong."""
+    from kestrel_core.model.sampling import SamplingParams
+
+    engine = kestrel_core.load(model, backend="cpu")
+    for prompt in ("hello", None, [1.5, 2.0], np.array([[1, 2]]), [True]):
+        with pytest.raises(KestrelError, match="must be a sequence of token ids"):
+            list(engine.generate(prompt, max_tokens=2))
+    with pytest.raises(KestrelError, match="max_tokens must be at least 1"):
+        list(engine.generate(PROMPT, max_tokens=0))
+    with pytest.raises(KestrelError, match="params must be a SamplingParams"):
+        list(engine.stream(PROMPT, {"max_tokens": 2}))
+    with pytest.raises(KestrelError, match=r"top must be an integer in \[0, 5\]"):
+        engine.prompt_logprobs(PROMPT, top=-1)
+    with pytest.raises(KestrelError, match="tuple of non-empty strings"):
+        SamplingParams(stop=["x"]).check()
+    assert len(list(engine.generate(np.array(PROMPT), max_tokens=2))) == 2  # an integer array is token ids
+    engine.close()
+    engine.close()
+    for use in (lambda: list(engine.generate(PROMPT, max_tokens=2)), lambda: engine.logits(PROMPT),
+                lambda: engine.embed([PROMPT])):
+        with pytest.raises(KestrelError, match="the engine is closed"):
+            use()
+    for kwargs, needle in (({"kv_cache_mb": "64"}, "number of MB"), ({"kv_cache_mb": float("inf")}, "number of MB"),
+                           ({"kv_cache_mb": True}, "number of MB"), ({"kv_cache_mb": 1e12}, "this machine's memory"),
+                           ({"backend_options": ["a=b"]}, "backend_options must map"), ({"lora": 5}, "lora must be")):
+        with pytest.raises(KestrelError, match=needle):
+            kestrel_core.load(model, backend="cpu", **kwargs)
