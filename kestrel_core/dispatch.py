@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ import numpy as np
 
 from kestrel_core.batch import BatchEntry, id_range
 from kestrel_core.contract import StripCache, gemm_flops, quantize_activations
+from kestrel_core.errors import safe_text
 from kestrel_core.registry import FORCE_CPU_ENV, Backend, force_cpu
 
 log = logging.getLogger("kestrel")
@@ -163,7 +164,8 @@ class Offload:
         if (hook, reason) in self._reported:
             return
         self._reported.add((hook, reason))
-        detail = f": {exc}" if exc is not None and str(exc) else ""
+        text = "" if exc is None else safe_text(exc)
+        detail = f": {text}" if text else ""
         fallback = _FALLBACK.get(hook, "the CPU computes it")
         log.warning("backend %s: %s %s%s; %s (reported once)", self.backend.name, hook, reason, detail, fallback,
                     exc_info=exc if log.isEnabledFor(logging.DEBUG) else None)
@@ -183,8 +185,8 @@ class Offload:
 
     def _gemm(self, hook: str, shape: tuple[int, int], flops: int, **kwargs: Any) -> np.ndarray:
         if not self.on_cpu:
-            out = self._offer(hook, flops, lambda: self._caller(self.backend, hook)(**kwargs),
-                              lambda r: _check_array(r, shape))
+            out = self._offer(hook, flops, lambda: self._caller(self.backend, hook)(**_read_only(kwargs)),
+                              lambda r: _check_array(r, shape, _arrays(kwargs)))
             if out is not None:
                 return out
         else:
@@ -226,9 +228,9 @@ class Offload:
             flops = sum(gemm_flops(m, w.n, w.k) for w in weights)
             outs = self._offer("kestrel_gemm_fused_q8", flops,
                                lambda: self._caller(self.backend, "kestrel_gemm_fused_q8")(
-                                   a_codes=a_codes, a_scales=a_scales, weights=list(weights), wkeys=list(wkeys),
-                                   fused_wkey=fused_wkey),
-                               lambda r: _check_list(r, [(m, w.n) for w in weights]))
+                                   **_read_only({"a_codes": a_codes, "a_scales": a_scales}), weights=list(weights),
+                                   wkeys=list(wkeys), fused_wkey=fused_wkey),
+                               lambda r: check_arrays(r, [(m, w.n) for w in weights], [a_codes, a_scales]))
             if outs is not None:
                 return list(outs)
         return [self.gemm_q8(a_codes, a_scales, w, k) for w, k in zip(weights, wkeys)]
@@ -375,9 +377,15 @@ def all_finite(a: np.ndarray) -> bool:
     return not a.size or bool(np.isfinite(np.add.reduce(a, axis=None)))
 
 
-def _check_array(result: Any, shape: tuple[int, ...]) -> str | None:
-    if not isinstance(result, np.ndarray):
-        return f"got {type(result).__name__}, expected a numpy array"
+def _check_array(result: Any, shape: tuple[int, ...], inputs: Sequence[np.ndarray] = ()) -> str | None:
+    """Why ``result`` cannot be used as a float32 array of ``shape`` that the engine owns (None: it can): not a
+    plain writable numpy array (a matrix, a read-only view), or one sharing memory with the call's ``inputs``."""
+    if type(result) is not np.ndarray:
+        return f"got {type(result).__name__}, expected a numpy.ndarray"
+    if not result.flags.writeable:
+        return "a read-only array"
+    if any(_overlap(result, x) for x in inputs):
+        return "an array sharing memory with the call's input or another result"
     if result.dtype != np.float32:
         return f"dtype {result.dtype}, expected float32"
     if result.shape != shape:
@@ -416,11 +424,40 @@ def _check_ids(result: np.ndarray, rows: int, vocab: int) -> str | None:
     return None
 
 
-def _check_list(result: Any, shapes: list[tuple[int, ...]]) -> str | None:
+def check_arrays(result: Any, shapes: list[tuple[int, ...]], inputs: Sequence[np.ndarray] = ()) -> str | None:
+    """Why the arrays of ``result`` cannot be a GEMM hook's results of ``shapes`` (None: they can): each as
+    ``_check_array`` asks, and none sharing memory with another. The dispatcher's test, and selftest's."""
     if not isinstance(result, (list, tuple)) or len(result) != len(shapes):
         return f"expected a list of {len(shapes)} arrays"
-    for r, s in zip(result, shapes):
-        bad = _check_array(r, s)
+    for i, (r, s) in enumerate(zip(result, shapes)):
+        bad = _check_array(r, s, [*inputs, *result[:i]])
         if bad:
             return bad
     return None
+
+
+def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` share an element (column slices of one array do not); where numpy cannot tell
+    quickly, they count as sharing."""
+    if not np.may_share_memory(a, b):
+        return False
+    try:
+        return bool(np.shares_memory(a, b, max_work=10_000))
+    except np.exceptions.TooHardError:
+        return True
+
+
+def _read_only(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """A hook call's arguments with each numpy array as a read-only view: a backend cannot write into the inputs
+    the CPU would compute from if it declines."""
+    out = dict(kwargs)
+    for name, value in kwargs.items():
+        if isinstance(value, np.ndarray):
+            out[name] = value.view()
+            out[name].flags.writeable = False
+    return out
+
+
+def _arrays(kwargs: Mapping[str, Any]) -> list[np.ndarray]:
+    """The numpy arrays among a hook call's arguments (its inputs, which a result must not alias)."""
+    return [v for v in kwargs.values() if isinstance(v, np.ndarray)]

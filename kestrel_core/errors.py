@@ -33,3 +33,23 @@ class ShuttingDown(Overloaded):
 
 class NonFiniteLogits(KestrelError):
     """The model's own (CPU) computation produced NaN or infinite logits: a clear error, never an empty answer."""
+
+
+MAX_REPORTED_CHARS = 300  # of a plugin's message in a reason or a log line (rich wraps a long one slowly)
+
+
+def safe_text(value: object, quoted: bool = False) -> str:
+    """``str(value)`` (``repr`` where ``quoted``) as one line of at most MAX_REPORTED_CHARS, whatever the object
+    does: a plugin's exception or object may raise from ``__str__``, even SystemExit, or be megabytes long."""
+    try:
+        text = repr(value) if quoted else str(value)
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: BLE001 (plugin code: anything, sys.exit included)
+        return f"<a {type(value).__name__} that cannot be printed>"
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_REPORTED_CHARS else text[:MAX_REPORTED_CHARS] + "..."
+
+
+def safe_repr(value: object) -> str:
+    return safe_text(value, quoted=True)

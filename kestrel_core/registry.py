@@ -28,6 +28,7 @@ import dataclasses
 import importlib
 import importlib.util
 import logging
+import math
 import os
 import re
 import signal
@@ -43,7 +44,7 @@ import pluggy
 
 from kestrel_core import hookspecs, probe
 from kestrel_core.env import env_flag, env_float, env_str
-from kestrel_core.errors import BackendUnavailable, KestrelError
+from kestrel_core.errors import BackendUnavailable, KestrelError, safe_repr, safe_text
 from kestrel_core.hookspecs import KINDS as KINDS
 from kestrel_core.hookspecs import BackendInfo as BackendInfo
 
@@ -59,6 +60,7 @@ BACKEND_PATH_ENV = "KESTREL_BACKEND_PATH"
 BACKEND_MARKER = b"kestrel_backend_info"  # a path entry's source must mention it to be imported
 MARKER_SCAN_BYTES = 1 << 20
 NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
+MAX_NAME = 64  # characters of a backend's name
 OPTION_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 WATCHED_SIGNALS = probe.WATCHED_SIGNALS
 
@@ -307,11 +309,11 @@ def _fail(backend: Backend, reason: str) -> Backend:
 
 
 def _short(exc: BaseException) -> str:
-    """One line for an exception (a plugin's sys.exit says so)."""
+    """One line for an exception (a plugin's sys.exit says so), whatever its ``__str__`` does."""
     if isinstance(exc, SystemExit):
-        return f"SystemExit (the plugin called sys.exit({exc.code!r}))"
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"SystemExit (the plugin called sys.exit({safe_repr(exc.code)}))"
     name = type(exc).__name__ if isinstance(exc, Exception) else f"{type(exc).__name__} (a BaseException)"
+    text = safe_text(exc)
     return f"{name}: {text}" if text else name
 
 
@@ -338,8 +340,15 @@ def _validate(backend: Backend, check_name: bool = True) -> str | None:
                 f"{ours!r}, got {info.api_version!r}")
     if not _api_compatible(api):
         return f"incompatible API version {api[0]}.{api[1]} (kestrel has {ours})"
-    if not isinstance(info.name, str) or not NAME_RE.fullmatch(info.name):
-        return f"BackendInfo.name {info.name!r} is not a valid name (letters, digits, _ and -)"
+    if not isinstance(info.name, str) or len(info.name) > MAX_NAME or not NAME_RE.fullmatch(info.name) \
+            or info.name == "auto":
+        return (f"BackendInfo.name {safe_repr(info.name)} is not a valid name (letters, digits, _ and -, at most "
+                f"{MAX_NAME}; not 'auto')")
+    if not isinstance(info.version, str) or not isinstance(info.description, str):
+        return "BackendInfo.version and .description must be strings"
+    if isinstance(info.min_flops, bool) or not isinstance(info.min_flops, (int, float)) \
+            or not math.isfinite(info.min_flops) or info.min_flops < 0:
+        return f"BackendInfo.min_flops must be a finite number >= 0, got {safe_repr(info.min_flops)}"
     if info.kind not in KINDS:
         return f"unknown kind {info.kind!r} (expected one of {', '.join(KINDS)})"
     if check_name and info.name != backend.name:
@@ -495,7 +504,7 @@ class Registry:
         opts = dict(self.options) if options is None else {**self.options, **check_options(options)}
         device, error, took = _plugin_call("kestrel_open", lambda: backend.hook.kestrel_open(options=opts))
         if isinstance(error, BackendUnavailable):
-            return _fail(backend, str(error))
+            return _fail(backend, safe_text(error))
         if error is not None:
             return _fail(backend, f"device open failed: {_short(error)}")
         if took:
@@ -505,10 +514,10 @@ class Registry:
         if device is None:
             return _fail(backend, "kestrel_open returned no device handle")
         backend.device = device
-        try:
-            backend.device_description = str(getattr(device, "description", "") or backend.kind)
-        except Exception:  # a handle whose description raises is still a handle
-            backend.device_description = backend.kind
+        description, error, _ = _plugin_call("the device's description",
+                                             lambda: str(getattr(device, "description", "") or ""))
+        # a handle whose description raises (even sys.exit) is still a handle
+        backend.device_description = safe_text(description) if error is None and description else backend.kind
         backend.status, backend.reason = BOUND, ""
         return backend
 

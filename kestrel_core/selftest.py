@@ -29,8 +29,8 @@ from kestrel_core.contract import (
     reference_gemm_f32,
     reference_gemm_q8,
 )
-from kestrel_core.dispatch import Offload
-from kestrel_core.errors import KestrelError
+from kestrel_core.dispatch import Offload, check_arrays
+from kestrel_core.errors import KestrelError, safe_text
 from kestrel_core.registry import Backend, Registry
 from kestrel_core.wkey import PROJ_GROUPS
 
@@ -170,28 +170,46 @@ def run_case(backend: Backend, case: SelfTestCase, layer: int) -> CaseResult:
     qkv = PROJ_GROUPS[0]  # a fused case is offered as a layer's Q|K|V would be
     keys = list(qkv.keys(layer))[: len(weights)]
     hook = getattr(backend.hook, case.hook)
-    try:
+
+    def call(x: np.ndarray, a_codes: np.ndarray, a_scales: np.ndarray) -> Any:
         if case.hook == "kestrel_gemm_q8":
-            got = [hook(device=backend.device, a_codes=a_codes, a_scales=a_scales, weight=weights[0],
-                        wkey=keys[0])]
-        elif case.hook == "kestrel_gemm_f32":
-            got = [hook(device=backend.device, a=x, weight=weights[0], wkey=keys[0])]
-        else:
-            got = hook(device=backend.device, a_codes=a_codes, a_scales=a_scales, weights=weights, wkeys=keys,
-                       fused_wkey=qkv.fused_key(layer))
+            return [hook(device=backend.device, a_codes=a_codes, a_scales=a_scales, weight=weights[0], wkey=keys[0])]
+        if case.hook == "kestrel_gemm_f32":
+            return [hook(device=backend.device, a=x, weight=weights[0], wkey=keys[0])]
+        return hook(device=backend.device, a_codes=a_codes, a_scales=a_scales, weights=weights, wkeys=keys,
+                    fused_wkey=qkv.fused_key(layer))
+
+    def failed(detail: str) -> CaseResult:
+        return CaseResult(case.name, case.hook, False, float("inf"), detail=detail)
+
+    try:
+        got = call(x, a_codes, a_scales)
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # a plugin's sys.exit fails its case, not the suite
-        return CaseResult(case.name, case.hook, False, float("inf"), detail=f"raised {type(exc).__name__}: {exc}")
+        return failed(f"raised {type(exc).__name__}: {safe_text(exc)}")
     if got is None or (isinstance(got, list) and any(g is None for g in got)):
         return CaseResult(case.name, case.hook, True, declined=True, detail="declined")
     if not isinstance(got, (list, tuple)) or len(got) != len(weights):
-        return CaseResult(case.name, case.hook, False, float("inf"), detail=f"{len(weights)} outputs expected")
+        return failed(f"{len(weights)} outputs expected")
     checks = [compare_gemm_f32(out, x, w) if case.hook == "kestrel_gemm_f32"
               else compare_gemm_q8(out, a_codes, a_scales, w) for out, w in zip(got, weights)]
     worst = max(checks, key=lambda c: (not c.ok, c.max_err / max(c.tolerance, 1e-30)))
-    return CaseResult(case.name, case.hook, all(c.ok for c in checks), worst.max_err, worst.tolerance,
-                      detail=worst.detail)
+    if not all(c.ok for c in checks):
+        return CaseResult(case.name, case.hook, False, worst.max_err, worst.tolerance, detail=worst.detail)
+    unusable = check_arrays(got, [(case.m, n) for n in case.ns], [x, a_codes, a_scales])
+    if unusable:
+        return failed(f"the engine would decline it: {unusable}")
+    kept = [np.array(g) for g in got]
+    try:  # another call of the same shapes must leave these results as they are (no buffer handed out twice)
+        call(-x, -a_codes, a_scales)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        return failed(f"a second call raised {type(exc).__name__}: {safe_text(exc)}")
+    if not all(np.array_equal(k, g) for k, g in zip(kept, got)):
+        return failed("a second call changed the first call's results (a buffer handed out twice)")
+    return CaseResult(case.name, case.hook, True, worst.max_err, worst.tolerance, detail=worst.detail)
 
 
 class JitterOffload(Offload):
@@ -258,7 +276,7 @@ def _rerun_argmax_only(backend: Backend, model: Any, first_seq: int, script_toks
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
-            return f"argmax_only step raised {type(exc).__name__}: {exc}"
+            return f"argmax_only step raised {type(exc).__name__}: {safe_text(exc)}"
         if out is None:
             return ""  # declined: nothing to compare
         if not isinstance(out, (list, tuple)) or len(out) != len(batch):
@@ -363,7 +381,7 @@ def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str
                 raise
             except BaseException as exc:
                 return CaseResult(name, FORWARD_BATCH, False, float("inf"),
-                                  detail=f"raised {type(exc).__name__}: {exc}")
+                                  detail=f"raised {type(exc).__name__}: {safe_text(exc)}")
             if got is None:
                 return CaseResult(name, FORWARD_BATCH, True, declined=True, detail="declined")
             ref = host.forward_batch([(caches[s], t, rows) for (s, _, rows), t in zip(step, toks)])
@@ -417,8 +435,8 @@ def run_selftest(name: str = "cpu", seeds: int = 2, registry: Registry | None = 
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
-            raise KestrelError(f"backend {name!r}: kestrel_selftest_cases failed: {type(exc).__name__}: {exc}") \
-                from None
+            raise KestrelError(f"backend {name!r}: kestrel_selftest_cases failed: {type(exc).__name__}: "
+                               f"{safe_text(exc)}") from None
     report = SelfTestReport(backend.name, [run_case(backend, c, i) for i, c in enumerate(cases)])
     if backend.implements(FORWARD_BATCH):
         cpu = registry.cpu()

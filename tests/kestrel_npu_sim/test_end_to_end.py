@@ -25,7 +25,7 @@ def _run(backend: str, prompt: list[int], tokens: int = 8) -> tuple[np.ndarray, 
 
     with load_preset("smollm2-135m", backend=backend, quant="q8", seed=3, num_layers=2, activations="q8") as engine:
         logits = engine.logits(prompt)
-        generated = _greedy(engine, prompt, tokens)
+        generated = _greedy(engine, prompt, tokens) if tokens else []
         return logits, generated, engine.stats["backend_stats"], engine.stats["offload"]
 
 
