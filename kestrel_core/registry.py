@@ -47,6 +47,7 @@ from kestrel_core.env import env_flag, env_float, env_str
 from kestrel_core.errors import BackendUnavailable, KestrelError, safe_repr, safe_text
 from kestrel_core.hookspecs import KINDS as KINDS
 from kestrel_core.hookspecs import BackendInfo as BackendInfo
+from kestrel_core.model.validate import is_number
 
 log = logging.getLogger("kestrel")
 
@@ -346,8 +347,7 @@ def _validate(backend: Backend, check_name: bool = True) -> str | None:
                 f"{MAX_NAME}; not 'auto')")
     if not isinstance(info.version, str) or not isinstance(info.description, str):
         return "BackendInfo.version and .description must be strings"
-    if isinstance(info.min_flops, bool) or not isinstance(info.min_flops, (int, float)) \
-            or not math.isfinite(info.min_flops) or info.min_flops < 0:
+    if not is_number(info.min_flops) or not math.isfinite(info.min_flops) or info.min_flops < 0:
         return f"BackendInfo.min_flops must be a finite number >= 0, got {safe_repr(info.min_flops)}"
     if info.kind not in KINDS:
         return f"unknown kind {info.kind!r} (expected one of {', '.join(KINDS)})"

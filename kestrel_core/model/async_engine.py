@@ -124,12 +124,12 @@ class AsyncEngine:
         """The request's outputs as its tokens come; InvalidRequest or Overloaded before the first one. A
         grammar's constraint is built first, on a worker thread: compiling a client's grammar may take a while,
         and the steps' thread does not wait for it."""
-        self.scheduler.check(prompt_ids, params)  # a bad request fails before its grammar is compiled
+        ids = self.scheduler.check(prompt_ids, params)  # a bad request fails before its grammar is compiled
         constraint = None
         if isinstance(params.grammar, str):
             constraint = await asyncio.get_running_loop().run_in_executor(None, self.engine.constraint,
                                                                           params.grammar)
-        request_id, client = self.submit(prompt_ids, params, request_id, constraint)
+        request_id, client = self._enqueue(ids, params, request_id, constraint)
         finished = False
         try:
             while True:
@@ -147,7 +147,13 @@ class AsyncEngine:
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
                constraint: Constraint | None = None) -> tuple[str, _Client]:
+        """Queue a request for the steps' thread: its id and the client its outputs go to."""
         ids = self.scheduler.check(prompt_ids, params)  # reads only the engine's config and pool size: safe here
+        return self._enqueue(ids, params, request_id, constraint)
+
+    def _enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None,
+                 constraint: Constraint | None) -> tuple[str, _Client]:
+        """``submit`` for ids the scheduler has checked."""
         loop = asyncio.get_running_loop()
         with self._lock:
             if not self._accepting:
