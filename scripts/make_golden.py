@@ -103,6 +103,7 @@ import math
 import platform
 import shutil
 import sys
+import tempfile
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -1292,6 +1293,210 @@ def write_gpt_oss_mxfp4(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     return {"dir": dst.name, "twin": src.name, "files": sorted(p.name for p in dst.iterdir())}
 
 
+# Integer-quantized twins (GPTQ, AWQ, compressed-tensors): every decoder layer's linear weights round-to-nearest
+# quantized to 4 bits in groups of INT_GROUP input columns, everything else as it was. Each twin's golden is what
+# transformers computes reading it (through gptqmodel, or compressed-tensors), checked against the float model with
+# the weights the script meant to write, so the packing is the readers' and not only the script's.
+INT_GROUP = 32
+
+
+def _quantized_linears(tensors: dict[str, np.ndarray], skip: tuple[str, ...] = ()) -> list[str]:
+    """The names (less ``.weight``) of the decoder layers' 2-D linear weights, ``skip`` suffixes left out."""
+    return sorted(n.removesuffix(".weight") for n, t in tensors.items()
+                  if n.startswith("model.layers.") and n.endswith("_proj.weight") and t.ndim == 2
+                  and not n.removesuffix(".weight").endswith(skip))
+
+
+def _rtn(w: np.ndarray, group_of: np.ndarray, symmetric: bool, bits: int = 4
+         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Round-to-nearest of w [N, K] to ``bits`` by column group (group_of [K]): codes [N, K] in 0..2^bits - 1, zero
+    points and float16 scales [N, G]; w's value is then scale * (code - zero)."""
+    top, mid = (1 << bits) - 1, 1 << (bits - 1)
+    groups = int(group_of.max()) + 1
+    scales = np.empty((w.shape[0], groups), np.float16)
+    zeros = np.empty((w.shape[0], groups), np.int64)
+    for g in range(groups):
+        cols = w[:, group_of == g]
+        if symmetric:
+            scales[:, g] = np.maximum(np.abs(cols).max(1), 1e-6) / (mid - 1)
+            zeros[:, g] = mid
+        else:
+            lo, hi = np.minimum(cols.min(1), 0), np.maximum(cols.max(1), 0)
+            scales[:, g] = np.maximum(hi - lo, 1e-6) / top
+            zeros[:, g] = np.clip(np.round(-lo / scales[:, g].astype(np.float32)), 0, top)
+    s = scales.astype(np.float32)[:, group_of]
+    codes = np.clip(np.round(w / s) + zeros[:, group_of], 0, top).astype(np.int64)
+    return codes, zeros, scales
+
+
+def _pack_words(codes: np.ndarray, order: np.ndarray | None = None, bits: int = 4) -> np.ndarray:
+    """int32 [R, C * bits / 32]: 32 / bits codes [R, C] a word along the row, the lowest bits first, code i of a word
+    holding column order[i] of its run (default: column i)."""
+    per = 32 // bits
+    order = np.arange(per) if order is None else order
+    grouped = (codes.reshape(codes.shape[0], -1, per)[:, :, order] & ((1 << bits) - 1)).astype(np.uint32)
+    words = np.zeros(grouped.shape[:2], np.uint32)
+    for i in range(per):
+        words |= grouped[:, :, i] << np.uint32(bits * i)
+    return words.view(np.int32)
+
+
+def _write_int_twin(src: Path, dst: Path, quant: dict[str, Any], tensors_of: Any, tolerance: float = 0.01,
+                    **load: Any) -> dict[str, Any]:
+    """``src`` with its linear weights replaced by ``tensors_of(name, w)``'s tensors ({suffix: array}, and the
+    float weight the script meant), the quantization_config ``quant``; golden: transformers reading the twin, within
+    ``tolerance`` of the logits' range of the float model with the weights meant (more where transformers also
+    quantizes the activations)."""
+    from safetensors.torch import save_file
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    (dst / "golden.npz").unlink()
+    tensors = {k: v for shard in sorted(src.glob("model*.safetensors")) for k, v in _float32_tensors(shard).items()}
+    meant = dict(tensors)
+    out = {k: torch.from_numpy(v) for k, v in tensors.items()}
+    for name in _quantized_linears(tensors, quant.pop("_skip", ())):
+        del out[name + ".weight"]
+        parts, meant[name + ".weight"] = tensors_of(name, tensors[name + ".weight"])
+        out.update({f"{name}.{suffix}": torch.from_numpy(np.ascontiguousarray(t)) for suffix, t in parts.items()})
+    for file in dst.glob("model*.safetensors*"):
+        file.unlink()
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = quant
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    ids = np.load(src / "golden.npz")["ids"]
+    logits = hf_logits(dst, ids, **load)
+    with tempfile.TemporaryDirectory() as tmp:  # the float model with the weights meant: the readers agree
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+        for file in Path(tmp).glob("model*.safetensors*"):
+            file.unlink()
+        save_file({k: torch.from_numpy(v) for k, v in meant.items()}, Path(tmp) / "model.safetensors",
+                  metadata={"format": "pt"})
+        expected = hf_logits(Path(tmp), ids)
+    spread = float((expected.max(-1) - expected.min(-1)).mean())
+    if np.abs(logits - expected).max() > tolerance * spread:
+        raise SystemExit(f"{dst.name}: transformers reads other weights than the script wrote "
+                         f"(max |diff| {np.abs(logits - expected).max():.4f}, range {spread:.2f})")
+    np.savez(dst / "golden.npz", ids=ids, logits=logits.astype(np.float32))
+    return {"dir": dst.name, "twin": src.name, "files": sorted(p.name for p in dst.iterdir()), **logit_stats(logits)}
+
+
+def write_gptq(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """GPTQ as AutoGPTQ and GPTQModel write it (checkpoint_format gptq: zero points stored less 1), 4 bits,
+    symmetric, act-order (each column's group from a seeded permutation, g_idx)."""
+    rng = np.random.default_rng(41)
+
+    def tensors_of(name: str, w: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        k = w.shape[1]
+        g_idx = np.argsort(rng.permutation(k)) // INT_GROUP
+        codes, zeros, scales = _rtn(w, g_idx, symmetric=True)
+        meant = scales.astype(np.float32)[:, g_idx] * (codes - zeros[:, g_idx])
+        return {"qweight": _pack_words(codes.T.reshape(k // 8, 8, -1).transpose(2, 0, 1).reshape(-1, k)).T,
+                "qzeros": _pack_words(zeros.T - 1), "scales": scales.T, "g_idx": g_idx.astype(np.int32)}, meant
+
+    quant = {"quant_method": "gptq", "bits": 4, "group_size": INT_GROUP, "desc_act": True, "sym": True,
+             "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True, "static_groups": False}
+    return _write_int_twin(src, dst, quant, tensors_of, device_map="cpu")
+
+
+def write_gptq_int8(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """GPTQ at 8 bits with zero points, one group a row (group_size -1), no act-order."""
+    def tensors_of(name: str, w: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        group_of = np.zeros(w.shape[1], np.int64)
+        codes, zeros, scales = _rtn(w, group_of, symmetric=False, bits=8)
+        meant = scales.astype(np.float32)[:, group_of] * (codes - zeros[:, group_of])
+        return {"qweight": _pack_words(codes, bits=8).T, "qzeros": _pack_words(zeros.T - 1, bits=8),
+                "scales": scales.T, "g_idx": group_of.astype(np.int32)}, meant
+
+    quant = {"quant_method": "gptq", "bits": 8, "group_size": -1, "desc_act": False, "sym": False,
+             "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True, "static_groups": False}
+    return _write_int_twin(src, dst, quant, tensors_of, device_map="cpu")
+
+
+def write_awq(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """AWQ's gemm layout as AutoAWQ writes it: 4 bits with zero points, eight codes a word along the output
+    columns in the order 0, 2, 4, 6, 1, 3, 5, 7."""
+    def tensors_of(name: str, w: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        group_of = np.arange(w.shape[1]) // INT_GROUP
+        codes, zeros, scales = _rtn(w, group_of, symmetric=False)
+        meant = scales.astype(np.float32)[:, group_of] * (codes - zeros[:, group_of])
+        order = np.array([0, 2, 4, 6, 1, 3, 5, 7])
+        return {"qweight": _pack_words(codes.T, order), "qzeros": _pack_words(zeros.T, order),
+                "scales": scales.T}, meant
+
+    quant = {"quant_method": "awq", "bits": 4, "group_size": INT_GROUP, "zero_point": True, "version": "gemm"}
+    return _write_int_twin(src, dst, quant, tensors_of, device_map="cpu")
+
+
+def write_compressed_tensors(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """llm-compressor's W4A16 (compressed-tensors pack-quantized, symmetric groups), packed by compressed-tensors'
+    own pack_to_int32; the MoE router stays float, as llm-compressor leaves it."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    def tensors_of(name: str, w: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        group_of = np.arange(w.shape[1]) // INT_GROUP
+        codes, zeros, scales = _rtn(w, group_of, symmetric=True)
+        meant = scales.astype(np.float32)[:, group_of] * (codes - zeros[:, group_of])
+        signed = torch.from_numpy((codes - 8).astype(np.int8))
+        return {"weight_packed": pack_to_int32(signed, 4).numpy(), "weight_scale": scales,
+                "weight_shape": np.array(w.shape, np.int64)}, meant
+
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": INT_GROUP,
+               "dynamic": False, "observer": "minmax"}
+    quant = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                           "output_activations": None}},
+             "ignore": ["lm_head", "re:.*mlp.gate$"], "_skip": ("mlp.gate",)}
+    return _write_int_twin(src, dst, quant, tensors_of)
+
+
+def write_compressed_tensors_w8a8(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
+    """llm-compressor's W8A8 (compressed-tensors int-quantized): int8 weights [N, K] with a scale a row, beside int8
+    activations quantized a token at a time as the model runs (transformers does; kestrel keeps its own)."""
+    def tensors_of(name: str, w: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        scales = (np.maximum(np.abs(w).max(1, keepdims=True), 1e-6) / 127).astype(np.float16)
+        codes = np.clip(np.round(w / scales.astype(np.float32)), -127, 127).astype(np.int8)
+        return {"weight": codes, "weight_scale": scales}, scales.astype(np.float32) * codes
+
+    weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False,
+               "observer": "minmax"}
+    acts = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True, "observer": None}
+    quant = {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
+                                           "output_activations": None}},
+             "ignore": ["lm_head"]}
+    return _write_int_twin(src, dst, quant, tensors_of, tolerance=0.05)
+
+
+def write_int_references(dst: Path) -> dict[str, Any]:
+    """compressed-tensors' own compressors on seeded weights, for the layouts no twin covers (transformers'
+    compressed-tensors loader refuses asymmetric zero points): pack-quantized 4-bit groups with packed zero
+    points, 8-bit rows; int-quantized with zero points. Each case: the compressed tensors and the library's
+    decompressed weight (``NAME.weight``)."""
+    from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    rng = np.random.default_rng(43)
+    w = torch.from_numpy(rng.standard_normal((48, 96)).astype(np.float32))
+    cases = {"packed4": (PackedQuantizationCompressor, dict(num_bits=4, strategy="group", group_size=32), 3),
+             "packed8": (PackedQuantizationCompressor, dict(num_bits=8, strategy="channel"), 1),
+             "int8": (IntQuantizationCompressor, dict(num_bits=8, strategy="channel"), 1)}
+    out: dict[str, np.ndarray] = {}
+    for name, (compressor, kw, groups) in cases.items():
+        bits = kw["num_bits"]
+        scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(type="int", symmetric=False, **kw))
+        scale = torch.from_numpy(rng.uniform(0.05, 0.2, (48, groups)).astype(np.float32))
+        zp = torch.from_numpy(rng.integers(-(1 << (bits - 1)), 1 << (bits - 1), (48, groups)).astype(np.int8))
+        packed = compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp}, scheme)
+        out.update({f"{name}.{k}": v.numpy() for k, v in packed.items()})
+        out[f"{name}.expected"] = compressor.decompress(packed, scheme)["weight"].float().numpy()
+    np.savez(dst, **out)
+    return {"file": dst.name, "cases": sorted(cases)}
+
+
 def write_gpt_oss_gguf(src: Path, dst: Path, tok: Tokenizer) -> dict[str, Any]:
     """tiny-gpt-oss as llama.cpp's GptOssModel writes it: gate and up split from the interleaved tensor, experts
     MXFP4 (gguf-py's quantizer, exact on the grid), attn_sinks, biases, YaRN metadata, post_attention_norm as
@@ -1823,7 +2028,12 @@ GGUF_TWINS = {"tiny-phi3": write_phi3_gguf, "tiny-gemma3": write_gemma_gguf, "ti
               "tiny-qwen3-vl-moe": write_qwen3_vl_moe_gguf, "tiny-lfm2-moe": write_lfm2_gguf,
               "tiny-minimax-m2": write_minimax_m2_gguf, "tiny-dots1": write_dots1_gguf}
 # other twins written from a tiny model's directory: name -> (twin, writer)
-DIR_TWINS = {"tiny-gpt-oss": ("tiny-gpt-oss-mxfp4", write_gpt_oss_mxfp4)}
+INT_REFERENCES = "int-references.npz"  # compressed-tensors' layouts without a twin (write_int_references)
+# twin -> (base, writer): directories derived from a tiny model's
+DIR_TWINS = {"tiny-gpt-oss-mxfp4": ("tiny-gpt-oss", write_gpt_oss_mxfp4), "tiny-qwen3-gptq": ("tiny-qwen3", write_gptq),
+             "tiny-qwen3-awq": ("tiny-qwen3", write_awq), "tiny-llama-gptq-int8": ("tiny-llama", write_gptq_int8),
+             "tiny-qwen3-moe-w4a16": ("tiny-qwen3-moe", write_compressed_tensors),
+             "tiny-qwen2-w8a8": ("tiny-qwen2", write_compressed_tensors_w8a8)}
 # LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is
 # adapter -> (base, seed, target modules): tiny-llama's on q, v, o and down; GLM-4.7-Flash's on its latent attention
 ADAPTERS = {"tiny-llama-lora": ("tiny-llama", 101, ("q_proj", "v_proj", "o_proj", "down_proj")),
@@ -1855,11 +2065,25 @@ def main(argv: list[str] | None = None) -> int:
                                           "versions": {**versions, "peft": _version("peft")}}
         manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         return 0
+    if args.model == INT_REFERENCES:
+        ct = {"compressed-tensors": _version("compressed-tensors")}
+        manifest["models"][INT_REFERENCES] = {**write_int_references(OUT / INT_REFERENCES),
+                                              "command": f"python scripts/make_golden.py --model {INT_REFERENCES}",
+                                              "versions": {**versions, **ct}}
+        manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        return 0
+    if args.model in DIR_TWINS:  # a twin alone, from its base as it is
+        base, write = DIR_TWINS[args.model]
+        manifest["models"][args.model] = {**write(OUT / base, OUT / args.model, None),
+                                          "command": f"python scripts/make_golden.py --model {args.model}",
+                                          "versions": {**versions, **_twin_versions(args.model)}}
+        manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        return 0
     if args.model:
         tok = train_tokenizer()
         configs = tiny_configs(tok)
         if args.model not in configs:
-            raise SystemExit(f"--model: one of {', '.join([*configs, *ADAPTERS])}")
+            raise SystemExit(f"--model: one of {', '.join([*configs, *DIR_TWINS, *ADAPTERS])}")
         config, opts = configs[args.model]
         seed = opts.get("seed", list(configs).index(args.model) + 1)
         entry = build_tiny(args.model, config, opts, tok, seed)
@@ -1869,10 +2093,10 @@ def main(argv: list[str] | None = None) -> int:
             twin = f"{args.model}.gguf"
             manifest["models"][twin] = {**GGUF_TWINS[args.model](OUT / args.model, OUT / twin, tok),
                                         "command": manifest["models"][args.model]["command"], "versions": versions}
-        if args.model in DIR_TWINS:
-            twin, write = DIR_TWINS[args.model]
-            manifest["models"][twin] = {**write(OUT / args.model, OUT / twin, tok),
-                                        "command": manifest["models"][args.model]["command"], "versions": versions}
+        for twin, (base, write) in DIR_TWINS.items():
+            if base == args.model:
+                manifest["models"][twin] = {**write(OUT / base, OUT / twin, tok),
+                                            "command": manifest["models"][base]["command"], "versions": versions}
         manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         return 0
     manifest["versions"] = versions
@@ -1886,15 +2110,24 @@ def main(argv: list[str] | None = None) -> int:
             **write_llama_gguf(OUT / "tiny-llama", OUT / "tiny-llama.gguf", tok), "command": command}
         for name, write in GGUF_TWINS.items():
             manifest["models"][f"{name}.gguf"] = {**write(OUT / name, OUT / f"{name}.gguf", tok), "command": command}
-        for name, (twin, write) in DIR_TWINS.items():
-            manifest["models"][twin] = {**write(OUT / name, OUT / twin, tok), "command": command}
+        for twin, (base, write) in DIR_TWINS.items():
+            manifest["models"][twin] = {**write(OUT / base, OUT / twin, tok), "command": command}
         for name, (base, seed, targets) in ADAPTERS.items():
             manifest["models"][name] = {**build_lora(OUT / base, OUT / name, seed, targets), "command": command}
+        manifest["models"][INT_REFERENCES] = {**write_int_references(OUT / INT_REFERENCES), "command": command}
     if args.only in (None, "smollm"):
         manifest["models"]["smollm2"] = {**build_smollm(args.smollm), "command": command}
         print(f"smollm2: {manifest['models']['smollm2']}", file=sys.stderr)
     manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return 0
+
+
+def _twin_versions(twin: str) -> dict[str, str]:
+    """The readers a twin's golden came through."""
+    dists = {"tiny-qwen3-gptq": ("gptqmodel", "optimum"), "tiny-llama-gptq-int8": ("gptqmodel", "optimum"),
+             "tiny-qwen3-awq": ("gptqmodel",), "tiny-qwen3-moe-w4a16": ("compressed-tensors",),
+             "tiny-qwen2-w8a8": ("compressed-tensors",)}.get(twin, ())
+    return {d: _version(d) for d in dists}
 
 
 def _version(dist: str) -> str:

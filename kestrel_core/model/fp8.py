@@ -44,23 +44,24 @@ class Fp8Scheme:
 
 
 def fp8_scheme(quantization: Any, where: str) -> Fp8Scheme | None:
-    """The FP8 scheme of a config.json's ``quantization_config`` (None: the weights are not FP8); a quant_method
-    kestrel does not read (GPTQ, AWQ, bitsandbytes, int4 compressed-tensors...) is refused by name."""
+    """The FP8 scheme of a config.json's ``quantization_config`` (None: the weights are not FP8), asked once
+    ``int_quant.int_scheme`` has found no integer one; a quant_method kestrel does not read (bitsandbytes, HQQ,
+    NVFP4...) is refused by name."""
     if quantization is None:
         return None
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
     if method not in QUANT_METHODS:
         raise KestrelError(f"{where}: quantization_config quant_method {method!r} is not supported (kestrel reads "
-                           "BF16, F16 and F32 checkpoints, FP8 ones (fp8, fbgemm_fp8, compressed-tensors FP8) and "
-                           "gpt-oss's MXFP4)")
+                           "BF16, F16 and F32 checkpoints, FP8 ones (fp8, fbgemm_fp8, compressed-tensors FP8), "
+                           "integer ones (gptq, awq, compressed-tensors) and gpt-oss's MXFP4)")
     if not QUANT_METHODS[method]:
         return None
     if method == "compressed-tensors":
         for name, group in (quantization.get("config_groups") or {}).items():
             weights = group.get("weights") if isinstance(group, dict) else None
             if not isinstance(weights, dict) or weights.get("type") != "float" or weights.get("num_bits") != 8:
-                raise KestrelError(f"{where}: compressed-tensors group {name!r} is not FP8 weights (kestrel reads "
-                                   "float 8-bit weights of compressed-tensors)")
+                raise KestrelError(f"{where}: compressed-tensors group {name!r} is neither FP8 nor integer weights, "
+                                   "or mixes them with the other kind (kestrel reads either, in every group)")
         return Fp8Scheme()
     if quantization.get("fmt", "e4m3") != "e4m3":
         raise KestrelError(f"{where}: FP8 format {quantization.get('fmt')!r} is not supported (kestrel reads e4m3)")

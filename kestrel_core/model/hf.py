@@ -4,7 +4,8 @@ Tensors are read lazily, one at a time, and handed out under kestrel names (see 
 numpy has no bfloat16, and safetensors' numpy framework refuses BF16 tensors, so those are read as raw
 uint16 at the offsets of the safetensors header: the quantizer takes those bits (contract.BFloat16Bits) and
 widens them a row at a time; ``get`` widens them to float32 (bf16 is the top half of an f32). FP8 weights
-(model/fp8.py) are read as raw uint8 the same way and decoded with their scales to float32.
+(model/fp8.py) are read as raw uint8 the same way and decoded with their scales to float32, and integer ones (GPTQ,
+AWQ, compressed-tensors: model/int_quant.py) from their packed codes, zero points and scales.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ from kestrel_core.model.hf_config import (
     POST_NORMED,
     read_hf_config,
     read_json,
+)
+from kestrel_core.model.int_quant import (
+    PACKED_SUFFIXES,
+    dequantize_awq,
+    dequantize_gptq,
+    dequantize_int8,
+    dequantize_packed,
+    int_scheme,
 )
 from kestrel_core.model.quantize import fused_rows, hybrid_splits, layer_name, map_tensor_name
 from kestrel_core.model.validate import (
@@ -259,7 +268,9 @@ class HFCheckpoint:
             raise KestrelError(f"{self.dir}: not a Hugging Face model directory (no config.json)")
         self.config = read_hf_config(self.dir)
         config_json = self.dir / "config.json"
-        self.fp8 = fp8_scheme(read_json(config_json).get("quantization_config"), str(config_json))
+        quantization = read_json(config_json).get("quantization_config")
+        self.int_quant = int_scheme(quantization, str(config_json))
+        self.fp8 = None if self.int_quant else fp8_scheme(quantization, str(config_json))
         self._files: dict[str, Path] = {}  # kestrel name -> shard
         self._hf_names: dict[str, str] = {}  # kestrel name -> HF name
         self._rows: dict[str, tuple[int, int] | np.ndarray] = {}  # kestrel name -> its rows of a fused HF tensor
@@ -281,7 +292,8 @@ class HFCheckpoint:
             path = self.dir / shard
             for hf_name in self._handle(path).keys():
                 self._paths[hf_name] = path
-                for name, rows in self._names(hf_name):
+                packed = next((s for s in PACKED_SUFFIXES if hf_name.endswith(s)), None)
+                for name, rows in self._names(hf_name if packed is None else hf_name[:-len(packed)] + ".weight"):
                     self._files[name] = path
                     self._hf_names[name] = hf_name
                     if rows is not None:
@@ -387,14 +399,16 @@ class HFCheckpoint:
         dtype = handle.get_slice(hf_name).get_dtype()
         rows = self._rows.get(name)
         try:
-            if dtype == "BF16":
+            if hf_name.endswith(PACKED_SUFFIXES) or (dtype == "I8" and self.int_quant is not None):
+                t = self._int_weight(path, hf_name)
+            elif dtype == "BF16":
                 bits = self._raw(path, hf_name, "<u2")
                 return BFloat16Bits(bits if rows is None else fused_rows(bits, rows, str(path), hf_name))
-            if dtype == "F8_E4M3":
+            elif dtype == "F8_E4M3":
                 t = self._fp8(path, hf_name)
             elif dtype not in _FLOAT_DTYPES:
-                raise KestrelError(f"{path}: tensor {hf_name} has dtype {dtype}; kestrel reads BF16, F16, F32 and "
-                                   "F8_E4M3")
+                raise KestrelError(f"{path}: tensor {hf_name} has dtype {dtype}; kestrel reads BF16, F16, F32, "
+                                   "F8_E4M3 and integer-quantized weights")
             else:
                 t = handle.get_tensor(hf_name)
         except SafetensorError as exc:
@@ -499,15 +513,56 @@ class HFCheckpoint:
         scale_name = next((hf_name + s for s in SCALE_SUFFIXES if hf_name + s in self._paths), None)
         if scale_name is None:
             raise KestrelError(f"{path}: FP8 tensor {hf_name} has no {hf_name}_scale_inv or _scale beside it")
-        scale_path = self._paths[scale_name]
-        if self._handle(scale_path).get_slice(scale_name).get_dtype() == "BF16":
-            scale = BFloat16Bits(self._raw(scale_path, scale_name, "<u2")).to_float32()
-        else:
-            scale = self._handle(scale_path).get_tensor(scale_name)
         codes = self._raw(path, hf_name, "u1")
         if codes.ndim != 2:
             raise KestrelError(f"{path}: FP8 tensor {hf_name} has {codes.ndim} dimensions; kestrel reads 2")
-        return dequantize_fp8(codes, scale, self.fp8, f"{path}: {hf_name}")
+        return dequantize_fp8(codes, self._float(scale_name), self.fp8, f"{path}: {hf_name}")
+
+    def _int_weight(self, path: Path, hf_name: str) -> np.ndarray:
+        """An integer-quantized weight decoded to float32 [N, K] with the tensors beside it (model/int_quant.py)."""
+        scheme, where = self.int_quant, f"{path}: {hf_name}"
+        if scheme is None:
+            raise KestrelError(f"{where} is integer-quantized, but config.json has no GPTQ, AWQ or compressed-tensors "
+                               "quantization_config")
+        if hf_name.endswith(".qweight"):
+            if scheme.method not in ("gptq", "awq"):
+                raise KestrelError(f"{where}: a GPTQ or AWQ tensor in a {scheme.method} checkpoint")
+            base = hf_name.removesuffix(".qweight")
+            qweight, qzeros = self._beside(hf_name), self._beside(base + ".qzeros")
+            scales = self._float(base + ".scales")
+            if scheme.method == "awq":
+                return dequantize_awq(qweight, qzeros, scales, scheme, where)
+            g_idx = self._beside(base + ".g_idx") if base + ".g_idx" in self._paths else None
+            return dequantize_gptq(qweight, qzeros, scales, g_idx, scheme, where)
+        if scheme.method != "compressed-tensors":
+            raise KestrelError(f"{where}: a compressed-tensors tensor in a {scheme.method} checkpoint")
+        base = hf_name.removesuffix(".weight_packed").removesuffix(".weight")
+        scales = self._float(base + ".weight_scale")
+        zero_point, g_idx = (self._beside(base + f) if base + f in self._paths else None
+                             for f in (".weight_zero_point", ".weight_g_idx"))
+        if hf_name.endswith(".weight_packed"):
+            return dequantize_packed(self._beside(hf_name), self._beside(base + ".weight_shape"), scales, zero_point,
+                                     g_idx, scheme, where)
+        return dequantize_int8(self._beside(hf_name), scales, zero_point, g_idx, where)
+
+    def _beside(self, hf_name: str) -> np.ndarray:
+        """A tensor that goes with the one being read (a scale, zero points, packed codes), as it is stored."""
+        if hf_name not in self._paths:
+            raise KestrelError(f"{self.dir}: the checkpoint has no tensor {hf_name}")
+        path = self._paths[hf_name]
+        try:
+            return self._handle(path).get_tensor(hf_name)
+        except (SafetensorError, TypeError) as exc:
+            raise KestrelError(f"{path}: cannot read tensor {hf_name} ({exc})") from None
+
+    def _float(self, hf_name: str) -> np.ndarray:
+        """A float tensor beside the one being read (a scale), BF16 widened to float32."""
+        if hf_name not in self._paths:
+            raise KestrelError(f"{self.dir}: the checkpoint has no tensor {hf_name}")
+        path = self._paths[hf_name]
+        if self._handle(path).get_slice(hf_name).get_dtype() == "BF16":
+            return BFloat16Bits(self._raw(path, hf_name, "<u2")).to_float32()
+        return self._beside(hf_name)
 
 
 def _hf_name_hint(name: str) -> str:

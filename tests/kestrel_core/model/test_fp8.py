@@ -97,10 +97,11 @@ def test_an_fp8_checkpoint_is_its_weights_decoded(fmt: SimpleNamespace, tmp_path
 
 
 @pytest.mark.parametrize(("change", "says"), [
-    (lambda c: {**c, "quantization_config": {"quant_method": "gptq", "bits": 4}},
-     r"quant_method 'gptq' is not supported"),
+    (lambda c: {**c, "quantization_config": {"quant_method": "bitsandbytes"}},
+     r"quant_method 'bitsandbytes' is not supported"),
     (lambda c: {**c, "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
-        "g": {"weights": {"type": "int", "num_bits": 4}}}}}, r"group 'g' is not FP8 weights"),
+        "g": {"weights": {"type": "int", "num_bits": 4}}, "h": {"weights": {"type": "float", "num_bits": 8}}}}},
+     r"group 'g' is neither FP8 nor integer weights, or mixes them"),
     (lambda c: {**c, "quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}},
      r"q_proj.weight: scale of shape \[8, 2\] does not fit a weight of shape \[256, 64\] \(blocks of \[64, 64\]\)"),
     (lambda c: {k: v for k, v in c.items() if k != "quantization_config"}, r"is FP8, but config.json has no FP8"),

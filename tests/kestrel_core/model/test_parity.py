@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 
 import kestrel_core
+from kestrel_core.model import int_quant
 from kestrel_core.model.weights import Model
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
@@ -227,6 +228,13 @@ CASES = (
     Case("tiny-gpt-oss", "tiny-gpt-oss", Q8_MODES, moe=True),  # sinks, biases, clamped SwiGLU, interleaved gate|up
     Case("tiny-gpt-oss-mxfp4", "tiny-gpt-oss", Q8_MODES, moe=True),  # the experts as MXFP4 blocks and scales
     Case("tiny-gpt-oss.gguf", "tiny-gpt-oss", Q8_MODES, moe=True),  # llama.cpp's gpt-oss, MXFP4 experts
+    # integer-quantized checkpoints, each twin's golden transformers' own reading of it (gptqmodel, compressed-
+    # tensors); re-quantized to kestrel's int4 their 4-bit codes lose (another grid), so int8 modes only
+    Case("tiny-qwen3-gptq", "tiny-qwen3-gptq", Q8_MODES),  # GPTQ 4-bit, act-order (g_idx), zeros stored less 1
+    Case("tiny-llama-gptq-int8", "tiny-llama-gptq-int8", Q8_MODES),  # GPTQ 8-bit with zero points, a group a row
+    Case("tiny-qwen3-awq", "tiny-qwen3-awq", Q8_MODES),  # AWQ gemm: codes along N in 0 2 4 6 1 3 5 7 order
+    Case("tiny-qwen3-moe-w4a16", "tiny-qwen3-moe-w4a16", Q8_MODES, moe=True),  # compressed-tensors pack-quantized
+    Case("tiny-qwen2-w8a8", "tiny-qwen2-w8a8", Q8_MODES),  # compressed-tensors int-quantized, int8 rows
     Case("smollm2", "smollm2", ("q8", "q4"), default_model=True),
 )
 
@@ -390,6 +398,28 @@ def test_gemma3_done_wrong_leaves_the_limits(monkeypatch, wrong: str) -> None:  
     GEMMA3_WRONG[wrong](monkeypatch)
     fig = measure(next(c for c in CASES if c.name == "tiny-gemma3"), "q8")
     assert not fig.within(TINY), fig
+
+
+INT_WRONG = {
+    ("tiny-qwen3-awq", "AWQ's codes in column order"): lambda mp: mp.setattr(int_quant, "AWQ_ORDER", np.arange(8)),
+    ("tiny-qwen3-gptq", "GPTQ's zero points as stored"): lambda mp: mp.setitem(int_quant.GPTQ_FORMATS, "gptq", 0),
+    ("tiny-llama-gptq-int8", "GPTQ's zero points as stored"): lambda mp: mp.setitem(int_quant.GPTQ_FORMATS, "gptq",
+                                                                                   0),
+    ("tiny-qwen3-gptq", "act-order's g_idx ignored"): lambda mp: mp.setattr(
+        int_quant, "_groups_of", lambda k, groups, size, g_idx, where, real=int_quant._groups_of: real(
+            k, groups, size, None, where)),
+    ("tiny-qwen3-moe-w4a16", "codes without their offset"): lambda mp: mp.setattr(
+        int_quant, "unpack_rows", lambda *a, real=int_quant.unpack_rows: real(*a) + 8),
+}
+
+
+@pytest.mark.parametrize(("name", "wrong"), list(INT_WRONG), ids=[f"{n}-{w}" for n, w in INT_WRONG])
+def test_an_integer_checkpoint_decoded_wrong_leaves_the_limits(monkeypatch, name: str, wrong: str) -> None:  # type: ignore[no-untyped-def]
+    """Each rule of the GPTQ, AWQ and compressed-tensors layouts is needed for their twins to agree."""
+    case = next(c for c in CASES if c.name == name)
+    INT_WRONG[(name, wrong)](monkeypatch)
+    fig = measure(case, "q8")
+    assert not fig.within(case.limits("q8")), fig
 
 
 MOE_WRONG = {

@@ -1,0 +1,247 @@
+"""Integer-quantized checkpoints: GPTQ, AWQ and compressed-tensors (llm-compressor's W4A16 / W8A16 / W8A8), as the
+Hub ships them (``-GPTQ-Int4``, ``-AWQ``, ``quantized.w4a16``). A weight is integer codes q, a zero point z and a
+scale s a row per group of ``group_size`` input columns; its value is ``s * (q - z)``, decoded here to float32
+exactly (the products of a float16 or bfloat16 scale and a small integer are float32 numbers), then quantized to
+kestrel's strip-cache like any float checkpoint.
+
+The layouts, [N, K] meaning output rows x input columns:
+
+- GPTQ: ``X.qweight`` int32 [K * b / 32, N], 32 / b codes a word along K, the lowest bits first; ``X.qzeros``
+  int32 [G, N * b / 32] along N; ``X.scales`` [G, N]; ``X.g_idx`` int32 [K], each column's group (act-order),
+  else column k is in group k // group_size. ``checkpoint_format`` gptq (v1, the default) stores each zero point
+  less 1, as AutoGPTQ wrote them and vLLM's and ExLlama's kernels read them; gptq_v2 stores it as it is.
+- AWQ (``version`` gemm): ``X.qweight`` int32 [K, N / 8] and ``X.qzeros`` [K / g, N / 8], eight 4-bit codes a word
+  along N with output columns 0, 2, 4, 6, 1, 3, 5, 7 of each eight in nibbles 0..7 (AutoAWQ's ``pack``);
+  ``X.scales`` [K / g, N].
+- compressed-tensors ``pack-quantized``: ``X.weight_packed`` int32 [N, K * b / 32] along K, codes offset by
+  2^(b - 1) (unsigned in the word); ``X.weight_scale`` [N, K / g] (or [N, 1], or one); asymmetric ones have
+  ``X.weight_zero_point`` packed the same way along N, [N * b / 32, K / g]; ``X.weight_shape`` [N, K].
+  ``int-quantized`` / ``naive-quantized``: ``X.weight`` int8 [N, K] as it is, beside the same scales.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kestrel_core.errors import KestrelError
+
+INT_METHODS = ("gptq", "awq", "compressed-tensors")
+PACKED_SUFFIXES = (".qweight", ".weight_packed")  # the tensor a quantized X.weight is read from
+GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> what its zero points are stored less by
+AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # nibble i of an AWQ word holds output column AWQ_ORDER[i] of 8
+CT_INT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
+
+
+@dataclass(frozen=True)
+class IntScheme:
+    """How a checkpoint's integer weights are stored: ``method`` (gptq, awq, compressed-tensors), ``bits`` a code,
+    ``group_size`` (0: one group a row) and, for GPTQ, what its zero points are stored less by."""
+
+    method: str
+    bits: int
+    group_size: int = 0
+    zero_offset: int = 0
+
+
+def int_scheme(quantization: Any, where: str) -> IntScheme | None:
+    """The integer scheme of a config.json's ``quantization_config`` (None: not an integer one); a variant kestrel
+    does not read (3-bit codes, AWQ's GEMV layout, mixed-precision compressed-tensors...) is refused by name."""
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method not in INT_METHODS:
+        return None
+    if method == "compressed-tensors":
+        return _compressed_tensors_scheme(quantization, where)
+    bits, group = quantization.get("bits", quantization.get("w_bit")), quantization.get(
+        "group_size", quantization.get("q_group_size"))
+    if method == "awq":
+        version = str(quantization.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise KestrelError(f"{where}: AWQ version {version!r} is not supported (kestrel reads AWQ's gemm layout)")
+        if quantization.get("zero_point", True) is not True:
+            raise KestrelError(f"{where}: AWQ without zero points is not supported")
+        if bits != 4:
+            raise KestrelError(f"{where}: AWQ with {bits!r}-bit weights is not supported (kestrel reads 4-bit AWQ)")
+        return IntScheme("awq", 4, _group(group, where))
+    if bits not in (2, 4, 8):
+        raise KestrelError(f"{where}: GPTQ with {bits!r}-bit weights is not supported (kestrel reads 2, 4 and 8 bits)")
+    fmt = quantization.get("checkpoint_format", "gptq")
+    if fmt not in GPTQ_FORMATS:
+        raise KestrelError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported (kestrel reads gptq and "
+                           "gptq_v2)")
+    return IntScheme("gptq", bits, _group(group, where), GPTQ_FORMATS[fmt])
+
+
+def _group(group: Any, where: str) -> int:
+    if group is None or group == -1:
+        return 0
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise KestrelError(f"{where}: group_size must be a positive integer or -1, got {group!r}")
+    return group
+
+
+def _compressed_tensors_scheme(quantization: dict, where: str) -> IntScheme | None:
+    """compressed-tensors with integer weights in every config group (None: float ones, model/fp8.py's)."""
+    groups = quantization.get("config_groups") or {}
+    weights = [g.get("weights") if isinstance(g, dict) else None for g in groups.values()]
+    if not weights or not all(isinstance(w, dict) and w.get("type") == "int" for w in weights):
+        return None
+    fmt = quantization.get("format")
+    if fmt not in CT_INT_FORMATS:
+        raise KestrelError(f"{where}: compressed-tensors format {fmt!r} is not supported for integer weights "
+                           f"(kestrel reads {', '.join(CT_INT_FORMATS)})")
+    bits = {w.get("num_bits") for w in weights}
+    if len(bits) != 1 or not bits <= {2, 4, 8} or (fmt != "pack-quantized" and bits != {8}):
+        raise KestrelError(f"{where}: compressed-tensors integer weights of {sorted(map(str, bits))} bits are not "
+                           f"supported (kestrel reads 2, 4 and 8 bits packed, 8 as int8)")
+    return IntScheme("compressed-tensors", bits.pop())
+
+
+# -- unpacking --------------------------------------------------------------------------------------------
+
+
+def unpack_rows(words: np.ndarray, bits: int, count: int, where: str) -> np.ndarray:
+    """uint8/int32 codes [R, count] of int32 ``words`` [R, W] holding 32 / bits codes each along the row, the lowest
+    bits first (bits 2, 4, 8: no code straddles two words)."""
+    per = 32 // bits
+    if words.ndim != 2 or words.dtype != np.int32 or not (words.shape[1] - 1) * per < count <= words.shape[1] * per:
+        raise KestrelError(f"{where}: packed tensor of shape {list(words.shape)} ({words.dtype}) does not hold "
+                           f"{count} {bits}-bit codes a row")
+    shifts = np.arange(0, 32, bits, dtype=np.uint32)
+    codes = (words.view(np.uint32)[:, :, None] >> shifts) & np.uint32((1 << bits) - 1)  # [R, W, per]
+    return codes.reshape(words.shape[0], -1)[:, :count].astype(np.int32)
+
+
+def _groups_of(columns: int, groups: int, group_size: int, g_idx: np.ndarray | None, where: str) -> np.ndarray:
+    """int [K]: each input column's group."""
+    if g_idx is not None:
+        g = np.asarray(g_idx).reshape(-1)
+        if g.shape != (columns,) or g.dtype.kind not in "iu" or g.min(initial=0) < 0 or g.max(initial=0) >= groups:
+            raise KestrelError(f"{where}: g_idx of shape {list(g.shape)} does not give each of {columns} columns one "
+                               f"of {groups} groups")
+        return g.astype(np.int64)
+    size = group_size or columns
+    if groups != -(-columns // size):
+        raise KestrelError(f"{where}: {groups} groups of scales for {columns} columns (group_size {size})")
+    return np.arange(columns) // size
+
+
+def _decode(codes: np.ndarray, zeros: np.ndarray | int, scales: np.ndarray, column_group: np.ndarray) -> np.ndarray:
+    """float32 [N, K] = scales[n, g(k)] * (codes[n, k] - zeros[n, g(k)]); groups of consecutive columns are
+    broadcast, not gathered (a gather is an [N, K] array of each)."""
+    n, k = codes.shape
+    groups = scales.shape[1]
+    size = k // groups
+    if k % groups == 0 and np.array_equal(column_group, np.arange(k) // size):
+        diff = codes.astype(np.float32).reshape(n, groups, size)
+        if not np.isscalar(zeros):
+            diff -= np.asarray(zeros, np.float32)[:, :, None]
+        elif zeros:
+            diff -= np.float32(zeros)
+        diff *= np.asarray(scales, np.float32)[:, :, None]
+        return diff.reshape(n, k)
+    diff = codes.astype(np.float32)
+    if not np.isscalar(zeros):
+        diff -= np.asarray(zeros, np.float32)[:, column_group]
+    elif zeros:
+        diff -= np.float32(zeros)
+    diff *= np.asarray(scales, np.float32)[:, column_group]
+    return diff
+
+
+def _scales(scales: np.ndarray, n: int, where: str) -> np.ndarray:
+    """[N, G] float32 of a compressed-tensors weight_scale: [N, G], [N] or one for the tensor."""
+    s = np.asarray(scales, np.float32)
+    if s.size == 1:
+        return np.full((n, 1), s.reshape(()), np.float32)
+    if s.ndim == 1 and s.shape[0] == n:
+        return s.reshape(n, 1)
+    if s.ndim != 2 or s.shape[0] != n:
+        raise KestrelError(f"{where}: weight_scale of shape {list(s.shape)} does not fit {n} rows")
+    return s
+
+
+# -- decoders ---------------------------------------------------------------------------------------------
+
+
+def dequantize_gptq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, g_idx: np.ndarray | None,
+                    scheme: IntScheme, where: str) -> np.ndarray:
+    """float32 [N, K] of a GPTQ linear (see the module's docstring)."""
+    s = np.asarray(scales, np.float32)  # [G, N]
+    if s.ndim != 2:
+        raise KestrelError(f"{where}: scales of shape {list(s.shape)}; expected [groups, N]")
+    groups, n = s.shape
+    k = qweight.shape[0] * 32 // scheme.bits if qweight.ndim == 2 else 0
+    codes = unpack_rows(np.ascontiguousarray(np.asarray(qweight).T), scheme.bits, k, where)  # [N, K]
+    if codes.shape[0] != n:
+        raise KestrelError(f"{where}: qweight has {codes.shape[0]} columns, scales {n}")
+    zeros = unpack_rows(np.asarray(qzeros), scheme.bits, n, where) + scheme.zero_offset  # [G, N]
+    if zeros.shape[0] != groups:
+        raise KestrelError(f"{where}: qzeros has {zeros.shape[0]} groups, scales {groups}")
+    column_group = _groups_of(k, groups, scheme.group_size, g_idx, where)
+    return _decode(codes, np.ascontiguousarray(zeros.T), np.ascontiguousarray(s.T), column_group)
+
+
+def dequantize_awq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, scheme: IntScheme,
+                   where: str) -> np.ndarray:
+    """float32 [N, K] of an AWQ (gemm) linear."""
+    s = np.asarray(scales, np.float32)  # [G, N]
+    if s.ndim != 2 or s.shape[1] % 8:
+        raise KestrelError(f"{where}: scales of shape {list(s.shape)}; expected [groups, N], N a multiple of 8")
+    groups, n = s.shape
+
+    def columns(words: np.ndarray, name: str) -> np.ndarray:  # [R, N] in column order
+        codes = unpack_rows(np.asarray(words), 4, n, f"{where} ({name})")
+        out = np.empty_like(codes)
+        out.reshape(codes.shape[0], -1, 8)[:, :, AWQ_ORDER] = codes.reshape(codes.shape[0], -1, 8)
+        return out
+
+    codes, zeros = columns(qweight, "qweight"), columns(qzeros, "qzeros")  # [K, N], [G, N]
+    if zeros.shape[0] != groups:
+        raise KestrelError(f"{where}: qzeros has {zeros.shape[0]} groups, scales {groups}")
+    column_group = _groups_of(codes.shape[0], groups, scheme.group_size, None, where)
+    return _decode(np.ascontiguousarray(codes.T), np.ascontiguousarray(zeros.T), np.ascontiguousarray(s.T),
+                   column_group)
+
+
+def dequantize_packed(packed: np.ndarray, shape: Any, scales: np.ndarray, zero_point: np.ndarray | None,
+                      g_idx: np.ndarray | None, scheme: IntScheme, where: str) -> np.ndarray:
+    """float32 [N, K] of a compressed-tensors ``pack-quantized`` weight (``shape``: its weight_shape)."""
+    dims = np.asarray(shape).reshape(-1)
+    if dims.shape != (2,) or dims.dtype.kind not in "iu" or dims.min() < 1:
+        raise KestrelError(f"{where}: weight_shape {dims.tolist()} is not two positive sizes")
+    n, k = int(dims[0]), int(dims[1])
+    offset = 1 << (scheme.bits - 1)
+    codes = unpack_rows(np.asarray(packed), scheme.bits, k, where) - offset
+    if codes.shape[0] != n:
+        raise KestrelError(f"{where}: weight_packed has {codes.shape[0]} rows, weight_shape {n}")
+    s = _scales(scales, n, where)
+    zeros: np.ndarray | int = 0
+    if zero_point is not None:
+        zeros = unpack_rows(np.ascontiguousarray(np.asarray(zero_point).T), scheme.bits, n, where).T - offset
+        if zeros.shape != s.shape:
+            raise KestrelError(f"{where}: weight_zero_point unpacks to {list(zeros.shape)}, weight_scale is "
+                               f"{list(s.shape)}")
+    return _decode(codes, zeros, s, _groups_of(k, s.shape[1], k // s.shape[1], g_idx, where))
+
+
+def dequantize_int8(weight: np.ndarray, scales: np.ndarray, zero_point: np.ndarray | None,
+                    g_idx: np.ndarray | None, where: str) -> np.ndarray:
+    """float32 [N, K] of a compressed-tensors ``int-quantized`` weight (int8 [N, K] as it is)."""
+    w = np.asarray(weight)
+    if w.ndim != 2 or w.dtype != np.int8:
+        raise KestrelError(f"{where}: int8 weight of shape {list(w.shape)} ({w.dtype}); expected int8 [N, K]")
+    n, k = w.shape
+    s = _scales(scales, n, where)
+    zeros: np.ndarray | int = 0
+    if zero_point is not None:
+        zeros = np.asarray(zero_point, np.float32)
+        if zeros.size != s.size:
+            raise KestrelError(f"{where}: weight_zero_point of shape {list(zeros.shape)} does not fit weight_scale "
+                               f"{list(s.shape)}")
+        zeros = zeros.reshape(s.shape)
+    if k % s.shape[1]:
+        raise KestrelError(f"{where}: {s.shape[1]} groups of scales for {k} columns")
+    return _decode(w, zeros, s, _groups_of(k, s.shape[1], k // s.shape[1], g_idx, where))

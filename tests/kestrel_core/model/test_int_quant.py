@@ -1,0 +1,159 @@
+"""Integer-quantized checkpoints (model/int_quant.py): the layouts against compressed-tensors' own compressors
+(tests/fixtures/models/int-references.npz, scripts/make_golden.py), and what kestrel refuses, in one line. The
+GPTQ, AWQ and compressed-tensors twins' logits against transformers are test_parity.py's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import kestrel_core
+from kestrel_core.cli import main
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.hf import HFCheckpoint
+from kestrel_core.model.int_quant import (
+    IntScheme,
+    dequantize_awq,
+    dequantize_gptq,
+    dequantize_int8,
+    dequantize_packed,
+    int_scheme,
+)
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
+REFERENCES = FIXTURES / "int-references.npz"
+
+
+@pytest.fixture(scope="module")
+def refs() -> dict[str, np.ndarray]:
+    with np.load(REFERENCES, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.mark.parametrize("case", ["packed4", "packed8"])
+def test_pack_quantized_with_zero_points_is_compressed_tensors_reading(refs: dict[str, np.ndarray],
+                                                                       case: str) -> None:
+    bits = 4 if case == "packed4" else 8
+    got = dequantize_packed(refs[f"{case}.weight_packed"], refs[f"{case}.weight_shape"],
+                            refs[f"{case}.weight_scale"], refs[f"{case}.weight_zero_point"], None,
+                            IntScheme("compressed-tensors", bits), case)
+    np.testing.assert_array_equal(got, refs[f"{case}.expected"])
+
+
+def test_int_quantized_with_zero_points_is_compressed_tensors_reading(refs: dict[str, np.ndarray]) -> None:
+    got = dequantize_int8(refs["int8.weight"], refs["int8.weight_scale"], refs["int8.weight_zero_point"], None, "w")
+    np.testing.assert_array_equal(got, refs["int8.expected"])
+
+
+def test_the_twins_decode_to_what_their_configs_say() -> None:
+    """Each twin's quantized weights decode to the float weights within half a 4-bit step (the scheme read off
+    config.json: groups of 32, act-order for GPTQ), so the layouts agree before any logits do."""
+    base = HFCheckpoint(FIXTURES / "tiny-qwen3")
+    for twin in ("tiny-qwen3-gptq", "tiny-qwen3-awq"):
+        ckpt = HFCheckpoint(FIXTURES / twin)
+        assert ckpt.int_quant is not None and ckpt.int_quant.group_size == 32 and ckpt.fp8 is None
+        for name in ("layers.0.q", "layers.1.down", "layers.2.gate"):
+            w, ref = ckpt.get(name), base.get(name).astype(np.float32)
+            assert w.shape == ref.shape and w.dtype == np.float32
+            step = np.maximum(np.abs(ref).max(1) / 7, (ref.max(1) - ref.min(1)) / 15)  # symmetric or not, a row
+            assert (np.abs(w - ref).max(1) <= step / 2 * 1.01).all(), (twin, name)
+
+
+def _scheme(**kw: Any) -> dict[str, Any]:
+    return kw
+
+
+@pytest.mark.parametrize(("config", "says"), [
+    (_scheme(quant_method="awq", bits=4, group_size=128, version="gemv"), "AWQ version 'gemv' is not supported"),
+    (_scheme(quant_method="awq", bits=8, group_size=128), "AWQ with 8-bit weights is not supported"),
+    (_scheme(quant_method="awq", bits=4, group_size=128, zero_point=False), "AWQ without zero points"),
+    (_scheme(quant_method="gptq", bits=3, group_size=128), "GPTQ with 3-bit weights is not supported"),
+    (_scheme(quant_method="gptq", bits=4, group_size=128, checkpoint_format="marlin"),
+     "GPTQ checkpoint_format 'marlin' is not supported"),
+    (_scheme(quant_method="gptq", bits=4, group_size=0), "group_size must be a positive integer or -1, got 0"),
+    (_scheme(quant_method="compressed-tensors", format="marlin-24",
+             config_groups={"g": {"weights": {"type": "int", "num_bits": 4}}}),
+     "compressed-tensors format 'marlin-24' is not supported"),
+    (_scheme(quant_method="compressed-tensors", format="pack-quantized",
+             config_groups={"g": {"weights": {"type": "int", "num_bits": 4}},
+                            "h": {"weights": {"type": "int", "num_bits": 8}}}),
+     r"integer weights of \['4', '8'\] bits are not supported"),
+    (_scheme(quant_method="compressed-tensors", format="int-quantized",
+             config_groups={"g": {"weights": {"type": "int", "num_bits": 4}}}),
+     r"integer weights of \['4'\] bits are not supported"),
+])
+def test_an_integer_scheme_kestrel_cannot_read_is_refused_by_name(config: dict[str, Any], says: str) -> None:
+    with pytest.raises(KestrelError, match=says):
+        int_scheme(config, "config.json")
+
+
+def test_schemes_read_off_their_configs() -> None:
+    assert int_scheme({"quant_method": "gptq", "bits": 4, "group_size": -1}, "c") == IntScheme("gptq", 4, 0, 1)
+    assert int_scheme({"quant_method": "gptq", "bits": 8, "group_size": 64, "checkpoint_format": "gptq_v2"},
+                      "c") == IntScheme("gptq", 8, 64, 0)
+    assert int_scheme({"quant_method": "awq", "w_bit": 4, "q_group_size": 128, "version": "GEMM"},
+                      "c") == IntScheme("awq", 4, 128)
+    fp8 = {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8}}}}
+    assert int_scheme(fp8, "c") is None and int_scheme({"quant_method": "fp8"}, "c") is None
+    assert int_scheme(None, "c") is None
+
+
+def test_packed_tensors_of_the_wrong_shape_are_errors_naming_them() -> None:
+    gptq = IntScheme("gptq", 4, 32, 1)
+    qweight, qzeros = np.zeros((8, 16), np.int32), np.zeros((2, 2), np.int32)
+    scales = np.ones((2, 16), np.float16)
+    assert dequantize_gptq(qweight, qzeros, scales, None, gptq, "w").shape == (16, 64)
+    with pytest.raises(KestrelError, match="w: qzeros has 1 groups, scales 2"):
+        dequantize_gptq(qweight, qzeros[:1], scales, None, gptq, "w")
+    with pytest.raises(KestrelError, match="w: g_idx of shape"):
+        dequantize_gptq(qweight, qzeros, scales, np.full(64, 5, np.int32), gptq, "w")
+    with pytest.raises(KestrelError, match=r"w: packed tensor of shape \[16, 8\] \(int64\)"):
+        dequantize_gptq(qweight.astype(np.int64), qzeros, scales, None, gptq, "w")
+    with pytest.raises(KestrelError, match=r"N a multiple of 8"):
+        dequantize_awq(np.zeros((64, 2), np.int32), np.zeros((2, 2), np.int32), np.ones((2, 12), np.float16),
+                       IntScheme("awq", 4, 32), "w")
+    with pytest.raises(KestrelError, match="weight_shape"):
+        dequantize_packed(np.zeros((4, 8), np.int32), np.array([4, 64, 1]), np.ones((4, 2), np.float32), None, None,
+                          IntScheme("compressed-tensors", 4), "w")
+
+
+def _twin(tmp_path: Path, name: str = "tiny-qwen3-awq") -> Path:
+    dst = tmp_path / name
+    shutil.copytree(FIXTURES / name, dst)
+    return dst
+
+
+def test_a_missing_zero_point_tensor_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = _twin(tmp_path)
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.qzeros"]
+    save_file(tensors, d / "model.safetensors")
+    assert main(["run", "--model", str(d), "--max-tokens", "2", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "has no tensor model.layers.1.mlp.up_proj.qzeros" in err, err
+
+
+def test_packed_weights_without_a_quantization_config_are_refused(tmp_path: Path) -> None:
+    d = _twin(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["quantization_config"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(KestrelError, match="is integer-quantized, but config.json has no GPTQ, AWQ or compressed"):
+        kestrel_core.load(str(d), backend="cpu")
+
+
+def test_an_unsupported_variant_is_refused_before_any_weight_is_read(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    d = _twin(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"]["version"] = "gemv_fast"
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "model.safetensors").write_bytes(b"not read")
+    assert main(["run", "--model", str(d), "hi"]) == 2
+    assert "AWQ version 'gemv_fast' is not supported" in capsys.readouterr().err
