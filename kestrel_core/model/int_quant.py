@@ -21,6 +21,7 @@ The layouts, [N, K] meaning output rows x input columns:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,19 +100,83 @@ def _compressed_tensors_scheme(quantization: dict, where: str) -> IntScheme | No
     return IntScheme("compressed-tensors", bits.pop())
 
 
-# -- unpacking --------------------------------------------------------------------------------------------
+# -- decoding ---------------------------------------------------------------------------------------------
+# Every layout comes down to rows of codes packed along K, the lowest bits of each little-endian byte first (an
+# int32 word's four bytes in order), a zero point and a scale per row and group, and each column's group:
+# decode_rows turns them into s * (q - z); AWQ's codes run along N instead (_decode_columns). Compiled (one pass,
+# no [N, K] temporaries) where numba works; the numpy functions are their definitions, bit for bit.
+_COMPILED: dict[str, Any] = {}
 
 
-def unpack_rows(words: np.ndarray, bits: int, count: int, where: str) -> np.ndarray:
-    """uint8/int32 codes [R, count] of int32 ``words`` [R, W] holding 32 / bits codes each along the row, the lowest
-    bits first (bits 2, 4, 8: no code straddles two words)."""
+def _decode_rows_reference(packed: np.ndarray, bits: int, zeros: np.ndarray, scales: np.ndarray,
+                           column_group: np.ndarray, out: np.ndarray) -> None:
+    """out float32 [N, K] = (q[n, k] - zeros[n, g(k)]) * scales[n, g(k)], q the codes of packed uint8 [N, B]."""
+    shifts = np.arange(0, 8, bits, dtype=np.uint8)
+    codes = ((packed[:, :, None] >> shifts) & np.uint8((1 << bits) - 1)).reshape(len(packed), -1)
+    out[...] = (codes[:, :out.shape[1]].astype(np.float32) - zeros[:, column_group]) * scales[:, column_group]
+
+
+def _decode_rows_loop(packed: np.ndarray, bits: int, zeros: np.ndarray, scales: np.ndarray,
+                      column_group: np.ndarray, out: np.ndarray) -> None:
+    """_decode_rows_reference for numba."""
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    for r in range(out.shape[0]):
+        for c in range(out.shape[1]):
+            q = (packed[r, c // per] >> ((c % per) * bits)) & mask
+            g = column_group[c]
+            out[r, c] = (np.float32(q) - zeros[r, g]) * scales[r, g]
+
+
+def decode_rows(packed: np.ndarray, bits: int, zeros: np.ndarray, scales: np.ndarray, column_group: np.ndarray,
+                columns: int) -> np.ndarray:
+    """float32 [N, columns] of codes packed uint8 [N, B] (``bits`` 2, 4 or 8), zeros and scales float32 [N, G] in
+    the codes' own (unsigned) domain, column_group int64 [columns]."""
+    out = np.empty((packed.shape[0], columns), np.float32)
+    args = (np.ascontiguousarray(packed), bits, np.ascontiguousarray(zeros, np.float32),
+            np.ascontiguousarray(scales, np.float32), np.ascontiguousarray(column_group, np.int64), out)
+    _run("rows", _decode_rows_loop, _decode_rows_reference, args)
+    return out
+
+
+def _run(name: str, loop: Any, reference: Any, args: tuple[Any, ...]) -> None:
+    """``loop`` compiled by numba (built once, cached on disk) on ``args``, else ``reference``, its definition."""
+    if name not in _COMPILED:
+        try:
+            from numba import njit
+
+            _COMPILED[name] = njit(cache=True, nogil=True)(loop)
+        except Exception as exc:  # numba missing or broken: the definition gives the same floats
+            _disable_compiled(name, exc)
+    if _COMPILED[name] is not None:
+        try:
+            _COMPILED[name](*args)
+            return
+        except Exception as exc:
+            _disable_compiled(name, exc)
+    reference(*args)
+
+
+def _disable_compiled(name: str, exc: BaseException) -> None:
+    logging.getLogger("kestrel").debug("compiled integer decoder %s unavailable: %s", name, exc)
+    _COMPILED[name] = None
+
+
+def _check_words(words: np.ndarray, bits: int, count: int, where: str) -> np.ndarray:
+    """``words`` (int32 [R, W], 32 / bits codes a word) as uint8 [R, 4 W], if they hold ``count`` codes a row."""
     per = 32 // bits
     if words.ndim != 2 or words.dtype != np.int32 or not (words.shape[1] - 1) * per < count <= words.shape[1] * per:
         raise KestrelError(f"{where}: packed tensor of shape {list(words.shape)} ({words.dtype}) does not hold "
                            f"{count} {bits}-bit codes a row")
-    shifts = np.arange(0, 32, bits, dtype=np.uint32)
-    codes = (words.view(np.uint32)[:, :, None] >> shifts) & np.uint32((1 << bits) - 1)  # [R, W, per]
-    return codes.reshape(words.shape[0], -1)[:, :count].astype(np.int32)
+    return np.ascontiguousarray(words).view(np.uint8)
+
+
+def unpack_rows(words: np.ndarray, bits: int, count: int, where: str) -> np.ndarray:
+    """int32 codes [R, count] of int32 ``words`` [R, W] (zero points: small arrays)."""
+    packed = _check_words(words, bits, count, where)
+    shifts = np.arange(0, 8, bits, dtype=np.uint8)
+    codes = (packed[:, :, None] >> shifts) & np.uint8((1 << bits) - 1)
+    return codes.reshape(len(packed), -1)[:, :count].astype(np.int32)
 
 
 def _groups_of(columns: int, groups: int, group_size: int, g_idx: np.ndarray | None, where: str) -> np.ndarray:
@@ -128,29 +193,6 @@ def _groups_of(columns: int, groups: int, group_size: int, g_idx: np.ndarray | N
     return np.arange(columns) // size
 
 
-def _decode(codes: np.ndarray, zeros: np.ndarray | int, scales: np.ndarray, column_group: np.ndarray) -> np.ndarray:
-    """float32 [N, K] = scales[n, g(k)] * (codes[n, k] - zeros[n, g(k)]); groups of consecutive columns are
-    broadcast, not gathered (a gather is an [N, K] array of each)."""
-    n, k = codes.shape
-    groups = scales.shape[1]
-    size = k // groups
-    if k % groups == 0 and np.array_equal(column_group, np.arange(k) // size):
-        diff = codes.astype(np.float32).reshape(n, groups, size)
-        if not np.isscalar(zeros):
-            diff -= np.asarray(zeros, np.float32)[:, :, None]
-        elif zeros:
-            diff -= np.float32(zeros)
-        diff *= np.asarray(scales, np.float32)[:, :, None]
-        return diff.reshape(n, k)
-    diff = codes.astype(np.float32)
-    if not np.isscalar(zeros):
-        diff -= np.asarray(zeros, np.float32)[:, column_group]
-    elif zeros:
-        diff -= np.float32(zeros)
-    diff *= np.asarray(scales, np.float32)[:, column_group]
-    return diff
-
-
 def _scales(scales: np.ndarray, n: int, where: str) -> np.ndarray:
     """[N, G] float32 of a compressed-tensors weight_scale: [N, G], [N] or one for the tensor."""
     s = np.asarray(scales, np.float32)
@@ -163,47 +205,71 @@ def _scales(scales: np.ndarray, n: int, where: str) -> np.ndarray:
     return s
 
 
-# -- decoders ---------------------------------------------------------------------------------------------
+# -- the layouts ------------------------------------------------------------------------------------------
 
 
 def dequantize_gptq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, g_idx: np.ndarray | None,
                     scheme: IntScheme, where: str) -> np.ndarray:
     """float32 [N, K] of a GPTQ linear (see the module's docstring)."""
     s = np.asarray(scales, np.float32)  # [G, N]
-    if s.ndim != 2:
-        raise KestrelError(f"{where}: scales of shape {list(s.shape)}; expected [groups, N]")
+    if s.ndim != 2 or np.asarray(qweight).ndim != 2:
+        raise KestrelError(f"{where}: qweight {list(np.shape(qweight))} and scales {list(s.shape)} must be 2-D")
     groups, n = s.shape
-    k = qweight.shape[0] * 32 // scheme.bits if qweight.ndim == 2 else 0
-    codes = unpack_rows(np.ascontiguousarray(np.asarray(qweight).T), scheme.bits, k, where)  # [N, K]
-    if codes.shape[0] != n:
-        raise KestrelError(f"{where}: qweight has {codes.shape[0]} columns, scales {n}")
+    k = qweight.shape[0] * 32 // scheme.bits
+    if qweight.shape[1] != n:
+        raise KestrelError(f"{where}: qweight has {qweight.shape[1]} columns, scales {n}")
+    packed = _check_words(np.ascontiguousarray(np.asarray(qweight).T), scheme.bits, k, where)  # [N, K b / 8]
     zeros = unpack_rows(np.asarray(qzeros), scheme.bits, n, where) + scheme.zero_offset  # [G, N]
     if zeros.shape[0] != groups:
         raise KestrelError(f"{where}: qzeros has {zeros.shape[0]} groups, scales {groups}")
-    column_group = _groups_of(k, groups, scheme.group_size, g_idx, where)
-    return _decode(codes, np.ascontiguousarray(zeros.T), np.ascontiguousarray(s.T), column_group)
+    return decode_rows(packed, scheme.bits, zeros.T, s.T, _groups_of(k, groups, scheme.group_size, g_idx, where), k)
 
 
 def dequantize_awq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, scheme: IntScheme,
                    where: str) -> np.ndarray:
-    """float32 [N, K] of an AWQ (gemm) linear."""
+    """float32 [N, K] of an AWQ (gemm) linear: its codes run along N, in AWQ_ORDER."""
     s = np.asarray(scales, np.float32)  # [G, N]
     if s.ndim != 2 or s.shape[1] % 8:
         raise KestrelError(f"{where}: scales of shape {list(s.shape)}; expected [groups, N], N a multiple of 8")
     groups, n = s.shape
-
-    def columns(words: np.ndarray, name: str) -> np.ndarray:  # [R, N] in column order
-        codes = unpack_rows(np.asarray(words), 4, n, f"{where} ({name})")
-        out = np.empty_like(codes)
-        out.reshape(codes.shape[0], -1, 8)[:, :, AWQ_ORDER] = codes.reshape(codes.shape[0], -1, 8)
-        return out
-
-    codes, zeros = columns(qweight, "qweight"), columns(qzeros, "qzeros")  # [K, N], [G, N]
+    words = _check_words(np.asarray(qweight), 4, n, f"{where} (qweight)")  # [K, N / 2] bytes
+    zeros = unpack_rows(np.asarray(qzeros), 4, n, f"{where} (qzeros)")  # [G, N] in AWQ_ORDER
     if zeros.shape[0] != groups:
         raise KestrelError(f"{where}: qzeros has {zeros.shape[0]} groups, scales {groups}")
-    column_group = _groups_of(codes.shape[0], groups, scheme.group_size, None, where)
-    return _decode(np.ascontiguousarray(codes.T), np.ascontiguousarray(zeros.T), np.ascontiguousarray(s.T),
-                   column_group)
+    zeros_in_order = np.empty_like(zeros)
+    zeros_in_order.reshape(groups, -1, 8)[:, :, AWQ_ORDER] = zeros.reshape(groups, -1, 8)
+    k = words.shape[0]
+    column_group = _groups_of(k, groups, scheme.group_size, None, where)
+    out = np.empty((n, k), np.float32)
+    args = (words, np.ascontiguousarray(AWQ_ORDER, np.int64), np.ascontiguousarray(zeros_in_order.T, np.float32),
+            np.ascontiguousarray(s.T), column_group, out)
+    _run("columns", _decode_columns_loop, _decode_columns_reference, args)
+    return out
+
+
+def _decode_columns_reference(words: np.ndarray, order: np.ndarray, zeros: np.ndarray, scales: np.ndarray,
+                              column_group: np.ndarray, out: np.ndarray) -> None:
+    """out float32 [N, K] of 4-bit codes packed along N (uint8 [K, N / 2], word w's nibble i holding column
+    8 w + order[i]), zeros and scales [N, G] in column order."""
+    nibbles = np.stack([words & np.uint8(15), words >> np.uint8(4)], axis=-1).reshape(len(words), -1, 8)  # [K, N/8, 8]
+    codes = np.empty_like(nibbles)
+    codes[:, :, order] = nibbles
+    codes = codes.reshape(len(words), -1).T  # [N, K]
+    out[...] = (codes.astype(np.float32) - zeros[:, column_group]) * scales[:, column_group]
+
+
+def _decode_columns_loop(words: np.ndarray, order: np.ndarray, zeros: np.ndarray, scales: np.ndarray,
+                         column_group: np.ndarray, out: np.ndarray) -> None:
+    """_decode_columns_reference for numba, 16 columns of out at a time (its rows' lines stay cached)."""
+    n, k = out.shape
+    for k0 in range(0, k, 16):
+        for w in range(n // 8):
+            for i in range(8):
+                col = 8 * w + order[i]
+                for c in range(k0, min(k0 + 16, k)):
+                    q = (words[c, 4 * w + i // 2] >> (4 * (i % 2))) & 15
+                    g = column_group[c]
+                    out[col, c] = (np.float32(q) - zeros[col, g]) * scales[col, g]
 
 
 def dequantize_packed(packed: np.ndarray, shape: Any, scales: np.ndarray, zero_point: np.ndarray | None,
@@ -213,18 +279,17 @@ def dequantize_packed(packed: np.ndarray, shape: Any, scales: np.ndarray, zero_p
     if dims.shape != (2,) or dims.dtype.kind not in "iu" or dims.min() < 1:
         raise KestrelError(f"{where}: weight_shape {dims.tolist()} is not two positive sizes")
     n, k = int(dims[0]), int(dims[1])
-    offset = 1 << (scheme.bits - 1)
-    codes = unpack_rows(np.asarray(packed), scheme.bits, k, where) - offset
-    if codes.shape[0] != n:
-        raise KestrelError(f"{where}: weight_packed has {codes.shape[0]} rows, weight_shape {n}")
+    rows = _check_words(np.asarray(packed), scheme.bits, k, where)
+    if rows.shape[0] != n:
+        raise KestrelError(f"{where}: weight_packed has {rows.shape[0]} rows, weight_shape {n}")
     s = _scales(scales, n, where)
-    zeros: np.ndarray | int = 0
-    if zero_point is not None:
-        zeros = unpack_rows(np.ascontiguousarray(np.asarray(zero_point).T), scheme.bits, n, where).T - offset
+    zeros = np.full(s.shape, 1 << (scheme.bits - 1), np.float32)  # the codes' offset: symmetric
+    if zero_point is not None:  # packed with the same offset
+        zeros = unpack_rows(np.ascontiguousarray(np.asarray(zero_point).T), scheme.bits, n, where).T
         if zeros.shape != s.shape:
             raise KestrelError(f"{where}: weight_zero_point unpacks to {list(zeros.shape)}, weight_scale is "
                                f"{list(s.shape)}")
-    return _decode(codes, zeros, s, _groups_of(k, s.shape[1], k // s.shape[1], g_idx, where))
+    return decode_rows(rows, scheme.bits, zeros, s, _groups_of(k, s.shape[1], k // s.shape[1], g_idx, where), k)
 
 
 def dequantize_int8(weight: np.ndarray, scales: np.ndarray, zero_point: np.ndarray | None,
@@ -235,13 +300,14 @@ def dequantize_int8(weight: np.ndarray, scales: np.ndarray, zero_point: np.ndarr
         raise KestrelError(f"{where}: int8 weight of shape {list(w.shape)} ({w.dtype}); expected int8 [N, K]")
     n, k = w.shape
     s = _scales(scales, n, where)
-    zeros: np.ndarray | int = 0
+    zeros = np.zeros(s.shape, np.float32)
     if zero_point is not None:
-        zeros = np.asarray(zero_point, np.float32)
-        if zeros.size != s.size:
-            raise KestrelError(f"{where}: weight_zero_point of shape {list(zeros.shape)} does not fit weight_scale "
-                               f"{list(s.shape)}")
-        zeros = zeros.reshape(s.shape)
+        if np.size(zero_point) != s.size:
+            raise KestrelError(f"{where}: weight_zero_point of shape {list(np.shape(zero_point))} does not fit "
+                               f"weight_scale {list(s.shape)}")
+        zeros = np.asarray(zero_point, np.float32).reshape(s.shape)
     if k % s.shape[1]:
         raise KestrelError(f"{where}: {s.shape[1]} groups of scales for {k} columns")
-    return _decode(w, zeros, s, _groups_of(k, s.shape[1], k // s.shape[1], g_idx, where))
+    # the codes as unsigned bytes (code + 128), the zero points moved with them
+    return decode_rows(w.view(np.uint8) ^ np.uint8(0x80), 8, zeros + 128, s,
+                       _groups_of(k, s.shape[1], k // s.shape[1], g_idx, where), k)

@@ -157,3 +157,36 @@ def test_an_unsupported_variant_is_refused_before_any_weight_is_read(tmp_path: P
     (d / "model.safetensors").write_bytes(b"not read")
     assert main(["run", "--model", str(d), "hi"]) == 2
     assert "AWQ version 'gemv_fast' is not supported" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_the_compiled_decoder_is_its_definition(bits: int) -> None:
+    """decode_rows (numba) against _decode_rows_reference (numpy), bit for bit, contiguous groups and act-order."""
+    from kestrel_core.model.int_quant import _decode_rows_reference, decode_rows
+
+    rng = np.random.default_rng(bits)
+    n, k, groups = 24, 96, 3
+    packed = rng.integers(0, 256, (n, k * bits // 8), dtype=np.uint8)
+    zeros = rng.integers(0, 1 << bits, (n, groups)).astype(np.float32)
+    scales = rng.uniform(-0.1, 0.1, (n, groups)).astype(np.float32)
+    for column_group in (np.arange(k) // 32, rng.integers(0, groups, k)):
+        want = np.empty((n, k), np.float32)
+        _decode_rows_reference(packed, bits, zeros, scales, column_group, want)
+        np.testing.assert_array_equal(decode_rows(packed, bits, zeros, scales, column_group, k), want)
+
+
+def test_the_compiled_awq_decoder_is_its_definition() -> None:
+    from kestrel_core.model.int_quant import AWQ_ORDER, _decode_columns_reference, _run
+
+    rng = np.random.default_rng(7)
+    k, n, groups = 40, 48, 2
+    words = rng.integers(0, 256, (k, n // 2), dtype=np.uint8)
+    zeros = rng.integers(0, 16, (n, groups)).astype(np.float32)
+    scales = rng.uniform(-0.1, 0.1, (n, groups)).astype(np.float32)
+    column_group = np.arange(k) // 20
+    want, got = np.empty((n, k), np.float32), np.empty((n, k), np.float32)
+    _decode_columns_reference(words, AWQ_ORDER, zeros, scales, column_group, want)
+    from kestrel_core.model import int_quant
+
+    _run("columns", int_quant._decode_columns_loop, None, (words, AWQ_ORDER, zeros, scales, column_group, got))
+    np.testing.assert_array_equal(got, want)

@@ -409,7 +409,8 @@ INT_WRONG = {
         int_quant, "_groups_of", lambda k, groups, size, g_idx, where, real=int_quant._groups_of: real(
             k, groups, size, None, where)),
     ("tiny-qwen3-moe-w4a16", "codes without their offset"): lambda mp: mp.setattr(
-        int_quant, "unpack_rows", lambda *a, real=int_quant.unpack_rows: real(*a) + 8),
+        int_quant, "decode_rows", lambda packed, bits, zeros, *a, real=int_quant.decode_rows: real(
+            packed, bits, zeros - (1 << (bits - 1)), *a)),
 }
 
 
