@@ -89,7 +89,14 @@ def _compressed_tensors_scheme(quantization: dict, where: str) -> IntScheme | No
     weights = [g.get("weights") if isinstance(g, dict) else None for g in groups.values()]
     if not weights or not all(isinstance(w, dict) and w.get("type") == "int" for w in weights):
         return None
-    fmt = quantization.get("format")
+    formats = {g.get("format") for g in groups.values() if g.get("format")}  # newer files say it a group too
+    fmt = quantization.get("format") or (formats.pop() if len(formats) == 1 else None)
+    sparsity = quantization.get("sparsity_config") or {}
+    if isinstance(sparsity, dict) and sparsity.get("format") not in (None, "dense"):
+        raise KestrelError(f"{where}: compressed-tensors sparsity format {sparsity.get('format')!r} is not supported")
+    if quantization.get("transform_config"):
+        raise KestrelError(f"{where}: compressed-tensors transforms (transform_config: rotated weights) are not "
+                           "supported")
     if fmt not in CT_INT_FORMATS:
         raise KestrelError(f"{where}: compressed-tensors format {fmt!r} is not supported for integer weights "
                            f"(kestrel reads {', '.join(CT_INT_FORMATS)})")

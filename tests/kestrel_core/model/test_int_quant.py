@@ -87,6 +87,11 @@ def _scheme(**kw: Any) -> dict[str, Any]:
     (_scheme(quant_method="compressed-tensors", format="int-quantized",
              config_groups={"g": {"weights": {"type": "int", "num_bits": 4}}}),
      r"integer weights of \['4'\] bits are not supported"),
+    (_scheme(quant_method="compressed-tensors", format="pack-quantized",
+             sparsity_config={"format": "sparse-24-bitmask"}, config_groups={"g": {"weights": {"type": "int", "num_bits": 4}}}),
+     "sparsity format 'sparse-24-bitmask' is not supported"),
+    (_scheme(quant_method="compressed-tensors", format="pack-quantized", transform_config={"t": {}},
+             config_groups={"g": {"weights": {"type": "int", "num_bits": 4}}}), "transforms"),
 ])
 def test_an_integer_scheme_kestrel_cannot_read_is_refused_by_name(config: dict[str, Any], says: str) -> None:
     with pytest.raises(KestrelError, match=says):
@@ -102,6 +107,9 @@ def test_schemes_read_off_their_configs() -> None:
     fp8 = {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8}}}}
     assert int_scheme(fp8, "c") is None and int_scheme({"quant_method": "fp8"}, "c") is None
     assert int_scheme(None, "c") is None
+    per_group = {"quant_method": "compressed-tensors", "sparsity_config": {"format": "dense"},
+                 "config_groups": {"g": {"format": "pack-quantized", "weights": {"type": "int", "num_bits": 4}}}}
+    assert int_scheme(per_group, "c") == IntScheme("compressed-tensors", 4)
 
 
 def test_packed_tensors_of_the_wrong_shape_are_errors_naming_them() -> None:

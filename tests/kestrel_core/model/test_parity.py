@@ -345,7 +345,8 @@ def test_phi3_with_gate_and_up_swapped_leaves_the_limits(monkeypatch) -> None:  
                                              ("tiny-phi3-longrope", "q8"), ("tiny-qwen3-yarn", "q8"),
                                              ("tiny-gpt-oss-mxfp4", "q8"), ("tiny-glm4", "q8"), ("tiny-qwen3_5", "q8"),
                                              ("tiny-qwen3-next.gguf", "q4"), ("tiny-glm4-moe.gguf", "q8"),
-                                             ("tiny-deepseek-v3", "q4"), ("tiny-deepseek-v2.gguf", "q8")])
+                                             ("tiny-deepseek-v3", "q4"), ("tiny-deepseek-v2.gguf", "q8"),
+                                             ("tiny-qwen3-awq", "q8"), ("tiny-qwen3-moe-w4a16", "q8-g256")])
 def test_quantized_artifact_gives_the_same_logits(tmp_path: Path, name: str, quant: str) -> None:
     """A .kst artifact written from a checkpoint runs to the very logits of the checkpoint itself."""
     from kestrel_core.model.loader import load_model, write_artifact
