@@ -4,6 +4,7 @@
     python scripts/parity_report.py --no-default-model
     python scripts/parity_report.py --backend cuda  # the same golden data through another backend
     python scripts/parity_report.py --kv-cache-type q8  # an int8 KV cache, on the fixtures that can hold one
+    python scripts/parity_report.py --models tiny-qwen3-awq,tiny-qwen3-gptq --modes q8
 
 The figures are measured by tests/kestrel_core/model/test_parity.py's own ``measure`` (imported from the
 file, so the table and the tests cannot disagree on what they compute), on the CPU backend unless
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-default-model", action="store_true", help="skip SmolLM2 even if it was pulled")
     ap.add_argument("--backend", default="cpu", help="backend to measure (default cpu, as the tests)")
     ap.add_argument("--modes", default="", help="only these quant modes (comma-separated)")
+    ap.add_argument("--models", default="", help="only these fixtures (comma-separated names)")
     ap.add_argument("--kv-cache-type", default="f16", choices=("f16", "q8"),
                     help="what the KV cache holds (q8: the fixtures whose dims come in blocks of 32, KV_INT8)")
     args = ap.parse_args(argv)
@@ -43,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
             "(top-1 >=, max <=, median <=) | within |",
             "|---|---|---|---|---|---|---|---|"]
     for case in tp.CASES:
+        if args.models and case.name not in args.models.split(","):
+            continue
         if args.kv_cache_type == "q8" and case.name not in tp.KV_INT8:
             continue
         if case.default_model:
