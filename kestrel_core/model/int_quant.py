@@ -118,9 +118,14 @@ _COMPILED: dict[str, Any] = {}
 def _decode_rows_reference(packed: np.ndarray, bits: int, zeros: np.ndarray, scales: np.ndarray,
                            column_group: np.ndarray, out: np.ndarray) -> None:
     """out float32 [N, K] = (q[n, k] - zeros[n, g(k)]) * scales[n, g(k)], q the codes of packed uint8 [N, B]."""
+    codes = _codes(packed, bits, out.shape[1])
+    out[...] = (codes.astype(np.float32) - zeros[:, column_group]) * scales[:, column_group]
+
+
+def _codes(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """uint8 [R, count]: the codes of packed uint8 [R, B], the lowest bits of each byte first."""
     shifts = np.arange(0, 8, bits, dtype=np.uint8)
-    codes = ((packed[:, :, None] >> shifts) & np.uint8((1 << bits) - 1)).reshape(len(packed), -1)
-    out[...] = (codes[:, :out.shape[1]].astype(np.float32) - zeros[:, column_group]) * scales[:, column_group]
+    return ((packed[:, :, None] >> shifts) & np.uint8((1 << bits) - 1)).reshape(len(packed), -1)[:, :count]
 
 
 def _decode_rows_loop(packed: np.ndarray, bits: int, zeros: np.ndarray, scales: np.ndarray,
@@ -180,10 +185,7 @@ def _check_words(words: np.ndarray, bits: int, count: int, where: str) -> np.nda
 
 def unpack_rows(words: np.ndarray, bits: int, count: int, where: str) -> np.ndarray:
     """int32 codes [R, count] of int32 ``words`` [R, W] (zero points: small arrays)."""
-    packed = _check_words(words, bits, count, where)
-    shifts = np.arange(0, 8, bits, dtype=np.uint8)
-    codes = (packed[:, :, None] >> shifts) & np.uint8((1 << bits) - 1)
-    return codes.reshape(len(packed), -1)[:, :count].astype(np.int32)
+    return _codes(_check_words(words, bits, count, where), bits, count).astype(np.int32)
 
 
 def _groups_of(columns: int, groups: int, group_size: int, g_idx: np.ndarray | None, where: str) -> np.ndarray:
@@ -243,8 +245,7 @@ def dequantize_awq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, 
     zeros = unpack_rows(np.asarray(qzeros), 4, n, f"{where} (qzeros)")  # [G, N] in AWQ_ORDER
     if zeros.shape[0] != groups:
         raise KestrelError(f"{where}: qzeros has {zeros.shape[0]} groups, scales {groups}")
-    zeros_in_order = np.empty_like(zeros)
-    zeros_in_order.reshape(groups, -1, 8)[:, :, AWQ_ORDER] = zeros.reshape(groups, -1, 8)
+    zeros_in_order = _in_column_order(zeros, AWQ_ORDER)
     k = words.shape[0]
     column_group = _groups_of(k, groups, scheme.group_size, None, where)
     out = np.empty((n, k), np.float32)
@@ -258,11 +259,15 @@ def _decode_columns_reference(words: np.ndarray, order: np.ndarray, zeros: np.nd
                               column_group: np.ndarray, out: np.ndarray) -> None:
     """out float32 [N, K] of 4-bit codes packed along N (uint8 [K, N / 2], word w's nibble i holding column
     8 w + order[i]), zeros and scales [N, G] in column order."""
-    nibbles = np.stack([words & np.uint8(15), words >> np.uint8(4)], axis=-1).reshape(len(words), -1, 8)  # [K, N/8, 8]
-    codes = np.empty_like(nibbles)
-    codes[:, :, order] = nibbles
-    codes = codes.reshape(len(words), -1).T  # [N, K]
+    codes = _in_column_order(_codes(words, 4, 2 * words.shape[1]), order).T  # [N, K]
     out[...] = (codes.astype(np.float32) - zeros[:, column_group]) * scales[:, column_group]
+
+
+def _in_column_order(codes: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """codes [R, N] in nibble order (nibble i of each eight holding column order[i]) as [R, N] in column order."""
+    out = np.empty_like(codes)
+    out.reshape(len(codes), -1, 8)[:, :, order] = codes.reshape(len(codes), -1, 8)
+    return out
 
 
 def _decode_columns_loop(words: np.ndarray, order: np.ndarray, zeros: np.ndarray, scales: np.ndarray,
