@@ -8,7 +8,11 @@ at G = 32 and 256, with ``quantize_weight_reference`` (numpy) and ``quantize_wei
 every core), checks that both give the same bits, and reports M params/s (best of ``--repeat`` runs; the
 first compiled call, which may compile or load the numba cache, is not timed).
 
-Part 2 writes a synthetic Llama-shaped BF16 Hugging Face directory (random weights, no tokenizer) and times
+Part 2 decodes integer checkpoints' weights (model/int_quant.py: GPTQ 4-bit with and without act-order, GPTQ
+8-bit, AWQ, compressed-tensors pack-quantized) of the same [N, K] to float32, compiled and numpy, the same bits
+checked, in M params/s (the quantizer then takes the float32 weight as in part 1).
+
+Part 3 writes a synthetic Llama-shaped BF16 Hugging Face directory (random weights, no tokenizer) and times
 what ``kestrel quantize DIR -o OUT`` does (``load_model`` then ``write_artifact``: read, quantize, write the
 .kst) in this process, with the compiled quantizer and then with the reference swapped in, and once more as
 the ``kestrel quantize`` command in a fresh process (imports and start-up included).
@@ -70,6 +74,48 @@ def bench_weights(n: int, k: int, repeat: int, ref_repeat: int) -> list[dict[str
                 print(f"{dtype:>8}  q{bits}  G={g:<3}  numpy {rows[-1]['numpy_mps']:7.1f} M params/s   "
                       f"compiled {rows[-1]['compiled_mps']:7.1f} M params/s   x{rows[-1]['speedup']:5.1f}   "
                       f"same bits: {same}", flush=True)
+    return rows
+
+
+def bench_int_decoding(n: int, k: int, repeat: int, ref_repeat: int) -> list[dict[str, Any]]:
+    from kestrel_core.model import int_quant as iq
+
+    rng = np.random.default_rng(1)
+    g = 128
+
+    def words(rows: int, cols: int) -> np.ndarray:
+        return rng.integers(0, 1 << 32, (rows, cols), dtype=np.uint64).astype(np.uint32).view(np.int32)
+
+    scales = rng.uniform(1e-3, 1e-2, (k // g, n)).astype(np.float16)  # [G, N]
+    gidx = np.argsort(rng.permutation(k)) // g
+    q4, q8, z4, z8 = words(k // 8, n), words(k // 4, n), words(k // g, n // 8), words(k // g, n // 4)
+    awq, packed = words(k, n // 8), words(n, k // 8)
+    layouts: dict[str, tuple[str, Callable[[], np.ndarray]]] = {
+        "gptq 4-bit": ("rows", lambda: iq.dequantize_gptq(q4, z4, scales, None, iq.IntScheme("gptq", 4, g, 1), "w")),
+        "gptq 4-bit act-order": ("rows", lambda: iq.dequantize_gptq(q4, z4, scales, gidx,
+                                                                    iq.IntScheme("gptq", 4, g, 1), "w")),
+        "gptq 8-bit": ("rows", lambda: iq.dequantize_gptq(q8, z8, scales, None, iq.IntScheme("gptq", 8, g, 1), "w")),
+        "awq": ("columns", lambda: iq.dequantize_awq(awq, z4, scales, iq.IntScheme("awq", 4, g), "w")),
+        "compressed-tensors w4": ("rows", lambda: iq.dequantize_packed(
+            packed, np.array([n, k]), scales.T, None, None, iq.IntScheme("compressed-tensors", 4), "w")),
+    }
+    rows = []
+    for name, (kernel, fn) in layouts.items():
+        compiled_out = fn()  # compiles or loads the cache
+        new = _best(fn, repeat)
+        saved = iq._COMPILED.get(kernel)
+        iq._COMPILED[kernel] = None  # the numpy definition
+        try:
+            reference_out = fn()
+            old = _best(fn, ref_repeat)
+        finally:
+            iq._COMPILED[kernel] = saved
+        same = np.array_equal(compiled_out.view(np.uint32), reference_out.view(np.uint32))
+        rows.append({"layout": name, "numpy_mps": n * k / old / 1e6, "compiled_mps": n * k / new / 1e6,
+                     "speedup": old / new, "same_bits": same})
+        print(f"{name:>22}  numpy {rows[-1]['numpy_mps']:7.1f} M params/s   compiled "
+              f"{rows[-1]['compiled_mps']:7.1f} M params/s   x{rows[-1]['speedup']:5.1f}   same bits: {same}",
+              flush=True)
     return rows
 
 
@@ -182,6 +228,7 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=5, help="timed runs of the compiled path (best is kept)")
     p.add_argument("--ref-repeat", type=int, default=2, help="timed runs of the numpy reference")
     p.add_argument("--no-checkpoint", action="store_true", help="skip the synthetic checkpoint")
+    p.add_argument("--no-int", action="store_true", help="skip the integer checkpoints' decoding")
     p.add_argument("--quant", default="q8")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--intermediate", type=int, default=5632)
@@ -196,6 +243,8 @@ def main() -> int:
     result: dict[str, Any] = {"weights": bench_weights(args.n, args.k, args.repeat, args.ref_repeat)}
     if contract._compiled_weight_kernels() is None:
         print("the compiled quantizer is unavailable: both columns are the numpy reference")
+    if not args.no_int:
+        result["int_decoding"] = bench_int_decoding(args.n, args.k, args.repeat, args.ref_repeat)
     if not args.no_checkpoint:
         result["checkpoint"] = bench_checkpoint(args)
     if args.json:

@@ -63,16 +63,20 @@ def int_scheme(quantization: Any, where: str) -> IntScheme | None:
             raise KestrelError(f"{where}: AWQ version {version!r} is not supported (kestrel reads AWQ's gemm layout)")
         if quantization.get("zero_point", True) is not True:
             raise KestrelError(f"{where}: AWQ without zero points is not supported")
-        if bits != 4:
+        if not _is_bits(bits, (4,)):
             raise KestrelError(f"{where}: AWQ with {bits!r}-bit weights is not supported (kestrel reads 4-bit AWQ)")
         return IntScheme("awq", 4, _group(group, where))
-    if bits not in (2, 4, 8):
+    if not _is_bits(bits, (2, 4, 8)):
         raise KestrelError(f"{where}: GPTQ with {bits!r}-bit weights is not supported (kestrel reads 2, 4 and 8 bits)")
     fmt = quantization.get("checkpoint_format", "gptq")
-    if fmt not in GPTQ_FORMATS:
+    if not isinstance(fmt, str) or fmt not in GPTQ_FORMATS:
         raise KestrelError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported (kestrel reads gptq and "
                            "gptq_v2)")
     return IntScheme("gptq", bits, _group(group, where), GPTQ_FORMATS[fmt])
+
+
+def _is_bits(bits: Any, allowed: tuple[int, ...]) -> bool:
+    return isinstance(bits, int) and not isinstance(bits, bool) and bits in allowed
 
 
 def _group(group: Any, where: str) -> int:
@@ -86,10 +90,12 @@ def _group(group: Any, where: str) -> int:
 def _compressed_tensors_scheme(quantization: dict, where: str) -> IntScheme | None:
     """compressed-tensors with integer weights in every config group (None: float ones, model/fp8.py's)."""
     groups = quantization.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise KestrelError(f"{where}: compressed-tensors config_groups must be an object")
     weights = [g.get("weights") if isinstance(g, dict) else None for g in groups.values()]
     if not weights or not all(isinstance(w, dict) and w.get("type") == "int" for w in weights):
         return None
-    formats = {g.get("format") for g in groups.values() if g.get("format")}  # newer files say it a group too
+    formats = {g["format"] for g in groups.values() if isinstance(g.get("format"), str)}  # newer files: a group's
     fmt = quantization.get("format") or (formats.pop() if len(formats) == 1 else None)
     sparsity = quantization.get("sparsity_config") or {}
     if isinstance(sparsity, dict) and sparsity.get("format") not in (None, "dense"):
@@ -100,11 +106,12 @@ def _compressed_tensors_scheme(quantization: dict, where: str) -> IntScheme | No
     if fmt not in CT_INT_FORMATS:
         raise KestrelError(f"{where}: compressed-tensors format {fmt!r} is not supported for integer weights "
                            f"(kestrel reads {', '.join(CT_INT_FORMATS)})")
-    bits = {w.get("num_bits") for w in weights}
-    if len(bits) != 1 or not bits <= {2, 4, 8} or (fmt != "pack-quantized" and bits != {8}):
-        raise KestrelError(f"{where}: compressed-tensors integer weights of {sorted(map(str, bits))} bits are not "
-                           f"supported (kestrel reads 2, 4 and 8 bits packed, 8 as int8)")
-    return IntScheme("compressed-tensors", bits.pop())
+    allowed = (2, 4, 8) if fmt == "pack-quantized" else (8,)
+    bits = sorted({str(w.get("num_bits")) for w in weights})
+    if len(bits) != 1 or not _is_bits(weights[0].get("num_bits"), allowed):
+        raise KestrelError(f"{where}: compressed-tensors integer weights of {bits} bits are not supported (kestrel "
+                           "reads 2, 4 and 8 bits packed, 8 as int8)")
+    return IntScheme("compressed-tensors", weights[0]["num_bits"])
 
 
 # -- decoding ---------------------------------------------------------------------------------------------
