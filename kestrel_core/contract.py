@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import InitVar, dataclass
 from typing import Any
 
@@ -357,12 +358,20 @@ def _run_weight_kernel(kernels: tuple[Any, Any], x: np.ndarray, table: np.ndarra
             return int(f32(x, bits, group_size, codes, scales, start, stop))
         return int(u16(x, table, bits, group_size, codes, scales, start, stop))
 
-    run(0, 0)  # compiles this signature here (once; cached on disk), not in several threads at once
+    bad = [r for r in run_row_chunks(run, n, k) if r >= 0]
+    return min(bad) if bad else -1
+
+
+def run_row_chunks(run: Callable[[int, int], Any], n: int, k: int) -> list[Any]:
+    """``run(start, stop)`` over chunks of rows 0..n-1 (of k elements), one thread per core where the work is
+    large enough (``run`` must release the GIL: a numba ``nogil`` kernel); each chunk's result, in order. The
+    first call, on no rows, compiles the kernel's signature once, not in several threads at once."""
+    run(0, 0)
     workers = max(1, min(_threads(), n, (n * k) // _MIN_PARALLEL_WEIGHTS))
     bounds = [n * t // workers for t in range(workers + 1)]
     if workers == 1:
-        return run(0, n)
-    results = [-1] * workers
+        return [run(0, n)]
+    results: list[Any] = [None] * workers
     errors: list[BaseException] = []
 
     def work(t: int) -> None:
@@ -379,8 +388,7 @@ def _run_weight_kernel(kernels: tuple[Any, Any], x: np.ndarray, table: np.ndarra
         th.join()
     if errors:
         raise errors[0]
-    bad = [r for r in results if r >= 0]
-    return min(bad) if bad else -1
+    return results
 
 
 def _compiled_weight_kernels() -> tuple[Any, Any] | None:

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from kestrel_core.contract import run_row_chunks
 from kestrel_core.errors import KestrelError
 
 INT_METHODS = ("gptq", "awq", "compressed-tensors")
@@ -118,7 +119,8 @@ def _compressed_tensors_scheme(quantization: dict, where: str) -> IntScheme | No
 # Every layout comes down to rows of codes packed along K, the lowest bits of each little-endian byte first (an
 # int32 word's four bytes in order), a zero point and a scale per row and group, and each column's group:
 # decode_rows turns them into s * (q - z); AWQ's codes run along N instead (_decode_columns). Compiled (one pass,
-# no [N, K] temporaries) where numba works; the numpy functions are their definitions, bit for bit.
+# no [N, K] temporaries, row chunks on every core: 390-710 against 28-49 M params/s for numpy on two cores,
+# docs/performance.md) where numba works; the numpy functions are their definitions, bit for bit.
 _COMPILED: dict[str, Any] = {}
 
 
@@ -136,11 +138,11 @@ def _codes(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
 
 
 def _decode_rows_loop(packed: np.ndarray, bits: int, zeros: np.ndarray, scales: np.ndarray,
-                      column_group: np.ndarray, out: np.ndarray) -> None:
-    """_decode_rows_reference for numba."""
+                      column_group: np.ndarray, out: np.ndarray, start: int, stop: int) -> None:
+    """_decode_rows_reference for numba, rows start..stop-1."""
     per = 8 // bits
     mask = (1 << bits) - 1
-    for r in range(out.shape[0]):
+    for r in range(start, stop):
         for c in range(out.shape[1]):
             q = (packed[r, c // per] >> ((c % per) * bits)) & mask
             g = column_group[c]
@@ -154,12 +156,13 @@ def decode_rows(packed: np.ndarray, bits: int, zeros: np.ndarray, scales: np.nda
     out = np.empty((packed.shape[0], columns), np.float32)
     args = (np.ascontiguousarray(packed), bits, np.ascontiguousarray(zeros, np.float32),
             np.ascontiguousarray(scales, np.float32), np.ascontiguousarray(column_group, np.int64), out)
-    _run("rows", _decode_rows_loop, _decode_rows_reference, args)
+    _run("rows", _decode_rows_loop, _decode_rows_reference, args, out.shape[0], columns)
     return out
 
 
-def _run(name: str, loop: Any, reference: Any, args: tuple[Any, ...]) -> None:
-    """``loop`` compiled by numba (built once, cached on disk) on ``args``, else ``reference``, its definition."""
+def _run(name: str, loop: Any, reference: Any, args: tuple[Any, ...], rows: int, columns: int) -> None:
+    """``loop`` compiled by numba (built once, cached on disk) on ``args``, ``rows`` chunks of ``columns`` each on
+    a thread per core; else ``reference``, its definition, on all of them."""
     if name not in _COMPILED:
         try:
             from numba import njit
@@ -167,9 +170,10 @@ def _run(name: str, loop: Any, reference: Any, args: tuple[Any, ...]) -> None:
             _COMPILED[name] = njit(cache=True, nogil=True)(loop)
         except Exception as exc:  # numba missing or broken: the definition gives the same floats
             _disable_compiled(name, exc)
-    if _COMPILED[name] is not None:
+    kernel = _COMPILED[name]
+    if kernel is not None:
         try:
-            _COMPILED[name](*args)
+            run_row_chunks(lambda start, stop: kernel(*args, start, stop), rows, columns)
             return
         except Exception as exc:
             _disable_compiled(name, exc)
@@ -258,7 +262,7 @@ def dequantize_awq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, 
     out = np.empty((n, k), np.float32)
     args = (words, np.ascontiguousarray(AWQ_ORDER, np.int64), np.ascontiguousarray(zeros_in_order.T, np.float32),
             np.ascontiguousarray(s.T), column_group, out)
-    _run("columns", _decode_columns_loop, _decode_columns_reference, args)
+    _run("columns", _decode_columns_loop, _decode_columns_reference, args, n // 8, 8 * k)
     return out
 
 
@@ -278,11 +282,12 @@ def _in_column_order(codes: np.ndarray, order: np.ndarray) -> np.ndarray:
 
 
 def _decode_columns_loop(words: np.ndarray, order: np.ndarray, zeros: np.ndarray, scales: np.ndarray,
-                         column_group: np.ndarray, out: np.ndarray) -> None:
-    """_decode_columns_reference for numba, 16 columns of out at a time (its rows' lines stay cached)."""
-    n, k = out.shape
+                         column_group: np.ndarray, out: np.ndarray, start: int, stop: int) -> None:
+    """_decode_columns_reference for numba, words start..stop-1 of each row of ``words`` (rows 8 start .. 8 stop - 1
+    of out), 16 columns of out at a time (its rows' lines stay cached)."""
+    k = out.shape[1]
     for k0 in range(0, k, 16):
-        for w in range(n // 8):
+        for w in range(start, stop):
             for i in range(8):
                 col = 8 * w + order[i]
                 for c in range(k0, min(k0 + 16, k)):

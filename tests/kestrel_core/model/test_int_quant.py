@@ -182,6 +182,9 @@ def test_the_compiled_decoder_is_its_definition(bits: int) -> None:
         want = np.empty((n, k), np.float32)
         _decode_rows_reference(packed, bits, zeros, scales, column_group, want)
         np.testing.assert_array_equal(decode_rows(packed, bits, zeros, scales, column_group, k), want)
+    from kestrel_core.model import int_quant
+
+    assert int_quant._COMPILED["rows"] is not None  # numba built it: the comparison above was not numpy with itself
 
 
 def test_the_compiled_awq_decoder_is_its_definition() -> None:
@@ -197,5 +200,7 @@ def test_the_compiled_awq_decoder_is_its_definition() -> None:
     _decode_columns_reference(words, AWQ_ORDER, zeros, scales, column_group, want)
     from kestrel_core.model import int_quant
 
-    _run("columns", int_quant._decode_columns_loop, None, (words, AWQ_ORDER, zeros, scales, column_group, got))
+    _run("columns", int_quant._decode_columns_loop, None, (words, AWQ_ORDER, zeros, scales, column_group, got), n // 8,
+         8 * k)
     np.testing.assert_array_equal(got, want)
+    assert int_quant._COMPILED["columns"] is not None
