@@ -32,11 +32,12 @@ from kestrel_core.model.hf_config import (
 )
 from kestrel_core.model.int_quant import (
     PACKED_SUFFIXES,
-    dequantize_awq,
-    dequantize_gptq,
-    dequantize_int8,
-    dequantize_packed,
+    IntWeight,
     int_scheme,
+    read_awq,
+    read_gptq,
+    read_int8,
+    read_packed,
 )
 from kestrel_core.model.quantize import fused_rows, hybrid_splits, layer_name, map_tensor_name
 from kestrel_core.model.validate import (
@@ -375,7 +376,7 @@ class HFCheckpoint:
         """The tensor as float32 or float16 (BF16 widened exactly to float32); Gemma's norms as the factor they
         multiply by, 1 + weight in float32 (its RMSNorm's ``1.0 + self.weight.float()``)."""
         t = self.get_weight(name)
-        t = t.to_float32() if isinstance(t, BFloat16Bits) else t
+        t = t.to_float32() if isinstance(t, (BFloat16Bits, IntWeight)) else t
         field = name.rsplit(".", 1)[-1]
         if self.config.arch in ONE_PLUS_NORMS and field in GEMMA_NORMS:
             return np.float32(1) + t.astype(np.float32)
@@ -387,8 +388,9 @@ class HFCheckpoint:
             return t.reshape(-1)
         return t
 
-    def get_weight(self, name: str) -> np.ndarray | BFloat16Bits:
-        """Like get, but a BF16 tensor stays its raw bits: the quantizer widens it a row at a time."""
+    def get_weight(self, name: str) -> np.ndarray | BFloat16Bits | IntWeight:
+        """Like get, but a BF16 tensor stays its raw bits (the quantizer widens it a row at a time) and an integer
+        one its codes (the quantizer keeps them where it can)."""
         if name not in self._files:
             raise KestrelError(f"{self.dir}: the checkpoint has no tensor for {name} "
                                f"({_hf_name_hint(name)})")
@@ -414,7 +416,7 @@ class HFCheckpoint:
         except SafetensorError as exc:
             raise KestrelError(f"{path}: cannot read tensor {hf_name} ({exc})") from None
         t = t if rows is None else fused_rows(t, rows, str(path), hf_name)
-        return t if t.dtype in (np.float32, np.float16) else t.astype(np.float32)
+        return t if isinstance(t, IntWeight) or t.dtype in (np.float32, np.float16) else t.astype(np.float32)
 
     def _expert_tensor(self, name: str, path: Path, hf_name: str) -> np.ndarray:
         """One expert's part of a stacked tensor, float32 in kestrel's orientation: gpt-oss's gate [F, D] (the even
@@ -518,8 +520,8 @@ class HFCheckpoint:
             raise KestrelError(f"{path}: FP8 tensor {hf_name} has {codes.ndim} dimensions; kestrel reads 2")
         return dequantize_fp8(codes, self._float(scale_name), self.fp8, f"{path}: {hf_name}")
 
-    def _int_weight(self, path: Path, hf_name: str) -> np.ndarray:
-        """An integer-quantized weight decoded to float32 [N, K] with the tensors beside it (model/int_quant.py)."""
+    def _int_weight(self, path: Path, hf_name: str) -> IntWeight:
+        """An integer-quantized weight with the tensors beside it (model/int_quant.py)."""
         scheme, where = self.int_quant, f"{path}: {hf_name}"
         if scheme is None:
             raise KestrelError(f"{where} is integer-quantized, but config.json has no GPTQ, AWQ or compressed-tensors "
@@ -531,9 +533,9 @@ class HFCheckpoint:
             qweight, qzeros = self._beside(hf_name), self._beside(base + ".qzeros")
             scales = self._float(base + ".scales")
             if scheme.method == "awq":
-                return dequantize_awq(qweight, qzeros, scales, scheme, where)
+                return read_awq(qweight, qzeros, scales, scheme, where)
             g_idx = self._beside(base + ".g_idx") if base + ".g_idx" in self._paths else None
-            return dequantize_gptq(qweight, qzeros, scales, g_idx, scheme, where)
+            return read_gptq(qweight, qzeros, scales, g_idx, scheme, where)
         if scheme.method != "compressed-tensors":
             raise KestrelError(f"{where}: a compressed-tensors tensor in a {scheme.method} checkpoint")
         base = hf_name.removesuffix(".weight_packed").removesuffix(".weight")
@@ -541,9 +543,9 @@ class HFCheckpoint:
         zero_point, g_idx = (self._beside(base + f) if base + f in self._paths else None
                              for f in (".weight_zero_point", ".weight_g_idx"))
         if hf_name.endswith(".weight_packed"):
-            return dequantize_packed(self._beside(hf_name), self._beside(base + ".weight_shape"), scales, zero_point,
-                                     g_idx, scheme, where)
-        return dequantize_int8(self._beside(hf_name), scales, zero_point, g_idx, where)
+            return read_packed(self._beside(hf_name), self._beside(base + ".weight_shape"), scales, zero_point, g_idx,
+                               scheme, where)
+        return read_int8(self._beside(hf_name), scales, zero_point, g_idx, where)
 
     def _beside(self, hf_name: str) -> np.ndarray:
         """A tensor that goes with the one being read (a scale, zero points, packed codes), as it is stored."""

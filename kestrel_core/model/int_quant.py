@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kestrel_core.contract import run_row_chunks
+from kestrel_core.contract import CODE_RANGE, StripCache, run_row_chunks
 from kestrel_core.errors import KestrelError
 
 INT_METHODS = ("gptq", "awq", "compressed-tensors")
@@ -116,17 +116,75 @@ def _compressed_tensors_scheme(quantization: dict, where: str) -> IntScheme | No
 
 
 # -- decoding ---------------------------------------------------------------------------------------------
-# Every layout comes down to rows of codes packed along K, the lowest bits of each little-endian byte first (an
-# int32 word's four bytes in order), a zero point and a scale per row and group, and each column's group:
-# decode_rows turns them into s * (q - z); AWQ's codes run along N instead (_decode_columns). Compiled (one pass,
-# no [N, K] temporaries, row chunks on every core: 390-710 against 28-49 M params/s for numpy on two cores,
-# docs/performance.md) where numba works; the numpy functions are their definitions, bit for bit.
+# Every layout comes down to rows of codes packed along K (uint8 [N, B], the lowest bits of each byte first: an
+# int32 word's four bytes in order; AWQ's, which run along N, are unpacked to a byte a code first), a zero point
+# and a scale per row and group, and each column's group: an IntWeight. Where its groups are whole runs of a
+# strip-cache's blocks and its codes less their zero points fit kestrel's codes, it becomes a strip-cache as it
+# is (q8: any 4-bit checkpoint and symmetric 8-bit ones; q4: symmetric 4-bit ones); otherwise it is decoded to
+# float32 and quantized again. The loops are compiled (one pass, no [N, K] temporaries, row chunks on every core:
+# 390-710 against 28-49 M params/s for numpy on two cores, docs/performance.md) where numba works; the numpy
+# functions are their definitions, bit for bit.
 _COMPILED: dict[str, Any] = {}
+
+
+@dataclass(frozen=True, eq=False)
+class IntWeight:
+    """An integer checkpoint's weight [N, K]: codes ``packed`` uint8 [N, B] of ``bits`` each along K, ``zeros``
+    and ``scales`` float32 [N, G] (zero points in the codes' own unsigned domain), ``column_group`` int64 [K]."""
+
+    packed: np.ndarray
+    bits: int
+    zeros: np.ndarray
+    scales: np.ndarray
+    column_group: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], len(self.column_group)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def __getitem__(self, rows: slice | np.ndarray) -> IntWeight:
+        """Some rows (a fused tensor's part)."""
+        return IntWeight(np.ascontiguousarray(self.packed[rows]), self.bits, np.ascontiguousarray(self.zeros[rows]),
+                         np.ascontiguousarray(self.scales[rows]), self.column_group)
+
+    def to_float32(self) -> np.ndarray:
+        """float32 [N, K] = scales * (codes - zeros), by group."""
+        return self._decode(self.scales, np.float32)
+
+    def strip_cache(self, bits: int, group_size: int) -> StripCache | None:
+        """The weight as a strip-cache of ``bits`` and ``group_size`` holding its very values, where one can (its
+        groups whole runs of blocks, its codes less their zero points within the code range), else None."""
+        n, k = self.shape
+        groups = self.scales.shape[1]
+        size = k // groups
+        lo, hi = CODE_RANGE[bits]
+        if k % groups or size % group_size or not np.array_equal(self.column_group, np.arange(k) // size):
+            return None
+        top = (1 << self.bits) - 1
+        if self.zeros.min(initial=0) < top - hi or self.zeros.max(initial=0) > -lo:
+            codes = self._decode(np.ones_like(self.scales), np.int16)  # a zero point may not bound the codes
+            if codes.size and (codes.min() < lo or codes.max() > hi):
+                return None
+            codes = codes.astype(np.int8)
+        else:
+            codes = self._decode(np.ones_like(self.scales), np.int8)
+        scales = np.ascontiguousarray(np.repeat(self.scales, size // group_size, axis=1), np.float32)
+        return StripCache(codes, scales, group_size, bits, check_range=False)
+
+    def _decode(self, scales: np.ndarray, dtype: Any) -> np.ndarray:
+        out = np.empty(self.shape, dtype)
+        args = (self.packed, self.bits, self.zeros, np.ascontiguousarray(scales, np.float32), self.column_group, out)
+        _run("rows", _decode_rows_loop, _decode_rows_reference, args, self.shape[0], self.shape[1])
+        return out
 
 
 def _decode_rows_reference(packed: np.ndarray, bits: int, zeros: np.ndarray, scales: np.ndarray,
                            column_group: np.ndarray, out: np.ndarray) -> None:
-    """out float32 [N, K] = (q[n, k] - zeros[n, g(k)]) * scales[n, g(k)], q the codes of packed uint8 [N, B]."""
+    """out [N, K] = (q[n, k] - zeros[n, g(k)]) * scales[n, g(k)] in float32, q the codes of packed uint8 [N, B]."""
     codes = _codes(packed, bits, out.shape[1])
     out[...] = (codes.astype(np.float32) - zeros[:, column_group]) * scales[:, column_group]
 
@@ -149,17 +207,6 @@ def _decode_rows_loop(packed: np.ndarray, bits: int, zeros: np.ndarray, scales: 
             out[r, c] = (np.float32(q) - zeros[r, g]) * scales[r, g]
 
 
-def decode_rows(packed: np.ndarray, bits: int, zeros: np.ndarray, scales: np.ndarray, column_group: np.ndarray,
-                columns: int) -> np.ndarray:
-    """float32 [N, columns] of codes packed uint8 [N, B] (``bits`` 2, 4 or 8), zeros and scales float32 [N, G] in
-    the codes' own (unsigned) domain, column_group int64 [columns]."""
-    out = np.empty((packed.shape[0], columns), np.float32)
-    args = (np.ascontiguousarray(packed), bits, np.ascontiguousarray(zeros, np.float32),
-            np.ascontiguousarray(scales, np.float32), np.ascontiguousarray(column_group, np.int64), out)
-    _run("rows", _decode_rows_loop, _decode_rows_reference, args, out.shape[0], columns)
-    return out
-
-
 def _run(name: str, loop: Any, reference: Any, args: tuple[Any, ...], rows: int, columns: int) -> None:
     """``loop`` compiled by numba (built once, cached on disk) on ``args``, ``rows`` chunks of ``columns`` each on
     a thread per core; else ``reference``, its definition, on all of them."""
@@ -168,7 +215,7 @@ def _run(name: str, loop: Any, reference: Any, args: tuple[Any, ...], rows: int,
             from numba import njit
 
             _COMPILED[name] = njit(cache=True, nogil=True)(loop)
-        except Exception as exc:  # numba missing or broken: the definition gives the same floats
+        except Exception as exc:  # numba missing or broken: the definition gives the same values
             _disable_compiled(name, exc)
     kernel = _COMPILED[name]
     if kernel is not None:
@@ -225,12 +272,18 @@ def _scales(scales: np.ndarray, n: int, where: str) -> np.ndarray:
     return s
 
 
+def _weight(packed: np.ndarray, bits: int, zeros: np.ndarray, scales: np.ndarray,
+            column_group: np.ndarray) -> IntWeight:
+    return IntWeight(np.ascontiguousarray(packed), bits, np.ascontiguousarray(zeros, np.float32),
+                     np.ascontiguousarray(scales, np.float32), np.ascontiguousarray(column_group, np.int64))
+
+
 # -- the layouts ------------------------------------------------------------------------------------------
 
 
-def dequantize_gptq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, g_idx: np.ndarray | None,
-                    scheme: IntScheme, where: str) -> np.ndarray:
-    """float32 [N, K] of a GPTQ linear (see the module's docstring)."""
+def read_gptq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, g_idx: np.ndarray | None,
+              scheme: IntScheme, where: str) -> IntWeight:
+    """A GPTQ linear (see the module's docstring)."""
     s = np.asarray(scales, np.float32)  # [G, N]
     if s.ndim != 2 or np.asarray(qweight).ndim != 2:
         raise KestrelError(f"{where}: qweight {list(np.shape(qweight))} and scales {list(s.shape)} must be 2-D")
@@ -242,12 +295,12 @@ def dequantize_gptq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray,
     zeros = unpack_rows(np.asarray(qzeros), scheme.bits, n, where) + scheme.zero_offset  # [G, N]
     if zeros.shape[0] != groups:
         raise KestrelError(f"{where}: qzeros has {zeros.shape[0]} groups, scales {groups}")
-    return decode_rows(packed, scheme.bits, zeros.T, s.T, _groups_of(k, groups, scheme.group_size, g_idx, where), k)
+    return _weight(packed, scheme.bits, zeros.T, s.T, _groups_of(k, groups, scheme.group_size, g_idx, where))
 
 
-def dequantize_awq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, scheme: IntScheme,
-                   where: str) -> np.ndarray:
-    """float32 [N, K] of an AWQ (gemm) linear: its codes run along N, in AWQ_ORDER."""
+def read_awq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, scheme: IntScheme,
+             where: str) -> IntWeight:
+    """An AWQ (gemm) linear: its codes, which run along N in AWQ_ORDER, unpacked to a byte each along K."""
     s = np.asarray(scales, np.float32)  # [G, N]
     if s.ndim != 2 or s.shape[1] % 8:
         raise KestrelError(f"{where}: scales of shape {list(s.shape)}; expected [groups, N], N a multiple of 8")
@@ -256,22 +309,12 @@ def dequantize_awq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, 
     zeros = unpack_rows(np.asarray(qzeros), 4, n, f"{where} (qzeros)")  # [G, N] in AWQ_ORDER
     if zeros.shape[0] != groups:
         raise KestrelError(f"{where}: qzeros has {zeros.shape[0]} groups, scales {groups}")
-    zeros_in_order = _in_column_order(zeros, AWQ_ORDER)
     k = words.shape[0]
-    column_group = _groups_of(k, groups, scheme.group_size, None, where)
-    out = np.empty((n, k), np.float32)
-    args = (words, np.ascontiguousarray(AWQ_ORDER, np.int64), np.ascontiguousarray(zeros_in_order.T, np.float32),
-            np.ascontiguousarray(s.T), column_group, out)
-    _run("columns", _decode_columns_loop, _decode_columns_reference, args, n // 8, 8 * k)
-    return out
-
-
-def _decode_columns_reference(words: np.ndarray, order: np.ndarray, zeros: np.ndarray, scales: np.ndarray,
-                              column_group: np.ndarray, out: np.ndarray) -> None:
-    """out float32 [N, K] of 4-bit codes packed along N (uint8 [K, N / 2], word w's nibble i holding column
-    8 w + order[i]), zeros and scales [N, G] in column order."""
-    codes = _in_column_order(_codes(words, 4, 2 * words.shape[1]), order).T  # [N, K]
-    out[...] = (codes.astype(np.float32) - zeros[:, column_group]) * scales[:, column_group]
+    codes = np.empty((n, k), np.uint8)
+    args = (words, np.ascontiguousarray(AWQ_ORDER, np.int64), codes)
+    _run("columns", _awq_codes_loop, _awq_codes_reference, args, n // 8, 8 * k)
+    return _weight(codes, 8, _in_column_order(zeros, AWQ_ORDER).T, s.T,
+                   _groups_of(k, groups, scheme.group_size, None, where))
 
 
 def _in_column_order(codes: np.ndarray, order: np.ndarray) -> np.ndarray:
@@ -281,24 +324,27 @@ def _in_column_order(codes: np.ndarray, order: np.ndarray) -> np.ndarray:
     return out
 
 
-def _decode_columns_loop(words: np.ndarray, order: np.ndarray, zeros: np.ndarray, scales: np.ndarray,
-                         column_group: np.ndarray, out: np.ndarray, start: int, stop: int) -> None:
-    """_decode_columns_reference for numba, words start..stop-1 of each row of ``words`` (rows 8 start .. 8 stop - 1
-    of out), 16 columns of out at a time (its rows' lines stay cached)."""
+def _awq_codes_reference(words: np.ndarray, order: np.ndarray, out: np.ndarray) -> None:
+    """out uint8 [N, K]: the 4-bit codes of words uint8 [K, N / 2] (word w's nibble i holding column 8 w + order[i]),
+    a byte each."""
+    out[...] = _in_column_order(_codes(words, 4, 2 * words.shape[1]), order).T
+
+
+def _awq_codes_loop(words: np.ndarray, order: np.ndarray, out: np.ndarray, start: int, stop: int) -> None:
+    """_awq_codes_reference for numba, words start..stop-1 of each row of ``words`` (rows 8 start .. 8 stop - 1 of
+    out), 16 columns of out at a time (its rows' lines stay cached)."""
     k = out.shape[1]
     for k0 in range(0, k, 16):
         for w in range(start, stop):
             for i in range(8):
                 col = 8 * w + order[i]
                 for c in range(k0, min(k0 + 16, k)):
-                    q = (words[c, 4 * w + i // 2] >> (4 * (i % 2))) & 15
-                    g = column_group[c]
-                    out[col, c] = (np.float32(q) - zeros[col, g]) * scales[col, g]
+                    out[col, c] = (words[c, 4 * w + i // 2] >> (4 * (i % 2))) & 15
 
 
-def dequantize_packed(packed: np.ndarray, shape: Any, scales: np.ndarray, zero_point: np.ndarray | None,
-                      g_idx: np.ndarray | None, scheme: IntScheme, where: str) -> np.ndarray:
-    """float32 [N, K] of a compressed-tensors ``pack-quantized`` weight (``shape``: its weight_shape)."""
+def read_packed(packed: np.ndarray, shape: Any, scales: np.ndarray, zero_point: np.ndarray | None,
+                g_idx: np.ndarray | None, scheme: IntScheme, where: str) -> IntWeight:
+    """A compressed-tensors ``pack-quantized`` weight (``shape``: its weight_shape)."""
     dims = np.asarray(shape).reshape(-1)
     if dims.shape != (2,) or dims.dtype.kind not in "iu" or dims.min() < 1:
         raise KestrelError(f"{where}: weight_shape {dims.tolist()} is not two positive sizes")
@@ -313,12 +359,13 @@ def dequantize_packed(packed: np.ndarray, shape: Any, scales: np.ndarray, zero_p
         if zeros.shape != s.shape:
             raise KestrelError(f"{where}: weight_zero_point unpacks to {list(zeros.shape)}, weight_scale is "
                                f"{list(s.shape)}")
-    return decode_rows(rows, scheme.bits, zeros, s, _groups_of(k, s.shape[1], k // s.shape[1], g_idx, where), k)
+    return _weight(rows, scheme.bits, zeros, s, _groups_of(k, s.shape[1], k // s.shape[1], g_idx, where))
 
 
-def dequantize_int8(weight: np.ndarray, scales: np.ndarray, zero_point: np.ndarray | None,
-                    g_idx: np.ndarray | None, where: str) -> np.ndarray:
-    """float32 [N, K] of a compressed-tensors ``int-quantized`` weight (int8 [N, K] as it is)."""
+def read_int8(weight: np.ndarray, scales: np.ndarray, zero_point: np.ndarray | None, g_idx: np.ndarray | None,
+              where: str) -> IntWeight:
+    """A compressed-tensors ``int-quantized`` weight (int8 [N, K] as it is), its codes moved to unsigned bytes
+    (code + 128) and its zero points with them."""
     w = np.asarray(weight)
     if w.ndim != 2 or w.dtype != np.int8:
         raise KestrelError(f"{where}: int8 weight of shape {list(w.shape)} ({w.dtype}); expected int8 [N, K]")
@@ -332,6 +379,5 @@ def dequantize_int8(weight: np.ndarray, scales: np.ndarray, zero_point: np.ndarr
         zeros = np.asarray(zero_point, np.float32).reshape(s.shape)
     if k % s.shape[1]:
         raise KestrelError(f"{where}: {s.shape[1]} groups of scales for {k} columns")
-    # the codes as unsigned bytes (code + 128), the zero points moved with them
-    return decode_rows(w.view(np.uint8) ^ np.uint8(0x80), 8, zeros + 128, s,
-                       _groups_of(k, s.shape[1], k // s.shape[1], g_idx, where), k)
+    return _weight(w.view(np.uint8) ^ np.uint8(0x80), 8, zeros + 128, s,
+                   _groups_of(k, s.shape[1], k // s.shape[1], g_idx, where))

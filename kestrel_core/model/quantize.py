@@ -10,13 +10,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from kestrel_core.contract import StripCache, WeightInput, quantize_weight
 from kestrel_core.errors import ContractError, KestrelError
 from kestrel_core.model.config import ModelConfig
+from kestrel_core.model.int_quant import IntWeight
 from kestrel_core.model.rope import ROTARY_FIELDS, rotary_first
 from kestrel_core.model.weights import Model, TensorSpec, assemble, model_specs
 from kestrel_core.model.weights import layer_name as layer_name
@@ -27,14 +28,16 @@ FALLBACK_GROUP = 32
 
 
 
-def fused_rows(t: np.ndarray, rows: tuple[int, int] | np.ndarray, where: str, tensor: str) -> np.ndarray:
-    """Rows of a fused checkpoint tensor: a range (Q|K|V, gate|up) or row indices (Qwen3.5's query and gate,
-    interleaved per head: ``group_rows``), checked against what the config needs."""
+def fused_rows(t: Any, rows: tuple[int, int] | np.ndarray, where: str, tensor: str) -> Any:
+    """Rows of a fused checkpoint tensor (an array, or an int_quant.IntWeight, which selects rows alike): a range
+    (Q|K|V, gate|up) or row indices (Qwen3.5's query and gate, interleaved per head: ``group_rows``), checked
+    against what the config needs."""
     need = rows[1] if isinstance(rows, tuple) else int(rows.max()) + 1
     if t.ndim != 2 or t.shape[0] < need:
         raise KestrelError(f"{where}: fused tensor {tensor} has shape {list(t.shape)}; the config needs at "
                            f"least {need} rows")
-    return np.ascontiguousarray(t[rows[0]:rows[1]] if isinstance(rows, tuple) else t[rows])
+    part = t[rows[0]:rows[1]] if isinstance(rows, tuple) else t[rows]
+    return np.ascontiguousarray(part) if isinstance(part, np.ndarray) else part
 
 
 def group_rows(groups: int, sizes: Sequence[int], parts: Sequence[int]) -> np.ndarray:
@@ -116,12 +119,19 @@ class TensorSource(Protocol):
     # contract.BFloat16Bits, so no float32 copy of the whole tensor is made). Sources without it use get.
 
 
-def quantize_tensor(w: WeightInput, bits: int, mode: QuantMode, name: str) -> StripCache:
+def quantize_tensor(w: WeightInput | IntWeight, bits: int, mode: QuantMode, name: str) -> StripCache:
+    """``w`` as a strip-cache of ``bits`` in ``mode``'s groups: an integer checkpoint's codes as they are where the
+    strip-cache can hold them (IntWeight.strip_cache), else quantized."""
     if w.ndim != 2:
         raise KestrelError(f"{name}: expected a 2-D weight, got shape {list(w.shape)}")
     k = w.shape[1]
     if k % FALLBACK_GROUP:
         raise KestrelError(f"{name}: K={k} is not a multiple of {FALLBACK_GROUP}; kestrel cannot quantize it")
+    if isinstance(w, IntWeight):
+        kept = w.strip_cache(bits, mode.group_for(k))
+        if kept is not None:
+            return kept
+        w = w.to_float32()
     try:
         return quantize_weight(w, bits=bits, group_size=mode.group_for(k))
     except ContractError as exc:  # NaN or infinity: the quantizer finds them in its pass over the data

@@ -17,14 +17,7 @@ import kestrel_core
 from kestrel_core.cli import main
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.hf import HFCheckpoint
-from kestrel_core.model.int_quant import (
-    IntScheme,
-    dequantize_awq,
-    dequantize_gptq,
-    dequantize_int8,
-    dequantize_packed,
-    int_scheme,
-)
+from kestrel_core.model.int_quant import IntScheme, int_scheme, read_awq, read_gptq, read_int8, read_packed
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 REFERENCES = FIXTURES / "int-references.npz"
@@ -40,14 +33,14 @@ def refs() -> dict[str, np.ndarray]:
 def test_pack_quantized_with_zero_points_is_compressed_tensors_reading(refs: dict[str, np.ndarray],
                                                                        case: str) -> None:
     bits = 4 if case == "packed4" else 8
-    got = dequantize_packed(refs[f"{case}.weight_packed"], refs[f"{case}.weight_shape"],
-                            refs[f"{case}.weight_scale"], refs[f"{case}.weight_zero_point"], None,
-                            IntScheme("compressed-tensors", bits), case)
+    got = read_packed(refs[f"{case}.weight_packed"], refs[f"{case}.weight_shape"], refs[f"{case}.weight_scale"],
+                      refs[f"{case}.weight_zero_point"], None, IntScheme("compressed-tensors", bits), case).to_float32()
     np.testing.assert_array_equal(got, refs[f"{case}.expected"])
 
 
 def test_int_quantized_with_zero_points_is_compressed_tensors_reading(refs: dict[str, np.ndarray]) -> None:
-    got = dequantize_int8(refs["int8.weight"], refs["int8.weight_scale"], refs["int8.weight_zero_point"], None, "w")
+    got = read_int8(refs["int8.weight"], refs["int8.weight_scale"], refs["int8.weight_zero_point"], None,
+                    "w").to_float32()
     np.testing.assert_array_equal(got, refs["int8.expected"])
 
 
@@ -117,19 +110,19 @@ def test_packed_tensors_of_the_wrong_shape_are_errors_naming_them() -> None:
     gptq = IntScheme("gptq", 4, 32, 1)
     qweight, qzeros = np.zeros((8, 16), np.int32), np.zeros((2, 2), np.int32)
     scales = np.ones((2, 16), np.float16)
-    assert dequantize_gptq(qweight, qzeros, scales, None, gptq, "w").shape == (16, 64)
+    assert read_gptq(qweight, qzeros, scales, None, gptq, "w").shape == (16, 64)
     with pytest.raises(KestrelError, match="w: qzeros has 1 groups, scales 2"):
-        dequantize_gptq(qweight, qzeros[:1], scales, None, gptq, "w")
+        read_gptq(qweight, qzeros[:1], scales, None, gptq, "w")
     with pytest.raises(KestrelError, match="w: g_idx of shape"):
-        dequantize_gptq(qweight, qzeros, scales, np.full(64, 5, np.int32), gptq, "w")
+        read_gptq(qweight, qzeros, scales, np.full(64, 5, np.int32), gptq, "w")
     with pytest.raises(KestrelError, match=r"w: packed tensor of shape \[16, 8\] \(int64\)"):
-        dequantize_gptq(qweight.astype(np.int64), qzeros, scales, None, gptq, "w")
+        read_gptq(qweight.astype(np.int64), qzeros, scales, None, gptq, "w")
     with pytest.raises(KestrelError, match=r"N a multiple of 8"):
-        dequantize_awq(np.zeros((64, 2), np.int32), np.zeros((2, 2), np.int32), np.ones((2, 12), np.float16),
-                       IntScheme("awq", 4, 32), "w")
+        read_awq(np.zeros((64, 2), np.int32), np.zeros((2, 2), np.int32), np.ones((2, 12), np.float16),
+                 IntScheme("awq", 4, 32), "w")
     with pytest.raises(KestrelError, match="weight_shape"):
-        dequantize_packed(np.zeros((4, 8), np.int32), np.array([4, 64, 1]), np.ones((4, 2), np.float32), None, None,
-                          IntScheme("compressed-tensors", 4), "w")
+        read_packed(np.zeros((4, 8), np.int32), np.array([4, 64, 1]), np.ones((4, 2), np.float32), None, None,
+                    IntScheme("compressed-tensors", 4), "w")
 
 
 def _twin(tmp_path: Path, name: str = "tiny-qwen3-awq") -> Path:
@@ -170,8 +163,9 @@ def test_an_unsupported_variant_is_refused_before_any_weight_is_read(tmp_path: P
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_the_compiled_decoder_is_its_definition(bits: int) -> None:
-    """decode_rows (numba) against _decode_rows_reference (numpy), bit for bit, contiguous groups and act-order."""
-    from kestrel_core.model.int_quant import _decode_rows_reference, decode_rows
+    """IntWeight's numba loop against its numpy definition, bit for bit, to float32 and to int8 codes, contiguous
+    groups and act-order."""
+    from kestrel_core.model import int_quant
 
     rng = np.random.default_rng(bits)
     n, k, groups = 24, 96, 3
@@ -179,28 +173,44 @@ def test_the_compiled_decoder_is_its_definition(bits: int) -> None:
     zeros = rng.integers(0, 1 << bits, (n, groups)).astype(np.float32)
     scales = rng.uniform(-0.1, 0.1, (n, groups)).astype(np.float32)
     for column_group in (np.arange(k) // 32, rng.integers(0, groups, k)):
-        want = np.empty((n, k), np.float32)
-        _decode_rows_reference(packed, bits, zeros, scales, column_group, want)
-        np.testing.assert_array_equal(decode_rows(packed, bits, zeros, scales, column_group, k), want)
-    from kestrel_core.model import int_quant
-
+        w = int_quant._weight(packed, bits, zeros, scales, column_group)
+        for scale, dtype in ((scales, np.float32), (np.ones_like(scales), np.int16)):
+            want = np.empty((n, k), dtype)
+            int_quant._decode_rows_reference(packed, bits, zeros, scale, column_group, want)
+            np.testing.assert_array_equal(w._decode(scale, dtype), want)
     assert int_quant._COMPILED["rows"] is not None  # numba built it: the comparison above was not numpy with itself
 
 
-def test_the_compiled_awq_decoder_is_its_definition() -> None:
-    from kestrel_core.model.int_quant import AWQ_ORDER, _decode_columns_reference, _run
-
-    rng = np.random.default_rng(7)
-    k, n, groups = 40, 48, 2
-    words = rng.integers(0, 256, (k, n // 2), dtype=np.uint8)
-    zeros = rng.integers(0, 16, (n, groups)).astype(np.float32)
-    scales = rng.uniform(-0.1, 0.1, (n, groups)).astype(np.float32)
-    column_group = np.arange(k) // 20
-    want, got = np.empty((n, k), np.float32), np.empty((n, k), np.float32)
-    _decode_columns_reference(words, AWQ_ORDER, zeros, scales, column_group, want)
+def test_the_compiled_awq_unpacking_is_its_definition() -> None:
     from kestrel_core.model import int_quant
 
-    _run("columns", int_quant._decode_columns_loop, None, (words, AWQ_ORDER, zeros, scales, column_group, got), n // 8,
-         8 * k)
+    rng = np.random.default_rng(7)
+    k, n = 40, 48
+    words = rng.integers(0, 256, (k, n // 2), dtype=np.uint8)
+    order = int_quant.AWQ_ORDER.astype(np.int64)
+    want, got = np.empty((n, k), np.uint8), np.empty((n, k), np.uint8)
+    int_quant._awq_codes_reference(words, order, want)
+    int_quant._run("columns", int_quant._awq_codes_loop, None, (words, order, got), n // 8, 8 * k)
     np.testing.assert_array_equal(got, want)
     assert int_quant._COMPILED["columns"] is not None
+
+
+@pytest.mark.parametrize(("twin", "name", "quant", "kept"), [
+    ("tiny-qwen3-awq", "layers.0.q", "q8", True),  # 4-bit codes less zero points in [-15, 15]
+    ("tiny-qwen3-awq", "layers.1.down", "q8", True),
+    ("tiny-qwen3-awq", "layers.0.q", "q4", False),  # asymmetric: beyond int4
+    ("tiny-qwen3-awq", "layers.1.down", "q8-g256", False),  # K 256: groups of 32 are not whole blocks of 256
+    ("tiny-qwen3-gptq", "layers.0.q", "q8", False),  # act-order: a column's group is not its block's
+    ("tiny-qwen3-moe-w4a16", "layers.1.experts.3.down", "q4", True),  # symmetric 4-bit: int4 as it is
+    ("tiny-qwen3-moe-w4a16", "layers.0.q", "q4", True),
+    ("tiny-qwen2-w8a8", "layers.1.down", "q8", True),  # symmetric int8 within [-127, 127]
+])
+def test_a_strip_cache_keeps_the_checkpoints_codes_where_it_can(twin: str, name: str, quant: str, kept: bool) -> None:
+    """Where the checkpoint's groups are whole blocks and its codes fit, the strip-cache holds the checkpoint's
+    very weights (decoded, they equal the checkpoint's float32 decoding); elsewhere it is quantized again."""
+    from kestrel_core.model.quantize import parse_quant, quantize_tensor
+
+    mode = parse_quant(quant)
+    w = HFCheckpoint(FIXTURES / twin).get_weight(name)
+    cache = quantize_tensor(w, mode.bits, mode, name)
+    assert np.array_equal(cache.dequantize(), w.to_float32()) == kept

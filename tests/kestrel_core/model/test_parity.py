@@ -229,11 +229,12 @@ CASES = (
     Case("tiny-gpt-oss-mxfp4", "tiny-gpt-oss", Q8_MODES, moe=True),  # the experts as MXFP4 blocks and scales
     Case("tiny-gpt-oss.gguf", "tiny-gpt-oss", Q8_MODES, moe=True),  # llama.cpp's gpt-oss, MXFP4 experts
     # integer-quantized checkpoints, each twin's golden transformers' own reading of it (gptqmodel, compressed-
-    # tensors); re-quantized to kestrel's int4 their 4-bit codes lose (another grid), so int8 modes only
+    # tensors); kestrel's int4 holds symmetric 4-bit codes as they are, others only quantized again (a real loss),
+    # so int8 modes only for those
     Case("tiny-qwen3-gptq", "tiny-qwen3-gptq", Q8_MODES),  # GPTQ 4-bit, act-order (g_idx), zeros stored less 1
     Case("tiny-llama-gptq-int8", "tiny-llama-gptq-int8", Q8_MODES),  # GPTQ 8-bit with zero points, a group a row
     Case("tiny-qwen3-awq", "tiny-qwen3-awq", Q8_MODES),  # AWQ gemm: codes along N in 0 2 4 6 1 3 5 7 order
-    Case("tiny-qwen3-moe-w4a16", "tiny-qwen3-moe-w4a16", Q8_MODES, moe=True),  # compressed-tensors pack-quantized
+    Case("tiny-qwen3-moe-w4a16", "tiny-qwen3-moe-w4a16", ALL_MODES, moe=True),  # compressed-tensors, symmetric
     Case("tiny-qwen2-w8a8", "tiny-qwen2-w8a8", Q8_MODES),  # compressed-tensors int-quantized, int8 rows
     Case("smollm2", "smollm2", ("q8", "q4"), default_model=True),
 )
@@ -410,7 +411,7 @@ INT_WRONG = {
         int_quant, "_groups_of", lambda k, groups, size, g_idx, where, real=int_quant._groups_of: real(
             k, groups, size, None, where)),
     ("tiny-qwen3-moe-w4a16", "codes without their offset"): lambda mp: mp.setattr(
-        int_quant, "decode_rows", lambda packed, bits, zeros, *a, real=int_quant.decode_rows: real(
+        int_quant, "_weight", lambda packed, bits, zeros, *a, real=int_quant._weight: real(
             packed, bits, zeros - (1 << (bits - 1)), *a)),
 }
 
