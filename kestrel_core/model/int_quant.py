@@ -122,7 +122,7 @@ def _compressed_tensors_scheme(quantization: dict, where: str) -> IntScheme | No
 # strip-cache's blocks and its codes less their zero points fit kestrel's codes, it becomes a strip-cache as it
 # is (q8: any 4-bit checkpoint and symmetric 8-bit ones; q4: symmetric 4-bit ones); otherwise it is decoded to
 # float32 and quantized again. The loops are compiled (one pass, no [N, K] temporaries, row chunks on every core:
-# 390-710 against 28-49 M params/s for numpy on two cores, docs/performance.md) where numba works; the numpy
+# 400-540 against 28-48 M params/s for numpy on two cores, docs/performance.md) where numba works; the numpy
 # functions are their definitions, bit for bit.
 _COMPILED: dict[str, Any] = {}
 
