@@ -35,7 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kestrel_core.errors import KestrelError  # noqa: E402
 from kestrel_core.model.config import ModelConfig  # noqa: E402
 
-TARGETS = ("gguf", "gguf-meta", "kst", "safetensors", "config", "template")
+TARGETS = ("gguf", "gguf-meta", "kst", "safetensors", "int-checkpoint", "config", "template")
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "models"
+INT_TWINS = ("tiny-qwen3-gptq", "tiny-qwen3-awq", "tiny-llama-gptq-int8", "tiny-qwen3-moe-w4a16", "tiny-qwen2-w8a8")
 INTERESTING = [0, 1, 2, 0x7F, 0x80, 0xFF, 0x7FFF, 0xFFFF, 0x7FFFFFFF, 0xFFFFFFFF, 2 ** 62, 2 ** 63 - 1, 2 ** 64 - 1]
 
 
@@ -328,6 +330,54 @@ def check_hf_dir(root: Path) -> None:
         ck.get(name)
 
 
+def int_checkpoint_case(tmp: Path, rng: random.Random) -> Callable[[], None]:
+    """One of the integer twins in ``tmp``/int, its bytes or its quantization_config mutated; the check loads it."""
+    twin = FIXTURES / rng.choice(INT_TWINS)
+    root = tmp / "int"
+    root.mkdir(exist_ok=True)
+    cfg = json.loads((twin / "config.json").read_text())
+    if rng.random() < 0.5:
+        cfg["quantization_config"] = mutate_json(cfg["quantization_config"], rng)
+    (root / "config.json").write_text(json.dumps(cfg))
+    data = (twin / "model.safetensors").read_bytes()
+    header = 8 + struct.unpack("<Q", data[:8])[0]
+    (root / "model.safetensors").write_bytes(mutate(data, rng, header) if rng.random() < 0.7 else data)
+    return lambda: quantize_hf_dir(root)
+
+
+def quantize_hf_dir(root: Path) -> None:
+    """Every weight read and quantized as loading does (q8 and q4: the codes kept, or decoded and quantized)."""
+    from kestrel_core.model.hf import HFCheckpoint
+    from kestrel_core.model.quantize import parse_quant, quantize_tensor
+
+    ck = HFCheckpoint(root)
+    for name in list(ck._files):
+        w = ck.get_weight(name)
+        if w.ndim == 2 and w.shape[1] % 32 == 0:
+            for quant in ("q8", "q4"):
+                mode = parse_quant(quant)
+                quantize_tensor(w, mode.bits, mode, name)
+        else:
+            ck.get(name)
+
+
+def mutate_json(value: Any, rng: random.Random) -> Any:
+    """``value`` with one entry somewhere replaced by a hostile one (another type, an extreme number, deleted)."""
+    hostile = [None, True, -1, 0, 3, 7, 2 ** 31, 1e308, float("nan"), "", "x" * 1000, [], {}, [4], {"a": 1}, 4.0]
+    if isinstance(value, dict) and value and rng.random() < 0.8:
+        key = rng.choice(list(value))
+        out = dict(value)
+        if rng.random() < 0.15:
+            del out[key]
+        else:
+            out[key] = mutate_json(value[key], rng)
+        return out
+    if isinstance(value, list) and value and rng.random() < 0.8:
+        i = rng.randrange(len(value))
+        return value[:i] + [mutate_json(value[i], rng)] + value[i + 1:]
+    return rng.choice(hostile)
+
+
 def check_config(cfg: dict[str, Any]) -> None:
     """hf_config.config_from_hf, which runs validate.check_hf_config first and ModelConfig's checks last."""
     from kestrel_core.model.hf_config import config_from_hf
@@ -394,6 +444,8 @@ class Fuzzer:
             (root / "config.json").write_text(json.dumps(HF_CONFIG))
             (root / "model.safetensors").write_bytes(mutate(self.st, rng, self.st_header))
             return lambda: check_hf_dir(root)
+        if target == "int-checkpoint":
+            return int_checkpoint_case(self.tmp, rng)
         if target == "config":
             cfg = random_config(rng)
             return lambda: check_config(cfg)

@@ -50,7 +50,7 @@ def fp8_scheme(quantization: Any, where: str) -> Fp8Scheme | None:
     if quantization is None:
         return None
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-    if method not in QUANT_METHODS:
+    if not isinstance(method, str) or method not in QUANT_METHODS:
         raise KestrelError(f"{where}: quantization_config quant_method {method!r} is not supported (kestrel reads "
                            "BF16, F16 and F32 checkpoints, FP8 ones (fp8, fbgemm_fp8, compressed-tensors FP8), "
                            "integer ones (gptq, awq, compressed-tensors) and gpt-oss's MXFP4)")

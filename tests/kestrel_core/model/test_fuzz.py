@@ -236,3 +236,11 @@ def test_the_fuzz_script_under_a_memory_limit() -> None:
                         "--quiet"], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert "0 failures" in r.stdout
+
+
+@settings(FUZZ, max_examples=120)
+@given(st.integers(0, 2 ** 32))
+def test_fuzz_integer_checkpoints(seed: int) -> None:
+    """The GPTQ, AWQ and compressed-tensors twins with mutated bytes and quantization_config values (scripts/fuzz.py's
+    int-checkpoint target), every weight read and quantized at q8 and q4."""
+    must_end_well(harness().int_checkpoint_case(workdir(), random.Random(seed)))
