@@ -382,7 +382,8 @@ def quantize(args: argparse.Namespace) -> int:
     check_output(out, args.force)  # before the (slow) load
     if out.exists() and Path(args.model).exists() and out.samefile(args.model):
         raise KestrelError(f"{out} is the model being quantized: write the artifact to another file")
-    parse_quant(args.quant)
+    if args.quant is not None:
+        parse_quant(args.quant)
     loaded = load_model(args.model, quant=args.quant, cache="read")  # a cached build is reused, not copied
     path = write_artifact(loaded, out, force=args.force)
     err.print(f"wrote {path} ({loaded.quant}, {path.stat().st_size / 1e6:.1f} MB) from {loaded.source}",

@@ -115,6 +115,26 @@ def _compressed_tensors_scheme(quantization: dict, where: str) -> IntScheme | No
     return IntScheme("compressed-tensors", weights[0]["num_bits"])
 
 
+def natural_quant(quantization: Any) -> str | None:
+    """The quant mode a checkpoint of this ``quantization_config`` loads at when none is asked for: q4 where every
+    weight is symmetric 4-bit codes in groups of whole 32-blocks (the strip-cache then holds them as they are, in
+    half q8's memory), else None (kestrel's default). A config int_scheme refuses gives None: loading says why."""
+    try:
+        scheme = int_scheme(quantization, "config.json")
+    except KestrelError:
+        return None
+    if scheme is None or scheme.bits != 4 or scheme.method == "awq":
+        return None
+    if scheme.method == "gptq":
+        whole = scheme.group_size % 32 == 0 and quantization.get("sym") is True
+        return "q4" if whole and quantization.get("desc_act") is not True else None
+    weights = [g["weights"] for g in quantization["config_groups"].values()]
+    symmetric = all(w.get("symmetric") is True and not w.get("actorder") for w in weights)
+    groups = all(w.get("strategy") == "channel" or (isinstance(w.get("group_size"), int)
+                                                    and w["group_size"] % 32 == 0) for w in weights)
+    return "q4" if symmetric and groups else None
+
+
 # -- decoding ---------------------------------------------------------------------------------------------
 # Every layout comes down to rows of codes packed along K (uint8 [N, B], the lowest bits of each byte first: an
 # int32 word's four bytes in order; AWQ's, which run along N, are unpacked to a byte a code first), a zero point

@@ -327,13 +327,33 @@ def load_model(path: str | os.PathLike[str] | None = None, quant: str | None = "
         return _load_default(mode, adapter)
     p = Path(path).expanduser()
     if p.exists():
-        return _load_path(p, mode, quant, cache, adapter)
+        return _load_path(p, _checkpoint_mode(p, quant, mode), quant, cache, adapter)
     spec = parse_hub_spec(str(path))
     if spec is None:
         raise KestrelError(f"model {path} does not exist (give a Hugging Face model directory or Hub name such "
                            "as Qwen/Qwen3-0.6B, a .gguf file or a .kst artifact)")
-    loaded = _load_path(fetch(spec), mode, quant, cache, adapter)
+    fetched = fetch(spec)
+    loaded = _load_path(fetched, _checkpoint_mode(fetched, quant, mode), quant, cache, adapter)
     return replace(loaded, source=f"{spec} ({loaded.source})")
+
+
+def _checkpoint_mode(p: Path, quant: str | None, mode: str) -> str:
+    """``mode``, or where no quant was asked for, a Hugging Face directory's own (int_quant.natural_quant: q4 for a
+    symmetric 4-bit checkpoint, whose codes q4 holds as they are)."""
+    if quant is not None or not (p / "config.json").is_file():
+        return mode
+    from kestrel_core.model.hf_config import read_json
+    from kestrel_core.model.int_quant import natural_quant
+
+    try:
+        config = read_json(p / "config.json")
+    except KestrelError:  # the load says what is wrong with it
+        return mode
+    natural = natural_quant(config.get("quantization_config") if isinstance(config, dict) else None)
+    if natural is not None:
+        log.info("%s: symmetric 4-bit weights, loaded at %s (their codes as they are; --quant says otherwise)",
+                 p, natural)
+    return natural or mode
 
 
 def _load_path(p: Path, mode: str, quant: str | None, cache: str, adapter: Adapter | None = None) -> LoadedModel:

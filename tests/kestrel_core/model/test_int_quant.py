@@ -214,3 +214,30 @@ def test_a_strip_cache_keeps_the_checkpoints_codes_where_it_can(twin: str, name:
     w = HFCheckpoint(FIXTURES / twin).get_weight(name)
     cache = quantize_tensor(w, mode.bits, mode, name)
     assert np.array_equal(cache.dequantize(), w.to_float32()) == kept
+
+
+@pytest.mark.parametrize(("twin", "asked", "built"), [
+    ("tiny-qwen3-moe-w4a16", None, "q4"),  # symmetric 4-bit: its own codes, in half the memory
+    ("tiny-qwen3-moe-w4a16", "q8", "q8"),  # what is asked for wins
+    ("tiny-qwen3-awq", None, "q8"),  # asymmetric: q8 holds its codes, q4 cannot
+    ("tiny-qwen3-gptq", None, "q8"),  # act-order
+    ("tiny-qwen2-w8a8", None, "q8"),
+])
+def test_an_integer_checkpoint_loads_at_its_own_mode_unless_asked(twin: str, asked: str | None, built: str) -> None:
+    from kestrel_core.model.loader import load_model
+    from kestrel_core.model.quantize import model_quant
+
+    loaded = load_model(str(FIXTURES / twin), quant=asked, cache="off")
+    assert loaded.quant == built and model_quant(loaded.model) == built
+
+
+def test_natural_quant_reads_the_config_not_its_guesses() -> None:
+    from kestrel_core.model.int_quant import natural_quant
+
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
+    assert natural_quant(gptq) == "q4"
+    assert natural_quant({**gptq, "desc_act": True}) is None and natural_quant({**gptq, "sym": False}) is None
+    assert natural_quant({**gptq, "group_size": 48}) is None and natural_quant({**gptq, "bits": 8}) is None
+    assert natural_quant({**gptq, "bits": 3}) is None  # refused when it loads, with the reason
+    assert natural_quant({"quant_method": "awq", "bits": 4, "group_size": 128}) is None
+    assert natural_quant(None) is None and natural_quant("gptq") is None
