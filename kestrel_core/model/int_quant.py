@@ -184,6 +184,8 @@ class IntWeight:
         lo, hi = CODE_RANGE[bits]
         if k % groups or size % group_size or not np.array_equal(self.column_group, np.arange(k) // size):
             return None
+        if not (np.isfinite(self.scales).all() and np.array_equal(self.zeros, np.round(self.zeros))):
+            return None  # decoded, the quantizer names a NaN or infinity; fractional zero points have no codes
         top = (1 << self.bits) - 1
         if self.zeros.min(initial=0) < top - hi or self.zeros.max(initial=0) > -lo:
             codes = self._decode(np.ones_like(self.scales), np.int16)  # a zero point may not bound the codes

@@ -241,3 +241,15 @@ def test_natural_quant_reads_the_config_not_its_guesses() -> None:
     assert natural_quant({**gptq, "bits": 3}) is None  # refused when it loads, with the reason
     assert natural_quant({"quant_method": "awq", "bits": 4, "group_size": 128}) is None
     assert natural_quant(None) is None and natural_quant("gptq") is None
+
+
+def test_a_nan_scale_is_named_not_kept(tmp_path: Path) -> None:
+    """Codes kept as they are skip the quantizer's pass over the values: a scale of NaN must still be refused."""
+    d = _twin(tmp_path, "tiny-qwen3-moe-w4a16")
+    tensors = load_file(d / "model.safetensors")
+    scale = tensors["model.layers.0.self_attn.q_proj.weight_scale"].copy()
+    scale[3, 1] = np.nan
+    tensors["model.layers.0.self_attn.q_proj.weight_scale"] = scale
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(KestrelError, match=r"layers.0.q: the weights contain NaN or infinity \(first in row 3\)"):
+        kestrel_core.load(str(d), backend="cpu")
