@@ -6,6 +6,9 @@ Needs torch and transformers (the tests that read the output do not). Run from t
     python scripts/make_golden.py --only tiny           # tiny models only
     python scripts/make_golden.py --smollm PATH.gguf    # SmolLM2 GGUF somewhere other than the default
     python scripts/make_golden.py --model tiny-mistral  # one tiny model (its own versions in the manifest)
+    python scripts/make_golden.py --model tiny-qwen3-awq  # one twin, from its base as committed
+
+The integer twins need gptqmodel (GPTQ, AWQ: transformers reads them through it) and compressed-tensors.
 
 Writes under tests/fixtures/models/:
   tiny-llama/   LlamaForCausalLM, llama3 rope scaling, untied, float32, sharded safetensors + index
@@ -38,6 +41,14 @@ Writes under tests/fixtures/models/:
   tiny-gpt-oss/ GptOssForCausalLM: sliding (window 8) and full layers, attention sinks, biases, 4 experts top-2 with
                 the clamped SwiGLU, YaRN without truncation, bfloat16, expert weights on the MXFP4 grid
   tiny-gpt-oss-mxfp4/  the same weights with the experts as MXFP4 blocks and scales; golden = tiny-gpt-oss's
+  tiny-qwen3-gptq/  tiny-qwen3's linear weights as 4-bit GPTQ (symmetric, act-order, zero points stored less 1);
+                golden = transformers reading it (gptqmodel), checked against the float model with those weights
+  tiny-llama-gptq-int8/  tiny-llama's as 8-bit GPTQ with zero points, one group a row; golden likewise
+  tiny-qwen3-awq/  tiny-qwen3's as AWQ (gemm layout, 4 bits, zero points); golden likewise
+  tiny-qwen3-moe-w4a16/  tiny-qwen3-moe's as compressed-tensors pack-quantized (W4A16), the router float; golden =
+                transformers with compressed-tensors
+  tiny-qwen2-w8a8/  tiny-qwen2's as compressed-tensors int-quantized (W8A8); golden likewise
+  int-references.npz  compressed-tensors' compressors on seeded weights, asymmetric zero points (no twin carries them)
   tiny-gpt-oss.gguf  llama.cpp's gpt-oss layout (MXFP4 experts, gate and up split); golden = tiny-gpt-oss's
   tiny-smollm3/ SmolLM3ForCausalLM: 4 layers, the 4th without RoPE, tied, bfloat16
   tiny-smollm3.gguf  llama.cpp's smollm3 (llama's layout, Q/K permuted); golden = tiny-smollm3's
