@@ -520,6 +520,18 @@ class HFCheckpoint:
             raise KestrelError(f"{path}: FP8 tensor {hf_name} has {codes.ndim} dimensions; kestrel reads 2")
         return dequantize_fp8(codes, self._float(scale_name), self.fp8, f"{path}: {hf_name}")
 
+    def projections_integer(self) -> bool:
+        """Whether every projection the model quantizes at its mode's bits comes from an integer tensor (an ignore
+        list or a module left out of the quantization keeps some float)."""
+        from kestrel_core.model.weights import model_specs
+
+        def integer(hf_name: str) -> bool:
+            return hf_name.endswith(PACKED_SUFFIXES) or (
+                self._handle(self._paths[hf_name]).get_slice(hf_name).get_dtype() == "I8")
+
+        names = [spec.name for spec in model_specs(self.config) if spec.kind == "proj"]
+        return self.int_quant is not None and all(n in self._hf_names and integer(self._hf_names[n]) for n in names)
+
     def _int_weight(self, path: Path, hf_name: str) -> IntWeight:
         """An integer-quantized weight with the tensors beside it (model/int_quant.py)."""
         scheme, where = self.int_quant, f"{path}: {hf_name}"

@@ -8,8 +8,9 @@ The layouts, [N, K] meaning output rows x input columns:
 
 - GPTQ: ``X.qweight`` int32 [K * b / 32, N], 32 / b codes a word along K, the lowest bits first; ``X.qzeros``
   int32 [G, N * b / 32] along N; ``X.scales`` [G, N]; ``X.g_idx`` int32 [K], each column's group (act-order),
-  else column k is in group k // group_size. ``checkpoint_format`` gptq (v1, the default) stores each zero point
-  less 1, as AutoGPTQ wrote them and vLLM's and ExLlama's kernels read them; gptq_v2 stores it as it is.
+  else column k is in group k // group_size. ``checkpoint_format`` (or ``format``) gptq, v1 and the default,
+  stores each zero point less 1, subtracted from the whole word (GPTQModel writes it so, a zero point of 0
+  borrowing from the next, and adds it back as it reads, as transformers does); gptq_v2 stores it as it is.
 - AWQ (``version`` gemm): ``X.qweight`` int32 [K, N / 8] and ``X.qzeros`` [K / g, N / 8], eight 4-bit codes a word
   along N with output columns 0, 2, 4, 6, 1, 3, 5, 7 of each eight in nibbles 0..7 (AutoAWQ's ``pack``);
   ``X.scales`` [K / g, N].
@@ -59,7 +60,7 @@ def int_scheme(quantization: Any, where: str) -> IntScheme | None:
     bits, group = quantization.get("bits", quantization.get("w_bit")), quantization.get(
         "group_size", quantization.get("q_group_size"))
     if method == "awq":
-        version = str(quantization.get("version", "gemm")).lower()
+        version = str(_one_of(quantization, ("version", "format"), "gemm", where)).lower()
         if version != "gemm":
             raise KestrelError(f"{where}: AWQ version {version!r} is not supported (kestrel reads AWQ's gemm layout)")
         if quantization.get("zero_point", True) is not True:
@@ -69,11 +70,25 @@ def int_scheme(quantization: Any, where: str) -> IntScheme | None:
         return IntScheme("awq", 4, _group(group, where))
     if not _is_bits(bits, (2, 4, 8)):
         raise KestrelError(f"{where}: GPTQ with {bits!r}-bit weights is not supported (kestrel reads 2, 4 and 8 bits)")
-    fmt = quantization.get("checkpoint_format", "gptq")
+    fmt = _one_of(quantization, ("checkpoint_format", "format"), "gptq", where)
     if not isinstance(fmt, str) or fmt not in GPTQ_FORMATS:
-        raise KestrelError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported (kestrel reads gptq and "
-                           "gptq_v2)")
+        raise KestrelError(f"{where}: GPTQ format {fmt!r} is not supported (kestrel reads gptq and gptq_v2)")
+    if quantization.get("pack_dtype", "int32") not in ("int32", "torch.int32"):
+        raise KestrelError(f"{where}: GPTQ pack_dtype {quantization.get('pack_dtype')!r} is not supported (kestrel "
+                           "reads codes packed in int32 words)")
+    dynamic = quantization.get("dynamic") or {}
+    if not isinstance(dynamic, dict) or any(not str(k).startswith("-:") for k in dynamic):
+        raise KestrelError(f"{where}: GPTQ per-module overrides (dynamic) are not supported")
     return IntScheme("gptq", bits, _group(group, where), GPTQ_FORMATS[fmt])
+
+
+def _one_of(config: dict, keys: tuple[str, ...], default: Any, where: str) -> Any:
+    """The value of the first of ``keys`` in ``config`` (each a name the same setting goes by: transformers' and
+    gptqmodel's), refused where two of them disagree."""
+    values = [config[k] for k in keys if config.get(k) is not None]
+    if any(v != values[0] for v in values[1:]):
+        raise KestrelError(f"{where}: {' and '.join(keys)} disagree ({', '.join(map(repr, values))})")
+    return values[0] if values else default
 
 
 def _is_bits(bits: Any, allowed: tuple[int, ...]) -> bool:
@@ -96,6 +111,8 @@ def _compressed_tensors_scheme(quantization: dict, where: str) -> IntScheme | No
     weights = [g.get("weights") if isinstance(g, dict) else None for g in groups.values()]
     if not weights or not all(isinstance(w, dict) and w.get("type") == "int" for w in weights):
         return None
+    if quantization.get("format") == "dense":
+        return None  # saved uncompressed: plain float weights
     formats = {g["format"] for g in groups.values() if isinstance(g.get("format"), str)}  # newer files: a group's
     fmt = quantization.get("format") or (formats.pop() if len(formats) == 1 else None)
     sparsity = quantization.get("sparsity_config") or {}
@@ -118,7 +135,9 @@ def _compressed_tensors_scheme(quantization: dict, where: str) -> IntScheme | No
 def natural_quant(quantization: Any) -> str | None:
     """The quant mode a checkpoint of this ``quantization_config`` loads at when none is asked for: q4 where every
     weight is symmetric 4-bit codes in groups of whole 32-blocks (the strip-cache then holds them as they are, in
-    half q8's memory), else None (kestrel's default). A config int_scheme refuses gives None: loading says why."""
+    half q8's memory), else None (kestrel's default). A config int_scheme refuses gives None: loading says why.
+    The config alone does not say that every projection is quantized (an ignore list may leave some float): the
+    loader checks the checkpoint's tensors too (HFCheckpoint.projections_integer)."""
     try:
         scheme = int_scheme(quantization, "config.json")
     except KestrelError:
@@ -126,10 +145,12 @@ def natural_quant(quantization: Any) -> str | None:
     if scheme is None or scheme.bits != 4 or scheme.method == "awq":
         return None
     if scheme.method == "gptq":
-        whole = scheme.group_size % 32 == 0 and quantization.get("sym") is True
+        whole = scheme.group_size % 32 == 0 and quantization.get("sym") is True and not quantization.get("dynamic")
         return "q4" if whole and quantization.get("desc_act") is not True else None
     weights = [g["weights"] for g in quantization["config_groups"].values()]
-    symmetric = all(w.get("symmetric") is True and not w.get("actorder") for w in weights)
+    # act-order "group" stores a g_idx; "weight" (alias "static") only changed how the codes were found
+    symmetric = all(w.get("symmetric") is True and w.get("actorder") in (None, False, "weight", "static")
+                    for w in weights)
     groups = all(w.get("strategy") == "channel" or (isinstance(w.get("group_size"), int)
                                                     and w["group_size"] % 32 == 0) for w in weights)
     return "q4" if symmetric and groups else None
@@ -184,8 +205,9 @@ class IntWeight:
         lo, hi = CODE_RANGE[bits]
         if k % groups or size % group_size or not np.array_equal(self.column_group, np.arange(k) // size):
             return None
-        if not (np.isfinite(self.scales).all() and np.array_equal(self.zeros, np.round(self.zeros))):
-            return None  # decoded, the quantizer names a NaN or infinity; fractional zero points have no codes
+        if not (np.isfinite(self.scales).all() and np.array_equal(self.zeros, np.round(self.zeros))
+                and np.abs(self.zeros).max(initial=0) <= 1 << 12):
+            return None  # decoded, the quantizer names a NaN or infinity; such zero points have no codes
         top = (1 << self.bits) - 1
         if self.zeros.min(initial=0) < top - hi or self.zeros.max(initial=0) > -lo:
             codes = self._decode(np.ones_like(self.scales), np.int16)  # a zero point may not bound the codes
@@ -289,9 +311,17 @@ def _scales(scales: np.ndarray, n: int, where: str) -> np.ndarray:
         return np.full((n, 1), s.reshape(()), np.float32)
     if s.ndim == 1 and s.shape[0] == n:
         return s.reshape(n, 1)
-    if s.ndim != 2 or s.shape[0] != n:
+    if s.ndim != 2 or s.shape[0] != n or s.shape[1] == 0:
         raise KestrelError(f"{where}: weight_scale of shape {list(s.shape)} does not fit {n} rows")
     return s
+
+
+def _integer(zero_point: np.ndarray, where: str) -> np.ndarray:
+    """An unpacked zero point (int8, as compressed-tensors stores one) as float32."""
+    z = np.asarray(zero_point)
+    if z.dtype != np.int8:
+        raise KestrelError(f"{where}: weight_zero_point is {z.dtype}; expected int8")
+    return z.astype(np.float32)
 
 
 def _weight(packed: np.ndarray, bits: int, zeros: np.ndarray, scales: np.ndarray,
@@ -314,7 +344,12 @@ def read_gptq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, g_idx
     if qweight.shape[1] != n:
         raise KestrelError(f"{where}: qweight has {qweight.shape[1]} columns, scales {n}")
     packed = _check_words(np.ascontiguousarray(np.asarray(qweight).T), scheme.bits, k, where)  # [N, K b / 8]
-    zeros = unpack_rows(np.asarray(qzeros), scheme.bits, n, where) + scheme.zero_offset  # [G, N]
+    words = np.asarray(qzeros)
+    if scheme.zero_offset and words.dtype == np.int32:  # v1: each zero point less 1, subtracted from the whole
+        # word as GPTQModel writes it (a zero point of 0 borrows from the next) and adds it back as it reads
+        ones = np.uint32(sum(1 << (scheme.bits * i) for i in range(32 // scheme.bits)))
+        words = (words.view(np.uint32) + ones).view(np.int32)
+    zeros = unpack_rows(words, scheme.bits, n, where)  # [G, N]
     if zeros.shape[0] != groups:
         raise KestrelError(f"{where}: qzeros has {zeros.shape[0]} groups, scales {groups}")
     return _weight(packed, scheme.bits, zeros.T, s.T, _groups_of(k, groups, scheme.group_size, g_idx, where))
@@ -376,7 +411,9 @@ def read_packed(packed: np.ndarray, shape: Any, scales: np.ndarray, zero_point: 
         raise KestrelError(f"{where}: weight_packed has {rows.shape[0]} rows, weight_shape {n}")
     s = _scales(scales, n, where)
     zeros = np.full(s.shape, 1 << (scheme.bits - 1), np.float32)  # the codes' offset: symmetric
-    if zero_point is not None:  # packed with the same offset
+    if zero_point is not None and np.size(zero_point) == 1 and s.size == n:  # a tensor's: one, unpacked, signed
+        zeros = zeros + _integer(zero_point, where).reshape(())
+    elif zero_point is not None:  # a group's or a row's: packed with the same offset
         zeros = unpack_rows(np.ascontiguousarray(np.asarray(zero_point).T), scheme.bits, n, where).T
         if zeros.shape != s.shape:
             raise KestrelError(f"{where}: weight_zero_point unpacks to {list(zeros.shape)}, weight_scale is "
@@ -395,10 +432,10 @@ def read_int8(weight: np.ndarray, scales: np.ndarray, zero_point: np.ndarray | N
     s = _scales(scales, n, where)
     zeros = np.zeros(s.shape, np.float32)
     if zero_point is not None:
-        if np.size(zero_point) != s.size:
+        if np.size(zero_point) not in (1, s.size):
             raise KestrelError(f"{where}: weight_zero_point of shape {list(np.shape(zero_point))} does not fit "
                                f"weight_scale {list(s.shape)}")
-        zeros = np.asarray(zero_point, np.float32).reshape(s.shape)
+        zeros = zeros + _integer(zero_point, where).reshape(s.shape if np.size(zero_point) > 1 else ())
     if k % s.shape[1]:
         raise KestrelError(f"{where}: {s.shape[1]} groups of scales for {k} columns")
     return _weight(w.view(np.uint8) ^ np.uint8(0x80), 8, zeros + 128, s,

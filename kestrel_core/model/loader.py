@@ -350,10 +350,18 @@ def _checkpoint_mode(p: Path, quant: str | None, mode: str) -> str:
     except KestrelError:  # the load says what is wrong with it
         return mode
     natural = natural_quant(config.get("quantization_config") if isinstance(config, dict) else None)
-    if natural is not None:
-        log.info("%s: symmetric 4-bit weights, loaded at %s (their codes as they are; --quant says otherwise)",
-                 p, natural)
-    return natural or mode
+    if natural is None:
+        return mode
+    from kestrel_core.model.hf import HFCheckpoint
+
+    try:
+        every = HFCheckpoint(p).projections_integer()
+    except KestrelError:  # the load says what is wrong with it
+        return mode
+    if not every:
+        return mode
+    log.info("%s: symmetric 4-bit weights, loaded at %s (their codes as they are; --quant says otherwise)", p, natural)
+    return natural
 
 
 def _load_path(p: Path, mode: str, quant: str | None, cache: str, adapter: Adapter | None = None) -> LoadedModel:

@@ -68,7 +68,14 @@ def _scheme(**kw: Any) -> dict[str, Any]:
     (_scheme(quant_method="awq", bits=4, group_size=128, zero_point=False), "AWQ without zero points"),
     (_scheme(quant_method="gptq", bits=3, group_size=128), "GPTQ with 3-bit weights is not supported"),
     (_scheme(quant_method="gptq", bits=4, group_size=128, checkpoint_format="marlin"),
-     "GPTQ checkpoint_format 'marlin' is not supported"),
+     "GPTQ format 'marlin' is not supported"),
+    (_scheme(quant_method="gptq", bits=4, group_size=128, format="gptq_v2", checkpoint_format="gptq"),
+     r"checkpoint_format and format disagree \('gptq', 'gptq_v2'\)"),
+    (_scheme(quant_method="gptq", bits=4, group_size=128, format="gptq_p"), "GPTQ format 'gptq_p' is not supported"),
+    (_scheme(quant_method="gptq", bits=4, group_size=128, pack_dtype="int16"), "pack_dtype 'int16'"),
+    (_scheme(quant_method="gptq", bits=4, group_size=128, dynamic={"+:.*down_proj.*": {"bits": 8}}),
+     r"per-module overrides \(dynamic\)"),
+    (_scheme(quant_method="awq", bits=4, group_size=128, format="gemv"), "AWQ version 'gemv' is not supported"),
     (_scheme(quant_method="gptq", bits=4, group_size=0), "group_size must be a positive integer or -1, got 0"),
     (_scheme(quant_method="compressed-tensors", format="marlin-24",
              config_groups={"g": {"weights": {"type": "int", "num_bits": 4}}}),
@@ -98,6 +105,13 @@ def test_schemes_read_off_their_configs() -> None:
                       "c") == IntScheme("gptq", 8, 64, 0)
     assert int_scheme({"quant_method": "awq", "w_bit": 4, "q_group_size": 128, "version": "GEMM"},
                       "c") == IntScheme("awq", 4, 128)
+    assert int_scheme({"quant_method": "gptq", "bits": 4, "group_size": 32, "format": "gptq_v2"},
+                      "c") == IntScheme("gptq", 4, 32, 0)  # transformers 5's and GPTQModel's name for it
+    assert int_scheme({"quant_method": "gptq", "bits": 4, "group_size": 32, "dynamic": {"-:.*lm_head": {}}},
+                      "c") == IntScheme("gptq", 4, 32, 1)  # modules left out: they are float
+    dense = {"quant_method": "compressed-tensors", "format": "dense",
+             "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4}}}}
+    assert int_scheme(dense, "c") is None  # saved uncompressed: float weights
     fp8 = {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8}}}}
     assert int_scheme(fp8, "c") is None and int_scheme({"quant_method": "fp8"}, "c") is None
     assert int_scheme(None, "c") is None
@@ -241,6 +255,52 @@ def test_natural_quant_reads_the_config_not_its_guesses() -> None:
     assert natural_quant({**gptq, "bits": 3}) is None  # refused when it loads, with the reason
     assert natural_quant({"quant_method": "awq", "bits": 4, "group_size": 128}) is None
     assert natural_quant(None) is None and natural_quant("gptq") is None
+    assert natural_quant({**gptq, "dynamic": {"-:.*mlp": {}}}) is None
+    w4a16 = {"type": "int", "num_bits": 4, "symmetric": True, "strategy": "group", "group_size": 128}
+    ct = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": w4a16}}}
+    assert natural_quant(ct) == "q4"
+    for order, want in (("weight", "q4"), ("static", "q4"), ("group", None)):  # only "group" stores a g_idx
+        groups = {"g": {"weights": {**w4a16, "actorder": order}}}
+        assert natural_quant({**ct, "config_groups": groups}) == want, order
+
+
+def test_a_4_bit_checkpoint_with_float_projections_loads_at_q8(tmp_path: Path) -> None:
+    """An ignore list that leaves some projections float: q4 would round those, so the default stays q8."""
+    from kestrel_core.model.loader import load_model
+
+    d = _twin(tmp_path, "tiny-qwen3-moe-w4a16")
+    tensors = load_file(d / "model.safetensors")
+    base = load_file(FIXTURES / "tiny-qwen3-moe" / "model.safetensors")
+    for suffix in ("weight_packed", "weight_scale", "weight_shape"):
+        del tensors[f"model.layers.1.self_attn.o_proj.{suffix}"]
+    tensors["model.layers.1.self_attn.o_proj.weight"] = base["model.layers.1.self_attn.o_proj.weight"]
+    save_file(tensors, d / "model.safetensors")
+    assert HFCheckpoint(FIXTURES / "tiny-qwen3-moe-w4a16").projections_integer()
+    assert not HFCheckpoint(d).projections_integer()
+    assert load_model(str(d), cache="off").quant == "q8"
+
+
+def test_gptq_v1_zero_points_are_read_as_gptqmodel_writes_them() -> None:
+    """GPTQModel stores v1 zero points by subtracting 1 from every code of the word at once, so a zero point of 0
+    borrows from the next code; reading adds the word back (transformers and GPTQModel do), not 1 a code."""
+    zeros = np.array([[0, 5, 15, 8, 0, 0, 3, 1]])  # [G, N]: one group, eight columns
+    word = np.uint32(sum(int(z) << (4 * i) for i, z in enumerate(zeros[0])))
+    stored = np.array([[(int(word) - 0x11111111) % (1 << 32)]], np.uint32).view(np.int32)  # [G, N / 8]
+    qweight = np.zeros((1, 8), np.int32)  # K = 8 codes of 0 along K, each column
+    w = read_gptq(qweight, stored, np.ones((1, 8), np.float16), None, IntScheme("gptq", 4, 0, 1), "w")
+    np.testing.assert_array_equal(w.zeros[:, 0], zeros[0])
+    np.testing.assert_array_equal(w.to_float32()[:, 0], -zeros[0])
+
+
+def test_zero_points_of_a_tensor_broadcast_and_must_be_int8(refs: dict[str, np.ndarray]) -> None:
+    weight, scale = refs["int8.weight"], refs["int8.weight_scale"]
+    one = read_int8(weight, scale, np.array([3], np.int8), None, "w").to_float32()
+    np.testing.assert_array_equal(one, (weight.astype(np.float32) - 3) * scale)
+    for bad in (np.array([65536], np.int32), np.array([np.inf], np.float32)):
+        with pytest.raises(KestrelError, match="weight_zero_point is"):
+            read_int8(weight, scale, bad, None, "w")
+    with pytest.raises(KestrelError, match=r"weight_scale of shape \[48, 0\] does not fit 48 rows"):
+        read_int8(weight, np.zeros((48, 0), np.float32), None, None, "w")
 
 
 def test_a_nan_scale_is_named_not_kept(tmp_path: Path) -> None:
