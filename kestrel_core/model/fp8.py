@@ -57,6 +57,8 @@ def fp8_scheme(quantization: Any, where: str) -> Fp8Scheme | None:
     if not QUANT_METHODS[method]:
         return None
     if method == "compressed-tensors":
+        if quantization.get("format") == "dense":
+            return None  # saved uncompressed: plain float weights
         for name, group in (quantization.get("config_groups") or {}).items():
             weights = group.get("weights") if isinstance(group, dict) else None
             if not isinstance(weights, dict) or weights.get("type") != "float" or weights.get("num_bits") != 8:

@@ -111,7 +111,9 @@ def test_schemes_read_off_their_configs() -> None:
                       "c") == IntScheme("gptq", 4, 32, 1)  # modules left out: they are float
     dense = {"quant_method": "compressed-tensors", "format": "dense",
              "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4}}}}
-    assert int_scheme(dense, "c") is None  # saved uncompressed: float weights
+    from kestrel_core.model.fp8 import fp8_scheme
+
+    assert int_scheme(dense, "c") is None and fp8_scheme(dense, "c") is None  # saved uncompressed: float weights
     fp8 = {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8}}}}
     assert int_scheme(fp8, "c") is None and int_scheme({"quant_method": "fp8"}, "c") is None
     assert int_scheme(None, "c") is None
