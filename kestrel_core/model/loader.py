@@ -342,23 +342,16 @@ def _checkpoint_mode(p: Path, quant: str | None, mode: str) -> str:
     symmetric 4-bit checkpoint, whose codes q4 holds as they are)."""
     if quant is not None or not (p / "config.json").is_file():
         return mode
+    from kestrel_core.model.hf import HFCheckpoint
     from kestrel_core.model.hf_config import read_json
     from kestrel_core.model.int_quant import natural_quant
 
     try:
         config = read_json(p / "config.json")
+        natural = natural_quant(config.get("quantization_config") if isinstance(config, dict) else None)
+        if natural is None or not HFCheckpoint(p).projections_integer():  # its tensors' headers only
+            return mode
     except KestrelError:  # the load says what is wrong with it
-        return mode
-    natural = natural_quant(config.get("quantization_config") if isinstance(config, dict) else None)
-    if natural is None:
-        return mode
-    from kestrel_core.model.hf import HFCheckpoint
-
-    try:
-        every = HFCheckpoint(p).projections_integer()
-    except KestrelError:  # the load says what is wrong with it
-        return mode
-    if not every:
         return mode
     log.info("%s: symmetric 4-bit weights, loaded at %s (their codes as they are; --quant says otherwise)", p, natural)
     return natural
