@@ -37,7 +37,8 @@ from kestrel_core.model.config import ModelConfig  # noqa: E402
 
 TARGETS = ("gguf", "gguf-meta", "kst", "safetensors", "int-checkpoint", "config", "template")
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "models"
-INT_TWINS = ("tiny-qwen3-gptq", "tiny-qwen3-awq", "tiny-llama-gptq-int8", "tiny-qwen3-moe-w4a16", "tiny-qwen2-w8a8")
+INT_TWINS = ("tiny-qwen3-gptq", "tiny-qwen3-awq", "tiny-llama-gptq-int8", "tiny-qwen3-moe-w4a16", "tiny-qwen2-w8a8",
+             "tiny-qwen3-bnb-4bit", "tiny-qwen2-bnb-8bit")
 INTERESTING = [0, 1, 2, 0x7F, 0x80, 0xFF, 0x7FFF, 0xFFFF, 0x7FFFFFFF, 0xFFFFFFFF, 2 ** 62, 2 ** 63 - 1, 2 ** 64 - 1]
 
 

@@ -8,7 +8,8 @@ Needs torch and transformers (the tests that read the output do not). Run from t
     python scripts/make_golden.py --model tiny-mistral  # one tiny model (its own versions in the manifest)
     python scripts/make_golden.py --model tiny-qwen3-awq  # one twin, from its base as committed
 
-The integer twins need gptqmodel (GPTQ, AWQ: transformers reads them through it) and compressed-tensors.
+The integer twins need gptqmodel (GPTQ, AWQ: transformers reads them through it), compressed-tensors and
+bitsandbytes.
 
 Writes under tests/fixtures/models/:
   tiny-llama/   LlamaForCausalLM, llama3 rope scaling, untied, float32, sharded safetensors + index
@@ -48,6 +49,9 @@ Writes under tests/fixtures/models/:
   tiny-qwen3-moe-w4a16/  tiny-qwen3-moe's as compressed-tensors pack-quantized (W4A16), the router float; golden =
                 transformers with compressed-tensors
   tiny-qwen2-w8a8/  tiny-qwen2's as compressed-tensors int-quantized (W8A8); golden likewise
+  tiny-qwen3-bnb-4bit/  tiny-qwen3 loaded with bitsandbytes' load_in_4bit (NF4, double quantization) and saved;
+                golden = transformers reading it, checked against bitsandbytes' own decoding of its weights
+  tiny-qwen2-bnb-8bit/  tiny-qwen2 with load_in_8bit (LLM.int8), likewise
   int-references.npz  compressed-tensors' compressors on seeded weights, asymmetric zero points (no twin carries them)
   tiny-gpt-oss.gguf  llama.cpp's gpt-oss layout (MXFP4 experts, gate and up split); golden = tiny-gpt-oss's
   tiny-smollm3/ SmolLM3ForCausalLM: 4 layers, the 4th without RoPE, tied, bfloat16
@@ -1481,6 +1485,49 @@ def write_compressed_tensors_w8a8(src: Path, dst: Path, tok: Tokenizer) -> dict[
     return _write_int_twin(src, dst, quant, tensors_of, tolerance=0.05)
 
 
+def write_bnb(src: Path, dst: Path, tok: Tokenizer, bits: int = 4) -> dict[str, Any]:
+    """``src`` quantized by bitsandbytes as transformers loads it with load_in_4bit (NF4, double quantization) or
+    load_in_8bit, and saved as the Hub's -bnb-4bit repositories are; golden: transformers reading the twin, checked
+    against the float model with bitsandbytes' own decoding of those weights."""
+    import bitsandbytes.functional as bnbf
+    from safetensors.torch import save_file
+    from transformers import BitsAndBytesConfig
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    quant = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=torch.float32) if bits == 4 else
+             BitsAndBytesConfig(load_in_8bit=True))
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=quant, device_map="cpu", dtype=torch.float32)
+    model.save_pretrained(dst)
+    (dst / "generation_config.json").unlink(missing_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, dst / name)
+    meant = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if bits == 4 and getattr(weight, "quant_state", None) is not None:
+            meant[name + ".weight"] = bnbf.dequantize_4bit(weight.data, weight.quant_state).float()
+        elif bits == 8 and getattr(weight, "SCB", None) is not None:
+            meant[name + ".weight"] = weight.data.float() * (weight.SCB.float() / 127)[:, None]
+    tensors = {k: v for shard in sorted(src.glob("model*.safetensors")) for k, v in _float32_tensors(shard).items()}
+    ids = np.load(src / "golden.npz")["ids"]
+    logits = hf_logits(dst, ids, device_map="cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+        for file in Path(tmp).glob("model*.safetensors*"):
+            file.unlink()
+        save_file({k: meant.get(k, torch.from_numpy(v)).contiguous() for k, v in tensors.items()},
+                  Path(tmp) / "model.safetensors", metadata={"format": "pt"})
+        expected = hf_logits(Path(tmp), ids)
+    spread = float((expected.max(-1) - expected.min(-1)).mean())
+    if np.abs(logits - expected).max() > (0.01 if bits == 4 else 0.05) * spread:
+        raise SystemExit(f"{dst.name}: transformers computes with other weights than bitsandbytes decodes "
+                         f"(max |diff| {np.abs(logits - expected).max():.4f}, range {spread:.2f})")
+    np.savez(dst / "golden.npz", ids=ids, logits=logits.astype(np.float32))
+    return {"dir": dst.name, "twin": src.name, "files": sorted(p.name for p in dst.iterdir()), **logit_stats(logits)}
+
+
 def write_int_references(dst: Path) -> dict[str, Any]:
     """compressed-tensors' own compressors on seeded weights, for the layouts no twin covers (transformers'
     compressed-tensors loader refuses asymmetric zero points): pack-quantized 4-bit groups with packed zero
@@ -2044,7 +2091,9 @@ INT_REFERENCES = "int-references.npz"  # compressed-tensors' layouts without a t
 DIR_TWINS = {"tiny-gpt-oss-mxfp4": ("tiny-gpt-oss", write_gpt_oss_mxfp4), "tiny-qwen3-gptq": ("tiny-qwen3", write_gptq),
              "tiny-qwen3-awq": ("tiny-qwen3", write_awq), "tiny-llama-gptq-int8": ("tiny-llama", write_gptq_int8),
              "tiny-qwen3-moe-w4a16": ("tiny-qwen3-moe", write_compressed_tensors),
-             "tiny-qwen2-w8a8": ("tiny-qwen2", write_compressed_tensors_w8a8)}
+             "tiny-qwen2-w8a8": ("tiny-qwen2", write_compressed_tensors_w8a8),
+             "tiny-qwen3-bnb-4bit": ("tiny-qwen3", write_bnb),
+             "tiny-qwen2-bnb-8bit": ("tiny-qwen2", partial(write_bnb, bits=8))}
 # LoRA adapters of the tiny models: name -> (base, seed); built from the base's directory as it is
 # adapter -> (base, seed, target modules): tiny-llama's on q, v, o and down; GLM-4.7-Flash's on its latent attention
 ADAPTERS = {"tiny-llama-lora": ("tiny-llama", 101, ("q_proj", "v_proj", "o_proj", "down_proj")),
@@ -2137,7 +2186,8 @@ def _twin_versions(twin: str) -> dict[str, str]:
     """The readers a twin's golden came through."""
     dists = {"tiny-qwen3-gptq": ("gptqmodel", "optimum"), "tiny-llama-gptq-int8": ("gptqmodel", "optimum"),
              "tiny-qwen3-awq": ("gptqmodel",), "tiny-qwen3-moe-w4a16": ("compressed-tensors",),
-             "tiny-qwen2-w8a8": ("compressed-tensors",)}.get(twin, ())
+             "tiny-qwen2-w8a8": ("compressed-tensors",), "tiny-qwen3-bnb-4bit": ("bitsandbytes",),
+             "tiny-qwen2-bnb-8bit": ("bitsandbytes",)}.get(twin, ())
     return {d: _version(d) for d in dists}
 
 

@@ -45,15 +45,15 @@ class Fp8Scheme:
 
 def fp8_scheme(quantization: Any, where: str) -> Fp8Scheme | None:
     """The FP8 scheme of a config.json's ``quantization_config`` (None: the weights are not FP8), asked once
-    ``int_quant.int_scheme`` has found no integer one; a quant_method kestrel does not read (bitsandbytes, HQQ,
-    NVFP4...) is refused by name."""
+    ``int_quant.int_scheme`` and ``bnb.bnb_scheme`` have found none of theirs; a quant_method kestrel does not read
+    (HQQ, NVFP4...) is refused by name."""
     if quantization is None:
         return None
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
     if not isinstance(method, str) or method not in QUANT_METHODS:
         raise KestrelError(f"{where}: quantization_config quant_method {method!r} is not supported (kestrel reads "
                            "BF16, F16 and F32 checkpoints, FP8 ones (fp8, fbgemm_fp8, compressed-tensors FP8), "
-                           "integer ones (gptq, awq, compressed-tensors) and gpt-oss's MXFP4)")
+                           "integer ones (gptq, awq, compressed-tensors), bitsandbytes and gpt-oss's MXFP4)")
     if not QUANT_METHODS[method]:
         return None
     if method == "compressed-tensors":

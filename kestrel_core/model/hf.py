@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 
 from kestrel_core.contract import BFloat16Bits
 from kestrel_core.errors import KestrelError
+from kestrel_core.model.bnb import QUANT_STATE, bnb_scheme, dequantize_4bit, dequantize_8bit, quant_state
 from kestrel_core.model.fp8 import SCALE_SUFFIXES, dequantize_fp8, fp8_scheme
 from kestrel_core.model.hf_config import (
     GEMMA_ARCHITECTURES,
@@ -271,7 +272,8 @@ class HFCheckpoint:
         config_json = self.dir / "config.json"
         quantization = read_json(config_json).get("quantization_config")
         self.int_quant = int_scheme(quantization, str(config_json))
-        self.fp8 = None if self.int_quant else fp8_scheme(quantization, str(config_json))
+        self.bnb = bnb_scheme(quantization, str(config_json))
+        self.fp8 = None if self.int_quant or self.bnb else fp8_scheme(quantization, str(config_json))
         self._files: dict[str, Path] = {}  # kestrel name -> shard
         self._hf_names: dict[str, str] = {}  # kestrel name -> HF name
         self._rows: dict[str, tuple[int, int] | np.ndarray] = {}  # kestrel name -> its rows of a fused HF tensor
@@ -403,6 +405,8 @@ class HFCheckpoint:
         try:
             if hf_name.endswith(PACKED_SUFFIXES) or (dtype == "I8" and self.int_quant is not None):
                 t = self._int_weight(path, hf_name)
+            elif dtype in ("U8", "I8") and self.bnb is not None:
+                t = self._bnb_weight(path, hf_name)
             elif dtype == "BF16":
                 bits = self._raw(path, hf_name, "<u2")
                 return BFloat16Bits(bits if rows is None else fused_rows(bits, rows, str(path), hf_name))
@@ -558,6 +562,22 @@ class HFCheckpoint:
             return read_packed(self._beside(hf_name), self._beside(base + ".weight_shape"), scales, zero_point, g_idx,
                                scheme, where)
         return read_int8(self._beside(hf_name), scales, zero_point, g_idx, where)
+
+    def _bnb_weight(self, path: Path, hf_name: str) -> np.ndarray:
+        """A bitsandbytes weight decoded to float32 [N, K] with the tensors beside it (model/bnb.py)."""
+        where = f"{path}: {hf_name}"
+        base = hf_name.removesuffix(".weight")
+        if self.bnb.bits == 8:
+            return dequantize_8bit(self._beside(hf_name), self._float(base + ".SCB"), where)
+        state_name = next((n for n in (base + QUANT_STATE + "nf4", base + QUANT_STATE + "fp4") if n in self._paths),
+                          None)
+        if state_name is None:
+            raise KestrelError(f"{where}: a 4-bit bitsandbytes weight without its quant_state beside it")
+        state = quant_state(self._beside(state_name), where)
+        nested = ((self._float(hf_name + ".nested_quant_map"), self._float(hf_name + ".nested_absmax"))
+                  if hf_name + ".nested_absmax" in self._paths else None)
+        return dequantize_4bit(self._beside(hf_name), self._float(hf_name + ".quant_map"),
+                               self._beside(hf_name + ".absmax"), state, nested, where)
 
     def _beside(self, hf_name: str) -> np.ndarray:
         """A tensor that goes with the one being read (a scale, zero points, packed codes), as it is stored."""

@@ -97,8 +97,7 @@ def test_an_fp8_checkpoint_is_its_weights_decoded(fmt: SimpleNamespace, tmp_path
 
 
 @pytest.mark.parametrize(("change", "says"), [
-    (lambda c: {**c, "quantization_config": {"quant_method": "bitsandbytes"}},
-     r"quant_method 'bitsandbytes' is not supported"),
+    (lambda c: {**c, "quantization_config": {"quant_method": "hqq"}}, r"quant_method 'hqq' is not supported"),
     (lambda c: {**c, "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
         "g": {"weights": {"type": "int", "num_bits": 4}}, "h": {"weights": {"type": "float", "num_bits": 8}}}}},
      r"group 'g' is neither FP8 nor integer weights, or mixes them"),

@@ -315,3 +315,37 @@ def test_a_nan_scale_is_named_not_kept(tmp_path: Path) -> None:
     save_file(tensors, d / "model.safetensors")
     with pytest.raises(KestrelError, match=r"layers.0.q: the weights contain NaN or infinity \(first in row 3\)"):
         kestrel_core.load(str(d), backend="cpu")
+
+
+# -- bitsandbytes (model/bnb.py) ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("config", "says"), [
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": True}, "must set one of load_in_4bit"),
+    ({"quant_method": "bitsandbytes"}, "must set one of load_in_4bit"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_storage": "bfloat16"},
+     "bnb_4bit_quant_storage 'bfloat16' is not supported"),
+])
+def test_a_bitsandbytes_config_kestrel_cannot_read_is_refused(config: dict[str, Any], says: str) -> None:
+    from kestrel_core.model.bnb import bnb_scheme
+
+    with pytest.raises(KestrelError, match=says):
+        bnb_scheme(config, "config.json")
+
+
+@pytest.mark.parametrize(("state", "says"), [
+    (b"not json", "its quant_state is not JSON"),
+    (b'{"shape": [64], "blocksize": 64}', "quant_state shape"),
+    (b'{"shape": [64, 256], "blocksize": 0}', "quant_state blocksize 0"),
+    (b'{"shape": [64, 256], "blocksize": 64, "nested_blocksize": 256, "nested_offset": "x"}', "nested_offset"),
+    (b'{"shape": [6400000, 256000], "blocksize": 64, "nested_blocksize": 256, "nested_offset": 0.1}',
+     "do not hold a \\[6400000, 256000\\] weight"),
+])
+def test_a_bad_quant_state_is_one_line(tmp_path: Path, state: bytes, says: str) -> None:
+    d = _twin(tmp_path, "tiny-qwen3-bnb-4bit")
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_proj.weight.quant_state.bitsandbytes__nf4"] = np.frombuffer(state, np.uint8)
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(KestrelError, match=says):
+        HFCheckpoint(d).get("layers.0.q")
+

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 import kestrel_core
-from kestrel_core.model import int_quant
+from kestrel_core.model import hf, int_quant
 from kestrel_core.model.weights import Model
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
@@ -236,6 +236,9 @@ CASES = (
     Case("tiny-qwen3-awq", "tiny-qwen3-awq", Q8_MODES),  # AWQ gemm: codes along N in 0 2 4 6 1 3 5 7 order
     Case("tiny-qwen3-moe-w4a16", "tiny-qwen3-moe-w4a16", ALL_MODES, moe=True),  # compressed-tensors, symmetric
     Case("tiny-qwen2-w8a8", "tiny-qwen2-w8a8", Q8_MODES),  # compressed-tensors int-quantized, int8 rows
+    # bitsandbytes, saved by transformers: NF4 with double-quantized scales, and LLM.int8's rows
+    Case("tiny-qwen3-bnb-4bit", "tiny-qwen3-bnb-4bit", Q8_MODES),
+    Case("tiny-qwen2-bnb-8bit", "tiny-qwen2-bnb-8bit", Q8_MODES),
     Case("smollm2", "smollm2", ("q8", "q4"), default_model=True),
 )
 
@@ -410,6 +413,10 @@ INT_WRONG = {
     ("tiny-qwen3-gptq", "act-order's g_idx ignored"): lambda mp: mp.setattr(
         int_quant, "_groups_of", lambda k, groups, size, g_idx, where, real=int_quant._groups_of: real(
             k, groups, size, None, where)),
+    ("tiny-qwen3-bnb-4bit", "NF4's nibbles low first"): lambda mp: mp.setattr(
+        hf, "dequantize_4bit", lambda packed, *a, real=hf.dequantize_4bit: real((packed << 4) | (packed >> 4), *a)),
+    ("tiny-qwen3-bnb-4bit", "the scales' nested offset left out"): lambda mp: mp.setattr(
+        hf, "quant_state", lambda raw, where, real=hf.quant_state: {**real(raw, where), "nested_offset": 0.0}),
     ("tiny-qwen3-moe-w4a16", "codes without their offset"): lambda mp: mp.setattr(
         int_quant, "_weight", lambda packed, bits, zeros, *a, real=int_quant._weight: real(
             packed, bits, zeros - (1 << (bits - 1)), *a)),
