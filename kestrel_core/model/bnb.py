@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kestrel_core.errors import KestrelError
+from kestrel_core.model.int_quant import StoredTensors
 
 QUANT_STATE = ".weight.quant_state.bitsandbytes__"  # + nf4 or fp4
 
@@ -107,3 +108,18 @@ def dequantize_8bit(weight: np.ndarray, scb: np.ndarray, where: str) -> np.ndarr
     if w.ndim != 2 or w.dtype != np.int8 or s.size != w.shape[0]:
         raise KestrelError(f"{where}: an int8 weight {list(w.shape)} ({w.dtype}) and {s.size} SCB values do not fit")
     return w.astype(np.float32) * (s / np.float32(127))[:, None]
+
+
+def read_weight(ck: StoredTensors, hf_name: str, scheme: BnbScheme, where: str) -> np.ndarray:
+    """float32 [N, K] of the bitsandbytes weight ``hf_name`` (X.weight), with the tensors beside it."""
+    base = hf_name.removesuffix(".weight")
+    if scheme.bits == 8:
+        return dequantize_8bit(ck.tensor(hf_name), ck.float_tensor(base + ".SCB"), where)
+    state_name = next((n for n in (base + QUANT_STATE + "nf4", base + QUANT_STATE + "fp4") if ck.has_tensor(n)), None)
+    if state_name is None:
+        raise KestrelError(f"{where}: a 4-bit bitsandbytes weight without its quant_state beside it")
+    state = quant_state(ck.tensor(state_name), where)
+    nested = ((ck.float_tensor(hf_name + ".nested_quant_map"), ck.float_tensor(hf_name + ".nested_absmax"))
+              if ck.has_tensor(hf_name + ".nested_absmax") else None)
+    return dequantize_4bit(ck.tensor(hf_name), ck.float_tensor(hf_name + ".quant_map"), ck.tensor(hf_name + ".absmax"),
+                           state, nested, where)

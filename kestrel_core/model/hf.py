@@ -22,7 +22,8 @@ from safetensors import SafetensorError, safe_open
 
 from kestrel_core.contract import BFloat16Bits
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.bnb import QUANT_STATE, bnb_scheme, dequantize_4bit, dequantize_8bit, quant_state
+from kestrel_core.model.bnb import bnb_scheme
+from kestrel_core.model.bnb import read_weight as read_bnb_weight
 from kestrel_core.model.fp8 import SCALE_SUFFIXES, dequantize_fp8, fp8_scheme
 from kestrel_core.model.hf_config import (
     GEMMA_ARCHITECTURES,
@@ -31,15 +32,8 @@ from kestrel_core.model.hf_config import (
     read_hf_config,
     read_json,
 )
-from kestrel_core.model.int_quant import (
-    PACKED_SUFFIXES,
-    IntWeight,
-    int_scheme,
-    read_awq,
-    read_gptq,
-    read_int8,
-    read_packed,
-)
+from kestrel_core.model.int_quant import PACKED_SUFFIXES, IntWeight, int_scheme
+from kestrel_core.model.int_quant import read_weight as read_int_weight
 from kestrel_core.model.quantize import fused_rows, hybrid_splits, layer_name, map_tensor_name
 from kestrel_core.model.validate import (
     check_regular_file,
@@ -404,9 +398,9 @@ class HFCheckpoint:
         rows = self._rows.get(name)
         try:
             if hf_name.endswith(PACKED_SUFFIXES) or (dtype == "I8" and self.int_quant is not None):
-                t = self._int_weight(path, hf_name)
+                t = read_int_weight(self, hf_name, self.int_quant, f"{path}: {hf_name}")
             elif dtype in ("U8", "I8") and self.bnb is not None:
-                t = self._bnb_weight(path, hf_name)
+                t = read_bnb_weight(self, hf_name, self.bnb, f"{path}: {hf_name}")
             elif dtype == "BF16":
                 bits = self._raw(path, hf_name, "<u2")
                 return BFloat16Bits(bits if rows is None else fused_rows(bits, rows, str(path), hf_name))
@@ -522,7 +516,7 @@ class HFCheckpoint:
         codes = self._raw(path, hf_name, "u1")
         if codes.ndim != 2:
             raise KestrelError(f"{path}: FP8 tensor {hf_name} has {codes.ndim} dimensions; kestrel reads 2")
-        return dequantize_fp8(codes, self._float(scale_name), self.fp8, f"{path}: {hf_name}")
+        return dequantize_fp8(codes, self.float_tensor(scale_name), self.fp8, f"{path}: {hf_name}")
 
     def projections_integer(self) -> bool:
         """Whether every projection the model quantizes at its mode's bits comes from an integer tensor (an ignore
@@ -536,51 +530,11 @@ class HFCheckpoint:
         names = [spec.name for spec in model_specs(self.config) if spec.kind == "proj"]
         return self.int_quant is not None and all(n in self._hf_names and integer(self._hf_names[n]) for n in names)
 
-    def _int_weight(self, path: Path, hf_name: str) -> IntWeight:
-        """An integer-quantized weight with the tensors beside it (model/int_quant.py)."""
-        scheme, where = self.int_quant, f"{path}: {hf_name}"
-        if scheme is None:
-            raise KestrelError(f"{where} is integer-quantized, but config.json has no GPTQ, AWQ or compressed-tensors "
-                               "quantization_config")
-        if hf_name.endswith(".qweight"):
-            if scheme.method not in ("gptq", "awq"):
-                raise KestrelError(f"{where}: a GPTQ or AWQ tensor in a {scheme.method} checkpoint")
-            base = hf_name.removesuffix(".qweight")
-            qweight, qzeros = self._beside(hf_name), self._beside(base + ".qzeros")
-            scales = self._float(base + ".scales")
-            if scheme.method == "awq":
-                return read_awq(qweight, qzeros, scales, scheme, where)
-            g_idx = self._beside(base + ".g_idx") if base + ".g_idx" in self._paths else None
-            return read_gptq(qweight, qzeros, scales, g_idx, scheme, where)
-        if scheme.method != "compressed-tensors":
-            raise KestrelError(f"{where}: a compressed-tensors tensor in a {scheme.method} checkpoint")
-        base = hf_name.removesuffix(".weight_packed").removesuffix(".weight")
-        scales = self._float(base + ".weight_scale")
-        zero_point, g_idx = (self._beside(base + f) if base + f in self._paths else None
-                             for f in (".weight_zero_point", ".weight_g_idx"))
-        if hf_name.endswith(".weight_packed"):
-            return read_packed(self._beside(hf_name), self._beside(base + ".weight_shape"), scales, zero_point, g_idx,
-                               scheme, where)
-        return read_int8(self._beside(hf_name), scales, zero_point, g_idx, where)
+    def has_tensor(self, hf_name: str) -> bool:
+        return hf_name in self._paths
 
-    def _bnb_weight(self, path: Path, hf_name: str) -> np.ndarray:
-        """A bitsandbytes weight decoded to float32 [N, K] with the tensors beside it (model/bnb.py)."""
-        where = f"{path}: {hf_name}"
-        base = hf_name.removesuffix(".weight")
-        if self.bnb.bits == 8:
-            return dequantize_8bit(self._beside(hf_name), self._float(base + ".SCB"), where)
-        state_name = next((n for n in (base + QUANT_STATE + "nf4", base + QUANT_STATE + "fp4") if n in self._paths),
-                          None)
-        if state_name is None:
-            raise KestrelError(f"{where}: a 4-bit bitsandbytes weight without its quant_state beside it")
-        state = quant_state(self._beside(state_name), where)
-        nested = ((self._float(hf_name + ".nested_quant_map"), self._float(hf_name + ".nested_absmax"))
-                  if hf_name + ".nested_absmax" in self._paths else None)
-        return dequantize_4bit(self._beside(hf_name), self._float(hf_name + ".quant_map"),
-                               self._beside(hf_name + ".absmax"), state, nested, where)
-
-    def _beside(self, hf_name: str) -> np.ndarray:
-        """A tensor that goes with the one being read (a scale, zero points, packed codes), as it is stored."""
+    def tensor(self, hf_name: str) -> np.ndarray:
+        """A tensor by its name in the checkpoint, as it is stored (packed codes, zero points, a scale)."""
         if hf_name not in self._paths:
             raise KestrelError(f"{self.dir}: the checkpoint has no tensor {hf_name}")
         path = self._paths[hf_name]
@@ -589,14 +543,11 @@ class HFCheckpoint:
         except (SafetensorError, TypeError) as exc:
             raise KestrelError(f"{path}: cannot read tensor {hf_name} ({exc})") from None
 
-    def _float(self, hf_name: str) -> np.ndarray:
-        """A float tensor beside the one being read (a scale), BF16 widened to float32."""
-        if hf_name not in self._paths:
-            raise KestrelError(f"{self.dir}: the checkpoint has no tensor {hf_name}")
-        path = self._paths[hf_name]
-        if self._handle(path).get_slice(hf_name).get_dtype() == "BF16":
-            return BFloat16Bits(self._raw(path, hf_name, "<u2")).to_float32()
-        return self._beside(hf_name)
+    def float_tensor(self, hf_name: str) -> np.ndarray:
+        """A float tensor by its name in the checkpoint (a scale), BF16 widened to float32."""
+        if hf_name in self._paths and self._handle(self._paths[hf_name]).get_slice(hf_name).get_dtype() == "BF16":
+            return BFloat16Bits(self._raw(self._paths[hf_name], hf_name, "<u2")).to_float32()
+        return self.tensor(hf_name)
 
 
 def _hf_name_hint(name: str) -> str:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -328,6 +328,45 @@ def _weight(packed: np.ndarray, bits: int, zeros: np.ndarray, scales: np.ndarray
             column_group: np.ndarray) -> IntWeight:
     return IntWeight(np.ascontiguousarray(packed), bits, np.ascontiguousarray(zeros, np.float32),
                      np.ascontiguousarray(scales, np.float32), np.ascontiguousarray(column_group, np.int64))
+
+
+class StoredTensors(Protocol):
+    """A checkpoint's tensors by their own names, as stored (hf.HFCheckpoint)."""
+
+    def has_tensor(self, hf_name: str) -> bool: ...
+
+    def tensor(self, hf_name: str) -> np.ndarray: ...
+
+    def float_tensor(self, hf_name: str) -> np.ndarray:
+        """A float tensor (BF16 widened) as float32 or float16."""
+        ...
+
+
+def read_weight(ck: StoredTensors, hf_name: str, scheme: IntScheme | None, where: str) -> IntWeight:
+    """The integer weight whose codes are ``hf_name`` (X.qweight, X.weight_packed, or an int8 X.weight), with the
+    tensors beside it."""
+    if scheme is None:
+        raise KestrelError(f"{where} is integer-quantized, but config.json has no GPTQ, AWQ or compressed-tensors "
+                           "quantization_config")
+    if hf_name.endswith(".qweight"):
+        if scheme.method not in ("gptq", "awq"):
+            raise KestrelError(f"{where}: a GPTQ or AWQ tensor in a {scheme.method} checkpoint")
+        base = hf_name.removesuffix(".qweight")
+        qweight, qzeros, scales = ck.tensor(hf_name), ck.tensor(base + ".qzeros"), ck.float_tensor(base + ".scales")
+        if scheme.method == "awq":
+            return read_awq(qweight, qzeros, scales, scheme, where)
+        g_idx = ck.tensor(base + ".g_idx") if ck.has_tensor(base + ".g_idx") else None
+        return read_gptq(qweight, qzeros, scales, g_idx, scheme, where)
+    if scheme.method != "compressed-tensors":
+        raise KestrelError(f"{where}: a compressed-tensors tensor in a {scheme.method} checkpoint")
+    base = hf_name.removesuffix(".weight_packed").removesuffix(".weight")
+    scales = ck.float_tensor(base + ".weight_scale")
+    zero_point, g_idx = (ck.tensor(base + f) if ck.has_tensor(base + f) else None
+                         for f in (".weight_zero_point", ".weight_g_idx"))
+    if hf_name.endswith(".weight_packed"):
+        return read_packed(ck.tensor(hf_name), ck.tensor(base + ".weight_shape"), scales, zero_point, g_idx, scheme,
+                           where)
+    return read_int8(ck.tensor(hf_name), scales, zero_point, g_idx, where)
 
 
 # -- the layouts ------------------------------------------------------------------------------------------

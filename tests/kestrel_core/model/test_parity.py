@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 import kestrel_core
-from kestrel_core.model import hf, int_quant
+from kestrel_core.model import bnb, int_quant
 from kestrel_core.model.weights import Model
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
@@ -414,9 +414,9 @@ INT_WRONG = {
         int_quant, "_groups_of", lambda k, groups, size, g_idx, where, real=int_quant._groups_of: real(
             k, groups, size, None, where)),
     ("tiny-qwen3-bnb-4bit", "NF4's nibbles low first"): lambda mp: mp.setattr(
-        hf, "dequantize_4bit", lambda packed, *a, real=hf.dequantize_4bit: real((packed << 4) | (packed >> 4), *a)),
+        bnb, "dequantize_4bit", lambda packed, *a, real=bnb.dequantize_4bit: real((packed << 4) | (packed >> 4), *a)),
     ("tiny-qwen3-bnb-4bit", "the scales' nested offset left out"): lambda mp: mp.setattr(
-        hf, "quant_state", lambda raw, where, real=hf.quant_state: {**real(raw, where), "nested_offset": 0.0}),
+        bnb, "quant_state", lambda raw, where, real=bnb.quant_state: {**real(raw, where), "nested_offset": 0.0}),
     ("tiny-qwen3-moe-w4a16", "codes without their offset"): lambda mp: mp.setattr(
         int_quant, "_weight", lambda packed, bits, zeros, *a, real=int_quant._weight: real(
             packed, bits, zeros - (1 << (bits - 1)), *a)),
