@@ -4,8 +4,9 @@ Tensors are read lazily, one at a time, and handed out under kestrel names (see 
 numpy has no bfloat16, and safetensors' numpy framework refuses BF16 tensors, so those are read as raw
 uint16 at the offsets of the safetensors header: the quantizer takes those bits (contract.BFloat16Bits) and
 widens them a row at a time; ``get`` widens them to float32 (bf16 is the top half of an f32). FP8 weights
-(model/fp8.py) are read as raw uint8 the same way and decoded with their scales to float32, and integer ones (GPTQ,
-AWQ, compressed-tensors: model/int_quant.py) from their packed codes, zero points and scales.
+(model/fp8.py) are read as raw uint8 the same way and decoded with their scales to float32; integer ones (GPTQ,
+AWQ, compressed-tensors: model/int_quant.py) and bitsandbytes ones (model/bnb.py) are read by those modules from
+the tensors beside them (``tensor``, ``float_tensor``).
 """
 
 from __future__ import annotations
