@@ -436,10 +436,6 @@ class Engine:
         """One request's outputs (tokens, text, logprobs) step by step: the scheduler with this one request."""
         from kestrel_core.model.scheduler import Scheduler
 
-        if not isinstance(params, SamplingParams):
-            raise KestrelError(f"params must be a SamplingParams (engine.sampling_params(...) makes one), got "
-                               f"{type(params).__name__}")
-
         scheduler = Scheduler(self, max_batch=1)
         request = scheduler.add(prompt_ids, params)  # checks the prompt and parameters now, not at next()
         return self._stream(scheduler, request)

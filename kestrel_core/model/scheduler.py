@@ -153,7 +153,8 @@ class Scheduler:
         queued)."""
         self.engine.check_generates()
         if not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"params must be a SamplingParams, got {type(params).__name__}", param="params")
+            raise InvalidRequest(f"params must be a SamplingParams (engine.sampling_params(...) makes one), got "
+                                 f"{type(params).__name__}", param="params")
         params.check()
         if params.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1 to generate, got {params.max_tokens}",
