@@ -1381,18 +1381,27 @@ def _write_int_twin(src: Path, dst: Path, quant: dict[str, Any], tensors_of: Any
     cfg = json.loads((dst / "config.json").read_text())
     cfg["quantization_config"] = quant
     (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return _golden_of_twin(src, dst, {k: torch.from_numpy(v) for k, v in meant.items()}, tolerance, **load)
+
+
+def _golden_of_twin(src: Path, dst: Path, meant: dict[str, Any], tolerance: float, **load: Any) -> dict[str, Any]:
+    """dst's golden: transformers reading the quantized twin, checked to be within ``tolerance`` of the logits'
+    range of the float model with the weights ``meant`` (every tensor of src, torch), so that the twin holds the
+    weights its readers decode and not only those its writer meant."""
+    from safetensors.torch import save_file
+
     ids = np.load(src / "golden.npz")["ids"]
     logits = hf_logits(dst, ids, **load)
-    with tempfile.TemporaryDirectory() as tmp:  # the float model with the weights meant: the readers agree
+    with tempfile.TemporaryDirectory() as tmp:
         shutil.copytree(src, tmp, dirs_exist_ok=True)
         for file in Path(tmp).glob("model*.safetensors*"):
             file.unlink()
-        save_file({k: torch.from_numpy(v) for k, v in meant.items()}, Path(tmp) / "model.safetensors",
+        save_file({k: v.contiguous() for k, v in meant.items()}, Path(tmp) / "model.safetensors",
                   metadata={"format": "pt"})
         expected = hf_logits(Path(tmp), ids)
     spread = float((expected.max(-1) - expected.min(-1)).mean())
     if np.abs(logits - expected).max() > tolerance * spread:
-        raise SystemExit(f"{dst.name}: transformers reads other weights than the script wrote "
+        raise SystemExit(f"{dst.name}: transformers reads other weights than the twin was meant to hold "
                          f"(max |diff| {np.abs(logits - expected).max():.4f}, range {spread:.2f})")
     np.savez(dst / "golden.npz", ids=ids, logits=logits.astype(np.float32))
     return {"dir": dst.name, "twin": src.name, "files": sorted(p.name for p in dst.iterdir()), **logit_stats(logits)}
@@ -1490,7 +1499,6 @@ def write_bnb(src: Path, dst: Path, tok: Tokenizer, bits: int = 4) -> dict[str, 
     load_in_8bit, and saved as the Hub's -bnb-4bit repositories are; golden: transformers reading the twin, checked
     against the float model with bitsandbytes' own decoding of those weights."""
     import bitsandbytes.functional as bnbf
-    from safetensors.torch import save_file
     from transformers import BitsAndBytesConfig
 
     if dst.exists():
@@ -1511,21 +1519,8 @@ def write_bnb(src: Path, dst: Path, tok: Tokenizer, bits: int = 4) -> dict[str, 
         elif bits == 8 and getattr(weight, "SCB", None) is not None:
             meant[name + ".weight"] = weight.data.float() * (weight.SCB.float() / 127)[:, None]
     tensors = {k: v for shard in sorted(src.glob("model*.safetensors")) for k, v in _float32_tensors(shard).items()}
-    ids = np.load(src / "golden.npz")["ids"]
-    logits = hf_logits(dst, ids, device_map="cpu")
-    with tempfile.TemporaryDirectory() as tmp:
-        shutil.copytree(src, tmp, dirs_exist_ok=True)
-        for file in Path(tmp).glob("model*.safetensors*"):
-            file.unlink()
-        save_file({k: meant.get(k, torch.from_numpy(v)).contiguous() for k, v in tensors.items()},
-                  Path(tmp) / "model.safetensors", metadata={"format": "pt"})
-        expected = hf_logits(Path(tmp), ids)
-    spread = float((expected.max(-1) - expected.min(-1)).mean())
-    if np.abs(logits - expected).max() > (0.01 if bits == 4 else 0.05) * spread:
-        raise SystemExit(f"{dst.name}: transformers computes with other weights than bitsandbytes decodes "
-                         f"(max |diff| {np.abs(logits - expected).max():.4f}, range {spread:.2f})")
-    np.savez(dst / "golden.npz", ids=ids, logits=logits.astype(np.float32))
-    return {"dir": dst.name, "twin": src.name, "files": sorted(p.name for p in dst.iterdir()), **logit_stats(logits)}
+    meant = {k: meant.get(k, torch.from_numpy(v)) for k, v in tensors.items()}
+    return _golden_of_twin(src, dst, meant, 0.01 if bits == 4 else 0.05, device_map="cpu")
 
 
 def write_int_references(dst: Path) -> dict[str, Any]:
