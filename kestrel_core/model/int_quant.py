@@ -1,8 +1,9 @@
 """Integer-quantized checkpoints: GPTQ, AWQ and compressed-tensors (llm-compressor's W4A16 / W8A16 / W8A8), as the
 Hub ships them (``-GPTQ-Int4``, ``-AWQ``, ``quantized.w4a16``). A weight is integer codes q, a zero point z and a
-scale s a row per group of ``group_size`` input columns; its value is ``s * (q - z)``, decoded here to float32
-exactly (the products of a float16 or bfloat16 scale and a small integer are float32 numbers), then quantized to
-kestrel's strip-cache like any float checkpoint.
+scale s a row per group of ``group_size`` input columns; its value is ``s * (q - z)``. A strip-cache holds the
+codes as they are where it can (``IntWeight.strip_cache``); otherwise the weight is decoded to float32 exactly (the
+products of a float16 or bfloat16 scale and a small integer are float32 numbers) and quantized like any float
+checkpoint.
 
 The layouts, [N, K] meaning output rows x input columns:
 
