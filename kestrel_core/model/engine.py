@@ -513,7 +513,7 @@ def _token_ids(ids: Any) -> bool:
     if isinstance(ids, np.ndarray):
         return ids.ndim == 1 and (ids.dtype.kind in "iu" or ids.size == 0)
     try:
-        return all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids)
+        return all(is_int(i) for i in ids)
     except TypeError:  # not iterable
         return False
 
