@@ -32,6 +32,14 @@ class BatchEntry:
     has not yet taken the results of), and ``tokens`` holds a placeholder (-1). The engine offers such a
     step while the one before still runs, so the device need not wait for the host. A backend that cannot
     resolve a fed entry declines the step. Since API 1.4, and only to a backend that declares it.
+
+    ``shared`` and ``publish``: the engine's prefix cache in the backend's pool, since API 1.5 and only to a
+    backend that declares it (0 otherwise). Positions below ``shared`` are a prefix other sequences computed
+    (the blocks at the start of ``blocks`` are theirs): a backend that holds nothing of ``seq_id`` finds their
+    keys and values in those blocks of its pool, and declines the step if it cannot (the engine then offers
+    the sequence from position 0). Positions below ``publish`` (the prompt's whole blocks so far) are shared
+    with later sequences once the step is done: the backend leaves their keys and values in the sequence's
+    blocks of its pool by then, also where it runs the sequence in a cache of its own.
     """
 
     seq_id: int
@@ -43,6 +51,8 @@ class BatchEntry:
     num_blocks: int = 0
     argmax_only: bool = False
     fed: bool = False
+    shared: int = 0
+    publish: int = 0
 
     @property
     def end(self) -> int:

@@ -20,7 +20,7 @@ from kestrel_core.batch import BatchEntry as BatchEntry
 from kestrel_core.errors import BackendUnavailable as BackendUnavailable
 
 PROJECT = "kestrel"
-API_VERSION = (1, 4)  # (major, minor): a backend must have the same major and a minor <= ours
+API_VERSION = (1, 5)  # (major, minor): a backend must have the same major and a minor <= ours
 KINDS = ("cpu", "gpu", "npu", "simulator")  # BackendInfo.kind; `--backend auto` picks a gpu, then an npu
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -110,7 +110,8 @@ def kestrel_forward_batch(device: Any, model: Any, batch: Any) -> Any:
     call without arguments that waits for the step and returns that list (or None): the step runs on the
     device while the engine reports the last one, and the engine makes that call before any other into the
     backend, but one: since API 1.4 (to a backend that declares it) the engine may offer the next step first,
-    whose ``fed`` entries take the tokens the device chose in the step still running. firstresult.
+    whose ``fed`` entries take the tokens the device chose in the step still running. Since API 1.5 the
+    engine's prefix cache lives in the backend's pool (``BatchEntry.shared`` and ``publish``). firstresult.
     """
 
 

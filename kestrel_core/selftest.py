@@ -248,6 +248,9 @@ BATCH_SCRIPT = (
 )
 BATCH_MODELS = (("llama", "q8"), ("qwen3", "q4"))
 BATCH_NUDGES = 3  # the band is the largest effect of this many nudges: one alone changed 5e-7 to 7e-3 of the logits
+# relative L2 of a shared prefix's logits: the CUDA forward's numpy mirrors give the same bits, a prefix not read
+# from the pool is 1.1-1.4 off
+SHARED_PREFIX_TOL = 0.05
 
 
 def _batch_config(arch: str) -> Any:
@@ -339,6 +342,52 @@ def _fed_steps(backend: Backend, model: Any, first_seq: int, caches: dict[int, A
     return ""
 
 
+def _shared_prefix_steps(backend: Backend, model: Any, first_seq: int, pool: Any) -> str:
+    """A prompt of two whole blocks and more, alone, with those blocks to ``publish`` (API 1.5); then another
+    sequence, new to the backend, whose page table starts with them (``shared``) and whose own tokens run from
+    their end: its logits must be those of the whole prompt run from position 0 in blocks of its own, within
+    SHARED_PREFIX_TOL (its rows ran in other chunks; a prefix not read from the blocks is off by far more).
+    What is wrong, or "" (also for a backend that declines)."""
+    bs = pool.block_size
+    rng = np.random.default_rng([first_seq, 15])
+    prefix, rest, own = (rng.integers(0, model.config.vocab_size, n) for n in (2 * bs, 5, 7))
+    seqs = [pool.new_sequence() for _ in range(3)]
+    publisher, sharer, whole = (first_seq + 10 + i for i in range(3))
+    try:
+        if not (pool.reserve(seqs[0], 2 * bs + len(rest)) and pool.reserve(seqs[1], bs)
+                and pool.reserve(seqs[2], 2 * bs + len(own))):
+            return ""
+        first = np.concatenate([prefix, rest])
+        shared_blocks = (*seqs[0].blocks[:2], *seqs[1].blocks)
+
+        def step(seq: int, tokens: np.ndarray, start: int, blocks: tuple[int, ...], shared: int = 0) -> Any:
+            return _batch_step(backend, model, [BatchEntry(seq, tokens, start, len(own), blocks, bs, pool.num_blocks,
+                                                           shared=shared, publish=2 * bs)])
+
+        if step(publisher, first, 0, tuple(seqs[0].blocks)) is None:
+            return ""
+        got = step(sharer, own, 2 * bs, shared_blocks, shared=2 * bs)
+        want = step(whole, np.concatenate([prefix, own]), 0, tuple(seqs[2].blocks))
+    except Exception as exc:
+        return f"shared prefix: raised {type(exc).__name__}: {safe_text(exc)}"
+    finally:
+        for cache in seqs:
+            cache.release()
+        if backend.implements("kestrel_release_sequence"):
+            for seq in range(first_seq + 10, first_seq + 13):
+                backend.hook.kestrel_release_sequence(device=backend.device, seq_id=seq)
+    if got is None or want is None:
+        return ""
+    g, w = (np.asarray(x[0], np.float64) for x in (got, want))
+    if g.shape != w.shape or not np.all(np.isfinite(g)):
+        return f"shared prefix: bad result {g.dtype} {list(g.shape)}"
+    err = float(np.linalg.norm(g - w)) / (float(np.linalg.norm(w)) or 1.0)
+    if err > SHARED_PREFIX_TOL:
+        return (f"shared prefix: the logits after a prefix from the pool are {err:.3g} off those of the whole prompt "
+                f"(at most {SHARED_PREFIX_TOL})")
+    return ""
+
+
 def _batch_step(backend: Backend, model: Any, batch: list[BatchEntry]) -> Any:
     """The batched hook's result; a step still running on the device (a call, since API 1.3) is waited for."""
     out = backend.hook.kestrel_forward_batch(device=backend.device, model=model, batch=batch)
@@ -349,7 +398,7 @@ def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str
                            first_seq: int) -> CaseResult:
     """The backend's batched steps of BATCH_SCRIPT against the CPU decoder, within the measured band; then
     with every entry argmax_only, whose token ids must be the argmax of the same steps' logits; then fed steps
-    (API 1.4), which must give the tokens written-out ones give."""
+    (API 1.4), which must give the tokens written-out ones give, and a shared prefix (API 1.5)."""
     from kestrel_core.model.decoder import Decoder
     from kestrel_core.model.kv_pool import KVPool
     from kestrel_core.model.presets import synthetic_model
@@ -403,6 +452,8 @@ def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str
         bad_ids = _rerun_argmax_only(backend, model, first_seq, script_toks, caches, host.pool, got_all)
         if not bad_ids and tuple(backend.info.api_version) >= (1, 4):
             bad_ids = _fed_steps(backend, model, first_seq, caches, host.pool)
+        if not bad_ids and tuple(backend.info.api_version) >= (1, 5):
+            bad_ids = _shared_prefix_steps(backend, model, first_seq, host.pool)
         if bad_ids:
             return CaseResult(name, FORWARD_BATCH, False, float("inf"), detail=bad_ids)
     finally:
@@ -442,7 +493,7 @@ def run_selftest(name: str = "cpu", seeds: int = 2, registry: Registry | None = 
         cpu = registry.cpu()
         for seed in range(seeds):
             for i, (arch, quant) in enumerate(BATCH_MODELS):
-                first_seq = 1_000_000 + 10 * (seed * len(BATCH_MODELS) + i)  # apart from an engine's ids
+                first_seq = 1_000_000 + 20 * (seed * len(BATCH_MODELS) + i)  # apart from an engine's ids
                 report.cases.append(run_forward_batch_case(backend, cpu, arch, quant, seed, first_seq))
     for hook in {c.hook for c in report.cases}:
         mine = [c for c in report.cases if c.hook == hook]

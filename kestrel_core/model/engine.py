@@ -65,6 +65,7 @@ class SeqState:
     cache: SeqCache  # the host KV cache: cache.length positions
     tokens: list[int] = field(default_factory=list)  # every token run so far, position = index
     device_len: int = 0  # positions the device's own KV cache holds
+    shared: int = 0  # positions of an attached prefix whose keys and values are in the backend's pool
 
 
 FED = -1  # the placeholder token of a fed BatchEntry
@@ -135,9 +136,10 @@ class Engine:
                                "steps on the host)")
         self.pool = KVPool.for_budget(model.config, kv_cache_mb, kv_cache_type)
         self.decoder = Decoder(model, self.offload, self.pool, self.activations)
-        # prompts share the KV blocks of a cached prefix (kv_pool) where the host runs the steps: a backend's
-        # whole steps keep KV caches of their own, and a recurrent layer's state is no per-block prefix
-        self.prefix_cache = self.rewinds
+        # prompts share the KV blocks of a cached prefix (kv_pool): in the host's cache where it runs the steps,
+        # in the backend's pool where that keeps the prefix cache's blocks (device_prefixes); a recurrent layer's
+        # state is no per-block prefix
+        self.prefix_cache = self.rewinds or self.device_prefixes
         # draft tokens a greedy request's step may guess from its context, where the host runs the steps (0: none;
         # kestrel_core.model.speculate); read by each Scheduler made after it is set
         self.speculate = 0
@@ -217,6 +219,14 @@ class Engine:
         return self.steps_on_host and not self.config.state_layers
 
     @property
+    def device_prefixes(self) -> bool:
+        """Whether the prefix cache's blocks live in the backend's pool: it runs the whole steps, batched, and
+        honours ``BatchEntry.shared`` / ``publish`` (API 1.5), for a model without recurrent layers."""
+        info = self.backend.info
+        return (not self.steps_on_host and not self.config.state_layers and info is not None
+                and tuple(info.api_version) >= (1, 5) and self.backend.implements("kestrel_forward_batch"))
+
+    @property
     def whole_step(self) -> bool:
         """Whether the backend's whole-step hooks are offered: they compute with int8 activations."""
         return self.activations == "q8"
@@ -231,6 +241,9 @@ class Engine:
         if self.prefix_cache and tokens:
             attached = self.pool.attach_prefix(seq.cache, tokens, prompt_len - 1)
             seq.tokens = [int(t) for t in tokens[:attached]]
+            if self.device_prefixes:  # the backend's pool holds them; the host has computed none
+                seq.cache.length = 0
+                seq.device_len = seq.shared = attached
         return seq
 
     def rewind(self, seq: SeqState, length: int) -> None:
@@ -292,8 +305,10 @@ class Engine:
         for (seq, new, _), (base, _) in zip(runs, bases):  # the scheduler reserved already; a direct caller here
             pool.reserve(seq.cache, base + len(new))
         flags = list(argmax_only) or [False] * len(runs)
+        on_device = self.prefix_cache and self.device_prefixes
         entries = [BatchEntry(seq.seq_id, new.copy() if start == base else _behind(seq.tokens, start, new), start,
-                              rows, tuple(seq.cache.blocks), pool.block_size, pool.num_blocks, flag, is_fed)
+                              rows, tuple(seq.cache.blocks), pool.block_size, pool.num_blocks, flag, is_fed,
+                              seq.shared, _prompt_blocks(seq, base + len(new), pool.block_size) if on_device else 0)
                    for (seq, new, rows), flag, is_fed, (base, start) in zip(runs, flags, fed, bases)]
         batched = self.offload.forward_batch(self.model, entries, c.vocab_size) if self.whole_step else None
         if after is not None and batched is None:
@@ -316,6 +331,10 @@ class Engine:
                 if out is not None:
                     outs[i] = out[len(out) - e.logit_rows:]
         host = [i for i, out in enumerate(outs) if out is None]
+        for i in host:  # a backend that lost a shared prefix computes the sequence from its start next time
+            seq = runs[i][0]
+            if seq.shared and seq.device_len == seq.shared:
+                seq.shared = seq.device_len = 0
         for i, (seq, _, _) in enumerate(runs):
             if outs[i] is not None:
                 seq.device_len = entries[i].end
@@ -331,11 +350,14 @@ class Engine:
                 outs[i] = out
         for seq, new, _ in runs:
             seq.tokens.extend(new.tolist())
-        if self.prefix_cache:  # prompt blocks this step completed become reusable
-            for i in host:
+        if self.prefix_cache:  # prompt blocks this step completed become reusable: the host's it computed, or
+            # the backend's pool's, which its batched step left there (``BatchEntry.publish``)
+            on_device = self.device_prefixes
+            for i in (range(len(runs)) if batched is not None else ()) if on_device else host:
                 seq, new, _ = runs[i]
                 if len(seq.tokens) - len(new) < seq.cache.prompt_len:
-                    pool.publish_prefix(seq.cache, seq.tokens, seq.cache.prompt_len)
+                    written = seq.device_len if on_device else seq.cache.length
+                    pool.publish_prefix(seq.cache, seq.tokens, min(written, seq.cache.prompt_len))
         return outs  # type: ignore[return-value]
 
     def check_ids(self, ids: Sequence[int], what: str) -> list[int]:
@@ -476,6 +498,11 @@ class Engine:
             "prefix_cache": self.prefix_cache, "prefix_hit_tokens": self.pool.prefix_hit_tokens,
             "prefix_cached_blocks": self.pool.cached_blocks,
         }
+
+
+def _prompt_blocks(seq: SeqState, end: int, block_size: int) -> int:
+    """The positions of ``seq``'s prompt in whole blocks once it reaches ``end``: what the prefix cache shares."""
+    return min(seq.cache.prompt_len, end) // block_size * block_size
 
 
 def _behind(tokens: list[int], start: int, new: np.ndarray) -> np.ndarray:

@@ -202,12 +202,12 @@ class KVPool:
         self.prefix_hit_tokens += seq.length
         return seq.length
 
-    def publish_prefix(self, seq: SeqCache, tokens: Sequence[int], limit: int) -> None:
-        """Make the full blocks ``seq`` has written within its first ``limit`` positions (its prompt's) reusable,
+    def publish_prefix(self, seq: SeqCache, tokens: Sequence[int], written: int) -> None:
+        """Make the full blocks of ``seq``'s first ``written`` positions (computed, and its prompt's) reusable,
         keyed by ``tokens`` (the sequence's tokens, position = index). A prefix another sequence published
         first keeps that one's block."""
         bs = self.block_size
-        full = min(limit, seq.length, len(tokens)) // bs
+        full = min(written, len(tokens)) // bs
         ids = np.asarray(tokens[:full * bs], np.int64)
         chain = b""
         for i in range(full):

@@ -75,13 +75,14 @@ from kestrel_cuda import paged
 from kestrel_cuda.config import CudaConfig
 from kestrel_cuda.forward_state import Projections, State, WeightSource, build_state, pin_weights, unsupported_reason
 from kestrel_cuda.forward_step import Stepper
-from kestrel_cuda.plan import KV_DTYPE, PASS_ROWS, TOKEN_RING
+from kestrel_cuda.plan import KV_BLOCK, KV_DTYPE, PASS_ROWS, TOKEN_RING
 
 CAP_CHUNK = 1024  # KV positions are allocated this many at a time
 @dataclass
 class _Seq:
     kv: Any  # float16 [L, 2, KV, cap, hd]
     length: int = 0
+    pooled: int = 0  # its first positions that are in its blocks of the pool too (prefixes it published)
     graph: Callable[[], None] | None = None
 
     @property
@@ -222,11 +223,12 @@ class DeviceForward:
             self.counters["sequences_reused"] += 1
         if start == 0:
             if seq is not None:
-                seq.length = 0
+                seq.length = seq.pooled = 0
         elif seq is None or start > seq.length:
             return self._decline("the device KV cache is behind the engine's")
         else:
             seq.length = start  # rewind: positions >= start are overwritten
+            seq.pooled = min(seq.pooled, start)
         return self._reserve(st, seq_id, seq, end)
 
     def release(self, seq_id: int) -> None:
@@ -275,13 +277,19 @@ class DeviceForward:
         self._feed, feed = None, self._feed
         if len(batch) == 1:
             e = batch[0]
+            pool = self._pool_for(st, e.num_blocks) if e.shared or e.publish else None
+            if pool is not None and not self._adopt_prefix(pool, e):
+                return self._decline("a shared prefix's blocks are not in the device's pool")
             out = self.forward(model, e.seq_id, e.tokens, e.start, e.logit_rows > 1)
-            return None if out is None else [out[len(out) - e.logit_rows:]]
-        pool = self._pool
-        if pool is None or pool.blocks != batch[0].num_blocks:
-            pool = self._pool = paged.new_pool(self.ops, st.config, batch[0].num_blocks, PASS_ROWS,
-                                               st.max_context)
+            if out is None:
+                return None
+            if pool is not None and e.publish:
+                self._publish(pool, e)
+            return [out[len(out) - e.logit_rows:]]
+        pool = self._pool_for(st, batch[0].num_blocks)
         for e in batch:
+            if not self._adopt_prefix(pool, e):
+                return self._decline("a shared prefix's blocks are not in the device's pool")
             own = self._seqs.get(e.seq_id)
             held = pool.held.get(e.seq_id, (own.length if own is not None else 0, ()))[0]
             if e.start > held:
@@ -298,10 +306,41 @@ class DeviceForward:
         except BaseException:
             for e in batch:
                 pool.held.pop(e.seq_id, None)  # their pool blocks may be half written
+                pool.filled.difference_update(paged.written_blocks(e))
             raise
         for e in batch:
             pool.held[e.seq_id] = (e.end, e.blocks)
+            pool.filled.update(e.blocks[:e.publish // KV_BLOCK])
         return outs
+
+    def _pool_for(self, st: State, blocks: int) -> paged.Pool:
+        """The pool of the engine's ``blocks`` blocks (made anew for another engine's page tables)."""
+        pool = self._pool
+        if pool is None or pool.blocks != blocks:
+            pool = self._pool = paged.new_pool(self.ops, st.config, blocks, PASS_ROWS, st.max_context)
+        return pool
+
+    def _adopt_prefix(self, pool: paged.Pool, e: BatchEntry) -> bool:
+        """Whether ``e`` can run as far as a shared prefix goes: the device holds the sequence already, or the
+        pool holds the prefix's blocks (published, ``filled``), which the sequence then starts from."""
+        if not e.shared or e.seq_id in self._seqs or e.seq_id in pool.held:
+            return True
+        if not pool.filled.issuperset(e.blocks[:-(-e.shared // KV_BLOCK)]):
+            return False
+        pool.held[e.seq_id] = (e.shared, e.blocks)
+        return True
+
+    def _publish(self, pool: paged.Pool, e: BatchEntry) -> None:
+        """Positions below ``e.publish`` of a sequence that ran in its own cache, into its pool blocks."""
+        own = self._seqs[e.seq_id]
+        try:
+            if own.pooled < e.publish:
+                paged.to_pool(self.ops, own.kv, pool, e.blocks, e.publish, first=own.pooled)
+                own.pooled = e.publish
+        except BaseException:
+            pool.filled.difference_update(e.blocks)
+            raise
+        pool.filled.update(e.blocks[:e.publish // KV_BLOCK])
 
     def _run_pooled(self, st: State, pool: paged.Pool, batch: Sequence[BatchEntry],
                     feed: tuple[Any, dict[int, int]] | None = None
@@ -399,7 +438,7 @@ class DeviceForward:
             return
         seq = self._reserve(st, seq_id, None, max(start, 1))
         paged.from_pool(self.ops, pool, blocks, start, seq.kv)
-        seq.length = start
+        seq.length = seq.pooled = start
         self.counters["pool_moves"] += 1
 
     # -- steps ---------------------------------------------------------------------------------------

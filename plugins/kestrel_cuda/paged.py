@@ -36,6 +36,7 @@ class Pool:
     index: Any  # int32 [R] device: the rows whose logits a step returns
     hsel: Any  # float32 [R, D] device: those rows of the residual stream, for the lm_head
     held: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # seq_id -> (positions, blocks)
+    filled: set[int] = field(default_factory=set)  # blocks holding a published prefix (BatchEntry.publish)
     graphs: dict[int, Callable[[], None]] = field(default_factory=dict)  # bucket -> captured decode step
 
     @property
@@ -94,11 +95,13 @@ def slots(blocks: Sequence[int], n: int) -> list[tuple[int, int]]:
     return [(b * KV_BLOCK, min(KV_BLOCK, n - j * KV_BLOCK)) for j, b in enumerate(blocks[:-(-n // KV_BLOCK)])]
 
 
-def to_pool(ops: Any, own_kv: Any, pool: Pool, blocks: Sequence[int], n: int) -> None:
-    """Positions 0..n-1 of a sequence's own cache ([L, 2, KV, cap, hd]) into its pool blocks."""
+def to_pool(ops: Any, own_kv: Any, pool: Pool, blocks: Sequence[int], n: int, first: int = 0) -> None:
+    """Positions 0..n-1 of a sequence's own cache ([L, 2, KV, cap, hd]) into its pool blocks; with ``first``,
+    only the blocks from the one holding position ``first`` on."""
     for j, (row, length) in enumerate(slots(blocks, n)):
         p = j * KV_BLOCK
-        ops.copy(pool.kv[:, :, :, row:row + length], own_kv[:, :, :, p:p + length])
+        if p + KV_BLOCK > first:
+            ops.copy(pool.kv[:, :, :, row:row + length], own_kv[:, :, :, p:p + length])
 
 
 def from_pool(ops: Any, pool: Pool, blocks: Sequence[int], n: int, own_kv: Any) -> None:
@@ -106,6 +109,11 @@ def from_pool(ops: Any, pool: Pool, blocks: Sequence[int], n: int, own_kv: Any) 
     for j, (row, length) in enumerate(slots(blocks, n)):
         p = j * KV_BLOCK
         ops.copy(own_kv[:, :, :, p:p + length], pool.kv[:, :, :, row:row + length])
+
+
+def written_blocks(e: BatchEntry) -> tuple[int, ...]:
+    """The blocks a step of ``e`` writes (its positions start..end-1)."""
+    return e.blocks[e.start // KV_BLOCK:-(-e.end // KV_BLOCK)]
 
 
 def row_map(batch: Sequence[BatchEntry], first: int, count: int, pad_to: int, scratch: int,

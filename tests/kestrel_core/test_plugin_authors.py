@@ -13,6 +13,7 @@ from rich.console import Console
 import kestrel_core
 from kestrel_core import cli
 from kestrel_core.errors import KestrelError, NonFiniteLogits
+from kestrel_core.hookspecs import API_VERSION
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.presets import synthetic_model
 from kestrel_core.registry import Backend, Registry, parse_backend_options
@@ -73,7 +74,7 @@ def test_api_version_as_a_string(monkeypatch: pytest.MonkeyPatch) -> None:
     assert good.as_dict()["api_version"] == "1.0"
     bad = reg.bind("api_garbage")
     assert bad.reason == ("api_version must be (major, minor) such as kestrel_core.API_VERSION or a string like "
-                          "'1.4', got 'v1'")
+                          f"'{API_VERSION[0]}.{API_VERSION[1]}', got 'v1'")
     reg.close()
 
 

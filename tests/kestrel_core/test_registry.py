@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kestrel_core import Offload, Proj, Registry, quantize_weight, wkey
+from kestrel_core import API_VERSION, Offload, Proj, Registry, quantize_weight, wkey
 from kestrel_core.errors import KestrelError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "backends"
@@ -30,7 +30,7 @@ def registry(monkeypatch: pytest.MonkeyPatch) -> Registry:
 
 @pytest.mark.parametrize(("name", "reason"), [
     ("missing_hook", "missing required hook(s): kestrel_gemm_f32"),
-    ("bad_api", "incompatible API version 2.0 (kestrel has 1.4)"),
+    ("bad_api", f"incompatible API version 2.0 (kestrel has {API_VERSION[0]}.{API_VERSION[1]})"),
     ("open_raises", "device open failed: RuntimeError: driver exploded"),
     ("unavailable", "no widget attached"),
     ("bad_signature", "invalid hook"),

@@ -90,7 +90,8 @@ def test_seeded_fixtures_are_reproducible() -> None:
 
 # A batched whole step on the host decoder with its own caches per sequence; MODE breaks it on purpose.
 # "fed" answers with a call (its step "runs" until then) and takes fed entries (the last greedy token of the
-# sequence); "wrong_fed" feeds the token after it.
+# sequence); "wrong_fed" feeds the token after it. A shared prefix is the published one's tokens run into the
+# new sequence's cache (what the pool would hold); "unshared" runs zeros there instead.
 FORWARD_BATCH_BACKEND = '''
 import numpy as np
 from kestrel_core import API_VERSION, BackendInfo, hookimpl
@@ -104,6 +105,8 @@ _cpu = Registry().cpu()
 STATE = {{}}
 RELEASED = []
 LAST = {{}}  # each sequence's last greedy token
+TOKENS = {{}}  # each sequence's tokens so far
+PUBLISHED = {{}}  # the first blocks of a published prefix -> its tokens
 
 
 @hookimpl
@@ -121,13 +124,27 @@ def kestrel_forward_batch(device, model, batch):
     dec, caches = STATE[id(model)]
     work = []
     for e in batch:
-        cache = caches.setdefault(e.seq_id, dec.new_cache())
+        if e.seq_id not in caches:
+            caches[e.seq_id] = dec.new_cache()
+            TOKENS[e.seq_id] = []
+            if e.shared:
+                prefix = PUBLISHED.get(e.blocks[:e.shared // e.block_size])
+                if prefix is None:
+                    return None
+                prefix = prefix[:e.shared] if MODE != "unshared" else [0] * e.shared
+                dec.forward_batch([(caches[e.seq_id], np.array(prefix), 0)])
+                TOKENS[e.seq_id] = list(prefix)
+        cache = caches[e.seq_id]
         assert cache.length == e.start, (cache.length, e.start)
         tokens = e.tokens
         if e.fed:
             tokens = np.array([(LAST[e.seq_id] + int(MODE == "wrong_fed")) % model.config.vocab_size])
         work.append((cache, tokens, e.logit_rows))
     outs = dec.forward_batch(work)
+    for e, (_, tokens, _) in zip(batch, work):
+        TOKENS[e.seq_id] += [int(t) for t in tokens]
+        if e.publish:
+            PUBLISHED[e.blocks[:e.publish // e.block_size]] = TOKENS[e.seq_id][:e.publish]
     for e, o in zip(batch, outs):
         if e.logit_rows:
             LAST[e.seq_id] = int(np.argmax(o[-1]))
@@ -152,7 +169,8 @@ def kestrel_release_sequence(device, seq_id):
 
 
 @pytest.mark.parametrize("mode, ok", [("right", True), ("ids", True), ("scaled", False), ("swapped", False),
-                                      ("wrong_ids", False), ("decline", False), ("fed", True), ("wrong_fed", False)])
+                                      ("wrong_ids", False), ("decline", False), ("fed", True), ("wrong_fed", False),
+                                      ("unshared", False)])
 def test_the_batched_whole_step_is_checked_against_the_cpu(tmp_path: Path, monkeypatch, mode: str,
                                                            ok: bool) -> None:
     (tmp_path / f"fb_{mode}.py").write_text(FORWARD_BATCH_BACKEND.format(mode=mode, name=f"fb_{mode}"))
@@ -165,8 +183,10 @@ def test_the_batched_whole_step_is_checked_against_the_cpu(tmp_path: Path, monke
     assert report.ok is ok
     if mode == "right":
         assert all(c.max_err == 0 for c in cases if not c.declined)  # the CPU itself: bit for bit
-        assert len(set(registry.backends["fb_right"].plugin.RELEASED)) == 10 * 2  # every case's sequences released
+        assert len(set(registry.backends["fb_right"].plugin.RELEASED)) == 13 * 2  # every case's sequences released
     if mode == "wrong_ids":
         assert all("argmax_only ids" in c.detail for c in cases)
     if mode == "wrong_fed":
         assert all("fed step" in c.detail for c in cases)
+    if mode == "unshared":
+        assert all("shared prefix" in c.detail for c in cases)
