@@ -7,8 +7,8 @@
 Each round runs the same requests through one ``Scheduler`` (all queued at once), alternating off and on, each
 from an empty pool (the host's, and a device forward's), and reports the time to the first token (median and
 worst over the requests) and the whole run's time. On the CPU the tokens of the two runs are checked to be the
-same; elsewhere the requests whose tokens differ are counted (a prompt's rows computed in other chunks may round
-differently on a device).
+same; elsewhere the requests whose first or later tokens differ are counted (a prompt's rows computed in other
+chunks round differently on a device, and a preset's random weights leave many near-ties).
 """
 
 from __future__ import annotations
@@ -76,9 +76,10 @@ def main() -> None:
         if args.backend == "cpu":
             assert all(r[2] == want for rs in results.values() for r in rs), "tokens differ"
         else:
-            differ = sum(a != b for r in results[True] for a, b in zip(r[2], want))
-            print(f"requests whose tokens differ from the first run without the prefix cache: {differ} of "
-                  f"{len(want) * len(results[True])}")
+            pairs = [(a, b) for r in results[True] for a, b in zip(r[2], want)]
+            print(f"against the first run without the prefix cache: first tokens differ in "
+                  f"{sum(a[:1] != b[:1] for a, b in pairs)} of {len(pairs)} requests, later tokens in "
+                  f"{sum(a != b for a, b in pairs)}")
         for cached, rs in results.items():
             ttft = [t for r in rs for t in r[0]]
             print(f"prefix cache {'on ' if cached else 'off'}: TTFT median {statistics.median(ttft) * 1e3:.0f} ms, "

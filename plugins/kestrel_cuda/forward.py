@@ -124,7 +124,7 @@ class DeviceForward:
                                          "prefill_tokens": 0, "decode_tokens": 0, "declined": 0,
                                          "sequences_reused": 0, "batch_steps": 0, "batch_rows": 0,
                                          "batch_graph_replays": 0, "batch_argmax_steps": 0, "pool_moves": 0,
-                                         "fed_rows": 0}
+                                         "fed_rows": 0, "prefix_positions": 0, "prefix_blocks_published": 0}
         self.last_decline = ""
 
     # -- API -----------------------------------------------------------------------------------------
@@ -310,7 +310,7 @@ class DeviceForward:
             raise
         for e in batch:
             pool.held[e.seq_id] = (e.end, e.blocks)
-            pool.filled.update(e.blocks[:e.publish // KV_BLOCK])
+            pool.filled.update(e.blocks[e.start // KV_BLOCK:e.publish // KV_BLOCK])  # (the earlier ones are)
         return outs
 
     def _pool_for(self, st: State, blocks: int) -> paged.Pool:
@@ -328,19 +328,23 @@ class DeviceForward:
         if not pool.filled.issuperset(e.blocks[:-(-e.shared // KV_BLOCK)]):
             return False
         pool.held[e.seq_id] = (e.shared, e.blocks)
+        self.counters["prefix_positions"] += e.shared
         return True
 
     def _publish(self, pool: paged.Pool, e: BatchEntry) -> None:
         """Positions below ``e.publish`` of a sequence that ran in its own cache, into its pool blocks."""
         own = self._seqs[e.seq_id]
+        if own.pooled >= e.publish:
+            return
+        first = own.pooled // KV_BLOCK
         try:
-            if own.pooled < e.publish:
-                paged.to_pool(self.ops, own.kv, pool, e.blocks, e.publish, first=own.pooled)
-                own.pooled = e.publish
+            paged.to_pool(self.ops, own.kv, pool, e.blocks, e.publish, first=own.pooled)
         except BaseException:
             pool.filled.difference_update(e.blocks)
             raise
-        pool.filled.update(e.blocks[:e.publish // KV_BLOCK])
+        own.pooled = e.publish
+        pool.filled.update(e.blocks[first:e.publish // KV_BLOCK])
+        self.counters["prefix_blocks_published"] += e.publish // KV_BLOCK - first
 
     def _run_pooled(self, st: State, pool: paged.Pool, batch: Sequence[BatchEntry],
                     feed: tuple[Any, dict[int, int]] | None = None

@@ -70,6 +70,8 @@ def test_later_prompts_take_a_shared_prefix_from_the_pool(tmp_path, monkeypatch)
     assert hits == shared * (len(prompts) - 1)
     assert rows_off - rows_on == hits
     assert fwd.counters["declined"] == 0
+    # the first request's two blocks copied from its own cache into the pool, each later one started from them
+    assert fwd.counters["prefix_blocks_published"] == 2 and fwd.counters["prefix_positions"] == hits
 
 
 def test_sequences_running_together_read_the_prefix_in_the_pool(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -87,6 +89,7 @@ def test_sequences_running_together_read_the_prefix_in_the_pool(tmp_path, monkey
     assert got == want
     assert hits == SYSTEM // BLOCK_SIZE * BLOCK_SIZE * len(rest) and rows_off - rows_on == hits
     assert fwd.counters["batch_steps"] > 0 and fwd.counters["declined"] == 0
+    assert fwd.counters["prefix_positions"] == hits
 
 
 def test_a_device_that_lost_the_prefix_computes_it_again(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
