@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 import kestrel_core
-from kestrel_core.model.kv_pool import BLOCK_SIZE
+from kestrel_core.model.kv_pool import BLOCK_SIZE, KVPool
 from kestrel_core.model.sampling import SamplingParams
 
 from .test_forward_batch_host import _bind_batch_backend, _model, serve_all, serve_alone
@@ -34,10 +34,12 @@ def host_forward(engine):  # type: ignore[no-untyped-def]
 
 
 def run_both_ways(engine, prompts, params, serve, forward_of=host_forward):  # type: ignore[no-untyped-def]
-    """(tokens, device rows) with the prefix cache off, then on, each from an empty device pool."""
+    """(tokens, device rows) with the prefix cache off, then on, each from empty pools (the engine's and the
+    device's)."""
     out = []
     for cached in (False, True):
         engine.prefix_cache = cached
+        engine.pool = engine.decoder.pool = KVPool(engine.config, engine.pool.num_blocks)
         fwd = forward_of(engine)
         if fwd is not None:
             fwd.reset_pool()  # nothing left in the pool's blocks by the round before
@@ -112,3 +114,27 @@ def test_a_device_that_lost_the_prefix_computes_it_again(tmp_path, monkeypatch) 
     assert got == want
     # the one step that found no prefix; the device ran the sequence from position 0 after it
     assert offload["declined"] == 1 and fwd.last_decline != ""
+
+
+def test_evicted_prefixes_are_never_read_for_the_blocks_new_owners_wrote(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A pool of 8 blocks and prompts of four system prompts, each family twice: cached blocks go to other
+    sequences (whose prompts the device then writes there) before their family comes back, alone and all at
+    once (admission waits for room): every request's tokens are those without the prefix cache."""
+    from kestrel_core.model.kv_pool import bytes_per_position
+
+    model = _model("qwen3", "q8", seed=9)
+    families = [shared_prompts(model, owns=(4, 6), seed=s) for s in range(4)]
+    prompts = [family[i] for i in range(2) for family in families]
+    _bind_batch_backend(tmp_path, monkeypatch)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    megabytes = 8 * BLOCK_SIZE * bytes_per_position(model.config) / 2 ** 20
+    with kestrel_core.load(model, backend="fwdcuda", kv_cache_mb=megabytes) as engine:
+        assert engine.pool.num_blocks == 8
+        alone = run_both_ways(engine, prompts, params, serve_alone)
+        together = run_both_ways(engine, prompts, params, serve_all)
+        evictions, hits = engine.pool.evictions, engine.pool.prefix_hit_tokens  # of the last round
+        declined = engine.stats["offload"]["kestrel_forward_batch"]["declined"]
+    for (want, _), (got, _) in (alone, together):
+        assert got == want
+    assert evictions > 0 and hits > 0
+    assert declined == 0  # every prefix the engine attached was in the device's pool
