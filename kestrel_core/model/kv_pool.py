@@ -7,7 +7,8 @@ recomputation would: a row's result depends only on its tokens and position (``k
 wholly inside the prompt are shared, so their rows ran with the prompt's activation mode on both sides.
 A shared block is never written again: a sequence only appends past its own length, and attaches no more
 than its prompt's full blocks short of its last token. Blocks no sequence holds stay cached, oldest first
-out when the pool needs room.
+out when the pool needs room. Where a backend runs the whole steps (``Engine.device_prefixes``) the blocks are
+the accounting of its pool, which holds their keys and values; the host computed none of them.
 """
 
 from __future__ import annotations
