@@ -244,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
     text_in = _read_prompt(args)
     grammar = _grammar(args)
     with _open_generator(args) as engine:
+        engine.prefix_cache = False  # one request: nothing reads what it would keep (nor fills a device's pool)
         _note_model_sampling(engine, args)
         stops: tuple[int, ...] = ()
         if args.suffix is not None:  # the prompt is the prefix of a fill-in-the-middle prompt

@@ -124,7 +124,8 @@ class DeviceForward:
                                          "prefill_tokens": 0, "decode_tokens": 0, "declined": 0,
                                          "sequences_reused": 0, "batch_steps": 0, "batch_rows": 0,
                                          "batch_graph_replays": 0, "batch_argmax_steps": 0, "pool_moves": 0,
-                                         "fed_rows": 0, "prefix_positions": 0, "prefix_blocks_published": 0}
+                                         "fed_rows": 0, "prefix_positions": 0, "prefix_blocks_published": 0,
+                                         "pool_out_of_memory": 0}
         self.last_decline = ""
 
     # -- API -----------------------------------------------------------------------------------------
@@ -277,8 +278,8 @@ class DeviceForward:
         self._feed, feed = None, self._feed
         if len(batch) == 1:
             e = batch[0]
-            pool = self._pool_for(st, e.num_blocks) if e.shared or e.publish else None
-            if pool is not None and not self._adopt_prefix(pool, e):
+            pool = self._lone_pool(st, e.num_blocks) if e.shared or e.publish else None
+            if e.shared and (pool is None or not self._adopt_prefix(pool, e)):
                 return self._decline("a shared prefix's blocks are not in the device's pool")
             out = self.forward(model, e.seq_id, e.tokens, e.start, e.logit_rows > 1)
             if out is None:
@@ -319,6 +320,15 @@ class DeviceForward:
         if pool is None or pool.blocks != blocks:
             pool = self._pool = paged.new_pool(self.ops, st.config, blocks, PASS_ROWS, st.max_context)
         return pool
+
+    def _lone_pool(self, st: State, blocks: int) -> paged.Pool | None:
+        """The pool, for a lone sequence's prefixes; None where the device has no room for it (its prompts are
+        then not published, and a prefix shared from it is declined: the engine computes it again)."""
+        try:
+            return self._pool_for(st, blocks)
+        except MemoryError:  # CuPy's OutOfMemoryError among them
+            self.counters["pool_out_of_memory"] += 1
+            return None
 
     def _adopt_prefix(self, pool: paged.Pool, e: BatchEntry) -> bool:
         """Whether ``e`` can run as far as a shared prefix goes: the device holds the sequence already, or the

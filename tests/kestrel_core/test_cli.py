@@ -205,6 +205,13 @@ def test_run_answers_keep_to_a_grammar(option: str, value: str, pattern: str, tm
         assert re.fullmatch(pattern, text), text
 
 
+def test_run_keeps_no_prefix_for_later_requests(capsys) -> None:
+    """One prompt: nothing would read the blocks the prefix cache keeps (a device's pool is not made for them)."""
+    assert main(["run", "--model", str(TINY), "--backend", "cpu", "-n", "2", "--json", "hi"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["prefix_cache"] is False and stats["prefix_cached_blocks"] == 0
+
+
 EMBED = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "tiny-qwen3-embed"
 
 

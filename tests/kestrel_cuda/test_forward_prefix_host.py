@@ -138,3 +138,29 @@ def test_evicted_prefixes_are_never_read_for_the_blocks_new_owners_wrote(tmp_pat
         assert got == want
     assert evictions > 0 and hits > 0
     assert declined == 0  # every prefix the engine attached was in the device's pool
+
+
+def test_a_device_without_room_for_the_pool_publishes_nothing(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Where the pool cannot be allocated, lone sequences run in their own caches as before and publish
+    nothing; a later request's shared prefix is declined once and computed again: the same tokens."""
+    from kestrel_cuda import paged
+
+    def no_room(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise MemoryError("out of memory allocating the pool")
+
+    model = _model("qwen3", "q8", seed=9)
+    prompts = shared_prompts(model)[:2]
+    _bind_batch_backend(tmp_path, monkeypatch)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    with kestrel_core.load(model, backend="fwdcuda") as engine:
+        engine.prefix_cache = False
+        want = serve_alone(engine, prompts, params)
+        engine.prefix_cache = True
+        monkeypatch.setattr(paged, "new_pool", no_room)
+        host_forward(engine).reset_pool()
+        got = serve_alone(engine, prompts, params)
+        fwd = host_forward(engine)
+        declined = engine.stats["offload"]["kestrel_forward_batch"]["declined"]
+    assert got == want
+    assert fwd.counters["pool_out_of_memory"] > 0 and fwd.counters["prefix_blocks_published"] == 0
+    assert declined == 1
