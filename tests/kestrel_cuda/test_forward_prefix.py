@@ -43,3 +43,27 @@ def test_the_cuda_backend_computes_a_shared_system_prompt_once(together: bool) -
         ref = cpu_logits(model, seq, len(seq))
         tol = FACTOR * jitter_effect(model, seq, len(seq), ref)[1]
         assert greedy_agrees(tokens, model, np.array(p), tol) == [], (p, tokens)
+
+
+def test_the_cuda_backend_serves_evicted_and_reused_prefix_blocks() -> None:
+    """A pool of 8 blocks, four system prompts twice each (test_forward_prefix_host's eviction scenario): cached
+    blocks go to other sequences before their family comes back; no step is declined and every request's
+    tokens are the CPU's choice at each step (or tie with it within the nudge's range)."""
+    from kestrel_core.model.kv_pool import bytes_per_position
+
+    model = synthetic_model(SMALL_CONFIGS["qwen3"], "q8", seed=9)
+    families = [shared_prompts(model, owns=(4, 6), seed=s) for s in range(4)]
+    prompts = [family[i] for i in range(2) for family in families]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    megabytes = 8 * BLOCK_SIZE * bytes_per_position(model.config) / 2 ** 20
+    with kestrel_core.load(model, backend="cuda", kv_cache_mb=megabytes) as engine:
+        (_, _), (got, _) = run_both_ways(engine, prompts, params, serve_first_then_rest,
+                                         lambda e: e.backend.device.forward_engine())
+        evictions, hits = engine.pool.evictions, engine.pool.prefix_hit_tokens
+        declined = engine.stats["offload"]["kestrel_forward_batch"]["declined"]
+    assert evictions > 0 and hits > 0 and declined == 0
+    for p, tokens in zip(prompts, got):
+        seq = np.array(p + tokens)
+        ref = cpu_logits(model, seq, len(seq))
+        tol = FACTOR * jitter_effect(model, seq, len(seq), ref)[1]
+        assert greedy_agrees(tokens, model, np.array(p), tol) == [], (p, tokens)
