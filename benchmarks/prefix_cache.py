@@ -3,10 +3,13 @@
     python benchmarks/prefix_cache.py                     # default model on the CPU, 8 requests, 448 shared + 64 own
     python benchmarks/prefix_cache.py --requests 16 --shared 960 --own 32 --decode 16
     python benchmarks/prefix_cache.py --preset qwen3-8b --backend cuda --shared 1984 --own 64  # the device's pool
+    python benchmarks/prefix_cache.py --preset lfm2-1.2b --conversation --requests 4 --shared 192 --own 128
 
 Each round runs the same requests through one ``Scheduler`` (all queued at once), alternating off and on, each
 from an empty pool (the host's, and a device forward's), and reports the time to the first token (median and
-worst over the requests) and the whole run's time. On the CPU the tokens of the two runs are checked to be the
+worst over the requests) and the whole run's time. ``--conversation``: the requests are the turns of one chat,
+run one after another, each prompt the one before and ``--own`` tokens more (what a model with recurrent layers
+shares: the state kept at a prompt's end). On the CPU the tokens of the two runs are checked to be the
 same; elsewhere the requests whose first or later tokens differ are counted (a prompt's rows computed in other
 chunks round differently on a device, and a preset's random weights leave many near-ties).
 """
@@ -26,7 +29,11 @@ from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import Scheduler
 
 
-def run(engine, prompts: list[list[int]], decode: int) -> tuple[list[float], float, list[list[int]]]:
+def run(engine, prompts: list[list[int]], decode: int, one_by_one: bool = False
+        ) -> tuple[list[float], float, list[list[int]]]:
+    if one_by_one:
+        each = [run(engine, [p], decode) for p in prompts]
+        return [r[0][0] for r in each], sum(r[1] for r in each), [r[2][0] for r in each]
     scheduler = Scheduler(engine, max_batch=len(prompts))
     params = SamplingParams(max_tokens=decode, ignore_eos=True)
     start = time.perf_counter()
@@ -53,6 +60,7 @@ def main() -> None:
     ap.add_argument("--own", type=int, default=64, help="tokens of each request's own")
     ap.add_argument("--decode", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--conversation", action="store_true", help="the requests are one chat's turns, in turn")
     args = ap.parse_args()
     engine = (load_preset(args.preset, backend=args.backend, quant=args.quant) if args.preset else
               kestrel_core.load(args.model, backend=args.backend))
@@ -60,9 +68,14 @@ def main() -> None:
         rng = np.random.default_rng(0)
         vocab = engine.config.vocab_size
         shared = rng.integers(0, vocab, args.shared).tolist()
-        prompts = [shared + rng.integers(0, vocab, args.own).tolist() for _ in range(args.requests)]
-        print(f"{engine.source}, {engine.backend_line}, activations {engine.activations}; {args.requests} requests "
-              f"of {args.shared} shared + {args.own} own prompt tokens, {args.decode} generated each")
+        owns = [rng.integers(0, vocab, args.own).tolist() for _ in range(args.requests)]
+        prompts = [shared + sum(owns[:i + 1], []) if args.conversation else shared + owns[i]
+                   for i in range(args.requests)]
+        what = (f"{args.requests} turns of one chat, its prompt {args.shared} tokens and {args.own} more a turn"
+                if args.conversation else
+                f"{args.requests} requests of {args.shared} shared + {args.own} own prompt tokens")
+        print(f"{engine.source}, {engine.backend_line}, activations {engine.activations}; {what}, {args.decode} "
+              "generated each")
         results: dict[bool, list[tuple[list[float], float, list[list[int]]]]] = {False: [], True: []}
         for _ in range(args.rounds):
             for cached in (False, True):
@@ -71,7 +84,7 @@ def main() -> None:
                 forward = getattr(engine.backend.device, "forward_engine", None)
                 if forward is not None and forward() is not None:
                     forward().reset_pool()
-                results[cached].append(run(engine, prompts, args.decode))
+                results[cached].append(run(engine, prompts, args.decode, args.conversation))
         want = results[False][0][2]
         if args.backend == "cpu":
             assert all(r[2] == want for rs in results.values() for r in rs), "tokens differ"

@@ -136,10 +136,10 @@ class Engine:
                                "steps on the host)")
         self.pool = KVPool.for_budget(model.config, kv_cache_mb, kv_cache_type)
         self.decoder = Decoder(model, self.offload, self.pool, self.activations)
-        # prompts share the KV blocks of a cached prefix (kv_pool): in the host's cache where it runs the steps,
-        # in the backend's pool where that keeps the prefix cache's blocks (device_prefixes); a recurrent layer's
-        # state is no per-block prefix
-        self.prefix_cache = self.rewinds or self.device_prefixes
+        # prompts share the KV blocks of a cached prefix (kv_pool): in the host's cache where it runs the steps
+        # (with a copy of a recurrent layer's state at a prompt's end), in the backend's pool where that keeps
+        # the prefix cache's blocks (device_prefixes)
+        self.prefix_cache = self.steps_on_host or self.device_prefixes
         # draft tokens a greedy request's step may guess from its context, where the host runs the steps (0: none;
         # kestrel_core.model.speculate); read by each Scheduler made after it is set
         self.speculate = 0
@@ -213,10 +213,17 @@ class Engine:
 
     @property
     def rewinds(self) -> bool:
-        """Whether a sequence can go back to an earlier length (draft tokens not confirmed) and share a prefix's
-        blocks: where the host runs the steps of a model without recurrent layers (linear attention, short
-        convolutions), whose states hold every position at once."""
+        """Whether a sequence can go back to an earlier length (draft tokens not confirmed): where the host runs
+        the steps of a model without recurrent layers (linear attention, short convolutions), whose states hold
+        every position at once."""
         return self.steps_on_host and not self.config.state_layers
+
+    def state_end(self, prompt_len: int) -> int:
+        """Where the prefix cache keeps a recurrent state for a prompt of ``prompt_len`` tokens: its last whole
+        block short of its last token (0: nowhere; a model without recurrent layers needs none)."""
+        if not (self.prefix_cache and self.config.state_layers):
+            return 0
+        return (prompt_len - 1) // self.pool.block_size * self.pool.block_size
 
     @property
     def device_prefixes(self) -> bool:
@@ -358,6 +365,8 @@ class Engine:
                 if len(seq.tokens) - len(new) < seq.cache.prompt_len:
                     written = seq.device_len if on_device else seq.cache.length
                     pool.publish_prefix(seq.cache, seq.tokens, min(written, seq.cache.prompt_len))
+                    if written == self.state_end(seq.cache.prompt_len):
+                        pool.keep_state(seq.cache, seq.tokens)
         return outs  # type: ignore[return-value]
 
     def check_ids(self, ids: Sequence[int], what: str) -> list[int]:
@@ -496,7 +505,7 @@ class Engine:
             "offload_accepted": accepted, "offload_declined": declined,
             "offload": self.offload.stats(), "backend_stats": self.offload.backend_stats(),
             "prefix_cache": self.prefix_cache, "prefix_hit_tokens": self.pool.prefix_hit_tokens,
-            "prefix_cached_blocks": self.pool.cached_blocks,
+            "prefix_cached_blocks": self.pool.cached_blocks, "prefix_cached_states": self.pool.cached_states,
         }
 
 

@@ -9,6 +9,11 @@ A shared block is never written again: a sequence only appends past its own leng
 than its prompt's full blocks short of its last token. Blocks no sequence holds stay cached, oldest first
 out when the pool needs room. Where a backend runs the whole steps (``Engine.device_prefixes``) the blocks are
 the accounting of its pool, which holds their keys and values; the host computed none of them.
+
+A model with recurrent layers also needs the state at the prefix's end: the pool keeps a copy of a sequence's
+state where its step ended on the last whole block of its prompt (``keep_state``; the scheduler ends a chunk
+there), and a prefix attaches only as far as such a copy goes: a conversation sent again with one more turn
+starts from its earlier prompt's end. The copies take at most STATE_CACHE_MB, oldest first out.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from kestrel_core.model.state_pool import StatePool
 from kestrel_core.model.validate import is_number
 
 BLOCK_SIZE = 32  # positions per KV block
+STATE_CACHE_MB = 1024  # recurrent-state copies the prefix cache keeps (Qwen3.5-9B's: 50 MiB each)
 DEFAULT_KV_MB = 2048  # the host pool's default budget (at least one full context); pages are touched on use
 
 
@@ -76,6 +82,8 @@ class KVPool:
         self._prefix: dict[bytes, int] = {}  # chain hash of a full prompt block -> the block holding it
         self._hash_of: dict[int, bytes] = {}  # the reverse, for cached blocks
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks no sequence holds, oldest first
+        # the recurrent state at the end of a cached prefix: chain hash of its last block -> StatePool.snapshot
+        self._states: OrderedDict[bytes, list[np.ndarray]] = OrderedDict()
         self.prefix_hit_tokens = 0  # positions sequences attached instead of computing
         self.evictions = 0  # cached blocks given to other sequences
 
@@ -121,6 +129,10 @@ class KVPool:
     @property
     def cached_blocks(self) -> int:
         return len(self._hash_of)
+
+    @property
+    def cached_states(self) -> int:
+        return len(self._states)
 
     @property
     def capacity(self) -> int:
@@ -175,7 +187,9 @@ class KVPool:
             block = self._free.pop()
         else:  # the oldest cached block no sequence holds
             block, _ = self._idle.popitem(last=False)
-            del self._prefix[self._hash_of.pop(block)]
+            chain = self._hash_of.pop(block)
+            del self._prefix[chain]
+            self._states.pop(chain, None)
             self.evictions += 1
         self._refs[block] = 1
         return block
@@ -184,22 +198,31 @@ class KVPool:
 
     def attach_prefix(self, seq: SeqCache, tokens: Sequence[int], limit: int) -> int:
         """Attach to the empty ``seq`` the cached blocks of the longest prefix of ``tokens`` made of full blocks
-        within the first ``limit`` positions; its length becomes that prefix's (returned)."""
+        within the first ``limit`` positions (for a model with recurrent layers, the longest whose end state was
+        kept, which becomes its state); its length becomes that prefix's (returned)."""
         if seq.blocks or seq.length:
             raise KestrelError("a prefix attaches only to an empty sequence")
         bs = self.block_size
         ids = np.asarray(tokens[:max(limit, 0) // bs * bs], np.int64)
-        chain = b""
+        chain, found, ends = b"", [], 0  # ends: blocks of the longest prefix that can be attached
         for start in range(0, len(ids), bs):
             chain = _link(chain, ids[start:start + bs])
             block = self._prefix.get(chain)
             if block is None:
                 break
+            found.append(block)
+            if self.states is None or chain in self._states:
+                ends = len(found)
+                state = chain
+        for block in found[:ends]:
             if self._refs[block] == 0:
                 del self._idle[block]
             self._refs[block] += 1
             seq.blocks.append(block)
-        seq.length = len(seq.blocks) * bs
+        if ends and self.states is not None:
+            self._states.move_to_end(state)
+            self.states.restore(self.state_slot(seq), self._states[state])
+        seq.length = ends * bs
         self.prefix_hit_tokens += seq.length
         return seq.length
 
@@ -218,6 +241,21 @@ class KVPool:
                 continue
             self._prefix[chain] = block
             self._hash_of[block] = chain
+
+    def keep_state(self, seq: SeqCache, tokens: Sequence[int]) -> None:
+        """Keep a copy of ``seq``'s recurrent state as the end of its first ``seq.length`` positions (whole
+        blocks, published), for sequences that attach that prefix; the oldest copies go past STATE_CACHE_MB."""
+        bs = self.block_size
+        if self.states is None or not seq.length or seq.length % bs or len(tokens) < seq.length:
+            return
+        chain = b""
+        for start in range(0, seq.length, bs):
+            chain = _link(chain, np.asarray(tokens[start:start + bs], np.int64))
+        if chain not in self._prefix or chain in self._states:
+            return
+        self._states[chain] = self.states.snapshot(self.state_slot(seq))
+        while len(self._states) > max(1, int(STATE_CACHE_MB * 2 ** 20 // max(self.states.bytes_per_sequence, 1))):
+            self._states.popitem(last=False)
 
 
 def _memory_bytes() -> int:

@@ -361,7 +361,7 @@ class Scheduler:
                 continue
             before = ahead.get(id(request)) if ahead is not None else None
             if before is None:
-                n = min(request.pending, budget)
+                n = self._to_state_end(request, min(request.pending, budget))
                 grown = self._grow(request, n) if ahead is None else self.pool.reserve(
                     request.seq.cache, len(request.seq.tokens) + n)
                 if not grown:
@@ -400,7 +400,7 @@ class Scheduler:
             request.seq = self.engine.new_sequence(len(request.prompt_ids), request.tokens)
             request.status = RUNNING
             self.running.append(request)
-            n = min(request.pending, budget)
+            n = self._to_state_end(request, min(request.pending, budget))
             if ahead is not None:
                 if not self.pool.reserve(request.seq.cache, len(request.seq.tokens) + n):
                     return []
@@ -409,6 +409,13 @@ class Scheduler:
             work.append(self._chunk(request, n))
             budget -= n
         return work
+
+    def _to_state_end(self, request: Request, n: int) -> int:
+        """``n``, or fewer so that the chunk ends where the prefix cache keeps the recurrent state of the
+        request's prompt (``Engine.state_end``): a state stands only for the position its step ended at."""
+        end = self.engine.state_end(len(request.prompt_ids))
+        done = len(request.seq.tokens)
+        return end - done if done < end < done + n else n
 
     def _twin_computing(self, request: Request) -> bool:
         """Whether a running request with ``request``'s prompt (at least a block long) has not finished it: its

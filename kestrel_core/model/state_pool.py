@@ -4,9 +4,10 @@ A linear-attention layer (Gated DeltaNet: Qwen3.5, Qwen3-Next) keeps, per sequen
 of its causal convolution (``conv``) and its delta rule's state (``ssm``, [Hv, dk, dv]); a Mamba-2 layer (Granite
 4.0-H) its convolution's and its scan's ([heads, head_dim, state]); a short-convolution layer (LFM2) its
 convolution's last inputs alone. Every new token updates them in place, float32. A state stands for all
-of a sequence's positions at once, so it cannot go back to an earlier length: a model with such layers shares no
-prefix blocks and guesses no draft tokens. The arrays grow (doubling) when every slot is taken; a slot is zeroed
-when a sequence takes it.
+of a sequence's positions at once, so it cannot go back to an earlier length: a model with such layers guesses no
+draft tokens, and shares a prefix only where a copy of the state was kept at its end (``snapshot``: the prefix
+cache keeps one at the last whole block of a prompt, kv_pool). The arrays grow (doubling) when every slot is
+taken; a slot is zeroed when a sequence takes it.
 """
 
 from __future__ import annotations
@@ -60,3 +61,12 @@ class StatePool:
 
     def give_back(self, slot: int) -> None:
         self._free.append(slot)
+
+    def snapshot(self, slot: int) -> list[np.ndarray]:
+        """Copies of ``slot``'s state, every layer's (``restore`` takes them)."""
+        return [a[slot].copy() for arrays in (self.conv, self.ssm) for a in arrays.values()]
+
+    def restore(self, slot: int, snapshot: list[np.ndarray]) -> None:
+        """``slot``'s state set to a ``snapshot``'s."""
+        for a, saved in zip((a for arrays in (self.conv, self.ssm) for a in arrays.values()), snapshot):
+            a[slot] = saved

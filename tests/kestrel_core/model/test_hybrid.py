@@ -14,6 +14,7 @@ import pytest
 import kestrel_core
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig
+from kestrel_core.model.kv_pool import KVPool
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import Scheduler
 from kestrel_core.model.validate import ValidationError
@@ -167,10 +168,10 @@ def test_states_are_per_sequence_and_slots_come_back_zeroed(engine) -> None:  # 
     np.testing.assert_array_equal(dec.forward(ids[:13], whole), step[0])
 
 
-def test_a_recurrent_state_is_not_rewound_shared_or_guessed_ahead(engine) -> None:  # type: ignore[no-untyped-def]
-    """The state holds every position: truncate refuses, the engine neither shares prefix blocks nor drafts, and
-    --speculate's greedy answer is the same as without it."""
-    assert not engine.rewinds and not engine.prefix_cache
+def test_a_recurrent_state_is_not_rewound_or_guessed_ahead(engine) -> None:  # type: ignore[no-untyped-def]
+    """The state holds every position: truncate refuses, the engine drafts nothing, and --speculate's greedy
+    answer is the same as without it."""
+    assert not engine.rewinds
     cache = engine.decoder.new_cache()
     engine.decoder.forward([5, 6, 7], cache)
     with pytest.raises(KestrelError, match="its state holds every position"):
@@ -184,6 +185,43 @@ def test_a_recurrent_state_is_not_rewound_shared_or_guessed_ahead(engine) -> Non
     while scheduler.has_work:
         scheduler.step()
     assert request.output_ids == plain and scheduler.drafted == 0
+
+
+def _served(engine, prompts, params) -> list[list[tuple[int, float]]]:  # type: ignore[no-untyped-def]
+    """Each prompt through the scheduler in turn: its tokens and their log-probabilities (with ``logprobs``)."""
+    out = []
+    for prompt in prompts:
+        scheduler = Scheduler(engine)
+        scheduler.add(prompt, params)
+        got = []
+        while scheduler.has_work:
+            got.extend((t, lp.logprob) for o in scheduler.step() for t, lp in zip(o.new_token_ids, o.logprobs))
+        out.append(got)
+    return out
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3_5", "tiny-lfm2", "tiny-granite4-h"])
+def test_a_conversation_sent_again_starts_from_the_state_its_prompt_left(name: str) -> None:
+    """A prompt, then the conversation with its answer and one more turn: the second attaches the first
+    prompt's whole blocks and the recurrent state kept at their end, computes only the rest, and generates the
+    very tokens (and log-probabilities, to the bit) it generates without the prefix cache; a prompt whose chain
+    has no kept state attaches nothing."""
+    rng = np.random.default_rng(11)
+    first = rng.integers(3, 512, 70).tolist()
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=True)
+    with kestrel_core.load(str(FIXTURES / name), backend="cpu") as engine:
+        assert engine.prefix_cache and not engine.rewinds
+        answer = [t for t, _ in _served(engine, [first], params)[0]]
+        prompts = [first, first + answer + rng.integers(3, 512, 30).tolist(), first[:40] + [7] * 40]
+        got = {}
+        for cached in (False, True):
+            engine.prefix_cache = cached
+            engine.pool = engine.decoder.pool = KVPool(engine.config, engine.pool.num_blocks)
+            got[cached] = _served(engine, prompts, params)
+        hits, states = engine.pool.prefix_hit_tokens, engine.pool.cached_states
+    assert got[True] == got[False]
+    assert hits == 64  # the second prompt: two blocks, to the first prompt's last whole block short of its end
+    assert states == 3  # one a prompt, each at its last whole block
 
 
 def test_preempted_hybrid_sequences_are_recomputed_with_the_same_tokens() -> None:

@@ -177,3 +177,48 @@ def test_an_int8_pool_takes_a_byte_a_dim_and_a_scale_every_32() -> None:
     f16 = kv_pool.KVPool(config, 2)
     kt, vc, ks, vs = f16.layer_arrays(config.attention_layers[0])
     assert kt.dtype == vc.dtype == np.uint16 and ks.size == vs.size == 0
+
+
+def test_a_kept_recurrent_state_comes_back_with_its_prefix_and_goes_with_its_block(monkeypatch) -> None:
+    """A model with recurrent layers: a prefix attaches only as far as a state kept at its end, which becomes
+    the new sequence's; the state goes when its last block is given to another sequence, and the oldest
+    states go past the budget."""
+    from pathlib import Path
+
+    from kestrel_core.model import kv_pool
+
+    with kestrel_core.load(str(Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-lfm2"),
+                           backend="cpu") as engine:
+        config = engine.config
+    pool = KVPool(config, num_blocks=4)
+    assert pool.states is not None
+    tokens = list(range(100))
+    a = pool.new_sequence()
+    assert pool.reserve(a, 65)
+    a.length = 64
+    for arr in pool.states.conv.values():
+        arr[pool.state_slot(a)] = 1.5
+    pool.publish_prefix(a, tokens, 64)
+    assert pool.attach_prefix(pool.new_sequence(), tokens, 99) == 0  # blocks, but no state at their end
+    pool.keep_state(a, tokens)
+    b = pool.new_sequence()
+    assert pool.attach_prefix(b, tokens, 99) == 64 and b.blocks == a.blocks[:2] and pool.cached_states == 1
+    assert all((arr[pool.state_slot(b)] == 1.5).all() for arr in pool.states.conv.values())
+    assert pool.attach_prefix(pool.new_sequence(), tokens[:40] + [7] * 60, 99) == 0  # its second block differs
+    a.release()
+    b.release()
+    c = pool.new_sequence()
+    assert pool.reserve(c, 128)  # every block, the cached ones too
+    assert pool.cached_states == 0 and pool.attach_prefix(pool.new_sequence(), tokens, 99) == 0
+    c.release()
+    monkeypatch.setattr(kv_pool, "STATE_CACHE_MB", 0)  # room for one state
+    for first in (0, 200):
+        seq = pool.new_sequence()
+        assert pool.reserve(seq, 33)
+        seq.length = 32
+        ids = list(range(first, first + 40))
+        pool.publish_prefix(seq, ids, 32)
+        pool.keep_state(seq, ids)
+        seq.release()
+    assert pool.cached_states == 1
+    assert pool.attach_prefix(pool.new_sequence(), list(range(200, 240)), 39) == 32
