@@ -364,9 +364,8 @@ class Engine:
                 seq, new, _ = runs[i]
                 if len(seq.tokens) - len(new) < seq.cache.prompt_len:
                     written = seq.device_len if on_device else seq.cache.length
-                    pool.publish_prefix(seq.cache, seq.tokens, min(written, seq.cache.prompt_len))
-                    if written == self.state_end(seq.cache.prompt_len):
-                        pool.keep_state(seq.cache, seq.tokens)
+                    pool.publish_prefix(seq.cache, seq.tokens, min(written, seq.cache.prompt_len),
+                                        keep_state=written == self.state_end(seq.cache.prompt_len))
         return outs  # type: ignore[return-value]
 
     def check_ids(self, ids: Sequence[int], what: str) -> list[int]:

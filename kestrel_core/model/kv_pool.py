@@ -11,9 +11,10 @@ out when the pool needs room. Where a backend runs the whole steps (``Engine.dev
 the accounting of its pool, which holds their keys and values; the host computed none of them.
 
 A model with recurrent layers also needs the state at the prefix's end: the pool keeps a copy of a sequence's
-state where its step ended on the last whole block of its prompt (``keep_state``; the scheduler ends a chunk
-there), and a prefix attaches only as far as such a copy goes: a conversation sent again with one more turn
-starts from its earlier prompt's end. The copies take at most STATE_CACHE_MB, oldest first out.
+state where its step ended on the last whole block of its prompt (``publish_prefix``'s ``keep_state``; the
+scheduler ends a chunk there), and a prefix attaches only as far as such a copy goes: a conversation sent
+again with one more turn starts from its earlier prompt's end. The copies take at most STATE_CACHE_MB, oldest
+first out.
 """
 
 from __future__ import annotations
@@ -226,10 +227,12 @@ class KVPool:
         self.prefix_hit_tokens += seq.length
         return seq.length
 
-    def publish_prefix(self, seq: SeqCache, tokens: Sequence[int], written: int) -> None:
+    def publish_prefix(self, seq: SeqCache, tokens: Sequence[int], written: int, keep_state: bool = False) -> None:
         """Make the full blocks of ``seq``'s first ``written`` positions (computed, and its prompt's) reusable,
         keyed by ``tokens`` (the sequence's tokens, position = index). A prefix another sequence published
-        first keeps that one's block."""
+        first keeps that one's block. With ``keep_state`` (``written`` whole blocks, where ``seq``'s step
+        ended), a copy of its recurrent state is kept as that prefix's end; the oldest copies go past
+        STATE_CACHE_MB."""
         bs = self.block_size
         full = min(written, len(tokens)) // bs
         ids = np.asarray(tokens[:full * bs], np.int64)
@@ -241,21 +244,10 @@ class KVPool:
                 continue
             self._prefix[chain] = block
             self._hash_of[block] = chain
-
-    def keep_state(self, seq: SeqCache, tokens: Sequence[int]) -> None:
-        """Keep a copy of ``seq``'s recurrent state as the end of its first ``seq.length`` positions (whole
-        blocks, published), for sequences that attach that prefix; the oldest copies go past STATE_CACHE_MB."""
-        bs = self.block_size
-        if self.states is None or not seq.length or seq.length % bs or len(tokens) < seq.length:
-            return
-        chain = b""
-        for start in range(0, seq.length, bs):
-            chain = _link(chain, np.asarray(tokens[start:start + bs], np.int64))
-        if chain not in self._prefix or chain in self._states:
-            return
-        self._states[chain] = self.states.snapshot(self.state_slot(seq))
-        while len(self._states) > max(1, int(STATE_CACHE_MB * 2 ** 20 // max(self.states.bytes_per_sequence, 1))):
-            self._states.popitem(last=False)
+        if keep_state and self.states is not None and full and full * bs == written and chain not in self._states:
+            self._states[chain] = self.states.snapshot(self.state_slot(seq))
+            while len(self._states) > max(1, int(STATE_CACHE_MB * 2 ** 20 // max(self.states.bytes_per_sequence, 1))):
+                self._states.popitem(last=False)
 
 
 def _memory_bytes() -> int:

@@ -350,7 +350,7 @@ class DeviceForward:
         try:
             paged.to_pool(self.ops, own.kv, pool, e.blocks, e.publish, first=own.pooled)
         except BaseException:
-            pool.filled.difference_update(e.blocks)
+            pool.filled.difference_update(e.blocks[first:-(-e.publish // KV_BLOCK)])  # may be half written
             raise
         own.pooled = e.publish
         pool.filled.update(e.blocks[first:e.publish // KV_BLOCK])

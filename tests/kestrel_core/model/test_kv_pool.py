@@ -200,7 +200,7 @@ def test_a_kept_recurrent_state_comes_back_with_its_prefix_and_goes_with_its_blo
         arr[pool.state_slot(a)] = 1.5
     pool.publish_prefix(a, tokens, 64)
     assert pool.attach_prefix(pool.new_sequence(), tokens, 99) == 0  # blocks, but no state at their end
-    pool.keep_state(a, tokens)
+    pool.publish_prefix(a, tokens, 64, keep_state=True)
     b = pool.new_sequence()
     assert pool.attach_prefix(b, tokens, 99) == 64 and b.blocks == a.blocks[:2] and pool.cached_states == 1
     assert all((arr[pool.state_slot(b)] == 1.5).all() for arr in pool.states.conv.values())
@@ -217,8 +217,7 @@ def test_a_kept_recurrent_state_comes_back_with_its_prefix_and_goes_with_its_blo
         assert pool.reserve(seq, 33)
         seq.length = 32
         ids = list(range(first, first + 40))
-        pool.publish_prefix(seq, ids, 32)
-        pool.keep_state(seq, ids)
+        pool.publish_prefix(seq, ids, 32, keep_state=True)
         seq.release()
     assert pool.cached_states == 1
     assert pool.attach_prefix(pool.new_sequence(), list(range(200, 240)), 39) == 32
