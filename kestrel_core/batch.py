@@ -37,9 +37,9 @@ class BatchEntry:
     backend that declares it (0 otherwise). Positions below ``shared`` are a prefix other sequences computed
     (the blocks at the start of ``blocks`` are theirs): a backend that holds nothing of ``seq_id`` finds their
     keys and values in those blocks of its pool, and declines the step if it cannot (the engine then offers
-    the sequence from position 0). Positions below ``publish`` (the prompt's whole blocks so far) are shared
-    with later sequences once the step is done: the backend leaves their keys and values in the sequence's
-    blocks of its pool by then, also where it runs the sequence in a cache of its own.
+    the sequence from position 0). Positions below ``publish`` (the prompt's whole blocks so far, in a step of
+    the prompt) are shared with later sequences once the step is done: the backend leaves their keys and
+    values in the sequence's blocks of its pool by then, also where it runs the sequence in a cache of its own.
     """
 
     seq_id: int

@@ -136,6 +136,12 @@ class Engine:
                                "steps on the host)")
         self.pool = KVPool.for_budget(model.config, kv_cache_mb, kv_cache_type)
         self.decoder = Decoder(model, self.offload, self.pool, self.activations)
+        self.recurrent = bool(self.config.state_layers)  # layers with a state per sequence (read every step)
+        # whether the prefix cache's blocks live in the backend's pool: it runs the whole steps, batched, and
+        # honours ``BatchEntry.shared`` / ``publish`` (API 1.5), for a model without recurrent layers
+        info = backend.info
+        self.device_prefixes = (not self.steps_on_host and not self.recurrent and info is not None
+                                and tuple(info.api_version) >= (1, 5) and backend.implements("kestrel_forward_batch"))
         # prompts share the KV blocks of a cached prefix (kv_pool): in the host's cache where it runs the steps
         # (with a copy of a recurrent layer's state at a prompt's end), in the backend's pool where that keeps
         # the prefix cache's blocks (device_prefixes)
@@ -216,22 +222,14 @@ class Engine:
         """Whether a sequence can go back to an earlier length (draft tokens not confirmed): where the host runs
         the steps of a model without recurrent layers (linear attention, short convolutions), whose states hold
         every position at once."""
-        return self.steps_on_host and not self.config.state_layers
+        return self.steps_on_host and not self.recurrent
 
     def state_end(self, prompt_len: int) -> int:
         """Where the prefix cache keeps a recurrent state for a prompt of ``prompt_len`` tokens: its last whole
         block short of its last token (0: nowhere; a model without recurrent layers needs none)."""
-        if not (self.prefix_cache and self.config.state_layers):
+        if not (self.prefix_cache and self.recurrent):
             return 0
         return (prompt_len - 1) // self.pool.block_size * self.pool.block_size
-
-    @property
-    def device_prefixes(self) -> bool:
-        """Whether the prefix cache's blocks live in the backend's pool: it runs the whole steps, batched, and
-        honours ``BatchEntry.shared`` / ``publish`` (API 1.5), for a model without recurrent layers."""
-        info = self.backend.info
-        return (not self.steps_on_host and not self.config.state_layers and info is not None
-                and tuple(info.api_version) >= (1, 5) and self.backend.implements("kestrel_forward_batch"))
 
     @property
     def whole_step(self) -> bool:
@@ -312,10 +310,12 @@ class Engine:
         for (seq, new, _), (base, _) in zip(runs, bases):  # the scheduler reserved already; a direct caller here
             pool.reserve(seq.cache, base + len(new))
         flags = list(argmax_only) or [False] * len(runs)
-        on_device = self.prefix_cache and self.device_prefixes
+        on_device, bs = self.prefix_cache and self.device_prefixes, pool.block_size
         entries = [BatchEntry(seq.seq_id, new.copy() if start == base else _behind(seq.tokens, start, new), start,
-                              rows, tuple(seq.cache.blocks), pool.block_size, pool.num_blocks, flag, is_fed,
-                              seq.shared, _prompt_blocks(seq, base + len(new), pool.block_size) if on_device else 0)
+                              rows, tuple(seq.cache.blocks), bs, pool.num_blocks, flag, is_fed, seq.shared,
+                              # the prompt's whole blocks once the step is done, in a step of the prompt
+                              min(seq.cache.prompt_len, base + len(new)) // bs * bs
+                              if on_device and base < seq.cache.prompt_len else 0)
                    for (seq, new, rows), flag, is_fed, (base, start) in zip(runs, flags, fed, bases)]
         batched = self.offload.forward_batch(self.model, entries, c.vocab_size) if self.whole_step else None
         if after is not None and batched is None:
@@ -506,11 +506,6 @@ class Engine:
             "prefix_cache": self.prefix_cache, "prefix_hit_tokens": self.pool.prefix_hit_tokens,
             "prefix_cached_blocks": self.pool.cached_blocks, "prefix_cached_states": self.pool.cached_states,
         }
-
-
-def _prompt_blocks(seq: SeqState, end: int, block_size: int) -> int:
-    """The positions of ``seq``'s prompt in whole blocks once it reaches ``end``: what the prefix cache shares."""
-    return min(seq.cache.prompt_len, end) // block_size * block_size
 
 
 def _behind(tokens: list[int], start: int, new: np.ndarray) -> np.ndarray:

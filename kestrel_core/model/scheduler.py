@@ -361,7 +361,9 @@ class Scheduler:
                 continue
             before = ahead.get(id(request)) if ahead is not None else None
             if before is None:
-                n = self._to_state_end(request, min(request.pending, budget))
+                n = min(request.pending, budget)
+                if n > 1:  # a prompt chunk
+                    n = self._to_state_end(request, n)
                 grown = self._grow(request, n) if ahead is None else self.pool.reserve(
                     request.seq.cache, len(request.seq.tokens) + n)
                 if not grown:
