@@ -25,7 +25,7 @@ from dataclasses import replace
 import numpy as np
 
 from kestrel_core.batch import BatchEntry
-from kestrel_core.model.engine import load_preset
+from kestrel_core.model.engine_load import load_preset
 
 
 def _decode_rows(entries: list[BatchEntry], pos: int, argmax: bool) -> list[BatchEntry]:

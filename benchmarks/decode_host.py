@@ -38,7 +38,7 @@ def _median_us(fn: Any, reps: int, before: Any = None) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import cupy as cp
 
-    from kestrel_core.model.engine import load_preset
+    from kestrel_core.model.engine_load import load_preset
 
     res: dict[str, Any] = {"preset": args.preset, "quant": args.quant}
     engine = load_preset(args.preset, backend="cuda", quant=args.quant)

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from kestrel_core.model.embed import EmbedJob
-from kestrel_core.model.engine import load_preset
+from kestrel_core.model.engine_load import load_preset
 from kestrel_core.model.scheduler import default_token_budget
 
 

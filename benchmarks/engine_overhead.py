@@ -72,7 +72,7 @@ def main() -> int:
         (Path(tmp) / "stub_forward.py").write_text(STUB, encoding="utf-8")
         os.environ["KESTREL_BACKEND_PATH"] = tmp
         from kestrel_core.model.bench import run_bench
-        from kestrel_core.model.engine import load_preset
+        from kestrel_core.model.engine_load import load_preset
 
         engine = load_preset(args.preset, backend="stub_forward", quant="q8", num_layers=1)
         if args.concurrency:

@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 import kestrel_core
-from kestrel_core.model.engine import load_preset
+from kestrel_core.model.engine_load import load_preset
 from kestrel_core.model.kv_pool import KVPool
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import Scheduler

@@ -35,7 +35,7 @@ import numpy as np
 import kestrel_core
 from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.bench import all_decoding_rate, run_bench, run_concurrency_bench
-from kestrel_core.model.engine import load_preset
+from kestrel_core.model.engine_load import load_preset
 
 
 async def _one(client: Any, model: str, prompt: list[int], tokens: int) -> tuple[float, list[float], list[int]]:

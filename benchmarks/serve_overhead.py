@@ -74,7 +74,7 @@ def main() -> int:
         os.environ["KESTREL_BACKEND_PATH"] = tmp
         os.environ["KESTREL_STUB_STEP_MS"] = str(args.step_ms)
         from kestrel_core.model.async_engine import AsyncEngine
-        from kestrel_core.model.engine import load_preset
+        from kestrel_core.model.engine_load import load_preset
         from kestrel_core.serve.server import build_server
 
         engine = load_preset(args.preset, backend="stub_step", quant="q8", num_layers=1)

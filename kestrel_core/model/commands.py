@@ -19,7 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kestrel_core.errors import InvalidRequest, KestrelError
-from kestrel_core.model.engine import Engine, load, load_preset
+from kestrel_core.model.engine import Engine
+from kestrel_core.model.engine_load import load, load_preset
 from kestrel_core.model.fim import fim_prompt_ids
 from kestrel_core.model.grammar import json_schema_grammar, lark_grammar, regex_grammar
 from kestrel_core.model.harmony import HarmonyStream

@@ -52,7 +52,7 @@ def _setup_logging(verbose: bool) -> None:
 def serve_command(args: argparse.Namespace) -> int:
     _check_installed()  # the option values were checked by the CLI, as every command's are
     from kestrel_core.model.commands import load_options
-    from kestrel_core.model.engine import load, load_preset
+    from kestrel_core.model.engine_load import load, load_preset
     from kestrel_core.model.loader import finish_cache_writes
     from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING
     from kestrel_core.serve.server import bind_socket, serve

@@ -120,7 +120,7 @@ def test_cuda_error_declines(cuda, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _engine(backend: str = "cuda", **overrides):
-    from kestrel_core.model.engine import load_preset
+    from kestrel_core.model.engine_load import load_preset
 
     return load_preset("qwen3-0.6b", backend=backend, quant="q8", seed=1, **{**SMALL, **overrides})
 

@@ -21,7 +21,7 @@ def _greedy(engine, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001
 
 
 def _run(backend: str, prompt: list[int], tokens: int = 8) -> tuple[np.ndarray, list[int], dict, dict]:
-    from kestrel_core.model.engine import load_preset
+    from kestrel_core.model.engine_load import load_preset
 
     with load_preset("smollm2-135m", backend=backend, quant="q8", seed=3, num_layers=2, activations="q8") as engine:
         logits = engine.logits(prompt)

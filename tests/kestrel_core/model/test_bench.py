@@ -7,7 +7,7 @@ import pytest
 
 from kestrel_core.model import presets
 from kestrel_core.model.bench import run_bench
-from kestrel_core.model.engine import load_preset
+from kestrel_core.model.engine_load import load_preset
 
 
 def test_each_run_prefills_a_prompt_of_its_own(monkeypatch: pytest.MonkeyPatch, tiny_config) -> None:

@@ -14,6 +14,7 @@ from kestrel_core.cli import main
 from kestrel_core.model import engine as engine_mod
 from kestrel_core.model import presets
 from kestrel_core.model.detokenize import TextStream
+from kestrel_core.model.engine_load import load_preset
 from kestrel_core.model.presets import ByteTokenizer
 
 
@@ -29,7 +30,7 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def _direct_tokens(prompt_ids: list[int], n: int) -> list[int]:
-    with engine_mod.load_preset("tiny", backend="cpu") as engine:
+    with load_preset("tiny", backend="cpu") as engine:
         return list(engine.generate(prompt_ids, max_tokens=n))
 
 

@@ -17,7 +17,7 @@ import pytest
 import kestrel_core
 from kestrel_core.errors import InvalidRequest, KestrelError
 from kestrel_core.model.async_engine import AsyncEngine
-from kestrel_core.model.engine import load_preset
+from kestrel_core.model.engine_load import load_preset
 from kestrel_core.model.grammar import (
     Constraint,
     check_grammar,
