@@ -225,8 +225,9 @@ class Engine:
         return self.steps_on_host and not self.recurrent
 
     def state_end(self, prompt_len: int) -> int:
-        """Where the prefix cache keeps a recurrent state for a prompt of ``prompt_len`` tokens: its last whole
-        block short of its last token (0: nowhere; a model without recurrent layers needs none)."""
+        """How far into a prompt of ``prompt_len`` tokens the prefix cache keeps recurrent states (where a step
+        ends on a whole block): to its last whole block short of its last token (0: nowhere; a model without
+        recurrent layers needs none)."""
         if not (self.prefix_cache and self.recurrent):
             return 0
         return (prompt_len - 1) // self.pool.block_size * self.pool.block_size
@@ -365,7 +366,7 @@ class Engine:
                 if len(seq.tokens) - len(new) < seq.cache.prompt_len:
                     written = seq.device_len if on_device else seq.cache.length
                     pool.publish_prefix(seq.cache, seq.tokens, min(written, seq.cache.prompt_len),
-                                        keep_state=written == self.state_end(seq.cache.prompt_len))
+                                        keep_state=written <= self.state_end(seq.cache.prompt_len))
         return outs  # type: ignore[return-value]
 
     def check_ids(self, ids: Sequence[int], what: str) -> list[int]:

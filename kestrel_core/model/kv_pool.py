@@ -11,10 +11,10 @@ out when the pool needs room. Where a backend runs the whole steps (``Engine.dev
 the accounting of its pool, which holds their keys and values; the host computed none of them.
 
 A model with recurrent layers also needs the state at the prefix's end: the pool keeps a copy of a sequence's
-state where its step ended on the last whole block of its prompt (``publish_prefix``'s ``keep_state``; the
-scheduler ends a chunk there), and a prefix attaches only as far as such a copy goes: a conversation sent
-again with one more turn starts from its earlier prompt's end. The copies take at most STATE_CACHE_MB, oldest
-first out.
+state where a step of its prompt ended on a whole block (``publish_prefix``'s ``keep_state``; the scheduler
+ends a prompt's chunks on whole blocks, and one at its last whole block), and a prefix attaches only as far as
+such a copy goes: a conversation sent again with one more turn starts from its earlier prompt's end, a long
+system prompt from its last chunk's end. The copies take at most STATE_CACHE_MB, oldest first out.
 """
 
 from __future__ import annotations

@@ -413,11 +413,14 @@ class Scheduler:
         return work
 
     def _to_state_end(self, request: Request, n: int) -> int:
-        """``n``, or fewer so that the chunk ends where the prefix cache keeps the recurrent state of the
-        request's prompt (``Engine.state_end``): a state stands only for the position its step ended at."""
+        """``n``, or fewer so that a chunk of the prompt ends where the prefix cache may keep its recurrent state
+        (``Engine.state_end``, and whole blocks before it): a state stands only for the position its step ended."""
         end = self.engine.state_end(len(request.prompt_ids))
         done = len(request.seq.tokens)
-        return end - done if done < end < done + n else n
+        if not done < end < done + n:
+            aligned = (done + n) // self.pool.block_size * self.pool.block_size
+            return aligned - done if done < aligned < end else n
+        return end - done
 
     def _twin_computing(self, request: Request) -> bool:
         """Whether a running request with ``request``'s prompt (at least a block long) has not finished it: its

@@ -6,7 +6,7 @@ of its causal convolution (``conv``) and its delta rule's state (``ssm``, [Hv, d
 convolution's last inputs alone. Every new token updates them in place, float32. A state stands for all
 of a sequence's positions at once, so it cannot go back to an earlier length: a model with such layers guesses no
 draft tokens, and shares a prefix only where a copy of the state was kept at its end (``snapshot``: the prefix
-cache keeps one at the last whole block of a prompt, kv_pool). The arrays grow (doubling) when every slot is
+cache keeps them where a prompt's steps end on whole blocks, kv_pool). The arrays grow (doubling) when every slot is
 taken; a slot is zeroed when a sequence takes it.
 """
 

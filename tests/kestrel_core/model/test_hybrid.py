@@ -187,11 +187,11 @@ def test_a_recurrent_state_is_not_rewound_or_guessed_ahead(engine) -> None:  # t
     assert request.output_ids == plain and scheduler.drafted == 0
 
 
-def _served(engine, prompts, params) -> list[list[tuple[int, float]]]:  # type: ignore[no-untyped-def]
+def _served(engine, prompts, params, token_budget=None) -> list[list[tuple[int, float]]]:  # type: ignore[no-untyped-def]
     """Each prompt through the scheduler in turn: its tokens and their log-probabilities (with ``logprobs``)."""
     out = []
     for prompt in prompts:
-        scheduler = Scheduler(engine)
+        scheduler = Scheduler(engine, max_batch=4, token_budget=token_budget)
         scheduler.add(prompt, params)
         got = []
         while scheduler.has_work:
@@ -222,6 +222,27 @@ def test_a_conversation_sent_again_starts_from_the_state_its_prompt_left(name: s
     assert got[True] == got[False]
     assert hits == 64  # the second prompt: two blocks, to the first prompt's last whole block short of its end
     assert states == 3  # one a prompt, each at its last whole block
+
+
+@pytest.mark.parametrize(("budget", "kept"), [(64, 4), (50, 6)])
+def test_a_long_system_prompt_is_shared_from_its_last_chunks_end(budget: int, kept: int) -> None:
+    """Steps of ``budget`` tokens: prompts of one 150-token system prompt and different questions keep states
+    where their chunks end, on whole blocks (64 and 128; 32, 64, 96 and 128 where steps of 50 are cut to whole
+    blocks), and at their last whole block (160); the second attaches the system prompt as far as its last
+    chunk's end, 128, and generates the bits it generates without the prefix cache."""
+    rng = np.random.default_rng(12)
+    system = rng.integers(3, 512, 150).tolist()
+    prompts = [system + rng.integers(3, 512, 20).tolist() for _ in range(2)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True)
+    with kestrel_core.load(str(FIXTURES / "tiny-qwen3_5"), backend="cpu") as engine:
+        got = {}
+        for cached in (False, True):
+            engine.prefix_cache = cached
+            engine.pool = engine.decoder.pool = KVPool(engine.config, engine.pool.num_blocks)
+            got[cached] = _served(engine, prompts, params, token_budget=budget)
+        hits, states = engine.pool.prefix_hit_tokens, engine.pool.cached_states
+    assert got[True] == got[False]
+    assert hits == 128 and states == kept  # the first's, and 160 of the second
 
 
 def test_preempted_hybrid_sequences_are_recomputed_with_the_same_tokens() -> None:
