@@ -42,7 +42,7 @@ _EXPORTS = {
     "EmbedJob": "kestrel_core.model.embed", "POOLINGS": "kestrel_core.model.config",
     "json_schema_grammar": "kestrel_core.model.grammar", "lark_grammar": "kestrel_core.model.grammar",
     "regex_grammar": "kestrel_core.model.grammar",
-    "RequestOutput": "kestrel_core.model.scheduler", "Scheduler": "kestrel_core.model.scheduler",
+    "RequestOutput": "kestrel_core.model.request", "Scheduler": "kestrel_core.model.scheduler",
     "Backend": "kestrel_core.registry", "Registry": "kestrel_core.registry",
     "SelfTestCase": "kestrel_core.selftest",
 }

@@ -25,13 +25,9 @@ import numpy as np
 
 from kestrel_core.errors import KestrelError, Overloaded, ShuttingDown
 from kestrel_core.model.embed import EmbedJob
+from kestrel_core.model.request import RequestOutput
 from kestrel_core.model.sampling import SamplingParams
-from kestrel_core.model.scheduler import (
-    DEFAULT_MAX_BATCH,
-    DEFAULT_MAX_WAITING,
-    RequestOutput,
-    Scheduler,
-)
+from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING, Scheduler
 
 if TYPE_CHECKING:
     from kestrel_core.model.grammar import Constraint

@@ -35,7 +35,7 @@ from kestrel_core.model.weights import Model
 from kestrel_core.registry import Backend, Registry
 
 if TYPE_CHECKING:
-    from kestrel_core.model.scheduler import RequestOutput
+    from kestrel_core.model.request import RequestOutput
 
 
 @dataclass

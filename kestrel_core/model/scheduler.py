@@ -31,8 +31,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,6 +39,7 @@ import numpy as np
 from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
 from kestrel_core.model.detokenize import TextStream
 from kestrel_core.model.grammar import Constraint, prepare_masks
+from kestrel_core.model.request import FINISHED, RUNNING, WAITING, Request, RequestOutput
 from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
 from kestrel_core.model.speculate import PromptLookup
 from kestrel_core.model.tokenizer import NoTokenizer
@@ -49,65 +49,6 @@ log = logging.getLogger("kestrel")
 
 DEFAULT_MAX_BATCH = 64
 DEFAULT_MAX_WAITING = 256
-
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
-
-
-@dataclass
-class RequestOutput:
-    """What one step added to a request: new tokens and text, and whether (and why) it finished."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    logprobs: list[TokenLogprob] | None
-    finished: bool
-    finish_reason: str | None  # "stop" (EOS, a stop token or string), "length", "abort", or None
-    prompt_tokens: int
-    completion_tokens: int
-    stop_reason: str | int | None = None  # what stopped it: the stop string, or stop token id (None: end of text)
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    sampler: Sampler
-    text: TextStream | None
-    arrival: float = field(default_factory=time.monotonic)
-    output_ids: list[int] = field(default_factory=list)
-    status: str = WAITING
-    finish_reason: str | None = None
-    seq: Any = None  # the engine's SeqState while admitted
-    preemptions: int = 0
-    first_token_at: float | None = None
-    _device_tokens: Iterator[int] | None = None  # the backend's pipelined greedy decode, while it runs
-    _device_offered: bool = False
-    lookup: PromptLookup | None = None  # its tokens' n-grams, for drafts (speculative decoding)
-    draft: list[int] = field(default_factory=list)  # the tokens its running step guessed after its next one
-    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
-
-    @property
-    def finished(self) -> bool:
-        return self.status == FINISHED
-
-    @property
-    def argmax_only(self) -> bool:
-        """Only the greedy token of its logits is needed (a backend may choose it on the device)."""
-        return self.params.argmax_only
-
-    @property
-    def tokens(self) -> list[int]:
-        """Every token of the sequence: the prompt, then the output."""
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def pending(self) -> int:
-        """Tokens not yet in the KV cache (the last output token, or the rest of the prompt)."""
-        done = len(self.seq.tokens) if self.seq is not None else 0
-        return len(self.prompt_ids) + len(self.output_ids) - done
-
 
 def default_token_budget(max_batch: int) -> int:
     """Tokens per step (decode rows plus prompt chunks) when none is given: a whole prompt chunk beside a full

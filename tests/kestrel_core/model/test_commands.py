@@ -294,7 +294,7 @@ def test_all_decoding_rate_counts_only_while_every_stream_decodes() -> None:
 def test_run_shows_a_harmony_answer_and_its_reasoning_apart(capsys, monkeypatch) -> None:
     """gpt-oss answers in channels: run keeps the special tokens' text to read them, prints the final channel and
     shows the analysis channel (the reasoning) on stderr; --json gives both."""
-    from kestrel_core.model.scheduler import RequestOutput
+    from kestrel_core.model.request import RequestOutput
 
     answer = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Paris."
     skipped = []
@@ -318,7 +318,7 @@ def test_run_shows_a_think_block_apart_and_passes_think_to_the_template(capsys, 
     """A template that teaches <think> (Qwen3): the block is the reasoning on stderr, what follows the answer;
     --think false reaches the template as enable_thinking (Qwen3's switch), a level as reasoning_effort too."""
     from kestrel_core.model import commands
-    from kestrel_core.model.scheduler import RequestOutput
+    from kestrel_core.model.request import RequestOutput
 
     answer = "<think>\nPondering.\n</think>\n\nParis."
     contexts = []

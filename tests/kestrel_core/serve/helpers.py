@@ -13,8 +13,8 @@ from typing import Any
 import openai
 
 from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.model.request import RequestOutput
 from kestrel_core.model.sampling import SamplingParams
-from kestrel_core.model.scheduler import RequestOutput
 from kestrel_core.serve.protocol import ChatCompletionRequest
 from kestrel_core.serve.server import KestrelServer, build_server
 

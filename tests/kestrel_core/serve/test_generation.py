@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from kestrel_core.model.request import RequestOutput
 from kestrel_core.model.sampling import TokenLogprob
-from kestrel_core.model.scheduler import RequestOutput
 from kestrel_core.serve.access import RequestRecord
 from kestrel_core.serve.generation import DeltaEvents, _events, sse
 from kestrel_core.serve.responses import ChatShape, CompletionShape, Echo, TokenStrings
