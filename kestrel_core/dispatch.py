@@ -48,6 +48,7 @@ _FALLBACK = {
     "kestrel_forward": "the engine runs the step layer by layer",
     "kestrel_forward_batch": "the engine offers kestrel_forward per sequence, then runs the step layer by layer",
     "kestrel_preload": "weights upload on first use",
+    "kestrel_forward_supports": "the whole steps are offered",
     "kestrel_release_sequence": "nothing more is done",
     "kestrel_stats": "no backend counters are shown",
     "kestrel_layer_boundary": "the step goes on",
@@ -269,6 +270,19 @@ class Offload:
             raise
         except BaseException as exc:
             self._report("kestrel_preload", f"error: {type(exc).__name__}", exc)
+
+    def forward_supports(self, model: Any) -> bool:
+        """Whether the backend's whole steps may be offered ``model`` (``kestrel_forward_supports``): only a
+        False answer says no; an error is reported, and the steps offered as if it had not answered."""
+        if self.on_cpu or not self.backend.implements("kestrel_forward_supports"):
+            return True
+        try:
+            return self.backend.hook.kestrel_forward_supports(device=self.backend.device, model=model) is not False
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            self._report("kestrel_forward_supports", f"error: {type(exc).__name__}", exc)
+            return True
 
     def forward(self, model: Any, seq_id: int, tokens: np.ndarray, start: int, all_logits: bool,
                 vocab: int) -> np.ndarray | None:

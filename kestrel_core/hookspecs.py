@@ -90,6 +90,13 @@ def kestrel_preload(device: Any, model: Any) -> None:
 
 
 @hookspec(firstresult=True)
+def kestrel_forward_supports(device: Any, model: Any) -> Any:
+    """Whether the whole-step hooks can run ``model`` at all, asked once at load: False and the engine runs its
+    steps on the host (offering the GEMMs) rather than offering each step to be declined. Since API 1.5.
+    Default: they are offered. firstresult."""
+
+
+@hookspec(firstresult=True)
 def kestrel_forward(device: Any, model: Any, seq_id: int, tokens: Any, start: int, all_logits: bool) -> Any:
     """Run tokens [T] at positions start.. on the device (its own KV cache per seq_id).
 

@@ -130,6 +130,7 @@ class Engine:
         self.offload = Offload(backend, cpu)
         self.closed = False  # ``close()``: its backends are closed, it takes no more requests
         self.activations = resolve_activations(activations, backend)
+        self.forward_supported = self.offload.forward_supports(model)  # whether whole steps are offered at all
         if kv_cache_type != "f16" and not self.steps_on_host:
             raise KestrelError(f"the KV cache type {kv_cache_type} is the host's: the {backend.name} backend runs "
                                "whole steps on a float16 KV cache of its own (--activations f32 or mixed runs the "
@@ -234,8 +235,9 @@ class Engine:
 
     @property
     def whole_step(self) -> bool:
-        """Whether the backend's whole-step hooks are offered: they compute with int8 activations."""
-        return self.activations == "q8"
+        """Whether the backend's whole-step hooks are offered: they compute with int8 activations, and the
+        backend did not say at load that they cannot run the model (``kestrel_forward_supports``)."""
+        return self.activations == "q8" and self.forward_supported
 
     def new_sequence(self, prompt_len: int = 0, tokens: Sequence[int] = ()) -> SeqState:
         """A new sequence whose first ``prompt_len`` tokens are its prompt (float32 in "mixed" mode). With its

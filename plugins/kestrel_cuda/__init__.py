@@ -70,6 +70,11 @@ def kestrel_preload(device: Any, model: Any) -> None:
 
 
 @hookimpl
+def kestrel_forward_supports(device: Any, model: Any) -> Any:
+    return device.forward_supports(model)
+
+
+@hookimpl
 def kestrel_forward(device: Any, model: Any, seq_id: int, tokens: Any, start: int, all_logits: bool) -> Any:
     return device.run_forward(model, seq_id, tokens, start, all_logits)
 

@@ -195,6 +195,15 @@ class CudaDevice:
                                              gemm=self.gemm, pin=self.cache.pin, unpin=self.cache.unpin)
         return self.forward
 
+    def forward_supports(self, model: Any) -> bool | None:
+        """False for a model the device forward never runs (``forward_state.unsupported_reason``: recurrent
+        layers, a head size it has no kernels for); None where the forward module is not available."""
+        try:
+            from kestrel_cuda.forward_state import unsupported_reason
+        except ImportError:
+            return None
+        return unsupported_reason(model) is None
+
     def run_forward(self, model: Any, seq_id: int, tokens: Any, start: int, all_logits: bool) -> Any:
         """Errors propagate: the dispatcher declines and the engine runs the step layer by layer."""
         fwd = self.forward_engine()

@@ -1,7 +1,8 @@
 """Gemma 2 and 3 and the mixtures of experts on the GPU: Gemma 2 (soft caps), gpt-oss, GLM-4.5 and ERNIE 4.5 MoE
 (routers with a choice bias, dense layers among the experts), the hybrids (Qwen3.5, Qwen3-Next: linear
-attention, and fused groups of four) and multi-head latent attention (DeepSeek-V2/V3) through the GEMM hooks, the
-device forward declining them; Gemma 3 and the other mixtures of experts through the device forward. Every
+attention, and fused groups of four) and multi-head latent attention (DeepSeek-V2/V3) through the GEMM hooks, their
+steps not offered to the device forward (``kestrel_forward_supports``); Gemma 3 and the other mixtures of experts
+through the device forward. Every
 projection (each expert's too) is preloaded and the logits are the CPU's within the measured tolerance.
 
 Skipped where CuPy or a CUDA device is missing (CI); run on the H200 machine.
@@ -42,12 +43,15 @@ def test_each_architecture_matches_the_cpu(fixture: str, path: str, monkeypatch:
     ids = np.load(FIXTURES / fixture.removesuffix(".gguf") / "golden.npz")["ids"]
     with kestrel_core.load(str(FIXTURES / fixture), backend="cuda", activations="q8") as engine:
         got = engine.logits(ids)
+        whole_steps = engine.whole_step
         offload = engine.stats["offload"]
         counters = engine.stats["backend_stats"]
         model = engine.model
     forward = sum(offload.get(h, {}).get("accepted", 0) for h in ("kestrel_forward", "kestrel_forward_batch"))
     hooks = sum(offload.get(h, {}).get("accepted", 0) for h in ("kestrel_gemm_q8", "kestrel_gemm_fused_q8"))
     assert (forward > 0, hooks > 0) == ((True, False) if path == "forward" else (False, True)), offload
+    assert whole_steps == (path == "forward")  # the hooks' models are never offered a whole step
+    assert whole_steps or not {"kestrel_forward", "kestrel_forward_batch"} & set(offload), offload
     assert counters["preload_weights"] == len(engine_weights(model)), counters  # every expert resident
     ref = cpu_logits(model, ids, len(ids))
     result = compare(got, ref, jitter_effect(model, ids, len(ids), ref))

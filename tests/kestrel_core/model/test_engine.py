@@ -56,13 +56,22 @@ def kestrel_release_sequence(device, seq_id):
     STATE.pop(seq_id, None)
 
 
+@hookimpl
+def kestrel_forward_supports(device, model):
+    if SUPPORTS == "raise":
+        raise RuntimeError("cannot tell")
+    return SUPPORTS
+
+
 DECLINE_FROM = {decline_from}
+SUPPORTS = {supports!r}
 '''
 
 
 def _forward_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, decline: set[int] | None = None,
-                     decline_from: int = 0) -> None:
-    (tmp_path / "fwd.py").write_text(FORWARD_BACKEND.format(decline=decline or set(), decline_from=decline_from))
+                     decline_from: int = 0, supports: bool | str | None = None) -> None:
+    (tmp_path / "fwd.py").write_text(FORWARD_BACKEND.format(decline=decline or set(), decline_from=decline_from,
+                                                            supports=supports))
     monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "fwd.py"))
 
 
@@ -285,6 +294,27 @@ def test_an_int8_kv_cache_is_the_hosts(model, tmp_path, monkeypatch) -> None:
         assert engine.pool.kv_type == "q8" and engine.pool.kt.dtype == np.int8
         tokens = list(engine.generate(PROMPT, max_tokens=6, stop_at_eos=False))
         assert len(tokens) == 6 and "kestrel_forward" not in engine.stats["offload"]
+
+
+@pytest.mark.parametrize("supports", [False, None, "raise"])
+def test_a_backend_that_cannot_run_a_model_whole_is_not_offered_its_steps(model, tmp_path, monkeypatch, caplog,
+                                                                          supports) -> None:
+    """``kestrel_forward_supports`` False at load: the host runs the steps (the prefix cache, draft tokens and
+    the host's int8 KV cache with them) and no step is offered to be declined; None, or an error (reported),
+    and the whole steps are offered as before."""
+    _forward_backend(tmp_path, monkeypatch, supports=supports)
+    with kestrel_core.load(model, backend="fwd") as engine:
+        tokens = list(engine.generate(PROMPT, max_tokens=6, stop_at_eos=False))
+        offload = engine.stats["offload"]
+        state = (engine.whole_step, engine.steps_on_host, engine.prefix_cache, engine.rewinds)
+    assert tokens == _cpu_tokens(model, 6)
+    if supports is False:
+        assert state == (False, True, True, True) and "kestrel_forward" not in offload
+        with kestrel_core.load(model, backend="fwd", kv_cache_type="q8") as engine:
+            assert engine.pool.kv_type == "q8"
+    else:
+        assert state[:2] == (True, False) and offload["kestrel_forward"]["accepted"] > 0
+        assert ("kestrel_forward_supports error: RuntimeError: cannot tell" in caplog.text) == (supports == "raise")
 
 
 def test_misuse_of_the_api_is_a_kestrel_error_naming_it(model) -> None:
