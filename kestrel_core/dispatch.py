@@ -262,27 +262,17 @@ class Offload:
 
     def preload(self, model: Any) -> None:
         """Preload runs even under KESTREL_FORCE_CPU: the device stays initialised, uploads happen."""
-        if self.on_cpu or not self.backend.implements("kestrel_preload"):
-            return
-        try:
-            self.backend.hook.kestrel_preload(device=self.backend.device, model=model)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:
-            self._report("kestrel_preload", f"error: {type(exc).__name__}", exc)
+        if not self.on_cpu and self.backend.implements("kestrel_preload"):
+            self._called("kestrel_preload", lambda: self.backend.hook.kestrel_preload(device=self.backend.device,
+                                                                                       model=model))
 
     def forward_supports(self, model: Any) -> bool:
         """Whether the backend's whole steps may be offered ``model`` (``kestrel_forward_supports``): only a
         False answer says no; an error is reported, and the steps offered as if it had not answered."""
         if self.on_cpu or not self.backend.implements("kestrel_forward_supports"):
             return True
-        try:
-            return self.backend.hook.kestrel_forward_supports(device=self.backend.device, model=model) is not False
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:
-            self._report("kestrel_forward_supports", f"error: {type(exc).__name__}", exc)
-            return True
+        return self._called("kestrel_forward_supports", lambda: self.backend.hook.kestrel_forward_supports(
+            device=self.backend.device, model=model)) is not False
 
     def forward(self, model: Any, seq_id: int, tokens: np.ndarray, start: int, all_logits: bool,
                 vocab: int) -> np.ndarray | None:
@@ -348,12 +338,8 @@ class Offload:
 
     def release_sequence(self, seq_id: int) -> None:
         if not self.on_cpu and self.backend.implements("kestrel_release_sequence"):
-            try:
-                self.backend.hook.kestrel_release_sequence(device=self.backend.device, seq_id=seq_id)
-            except KeyboardInterrupt:
-                raise
-            except BaseException as exc:
-                self._report("kestrel_release_sequence", f"error: {type(exc).__name__}", exc)
+            self._called("kestrel_release_sequence", lambda: self.backend.hook.kestrel_release_sequence(
+                device=self.backend.device, seq_id=seq_id))
 
     # -- reporting -----------------------------------------------------------------------------------
 

@@ -363,7 +363,8 @@ class Engine:
         if self.prefix_cache:  # prompt blocks this step completed become reusable: the host's it computed, or
             # the backend's pool's, which its batched step left there (``BatchEntry.publish``)
             on_device = self.device_prefixes
-            for i in (range(len(runs)) if batched is not None else ()) if on_device else host:
+            computed = host if not on_device else range(len(runs)) if batched is not None else ()
+            for i in computed:
                 seq, new, _ = runs[i]
                 if len(seq.tokens) - len(new) < seq.cache.prompt_len:
                     written = seq.device_len if on_device else seq.cache.length
