@@ -1,9 +1,15 @@
 """Speculative decoding by prompt lookup (``--speculate``, kestrel_core/model/speculate.py): greedy decode tok/s of
-the default model on the CPU without it and with 4 and 8 draft tokens, runs alternating, on a task whose answer
-repeats its prompt (edit this code) and one whose answer does not (a story), at 1 and 4 concurrent streams;
-with the acceptance rate, and a check that every setting gives the same tokens.
+the default model without it and with 4 and 8 draft tokens, runs alternating, on a task whose answer repeats its
+prompt (edit this code) and one whose answer does not (a story), at 1 and 4 concurrent streams; with the
+acceptance rate, and a check that every setting gives the same tokens.
 
     python benchmarks/speculate.py [--tokens 128] [--runs 3] [--backend cpu]
+
+With ``--preset`` (random weights, no text), what a guess costs and gains on the backend: a random prompt's
+greedy answer without guesses, then with drafts of k tokens that are all right (the answer's next ones: the
+most guessing can give) and all wrong (every guess taken back: the most it can cost), runs alternating.
+
+    python benchmarks/speculate.py --preset qwen3-8b --backend cuda --quant q8 [--tokens 128] [--runs 3]
 """
 
 from __future__ import annotations
@@ -12,9 +18,13 @@ import argparse
 import statistics
 import time
 
+import numpy as np
+
 import kestrel_core
+from kestrel_core.model.engine_load import load_preset
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import Scheduler
+from kestrel_core.model.speculate import PromptLookup
 
 CODE = '''def load(path):
     with open(path) as f:
@@ -39,12 +49,29 @@ TASKS = {"edit code": f"Rename the function merge to deep_merge in this code and
          "story": "Write a long story about a cat who learns to sail."}
 
 
-def run(engine: kestrel_core.Engine, ids: list[int], streams: int, tokens: int, speculate: int
-        ) -> tuple[float, list[list[int]], int, int]:
-    """(decode tok/s over all streams, each stream's tokens, drafted, accepted)."""
+class Oracle(PromptLookup):
+    """Drafts from a known answer: its next tokens (``right``), or tokens that are never the next one."""
+
+    def __init__(self, prompt_len: int, answer: list[int], right: bool, vocab: int) -> None:
+        super().__init__()
+        self.prompt_len, self.answer, self.right, self.vocab = prompt_len, answer, right, vocab
+
+    def draft(self, k: int) -> list[int]:
+        at = len(self.tokens) - self.prompt_len  # the answer's tokens so far; the next one is guessed
+        nxt = self.answer[at:at + k]
+        return nxt if self.right else [(t + 1) % self.vocab for t in nxt]
+
+
+def run(engine: kestrel_core.Engine, ids: list[int], streams: int, tokens: int, speculate: int,
+        oracle: tuple[list[int], bool] | None = None) -> tuple[float, list[list[int]], int, int]:
+    """(decode tok/s over all streams, each stream's tokens, drafted, accepted). ``oracle``: (the answer, whether
+    its drafts are right) instead of prompt lookup."""
     engine.speculate = speculate
     scheduler = Scheduler(engine, max_batch=streams)
     requests = [scheduler.add(ids, SamplingParams(max_tokens=tokens, ignore_eos=True)) for _ in range(streams)]
+    if oracle is not None:
+        for r in requests:
+            r.lookup = Oracle(len(ids), oracle[0], oracle[1], engine.config.vocab_size)
     out: dict[str, list[int]] = {r.request_id: [] for r in requests}
     first = None
     while any(not r.finished for r in requests):
@@ -58,12 +85,43 @@ def run(engine: kestrel_core.Engine, ids: list[int], streams: int, tokens: int, 
     return generated / seconds, [out[r.request_id] for r in requests], scheduler.drafted, scheduler.accepted
 
 
+def preset_costs(engine: kestrel_core.Engine, tokens: int, runs: int, prompt_tokens: int) -> None:
+    ids = np.random.default_rng(0).integers(3, engine.config.vocab_size, prompt_tokens).tolist()
+    for streams in (1, 4):
+        run(engine, ids, streams, 8, 0)  # warm-up
+        _, (answer, *_), _, _ = run(engine, ids, 1, tokens, 0)
+        settings = [("no guesses", 0, None)] + [(f"{k} right", k, (answer, True)) for k in (2, 4, 8)] + [
+            (f"{k} wrong", k, (answer, False)) for k in (2, 4)]
+        for _, k, oracle in settings:
+            run(engine, ids, streams, 8, k, oracle)  # warm-up (captures, the GEMM's scratch)
+        rates: dict[str, list[float]] = {name: [] for name, _, _ in settings}
+        same = True
+        for _ in range(runs):
+            for name, k, oracle in settings:
+                rate, got, _, _ = run(engine, ids, streams, tokens, k, oracle)
+                rates[name].append(rate)
+                same &= all(g == answer for g in got)
+        print(f"{streams} stream(s), {tokens} tokens each, a random {prompt_tokens}-token prompt "
+              f"({'every stream the answer without guesses' if same else 'ANSWERS DIFFER'}):")
+        for name, values in rates.items():
+            each = ", ".join(f"{v:.1f}" for v in values)
+            print(f"  {name:>10}: {statistics.median(values):8.1f} tok/s (runs {each})")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--preset", help="random weights of these shapes: what guesses cost and gain")
+    ap.add_argument("--quant", default="q8")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
     args = ap.parse_args()
+    if args.preset:
+        with load_preset(args.preset, backend=args.backend, quant=args.quant) as engine:
+            print(engine.backend_line)
+            preset_costs(engine, args.tokens, args.runs, args.prompt_tokens)
+        return 0
     with kestrel_core.load(None, backend=args.backend) as engine:
         for task, text in TASKS.items():
             ids = engine.tokenizer.encode_chat([{"role": "user", "content": text}])

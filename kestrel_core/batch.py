@@ -12,9 +12,10 @@ class BatchEntry:
     """One sequence's part of a batched step.
 
     ``tokens`` int64 [T] run at positions start..start+T-1; positions < start are in the backend's own KV
-    cache of ``seq_id``, as its earlier steps left them (a backend that has fewer declines). The backend
-    returns float32 logits [logit_rows, vocab] of the last ``logit_rows`` tokens (0: none, a prompt chunk
-    whose next token is not sampled yet).
+    cache of ``seq_id``, as its earlier steps left them (a backend that has fewer declines; since API 1.6, to a
+    backend that declares it, one that has more computes the positions from ``start`` on again: the engine
+    took back draft tokens the model did not confirm). The backend returns float32 logits [logit_rows, vocab]
+    of the last ``logit_rows`` tokens (0: none, a prompt chunk whose next token is not sampled yet).
 
     ``blocks`` is the engine's page table of the sequence: position p lives in block ``blocks[p //
     block_size]`` (offset ``p % block_size``), with blocks for at least ``end`` positions; every block id is

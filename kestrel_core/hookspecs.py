@@ -20,7 +20,7 @@ from kestrel_core.batch import BatchEntry as BatchEntry
 from kestrel_core.errors import BackendUnavailable as BackendUnavailable
 
 PROJECT = "kestrel"
-API_VERSION = (1, 5)  # (major, minor): a backend must have the same major and a minor <= ours
+API_VERSION = (1, 6)  # (major, minor): a backend must have the same major and a minor <= ours
 KINDS = ("cpu", "gpu", "npu", "simulator")  # BackendInfo.kind; `--backend auto` picks a gpu, then an npu
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -98,7 +98,8 @@ def kestrel_forward_supports(device: Any, model: Any) -> Any:
 
 @hookspec(firstresult=True)
 def kestrel_forward(device: Any, model: Any, seq_id: int, tokens: Any, start: int, all_logits: bool) -> Any:
-    """Run tokens [T] at positions start.. on the device (its own KV cache per seq_id).
+    """Run tokens [T] at positions start.. on the device (its own KV cache per seq_id; since API 1.6 a start
+    below what it holds computes the positions from start on again).
 
     Returns float32 logits [T, vocab] if all_logits else [1, vocab], or None to decline: the engine then
     runs the layer-by-layer path from its own KV cache. firstresult.
@@ -118,7 +119,10 @@ def kestrel_forward_batch(device: Any, model: Any, batch: Any) -> Any:
     device while the engine reports the last one, and the engine makes that call before any other into the
     backend, but one: since API 1.4 (to a backend that declares it) the engine may offer the next step first,
     whose ``fed`` entries take the tokens the device chose in the step still running. Since API 1.5 the
-    engine's prefix cache lives in the backend's pool (``BatchEntry.shared`` and ``publish``). firstresult.
+    engine's prefix cache lives in the backend's pool (``BatchEntry.shared`` and ``publish``). Since API 1.6 an
+    entry's ``start`` may be below what the backend holds of its sequence: the positions from ``start`` on are
+    computed again from the entry's tokens (draft tokens the model did not confirm, ``--speculate``).
+    firstresult.
     """
 
 

@@ -248,9 +248,10 @@ BATCH_SCRIPT = (
 )
 BATCH_MODELS = (("llama", "q8"), ("qwen3", "q4"))
 BATCH_NUDGES = 3  # the band is the largest effect of this many nudges: one alone changed 5e-7 to 7e-3 of the logits
-# relative L2 of a shared prefix's logits against the whole prompt's: the CUDA backend 2e-7 to 2.2e-3 (an H100), its
-# numpy mirrors the same bits, a prefix not read from the pool 1.1-1.4
-SHARED_PREFIX_TOL = 0.05
+# relative L2 of logits whose tokens ran in other chunks against the same tokens run straight: a shared prefix's
+# (the CUDA backend 2e-7 to 2.2e-3, an H100; its numpy mirrors the same bits; a prefix not read from the pool 1.1-1.4)
+# and a rewound draft's (a draft not taken back: RESULT)
+CHUNKED_TOL = 0.05
 
 
 def _batch_config(arch: str) -> Any:
@@ -346,7 +347,7 @@ def _shared_prefix_steps(backend: Backend, model: Any, first_seq: int, pool: Any
     """A prompt of two whole blocks and more, alone, with those blocks to ``publish`` (API 1.5); then another
     sequence, new to the backend, whose page table starts with them (``shared``) and whose own tokens run from
     their end: its logits must be those of the whole prompt run from position 0 in blocks of its own, within
-    SHARED_PREFIX_TOL (its rows ran in other chunks; a prefix not read from the blocks is off by far more).
+    CHUNKED_TOL (its rows ran in other chunks; a prefix not read from the blocks is off by far more).
     What is wrong, or "" (also for a backend that declines)."""
     bs = pool.block_size
     rng = np.random.default_rng([first_seq, 15])
@@ -382,9 +383,51 @@ def _shared_prefix_steps(backend: Backend, model: Any, first_seq: int, pool: Any
     if g.shape != w.shape or not np.all(np.isfinite(g)):
         return f"shared prefix: bad result {g.dtype} {list(g.shape)}"
     err = float(np.linalg.norm(g - w)) / (float(np.linalg.norm(w)) or 1.0)
-    if err > SHARED_PREFIX_TOL:
+    if err > CHUNKED_TOL:
         return (f"shared prefix: the logits after a prefix from the pool are {err:.3g} off those of the whole prompt "
-                f"(at most {SHARED_PREFIX_TOL})")
+                f"(at most {CHUNKED_TOL})")
+    return ""
+
+
+def _rewind_steps(backend: Backend, model: Any, first_seq: int, pool: Any) -> str:
+    """A prompt, a draft of five tokens run after it, then three tokens from the draft's second position (API
+    1.6: the backend computes the positions from ``start`` on again, as after guesses the model did not
+    confirm): their logits must be those of the same tokens run straight in another sequence, within
+    CHUNKED_TOL. What is wrong, or "" (also for a backend that declines)."""
+    rng = np.random.default_rng([first_seq, 16])
+    prompt, draft, fix = (rng.integers(0, model.config.vocab_size, n) for n in (9, 5, 3))
+    caches = [pool.new_sequence() for _ in range(2)]
+    guessing, straight = first_seq + 13, first_seq + 14
+    n = len(prompt)
+
+    def step(seq: int, cache: Any, tokens: np.ndarray, start: int, rows: int) -> Any:
+        return _batch_step(backend, model, [BatchEntry(seq, tokens, start, rows, tuple(cache.blocks), pool.block_size,
+                                                       pool.num_blocks)])
+
+    try:
+        if not (pool.reserve(caches[0], n + len(draft)) and pool.reserve(caches[1], n + 1 + len(fix))):
+            return ""
+        if step(guessing, caches[0], prompt, 0, 1) is None or step(guessing, caches[0], draft, n, len(draft)) is None:
+            return ""
+        got = step(guessing, caches[0], fix, n + 1, len(fix))
+        want = step(straight, caches[1], np.concatenate([prompt, draft[:1], fix]), 0, len(fix))
+    except Exception as exc:
+        return f"rewind: raised {type(exc).__name__}: {safe_text(exc)}"
+    finally:
+        for cache in caches:
+            cache.release()
+        if backend.implements("kestrel_release_sequence"):
+            for seq in (guessing, straight):
+                backend.hook.kestrel_release_sequence(device=backend.device, seq_id=seq)
+    if got is None or want is None:
+        return ""
+    g, w = (np.asarray(x[0], np.float64) for x in (got, want))
+    if g.shape != w.shape or not np.all(np.isfinite(g)):
+        return f"rewind: bad result {g.dtype} {list(g.shape)}"
+    err = float(np.linalg.norm(g - w)) / (float(np.linalg.norm(w)) or 1.0)
+    if err > CHUNKED_TOL:
+        return (f"rewind: the logits of tokens run from an earlier start are {err:.3g} off those of the same tokens "
+                f"run straight (at most {CHUNKED_TOL})")
     return ""
 
 
@@ -398,7 +441,7 @@ def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str
                            first_seq: int) -> CaseResult:
     """The backend's batched steps of BATCH_SCRIPT against the CPU decoder, within the measured band; then
     with every entry argmax_only, whose token ids must be the argmax of the same steps' logits; then fed steps
-    (API 1.4), which must give the tokens written-out ones give, and a shared prefix (API 1.5)."""
+    (API 1.4), which must give the tokens written-out ones give, a shared prefix (API 1.5) and a rewind (API 1.6)."""
     from kestrel_core.model.decoder import Decoder
     from kestrel_core.model.kv_pool import KVPool
     from kestrel_core.model.presets import synthetic_model
@@ -454,6 +497,8 @@ def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str
             bad_ids = _fed_steps(backend, model, first_seq, caches, host.pool)
         if not bad_ids and tuple(backend.info.api_version) >= (1, 5):
             bad_ids = _shared_prefix_steps(backend, model, first_seq, host.pool)
+        if not bad_ids and tuple(backend.info.api_version) >= (1, 6):
+            bad_ids = _rewind_steps(backend, model, first_seq, host.pool)
         if bad_ids:
             return CaseResult(name, FORWARD_BATCH, False, float("inf"), detail=bad_ids)
     finally:

@@ -147,7 +147,11 @@ class Engine:
         # (with a copy of a recurrent layer's state at a prompt's end), in the backend's pool where that keeps
         # the prefix cache's blocks (device_prefixes)
         self.prefix_cache = self.steps_on_host or self.device_prefixes
-        # draft tokens a greedy request's step may guess from its context, where the host runs the steps (0: none;
+        # whether the backend computes a sequence's positions again from an earlier start (API 1.6), so that
+        # draft tokens the model did not confirm can be taken back where it runs the steps
+        self.device_rewinds = (not self.steps_on_host and info is not None and tuple(info.api_version) >= (1, 6)
+                               and backend.implements("kestrel_forward_batch"))
+        # draft tokens a greedy request's step may guess from its context, where sequences rewind (0: none;
         # kestrel_core.model.speculate); read by each Scheduler made after it is set
         self.speculate = 0
         # what a request's unset sampling fields take (``sampling_params``, the server): the sampling the model
@@ -220,10 +224,10 @@ class Engine:
 
     @property
     def rewinds(self) -> bool:
-        """Whether a sequence can go back to an earlier length (draft tokens not confirmed): where the host runs
-        the steps of a model without recurrent layers (linear attention, short convolutions), whose states hold
-        every position at once."""
-        return self.steps_on_host and not self.recurrent
+        """Whether a sequence can go back to an earlier length (draft tokens not confirmed): a model without
+        recurrent layers (linear attention, short convolutions), whose states hold every position at once, where
+        the host runs the steps or the backend computes positions again from an earlier start (API 1.6)."""
+        return (self.steps_on_host or self.device_rewinds) and not self.recurrent
 
     def state_end(self, prompt_len: int) -> int:
         """How far into a prompt of ``prompt_len`` tokens the prefix cache keeps recurrent states (where a step
@@ -255,8 +259,8 @@ class Engine:
         return seq
 
     def rewind(self, seq: SeqState, length: int) -> None:
-        """Forget a sequence's positions from ``length`` on (draft tokens the model did not confirm); the host's
-        KV cache only (``rewinds``)."""
+        """Forget a sequence's positions from ``length`` on (draft tokens the model did not confirm), where
+        ``rewinds``: the backend that runs the steps computes them again from its next entry's start."""
         del seq.tokens[length:]
         seq.cache.truncate(length)
         seq.device_len = min(seq.device_len, length)

@@ -18,9 +18,11 @@ rows run the tokens the device chose, so the device never waits for the host; on
 need another preempted. A request that the running step ends (EOS, a stop string, an abort) has a row in the
 next one already: that row's token is dropped, and the request's sequence is freed once that step is in.
 
-With ``Engine.speculate`` set, where the host runs the steps, a greedy request's decode row is followed by up
-to that many tokens guessed from its context (kestrel_core.model.speculate); the step keeps each row's argmax
-while the guesses agree, and the sequence is rewound past the first that does not.
+With ``Engine.speculate`` set, where sequences rewind (``Engine.rewinds``), a greedy request's decode row is
+followed by up to that many tokens guessed from its context (kestrel_core.model.speculate); the step keeps each
+row's argmax while the guesses agree, and the sequence is rewound past the first that does not. A guess needs
+the tokens before it, so while a greedy request's context offers one its steps are neither fed nor the
+backend's pipelined greedy decode; where it offers none they are.
 
 The scheduler is not thread-safe: one thread drives it (``AsyncEngine``, or ``Engine.generate``).
 """
@@ -250,6 +252,8 @@ class Scheduler:
         if before is not None:
             if not self.engine.feeds or any(rows and not r.argmax_only for r, _, rows in before[0] if not r.finished):
                 return None  # a request sampled on the host: its next token is not the device's
+            if any(r.draft or self._would_guess(r) for r, _, _ in before[0] if not r.finished):
+                return None  # its next step guesses from the running step's tokens, or may
             ahead = {id(r): (1 if toks is None else len(toks), rows) for r, toks, rows in before[0]}
             self._running_step = before  # what ends while scheduling is held for the step on the device
         elif self._start_error is not None:
@@ -383,9 +387,23 @@ class Scheduler:
         return request, tokens, int(n == request.pending)  # logits once the chunk reaches the last token
 
     def _decoding_greedily(self, request: Request) -> bool:
-        """Whether ``request``'s step may carry a draft (speculation on, the host running the steps, which can
-        rewind what the model did not confirm): it decodes greedily, with nothing else to run first."""
+        """Whether ``request``'s step may carry a draft (speculation on, where sequences rewind what the model
+        did not confirm): it decodes greedily, with nothing else to run first."""
         return request.argmax_only and request.pending == 1 and len(request.seq.tokens) >= len(request.prompt_ids)
+
+    def _would_guess(self, request: Request) -> bool:
+        """Whether ``request``'s context offers a guess after its latest token (speculation on)."""
+        if not (self.speculate > 0 and self.engine.rewinds and request.seq is not None
+                and self._decoding_greedily(request)):
+            return False
+        return bool(self._lookup(request).draft(1))
+
+    def _lookup(self, request: Request) -> PromptLookup:
+        """``request``'s prompt lookup, up to date with its tokens."""
+        if request.lookup is None:
+            request.lookup = PromptLookup()
+        request.lookup.extend(request.tokens[len(request.lookup.tokens):])
+        return request.lookup
 
     def _guess(self, request: Request, room: int) -> None:
         """Draft up to ``speculate`` tokens after ``request``'s next one (``request.draft``), within ``room``
@@ -395,11 +413,7 @@ class Scheduler:
                    self.engine.config.max_position - len(request.tokens))
         if left <= 0:
             return
-        if request.lookup is None:
-            request.lookup = PromptLookup()
-        tokens = request.tokens
-        request.lookup.extend(tokens[len(request.lookup.tokens):])
-        draft = request.lookup.draft(left)
+        draft = self._lookup(request).draft(left)
         if draft and self.pool.reserve(request.seq.cache, len(request.seq.tokens) + 1 + len(draft)):
             request.draft = draft
             self.drafted += len(draft)
@@ -512,7 +526,8 @@ class Scheduler:
         request = self.running[0]
         if request._device_tokens is None and request._device_offered:
             return False
-        return request.pending == 1 and request.argmax_only and request.seq.device_len == len(request.seq.tokens)
+        return (request.pending == 1 and request.argmax_only and request.seq.device_len == len(request.seq.tokens)
+                and not self._would_guess(request))
 
     def _device_step(self, request: Request) -> list[RequestOutput]:
         seq = request.seq
@@ -533,7 +548,11 @@ class Scheduler:
         seq.tokens.append(request.output_ids[-1])  # the device ran it and chose the next token
         seq.device_len = len(seq.tokens)
         request.sampler.count(nxt)
-        return [self._report(request, [self._accept(request, (nxt, None))])]
+        out = self._report(request, [self._accept(request, (nxt, None))])
+        if not request.finished and self._would_guess(request):  # its next steps carry guesses: the device's
+            self._drop_device(request)  # step ahead is rewound, and the pipeline offered again once they stop
+            request._device_offered = False
+        return [out]
 
     def _abort_step(self, work: list[tuple[Request, list[int], int]]) -> None:
         for request, _, _ in work:

@@ -5,7 +5,7 @@ API (what the ``kestrel_forward`` / ``kestrel_release_sequence`` hookimpls call)
     fwd = DeviceForward(weight_source=None, layer_boundary=None, *, config=None, stream=None, gemm=None,
                         pin=None, unpin=None, ops=None, target_blocks=None, fuse_rope=True,
                         fuse_attention=True)
-    fwd.forward(model, seq_id, tokens, start, all_logits) -> np.ndarray float32 [T or 1, vocab] | None
+    fwd.forward(model, seq_id, tokens, start, all_logits, ids=False) -> np.ndarray float32 [T or 1, vocab] | None
     fwd.greedy(model, seq_id, token, start, count) -> Iterator[int] | None
     fwd.release(seq_id) -> None
     fwd.stats() -> dict[str, int | float]
@@ -46,7 +46,7 @@ API (what the ``kestrel_forward`` / ``kestrel_release_sequence`` hookimpls call)
   engine ran steps on the CPU meanwhile), a context beyond the maximum, a token outside the vocabulary, an
   unsupported model (head_dim over 128 or not a multiple of 4, heads not a multiple of KV heads). Any device
   error drops the sequence's state and propagates (the dispatcher declines). Returns all T rows of logits if
-  ``all_logits`` else the last row, as [1, vocab].
+  ``all_logits`` else the last row, as [1, vocab]; with ``ids``, those rows' greedy tokens instead (int64).
 - ``greedy``: pipelined greedy decode from the sequence's device KV cache: ``token`` at ``start``, then each
   step's argmax at the next position, at most ``count`` steps; yields the chosen tokens. The decode graph
   ends in ``lm_finish``, which writes its argmax into the next step's input and position on the device and
@@ -125,12 +125,13 @@ class DeviceForward:
                                          "sequences_reused": 0, "batch_steps": 0, "batch_rows": 0,
                                          "batch_graph_replays": 0, "batch_argmax_steps": 0, "pool_moves": 0,
                                          "fed_rows": 0, "prefix_positions": 0, "prefix_blocks_published": 0,
-                                         "pool_out_of_memory": 0}
+                                         "pool_out_of_memory": 0, "rewound_positions": 0}
         self.last_decline = ""
 
     # -- API -----------------------------------------------------------------------------------------
 
-    def forward(self, model: Model, seq_id: int, tokens: Any, start: int, all_logits: bool) -> np.ndarray | None:
+    def forward(self, model: Model, seq_id: int, tokens: Any, start: int, all_logits: bool,
+                ids: bool = False) -> np.ndarray | None:
         toks = np.asarray(tokens).reshape(-1)
         if toks.size == 0 or not np.issubdtype(toks.dtype, np.integer) or start < 0:
             return self._decline("no tokens or a bad start")
@@ -149,7 +150,7 @@ class DeviceForward:
             seq = self._open_sequence(st, seq_id, start, end)
             if seq is None:
                 return None
-            return self._run(st, seq, toks.astype(np.int32), start, all_logits)
+            return self._run(st, seq, toks.astype(np.int32), start, all_logits, ids)
         except BaseException:
             self._seqs.pop(seq_id, None)  # its KV cache may be half written
             raise
@@ -228,6 +229,7 @@ class DeviceForward:
         elif seq is None or start > seq.length:
             return self._decline("the device KV cache is behind the engine's")
         else:
+            self.counters["rewound_positions"] += seq.length - start
             seq.length = start  # rewind: positions >= start are overwritten
             seq.pooled = min(seq.pooled, start)
         return self._reserve(st, seq_id, seq, end)
@@ -281,13 +283,14 @@ class DeviceForward:
             pool = self._lone_pool(st, e.num_blocks) if e.shared or e.publish else None
             if e.shared and (pool is None or not self._adopt_prefix(pool, e)):
                 return self._decline("a shared prefix's blocks are not in the device's pool")
-            out = self.forward(model, e.seq_id, e.tokens, e.start, e.logit_rows > 1)
+            out = self.forward(model, e.seq_id, e.tokens, e.start, e.logit_rows > 1, ids=e.argmax_only)
             if out is None:
                 return None
             if pool is not None and e.publish:
                 self._publish(pool, e)
             return [out[len(out) - e.logit_rows:]]
         pool = self._pool_for(st, batch[0].num_blocks)
+        rewound = 0  # positions the device holds from an entry's start on: written again (a rewind)
         for e in batch:
             if not self._adopt_prefix(pool, e):
                 return self._decline("a shared prefix's blocks are not in the device's pool")
@@ -295,6 +298,8 @@ class DeviceForward:
             held = pool.held.get(e.seq_id, (own.length if own is not None else 0, ()))[0]
             if e.start > held:
                 return self._decline("the device KV cache is behind the engine's")
+            rewound += held - e.start
+        self.counters["rewound_positions"] += rewound
         try:
             for e in batch:  # a lone sequence's own cache joins the pool
                 own = self._seqs.pop(e.seq_id, None)
@@ -462,7 +467,10 @@ class DeviceForward:
         self.last_decline = reason
         return None
 
-    def _run(self, st: State, seq: _Seq, toks: np.ndarray, start: int, all_logits: bool) -> np.ndarray:
+    def _run(self, st: State, seq: _Seq, toks: np.ndarray, start: int, all_logits: bool,
+             ids: bool = False) -> np.ndarray:
+        """The chunks of a lone sequence's step: their logits, or with ``ids`` each returned row's greedy token
+        (int64, -1 for a row with a NaN or an infinity: ``argmax_rows``), so only those cross the bus."""
         ops, t = self.ops, len(toks)
         if all_logits and t > 1 and st.logits_all is None:
             st.logits_all = self.ops.zeros((PASS_ROWS, st.config.vocab_size), np.float32)
@@ -484,7 +492,9 @@ class DeviceForward:
             self.counters["steps"] += 1
             self.counters["decode_tokens" if m == 1 else "prefill_tokens"] += m
             if rows:
-                outs.append(ops.download(st.logits_all if rows > 1 else st.logits, rows))
+                src = st.logits_all if rows > 1 else st.logits
+                outs.append(ops.download(ops.argmax_rows(src, rows, st.argmax), rows).astype(np.int64) if ids
+                            else ops.download(src, rows))
         ops.synchronize()
         return np.concatenate(outs) if len(outs) > 1 else outs[0]
 

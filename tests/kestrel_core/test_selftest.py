@@ -91,7 +91,8 @@ def test_seeded_fixtures_are_reproducible() -> None:
 # A batched whole step on the host decoder with its own caches per sequence; MODE breaks it on purpose.
 # "fed" answers with a call (its step "runs" until then) and takes fed entries (the last greedy token of the
 # sequence); "wrong_fed" feeds the token after it. A shared prefix is the published one's tokens run into the
-# new sequence's cache (what the pool would hold); "unshared" runs zeros there instead.
+# new sequence's cache (what the pool would hold); "unshared" runs zeros there instead. An entry's start below
+# the cache's length takes the cache back to it (a rewind); "unrewound" runs the tokens after the length instead.
 FORWARD_BATCH_BACKEND = '''
 import numpy as np
 from kestrel_core import API_VERSION, BackendInfo, hookimpl
@@ -135,7 +136,10 @@ def kestrel_forward_batch(device, model, batch):
                 dec.forward_batch([(caches[e.seq_id], np.array(prefix), 0)])
                 TOKENS[e.seq_id] = list(prefix)
         cache = caches[e.seq_id]
-        assert cache.length == e.start, (cache.length, e.start)
+        if e.start < cache.length and MODE != "unrewound":
+            cache.truncate(e.start)
+            del TOKENS[e.seq_id][e.start:]
+        assert cache.length == e.start or MODE == "unrewound", (cache.length, e.start)
         tokens = e.tokens
         if e.fed:
             tokens = np.array([(LAST[e.seq_id] + int(MODE == "wrong_fed")) % model.config.vocab_size])
@@ -170,7 +174,7 @@ def kestrel_release_sequence(device, seq_id):
 
 @pytest.mark.parametrize("mode, ok", [("right", True), ("ids", True), ("scaled", False), ("swapped", False),
                                       ("wrong_ids", False), ("decline", False), ("fed", True), ("wrong_fed", False),
-                                      ("unshared", False)])
+                                      ("unshared", False), ("unrewound", False)])
 def test_the_batched_whole_step_is_checked_against_the_cpu(tmp_path: Path, monkeypatch, mode: str,
                                                            ok: bool) -> None:
     (tmp_path / f"fb_{mode}.py").write_text(FORWARD_BATCH_BACKEND.format(mode=mode, name=f"fb_{mode}"))
@@ -183,10 +187,12 @@ def test_the_batched_whole_step_is_checked_against_the_cpu(tmp_path: Path, monke
     assert report.ok is ok
     if mode == "right":
         assert all(c.max_err == 0 for c in cases if not c.declined)  # the CPU itself: bit for bit
-        assert len(set(registry.backends["fb_right"].plugin.RELEASED)) == 13 * 2  # every case's sequences released
+        assert len(set(registry.backends["fb_right"].plugin.RELEASED)) == 15 * 2  # every case's sequences released
     if mode == "wrong_ids":
         assert all("argmax_only ids" in c.detail for c in cases)
     if mode == "wrong_fed":
         assert all("fed step" in c.detail for c in cases)
     if mode == "unshared":
         assert all("shared prefix" in c.detail for c in cases)
+    if mode == "unrewound":
+        assert all("rewind" in c.detail for c in cases)

@@ -187,6 +187,24 @@ def test_argmax_only_steps_return_the_greedy_tokens_of_the_same_logits(make_fwd)
     assert host(fwd.ops.download(fwd.ops.argmax_rows(logits, 3, st.argmax), 3)).tolist() == [7, -1, -1]
 
 
+def test_a_lone_sequence_marked_argmax_only_gets_the_greedy_tokens_of_the_same_logits(make_fwd) -> None:  # type: ignore[no-untyped-def]
+    """A batch of one (the lone-sequence path: its own cache) marked argmax_only: int64 ids, each numpy's argmax of
+    the logits the same steps return without the mark: a prompt's last rows, a draft's rows (after a rewind) and
+    a decode row from the captured step."""
+    model = _model("qwen2")
+    (prompt,) = _prompts(model, (11,), seed=4)
+    steps = [(prompt, 0, 3), (np.array([5, 9, 2, 7]), 11, 4), (np.array([9, 4]), 12, 2), (np.array([3]), 14, 1)]
+    runs = []
+    for argmax in (False, True):
+        pages, fwd = Pages(2), make_fwd()
+        runs.append([fwd.forward_batch(model, [replace(pages.entry(0, toks, start, rows), argmax_only=argmax)])[0]
+                     for toks, start, rows in steps])
+        assert fwd.counters["rewound_positions"] == 3 and fwd.counters["graph_replays"] == 1
+    for logits, ids in zip(*runs):
+        assert ids.dtype == np.int64 and ids.shape == (len(logits),)
+        assert ids.tolist() == [int(np.argmax(row)) for row in logits]
+
+
 def test_a_mixed_batch_gets_ids_where_they_do_and_logits_where_they_are_needed(make_fwd) -> None:  # type: ignore[no-untyped-def]
     """Greedy entries beside sampled ones: the greedy get their argmax, the others their logits (only those
     rows cross the bus), each the same as the step with every entry's logits; a step of prompt chunks that

@@ -1,0 +1,121 @@
+"""Speculative decoding (``--speculate``) where the device forward runs the steps, on the CPU with the numpy
+mirrors: the device computes the positions of guesses the model did not confirm again (API 1.6), a lone request
+leaves the pipelined greedy decode while its context offers guesses, batched ones are not fed then, and every
+request gives the tokens it gives without guesses. test_forward_speculate.py runs the same on the GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+import kestrel_core
+from kestrel_core.model.loader import load_model
+from kestrel_core.model.sampling import SamplingParams
+from kestrel_core.model.scheduler import Scheduler
+
+from .test_forward_batch_host import BATCH_BACKEND
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
+
+MAKE = "lambda: DeviceForward(ops=__import__('kestrel_cuda.ops_numpy').ops_numpy.NumpyOps())"
+
+
+def bind(tmp_path, monkeypatch, api: str = "API_VERSION") -> None:  # type: ignore[no-untyped-def]
+    """The backend ``fwdcuda`` over the numpy mirrors with its pipelined greedy decode, declaring ``api``."""
+    path = tmp_path / "fwdcuda.py"
+    source = BATCH_BACKEND.format(decline=set(), make=MAKE, greedy=-1)
+    info = 'BackendInfo("fwdcuda", "1", API_VERSION, "gpu")'
+    assert info in source
+    path.write_text(source.replace(info, f'BackendInfo("fwdcuda", "1", {api}, "gpu")'))
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(path))
+
+
+def tiny_model(name: str = "tiny-qwen3"):  # type: ignore[no-untyped-def]
+    return load_model(str(FIXTURES / name), "q8", cache="off").model
+
+
+def looping_prompts(model, n: int, seed: int = 0) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """Prompts that repeat their start; the tiny random models then decode greedily into loops, which the
+    guesses follow."""
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab_size
+    base = rng.integers(3, vocab, 12).tolist()
+    return [base + rng.integers(3, vocab, int(rng.integers(2, 10))).tolist() + base[:6] for _ in range(n)]
+
+
+def run(engine, prompts: list[list[int]], speculate: int, params: SamplingParams  # type: ignore[no-untyped-def]
+        ) -> tuple[list[list[int]], Scheduler]:
+    engine.speculate = speculate
+    sched = Scheduler(engine)
+    requests = [sched.add(p, params) for p in prompts]
+    got: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    while sched.has_work:
+        for out in sched.step():
+            got[out.request_id] += out.new_token_ids
+    return [got[r.request_id] for r in requests], sched
+
+
+def test_a_lone_request_guesses_on_the_device_and_says_what_it_says_without(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """One greedy request: the same tokens with guesses as without, in fewer steps; the device takes back the
+    positions of wrong guesses (and the step its pipelined decode ran ahead), and declines nothing."""
+    model = tiny_model()
+    bind(tmp_path, monkeypatch)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    with kestrel_core.load(model, backend="fwdcuda") as engine:
+        assert engine.rewinds and engine.device_rewinds and not engine.steps_on_host
+        prompts = looping_prompts(model, 3)
+        for prompt in prompts:
+            (plain,), before = run(engine, [prompt], 0, params)
+            fwd = engine.backend.plugin.FWD[0]
+            replays, rewound = fwd.counters["graph_replays"], fwd.counters["rewound_positions"]
+            (fast,), after = run(engine, [prompt], 4, params)
+            assert fast == plain
+            assert after.accepted > 0 and after.steps < before.steps
+            assert fwd.counters["rewound_positions"] > rewound
+        assert before.steps == 40 and replays > 0  # without guesses: the pipelined greedy decode, a token a step
+        assert fwd.counters["declined"] == 0
+        assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def test_batched_requests_guess_and_are_fed_only_without_guesses(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Greedy requests together (the pool's batched steps): with guesses, each request's tokens are the ones it
+    gets without; a step that carried guesses is never followed by a fed one."""
+    model = tiny_model()
+    bind(tmp_path, monkeypatch)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    fed_after_draft: list[bool] = []
+    original = Scheduler._start
+
+    def start(self, before=None):  # type: ignore[no-untyped-def]
+        started = original(self, before)
+        if before is not None and started is not None:
+            fed_after_draft.append(any(r.draft for r, _, _ in before[0]))
+        return started
+
+    monkeypatch.setattr(Scheduler, "_start", start)
+    with kestrel_core.load(model, backend="fwdcuda") as engine:
+        prompts = looping_prompts(model, 4, seed=1)
+        plain, before = run(engine, prompts, 0, params)
+        fwd = engine.backend.plugin.FWD[0]
+        fed = fwd.counters["fed_rows"]
+        fast, after = run(engine, prompts, 4, params)
+        assert fast == plain
+        assert after.accepted > 0 and after.steps < before.steps
+        assert fed > 0 and fwd.counters["declined"] == 0
+        assert fed_after_draft and not any(fed_after_draft)
+        assert engine.pool.free_blocks == engine.pool.num_blocks and not fwd._pool.held
+
+
+def test_a_backend_before_api_1_6_is_not_asked_to_rewind(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A whole-step backend declaring API 1.5 keeps its steps, unguessed: speculation stays off for it."""
+    model = tiny_model()
+    bind(tmp_path, monkeypatch, api="(1, 5)")
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    with kestrel_core.load(model, backend="fwdcuda") as engine:
+        assert not engine.rewinds and engine.device_prefixes
+        prompt = looping_prompts(model, 1)[0]
+        (plain,), _ = run(engine, [prompt], 0, params)
+        (fast,), sched = run(engine, [prompt], 4, params)
+    assert fast == plain and sched.drafted == 0
+
