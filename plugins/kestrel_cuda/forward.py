@@ -264,10 +264,11 @@ class DeviceForward:
         """``forward_batch`` as ``kestrel_forward_batch`` runs it: a step of one pass over the pool returns,
         once launched, the call that waits for it and downloads its results.
 
-        A batch of one runs the lone-sequence path (its own cache: captured step, pipelined greedy decode);
-        more run their rows together over the paged pool, a decode-only batch as the captured step of its
-        bucket. Declines (nothing changed): no page tables from the engine, a sequence the device is behind
-        on, what ``forward`` declines."""
+        A batch of one runs the lone-sequence path (its own cache: captured step, pipelined greedy decode),
+        but for a draft's check (``_checks_guesses``); more run their rows together over the paged pool, a
+        step that wants every row's logits (decode rows, drafts' checks) as the captured step of its bucket.
+        Declines (nothing changed): no page tables from the engine, a sequence the device is behind on, what
+        ``forward`` declines."""
         st = self._state(model)
         if st is None:
             return None
@@ -278,7 +279,7 @@ class DeviceForward:
         if reason is not None:
             return self._decline(reason)
         self._feed, feed = None, self._feed
-        if len(batch) == 1:
+        if len(batch) == 1 and not (self._checks_guesses(batch[0]) and self._lone_pool(st, batch[0].num_blocks)):
             e = batch[0]
             pool = self._lone_pool(st, e.num_blocks) if e.shared or e.publish else None
             if e.shared and (pool is None or not self._adopt_prefix(pool, e)):
@@ -318,6 +319,12 @@ class DeviceForward:
             pool.held[e.seq_id] = (e.end, e.blocks)
             pool.filled.update(e.blocks[e.start // KV_BLOCK:e.publish // KV_BLOCK])  # (the earlier ones are)
         return outs
+
+    def _checks_guesses(self, e: BatchEntry) -> bool:
+        """Whether a lone sequence's step runs in the pool, as the captured step of its rows' bucket: several
+        rows whose every logit is wanted (a draft's check). In its own cache they would run as a prompt chunk,
+        a kernel launched at a time, which costs the host several times the GPU's work at a few rows."""
+        return self.use_graph and 1 < len(e.tokens) == e.logit_rows and paged.bucket(len(e.tokens)) is not None
 
     def _pool_for(self, st: State, blocks: int) -> paged.Pool:
         """The pool of the engine's ``blocks`` blocks (made anew for another engine's page tables)."""
@@ -375,7 +382,7 @@ class DeviceForward:
             at += len(e.tokens)
             wanted.extend(range(at - e.logit_rows, at))
             needs.extend([not e.argmax_only] * e.logit_rows)
-        decode = total == len(batch) and len(wanted) == total
+        decode = len(wanted) == total  # every row's logits: decode rows, and drafts' checks
         b = paged.bucket(total) if decode and self.use_graph else None
         whole = all(needs)  # every row's logits come back, in one download a pass
         argmax_step = bool(needs) and not any(needs)  # token ids alone come back
@@ -455,7 +462,11 @@ class DeviceForward:
         held, blocks = pool.held.pop(seq_id)
         if start > held:
             return
-        seq = self._reserve(st, seq_id, None, max(start, 1))
+        seq, self._spare = self._spare, None  # the last one's cache, and the decode graph it captured
+        if seq is not None:
+            seq.length = seq.pooled = 0
+            self._seqs[seq_id] = seq
+        seq = self._reserve(st, seq_id, seq, max(start, 1))
         paged.from_pool(self.ops, pool, blocks, start, seq.kv)
         seq.length = seq.pooled = start
         self.counters["pool_moves"] += 1

@@ -57,8 +57,9 @@ def run(engine, prompts: list[list[int]], speculate: int, params: SamplingParams
 
 
 def test_a_lone_request_guesses_on_the_device_and_says_what_it_says_without(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """One greedy request: the same tokens with guesses as without, in fewer steps; the device takes back the
-    positions of wrong guesses (and the step its pipelined decode ran ahead), and declines nothing."""
+    """One greedy request: the same tokens with guesses as without, in fewer steps; the drafts' checks run as
+    the pool's captured steps, the device takes back the positions of wrong guesses (and the step its pipelined
+    decode ran ahead), and declines nothing."""
     model = tiny_model()
     bind(tmp_path, monkeypatch)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -69,10 +70,11 @@ def test_a_lone_request_guesses_on_the_device_and_says_what_it_says_without(tmp_
             (plain,), before = run(engine, [prompt], 0, params)
             fwd = engine.backend.plugin.FWD[0]
             replays, rewound = fwd.counters["graph_replays"], fwd.counters["rewound_positions"]
+            checks = fwd.counters["batch_graph_replays"]
             (fast,), after = run(engine, [prompt], 4, params)
             assert fast == plain
             assert after.accepted > 0 and after.steps < before.steps
-            assert fwd.counters["rewound_positions"] > rewound
+            assert fwd.counters["rewound_positions"] > rewound and fwd.counters["batch_graph_replays"] > checks
         assert before.steps == 40 and replays > 0  # without guesses: the pipelined greedy decode, a token a step
         assert fwd.counters["declined"] == 0
         assert engine.pool.free_blocks == engine.pool.num_blocks
