@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -313,10 +313,19 @@ class Offload:
                              lambda r: None if isinstance(r, Iterator) else f"{type(r).__name__}, not an iterator")
         return None if tokens is None else self._checked_tokens(hook, tokens, vocab)
 
-    def _checked_tokens(self, hook: str, tokens: Iterator[Any], vocab: int) -> Iterator[int]:
+    def _checked_tokens(self, hook: str, tokens: Iterator[Any], vocab: int) -> Generator[int, Any, None]:
+        """``tokens``, each checked; a ``send(False)`` goes on to the backend's generator (an iterator that
+        takes none stops)."""
+        more = None
         while True:
             try:
-                tok = next(tokens, None)
+                if more is False:
+                    send = getattr(tokens, "send", None)
+                    tok = None if send is None else send(False)
+                else:
+                    tok = next(tokens, None)
+            except StopIteration:
+                tok = None
             except KeyboardInterrupt:
                 raise
             except BaseException as exc:  # the device must never take kestrel down
@@ -327,7 +336,7 @@ class Offload:
             if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)) or not 0 <= tok < vocab:
                 self._decline_midway(hook, f"bad result: token {tok!r} outside [0, {vocab})", None)
                 return
-            yield int(tok)
+            more = yield int(tok)
 
     def _decline_midway(self, hook: str, reason: str, exc: BaseException | None) -> None:
         """A pipelined decode that fails after it was accepted: the tokens so far stand, the engine goes on

@@ -132,7 +132,9 @@ def kestrel_decode_greedy(device: Any, model: Any, seq_id: int, token: int, star
 
     Runs ``token`` at ``start``, then each step's argmax (numpy's: the first largest logit) at the next
     position, at most ``count`` steps, and returns an iterator of those argmax tokens; it may run steps ahead
-    of its consumer. None declines: the engine samples each step's logits itself. firstresult.
+    of its consumer. None declines: the engine samples each step's logits itself. Since API 1.6 the engine
+    may ``send(False)`` to a generator it returned: it then gives the token of the step it runs ahead (or
+    stops) and launches no step after that one. firstresult.
     """
 
 

@@ -544,15 +544,35 @@ class Scheduler:
         if not self.pool.reserve(seq.cache, len(seq.tokens) + 1):
             self._drop_device(request)
             return self.step()
-        self.steps += 1
-        seq.tokens.append(request.output_ids[-1])  # the device ran it and chose the next token
-        seq.device_len = len(seq.tokens)
-        request.sampler.count(nxt)
-        out = self._report(request, [self._accept(request, (nxt, None))])
-        if not request.finished and self._would_guess(request):  # its next steps carry guesses: the device's
-            self._drop_device(request)  # step ahead is rewound, and the pipeline offered again once they stop
+        sampled = [self._device_token(request, nxt)]
+        if not request.finished and self._would_guess(request):  # its next steps carry guesses: the token of
+            # the step the device runs ahead is taken, none launched after it, and the pipeline offered again
+            # once the guesses stop
+            ahead = self._last_device_token(request)
+            if ahead is not None:
+                sampled.append(self._device_token(request, ahead))
+            self._drop_device(request)
             request._device_offered = False
-        return [out]
+        return [self._report(request, sampled)]
+
+    def _device_token(self, request: Request, token: int) -> tuple[int, TokenLogprob | None]:
+        """A token the device chose after running the request's latest one."""
+        self.steps += 1
+        request.seq.tokens.append(request.output_ids[-1])
+        request.seq.device_len = len(request.seq.tokens)
+        request.sampler.count(token)
+        return self._accept(request, (token, None))
+
+    def _last_device_token(self, request: Request) -> int | None:
+        """The token of the step the pipelined decode runs ahead, no step launched after it (``send(False)``,
+        API 1.6); None where it runs none ahead or cannot stop so."""
+        send = getattr(request._device_tokens, "send", None)
+        if send is None or not self.pool.reserve(request.seq.cache, len(request.seq.tokens) + 1):
+            return None
+        try:
+            return send(False)
+        except StopIteration:
+            return None
 
     def _abort_step(self, work: list[tuple[Request, list[int], int]]) -> None:
         for request, _, _ in work:

@@ -62,7 +62,7 @@ keeps on the device, forward_step.py launches one step's kernels, forward_moe.py
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,10 +180,11 @@ class DeviceForward:
             raise
         return self._pipeline(st, seq_id, seq, start, count)
 
-    def _pipeline(self, st: State, seq_id: int, seq: _Seq, start: int, count: int) -> Iterator[int]:
+    def _pipeline(self, st: State, seq_id: int, seq: _Seq, start: int, count: int) -> Generator[int, Any, None]:
         """Steps i and i + 1 in flight while the host waits for step i's token (lm_finish feeds each step's
         argmax to the next on the device). A step beyond the KV capacity first drains the steps in flight,
-        grows the cache (which re-captures the graph) and writes its position and token from the host."""
+        grows the cache (which re-captures the graph) and writes its position and token from the host.
+        ``send(False)`` returns the token of the step in flight and launches none after it."""
         events: list[Any] = []
 
         def launch(i: int) -> None:
@@ -202,13 +203,17 @@ class DeviceForward:
             self.counters["steps"] += 1
             self.counters["decode_tokens"] += 1
 
+        last = count - 1  # the last step to launch
         try:
             launch(0)
             for i in range(count):
-                if i + 1 < count:
+                if i < last:
                     launch(i + 1)
                 self.ops.wait(events[i])
-                yield int(st.tokens[(start + i) % TOKEN_RING])
+                if (yield int(st.tokens[(start + i) % TOKEN_RING])) is False:
+                    last = min(last, i + 1)
+                if i == last:
+                    return
         except GeneratorExit:  # the consumer stopped: the cache holds every step launched, still valid
             raise
         except BaseException:

@@ -46,11 +46,14 @@ def kestrel_decode_greedy(device, model, seq_id, token, start, count):
         return None
     if GREEDY == ["list"]:
         return [1, 2]
+    if GREEDY == ["iter"]:
+        return iter([1, 2])
     def tokens():
         for t in GREEDY:
             if isinstance(t, Exception):
                 raise t
-            yield t
+            if (yield t) is False:  # the next one, then stop
+                SEEN.append(("stop",))
     return tokens()
 '''
 
@@ -111,6 +114,25 @@ def test_on_cpu_nothing_is_offered_but_gemms_are_counted() -> None:
     assert offload.forward(None, 1, np.zeros(2, np.int32), 0, True, 11) is None
     stats = offload.stats()
     assert "kestrel_gemm_fused_q8" not in stats and stats["kestrel_gemm_q8"]["accepted"] == 3
+
+
+def test_decode_greedy_passes_a_stop_on_to_the_backends_generator(tmp_path, monkeypatch) -> None:
+    """``send(False)`` to the checked iterator goes to the backend's generator, whose answer is checked too; an
+    iterator that is no generator cannot take it, and stops."""
+    offload, plugin = _registry(tmp_path, monkeypatch)
+    plugin.GREEDY[:] = [3, 4, 5, 6]
+    tokens = offload.decode_greedy(None, 1, 7, 10, 4, vocab=11)
+    assert next(tokens) == 3 and tokens.send(False) == 4 and plugin.SEEN[-1] == ("stop",)
+    plugin.GREEDY[:] = [3, 12]
+    tokens = offload.decode_greedy(None, 1, 7, 10, 2, vocab=11)
+    assert next(tokens) == 3
+    with pytest.raises(StopIteration):
+        tokens.send(False)  # 12 is outside the vocabulary
+    plugin.GREEDY[:] = ["iter"]
+    tokens = offload.decode_greedy(None, 1, 7, 10, 2, vocab=11)
+    assert next(tokens) == 1
+    with pytest.raises(StopIteration):
+        tokens.send(False)
 
 
 def test_decode_greedy_checks_every_token_and_stops_on_an_error(tmp_path, monkeypatch, caplog) -> None:

@@ -67,6 +67,8 @@ SMALL_CONFIGS: dict[str, ModelConfig] = {
 # made by MAKE that declines the calls numbered in DECLINE (1-based), recording each call's start. GREEDY:
 # None declines the pipelined greedy decode; n >= 0 runs it and fails after n tokens; -1 never fails.
 DECLINING_BACKEND = '''
+import itertools
+
 from kestrel_core import API_VERSION, BackendInfo, hookimpl
 from kestrel_cpu import kestrel_close, kestrel_gemm_f32, kestrel_gemm_q8, kestrel_open  # noqa: F401
 from kestrel_cuda.forward import DeviceForward
@@ -103,10 +105,15 @@ def kestrel_decode_greedy(device, model, seq_id, token, start, count):
 
 
 def _failing(tokens):
-    for i, tok in enumerate(tokens):
+    sent = None
+    for i in itertools.count():
+        try:
+            tok = tokens.send(sent)  # a stop (send(False)) passed on
+        except StopIteration:
+            return
         if i == GREEDY:
             raise RuntimeError("simulated device error")
-        yield tok
+        sent = yield tok
 
 
 @hookimpl

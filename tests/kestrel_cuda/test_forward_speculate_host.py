@@ -58,23 +58,26 @@ def run(engine, prompts: list[list[int]], speculate: int, params: SamplingParams
 
 def test_a_lone_request_guesses_on_the_device_and_says_what_it_says_without(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """One greedy request: the same tokens with guesses as without, in fewer steps; the drafts' checks run as
-    the pool's captured steps, the device takes back the positions of wrong guesses (and the step its pipelined
-    decode ran ahead), and declines nothing."""
+    the pool's captured steps, the device takes back the positions of wrong guesses (the pipelined decode
+    stopped after the step it ran ahead, whose token is taken: nothing else), and declines nothing."""
     model = tiny_model()
     bind(tmp_path, monkeypatch)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     with kestrel_core.load(model, backend="fwdcuda") as engine:
         assert engine.rewinds and engine.device_rewinds and not engine.steps_on_host
         prompts = looping_prompts(model, 3)
+        rewound = wrong = 0
         for prompt in prompts:
             (plain,), before = run(engine, [prompt], 0, params)
             fwd = engine.backend.plugin.FWD[0]
-            replays, rewound = fwd.counters["graph_replays"], fwd.counters["rewound_positions"]
+            replays, positions = fwd.counters["graph_replays"], fwd.counters["rewound_positions"]
             checks = fwd.counters["batch_graph_replays"]
             (fast,), after = run(engine, [prompt], 4, params)
             assert fast == plain
-            assert after.accepted > 0 and after.steps < before.steps
-            assert fwd.counters["rewound_positions"] > rewound and fwd.counters["batch_graph_replays"] > checks
+            assert after.accepted > 0 and after.steps < before.steps and fwd.counters["batch_graph_replays"] > checks
+            rewound += fwd.counters["rewound_positions"] - positions
+            wrong += after.drafted - after.accepted
+        assert 0 < rewound <= wrong  # (a check that ends the answer rewinds nothing)
         assert before.steps == 40 and replays > 0  # without guesses: the pipelined greedy decode, a token a step
         assert fwd.counters["declined"] == 0
         assert engine.pool.free_blocks == engine.pool.num_blocks
@@ -121,3 +124,27 @@ def test_a_backend_before_api_1_6_is_not_asked_to_rewind(tmp_path, monkeypatch) 
         (fast,), sched = run(engine, [prompt], 4, params)
     assert fast == plain and sched.drafted == 0
 
+
+
+def test_the_pipelined_decode_stops_after_the_step_it_runs_ahead() -> None:
+    """``send(False)`` to the pipelined greedy decode gives the token of the step in flight and launches none
+    after it: the tokens are an uninterrupted run's first ones, and no step ran that nobody took."""
+    from kestrel_cuda.forward import DeviceForward
+    from kestrel_cuda.ops_numpy import NumpyOps
+
+    model = tiny_model()
+    prompt = np.array(looping_prompts(model, 1)[0])
+    runs = []
+    for stop in (False, True):
+        fwd = DeviceForward(ops=NumpyOps())
+        first = int(np.argmax(fwd.forward(model, 1, prompt, 0, False)[-1]))
+        tokens = fwd.greedy(model, 1, first, len(prompt), 10)
+        got = [next(tokens) for _ in range(3)]
+        if stop:
+            got.append(tokens.send(False))
+            assert next(tokens, None) is None
+            assert fwd.counters["decode_tokens"] == 4 and fwd._seqs[1].length == len(prompt) + 4
+        else:
+            got += list(tokens)
+        runs.append(got)
+    assert runs[1] == runs[0][:4]
