@@ -7,7 +7,8 @@ acceptance rate, and a check that every setting gives the same tokens.
 
 With ``--preset`` (random weights, no text), what a guess costs and gains on the backend: a random prompt's
 greedy answer without guesses, then with drafts of k tokens that are all right (the answer's next ones: the
-most guessing can give) and all wrong (every guess taken back: the most it can cost), runs alternating.
+most guessing can give) and all wrong (every guess taken back: the most it can cost), and either in every other
+stretch of 16 tokens (leaving and taking up the pipelined decode), runs alternating.
 
     python benchmarks/speculate.py --preset qwen3-8b --backend cuda --quant q8 [--tokens 128] [--runs 3]
 """
@@ -50,28 +51,31 @@ TASKS = {"edit code": f"Rename the function merge to deep_merge in this code and
 
 
 class Oracle(PromptLookup):
-    """Drafts from a known answer: its next tokens (``right``), or tokens that are never the next one."""
+    """Drafts from a known answer: its next tokens (``right``), or tokens that are never the next one; with
+    ``stretch``, only in every other stretch of that many tokens (a context that offers guesses now and then)."""
 
-    def __init__(self, prompt_len: int, answer: list[int], right: bool, vocab: int) -> None:
+    def __init__(self, prompt_len: int, answer: list[int], right: bool, vocab: int, stretch: int = 0) -> None:
         super().__init__()
-        self.prompt_len, self.answer, self.right, self.vocab = prompt_len, answer, right, vocab
+        self.prompt_len, self.answer, self.right, self.vocab, self.stretch = prompt_len, answer, right, vocab, stretch
 
     def draft(self, k: int) -> list[int]:
         at = len(self.tokens) - self.prompt_len  # the answer's tokens so far; the next one is guessed
+        if self.stretch and at // self.stretch % 2:
+            return []
         nxt = self.answer[at:at + k]
         return nxt if self.right else [(t + 1) % self.vocab for t in nxt]
 
 
 def run(engine: kestrel_core.Engine, ids: list[int], streams: int, tokens: int, speculate: int,
-        oracle: tuple[list[int], bool] | None = None) -> tuple[float, list[list[int]], int, int]:
+        oracle: tuple[list[int], bool, int] | None = None) -> tuple[float, list[list[int]], int, int]:
     """(decode tok/s over all streams, each stream's tokens, drafted, accepted). ``oracle``: (the answer, whether
-    its drafts are right) instead of prompt lookup."""
+    its drafts are right, the stretch) instead of prompt lookup."""
     engine.speculate = speculate
     scheduler = Scheduler(engine, max_batch=streams)
     requests = [scheduler.add(ids, SamplingParams(max_tokens=tokens, ignore_eos=True)) for _ in range(streams)]
     if oracle is not None:
         for r in requests:
-            r.lookup = Oracle(len(ids), oracle[0], oracle[1], engine.config.vocab_size)
+            r.lookup = Oracle(len(ids), oracle[0], oracle[1], engine.config.vocab_size, oracle[2])
     out: dict[str, list[int]] = {r.request_id: [] for r in requests}
     first = None
     while any(not r.finished for r in requests):
@@ -91,10 +95,11 @@ def preset_costs(engine: kestrel_core.Engine, tokens: int, runs: int, prompt_tok
     # the answer drafts' checks give (every token chosen by a check: a backend's batched rows may round otherwise
     # than its one-row step), which right drafts follow
     _, (plain, *_), _, _ = run(engine, ids, 1, tokens, 0)
-    _, (answer, *_), _, _ = run(engine, ids, 1, tokens, 2, (plain, False))
+    _, (answer, *_), _, _ = run(engine, ids, 1, tokens, 2, (plain, False, 0))
     print(f"the answer of drafts' checks {'is' if answer == plain else 'is NOT'} the one without guesses")
-    settings = [("no guesses", 0, None)] + [(f"{k} right", k, (answer, True)) for k in (2, 4, 8)] + [
-        (f"{k} wrong", k, (answer, False)) for k in (2, 4)]
+    settings = [("no guesses", 0, None)] + [(f"{k} right", k, (answer, True, 0)) for k in (2, 4, 8)] + [
+        (f"{k} wrong", k, (answer, False, 0)) for k in (2, 4)] + [
+        ("4 right, every other 16 tokens", 4, (answer, True, 16)), ("4 wrong, every other 16", 4, (answer, False, 16))]
     for streams in (1, 4):
         for _, k, oracle in settings:
             run(engine, ids, streams, 8, k, oracle)  # warm-up (captures, the GEMM's scratch)
@@ -108,7 +113,7 @@ def preset_costs(engine: kestrel_core.Engine, tokens: int, runs: int, prompt_tok
         print(f"{streams} stream(s), {tokens} tokens each, a random {prompt_tokens}-token prompt:")
         for name, values in rates.items():
             each = ", ".join(f"{v:.1f}" for v in values)
-            print(f"  {name:>10}: {statistics.median(values):8.1f} tok/s (runs {each}), "
+            print(f"  {name:>30}: {statistics.median(values):8.1f} tok/s (runs {each}), "
                   f"{kept[name][0]}/{kept[name][1]} drafts kept")
 
 
