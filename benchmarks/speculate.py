@@ -60,7 +60,7 @@ class Oracle(PromptLookup):
 
     def draft(self, k: int) -> list[int]:
         at = len(self.tokens) - self.prompt_len  # the answer's tokens so far; the next one is guessed
-        if self.stretch and at // self.stretch % 2:
+        if self.paused or self.stretch and at // self.stretch % 2:
             return []
         nxt = self.answer[at:at + k]
         return nxt if self.right else [(t + 1) % self.vocab for t in nxt]

@@ -238,6 +238,7 @@ class Scheduler:
                 break
         kept = len(sampled) - 1  # guesses confirmed: the inputs of the rows after them were right
         self.accepted += kept
+        self._lookup(request).checked(kept)
         if not request.finished:
             self.engine.rewind(request.seq, len(request.seq.tokens) - (len(draft) - kept))
         return sampled

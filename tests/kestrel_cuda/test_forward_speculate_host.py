@@ -13,6 +13,7 @@ import kestrel_core
 from kestrel_core.model.loader import load_model
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import Scheduler
+from kestrel_core.model.speculate import PromptLookup
 
 from .test_forward_batch_host import BATCH_BACKEND
 
@@ -44,11 +45,27 @@ def looping_prompts(model, n: int, seed: int = 0) -> list[list[int]]:  # type: i
     return [base + rng.integers(3, vocab, int(rng.integers(2, 10))).tolist() + base[:6] for _ in range(n)]
 
 
-def run(engine, prompts: list[list[int]], speculate: int, params: SamplingParams  # type: ignore[no-untyped-def]
-        ) -> tuple[list[list[int]], Scheduler]:
+class WrongGuesses(PromptLookup):
+    """Drafts that are never right: the known answer's next tokens, each one id over."""
+
+    def __init__(self, prompt_len: int, answer: list[int], vocab: int) -> None:
+        super().__init__()
+        self.prompt_len, self.answer, self.vocab = prompt_len, answer, vocab
+
+    def draft(self, k: int) -> list[int]:
+        at = len(self.tokens) - self.prompt_len
+        return [(t + 1) % self.vocab for t in self.answer[at:at + k]]
+
+
+def run(engine, prompts: list[list[int]], speculate: int, params: SamplingParams,  # type: ignore[no-untyped-def]
+        lookup=None) -> tuple[list[list[int]], Scheduler]:
+    """Each prompt's tokens and the scheduler; ``lookup(prompt)``: the drafts' source instead of prompt lookup."""
     engine.speculate = speculate
     sched = Scheduler(engine)
     requests = [sched.add(p, params) for p in prompts]
+    for r, p in zip(requests, prompts):
+        if lookup is not None:
+            r.lookup = lookup(p)
     got: dict[str, list[int]] = {r.request_id: [] for r in requests}
     while sched.has_work:
         for out in sched.step():
@@ -59,7 +76,8 @@ def run(engine, prompts: list[list[int]], speculate: int, params: SamplingParams
 def test_a_lone_request_guesses_on_the_device_and_says_what_it_says_without(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """One greedy request: the same tokens with guesses as without, in fewer steps; the drafts' checks run as
     the pool's captured steps, the device takes back the positions of wrong guesses (the pipelined decode
-    stopped after the step it ran ahead, whose token is taken: nothing else), and declines nothing."""
+    stopped after the step it ran ahead, whose token is taken: nothing else), and declines nothing. Guesses
+    that are all wrong change nothing either: each one's position is computed again."""
     model = tiny_model()
     bind(tmp_path, monkeypatch)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -77,8 +95,13 @@ def test_a_lone_request_guesses_on_the_device_and_says_what_it_says_without(tmp_
             assert after.accepted > 0 and after.steps < before.steps and fwd.counters["batch_graph_replays"] > checks
             rewound += fwd.counters["rewound_positions"] - positions
             wrong += after.drafted - after.accepted
-        assert 0 < rewound <= wrong  # (a check that ends the answer rewinds nothing)
+        assert rewound <= wrong  # (a check that ends the answer rewinds nothing)
         assert before.steps == 40 and replays > 0  # without guesses: the pipelined greedy decode, a token a step
+        positions = fwd.counters["rewound_positions"]
+        (missed,), sched = run(engine, [prompt], 4, params,
+                               lambda p: WrongGuesses(len(p), plain, model.config.vocab_size))
+        assert missed == plain and sched.accepted == 0
+        assert 0 < fwd.counters["rewound_positions"] - positions <= sched.drafted
         assert fwd.counters["declined"] == 0
         assert engine.pool.free_blocks == engine.pool.num_blocks
 

@@ -31,6 +31,23 @@ def test_the_draft_follows_the_longest_suffix_seen_before() -> None:
     assert lookup.draft(2) == []  # only "1" matches: one token is too weak a match
 
 
+def test_drafts_pause_after_misses_for_longer_each_time() -> None:
+    lookup = PromptLookup()
+    lookup.extend([1, 2, 3, 1, 2])
+    assert lookup.draft(2) == [3, 1]
+    for pause in (2, 4, 8, 16, 32, 32):  # doubling up to MAX_PAUSE
+        lookup.checked(0)
+        start = len(lookup.tokens)
+        while lookup.draft(2) == []:
+            lookup.extend([1, 2])  # "1 2" keeps matching: only the pause stops the drafts
+        assert len(lookup.tokens) - start == pause
+    lookup.checked(1)  # a confirmed guess ends the misses: the next one pauses for 2 again
+    lookup.checked(0)
+    assert lookup.paused and lookup.draft(2) == []
+    lookup.extend([1, 2])
+    assert not lookup.paused and lookup.draft(2) == [1, 2]
+
+
 def _run(engine: kestrel_core.Engine, speculate: int, requests: list[tuple[list[int], SamplingParams]],
          max_batch: int = 8) -> tuple[list[tuple[list[int], str, str | None]], Scheduler]:
     engine.speculate = speculate
