@@ -7,8 +7,9 @@ acceptance rate, and a check that every setting gives the same tokens.
 
 With ``--preset`` (random weights, no text), what a guess costs and gains on the backend: a random prompt's
 greedy answer without guesses, then with drafts of k tokens that are all right (the answer's next ones: the
-most guessing can give) and all wrong (every guess taken back: the most it can cost), and either in every other
-stretch of 16 tokens (leaving and taking up the pipelined decode), runs alternating.
+most guessing can give) and all wrong (every guess taken back, drafting paused after misses: the most it can
+cost), and either in every other stretch of 16 tokens (leaving and taking up the pipelined decode), runs
+alternating.
 
     python benchmarks/speculate.py --preset qwen3-8b --backend cuda --quant q8 [--tokens 128] [--runs 3]
 """
@@ -51,8 +52,10 @@ TASKS = {"edit code": f"Rename the function merge to deep_merge in this code and
 
 
 class Oracle(PromptLookup):
-    """Drafts from a known answer: its next tokens (``right``), or tokens that are never the next one; with
-    ``stretch``, only in every other stretch of that many tokens (a context that offers guesses now and then)."""
+    """Drafts from a known answer: its next tokens (``right``), or tokens that are never the next one, which pause
+    drafting as prompt lookup's misses do; with ``stretch``, only in every other stretch of that many tokens (a
+    context that offers guesses now and then). Right drafts ignore the pause: a miss comes from a near-tie of the
+    random weights going the other way than in the answer, after which the rest of the answer differs too."""
 
     def __init__(self, prompt_len: int, answer: list[int], right: bool, vocab: int, stretch: int = 0) -> None:
         super().__init__()
@@ -60,7 +63,7 @@ class Oracle(PromptLookup):
 
     def draft(self, k: int) -> list[int]:
         at = len(self.tokens) - self.prompt_len  # the answer's tokens so far; the next one is guessed
-        if self.paused or self.stretch and at // self.stretch % 2:
+        if self.paused and not self.right or self.stretch and at // self.stretch % 2:
             return []
         nxt = self.answer[at:at + k]
         return nxt if self.right else [(t + 1) % self.vocab for t in nxt]
