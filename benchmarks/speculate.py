@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 
@@ -57,28 +58,30 @@ class Oracle(PromptLookup):
     context that offers guesses now and then). Right drafts ignore the pause: a miss comes from a near-tie of the
     random weights going the other way than in the answer, after which the rest of the answer differs too."""
 
-    def __init__(self, prompt_len: int, answer: list[int], right: bool, vocab: int, stretch: int = 0) -> None:
+    def __init__(self, prompt_len: int, answer: list[int], right: bool, vocab: int, stretch: int = 0,
+                 pausing: bool | None = None) -> None:
         super().__init__()
         self.prompt_len, self.answer, self.right, self.vocab, self.stretch = prompt_len, answer, right, vocab, stretch
+        self.pausing = not right if pausing is None else pausing
 
     def draft(self, k: int) -> list[int]:
         at = len(self.tokens) - self.prompt_len  # the answer's tokens so far; the next one is guessed
-        if self.paused and not self.right or self.stretch and at // self.stretch % 2:
+        if self.paused and self.pausing or self.stretch and at // self.stretch % 2:
             return []
         nxt = self.answer[at:at + k]
         return nxt if self.right else [(t + 1) % self.vocab for t in nxt]
 
 
 def run(engine: kestrel_core.Engine, ids: list[int], streams: int, tokens: int, speculate: int,
-        oracle: tuple[list[int], bool, int] | None = None) -> tuple[float, list[list[int]], int, int]:
-    """(decode tok/s over all streams, each stream's tokens, drafted, accepted). ``oracle``: (the answer, whether
-    its drafts are right, the stretch) instead of prompt lookup."""
+        oracle: tuple[Any, ...] | None = None) -> tuple[float, list[list[int]], int, int]:
+    """(decode tok/s over all streams, each stream's tokens, drafted, accepted). ``oracle``: Oracle's (answer,
+    right, stretch[, pausing]) instead of prompt lookup."""
     engine.speculate = speculate
     scheduler = Scheduler(engine, max_batch=streams)
     requests = [scheduler.add(ids, SamplingParams(max_tokens=tokens, ignore_eos=True)) for _ in range(streams)]
     if oracle is not None:
         for r in requests:
-            r.lookup = Oracle(len(ids), oracle[0], oracle[1], engine.config.vocab_size, oracle[2])
+            r.lookup = Oracle(len(ids), oracle[0], oracle[1], engine.config.vocab_size, *oracle[2:])
     out: dict[str, list[int]] = {r.request_id: [] for r in requests}
     first = None
     while any(not r.finished for r in requests):
@@ -98,7 +101,7 @@ def preset_costs(engine: kestrel_core.Engine, tokens: int, runs: int, prompt_tok
     # the answer drafts' checks give (every token chosen by a check: a backend's batched rows may round otherwise
     # than its one-row step), which right drafts follow
     _, (plain, *_), _, _ = run(engine, ids, 1, tokens, 0)
-    _, (answer, *_), _, _ = run(engine, ids, 1, tokens, 2, (plain, False, 0))
+    _, (answer, *_), _, _ = run(engine, ids, 1, tokens, 2, (plain, False, 0, False))
     print(f"the answer of drafts' checks {'is' if answer == plain else 'is NOT'} the one without guesses")
     settings = [("no guesses", 0, None)] + [(f"{k} right", k, (answer, True, 0)) for k in (2, 4, 8)] + [
         (f"{k} wrong", k, (answer, False, 0)) for k in (2, 4)] + [
