@@ -3,9 +3,10 @@ latest tokens appeared (in its prompt or its answer so far).
 
 A greedy request's next ``k`` tokens are guessed from its own context (answers that quote, edit or repeat their
 input: code edits, summaries, extraction), run with its next token as one chunk, and kept up to the first guess
-the model's argmax disagrees with, plus that argmax. A row's logits do not depend on the rest of the batch
-(kestrel_core.model.kernels), so the kept tokens are exactly the ones decoding one at a time gives; what a step
-costs grows little with a few more rows while decode is memory-bound.
+the model's argmax disagrees with, plus that argmax. On the host a row's logits do not depend on the rest of the
+batch (kestrel_core.model.kernels), so the kept tokens are exactly the ones decoding one at a time gives (a
+backend's batched rows may round otherwise than its one-row step); what a step costs grows little with a few
+more rows while decode is memory-bound.
 """
 
 from __future__ import annotations
