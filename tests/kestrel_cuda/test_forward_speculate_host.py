@@ -171,3 +171,47 @@ def test_the_pipelined_decode_stops_after_the_step_it_runs_ahead() -> None:
             got += list(tokens)
         runs.append(got)
     assert runs[1] == runs[0][:4]
+
+
+def test_the_async_engine_guesses_on_the_device(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Concurrent requests through the AsyncEngine with guesses: each gets its answer without guesses, one whose
+    caller leaves midway is aborted, a ``call`` between steps finds the engine free, and at the end every block
+    and device sequence is released."""
+    import asyncio
+
+    from kestrel_core.model.async_engine import AsyncEngine
+
+    model = tiny_model()
+    bind(tmp_path, monkeypatch)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    prompts = looping_prompts(model, 4, seed=3)
+    with kestrel_core.load(model, backend="fwdcuda") as engine:
+        want, _ = run(engine, prompts, 0, params)
+        engine.speculate = 4
+        front = AsyncEngine(engine)
+        free: list[bool] = []
+
+        async def consume(prompt: list[int], leave_after: int | None) -> list[int]:
+            got: list[int] = []
+            stream = front.generate(prompt, params)
+            async for out in stream:
+                got.extend(out.new_token_ids)
+                if not free and len(got) >= 5:  # (the streams may all ask before the first answer)
+                    free.append(not await front.call(lambda: front.scheduler.step_running))
+                if leave_after is not None and len(got) >= leave_after:
+                    await stream.aclose()
+                    break
+            return got
+
+        async def main() -> list[list[int]]:
+            front.start()
+            got = await asyncio.gather(*(consume(p, 6 if i == 2 else None) for i, p in enumerate(prompts)))
+            await front.shutdown(grace_s=5)
+            return list(got)
+
+        got = asyncio.run(main())
+        fwd = engine.backend.plugin.FWD[0]
+        assert [g for i, g in enumerate(got) if i != 2] == [w for i, w in enumerate(want) if i != 2]
+        assert got[2] == want[2][:len(got[2])] and 6 <= len(got[2]) < 30
+        assert free and all(free) and front.scheduler.accepted > 0
+        assert engine.pool.free_blocks == engine.pool.num_blocks and not fwd._pool.held and not fwd._seqs
