@@ -16,6 +16,7 @@ subtle errors in the arithmetic.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -372,21 +373,9 @@ def _shared_prefix_steps(backend: Backend, model: Any, first_seq: int, pool: Any
     except Exception as exc:
         return f"shared prefix: raised {type(exc).__name__}: {safe_text(exc)}"
     finally:
-        for cache in seqs:
-            cache.release()
-        if backend.implements("kestrel_release_sequence"):
-            for seq in range(first_seq + 10, first_seq + 13):
-                backend.hook.kestrel_release_sequence(device=backend.device, seq_id=seq)
-    if got is None or want is None:
-        return ""
-    g, w = (np.asarray(x[0], np.float64) for x in (got, want))
-    if g.shape != w.shape or not np.all(np.isfinite(g)):
-        return f"shared prefix: bad result {g.dtype} {list(g.shape)}"
-    err = float(np.linalg.norm(g - w)) / (float(np.linalg.norm(w)) or 1.0)
-    if err > CHUNKED_TOL:
-        return (f"shared prefix: the logits after a prefix from the pool are {err:.3g} off those of the whole prompt "
-                f"(at most {CHUNKED_TOL})")
-    return ""
+        _release(backend, seqs, range(first_seq + 10, first_seq + 13))
+    return _off_straight("shared prefix", "the logits after a prefix from the pool are {} off those of the whole "
+                         "prompt", got, want)
 
 
 def _rewind_steps(backend: Backend, model: Any, first_seq: int, pool: Any) -> str:
@@ -414,20 +403,31 @@ def _rewind_steps(backend: Backend, model: Any, first_seq: int, pool: Any) -> st
     except Exception as exc:
         return f"rewind: raised {type(exc).__name__}: {safe_text(exc)}"
     finally:
-        for cache in caches:
-            cache.release()
-        if backend.implements("kestrel_release_sequence"):
-            for seq in (guessing, straight):
-                backend.hook.kestrel_release_sequence(device=backend.device, seq_id=seq)
+        _release(backend, caches, (guessing, straight))
+    return _off_straight("rewind", "the logits of tokens run from an earlier start are {} off those of the same "
+                         "tokens run straight", got, want)
+
+
+def _release(backend: Backend, caches: Sequence[Any], seq_ids: Iterable[int]) -> None:
+    """A check's page tables back to the reference's pool, and its sequences released on the backend."""
+    for cache in caches:
+        cache.release()
+    if backend.implements("kestrel_release_sequence"):
+        for seq in seq_ids:
+            backend.hook.kestrel_release_sequence(device=backend.device, seq_id=seq)
+
+
+def _off_straight(what: str, off: str, got: Any, want: Any) -> str:
+    """What is wrong with a step's logits (``got``) against the same tokens' run straight (``want``), beyond
+    CHUNKED_TOL: "" where they agree, or where either step was declined."""
     if got is None or want is None:
         return ""
     g, w = (np.asarray(x[0], np.float64) for x in (got, want))
     if g.shape != w.shape or not np.all(np.isfinite(g)):
-        return f"rewind: bad result {g.dtype} {list(g.shape)}"
+        return f"{what}: bad result {g.dtype} {list(g.shape)}"
     err = float(np.linalg.norm(g - w)) / (float(np.linalg.norm(w)) or 1.0)
     if err > CHUNKED_TOL:
-        return (f"rewind: the logits of tokens run from an earlier start are {err:.3g} off those of the same tokens "
-                f"run straight (at most {CHUNKED_TOL})")
+        return f"{what}: {off.format(f'{err:.3g}')} (at most {CHUNKED_TOL})"
     return ""
 
 
