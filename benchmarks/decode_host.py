@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(3):  # the first run captures the graph
         n = sum(1 for _ in engine.generate(prompt, max_tokens=args.steps + 1, stop_at_eos=False))
         assert n == args.steps + 1
-        per_token.append(engine.last.decode_s / engine.last.decode_steps * 1e6)
+        per_token.append(engine.last.decode_s / engine.last.decode_tokens * 1e6)
     res["engine_us_per_token"] = [round(t, 1) for t in per_token[1:]]
 
     fwd = engine.backend.device.forward

@@ -82,7 +82,7 @@ class Kestrel:
     def run(self, prompt: list[int], decode: int) -> tuple[float, float]:
         eng = self.engine
         n = sum(1 for _ in eng.generate(prompt, max_tokens=decode + 1, stop_at_eos=False))
-        assert n == decode + 1 and eng.last.decode_steps == decode
+        assert n == decode + 1 and eng.last.decode_tokens == decode
         return eng.last.prefill_tok_s, eng.last.decode_tok_s
 
 

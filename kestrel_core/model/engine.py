@@ -46,7 +46,7 @@ class RunStats:
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    decode_steps: int = 0
+    decode_tokens: int = 0  # the tokens decode_s gave: all but the first output's
 
     @property
     def prefill_tok_s(self) -> float:
@@ -54,7 +54,7 @@ class RunStats:
 
     @property
     def decode_tok_s(self) -> float:
-        return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
 @dataclass
@@ -489,9 +489,9 @@ class Engine:
                     if out.new_token_ids:
                         if stats.generated_tokens == 0:  # a long prompt takes several steps (chunked prefill)
                             stats.prefill_s = t1 - start
-                        else:
+                        else:  # a step of several tokens where its guesses were right
                             stats.decode_s += t1 - t0
-                            stats.decode_steps += 1
+                            stats.decode_tokens += len(out.new_token_ids)
                         stats.generated_tokens += len(out.new_token_ids)
                     yield out
                 t0 = time.perf_counter()

@@ -46,5 +46,5 @@ def test_a_prompt_of_several_steps_counts_them_all_in_its_prefill(monkeypatch: p
     steps = 3
     length = steps * default_token_budget(1) - 7
     result = run_bench(engine, prompt_tokens=length, decode_tokens=2, runs=1, warmup=0)
-    assert engine.last.prefill_s == steps and engine.last.decode_steps == 2 and engine.last.decode_s == 2
+    assert engine.last.prefill_s == steps and engine.last.decode_tokens == 2 and engine.last.decode_s == 2
     assert result.prefill_tok_s == pytest.approx(length / steps)

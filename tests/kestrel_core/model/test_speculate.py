@@ -144,6 +144,29 @@ def test_concurrent_async_requests_get_the_plain_answers() -> None:
         assert asyncio.run(answers(front, prompts)) == plain and front.scheduler.accepted > 0
 
 
+def test_decode_speed_counts_every_token_a_step_keeps(monkeypatch) -> None:
+    """``stats``' decode tok/s is tokens over time: a step that kept guesses counts each of its tokens."""
+    import kestrel_core.model.engine as engine_mod
+    from kestrel_core.model.scheduler import Scheduler as Sched
+
+    clock = [0.0]
+    step = Sched.step
+
+    def timed_step(self):  # type: ignore[no-untyped-def]
+        clock[0] += 1.0  # a second a step
+        return step(self)
+
+    monkeypatch.setattr(Sched, "step", timed_step)
+    monkeypatch.setattr(engine_mod.time, "perf_counter", lambda: clock[0])
+    with kestrel_core.load(str(FIXTURES / "tiny-qwen3"), backend="cpu") as engine:
+        ids = _prompts(engine, 1)[0]
+        engine.speculate = 4
+        assert len(list(engine.generate(ids, max_tokens=40, stop_at_eos=False))) == 40
+        last = engine.last
+    assert last.decode_tokens == 39 and last.decode_s < 39  # fewer steps than tokens
+    assert last.decode_tok_s == pytest.approx(39 / last.decode_s)
+
+
 def test_the_cli_option_gives_the_same_answer(capsys) -> None:
     import json
 
