@@ -161,7 +161,7 @@ def _model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
                         "for Qwen3 at 131072 tokens (the context becomes original x factor)")
     p.add_argument("--speculate", type=int, default=0, metavar="N",
                    help="greedy decoding guesses up to N tokens a step from the context (prompt lookup) and keeps "
-                        "what the model confirms: the same tokens, fewer steps (default: 0, off)")
+                        "what the model confirms: its greedy answer in fewer steps (default: 0, off)")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
