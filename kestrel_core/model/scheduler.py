@@ -305,6 +305,9 @@ class Scheduler:
         for request in list(self.running):
             if request.status != RUNNING or budget == 0:
                 continue
+            if request._device_tokens is not None:  # it was decoding alone: its steps ahead are left behind
+                self._drop_device(request)
+                request._device_offered = False
             before = ahead.get(id(request)) if ahead is not None else None
             if before is None:
                 n = min(request.pending, budget)

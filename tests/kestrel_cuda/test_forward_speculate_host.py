@@ -1,7 +1,8 @@
 """Speculative decoding (``--speculate``) where the device forward runs the steps, on the CPU with the numpy
 mirrors: the device computes the positions of guesses the model did not confirm again (API 1.6), a lone request
 leaves the pipelined greedy decode while its context offers guesses, batched ones are not fed then, and every
-request gives the tokens it gives without guesses. test_forward_speculate.py runs the same on the GPU."""
+request gives the tokens it gives without guesses (and a request that decoded alone goes on right after others
+ran beside it). test_forward_speculate.py runs the same on the GPU."""
 
 from __future__ import annotations
 
@@ -215,3 +216,27 @@ def test_the_async_engine_guesses_on_the_device(tmp_path, monkeypatch) -> None: 
         assert got[2] == want[2][:len(got[2])] and 6 <= len(got[2]) < 30
         assert free and all(free) and front.scheduler.accepted > 0
         assert engine.pool.free_blocks == engine.pool.num_blocks and not fwd._pool.held and not fwd._seqs
+
+
+def test_a_request_decoding_alone_goes_on_right_after_another_ran_beside_it(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A request decodes alone (the pipelined greedy decode), another arrives and runs to its end beside it
+    (batched steps), then the first decodes alone again: its answer is the one it gives alone throughout (its
+    pipelined decode is left when the batch starts, not resumed over a cache the batch has moved on from)."""
+    model = tiny_model()
+    bind(tmp_path, monkeypatch)
+    first = np.random.default_rng(7).integers(3, model.config.vocab_size, 20).tolist()
+    other = looping_prompts(model, 1, seed=5)[0]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    with kestrel_core.load(model, backend="fwdcuda") as engine:
+        (alone,), _ = run(engine, [first], 0, params)
+        sched = Scheduler(engine)
+        a = sched.add(first, params)
+        got: list[int] = []
+        for _ in range(6):
+            got += [t for o in sched.step() for t in o.new_token_ids]
+        b = sched.add(other, SamplingParams(max_tokens=5, ignore_eos=True))
+        while sched.has_work:
+            got += [t for o in sched.step() if o.request_id == a.request_id for t in o.new_token_ids]
+        fwd = engine.backend.plugin.FWD[0]
+    assert b.finished and fwd.counters["batch_steps"] > 0 and fwd.counters["graph_replays"] > 6
+    assert got == alone
