@@ -49,7 +49,8 @@ def _open_engine(args: argparse.Namespace) -> Engine:
     if engine.speculate and not engine.rewinds:
         why = ("its recurrent layers keep a state, which cannot take back a wrong guess"
                if engine.config.state_layers else
-               f"the {engine.backend_name} backend runs whole steps on a KV cache it cannot rewind: API 1.5 or older")
+               f"the {engine.backend_name} backend runs whole steps on a KV cache it cannot rewind (that takes "
+               "API 1.6's kestrel_forward_batch)")
         err.print(f"--speculate: this model decodes without guesses here ({why})", soft_wrap=True)
     return engine
 

@@ -21,8 +21,8 @@ next one already: that row's token is dropped, and the request's sequence is fre
 With ``Engine.speculate`` set, where sequences rewind (``Engine.rewinds``), a greedy request's decode row is
 followed by up to that many tokens guessed from its context (kestrel_core.model.speculate); the step keeps each
 row's argmax while the guesses agree, and the sequence is rewound past the first that does not. A guess needs
-the tokens before it, so while a greedy request's context offers one its steps are neither fed nor the
-backend's pipelined greedy decode; where it offers none they are.
+the tokens before it, so while a greedy request's context offers one, the batch's steps are not fed and its
+steps are not the backend's pipelined greedy decode; where none does they are.
 
 The scheduler is not thread-safe: one thread drives it (``AsyncEngine``, or ``Engine.generate``).
 """
@@ -396,18 +396,24 @@ class Scheduler:
         return request.argmax_only and request.pending == 1 and len(request.seq.tokens) >= len(request.prompt_ids)
 
     def _would_guess(self, request: Request) -> bool:
-        """Whether ``request``'s context offers a guess after its latest token (speculation on)."""
+        """Whether ``request``'s context offers a guess after its latest token (speculation on), with room for
+        one in its ``max_tokens`` and the context."""
         if not (self.speculate > 0 and self.engine.rewinds and request.seq is not None
-                and self._decoding_greedily(request)):
+                and self._decoding_greedily(request) and request.params.max_tokens - len(request.output_ids) > 1
+                and len(request.tokens) < self.engine.config.max_position):
             return False
         return bool(self._lookup(request).draft(1))
 
     def _lookup(self, request: Request) -> PromptLookup:
         """``request``'s prompt lookup, up to date with its tokens."""
-        if request.lookup is None:
-            request.lookup = PromptLookup()
-        request.lookup.extend(request.tokens[len(request.lookup.tokens):])
-        return request.lookup
+        lookup = request.lookup
+        if lookup is None:
+            lookup = request.lookup = PromptLookup()
+        prompt = len(request.prompt_ids)
+        if len(lookup.tokens) < prompt:
+            lookup.extend(request.prompt_ids[len(lookup.tokens):])
+        lookup.extend(request.output_ids[len(lookup.tokens) - prompt:])
+        return lookup
 
     def _guess(self, request: Request, room: int) -> None:
         """Draft up to ``speculate`` tokens after ``request``'s next one (``request.draft``), within ``room``
@@ -569,7 +575,8 @@ class Scheduler:
 
     def _last_device_token(self, request: Request) -> int | None:
         """The token of the step the pipelined decode runs ahead, no step launched after it (``send(False)``,
-        API 1.6); None where it runs none ahead or cannot stop so."""
+        API 1.6); None where it runs none ahead, cannot stop so, or the pool has no block for it (the position
+        is then computed again)."""
         send = getattr(request._device_tokens, "send", None)
         if send is None or not self.pool.reserve(request.seq.cache, len(request.seq.tokens) + 1):
             return None

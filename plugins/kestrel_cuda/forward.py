@@ -327,9 +327,10 @@ class DeviceForward:
 
     def _checks_guesses(self, e: BatchEntry) -> bool:
         """Whether a lone sequence's step runs in the pool, as the captured step of its rows' bucket: several
-        rows whose every logit is wanted (a draft's check). In its own cache they would run as a prompt chunk,
-        a kernel launched at a time, which costs the host several times the GPU's work at a few rows."""
-        return self.use_graph and 1 < len(e.tokens) == e.logit_rows and paged.bucket(len(e.tokens)) is not None
+        rows whose every greedy token is wanted (a draft's check). In its own cache they would run as a prompt
+        chunk, a kernel launched at a time, which costs the host several times the GPU's work at a few rows."""
+        return (self.use_graph and e.argmax_only and 1 < len(e.tokens) == e.logit_rows
+                and paged.bucket(len(e.tokens)) is not None)
 
     def _pool_for(self, st: State, blocks: int) -> paged.Pool:
         """The pool of the engine's ``blocks`` blocks (made anew for another engine's page tables)."""
@@ -467,6 +468,7 @@ class DeviceForward:
         held, blocks = pool.held.pop(seq_id)
         if start > held:
             return
+        self.counters["rewound_positions"] += held - start
         seq, self._spare = self._spare, None  # the last one's cache, and the decode graph it captured
         if seq is not None:
             seq.length = seq.pooled = 0
