@@ -214,8 +214,9 @@ def dumps(obj: Any, indent: int | None = None) -> str:
 
 
 def stats_line(stats: dict[str, Any]) -> str:
+    guesses = f" | guesses kept {stats['accepted']}/{stats['drafted']}" if stats.get("drafted") else ""
     return (f"prompt {stats['prompt_tokens']} tok | prefill {stats['prefill_tok_s']:.1f} tok/s | "
-            f"decode {stats['decode_tok_s']:.1f} tok/s ({stats['generated_tokens']} tok) | "
+            f"decode {stats['decode_tok_s']:.1f} tok/s ({stats['generated_tokens']} tok){guesses} | "
             f"backend {stats['backend']} | offload {stats['offload_accepted']} accepted, "
             f"{stats['offload_declined']} declined")
 

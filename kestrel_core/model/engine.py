@@ -47,6 +47,8 @@ class RunStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_tokens: int = 0  # the tokens decode_s gave: all but the first output's
+    drafted: int = 0  # tokens its steps guessed (--speculate)
+    accepted: int = 0  # guesses the model confirmed
 
     @property
     def prefill_tok_s(self) -> float:
@@ -496,6 +498,7 @@ class Engine:
                     yield out
                 t0 = time.perf_counter()
         finally:
+            stats.drafted, stats.accepted = scheduler.drafted, scheduler.accepted
             scheduler.close()
 
     @property
@@ -506,7 +509,7 @@ class Engine:
         return {
             "prompt_tokens": s.prompt_tokens, "generated_tokens": s.generated_tokens,
             "prefill_s": s.prefill_s, "prefill_tok_s": s.prefill_tok_s,
-            "decode_s": s.decode_s, "decode_tok_s": s.decode_tok_s,
+            "decode_s": s.decode_s, "decode_tok_s": s.decode_tok_s, "drafted": s.drafted, "accepted": s.accepted,
             "backend": self.backend.name, "device": self.backend.device_description,
             "preload_s": self.preload_s,
             "offload_accepted": accepted, "offload_declined": declined,

@@ -172,10 +172,16 @@ def test_the_cli_option_gives_the_same_answer(capsys) -> None:
 
     from kestrel_core.cli import main
 
-    outs = []
+    outs, lines = [], []
     for extra in ([], ["--speculate", "4"]):
-        assert main(["run", "--model", str(FIXTURES / "tiny-qwen3"), "--max-tokens", "24", "--json", *extra,
-                     "Repeat: the sea, the sea, the sea"]) == 0
-        outs.append(json.loads(capsys.readouterr().out)["tokens"])
+        assert main(["run", "--model", str(FIXTURES / "tiny-qwen3"), "--max-tokens", "24", "--json", "--stats",
+                     *extra, "Repeat: the sea, the sea, the sea"]) == 0
+        out, err = capsys.readouterr()
+        answer = json.loads(out)
+        outs.append(answer["tokens"])
+        lines.append(err)
     assert outs[0] == outs[1] and len(outs[0]) == 24
+    assert "guesses kept" not in lines[0]  # --stats says how many guesses the model confirmed, where there were
+    kept, drafted = answer["stats"]["accepted"], answer["stats"]["drafted"]
+    assert 0 < kept <= drafted and f"guesses kept {kept}/{drafted}" in lines[1]
     assert main(["run", "--model", str(FIXTURES / "tiny-qwen3"), "--speculate", "65", "x"]) == 2
