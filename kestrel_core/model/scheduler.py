@@ -253,7 +253,7 @@ class Scheduler:
         if before is not None:
             if not self.engine.feeds or any(rows and not r.argmax_only for r, _, rows in before[0] if not r.finished):
                 return None  # a request sampled on the host: its next token is not the device's
-            if any(r.draft or self._would_guess(r) for r, _, _ in before[0] if not r.finished):
+            if self.speculate and any(r.draft or self._would_guess(r) for r, _, _ in before[0] if not r.finished):
                 return None  # its next step guesses from the running step's tokens, or may
             ahead = {id(r): (1 if toks is None else len(toks), rows) for r, toks, rows in before[0]}
             self._running_step = before  # what ends while scheduling is held for the step on the device
@@ -555,9 +555,8 @@ class Scheduler:
             self._drop_device(request)
             return self.step()
         sampled = [self._device_token(request, nxt)]
-        if not request.finished and self._would_guess(request):  # its next steps carry guesses: the token of
-            # the step the device runs ahead is taken, none launched after it, and the pipeline offered again
-            # once the guesses stop
+        if not request.finished and self._would_guess(request):  # its next steps carry guesses: it takes the
+            # token of the step the device runs ahead, and the pipeline is offered again once the guesses stop
             ahead = self._last_device_token(request)
             if ahead is not None:
                 sampled.append(self._device_token(request, ahead))
@@ -574,9 +573,8 @@ class Scheduler:
         return self._accept(request, (token, None))
 
     def _last_device_token(self, request: Request) -> int | None:
-        """The token of the step the pipelined decode runs ahead, no step launched after it (``send(False)``,
-        API 1.6); None where it runs none ahead, cannot stop so, or the pool has no block for it (the position
-        is then computed again)."""
+        """The token of the step the pipelined decode runs ahead, none launched after it (``send(False)``, API
+        1.6); None where it runs none ahead, cannot stop so, or the pool has no block for it (computed again)."""
         send = getattr(request._device_tokens, "send", None)
         if send is None or not self.pool.reserve(request.seq.cache, len(request.seq.tokens) + 1):
             return None
