@@ -82,8 +82,9 @@ CAP_CHUNK = 1024  # KV positions are allocated this many at a time
 class _Seq:
     kv: Any  # float16 [L, 2, KV, cap, hd]
     length: int = 0
-    pooled: int = 0  # its first positions that are in its blocks of the pool too (prefixes it published)
+    pooled: int = 0  # its first positions that are in its blocks of the pool too (published, or moved there)
     graph: Callable[[], None] | None = None
+    owner: int | None = None  # as the spare: the pooled sequence whose first ``length`` positions it still holds
 
     @property
     def capacity(self) -> int:
@@ -125,7 +126,7 @@ class DeviceForward:
                                          "sequences_reused": 0, "batch_steps": 0, "batch_rows": 0,
                                          "batch_graph_replays": 0, "batch_argmax_steps": 0, "pool_moves": 0,
                                          "fed_rows": 0, "prefix_positions": 0, "prefix_blocks_published": 0,
-                                         "pool_out_of_memory": 0, "rewound_positions": 0}
+                                         "pool_out_of_memory": 0, "rewound_positions": 0, "pool_move_positions": 0}
         self.last_decline = ""
 
     # -- API -----------------------------------------------------------------------------------------
@@ -226,6 +227,7 @@ class DeviceForward:
         seq = self._seqs.get(seq_id)
         if seq is None and start == 0 and self._spare is not None:
             seq, self._spare = self._spare, None  # every position is written before it is read
+            seq.owner = None
             self._seqs[seq_id] = seq
             self.counters["sequences_reused"] += 1
         if start == 0:
@@ -242,6 +244,8 @@ class DeviceForward:
     def release(self, seq_id: int) -> None:
         if self._pool is not None:
             self._pool.held.pop(seq_id, None)
+        if self._spare is not None and self._spare.owner == seq_id:
+            self._spare.owner = None
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
             self._spare = seq
@@ -307,12 +311,16 @@ class DeviceForward:
             rewound += held - e.start
         self.counters["rewound_positions"] += rewound
         try:
-            for e in batch:  # a lone sequence's own cache joins the pool
+            for e in batch:  # a lone sequence's own cache joins the pool: what its pool blocks lack
                 own = self._seqs.pop(e.seq_id, None)
                 if own is not None:
-                    paged.to_pool(self.ops, own.kv, pool, e.blocks, e.start)
+                    self.counters["pool_move_positions"] += paged.to_pool(self.ops, own.kv, pool, e.blocks,
+                                                                          e.start, first=own.pooled)
+                    own.length, own.owner = min(own.length, e.start), e.seq_id  # the spare, still its own
                     self._spare = own
                     self.counters["pool_moves"] += 1
+                elif self._spare is not None and self._spare.owner == e.seq_id:
+                    self._spare.length = min(self._spare.length, e.start)  # (a rewind in the pool)
                 pool.held[e.seq_id] = (e.start, e.blocks)
             outs = self._run_pooled(st, pool, batch, feed)
         except BaseException:
@@ -337,6 +345,10 @@ class DeviceForward:
         pool = self._pool
         if pool is None or pool.blocks != blocks:
             pool = self._pool = paged.new_pool(self.ops, st.config, blocks, PASS_ROWS, st.max_context)
+            for seq in self._seqs.values():  # nothing of theirs is in the new pool
+                seq.pooled = 0
+            if self._spare is not None:
+                self._spare.owner = None
         return pool
 
     def _lone_pool(self, st: State, blocks: int) -> paged.Pool | None:
@@ -469,12 +481,14 @@ class DeviceForward:
         if start > held:
             return
         self.counters["rewound_positions"] += held - start
-        seq, self._spare = self._spare, None  # the last one's cache, and the decode graph it captured
+        seq, self._spare = self._spare, None  # the last one's cache and the decode graph it captured: its own
+        keep = 0  # cache's first positions where it was this sequence's (the pool never rewrote them)
         if seq is not None:
-            seq.length = seq.pooled = 0
+            keep = min(seq.length, start) if seq.owner == seq_id else 0
+            seq.length, seq.owner = keep, None
             self._seqs[seq_id] = seq
         seq = self._reserve(st, seq_id, seq, max(start, 1))
-        paged.from_pool(self.ops, pool, blocks, start, seq.kv)
+        self.counters["pool_move_positions"] += paged.from_pool(self.ops, pool, blocks, start, seq.kv, first=keep)
         seq.length = seq.pooled = start
         self.counters["pool_moves"] += 1
 

@@ -95,20 +95,27 @@ def slots(blocks: Sequence[int], n: int) -> list[tuple[int, int]]:
     return [(b * KV_BLOCK, min(KV_BLOCK, n - j * KV_BLOCK)) for j, b in enumerate(blocks[:-(-n // KV_BLOCK)])]
 
 
-def to_pool(ops: Any, own_kv: Any, pool: Pool, blocks: Sequence[int], n: int, first: int = 0) -> None:
+def to_pool(ops: Any, own_kv: Any, pool: Pool, blocks: Sequence[int], n: int, first: int = 0) -> int:
     """Positions 0..n-1 of a sequence's own cache ([L, 2, KV, cap, hd]) into its pool blocks; with ``first``,
-    only the blocks from the one holding position ``first`` on."""
+    only the blocks from the one holding position ``first`` on. The positions copied."""
+    copied = 0
     for j, (row, length) in enumerate(slots(blocks, n)):
         p = j * KV_BLOCK
         if p + KV_BLOCK > first:
             ops.copy(pool.kv[:, :, :, row:row + length], own_kv[:, :, :, p:p + length])
+            copied += length
+    return copied
 
 
-def from_pool(ops: Any, pool: Pool, blocks: Sequence[int], n: int, own_kv: Any) -> None:
+def from_pool(ops: Any, pool: Pool, blocks: Sequence[int], n: int, own_kv: Any, first: int = 0) -> int:
     """The reverse of ``to_pool``."""
+    copied = 0
     for j, (row, length) in enumerate(slots(blocks, n)):
         p = j * KV_BLOCK
-        ops.copy(own_kv[:, :, :, p:p + length], pool.kv[:, :, :, row:row + length])
+        if p + KV_BLOCK > first:
+            ops.copy(own_kv[:, :, :, p:p + length], pool.kv[:, :, :, row:row + length])
+            copied += length
+    return copied
 
 
 def written_blocks(e: BatchEntry) -> tuple[int, ...]:

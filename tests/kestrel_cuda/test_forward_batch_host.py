@@ -131,6 +131,34 @@ def test_a_sequence_moves_between_its_own_cache_and_the_pool(make_fwd) -> None: 
     assert fwd.counters["pool_moves"] == 3  # 1 and 2 into the pool, 1 back out
 
 
+def test_a_move_copies_only_what_the_other_side_lacks_and_never_a_stale_position(make_fwd) -> None:  # type: ignore[no-untyped-def]
+    """A sequence alone (70 positions), in the pool (where a step goes back to position 50 with 16 other tokens),
+    alone again, then in a pool made anew: each move copies only the blocks the other side lacks, yet every
+    result is the CPU decoder's for the tokens the sequence holds: its own cache's positions 50..65 are not kept
+    on the way out, and nothing is taken for in a new pool."""
+    model = _model()
+    (p,) = _prompts(model, (70,))
+    (other, third) = _prompts(model, (7, 9), seed=5)
+    fix = np.arange(3, 19)
+    pages, fwd = Pages(4), make_fwd()
+    tokens = list(p)
+    fwd.forward_batch(model, [pages.entry(1, p, 0, 1)])  # alone: its own cache
+    fwd.forward_batch(model, [pages.entry(2, other, 0, 1), pages.entry(1, np.array([5]), 70, 1)])  # joins at 70
+    tokens.append(5)
+    out, _ = fwd.forward_batch(model, [pages.entry(1, fix, 50, 4), pages.entry(2, np.array([2]), 7, 1)])
+    tokens[50:] = fix.tolist()  # taken back to 50 in the pool
+    _assert_like_cpu(model, tokens, out)
+    moved = fwd.counters["pool_move_positions"]
+    (out,) = fwd.forward_batch(model, [pages.entry(1, np.array([6]), 66, 1)])  # alone again
+    tokens.append(6)
+    _assert_like_cpu(model, tokens, out)
+    assert fwd.counters["pool_move_positions"] - moved == 66 - 32  # from the block holding position 50
+    fwd.reset_pool()
+    out, _ = fwd.forward_batch(model, [pages.entry(1, np.array([7]), 67, 1), pages.entry(3, third, 0, 1)])
+    tokens.append(7)
+    _assert_like_cpu(model, tokens, out)
+
+
 def test_padding_rows_of_a_bucket_touch_no_sequence(make_fwd) -> None:  # type: ignore[no-untyped-def]
     """Three decode rows run as the captured bucket of four: the padding row writes only the scratch block,
     so another sequence's blocks keep their keys and values."""

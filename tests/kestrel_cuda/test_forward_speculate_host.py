@@ -240,3 +240,34 @@ def test_a_request_decoding_alone_goes_on_right_after_another_ran_beside_it(tmp_
         fwd = engine.backend.plugin.FWD[0]
     assert b.finished and fwd.counters["batch_steps"] > 0 and fwd.counters["graph_replays"] > 6
     assert got == alone
+
+
+class Stretches(PromptLookup):
+    """Right drafts (the known answer's next tokens) in every other stretch of ``stretch`` tokens, none between."""
+
+    def __init__(self, prompt_len: int, answer: list[int], stretch: int = 8) -> None:
+        super().__init__()
+        self.prompt_len, self.answer, self.stretch = prompt_len, answer, stretch
+
+    def draft(self, k: int) -> list[int]:
+        at = len(self.tokens) - self.prompt_len
+        return [] if at // self.stretch % 2 else self.answer[at:at + k]
+
+
+def test_switching_between_guesses_and_the_pipeline_moves_only_new_positions(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A long prompt's request that guesses now and then moves between its own cache (the pipelined decode) and
+    the pool (the checks) many times, each time copying only the positions the other side wrote since (a block
+    at most more), not the whole context; its answer is the one without guesses."""
+    model = tiny_model()
+    bind(tmp_path, monkeypatch)
+    prompt = np.random.default_rng(11).integers(3, model.config.vocab_size, 150).tolist()
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    with kestrel_core.load(model, backend="fwdcuda") as engine:
+        (plain,), _ = run(engine, [prompt], 0, params)
+        fwd = engine.backend.plugin.FWD[0]
+        moves, copied = fwd.counters["pool_moves"], fwd.counters["pool_move_positions"]
+        (got,), sched = run(engine, [prompt], 4, params, lambda p: Stretches(len(p), plain))
+        moves = fwd.counters["pool_moves"] - moves
+        copied = fwd.counters["pool_move_positions"] - copied
+    assert got == plain and sched.accepted > 0
+    assert moves >= 4 and copied <= moves * (32 + 8 + 5)  # a block, a stretch and a check's rows at most
