@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
@@ -73,15 +74,15 @@ class Oracle(PromptLookup):
 
 
 def run(engine: kestrel_core.Engine, ids: list[int], streams: int, tokens: int, speculate: int,
-        oracle: tuple[Any, ...] | None = None) -> tuple[float, list[list[int]], int, int]:
-    """(decode tok/s over all streams, each stream's tokens, drafted, accepted). ``oracle``: Oracle's (answer,
-    right, stretch[, pausing]) instead of prompt lookup."""
+        lookup: Callable[[], PromptLookup] | None = None) -> tuple[float, list[list[int]], int, int]:
+    """(decode tok/s over all streams, each stream's tokens, drafted, accepted). ``lookup``: each request's
+    drafts' source (an Oracle) instead of prompt lookup."""
     engine.speculate = speculate
     scheduler = Scheduler(engine, max_batch=streams)
     requests = [scheduler.add(ids, SamplingParams(max_tokens=tokens, ignore_eos=True)) for _ in range(streams)]
-    if oracle is not None:
+    if lookup is not None:
         for r in requests:
-            r.lookup = Oracle(len(ids), oracle[0], oracle[1], engine.config.vocab_size, *oracle[2:])
+            r.lookup = lookup()
     out: dict[str, list[int]] = {r.request_id: [] for r in requests}
     first = None
     while any(not r.finished for r in requests):
@@ -100,20 +101,23 @@ def preset_costs(engine: kestrel_core.Engine, tokens: int, runs: int, prompt_tok
     run(engine, ids, 1, 8, 0)  # warm-up
     # the answer drafts' checks give (every token chosen by a check: a backend's batched rows may round otherwise
     # than its one-row step), which right drafts follow
+    vocab = engine.config.vocab_size
     _, (plain, *_), _, _ = run(engine, ids, 1, tokens, 0)
-    _, (answer, *_), _, _ = run(engine, ids, 1, tokens, 2, (plain, False, 0, False))
+    _, (answer, *_), _, _ = run(engine, ids, 1, tokens, 2, partial(Oracle, len(ids), plain, False, vocab, 0, False))
     print(f"the answer of drafts' checks {'is' if answer == plain else 'is NOT'} the one without guesses")
-    settings = [("no guesses", 0, None)] + [(f"{k} right", k, (answer, True, 0)) for k in (2, 4, 8)] + [
-        (f"{k} wrong", k, (answer, False, 0)) for k in (2, 4)] + [
-        ("4 right, every other 16 tokens", 4, (answer, True, 16)), ("4 wrong, every other 16", 4, (answer, False, 16))]
+    settings = [("no guesses", 0, None)] + [
+        (f"{k} {'right' if right else 'wrong'}{', every other 16 tokens' if stretch else ''}", k,
+         partial(Oracle, len(ids), answer, right, vocab, stretch))
+        for k, right, stretch in ((2, True, 0), (4, True, 0), (8, True, 0), (2, False, 0), (4, False, 0),
+                                  (4, True, 16), (4, False, 16))]
     for streams in (1, 4):
-        for _, k, oracle in settings:
-            run(engine, ids, streams, 8, k, oracle)  # warm-up (captures, the GEMM's scratch)
+        for _, k, lookup in settings:
+            run(engine, ids, streams, 8, k, lookup)  # warm-up (captures, the GEMM's scratch)
         rates: dict[str, list[float]] = {name: [] for name, _, _ in settings}
         kept: dict[str, tuple[int, int]] = {}
         for _ in range(runs):
-            for name, k, oracle in settings:
-                rate, _, drafted, accepted = run(engine, ids, streams, tokens, k, oracle)
+            for name, k, lookup in settings:
+                rate, _, drafted, accepted = run(engine, ids, streams, tokens, k, lookup)
                 rates[name].append(rate)
                 kept[name] = (accepted, drafted)
         print(f"{streams} stream(s), {tokens} tokens each, a random {prompt_tokens}-token prompt:")

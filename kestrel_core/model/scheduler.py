@@ -306,8 +306,7 @@ class Scheduler:
             if request.status != RUNNING or budget == 0:
                 continue
             if request._device_tokens is not None:  # it was decoding alone: its steps ahead are left behind
-                self._drop_device(request)
-                request._device_offered = False
+                self._drop_device(request, offer_again=True)
             before = ahead.get(id(request)) if ahead is not None else None
             if before is None:
                 n = min(request.pending, budget)
@@ -560,8 +559,7 @@ class Scheduler:
             ahead = self._last_device_token(request)
             if ahead is not None:
                 sampled.append(self._device_token(request, ahead))
-            self._drop_device(request)
-            request._device_offered = False
+            self._drop_device(request, offer_again=True)
         return [self._report(request, sampled)]
 
     def _device_token(self, request: Request, token: int) -> tuple[int, TokenLogprob | None]:
@@ -592,7 +590,10 @@ class Scheduler:
         for seq in held:
             self.engine.release(seq)
 
-    def _drop_device(self, request: Request) -> None:
+    def _drop_device(self, request: Request, offer_again: bool = False) -> None:
+        """Stop ``request``'s pipelined greedy decode (``offer_again``: left for other steps, not declined)."""
+        if offer_again:
+            request._device_offered = False
         tokens, request._device_tokens = request._device_tokens, None
         close = getattr(tokens, "close", None)
         if close is not None:

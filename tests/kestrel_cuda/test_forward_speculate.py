@@ -13,7 +13,7 @@ import kestrel_core  # noqa: E402
 from kestrel_core.model.sampling import SamplingParams  # noqa: E402
 
 from .forward_check import FACTOR, cpu_logits, cuda_device_count, greedy_agrees, jitter_effect  # noqa: E402
-from .test_forward_speculate_host import WrongGuesses, looping_prompts, run, tiny_model  # noqa: E402
+from .test_forward_speculate_host import AnswerDrafts, looping_prompts, run, tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device")]
 
@@ -40,7 +40,7 @@ def test_the_cuda_backend_keeps_confirmed_guesses_and_rewinds_the_rest(together:
         assert engine.rewinds
         got, accepted = serve(engine)
         answers = {tuple(p): tokens for p, tokens in zip(prompts, got)}
-        wrong, kept = serve(engine, lambda p: WrongGuesses(len(p), answers[tuple(p)], model.config.vocab_size))
+        wrong, kept = serve(engine, lambda p: AnswerDrafts(len(p), answers[tuple(p)], model.config.vocab_size))
         fwd = engine.backend.device.forward_engine()
         declined = engine.stats["offload"]["kestrel_forward_batch"]["declined"]
     assert accepted > 0 and kept == 0 and fwd.counters["rewound_positions"] > 0 and declined == 0

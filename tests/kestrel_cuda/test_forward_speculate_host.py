@@ -46,16 +46,20 @@ def looping_prompts(model, n: int, seed: int = 0) -> list[list[int]]:  # type: i
     return [base + rng.integers(3, vocab, int(rng.integers(2, 10))).tolist() + base[:6] for _ in range(n)]
 
 
-class WrongGuesses(PromptLookup):
-    """Drafts that are never right: the known answer's next tokens, each one id over."""
+class AnswerDrafts(PromptLookup):
+    """Drafts from the known answer, never paused: its next tokens, or each one id over with ``vocab`` (never
+    right); with ``stretch``, only in every other stretch of that many tokens."""
 
-    def __init__(self, prompt_len: int, answer: list[int], vocab: int) -> None:
+    def __init__(self, prompt_len: int, answer: list[int], vocab: int = 0, stretch: int = 0) -> None:
         super().__init__()
-        self.prompt_len, self.answer, self.vocab = prompt_len, answer, vocab
+        self.prompt_len, self.answer, self.vocab, self.stretch = prompt_len, answer, vocab, stretch
 
     def draft(self, k: int) -> list[int]:
         at = len(self.tokens) - self.prompt_len
-        return [(t + 1) % self.vocab for t in self.answer[at:at + k]]
+        if self.stretch and at // self.stretch % 2:
+            return []
+        nxt = self.answer[at:at + k]
+        return [(t + 1) % self.vocab for t in nxt] if self.vocab else nxt
 
 
 def run(engine, prompts: list[list[int]], speculate: int, params: SamplingParams,  # type: ignore[no-untyped-def]
@@ -100,7 +104,7 @@ def test_a_lone_request_guesses_on_the_device_and_says_what_it_says_without(tmp_
         assert before.steps == 40 and replays > 0  # without guesses: the pipelined greedy decode, a token a step
         positions = fwd.counters["rewound_positions"]
         (missed,), sched = run(engine, [prompt], 4, params,
-                               lambda p: WrongGuesses(len(p), plain, model.config.vocab_size))
+                               lambda p: AnswerDrafts(len(p), plain, model.config.vocab_size))
         assert missed == plain and sched.accepted == 0
         assert 0 < fwd.counters["rewound_positions"] - positions <= sched.drafted
         assert fwd.counters["declined"] == 0
@@ -242,22 +246,11 @@ def test_a_request_decoding_alone_goes_on_right_after_another_ran_beside_it(tmp_
     assert got == alone
 
 
-class Stretches(PromptLookup):
-    """Right drafts (the known answer's next tokens) in every other stretch of ``stretch`` tokens, none between."""
-
-    def __init__(self, prompt_len: int, answer: list[int], stretch: int = 8) -> None:
-        super().__init__()
-        self.prompt_len, self.answer, self.stretch = prompt_len, answer, stretch
-
-    def draft(self, k: int) -> list[int]:
-        at = len(self.tokens) - self.prompt_len
-        return [] if at // self.stretch % 2 else self.answer[at:at + k]
-
-
 def test_switching_between_guesses_and_the_pipeline_moves_only_new_positions(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """A long prompt's request that guesses now and then moves between its own cache (the pipelined decode) and
-    the pool (the checks) many times, each time copying only the positions the other side wrote since (a block
-    at most more), not the whole context; its answer is the one without guesses."""
+    """A long prompt's request that guesses now and then moves between its own cache (the pipelined decode, taken
+    up again each time the guesses stop) and the pool (the checks) many times, each time copying only the
+    positions the other side wrote since (a block at most more), not the whole context; its answer is the one
+    without guesses."""
     model = tiny_model()
     bind(tmp_path, monkeypatch)
     prompt = np.random.default_rng(11).integers(3, model.config.vocab_size, 150).tolist()
@@ -266,8 +259,11 @@ def test_switching_between_guesses_and_the_pipeline_moves_only_new_positions(tmp
         (plain,), _ = run(engine, [prompt], 0, params)
         fwd = engine.backend.plugin.FWD[0]
         moves, copied = fwd.counters["pool_moves"], fwd.counters["pool_move_positions"]
-        (got,), sched = run(engine, [prompt], 4, params, lambda p: Stretches(len(p), plain))
+        offered = engine.stats["offload"]["kestrel_decode_greedy"]["accepted"]
+        (got,), sched = run(engine, [prompt], 4, params, lambda p: AnswerDrafts(len(p), plain, stretch=8))
         moves = fwd.counters["pool_moves"] - moves
         copied = fwd.counters["pool_move_positions"] - copied
+        offered = engine.stats["offload"]["kestrel_decode_greedy"]["accepted"] - offered
     assert got == plain and sched.accepted > 0
+    assert offered >= 3  # the pipelined decode taken up again in each stretch without guesses
     assert moves >= 4 and copied <= moves * (32 + 8 + 5)  # a block, a stretch and a check's rows at most
