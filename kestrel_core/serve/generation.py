@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -33,6 +34,8 @@ from kestrel_core.model.sampling import SamplingParams, TokenLogprob
 from kestrel_core.serve.access import CLIENT_CLOSED, RequestRecord, record_of
 from kestrel_core.serve.errors import APIError, error_body, from_kestrel_error
 from kestrel_core.serve.responses import ChoiceResult, Shape, choice_params, usage
+
+log = logging.getLogger("kestrel.serve")
 
 T = TypeVar("T")
 
@@ -285,6 +288,9 @@ async def _events(gens: list[AsyncIterator[RequestOutput]], firsts: list[Request
                 yield sse(shape.usage_chunk(prompt_tokens, completion_tokens))
     except KestrelError as exc:  # a failed step, after the headers went out: the stream says so
         yield sse(error_body(str(exc), "server_error", None, "engine_error"))
+    except Exception as exc:  # a bug, not bad input: logged as AccessMiddleware logs it, and the stream still ends
+        log.error("a stream failed: %s: %s", type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
+        yield sse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error"))
     finally:
         await arrivals.aclose()  # its reads of the generators first
         for gen in gens:  # a no-op for one that finished; otherwise the engine aborts its request

@@ -177,6 +177,19 @@ class FunctionTool(RequestBody):
     parameters: dict[str, Any] | None = None  # a JSON Schema
     strict: StrictBool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The keys the call formats read by name must have their JSON Schema types."""
+        if value is None:
+            return value
+        properties, required = value.get("properties", {}), value.get("required", [])
+        if not isinstance(properties, dict) or not all(isinstance(p, dict | bool) for p in properties.values()):
+            raise ValueError("parameters.properties must be an object of schemas")
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ValueError("parameters.required must be a list of strings")
+        return value
+
 
 class Tool(RequestBody):
     type: Literal["function"]

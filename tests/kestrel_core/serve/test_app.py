@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,9 +19,11 @@ import pytest
 
 import kestrel_core
 from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.model.request import RequestOutput
+from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.serve.server import KestrelServer
 
-from .helpers import http, openai_client, running_server
+from .helpers import Scripted, http, openai_client, running_server
 
 pytestmark = pytest.mark.default_model
 
@@ -116,6 +118,30 @@ def test_chat_stream_without_usage_and_raw_sse(server: KestrelServer) -> None:
     assert all("usage" not in c for c in chunks)  # only with stream_options.include_usage
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     assert chunks[-1]["choices"][0]["delta"] == {}
+
+
+class _FailsMidStream(Scripted):
+    """Its answer's first piece, then a bug (not a KestrelError)."""
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        async for out in super().generate(prompt_ids, params, request_id):
+            yield out
+            raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/api/chat", "/v1/messages"])
+def test_a_stream_that_fails_mid_way_says_so_and_ends(engine: Any, path: str) -> None:
+    front = _FailsMidStream(engine)
+    front.answers.append("Paris is the capital.")
+    body = {"model": NAME, "messages": HI, "max_tokens": 8, "stream": True}
+    with running_server(front, NAME) as server:
+        status, _, raw = http("POST", f"{server.url}{path}", body)
+    # each API's own way to end a stream on an error: its last event or line names it
+    last = {"/v1/chat/completions": -2, "/api/chat": -1, "/v1/messages": -1}[path]
+    lines = [line for line in raw.decode().split("\n") if line]
+    assert status == 200 and "internal error: RuntimeError: boom" in lines[last], raw
+    assert path != "/v1/chat/completions" or lines[-1] == "data: [DONE]"
 
 
 def test_completions_stream_and_not(client: openai.OpenAI, engine: Any) -> None:

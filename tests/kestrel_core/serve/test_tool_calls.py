@@ -196,6 +196,10 @@ def test_tool_choice_none_shows_no_tools_and_reads_no_calls(scripted: Scripted, 
     ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [{"type": "retrieval"}]}, "tools.[0].type"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": ["city"]}}}]},
+     "tools.[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"required": "city"}}}]},
+     "tools.[0].function.parameters"),
 ])
 def test_what_kestrel_cannot_do_is_a_400(client: openai.OpenAI, kwargs: dict[str, Any], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
