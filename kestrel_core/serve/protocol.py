@@ -424,11 +424,13 @@ class CompletionRequest(_Generation):
     def prompt_ids(self, tokenizer: Any) -> tuple[list[list[int]], tuple[int, ...]]:
         """Each prompt's token ids, and the stop token ids a fill-in-the-middle answer adds. With a ``suffix``,
         each text prompt is the prefix of a fill-in-the-middle prompt (kestrel_core.model.fim); an empty suffix
-        on a model without that format is a plain completion (nothing comes after the prompt)."""
+        where a non-empty one is refused (a model without that format, token-id prompts, ``echo``) is a plain
+        completion (nothing comes after the prompt)."""
         prompts = self.prompts()
-        if self.suffix is None or not (self.suffix or fim_format(tokenizer)):
+        texts = all(isinstance(p, str) for p in prompts)
+        if not self.suffix and (self.suffix is None or not fim_format(tokenizer) or not texts or self.echo):
             return [list(tokenizer.encode(p)) if isinstance(p, str) else p for p in prompts], ()
-        if not all(isinstance(p, str) for p in prompts):
+        if not texts:
             raise InvalidRequest("a suffix needs text prompts, not token ids", param="suffix")
         built = [fim_prompt_ids(tokenizer, p, self.suffix) for p in prompts]  # type: ignore[arg-type]
         return [ids for ids, _ in built], built[0][1]
@@ -447,7 +449,7 @@ class CompletionRequest(_Generation):
     def _check_fields(self) -> None:
         if self.best_of is not None and self.best_of != self.choices:
             raise InvalidRequest(f"best_of must equal n ({self.choices}), got {self.best_of}", param="best_of")
-        if self.suffix is not None and self.echo:
+        if self.suffix and self.echo:
             raise InvalidRequest("suffix and echo together are not supported", param="suffix")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",

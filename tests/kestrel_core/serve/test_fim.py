@@ -60,6 +60,14 @@ def test_bad_suffix_requests_are_400(client: openai.OpenAI, kwargs: dict[str, An
     assert info.value.body["param"] == "suffix"
 
 
+@pytest.mark.parametrize("kwargs", [{"prompt": [1, 2, 3]}, {"prompt": PREFIX, "echo": True}])
+def test_an_empty_suffix_where_a_suffix_is_refused_is_a_plain_completion(client: openai.OpenAI,
+                                                                        kwargs: dict[str, Any]) -> None:
+    plain = client.completions.create(model=NAME, max_tokens=4, temperature=0, **kwargs)
+    reply = client.completions.create(model=NAME, suffix="", max_tokens=4, temperature=0, **kwargs)
+    assert reply.choices[0].text == plain.choices[0].text and reply.usage == plain.usage
+
+
 def test_a_model_without_the_tokens_refuses_a_suffix_but_not_an_empty_one() -> None:
     with kestrel_core.load(str(TINY), backend="cpu") as engine, running_server(AsyncEngine(engine), "tiny") as server:
         client = openai_client(server)
