@@ -33,7 +33,7 @@ from kestrel_core.serve.access import record_of
 from kestrel_core.serve.errors import APIError, named_as, validated
 from kestrel_core.serve.generation import retold
 from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RequestBody
-from kestrel_core.serve.tools import arguments_object
+from kestrel_core.serve.tools import MISTRAL, arguments_object
 
 if TYPE_CHECKING:
     from kestrel_core.serve.app import Models, Served
@@ -123,9 +123,10 @@ class ChatBody(_Generation):
     messages: list[Message] = []
     tools: list[dict[str, Any]] | None = None
 
-    def openai(self, recommended: Mapping[str, float]) -> dict[str, Any]:
-        """The OpenAI chat request (``recommended``: the model's sampling)."""
-        messages = [_openai_message(m, i) for i, m in enumerate(self.messages)]
+    def openai(self, recommended: Mapping[str, float], tool_format: str | None = None) -> dict[str, Any]:
+        """The OpenAI chat request (``recommended``: the model's sampling; ``tool_format``: the template's, which
+        the ids of earlier calls must suit)."""
+        messages = _openai_messages(self.messages, tool_format)
         return {"messages": messages, "tools": self.tools, "response_format": self.response_format(),
                 "chat_template_kwargs": self.template_kwargs(), **self.sampling(self.stream, recommended)}
 
@@ -157,21 +158,38 @@ class ShowBody(RequestBody):
     name: StrictStr | None = None  # the older field
 
 
-def _openai_message(m: Message, index: int) -> dict[str, Any]:
-    if m.images:
-        raise APIError(400, "images are not supported (kestrel serves text models)", param="messages")
-    out: dict[str, Any] = {"role": m.role, "content": m.content}
-    if m.thinking:
-        out["reasoning_content"] = m.thinking
-    if m.tool_calls:
-        out["tool_calls"] = [{"id": f"call_{index}_{k}", "type": "function",
-                              "function": {"name": c.function.name, "arguments": json.dumps(c.function.arguments)}}
-                             for k, c in enumerate(m.tool_calls)]
-    if m.role == "tool":
-        out["tool_call_id"] = f"call_{index}"
-        if m.tool_name:
-            out["name"] = m.tool_name
+def _openai_messages(messages: list[Message], tool_format: str | None) -> list[dict[str, Any]]:
+    """Ollama's messages as OpenAI's. Ollama's calls have no ids, so each gets one made from where it stands (the
+    same prompt each time a conversation is sent again), in the shape ``tool_format``'s template takes; a tool
+    result answers the earliest unanswered call of its ``tool_name``, or the earliest unanswered one."""
+    out: list[dict[str, Any]] = []
+    unanswered: list[tuple[str, str]] = []  # (id, name) of the calls no result has answered yet
+    for i, m in enumerate(messages):
+        if m.images:
+            raise APIError(400, "images are not supported (kestrel serves text models)", param="messages")
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.thinking:
+            message["reasoning_content"] = m.thinking
+        if m.tool_calls:
+            ids = [_call_id(tool_format, i, k) for k in range(len(m.tool_calls))]
+            message["tool_calls"] = [{"id": id_, "type": "function", "function": {
+                "name": c.function.name, "arguments": json.dumps(c.function.arguments)}}
+                for id_, c in zip(ids, m.tool_calls)]
+            unanswered = [(id_, c.function.name) for id_, c in zip(ids, m.tool_calls)]
+        if m.role == "tool":
+            match = next((c for c in unanswered if c[1] == m.tool_name), unanswered[0] if unanswered else None)
+            if match is not None:
+                unanswered.remove(match)
+            message["tool_call_id"] = match[0] if match else _call_id(tool_format, i, 0)
+            if m.tool_name:
+                message["name"] = m.tool_name
+        out.append(message)
     return out
+
+
+def _call_id(tool_format: str | None, message: int, call: int) -> str:
+    """The id of call ``call`` of message ``message``: nine letters and digits for Mistral's templates."""
+    return f"c{message % 10**5:05d}{call % 10**3:03d}" if tool_format == MISTRAL else f"call_{message}_{call}"
 
 
 def _now() -> str:
@@ -287,7 +305,7 @@ def install(app: FastAPI, models: Models) -> None:
         if not body.messages:  # a client loading (or unloading) the model: it stays loaded while serving
             return _loaded(_Answer(served, request, "message"), body.keep_alive)
         with named_as(REQUEST_NAMES):
-            openai = validated(ChatCompletionRequest, body.openai(served.engine.sampling_defaults))
+            openai = validated(ChatCompletionRequest, body.openai(served.engine.sampling_defaults, served.tool_format))
             response = await served.chat(openai, request)
         return _translate(_Answer(served, request, "message"), response)
 

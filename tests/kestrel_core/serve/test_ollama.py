@@ -182,6 +182,43 @@ def test_tool_calls_and_thinking_come_back_in_ollamas_shape(scripted: tuple[Scri
     assert prompt.rstrip().endswith("<think>\n\n</think>")  # think=False: the template's enable_thinking
 
 
+# Mistral's way with call ids (written for this test): each call's id and each result's must be nine characters
+MISTRAL_TEMPLATE = (
+    "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}{% for m in messages %}"
+    "{% if m.tool_calls %}[TOOL_CALLS]{% for c in m.tool_calls %}{% if c.id | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "{{ c.function.name }}={{ c.id }};{% endfor %}{% elif m.role == 'tool' %}{% if m.tool_call_id | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "[TOOL_RESULTS]{{ m.tool_call_id }}:{{ m.content }}[/TOOL_RESULTS]{% else %}[INST]{{ m.content }}[/INST]"
+    "{% endif %}{% endfor %}")
+
+
+def test_results_answer_their_calls_with_ids_the_template_takes(engine: Any) -> None:
+    """Ollama's calls carry no ids: each gets one in the template's shape, the same each time the conversation
+    is sent, and a result the id of the call of its ``tool_name`` (else the next unanswered one)."""
+    template = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = MISTRAL_TEMPLATE
+    try:
+        front = Scripted(engine)
+        with running_server(front, NAME) as s:
+            ol = ollama.Client(host=s.url)
+            calls = [{"function": {"name": name, "arguments": {"city": "Paris"}}} for name in ("weather", "time")]
+            history = [{"role": "user", "content": "Weather and time in Paris?"},
+                       {"role": "assistant", "content": "", "tool_calls": calls},
+                       {"role": "tool", "content": "12:00", "tool_name": "time"},
+                       {"role": "tool", "content": "sunny"}]
+            for _ in range(2):
+                front.answers.append("Sunny at noon.")
+                assert ol.chat(model="tiny", messages=history, tools=[WEATHER]).message.content == "Sunny at noon."
+            first, again = front.prompts[-2:]
+            assert first == again
+            ids = dict(pair.split("=") for pair in first.split("[TOOL_CALLS]")[1].split("[")[0].split(";") if pair)
+            assert all(len(i) == 9 and i.isalnum() for i in ids.values()) and len(set(ids.values())) == 2
+            assert f"[TOOL_RESULTS]{ids['time']}:12:00" in first and f"[TOOL_RESULTS]{ids['weather']}:sunny" in first
+    finally:
+        engine.tokenizer.chat_template = template
+
+
 def test_gpt_oss_thinks_at_the_level_asked_and_answers_in_ollamas_shape(engine: Any) -> None:
     """A harmony model (gpt-oss): ``think`` as a level is its reasoning effort; its analysis channel comes back as
     ``thinking``, its final channel as the content, a message to functions.NAME as a call."""
