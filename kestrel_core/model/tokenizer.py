@@ -114,8 +114,10 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer adds (e.g. a BOS)."""
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer adds (e.g. a BOS). Through
+        ``encode_batch``, which lets go of the interpreter lock while it works (``encode`` holds it: a megabyte
+        prompt tokenized in a server's worker thread would stall every other request)."""
+        return list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

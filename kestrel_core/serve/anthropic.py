@@ -17,6 +17,7 @@ the server serves, by its name.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -295,6 +296,7 @@ def install(app: FastAPI, models: Models) -> None:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: MessagesBody) -> dict[str, int]:
-        _, prompt_ids, _, _ = models.get(body.model).chat_prompt(validated(ChatCompletionRequest, body.openai(False)))
+        chat = validated(ChatCompletionRequest, body.openai(False))
+        _, prompt_ids, _, _ = await asyncio.to_thread(models.get(body.model).chat_prompt, chat)
         return {"input_tokens": len(prompt_ids)}
 

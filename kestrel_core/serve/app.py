@@ -98,7 +98,7 @@ class Served:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         """``/v1/chat/completions``' answer (whole, or the stream's response)."""
-        prompt, prompt_ids, tools, grammar = self.chat_prompt(body)
+        prompt, prompt_ids, tools, grammar = await asyncio.to_thread(self.chat_prompt, body)  # off the event loop
         # a constrained answer is what it is constrained to from its first token, even where the prompt opened a
         # reasoning block
         reasoning = Reasoning(opens_in_prompt(prompt) and grammar is None) if self.thinks else None
@@ -116,7 +116,7 @@ class Served:
         self.check_request()
         try:
             texts = body.prompts()
-            token_ids, stops = body.prompt_ids(self.engine.tokenizer)
+            token_ids, stops = await asyncio.to_thread(body.prompt_ids, self.engine.tokenizer)
         except KestrelError as exc:
             raise from_kestrel_error(exc, param="prompt") from None
         prompts = []
@@ -155,7 +155,7 @@ class Served:
             return [one[:context] for one in ids] if truncate else ids
 
         try:
-            return await asyncio.get_running_loop().run_in_executor(None, tokenize)
+            return await asyncio.to_thread(tokenize)
         except KestrelError as exc:
             raise from_kestrel_error(exc, param=param) from None
 

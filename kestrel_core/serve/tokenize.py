@@ -11,6 +11,7 @@ unless ``add_special_tokens`` is false) or ``messages`` (a chat, rendered by the
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -59,7 +60,7 @@ def install(app: FastAPI, models: Models) -> None:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody) -> dict[str, Any]:
         served = models.get(body.model)
-        ids = body.token_ids(served)
+        ids = await asyncio.to_thread(body.token_ids, served)  # off the event loop
         out: dict[str, Any] = {"count": len(ids), "max_model_len": served.engine.config.max_position, "tokens": ids}
         if body.return_token_strs:
             out["token_strs"] = [served.tokens(i) for i in ids]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -225,3 +227,31 @@ def test_the_sentencepiece_variants_differ_where_their_models_do() -> None:
         tok = Tokenizer.from_gguf_vocab(fields, architecture=arch)
         ids[arch] = tuple(tuple(tok.encode(t, add_special_tokens=False)) for t in ("  leading", "leading"))
     assert ids["phi3"][0] != ids["llama"][0] and ids["gemma3"][1] != ids["llama"][1], ids
+
+
+def test_encoding_lets_other_threads_run() -> None:
+    """A server tokenizes a long prompt in a worker thread while its event loop answers other requests: the
+    tokenizer must let go of the interpreter lock meanwhile (a thread ticking beside it is never held up for
+    long; holding it would stop that thread for the whole encoding)."""
+    tok = Tokenizer.from_hf_dir(str(Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-qwen3"))
+    text = "hello world " * 200_000
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.05)
+    start = time.perf_counter()
+    ids = tok.encode(text)
+    end = time.perf_counter()
+    stop.set()
+    ticker.join()
+    during = [t for t in ticks if start <= t <= end]
+    longest = max(b - a for a, b in zip([start, *during], [*during, end]))
+    assert ids == tok.backend.encode(text).ids  # the same ids as the library's one-text call gives
+    assert longest < (end - start) / 2, (longest, end - start)

@@ -120,6 +120,22 @@ def test_chat_stream_without_usage_and_raw_sse(server: KestrelServer) -> None:
     assert chunks[-1]["choices"][0]["delta"] == {}
 
 
+def test_prompts_are_tokenized_off_the_event_loop(client: openai.OpenAI, engine: Any,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long prompt's tokenization must not hold up every other request: it runs in a worker thread."""
+    threads, encode = [], engine.tokenizer.encode
+
+    def recorded(*args: Any, **kwargs: Any) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", recorded)
+    client.chat.completions.create(model=NAME, messages=HI, max_tokens=1)
+    client.completions.create(model=NAME, prompt="Hi", max_tokens=1)
+    http("POST", f"{client.base_url}".removesuffix("/v1/") + "/tokenize", {"prompt": "Hi"})
+    assert len(threads) >= 3 and "kestrel-test-server" not in threads, threads
+
+
 class _FailsMidStream(Scripted):
     """Its answer's first piece, then a bug (not a KestrelError)."""
 
