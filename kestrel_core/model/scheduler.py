@@ -162,8 +162,9 @@ class Scheduler:
 
     @property
     def step_running(self) -> bool:
-        """Whether a step is still running on the device (``drain`` finishes it)."""
-        return self._running_step is not None
+        """Whether a step is still running on the device (``drain`` finishes it): a batched one, or the one a
+        lone request's pipelined greedy decode runs ahead."""
+        return self._running_step is not None or any(r._device_tokens is not None for r in self.running)
 
     @property
     def num_waiting(self) -> int:
@@ -202,7 +203,11 @@ class Scheduler:
 
     def drain(self) -> list[RequestOutput]:
         """Finish the step still running on the device, if one is, starting none: its outputs (the engine is
-        then free for other work). Raises what that step raised."""
+        then free for other work, which may change what the device holds: a pipelined greedy decode is left, its
+        step ahead computed again). Raises what that step raised."""
+        for request in self.running:
+            if request._device_tokens is not None:
+                self._drop_device(request, offer_again=True)
         outputs, self._ended = self._ended, []
         started, self._running_step = self._running_step, None
         if started is not None:
@@ -535,8 +540,8 @@ class Scheduler:
         request = self.running[0]
         if request._device_tokens is None and request._device_offered:
             return False
-        return (request.pending == 1 and request.argmax_only and request.seq.device_len == len(request.seq.tokens)
-                and not self._would_guess(request))
+        return (request.pending == 1 and len(request.seq.tokens) >= len(request.prompt_ids) and request.argmax_only
+                and request.seq.device_len == len(request.seq.tokens) and not self._would_guess(request))
 
     def _device_step(self, request: Request) -> list[RequestOutput]:
         seq = request.seq
