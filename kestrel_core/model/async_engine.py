@@ -299,10 +299,9 @@ class AsyncEngine:
             for out in outputs:
                 self.counters.step_rows += len(out.new_token_ids)
                 client = self._clients.get(out.request_id)
-                if out.finished:
+                if out.finished and self._clients.pop(out.request_id, None) is not None:  # (an abort: when taken)
                     reason = out.finish_reason or "stop"
                     self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
-                    self._clients.pop(out.request_id, None)
                 if client is not None:
                     by_loop.setdefault(client.loop, []).append((client.queue, out))
         for loop, items in by_loop.items():

@@ -83,7 +83,7 @@ class Scheduler:
         self.speculate = int(getattr(engine, "speculate", 0))  # draft tokens a greedy step may guess
         self.drafted = 0  # draft tokens run
         self.accepted = 0  # draft tokens the model confirmed
-        self._ended: list[RequestOutput] = []  # requests ended while scheduling, reported by the next step
+        self._ended: list[Request] = []  # requests ended while scheduling, reported by the next step
         self._running_step: tuple[list[tuple[Request, list[int], int]], Any] | None = None  # on the device
         self._start_error: Exception | None = None  # starting the next step failed: the next step() raises it
         self._held: list[Any] = []  # sequences of ended requests that the running step still uses
@@ -183,7 +183,7 @@ class Scheduler:
         started, self._running_step = self._running_step, None
         if started is None:
             started = self._start()
-        outputs, self._ended = self._ended, []
+        outputs = self._ended_outputs()
         if started is None:
             return outputs
         on_device = started[1].running
@@ -199,6 +199,8 @@ class Scheduler:
             except Exception as exc:  # raised by the next step() call, after these outputs are out
                 self._start_error = exc
         outputs.extend(self._report(request, sampled) for request, sampled in tokens)
+        # a request the next step's scheduling ended has just had its last output
+        self._ended = [r for r in self._ended if all(r is not request for request, _ in tokens)]
         return outputs
 
     def drain(self) -> list[RequestOutput]:
@@ -208,7 +210,7 @@ class Scheduler:
         for request in self.running:
             if request._device_tokens is not None:
                 self._drop_device(request, offer_again=True)
-        outputs, self._ended = self._ended, []
+        outputs = self._ended_outputs()
         started, self._running_step = self._running_step, None
         if started is not None:
             outputs.extend(self._report(request, sampled) for request, sampled in self._collect(started))
@@ -439,10 +441,8 @@ class Scheduler:
             victim = self.running[-1]
             if victim is request:  # alone and still no room: it cannot grow
                 if len(self.running) == 1:
-                    text = request.text.flush() if request.text is not None else ""
                     self._finish(request, "length")
-                    self._ended.append(RequestOutput(request.request_id, [], text, None, True, "length",
-                                                     len(request.prompt_ids), len(request.output_ids)))
+                    self._ended.append(request)
                 else:
                     self._preempt(request)
                 return False
@@ -486,6 +486,12 @@ class Scheduler:
         elif len(request.tokens) > self.engine.config.max_position:
             self._finish(request, "length")  # the context is full: no position left to run the last token at
         return sampled
+
+    def _ended_outputs(self) -> list[RequestOutput]:
+        """The last outputs of the requests ended while scheduling: the rest of their text."""
+        ended, self._ended = self._ended, []
+        return [RequestOutput(r.request_id, [], r.text.flush() if r.text is not None else "", None, True,
+                              r.finish_reason, len(r.prompt_ids), len(r.output_ids)) for r in ended]
 
     def _report(self, request: Request, sampled: list[tuple[int, TokenLogprob | None]]) -> RequestOutput:
         """The new tokens' text, the stop strings, and what changed. A stop string ends the answer at its token:

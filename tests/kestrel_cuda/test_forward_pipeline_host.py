@@ -1,7 +1,7 @@
 """The pipelined greedy decode (a lone greedy request's steps run one ahead on the device) under the scheduler and
 the AsyncEngine, on the CPU with the numpy mirrors: it starts only once the prompt is all in, and other work run
-between two steps (``AsyncEngine.call``) leaves it first. test_forward_speculate_host.py has the cases with
-guesses."""
+between two steps (``AsyncEngine.call``) leaves it first; and an abort taken while a step runs ahead is counted
+once. test_forward_speculate_host.py has the cases with guesses."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import asyncio
 import numpy as np
 
 import kestrel_core
-from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.model.async_engine import AsyncEngine, _Client
 from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.model.scheduler import Scheduler
 
@@ -68,3 +68,36 @@ def test_work_between_two_steps_leaves_the_pipeline_first(tmp_path, monkeypatch)
         fwd = engine.backend.plugin.FWD[0]
     assert running == [False] and fwd.counters["graph_replays"] > 12
     assert got == alone
+
+
+def test_an_abort_taken_while_a_step_runs_is_counted_once(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Sampled requests' steps run one ahead of their reports; an abort that arrives meanwhile is taken before the
+    next step is scheduled, and the step in flight then reports the aborted request once more: the server's
+    counters count that request's end once, and its client gets nothing after it left."""
+    model = tiny_model()
+    bind(tmp_path, monkeypatch)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, model.config.vocab_size, 10).tolist() for _ in range(2)]
+    with kestrel_core.load(model, backend="fwdcuda") as engine:
+        front = AsyncEngine(engine)
+        sched = front.scheduler
+        sched.on_start = front._admit  # as the engine's thread runs it, driven here step by step
+        delivered: list[str] = []
+        front._deliver = lambda outs, deliver=front._deliver: (delivered.extend(o.request_id for o in outs),
+                                                               deliver(outs))[1]
+        loop = asyncio.new_event_loop()
+        for i, prompt in enumerate(prompts):
+            front._clients[f"r{i}"] = _Client(loop, asyncio.Queue())
+            front._take("add", (f"r{i}", prompt, SamplingParams(max_tokens=20, temperature=0.9, seed=i), None))
+        for _ in range(4):
+            front._deliver_step(sched.step)
+        assert sched.step_running
+        front._inbox.append(("abort", "r0"))  # AsyncEngine.abort while the step runs
+        before = len(delivered)
+        front._deliver_step(sched.step)
+        while sched.has_work:
+            front._deliver_step(sched.step)
+        loop.close()
+        sched.close()
+    assert "r0" in delivered[before:]  # the step in flight reported it after the abort was taken
+    assert front.counters.finished == {"abort": 1, "length": 1}

@@ -6,6 +6,7 @@ ran beside it). test_forward_speculate.py runs the same on the GPU."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -267,3 +268,43 @@ def test_switching_between_guesses_and_the_pipeline_moves_only_new_positions(tmp
     assert got == plain and sched.accepted > 0
     assert offered >= 3  # the pipelined decode taken up again in each stretch without guesses
     assert moves >= 4 and copied <= moves * (32 + 8 + 5)  # a block, a stretch and a check's rows at most
+
+
+def test_a_request_that_outgrows_the_pool_ends_once_with_all_its_text(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A lone request that fills the whole KV pool (128 positions) ends at its length there, with guesses as
+    without: one finished output, after every token, and the whole text (the stop string's held-back start
+    flushed at the end, not before the last tokens)."""
+    model = tiny_model()
+    bind(tmp_path, monkeypatch)
+    prompt = np.random.default_rng(3).integers(3, model.config.vocab_size, 20).tolist()
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    with kestrel_core.load(model, backend="fwdcuda") as roomy:
+        (answer,), _ = run(roomy, [prompt], 0, params)
+    with kestrel_core.load(model, backend="fwdcuda", kv_cache_mb=0.1875) as engine:
+        held = "".join(chr(ord("a") + t % 26) for t in answer)[-1]
+        stop = held + "?"  # never met; its start is held back at the end of the answer so far
+        engine.tokenizer = Letters()
+        outputs: dict[int, list[tuple[list[int], str, bool, str | None]]] = {}
+        for speculate in (0, 3):
+            engine.speculate = speculate
+            sched = Scheduler(engine)
+            request = sched.add(prompt, replace(params, stop=(stop,)))
+            request.lookup = AnswerDrafts(len(prompt), answer)
+            got = outputs[speculate] = []
+            while sched.has_work:
+                got += [(o.new_token_ids, o.new_text, o.finished, o.finish_reason) for o in sched.step()]
+    for got in outputs.values():
+        tokens = [t for ids, _, _, _ in got for t in ids]
+        assert 100 < len(tokens) < 128 and tokens == answer[:len(tokens)]
+        assert [(done, reason) for _, _, done, reason in got if done] == [(True, "length")] and got[-1][2]
+        assert "".join(text for _, text, _, _ in got) == Letters().decode(tokens)
+    assert outputs[3] != outputs[0]  # the guesses ran: the tokens came in other steps
+
+
+class Letters:
+    """Token t as the letter a + t mod 26."""
+
+    eos_token_ids = ()
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in ids)
