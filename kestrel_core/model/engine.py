@@ -163,8 +163,8 @@ class Engine:
         self._next_seq = 1
         self.preload_s = 0.0
         self.load_s = 0.0  # reading/building the model, set by load()
-        self._grammar_vocab: Any = None  # llguidance's view of the vocabulary, built for the first grammar
-        self._grammar_lock = threading.Lock()
+        self._vocabulary: Any = None  # llguidance's view of the vocabulary, built when first asked for
+        self._vocabulary_lock = threading.Lock()
         if preload:
             t0 = time.perf_counter()
             self.offload.preload(model)
@@ -207,14 +207,23 @@ class Engine:
 
     def constraint(self, grammar: str) -> Constraint:
         """A request's place in ``grammar`` (SamplingParams.grammar) over this model's vocabulary."""
-        with self._grammar_lock:  # callers on worker threads (AsyncEngine) build the vocabulary once
-            if self._grammar_vocab is None:
+        return Constraint(self.vocabulary(), grammar)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (decoded alone, a byte-level token may be part of a character's)."""
+        return bytes(self.vocabulary().decode_bytes([token_id]))
+
+    def vocabulary(self) -> Any:
+        """llguidance's view of the model's vocabulary (grammar.grammar_vocab), built once: about a second for
+        150K tokens."""
+        with self._vocabulary_lock:  # callers on worker threads (AsyncEngine) build it once
+            if self._vocabulary is None:
                 to_json = getattr(self.tokenizer, "to_json_str", None)  # NoTokenizer's: AttributeErrors
                 if to_json is None:
                     raise InvalidRequest("a grammar needs the model's own tokenizer (tokenizer.json or a GGUF "
                                          "vocabulary), and this model has none", param="grammar")
-                self._grammar_vocab = grammar_vocab(to_json(), self.config.vocab_size, sorted(self.eos_token_ids))
-        return Constraint(self._grammar_vocab, grammar)
+                self._vocabulary = grammar_vocab(to_json(), self.config.vocab_size, sorted(self.eos_token_ids))
+        return self._vocabulary
 
     # -- sequences and steps -------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ class Served:
         self.engine = async_engine.engine
         self.model_name = model_name
         self.pooling = pooling  # the embeddings' (None: the model's)
-        self.tokens = TokenStrings(self.engine.tokenizer)
+        self.tokens = TokenStrings(self.engine.tokenizer, self.engine.token_bytes)
         self.created = int(time.time())
         template = getattr(self.engine.tokenizer, "chat_template", None)
         self.tool_format = tool_format(template)
@@ -105,6 +105,8 @@ class Served:
         params = replace(_params(body, self.context_left(len(prompt_ids)), self), grammar=grammar)
         if self.harmony:  # the channels are special tokens: their text must stay
             params = replace(params, skip_special_tokens=False)
+        if params.logprobs:
+            await asyncio.to_thread(self.tokens.ready)
         shape = ChatShape(new_id("chatcmpl"), self.model_name, self.tokens, body.include_usage,
                           body.continuous_usage, tools, reasoning, harmony=self.harmony)
         one = generation.Prompt(prompt_ids, params, params.logprobs)
@@ -125,6 +127,8 @@ class Served:
             if params is not None and stops:  # a fill-in-the-middle answer ends at its format's stop tokens too
                 params = replace(params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + stops)))
             prompts.append(generation.Prompt(ids, params, body.logprobs is not None))
+        if body.logprobs is not None:
+            await asyncio.to_thread(self.tokens.ready)
         echoes: list[Echo | None] = []
         if body.echo:  # each prompt's, once for each of its choices
             for echo in await self.echoes(texts, token_ids, body.logprobs):

@@ -8,9 +8,10 @@ and tool calls (serve/tools.py) are read out of its text here, whole or as it st
 from __future__ import annotations
 
 import base64
+import contextlib
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -85,14 +86,19 @@ def _calls_reason(reason: str | None) -> str | None:
 
 
 class TokenStrings:
-    """Each token's own text (decoded alone, special tokens by name) and its UTF-8 bytes, cached per id.
+    """Each token's own text (decoded alone, special tokens by name) and the bytes it stands for, cached per id.
 
-    A model without a tokenizer still serves token-id prompts; its tokens are then named ``token_id:<id>``.
+    ``token_bytes`` (Engine.token_bytes) gives a token's own bytes, so that the bytes of the tokens that each
+    hold part of a character add up to it, as OpenAI's do (its text alone is U+FFFD); where it cannot (no
+    vocabulary llguidance reads), the bytes are the text's UTF-8. A model without a tokenizer still serves
+    token-id prompts; its tokens are then named ``token_id:<id>``.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, token_bytes: Callable[[int], bytes] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.token_bytes = token_bytes
         self._cache: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -105,7 +111,22 @@ class TokenStrings:
         return text
 
     def bytes(self, token_id: int) -> list[int]:
-        return list(self(token_id).encode("utf-8"))
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            try:
+                raw = list(self.token_bytes(token_id)) if self.token_bytes is not None else None
+            except KestrelError:  # no vocabulary to read them from
+                self.token_bytes = None
+            if raw is None:
+                raw = list(self(token_id).encode("utf-8"))
+            self._bytes[token_id] = raw
+        return raw
+
+    def ready(self) -> None:
+        """Build what ``bytes`` reads (the engine's vocabulary: a second, once), off the event loop."""
+        if self.token_bytes is not None:
+            with contextlib.suppress(KestrelError):
+                self.token_bytes(0)
 
 
 class _Shape:

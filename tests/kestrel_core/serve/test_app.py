@@ -257,6 +257,20 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
     assert "".join(e.token for e in content).startswith(r.choices[0].message.content)
 
 
+def test_logprob_bytes_of_a_character_split_over_tokens_add_up_to_it(client: openai.OpenAI) -> None:
+    """An answer held to one emoji, whose UTF-8 bytes take several byte-level tokens: each token's text alone is
+    U+FFFD, its ``bytes`` its own part of the character (OpenAI's), so that they add up to it."""
+    schema = {"type": "object", "properties": {"e": {"const": "\U0001F600"}}, "required": ["e"]}
+    r = client.chat.completions.create(model=NAME, messages=HI, max_tokens=40, temperature=0, logprobs=True,
+                                       top_logprobs=1, response_format={"type": "json_schema", "json_schema": {
+                                           "name": "emoji", "schema": schema}})
+    content = r.choices[0].logprobs.content
+    assert "\U0001F600" in r.choices[0].message.content and any(e.token == "\ufffd" for e in content)
+    assert b"".join(bytes(e.bytes) for e in content).decode().startswith(r.choices[0].message.content)
+    assert all(bytes(t.bytes).decode(errors="replace") == t.token for e in content for t in e.top_logprobs
+               if "\ufffd" not in t.token)
+
+
 def test_completions_logprobs(client: openai.OpenAI) -> None:
     r = client.completions.create(model=NAME, prompt="1, 2, 3,", max_tokens=5, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs
