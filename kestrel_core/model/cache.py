@@ -8,7 +8,8 @@ a regular file, and writes it atomically.
 
 The key of a Hugging Face directory is cheap to compute on every load, so a cache hit stays fast: the full
 contents of the small files kestrel reads besides the weights (config.json, generation_config.json, the
-shard index, tokenizer.json, tokenizer_config.json, chat_template.jinja; an absent one counts as absent),
+shard index, tokenizer.json, tokenizer_config.json, chat_template.jinja, modules.json and the configs of the
+Pooling modules it names; an absent one counts as absent),
 and for each safetensors shard its name, size, mtime_ns and its header (the tensor names, dtypes, shapes and
 offsets), plus the quant mode. Hashing the weights themselves would cost a full read of the checkpoint
 (16 GB for an 8B BF16 model) on every load. What the key misses: a weight file rewritten in place with the
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -35,8 +37,8 @@ from kestrel_core.model.pull import kestrel_home
 MODEL_CACHE_ENV = "KESTREL_MODEL_CACHE"  # 0 (off, no, false): never cache Hugging Face directories or GGUF files
 RENAMED_ENV = {"KESTREL_HF_CACHE": MODEL_CACHE_ENV}
 HF_KEY_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
-                "tokenizer_config.json", "chat_template.jinja", "modules.json", "1_Pooling/config.json")
-KEY_SCHEME = "kestrel-hf-cache-3"  # bump when what goes into a directory's key, or what is read of it, changes
+                "tokenizer_config.json", "chat_template.jinja", "modules.json")
+KEY_SCHEME = "kestrel-hf-cache-4"  # bump when what goes into a directory's key, or what is read of it, changes
 GGUF_KEY_SCHEME = "kestrel-gguf-cache-2"
 
 
@@ -106,7 +108,7 @@ def hf_key(model_dir: Path, quant: str) -> str:
     """The content key of a Hugging Face directory at ``quant`` (see the module docstring); OSError or
     KestrelError where the directory cannot be read as a checkpoint."""
     h = hashlib.sha256(f"{KEY_SCHEME}\0{quant}\0".encode())
-    for name in HF_KEY_FILES:
+    for name in (*HF_KEY_FILES, *_pooling_configs(model_dir)):
         p = model_dir / name
         if p.is_file():
             h.update(f"{name}\0{hashlib.sha256(p.read_bytes()).hexdigest()}\0".encode())
@@ -121,6 +123,19 @@ def hf_key(model_dir: Path, quant: str) -> str:
             head += f.read(min(n, MAX_HEADER_BYTES))
         h.update(f"{shard}\0{st.st_size}\0{st.st_mtime_ns}\0{hashlib.sha256(head).hexdigest()}\0".encode())
     return h.hexdigest()
+
+
+def _pooling_configs(model_dir: Path) -> list[str]:
+    """The configs of the Pooling modules ``modules.json`` names, wherever it puts them (unread where it cannot
+    be read: loading the directory says why)."""
+    try:
+        modules = json.loads((model_dir / "modules.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return []
+    if not isinstance(modules, list):
+        return []
+    return [f"{m['path']}/config.json" for m in modules if isinstance(m, dict) and isinstance(m.get("path"), str)
+            and isinstance(m.get("type"), str) and m["type"].endswith("Pooling") and m["path"]]
 
 
 def entry_kind(path: Path) -> str:

@@ -7,6 +7,7 @@ import json
 import logging
 import mmap
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -26,6 +27,8 @@ from kestrel_core.model.quantize import quantize_model
 TEMPLATE = "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
 REAL_WRITER = artifact_write._write_safetensors
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 
 
 @pytest.fixture
@@ -413,3 +416,20 @@ def test_a_kestrel_command_waits_for_the_entry_it_left_writing(home: Path, hf, b
     monkeypatch.setattr(loader, "finish_cache_writes", opens_the_gate)
     assert cli.main(["run", "hi", "--model", str(root), "--max-tokens", "2", "--backend", "cpu", "--no-chat"]) == 0
     assert len(_entries(home)) == 1 and _temps(home) == [] and not loader._writes
+
+
+@pytest.mark.parametrize("folder", ["1_Pooling", "pool"])
+def test_an_edited_pooling_config_rebuilds_wherever_modules_json_puts_it(home: Path, tmp_path: Path,
+                                                                       folder: str) -> None:
+    root = tmp_path / "embed"
+    shutil.copytree(FIXTURES / "tiny-qwen3-embed", root)
+    if folder != "1_Pooling":
+        (root / "1_Pooling").rename(root / folder)
+        modules = json.loads((root / "modules.json").read_text())
+        modules = [{**m, "path": folder} if m["path"] == "1_Pooling" else m for m in modules]
+        (root / "modules.json").write_text(json.dumps(modules))
+    assert load_model(root).model.config.pooling == "last"
+    cfg = json.loads((root / folder / "config.json").read_text())
+    cfg.update({k: False for k in cfg if k.startswith("pooling_mode")}, pooling_mode_mean_tokens=True)
+    (root / folder / "config.json").write_text(json.dumps(cfg))
+    assert load_model(root).model.config.pooling == "mean"
