@@ -345,7 +345,9 @@ def _main(argv: Sequence[str] | None) -> int:
             err.print_exception()
         err.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return 2
-    except Exception as exc:  # an unexpected bug: still one line unless -v
+    except BaseException as exc:  # an unexpected bug (a Rust extension's panic too): still one line unless -v
+        if isinstance(exc, SystemExit):
+            raise
         if args.verbose:
             err.print_exception()
         err.print(f"[red]error:[/] {type(exc).__name__}: {escape(str(exc))} (run with -v for the traceback)",

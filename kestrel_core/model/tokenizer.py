@@ -4,8 +4,9 @@ for a model that ships none. Chat templates render in the sandbox of ``chat_temp
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,10 +118,12 @@ class Tokenizer:
         """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer adds (e.g. a BOS). Through
         ``encode_batch``, which lets go of the interpreter lock while it works (``encode`` holds it: a megabyte
         prompt tokenized in a server's worker thread would stall every other request)."""
-        return list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+        with _panics_as_errors("encode the text"):
+            return list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        with _panics_as_errors("decode the tokens"):
+            return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
@@ -145,6 +148,18 @@ class Tokenizer:
         """Token ids of the rendered chat prompt; the template writes any BOS itself, so none is added."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
                            add_special_tokens=False)
+
+
+@contextlib.contextmanager
+def _panics_as_errors(what: str) -> Iterator[None]:
+    """The tokenizers library's Rust panics (a PanicException, a BaseException: a tokenizer.json's regex that
+    gives up on a text, say) as one-line errors."""
+    try:
+        yield
+    except BaseException as exc:
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise KestrelError(f"the model's tokenizer failed to {what}: {' '.join(str(exc).split())}") from None
 
 
 class NoTokenizerError(KestrelError, AttributeError):

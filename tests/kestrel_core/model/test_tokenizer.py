@@ -255,3 +255,18 @@ def test_encoding_lets_other_threads_run() -> None:
     longest = max(b - a for a, b in zip([start, *during], [*during, end]))
     assert ids == tok.backend.encode(text).ids  # the same ids as the library's one-text call gives
     assert longest < (end - start) / 2, (longest, end - start)
+
+
+def test_a_tokenizer_that_panics_on_a_text_is_a_one_line_error(tmp_path: Path) -> None:
+    """An untrusted tokenizer.json whose split regex gives up on a text (the Rust library panics) fails the text
+    with a KestrelError, not an exception outside Exception that would escape the CLI's and server's handlers."""
+    src = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-llama"
+    spec = json.loads((src / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "(a+)+b"}, "behavior": "Isolated", "invert": False},
+        spec["pre_tokenizer"]]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tok = Tokenizer.from_hf_dir(str(tmp_path))
+    assert tok.encode("ab")
+    with pytest.raises(KestrelError, match="tokenizer failed to encode the text: .*retry-limit"):
+        tok.encode("a" * 28 + "!")
