@@ -15,6 +15,7 @@ Offline (``HF_HUB_OFFLINE=1``, or the Hub unreachable) a model already in the ca
 
 from __future__ import annotations
 
+import glob
 import json
 import re
 from collections.abc import Sequence
@@ -129,9 +130,14 @@ class Hub:
             if not isinstance(weight_map, dict):
                 raise KestrelError(f"model {spec}: {INDEX} has no weight_map")
             weights = sorted({str(v) for v in weight_map.values()})
+            stray = next((w for w in weights if w not in files or not w.endswith(".safetensors") or "/" in w), None)
+            if stray is not None:
+                raise KestrelError(f"model {spec}: {INDEX} names {stray!r}, not a safetensors file of the repository")
         else:
             weights = [f for f in files if f.endswith(".safetensors") and "/" not in f]
-        return Path(snapshot_download(spec.repo, allow_patterns=[*weights, *CONFIG_PATTERNS], **common))
+        # the names as themselves, not as patterns
+        patterns = [glob.escape(w) for w in weights]
+        return Path(snapshot_download(spec.repo, allow_patterns=[*patterns, *CONFIG_PATTERNS], **common))
 
     def _cached(self, spec: HubSpec, why: str) -> Path:
         """The model from the cache alone: the files of its snapshot there (the cache's documented layout,

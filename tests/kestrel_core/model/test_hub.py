@@ -32,6 +32,8 @@ def hub() -> Iterator[FakeHub]:
             "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}).encode(),
             "model-00001-of-00002.safetensors": b"1", "model-00002-of-00002.safetensors": b"2",
             "consolidated.safetensors": b"12", "original/params.safetensors": b"p", "1_Pooling/config.json": b"{ }"},
+        "org/globbed": {"config.json": b"{}", "model.safetensors.index.json": json.dumps({"weight_map": {
+            "a": "model.safetensors", "b": "*"}}).encode(), "model.safetensors": b"1", "pytorch_model.bin": b"p"},
     }
     with serving(FakeHub(repos, gated={"org/gated"})) as h:
         yield h
@@ -108,13 +110,14 @@ def test_a_gguf_repository_gives_the_tagged_or_the_most_precise_file(hub: FakeHu
     ("org/tiny@v9", "the repository has no revision 'v9'"),
     ("org/pickled", "pickle checkpoints"),
     ("org/tiny-GGUF:Q2_K", "no GGUF file for the tag 'Q2_K'"),
+    ("org/globbed", "index.json names '\\*', not a safetensors file of the repository"),  # not a pattern
 ])
 def test_what_the_hub_refuses_is_one_line(hub: FakeHub, tmp_path: Path, name: str, why: str) -> None:
     spec = parse_hub_spec(name)
     assert spec is not None
     with pytest.raises(KestrelError, match=why) as info:
         Hub(hub.url, str(tmp_path)).fetch(spec)
-    assert "\n" not in str(info.value)
+    assert "\n" not in str(info.value) and not any(f.endswith(".bin") for f in hub.served)
 
 
 def test_an_unreachable_hub_falls_back_to_the_cache(hub: FakeHub, tmp_path: Path) -> None:
