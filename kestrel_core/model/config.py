@@ -11,7 +11,19 @@ from typing import Any
 
 from kestrel_core.errors import InvalidRequest, KestrelError
 from kestrel_core.model.sampling import SamplingParams
-from kestrel_core.model.validate import ValidationError, check_bool, check_float, check_int, is_int
+from kestrel_core.model.validate import (
+    MAX_DIM,
+    MAX_EXPERTS,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_POSITION,
+    MAX_VOCAB,
+    ValidationError,
+    check_bool,
+    check_float,
+    check_int,
+    is_int,
+)
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
                  "mixtral", "gpt_oss", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "glm4",
@@ -30,13 +42,6 @@ ROUTER_SCORINGS = ("softmax", "sigmoid")
 # instead of keys and values
 LAYER_TYPES = ("full", "sliding", "linear", "conv", "mamba")
 STATE_TYPES = ("linear", "conv", "mamba")
-MAX_EXPERTS = 1 << 12
-# Upper bounds far above any real model, so a config cannot ask for absurd allocations (2^40 layers...)
-MAX_DIM = 1 << 20  # hidden, intermediate, head_dim
-MAX_VOCAB = 1 << 24
-MAX_LAYERS = 4096
-MAX_HEADS = 1 << 14
-MAX_POSITION = 1 << 26
 MAX_ROPE_FACTOR = 1024.0  # a RoPE scaling's factor, at most (and at least its reciprocal); real ones: 4 to 64
 # what a model may recommend for sampling (generation_config.json, GGUF general.sampling.*): SamplingParams' names
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

@@ -17,7 +17,16 @@ from gguf.quants import dequantize
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import recommended_sampling, yarn_mscale
 from kestrel_core.model.quantize import layer_name
-from kestrel_core.model.validate import ValidationError, check_float, check_int, is_int
+from kestrel_core.model.validate import (
+    MAX_EXPERTS,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_POSITION,
+    ValidationError,
+    check_float,
+    check_int,
+    is_int,
+)
 
 MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "qwen3vlmoe": "qwen3_moe",  # with experts
                      "llama": "mixtral"}
@@ -41,6 +50,14 @@ HYBRID_ARCHITECTURES = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen3n
 _INT_TYPES = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
               GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64}
 _FLOAT_TYPES = {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
+
+# the largest value of an "<arch>." field that sizes per-layer, per-head or per-expert lists; any other integer field
+# at most MAX_POSITION (a config cannot ask for absurd allocations before its tensors are checked)
+_INT_MAX = {"block_count": MAX_LAYERS, "leading_dense_block_count": MAX_LAYERS, "nextn_predict_layers": MAX_LAYERS,
+            "interleave_moe_layer_step": MAX_LAYERS, "full_attention_interval": MAX_LAYERS,
+            "attention.head_count": MAX_HEADS, "attention.head_count_kv": MAX_HEADS, "ssm.group_count": MAX_HEADS,
+            "expert_count": MAX_EXPERTS, "expert_used_count": MAX_EXPERTS, "expert_shared_count": MAX_EXPERTS,
+            "expert_group_count": MAX_EXPERTS, "expert_group_used_count": MAX_EXPERTS}
 
 
 def _decimal(value: Any) -> float:
@@ -91,7 +108,7 @@ class GGUFMetadata:
                 raise KestrelError(f"{self.path}: GGUF metadata lacks {key}")
             return default
         try:
-            return check_int(key, v, lo)
+            return check_int(key, v, lo, _INT_MAX.get(key.split(".", 1)[-1], MAX_POSITION))
         except ValidationError as exc:
             raise KestrelError(f"{self.path}: metadata {exc}") from None
 

@@ -151,6 +151,14 @@ def named_layers(types: Any, names: dict[str, str], where: str) -> tuple[str, ..
     return tuple(names[t] for t in types)
 
 
+# Upper bounds far above any real model, so a config cannot ask for absurd allocations (2^40 layers...)
+MAX_DIM = 1 << 20  # hidden, intermediate, head_dim
+MAX_VOCAB = 1 << 24
+MAX_LAYERS = 4096
+MAX_HEADS = 1 << 14
+MAX_POSITION = 1 << 26
+MAX_EXPERTS = 1 << 12
+
 # field -> (kind, required); kinds: "pos" int >= 1, "nonneg" int >= 0, "float+" finite > 0, "bool", "rope" dict
 HF_CONFIG_FIELDS: dict[str, tuple[str, bool]] = {  # in the order hf_config.config_from_hf reads them
     "num_attention_heads": ("pos", True),
@@ -196,6 +204,20 @@ HF_CONFIG_FIELDS: dict[str, tuple[str, bool]] = {  # in the order hf_config.conf
     "moe_layer_interval": ("pos", False),
     "num_dense_layers": ("count", False),  # LFM2-MoE's
 }
+# the largest value of a field, checked before the per-layer, per-head or per-expert lists it sizes are made
+HF_CONFIG_MAX = {
+    "num_hidden_layers": MAX_LAYERS, "num_attention_heads": MAX_HEADS, "num_key_value_heads": MAX_HEADS,
+    "hidden_size": MAX_DIM, "intermediate_size": MAX_DIM, "head_dim": MAX_DIM, "moe_intermediate_size": MAX_DIM,
+    "vocab_size": MAX_VOCAB, "max_position_embeddings": MAX_POSITION,
+    "linear_num_key_heads": MAX_HEADS, "linear_num_value_heads": MAX_HEADS, "linear_key_head_dim": MAX_DIM,
+    "linear_value_head_dim": MAX_DIM, "linear_conv_kernel_dim": MAX_DIM, "conv_L_cache": MAX_DIM,
+    "block_ff_dim": MAX_DIM, "block_multiple_of": MAX_DIM,
+    "num_experts": MAX_EXPERTS, "num_local_experts": MAX_EXPERTS, "num_experts_per_tok": MAX_EXPERTS,
+    "n_routed_experts": MAX_EXPERTS, "n_shared_experts": MAX_EXPERTS, "moe_num_experts": MAX_EXPERTS,
+    "moe_k": MAX_EXPERTS, "moe_num_shared_experts": MAX_EXPERTS, "n_group": MAX_EXPERTS, "topk_group": MAX_EXPERTS,
+    "first_k_dense_replace": MAX_LAYERS, "decoder_sparse_step": MAX_LAYERS, "moe_layer_start_index": MAX_LAYERS,
+    "moe_layer_interval": MAX_LAYERS, "num_dense_layers": MAX_LAYERS, "full_attention_interval": MAX_LAYERS,
+}
 
 
 def check_hf_config(cfg: Mapping[str, Any], where: str = "config.json") -> None:
@@ -222,9 +244,9 @@ def check_hf_config(cfg: Mapping[str, Any], where: str = "config.json") -> None:
             continue
         try:
             if kind == "pos":
-                check_int(key, value, 1)
+                check_int(key, value, 1, HF_CONFIG_MAX.get(key))
             elif kind == "count":
-                check_int(key, value, 0)
+                check_int(key, value, 0, HF_CONFIG_MAX.get(key))
             elif kind == "float+":
                 check_float(key, value, 0.0, lo_open=True)
             elif kind == "bool":

@@ -181,8 +181,10 @@ def _fuzz_harness():  # scripts/fuzz.py's seed writer: a small valid llama GGUF 
     ("llama.block_count", "bool", True, "block_count must be an integer"),
     ("llama.block_count", "string", "3", "block_count must be an integer"),
     ("llama.block_count", "float32", 3.5, "block_count must be an integer"),
-    ("llama.block_count", "uint32", 0, "block_count must be an integer >= 1"),
-    ("llama.attention.head_count", "int32", -1, "head_count must be an integer >= 1"),
+    ("llama.block_count", "uint32", 0, r"block_count must be an integer in \[1, 4096\], got 0"),
+    ("llama.block_count", "uint64", 10**10, r"block_count must be an integer in \[1, 4096\]"),  # before any list
+    ("llama.attention.head_count", "int32", -1, r"head_count must be an integer in \[1, 16384\]"),
+    ("llama.context_length", "uint64", 2**40, r"context_length must be an integer in \[1, 67108864\]"),
     ("llama.attention.layer_norm_rms_epsilon", "float32", float("nan"), "must be finite"),
     ("llama.attention.layer_norm_rms_epsilon", "float32", -1e-5, "must be > 0"),
     ("llama.rope.freq_base", "float32", 0.0, "must be > 0"),

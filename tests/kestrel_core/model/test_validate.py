@@ -98,6 +98,19 @@ def test_hf_loader_refuses_coercible_values(change: dict[str, Any]) -> None:
         config_from_hf({**HF, **change})
 
 
+@pytest.mark.parametrize(("arch", "change"), [
+    ("Gemma2ForCausalLM", {"num_hidden_layers": 10**10}),  # its layer types are a list a layer
+    ("Qwen3MoeForCausalLM", {"num_hidden_layers": 10**10, "num_experts": 8, "num_experts_per_tok": 2,
+                             "moe_intermediate_size": 8}),
+    ("Qwen3MoeForCausalLM", {"num_experts": 10**9, "num_experts_per_tok": 2, "moe_intermediate_size": 8}),
+])
+def test_counts_that_size_lists_are_bounded_before_the_lists_are_made(arch: str, change: dict[str, Any]) -> None:
+    from kestrel_core.model.hf_config import config_from_hf
+
+    with pytest.raises(KestrelError, match="must be an integer in \\[1, 4096\\]"):
+        config_from_hf({**HF, "architectures": [arch], **change})
+
+
 @pytest.mark.parametrize("bad", ["q3", None, 8, "Q8 "])
 def test_artifact_quant_must_be_a_known_mode(bad: Any) -> None:
     with pytest.raises(KestrelError, match="quant"):
