@@ -77,6 +77,9 @@ from kestrel_cuda.forward_state import Projections, State, WeightSource, build_s
 from kestrel_cuda.forward_step import Stepper
 from kestrel_cuda.plan import KV_BLOCK, KV_DTYPE, PASS_ROWS, TOKEN_RING
 
+UNFIT = ("the model's weights do not all fit the weight cache (KESTREL_CUDA_CACHE_MB); KESTREL_CUDA_WINDOW streams "
+         "them a layer at a time")
+
 CAP_CHUNK = 1024  # KV positions are allocated this many at a time
 @dataclass
 class _Seq:
@@ -116,6 +119,7 @@ class DeviceForward:
                                        bool(getattr(ops, "cluster", False)), target_blocks)
         self.stepper = Stepper(ops, self.projections, layer_boundary, fuse_rope, fuse_attention)
         self._st: State | None = None
+        self._unfit: Model | None = None  # a model whose weights the cache could not hold all at once
         self._seqs: dict[int, _Seq] = {}
         self._spare: _Seq | None = None  # the last released sequence: KV cache and graph, for the next one
         self._pool: paged.Pool | None = None  # batched steps' KV (paged.py), made at the first batch
@@ -564,8 +568,18 @@ class DeviceForward:
         reason = unsupported_reason(model)
         if reason is not None:
             return self._decline(f"unsupported model: {reason}")
+        if model is self._unfit:
+            return self._decline(UNFIT)
         self._teardown()
-        self._st = build_state(model, self.ops, self.projections, self.max_context, self.layer_boundary is None)
+        resident = self.layer_boundary is None
+        self._st = build_state(model, self.ops, self.projections, self.max_context, resident)
+        if resident:  # pinned now: a weight a later fetch evicted would be read from another weight's buffer
+            try:
+                self._pin_weights(self._st)
+            except KeyError:
+                self._teardown()
+                self._unfit = model
+                return self._decline(UNFIT)
         return self._st
 
     def _teardown(self) -> None:

@@ -158,23 +158,24 @@ class CupyOps(MoeOps):
         self.attn_part = self.zeros(1, np.float32)
         self.attn_counters = self.zeros(1, np.int32)
         self._tiled_bufs: dict[str, Any] = {}
-        self._outgrown: list[Any] = []  # scratch buffers a captured batch graph may still write and read
+        self._outgrown: list[Any] = []  # scratch buffers a captured graph may still write and read
 
     def reserve(self, part: int, counters: int, attn_part: int, attn_counters: int, merge_tiles: int = 0) -> None:
         """Grow the split-K and attention scratch (counters start and end every launch at zero; the merge slots
-        and their epochs only ever grow together, zeroed, so that no slot holds a tag its tile has not reached)."""
+        and their epochs only ever grow together, zeroed, so that no slot holds a tag its tile has not reached).
+        What a graph captured before may still use stays allocated (``_outgrown``): freed, its memory would go to
+        the next array, which that graph's replays would then write."""
         if merge_tiles > self.merge_tiles:
+            self._outgrown += [self.merge, self.epochs]
             self.merge = self.zeros(merge_tiles * MERGE_SPLITS * TILE_N, np.uint64)
             self.epochs = self.zeros(merge_tiles, np.uint32)
             self.merge_tiles = merge_tiles
-        if part > self.part.size:
-            self.part = self.zeros(part, np.float32)
-        if counters > self.counters.size:
-            self.counters = self.zeros(counters, np.int32)
-        if attn_part > self.attn_part.size:
-            self.attn_part = self.zeros(attn_part, np.float32)
-        if attn_counters > self.attn_counters.size:
-            self.attn_counters = self.zeros(attn_counters, np.int32)
+        for name, size, dtype in (("part", part, np.float32), ("counters", counters, np.int32),
+                                  ("attn_part", attn_part, np.float32), ("attn_counters", attn_counters, np.int32)):
+            old = getattr(self, name)
+            if size > old.size:  # twice the size at least: a batch a row larger does not grow it again
+                self._outgrown.append(old)
+                setattr(self, name, self.zeros(max(size, 2 * old.size), dtype))
 
     # memory: on the forward's stream, so that nothing races with its kernels (it does not wait for the
     # legacy default stream)

@@ -13,7 +13,10 @@ from kestrel_cuda.forward import DeviceForward  # noqa: E402
 
 from .forward_check import FACTOR, SMALL_CONFIGS, cpu_logits, cuda_device_count, greedy_agrees, jitter_effect  # noqa: E402,E501
 from .test_forward_batch_host import (  # noqa: E402, F401  (collected here with this module's make_fwd)
+    Pages,
+    _model,
     _prompts,
+    host,
     serve_all,
     test_a_mixed_batch_gets_ids_where_they_do_and_logits_where_they_are_needed,
     test_a_mixed_batch_over_two_passes,
@@ -162,6 +165,42 @@ def test_a_captured_step_outlives_the_scratch_a_larger_step_outgrows(stream, gem
     ops.synchronize()
     assert np.array_equal(cp.asnumpy(y4), expect)
     assert all(bool((h == 7).all()) for h in held)
+
+
+def test_captured_steps_outlive_the_attention_scratch_a_larger_batch_outgrows(make_fwd, stream) -> None:  # type: ignore[no-untyped-def]
+    """A sequence's decode graph and a 2-row batch's graph hold the attention scratch's addresses; a batch of 8
+    then grows that scratch. Replayed after it, with arrays of the old scratch's sizes allocated meanwhile (where
+    CuPy's pool would put a freed scratch), both give what a forward that never ran the batch gives."""
+    model = _model("llama")
+    rng = np.random.default_rng(1)
+    prompt, tail = rng.integers(0, model.config.vocab_size, 20), rng.integers(0, model.config.vocab_size, 8)
+    pair, others = _prompts(model, (9, 10), seed=2), _prompts(model, range(11, 19), seed=3)
+
+    def run(grow: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        fwd, pages = make_fwd(), Pages()
+        lone = [host(fwd.forward(model, 1, prompt, 0, False))]
+        lone += [host(fwd.forward(model, 1, np.array([t]), 20 + i, False)) for i, t in enumerate(tail[:2])]
+        batch = [host(fwd.forward_batch(model, [pages.entry(i, p, 0, 1) for i, p in enumerate(pair)]))]
+        batch += [host(fwd.forward_batch(model, [pages.entry(i, [7], len(p) + j, 1) for i, p in enumerate(pair)]))
+                  for j in range(2)]
+        held = []
+        if grow:
+            old = [(a.size, a.dtype) for a in (fwd.ops.attn_part, fwd.ops.attn_counters)]
+            fwd.forward_batch(model, [pages.entry(10 + i, p, 0, 1) for i, p in enumerate(others)])
+            fwd.forward_batch(model, [pages.entry(10 + i, [5], len(p), 1) for i, p in enumerate(others)])
+            assert fwd.ops.attn_part.size > old[0][0]
+            with stream:
+                held = [cp.full(size, 3, dtype) for size, dtype in old for _ in range(4)]
+        lone += [host(fwd.forward(model, 1, np.array([t]), 22 + i, False)) for i, t in enumerate(tail[2:])]
+        batch += [host(fwd.forward_batch(model, [pages.entry(i, [7], len(p) + j, 1) for i, p in enumerate(pair)]))
+                  for j in range(2, 5)]
+        stream.synchronize()
+        assert all(bool((h == 3).all()) for h in held)
+        return lone, batch
+
+    (lone, batch), (want_lone, want_batch) = run(True), run(False)
+    for got, want in zip(lone + batch, want_lone + want_batch):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_the_norm_fold_in_steps_of_the_tensor_copy_gemm(stream) -> None:  # type: ignore[no-untyped-def]

@@ -168,6 +168,34 @@ def test_window_path_through_the_weight_cache_matches_own_upload() -> None:
     assert "residency window" in windowed.last_decline  # eager steps, and the reason said
 
 
+def test_a_model_the_cache_cannot_hold_whole_is_declined_without_the_window() -> None:
+    """Without the residency window every weight is fetched once, for the whole run: where the cache holds half
+    the model, fetching the later layers evicts the first ones (their buffers then hold other weights), so the
+    device declines the model, says why, and does not fetch it again at the next step; where it fits, it runs."""
+    model = synthetic_model(CONFIGS["qwen3"], "q8", seed=9)
+    toks = random_tokens(model.config, 12)
+    whole = _fetched_bytes(model)
+    for budget, fits in ((whole // 2, False), (2 * whole, True)):
+        cache = WeightCache(NumpyAllocator(1 << 30), budget=budget, keep=0)
+        uploads: list[int] = []
+        fwd = DeviceForward(cache_source(cache, uploads), pin=cache.pin, unpin=cache.unpin, ops=NumpyOps())
+        first = fwd.forward(model, 1, toks, 0, False)
+        fetched = len(uploads)
+        again = fwd.forward(model, 1, toks, 0, False)
+        if fits:
+            assert np.array_equal(first, again) and len(uploads) == fetched
+        else:
+            assert first is None and again is None and "KESTREL_CUDA_WINDOW" in fwd.last_decline
+            assert len(uploads) == fetched and cache.stats()["evictions"] > 0
+
+
+def _fetched_bytes(model) -> int:  # type: ignore[no-untyped-def]
+    """The bytes of every weight the device fetches for ``model`` (a cache that holds them all, once)."""
+    cache = WeightCache(NumpyAllocator(1 << 30), budget=1 << 30, keep=0)
+    DeviceForward(cache_source(cache, []), ops=NumpyOps()).forward(model, 1, np.arange(2), 0, False)
+    return int(cache.stats()["bytes_resident"])
+
+
 def test_weight_source_pins_what_the_graph_captured() -> None:
     model = synthetic_model(CONFIGS["llama"], "q8", seed=10)
     cache = WeightCache(NumpyAllocator(1 << 30), budget=1 << 30, keep=0)
