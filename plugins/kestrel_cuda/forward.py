@@ -410,6 +410,10 @@ class DeviceForward:
         argmax_step = bool(needs) and not any(needs)  # token ids alone come back
         ids_only = argmax_step and total <= PASS_ROWS  # ... in one pass: chosen at launch (_ids_later)
         row_of = paged.fed_rows(batch, feed[1]) if feed is not None else {}
+        if feed is not None and any(r >= PASS_ROWS for r in row_of):  # a later pass's fed rows: their tokens
+            ids = ops.zeros(feed[0].shape, feed[0].dtype)  # kept apart from the ids an earlier pass's fetch writes
+            ops.copy(ids, feed[0])
+            feed = (ids, feed[1])
         fetched: list[tuple[np.ndarray, dict[int, np.ndarray]]] = []  # per pass: (logits or ids, logit rows)
         fetches: list[Callable[[], tuple[np.ndarray, dict[int, np.ndarray]]]] = []  # the passes' downloads
         done = 0  # returned rows so far

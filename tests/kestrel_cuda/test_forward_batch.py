@@ -25,6 +25,7 @@ from .test_forward_batch_host import (  # noqa: E402, F401  (collected here with
     test_declines_what_the_pool_cannot_run,
     test_eager_and_captured_batches_agree_bitwise,
     test_every_batched_row_is_the_cpu_decoders_within_the_band,
+    test_fed_rows_on_both_sides_of_a_pass_boundary,
     test_mixed_batch_of_decode_rows_and_prompt_chunks,
     test_padding_rows_of_a_bucket_touch_no_sequence,
 )

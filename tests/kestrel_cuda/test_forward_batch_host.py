@@ -281,6 +281,33 @@ def test_a_mixed_batch_over_two_passes(make_fwd) -> None:  # type: ignore[no-unt
     assert got_short.dtype == np.int64 and got_short.tolist() == [int(np.argmax(want_short[0]))]
 
 
+def test_fed_rows_on_both_sides_of_a_pass_boundary(make_fwd) -> None:  # type: ignore[no-untyped-def]
+    """A step started before the one it follows is in, its greedy rows fed from that step's ids on the device,
+    one before a long prompt and one after it in the second pass: both take the tokens the step before chose
+    (the first pass's results, fetched before the second pass runs, are not where the second pass reads them)."""
+    from kestrel_cuda.plan import PASS_ROWS
+
+    model = _model("qwen3")
+    a, b, long = _prompts(model, (9, 13, PASS_ROWS + 40), seed=1)
+    results = []
+    for fed in (False, True):
+        pages, fwd = Pages(3), make_fwd()
+        first = fwd.forward_batch(model, [replace(pages.entry(1, a, 0, 1), argmax_only=True),
+                                          replace(pages.entry(2, b, 0, 1), argmax_only=True)])
+        ta, tb = (int(x[-1]) for x in first)
+        step = fwd.start_batch(model, [replace(pages.entry(1, [ta], len(a), 1), argmax_only=True),
+                                       replace(pages.entry(2, [tb], len(b), 1), argmax_only=True)])
+        na, nb = (-1, -1) if fed else (int(x[-1]) for x in step())
+        out = fwd.forward_batch(model, [
+            replace(pages.entry(2, [nb], len(b) + 1, 1), argmax_only=True, fed=fed), pages.entry(3, long, 0, 0),
+            replace(pages.entry(1, [na], len(a) + 1, 1), argmax_only=True, fed=fed)])
+        if fed:
+            na, nb = (int(x[-1]) for x in step())
+        results.append(((na, nb), (int(out[0][-1]), int(out[2][-1])), fwd.counters["fed_rows"]))
+    (want_step, want_next, _), (got_step, got_next, fed_rows) = results
+    assert got_step == want_step and got_next == want_next and fed_rows == 2
+
+
 def test_one_upload_serves_every_sequence_of_a_windowed_batch() -> None:
     """The residency window under a batched step (keep = 1 over a real WeightCache): three sequences decode
     together, each step walks the layers once, so each step uploads every streamed weight once whatever the
