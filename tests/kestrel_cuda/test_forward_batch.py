@@ -179,8 +179,8 @@ def test_captured_steps_outlive_the_attention_scratch_a_larger_batch_outgrows(ma
 
     def run(grow: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
         fwd, pages = make_fwd(), Pages()
-        lone = [host(fwd.forward(model, 1, prompt, 0, False))]
-        lone += [host(fwd.forward(model, 1, np.array([t]), 20 + i, False)) for i, t in enumerate(tail[:2])]
+        lone = [host(fwd.forward(model, 100, prompt, 0, False))]
+        lone += [host(fwd.forward(model, 100, np.array([t]), 20 + i, False)) for i, t in enumerate(tail[:2])]
         batch = [host(fwd.forward_batch(model, [pages.entry(i, p, 0, 1) for i, p in enumerate(pair)]))]
         batch += [host(fwd.forward_batch(model, [pages.entry(i, [7], len(p) + j, 1) for i, p in enumerate(pair)]))
                   for j in range(2)]
@@ -192,7 +192,7 @@ def test_captured_steps_outlive_the_attention_scratch_a_larger_batch_outgrows(ma
             assert fwd.ops.attn_part.size > old[0][0]
             with stream:
                 held = [cp.full(size, 3, dtype) for size, dtype in old for _ in range(4)]
-        lone += [host(fwd.forward(model, 1, np.array([t]), 22 + i, False)) for i, t in enumerate(tail[2:])]
+        lone += [host(fwd.forward(model, 100, np.array([t]), 22 + i, False)) for i, t in enumerate(tail[2:])]
         batch += [host(fwd.forward_batch(model, [pages.entry(i, [7], len(p) + j, 1) for i, p in enumerate(pair)]))
                   for j in range(2, 5)]
         stream.synchronize()
