@@ -82,7 +82,11 @@ def dequantize_4bit(packed: np.ndarray, quant_map: np.ndarray, absmax: np.ndarra
     values = np.empty((codes.size, 2), np.float32)  # the high nibble is the first of the pair
     values[:, 0], values[:, 1] = qmap[codes >> 4], qmap[codes & 15]
     values = values.reshape(-1)
-    values *= np.repeat(scales, state["blocksize"])[:values.size]
+    size = state["blocksize"]  # each block times its scale, in place (a block may be larger than the weight)
+    whole = values.size // size * size
+    blocks = values[:whole].reshape(-1, size)
+    blocks *= scales[:whole // size, None]
+    values[whole:] *= scales[-1]
     return values.reshape(n, k)
 
 
@@ -99,7 +103,7 @@ def _absmax(absmax: np.ndarray, state: dict[str, Any], nested: tuple[np.ndarray,
     if a.dtype != np.uint8 or qmap.size != 256 or not size or scale.size != -(-count // size):
         raise KestrelError(f"{where}: double-quantized absmax ({a.dtype}, {a.size}) does not fit its nested map "
                            f"({qmap.size}) and scales ({scale.size}, blocks of {size})")
-    return qmap[a] * np.repeat(scale, size)[:count] + np.float32(state.get("nested_offset", 0.0))
+    return qmap[a] * scale[np.arange(count) // size] + np.float32(state.get("nested_offset", 0.0))
 
 
 def dequantize_8bit(weight: np.ndarray, scb: np.ndarray, where: str) -> np.ndarray:

@@ -85,8 +85,8 @@ def dequantize_fp8(codes: np.ndarray, scale: np.ndarray, scheme: Fp8Scheme, wher
     elif scale.shape in ((n, 1), (n,)):
         w *= scale.reshape(n, 1)
     elif scheme.block is not None and scale.shape == (math.ceil(n / scheme.block[0]), math.ceil(k / scheme.block[1])):
-        bn, bk = scheme.block
-        w *= np.repeat(np.repeat(scale, bn, axis=0)[:n], bk, axis=1)[:, :k]
+        bn, bk = scheme.block  # each weight times its block's scale (a block may be larger than the weight)
+        w *= scale[np.arange(n) // bn][:, np.arange(k) // bk]
     else:
         block = f"blocks of {list(scheme.block)}" if scheme.block else "no weight_block_size"
         raise KestrelError(f"{where}: scale of shape {list(scale.shape)} does not fit a weight of shape [{n}, {k}] "

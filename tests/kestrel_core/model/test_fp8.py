@@ -112,3 +112,13 @@ def test_what_an_fp8_checkpoint_cannot_be_is_one_line(fmt: SimpleNamespace, tmp_
     path.write_text(json.dumps(change(json.loads(path.read_text()))))
     with pytest.raises(KestrelError, match=says):
         kestrel_core.load(str(tmp_path / "fp8"), backend="cpu")
+
+
+def test_block_scales_larger_than_the_weight_apply_without_repeating_them() -> None:
+    from kestrel_core.model.fp8 import dequantize_fp8, fp8_scheme
+
+    scheme = fp8_scheme({"quant_method": "fp8", "weight_block_size": [2, 1 << 28]}, "config.json")
+    codes = np.arange(64 * 64, dtype=np.uint32).reshape(64, 64).astype(np.uint8) & 0x7E
+    scale = np.arange(1, 33, dtype=np.float32).reshape(32, 1)
+    got = dequantize_fp8(codes, scale, scheme, "w")
+    assert np.array_equal(got, E4M3_VALUES[codes] * np.repeat(scale, 2, axis=0))

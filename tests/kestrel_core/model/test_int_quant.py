@@ -349,3 +349,24 @@ def test_a_bad_quant_state_is_one_line(tmp_path: Path, state: bytes, says: str) 
     with pytest.raises(KestrelError, match=says):
         HFCheckpoint(d).get("layers.0.q")
 
+
+
+@pytest.mark.parametrize("blocksize", [64, 96, 1 << 36])  # whole blocks, a partial last one, one past the weight
+def test_bitsandbytes_scales_apply_by_block_without_repeating_them(blocksize: int) -> None:
+    from kestrel_core.model.bnb import dequantize_4bit
+
+    rng = np.random.default_rng(0)
+    n, k = 4, 80
+    codes = rng.integers(0, 256, n * k // 2).astype(np.uint8)
+    qmap = np.linspace(-1, 1, 16).astype(np.float32)
+    blocks = -(-n * k // blocksize)
+    absmax = rng.uniform(0.5, 2, blocks).astype(np.float32)
+    got = dequantize_4bit(codes, qmap, absmax, {"shape": [n, k], "blocksize": blocksize}, None, "w")
+    values = np.stack([qmap[codes >> 4], qmap[codes & 15]], axis=1).reshape(-1)
+    want = values * absmax[np.arange(n * k) // blocksize]
+    assert np.array_equal(got, want.reshape(n, k))
+    nested = (np.linspace(0, 1, 256).astype(np.float32), np.array([3.0], np.float32))
+    scales = rng.integers(0, 256, blocks).astype(np.uint8)
+    got = dequantize_4bit(codes, qmap, scales, {"shape": [n, k], "blocksize": blocksize,
+                                                 "nested_blocksize": 1 << 40}, nested, "w")
+    assert np.array_equal(got, (values * (nested[0][scales] * 3.0)[np.arange(n * k) // blocksize]).reshape(n, k))
