@@ -14,6 +14,7 @@ import functools
 import json
 import math
 import re
+import string
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
@@ -231,6 +232,8 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         def checked(*args: Any, **kwargs: Any) -> str:
             values = list(args) + list(kwargs.values())
             _check_format(owner, values)
+            if isinstance(owner, str) and any("{" in (spec or "") for _, _, spec, _ in string.Formatter().parse(owner)):
+                raise TemplateLimitError("a format spec with a field in it (its width would be unchecked)")
             for v in values:
                 if isinstance(v, Mapping):
                     _check_int_args(v.values())

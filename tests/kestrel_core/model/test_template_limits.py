@@ -37,6 +37,7 @@ HOSTILE = {
     "str method": "{{ 'a'.ljust(1000000000) }}",
     "format width": "{{ '{:>999999999}'.format('a') }}",
     "format width argument": "{{ '{:>{}}'.format('a', 999999999) }}",
+    "format width as text": "{{ '{0:{1}}'.format('a', '999999999') }}",
     "percent width": "{{ '%999999999s' % 'a' }}",
     "replace blowup": "{{ ('a' * 1000000)|replace('', 'bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb') }}",
     "join blowup": "{{ ((range(100000)|list) * 100)|join('x' * 1000) }}",
@@ -147,7 +148,7 @@ def test_allocation_bombs_stay_under_the_memory_limit() -> None:
     """In a subprocess with 1 GiB of address space to spare: the template bombs end in KestrelErrors that are not
     memory errors (without the limits the doubling concat needs 1 TB, ``[1, 2] * 10**8`` 1.6 GB)."""
     names = ["string repetition", "list repetition", "doubling concat", "doubling +", "center filter",
-             "format width", "percent width", "replace blowup", "join blowup", "str method",
+             "format width", "format width as text", "percent width", "replace blowup", "join blowup", "str method",
              *(name for name in HOSTILE if name.endswith("shared items"))]
     root = str(Path(kestrel_core.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
