@@ -13,6 +13,7 @@ tests/kestrel_core/model/test_tokenizer.py compares each with transformers' own 
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -168,10 +169,14 @@ def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float]) -> list
     same way, so both tokenize alike."""
     ids = {tok: i for i, tok in enumerate(tokens)}
     score_of = dict(zip(tokens, scores))
+    lengths = sorted({len(t) for t in tokens})
     found = []
     for piece, score in score_of.items():
-        splits = sorted(((piece[:i], piece[i:]) for i in range(1, len(piece))
-                         if piece[:i] in ids and piece[i:] in ids), key=lambda lr: (ids[lr[0]], ids[lr[1]]))
+        # both parts are pieces shorter than this one: at most ``part`` long (a long piece costs no more)
+        part = lengths[bisect.bisect_left(lengths, len(piece)) - 1] if len(piece) > lengths[0] else 0
+        cuts = range(max(1, len(piece) - part), min(len(piece), part + 1))
+        splits = sorted(((piece[:i], piece[i:]) for i in cuts if piece[:i] in ids and piece[i:] in ids),
+                        key=lambda lr: (ids[lr[0]], ids[lr[1]]))
         found += [(score, left, right) for left, right in splits]
     found.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
     return [(left, right) for _, left, right in found]

@@ -7,6 +7,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kestrel_core.errors import KestrelError
@@ -270,3 +271,19 @@ def test_a_tokenizer_that_panics_on_a_text_is_a_one_line_error(tmp_path: Path) -
     assert tok.encode("ab")
     with pytest.raises(KestrelError, match="tokenizer failed to encode the text: .*retry-limit"):
         tok.encode("a" * 28 + "!")
+
+
+def test_sentencepiece_merges_are_every_split_into_two_pieces() -> None:
+    """The merges a SentencePiece vocabulary implies, against their definition (every split of a piece into two
+    pieces of the vocabulary, best score first), on pieces of every length up to one far longer than the rest:
+    the splits tried are those whose parts are no longer than the longest shorter piece."""
+    from kestrel_core.model.gguf_vocab import sentencepiece_merges
+
+    rng = np.random.default_rng(0)
+    tokens = list(dict.fromkeys(["a", "b", "c"] + ["".join(rng.choice(list("abc"), n)) for n in
+                                                    rng.integers(2, 9, 300)] + ["ab" * 40, "abc" * 4000]))
+    scores = [float(s) for s in rng.normal(size=len(tokens))]
+    ids = {t: i for i, t in enumerate(tokens)}
+    want = sorted(((s, p[:i], p[i:]) for p, s in zip(tokens, scores) for i in range(1, len(p))
+                   if p[:i] in ids and p[i:] in ids), key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
+    assert sentencepiece_merges(tokens, scores) == [(left, right) for _, left, right in want]
