@@ -283,6 +283,7 @@ def validate_config(c: ModelConfig) -> None:
         raise ValidationError(f"head_dim must be even (RoPE rotates pairs), got {c.head_dim}")
     if c.num_heads % c.num_kv_heads:
         raise ValidationError(f"num_heads ({c.num_heads}) must be a multiple of num_kv_heads ({c.num_kv_heads})")
+    _check_width(c, "num_heads", "head_dim")
     check_float("rms_norm_eps", c.rms_norm_eps, 0.0, 1.0, lo_open=True)
     check_float("rope_theta", c.rope_theta, 0.0, lo_open=True)
     if c.rotary_dim is not None:
@@ -426,6 +427,16 @@ def _check_linear(c: ModelConfig) -> None:
     if c.linear_value_heads % c.linear_key_heads:
         raise ValidationError(f"linear_value_heads ({c.linear_value_heads}) must be a multiple of linear_key_heads "
                               f"({c.linear_key_heads})")
+    for heads, dim in (("linear_key_heads", "linear_key_dim"), ("linear_value_heads", "linear_value_dim")):
+        _check_width(c, heads, dim)
+
+
+def _check_width(c: ModelConfig, heads: str, dim: str) -> None:
+    """A projection's width, heads times their dims, is a dimension too: at most MAX_DIM (the row maps of fused
+    tensors are made from it before any tensor is read)."""
+    width = getattr(c, heads) * getattr(c, dim)
+    if width > MAX_DIM:
+        raise ValidationError(f"{heads} x {dim} ({getattr(c, heads)} x {getattr(c, dim)}) must be at most {MAX_DIM}")
 
 
 def recommended_sampling(values: dict[str, Any]) -> dict[str, Any] | None:

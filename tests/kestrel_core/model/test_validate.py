@@ -98,6 +98,14 @@ def test_hf_loader_refuses_coercible_values(change: dict[str, Any]) -> None:
         config_from_hf({**HF, **change})
 
 
+def test_a_projections_width_is_bounded_before_its_row_maps_are_made() -> None:
+    """Heads within their bound times dims within theirs can still ask for a 2^30-row map of a fused tensor."""
+    from kestrel_core.model.hf_config import config_from_hf
+
+    with pytest.raises(KestrelError, match="num_heads x head_dim \\(16384 x 65536\\) must be at most 1048576"):
+        config_from_hf({**HF, "num_attention_heads": 1 << 14, "num_key_value_heads": 1 << 14, "head_dim": 1 << 16})
+
+
 @pytest.mark.parametrize(("arch", "change"), [
     ("Gemma2ForCausalLM", {"num_hidden_layers": 10**10}),  # its layer types are a list a layer
     ("Qwen3MoeForCausalLM", {"num_hidden_layers": 10**10, "num_experts": 8, "num_experts_per_tok": 2,
