@@ -27,6 +27,7 @@ from kestrel_core.model.validate import (
     check_hf_config,
     check_int,
     check_regular_file,
+    check_token_ids,
     is_int,
     named_layers,
     refuse_set,
@@ -408,6 +409,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         if arch == "gpt_oss" and scaling is None:
             scaling = GPT_OSS_ROPE
         eos = _ids(cfg.get("eos_token_id"))
+        check_token_ids(generation or {}, "eos_token_id", "generation_config.json")
         for extra in _ids((generation or {}).get("eos_token_id")):
             if extra not in eos:
                 eos.append(extra)

@@ -256,10 +256,15 @@ def check_hf_config(cfg: Mapping[str, Any], where: str = "config.json") -> None:
         except ValidationError as exc:
             raise KestrelError(f"{where}: {exc}") from None
     for key in ("bos_token_id", "eos_token_id"):
-        value = cfg.get(key)
-        values = value if isinstance(value, list) else [value]
-        if value is not None and not all(is_int(v) and v >= 0 for v in values):
-            raise KestrelError(f"{where}: {key} must be a token id >= 0 or a list of them, got {value!r}")
+        check_token_ids(cfg, key, where)
+
+
+def check_token_ids(cfg: Mapping[str, Any], key: str, where: str) -> None:
+    """``cfg[key]``, where set, is a token id >= 0 or a list of them (config.json, generation_config.json)."""
+    value = cfg.get(key)
+    values = value if isinstance(value, list) else [value]
+    if value is not None and not all(is_int(v) and v >= 0 for v in values):
+        raise KestrelError(f"{where}: {key} must be a token id >= 0 or a list of them, got {value!r}")
 
 
 # -- the .kst artifact --------------------------------------------------------------------------------------

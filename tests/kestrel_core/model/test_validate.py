@@ -370,3 +370,11 @@ def test_bad_gemma3_and_expert_configs_are_one_line(change: dict[str, Any]) -> N
     with pytest.raises(KestrelError) as info:
         config_from_hf({**HF, **change}, where="m/config.json")
     assert str(info.value).startswith("m/config.json: ") and "\n" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("eos", ["x", [1, -2], True])
+def test_generation_configs_eos_ids_are_checked_and_named_as_its(eos: Any) -> None:
+    from kestrel_core.model.hf_config import config_from_hf
+
+    with pytest.raises(KestrelError, match="^generation_config.json: eos_token_id must be a token id"):
+        config_from_hf(dict(HF), {"eos_token_id": eos})
