@@ -378,6 +378,8 @@ class HFCheckpoint:
         if self.config.arch in ONE_PLUS_NORMS and field in GEMMA_NORMS:
             return np.float32(1) + t.astype(np.float32)
         if field == "conv":  # nn.Conv1d's depthwise weight [C, 1, kernel] (Qwen3.5's, LFM2's, Mamba-2's)
+            if t.ndim == 0:
+                raise KestrelError(f"{self.dir}: tensor {name} is a scalar, not a convolution's weight")
             return t.reshape(t.shape[0], -1)
         if field in ("lin_decay", "ssm_a"):  # stored as A_log; the model runs -exp(A_log), as GGUF's ssm_a holds it
             return -np.exp(t.astype(np.float32))
@@ -461,7 +463,10 @@ class HFCheckpoint:
 
     def _stacked_slice(self, path: Path, hf_name: str, e: int) -> np.ndarray:
         """Expert ``e``'s slice of a stacked tensor [E, ...] as float32."""
-        dtype = self._handle(path).get_slice(hf_name).get_dtype()
+        stacked = self._handle(path).get_slice(hf_name)
+        dtype, shape = stacked.get_dtype(), stacked.get_shape()
+        if not shape or shape[0] <= e:
+            raise KestrelError(f"{path}: tensor {hf_name} of shape {list(shape)} has no expert {e}")
         if dtype == "BF16":
             return BFloat16Bits(np.ascontiguousarray(self._raw(path, hf_name, "<u2")[e])).to_float32()
         if dtype not in _FLOAT_DTYPES:

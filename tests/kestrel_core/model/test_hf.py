@@ -294,3 +294,42 @@ def test_q4_of_mxfp4_experts_says_what_it_costs(caplog) -> None:  # type: ignore
         caplog.clear()
         load_model(str(path), quant, cache="off")
         assert any("experts are MXFP4" in r.getMessage() for r in caplog.records) == warned, (path, quant)
+
+
+def _reshaped_copy(tmp_path: Path, model: str, name: str, shape: list[int]) -> Path:
+    """A fixture directory whose safetensors tensor ``name`` holds the first elements of its bytes as ``shape``
+    (its dtype kept, raw), the header and offsets rewritten."""
+    import shutil
+
+    src = Path(__file__).resolve().parents[2] / "fixtures" / "models" / model
+    d = tmp_path / model
+    shutil.copytree(src, d)
+    raw = (src / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+    out, at = bytearray(), 0
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        a, b = entry["data_offsets"]
+        chunk = data[a:b]
+        if key == name:
+            size = (b - a) // int(np.prod(entry["shape"]))
+            entry["shape"], chunk = shape, chunk[:size * int(np.prod(shape))]
+        entry["data_offsets"] = [at, at + len(chunk)]
+        out += chunk
+        at += len(chunk)
+    head = json.dumps(header).encode()
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + bytes(out))
+    return d
+
+
+@pytest.mark.parametrize(("model", "name", "shape", "get", "says"), [
+    ("tiny-lfm2", "model.layers.0.conv.conv.weight", [], "layers.0.conv", "is a scalar, not a convolution"),
+    ("tiny-gpt-oss", "model.layers.0.mlp.experts.down_proj", [2, 64, 64], "layers.0.experts.2.down",
+     r"down_proj of shape \[2, 64, 64\] has no expert 2"),
+])
+def test_a_tensor_too_small_for_its_role_is_named(tmp_path: Path, model: str, name: str, shape: list[int],
+                                                  get: str, says: str) -> None:
+    with pytest.raises(KestrelError, match=says):
+        HFCheckpoint(_reshaped_copy(tmp_path, model, name, shape)).get(get)
