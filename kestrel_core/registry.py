@@ -203,6 +203,11 @@ def _module_from_path(path: Path) -> ModuleType:
     if existing is not None and spec.name not in _PATH_MODULES:
         raise ImportError(f"its module name {spec.name!r} is already taken by {getattr(existing, '__file__', None)}"
                           f" (rename the file)")
+    if existing is None:  # not yet imported, but installed: it would stand in for that module from then on
+        other = importlib.util.find_spec(spec.name)
+        if other is not None and other.origin != spec.origin:
+            raise ImportError(f"its module name {spec.name!r} is the name of the installed module {other.origin}"
+                              f" (rename the file)")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     _PATH_MODULES.add(spec.name)

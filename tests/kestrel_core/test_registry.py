@@ -114,6 +114,24 @@ def test_explicit_path_wins_over_entry_point_of_the_same_name(tmp_path: Path,
     assert len(shadowed) == 1 and "shadowed by" in shadowed[0].reason and shadowed[0].source.startswith("entry")
 
 
+def test_a_path_backend_named_as_an_installed_module_is_not_bound(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Imported under its file name, it would stand in for that module (here the standard library's colorsys)
+    for everything imported after it."""
+    (tmp_path / "colorsys.py").write_text((FIXTURES / "good_gpu.py").read_text().replace('"good_gpu"', '"colorsys"'))
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "colorsys.py"))
+    monkeypatch.delitem(sys.modules, "colorsys", raising=False)
+    reg = Registry()
+    reg.bind_all()
+    try:
+        backend = reg.backends["colorsys"]
+        assert backend.status == "not_bound" and "is the name of the installed module" in backend.reason
+        import colorsys
+        assert hasattr(colorsys, "rgb_to_hsv")
+    finally:
+        reg.close()
+
+
 def _problem(seed: int = 0) -> tuple[np.ndarray, object]:
     rng = np.random.default_rng(seed)
     w = quantize_weight(rng.standard_normal((48, 128)).astype(np.float32))
