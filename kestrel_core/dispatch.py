@@ -125,23 +125,30 @@ class Offload:
         return self._checked(hook, counters, result, check)
 
     def _called(self, hook: str, call: Callable[[], Any]) -> Any:
-        """``call()``, or an exception raised in it (reported once) in its place."""
+        """``call()``, or an exception raised in it (reported once) in its place, as a ``_Raised``."""
         try:
             return call()
         except KeyboardInterrupt:  # the user's Ctrl-C
             raise
         except BaseException as exc:  # the device must never take kestrel down (sys.exit included)
             self._report(hook, f"error: {type(exc).__name__}", exc)
-            return exc
+            return _Raised(exc)
 
     def _checked(self, hook: str, counters: HookCounters, result: Any, check: Callable[[Any], str | None]) -> Any:
-        """The result, or None (counted with its reason: an exception, a decline, a bad result)."""
-        if isinstance(result, BaseException):
-            reason = f"error: {type(result).__name__}"
+        """The result, or None (counted with its reason: an exception, a decline, a bad result). The checks ask
+        for exact types (a plain list of plain numpy arrays...), so that no code of the backend's runs in them
+        and what is checked is what is used; whatever they raise all the same is a bad result."""
+        if type(result) is _Raised:
+            reason = f"error: {type(result.exc).__name__}"
         elif result is None:
             reason = DECLINED
         else:
-            bad = check(result)
+            try:
+                bad = check(result)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:
+                bad = f"checking it raised {type(exc).__name__}"
             if not bad:
                 counters.accepted += 1
                 return result
@@ -310,7 +317,7 @@ class Offload:
             return None
         tokens = self._offer(hook, 0, lambda: decode(model=model, seq_id=seq_id, token=token, start=start,
                                                      count=count),
-                             lambda r: None if isinstance(r, Iterator) else f"{type(r).__name__}, not an iterator")
+                             _check_iterator)
         return None if tokens is None else self._checked_tokens(hook, tokens, vocab)
 
     def _checked_tokens(self, hook: str, tokens: Iterator[Any], vocab: int) -> Generator[int, Any, None]:
@@ -333,10 +340,14 @@ class Offload:
                 return
             if tok is None:
                 return
-            if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)) or not 0 <= tok < vocab:
-                self._decline_midway(hook, f"bad result: token {tok!r} outside [0, {vocab})", None)
+            if type(tok) is not int and type(tok) not in _NUMPY_INTS:
+                self._decline_midway(hook, f"bad result: a token of type {type(tok).__name__}", None)
                 return
-            more = yield int(tok)
+            tok = int(tok)
+            if not 0 <= tok < vocab:
+                self._decline_midway(hook, f"bad result: token {tok} outside [0, {vocab})", None)
+                return
+            more = yield tok
 
     def _decline_midway(self, hook: str, reason: str, exc: BaseException | None) -> None:
         """A pipelined decode that fails after it was accepted: the tokens so far stand, the engine goes on
@@ -375,6 +386,16 @@ class Offload:
         return accepted, declined
 
 
+class _Raised:
+    """What a hook call raised, in place of its result."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+_NUMPY_INTS = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
+
+
 def _counted(hook: str) -> bool:
     """Hooks that do model work (GEMMs, whole steps), as opposed to bookkeeping."""
     return "gemm" in hook or hook in ("kestrel_forward", "kestrel_forward_batch", "kestrel_decode_greedy")
@@ -404,14 +425,20 @@ def _check_array(result: Any, shape: tuple[int, ...], inputs: Sequence[np.ndarra
     return None
 
 
+def _check_iterator(result: Any) -> str | None:
+    return None if issubclass(type(result), Iterator) else f"{type(result).__name__}, not an iterator"
+
+
 def _check_batch(result: Any, batch: Sequence[BatchEntry], vocab: int) -> str | None:
-    if not isinstance(result, (list, tuple)) or len(result) != len(batch):
+    if type(result) not in (list, tuple) or len(result) != len(batch):
         return f"expected a list of {len(batch)} arrays"
-    for r, e in zip(result, batch):
-        if e.argmax_only and isinstance(r, np.ndarray) and r.ndim == 1:
+    for i, (r, e) in enumerate(zip(result, batch)):
+        if e.argmax_only and type(r) is np.ndarray and r.ndim == 1:
             bad = _check_ids(r, e.logit_rows, vocab)
+            if not bad and any(_overlap(r, x) for x in result[:i]):
+                bad = "an array sharing memory with another result"
         else:
-            bad = _check_array(r, (e.logit_rows, vocab))
+            bad = _check_array(r, (e.logit_rows, vocab), result[:i])
         if bad:
             return bad
     return None
@@ -436,7 +463,7 @@ def _check_ids(result: np.ndarray, rows: int, vocab: int) -> str | None:
 def check_arrays(result: Any, shapes: list[tuple[int, ...]], inputs: Sequence[np.ndarray] = ()) -> str | None:
     """Why the arrays of ``result`` cannot be a GEMM hook's results of ``shapes`` (None: they can): each as
     ``_check_array`` asks, and none sharing memory with another. The dispatcher's test, and selftest's."""
-    if not isinstance(result, (list, tuple)) or len(result) != len(shapes):
+    if type(result) not in (list, tuple) or len(result) != len(shapes):
         return f"expected a list of {len(shapes)} arrays"
     for i, (r, s) in enumerate(zip(result, shapes)):
         bad = _check_array(r, s, [*inputs, *result[:i]])

@@ -308,3 +308,61 @@ def test_a_plugins_base_exceptions_are_declines_but_ctrl_c_passes(tmp_path, monk
     offload._callers[("fusing", "kestrel_gemm_fused_q8")] = interrupted
     with pytest.raises(KeyboardInterrupt):
         offload.linear_fused(x, ws, keys, fused_wkey(1, Proj.QKV))
+
+
+class _LenExits(list):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        raise SystemExit(3)
+
+
+class _LyingIds(np.ndarray):
+    def min(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return 0
+
+    def max(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return 0
+
+
+class _ClassExits:
+    @property
+    def __class__(self):  # type: ignore[no-untyped-def]
+        raise SystemExit(4)
+
+
+def test_results_are_taken_only_as_plain_types(nonfinite) -> None:
+    """A result is checked as what it is, and only plain lists and numpy arrays are taken: a list whose len
+    exits, ids whose min and max lie, an object whose __class__ exits, one array for two entries, are declines
+    (no code of the result's runs in the checks), never an exit or a bad id taken."""
+    offload, _, _ = nonfinite
+    tokens = np.arange(3, dtype=np.int64)
+    batch = [BatchEntry(1, tokens, 0, 1, argmax_only=True), BatchEntry(2, tokens[:1], 0, 1)]
+    logits = np.zeros((1, 11), np.float32)
+    ids = np.array([10**9]).view(_LyingIds)
+    results = {
+        "expected a list of 2 arrays": [_LenExits([np.array([4]), logits]), _ClassExits()],
+        "got _LyingIds, expected a numpy.ndarray": [[ids, logits]],
+        "got _ClassExits, expected a numpy.ndarray": [[np.array([4]), _ClassExits()]],
+        "an array sharing memory with the call's input or another result": [[logits, logits]],
+    }
+    for want, cases in results.items():
+        for result in cases:
+            offload._callers[("nonfinite", "kestrel_forward_batch")] = lambda result=result, **kw: result
+            assert offload.forward_batch(None, batch, 11) is None
+    assert offload.stats()["kestrel_forward_batch"]["declined_reasons"] == {
+        f"bad result: {w}": len(c) for w, c in results.items()}
+
+
+def test_decoded_tokens_are_taken_only_as_plain_integers(nonfinite) -> None:
+    """A token that is an int subclass (whatever its __int__ or comparisons say) or a bool ends the decode."""
+    offload, _, _ = nonfinite
+
+    class Sly(int):
+        def __int__(self) -> int:
+            return 10**9
+
+    for bad in (Sly(3), True, _ClassExits()):
+        offload._callers[("nonfinite", "kestrel_decode_greedy")] = lambda bad=bad, **kw: iter([np.int64(2), bad, 5])
+        assert list(offload.decode_greedy(None, 1, 7, 10, 3, vocab=11)) == [2]
+    reasons = offload.stats()["kestrel_decode_greedy"]["declined_reasons"]
+    assert reasons == {"bad result: a token of type Sly": 1, "bad result: a token of type bool": 1,
+                       "bad result: a token of type _ClassExits": 1}
