@@ -344,7 +344,7 @@ def test_results_are_taken_only_as_plain_types(nonfinite) -> None:
         "got _ClassExits, expected a numpy.ndarray": [[np.array([4]), _ClassExits()]],
         "an array sharing memory with the call's input or another result": [[logits, logits]],
     }
-    for want, cases in results.items():
+    for cases in results.values():
         for result in cases:
             offload._callers[("nonfinite", "kestrel_forward_batch")] = lambda result=result, **kw: result
             assert offload.forward_batch(None, batch, 11) is None
