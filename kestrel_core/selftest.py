@@ -16,7 +16,7 @@ subtle errors in the arithmetic.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -518,6 +518,17 @@ def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str
                       detail="" if ok else f"relative L2 error {err:.3g} > band {tol:.3g}")
 
 
+def _guarded(name: str, hook: str, run: Callable[[], CaseResult]) -> CaseResult:
+    """``run()``, or a failed case where the backend's code raised out of it anyway (its sys.exit included, in a
+    call the case does not guard itself, or in a result the checks use): never the end of the suite."""
+    try:
+        return run()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        return CaseResult(name, hook, False, float("inf"), detail=f"raised {type(exc).__name__}: {safe_text(exc)}")
+
+
 def run_selftest(name: str = "cpu", seeds: int = 2, registry: Registry | None = None) -> SelfTestReport:
     registry = registry or Registry()
     backend = registry.bind(name)
@@ -533,13 +544,16 @@ def run_selftest(name: str = "cpu", seeds: int = 2, registry: Registry | None = 
         except BaseException as exc:
             raise KestrelError(f"backend {name!r}: kestrel_selftest_cases failed: {type(exc).__name__}: "
                                f"{safe_text(exc)}") from None
-    report = SelfTestReport(backend.name, [run_case(backend, c, i) for i, c in enumerate(cases)])
+    report = SelfTestReport(backend.name, [_guarded(c.name, c.hook, lambda c=c, i=i: run_case(backend, c, i))
+                                           for i, c in enumerate(cases)])
     if backend.implements(FORWARD_BATCH):
         cpu = registry.cpu()
         for seed in range(seeds):
             for i, (arch, quant) in enumerate(BATCH_MODELS):
                 first_seq = 1_000_000 + 20 * (seed * len(BATCH_MODELS) + i)  # apart from an engine's ids
-                report.cases.append(run_forward_batch_case(backend, cpu, arch, quant, seed, first_seq))
+                report.cases.append(_guarded(f"forward_batch {arch} {quant} s{seed}", FORWARD_BATCH, lambda arch=arch,
+                                             quant=quant, seed=seed, first_seq=first_seq: run_forward_batch_case(
+                                                 backend, cpu, arch, quant, seed, first_seq)))
     for hook in {c.hook for c in report.cases}:
         mine = [c for c in report.cases if c.hook == hook]
         if all(c.declined for c in mine):  # a hook that declines everything checks nothing

@@ -53,6 +53,33 @@ def kestrel_gemm_f32(device, a, weight, wkey):
     assert not wrong.ok and wrong.failed == len(wrong.cases)
 
 
+def test_a_backend_whose_results_exit_fails_its_cases(tmp_path: Path, monkeypatch) -> None:
+    """A result whose __class__ calls sys.exit(0) (the checks look at it) fails its case: the suite neither
+    stops nor passes."""
+    (tmp_path / "exits.py").write_text('''
+import sys
+from kestrel_core import API_VERSION, BackendInfo, hookimpl
+from kestrel_cpu import kestrel_close, kestrel_gemm_f32, kestrel_open  # noqa: F401
+
+class Result:
+    @property
+    def __class__(self):
+        sys.exit(0)
+
+@hookimpl
+def kestrel_backend_info():
+    return BackendInfo("exits", "1", API_VERSION, "gpu")
+
+@hookimpl
+def kestrel_gemm_q8(device, a_codes, a_scales, weight, wkey):
+    return Result()
+''')
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path))
+    report = run_selftest("exits", seeds=1)
+    q8 = [c for c in report.cases if c.hook == "kestrel_gemm_q8"]
+    assert not report.ok and q8 and all(not c.passed and "SystemExit" in c.detail for c in q8)
+
+
 def test_declining_everything_fails(monkeypatch) -> None:
     monkeypatch.setenv("KESTREL_BACKEND_PATH", str(FIXTURES))
     reg = Registry()
