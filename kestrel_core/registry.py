@@ -346,15 +346,15 @@ def _validate(backend: Backend, check_name: bool = True) -> str | None:
                 f"{ours!r}, got {info.api_version!r}")
     if not _api_compatible(api):
         return f"incompatible API version {api[0]}.{api[1]} (kestrel has {ours})"
-    if not isinstance(info.name, str) or len(info.name) > MAX_NAME or not NAME_RE.fullmatch(info.name) \
-            or info.name == "auto":
+    if type(info.name) is not str or len(info.name) > MAX_NAME or not NAME_RE.fullmatch(info.name) \
+            or info.name == "auto":  # exact strings: a subclass's __str__ would run wherever they are shown
         return (f"BackendInfo.name {safe_repr(info.name)} is not a valid name (letters, digits, _ and -, at most "
                 f"{MAX_NAME}; not 'auto')")
-    if not isinstance(info.version, str) or not isinstance(info.description, str):
+    if type(info.version) is not str or type(info.description) is not str:
         return "BackendInfo.version and .description must be strings"
     if not is_number(info.min_flops) or not math.isfinite(info.min_flops) or info.min_flops < 0:
         return f"BackendInfo.min_flops must be a finite number >= 0, got {safe_repr(info.min_flops)}"
-    if info.kind not in KINDS:
+    if type(info.kind) is not str or info.kind not in KINDS:
         return f"unknown kind {info.kind!r} (expected one of {', '.join(KINDS)})"
     if check_name and info.name != backend.name:
         by = {"entry point": "its entry point", "file name": "its file name"}.get(backend.named_by, "the probe")

@@ -112,6 +112,8 @@ def test_a_handle_whose_description_fails_still_binds(tmp_path, monkeypatch, han
     ({"min_flops": '"lots"'}, "BackendInfo.min_flops must be a finite number >= 0"),
     ({"min_flops": 'float("nan")'}, "BackendInfo.min_flops must be a finite number >= 0"),
     ({"version": "object()"}, "BackendInfo.version and .description must be strings"),
+    ({"version": "type('S', (str,), {'__str__': lambda s: 1 / 0})('1.0')"},  # shown by `kestrel backends`
+     "BackendInfo.version and .description must be strings"),
     ({"name": "auto"}, "not a valid name"),
     ({"name": "x" * 65}, "not a valid name"),
 ])
