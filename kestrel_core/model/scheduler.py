@@ -349,8 +349,9 @@ class Scheduler:
         while self.waiting and budget and len(self.running) < self.max_batch:
             request = self.waiting[0]
             tokens = len(request.tokens)
-            if self.pool.blocks_for(tokens + 1) + len(self.running) > self.pool.free_blocks and self.running:
-                break  # no room yet: it waits for running sequences to finish
+            need = self.pool.blocks_for(tokens + 1)
+            if need + len(self.running) > self.pool.free_blocks and (self.running or need <= self.pool.num_blocks):
+                break  # no room yet: it waits for running sequences (or an embedding's text) to finish
             if self._twin_computing(request):
                 break
             self.waiting.popleft()
@@ -439,8 +440,8 @@ class Scheduler:
         target = len(request.seq.tokens) + n
         while not self.pool.reserve(request.seq.cache, target):
             victim = self.running[-1]
-            if victim is request:  # alone and still no room: it cannot grow
-                if len(self.running) == 1:
+            if victim is request:  # alone and still no room: the pool cannot hold it, or another user holds the room
+                if len(self.running) == 1 and self.pool.blocks_for(target) > self.pool.num_blocks:
                     self._finish(request, "length")
                     self._ended.append(request)
                 else:

@@ -310,3 +310,40 @@ def test_requests_taken_in_by_on_start_run_in_that_step(engine) -> None:
     got = [t for o in outs if o.request_id == late[0].request_id for t in o.new_token_ids]
     got += _run_all(scheduler, [late[0]])[late[0].request_id]
     assert got == _alone(engine, second, params)
+
+
+@pytest.mark.parametrize("embedding_first", [True, False])
+def test_an_embedding_holding_the_room_does_not_cut_a_generation_short(embedding_first: bool) -> None:
+    """An embedding of a long text takes blocks of the same pool a step at a time, between generation steps (as
+    AsyncEngine.embed does: it gives up, Overloaded, when no generation is running that would free some). A
+    generation that fits the pool alone waits for the room (its sequence set back, not ended): every token it
+    gives alone, its length reached, whether it came before the embedding or after."""
+    from pathlib import Path
+
+    from kestrel_core.model.embed import EmbedJob
+    from kestrel_core.model.kv_pool import bytes_per_position
+
+    path = str(Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-qwen3")
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    prompt = list(range(10, 50))
+    with kestrel_core.load(path, backend="cpu") as roomy:
+        alone = list(roomy.generate(prompt, params=params))
+        mb = 8 * 32 * bytes_per_position(roomy.config) / 2**20  # 8 blocks: 256 positions
+    with kestrel_core.load(path, backend="cpu", kv_cache_mb=mb) as engine:
+        sched = Scheduler(engine, max_batch=4, token_budget=48)
+        job = EmbedJob(engine, [list(range(3, 203))], budget=sched.token_budget)
+        if embedding_first:
+            for _ in range(3):
+                job.step()
+        request, got, embedding = sched.add(prompt, params), [], True
+        while sched.has_work:
+            got += [t for o in sched.step() for t in o.new_token_ids]
+            if embedding and not job.done:
+                try:
+                    job.step()
+                except Overloaded:
+                    if not sched.num_running:  # given up: its blocks go back
+                        job.close()
+                        embedding = False
+        assert engine.pool.free_blocks == engine.pool.num_blocks
+    assert got == alone and request.finish_reason == "length" and request.preemptions >= 1
