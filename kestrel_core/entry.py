@@ -29,6 +29,13 @@ def _on_sigint(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def interrupt_handled() -> None:
+    """A command caught the interrupts so far and went on (``kestrel chat`` stopping an answer): they do not
+    make its end an interrupted one."""
+    global _interrupts
+    _interrupts = 0
+
+
 def note_interrupts() -> None:
     """Count SIGINTs while raising KeyboardInterrupt as Python's own handler does (when that one is installed;
     a handler someone else installed stays)."""

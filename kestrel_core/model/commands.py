@@ -18,6 +18,7 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.table import Table
 
+from kestrel_core.entry import interrupt_handled
 from kestrel_core.errors import InvalidRequest, KestrelError
 from kestrel_core.model.engine import Engine
 from kestrel_core.model.engine_load import load, load_preset
@@ -83,7 +84,9 @@ def _open_generator(args: argparse.Namespace) -> Engine:
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         return args.prompt
-    text = "" if sys.stdin.isatty() else read_text_stdin(sys.stdin)
+    # a piped line ends in a newline the prompt given as an argument lacks (`echo ... | kestrel run`): the same
+    # question gets the same answer either way
+    text = "" if sys.stdin.isatty() else read_text_stdin(sys.stdin).removesuffix("\n").removesuffix("\r")
     if not text:
         raise KestrelError("no prompt given (pass it as an argument or on stdin)")
     return text
@@ -282,18 +285,16 @@ def chat(args: argparse.Namespace) -> int:
     """A multi-turn session: each turn re-renders the whole conversation with the chat template."""
     interactive = sys.stdin.isatty()
     with _open_generator(args) as engine:
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])  # no template: said before a turn
         _note_model_sampling(engine, args)
         if interactive:
-            err.print("type a message; /exit or Ctrl-D ends, /reset starts over")
+            import readline  # noqa: F401  (input() then edits the line and keeps a history)
+            err.print('type a message (several lines between two lines of """); /exit or Ctrl-D ends, /reset starts '
+                      "over, Ctrl-C stops an answer", markup=False)
         messages: list[dict[str, str]] = []
         while True:
-            if interactive:
-                err.print("[bold]>[/] ", end="")
-            line = read_line_stdin(sys.stdin)
-            if not line:
-                break
-            line = line.strip()
-            if line in ("/exit", "/quit"):
+            line = _chat_message(interactive)
+            if line is None or line in ("/exit", "/quit"):
                 break
             if line == "/reset":
                 messages.clear()
@@ -307,11 +308,51 @@ def chat(args: argparse.Namespace) -> int:
                 err.print(f"error: the conversation has {len(ids)} tokens; the model's context is "
                           f"{engine.config.max_position} (/reset to start over)", markup=False)
                 continue
-            reply, _, _ = _stream(engine, ids, args, sys.stdout, reader=reader)
+            try:
+                reply, _, _ = _stream(engine, ids, args, sys.stdout, reader=reader)
+            except KeyboardInterrupt:  # the answer stops, the session goes on without that turn
+                if not interactive:
+                    raise
+                interrupt_handled()
+                messages.pop()
+                sys.stdout.write("\n")
+                err.print("(stopped)", style="dim")
+                continue
             sys.stdout.write("\n")
             sys.stdout.flush()
             messages.append({"role": "assistant", "content": reply.strip()})
     return 0
+
+
+def _chat_line(interactive: bool, prompt: str) -> str | None:
+    """A line typed (edited with readline) or read from stdin, without its newline; None at the end."""
+    if not interactive:
+        line = read_line_stdin(sys.stdin)
+        return line.rstrip("\r\n") if line else None
+    while True:
+        try:
+            return input(prompt)
+        except EOFError:
+            sys.stdout.write("\n")
+            return None
+        except KeyboardInterrupt:  # at the prompt: a fresh one, as a shell does
+            interrupt_handled()
+            sys.stdout.write("\n")
+
+
+def _chat_message(interactive: bool) -> str | None:
+    """The next message: a line, or the lines between two lines of three quotes (Ollama's way); None at the
+    end."""
+    line = _chat_line(interactive, "> ")
+    if line is None or not line.strip().startswith('"""'):
+        return None if line is None else line.strip()
+    lines = [line.strip()[3:]]
+    while not lines[-1].endswith('"""'):
+        more = _chat_line(interactive, "... ")
+        if more is None:
+            break
+        lines.append(more)
+    return "\n".join(lines).removesuffix('"""').strip()
 
 
 def embed(args: argparse.Namespace) -> int:

@@ -132,7 +132,7 @@ class Tokenizer:
     def _template(self) -> jinja2.Template:
         """The chat template compiled, once for each text it is set to."""
         if not self.chat_template:
-            raise KestrelError("this model has no chat template (use --no-chat)")
+            raise KestrelError("this model has no chat template (`kestrel run --no-chat` runs its prompt as it is)")
         if self._compiled is None or self._compiled[0] != self.chat_template:
             self._compiled = (self.chat_template, compile_chat_template(self.chat_template))
         return self._compiled[1]

@@ -185,6 +185,35 @@ def test_chat_keeps_the_conversation(capsys, monkeypatch) -> None:
         {"role": "user", "content": "there"}])
 
 
+def test_chat_takes_several_lines_between_triple_quotes(capsys, monkeypatch) -> None:
+    prompts: list[list[int]] = []
+    original = engine_mod.Engine.stream
+
+    def recording(self, prompt_ids, *args, **kwargs):
+        prompts.append(list(prompt_ids))
+        return original(self, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine_mod.Engine, "stream", recording)
+    monkeypatch.setattr("sys.stdin", io.StringIO('"""one\n\ntwo"""\n"""\nthree\n"""\n'))
+    code, _, _ = _run(capsys, "chat", "--preset", "tiny", "-n", "1")
+    tok = ByteTokenizer()
+    assert code == 0 and len(prompts) == 2
+    assert tok.decode(prompts[0]) == tok.apply_chat_template([{"role": "user", "content": "one\n\ntwo"}])
+    assert tok.decode(prompts[1]).endswith(tok.apply_chat_template([{"role": "user", "content": "three"}])
+                                           .removeprefix(tok.apply_chat_template([])))
+
+
+def test_a_prompt_on_stdin_is_the_prompt_without_its_last_newline(capsys, monkeypatch) -> None:
+    """``echo QUESTION | kestrel run`` asks what ``kestrel run QUESTION`` asks."""
+    answers = []
+    for argv, stdin in ((["hi there"], ""), ([], "hi there\n")):
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+        code, out, _ = _run(capsys, "run", "--preset", "tiny", "-n", "4", "--json", *argv)
+        assert code == 0
+        answers.append(json.loads(out))
+    assert answers[0]["prompt_tokens"] == answers[1]["prompt_tokens"] and answers[0]["text"] == answers[1]["text"]
+
+
 def test_chat_survives_a_turn_longer_than_the_context(capsys, monkeypatch) -> None:
     monkeypatch.setattr("sys.stdin", io.StringIO("y" * 120 + "\nhi\n"))
     code, out, err = _run(capsys, "chat", "--preset", "tiny", "-n", "2")
