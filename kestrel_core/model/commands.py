@@ -425,9 +425,13 @@ def quantize(args: argparse.Namespace) -> int:
     from kestrel_core.model.quantize import parse_quant
 
     out = Path(args.output)
+    if out.suffix != ".kst":  # kestrel knows its artifacts by their suffix: another would not load as one
+        raise KestrelError(f"{out}: an artifact's file name ends in .kst (for example {out.with_suffix('.kst')})")
     check_output(out, args.force)  # before the (slow) load
-    if out.exists() and Path(args.model).exists() and out.samefile(args.model):
-        raise KestrelError(f"{out} is the model being quantized: write the artifact to another file")
+    source = Path(args.model)
+    if source.exists() and (out.exists() and out.samefile(source)
+                            or source.is_dir() and out.resolve().is_relative_to(source.resolve())):
+        raise KestrelError(f"{out} is the model being quantized, or inside it: write the artifact elsewhere")
     if args.quant is not None:
         parse_quant(args.quant)
     loaded = load_model(args.model, quant=args.quant, cache="read")  # a cached build is reused, not copied

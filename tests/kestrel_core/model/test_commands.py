@@ -227,6 +227,21 @@ def test_quantize_refuses_to_overwrite(capsys, tmp_path) -> None:
     assert code == 2 and "--force" in err and target.read_bytes() == b"precious"
 
 
+def test_quantize_writes_only_what_loads_and_never_into_the_model(capsys, tmp_path) -> None:
+    """An output named otherwise than ``.kst`` would not load as an artifact; one inside the model's directory
+    (with --force) would overwrite the checkpoint being read."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(TINY_LLAMA, model)
+    before = {f.name: f.read_bytes() for f in model.iterdir()}
+    for out, says in ((tmp_path / "noext", "ends in .kst"), (tmp_path / "out.gguf", "ends in .kst"),
+                      (model / "model.kst", "or inside it")):
+        code, _, err = _run(capsys, "quantize", str(model), "-o", str(out), "--force")
+        assert code == 2 and says in err and not out.exists(), err
+    assert {f.name: f.read_bytes() for f in model.iterdir()} == before
+
+
 def test_text_stream_holds_back_incomplete_characters() -> None:
     tok = ByteTokenizer()
     stream = TextStream(tok)
