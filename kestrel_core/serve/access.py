@@ -137,3 +137,24 @@ class ApiKeyMiddleware:
         bearer: Any = next((v for k, v in headers if k == b"authorization"), b"")
         key: Any = next((v for k, v in headers if k == b"x-api-key"), b"")
         return secrets.compare_digest(bytes(bearer), self.expected) or secrets.compare_digest(bytes(key), self.key)
+
+
+class JsonBodyMiddleware:
+    """Every route takes a JSON body: one sent as ``curl -d`` sends it (application/x-www-form-urlencoded,
+    Ollama's documented examples), as text/plain or with no content type is read as JSON too, as Ollama
+    reads it."""
+
+    READ_AS_JSON = (b"", b"application/x-www-form-urlencoded", b"text/plain")
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            headers = list(scope.get("headers", ()))
+            kind = next((bytes(v) for k, v in headers if k == b"content-type"), b"")
+            if kind.split(b";")[0].strip().lower() in self.READ_AS_JSON:
+                scope = {**scope, "headers": [(k, v) for k, v in headers if k != b"content-type"]
+                         + [(b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+

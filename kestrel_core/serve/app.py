@@ -27,7 +27,7 @@ from kestrel_core.model.harmony import is_harmony
 from kestrel_core.model.reasoning import Reasoning, opens_in_prompt, thinks
 from kestrel_core.model.sampling import TokenLogprob
 from kestrel_core.serve import anthropic, generation, ollama, responses_api, scores, tokenize
-from kestrel_core.serve.access import AccessMiddleware, ApiKeyMiddleware
+from kestrel_core.serve.access import AccessMiddleware, ApiKeyMiddleware, JsonBodyMiddleware
 from kestrel_core.serve.errors import APIError, from_kestrel_error, install_error_handlers
 from kestrel_core.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
@@ -209,6 +209,7 @@ def create_app(engines: Mapping[str, Any], api_key: str | None = None, pooling: 
     app = FastAPI(title="kestrel", version=kestrel_core.__version__, lifespan=lifespan,
                   summary="An OpenAI-compatible API over kestrel's continuous-batching engine.")
     install_error_handlers(app)
+    app.add_middleware(JsonBodyMiddleware)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(AccessMiddleware, metrics=metrics)  # outermost: it also sees the 401s

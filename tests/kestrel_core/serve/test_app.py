@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -537,6 +538,16 @@ def test_body_that_is_not_json(server: KestrelServer) -> None:
     status, _, raw = http("POST", f"{server.url}/v1/chat/completions", raw=b"{not json")
     error = json.loads(raw)["error"]
     assert status == 400 and error["param"] is None and error["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain"])
+def test_a_json_body_sent_as_curl_d_sends_it_is_read(server: KestrelServer, content_type: str) -> None:
+    """``curl -d '{...}'`` (a form's content type), as Ollama's examples send it."""
+    body = json.dumps({"messages": HI, "max_tokens": 2, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{server.url}/v1/chat/completions", data=body, method="POST",
+                                 headers={"Content-Type": content_type})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 2
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [
