@@ -400,7 +400,7 @@ def list_models(args: argparse.Namespace) -> int:
     default = default_model_path()
     if default.is_file():
         st = default.stat()
-        name = f"(default) {DEFAULT_MODEL.filename.split('.')[0]}"  # the one `kestrel run` without --model loads
+        name = f"{DEFAULT_MODEL.filename.split('.')[0]} (the default: no -m)"  # what `kestrel run` loads without -m
         models.append(CachedModel(name, "gguf", default, st.st_size, st.st_mtime))
     models += cached_models()
     if args.json:
@@ -408,7 +408,7 @@ def list_models(args: argparse.Namespace) -> int:
             print(json.dumps({"name": m.name, "format": m.kind, "path": str(m.path), "size": m.size,
                               "modified": m.modified}))
         return 0
-    table = Table(title="local models (kestrel run -m NAME)")
+    table = Table(title="local models (kestrel run -m NAME; the default one without -m)")
     for column in ("name", "format", "size", "modified"):
         table.add_column(column, justify="right" if column == "size" else "left", no_wrap=True)
     for m in models:

@@ -298,7 +298,7 @@ def check_artifact_meta(quant: Any, config: Any, tensor_names: Iterable[str], wh
 
 CLI_INT_RANGES: dict[str, tuple[int, int | None]] = {
     "max_tokens": (1, None), "top_k": (0, None), "seed": (0, 2 ** 63 - 1), "seeds": (1, 10_000),
-    "prompt_tokens": (1, None), "decode_tokens": (0, None), "runs": (1, 10_000), "warmup": (0, 10_000),
+    "prompt_tokens": (1, None), "decode_tokens": (1, None), "runs": (1, 10_000), "warmup": (0, 10_000),
     "port": (0, 65535), "max_batch": (1, None), "max_waiting": (0, None), "token_budget": (1, None),
     "dimensions": (1, None), "speculate": (0, 64), "max_model_len": (1, None),
 }

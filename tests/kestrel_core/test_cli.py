@@ -258,7 +258,7 @@ def test_quantize_never_writes_over_its_input_or_what_is_not_a_file(artifact: Pa
     assert main(["quantize", str(copy), "-o", str(copy), "--force"]) == 2
     assert "is the model being quantized" in capsys.readouterr().err
     assert copy.read_bytes() == artifact.read_bytes()
-    fifo = tmp_path / "fifo"
+    fifo = tmp_path / "fifo.kst"
     os.mkfifo(fifo)
     assert main(["quantize", str(TINY), "-o", str(fifo), "--force"]) == 2
     assert "not a regular file" in capsys.readouterr().err and fifo.is_fifo()

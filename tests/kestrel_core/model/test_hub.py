@@ -226,4 +226,4 @@ def test_kestrel_list_shows_the_models_by_name(hub: FakeHub, tmp_path: Path) -> 
     (tmp_path / "k" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(GGUF)  # the default, pulled
     table = _kestrel("list", env=env)
     assert table.returncode == 0, table.stderr
-    assert "(default) SmolLM2-135M-Instruct" in table.stdout and "org/tiny-GGUF:Q4_K_M" in table.stdout
+    assert "SmolLM2-135M-Instruct (the default: no -m)" in table.stdout and "org/tiny-GGUF:Q4_K_M" in table.stdout
