@@ -219,7 +219,7 @@ def dumps(obj: Any, indent: int | None = None) -> str:
 def stats_line(stats: dict[str, Any]) -> str:
     guesses = f" | guesses kept {stats['accepted']}/{stats['drafted']}" if stats.get("drafted") else ""
     return (f"prompt {stats['prompt_tokens']} tok | prefill {stats['prefill_tok_s']:.1f} tok/s | "
-            f"decode {stats['decode_tok_s']:.1f} tok/s ({stats['generated_tokens']} tok){guesses} | "
+            f"decode {stats['decode_tok_s']:.1f} tok/s ({stats['decode_tokens']} tok after the first){guesses} | "
             f"backend {stats['backend']} | offload {stats['offload_accepted']} accepted, "
             f"{stats['offload_declined']} declined")
 

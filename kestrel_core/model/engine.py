@@ -518,7 +518,8 @@ class Engine:
         return {
             "prompt_tokens": s.prompt_tokens, "generated_tokens": s.generated_tokens,
             "prefill_s": s.prefill_s, "prefill_tok_s": s.prefill_tok_s,
-            "decode_s": s.decode_s, "decode_tok_s": s.decode_tok_s, "drafted": s.drafted, "accepted": s.accepted,
+            "decode_s": s.decode_s, "decode_tokens": s.decode_tokens, "decode_tok_s": s.decode_tok_s,
+            "drafted": s.drafted, "accepted": s.accepted,
             "backend": self.backend.name, "device": self.backend.device_description,
             "preload_s": self.preload_s,
             "offload_accepted": accepted, "offload_declined": declined,
