@@ -153,7 +153,7 @@ def _model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
                    help="a LoRA adapter merged into the model's weights as they load (a Hugging Face directory "
                         "or a GGUF file): PEFT's directory (adapter_config.json, adapter_model.safetensors) or "
                         "llama.cpp's GGUF adapter")
-    p.add_argument("--lora-scale", type=float, default=1.0, metavar="S",
+    p.add_argument("--lora-scale", type=float, default=None, metavar="S",
                    help="times the adapter's own scale, lora_alpha / r (default: 1)")
     p.add_argument("--rope-scaling", default=None, metavar="JSON",
                    help="RoPE scaling in place of the model's, as config.json's rope_scaling (or @file), e.g. "

@@ -119,10 +119,13 @@ def load_options(args: argparse.Namespace, preset: bool = False) -> dict[str, An
     rope_scaling, or @file) and, for a model that is not a preset, ``lora`` and ``lora_scale``."""
     out: dict[str, Any] = {"max_model_len": getattr(args, "max_model_len", None), "rope_scaling": None,
                            "kv_cache_type": getattr(args, "kv_cache_type", "f16")}
+    scale = getattr(args, "lora_scale", None)
     if getattr(args, "lora", None) is not None:
         if preset:
             raise KestrelError("--lora merges into a model's checkpoint; a preset has none")
-        out.update(lora=args.lora, lora_scale=args.lora_scale)
+        out.update(lora=args.lora, lora_scale=1.0 if scale is None else scale)
+    elif scale is not None:
+        raise KestrelError("--lora-scale scales a --lora adapter, and none is given")
     text = getattr(args, "rope_scaling", None)
     if text is not None:
         try:

@@ -179,3 +179,10 @@ def test_an_adapter_of_a_latent_attention_gives_peft_logits(base: str) -> None:
         assert golden.figures(engine.logits(golden.ids)).within(MOE)
     with kestrel_core.load(str(FIXTURES / base), backend="cpu", quant="q8") as engine:
         assert not golden.figures(engine.logits(golden.ids)).within(MOE)
+
+
+def test_a_lora_scale_without_an_adapter_is_refused(capsys) -> None:  # type: ignore[no-untyped-def]
+    from kestrel_core.cli import main
+
+    assert main(["run", "--lora-scale", "3", "-n", "1", "hi"]) == 2
+    assert "--lora-scale scales a --lora adapter, and none is given" in capsys.readouterr().err
