@@ -23,7 +23,7 @@ import json
 import re
 import secrets
 import string
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,8 +207,10 @@ def _typed(value: str, schema: Any) -> Any:
         return value
 
 
-def _leading_json(text: str, fmt: str) -> Parsed | None:
-    """The whole answer as calls: Mistral's list, or Llama 3's objects separated by ';'."""
+def _leading_json(text: str, fmt: str, offered: Container[str] | None) -> Parsed | None:
+    """The whole answer as calls: Mistral's list, or Llama 3's objects separated by ';'. An answer that is plain
+    JSON is a call only where each object holds its arguments' key and names an ``offered`` function (None: any),
+    so that JSON content that happens to have a "name" stays content."""
     rest = text.lstrip().removeprefix("[TOOL_CALLS]") if fmt == MISTRAL else text.lstrip()
     if not rest.startswith(_OPENERS[fmt]):
         return None
@@ -223,7 +225,11 @@ def _leading_json(text: str, fmt: str) -> Parsed | None:
         if rest and (fmt == MISTRAL or not rest.startswith(";")):
             return None  # Mistral's list is the whole answer; Llama 3's calls are separated by ';'
         rest = rest.removeprefix(";").lstrip()
-    calls = _calls(values, ("arguments",) if fmt == MISTRAL else ("parameters", "arguments"))
+    keys = ("arguments",) if fmt == MISTRAL else ("parameters", "arguments")
+    if not all(isinstance(v, dict) and any(k in v for k in keys) and (offered is None or v.get("name") in offered)
+               for v in values):
+        return None
+    calls = _calls(values, keys)
     return None if calls is None else Parsed(None, calls)
 
 
@@ -232,7 +238,7 @@ def parse(fmt: str, text: str, parallel: bool = True, schemas: dict[str, Any] | 
     only the first call is kept (OpenAI's ``parallel_tool_calls``); ``schemas``: each offered function's
     parameters' JSON Schema (the xml, glm and minimax formats type their values by them)."""
     parsed = (_hermes(text) if fmt == HERMES else _typed_blocks(text, fmt, schemas or {}) if fmt in _CALL
-              else _minimax_blocks(text, schemas or {}) if fmt == MINIMAX else _leading_json(text, fmt))
+              else _minimax_blocks(text, schemas or {}) if fmt == MINIMAX else _leading_json(text, fmt, schemas))
     if parsed is None:
         return Parsed(text, ())
     return parsed if parallel else Parsed(parsed.content, parsed.calls[:1])

@@ -333,3 +333,19 @@ def test_call_ids() -> None:
     assert len(ids) == 100 and all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids)
     calls = ToolCalls(LLAMA3).message_calls(_calls(("f", {"x": 1})))
     assert calls[0]["type"] == "function" and calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+
+
+@pytest.mark.parametrize("fmt", [LLAMA3, MISTRAL])
+def test_plain_json_is_a_call_only_of_an_offered_function_with_its_arguments(fmt: str) -> None:
+    """An answer of JSON content (a response_format's object) that has a "name" is not a call of a function
+    nobody offered, nor an object without the arguments' key."""
+    key = "arguments" if fmt == MISTRAL else "parameters"
+    wrap = (lambda t: f"[{t}]") if fmt == MISTRAL else (lambda t: t)
+    offered = {"get_weather": {"type": "object"}}
+    for text in (wrap('{"name": "Bob", "age": 42}'), wrap('{"name": "get_weather"}'),
+                 wrap(f'{{"name": "Bob", "{key}": {{}}}}')):
+        assert parse(fmt, text, schemas=offered) == Parsed(text, ())
+        stream = ToolStream(fmt, schemas=offered)
+        assert "".join(stream.feed(text[i:i + 4]) for i in range(0, len(text), 4)) + stream.finish()[0] == text
+    call = wrap(f'{{"name": "get_weather", "{key}": {{"city": "Paris"}}}}')
+    assert parse(fmt, call, schemas=offered) == Parsed(None, (ToolCall("get_weather", '{"city": "Paris"}'),))
