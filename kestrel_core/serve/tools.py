@@ -189,7 +189,7 @@ def _typed(value: str, schema: Any) -> Any:
     kind = schema.get("type") if isinstance(schema, dict) else None
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), None)
-    if kind in (None, "string"):
+    if kind == "string" or kind is None and not _composite(schema):
         return value
     text = value.strip()
     if text == "null":
@@ -205,6 +205,20 @@ def _typed(value: str, schema: Any) -> Any:
         return json.loads(text)
     except (ValueError, KeyError):
         return value
+
+
+def _composite(schema: Any) -> bool:
+    """A schema without a top-level ``type`` whose values are JSON, not text: pydantic's Optional[int] (an
+    ``anyOf`` of integer and null), an enum of numbers. One that admits a string (Optional[str]) is text, as
+    a model writes a string's value."""
+    if not isinstance(schema, dict):
+        return False
+    members = [m for k in ("anyOf", "oneOf", "allOf") for m in schema.get(k) or () if isinstance(m, dict)]
+    if members:
+        kinds = [m.get("type") for m in members]
+        return not any(k == "string" or isinstance(k, list) and "string" in k for k in kinds)
+    values = schema.get("enum", [schema["const"]] if "const" in schema else [])
+    return bool(values) and not all(isinstance(v, str) for v in values)
 
 
 def _leading_json(text: str, fmt: str, offered: Container[str] | None) -> Parsed | None:
@@ -356,7 +370,8 @@ def _markup_grammar(m: _Markup, functions: Sequence[dict[str, Any]], many: bool)
             elif kind == "string" and isinstance(prop.get("maxLength"), int) and prop["maxLength"] >= 0:
                 rules.append(f'v{i}_{j}[stop={lit(m.stop)}]: /(.|\\n){{0,{prop["maxLength"] + 1}}}/')
                 item = f"{start} v{i}_{j}{nl}"  # the value, and the newline after its end
-            elif kind in (None, "string") or isinstance(kind, list):
+            elif kind == "string" or kind is None and not _composite(prop) or isinstance(kind, list) \
+                    and "string" in kind:
                 item = f"{start} text{nl}"
             else:
                 rules.append(f"v{i}_{j}: {lark_json(prop)}")

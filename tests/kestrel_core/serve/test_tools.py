@@ -105,8 +105,12 @@ def _xml(name: str, **values: str) -> str:
 
 SCHEMAS = {"f": {"type": "object", "properties": {
     "s": {"type": "string"}, "i": {"type": "integer"}, "n": {"type": "number"}, "b": {"type": "boolean"},
-    "o": {"type": "object"}, "a": {"type": ["array", "null"]}, "e": {"type": "string", "enum": ["x", "y"]}}}}
+    "o": {"type": "object"}, "a": {"type": ["array", "null"]}, "e": {"type": "string", "enum": ["x", "y"]},
+    # pydantic's Optional[int] and Optional[str], and an enum of numbers: JSON values but for the string's
+    "oi": {"anyOf": [{"type": "integer"}, {"type": "null"}]}, "os": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+    "en": {"enum": [1, 2]}}}}
 XML_CASES = [
+    (_xml("f", oi="3", os="3", en="2"), Parsed(None, _calls(("f", {"oi": 3, "os": "3", "en": 2})))),
     (_xml("f", s="12", i="12", n="1.5", b="True", o='{"k": [1]}', a="[1, 2]"),
      Parsed(None, _calls(("f", {"s": "12", "i": 12, "n": 1.5, "b": True, "o": {"k": [1]}, "a": [1, 2]})))),
     (_xml("f", s="two\nlines <b>", n="2", a="null"), Parsed(None, _calls(("f", {"s": "two\nlines <b>", "n": 2,
