@@ -98,12 +98,12 @@ class ReasoningStream:
     def _known(self) -> tuple[str, str]:
         """The parts as far as the text so far settles them."""
         head = self.text.lstrip()
-        if self.open_in_prompt:
-            body = self.text
-        elif head.startswith(THINK_OPEN):
+        if head.startswith(THINK_OPEN):  # split's order: a tag the prompt opened already may come again
             body = head[len(THINK_OPEN):]
         elif THINK_OPEN.startswith(head):  # whitespace, or the tag's start: not known yet
             return "", ""
+        elif self.open_in_prompt:
+            body = self.text
         else:
             return "", self.text
         end, after = _end(body)

@@ -26,6 +26,8 @@ CASES = [
     ("<think>a<tool_call>x</tool_call></think>b", False, ("a", "<tool_call>x</tool_call></think>b")),
     ("<think>a</think>b<tool_call>x</tool_call>", False, ("a", "b<tool_call>x</tool_call>")),
     ("thinking <tool_ca", True, ("thinking <tool_ca", "")),
+    ("<think>\nHmm.\n</think>\n\nSunny.", True, ("Hmm.", "Sunny.")),  # the prompt's tag written again
+    ("  <thi", True, ("<thi", "")),
 ]
 
 
