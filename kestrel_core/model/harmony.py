@@ -77,8 +77,11 @@ def _read(text: str, final: bool) -> tuple[list[str], list[str], list[ToolCall],
         recipient = _RECIPIENT.search(header)
         channel = _CHANNEL.search(header)
         if recipient is not None:
-            if complete or final:
-                calls.append(ToolCall(recipient.group(1).removeprefix("functions."), _arguments(body)))
+            arguments = _arguments(body) if complete or final else None
+            if arguments is not None:
+                calls.append(ToolCall(recipient.group(1).removeprefix("functions."), arguments))
+            elif final:  # a call that does not parse (or that max_tokens cut) is text, as the other formats' are
+                content.append(body)
         elif channel is not None and channel.group(1) == "analysis":
             reasoning.append(body)
         else:
@@ -86,13 +89,13 @@ def _read(text: str, final: bool) -> tuple[list[str], list[str], list[ToolCall],
     return reasoning, content, calls, True
 
 
-def _arguments(body: str) -> str:
-    """A call's body as a JSON object's text where it is one, else as it came."""
+def _arguments(body: str) -> str | None:
+    """A call's body as a JSON object's text; None where it is not one."""
     try:
         value = json.loads(body)
     except ValueError:
-        return body.strip()
-    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else body.strip()
+        return None
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
 
 
 # an analysis message before the answer a grammar keeps to (llguidance's Lark: <|name|> is that special token)

@@ -27,6 +27,12 @@ CASES = {
         "<|channel|>analysis<|message|>One.<|end|><|start|>assistant<|channel|>analysis<|message|>Two.<|end|>"
         "<|start|>assistant<|channel|>final<|message|>Done.<|end|>", "One.\nTwo.", "Done.", ()),
     "no harmony at all": ("Just text <b>here</b>.", None, "Just text <b>here</b>.", ()),
+    # a call that does not parse is text, as the other formats' are: a body that is not a JSON object, or one
+    # max_tokens cut
+    "a call not in JSON": ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
+                           '{city: Paris}<|call|>', None, "{city: Paris}", ()),
+    "a call cut short": ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
+                         '{"city": "Pa', None, '{"city": "Pa', ()),
 }
 
 
