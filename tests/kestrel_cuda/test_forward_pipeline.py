@@ -4,20 +4,18 @@ where CuPy or a CUDA device is missing (CI)."""
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 
 pytest.importorskip("cupy")
 
 import kestrel_core  # noqa: E402
-from kestrel_core.model.async_engine import AsyncEngine  # noqa: E402
 from kestrel_core.model.sampling import SamplingParams  # noqa: E402
 from kestrel_core.model.scheduler import Scheduler  # noqa: E402
 
 from .forward_check import cuda_device_count  # noqa: E402
-from .test_forward_speculate_host import run, tiny_model  # noqa: E402
+from .test_forward_pipeline_host import work_between_two_steps  # noqa: E402
+from .test_forward_speculate_host import tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device")]
 
@@ -38,28 +36,5 @@ def test_a_prompt_whose_last_chunk_is_one_token_then_decodes_on_the_device() -> 
 def test_work_between_two_steps_leaves_the_decode_on_the_gpu() -> None:
     """Another sequence's forward between two steps of a lone request's pipelined decode: the answer is the one
     the request gives without it."""
-    model = tiny_model()
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(3, model.config.vocab_size, 12).tolist() for _ in range(8)]
-    other = rng.integers(3, model.config.vocab_size, 9).tolist()
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    with kestrel_core.load(model, backend="cuda") as engine:
-        answers, _ = run(engine, prompts, 0, params)
-        prompt, alone = max(zip(prompts, answers), key=lambda pa: len(set(pa[1][6:])))
-        run(engine, [other], 0, SamplingParams(max_tokens=40, ignore_eos=True))
-        front = AsyncEngine(engine)
-
-        async def main() -> list[int]:
-            front.start()
-            got: list[int] = []
-            called = False
-            async for out in front.generate(prompt, params):
-                got.extend(out.new_token_ids)
-                if not called and len(got) >= 6:
-                    called = True
-                    await front.call(lambda: engine.prompt_logprobs(other, 1))
-            await front.shutdown(grace_s=5)
-            return got
-
-        got = asyncio.run(main())
-    assert got == alone
+    got, alone, running, pipelines = work_between_two_steps("cuda")
+    assert running == [False] and pipelines >= 2 and got == alone

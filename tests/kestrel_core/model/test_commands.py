@@ -164,7 +164,8 @@ def test_bench_says_when_its_kv_cache_is_too_small_for_the_load(capsys) -> None:
     assert json.loads(out)["levels"][0]["steps"] < squeezed  # together, in fewer steps
 
 
-def test_chat_keeps_the_conversation(capsys, monkeypatch) -> None:
+def _recorded_prompts(monkeypatch) -> list[list[int]]:
+    """The prompt ids of every generation from here on."""
     prompts: list[list[int]] = []
     original = engine_mod.Engine.stream
 
@@ -173,6 +174,11 @@ def test_chat_keeps_the_conversation(capsys, monkeypatch) -> None:
         return original(self, prompt_ids, *args, **kwargs)
 
     monkeypatch.setattr(engine_mod.Engine, "stream", recording)
+    return prompts
+
+
+def test_chat_keeps_the_conversation(capsys, monkeypatch) -> None:
+    prompts = _recorded_prompts(monkeypatch)
     monkeypatch.setattr("sys.stdin", io.StringIO("hi\n\nthere\n/exit\nnever read\n"))
     code, out, _ = _run(capsys, "chat", "--preset", "tiny", "-n", "3")
     assert code == 0 and len(prompts) == 2
@@ -186,14 +192,7 @@ def test_chat_keeps_the_conversation(capsys, monkeypatch) -> None:
 
 
 def test_chat_takes_several_lines_between_triple_quotes(capsys, monkeypatch) -> None:
-    prompts: list[list[int]] = []
-    original = engine_mod.Engine.stream
-
-    def recording(self, prompt_ids, *args, **kwargs):
-        prompts.append(list(prompt_ids))
-        return original(self, prompt_ids, *args, **kwargs)
-
-    monkeypatch.setattr(engine_mod.Engine, "stream", recording)
+    prompts = _recorded_prompts(monkeypatch)
     monkeypatch.setattr("sys.stdin", io.StringIO('"""one\n\ntwo"""\n"""\nthree\n"""\n'))
     code, _, _ = _run(capsys, "chat", "--preset", "tiny", "-n", "1")
     tok = ByteTokenizer()

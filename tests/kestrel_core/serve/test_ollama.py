@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -196,50 +197,49 @@ MISTRAL_TEMPLATE = (
 def test_results_answer_their_calls_with_ids_the_template_takes(engine: Any) -> None:
     """Ollama's calls carry no ids: each gets one in the template's shape, the same each time the conversation
     is sent, and a result the id of the call of its ``tool_name`` (else the next unanswered one)."""
-    template = engine.tokenizer.chat_template
-    engine.tokenizer.chat_template = MISTRAL_TEMPLATE
+    with _scripted_server(engine, MISTRAL_TEMPLATE) as (front, ol):
+        calls = [{"function": {"name": name, "arguments": {"city": "Paris"}}} for name in ("weather", "time")]
+        history = [{"role": "user", "content": "Weather and time in Paris?"},
+                   {"role": "assistant", "content": "", "tool_calls": calls},
+                   {"role": "tool", "content": "12:00", "tool_name": "time"},
+                   {"role": "tool", "content": "sunny"}]
+        for _ in range(2):
+            front.answers.append("Sunny at noon.")
+            assert ol.chat(model="tiny", messages=history, tools=[WEATHER]).message.content == "Sunny at noon."
+        first, again = front.prompts[-2:]
+    assert first == again
+    ids = dict(pair.split("=") for pair in first.split("[TOOL_CALLS]")[1].split("[")[0].split(";") if pair)
+    assert all(len(i) == 9 and i.isalnum() for i in ids.values()) and len(set(ids.values())) == 2
+    assert f"[TOOL_RESULTS]{ids['time']}:12:00" in first and f"[TOOL_RESULTS]{ids['weather']}:sunny" in first
+
+
+@contextmanager
+def _scripted_server(engine: Any, template: str) -> Iterator[tuple[Scripted, ollama.Client]]:
+    """A server of scripted answers over ``engine`` with ``template`` as its chat template, and its client."""
+    before = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = template
     try:
         front = Scripted(engine)
         with running_server(front, NAME) as s:
-            ol = ollama.Client(host=s.url)
-            calls = [{"function": {"name": name, "arguments": {"city": "Paris"}}} for name in ("weather", "time")]
-            history = [{"role": "user", "content": "Weather and time in Paris?"},
-                       {"role": "assistant", "content": "", "tool_calls": calls},
-                       {"role": "tool", "content": "12:00", "tool_name": "time"},
-                       {"role": "tool", "content": "sunny"}]
-            for _ in range(2):
-                front.answers.append("Sunny at noon.")
-                assert ol.chat(model="tiny", messages=history, tools=[WEATHER]).message.content == "Sunny at noon."
-            first, again = front.prompts[-2:]
-            assert first == again
-            ids = dict(pair.split("=") for pair in first.split("[TOOL_CALLS]")[1].split("[")[0].split(";") if pair)
-            assert all(len(i) == 9 and i.isalnum() for i in ids.values()) and len(set(ids.values())) == 2
-            assert f"[TOOL_RESULTS]{ids['time']}:12:00" in first and f"[TOOL_RESULTS]{ids['weather']}:sunny" in first
+            yield front, ollama.Client(host=s.url)
     finally:
-        engine.tokenizer.chat_template = template
+        engine.tokenizer.chat_template = before
 
 
 def test_gpt_oss_thinks_at_the_level_asked_and_answers_in_ollamas_shape(engine: Any) -> None:
     """A harmony model (gpt-oss): ``think`` as a level is its reasoning effort; its analysis channel comes back as
     ``thinking``, its final channel as the content, a message to functions.NAME as a call."""
-    template = engine.tokenizer.chat_template
-    engine.tokenizer.chat_template = HARMONY_TEMPLATE
-    try:
-        front = Scripted(engine)
-        with running_server(front, NAME) as s:
-            ol = ollama.Client(host=s.url)
-            assert ol.show("tiny").capabilities == ["completion", "tools", "thinking"]
-            front.answers.append("<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final"
-                                 "<|message|>Paris.<|return|>")
-            got = ol.chat(model="tiny", messages=[{"role": "user", "content": "Capital of France?"}], think="high")
-            assert (got.message.thinking, got.message.content) == ("Easy.", "Paris.")
-            assert "Reasoning: high" in front.prompts[-1]
-            front.answers.append(HARMONY_CALL)
-            got = ol.chat(model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER])
-            (call,) = got.message.tool_calls
-            assert (call.function.name, dict(call.function.arguments)) == ("get_weather", {"city": "Paris"})
-    finally:
-        engine.tokenizer.chat_template = template
+    with _scripted_server(engine, HARMONY_TEMPLATE) as (front, ol):
+        assert ol.show("tiny").capabilities == ["completion", "tools", "thinking"]
+        front.answers.append("<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final"
+                             "<|message|>Paris.<|return|>")
+        got = ol.chat(model="tiny", messages=[{"role": "user", "content": "Capital of France?"}], think="high")
+        assert (got.message.thinking, got.message.content) == ("Easy.", "Paris.")
+        assert "Reasoning: high" in front.prompts[-1]
+        front.answers.append(HARMONY_CALL)
+        got = ol.chat(model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER])
+        (call,) = got.message.tool_calls
+        assert (call.function.name, dict(call.function.arguments)) == ("get_weather", {"city": "Paris"})
 
 
 def test_generate_with_a_suffix_fills_the_middle() -> None:
