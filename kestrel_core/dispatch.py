@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from numpy.lib.array_utils import byte_bounds
 
 from kestrel_core.batch import BatchEntry, id_range
 from kestrel_core.contract import StripCache, gemm_flops, quantize_activations
@@ -432,16 +433,31 @@ def _check_iterator(result: Any) -> str | None:
 def _check_batch(result: Any, batch: Sequence[BatchEntry], vocab: int) -> str | None:
     if type(result) not in (list, tuple) or len(result) != len(batch):
         return f"expected a list of {len(batch)} arrays"
-    for i, (r, e) in enumerate(zip(result, batch)):
+    for r, e in zip(result, batch):
         if e.argmax_only and type(r) is np.ndarray and r.ndim == 1:
             bad = _check_ids(r, e.logit_rows, vocab)
-            if not bad and any(_overlap(r, x) for x in result[:i]):
-                bad = "an array sharing memory with another result"
         else:
-            bad = _check_array(r, (e.logit_rows, vocab), result[:i])
+            bad = _check_array(r, (e.logit_rows, vocab))
         if bad:
             return bad
-    return None
+    # logits the engine may change in place (penalties, the temperature) must be each entry's own; ids it only reads
+    logits = [r for r in result if r.dtype == np.float32]
+    return "logits sharing memory with another entry's" if _any_shared(logits) else None
+
+
+def _any_shared(arrays: Sequence[np.ndarray]) -> bool:
+    """Whether two of ``arrays`` share an element. Their byte ranges in order of their starts: only arrays whose
+    ranges meet are compared (a batch's results: one pass, not every pair of them)."""
+    if len(arrays) < 2:
+        return False
+    spans = sorted((byte_bounds(a), i) for i, a in enumerate(arrays) if a.size)
+    meeting: list[tuple[int, int]] = []  # (end, index) of the ranges the next may still meet
+    for (start, end), i in spans:
+        meeting = [(e, j) for e, j in meeting if e > start]
+        if any(_overlap(arrays[i], arrays[j]) for _, j in meeting):
+            return True
+        meeting.append((end, i))
+    return False
 
 
 def _check_ids(result: np.ndarray, rows: int, vocab: int) -> str | None:

@@ -4,9 +4,8 @@ for a model that ships none. Chat templates render in the sandbox of ``chat_temp
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,12 +117,16 @@ class Tokenizer:
         """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer adds (e.g. a BOS). Through
         ``encode_batch``, which lets go of the interpreter lock while it works (``encode`` holds it: a megabyte
         prompt tokenized in a server's worker thread would stall every other request)."""
-        with _panics_as_errors("encode the text"):
+        try:
             return list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+        except BaseException as exc:
+            raise _panic_as_error(exc, "encode the text") from None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        with _panics_as_errors("decode the tokens"):
+        try:  # a plain try, not a context manager: decode runs twice a generated token
             return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        except BaseException as exc:
+            raise _panic_as_error(exc, "decode the tokens") from None
 
     def token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
@@ -150,16 +153,12 @@ class Tokenizer:
                            add_special_tokens=False)
 
 
-@contextlib.contextmanager
-def _panics_as_errors(what: str) -> Iterator[None]:
-    """The tokenizers library's Rust panics (a PanicException, a BaseException: a tokenizer.json's regex that
-    gives up on a text, say) as one-line errors."""
-    try:
-        yield
-    except BaseException as exc:
-        if type(exc).__name__ != "PanicException":
-            raise
-        raise KestrelError(f"the model's tokenizer failed to {what}: {' '.join(str(exc).split())}") from None
+def _panic_as_error(exc: BaseException, what: str) -> BaseException:
+    """The tokenizers library's Rust panic (a PanicException, a BaseException: a tokenizer.json's regex that gives
+    up on a text, say) as a one-line error; any other exception as it is."""
+    if type(exc).__name__ != "PanicException":
+        return exc
+    return KestrelError(f"the model's tokenizer failed to {what}: {' '.join(str(exc).split())}")
 
 
 class NoTokenizerError(KestrelError, AttributeError):

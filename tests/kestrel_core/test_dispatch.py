@@ -342,7 +342,7 @@ def test_results_are_taken_only_as_plain_types(nonfinite) -> None:
         "expected a list of 2 arrays": [_LenExits([np.array([4]), logits]), _ClassExits()],
         "got _LyingIds, expected a numpy.ndarray": [[ids, logits]],
         "got _ClassExits, expected a numpy.ndarray": [[np.array([4]), _ClassExits()]],
-        "an array sharing memory with the call's input or another result": [[logits, logits]],
+        "logits sharing memory with another entry's": [[logits, logits]],
     }
     for cases in results.values():
         for result in cases:
