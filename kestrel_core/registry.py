@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import logging
 import math
 import os
@@ -333,6 +334,9 @@ def _validate(backend: Backend, check_name: bool = True) -> str | None:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
         return "invalid hook: " + "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    unpassed = _unpassed_arguments(pm)
+    if unpassed:
+        return f"invalid hook: {unpassed}"
     missing = [h for h in hookspecs.REQUIRED_HOOKS if not backend.implements(h)]
     if missing:
         return f"missing required hook(s): {', '.join(missing)}"
@@ -360,6 +364,21 @@ def _validate(backend: Backend, check_name: bool = True) -> str | None:
         by = {"entry point": "its entry point", "file name": "its file name"}.get(backend.named_by, "the probe")
         return f"BackendInfo.name {info.name!r} differs from the name {backend.name!r} given by {by}"
     backend.info = dataclasses.replace(info, api_version=api)
+    return None
+
+
+def _unpassed_arguments(pm: pluggy.PluginManager) -> str | None:
+    """A hook's argument that no call passes: a keyword-only one without a default (pluggy checks only the
+    positional ones against the spec; the calls would all fail)."""
+    for caller in pm.hook.__dict__.values():
+        for impl in getattr(caller, "get_hookimpls", list)():
+            try:
+                params = inspect.signature(impl.function).parameters.values()
+            except (TypeError, ValueError):
+                continue
+            bare = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+            if bare:
+                return f"{caller.name} takes the keyword-only argument {bare[0]!r}, which no call passes"
     return None
 
 

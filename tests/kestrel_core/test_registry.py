@@ -47,6 +47,20 @@ def test_bad_signature_names_the_argument(registry: Registry) -> None:
     assert "stream" in registry.backends["bad_signature"].reason
 
 
+def test_a_hook_with_a_keyword_only_argument_no_call_passes_is_not_bound(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    source = (FIXTURES / "good_gpu.py").read_text().replace('"good_gpu"', '"kwonly"')
+    hook = "\n\n@hookimpl\ndef kestrel_release_sequence(device, seq_id, *, queue):\n    return None\n"
+    (tmp_path / "kwonly.py").write_text(source + hook)
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "kwonly.py"))
+    reg = Registry()
+    try:
+        backend = reg.bind("kwonly")
+        assert not backend.bound and "takes the keyword-only argument 'queue', which no call passes" in backend.reason
+    finally:
+        reg.close()
+
+
 def test_good_backends_bind_and_report_their_source(registry: Registry) -> None:
     for name in ("cpu", "good_gpu", "gemm_raises", "wrong_shape"):
         assert registry.backends[name].bound, registry.backends[name].reason
