@@ -54,6 +54,7 @@ def test_an_explicit_other_quant_on_an_artifact_is_reported(artifact: Path, capl
     (["run", "--model", str(TINY), "--regex", "x\udcff", "hi"], "--regex is not valid UTF-8"),
     (["embed", "--model", str(TINY), "x\udcff"], "a text to embed is not valid UTF-8"),
     (["run", "--model", str(TINY), "-n", "0", "hi"], "max_tokens must be an integer >= 1"),
+    (["bench", "--model", str(TINY), "--decode-tokens", "0"], "decode_tokens must be an integer >= 1"),
     (["run", "--model", str(TINY), "--quant", "", "hi"], "--quant: quant must not be empty"),
     (["run", "--model", "", "hi"], "--model: model must not be empty"),
     (["run", "--model", str(TINY), "--rope-scaling", '{"rope_type": "yarn", "factor": 1e308}', "hi"],

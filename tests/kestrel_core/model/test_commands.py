@@ -45,8 +45,12 @@ def test_run_json_reports_text_tokens_and_stats(capsys) -> None:
     stats = result["stats"]
     assert stats["backend"] == "cpu" and stats["prefill_tok_s"] > 0
     assert stats["offload"]["kestrel_gemm_q8"]["accepted"] > 0
+    # the decode rate divides the tokens after the first (which the prefill gave), and says so
+    assert stats["decode_tokens"] == stats["generated_tokens"] - 1 == 5
+    assert stats["decode_tok_s"] == pytest.approx(5 / stats["decode_s"])
     lines = err.strip().splitlines()
     assert lines[0].startswith("backend: cpu") and lines[-1].startswith("prompt 5 tok | prefill")
+    assert "(5 tok after the first)" in lines[-1]
 
 
 def test_run_streams_text_with_the_chat_template(capsys, monkeypatch) -> None:
