@@ -24,7 +24,7 @@ from kestrel_core.model.engine import Engine
 from kestrel_core.model.engine_load import load, load_preset
 from kestrel_core.model.fim import fim_prompt_ids
 from kestrel_core.model.grammar import json_schema_grammar, lark_grammar, regex_grammar
-from kestrel_core.model.harmony import HarmonyStream
+from kestrel_core.model.harmony import HarmonyStream, is_harmony
 from kestrel_core.model.reasoning import ReasoningStream, opens_in_prompt, think_kwargs, thinks
 from kestrel_core.model.validate import read_line_stdin, read_text_stdin
 
@@ -56,9 +56,12 @@ def _open_engine(args: argparse.Namespace) -> Engine:
     return engine
 
 
-def _note_model_sampling(engine: Engine, args: argparse.Namespace) -> None:
-    """Say which of the model's recommended sampling values this command takes (those not given), and when
-    --speculate cannot speculate because the answer is sampled."""
+def _note_options(engine: Engine, args: argparse.Namespace) -> None:
+    """Say which of the model's recommended sampling values this command takes (those not given), when
+    --speculate cannot speculate because the answer is sampled, and when --think has nothing to switch."""
+    template = getattr(engine.tokenizer, "chat_template", None)
+    if getattr(args, "think", None) is not None and not (thinks(template) or is_harmony(template)):
+        err.print("--think: this model's chat template has no reasoning to switch; it is ignored", soft_wrap=True)
     taken = {k: v for k, v in engine.sampling_defaults.items() if getattr(args, k, None) is None}
     if taken:
         values = ", ".join(f"{k.replace('_', '-')} {v:g}" for k, v in taken.items())
@@ -255,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     grammar = _grammar(args)
     with _open_generator(args) as engine:
         engine.prefix_cache = False  # one request: nothing reads what it would keep (nor fills a device's pool)
-        _note_model_sampling(engine, args)
+        _note_options(engine, args)
         stops: tuple[int, ...] = ()
         if args.suffix is not None:  # the prompt is the prefix of a fill-in-the-middle prompt
             try:
@@ -289,7 +292,7 @@ def chat(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     with _open_generator(args) as engine:
         engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])  # no template: said before a turn
-        _note_model_sampling(engine, args)
+        _note_options(engine, args)
         if interactive:
             import readline  # noqa: F401  (input() then edits the line and keeps a history)
             err.print('type a message (several lines between two lines of """); /exit or Ctrl-D ends, /reset starts '

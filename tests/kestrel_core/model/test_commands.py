@@ -388,3 +388,10 @@ def test_run_shows_a_think_block_apart_and_passes_think_to_the_template(capsys, 
     code, out, _ = _run(capsys, "run", "hi", "--preset", "tiny", "--backend", "cpu", "--json", "--think", "high")
     assert (json.loads(out)["text"], json.loads(out)["reasoning"]) == ("Paris.", "Pondering.")
     assert contexts[-1] == {"enable_thinking": True, "reasoning_effort": "high"}
+
+
+def test_think_on_a_model_without_reasoning_is_said_to_be_ignored(capsys) -> None:
+    code, _, err = _run(capsys, "run", "--preset", "tiny", "-n", "1", "--think", "false", "hi")
+    assert code == 0 and "--think: this model's chat template has no reasoning to switch" in err
+    code, _, err = _run(capsys, "run", "--preset", "tiny", "-n", "1", "hi")
+    assert code == 0 and "--think" not in err
