@@ -570,10 +570,8 @@ class DeviceForward:
         if st is not None and st.model is model:
             return st
         reason = unsupported_reason(model)
-        if reason is not None:
-            return self._decline(f"unsupported model: {reason}")
-        if model is self._unfit:
-            return self._decline(UNFIT)
+        if reason is not None or model is self._unfit:
+            return self._decline(UNFIT if reason is None else f"unsupported model: {reason}")
         self._teardown()
         resident = self.layer_boundary is None
         self._st = build_state(model, self.ops, self.projections, self.max_context, resident)
