@@ -16,6 +16,7 @@ subtle errors in the arithmetic.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -446,7 +447,7 @@ def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str
     from kestrel_core.model.kv_pool import KVPool
     from kestrel_core.model.presets import synthetic_model
 
-    name = f"forward_batch {arch} {quant} s{seed}"
+    name = _batch_case_name(arch, quant, seed)
     model = synthetic_model(_batch_config(arch), quant, seed=seed)
     host = Decoder(model, Offload(cpu, cpu), KVPool.for_budget(model.config, 1))  # a pool of a few blocks
     nudges = [Decoder(model, JitterOffload(cpu, seed + 100 * i)) for i in range(BATCH_NUDGES)]
@@ -518,6 +519,10 @@ def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str
                       detail="" if ok else f"relative L2 error {err:.3g} > band {tol:.3g}")
 
 
+def _batch_case_name(arch: str, quant: str, seed: int) -> str:
+    return f"forward_batch {arch} {quant} s{seed}"
+
+
 def _guarded(name: str, hook: str, run: Callable[[], CaseResult]) -> CaseResult:
     """``run()``, or a failed case where the backend's code raised out of it anyway (its sys.exit included, in a
     call the case does not guard itself, or in a result the checks use): never the end of the suite."""
@@ -551,9 +556,8 @@ def run_selftest(name: str = "cpu", seeds: int = 2, registry: Registry | None = 
         for seed in range(seeds):
             for i, (arch, quant) in enumerate(BATCH_MODELS):
                 first_seq = 1_000_000 + 20 * (seed * len(BATCH_MODELS) + i)  # apart from an engine's ids
-                report.cases.append(_guarded(f"forward_batch {arch} {quant} s{seed}", FORWARD_BATCH, lambda arch=arch,
-                                             quant=quant, seed=seed, first_seq=first_seq: run_forward_batch_case(
-                                                 backend, cpu, arch, quant, seed, first_seq)))
+                report.cases.append(_guarded(_batch_case_name(arch, quant, seed), FORWARD_BATCH, functools.partial(
+                    run_forward_batch_case, backend, cpu, arch, quant, seed, first_seq)))
     for hook in {c.hook for c in report.cases}:
         mine = [c for c in report.cases if c.hook == hook]
         if all(c.declined for c in mine):  # a hook that declines everything checks nothing

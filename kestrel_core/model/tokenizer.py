@@ -120,13 +120,15 @@ class Tokenizer:
         try:
             return list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
         except BaseException as exc:
-            raise _panic_as_error(exc, "encode the text") from None
+            _raise_panic(exc, "encode the text")
+            raise
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         try:  # a plain try, not a context manager: decode runs twice a generated token
             return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         except BaseException as exc:
-            raise _panic_as_error(exc, "decode the tokens") from None
+            _raise_panic(exc, "decode the tokens")
+            raise
 
     def token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
@@ -153,12 +155,11 @@ class Tokenizer:
                            add_special_tokens=False)
 
 
-def _panic_as_error(exc: BaseException, what: str) -> BaseException:
+def _raise_panic(exc: BaseException, what: str) -> None:
     """The tokenizers library's Rust panic (a PanicException, a BaseException: a tokenizer.json's regex that gives
-    up on a text, say) as a one-line error; any other exception as it is."""
-    if type(exc).__name__ != "PanicException":
-        return exc
-    return KestrelError(f"the model's tokenizer failed to {what}: {' '.join(str(exc).split())}")
+    up on a text, say) as a one-line error; any other exception is left to go on as it is."""
+    if type(exc).__name__ == "PanicException":
+        raise KestrelError(f"the model's tokenizer failed to {what}: {' '.join(str(exc).split())}") from None
 
 
 class NoTokenizerError(KestrelError, AttributeError):
