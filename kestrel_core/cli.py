@@ -159,6 +159,10 @@ def _model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
                    help="RoPE scaling in place of the model's, as config.json's rope_scaling (or @file), e.g. "
                         "'{\"rope_type\":\"yarn\",\"factor\":4.0,\"original_max_position_embeddings\":32768}' "
                         "for Qwen3 at 131072 tokens (the context becomes original x factor)")
+
+
+def _speculate_arg(p: argparse.ArgumentParser) -> None:
+    """Prompt lookup, for the commands that generate (not ``embed``)."""
     p.add_argument("--speculate", type=int, default=0, metavar="N",
                    help="greedy decoding guesses up to N tokens a step from the context (prompt lookup) and keeps "
                         "what the model confirms: its greedy answer in fewer steps (default: 0, off)")
@@ -215,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="generate text from a prompt")
     p.add_argument("prompt", nargs="?", default=None)
     _model_args(p)
+    _speculate_arg(p)
     _sampling_args(p, max_tokens=128)
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--suffix", default=None,
@@ -232,12 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("chat", help="interactive multi-turn chat")
     _model_args(p)
+    _speculate_arg(p)
     _sampling_args(p, max_tokens=256)
     p.add_argument("--preset", default=None, help="synthetic model preset (random weights) instead of --model")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/serving.md)")
     _model_args(p, several=True)
+    _speculate_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0: any free port)")
     p.add_argument("--api-key", default=None,
@@ -286,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="prefill and decode tok/s")
     _model_args(p)
+    _speculate_arg(p)
     p.add_argument("--preset", default=None, help="synthetic model preset instead of --model")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--decode-tokens", type=int, default=64)

@@ -249,6 +249,12 @@ def test_embed_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, ca
     assert needle in err[-1] and "Traceback" not in "\n".join(err)
 
 
+def test_embed_takes_no_generation_options(capsys) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["embed", "--model", str(EMBED), "--speculate", "2", "x"])
+    assert stop.value.code == 2 and "unrecognized arguments: --speculate" in capsys.readouterr().err
+
+
 def test_quantize_never_writes_over_its_input_or_what_is_not_a_file(artifact: Path, tmp_path: Path, capsys) -> None:
     """Even with --force: not the model being quantized (a .kst into itself), nor a FIFO or device the rename
     would replace; nothing is touched."""
