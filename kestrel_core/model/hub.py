@@ -27,7 +27,8 @@ from kestrel_core.errors import KestrelError
 
 HUB_PREFIXES = ("https://huggingface.co/", "http://huggingface.co/", "huggingface.co/", "hf.co/")
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
-_SPEC = re.compile(rf"^(?P<repo>{_NAME}/{_NAME})(?:@(?P<revision>[A-Za-z0-9._/-]+?))?(?::(?P<tag>[A-Za-z0-9._-]+))?$")
+_TAG = re.compile(r"[A-Za-z0-9._-]+")
+_SPEC = re.compile(rf"^(?P<repo>{_NAME}/{_NAME})(?:@(?P<revision>[A-Za-z0-9._/-]+?))?(?::(?P<tag>{_TAG.pattern}))?$")
 # besides its weights, what a safetensors repository needs: configs (a sentence-transformers pooling one in its
 # folder too: fnmatch's * crosses /), tokenizer, chat template
 CONFIG_PATTERNS = ("*.json", "tokenizer.model", "*.jinja")
@@ -207,10 +208,21 @@ def _loadable(spec: HubSpec, base: str, snap: Path, files: dict[str, Any]) -> li
         parts = [files[p] for p in _parts(name) if p in files]
         if len(parts) < len(_parts(name)):
             continue  # a split file not all of whose parts are here
-        tag = gguf_tag(_SHARD.sub("", name[:-5]))
+        tag = _tag_picking(spec, name, list(files))
         out.append(CachedModel(f"{base}:{tag}" if tag else f"{base} ({name})", "gguf", snap / name,
                                sum(f.size_on_disk for f in parts), max(f.blob_last_modified for f in parts)))
     return out
+
+
+def _tag_picking(spec: HubSpec, name: str, files: list[str]) -> str | None:
+    """A ``:TAG`` that picks the GGUF file ``name`` among ``files``: its quantization, else its file name's stem;
+    None where neither picks it (another file answers to both)."""
+    stem = _SHARD.sub("", name[:-5])
+    ggufs = [f for f in files if f.lower().endswith(".gguf")]
+    for tag in (gguf_tag(stem + ".gguf"), stem.rsplit("/", 1)[-1]):
+        if tag and _TAG.fullmatch(tag) and _pick_gguf(HubSpec(spec.repo, tag=tag), ggufs) == name:
+            return tag
+    return None
 
 
 def gguf_tag(filename: str) -> str | None:

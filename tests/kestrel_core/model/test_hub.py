@@ -26,6 +26,7 @@ def hub() -> Iterator[FakeHub]:
     repos = {
         "org/tiny": repo_files(FIXTURES / "tiny-qwen3") | {"pytorch_model.bin": b"pickle", "modeling.py": b"code"},
         "org/tiny-GGUF": {"tiny-Q4_K_M.gguf": GGUF, "tiny-Q8_0.gguf": GGUF + b"\0", "README.md": b"#"},
+        "org/named-GGUF": {"tiny.Q5_K_M.gguf": GGUF, "tiny.gguf": GGUF + b"\0", "sub/tiny.gguf": GGUF + b"\0\0"},
         "org/pickled": {"config.json": b"{}", "pytorch_model.bin": b"pickle"},
         "org/gated": {"config.json": b"{}"},
         "org/sharded": {"config.json": b"{}", "model.safetensors.index.json": json.dumps({"weight_map": {
@@ -210,6 +211,20 @@ def test_the_cache_lists_what_kestrel_can_load_by_the_name_it_takes(hub: FakeHub
         spec = parse_hub_spec(m.name)
         assert spec is not None and Hub("http://127.0.0.1:9", str(tmp_path)).fetch(spec) == m.path
     assert cached_models(str(tmp_path / "none")) == []
+
+
+def test_the_cache_names_a_gguf_without_a_quant_in_its_name_by_its_stem(hub: FakeHub, tmp_path: Path) -> None:
+    """A quantization after a dot (TheBloke's names) is a tag; a file without one is named by its stem, which
+    -m takes; one that neither picks (its stem belongs to a shorter file) is shown with its file."""
+    from huggingface_hub import snapshot_download
+
+    snapshot_download("org/named-GGUF", cache_dir=str(tmp_path), endpoint=hub.url)
+    models = cached_models(str(tmp_path))
+    assert [m.name for m in models] == ["org/named-GGUF (sub/tiny.gguf)", "org/named-GGUF:Q5_K_M",
+                                        "org/named-GGUF:tiny"]
+    for m in models[1:]:
+        spec = parse_hub_spec(m.name)
+        assert spec is not None and Hub("http://127.0.0.1:9", str(tmp_path)).fetch(spec) == m.path
 
 
 def test_kestrel_list_shows_the_models_by_name(hub: FakeHub, tmp_path: Path) -> None:
