@@ -258,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-budget", type=int, default=None,
                    help="tokens per batched step (default: 512 + --max-batch)")
     p.add_argument("--kv-cache-mb", type=float, default=None, help="host KV cache budget (default: 2048)")
+    p.add_argument("--max-request-mb", type=float, default=None,
+                   help="the largest request body taken, in MB (default: 32); a larger one is a 413")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM/SIGINT (default: 30)")
     p.add_argument("--pooling", default=None, choices=POOLINGS,

@@ -305,7 +305,7 @@ CLI_INT_RANGES: dict[str, tuple[int, int | None]] = {
 CLI_FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "repetition_penalty": (0.0, 10.0),
     "kv_cache_mb": (0.0, 2.0 ** 40), "lora_scale": (-100.0, 100.0),
-    "shutdown_grace": (0.0, 86400.0),
+    "shutdown_grace": (0.0, 86400.0), "max_request_mb": (0.0, 2.0 ** 20),
 }
 # given, these must hold more than blanks: ``--api-key "$KEY"`` with KEY unset must not serve without a key
 CLI_TEXT = ("host", "served_model_name", "api_key", "quant", "backend", "model", "output")
@@ -328,7 +328,7 @@ def check_cli_args(args: Any) -> None:
         value = getattr(args, name, None)
         if value is None:
             continue
-        open_lo = name in ("top_p", "repetition_penalty", "kv_cache_mb")
+        open_lo = name in ("top_p", "repetition_penalty", "kv_cache_mb", "max_request_mb")
         ok = is_number(value) and math.isfinite(value) and (lo_f < value if open_lo else lo_f <= value) \
             and value <= hi_f
         if not ok:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -27,6 +28,7 @@ GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/response
 EMBEDDING_ENDPOINTS = ("/v1/embeddings", "/v1/score", "/v1/rerank", "/v2/rerank", "/api/embed", "/api/embeddings")
 ENDPOINTS = (*GENERATION_ENDPOINTS, *EMBEDDING_ENDPOINTS, "/v1/models", "/v1/messages/count_tokens", "/api/tags",
              "/api/show", "/api/ps", "/api/version", "/health", "/metrics")
+DEFAULT_MAX_REQUEST_BYTES = 32_000_000  # a full context of any model here is a few MB of text
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer: logs and metrics only
 
 
@@ -137,6 +139,46 @@ class ApiKeyMiddleware:
         bearer: Any = next((v for k, v in headers if k == b"authorization"), b"")
         key: Any = next((v for k, v in headers if k == b"x-api-key"), b"")
         return secrets.compare_digest(bytes(bearer), self.expected) or secrets.compare_digest(bytes(key), self.key)
+
+
+class BodyTooLarge(HTTPException):
+    """A request body over the server's limit; an HTTPException, so FastAPI's body reader lets it through to the
+    app's error handlers, which answer it in the API's shape."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"the request body is over this server's limit of {max_bytes / 1e6:g} MB "
+                              "(kestrel serve --max-request-mb)")
+
+
+class BodyLimitMiddleware:
+    """A request body over ``max_bytes`` is a 413, raised before the body is read past the limit: the server
+    holds a body whole (then parses and tokenizes it, several times its size), so one unbounded request could
+    take its memory."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = next((bytes(v) for k, v in scope.get("headers", ()) if k == b"content-length"), b"")
+        refused = declared.isdigit() and int(declared) > self.max_bytes  # at the first read, before any byte
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            if refused:
+                raise BodyTooLarge(self.max_bytes)
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:  # a chunked body, or one longer than it said
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, counted, send)
 
 
 class JsonBodyMiddleware:

@@ -27,7 +27,13 @@ from kestrel_core.model.harmony import is_harmony
 from kestrel_core.model.reasoning import Reasoning, opens_in_prompt, thinks
 from kestrel_core.model.sampling import TokenLogprob
 from kestrel_core.serve import anthropic, generation, ollama, responses_api, scores, tokenize
-from kestrel_core.serve.access import AccessMiddleware, ApiKeyMiddleware, JsonBodyMiddleware
+from kestrel_core.serve.access import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    AccessMiddleware,
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    JsonBodyMiddleware,
+)
 from kestrel_core.serve.errors import APIError, from_kestrel_error, install_error_handlers
 from kestrel_core.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
@@ -191,10 +197,11 @@ class Models:
         return served
 
 
-def create_app(engines: Mapping[str, Any], api_key: str | None = None, pooling: str | None = None) -> FastAPI:
+def create_app(engines: Mapping[str, Any], api_key: str | None = None, pooling: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The OpenAI-compatible app over ``engines`` (public name -> AsyncEngine; the first answers requests that
     name no model); with ``api_key``, /v1/* and /api/* need it; ``pooling``: the embeddings' (None: each
-    model's)."""
+    model's); a request body over ``max_request_bytes`` is a 413."""
     models = Models(engines, pooling)
     metrics = ServerMetrics(engines)
 
@@ -210,6 +217,7 @@ def create_app(engines: Mapping[str, Any], api_key: str | None = None, pooling: 
                   summary="An OpenAI-compatible API over kestrel's continuous-batching engine.")
     install_error_handlers(app)
     app.add_middleware(JsonBodyMiddleware)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(AccessMiddleware, metrics=metrics)  # outermost: it also sees the 401s

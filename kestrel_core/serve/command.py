@@ -55,6 +55,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from kestrel_core.model.engine_load import load, load_preset
     from kestrel_core.model.loader import finish_cache_writes
     from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING
+    from kestrel_core.serve.access import DEFAULT_MAX_REQUEST_BYTES
     from kestrel_core.serve.server import bind_socket, serve
 
     _setup_logging(bool(getattr(args, "verbose", False)))
@@ -84,7 +85,8 @@ def serve_command(args: argparse.Namespace) -> int:
               max_batch=args.max_batch if args.max_batch is not None else DEFAULT_MAX_BATCH,
               max_waiting=args.max_waiting if args.max_waiting is not None else DEFAULT_MAX_WAITING,
               token_budget=args.token_budget, model_names=names, shutdown_grace_s=args.shutdown_grace,
-              pooling=args.pooling)
+              pooling=args.pooling, max_request_bytes=DEFAULT_MAX_REQUEST_BYTES if args.max_request_mb is None
+              else int(args.max_request_mb * 1e6))
     finally:
         for engine in engines:
             engine.close()

@@ -20,11 +20,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
 
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                    429: "rate_limit_error", 503: "overloaded_error"}
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
 class APIError(Exception):

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import anthropic
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -30,6 +32,7 @@ pytestmark = pytest.mark.default_model
 
 NAME = "smol-test"
 KEY = "sekrit-key"
+SMALL_BODY = 20_000
 HI = [{"role": "user", "content": "Hi"}]
 
 
@@ -46,9 +49,11 @@ def async_engine(engine: Any) -> AsyncEngine:
 
 @pytest.fixture(scope="module")
 def small_server() -> Iterator[KestrelServer]:
-    """One running sequence, one waiting: the third concurrent request is refused. With an API key."""
+    """One running sequence, one waiting: the third concurrent request is refused. With an API key, and request
+    bodies of at most ``SMALL_BODY`` bytes."""
     with kestrel_core.load(None, backend="cpu", kv_cache_mb=64) as e:
-        with running_server(AsyncEngine(e, max_batch=1, max_waiting=1), NAME, api_key=KEY) as s:
+        with running_server(AsyncEngine(e, max_batch=1, max_waiting=1), NAME, api_key=KEY,
+                            max_request_bytes=SMALL_BODY) as s:
             yield s
 
 
@@ -623,6 +628,25 @@ def test_api_key_is_required_on_v1_only(small_server: KestrelServer) -> None:
     assert good.models.list().data[0].id == NAME
     assert http("GET", f"{small_server.url}/health")[0] == 200
     assert http("GET", f"{small_server.url}/metrics")[0] == 200
+
+
+def test_a_body_over_the_limit_is_a_413_in_each_apis_shape(small_server: KestrelServer) -> None:
+    """Refused whether the body says its length or comes in chunks without one; the server goes on."""
+    client = openai_client(small_server, KEY)
+    with pytest.raises(openai.APIStatusError) as info:
+        _chat(client, [{"role": "user", "content": "x" * SMALL_BODY}])
+    assert info.value.status_code == 413 and "--max-request-mb" in info.value.body["message"]
+    anthropic_client = anthropic.Anthropic(base_url=small_server.url, api_key=KEY, max_retries=0)
+    with pytest.raises(anthropic.APIStatusError) as refused:
+        anthropic_client.messages.create(model=NAME, max_tokens=4,
+                                         messages=[{"role": "user", "content": "x" * SMALL_BODY}])
+    assert refused.value.status_code == 413 and refused.value.body["error"]["type"] == "request_too_large"
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    chunks = (b'{"model": "x", "prompt": "' + b"x" * 1000 for _ in range(SMALL_BODY // 1000 + 1))
+    answer = httpx.post(f"{small_server.url}/api/generate", content=chunks, headers=auth, timeout=60)
+    assert answer.status_code == 413 and "--max-request-mb" in answer.json()["error"]
+    assert "content-length" not in answer.request.headers  # sent in chunks
+    assert _chat(client, max_tokens=2).usage.completion_tokens == 2
 
 
 def test_health(server: KestrelServer) -> None:

@@ -24,6 +24,7 @@ BAD_VALUES = [
     (["--kv-cache-mb", "0"], "--kv-cache-mb: kv_cache_mb must be in (0, "),
     (["--kv-cache-mb", "nan"], "--kv-cache-mb: kv_cache_mb must be in (0, "),
     (["--shutdown-grace", "-1"], "--shutdown-grace: shutdown_grace must be in [0, 86400], got -1.0"),
+    (["--max-request-mb", "0"], "--max-request-mb: max_request_mb must be in (0, "),
     (["--host", ""], "--host: host must not be empty, got ''"),
     (["--served-model-name", " "], "--served-model-name: served_model_name must not be empty, got ' '"),
     (["--api-key", ""], "--api-key: api_key must not be empty, got ''"),
