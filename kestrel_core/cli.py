@@ -178,7 +178,9 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--top-p", type=float, default=None, help="(default: the model's, else 1)")
     p.add_argument("--min-p", type=float, default=None, help="(default: the model's, else 0)")
     p.add_argument("--repetition-penalty", type=float, default=None, help="1: off (default: the model's, else 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="a sampled answer's seed: the same seed, the same answer (default: a random one; run --json "
+                        "reports it)")
     p.add_argument("--think", type=_think_arg, default=None, metavar="true|false|low|medium|high",
                    help="reasoning, as Ollama's --think: false turns Qwen3's thinking off (its template's "
                         "enable_thinking); a level is gpt-oss's reasoning effort (default: the template's)")

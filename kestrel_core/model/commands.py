@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import secrets
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -269,12 +270,14 @@ def run(args: argparse.Namespace) -> int:
         else:
             ids, reader = _prompt(engine, [{"role": "user", "content": text_in}], not args.no_chat, args)
         _check_context(engine, ids)
+        if args.seed is None:  # drawn here rather than by the sampler, so --json can report it
+            args.seed = secrets.randbits(63)
         text, tokens, reasoning = _stream(engine, ids, args, None if args.json else sys.stdout, grammar, stops,
                                           reader)
         stats = engine.stats
         if args.json:
             answer = {"text": text, **({"reasoning": reasoning} if reader is not None and grammar is None else {})}
-            print(dumps({**answer, "tokens": tokens, "prompt_tokens": len(ids), "stats": stats}))
+            print(dumps({**answer, "tokens": tokens, "prompt_tokens": len(ids), "seed": args.seed, "stats": stats}))
         else:
             sys.stdout.write("\n")
             sys.stdout.flush()

@@ -274,6 +274,19 @@ def test_quantize_then_run_the_artifact_gives_the_checkpoints_tokens(capsys, tmp
     assert code == 0
 
 
+def test_a_sampled_run_draws_its_seed_and_reports_it(capsys) -> None:
+    """Without --seed two runs sample differently; the seed --json reports gives the same answer again."""
+    def run(*flags: str) -> dict[str, object]:
+        code, out, err = _run(capsys, "run", "hello there", "--model", str(TINY_LLAMA), "--no-chat", "--json", "-n",
+                              "24", "--backend", "cpu", "-t", "1.5", *flags)
+        assert code == 0, err
+        return json.loads(out)
+
+    first, second = run(), run()
+    assert first["seed"] != second["seed"] and first["tokens"] != second["tokens"]
+    assert run("--seed", str(second["seed"]))["tokens"] == second["tokens"]
+
+
 def test_run_samples_as_the_model_recommends_unless_told_otherwise(capsys, tmp_path, monkeypatch) -> None:
     """generation_config.json's sampling fills what the flags leave out, through the artifact and the model
     cache too; --no-model-sampling (or -t 0) is greedy again."""
@@ -284,7 +297,7 @@ def test_run_samples_as_the_model_recommends_unless_told_otherwise(capsys, tmp_p
 
     def tokens(path: Path, *flags: str) -> tuple[list[int], str]:
         code, out, err = _run(capsys, "run", "hello there", "--model", str(path), "--no-chat", "--json", "-n", "12",
-                              "--backend", "cpu", *flags)
+                              "--backend", "cpu", "--seed", "5", *flags)
         assert code == 0, err
         return json.loads(out)["tokens"], err
 
