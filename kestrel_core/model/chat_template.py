@@ -372,6 +372,18 @@ def render_bounded(template: jinja2.Template, budget: _Budget | None = None, **c
         _BUDGET.reset(token)
 
 
+def continue_final_message(prompt: str, final: str) -> str:
+    """A rendered chat ``prompt`` cut after the text of its last message, ``final``, so that the answer continues
+    that message (a prefill) instead of opening a turn of its own: the end of turn the template wrote after it is
+    dropped, as transformers' ``continue_final_message`` does (the text's trailing whitespace with it)."""
+    text = final.strip()
+    at = prompt.rfind(text) if text else -1
+    if at < 0:
+        raise KestrelError("the last message cannot be continued: it has no text, or the chat template does not "
+                           "write it as given")
+    return prompt[:at + len(text)]
+
+
 def render_chat(template: jinja2.Template, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
                 **context: Any) -> str:
     """The prompt text for ``messages``, rendered with the limits; whatever the template does wrong (a limit, the

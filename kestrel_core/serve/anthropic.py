@@ -107,7 +107,11 @@ class MessagesBody(RequestBody):
         for i, m in enumerate(self.messages):
             messages.extend(_openai_messages(m, f"messages.[{i}].content"))
         choice = self.tool_choice
+        last = messages[-1] if messages else {}
         out: dict[str, Any] = {
+            # a last assistant turn of text is a prefill: the answer continues it
+            "continue_final_message": last.get("role") == "assistant" and "tool_calls" not in last
+            and bool(last.get("content", "").strip()),
             "messages": messages, "max_tokens": self.max_tokens, "stop": self.stop_sequences, "top_k": self.top_k,
             # unset: the model's recommendation, else 1 (Anthropic's default, and the chat route's)
             "temperature": None if self.temperature is None else float(self.temperature),

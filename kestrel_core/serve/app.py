@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 
 import kestrel_core
 from kestrel_core.errors import KestrelError
+from kestrel_core.model.chat_template import continue_final_message
 from kestrel_core.model.harmony import is_harmony
 from kestrel_core.model.reasoning import Reasoning, opens_in_prompt, thinks
 from kestrel_core.model.sampling import TokenLogprob
@@ -93,10 +94,16 @@ class Served:
             context = body.template_context()
         except KestrelError as exc:
             raise from_kestrel_error(exc) from None
+        continuing = body.continue_final_message is True
+        if continuing and body.add_generation_prompt is True:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: the answer "
+                           "either continues the last message or opens a turn", param="continue_final_message")
         try:
-            tokenizer = self.engine.tokenizer
-            prompt = tokenizer.apply_chat_template(body.template_messages(), body.add_generation_prompt is not False,
+            tokenizer, messages = self.engine.tokenizer, body.template_messages()
+            prompt = tokenizer.apply_chat_template(messages, body.add_generation_prompt is not False and not continuing,
                                                    **context)
+            if continuing:
+                prompt = continue_final_message(prompt, messages[-1].get("content") or "")
             prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=False))  # the template wrote any BOS
         except KestrelError as exc:  # no messages, no template, or a template that failed on these
             raise from_kestrel_error(exc, param="messages") from None

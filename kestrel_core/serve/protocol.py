@@ -306,6 +306,7 @@ class ChatCompletionRequest(_Generation):
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: more variables for the template
     add_generation_prompt: StrictBool | None = None  # vLLM's extension: false ends the prompt after the messages
+    continue_final_message: StrictBool | None = None  # vLLM's extension: the answer continues the last message
     # OpenAI's: the template sees it as reasoning_effort (gpt-oss reads it); none or minimal also turn Qwen3's
     # enable_thinking off, unless chat_template_kwargs set it
     reasoning_effort: StrictStr | None = None

@@ -61,6 +61,25 @@ def test_a_json_schema_output_shapes_the_answer(an: anthropic.Anthropic) -> None
     assert got.stop_reason == "end_turn" and set(json.loads(got.content[0].text)) == {"ok"}
 
 
+def test_a_last_assistant_turn_is_continued(an: anthropic.Anthropic, client: openai.OpenAI, engine: Any) -> None:
+    """Anthropic's prefill: the answer continues the assistant's text, the template's end of turn after it
+    dropped; the chat route does the same with vLLM's continue_final_message."""
+    turns = [*HI, {"role": "assistant", "content": "Sure, here is "}]
+    rendered = engine.tokenizer.apply_chat_template(turns, add_generation_prompt=False)
+    prompt = rendered[:rendered.rindex("Sure, here is") + len("Sure, here is")]
+    assert rendered != prompt and not prompt.endswith(" ")
+    want = client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=8)
+    got = an.messages.create(model=NAME, max_tokens=8, messages=turns, **GREEDY)
+    assert got.content[0].text == want.choices[0].text and got.usage.input_tokens == want.usage.prompt_tokens
+    assert an.messages.count_tokens(model=NAME, messages=turns).input_tokens == want.usage.prompt_tokens
+    chat = client.chat.completions.create(model=NAME, messages=turns, temperature=0, max_tokens=8,
+                                          extra_body={"continue_final_message": True})
+    assert chat.choices[0].message.content == want.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="cannot both be true"):
+        client.chat.completions.create(model=NAME, messages=turns, max_tokens=8, extra_body={
+            "continue_final_message": True, "add_generation_prompt": True})
+
+
 @pytest.mark.parametrize(("body", "status", "kind", "needle"), [
     ({"model": "claude-sonnet-4-5", "max_tokens": 5, "messages": HI}, 404, "not_found_error", "claude-sonnet-4-5"),
     ({"model": NAME, "messages": HI}, 400, "invalid_request_error", "max_tokens"),
