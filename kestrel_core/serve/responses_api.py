@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 # the chat request's fields a Responses request sets, by the names it sends them under (its errors name those)
 CHAT_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format",
-              "reasoning_effort": "reasoning.effort"}
+              "reasoning_effort": "reasoning.effort", "messages": "input"}
 
 class Reasoning(RequestBody):
     effort: StrictStr | None = None
@@ -119,7 +119,7 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(400, f"{where}.content must be a string or a list of parts", param=where)
+        raise APIError(400, f"{where} must be a string or a list of parts", param=where)
     texts = []
     for part in content:
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
@@ -138,19 +138,18 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         role = item.get("role")
         if role not in ("user", "assistant", "system", "developer"):
             raise APIError(400, f"{where}.role must be user, assistant, system or developer", param=where)
-        messages.append({"role": role, "content": _text(item.get("content", ""), where)})
+        messages.append({"role": role, "content": _text(item.get("content", ""), f"{where}.content")})
     elif kind == "function_call":
         call = {"id": str(item.get("call_id", "")), "type": "function",
                 "function": {"name": str(item.get("name", "")), "arguments": str(item.get("arguments", "{}"))}}
         last = messages[-1] if messages else None
-        if last is None or last["role"] != "assistant" or "tool_calls" not in last and last.get("content"):
+        if last is None or last["role"] != "assistant":
             last = {"role": "assistant", "content": ""}
             messages.append(last)
         last.setdefault("tool_calls", []).append(call)
     elif kind == "function_call_output":
-        output = item.get("output", "")
         messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
-                         "content": output if isinstance(output, str) else json.dumps(output)})
+                         "content": _text(item.get("output", ""), f"{where}.output")})
     elif kind != "reasoning":
         raise APIError(400, f"{where}: a {kind!r} item is not supported", param=where)
 

@@ -60,7 +60,8 @@ def test_a_json_schema_format_is_parsed(client: openai.OpenAI) -> None:
 
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"input": "Hi", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input.[0]"),
+    ({"input": []}, 400, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input.[0].content"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, 400, "tools.[0]"),
     ({"input": [{"type": "computer_call"}]}, 400, "input.[0]"),
     ({"input": "Hi", "model": "gpt-5"}, 404, "model"),
@@ -112,5 +113,22 @@ def test_function_calls_reasoning_and_their_outputs(engine: Any) -> None:
             prompt = front.prompts[-1]
             assert '"arguments": {"city": "Paris"}' in prompt and "<tool_response>\n22 C, sunny" in prompt
             assert prompt.rstrip().endswith("<think>\n\n</think>")  # effort none: enable_thinking false
+            # text before a call is one assistant turn, as the chat route renders it; an output of text parts is
+            # its text
+            parts = [{"type": "input_text", "text": "22 C"}, {"type": "input_text", "text": "sunny"}]
+            said = [*ask, {"role": "assistant", "content": "Let me check."}, *history[1:2],
+                    {"type": "function_call_output", "call_id": call.call_id, "output": parts}]
+            front.answers += ["Sunny.", "Sunny."]
+            client.responses.create(model=NAME, input=said, tools=[TOOL])
+            chat = [*ask, {"role": "assistant", "content": "Let me check.", "tool_calls": [
+                {"id": call.call_id, "type": "function", "function": {"name": "get_weather",
+                                                                      "arguments": call.arguments}}]},
+                    {"role": "tool", "tool_call_id": call.call_id, "content": "22 C\nsunny"}]
+            client.chat.completions.create(model=NAME, messages=chat, tools=[WEATHER])
+            assert front.prompts[-2] == front.prompts[-1] and "Let me check.<tool_call>" in front.prompts[-1]
+            image = [*said[:-1], {**said[-1], "output": [{"type": "input_image", "image_url": "x"}]}]
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.responses.create(model=NAME, input=image, tools=[TOOL])
+            assert refused.value.body["param"] == "input.[3].output"
     finally:
         engine.tokenizer.chat_template = template
