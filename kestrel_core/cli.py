@@ -16,7 +16,6 @@ from collections.abc import Sequence
 
 from rich.console import Console
 from rich.logging import RichHandler
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -25,8 +24,9 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import KV_TYPES, POOLINGS
 from kestrel_core.model.reasoning import THINK_LEVELS
 
-out = Console(highlight=False, width=None if sys.stdout is not None and sys.stdout.isatty() else 160)
-err = Console(stderr=True, highlight=False)
+# no markup: what they print holds backends' and models' own text, whose brackets are not Rich's; styles go as Text
+out = Console(highlight=False, markup=False, width=None if sys.stdout is not None and sys.stdout.isatty() else 160)
+err = Console(stderr=True, highlight=False, markup=False)
 
 
 # -- backends / selftest ------------------------------------------------------------------------------
@@ -64,10 +64,12 @@ def cmd_selftest(args: argparse.Namespace) -> int:
         for col in ("case", "max abs err", "tolerance", "result"):
             table.add_column(col)
         for c in report.cases:
-            verdict = "[green]pass[/]" if c.passed else f"[red]FAIL[/] {c.detail}"
+            verdict = (Text("declined (the CPU's result)", "yellow") if c.declined else Text("pass", "green")
+                       if c.passed else Text.assemble(("FAIL", "red"), f" {c.detail}"))
             table.add_row(c.name, f"{c.max_err:.3g}", f"{c.tolerance:.3g}", verdict)
         out.print(table)
-        out.print(f"{report.passed} passed, {report.failed} failed")
+        declined = sum(c.declined for c in report.cases)
+        out.print(f"{report.passed} passed{f' ({declined} declined)' if declined else ''}, {report.failed} failed")
     return 0 if report.ok else 1
 
 
@@ -355,14 +357,14 @@ def _main(argv: Sequence[str] | None) -> int:
     except (KestrelError, OSError) as exc:
         if args.verbose:
             err.print_exception()
-        err.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        err.print(Text.assemble(("error:", "red"), f" {exc}"), soft_wrap=True)
         return 2
     except BaseException as exc:  # an unexpected bug (a Rust extension's panic too): still one line unless -v
         if isinstance(exc, SystemExit):
             raise
         if args.verbose:
             err.print_exception()
-        err.print(f"[red]error:[/] {type(exc).__name__}: {escape(str(exc))} (run with -v for the traceback)",
+        err.print(Text.assemble(("error:", "red"), f" {type(exc).__name__}: {exc} (run with -v for the traceback)"),
                   soft_wrap=True)
         return 1
 

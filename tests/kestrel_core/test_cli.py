@@ -79,6 +79,47 @@ def test_version(capsys) -> None:
     assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("kestrel ")
 
 
+def test_a_backends_own_text_is_printed_as_it_is(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Brackets in a device's description, a counter's name or a hook's exception are text, not Rich markup
+    (a closing tag like [/dev/rknpu] stopped the command)."""
+    (tmp_path / "bracketed.py").write_text('''
+from kestrel_core import API_VERSION, BackendInfo, hookimpl
+import kestrel_cpu
+from kestrel_cpu import kestrel_close  # noqa: F401
+
+class Device:
+    description = "RK3588 NPU [/dev/rknpu] [bold]"
+
+@hookimpl
+def kestrel_backend_info():
+    return BackendInfo("bracketed", "1", API_VERSION, "npu")
+
+@hookimpl
+def kestrel_open(options):
+    return Device()
+
+@hookimpl
+def kestrel_stats(device):
+    return {"queue[/dev/rknpu0]": 1}
+
+@hookimpl
+def kestrel_gemm_q8(device, a_codes, a_scales, weight, wkey):  # declines odd widths
+    return None if weight.n % 2 else kestrel_cpu.kestrel_gemm_q8(device, a_codes, a_scales, weight, wkey)
+
+@hookimpl
+def kestrel_gemm_f32(device, a, weight, wkey):
+    raise RuntimeError("fault at [/x] [red]")
+''')
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "bracketed.py"))
+    assert main(["run", "--model", str(TINY), "-n", "2", "--no-chat", "--stats", "hi"]) == 0
+    err = capsys.readouterr().err
+    assert "RK3588 NPU [/dev/rknpu] [bold]" in err and "queue[/dev/rknpu0]" in err
+    assert main(["selftest", "--backend", "bracketed"]) == 1
+    out = capsys.readouterr().out
+    assert "fault at [/x] [red]" in out and "declined (the CPU's result)" in out
+    assert re.search(r"\d+ passed \(\d+ declined\), \d+ failed", out)
+
+
 def test_stats_show_the_backends_own_counters(tmp_path: Path, monkeypatch, capsys) -> None:
     (tmp_path / "counting.py").write_text('''
 from kestrel_core import API_VERSION, BackendInfo, hookimpl
