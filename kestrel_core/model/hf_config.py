@@ -371,12 +371,16 @@ _GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": 
 
 def generation_sampling(generation: dict[str, Any] | None) -> dict[str, Any] | None:
     """The sampling generation_config.json recommends (None: none): its SAMPLING_FIELDS that differ from
-    transformers' defaults."""
+    transformers' defaults, and with ``do_sample`` its temperature even at the default (1.0), which kestrel's
+    own default (greedy) is not."""
     if not isinstance(generation, dict):
         return None
+    sampled = generation.get("do_sample") is True
     try:
-        return recommended_sampling({k: generation[k] for k in SAMPLING_FIELDS
-                                     if generation.get(k) is not None and generation[k] != _GENERATION_DEFAULTS[k]})
+        return recommended_sampling({k: generation[k] for k in SAMPLING_FIELDS if generation.get(k) is not None
+                                     and (generation[k] != _GENERATION_DEFAULTS[k] or sampled and k == "temperature")}
+                                    | ({"temperature": 1.0} if sampled and generation.get("temperature") is None
+                                       else {}))
     except ValidationError as exc:
         raise KestrelError(f"generation_config.json: {exc}") from None
 

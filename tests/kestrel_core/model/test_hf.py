@@ -161,6 +161,10 @@ def test_generation_config_eos_is_added(tmp_path: Path, synth_source, fmt) -> No
     ({"temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}, None),
     ({"top_k": -1, "min_p": 0.05, "repetition_penalty": 1.05}, {"top_k": 0, "min_p": 0.05, "repetition_penalty": 1.05}),
     ({"eos_token_id": 2}, None),
+    # do_sample at transformers' default temperature samples at 1.0, not kestrel's greedy default
+    ({"do_sample": True, "top_k": 64, "top_p": 0.95}, {"temperature": 1.0, "top_k": 64, "top_p": 0.95}),
+    ({"do_sample": True, "temperature": 1.0, "top_k": 50}, {"temperature": 1.0}),
+    ({"do_sample": False, "top_k": 20}, {"top_k": 20}),
 ])
 def test_generation_config_sampling_is_the_models_recommendation(tmp_path: Path, synth_source, fmt,
                                                                   generation: dict, sampling: dict | None) -> None:
