@@ -11,8 +11,9 @@ class TextStream:
     bytes span several tokens, and tokenizers that need left context (leading spaces) decode right.
 
     With ``stop`` strings, text that may be the start of one is held back until it is known not to be, and
-    the text ends before the first stop string (``stopped`` turns True); with ``min_tokens``, one that begins in
-    the text of the tokens before the min_tokens-th does not count (vLLM's min_tokens). ``skip_special_tokens``
+    the text ends before the first stop string (``stopped`` turns True); with ``min_tokens``, one that ends within
+    the text of the first min_tokens tokens does not count (vLLM's min_tokens: so min_tokens 1 never gives an
+    empty answer). ``skip_special_tokens``
     False keeps special tokens' text (harmony's channel markers, kestrel_core.model.harmony).
     """
 
@@ -22,7 +23,7 @@ class TextStream:
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
         self.min_tokens = min_tokens
-        self.armed = 0 if not min_tokens else None  # where stop strings may begin, once min_tokens have come
+        self.floor = 0 if not min_tokens else None  # the first min_tokens tokens' text: stop strings end past it
         self.ids: list[int] = []
         self.prefix = 0  # ids[prefix:read] is context already decoded
         self.read = 0
@@ -39,14 +40,13 @@ class TextStream:
         if self.stopped:
             return ""
         self.ids.append(int(token))
-        before = len(self.text)
         done = self._decode(self.ids[self.prefix:self.read])
         text = self._decode(self.ids[self.prefix:])
         if len(text) > len(done) and not text.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(self.ids)
             self.text += text[len(done):]
-        if self.armed is None and len(self.ids) >= self.min_tokens:  # the min_tokens-th token's text may stop
-            self.armed = before
+        if self.floor is None and len(self.ids) >= self.min_tokens:
+            self.floor = len(self.text)
         return self._release(final=False)
 
     def flush(self) -> str:
@@ -61,10 +61,11 @@ class TextStream:
     def _release(self, final: bool) -> str:
         if self.stopped:
             return ""
-        if self.stop and self.armed is not None:
-            # a stop string may straddle what was already handed out: search from the longest one back
-            start = max(self.armed, self.sent - max(map(len, self.stop)) + 1)
-            hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
+        if self.stop and self.floor is not None:
+            # one may straddle what was already handed out, or the floor: each searched from where it could end past
+            # both
+            end = max(self.sent, self.floor) + 1
+            hits = [(i, s) for i, s in ((self.text.find(s, max(0, end - len(s))), s) for s in self.stop) if i >= 0]
             if hits:
                 self.stopped = True
                 first, self.stopped_by = min(hits)
@@ -78,8 +79,8 @@ class TextStream:
         return out
 
     def _held(self) -> int:
-        """Characters at the end of the text that could begin a stop string (none before min_tokens)."""
-        return 0 if self.armed is None else partial_suffix(self.text, self.stop, max(self.sent, self.armed))
+        """Characters at the end of the text that could begin a stop string (one that may end past the floor)."""
+        return partial_suffix(self.text, self.stop, self.sent)
 
 
 def partial_suffix(text: str, markers: Sequence[str], start: int = 0) -> int:

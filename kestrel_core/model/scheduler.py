@@ -496,13 +496,15 @@ class Scheduler:
 
     def _report(self, request: Request, sampled: list[tuple[int, TokenLogprob | None]]) -> RequestOutput:
         """The new tokens' text, the stop strings, and what changed. A stop string ends the answer at its token:
-        tokens a draft added after it are dropped."""
+        tokens a draft added after it are dropped. A token that stopped the answer (an end of text, a stop token
+        id) is counted but its text is not the answer's, as vLLM leaves it out."""
         stream = request.text
         tokens: list[int] = []
         text = ""
-        for token, _ in sampled:
+        by_token = request.finish_reason == "stop" and not isinstance(request.stop_reason, str)  # set by _accept
+        for i, (token, _) in enumerate(sampled):
             tokens.append(token)
-            if stream is None:
+            if stream is None or by_token and i == len(sampled) - 1:
                 continue
             text += stream.push(token)
             if stream.stopped:

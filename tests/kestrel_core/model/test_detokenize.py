@@ -12,14 +12,17 @@ class Letters:
         return "".join(chr(ord("a") + i) for i in ids)
 
 
-def test_min_tokens_keeps_stop_strings_from_the_text_of_the_tokens_before_it() -> None:
+def test_min_tokens_keeps_stop_strings_within_the_text_of_its_tokens() -> None:
+    """vLLM's rule: a stop string counts where it ends past the first min_tokens tokens' text."""
     stream = TextStream(Letters(), stop=("b", "de"), min_tokens=3)  # "b" (2nd token) is too early; "de" is not
     text = "".join(stream.push(t) for t in range(6))  # abcdef
     assert (text + stream.flush(), stream.stopped_by) == ("abc", "de")
-    at_the_boundary = TextStream(Letters(), stop=("c",), min_tokens=3)  # the 3rd token's own text may stop
-    assert "".join(at_the_boundary.push(t) for t in range(5)) + at_the_boundary.flush() == "ab"
-    straddling = TextStream(Letters(), stop=("bcd",), min_tokens=3)  # it begins before the 3rd token: no stop
-    assert "".join(straddling.push(t) for t in range(5)) + straddling.flush() == "abcde"
+    at_the_boundary = TextStream(Letters(), stop=("c",), min_tokens=3)  # the 3rd token's own text: no stop
+    assert "".join(at_the_boundary.push(t) for t in range(5)) + at_the_boundary.flush() == "abcde"
+    straddling = TextStream(Letters(), stop=("bcd",), min_tokens=3)  # it ends in the 4th token's: a stop
+    assert "".join(straddling.push(t) for t in range(5)) + straddling.flush() == "a"
+    first = TextStream(Letters(), stop=("a",), min_tokens=1)  # min_tokens 1: never an empty answer
+    assert "".join(first.push(t) for t in (0, 1, 0)) + first.flush() == "ab"
 
 
 def test_the_first_stop_string_in_the_text_ends_it_and_is_named() -> None:

@@ -169,6 +169,8 @@ def test_stop_strings_stop_tokens_and_max_tokens(engine) -> None:
     outs = list(engine.stream(prompt, SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(ids[7],))))
     got = [t for o in outs for t in o.new_token_ids]
     assert got == ids[:ids.index(ids[7]) + 1] and outs[-1].finish_reason == "stop"
+    # the stop token is counted, its text is not the answer's (vLLM's)
+    assert "".join(o.new_text for o in outs) == engine.tokenizer.decode(got[:-1])
 
 
 def test_min_tokens_holds_back_the_end_stop_tokens_and_stop_strings(engine) -> None:
