@@ -20,7 +20,8 @@ from kestrel_core.errors import InvalidRequest
 if TYPE_CHECKING:
     from kestrel_core.model.grammar import Constraint
 
-MAX_TOP_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit, vLLM's default
+MAX_STOP_STRINGS = 64  # OpenAI takes 4; Ollama, Anthropic and vLLM set none, and editors send a dozen
 MAX_LOGIT_BIAS = 300  # tokens one logit_bias names, at most (OpenAI's bound)
 MAX_REPETITION_PENALTY = 10.0
 
@@ -76,8 +77,8 @@ class SamplingParams:
             raise bad("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", f"must be a tuple of non-empty strings, got {self.stop!r}")
-        if len(self.stop) > 4:
-            raise bad("stop", f"allows at most 4 strings, got {len(self.stop)}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if not isinstance(self.stop_token_ids, tuple) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be a tuple of token ids >= 0, got {self.stop_token_ids!r}")
         for name in ("presence_penalty", "frequency_penalty"):

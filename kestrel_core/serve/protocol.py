@@ -404,7 +404,7 @@ class ChatCompletionRequest(_Generation):
 
 class CompletionRequest(_Generation):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
-    logprobs: StrictInt | None = None  # 0..5 alternatives per token; 0 = the chosen token's only
+    logprobs: StrictInt | None = None  # 0..20 alternatives per token; 0 = the chosen token's only
     echo: StrictBool | None = None
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None

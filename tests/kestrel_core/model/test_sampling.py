@@ -120,7 +120,7 @@ def test_the_same_seed_gives_the_same_tokens() -> None:
     ({"top_k": -1}, "top_k"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"max_tokens": True}, "max_tokens"), ({"max_tokens": -1}, "max_tokens"), ({"seed": -1}, "seed"),
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": float("inf")}, "frequency_penalty"),
-    ({"top_logprobs": 6}, "top_logprobs"), ({"stop": ("",)}, "stop"), ({"stop": ("a",) * 5}, "stop"),
+    ({"top_logprobs": 21}, "top_logprobs"), ({"stop": ("",)}, "stop"), ({"stop": ("a",) * 65}, "stop"),
     ({"stop_token_ids": (-3,)}, "stop_token_ids"), ({"logprobs": 1}, "logprobs"),
     ({"logit_bias": ((1, 100.5),)}, "logit_bias"), ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
     ({"logit_bias": ((1, float("nan")),)}, "logit_bias"), ({"logit_bias": {1: 2.0}}, "logit_bias"),
