@@ -57,7 +57,7 @@ class Options(RequestBody):
     min_p: StrictFloat | StrictInt | None = None
     repeat_penalty: StrictFloat | StrictInt | None = None  # over the prompt and the answer (Hugging Face's)
     seed: StrictInt | None = None
-    num_predict: StrictInt | None = None  # -1: until the context ends (as -2)
+    num_predict: StrictInt | None = None  # 0 or less (-1, -2): until the context ends
     stop: list[StrictStr] | None = None
     presence_penalty: StrictFloat | StrictInt | None = None
     frequency_penalty: StrictFloat | StrictInt | None = None
@@ -83,7 +83,7 @@ class Message(RequestBody):
 
 class _Generation(RequestBody):
     model: StrictStr
-    format: Literal["json"] | dict[str, Any] | None = None
+    format: Literal["json", ""] | dict[str, Any] | None = None  # "": none, as Ollama reads it
     options: Options | None = None
     stream: StrictBool = True
     think: StrictBool | Literal["low", "medium", "high"] | None = None  # a level: gpt-oss's reasoning effort
@@ -97,14 +97,15 @@ class _Generation(RequestBody):
         fields: dict[str, Any] = {
             "temperature": float(default["temperature"] if o.temperature is None else o.temperature),
             "top_p": float(default["top_p"] if o.top_p is None else o.top_p),
-            "top_k": int(default["top_k"] if o.top_k is None else o.top_k), "seed": o.seed, "stop": o.stop,
+            "top_k": int(default["top_k"] if o.top_k is None else o.top_k),
+            "seed": None if o.seed is not None and o.seed < 0 else o.seed, "stop": o.stop,  # -1: random, Ollama's
             "min_p": o.min_p, "repetition_penalty": o.repeat_penalty,
             "stream": stream, "stream_options": {"include_usage": True} if stream else None}
         if o.presence_penalty is not None:
             fields["presence_penalty"] = float(o.presence_penalty)
         if o.frequency_penalty is not None:
             fields["frequency_penalty"] = float(o.frequency_penalty)
-        if o.num_predict is not None and o.num_predict >= 0:
+        if o.num_predict is not None and o.num_predict > 0:  # 0 and below: no limit but the context, as Ollama's
             fields["max_tokens"] = o.num_predict
         return fields
 
@@ -315,11 +316,12 @@ def install(app: FastAPI, models: Models) -> None:
         answer = _Answer(served, request, "response")
         if body.images:
             raise APIError(400, "images are not supported (kestrel serves text models)", param="images")
-        if not body.prompt and body.suffix is None:
+        suffix = body.suffix or None  # "": none, as Ollama reads it
+        if not body.prompt and suffix is None:
             return _loaded(answer, body.keep_alive)
         sampling = body.sampling(body.stream, served.engine.sampling_defaults)
-        templated = not body.raw and body.suffix is None and served.engine.tokenizer.chat_template
-        if not templated and body.format is not None:
+        templated = not body.raw and suffix is None and served.engine.tokenizer.chat_template
+        if not templated and body.response_format() is not None:
             raise APIError(400, "format needs the model's chat template (not raw, no suffix)", param="format")
         with named_as(REQUEST_NAMES):
             if templated:
@@ -330,7 +332,7 @@ def install(app: FastAPI, models: Models) -> None:
                     "chat_template_kwargs": body.template_kwargs(), **sampling})
                 response = await served.chat(openai, request)
             else:
-                completion = validated(CompletionRequest, {"prompt": body.prompt, "suffix": body.suffix, **sampling})
+                completion = validated(CompletionRequest, {"prompt": body.prompt, "suffix": suffix, **sampling})
                 response = await served.complete(completion, request)
         return _translate(answer, response)
 
@@ -390,8 +392,8 @@ def model_of(models: Models, name: str) -> Served:
 
 def details(served: Served) -> dict[str, Any]:
     c = served.engine.config
-    source = str(served.engine.source)
-    fmt = "gguf" if source.endswith(".gguf") else "kst" if source.endswith(".kst") else "safetensors"
+    path = str(served.engine.source).removesuffix(")")  # a path, or "NAME (path)"
+    fmt = "gguf" if path.endswith(".gguf") else "kst" if path.endswith(".kst") else "safetensors"
     params = sum(w.n * w.k for w in _tensors(served))
     return {"parent_model": "", "format": fmt, "family": c.arch, "families": [c.arch],
             "parameter_size": f"{params / 1e9:.1f}B" if params >= 1e8 else f"{params / 1e6:.1f}M",

@@ -52,6 +52,7 @@ def test_the_model_is_listed_shown_and_running(ol: ollama.Client, engine: Any) -
     assert shown.capabilities == ["completion"] and shown.template == engine.tokenizer.chat_template
     assert shown.modelinfo["qwen3.context_length"] == engine.config.max_position
     assert [m.model for m in ol.ps().models] == ["tiny:latest"]
+    assert model.details.format == "safetensors"
 
 
 def test_an_unknown_model_is_404(ol: ollama.Client) -> None:
@@ -108,6 +109,12 @@ def test_options_map_onto_sampling(ol: ollama.Client) -> None:
     stopped = ol.generate(model="tiny", prompt="The sea", raw=True,
                           options={"seed": 7, "num_predict": 10, "stop": [a.response[2:4]]})
     assert stopped.done_reason == "stop" and len(stopped.response) < len(a.response)
+    # Ollama's own values: seed -1 (its default) is a random seed, num_predict 0 no limit, an empty format or
+    # suffix none, and stop lists longer than OpenAI's 4
+    loose = ol.generate(model="tiny", prompt="The sea", format="", suffix="", options={
+        "seed": -1, "num_predict": 0, "stop": [f"zz{i}" for i in range(8)], "temperature": 0})
+    some = ol.generate(model="tiny", prompt="The sea", options={"num_predict": 100, "temperature": 0})
+    assert loose.response.startswith(some.response) and loose.eval_count > some.eval_count
 
 
 def test_a_json_schema_format_shapes_the_answer(ol: ollama.Client) -> None:
@@ -120,7 +127,7 @@ def test_a_json_schema_format_shapes_the_answer(ol: ollama.Client) -> None:
 @pytest.mark.parametrize(("call", "needle"), [
     ({"messages": [{"role": "user", "content": "Hi", "images": ["aGk="]}]}, "images are not supported"),
     ({"messages": HI, "options": {"temperature": -1}}, "options.temperature must be"),  # Ollama's names
-    ({"messages": HI, "options": {"num_predict": 0}}, "options.num_predict must be at least 1"),
+    ({"messages": HI, "options": {"top_p": 0}}, "options.top_p must be"),
     ({"messages": [{"role": "robot", "content": "Hi"}]}, "role"),
 ])
 def test_bad_chat_requests_are_400_with_ollamas_error(server: KestrelServer, call: dict[str, Any],
@@ -280,3 +287,11 @@ def test_the_api_key_guards_ollamas_routes_too(engine: Any) -> None:
         assert info.value.status_code == 401
         keyed = ollama.Client(host=server.url, headers={"Authorization": "Bearer sekrit"})
         assert [m.model for m in keyed.list().models] == ["tiny:latest"]
+
+
+@pytest.mark.default_model
+def test_a_gguf_model_is_listed_as_gguf() -> None:
+    """The default model's source is "NAME (path.gguf)"."""
+    with kestrel_core.load(None, backend="cpu") as engine, running_server(AsyncEngine(engine), "smol") as server:
+        (model,) = ollama.Client(host=server.url).list().models
+        assert model.details.format == "gguf" and str(engine.source).endswith(".gguf)")
