@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from kestrel_core.serve.errors import APIError, validated
+from kestrel_core.serve.errors import APIError, named_as, validated
 from kestrel_core.serve.generation import retold
 from kestrel_core.serve.protocol import ChatCompletionRequest, RequestBody
 from kestrel_core.serve.tools import arguments_object
@@ -35,6 +35,9 @@ from kestrel_core.serve.tools import arguments_object
 if TYPE_CHECKING:
     from kestrel_core.serve.app import Models
 
+# the chat request's fields an Anthropic request sets, by the names it sends them under (its errors name those)
+ANTHROPIC_NAMES = {"stop": "stop_sequences", "response_format": "output_config.format",
+                   "chat_template_kwargs": "thinking"}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -105,8 +108,13 @@ class MessagesBody(RequestBody):
         if self.system:
             messages.append({"role": "system", "content": _text(self.system, "system")})
         for i, m in enumerate(self.messages):
+            if isinstance(m.content, list) and not m.content:
+                raise APIError(400, f"messages.[{i}].content must hold at least one block",
+                               param=f"messages.[{i}].content")
             messages.extend(_openai_messages(m, f"messages.[{i}].content"))
         choice = self.tool_choice
+        if choice is not None and choice.type == "tool" and not choice.name:
+            raise APIError(400, "tool_choice.name is required for a tool_choice of type tool", param="tool_choice")
         last = messages[-1] if messages else {}
         out: dict[str, Any] = {
             # a last assistant turn of text is a prefill: the answer continues it
@@ -286,7 +294,6 @@ def install(app: FastAPI, models: Models) -> None:
         if body.max_tokens is None:
             raise APIError(400, "max_tokens: Field required", param="max_tokens")
         served = models.get(body.model)
-        openai = validated(ChatCompletionRequest, body.openai(body.stream))
         message_id = f"msg_{uuid.uuid4().hex}"
 
         def whole(answer: dict[str, Any]) -> dict[str, Any]:
@@ -295,12 +302,14 @@ def install(app: FastAPI, models: Models) -> None:
                              {"input_tokens": usage.get("prompt_tokens", 0),
                               "output_tokens": usage.get("completion_tokens", 0)})
 
-        return retold(await served.chat(openai, request), whole,
-                      lambda chunks: _events(message_id, body.model, chunks))
+        with named_as(ANTHROPIC_NAMES):
+            response = await served.chat(validated(ChatCompletionRequest, body.openai(body.stream)), request)
+        return retold(response, whole, lambda chunks: _events(message_id, body.model, chunks))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: MessagesBody) -> dict[str, int]:
-        chat = validated(ChatCompletionRequest, body.openai(False))
-        _, prompt_ids, _, _ = await asyncio.to_thread(models.get(body.model).chat_prompt, chat)
+        with named_as(ANTHROPIC_NAMES):
+            chat = validated(ChatCompletionRequest, body.openai(False))
+            _, prompt_ids, _, _ = await asyncio.to_thread(models.get(body.model).chat_prompt, chat)
         return {"input_tokens": len(prompt_ids)}
 

@@ -88,6 +88,13 @@ def test_a_last_assistant_turn_is_continued(an: anthropic.Anthropic, client: ope
      400, "invalid_request_error", "'image' block"),
     ({"model": NAME, "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, 400,
      "invalid_request_error", "role"),
+    # errors name Anthropic's fields, not the chat request's they become
+    ({"model": NAME, "max_tokens": 5, "messages": HI, "stop_sequences": [""]}, 400, "invalid_request_error",
+     "stop_sequences"),
+    ({"model": NAME, "max_tokens": 5, "messages": HI, "tool_choice": {"type": "tool"}}, 400,
+     "invalid_request_error", "tool_choice.name is required"),
+    ({"model": NAME, "max_tokens": 5, "messages": [{"role": "user", "content": []}]}, 400, "invalid_request_error",
+     "messages.[0].content must hold at least one block"),
 ])
 def test_bad_requests_get_anthropics_error(server: KestrelServer, body: dict[str, Any], status: int, kind: str,
                                            needle: str) -> None:
