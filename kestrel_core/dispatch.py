@@ -11,6 +11,7 @@ per hook with its reason.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import Counter
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -194,7 +195,7 @@ class Offload:
 
     def _gemm(self, hook: str, shape: tuple[int, int], flops: int, **kwargs: Any) -> np.ndarray:
         if not self.on_cpu:
-            out = self._offer(hook, flops, lambda: self._caller(self.backend, hook)(**_read_only(kwargs)),
+            out = self._offer(hook, flops, lambda: self._caller(self.backend, hook)(**read_only(kwargs)),
                               lambda r: _check_array(r, shape, _arrays(kwargs)))
             if out is not None:
                 return out
@@ -237,7 +238,7 @@ class Offload:
             flops = sum(gemm_flops(m, w.n, w.k) for w in weights)
             outs = self._offer("kestrel_gemm_fused_q8", flops,
                                lambda: self._caller(self.backend, "kestrel_gemm_fused_q8")(
-                                   **_read_only({"a_codes": a_codes, "a_scales": a_scales}), weights=list(weights),
+                                   **read_only({"a_codes": a_codes, "a_scales": a_scales, "weights": list(weights)}),
                                    wkeys=list(wkeys), fused_wkey=fused_wkey),
                                lambda r: check_arrays(r, [(m, w.n) for w in weights], [a_codes, a_scales]))
             if outs is not None:
@@ -499,15 +500,38 @@ def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
         return True
 
 
-def _read_only(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """A hook call's arguments with each numpy array as a read-only view: a backend cannot write into the inputs
-    the CPU would compute from if it declines."""
+def read_only(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """A hook call's arguments with each numpy array as a read-only view, and each weight (or list of them) as its
+    read-only twin: a backend cannot write into the inputs or the weights the CPU would compute from if it
+    declines."""
     out = dict(kwargs)
     for name, value in kwargs.items():
         if isinstance(value, np.ndarray):
-            out[name] = value.view()
-            out[name].flags.writeable = False
+            out[name] = _view(value)
+        elif isinstance(value, StripCache):
+            out[name] = _read_only_strip(value)
+        elif isinstance(value, list) and value and isinstance(value[0], StripCache):
+            out[name] = [_read_only_strip(w) for w in value]
     return out
+
+
+def _view(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+_READ_ONLY_STRIPS: weakref.WeakKeyDictionary[StripCache, StripCache] = weakref.WeakKeyDictionary()
+
+
+def _read_only_strip(weight: StripCache) -> StripCache:
+    """``weight`` over read-only views of its codes and scales, made once a weight (the model's own arrays stay as
+    they are: the CPU kernels are compiled for them)."""
+    twin = _READ_ONLY_STRIPS.get(weight)
+    if twin is None:
+        twin = _READ_ONLY_STRIPS[weight] = StripCache(_view(weight.codes), _view(weight.scales), weight.group_size,
+                                                      weight.bits, check_range=False)
+    return twin
 
 
 def _arrays(kwargs: Mapping[str, Any]) -> list[np.ndarray]:

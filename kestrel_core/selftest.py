@@ -31,7 +31,7 @@ from kestrel_core.contract import (
     reference_gemm_f32,
     reference_gemm_q8,
 )
-from kestrel_core.dispatch import Offload, check_arrays
+from kestrel_core.dispatch import Offload, check_arrays, read_only
 from kestrel_core.errors import KestrelError, safe_text
 from kestrel_core.registry import Backend, Registry
 from kestrel_core.wkey import PROJ_GROUPS
@@ -173,13 +173,14 @@ def run_case(backend: Backend, case: SelfTestCase, layer: int) -> CaseResult:
     keys = list(qkv.keys(layer))[: len(weights)]
     hook = getattr(backend.hook, case.hook)
 
-    def call(x: np.ndarray, a_codes: np.ndarray, a_scales: np.ndarray) -> Any:
+    def call(x: np.ndarray, a_codes: np.ndarray, a_scales: np.ndarray) -> Any:  # read-only, as the engine's
         if case.hook == "kestrel_gemm_q8":
-            return [hook(device=backend.device, a_codes=a_codes, a_scales=a_scales, weight=weights[0], wkey=keys[0])]
+            return [hook(device=backend.device, wkey=keys[0], **read_only(
+                {"a_codes": a_codes, "a_scales": a_scales, "weight": weights[0]}))]
         if case.hook == "kestrel_gemm_f32":
-            return [hook(device=backend.device, a=x, weight=weights[0], wkey=keys[0])]
-        return hook(device=backend.device, a_codes=a_codes, a_scales=a_scales, weights=weights, wkeys=keys,
-                    fused_wkey=qkv.fused_key(layer))
+            return [hook(device=backend.device, wkey=keys[0], **read_only({"a": x, "weight": weights[0]}))]
+        return hook(device=backend.device, wkeys=keys, fused_wkey=qkv.fused_key(layer),
+                    **read_only({"a_codes": a_codes, "a_scales": a_scales, "weights": weights}))
 
     def failed(detail: str) -> CaseResult:
         return CaseResult(case.name, case.hook, False, float("inf"), detail=detail)

@@ -36,7 +36,7 @@ def kestrel_open(options):
 def kestrel_close(device):
     pass
 
-def _spoil(out, a):
+def _spoil(out, a, weight):
     mode = MODE.get("mode")
     if mode == "matrix":
         return np.asmatrix(out)
@@ -44,6 +44,8 @@ def _spoil(out, a):
         out.flags.writeable = False
     if mode == "write-input":
         a[...] = 0
+    if mode == "write-weight":
+        weight.codes[...] = 0
     if mode == "raise-unprintable":
         class Unprintable(Exception):
             def __str__(self):
@@ -55,11 +57,11 @@ def _spoil(out, a):
 
 @hookimpl
 def kestrel_gemm_q8(a_codes, a_scales, weight):
-    return _spoil(reference_gemm_q8(a_codes, a_scales, weight), a_codes)
+    return _spoil(reference_gemm_q8(a_codes, a_scales, weight), a_codes, weight)
 
 @hookimpl
 def kestrel_gemm_f32(a, weight):
-    return _spoil(reference_gemm_f32(a, weight), a)
+    return _spoil(reference_gemm_f32(a, weight), a, weight)
 
 REUSED = {{}}
 
@@ -133,6 +135,7 @@ def test_backend_info_fields_are_checked_before_binding(tmp_path, monkeypatch, k
     ("matrix", "bad result: got matrix, expected a numpy.ndarray"),
     ("read-only", "bad result: a read-only array"),
     ("write-input", "error: ValueError"),  # its inputs are read-only views: the CPU computes from them intact
+    ("write-weight", "error: ValueError"),  # and so are the weights' codes and scales
     ("raise-unprintable", "error: Unprintable"),
     ("raise-huge", "error: RuntimeError"),
 ])
@@ -173,6 +176,14 @@ def test_fused_results_sharing_one_buffer_are_declined(tmp_path, monkeypatch) ->
         assert list(reasons) == ["bad result: an array sharing memory with the call's input or another result"]
     finally:
         reg.close()
+
+
+def test_selftest_gives_the_hooks_read_only_inputs_as_the_engine_does(tmp_path, monkeypatch) -> None:
+    path = _plugin(tmp_path, monkeypatch)
+    path.write_text(path.read_text().replace('MODE = {}', 'MODE = {"mode": "write-input"}'))
+    report = run_selftest("hostile", seeds=1)
+    single = [c for c in report.cases if c.hook in ("kestrel_gemm_q8", "kestrel_gemm_f32")]
+    assert single and all(not c.passed and "ValueError" in c.detail for c in single)
 
 
 def test_selftest_fails_a_backend_that_hands_out_one_buffer_twice(tmp_path, monkeypatch) -> None:
