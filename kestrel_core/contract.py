@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import InitVar, dataclass
 from typing import Any
@@ -87,6 +88,27 @@ class StripCache:
         # w: [R, K/G, G] * [R, K/G, 1]
         w = codes.reshape(codes.shape[0], -1, self.group_size).astype(np.float32) * scales[:, :, None]
         return w.reshape(codes.shape[0], -1)
+
+
+def read_only_view(array: np.ndarray) -> np.ndarray:
+    """``array`` as a view that cannot be written through."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+_READ_ONLY_STRIPS: weakref.WeakKeyDictionary[StripCache, StripCache] = weakref.WeakKeyDictionary()
+
+
+def read_only_strip(weight: StripCache) -> StripCache:
+    """``weight`` over read-only views of its codes and scales: what backends are handed (the GEMM hooks,
+    ``engine_weights``), one object a weight so that a backend may know it again; the model's own arrays stay
+    as they are, which the CPU kernels are compiled for."""
+    twin = _READ_ONLY_STRIPS.get(weight)
+    if twin is None:
+        twin = _READ_ONLY_STRIPS[weight] = StripCache(read_only_view(weight.codes), read_only_view(weight.scales),
+                                                      weight.group_size, weight.bits, check_range=False)
+    return twin
 
 
 def check_code_range(codes: np.ndarray, bits: int) -> None:

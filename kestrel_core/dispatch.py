@@ -11,7 +11,6 @@ per hook with its reason.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections import Counter
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ import numpy as np
 from numpy.lib.array_utils import byte_bounds
 
 from kestrel_core.batch import BatchEntry, id_range
-from kestrel_core.contract import StripCache, gemm_flops, quantize_activations
+from kestrel_core.contract import StripCache, gemm_flops, quantize_activations, read_only_strip, read_only_view
 from kestrel_core.errors import safe_text
 from kestrel_core.registry import FORCE_CPU_ENV, Backend, force_cpu
 
@@ -507,31 +506,12 @@ def read_only(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(kwargs)
     for name, value in kwargs.items():
         if isinstance(value, np.ndarray):
-            out[name] = _view(value)
+            out[name] = read_only_view(value)
         elif isinstance(value, StripCache):
-            out[name] = _read_only_strip(value)
+            out[name] = read_only_strip(value)
         elif isinstance(value, list) and value and isinstance(value[0], StripCache):
-            out[name] = [_read_only_strip(w) for w in value]
+            out[name] = [read_only_strip(w) for w in value]
     return out
-
-
-def _view(array: np.ndarray) -> np.ndarray:
-    view = array.view()
-    view.flags.writeable = False
-    return view
-
-
-_READ_ONLY_STRIPS: weakref.WeakKeyDictionary[StripCache, StripCache] = weakref.WeakKeyDictionary()
-
-
-def _read_only_strip(weight: StripCache) -> StripCache:
-    """``weight`` over read-only views of its codes and scales, made once a weight (the model's own arrays stay as
-    they are: the CPU kernels are compiled for them)."""
-    twin = _READ_ONLY_STRIPS.get(weight)
-    if twin is None:
-        twin = _READ_ONLY_STRIPS[weight] = StripCache(_view(weight.codes), _view(weight.scales), weight.group_size,
-                                                      weight.bits, check_range=False)
-    return twin
 
 
 def _arrays(kwargs: Mapping[str, Any]) -> list[np.ndarray]:

@@ -369,7 +369,9 @@ def _validate(backend: Backend, check_name: bool = True) -> str | None:
 
 def _unpassed_arguments(pm: pluggy.PluginManager) -> str | None:
     """A hook's argument that no call passes: a keyword-only one without a default (pluggy checks only the
-    positional ones against the spec; the calls would all fail)."""
+    positional ones against the spec; the calls would all fail), or ``*args`` / ``**kwargs`` (a call passes only
+    the arguments the hook's parameters name: a decorator's ``wrapper(*args, **kwargs)`` without
+    ``functools.wraps`` would get none)."""
     for caller in pm.hook.__dict__.values():
         for impl in getattr(caller, "get_hookimpls", list)():
             try:
@@ -379,6 +381,11 @@ def _unpassed_arguments(pm: pluggy.PluginManager) -> str | None:
             bare = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
             if bare:
                 return f"{caller.name} takes the keyword-only argument {bare[0]!r}, which no call passes"
+            rest = [p for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+            if rest:
+                star = "*" if rest[0].kind is rest[0].VAR_POSITIONAL else "**"
+                return (f"{caller.name} takes {star}{rest[0].name}, which no call fills: a hook gets the arguments "
+                        "its parameters name (a decorator's wrapper needs functools.wraps)")
     return None
 
 

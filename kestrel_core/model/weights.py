@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kestrel_core.contract import StripCache
+from kestrel_core.contract import StripCache, read_only_strip
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.wkey import (
     ATTENTION_GROUPS,
@@ -193,13 +193,15 @@ def engine_weights(model: Model) -> list[tuple[int, tuple[StripCache, ...]]]:
     """Every weight the decoder multiplies, grouped as it offers them on int8 activations: (wkey, strips) of
     each layer's groups (Q|K|V and gate|up under their fused wkey to ``kestrel_gemm_fused_q8``, O and down
     under their own to ``kestrel_gemm_q8``: ``ProjGroup.key``), each expert's gate|up and down under the
-    expert's wkeys (the shared expert's as expert E), then lm_head."""
+    expert's wkeys (the shared expert's as expert E), then lm_head. Each weight is the read-only object the GEMM
+    hooks are handed (``contract.read_only_strip``)."""
     out = []
     for i, lw in enumerate(model.layers):
         out += [(group.key(i), strips) for group, strips in lw.proj_groups()]
         for e, ex in enumerate(lw.all_experts()):
             out += [(group.key(i, e), strips) for group, strips in zip(MLP_GROUPS, ex.groups())]
-    return out + [(lm_head_wkey(), (model.lm_head,))]
+    out.append((lm_head_wkey(), (model.lm_head,)))
+    return [(key, tuple(read_only_strip(w) for w in strips)) for key, strips in out]
 
 
 # -- the tensors of a config ---------------------------------------------------------------------------------

@@ -47,16 +47,21 @@ def test_bad_signature_names_the_argument(registry: Registry) -> None:
     assert "stream" in registry.backends["bad_signature"].reason
 
 
-def test_a_hook_with_a_keyword_only_argument_no_call_passes_is_not_bound(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("signature", "reason"), [
+    ("device, seq_id, *, queue", "takes the keyword-only argument 'queue', which no call passes"),
+    ("*args, **kwargs", "takes *args, which no call fills"),  # a decorator's wrapper without functools.wraps
+    ("device, **extra", "takes **extra, which no call fills"),
+])
+def test_a_hook_with_an_argument_no_call_fills_is_not_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           signature: str, reason: str) -> None:
     source = (FIXTURES / "good_gpu.py").read_text().replace('"good_gpu"', '"kwonly"')
-    hook = "\n\n@hookimpl\ndef kestrel_release_sequence(device, seq_id, *, queue):\n    return None\n"
+    hook = f"\n\n@hookimpl\ndef kestrel_release_sequence({signature}):\n    return None\n"
     (tmp_path / "kwonly.py").write_text(source + hook)
     monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "kwonly.py"))
     reg = Registry()
     try:
         backend = reg.bind("kwonly")
-        assert not backend.bound and "takes the keyword-only argument 'queue', which no call passes" in backend.reason
+        assert not backend.bound and reason in backend.reason
     finally:
         reg.close()
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kestrel_core.contract import read_only_strip
 from kestrel_core.wkey import (
     FUSED_LAYER_BASE,
     LM_HEAD_LAYER,
@@ -70,8 +72,10 @@ def test_layer_groups_and_engine_weights_follow_the_groups() -> None:
     assert [g for g, _ in lw.proj_groups()] == list(PROJ_GROUPS)
     got = engine_weights(model)
     assert [key for key, _ in got] == [g.key(i) for i in range(2) for g in PROJ_GROUPS] + [lm_head_wkey()]
-    assert [w is s for w, s in zip(got[4][1], (lw.q, lw.k, lw.v))] == [True] * 3
-    assert len(got[-1][1]) == 1 and got[-1][1][0] is model.lm_head
+    # each the read-only object the hooks are handed, over the model's own arrays
+    assert [w is read_only_strip(s) and np.shares_memory(w.codes, s.codes) and not w.codes.flags.writeable
+            for w, s in zip(got[4][1], (lw.q, lw.k, lw.v))] == [True] * 3
+    assert len(got[-1][1]) == 1 and got[-1][1][0] is read_only_strip(model.lm_head)
 
 
 def test_expert_wkeys_keep_their_layer_and_never_collide() -> None:
