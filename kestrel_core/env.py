@@ -15,6 +15,12 @@ _TRUE = ("1", "on", "yes", "true")
 _FALSE = ("0", "off", "no", "false")
 
 
+def backend_var(backend: str, setting: str) -> str:
+    """A backend's own variable, ``KESTREL_<NAME>_<SETTING>``, its name's other characters (``-``) as ``_``, as
+    a shell can set it."""
+    return f"KESTREL_{''.join(c if c.isalnum() else '_' for c in backend.upper())}_{setting}"
+
+
 def env_str(name: str, default: str = "") -> str:
     """The variable's value, stripped; ``default`` when unset or empty."""
     return os.environ.get(name, "").strip() or default

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kestrel_core.env import env_flag, env_float, env_str
+from kestrel_core.env import backend_var, env_flag, env_float, env_str
 from kestrel_core.errors import KestrelError
 
 log = logging.getLogger("kestrel")
@@ -122,13 +122,9 @@ def supported() -> bool:
     return hasattr(os, "fork") and sys.platform != "win32"
 
 
-def _env_name(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name.upper())
-
-
 def timeout_for(name: str) -> float:
     """Seconds the probe of backend ``name`` may take: its own variable, else the general one, else 20."""
-    own = f"KESTREL_{_env_name(name)}_PROBE_TIMEOUT"
+    own = backend_var(name, "PROBE_TIMEOUT")
     return env_float(own if env_str(own) else TIMEOUT_ENV, DEFAULT_TIMEOUT, minimum=MIN_TIMEOUT,
                      what="a number of seconds")
 

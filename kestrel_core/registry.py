@@ -44,7 +44,7 @@ from typing import Any
 import pluggy
 
 from kestrel_core import hookspecs, probe
-from kestrel_core.env import env_flag, env_float, env_str
+from kestrel_core.env import backend_var, env_flag, env_float, env_str
 from kestrel_core.errors import BackendUnavailable, KestrelError, safe_repr, safe_text
 from kestrel_core.hookspecs import KINDS as KINDS
 from kestrel_core.hookspecs import BackendInfo as BackendInfo
@@ -110,7 +110,7 @@ class Backend:
     def min_flops(self) -> int:
         """``KESTREL_<NAME>_MIN_FLOPS`` (a finite number >= 0, ``1e7`` allowed), else BackendInfo's."""
         default = self.info.min_flops if self.info else 0
-        return int(env_float(f"KESTREL_{self.name.upper()}_MIN_FLOPS", default, what="a finite number"))
+        return int(env_float(backend_var(self.name, "MIN_FLOPS"), default, what="a finite number"))
 
     def as_dict(self) -> dict[str, Any]:
         return {

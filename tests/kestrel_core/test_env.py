@@ -104,6 +104,8 @@ def test_min_flops(monkeypatch: pytest.MonkeyPatch) -> None:
     for text in ("inf", "nan", "-5", "1e400", "abc"):
         monkeypatch.setenv("KESTREL_NPU_SIM_MIN_FLOPS", text)
         _one_line_error(_min_flops, f"KESTREL_NPU_SIM_MIN_FLOPS must be a finite number >= 0, got {text!r}")
+    monkeypatch.setenv("KESTREL_TOY_DASH_MIN_FLOPS", "7")  # a name's "-" is "_", as a shell can set it
+    assert _min_flops(name="toy-dash") == 7
 
 
 def test_plugins_allow_list(monkeypatch: pytest.MonkeyPatch) -> None:
