@@ -196,3 +196,25 @@ def test_selftest_fails_a_backend_that_hands_out_one_buffer_twice(tmp_path, monk
     assert fused and not any(c.passed for c in fused)
     assert all("a buffer handed out twice" in c.detail for c in fused)
     assert all(c.passed for c in report.cases if c.hook != "kestrel_gemm_fused_q8")
+
+
+@pytest.mark.parametrize("hook", [
+    'return [dict(hook="kestrel_gemm_q8", m=2, ns=(40,), k=64, group_size=32, bits=8, seed=1),\n'
+    '        dict(hook="kestrel_gemm_q8", m=2, ns=40, k=64, group_size=32, bits=8, seed=1),\n'
+    '        dict(hook="kestrel_gemm_q8", m=2, ns=(40,), k=64, group_size=32, bits=5, seed=1),\n'
+    '        dict(hook="kestrel_gemm_q8", m=0, ns=(40,), k=64, group_size=32, bits=8, seed=1)]',
+    'raise RuntimeError("no cases today")',
+])
+def test_a_backends_own_cases_are_checked_and_the_built_in_ones_run_anyway(tmp_path, monkeypatch, hook) -> None:
+    path = _plugin(tmp_path, monkeypatch)
+    path.write_text(path.read_text() + f"\n@hookimpl\ndef kestrel_selftest_cases(device):\n    {hook}\n")
+    report = run_selftest("hostile", seeds=1)
+    built_in = [c for c in report.cases if c.hook != "kestrel_selftest_cases"]
+    assert built_in and all(c.passed for c in built_in)
+    refused = [c.detail for c in report.cases if c.hook == "kestrel_selftest_cases"]
+    if "raise" in hook:
+        assert refused == ["raised RuntimeError: no cases today"]
+    else:
+        assert any(c.name.endswith("N40 K64 s1") for c in built_in)  # the good one ran
+        assert len(refused) == 3 and "ns a non-empty tuple" in refused[0] and "bits one of" in refused[1]
+        assert "m must be >= 1" in refused[2]
