@@ -108,6 +108,9 @@ class Scheduler:
             prompt_ids = self.engine.check_ids(prompt_ids, "prompt")
         except KestrelError as exc:
             raise InvalidRequest(str(exc), param="prompt") from None
+        if len(prompt_ids) >= self.engine.config.max_position:
+            raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens, which leaves no room for an answer in "
+                                 f"the model's context of {self.engine.config.max_position}", param="prompt")
         vocab = self.engine.config.vocab_size
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
             outside = [t for t in ids if t >= vocab]
@@ -407,7 +410,7 @@ class Scheduler:
         one in its ``max_tokens`` and the context."""
         if not (self.speculate > 0 and self.engine.rewinds and request.seq is not None
                 and self._decoding_greedily(request) and request.params.max_tokens - len(request.output_ids) > 1
-                and len(request.tokens) < self.engine.config.max_position):
+                and len(request.tokens) + 1 < self.engine.config.max_position):
             return False
         return bool(self._lookup(request).draft(1))
 
@@ -427,7 +430,7 @@ class Scheduler:
         more tokens of the step, its ``max_tokens``, the context and the KV blocks free now (a guess never
         preempts anyone)."""
         left = min(self.speculate, room, request.params.max_tokens - len(request.output_ids) - 1,
-                   self.engine.config.max_position - len(request.tokens))
+                   self.engine.config.max_position - len(request.tokens) - 1)
         if left <= 0:
             return
         draft = self._lookup(request).draft(left)
@@ -484,8 +487,8 @@ class Scheduler:
             self._finish(request, "stop")
         elif len(request.output_ids) >= p.max_tokens:
             self._finish(request, "length")
-        elif len(request.tokens) > self.engine.config.max_position:
-            self._finish(request, "length")  # the context is full: no position left to run the last token at
+        elif len(request.tokens) >= self.engine.config.max_position:
+            self._finish(request, "length")  # the context is full: prompt and answer hold max_position tokens
         return sampled
 
     def _ended_outputs(self) -> list[RequestOutput]:

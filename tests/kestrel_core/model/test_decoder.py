@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kestrel_core.contract import quantize_activations, reference_gemm_q8
+from kestrel_core.contract import StripCache, quantize_activations, read_only_strip, reference_gemm_q8
 from kestrel_core.dispatch import Offload
 from kestrel_core.errors import KestrelError
 from kestrel_core.model import decoder as decoder_mod
@@ -263,15 +263,19 @@ def test_every_projection_is_offered_with_its_wkey(tmp_path: Path, monkeypatch: 
     ours = dec.forward(tokens, dec.new_cache())
     seen = backend.plugin.SEEN
     expected = []
+
+    def handed(w: StripCache) -> int:  # the weight's read-only object, the one engine_weights names too
+        return id(read_only_strip(w))
+
     for i, lw in enumerate(model.layers):
         expected += [("layer", i),
                      ("fused", fused_wkey(i, Proj.QKV), (wkey(i, Proj.Q), wkey(i, Proj.K), wkey(i, Proj.V)),
-                      (id(lw.q), id(lw.k), id(lw.v))),
-                     ("gemm", wkey(i, Proj.O), id(lw.o), 5),
+                      (handed(lw.q), handed(lw.k), handed(lw.v))),
+                     ("gemm", wkey(i, Proj.O), handed(lw.o), 5),
                      ("fused", fused_wkey(i, Proj.GATE_UP), (wkey(i, Proj.GATE), wkey(i, Proj.UP)),
-                      (id(lw.gate), id(lw.up))),
-                     ("gemm", wkey(i, Proj.DOWN), id(lw.down), 5)]
-    expected.append(("gemm", lm_head_wkey(), id(model.lm_head), 1))  # only the last row's logits
+                      (handed(lw.gate), handed(lw.up))),
+                     ("gemm", wkey(i, Proj.DOWN), handed(lw.down), 5)]
+    expected.append(("gemm", lm_head_wkey(), handed(model.lm_head), 1))  # only the last row's logits
     assert seen == expected
     np.testing.assert_allclose(ours[0], _reference_logits(model, tokens)[-1], rtol=0,
                                atol=2e-3 * float(np.ptp(ours)))

@@ -184,7 +184,7 @@ def test_generation_stops_at_eos_and_at_the_context(model) -> None:
         assert list(engine.generate(PROMPT, max_tokens=10, stop_at_eos=False)) == free
     with kestrel_core.load(model, "cpu") as engine:
         prompt = list(range(60))
-        assert len(list(engine.generate(prompt, max_tokens=100, stop_at_eos=False))) == 64 - 60 + 1
+        assert len(list(engine.generate(prompt, max_tokens=100, stop_at_eos=False))) == 64 - 60  # 64 in all
 
 
 def test_max_model_len_cuts_the_context_and_no_more(model) -> None:
@@ -192,7 +192,9 @@ def test_max_model_len_cuts_the_context_and_no_more(model) -> None:
         assert engine.config.max_position == 32 and engine.model.layers is model.layers  # the weights shared
         with pytest.raises(KestrelError, match="33 tokens; the model's context is 32"):
             engine.generate(list(range(33)))
-        assert len(list(engine.generate(list(range(30)), max_tokens=100, stop_at_eos=False))) == 32 - 30 + 1
+        assert len(list(engine.generate(list(range(30)), max_tokens=100, stop_at_eos=False))) == 32 - 30
+        with pytest.raises(KestrelError, match="32 tokens, which leaves no room for an answer"):
+            engine.generate(list(range(32)))
     for bad in (0, 65, 2.5):
         with pytest.raises(KestrelError, match=r"max_model_len must be an integer in \[1, 64\]"):
             kestrel_core.load(model, backend="cpu", max_model_len=bad)
@@ -204,7 +206,7 @@ def test_a_rope_scaling_stretches_the_context_as_far_as_it_reaches(model) -> Non
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
     with kestrel_core.load(model, backend="cpu", rope_scaling=yarn) as engine:
         assert engine.config.max_position == 128 and engine.config.rope_scaling["attention_factor"] > 1
-        assert len(list(engine.generate(list(range(100)), max_tokens=40, stop_at_eos=False))) == 29
+        assert len(list(engine.generate(list(range(100)), max_tokens=40, stop_at_eos=False))) == 28
     with kestrel_core.load(model, backend="cpu", rope_scaling=yarn, max_model_len=96) as engine:
         assert engine.config.max_position == 96
     bad = [({**yarn}, 129, r"max_model_len must be an integer in \[1, 128\]"),
@@ -330,7 +332,7 @@ def test_misuse_of_the_api_is_a_kestrel_error_naming_it(model) -> None:
         list(engine.generate(PROMPT, max_tokens=0))
     with pytest.raises(KestrelError, match="params must be a SamplingParams"):
         list(engine.stream(PROMPT, {"max_tokens": 2}))
-    with pytest.raises(KestrelError, match=r"top must be an integer in \[0, 5\]"):
+    with pytest.raises(KestrelError, match=r"top must be an integer in \[0, 20\]"):
         engine.prompt_logprobs(PROMPT, top=-1)
     with pytest.raises(KestrelError, match="tuple of non-empty strings"):
         SamplingParams(stop=["x"]).check()
