@@ -61,7 +61,8 @@ def _open_engine(args: argparse.Namespace) -> Engine:
 
 def _note_options(engine: Engine, args: argparse.Namespace) -> None:
     """Say which of the model's recommended sampling values this command takes (those not given), when
-    --speculate cannot speculate because the answer is sampled, and when --think has nothing to switch."""
+    --speculate cannot speculate because the answer is sampled or constrained, and when --think has nothing to
+    switch."""
     template = getattr(engine.tokenizer, "chat_template", None)
     if getattr(args, "think", None) is not None and not (thinks(template) or is_harmony(template)):
         err.print("--think: this model's chat template has no reasoning to switch; it is ignored", soft_wrap=True)
@@ -74,6 +75,8 @@ def _note_options(engine: Engine, args: argparse.Namespace) -> None:
     if engine.speculate and not params.argmax_only:
         err.print("--speculate: only greedy decoding without penalties guesses tokens; this answer is sampled "
                   "(-t 0 --repetition-penalty 1 for greedy)", soft_wrap=True)
+    elif engine.speculate and any(getattr(args, k, None) is not None for k in ("json_schema", "regex", "grammar")):
+        err.print("--speculate: a constrained answer decodes without guesses", soft_wrap=True)
 
 
 def _open_generator(args: argparse.Namespace) -> Engine:

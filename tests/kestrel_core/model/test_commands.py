@@ -309,6 +309,8 @@ def test_run_samples_as_the_model_recommends_unless_told_otherwise(capsys, tmp_p
     assert "recommends" not in err and greedy == tokens(TINY_LLAMA)[0] != recommended
     assert "--speculate: only greedy decoding" in tokens(model, "--speculate", "2")[1]
     assert "--speculate" not in tokens(model, "--speculate", "2", "--no-model-sampling")[1]
+    constrained = tokens(model, "--speculate", "2", "--no-model-sampling", "--regex", "[a-z]+")[1]
+    assert "--speculate: a constrained answer decodes without guesses" in constrained
     assert tokens(model, "-t", "0")[0] not in (greedy, recommended)  # greedy, with the model's repetition penalty
     artifact = tmp_path / "tiny.kst"
     assert _run(capsys, "quantize", str(model), "-o", str(artifact))[0] == 0
