@@ -1,15 +1,18 @@
-"""A request as the scheduler holds it (``Request``) and what each step reports of it (``RequestOutput``)."""
+"""A request as the scheduler holds it (``Request``), what each step reports of it (``RequestOutput``), and the
+checks a request passes before it is queued (``checked_prompt``)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kestrel_core.errors import InvalidRequest, KestrelError
 from kestrel_core.model.detokenize import TextStream
 from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob
 from kestrel_core.model.speculate import PromptLookup
+from kestrel_core.model.tokenizer import NoTokenizer
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -68,3 +71,35 @@ class Request:
         """Tokens not yet in the KV cache (the last output token, or the rest of the prompt)."""
         done = len(self.seq.tokens) if self.seq is not None else 0
         return len(self.prompt_ids) + len(self.output_ids) - done
+
+
+def checked_prompt(engine: Any, pool: Any, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+    """``prompt_ids`` as a list; InvalidRequest for a request ``engine`` (its KV ``pool``) can never run, before
+    it is queued."""
+    engine.check_generates()
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequest(f"params must be a SamplingParams (engine.sampling_params(...) makes one), got "
+                             f"{type(params).__name__}", param="params")
+    params.check()
+    if params.max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be at least 1 to generate, got {params.max_tokens}",
+                             param="max_tokens")
+    if params.stop and isinstance(engine.tokenizer, NoTokenizer):
+        raise InvalidRequest("stop strings need a tokenizer, and this model has none", param="stop")
+    try:
+        prompt_ids = engine.check_ids(prompt_ids, "prompt")
+    except KestrelError as exc:
+        raise InvalidRequest(str(exc), param="prompt") from None
+    if len(prompt_ids) >= engine.config.max_position:
+        raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens, which leaves no room for an answer in "
+                             f"the model's context of {engine.config.max_position}", param="prompt")
+    vocab = engine.config.vocab_size
+    for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+        outside = [t for t in ids if t >= vocab]
+        if outside:
+            raise InvalidRequest(f"{name} token id {outside[0]} is outside the vocabulary [0, {vocab})",
+                                 param=name)
+    if pool.blocks_for(len(prompt_ids)) > pool.num_blocks:
+        raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds "
+                             f"{pool.capacity}", param="prompt")
+    return prompt_ids

@@ -41,7 +41,7 @@ import numpy as np
 from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
 from kestrel_core.model.detokenize import TextStream
 from kestrel_core.model.grammar import Constraint, prepare_masks
-from kestrel_core.model.request import FINISHED, RUNNING, WAITING, Request, RequestOutput
+from kestrel_core.model.request import FINISHED, RUNNING, WAITING, Request, RequestOutput, checked_prompt
 from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
 from kestrel_core.model.speculate import PromptLookup
 from kestrel_core.model.tokenizer import NoTokenizer
@@ -94,33 +94,7 @@ class Scheduler:
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids as a list; InvalidRequest for a request that can never run (before it is
         queued)."""
-        self.engine.check_generates()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"params must be a SamplingParams (engine.sampling_params(...) makes one), got "
-                                 f"{type(params).__name__}", param="params")
-        params.check()
-        if params.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be at least 1 to generate, got {params.max_tokens}",
-                                 param="max_tokens")
-        if params.stop and isinstance(self.engine.tokenizer, NoTokenizer):
-            raise InvalidRequest("stop strings need a tokenizer, and this model has none", param="stop")
-        try:
-            prompt_ids = self.engine.check_ids(prompt_ids, "prompt")
-        except KestrelError as exc:
-            raise InvalidRequest(str(exc), param="prompt") from None
-        if len(prompt_ids) >= self.engine.config.max_position:
-            raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens, which leaves no room for an answer in "
-                                 f"the model's context of {self.engine.config.max_position}", param="prompt")
-        vocab = self.engine.config.vocab_size
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
-            outside = [t for t in ids if t >= vocab]
-            if outside:
-                raise InvalidRequest(f"{name} token id {outside[0]} is outside the vocabulary [0, {vocab})",
-                                     param=name)
-        if self.pool.blocks_for(len(prompt_ids)) > self.pool.num_blocks:
-            raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds "
-                                 f"{self.pool.capacity}", param="prompt")
-        return prompt_ids
+        return checked_prompt(self.engine, self.pool, prompt_ids, params)
 
     def add(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
             constraint: Constraint | None = None) -> Request:
