@@ -297,12 +297,20 @@ def _loaded(answer: _Answer, keep_alive: Any) -> JSONResponse:
     return JSONResponse({**answer.part(done=True), "done_reason": "unload" if keep_alive == 0 else "load"})
 
 
+def _check_think(body: _Generation, served: Served) -> None:
+    """``think`` asked of a model whose template has no reasoning is a 400, as Ollama answers it (false is
+    fine)."""
+    if body.think not in (None, False) and not (served.thinks or served.harmony):
+        raise APIError(400, f'"{body.model}" does not support thinking', param="think")
+
+
 def install(app: FastAPI, models: Models) -> None:
     """Ollama's routes on ``app``, answered by the named model's handlers."""
 
     @app.post("/api/chat")
     async def chat(body: ChatBody, request: Request) -> Response:
         served = model_of(models, body.model)
+        _check_think(body, served)
         if not body.messages:  # a client loading (or unloading) the model: it stays loaded while serving
             return _loaded(_Answer(served, request, "message"), body.keep_alive)
         with named_as(REQUEST_NAMES):
@@ -313,6 +321,7 @@ def install(app: FastAPI, models: Models) -> None:
     @app.post("/api/generate")
     async def generate(body: GenerateBody, request: Request) -> Response:
         served = model_of(models, body.model)
+        _check_think(body, served)
         answer = _Answer(served, request, "response")
         if body.images:
             raise APIError(400, "images are not supported (kestrel serves text models)", param="images")

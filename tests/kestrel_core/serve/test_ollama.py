@@ -128,6 +128,7 @@ def test_a_json_schema_format_shapes_the_answer(ol: ollama.Client) -> None:
     ({"messages": [{"role": "user", "content": "Hi", "images": ["aGk="]}]}, "images are not supported"),
     ({"messages": HI, "options": {"temperature": -1}}, "options.temperature must be"),  # Ollama's names
     ({"messages": HI, "options": {"top_p": 0}}, "options.top_p must be"),
+    ({"messages": HI, "think": True}, '"tiny" does not support thinking'),  # as Ollama answers it
     ({"messages": [{"role": "robot", "content": "Hi"}]}, "role"),
 ])
 def test_bad_chat_requests_are_400_with_ollamas_error(server: KestrelServer, call: dict[str, Any],
