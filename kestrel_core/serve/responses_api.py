@@ -311,6 +311,9 @@ async def _events(response: _Response, chunks: AsyncIterator[dict[str, Any]]) ->
             return
         if not chunk.get("choices"):  # the usage: the response is complete
             status = _status(finish)
+            if not any(i["type"] in ("message", "function_call") for i in response.output.items):
+                for e in stream.to("message"):  # an empty answer is an empty message, as the whole response's
+                    yield e
             for e in stream.close(status):
                 yield e
             kind = "response.incomplete" if status == "incomplete" else "response.completed"

@@ -85,7 +85,7 @@ class Scripted(AsyncEngine):
         self.prompts.append(self.engine.tokenizer.decode(list(prompt_ids)))
         self.params.append(params)
         text = self.answers.pop(0)
-        pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+        pieces = [text[i:i + 3] for i in range(0, len(text), 3)] or [""]  # an empty answer: one empty output
         for k, piece in enumerate(pieces):
             last = k == len(pieces) - 1
             yield RequestOutput(request_id or "r", [1], piece, None, last, "stop" if last else None,

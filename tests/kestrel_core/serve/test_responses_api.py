@@ -126,6 +126,12 @@ def test_function_calls_reasoning_and_their_outputs(engine: Any) -> None:
                     {"role": "tool", "tool_call_id": call.call_id, "content": "22 C\nsunny"}]
             client.chat.completions.create(model=NAME, messages=chat, tools=[WEATHER])
             assert front.prompts[-2] == front.prompts[-1] and "Let me check.<tool_call>" in front.prompts[-1]
+            front.answers += ["", ""]  # an empty answer: one empty message, whole or streamed
+            empty = client.responses.create(model=NAME, input=ask)
+            with client.responses.stream(model=NAME, input=ask) as stream:
+                streamed = stream.get_final_response()
+            assert [(i.type, i.content[0].text) for i in streamed.output] == \
+                [(i.type, i.content[0].text) for i in empty.output] == [("message", "")]
             image = [*said[:-1], {**said[-1], "output": [{"type": "input_image", "image_url": "x"}]}]
             with pytest.raises(openai.BadRequestError) as refused:
                 client.responses.create(model=NAME, input=image, tools=[TOOL])
