@@ -152,11 +152,12 @@ def _guard_concat(*parts: Any) -> str:
     return "".join(texts)
 
 
-def _bounded_range(*args: Any) -> Any:
-    """jinja's safe_range (at most 100k items) whose steps count against the render's budget."""
+def _bounded_range(*args: Any) -> range:
+    """jinja's safe_range (at most 100k items): a real range, indexable and comparable as transformers' templates
+    see it; a for-loop over it counts its steps against the render's budget (``_guard_iter``), as any loop's."""
     from jinja2.sandbox import safe_range
 
-    return _GuardedIterable(safe_range(*args))
+    return safe_range(*args)
 
 
 class _Rewrite(NodeTransformer):
@@ -320,9 +321,11 @@ def _raise_exception(message: str) -> None:
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
             sort_keys: bool = False) -> str:
-    if indent is not None and (not _is_int(indent) or not 0 <= indent <= MAX_JSON_INDENT):
-        raise TemplateLimitError(f"tojson indent must be an integer in [0, {MAX_JSON_INDENT}], got {indent!r}")
-    _check_text(x, per_item=4 + 2 * (indent or 0))
+    width = len(indent) if isinstance(indent, str) else indent  # json.dumps takes both, as transformers' tojson
+    if indent is not None and (not _is_int(width) or not 0 <= width <= MAX_JSON_INDENT):
+        raise TemplateLimitError(f"tojson indent must be an integer in [0, {MAX_JSON_INDENT}] or as many "
+                                 f"characters, got {indent!r}")
+    _check_text(x, per_item=4 + 2 * (width or 0))
     return _check_size(json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                                   sort_keys=sort_keys))
 
@@ -333,13 +336,28 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``, which transformers' templates use to mark the assistant's
+    tokens for training masks: its body rendered as it is (transformers' ``AssistantTracker`` when no mask is
+    asked for)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+TEMPLATE_EXTENSIONS = (jinja2.ext.loopcontrols, GenerationBlock)
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile ``source`` in the bounded sandbox, its loops and ``~`` rewritten through the guards."""
     if not isinstance(source, str):
         raise KestrelError(f"invalid chat template: expected text, got {type(source).__name__}")
     if len(source) > MAX_TEMPLATE_CHARS:
         raise KestrelError(f"invalid chat template: {len(source)} characters (the limit is {MAX_TEMPLATE_CHARS})")
-    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=list(TEMPLATE_EXTENSIONS),
                          finalize=_check_text)  # every {{ value }}, measured before it is printed
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -372,16 +390,22 @@ def render_bounded(template: jinja2.Template, budget: _Budget | None = None, **c
         _BUDGET.reset(token)
 
 
-def continue_final_message(prompt: str, final: str) -> str:
-    """A rendered chat ``prompt`` cut after the text of its last message, ``final``, so that the answer continues
-    that message (a prefill) instead of opening a turn of its own: the end of turn the template wrote after it is
-    dropped, as transformers' ``continue_final_message`` does (the text's trailing whitespace with it)."""
-    text = final.strip()
-    at = prompt.rfind(text) if text else -1
+CONTINUE_MARK = "<|kestrel:continue|>"  # text no template writes of its own
+
+
+def continue_final_message(render: Callable[[list[dict[str, Any]]], str], messages: Sequence[Mapping[str, Any]]) \
+        -> str:
+    """The prompt ``render`` (a chat template, no generation prompt) makes of ``messages``, cut where the last
+    message's text ends, so that the answer continues that message (a prefill) instead of opening a turn of its
+    own, as transformers' ``continue_final_message``: the text is rendered with a mark after it, and what the
+    template writes from the mark on (its end of turn) is dropped; the text's own trailing whitespace stays."""
+    last = dict(messages[-1])
+    last["content"] = f"{last.get('content') or ''}{CONTINUE_MARK}"
+    prompt = render([*map(dict, messages[:-1]), last])
+    at = prompt.rfind(CONTINUE_MARK)
     if at < 0:
-        raise KestrelError("the last message cannot be continued: it has no text, or the chat template does not "
-                           "write it as given")
-    return prompt[:at + len(text)]
+        raise KestrelError("the last message cannot be continued: the chat template does not write its text")
+    return prompt[:at].replace(CONTINUE_MARK, "")  # a template that wrote the text twice: the earlier copy too
 
 
 def render_chat(template: jinja2.Template, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,

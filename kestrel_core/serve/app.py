@@ -100,10 +100,11 @@ class Served:
                            "either continues the last message or opens a turn", param="continue_final_message")
         try:
             tokenizer, messages = self.engine.tokenizer, body.template_messages()
-            prompt = tokenizer.apply_chat_template(messages, body.add_generation_prompt is not False and not continuing,
-                                                   **context)
             if continuing:
-                prompt = continue_final_message(prompt, messages[-1].get("content") or "")
+                prompt = continue_final_message(lambda ms: tokenizer.apply_chat_template(ms, False, **context),
+                                                messages)
+            else:
+                prompt = tokenizer.apply_chat_template(messages, body.add_generation_prompt is not False, **context)
             prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=False))  # the template wrote any BOS
         except KestrelError as exc:  # no messages, no template, or a template that failed on these
             raise from_kestrel_error(exc, param="messages") from None

@@ -30,6 +30,7 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
+from kestrel_core.model.chat_template import TEMPLATE_EXTENSIONS
 from kestrel_core.model.detokenize import partial_suffix
 from kestrel_core.model.grammar import lark_grammar, lark_json
 from kestrel_core.model.harmony import ToolCall, is_harmony
@@ -63,7 +64,7 @@ def tool_format(template: str | None) -> str | None:
     if not template:
         return None
     try:
-        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+        env = jinja2.Environment(extensions=list(TEMPLATE_EXTENSIONS))
         reads = jinja2.meta.find_undeclared_variables(env.parse(template))
     except jinja2.TemplateError:
         return None  # the sandbox compiles it again and says what is wrong

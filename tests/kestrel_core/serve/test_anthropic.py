@@ -66,8 +66,8 @@ def test_a_last_assistant_turn_is_continued(an: anthropic.Anthropic, client: ope
     dropped; the chat route does the same with vLLM's continue_final_message."""
     turns = [*HI, {"role": "assistant", "content": "Sure, here is "}]
     rendered = engine.tokenizer.apply_chat_template(turns, add_generation_prompt=False)
-    prompt = rendered[:rendered.rindex("Sure, here is") + len("Sure, here is")]
-    assert rendered != prompt and not prompt.endswith(" ")
+    prompt = rendered[:rendered.rindex("Sure, here is ") + len("Sure, here is ")]  # its trailing space kept
+    assert rendered != prompt and prompt.endswith("Sure, here is ")
     want = client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=8)
     got = an.messages.create(model=NAME, max_tokens=8, messages=turns, **GREEDY)
     assert got.content[0].text == want.choices[0].text and got.usage.input_tokens == want.usage.prompt_tokens

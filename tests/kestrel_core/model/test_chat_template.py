@@ -1,0 +1,55 @@
+"""What a chat template sees and writes as transformers' ``apply_chat_template`` has it: the ``generation`` block,
+a continued last message, ``range`` and ``tojson``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.chat_template import compile_chat_template, continue_final_message, render_chat
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+ASK = [{"role": "user", "content": "Say"}]
+
+
+def _render(source: str, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+    return render_chat(compile_chat_template(source), messages, add_generation_prompt)
+
+
+def test_a_generation_block_renders_its_body() -> None:
+    """transformers marks the assistant's tokens with it (LFM2.5's templates): no mask asked, its body as is."""
+    source = ("{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+              "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}")
+    assert _render(source, [*ASK, {"role": "assistant", "content": "yo"}]) == "<user>Say<assistant>yo"
+
+
+@pytest.mark.parametrize(("prefill", "end"), [
+    ("The answer is ", "<|im_start|>assistant\nThe answer is "),  # its trailing whitespace kept
+    (">", "<|im_start|>assistant\n>"),  # not found again in the end of turn after it (">" of "<|im_end|>")
+    ("end", "<|im_start|>assistant\nend"),
+    ("", "<|im_start|>assistant\n"),  # empty: right after the turn's header
+])
+def test_a_continued_message_ends_where_its_text_does(prefill: str, end: str) -> None:
+    template = compile_chat_template(CHATML)
+    prompt = continue_final_message(lambda ms: render_chat(template, ms, False),
+                                    [*ASK, {"role": "assistant", "content": prefill}])
+    assert prompt == "<|im_start|>user\nSay<|im_end|>\n" + end
+
+
+def test_a_message_the_template_does_not_write_cannot_be_continued() -> None:
+    template = compile_chat_template("{% for m in messages if m.role == 'user' %}{{ m.content }}{% endfor %}")
+    with pytest.raises(KestrelError, match="cannot be continued"):
+        continue_final_message(lambda ms: render_chat(template, ms, False), [*ASK, {"role": "assistant",
+                                                                                  "content": "x"}])
+
+
+@pytest.mark.parametrize(("expression", "text"), [
+    ("range(3)[1]", "1"), ("range(3)|last", "2"), ("range(3) is sequence", "True"),
+    ("range(3) == range(3)", "True"), ("range(2)|list", "[0, 1]"),
+    ("{'a': 1}|tojson(indent='  ')", '{\n  "a": 1\n}'), ("{'a': 1}|tojson(indent=1)", '{\n "a": 1\n}'),
+])
+def test_range_and_tojson_behave_as_in_transformers(expression: str, text: str) -> None:
+    assert _render("{{ " + expression + " }}", ASK) == text
