@@ -117,9 +117,10 @@ class AssistantToolCall(RequestBody):
     function: FunctionCall
 
     def for_template(self) -> dict[str, Any]:
-        """As Hugging Face templates read it: the arguments as an object (text that is not one stays text)."""
+        """As Hugging Face templates read it: the arguments as an object (none: an empty one, as vLLM passes it;
+        text that is not one stays text)."""
         try:
-            arguments: Any = json.loads(self.function.arguments)
+            arguments: Any = json.loads(self.function.arguments) if self.function.arguments.strip() else {}
         except ValueError:
             arguments = self.function.arguments
         if not isinstance(arguments, dict):
@@ -135,6 +136,7 @@ class ChatMessage(RequestBody):
     tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: StrictStr | None = None
     reasoning_content: StrictStr | None = None  # an earlier answer's reasoning, which some templates show again
+    reasoning: StrictStr | None = None  # the same under the name OpenAI's newer clients and vLLM also take
 
     @field_validator("content")
     @classmethod
@@ -166,8 +168,9 @@ class ChatMessage(RequestBody):
             message["tool_calls"] = [call.for_template() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
-        if self.reasoning_content is not None:  # the field as Qwen's templates read it, and as gpt-oss's does
-            message["reasoning_content"] = message["thinking"] = self.reasoning_content
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:  # under each name templates read it by: Qwen's, gpt-oss's, Seed-OSS's and Solar's
+            message["reasoning_content"] = message["thinking"] = message["reasoning"] = reasoning
         return message
 
 

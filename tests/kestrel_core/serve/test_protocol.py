@@ -114,21 +114,28 @@ def test_engine_errors_map_to_statuses() -> None:
 
 
 def test_tool_calls_and_results_for_the_template() -> None:
-    """Hugging Face templates read a call's arguments as an object; text that is not a JSON object stays text. An
-    earlier answer's reasoning is there as Qwen's templates (reasoning_content) and gpt-oss's (thinking) read it."""
+    """Hugging Face templates read a call's arguments as an object (none: an empty one, as vLLM passes it); text
+    that is not a JSON object stays text. An earlier answer's reasoning (sent as reasoning_content or reasoning)
+    is there under each name templates read: Qwen's (reasoning_content), gpt-oss's (thinking), Seed-OSS's
+    (reasoning)."""
     calls = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": a}}
-             for i, a in enumerate(['{"x": 1}', "not json", "[1]"])]
+             for i, a in enumerate(['{"x": 1}', "not json", "[1]", " "])]
     req = ChatCompletionRequest.model_validate({"messages": [
         {"role": "assistant", "content": None, "tool_calls": calls},
         {"role": "tool", "tool_call_id": "c0", "content": "done"},
-        {"role": "assistant", "content": "Done.", "reasoning_content": "It worked."}]})
+        {"role": "assistant", "content": "Done.", "reasoning_content": "It worked."},
+        {"role": "assistant", "content": "Again.", "reasoning": "Once more."}]})
     assert req.template_messages() == [
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c0", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "not json"}},
-            {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]},
+            {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "[1]"}},
+            {"id": "c3", "type": "function", "function": {"name": "f", "arguments": {}}}]},
         {"role": "tool", "content": "done", "tool_call_id": "c0"},
-        {"role": "assistant", "content": "Done.", "reasoning_content": "It worked.", "thinking": "It worked."}]
+        {"role": "assistant", "content": "Done.", "reasoning_content": "It worked.", "thinking": "It worked.",
+         "reasoning": "It worked."},
+        {"role": "assistant", "content": "Again.", "reasoning_content": "Once more.", "thinking": "Once more.",
+         "reasoning": "Once more."}]
 
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}
