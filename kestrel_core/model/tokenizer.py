@@ -86,7 +86,7 @@ class Tokenizer:
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
             template = named.get("default") or next(iter(named.values()), None)
         jinja_file = model_dir / "chat_template.jinja"
-        if template is None and jinja_file.is_file():
+        if jinja_file.is_file():  # transformers takes it over tokenizer_config.json's
             try:
                 template = check_regular_file(jinja_file, model_dir).read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:

@@ -126,6 +126,8 @@ def test_from_hf_dir_template_forms_and_special_tokens(tmp_path: Path, fmt) -> N
     assert Tokenizer.from_hf_dir(write_tokenizer_dir(tmp_path / "b", fmt, cfg)).chat_template == "D"
     tk = Tokenizer.from_hf_dir(write_tokenizer_dir(tmp_path / "c", fmt, {}, jinja="J{{ messages|length }}"))
     assert tk.apply_chat_template([{"role": "user", "content": "x"}] * 3) == "J3"
+    both = write_tokenizer_dir(tmp_path / "e", fmt, {"chat_template": "CONFIG"}, jinja="FILE")
+    assert Tokenizer.from_hf_dir(both).chat_template == "FILE"  # the file wins, as in transformers
     with pytest.raises(KestrelError, match="no tokenizer.json"):
         Tokenizer.from_hf_dir(tmp_path)
     tk = Tokenizer.from_hf_dir(write_tokenizer_dir(tmp_path / "d", fmt))
