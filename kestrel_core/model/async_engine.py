@@ -70,6 +70,9 @@ class AsyncEngine:
         self._exited = False  # the thread returned: a call now would wait for ever
         self._embedding = 0  # embedding jobs under way
         self._next_id = 0
+        on_close = getattr(engine, "on_close", None)
+        if on_close is not None:  # closing the engine stops this thread, which holds it (and the model)
+            on_close(self._stop)
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -86,13 +89,19 @@ class AsyncEngine:
         deadline = time.monotonic() + grace_s
         while self.active and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+        await asyncio.get_running_loop().run_in_executor(None, self._stop)
+
+    def _stop(self) -> None:
+        """Abort what is left and stop the thread (waiting for its step to end, unless called from it)."""
         with self._lock:
+            self._accepting = False
             for request_id in list(self._clients):
                 self._inbox.append(("abort", request_id))
             self._stopping = True
             self._wake.notify()
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(10.0)
             self._thread = None
 
     @property
@@ -305,21 +314,32 @@ class AsyncEngine:
                 if client is not None:
                     by_loop.setdefault(client.loop, []).append((client.queue, out))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            if not _send(loop, _put_all, items):  # its event loop closed with them running: nobody reads them
+                for _, out in items:
+                    if not out.finished:
+                        self._take("abort", out.request_id)
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
         with self._lock:
             client = self._clients.pop(request_id, None)
         if client is not None:
-            client.loop.call_soon_threadsafe(client.queue.put_nowait, exc)
+            _send(client.loop, client.queue.put_nowait, exc)
 
     def _drop(self, request_id: str) -> None:
         with self._lock:
             client = self._clients.pop(request_id, None)
         if client is not None:  # the caller left: nobody reads this queue, but a shutdown abort is said
-            client.loop.call_soon_threadsafe(
-                client.queue.put_nowait,
-                RequestOutput(request_id, [], "", None, True, "abort", 0, 0))
+            _send(client.loop, client.queue.put_nowait, RequestOutput(request_id, [], "", None, True, "abort", 0, 0))
+
+
+def _send(loop: asyncio.AbstractEventLoop, fn: Callable[[Any], None], arg: Any) -> bool:
+    """``fn(arg)`` on ``loop``; False where the loop has closed (``asyncio.run`` returned with requests of it
+    still running), which must not end the scheduler's thread."""
+    try:
+        loop.call_soon_threadsafe(fn, arg)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:

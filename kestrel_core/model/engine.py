@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -131,6 +131,7 @@ class Engine:
         self.source = source
         self.offload = Offload(backend, cpu)
         self.closed = False  # ``close()``: its backends are closed, it takes no more requests
+        self._on_close: list[Callable[[], None]] = []
         self.activations = resolve_activations(activations, backend)
         self.forward_supported = self.offload.forward_supports(model)  # whether whole steps are offered at all
         if kv_cache_type != "f16" and not self.steps_on_host:
@@ -177,9 +178,17 @@ class Engine:
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
+    def on_close(self, stop: Callable[[], None]) -> None:
+        """Have ``close()`` call ``stop()`` first (an ``AsyncEngine``'s thread, which holds this engine)."""
+        self._on_close.append(stop)
+
     def close(self) -> None:
-        """Close the backends; every later request is a KestrelError (closing again does nothing)."""
+        """Stop what serves this engine (``on_close``), then close the backends; every later request is a
+        KestrelError (closing again does nothing)."""
         self.closed = True
+        stops, self._on_close = self._on_close, []
+        for stop in stops:
+            stop()
         if self.registry is not None:
             self.registry.close()
             self.registry = None

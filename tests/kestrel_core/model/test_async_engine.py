@@ -174,3 +174,35 @@ def test_a_request_starts_the_steps_thread_and_a_dict_of_params_is_refused(engin
             await front.shutdown(grace_s=1)
 
     assert asyncio.run(main()) == alone
+
+
+def test_an_event_loop_that_closes_with_a_request_running_leaves_the_thread_serving(engine) -> None:
+    """``asyncio.run`` returning while its request still runs: the outputs for the closed loop are dropped and
+    the request aborted, and the next loop's request is answered (the thread died, and every later one hung)."""
+    front = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=120, ignore_eos=True)
+
+    async def leave_running() -> None:
+        asyncio.get_running_loop().create_task(_collect(front, _prompts(1)[0], params))
+        await asyncio.sleep(0.3)  # a few steps in, then the loop ends with the request running
+
+    try:
+        for _ in range(3):
+            asyncio.run(leave_running())
+        got = asyncio.run(asyncio.wait_for(_collect(front, _prompts(1, seed=2)[0], SamplingParams(max_tokens=4,
+                                                                                              ignore_eos=True)), 30))
+        assert len(got) == 4 and front._thread is not None and front._thread.is_alive()
+    finally:
+        asyncio.run(front.shutdown(grace_s=0))
+    assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def test_closing_the_engine_stops_its_async_front(tiny_config) -> None:
+    """Without ``shutdown()``: the thread, which holds the engine and its model, ends with ``Engine.close()``."""
+    engine = kestrel_core.load(synthetic_model(tiny_config("llama", max_position=128), "q8", seed=31), "cpu")
+    front = AsyncEngine(engine)
+    got = asyncio.run(_collect(front, _prompts(1)[0], SamplingParams(max_tokens=3, ignore_eos=True)))
+    thread = front._thread
+    assert len(got) == 3 and thread is not None and thread.is_alive()
+    engine.close()
+    assert not thread.is_alive()
