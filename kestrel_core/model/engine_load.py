@@ -24,6 +24,10 @@ def _resolve_model(model: Any, quant: str | None, lora: str | None = None,
     model (anything with ``.model`` and ``.tokenizer``); ``lora``: an adapter merged into a path's weights."""
     from kestrel_core.model.presets import ByteTokenizer
 
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if isinstance(model, bytes):
+        raise KestrelError("cannot load a model from bytes: give the path as text")
     if lora is not None and not (model is None or isinstance(model, str)):
         raise KestrelError("a LoRA adapter merges into a checkpoint as it loads: give the model's path")
     if isinstance(model, Model):

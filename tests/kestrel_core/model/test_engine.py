@@ -348,3 +348,11 @@ def test_misuse_of_the_api_is_a_kestrel_error_naming_it(model) -> None:
                            ({"backend_options": ["a=b"]}, "backend_options must map"), ({"lora": 5}, "lora must be")):
         with pytest.raises(KestrelError, match=needle):
             kestrel_core.load(model, backend="cpu", **kwargs)
+
+
+def test_a_model_path_may_be_a_path_object() -> None:
+    tiny = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-llama"
+    with kestrel_core.load(tiny, backend="cpu") as by_path, kestrel_core.load(str(tiny), backend="cpu") as by_text:
+        assert list(by_path.generate([1, 2, 3], max_tokens=4)) == list(by_text.generate([1, 2, 3], max_tokens=4))
+    with pytest.raises(KestrelError, match="cannot load a model from bytes"):
+        kestrel_core.load(bytes(tiny), backend="cpu")
