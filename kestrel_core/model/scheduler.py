@@ -128,10 +128,12 @@ class Scheduler:
             log.warning("kestrel: the last step failed: %s", exc)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now and free its sequence (nothing if it already finished)."""
+        """Stop a request now and free its sequence (nothing if it already finished); the next step reports its
+        end (finish_reason "abort", with the text it held back)."""
         request = self.requests.get(request_id)
         if request is not None and not request.finished:
             self._finish(request, "abort")
+            self._ended.append(request)
 
     @property
     def has_work(self) -> bool:
@@ -156,7 +158,7 @@ class Scheduler:
     def step(self) -> list[RequestOutput]:
         """Run one batched step; the outputs of every request that got a token or finished."""
         if self._running_step is None and self._device_step_possible():
-            return self._device_step(self.running[0])
+            return self._ended_outputs() + self._device_step(self.running[0])
         started, self._running_step = self._running_step, None
         if started is None:
             started = self._start()

@@ -218,6 +218,10 @@ def test_an_aborted_request_frees_its_sequence_and_the_others_go_on(engine) -> N
         tokens += [t for o in scheduler.step() if o.request_id == second.request_id for t in o.new_token_ids]
     scheduler.abort(first.request_id)
     assert first.finished and first.finish_reason == "abort" and scheduler.num_running == 1
+    outputs = scheduler.step()  # the next step says the aborted request ended
+    ended = [o for o in outputs if o.request_id == first.request_id]
+    assert len(ended) == 1 and ended[0].finished and ended[0].finish_reason == "abort"
+    tokens += [t for o in outputs if o.request_id == second.request_id for t in o.new_token_ids]
     tokens += _run_all(scheduler, [second])[second.request_id]
     assert tokens == alone
     assert engine.pool.free_blocks == engine.pool.num_blocks
