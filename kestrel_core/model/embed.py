@@ -21,6 +21,7 @@ import numpy as np
 from kestrel_core.dispatch import all_finite
 from kestrel_core.errors import InvalidRequest, KestrelError, NonFiniteLogits, Overloaded
 from kestrel_core.model.config import POOLINGS
+from kestrel_core.model.validate import is_int
 from kestrel_core.model.weights import PREFILL_CHUNK
 
 NORM_EPS = 1e-12  # torch.nn.functional.normalize's, as sentence-transformers' Normalize uses
@@ -54,7 +55,7 @@ class EmbedJob:
         self.pooling = pooling or c.pooling or "last"
         if self.pooling not in POOLINGS:
             raise InvalidRequest(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}", param="pooling")
-        if dimensions is not None and not 1 <= dimensions <= c.hidden_size:
+        if dimensions is not None and (not is_int(dimensions) or not 1 <= dimensions <= c.hidden_size):
             raise InvalidRequest(f"dimensions must be in [1, {c.hidden_size}], got {dimensions}", param="dimensions")
         if budget < 1:
             raise KestrelError("an embedding step needs a budget of at least one token")

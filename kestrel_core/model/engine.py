@@ -460,6 +460,9 @@ class Engine:
         """``logits``, a prefill chunk at a time (float32 [chunk, vocab] each)."""
         self.check_generates()
         ids = self.check_ids(token_ids, "input")
+        if prompt_len is not None and (not is_int(prompt_len) or not 0 <= prompt_len <= len(ids)):
+            raise InvalidRequest(f"prompt_len must be an integer in [0, {len(ids)}] (the input's tokens), got "
+                                 f"{prompt_len!r}", param="prompt_len")
         seq = self.new_sequence(len(ids) if prompt_len is None else prompt_len)
         try:
             if self.pool.blocks_for(len(ids)) > self.pool.num_blocks:

@@ -104,7 +104,8 @@ def test_bad_inputs_are_invalid_requests(engine) -> None:
     c = engine.config
     cases = [([], {}, "no input"), ([[]], {}, "empty"), ([[c.vocab_size]], {}, "outside the vocabulary"),
              ([[1] * (c.max_position + 1)], {}, "context"), ([[1, 2]], {"dimensions": 0}, "dimensions"),
-             ([[1, 2]], {"dimensions": c.hidden_size + 1}, "dimensions"), ([[1, 2]], {"pooling": "max"}, "pooling")]
+             ([[1, 2]], {"dimensions": c.hidden_size + 1}, "dimensions"), ([[1, 2]], {"pooling": "max"}, "pooling"),
+             ([[1, 2]], {"dimensions": 4.0}, "dimensions"), ([[1, 2]], {"dimensions": "4"}, "dimensions")]
     for inputs, options, match in cases:
         with pytest.raises(InvalidRequest, match=match):
             engine.embed(inputs, **options)

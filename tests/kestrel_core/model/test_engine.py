@@ -332,6 +332,9 @@ def test_misuse_of_the_api_is_a_kestrel_error_naming_it(model) -> None:
         list(engine.generate(PROMPT, max_tokens=0))
     with pytest.raises(KestrelError, match="params must be a SamplingParams"):
         list(engine.stream(PROMPT, {"max_tokens": 2}))
+    for prompt_len in (-1, len(PROMPT) + 1, "a"):
+        with pytest.raises(KestrelError, match=r"prompt_len must be an integer in \[0, "):
+            engine.logits(PROMPT, prompt_len=prompt_len)
     with pytest.raises(KestrelError, match=r"top must be an integer in \[0, 20\]"):
         engine.prompt_logprobs(PROMPT, top=-1)
     with pytest.raises(KestrelError, match="tuple of non-empty strings"):
