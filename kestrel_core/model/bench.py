@@ -55,18 +55,22 @@ def run_bench(engine: Engine, *, prompt_tokens: int = 256, decode_tokens: int = 
     """
     if prompt_tokens < 1 or decode_tokens < 1 or runs < 1 or warmup < 0:
         raise KestrelError("bench needs --prompt-tokens >= 1, --decode-tokens >= 1, --runs >= 1, --warmup >= 0")
-    context = engine.config.max_position
-    if prompt_tokens + decode_tokens > context:
-        raise KestrelError(f"{prompt_tokens} prompt + {decode_tokens} decode tokens exceed the model's context "
-                           f"of {context}")
+    context, answer = engine.config.max_position, decode_tokens + 1  # the first token, then decode_tokens
+    if prompt_tokens + answer > context:
+        raise KestrelError(f"{prompt_tokens} prompt tokens and an answer of {answer} (the first and "
+                           f"{decode_tokens} decode tokens) exceed the model's context of {context}")
+    if engine.pool.blocks_for(prompt_tokens + answer) > engine.pool.num_blocks:
+        raise KestrelError(f"{prompt_tokens} prompt tokens and an answer of {answer} need more than the "
+                           f"{engine.pool.capacity} positions the KV cache holds (--kv-cache-mb)")
     prompts = np.random.default_rng(seed).integers(0, engine.config.vocab_size, (warmup + runs, prompt_tokens))
     prefill, decode = [], []
     uploads = (0.0, 0.0)
     for i, prompt in enumerate(prompts.tolist()):
         if i == warmup:
             uploads = _uploads(engine.offload.backend_stats())
-        n = sum(1 for _ in engine.generate(prompt, max_tokens=decode_tokens + 1, stop_at_eos=False))
-        assert n == decode_tokens + 1
+        n = sum(1 for _ in engine.generate(prompt, max_tokens=answer, stop_at_eos=False))
+        if n != answer:
+            raise KestrelError(f"a run stopped after {n} of its {answer} tokens")
         if i >= warmup:
             prefill.append(engine.last.prefill_tok_s)
             decode.append(engine.last.decode_tok_s)

@@ -72,6 +72,10 @@ def test_run_streams_text_with_the_chat_template(capsys, monkeypatch) -> None:
     (["run", "hi", "--model", "/nonexistent/model.gguf"], "does not exist"),
     (["run", "hi", "--preset", "tiny", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["bench", "--preset", "tiny", "--prompt-tokens", "90", "--decode-tokens", "9"], "exceed the model's context"),
+    # the answer is the first token and the decode tokens: 87 + 1 + 9 is one past the tiny preset's 96
+    (["bench", "--preset", "tiny", "--prompt-tokens", "87", "--decode-tokens", "9"], "exceed the model's context"),
+    (["bench", "--preset", "tiny", "--prompt-tokens", "40", "--decode-tokens", "30", "--kv-cache-mb", "0.045"],
+     "positions the KV cache holds"),
 ])
 def test_bad_input_is_one_line_and_a_nonzero_exit(capsys, argv: list[str], message: str) -> None:
     code, out, err = _run(capsys, *argv)
