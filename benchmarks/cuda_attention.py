@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 from cuda_e2e import _events_us
+from cuda_required import require_cuda
 
 
 def main() -> int:
@@ -102,4 +103,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    require_cuda()
     raise SystemExit(main())

@@ -23,6 +23,7 @@ import time
 from dataclasses import replace
 
 import numpy as np
+from cuda_required import require_cuda
 
 from kestrel_core.batch import BatchEntry
 from kestrel_core.model.engine_load import load_preset
@@ -200,4 +201,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    require_cuda()
     raise SystemExit(main())

@@ -28,6 +28,7 @@ from collections import defaultdict
 from typing import Any
 
 import numpy as np
+from cuda_required import require_cuda
 
 
 def log(*a: Any) -> None:
@@ -402,4 +403,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    require_cuda()
     main()

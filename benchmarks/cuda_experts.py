@@ -15,6 +15,7 @@ import argparse
 
 import numpy as np
 from cuda_e2e import _events_us, copy_bandwidth, lin_bytes, log, replay_breakdown
+from cuda_required import require_cuda
 
 from kestrel_core.model.presets import preset_config
 
@@ -96,4 +97,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    require_cuda()
     main()

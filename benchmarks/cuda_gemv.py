@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 import numpy as np
+from cuda_required import require_cuda
 
 SHAPES = {  # name: (N, K) of Qwen3-8B's projections (HF orientation [out, in])
     "q": (4096, 4096), "k/v": (1024, 4096), "o": (4096, 4096), "gate/up": (12288, 4096),
@@ -501,4 +502,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    require_cuda()
     sys.exit(main())

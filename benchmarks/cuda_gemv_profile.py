@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+from cuda_required import require_cuda
 
 
 def main() -> None:
@@ -43,4 +44,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    require_cuda()
     main()

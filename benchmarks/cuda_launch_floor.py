@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 from cuda_e2e import _events_us
+from cuda_required import require_cuda
 
 # (kernel, tiles, splits, threads, cluster): the hand-over alone and with one round trip at q|k|v's 384 blocks;
 # the merges at decode attention's grid (32 heads x 16 splits) and q|k|v's (40 tiles x 8 splits)
@@ -79,4 +80,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    require_cuda()
     main()

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+from cuda_required import require_cuda
 
 SHAPES = "6144x4096,24576x4096,4096x4096,4096x12288"  # N x K
 
@@ -70,4 +71,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    require_cuda()
     raise SystemExit(main())

@@ -32,6 +32,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from cuda_gemv import L2_BYTES, LAYERS, Bench, log  # noqa: E402
+from cuda_required import require_cuda  # noqa: E402
 
 SHAPES = {  # name: (N, K); q/o, k/v, gate/up, down as in the model, qkv and gate_up as the engine fuses them
     "q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (12288, 4096), "down": (4096, 12288),
@@ -255,4 +256,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    require_cuda()
     sys.exit(main())

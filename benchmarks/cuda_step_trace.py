@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 from cuda_e2e import gemv_kind, graph_step_us, greedy, log, make_forward
+from cuda_required import require_cuda
 
 
 def launch_kinds(fwd: Any, model: Any, seq_id: int, token: int, pos: int) -> list[str]:
@@ -118,4 +119,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    require_cuda()
     sys.exit(main())

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import numpy as np
+from cuda_required import require_cuda
 
 
 def _median_us(fn: Any, reps: int, before: Any = None) -> float:
@@ -120,4 +121,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    require_cuda()
     main()

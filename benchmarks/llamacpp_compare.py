@@ -143,6 +143,10 @@ def main() -> None:
     ap.add_argument("--pause", type=float, default=1.0, help="seconds between runs (default 1)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    try:
+        import llama_cpp  # noqa: F401  (before either model loads)
+    except ImportError as exc:
+        sys.exit(f"llamacpp_compare.py needs llama-cpp-python ({exc})")
     path = args.gguf or default_gguf()
     env = environment()
 

@@ -193,7 +193,7 @@ def bench_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
 
         def quantize_to(out: Path) -> float:
             t0 = time.perf_counter()
-            write_artifact(load_model(root, quant=args.quant), out, force=True)
+            write_artifact(load_model(root, quant=args.quant, cache="off"), out, force=True)  # quantized each time
             return time.perf_counter() - t0
 
         quantize_to(Path(tmp) / "warm.kst")  # page cache and compile cache warm for both
@@ -207,7 +207,8 @@ def bench_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
         same = _same_artifact(Path(tmp) / "new.kst", Path(tmp) / "old.kst")
         t0 = time.perf_counter()
         cli = subprocess.run([sys.executable, "-m", "kestrel_core.cli", "quantize", str(root), "-o",
-                              str(Path(tmp) / "cli.kst"), "--quant", args.quant], capture_output=True, text=True)
+                              str(Path(tmp) / "cli.kst"), "--quant", args.quant], capture_output=True, text=True,
+                             env={**os.environ, "KESTREL_MODEL_CACHE": "0"})
         cli_s = time.perf_counter() - t0
         result = {"params": params, "quant": args.quant, "numpy_s": old, "compiled_s": new,
                   "numpy_mps": params / old / 1e6, "compiled_mps": params / new / 1e6, "same_artifact": same,

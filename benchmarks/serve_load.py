@@ -202,7 +202,7 @@ def main() -> None:
     bench = front.run_sync(lambda: run_concurrency_bench(engine, levels, prompt_tokens=args.prompt_tokens,
                                                          decode_tokens=args.decode_tokens, **budget))
     out["bench"] = [vars(r) for r in bench.levels]
-    server = build_server(front, "bench", host="127.0.0.1", port=0)
+    server = build_server({"bench": front}, host="127.0.0.1", port=0)
     thread = threading.Thread(target=server.run_forever, daemon=True)
     thread.start()
     assert server.wait_started(120)

@@ -79,7 +79,7 @@ def main() -> int:
 
         engine = load_preset(args.preset, backend="stub_step", quant="q8", num_layers=1)
         front = AsyncEngine(engine, max_batch=args.streams, max_waiting=args.streams)
-        server = build_server(front, "bench", host="127.0.0.1", port=0)
+        server = build_server({"bench": front}, host="127.0.0.1", port=0)
         thread = threading.Thread(target=server.run_forever, daemon=True)
         thread.start()
         assert server.wait_started(120)

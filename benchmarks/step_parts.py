@@ -27,6 +27,7 @@ from kestrel_core import dispatch
 from kestrel_core.model import engine as engine_mod
 from kestrel_core.model import scheduler as scheduler_mod
 from kestrel_core.model.bench import run_concurrency_bench
+from kestrel_core.model.engine_load import load_preset
 
 
 def _instrument(rec: dict[str, Any]) -> None:
@@ -130,8 +131,7 @@ def main() -> int:
         return out
 
     scheduler_mod.Scheduler.step = timed_step
-    engine = engine_mod.load_preset(args.preset, backend=args.backend, quant=args.quant,
-                                    kv_cache_mb=args.kv_cache_mb)
+    engine = load_preset(args.preset, backend=args.backend, quant=args.quant, kv_cache_mb=args.kv_cache_mb)
     out: list[dict[str, Any]] = []
     profile = cProfile.Profile() if args.profile else None
     if args.ttft_under_load > 1:
