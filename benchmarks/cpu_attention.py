@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             read = f", {kv_bytes / per_layer / 1e9:.1f} GB/s of keys and values" if m == 1 else ""
             print(f"  {kind}, {m} row{'s' if m > 1 else ''} ({'decode' if m == 1 else 'prefill'}, {heads} head"
                   f"{'s' if heads > 1 else ''} an item): {per_layer * 1e6:,.0f} us a layer "
-                  f"({kv_bytes / 2 ** 20:.2f} MB){read}")
+                  f"({kv_bytes / 2 ** 20:.2f} MiB){read}")
     return 0
 
 

@@ -188,7 +188,8 @@ def main() -> None:
                       f"{r.blas_gflops:.1f}",
                       f"{r.blas_us / r.kestrel_us:.2f}x")
     for m, (kt, bt) in totals.items():
-        table.add_row(f"per forward (M={m})", str(m), "30 layers + lm_head", f"{kt * 1e6:.0f}", "", "", "",
+        what = "30 layers + lm_head" if 1 in ms else "30 layers (lm_head: --m 1)"
+        table.add_row(f"per forward (M={m})", str(m), what, f"{kt * 1e6:.0f}", "", "", "",
                       f"{bt * 1e6:.0f}", "", "", f"{bt / kt:.2f}x", end_section=m == ms[0])
         unit = "decode tok/s" if m == 1 else "prefill tok/s"
         console.print(f"GEMM-only bound at M={m}: kestrel {m / kt:.0f} {unit}, BLAS {m / bt:.0f} {unit}")

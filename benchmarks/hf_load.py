@@ -36,7 +36,7 @@ token = list(engine.generate([1, 2, 3, 4], max_tokens=1, stop_at_eos=False))
 t2 = time.perf_counter()
 hwm_kb = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
 print(json.dumps({"load_s": t1 - t0, "first_token_s": t2 - t0, "backend": engine.backend_name,
-                  "peak_rss_gb": hwm_kb / 2 ** 20}))
+                  "peak_rss_gb": hwm_kb * 1024 / 1e9}))
 """
 
 
