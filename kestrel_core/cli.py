@@ -303,8 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default=None, help="synthetic model preset instead of --model")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (kernel compiles, caches)")
+    p.add_argument("--runs", type=int, default=3, help="timed runs at batch 1, their medians reported (default: 3; "
+                   "--concurrency runs each level once)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (kernel compiles, caches; --concurrency "
+                   "warms up with two short requests of its own)")
     p.add_argument("--concurrency", default=None, metavar="N,N,...",
                    help="continuous batching at these concurrency levels (e.g. 1,8,32,64) instead of batch 1")
     p.add_argument("--kv-cache-mb", type=float, default=None, help="host KV cache budget (default: 2048)")
