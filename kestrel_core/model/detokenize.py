@@ -13,8 +13,8 @@ class TextStream:
     With ``stop`` strings, text that may be the start of one is held back until it is known not to be, and
     the text ends before the first stop string (``stopped`` turns True); with ``min_tokens``, one that ends within
     the text of the first min_tokens tokens does not count (vLLM's min_tokens: so min_tokens 1 never gives an
-    empty answer). ``skip_special_tokens``
-    False keeps special tokens' text (harmony's channel markers, kestrel_core.model.harmony).
+    empty answer). ``skip_special_tokens`` False keeps special tokens' text (harmony's channel markers,
+    kestrel_core.model.harmony).
     """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), min_tokens: int = 0,
@@ -62,8 +62,8 @@ class TextStream:
         if self.stopped:
             return ""
         if self.stop and self.floor is not None:
-            # one may straddle what was already handed out, or the floor: each searched from where it could end past
-            # both
+            # one may straddle what was already handed out, or the floor: each is searched from where it would end
+            # just past both
             end = max(self.sent, self.floor) + 1
             hits = [(i, s) for i, s in ((self.text.find(s, max(0, end - len(s))), s) for s in self.stop) if i >= 0]
             if hits:
