@@ -312,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-mb", type=float, default=None, help="host KV cache budget (default: 2048)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
+    for command in sub.choices.values():  # -v after the command too (kestrel serve -v), not only before it
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="show tracebacks and debug logs")
     return parser
 
 

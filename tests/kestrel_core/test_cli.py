@@ -68,8 +68,10 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, capsys) 
     assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
 
 
-def test_verbose_shows_the_traceback(capsys) -> None:
-    assert main(["-v", "run", "--model", "/nonexistent/model", "hi"]) == 2
+@pytest.mark.parametrize("argv", [["-v", "run", "--model", "/nonexistent/model", "hi"],
+                                  ["run", "-v", "--model", "/nonexistent/model", "hi"]])  # before or after the command
+def test_verbose_shows_the_traceback(capsys, argv: list[str]) -> None:
+    assert main(argv) == 2
     assert "Traceback" in capsys.readouterr().err
 
 
