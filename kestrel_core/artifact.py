@@ -67,6 +67,7 @@ class ArtifactMeta:
     config: ModelConfig
     tokenizer_json: str | None = None
     chat_template: str | None = None
+    tool_template: str | None = None  # the tokenizer's named tool_use chat template
     tensors: dict[str, dict[str, int]] = field(default_factory=dict)  # weight name -> group_size, bits
     extra: dict[str, Any] = field(default_factory=dict)
     bos_token: str | None = None  # the tokenizer's special-token strings (chat templates read them)
@@ -288,6 +289,7 @@ def parse_meta(path: Path, meta: dict[str, str], tensor_names: Iterable[str]) ->
         raise refuse(path, "artifact metadata 'tensors' and 'extra' must be JSON objects")
     return ArtifactMeta(format_version=version, layout=layout, quant=quant, config=config,
                         tokenizer_json=meta.get("tokenizer_json"), chat_template=meta.get("chat_template"),
+                        tool_template=meta.get("chat_template_tool_use"),
                         tensors=tensors, extra=extra, bos_token=meta.get("bos_token"),
                         eos_token=meta.get("eos_token"), checksums=_checksums(path, meta))
 

@@ -42,7 +42,8 @@ _ST_NAME = {np.dtype("i1"): "I8", np.dtype("<f4"): "F32"}
 
 
 def save_artifact(path: str | os.PathLike[str], model: Model, *, tokenizer_json: str | None = None,
-                  chat_template: str | None = None, quant: str, extra: dict[str, Any] | None = None,
+                  chat_template: str | None = None, tool_template: str | None = None, quant: str,
+                  extra: dict[str, Any] | None = None,
                   force: bool = False, bos_token: str | None = None, eos_token: str | None = None,
                   progress: Report | None = None) -> Path:
     """Write ``model`` to ``path`` atomically: a temp file in the same directory, fsync, then rename.
@@ -71,8 +72,8 @@ def save_artifact(path: str | os.PathLike[str], model: Model, *, tokenizer_json:
         "config": json.dumps(model.config.as_dict(), sort_keys=True),
         "extra": json.dumps(extra or {}, sort_keys=True),
     }
-    optional = {"tokenizer_json": tokenizer_json, "chat_template": chat_template, "bos_token": bos_token,
-                "eos_token": eos_token}
+    optional = {"tokenizer_json": tokenizer_json, "chat_template": chat_template,
+                "chat_template_tool_use": tool_template, "bos_token": bos_token, "eos_token": eos_token}
     metadata.update({k: v for k, v in optional.items() if v is not None})
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():

@@ -47,6 +47,7 @@ TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
 class GGUFVocab:
     backend: _Backend
     chat_template: str | None
+    tool_template: str | None  # tokenizer.chat_template.tool_use
     bos_token: str | None
     eos_token: str | None
     eos_token_ids: list[int]
@@ -75,9 +76,10 @@ def build_gguf_vocab(fields: Mapping[str, Any], where: str = "GGUF", architectur
     if not isinstance(types, list) or len(types) != len(tokens) or not all(is_int(t) for t in types):
         raise KestrelError(f"{where}: tokenizer.ggml.token_type must be one integer per token "
                            f"({len(tokens)} tokens)")
-    template = fields.get("tokenizer.chat_template")
-    if template is not None and not isinstance(template, str):
-        raise KestrelError(f"{where}: tokenizer.chat_template must be text")
+    template, tool_template = fields.get("tokenizer.chat_template"), fields.get("tokenizer.chat_template.tool_use")
+    if template is not None and not isinstance(template, str) or \
+            tool_template is not None and not isinstance(tool_template, str):
+        raise KestrelError(f"{where}: tokenizer.chat_template and tokenizer.chat_template.tool_use must be text")
 
     def token_id(key: str) -> int | None:
         v = fields.get(key)
@@ -109,7 +111,7 @@ def build_gguf_vocab(fields: Mapping[str, Any], where: str = "GGUF", architectur
         backend.post_processor = processors.TemplateProcessing(single=single, pair=pair,
                                                                special_tokens=list(dict.fromkeys(specials)))
     eos_ids = list(dict.fromkeys(i for i in (eos_id, eot_id) if i is not None))
-    return GGUFVocab(backend, template, tokens[bos_id] if bos_id is not None else None,
+    return GGUFVocab(backend, template, tool_template, tokens[bos_id] if bos_id is not None else None,
                      tokens[eos_id] if eos_id is not None else None, eos_ids)
 
 

@@ -59,7 +59,8 @@ def write_artifact(loaded: LoadedModel, path: str | os.PathLike[str], *, force: 
     ``progress``: a ``report(done, total)`` callback instead of the progress bar."""
     tok = loaded.tokenizer
     tokenizer_json = None if isinstance(tok, NoTokenizer) else tok.to_json_str()
-    special = {} if isinstance(tok, NoTokenizer) else {"bos_token": tok.bos_token, "eos_token": tok.eos_token}
+    special = {} if isinstance(tok, NoTokenizer) else {"bos_token": tok.bos_token, "eos_token": tok.eos_token,
+                                                       "tool_template": tok.tool_template}
 
     def save(report: Report) -> Path:
         return save_artifact(path, loaded.model, tokenizer_json=tokenizer_json, chat_template=tok.chat_template,
@@ -154,6 +155,7 @@ def _from_artifact(path: Path, quant: str | None, **options: Any) -> tuple[Loade
                                                          c.eos_token_ids)
     else:
         tokenizer = Tokenizer.from_json_str(meta.tokenizer_json, chat_template=meta.chat_template,
+                                            tool_template=meta.tool_template,
                                             bos_token_id=c.bos_token_id, eos_token_ids=c.eos_token_ids,
                                             bos_token=meta.bos_token, eos_token=meta.eos_token)
     return LoadedModel(model, tokenizer, str(path), meta.quant), meta

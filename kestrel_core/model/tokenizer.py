@@ -31,10 +31,12 @@ class Tokenizer:
     """encode / decode / chat template / eos ids, on a `tokenizers.Tokenizer`."""
 
     def __init__(self, backend: _Backend, *, chat_template: str | None = None, bos_token: str | None = None,
-                 eos_token: str | None = None, eos_token_ids: Sequence[int] = ()) -> None:
+                 eos_token: str | None = None, eos_token_ids: Sequence[int] = (),
+                 tool_template: str | None = None) -> None:
         self.backend = backend
         self.chat_template = chat_template
-        self._compiled: tuple[str, jinja2.Template] | None = None
+        self.tool_template = tool_template  # a named "tool_use" template: what renders a request with tools
+        self._compiled: dict[str, jinja2.Template] = {}
         self.bos_token = bos_token
         self.eos_token = eos_token
         ids = list(eos_token_ids)
@@ -47,7 +49,8 @@ class Tokenizer:
     @classmethod
     def from_json_str(cls, tokenizer_json: str, *, chat_template: str | None = None,
                       bos_token_id: int | None = None, eos_token_ids: Sequence[int] = (),
-                      bos_token: str | None = None, eos_token: str | None = None) -> Tokenizer:
+                      bos_token: str | None = None, eos_token: str | None = None,
+                      tool_template: str | None = None) -> Tokenizer:
         try:
             backend = _Backend.from_str(tokenizer_json)
         except Exception as exc:  # the Rust side raises plain Exception on bad JSON
@@ -57,7 +60,7 @@ class Tokenizer:
         if eos_token is None and eos_token_ids:
             eos_token = backend.id_to_token(eos_token_ids[0])
         return cls(backend, chat_template=chat_template, bos_token=bos_token, eos_token=eos_token,
-                   eos_token_ids=eos_token_ids)
+                   eos_token_ids=eos_token_ids, tool_template=tool_template)
 
     @classmethod
     def from_hf_dir(cls, model_dir: str | Path, *, bos_token_id: int | None = None,
@@ -81,10 +84,11 @@ class Tokenizer:
                 raise KestrelError(f"{cfg_path}: cannot read it ({one_line(exc)})") from None
             if not isinstance(cfg, dict):
                 raise KestrelError(f"{cfg_path}: expected a JSON object")
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        template, tool_template = cfg.get("chat_template"), None
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
             template = named.get("default") or next(iter(named.values()), None)
+            tool_template = named.get("tool_use")
         jinja_file = model_dir / "chat_template.jinja"
         if jinja_file.is_file():  # transformers takes it over tokenizer_config.json's
             try:
@@ -92,6 +96,7 @@ class Tokenizer:
             except (OSError, UnicodeDecodeError) as exc:
                 raise KestrelError(f"{jinja_file}: cannot read it ({one_line(exc)})") from None
         return cls.from_json_str(text, chat_template=template if isinstance(template, str) else None,
+                                 tool_template=tool_template if isinstance(tool_template, str) else None,
                                  bos_token_id=bos_token_id, eos_token_ids=eos_token_ids,
                                  bos_token=_token_content(cfg.get("bos_token")),
                                  eos_token=_token_content(cfg.get("eos_token")))
@@ -101,7 +106,8 @@ class Tokenizer:
         """Build from GGUF tokenizer.* metadata values (already decoded to Python values); ``architecture`` (the
         file's ``general.architecture``) picks the SentencePiece variant (``gguf_vocab``)."""
         vocab = build_gguf_vocab(fields, where, architecture)
-        return cls(vocab.backend, chat_template=vocab.chat_template, bos_token=vocab.bos_token,
+        return cls(vocab.backend, chat_template=vocab.chat_template, tool_template=vocab.tool_template,
+                   bos_token=vocab.bos_token,
                    eos_token=vocab.eos_token, eos_token_ids=vocab.eos_token_ids)
 
     # -- use ---------------------------------------------------------------------------------------------
@@ -133,20 +139,22 @@ class Tokenizer:
     def token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
-    @property
-    def _template(self) -> jinja2.Template:
-        """The chat template compiled, once for each text it is set to."""
-        if not self.chat_template:
+    def _template(self, tools: bool = False) -> jinja2.Template:
+        """The chat template compiled (with ``tools``, the tool_use one where the model names one, as
+        transformers picks it), once for each text."""
+        source = self.tool_template if tools and self.tool_template else self.chat_template
+        if not source:
             raise KestrelError("this model has no chat template (`kestrel run --no-chat` runs its prompt as it is)")
-        if self._compiled is None or self._compiled[0] != self.chat_template:
-            self._compiled = (self.chat_template, compile_chat_template(self.chat_template))
-        return self._compiled[1]
+        compiled = self._compiled.get(source)
+        if compiled is None:
+            compiled = self._compiled[source] = compile_chat_template(source)
+        return compiled
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         """The prompt text for ``messages`` ([{"role": ..., "content": ...}, ...]), rendered sandboxed."""
         context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **kwargs}
-        return render_chat(self._template, messages, add_generation_prompt, **context)
+        return render_chat(self._template(bool(kwargs.get("tools"))), messages, add_generation_prompt, **context)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **kwargs: Any) -> list[int]:

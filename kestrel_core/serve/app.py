@@ -53,7 +53,8 @@ class Served:
         self.tokens = TokenStrings(self.engine.tokenizer, self.engine.token_bytes)
         self.created = int(time.time())
         template = getattr(self.engine.tokenizer, "chat_template", None)
-        self.tool_format = tool_format(template)
+        # a request with tools renders with the model's tool_use template where it names one (transformers' pick)
+        self.tool_format = tool_format(getattr(self.engine.tokenizer, "tool_template", None) or template)
         self.thinks = thinks(template)  # its answers start with a reasoning block (kestrel_core.model.reasoning)
         self.harmony = is_harmony(template)  # its answers are harmony's channels (kestrel_core.model.harmony)
         backend = getattr(self.engine.tokenizer, "backend", None)  # Mistral's [TOOL_CALLS] is a control token

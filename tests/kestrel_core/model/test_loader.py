@@ -70,6 +70,9 @@ def test_hf_dir_then_artifact_round_trip(tmp_path: Path, hf_dir) -> None:
     assert again.tokenizer.eos_token_ids == (2,)
     with pytest.raises(KestrelError, match="already exists"):
         write_artifact(loaded, out)
+    loaded.tokenizer.tool_template = "T{{ tools|length }}"  # a model's named tool_use template travels too
+    tools = write_artifact(loaded, tmp_path / "tools.kst")
+    assert load_model(tools).tokenizer.apply_chat_template(MESSAGES, tools=[{"type": "function"}]) == "T1"
 
 
 def test_hf_dir_without_tokenizer_loads_for_token_ids(tmp_path: Path, synth_source, fmt) -> None:

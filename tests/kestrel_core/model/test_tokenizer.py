@@ -122,8 +122,13 @@ def test_from_hf_dir_template_forms_and_special_tokens(tmp_path: Path, fmt) -> N
     tk = Tokenizer.from_hf_dir(write_tokenizer_dir(tmp_path / "a", fmt, cfg), bos_token_id=1, eos_token_ids=[2])
     assert tk.eos_token_ids == (2, 0)  # config's eos first, then tokenizer_config's eos token
     assert tk.apply_chat_template([{"role": "user", "content": "x"}]) == "<|im_start|>x<|endoftext|>"
-    cfg = {"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}
-    assert Tokenizer.from_hf_dir(write_tokenizer_dir(tmp_path / "b", fmt, cfg)).chat_template == "D"
+    cfg = {"chat_template": [{"name": "tool_use", "template": "T{{ tools|length }}"}, {"name": "default",
+                                                                                       "template": "D"}]}
+    named = Tokenizer.from_hf_dir(write_tokenizer_dir(tmp_path / "b", fmt, cfg))
+    assert (named.chat_template, named.tool_template) == ("D", "T{{ tools|length }}")
+    hi = [{"role": "user", "content": "x"}]  # with tools the tool_use template renders, as transformers picks it
+    assert named.apply_chat_template(hi) == named.apply_chat_template(hi, tools=[]) == "D"
+    assert named.apply_chat_template(hi, tools=[{"type": "function"}]) == "T1"
     tk = Tokenizer.from_hf_dir(write_tokenizer_dir(tmp_path / "c", fmt, {}, jinja="J{{ messages|length }}"))
     assert tk.apply_chat_template([{"role": "user", "content": "x"}] * 3) == "J3"
     both = write_tokenizer_dir(tmp_path / "e", fmt, {"chat_template": "CONFIG"}, jinja="FILE")
@@ -289,3 +294,13 @@ def test_sentencepiece_merges_are_every_split_into_two_pieces() -> None:
     want = sorted(((s, p[:i], p[i:]) for p, s in zip(tokens, scores) for i in range(1, len(p))
                    if p[:i] in ids and p[i:] in ids), key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
     assert sentencepiece_merges(tokens, scores) == [(left, right) for _, left, right in want]
+
+
+def test_a_gguf_tool_use_template_renders_requests_with_tools(fmt) -> None:
+    tk = Tokenizer.from_gguf_vocab(gguf_fields(fmt, fmt.train_bpe("gpt2"), "gpt2", **{
+        "tokenizer.chat_template": "D", "tokenizer.chat_template.tool_use": "T{{ tools|length }}"}))
+    hi = [{"role": "user", "content": "x"}]
+    assert (tk.apply_chat_template(hi), tk.apply_chat_template(hi, tools=[{"type": "function"}] * 2)) == ("D", "T2")
+    with pytest.raises(KestrelError, match="tool_use must be text"):
+        Tokenizer.from_gguf_vocab(gguf_fields(fmt, fmt.train_bpe("gpt2"), "gpt2",
+                                              **{"tokenizer.chat_template.tool_use": 7}))

@@ -103,6 +103,22 @@ def test_the_tools_reach_the_prompt(scripted: Scripted, client: openai.OpenAI) -
     assert json.dumps(TIME, ensure_ascii=False) in prompt
 
 
+def test_a_named_tool_use_template_renders_and_reads_the_calls() -> None:
+    """Hermes 3's and Command-R's shape: a default template that shows no tools and a tool_use one that does; a
+    request with tools renders with the second and its calls are read in its format."""
+    plain = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
+    with kestrel_core.load(None, backend="cpu") as engine:
+        engine.tokenizer.chat_template, engine.tokenizer.tool_template = plain, HERMES_TEMPLATE
+        front = Scripted(engine)
+        with running_server(front, NAME) as server:
+            client = openai_client(server)
+            front.answers += ["Hi.", PARIS]
+            assert client.chat.completions.create(model=NAME, messages=ASK).choices[0].message.content == "Hi."
+            assert front.prompts[-1].startswith("<|user|>")
+            (call,) = _answer(front, client, PARIS).choices[0].message.tool_calls
+            assert "<tools>" in front.prompts[-1] and call.function.name == "get_weather"
+
+
 def test_a_call_comes_back_as_tool_calls(scripted: Scripted, client: openai.OpenAI) -> None:
     choice = _answer(scripted, client, PARIS).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
