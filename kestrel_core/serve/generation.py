@@ -96,6 +96,11 @@ async def respond(async_engine: Any, request: Request, prompts: Sequence[Prompt]
     ``prompt_param`` names the field that made the prompts, for errors about them ("messages" for chat)."""
     record = record_of(request)
     jobs = [(p, i) for p in prompts for i in range(choices)]
+    scheduler = getattr(async_engine, "scheduler", None)
+    if scheduler is not None and len(jobs) > scheduler.max_batch + scheduler.max_waiting:  # never, not now
+        raise APIError(400, f"the request asks for {len(jobs)} sequences (prompts x n), more than this server holds "
+                       f"at once ({scheduler.max_batch + scheduler.max_waiting}: --max-batch + --max-waiting)",
+                       param="n")
     ids = [shape.id] if len(jobs) == 1 else [f"{shape.id}-{k}" for k in range(len(jobs))]
     gens = [async_engine.generate(p.ids, choice_params(p.params, i), request_id=rid) if p.params is not None
             else _nothing(rid, p) for (p, i), rid in zip(jobs, ids)]
@@ -108,6 +113,9 @@ async def respond(async_engine: Any, request: Request, prompts: Sequence[Prompt]
     try:
         if stream:
             firsts = await _unless_disconnected(_all([_next(g) for g in gens]), request)
+            if any(f.finish_reason == "abort" and not f.new_token_ids for f in firsts):  # a shutdown, before any
+                abort()  # token: the status can still say so, as a whole answer's does
+                raise APIError(503, SHUTDOWN_MESSAGE, code="server_shutting_down")
             record.prompt_tokens = prompt_tokens
             events = _events(gens, firsts, shape, record, prompt_tokens, [len(p.ids) for p, _ in jobs])
             return EventStreamResponse(events, on_close=abort)

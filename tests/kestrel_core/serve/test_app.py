@@ -166,6 +166,25 @@ def test_a_stream_that_fails_mid_way_says_so_and_ends(engine: Any, path: str) ->
     assert path != "/v1/chat/completions" or lines[-1] == "data: [DONE]"
 
 
+class _ShutBeforeAnyToken(Scripted):
+    """A shutdown's abort before the first token (the request queued or still in its prompt)."""
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        yield RequestOutput(request_id or "r", [], "", None, True, "abort", len(prompt_ids), 0)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/api/chat", "/v1/messages", "/v1/responses"])
+def test_a_stream_a_shutdown_ends_before_its_first_token_is_a_503(engine: Any, path: str) -> None:
+    """Its headers are not sent yet, so the status says it, as a whole answer's does."""
+    body: dict[str, Any] = {"model": NAME, "messages": HI, "max_tokens": 8, "stream": True}
+    if path == "/v1/responses":
+        body = {"model": NAME, "input": "Hi", "stream": True}
+    with running_server(_ShutBeforeAnyToken(engine), NAME) as server:
+        status, _, raw = http("POST", f"{server.url}{path}", body)
+    assert status == 503 and b"shut down before the request finished" in raw, raw
+
+
 def test_completions_stream_and_not(client: openai.OpenAI, engine: Any) -> None:
     prompt = "The capital of France is"
     r = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0)
@@ -607,12 +626,20 @@ def test_a_burst_over_capacity_gets_429s(small_server: KestrelServer) -> None:
     _wait_idle(small_server.async_engines[0])
 
 
-def test_choices_over_capacity_get_a_429_and_leave_nothing_running(small_server: KestrelServer) -> None:
-    """Three choices where one running and one waiting fit: refused whole, its admitted choices aborted."""
+def test_choices_over_capacity_get_a_400_or_a_429_and_leave_nothing_running(small_server: KestrelServer) -> None:
+    """One running and one waiting fit. Three choices never can: a 400 before anything is queued (a 429 would be
+    retried for ever). Two while another request runs: refused whole with a 429, its admitted choice aborted."""
     client = openai_client(small_server, KEY)
+    with pytest.raises(openai.BadRequestError) as never:
+        _chat(client, n=3, max_tokens=4)
+    assert never.value.body["param"] == "n" and "--max-batch + --max-waiting" in never.value.body["message"]
+    busy = client.chat.completions.create(model=NAME, messages=HI, max_tokens=4000, stream=True,
+                                          extra_body={"ignore_eos": True})
+    next(iter(busy))
     with pytest.raises(openai.RateLimitError) as info:
-        _chat(client, n=3, max_tokens=4000, extra_body={"ignore_eos": True})
+        _chat(client, n=2, max_tokens=4)
     assert "capacity" in info.value.body["message"]
+    busy.close()
     _wait_idle(small_server.async_engines[0], timeout=3.0)
     assert len(_chat(client, n=2, max_tokens=4).choices) == 2  # two fit
 
