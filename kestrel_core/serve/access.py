@@ -43,6 +43,7 @@ class RequestRecord:
     completion_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
+    body_cut: bool = False  # the client left before it had sent the whole body: nobody reads the answer
 
     def tokens(self, n: int) -> None:
         """``n`` new tokens arrived now (one engine output)."""
@@ -102,7 +103,7 @@ class AccessMiddleware:
         path = scope.get("path", "")
         endpoint = path if path in ENDPOINTS or path.startswith("/v1/models/") else "other"
         endpoint = "/v1/models" if endpoint.startswith("/v1/models/") else endpoint
-        status = record.status or CLIENT_CLOSED
+        status = CLIENT_CLOSED if record.body_cut or not record.status else record.status
         self.metrics.observe_request(endpoint, status, duration, record.prompt_tokens, record.completion_tokens)
         if path in ("/health", "/metrics") and status < 400:
             level = logging.DEBUG  # probes and scrapes would drown the requests
@@ -153,7 +154,8 @@ class BodyTooLarge(HTTPException):
 class BodyLimitMiddleware:
     """A request body over ``max_bytes`` is a 413, raised before the body is read past the limit: the server
     holds a body whole (then parses and tokenizes it, several times its size), so one unbounded request could
-    take its memory."""
+    take its memory. A client that leaves before its body is all sent is marked on its record: it counts as
+    gone (499), not as the 400 its cut body gets."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -165,17 +167,20 @@ class BodyLimitMiddleware:
             return
         declared = next((bytes(v) for k, v in scope.get("headers", ()) if k == b"content-length"), b"")
         refused = declared.isdigit() and int(declared) > self.max_bytes  # at the first read, before any byte
-        received = 0
+        received, whole = 0, False
 
         async def counted() -> Message:
-            nonlocal received
+            nonlocal received, whole
             if refused:
                 raise BodyTooLarge(self.max_bytes)
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                whole = not message.get("more_body", False)
                 if received > self.max_bytes:  # a chunked body, or one longer than it said
                     raise BodyTooLarge(self.max_bytes)
+            elif message["type"] == "http.disconnect" and not whole and "kestrel.record" in scope:
+                scope["kestrel.record"].body_cut = True  # counted as the client's leaving, not as a bad body
             return message
 
         await self.app(scope, counted, send)

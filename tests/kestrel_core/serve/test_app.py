@@ -7,6 +7,7 @@ waiting, an API key) for the capacity and authentication tests. Generation is gr
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.request
@@ -679,6 +680,24 @@ def test_a_body_over_the_limit_is_a_413_in_each_apis_shape(small_server: Kestrel
 def test_health(server: KestrelServer) -> None:
     status, _, body = http("GET", f"{server.url}/health")
     assert (status, json.loads(body)) == (200, {"status": "ok"})
+
+
+def test_a_client_that_leaves_while_sending_its_body_counts_as_gone(server: KestrelServer) -> None:
+    """Counted as 499 (the client left), not as the 400 its cut body gets."""
+    def count(status: str) -> float:
+        text = http("GET", f"{server.url}/metrics")[2].decode()
+        return _samples(text).get(f'kestrel_requests_total{{endpoint="/v1/messages",status="{status}"}}', 0.0)
+
+    gone, bad = count("499"), count("400")
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 5000\r\n\r\n" + b'{"model": "x", "messages": [' + b" " * 20)
+    for _ in range(100):
+        if count("499") > gone:
+            break
+        time.sleep(0.05)
+    assert count("499") == gone + 1 and count("400") == bad
 
 
 def test_metrics(server: KestrelServer, client: openai.OpenAI) -> None:
