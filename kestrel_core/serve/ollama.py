@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr
 
 import kestrel_core
@@ -383,6 +383,11 @@ def install(app: FastAPI, models: Models) -> None:
     @app.get("/api/version")
     async def version() -> dict[str, str]:
         return {"version": kestrel_core.__version__}
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def running() -> PlainTextResponse:
+        """Ollama's heartbeat: its CLI and clients check the server with ``HEAD /`` before anything else."""
+        return PlainTextResponse("kestrel is running")
 
 
 def ollama_name(served: Served) -> str:

@@ -55,6 +55,13 @@ def test_the_model_is_listed_shown_and_running(ol: ollama.Client, engine: Any) -
     assert model.details.format == "safetensors"
 
 
+def test_the_heartbeat_answers(server: KestrelServer) -> None:
+    """Ollama's CLI checks a server with HEAD / before anything else."""
+    for method in ("HEAD", "GET"):
+        status, _, body = http(method, f"{server.url}/")
+        assert status == 200 and body == (b"" if method == "HEAD" else b"kestrel is running")
+
+
 def test_an_unknown_model_is_404(ol: ollama.Client) -> None:
     for call in (lambda: ol.chat(model="llama3.2", messages=HI), lambda: ol.show("llama3.2"),
                  lambda: ol.embed(model="llama3.2", input="x")):
