@@ -105,6 +105,11 @@ class AsyncEngine:
             self._thread = None
 
     @property
+    def capacity(self) -> int:
+        """Requests in flight at most: the running batch and the queue behind it."""
+        return self.scheduler.max_batch + self.scheduler.max_waiting
+
+    @property
     def accepting(self) -> bool:
         return self._accepting
 
@@ -163,7 +168,7 @@ class AsyncEngine:
         with self._lock:
             if not self._accepting:
                 raise ShuttingDown("the server is shutting down")
-            if len(self._clients) >= self.scheduler.max_batch + self.scheduler.max_waiting:
+            if len(self._clients) >= self.capacity:
                 raise Overloaded(f"the server is at capacity ({len(self._clients)} requests in flight); "
                                  "retry later")
             if request_id is None:

@@ -152,14 +152,6 @@ def _guard_concat(*parts: Any) -> str:
     return "".join(texts)
 
 
-def _bounded_range(*args: Any) -> range:
-    """jinja's safe_range (at most 100k items): a real range, indexable and comparable as transformers' templates
-    see it; a for-loop over it counts its steps against the render's budget (``_guard_iter``), as any loop's."""
-    from jinja2.sandbox import safe_range
-
-    return safe_range(*args)
-
-
 class _Rewrite(NodeTransformer):
     """Route every for-loop's iterable and every ``~`` through the guards (names a template cannot rebind)."""
 
@@ -212,15 +204,15 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
     Operators (``*``, ``+``, ``**``, ``%``) are intercepted (which also stops jinja from folding them at compile
     time) and refused when their result would pass the size limits; every call (macros, methods, filters'
-    callables, ``loop()``) and every loop step ticks a per-render budget of steps and wall-clock time; ``range``
-    counts its steps; filters' int arguments are capped and their results measured.
+    callables, ``loop()``) and every loop step ticks a per-render budget of steps and wall-clock time; ``range`` is
+    the sandbox's own (at most 100k items, a real range as transformers' templates see it); filters' int
+    arguments are capped and their results measured.
     """
 
     intercepted_binops = frozenset({"*", "+", "**", "%", "//", "/", "-"})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.globals["range"] = _bounded_range
         self.filters = {name: _bounded_filter(name, f) for name, f in self.filters.items()}
 
     def wrap_str_format(self, value: Any) -> Callable[..., str] | None:

@@ -119,9 +119,6 @@ def _prompt(engine: Engine, messages: list[dict[str, str]], chat: bool, args: ar
 def _check_context(engine: Engine, ids: Sequence[int]) -> None:
     if len(ids) > engine.config.max_position:
         raise KestrelError(f"the prompt has {len(ids)} tokens; the model's context is {engine.config.max_position}")
-    if len(ids) == engine.config.max_position:
-        raise KestrelError(f"the prompt has {len(ids)} tokens, which leaves no room for an answer in the model's "
-                           f"context of {engine.config.max_position}")
     if not ids:
         raise KestrelError("the prompt is empty")
 

@@ -96,11 +96,9 @@ async def respond(async_engine: Any, request: Request, prompts: Sequence[Prompt]
     ``prompt_param`` names the field that made the prompts, for errors about them ("messages" for chat)."""
     record = record_of(request)
     jobs = [(p, i) for p in prompts for i in range(choices)]
-    scheduler = getattr(async_engine, "scheduler", None)
-    if scheduler is not None and len(jobs) > scheduler.max_batch + scheduler.max_waiting:  # never, not now
+    if len(jobs) > async_engine.capacity:  # never, not only now
         raise APIError(400, f"the request asks for {len(jobs)} sequences (prompts x n), more than this server holds "
-                       f"at once ({scheduler.max_batch + scheduler.max_waiting}: --max-batch + --max-waiting)",
-                       param="n")
+                       f"at once ({async_engine.capacity}: --max-batch + --max-waiting)", param="n")
     ids = [shape.id] if len(jobs) == 1 else [f"{shape.id}-{k}" for k in range(len(jobs))]
     gens = [async_engine.generate(p.ids, choice_params(p.params, i), request_id=rid) if p.params is not None
             else _nothing(rid, p) for (p, i), rid in zip(jobs, ids)]
