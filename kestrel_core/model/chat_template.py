@@ -363,6 +363,33 @@ def compile_chat_template(source: str) -> jinja2.Template:
         raise KestrelError(f"invalid chat template: {type(exc).__name__}") from None
 
 
+def loops_over_content(source: str) -> bool:
+    """Whether the template loops over a message's content (``for part in message.content``, or over a variable
+    or macro argument named ``content``): it reads content as a list of parts, as transformers passes a list,
+    so such content is not joined into one string for it (vLLM's "openai" content format)."""
+    try:
+        tree = jinja2.Environment(extensions=list(TEMPLATE_EXTENSIONS)).parse(source)
+    except (jinja2.TemplateError, RecursionError, MemoryError):
+        return False  # compile_chat_template says what is wrong with it
+    for loop in tree.find_all(nodes.For):
+        it = loop.iter
+        while isinstance(it, nodes.Filter | nodes.Test) and it.node is not None:  # content | selectattr(...)
+            it = it.node
+        if (isinstance(it, nodes.Getattr) and it.attr == "content"
+                or isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and it.arg.value == "content"
+                or isinstance(it, nodes.Name) and it.name == "content"):
+            return True
+    return False
+
+
+def template_content(content: Any, parts: bool) -> Any:
+    """A message's content as its template reads it: a list of parts stays a list for a template that loops over
+    content (``loops_over_content``), and is its text parts joined by newlines for one that reads a string."""
+    if not isinstance(content, list) or parts:
+        return content
+    return "\n".join(str(p.get("text") or "") for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+
+
 def render_bounded(template: jinja2.Template, budget: _Budget | None = None, **context: Any) -> str:
     """Render with the limits: the output is gathered chunk by chunk (``generate``) so that its size is checked
     as it grows, and each chunk ticks the deadline."""
@@ -392,7 +419,17 @@ def continue_final_message(render: Callable[[list[dict[str, Any]]], str], messag
     own, as transformers' ``continue_final_message``: the text is rendered with a mark after it, and what the
     template writes from the mark on (its end of turn) is dropped; the text's own trailing whitespace stays."""
     last = dict(messages[-1])
-    last["content"] = f"{last.get('content') or ''}{CONTINUE_MARK}"
+    content = last.get("content")
+    if isinstance(content, list):  # parts: the mark after the last text
+        texts = [i for i, p in enumerate(content) if isinstance(p, Mapping) and p.get("type") == "text"]
+        content = [dict(p) if isinstance(p, Mapping) else p for p in content]
+        if texts:
+            content[texts[-1]]["text"] = f"{content[texts[-1]].get('text') or ''}{CONTINUE_MARK}"
+        else:
+            content.append({"type": "text", "text": CONTINUE_MARK})
+        last["content"] = content
+    else:
+        last["content"] = f"{content or ''}{CONTINUE_MARK}"
     prompt = render([*map(dict, messages[:-1]), last])
     at = prompt.rfind(CONTINUE_MARK)
     if at < 0:

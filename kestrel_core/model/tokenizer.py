@@ -13,7 +13,13 @@ import jinja2
 from tokenizers import Tokenizer as _Backend
 
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.chat_template import compile_chat_template, one_line, render_chat
+from kestrel_core.model.chat_template import (
+    compile_chat_template,
+    loops_over_content,
+    one_line,
+    render_chat,
+    template_content,
+)
 from kestrel_core.model.gguf_vocab import build_gguf_vocab
 from kestrel_core.model.validate import check_regular_file
 
@@ -36,7 +42,7 @@ class Tokenizer:
         self.backend = backend
         self.chat_template = chat_template
         self.tool_template = tool_template  # a named "tool_use" template: what renders a request with tools
-        self._compiled: dict[str, jinja2.Template] = {}
+        self._compiled: dict[str, tuple[jinja2.Template, bool]] = {}  # the template, whether it loops over parts
         self.bos_token = bos_token
         self.eos_token = eos_token
         ids = list(eos_token_ids)
@@ -139,22 +145,26 @@ class Tokenizer:
     def token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
-    def _template(self, tools: bool = False) -> jinja2.Template:
+    def _template(self, tools: bool = False) -> tuple[jinja2.Template, bool]:
         """The chat template compiled (with ``tools``, the tool_use one where the model names one, as
-        transformers picks it), once for each text."""
+        transformers picks it), once for each text, and whether it loops over a message's content parts."""
         source = self.tool_template if tools and self.tool_template else self.chat_template
         if not source:
             raise KestrelError("this model has no chat template (`kestrel run --no-chat` runs its prompt as it is)")
         compiled = self._compiled.get(source)
         if compiled is None:
-            compiled = self._compiled[source] = compile_chat_template(source)
+            compiled = self._compiled[source] = (compile_chat_template(source), loops_over_content(source))
         return compiled
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
-        """The prompt text for ``messages`` ([{"role": ..., "content": ...}, ...]), rendered sandboxed."""
+        """The prompt text for ``messages`` ([{"role": ..., "content": ...}, ...]; content a string or a list of
+        {"type": "text", "text": ...} parts), rendered sandboxed."""
         context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **kwargs}
-        return render_chat(self._template(bool(kwargs.get("tools"))), messages, add_generation_prompt, **context)
+        template, parts = self._template(bool(kwargs.get("tools")))
+        messages = [{**m, "content": template_content(m["content"], parts)} if isinstance(m.get("content"), list)
+                    else m for m in messages]
+        return render_chat(template, messages, add_generation_prompt, **context)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **kwargs: Any) -> list[int]:

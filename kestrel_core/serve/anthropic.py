@@ -107,10 +107,17 @@ class MessagesBody(RequestBody):
         messages: list[dict[str, Any]] = []
         if self.system:
             messages.append({"role": "system", "content": _text(self.system, "system")})
+        turns: list[tuple[int, Message]] = []  # consecutive messages of one role are one turn, as Anthropic has it
         for i, m in enumerate(self.messages):
             if isinstance(m.content, list) and not m.content:
                 raise APIError(400, f"messages.[{i}].content must hold at least one block",
                                param=f"messages.[{i}].content")
+            if turns and turns[-1][1].role == m.role:
+                first, turn = turns[-1]
+                turns[-1] = first, Message(role=m.role, content=_as_blocks(turn.content) + _as_blocks(m.content))
+            else:
+                turns.append((i, m))
+        for i, m in turns:
             messages.extend(_openai_messages(m, f"messages.[{i}].content"))
         choice = self.tool_choice
         if choice is not None and choice.type == "tool" and not choice.name:
@@ -119,7 +126,7 @@ class MessagesBody(RequestBody):
         out: dict[str, Any] = {
             # a last assistant turn of text is a prefill: the answer continues it
             "continue_final_message": last.get("role") == "assistant" and "tool_calls" not in last
-            and bool(last.get("content", "").strip()),
+            and any(part.strip() for part in _texts(last.get("content") or "")),
             "messages": messages, "max_tokens": self.max_tokens, "stop": self.stop_sequences, "top_k": self.top_k,
             # unset: the model's recommendation, else 1 (Anthropic's default, and the chat route's)
             "temperature": None if self.temperature is None else float(self.temperature),
@@ -152,6 +159,20 @@ def _text(content: str | list[Block], where: str) -> str:
     return "\n".join(block.text or "" for block in content)
 
 
+def _as_blocks(content: str | list[Block]) -> list[Block]:
+    return [Block(type="text", text=content)] if isinstance(content, str) else list(content)
+
+
+def _texts(content: str | list[dict[str, str]]) -> list[str]:
+    return [content] if isinstance(content, str) else [part["text"] for part in content]
+
+
+def _parts(texts: list[str]) -> str | list[dict[str, str]]:
+    """A turn's text blocks as chat content: one is its text, several are text parts (the chat template joins
+    them or loops over them)."""
+    return texts[0] if len(texts) == 1 else [{"type": "text", "text": text} for text in texts]
+
+
 def _openai_messages(m: Message, where: str) -> list[dict[str, Any]]:
     """One Anthropic turn as OpenAI messages: a user turn's tool results first (a tool message each), then its
     text; an assistant turn's text, reasoning and tool calls as one message."""
@@ -174,8 +195,8 @@ def _openai_messages(m: Message, where: str) -> list[dict[str, Any]]:
         elif block.type != "redacted_thinking":
             raise APIError(400, f"{where}: a {block.type!r} block is not supported in a {m.role} turn", param=where)
     if m.role == "user":
-        return out + ([{"role": "user", "content": "\n".join(texts)}] if texts else [])
-    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+        return out + ([{"role": "user", "content": _parts(texts)}] if texts else [])
+    message: dict[str, Any] = {"role": "assistant", "content": _parts(texts)}
     if calls:
         message["tool_calls"] = calls
     if thinking:

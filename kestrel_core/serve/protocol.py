@@ -150,18 +150,14 @@ class ChatMessage(RequestBody):
                     raise ValueError(f"only text content parts are supported, got a {part.type!r} part")
         return value
 
-    def text(self) -> str:
-        """The content as one string (text parts joined by newlines; none for an assistant tool call)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.text or "" for part in self.content)
-
     def for_template(self) -> dict[str, Any]:
-        """What the chat template sees: OpenAI's ``developer`` role is the templates' ``system``."""
+        """What the chat template sees: OpenAI's ``developer`` role is the templates' ``system``; text parts stay
+        parts (the tokenizer joins them for a template that reads a string)."""
         role = "system" if self.role == "developer" else self.role
-        message: dict[str, Any] = {"role": role, "content": self.text()}
+        content: Any = self.content or ""
+        if isinstance(content, list):
+            content = [{"type": "text", "text": part.text} for part in content]
+        message: dict[str, Any] = {"role": role, "content": content}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:

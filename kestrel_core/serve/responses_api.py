@@ -115,18 +115,25 @@ def _function(tool: dict[str, Any], where: str) -> dict[str, Any]:
                                              if tool.get(k) is not None}}
 
 
-def _text(content: Any, where: str) -> str:
+def _content(content: Any, where: str) -> str | list[dict[str, str]]:
+    """A message's content: a string, or its text parts as chat text parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise APIError(400, f"{where} must be a string or a list of parts", param=where)
-    texts = []
+    parts = []
     for part in content:
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise APIError(400, f"{where}: a {kind!r} part is not supported (text only)", param=where)
-        texts.append(str(part.get("text", "")))
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": str(part.get("text", ""))})
+    return parts
+
+
+def _text(content: Any, where: str) -> str:
+    """A tool output's text: its parts joined by newlines."""
+    parts = _content(content, where)
+    return parts if isinstance(parts, str) else "\n".join(part["text"] for part in parts)
 
 
 def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
@@ -138,7 +145,7 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         role = item.get("role")
         if role not in ("user", "assistant", "system", "developer"):
             raise APIError(400, f"{where}.role must be user, assistant, system or developer", param=where)
-        messages.append({"role": role, "content": _text(item.get("content", ""), f"{where}.content")})
+        messages.append({"role": role, "content": _content(item.get("content", ""), f"{where}.content")})
     elif kind == "function_call":
         call = {"id": str(item.get("call_id", "")), "type": "function",
                 "function": {"name": str(item.get("name", "")), "arguments": str(item.get("arguments", "{}"))}}

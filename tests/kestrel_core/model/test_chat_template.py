@@ -1,5 +1,5 @@
 """What a chat template sees and writes as transformers' ``apply_chat_template`` has it: the ``generation`` block,
-a continued last message, ``range`` and ``tojson``."""
+a continued last message, content parts, ``range`` and ``tojson``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ from typing import Any
 import pytest
 
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.chat_template import compile_chat_template, continue_final_message, render_chat
+from kestrel_core.model.chat_template import (
+    compile_chat_template,
+    continue_final_message,
+    loops_over_content,
+    render_chat,
+    template_content,
+)
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -53,3 +59,39 @@ def test_a_message_the_template_does_not_write_cannot_be_continued() -> None:
 ])
 def test_range_and_tojson_behave_as_in_transformers(expression: str, text: str) -> None:
     assert _render("{{ " + expression + " }}", ASK) == text
+
+
+# GLM-4.6's way (a macro over the parts, strings too), MiniMax-M2's (the loop on the message's own field) and a
+# filtered loop; then templates that read content as a string
+LOOPING = [
+    ("{% macro text(content) %}{% if content is string %}{{ content }}{% else %}{% for p in content %}"
+     "{{ p.text }}{% endfor %}{% endif %}{% endmacro %}{% for m in messages %}[{{ text(m.content) }}]{% endfor %}"),
+    ("{% for m in messages %}[{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+     "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}]{% endfor %}"),
+    ("{% for m in messages %}[{% for p in m.content | selectattr('type', 'equalto', 'text') %}{{ p.text }}"
+     "{% endfor %}]{% endfor %}"),
+]
+READING = [CHATML, "{% for m in messages %}{% for line in m.content.split('x') %}{{ line }}{% endfor %}{% endfor %}"]
+PARTS = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+
+
+@pytest.mark.parametrize("source", LOOPING)
+def test_a_template_that_loops_over_content_gets_its_parts(source: str) -> None:
+    """As transformers passes a list: the template joins the parts its own way (here with nothing between)."""
+    assert loops_over_content(source)
+    content = template_content(PARTS[0]["content"], loops_over_content(source))
+    assert _render(source, [{"role": "user", "content": content}]) == "[ab]"
+
+
+@pytest.mark.parametrize("source", READING)
+def test_a_template_that_reads_a_string_gets_the_parts_joined_by_newlines(source: str) -> None:
+    assert not loops_over_content(source)
+    assert template_content(PARTS[0]["content"], False) == "a\nb"
+    assert template_content("as is", False) == template_content("as is", True) == "as is"
+
+
+def test_a_continued_message_of_parts_ends_after_its_last_text() -> None:
+    template = compile_chat_template(LOOPING[1])
+    prefill = {"role": "assistant", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y "}]}
+    prompt = continue_final_message(lambda ms: render_chat(template, ms, False), [*PARTS, prefill])
+    assert prompt == "[ab][xy "

@@ -177,3 +177,31 @@ def test_a_stop_sequence_is_named(an: anthropic.Anthropic, client: openai.OpenAI
     assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
     whole = an.messages.create(model=NAME, max_tokens=12, messages=ask, **GREEDY)
     assert (whole.stop_reason, whole.stop_sequence) == ("max_tokens", None)
+
+
+# MiniMax-M2's way: parts looped over, joined with nothing between; strings written as they are
+PARTS_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{% if m.content is string %}{{ m.content }}{% else %}"
+                  "{% for p in m.content %}{{ p.text }}|{% endfor %}{% endif %}{% endfor %}")
+
+
+def test_text_parts_reach_a_template_that_loops_over_them_on_every_api(engine: Any) -> None:
+    """OpenAI's content parts, Anthropic's text blocks and the Responses API's input parts stay parts for such a
+    template (as transformers and vLLM pass them); consecutive Anthropic turns of one role are one turn."""
+    template = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = PARTS_TEMPLATE
+    try:
+        front = Scripted(engine)
+        with running_server(front, NAME) as server:
+            chat = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+            an = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+            parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+            front.answers += ["x", "x", "x"]
+            chat.chat.completions.create(model=NAME, max_tokens=4, messages=[{"role": "user", "content": parts}])
+            an.messages.create(model=NAME, max_tokens=4, messages=[
+                {"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}])
+            chat.responses.create(model=NAME, max_output_tokens=4, input=[{"role": "user", "content": [
+                {"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]}])
+            assert front.prompts == ["<user>a|b|", "<user>a|b|<assistant>c<user>d", "<user>a|b|"]
+    finally:
+        engine.tokenizer.chat_template = template

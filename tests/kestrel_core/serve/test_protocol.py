@@ -57,8 +57,9 @@ def test_content_parts_and_roles() -> None:
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": None}]})
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]  # the tokenizer joins them where needed
     assert req.template_messages() == [{"role": "system", "content": "Be brief."},
-                                       {"role": "user", "content": "a\nb"}, {"role": "assistant", "content": ""}]
+                                       {"role": "user", "content": parts}, {"role": "assistant", "content": ""}]
 
 
 def test_prompts() -> None:
