@@ -177,8 +177,9 @@ class GGUFMetadata:
             attention = self.float_field(key + "attn_factor", 1.0)
             return {"rope_type": "longrope", **factors, "original_max_position_embeddings": original or context,
                     "attention_factor": attention}
-        if kind == "linear":
-            return {"rope_type": "linear", "factor": self.float_field(key + "factor", 1.0)}
+        if kind in (None, "linear"):  # llama.cpp's default type, its factor under the old key too
+            factor = self.float_field(key + "factor", 0.0) or self.float_field(f"{arch}.rope.scale_linear", 0.0)
+            return {"rope_type": "linear", "factor": factor} if factor not in (0.0, 1.0) else None
         if kind != "yarn":
             return None
         # mistral3's yarn_log_multiplier is Ministral 3's mscale_all_dim, deepseek2's 0.1 mscale_all_dim; their mscale,

@@ -85,6 +85,8 @@ QWEN3_5_DEFAULTS = {"head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_he
 QWEN3_VL_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 128000}
 GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # Gemma2Config's defaults
 POST_NORMED = ("olmo2", "olmo3", "exaone4")
+# architectures whose transformers config ties the output head to the embeddings where config.json does not say
+TIED_BY_DEFAULT = ("gemma2", "gemma3", "smollm3", "ernie4_5", "ernie4_5_moe", "lfm2", "lfm2_moe")
 MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")  # multi-head latent attention
 # transformers' GptOssConfig default RoPE, for a config.json without one
 GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -385,6 +387,15 @@ def generation_sampling(generation: dict[str, Any] | None) -> dict[str, Any] | N
         raise KestrelError(f"generation_config.json: {exc}") from None
 
 
+def _tied(arch: str, cfg: dict[str, Any]) -> bool:
+    """tie_word_embeddings, defaulting as the architecture's transformers config does (LFM2's also read as
+    tie_embedding, the name LiquidAI's configs use)."""
+    default = arch in TIED_BY_DEFAULT
+    if arch in ("lfm2", "lfm2_moe"):
+        default = check_bool("tie_embedding", cfg.get("tie_embedding", default))
+    return check_bool("tie_word_embeddings", cfg.get("tie_word_embeddings", default))
+
+
 def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None,
                    where: str = "config.json") -> ModelConfig:
     """A ModelConfig from HF's config.json dict (and generation_config.json, whose eos ids are added)."""
@@ -395,8 +406,8 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
     arch = _architecture(cfg, where)
     if cfg.get("mlp_bias"):
         raise KestrelError(f"{where}: mlp_bias is not supported")
-    if arch in ("llama", "smollm3", "granite", "granitemoehybrid", *POST_NORMED, "gemma2", "gemma3") and \
-            cfg.get("attention_bias"):
+    if arch in ("llama", "smollm3", "granite", "granitemoehybrid", *POST_NORMED, "gemma2", "gemma3", "qwen3",
+                "qwen3_moe", "dots1") and cfg.get("attention_bias"):
         raise KestrelError(f"{where}: {arch} attention_bias (with an o_proj bias) is not supported")
     if cfg.get("is_causal") is False:
         raise KestrelError(f"{where}: is_causal false (bidirectional attention) is not supported")
@@ -487,7 +498,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
                "head_dim": int(cfg.get("head_dim") or hidden // heads), **fields},
             rms_norm_eps=float(cfg.get("rms_norm_eps", cfg.get("norm_eps", 1e-6))),  # LFM2: norm_eps
             max_position=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=_tied(arch, cfg),
             bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
             eos_token_ids=tuple(eos),
             sampling=generation_sampling(generation),

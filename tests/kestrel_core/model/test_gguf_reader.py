@@ -164,6 +164,23 @@ def test_rope_freqs_in_a_file(tmp_path: Path, synth_source, fmt) -> None:
                                hf_llama3_inv_freq(500000.0, 16, rs), rtol=1e-6)
 
 
+@pytest.mark.parametrize(("keys", "scaling"), [
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
+    ({"llama.rope.scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),  # llama.cpp's default type
+    ({"llama.rope.scale_linear": 4.0}, {"rope_type": "linear", "factor": 4.0}),  # the key before rope.scaling.*
+    ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, None),
+    ({"llama.rope.scaling.factor": 1.0}, None),
+])
+def test_linear_rope_scaling_is_read_as_llama_cpp_reads_it(tmp_path: Path, synth_source, fmt, keys: dict,
+                                                           scaling: dict | None) -> None:
+    def add(w) -> None:
+        for key, value in keys.items():
+            (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
+
+    path = fmt.write_gguf(tmp_path / "m.gguf", synth_source("llama"), metadata=add)
+    assert GGUFCheckpoint(path).config.rope_scaling == scaling
+
+
 def test_general_sampling_is_the_models_recommendation(tmp_path: Path, synth_source, fmt) -> None:
     """llama.cpp's general.sampling.* keys, as gguf-py writes them (float32 values read back as decimals)."""
     def recommend(w: gguf.GGUFWriter) -> None:

@@ -16,6 +16,8 @@ from kestrel_core.model.hf import HFCheckpoint, kestrel_name
 from kestrel_core.model.hf_config import config_from_hf
 from kestrel_core.model.quantize import quantize_model
 
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
+
 
 def test_name_mapping() -> None:
     assert kestrel_name("model.layers.12.self_attn.k_proj.bias") == "layers.12.k_bias"
@@ -115,6 +117,18 @@ def test_config_variants() -> None:
     assert config_from_hf({**base, "architectures": ["LlamaForCausalLM"], "sliding_window": 8}).sliding_window is None
 
 
+@pytest.mark.parametrize(("fixture", "key"), [("tiny-gemma2", "tie_word_embeddings"),
+                                              ("tiny-smollm3", "tie_word_embeddings"),
+                                              ("tiny-ernie4_5", "tie_word_embeddings"), ("tiny-lfm2", "tie_embedding")])
+def test_a_config_silent_on_ties_ties_as_transformers_does(fixture: str, key: str) -> None:
+    """These architectures' transformers configs tie by default (google/gemma-2-27b's config.json does not say;
+    LiquidAI's LFM2 configs say tie_embedding), and their checkpoints ship no lm_head."""
+    cfg = json.loads((FIXTURES / fixture / "config.json").read_text())
+    assert cfg.pop("tie_word_embeddings") is True
+    assert config_from_hf(cfg).tie_word_embeddings
+    assert not config_from_hf({**cfg, key: False}).tie_word_embeddings
+
+
 @pytest.mark.parametrize("cfg,match", [
     ({"architectures": ["GemmaForCausalLM"]}, "unsupported architecture GemmaForCausalLM"),
     ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}, "use_sliding_window"),
@@ -135,6 +149,8 @@ def test_config_variants() -> None:
     ({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "llama3", "factor": 4.0}},
      "llama3 rope scaling lacks"),
     ({"architectures": ["LlamaForCausalLM"], "attention_bias": True}, "attention_bias"),
+    ({"architectures": ["Qwen3ForCausalLM"], "attention_bias": True}, "qwen3 attention_bias"),  # q, k, v and o
+    ({"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": True}, "qwen3_moe attention_bias"),
     ({"architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"architectures": ["Qwen3ForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 1e308,
                                                               "original_max_position_embeddings": 32}},
@@ -231,7 +247,7 @@ def test_a_fused_tensor_too_small_for_its_config_is_one_line(tmp_path: Path) -> 
     import json
     import shutil
 
-    src = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-phi3"
+    src = FIXTURES / "tiny-phi3"
     d = tmp_path / "phi3"
     shutil.copytree(src, d)
     cfg = json.loads((d / "config.json").read_text())
@@ -241,7 +257,7 @@ def test_a_fused_tensor_too_small_for_its_config_is_one_line(tmp_path: Path) -> 
         HFCheckpoint(d).get("layers.0.v")
 
 
-GPT_OSS_MXFP4 = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-gpt-oss-mxfp4"
+GPT_OSS_MXFP4 = FIXTURES / "tiny-gpt-oss-mxfp4"
 
 
 def _mxfp4_copy(tmp_path: Path, change) -> Path:  # type: ignore[no-untyped-def]
@@ -305,7 +321,7 @@ def _reshaped_copy(tmp_path: Path, model: str, name: str, shape: list[int]) -> P
     (its dtype kept, raw), the header and offsets rewritten."""
     import shutil
 
-    src = Path(__file__).resolve().parents[2] / "fixtures" / "models" / model
+    src = FIXTURES / model
     d = tmp_path / model
     shutil.copytree(src, d)
     raw = (src / "model.safetensors").read_bytes()
