@@ -7,17 +7,12 @@ its pages (a file rewritten in place would kill it with SIGBUS).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
 import stat
 import struct
 import tempfile
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -36,9 +31,10 @@ from kestrel_core.contract import StripCache
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.weights import Model
 from kestrel_core.progress import Report
+from kestrel_core.temps import TEMP_MAX_AGE_S, remove_stale, removed_on_signal
 
-TEMP_MAX_AGE_S = 3600.0  # a temp file untouched this long belongs to a writer that died
 _ST_NAME = {np.dtype("i1"): "I8", np.dtype("<f4"): "F32"}
+TEMP_NAME_CHARS = 200  # of the destination's name in its temp file's: 255 allowed, 14 more for ".", "XXXXXXXX.tmp"
 
 
 def save_artifact(path: str | os.PathLike[str], model: Model, *, tokenizer_json: str | None = None,
@@ -79,15 +75,15 @@ def save_artifact(path: str | os.PathLike[str], model: Model, *, tokenizer_json:
     if not parent.is_dir():
         raise KestrelError(f"cannot write {path}: directory {parent} does not exist")
     remove_stale_temps(parent, path.name)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-    with _removed_on_sigterm(tmp):
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:TEMP_NAME_CHARS]}.", suffix=".tmp", dir=parent)
+    with removed_on_signal(tmp):
         try:
             with os.fdopen(fd, "wb") as f:
                 _write_safetensors(f, arrays, metadata, progress)
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would surprise whoever shares the file
-            os.replace(tmp, path)
+            _publish(tmp, path, force)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
@@ -163,44 +159,28 @@ def check_output(path: Path, force: bool) -> None:
 
 def remove_stale_temps(directory: Path, name: str | None = None, max_age_s: float = TEMP_MAX_AGE_S) -> None:
     """Remove the temp files ``save_artifact`` writes for ``name`` (None: for any name) in ``directory`` that were
-    not modified for ``max_age_s``: those of writers killed outright (a live writer touches its file with every
-    chunk). Only mkstemp's exact names, ``.NAME.XXXXXXXX.tmp``: nothing of the user's that merely looks alike."""
-    now = time.time()
-    temp = re.compile(rf"\.{'.+' if name is None else re.escape(name)}\.[a-z0-9_]{{8}}\.tmp")
-    for p in directory.iterdir() if directory.is_dir() else ():
-        if not temp.fullmatch(p.name):
-            continue
-        try:
-            st = p.lstat()
-            if stat.S_ISREG(st.st_mode) and now - st.st_mtime > max_age_s:
-                p.unlink()
-        except OSError:
-            pass  # raced with another cleaner, or not ours to remove
+    not modified for ``max_age_s`` (temps.remove_stale). Only mkstemp's exact names, ``.NAME.XXXXXXXX.tmp``:
+    nothing of the user's that merely looks alike."""
+    named = ".+" if name is None else re.escape(name[:TEMP_NAME_CHARS])
+    remove_stale(directory, re.compile(rf"\.{named}\.[a-z0-9_]{{8}}\.tmp"), max_age_s)
 
 
-@contextlib.contextmanager
-def _removed_on_sigterm(tmp: str) -> Iterator[None]:
-    """While writing ``tmp``: on SIGTERM with the default disposition (death, no ``finally``), remove it, then
-    die of the signal as before. A handler installed by someone else stays (if it raises, the writer's
-    ``except`` cleans up); off the main thread no handler can be installed, and ``except`` is all there is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+def _publish(tmp: str, path: Path, force: bool) -> None:
+    """Rename the written ``tmp`` to ``path``; without ``force`` a hard link instead, which fails where a file
+    appeared at ``path`` while it was written (check_output saw none), so that file is not overwritten."""
+    if force:
+        os.replace(tmp, path)
         return
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous not in (signal.SIG_DFL, None):
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        Path(tmp).unlink(missing_ok=True)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, handler)
     try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.link(tmp, path)
+    except FileExistsError:
+        check_output(path, force)  # its one-line refusal
+        raise
+    except OSError:  # a file system without hard links: the check again, then the rename
+        check_output(path, force)
+        os.replace(tmp, path)
+        return
+    os.unlink(tmp)
 
 
 def _fsync_dir(directory: Path) -> None:

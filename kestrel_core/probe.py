@@ -223,9 +223,13 @@ def _write_cache(path: Path, updates: Mapping[str, dict[str, Any]]) -> None:
         plugins = _read_cache(path)
         plugins.update(updates)
         fd, tmp = tempfile.mkstemp(prefix=".probes-", suffix=".json", dir=path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"format": CACHE_FORMAT, "plugins": plugins}, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump({"format": CACHE_FORMAT, "plugins": plugins}, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:  # a full disk: no temp file left behind
+            Path(tmp).unlink(missing_ok=True)
+            raise
     except OSError as exc:  # a read-only home: probes are then repeated, nothing else changes
         log.debug("kestrel: cannot write the probe cache %s: %s", path, exc)
 

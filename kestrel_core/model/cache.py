@@ -33,6 +33,7 @@ from kestrel_core.env import env_flag, env_str
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.hf import weight_files
 from kestrel_core.model.pull import kestrel_home
+from kestrel_core.model.validate import check_regular_file
 
 MODEL_CACHE_ENV = "KESTREL_MODEL_CACHE"  # 0 (off, no, false): never cache Hugging Face directories or GGUF files
 RENAMED_ENV = {"KESTREL_HF_CACHE": MODEL_CACHE_ENV}
@@ -84,7 +85,7 @@ def adapter_stem(path: Path) -> str:
 def _stem(kind: str, path: Path) -> str:
     resolved = path.resolve()
     name = re.sub(r"[^A-Za-z0-9_-]+", "_", resolved.name)[:64] or "model"
-    return f"{kind}-{name}.{hashlib.sha256(str(resolved).encode()).hexdigest()[:12]}"
+    return f"{kind}-{name}.{hashlib.sha256(os.fsencode(resolved)).hexdigest()[:12]}"  # any bytes Linux allows
 
 
 def gguf_key(path: Path, quant: str) -> str:
@@ -109,11 +110,11 @@ def hf_key(model_dir: Path, quant: str) -> str:
     KestrelError where the directory cannot be read as a checkpoint."""
     h = hashlib.sha256(f"{KEY_SCHEME}\0{quant}\0".encode())
     for name in (*HF_KEY_FILES, *_pooling_configs(model_dir)):
-        p = model_dir / name
-        if p.is_file():
-            h.update(f"{name}\0{hashlib.sha256(p.read_bytes()).hexdigest()}\0".encode())
-        else:
-            h.update(f"{name}\0absent\0".encode())
+        try:  # not a FIFO, a device or a link out of the directory (loading it says why)
+            digest = hashlib.sha256(check_regular_file(model_dir / name, model_dir).read_bytes()).hexdigest()
+        except KestrelError:
+            digest = "absent"
+        h.update(f"{name}\0{digest}\0".encode())
     for shard in weight_files(model_dir):
         p = model_dir / shard
         with open(p, "rb") as f:
@@ -129,8 +130,8 @@ def _pooling_configs(model_dir: Path) -> list[str]:
     """The configs of the Pooling modules ``modules.json`` names, wherever it puts them (unread where it cannot
     be read: loading the directory says why)."""
     try:
-        modules = json.loads((model_dir / "modules.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        modules = json.loads(check_regular_file(model_dir / "modules.json", model_dir).read_text(encoding="utf-8"))
+    except (KestrelError, OSError, UnicodeDecodeError, json.JSONDecodeError):
         return []
     if not isinstance(modules, list):
         return []

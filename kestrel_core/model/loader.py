@@ -33,6 +33,7 @@ from kestrel_core.model.tokenizer import NoTokenizer, Tokenizer
 from kestrel_core.model.validate import check_regular_file
 from kestrel_core.model.weights import Model
 from kestrel_core.progress import Report, progress_bar
+from kestrel_core.temps import watch_signals
 
 log = logging.getLogger("kestrel")
 
@@ -204,10 +205,11 @@ def _cached(entry: Path, key: str, quant: str, stale_glob: str, build: Callable[
     pending = _writes.get(entry)
     if pending is not None:  # this process is writing it: the entry is whole once that ends
         pending.thread.join()
+    if write:
+        remove_stale_temps(entry.parent)  # writers that were killed outright, hit or miss
     hit = _read_cached(entry, key, quant)
     if hit is not None:
-        hit.source = source
-        return hit
+        return _from_source(hit, source, f"none came with {source}")
     loaded = build()
     loaded.source = source
     if not write:
@@ -222,8 +224,15 @@ def _cached(entry: Path, key: str, quant: str, stale_glob: str, build: Callable[
     except KestrelError as exc:
         log.warning("could not read back the cached strip-cache %s: %s", entry, exc)
         return loaded
-    again.source = source
-    return again
+    return _from_source(again, source, getattr(loaded.tokenizer, "reason", ""))
+
+
+def _from_source(loaded: LoadedModel, source: str, no_tokenizer: str) -> LoadedModel:
+    """A model read from its cache entry, named by its source: so is a missing tokenizer's reason."""
+    loaded.source = source
+    if isinstance(loaded.tokenizer, NoTokenizer):
+        loaded.tokenizer.reason = no_tokenizer
+    return loaded
 
 
 def _write_entry(loaded: LoadedModel, entry: Path, key: str, stale_glob: str, progress: Report | None) -> bool:
@@ -231,7 +240,6 @@ def _write_entry(loaded: LoadedModel, entry: Path, key: str, stale_glob: str, pr
     written, which only costs speed. ``progress``: None shows a bar of its own."""
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temps(entry.parent)  # writers that were killed outright
         write_artifact(loaded, entry, force=True, extra={"cache_key": key}, progress=progress)
         for stale in entry.parent.glob(stale_glob):
             if stale != entry:
@@ -258,6 +266,7 @@ class _Write:
         self.thread = threading.Thread(target=self._run, args=(loaded, key, stale_glob),
                                        name=f"kestrel cache {entry.name}")
         _writes[entry] = self
+        watch_signals()  # from the starting thread: the writer's own cannot install the handler
         self.thread.start()
 
     def _report(self, done: int, total: int) -> None:

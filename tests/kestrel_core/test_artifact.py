@@ -172,3 +172,27 @@ def test_tensor_that_breaks_the_contract_or_config(tmp_path: Path, synth_source)
     save_file(tensors, str(path), metadata={**meta, "config": json.dumps(cfg)})
     with pytest.raises(KestrelError, match="the config implies"):
         load_artifact(path)
+
+
+def test_a_file_that_appears_while_the_output_is_written_is_not_overwritten(tmp_path: Path, synth_source,
+                                                                            monkeypatch) -> None:
+    """Without --force the output was absent when checked; a file created there during the write stays."""
+    model = quantize_model(synth_source("llama"), "q8")
+    path = tmp_path / "m.kst"
+    write = artifact_write._write_safetensors
+
+    def racing(f, *args, **kwargs):
+        path.write_bytes(b"the user's file, saved meanwhile")
+        return write(f, *args, **kwargs)
+
+    monkeypatch.setattr(artifact_write, "_write_safetensors", racing)
+    with pytest.raises(KestrelError, match="already exists; pass --force"):
+        _save(tmp_path, model)
+    assert path.read_bytes() == b"the user's file, saved meanwhile"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.kst"]
+
+
+def test_an_output_name_as_long_as_the_file_system_allows_is_written(tmp_path: Path, synth_source) -> None:
+    model = quantize_model(synth_source("llama"), "q8")
+    name = "m" * 251 + ".kst"  # 255 bytes: its temp file's name must not be longer
+    _assert_same_model(model, load_artifact(_save(tmp_path, model, name))[0])

@@ -239,30 +239,53 @@ def test_stale_temp_files_go_on_the_next_write(tmp_path: Path, synth_source) -> 
     assert other.exists()  # another destination's temp is not this write's business
 
 
-def test_sigterm_while_writing_leaves_nothing(tmp_path: Path) -> None:
-    """The default SIGTERM kills without running finally blocks; the writer's handler removes its temp first."""
-    code = textwrap.dedent(f"""
-        import sys, time
-        from kestrel_core import artifact_write
+SLOW_WRITE = """
+import os, sys, time
+from kestrel_core import artifact_write
+
+def slow(f, *args, **kwargs):
+    f.write(b"partial data")
+    f.flush()
+    print("writing", flush=True)
+    while True:
+        time.sleep(0.01)
+
+artifact_write._write_safetensors = slow
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])  # SIGHUP: the terminal was closed
+def test_an_ending_signal_while_writing_leaves_nothing(tmp_path: Path, sig: signal.Signals) -> None:
+    """These kill without running finally blocks; the writer's handler removes its temp first."""
+    code = SLOW_WRITE + textwrap.dedent(f"""
         from kestrel_core.model.presets import preset_model
-
-        def slow(f, *args, **kwargs):
-            f.write(b"partial data")
-            f.flush()
-            print("writing", flush=True)
-            while True:
-                time.sleep(0.01)
-
-        artifact_write._write_safetensors = slow
         model = preset_model("smollm2-135m", num_layers=1, vocab_size=512)
         artifact_write.save_artifact({str(tmp_path / "m.kst")!r}, model, quant="q8")
     """)
+    _killed_while_writing(code, tmp_path, tmp_path, sig)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_while_a_cache_entry_is_written_on_a_thread_leaves_no_temp(tmp_path: Path) -> None:
+    """A large entry is written on a thread (which cannot install a handler) while the load goes on."""
+    code = SLOW_WRITE + textwrap.dedent(f"""
+        from kestrel_core.model import loader
+        loader.BACKGROUND_WRITE_BYTES = 0
+        os.environ.update(KESTREL_HOME={str(tmp_path / "home")!r}, KESTREL_MODEL_CACHE="1")
+        loader.load_model({str(REPO / "tests" / "fixtures" / "models" / "tiny-llama")!r}, quant="q8")
+        time.sleep(60)
+    """)
+    cache = tmp_path / "home" / "cache"
+    _killed_while_writing(code, tmp_path, cache, signal.SIGTERM)
+    assert [p.name for p in cache.iterdir()] == []
+
+
+def _killed_while_writing(code: str, cwd: Path, directory: Path, sig: signal.Signals) -> None:
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
-        assert [p.name for p in tmp_path.iterdir()][0].endswith(".tmp")
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == -signal.SIGTERM  # still killed by the signal, as without the handler
+        assert [p.name for p in directory.iterdir()][0].endswith(".tmp")
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == -sig  # still killed by the signal, as without the handler
     finally:
         proc.kill()
-    assert list(tmp_path.iterdir()) == []

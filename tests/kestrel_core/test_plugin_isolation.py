@@ -262,3 +262,15 @@ def test_a_probe_that_cannot_run_refuses_but_is_not_cached(tmp_path: Path, monke
     probe_run._stop_server()
     monkeypatch.setattr(probe_run._Server, "BOOT", boot)
     assert Registry().bind("good_gpu").bound  # probed again, not read from the cache
+
+
+def test_a_probe_cache_that_cannot_be_written_leaves_no_temp_file(tmp_path: Path, monkeypatch) -> None:
+    """A full disk: the verdicts are probed again next time, and nothing is left in KESTREL_HOME."""
+    from kestrel_core import probe
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(probe.json, "dump", full)
+    probe._write_cache(tmp_path / "probes.json", {"x": {"identity": "i", "verdict": {}}})
+    assert list(tmp_path.iterdir()) == []

@@ -18,6 +18,7 @@ import pytest
 from kestrel_core import artifact_write
 from kestrel_core.artifact import model_tensors, read_meta
 from kestrel_core.contract import StripCache
+from kestrel_core.errors import KestrelError
 from kestrel_core.model import loader
 from kestrel_core.model.cache import MODEL_CACHE_ENV, hf_key
 from kestrel_core.model.hf import HFCheckpoint
@@ -433,3 +434,37 @@ def test_an_edited_pooling_config_rebuilds_wherever_modules_json_puts_it(home: P
     cfg.update({k: False for k in cfg if k.startswith("pooling_mode")}, pooling_mode_mean_tokens=True)
     (root / folder / "config.json").write_text(json.dumps(cfg))
     assert load_model(root).model.config.pooling == "mean"
+
+
+def test_a_folder_named_in_any_bytes_linux_allows_is_cached(home: Path, hf, builds: list[str]) -> None:
+    """A Latin-1 folder name is no UTF-8: the slot's name is hashed from the path's own bytes."""
+    root, _ = hf
+    latin = root.with_name(os.fsdecode(b"mod\xe8le"))
+    root.rename(latin)
+    load_model(latin, quant="q8")
+    load_model(latin, quant="q8")
+    assert len(builds) == 1 and len(_entries(home)) == 1
+
+
+def test_a_fifo_or_device_among_the_key_files_does_not_hang_the_key(hf) -> None:
+    """modules.json as a FIFO would block its read for ever, a link to /dev/zero read without end: the key
+    counts them absent (loading the directory then says what they are)."""
+    root, _ = hf
+    before = hf_key(root, "q8")
+    os.mkfifo(root / "modules.json")
+    (root / "generation_config.json").symlink_to("/dev/zero")
+    done: list[str] = []
+    reader = threading.Thread(target=lambda: done.append(hf_key(root, "q8")), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert done == [before]
+
+
+def test_a_missing_tokenizer_is_named_by_the_model_not_the_cache_entry(home: Path, hf, builds: list[str]) -> None:
+    root, _ = hf
+    (root / "tokenizer.json").unlink()
+    for _ in range(2):  # built, then a hit
+        with pytest.raises(KestrelError, match="this model has no tokenizer") as info:
+            load_model(root, quant="q8").tokenizer.encode("hi")
+        assert str(root) in str(info.value) and "cache" not in str(info.value)
+    assert len(builds) == 1

