@@ -309,6 +309,12 @@ class AsyncEngine:
         """A step's outputs to their clients: one wake-up of each event loop for the whole step, not one per
         request (each wake-up is a write to the loop's self-pipe and a turn of the loop)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], RequestOutput]]] = {}
+        for out in outputs:
+            if out.error is not None:  # it failed alone: its client gets the error
+                self.counters.finished["abort"] = self.counters.finished.get("abort", 0) + 1
+                self._deliver_error(out.request_id, out.error if isinstance(out.error, KestrelError)
+                                    else KestrelError(f"the request failed: {type(out.error).__name__}: {out.error}"))
+        outputs = [out for out in outputs if out.error is None]
         with self._lock:
             for out in outputs:
                 self.counters.step_rows += len(out.new_token_ids)

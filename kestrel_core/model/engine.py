@@ -505,10 +505,12 @@ class Engine:
         stats = self.last = RunStats(prompt_tokens=len(request.prompt_ids))
         start = t0 = time.perf_counter()
         try:
-            while not request.finished:
+            while not request.finished or scheduler.has_work:  # its end may come a step later (a failure)
                 outputs = scheduler.step()
                 t1 = time.perf_counter()
                 for out in outputs:
+                    if out.error is not None:
+                        raise out.error
                     if out.new_token_ids:
                         if stats.generated_tokens == 0:  # a long prompt takes several steps (chunked prefill)
                             stats.prefill_s = t1 - start

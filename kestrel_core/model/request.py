@@ -30,6 +30,7 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     stop_reason: str | int | None = None  # what stopped it: the stop string, or stop token id (None: end of text)
+    error: Exception | None = None  # it failed alone (its sampling raised): finished, "abort", the others go on
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Request:
     lookup: PromptLookup | None = None  # its tokens' n-grams, for drafts (speculative decoding)
     draft: list[int] = field(default_factory=list)  # the tokens its running step guessed after its next one
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    error: Exception | None = None  # what ended it alone (its sampling raised)
 
     @property
     def finished(self) -> bool:

@@ -209,7 +209,9 @@ class Sampler:
             seen = np.union1d(self._prompt_seen, ids)
             seen = seen[seen < len(z)]  # a prompt may hold ids the logits do not (a row of another width)
             penalty = np.float32(p.repetition_penalty)
-            z[seen] = np.where(z[seen] > 0, z[seen] / penalty, z[seen] * penalty)
+            with np.errstate(over="ignore"):  # a tiny penalty: the largest float32, not inf
+                z[seen] = np.where(z[seen] > 0, np.minimum(z[seen] / penalty, np.finfo(np.float32).max),
+                                   z[seen] * penalty)
         if p.presence_penalty or p.frequency_penalty:
             times = np.fromiter(self.counts.values(), np.float32, len(self.counts))
             z[ids] -= np.float32(p.presence_penalty) + np.float32(p.frequency_penalty) * times
@@ -229,8 +231,9 @@ class Sampler:
         scratch array until its next use)."""
         p = self.params
         e = _scratch(z)  # [V] float64, in place from here: a fresh array's page faults cost as much as the work
-        e /= p.temperature
-        e -= e.max()
+        e -= e.max()  # before the temperature: a tiny one (1e-310) would make the largest inf, and inf - inf NaN
+        with np.errstate(over="ignore"):
+            e /= p.temperature
         np.exp(e, out=e)  # the largest 1
         if not 0 < p.top_k < len(e) and p.top_p >= 1:
             if p.min_p > 0:

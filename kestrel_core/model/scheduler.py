@@ -209,8 +209,18 @@ class Scheduler:
             self._release_held()
         taking = [(request, out) for (request, _, rows), out in zip(work, logits) if rows and not request.finished]
         prepare_masks([r.sampler.constraint for r, _ in taking if r.sampler.constraint is not None])
-        return [(request, self._take_draft(request, out) if request.draft
-                 else [self._accept(request, self._sample(request, out[-1]))]) for request, out in taking]
+        tokens = []
+        for request, out in taking:
+            try:
+                tokens.append((request, self._take_draft(request, out) if request.draft
+                               else [self._accept(request, self._sample(request, out[-1]))]))
+            except Exception as exc:  # its own parameters or constraint: it ends, the batch goes on
+                log.error("kestrel: request %s failed: %s", request.request_id, exc,
+                          exc_info=log.isEnabledFor(logging.DEBUG))
+                self._finish(request, "abort")
+                request.error = exc
+                self._ended.append(request)
+        return tokens
 
     def _take_draft(self, request: Request, out: np.ndarray) -> list[tuple[int, TokenLogprob | None]]:
         """A speculative step's tokens: each row's argmax while the draft agrees with the one before, and the
@@ -471,7 +481,7 @@ class Scheduler:
         """The last outputs of the requests ended while scheduling: the rest of their text."""
         ended, self._ended = self._ended, []
         return [RequestOutput(r.request_id, [], r.text.flush() if r.text is not None else "", None, True,
-                              r.finish_reason, len(r.prompt_ids), len(r.output_ids)) for r in ended]
+                              r.finish_reason, len(r.prompt_ids), len(r.output_ids), error=r.error) for r in ended]
 
     def _report(self, request: Request, sampled: list[tuple[int, TokenLogprob | None]]) -> RequestOutput:
         """The new tokens' text, the stop strings, and what changed. A stop string ends the answer at its token:

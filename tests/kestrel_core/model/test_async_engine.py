@@ -206,3 +206,41 @@ def test_closing_the_engine_stops_its_async_front(tiny_config) -> None:
     assert len(got) == 3 and thread is not None and thread.is_alive()
     engine.close()
     assert not thread.is_alive()
+
+
+def test_a_request_whose_sampling_fails_ends_alone(engine, monkeypatch) -> None:
+    """Its own parameters or constraint: its client gets the error, the requests batched with it their tokens."""
+    from kestrel_core.model import sampling
+
+    prompts = _prompts(4, seed=5)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    alone = [list(engine.generate(p, params=params)) for p in prompts[:3]]
+    doomed = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.5, seed=99)
+    sample, calls = sampling.Sampler.__call__, []
+
+    def failing(self, logits):
+        if self.params.seed == 99:
+            calls.append(1)
+            if len(calls) == 3:  # mid-decode, the others' tokens of this step already taken
+                raise IndexError("index 5 is out of bounds")
+        return sample(self, logits)
+
+    monkeypatch.setattr(sampling.Sampler, "__call__", failing)
+
+    async def main() -> list:
+        front = AsyncEngine(engine, max_batch=4)
+        front.start()
+        try:
+            return list(await asyncio.gather(*(_collect(front, p, params) for p in prompts[:3]),
+                                             _collect(front, prompts[3], doomed), return_exceptions=True))
+        finally:
+            await front.shutdown(grace_s=1)
+
+    *others, failed = asyncio.run(main())
+    assert others == alone
+    assert isinstance(failed, kestrel_core.KestrelError) and "IndexError: index 5" in str(failed)
+    assert engine.pool.free_blocks == engine.pool.num_blocks
+    calls.clear()
+    with pytest.raises(IndexError, match="index 5"):  # alone, through the Python API: raised as it is
+        list(engine.generate(prompts[3], params=doomed))
+    assert engine.pool.free_blocks == engine.pool.num_blocks

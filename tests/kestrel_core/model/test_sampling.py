@@ -42,6 +42,21 @@ def test_low_temperature_sharpens() -> None:
     assert freq[1] > 0.6
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"top_k": 2}, {"top_p": 0.5}])
+def test_a_temperature_too_small_to_divide_by_is_greedy(kwargs: dict) -> None:
+    """1e-310 passes the check (> 0): the logits over it overflow, and the largest must still win."""
+    logits = np.array([0.5, 2.0, -1.0, 1.9], np.float32)
+    assert [Sampler(1e-310, seed=s, **kwargs)(logits) for s in range(20)] == [1] * 20
+
+
+def test_a_tiny_repetition_penalty_gives_the_repeated_tokens_not_nan() -> None:
+    """1e-40 divides a positive logit past float32's range: the largest finite float, not inf (inf - inf is NaN)."""
+    s = _Sampler(SamplingParams(temperature=1.0, repetition_penalty=1e-40, seed=0), prompt_ids=[3])
+    logits = np.array([2.0, 1.0, -1.0, 0.5], np.float32)
+    assert np.isfinite(s.processed(logits)).all()
+    assert {s(logits) for _ in range(20)} == {3}
+
+
 def test_top_k_keeps_the_k_most_likely() -> None:
     freq = _frequencies(Sampler(1.0, top_k=2, seed=3), LOGITS, 5000)
     assert set(np.flatnonzero(freq)) == {1, 3}
