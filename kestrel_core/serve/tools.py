@@ -163,8 +163,10 @@ def _typed_call(name: str, body: str, parameter: re.Pattern[str], schemas: dict[
     values typed by ``schemas``; None where the name is empty or text stands beside the parameters."""
     if not name or parameter.sub("", body).strip():
         return None  # text beside the parameters: not a call kestrel can read whole
-    properties = (schemas.get(name) or {}).get("properties") or {}
-    arguments = {key.strip(): _typed(value, properties.get(key.strip())) for key, value in parameter.findall(body)}
+    schema = schemas.get(name) or {}
+    properties, defs = schema.get("properties") or {}, _defs(schema)
+    arguments = {key.strip(): _typed(value, _deref(properties.get(key.strip()), defs), defs)
+                 for key, value in parameter.findall(body)}
     return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
 
@@ -184,13 +186,14 @@ def _minimax_blocks(text: str, schemas: dict[str, Any]) -> Parsed | None:
     return Parsed(_MINIMAX_BLOCK.sub("", text).rstrip() or None, tuple(calls))
 
 
-def _typed(value: str, schema: Any) -> Any:
+def _typed(value: str, schema: Any, defs: dict[str, Any]) -> Any:
     """A parameter's text as the type its JSON Schema gives (as vLLM's qwen3_coder parser reads it): a string where
-    it says string or nothing, a number, a bool, JSON for the rest; the text itself where it does not convert."""
+    it says string or nothing, a number, a bool, JSON for the rest; the text itself where it does not convert.
+    ``defs``: the definitions its ``$ref``s name."""
     kind = schema.get("type") if isinstance(schema, dict) else None
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), None)
-    if kind == "string" or kind is None and not _composite(schema):
+    if kind == "string" or kind is None and not _composite(schema, defs):
         return value
     text = value.strip()
     if text == "null":
@@ -208,18 +211,58 @@ def _typed(value: str, schema: Any) -> Any:
         return value
 
 
-def _composite(schema: Any) -> bool:
+def _composite(schema: Any, defs: dict[str, Any]) -> bool:
     """A schema without a top-level ``type`` whose values are JSON, not text: pydantic's Optional[int] (an
     ``anyOf`` of integer and null), an enum of numbers. One that admits a string (Optional[str]) is text, as
     a model writes a string's value."""
     if not isinstance(schema, dict):
         return False
-    members = [m for k in ("anyOf", "oneOf", "allOf") for m in schema.get(k) or () if isinstance(m, dict)]
+    members = [_deref(m, defs) for k in ("anyOf", "oneOf", "allOf") for m in schema.get(k) or () if isinstance(m, dict)]
     if members:
         kinds = [m.get("type") for m in members]
         return not any(k == "string" or isinstance(k, list) and "string" in k for k in kinds)
     values = schema.get("enum", [schema["const"]] if "const" in schema else [])
     return bool(values) and not all(isinstance(v, str) for v in values)
+
+
+_DEF_PREFIXES = ("#/$defs/", "#/definitions/")
+
+
+def _defs(schema: Any) -> dict[str, Any]:
+    """The definitions a function's parameters schema names with ``$ref`` (pydantic's ``$defs``; ``definitions``)."""
+    if not isinstance(schema, dict):
+        return {}
+    return {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}
+
+
+def _deref(schema: Any, defs: dict[str, Any]) -> Any:
+    """``schema`` with a local ``$ref`` (a chain of them) replaced by the definition it names, its other keys kept:
+    what a property of a pydantic model's type or enum says it is."""
+    for _ in range(len(defs) + 1):
+        ref = schema.get("$ref") if isinstance(schema, dict) else None
+        name = next((ref[len(p):] for p in _DEF_PREFIXES if isinstance(ref, str) and ref.startswith(p)), None)
+        if name is None or not isinstance(defs.get(name), dict):
+            return schema
+        schema = {**defs[name], **{k: v for k, v in schema.items() if k != "$ref"}}
+    return schema
+
+
+def _hoisted(schema: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
+    """``schema`` without its definitions, its ``$ref``s renamed ``#/$defs/<prefix><name>``, and those definitions so
+    renamed: to sit under one root ``$defs`` beside other functions' (the grammar's root is not the schema's)."""
+    def rename(node: Any) -> Any:
+        if isinstance(node, list):
+            return [rename(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: rename(v) for k, v in node.items() if k not in ("$defs", "definitions")}
+        ref = node.get("$ref")
+        for p in _DEF_PREFIXES:
+            if isinstance(ref, str) and ref.startswith(p):
+                out["$ref"] = f"#/$defs/{prefix}{ref[len(p):]}"
+        return out
+
+    return rename(schema), {f"{prefix}{name}": rename(d) for name, d in _defs(schema).items()}
 
 
 def _leading_json(text: str, fmt: str, offered: Container[str] | None) -> Parsed | None:
@@ -306,10 +349,13 @@ def call_grammar(fmt: str, functions: Sequence[dict[str, Any]], many: bool, tool
     if fmt in _MARKUP:
         return lark_grammar(_markup_grammar(_MARKUP[fmt], functions, many), param="tool_choice")
     key = "parameters" if fmt == LLAMA3 else "arguments"
-    call = lark_json({"anyOf": [
-        {"type": "object", "additionalProperties": False, "required": ["name", key],
-         "properties": {"name": {"const": f["name"]}, key: f.get("parameters") or {"type": "object"}}}
-        for f in functions]})
+    members, defs = [], {}
+    for i, f in enumerate(functions):
+        parameters, own = _hoisted(f.get("parameters") or {"type": "object"}, f"f{i}_")
+        members.append({"type": "object", "additionalProperties": False, "required": ["name", key],
+                        "properties": {"name": {"const": f["name"]}, key: parameters}})
+        defs.update(own)
+    call = lark_json({"anyOf": members, **({"$defs": defs} if defs else {})})
     if fmt == HERMES:
         start = 'block ("\\n" block)*' if many else "block"
         rules = f'block: "{HERMES_OPEN}\\n" call "\\n{HERMES_CLOSE}"\n'
@@ -359,10 +405,11 @@ def _markup_grammar(m: _Markup, functions: Sequence[dict[str, Any]], many: bool)
     nl = f" {lit(m.newline)}" if m.newline else ""
     rules, calls = [], []
     for i, f in enumerate(functions):
-        schema = f.get("parameters") or {}
+        schema, defs = _hoisted(f.get("parameters") or {}, "")
         required = set(schema.get("required") or ())
         items = []
         for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
+            prop = _deref(prop, defs)  # an enum's or a model's own type
             kind = prop.get("type") if isinstance(prop, dict) else None
             choices = prop.get("enum") if isinstance(prop, dict) else None
             start = lit(m.param_open.format(key=key))
@@ -371,11 +418,11 @@ def _markup_grammar(m: _Markup, functions: Sequence[dict[str, Any]], many: bool)
             elif kind == "string" and isinstance(prop.get("maxLength"), int) and prop["maxLength"] >= 0:
                 rules.append(f'v{i}_{j}[stop={lit(m.stop)}]: /(.|\\n){{0,{prop["maxLength"] + 1}}}/')
                 item = f"{start} v{i}_{j}{nl}"  # the value, and the newline after its end
-            elif kind == "string" or kind is None and not _composite(prop) or isinstance(kind, list) \
+            elif kind == "string" or kind is None and not _composite(prop, defs) or isinstance(kind, list) \
                     and "string" in kind:
                 item = f"{start} text{nl}"
             else:
-                rules.append(f"v{i}_{j}: {lark_json(prop)}")
+                rules.append(f"v{i}_{j}: {lark_json({**prop, '$defs': defs} if defs else prop)}")
                 item = f"{start} v{i}_{j} {lit(m.param_close)}"
             items.append(item if key in required else f"({item})?")
         rules.append(f'call{i}: {lit(m.call_open.format(name=f["name"]))} {" ".join(items)} {lit(m.call_close)}')

@@ -353,3 +353,53 @@ def test_plain_json_is_a_call_only_of_an_offered_function_with_its_arguments(fmt
         assert "".join(stream.feed(text[i:i + 4]) for i in range(0, len(text), 4)) + stream.finish()[0] == text
     call = wrap(f'{{"name": "get_weather", "{key}": {{"city": "Paris"}}}}')
     assert parse(fmt, call, schemas=offered) == Parsed(None, (ToolCall("get_weather", '{"city": "Paris"}'),))
+
+
+def _pydantic_tools() -> list[dict]:
+    """openai's pydantic_function_tool of a model with an enum and a nested model: its parameters name both
+    through $ref and $defs, as every such model's do."""
+    import enum
+
+    import openai
+    import pydantic
+
+    class Unit(str, enum.Enum):
+        kg = "kg"
+        lb = "lb"
+
+    class Address(pydantic.BaseModel):
+        city: str
+
+    class Ship(pydantic.BaseModel):
+        to: Address
+        unit: Unit
+        n: int
+
+    return [openai.pydantic_function_tool(Ship)["function"], {"name": "g"}]
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3, MISTRAL, XML, GLM, MINIMAX])
+def test_a_forced_call_of_a_pydantic_model_with_refs_takes_its_definitions(fmt: str) -> None:
+    """The definitions stay reachable from the grammar's root, which is not the function's schema; the markup
+    formats type a model's value as the object it is."""
+    from kestrel_core.serve.tools import call_grammar
+
+    functions = _pydantic_tools()
+    assert "$defs" in functions[0]["parameters"]
+    grammar = call_grammar(fmt, functions, many=False)
+    args, wrong = {"to": {"city": "Paris"}, "unit": "kg", "n": 3}, {"to": {"city": "Paris"}, "unit": "oz", "n": 3}
+    if fmt in (XML, GLM, MINIMAX):
+        write = {XML: lambda a: _xml("Ship", **a), GLM: lambda a: _glm("Ship", **a),
+                 MINIMAX: lambda a: _minimax(("Ship", a))}[fmt]
+        good, bad = (write({k: json.dumps(v) if isinstance(v, dict) else str(v) for k, v in a.items()})
+                     for a in (args, wrong))
+    else:
+        key = "parameters" if fmt == LLAMA3 else "arguments"
+        good, bad = (json.dumps({"name": "Ship", key: a}) for a in (args, wrong))
+        if fmt == HERMES:
+            good, bad = (f"<tool_call>\n{t}\n</tool_call>" for t in (good, bad))
+        elif fmt == MISTRAL:
+            good, bad = (f"[TOOL_CALLS][{t}]" for t in (good, bad))
+    assert _admits(grammar, good) and not _admits(grammar, bad)
+    call = parse(fmt, good, schemas={f["name"]: f.get("parameters") or {} for f in functions}).calls[0]
+    assert (call.name, json.loads(call.arguments)) == ("Ship", args)
