@@ -343,6 +343,7 @@ class CompletionShape(_Shape):
             top: dict[str, float] = {}
             for i, lp in e.top:
                 top.setdefault(t(i), lp)  # two ids with one text: the likelier one
+            top.setdefault(t(e.token_id), e.logprob)  # the chosen token's always: up to logprobs + 1, as OpenAI's
             rows.append((e.token_id, e.logprob, top))
         for token_id, logprob, top_row in rows:
             token = t(token_id)

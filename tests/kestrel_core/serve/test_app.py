@@ -308,6 +308,14 @@ def test_completions_logprobs(client: openai.OpenAI) -> None:
                                             logprobs=2, stream=True))
     streamed = [off for c in chunks if c.choices and c.choices[0].logprobs for off in c.choices[0].logprobs.text_offset]
     assert streamed == lp.text_offset  # offsets run on across chunks
+    # the chosen token is always among top_logprobs (OpenAI: up to logprobs + 1), sampled or echoed
+    for k in (0, 1):
+        r = client.completions.create(model=NAME, prompt="Zebra quantum lettuce", max_tokens=4, temperature=2.0,
+                                      seed=3, logprobs=k, echo=True)
+        lp = r.choices[0].logprobs
+        assert lp.top_logprobs[0] is None  # the first prompt token has no logprob
+        for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+            assert top[token] == pytest.approx(logprob) and len(top) <= k + 1
 
 
 def test_logit_bias_forces_a_token(client: openai.OpenAI, engine: Any) -> None:
