@@ -308,7 +308,27 @@ class ChatCompletionRequest(_Generation):
     continue_final_message: StrictBool | None = None  # vLLM's extension: the answer continues the last message
     # OpenAI's: the template sees it as reasoning_effort (gpt-oss reads it); none or minimal also turn Qwen3's
     # enable_thinking off, unless chat_template_kwargs set it
-    reasoning_effort: StrictStr | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # OpenAI's, refused: what they ask for (a call in the deprecated shape, audio) kestrel does not answer with
+    functions: list[Any] | None = None
+    function_call: Any = None
+    modalities: list[StrictStr] | None = None
+    audio: Any = None
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _deprecated_functions(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("the deprecated functions and function_call are not supported: send tools and "
+                             "tool_choice")
+        return value
+
+    @field_validator("modalities", "audio")
+    @classmethod
+    def _text_only(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and (info.field_name == "audio" or set(value) - {"text"}):
+            raise ValueError("kestrel answers with text only")
+        return value
 
     def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:

@@ -65,6 +65,10 @@ class ResponsesBody(RequestBody):
     store: StrictBool | None = None
     previous_response_id: StrictStr | None = None
     metadata: dict[str, Any] | None = None
+    include: list[StrictStr] | None = None
+    top_logprobs: StrictInt | None = None
+    conversation: Any = None  # refused: kestrel stores no conversations, nor prompts
+    prompt: Any = None
 
     def text_format(self) -> TextFormat:
         fmt = (self.text or {}).get("format")
@@ -76,9 +80,10 @@ class ResponsesBody(RequestBody):
             return validated(TextFormat, fmt)
 
     def openai(self) -> dict[str, Any]:
-        if self.previous_response_id is not None:
-            raise APIError(400, "previous_response_id is not supported: kestrel stores no responses; send the whole "
-                           "conversation as input", param="previous_response_id")
+        for name in ("previous_response_id", "conversation", "prompt"):
+            if getattr(self, name) is not None:
+                raise APIError(400, f"{name} is not supported: kestrel stores no responses, conversations or prompts; "
+                               "send the whole conversation as input", param=name)
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
@@ -92,6 +97,8 @@ class ResponsesBody(RequestBody):
             "top_p": None if self.top_p is None else float(self.top_p),
             "tools": [_function(t, f"tools.[{i}]") for i, t in enumerate(self.tools or ())] or None,
             "parallel_tool_calls": self.parallel_tool_calls}
+        if "message.output_text.logprobs" in (self.include or ()) or self.top_logprobs:
+            out.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         choice = self.tool_choice
         if isinstance(choice, dict):
             out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
@@ -229,7 +236,8 @@ def _whole(response: _Response, answer: dict[str, Any]) -> dict[str, Any]:
     if message.get("reasoning_content"):
         response.output.reasoning(message["reasoning_content"])
     if message.get("content") or not message.get("tool_calls"):
-        response.output.message(message.get("content") or "", status)
+        item = response.output.message(message.get("content") or "", status)
+        item["content"][0]["logprobs"] = (choice.get("logprobs") or {}).get("content") or []
     for call in message.get("tool_calls") or ():
         response.output.call(call)
     return response.envelope(status, answer.get("usage") or {})
@@ -266,12 +274,16 @@ class _Stream:
                                      content_index=0, part={**item["content"][0], "text": ""}))
         return events
 
-    def delta(self, text: str) -> bytes:
+    def delta(self, text: str, logprobs: list[dict[str, Any]]) -> bytes:
+        """The open item's next text, with the logprobs of its tokens (the chat chunk's, where asked for)."""
         item = self.open
         assert item is not None
         item["content"][0]["text"] += text
         kind = "response.reasoning_text.delta" if item["type"] == "reasoning" else "response.output_text.delta"
-        extra = {} if item["type"] == "reasoning" else {"logprobs": []}
+        extra = {}
+        if item["type"] == "message":
+            item["content"][0]["logprobs"].extend(logprobs)
+            extra["logprobs"] = logprobs
         return self.event(kind, item_id=item["id"], output_index=self._index(), content_index=0, delta=text, **extra)
 
     def close(self, status: str = "completed") -> list[bytes]:
@@ -286,7 +298,7 @@ class _Stream:
         else:
             item["status"] = status
             events = [self.event("response.output_text.done", item_id=item["id"], output_index=index,
-                                 content_index=0, text=text, logprobs=[]),
+                                 content_index=0, text=text, logprobs=item["content"][0]["logprobs"]),
                       self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                  content_index=0, part=item["content"][0])]
         return [*events, self.event("response.output_item.done", output_index=index, item=item)]
@@ -311,6 +323,7 @@ async def _events(response: _Response, chunks: AsyncIterator[dict[str, Any]]) ->
     yield stream.event("response.created", response=response.envelope("in_progress"))
     yield stream.event("response.in_progress", response=response.envelope("in_progress"))
     finish: str | None = None
+    pending: list[dict[str, Any]] = []  # token logprobs not yet sent with text
     async for chunk in chunks:
         if "error" in chunk:
             error = chunk["error"]
@@ -321,6 +334,8 @@ async def _events(response: _Response, chunks: AsyncIterator[dict[str, Any]]) ->
             if not any(i["type"] in ("message", "function_call") for i in response.output.items):
                 for e in stream.to("message"):  # an empty answer is an empty message, as the whole response's
                     yield e
+            if pending and stream.open is not None and stream.open["type"] == "message":
+                stream.open["content"][0]["logprobs"].extend(pending)
             for e in stream.close(status):
                 yield e
             kind = "response.incomplete" if status == "incomplete" else "response.completed"
@@ -329,11 +344,14 @@ async def _events(response: _Response, chunks: AsyncIterator[dict[str, Any]]) ->
         choice = chunk["choices"][0]
         finish = choice.get("finish_reason") or finish
         delta = choice.get("delta") or {}
+        pending += (choice.get("logprobs") or {}).get("content") or []  # a chunk may hold back its text
         for kind, text in (("reasoning", delta.get("reasoning_content")), ("message", delta.get("content"))):
             if text:
                 for e in stream.to(kind):
                     yield e
-                yield stream.delta(text)
+                yield stream.delta(text, pending if kind == "message" else [])
+                if kind == "message":
+                    pending = []
         for call in delta.get("tool_calls") or ():
             for e in stream.call(call):
                 yield e

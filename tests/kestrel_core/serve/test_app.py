@@ -515,6 +515,12 @@ def test_client_disconnect_while_waiting_for_a_whole_answer(server: KestrelServe
     ({"logit_bias": {"10000000": 1}}, "logit_bias"),  # outside the vocabulary
     ({"extra_body": {"stop_token_ids": [1, 10000000]}}, "stop_token_ids"),  # likewise (vLLM's field)
     ({"logit_bias": {"five": 1}}, "logit_bias"),
+    # what kestrel does not answer with is refused, not ignored: a call in the deprecated shape, audio
+    ({"functions": [{"name": "f", "parameters": {}}], "function_call": {"name": "f"}}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"reasoning_effort": "bogus"}, "reasoning_effort"),
 ])
 def test_bad_chat_request_is_a_400_naming_the_field(client: openai.OpenAI, kwargs: dict[str, Any],
                                                      param: str) -> None:

@@ -50,6 +50,22 @@ def test_a_stream_is_its_response_in_events(client: openai.OpenAI) -> None:
     assert events[-1].response.output[0].content[0].text == whole.output_text
 
 
+def test_logprobs_come_with_the_text_when_included(client: openai.OpenAI) -> None:
+    """include message.output_text.logprobs and top_logprobs: the chat answer's, whole and in the stream's deltas."""
+    chat = client.chat.completions.create(model=NAME, messages=HI, temperature=0, max_tokens=6, logprobs=True,
+                                          top_logprobs=2)
+    want = [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in chat.choices[0].logprobs.content]
+    kw: dict[str, Any] = {"model": NAME, "input": "Hi", "temperature": 0, "max_output_tokens": 6,
+                          "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    whole = client.responses.create(**kw).output[0].content[0].logprobs
+    assert [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in whole] == want
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+    deltas = [e for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs]
+    done = next(ev for ev in events if ev.type == "response.output_text.done").logprobs
+    assert [(e.token, e.logprob) for e in deltas] == [(e.token, e.logprob) for e in done] == [w[:2] for w in want]
+
+
 def test_a_json_schema_format_is_parsed(client: openai.OpenAI) -> None:
     got = client.responses.parse(model=NAME, input="Hi", max_output_tokens=40, text_format=Ok)
     assert got.status == "completed" and isinstance(got.output_parsed, Ok)
@@ -60,6 +76,8 @@ def test_a_json_schema_format_is_parsed(client: openai.OpenAI) -> None:
 
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"input": "Hi", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
+    ({"input": "Hi", "conversation": "conv_1"}, 400, "conversation"),  # state kestrel does not keep: refused
+    ({"input": "Hi", "prompt": {"id": "pmpt_1"}}, 400, "prompt"),
     ({"input": []}, 400, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input.[0].content"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, 400, "tools.[0]"),
