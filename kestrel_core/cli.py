@@ -106,6 +106,12 @@ def cmd_list(args: argparse.Namespace) -> int:
     return list_models(args)
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    from kestrel_core.model.commands import cache
+
+    return cache(args)
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from kestrel_core.model.commands import quantize
 
@@ -288,6 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("list", help="the models on this machine: the default one, the Hugging Face cache's")
     p.add_argument("--json", action="store_true", help="one JSON object a model (name, format, path, size, modified)")
     p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("cache", help="the quantized models kestrel cached, what each was built from, its size")
+    action = p.add_mutually_exclusive_group()
+    action.add_argument("--prune", action="store_true", help="remove the entries whose model (or adapter) is gone")
+    action.add_argument("--clear", action="store_true", help="remove every entry (models are quantized again)")
+    p.add_argument("--json", action="store_true", help="one JSON object an entry")
+    p.set_defaults(func=cmd_cache)
 
     p = sub.add_parser("quantize", help="quantize a model into a .kst strip-cache artifact")
     p.add_argument("model")

@@ -25,10 +25,11 @@ import os
 import re
 import shutil
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 from kestrel_core import __version__
-from kestrel_core.artifact import FORMAT_VERSION, MAX_HEADER_BYTES
+from kestrel_core.artifact import FORMAT_VERSION, MAX_HEADER_BYTES, read_meta
 from kestrel_core.env import env_flag, env_str
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.hf import weight_files
@@ -159,3 +160,50 @@ def remove_entry(path: Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink()
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One quantized model in the cache: the model (and adapter) it was built from, as recorded in it (empty: an
+    entry written before kestrel recorded them), its quant mode ("?": unreadable), bytes and last use."""
+
+    path: Path
+    sources: tuple[str, ...]
+    quant: str
+    size: int
+    used: float
+
+    @property
+    def orphaned(self) -> bool:
+        """No load can read it again: what it was built from is gone, or it is not a readable entry."""
+        return self.quant == "?" or any(not Path(s).exists() for s in self.sources)
+
+
+def cache_entries() -> list[CacheEntry]:
+    """The entries of ``$KESTREL_HOME/cache``, the most recently used first."""
+    entries = []
+    for path in cache_dir().glob("*.kst"):
+        try:
+            st = path.lstat()
+        except OSError:
+            continue
+        try:
+            meta = read_meta(path)
+            sources, quant = meta.extra.get("sources") or (), meta.quant
+        except (KestrelError, OSError):  # corrupt, truncated, not a file: a load rebuilds it
+            sources, quant = (), "?"
+        entries.append(CacheEntry(path, tuple(str(s) for s in sources), quant, st.st_size,
+                                  max(st.st_atime, st.st_mtime)))
+    return sorted(entries, key=lambda e: -e.used)
+
+
+def prune_cache(everything: bool = False) -> list[CacheEntry]:
+    """Remove the orphaned entries (``everything``: all of them) and the temp files of killed writers; the ones
+    removed. A model loaded again is quantized again."""
+    from kestrel_core.artifact_write import remove_stale_temps
+
+    removed = [e for e in cache_entries() if everything or e.orphaned]
+    for e in removed:
+        remove_entry(e.path)
+    remove_stale_temps(cache_dir())
+    return removed

@@ -433,6 +433,37 @@ def list_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cache(args: argparse.Namespace) -> int:
+    """The quantized models cached in ``$KESTREL_HOME/cache`` (cache.cache_entries); ``--prune`` removes those
+    whose model is gone, ``--clear`` all of them."""
+    import datetime
+
+    from kestrel_core.model.cache import cache_dir, cache_entries, prune_cache
+
+    if args.prune or args.clear:
+        removed = prune_cache(everything=args.clear)
+        err.print(f"removed {len(removed)} cache entries ({sum(e.size for e in removed) / 1e6:,.0f} MB) from "
+                  f"{cache_dir()}", soft_wrap=True)
+        return 0
+    entries = cache_entries()
+    if args.json:
+        for e in entries:
+            print(json.dumps({"path": str(e.path), "sources": list(e.sources), "quant": e.quant, "size": e.size,
+                              "used": e.used, "orphaned": e.orphaned}))
+        return 0
+    table = Table(title=f"quantized models cached in {cache_dir()} (kestrel cache --prune removes the orphaned)")
+    for column in ("built from", "quant", "size", "last used", "state"):
+        table.add_column(column, justify="right" if column == "size" else "left", overflow="fold")
+    for e in entries:
+        when = datetime.datetime.fromtimestamp(e.used).strftime("%Y-%m-%d %H:%M")
+        table.add_row(" + ".join(e.sources) or e.path.name, e.quant, f"{e.size / 1e6:,.0f} MB", when,
+                      "orphaned" if e.orphaned else "ok")
+    out.print(table if entries else f"the cache {cache_dir()} is empty")
+    if entries:
+        out.print(f"{sum(e.size for e in entries) / 1e6:,.0f} MB in {len(entries)} entries", highlight=False)
+    return 0
+
+
 def quantize(args: argparse.Namespace) -> int:
     from kestrel_core.artifact_write import check_output
     from kestrel_core.model.loader import load_model, write_artifact

@@ -104,6 +104,11 @@ def _named(path: Path, adapter: Adapter | None, name: str | None = None) -> str:
     return base if adapter is None else f"{base} + LoRA {adapter.path.name}"
 
 
+def _origins(path: Path, adapter: Adapter | None) -> list[str]:
+    """What a cache entry is built from (recorded in it: ``kestrel cache`` finds the entries whose model is gone)."""
+    return [str(p.resolve()) for p in (path, *(() if adapter is None else (adapter.path,)))]
+
+
 def _cached_entry(path: Path, key: str, stem: str, quant: str, adapter: Adapter | None) -> tuple[Path, str, str]:
     """(entry, key, stale pattern) of a checkpoint's cached artifact; an adapter's merge is its own slot."""
     if adapter is not None:
@@ -119,7 +124,7 @@ def _load_hf_cached(path: Path, quant: str, mode: str, adapter: Adapter | None =
         return _load_hf(path, quant, adapter)
     entry, key, stale = _cached_entry(path, key, store.hf_stem(path), quant, adapter)
     return _cached(entry, key, quant, stale, lambda: _load_hf(path, quant, adapter), _named(path, adapter, str(path)),
-                   write=mode == "on")
+                   _origins(path, adapter), write=mode == "on")
 
 
 def _load_gguf_cached(path: Path, quant: str, mode: str, adapter: Adapter | None = None) -> LoadedModel:
@@ -129,7 +134,7 @@ def _load_gguf_cached(path: Path, quant: str, mode: str, adapter: Adapter | None
         return _load_gguf(path, quant, adapter)
     entry, key, stale = _cached_entry(path, key, store.gguf_stem(path), quant, adapter)
     return _cached(entry, key, quant, stale, lambda: _load_gguf(path, quant, adapter),
-                   _named(path, adapter, str(path)), write=mode == "on")
+                   _named(path, adapter, str(path)), _origins(path, adapter), write=mode == "on")
 
 
 def _load_gguf(path: Path, quant: str, adapter: Adapter | None = None) -> LoadedModel:
@@ -193,7 +198,7 @@ def _read_cached(entry: Path, key: str, quant: str) -> LoadedModel | None:
 
 
 def _cached(entry: Path, key: str, quant: str, stale_glob: str, build: Callable[[], LoadedModel], source: str,
-            write: bool = True) -> LoadedModel:
+            origins: list[str], write: bool = True) -> LoadedModel:
     """The model from cache ``entry`` if it holds ``key``; else ``build()`` it and (``write``) cache it.
 
     A fresh entry is written atomically (temp file, fsync, rename; see artifact_write.save_artifact). A small
@@ -215,9 +220,9 @@ def _cached(entry: Path, key: str, quant: str, stale_glob: str, build: Callable[
     if not write:
         return loaded
     if loaded.model.nbytes >= BACKGROUND_WRITE_BYTES:
-        _Write(loaded, entry, key, stale_glob)
+        _Write(loaded, entry, {"cache_key": key, "sources": origins}, stale_glob)
         return loaded
-    if not _write_entry(loaded, entry, key, stale_glob, progress=None):
+    if not _write_entry(loaded, entry, {"cache_key": key, "sources": origins}, stale_glob, progress=None):
         return loaded
     try:
         again, _ = _from_artifact(entry, quant, require_checksums=True)
@@ -235,12 +240,13 @@ def _from_source(loaded: LoadedModel, source: str, no_tokenizer: str) -> LoadedM
     return loaded
 
 
-def _write_entry(loaded: LoadedModel, entry: Path, key: str, stale_glob: str, progress: Report | None) -> bool:
-    """Write cache ``entry`` and remove the slot's stale ones; False (with a warning) where it cannot be
-    written, which only costs speed. ``progress``: None shows a bar of its own."""
+def _write_entry(loaded: LoadedModel, entry: Path, extra: dict[str, Any], stale_glob: str,
+                 progress: Report | None) -> bool:
+    """Write cache ``entry`` (``extra``: its key and sources) and remove the slot's stale ones; False (with a
+    warning) where it cannot be written, which only costs speed. ``progress``: None shows a bar of its own."""
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
-        write_artifact(loaded, entry, force=True, extra={"cache_key": key}, progress=progress)
+        write_artifact(loaded, entry, force=True, extra=extra, progress=progress)
         for stale in entry.parent.glob(stale_glob):
             if stale != entry:
                 stale.unlink(missing_ok=True)
@@ -259,11 +265,11 @@ class _Cancelled(KestrelError):
 class _Write:
     """A cache entry written on a thread of its own (not a daemon: the interpreter waits for it at exit)."""
 
-    def __init__(self, loaded: LoadedModel, entry: Path, key: str, stale_glob: str) -> None:
+    def __init__(self, loaded: LoadedModel, entry: Path, extra: dict[str, Any], stale_glob: str) -> None:
         self.entry = entry
         self.done, self.total = 0, 1
         self.cancel = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(loaded, key, stale_glob),
+        self.thread = threading.Thread(target=self._run, args=(loaded, extra, stale_glob),
                                        name=f"kestrel cache {entry.name}")
         _writes[entry] = self
         watch_signals()  # from the starting thread: the writer's own cannot install the handler
@@ -274,9 +280,9 @@ class _Write:
             raise _Cancelled("cancelled")  # save_artifact removes its temp file
         self.done, self.total = done, total
 
-    def _run(self, loaded: LoadedModel, key: str, stale_glob: str) -> None:
+    def _run(self, loaded: LoadedModel, extra: dict[str, Any], stale_glob: str) -> None:
         try:
-            _write_entry(loaded, self.entry, key, stale_glob, progress=self._report)
+            _write_entry(loaded, self.entry, extra, stale_glob, progress=self._report)
         except Exception as exc:  # nobody catches on this thread: one warning, not a traceback
             log.warning("could not cache the quantized model in %s: %s: %s", self.entry, type(exc).__name__, exc)
         finally:
@@ -310,7 +316,7 @@ def _load_default(quant: str, adapter: Adapter | None = None) -> LoadedModel:
     else:
         entry, key, stale = _cached_entry(gguf_path, DEFAULT_MODEL.member_sha256, stem, quant, adapter)
     return _cached(entry, key, quant, stale, lambda: _load_gguf(gguf_path, quant, adapter),
-                   _named(gguf_path, adapter, f"SmolLM2-135M-Instruct ({gguf_path})"))
+                   _named(gguf_path, adapter, f"SmolLM2-135M-Instruct ({gguf_path})"), _origins(gguf_path, adapter))
 
 
 def _sniff(path: Path) -> bytes:

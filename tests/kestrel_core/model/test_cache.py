@@ -468,3 +468,27 @@ def test_a_missing_tokenizer_is_named_by_the_model_not_the_cache_entry(home: Pat
             load_model(root, quant="q8").tokenizer.encode("hi")
         assert str(root) in str(info.value) and "cache" not in str(info.value)
     assert len(builds) == 1
+
+
+def test_the_cache_lists_its_entries_and_prunes_those_whose_model_is_gone(home: Path, hf, tmp_path: Path,
+                                                                         capsys) -> None:
+    """An entry records what it was built from; `kestrel cache --prune` removes it once that is gone (a Hub
+    snapshot replaced by a new revision, a folder deleted), and leaves the others."""
+    from kestrel_core.cli import main
+    from kestrel_core.model.cache import cache_entries
+
+    root, _ = hf
+    other = shutil.copytree(root, tmp_path / "Qwen-copy")
+    load_model(root, quant="q8")
+    load_model(other, quant="q8")
+    assert {e.sources for e in cache_entries()} == {(str(root.resolve()),), (str(other.resolve()),)}
+    assert not any(e.orphaned for e in cache_entries())
+    shutil.rmtree(other)
+    (home / "cache" / "junk.kst").write_bytes(b"not an artifact")  # unreadable: a load would rebuild it anyway
+    assert main(["cache", "--json"]) == 0
+    listed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert sorted((e["sources"], e["orphaned"]) for e in listed) == [([], True), ([str(other.resolve())], True),
+                                                                      ([str(root.resolve())], False)]
+    assert main(["cache", "--prune"]) == 0
+    assert [e.sources for e in cache_entries()] == [(str(root.resolve()),)]
+    assert main(["cache", "--clear"]) == 0 and cache_entries() == []
