@@ -222,7 +222,7 @@ def _st_pooling_mode(path: Path) -> str:
     return modes[0]
 
 
-def _safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
+def safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
     """(offset of the data section, the header dict) of a safetensors file."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
@@ -497,7 +497,7 @@ class HFCheckpoint:
         """The tensor's raw elements (bfloat16 bits as "<u2", FP8 codes as "u1") in its shape, mapped from the file
         at the header's offsets."""
         if path not in self._headers:
-            self._headers[path] = _safetensors_header(path)
+            self._headers[path] = safetensors_header(path)
         base, header = self._headers[path]
         entry = header[hf_name]
         start, end = entry["data_offsets"]

@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from kestrel_core.contract import BFloat16Bits
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.hf import kestrel_name
+from kestrel_core.model.hf import kestrel_name, safetensors_header
 from kestrel_core.model.quantize import TensorSource
 from kestrel_core.model.validate import ValidationError, check_bool, check_float, check_int, check_regular_file
 
@@ -68,6 +69,8 @@ def read_adapter(path: str | Path, scale: float = 1.0) -> Adapter:
     """The LoRA adapter at ``path``: a PEFT directory or llama.cpp's GGUF; ``scale`` multiplies its own
     (llama.cpp's --lora-scaled)."""
     d = Path(path).expanduser()
+    if d.is_file() and d.suffix in (".safetensors", ".json"):
+        raise KestrelError(f"LoRA adapter {d}: a PEFT adapter is its directory ({d.parent}), not one of its files")
     if d.is_file():
         return _gguf_adapter(d, scale)
     if not d.is_dir():
@@ -93,7 +96,7 @@ def read_adapter(path: str | Path, scale: float = 1.0) -> Adapter:
     for f in files:
         digest.update(f.read_bytes())
     digest.update(repr(scale).encode())
-    return Adapter(d, scale, _deltas(files[1], where), digest.hexdigest())
+    return Adapter(d, scale, _deltas(files[1], where, int(cfg["r"])), digest.hexdigest())
 
 
 def _scale(cfg: dict[str, Any]) -> float:
@@ -102,20 +105,27 @@ def _scale(cfg: dict[str, Any]) -> float:
         raise ValidationError(f"peft_type {cfg.get('peft_type')!r} is not supported (kestrel merges LORA)")
     unsupported = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out weights", "modules_to_save":
                    "modules trained in full", "rank_pattern": "per-module ranks", "alpha_pattern": "per-module alphas",
-                   "layers_to_transform": "a subset of layers by index", "use_qalora": "QA-LoRA"}
+                   "layers_to_transform": "a subset of layers by index", "use_qalora": "QA-LoRA",
+                   "layer_replication": "layers repeated", "alora_invocation_tokens": "aLoRA (from its tokens on: "
+                   "not mergeable)", "arrow_config": "an Arrow router (not mergeable)"}
     for key, what in unsupported.items():
         if cfg.get(key):
             raise ValidationError(f"{key} ({what}) is not supported")
     if cfg.get("bias", "none") != "none":
         raise ValidationError(f"bias {cfg.get('bias')!r} (trained biases) is not supported")
+    init = cfg.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(("pissa", "olora", "corda", "loftq")):
+        raise ValidationError(f"init_lora_weights {init!r} is not supported (PEFT changes the base weights as it "
+                              "loads such an adapter; convert it to a plain LoRA as PEFT's docs say)")
     r = check_int("r", cfg.get("r"), 1)
-    alpha = check_float("lora_alpha", cfg.get("lora_alpha", r), 0.0)
+    alpha = check_float("lora_alpha", cfg.get("lora_alpha", 8), 0.0)  # LoraConfig's default
     rs = check_bool("use_rslora", cfg.get("use_rslora", False))
     return alpha / (math.sqrt(r) if rs else r)
 
 
-def _deltas(path: Path, where: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Each adapted weight's (A, B), by kestrel name (the projections' names are every architecture's)."""
+def _deltas(path: Path, where: str, r: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each adapted weight's (A, B) of rank ``r``, by kestrel name (the projections' names are every
+    architecture's)."""
     pairs: dict[str, dict[str, np.ndarray]] = {}
     try:
         with safe_open(str(path), framework="numpy") as f:
@@ -128,15 +138,27 @@ def _deltas(path: Path, where: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
                 if name is None or name.rsplit(".", 1)[-1] not in MERGED or ".experts." in name:
                     raise KestrelError(f"{where}: {module.removeprefix(_PREFIX)} is not a projection kestrel "
                                        f"merges into ({', '.join(sorted(MERGED))} of each layer)")
-                pairs.setdefault(name, {})[part[0]] = np.asarray(f.get_tensor(key), dtype=np.float32)
-    except SafetensorError as exc:
-        raise KestrelError(f"{where}: adapter_model.safetensors is unreadable ({exc}; BF16 adapters: save them "
-                           "as F16 or F32)") from None
-    return _checked(pairs, where)
+                bf16 = f.get_slice(key).get_dtype() == "BF16"  # numpy has none: widened from its bits
+                pairs.setdefault(name, {})[part[0]] = _bf16(path, key) if bf16 else np.asarray(f.get_tensor(key),
+                                                                                              dtype=np.float32)
+    except (SafetensorError, TypeError) as exc:  # TypeError: a dtype numpy does not have
+        raise KestrelError(f"{where}: adapter_model.safetensors is unreadable ({exc})") from None
+    return _checked(pairs, where, r)
 
 
-def _checked(pairs: dict[str, dict[str, np.ndarray]], where: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Each weight's (A, B), checked to make a finite rank-r product."""
+def _bf16(path: Path, key: str) -> np.ndarray:
+    """A BF16 tensor of a safetensors file as float32 (exactly: bf16 is the top half of an f32)."""
+    base, header = safetensors_header(path)
+    start, end = header[key]["data_offsets"]
+    with open(path, "rb") as f:
+        f.seek(base + start)
+        bits = np.frombuffer(f.read(end - start), dtype="<u2")
+    return BFloat16Bits(bits.reshape(header[key]["shape"])).to_float32()
+
+
+def _checked(pairs: dict[str, dict[str, np.ndarray]], where: str, r: int | None = None
+             ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each weight's (A, B), checked to make a finite rank-r product (``r``: the config's, which PEFT requires)."""
     out = {}
     for name, ab in pairs.items():
         if set(ab) != {"A", "B"}:
@@ -145,6 +167,8 @@ def _checked(pairs: dict[str, dict[str, np.ndarray]], where: str) -> dict[str, t
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise KestrelError(f"{where}: {name}'s lora_A {list(a.shape)} and lora_B {list(b.shape)} do not make a "
                                "rank-r product")
+        if r is not None and a.shape[0] != r:
+            raise KestrelError(f"{where}: {name}'s lora_A has rank {a.shape[0]}; adapter_config.json says r {r}")
         if not (np.isfinite(a).all() and np.isfinite(b).all()):
             raise KestrelError(f"{where}: {name} has NaN or infinite values")
         out[name] = (a, b)
@@ -177,6 +201,9 @@ def _gguf_adapter(path: Path, scale: float) -> Adapter:
     if field("general.type") != "adapter" or field("adapter.type") != "lora":
         raise KestrelError(f"{where}: not a LoRA adapter (general.type {field('general.type')!r}, adapter.type "
                            f"{field('adapter.type')!r})")
+    if field("adapter.alora.invocation_tokens") is not None:
+        raise KestrelError(f"{where}: an aLoRA adapter (adapter.alora.invocation_tokens: from those tokens on) "
+                           "cannot be merged")
     arch = str(field("general.architecture"))
     pairs: dict[str, dict[str, np.ndarray]] = {}
     for t in reader.tensors:

@@ -92,6 +92,13 @@ def _renamed(t: dict, old: str, new: str) -> dict:
      "has lora_A without its pair"),
     (lambda p: _adapter(p, tensors=lambda t: {k: (v[:, :-32] if "lora_A" in k and "q_proj" in k else v)
                                               for k, v in t.items()}), "another base model's adapter"),
+    # PEFT rewrites the base as it loads these, or applies them to some positions only: never merged as plain LoRA
+    (lambda p: _adapter(p, {"init_lora_weights": "pissa_niter_4"}), "init_lora_weights 'pissa_niter_4'"),
+    (lambda p: _adapter(p, {"init_lora_weights": "olora"}), "init_lora_weights 'olora'"),
+    (lambda p: _adapter(p, {"alora_invocation_tokens": [5, 6]}), "alora_invocation_tokens (aLoRA"),
+    (lambda p: _adapter(p, {"layer_replication": [[0, 1], [0, 1]]}), "layer_replication (layers repeated)"),
+    (lambda p: _adapter(p, {"r": 64}), "lora_A has rank"),  # the tensors' rank is not the config's
+    (lambda p: _adapter(p) / "adapter_model.safetensors", "a PEFT adapter is its directory"),
 ])
 def test_an_adapter_kestrel_cannot_merge_is_one_line(tmp_path: Path, make, says: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(KestrelError, match=re.escape(says)) as info:
@@ -117,7 +124,7 @@ def test_run_with_an_adapter_answers_as_the_merged_model(capsys: pytest.CaptureF
         assert merged == list(engine.generate(engine.tokenizer.encode("hello"), max_tokens=4))
 
 
-def _gguf_adapter(tmp_path: Path, permute: bool = True) -> Path:
+def _gguf_adapter(tmp_path: Path, permute: bool = True, alora: bool = False) -> Path:
     """tiny-llama-lora as llama.cpp's convert_lora_to_gguf.py writes it: general.type adapter, adapter.lora.alpha,
     blk.N.<tensor>.weight.lora_a / lora_b, B's Q and K rows permuted as llama's weights are."""
     import gguf
@@ -132,6 +139,8 @@ def _gguf_adapter(tmp_path: Path, permute: bool = True) -> Path:
     w.add_type(gguf.GGUFType.ADAPTER)
     w.add_string(gguf.Keys.Adapter.TYPE, "lora")
     w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(cfg["lora_alpha"]))
+    if alora:
+        w.add_array("adapter.alora.invocation_tokens", [5, 6])
     for key, t in sorted(load_file(str(ADAPTER / "adapter_model.safetensors")).items()):
         module, part = key.removeprefix("base_model.model.model.layers.").split(".lora_")
         layer, hf = module.split(".", 1)
@@ -161,6 +170,12 @@ def test_llama_cpps_gguf_adapter_merges_as_the_peft_one(tmp_path: Path, base: st
         assert not np.allclose(engine.logits(ids), want, atol=1e-3)
 
 
+def test_a_gguf_alora_adapter_is_refused(tmp_path: Path) -> None:
+    """llama.cpp applies it from its invocation tokens on: merged into every position, it would be wrong."""
+    with pytest.raises(KestrelError, match="aLoRA adapter"):
+        load_model(str(FIXTURES / "tiny-llama"), "q8", cache="off", lora=str(_gguf_adapter(tmp_path, alora=True)))
+
+
 def test_a_gguf_that_is_not_a_lora_adapter_is_refused() -> None:
     with pytest.raises(KestrelError, match="not a LoRA adapter"):
         load_model(str(FIXTURES / "tiny-llama"), "q8", cache="off", lora=str(FIXTURES / "tiny-llama.gguf"))
@@ -186,3 +201,38 @@ def test_a_lora_scale_without_an_adapter_is_refused(capsys) -> None:  # type: ig
 
     assert main(["run", "--lora-scale", "3", "-n", "1", "hi"]) == 2
     assert "--lora-scale scales a --lora adapter, and none is given" in capsys.readouterr().err
+
+
+def test_an_adapter_without_lora_alpha_scales_as_peft_and_a_bf16_one_loads(tmp_path: Path) -> None:
+    """LoraConfig's lora_alpha defaults to 8 (not r); BF16 adapters, common on the Hub, are widened exactly."""
+    plain = json.loads((ADAPTER / "adapter_config.json").read_text())
+    r = plain["r"]
+    t = load_file(str(ADAPTER / "adapter_model.safetensors"))
+    bits = {k: (v.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16) for k, v in t.items()}  # exact in bf16
+    widened = {k: (b.astype(np.uint32) << 16).view(np.float32) for k, b in bits.items()}
+    d = _adapter(tmp_path, tensors=lambda _: widened)
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    del cfg["lora_alpha"]
+    (d / "adapter_config.json").write_text(json.dumps(cfg))
+    from kestrel_core.model.lora import read_adapter
+
+    assert read_adapter(d).scale == pytest.approx(8 / r)
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(d, bf16)
+    _write_bf16(bf16 / "adapter_model.safetensors", bits)
+    got, want = read_adapter(bf16), read_adapter(d)
+    assert got.scale == want.scale and all(np.array_equal(got.deltas[n][i], want.deltas[n][i])
+                                           for n in want.deltas for i in (0, 1))
+
+
+def _write_bf16(path: Path, bits: dict[str, np.ndarray]) -> None:
+    """A safetensors file of BF16 tensors (numpy has no bfloat16: the header written by hand)."""
+    import struct
+
+    header, offset, data = {}, 0, b""
+    for name, b in bits.items():
+        header[name] = {"dtype": "BF16", "shape": list(b.shape), "data_offsets": [offset, offset + b.nbytes]}
+        data += b.astype("<u2").tobytes()
+        offset += b.nbytes
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)

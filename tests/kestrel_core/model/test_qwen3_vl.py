@@ -35,7 +35,7 @@ def test_transformers_5s_linear_experts_give_the_hubs_logits(fmt: SimpleNamespac
     src, dst = FIXTURES / MOE_VL.name, tmp_path / "linear"
     shutil.copytree(src, dst)
     ckpt, tensors = HFCheckpoint(src), {}
-    _, header = hf._safetensors_header(src / "model.safetensors")
+    _, header = hf.safetensors_header(src / "model.safetensors")
     for name, entry in header.items():
         if name == "__metadata__":
             continue
