@@ -18,15 +18,18 @@ class TextStream:
     """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), min_tokens: int = 0,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, context: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
         self.min_tokens = min_tokens
         self.floor = 0 if not min_tokens else None  # the first min_tokens tokens' text: stop strings end past it
-        self.ids: list[int] = []
+        # ``context``: ids decoded before the generated ones, never handed out (Tokenizer.left_context: a
+        # SentencePiece decoder strips the first space of what it decodes, the generated text's without them)
+        self.ids: list[int] = list(context)
+        self.base = len(self.ids)
         self.prefix = 0  # ids[prefix:read] is context already decoded
-        self.read = 0
+        self.read = self.base
         self.text = ""  # every character decoded so far
         self.sent = 0  # text[:sent] has been handed out
         self.stopped = False
@@ -45,7 +48,7 @@ class TextStream:
         if len(text) > len(done) and not text.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(self.ids)
             self.text += text[len(done):]
-        if self.floor is None and len(self.ids) >= self.min_tokens:
+        if self.floor is None and len(self.ids) - self.base >= self.min_tokens:
             self.floor = len(self.text)
         return self._release(final=False)
 

@@ -377,8 +377,9 @@ class GGUFCheckpoint(GGUFMetadata):
         return np.asarray(w, dtype=np.float32)
 
     def tokenizer_fields(self) -> dict[str, Any]:
-        """Every tokenizer.* metadata value, decoded (what Tokenizer.from_gguf_vocab needs)."""
-        return {key: self.field(key) for key in self.reader.fields if key.startswith("tokenizer.")}
+        """Every tokenizer.* metadata value and general.name, decoded (what Tokenizer.from_gguf_vocab needs)."""
+        return {key: self.field(key) for key in self.reader.fields
+                if key.startswith("tokenizer.") or key == "general.name"}
 
     # -- tensors -----------------------------------------------------------------------------------------
 

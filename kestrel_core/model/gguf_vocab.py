@@ -3,12 +3,14 @@
 - ``gpt2``: byte-level BPE with the merges the file lists, split the way ``tokenizer.ggml.pre`` says.
 - ``llama``: SentencePiece BPE. The file lists pieces with scores and no merges; the merges are recovered
   from the vocabulary (every split of a piece into two pieces, best score first), with byte fallback
-  (``<0xNN>`` pieces) and "▁" for spaces. Three variants, picked by ``general.architecture`` as transformers
-  picks them: Llama's (and Mistral's, Mixtral's) Metaspace with a prefix space, Phi-3's normalizer that adds
-  the prefix space, and Gemma's (spaces only replaced; pieces of spaces stored as real spaces and respelled;
-  merges ranked by the pieces' order in the file, which its scores do not follow).
+  (``<0xNN>`` pieces) and "▁" for spaces. A prefix space where ``tokenizer.ggml.add_space_prefix`` (default on)
+  says, added by a normalizer as Llama 2's and Phi-3's own tokenizer.json add it (to every text between special
+  tokens, as llama.cpp does; a leading space stays a piece of its own), Phi-3's special tokens taking the
+  whitespace after them; Gemma 3's (by ``general.architecture``: spaces only replaced; pieces of spaces stored as
+  real spaces and respelled; merges ranked by the pieces' order in the file, which its scores do not follow).
 
-tests/kestrel_core/model/test_tokenizer.py compares each with transformers' own reading of the same files.
+tests/kestrel_core/model/test_tokenizer.py compares them with llama.cpp's test vectors (the models' own
+tokenizers' ids) and with transformers' own reading of the same files.
 """
 
 from __future__ import annotations
@@ -25,17 +27,53 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.chat_template import one_line
 from kestrel_core.model.validate import is_int, is_number
 
-# llama.cpp's tokenizer.ggml.pre -> how that vocabulary's merges were learned to split text.
-# The regexes are the ones of each model's own tokenizer.json (and llama.cpp's llama-vocab.cpp).
+# llama.cpp's tokenizer.ggml.pre -> how that vocabulary's merges were learned to split text. The regexes are the
+# ones of each model's own tokenizer.json, as llama.cpp's llama-vocab.cpp quotes them.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_GPT2 = ("default", "gpt2", "gpt-2")
-PRE_DIGITS = ("smollm", "starcoder", "refact", "codeshell")  # every digit on its own, then GPT-2's regex
-PRE_QWEN2 = ("qwen2", "deepseek-r1-qwen")
-PRE_LLAMA3 = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe")
-SUPPORTED_PRE = PRE_GPT2 + PRE_DIGITS + PRE_QWEN2 + PRE_LLAMA3
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_O200K_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SEED_CODER_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}"
+                     r"| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DEEPSEEK3_SPLITS = (r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
+                     r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+                     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclass(frozen=True)
+class _Pre:
+    """How one ``tokenizer.ggml.pre`` splits text before its byte-level BPE, and llama.cpp's settings for it."""
+
+    splits: tuple[str, ...] = ()  # regexes applied in turn (none: GPT-2's own)
+    digits: bool = False  # every digit on its own, then GPT-2's regex
+    ignore_merges: bool = False  # a word that is a token is that token
+    add_bos: bool = False  # llama.cpp's default where tokenizer.ggml.add_bos_token is absent
+    nfc: bool = False
+
+
+PRE = {
+    **dict.fromkeys(("default", "gpt2", "gpt-2", "phi-2", "exaone4"), _Pre()),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "codeshell"), _Pre(digits=True)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _Pre((_QWEN2_SPLIT,), nfc=True)),
+    "qwen35": _Pre((_QWEN35_SPLIT,)),  # no NFC: its combining marks are tokens of their own
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "lfm2", "falcon3", "pixtral"),
+                    _Pre((_LLAMA3_SPLIT,), ignore_merges=True, add_bos=True)),
+    **dict.fromkeys(("smaug-bpe", "glm4", "chatglm-bpe"), _Pre((_LLAMA3_SPLIT,))),
+    "tekken": _Pre((_TEKKEN_SPLIT,), ignore_merges=True, add_bos=True),
+    **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), _Pre((_O200K_SPLIT,))),
+    "seed-coder": _Pre((_SEED_CODER_SPLIT,)),
+    "deepseek-v3": _Pre(_DEEPSEEK3_SPLITS),
+}
+SUPPORTED_PRE = tuple(PRE)
 MODELS = ("gpt2", "llama")
 SPACE = "\u2581"  # SentencePiece's space
 
@@ -90,14 +128,18 @@ def build_gguf_vocab(fields: Mapping[str, Any], where: str = "GGUF", architectur
     bos_id, eos_id, eot_id, unk_id = (token_id(f"tokenizer.ggml.{k}_token_id")
                                       for k in ("bos", "eos", "eot", "unknown"))
     if kind == "gpt2":
-        backend = _byte_level(fields, tokens, where)
-        add_bos = fields.get("tokenizer.ggml.add_bos_token")
+        backend, pre = _byte_level(fields, tokens, where)
+        add_bos = fields.get("tokenizer.ggml.add_bos_token", pre.add_bos)
     else:
         if architecture == "gemma3":  # pieces of spaces stored as spaces; GemmaTokenizer spells them "▁"
             tokens = [SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
         backend = _sentencepiece(fields, tokens, architecture, unk_id, where)
         add_bos = fields.get("tokenizer.ggml.add_bos_token", True)  # llama.cpp's default for SentencePiece
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+    # Phi-3's control tokens take the whitespace after them (rstrip), as its tokenizer_config.json and llama.cpp
+    # (by the model's general.name) have it
+    phi3 = any(n in str(fields.get("general.name") or "").lower() for n in ("phi-3", "phi3"))
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False,
+                                           rstrip=phi3 and t not in ("<unk>", "<s>", "<|endoftext|>"))
                                 for t, ty in zip(tokens, types) if ty == TOKEN_CONTROL])
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED])
@@ -129,14 +171,15 @@ def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], where: str, **opt
         raise KestrelError(f"{where}: the embedded vocabulary is not a valid BPE ({one_line(exc)})") from None
 
 
-def _byte_level(fields: Mapping[str, Any], tokens: list[str], where: str) -> _Backend:
+def _byte_level(fields: Mapping[str, Any], tokens: list[str], where: str) -> tuple[_Backend, _Pre]:
     merges_raw = _str_list(fields, "tokenizer.ggml.merges", where)
     if not tokens or not merges_raw:
         raise KestrelError(f"{where}: the embedded vocabulary lacks tokens or merges")
-    pre = fields.get("tokenizer.ggml.pre", "default")
-    if pre not in SUPPORTED_PRE:
-        raise KestrelError(f"{where}: pre-tokenizer {pre!r} is not supported "
+    name = fields.get("tokenizer.ggml.pre", "default")
+    if name not in PRE:
+        raise KestrelError(f"{where}: pre-tokenizer {name!r} is not supported "
                            f"(kestrel knows {', '.join(SUPPORTED_PRE)})")
+    pre = PRE[name]
     vocab = _vocab(tokens, where)
     merges = []
     for m in merges_raw:
@@ -146,22 +189,19 @@ def _byte_level(fields: Mapping[str, Any], tokens: list[str], where: str) -> _Ba
         if a not in vocab or b not in vocab or a + b not in vocab:
             raise KestrelError(f"{where}: merge {m[:80]!r} names tokens outside the vocabulary")
         merges.append((a, b))
-    backend = _bpe(vocab, merges, where, ignore_merges=pre in PRE_LLAMA3)
-    if pre in PRE_GPT2:
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    elif pre in PRE_DIGITS:
+    backend = _bpe(vocab, merges, where, ignore_merges=pre.ignore_merges)
+    if pre.splits:
         backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    else:
-        split = _QWEN2_SPLIT if pre in PRE_QWEN2 else _LLAMA3_SPLIT
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+            *(pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False) for split in pre.splits),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        if pre in PRE_QWEN2:
-            backend.normalizer = normalizers.NFC()
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            *([pre_tokenizers.Digits(individual_digits=True)] if pre.digits else []),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if pre.nfc:
+        backend.normalizer = normalizers.NFC()
     backend.decoder = decoders.ByteLevel()
-    return backend
+    return backend, pre
 
 
 def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
@@ -206,11 +246,11 @@ def _sentencepiece(fields: Mapping[str, Any], tokens: list[str], architecture: s
         backend.normalizer = normalizers.Replace(" ", SPACE)
         backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
         prefix_space = False
-    elif architecture == "phi3":  # the prefix space from a normalizer: "  hi" keeps both of its spaces
+    elif prefix_space:  # Llama 2's and Phi-3's own tokenizer.json: "  hi" keeps both of its spaces, and every
+        # text between special tokens gets the prefix, as llama.cpp adds it after each special token
         backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
     else:
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, split=False,
-                                                         prepend_scheme="first" if prefix_space else "never")
+        backend.normalizer = normalizers.Replace(" ", SPACE)
     if prefix_space:
         steps.append(decoders.Strip(content=" ", left=1, right=0))
     backend.decoder = decoders.Sequence(steps)

@@ -41,6 +41,11 @@ class ByteTokenizer:
         """The UTF-8 bytes of ``text`` (no special tokens are ever added)."""
         return list(text.encode("utf-8"))
 
+    left_context: tuple[int, ...] = ()  # bytes decode alone
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 

@@ -4,6 +4,7 @@ for a model that ships none. Chat templates render in the sandbox of ``chat_temp
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -145,6 +146,19 @@ class Tokenizer:
     def token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
+    @functools.cached_property
+    def left_context(self) -> tuple[int, ...]:
+        """Ids of a plain letter, to decode a text's tokens after (TextStream, token_text): a SentencePiece
+        decoder strips the first space of what it decodes, so "▁Paris" alone is "Paris", after them " Paris"."""
+        return tuple(self.encode("a", add_special_tokens=False))
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, its leading space kept (special tokens by name)."""
+        context = list(self.left_context)
+        before = self.decode(context)
+        text = self.decode([*context, token_id])
+        return text[len(before):] if text.startswith(before) else self.decode([token_id])
+
     def _template(self, tools: bool = False) -> tuple[jinja2.Template, bool]:
         """The chat template compiled (with ``tools``, the tool_use one where the model names one, as
         transformers picks it), once for each text, and whether it loops over a message's content parts."""
@@ -189,8 +203,8 @@ class NoTokenizer:
     """The tokenizer of a model that ships none: token ids work (logits, generate), text fails in one line.
 
     Loading does not require a tokenizer, so weights can be checked, run on ids and quantized without one.
-    The text methods (encode, decode, token, the chat template, to_json_str) are absent: looking one up raises
-    NoTokenizerError, which says what is missing.
+    The text methods (encode, decode, token, token_text, the chat template, to_json_str) are absent: looking one
+    up raises NoTokenizerError, which says what is missing.
     """
 
     chat_template: str | None = None
@@ -219,6 +233,10 @@ class NoTokenizer:
 
     @property
     def token(self) -> Any:
+        raise self._missing()
+
+    @property
+    def token_text(self) -> Any:
         raise self._missing()
 
     @property

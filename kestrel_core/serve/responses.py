@@ -104,7 +104,7 @@ class TokenStrings:
         text = self._cache.get(token_id)
         if text is None:
             try:
-                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+                text = self.tokenizer.token_text(token_id)
             except KestrelError:  # NoTokenizer: no text at all
                 text = f"token_id:{token_id}"
             self._cache[token_id] = text

@@ -8,7 +8,7 @@ three tokenizer-only GGUFs of one SentencePiece BPE vocabulary (trained here wit
 fallback pieces, "▁" for spaces, a piece of two real spaces as Gemma files have, scores in merge order), as
 llama.cpp's converter lays them out, under tests/fixtures/tokenizers/ (spm-llama.gguf, spm-phi3.gguf,
 spm-gemma3.gguf: the same vocabulary, each architecture's variant), and data/spm_tokenizer_golden.json with
-transformers' token ids of TEXTS for each.
+transformers' token ids of TEXTS for phi3 and gemma3.
 
 transformers builds its fast tokenizer from the GGUF's vocabulary independently of kestrel; the test compares
 kestrel's GGUF-built tokenizer with it. transformers does not know llama.cpp's "smollm" pre-tokenizer (every
@@ -81,6 +81,8 @@ def write_sentencepiece_fixtures() -> None:
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
+        if arch == "llama":  # transformers' GGUF reader folds its prefix space into a leading one (the model's own
+            continue  # tokenizer and llama.cpp do not): the test checks it against llama.cpp's vectors instead
         tok = AutoTokenizer.from_pretrained(str(out_dir), gguf_file=path.name)
         golden[arch] = [{"text": t, "ids": tok.encode(t, add_special_tokens=False),
                          "decoded": tok.decode(tok.encode(t, add_special_tokens=False))} for t in TEXTS]

@@ -44,3 +44,26 @@ def test_special_tokens_keep_their_text_only_when_asked() -> None:
     for skip, want in ((True, "assistant hello"), (False, "<|im_start|>assistant hello")):
         stream = TextStream(tok, skip_special_tokens=skip)
         assert "".join(stream.push(t) for t in ids) + stream.flush() == want
+
+
+def test_a_sentencepiece_answer_keeps_the_space_of_its_first_token() -> None:
+    """Llama 2's decoder strips the first space of what it decodes: "▁Paris" alone is "Paris". After the
+    tokenizer's left context the answer and its tokens' strings keep it, as llama.cpp's pieces and the prompt +
+    answer text have it."""
+    from pathlib import Path
+
+    from gguf import GGUFReader
+
+    from kestrel_core.model.gguf_reader import GGUFCheckpoint  # noqa: F401 (the GGUF reader's field decoding)
+    from kestrel_core.model.tokenizer import Tokenizer
+
+    path = Path(__file__).resolve().parents[2] / "fixtures" / "tokenizers" / "llama.cpp" / "ggml-vocab-llama-spm.gguf"
+    reader = GGUFReader(path)
+    tok = Tokenizer.from_gguf_vocab({k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")},
+                                    architecture="llama")
+    prompt = tok.encode("The capital of France is", add_special_tokens=False)
+    answer = tok.encode("The capital of France is Paris, a city.", add_special_tokens=False)[len(prompt):]
+    stream = TextStream(tok, context=tok.left_context)
+    text = "".join(stream.push(t) for t in answer) + stream.flush()
+    assert text == " Paris, a city." == tok.decode(prompt + answer)[len(tok.decode(prompt)):]
+    assert tok.token_text(answer[0]) == " Paris" and tok.decode([answer[0]]) == "Paris"

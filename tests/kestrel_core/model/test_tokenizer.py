@@ -83,6 +83,14 @@ def test_add_bos_token_from_gguf(fmt) -> None:
     assert tk.encode("hi")[0] == 1 and tk.encode("hi", add_special_tokens=False)[0] != 1
 
 
+@pytest.mark.parametrize(("pre", "bos"), [("llama-bpe", True), ("llama3", True), ("lfm2", True), ("gpt2", False),
+                                          ("qwen35", False)])
+def test_without_add_bos_token_the_bos_is_llama_cpps_default(fmt, pre: str, bos: bool) -> None:
+    """llama.cpp adds the BOS for Llama 3's pre-tokenizers where the file does not say (early Llama 3 GGUFs)."""
+    tk = Tokenizer.from_gguf_vocab(gguf_fields(fmt, fmt.train_bpe("gpt2"), pre))
+    assert (tk.encode("hi")[0] == 1) == bos
+
+
 def test_unsupported_vocabularies_are_named(fmt) -> None:
     fields = gguf_fields(fmt, fmt.train_bpe("gpt2"), "gpt2")
     with pytest.raises(KestrelError, match="tokenizer model 't5' is not supported"):
@@ -204,11 +212,44 @@ SPM_GOLDEN = Path(__file__).parent / "data" / "spm_tokenizer_golden.json"
 SPM_FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "tokenizers"
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3", "gemma3"])
+LLAMA_CPP = SPM_FIXTURES / "llama.cpp"
+# llama.cpp's llama_tokenize(special=True) (llama-cpp-python 0.3.36) of chat prompts: the prefix space after
+# every special token, Phi-3's special tokens taking the newline after them
+LLAMA_CPP_CHATS = {
+    "llama-spm": [("<s>[INST] hi [/INST]", [1, 518, 25580, 29962, 7251, 518, 29914, 25580, 29962])],
+    "phi-3": [("<s><|user|>\nHello<|end|>\n<|assistant|>\n", [1, 32010, 15043, 32007, 32001])],
+}
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "phi-3"])
+def test_llama_and_phi3_gguf_vocabularies_tokenize_as_their_models_tokenizers(name: str) -> None:
+    """Llama 2's (and Mistral's) and Phi-3's SentencePiece vocabularies as llama.cpp ships them: every test text of
+    llama.cpp's (leading spaces, runs of spaces, unicode) gives the ids the model's own Hugging Face tokenizer gives
+    (its .out file), and chat prompts llama.cpp's ids."""
+    from gguf import GGUFReader
+
+    from kestrel_core.model.gguf_reader import GGUFCheckpoint  # noqa: F401 (the GGUF reader's field decoding)
+
+    path = LLAMA_CPP / f"ggml-vocab-{name}.gguf"
+    reader = GGUFReader(path)
+    fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.") or k == "general.name"}
+    tok = Tokenizer.from_gguf_vocab(fields, architecture=reader.fields["general.architecture"].contents())
+    texts = path.with_name(path.name + ".inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    ids = [[int(i) for i in line.split()] for line in path.with_name(path.name + ".out").read_text().splitlines()]
+    assert len(ids) > 40
+    for text, want in zip(texts, ids):
+        assert tok.encode(text, add_special_tokens=False) == want, text
+    for text, want in LLAMA_CPP_CHATS[name]:
+        assert tok.encode(text, add_special_tokens=False) == want, text
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma3"])
 def test_sentencepiece_gguf_vocabularies_tokenize_as_transformers_does(arch: str) -> None:
-    """A SentencePiece BPE vocabulary (llama.cpp's "llama" model: pieces and scores, no merges), as Llama /
-    Mistral, Phi-3 and Gemma files hold it: kestrel's tokens are transformers' own, text by text, and decode
-    back as transformers decodes them (golden data: make_tokenizer_golden.py --sentencepiece)."""
+    """A SentencePiece BPE vocabulary (llama.cpp's "llama" model: pieces and scores, no merges), as Phi-3 and Gemma
+    files hold it: kestrel's tokens are transformers' own, text by text, and decode back as transformers decodes
+    them (golden data: make_tokenizer_golden.py --sentencepiece). Llama's is checked against llama.cpp's vectors
+    above: transformers' GGUF reader folds its prefix space into a leading one, where the model's tokenizer and
+    llama.cpp do not."""
     from gguf import GGUFReader
 
     from kestrel_core.model.gguf_reader import GGUFCheckpoint  # noqa: F401 (the GGUF reader's field decoding)
@@ -224,8 +265,8 @@ def test_sentencepiece_gguf_vocabularies_tokenize_as_transformers_does(arch: str
 
 
 def test_the_sentencepiece_variants_differ_where_their_models_do() -> None:
-    """The three variants are not one: Phi-3 keeps a leading space that Llama's Metaspace folds, Gemma adds
-    no prefix space at all; so a test that fed every file to one builder would fail."""
+    """Llama's and Phi-3's add a prefix space (a leading space kept as a piece of its own), Gemma's none; so a test
+    that fed every file to one builder would fail."""
     from gguf import GGUFReader
 
     ids = {}
@@ -234,7 +275,7 @@ def test_the_sentencepiece_variants_differ_where_their_models_do() -> None:
         fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
         tok = Tokenizer.from_gguf_vocab(fields, architecture=arch)
         ids[arch] = tuple(tuple(tok.encode(t, add_special_tokens=False)) for t in ("  leading", "leading"))
-    assert ids["phi3"][0] != ids["llama"][0] and ids["gemma3"][1] != ids["llama"][1], ids
+    assert ids["phi3"] == ids["llama"] and ids["gemma3"][1] != ids["llama"][1], ids
 
 
 def test_encoding_lets_other_threads_run() -> None:
