@@ -12,6 +12,7 @@ import pytest
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.gguf_reader import GGUFCheckpoint
+from kestrel_core.model.gguf_vocab import PRE
 from kestrel_core.model.tokenizer import Tokenizer
 
 GOLDEN = Path(__file__).parent / "data" / "smollm2_tokenizer_golden.json"
@@ -89,6 +90,14 @@ def test_without_add_bos_token_the_bos_is_llama_cpps_default(fmt, pre: str, bos:
     """llama.cpp adds the BOS for Llama 3's pre-tokenizers where the file does not say (early Llama 3 GGUFs)."""
     tk = Tokenizer.from_gguf_vocab(gguf_fields(fmt, fmt.train_bpe("gpt2"), pre))
     assert (tk.encode("hi")[0] == 1) == bos
+
+
+@pytest.mark.parametrize("pre", sorted(PRE))
+def test_every_pre_tokenizer_splits_and_round_trips(fmt, pre: str) -> None:
+    """Each regex compiles in the tokenizers library and loses nothing (NFC aside)."""
+    tk = Tokenizer.from_gguf_vocab(gguf_fields(fmt, fmt.train_bpe("gpt2"), pre))
+    for text in TEXTS:
+        assert tk.decode(tk.encode(text, add_special_tokens=False)) == (_nfc(text) if PRE[pre].nfc else text)
 
 
 def test_unsupported_vocabularies_are_named(fmt) -> None:
