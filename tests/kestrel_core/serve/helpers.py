@@ -27,6 +27,9 @@ class Letters:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(chr(ord("a") + i) for i in ids)
 
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
 
 def chat_request(**fields: Any) -> ChatCompletionRequest:
     """A chat request saying "Hi", with ``fields``."""

@@ -100,7 +100,7 @@ def test_completion_logprobs_offsets_run_on_across_chunks() -> None:
     second = shape.delta_chunk("c", [TokenLogprob(2, -3.0, [(2, -3.0), (3, -4.0)])])
     assert first["object"] == "text_completion" and "usage" not in first
     assert first["choices"][0]["logprobs"] == {"tokens": ["a", "b"], "token_logprobs": [-1.0, -2.0],
-                                               "top_logprobs": [{"a": -1.0}, {}], "text_offset": [0, 1]}
+                                               "top_logprobs": [{"a": -1.0}, {"b": -2.0}], "text_offset": [0, 1]}
     assert second["choices"][0]["logprobs"]["text_offset"] == [2]
     assert second["choices"][0]["logprobs"]["top_logprobs"] == [{"c": -3.0, "d": -4.0}]
     other = shape.delta_chunk("a", [TokenLogprob(0, -1.0, [])], index=1)  # another choice's offsets start at 0
@@ -115,7 +115,7 @@ def test_echoed_prompt_comes_first_with_no_logprob_for_its_first_token() -> None
     first, second = body["choices"]
     assert first["text"] == "abc" and second["text"] == "d"
     assert first["logprobs"] == {"tokens": ["a", "b", "c"], "token_logprobs": [None, -0.5, -1.0],
-                                 "top_logprobs": [None, {"b": -0.5}, {}], "text_offset": [0, 1, 2]}
+                                 "top_logprobs": [None, {"b": -0.5}, {"c": -1.0}], "text_offset": [0, 1, 2]}
     assert second["logprobs"]["text_offset"] == [0]
     streamed = CompletionShape("cmpl-y", "m", TokenStrings(Letters()), echoes=[echo, None])
     (chunk,) = streamed.first_chunks(2)  # the echoed choice's prompt, before any token
