@@ -104,7 +104,8 @@ class TokenStrings:
         text = self._cache.get(token_id)
         if text is None:
             try:
-                text = self.tokenizer.token_text(token_id)
+                own = getattr(self.tokenizer, "token_text", None)  # a tokenizer of the caller's own may have none
+                text = own(token_id) if own else self.tokenizer.decode([token_id], skip_special_tokens=False)
             except KestrelError:  # NoTokenizer: no text at all
                 text = f"token_id:{token_id}"
             self._cache[token_id] = text
