@@ -268,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-budget", type=int, default=None,
                    help="tokens per batched step (default: 512 + --max-batch)")
     p.add_argument("--kv-cache-mb", type=float, default=None, help="host KV cache budget (default: 2048)")
+    p.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN",
+                   help="a web page (https://app.example) whose browser requests are answered; '*': any (default: "
+                        "the loopback's pages only)")
     p.add_argument("--max-request-mb", type=float, default=None,
                    help="the largest request body taken, in MB (default: 32); a larger one is a 413")
     p.add_argument("--shutdown-grace", type=float, default=30.0,

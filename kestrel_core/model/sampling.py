@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit, vLLM's default
 MAX_STOP_STRINGS = 64  # OpenAI takes 4; Ollama, Anthropic and vLLM set none, and editors send a dozen
 MAX_LOGIT_BIAS = 300  # tokens one logit_bias names, at most (OpenAI's bound)
+MAX_STOP_TOKEN_IDS = 1024  # each generated token is looked up among them
 MAX_REPETITION_PENALTY = 10.0
 
 
@@ -79,6 +80,8 @@ class SamplingParams:
             raise bad("stop", f"must be a tuple of non-empty strings, got {self.stop!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad("stop", f"allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if isinstance(self.stop_token_ids, tuple) and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"allows at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         if not isinstance(self.stop_token_ids, tuple) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be a tuple of token ids >= 0, got {self.stop_token_ids!r}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -142,6 +142,56 @@ class ApiKeyMiddleware:
         return secrets.compare_digest(bytes(bearer), self.expected) or secrets.compare_digest(bytes(key), self.key)
 
 
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def _hostname(authority: str) -> str:
+    """The host of a Host header or an origin's authority ("[::1]:8000" -> "::1"), lowercased."""
+    authority = authority.rpartition("@")[2].lower()
+    if authority.startswith("["):
+        return authority[1:].partition("]")[0]
+    return authority.partition(":")[0] if authority.count(":") == 1 else authority
+
+
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK_NAMES or host.endswith(".localhost") or host.startswith("127.")
+
+
+class BrowserGuardMiddleware:
+    """What a web page makes a browser send, refused: a page can POST to a local server without a preflight (a
+    text/plain body), and with DNS rebinding (its own name resolved to 127.0.0.1) read the answers. On a loopback
+    address (``loopback``) only loopback Host names are answered; an ``Origin`` header (browsers send it, API
+    clients do not) must be a loopback page's or one of ``allowed_origins`` ("*": any), as Ollama has it."""
+
+    def __init__(self, app: ASGIApp, loopback: bool, allowed_origins: tuple[str, ...] = ()) -> None:
+        self.app = app
+        self.loopback = loopback
+        self.allowed = {o.rstrip("/").lower() for o in allowed_origins}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            problem = self._problem(dict(scope.get("headers", ())))
+            if problem is not None:
+                await APIError(403, problem, code="forbidden").response(scope.get("path", ""))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _problem(self, headers: dict[bytes, bytes]) -> str | None:
+        host = headers.get(b"host")
+        if self.loopback and host is not None and not is_loopback(_hostname(host.decode("latin-1"))):
+            return (f"the Host {host.decode('latin-1')[:80]!r} is not this server's: it listens on a loopback "
+                    "address (a web page's DNS rebinding?)")
+        origin = headers.get(b"origin")
+        if origin is None or "*" in self.allowed:
+            return None
+        text = origin.decode("latin-1").rstrip("/").lower()
+        scheme, sep, authority = text.partition("://")
+        if text in self.allowed or sep and scheme in ("http", "https") and is_loopback(_hostname(authority)):
+            return None
+        return (f"requests from the web page {text[:80]!r} are refused: a browser sent them "
+                "(kestrel serve --allowed-origins lets a page's origin in)")
+
+
 class BodyTooLarge(HTTPException):
     """A request body over the server's limit; an HTTPException, so FastAPI's body reader lets it through to the
     app's error handlers, which answer it in the API's shape."""

@@ -33,6 +33,7 @@ from kestrel_core.serve.access import (
     AccessMiddleware,
     ApiKeyMiddleware,
     BodyLimitMiddleware,
+    BrowserGuardMiddleware,
     JsonBodyMiddleware,
 )
 from kestrel_core.serve.errors import APIError, from_kestrel_error, install_error_handlers
@@ -207,10 +208,12 @@ class Models:
 
 
 def create_app(engines: Mapping[str, Any], api_key: str | None = None, pooling: str | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, loopback: bool = True,
+               allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """The OpenAI-compatible app over ``engines`` (public name -> AsyncEngine; the first answers requests that
     name no model); with ``api_key``, /v1/* and /api/* need it; ``pooling``: the embeddings' (None: each
-    model's); a request body over ``max_request_bytes`` is a 413."""
+    model's); a request body over ``max_request_bytes`` is a 413; ``loopback`` (it listens on a loopback address)
+    and ``allowed_origins``: BrowserGuardMiddleware's."""
     models = Models(engines, pooling)
     metrics = ServerMetrics(engines)
 
@@ -229,7 +232,8 @@ def create_app(engines: Mapping[str, Any], api_key: str | None = None, pooling: 
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    app.add_middleware(AccessMiddleware, metrics=metrics)  # outermost: it also sees the 401s
+    app.add_middleware(BrowserGuardMiddleware, loopback=loopback, allowed_origins=allowed_origins)
+    app.add_middleware(AccessMiddleware, metrics=metrics)  # outermost: it also sees the 401s and 403s
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

@@ -86,7 +86,7 @@ def serve_command(args: argparse.Namespace) -> int:
               max_waiting=args.max_waiting if args.max_waiting is not None else DEFAULT_MAX_WAITING,
               token_budget=args.token_budget, model_names=names, shutdown_grace_s=args.shutdown_grace,
               pooling=args.pooling, max_request_bytes=DEFAULT_MAX_REQUEST_BYTES if args.max_request_mb is None
-              else int(args.max_request_mb * 1e6))
+              else int(args.max_request_mb * 1e6), allowed_origins=tuple(args.allowed_origins or ()))
     finally:
         for engine in engines:
             engine.close()

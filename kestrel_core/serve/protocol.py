@@ -77,9 +77,31 @@ class RequestBody(BaseModel):
         return data
 
 
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether a string (or an object's key) of a request's raw JSON value holds a lone surrogate: the values alone
+    on the walk's stack (a body of millions of numbers takes about a second, not half a minute)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(v, dict):
+            stack.extend(v)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
+
+
 def _lone_surrogate(value: Any) -> tuple[int | str, ...] | None:
     """Where in a request's raw JSON value a string (or an object's key) holds a lone surrogate, or None; a walk
-    of its own stack, as deep as the JSON parser let the body nest."""
+    of its own stack, as deep as the JSON parser let the body nest, paths built only for a body that has one."""
+    if not _has_lone_surrogate(value):
+        return None
     stack: list[tuple[Any, tuple[int | str, ...]]] = [(value, ())]
     while stack:
         v, loc = stack.pop()
@@ -288,8 +310,8 @@ class _Generation(RequestBody):
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
         pairs = []
         for key, bias in (self.logit_bias or {}).items():
-            if not (key.isascii() and key.isdigit()):
-                raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            if not (key.isascii() and key.isdigit()) or len(key) > 10:  # int() refuses 4,300 digits and more
+                raise InvalidRequest(f"logit_bias keys must be token ids, got {key[:40]!r}", param="logit_bias")
             pairs.append((int(key), float(bias)))
         return tuple(pairs)
 

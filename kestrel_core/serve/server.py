@@ -31,7 +31,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.hub import parse_hub_spec
 from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING
-from kestrel_core.serve.access import DEFAULT_MAX_REQUEST_BYTES
+from kestrel_core.serve.access import DEFAULT_MAX_REQUEST_BYTES, is_loopback
 from kestrel_core.serve.app import create_app
 
 log = logging.getLogger("kestrel.serve")
@@ -185,11 +185,15 @@ def warm_up(async_engine: AsyncEngine) -> None:
 def build_server(engines: Mapping[str, AsyncEngine], *, host: str = "127.0.0.1", port: int = 8000,
                  api_key: str | None = None, shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
                  sock: socket.socket | None = None, pooling: str | None = None,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, **uvicorn_options: Any) -> KestrelServer:
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_origins: Sequence[str] = (),
+                 **uvicorn_options: Any) -> KestrelServer:
     """The app over ``engines`` (public name -> AsyncEngine, the first the default) in a KestrelServer bound to
-    host:port (or serving ``sock``, already bound), not yet running."""
-    app = create_app(engines, api_key=api_key, pooling=pooling, max_request_bytes=max_request_bytes)
+    host:port (or serving ``sock``, already bound), not yet running; ``allowed_origins``: web pages whose browser
+    requests it answers besides the loopback's (access.BrowserGuardMiddleware)."""
     sock = sock if sock is not None else bind_socket(host, port)
+    bound = sock.getsockname()[0]
+    app = create_app(engines, api_key=api_key, pooling=pooling, max_request_bytes=max_request_bytes,
+                     loopback=is_loopback(str(bound)), allowed_origins=tuple(allowed_origins))
     options: dict[str, Any] = {"log_config": None, "log_level": "warning", "access_log": False,
                                "lifespan": "on", "timeout_graceful_shutdown": 5.0}
     options.update(uvicorn_options)
@@ -201,12 +205,13 @@ def serve(engines: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str 
           max_batch: int = DEFAULT_MAX_BATCH, max_waiting: int = DEFAULT_MAX_WAITING,
           token_budget: int | None = None, model_names: Sequence[str | None] = (),
           shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S, sock: socket.socket | None = None,
-          pooling: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+          pooling: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+          allowed_origins: Sequence[str] = ()) -> None:
     """Serve an engine, or a list of them (the first answers requests that name no model), over HTTP until
     SIGTERM/SIGINT; returns once drained (the caller then exits 0). ``model_names``: their public names (default:
     from each model's source); ``sock``: a socket bound already (``bind_socket``), e.g. to fail on a busy port
     before loading a model; ``pooling``: the embeddings' (None: each model's); ``max_request_bytes``: the largest
-    request body taken (a larger one is a 413)."""
+    request body taken (a larger one is a 413); ``allowed_origins``: build_server's."""
     engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
     named: dict[str, AsyncEngine] = {}
     for i, engine in enumerate(engines):
@@ -218,7 +223,8 @@ def serve(engines: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str 
     for ae in named.values():
         warm_up(ae)
     server = build_server(named, host=host, port=port, api_key=api_key, shutdown_grace_s=shutdown_grace_s,
-                          sock=sock, pooling=pooling, max_request_bytes=max_request_bytes)
+                          sock=sock, pooling=pooling, max_request_bytes=max_request_bytes,
+                          allowed_origins=allowed_origins)
 
     def announce(s: KestrelServer) -> None:
         auth = ", API key required" if api_key else ""

@@ -295,8 +295,11 @@ def parse(fmt: str, text: str, parallel: bool = True, schemas: dict[str, Any] | 
     """``text`` (a whole answer) split into content and the calls in format ``fmt``; with ``parallel`` False
     only the first call is kept (OpenAI's ``parallel_tool_calls``); ``schemas``: each offered function's
     parameters' JSON Schema (the xml, glm and minimax formats type their values by them)."""
-    parsed = (_hermes(text) if fmt == HERMES else _typed_blocks(text, fmt, schemas or {}) if fmt in _CALL
-              else _minimax_blocks(text, schemas or {}) if fmt == MINIMAX else _leading_json(text, fmt, schemas))
+    try:
+        parsed = (_hermes(text) if fmt == HERMES else _typed_blocks(text, fmt, schemas or {}) if fmt in _CALL
+                  else _minimax_blocks(text, schemas or {}) if fmt == MINIMAX else _leading_json(text, fmt, schemas))
+    except RecursionError:  # JSON nested past the parser's depth: not a call kestrel reads
+        parsed = None
     if parsed is None:
         return Parsed(text, ())
     return parsed if parallel else Parsed(parsed.content, parsed.calls[:1])

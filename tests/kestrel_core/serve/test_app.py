@@ -521,6 +521,8 @@ def test_client_disconnect_while_waiting_for_a_whole_answer(server: KestrelServe
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"reasoning_effort": "bogus"}, "reasoning_effort"),
+    ({"extra_body": {"stop_token_ids": list(range(1025))}}, "stop_token_ids"),  # each token is looked up in them
+    ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),  # int() refuses it: a 400, not a 500
 ])
 def test_bad_chat_request_is_a_400_naming_the_field(client: openai.OpenAI, kwargs: dict[str, Any],
                                                      param: str) -> None:
@@ -759,3 +761,21 @@ def test_a_conversation_sent_again_attaches_its_prefix(server: KestrelServer, cl
 def _samples(text: str) -> dict[str, float]:
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_a_web_pages_requests_are_refused_unless_its_origin_is_allowed(server: KestrelServer, engine: Any) -> None:
+    """A page on another site can make the browser POST here (text/plain: no preflight) and, by DNS rebinding
+    its own name to 127.0.0.1, read the answer: a foreign Host or Origin is a 403 before anything runs. API
+    clients send no Origin; the loopback's own pages are answered."""
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+    url = f"{server.url}/v1/completions"
+    plain = {"Content-Type": "text/plain"}
+    for headers in ({"Host": "rebind.evil.example"}, {"Origin": "https://evil.example"}, {"Origin": "null"}):
+        status, _, raw = http("POST", url, raw=body, headers={**plain, **headers})
+        assert status == 403 and json.loads(raw)["error"]["code"] == "forbidden", headers
+    for headers in ({}, {"Origin": "http://localhost:5173"}, {"Host": "localhost:8000"}):
+        assert http("POST", url, raw=body, headers={**plain, **headers})[0] == 200, headers
+    with running_server(AsyncEngine(engine), NAME, allowed_origins=["https://app.example"]) as other:
+        ok = http("POST", f"{other.url}/v1/completions", raw=body, headers={**plain, "Origin": "https://app.example"})
+        refused = http("POST", f"{other.url}/v1/completions", raw=body, headers={**plain, "Origin": "https://b.example"})
+        assert (ok[0], refused[0]) == (200, 403)

@@ -403,3 +403,15 @@ def test_a_forced_call_of_a_pydantic_model_with_refs_takes_its_definitions(fmt: 
     assert _admits(grammar, good) and not _admits(grammar, bad)
     call = parse(fmt, good, schemas={f["name"]: f.get("parameters") or {} for f in functions}).calls[0]
     assert (call.name, json.loads(call.arguments)) == ("Ship", args)
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3, MISTRAL, XML])
+def test_a_call_nested_past_the_json_parsers_depth_is_text(fmt: str) -> None:
+    """A model that writes thousands of "[" is answered with that text, not a 500 (RecursionError)."""
+    deep = "[" * 100_000
+    text = {HERMES: f"<tool_call>\n{{\"name\": \"f\", \"arguments\": {{\"a\": {deep}}}}}\n</tool_call>",
+            LLAMA3: f"{{\"name\": \"f\", \"parameters\": {{\"a\": {deep}}}}}",
+            MISTRAL: f"[TOOL_CALLS][{{\"name\": \"f\", \"arguments\": {deep}}}]",
+            XML: _xml("f", i=deep)}[fmt]
+    schemas = {"f": {"type": "object", "properties": {"i": {"type": "array"}}}}
+    assert parse(fmt, text, schemas=schemas) == Parsed(text, ())
