@@ -176,7 +176,7 @@ def _byte_level(fields: Mapping[str, Any], tokens: list[str], where: str) -> tup
     if not tokens or not merges_raw:
         raise KestrelError(f"{where}: the embedded vocabulary lacks tokens or merges")
     name = fields.get("tokenizer.ggml.pre", "default")
-    if name not in PRE:
+    if not isinstance(name, str) or name not in PRE:
         raise KestrelError(f"{where}: pre-tokenizer {name!r} is not supported "
                            f"(kestrel knows {', '.join(SUPPORTED_PRE)})")
     pre = PRE[name]
