@@ -219,10 +219,11 @@ def _cached(entry: Path, key: str, quant: str, stale_glob: str, build: Callable[
     loaded.source = source
     if not write:
         return loaded
+    extra = {"cache_key": key, "sources": origins}
     if loaded.model.nbytes >= BACKGROUND_WRITE_BYTES:
-        _Write(loaded, entry, {"cache_key": key, "sources": origins}, stale_glob)
+        _Write(loaded, entry, extra, stale_glob)
         return loaded
-    if not _write_entry(loaded, entry, {"cache_key": key, "sources": origins}, stale_glob, progress=None):
+    if not _write_entry(loaded, entry, extra, stale_glob, progress=None):
         return loaded
     try:
         again, _ = _from_artifact(entry, quant, require_checksums=True)

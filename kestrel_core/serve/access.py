@@ -8,6 +8,7 @@ alone, so a stream still notices a client that disconnects. The route stores its
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import secrets
 import time
@@ -142,9 +143,6 @@ class ApiKeyMiddleware:
         return secrets.compare_digest(bytes(bearer), self.expected) or secrets.compare_digest(bytes(key), self.key)
 
 
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-
-
 def _hostname(authority: str) -> str:
     """The host of a Host header or an origin's authority ("[::1]:8000" -> "::1"), lowercased."""
     authority = authority.rpartition("@")[2].lower()
@@ -154,7 +152,13 @@ def _hostname(authority: str) -> str:
 
 
 def is_loopback(host: str) -> bool:
-    return host in LOOPBACK_NAMES or host.endswith(".localhost") or host.startswith("127.")
+    """A loopback name or address (127.0.0.1.evil.example is neither: a name anyone can point anywhere)."""
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class BrowserGuardMiddleware:

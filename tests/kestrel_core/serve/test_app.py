@@ -770,10 +770,12 @@ def test_a_web_pages_requests_are_refused_unless_its_origin_is_allowed(server: K
     body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
     url = f"{server.url}/v1/completions"
     plain = {"Content-Type": "text/plain"}
-    for headers in ({"Host": "rebind.evil.example"}, {"Origin": "https://evil.example"}, {"Origin": "null"}):
+    for headers in ({"Host": "rebind.evil.example"}, {"Host": "127.0.0.1.evil.example"},
+                    {"Origin": "https://evil.example"}, {"Origin": "null"}, {"Origin": "http://127.0.0.1.evil.example"}):
         status, _, raw = http("POST", url, raw=body, headers={**plain, **headers})
         assert status == 403 and json.loads(raw)["error"]["code"] == "forbidden", headers
-    for headers in ({}, {"Origin": "http://localhost:5173"}, {"Host": "localhost:8000"}):
+    for headers in ({}, {"Origin": "http://localhost:5173"}, {"Host": "localhost:8000"}, {"Host": "[::1]:8000"},
+                    {"Origin": "http://127.0.0.2:3000"}):
         assert http("POST", url, raw=body, headers={**plain, **headers})[0] == 200, headers
     with running_server(AsyncEngine(engine), NAME, allowed_origins=["https://app.example"]) as other:
         ok = http("POST", f"{other.url}/v1/completions", raw=body, headers={**plain, "Origin": "https://app.example"})
