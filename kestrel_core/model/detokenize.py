@@ -18,15 +18,16 @@ class TextStream:
     """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), min_tokens: int = 0,
-                 skip_special_tokens: bool = True, context: Sequence[int] = ()) -> None:
+                 skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
         self.min_tokens = min_tokens
         self.floor = 0 if not min_tokens else None  # the first min_tokens tokens' text: stop strings end past it
-        # ``context``: ids decoded before the generated ones, never handed out (Tokenizer.left_context: a
-        # SentencePiece decoder strips the first space of what it decodes, the generated text's without them)
-        self.ids: list[int] = list(context)
+        # ids decoded before the generated ones, never handed out (Tokenizer.left_context: a SentencePiece decoder
+        # strips the first space of what it decodes, the generated text's without them; a caller's own tokenizer
+        # may have none)
+        self.ids: list[int] = list(getattr(tokenizer, "left_context", ()))
         self.base = len(self.ids)
         self.prefix = 0  # ids[prefix:read] is context already decoded
         self.read = self.base

@@ -1,22 +1,22 @@
 """Continuous (iteration-level) batching: requests join and leave the running batch at any step.
 
-Each ``step()`` is one ``Engine.start_batch``: one row for every running sequence that is decoding, then
-chunks of prompts (chunked prefill) while the step's token budget lasts. A request is admitted when the KV
-pool has blocks for its tokens (with a block of headroom for each running sequence), and, with the prefix
-cache, not while a running request with the same prompt still computes it (the ``n`` choices of one prompt):
-it then attaches that prompt's blocks instead of computing them again. When a running
-sequence cannot grow, the most recently admitted one is preempted: its blocks are freed and it waits again
-at the head of the queue, to be recomputed from its prompt and the tokens it has generated. A row's result
-does not depend on the batch (``kernels``), so a recomputed sequence carries on exactly where it stopped.
+Each ``step()`` is one ``Engine.start_batch``: one row for every running sequence that is decoding, then chunks of
+prompts (chunked prefill) while the step's token budget lasts. A request is admitted when the KV pool has blocks for
+its tokens (with a block of headroom for each running sequence), and, with the prefix cache, not while a running
+request with the same prompt still computes it (the ``n`` choices of one prompt): it then attaches that prompt's
+blocks instead of computing them again. When a running sequence cannot grow, the most recently admitted one is
+preempted: its blocks are freed and it waits again at the head of the queue, to be recomputed from its prompt and
+the tokens it has generated. A row's result does not depend on the batch (``kernels``), so a recomputed sequence
+carries on exactly where it stopped.
 
-Where the backend runs a step on its device while the host goes on (``Engine.start_batch``), the next step
-starts as soon as this one's tokens are in, and the host then detokenizes and reports them while the device
-works. Where the backend also takes fed rows (``Engine.feeds``) and every request the running step returns a
-token for has it chosen on the device (greedy, ``argmax_only``), the next step starts before that: its decode
-rows run the tokens the device chose, so the device never waits for the host; only the requests that
-``max_tokens`` or the context end at the running step are left out of it, and it admits no request that would
-need another preempted. A request that the running step ends (EOS, a stop string, an abort) has a row in the
-next one already: that row's token is dropped, and the request's sequence is freed once that step is in.
+Where the backend runs a step on its device while the host goes on (``Engine.start_batch``), the next step starts as
+soon as this one's tokens are in, and the host then detokenizes and reports them while the device works. Where the
+backend also takes fed rows (``Engine.feeds``) and every request the running step returns a token for has it chosen
+on the device (greedy, ``argmax_only``), the next step starts before that: its decode rows run the tokens the device
+chose, so the device never waits for the host; only the requests that ``max_tokens`` or the context end at the
+running step are left out of it, and it admits no request that would need another preempted. A request that the
+running step ends (EOS, a stop string, an abort) has a row in the next one already: that row's token is dropped, and
+the request's sequence is freed once that step is in.
 
 With ``Engine.speculate`` set, where sequences rewind (``Engine.rewinds``), a greedy request's decode row is
 followed by up to that many tokens guessed from its context (kestrel_core.model.speculate); the step keeps each
@@ -60,8 +60,7 @@ def default_token_budget(max_batch: int) -> int:
 
 
 class Scheduler:
-    """Requests in, one batched step at a time, ``RequestOutput``s out. ``token_budget``: tokens per step
-    (None: ``default_token_budget``)."""
+    """Requests in, one batched step at a time, ``RequestOutput``s out (``token_budget``: default_token_budget's)."""
 
     def __init__(self, engine: Any, *, max_batch: int = DEFAULT_MAX_BATCH, token_budget: int | None = None,
                  max_waiting: int = DEFAULT_MAX_WAITING) -> None:
@@ -92,8 +91,7 @@ class Scheduler:
     # -- requests ------------------------------------------------------------------------------------
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        """The prompt's token ids as a list; InvalidRequest for a request that can never run (before it is
-        queued)."""
+        """The prompt's token ids as a list; InvalidRequest for a request that can never run (before it queues)."""
         return checked_prompt(self.engine, self.pool, prompt_ids, params)
 
     def add(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
@@ -109,9 +107,8 @@ class Scheduler:
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         tokenizer = self.engine.tokenizer
-        context = getattr(tokenizer, "left_context", ())  # a tokenizer of the caller's own may have none
-        text = None if isinstance(tokenizer, NoTokenizer) else TextStream(
-            tokenizer, params.stop, params.min_tokens, params.skip_special_tokens, context)
+        text = None if isinstance(tokenizer, NoTokenizer) else TextStream(tokenizer, params.stop, params.min_tokens,
+                                                                          params.skip_special_tokens)
         if constraint is None and params.grammar is not None:
             constraint = self.engine.constraint(params.grammar)
         request = Request(request_id, prompt_ids, params, Sampler(params, constraint, prompt_ids, self.eos), text)
@@ -199,7 +196,7 @@ class Scheduler:
     def _collect(self, started: tuple[list[tuple[Request, list[int], int]], Any]
                  ) -> list[tuple[Request, list[tuple[int, TokenLogprob | None]]]]:
         """A started step's result: each of its requests still running takes its new token (or tokens, where
-        its draft was right)."""
+        its draft was right); one whose sampling fails ends alone, its error in its last output."""
         work, step = started
         try:
             logits = step.result()
@@ -215,9 +212,8 @@ class Scheduler:
             try:
                 tokens.append((request, self._take_draft(request, out) if request.draft
                                else [self._accept(request, self._sample(request, out[-1]))]))
-            except Exception as exc:  # its own parameters or constraint: it ends, the batch goes on
-                log.error("kestrel: request %s failed: %s", request.request_id, exc,
-                          exc_info=log.isEnabledFor(logging.DEBUG))
+            except Exception as exc:  # its own parameters or constraint: it ends (reported), the batch goes on
+                log.debug("kestrel: request %s failed", request.request_id, exc_info=True)
                 self._finish(request, "abort")
                 request.error = exc
                 self._ended.append(request)

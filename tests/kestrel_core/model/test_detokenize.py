@@ -63,7 +63,7 @@ def test_a_sentencepiece_answer_keeps_the_space_of_its_first_token() -> None:
                                     architecture="llama")
     prompt = tok.encode("The capital of France is", add_special_tokens=False)
     answer = tok.encode("The capital of France is Paris, a city.", add_special_tokens=False)[len(prompt):]
-    stream = TextStream(tok, context=tok.left_context)
+    stream = TextStream(tok)
     text = "".join(stream.push(t) for t in answer) + stream.flush()
     assert text == " Paris, a city." == tok.decode(prompt + answer)[len(tok.decode(prompt)):]
     assert tok.token_text(answer[0]) == " Paris" and tok.decode([answer[0]]) == "Paris"
