@@ -446,15 +446,19 @@ class Engine:
     def prompt_logprobs(self, token_ids: Sequence[int], top: int = 0) -> list[TokenLogprob]:
         """Each token after the first, scored by the logits before it (a prompt's logprobs, as the sampler
         reports a generated token's: the log-softmax, with the ``top`` likeliest alternatives)."""
+        return [entry for chunk in self.prompt_logprob_chunks(token_ids, top) for entry in chunk]
+
+    def prompt_logprob_chunks(self, token_ids: Sequence[int], top: int = 0) -> Iterator[list[TokenLogprob]]:
+        """``prompt_logprobs`` a prefill chunk at a time (never the whole [T, vocab]); between two, the thread that
+        drives it may run other work (the server runs generation steps), the chunks' sequence held meanwhile."""
         if not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"top must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}", param="top")
         ids = self.check_ids(token_ids, "input")
-        scored: list[TokenLogprob] = []
-        for rows in self._chunk_logits(ids):  # a chunk at a time: never the whole [T, vocab]
-            start = len(scored)
-            scored.extend(logprobs_of(row, ids[start + j + 1], top) for j, row in enumerate(rows)
-                          if start + j + 1 < len(ids))
-        return scored
+        done = 0
+        for rows in self._chunk_logits(ids):
+            chunk = [logprobs_of(row, ids[done + j + 1], top) for j, row in enumerate(rows) if done + j + 1 < len(ids)]
+            done += len(rows)
+            yield chunk
 
     def _chunk_logits(self, token_ids: Sequence[int], prompt_len: int | None = None) -> Iterator[np.ndarray]:
         """``logits``, a prefill chunk at a time (float32 [chunk, vocab] each)."""

@@ -74,18 +74,28 @@ class Served:
 
     async def echoes(self, prompts: list[str | list[int]], ids: list[list[int]], logprobs: int | None) -> list[Echo]:
         """Completions prompts echoed: their text and, with ``logprobs`` (the alternatives a token), the scores
-        of their tokens after the first (every prompt's in one call between two engine steps)."""
+        of their tokens after the first, a prefill chunk between two engine steps (a long prompt does not hold
+        the other requests up, and a client that leaves stops its scoring)."""
         try:
             for one in ids:
                 self.engine.check_ids(one, "prompt")
             texts = [p if isinstance(p, str) else self.engine.tokenizer.decode(one) for p, one in zip(prompts, ids)]
             scored: list[list[TokenLogprob] | None] = [None] * len(ids)
             if logprobs is not None:
-                scored = await self.async_engine.call(
-                    lambda: [self.engine.prompt_logprobs(one, logprobs) for one in ids])
+                scored = [await self._scored(one, logprobs) for one in ids]
         except KestrelError as exc:
             raise from_kestrel_error(exc, param="prompt") from None
         return [Echo(text, one[0], s) for text, one, s in zip(texts, ids, scored)]
+
+    async def _scored(self, ids: list[int], logprobs: int) -> list[TokenLogprob]:
+        chunks = self.engine.prompt_logprob_chunks(ids, logprobs)  # driven on the engine's thread only
+        scored: list[TokenLogprob] = []
+        try:
+            while (chunk := await self.async_engine.call(lambda: next(chunks, None))) is not None:
+                scored += chunk
+        finally:  # also where the client left: its sequence goes back
+            await self.async_engine.call(chunks.close)
+        return scored
 
     def chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[int], ToolCalls | None, str | None]:
         """A chat request's prompt: its text and token ids, how its answers carry tool calls, its grammar."""

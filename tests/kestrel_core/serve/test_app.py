@@ -781,3 +781,25 @@ def test_a_web_pages_requests_are_refused_unless_its_origin_is_allowed(server: K
         ok = http("POST", f"{other.url}/v1/completions", raw=body, headers={**plain, "Origin": "https://app.example"})
         refused = http("POST", f"{other.url}/v1/completions", raw=body, headers={**plain, "Origin": "https://b.example"})
         assert (ok[0], refused[0]) == (200, 403)
+
+
+def test_scoring_a_long_prompt_takes_a_chunk_between_engine_steps(client: openai.OpenAI, async_engine: AsyncEngine,
+                                                                   engine: Any, monkeypatch) -> None:
+    """An echo with logprobs runs on the engine's thread a prefill chunk a call, so generation steps go on
+    between its chunks (one call for the whole prompt held every other request up); its sequence goes back."""
+    from kestrel_core.model.weights import PREFILL_CHUNK
+
+    calls: list[Any] = []
+    real = async_engine.call
+
+    async def counting(fn: Any) -> Any:
+        calls.append(fn)
+        return await real(fn)
+
+    monkeypatch.setattr(async_engine, "call", counting)
+    ids = [int(i) for i in np.random.default_rng(4).integers(100, 5000, 2 * PREFILL_CHUNK + 10)]  # three chunks
+    whole = engine.prompt_logprobs(ids, 1)
+    got = client.completions.create(model=NAME, prompt=ids, echo=True, max_tokens=0, logprobs=1)
+    assert got.choices[0].logprobs.token_logprobs[1:] == pytest.approx([e.logprob for e in whole], abs=1e-6)
+    assert len(calls) == 3 + 2  # the three chunks, the end, the close
+    assert engine.pool.free_blocks == engine.pool.num_blocks
