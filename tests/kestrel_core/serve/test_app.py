@@ -707,7 +707,7 @@ def test_a_client_that_leaves_while_sending_its_body_counts_as_gone(server: Kest
     gone, bad = count("499"), count("400")
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as conn:
-        conn.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        conn.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 5000\r\n\r\n" + b'{"model": "x", "messages": [' + b" " * 20)
     for _ in range(100):
         if count("499") > gone:
