@@ -94,11 +94,10 @@ class Constraint:
         self._ready = False  # _bits hold the next token's mask already (prepare_masks)
 
     def allowed(self) -> np.ndarray:
-        """bool [vocab]: the tokens the grammar allows next (only the end of text once it has failed)."""
+        """bool [vocab]: the tokens the grammar allows next; InvalidRequest once it has failed (past llguidance's
+        limits: an answer cut there would not be what the grammar describes, and would say it stopped)."""
         if self.matcher.is_error():
-            out = np.zeros(self.vocab_size, bool)
-            out[self.eos] = True
-            return out
+            raise InvalidRequest(f"the grammar failed while generating: {self.failed.splitlines()[0]}")
         if not self._ready:
             self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         self._ready = False

@@ -803,3 +803,13 @@ def test_scoring_a_long_prompt_takes_a_chunk_between_engine_steps(client: openai
     assert got.choices[0].logprobs.token_logprobs[1:] == pytest.approx([e.logprob for e in whole], abs=1e-6)
     assert len(calls) == 3 + 2  # the three chunks, the end, the close
     assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def test_a_schema_past_the_grammar_engines_limits_is_an_error_not_a_cut_answer(client: openai.OpenAI) -> None:
+    """1,000 optional properties: llguidance gives up after "{" (a parser row over its 2,000 items). The answer
+    was "{" with finish_reason "stop", which the schema does not describe; now the request fails, alone."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1000)}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "wide", "schema": schema}}
+    with pytest.raises(openai.BadRequestError, match="the grammar failed while generating"):
+        _chat(client, max_tokens=8, response_format=fmt)
+    assert _chat(client, max_tokens=4).choices[0].message.content  # the server goes on
