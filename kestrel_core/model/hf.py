@@ -229,6 +229,24 @@ def safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
         return 8 + n, json.loads(f.read(n))
 
 
+def raw_elements(path: Path, name: str, dtype: str, header: tuple[int, dict[str, Any]] | None = None) -> np.ndarray:
+    """A safetensors tensor's raw elements (bfloat16 bits as "<u2", FP8 codes as "u1") in its shape, mapped from the
+    file at the offsets of its header (``safetensors_header``'s, read here where not given)."""
+    base, entries = header if header is not None else safetensors_header(path)
+    entry = entries[name]
+    start, end = entry["data_offsets"]
+    shape = tuple(entry["shape"])
+    count = int(np.prod(shape, dtype=np.int64))
+    if end - start != np.dtype(dtype).itemsize * count:
+        raise KestrelError(f"{path}: tensor {name} has {end - start} bytes for shape {list(shape)}")
+    if base + end > path.stat().st_size:
+        raise KestrelError(f"{path}: truncated while reading {name}")
+    # mapped, not read: the quantizer reads the page cache itself, and the mapping (its pages in this
+    # process's RSS) goes with the array
+    raw = np.memmap(path, dtype=dtype, mode="r", offset=base + start, shape=(count,))
+    return raw.astype(np.dtype(dtype).newbyteorder("="), copy=False).reshape(shape)  # native order
+
+
 def weight_files(model_dir: Path) -> list[str]:
     """The safetensors files of a checkpoint: the shards its index names, else every ``*.safetensors``."""
     index = model_dir / "model.safetensors.index.json"
@@ -494,23 +512,10 @@ class HFCheckpoint:
         return values.reshape(scales.shape[0], -1).astype(np.float32)
 
     def _raw(self, path: Path, hf_name: str, dtype: str) -> np.ndarray:
-        """The tensor's raw elements (bfloat16 bits as "<u2", FP8 codes as "u1") in its shape, mapped from the file
-        at the header's offsets."""
+        """``raw_elements`` of a shard, its header read once."""
         if path not in self._headers:
             self._headers[path] = safetensors_header(path)
-        base, header = self._headers[path]
-        entry = header[hf_name]
-        start, end = entry["data_offsets"]
-        shape = tuple(entry["shape"])
-        count = int(np.prod(shape, dtype=np.int64))
-        if end - start != np.dtype(dtype).itemsize * count:
-            raise KestrelError(f"{path}: tensor {hf_name} has {end - start} bytes for shape {list(shape)}")
-        if base + end > path.stat().st_size:
-            raise KestrelError(f"{path}: truncated while reading {hf_name}")
-        # mapped, not read: the quantizer reads the page cache itself, and the mapping (its pages in this
-        # process's RSS) goes with the array
-        raw = np.memmap(path, dtype=dtype, mode="r", offset=base + start, shape=(count,))
-        return raw.astype(np.dtype(dtype).newbyteorder("="), copy=False).reshape(shape)  # native order
+        return raw_elements(path, hf_name, dtype, self._headers[path])
 
     def _fp8(self, path: Path, hf_name: str) -> np.ndarray:
         """An FP8 weight decoded to float32 with its scale (model/fp8.py)."""

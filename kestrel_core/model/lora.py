@@ -29,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 
 from kestrel_core.contract import BFloat16Bits
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.hf import kestrel_name, safetensors_header
+from kestrel_core.model.hf import kestrel_name, raw_elements
 from kestrel_core.model.quantize import TensorSource
 from kestrel_core.model.validate import ValidationError, check_bool, check_float, check_int, check_regular_file
 
@@ -148,12 +148,7 @@ def _deltas(path: Path, where: str, r: int) -> dict[str, tuple[np.ndarray, np.nd
 
 def _bf16(path: Path, key: str) -> np.ndarray:
     """A BF16 tensor of a safetensors file as float32 (exactly: bf16 is the top half of an f32)."""
-    base, header = safetensors_header(path)
-    start, end = header[key]["data_offsets"]
-    with open(path, "rb") as f:
-        f.seek(base + start)
-        bits = np.frombuffer(f.read(end - start), dtype="<u2")
-    return BFloat16Bits(bits.reshape(header[key]["shape"])).to_float32()
+    return BFloat16Bits(raw_elements(path, key, "<u2")).to_float32()
 
 
 def _checked(pairs: dict[str, dict[str, np.ndarray]], where: str, r: int | None = None
