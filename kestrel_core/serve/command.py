@@ -1,6 +1,6 @@
 """The ``kestrel serve`` handler: load the engine, serve until SIGTERM/SIGINT.
 
-fastapi, uvicorn and prometheus-client are the ``serve`` extra: they are imported here, only when serving,
+fastapi, uvicorn, httptools and prometheus-client are the ``serve`` extra: they are imported here, only when serving,
 and a missing one is a one-line error that says how to install them.
 """
 
@@ -16,7 +16,8 @@ from kestrel_core.env import env_str
 from kestrel_core.errors import KestrelError
 
 API_KEY_ENV = "KESTREL_API_KEY"
-_NEEDED = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
+_NEEDED = {"fastapi": "fastapi", "uvicorn": "uvicorn", "httptools": "httptools",
+           "prometheus_client": "prometheus-client"}
 
 
 def _check_installed() -> None:

@@ -33,6 +33,7 @@ from kestrel_core.model.hub import parse_hub_spec
 from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING
 from kestrel_core.serve.access import DEFAULT_MAX_REQUEST_BYTES, is_loopback
 from kestrel_core.serve.app import create_app
+from kestrel_core.serve.connection import DEFAULT_LIMITS, ConnectionLimits, protocol_with
 
 log = logging.getLogger("kestrel.serve")
 
@@ -71,6 +72,20 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise KestrelError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     sock.set_inheritable(True)
     return sock
+
+
+def raise_open_file_limit(target: int = 65536) -> None:
+    """Each connection holds a file descriptor: lift the soft limit (often 1,024) towards ``target`` within the
+    hard one, as vLLM's server does, so a burst of clients meets ConnectionLimits before accept() runs out."""
+    try:
+        import resource
+    except ImportError:  # Windows: no such limit
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 def url_of(sock: socket.socket) -> str:
@@ -186,16 +201,18 @@ def build_server(engines: Mapping[str, AsyncEngine], *, host: str = "127.0.0.1",
                  api_key: str | None = None, shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
                  sock: socket.socket | None = None, pooling: str | None = None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_origins: Sequence[str] = (),
-                 **uvicorn_options: Any) -> KestrelServer:
+                 connection_limits: ConnectionLimits = DEFAULT_LIMITS, **uvicorn_options: Any) -> KestrelServer:
     """The app over ``engines`` (public name -> AsyncEngine, the first the default) in a KestrelServer bound to
     host:port (or serving ``sock``, already bound), not yet running; ``allowed_origins``: web pages whose browser
-    requests it answers besides the loopback's (access.BrowserGuardMiddleware)."""
+    requests it answers besides the loopback's (access.BrowserGuardMiddleware); ``connection_limits``: how long
+    and how much a client may hold a connection without progress (connection.ConnectionLimits)."""
     sock = sock if sock is not None else bind_socket(host, port)
     bound = sock.getsockname()[0]
     app = create_app(engines, api_key=api_key, pooling=pooling, max_request_bytes=max_request_bytes,
                      loopback=is_loopback(str(bound)), allowed_origins=tuple(allowed_origins))
     options: dict[str, Any] = {"log_config": None, "log_level": "warning", "access_log": False,
-                               "lifespan": "on", "timeout_graceful_shutdown": 5.0}
+                               "lifespan": "on", "timeout_graceful_shutdown": 5.0,
+                               "http": protocol_with(connection_limits)}
     options.update(uvicorn_options)
     config = uvicorn.Config(app, **options)
     return KestrelServer(config, list(engines.values()), sock, shutdown_grace_s)
@@ -222,6 +239,7 @@ def serve(engines: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str 
         named[name] = AsyncEngine(engine, max_batch=max_batch, token_budget=token_budget, max_waiting=max_waiting)
     for ae in named.values():
         warm_up(ae)
+    raise_open_file_limit()
     server = build_server(named, host=host, port=port, api_key=api_key, shutdown_grace_s=shutdown_grace_s,
                           sock=sock, pooling=pooling, max_request_bytes=max_request_bytes,
                           allowed_origins=allowed_origins)

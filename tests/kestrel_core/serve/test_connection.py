@@ -1,0 +1,219 @@
+"""Connections that make no progress are closed (ConnectionLimits), against a real server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import resource
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import openai
+import pytest
+
+from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.model.request import RequestOutput
+from kestrel_core.model.sampling import SamplingParams
+from kestrel_core.serve.connection import ConnectionLimits
+from kestrel_core.serve.server import KestrelServer, raise_open_file_limit
+
+from .helpers import openai_client, running_server
+
+NAME = "tiny-qwen3"
+LIMITS = ConnectionLimits(head_timeout_s=0.5, max_head_bytes=4096, body_idle_s=0.5, write_stall_s=0.5)
+
+
+class Paced(AsyncEngine):
+    """Answers ``pieces`` outputs of ``piece_chars`` characters each, ``delay_s`` apart; ``ended`` records
+    whether the last answer ran to its end or was given up (its client gone)."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine, max_batch=4)
+        self.pieces, self.piece_chars, self.delay_s = 3, 3, 0.0
+        self.ended: list[str] = []
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        try:
+            for k in range(self.pieces):
+                await asyncio.sleep(self.delay_s)
+                last = k == self.pieces - 1
+                yield RequestOutput(request_id or "r", [1], "x" * self.piece_chars, None, last,
+                                    "stop" if last else None, len(prompt_ids), k + 1)
+            self.ended.append("finished")
+        except GeneratorExit:
+            self.ended.append("given up")
+            raise
+
+
+@pytest.fixture(scope="module")
+def async_engine(engine: Any) -> Paced:
+    return Paced(engine)
+
+
+@pytest.fixture(scope="module")
+def server(async_engine: Paced) -> Iterator[KestrelServer]:
+    with running_server(async_engine, NAME, connection_limits=LIMITS) as s:
+        yield s
+
+
+@pytest.fixture
+def paced(async_engine: Paced) -> Iterator[Paced]:
+    yield async_engine
+    async_engine.pieces, async_engine.piece_chars, async_engine.delay_s = 3, 3, 0.0
+    async_engine.ended.clear()
+
+
+def _connect(server: KestrelServer, **options: int) -> socket.socket:
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    for name, value in options.items():
+        sock.setsockopt(socket.SOL_SOCKET, getattr(socket, name), value)
+    sock.settimeout(10)
+    sock.connect((host, int(port)))
+    return sock
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> float | None:
+    """Seconds until the server closed ``sock`` (reading past whatever it sent first), None if it did not."""
+    start = time.monotonic()
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(65536):
+            pass
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - start
+
+
+def _head(extra: bytes = b"") -> bytes:
+    return b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + extra + b"\r\n"
+
+
+def test_a_connection_that_sends_nothing_is_closed(server: KestrelServer) -> None:
+    with _connect(server) as sock:
+        waited = _closed_within(sock, 5)
+    assert waited is not None and waited < 3
+
+
+def test_a_head_sent_a_byte_at_a_time_is_closed_at_its_deadline(server: KestrelServer) -> None:
+    """The deadline is the whole head's, not a pause between its bytes."""
+    with _connect(server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\n")
+        start = time.monotonic()
+        with pytest.raises(OSError):
+            for _ in range(40):
+                sock.sendall(b"X-Slow: 1\r\n")
+                time.sleep(0.1)
+                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    raise ConnectionResetError("closed by the server")
+    assert time.monotonic() - start < 3
+
+
+def _status_of(sock: socket.socket) -> bytes:
+    answer = b""
+    while b"\r\n" not in answer:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        answer += chunk
+    return answer.split(b"\r\n", 1)[0]
+
+
+@pytest.mark.parametrize("over", [0, 1])
+def test_a_head_is_taken_up_to_its_limit(server: KestrelServer, over: int) -> None:
+    filler = LIMITS.max_head_bytes - len(_head(b"X-Fill: \r\n")) + over
+    with _connect(server) as sock:
+        sock.sendall(_head(b"X-Fill: " + b"a" * filler + b"\r\n"))
+        status = _status_of(sock)
+    assert status == (b"HTTP/1.1 200 OK" if over == 0 else b"HTTP/1.1 431 Request Header Fields Too Large")
+
+
+def test_an_endless_header_is_refused_at_the_limit_not_read_to_its_end(server: KestrelServer) -> None:
+    with _connect(server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nX-Endless: ")
+        with pytest.raises(OSError):  # refused and closed while the client is still sending
+            for _ in range(200):
+                sock.sendall(b"a" * 65536)
+        assert _status_of(sock) == b"HTTP/1.1 431 Request Header Fields Too Large"
+    with _connect(server) as sock:  # the server goes on
+        sock.sendall(_head())
+        assert _status_of(sock) == b"HTTP/1.1 200 OK"
+
+
+def test_a_body_that_stops_coming_closes_its_connection(server: KestrelServer) -> None:
+    with _connect(server) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 5000\r\n\r\n" + b'{"model": "x", "messages": [')
+        waited = _closed_within(sock, 5)
+    assert waited is not None and waited < 3
+
+
+def test_a_body_that_keeps_coming_is_read_to_its_end(server: KestrelServer, paced: Paced) -> None:
+    """Slower than body_idle_s in all, never that long between bytes: answered."""
+    body = json.dumps({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).encode()
+    with _connect(server) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        step = len(body) // 5 + 1
+        for i in range(0, len(body), step):
+            sock.sendall(body[i:i + step])
+            time.sleep(0.2)
+        assert _status_of(sock) == b"HTTP/1.1 200 OK"
+
+
+def test_an_answer_slower_than_every_limit_is_not_cut(server: KestrelServer, paced: Paced) -> None:
+    paced.pieces, paced.delay_s = 4, 0.4  # 1.6 s, over head_timeout_s, body_idle_s and write_stall_s
+    client = openai_client(server)
+    answer = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}])
+    assert answer.choices[0].message.content == "xxx" * 4 and paced.ended == ["finished"]
+    streamed = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "xxx" * 4
+
+
+def test_a_kept_alive_connection_serves_its_next_request_after_a_pause(server: KestrelServer) -> None:
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() and conn.sock is not None
+        first = conn.sock
+        time.sleep(1.0)  # longer than head_timeout_s, shorter than uvicorn's keep-alive (5 s)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200 and conn.sock is first
+    finally:
+        conn.close()
+
+
+def test_an_unread_stream_is_cut(server: KestrelServer, paced: Paced) -> None:
+    """Cut once write_stall_s passes with its buffers full: what was sent is there, the rest and [DONE] never come."""
+    paced.pieces, paced.piece_chars = 400, 32_768  # 13 MB: more than the socket buffers hold
+    body = json.dumps({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "stream": True}).encode()
+    with _connect(server, SO_RCVBUF=4096) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(2.0)  # read nothing
+        received = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(1 << 20):
+                received += chunk
+    assert received.startswith(b"HTTP/1.1 200 OK")
+    assert len(received) < paced.pieces * paced.piece_chars and b"data: [DONE]" not in received
+
+
+def test_the_open_file_limit_is_raised_within_the_hard_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        raise_open_file_limit(4096)
+        wanted = 4096 if hard == resource.RLIM_INFINITY else min(4096, hard)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (wanted, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
