@@ -129,12 +129,17 @@ class AsyncEngine:
 
     # -- requests ------------------------------------------------------------------------------------
 
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids as a list; InvalidRequest for a request that can never run, before anything is
+        built for it."""
+        return self.scheduler.check(prompt_ids, params)
+
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as its tokens come; InvalidRequest or Overloaded before the first one. A
         grammar's constraint is built first, on a worker thread: compiling a client's grammar may take a while,
         and the steps' thread does not wait for it."""
-        ids = self.scheduler.check(prompt_ids, params)  # a bad request fails before its grammar is compiled
+        ids = self.check(prompt_ids, params)  # a bad request fails before its grammar is compiled
         constraint = None
         if isinstance(params.grammar, str):
             constraint = await asyncio.get_running_loop().run_in_executor(None, self.engine.constraint,

@@ -331,6 +331,6 @@ def install(app: FastAPI, models: Models) -> None:
     async def count_tokens(body: MessagesBody) -> dict[str, int]:
         with named_as(ANTHROPIC_NAMES):
             chat = validated(ChatCompletionRequest, body.openai(False))
-            _, prompt_ids, _, _ = await asyncio.to_thread(models.get(body.model).chat_prompt, chat)
+            _, prompt_ids, _ = await asyncio.to_thread(models.get(body.model).chat_prompt, chat)
         return {"input_tokens": len(prompt_ids)}
 

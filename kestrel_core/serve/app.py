@@ -97,12 +97,11 @@ class Served:
             await self.async_engine.call(chunks.close)
         return scored
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[int], ToolCalls | None, str | None]:
-        """A chat request's prompt: its text and token ids, how its answers carry tool calls, its grammar."""
+    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[int], ToolCalls | None]:
+        """A chat request's prompt: its text and token ids, and how its answers carry tool calls."""
         self.check_request()
         try:  # each of these names its field
             tools = body.tool_calls(self.tool_format)
-            grammar = body.grammar(tools, self.tool_calls_id, self.harmony)
             context = body.template_context()
         except KestrelError as exc:
             raise from_kestrel_error(exc) from None
@@ -120,15 +119,28 @@ class Served:
             prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=False))  # the template wrote any BOS
         except KestrelError as exc:  # no messages, no template, or a template that failed on these
             raise from_kestrel_error(exc, param="messages") from None
-        return prompt, prompt_ids, tools, grammar
+        return prompt, prompt_ids, tools
+
+    def chat_params(self, body: ChatCompletionRequest, prompt_ids: list[int], tools: ToolCalls | None) -> Any:
+        """A chat request's SamplingParams, its grammar built last: a client's schema may take seconds to
+        compile, so only for a request that can run."""
+        params = _params(body, self.context_left(len(prompt_ids)), self)
+        try:
+            self.async_engine.check(prompt_ids, params)
+            return replace(params, grammar=body.grammar(tools, self.tool_calls_id, self.harmony))
+        except KestrelError as exc:
+            raise from_kestrel_error(exc) from None
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         """``/v1/chat/completions``' answer (whole, or the stream's response)."""
-        prompt, prompt_ids, tools, grammar = await asyncio.to_thread(self.chat_prompt, body)  # off the event loop
+        def prepare() -> tuple[str, list[int], ToolCalls | None, Any]:
+            prompt, prompt_ids, tools = self.chat_prompt(body)
+            return prompt, prompt_ids, tools, self.chat_params(body, prompt_ids, tools)
+
+        prompt, prompt_ids, tools, params = await asyncio.to_thread(prepare)  # off the event loop
         # a constrained answer is what it is constrained to from its first token, even where the prompt opened a
         # reasoning block
-        reasoning = Reasoning(opens_in_prompt(prompt) and grammar is None) if self.thinks else None
-        params = replace(_params(body, self.context_left(len(prompt_ids)), self), grammar=grammar)
+        reasoning = Reasoning(opens_in_prompt(prompt) and params.grammar is None) if self.thinks else None
         if self.harmony:  # the channels are special tokens: their text must stay
             params = replace(params, skip_special_tokens=False)
         if params.logprobs:

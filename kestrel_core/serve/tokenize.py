@@ -45,7 +45,7 @@ class TokenizeBody(RequestBody):
             chat = validated(ChatCompletionRequest, {
                 "messages": self.messages, "tools": self.tools, "chat_template_kwargs": self.chat_template_kwargs,
                 "add_generation_prompt": self.add_generation_prompt})
-            prompt, ids, _, _ = served.chat_prompt(chat)
+            prompt, ids, _ = served.chat_prompt(chat)
             return list(tokenizer.encode(prompt, add_special_tokens=True)) if self.add_special_tokens else ids
         except KestrelError as exc:  # a model without a tokenizer
             raise from_kestrel_error(exc, param="prompt") from None

@@ -12,7 +12,6 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-import openai
 import pytest
 
 from kestrel_core.model.async_engine import AsyncEngine

@@ -18,6 +18,7 @@ import pytest
 
 import kestrel_core
 from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.serve import protocol
 
 from .helpers import Scripted, openai_client, running_server
 
@@ -236,6 +237,23 @@ def model_client() -> Iterator[openai.OpenAI]:
 def _weather_args(arguments: str) -> None:
     args = json.loads(arguments)
     assert set(args) == {"city"} and isinstance(args["city"], str), args
+
+
+def test_a_forced_call_that_cannot_fit_is_refused_before_its_grammar_is_built(
+        model_client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiling a client's schema may take seconds: not for a request whose prompt is over the context."""
+    built: list[Any] = []
+    real = protocol.call_grammar
+    monkeypatch.setattr(protocol, "call_grammar", lambda *args: built.append(args) or real(*args))
+    values = [f"value-{i}" for i in range(20_000)]
+    huge = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"v": {"enum": values}}, "required": ["v"]}}}
+    with pytest.raises(openai.BadRequestError, match="context"):
+        model_client.chat.completions.create(model=NAME, messages=ASK, tools=[huge], tool_choice="required")
+    assert built == []
+    answer = model_client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER], max_tokens=40,
+                                                  tool_choice="required", temperature=0)
+    assert answer.choices[0].message.tool_calls and len(built) == 1
 
 
 @pytest.mark.parametrize(("temperature", "parallel"), [(0.0, None), (1.0, False), (1.0, None)])
