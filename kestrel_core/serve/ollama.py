@@ -38,6 +38,9 @@ from kestrel_core.serve.tools import MISTRAL, arguments_object
 if TYPE_CHECKING:
     from kestrel_core.serve.app import Models, Served
 
+# the Ollama release whose API these routes follow, for the clients that require one (VS Code Copilot: 0.6.4 or later);
+# embed's dimensions, the newest field they read, came in it
+OLLAMA_VERSION = "0.11.11"
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's, where a Modelfile sets none
 OLLAMA_NAMES = {"repetition_penalty": "repeat_penalty"}  # its options' names where they differ from kestrel's
 # the chat or completions request's fields an Ollama request sets, by the names it sends them under (its errors
@@ -382,7 +385,7 @@ def install(app: FastAPI, models: Models) -> None:
 
     @app.get("/api/version")
     async def version() -> dict[str, str]:
-        return {"version": kestrel_core.__version__}
+        return {"version": OLLAMA_VERSION, "kestrel_version": kestrel_core.__version__}
 
     @app.api_route("/", methods=["GET", "HEAD"])
     async def running() -> PlainTextResponse:

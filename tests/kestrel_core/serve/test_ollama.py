@@ -31,6 +31,7 @@ FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 NAME = "tiny"
 HI = [{"role": "user", "content": "Hi"}]
 GREEDY = {"temperature": 0, "num_predict": 12}
+COPILOT_MINIMUM = "0.6.4"  # VS Code Copilot's Ollama provider refuses a server whose /api/version is below it
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,17 @@ def test_the_heartbeat_answers(server: KestrelServer) -> None:
     for method in ("HEAD", "GET"):
         status, _, body = http(method, f"{server.url}/")
         assert status == 200 and body == (b"" if method == "HEAD" else b"kestrel is running")
+
+
+def test_the_version_is_an_ollama_release_that_clients_accept(server: KestrelServer) -> None:
+    status, _, raw = http("GET", f"{server.url}/api/version")
+    body = json.loads(raw)
+
+    def release(version: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in version.split("."))
+
+    assert status == 200 and release(body["version"]) >= release(COPILOT_MINIMUM)
+    assert body["kestrel_version"] == kestrel_core.__version__
 
 
 def test_an_unknown_model_is_404(ol: ollama.Client) -> None:
