@@ -97,8 +97,11 @@ class Served:
             await self.async_engine.call(chunks.close)
         return scored
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[int], ToolCalls | None]:
-        """A chat request's prompt: its text and token ids, and how its answers carry tool calls."""
+    def chat_prompt(self, body: ChatCompletionRequest,
+                    truncate: bool = False) -> tuple[str, list[int], ToolCalls | None]:
+        """A chat request's prompt: its text and token ids, and how its answers carry tool calls; with
+        ``truncate``, a conversation that leaves no room for an answer is cut to its latest messages that do
+        (``_latest_that_fit``)."""
         self.check_request()
         try:  # each of these names its field
             tools = body.tool_calls(self.tool_format)
@@ -109,14 +112,21 @@ class Served:
         if continuing and body.add_generation_prompt is True:
             raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: the answer "
                            "either continues the last message or opens a turn", param="continue_final_message")
-        try:
-            tokenizer, messages = self.engine.tokenizer, body.template_messages()
+        tokenizer = self.engine.tokenizer
+
+        def render(messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
             if continuing:
                 prompt = continue_final_message(lambda ms: tokenizer.apply_chat_template(ms, False, **context),
                                                 messages)
             else:
                 prompt = tokenizer.apply_chat_template(messages, body.add_generation_prompt is not False, **context)
-            prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=False))  # the template wrote any BOS
+            return prompt, list(tokenizer.encode(prompt, add_special_tokens=False))  # the template wrote any BOS
+
+        try:
+            messages = body.template_messages()
+            prompt, prompt_ids = render(messages)
+            if truncate and self.context_left(len(prompt_ids)) < 1:
+                prompt, prompt_ids = _latest_that_fit(messages, render, lambda ids: self.context_left(len(ids)) > 0)
         except KestrelError as exc:  # no messages, no template, or a template that failed on these
             raise from_kestrel_error(exc, param="messages") from None
         return prompt, prompt_ids, tools
@@ -131,10 +141,10 @@ class Served:
         except KestrelError as exc:
             raise from_kestrel_error(exc) from None
 
-    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        """``/v1/chat/completions``' answer (whole, or the stream's response)."""
+    async def chat(self, body: ChatCompletionRequest, request: Request, truncate: bool = False) -> Response:
+        """``/v1/chat/completions``' answer (whole, or the stream's response); ``truncate``: ``chat_prompt``'s."""
         def prepare() -> tuple[str, list[int], ToolCalls | None, Any]:
-            prompt, prompt_ids, tools = self.chat_prompt(body)
+            prompt, prompt_ids, tools = self.chat_prompt(body, truncate)
             return prompt, prompt_ids, tools, self.chat_params(body, prompt_ids, tools)
 
         prompt, prompt_ids, tools, params = await asyncio.to_thread(prepare)  # off the event loop
@@ -294,6 +304,55 @@ def create_app(engines: Mapping[str, Any], api_key: str | None = None, pooling: 
         return Response(metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     return app
+
+
+def _latest_that_fit(messages: list[dict[str, Any]], render: Callable[[list[dict[str, Any]]], tuple[str, list[int]]],
+                     fits: Callable[[list[int]], bool]) -> tuple[str, list[int]]:
+    """The prompt (text, token ids: ``render``'s) of a conversation cut to its latest messages that ``fits``, as
+    Ollama's ``/api/chat`` cuts one: the oldest messages go, but the system ones and the latest message stay, and
+    a tool's result keeps the assistant message whose call it answers. A cut the template refuses (one whose
+    messages must open with a user turn) counts as not fitting. The cut is found by bisection, since fewer
+    messages never make a longer prompt; where none fits, the shortest cut's prompt (the request then fails as
+    too long), or its template's error."""
+    starts = sorted({_turn_start(messages, i) for i in range(1, len(messages))} - {0})
+    if not starts:
+        return render(messages)
+    rendered: dict[int, tuple[str, list[int]] | KestrelError] = {}
+
+    def cut(k: int) -> tuple[str, list[int]] | KestrelError:
+        """The prompt from ``starts[k]`` on, or the template's error."""
+        if k not in rendered:
+            kept = [m for m in messages[:starts[k]] if m["role"] == "system"] + messages[starts[k]:]
+            try:
+                rendered[k] = render(kept)
+            except KestrelError as exc:
+                rendered[k] = exc
+        return rendered[k]
+
+    low, high = 0, len(starts) - 1
+    while low < high:
+        middle = (low + high) // 2
+        prompt = cut(middle)
+        if isinstance(prompt, KestrelError) or not fits(prompt[1]):
+            low = middle + 1
+        else:
+            high = middle
+    prompt = cut(low)
+    if isinstance(prompt, KestrelError):
+        raise prompt
+    return prompt
+
+
+def _turn_start(messages: list[dict[str, Any]], index: int) -> int:
+    """Where a cut before message ``index`` starts: the assistant message whose calls a tool result there answers
+    (the results after its calls stay together with it), else ``index``."""
+    start = index
+    while start > 0 and messages[start]["role"] == "tool" and messages[start - 1]["role"] == "tool":
+        start -= 1
+    if messages[start]["role"] == "tool" and start > 0 and messages[start - 1]["role"] == "assistant" \
+            and messages[start - 1].get("tool_calls"):
+        return start - 1
+    return index
 
 
 def _params(body: ChatCompletionRequest | CompletionRequest, context_left: int, served: Served) -> Any:

@@ -1,16 +1,17 @@
 """Ollama's API (``/api/*``) over the same engine, for the clients and tools written against Ollama.
 
-Each generation route translates its request into the OpenAI request kestrel already answers (``/api/chat``
-into a chat completion, ``/api/generate`` into a chat completion of one user turn, or a plain completion when
+Each generation route translates its request into the OpenAI request kestrel already answers (``/api/chat`` into
+a chat completion, cut to its latest messages where the conversation is past the context unless ``truncate`` is
+false, as Ollama cuts it; ``/api/generate`` into a chat completion of one user turn, or a plain completion when
 ``raw``, when the model has no chat template or with a ``suffix``; ``/api/embed`` into embeddings) and that
-answer back into Ollama's shape: one JSON object, or newline-delimited JSON objects when streamed (Ollama
-streams unless ``stream`` is false), the last with ``done: true``, the reason and the counts and durations
-(nanoseconds). Errors are ``{"error": message}`` with the same statuses. A model is named as served, with or
-without the ``:latest`` tag; options Ollama has and kestrel does not (``num_ctx``, ``repeat_last_n``...) are
-ignored, as Ollama ignores options a model does not use. An option not given takes the sampling the model
-recommends (as a Modelfile's parameters; ``/api/show`` lists them), else Ollama's default: temperature 0.8,
-top-k 40, top-p 0.9, the context's length for ``num_predict``. ``repeat_penalty`` covers the prompt and the
-answer (Hugging Face's and vLLM's repetition penalty), not Ollama's last ``repeat_last_n`` tokens.
+answer back into Ollama's shape: one JSON object, or newline-delimited JSON objects when streamed (Ollama streams
+unless ``stream`` is false), the last with ``done: true``, the reason and the counts and durations (nanoseconds).
+Errors are ``{"error": message}`` with the same statuses. A model is named as served, with or without the
+``:latest`` tag; options Ollama has and kestrel does not (``num_ctx``, ``repeat_last_n``...) are ignored, as
+Ollama ignores options a model does not use. An option not given takes the sampling the model recommends (as a
+Modelfile's parameters; ``/api/show`` lists them), else Ollama's default: temperature 0.8, top-k 40, top-p 0.9,
+the context's length for ``num_predict``. ``repeat_penalty`` covers the prompt and the answer (Hugging Face's and
+vLLM's repetition penalty), not Ollama's last ``repeat_last_n`` tokens.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ if TYPE_CHECKING:
     from kestrel_core.serve.app import Models, Served
 
 # the Ollama release whose API these routes follow, for the clients that require one (VS Code Copilot: 0.6.4 or later);
-# embed's dimensions, the newest field they read, came in it
-OLLAMA_VERSION = "0.11.11"
+# chat's truncate, the newest field they read, came in it
+OLLAMA_VERSION = "0.12.6"
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's, where a Modelfile sets none
 OLLAMA_NAMES = {"repetition_penalty": "repeat_penalty"}  # its options' names where they differ from kestrel's
 # the chat or completions request's fields an Ollama request sets, by the names it sends them under (its errors
@@ -126,6 +127,7 @@ class _Generation(RequestBody):
 class ChatBody(_Generation):
     messages: list[Message] = []
     tools: list[dict[str, Any]] | None = None
+    truncate: StrictBool = True  # a conversation past the context loses its oldest messages, as Ollama's
 
     def openai(self, recommended: Mapping[str, float], tool_format: str | None = None) -> dict[str, Any]:
         """The OpenAI chat request (``recommended``: the model's sampling; ``tool_format``: the template's, which
@@ -318,7 +320,7 @@ def install(app: FastAPI, models: Models) -> None:
             return _loaded(_Answer(served, request, "message"), body.keep_alive)
         with named_as(REQUEST_NAMES):
             openai = validated(ChatCompletionRequest, body.openai(served.engine.sampling_defaults, served.tool_format))
-            response = await served.chat(openai, request)
+            response = await served.chat(openai, request, truncate=body.truncate)
         return _translate(_Answer(served, request, "message"), response)
 
     @app.post("/api/generate")

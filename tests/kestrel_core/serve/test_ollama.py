@@ -117,6 +117,74 @@ def test_generate_is_a_chat_turn_or_raw_a_completion(ol: ollama.Client, client: 
     assert ol.generate(model="tiny", prompt="", keep_alive=0).done_reason == "unload"
 
 
+def _tokens(server: KestrelServer, messages: list[dict[str, Any]]) -> int:
+    """The prompt tokens of ``messages`` as the chat route renders them (vLLM's /tokenize)."""
+    return json.loads(http("POST", f"{server.url}/tokenize", {"model": NAME, "messages": messages})[2])["count"]
+
+
+def test_a_conversation_past_the_context_loses_its_oldest_messages(ol: ollama.Client, client: openai.OpenAI,
+                                                                   server: KestrelServer, engine: Any) -> None:
+    """As Ollama's chat prompt: the system message and the latest stay, the oldest of the others go until the
+    prompt leaves room for an answer; with truncate false, a 400."""
+    messages = [{"role": "system", "content": "You are helpful."}]
+    for i in range(40):
+        messages += [{"role": "user", "content": f"question number {i} about the weather today"},
+                     {"role": "assistant", "content": f"answer number {i}: it is sunny"}]
+    messages.append({"role": "user", "content": "and tomorrow?"})
+    context = engine.config.max_position
+    assert _tokens(server, messages) >= context
+    kept = next(messages[:1] + messages[i:] for i in range(1, len(messages))
+                if _tokens(server, messages[:1] + messages[i:]) < context)
+    want = _openai_chat(client, kept)
+    for stream in (False, True):
+        parts = list(ol.chat(model="tiny", messages=messages, options=GREEDY, stream=True)) if stream else [
+            ol.chat(model="tiny", messages=messages, options=GREEDY)]
+        assert "".join(p.message.content for p in parts) == want.choices[0].message.content
+        assert parts[-1].prompt_eval_count == want.usage.prompt_tokens == _tokens(server, kept)
+    status, _, raw = http("POST", f"{server.url}/api/chat",
+                          {"model": "tiny", "messages": messages, "truncate": False, "stream": False})
+    assert status == 400 and "context" in json.loads(raw)["error"]
+
+
+def test_a_cut_conversation_keeps_a_tool_result_with_its_call(scripted: tuple[Scripted, ollama.Client],
+                                                              engine: Any) -> None:
+    """Where the cut would leave a tool's result without the call it answers, the call's message and its results
+    go together."""
+    front, ol = scripted
+    call = {"function": {"name": "get_weather", "arguments": {"city": "Paris " * 150}}}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "22 C, sunny", "tool_name": "get_weather"},
+                {"role": "user", "content": "And now?"}]
+    orphan = [messages[0], {"role": "tool", "content": "22 C, sunny"}, messages[-1]]
+    assert len(engine.tokenizer.encode_chat(orphan)) < engine.config.max_position  # the result alone would fit
+    front.answers.append("Sunny.")
+    assert ol.chat(model="tiny", messages=messages, think=False).message.content == "Sunny."
+    prompt = front.prompts[-1]
+    assert "Be brief." in prompt and "And now?" in prompt
+    assert "22 C, sunny" not in prompt and "Paris" not in prompt
+
+
+# user and assistant turns in turn, as Gemma's and older Mistral templates take them (written for this test)
+ALTERNATING_TEMPLATE = (
+    "{% if messages[0].role == 'system' %}[system]{{ messages[0].content }}{% endif %}"
+    "{% for m in messages if m.role != 'system' %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "[{{ m.role }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+def test_a_cut_conversation_opens_where_the_template_lets_it(engine: Any) -> None:
+    """A cut the template refuses (one that opens with an answer, where turns must alternate) does not fit: the
+    conversation is cut at the next user turn."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Paris " * 300},
+                {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And Rome?"},
+                {"role": "assistant", "content": "Rainy."}, {"role": "user", "content": "And now?"}]
+    with _scripted_server(engine, ALTERNATING_TEMPLATE) as (front, ol):
+        front.answers.append("Still rainy.")
+        assert ol.chat(model="tiny", messages=messages).message.content == "Still rainy."
+        assert front.prompts[-1] == "[system]Be brief.[user]And Rome?[assistant]Rainy.[user]And now?[assistant]"
+
+
 def test_options_map_onto_sampling(ol: ollama.Client) -> None:
     a = ol.generate(model="tiny", prompt="The sea", raw=True, options={"seed": 7, "num_predict": 10})
     b = ol.generate(model="tiny", prompt="The sea", raw=True, options={"seed": 7, "num_predict": 10,
