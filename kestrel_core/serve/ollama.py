@@ -7,24 +7,26 @@ false, as Ollama cuts it; ``/api/generate`` into a chat completion of one user t
 answer back into Ollama's shape: one JSON object, or newline-delimited JSON objects when streamed (Ollama streams
 unless ``stream`` is false), the last with ``done: true``, the reason and the counts and durations (nanoseconds).
 Errors are ``{"error": message}`` with the same statuses. A model is named as served, with or without the
-``:latest`` tag; options Ollama has and kestrel does not (``num_ctx``, ``repeat_last_n``...) are ignored, as
-Ollama ignores options a model does not use. An option not given takes the sampling the model recommends (as a
-Modelfile's parameters; ``/api/show`` lists them), else Ollama's default: temperature 0.8, top-k 40, top-p 0.9,
-the context's length for ``num_predict``. ``repeat_penalty`` covers the prompt and the answer (Hugging Face's and
-vLLM's repetition penalty), not Ollama's last ``repeat_last_n`` tokens.
+``:latest`` tag, in any case where that names one model only; a field sent as null is one not sent, as Go reads
+it; options Ollama has and kestrel does not (``num_ctx``, ``repeat_last_n``...) are ignored, as Ollama ignores
+options a model does not use. An option not given takes the sampling the model recommends (as a Modelfile's
+parameters; ``/api/show`` lists them), else Ollama's default: temperature 0.8, top-k 40, top-p 0.9, the context's
+length for ``num_predict``. ``repeat_penalty`` covers the prompt and the answer (Hugging Face's and vLLM's
+repetition penalty), not Ollama's last ``repeat_last_n`` tokens.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Mapping
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BeforeValidator, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 import kestrel_core
 from kestrel_core.model.fim import fim_format
@@ -52,32 +54,54 @@ REQUEST_NAMES = {**{name: f"options.{OLLAMA_NAMES.get(name, name)}" for name in 
 DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop"}
 
 
-class Options(RequestBody):
+class OllamaBody(RequestBody):
+    """An Ollama request's object: a field sent as null is one not sent, as Go reads null (``"content": null`` is
+    no content, ``"stream": null`` the default)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
+
+
+def _whole_number(value: Any) -> Any:
+    """An integral float as the integer it is: Ollama reads its options from a JSON object, where 3.0 is 3."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+OptionInt = Annotated[StrictInt, BeforeValidator(_whole_number)]
+
+
+class Options(OllamaBody):
     """The options kestrel honours; the rest of Ollama's are ignored."""
 
     temperature: StrictFloat | StrictInt | None = None
     top_p: StrictFloat | StrictInt | None = None
-    top_k: StrictInt | None = None
+    top_k: OptionInt | None = None
     min_p: StrictFloat | StrictInt | None = None
     repeat_penalty: StrictFloat | StrictInt | None = None  # over the prompt and the answer (Hugging Face's)
-    seed: StrictInt | None = None
-    num_predict: StrictInt | None = None  # 0 or less (-1, -2): until the context ends
+    seed: OptionInt | None = None
+    num_predict: OptionInt | None = None  # 0 or less (-1, -2): until the context ends
     stop: list[StrictStr] | None = None
     presence_penalty: StrictFloat | StrictInt | None = None
     frequency_penalty: StrictFloat | StrictInt | None = None
 
 
-class ToolFunction(RequestBody):
+class ToolFunction(OllamaBody):
     name: StrictStr
     arguments: dict[str, Any]
 
 
-class ToolCall(RequestBody):
+class ToolCall(OllamaBody):
     function: ToolFunction
 
 
-class Message(RequestBody):
-    role: Literal["system", "user", "assistant", "tool"]
+class Message(OllamaBody):
+    role: Annotated[Literal["system", "user", "assistant", "tool"], BeforeValidator(_lower)]  # Ollama lowers it
     content: StrictStr = ""
     images: list[StrictStr] | None = None
     thinking: StrictStr | None = None
@@ -85,7 +109,7 @@ class Message(RequestBody):
     tool_name: StrictStr | None = None
 
 
-class _Generation(RequestBody):
+class _Generation(OllamaBody):
     model: StrictStr
     format: Literal["json", ""] | dict[str, Any] | None = None  # "": none, as Ollama reads it
     options: Options | None = None
@@ -147,19 +171,19 @@ class GenerateBody(_Generation):
     context: list[StrictInt] | None = None
 
 
-class EmbedBody(RequestBody):
+class EmbedBody(OllamaBody):
     model: StrictStr
     input: StrictStr | list[StrictStr]
     truncate: StrictBool = True
     dimensions: StrictInt | None = None
 
 
-class LegacyEmbeddingsBody(RequestBody):
+class LegacyEmbeddingsBody(OllamaBody):
     model: StrictStr
     prompt: StrictStr
 
 
-class ShowBody(RequestBody):
+class ShowBody(OllamaBody):
     model: StrictStr | None = None
     name: StrictStr | None = None  # the older field
 
@@ -297,9 +321,31 @@ def _translate(answer: _Answer, response: Response) -> Response:
 
 
 def _loaded(answer: _Answer, keep_alive: Any) -> JSONResponse:
-    """The answer to a request with nothing to generate, which clients send to load a model (or, with
-    ``keep_alive`` 0, to unload it): the model is loaded for as long as the server runs."""
-    return JSONResponse({**answer.part(done=True), "done_reason": "unload" if keep_alive == 0 else "load"})
+    """The answer to a request with nothing to generate, which clients send to load a model (or, with a
+    ``keep_alive`` of zero, to unload it): the model is loaded for as long as the server runs."""
+    reason = "unload" if _is_zero_duration(keep_alive) else "load"
+    return JSONResponse({**answer.part(done=True), "done_reason": reason})
+
+
+GO_DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+GO_DURATION = re.compile(rf"[-+]?(?:{GO_DURATION_PART.pattern})+")
+NANOSECONDS = {"ns": 1, "us": 10**3, "µs": 10**3, "μs": 10**3, "ms": 10**6, "s": 10**9, "m": 60 * 10**9,
+               "h": 3600 * 10**9}
+
+
+def _is_zero_duration(keep_alive: Any) -> bool:
+    """Whether ``keep_alive`` is a duration of zero as Ollama reads one: seconds as a number, or Go's duration
+    text ("0", "0s", "0m"...)."""
+    if isinstance(keep_alive, (int, float)) and not isinstance(keep_alive, bool):
+        return 0 <= keep_alive < 1e-9
+    if not isinstance(keep_alive, str):
+        return False
+    if keep_alive == "0":
+        return True
+    if not GO_DURATION.fullmatch(keep_alive):
+        return False
+    return all(int(float(number) * NANOSECONDS[unit]) == 0 for number, unit in
+               GO_DURATION_PART.findall(keep_alive))
 
 
 def _check_think(body: _Generation, served: Served) -> None:
@@ -401,10 +447,15 @@ def ollama_name(served: Served) -> str:
 
 
 def model_of(models: Models, name: str) -> Served:
-    """The model Ollama's ``name`` names: a served name, with or without its ``:latest`` tag."""
+    """The model Ollama's ``name`` names: a served name, with or without its ``:latest`` tag, in any case where
+    that names one model only (Ollama's names are matched so)."""
     for served in models:
         if name in (served.model_name, ollama_name(served)):
             return served
+    folded = [served for served in models
+              if name.casefold() in (served.model_name.casefold(), ollama_name(served).casefold())]
+    if len(folded) == 1:
+        return folded[0]
     names = ", ".join(f"'{ollama_name(served)}'" for served in models)
     raise APIError(404, f"model '{name}' not found; this server serves {names}", param="model")
 

@@ -21,6 +21,9 @@ import pytest
 
 import kestrel_core
 from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.serve.app import Models
+from kestrel_core.serve.errors import APIError
+from kestrel_core.serve.ollama import model_of
 from kestrel_core.serve.server import KestrelServer
 
 from ..model.test_fim import fim_engine
@@ -202,6 +205,45 @@ def test_options_map_onto_sampling(ol: ollama.Client) -> None:
         "seed": -1, "num_predict": 0, "stop": [f"zz{i}" for i in range(8)], "temperature": 0})
     some = ol.generate(model="tiny", prompt="The sea", options={"num_predict": 100, "temperature": 0})
     assert loose.response.startswith(some.response) and loose.eval_count > some.eval_count
+
+
+def test_inputs_are_read_as_ollama_reads_them(ol: ollama.Client, server: KestrelServer) -> None:
+    """What Ollama's server takes: null as a field not sent, an integral float as an integer option, a role and a
+    model's name in any case; each is the answer to the request written plainly."""
+    def chat(body: dict[str, Any]) -> dict[str, Any]:
+        status, _, raw = http("POST", f"{server.url}/api/chat", {"model": "tiny", "stream": False, **body})
+        assert status == 200, raw
+        return json.loads(raw)
+
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "Hi"}]
+    lenient = [({"messages": [{**turns[0], "role": "User"}], "options": GREEDY}, {"messages": turns[:1]}),
+               ({"model": "TINY:Latest", "messages": turns[:1], "options": GREEDY}, {"messages": turns[:1]}),
+               ({"messages": [turns[0], {**turns[1], "content": None}, turns[2]], "options": GREEDY, "truncate": None},
+                {"messages": turns}),
+               ({"messages": turns[:1], "options": {"temperature": 0, "num_predict": 12.0, "top_k": 2.0, "seed": 7.0,
+                                                    "top_p": None}},
+                {"messages": turns[:1], "options": {"temperature": 0, "num_predict": 12, "top_k": 2, "seed": 7}})]
+    for given, plain in lenient:
+        got, want = chat(given), chat({"options": GREEDY, **plain})
+        assert (got["message"], got["prompt_eval_count"]) == (want["message"], want["prompt_eval_count"]), given
+    status, _, raw = http("POST", f"{server.url}/api/chat",
+                          {"model": "tiny", "stream": False, "messages": HI, "options": {"top_k": 3.5}})
+    assert status == 400 and "options.top_k" in json.loads(raw)["error"]
+
+
+@pytest.mark.parametrize(("keep_alive", "reason"), [(0, "unload"), ("0", "unload"), ("0s", "unload"), ("0m", "unload"),
+                                                    ("0h0.0m", "unload"), ("5m", "load"), (-1, "load"), (None, "load")])
+def test_a_keep_alive_of_zero_in_any_of_gos_spellings_unloads(ol: ollama.Client, keep_alive: Any,
+                                                              reason: str) -> None:
+    assert ol.generate(model="tiny", prompt="", keep_alive=keep_alive).done_reason == reason
+    assert ol.chat(model="tiny", messages=[], keep_alive=keep_alive).done_reason == reason
+
+
+def test_a_name_in_another_case_names_a_model_only_where_it_is_the_one(async_engine: AsyncEngine) -> None:
+    assert model_of(Models({"tiny": async_engine, "other": async_engine}), "Tiny:LATEST").model_name == "tiny"
+    with pytest.raises(APIError) as info:
+        model_of(Models({"tiny": async_engine, "TINY": async_engine}), "Tiny")
+    assert info.value.status == 404
 
 
 def test_a_json_schema_format_shapes_the_answer(ol: ollama.Client) -> None:
