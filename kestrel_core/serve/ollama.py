@@ -3,16 +3,16 @@
 Each generation route translates its request into the OpenAI request kestrel already answers (``/api/chat`` into
 a chat completion, cut to its latest messages where the conversation is past the context unless ``truncate`` is
 false, as Ollama cuts it; ``/api/generate`` into a chat completion of one user turn, or a plain completion when
-``raw``, when the model has no chat template or with a ``suffix``; ``/api/embed`` into embeddings) and that
-answer back into Ollama's shape: one JSON object, or newline-delimited JSON objects when streamed (Ollama streams
-unless ``stream`` is false), the last with ``done: true``, the reason and the counts and durations (nanoseconds).
-Errors are ``{"error": message}`` with the same statuses. A model is named as served, with or without the
-``:latest`` tag, in any case where that names one model only; a field sent as null is one not sent, as Go reads
-it; options Ollama has and kestrel does not (``num_ctx``, ``repeat_last_n``...) are ignored, as Ollama ignores
-options a model does not use. An option not given takes the sampling the model recommends (as a Modelfile's
-parameters; ``/api/show`` lists them), else Ollama's default: temperature 0.8, top-k 40, top-p 0.9, the context's
-length for ``num_predict``. ``repeat_penalty`` covers the prompt and the answer (Hugging Face's and vLLM's
-repetition penalty), not Ollama's last ``repeat_last_n`` tokens.
+``raw``, when the model has no chat template or with a ``suffix``; ``/api/embed`` into embeddings, of unit length
+as Ollama's) and that answer back into Ollama's shape: one JSON object, or newline-delimited JSON objects when
+streamed (Ollama streams unless ``stream`` is false), the last with ``done: true``, the reason and the counts and
+durations (nanoseconds). Errors are ``{"error": message}`` with the same statuses. A model is named as served,
+with or without the ``:latest`` tag, in any case where that names one model only; a field sent as null is one not
+sent, as Go reads it; options Ollama has and kestrel does not (``num_ctx``, ``repeat_last_n``...) are ignored, as
+Ollama ignores options a model does not use. An option not given takes the sampling the model recommends (as a
+Modelfile's parameters; ``/api/show`` lists them), else Ollama's default: temperature 0.8, top-k 40, top-p 0.9,
+the context's length for ``num_predict``. ``repeat_penalty`` covers the prompt and the answer (Hugging Face's and
+vLLM's repetition penalty), not Ollama's last ``repeat_last_n`` tokens.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ from collections.abc import AsyncIterator, Mapping
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BeforeValidator, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 import kestrel_core
+from kestrel_core.model.embed import finish_vector
 from kestrel_core.model.fim import fim_format
 from kestrel_core.model.quantize import model_quant
 from kestrel_core.model.reasoning import think_kwargs
@@ -173,14 +175,14 @@ class GenerateBody(_Generation):
 
 class EmbedBody(OllamaBody):
     model: StrictStr
-    input: StrictStr | list[StrictStr]
+    input: StrictStr | list[StrictStr] = ""  # none: what clients send to load the model
     truncate: StrictBool = True
-    dimensions: StrictInt | None = None
+    dimensions: StrictInt | None = None  # 0 or past the model's size: none, as Ollama ignores it
 
 
 class LegacyEmbeddingsBody(OllamaBody):
     model: StrictStr
-    prompt: StrictStr
+    prompt: StrictStr = ""
 
 
 class ShowBody(OllamaBody):
@@ -348,6 +350,14 @@ def _is_zero_duration(keep_alive: Any) -> bool:
                GO_DURATION_PART.findall(keep_alive))
 
 
+def _unit_vector(vector: list[float], dimensions: int | None) -> list[float]:
+    """A vector as Ollama's ``/api/embed`` answers it, whatever the model's own normalization: of unit length, cut
+    to ``dimensions`` where that is between 0 and its size (Ollama scales it, cuts it and scales it again: the
+    same vector)."""
+    cut = dimensions if dimensions is not None and 0 < dimensions < len(vector) else None
+    return finish_vector(np.asarray(vector), cut, normalize=True).tolist()
+
+
 def _check_think(body: _Generation, served: Served) -> None:
     """``think`` asked of a model whose template has no reasoning is a 400, as Ollama answers it (false is
     fine)."""
@@ -400,18 +410,23 @@ def install(app: FastAPI, models: Models) -> None:
     async def embed(body: EmbedBody, request: Request) -> Response:
         served = model_of(models, body.model)
         start = record_of(request).start
-        openai = validated(EmbeddingRequest, {"input": body.input, "dimensions": body.dimensions})
+        if not body.input:
+            return JSONResponse({"model": ollama_name(served), "embeddings": []})
+        openai = validated(EmbeddingRequest, {"input": body.input})
         response = await served.embed(openai, request, truncate=body.truncate)
         if response.status_code != 200:
             return response
         data = json.loads(bytes(response.body))
-        return JSONResponse({"model": ollama_name(served), "embeddings": [d["embedding"] for d in data["data"]],
+        vectors = [_unit_vector(d["embedding"], body.dimensions) for d in data["data"]]
+        return JSONResponse({"model": ollama_name(served), "embeddings": vectors,
                              "total_duration": _ns(time.perf_counter() - start), "load_duration": 0,
                              "prompt_eval_count": data["usage"]["prompt_tokens"]})
 
     @app.post("/api/embeddings")
     async def embeddings(body: LegacyEmbeddingsBody, request: Request) -> Response:
         served = model_of(models, body.model)
+        if not body.prompt:  # what clients send to load the model
+            return JSONResponse({"embedding": []})
         openai = validated(EmbeddingRequest, {"input": body.prompt})
         response = await served.embed(openai, request, truncate=True)
         if response.status_code != 200:

@@ -11,6 +11,7 @@ import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -396,8 +397,7 @@ def test_embed_is_the_openai_vectors_and_truncates_by_default() -> None:
         assert ol.show("embed").capabilities == ["embedding"]
         got = ol.embed(model="embed", input=["Paris", "Rome"], dimensions=16)
         want = oa.embeddings.create(model="embed", input=["Paris", "Rome"], dimensions=16, encoding_format="float")
-        assert np.array_equal(np.array(got.embeddings, np.float32),
-                              np.array([d.embedding for d in want.data], np.float32))
+        assert np.allclose(got.embeddings, [d.embedding for d in want.data], atol=1e-6)
         assert got.prompt_eval_count == want.usage.prompt_tokens
         long = "Paris " * 400  # past the 256-token context
         assert len(ol.embed(model="embed", input=long).embeddings[0]) == 64
@@ -408,6 +408,34 @@ def test_embed_is_the_openai_vectors_and_truncates_by_default() -> None:
         assert np.allclose(legacy.embedding, oa.embeddings.create(model="embed", input="Paris").data[0].embedding)
         with pytest.raises(ollama.ResponseError, match="embedding model"):
             ol.chat(model="embed", messages=HI)
+
+
+def _ollamas_embedding(vector: list[float], dimensions: int) -> np.ndarray:
+    """What Ollama's EmbedHandler makes of a model's vector: scaled to unit length, then, where ``dimensions`` is
+    between 0 and its size, cut to it and scaled again."""
+    v = np.asarray(vector, np.float64) / np.linalg.norm(vector)
+    return v[:dimensions] / np.linalg.norm(v[:dimensions]) if 0 < dimensions < len(v) else v
+
+
+def test_embed_answers_unit_vectors_as_ollama_does_and_an_empty_input_loads() -> None:
+    """Whatever the model's own vectors, /api/embed's are of unit length, before and after a cut to ``dimensions``
+    (0 or past the size: none); the older /api/embeddings answers the model's own. No input answers no vectors."""
+    with kestrel_core.load(str(FIXTURES / "tiny-qwen3-embed"), backend="cpu") as engine:
+        engine.config = replace(engine.config, normalize_embeddings=False)  # a checkpoint without Normalize
+        with running_server(AsyncEngine(engine), "embed") as server:
+            ol, oa = ollama.Client(host=server.url), openai_client(server)
+            own = [d.embedding for d in oa.embeddings.create(model="embed", input=["Paris", "Rome"]).data]
+            assert abs(np.linalg.norm(own[0]) - 1) > 0.1
+            for dimensions, size in ((None, 64), (16, 16), (0, 64), (64, 64), (100, 64)):
+                got = ol.embed(model="embed", input=["Paris", "Rome"], dimensions=dimensions).embeddings
+                want = [_ollamas_embedding(v, dimensions or 0) for v in own]
+                assert np.allclose(got, want, atol=1e-6) and len(got[0]) == size, dimensions
+            assert np.allclose(ol.embeddings(model="embed", prompt="Paris").embedding, own[0])
+            for empty in ("", []):
+                assert ol.embed(model="embed", input=empty).embeddings == []
+            status, _, raw = http("POST", f"{server.url}/api/embed", {"model": "embed", "input": None})
+            assert status == 200 and json.loads(raw)["embeddings"] == []
+            assert ol.embeddings(model="embed", prompt="").embedding == []
 
 
 def test_the_api_key_guards_ollamas_routes_too(engine: Any) -> None:
