@@ -439,8 +439,8 @@ def install(app: FastAPI, models: Models) -> None:
 
     @app.get("/api/ps")
     async def ps() -> dict[str, Any]:
-        return {"models": [{**card(served), "expires_at": "2100-01-01T00:00:00Z", "size_vram": 0}
-                           for served in models]}
+        return {"models": [{**card(served), "expires_at": "2100-01-01T00:00:00Z", "size_vram": 0,
+                            "context_length": served.engine.config.max_position} for served in models]}
 
     @app.post("/api/show")
     async def show(body: ShowBody) -> dict[str, Any]:
@@ -504,7 +504,8 @@ def card(served: Served) -> dict[str, Any]:
 def show_model(served: Served) -> dict[str, Any]:
     """``/api/show``: the details, the chat template, the architecture's figures and the capabilities."""
     c = served.engine.config
-    info = {"general.architecture": c.arch, f"{c.arch}.context_length": c.max_position,
+    info = {"general.architecture": c.arch, "general.basename": served.model_name,
+            f"{c.arch}.context_length": c.max_position,
             f"{c.arch}.embedding_length": c.hidden_size, f"{c.arch}.block_count": c.num_layers,
             f"{c.arch}.attention.head_count": c.num_heads, f"{c.arch}.attention.head_count_kv": c.num_kv_heads}
     parameters = "\n".join(f"{OLLAMA_NAMES.get(k, k)} {v:g}" for k, v in served.engine.sampling_defaults.items())

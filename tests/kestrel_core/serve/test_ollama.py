@@ -56,7 +56,8 @@ def test_the_model_is_listed_shown_and_running(ol: ollama.Client, engine: Any) -
     shown = ol.show("tiny")
     assert shown.capabilities == ["completion"] and shown.template == engine.tokenizer.chat_template
     assert shown.modelinfo["qwen3.context_length"] == engine.config.max_position
-    assert [m.model for m in ol.ps().models] == ["tiny:latest"]
+    assert shown.modelinfo["general.basename"] == NAME
+    assert [(m.model, m.context_length) for m in ol.ps().models] == [("tiny:latest", engine.config.max_position)]
     assert model.details.format == "safetensors"
 
 
