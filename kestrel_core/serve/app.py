@@ -161,8 +161,9 @@ class Served:
         return await generation.respond(self.async_engine, request, [one], shape, stream=bool(body.stream),
                                         prompt_param="messages", choices=body.choices)
 
-    async def complete(self, body: CompletionRequest, request: Request) -> Response:
-        """``/v1/completions``' answer."""
+    async def complete(self, body: CompletionRequest, request: Request, chat_shaped: bool = False) -> Response:
+        """``/v1/completions``' answer; ``chat_shaped``: in a chat completion's shape (each token's logprob with
+        its bytes and alternatives), for an API that retells it."""
         self.check_request()
         try:
             texts = body.prompts()
@@ -181,8 +182,12 @@ class Served:
         if body.echo:  # each prompt's, once for each of its choices
             for echo in await self.echoes(texts, token_ids, body.logprobs):
                 echoes.extend([echo] * body.choices)
-        shape = CompletionShape(new_id("cmpl"), self.model_name, self.tokens, body.include_usage, echoes,
-                                body.continuous_usage)
+        shape: ChatShape | CompletionShape
+        if chat_shaped:
+            shape = ChatShape(new_id("cmpl"), self.model_name, self.tokens, body.include_usage, body.continuous_usage)
+        else:
+            shape = CompletionShape(new_id("cmpl"), self.model_name, self.tokens, body.include_usage, echoes,
+                                    body.continuous_usage)
         return await generation.respond(self.async_engine, request, prompts, shape, stream=bool(body.stream),
                                         choices=body.choices)
 

@@ -6,13 +6,14 @@ false, as Ollama cuts it; ``/api/generate`` into a chat completion of one user t
 ``raw``, when the model has no chat template or with a ``suffix``; ``/api/embed`` into embeddings, of unit length
 as Ollama's) and that answer back into Ollama's shape: one JSON object, or newline-delimited JSON objects when
 streamed (Ollama streams unless ``stream`` is false), the last with ``done: true``, the reason and the counts and
-durations (nanoseconds). Errors are ``{"error": message}`` with the same statuses. A model is named as served,
-with or without the ``:latest`` tag, in any case where that names one model only; a field sent as null is one not
-sent, as Go reads it; options Ollama has and kestrel does not (``num_ctx``, ``repeat_last_n``...) are ignored, as
-Ollama ignores options a model does not use. An option not given takes the sampling the model recommends (as a
-Modelfile's parameters; ``/api/show`` lists them), else Ollama's default: temperature 0.8, top-k 40, top-p 0.9,
-the context's length for ``num_predict``. ``repeat_penalty`` covers the prompt and the answer (Hugging Face's and
-vLLM's repetition penalty), not Ollama's last ``repeat_last_n`` tokens.
+durations (nanoseconds); a plain completion is answered in a chat completion's shape, whose logprobs
+(``logprobs``, ``top_logprobs``) are Ollama's. Errors are ``{"error": message}`` with the same statuses. A model
+is named as served, with or without the ``:latest`` tag, in any case where that names one model only; a field
+sent as null is one not sent, as Go reads it; options Ollama has and kestrel does not (``num_ctx``,
+``repeat_last_n``...) are ignored, as Ollama ignores options a model does not use. An option not given takes the
+sampling the model recommends (as a Modelfile's parameters; ``/api/show`` lists them), else Ollama's default:
+temperature 0.8, top-k 40, top-p 0.9, the context's length for ``num_predict``. ``repeat_penalty`` covers the
+prompt and the answer (Hugging Face's and vLLM's repetition penalty), not Ollama's last ``repeat_last_n`` tokens.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BeforeValidator, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import BeforeValidator, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 import kestrel_core
 from kestrel_core.model.embed import finish_vector
 from kestrel_core.model.fim import fim_format
 from kestrel_core.model.quantize import model_quant
 from kestrel_core.model.reasoning import think_kwargs
+from kestrel_core.model.sampling import MAX_TOP_LOGPROBS
 from kestrel_core.serve.access import record_of
 from kestrel_core.serve.errors import APIError, named_as, validated
 from kestrel_core.serve.generation import retold
@@ -43,9 +45,7 @@ from kestrel_core.serve.tools import MISTRAL, arguments_object
 if TYPE_CHECKING:
     from kestrel_core.serve.app import Models, Served
 
-# the Ollama release whose API these routes follow, for the clients that require one (VS Code Copilot: 0.6.4 or later);
-# chat's truncate, the newest field they read, came in it
-OLLAMA_VERSION = "0.12.6"
+OLLAMA_VERSION = "0.12.11"  # the Ollama API these routes follow (logprobs came in it): clients require a minimum
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's, where a Modelfile sets none
 OLLAMA_NAMES = {"repetition_penalty": "repeat_penalty"}  # its options' names where they differ from kestrel's
 # the chat or completions request's fields an Ollama request sets, by the names it sends them under (its errors
@@ -118,6 +118,12 @@ class _Generation(OllamaBody):
     stream: StrictBool = True
     think: StrictBool | Literal["low", "medium", "high"] | None = None  # a level: gpt-oss's reasoning effort
     keep_alive: Any = None  # a model stays loaded while the server runs
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0  # each token's alternatives
+
+    def chat_logprobs(self) -> dict[str, Any]:
+        """The chat request's logprobs fields (Ollama's top_logprobs count only with logprobs)."""
+        return {"logprobs": True, "top_logprobs": self.top_logprobs} if self.logprobs else {}
 
     def sampling(self, stream: bool, recommended: Mapping[str, float]) -> dict[str, Any]:
         """The OpenAI request's sampling fields: an option not given takes the model's ``recommended`` value,
@@ -160,7 +166,8 @@ class ChatBody(_Generation):
         the ids of earlier calls must suit)."""
         messages = _openai_messages(self.messages, tool_format)
         return {"messages": messages, "tools": self.tools, "response_format": self.response_format(),
-                "chat_template_kwargs": self.template_kwargs(), **self.sampling(self.stream, recommended)}
+                "chat_template_kwargs": self.template_kwargs(), **self.chat_logprobs(),
+                **self.sampling(self.stream, recommended)}
 
 
 class GenerateBody(_Generation):
@@ -237,7 +244,7 @@ class _Answer:
         self.record = record_of(request)  # its start and its first token's time
 
     def part(self, content: str = "", thinking: str = "", tool_calls: list[dict[str, Any]] | None = None,
-             done: bool = False) -> dict[str, Any]:
+             logprobs: list[dict[str, Any]] | None = None, done: bool = False) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "created_at": _now()}
         if self.key == "message":
             message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -251,6 +258,8 @@ class _Answer:
             if thinking:
                 body["thinking"] = thinking
         body["done"] = done
+        if logprobs:
+            body["logprobs"] = logprobs
         return body
 
     def last(self, finish_reason: str | None, usage: dict[str, int], **fields: Any) -> dict[str, Any]:
@@ -279,20 +288,27 @@ def _ollama_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | 
     return out
 
 
+def _ollama_logprobs(logprobs: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    """A chat answer's logprobs as Ollama's: its entries (token, logprob, bytes, top_logprobs), the alternatives
+    left out where none were asked for, as Ollama's omitempty leaves them."""
+    if not logprobs:
+        return None
+    return [{k: v for k, v in entry.items() if k != "top_logprobs" or v} for entry in logprobs["content"]]
+
+
 def _whole(answer: _Answer, body: dict[str, Any]) -> dict[str, Any]:
-    """A whole OpenAI answer (chat or text completion) as Ollama's one object."""
+    """A whole OpenAI chat answer as Ollama's one object."""
     choice = body["choices"][0]
-    if "message" in choice:
-        message = choice["message"]
-        fields = {"content": message.get("content") or "", "thinking": message.get("reasoning_content") or "",
-                  "tool_calls": _ollama_calls(message.get("tool_calls"))}
-    else:
-        fields = {"content": choice.get("text") or ""}
-    return answer.last(choice.get("finish_reason"), body.get("usage") or {}, **fields)
+    message = choice["message"]
+    return answer.last(choice.get("finish_reason"), body.get("usage") or {}, content=message.get("content") or "",
+                       thinking=message.get("reasoning_content") or "",
+                       tool_calls=_ollama_calls(message.get("tool_calls")),
+                       logprobs=_ollama_logprobs(choice.get("logprobs")))
 
 
 async def _lines(answer: _Answer, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
-    """An OpenAI stream's chunks as Ollama's lines: a line a delta, the last with the counts."""
+    """An OpenAI chat stream's chunks as Ollama's lines: a line a delta (its text or its tokens' logprobs), the
+    last with the counts."""
     finish: str | None = None
     calls: list[dict[str, Any]] = []
     async for chunk in chunks:
@@ -306,10 +322,10 @@ async def _lines(answer: _Answer, chunks: AsyncIterator[dict[str, Any]]) -> Asyn
         finish = choice.get("finish_reason") or finish
         delta = choice.get("delta") or {}
         calls.extend(delta.get("tool_calls") or ())
-        text = choice.get("text", delta.get("content")) or ""
-        thinking = delta.get("reasoning_content") or ""
-        if text or thinking:
-            yield _line(answer.part(text, thinking))
+        text, thinking = delta.get("content") or "", delta.get("reasoning_content") or ""
+        logprobs = _ollama_logprobs(choice.get("logprobs"))
+        if text or thinking or logprobs:
+            yield _line(answer.part(text, thinking, logprobs=logprobs))
 
 
 def _line(body: dict[str, Any]) -> bytes:
@@ -317,7 +333,7 @@ def _line(body: dict[str, Any]) -> bytes:
 
 
 def _translate(answer: _Answer, response: Response) -> Response:
-    """kestrel's OpenAI answer as Ollama's: its stream's chunks as lines, or its one object."""
+    """kestrel's OpenAI chat answer as Ollama's: its stream's chunks as lines, or its one object."""
     return retold(response, lambda body: _whole(answer, body), lambda chunks: _lines(answer, chunks),
                   "application/x-ndjson")
 
@@ -399,11 +415,13 @@ def install(app: FastAPI, models: Models) -> None:
                     {"role": "user", "content": body.prompt}]
                 openai = validated(ChatCompletionRequest, {
                     "messages": messages, "response_format": body.response_format(),
-                    "chat_template_kwargs": body.template_kwargs(), **sampling})
+                    "chat_template_kwargs": body.template_kwargs(), **body.chat_logprobs(), **sampling})
                 response = await served.chat(openai, request)
             else:
-                completion = validated(CompletionRequest, {"prompt": body.prompt, "suffix": suffix, **sampling})
-                response = await served.complete(completion, request)
+                completion = validated(CompletionRequest, {
+                    "prompt": body.prompt, "suffix": suffix, "logprobs": body.top_logprobs if body.logprobs else None,
+                    **sampling})
+                response = await served.complete(completion, request, chat_shaped=True)
         return _translate(answer, response)
 
     @app.post("/api/embed")

@@ -248,6 +248,43 @@ def test_a_name_in_another_case_names_a_model_only_where_it_is_the_one(async_eng
     assert info.value.status == 404
 
 
+def _approx_logprobs(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**e, "logprob": pytest.approx(e["logprob"], abs=1e-4),
+             **({"top_logprobs": _approx_logprobs(e["top_logprobs"])} if "top_logprobs" in e else {})}
+            for e in entries]
+
+
+def test_logprobs_come_back_in_ollamas_shape(ol: ollama.Client, client: openai.OpenAI,
+                                             server: KestrelServer) -> None:
+    """Each token's logprob, bytes and alternatives, as Ollama's Logprob (token, logprob, bytes, top_logprobs) at
+    the answer's top level: the OpenAI answer's, whole and streamed, from chat and generate (raw too)."""
+    chat = client.chat.completions.create(model=NAME, messages=HI, temperature=0, max_tokens=12, logprobs=True,
+                                          top_logprobs=3).choices[0].logprobs.content
+    want = [{"token": e.token, "logprob": e.logprob, "bytes": e.bytes, "top_logprobs": [
+        {"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in e.top_logprobs]} for e in chat]
+    asked = {"options": GREEDY, "logprobs": True, "top_logprobs": 3, "stream": False}
+    for route, body in (("chat", {"messages": HI}), ("generate", {"prompt": "Hi"})):
+        status, _, raw = http("POST", f"{server.url}/api/{route}", {"model": "tiny", **asked, **body})
+        assert status == 200 and json.loads(raw)["logprobs"] == _approx_logprobs(want)
+    parts = list(ol.chat(model="tiny", messages=HI, options=GREEDY, logprobs=True, top_logprobs=3, stream=True))
+    assert [lp.token for p in parts for lp in p.logprobs or ()] == [e["token"] for e in want]
+    bare = ol.generate(model="tiny", prompt="Hi", options=GREEDY, logprobs=True)
+    assert [(lp.token, lp.top_logprobs) for lp in bare.logprobs] == [(e["token"], None) for e in want]
+    assert ol.chat(model="tiny", messages=HI, options=GREEDY).logprobs is None
+    plain = client.completions.create(model=NAME, prompt="The sea", temperature=0, max_tokens=12,
+                                      logprobs=2).choices[0].logprobs
+    for stream in (False, True):
+        got = ol.generate(model="tiny", prompt="The sea", raw=True, options=GREEDY, logprobs=True, top_logprobs=2,
+                          stream=stream)
+        entries = [lp for p in got for lp in p.logprobs or ()] if stream else got.logprobs
+        assert [(lp.token, lp.logprob) for lp in entries] == [
+            (t, pytest.approx(lp, abs=1e-4)) for t, lp in zip(plain.tokens, plain.token_logprobs)]
+        assert [{t.token: t.logprob for t in lp.top_logprobs} for lp in entries] == [
+            pytest.approx(top, abs=1e-4) for top in plain.top_logprobs]
+    status, _, raw = http("POST", f"{server.url}/api/chat", {"model": "tiny", "messages": HI, "top_logprobs": 21})
+    assert status == 400 and "top_logprobs" in json.loads(raw)["error"]
+
+
 def test_a_json_schema_format_shapes_the_answer(ol: ollama.Client) -> None:
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
