@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -53,6 +54,7 @@ log = logging.getLogger("kestrel")
 PROBE_ENV = "KESTREL_PROBE"
 TIMEOUT_ENV = "KESTREL_PROBE_TIMEOUT"
 CACHE_ENV = "KESTREL_PROBE_CACHE"
+MAX_CACHE_BYTES = 1 << 24  # a probe cache holds a few entries a backend: a larger file is not one
 CHILD_ENV = "KESTREL_PROBE_CHILD"  # set in the probe's children (internal)
 DEFAULT_TIMEOUT = 20.0
 MIN_TIMEOUT = 0.001  # seconds; nothing a probe runs (an import, an open) can finish in less
@@ -216,9 +218,33 @@ def _read_cache(path: Path) -> dict[str, Any]:
     return data["plugins"]
 
 
+def _is_replaceable(path: Path) -> bool:
+    """Whether the cache may be written at ``path``: nothing there, an empty file, or a probe cache (of any
+    format); any other file, link or directory the setting names is the user's and stays as it is."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return True
+    if not stat.S_ISREG(st.st_mode):
+        return False
+    if st.st_size == 0:
+        return True
+    if st.st_size > MAX_CACHE_BYTES:
+        return False
+    try:
+        data = json.loads(path.read_bytes())
+    except ValueError:
+        return False
+    return isinstance(data, dict) and set(data) == {"format", "plugins"}
+
+
 def _write_cache(path: Path, updates: Mapping[str, dict[str, Any]]) -> None:
     """Merge ``updates`` into the cache file (atomically: another kestrel may be writing it too)."""
     try:
+        if not _is_replaceable(path):
+            log.warning("%s is not a probe cache, so it is left as it is and probe verdicts are not "
+                        "cached (%s names the cache file)", path, CACHE_ENV)
+            return
         path.parent.mkdir(parents=True, exist_ok=True)
         plugins = _read_cache(path)
         plugins.update(updates)

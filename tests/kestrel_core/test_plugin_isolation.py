@@ -228,6 +228,45 @@ def test_the_cache_lives_under_kestrel_home(tmp_path: Path, monkeypatch: pytest.
     assert f"path {FIXTURES / 'good_gpu.py'}" in json.loads((tmp_path / "home" / "probes.json").read_text())["plugins"]
 
 
+@pytest.mark.parametrize("kind", ["text", "json", "link", "directory"])
+def test_a_file_the_cache_setting_names_that_is_no_probe_cache_is_left_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, kind: str) -> None:
+    """The backend still binds; the user's file (or link, or directory) is as it was, and a warning says why
+    nothing is cached."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    notes.chmod(0o644)
+    target = tmp_path / "target"
+    if kind == "text":
+        notes.rename(target)
+    elif kind == "json":
+        target.write_text('{"format": 1, "mine": true}')
+    elif kind == "link":
+        target.symlink_to(notes)
+    else:
+        target.mkdir()
+    before = {p: (p.lstat().st_mode, p.read_bytes() if p.is_file() and not p.is_symlink() else None)
+              for p in tmp_path.iterdir()}
+    monkeypatch.setenv("KESTREL_PROBE_CACHE", str(target))
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(FIXTURES / "good_gpu.py"))
+    assert Registry().bind("good_gpu").bound
+    after = {p: (p.lstat().st_mode, p.read_bytes() if p.is_file() and not p.is_symlink() else None)
+             for p in tmp_path.iterdir()}
+    assert after == before
+    assert f"{target} is not a probe cache" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["empty", "probe cache"])
+def test_the_cache_is_written_over_an_empty_file_or_an_older_cache(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    target = tmp_path / "probes.json"
+    target.write_text("" if kind == "empty" else '{"format": 0, "plugins": {"old": {}}}')
+    monkeypatch.setenv("KESTREL_PROBE_CACHE", str(target))
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(FIXTURES / "good_gpu.py"))
+    assert Registry().bind("good_gpu").bound
+    assert f"path {FIXTURES / 'good_gpu.py'}" in json.loads(target.read_text())["plugins"]
+
+
 def test_the_cpu_is_never_probed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KESTREL_PLUGINS", "")
     monkeypatch.setattr(probe_run, "run_probes", lambda targets: pytest.fail("probed"))
