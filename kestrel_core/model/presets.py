@@ -37,9 +37,9 @@ class ByteTokenizer:
         self.bos_token_id = self.BOS
         self.eos_token_ids: tuple[int, ...] = (self.EOS,)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """The UTF-8 bytes of ``text`` (no special tokens are ever added)."""
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
+        """The UTF-8 bytes of ``text`` (no special tokens are ever added), the first ``max_length`` of them."""
+        return list(text.encode("utf-8"))[:max_length]
 
     left_context: tuple[int, ...] = ()  # bytes decode alone
 

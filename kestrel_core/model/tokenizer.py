@@ -126,12 +126,19 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer adds (e.g. a BOS). Through
+    def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer adds (e.g. a BOS); ``max_length``:
+        at most that many, the text's own tokens cut and the added ones kept, as the tokenizers library's
+        truncation cuts (a last-token pooled embedding reads the end token the tokenizer appends). Through
         ``encode_batch``, which lets go of the interpreter lock while it works (``encode`` holds it: a megabyte
         prompt tokenized in a server's worker thread would stall every other request)."""
         try:
-            return list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+            if max_length is None:
+                return list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+            own = self.backend.encode_batch([text], add_special_tokens=False)[0]
+            added = self.backend.num_special_tokens_to_add(False) if add_special_tokens else 0
+            own.truncate(max(max_length - added, 0))
+            return list(self.backend.post_process(own, add_special_tokens=add_special_tokens).ids)
         except BaseException as exc:
             _raise_panic(exc, "encode the text")
             raise

@@ -204,12 +204,14 @@ class Served:
     async def tokenized(self, texts: Callable[[], list[str | list[int]]], param: str,
                         truncate: bool = False) -> list[list[int]]:
         """The token ids of ``texts()`` (texts, or token ids as given), made off the event loop (a request may
-        hold thousands); ``truncate``: each keeps its first context's worth."""
+        hold thousands); ``truncate``: each keeps a context's worth, a text its first tokens and the special
+        tokens the tokenizer adds (the end token a last-token pooling reads), token ids their first."""
         tokenizer, context = self.engine.tokenizer, self.engine.config.max_position
+        limit = context if truncate else None
 
         def tokenize() -> list[list[int]]:
-            ids = [list(tokenizer.encode(t)) if isinstance(t, str) else t for t in texts()]
-            return [one[:context] for one in ids] if truncate else ids
+            return [list(tokenizer.encode(t, max_length=limit)) if isinstance(t, str) else t[:limit]
+                    for t in texts()]
 
         try:
             return await asyncio.to_thread(tokenize)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer as TokenizersLibrary
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.gguf_reader import GGUFCheckpoint
@@ -82,6 +83,25 @@ def test_add_bos_token_from_gguf(fmt) -> None:
     tk = Tokenizer.from_gguf_vocab(gguf_fields(fmt, fmt.train_bpe("gpt2"), "gpt2",
                                                **{"tokenizer.ggml.add_bos_token": True}))
     assert tk.encode("hi")[0] == 1 and tk.encode("hi", add_special_tokens=False)[0] != 1
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-embed", "gguf-with-bos"])
+def test_max_length_cuts_as_the_tokenizers_library_truncates(fmt, model: str) -> None:
+    """A text over ``max_length`` keeps its first tokens and the special tokens the tokenizer adds (an appended
+    <|endoftext|>, a BOS), as the library's own truncation gives them."""
+    if model == "gguf-with-bos":
+        ours = Tokenizer.from_gguf_vocab(gguf_fields(fmt, fmt.train_bpe("gpt2"), "gpt2",
+                                                     **{"tokenizer.ggml.add_bos_token": True}))
+    else:
+        ours = Tokenizer.from_hf_dir(str(Path(__file__).resolve().parents[2] / "fixtures" / "models" / model))
+    reference = TokenizersLibrary.from_str(ours.to_json_str())
+    reference.enable_truncation(12)
+    text = "The capital of France is Paris; the capital of Italy is Rome. " * 3
+    assert len(ours.encode(text)) > 12
+    for special in (True, False):
+        want = reference.encode(text, add_special_tokens=special).ids
+        assert ours.encode(text, special, max_length=12) == want and len(want) == 12
+    assert ours.encode("Paris", max_length=12) == ours.encode("Paris")  # a short text as it is
 
 
 @pytest.mark.parametrize(("pre", "bos"), [("llama-bpe", True), ("llama3", True), ("lfm2", True), ("gpt2", False),

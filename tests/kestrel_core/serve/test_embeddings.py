@@ -1,4 +1,5 @@
-"""``/v1/embeddings`` through a real server and the official openai client.
+"""``/v1/embeddings`` through a real server and the official openai client (Ollama's embedding routes, where
+they differ from it, through the official ollama client).
 
 The embedding model is tiny-qwen3-embed (a Qwen3-Embedding-style checkpoint; golden vectors from
 sentence-transformers, scripts/make_embedding_golden.py); a generative model (tiny-qwen3) serves embeddings
@@ -16,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ollama
 import openai
 import pytest
+from tokenizers import Tokenizer as TokenizersLibrary
 
 import kestrel_core
 from kestrel_core.model.async_engine import AsyncEngine
@@ -105,6 +108,20 @@ def test_bad_requests_are_400_naming_the_field(server: KestrelServer, body: dict
     error = json.loads(raw)["error"]
     assert status == 400, error
     assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_ollama_truncation_keeps_the_end_token_the_pooling_reads(server: KestrelServer, engine: Any) -> None:
+    """Ollama's routes cut a text over the context (256 tokens) as the tokenizers library truncates it: its first
+    tokens and the <|endoftext|> the tokenizer appends, the token whose hidden state "last" pooling reads."""
+    text = " ".join(f"word{i}" for i in range(300))
+    reference = TokenizersLibrary.from_str(engine.tokenizer.to_json_str())
+    reference.enable_truncation(engine.config.max_position)
+    ids = reference.encode(text).ids
+    assert len(ids) == 256 and ids[-1] == engine.tokenizer.encode(text)[-1]  # the end token, kept
+    want = engine.embed([ids])[0]
+    ol = ollama.Client(host=server.url)
+    assert np.array_equal(np.array(ol.embed(model=NAME, input=text).embeddings[0], np.float32), want)
+    assert np.array_equal(np.array(ol.embeddings(model=NAME, prompt=text).embedding, np.float32), want)
 
 
 def test_an_unknown_model_is_404(client: openai.OpenAI) -> None:
