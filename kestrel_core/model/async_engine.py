@@ -68,7 +68,8 @@ class AsyncEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._exited = False  # the thread returned: a call now would wait for ever
-        self._embedding = 0  # embedding jobs under way
+        self._embed_jobs: list[EmbedJob] = []  # those under way, oldest first
+        self._embed_short = False  # a job lacked blocks: the oldest runs alone until it is done
         self._next_id = 0
         on_close = getattr(engine, "on_close", None)
         if on_close is not None:  # closing the engine stops this thread, which holds it (and the model)
@@ -117,7 +118,7 @@ class AsyncEngine:
     def active(self) -> int:
         """Requests submitted and not finished, embedding requests included."""
         with self._lock:
-            return len(self._clients) + self._embedding
+            return len(self._clients) + len(self._embed_jobs)
 
     @property
     def num_waiting(self) -> int:
@@ -190,27 +191,46 @@ class AsyncEngine:
 
     async def embed(self, inputs: Sequence[Sequence[int]], *, pooling: str | None = None,
                     dimensions: int | None = None) -> np.ndarray:
-        """``Engine.embed``, a step at a time between the generation steps: InvalidRequest before any runs,
-        Overloaded when the KV cache has no room for it and no generation that would free some is running."""
+        """``Engine.embed``, a step at a time between the generation steps: InvalidRequest before any runs.
+        A job the KV cache has no room for now waits for the blocks the running generation and the other jobs
+        hold. Once one has waited, the oldest job runs alone until it is done: the others give their blocks back
+        (each holds one input part-way at most, run again later) and wait, so no two jobs wait on each other's
+        blocks. Overloaded where nothing holds blocks that would come back."""
         job = EmbedJob(self.engine, inputs, pooling=pooling, dimensions=dimensions, budget=self.scheduler.token_budget)
         with self._lock:
             if not self._accepting:
                 raise ShuttingDown("the server is shutting down")
-            self._embedding += 1
+            self._embed_jobs.append(job)
         try:
             while not job.done:
-                try:
-                    await self.call(job.step)
-                except Overloaded:
-                    if not self.scheduler.num_running:
-                        raise
-                    await asyncio.sleep(0.005)  # the running requests free blocks as they finish
+                if self._embed_short and self._embed_jobs[0] is not job:
+                    if job.holding:
+                        await self.call(job.pause)
+                    await asyncio.sleep(0.005)
+                elif not await self.call(lambda: self._embed_step(job)):
+                    self._embed_short = True
+                    await asyncio.sleep(0.005)  # the running requests and jobs free blocks as they finish
             return job.result()
         finally:
             with self._lock:
-                self._embedding -= 1
+                if self._embed_jobs[0] is job:  # the jobs behind it go on together while the blocks last
+                    self._embed_short = False
+                self._embed_jobs.remove(job)
             if not job.done:  # given up (an error, a client gone): its blocks go back after the step under way
                 self._post(job.close)
+
+    def _embed_step(self, job: EmbedJob) -> bool:
+        """A step of ``job`` (on the engine's thread); False where the KV cache has no room for it now but the
+        running generation or another job holds blocks, which come back."""
+        try:
+            job.step()
+        except Overloaded:
+            with self._lock:
+                others = [other for other in self._embed_jobs if other is not job]
+            if self.scheduler.num_running or any(other.holding for other in others):
+                return False
+            raise
+        return True
 
     def run_sync(self, fn: Callable[[], T]) -> T:
         """``fn()`` on the scheduler's thread, between two steps (from any thread but an event loop's);

@@ -8,11 +8,13 @@ Qwen3-Embedding, e5-mistral), their mean ("mean") or the first token's ("cls"): 
 
 An ``EmbedJob`` runs at most ``budget`` tokens a step and holds KV blocks for a text only while it runs, so
 ``AsyncEngine`` interleaves its steps with the generation steps: a long text delays the streams by a prefill
-chunk at a time, not by its whole length.
+chunk at a time, not by its whole length. A job holds at most one text part-way (it starts no text while one it
+runs waits for blocks), and ``pause`` gives that text's blocks back, to run it again from its start later.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,11 +67,16 @@ class EmbedJob:
         self._vectors: list[np.ndarray | None] = [None] * len(self.inputs)
         self._running: dict[int, Any] = {}  # input index -> its SeqState, while it runs
         self._sums: dict[int, np.ndarray] = {}  # "mean": each running input's sum of rows so far, float64 [D]
-        self._next = 0  # the first input not started
+        self._pending = deque(range(len(self.inputs)))  # the inputs not started, in order
 
     @property
     def done(self) -> bool:
-        return self._next == len(self.inputs) and not self._running
+        return not self._pending and not self._running
+
+    @property
+    def holding(self) -> bool:
+        """Whether the job holds KV blocks (an input it runs)."""
+        return bool(self._running)
 
     def _needed(self, index: int) -> int:
         """Tokens of input ``index`` that its vector depends on: a causal decoder's first row sees one."""
@@ -81,20 +88,23 @@ class EmbedJob:
         engine, pool = self.engine, self.engine.pool
         budget = self.budget
         work: list[tuple[int, Any, list[int], int]] = []  # (index, seq, tokens, rows)
+        waiting = False  # a running input lacks blocks: a second one started now could hold what it needs
         for index, seq in list(self._running.items()):
             n = min(self._needed(index) - seq.cache.length, budget)
             if budget and pool.reserve(seq.cache, seq.cache.length + n):
                 work.append(self._chunk(index, seq, n))
                 budget -= n
-        while budget and self._next < len(self.inputs):
-            seq = engine.new_sequence(len(self.inputs[self._next]))
-            n = min(self._needed(self._next), budget)
+            else:
+                waiting = True
+        while budget and self._pending and not waiting:
+            index = self._pending[0]
+            seq = engine.new_sequence(len(self.inputs[index]))
+            n = min(self._needed(index), budget)
             if not pool.reserve(seq.cache, n):
                 engine.release(seq)
                 break
-            self._running[self._next] = seq
-            work.append(self._chunk(self._next, seq, n))
-            self._next += 1
+            self._running[self._pending.popleft()] = seq
+            work.append(self._chunk(index, seq, n))
             budget -= n
         if not work:
             raise Overloaded("the KV cache has no room for the input now; retry later")
@@ -130,6 +140,11 @@ class EmbedJob:
         if not self.done:
             raise KestrelError("the embeddings are not computed yet")
         return np.stack(self._vectors)  # type: ignore[arg-type]
+
+    def pause(self) -> None:
+        """Give back the KV blocks of the inputs running: they run again from their start at a later step."""
+        self._pending.extendleft(sorted(self._running, reverse=True))
+        self.close()
 
     def close(self) -> None:
         """Free the KV blocks of the inputs still running (a job given up halfway)."""

@@ -75,6 +75,43 @@ def test_chunked_steps_and_batching_change_no_bit(engine) -> None:
         assert np.array_equal(job.result(), want)
 
 
+def test_a_paused_job_runs_its_inputs_again_and_gives_the_same_vectors(engine) -> None:
+    """``pause`` gives every block back; the inputs it held run again from their start, to the same bits."""
+    pool = engine.pool
+    for pooling in ("last", "mean"):
+        want = engine.embed(IDS, pooling=pooling)
+        job = EmbedJob(engine, IDS, budget=5, pooling=pooling)
+        steps = 0
+        while not job.done:
+            job.step()
+            steps += 1
+            if steps in (2, 5) and job.holding:
+                job.pause()
+                assert not job.holding and pool.free_blocks == pool.num_blocks
+        assert np.array_equal(job.result(), want)
+
+
+def test_an_input_waiting_for_blocks_holds_back_the_next(engine) -> None:
+    """A running input the KV cache lacks blocks for stops the job starting another: one more input part-way
+    could hold what the first needs (two such jobs would wait on each other for ever)."""
+    pool = engine.pool
+    long_ids = (IDS[2] * 20)[:200]
+    alone = engine.embed([long_ids, IDS[0]])
+    job = EmbedJob(engine, [long_ids, IDS[0]], budget=64)
+    job.step()  # the long input's first 64 positions: 2 blocks; its next 64 need 2 more
+    hog = engine.new_sequence()
+    assert pool.reserve(hog.cache, (pool.free_blocks - 1) * pool.block_size)  # one block left: IDS[0]'s room
+    try:
+        with pytest.raises(Overloaded):
+            job.step()
+        assert pool.free_blocks == 1
+    finally:
+        engine.release(hog)
+    while not job.done:
+        job.step()
+    assert np.array_equal(job.result(), alone)
+
+
 def test_dimensions_keep_the_first_components_renormalized(engine) -> None:
     full = engine.embed(IDS)
     cut = engine.embed(IDS, dimensions=8)

@@ -321,7 +321,7 @@ def test_requests_taken_in_by_on_start_run_in_that_step(engine) -> None:
 @pytest.mark.parametrize("embedding_first", [True, False])
 def test_an_embedding_holding_the_room_does_not_cut_a_generation_short(embedding_first: bool) -> None:
     """An embedding of a long text takes blocks of the same pool a step at a time, between generation steps (as
-    AsyncEngine.embed does: it gives up, Overloaded, when no generation is running that would free some). A
+    AsyncEngine.embed does: it waits while a generation or another job holds blocks that would come back). A
     generation that fits the pool alone waits for the room (its sequence set back, not ended): every token it
     gives alone, its length reached, whether it came before the embedding or after."""
     from pathlib import Path

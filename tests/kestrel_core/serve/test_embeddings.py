@@ -90,6 +90,26 @@ def test_concurrent_requests_each_get_their_own_vectors(client: openai.OpenAI, e
         assert np.array_equal(got[0], want[k % 3])
 
 
+def test_concurrent_jobs_wait_for_the_blocks_the_others_hold() -> None:
+    """Twelve clients embed at once into a KV cache that holds one of their inputs and a half: each waits for
+    the blocks the others hold (none gets a 429, none waits for ever on another's part-way input), and each gets
+    the vectors the engine gives alone."""
+    with kestrel_core.load(str(FIXTURES / "tiny-qwen3-embed"), backend="cpu", kv_cache_mb=0.08) as engine:
+        text = "word " * 40
+        ids = engine.tokenizer.encode(text)
+        pool = engine.pool
+        assert pool.blocks_for(len(ids)) <= pool.num_blocks < 2 * pool.blocks_for(len(ids))
+        want = engine.embed([ids] * 3)
+        async_engine = AsyncEngine(engine, token_budget=16)
+        with running_server(async_engine, "small") as server:
+            client = openai_client(server)
+            with ThreadPoolExecutor(12) as threads:
+                results = list(threads.map(lambda _: client.embeddings.create(model="small", input=[text] * 3),
+                                           range(12)))
+        assert all(np.array_equal(_vectors(got), want) for got in results)
+        assert pool.free_blocks == pool.num_blocks and async_engine.active == 0
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": []}, "input"),
     ({"input": ""}, "input"),
