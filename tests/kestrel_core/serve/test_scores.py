@@ -52,6 +52,20 @@ def test_scores_are_the_cosines_of_the_embeddings(server: KestrelServer, engine:
                                [vectors[0] @ vectors[1], vectors[1] @ vectors[2]], rtol=1e-5)
 
 
+def test_one_text_against_many_is_embedded_once_and_counted_once(server: KestrelServer, engine: Any) -> None:
+    """One text_1 against 1,100 text_2 is 1,101 texts to embed, under the 2,048 a request, as a rerank of 1,100
+    documents is: the same scores, the same tokens."""
+    docs = [f"doc {i}" for i in range(1100)]
+    status, body = _post(server, "/v1/score", {"text_1": "query", "text_2": docs})
+    assert status == 200, body
+    status, ranked = _post(server, "/v1/rerank", {"query": "query", "documents": docs, "return_documents": False})
+    assert status == 200 and len(body["data"]) == len(ranked["results"]) == 1100
+    by_index = {r["index"]: r["relevance_score"] for r in ranked["results"]}
+    np.testing.assert_allclose([d["score"] for d in body["data"]], [by_index[i] for i in range(1100)], rtol=1e-6)
+    tokens = sum(len(engine.tokenizer.encode(t)) for t in ["query", *docs])
+    assert body["usage"]["prompt_tokens"] == ranked["usage"]["prompt_tokens"] == tokens
+
+
 @pytest.mark.parametrize("path", ["/v1/rerank", "/v2/rerank"])
 def test_rerank_orders_the_documents(server: KestrelServer, path: str) -> None:
     docs = [TEXTS[2], {"text": TEXTS[1]}, "Paris"]
@@ -68,7 +82,9 @@ def test_rerank_orders_the_documents(server: KestrelServer, path: str) -> None:
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/score", {"text_1": TEXTS[:2], "text_2": TEXTS}, "text_2"),
     ("/v1/score", {"text_1": "a", "text_2": []}, "text_2"),
-    ("/v1/score", {"text_1": "a", "text_2": ["b"] * 2048}, "text_2"),
+    ("/v1/score", {"text_1": "a", "text_2": ["b"] * 2049}, "text_2"),  # pairs
+    ("/v1/score", {"text_1": "a", "text_2": [f"b{i}" for i in range(2048)]}, "text_2"),  # texts, "a" with them
+    ("/v1/score", {"text_1": [f"a{i}" for i in range(1025)], "text_2": [f"b{i}" for i in range(1025)]}, "text_2"),
     ("/v1/rerank", {"query": "a", "documents": []}, "documents"),
     ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": 0}, "top_n"),
     ("/v1/rerank", {"query": "a", "documents": ["b " * 300]}, "documents"),  # past the 256-token context
