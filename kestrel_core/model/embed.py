@@ -37,6 +37,19 @@ def finish_vector(v: np.ndarray, dimensions: int | None, normalize: bool) -> np.
     return v.astype(np.float32)
 
 
+def check_input(engine: Any, ids: Sequence[int], what: str = "input", param: str | None = None) -> list[int]:
+    """``ids`` as a list of token ids ``engine`` embeds; InvalidRequest naming ``param`` (default ``what``, the
+    input's name in the message) for ids outside the vocabulary, past the context or past the whole KV cache."""
+    try:
+        ids = engine.check_ids(ids, what)
+    except KestrelError as exc:
+        raise InvalidRequest(str(exc), param=param or what) from None
+    if engine.pool.blocks_for(len(ids)) > engine.pool.num_blocks:
+        raise InvalidRequest(f"the {what} has {len(ids)} tokens; the KV cache holds {engine.pool.capacity}",
+                             param=param or what)
+    return ids
+
+
 class EmbedJob:
     """The embeddings of several token sequences, computed ``step()`` by ``step()`` (on the engine's thread)."""
 
@@ -45,15 +58,7 @@ class EmbedJob:
         c = engine.config
         if isinstance(inputs, (str, bytes)) or len(inputs) == 0:
             raise InvalidRequest("no input to embed: give a sequence of token id sequences", param="input")
-        self.inputs = []
-        for ids in inputs:
-            try:
-                self.inputs.append(engine.check_ids(ids, "input"))
-            except KestrelError as exc:
-                raise InvalidRequest(str(exc), param="input") from None
-            if engine.pool.blocks_for(len(ids)) > engine.pool.num_blocks:
-                raise InvalidRequest(f"the input has {len(ids)} tokens; the KV cache holds {engine.pool.capacity}",
-                                     param="input")
+        self.inputs = [check_input(engine, ids) for ids in inputs]
         self.pooling = pooling or c.pooling or "last"
         if self.pooling not in POOLINGS:
             raise InvalidRequest(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}", param="pooling")

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 import kestrel_core
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.chat_template import continue_final_message
+from kestrel_core.model.embed import check_input
 from kestrel_core.model.harmony import is_harmony
 from kestrel_core.model.reasoning import Reasoning, opens_in_prompt, thinks
 from kestrel_core.model.sampling import TokenLogprob
@@ -201,17 +202,18 @@ class Served:
         return await generation.embed(self.async_engine, request, inputs, answer, pooling=self.pooling,
                                       dimensions=body.dimensions)
 
-    async def tokenized(self, texts: Callable[[], list[str | list[int]]], param: str,
-                        truncate: bool = False) -> list[list[int]]:
-        """The token ids of ``texts()`` (texts, or token ids as given), made off the event loop (a request may
-        hold thousands); ``truncate``: each keeps a context's worth, a text its first tokens and the special
-        tokens the tokenizer adds (the end token a last-token pooling reads), token ids their first."""
+    async def tokenized(self, texts: Callable[[], list[str | list[int]]], param: str, truncate: bool = False,
+                        what: str | None = None) -> list[list[int]]:
+        """The token ids of ``texts()`` (texts, or token ids as given), made and checked for the embedding job
+        off the event loop (a request may hold thousands): a 400 naming ``param``, its message the text as
+        ``what`` (default ``param``). ``truncate``: each keeps a context's worth, a text its first tokens and
+        the special tokens the tokenizer adds (the end token a last-token pooling reads), token ids their first."""
         tokenizer, context = self.engine.tokenizer, self.engine.config.max_position
         limit = context if truncate else None
 
         def tokenize() -> list[list[int]]:
-            return [list(tokenizer.encode(t, max_length=limit)) if isinstance(t, str) else t[:limit]
-                    for t in texts()]
+            ids = [list(tokenizer.encode(t, max_length=limit)) if isinstance(t, str) else t[:limit] for t in texts()]
+            return [check_input(self.engine, one, what or param, param) for one in ids]
 
         try:
             return await asyncio.to_thread(tokenize)

@@ -132,10 +132,9 @@ async def respond(async_engine: Any, request: Request, prompts: Sequence[Prompt]
 
 async def embed(async_engine: Any, request: Request, inputs: list[list[int]],
                 answer: Callable[[np.ndarray, int], dict[str, Any]], *, pooling: str | None,
-                dimensions: int | None = None, param: str = "input") -> Response:
+                dimensions: int | None = None) -> Response:
     """The inputs' vectors [inputs, D], computed between the engine's generation steps, answered as
-    ``answer(vectors, prompt tokens)``; a client that leaves gives the job's KV blocks back. ``param``: the
-    field the inputs came from, for errors about them."""
+    ``answer(vectors, prompt tokens)``; a client that leaves gives the job's KV blocks back."""
     record = record_of(request)
     try:
         vectors = await _unless_disconnected(async_engine.embed(inputs, pooling=pooling, dimensions=dimensions),
@@ -143,7 +142,7 @@ async def embed(async_engine: Any, request: Request, inputs: list[list[int]],
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
     except KestrelError as exc:
-        raise engine_error(exc, async_engine.accepting, param) from None
+        raise engine_error(exc, async_engine.accepting, "input") from None
     record.prompt_tokens = sum(len(ids) for ids in inputs)
     return JSONResponse(answer(vectors, record.prompt_tokens))
 

@@ -62,8 +62,8 @@ class RerankBody(RequestBody):
         if not self.documents:
             raise APIError(400, "documents is empty", param="documents")
         _check_count(1 + len(self.documents), "documents")
-        if self.top_n is not None and self.top_n < 1:
-            raise APIError(400, f"top_n must be at least 1, got {self.top_n}", param="top_n")
+        if self.top_n is not None and self.top_n < 0:
+            raise APIError(400, f"top_n must be at least 0 (0: all), got {self.top_n}", param="top_n")
         return [d if isinstance(d, str) else d.text for d in self.documents]
 
 
@@ -93,9 +93,10 @@ def install(app: FastAPI, models: Models) -> None:
     async def score(body: ScoreBody, request: Request) -> Response:
         served = _embedder(models, body.model)
         left, right = body.pairs()
-        unique = list(dict.fromkeys(left + right))  # "one against many" embeds the one once
-        ids = await served.tokenized(lambda: unique, "text_1")
-        at = {text: i for i, text in enumerate(unique)}
+        firsts = dict.fromkeys(left)  # each text once: "one against many" embeds the one once
+        seconds = [text for text in dict.fromkeys(right) if text not in firsts]
+        ids = await served.tokenized(lambda: list(firsts), "text_1") + await served.tokenized(lambda: seconds, "text_2")
+        at = {text: i for i, text in enumerate([*firsts, *seconds])}
 
         def answer(vectors: np.ndarray, prompt_tokens: int) -> dict[str, Any]:
             scores = cosines(vectors[[at[t] for t in left]], vectors[[at[t] for t in right]])
@@ -103,19 +104,19 @@ def install(app: FastAPI, models: Models) -> None:
                     "data": [{"index": i, "object": "score", "score": float(s)} for i, s in enumerate(scores)],
                     "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
-        return await generation.embed(served.async_engine, request, ids, answer, pooling=served.pooling,
-                                      param="text_2")
+        return await generation.embed(served.async_engine, request, ids, answer, pooling=served.pooling)
 
     @app.post("/v1/rerank")
     @app.post("/v2/rerank")
     async def rerank(body: RerankBody, request: Request) -> Response:
         served = _embedder(models, body.model)
         documents = body.texts()
-        ids = await served.tokenized(lambda: [body.query, *documents], "documents")
+        ids = (await served.tokenized(lambda: [body.query], "query")
+               + await served.tokenized(lambda: documents, "documents", what="document"))
 
         def answer(vectors: np.ndarray, prompt_tokens: int) -> dict[str, Any]:
             scores = cosines(np.repeat(vectors[:1], len(documents), axis=0), vectors[1:])
-            order = np.argsort(-scores, kind="stable")[:body.top_n]
+            order = np.argsort(-scores, kind="stable")[:body.top_n or None]  # top_n 0: all, as vLLM reads it
             results = []
             for i in order:
                 result: dict[str, Any] = {"index": int(i), "relevance_score": float(scores[i])}
@@ -125,5 +126,4 @@ def install(app: FastAPI, models: Models) -> None:
             return {"id": new_id("rerank"), "model": served.model_name, "results": results,
                     "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
-        return await generation.embed(served.async_engine, request, ids, answer, pooling=served.pooling,
-                                      param="documents")
+        return await generation.embed(served.async_engine, request, ids, answer, pooling=served.pooling)

@@ -77,6 +77,8 @@ def test_rerank_orders_the_documents(server: KestrelServer, path: str) -> None:
                for r in body["results"] for d in [docs[r["index"]]])
     status, top = _post(server, path, {"query": TEXTS[0], "documents": docs, "top_n": 1, "return_documents": False})
     assert top["results"] == [{"index": body["results"][0]["index"], "relevance_score": scores[0]}]
+    status, every = _post(server, path, {"query": TEXTS[0], "documents": docs, "top_n": 0})  # vLLM's default: all
+    assert status == 200 and every["results"] == body["results"]
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
@@ -86,8 +88,12 @@ def test_rerank_orders_the_documents(server: KestrelServer, path: str) -> None:
     ("/v1/score", {"text_1": "a", "text_2": [f"b{i}" for i in range(2048)]}, "text_2"),  # texts, "a" with them
     ("/v1/score", {"text_1": [f"a{i}" for i in range(1025)], "text_2": [f"b{i}" for i in range(1025)]}, "text_2"),
     ("/v1/rerank", {"query": "a", "documents": []}, "documents"),
-    ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": 0}, "top_n"),
-    ("/v1/rerank", {"query": "a", "documents": ["b " * 300]}, "documents"),  # past the 256-token context
+    ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
+    ("/v1/rerank", {"query": "a", "documents": ["c", "b " * 300]}, "documents"),  # past the 256-token context
+    ("/v1/rerank", {"query": "b " * 300, "documents": ["a"]}, "query"),
+    ("/v1/score", {"text_1": "b " * 300, "text_2": ["a"]}, "text_1"),
+    ("/v1/score", {"text_1": "a", "text_2": ["a", "b " * 300]}, "text_2"),
+    ("/v1/score", {"text_1": ["c", "b " * 300], "text_2": ["a", "c"]}, "text_1"),
     ("/v1/rerank", {"query": "a", "documents": ["b"], "model": "bge-reranker"}, "model"),
 ])
 def test_bad_requests_name_the_field(server: KestrelServer, path: str, body: dict[str, Any], param: str) -> None:
