@@ -369,13 +369,27 @@ def _chat_message(interactive: bool) -> str | None:
     return "\n".join(lines).removesuffix('"""').strip()
 
 
-def embed(args: argparse.Namespace) -> int:
-    """Each text's embedding as a JSON array on a line of its own, in the order given."""
-    texts = list(args.texts)
+def _embed_texts(args: argparse.Namespace) -> list[str]:
+    """The texts ``embed`` takes: its arguments, else each line of stdin, split at newlines only (as ``wc -l``
+    counts them), so the Nth vector is the Nth line's. An empty text is refused by its place, as /v1/embeddings
+    refuses an empty input: its vector would be the special tokens' alone, and skipping it would shift the
+    vectors after it."""
+    texts, place = list(args.texts), "argument"
     if not texts and not sys.stdin.isatty():
-        texts = [line for line in read_text_stdin(sys.stdin).splitlines() if line.strip()]
+        text = read_text_stdin(sys.stdin)  # which ends every line in "\n", whatever the line ends it read
+        texts, place = (text.removesuffix("\n").split("\n") if text else []), "line"
     if not texts:
         raise KestrelError("no text to embed (pass texts as arguments, or one a line on stdin)")
+    empty = next((i for i, text in enumerate(texts) if not text), None)
+    if empty is not None:
+        where = f"{place} {empty + 1}" + (" of stdin" if place == "line" else "")
+        raise KestrelError(f"{where} is empty: every text to embed needs at least one character")
+    return texts
+
+
+def embed(args: argparse.Namespace) -> int:
+    """Each text's embedding as a JSON array on a line of its own, in the order given."""
+    texts = _embed_texts(args)
     with _open_engine(args) as engine:
         ids = [list(engine.tokenizer.encode(text)) for text in texts]
         vectors = engine.embed(ids, pooling=args.pooling, dimensions=args.dimensions)

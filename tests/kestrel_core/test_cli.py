@@ -271,9 +271,42 @@ def test_embed_prints_a_json_vector_a_line(capsys, monkeypatch) -> None:
     assert main(["embed", "--model", str(EMBED), "--dimensions", "8", "Paris", "Rome"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert np.array_equal(np.array([json.loads(line) for line in lines], np.float32), want)
-    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"Paris\n\nRome\n")))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"Paris\r\nRome\n")))
     assert main(["embed", "--model", str(EMBED), "--dimensions", "8"]) == 0
-    assert capsys.readouterr().out.splitlines() == lines  # one text a line of stdin, blank lines skipped
+    assert capsys.readouterr().out.splitlines() == lines  # one text a line of stdin
+
+
+def test_embed_gives_a_vector_a_line_of_stdin_whatever_the_line_holds(capsys, monkeypatch) -> None:
+    """Only a newline ends a line: U+2028, U+0085, a form feed or an ASCII separator is part of its text, and the
+    Nth vector is the Nth line's, as the same texts given as arguments embed them."""
+    import io
+
+    texts = ["first line", "second\u2028still second", "third\x0cstill third", "fourth\x85x", "fifth\x1eend",
+             "sixth\x1c\x1dend", "  "]
+    assert main(["embed", "--model", str(EMBED), "--dimensions", "8", *texts]) == 0
+    want = capsys.readouterr().out.splitlines()
+    assert len(want) == len(texts)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("\n".join(texts).encode() + b"\n")))
+    assert main(["embed", "--model", str(EMBED), "--dimensions", "8"]) == 0
+    assert capsys.readouterr().out.splitlines() == want
+
+
+@pytest.mark.parametrize(("stdin", "argv", "needle"), [
+    (b"Paris\n\nRome\n", [], "line 2 of stdin is empty"),
+    (b"Paris\nRome\n\n", [], "line 3 of stdin is empty"),
+    (b"\n", [], "line 1 of stdin is empty"),
+    (b"", ["Paris", ""], "argument 2 is empty"),
+])
+def test_an_empty_text_to_embed_is_named_by_its_place(stdin: bytes, argv: list[str], needle: str, capsys,
+                                                        monkeypatch) -> None:
+    """A blank line would shift every vector after it if skipped: refused by its number, as /v1/embeddings
+    refuses an empty input, before the model loads."""
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+    assert main(["embed", "--model", "/nonexistent/model", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
