@@ -344,10 +344,10 @@ def check_cli_args(args: Any) -> None:
             continue
         for one in value if isinstance(value, list) else [value]:
             if isinstance(one, str):
-                _strict_text(one, _POSITIONAL.get(name, f"--{name.replace('_', '-')}"))
+                strict_text(one, _POSITIONAL.get(name, f"--{name.replace('_', '-')}"))
 
 
-def _strict_text(text: str, what: str) -> str:
+def strict_text(text: str, what: str) -> str:
     """``text`` unless it holds lone surrogates: what a stream decoding with ``surrogateescape`` (Python's
     stdin under the C locale) makes of invalid UTF-8."""
     try:
@@ -369,7 +369,7 @@ def read_text_stdin(stream: Any, what: str = "stdin") -> str:
     if len(raw) > MAX_STDIN_BYTES:
         raise KestrelError(f"{what} holds more than {MAX_STDIN_BYTES >> 20} MiB of text")
     try:
-        text = _strict_text(raw, what) if buffer is None else raw.decode("utf-8")
+        text = strict_text(raw, what) if buffer is None else raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise KestrelError(f"{what} is not valid UTF-8 (byte {exc.start}: {exc.reason})") from None
     return text.replace("\r\n", "\n").replace("\r", "\n")
@@ -379,7 +379,7 @@ def read_line_stdin(stream: Any, what: str = "stdin") -> str:
     """One line of ``stream`` (``""`` at the end); invalid UTF-8 is one line naming ``what``, and so is a line of
     more than MAX_STDIN_BYTES."""
     try:
-        line = _strict_text(stream.readline(MAX_STDIN_BYTES + 1), what)
+        line = strict_text(stream.readline(MAX_STDIN_BYTES + 1), what)
         if len(line) > MAX_STDIN_BYTES:
             raise KestrelError(f"{what}: a line of more than {MAX_STDIN_BYTES >> 20} MiB")
         return line

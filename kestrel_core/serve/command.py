@@ -56,11 +56,13 @@ def serve_command(args: argparse.Namespace) -> int:
     from kestrel_core.model.engine_load import load, load_preset
     from kestrel_core.model.loader import finish_cache_writes
     from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING
+    from kestrel_core.model.validate import strict_text
     from kestrel_core.serve.access import DEFAULT_MAX_REQUEST_BYTES
     from kestrel_core.serve.server import bind_socket, serve
 
     _setup_logging(bool(getattr(args, "verbose", False)))
-    api_key = args.api_key or env_str(API_KEY_ENV) or None
+    # the variable's invalid UTF-8 (lone surrogates to Python) refused as --api-key's is, before the model loads
+    api_key = args.api_key or strict_text(env_str(API_KEY_ENV), API_KEY_ENV) or None
     names = args.served_model_name or []
     if len(names) > max(1, len(args.model or ())):
         raise KestrelError(f"{len(names)} --served-model-name for {len(args.model or ()) or 1} model(s)")

@@ -74,6 +74,32 @@ def test_the_command_exits_2_with_one_line(argv: list[str], needle: str) -> None
     assert needle in err and len(err.splitlines()) == 1 and done.stdout == ""
 
 
+@pytest.mark.parametrize(("argv", "env", "needle"), [
+    (["--api-key", "k\udcff"], None, "--api-key is not valid UTF-8 (character 1)"),
+    ([], "k\udcff", "KESTREL_API_KEY is not valid UTF-8 (character 1)"),
+])
+def test_a_key_of_invalid_utf8_is_one_line_before_the_model_loads(
+        argv: list[str], env: str | None, needle: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The same bytes (lone surrogates, as Python decodes them from argv or the environment) from the option or
+    the variable: the same refusal, and no model loaded first."""
+    from kestrel_core.errors import KestrelError
+    from kestrel_core.model import engine_load
+
+    if env is not None:
+        monkeypatch.setenv(command.API_KEY_ENV, env)
+    loaded: list[object] = []
+
+    def load(*args: object, **kwargs: object) -> None:
+        loaded.append(args)
+        raise KestrelError("the model loaded")
+
+    monkeypatch.setattr(engine_load, "load", load)
+    assert main(["serve", "--model", str(TINY), "--port", "0", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and not loaded
+
+
 def test_a_busy_port_fails_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
