@@ -180,13 +180,24 @@ class CacheEntry:
 
 
 def cache_entries() -> list[CacheEntry]:
-    """The entries of ``$KESTREL_HOME/cache``, the most recently used first."""
+    """The entries of ``$KESTREL_HOME/cache``, the most recently used first; none where it does not exist. A
+    cache directory that cannot be listed, or whose entries cannot be looked at, is a KestrelError naming it:
+    never an empty cache (``Path.glob`` makes it one), which ``--clear`` would report as cleared."""
+    directory = cache_dir()
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise KestrelError(f"{directory}: cannot read the model cache ({exc.strerror or exc})") from None
     entries = []
-    for path in cache_dir().glob("*.kst"):
+    for path in (directory / name for name in names if name.endswith(".kst")):
         try:
             st = path.lstat()
-        except OSError:
+        except FileNotFoundError:  # removed since it was listed
             continue
+        except OSError as exc:
+            raise KestrelError(f"{directory}: cannot read the model cache ({exc.strerror or exc})") from None
         try:
             meta = read_meta(path)
             sources, quant = meta.extra.get("sources") or (), meta.quant

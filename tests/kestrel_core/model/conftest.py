@@ -1,7 +1,11 @@
-"""Fixtures of the runtime tests (decoder, engine, sampling, presets, CLI): tiny configs, a CPU offload."""
+"""Fixtures of the runtime tests (decoder, engine, sampling, presets, CLI): tiny configs, a CPU offload, a process
+that file permissions stop."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from collections.abc import Callable
 
 import pytest
@@ -47,3 +51,20 @@ def cpu_offload() -> Offload:
     registry = Registry()
     cpu = registry.cpu()
     return Offload(cpu, cpu)
+
+
+@pytest.fixture
+def unprivileged() -> list[str]:
+    """The prefix of a command line whose process file permissions stop: none for a user, and for root setpriv
+    without the capabilities that read past them (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH); skipped where root
+    cannot drop them."""
+    if os.geteuid() != 0:
+        return []
+    prefix = [shutil.which("setpriv") or "setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+    try:
+        dropped = subprocess.run([*prefix, "true"], capture_output=True, timeout=60).returncode == 0
+    except OSError:
+        dropped = False
+    if not dropped:
+        pytest.skip("root here cannot drop the capabilities that read past file permissions (setpriv)")
+    return prefix

@@ -8,6 +8,8 @@ import logging
 import mmap
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -492,3 +494,39 @@ def test_the_cache_lists_its_entries_and_prunes_those_whose_model_is_gone(home: 
     assert main(["cache", "--prune"]) == 0
     assert [e.sources for e in cache_entries()] == [(str(root.resolve()),)]
     assert main(["cache", "--clear"]) == 0 and cache_entries() == []
+
+
+def _kestrel(prefix: list[str], *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*prefix, sys.executable, "-m", "kestrel_core.entry", *argv], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_a_cache_directory_that_cannot_be_read_is_an_error_naming_it(home: Path, unprivileged: list[str]) -> None:
+    """Not an empty cache: `kestrel cache` and `kestrel cache --clear` say the directory cannot be read (exit 2),
+    and what it holds stays."""
+    cache = home / "cache"
+    cache.mkdir(parents=True)
+    entry = cache / "model.0123.q8.v1.kestrel-0.kst"
+    entry.write_bytes(b"an entry")
+    cache.chmod(0)
+    try:
+        for argv in (["cache"], ["cache", "--json"], ["cache", "--clear"], ["cache", "--prune"]):
+            done = _kestrel(unprivileged, *argv)
+            err = done.stderr.strip()
+            assert done.returncode == 2 and done.stdout == "", (argv, done.returncode, done.stdout, err)
+            assert err == f"error: {cache}: cannot read the model cache (Permission denied)", argv
+    finally:
+        cache.chmod(0o755)
+    assert entry.read_bytes() == b"an entry"
+
+
+def test_a_cache_path_that_is_not_a_directory_is_an_error_naming_it(home: Path, capsys) -> None:
+    from kestrel_core.cli import main
+
+    home.mkdir()
+    (home / "cache").write_text("my notes")
+    for argv in (["cache"], ["cache", "--clear"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"error: {home / 'cache'}: cannot read the model cache (Not a directory)"
+    assert (home / "cache").read_text() == "my notes"
