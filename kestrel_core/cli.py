@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.measure import Measurement
+from rich.segment import Segments
 from rich.table import Table
 from rich.text import Text
 
@@ -24,9 +26,18 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import KV_TYPES, POOLINGS
 from kestrel_core.model.reasoning import THINK_LEVELS
 
-# no markup: what they print holds backends' and models' own text, whose brackets are not Rich's; styles go as Text
+# every command's consoles (model/commands.py prints through these too). No markup: what they print holds backends'
+# and models' own text, whose brackets are not Rich's; styles go as Text
 out = Console(highlight=False, markup=False, width=None if sys.stdout is not None and sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False, markup=False)
+UNBOUNDED_WIDTH = 1 << 16
+
+
+def print_uncut(table: Table) -> None:
+    """``table`` on stdout at its own width where the console is narrower: the terminal wraps its lines, and no
+    cell is cut short (a model's name is what ``-m`` takes)."""
+    width = max(out.width, Measurement.get(out, out.options.update_width(UNBOUNDED_WIDTH), table).maximum)
+    out.print(Segments(out.render(table, out.options.update_width(width))), crop=False)
 
 
 # -- backends / selftest ------------------------------------------------------------------------------

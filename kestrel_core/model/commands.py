@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from rich.console import Console
 from rich.table import Table
 
+from kestrel_core.cli import err, out, print_uncut
 from kestrel_core.entry import interrupt_handled
 from kestrel_core.errors import InvalidRequest, KestrelError
 from kestrel_core.model.engine import Engine
@@ -28,10 +28,6 @@ from kestrel_core.model.grammar import json_schema_grammar, lark_grammar, regex_
 from kestrel_core.model.harmony import HarmonyStream, is_harmony
 from kestrel_core.model.reasoning import ReasoningStream, opens_in_prompt, think_kwargs, thinks
 from kestrel_core.model.validate import read_line_stdin, read_text_stdin
-
-# no markup: what they print holds backends' and models' own text, whose brackets are not Rich's
-out = Console(highlight=False, markup=False)
-err = Console(stderr=True, highlight=False, markup=False)
 
 
 def _open_engine(args: argparse.Namespace) -> Engine:
@@ -442,8 +438,10 @@ def list_models(args: argparse.Namespace) -> int:
     for m in models:
         when = datetime.datetime.fromtimestamp(m.modified).strftime("%Y-%m-%d %H:%M")
         table.add_row(m.name, m.kind, f"{m.size / 1e6:,.0f} MB", when)
-    out.print(table if models else "no local models: kestrel pull, or kestrel run -m "
-                                   "owner/name, fetches one")
+    if models:
+        print_uncut(table)
+    else:
+        out.print("no local models: kestrel pull, or kestrel run -m owner/name, fetches one")
     return 0
 
 

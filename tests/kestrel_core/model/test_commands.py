@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -331,6 +332,22 @@ def test_pull_prints_the_model_path(capsys, monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(pull_mod, "pull_default_model", lambda progress=True: tmp_path / "model.gguf")
     code, out, _ = _run(capsys, "pull")
     assert code == 0 and out.strip() == str(tmp_path / "model.gguf")
+
+
+@pytest.mark.parametrize("width", [40, 80, 160])
+def test_list_never_cuts_the_name_that_model_takes(width: int, capsys, monkeypatch, tmp_path) -> None:
+    """Piped (160 columns) or in a narrow terminal: each row is whole, the name as -m takes it."""
+    from kestrel_core import cli
+    from kestrel_core.model import hub
+
+    name = "unsloth/Qwen3-Coder-30B-A3B-Instruct-1M-GGUF:UD-Q4_K_XL@refs/pr/12"
+    monkeypatch.setenv("KESTREL_HOME", str(tmp_path))  # no default model
+    monkeypatch.setattr(hub, "cached_models", lambda cache_dir=None: [
+        hub.CachedModel(name, "gguf", tmp_path / "model.gguf", 17_654_000_000, 1.7e9)])
+    monkeypatch.setattr(cli.out, "width", width)
+    code, out, _ = _run(capsys, "list")
+    row = rf"│ {re.escape(name)} +│ gguf +│ 17,654 MB │ \d{{4}}-\d\d-\d\d \d\d:\d\d │"
+    assert code == 0 and re.search(row, out), out
 
 
 def test_json_survives_numpy_backend_counters(capsys, monkeypatch) -> None:
