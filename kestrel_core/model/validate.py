@@ -307,8 +307,10 @@ CLI_FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "kv_cache_mb": (0.0, 2.0 ** 40), "lora_scale": (-100.0, 100.0),
     "shutdown_grace": (0.0, 86400.0), "max_request_mb": (0.0, 2.0 ** 20),
 }
-# given, these must hold more than blanks: ``--api-key "$KEY"`` with KEY unset must not serve without a key
-CLI_TEXT = ("host", "served_model_name", "api_key", "quant", "backend", "model", "output")
+# given, these must hold more than blanks: ``--api-key "$KEY"`` with KEY unset must not serve without a key, nor
+# ``--preset ""`` load the default model, ``--lora ""`` merge the current directory or ``--concurrency ""`` run batch 1
+CLI_TEXT = ("host", "served_model_name", "api_key", "quant", "backend", "model", "output", "preset", "lora",
+            "concurrency")
 _POSITIONAL = {"prompt": "the prompt", "texts": "a text to embed"}
 _PATHS = frozenset({"model", "output", "lora"})
 
