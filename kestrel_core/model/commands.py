@@ -143,13 +143,15 @@ def load_options(args: argparse.Namespace, preset: bool = False) -> dict[str, An
 
 
 def _option_text(value: str, option: str) -> str:
-    """An option's value, or with a leading @ the text of the file it names."""
+    """An option's value, or with a leading @ the text of the file it names, read as stdin is: strictly UTF-8
+    and at most MAX_STDIN_BYTES (``@/dev/zero`` would fill the memory)."""
     if not value.startswith("@"):
         return value
     try:
-        return Path(value[1:]).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise KestrelError(f"{option}: cannot read {value[1:]} ({getattr(exc, 'strerror', None) or exc})") from None
+        with open(value[1:], encoding="utf-8") as f:
+            return read_text_stdin(f, f"{option}: {value[1:]}")
+    except OSError as exc:
+        raise KestrelError(f"{option}: cannot read {value[1:]} ({exc.strerror or exc})") from None
 
 
 def _grammar(args: argparse.Namespace) -> str | None:

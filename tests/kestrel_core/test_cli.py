@@ -254,6 +254,29 @@ def test_run_answers_keep_to_a_grammar(option: str, value: str, pattern: str, tm
         assert re.fullmatch(pattern, text), text
 
 
+@pytest.mark.parametrize(("option", "text"), [
+    ("--json-schema", '{"type": "string"}'),
+    ("--grammar", 'start: "yes"'),
+    ("--rope-scaling", '{"rope_type": "linear", "factor": 2.0}'),
+])
+def test_an_option_file_is_read_as_stdin_is(option: str, text: str, tmp_path: Path, monkeypatch, capsys) -> None:
+    """@FILE: at most stdin's limit (one byte past it is one line, as on stdin) and strictly UTF-8."""
+    from kestrel_core.model import validate
+
+    monkeypatch.setattr(validate, "MAX_STDIN_BYTES", 1 << 10)
+    at_limit, past_limit, latin1 = tmp_path / "at", tmp_path / "past", tmp_path / "latin1"
+    at_limit.write_text(text + " " * ((1 << 10) - len(text)))
+    past_limit.write_text(text + " " * ((1 << 10) + 1 - len(text)))
+    latin1.write_bytes(text.encode() + b"\n\xe9")
+    assert main(["run", "--model", str(TINY), "-n", "1", option, f"@{at_limit}", "hi"]) == 0
+    capsys.readouterr()
+    for path, needle in ((past_limit, f"{option}: {past_limit} holds more than"),
+                         (latin1, f"{option}: {latin1} is not valid UTF-8 (byte {len(text) + 1}")):
+        assert main(["run", "--model", str(TINY), "-n", "1", option, f"@{path}", "hi"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err
+
+
 def test_run_keeps_no_prefix_for_later_requests(capsys) -> None:
     """One prompt: nothing would read the blocks the prefix cache keeps (a device's pool is not made for them)."""
     assert main(["run", "--model", str(TINY), "--backend", "cpu", "-n", "2", "--json", "hi"]) == 0
