@@ -6,6 +6,7 @@ User errors print one line on stderr and exit non-zero; ``-v`` shows the traceba
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -26,10 +27,20 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import KV_TYPES, POOLINGS
 from kestrel_core.model.reasoning import THINK_LEVELS
 
+
+class _Console(Console):
+    """rich's Console, whose reader leaving is Python's BrokenPipeError, which ``_main`` ends as SIGPIPE would end
+    the process (rich's own ``on_broken_pipe`` exits 1, and covers stdout with /dev/null whichever stream broke)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # nothing more is written where no one reads
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+
 # every command's consoles (model/commands.py prints through these too). No markup: what they print holds backends'
 # and models' own text, whose brackets are not Rich's; styles go as Text
-out = Console(highlight=False, markup=False, width=None if sys.stdout is not None and sys.stdout.isatty() else 160)
-err = Console(stderr=True, highlight=False, markup=False)
+out = _Console(highlight=False, markup=False, width=None if sys.stdout is not None and sys.stdout.isatty() else 160)
+err = _Console(stderr=True, highlight=False, markup=False)
 UNBOUNDED_WIDTH = 1 << 16
 
 

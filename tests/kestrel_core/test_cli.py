@@ -424,6 +424,26 @@ def test_a_reader_that_leaves_ends_the_command_quietly() -> None:
     assert "error" not in proc.stderr.read()
 
 
+@pytest.mark.parametrize(("argv", "stream"), [
+    (["backends"], "stdout"), (["list"], "stdout"), (["cache"], "stdout"), (["selftest", "--seeds", "1"], "stdout"),
+    (["run", "--model", str(TINY), "--backend", "cpu", "-n", "1", "hi"], "stderr"),
+])
+def test_a_reader_gone_before_a_table_or_a_line_of_rich_ends_as_sigpipe(argv: list[str], stream: str,
+                                                                       tmp_path: Path) -> None:
+    """What the commands print through rich (tables, stderr's lines) ends as ``run``'s text does when its reader
+    has gone (``kestrel backends | true``): 128 + 13, no error line."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, stream: write_end}
+    try:
+        done = subprocess.run([sys.executable, "-m", "kestrel_core.entry", *argv], stdin=subprocess.DEVNULL,
+                              timeout=300, text=True, **streams,
+                              env={**os.environ, "KESTREL_HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf")})
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141 and not done.stdout and not done.stderr, (done.returncode, done.stderr)
+
+
 def test_stdin_past_its_limit_is_one_line(monkeypatch) -> None:
     import io
 
