@@ -38,6 +38,7 @@ from kestrel_core.model.int_quant import read_weight as read_int_weight
 from kestrel_core.model.quantize import fused_rows, hybrid_splits, layer_name, map_tensor_name
 from kestrel_core.model.validate import (
     check_regular_file,
+    open_regular,
 )
 from kestrel_core.model.weights import expert_field
 
@@ -376,6 +377,8 @@ class HFCheckpoint:
 
     def _handle(self, path: Path) -> Any:
         if path not in self._handles:
+            # opened here first: safetensors says "No such file or directory" of any file it cannot open
+            open_regular(path, self.dir).close()
             try:
                 self._handles[path] = safe_open(str(path), framework="numpy")
             except SafetensorError as exc:

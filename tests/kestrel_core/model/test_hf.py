@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -353,3 +356,14 @@ def test_a_tensor_too_small_for_its_role_is_named(tmp_path: Path, model: str, na
                                                   get: str, says: str) -> None:
     with pytest.raises(KestrelError, match=says):
         HFCheckpoint(_reshaped_copy(tmp_path, model, name, shape)).get(get)
+
+
+def test_a_shard_that_cannot_be_read_is_said_to_be_unreadable(tmp_path: Path, unprivileged: list[str]) -> None:
+    """Not "No such file or directory" (safetensors' word for any file it cannot open): the shard, and why."""
+    model = shutil.copytree(FIXTURES / "tiny-llama", tmp_path / "tiny-llama")
+    shard = model / "model-00002-of-00003.safetensors"
+    shard.chmod(0)
+    done = subprocess.run([*unprivileged, sys.executable, "-m", "kestrel_core.entry", "run", "--model", str(model),
+                           "--backend", "cpu", "-n", "1", "hi"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert done.stderr.strip().splitlines()[-1] == f"error: {shard}: cannot read it (Permission denied)", done.stderr
