@@ -156,7 +156,9 @@ MODEL_HELP = ("HF model dir, Hugging Face Hub name (owner/name[:TAG]), .gguf, or
               "(default: SmolLM2)")
 
 
-def _model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
+def _model_args(p: argparse.ArgumentParser, several: bool = False, kv_cache_mb: bool = False) -> None:
+    """The options of every command that loads a model; ``kv_cache_mb``: also --kv-cache-mb, the KV cache's budget
+    (serve and bench), which --kv-cache-type's help then speaks of."""
     if several:
         p.add_argument("--model", "-m", action="append", default=None,
                        help=f"{MODEL_HELP}; repeat it to serve several (the first answers requests that name no "
@@ -178,7 +180,10 @@ def _model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
                         "short RoPE factors")
     p.add_argument("--kv-cache-type", default="f16", choices=KV_TYPES,
                    help="what the host's KV cache holds: float16 keys and values (default), or q8: int8 with a scale "
-                        "every 32 dims (Q8_0's), 9/16 of the bytes, so 1.78x the context in the same --kv-cache-mb")
+                        "every 32 dims (Q8_0's), 9/16 of the bytes a position"
+                        + (", so 1.78x the context in the same --kv-cache-mb" if kv_cache_mb else ""))
+    if kv_cache_mb:
+        p.add_argument("--kv-cache-mb", type=float, default=None, help="host KV cache budget (default: 2048)")
     p.add_argument("--lora", default=None, metavar="PATH",
                    help="a LoRA adapter merged into the model's weights as they load (a Hugging Face directory "
                         "or a GGUF file): PEFT's directory (adapter_config.json, adapter_model.safetensors) or "
@@ -275,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/serving.md)")
-    _model_args(p, several=True)
+    _model_args(p, several=True, kv_cache_mb=True)
     _speculate_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0: any free port)")
@@ -289,7 +294,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests queued beyond the batch before 429s (default: 256)")
     p.add_argument("--token-budget", type=int, default=None,
                    help="tokens per batched step (default: 512 + --max-batch)")
-    p.add_argument("--kv-cache-mb", type=float, default=None, help="host KV cache budget (default: 2048)")
     p.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN",
                    help="a web page (https://app.example) whose browser requests are answered; '*': any (default: "
                         "the loopback's pages only)")
@@ -336,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("bench", help="prefill and decode tok/s")
-    _model_args(p)
+    _model_args(p, kv_cache_mb=True)
     _speculate_arg(p)
     p.add_argument("--preset", default=None, help="synthetic model preset instead of --model")
     p.add_argument("--prompt-tokens", type=int, default=256)
@@ -347,7 +351,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "warms up with two short requests of its own)")
     p.add_argument("--concurrency", default=None, metavar="N,N,...",
                    help="continuous batching at these concurrency levels (e.g. 1,8,32,64) instead of batch 1")
-    p.add_argument("--kv-cache-mb", type=float, default=None, help="host KV cache budget (default: 2048)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
     for command in sub.choices.values():  # -v after the command too (kestrel serve -v), not only before it

@@ -80,6 +80,20 @@ def test_verbose_shows_the_traceback(capsys, argv: list[str]) -> None:
     assert "Traceback" in capsys.readouterr().err
 
 
+def test_each_commands_help_names_only_its_own_options() -> None:
+    """An option a help text names is one its command takes, unless it names the command it belongs to ("run
+    --json")."""
+    import argparse
+
+    from kestrel_core.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    named_elsewhere = [(name, action.dest, option) for name, command in commands.items() for action in command._actions
+                       for other, option in re.findall(r"(?<![\w-])(?:(\w+) )?(--[a-z][a-z-]*)", action.help or "")
+                       if other not in commands and option not in command._option_string_actions]
+    assert named_elsewhere == []
+
+
 def test_version(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
