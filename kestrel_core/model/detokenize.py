@@ -14,14 +14,16 @@ class TextStream:
     the text ends before the first stop string (``stopped`` turns True); with ``min_tokens``, one that ends within
     the text of the first min_tokens tokens does not count (vLLM's min_tokens: so min_tokens 1 never gives an
     empty answer). ``skip_special_tokens`` False keeps special tokens' text (harmony's channel markers,
-    kestrel_core.model.harmony).
+    kestrel_core.model.harmony); ``include_stop`` ends the text with the stop string instead of before it (vLLM's
+    ``include_stop_str_in_output``).
     """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), min_tokens: int = 0,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
+        self.include_stop = include_stop
         self.min_tokens = min_tokens
         self.floor = 0 if not min_tokens else None  # the first min_tokens tokens' text: stop strings end past it
         # ids decoded before the generated ones, never handed out (Tokenizer.left_context: a SentencePiece decoder
@@ -35,6 +37,12 @@ class TextStream:
         self.sent = 0  # text[:sent] has been handed out
         self.stopped = False
         self.stopped_by: str | None = None  # the stop string the text ended before
+
+    @classmethod
+    def of(cls, tokenizer: Any, params: Any) -> TextStream:
+        """The text stream of a request sampled by ``params`` (a SamplingParams)."""
+        return cls(tokenizer, params.stop, params.min_tokens, params.skip_special_tokens,
+                   params.include_stop_str_in_output)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
@@ -73,7 +81,7 @@ class TextStream:
             if hits:
                 self.stopped = True
                 first, self.stopped_by = min(hits)
-                cut = max(first, self.sent)
+                cut = max(first + (len(self.stopped_by) if self.include_stop else 0), self.sent)
                 out, self.sent = self.text[self.sent:cut], cut
                 return out
         safe = len(self.text) if final else len(self.text) - self._held()

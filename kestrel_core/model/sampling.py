@@ -53,6 +53,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100]), OpenAI's
     grammar: str | None = None  # llguidance grammar text the answer must match (kestrel_core.model.grammar)
     skip_special_tokens: bool = True  # vLLM's: special tokens' text is left out of the answer's text
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends with the stop string, not before it
 
     def check(self) -> SamplingParams:
         def bad(name: str, why: str) -> InvalidRequest:

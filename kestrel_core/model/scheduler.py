@@ -107,8 +107,7 @@ class Scheduler:
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         tokenizer = self.engine.tokenizer
-        text = None if isinstance(tokenizer, NoTokenizer) else TextStream(tokenizer, params.stop, params.min_tokens,
-                                                                          params.skip_special_tokens)
+        text = None if isinstance(tokenizer, NoTokenizer) else TextStream.of(tokenizer, params)
         if constraint is None and params.grammar is not None:
             constraint = self.engine.constraint(params.grammar)
         request = Request(request_id, prompt_ids, params, Sampler(params, constraint, prompt_ids, self.eos), text)

@@ -142,6 +142,16 @@ class Served:
         except KestrelError as exc:
             raise from_kestrel_error(exc) from None
 
+    def guided(self, body: CompletionRequest, prompts: list[generation.Prompt]) -> str | None:
+        """A completions request's grammar (vLLM's structured outputs), built once its prompts are known to fit."""
+        try:
+            for prompt in prompts:
+                if prompt.params is not None:
+                    self.async_engine.check(prompt.ids, prompt.params)
+            return body.guided()
+        except KestrelError as exc:
+            raise from_kestrel_error(exc) from None
+
     async def chat(self, body: ChatCompletionRequest, request: Request, truncate: bool = False) -> Response:
         """``/v1/chat/completions``' answer (whole, or the stream's response); ``truncate``: ``chat_prompt``'s."""
         def prepare() -> tuple[str, list[int], ToolCalls | None, Any]:
@@ -177,6 +187,9 @@ class Served:
             if params is not None and stops:  # a fill-in-the-middle answer ends at its format's stop tokens too
                 params = replace(params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + stops)))
             prompts.append(generation.Prompt(ids, params, body.logprobs is not None))
+        grammar = await asyncio.to_thread(self.guided, body, prompts) if body.sets_guided else None
+        if grammar is not None:
+            prompts = [replace(p, params=replace(p.params, grammar=grammar)) if p.params else p for p in prompts]
         if body.logprobs is not None:
             await asyncio.to_thread(self.tokens.ready)
         echoes: list[Echo | None] = []

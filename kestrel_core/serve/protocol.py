@@ -5,7 +5,8 @@ fields are strict (``"0.5"`` is not a temperature), so a wrong type is a 400 nam
 repeated here: ``SamplingParams.check`` is the one place that knows them, and its ``InvalidRequest`` names the field
 too. A sampling field a request leaves unset takes the sampling the model recommends (``Engine.sampling_defaults``:
 its generation_config.json, as vLLM reads it), else OpenAI's default; ``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids``, ``min_tokens`` and ``skip_special_tokens`` are vLLM's extensions. Fields kestrel cannot honour
+``stop_token_ids``, ``min_tokens``, ``skip_special_tokens``, ``include_stop_str_in_output`` and the structured outputs
+(serve/guided.py) are vLLM's extensions. Fields kestrel cannot honour
 (image parts, a ``suffix`` for a model without fill-in-the-middle tokens...) are refused rather than silently
 ignored, since ignoring them would change what the client gets. Tools are shown to the model by its chat template
 and the calls it writes are read back out of its answers (serve/tools.py); a forced call and a JSON
@@ -46,6 +47,7 @@ from kestrel_core.model.fim import fim_format, fim_prompt_ids
 from kestrel_core.model.grammar import json_schema_grammar
 from kestrel_core.model.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from kestrel_core.serve.errors import APIError, param_path
+from kestrel_core.serve.guided import GUIDED_FIELDS, REFUSED_FIELDS, guided_grammar
 from kestrel_core.serve.tools import HARMONY, UNKNOWN, ToolCalls, call_grammar
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; kestrel's own SamplingParams default is greedy
@@ -234,6 +236,9 @@ class StreamOptions(RequestBody):
     continuous_usage_stats: StrictBool | None = None  # vLLM's extension: every chunk's running usage
 
 
+GUIDED_REQUEST_FIELDS = (*GUIDED_FIELDS, "structured_outputs", *REFUSED_FIELDS)
+
+
 class _Generation(RequestBody):
     """The fields both endpoints share."""
 
@@ -256,7 +261,41 @@ class _Generation(RequestBody):
     stop_token_ids: list[StrictInt] | None = None  # vLLM's extension: token ids that end the answer
     min_tokens: StrictInt | None = None  # vLLM's extension: no end of text, stop token or stop string before
     skip_special_tokens: StrictBool | None = None  # vLLM's extension: special tokens' text left out (default)
+    include_stop_str_in_output: StrictBool | None = None  # vLLM's extension: the stop string ends the text
+    # vLLM's structured outputs and the fields of vLLM's kestrel refuses (serve/guided.py)
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    use_beam_search: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
     user: StrictStr | None = None
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _top_k_off(cls, value: Any) -> Any:
+        return 0 if value == -1 and isinstance(value, int) else value  # vLLM's -1: off, as 0
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _seed_in_range(cls, value: Any) -> Any:
+        """vLLM takes any int64 seed: a negative one is taken modulo 2^63, the range kestrel's seeds span."""
+        if isinstance(value, int) and not isinstance(value, bool) and -2 ** 63 <= value < 0:
+            return value % 2 ** 63
+        return value
+
+    @property
+    def sets_guided(self) -> bool:
+        """Whether the request sets any of vLLM's structured-output fields (or those kestrel refuses)."""
+        return any(getattr(self, name) is not None for name in GUIDED_REQUEST_FIELDS)
+
+    def guided(self) -> str | None:
+        """The grammar of vLLM's structured-output fields (serve/guided.py), None where none is set."""
+        return guided_grammar({name: getattr(self, name) for name in GUIDED_REQUEST_FIELDS})
 
     @property
     def include_usage(self) -> bool:
@@ -304,6 +343,7 @@ class _Generation(RequestBody):
             ignore_eos=bool(self.ignore_eos),
             logit_bias=self._logit_bias(),
             skip_special_tokens=self.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
         )
         return params.check()
 
@@ -378,6 +418,12 @@ class ChatCompletionRequest(_Generation):
         is "required" or names a function (``tools``: ``tool_calls``' answer; ``tool_calls_id``: the id of
         Mistral's control token), else the JSON ``response_format`` asks for; None for free text."""
         kind = (self.response_format or {}).get("type", "text")
+        guided = self.guided()
+        if guided is not None:
+            if kind != "text" or self.tool_choice not in (None, "auto", "none"):
+                raise InvalidRequest("vLLM's structured outputs and a response_format or a forced tool call cannot "
+                                     "both shape the answer", param="response_format")
+            return guided
         if self.tool_choice not in (None, "auto", "none"):
             if tools is None or not self.tools:
                 raise InvalidRequest("tool_choice forces a call, but the request offers no tools", param="tool_choice")

@@ -501,7 +501,7 @@ def test_client_disconnect_while_waiting_for_a_whole_answer(server: KestrelServe
     ({"max_completion_tokens": -3}, "max_completion_tokens"),
     ({"stop": 5}, "stop"),
     ({"stop": ["a"] * 65}, "stop"),
-    ({"seed": -1}, "seed"),
+    ({"seed": -2 ** 63 - 1}, "seed"),  # past int64, which vLLM takes
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
