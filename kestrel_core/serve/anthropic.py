@@ -10,9 +10,9 @@ and ``top_k``, which the current SDKs no longer send, are read where a client se
 back as Anthropic's content blocks (``thinking``, ``text``, ``tool_use``), whole or as Anthropic's event stream
 (``message_start``, a ``content_block_start`` / ``_delta`` / ``_stop`` run a block, ``message_delta`` with the
 stop reason and the output tokens, ``message_stop``). Stop reasons: ``end_turn``, ``max_tokens``, ``tool_use``,
-and ``stop_sequence`` with the sequence that ended the answer. Thinking blocks carry an empty signature: nothing
-here signs them. Errors are Anthropic's ``{"type": "error", "error": {"type", "message"}}``; the model is one
-the server serves, by its name.
+``stop_sequence`` with the sequence that ended the answer, and ``model_context_window_exceeded``. Thinking
+blocks carry an empty signature: nothing here signs them. Errors are Anthropic's ``{"type": "error", "error":
+{"type", "message"}}``; the model is one the server serves, by its name.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from kestrel_core.serve.errors import APIError, named_as, validated
@@ -33,11 +33,12 @@ from kestrel_core.serve.protocol import ChatCompletionRequest, RequestBody
 from kestrel_core.serve.tools import arguments_object
 
 if TYPE_CHECKING:
-    from kestrel_core.serve.app import Models
+    from kestrel_core.serve.app import Models, Served
 
 # the chat request's fields an Anthropic request sets, by the names it sends them under (its errors name those)
 ANTHROPIC_NAMES = {"stop": "stop_sequences", "response_format": "output_config.format",
-                   "chat_template_kwargs": "thinking"}
+                   "chat_template_kwargs": "thinking", "tools.*.function.parameters": "tools.*.input_schema",
+                   "tools.*.function": "tools.*"}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -123,6 +124,14 @@ class MessagesBody(RequestBody):
         if choice is not None and choice.type == "tool" and not choice.name:
             raise APIError(400, "tool_choice.name is required for a tool_choice of type tool", param="tool_choice")
         last = messages[-1] if messages else {}
+        if last.get("role") == "assistant" and "tool_calls" not in last and "reasoning_content" not in last:
+            text = "".join(_texts(last.get("content") or ""))
+            if not text:  # Anthropic's optional empty final assistant message: no prefill
+                messages.pop()
+                last = messages[-1] if messages else {}
+            elif not text.strip():
+                raise APIError(400, "final assistant content cannot end with trailing whitespace",
+                               param=f"messages.[{turns[-1][0]}].content")
         out: dict[str, Any] = {
             # a last assistant turn of text is a prefill: the answer continues it
             "continue_final_message": last.get("role") == "assistant" and "tool_calls" not in last
@@ -217,12 +226,16 @@ def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
     return blocks
 
 
-def _stop(choice: dict[str, Any]) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of an OpenAI choice that finished (vLLM's ``stop_reason``: the string)."""
+def _stop(choice: dict[str, Any], max_tokens: int, output_tokens: int) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of an OpenAI choice that finished (vLLM's ``stop_reason``: the string); a
+    length stop short of ``max_tokens`` is the context's end, which asking again would not get past."""
     by = choice.get("stop_reason")
     if isinstance(by, str):
         return "stop_sequence", by
-    return STOP_REASONS.get(choice.get("finish_reason") or "stop", "end_turn"), None
+    reason = STOP_REASONS.get(choice.get("finish_reason") or "stop", "end_turn")
+    if reason == "max_tokens" and output_tokens < max_tokens:
+        return "model_context_window_exceeded", None
+    return reason, None
 
 
 def _envelope(message_id: str, model: str, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
@@ -262,7 +275,8 @@ class _Blocks:
         return [*events, _event("content_block_stop", {"index": self.index})]
 
 
-async def _events(message_id: str, model: str, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+async def _events(message_id: str, model: str, max_tokens: int,
+                  chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     """An OpenAI chat stream's chunks as Anthropic's event stream."""
     blocks = _Blocks()
     started = False
@@ -283,7 +297,7 @@ async def _events(message_id: str, model: str, chunks: AsyncIterator[dict[str, A
         if not chunk.get("choices"):  # the final usage: the message is complete
             for e in blocks.close():
                 yield e
-            reason, sequence = _stop(finish)
+            reason, sequence = _stop(finish, max_tokens, output)
             delta = {"stop_reason": reason, "stop_sequence": sequence}
             yield _event("message_delta", {"delta": delta, "usage": {"output_tokens": output}})
             yield _event("message_stop", {})
@@ -307,6 +321,26 @@ async def _events(message_id: str, model: str, chunks: AsyncIterator[dict[str, A
             yield blocks.delta({"type": "input_json_delta", "partial_json": fn.get("arguments") or "{}"})
 
 
+async def _prompt_only(served: Served, body: MessagesBody, request: Request, message_id: str) -> Response:
+    """The answer to ``max_tokens`` 0, Anthropic's way to warm the prompt cache: the prompt is read (one token is
+    generated, so its blocks stay in the prefix cache for the next request), and the message is empty."""
+    openai = {**body.openai(False), "max_tokens": 1}
+    with named_as(ANTHROPIC_NAMES):
+        response = await served.chat(validated(ChatCompletionRequest, openai), request)
+    if response.status_code != 200:
+        return response
+    usage = json.loads(bytes(response.body)).get("usage") or {}
+    message = _envelope(message_id, body.model, [], ("max_tokens", None),
+                        {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": 0})
+    if not body.stream:
+        return JSONResponse(message)
+    events = [_event("message_start", {"message": {**message, "stop_reason": None}}),
+              _event("message_delta", {"delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+                                       "usage": {"output_tokens": 0}}),
+              _event("message_stop", {})]
+    return Response(b"".join(events), media_type="text/event-stream")
+
+
 def install(app: FastAPI, models: Models) -> None:
     """Anthropic's routes on ``app``, answered by the named model's chat handler."""
 
@@ -319,13 +353,17 @@ def install(app: FastAPI, models: Models) -> None:
 
         def whole(answer: dict[str, Any]) -> dict[str, Any]:
             choice, usage = answer["choices"][0], answer.get("usage") or {}
-            return _envelope(message_id, body.model, _blocks(choice["message"]), _stop(choice),
+            stop = _stop(choice, max_tokens, usage.get("completion_tokens", 0))
+            return _envelope(message_id, body.model, _blocks(choice["message"]), stop,
                              {"input_tokens": usage.get("prompt_tokens", 0),
                               "output_tokens": usage.get("completion_tokens", 0)})
 
+        max_tokens = body.max_tokens
+        if max_tokens == 0:  # Anthropic's way to warm the prompt cache: the prompt is read, nothing generated
+            return await _prompt_only(served, body, request, message_id)
         with named_as(ANTHROPIC_NAMES):
             response = await served.chat(validated(ChatCompletionRequest, body.openai(body.stream)), request)
-        return retold(response, whole, lambda chunks: _events(message_id, body.model, chunks))
+        return retold(response, whole, lambda chunks: _events(message_id, body.model, max_tokens, chunks))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: MessagesBody) -> dict[str, int]:

@@ -23,8 +23,8 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inva
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
 
 
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
 class APIError(Exception):
@@ -45,13 +45,19 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
     def renamed(self, names: Mapping[str, str]) -> APIError:
-        """This error naming its field as ``names`` maps the first part of ``param`` (and of the message)."""
-        head = (self.param or "").split(".")[0]
-        if head not in names:
-            return self
-        message = names[head] + self.message[len(head):] if self.message.startswith(head) else self.message
-        return APIError(self.status, message, param=names[head] + self.param[len(head):], code=self.code,
-                        type=self.type, headers=self.headers)
+        """This error naming its field as ``names`` maps the start of ``param`` (and of the message): the longest
+        key whose dotted parts begin it (a ``*`` part matches any one, and the part at its place in the new name is
+        kept)."""
+        parts = (self.param or "").split(".")
+        for key in sorted(names, key=lambda k: -k.count(".")):
+            pattern = key.split(".")
+            if len(pattern) <= len(parts) and all(p in ("*", q) for p, q in zip(pattern, parts)):
+                head = ".".join(parts[:len(pattern)])
+                new_head = ".".join(q if p == "*" else p for p, q in zip(names[key].split("."), parts))
+                message = new_head + self.message[len(head):] if self.message.startswith(head) else self.message
+                return APIError(self.status, message, param=new_head + (self.param or "")[len(head):],
+                                code=self.code, type=self.type, headers=self.headers)
+        return self
 
     def response(self, path: str = "") -> JSONResponse:
         """The answer, in the shape the clients of the API ``path`` belongs to read: Ollama's

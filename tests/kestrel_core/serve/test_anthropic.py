@@ -205,3 +205,48 @@ def test_text_parts_reach_a_template_that_loops_over_them_on_every_api(engine: A
             assert front.prompts == ["<user>a|b|", "<user>a|b|<assistant>c<user>d", "<user>a|b|"]
     finally:
         engine.tokenizer.chat_template = template
+
+
+def test_a_stop_at_the_contexts_end_is_not_a_max_tokens_stop(an: anthropic.Anthropic, engine: Any) -> None:
+    """Asking again would not get past it: model_context_window_exceeded, whole and streamed."""
+    kwargs: dict[str, Any] = {"model": NAME, "max_tokens": 5000, "messages": HI,
+                              "extra_body": {"temperature": 0, "ignore_eos": True}}
+    whole = an.messages.create(**kwargs)
+    assert whole.usage.input_tokens + whole.usage.output_tokens == engine.config.max_position
+    assert whole.stop_reason == "model_context_window_exceeded"
+    with an.messages.stream(**kwargs) as stream:
+        assert stream.get_final_message().stop_reason == "model_context_window_exceeded"
+    assert an.messages.create(**{**kwargs, "max_tokens": 3}).stop_reason == "max_tokens"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_0_reads_the_prompt_and_answers_nothing(an: anthropic.Anthropic, stream: bool) -> None:
+    counted = an.messages.count_tokens(model=NAME, messages=HI).input_tokens
+    if stream:
+        with an.messages.stream(model=NAME, max_tokens=0, messages=HI) as s:
+            message = s.get_final_message()
+    else:
+        message = an.messages.create(model=NAME, max_tokens=0, messages=HI)
+    assert (message.content, message.stop_reason) == ([], "max_tokens")
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (counted, 0)
+
+
+def test_an_empty_final_assistant_message_is_no_turn(an: anthropic.Anthropic) -> None:
+    """Anthropic's optional empty final assistant message: the prompt is the one without it."""
+    alone = an.messages.count_tokens(model=NAME, messages=HI).input_tokens
+    for empty in ("", [{"type": "text", "text": ""}]):
+        messages = [*HI, {"role": "assistant", "content": empty}]
+        assert an.messages.count_tokens(model=NAME, messages=messages).input_tokens == alone
+    with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
+        an.messages.create(model=NAME, max_tokens=2, messages=[*HI, {"role": "assistant", "content": "  "}])
+
+
+def test_errors_have_anthropics_types_and_field_names(an: anthropic.Anthropic, server: KestrelServer) -> None:
+    with pytest.raises(anthropic.BadRequestError, match=r"tools\.\[0\]\.input_schema"):
+        an.messages.create(model=NAME, max_tokens=2, messages=HI, tool_choice={"type": "any"},
+                           tools=[{"name": "f", "input_schema": {"type": "object", "properties": 5}}])
+    foreign = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0,
+                                  default_headers={"Origin": "https://elsewhere.example"})
+    with pytest.raises(anthropic.PermissionDeniedError) as caught:
+        foreign.messages.create(model=NAME, max_tokens=2, messages=HI)
+    assert caught.value.body["error"]["type"] == "permission_error"
