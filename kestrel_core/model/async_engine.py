@@ -224,6 +224,7 @@ class AsyncEngine:
         running generation or another job holds blocks, which come back."""
         try:
             job.step()
+            self.counters.steps += 1  # a batched step of the model, as a generation step is
         except Overloaded:
             with self._lock:
                 others = [other for other in self._embed_jobs if other is not job]
@@ -264,9 +265,10 @@ class AsyncEngine:
     def _run(self) -> None:
         sched = self.scheduler
         sched.on_start = self._admit  # requests that arrive while a step runs join the next one
+        stalled = False  # the last step could start nothing: only what comes in (a call, an abort) frees blocks
         while True:
             with self._lock:
-                while not self._inbox and not sched.has_work and not self._stopping:
+                while not self._inbox and (stalled or not sched.has_work) and not self._stopping:
                     self._wake.wait()
                 inbox, self._inbox = self._inbox, []
                 stopping = self._stopping
@@ -287,7 +289,7 @@ class AsyncEngine:
                         self._exited = True
                         return
                 continue
-            self._deliver_step(sched.step)
+            stalled = self._deliver_step(sched.step)
 
     def _admit(self) -> None:
         """Before a step is scheduled: the requests and aborts that arrived meanwhile (calls wait)."""
@@ -311,8 +313,10 @@ class AsyncEngine:
             sched.abort(payload)
             self._drop(payload)
 
-    def _deliver_step(self, step: Callable[[], list[RequestOutput]]) -> None:
-        """Run ``step`` (the scheduler's step or drain) and hand its outputs over."""
+    def _deliver_step(self, step: Callable[[], list[RequestOutput]]) -> bool:
+        """Run ``step`` (the scheduler's step or drain) and hand its outputs over; whether it was idle: no
+        output, nothing running (the waiting requests' blocks are held outside the scheduler), not counted."""
+        sched = self.scheduler
         try:
             outputs = step()
         except Exception as exc:  # a failed step ends its requests; the loop serves the next ones
@@ -320,9 +324,12 @@ class AsyncEngine:
             log.error("kestrel: a batched step failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
             for request_id in self._orphans():
                 self._deliver_error(request_id, KestrelError(f"the step failed: {exc}"))
-            return
+            return False
+        if not outputs and not sched.running and not sched.step_running:
+            return True
         self.counters.steps += 1
         self._deliver(outputs)
+        return False
 
     def _orphans(self) -> list[str]:
         """Clients whose request the scheduler no longer holds (ended by a failed step)."""

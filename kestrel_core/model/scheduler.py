@@ -104,7 +104,7 @@ class Scheduler:
             raise Overloaded(f"the server is at capacity ({len(self.running)} running, {len(self.waiting)} "
                              "waiting); retry later")
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.requests:
+        if request_id in self.requests or any(r.request_id == request_id for r in self._ended):  # its end unsaid
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         tokenizer = self.engine.tokenizer
         text = None if isinstance(tokenizer, NoTokenizer) else TextStream.of(tokenizer, params)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -244,3 +245,65 @@ def test_a_request_whose_sampling_fails_ends_alone(engine, monkeypatch) -> None:
     with pytest.raises(IndexError, match="index 5"):  # alone, through the Python API: raised as it is
         list(engine.generate(prompts[3], params=doomed))
     assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def _tight(tiny_config, blocks: int) -> kestrel_core.Engine:
+    from kestrel_core.model.kv_pool import BLOCK_SIZE, bytes_per_position
+
+    model = synthetic_model(tiny_config("llama", max_position=128), "q8", seed=31)
+    mb = blocks * BLOCK_SIZE * bytes_per_position(model.config) / 2 ** 20
+    engine = kestrel_core.load(model, "cpu", kv_cache_mb=mb)
+    assert engine.pool.num_blocks == blocks
+    return engine
+
+
+def test_a_request_waiting_for_blocks_held_outside_the_steps_does_not_spin(tiny_config) -> None:
+    """An echo's scoring holds the blocks: the steps' thread waits for what comes in, counts no empty steps, and
+    the request runs once the blocks are back, as it runs alone."""
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    prompt = _prompts(1, seed=4)[0]
+    with _tight(tiny_config, 4) as engine:
+        alone = list(engine.generate(prompt, params=params))
+
+        async def main() -> tuple[int, int, list[int]]:
+            front = AsyncEngine(engine, max_batch=4)
+            front.start()
+            try:
+                scoring = engine.prompt_logprob_chunks(list(range(3, 3 + engine.pool.capacity - 8)))
+                await front.call(lambda: next(scoring))  # its blocks are held until it is closed
+                assert engine.pool.free_blocks < engine.pool.blocks_for(len(prompt) + 5)
+                task = asyncio.create_task(_collect(front, prompt, params))
+                await asyncio.sleep(0.1)
+                before, cpu = front.counters.steps, time.process_time()
+                await asyncio.sleep(0.5)
+                counted, spent = front.counters.steps - before, time.process_time() - cpu
+                await front.call(scoring.close)
+                return counted, spent, await task
+            finally:
+                await front.shutdown(grace_s=1)
+
+        counted, spent, tokens = asyncio.run(main())
+        assert counted == 0 and spent < 0.25 and tokens == alone
+        assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def test_an_id_is_taken_again_only_once_its_abort_is_said(engine) -> None:
+    """The scheduler reports an abort at its next step: until then the id is in use, so the new request with it
+    cannot get the old one's end."""
+    from kestrel_core.model.scheduler import Scheduler
+
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    sched = Scheduler(engine, max_batch=4)
+    sched.add([5, 6, 7], params, "x")
+    sched.step()
+    sched.abort("x")
+    with pytest.raises(InvalidRequest, match="already in use"):
+        sched.add([5, 6, 7], params, "x")
+    assert [(o.request_id, o.finish_reason) for o in sched.step()] == [("x", "abort")]
+    sched.add([5, 6, 7], params, "x")
+    tokens = []
+    while sched.has_work:
+        outs = sched.step()
+        tokens += [t for o in outs for t in o.new_token_ids]
+        assert all(o.finish_reason != "abort" for o in outs)
+    assert tokens == list(engine.generate([5, 6, 7], params=params))
