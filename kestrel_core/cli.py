@@ -6,7 +6,6 @@ User errors print one line on stderr and exit non-zero; ``-v`` shows the traceba
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import logging
 import os
@@ -15,41 +14,15 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from rich.console import Console
 from rich.logging import RichHandler
-from rich.measure import Measurement
-from rich.segment import Segments
 from rich.table import Table
 from rich.text import Text
 
 import kestrel_core
+from kestrel_core.console import err, out
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import KV_TYPES, POOLINGS
 from kestrel_core.model.reasoning import THINK_LEVELS
-
-
-class _Console(Console):
-    """rich's Console, whose reader leaving is Python's BrokenPipeError, which ``_main`` ends as SIGPIPE would end
-    the process (rich's own ``on_broken_pipe`` exits 1, and covers stdout with /dev/null whichever stream broke)."""
-
-    def on_broken_pipe(self) -> None:
-        self.quiet = True  # nothing more is written where no one reads
-        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
-
-
-# every command's consoles (model/commands.py prints through these too). No markup: what they print holds backends'
-# and models' own text, whose brackets are not Rich's; styles go as Text
-out = _Console(highlight=False, markup=False, width=None if sys.stdout is not None and sys.stdout.isatty() else 160)
-err = _Console(stderr=True, highlight=False, markup=False)
-UNBOUNDED_WIDTH = 1 << 16
-
-
-def print_uncut(table: Table) -> None:
-    """``table`` on stdout at its own width where the console is narrower: the terminal wraps its lines, and no
-    cell is cut short (a model's name is what ``-m`` takes)."""
-    width = max(out.width, Measurement.get(out, out.options.update_width(UNBOUNDED_WIDTH), table).maximum)
-    out.print(Segments(out.render(table, out.options.update_width(width))), crop=False)
-
 
 # -- backends / selftest ------------------------------------------------------------------------------
 

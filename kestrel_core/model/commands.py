@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from rich.table import Table
 
-from kestrel_core.cli import err, out, print_uncut
+from kestrel_core.console import err, out, print_uncut
 from kestrel_core.entry import interrupt_handled
 from kestrel_core.errors import InvalidRequest, KestrelError
 from kestrel_core.model.engine import Engine
