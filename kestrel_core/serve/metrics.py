@@ -42,6 +42,8 @@ class _EngineCollector(Collector):
                          "Draft tokens greedy steps guessed (--speculate).")
         accepted = family(CounterMetricFamily, "kestrel_spec_decode_accepted_tokens",
                           "Draft tokens the model confirmed.")
+        preempted = family(CounterMetricFamily, "kestrel_num_preemptions",
+                           "Running sequences put back in the queue for want of KV blocks (recomputed later).")
         hits = family(CounterMetricFamily, "kestrel_prefix_cache_hit_tokens",
                       "Prompt positions attached from the prefix cache instead of computed.")
         cached = family(GaugeMetricFamily, "kestrel_prefix_cache_blocks", "KV blocks the prefix cache holds.")
@@ -60,6 +62,7 @@ class _EngineCollector(Collector):
                 finished.add_metric([model, reason], n)
             drafted.add_metric([model], ae.scheduler.drafted)
             accepted.add_metric([model], ae.scheduler.accepted)
+            preempted.add_metric([model], ae.scheduler.preemptions)
             pool = getattr(ae.engine, "pool", None)
             if pool is not None:
                 hits.add_metric([model], pool.prefix_hit_tokens)
@@ -73,8 +76,8 @@ class _EngineCollector(Collector):
                         declined.add_metric([model, hook, str(reason)], n)
                 elif s.get("declined"):
                     declined.add_metric([model, hook, "unknown"], s["declined"])
-        yield from (waiting, running, steps, failed, finished, drafted, accepted, hits, cached, offered, taken,
-                    declined)
+        yield from (waiting, running, steps, failed, finished, drafted, accepted, preempted, hits, cached, offered,
+                    taken, declined)
 
 
 def _offload_stats(engine: Any) -> dict[str, dict[str, Any]]:

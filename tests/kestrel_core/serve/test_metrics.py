@@ -22,7 +22,7 @@ class _Offload:
 def _fake_async_engine() -> Any:
     return SimpleNamespace(num_waiting=3, num_running=2, counters=EngineCounters(steps=7, finished={"stop": 2}),
                            engine=SimpleNamespace(offload=_Offload()),
-                           scheduler=SimpleNamespace(drafted=40, accepted=25))
+                           scheduler=SimpleNamespace(drafted=40, accepted=25, preemptions=4))
 
 
 M = (("model", "m"),)  # the engine metrics' label: the model's name
@@ -42,6 +42,7 @@ def test_engine_state_and_offload_counters_are_read_at_scrape_time() -> None:
     assert s[("kestrel_engine_finished_requests_total", (("model", "m"), ("reason", "stop")))] == 2
     assert s[("kestrel_spec_decode_draft_tokens_total", M)] == 40
     assert s[("kestrel_spec_decode_accepted_tokens_total", M)] == 25
+    assert s[("kestrel_num_preemptions_total", M)] == 4
     assert not any(name.startswith("kestrel_offload") for name, _ in s)  # nothing offered yet
     ae.num_running = 0
     ae.engine.offload.counts["kestrel_gemm_q8"] = {"offered": 5, "accepted": 3, "declined": 2,
