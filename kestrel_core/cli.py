@@ -234,7 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--suffix", default=None,
                    help="fill in the middle: the prompt is the code before, this the code after (code models)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object: text, tokens, finish_reason (stop, or length: --max-tokens or the "
+                        "context's end), prompt_tokens, seed, stats")
     p.add_argument("--stats", action="store_true", help="also print the per-hook offload counters")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", default=None, metavar="SCHEMA",

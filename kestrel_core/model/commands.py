@@ -181,8 +181,9 @@ def _option_grammar(args: argparse.Namespace) -> str | None:
 
 def _stream(engine: Engine, ids: list[int], args: argparse.Namespace, out: TextIO | None,
             grammar: str | None = None, stop_token_ids: tuple[int, ...] = (),
-            reader: HarmonyStream | ReasoningStream | None = None) -> tuple[str, list[int], str | None]:
-    """Generate, writing text to ``out`` as it arrives; returns (text, token ids, reasoning). ``reader`` (from
+            reader: HarmonyStream | ReasoningStream | None = None) -> tuple[str, list[int], str | None, str | None]:
+    """Generate, writing text to ``out`` as it arrives; returns (text, token ids, reasoning, finish reason: "stop"
+    or "length"). ``reader`` (from
     ``_prompt``) splits the answer's reasoning (gpt-oss's analysis channel, or a ``<think>`` block) from its text:
     the reasoning is shown dimmed on stderr as it comes where ``out`` is given."""
     channels = None if grammar is not None else reader  # a constrained answer is what it is constrained to
@@ -204,8 +205,10 @@ def _stream(engine: Engine, ids: list[int], args: argparse.Namespace, out: TextI
             out.write(text)
             out.flush()
 
+    finish = None
     for step in engine.stream(ids, params):
         tokens.extend(step.new_token_ids)
+        finish = step.finish_reason or finish
         if step.new_text:
             show(*(channels.feed(step.new_text) if channels is not None else ("", step.new_text)))
     if channels is not None:
@@ -213,7 +216,14 @@ def _stream(engine: Engine, ids: list[int], args: argparse.Namespace, out: TextI
         show(thought, text)
         if out is not None and "".join(thoughts):
             err.print()
-    return "".join(pieces), tokens, "".join(thoughts) or None
+    return "".join(pieces), tokens, "".join(thoughts) or None, finish
+
+
+def _say_if_the_context_ended(engine: Engine, finish: str | None, tokens: list[int], args: argparse.Namespace) -> None:
+    """A note on stderr where the answer stopped at the end of the model's context, short of ``--max-tokens``."""
+    if finish == "length" and len(tokens) < args.max_tokens:
+        err.print(f"(the answer reached the end of the model's context of {engine.config.max_position} tokens)",
+                  style="dim")
 
 
 def _jsonable(value: Any) -> Any:
@@ -275,15 +285,17 @@ def run(args: argparse.Namespace) -> int:
         _check_context(engine, ids)
         if args.seed is None:  # drawn here rather than by the sampler, so --json can report it
             args.seed = secrets.randbits(63)
-        text, tokens, reasoning = _stream(engine, ids, args, None if args.json else sys.stdout, grammar, stops,
-                                          reader)
+        text, tokens, reasoning, finish = _stream(engine, ids, args, None if args.json else sys.stdout, grammar,
+                                                  stops, reader)
         stats = engine.stats
         if args.json:
             answer = {"text": text, **({"reasoning": reasoning} if reader is not None and grammar is None else {})}
-            print(dumps({**answer, "tokens": tokens, "prompt_tokens": len(ids), "seed": args.seed, "stats": stats}))
+            print(dumps({**answer, "tokens": tokens, "finish_reason": finish, "prompt_tokens": len(ids),
+                         "seed": args.seed, "stats": stats}))
         else:
             sys.stdout.write("\n")
             sys.stdout.flush()
+        _say_if_the_context_ended(engine, finish, tokens, args)
         err.print(stats_line(stats), soft_wrap=True)
         if args.stats:
             err.print(_offload_table(stats))
@@ -321,7 +333,7 @@ def chat(args: argparse.Namespace) -> int:
                           f"{engine.config.max_position} (/reset to start over)")
                 continue
             try:
-                reply, _, _ = _stream(engine, ids, args, sys.stdout, reader=reader)
+                reply, tokens, _, finish = _stream(engine, ids, args, sys.stdout, reader=reader)
             except KeyboardInterrupt:  # the answer stops, the session goes on without that turn
                 if not interactive:
                     raise
@@ -332,6 +344,7 @@ def chat(args: argparse.Namespace) -> int:
                 continue
             sys.stdout.write("\n")
             sys.stdout.flush()
+            _say_if_the_context_ended(engine, finish, tokens, args)
             messages.append({"role": "assistant", "content": reply.strip()})
     return 0
 

@@ -54,6 +54,19 @@ def test_run_json_reports_text_tokens_and_stats(capsys) -> None:
     assert "(5 tok after the first)" in lines[-1]
 
 
+@pytest.mark.parametrize(("max_tokens", "finish", "noted"), [(6, "length", False), (200, "length", True)])
+def test_run_says_when_the_context_ended_the_answer(capsys, max_tokens: int, finish: str, noted: bool) -> None:
+    """The context's end, not --max-tokens, stopped it: a note on stderr, and --json's finish_reason."""
+    argv = ["run", "hello", "--preset", "tiny", "--no-chat", "-n", str(max_tokens), "--backend", "cpu",
+            "--temperature", "0"]
+    code, out, err = _run(capsys, *argv, "--json")
+    result = json.loads(out)
+    assert code == 0 and result["finish_reason"] == finish
+    assert len(result["tokens"]) == (96 - 5 if noted else max_tokens)
+    code, out, err = _run(capsys, *argv)
+    assert code == 0 and ("end of the model's context of 96 tokens" in err) == noted
+
+
 def test_run_streams_text_with_the_chat_template(capsys, monkeypatch) -> None:
     monkeypatch.setattr("sys.stdin", io.StringIO("piped prompt"))  # no argument: the prompt comes from stdin
     code, out, err = _run(capsys, "run", "--preset", "tiny", "-n", "5", "--stats")
