@@ -314,8 +314,8 @@ class AsyncEngine:
             self._drop(payload)
 
     def _deliver_step(self, step: Callable[[], list[RequestOutput]]) -> bool:
-        """Run ``step`` (the scheduler's step or drain) and hand its outputs over; whether it was idle: no
-        output, nothing running (the waiting requests' blocks are held outside the scheduler), not counted."""
+        """Run ``step`` (the scheduler's step or drain) and hand its outputs over; whether it was idle: no output,
+        only waiting requests that could not start (their blocks are held outside the scheduler), not counted."""
         sched = self.scheduler
         try:
             outputs = step()
@@ -325,7 +325,7 @@ class AsyncEngine:
             for request_id in self._orphans():
                 self._deliver_error(request_id, KestrelError(f"the step failed: {exc}"))
             return False
-        if not outputs and not sched.running and not sched.step_running:
+        if not outputs and sched.stalled:
             return True
         self.counters.steps += 1
         self._deliver(outputs)

@@ -125,8 +125,7 @@ class Scheduler:
             log.warning("kestrel: the last step failed: %s", exc)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now and free its sequence (nothing if it already finished); the next step reports its
-        end (finish_reason "abort", with the text it held back)."""
+        """Stop a request now and free its sequence; the next step reports its end ("abort", with its held text)."""
         request = self.requests.get(request_id)
         if request is not None and not request.finished:
             self._finish(request, "abort")
@@ -137,9 +136,13 @@ class Scheduler:
         return bool(self.waiting or self.running or self._ended or self._running_step or self._start_error)
 
     @property
+    def stalled(self) -> bool:
+        """Only waiting requests, none of which could start: a step does nothing until blocks come back."""
+        return bool(self.waiting) and not (self.running or self._ended or self._running_step or self._start_error)
+
+    @property
     def step_running(self) -> bool:
-        """Whether a step is still running on the device (``drain`` finishes it): a batched one, or the one a
-        lone request's pipelined greedy decode runs ahead."""
+        """Whether a step runs on the device (``drain`` ends it): a batched one, or a lone greedy decode's ahead."""
         return self._running_step is not None or any(r._device_tokens is not None for r in self.running)
 
     @property
@@ -383,13 +386,11 @@ class Scheduler:
         return request, tokens, int(n == request.pending)  # logits once the chunk reaches the last token
 
     def _decoding_greedily(self, request: Request) -> bool:
-        """Whether ``request``'s step may carry a draft (speculation on, where sequences rewind what the model
-        did not confirm): it decodes greedily, with nothing else to run first."""
+        """Whether ``request``'s step may carry a draft (where speculation is on): it decodes greedily, alone."""
         return request.argmax_only and request.pending == 1 and len(request.seq.tokens) >= len(request.prompt_ids)
 
     def _would_guess(self, request: Request) -> bool:
-        """Whether ``request``'s context offers a guess after its latest token (speculation on), with room for
-        one in its ``max_tokens`` and the context."""
+        """Whether ``request``'s context offers a guess after its latest token, with room in max_tokens and context."""
         if not (self.speculate > 0 and self.engine.rewinds and request.seq is not None
                 and self._decoding_greedily(request) and request.params.max_tokens - len(request.output_ids) > 1
                 and len(request.tokens) + 1 < self.engine.config.max_position):

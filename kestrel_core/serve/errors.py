@@ -53,7 +53,7 @@ class APIError(Exception):
             pattern = key.split(".")
             if len(pattern) <= len(parts) and all(p in ("*", q) for p, q in zip(pattern, parts)):
                 head = ".".join(parts[:len(pattern)])
-                new_head = ".".join(q if p == "*" else p for p, q in zip(names[key].split("."), parts))
+                new_head = ".".join(parts[i] if p == "*" else p for i, p in enumerate(names[key].split(".")))
                 message = new_head + self.message[len(head):] if self.message.startswith(head) else self.message
                 return APIError(self.status, message, param=new_head + (self.param or "")[len(head):],
                                 code=self.code, type=self.type, headers=self.headers)
