@@ -60,13 +60,8 @@ def guided_grammar(fields: Mapping[str, Any]) -> str | None:
     (name, (kind, value)), = given.items()
     if kind == "json_object":
         return json_schema_grammar({"type": "object"}, param=name)
-    if kind == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise InvalidRequest(f"{name} is not JSON: {exc}", param=name) from None
-        if not isinstance(value, dict):
+    if kind == "json":  # an object, or its text (json_schema_grammar reads either)
+        if not isinstance(value, (dict, str)):
             raise InvalidRequest(f"{name} must be a JSON Schema object", param=name)
         return json_schema_grammar(value, param=name)
     if kind == "regex":
