@@ -132,13 +132,17 @@ class Scheduler:
             self._ended.append(request)
 
     @property
+    def _busy(self) -> bool:  # anything but waiting requests: running ones, ends to report, a step or its error
+        return bool(self.running or self._ended or self._running_step or self._start_error)
+
+    @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._ended or self._running_step or self._start_error)
+        return bool(self.waiting) or self._busy
 
     @property
     def stalled(self) -> bool:
         """Only waiting requests, none of which could start: a step does nothing until blocks come back."""
-        return bool(self.waiting) and not (self.running or self._ended or self._running_step or self._start_error)
+        return bool(self.waiting) and not self._busy
 
     @property
     def step_running(self) -> bool:
@@ -399,9 +403,7 @@ class Scheduler:
 
     def _lookup(self, request: Request) -> PromptLookup:
         """``request``'s prompt lookup, up to date with its tokens."""
-        lookup = request.lookup
-        if lookup is None:
-            lookup = request.lookup = PromptLookup()
+        lookup = request.lookup = request.lookup if request.lookup is not None else PromptLookup()
         prompt = len(request.prompt_ids)
         if len(lookup.tokens) < prompt:
             lookup.extend(request.prompt_ids[len(lookup.tokens):])
@@ -453,8 +455,7 @@ class Scheduler:
             request.sampler.count(token)
             return token, None
         token = request.sampler(logits)
-        p = request.params
-        return token, logprobs_of(logits, token, p.top_logprobs) if p.logprobs else None
+        return token, logprobs_of(logits, token, request.params.top_logprobs) if request.params.logprobs else None
 
     def _accept(self, request: Request, sampled: tuple[int, TokenLogprob | None]) -> tuple[int, TokenLogprob | None]:
         """Append a new token and check the stop conditions that need no text (before the next step starts)."""
@@ -468,10 +469,8 @@ class Scheduler:
             self._finish(request, "stop")
         elif token in self.eos and not p.ignore_eos:
             self._finish(request, "stop")
-        elif len(request.output_ids) >= p.max_tokens:
-            self._finish(request, "length")
-        elif len(request.tokens) >= self.engine.config.max_position:
-            self._finish(request, "length")  # the context is full: prompt and answer hold max_position tokens
+        elif len(request.output_ids) >= p.max_tokens or len(request.tokens) >= self.engine.config.max_position:
+            self._finish(request, "length")  # or the context is full: prompt and answer hold max_position tokens
         return sampled
 
     def _ended_outputs(self) -> list[RequestOutput]:
