@@ -276,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
         stops: tuple[int, ...] = ()
         if args.suffix is not None:  # the prompt is the prefix of a fill-in-the-middle prompt
             try:
-                ids, stops = fim_prompt_ids(engine.tokenizer, text_in, args.suffix)
+                ids, stops = fim_prompt_ids(engine.tokenizer, text_in, args.suffix, engine.eos_token_ids)
             except InvalidRequest as exc:
                 raise KestrelError(f"--suffix: {exc}") from None
             reader = None

@@ -143,6 +143,23 @@ class Tokenizer:
             _raise_panic(exc, "encode the text")
             raise
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` read as plain text: a special token's text in it is split as any text (the
+        user's code in a fill-in-the-middle prompt), and nothing is added."""
+        try:
+            return list(self._literal.encode_batch([text], add_special_tokens=False)[0].ids)
+        except BaseException as exc:
+            _raise_panic(exc, "encode the text")
+            raise
+
+    @functools.cached_property
+    def _literal(self) -> _Backend:
+        """A copy of the backend that encodes special tokens' text as text (the backend's own setting is shared
+        by every thread that encodes)."""
+        backend = _Backend.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         try:  # a plain try, not a context manager: decode runs twice a generated token
             return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

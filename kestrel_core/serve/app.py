@@ -178,13 +178,16 @@ class Served:
         self.check_request()
         try:
             texts = body.prompts()
-            token_ids, stops = await asyncio.to_thread(body.prompt_ids, self.engine.tokenizer)
+            token_ids, stops = await asyncio.to_thread(body.prompt_ids, self.engine.tokenizer,
+                                                       self.engine.eos_token_ids)
         except KestrelError as exc:
             raise from_kestrel_error(exc, param="prompt") from None
         prompts = []
         for ids in token_ids:
             params = _params(body, self.context_left(len(ids)), self)
-            if params is not None and stops:  # a fill-in-the-middle answer ends at its format's stop tokens too
+            if params is not None and stops and not params.ignore_eos:
+                # a fill-in-the-middle answer ends at its format's stop tokens too: ends of text, as llama.cpp's
+                # ignore_eos takes them
                 params = replace(params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + stops)))
             prompts.append(generation.Prompt(ids, params, body.logprobs is not None))
         grammar = await asyncio.to_thread(self.guided, body, prompts) if body.sets_guided else None

@@ -24,7 +24,7 @@ The responses' shapes are serve/responses.py's.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Literal
 
 from pydantic import (
@@ -509,8 +509,9 @@ class CompletionRequest(_Generation):
             raise InvalidRequest(f"at most {MAX_PROMPTS} prompts a request, got {len(p)}", param="prompt")
         return list(p)  # type: ignore[arg-type]
 
-    def prompt_ids(self, tokenizer: Any) -> tuple[list[list[int]], tuple[int, ...]]:
-        """Each prompt's token ids, and the stop token ids a fill-in-the-middle answer adds. With a ``suffix``,
+    def prompt_ids(self, tokenizer: Any, ending: Collection[int] = ()) -> tuple[list[list[int]], tuple[int, ...]]:
+        """Each prompt's token ids, and the stop token ids a fill-in-the-middle answer adds (``ending``: the ids
+        that end an answer already, left out: ``fim_prompt_ids``). With a ``suffix``,
         each text prompt is the prefix of a fill-in-the-middle prompt (kestrel_core.model.fim); an empty suffix
         where a non-empty one is refused (a model without that format, token-id prompts, ``echo``) is a plain
         completion (nothing comes after the prompt)."""
@@ -520,7 +521,7 @@ class CompletionRequest(_Generation):
             return [list(tokenizer.encode(p)) if isinstance(p, str) else p for p in prompts], ()
         if not texts:
             raise InvalidRequest("a suffix needs text prompts, not token ids", param="suffix")
-        built = [fim_prompt_ids(tokenizer, p, self.suffix) for p in prompts]  # type: ignore[arg-type]
+        built = [fim_prompt_ids(tokenizer, p, self.suffix, ending) for p in prompts]  # type: ignore[arg-type]
         return [ids for ids, _ in built], built[0][1]
 
     def sampling_params(self, default_max_tokens: int,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from tokenizers import AddedToken
+from tokenizers.processors import TemplateProcessing
 
 import kestrel_core
 from kestrel_core.cli import main
@@ -67,6 +68,31 @@ def test_the_prompt_is_the_tokens_of_each_part_joined() -> None:
     with pytest.raises(InvalidRequest, match="no fill-in-the-middle tokens") as info:
         fim_prompt_ids(Tokenizer.from_hf_dir(TINY), prefix, suffix)
     assert info.value.param == "suffix"
+
+
+def test_special_token_text_in_the_code_stays_text() -> None:
+    """A prefix that names the format's own tokens (a tokenizer's source) holds no control token: only the
+    three the format puts around the parts, and the parts decode back to the code."""
+    tok = fim_tokenizer(QWEN)
+    pre, suf, mid = (tok.backend.token_to_id(t) for t in FORMATS[0])
+    prefix = 'END = "<|endoftext|>"\nFIM = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")\n'
+    suffix = "\nPAD = '<|fim_pad|>'\n"
+    assert pre in tok.encode(prefix, False)  # what the whole-text encoding made of it
+    ids, _ = fim_prompt_ids(tok, prefix, suffix)
+    specials = {tok.backend.token_to_id(t) for t in QWEN} | {0}  # 0: the fixture's <|endoftext|>
+    assert [i for i in ids if i in specials] == [pre, suf, mid]
+    assert ids[0] == pre and ids[-1] == mid
+    assert tok.decode(ids[1:ids.index(suf)]) == prefix and tok.decode(ids[ids.index(suf) + 1:-1]) == suffix
+
+
+def test_the_tokenizers_bos_comes_first_and_the_models_end_is_no_added_stop() -> None:
+    tok = fim_tokenizer(QWEN)
+    tok.backend.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    pre = tok.backend.token_to_id(FORMATS[0][0])
+    ids, stops = fim_prompt_ids(tok, "a", "b")
+    assert ids[:2] == [0, pre] and ids.count(0) == 1 and 0 in stops
+    _, stops = fim_prompt_ids(tok, "a", "b", ending={0})
+    assert 0 not in stops and tok.backend.token_to_id("<|fim_pad|>") in stops
 
 
 def fim_engine() -> kestrel_core.Engine:

@@ -50,6 +50,20 @@ def test_the_answer_ends_at_the_formats_padding_token(client: openai.OpenAI, eng
     assert (plain.choices[0].finish_reason, plain.usage.completion_tokens) == ("length", 8)  # not a stop there
 
 
+@pytest.mark.parametrize("forced", ["eos", "<|fim_pad|>"])
+def test_ignore_eos_goes_past_the_ends_of_text(client: openai.OpenAI, engine: Any, forced: str) -> None:
+    """The model's end of text ends a middle as any answer (no stop token reported); with ignore_eos neither it
+    nor the format's ends stop the answer, as llama.cpp's ignore_eos takes every end-of-generation token."""
+    token = min(engine.eos_token_ids) if forced == "eos" else engine.tokenizer.backend.token_to_id(forced)
+    kwargs: dict[str, Any] = {"model": NAME, "prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 4, "temperature": 0,
+                              "logit_bias": {str(token): 100}}
+    ended = client.completions.create(**kwargs)
+    assert (ended.choices[0].finish_reason, ended.usage.completion_tokens) == ("stop", 1)
+    assert ended.choices[0].model_extra["stop_reason"] == (None if forced == "eos" else token)
+    past = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    assert (past.choices[0].finish_reason, past.usage.completion_tokens) == ("length", 4)
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"prompt": [1, 2, 3]}, "needs text prompts"),
     ({"prompt": PREFIX, "echo": True}, "suffix and echo"),
