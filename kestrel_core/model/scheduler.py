@@ -19,10 +19,11 @@ running step ends (EOS, a stop string, an abort) has a row in the next one alrea
 the request's sequence is freed once that step is in.
 
 With ``Engine.speculate`` set, where sequences rewind (``Engine.rewinds``), a greedy request's decode row is
-followed by up to that many tokens guessed from its context (kestrel_core.model.speculate); the step keeps each
-row's argmax while the guesses agree, and the sequence is rewound past the first that does not. A guess needs
-the tokens before it, so while a greedy request's context offers one, the batch's steps are not fed and its
-steps are not the backend's pipelined greedy decode; where none does they are.
+followed by up to that many tokens guessed from its context (kestrel_core.model.speculate), within the token budget
+every decode row and prompt chunk left; the step keeps each row's argmax while the guesses agree, and the sequence
+is rewound past the first that does not. A guess needs the tokens before it, so while a greedy request's context
+offers one, the batch's steps are not fed and its steps are not the backend's pipelined greedy decode; where none
+does they are.
 
 The scheduler is not thread-safe: one thread drives it (``AsyncEngine``, or ``Engine.generate``).
 """
@@ -34,6 +35,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from typing import Any
 
 import numpy as np
@@ -164,8 +166,7 @@ class Scheduler:
         if self._running_step is None and self._device_step_possible():
             return self._ended_outputs() + self._device_step(self.running[0])
         started, self._running_step = self._running_step, None
-        if started is None:
-            started = self._start()
+        started = started if started is not None else self._start()
         outputs = self._ended_outputs()
         if started is None:
             return outputs
@@ -286,9 +287,8 @@ class Scheduler:
         fed, self._running_step = self._running_step, None
         if fed is not None:
             try:
-                fed[1].result()
-            except Exception:
-                pass
+                with suppress(Exception):
+                    fed[1].result()
             finally:
                 self._release_held()
 
@@ -317,9 +317,6 @@ class Scheduler:
                     if ahead is not None:
                         return []
                     continue  # preempted, or finished for lack of room
-                if guessing and self._decoding_greedily(request):
-                    self._guess(request, budget - 1)
-                    n += len(request.draft)
                 work.append(self._chunk(request, n))
                 budget -= n
                 continue
@@ -358,6 +355,11 @@ class Scheduler:
                 continue
             work.append(self._chunk(request, n))
             budget -= n
+        for i, (request, _, _) in enumerate(work if guessing else ()):
+            if budget and self._decoding_greedily(request):  # its guesses: from what rows and prompts left
+                self._guess(request, budget)
+                work[i] = self._chunk(request, 1 + len(request.draft))
+                budget -= len(request.draft)
         return work
 
     def _to_state_end(self, request: Request, n: int) -> int:
@@ -374,10 +376,9 @@ class Scheduler:
         """Whether a running request with ``request``'s prompt (at least a block long) has not finished it: its
         blocks are shared once it has (prefix cache), so ``request`` waits rather than computes them too."""
         prompt = request.prompt_ids
-        if not self.engine.prefix_cache or request.preemptions or len(prompt) <= self.pool.block_size:
-            return False
-        return any(r.seq is not None and len(r.seq.tokens) < len(r.prompt_ids) and r.prompt_ids == prompt
-                   for r in self.running)
+        return bool(self.engine.prefix_cache and not request.preemptions and len(prompt) > self.pool.block_size
+                    and any(r.seq is not None and len(r.seq.tokens) < len(r.prompt_ids) and r.prompt_ids == prompt
+                            for r in self.running))
 
     def _chunk(self, request: Request, n: int) -> tuple[Request, list[int], int]:
         done, prompt = len(request.seq.tokens), len(request.prompt_ids)

@@ -101,6 +101,28 @@ def test_stops_and_limits_inside_a_draft_end_the_answer_where_they_would_have() 
         assert len(fast[0][0]) <= 40
 
 
+def test_guesses_take_only_the_budget_that_rows_and_prompts_left() -> None:
+    """A step's token budget goes to every running request's row and to prompts first: a request whose guesses
+    are always right does not hold back another's token nor a new request's prompt."""
+    with kestrel_core.load(str(FIXTURES / "tiny-qwen3"), backend="cpu") as engine:
+        looping, other, new = _prompts(engine, 3, seed=2)
+        engine.speculate = 4
+        scheduler = Scheduler(engine, max_batch=3, token_budget=4)
+        first = scheduler.add(looping, SamplingParams(max_tokens=200, ignore_eos=True))
+        second = scheduler.add(other, SamplingParams(max_tokens=200, ignore_eos=True))
+        while len(second.output_ids) < 10:
+            scheduler.step()
+        third = scheduler.add(new[:2], SamplingParams(max_tokens=200, ignore_eos=True))
+        for _ in range(20):
+            before = len(first.output_ids), len(second.output_ids), len(third.output_ids)
+            scheduler.step()
+            assert len(second.output_ids) > before[1] and len(third.output_ids) > before[2]
+            assert len(first.output_ids) > before[0]
+        assert scheduler.accepted > 0
+        engine.speculate = 0
+        scheduler.close()
+
+
 def test_logprobs_sampling_and_device_steps_are_not_speculated() -> None:
     with kestrel_core.load(str(FIXTURES / "tiny-qwen3"), backend="cpu") as engine:
         ids = _prompts(engine, 1)[0]
