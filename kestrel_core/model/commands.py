@@ -42,17 +42,22 @@ def _open_engine(args: argparse.Namespace) -> Engine:
     else:
         engine = load(args.model, backend=args.backend, quant=args.quant, kv_cache_mb=kv_cache_mb,
                       activations=getattr(args, "activations", "auto"), **load_options(args))
-    engine.speculate = getattr(args, "speculate", 0)
     if getattr(args, "no_model_sampling", False):
         engine.sampling_defaults = {}
     err.print(engine.backend_line, soft_wrap=True)
+    set_speculate(engine, getattr(args, "speculate", 0))
+    return engine
+
+
+def set_speculate(engine: Engine, tokens: int) -> None:
+    """``--speculate``: set, with a note where this model and backend decode without guesses."""
+    engine.speculate = tokens
     if engine.speculate and not engine.rewinds:
         why = ("its recurrent layers keep a state, which cannot take back a wrong guess"
                if engine.config.state_layers else
                f"the {engine.backend_name} backend runs whole steps on a KV cache it cannot rewind (that takes "
                "API 1.6's kestrel_forward_batch)")
         err.print(f"--speculate: this model decodes without guesses here ({why})", soft_wrap=True)
-    return engine
 
 
 def _note_options(engine: Engine, args: argparse.Namespace) -> None:

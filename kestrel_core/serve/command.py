@@ -52,7 +52,7 @@ def _setup_logging(verbose: bool) -> None:
 
 def serve_command(args: argparse.Namespace) -> int:
     _check_installed()  # the option values were checked by the CLI, as every command's are
-    from kestrel_core.model.commands import load_options
+    from kestrel_core.model.commands import load_options, set_speculate
     from kestrel_core.model.engine_load import load, load_preset
     from kestrel_core.model.loader import finish_cache_writes
     from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING
@@ -81,7 +81,7 @@ def serve_command(args: argparse.Namespace) -> int:
             for model in args.model or [None]:
                 engines.append(load(model, **options, **load_options(args)))
         for engine in engines:
-            engine.speculate = args.speculate
+            set_speculate(engine, args.speculate)
             if args.no_model_sampling:
                 engine.sampling_defaults = {}
         serve(engines, host=args.host, port=args.port, api_key=api_key, sock=sock,

@@ -147,3 +147,16 @@ def test_the_served_engines_take_the_models_sampling_unless_told_not_to(
     ((sampling, startup_line),) = served
     assert sampling == want
     assert startup_line.endswith(", sampling by default as it recommends: temperature 0.6, top_k 20") == bool(want)
+
+
+def test_speculate_on_a_recurrent_model_says_it_decodes_without_guesses(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """As ``kestrel run`` says it: a served model whose recurrent layers cannot take back a guess."""
+    from kestrel_core.serve import server
+
+    served: list[int] = []
+    monkeypatch.setattr(server, "serve", lambda engines, **_: served.extend(e.speculate for e in engines))
+    model = TINY.parent / "tiny-lfm2"
+    assert main(["serve", "--model", str(model), "--port", "0", "--speculate", "3"]) == 0
+    assert served == [3]
+    assert "--speculate: this model decodes without guesses here (its recurrent layers" in capsys.readouterr().err
