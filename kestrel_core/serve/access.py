@@ -25,7 +25,7 @@ from kestrel_core.serve.metrics import ServerMetrics
 log = logging.getLogger("kestrel.serve")
 
 GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/api/chat",
-                        "/api/generate")
+                        "/api/generate", "/infill")
 EMBEDDING_ENDPOINTS = ("/v1/embeddings", "/v1/score", "/v1/rerank", "/v2/rerank", "/api/embed", "/api/embeddings")
 ENDPOINTS = (*GENERATION_ENDPOINTS, *EMBEDDING_ENDPOINTS, "/v1/models", "/v1/messages/count_tokens", "/api/tags",
              "/api/show", "/api/ps", "/api/version", "/health", "/metrics")
@@ -118,8 +118,8 @@ class AccessMiddleware:
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``) on /v1/*, /v2/*, /api/*, /tokenize and
-    /detokenize; /health and /metrics stay open for probes and scrapers."""
+    """``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``) on /v1/*, /v2/*, /api/*, /tokenize,
+    /detokenize and /infill; /health and /metrics stay open for probes and scrapers."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -128,7 +128,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        guarded = path.startswith(("/v1/", "/v2/", "/api/")) or path in ("/tokenize", "/detokenize")
+        guarded = path.startswith(("/v1/", "/v2/", "/api/")) or path in ("/tokenize", "/detokenize", "/infill")
         if scope["type"] == "http" and guarded and not self._allowed(scope):
             error = APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'.",
                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

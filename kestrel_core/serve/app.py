@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI's chat and text completions and embeddings, the model list, a health probe and the
 metrics; OpenAI's Responses API (serve/responses_api.py), Ollama's API (serve/ollama.py), Anthropic's Messages
-API (serve/anthropic.py) and relevance scores (serve/scores.py) beside them, answered by the same handlers.
+API (serve/anthropic.py), llama.cpp's ``/infill`` (serve/llamacpp.py) and relevance scores (serve/scores.py)
+beside them, answered by the same handlers.
 
 ``create_app`` takes a running-or-not ``AsyncEngine`` (its lifespan starts the scheduler thread and stops it
 on shutdown), so one process can hold several apps (the tests do). Requests become prompt token ids here
@@ -28,7 +29,7 @@ from kestrel_core.model.embed import check_input
 from kestrel_core.model.harmony import is_harmony
 from kestrel_core.model.reasoning import Reasoning, opens_in_prompt, thinks
 from kestrel_core.model.sampling import TokenLogprob
-from kestrel_core.serve import anthropic, generation, ollama, responses_api, scores, tokenize
+from kestrel_core.serve import anthropic, generation, llamacpp, ollama, responses_api, scores, tokenize
 from kestrel_core.serve.access import (
     DEFAULT_MAX_REQUEST_BYTES,
     AccessMiddleware,
@@ -306,6 +307,7 @@ def create_app(engines: Mapping[str, Any], api_key: str | None = None, pooling: 
 
     ollama.install(app, models)
     anthropic.install(app, models)
+    llamacpp.install(app, models)
     responses_api.install(app, models)
     scores.install(app, models)
     tokenize.install(app, models)

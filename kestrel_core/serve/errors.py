@@ -1,5 +1,5 @@
 """OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``, for every failure the server reports
-(Ollama's and Anthropic's shapes under their routes).
+(Ollama's, Anthropic's and llama.cpp's shapes under their routes).
 
 Clients (the ``openai`` package among them) map the HTTP status to an exception class and read ``param`` to
 say which field was wrong, so every error path, validation included, goes through ``APIError``.
@@ -25,6 +25,10 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inva
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+_LLAMA_CPP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "invalid_request_error", 429: "unavailable_error",
+                    503: "unavailable_error"}
+LLAMA_CPP_PATHS = ("/infill",)
 
 
 class APIError(Exception):
@@ -62,9 +66,11 @@ class APIError(Exception):
     def response(self, path: str = "") -> JSONResponse:
         """The answer, in the shape the clients of the API ``path`` belongs to read: Ollama's
         ``{"error": message}`` under ``/api/``, Anthropic's ``{"type": "error", "error": {"type", "message"}}``
-        under ``/v1/messages``, else OpenAI's."""
+        under ``/v1/messages``, llama.cpp's (``llama_cpp_error``) under its routes, else OpenAI's."""
         if path.startswith("/api/"):
             body: dict[str, Any] = {"error": self.message}
+        elif path in LLAMA_CPP_PATHS:
+            body = llama_cpp_error(self.status, self.message)
         elif path == "/v1/messages" or path.startswith("/v1/messages/"):
             kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
             body = {"type": "error", "error": {"type": kind, "message": self.message}}
@@ -76,6 +82,11 @@ class APIError(Exception):
 def _quoted(text: str) -> str:
     """``text`` with a client's lone surrogates written as escapes (``\\ud800``): UTF-8, and so JSON, has none."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def llama_cpp_error(status: int, message: str) -> dict[str, Any]:
+    """llama.cpp's error body: ``{"error": {"code": status, "message", "type"}}``."""
+    return {"error": {"code": status, "message": message, "type": _LLAMA_CPP_TYPES.get(status, "server_error")}}
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

@@ -63,7 +63,7 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def _unless_disconnected(work: Awaitable[T], request: Request) -> T:
+async def unless_disconnected(work: Awaitable[T], request: Request) -> T:
     """``work``'s result, or ClientGone (``work`` cancelled, which aborts its request) if the client left."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
@@ -110,14 +110,14 @@ async def respond(async_engine: Any, request: Request, prompts: Sequence[Prompt]
 
     try:
         if stream:
-            firsts = await _unless_disconnected(_all([_next(g) for g in gens]), request)
+            firsts = await unless_disconnected(_all([_next(g) for g in gens]), request)
             if any(f.finish_reason == "abort" and not f.new_token_ids for f in firsts):  # a shutdown, before any
                 abort()  # token: the status can still say so, as a whole answer's does
                 raise APIError(503, SHUTDOWN_MESSAGE, code="server_shutting_down")
             record.prompt_tokens = prompt_tokens
             events = _events(gens, firsts, shape, record, prompt_tokens, [len(p.ids) for p, _ in jobs])
             return EventStreamResponse(events, on_close=abort)
-        results = await _unless_disconnected(
+        results = await unless_disconnected(
             _all([_collect(g, record, p.logprobs, prompt_tokens) for g, (p, _) in zip(gens, jobs)]), request)
     except ClientGone:
         abort()
@@ -137,8 +137,8 @@ async def embed(async_engine: Any, request: Request, inputs: list[list[int]],
     ``answer(vectors, prompt tokens)``; a client that leaves gives the job's KV blocks back."""
     record = record_of(request)
     try:
-        vectors = await _unless_disconnected(async_engine.embed(inputs, pooling=pooling, dimensions=dimensions),
-                                             request)
+        vectors = await unless_disconnected(async_engine.embed(inputs, pooling=pooling, dimensions=dimensions),
+                                            request)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
     except KestrelError as exc:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BeforeValidator, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import BeforeValidator, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 import kestrel_core
 from kestrel_core.model.embed import finish_vector
@@ -39,7 +39,7 @@ from kestrel_core.model.sampling import MAX_TOP_LOGPROBS
 from kestrel_core.serve.access import record_of
 from kestrel_core.serve.errors import APIError, named_as, validated
 from kestrel_core.serve.generation import retold
-from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RequestBody
+from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, NullsAbsentBody
 from kestrel_core.serve.tools import MISTRAL, arguments_object
 
 if TYPE_CHECKING:
@@ -56,14 +56,9 @@ REQUEST_NAMES = {**{name: f"options.{OLLAMA_NAMES.get(name, name)}" for name in 
 DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop"}
 
 
-class OllamaBody(RequestBody):
+class OllamaBody(NullsAbsentBody):
     """An Ollama request's object: a field sent as null is one not sent, as Go reads null (``"content": null`` is
     no content, ``"stream": null`` the default)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_absent(cls, data: Any) -> Any:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 def _lower(value: Any) -> Any:

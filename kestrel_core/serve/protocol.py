@@ -79,6 +79,16 @@ class RequestBody(BaseModel):
         return data
 
 
+class NullsAbsentBody(RequestBody):
+    """A request body whose fields sent as null are fields not sent, as Go's JSON reader (Ollama's) and llama.cpp's
+    read null."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
 def _has_lone_surrogate(value: Any) -> bool:
     """Whether a string (or an object's key) of a request's raw JSON value holds a lone surrogate: the values alone
     on the walk's stack (a body of millions of numbers takes about a second, not half a minute)."""

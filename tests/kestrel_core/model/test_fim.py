@@ -16,7 +16,7 @@ from tokenizers.processors import TemplateProcessing
 import kestrel_core
 from kestrel_core.cli import main
 from kestrel_core.errors import InvalidRequest
-from kestrel_core.model.fim import FORMATS, fim_format, fim_prompt_ids
+from kestrel_core.model.fim import FORMATS, fim_format, fim_prompt, fim_prompt_ids
 from kestrel_core.model.loader import LoadedModel, write_artifact
 from kestrel_core.model.presets import synthetic_model
 from kestrel_core.model.sampling import SamplingParams
@@ -95,10 +95,33 @@ def test_the_tokenizers_bos_comes_first_and_the_models_end_is_no_added_stop() ->
     assert 0 not in stops and tok.backend.token_to_id("<|fim_pad|>") in stops
 
 
-def fim_engine() -> kestrel_core.Engine:
-    """A random qwen3 model of 520 tokens with the Qwen format's tokens at 512..516."""
-    model = synthetic_model(make_tiny_config("qwen3", vocab_size=520, max_position=256), "q8", seed=5)
-    return kestrel_core.load(LoadedModel(model, fim_tokenizer(QWEN), "fim-test", "q8"), backend="cpu")
+def test_the_repository_files_come_first_in_llama_cpps_layout() -> None:
+    """llama.cpp's /infill layout: the repository's name, each file after the file separator and its name, the
+    code's own file named last; then the tokenizer's BOS and the code. Names and texts are text."""
+    tok = fim_tokenizer([*QWEN, "<|repo_name|>"])
+    tok.backend.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    pre, suf, mid, _, sep, repo = (tok.backend.token_to_id(t) for t in [*QWEN, "<|repo_name|>"])
+    files = [("a.py", "x = 1\n"), ("<|file_sep|>.py", "y = '<|fim_middle|>'\n")]
+    prompt = fim_prompt(tok, "def f():", "\n", files=files)
+    text = tok.encode_text
+    assert prompt.ids() == [repo, *text("myproject\n"), sep, *text("a.py\n"), *text("x = 1\n"),
+                            sep, *text("<|file_sep|>.py\n"), *text("y = '<|fim_middle|>'\n"),
+                            sep, *text("filename\n"), 0, pre, *text("def f():"), suf, *text("\n"), mid]
+    assert fim_prompt(tok, "a", "b", files=[]).files == [repo, *text("myproject\n"), sep, *text("filename\n")]
+    assert fim_prompt(tok, "a", "b").files == []  # completions' suffix: the code alone
+
+
+def test_without_a_file_separator_the_files_are_snippets() -> None:
+    tok = fim_tokenizer(list(FORMATS[0]))
+    prompt = fim_prompt(tok, "a", "b", files=[("a.py", "x = 1"), ("b.py", "y = 2")])
+    snippet = tok.encode_text("\n\n--- snippet ---\n\n")
+    assert prompt.files == [*snippet, *tok.encode_text("x = 1"), *snippet, *tok.encode_text("y = 2")]
+
+
+def fim_engine(specials: list[str] = QWEN, max_position: int = 256) -> kestrel_core.Engine:
+    """A random qwen3 model of 520 tokens with ``specials`` (the Qwen format's tokens) from 512 on."""
+    model = synthetic_model(make_tiny_config("qwen3", vocab_size=520, max_position=max_position), "q8", seed=5)
+    return kestrel_core.load(LoadedModel(model, fim_tokenizer(specials), "fim-test", "q8"), backend="cpu")
 
 
 def test_run_suffix_fills_the_middle(tmp_path: Path, capsys) -> None:
