@@ -6,8 +6,9 @@ A PEFT adapter directory holds ``adapter_config.json`` (``r``, ``lora_alpha``, `
 lora_alpha / sqrt(r)) times the user's scale, exactly what PEFT's ``merge_and_unload`` computes, so the
 strip-cache quantizes the adapted model itself and every backend runs it at no cost. ``LoraSource`` does the
 merge for any TensorSource (a Hugging Face directory or a GGUF file: kestrel's names and HF's orientation are the
-same for both). What PEFT can hold but kestrel does not merge (DoRA, biases, embeddings or other modules trained in
-full, fused or expert projections, per-module ranks) is refused by name.
+same for both), naming the adapter's modules as the base's architecture names its weights (LFM2's ``w1`` is its
+gate). What PEFT can hold but kestrel does not merge (DoRA, biases, embeddings or other modules trained in full,
+fused or expert projections, per-module ranks) is refused by name.
 
 llama.cpp's adapters (``convert_lora_to_gguf.py``: a GGUF of ``general.type`` adapter, ``adapter.lora.alpha``,
 tensors ``blk.N.<tensor>.weight.lora_a`` [r, in] and ``.lora_b`` [out, r]) merge the same way, s = alpha / r; the
@@ -41,28 +42,17 @@ _PREFIX = "base_model.model."
 
 @dataclass(frozen=True)
 class Adapter:
-    """An adapter read for merging: each adapted weight's kestrel name -> (A [r, in], B [out, r]) float32, and its
-    scale; ``key``: a hash of its files, which names it in the model cache; ``permuted``: its B rows of Q and K are
-    in llama.cpp's order (a GGUF adapter of a llama-family model)."""
+    """An adapter read for merging: each adapted weight's name in the adapter's own vocabulary (``pairs``: a PEFT
+    module's Hugging Face name, or a GGUF adapter's tensor name) -> (A [r, in], B [out, r]) float32, and its scale;
+    ``key``: a hash of its files, which names it in the model cache; ``architecture``: a GGUF adapter's
+    general.architecture (None for PEFT's). The names become kestrel's with the base's architecture, which only
+    the base knows: ``LoraSource``."""
 
     path: Path
     scale: float
-    deltas: dict[str, tuple[np.ndarray, np.ndarray]]
+    pairs: dict[str, tuple[np.ndarray, np.ndarray]]
     key: str
-    permuted: bool = False
-
-    def delta(self, name: str, config: Any) -> np.ndarray | None:
-        """scale * B @ A [out, in] of weight ``name`` of a model of ``config`` (None: the adapter leaves it)."""
-        pair = self.deltas.get(name)
-        if pair is None:
-            return None
-        a, b = pair
-        field = name.rsplit(".", 1)[-1]
-        if self.permuted and field in ("q", "k"):
-            from kestrel_core.model.gguf_reader import unpermute_rows
-
-            b = unpermute_rows(b, config.num_heads if field == "q" else config.num_kv_heads)
-        return (np.float32(self.scale) * (b @ a)).astype(np.float32)
+    architecture: str | None = None
 
 
 def read_adapter(path: str | Path, scale: float = 1.0) -> Adapter:
@@ -96,7 +86,7 @@ def read_adapter(path: str | Path, scale: float = 1.0) -> Adapter:
     for f in files:
         digest.update(f.read_bytes())
     digest.update(repr(scale).encode())
-    return Adapter(d, scale, _deltas(files[1], where, int(cfg["r"])), digest.hexdigest())
+    return Adapter(d, scale, _peft_pairs(files[1], where, int(cfg["r"])), digest.hexdigest())
 
 
 def _scale(cfg: dict[str, Any]) -> float:
@@ -123,9 +113,8 @@ def _scale(cfg: dict[str, Any]) -> float:
     return alpha / (math.sqrt(r) if rs else r)
 
 
-def _deltas(path: Path, where: str, r: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Each adapted weight's (A, B) of rank ``r``, by kestrel name (the projections' names are every
-    architecture's)."""
+def _peft_pairs(path: Path, where: str, r: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each adapted module's (A, B) of rank ``r``, by its Hugging Face name (``model.layers.0.self_attn.q_proj``)."""
     pairs: dict[str, dict[str, np.ndarray]] = {}
     try:
         with safe_open(str(path), framework="numpy") as f:
@@ -134,13 +123,9 @@ def _deltas(path: Path, where: str, r: int) -> dict[str, tuple[np.ndarray, np.nd
                 if not sep or part not in ("A.weight", "B.weight"):
                     raise KestrelError(f"{where}: tensor {key} is not a LoRA A or B matrix (kestrel merges those "
                                        "only)")
-                name = kestrel_name(module.removeprefix(_PREFIX) + ".weight")
-                if name is None or name.rsplit(".", 1)[-1] not in MERGED or ".experts." in name:
-                    raise KestrelError(f"{where}: {module.removeprefix(_PREFIX)} is not a projection kestrel "
-                                       f"merges into ({', '.join(sorted(MERGED))} of each layer)")
                 bf16 = f.get_slice(key).get_dtype() == "BF16"  # numpy has none: widened from its bits
-                pairs.setdefault(name, {})[part[0]] = _bf16(path, key) if bf16 else np.asarray(f.get_tensor(key),
-                                                                                              dtype=np.float32)
+                pairs.setdefault(module.removeprefix(_PREFIX), {})[part[0]] = (
+                    _bf16(path, key) if bf16 else np.asarray(f.get_tensor(key), dtype=np.float32))
     except (SafetensorError, TypeError) as exc:  # TypeError: a dtype numpy does not have
         raise KestrelError(f"{where}: adapter_model.safetensors is unreadable ({exc})") from None
     return _checked(pairs, where, r)
@@ -178,8 +163,6 @@ def _gguf_adapter(path: Path, scale: float) -> Adapter:
     from gguf.quants import dequantize
 
     from kestrel_core.model.gguf_bounds import check_gguf_bounds
-    from kestrel_core.model.gguf_reader import PERMUTED_ARCHITECTURES
-    from kestrel_core.model.gguf_reader import kestrel_name as gguf_name
 
     where = f"LoRA adapter {path}"
     check_regular_file(path)
@@ -203,16 +186,14 @@ def _gguf_adapter(path: Path, scale: float) -> Adapter:
     pairs: dict[str, dict[str, np.ndarray]] = {}
     for t in reader.tensors:
         base, sep, part = t.name.rpartition(".lora_")
-        name = gguf_name(base, arch) if sep and part in ("a", "b") else None
-        if name is None or name.rsplit(".", 1)[-1] not in MERGED or ".experts." in name:
-            raise KestrelError(f"{where}: tensor {t.name} is not a LoRA matrix of a projection kestrel merges into "
-                               f"({', '.join(sorted(MERGED))} of each layer)")
+        if not sep or part not in ("a", "b"):
+            raise KestrelError(f"{where}: tensor {t.name} is not a LoRA matrix (.lora_a or .lora_b)")
         try:
-            pairs.setdefault(name, {})[part.upper()] = np.asarray(dequantize(t.data, t.tensor_type), np.float32)
+            pairs.setdefault(base, {})[part.upper()] = np.asarray(dequantize(t.data, t.tensor_type), np.float32)
         except (NotImplementedError, ValueError, IndexError) as exc:
             raise KestrelError(f"{where}: tensor {t.name} is unreadable ({exc})") from None
-    deltas = _checked(pairs, where)
-    ranks = {a.shape[0] for a, _ in deltas.values()}
+    checked = _checked(pairs, where)
+    ranks = {a.shape[0] for a, _ in checked.values()}
     if len(ranks) > 1:
         raise KestrelError(f"{where}: its matrices have several ranks; kestrel merges one alpha / r")
     alpha = field("adapter.lora.alpha")
@@ -223,7 +204,7 @@ def _gguf_adapter(path: Path, scale: float) -> Adapter:
         raise KestrelError(f"{where}: {exc}") from None
     digest = hashlib.sha256(path.read_bytes())
     digest.update(repr(scale).encode())
-    return Adapter(path, scale, deltas, digest.hexdigest(), permuted=arch in PERMUTED_ARCHITECTURES)
+    return Adapter(path, scale, checked, digest.hexdigest(), architecture=arch)
 
 
 class LoraSource:
@@ -234,13 +215,7 @@ class LoraSource:
         self.adapter = adapter
         self.config = source.config
         self.description = f"{source.description} + LoRA {adapter.path.name}"
-        missing = [n for n in adapter.deltas if not source.has(n)]
-        if missing:
-            raise KestrelError(f"LoRA adapter {adapter.path}: the model has no {missing[0]} to adapt (another base "
-                               "model's adapter?)")
-        if self.config.attn_output_gate and any(n.endswith(".q") for n in adapter.deltas):
-            raise KestrelError(f"LoRA adapter {adapter.path}: q_proj of gated attention (each head's query and gate "
-                               "rows in one tensor) is not supported")
+        self.deltas = _kestrel_pairs(source, adapter)
         self.fp4_experts = getattr(source, "fp4_experts", False)
 
     def has(self, name: str) -> bool:
@@ -248,16 +223,47 @@ class LoraSource:
 
     def get(self, name: str) -> np.ndarray:
         w = self.source.get(name)
-        delta = self.adapter.delta(name, self.config)
-        if delta is None:
+        pair = self.deltas.get(name)
+        if pair is None:
             return w
+        a, b = pair
+        delta = (np.float32(self.adapter.scale) * (b @ a)).astype(np.float32)
         if delta.shape != w.shape:
             raise KestrelError(f"LoRA adapter {self.adapter.path}: {name} is {list(w.shape)} in the model but "
                                f"B @ A is {list(delta.shape)} (another base model's adapter?)")
         return np.asarray(w, dtype=np.float32) + delta
 
     def get_weight(self, name: str) -> Any:
-        if name in self.adapter.deltas:
+        if name in self.deltas:
             return self.get(name)
         get_weight = getattr(self.source, "get_weight", None)
         return get_weight(name) if get_weight is not None else self.source.get(name)
+
+
+def _kestrel_pairs(source: TensorSource, adapter: Adapter) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The adapter's (A, B) by kestrel name, named as the base's architecture names its weights (LFM2's
+    ``feed_forward.w1`` is its gate, Granite-4.0-H's ``mamba.out_proj`` its o); a GGUF adapter's B rows of Q and
+    K in HF's order."""
+    from kestrel_core.model.gguf_reader import PERMUTED_ARCHITECTURES, unpermute_rows
+    from kestrel_core.model.gguf_reader import kestrel_name as gguf_name
+
+    where, c = f"LoRA adapter {adapter.path}", source.config
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for own, (a, b) in adapter.pairs.items():
+        name = kestrel_name(own + ".weight", c.arch) if adapter.architecture is None else gguf_name(
+            own, adapter.architecture)
+        field = None if name is None else name.rsplit(".", 1)[-1]
+        if name is None or field not in MERGED or ".experts." in name:
+            raise KestrelError(f"{where}: {own} is not a projection kestrel merges into ({', '.join(sorted(MERGED))} "
+                               "of each layer)")
+        if not source.has(name):
+            raise KestrelError(f"{where}: the model has no {name} to adapt (another base model's adapter?)")
+        if c.attn_output_gate and field == "q":
+            raise KestrelError(f"{where}: q_proj of gated attention (each head's query and gate rows in one "
+                               "tensor) is not supported")
+        if name in out:
+            raise KestrelError(f"{where}: two of its matrices adapt {name}")
+        if adapter.architecture in PERMUTED_ARCHITECTURES and field in ("q", "k"):
+            b = unpermute_rows(b, c.num_heads if field == "q" else c.num_kv_heads)
+        out[name] = (a, b)
+    return out

@@ -17,6 +17,7 @@ from kestrel_core.cli import main
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.loader import load_model
 
+from .lora_adapters import gguf_adapter, peft_pairs
 from .test_parity import FIXTURES, TINY, Golden
 
 ADAPTER = FIXTURES / "tiny-llama-lora"
@@ -124,35 +125,19 @@ def test_run_with_an_adapter_answers_as_the_merged_model(capsys: pytest.CaptureF
         assert merged == list(engine.generate(engine.tokenizer.encode("hello"), max_tokens=4))
 
 
+LLAMA_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                    "mlp.down_proj": "ffn_down"}
+
+
 def _gguf_adapter(tmp_path: Path, permute: bool = True, alora: bool = False) -> Path:
     """tiny-llama-lora as llama.cpp's convert_lora_to_gguf.py writes it: general.type adapter, adapter.lora.alpha,
     blk.N.<tensor>.weight.lora_a / lora_b, B's Q and K rows permuted as llama's weights are."""
-    import gguf
-
     cfg = json.loads((ADAPTER / "adapter_config.json").read_text())
     base = json.loads((FIXTURES / "tiny-llama" / "config.json").read_text())
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
-    path = tmp_path / "adapter.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_type(gguf.GGUFType.ADAPTER)
-    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
-    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(cfg["lora_alpha"]))
-    if alora:
-        w.add_array("adapter.alora.invocation_tokens", [5, 6])
-    for key, t in sorted(load_file(str(ADAPTER / "adapter_model.safetensors")).items()):
-        module, part = key.removeprefix("base_model.model.model.layers.").split(".lora_")
-        layer, hf = module.split(".", 1)
-        if permute and part.startswith("B") and hf in ("self_attn.q_proj", "self_attn.k_proj"):
-            heads = base["num_attention_heads"] if "q_proj" in hf else base["num_key_value_heads"]
-            t = t.reshape(heads, 2, -1, t.shape[1]).swapaxes(1, 2).reshape(t.shape)
-        w.add_tensor(f"blk.{layer}.{names[hf]}.weight.lora_{part[0].lower()}", np.ascontiguousarray(t))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    heads = (base["num_attention_heads"], base["num_key_value_heads"]) if permute else None
+    return gguf_adapter(tmp_path / "adapter.gguf", peft_pairs(ADAPTER), "llama", cfg["lora_alpha"], LLAMA_GGUF_NAMES,
+                        heads, alora_tokens=[5, 6] if alora else None)
 
 
 @pytest.mark.parametrize("base", ["tiny-llama", "tiny-llama.gguf"])
@@ -221,8 +206,8 @@ def test_an_adapter_without_lora_alpha_scales_as_peft_and_a_bf16_one_loads(tmp_p
     shutil.copytree(d, bf16)
     _write_bf16(bf16 / "adapter_model.safetensors", bits)
     got, want = read_adapter(bf16), read_adapter(d)
-    assert got.scale == want.scale and all(np.array_equal(got.deltas[n][i], want.deltas[n][i])
-                                           for n in want.deltas for i in (0, 1))
+    assert got.scale == want.scale and all(np.array_equal(got.pairs[n][i], want.pairs[n][i])
+                                           for n in want.pairs for i in (0, 1))
 
 
 def _write_bf16(path: Path, bits: dict[str, np.ndarray]) -> None:
