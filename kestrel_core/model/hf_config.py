@@ -93,6 +93,19 @@ GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
                 "original_max_position_embeddings": 4096}
 
 
+# the general.architecture llama.cpp's convert_hf_to_gguf.py writes for each architecture (as _architecture names
+# a config.json's, a multimodal wrapper's included): a GGUF of the checkpoint's, and its LoRA adapters', says it
+LLAMA_CPP_ARCHITECTURES = {
+    "llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+    "gemma2": "gemma2", "gemma3": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss",
+    "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2", "olmo3": "olmo2", "exaone4": "exaone4",
+    "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe",
+    "qwen3_next": "qwen3next", "lfm2": "lfm2", "lfm2_moe": "lfm2moe", "granitemoehybrid": "granitehybrid",
+    "glm4_moe": "glm4moe", "ernie4_5_moe": "ernie4_5-moe", "ministral3": "mistral3", "mistral3": "mistral3",
+    "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "glm4_moe_lite": "deepseek2",
+    "minimax_m2": "minimax-m2", "dots1": "dots1", "qwen3_vl": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe"}
+
+
 def _ids(value: Any) -> list[int]:
     if value is None:
         return []
@@ -113,6 +126,11 @@ def _architecture(cfg: dict[str, Any], where: str) -> str:
         raise KestrelError(f"{where}: unsupported architecture {named} "
                            f"(kestrel supports {', '.join(HF_ARCHITECTURES)})")
     return arch
+
+
+def llama_cpp_architecture(model_dir: Path) -> str:
+    """The general.architecture of the GGUF file llama.cpp would convert the checkpoint at ``model_dir`` to."""
+    return LLAMA_CPP_ARCHITECTURES[_architecture(read_json(model_dir / "config.json"), str(model_dir))]
 
 
 def _named_arch(cfg: dict[str, Any]) -> str | None:

@@ -84,10 +84,11 @@ def _quantize(ckpt: Any, quant: str, what: str) -> Model:
 
 def _load_hf(path: Path, quant: str, adapter: Adapter | None = None) -> LoadedModel:
     from kestrel_core.model.hf import HFCheckpoint
+    from kestrel_core.model.hf_config import llama_cpp_architecture
 
     ckpt: Any = HFCheckpoint(path)
     if adapter is not None:
-        ckpt = LoraSource(ckpt, adapter)
+        ckpt = LoraSource(ckpt, adapter, llama_cpp_architecture(path))
     c = ckpt.config
     if (path / "tokenizer.json").is_file():
         tokenizer: Tokenizer | NoTokenizer = Tokenizer.from_hf_dir(path, bos_token_id=c.bos_token_id,
@@ -143,7 +144,7 @@ def _load_gguf(path: Path, quant: str, adapter: Adapter | None = None) -> Loaded
     gguf = GGUFCheckpoint(path)
     tokenizer = Tokenizer.from_gguf_vocab(gguf.tokenizer_fields(), where=str(path),
                                           architecture=str(gguf.field("general.architecture", "")))
-    ckpt: Any = gguf if adapter is None else LoraSource(gguf, adapter)
+    ckpt: Any = gguf if adapter is None else LoraSource(gguf, adapter, str(gguf.field("general.architecture")))
     model = _quantize(ckpt, quant, _named(path, adapter))
     del ckpt, gguf  # drop the memory map before the caller goes on
     return LoadedModel(model, tokenizer, _named(path, adapter, str(path)), quant)

@@ -182,7 +182,9 @@ def _gguf_adapter(path: Path, scale: float) -> Adapter:
     if field("adapter.alora.invocation_tokens") is not None:
         raise KestrelError(f"{where}: an aLoRA adapter (adapter.alora.invocation_tokens: from those tokens on) "
                            "cannot be merged")
-    arch = str(field("general.architecture"))
+    arch = field("general.architecture")
+    if not isinstance(arch, str):
+        raise KestrelError(f"{where}: it has no general.architecture (llama.cpp refuses such an adapter)")
     pairs: dict[str, dict[str, np.ndarray]] = {}
     for t in reader.tensors:
         base, sep, part = t.name.rpartition(".lora_")
@@ -208,13 +210,18 @@ def _gguf_adapter(path: Path, scale: float) -> Adapter:
 
 
 class LoraSource:
-    """A TensorSource with an adapter merged into its weights (float32 for those it changes)."""
+    """A TensorSource with an adapter merged into its weights (float32 for those it changes). ``architecture``:
+    the base's general.architecture, as its GGUF file says or llama.cpp would write it
+    (hf_config.llama_cpp_architecture): a GGUF adapter of another is refused, as llama.cpp refuses it."""
 
-    def __init__(self, source: TensorSource, adapter: Adapter) -> None:
+    def __init__(self, source: TensorSource, adapter: Adapter, architecture: str) -> None:
         self.source = source
         self.adapter = adapter
         self.config = source.config
         self.description = f"{source.description} + LoRA {adapter.path.name}"
+        if adapter.architecture not in (None, architecture):
+            raise KestrelError(f"LoRA adapter {adapter.path}: an adapter of a {adapter.architecture} model (its "
+                               f"general.architecture); the model is {architecture}")
         self.deltas = _kestrel_pairs(source, adapter)
         self.fp4_experts = getattr(source, "fp4_experts", False)
 
@@ -243,15 +250,18 @@ class LoraSource:
 def _kestrel_pairs(source: TensorSource, adapter: Adapter) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """The adapter's (A, B) by kestrel name, named as the base's architecture names its weights (LFM2's
     ``feed_forward.w1`` is its gate, Granite-4.0-H's ``mamba.out_proj`` its o); a GGUF adapter's B rows of Q and
-    K in HF's order."""
-    from kestrel_core.model.gguf_reader import PERMUTED_ARCHITECTURES, unpermute_rows
-    from kestrel_core.model.gguf_reader import kestrel_name as gguf_name
+    K in HF's order (the converter permutes them where it permutes the base's: its architecture is the base's)."""
+    where, c, arch = f"LoRA adapter {adapter.path}", source.config, adapter.architecture
+    permuted = False
+    if arch is not None:  # gguf-py is imported for GGUF adapters only
+        from kestrel_core.model.gguf_reader import PERMUTED_ARCHITECTURES, unpermute_rows
+        from kestrel_core.model.gguf_reader import kestrel_name as gguf_name
+        from kestrel_core.model.hf_config import LLAMA_CPP_ARCHITECTURES
 
-    where, c = f"LoRA adapter {adapter.path}", source.config
+        permuted = arch in {LLAMA_CPP_ARCHITECTURES[k] for k in PERMUTED_ARCHITECTURES}
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for own, (a, b) in adapter.pairs.items():
-        name = kestrel_name(own + ".weight", c.arch) if adapter.architecture is None else gguf_name(
-            own, adapter.architecture)
+        name = kestrel_name(own + ".weight", c.arch) if arch is None else gguf_name(own, arch)
         field = None if name is None else name.rsplit(".", 1)[-1]
         if name is None or field not in MERGED or ".experts." in name:
             raise KestrelError(f"{where}: {own} is not a projection kestrel merges into ({', '.join(sorted(MERGED))} "
@@ -263,7 +273,7 @@ def _kestrel_pairs(source: TensorSource, adapter: Adapter) -> dict[str, tuple[np
                                "tensor) is not supported")
         if name in out:
             raise KestrelError(f"{where}: two of its matrices adapt {name}")
-        if adapter.architecture in PERMUTED_ARCHITECTURES and field in ("q", "k"):
+        if permuted and field in ("q", "k"):
             b = unpermute_rows(b, c.num_heads if field == "q" else c.num_kv_heads)
         out[name] = (a, b)
     return out

@@ -10,7 +10,7 @@ import pytest
 
 import kestrel_core
 
-from .lora_adapters import hand_merged, peft_adapter
+from .lora_adapters import gguf_adapter, hand_merged, peft_adapter
 from .test_parity import FIXTURES
 
 IDS = list(range(5, 37))
@@ -37,3 +37,62 @@ def test_a_peft_adapter_on_an_architectures_own_projection_names_is_merged(tmp_p
     want = logits(hand_merged(tmp_path / "merged", base, [(pairs, 2.0)]))
     np.testing.assert_array_equal(logits(base, tmp_path / "adapter"), want)
     assert not np.allclose(logits(base), want, atol=1e-3)
+
+
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+ATTENTION = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+
+
+def _heads(model: Path) -> tuple[int, int]:
+    from kestrel_core.model.hf import HFCheckpoint
+
+    c = HFCheckpoint(model).config
+    return c.num_heads, c.num_kv_heads
+
+
+@pytest.mark.parametrize("model", [name for name in sorted(p.name for p in FIXTURES.iterdir())
+                                   if (FIXTURES / f"{name}.gguf").is_file()])
+def test_a_checkpoints_llama_cpp_architecture_is_its_gguf_twins(model: str) -> None:
+    """The architecture a GGUF adapter of a Hugging Face base must have is the one its GGUF twin has."""
+    from kestrel_core.model.gguf_reader import GGUFCheckpoint
+    from kestrel_core.model.hf_config import llama_cpp_architecture
+
+    twin = GGUFCheckpoint(FIXTURES / f"{model}.gguf").field("general.architecture")
+    assert llama_cpp_architecture(FIXTURES / model) == twin
+
+
+@pytest.mark.parametrize(("adapter_arch", "base", "base_arch"), [
+    ("gemma2", "tiny-llama", "llama"), ("qwen2", "tiny-llama.gguf", "llama"), ("foo", "tiny-llama", "llama"),
+    ("llama", "tiny-olmo2.gguf", "olmo2"), ("llama", "tiny-qwen3", "qwen3"), ("qwen3", "tiny-qwen3-vl", "qwen3vl"),
+])
+def test_a_gguf_adapter_of_another_architecture_is_refused(tmp_path: Path, adapter_arch: str, base: str,
+                                                           base_arch: str) -> None:
+    """llama.cpp: "model arch and LoRA arch mismatch"; the tensors' names and shapes may well fit."""
+    from kestrel_core.errors import KestrelError
+    from kestrel_core.model.loader import load_model
+
+    hf = FIXTURES / base.removesuffix(".gguf")
+    pairs = peft_adapter(tmp_path / "peft", hf, ATTENTION)
+    adapter = gguf_adapter(tmp_path / "adapter.gguf", pairs, adapter_arch, 8, GGUF_NAMES)
+    with pytest.raises(KestrelError) as info:
+        load_model(str(FIXTURES / base), "q8", cache="off", lora=str(adapter))
+    assert str(info.value) == (f"LoRA adapter {adapter}: an adapter of a {adapter_arch} model (its "
+                               f"general.architecture); the model is {base_arch}")
+
+
+@pytest.mark.parametrize(("model", "arch", "permuted"), [
+    ("tiny-mistral", "llama", True), ("tiny-ministral3", "mistral3", True), ("tiny-granite4-h", "granitehybrid", True),
+    ("tiny-qwen3-vl", "qwen3vl", False), ("tiny-olmo3", "olmo2", False),
+])
+def test_a_gguf_adapter_of_the_bases_architecture_is_the_hand_merge(tmp_path: Path, model: str, arch: str,
+                                                                    permuted: bool) -> None:
+    """Named as llama.cpp names the base's architecture (Mistral's llama, OLMo 3's olmo2), its B rows of Q and K
+    permuted where the converter permutes the base's (llama's family, Ministral 3, Granite-4.0-H): merged into
+    the Hugging Face base it gives the hand-merged base's logits."""
+    base = FIXTURES / model
+    pairs = peft_adapter(tmp_path / "peft", base, ATTENTION)
+    adapter = gguf_adapter(tmp_path / "adapter.gguf", pairs, arch, 8, GGUF_NAMES, _heads(base) if permuted else None)
+    want = logits(hand_merged(tmp_path / "merged", base, [(pairs, 2.0)]))
+    np.testing.assert_array_equal(logits(base, adapter), want)
