@@ -157,12 +157,13 @@ def _model_args(p: argparse.ArgumentParser, several: bool = False, kv_cache_mb: 
                         + (", so 1.78x the context in the same --kv-cache-mb" if kv_cache_mb else ""))
     if kv_cache_mb:
         p.add_argument("--kv-cache-mb", type=float, default=None, help="host KV cache budget (default: 2048)")
-    p.add_argument("--lora", default=None, metavar="PATH",
+    p.add_argument("--lora", action="append", default=None, metavar="PATH",
                    help="a LoRA adapter merged into the model's weights as they load (a Hugging Face directory "
                         "or a GGUF file): PEFT's directory (adapter_config.json, adapter_model.safetensors) or "
-                        "llama.cpp's GGUF adapter")
-    p.add_argument("--lora-scale", type=float, default=None, metavar="S",
-                   help="times the adapter's own scale, lora_alpha / r (default: 1)")
+                        "llama.cpp's GGUF adapter; repeatable: the adapters stack, W + s1*B1@A1 + s2*B2@A2")
+    p.add_argument("--lora-scale", action="append", type=float, default=None, metavar="S",
+                   help="times the adapter's own scale, lora_alpha / r (default: 1); once for every --lora, or "
+                        "once per --lora, in their order")
     p.add_argument("--rope-scaling", default=None, metavar="JSON",
                    help="RoPE scaling in place of the model's, as config.json's rope_scaling (or @file), e.g. "
                         "'{\"rope_type\":\"yarn\",\"factor\":4.0,\"original_max_position_embeddings\":32768}' "

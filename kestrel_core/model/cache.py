@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,15 +79,17 @@ def gguf_stem(path: Path) -> str:
     return _stem("gguf", path)
 
 
-def adapter_stem(path: Path) -> str:
-    """A LoRA adapter's part of a merged model's slot, as ``hf_stem``."""
-    return _stem("lora", path)
+def adapter_stem(paths: Sequence[Path]) -> str:
+    """The LoRA adapters' part of a merged model's slot, as ``hf_stem``: their names and a hash of their absolute
+    paths, in order."""
+    return _stem("lora", *paths)
 
 
-def _stem(kind: str, path: Path) -> str:
-    resolved = path.resolve()
-    name = re.sub(r"[^A-Za-z0-9_-]+", "_", resolved.name)[:64] or "model"
-    return f"{kind}-{name}.{hashlib.sha256(os.fsencode(resolved)).hexdigest()[:12]}"  # any bytes Linux allows
+def _stem(kind: str, *paths: Path) -> str:
+    resolved = [p.resolve() for p in paths]
+    name = re.sub(r"[^A-Za-z0-9_-]+", "_", "+".join(p.name for p in resolved))[:64] or "model"
+    digest = hashlib.sha256(b"\0".join(os.fsencode(p) for p in resolved)).hexdigest()[:12]  # any bytes Linux allows
+    return f"{kind}-{name}.{digest}"
 
 
 def gguf_key(path: Path, quant: str) -> str:

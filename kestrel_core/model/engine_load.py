@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import normalize_rope_scaling
@@ -17,11 +17,14 @@ from kestrel_core.model.validate import ValidationError, is_int
 from kestrel_core.model.weights import Model
 from kestrel_core.registry import Registry
 
+if TYPE_CHECKING:
+    from kestrel_core.model.lora import LoraPaths
 
-def _resolve_model(model: Any, quant: str | None, lora: str | None = None,
-                   lora_scale: float = 1.0) -> tuple[Model, Any, str]:
+
+def _resolve_model(model: Any, quant: str | None, lora: LoraPaths | None = None,
+                   lora_scale: float | Sequence[float] = 1.0) -> tuple[Model, Any, str]:
     """(Model, tokenizer, source description) from a path, None (the default model), a Model or a loaded
-    model (anything with ``.model`` and ``.tokenizer``); ``lora``: an adapter merged into a path's weights."""
+    model (anything with ``.model`` and ``.tokenizer``); ``lora``: adapters merged into a path's weights."""
     from kestrel_core.model.presets import ByteTokenizer
 
     if isinstance(model, os.PathLike):
@@ -100,7 +103,8 @@ def _open(resolve: Callable[[], tuple[Model, Any, str]], backend: str, kv_cache_
 def load(model: str | Model | None = None, backend: str = "auto", quant: str | None = None,
          kv_cache_mb: float | None = None, activations: str = "auto",
          backend_options: dict[str, str] | None = None, max_model_len: int | None = None,
-         rope_scaling: dict[str, Any] | None = None, lora: str | None = None, lora_scale: float = 1.0,
+         rope_scaling: dict[str, Any] | None = None, lora: LoraPaths | None = None,
+         lora_scale: float | Sequence[float] = 1.0,
          kv_cache_type: str = "f16") -> Engine:
     """An engine for ``model`` (a path, None for the default model, or a Model) on ``backend`` (``auto``:
     the best bound gpu/npu accelerator, else cpu); the model is preloaded onto the backend. ``quant``:
@@ -110,10 +114,13 @@ def load(model: str | Model | None = None, backend: str = "auto", quant: str | N
     projections' inputs are, q8, f32, mixed (the prompt at f32, generated tokens at q8) or auto (see
     ``resolve_activations``). ``backend_options``: string KEY: VALUE pairs every backend's ``kestrel_open``
     receives. ``max_model_len``: the context (None: the model's); ``rope_scaling``: a RoPE scaling in place of
-    the model's, e.g. YaRN for a longer context (``with_context``); ``lora``: a PEFT LoRA adapter directory merged
-    into the weights as they load, its scale times ``lora_scale`` (kestrel_core.model.lora)."""
-    if lora is not None and not isinstance(lora, (str, os.PathLike)):
-        raise KestrelError(f"lora must be a path, got {type(lora).__name__}")
+    the model's, e.g. YaRN for a longer context (``with_context``); ``lora``: a LoRA adapter (a PEFT directory or
+    llama.cpp's GGUF adapter), or a list of them stacked in order, merged into the weights as they load, each
+    one's scale times ``lora_scale`` (one for all, or a list of one each; kestrel_core.model.lora)."""
+    if lora is not None:
+        from kestrel_core.model.lora import lora_paths
+
+        lora_paths(lora)  # a wrong type fails before the backend is bound
     return _open(lambda: _resolve_model(model, quant, lora, lora_scale), backend, kv_cache_mb, activations,
                  backend_options, max_model_len, rope_scaling, kv_cache_type)
 

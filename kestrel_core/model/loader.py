@@ -15,7 +15,7 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from kestrel_core.artifact_write import remove_stale_temps, save_artifact
 from kestrel_core.errors import KestrelError
 from kestrel_core.model import cache as store
 from kestrel_core.model.hub import fetch, parse_hub_spec
-from kestrel_core.model.lora import Adapter, LoraSource, read_adapter
+from kestrel_core.model.lora import Adapter, LoraPaths, LoraSource, read_adapters
 from kestrel_core.model.pull import DEFAULT_MODEL, pull_default_model
 from kestrel_core.model.quantize import parse_quant, quantize_model
 from kestrel_core.model.tokenizer import NoTokenizer, Tokenizer
@@ -82,72 +82,72 @@ def _quantize(ckpt: Any, quant: str, what: str) -> Model:
         return quantize_model(ckpt, quant, progress=report)
 
 
-def _load_hf(path: Path, quant: str, adapter: Adapter | None = None) -> LoadedModel:
+def _load_hf(path: Path, quant: str, adapters: tuple[Adapter, ...] = ()) -> LoadedModel:
     from kestrel_core.model.hf import HFCheckpoint
     from kestrel_core.model.hf_config import llama_cpp_architecture
 
     ckpt: Any = HFCheckpoint(path)
-    if adapter is not None:
-        ckpt = LoraSource(ckpt, adapter, llama_cpp_architecture(path))
+    if adapters:
+        ckpt = LoraSource(ckpt, adapters, llama_cpp_architecture(path))
     c = ckpt.config
     if (path / "tokenizer.json").is_file():
         tokenizer: Tokenizer | NoTokenizer = Tokenizer.from_hf_dir(path, bos_token_id=c.bos_token_id,
                                                                    eos_token_ids=c.eos_token_ids)
     else:  # token ids still work; text fails when it is asked for
         tokenizer = NoTokenizer(f"tokenizer.json is missing in {path}", c.vocab_size, c.eos_token_ids)
-    return LoadedModel(_quantize(ckpt, quant, _named(path, adapter)), tokenizer, _named(path, adapter, str(path)),
+    return LoadedModel(_quantize(ckpt, quant, _named(path, adapters)), tokenizer, _named(path, adapters, str(path)),
                        quant)
 
 
-def _named(path: Path, adapter: Adapter | None, name: str | None = None) -> str:
-    """A model's name (``path``'s, or ``name``), with its adapter's."""
-    base = path.name if name is None else name
-    return base if adapter is None else f"{base} + LoRA {adapter.path.name}"
+def _named(path: Path, adapters: tuple[Adapter, ...], name: str | None = None) -> str:
+    """A model's name (``path``'s, or ``name``), with its adapters'."""
+    return (path.name if name is None else name) + "".join(f" + LoRA {a.path.name}" for a in adapters)
 
 
-def _origins(path: Path, adapter: Adapter | None) -> list[str]:
+def _origins(path: Path, adapters: tuple[Adapter, ...]) -> list[str]:
     """What a cache entry is built from (recorded in it: ``kestrel cache`` finds the entries whose model is gone)."""
-    return [str(p.resolve()) for p in (path, *(() if adapter is None else (adapter.path,)))]
+    return [str(p.resolve()) for p in (path, *(a.path for a in adapters))]
 
 
-def _cached_entry(path: Path, key: str, stem: str, quant: str, adapter: Adapter | None) -> tuple[Path, str, str]:
-    """(entry, key, stale pattern) of a checkpoint's cached artifact; an adapter's merge is its own slot."""
-    if adapter is not None:
-        key = hashlib.sha256(f"{key}+lora:{adapter.key}".encode()).hexdigest()
-        stem = f"{stem}+{store.adapter_stem(adapter.path)}"
+def _cached_entry(path: Path, key: str, stem: str, quant: str, adapters: tuple[Adapter, ...]) -> tuple[Path, str, str]:
+    """(entry, key, stale pattern) of a checkpoint's cached artifact; a merge of adapters is a slot of its own,
+    keyed on each one's files and scale, in order."""
+    if adapters:
+        key = hashlib.sha256(f"{key}+lora:{'+'.join(a.key for a in adapters)}".encode()).hexdigest()
+        stem = f"{stem}+{store.adapter_stem([a.path for a in adapters])}"
     return store.cache_dir() / store.entry_name(stem, key[:16], quant), key, store.stale_pattern(stem, quant)
 
 
-def _load_hf_cached(path: Path, quant: str, mode: str, adapter: Adapter | None = None) -> LoadedModel:
+def _load_hf_cached(path: Path, quant: str, mode: str, adapters: tuple[Adapter, ...] = ()) -> LoadedModel:
     try:
         key = store.hf_key(path, quant)
     except (OSError, KestrelError):  # not a readable checkpoint: the uncached load says what is wrong
-        return _load_hf(path, quant, adapter)
-    entry, key, stale = _cached_entry(path, key, store.hf_stem(path), quant, adapter)
-    return _cached(entry, key, quant, stale, lambda: _load_hf(path, quant, adapter), _named(path, adapter, str(path)),
-                   _origins(path, adapter), write=mode == "on")
+        return _load_hf(path, quant, adapters)
+    entry, key, stale = _cached_entry(path, key, store.hf_stem(path), quant, adapters)
+    return _cached(entry, key, quant, stale, lambda: _load_hf(path, quant, adapters), _named(path, adapters, str(path)),
+                   _origins(path, adapters), write=mode == "on")
 
 
-def _load_gguf_cached(path: Path, quant: str, mode: str, adapter: Adapter | None = None) -> LoadedModel:
+def _load_gguf_cached(path: Path, quant: str, mode: str, adapters: tuple[Adapter, ...] = ()) -> LoadedModel:
     try:
         key = store.gguf_key(path, quant)
     except (OSError, KestrelError):  # not a readable GGUF file: the uncached load says what is wrong
-        return _load_gguf(path, quant, adapter)
-    entry, key, stale = _cached_entry(path, key, store.gguf_stem(path), quant, adapter)
-    return _cached(entry, key, quant, stale, lambda: _load_gguf(path, quant, adapter),
-                   _named(path, adapter, str(path)), _origins(path, adapter), write=mode == "on")
+        return _load_gguf(path, quant, adapters)
+    entry, key, stale = _cached_entry(path, key, store.gguf_stem(path), quant, adapters)
+    return _cached(entry, key, quant, stale, lambda: _load_gguf(path, quant, adapters),
+                   _named(path, adapters, str(path)), _origins(path, adapters), write=mode == "on")
 
 
-def _load_gguf(path: Path, quant: str, adapter: Adapter | None = None) -> LoadedModel:
+def _load_gguf(path: Path, quant: str, adapters: tuple[Adapter, ...] = ()) -> LoadedModel:
     from kestrel_core.model.gguf_reader import GGUFCheckpoint  # gguf-py is imported for GGUF files only
 
     gguf = GGUFCheckpoint(path)
     tokenizer = Tokenizer.from_gguf_vocab(gguf.tokenizer_fields(), where=str(path),
                                           architecture=str(gguf.field("general.architecture", "")))
-    ckpt: Any = gguf if adapter is None else LoraSource(gguf, adapter, str(gguf.field("general.architecture")))
-    model = _quantize(ckpt, quant, _named(path, adapter))
+    ckpt: Any = LoraSource(gguf, adapters, str(gguf.field("general.architecture"))) if adapters else gguf
+    model = _quantize(ckpt, quant, _named(path, adapters))
     del ckpt, gguf  # drop the memory map before the caller goes on
-    return LoadedModel(model, tokenizer, _named(path, adapter, str(path)), quant)
+    return LoadedModel(model, tokenizer, _named(path, adapters, str(path)), quant)
 
 
 def _from_artifact(path: Path, quant: str | None, **options: Any) -> tuple[LoadedModel, ArtifactMeta]:
@@ -308,17 +308,17 @@ def finish_cache_writes(*, cancel: bool = False) -> None:
                 w.thread.join(0.1)
 
 
-def _load_default(quant: str, adapter: Adapter | None = None) -> LoadedModel:
+def _load_default(quant: str, adapters: tuple[Adapter, ...] = ()) -> LoadedModel:
     gguf_path = pull_default_model(progress=True)
     # keyed on the source bytes, the quant mode, the format and the kestrel version (its quantizer)
     stem = DEFAULT_MODEL.filename
-    if adapter is None:
+    if not adapters:
         entry = store.cache_dir() / store.entry_name(stem, DEFAULT_MODEL.member_sha256[:12], quant)
         key, stale = DEFAULT_MODEL.member_sha256, store.stale_pattern(stem, quant)
     else:
-        entry, key, stale = _cached_entry(gguf_path, DEFAULT_MODEL.member_sha256, stem, quant, adapter)
-    return _cached(entry, key, quant, stale, lambda: _load_gguf(gguf_path, quant, adapter),
-                   _named(gguf_path, adapter, f"SmolLM2-135M-Instruct ({gguf_path})"), _origins(gguf_path, adapter))
+        entry, key, stale = _cached_entry(gguf_path, DEFAULT_MODEL.member_sha256, stem, quant, adapters)
+    return _cached(entry, key, quant, stale, lambda: _load_gguf(gguf_path, quant, adapters),
+                   _named(gguf_path, adapters, f"SmolLM2-135M-Instruct ({gguf_path})"), _origins(gguf_path, adapters))
 
 
 def _sniff(path: Path) -> bytes:
@@ -330,29 +330,32 @@ def _sniff(path: Path) -> bytes:
 
 
 def load_model(path: str | os.PathLike[str] | None = None, quant: str | None = "q8", *,
-               cache: str = "on", lora: str | os.PathLike[str] | None = None, lora_scale: float = 1.0) -> LoadedModel:
+               cache: str = "on", lora: LoraPaths | None = None,
+               lora_scale: float | Sequence[float] = 1.0) -> LoadedModel:
     """Load a model and its tokenizer, quantized to ``quant`` (default q8; an artifact keeps its own).
 
     ``cache`` (Hugging Face directories and GGUF files): "on" reads and writes the cached artifact, "read" uses
     a valid one but never writes one (``kestrel quantize`` writes its own), "off" neither;
     ``KESTREL_MODEL_CACHE=0`` means "off" whatever is asked. The default model is always cached (its artifact
-    is small). ``lora``: a PEFT LoRA adapter directory merged into the weights before they are quantized, its
-    scale times ``lora_scale`` (kestrel_core.model.lora); the merge is cached in a slot of its own."""
+    is small). ``lora``: a LoRA adapter (a PEFT directory or llama.cpp's GGUF adapter), or a list of them,
+    merged into the weights before they are quantized, each one's delta added in order, its scale times
+    ``lora_scale`` (one for all of them, or a list: one each; kestrel_core.model.lora); the merge is cached in a
+    slot of its own."""
     mode = parse_quant(quant or "q8").name  # an unknown mode fails before any heavy work
     if cache not in CACHE_MODES:
         raise KestrelError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
-    adapter = None if lora is None else read_adapter(lora, lora_scale)
+    adapters = () if lora is None else read_adapters(lora, lora_scale)
     if path is None:
-        return _load_default(mode, adapter)
+        return _load_default(mode, adapters)
     p = Path(path).expanduser()
     if p.exists():
-        return _load_path(p, _checkpoint_mode(p, quant, mode), quant, cache, adapter)
+        return _load_path(p, _checkpoint_mode(p, quant, mode), quant, cache, adapters)
     spec = parse_hub_spec(str(path))
     if spec is None:
         raise KestrelError(f"model {path} does not exist (give a Hugging Face model directory or Hub name such "
                            "as Qwen/Qwen3-0.6B, a .gguf file or a .kst artifact)")
     fetched = fetch(spec)
-    loaded = _load_path(fetched, _checkpoint_mode(fetched, quant, mode), quant, cache, adapter)
+    loaded = _load_path(fetched, _checkpoint_mode(fetched, quant, mode), quant, cache, adapters)
     return replace(loaded, source=f"{spec} ({loaded.source})")
 
 
@@ -376,20 +379,20 @@ def _checkpoint_mode(p: Path, quant: str | None, mode: str) -> str:
     return natural
 
 
-def _load_path(p: Path, mode: str, quant: str | None, cache: str, adapter: Adapter | None = None) -> LoadedModel:
+def _load_path(p: Path, mode: str, quant: str | None, cache: str, adapters: tuple[Adapter, ...] = ()) -> LoadedModel:
     cached = cache != "off" and store.model_cache_enabled()
     if p.is_dir():
-        return _load_hf_cached(p, mode, cache, adapter) if cached else _load_hf(p, mode, adapter)
+        return _load_hf_cached(p, mode, cache, adapters) if cached else _load_hf(p, mode, adapters)
     check_regular_file(p)  # a FIFO would block the open below forever
     if not os.access(p, os.R_OK):
         raise KestrelError(f"{p}: cannot read it (permission denied)")
     magic = _sniff(p)
     if magic == GGUF_MAGIC:
-        return _load_gguf_cached(p, mode, cache, adapter) if cached else _load_gguf(p, mode, adapter)
+        return _load_gguf_cached(p, mode, cache, adapters) if cached else _load_gguf(p, mode, adapters)
     if p.suffix.lower() == ".gguf":
         raise KestrelError(f"{p}: not a GGUF file (bad magic {magic!r}; truncated or corrupt?)")
     if p.suffix.lower() == ".kst" or p.suffix.lower() == ".safetensors":
-        if adapter is not None:
+        if adapters:
             raise KestrelError(f"{p}: a LoRA adapter merges into a checkpoint's float weights (a Hugging Face "
                                "directory or a GGUF file); an artifact's are quantized already")
         return _load_artifact(p, quant)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 # the projections an adapter may change (q_a, q_b, kv_a, kv_b: a latent attention's)
 MERGED = frozenset({"q", "k", "v", "o", "gate", "up", "down", "q_a", "q_b", "kv_a", "kv_b"})
 _PREFIX = "base_model.model."
+LoraPaths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]  # one adapter, or several
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,27 @@ class Adapter:
     pairs: dict[str, tuple[np.ndarray, np.ndarray]]
     key: str
     architecture: str | None = None
+
+
+def lora_paths(lora: Any) -> list[str | os.PathLike[str]]:
+    """``lora``, one adapter's path or a list of them, as a list; anything else is a KestrelError."""
+    paths = [lora] if isinstance(lora, (str, os.PathLike)) else lora
+    if not isinstance(paths, (list, tuple)) or not paths or not all(isinstance(p, (str, os.PathLike)) for p in paths):
+        raise KestrelError(f"lora must be a path or a list of paths, got {type(lora).__name__}")
+    return list(paths)
+
+
+def read_adapters(lora: LoraPaths, scale: float | Sequence[float] = 1.0) -> tuple[Adapter, ...]:
+    """The adapters at ``lora`` (a path, or a list of them: merged in order); ``scale`` multiplies their own, one
+    for all of them, or a list of one each, in order (llama.cpp's --lora-scaled FNAME SCALE, one a file)."""
+    paths = lora_paths(lora)
+    scales = list(scale) if isinstance(scale, (list, tuple)) else [scale]
+    if len(scales) == 1:
+        scales *= len(paths)
+    if len(scales) != len(paths):
+        raise KestrelError(f"{len(paths)} LoRA adapters (--lora) and {len(scales)} scales (--lora-scale): give one "
+                           "scale for all of them, or one for each, in order")
+    return tuple(read_adapter(p, s) for p, s in zip(paths, scales, strict=True))
 
 
 def read_adapter(path: str | Path, scale: float = 1.0) -> Adapter:
@@ -210,19 +234,23 @@ def _gguf_adapter(path: Path, scale: float) -> Adapter:
 
 
 class LoraSource:
-    """A TensorSource with an adapter merged into its weights (float32 for those it changes). ``architecture``:
-    the base's general.architecture, as its GGUF file says or llama.cpp would write it
+    """A TensorSource with LoRA adapters merged into its weights (float32 for those they change): W + s1 * B1 @ A1
+    + s2 * B2 @ A2 + ..., each adapter's delta added in their order, as llama.cpp stacks repeated ``--lora``
+    adapters. ``architecture``: the base's general.architecture, as its GGUF file says or llama.cpp would write it
     (hf_config.llama_cpp_architecture): a GGUF adapter of another is refused, as llama.cpp refuses it."""
 
-    def __init__(self, source: TensorSource, adapter: Adapter, architecture: str) -> None:
+    def __init__(self, source: TensorSource, adapters: Sequence[Adapter], architecture: str) -> None:
         self.source = source
-        self.adapter = adapter
+        self.adapters = tuple(adapters)
         self.config = source.config
-        self.description = f"{source.description} + LoRA {adapter.path.name}"
-        if adapter.architecture not in (None, architecture):
-            raise KestrelError(f"LoRA adapter {adapter.path}: an adapter of a {adapter.architecture} model (its "
-                               f"general.architecture); the model is {architecture}")
-        self.deltas = _kestrel_pairs(source, adapter)
+        self.description = source.description + "".join(f" + LoRA {a.path.name}" for a in self.adapters)
+        self.deltas: dict[str, list[tuple[Adapter, np.ndarray, np.ndarray]]] = {}
+        for adapter in self.adapters:
+            if adapter.architecture not in (None, architecture):
+                raise KestrelError(f"LoRA adapter {adapter.path}: an adapter of a {adapter.architecture} model (its "
+                                   f"general.architecture); the model is {architecture}")
+            for name, (a, b) in _kestrel_pairs(source, adapter).items():
+                self.deltas.setdefault(name, []).append((adapter, a, b))
         self.fp4_experts = getattr(source, "fp4_experts", False)
 
     def has(self, name: str) -> bool:
@@ -230,15 +258,17 @@ class LoraSource:
 
     def get(self, name: str) -> np.ndarray:
         w = self.source.get(name)
-        pair = self.deltas.get(name)
-        if pair is None:
+        deltas = self.deltas.get(name)
+        if deltas is None:
             return w
-        a, b = pair
-        delta = (np.float32(self.adapter.scale) * (b @ a)).astype(np.float32)
-        if delta.shape != w.shape:
-            raise KestrelError(f"LoRA adapter {self.adapter.path}: {name} is {list(w.shape)} in the model but "
-                               f"B @ A is {list(delta.shape)} (another base model's adapter?)")
-        return np.asarray(w, dtype=np.float32) + delta
+        merged = np.asarray(w, dtype=np.float32)
+        for adapter, a, b in deltas:
+            delta = (np.float32(adapter.scale) * (b @ a)).astype(np.float32)
+            if delta.shape != w.shape:
+                raise KestrelError(f"LoRA adapter {adapter.path}: {name} is {list(w.shape)} in the model but "
+                                   f"B @ A is {list(delta.shape)} (another base model's adapter?)")
+            merged = merged + delta
+        return merged
 
     def get_weight(self, name: str) -> Any:
         if name in self.deltas:

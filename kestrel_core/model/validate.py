@@ -328,14 +328,11 @@ def check_cli_args(args: Any) -> None:
             raise KestrelError(f"--{name.replace('_', '-')}: {name} must be an integer {span}, got {value!r}")
     for name, (lo_f, hi_f) in CLI_FLOAT_RANGES.items():
         value = getattr(args, name, None)
-        if value is None:
-            continue
         open_lo = name in ("top_p", "repetition_penalty", "kv_cache_mb", "max_request_mb")
-        ok = is_number(value) and math.isfinite(value) and (lo_f < value if open_lo else lo_f <= value) \
-            and value <= hi_f
-        if not ok:
-            span = f"{'(' if open_lo else '['}{lo_f:g}, {hi_f:g}]"
-            raise KestrelError(f"--{name.replace('_', '-')}: {name} must be in {span}, got {value!r}")
+        for one in value if isinstance(value, list) else [] if value is None else [value]:  # a repeatable one: each
+            if not (is_number(one) and math.isfinite(one) and (lo_f < one if open_lo else lo_f <= one) and one <= hi_f):
+                span = f"{'(' if open_lo else '['}{lo_f:g}, {hi_f:g}]"
+                raise KestrelError(f"--{name.replace('_', '-')}: {name} must be in {span}, got {one!r}")
     for name in CLI_TEXT:
         value = getattr(args, name, None)
         for one in value if isinstance(value, list) else [value]:  # a repeatable option: each value

@@ -172,3 +172,23 @@ def test_two_models_are_served_and_named() -> None:
     finally:
         serve.kill()
     assert "Traceback" not in "\n".join(serve.seen)
+
+
+def test_stacked_adapters_are_served_under_a_name_that_names_them(tmp_path: Path) -> None:
+    """``serve`` takes --lora as ``run`` does, repeated: the model it serves is the base with both adapters."""
+    from ..model.lora_adapters import peft_adapter
+
+    models = ROOT / "tests" / "fixtures" / "models"
+    peft_adapter(tmp_path / "second", models / "tiny-llama", ["self_attn.q_proj"], seed=1)
+    serve = _Serve("--model", str(models / "tiny-llama"), "--lora", str(models / "tiny-llama-lora"), "--lora",
+                   str(tmp_path / "second"), "--lora-scale", "0.5", "--lora-scale", "2")
+    name = "tiny-llama-+-LoRA-tiny-llama-lora-+-LoRA-second"
+    try:
+        url = serve.wait_for(rf"kestrel serve: (\S+)/v1 \(model {re.escape(name)}, backend cpu").group(1)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == [name]
+        serve.proc.send_signal(signal.SIGTERM)
+        assert serve.finish() == 0
+    finally:
+        serve.kill()
+    assert "Traceback" not in "\n".join(serve.seen)
