@@ -123,7 +123,8 @@ def _scale(cfg: dict[str, Any]) -> float:
                    "layer_replication": "layers repeated", "alora_invocation_tokens": "aLoRA (from its tokens on: "
                    "not mergeable)", "arrow_config": "an Arrow router (not mergeable)"}
     for key, what in unsupported.items():
-        if cfg.get(key):
+        value = cfg.get(key)  # unset: PEFT's None, false or empty; layers_to_transform 0 is layer 0
+        if not (value is None or value is False or (isinstance(value, (list, dict, str)) and not value)):
             raise ValidationError(f"{key} ({what}) is not supported")
     if cfg.get("bias", "none") != "none":
         raise ValidationError(f"bias {cfg.get('bias')!r} (trained biases) is not supported")

@@ -98,6 +98,8 @@ def _renamed(t: dict, old: str, new: str) -> dict:
     (lambda p: _adapter(p, {"init_lora_weights": "olora"}), "init_lora_weights 'olora'"),
     (lambda p: _adapter(p, {"alora_invocation_tokens": [5, 6]}), "alora_invocation_tokens (aLoRA"),
     (lambda p: _adapter(p, {"layer_replication": [[0, 1], [0, 1]]}), "layer_replication (layers repeated)"),
+    (lambda p: _adapter(p, {"layers_to_transform": 0}), "layers_to_transform (a subset of layers by index)"),
+    (lambda p: _adapter(p, {"layers_to_transform": [0]}), "layers_to_transform (a subset of layers by index)"),
     (lambda p: _adapter(p, {"r": 64}), "lora_A has rank"),  # the tensors' rank is not the config's
     (lambda p: _adapter(p) / "adapter_model.safetensors", "a PEFT adapter is its directory"),
 ])
