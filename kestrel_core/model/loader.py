@@ -356,7 +356,7 @@ def load_model(path: str | os.PathLike[str] | None = None, quant: str | None = "
                            "as Qwen/Qwen3-0.6B, a .gguf file or a .kst artifact)")
     fetched = fetch(spec)
     loaded = _load_path(fetched, _checkpoint_mode(fetched, quant, mode), quant, cache, adapters)
-    return replace(loaded, source=f"{spec} ({loaded.source})")
+    return replace(loaded, source=_named(fetched, adapters, f"{spec} ({fetched})"))
 
 
 def _checkpoint_mode(p: Path, quant: str | None, mode: str) -> str:

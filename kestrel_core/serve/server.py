@@ -44,15 +44,18 @@ _MODEL_SUFFIXES = (".gguf", ".kst", ".safetensors")
 def default_model_name(source: str) -> str:
     """A short public name from ``engine.source``: "SmolLM2-135M-Instruct (/cache/x.gguf)" ->
     "SmolLM2-135M-Instruct", "/models/Qwen3-0.6B" -> "Qwen3-0.6B", "q.q8.kst" -> "q.q8", and a Hub name as it
-    was given, "Qwen/Qwen3-0.6B (/hf/cache/...)" -> "Qwen/Qwen3-0.6B" (as vLLM names it)."""
-    head = source.split(" (", 1)[0].strip().rstrip("/\\")
-    if " (" in source and parse_hub_spec(head) is not None:
-        return head
-    name = Path(head).name if head else ""
-    for suffix in _MODEL_SUFFIXES:
-        if name.lower().endswith(suffix):
-            name = name[: -len(suffix)]
-    return re.sub(r"\s+", "-", name) or "kestrel"
+    was given, "Qwen/Qwen3-0.6B (/hf/cache/...)" -> "Qwen/Qwen3-0.6B" (as vLLM names it); each LoRA adapter merged
+    into it named after it, "/models/Qwen3-0.6B + LoRA my-adapter" -> "Qwen3-0.6B-+-LoRA-my-adapter"."""
+    model, *adapters = source.split(" + LoRA ")
+    head = model.split(" (", 1)[0].strip().rstrip("/\\")
+    if " (" in model and parse_hub_spec(head) is not None:
+        name = head
+    else:
+        name = Path(head).name if head else ""
+        for suffix in _MODEL_SUFFIXES:
+            if name.lower().endswith(suffix):
+                name = name[: -len(suffix)]
+    return re.sub(r"\s+", "-", " + LoRA ".join([name, *adapters])) or "kestrel"
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -169,6 +169,21 @@ def test_a_model_loaded_by_hub_name_keeps_that_name(hub: FakeHub, tmp_path: Path
     assert loaded.model.config.arch == "qwen3"
 
 
+def test_a_hub_model_with_an_adapter_is_named_with_it(hub: FakeHub, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's default name shows the adapter, as it does for a local path, not the base's name alone."""
+    from kestrel_core.model import loader
+    from kestrel_core.serve.server import default_model_name
+
+    from .lora_adapters import peft_adapter
+
+    monkeypatch.setattr(loader, "fetch", Hub(hub.url, str(tmp_path / "hf")).fetch)
+    peft_adapter(tmp_path / "my-adapter", FIXTURES / "tiny-qwen3", ["self_attn.q_proj"])
+    loaded = loader.load_model("org/tiny", cache="off", lora=str(tmp_path / "my-adapter"))
+    assert loaded.source.startswith("org/tiny (") and loaded.source.endswith(") + LoRA my-adapter")
+    assert default_model_name(loaded.source) == "org/tiny-+-LoRA-my-adapter"
+
+
 def test_without_huggingface_hub_a_hub_name_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import fails as when it is not installed
     with pytest.raises(KestrelError, match="huggingface_hub, which fetches models by Hub name, cannot be imported"):

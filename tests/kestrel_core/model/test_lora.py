@@ -119,6 +119,18 @@ def test_an_artifact_or_a_preset_takes_no_adapter(tmp_path: Path, capsys: pytest
     assert "a preset has none" in capsys.readouterr().err
 
 
+def test_the_default_model_with_an_adapter_is_named_with_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's default name shows the adapter, as it does for a local path, not the base's name alone."""
+    from kestrel_core.model import loader
+    from kestrel_core.serve.server import default_model_name
+
+    monkeypatch.setenv("KESTREL_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(loader, "pull_default_model", lambda progress=True: FIXTURES / "tiny-llama.gguf")
+    loaded = load_model(None, lora=str(ADAPTER))
+    assert default_model_name(loaded.source) == "SmolLM2-135M-Instruct-+-LoRA-tiny-llama-lora"
+    assert default_model_name(load_model(None).source) == "SmolLM2-135M-Instruct"
+
+
 def test_run_with_an_adapter_answers_as_the_merged_model(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["run", "-m", str(FIXTURES / "tiny-llama"), "--no-chat", "--json", "-n", "4", "--backend", "cpu", "hello"]
     assert main([*argv, "--lora", str(ADAPTER)]) == 0

@@ -36,6 +36,12 @@ URL = re.compile(r"kestrel serve: (http://127\.0\.0\.1:(\d+))/v1 \(model (\S+), 
     ("org/m-GGUF:Q4_K_M (/hf/hub/models--org--m-GGUF/snapshots/abc/m-Q4_K_M.gguf)", "org/m-GGUF:Q4_K_M"),
     ("models/m", "m"),
     ("", "kestrel"),
+    ("/models/Qwen3-0.6B + LoRA my-adapter", "Qwen3-0.6B-+-LoRA-my-adapter"),
+    ("/x/model.Q8_0.gguf + LoRA a + LoRA b.gguf", "model.Q8_0-+-LoRA-a-+-LoRA-b.gguf"),
+    ("SmolLM2-135M-Instruct (/root/.cache/kestrel/models/SmolLM2-135M-Instruct.Q4_1.gguf) + LoRA my-adapter",
+     "SmolLM2-135M-Instruct-+-LoRA-my-adapter"),
+    ("Qwen/Qwen3-0.6B (/hf/hub/models--Qwen--Qwen3-0.6B/snapshots/abc) + LoRA a + LoRA b",
+     "Qwen/Qwen3-0.6B-+-LoRA-a-+-LoRA-b"),
 ])
 def test_default_model_name(source: str, name: str) -> None:
     assert default_model_name(source) == name
