@@ -63,6 +63,14 @@ def test_a_checkpoints_llama_cpp_architecture_is_its_gguf_twins(model: str) -> N
     assert llama_cpp_architecture(FIXTURES / model) == twin
 
 
+def test_every_architecture_kestrel_reads_has_its_llama_cpp_name() -> None:
+    """A Hugging Face base of any architecture kestrel reads gets a GGUF adapter's architecture checked, not a
+    KeyError (the fixtures' GGUF twins check the names themselves)."""
+    from kestrel_core.model.hf_config import HF_ARCHITECTURES, LLAMA_CPP_ARCHITECTURES, MODEL_TYPES
+
+    assert set(HF_ARCHITECTURES.values()) | set(MODEL_TYPES.values()) <= set(LLAMA_CPP_ARCHITECTURES)
+
+
 @pytest.mark.parametrize(("adapter_arch", "base", "base_arch"), [
     ("gemma2", "tiny-llama", "llama"), ("qwen2", "tiny-llama.gguf", "llama"), ("foo", "tiny-llama", "llama"),
     ("llama", "tiny-olmo2.gguf", "olmo2"), ("llama", "tiny-qwen3", "qwen3"), ("qwen3", "tiny-qwen3-vl", "qwen3vl"),
