@@ -10,7 +10,8 @@ loaded like any other:
 - a repository of GGUF files: the one whose name holds ``TAG`` (``Q4_K_M``, as llama.cpp's ``-hf``), else the
   most precise of the usual quantizations, Q8_0 first (kestrel's q8 codes are Q8_0's own).
 
-Offline (``HF_HUB_OFFLINE=1``, or the Hub unreachable) a model already in the cache is used as it is.
+Offline (``HF_HUB_OFFLINE=1``, the Hub unreachable, or silent for ``HF_HUB_ETAG_TIMEOUT`` seconds) a model
+already in the cache is used as it is.
 """
 
 from __future__ import annotations
@@ -96,8 +97,11 @@ class Hub:
 
         if constants.HF_HUB_OFFLINE:
             return self._cached(spec, "HF_HUB_OFFLINE is set")
-        try:  # repo_info: one request (list_repo_files retries an unreachable Hub for half a minute)
-            info = HfApi(endpoint=self.endpoint).repo_info(spec.repo, revision=spec.revision)
+        try:  # repo_info: one request (list_repo_files retries an unreachable Hub for half a minute), which
+            # waits as long as hf_hub_download's own metadata request does: a Hub that takes the connection and
+            # never answers (a stalled proxy) ends in the cache too
+            info = HfApi(endpoint=self.endpoint).repo_info(spec.repo, revision=spec.revision,
+                                                           timeout=constants.HF_HUB_ETAG_TIMEOUT)
             files = [s.rfilename for s in info.siblings or ()]
         except HfHubHTTPError as exc:  # the Hub answered: no such repository, gated, ...
             raise KestrelError(_refusal(spec, exc)) from exc

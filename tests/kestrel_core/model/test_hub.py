@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -129,6 +132,51 @@ def test_an_unreachable_hub_falls_back_to_the_cache(hub: FakeHub, tmp_path: Path
     assert down.fetch(HubSpec("org/tiny-GGUF")).name == "tiny-Q4_K_M.gguf"  # the one the cache holds
     with pytest.raises(KestrelError, match="org/gated: no such local path, not in the Hugging Face cache, and the Hub"):
         down.fetch(HubSpec("org/gated"))
+
+
+@pytest.fixture
+def silent_hub() -> Iterator[str]:
+    """The URL of a Hub that takes the connection and never answers (a stalled proxy, a captive portal): the
+    kernel completes the handshake of a listening socket nobody accepts from."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def _within(seconds: float, call: Callable[[], object]) -> object:
+    """``call()``'s result or exception, failing the test (not hanging it) where it takes longer than
+    ``seconds``."""
+    done: list[object] = []
+    worker = threading.Thread(target=lambda: done.append(_outcome(call)), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert done, f"still waiting after {seconds} s"
+    if isinstance(done[0], BaseException):
+        raise done[0]
+    return done[0]
+
+
+def _outcome(call: Callable[[], object]) -> object:
+    try:
+        return call()
+    except Exception as exc:  # handed to the test's thread
+        return exc
+
+
+def test_a_hub_that_never_answers_falls_back_to_the_cache_after_the_etag_timeout(
+        hub: FakeHub, silent_hub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The listing waits HF_HUB_ETAG_TIMEOUT, as huggingface_hub's own metadata requests do, then the cache
+    answers as for an unreachable Hub."""
+    from huggingface_hub import constants
+
+    cached = Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/tiny-GGUF", tag="Q4_K_M"))
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 1)
+    started = time.monotonic()
+    assert _within(30, lambda: Hub(silent_hub, str(tmp_path)).fetch(HubSpec("org/tiny-GGUF"))) == cached
+    assert time.monotonic() - started < 8  # the timeout set, not the default 10 s
+    with pytest.raises(KestrelError, match="org/gated: no such local path, not in the Hugging Face cache, and the Hub"):
+        _within(30, lambda: Hub(silent_hub, str(tmp_path)).fetch(HubSpec("org/gated")))
 
 
 def _kestrel(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -257,3 +305,19 @@ def test_kestrel_list_shows_the_models_by_name(hub: FakeHub, tmp_path: Path) -> 
     table = _kestrel("list", env=env)
     assert table.returncode == 0, table.stderr
     assert "SmolLM2-135M-Instruct (the default: no -m)" in table.stdout and "org/tiny-GGUF:Q4_K_M" in table.stdout
+
+
+def test_a_mistyped_local_path_read_as_a_hub_name_does_not_hang(silent_hub: str, tmp_path: Path) -> None:
+    """``models/x.gguf`` (no such file) reads as a Hub name; a Hub that never answers ends it after
+    HF_HUB_ETAG_TIMEOUT with one line."""
+    env = {"HF_ENDPOINT": silent_hub, "HF_HOME": str(tmp_path / "hf"), "KESTREL_HOME": str(tmp_path / "k"),
+           "HF_HUB_ETAG_TIMEOUT": "1"}
+    started = time.monotonic()
+    try:
+        ran = subprocess.run([sys.executable, "-m", "kestrel_core.cli", "run", "-m", "models/x.gguf", "Hi"],
+                             capture_output=True, text=True, timeout=60, env={**os.environ, **env}, cwd=tmp_path)
+    except subprocess.TimeoutExpired:
+        pytest.fail("kestrel run -m models/x.gguf still waiting for the Hub after 60 s")
+    assert ran.returncode == 2 and time.monotonic() - started < 30, ran.stderr
+    assert "models/x.gguf: no such local path, not in the Hugging Face cache, and the Hub cannot be reached" \
+        in ran.stderr and "Traceback" not in ran.stderr
