@@ -8,7 +8,8 @@ loaded like any other:
 - a repository of safetensors weights: only what kestrel reads (``*.safetensors``, the JSON configs and
   tokenizer files, a sentence-transformers pooling config), never a pickle checkpoint or code;
 - a repository of GGUF files: the one whose name holds ``TAG`` (``Q4_K_M``, as llama.cpp's ``-hf``), else the
-  most precise of the usual quantizations, Q8_0 first (kestrel's q8 codes are Q8_0's own).
+  most precise of the usual quantizations, Q8_0 first (kestrel's q8 codes are Q8_0's own); never a model's
+  companion (``mmproj-F16.gguf``, a vision projector).
 
 Offline (``HF_HUB_OFFLINE=1``, the Hub unreachable, or silent for ``HF_HUB_ETAG_TIMEOUT`` seconds) a model
 already in the cache is used as it is.
@@ -37,8 +38,18 @@ INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # a GGUF repository without a tag: the most precise first (kestrel requantizes to q8 or q4 as it loads)
 GGUF_PREFERENCE = ("Q8_0", "F16", "BF16", "F32", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_0")
+# what marks a GGUF file as a model's companion, not a model, in its name, as llama.cpp's gguf_filename_is_model
+# (common/download.cpp) tells them apart: a vision projector, an importance matrix, a speculative draft head
+COMPANION_MARKS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
 _SHARD = re.compile(r"-\d{5}-of-\d{5}$")
 _SHARD_FIRST = re.compile(r"-00001-of-\d{5}$")
+
+
+def is_model_gguf(path: str) -> bool:
+    """A GGUF file that is a model: not one whose name (case as it is, as llama.cpp reads it) has a
+    COMPANION_MARKS."""
+    name = path.rsplit("/", 1)[-1]
+    return name.lower().endswith(".gguf") and not any(mark in name for mark in COMPANION_MARKS)
 
 
 def _is_part(gguf: str) -> bool:
@@ -207,7 +218,7 @@ def _loadable(spec: HubSpec, base: str, snap: Path, files: dict[str, Any]) -> li
                             max(f.blob_last_modified for f in files.values()))]
     out = []
     for name in files:
-        if not name.lower().endswith(".gguf") or (_is_part(name) and _SHARD_FIRST.search(name[:-5]) is None):
+        if not is_model_gguf(name) or (_is_part(name) and _SHARD_FIRST.search(name[:-5]) is None):
             continue
         parts = [files[p] for p in _parts(name) if p in files]
         if len(parts) < len(_parts(name)):
@@ -222,7 +233,7 @@ def _tag_picking(spec: HubSpec, name: str, files: list[str]) -> str | None:
     """A ``:TAG`` that picks the GGUF file ``name`` among ``files``: its quantization, else its file name's stem;
     None where neither picks it (another file answers to both)."""
     stem = _SHARD.sub("", name[:-5])
-    ggufs = [f for f in files if f.lower().endswith(".gguf")]
+    ggufs = [f for f in files if is_model_gguf(f)]
     for tag in (gguf_tag(stem + ".gguf"), stem.rsplit("/", 1)[-1]):
         if tag and _TAG.fullmatch(tag) and _pick_gguf(HubSpec(spec.repo, tag=tag), ggufs) == name:
             return tag
@@ -243,11 +254,14 @@ def fetch(spec: HubSpec) -> Path:
 def choose_files(spec: HubSpec, files: Sequence[str]) -> tuple[str, str]:
     """("safetensors", "") or ("gguf", the file) for a repository holding ``files``; a KestrelError saying
     what is missing otherwise."""
-    ggufs = [f for f in files if f.lower().endswith(".gguf")]
+    ggufs = [f for f in files if is_model_gguf(f)]
     if spec.tag is None and "config.json" in files and any(f.endswith(".safetensors") for f in files):
         return "safetensors", ""
     if ggufs:
         return "gguf", _pick_gguf(spec, ggufs)
+    if any(f.lower().endswith(".gguf") for f in files):
+        raise KestrelError(f"model {spec}: its GGUF files are a model's companions (a vision projector, an "
+                           "importance matrix, a draft head), not a model")
     if spec.tag is not None:
         raise KestrelError(f"model {spec}: the repository has no GGUF file to pick by the tag {spec.tag!r}")
     if any(f.lower().endswith(PICKLE_SUFFIXES) for f in files):

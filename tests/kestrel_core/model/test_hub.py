@@ -30,6 +30,8 @@ def hub() -> Iterator[FakeHub]:
         "org/tiny": repo_files(FIXTURES / "tiny-qwen3") | {"pytorch_model.bin": b"pickle", "modeling.py": b"code"},
         "org/tiny-GGUF": {"tiny-Q4_K_M.gguf": GGUF, "tiny-Q8_0.gguf": GGUF + b"\0", "README.md": b"#"},
         "org/named-GGUF": {"tiny.Q5_K_M.gguf": GGUF, "tiny.gguf": GGUF + b"\0", "sub/tiny.gguf": GGUF + b"\0\0"},
+        "org/vlm-GGUF": {"vlm-BF16.gguf": GGUF, "vlm-Q8_0.gguf": GGUF, "mmproj-BF16.gguf": b"GGUFclip",
+                         "mmproj-F16.gguf": b"GGUFclip", "mmproj-vlm-F32.gguf": b"GGUFclip"},
         "org/pickled": {"config.json": b"{}", "pytorch_model.bin": b"pickle"},
         "org/gated": {"config.json": b"{}"},
         "org/sharded": {"config.json": b"{}", "model.safetensors.index.json": json.dumps({"weight_map": {
@@ -81,6 +83,36 @@ def test_the_file_picked_from_a_repository() -> None:
         choose_files(plain, ["config.json", "pytorch_model.bin"])
     with pytest.raises(KestrelError, match="neither safetensors"):
         choose_files(plain, ["README.md"])
+
+
+# the GGUF files llama.cpp's gguf_filename_is_model (common/download.cpp) tells from a model by their names
+COMPANIONS = ["mmproj-F16.gguf", "mmproj-m-Q8_0.gguf", "m-Q8_0-mmproj-f16.gguf", "imatrix-m-Q8_0.gguf",
+              "m.imatrix.gguf", "mtp-m-Q8_0.gguf", "eagle3-m-Q8_0.gguf", "dflash-m-Q8_0.gguf", "dspark-m-Q8_0.gguf"]
+
+
+@pytest.mark.parametrize("companion", COMPANIONS)
+def test_a_models_companion_gguf_is_never_the_model(companion: str) -> None:
+    """A vision projector, an importance matrix or a draft head beside the model: never picked, by no tag or by
+    its quant, nor alone."""
+    files = [companion, "m-Q4_K_M.gguf"]
+    assert choose_files(HubSpec("o/m"), files) == ("gguf", "m-Q4_K_M.gguf")
+    for tag in ("Q8_0", "F16"):
+        with pytest.raises(KestrelError, match=rf"no GGUF file for the tag '{tag}' \(the repository has m-Q4_K_M"):
+            choose_files(HubSpec("o/m", tag=tag), files)
+    with pytest.raises(KestrelError, match="its GGUF files are a model's companions"):
+        choose_files(HubSpec("o/m"), [companion])
+
+
+def test_a_vision_repository_gives_and_lists_its_language_model(hub: FakeHub, tmp_path: Path) -> None:
+    h = Hub(hub.url, str(tmp_path))
+    assert h.fetch(HubSpec("org/vlm-GGUF")).name == "vlm-Q8_0.gguf"
+    assert h.fetch(HubSpec("org/vlm-GGUF", tag="BF16")).name == "vlm-BF16.gguf"
+    with pytest.raises(KestrelError, match="no GGUF file for the tag 'F16'"):
+        h.fetch(HubSpec("org/vlm-GGUF", tag="F16"))
+    from huggingface_hub import snapshot_download
+
+    snapshot_download("org/vlm-GGUF", cache_dir=str(tmp_path), endpoint=hub.url)  # the projectors too
+    assert [m.name for m in cached_models(str(tmp_path))] == ["org/vlm-GGUF:BF16", "org/vlm-GGUF:Q8_0"]
 
 
 def test_a_safetensors_repository_is_fetched_without_pickles_or_code(hub: FakeHub, tmp_path: Path) -> None:
