@@ -12,13 +12,15 @@ loaded like any other:
   companion (``mmproj-F16.gguf``, a vision projector).
 
 Offline (``HF_HUB_OFFLINE=1``, the Hub unreachable, or silent for ``HF_HUB_ETAG_TIMEOUT`` seconds) a model
-already in the cache is used as it is.
+already in the cache is used as it is; so it is where the Hub answers with an error other than an unknown
+revision, as ``hf_hub_download`` does.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from kestrel_core.errors import KestrelError
+
+log = logging.getLogger(__name__)
 
 HUB_PREFIXES = ("https://huggingface.co/", "http://huggingface.co/", "huggingface.co/", "hf.co/")
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
@@ -101,21 +105,25 @@ class Hub:
         cache unless it is there; a KestrelError of one line where it cannot be had."""
         try:
             from huggingface_hub import HfApi, constants
-            from huggingface_hub.errors import HfHubHTTPError
+            from huggingface_hub.errors import HfHubHTTPError, RevisionNotFoundError
         except ImportError as exc:  # a dependency, so only a broken install lacks it
             raise KestrelError(f"model {spec}: no such local path, and huggingface_hub, which fetches models by "
                                f"Hub name, cannot be imported ({exc}); pip install huggingface_hub") from None
 
         if constants.HF_HUB_OFFLINE:
-            return self._cached(spec, "HF_HUB_OFFLINE is set")
+            return self._cached(spec, "HF_HUB_OFFLINE is set", quiet=True)
         try:  # repo_info: one request (list_repo_files retries an unreachable Hub for half a minute), which
             # waits as long as hf_hub_download's own metadata request does: a Hub that takes the connection and
             # never answers (a stalled proxy) ends in the cache too
             info = HfApi(endpoint=self.endpoint).repo_info(spec.repo, revision=spec.revision,
                                                            timeout=constants.HF_HUB_ETAG_TIMEOUT)
             files = [s.rfilename for s in info.siblings or ()]
-        except HfHubHTTPError as exc:  # the Hub answered: no such repository, gated, ...
+        except RevisionNotFoundError as exc:  # the repository is there, the revision is not (hf_hub_download's too)
             raise KestrelError(_refusal(spec, exc)) from exc
+        except HfHubHTTPError as exc:
+            # down (5xx), rate-limiting (429), gated or private without a token, or no such repository (the Hub's
+            # answer to a private one without a valid token): the cached copy, as hf_hub_download serves it
+            return self._cached(spec, refusal=_refusal(spec, exc))
         except Exception as exc:  # the Hub cannot be reached (no network, DNS, timeout)
             return self._cached(spec, f"the Hub cannot be reached: {_first_line(exc)}")
         kind, chosen = choose_files(spec, files)
@@ -155,9 +163,11 @@ class Hub:
         patterns = [glob.escape(w) for w in weights]
         return Path(snapshot_download(spec.repo, allow_patterns=[*patterns, *CONFIG_PATTERNS], **common))
 
-    def _cached(self, spec: HubSpec, why: str) -> Path:
-        """The model from the cache alone: the files of its snapshot there (the cache's documented layout,
-        models--OWNER--NAME/refs/REV and snapshots/COMMIT) decide its kind."""
+    def _cached(self, spec: HubSpec, why: str = "", refusal: str = "", quiet: bool = False) -> Path:
+        """The model from the cache alone, the Hub not having listed it (``why``; or ``refusal``, the Hub's answer,
+        which is the error where the cache lacks it): the files of its snapshot there (the cache's documented
+        layout, models--OWNER--NAME/refs/REV and snapshots/COMMIT) decide its kind. Unless ``quiet``, a warning
+        says the cached copy is used and why."""
         from huggingface_hub import constants
         from huggingface_hub.file_download import repo_folder_name
 
@@ -170,8 +180,10 @@ class Hub:
         snap = folder / "snapshots" / commit
         files = [p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file()] if commit else []
         if not files:
-            raise KestrelError(f"model {spec}: no such local path, not in the Hugging Face cache, and {why}")
+            raise KestrelError(refusal or f"model {spec}: no such local path, not in the Hugging Face cache, and {why}")
         kind, chosen = choose_files(spec, files)
+        if not quiet:
+            log.warning("%s; loading the copy in the Hugging Face cache", refusal or f"model {spec}: {why}")
         return snap / chosen if kind == "gguf" else snap
 
 

@@ -1,7 +1,7 @@
 """A Hugging Face Hub on 127.0.0.1 for the real ``huggingface_hub`` client: the calls it makes to list a
 repository (``/api/models/R/tree/REV``, ``/api/models/R/revision/REV``) and to download a file
 (``/R/resolve/REV/FILE``, HEAD then GET), with the Hub's error codes for a missing, gated or unknown-revision
-repository."""
+repository, and its failures (a 5xx, a 429)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,14 @@ from urllib.parse import unquote, urlsplit
 
 @dataclass
 class FakeHub:
-    """Repositories ``{"owner/name": {path: bytes}}``; ``gated`` ones answer 401 GatedRepo; ``served`` lists the
-    files downloaded (GET)."""
+    """Repositories ``{"owner/name": {path: bytes}}``; ``gated`` ones answer 401 GatedRepo to a request without
+    one of ``tokens``; a repository of ``failing`` answers every request with its status (503: the Hub down);
+    ``served`` lists the files downloaded (GET)."""
 
     repos: dict[str, dict[str, bytes]]
     gated: set[str] = field(default_factory=set)
+    tokens: set[str] = field(default_factory=set)
+    failing: dict[str, int] = field(default_factory=dict)
     served: list[str] = field(default_factory=list)
     url: str = ""
 
@@ -30,14 +33,16 @@ class FakeHub:
     def sha(repo: str) -> str:
         return hashlib.sha1(repo.encode()).hexdigest()
 
-    def answer(self, method: str, path: str) -> tuple[int, dict[str, str], bytes]:
+    def answer(self, method: str, path: str, authorization: str | None = None) -> tuple[int, dict[str, str], bytes]:
         parts = [unquote(p) for p in urlsplit(path).path.strip("/").split("/")]
         api = parts[:2] == ["api", "models"]
         repo = "/".join(parts[2:4] if api else parts[:2])
         files = self.repos.get(repo)
+        if repo in self.failing:
+            return _error(self.failing[repo], "", f"the Hub failed with {self.failing[repo]}")
         if files is None:
             return _error(404, "RepoNotFound", f"Repository Not Found for url: {path}")
-        if repo in self.gated:
+        if repo in self.gated and authorization not in {f"Bearer {t}" for t in self.tokens}:
             return _error(401, "GatedRepo", f"Access to model {repo} is restricted.")
         if api and len(parts) == 4:  # the repository's info at main
             parts += ["revision", "main"]
@@ -90,7 +95,7 @@ def serving(hub: FakeHub) -> Iterator[FakeHub]:
 
     class Handler(BaseHTTPRequestHandler):
         def _reply(self, method: str) -> None:
-            status, headers, body = hub.answer(method, self.path)
+            status, headers, body = hub.answer(method, self.path, self.headers.get("Authorization"))
             self.send_response(status)
             for k, v in headers.items():
                 self.send_header(k, v)

@@ -211,6 +211,44 @@ def test_a_hub_that_never_answers_falls_back_to_the_cache_after_the_etag_timeout
         _within(30, lambda: Hub(silent_hub, str(tmp_path)).fetch(HubSpec("org/gated")))
 
 
+@pytest.mark.parametrize("status", [500, 503, 504, 429, 404])
+def test_a_cached_model_loads_while_the_hub_fails_as_hf_hub_download_does(hub: FakeHub, tmp_path: Path,
+                                                                          status: int) -> None:
+    """The Hub down, rate-limiting, or saying the repository is not there (as it says of a private one to a
+    missing or expired token): the cached copy, as huggingface_hub's hf_hub_download serves it; a model not in
+    the cache gets the Hub's answer."""
+    from huggingface_hub import hf_hub_download
+
+    h = Hub(hub.url, str(tmp_path))
+    cached = h.fetch(HubSpec("org/tiny-GGUF", tag="Q4_K_M"))
+    if status == 404:
+        del hub.repos["org/tiny-GGUF"], hub.repos["org/tiny"]
+    else:
+        hub.failing.update({"org/tiny-GGUF": status, "org/tiny": status})
+    reference = hf_hub_download("org/tiny-GGUF", "tiny-Q4_K_M.gguf", cache_dir=str(tmp_path), endpoint=hub.url)
+    assert h.fetch(HubSpec("org/tiny-GGUF", tag="Q4_K_M")) == cached == Path(reference)
+    why = "no such repository on the Hugging Face Hub" if status == 404 else rf"Hub refused it \(.*{status}"
+    with pytest.raises(KestrelError, match=f"model org/tiny: .*{why}"):
+        h.fetch(HubSpec("org/tiny"))
+
+
+def test_a_cached_gated_model_loads_without_the_token_that_fetched_it(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import hf_hub_download
+
+    repo = {"m-Q4_K_M.gguf": GGUF}
+    with serving(FakeHub({"org/gated-GGUF": repo, "org/other-GGUF": repo}, gated={"org/gated-GGUF", "org/other-GGUF"},
+                         tokens={"hf_granted"})) as fake:
+        h = Hub(fake.url, str(tmp_path))
+        monkeypatch.setenv("HF_TOKEN", "hf_granted")
+        cached = h.fetch(HubSpec("org/gated-GGUF"))
+        monkeypatch.delenv("HF_TOKEN")
+        reference = hf_hub_download("org/gated-GGUF", "m-Q4_K_M.gguf", cache_dir=str(tmp_path), endpoint=fake.url)
+        assert h.fetch(HubSpec("org/gated-GGUF")) == cached == Path(reference)
+        with pytest.raises(KestrelError, match="org/other-GGUF is gated: accept its terms"):
+            h.fetch(HubSpec("org/other-GGUF"))
+
+
 def _kestrel(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kestrel_core.cli", *args], capture_output=True, text=True,
                           timeout=300, env={**os.environ, **env})
