@@ -294,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pull", help="fetch a model from the Hugging Face Hub (default: SmolLM2 into KESTREL_HOME)")
     p.add_argument("model", nargs="?", default=None,
                    help="a Hub name, owner/name[@revision][:TAG] (TAG: a GGUF repository's quantization)")
+    p.add_argument("--force", action="store_true",
+                   help="download the model's files again, whatever the cache holds (a damaged download)")
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("list", help="the models on this machine: the default one, the Hugging Face cache's")

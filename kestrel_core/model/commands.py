@@ -423,12 +423,15 @@ def pull(args: argparse.Namespace) -> int:
     from kestrel_core.model.pull import pull_default_model
 
     if args.model is None:
+        if args.force:  # its pull checks the file's sha256 and replaces a damaged one
+            raise KestrelError("--force downloads a Hub model again; the default model is checked against its "
+                               "sha256 on every kestrel pull")
         print(pull_default_model(progress=True))
         return 0
     spec = parse_hub_spec(args.model)
     if spec is None:
         raise KestrelError(f"{args.model!r} is not a Hugging Face Hub name (owner/name[@revision][:TAG])")
-    print(fetch(spec))
+    print(fetch(spec, force=args.force))
     return 0
 
 

@@ -13,7 +13,8 @@ loaded like any other:
 
 Offline (``HF_HUB_OFFLINE=1``, the Hub unreachable, or silent for ``HF_HUB_ETAG_TIMEOUT`` seconds) a model
 already in the cache is used as it is; so it is where the Hub answers with an error other than an unknown
-revision, as ``hf_hub_download`` does.
+revision, as ``hf_hub_download`` does. A cached file whose size is not the one the Hub lists is downloaded again
+(``force``: every file is).
 """
 
 from __future__ import annotations
@@ -100,9 +101,10 @@ class Hub:
     endpoint: str | None = None
     cache_dir: str | None = None
 
-    def fetch(self, spec: HubSpec) -> Path:
+    def fetch(self, spec: HubSpec, force: bool = False) -> Path:
         """The local path of the model ``spec`` names (a snapshot directory or a GGUF file), downloaded into the
-        cache unless it is there; a KestrelError of one line where it cannot be had."""
+        cache unless it is there with the size the Hub lists (``force``: downloaded again whatever the cache
+        holds); a KestrelError of one line where it cannot be had."""
         try:
             from huggingface_hub import HfApi, constants
             from huggingface_hub.errors import HfHubHTTPError, RevisionNotFoundError
@@ -111,24 +113,24 @@ class Hub:
                                f"Hub name, cannot be imported ({exc}); pip install huggingface_hub") from None
 
         if constants.HF_HUB_OFFLINE:
-            return self._cached(spec, "HF_HUB_OFFLINE is set", quiet=True)
+            return self._cached(spec, "HF_HUB_OFFLINE is set", quiet=True, force=force)
         try:  # repo_info: one request (list_repo_files retries an unreachable Hub for half a minute), which
             # waits as long as hf_hub_download's own metadata request does: a Hub that takes the connection and
             # never answers (a stalled proxy) ends in the cache too
-            info = HfApi(endpoint=self.endpoint).repo_info(spec.repo, revision=spec.revision,
+            info = HfApi(endpoint=self.endpoint).repo_info(spec.repo, revision=spec.revision, files_metadata=True,
                                                            timeout=constants.HF_HUB_ETAG_TIMEOUT)
-            files = [s.rfilename for s in info.siblings or ()]
+            sizes = {s.rfilename: s.size for s in info.siblings or ()}
         except RevisionNotFoundError as exc:  # the repository is there, the revision is not (hf_hub_download's too)
             raise KestrelError(_refusal(spec, exc)) from exc
         except HfHubHTTPError as exc:
             # down (5xx), rate-limiting (429), gated or private without a token, or no such repository (the Hub's
             # answer to a private one without a valid token): the cached copy, as hf_hub_download serves it
-            return self._cached(spec, refusal=_refusal(spec, exc))
+            return self._cached(spec, refusal=_refusal(spec, exc), force=force)
         except Exception as exc:  # the Hub cannot be reached (no network, DNS, timeout)
-            return self._cached(spec, f"the Hub cannot be reached: {_first_line(exc)}")
-        kind, chosen = choose_files(spec, files)
+            return self._cached(spec, f"the Hub cannot be reached: {_first_line(exc)}", force=force)
+        kind, chosen = choose_files(spec, list(sizes))
         try:
-            return self._download(spec, kind, chosen, files)
+            return self._download(spec, kind, chosen, sizes, force)
         except KestrelError:
             raise
         except HfHubHTTPError as exc:
@@ -136,20 +138,21 @@ class Hub:
         except Exception as exc:
             raise KestrelError(f"model {spec}: downloading it failed ({_first_line(exc)})") from exc
 
-    def _download(self, spec: HubSpec, kind: str, chosen: str, files: Sequence[str]) -> Path:
+    def _download(self, spec: HubSpec, kind: str, chosen: str, sizes: dict[str, int | None], force: bool) -> Path:
         """The GGUF file ``chosen``, or the snapshot of the weights kestrel reads (hf.weight_files: the shards
         the index names, else the top-level ``*.safetensors``; not a consolidated copy beside the shards) and
-        ``CONFIG_PATTERNS``."""
-        from huggingface_hub import hf_hub_download, snapshot_download
+        ``CONFIG_PATTERNS``, of the repository whose files have ``sizes``."""
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.utils import filter_repo_objects
 
-        common = {"revision": spec.revision, "cache_dir": self.cache_dir, "endpoint": self.endpoint}
+        files = list(sizes)
         if kind == "gguf":  # every part of a split file, into one snapshot directory
             missing = [p for p in _parts(chosen) if p not in files]
             if missing:
                 raise KestrelError(f"model {spec}: {chosen} is split into parts, and the repository lacks {missing[0]}")
-            return [Path(hf_hub_download(spec.repo, p, **common)) for p in _parts(chosen)][0]
+            return [self._file(spec, p, sizes[p], force) for p in _parts(chosen)][0]
         if INDEX in files:
-            index = json.loads(Path(hf_hub_download(spec.repo, INDEX, **common)).read_text(encoding="utf-8"))
+            index = json.loads(self._file(spec, INDEX, sizes[INDEX], force).read_text(encoding="utf-8"))
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict):
                 raise KestrelError(f"model {spec}: {INDEX} has no weight_map")
@@ -160,15 +163,38 @@ class Hub:
         else:
             weights = [f for f in files if f.endswith(".safetensors") and "/" not in f]
         # the names as themselves, not as patterns
-        patterns = [glob.escape(w) for w in weights]
-        return Path(snapshot_download(spec.repo, allow_patterns=[*patterns, *CONFIG_PATTERNS], **common))
+        patterns = [*(glob.escape(w) for w in weights), *CONFIG_PATTERNS]
+        snap = Path(snapshot_download(spec.repo, allow_patterns=patterns, force_download=force,
+                                      revision=spec.revision, cache_dir=self.cache_dir, endpoint=self.endpoint))
+        for name in filter_repo_objects(files, allow_patterns=patterns):
+            if (snap / name).is_file() and _wrong_size(snap / name, sizes[name]):
+                self._file(spec, name, sizes[name], force=True)
+        return snap
 
-    def _cached(self, spec: HubSpec, why: str = "", refusal: str = "", quiet: bool = False) -> Path:
+    def _file(self, spec: HubSpec, name: str, size: int | None, force: bool) -> Path:
+        """The repository's file ``name`` in the cache: downloaded where the cache lacks it, where ``force``, or
+        where the cached copy is not ``size`` bytes (the Hub's size, None where unknown), as a download cut short
+        or a damaged disk leaves it (hf_hub_download trusts any copy it has)."""
+        from huggingface_hub import hf_hub_download
+
+        def download(again: bool) -> Path:
+            return Path(hf_hub_download(spec.repo, name, revision=spec.revision, cache_dir=self.cache_dir,
+                                        endpoint=self.endpoint, force_download=again))
+
+        path = download(force)
+        return download(True) if not force and _wrong_size(path, size) else path
+
+    def _cached(self, spec: HubSpec, why: str = "", refusal: str = "", quiet: bool = False,
+                force: bool = False) -> Path:
         """The model from the cache alone, the Hub not having listed it (``why``; or ``refusal``, the Hub's answer,
         which is the error where the cache lacks it): the files of its snapshot there (the cache's documented
         layout, models--OWNER--NAME/refs/REV and snapshots/COMMIT) decide its kind. Unless ``quiet``, a warning
-        says the cached copy is used and why."""
+        says the cached copy is used and why; where ``force`` (the cached copy is what is to be replaced), the
+        error."""
         from huggingface_hub import constants
+
+        if force:
+            raise KestrelError(refusal or f"model {spec}: downloading it again needs the Hub, and {why}")
         from huggingface_hub.file_download import repo_folder_name
 
         folder = Path(self.cache_dir or constants.HF_HUB_CACHE) / repo_folder_name(repo_id=spec.repo, repo_type="model")
@@ -258,9 +284,26 @@ def gguf_tag(filename: str) -> str | None:
     return m[1] if m else None
 
 
-def fetch(spec: HubSpec) -> Path:
-    """``Hub().fetch(spec)``: the Hub and cache the environment names."""
-    return Hub().fetch(spec)
+def fetch(spec: HubSpec, force: bool = False) -> Path:
+    """``Hub().fetch(spec, force)``: the Hub and cache the environment names."""
+    return Hub().fetch(spec, force)
+
+
+def _wrong_size(path: Path, size: int | None) -> bool:
+    """Whether the cached file ``path`` is not ``size`` bytes (None: unknown, so not wrong), said as a warning."""
+    have = path.stat().st_size
+    if size is None or have == size:
+        return False
+    log.warning("%s: %d bytes in the Hugging Face cache, %d on the Hub; downloading it again", path, have, size)
+    return True
+
+
+def redownload_hint(spec: HubSpec, exc: KestrelError) -> str | None:
+    """The way out of ``exc``, an error loading the model ``spec`` from the cache, where it says a file is
+    truncated or corrupt (a download cut short, a damaged disk): None for any other error."""
+    if re.search(r"truncated|corrupt", str(exc)) is None:
+        return None
+    return f"`kestrel pull --force {spec}` downloads it again"
 
 
 def choose_files(spec: HubSpec, files: Sequence[str]) -> tuple[str, str]:

@@ -25,7 +25,7 @@ from kestrel_core.artifact_load import load_artifact
 from kestrel_core.artifact_write import remove_stale_temps, save_artifact
 from kestrel_core.errors import KestrelError
 from kestrel_core.model import cache as store
-from kestrel_core.model.hub import fetch, parse_hub_spec
+from kestrel_core.model.hub import fetch, parse_hub_spec, redownload_hint
 from kestrel_core.model.lora import Adapter, LoraPaths, LoraSource, read_adapters
 from kestrel_core.model.pull import DEFAULT_MODEL, pull_default_model
 from kestrel_core.model.quantize import parse_quant, quantize_model
@@ -355,7 +355,13 @@ def load_model(path: str | os.PathLike[str] | None = None, quant: str | None = "
         raise KestrelError(f"model {path} does not exist (give a Hugging Face model directory or Hub name such "
                            "as Qwen/Qwen3-0.6B, a .gguf file or a .kst artifact)")
     fetched = fetch(spec)
-    loaded = _load_path(fetched, _checkpoint_mode(fetched, quant, mode), quant, cache, adapters)
+    try:
+        loaded = _load_path(fetched, _checkpoint_mode(fetched, quant, mode), quant, cache, adapters)
+    except KestrelError as exc:
+        way_out = redownload_hint(spec, exc)
+        if way_out is None:
+            raise
+        raise KestrelError(f"{exc}; {way_out}") from exc
     return replace(loaded, source=_named(fetched, adapters, f"{spec} ({fetched})"))
 
 

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 
 @dataclass
@@ -49,10 +49,11 @@ class FakeHub:
         rev = parts[5] if api else parts[3] if len(parts) > 3 else ""
         if rev not in ("main", self.sha(repo)):
             return _error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
-        if api and parts[4] == "revision":
-            info = {"id": repo, "modelId": repo, "sha": self.sha(repo), "private": False,
-                    "siblings": [{"rfilename": f} for f in sorted(files)]}
-            return _json(info)
+        if api and parts[4] == "revision":  # with ?blobs=true, each file's size and git blob id too
+            blobs = "blobs" in parse_qs(urlsplit(path).query)
+            siblings = [{"rfilename": f} | ({"size": len(b), "blobId": hashlib.sha1(b).hexdigest()} if blobs else {})
+                        for f, b in sorted(files.items())]
+            return _json({"id": repo, "modelId": repo, "sha": self.sha(repo), "private": False, "siblings": siblings})
         if api and parts[4] == "tree":
             return _json([{"type": "file", "path": f, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
                           for f, b in sorted(files.items())])

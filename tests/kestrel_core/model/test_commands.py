@@ -345,6 +345,8 @@ def test_pull_prints_the_model_path(capsys, monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(pull_mod, "pull_default_model", lambda progress=True: tmp_path / "model.gguf")
     code, out, _ = _run(capsys, "pull")
     assert code == 0 and out.strip() == str(tmp_path / "model.gguf")
+    code, _, err = _run(capsys, "pull", "--force")  # its sha256 is checked on every pull
+    assert code == 2 and "--force downloads a Hub model again" in err
 
 
 @pytest.mark.parametrize("width", [40, 80, 160])

@@ -249,6 +249,40 @@ def test_a_cached_gated_model_loads_without_the_token_that_fetched_it(tmp_path: 
             h.fetch(HubSpec("org/other-GGUF"))
 
 
+def test_a_cached_file_of_another_size_than_the_hubs_is_downloaded_again(hub: FakeHub, tmp_path: Path) -> None:
+    """A download cut short or a damaged disk: where the cached file's size is not the one the Hub lists, the
+    file is fetched again (what is the Hub's size is not)."""
+    h = Hub(hub.url, str(tmp_path))
+    gguf = h.fetch(HubSpec("org/tiny-GGUF", tag="Q4_K_M"))
+    weights = h.fetch(HubSpec("org/tiny")) / "model.safetensors"
+    whole = weights.read_bytes()
+    for path in (gguf, weights):
+        os.truncate(path.resolve(), path.stat().st_size * 6 // 10)
+    hub.served.clear()
+    assert h.fetch(HubSpec("org/tiny-GGUF", tag="Q4_K_M")).read_bytes() == GGUF
+    assert (h.fetch(HubSpec("org/tiny")) / "model.safetensors").read_bytes() == whole
+    assert sorted(hub.served) == ["org/tiny-GGUF/tiny-Q4_K_M.gguf", "org/tiny/model.safetensors"]
+
+
+def test_a_damaged_cached_file_names_the_way_out_and_pull_force_takes_it(hub: FakeHub, tmp_path: Path) -> None:
+    """Bytes changed in place (the size the Hub's): the load says the file is corrupt and how to download it
+    again, and `kestrel pull --force` does."""
+    env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "KESTREL_HOME": str(tmp_path / "k"),
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    pulled = _kestrel("pull", "org/tiny-GGUF:Q4_K_M", env=env)
+    assert pulled.returncode == 0, pulled.stderr
+    blob = Path(pulled.stdout.strip()).resolve()
+    blob.write_bytes(b"XXXX" + GGUF[4:])
+    ran = _kestrel("run", "-m", "org/tiny-GGUF:Q4_K_M", "--max-tokens", "2", "Hi", env={**env, "HF_HUB_OFFLINE": "1"})
+    assert ran.returncode == 2 and "Traceback" not in ran.stderr
+    assert "truncated or corrupt" in ran.stderr and "kestrel pull --force org/tiny-GGUF:Q4_K_M" in ran.stderr
+    offline = _kestrel("pull", "--force", "org/tiny-GGUF:Q4_K_M", env={**env, "HF_HUB_OFFLINE": "1"})
+    assert offline.returncode == 2 and "HF_HUB_OFFLINE is set" in offline.stderr and blob.read_bytes() != GGUF
+    forced = _kestrel("pull", "--force", "org/tiny-GGUF:Q4_K_M", env=env)
+    assert forced.returncode == 0, forced.stderr
+    assert blob.read_bytes() == GGUF
+
+
 def _kestrel(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kestrel_core.cli", *args], capture_output=True, text=True,
                           timeout=300, env={**os.environ, **env})
