@@ -7,9 +7,9 @@ loaded like any other:
 
 - a repository of safetensors weights: only what kestrel reads (``*.safetensors``, the JSON configs and
   tokenizer files, a sentence-transformers pooling config), never a pickle checkpoint or code;
-- a repository of GGUF files: the one whose name holds ``TAG`` (``Q4_K_M``, as llama.cpp's ``-hf``), else the
-  most precise of the usual quantizations, Q8_0 first (kestrel's q8 codes are Q8_0's own); never a model's
-  companion (``mmproj-F16.gguf``, a vision projector).
+- a repository of GGUF files: the one whose name holds ``TAG`` then ``.`` or ``-`` (``Q4_K_M``, as llama.cpp's
+  ``-hf``), else the most precise of the usual quantizations, Q8_0 first (kestrel's q8 codes are Q8_0's own);
+  never a model's companion (``mmproj-F16.gguf``, a vision projector).
 
 Offline (``HF_HUB_OFFLINE=1``, the Hub unreachable, or silent for ``HF_HUB_ETAG_TIMEOUT`` seconds) a model
 already in the cache is used as it is; so it is where the Hub answers with an error other than an unknown
@@ -327,16 +327,19 @@ def choose_files(spec: HubSpec, files: Sequence[str]) -> tuple[str, str]:
 
 
 def _pick_gguf(spec: HubSpec, ggufs: list[str]) -> str:
-    """The GGUF file of ``spec``'s tag, or the most precise usual one: a whole file, else the first part of a split
-    one."""
-    def has(f: str, quant: str) -> bool:
+    """The GGUF file of ``spec``'s tag, or the most precise usual one: the file of that very quantization before
+    one that also names it (``m-Q4_0-F16.gguf`` for F16), a whole file before the first part of a split one."""
+    def has(f: str, quant: str) -> bool:  # as llama.cpp's find_best_model: "." or "-" after it (Q6_K is not Q6_K_L)
         stem = _SHARD.sub("", f[:-5]).lower()
-        return re.search(rf"(^|[._/-]){re.escape(quant.lower())}([._-]|$)", stem) is not None
+        return re.search(rf"(^|[._/-]){re.escape(quant.lower())}([.-]|$)", stem) is not None
+
+    def rank(f: str, quant: str) -> tuple[bool, bool, int, str]:
+        return ((gguf_tag(f) or "").lower() != quant.lower(), _is_part(f), len(f), f)
 
     loadable = [f for f in ggufs if not _is_part(f) or _SHARD_FIRST.search(f[:-5])]  # whole, or a first part
     wanted = [spec.tag] if spec.tag is not None else list(GGUF_PREFERENCE)
     for quant in wanted:
-        hits = sorted((f for f in loadable if has(f, quant)), key=lambda f: (_is_part(f), len(f), f))
+        hits = sorted((f for f in loadable if has(f, quant)), key=lambda f: rank(f, quant))
         if hits:
             return hits[0]
     if spec.tag is not None:

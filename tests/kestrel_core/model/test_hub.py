@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -83,6 +84,31 @@ def test_the_file_picked_from_a_repository() -> None:
         choose_files(plain, ["config.json", "pytorch_model.bin"])
     with pytest.raises(KestrelError, match="neither safetensors"):
         choose_files(plain, ["README.md"])
+
+
+def _llama_cpp_tag_matches(tag: str, path: str) -> bool:
+    """llama.cpp's find_best_model (common/download.cpp): the tag, any case, followed by "." or "-"."""
+    return re.search(re.escape(tag) + "[.-]", path, re.IGNORECASE) is not None
+
+
+@pytest.mark.parametrize(("tag", "files", "picked"), [
+    ("Q6_K", ["m-Q6_K_L.gguf", "m-Q4_K_M.gguf"], None),  # bartowski's _L variant is another quant
+    ("Q4_K", ["m-Q4_K_S.gguf", "m-Q4_K_M.gguf"], None),
+    ("Q6_K", ["m-Q6_K_L.gguf", "Q6_K/m-Q6_K-00002-of-00002.gguf", "Q6_K/m-Q6_K-00001-of-00002.gguf"],
+     "Q6_K/m-Q6_K-00001-of-00002.gguf"),  # the tag's own file, though split
+    ("F16", ["m-Q4_0-F16.gguf", "F16/m-F16-00001-of-00002.gguf", "F16/m-F16-00002-of-00002.gguf"],
+     "F16/m-F16-00001-of-00002.gguf"),  # the file of that quant before one that only names it
+    ("q6_k_l", ["m-Q6_K_L.gguf", "m-Q6_K.gguf"], "m-Q6_K_L.gguf"),
+    ("Q8_0", ["m.Q8_0.gguf", "m-Q8_0-00001-of-00002.gguf", "m-Q8_0-00002-of-00002.gguf"], "m.Q8_0.gguf"),
+])
+def test_a_tag_picks_its_own_quant_as_llama_cpp_does(tag: str, files: list[str], picked: str | None) -> None:
+    if picked is None:
+        assert not any(_llama_cpp_tag_matches(tag, f) for f in files)
+        with pytest.raises(KestrelError, match=f"no GGUF file for the tag '{tag}'"):
+            choose_files(HubSpec("o/m", tag=tag), files)
+    else:
+        assert _llama_cpp_tag_matches(tag, picked)
+        assert choose_files(HubSpec("o/m", tag=tag), files) == ("gguf", picked)
 
 
 # the GGUF files llama.cpp's gguf_filename_is_model (common/download.cpp) tells from a model by their names
