@@ -23,7 +23,7 @@ import glob
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,10 +153,9 @@ class Hub:
             return [self._file(spec, p, sizes[p], force) for p in _parts(chosen)][0]
         if INDEX in files:
             index = json.loads(self._file(spec, INDEX, sizes[INDEX], force).read_text(encoding="utf-8"))
-            weight_map = index.get("weight_map") if isinstance(index, dict) else None
-            if not isinstance(weight_map, dict):
+            weights = _index_weights(index)
+            if weights is None:
                 raise KestrelError(f"model {spec}: {INDEX} has no weight_map")
-            weights = sorted({str(v) for v in weight_map.values()})
             stray = next((w for w in weights if w not in files or not w.endswith(".safetensors") or "/" in w), None)
             if stray is not None:
                 raise KestrelError(f"model {spec}: {INDEX} names {stray!r}, not a safetensors file of the repository")
@@ -192,10 +191,10 @@ class Hub:
         says the cached copy is used and why; where ``force`` (the cached copy is what is to be replaced), the
         error."""
         from huggingface_hub import constants
+        from huggingface_hub.file_download import repo_folder_name
 
         if force:
             raise KestrelError(refusal or f"model {spec}: downloading it again needs the Hub, and {why}")
-        from huggingface_hub.file_download import repo_folder_name
 
         folder = Path(self.cache_dir or constants.HF_HUB_CACHE) / repo_folder_name(repo_id=spec.repo, repo_type="model")
         rev = spec.revision or "main"
@@ -208,6 +207,9 @@ class Hub:
         if not files:
             raise KestrelError(refusal or f"model {spec}: no such local path, not in the Hugging Face cache, and {why}")
         kind, chosen = choose_files(spec, files)
+        lacking = _lacking(snap, kind, chosen, files)
+        if lacking is not None:  # a download that failed part way
+            raise KestrelError(f"model {spec}: the Hugging Face cache holds it without {lacking}; {refusal or why}")
         if not quiet:
             log.warning("%s; loading the copy in the Hugging Face cache", refusal or f"model {spec}: {why}")
         return snap / chosen if kind == "gguf" else snap
@@ -252,6 +254,8 @@ def _loadable(spec: HubSpec, base: str, snap: Path, files: dict[str, Any]) -> li
     except KestrelError:
         return []
     if kind == "safetensors":
+        if _lacking(snap, kind, "", files) is not None:
+            return []
         return [CachedModel(base, kind, snap, sum(f.size_on_disk for f in files.values()),
                             max(f.blob_last_modified for f in files.values()))]
     out = []
@@ -265,6 +269,27 @@ def _loadable(spec: HubSpec, base: str, snap: Path, files: dict[str, Any]) -> li
         out.append(CachedModel(f"{base}:{tag}" if tag else f"{base} ({name})", "gguf", snap / name,
                                sum(f.size_on_disk for f in parts), max(f.blob_last_modified for f in parts)))
     return out
+
+
+def _index_weights(index: object) -> list[str] | None:
+    """The files a safetensors index (``INDEX``'s JSON) names in its weight_map; None where it has none."""
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    return sorted({str(v) for v in weight_map.values()}) if isinstance(weight_map, dict) else None
+
+
+def _lacking(snap: Path, kind: str, chosen: str, files: Collection[str]) -> str | None:
+    """The first file the model needs that the cached snapshot ``snap`` (holding ``files``) lacks: a part of
+    the split GGUF ``chosen``, a shard the safetensors index names; None where it has them all."""
+    if kind == "gguf":
+        needed = _parts(chosen)
+    elif INDEX in files:
+        try:
+            needed = _index_weights(json.loads((snap / INDEX).read_text(encoding="utf-8"))) or []
+        except (OSError, ValueError):  # the load says what is wrong with the index
+            return None
+    else:
+        return None
+    return next((f for f in needed if f not in files), None)
 
 
 def _tag_picking(spec: HubSpec, name: str, files: list[str]) -> str | None:

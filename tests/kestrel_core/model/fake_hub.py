@@ -19,7 +19,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 @dataclass
 class FakeHub:
     """Repositories ``{"owner/name": {path: bytes}}``; ``gated`` ones answer 401 GatedRepo to a request without
-    one of ``tokens``; a repository of ``failing`` answers every request with its status (503: the Hub down);
+    one of ``tokens``; a repository of ``failing`` answers every request with its status (503: the Hub down), a
+    file of it (``owner/name/path``) its downloads;
     ``served`` lists the files downloaded (GET)."""
 
     repos: dict[str, dict[str, bytes]]
@@ -60,6 +61,9 @@ class FakeHub:
         if not api and len(parts) > 4 and parts[2] == "resolve":
             name = "/".join(parts[4:])
             body = files.get(name)
+            status = self.failing.get(f"{repo}/{name}")
+            if status is not None:
+                return _error(status, "", f"the Hub failed with {status}")
             if body is None:
                 return _error(404, "EntryNotFound", f"{name} does not exist on {rev}")
             if method == "GET":

@@ -406,6 +406,24 @@ def test_the_cache_lists_what_kestrel_can_load_by_the_name_it_takes(hub: FakeHub
     assert cached_models(str(tmp_path / "none")) == []
 
 
+def test_a_sharded_snapshot_without_all_its_shards_is_neither_listed_nor_loaded(hub: FakeHub, tmp_path: Path) -> None:
+    """A download that failed after the index and the first shard: the cache's copy is not a model until the
+    shards the index names are all there, as a split GGUF's parts must be."""
+    h = Hub(hub.url, str(tmp_path))
+    hub.failing["org/sharded/model-00002-of-00002.safetensors"] = 503
+    with pytest.raises(KestrelError, match="org/sharded: downloading it failed"):
+        h.fetch(HubSpec("org/sharded"))
+    snap = next((tmp_path / "models--org--sharded" / "snapshots").iterdir())
+    assert (snap / "model.safetensors.index.json").is_file() and (snap / "model-00001-of-00002.safetensors").is_file()
+    assert cached_models(str(tmp_path)) == []
+    with pytest.raises(KestrelError, match="org/sharded: the Hugging Face cache holds it without "
+                                           "model-00002-of-00002.safetensors; the Hub cannot be reached"):
+        Hub("http://127.0.0.1:9", str(tmp_path)).fetch(HubSpec("org/sharded"))
+    del hub.failing["org/sharded/model-00002-of-00002.safetensors"]
+    assert h.fetch(HubSpec("org/sharded")) == snap
+    assert [m.name for m in cached_models(str(tmp_path))] == ["org/sharded"]
+
+
 def test_the_cache_names_a_gguf_without_a_quant_in_its_name_by_its_stem(hub: FakeHub, tmp_path: Path) -> None:
     """A quantization after a dot (TheBloke's names) is a tag; a file without one is named by its stem, which
     -m takes; one that neither picks (its stem belongs to a shorter file) is shown with its file."""
