@@ -206,7 +206,10 @@ class Hub:
         files = [p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file()] if commit else []
         if not files:
             raise KestrelError(refusal or f"model {spec}: no such local path, not in the Hugging Face cache, and {why}")
-        kind, chosen = choose_files(spec, files)
+        try:
+            kind, chosen = choose_files(spec, files, where="the Hugging Face cache")
+        except KestrelError as exc:
+            raise KestrelError(f"{exc}, and the Hub's list is unknown: {refusal or why}") from None
         lacking = _lacking(snap, kind, chosen, files)
         if lacking is not None:  # a download that failed part way
             raise KestrelError(f"model {spec}: the Hugging Face cache holds it without {lacking}; {refusal or why}")
@@ -331,27 +334,27 @@ def redownload_hint(spec: HubSpec, exc: KestrelError) -> str | None:
     return f"`kestrel pull --force {spec}` downloads it again"
 
 
-def choose_files(spec: HubSpec, files: Sequence[str]) -> tuple[str, str]:
+def choose_files(spec: HubSpec, files: Sequence[str], where: str = "the repository") -> tuple[str, str]:
     """("safetensors", "") or ("gguf", the file) for a repository holding ``files``; a KestrelError saying
-    what is missing otherwise."""
+    what is missing otherwise (of ``files``, what ``where`` holds: the repository, or the cache's copy of it)."""
     ggufs = [f for f in files if is_model_gguf(f)]
     if spec.tag is None and "config.json" in files and any(f.endswith(".safetensors") for f in files):
         return "safetensors", ""
     if ggufs:
-        return "gguf", _pick_gguf(spec, ggufs)
+        return "gguf", _pick_gguf(spec, ggufs, where)
     if any(f.lower().endswith(".gguf") for f in files):
         raise KestrelError(f"model {spec}: its GGUF files are a model's companions (a vision projector, an "
                            "importance matrix, a draft head), not a model")
     if spec.tag is not None:
-        raise KestrelError(f"model {spec}: the repository has no GGUF file to pick by the tag {spec.tag!r}")
+        raise KestrelError(f"model {spec}: {where} has no GGUF file to pick by the tag {spec.tag!r}")
     if any(f.lower().endswith(PICKLE_SUFFIXES) for f in files):
         raise KestrelError(f"model {spec}: its weights are pickle checkpoints (.bin, .pt), which kestrel never "
                            "loads (loading one can run code); use a repository of safetensors or GGUF weights")
-    raise KestrelError(f"model {spec}: the repository has neither safetensors weights with a config.json nor "
-                       "a GGUF file")
+    raise KestrelError(f"model {spec}: {where} has neither safetensors weights with a config.json nor a GGUF "
+                       "file")
 
 
-def _pick_gguf(spec: HubSpec, ggufs: list[str]) -> str:
+def _pick_gguf(spec: HubSpec, ggufs: list[str], where: str = "the repository") -> str:
     """The GGUF file of ``spec``'s tag, or the most precise usual one: the file of that very quantization before
     one that also names it (``m-Q4_0-F16.gguf`` for F16), a whole file before the first part of a split one."""
     def has(f: str, quant: str) -> bool:  # as llama.cpp's find_best_model: "." or "-" after it (Q6_K is not Q6_K_L)
@@ -369,7 +372,7 @@ def _pick_gguf(spec: HubSpec, ggufs: list[str]) -> str:
             return hits[0]
     if spec.tag is not None:
         listed = ", ".join(sorted(ggufs)[:6]) + (", ..." if len(ggufs) > 6 else "")
-        raise KestrelError(f"model {spec}: no GGUF file for the tag {spec.tag!r} (the repository has {listed})")
+        raise KestrelError(f"model {spec}: no GGUF file for the tag {spec.tag!r} ({where} has {listed})")
     if not loadable:
         raise KestrelError(f"model {spec}: its GGUF files are later parts of split ones ({ggufs[0]}, ...) without "
                            "their first parts")

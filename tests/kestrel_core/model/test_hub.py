@@ -309,6 +309,20 @@ def test_a_damaged_cached_file_names_the_way_out_and_pull_force_takes_it(hub: Fa
     assert blob.read_bytes() == GGUF
 
 
+def test_a_tag_missing_from_the_cache_says_the_hub_was_not_asked(hub: FakeHub, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline or unreachable, the files a missing tag's error lists are the cache's, not the repository's."""
+    from huggingface_hub import constants
+
+    Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/tiny-GGUF", tag="Q4_K_M"))
+    cache_has = r"no GGUF file for the tag 'Q8_0' \(the Hugging Face cache has tiny-Q4_K_M.gguf\), and the Hub's"
+    with pytest.raises(KestrelError, match=cache_has + " list is unknown: the Hub cannot be reached"):
+        Hub("http://127.0.0.1:9", str(tmp_path)).fetch(HubSpec("org/tiny-GGUF", tag="Q8_0"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(KestrelError, match=cache_has + " list is unknown: HF_HUB_OFFLINE is set"):
+        Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/tiny-GGUF", tag="Q8_0"))
+
+
 def _kestrel(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kestrel_core.cli", *args], capture_output=True, text=True,
                           timeout=300, env={**os.environ, **env})
