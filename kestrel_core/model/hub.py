@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import KestrelError, safe_text
 
 log = logging.getLogger(__name__)
 
@@ -380,18 +380,25 @@ def _pick_gguf(spec: HubSpec, ggufs: list[str], where: str = "the repository") -
 
 
 def _refusal(spec: HubSpec, exc: Exception) -> str:
-    """One line for the Hub's answer ``exc`` (an HfHubHTTPError)."""
+    """One line for the Hub's answer ``exc`` (an HfHubHTTPError), with the reason the Hub gave (huggingface_hub
+    keeps it apart from its own words as ``server_message``)."""
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
+    said = safe_text(getattr(exc, "server_message", None) or "")
     if isinstance(exc, GatedRepoError):
         return (f"model {spec} is gated: accept its terms on huggingface.co/{spec.repo}, then set HF_TOKEN "
-                "(or run `hf auth login`)")
+                "(or run `hf auth login`)" + (f"; the Hub says: {said}" if said else ""))
     if isinstance(exc, RepositoryNotFoundError):
         return (f"model {spec}: no such local path, and no such repository on the Hugging Face Hub (a private one "
                 "needs HF_TOKEN)")
     if isinstance(exc, RevisionNotFoundError):
         return f"model {spec}: the repository has no revision {spec.revision!r}"
-    return f"model {spec}: the Hugging Face Hub refused it ({_first_line(exc)})"
+    response = getattr(exc, "response", None)
+    if response is None:
+        return f"model {spec}: the Hugging Face Hub refused it ({_first_line(exc)})"
+    status = f"{response.status_code} {response.reason_phrase}".strip()
+    token = "; check HF_TOKEN" if response.status_code == 401 else ""
+    return f"model {spec}: the Hugging Face Hub refused it ({status}{f': {said}' if said else ''}{token})"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -20,13 +20,15 @@ from urllib.parse import parse_qs, unquote, urlsplit
 class FakeHub:
     """Repositories ``{"owner/name": {path: bytes}}``; ``gated`` ones answer 401 GatedRepo to a request without
     one of ``tokens``; a repository of ``failing`` answers every request with its status (503: the Hub down), a
-    file of it (``owner/name/path``) its downloads;
+    file of it (``owner/name/path``) its downloads; one of ``refusing`` answers (status, X-Error-Code, message),
+    the Hub's refusal with its reason;
     ``served`` lists the files downloaded (GET)."""
 
     repos: dict[str, dict[str, bytes]]
     gated: set[str] = field(default_factory=set)
     tokens: set[str] = field(default_factory=set)
     failing: dict[str, int] = field(default_factory=dict)
+    refusing: dict[str, tuple[int, str, str]] = field(default_factory=dict)
     served: list[str] = field(default_factory=list)
     url: str = ""
 
@@ -41,6 +43,8 @@ class FakeHub:
         files = self.repos.get(repo)
         if repo in self.failing:
             return _error(self.failing[repo], "", f"the Hub failed with {self.failing[repo]}")
+        if repo in self.refusing:
+            return _error(*self.refusing[repo])
         if files is None:
             return _error(404, "RepoNotFound", f"Repository Not Found for url: {path}")
         if repo in self.gated and authorization not in {f"Bearer {t}" for t in self.tokens}:

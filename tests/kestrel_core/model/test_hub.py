@@ -323,6 +323,30 @@ def test_a_tag_missing_from_the_cache_says_the_hub_was_not_asked(hub: FakeHub, t
         Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/tiny-GGUF", tag="Q8_0"))
 
 
+@pytest.mark.parametrize(("status", "code", "message"), [
+    (401, "", "Invalid credentials in Authorization header"),  # an expired or revoked HF_TOKEN
+    (403, "", "Access to this resource is disabled."),
+    (403, "GatedRepo", "Access to model org/x is restricted and you are not in the authorized list. Visit "
+                       "https://huggingface.co/org/x to ask for access."),  # a token, and the terms not accepted
+    (400, "", "Invalid repository name"),
+])
+def test_a_hub_refusal_keeps_the_hubs_reason(hub: FakeHub, tmp_path: Path, status: int, code: str,
+                                             message: str) -> None:
+    """The reason the Hub gives, as huggingface_hub's error holds it (its server_message), in one line."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    hub.refusing["org/x"] = (status, code, message)
+    with pytest.raises(HfHubHTTPError) as client_error:
+        HfApi(endpoint=hub.url).repo_info("org/x")
+    assert client_error.value.server_message == message
+    with pytest.raises(KestrelError) as refused:
+        Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/x"))
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+    assert "gated: accept its terms on huggingface.co/org/x" in str(refused.value) if code else \
+        f"the Hugging Face Hub refused it ({status} " in str(refused.value)
+
+
 def _kestrel(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kestrel_core.cli", *args], capture_output=True, text=True,
                           timeout=300, env={**os.environ, **env})
