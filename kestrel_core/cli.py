@@ -361,6 +361,8 @@ def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s",
                         handlers=[RichHandler(console=err, show_time=False, show_path=False)])
+    # huggingface_hub prints its warnings with a handler of its own, which a root handler would print again
+    logging.getLogger("huggingface_hub").propagate = False
     if not args.verbose:  # numpy's overflow and invalid-value notes: what they lead to is checked and reported
         warnings.simplefilter("ignore", RuntimeWarning)
     try:

@@ -21,7 +21,7 @@ class FakeHub:
     """Repositories ``{"owner/name": {path: bytes}}``; ``gated`` ones answer 401 GatedRepo to a request without
     one of ``tokens``; a repository of ``failing`` answers every request with its status (503: the Hub down), a
     file of it (``owner/name/path``) its downloads; one of ``refusing`` answers (status, X-Error-Code, message),
-    the Hub's refusal with its reason;
+    the Hub's refusal with its reason; ``warning``, where set, goes with every answer (``X-HF-Warning``);
     ``served`` lists the files downloaded (GET)."""
 
     repos: dict[str, dict[str, bytes]]
@@ -29,6 +29,7 @@ class FakeHub:
     tokens: set[str] = field(default_factory=set)
     failing: dict[str, int] = field(default_factory=dict)
     refusing: dict[str, tuple[int, str, str]] = field(default_factory=dict)
+    warning: str = ""
     served: list[str] = field(default_factory=list)
     url: str = ""
 
@@ -108,6 +109,8 @@ def serving(hub: FakeHub) -> Iterator[FakeHub]:
             self.send_response(status)
             for k, v in headers.items():
                 self.send_header(k, v)
+            if hub.warning:
+                self.send_header("X-HF-Warning", f"kestrel-test; {hub.warning}")
             self.end_headers()
             if method == "GET":
                 self.wfile.write(body)

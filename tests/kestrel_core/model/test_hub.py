@@ -372,6 +372,16 @@ def test_kestrel_run_and_pull_take_a_hub_name_and_run_offline_after(hub: FakeHub
     assert "org/missing: no such local path, and no such repository on the Hugging Face Hub" in missing.stderr
 
 
+def test_a_warning_of_huggingface_hub_is_printed_once(hub: FakeHub, tmp_path: Path) -> None:
+    """huggingface_hub prints its warnings with a handler of its own; the CLI's does not print them again."""
+    env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "KESTREL_HOME": str(tmp_path / "k"),
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    hub.warning = "this Hub is a test double"
+    pulled = _kestrel("pull", "org/tiny-GGUF:Q4_K_M", env=env)
+    assert pulled.returncode == 0, pulled.stderr
+    assert pulled.stderr.count("this Hub is a test double") == 1, pulled.stderr
+
+
 def test_a_model_loaded_by_hub_name_keeps_that_name(hub: FakeHub, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """``load_model("org/tiny")`` fetches it; the server names it so (as vLLM does)."""
