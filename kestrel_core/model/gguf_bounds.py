@@ -35,8 +35,8 @@ _SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})(?P<su
 class _Bounds:
     """A cursor over the file's bytes that refuses any length reaching past the end (before reading it)."""
 
-    def __init__(self, buf: Any, size: int, order: str, where: str) -> None:
-        self.buf, self.size, self.order, self.where, self.pos = buf, size, order, where, 0
+    def __init__(self, buf: Any, size: int, where: str) -> None:
+        self.buf, self.size, self.where, self.pos = buf, size, where, 0
         self.elements = 0
 
     def fail(self, what: str) -> KestrelError:
@@ -49,13 +49,13 @@ class _Bounds:
 
     def u32(self, what: str) -> int:
         self.need(4, what)
-        (v,) = struct.unpack_from(self.order + "I", self.buf, self.pos)
+        (v,) = struct.unpack_from("<I", self.buf, self.pos)
         self.pos += 4
         return int(v)
 
     def u64(self, what: str) -> int:
         self.need(8, what)
-        (v,) = struct.unpack_from(self.order + "Q", self.buf, self.pos)
+        (v,) = struct.unpack_from("<Q", self.buf, self.pos)
         self.pos += 8
         return int(v)
 
@@ -131,8 +131,8 @@ def check_gguf_bounds(path: str | Path) -> int:
     gguf-py reads it: a 49-byte file whose array header claims 2^62 elements must not make gguf-py allocate
     (it builds a Python list element by element: 3.7 GB, then a hang). Each string length, array count x
     element size and tensor extent (offset + bytes, after the aligned data start) must fit in the file; tensor
-    types must be known to gguf-py and have at most 4 non-zero dimensions. Returns where the tensor data start
-    (the header's length, alignment included)."""
+    types must be known to gguf-py and have at most 4 non-zero dimensions, and the file be little-endian. Returns
+    where the tensor data start (the header's length, alignment included)."""
     where = str(path)
     with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
@@ -146,14 +146,13 @@ def _walk(buf: Any, size: int, where: str) -> int:
     if bytes(buf[:4]) != b"GGUF":
         raise KestrelError(f"{where}: not a GGUF file (bad magic {bytes(buf[:4])!r}; truncated or corrupt?)")
     (version,) = struct.unpack_from("<I", buf, 4)
-    order = "<"
-    if version & 0xFFFF == 0:  # written on a big-endian host: gguf-py reads it byte-swapped
-        order = ">"
-        (version,) = struct.unpack_from(">I", buf, 4)
+    if version & 0xFFFF == 0:  # llama.cpp's test: a version this large is a small one in the other byte order
+        raise KestrelError(f"{where}: a big-endian GGUF file; kestrel reads little-endian ones only (as llama.cpp "
+                           "does on a little-endian host)")
     if version not in GGUF_VERSIONS:
         raise KestrelError(f"{where}: not a readable GGUF file (version {version}; kestrel reads versions 2 and 3; "
                            "truncated or corrupt?)")
-    b = _Bounds(buf, size, order, where)
+    b = _Bounds(buf, size, where)
     b.pos = 8
     n_tensors = b.u64("tensor count")
     n_kv = b.u64("metadata count")

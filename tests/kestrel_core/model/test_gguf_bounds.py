@@ -105,6 +105,23 @@ def test_real_files_pass(tmp_path: Path) -> None:
         check_gguf_bounds(cut)
 
 
+def test_big_endian_files_are_refused(tmp_path: Path) -> None:
+    """gguf-py's writer with endianess=BIG: llama.cpp refuses such a file on a little-endian host; read with
+    little-endian floats, its norm of ones would be 4.6e-41 each."""
+    path = tmp_path / "big.gguf"
+    w = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian.BIG)
+    w.add_block_count(1)
+    w.add_tensor("output_norm.weight", np.ones(64, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert gguf.GGUFReader(path).endianess == gguf.GGUFEndian.BIG  # the reference reads it as big-endian
+    with pytest.raises(KestrelError, match="big-endian GGUF file") as info:
+        check_gguf_bounds(path)
+    assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
 def test_default_model_passes() -> None:
     from kestrel_core.model.pull import default_model_path
 
