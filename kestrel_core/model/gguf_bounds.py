@@ -131,8 +131,9 @@ def check_gguf_bounds(path: str | Path) -> int:
     gguf-py reads it: a 49-byte file whose array header claims 2^62 elements must not make gguf-py allocate
     (it builds a Python list element by element: 3.7 GB, then a hang). Each string length, array count x
     element size and tensor extent (offset + bytes, after the aligned data start) must fit in the file; tensor
-    types must be known to gguf-py and have at most 4 non-zero dimensions, and the file be little-endian. Returns
-    where the tensor data start (the header's length, alignment included)."""
+    types must be known to gguf-py and have at most 4 non-zero dimensions; the tensors must lie as llama.cpp
+    requires (each offset the padded sizes of the tensors before it), and the file be little-endian. Returns where
+    the tensor data start (the header's length, alignment included)."""
     where = str(path)
     with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
@@ -185,7 +186,13 @@ def _walk(buf: Any, size: int, where: str) -> int:
         n_elems = math.prod(dims)
         extents.append((name, offset, n_elems // block * type_size))
     start = b.pos + (-b.pos) % alignment
+    expected = 0  # llama.cpp's rule: each tensor starts where the one before it ends, padded to the alignment
     for name, offset, nbytes in extents:
+        if offset != expected:
+            raise KestrelError(f"{where}: not a readable GGUF file (tensor {name} has offset {offset}, expected "
+                               f"{expected}: tensors lie in order, each padded to {alignment} bytes, without gaps or "
+                               "overlaps; corrupt)")
+        expected += nbytes + (-nbytes) % alignment
         if start + offset + nbytes > size:
             raise KestrelError(f"{where}: not a readable GGUF file (tensor {name} needs bytes "
                                f"{start + offset}..{start + offset + nbytes}, the file has {size}; truncated or "

@@ -105,6 +105,48 @@ def test_real_files_pass(tmp_path: Path) -> None:
         check_gguf_bounds(cut)
 
 
+def three_tensor_gguf(path: Path, alignment: int = 32) -> dict[str, tuple[int, int]]:
+    """gguf-py's writer output with tensors a, b (Q8_0) and c; each name -> (where its offset is in the file, the
+    offset)."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(alignment)
+    w.add_tensor("a", np.ones((2, 64), np.float32))
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    w.add_tensor("b", gguf.quants.quantize(np.ones((3, 64), np.float32), q8), raw_dtype=q8)
+    w.add_tensor("c", np.ones(8, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    fields = {}
+    for t in gguf.GGUFReader(path).tensors:
+        f = t.field
+        fields[t.name] = (f.offset + sum(part.nbytes for part in f.parts[:-1]), int(f.parts[-1][0]))
+    return fields
+
+
+@pytest.mark.parametrize("alignment", [32, 64])
+@pytest.mark.parametrize("case", ["overlap", "inside the one before", "gap", "out of order"])
+def test_tensors_lie_in_order_without_gaps_or_overlaps(tmp_path: Path, case: str, alignment: int) -> None:
+    """llama.cpp (gguf.cpp) refuses a tensor whose offset is not the padded sizes of the tensors before it
+    ("tensor 'b' has offset N, expected M"): two tensors read from the same bytes, or bytes left out, are a
+    corrupt file."""
+    path = tmp_path / "m.gguf"
+    at = three_tensor_gguf(path, alignment)
+    assert at["a"][1] == 0 and at["b"][1] == alignment * -(-2 * 64 * 4 // alignment)  # as gguf-py writes them
+    check_gguf_bounds(path)
+    data = bytearray(path.read_bytes())
+    moved = {"overlap": {"b": at["a"][1]}, "inside the one before": {"b": at["b"][1] - 32},
+             "gap": {"b": at["b"][1] + alignment, "c": at["c"][1] + alignment},
+             "out of order": {"b": at["c"][1], "c": at["b"][1]}}[case]
+    for name, offset in moved.items():
+        struct.pack_into("<Q", data, at[name][0], offset)
+    path.write_bytes(data + bytes(2 * alignment))  # room for a gap: the file is long enough either way
+    with pytest.raises(KestrelError, match=f"tensor b has offset {moved['b']}, expected {at['b'][1]}") as info:
+        check_gguf_bounds(path)
+    assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
 def test_big_endian_files_are_refused(tmp_path: Path) -> None:
     """gguf-py's writer with endianess=BIG: llama.cpp refuses such a file on a little-endian host; read with
     little-endian floats, its norm of ones would be 4.6e-41 each."""
