@@ -65,6 +65,19 @@ def _decimal(value: Any) -> float:
     return float(str(np.float32(value)))
 
 
+def dequantize_tensor(t: Any, where: str, data: np.ndarray | None = None) -> np.ndarray:
+    """GGUF tensor ``t`` (a gguf-py ReaderTensor; or ``data``, a slice of it) as float32; a type gguf-py cannot
+    dequantize (Q8_1, I32...) or bytes it cannot decode is one KestrelError naming the tensor (``where``: the file,
+    as the message names it)."""
+    try:
+        w = dequantize(t.data if data is None else data, t.tensor_type)
+    except NotImplementedError:
+        raise KestrelError(f"{where}: tensor {t.name} uses {t.tensor_type.name}, which gguf-py cannot "
+                           "dequantize") from None
+    except (ValueError, IndexError) as exc:
+        raise KestrelError(f"{where}: tensor {t.name} is corrupt ({exc})") from None
+    return np.asarray(w, dtype=np.float32)
+
 
 class GGUFMetadata:
     """The metadata of a GGUF file ``reader`` (``path`` names it in errors); ``_tensors`` (kestrel name -> tensor)
@@ -168,7 +181,7 @@ class GGUFMetadata:
                 t = self._rope_factors.get(f"rope_factors_{name}.weight")
                 if t is None:
                     raise KestrelError(f"{self.path}: rope_factors_{name}.weight is missing beside its pair")
-                factors[f"{name}_factor"] = [float(f) for f in dequantize(t.data, t.tensor_type).reshape(-1)]
+                factors[f"{name}_factor"] = [float(f) for f in dequantize_tensor(t, str(self.path)).reshape(-1)]
             if (rotary_dim or 0) // 2 != len(factors["long_factor"]):
                 raise KestrelError(f"{self.path}: rope_factors_long.weight has {len(factors['long_factor'])} "
                                    f"entries; {arch}.rope.dimension_count {rotary_dim} turns {(rotary_dim or 0) // 2} "

@@ -23,12 +23,11 @@ from typing import Any
 
 import numpy as np
 from gguf import GGUFReader
-from gguf.quants import dequantize
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.gguf_bounds import check_gguf_bounds, split_parts
-from kestrel_core.model.gguf_meta import HYBRID_ARCHITECTURES, GGUFMetadata
+from kestrel_core.model.gguf_meta import HYBRID_ARCHITECTURES, GGUFMetadata, dequantize_tensor
 from kestrel_core.model.quantize import fused_rows, hybrid_splits, layer_name, map_tensor_name
 from kestrel_core.model.validate import ValidationError, check_regular_file
 from kestrel_core.model.weights import expert_field
@@ -314,7 +313,7 @@ class GGUFCheckpoint(GGUFMetadata):
         extra["pooling"] = self._pooling(arch)
         try:
             if self._rope_freqs is not None:
-                freqs = dequantize(self._rope_freqs.data, self._rope_freqs.tensor_type)
+                freqs = dequantize_tensor(self._rope_freqs, str(self.path))
                 orig_ctx = self.int_field(f"{arch}.rope.scaling.original_context_length")
                 scaling = llama3_scaling_from_factors(freqs, theta, head_dim, orig_ctx, str(self.path))
             bos = self.int_field("tokenizer.ggml.bos_token_id", lo=0)
@@ -358,23 +357,12 @@ class GGUFCheckpoint(GGUFMetadata):
         if set(parts) != set(LATENT_UP):
             raise KestrelError(f"{self.path}: {name}: attn_k_b and attn_v_b come in pairs, found {sorted(parts)}")
         c = self.config
-        k_b, v_b = (self._dequantized(parts[n]) for n in LATENT_UP)
+        k_b, v_b = (dequantize_tensor(parts[n], str(self.path)) for n in LATENT_UP)
         h, r, dn = c.num_heads, c.kv_lora_rank, c.head_dim - c.rotary
         if k_b.shape != (h, r, dn) or v_b.shape != (h, c.value_dim, r):
             raise KestrelError(f"{self.path}: {name}: attn_k_b {list(k_b.shape)} and attn_v_b {list(v_b.shape)} do "
                                f"not match {h} heads, a latent of {r}, keys of {dn} and values of {c.value_dim}")
         return np.ascontiguousarray(np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, r))
-
-    def _dequantized(self, t: Any, data: np.ndarray | None = None) -> np.ndarray:
-        """Tensor ``t`` (or ``data``, a slice of it) as float32."""
-        try:
-            w = dequantize(t.data if data is None else data, t.tensor_type)
-        except NotImplementedError:
-            raise KestrelError(f"{self.path}: tensor {t.name} uses {t.tensor_type.name}, which gguf-py cannot "
-                               "dequantize") from None
-        except (ValueError, IndexError) as exc:
-            raise KestrelError(f"{self.path}: tensor {t.name} is corrupt ({exc})") from None
-        return np.asarray(w, dtype=np.float32)
 
     def tokenizer_fields(self) -> dict[str, Any]:
         """Every tokenizer.* metadata value and general.name, decoded (what Tokenizer.from_gguf_vocab needs)."""
@@ -396,7 +384,7 @@ class GGUFCheckpoint(GGUFMetadata):
             data = t.data[e]
         if t is None:
             raise KestrelError(f"{self.path}: the GGUF has no tensor for {name}")
-        w = self._dequantized(t, data)
+        w = dequantize_tensor(t, str(self.path), data)
         if name.endswith(".shared_expert_gate") and w.ndim == 1:  # llama.cpp stores the gate's one row as [D]
             w = w.reshape(1, -1)
         rows = self._rows.get(name)

@@ -164,6 +164,30 @@ def test_rope_freqs_in_a_file(tmp_path: Path, synth_source, fmt) -> None:
                                hf_llama3_inv_freq(500000.0, 16, rs), rtol=1e-6)
 
 
+@pytest.mark.parametrize("tensor", ["rope_freqs.weight", "rope_factors_long.weight"])
+@pytest.mark.parametrize("qtype", ["Q8_1", "I32"])
+def test_rope_tensors_of_a_type_gguf_py_cannot_dequantize_are_one_line(tmp_path: Path, synth_source, fmt,
+                                                                         tensor: str, qtype: str) -> None:
+    """The RoPE tensors read while the config is built (llama3's rope_freqs, longrope's rope_factors_*) in a type
+    gguf-py has no dequantization for: the error weight tensors get, naming the tensor and its type."""
+    def add(w: gguf.GGUFWriter) -> None:
+        raw = gguf.GGMLQuantizationType[qtype]
+        if qtype == "I32":
+            w.add_tensor(tensor, np.ones(8, np.int32))
+        else:
+            w.add_tensor(tensor, np.zeros((1, gguf.GGML_QUANT_SIZES[raw][1]), np.uint8), raw_dtype=raw)
+        if tensor.startswith("rope_factors_"):
+            w.add_tensor("rope_factors_short.weight", np.ones(8, np.float32))
+
+    path = fmt.write_gguf(tmp_path / "m.gguf", synth_source("llama"), metadata=add)
+    with pytest.raises(NotImplementedError):  # the reference: gguf-py has no dequantization for this type
+        gguf.quants.dequantize(next(t for t in gguf.GGUFReader(path).tensors if t.name == tensor).data,
+                               gguf.GGMLQuantizationType[qtype])
+    with pytest.raises(KestrelError) as info:
+        GGUFCheckpoint(path)
+    assert str(info.value) == f"{path}: tensor {tensor} uses {qtype}, which gguf-py cannot dequantize"
+
+
 @pytest.mark.parametrize(("keys", "scaling"), [
     ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
     ({"llama.rope.scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),  # llama.cpp's default type
