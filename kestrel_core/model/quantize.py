@@ -139,10 +139,17 @@ def quantize_tensor(w: WeightInput | IntWeight, bits: int, mode: QuantMode, name
 
 
 def _float(source: TensorSource, spec: TensorSpec) -> np.ndarray:
+    """A tensor the model keeps as float32 (a norm, a bias, a router): no quantizer's pass refuses its NaN or
+    infinity, so they are refused here."""
     v = np.ascontiguousarray(source.get(spec.name), dtype=np.float32)
     if v.shape != spec.shape:
         raise KestrelError(f"{source.description}: {spec.name} has shape {list(v.shape)}, expected "
                            f"{list(spec.shape)}")
+    if not np.isfinite(v).all():
+        first = np.argwhere(~np.isfinite(v))[0]
+        at = f"row {first[0]}" if v.ndim > 1 else f"element {first[0]}"
+        raise KestrelError(f"{source.description}: {spec.name} contains NaN or infinity (first in {at}; corrupt "
+                           "checkpoint?)")
     return v
 
 

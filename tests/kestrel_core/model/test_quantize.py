@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -95,3 +97,47 @@ def test_codes_equal_gguf_py_on_rounding_edge_cases() -> None:
     q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)  # [2, 34]: f16 scale then 32 int8 codes
     want = q[:, 2:].copy().view(np.int8)
     np.testing.assert_array_equal(quantize_weight(w, 8, 32).codes, want)
+
+
+class Poisoned:
+    """A TensorSource whose tensor ``name`` holds ``value`` at its element (or row) 3."""
+
+    def __init__(self, source, name: str, value: float) -> None:  # type: ignore[no-untyped-def]
+        self.source, self.name, self.value = source, name, value
+        self.config, self.description = source.config, source.description
+
+    def has(self, name: str) -> bool:
+        return self.source.has(name)
+
+    def get(self, name: str) -> np.ndarray:
+        t = self.source.get(name)
+        if name == self.name:
+            t = np.array(t, dtype=np.float32)
+            t[3] = self.value
+        return t
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_float_tensors_with_nan_or_infinity_are_refused(tmp_path, fmt, synth_source, value: float) -> None:
+    """Norms, biases and float matrices (a router) stay float32, past the quantizer's NaN check: a GGUF, a Hugging
+    Face directory (float32 and bfloat16) and a mixture of experts' router are each one line naming the tensor."""
+    from kestrel_core.model.gguf_reader import GGUFCheckpoint
+    from kestrel_core.model.loader import load_model
+
+    fixture = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-mixtral.gguf"
+    src = synth_source("qwen2")
+    src.tensors["final_norm"][3] = value
+    gguf_path = fmt.write_gguf(tmp_path / "m.gguf", src, tokenizer=fmt.train_bpe())
+    src = synth_source("qwen2")
+    src.tensors["layers.1.k_bias"][3] = value
+    f32_dir, bf16_dir = fmt.write_hf_dir(tmp_path / "f32", src), fmt.write_hf_dir(tmp_path / "bf16", src, "bf16")
+    cases = [(lambda: load_model(gguf_path, "q8", cache="off"), "final_norm", "element 3"),
+             (lambda: load_model(f32_dir, "q8", cache="off"), "layers.1.k_bias", "element 3"),
+             (lambda: load_model(bf16_dir, "q8", cache="off"), "layers.1.k_bias", "element 3"),
+             (lambda: quantize_model(Poisoned(GGUFCheckpoint(fixture), "layers.1.router", value)), "layers.1.router",
+              "row 3")]
+    for load, name, at in cases:
+        with pytest.raises(KestrelError) as info:
+            load()
+        message = str(info.value)
+        assert f"{name} contains NaN or infinity (first in {at}" in message and "\n" not in message, message
