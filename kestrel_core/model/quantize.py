@@ -7,6 +7,7 @@ float copy, so at most one float tensor is alive at a time.
 
 from __future__ import annotations
 
+import mmap
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -138,10 +139,24 @@ def quantize_tensor(w: WeightInput | IntWeight, bits: int, mode: QuantMode, name
         raise KestrelError(f"{name}: {exc} (corrupt checkpoint?)") from None
 
 
+def _views_a_file(a: np.ndarray) -> bool:
+    """Whether ``a``'s memory is a file's memory map (a GGUF's F32 tensor as gguf-py reads it is a view of one)."""
+    base = a.base
+    while base is not None:
+        if isinstance(base, mmap.mmap):
+            return True
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    return False
+
+
 def _float(source: TensorSource, spec: TensorSpec) -> np.ndarray:
-    """A tensor the model keeps as float32 (a norm, a bias, a router): no quantizer's pass refuses its NaN or
-    infinity, so they are refused here."""
+    """A tensor the model keeps as float32 (a norm, a bias, a router), in memory of its own: a view of the
+    checkpoint's memory map would keep the file mapped for the model's life (a file rewritten in place changes
+    the model; one truncated kills the process with SIGBUS). No quantizer's pass refuses its NaN or infinity, so
+    they are refused here."""
     v = np.ascontiguousarray(source.get(spec.name), dtype=np.float32)
+    if _views_a_file(v):
+        v = v.copy()
     if v.shape != spec.shape:
         raise KestrelError(f"{source.description}: {spec.name} has shape {list(v.shape)}, expected "
                            f"{list(spec.shape)}")

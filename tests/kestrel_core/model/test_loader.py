@@ -195,6 +195,30 @@ def test_default_model_path_is_cached_as_an_artifact(tmp_path: Path, monkeypatch
     assert cached[0].stat().st_size > 1000
 
 
+@pytest.mark.parametrize("cache", ["off", "written on a thread"])
+def test_a_gguf_model_keeps_no_view_of_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, synth_source, fmt,
+                                               cache: str) -> None:
+    """The float32 tensors a model keeps (norms, biases) are its own memory, not views of the GGUF's memory map:
+    the model built without the cache, or on a first load whose large entry is written on a thread, stays as it
+    was when the file is rewritten in place (as a download into the same path does)."""
+    tk = fmt.train_bpe("gpt2")
+    src = synth_source("qwen2", vocab_size=tk.get_vocab_size())
+    path = fmt.write_gguf(tmp_path / "m.gguf", src, tokenizer=tk)  # F32 tensors: gguf-py reads them as views
+    if cache != "off":
+        monkeypatch.setenv("KESTREL_HOME", str(tmp_path / "home"))
+        monkeypatch.setenv("KESTREL_MODEL_CACHE", "1")
+        monkeypatch.setattr(loader, "BACKGROUND_WRITE_BYTES", 0)
+    model = load_model(path, "q8").model
+    loader.finish_cache_writes()
+    assert cache == "off" or len(list((tmp_path / "home" / "cache").glob("*.kst"))) == 1  # written on the thread
+    with open(path, "r+b") as f:
+        f.write(bytes(path.stat().st_size))
+    np.testing.assert_array_equal(model.final_norm, src.tensors["final_norm"])
+    for i, layer in enumerate(model.layers):
+        for field in ("attn_norm", "mlp_norm", "q_bias", "k_bias", "v_bias"):
+            np.testing.assert_array_equal(getattr(layer, field), src.tensors[f"layers.{i}.{field}"], err_msg=field)
+
+
 @pytest.mark.default_model
 def test_default_model_loads() -> None:
     loaded = load_model(None)
