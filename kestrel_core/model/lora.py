@@ -185,9 +185,9 @@ def _checked(pairs: dict[str, dict[str, np.ndarray]], where: str, r: int | None 
 def _gguf_adapter(path: Path, scale: float) -> Adapter:
     """llama.cpp's GGUF LoRA adapter at ``path``."""
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     from kestrel_core.model.gguf_bounds import check_gguf_bounds
+    from kestrel_core.model.gguf_meta import dequantize_tensor
 
     where = f"LoRA adapter {path}"
     check_regular_file(path)
@@ -215,10 +215,7 @@ def _gguf_adapter(path: Path, scale: float) -> Adapter:
         base, sep, part = t.name.rpartition(".lora_")
         if not sep or part not in ("a", "b"):
             raise KestrelError(f"{where}: tensor {t.name} is not a LoRA matrix (.lora_a or .lora_b)")
-        try:
-            pairs.setdefault(base, {})[part.upper()] = np.asarray(dequantize(t.data, t.tensor_type), np.float32)
-        except (NotImplementedError, ValueError, IndexError) as exc:
-            raise KestrelError(f"{where}: tensor {t.name} is unreadable ({exc})") from None
+        pairs.setdefault(base, {})[part.upper()] = dequantize_tensor(t, where)
     checked = _checked(pairs, where)
     ranks = {a.shape[0] for a, _ in checked.values()}
     if len(ranks) > 1:

@@ -104,3 +104,17 @@ def test_a_gguf_adapter_of_the_bases_architecture_is_the_hand_merge(tmp_path: Pa
     adapter = gguf_adapter(tmp_path / "adapter.gguf", pairs, arch, 8, GGUF_NAMES, _heads(base) if permuted else None)
     want = logits(hand_merged(tmp_path / "merged", base, [(pairs, 2.0)]))
     np.testing.assert_array_equal(logits(base, adapter), want)
+
+
+def test_a_gguf_adapter_tensor_gguf_py_cannot_dequantize_is_one_line(tmp_path: Path) -> None:
+    """An I32 matrix (no LoRA type): named with its type, as a base's tensor of that type is."""
+    from kestrel_core.errors import KestrelError
+    from kestrel_core.model.loader import load_model
+
+    base = FIXTURES / "tiny-llama"
+    pairs = peft_adapter(tmp_path / "peft", base, ["self_attn.v_proj"])
+    pairs = {name: (a.astype(np.int32), b) for name, (a, b) in pairs.items()}
+    adapter = gguf_adapter(tmp_path / "adapter.gguf", pairs, "llama", 8, GGUF_NAMES)
+    with pytest.raises(KestrelError, match=r"tensor blk\.0\.attn_v\.weight\.lora_a uses I32, which gguf-py cannot "
+                                           "dequantize$"):
+        load_model(str(base), "q8", cache="off", lora=str(adapter))
