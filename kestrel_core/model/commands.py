@@ -217,7 +217,7 @@ def _stream(engine: Engine, ids: list[int], args: argparse.Namespace, out: TextI
         if step.new_text:
             show(*(channels.feed(step.new_text) if channels is not None else ("", step.new_text)))
     if channels is not None:
-        thought, text = channels.finish()[:2]
+        thought, text = channels.finish()
         show(thought, text)
         if out is not None and "".join(thoughts):
             err.print()

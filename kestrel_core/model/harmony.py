@@ -5,11 +5,12 @@ An answer (after the template's ``<|start|>assistant``) is a run of messages ``[
 for a tool call, its recipient (``to=functions.NAME``, before or after the channel, with ``<|constrain|>json``);
 END is ``<|end|>``, ``<|call|>`` or ``<|return|>``. The analysis channel is the reasoning, the final channel (and
 commentary to no one: a preamble the user sees) the content, and a message to ``functions.NAME`` a call whose
-arguments are its body. Reading it needs the special tokens in the text (``SamplingParams.skip_special_tokens``
-False). ``parse`` reads a whole answer, ``HarmonyStream`` a streamed one; an answer with no harmony message at
-all is content, as it came. ``json_grammar`` and ``call_grammar`` keep an answer to JSON or to a call (a JSON
-response format, a forced tool call) in harmony's own shape: the analysis may come first, the final message or
-the call is constrained.
+arguments are its body; each message is a part of the answer (kestrel_core.model.parts: a chat message's reasoning
+and its content are their parts' bodies a line apart, as vLLM joins them). Reading it needs the special tokens in
+the text (``SamplingParams.skip_special_tokens`` False). ``parse`` reads a whole answer, ``HarmonyStream`` a
+streamed one; an answer with no harmony message at all is content, as it came. ``json_grammar`` and
+``call_grammar`` keep an answer to JSON or to a call (a JSON response format, a forced tool call) in harmony's own
+shape: the analysis may come first, the final message or the call is constrained.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 from kestrel_core.model.detokenize import partial_suffix
 from kestrel_core.model.grammar import lark_grammar, lark_json
+from kestrel_core.model.parts import CALL, CONTENT, REASONING, Part, PartStream, joined
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -46,26 +48,29 @@ class ToolCall:
 @dataclass(frozen=True)
 class HarmonyAnswer:
     reasoning: str | None  # the analysis messages' bodies, a line apart; None: there were none
-    content: str  # the final (and preamble) messages' bodies
+    content: str  # the final (and preamble) messages' bodies, a line apart
     calls: tuple[ToolCall, ...]
+    parts: tuple[Part, ...]  # a part per message, in order (a call's: CALL)
 
 
 def parse(text: str) -> HarmonyAnswer:
     """A whole answer's reasoning, content and calls."""
-    reasoning, content, calls, _ = _read(text, final=True)
-    return HarmonyAnswer("\n".join(reasoning) if reasoning else None, "".join(content), tuple(calls))
+    answer, calls = _read(text, final=True)
+    return HarmonyAnswer(joined(answer, REASONING), joined(answer, CONTENT) or "", tuple(calls), tuple(answer))
 
 
-def _read(text: str, final: bool) -> tuple[list[str], list[str], list[ToolCall], bool]:
-    """The messages' bodies by kind, and whether the text is harmony at all. A body still streaming (``final``
-    False) stops short of what may be the start of its end token; its message is not a call yet."""
-    if MESSAGE not in text:
-        return [], [text], [], False  # not harmony (or, streaming, not yet: HarmonyStream holds a header back)
-    reasoning: list[str] = []
-    content: list[str] = []
+def _read(text: str, final: bool) -> tuple[list[Part], list[ToolCall]]:
+    """The messages as parts, and the calls. A body still streaming (``final`` False) stops short of what may be
+    the start of its end token; its message is not a call yet."""
+    if MESSAGE not in text:  # not harmony (or, streaming, not yet: HarmonyStream holds a header back)
+        return [Part(CONTENT, 0, len(text), text)], []
+    answer: list[Part] = []
     calls: list[ToolCall] = []
+    at = 0
     for segment in text.split(START):
         header, sep, body = segment.partition(MESSAGE)
+        start = at + len(header) + len(sep)
+        at += len(segment) + len(START)
         if not sep:
             continue  # a header still coming, or nothing
         ends = [i for i in (body.find(end) for end in ENDS) if i >= 0]
@@ -76,17 +81,17 @@ def _read(text: str, final: bool) -> tuple[list[str], list[str], list[ToolCall],
             body = body[:len(body) - partial_suffix(body, ENDS)]
         recipient = _RECIPIENT.search(header)
         channel = _CHANNEL.search(header)
+        kind = CONTENT
         if recipient is not None:
             arguments = _arguments(body) if complete or final else None
             if arguments is not None:
                 calls.append(ToolCall(recipient.group(1).removeprefix("functions."), arguments))
-            elif final:  # a call that does not parse (or that max_tokens cut) is text, as the other formats' are
-                content.append(body)
+            if arguments is not None or not final:  # one that does not parse (or that max_tokens cut) is text,
+                kind = CALL  # as the other formats' are
         elif channel is not None and channel.group(1) == "analysis":
-            reasoning.append(body)
-        else:
-            content.append(body)
-    return reasoning, content, calls, True
+            kind = REASONING
+        answer.append(Part(kind, start, start + len(body), body))
+    return answer, calls
 
 
 def _arguments(body: str) -> str | None:
@@ -120,27 +125,16 @@ def call_grammar(functions: Sequence[dict[str, Any]], param: str = "tool_choice"
                         + "\n" + _ANALYSIS, param=param)
 
 
-class HarmonyStream:
-    """One streamed answer: ``feed`` gives the (reasoning, content) that can go out now, ``finish`` the rest and
-    the calls. What goes out always starts ``parse``'s parts, so it adds up to them."""
+class HarmonyStream(PartStream):
+    """One streamed answer, read into ``parse``'s parts (PartStream); ``calls`` once it has ended."""
 
-    def __init__(self) -> None:
-        self.text = ""
-        self.sent = [0, 0]  # characters of the reasoning and of the content sent
-
-    def feed(self, delta: str) -> tuple[str, str]:
-        self.text += delta
+    def settled(self) -> list[Part]:
         if MESSAGE not in self.text and self.text.lstrip()[:1] in ("", "<"):
-            return "", ""  # the first message's header may still be coming
-        reasoning, content, _, _ = _read(self.text, final=False)
-        return self._send("\n".join(reasoning), "".join(content))
+            return []  # the first message's header may still be coming
+        return _read(self.text, final=False)[0]
 
-    def finish(self) -> tuple[str, str, tuple[ToolCall, ...]]:
-        answer = parse(self.text)
-        reasoning, content = self._send(answer.reasoning or "", answer.content)
-        return reasoning, content, answer.calls
+    def whole(self) -> list[Part]:
+        return _read(self.text, final=True)[0]
 
-    def _send(self, reasoning: str, content: str) -> tuple[str, str]:
-        out = reasoning[self.sent[0]:], content[self.sent[1]:]
-        self.sent = [max(self.sent[0], len(reasoning)), max(self.sent[1], len(content))]
-        return out
+    def calls(self) -> tuple[ToolCall, ...]:
+        return tuple(_read(self.text, final=True)[1])

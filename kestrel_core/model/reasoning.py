@@ -8,9 +8,9 @@ channels are kestrel_core.model.harmony's.
 starts with ``<think>`` reasons until ``</think>``, as does one whose prompt ended with ``<think>`` (a template
 that opens the block itself, as Qwen3.5's); a ``<tool_call>`` ends the reasoning too (Qwen3.5 may call a tool
 without closing its block: the call is content, where serve/tools.py reads it, as vLLM and Ollama read it); an
-answer cut before either is all reasoning. ``split`` does this for a whole
-answer, ``ReasoningStream`` for a stream, holding back only what may be the start of a tag and the whitespace
-that the whole answer's parts leave out at their edges.
+answer cut before either is all reasoning. ``split_parts`` does this for a whole answer (its parts,
+kestrel_core.model.parts; ``split`` their two texts), ``ReasoningStream`` for a stream, holding back only what
+may be the start of a tag and the whitespace that the whole answer's parts leave out at their edges.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kestrel_core.model.detokenize import partial_suffix
+from kestrel_core.model.parts import CONTENT, REASONING, Part, PartStream, joined
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_CALL = "<tool_call>"  # a call that ends the reasoning without its </think>
@@ -54,19 +55,28 @@ def opens_in_prompt(prompt: str) -> bool:
     return prompt.rstrip().endswith(THINK_OPEN)
 
 
-def split(text: str, open_in_prompt: bool = False) -> tuple[str | None, str]:
-    """(the reasoning, None where the answer has none; the content) of a whole answer."""
+def split_parts(text: str, open_in_prompt: bool = False) -> list[Part]:
+    """A whole answer's parts: its reasoning block's (its text stripped), then what follows (its start's whitespace
+    left out); an answer without a block is all content, as it came."""
     head = text.lstrip()
-    if head.startswith(THINK_OPEN):
-        body = head[len(THINK_OPEN):]
+    if head.startswith(THINK_OPEN):  # where the prompt opened the block too: the tag may come again
+        start = len(text) - len(head) + len(THINK_OPEN)
     elif open_in_prompt:
-        body = text
+        start = 0
     else:
-        return None, text
+        return [Part(CONTENT, 0, len(text), text)]
+    body = text[start:]
     end, after = _end(body)
     if end < 0:
-        return body.strip() or None, ""
-    return body[:end].strip() or None, body[after:].lstrip()
+        return [Part(REASONING, start, len(text), body.strip())]
+    return [Part(REASONING, start, start + end, body[:end].strip()),
+            Part(CONTENT, start + after, len(text), body[after:].lstrip())]
+
+
+def split(text: str, open_in_prompt: bool = False) -> tuple[str | None, str]:
+    """(the reasoning, None where the answer has none; the content) of a whole answer."""
+    answer = split_parts(text, open_in_prompt)
+    return joined(answer, REASONING) or None, joined(answer, CONTENT) or ""
 
 
 def _end(body: str) -> tuple[int, int]:
@@ -78,40 +88,25 @@ def _end(body: str) -> tuple[int, int]:
     return (close, close + len(THINK_CLOSE)) if close >= 0 else (-1, -1)
 
 
-class ReasoningStream:
-    """One streamed choice's answer: ``feed`` gives the (reasoning, content) that can go out now, ``finish`` the
-    rest. What goes out is always the start of ``split``'s parts, so it adds up to them."""
+class ReasoningStream(PartStream):
+    """One streamed choice's answer, read into ``split_parts``' parts (PartStream)."""
 
     def __init__(self, open_in_prompt: bool = False) -> None:
+        super().__init__()
         self.open_in_prompt = open_in_prompt
-        self.text = ""
-        self.sent = [0, 0]  # characters of the reasoning and of the content sent
 
-    def feed(self, delta: str) -> tuple[str, str]:
-        self.text += delta
-        return self._send(*self._known())
+    def whole(self) -> list[Part]:
+        return split_parts(self.text, self.open_in_prompt)
 
-    def finish(self) -> tuple[str, str]:
-        reasoning, content = split(self.text, self.open_in_prompt)
-        return self._send(reasoning or "", content)
-
-    def _known(self) -> tuple[str, str]:
+    def settled(self) -> list[Part]:
         """The parts as far as the text so far settles them."""
         head = self.text.lstrip()
-        if head.startswith(THINK_OPEN):  # split's order: a tag the prompt opened already may come again
-            body = head[len(THINK_OPEN):]
-        elif THINK_OPEN.startswith(head):  # whitespace, or the tag's start: not known yet
-            return "", ""
-        elif self.open_in_prompt:
-            body = self.text
-        else:
-            return "", self.text
-        end, after = _end(body)
-        if end >= 0:
-            return body[:end].strip(), body[after:].lstrip()
-        return body[:len(body) - partial_suffix(body, (THINK_CLOSE, TOOL_CALL))].strip(), ""
-
-    def _send(self, reasoning: str, content: str) -> tuple[str, str]:
-        out = reasoning[self.sent[0]:], content[self.sent[1]:]
-        self.sent = [max(self.sent[0], len(reasoning)), max(self.sent[1], len(content))]
-        return out
+        if not head.startswith(THINK_OPEN) and THINK_OPEN.startswith(head):  # whitespace, or the tag's start
+            return []
+        answer = split_parts(self.text, self.open_in_prompt)
+        if answer[-1].kind == CONTENT:
+            return answer
+        start = answer[-1].start  # the block is open: what may start its end is held back, and its last whitespace
+        body = self.text[start:]
+        known = body[:len(body) - partial_suffix(body, (THINK_CLOSE, TOOL_CALL))].rstrip()
+        return [Part(REASONING, start, start + len(known), known.lstrip())]

@@ -284,8 +284,9 @@ class ChatShape(_Shape):
         reasoning, rest = thinking.finish() if thinking is not None else ("", "")
         calls: tuple[Any, ...] = ()
         if self.harmony:
-            reasoning, rest, said = self._channels.pop(index, HarmonyStream()).finish()
-            calls = self._calls(said) if self.tools is not None else ()
+            channels = self._channels.pop(index, HarmonyStream())
+            reasoning, rest = channels.finish()
+            calls = self._calls(channels.calls()) if self.tools is not None else ()
         chunks = [self.reasoning_chunk(reasoning, None, index)] if reasoning else []
         if tools is not None:
             rest = tools.feed(rest)

@@ -26,6 +26,11 @@ CASES = {
     "two analysis messages": (
         "<|channel|>analysis<|message|>One.<|end|><|start|>assistant<|channel|>analysis<|message|>Two.<|end|>"
         "<|start|>assistant<|channel|>final<|message|>Done.<|end|>", "One.\nTwo.", "Done.", ()),
+    # a preamble and the final message are the content a line apart, as vLLM's chat route joins them
+    "a preamble, more analysis, then the final message": (
+        "<|channel|>analysis<|message|>One.<|end|><|start|>assistant<|channel|>commentary<|message|>Let me look."
+        "<|end|><|start|>assistant<|channel|>analysis<|message|>Two.<|end|><|start|>assistant<|channel|>final"
+        "<|message|>Done.<|return|>", "One.\nTwo.", "Let me look.\nDone.", ()),
     "no harmony at all": ("Just text <b>here</b>.", None, "Just text <b>here</b>.", ()),
     # a call that does not parse is text, as the other formats' are: a body that is not a JSON object, or one
     # max_tokens cut
@@ -53,7 +58,8 @@ def test_a_stream_adds_up_to_the_whole_in_any_chunking(case: str) -> None:
         for a, b in zip([0, *cuts], [*cuts, len(text)]):
             for part, out in zip(stream.feed(text[a:b]), got):
                 out.append(part)
-        reasoning, content, calls = stream.finish()
+        reasoning, content = stream.finish()
+        calls = stream.calls()
         got[0].append(reasoning)
         got[1].append(content)
         whole = parse(text)
