@@ -1,13 +1,17 @@
 """An answer as its parts: the stretches of its text that are reasoning or content, in order (a ``<think>`` block
-and what follows it, kestrel_core.model.reasoning; each of harmony's messages, kestrel_core.model.harmony).
+and what follows it, kestrel_core.model.reasoning; each of harmony's messages, kestrel_core.model.harmony), and the
+tokens each part holds.
 
-A part's stretch of the answer (``start``..``end``) lies between the markers around it: the whitespace that a
-part's text leaves out at its edges is its too, a marker is no part's. ``PartStream`` is what the streamed readers
-share: each part's text sent as far as the text so far settles it.
+A part's tokens are those whose text starts within its stretch of the answer (``start``..``end``: between the
+markers around it, as vLLM's reasoning parsers count a block's tokens: the whitespace that a part's text leaves
+out at its edges is its too, a marker is no part's); a token whose text is still held back (the first bytes of a
+character) starts where its text will. ``PartStream`` is what the streamed readers share: each part's text sent
+as far as the text so far settles it; ``TokenParts`` which tokens are each part's.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -106,3 +110,23 @@ class ContentStream(PartStream):
         return [Part(CONTENT, 0, len(self.text), self.text)]
 
     whole = settled
+
+
+class TokenParts:
+    """Which part each of an answer's tokens is in, as the tokens and their text come."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []  # where each token's text starts in the answer (never decreasing)
+        self.length = 0  # characters of the answer so far
+
+    def add(self, text: str, tokens: int, offsets: Sequence[int] | None) -> None:
+        """A step's ``tokens`` and ``text``: ``offsets`` where each token's text starts in it (None: every token
+        of the step starts where its text does)."""
+        starts = offsets if offsets is not None else [0] * tokens
+        self.starts += [self.length + o for o in starts]
+        self.length += len(text)
+
+    def count(self, parts: Sequence[Part], kind: str) -> int:
+        """How many tokens the parts of ``kind`` hold."""
+        return sum(bisect_left(self.starts, p.end) - bisect_left(self.starts, p.start) for p in parts
+                   if p.kind == kind)

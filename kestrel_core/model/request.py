@@ -31,6 +31,9 @@ class RequestOutput:
     completion_tokens: int
     stop_reason: str | int | None = None  # what stopped it: the stop string, or stop token id (None: end of text)
     error: Exception | None = None  # it failed alone (its sampling raised): finished, "abort", the others go on
+    # where each new token's text starts in new_text (a token whose text is held back: where it will start, as a
+    # later token's text carries it); None: unknown (every token then counts as starting where new_text does)
+    text_offsets: list[int] | None = None
 
 
 @dataclass

@@ -486,10 +486,12 @@ class Scheduler:
         id) is counted but its text is not the answer's, as vLLM leaves it out."""
         stream = request.text
         tokens: list[int] = []
+        offsets: list[int] = []
         text = ""
         by_token = request.finish_reason == "stop" and not isinstance(request.stop_reason, str)  # set by _accept
         for i, (token, _) in enumerate(sampled):
             tokens.append(token)
+            offsets.append(len(text))
             if stream is None or by_token and i == len(sampled) - 1:
                 continue
             text += stream.push(token)
@@ -508,7 +510,7 @@ class Scheduler:
         logprobs = [lp for _, lp in sampled[:len(tokens)]] if sampled[0][1] is not None else None
         return RequestOutput(request.request_id, tokens, text, logprobs, request.finished, request.finish_reason,
                              len(request.prompt_ids), len(request.output_ids),
-                             request.stop_reason if request.finished else None)
+                             request.stop_reason if request.finished else None, text_offsets=offsets)
 
     def _finish(self, request: Request, reason: str) -> None:
         self._drop_device(request)

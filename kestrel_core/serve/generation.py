@@ -179,6 +179,7 @@ async def _collect(gen: AsyncIterator[RequestOutput], record: RequestRecord, log
         record.tokens(len(out.new_token_ids))
         result.completion_tokens += len(out.new_token_ids)
         result.text.append(out.new_text)
+        result.tokens.add(out.new_text, len(out.new_token_ids), out.text_offsets)
         if out.logprobs and result.logprobs is not None:
             result.logprobs.extend(out.logprobs)
         if out.finished:
@@ -278,7 +279,7 @@ async def _events(gens: list[AsyncIterator[RequestOutput]], firsts: list[Request
             if out.finish_reason == "abort":
                 yield sse(error_body(SHUTDOWN_MESSAGE, "server_error", None, "server_shutting_down"))
                 break
-            reasoning, text = shape.stream_text(i, out.new_text)
+            reasoning, text = shape.stream_text(i, out)
             if reasoning:  # the step's logprobs go with its content where it has any
                 yield sse(shape.reasoning_chunk(reasoning, None if text else out.logprobs, i))
                 if text:

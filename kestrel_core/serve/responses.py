@@ -20,7 +20,19 @@ import numpy as np
 from kestrel_core.errors import KestrelError
 from kestrel_core.model import harmony
 from kestrel_core.model.harmony import HarmonyStream
-from kestrel_core.model.reasoning import Reasoning, ReasoningStream, split
+from kestrel_core.model.parts import (
+    CONTENT,
+    REASONING,
+    ContentStream,
+    Part,
+    PartDelta,
+    PartStream,
+    TokenParts,
+    joined,
+    joined_deltas,
+)
+from kestrel_core.model.reasoning import Reasoning, ReasoningStream, split_parts
+from kestrel_core.model.request import RequestOutput
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob
 from kestrel_core.serve.tools import ToolCall, ToolCalls, ToolStream, parse
 
@@ -46,6 +58,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     completion_tokens: int = 0
     stop_reason: str | int | None = None  # the stop string or token id that ended it (vLLM's field)
+    tokens: TokenParts = field(default_factory=TokenParts)  # where each token's text starts
 
 
 @dataclass
@@ -190,9 +203,9 @@ class _Shape:
     def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
         raise NotImplementedError
 
-    def stream_text(self, index: int, text: str) -> tuple[str, str]:
-        """What of choice ``index``'s new ``text`` a stream sends now: (reasoning, content)."""
-        return "", text
+    def stream_text(self, index: int, out: RequestOutput) -> tuple[str, str]:
+        """What of choice ``index``'s new text (``out``'s) a stream sends now: (reasoning, content)."""
+        return "", out.new_text
 
     def finish_chunks(self, reason: str | None, index: int = 0, stop_reason: str | int | None = None
                       ) -> list[dict[str, Any]]:
@@ -207,10 +220,22 @@ class _Shape:
         raise NotImplementedError  # only chat answers reason (stream_text gives none otherwise)
 
 
+@dataclass
+class _Answer:
+    """One streamed choice as it is read: its parts, its tool calls (a format in its content), its tokens."""
+
+    reader: PartStream
+    tools: ToolStream | None
+    tokens: TokenParts = field(default_factory=TokenParts)
+
+
 class ChatShape(_Shape):
     """``tools``: the request's tool calls (None: its answers are text), read out of each choice's content;
     ``reasoning``: its answers' reasoning block (None: they have none), answered as ``reasoning_content``;
-    ``harmony``: its answers are harmony's channels (gpt-oss), which hold the reasoning, content and calls."""
+    ``harmony``: its answers are harmony's channels (gpt-oss), which hold the reasoning, content and calls.
+
+    Where the answers reason, the usage's ``completion_tokens_details.reasoning_tokens`` counts the tokens of
+    their reasoning (kestrel_core.model.parts), as vLLM's does."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
@@ -222,8 +247,9 @@ class ChatShape(_Shape):
         self.tools = tools
         self.reasoning = reasoning
         self.harmony = harmony
-        self._streams: dict[int, tuple[ReasoningStream | None, ToolStream | None]] = {}
-        self._channels: dict[int, HarmonyStream] = {}
+        self.reasons = harmony or reasoning is not None
+        self.reasoning_tokens = 0  # of the choices answered so far
+        self._answers: dict[int, _Answer] = {}
 
     def logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if entries is None:
@@ -234,22 +260,32 @@ class ChatShape(_Shape):
              "top_logprobs": [{"token": t(i), "logprob": lp, "bytes": t.bytes(i)} for i, lp in e.top]}
             for e in entries], "refusal": None}
 
+    def _reader(self) -> PartStream:
+        if self.harmony:
+            return HarmonyStream()
+        if self.reasoning is not None:
+            return ReasoningStream(self.reasoning.open_in_prompt)
+        return ContentStream()
+
     def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
         text, reason = "".join(result.text), finish_reason(result.finish_reason)
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        answer: list[Part] = [Part(CONTENT, 0, len(text), text)]
         if self.harmony:
-            answer = harmony.parse(text)
-            message["content"] = answer.content
-            if answer.reasoning is not None:
-                message["reasoning_content"] = answer.reasoning
-            if self.tools is not None and answer.calls:
-                message["content"] = answer.content or None
-                message["tool_calls"] = self.tools.message_calls(self._calls(answer.calls))
+            said = harmony.parse(text)
+            answer = list(said.parts)
+            message["content"] = said.content
+            if said.reasoning is not None:
+                message["reasoning_content"] = said.reasoning
+            if self.tools is not None and said.calls:
+                message["content"] = said.content or None
+                message["tool_calls"] = self.tools.message_calls(self._calls(said.calls))
                 reason = _calls_reason(reason)
         elif self.reasoning is not None:
-            thought, text = split(text, self.reasoning.open_in_prompt)
+            answer = split_parts(text, self.reasoning.open_in_prompt)
+            text = joined(answer, CONTENT) or ""
             message["content"] = text
-            if thought is not None:
+            if thought := joined(answer, REASONING):
                 message["reasoning_content"] = thought
         if self.tools is not None and not self.harmony:
             parsed = parse(self.tools.fmt, text, self.tools.parallel, self.tools.schemas)
@@ -257,6 +293,8 @@ class ChatShape(_Shape):
                 message["content"] = parsed.content
                 message["tool_calls"] = self.tools.message_calls(parsed.calls)
                 reason = _calls_reason(reason)
+        if self.reasons:
+            self.reasoning_tokens += result.tokens.count(answer, REASONING)
         return {"index": index, "message": message, "logprobs": self.logprobs(result.logprobs),
                 "finish_reason": reason, "stop_reason": result.stop_reason}
 
@@ -265,42 +303,65 @@ class ChatShape(_Shape):
         assert self.tools is not None
         return calls if self.tools.parallel else calls[:1]
 
-    def stream_text(self, index: int, text: str) -> tuple[str, str]:
-        if self.harmony:
-            return self._channels.setdefault(index, HarmonyStream()).feed(text)
-        if self.reasoning is None and self.tools is None:
-            return "", text
-        thinking, tools = self._streams.get(index) or self._streams.setdefault(index, (
-            None if self.reasoning is None else ReasoningStream(self.reasoning.open_in_prompt),
-            None if self.tools is None else ToolStream(self.tools.fmt, self.tools.parallel, self.tools.schemas)))
-        reasoning = ""
-        if thinking is not None:
-            reasoning, text = thinking.feed(text)
-        return reasoning, text if tools is None else tools.feed(text)
+    def _answer(self, index: int, out: RequestOutput) -> _Answer:
+        """Choice ``index``'s answer, its tokens so far ``out``'s too."""
+        answer = self._answers.get(index)
+        if answer is None:
+            tools = None
+            if self.tools is not None and not self.harmony:
+                tools = ToolStream(self.tools.fmt, self.tools.parallel, self.tools.schemas)
+            answer = self._answers[index] = _Answer(self._reader(), tools)
+        answer.tokens.add(out.new_text, len(out.new_token_ids), out.text_offsets)
+        return answer
+
+    def stream_text(self, index: int, out: RequestOutput) -> tuple[str, str]:
+        if not self.reasons and self.tools is None:
+            return "", out.new_text
+        answer = self._answer(index, out)
+        reasoning, content = joined_deltas(answer.reader.feed_parts(out.new_text))
+        return reasoning, content if answer.tools is None else answer.tools.feed(content)
 
     def finish_chunks(self, reason: str | None, index: int = 0, stop_reason: str | int | None = None
                       ) -> list[dict[str, Any]]:
-        thinking, tools = self._streams.pop(index, (None, None))
-        reasoning, rest = thinking.finish() if thinking is not None else ("", "")
+        answer = self._answers.pop(index, None)
+        if answer is None:  # no step said anything
+            answer = _Answer(self._reader(), None)
+        deltas = answer.reader.finish_parts()
+        whole = answer.reader.parts
         calls: tuple[Any, ...] = ()
-        if self.harmony:
-            channels = self._channels.pop(index, HarmonyStream())
-            reasoning, rest = channels.finish()
-            calls = self._calls(channels.calls()) if self.tools is not None else ()
-        chunks = [self.reasoning_chunk(reasoning, None, index)] if reasoning else []
-        if tools is not None:
-            rest = tools.feed(rest)
-            tail, calls = tools.finish()
-            rest += tail
+        if isinstance(answer.reader, HarmonyStream) and self.tools is not None:
+            calls = self._calls(answer.reader.calls())
+        if answer.tools is not None:  # the content's last text (a call's start held back, or not a call after all)
+            deltas = [replace(d, text=answer.tools.feed(d.text)) if d.kind == CONTENT else d for d in deltas]
+            tail, calls = answer.tools.finish()
+            content = [i for i, p in enumerate(whole) if p.kind == CONTENT]
+            if tail and content:
+                deltas.append(PartDelta(content[-1], CONTENT, tail))
+        if self.reasons:
+            self.reasoning_tokens += answer.tokens.count(whole, REASONING)
+        thought, rest = joined_deltas(deltas)
+        chunks = [self.reasoning_chunk(thought, None, index)] if thought else []
         if rest:
             chunks.append(self.delta_chunk(rest, None, index))
         if calls:
             assert self.tools is not None
-            deltas = [{"index": k, **call} for k, call in enumerate(self.tools.message_calls(calls))]
-            chunks.append(self.chunk({"index": index, "delta": {"tool_calls": deltas}, "logprobs": None,
+            tool_deltas = [{"index": k, **call} for k, call in enumerate(self.tools.message_calls(calls))]
+            chunks.append(self.chunk({"index": index, "delta": {"tool_calls": tool_deltas}, "logprobs": None,
                                       "finish_reason": None}))
             reason = _calls_reason(reason)
         return chunks + [self.finish_chunk(reason, index, stop_reason)]
+
+    def response(self, results: list[ChoiceResult], prompt_tokens: int) -> dict[str, Any]:
+        return self._detailed(super().response(results, prompt_tokens))
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        return self._detailed(super().usage_chunk(prompt_tokens, completion_tokens))
+
+    def _detailed(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` whose usage counts its reasoning tokens, where the answers reason."""
+        if self.reasons:
+            body["usage"]["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return body
 
     def reasoning_chunk(self, text: str, entries: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any]:
         return self.chunk({"index": index, "delta": {"reasoning_content": text}, "logprobs": self.logprobs(entries),

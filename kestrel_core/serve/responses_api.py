@@ -208,7 +208,7 @@ class _Response:
         self.body = body
         self.output = _Output()
 
-    def envelope(self, status: str, usage: dict[str, int] | None = None) -> dict[str, Any]:
+    def envelope(self, status: str, usage: dict[str, Any] | None = None) -> dict[str, Any]:
         b = self.body
         incomplete = status == "incomplete"
         return {
@@ -220,10 +220,16 @@ class _Response:
             "text": {"format": b.text_format().model_dump(exclude_none=True, by_alias=True)},
             "max_output_tokens": b.max_output_tokens, "previous_response_id": None,
             "reasoning": (b.reasoning or Reasoning()).model_dump(), "store": False, "metadata": b.metadata or {},
-            "usage": None if usage is None else {
-                "input_tokens": usage.get("prompt_tokens", 0), "input_tokens_details": {"cached_tokens": 0},
-                "output_tokens": usage.get("completion_tokens", 0), "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)}}
+            "usage": None if usage is None else _usage(usage)}
+
+
+def _usage(chat: dict[str, Any]) -> dict[str, Any]:
+    """The chat answer's usage as the Responses API's (its reasoning tokens ChatShape's count)."""
+    prompt, completion = chat.get("prompt_tokens", 0), chat.get("completion_tokens", 0)
+    reasoning = (chat.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
+            "total_tokens": prompt + completion}
 
 
 def _status(finish: str | None) -> str:

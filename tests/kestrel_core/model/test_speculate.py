@@ -123,6 +123,27 @@ def test_guesses_take_only_the_budget_that_rows_and_prompts_left() -> None:
         scheduler.close()
 
 
+def test_each_token_of_a_step_says_where_its_text_starts() -> None:
+    """A step that keeps guesses reports several tokens: each one's text starts where the tokenizer's text of the
+    tokens before it ends (what tells a reasoning block's tokens from its answer's, serve/responses.py)."""
+    with kestrel_core.load(str(FIXTURES / "tiny-qwen3"), backend="cpu") as engine:
+        engine.speculate = 4
+        scheduler = Scheduler(engine, max_batch=8)
+        request = scheduler.add(_prompts(engine, 1)[0], SamplingParams(max_tokens=40, ignore_eos=True))
+        tokens: list[int] = []
+        starts: list[int] = []
+        text, several = "", 0
+        while not request.finished:
+            for out in scheduler.step():
+                assert out.text_offsets is not None and len(out.text_offsets) == len(out.new_token_ids)
+                starts += [len(text) + offset for offset in out.text_offsets]
+                tokens += out.new_token_ids
+                text += out.new_text
+                several += len(out.new_token_ids) > 1
+        engine.speculate = 0
+        assert several and starts == [len(engine.tokenizer.decode(tokens[:k])) for k in range(len(tokens))]
+
+
 def test_logprobs_sampling_and_device_steps_are_not_speculated() -> None:
     with kestrel_core.load(str(FIXTURES / "tiny-qwen3"), backend="cpu") as engine:
         ids = _prompts(engine, 1)[0]

@@ -14,7 +14,7 @@ import openai
 
 from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.request import RequestOutput
-from kestrel_core.model.sampling import SamplingParams
+from kestrel_core.model.sampling import SamplingParams, TokenLogprob
 from kestrel_core.serve.protocol import ChatCompletionRequest
 from kestrel_core.serve.server import KestrelServer, build_server
 
@@ -97,3 +97,36 @@ class Scripted(AsyncEngine):
             last = k == len(pieces) - 1
             yield RequestOutput(request_id or "r", [1], piece, None, last, "stop" if last else None,
                                 len(prompt_ids), k + 1)
+
+
+class Spoken(AsyncEngine):
+    """An AsyncEngine that answers ``answers`` in order in the model's own tokens: each answer a list of texts
+    tokenized apart (so which tokens are whose is known), ``per_step`` tokens an output, each with the offset of
+    its text and, where asked for, a logprob of its own (-(its place + 1) / 1000); each answer's finish reason
+    ``finish``."""
+
+    def __init__(self, engine: Any, per_step: int = 1) -> None:
+        super().__init__(engine, max_batch=4)
+        self.answers: list[list[str]] = []
+        self.per_step = per_step
+        self.finish = "stop"
+
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        return list(prompt_ids)
+
+    def tokens(self, pieces: Sequence[str]) -> list[list[int]]:
+        """Each piece's token ids."""
+        return [list(self.engine.tokenizer.encode(p, add_special_tokens=False)) for p in pieces]
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        ids = [t for piece in self.tokens(self.answers.pop(0)) for t in piece]
+        texts = [self.engine.tokenizer.decode([t]) for t in ids]
+        for k in range(0, len(ids), self.per_step):
+            step = range(k, min(k + self.per_step, len(ids)))
+            last = step[-1] == len(ids) - 1
+            offsets = [sum(len(texts[j]) for j in range(k, i)) for i in step]
+            logprobs = [TokenLogprob(ids[i], -(i + 1) / 1000) for i in step] if params.logprobs else None
+            yield RequestOutput(request_id or "r", [ids[i] for i in step], "".join(texts[i] for i in step), logprobs,
+                                last, self.finish if last else None, len(prompt_ids), step[-1] + 1,
+                                text_offsets=offsets)
