@@ -15,6 +15,8 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kestrel_core.model.sampling import TokenLogprob
+
 REASONING, CONTENT, CALL = "reasoning", "content", "call"  # a call (harmony's) is no text the answer says
 SEPARATOR = "\n"  # between two parts of a kind, where the answer is one text of each kind (chat's message)
 
@@ -113,20 +115,41 @@ class ContentStream(PartStream):
 
 
 class TokenParts:
-    """Which part each of an answer's tokens is in, as the tokens and their text come."""
+    """Which part each of an answer's tokens is in, as the tokens and their text come; with their logprobs, which
+    ``release`` hands out by part once the parts settle where each token starts."""
 
     def __init__(self) -> None:
         self.starts: list[int] = []  # where each token's text starts in the answer (never decreasing)
+        self.entries: list[TokenLogprob] = []  # each token's logprob, where they came
         self.length = 0  # characters of the answer so far
+        self.released = 0  # tokens handed out by ``release``
 
-    def add(self, text: str, tokens: int, offsets: Sequence[int] | None) -> None:
+    def add(self, text: str, tokens: int, offsets: Sequence[int] | None,
+            entries: Sequence[TokenLogprob] | None = None) -> None:
         """A step's ``tokens`` and ``text``: ``offsets`` where each token's text starts in it (None: every token
-        of the step starts where its text does)."""
+        of the step starts where its text does), ``entries`` their logprobs."""
         starts = offsets if offsets is not None else [0] * tokens
         self.starts += [self.length + o for o in starts]
         self.length += len(text)
+        if entries:
+            self.entries += entries
 
     def count(self, parts: Sequence[Part], kind: str) -> int:
         """How many tokens the parts of ``kind`` hold."""
         return sum(bisect_left(self.starts, p.end) - bisect_left(self.starts, p.start) for p in parts
                    if p.kind == kind)
+
+    def release(self, parts: Sequence[Part], final: bool = False) -> dict[int, list[TokenLogprob]]:
+        """The logprobs of the tokens not yet handed out that start before the last part settles (``final``:
+        every token), by the index of the part that holds each; a token between parts is no part's."""
+        upto = len(self.starts) if final else bisect_left(self.starts, parts[-1].end if parts else 0)
+        out: dict[int, list[TokenLogprob]] = {}
+        k, first = 0, self.released
+        for token in range(first, upto):
+            start = self.starts[token]
+            while k < len(parts) and parts[k].end <= start:
+                k += 1
+            if k < len(parts) and parts[k].start <= start and token < len(self.entries):
+                out.setdefault(k, []).append(self.entries[token])
+        self.released = max(first, upto)
+        return out

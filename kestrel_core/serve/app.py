@@ -153,8 +153,10 @@ class Served:
         except KestrelError as exc:
             raise from_kestrel_error(exc) from None
 
-    async def chat(self, body: ChatCompletionRequest, request: Request, truncate: bool = False) -> Response:
-        """``/v1/chat/completions``' answer (whole, or the stream's response); ``truncate``: ``chat_prompt``'s."""
+    async def chat(self, body: ChatCompletionRequest, request: Request, truncate: bool = False,
+                   by_parts: bool = False) -> Response:
+        """``/v1/chat/completions``' answer (whole, or the stream's response); ``truncate``: ``chat_prompt``'s;
+        ``by_parts``: ChatShape's (the answer's parts, for the Responses API)."""
         def prepare() -> tuple[str, list[int], ToolCalls | None, Any]:
             prompt, prompt_ids, tools = self.chat_prompt(body, truncate)
             return prompt, prompt_ids, tools, self.chat_params(body, prompt_ids, tools)
@@ -168,7 +170,7 @@ class Served:
         if params.logprobs:
             await asyncio.to_thread(self.tokens.ready)
         shape = ChatShape(new_id("chatcmpl"), self.model_name, self.tokens, body.include_usage,
-                          body.continuous_usage, tools, reasoning, harmony=self.harmony)
+                          body.continuous_usage, tools, reasoning, harmony=self.harmony, by_parts=by_parts)
         one = generation.Prompt(prompt_ids, params, params.logprobs)
         return await generation.respond(self.async_engine, request, [one], shape, stream=bool(body.stream),
                                         prompt_param="messages", choices=body.choices)

@@ -179,7 +179,7 @@ async def _collect(gen: AsyncIterator[RequestOutput], record: RequestRecord, log
         record.tokens(len(out.new_token_ids))
         result.completion_tokens += len(out.new_token_ids)
         result.text.append(out.new_text)
-        result.tokens.add(out.new_text, len(out.new_token_ids), out.text_offsets)
+        result.tokens.add(out.new_text, len(out.new_token_ids), out.text_offsets, out.logprobs)
         if out.logprobs and result.logprobs is not None:
             result.logprobs.extend(out.logprobs)
         if out.finished:
@@ -279,13 +279,16 @@ async def _events(gens: list[AsyncIterator[RequestOutput]], firsts: list[Request
             if out.finish_reason == "abort":
                 yield sse(error_body(SHUTDOWN_MESSAGE, "server_error", None, "server_shutting_down"))
                 break
-            reasoning, text = shape.stream_text(i, out)
-            if reasoning:  # the step's logprobs go with its content where it has any
-                yield sse(shape.reasoning_chunk(reasoning, None if text else out.logprobs, i))
-                if text:
-                    yield deltas(text, out.logprobs, i)
-            elif out.new_token_ids or out.new_text or out.logprobs:  # a chunk per step that made tokens, as
-                yield deltas(text, out.logprobs, i)  # OpenAI's ("" while text is held)
+            if shape.by_parts:
+                yield sse(shape.parts_chunk(i, out))
+            else:
+                reasoning, text = shape.stream_text(i, out)
+                if reasoning:  # the step's logprobs go with its content where it has any
+                    yield sse(shape.reasoning_chunk(reasoning, None if text else out.logprobs, i))
+                    if text:
+                        yield deltas(text, out.logprobs, i)
+                elif out.new_token_ids or out.new_text or out.logprobs:  # a chunk per step that made tokens, as
+                    yield deltas(text, out.logprobs, i)  # OpenAI's ("" while text is held)
             if out.finished:
                 for chunk in shape.finish_chunks(out.finish_reason, i, out.stop_reason):
                     yield sse(chunk)

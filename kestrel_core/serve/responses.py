@@ -21,6 +21,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model import harmony
 from kestrel_core.model.harmony import HarmonyStream
 from kestrel_core.model.parts import (
+    CALL,
     CONTENT,
     REASONING,
     ContentStream,
@@ -58,7 +59,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     completion_tokens: int = 0
     stop_reason: str | int | None = None  # the stop string or token id that ended it (vLLM's field)
-    tokens: TokenParts = field(default_factory=TokenParts)  # where each token's text starts
+    tokens: TokenParts = field(default_factory=TokenParts)  # where each token's text starts, and its logprob
 
 
 @dataclass
@@ -152,6 +153,7 @@ class _Shape:
 
     object: str = ""
     chunk_object: str = ""
+    by_parts = False  # a stream's steps are parts_chunk's (ChatShape's, for the Responses API)
 
     def __init__(self, response_id: str, model: str, tokens: TokenStrings, include_usage: bool = False,
                  continuous_usage: bool = False) -> None:
@@ -207,6 +209,9 @@ class _Shape:
         """What of choice ``index``'s new text (``out``'s) a stream sends now: (reasoning, content)."""
         return "", out.new_text
 
+    def parts_chunk(self, index: int, out: RequestOutput) -> dict[str, Any]:
+        raise NotImplementedError  # only chat answers have parts
+
     def finish_chunks(self, reason: str | None, index: int = 0, stop_reason: str | int | None = None
                       ) -> list[dict[str, Any]]:
         """The chunks that end choice ``index``'s stream (``stop_reason``: the stop string or token id)."""
@@ -235,18 +240,21 @@ class ChatShape(_Shape):
     ``harmony``: its answers are harmony's channels (gpt-oss), which hold the reasoning, content and calls.
 
     Where the answers reason, the usage's ``completion_tokens_details.reasoning_tokens`` counts the tokens of
-    their reasoning (kestrel_core.model.parts), as vLLM's does."""
+    their reasoning (kestrel_core.model.parts), as vLLM's does. ``by_parts`` (the Responses API's, which makes an
+    output item of each part): each choice also says its parts (``parts``: index, type, text and the logprobs of
+    the part's own tokens), a stream's steps as ``parts_chunk``'s."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, response_id: str, model: str, tokens: TokenStrings, include_usage: bool = False,
                  continuous_usage: bool = False, tools: ToolCalls | None = None,
-                 reasoning: Reasoning | None = None, harmony: bool = False) -> None:
+                 reasoning: Reasoning | None = None, harmony: bool = False, by_parts: bool = False) -> None:
         super().__init__(response_id, model, tokens, include_usage, continuous_usage)
         self.tools = tools
         self.reasoning = reasoning
         self.harmony = harmony
+        self.by_parts = by_parts
         self.reasons = harmony or reasoning is not None
         self.reasoning_tokens = 0  # of the choices answered so far
         self._answers: dict[int, _Answer] = {}
@@ -295,8 +303,28 @@ class ChatShape(_Shape):
                 reason = _calls_reason(reason)
         if self.reasons:
             self.reasoning_tokens += result.tokens.count(answer, REASONING)
-        return {"index": index, "message": message, "logprobs": self.logprobs(result.logprobs),
+        body = {"index": index, "message": message, "logprobs": self.logprobs(result.logprobs),
                 "finish_reason": reason, "stop_reason": result.stop_reason}
+        if self.by_parts:
+            deltas = [PartDelta(i, p.kind, p.text) for i, p in enumerate(answer)]
+            if self.tools is not None and not self.harmony:  # the content is what the calls leave of it
+                deltas = [replace(d, text=message["content"] or "") if d.kind == CONTENT else d for d in deltas]
+            body["parts"] = self._parts(answer, deltas, result.tokens.release(answer, final=True))
+        return body
+
+    def _parts(self, answer: list[Part], deltas: list[PartDelta], entries: dict[int, list[TokenLogprob]]
+               ) -> list[dict[str, Any]]:
+        """The parts' new text, and their tokens' logprobs (``entries``, by part index), in the parts' order."""
+        texts: dict[int, str] = {}
+        for d in deltas:
+            texts[d.index] = texts.get(d.index, "") + d.text
+        out = []
+        for i in sorted(texts.keys() | entries.keys()):
+            if answer[i].kind != CALL:
+                logprobs = self.logprobs(entries[i]) if i in entries else None
+                out.append({"index": i, "type": answer[i].kind, "text": texts.get(i, ""),
+                            "logprobs": logprobs["content"] if logprobs else None})
+        return out
 
     def _calls(self, calls: tuple[ToolCall, ...]) -> tuple[ToolCall, ...]:
         """A harmony answer's calls, the first only where parallel calls are off."""
@@ -304,14 +332,15 @@ class ChatShape(_Shape):
         return calls if self.tools.parallel else calls[:1]
 
     def _answer(self, index: int, out: RequestOutput) -> _Answer:
-        """Choice ``index``'s answer, its tokens so far ``out``'s too."""
+        """Choice ``index``'s answer, its tokens so far ``out``'s too (their logprobs where its parts carry them)."""
         answer = self._answers.get(index)
         if answer is None:
             tools = None
             if self.tools is not None and not self.harmony:
                 tools = ToolStream(self.tools.fmt, self.tools.parallel, self.tools.schemas)
             answer = self._answers[index] = _Answer(self._reader(), tools)
-        answer.tokens.add(out.new_text, len(out.new_token_ids), out.text_offsets)
+        answer.tokens.add(out.new_text, len(out.new_token_ids), out.text_offsets,
+                          out.logprobs if self.by_parts else None)
         return answer
 
     def stream_text(self, index: int, out: RequestOutput) -> tuple[str, str]:
@@ -320,6 +349,15 @@ class ChatShape(_Shape):
         answer = self._answer(index, out)
         reasoning, content = joined_deltas(answer.reader.feed_parts(out.new_text))
         return reasoning, content if answer.tools is None else answer.tools.feed(content)
+
+    def parts_chunk(self, index: int, out: RequestOutput) -> dict[str, Any]:
+        """A streamed step as its parts' new text and tokens (``by_parts``)."""
+        answer = self._answer(index, out)
+        deltas = answer.reader.feed_parts(out.new_text)
+        if answer.tools is not None:
+            deltas = [replace(d, text=answer.tools.feed(d.text)) if d.kind == CONTENT else d for d in deltas]
+        parts = self._parts(answer.reader.parts, deltas, answer.tokens.release(answer.reader.parts))
+        return self.chunk({"index": index, "delta": {"parts": parts}, "logprobs": None, "finish_reason": None})
 
     def finish_chunks(self, reason: str | None, index: int = 0, stop_reason: str | int | None = None
                       ) -> list[dict[str, Any]]:
@@ -339,10 +377,18 @@ class ChatShape(_Shape):
                 deltas.append(PartDelta(content[-1], CONTENT, tail))
         if self.reasons:
             self.reasoning_tokens += answer.tokens.count(whole, REASONING)
-        thought, rest = joined_deltas(deltas)
-        chunks = [self.reasoning_chunk(thought, None, index)] if thought else []
-        if rest:
-            chunks.append(self.delta_chunk(rest, None, index))
+        chunks = []
+        if self.by_parts:
+            parts = self._parts(whole, deltas, answer.tokens.release(whole, final=True))
+            if parts:
+                chunks.append(self.chunk({"index": index, "delta": {"parts": parts}, "logprobs": None,
+                                          "finish_reason": None}))
+        else:
+            thought, rest = joined_deltas(deltas)
+            if thought:
+                chunks.append(self.reasoning_chunk(thought, None, index))
+            if rest:
+                chunks.append(self.delta_chunk(rest, None, index))
         if calls:
             assert self.tools is not None
             tool_deltas = [{"index": k, **call} for k, call in enumerate(self.tools.message_calls(calls))]

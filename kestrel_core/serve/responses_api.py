@@ -6,8 +6,9 @@ A request is translated into the chat request kestrel already answers: ``instruc
 ``function_call_output`` items as tool messages; ``reasoning`` items are dropped, as templates drop past
 reasoning), ``tools`` (functions), ``tool_choice``, ``parallel_tool_calls``, ``text.format`` (text, a JSON
 object or a JSON Schema), ``max_output_tokens``, ``temperature``, ``top_p``; ``reasoning.effort`` as the chat
-request's ``reasoning_effort``. The answer comes back as output items (``reasoning``,
-``message`` with an ``output_text`` part, ``function_call`` a call), whole or as the API's event stream
+request's ``reasoning_effort``. The answer comes back as output items, one of each of its parts (ChatShape's
+``by_parts``: a ``reasoning`` item, a ``message`` with an ``output_text`` part) and a ``function_call`` of each
+call, whole or as the API's event stream
 (``response.created``, each item's ``output_item.added`` / deltas / ``done`` events, ``response.completed`` or
 ``response.incomplete`` when ``max_output_tokens`` cut it). Nothing is stored: ``store`` is accepted and ignored,
 ``previous_response_id`` and the retrieval routes are refused, so a client sends the whole conversation (as
@@ -172,32 +173,6 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class _Output:
-    """The output items of one response as they are built: reasoning, a message, function calls."""
-
-    def __init__(self) -> None:
-        self.items: list[dict[str, Any]] = []
-
-    def reasoning(self, text: str = "") -> dict[str, Any]:
-        item = {"type": "reasoning", "id": _id("rs"), "summary": [], "status": "completed",
-                "content": [{"type": "reasoning_text", "text": text}]}
-        self.items.append(item)
-        return item
-
-    def message(self, text: str = "", status: str = "completed") -> dict[str, Any]:
-        item = {"type": "message", "id": _id("msg"), "role": "assistant", "status": status,
-                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
-        self.items.append(item)
-        return item
-
-    def call(self, call: dict[str, Any]) -> dict[str, Any]:
-        fn = call.get("function") or {}
-        item = {"type": "function_call", "id": _id("fc"), "call_id": call.get("id") or _id("call"),
-                "name": fn.get("name", ""), "arguments": fn.get("arguments") or "{}", "status": "completed"}
-        self.items.append(item)
-        return item
-
-
 class _Response:
     """The response object, in progress or whole."""
 
@@ -206,7 +181,7 @@ class _Response:
         self.created = int(time.time())
         self.model = served.model_name
         self.body = body
-        self.output = _Output()
+        self.output: list[dict[str, Any]] = []
 
     def envelope(self, status: str, usage: dict[str, Any] | None = None) -> dict[str, Any]:
         b = self.body
@@ -214,7 +189,7 @@ class _Response:
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "instructions": b.instructions, "model": self.model, "output": self.output.items,
+            "instructions": b.instructions, "model": self.model, "output": self.output,
             "parallel_tool_calls": b.parallel_tool_calls is not False, "temperature": b.temperature,
             "top_p": b.top_p, "tool_choice": b.tool_choice or "auto", "tools": b.tools or [],
             "text": {"format": b.text_format().model_dump(exclude_none=True, by_alias=True)},
@@ -236,69 +211,72 @@ def _status(finish: str | None) -> str:
     return "incomplete" if finish == "length" else "completed"
 
 
-def _whole(response: _Response, answer: dict[str, Any]) -> dict[str, Any]:
-    choice = answer["choices"][0]
-    message, status = choice["message"], _status(choice.get("finish_reason"))
-    if message.get("reasoning_content"):
-        response.output.reasoning(message["reasoning_content"])
-    if message.get("content") or not message.get("tool_calls"):
-        item = response.output.message(message.get("content") or "", status)
-        item["content"][0]["logprobs"] = (choice.get("logprobs") or {}).get("content") or []
-    for call in message.get("tool_calls") or ():
-        response.output.call(call)
-    return response.envelope(status, answer.get("usage") or {})
-
-
-class _Stream:
-    """The API's event stream of one response: sequence numbers, and the item open now."""
+class _Items:
+    """The response's output items as its answer's parts come, and the API's events that build them: an item of
+    each part that says something (its reasoning a ``reasoning`` item, its content a ``message`` with one
+    ``output_text`` part), then a ``function_call`` item of each call. A whole answer's items are built by the
+    same events, one part at a time, so they are the stream's."""
 
     def __init__(self, response: _Response) -> None:
         self.response = response
         self.sequence = 0
         self.open: dict[str, Any] | None = None
+        self.open_part: int | None = None  # the index of the answer's part the open item says
+        self.pending: dict[int, list[dict[str, Any]]] = {}  # by part: logprobs of tokens before its first text
 
     def event(self, kind: str, **body: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **body}
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
-    def _index(self) -> int:
-        return len(self.response.output.items) - 1
-
-    def to(self, kind: str) -> list[bytes]:
-        """The events that open an item of ``kind`` (closing the one open before), unless it is open."""
-        if self.open is not None and self.open["type"] == kind:
+    def part(self, index: int, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[bytes]:
+        """Part ``index``'s next ``text`` (``kind``: reasoning or content), an item of its own from its first,
+        and the logprobs of its tokens (where asked for), which a message's text carries (those that come before
+        its first text wait for it)."""
+        if logprobs:
+            self.pending.setdefault(index, []).extend(logprobs)
+        if self.open_part != index and not text:
             return []
-        events = self.close()
-        output = self.response.output
-        item = output.reasoning() if kind == "reasoning" else output.message(status="in_progress")
-        self.open = item
-        added = {**item, "status": "in_progress", "content": []} if kind == "reasoning" else {**item, "content": []}
-        events.append(self.event("response.output_item.added", output_index=self._index(), item=added))
-        if kind == "message":
-            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=self._index(),
-                                     content_index=0, part={**item["content"][0], "text": ""}))
-        return events
-
-    def delta(self, text: str, logprobs: list[dict[str, Any]]) -> bytes:
-        """The open item's next text, with the logprobs of its tokens (the chat chunk's, where asked for)."""
+        events = [] if self.open_part == index else self._start(index, kind)
         item = self.open
         assert item is not None
+        at = len(self.response.output) - 1
+        taken = self.pending.pop(index, [])
         item["content"][0]["text"] += text
-        kind = "response.reasoning_text.delta" if item["type"] == "reasoning" else "response.output_text.delta"
-        extra = {}
-        if item["type"] == "message":
-            item["content"][0]["logprobs"].extend(logprobs)
-            extra["logprobs"] = logprobs
-        return self.event(kind, item_id=item["id"], output_index=self._index(), content_index=0, delta=text, **extra)
+        if item["type"] == "reasoning":
+            return [*events, self.event("response.reasoning_text.delta", item_id=item["id"], output_index=at,
+                                        content_index=0, delta=text)] if text else events
+        if not (text or taken):
+            return events
+        item["content"][0]["logprobs"] += taken
+        return [*events, self.event("response.output_text.delta", item_id=item["id"], output_index=at,
+                                    content_index=0, delta=text, logprobs=taken)]
+
+    def _start(self, index: int | None, kind: str) -> list[bytes]:
+        events = self.close()
+        if kind == "reasoning":
+            item = {"type": "reasoning", "id": _id("rs"), "summary": [], "status": "in_progress",
+                    "content": [{"type": "reasoning_text", "text": ""}]}
+        else:
+            item = {"type": "message", "id": _id("msg"), "role": "assistant", "status": "in_progress",
+                    "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
+        self.response.output.append(item)
+        self.open, self.open_part = item, index
+        at = len(self.response.output) - 1
+        events.append(self.event("response.output_item.added", output_index=at, item={**item, "content": []}))
+        if kind != "reasoning":
+            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=at,
+                                     content_index=0, part=item["content"][0]))
+        return events
 
     def close(self, status: str = "completed") -> list[bytes]:
-        item, self.open = self.open, None
+        item, self.open, self.open_part = self.open, None, None
         if item is None:
             return []
-        index = self.response.output.items.index(item)
+        index = self.response.output.index(item)
         text = item["content"][0]["text"]
         if item["type"] == "reasoning":
+            item["status"] = "completed"
             events = [self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                                  content_index=0, text=text)]
         else:
@@ -311,8 +289,11 @@ class _Stream:
 
     def call(self, call: dict[str, Any]) -> list[bytes]:
         events = self.close()
-        item = self.response.output.call(call)
-        index = self._index()
+        fn = call.get("function") or {}
+        item = {"type": "function_call", "id": _id("fc"), "call_id": call.get("id") or _id("call"),
+                "name": fn.get("name", ""), "arguments": fn.get("arguments") or "{}", "status": "completed"}
+        self.response.output.append(item)
+        index = len(self.response.output) - 1
         events.append(self.event("response.output_item.added", output_index=index,
                                  item={**item, "arguments": "", "status": "in_progress"}))
         events.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
@@ -322,45 +303,55 @@ class _Stream:
         events.append(self.event("response.output_item.done", output_index=index, item=item))
         return events
 
+    def end(self, status: str) -> list[bytes]:
+        """The events that close the last item; an answer with neither text nor calls is an empty message."""
+        events = []
+        if not any(i["type"] in ("message", "function_call") for i in self.response.output):
+            events = self._start(None, "content")
+        return [*events, *self.close(status)]
+
+    def said(self, choice: dict[str, Any]) -> list[bytes]:
+        """A chat choice's (or stream chunk's) parts and calls."""
+        said = choice.get("delta") or choice.get("message") or {}
+        events = []
+        for part in said.get("parts") or choice.get("parts") or ():
+            events += self.part(part["index"], part["type"], part["text"], part.get("logprobs"))
+        for call in said.get("tool_calls") or ():
+            events += self.call(call)
+        return events
+
+
+def _whole(response: _Response, answer: dict[str, Any]) -> dict[str, Any]:
+    choice = answer["choices"][0]
+    status = _status(choice.get("finish_reason"))
+    items = _Items(response)
+    items.said(choice)
+    items.end(status)
+    return response.envelope(status, answer.get("usage") or {})
+
 
 async def _events(response: _Response, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
-    """A chat stream's chunks as the Responses API's events."""
-    stream = _Stream(response)
-    yield stream.event("response.created", response=response.envelope("in_progress"))
-    yield stream.event("response.in_progress", response=response.envelope("in_progress"))
+    """A chat stream's chunks (ChatShape's ``by_parts``) as the Responses API's events."""
+    items = _Items(response)
+    yield items.event("response.created", response=response.envelope("in_progress"))
+    yield items.event("response.in_progress", response=response.envelope("in_progress"))
     finish: str | None = None
-    pending: list[dict[str, Any]] = []  # token logprobs not yet sent with text
     async for chunk in chunks:
         if "error" in chunk:
             error = chunk["error"]
-            yield stream.event("error", code=error.get("code"), message=error.get("message", "error"), param=None)
+            yield items.event("error", code=error.get("code"), message=error.get("message", "error"), param=None)
             return
         if not chunk.get("choices"):  # the usage: the response is complete
             status = _status(finish)
-            if not any(i["type"] in ("message", "function_call") for i in response.output.items):
-                for e in stream.to("message"):  # an empty answer is an empty message, as the whole response's
-                    yield e
-            if pending and stream.open is not None and stream.open["type"] == "message":
-                stream.open["content"][0]["logprobs"].extend(pending)
-            for e in stream.close(status):
+            for e in items.end(status):
                 yield e
             kind = "response.incomplete" if status == "incomplete" else "response.completed"
-            yield stream.event(kind, response=response.envelope(status, chunk.get("usage") or {}))
+            yield items.event(kind, response=response.envelope(status, chunk.get("usage") or {}))
             return
         choice = chunk["choices"][0]
         finish = choice.get("finish_reason") or finish
-        delta = choice.get("delta") or {}
-        pending += (choice.get("logprobs") or {}).get("content") or []  # a chunk may hold back its text
-        for kind, text in (("reasoning", delta.get("reasoning_content")), ("message", delta.get("content"))):
-            if text:
-                for e in stream.to(kind):
-                    yield e
-                yield stream.delta(text, pending if kind == "message" else [])
-                if kind == "message":
-                    pending = []
-        for call in delta.get("tool_calls") or ():
-            for e in stream.call(call):
-                yield e
+        for e in items.said(choice):
+            yield e
 
 
 def install(app: FastAPI, models: Models) -> None:
@@ -371,7 +362,7 @@ def install(app: FastAPI, models: Models) -> None:
         served = models.get(body.model)
         with named_as(CHAT_NAMES):
             openai = validated(ChatCompletionRequest, body.openai())
-            answer = await served.chat(openai, request)
+            answer = await served.chat(openai, request, by_parts=True)
         response = _Response(served, body)
         return retold(answer, lambda whole: _whole(response, whole), lambda chunks: _events(response, chunks))
 

@@ -1,6 +1,7 @@
 """Reasoning answers through the Responses API (and the chat route it retells), with the official openai client:
-the reasoning tokens in the usage. The answers are scripted in the model's own tokens (``Spoken``), each part of
-them tokenized apart, so that which tokens are the reasoning's and which a message's is known."""
+the output items of a reasoning block and of gpt-oss's channels, whole and streamed; the reasoning tokens in the
+usage; each message's logprobs. The answers are scripted in the model's own tokens (``Spoken``), each part of them
+tokenized apart, so that which tokens are the reasoning's and which a message's is known."""
 
 from __future__ import annotations
 
@@ -68,3 +69,49 @@ def test_the_usage_counts_the_reasoning_tokens(servers: dict[str, tuple[Spoken, 
     assert [whole.usage.output_tokens_details.reasoning_tokens, streamed.usage.output_tokens_details.reasoning_tokens,
             chat.usage.completion_tokens_details.reasoning_tokens,
             chunks[-1].usage.completion_tokens_details.reasoning_tokens] == [want] * 4
+
+
+@pytest.mark.parametrize("per_step", [1, 3])
+@pytest.mark.parametrize("case", ["think", "harmony"])
+def test_a_messages_logprobs_are_its_own_tokens(servers: dict[str, tuple[Spoken, openai.OpenAI]], case: str,
+                                                per_step: int) -> None:
+    """include message.output_text.logprobs: each output_text part has the logprobs of the tokens of its text
+    (the text after ``</think>``; a harmony message's body), not the reasoning's; whole, in the stream's deltas
+    and in its done events."""
+    front, client, tokens = _spoken(servers, case, per_step, 2)
+    places = [list(range(sum(map(len, tokens[:i])), sum(map(len, tokens[:i + 1])))) for i in range(len(tokens))]
+    want = [[-(k + 1) for k in places[i]] for i in ANSWERS[case][3]]  # Spoken's logprobs: -(place + 1) / 1000
+
+    def thousandths(logprobs: Any) -> list[int]:
+        return [round(e.logprob * 1000) for e in logprobs]
+
+    kw: dict[str, Any] = {"model": NAME, "input": "Hi", "include": ["message.output_text.logprobs"]}
+    whole = client.responses.create(**kw)
+    assert [thousandths(i.content[0].logprobs) for i in whole.output if i.type == "message"] == want
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+    messages = [e.item.id for e in events if e.type == "response.output_item.added" and e.item.type == "message"]
+    deltas = [[lp for e in events if e.type == "response.output_text.delta" and e.item_id == m for lp in e.logprobs]
+              for m in messages]
+    done = [e.logprobs for e in events if e.type == "response.output_text.done"]
+    assert [thousandths(d) for d in deltas] == [thousandths(d) for d in done] == want
+
+
+def test_gpt_oss_messages_are_items_in_order_whole_and_streamed(
+        servers: dict[str, tuple[Spoken, openai.OpenAI]]) -> None:
+    """Analysis, a commentary preamble, more analysis, then the final message: an output item of each message in
+    its order (as vLLM's Responses API makes them), the same whole and streamed; chat's message joins the
+    preamble and the final message a line apart, as vLLM's chat route does."""
+    front, client, _ = _spoken(servers, "harmony", 1, 4)
+    whole = client.responses.create(model=NAME, input="Hi")
+    streamed = _streamed(client, model=NAME, input="Hi")
+    items = [[(i.type, i.content[0].text) for i in r.output] for r in (whole, streamed)]
+    assert items[0] == items[1] == [("reasoning", "Look it up."), ("message", "Let me look."),
+                                    ("reasoning", "Found it."), ("message", "Paris.")]
+    message = client.chat.completions.create(model=NAME, messages=HI).choices[0].message
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(model=NAME, messages=HI, stream=True)
+              if c.choices]
+    streamed_chat = ("".join(getattr(d, "reasoning_content", None) or "" for d in deltas),
+                     "".join(d.content or "" for d in deltas))
+    assert (message.reasoning_content, message.content) == streamed_chat == ("Look it up.\nFound it.",
+                                                                             "Let me look.\nParis.")
