@@ -10,9 +10,13 @@ request's ``reasoning_effort``. The answer comes back as output items, one of ea
 ``by_parts``: a ``reasoning`` item, a ``message`` with an ``output_text`` part) and a ``function_call`` of each
 call, whole or as the API's event stream
 (``response.created``, each item's ``output_item.added`` / deltas / ``done`` events, ``response.completed`` or
-``response.incomplete`` when ``max_output_tokens`` cut it). Nothing is stored: ``store`` is accepted and ignored,
-``previous_response_id`` and the retrieval routes are refused, so a client sends the whole conversation (as
-``store: false`` clients do).
+``response.incomplete`` when ``max_output_tokens`` cut it); ``truncation: "auto"`` drops the oldest input items
+that leave no room for an answer (the chat route's ``truncate``, as Ollama's). Nothing is stored: ``store`` is
+accepted and ignored, ``previous_response_id``, ``conversation``, ``prompt``, ``background: true`` and the
+retrieval routes are refused, so a client sends the whole conversation (as ``store: false`` clients do). Fields
+that only tune what OpenAI's own service does (``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
+``user``, ``max_tool_calls`` of built-in tools, ``reasoning.summary``, ``text.verbosity``, other ``include``
+values) are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ class ResponsesBody(RequestBody):
     top_logprobs: StrictInt | None = None
     conversation: Any = None  # refused: kestrel stores no conversations, nor prompts
     prompt: Any = None
+    background: StrictBool | None = None  # refused when true: kestrel stores no response to fetch later
+    truncation: Literal["auto", "disabled"] | None = None
 
     def text_format(self) -> TextFormat:
         fmt = (self.text or {}).get("format")
@@ -85,6 +91,9 @@ class ResponsesBody(RequestBody):
             if getattr(self, name) is not None:
                 raise APIError(400, f"{name} is not supported: kestrel stores no responses, conversations or prompts; "
                                "send the whole conversation as input", param=name)
+        if self.background:
+            raise APIError(400, "background is not supported: kestrel stores no responses, so none can be fetched "
+                           "later; send the request without it (answered at once, or streamed)", param="background")
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
@@ -193,7 +202,8 @@ class _Response:
             "parallel_tool_calls": b.parallel_tool_calls is not False, "temperature": b.temperature,
             "top_p": b.top_p, "tool_choice": b.tool_choice or "auto", "tools": b.tools or [],
             "text": {"format": b.text_format().model_dump(exclude_none=True, by_alias=True)},
-            "max_output_tokens": b.max_output_tokens, "previous_response_id": None,
+            "max_output_tokens": b.max_output_tokens, "previous_response_id": None, "background": False,
+            "truncation": b.truncation or "disabled",
             "reasoning": (b.reasoning or Reasoning()).model_dump(), "store": False, "metadata": b.metadata or {},
             "usage": None if usage is None else _usage(usage)}
 
@@ -362,7 +372,7 @@ def install(app: FastAPI, models: Models) -> None:
         served = models.get(body.model)
         with named_as(CHAT_NAMES):
             openai = validated(ChatCompletionRequest, body.openai())
-            answer = await served.chat(openai, request, by_parts=True)
+            answer = await served.chat(openai, request, truncate=body.truncation == "auto", by_parts=True)
         response = _Response(served, body)
         return retold(answer, lambda whole: _whole(response, whole), lambda chunks: _events(response, chunks))
 

@@ -78,6 +78,7 @@ def test_a_json_schema_format_is_parsed(client: openai.OpenAI) -> None:
     ({"input": "Hi", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
     ({"input": "Hi", "conversation": "conv_1"}, 400, "conversation"),  # state kestrel does not keep: refused
     ({"input": "Hi", "prompt": {"id": "pmpt_1"}}, 400, "prompt"),
+    ({"input": "Hi", "background": True}, 400, "background"),  # nothing to retrieve later
     ({"input": []}, 400, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input.[0].content"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, 400, "tools.[0]"),
@@ -92,6 +93,16 @@ def test_bad_requests_name_the_field(server: KestrelServer, body: dict[str, Any]
     error = json.loads(raw)["error"]
     assert got == status and error["param"] == param, error
     assert not {"max_tokens", "response_format"} & set(error["message"].replace(":", " ").split())  # chat's names
+
+
+def test_truncation_auto_drops_the_oldest_input_items(client: openai.OpenAI) -> None:
+    """truncation "auto": a conversation past the model's context (tiny-qwen3's 256 tokens) keeps its latest
+    items, as OpenAI's drops the oldest; "disabled" (the default) refuses it."""
+    turns = [{"role": "user", "content": f"Turn {i}: " + "hello " * 20} for i in range(8)]
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=NAME, input=turns, max_output_tokens=2)
+    got = client.responses.create(model=NAME, input=turns, max_output_tokens=2, truncation="auto")
+    assert got.truncation == "auto" and 0 < got.usage.input_tokens < 256
 
 
 def test_nothing_is_stored(server: KestrelServer) -> None:
