@@ -1,22 +1,21 @@
 """OpenAI's Responses API (``POST /v1/responses``) over the same engine, for the clients built on it (the
 ``openai`` SDKs' ``client.responses``, agent frameworks, coding agents).
 
-A request is translated into the chat request kestrel already answers: ``instructions`` and the ``input``
-(a string, or items: messages with text content, ``function_call`` items as an assistant turn's tool calls,
-``function_call_output`` items as tool messages; ``reasoning`` items are dropped, as templates drop past
-reasoning), ``tools`` (functions), ``tool_choice``, ``parallel_tool_calls``, ``text.format`` (text, a JSON
-object or a JSON Schema), ``max_output_tokens``, ``temperature``, ``top_p``; ``reasoning.effort`` as the chat
-request's ``reasoning_effort``. The answer comes back as output items, one of each of its parts (ChatShape's
-``by_parts``: a ``reasoning`` item, a ``message`` with an ``output_text`` part) and a ``function_call`` of each
-call, whole or as the API's event stream
-(``response.created``, each item's ``output_item.added`` / deltas / ``done`` events, ``response.completed`` or
-``response.incomplete`` when ``max_output_tokens`` cut it); ``truncation: "auto"`` drops the oldest input items
-that leave no room for an answer (the chat route's ``truncate``, as Ollama's). Nothing is stored: ``store`` is
-accepted and ignored, ``previous_response_id``, ``conversation``, ``prompt``, ``background: true`` and the
-retrieval routes are refused, so a client sends the whole conversation (as ``store: false`` clients do). Fields
-that only tune what OpenAI's own service does (``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
-``user``, ``max_tool_calls`` of built-in tools, ``reasoning.summary``, ``text.verbosity``, other ``include``
-values) are accepted and ignored.
+A request is translated into the chat request kestrel already answers: ``instructions`` and the ``input`` (a string,
+or items: messages with text content, ``function_call`` items as an assistant turn's tool calls,
+``function_call_output`` items as tool messages; ``reasoning`` items are dropped, as templates drop past reasoning),
+``tools`` (functions), ``tool_choice``, ``parallel_tool_calls``, ``text.format`` (text, a JSON object or a JSON
+Schema), ``max_output_tokens``, ``temperature``, ``top_p``; ``reasoning.effort`` as the chat request's
+``reasoning_effort``. The answer comes back as output items, one of each of its parts (ChatShape's ``by_parts``: a
+``reasoning`` item, a ``message`` with an ``output_text`` part) and a ``function_call`` of each call, whole or as
+the API's event stream (``response.created``, each item's ``output_item.added``, ``content_part.added`` / deltas /
+``done`` events, ``response.completed`` or ``response.incomplete`` when ``max_output_tokens`` cut it);
+``truncation: "auto"`` drops the oldest input items that leave no room for an answer (the chat route's ``truncate``,
+as Ollama's). Nothing is stored: ``store`` is accepted and ignored, ``previous_response_id``, ``conversation``,
+``prompt``, ``background: true`` and the retrieval routes are refused, so a client sends the whole conversation (as
+``store: false`` clients do). Fields that only tune what OpenAI's own service does (``service_tier``,
+``prompt_cache_key``, ``safety_identifier``, ``user``, ``max_tool_calls`` of built-in tools, ``reasoning.summary``,
+``text.verbosity``, other ``include`` values) are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -212,7 +211,7 @@ def _usage(chat: dict[str, Any]) -> dict[str, Any]:
     """The chat answer's usage as the Responses API's (its reasoning tokens ChatShape's count)."""
     prompt, completion = chat.get("prompt_tokens", 0), chat.get("completion_tokens", 0)
     reasoning = (chat.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + completion}
 
@@ -274,9 +273,8 @@ class _Items:
         self.open, self.open_part = item, index
         at = len(self.response.output) - 1
         events.append(self.event("response.output_item.added", output_index=at, item={**item, "content": []}))
-        if kind != "reasoning":
-            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=at,
-                                     content_index=0, part=item["content"][0]))
+        events.append(self.event("response.content_part.added", item_id=item["id"], output_index=at,
+                                 content_index=0, part=item["content"][0]))
         return events
 
     def close(self, status: str = "completed") -> list[bytes]:
@@ -287,15 +285,15 @@ class _Items:
         text = item["content"][0]["text"]
         if item["type"] == "reasoning":
             item["status"] = "completed"
-            events = [self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                                 content_index=0, text=text)]
+            done = self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                              content_index=0, text=text)
         else:
             item["status"] = status
-            events = [self.event("response.output_text.done", item_id=item["id"], output_index=index,
-                                 content_index=0, text=text, logprobs=item["content"][0]["logprobs"]),
-                      self.event("response.content_part.done", item_id=item["id"], output_index=index,
-                                 content_index=0, part=item["content"][0])]
-        return [*events, self.event("response.output_item.done", output_index=index, item=item)]
+            done = self.event("response.output_text.done", item_id=item["id"], output_index=index,
+                              content_index=0, text=text, logprobs=item["content"][0]["logprobs"])
+        return [done, self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                                 content_index=0, part=item["content"][0]),
+                self.event("response.output_item.done", output_index=index, item=item)]
 
     def call(self, call: dict[str, Any]) -> list[bytes]:
         events = self.close()

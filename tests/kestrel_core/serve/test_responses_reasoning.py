@@ -5,15 +5,18 @@ tokenized apart, so that which tokens are the reasoning's and which a message's 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 import kestrel_core
 
-from .helpers import HI, Spoken, openai_client, running_server
+from .helpers import HI, Spoken, http, openai_client, running_server
 from .test_tool_calls import HARMONY_TEMPLATE, THINKING_TEMPLATE
 
 NAME = "tiny"
@@ -115,3 +118,31 @@ def test_gpt_oss_messages_are_items_in_order_whole_and_streamed(
                      "".join(d.content or "" for d in deltas))
     assert (message.reasoning_content, message.content) == streamed_chat == ("Look it up.\nFound it.",
                                                                              "Let me look.\nParis.")
+
+
+@pytest.mark.parametrize("case", ANSWERS)
+def test_every_event_and_response_is_the_sdks_own(servers: dict[str, tuple[Spoken, openai.OpenAI]],
+                                                  case: str) -> None:
+    """Each event of a stream and each whole response validates as the openai SDK's strict models; a reasoning
+    item's reasoning_text deltas come between content_part.added and content_part.done of its reasoning_text part,
+    as a message's output_text deltas do."""
+    front, client, _ = _spoken(servers, case, 1, 2)
+    url = f"{str(client.base_url).rstrip('/')}/responses"
+    body = {"model": NAME, "input": "Hi", "include": ["message.output_text.logprobs"]}
+    status, _, raw = http("POST", url, {**body, "stream": True})
+    events = [json.loads(line[len("data: "):]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+    adapter: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+    for event in events:
+        adapter.validate_python(event, strict=True)
+    status_whole, _, whole = http("POST", url, body)
+    Response.model_validate(json.loads(whole), strict=True)
+    assert status == status_whole == 200
+    reasoning = next(e["item"]["id"] for e in events if e["type"] == "response.output_item.added"
+                     and e["item"]["type"] == "reasoning")
+    kinds = [e["type"] for e in events if e.get("item_id", e.get("item", {}).get("id")) == reasoning]
+    deltas = kinds.count("response.reasoning_text.delta")
+    assert deltas and kinds == ["response.output_item.added", "response.content_part.added",
+                                *["response.reasoning_text.delta"] * deltas, "response.reasoning_text.done",
+                                "response.content_part.done", "response.output_item.done"]
+    parts = [e["part"] for e in events if e["type"].startswith("response.content_part") and e["item_id"] == reasoning]
+    assert [p["type"] for p in parts] == ["reasoning_text"] * 2 and parts[1]["text"] and not parts[0]["text"]
