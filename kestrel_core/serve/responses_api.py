@@ -37,9 +37,10 @@ from kestrel_core.serve.protocol import ChatCompletionRequest, RequestBody
 if TYPE_CHECKING:
     from kestrel_core.serve.app import Models, Served
 
-# the chat request's fields a Responses request sets, by the names it sends them under (its errors name those)
+# the chat request's fields a Responses request sets, by the names it sends them under (its errors name those; the
+# prompt the input makes is the input)
 CHAT_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format",
-              "reasoning_effort": "reasoning.effort", "messages": "input"}
+              "reasoning_effort": "reasoning.effort", "messages": "input", "prompt": "input"}
 
 class Reasoning(RequestBody):
     effort: StrictStr | None = None
@@ -138,12 +139,23 @@ def _content(content: Any, where: str) -> str | list[dict[str, str]]:
     if not isinstance(content, list):
         raise APIError(400, f"{where} must be a string or a list of parts", param=where)
     parts = []
-    for part in content:
+    for k, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise APIError(400, f"{where}: a {kind!r} part is not supported (text only)", param=where)
-        parts.append({"type": "text", "text": str(part.get("text", ""))})
+        parts.append({"type": "text", "text": _string(part, "text", f"{where}.[{k}]")})
     return parts
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    """Field ``key`` of the input's ``item`` (at ``where``), which the API requires to be a string."""
+    value = item.get(key)
+    if isinstance(value, str):
+        return value
+    param = f"{where}.{key}"
+    if value is None:
+        raise APIError(400, f"{param} is required", param=param, code="missing_required_parameter")
+    raise APIError(400, f"{param} must be a string, not {type(value).__name__}", param=param, code="invalid_value")
 
 
 def _text(content: Any, where: str) -> str:
@@ -160,19 +172,25 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
     if kind == "message":
         role = item.get("role")
         if role not in ("user", "assistant", "system", "developer"):
-            raise APIError(400, f"{where}.role must be user, assistant, system or developer", param=where)
-        messages.append({"role": role, "content": _content(item.get("content", ""), f"{where}.content")})
+            raise APIError(400, f"{where}.role must be user, assistant, system or developer", param=f"{where}.role")
+        if "content" not in item:
+            raise APIError(400, f"{where}.content is required", param=f"{where}.content",
+                           code="missing_required_parameter")
+        messages.append({"role": role, "content": _content(item["content"], f"{where}.content")})
     elif kind == "function_call":
-        call = {"id": str(item.get("call_id", "")), "type": "function",
-                "function": {"name": str(item.get("name", "")), "arguments": str(item.get("arguments", "{}"))}}
+        call = {"id": _string(item, "call_id", where), "type": "function",
+                "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
         last = messages[-1] if messages else None
         if last is None or last["role"] != "assistant":
             last = {"role": "assistant", "content": ""}
             messages.append(last)
         last.setdefault("tool_calls", []).append(call)
     elif kind == "function_call_output":
-        messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
-                         "content": _text(item.get("output", ""), f"{where}.output")})
+        if "output" not in item:
+            raise APIError(400, f"{where}.output is required", param=f"{where}.output",
+                           code="missing_required_parameter")
+        messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                         "content": _text(item["output"], f"{where}.output")})
     elif kind != "reasoning":
         raise APIError(400, f"{where}: a {kind!r} item is not supported", param=where)
 
@@ -368,8 +386,9 @@ def install(app: FastAPI, models: Models) -> None:
     @app.post("/v1/responses")
     async def responses(body: ResponsesBody, request: Request) -> Response:
         served = models.get(body.model)
+        chat = body.openai()  # its errors name the Responses API's own fields (its refused prompt among them)
         with named_as(CHAT_NAMES):
-            openai = validated(ChatCompletionRequest, body.openai())
+            openai = validated(ChatCompletionRequest, chat)
             answer = await served.chat(openai, request, truncate=body.truncation == "auto", by_parts=True)
         response = _Response(served, body)
         return retold(answer, lambda whole: _whole(response, whole), lambda chunks: _events(response, chunks))

@@ -20,6 +20,7 @@ FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 NAME = "tiny"
 HI = [{"role": "user", "content": "Hi"}]
 TOOL = {"type": "function", **WEATHER["function"]}
+CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
 
 
 class Ok(BaseModel):
@@ -83,6 +84,20 @@ def test_a_json_schema_format_is_parsed(client: openai.OpenAI) -> None:
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input.[0].content"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, 400, "tools.[0]"),
     ({"input": [{"type": "computer_call"}]}, 400, "input.[0]"),
+    # an input item's fields as the API requires them, named as it names them
+    ({"input": [{"role": "user", "content": "Hi"}, {**CALL, "arguments": {"city": "Paris"}}]}, 400,
+     "input.[1].arguments"),
+    ({"input": [{"role": "user", "content": "Hi"}, {k: v for k, v in CALL.items() if k != "call_id"}]}, 400,
+     "input.[1].call_id"),
+    ({"input": [{"role": "user", "content": "Hi"}, {k: v for k, v in CALL.items() if k != "name"}]}, 400,
+     "input.[1].name"),
+    ({"input": [{"type": "function_call_output", "output": "22 C"}]}, 400, "input.[0].call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_1"}]}, 400, "input.[0].output"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": {"oops": 1}}]}]}, 400,
+     "input.[0].content.[0].text"),
+    ({"input": [{"role": "user"}]}, 400, "input.[0].content"),
+    ({"input": [{"role": "robot", "content": "Hi"}]}, 400, "input.[0].role"),
+    ({"input": "hello " * 200}, 400, "input"),  # past tiny-qwen3's context: the prompt the input makes
     ({"input": "Hi", "model": "gpt-5"}, 404, "model"),
     ({"input": "Hi", "max_output_tokens": 0}, 400, "max_output_tokens"),  # the Responses API's names, not chat's
     ({"input": "Hi", "text": {"format": {"type": "wat"}}}, 400, "text.format.type"),
