@@ -208,7 +208,8 @@ class Scheduler:
         try:
             logits = step.result()
         except Exception:  # the step failed as a whole: its requests end; the scheduler goes on
-            self._abort_step(work)
+            for request, _, _ in work:
+                self._finish(request, "abort")
             raise
         finally:
             self._release_held()
@@ -275,7 +276,8 @@ class Scheduler:
             step = self.engine.start_batch(*args) if before is None else self.engine.start_batch(*args, after=before[1])
         except Exception:
             if before is None:
-                self._abort_step(work)
+                for request, _, _ in work:  # the step's requests end
+                    self._finish(request, "abort")
                 raise
             step = None
         if step is None:
@@ -582,10 +584,6 @@ class Scheduler:
             return send(False)
         except StopIteration:
             return None
-
-    def _abort_step(self, work: list[tuple[Request, list[int], int]]) -> None:
-        for request, _, _ in work:
-            self._finish(request, "abort")
 
     def _release_held(self) -> None:
         held, self._held = self._held, []
