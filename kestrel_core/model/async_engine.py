@@ -70,6 +70,7 @@ class AsyncEngine:
         self._exited = False  # the thread returned: a call now would wait for ever
         self._embed_jobs: list[EmbedJob] = []  # those under way, oldest first
         self._embed_short = False  # a job lacked blocks: the oldest runs alone until it is done
+        self._deferred: list[Any] = []  # requests that came while a job lacked blocks: added once it is done
         self._next_id = 0
         on_close = getattr(engine, "on_close", None)
         if on_close is not None:  # closing the engine stops this thread, which holds it (and the model)
@@ -122,7 +123,8 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        return self.scheduler.num_waiting + sum(1 for kind, _ in list(self._inbox) if kind == "add")
+        return (self.scheduler.num_waiting + sum(1 for kind, _ in list(self._inbox) if kind == "add")
+                + len(self._deferred))
 
     @property
     def num_running(self) -> int:
@@ -195,7 +197,8 @@ class AsyncEngine:
         A job the KV cache has no room for now waits for the blocks the running generation and the other jobs
         hold. Once one has waited, the oldest job runs alone until it is done: the others give their blocks back
         (each holds one input part-way at most, run again later) and wait, so no two jobs wait on each other's
-        blocks. Overloaded where nothing holds blocks that would come back."""
+        blocks, and generation requests that come meanwhile are held back, so that the running ones' blocks come
+        back rather than go to newcomers. Overloaded where nothing holds blocks that would come back."""
         job = EmbedJob(self.engine, inputs, pooling=pooling, dimensions=dimensions, budget=self.scheduler.token_budget)
         with self._lock:
             if not self._accepting:
@@ -215,6 +218,9 @@ class AsyncEngine:
             with self._lock:
                 if self._embed_jobs[0] is job:  # the jobs behind it go on together while the blocks last
                     self._embed_short = False
+                    self._inbox[:0] = [("add", payload) for payload in self._deferred]  # before later ones
+                    self._deferred.clear()
+                    self._wake.notify()
                 self._embed_jobs.remove(job)
             if not job.done:  # given up (an error, a client gone): its blocks go back after the step under way
                 self._post(job.close)
@@ -303,6 +309,12 @@ class AsyncEngine:
         sched = self.scheduler
         if kind == "add":
             request_id, ids, params, constraint = payload
+            with self._lock:
+                if request_id not in self._clients:  # aborted while it was held back
+                    return
+                if self._embed_short:  # an embedding waits for blocks: the running requests give them back
+                    self._deferred.append(payload)
+                    return
             try:
                 sched.add(ids, params, request_id, constraint)
             except KestrelError as exc:
@@ -334,7 +346,7 @@ class AsyncEngine:
     def _orphans(self) -> list[str]:
         """Clients whose request the scheduler no longer holds (ended by a failed step)."""
         with self._lock:
-            pending = {payload[0] for kind, payload in self._inbox if kind == "add"}
+            pending = {payload[0] for kind, payload in self._inbox if kind == "add"} | {p[0] for p in self._deferred}
             return [r for r in self._clients if r not in self.scheduler.requests and r not in pending]
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

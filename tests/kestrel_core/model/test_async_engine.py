@@ -307,3 +307,47 @@ def test_an_id_is_taken_again_only_once_its_abort_is_said(engine) -> None:
         tokens += [t for o in outs for t in o.new_token_ids]
         assert all(o.finish_reason != "abort" for o in outs)
     assert tokens == list(engine.generate([5, 6, 7], params=params))
+
+
+def test_an_embedding_waiting_for_blocks_is_not_starved_by_new_requests(tiny_config) -> None:
+    """Clients that send their next request as each ends keep some blocks held at every step: the embedding
+    that needs the whole pool gets it once the running requests end, as the requests that come meanwhile
+    wait for it, and those run after it."""
+    rng = np.random.default_rng(7)
+    with _tight(tiny_config, 4) as engine:
+        text = list(range(3, 3 + 120))  # every block of the pool
+        want = engine.embed([text])
+
+        async def main() -> tuple[int, np.ndarray | None, int]:
+            front = AsyncEngine(engine, max_batch=4)
+            front.start()
+            done, stop = 0, False
+
+            async def client(seed: int) -> None:
+                nonlocal done
+                prompt = _prompts(1, seed=seed)[0]
+                while not stop:
+                    params = SamplingParams(max_tokens=int(rng.integers(10, 40)), ignore_eos=True)
+                    await _collect(front, prompt, params)
+                    done += 1
+
+            clients = [asyncio.create_task(client(seed)) for seed in range(4)]
+            try:
+                await asyncio.sleep(0.2)
+                job = asyncio.create_task(front.embed([text]))
+                start = done
+                while not job.done() and done - start < 60:
+                    await asyncio.sleep(0.01)
+                got = job.result() if job.done() else None
+                stop = True
+                job.cancel()
+                await asyncio.gather(*clients)
+                return done - start, got, done
+            finally:
+                await front.shutdown(grace_s=5)
+
+        meanwhile, got, total = asyncio.run(main())
+        assert got is not None, f"the embedding waited through {meanwhile} generations"
+        np.testing.assert_array_equal(got, want)
+        assert total > meanwhile  # the held-back requests ran after it
+        assert engine.pool.free_blocks == engine.pool.num_blocks
