@@ -47,6 +47,9 @@ class _EngineCollector(Collector):
         hits = family(CounterMetricFamily, "kestrel_prefix_cache_hit_tokens",
                       "Prompt positions attached from the prefix cache instead of computed.")
         cached = family(GaugeMetricFamily, "kestrel_prefix_cache_blocks", "KV blocks the prefix cache holds.")
+        usage = family(GaugeMetricFamily, "kestrel_kv_cache_usage_perc",
+                       "Fraction of the KV cache's blocks sequences hold (1: full); the prefix cache's idle "
+                       "blocks count as free, as they are taken back when needed.")
         offered = family(CounterMetricFamily, "kestrel_offload_offered", "Offloads offered to the backend, per hook.",
                          "hook")
         taken = family(CounterMetricFamily, "kestrel_offload_accepted", "Offloads the backend computed, per hook.",
@@ -67,6 +70,7 @@ class _EngineCollector(Collector):
             if pool is not None:
                 hits.add_metric([model], pool.prefix_hit_tokens)
                 cached.add_metric([model], pool.cached_blocks)
+                usage.add_metric([model], 1 - pool.free_blocks / pool.num_blocks)
             for hook, s in _offload_stats(ae.engine).items():
                 offered.add_metric([model, hook], s.get("offered", 0))
                 taken.add_metric([model, hook], s.get("accepted", 0))
@@ -76,8 +80,8 @@ class _EngineCollector(Collector):
                         declined.add_metric([model, hook, str(reason)], n)
                 elif s.get("declined"):
                     declined.add_metric([model, hook, "unknown"], s["declined"])
-        yield from (waiting, running, steps, failed, finished, drafted, accepted, preempted, hits, cached, offered,
-                    taken, declined)
+        yield from (waiting, running, steps, failed, finished, drafted, accepted, preempted, hits, cached, usage,
+                    offered, taken, declined)
 
 
 def _offload_stats(engine: Any) -> dict[str, dict[str, Any]]:

@@ -734,6 +734,7 @@ def test_metrics(server: KestrelServer, client: openai.OpenAI) -> None:
     assert samples['kestrel_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 2
     assert samples['kestrel_requests_total{endpoint="/v1/chat/completions",status="400"}'] >= 1
     assert samples[f'kestrel_num_requests_running{{model="{NAME}"}}'] == 0
+    assert samples[f'kestrel_kv_cache_usage_perc{{model="{NAME}"}}'] == 0  # nothing runs: every block is free
     assert samples["kestrel_generation_tokens_total"] >= 8
     assert samples["kestrel_time_to_first_token_seconds_count"] >= 2
 

@@ -184,6 +184,9 @@ def test_a_generative_model_embeds_between_its_generation_steps() -> None:
                                                extra_body={"ignore_eos": True})
             it = iter(stream)
             next(it)
+            metrics = http("GET", f"{server.url}/metrics")[2].decode().splitlines()
+            usage = next(ln for ln in metrics if ln.startswith('kestrel_kv_cache_usage_perc{model="gen"}'))
+            assert 0 < float(usage.split()[-1]) < 1  # the running stream holds blocks of its own
             steps = async_engine.counters.steps
             got = _vectors(client.embeddings.create(model="gen", input=TEXTS))
             assert async_engine.num_running == 1  # the stream still runs

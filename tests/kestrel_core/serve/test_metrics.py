@@ -71,9 +71,10 @@ def test_request_metrics_and_separate_registries() -> None:
 
 def test_prefix_cache_figures_are_the_pools() -> None:
     ae = _fake_async_engine()
-    ae.engine.pool = SimpleNamespace(prefix_hit_tokens=128, cached_blocks=5)
+    ae.engine.pool = SimpleNamespace(prefix_hit_tokens=128, cached_blocks=5, free_blocks=6, num_blocks=8)
     s = _samples(ServerMetrics({"m": ae}))
     assert s[("kestrel_prefix_cache_hit_tokens_total", M)] == 128 and s[("kestrel_prefix_cache_blocks", M)] == 5
+    assert s[("kestrel_kv_cache_usage_perc", M)] == 0.25
     ae.engine.pool.prefix_hit_tokens = 192
     assert _samples(ServerMetrics({"m": ae}))[("kestrel_prefix_cache_hit_tokens_total", M)] == 192
 
