@@ -18,7 +18,8 @@ and ``t_max_predict_ms``, a piece holding a newline once that long has passed si
 defaults; ``samplers`` (names, or llama.cpp's letters) says which of those four apply, one it leaves out being off
 (temperature 1), and the samplers kestrel has not (``infill``, ``dry``, ``typ_p``, ``xtc``, ``penalties``...) are
 ignored. ``cache_prompt``, ``id_slot`` and ``t_max_prompt_ms`` (which llama.cpp does not implement) are taken
-and ignored: the prefix cache always works. Errors are llama.cpp's ``{"error": {"code", "message", "type"}}``.
+and ignored: the prefix cache always works. ``grammar``, ``json_schema``, ``logit_bias`` and ``lora``, which would
+change the answer, are refused. Errors are llama.cpp's ``{"error": {"code", "message", "type"}}``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 from kestrel_core.model.fim import FORMATS, FimPrompt, fim_format, fim_prompt
 from kestrel_core.serve.access import CLIENT_CLOSED, RequestRecord, record_of
@@ -50,6 +51,7 @@ SAMPLER_LETTERS = {"t": "temperature", "k": "top_k", "p": "top_p", "m": "min_p"}
 SAMPLER_NAMES = {alias: name for name in OFF for alias in (name, name.replace("_", "-"), name.replace("_", ""))} | {
     "temp": "temperature", "nucleus": "top_p"}
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's default seed, which asks for a random one, as -1 does
+UNSUPPORTED = ("grammar", "json_schema", "logit_bias", "lora")
 REQUEST_NAMES = {"max_tokens": "n_predict"}  # the completions request's fields by the names /infill takes them under
 
 
@@ -85,6 +87,18 @@ class InfillBody(NullsAbsentBody):
     cache_prompt: StrictBool = True
     id_slot: StrictInt = -1
     t_max_prompt_ms: StrictInt | StrictFloat = 0
+    # llama.cpp's fields that would change the answer in ways kestrel's /infill does not: refused when given
+    grammar: Any = None
+    json_schema: Any = None
+    logit_bias: Any = None
+    lora: Any = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> InfillBody:
+        for name in UNSUPPORTED:
+            if getattr(self, name) not in (None, "", [], {}):
+                raise APIError(400, f"{name} is not supported by kestrel's /infill", param=name)
+        return self
 
     def sampling(self, recommended: Mapping[str, float]) -> dict[str, Any]:
         """The completions request's sampling: a sampler ``samplers`` names (each, without it) takes the value

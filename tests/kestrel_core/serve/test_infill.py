@@ -224,7 +224,9 @@ def test_bad_input_is_a_400_in_llama_cpps_shape(server: KestrelServer) -> None:
              ({"n_predict": 1.5}, "n_predict"), ({"temperature": "hot"}, "temperature"), ({"stop": "x"}, "stop"),
              ({"samplers": 5}, "samplers"), ({"response_fields": "content"}, "response_fields"),
              ({"t_max_predict_ms": "1s"}, "t_max_predict_ms"), ({"top_p": 0}, "top_p"), ({"seed": 2 ** 63}, "seed"),
-             ({"prompt": "x" * 400}, "prompt")]
+             ({"prompt": "x" * 400}, "prompt"), ({"grammar": "root ::= \"a\""}, "grammar"),
+             ({"json_schema": {"type": "object"}}, "json_schema"), ({"logit_bias": [[15, -1]]}, "logit_bias"),
+             ({"lora": [{"id": 0, "scale": 0.5}]}, "lora")]
     for fields, name in cases:
         reply = infill(server, greedy(**fields))
         error = reply.json()["error"]
