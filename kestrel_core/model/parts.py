@@ -22,14 +22,29 @@ SEPARATOR = "\n"  # between two parts of a kind, where the answer is one text of
 
 
 @dataclass(frozen=True)
-class Part:
+class Stretch:
     """``kind``: REASONING, CONTENT or CALL; ``start``..``end``: its stretch of the answer's text (streamed: up to
-    where the text so far settles it); ``text``: what it says."""
+    where the text so far settles it)."""
 
     kind: str
     start: int
     end: int
+
+
+@dataclass(frozen=True)
+class Part(Stretch):
+    """A part of a whole answer; ``text``: what it says."""
+
     text: str
+
+
+@dataclass(frozen=True)
+class Settled(Stretch):
+    """A part of a streamed answer as the text so far settles it: what it says is the answer's
+    ``text[first:last]`` (a stream keeps no copy of each part's text, so a feed costs only what it adds)."""
+
+    first: int
+    last: int
 
 
 @dataclass(frozen=True)
@@ -62,22 +77,50 @@ class PartStream:
     """One streamed answer read into parts: ``feed_parts`` gives each part's text that can go out now,
     ``finish_parts`` the rest (``feed`` and ``finish``: as the (reasoning, content) they add, ``joined_deltas``).
     A reader says which parts the text so far settles (``settled``) and which the whole answer has (``whole``):
-    what goes out always starts the whole answer's parts, so it adds up to them."""
+    what goes out always starts the whole answer's parts, so it adds up to them. A reader that reads as the text
+    comes looks only at its end (``recent``), which keeps the text from where the last part's settled text ends,
+    or from MARGIN characters back (where a marker may start)."""
+
+    MARGIN = 16  # more than any marker's length
 
     def __init__(self) -> None:
-        self.text = ""
-        self.parts: list[Part] = []  # as the text so far settles them
+        self.pieces: list[str] = []  # the answer's text as it came
+        self.length = 0
+        self.recent = ""  # the answer's text from recent_at on
+        self.recent_at = 0
+        self.parts: list[Stretch] = []  # as the text so far settles them
         self.sent: list[int] = []  # characters of each part's text sent
 
-    def settled(self) -> list[Part]:
+    @property
+    def text(self) -> str:
+        """The answer's text so far."""
+        if len(self.pieces) > 1:
+            self.pieces[:] = ["".join(self.pieces)]
+        return self.pieces[0] if self.pieces else ""
+
+    def slice(self, start: int, end: int) -> str:
+        """``text[start:end]``, at the cost of its length where it starts within ``recent``."""
+        if start >= self.recent_at:
+            return self.recent[start - self.recent_at:end - self.recent_at]
+        return self.text[start:end]
+
+    def settled(self) -> Sequence[Part | Settled]:
         raise NotImplementedError
 
     def whole(self) -> list[Part]:
         raise NotImplementedError
 
     def feed_parts(self, delta: str) -> list[PartDelta]:
-        self.text += delta
-        return self._send(self.settled())
+        self.pieces.append(delta)
+        self.length += len(delta)
+        self.recent += delta
+        out = self._send(self.settled())
+        last = self.parts[-1] if self.parts else None
+        keep = min(self.length - self.MARGIN, last.last if isinstance(last, Settled) else 0)
+        if keep > self.recent_at:
+            self.recent = self.recent[keep - self.recent_at:]
+            self.recent_at = keep
+        return out
 
     def finish_parts(self) -> list[PartDelta]:
         return self._send(self.whole())
@@ -88,8 +131,8 @@ class PartStream:
     def finish(self) -> tuple[str, str]:
         return joined_deltas(self.finish_parts())
 
-    def _send(self, parts: list[Part]) -> list[PartDelta]:
-        self.parts = parts
+    def _send(self, parts: Sequence[Part | Settled]) -> list[PartDelta]:
+        self.parts = list(parts)
         out = []
         kinds: set[str] = set()
         for i, part in enumerate(parts):
@@ -97,10 +140,13 @@ class PartStream:
             if opens:
                 self.sent.append(0)
             if part.kind != CALL:
-                text = part.text[self.sent[i]:]
+                if isinstance(part, Part):
+                    text, length = part.text[self.sent[i]:], len(part.text)
+                else:
+                    text, length = self.slice(part.first + self.sent[i], part.last), part.last - part.first
                 if text or opens:
                     out.append(PartDelta(i, part.kind, text, opens and part.kind in kinds))
-                self.sent[i] = max(self.sent[i], len(part.text))
+                self.sent[i] = max(self.sent[i], length)
             kinds.add(part.kind)
         return out
 
@@ -108,10 +154,11 @@ class PartStream:
 class ContentStream(PartStream):
     """An answer that is all content."""
 
-    def settled(self) -> list[Part]:
-        return [Part(CONTENT, 0, len(self.text), self.text)]
+    def settled(self) -> list[Settled]:
+        return [Settled(CONTENT, 0, self.length, 0, self.length)]
 
-    whole = settled
+    def whole(self) -> list[Part]:
+        return [Part(CONTENT, 0, len(self.text), self.text)]
 
 
 class TokenParts:
@@ -134,12 +181,12 @@ class TokenParts:
         if entries:
             self.entries += entries
 
-    def count(self, parts: Sequence[Part], kind: str) -> int:
+    def count(self, parts: Sequence[Stretch], kind: str) -> int:
         """How many tokens the parts of ``kind`` hold."""
         return sum(bisect_left(self.starts, p.end) - bisect_left(self.starts, p.start) for p in parts
                    if p.kind == kind)
 
-    def release(self, parts: Sequence[Part], final: bool = False) -> dict[int, list[TokenLogprob]]:
+    def release(self, parts: Sequence[Stretch], final: bool = False) -> dict[int, list[TokenLogprob]]:
         """The logprobs of the tokens not yet handed out that start before the last part settles (``final``:
         every token), by the index of the part that holds each; a token between parts is no part's."""
         upto = len(self.starts) if final else bisect_left(self.starts, parts[-1].end if parts else 0)

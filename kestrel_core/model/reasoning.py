@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kestrel_core.model.detokenize import partial_suffix
-from kestrel_core.model.parts import CONTENT, REASONING, Part, PartStream, joined
+from kestrel_core.model.parts import CONTENT, REASONING, Part, PartStream, Settled, joined
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_CALL = "<tool_call>"  # a call that ends the reasoning without its </think>
@@ -89,24 +89,84 @@ def _end(body: str) -> tuple[int, int]:
 
 
 class ReasoningStream(PartStream):
-    """One streamed choice's answer, read into ``split_parts``' parts (PartStream)."""
+    """One streamed choice's answer, read into ``split_parts``' parts (PartStream) as the text comes: once its start
+    says whether it has a block, each feed looks only at the new text and what may still change before it."""
 
     def __init__(self, open_in_prompt: bool = False) -> None:
         super().__init__()
         self.open_in_prompt = open_in_prompt
+        self.all_content = False  # the answer has no block
+        self.body: int | None = None  # where the block's text starts
+        self.scanned = 0  # where a marker may still start (less the longest one's length)
+        self.lead: int | None = None  # where the block's text starts past its whitespace
+        self.known = 0  # where the open block's settled text ends (past its last non-whitespace character)
+        self.block: Settled | None = None  # the block, once it has ended
+        self.after = 0  # where the content after the block starts
+        self.content_scan = 0  # where the content's leading whitespace may go on from
+        self.content_lead: int | None = None  # where the content's text starts past that whitespace
 
     def whole(self) -> list[Part]:
         return split_parts(self.text, self.open_in_prompt)
 
-    def settled(self) -> list[Part]:
+    def settled(self) -> list[Settled]:
         """The parts as far as the text so far settles them."""
-        head = self.text.lstrip()
-        if not head.startswith(THINK_OPEN) and THINK_OPEN.startswith(head):  # whitespace, or the tag's start
+        if self.body is None and not self.all_content and not self._decide():
             return []
-        answer = split_parts(self.text, self.open_in_prompt)
-        if answer[-1].kind == CONTENT:
-            return answer
-        start = answer[-1].start  # the block is open: what may start its end is held back, and its last whitespace
-        body = self.text[start:]
-        known = body[:len(body) - partial_suffix(body, (THINK_CLOSE, TOOL_CALL))].rstrip()
-        return [Part(REASONING, start, start + len(known), known.lstrip())]
+        if self.all_content:
+            return [Settled(CONTENT, 0, self.length, 0, self.length)]
+        if self.block is None:
+            block = self._read_block()
+            if self.block is None:
+                return [block]
+        if self.content_lead is None:
+            rest = self.slice(self.content_scan, self.length)
+            stripped = rest.lstrip()
+            self.content_scan = self.length
+            if stripped:
+                self.content_lead = self.length - len(stripped)
+        first = self.length if self.content_lead is None else self.content_lead
+        return [self.block, Settled(CONTENT, self.after, self.length, first, self.length)]
+
+    def _decide(self) -> bool:
+        """Whether the answer's start says if it has a block (where its text starts, or that it has none), as
+        ``split_parts`` reads it; its start is whitespace and at most a tag's length, so it is read whole."""
+        text = self.text
+        head = text.lstrip()
+        if not head.startswith(THINK_OPEN) and THINK_OPEN.startswith(head):  # whitespace, or the tag's start
+            return False
+        if head.startswith(THINK_OPEN):
+            self.body = len(text) - len(head) + len(THINK_OPEN)
+        elif self.open_in_prompt:
+            self.body = 0
+        else:
+            self.all_content = True
+            return True
+        self.scanned = self.known = self.body
+        return True
+
+    def _read_block(self) -> Settled:
+        """The open block as far as the text so far settles it; ``block`` and where the content starts, once it
+        ends (``_end``: a marker starts where no earlier feed could have seen all of it)."""
+        assert self.body is not None
+        seen = max(self.body, self.scanned - len(TOOL_CALL) + 1)
+        new = self.slice(seen, self.length)
+        end, after = _end(new)
+        if end >= 0:
+            self.after = self.content_scan = seen + after
+            self.block = self._settle(seen + end, seen + end)
+            return self.block
+        self.scanned = self.length
+        return self._settle(self.length - partial_suffix(new, (THINK_CLOSE, TOOL_CALL)), None)
+
+    def _settle(self, upto: int, end: int | None) -> Settled:
+        """The block's part with its text up to ``upto`` (less its edges' whitespace); ``end``: where it ends, None
+        while it is open (then at its settled text's end)."""
+        assert self.body is not None
+        rest = self.slice(self.known, upto)
+        solid = rest.rstrip()
+        if solid:
+            if self.lead is None:
+                self.lead = self.known + len(rest) - len(rest.lstrip())
+            self.known += len(solid)
+        first = self.known if self.lead is None else self.lead
+        return Settled(REASONING, self.body, self.known if end is None else end, first, self.known)

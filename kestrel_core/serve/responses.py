@@ -28,6 +28,7 @@ from kestrel_core.model.parts import (
     Part,
     PartDelta,
     PartStream,
+    Stretch,
     TokenParts,
     joined,
     joined_deltas,
@@ -312,7 +313,7 @@ class ChatShape(_Shape):
             body["parts"] = self._parts(answer, deltas, result.tokens.release(answer, final=True))
         return body
 
-    def _parts(self, answer: list[Part], deltas: list[PartDelta], entries: dict[int, list[TokenLogprob]]
+    def _parts(self, answer: Sequence[Stretch], deltas: list[PartDelta], entries: dict[int, list[TokenLogprob]]
                ) -> list[dict[str, Any]]:
         """The parts' new text, and their tokens' logprobs (``entries``, by part index), in the parts' order."""
         texts: dict[int, str] = {}

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from kestrel_core.model.reasoning import ReasoningStream, opens_in_prompt, split, thinks
+from kestrel_core.model.parts import Part, PartStream
+from kestrel_core.model.reasoning import ReasoningStream, opens_in_prompt, split, split_parts, thinks
 
 CASES = [
     ("<think>\nLet me think.\n</think>\n\nParis.", False, ("Let me think.", "Paris.")),
@@ -36,20 +39,62 @@ def test_split(text: str, open_in_prompt: bool, expected: tuple[str | None, str]
     assert split(text, open_in_prompt) == expected
 
 
-@pytest.mark.parametrize(("text", "open_in_prompt", "expected"), CASES)
-@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
-def test_a_stream_sends_the_whole_answers_parts(text: str, open_in_prompt: bool, expected: tuple[str | None, str],
-                                                size: int) -> None:
-    """Whatever goes out is the start of the whole answer's part, and it all adds up to them."""
-    reasoning, content = expected[0] or "", expected[1]
-    stream = ReasoningStream(open_in_prompt)
-    sent = ["", ""]
-    for i in range(0, len(text), size):
-        r, c = stream.feed(text[i:i + size])
-        sent = [sent[0] + r, sent[1] + c]
-        assert reasoning.startswith(sent[0]) and content.startswith(sent[1])
-    r, c = stream.finish()
-    assert (sent[0] + r, sent[1] + c) == (reasoning, content)
+def chunkings(text: str, rng: random.Random) -> list[list[str]]:
+    """``text`` cut every 1, 2, 3 and 7 characters, whole, and at random places (markers split anywhere)."""
+    cuts = [list(range(size, len(text), size)) for size in (1, 2, 3, 7, len(text) + 1)]
+    cuts += [sorted(rng.sample(range(1, len(text)), rng.randint(0, len(text) - 1))) for _ in range(30)
+             if len(text) > 1]
+    return [[text[a:b] for a, b in zip([0, *c], [*c, len(text)])] for c in cuts]
+
+
+def streamed(stream: PartStream, chunks: list[str], whole: list[Part]) -> list[tuple[str, str, bool]]:
+    """Each part's text as the stream's deltas add it up (kind, text, whether it joins one of its kind), checking
+    that whatever goes out starts the whole answer's part."""
+    opened: dict[int, tuple[str, bool]] = {}
+    texts: dict[int, str] = {}
+    for delta in [d for chunk in chunks for d in stream.feed_parts(chunk)] + stream.finish_parts():
+        opened.setdefault(delta.index, (delta.kind, delta.joins))
+        texts[delta.index] = texts.get(delta.index, "") + delta.text
+        assert delta.index < len(whole) and whole[delta.index].text.startswith(texts[delta.index]), (chunks, delta)
+    return [(*opened[i][:1], texts[i], opened[i][1]) for i in sorted(opened)]
+
+
+# the tricky ends of a block: markers split anywhere, whitespace around them, empty blocks, a call in it, long text
+STREAMED = [text for text, _, _ in CASES] + [
+    "<think>\n" + " word" * 300 + "\n \n</think>\n\n" + "Answer " * 200,
+    " \n<think>  \n\n  </think>  \n  Answer",
+    "<think>a <</think>< b",
+    "<think>a</think\n</think>b",
+    "<think>x\n\n<tool_call>\n{}\n</tool_call></think>",
+    "<think>\t<tool_ca</think>",
+    "<think>" + "\n" * 40 + "late" + " " * 40 + "</think>" + " " * 40,
+]
+
+
+@pytest.mark.parametrize("text", STREAMED)
+@pytest.mark.parametrize("open_in_prompt", [False, True])
+def test_a_stream_sends_the_whole_answers_parts(text: str, open_in_prompt: bool) -> None:
+    """However the answer is cut, its parts go out in order, each as the start of the whole answer's part, and
+    they add up to them (and to ``split``'s texts)."""
+    whole = split_parts(text, open_in_prompt)
+    expected = [(p.kind, p.text, i > 0 and p.kind in {q.kind for q in whole[:i]}) for i, p in enumerate(whole)]
+    for chunks in chunkings(text, random.Random(text)):
+        assert streamed(ReasoningStream(open_in_prompt), chunks, whole) == expected, chunks
+        stream = ReasoningStream(open_in_prompt)
+        sent = [stream.feed(chunk) for chunk in chunks] + [stream.finish()]
+        reasoning, content = split(text, open_in_prompt)
+        assert ("".join(r for r, _ in sent), "".join(c for _, c in sent)) == (reasoning or "", content)
+
+
+def test_a_feed_reads_only_the_new_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long answer's feeds don't read the whole answer again (which would cost each feed its length)."""
+    reads = []
+    monkeypatch.setattr("kestrel_core.model.reasoning.split_parts",
+                        lambda text, *a: reads.append(text) or split_parts(text, *a))
+    stream = ReasoningStream()
+    for chunk in ["<think>\n", *[" word"] * 500, "\n</think>\n\n", *[" answer"] * 500]:
+        stream.feed(chunk)
+    assert reads == []
 
 
 def test_reasoning_goes_out_as_it_comes() -> None:
