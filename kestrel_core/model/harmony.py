@@ -23,7 +23,7 @@ from typing import Any
 
 from kestrel_core.model.detokenize import partial_suffix
 from kestrel_core.model.grammar import lark_grammar, lark_json
-from kestrel_core.model.parts import CALL, CONTENT, REASONING, Part, PartStream, joined
+from kestrel_core.model.parts import CALL, CONTENT, REASONING, Part, PartStream, Settled, joined
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -79,19 +79,26 @@ def _read(text: str, final: bool) -> tuple[list[Part], list[ToolCall]]:
             body = body[:min(ends)]
         elif not final:
             body = body[:len(body) - partial_suffix(body, ENDS)]
-        recipient = _RECIPIENT.search(header)
-        channel = _CHANNEL.search(header)
-        kind = CONTENT
-        if recipient is not None:
+        kind = _kind(header)
+        if kind == CALL:
             arguments = _arguments(body) if complete or final else None
             if arguments is not None:
+                recipient = _RECIPIENT.search(header)
+                assert recipient is not None
                 calls.append(ToolCall(recipient.group(1).removeprefix("functions."), arguments))
-            if arguments is not None or not final:  # one that does not parse (or that max_tokens cut) is text,
-                kind = CALL  # as the other formats' are
-        elif channel is not None and channel.group(1) == "analysis":
-            kind = REASONING
+            elif final:  # one that does not parse (or that max_tokens cut) is text, as the other formats' are
+                kind = CONTENT
         answer.append(Part(kind, start, start + len(body), body))
     return answer, calls
+
+
+def _kind(header: str) -> str:
+    """The kind of a message's part, by its header: a call to its recipient, the analysis channel's reasoning, or
+    content."""
+    if _RECIPIENT.search(header):
+        return CALL
+    channel = _CHANNEL.search(header)
+    return REASONING if channel is not None and channel.group(1) == "analysis" else CONTENT
 
 
 def _arguments(body: str) -> str | None:
@@ -126,12 +133,67 @@ def call_grammar(functions: Sequence[dict[str, Any]], param: str = "tool_choice"
 
 
 class HarmonyStream(PartStream):
-    """One streamed answer, read into ``parse``'s parts (PartStream); ``calls`` once it has ended."""
+    """One streamed answer, read into ``parse``'s parts (PartStream) as the text comes: a message's part is settled
+    once the next ``<|start|>`` comes, and each feed looks only at the new text and what may still change before
+    it; ``calls`` once it has ended."""
 
-    def settled(self) -> list[Part]:
-        if MESSAGE not in self.text and self.text.lstrip()[:1] in ("", "<"):
-            return []  # the first message's header may still be coming
-        return _read(self.text, final=False)[0]
+    def __init__(self) -> None:
+        super().__init__()
+        self.harmony = False  # a message has come
+        self.lead: str | None = None  # the answer's first character past its whitespace
+        self.done: list[Settled] = []  # the parts of the messages before the last <|start|>
+        self.segment = 0  # where the last message starts (past its <|start|>)
+        self.body: int | None = None  # where its body starts, once its header has ended
+        self.end: int | None = None  # where its body ends, once its end token has come
+        self.scanned = 0  # where a token may still start (less the longest one's length)
+        self.kind = CONTENT  # its part's kind
+
+    def settled(self) -> list[Settled]:
+        while self._advance():
+            pass
+        self.scanned = self.length
+        if not self.harmony:
+            if self.lead is None:  # the text before what ``recent`` holds is whitespace
+                self.lead = self.recent.lstrip()[:1] or None
+            if self.lead in (None, "<"):
+                return []  # the first message's header may still be coming
+            return [Settled(CONTENT, 0, self.length, 0, self.length)]
+        if self.body is None:
+            return self.done
+        return [*self.done, self._part(self.length)]
+
+    def _advance(self) -> bool:
+        """Reads the next token of the new text that ends a header, a body or a message; whether there was one."""
+        since = self.segment if self.body is None else self.body if self.end is None else self.end
+        seen = max(since, self.scanned - len(MESSAGE) + 1)
+        new = self.slice(seen, self.length)
+        tokens = (START,) if self.end is not None else (START, MESSAGE) if self.body is None else (START, *ENDS)
+        found = [(i, token) for i, token in ((new.find(t), t) for t in tokens) if i >= 0]
+        if not found:
+            return False
+        at, token = min(found)
+        at += seen
+        if token == START:
+            if self.body is not None:
+                self.done.append(self._part(at))
+            self.segment, self.body, self.end = at + len(START), None, None
+        elif token == MESSAGE:
+            self.harmony, self.body = True, at + len(MESSAGE)
+            self.kind = _kind(self.slice(self.segment, at))
+        else:
+            self.end = at
+        self.scanned = at + len(token)
+        return True
+
+    def _part(self, upto: int) -> Settled:
+        """The last message's part, its body up to ``upto`` (or its end token), less what may start an end token."""
+        assert self.body is not None
+        if self.end is not None:
+            end = self.end
+        else:
+            tail = self.slice(max(self.body, upto - len(ENDS[-1])), upto)
+            end = upto - partial_suffix(tail, ENDS)
+        return Settled(self.kind, self.body, end, self.body, end)
 
     def whole(self) -> list[Part]:
         return _read(self.text, final=True)[0]

@@ -100,6 +100,8 @@ class PartStream:
 
     def slice(self, start: int, end: int) -> str:
         """``text[start:end]``, at the cost of its length where it starts within ``recent``."""
+        if end <= start:
+            return ""
         if start >= self.recent_at:
             return self.recent[start - self.recent_at:end - self.recent_at]
         return self.text[start:end]
@@ -116,7 +118,9 @@ class PartStream:
         self.recent += delta
         out = self._send(self.settled())
         last = self.parts[-1] if self.parts else None
-        keep = min(self.length - self.MARGIN, last.last if isinstance(last, Settled) else 0)
+        keep = self.length - self.MARGIN
+        if isinstance(last, Settled):
+            keep = min(keep, last.last)
         if keep > self.recent_at:
             self.recent = self.recent[keep - self.recent_at:]
             self.recent_at = keep

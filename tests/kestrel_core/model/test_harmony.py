@@ -8,6 +8,8 @@ import pytest
 
 from kestrel_core.model.harmony import HarmonyStream, ToolCall, call_grammar, is_harmony, json_grammar, parse
 
+from .streams import chunkings, expected, streamed
+
 THOUGHT, ANSWER = "The user asks for the capital; it is Paris.", "The capital of France is Paris."
 PLAIN = f"<|channel|>analysis<|message|>{THOUGHT}<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}"
 CALL = ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
@@ -46,6 +48,34 @@ def test_a_whole_answer_splits_into_reasoning_content_and_calls(case: str) -> No
     text, reasoning, content, calls = CASES[case]
     answer = parse(text)
     assert (answer.reasoning, answer.content, answer.calls) == (reasoning, content, calls)
+
+
+# long messages, end tokens split anywhere, an empty body, text between a message's end and the next
+STREAMED = [case[0] for case in CASES.values()] + [
+    f"<|channel|>analysis<|message|>{' word' * 300}<|end|><|start|>assistant<|channel|>final<|message|>"
+    f"{' answer' * 300}<|return|>",
+    "<|channel|>analysis<|message|><|end|><|start|>assistant<|channel|>final<|message|>a <|<|end|>",
+    "<|channel|>analysis<|message|>x<|end|> stray <|start|>assistant<|channel|>final<|message|>y<|return|>",
+    "  \n<|channel|>final<|message|>Only this.",
+]
+
+
+@pytest.mark.parametrize("text", STREAMED)
+def test_a_streams_parts_are_the_whole_answers_in_any_chunking(text: str) -> None:
+    whole = list(parse(text).parts)
+    for chunks in chunkings(text, random.Random(text)):
+        assert streamed(HarmonyStream(), chunks, whole) == expected(whole), chunks
+
+
+def test_a_feed_reads_only_the_new_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long answer's feeds don't read the whole answer again (which would cost each feed its length)."""
+    reads = []
+    monkeypatch.setattr("kestrel_core.model.harmony._read", lambda text, final: reads.append(text) or ([], []))
+    stream = HarmonyStream()
+    for chunk in ["<|channel|>analysis<|message|>", *[" word"] * 500, "<|end|><|start|>assistant<|channel|>final",
+                  "<|message|>", *[" answer"] * 500]:
+        stream.feed(chunk)
+    assert reads == []
 
 
 @pytest.mark.parametrize("case", CASES)

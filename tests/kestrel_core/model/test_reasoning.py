@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from kestrel_core.model.parts import Part, PartStream
 from kestrel_core.model.reasoning import ReasoningStream, opens_in_prompt, split, split_parts, thinks
+
+from .streams import chunkings, expected, streamed
 
 CASES = [
     ("<think>\nLet me think.\n</think>\n\nParis.", False, ("Let me think.", "Paris.")),
@@ -39,26 +40,6 @@ def test_split(text: str, open_in_prompt: bool, expected: tuple[str | None, str]
     assert split(text, open_in_prompt) == expected
 
 
-def chunkings(text: str, rng: random.Random) -> list[list[str]]:
-    """``text`` cut every 1, 2, 3 and 7 characters, whole, and at random places (markers split anywhere)."""
-    cuts = [list(range(size, len(text), size)) for size in (1, 2, 3, 7, len(text) + 1)]
-    cuts += [sorted(rng.sample(range(1, len(text)), rng.randint(0, len(text) - 1))) for _ in range(30)
-             if len(text) > 1]
-    return [[text[a:b] for a, b in zip([0, *c], [*c, len(text)])] for c in cuts]
-
-
-def streamed(stream: PartStream, chunks: list[str], whole: list[Part]) -> list[tuple[str, str, bool]]:
-    """Each part's text as the stream's deltas add it up (kind, text, whether it joins one of its kind), checking
-    that whatever goes out starts the whole answer's part."""
-    opened: dict[int, tuple[str, bool]] = {}
-    texts: dict[int, str] = {}
-    for delta in [d for chunk in chunks for d in stream.feed_parts(chunk)] + stream.finish_parts():
-        opened.setdefault(delta.index, (delta.kind, delta.joins))
-        texts[delta.index] = texts.get(delta.index, "") + delta.text
-        assert delta.index < len(whole) and whole[delta.index].text.startswith(texts[delta.index]), (chunks, delta)
-    return [(*opened[i][:1], texts[i], opened[i][1]) for i in sorted(opened)]
-
-
 # the tricky ends of a block: markers split anywhere, whitespace around them, empty blocks, a call in it, long text
 STREAMED = [text for text, _, _ in CASES] + [
     "<think>\n" + " word" * 300 + "\n \n</think>\n\n" + "Answer " * 200,
@@ -77,9 +58,8 @@ def test_a_stream_sends_the_whole_answers_parts(text: str, open_in_prompt: bool)
     """However the answer is cut, its parts go out in order, each as the start of the whole answer's part, and
     they add up to them (and to ``split``'s texts)."""
     whole = split_parts(text, open_in_prompt)
-    expected = [(p.kind, p.text, i > 0 and p.kind in {q.kind for q in whole[:i]}) for i, p in enumerate(whole)]
     for chunks in chunkings(text, random.Random(text)):
-        assert streamed(ReasoningStream(open_in_prompt), chunks, whole) == expected, chunks
+        assert streamed(ReasoningStream(open_in_prompt), chunks, whole) == expected(whole), chunks
         stream = ReasoningStream(open_in_prompt)
         sent = [stream.feed(chunk) for chunk in chunks] + [stream.finish()]
         reasoning, content = split(text, open_in_prompt)
