@@ -21,9 +21,8 @@ the request's sequence is freed once that step is in.
 With ``Engine.speculate`` set, where sequences rewind (``Engine.rewinds``), a greedy request's decode row is
 followed by up to that many tokens guessed from its context (kestrel_core.model.speculate), within the token budget
 every decode row and prompt chunk left; the step keeps each row's argmax while the guesses agree, and the sequence
-is rewound past the first that does not. A guess needs the tokens before it, so while a greedy request's context
-offers one, the batch's steps are not fed and its steps are not the backend's pipelined greedy decode; where none
-does they are.
+is rewound past the first that does not. While a greedy request's context offers a guess, the batch's steps are not
+fed (a guess needs the tokens before it), so they are not the backend's pipelined greedy decode.
 
 The scheduler is not thread-safe: one thread drives it (``AsyncEngine``, or ``Engine.generate``).
 """
@@ -485,12 +484,13 @@ class Scheduler:
     def _report(self, request: Request, sampled: list[tuple[int, TokenLogprob | None]]) -> RequestOutput:
         """The new tokens' text, the stop strings, and what changed. A stop string ends the answer at its token:
         tokens a draft added after it are dropped. A token that stopped the answer (an end of text, a stop token
-        id) is counted but its text is not the answer's, as vLLM leaves it out."""
+        id) is counted but its text is not the answer's unless ``include_stop_str_in_output``, as in vLLM."""
         stream = request.text
         tokens: list[int] = []
         offsets: list[int] = []
         text = ""
-        by_token = request.finish_reason == "stop" and not isinstance(request.stop_reason, str)  # set by _accept
+        by_token = (request.finish_reason == "stop" and not isinstance(request.stop_reason, str)  # set by _accept
+                    and not request.params.include_stop_str_in_output)
         for i, (token, _) in enumerate(sampled):
             tokens.append(token)
             offsets.append(len(text))

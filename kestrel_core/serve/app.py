@@ -40,7 +40,12 @@ from kestrel_core.serve.access import (
 )
 from kestrel_core.serve.errors import APIError, from_kestrel_error, install_error_handlers
 from kestrel_core.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from kestrel_core.serve.protocol import (
+    COMPLETIONS_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+)
 from kestrel_core.serve.responses import ChatShape, CompletionShape, Echo, TokenStrings, embedding_list, new_id
 from kestrel_core.serve.tools import MISTRAL, ToolCalls, tool_format
 
@@ -301,6 +306,8 @@ def create_app(engines: Mapping[str, Any], api_key: str | None = None, pooling: 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        if "max_tokens" not in body.model_fields_set:  # left out, not null: OpenAI's and vLLM's 16 on this route
+            body.max_tokens = COMPLETIONS_MAX_TOKENS
         return await models.get(body.model).complete(body, request)
 
     @app.post("/v1/embeddings")

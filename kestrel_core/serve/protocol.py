@@ -499,6 +499,9 @@ class ChatCompletionRequest(_Generation):
         return self._params(max_tokens, bool(self.logprobs), self.top_logprobs or 0, recommended)
 
 
+COMPLETIONS_MAX_TOKENS = 16  # /v1/completions' max_tokens when a request leaves it out
+
+
 class CompletionRequest(_Generation):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     logprobs: StrictInt | None = None  # 0..20 alternatives per token; 0 = the chosen token's only

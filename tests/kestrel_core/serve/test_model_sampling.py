@@ -64,11 +64,27 @@ def test_stop_token_ids_and_min_tokens_reach_the_engine(client: openai.OpenAI, e
     assert free.usage.completion_tokens == 10
     stopped = complete(stop_token_ids=[first])
     assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    assert stopped.choices[0].text == ""  # the stop token's text is left out, as the end of text's is
+    kept = complete(stop_token_ids=[first], include_stop_str_in_output=True)  # vLLM's: then it is kept
+    assert kept.choices[0].text and free.choices[0].text.startswith(kept.choices[0].text)
+    assert kept.usage.completion_tokens == 1
     held = complete(stop_token_ids=[first], min_tokens=4)
     assert held.usage.completion_tokens >= 4 and held.choices[0].text != free.choices[0].text
     as_string = complete(stop=[free.choices[0].text[:1]])  # the answer's first character: an empty answer
     assert as_string.choices[0].text == ""
     assert complete(stop=[free.choices[0].text[:1]], min_tokens=4).choices[0].text[:1] == free.choices[0].text[:1]
+
+
+def test_completions_max_tokens_left_out_is_openais_16(client: openai.OpenAI, engine: Any) -> None:
+    """OpenAI's and vLLM's default on the legacy route (chat's is what the context leaves); null asks for that."""
+    def complete(**kw: Any) -> Any:
+        return client.completions.create(model=NAME, prompt="The sea", temperature=0,
+                                         extra_body={"ignore_eos": True}, **kw)
+
+    left_out = complete()
+    assert left_out.usage.completion_tokens == 16 and left_out.choices[0].finish_reason == "length"
+    context_left = engine.config.max_position - len(engine.tokenizer.encode("The sea"))
+    assert complete(max_tokens=None).usage.completion_tokens == context_left
 
 
 @pytest.mark.parametrize(("field", "value", "needle"), [
