@@ -3,10 +3,11 @@
     python benchmarks/stream_parts.py                           # the kestrel_core that imports
     PYTHONPATH=/tmp/parts-before python benchmarks/stream_parts.py --tokens 2000,8000
 
-For each length it feeds three answers a token's text at a time and reports the seconds for the whole answer
+For each length it feeds four answers a token's text at a time and reports the seconds for the whole answer
 (feeds and finish): a ``<think>`` answer that reasons that long (ReasoningStream), one that answers that long
-after a short block, and a harmony answer (gpt-oss's) whose analysis and final messages share the tokens
-(HarmonyStream). A reader whose feeds cost the answer's length so far takes time quadratic in its length.
+after a short block, one whose reasoning mentions ``<tool_call>`` first (held until its ``</think>``), and a
+harmony answer (gpt-oss's) whose analysis and final messages share the tokens (HarmonyStream). A reader whose
+feeds cost the answer's length so far takes time quadratic in its length.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def words(n: int) -> list[str]:
 ANSWERS: dict[str, tuple[Callable[[], PartStream], Callable[[int], list[str]]]] = {
     "reasoning": (ReasoningStream, lambda n: ["<think>", "\n", *words(n), "\n</think>", "\n\nDone."]),
     "content after a block": (ReasoningStream, lambda n: ["<think>", "\nShort.\n", "</think>", "\n\n", *words(n)]),
+    "reasoning after <tool_call>": (ReasoningStream, lambda n: ["<think>", "\nA <tool_call>", *words(n), "\n</think>",
+                                                                "\n\nDone."]),
     "harmony": (HarmonyStream, lambda n: ["<|channel|>", "analysis", "<|message|>", *words(n // 2), "<|end|>",
                                           "<|start|>", "assistant", "<|channel|>", "final", "<|message|>",
                                           *words(n - n // 2), "<|return|>"]),
@@ -47,9 +50,9 @@ def main() -> None:
     ap.add_argument("--tokens", default="2000,8000,20000,50000", help="answer lengths, comma-separated")
     args = ap.parse_args()
     lengths = [int(n) for n in args.tokens.split(",")]
-    print(f"{'answer':<24}" + "".join(f"{n:>12,}" for n in lengths) + "  (seconds per answer)")
+    print(f"{'answer':<28}" + "".join(f"{n:>12,}" for n in lengths) + "  (seconds per answer)")
     for name, (make, tokens) in ANSWERS.items():
-        print(f"{name:<24}" + "".join(f"{seconds(make, tokens(n)):>12.3f}" for n in lengths), flush=True)
+        print(f"{name:<28}" + "".join(f"{seconds(make, tokens(n)):>12.3f}" for n in lengths), flush=True)
 
 
 if __name__ == "__main__":

@@ -117,14 +117,16 @@ class PartStream:
         self.length += len(delta)
         self.recent += delta
         out = self._send(self.settled())
-        last = self.parts[-1] if self.parts else None
-        keep = self.length - self.MARGIN
-        if isinstance(last, Settled):
-            keep = min(keep, last.last)
+        keep = min(self.length - self.MARGIN, self.kept_from())
         if keep > self.recent_at:
             self.recent = self.recent[keep - self.recent_at:]
             self.recent_at = keep
         return out
+
+    def kept_from(self) -> int:
+        """Where the text that goes out next starts (the last part's settled text's end): ``recent`` keeps it."""
+        last = self.parts[-1] if self.parts else None
+        return last.last if isinstance(last, Settled) else self.length
 
     def finish_parts(self) -> list[PartDelta]:
         return self._send(self.whole())

@@ -6,11 +6,13 @@ channels are kestrel_core.model.harmony's.
 
 ``thinks(template)`` says whether a template teaches the block (it closes one: ``</think>``). An answer that
 starts with ``<think>`` reasons until ``</think>``, as does one whose prompt ended with ``<think>`` (a template
-that opens the block itself, as Qwen3.5's); a ``<tool_call>`` ends the reasoning too (Qwen3.5 may call a tool
-without closing its block: the call is content, where serve/tools.py reads it, as vLLM and Ollama read it); an
-answer cut before either is all reasoning. ``split_parts`` does this for a whole answer (its parts,
-kestrel_core.model.parts; ``split`` their two texts), ``ReasoningStream`` for a stream, holding back only what
-may be the start of a tag and the whitespace that the whole answer's parts leave out at their edges.
+that opens the block itself, as Qwen3.5's). Where no ``</think>`` comes, its first ``<tool_call>`` ends the
+reasoning (Qwen3.5 may call a tool without closing its block: the call is content, where serve/tools.py reads it,
+as vLLM's qwen3 reasoning parser reads it); a ``<tool_call>`` that reasoning mentions before its ``</think>`` is
+reasoning. An answer cut before either is all reasoning. ``split_parts`` does this for a whole answer (its parts,
+kestrel_core.model.parts; ``split`` their two texts), ``ReasoningStream`` for a stream, holding back what may be
+the start of a tag, the whitespace that the whole answer's parts leave out at their edges, and the reasoning from a
+``<tool_call>`` on until its ``</think>`` comes (or the answer ends, which makes the call content).
 """
 
 from __future__ import annotations
@@ -80,12 +82,13 @@ def split(text: str, open_in_prompt: bool = False) -> tuple[str | None, str]:
 
 
 def _end(body: str) -> tuple[int, int]:
-    """Where the reasoning in ``body`` ends and its content starts: at ``</think>`` (past it) or at a ``<tool_call>``
-    before it (the call is content); (-1, -1) while neither has come."""
-    close, call = body.find(THINK_CLOSE), body.find(TOOL_CALL)
-    if call >= 0 and (close < 0 or call < close):
-        return call, call
-    return (close, close + len(THINK_CLOSE)) if close >= 0 else (-1, -1)
+    """Where the reasoning in the whole answer's ``body`` ends and its content starts: at ``</think>`` (past it),
+    else at the first ``<tool_call>`` (the call is content); (-1, -1) where neither has come."""
+    close = body.find(THINK_CLOSE)
+    if close >= 0:
+        return close, close + len(THINK_CLOSE)
+    call = body.find(TOOL_CALL)
+    return (call, call) if call >= 0 else (-1, -1)
 
 
 class ReasoningStream(PartStream):
@@ -101,6 +104,7 @@ class ReasoningStream(PartStream):
         self.lead: int | None = None  # where the block's text starts past its whitespace
         self.known = 0  # where the open block's settled text ends (past its last non-whitespace character)
         self.block: Settled | None = None  # the block, once it has ended
+        self.held: Settled | None = None  # the open block up to its first <tool_call>: the rest waits for </think>
         self.after = 0  # where the content after the block starts
         self.content_scan = 0  # where the content's leading whitespace may go on from
         self.content_lead: int | None = None  # where the content's text starts past that whitespace
@@ -146,17 +150,30 @@ class ReasoningStream(PartStream):
 
     def _read_block(self) -> Settled:
         """The open block as far as the text so far settles it; ``block`` and where the content starts, once it
-        ends (``_end``: a marker starts where no earlier feed could have seen all of it)."""
+        ends at ``</think>`` (a marker starts where no earlier feed could have seen all of it). From its first
+        ``<tool_call>`` on, the block is ``held``: that call ends it only where no ``</think>`` ever comes."""
         assert self.body is not None
         seen = max(self.body, self.scanned - len(TOOL_CALL) + 1)
         new = self.slice(seen, self.length)
-        end, after = _end(new)
-        if end >= 0:
-            self.after = self.content_scan = seen + after
-            self.block = self._settle(seen + end, seen + end)
+        close = new.find(THINK_CLOSE)
+        if self.held is None:
+            call = new.find(TOOL_CALL)
+            if call >= 0 and (close < 0 or call < close):
+                self.held = self._settle(seen + call, None)
+        if close >= 0:
+            self.after = self.content_scan = seen + close + len(THINK_CLOSE)
+            self.block = self._settle(seen + close, seen + close)
             return self.block
         self.scanned = self.length
+        if self.held is not None:
+            return self.held
         return self._settle(self.length - partial_suffix(new, (THINK_CLOSE, TOOL_CALL)), None)
+
+    def kept_from(self) -> int:
+        # held text goes out once, when </think> comes: keeping it in ``recent`` would cost each feed its length
+        if self.held is not None and self.block is None:
+            return self.length
+        return super().kept_from()
 
     def _settle(self, upto: int, end: int | None) -> Settled:
         """The block's part with its text up to ``upto`` (less its edges' whitespace); ``end``: where it ends, None

@@ -27,7 +27,13 @@ CASES = [
     # a call ends the reasoning without its </think> (Qwen3.5): the call is content
     ("I should look it up.\n<tool_call>\n<function=f>\n</function>\n</tool_call>", True,
      ("I should look it up.", "<tool_call>\n<function=f>\n</function>\n</tool_call>")),
-    ("<think>a<tool_call>x</tool_call></think>b", False, ("a", "<tool_call>x</tool_call></think>b")),
+    # ... but only where no </think> comes: reasoning may mention the tag (vLLM's qwen3 reasoning parser)
+    ("<think>a<tool_call>x</tool_call></think>b", False, ("a<tool_call>x</tool_call>", "b")),
+    ("<think>\nThe user asks what the <tool_call> tag is for.\n</think>\n\nIt wraps a function call.", False,
+     ("The user asks what the <tool_call> tag is for.", "It wraps a function call.")),
+    ("<think>\nI should emit a <tool_call> block.\n</think>\n\n<tool_call>\n{\"name\": \"f\"}\n</tool_call>", False,
+     ("I should emit a <tool_call> block.", "<tool_call>\n{\"name\": \"f\"}\n</tool_call>")),
+    ("a <tool_call> b <tool_call>\nc\n</tool_call>", True, ("a", "<tool_call> b <tool_call>\nc\n</tool_call>")),
     ("<think>a</think>b<tool_call>x</tool_call>", False, ("a", "b<tool_call>x</tool_call>")),
     ("thinking <tool_ca", True, ("thinking <tool_ca", "")),
     ("<think>\nHmm.\n</think>\n\nSunny.", True, ("Hmm.", "Sunny.")),  # the prompt's tag written again
@@ -49,6 +55,9 @@ STREAMED = [text for text, _, _ in CASES] + [
     "<think>x\n\n<tool_call>\n{}\n</tool_call></think>",
     "<think>\t<tool_ca</think>",
     "<think>" + "\n" * 40 + "late" + " " * 40 + "</think>" + " " * 40,
+    "<think>I could write <tool_call> here.\n" + " word" * 100 + " \n</think>\n\n<tool_call>{}</tool_call>",
+    "<think> <tool_call> <tool_call></think</think> <tool_call>",
+    "<think>x <tool_call>\n" + " word" * 100,
 ]
 
 
@@ -75,6 +84,20 @@ def test_a_feed_reads_only_the_new_text(monkeypatch: pytest.MonkeyPatch) -> None
     for chunk in ["<think>\n", *[" word"] * 500, "\n</think>\n\n", *[" answer"] * 500]:
         stream.feed(chunk)
     assert reads == []
+
+
+def test_reasoning_held_after_a_tool_call_costs_a_feed_only_its_text() -> None:
+    """From a ``<tool_call>`` in the block until ``</think>``, the text waits; the stream keeps no growing copy of
+    it, which each feed would copy again."""
+    stream = ReasoningStream()
+    assert stream.feed("<think>\nI could write <tool_call>") == ("I could write", "")
+    kept = []
+    for _ in range(500):
+        assert stream.feed(" word") == ("", "")
+        kept.append(len(stream.recent))
+    assert max(kept) <= stream.MARGIN + len(" word")
+    reasoning, content = stream.feed("\n</think>\n\nDone.")
+    assert reasoning == " <tool_call>" + " word" * 500 and content == "Done."
 
 
 def test_reasoning_goes_out_as_it_comes() -> None:

@@ -349,6 +349,25 @@ def test_streamed_reasoning_comes_before_the_content(thinking: Scripted, thinkin
     assert [c.function.name for c in calls] == ["get_weather"] and chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_reasoning_that_mentions_the_call_tag_keeps_the_call(thinking: Scripted,
+                                                             thinking_client: openai.OpenAI) -> None:
+    """A ``<tool_call>`` that the reasoning mentions before its ``</think>`` is reasoning; the call after it is a
+    call, whole and streamed."""
+    thought = "I should emit a <tool_call> block for get_weather."
+    answer = f"<think>\n{thought}\n</think>\n\n{PARIS}"
+    message = _answer(thinking, thinking_client, answer).choices[0].message
+    assert (message.reasoning_content, message.content) == (thought, None)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == \
+        [("get_weather", {"city": "Paris"})]
+    thinking.answers.append(answer)
+    chunks = [c for c in thinking_client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER],
+                                                                  stream=True) if c.choices]
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == thought
+    assert "".join(d.content or "" for d in deltas) == ""
+    assert [c.function.name for d in deltas for c in d.tool_calls or []] == ["get_weather"]
+
+
 def test_chat_template_kwargs_reach_the_template(thinking: Scripted, thinking_client: openai.OpenAI) -> None:
     reply = _answer(thinking, thinking_client, "Sunny.", tools=None,
                     extra_body={"chat_template_kwargs": {"enable_thinking": False}})
