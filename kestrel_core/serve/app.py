@@ -47,7 +47,7 @@ from kestrel_core.serve.protocol import (
     EmbeddingRequest,
 )
 from kestrel_core.serve.responses import ChatShape, CompletionShape, Echo, TokenStrings, embedding_list, new_id
-from kestrel_core.serve.tools import MISTRAL, ToolCalls, tool_format
+from kestrel_core.serve.tools import ARGS, MISTRAL_ARGS, MISTRAL_FORMATS, TOOL_CALLS, ToolCalls, tool_format
 
 
 class Served:
@@ -65,8 +65,10 @@ class Served:
         self.tool_format = tool_format(getattr(self.engine.tokenizer, "tool_template", None) or template)
         self.thinks = thinks(template)  # its answers start with a reasoning block (kestrel_core.model.reasoning)
         self.harmony = is_harmony(template)  # its answers are harmony's channels (kestrel_core.model.harmony)
-        backend = getattr(self.engine.tokenizer, "backend", None)  # Mistral's [TOOL_CALLS] is a control token
-        self.tool_calls_id = backend.token_to_id("[TOOL_CALLS]") if self.tool_format == MISTRAL and backend else None
+        backend = getattr(self.engine.tokenizer, "backend", None)  # Mistral's calls are spelled with control tokens
+        ids = {token: backend.token_to_id(token) for token in (TOOL_CALLS, ARGS)} \
+            if self.tool_format in MISTRAL_FORMATS and backend else {}
+        self.control_ids = {token: i for token, i in ids.items() if i is not None}
 
     def check_request(self) -> None:
         """A generation request: for a model that generates."""
@@ -144,7 +146,7 @@ class Served:
         params = _params(body, self.context_left(len(prompt_ids)), self)
         try:
             self.async_engine.check(prompt_ids, params)
-            return replace(params, grammar=body.grammar(tools, self.tool_calls_id, self.harmony))
+            return replace(params, grammar=body.grammar(tools, self.control_ids, self.harmony))
         except KestrelError as exc:
             raise from_kestrel_error(exc) from None
 
@@ -170,7 +172,9 @@ class Served:
         # a constrained answer is what it is constrained to from its first token, even where the prompt opened a
         # reasoning block
         reasoning = Reasoning(opens_in_prompt(prompt) and params.grammar is None) if self.thinks else None
-        if self.harmony:  # the channels are special tokens: their text must stay
+        # harmony's channels and mistral-args' calls are special tokens: their text must stay (as vLLM keeps a
+        # Mistral model's when the request offers tools)
+        if self.harmony or tools is not None and tools.fmt == MISTRAL_ARGS:
             params = replace(params, skip_special_tokens=False)
         if params.logprobs:
             await asyncio.to_thread(self.tokens.ready)

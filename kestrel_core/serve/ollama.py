@@ -40,7 +40,7 @@ from kestrel_core.serve.access import record_of
 from kestrel_core.serve.errors import APIError, named_as, validated
 from kestrel_core.serve.generation import retold
 from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, NullsAbsentBody
-from kestrel_core.serve.tools import MISTRAL, arguments_object
+from kestrel_core.serve.tools import MISTRAL_FORMATS, arguments_object
 
 if TYPE_CHECKING:
     from kestrel_core.serve.app import Models, Served
@@ -223,7 +223,7 @@ def _openai_messages(messages: list[Message], tool_format: str | None) -> list[d
 
 def _call_id(tool_format: str | None, message: int, call: int) -> str:
     """The id of call ``call`` of message ``message``: nine letters and digits for Mistral's templates."""
-    return f"c{message % 10**5:05d}{call % 10**3:03d}" if tool_format == MISTRAL else f"call_{message}_{call}"
+    return f"c{message % 10**5:05d}{call % 10**3:03d}" if tool_format in MISTRAL_FORMATS else f"call_{message}_{call}"
 
 
 def _now() -> str:

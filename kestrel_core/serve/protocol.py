@@ -423,10 +423,11 @@ class ChatCompletionRequest(_Generation):
         return ToolCalls(fmt, self.parallel_tool_calls is not False,
                          {t.function.name: t.function.parameters or {} for t in self.tools or ()})
 
-    def grammar(self, tools: ToolCalls | None, tool_calls_id: int | None = None, harmony: bool = False) -> str | None:
+    def grammar(self, tools: ToolCalls | None, control_ids: Mapping[str, int] | None = None,
+                harmony: bool = False) -> str | None:
         """The grammar the answer keeps to (kestrel_core.model.grammar): calls of the tools where ``tool_choice``
-        is "required" or names a function (``tools``: ``tool_calls``' answer; ``tool_calls_id``: the id of
-        Mistral's control token), else the JSON ``response_format`` asks for; None for free text."""
+        is "required" or names a function (``tools``: ``tool_calls``' answer; ``control_ids``: the ids of
+        Mistral's control tokens), else the JSON ``response_format`` asks for; None for free text."""
         kind = (self.response_format or {}).get("type", "text")
         guided = self.guided()
         if guided is not None:
@@ -448,7 +449,7 @@ class ChatCompletionRequest(_Generation):
                                      param="tool_choice")
             if tools.fmt == HARMONY:  # one call a turn, in harmony's shape
                 return harmony_answers.call_grammar(functions)
-            return call_grammar(tools.fmt, functions, tools.parallel and name is None, tool_calls_id)
+            return call_grammar(tools.fmt, functions, tools.parallel and name is None, control_ids)
         if kind == "text":
             return None
         if kind == "json_object":

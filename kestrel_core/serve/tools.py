@@ -10,11 +10,13 @@ value read as its parameter's JSON Schema type says), ``glm`` (GLM-4.5: ``<tool_
 blocks of ``<invoke name="NAME"><parameter name="KEY">value</parameter>...</invoke>`` calls, typed the same way),
 ``mistral``
 (``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``: the control token is not text, so the answer
-starts with the list), ``llama3`` (Llama 3.1+: the answer is ``{"name": ..., "parameters": {...}}``, several
-separated by ``;``) or ``harmony`` (gpt-oss: a message to ``functions.NAME``, read with the answer's channels by
+starts with the list), ``mistral-args`` (Mistral's newer templates, which write ``[ARGS]``: each call
+``[TOOL_CALLS]NAME[ARGS]{...}``, anywhere in the answer, the request keeping the control tokens' text),
+``llama3`` (Llama 3.1+: the answer is ``{"name": ..., "parameters": {...}}``, several separated by ``;``) or
+``harmony`` (gpt-oss: a message to ``functions.NAME``, read with the answer's channels by
 kestrel_core.model.harmony); None where the template never reads ``tools``. ``parse`` splits a whole answer into its
-content and its calls; ``ToolStream`` does the same for a stream, sending content as soon as it cannot be the
-start of a call. An answer whose calls do not parse (bad JSON, a missing name) is content, as it came.
+content and its calls; ``ToolStream`` does the same for a stream, sending content as soon as it cannot be the start
+of a call. An answer whose calls do not parse (bad JSON, a missing name) is content, as it came.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import json
 import re
 import secrets
 import string
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +37,10 @@ from kestrel_core.model.detokenize import partial_suffix
 from kestrel_core.model.grammar import lark_grammar, lark_json
 from kestrel_core.model.harmony import ToolCall, is_harmony
 
-HERMES, XML, GLM, GLM_COMPACT, MINIMAX, MISTRAL, LLAMA3, HARMONY, UNKNOWN = (
-    "hermes", "xml", "glm", "glm-compact", "minimax", "mistral", "llama3", "harmony", "unknown")
+HERMES, XML, GLM, GLM_COMPACT, MINIMAX, MISTRAL, MISTRAL_ARGS, LLAMA3, HARMONY, UNKNOWN = (
+    "hermes", "xml", "glm", "glm-compact", "minimax", "mistral", "mistral-args", "llama3", "harmony", "unknown")
+MISTRAL_FORMATS = (MISTRAL, MISTRAL_ARGS)  # their templates take nine-character call ids
+TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"  # Mistral's control tokens
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 _SPACE = re.compile(r"\s*")
@@ -44,6 +48,9 @@ _HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_
 _MINIMAX_BLOCK = re.compile(re.escape(MINIMAX_OPEN) + r"(.*?)" + re.escape(MINIMAX_CLOSE), re.DOTALL)
 _MINIMAX_INVOKE = re.compile(r'<invoke name="([^">\n]+)">(.*?)</invoke>', re.DOTALL)
 _MINIMAX_PARAMETER = re.compile(r'<parameter name="([^">\n]+)">\n?(.*?)\n?</parameter>', re.DOTALL)
+# a mistral-args call's head after its [TOOL_CALLS]: the name, the id some templates write, [ARGS] (as vLLM's
+# mistral parser, which reads a call without it too)
+_MISTRAL_HEAD = re.compile(r"\s*([A-Za-z0-9_-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?(?:\[ARGS\])?\s*")
 XML_FUNCTION, GLM_KEY, GLM_COMPACT_PAIR = "<function=", "<arg_key>", "</arg_key><arg_value>"
 # a block's (function name, its parameters' text) and each parameter's (key, value), by format
 _GLM_CALL = re.compile(r"\s*([^<\n]+)(.*)", re.DOTALL)
@@ -53,7 +60,8 @@ _CALL = {XML: re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTAL
 _PARAMETER = {XML: re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL), GLM: _GLM_PARAMETER,
               GLM_COMPACT: _GLM_PARAMETER}
 # calls in blocks anywhere in the answer, by how a block opens
-_BLOCK_OPEN = {HERMES: HERMES_OPEN, **{fmt: HERMES_OPEN for fmt in _CALL}, MINIMAX: MINIMAX_OPEN}
+_BLOCK_OPEN = {HERMES: HERMES_OPEN, **{fmt: HERMES_OPEN for fmt in _CALL}, MINIMAX: MINIMAX_OPEN,
+               MISTRAL_ARGS: TOOL_CALLS}
 _OPENERS = {MISTRAL: "[", LLAMA3: "{"}  # formats whose answer is the calls alone, and how the calls start
 _ID_CHARS = string.ascii_letters + string.digits
 
@@ -78,8 +86,8 @@ def tool_format(template: str | None) -> str | None:
         if GLM_KEY in template:
             return GLM_COMPACT if GLM_COMPACT_PAIR in template else GLM
         return XML if XML_FUNCTION in template else HERMES
-    if "[TOOL_CALLS]" in template:
-        return MISTRAL
+    if TOOL_CALLS in template:
+        return MISTRAL_ARGS if ARGS in template else MISTRAL
     if "<|start_header_id|>" in template:
         return LLAMA3
     return UNKNOWN
@@ -87,7 +95,7 @@ def tool_format(template: str | None) -> str | None:
 
 def call_id(fmt: str) -> str:
     """A new tool call's id: Mistral's templates take nine letters and digits, the others OpenAI's shape."""
-    if fmt == MISTRAL:
+    if fmt in MISTRAL_FORMATS:
         return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
     return f"call_{secrets.token_hex(12)}"
 
@@ -139,6 +147,29 @@ def _hermes(text: str) -> Parsed | None:
     if calls is None:
         return None
     return Parsed(("".join(content) + text[at:]).rstrip() or None, calls)
+
+
+def _mistral_args(text: str) -> Parsed | None:
+    """The calls from the first ``[TOOL_CALLS]`` to the answer's end, each its own ``[TOOL_CALLS]``, a name and
+    its arguments' JSON; the text before them is the content."""
+    start = text.find(TOOL_CALLS)
+    if start < 0:
+        return None
+    decoder, values, at = json.JSONDecoder(), [], start
+    while text.startswith(TOOL_CALLS, at):
+        head = _MISTRAL_HEAD.match(text, at + len(TOOL_CALLS))
+        if head is None:
+            return None
+        try:
+            arguments, end = decoder.raw_decode(text, head.end())
+        except ValueError:
+            return None
+        values.append({"name": head.group(1), "arguments": arguments})
+        at = _SPACE.match(text, end).end()
+    calls = _calls(values, ("arguments",))
+    if at < len(text) or calls is None:
+        return None  # text after the calls
+    return Parsed(text[:start].rstrip() or None, calls)
 
 
 def _typed_blocks(text: str, fmt: str, schemas: dict[str, Any]) -> Parsed | None:
@@ -297,7 +328,8 @@ def parse(fmt: str, text: str, parallel: bool = True, schemas: dict[str, Any] | 
     parameters' JSON Schema (the xml, glm and minimax formats type their values by them)."""
     try:
         parsed = (_hermes(text) if fmt == HERMES else _typed_blocks(text, fmt, schemas or {}) if fmt in _CALL
-                  else _minimax_blocks(text, schemas or {}) if fmt == MINIMAX else _leading_json(text, fmt, schemas))
+                  else _minimax_blocks(text, schemas or {}) if fmt == MINIMAX else _mistral_args(text)
+                  if fmt == MISTRAL_ARGS else _leading_json(text, fmt, schemas))
     except RecursionError:  # JSON nested past the parser's depth: not a call kestrel reads
         parsed = None
     if parsed is None:
@@ -345,12 +377,19 @@ class ToolStream:
         return (parsed.content or "")[self.sent:], parsed.calls
 
 
-def call_grammar(fmt: str, functions: Sequence[dict[str, Any]], many: bool, tool_calls_id: int | None = None) -> str:
+def call_grammar(fmt: str, functions: Sequence[dict[str, Any]], many: bool,
+                 control_ids: Mapping[str, int] | None = None) -> str:
     """The grammar of answers that are calls, in format ``fmt``, of the ``functions`` (OpenAI's ``function``
     objects: a name, and a JSON Schema of its arguments as ``parameters``): one call, or with ``many`` one or
-    more. ``tool_calls_id``: the id of Mistral's ``[TOOL_CALLS]`` control token (None: it is text)."""
+    more. ``control_ids``: the ids of Mistral's control tokens (TOOL_CALLS, ARGS) the vocabulary has (one it
+    lacks is text)."""
+    def control(token: str) -> str:
+        return f"<[{control_ids[token]}]>" if control_ids and token in control_ids else json.dumps(token)
+
     if fmt in _MARKUP:
         return lark_grammar(_markup_grammar(_MARKUP[fmt], functions, many), param="tool_choice")
+    if fmt == MISTRAL_ARGS:
+        return lark_grammar(_mistral_args_grammar(functions, many, control), param="tool_choice")
     key = "parameters" if fmt == LLAMA3 else "arguments"
     members, defs = [], {}
     for i, f in enumerate(functions):
@@ -365,10 +404,21 @@ def call_grammar(fmt: str, functions: Sequence[dict[str, Any]], many: bool, tool
     elif fmt == LLAMA3:
         start, rules = ('call ("; " call)*' if many else "call"), ""
     else:
-        head = f"<[{tool_calls_id}]>" if tool_calls_id is not None else '"[TOOL_CALLS]"'
         more = ' (", " call)*' if many else ""
-        start, rules = f'{head} " "? "[" call{more} "]"', ""
+        start, rules = f'{control(TOOL_CALLS)} " "? "[" call{more} "]"', ""
     return lark_grammar(f"start: {start}\n{rules}call: {call}\n", param="tool_choice")
+
+
+def _mistral_args_grammar(functions: Sequence[dict[str, Any]], many: bool, control: Callable[[str], str]) -> str:
+    """The Lark text of mistral-args calls of ``functions``, spelled as their templates write them, less the call
+    id that Mistral-Small-3.2's writes before ``[ARGS]`` (the server gives each call its own)."""
+    rules, calls = [], []
+    for i, f in enumerate(functions):
+        parameters, defs = _hoisted(f.get("parameters") or {"type": "object"}, "")
+        rules.append(f'call{i}: {control(TOOL_CALLS)} {json.dumps(f["name"])} {control(ARGS)} args{i}')
+        rules.append(f"args{i}: {lark_json({**parameters, '$defs': defs} if defs else parameters)}")
+        calls.append(f"call{i}")
+    return f"start: call{'+' if many else ''}\ncall: {' | '.join(calls)}\n" + "\n".join(rules) + "\n"
 
 
 @dataclass(frozen=True)

@@ -370,10 +370,13 @@ MISTRAL_TEMPLATE = (
     "{% endif %}{% endfor %}")
 
 
-def test_results_answer_their_calls_with_ids_the_template_takes(engine: Any) -> None:
+@pytest.mark.parametrize("template", [MISTRAL_TEMPLATE, MISTRAL_TEMPLATE.replace(";{% endfor %}",
+                                                                                ";{% endfor %}[ARGS]")],
+                         ids=["[TOOL_CALLS] list", "[TOOL_CALLS] and [ARGS]"])
+def test_results_answer_their_calls_with_ids_the_template_takes(engine: Any, template: str) -> None:
     """Ollama's calls carry no ids: each gets one in the template's shape, the same each time the conversation
     is sent, and a result the id of the call of its ``tool_name`` (else the next unanswered one)."""
-    with _scripted_server(engine, MISTRAL_TEMPLATE) as (front, ol):
+    with _scripted_server(engine, template) as (front, ol):
         calls = [{"function": {"name": name, "arguments": {"city": "Paris"}}} for name in ("weather", "time")]
         history = [{"role": "user", "content": "Weather and time in Paris?"},
                    {"role": "assistant", "content": "", "tool_calls": calls},

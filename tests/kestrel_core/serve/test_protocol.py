@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
 from kestrel_core.serve.errors import from_kestrel_error, param_path, validation_error
 from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest
-from kestrel_core.serve.tools import HERMES, LLAMA3, MISTRAL, UNKNOWN, ToolCalls
+from kestrel_core.serve.tools import HERMES, LLAMA3, MISTRAL, MISTRAL_ARGS, UNKNOWN, ToolCalls
 
 from .helpers import HI, chat_request
 
@@ -176,10 +176,11 @@ def test_tool_calls_kestrel_cannot_read(fields: dict[str, Any], fmt: str | None,
     ({"tools": [TOOL], "tool_choice": "required"}, HERMES, 'block ("\\n" block)*'),
     ({"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False}, LLAMA3, "start: call\n"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}}, MISTRAL, '<[9]> " "? "["'),
+    ({"tools": [TOOL], "tool_choice": "required"}, MISTRAL_ARGS, 'call0: <[9]> "f"'),
 ])
 def test_the_grammar_an_answer_keeps_to(fields: dict[str, Any], fmt: str | None, needle: str | None) -> None:
     req = chat_request(**fields)
-    grammar = req.grammar(req.tool_calls(fmt), 9)
+    grammar = req.grammar(req.tool_calls(fmt), {"[TOOL_CALLS]": 9})
     assert (grammar is None) == (needle is None)
     if needle is not None:
         assert needle in grammar.replace(" ", "") if needle.startswith('"') else needle in grammar

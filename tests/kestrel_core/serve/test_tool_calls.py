@@ -485,7 +485,8 @@ def reply_parts(reply: Any, stream: bool) -> tuple[str | None, str, list[Any], s
         calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
         return reasoning, content, calls, chunks[-1].choices[0].finish_reason
     message = reply.choices[0].message
-    return message.reasoning_content, message.content or "", message.tool_calls, reply.choices[0].finish_reason
+    reasoning = getattr(message, "reasoning_content", None)
+    return reasoning, message.content or "", message.tool_calls, reply.choices[0].finish_reason
 
 
 @pytest.mark.parametrize("closed", [True, False], ids=["after </think>", "inside the reasoning"])

@@ -89,3 +89,51 @@ def test_a_required_call_keeps_to_its_schema(markup_servers) -> None:  # type: i
     (call,) = choice.message.tool_calls
     args = json.loads(call.function.arguments)
     assert call.function.name == "get_forecast" and isinstance(args["city"], str) and isinstance(args["days"], int)
+
+
+# the newer Mistral templates' way (Ministral-3's, Devstral's, trimmed): the tools before the last user turn, each
+# call its own [TOOL_CALLS] with the name and its arguments after [ARGS]
+MISTRAL_ARGS_TEMPLATE = (
+    "<s>{%- for m in messages %}{%- if m.role == 'user' %}{%- if tools and loop.last %}[AVAILABLE_TOOLS]"
+    "{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}[INST]{{ m.content }}[/INST]{%- elif m.role == 'assistant' %}"
+    "{{ m.content or '' }}{%- for c in m.tool_calls or [] %}"
+    "{{- '[TOOL_CALLS]' + c.function.name + '[ARGS]' + c.function.arguments | tojson }}{%- endfor %}</s>"
+    "{%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]{%- endif %}{%- endfor %}")
+
+
+@pytest.fixture(scope="module")
+def mistral_args_servers() -> Iterator[dict[str, tuple[Any, openai.OpenAI]]]:
+    with _served(MISTRAL_ARGS_TEMPLATE) as scripted, _served(MISTRAL_ARGS_TEMPLATE, scripted=False) as model:
+        yield {"scripted": scripted, "model": model}
+
+
+def test_mistral_args_calls_come_back_whole_and_streamed(mistral_args_servers) -> None:  # type: ignore[no-untyped-def]
+    """Calls as the newer Mistral templates write them (one with the call id Mistral-Small-3.2's writes) are
+    tool calls with Mistral's nine-character ids, whole and streamed; the control tokens' text is kept for them."""
+    scripted, client = _fresh(mistral_args_servers["scripted"]), mistral_args_servers["scripted"][1]
+    answer = ('Let me look.[TOOL_CALLS]get_forecast[ARGS]{"city": "Paris", "days": 3}'
+              '[TOOL_CALLS]get_forecast[CALL_ID]a1b2c3d4e[ARGS]{"city": "Lyon", "days": 1}')
+    for stream in (False, True):
+        scripted.answers.append(answer)
+        reply = client.chat.completions.create(model=NAME, messages=ASK, tools=[DAYS], stream=stream)
+        _, content, calls, reason = reply_parts(reply, stream)
+        assert (content, reason) == ("Let me look.", "tool_calls")
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            ("get_forecast", {"city": "Paris", "days": 3}), ("get_forecast", {"city": "Lyon", "days": 1})]
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
+        assert scripted.params[-1].skip_special_tokens is False
+
+
+def test_a_required_mistral_args_call_is_spelled_as_the_template_writes_it(  # type: ignore[no-untyped-def]
+        mistral_args_servers) -> None:
+    """tool_choice "required": the model's own answer is [TOOL_CALLS]NAME[ARGS]{...}, read back as the call (its
+    arguments held to the schema's properties: this small model goes on inventing others)."""
+    client = mistral_args_servers["model"][1]
+    strict = {"type": "function", "function": {**DAYS["function"], "parameters": {
+        **DAYS["function"]["parameters"], "additionalProperties": False}}}
+    choice = client.chat.completions.create(model=NAME, messages=ASK, tools=[strict], tool_choice="required",
+                                            parallel_tool_calls=False, temperature=0, max_tokens=200).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_forecast" and isinstance(args["city"], str) and isinstance(args["days"], int)

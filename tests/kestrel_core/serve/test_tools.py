@@ -15,6 +15,7 @@ from kestrel_core.serve.tools import (
     LLAMA3,
     MINIMAX,
     MISTRAL,
+    MISTRAL_ARGS,
     UNKNOWN,
     XML,
     Parsed,
@@ -30,6 +31,9 @@ from kestrel_core.serve.tools import (
 @pytest.mark.parametrize(("template", "fmt"), [
     ("{% for t in tools %}{{ t | tojson }}{% endfor %}Calls go in <tool_call></tool_call>.", HERMES),
     ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]", MISTRAL),
+    # Ministral-3's, Devstral's (Mistral-Small-3.2's writes [CALL_ID]{{ tc.id }} before the [ARGS])
+    ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}{% for tc in m.tool_calls %}"
+     "{{- '[TOOL_CALLS]' + tc.function.name + '[ARGS]' + tc.function.arguments }}{% endfor %}", MISTRAL_ARGS),
     ("<|start_header_id|>system<|end_header_id|>{% if tools is not none %}{{ tools | tojson }}{% endif %}", LLAMA3),
     ("{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{% endfor %}{{ tools }}<tool_call>",
      HERMES),  # the loop controls the sandbox allows
@@ -82,6 +86,16 @@ CASES = [
      Parsed('[{"name": "f", "arguments": {}}] and then text', ())),
     (MISTRAL, "[a link](http://x)", Parsed("[a link](http://x)", ())),
     (MISTRAL, '{"name": "f", "arguments": {}}', Parsed('{"name": "f", "arguments": {}}', ())),
+    (MISTRAL_ARGS, '[TOOL_CALLS]f[ARGS]{"x": 1}', Parsed(None, _calls(("f", {"x": 1})))),
+    (MISTRAL_ARGS, 'Sure.\n[TOOL_CALLS]f[CALL_ID]a1b2c3d4e[ARGS]{"x": 1}[TOOL_CALLS]g[ARGS]{}\n',
+     Parsed("Sure.", _calls(("f", {"x": 1}), ("g", {})))),
+    (MISTRAL_ARGS, '[TOOL_CALLS]f{"x": 1}', Parsed(None, _calls(("f", {"x": 1})))),  # as vLLM reads it
+    (MISTRAL_ARGS, '[TOOL_CALLS]f[ARGS]{"x": 1} and then text',
+     Parsed('[TOOL_CALLS]f[ARGS]{"x": 1} and then text', ())),
+    (MISTRAL_ARGS, "[TOOL_CALLS]f[ARGS][1]", Parsed("[TOOL_CALLS]f[ARGS][1]", ())),
+    (MISTRAL_ARGS, "[TOOL_CALLS][ARGS]{}", Parsed("[TOOL_CALLS][ARGS]{}", ())),
+    (MISTRAL_ARGS, '[TOOL_CALLS]f[ARGS]{"x": ', Parsed('[TOOL_CALLS]f[ARGS]{"x": ', ())),
+    (MISTRAL_ARGS, "[a link](http://x) {}", Parsed("[a link](http://x) {}", ())),
     (LLAMA3, '{"name": "f", "parameters": {"x": 1}}', Parsed(None, _calls(("f", {"x": 1})))),
     (LLAMA3, '{"name": "f", "parameters": {}}; {"name": "g", "arguments": {"y": 2}}',
      Parsed(None, _calls(("f", {}), ("g", {"y": 2})))),
@@ -277,6 +291,23 @@ def test_a_minimax_grammar_admits_the_calls_parse_reads_and_no_others() -> None:
         assert not _admits(grammar, bad), bad
 
 
+def test_a_mistral_args_grammar_admits_the_calls_parse_reads_and_no_others() -> None:
+    """tool_choice "required" in the newer Mistral templates' spelling: each call its own [TOOL_CALLS], a name,
+    [ARGS] and JSON its schema accepts; what it admits parses back."""
+    from kestrel_core.serve.tools import call_grammar
+
+    grammar = call_grammar(MISTRAL_ARGS, FUNCTIONS, many=True)
+    good = ['[TOOL_CALLS]f[ARGS]{"s": "x", "i": 3, "e": "y"}', '[TOOL_CALLS]f[ARGS]{"s": "x"}[TOOL_CALLS]g[ARGS]{}']
+    for text in good:
+        assert _admits(grammar, text) and parse(MISTRAL_ARGS, text).calls, text
+    for bad in ('[TOOL_CALLS][{"name": "g", "arguments": {}}]', '[TOOL_CALLS]f[ARGS]{"i": 3}', "[TOOL_CALLS]h[ARGS]{}",
+                '[TOOL_CALLS]g[ARGS]{} and text', 'g[ARGS]{}'):
+        assert not _admits(grammar, bad), bad
+    assert not _admits(call_grammar(MISTRAL_ARGS, FUNCTIONS, many=False), good[1])
+    tokens = call_grammar(MISTRAL_ARGS, FUNCTIONS, many=False, control_ids={"[TOOL_CALLS]": 9, "[ARGS]": 32})
+    assert '<[9]> "g" <[32]> args1' in tokens  # the control tokens the vocabulary has
+
+
 def test_a_hermes_string_argument_may_hold_the_closing_tag() -> None:
     """The call grammar admits any JSON string, "</tool_call>" included (a sampled answer wrote one): the block
     ends where its JSON does."""
@@ -318,6 +349,7 @@ def test_a_stream_sends_what_the_whole_answer_has(fmt: str, text: str, expected:
             assert (expected.content or "").startswith(sent)
             if expected.calls:
                 assert "<tool_call" not in sent and "[{" not in sent and not sent.lstrip().startswith("{")
+                assert "[TOOL_CALLS]" not in sent
         rest, calls = stream.finish()
         assert (sent + rest, calls) == (expected.content or "", expected.calls)
 
@@ -332,7 +364,8 @@ def test_a_stream_sends_text_as_soon_as_it_cannot_begin_a_call() -> None:
 
 
 def test_call_ids() -> None:
-    assert re.fullmatch(r"[A-Za-z0-9]{9}", call_id(MISTRAL))  # Mistral's templates check for nine
+    for fmt in (MISTRAL, MISTRAL_ARGS):
+        assert re.fullmatch(r"[A-Za-z0-9]{9}", call_id(fmt))  # Mistral's templates check for nine
     ids = {call_id(HERMES) for _ in range(100)}
     assert len(ids) == 100 and all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids)
     calls = ToolCalls(LLAMA3).message_calls(_calls(("f", {"x": 1})))
