@@ -82,6 +82,8 @@ def tool_format(template: str | None) -> str | None:
         return HARMONY
     if MINIMAX_OPEN in template:
         return MINIMAX
+    if "<tool_calls>" in template:  # Apriel's list of calls in one block, which its prose calls <tool_call>
+        return UNKNOWN
     if HERMES_OPEN in template:
         if GLM_KEY in template:
             return GLM_COMPACT if GLM_COMPACT_PAIR in template else GLM

@@ -47,6 +47,9 @@ from kestrel_core.serve.tools import (
     ("{% for t in tools %}<tool>{{ t.function | tojson }}</tool>{% endfor %}<minimax:tool_call>\n"
      '<invoke name="tool-name-1">\n<parameter name="param-key-1">param-value-1</parameter>\n</invoke>\n'
      "</minimax:tool_call>", MINIMAX),  # MiniMax-M2's
+    ("{% if tools %}Return all function calls as a list of json objects within <tool_call></tool_call> XML tags:\n"
+     '<tool_calls>[{"name": <function-name-1>, "arguments": <args-dict-1>}]</tool_calls>{% endif %}',
+     UNKNOWN),  # Apriel-1.5's: one block of a list, not hermes' blocks
     ("{% for m in messages %}{{ m.content }}{% endfor %} tools <tool_call>", None),  # "tools" only as text
     ("{% set tools = [] %}{{ tools }}<tool_call>", None),  # its own variable, not the request's
     ("", None),
