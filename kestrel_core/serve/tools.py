@@ -44,7 +44,8 @@ TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"  # Mistral's c
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 _SPACE = re.compile(r"\s*")
-_HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.DOTALL)
+# a block, or the last one where its end never comes (as vLLM's qwen3_coder parser reads it)
+_HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|\Z)", re.DOTALL)
 _MINIMAX_BLOCK = re.compile(re.escape(MINIMAX_OPEN) + r"(.*?)" + re.escape(MINIMAX_CLOSE), re.DOTALL)
 _MINIMAX_INVOKE = re.compile(r'<invoke name="([^">\n]+)">(.*?)</invoke>', re.DOTALL)
 _MINIMAX_PARAMETER = re.compile(r'<parameter name="([^">\n]+)">\n?(.*?)\n?</parameter>', re.DOTALL)
@@ -60,8 +61,8 @@ _CALL = {XML: re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTAL
 _PARAMETER = {XML: re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL), GLM: _GLM_PARAMETER,
               GLM_COMPACT: _GLM_PARAMETER}
 # calls in blocks anywhere in the answer, by how a block opens
-_BLOCK_OPEN = {HERMES: HERMES_OPEN, **{fmt: HERMES_OPEN for fmt in _CALL}, MINIMAX: MINIMAX_OPEN,
-               MISTRAL_ARGS: TOOL_CALLS}
+_BLOCK_OPEN = {HERMES: (HERMES_OPEN,), **{fmt: (HERMES_OPEN,) for fmt in _CALL}, XML: (HERMES_OPEN, XML_FUNCTION),
+               MINIMAX: (MINIMAX_OPEN,), MISTRAL_ARGS: (TOOL_CALLS,)}
 _OPENERS = {MISTRAL: "[", LLAMA3: "{"}  # formats whose answer is the calls alone, and how the calls start
 _ID_CHARS = string.ascii_letters + string.digits
 
@@ -132,7 +133,8 @@ def _calls(values: list[Any], keys: tuple[str, ...]) -> tuple[ToolCall, ...] | N
 
 def _hermes(text: str) -> Parsed | None:
     """Each block's JSON read by the JSON decoder, not up to the first ``</tool_call>``, which a string in the
-    arguments may hold (the call grammar admits it)."""
+    arguments may hold (the call grammar admits it); the last block's ``</tool_call>`` may never come (a stop
+    string or the answer's end cut it: vLLM's hermes parser reads such a call too)."""
     decoder, values, content, at = json.JSONDecoder(), [], [], 0
     while (start := text.find(HERMES_OPEN, at)) >= 0:
         try:
@@ -140,11 +142,11 @@ def _hermes(text: str) -> Parsed | None:
         except ValueError:
             return None
         close = _SPACE.match(text, end).end()
-        if not text.startswith(HERMES_CLOSE, close):
+        if close < len(text) and not text.startswith(HERMES_CLOSE, close):
             return None
         values.append(value)
         content.append(text[at:start])
-        at = close + len(HERMES_CLOSE)
+        at = min(close + len(HERMES_CLOSE), len(text))
     calls = _calls(values, ("arguments",))
     if calls is None:
         return None
@@ -176,10 +178,16 @@ def _mistral_args(text: str) -> Parsed | None:
 
 def _typed_blocks(text: str, fmt: str, schemas: dict[str, Any]) -> Parsed | None:
     """The blocks of the xml or glm format: each a function and its parameters, the values typed by ``schemas``
-    (function name -> its parameters' JSON Schema)."""
+    (function name -> its parameters' JSON Schema). An xml answer without blocks may hold its functions bare, from
+    the first ``<function=`` to its end (Qwen3-Coder may leave out ``<tool_call>``, as vLLM's qwen3_coder parser
+    reads it)."""
+    bodies = [block.group(1) for block in _HERMES_BLOCK.finditer(text)]
+    content = _HERMES_BLOCK.sub("", text)
+    if not bodies and fmt == XML and (start := text.find(XML_FUNCTION)) >= 0:
+        bodies, content = re.split(f"(?={XML_FUNCTION})", text[start:])[1:], text[:start]
     calls = []
-    for block in _HERMES_BLOCK.finditer(text):
-        call = _CALL[fmt].fullmatch(block.group(1))
+    for body in bodies:
+        call = _CALL[fmt].fullmatch(body)
         if call is None:
             return None
         typed = _typed_call(call.group(1).strip(), call.group(2), _PARAMETER[fmt], schemas)
@@ -188,7 +196,7 @@ def _typed_blocks(text: str, fmt: str, schemas: dict[str, Any]) -> Parsed | None
         calls.append(typed)
     if not calls:
         return None
-    return Parsed(_HERMES_BLOCK.sub("", text).rstrip() or None, tuple(calls))
+    return Parsed(content.rstrip() or None, tuple(calls))
 
 
 def _typed_call(name: str, body: str, parameter: re.Pattern[str], schemas: dict[str, Any]) -> ToolCall | None:
@@ -355,10 +363,10 @@ class ToolStream:
         if self.holding:
             return ""
         if self.fmt in _BLOCK_OPEN:
-            opener = _BLOCK_OPEN[self.fmt]
-            start = self.text.find(opener, self.sent)
+            openers = _BLOCK_OPEN[self.fmt]
+            start = min((i for i in (self.text.find(o, self.sent) for o in openers) if i >= 0), default=-1)
             self.holding = start >= 0
-            end = start if self.holding else len(self.text) - partial_suffix(self.text, (opener,))
+            end = start if self.holding else len(self.text) - partial_suffix(self.text, openers)
             end = len(self.text[:end].rstrip())
         else:
             head = self.text.lstrip()

@@ -180,6 +180,18 @@ def test_a_streamed_call(scripted: Scripted, client: openai.OpenAI) -> None:
     assert json.loads(call["arguments"]) == {"city": "Paris"}
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_before_its_closing_tag_is_a_call(scripted: Scripted, client: openai.OpenAI, stream: bool) -> None:
+    """A request that stops on "</tool_call>" (the scripted answer is cut there, as the engine cuts a stop
+    string) gets its call, whole and streamed."""
+    scripted.answers.append("Let me look.\n" + PARIS.removesuffix("</tool_call>"))
+    reply = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER], stop=["</tool_call>"],
+                                           stream=stream)
+    _, content, calls, reason = reply_parts(reply, stream)
+    assert (content, reason) == ("Let me look.", "tool_calls")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
 def test_streamed_choices_each_have_their_calls(scripted: Scripted, client: openai.OpenAI) -> None:
     content, calls, reasons = _stream(scripted, client, [PARIS, "No call here <tool_"], n=2)
     assert reasons == {0: "tool_calls", 1: "stop"}
@@ -521,6 +533,22 @@ def test_qwen3_5_calls_come_back_typed_with_the_reasoning_apart(xml_servers, clo
         reasoning, content, calls, reason = reply_parts(reply, stream)
         assert scripted.prompts[-1].endswith("<think>")  # the answer opens inside the block
         assert (reasoning, content, reason) == ("Three days of Paris weather.", "", "tool_calls")
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            ("get_forecast", {"city": "Saint-Étienne", "days": 3})]
+
+
+@pytest.mark.parametrize("call", [XML_CALL.removesuffix("</tool_call>"),
+                                  XML_CALL.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")],
+                         ids=["its </tool_call> cut", "no <tool_call> block"])
+def test_a_qwen3_coder_call_without_its_block_end_or_block_is_a_call(xml_servers, call: str) -> None:  # type: ignore[no-untyped-def]
+    """A call whose </tool_call> never comes, and Qwen3-Coder's bare <function=...>, are tool calls, whole and
+    streamed, as vLLM's qwen3_coder parser reads them."""
+    scripted, client = _fresh(xml_servers["scripted"]), xml_servers["scripted"][1]
+    for stream in (False, True):
+        scripted.answers.append("Paris.\n</think>\n\nLet me look.\n" + call)
+        reply = client.chat.completions.create(model=NAME, messages=ASK, tools=[DAYS], stream=stream)
+        _, content, calls, reason = reply_parts(reply, stream)
+        assert (content, reason) == ("Let me look.", "tool_calls")
         assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
             ("get_forecast", {"city": "Saint-Étienne", "days": 3})]
 

@@ -81,7 +81,14 @@ CASES = [
      Parsed('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', ())),
     (HERMES, '<tool_call>{"name": "", "arguments": {}}</tool_call>',
      Parsed('<tool_call>{"name": "", "arguments": {}}</tool_call>', ())),
-    (HERMES, '<tool_call>{"name": "f", "arguments": {}}', Parsed('<tool_call>{"name": "f", "arguments": {}}', ())),
+    # a call whose </tool_call> never comes (a stop string or the answer's end cut it), as vLLM's hermes parser
+    (HERMES, '<tool_call>{"name": "f", "arguments": {}}', Parsed(None, _calls(("f", {})))),
+    (HERMES, 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n', Parsed("Sure.", _calls(("f", {"x": 1})))),
+    (HERMES, '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "g", "arguments": {}}',
+     Parsed(None, _calls(("f", {}), ("g", {})))),
+    (HERMES, '<tool_call>{"name": "f", "arguments": {}} and more',
+     Parsed('<tool_call>{"name": "f", "arguments": {}} and more', ())),
+    (HERMES, '<tool_call>{"name": "f", "arguments": {', Parsed('<tool_call>{"name": "f", "arguments": {', ())),
     (MISTRAL, ' [{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]',
      Parsed(None, _calls(("f", {"x": 1}), ("g", {})))),
     (MISTRAL, '[TOOL_CALLS][{"name": "f", "arguments": {}}]', Parsed(None, _calls(("f", {})))),
@@ -116,8 +123,13 @@ def test_parse(fmt: str, text: str, expected: Parsed) -> None:
 
 def _xml(name: str, **values: str) -> str:
     """A call as Qwen3.5's template writes one."""
+    return f"<tool_call>\n{_bare(name, **values)}\n</tool_call>"
+
+
+def _bare(name: str, **values: str) -> str:
+    """A call as Qwen3.5's template writes one, without its <tool_call> block."""
     params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
-    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+    return f"<function={name}>\n{params}</function>"
 
 
 SCHEMAS = {"f": {"type": "object", "properties": {
@@ -139,6 +151,13 @@ XML_CASES = [
      Parsed("<tool_call>\n<function=f>\nloose text\n</function>\n</tool_call>", ())),
     ("<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>",
      Parsed("<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", ())),  # Hermes' JSON: not this format
+    # a block whose </tool_call> never comes, and Qwen3-Coder's functions without their blocks (vLLM's qwen3_coder)
+    (_xml("f", i="3").removesuffix("</tool_call>"), Parsed(None, _calls(("f", {"i": 3})))),
+    ("Let me look.\n" + _bare("f", i="3") + "\n" + _bare("g"),
+     Parsed("Let me look.", _calls(("f", {"i": 3}), ("g", {})))),
+    (_bare("f", i="3") + " and more", Parsed(_bare("f", i="3") + " and more", ())),
+    ("Write <function=NAME> to call one.", Parsed("Write <function=NAME> to call one.", ())),
+    (_xml("f") + "\n" + _bare("g"), Parsed("\n" + _bare("g"), _calls(("f", {})))),  # bare only where no block is
 ]
 
 
@@ -168,6 +187,7 @@ GLM_CASES = [
      Parsed("<think>Let me check.</think>", _calls(("get_weather", {"location": "Paris"})))),
     ("Two calls:\n" + _glm("f", i="1") + "\n" + _glm("g"), Parsed("Two calls:", _calls(("f", {"i": 1}), ("g", {})))),
     ("<tool_call>f\nloose text\n</tool_call>", Parsed("<tool_call>f\nloose text\n</tool_call>", ())),
+    (_glm("f", i="1").removesuffix("</tool_call>"), Parsed(None, _calls(("f", {"i": 1})))),  # its end never came
     ("<tool_call>\n<arg_key>s</arg_key><arg_value>x</arg_value></tool_call>",  # no name
      Parsed("<tool_call>\n<arg_key>s</arg_key><arg_value>x</arg_value></tool_call>", ())),
 ]
@@ -320,9 +340,9 @@ def test_a_hermes_string_argument_may_hold_the_closing_tag() -> None:
     text = "<tool_call>\n" + json.dumps({"name": "f", "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
     assert _admits(call_grammar(HERMES, [{"name": "f"}], many=False), text)
     assert parse(HERMES, "Sure. " + text + " Done.") == Parsed("Sure.  Done.", _calls(("f", args)))
-    for bad in (text.replace("\n</tool_call>", ""), text.replace("}\n</tool_call>", "\n</tool_call>"),
-                text + "<tool_call>{}"):
+    for bad in (text.replace("}\n</tool_call>", "\n</tool_call>"), text + "<tool_call>{}"):
         assert parse(HERMES, bad) == Parsed(bad, ()), bad
+    assert parse(HERMES, text.replace("\n</tool_call>", "")) == Parsed(None, _calls(("f", args)))  # cut before it
 
 
 def test_parallel_off_keeps_the_first_call() -> None:
@@ -338,6 +358,8 @@ def _chunkings(text: str) -> list[list[str]]:
 @pytest.mark.parametrize(("fmt", "text", "expected"), CASES + [
     (HERMES, "Ends in a half marker <tool_ca", Parsed("Ends in a half marker <tool_ca", ())),
     (XML, "Sure: " + _xml("f", x="1"), Parsed("Sure:", _calls(("f", {"x": "1"})))),
+    (XML, "Sure: " + _bare("f", x="1"), Parsed("Sure:", _calls(("f", {"x": "1"})))),
+    (XML, "Sure: " + _xml("f", x="1").removesuffix("</tool_call>"), Parsed("Sure:", _calls(("f", {"x": "1"})))),
     (HERMES, "Spaces at the end   \n", Parsed("Spaces at the end   \n", ())),
     (LLAMA3, "   \n  ", Parsed("   \n  ", ())),
 ])
@@ -352,7 +374,7 @@ def test_a_stream_sends_what_the_whole_answer_has(fmt: str, text: str, expected:
             assert (expected.content or "").startswith(sent)
             if expected.calls:
                 assert "<tool_call" not in sent and "[{" not in sent and not sent.lstrip().startswith("{")
-                assert "[TOOL_CALLS]" not in sent
+                assert "[TOOL_CALLS]" not in sent and "<function=" not in sent
         rest, calls = stream.finish()
         assert (sent + rest, calls) == (expected.content or "", expected.calls)
 
