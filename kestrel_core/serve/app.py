@@ -132,7 +132,7 @@ class Served:
             return prompt, list(tokenizer.encode(prompt, add_special_tokens=False))  # the template wrote any BOS
 
         try:
-            messages = body.template_messages()
+            messages = body.template_messages(self.harmony)
             prompt, prompt_ids = render(messages)
             if truncate and self.context_left(len(prompt_ids)) < 1:
                 prompt, prompt_ids = _latest_that_fit(messages, render, lambda ids: self.context_left(len(ids)) > 0)

@@ -184,13 +184,19 @@ class ChatMessage(RequestBody):
                     raise ValueError(f"only text content parts are supported, got a {part.type!r} part")
         return value
 
-    def for_template(self) -> dict[str, Any]:
+    def for_template(self, harmony: bool = False) -> dict[str, Any]:
         """What the chat template sees: OpenAI's ``developer`` role is the templates' ``system``; text parts stay
-        parts (the tokenizer joins them for a template that reads a string)."""
+        parts (the tokenizer joins them for a template that reads a string). For a ``harmony`` template (gpt-oss's),
+        an assistant message with calls, reasoning and content (kestrel's own answer: its analysis, a preamble and
+        the calls) keeps its reasoning alone: the template renders one analysis message before a call and refuses
+        both, and the reasoning is what vLLM renders as that analysis."""
         role = "system" if self.role == "developer" else self.role
         content: Any = self.content or ""
         if isinstance(content, list):
             content = [{"type": "text", "text": part.text} for part in content]
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if harmony and self.tool_calls and reasoning:
+            content = ""
         message: dict[str, Any] = {"role": role, "content": content}
         if self.name is not None:
             message["name"] = self.name
@@ -198,7 +204,6 @@ class ChatMessage(RequestBody):
             message["tool_calls"] = [call.for_template() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
-        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
         if reasoning is not None:  # under each name templates read it by: Qwen's, gpt-oss's, Seed-OSS's and Solar's
             message["reasoning_content"] = message["thinking"] = message["reasoning"] = reasoning
         return message
@@ -402,10 +407,11 @@ class ChatCompletionRequest(_Generation):
             raise ValueError("kestrel answers with text only")
         return value
 
-    def template_messages(self) -> list[dict[str, Any]]:
+    def template_messages(self, harmony: bool = False) -> list[dict[str, Any]]:
+        """The messages as the chat template sees them (``harmony``: it is gpt-oss's)."""
         if not self.messages:
             raise InvalidRequest("messages must hold at least one message", param="messages")
-        return [m.for_template() for m in self.messages]
+        return [m.for_template(harmony) for m in self.messages]
 
     def tool_calls(self, fmt: str | None) -> ToolCalls | None:
         """How this request's answers carry tool calls, given the format the model's template teaches (None:

@@ -139,6 +139,20 @@ def test_tool_calls_and_results_for_the_template() -> None:
          "reasoning": "Once more."}]
 
 
+def test_a_harmony_template_gets_the_reasoning_of_a_call_with_a_preamble() -> None:
+    """gpt-oss's template takes one analysis message before a call (content or thinking, not both): an answer's
+    reasoning is kept and its preamble left out there; other templates see both, and a call's lone preamble stays."""
+    call = [{"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "assistant", "content": "Let me look.", "reasoning_content": "Need f.", "tool_calls": call},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": call},
+        {"role": "assistant", "content": "Done.", "reasoning_content": "It worked."}]})
+    harmony, other = req.template_messages(harmony=True), req.template_messages()
+    assert (harmony[0]["content"], harmony[0]["thinking"]) == ("", "Need f.")
+    assert (other[0]["content"], other[0]["thinking"]) == ("Let me look.", "Need f.")
+    assert harmony[1:] == other[1:] and harmony[1]["content"] == "Let me look." and harmony[2]["content"] == "Done."
+
+
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}
 
 

@@ -428,7 +428,14 @@ HARMONY_TEMPLATE = (
     "{%- for tool in tools %}\ntype {{ tool.function.name }} = (_: any) => any;{%- endfor %}\n"
     "} // namespace functions<|end|>{%- endif %}"
     "{%- for message in messages %}"
-    "{%- if message.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>"
+    # gpt-oss's for an earlier call (trimmed): one analysis message before it, from the content or the thinking
+    "{%- if message.role == 'assistant' and message.tool_calls %}{%- if message.content and message.thinking %}"
+    "{{- raise_exception('Cannot pass both content and thinking in an assistant message with tool calls!') }}"
+    "{%- elif message.content %}<|start|>assistant<|channel|>analysis<|message|>{{ message.content }}<|end|>"
+    "{%- elif message.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ message.thinking }}<|end|>"
+    "{%- endif %}<|start|>assistant to=functions.{{ message.tool_calls[0].function.name }}<|channel|>commentary "
+    "json<|message|>{{ message.tool_calls[0].function.arguments | tojson }}<|call|>"
+    "{%- elif message.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>"
     "{%- else %}<|start|>{{ message.role }}<|message|>{{ message.content }}<|end|>{%- endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}<|start|>assistant{%- endif %}")
 HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather in Paris.<|end|><|start|>assistant<|channel|>commentary"
@@ -456,6 +463,23 @@ def test_harmony_channels_are_reasoning_content_and_calls(harmony: tuple[Scripte
         ("Easy.", "Sunny.", "stop")
     assert _answer(scripted, client, "Sunny, no channels.", tools=None).choices[0].message.content == \
         "Sunny, no channels."
+
+
+def test_a_harmony_answer_with_a_preamble_and_a_call_goes_back_as_it_came(
+        harmony: tuple[Scripted, openai.OpenAI]) -> None:
+    """gpt-oss's answer of reasoning, a preamble (content) and a call, sent back unchanged with the call's result
+    (as agent loops send it), renders: the template takes one analysis message before a call, the reasoning."""
+    scripted, client = harmony
+    preamble = "<|start|>assistant<|channel|>commentary<|message|>Let me check the weather.<|end|>"
+    answer = HARMONY_CALL.replace("<|start|>", preamble + "<|start|>", 1)
+    first = _answer(scripted, client, answer).choices[0].message
+    assert (first.reasoning_content, first.content) == ("Need the weather in Paris.", "Let me check the weather.")
+    history = ASK + [first.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "22 C, sunny"}]
+    reply = _answer(scripted, client, "<|channel|>final<|message|>Sunny.<|return|>", messages=history)
+    assert reply.choices[0].message.content == "Sunny."
+    rendered = "<|channel|>analysis<|message|>Need the weather in Paris.<|end|><|start|>assistant to=functions."
+    assert rendered + "get_weather" in scripted.prompts[-1]
 
 
 def test_harmony_streams_reasoning_then_content_then_calls(harmony: tuple[Scripted, openai.OpenAI]) -> None:
