@@ -77,8 +77,10 @@ SUPPORTED_PRE = tuple(PRE)
 MODELS = ("gpt2", "llama")
 SPACE = "\u2581"  # SentencePiece's space
 
-# llama.cpp token types
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
+# llama.cpp token types; llama.cpp matches UNKNOWN's and CONTROL's text only where special tokens are parsed, and
+# leaves both out of a text decoded without them
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
+SPECIAL_TYPES = (TOKEN_UNKNOWN, TOKEN_CONTROL)
 
 
 @dataclass
@@ -140,7 +142,7 @@ def build_gguf_vocab(fields: Mapping[str, Any], where: str = "GGUF", architectur
     phi3 = any(n in str(fields.get("general.name") or "").lower() for n in ("phi-3", "phi3"))
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False,
                                            rstrip=phi3 and t not in ("<unk>", "<s>", "<|endoftext|>"))
-                                for t, ty in zip(tokens, types) if ty == TOKEN_CONTROL])
+                                for t, ty in zip(tokens, types) if ty in SPECIAL_TYPES])
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED])
     # llama.cpp's tokenizer: BOS before, and where add_eos_token is set (embedding models), EOS after each text

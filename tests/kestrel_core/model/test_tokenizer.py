@@ -250,19 +250,24 @@ LLAMA_CPP_CHATS = {
 }
 
 
+def _llama_cpp_vocab(name: str) -> Tokenizer:
+    """The tokenizer of llama.cpp's vocabulary-only GGUF ``ggml-vocab-<name>.gguf``."""
+    from gguf import GGUFReader
+
+    from kestrel_core.model.gguf_reader import GGUFCheckpoint  # noqa: F401 (the GGUF reader's field decoding)
+
+    reader = GGUFReader(LLAMA_CPP / f"ggml-vocab-{name}.gguf")
+    fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.") or k == "general.name"}
+    return Tokenizer.from_gguf_vocab(fields, architecture=reader.fields["general.architecture"].contents())
+
+
 @pytest.mark.parametrize("name", ["llama-spm", "phi-3"])
 def test_llama_and_phi3_gguf_vocabularies_tokenize_as_their_models_tokenizers(name: str) -> None:
     """Llama 2's (and Mistral's) and Phi-3's SentencePiece vocabularies as llama.cpp ships them: every test text of
     llama.cpp's (leading spaces, runs of spaces, unicode) gives the ids the model's own Hugging Face tokenizer gives
     (its .out file), and chat prompts llama.cpp's ids."""
-    from gguf import GGUFReader
-
-    from kestrel_core.model.gguf_reader import GGUFCheckpoint  # noqa: F401 (the GGUF reader's field decoding)
-
     path = LLAMA_CPP / f"ggml-vocab-{name}.gguf"
-    reader = GGUFReader(path)
-    fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.") or k == "general.name"}
-    tok = Tokenizer.from_gguf_vocab(fields, architecture=reader.fields["general.architecture"].contents())
+    tok = _llama_cpp_vocab(name)
     texts = path.with_name(path.name + ".inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
     ids = [[int(i) for i in line.split()] for line in path.with_name(path.name + ".out").read_text().splitlines()]
     assert len(ids) > 40
@@ -270,6 +275,17 @@ def test_llama_and_phi3_gguf_vocabularies_tokenize_as_their_models_tokenizers(na
         assert tok.encode(text, add_special_tokens=False) == want, text
     for text, want in LLAMA_CPP_CHATS[name]:
         assert tok.encode(text, add_special_tokens=False) == want, text
+
+
+def test_unknown_type_tokens_are_special_tokens_as_in_llama_cpp() -> None:
+    """<unk> (token type UNKNOWN) is one of llama.cpp's special tokens, as CONTROL ones are: matched whole where
+    special tokens are parsed (llama_tokenize(special=True), llama-cpp-python 0.3.36), read as text where they are
+    not (special=False), and left out of a text decoded without special tokens."""
+    tok = _llama_cpp_vocab("llama-spm")
+    assert tok.encode("a<unk>b", add_special_tokens=False) == [263, 0, 289]
+    assert tok.encode_text("a<unk>b") == [263, 29966, 2960, 29958, 29890]
+    assert tok.decode([263, 0, 289], skip_special_tokens=True) == "a b"
+    assert tok.decode([263, 0, 289]) == "a<unk> b"
 
 
 @pytest.mark.parametrize("arch", ["phi3", "gemma3"])
