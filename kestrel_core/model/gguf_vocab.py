@@ -5,7 +5,7 @@
   from the vocabulary (every split of a piece into two pieces, best score first), with byte fallback
   (``<0xNN>`` pieces) and "▁" for spaces. A prefix space where ``tokenizer.ggml.add_space_prefix`` (default on)
   says, added by a normalizer as Llama 2's and Phi-3's own tokenizer.json add it (to every text between special
-  tokens, as llama.cpp does; a leading space stays a piece of its own), Phi-3's special tokens taking the
+  tokens, as llama.cpp does; a leading space stays a piece of its own), Phi-3's tokens matched whole taking the
   whitespace after them; Gemma 3's (by ``general.architecture``: spaces only replaced; pieces of spaces stored as
   real spaces and respelled; merges ranked by the pieces' order in the file, which its scores do not follow).
 
@@ -137,14 +137,16 @@ def build_gguf_vocab(fields: Mapping[str, Any], where: str = "GGUF", architectur
             tokens = [SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
         backend = _sentencepiece(fields, tokens, architecture, unk_id, where)
         add_bos = fields.get("tokenizer.ggml.add_bos_token", True)  # llama.cpp's default for SentencePiece
-    # Phi-3's control tokens take the whitespace after them (rstrip), as its tokenizer_config.json and llama.cpp
-    # (by the model's general.name) have it
+    # Phi-3's tokens matched whole (user-defined ones too: its "</s>") take the whitespace after them (rstrip),
+    # <unk>, <s> and <|endoftext|> aside, as its tokenizer_config.json and llama.cpp (by general.name) have it
     phi3 = any(n in str(fields.get("general.name") or "").lower() for n in ("phi-3", "phi3"))
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False,
-                                           rstrip=phi3 and t not in ("<unk>", "<s>", "<|endoftext|>"))
-                                for t, ty in zip(tokens, types) if ty in SPECIAL_TYPES])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED])
+
+    def added(text: str, special: bool) -> AddedToken:
+        return AddedToken(text, special=special, normalized=False,
+                          rstrip=phi3 and text not in ("<unk>", "<s>", "<|endoftext|>"))
+
+    backend.add_special_tokens([added(t, True) for t, ty in zip(tokens, types) if ty in SPECIAL_TYPES])
+    backend.add_tokens([added(t, False) for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED])
     # llama.cpp's tokenizer: BOS before, and where add_eos_token is set (embedding models), EOS after each text
     bos = tokens[bos_id] if add_bos and bos_id is not None else None
     eos = tokens[eos_id] if fields.get("tokenizer.ggml.add_eos_token") and eos_id is not None else None

@@ -288,6 +288,17 @@ def test_unknown_type_tokens_are_special_tokens_as_in_llama_cpp() -> None:
     assert tok.decode([263, 0, 289]) == "a<unk> b"
 
 
+@pytest.mark.parametrize(("text", "want"), [
+    ("</s>\nHello", [2, 15043]), ("</s> Hello", [2, 15043]), ("a </s>  \n b", [263, 29871, 2, 289]),
+    ("<|end|>\nHello", [32007, 15043]), ("[PAD32011]  x", [32011, 921]),
+    ("<unk> x", [0, 29871, 921]), ("<s> x", [1, 29871, 921]), ("<|endoftext|> x", [32000, 29871, 921])])
+def test_phi3_tokens_matched_whole_take_the_whitespace_after_them(text: str, want: list[int]) -> None:
+    """Phi-3's "</s>" (a user-defined token), its control tokens and its unknown-type [PAD...] ones take the
+    whitespace after them, <unk>, <s> and <|endoftext|> do not: llama.cpp's llama_tokenize(special=True) ids
+    (llama-cpp-python 0.3.36)."""
+    assert _llama_cpp_vocab("phi-3").encode(text, add_special_tokens=False) == want
+
+
 @pytest.mark.parametrize("arch", ["phi3", "gemma3"])
 def test_sentencepiece_gguf_vocabularies_tokenize_as_transformers_does(arch: str) -> None:
     """A SentencePiece BPE vocabulary (llama.cpp's "llama" model: pieces and scores, no merges), as Phi-3 and Gemma
