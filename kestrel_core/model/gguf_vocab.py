@@ -28,7 +28,10 @@ from kestrel_core.model.chat_template import one_line
 from kestrel_core.model.validate import is_int, is_number
 
 # llama.cpp's tokenizer.ggml.pre -> how that vocabulary's merges were learned to split text. The regexes are the
-# ones of each model's own tokenizer.json, as llama.cpp's llama-vocab.cpp quotes them.
+# ones of each model's own tokenizer.json, as llama.cpp's llama-vocab.cpp quotes them; "default" (a file that names
+# none) is llama.cpp's own: runs of punctuation first, then GPT-2's regex, then numbers, then ASCII digits in threes.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]")
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -61,7 +64,8 @@ class _Pre:
 
 
 PRE = {
-    **dict.fromkeys(("default", "gpt2", "gpt-2", "phi-2", "exaone4"), _Pre()),
+    "default": _Pre(_DEFAULT_SPLITS),
+    **dict.fromkeys(("gpt2", "gpt-2", "phi-2", "exaone4"), _Pre()),
     **dict.fromkeys(("smollm", "starcoder", "refact", "codeshell"), _Pre(digits=True)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _Pre((_QWEN2_SPLIT,), nfc=True)),
     "qwen35": _Pre((_QWEN35_SPLIT,)),  # no NFC: its combining marks are tokens of their own

@@ -120,6 +120,31 @@ def test_every_pre_tokenizer_splits_and_round_trips(fmt, pre: str) -> None:
         assert tk.decode(tk.encode(text, add_special_tokens=False)) == (_nfc(text) if PRE[pre].nfc else text)
 
 
+# a byte-level vocabulary whose merges cross the places llama.cpp's "default" pre-tokenizer splits and GPT-2's does not
+CROSSING_MERGES = ["Ġ ,", "' t", "d o", "do n", "Ġ $", "Ġ 1", "1 2", "12 3", "4 5"]
+
+
+@pytest.mark.parametrize(("text", "default", "gpt2"), [
+    ("a ,b", ["a", "Ġ", ",", "b"], ["a", "Ġ,", "b"]),
+    ("don't", ["don", "'", "t"], ["don", "'t"]),
+    ("p: $5!", ["p", ":", "Ġ", "$", "5", "!"], ["p", ":", "Ġ$", "5", "!"]),
+    ("a 12345", ["a", "Ġ", "123", "45"], ["a", "Ġ1", "2", "3", "45"])])
+def test_the_default_pre_tokenizer_is_llama_cpps(text: str, default: list[str], gpt2: list[str]) -> None:
+    """tokenizer.ggml.pre "default", or none, splits as llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEFAULT (runs of
+    punctuation and $+<=>^~| first, then GPT-2's regex, numbers, ASCII digits in threes), "gpt-2" as GPT-2's regex:
+    llama.cpp's llama_tokenize (llama-cpp-python 0.3.36) of a GGUF of this vocabulary."""
+    from tokenizers import pre_tokenizers
+
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + [m.replace(" ", "") for m in CROSSING_MERGES]
+    fields = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+              "tokenizer.ggml.merges": CROSSING_MERGES}
+    for pre, want in (("default", default), (None, default), ("gpt-2", gpt2)):
+        tok = Tokenizer.from_gguf_vocab({**fields, "tokenizer.ggml.pre": pre} if pre else fields)
+        ids = tok.encode(text, add_special_tokens=False)
+        assert [tok.token(i) for i in ids] == want, pre
+        assert tok.decode(ids) == text
+
+
 def test_unsupported_vocabularies_are_named(fmt) -> None:
     fields = gguf_fields(fmt, fmt.train_bpe("gpt2"), "gpt2")
     with pytest.raises(KestrelError, match="tokenizer model 't5' is not supported"):
