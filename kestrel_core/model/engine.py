@@ -219,8 +219,13 @@ class Engine:
         return Constraint(self.vocabulary(), grammar)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The bytes a token stands for (decoded alone, a byte-level token may be part of a character's)."""
-        return bytes(self.vocabulary().decode_bytes([token_id]))
+        """The bytes a token stands for (decoded alone, a byte-level token may be part of a character's); none for
+        an id past the tokenizer's tokens (a padded vocabulary's), as its text is empty (llguidance would give a
+        placeholder's)."""
+        vocabulary = self.vocabulary()
+        if self.tokenizer.token(token_id) is None:
+            return b""
+        return bytes(vocabulary.decode_bytes([token_id]))
 
     def vocabulary(self) -> Any:
         """llguidance's view of the model's vocabulary (grammar.grammar_vocab), built once: about a second for
