@@ -15,11 +15,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kestrel_core.contract import StripCache, WeightInput, quantize_weight
+from kestrel_core.contract import BFloat16Bits, StripCache, WeightInput, quantize_weight
 from kestrel_core.errors import ContractError, KestrelError
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.int_quant import IntWeight
-from kestrel_core.model.rope import ROTARY_FIELDS, rotary_first
+from kestrel_core.model.rope import ROTARY_FIELDS, rotary_first, rotary_rows
 from kestrel_core.model.weights import Model, TensorSpec, assemble, model_specs
 from kestrel_core.model.weights import layer_name as layer_name
 
@@ -168,16 +168,24 @@ def _float(source: TensorSource, spec: TensorSpec) -> np.ndarray:
     return v
 
 
+def _turned(config: ModelConfig, w: WeightInput | IntWeight) -> WeightInput | IntWeight:
+    """q or k rows reordered (rope.rotary_first) in the form the checkpoint gives them: bfloat16 bits, or an
+    integer checkpoint's codes and scales, which the strip-cache can then keep as they are."""
+    if isinstance(w, IntWeight):
+        return w[rotary_rows(config, w.shape[0])]
+    if isinstance(w, BFloat16Bits):
+        return BFloat16Bits(rotary_first(config, w.raw))
+    return rotary_first(config, w)
+
+
 def _matrix(source: TensorSource, spec: TensorSpec, bits: int, mode: QuantMode, turned: bool = False) -> StripCache:
     """``turned``: q or k rows of a model whose RoPE turns part of each head, reordered (rope.rotary_first)."""
-    get_weight = None if turned else getattr(source, "get_weight", None)  # the optional, copy-free form of get
+    get_weight = getattr(source, "get_weight", None)  # the optional, copy-free form of get
     w = get_weight(spec.name) if get_weight is not None else source.get(spec.name)
     if tuple(w.shape) != spec.shape:
         raise KestrelError(f"{source.description}: {spec.name} has shape {list(w.shape)}, expected "
                            f"{list(spec.shape)}")
-    if turned:
-        w = rotary_first(source.config, np.asarray(w, dtype=np.float32))
-    return quantize_tensor(w, bits, mode, spec.name)
+    return quantize_tensor(_turned(source.config, w) if turned else w, bits, mode, spec.name)
 
 
 def quantize_model(source: TensorSource, quant: str | QuantMode = "q8",

@@ -78,12 +78,18 @@ def rotary_order(head_dim: int, rotary_dim: int, interleaved: bool = False) -> n
     return np.concatenate([firsts, rotary_dim + np.arange(passed), seconds, rotary_dim + passed + np.arange(passed)])
 
 
-def rotary_first(config: ModelConfig, rows: np.ndarray) -> np.ndarray:
-    """q or k rows [heads * hd, K], their bias [heads * hd] or a q/k norm [hd] of a checkpoint, reordered within
-    each head (``rotary_order``) for a model whose RoPE turns part of each head, or interleaved pairs."""
+def rotary_rows(config: ModelConfig, count: int) -> np.ndarray:
+    """The indices that put ``count`` rows (whole heads of ``head_dim``) in kestrel's order, each head's reordered
+    (``rotary_order``)."""
     hd = config.head_dim
     order = rotary_order(hd, config.rotary, config.rope_interleaved)
-    return np.ascontiguousarray(rows.reshape(-1, hd, *rows.shape[1:])[:, order].reshape(rows.shape))
+    return (np.arange(count // hd)[:, None] * hd + order).reshape(-1)
+
+
+def rotary_first(config: ModelConfig, rows: np.ndarray) -> np.ndarray:
+    """q or k rows [heads * hd, K], their bias [heads * hd] or a q/k norm [hd] of a checkpoint, reordered within
+    each head (``rotary_rows``) for a model whose RoPE turns part of each head, or interleaved pairs."""
+    return np.ascontiguousarray(rows[rotary_rows(config, len(rows))])
 
 
 def _llama3(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:

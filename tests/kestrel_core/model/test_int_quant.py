@@ -247,6 +247,24 @@ def test_an_integer_checkpoint_loads_at_its_own_mode_unless_asked(twin: str, ask
     assert loaded.quant == built and model_quant(loaded.model) == built
 
 
+def test_reordered_q_and_k_rows_keep_the_checkpoints_codes(tmp_path: Path) -> None:
+    """A model whose RoPE turns part of each head stores its q and k rows reordered within each head: the symmetric
+    4-bit codes and scales are reordered with them, so at q4 every projection is still the checkpoint's weights."""
+    from kestrel_core.model.loader import load_model
+    from kestrel_core.model.rope import rotary_first
+
+    d = _twin(tmp_path, "tiny-qwen3-moe-w4a16")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "partial_rotary_factor": 0.5}))
+    checkpoint = HFCheckpoint(d)
+    loaded = load_model(str(d), quant=None, cache="off")
+    assert loaded.quant == "q4" and loaded.model.config.qk_reordered
+    for field in ("q", "k", "v", "o"):
+        want = checkpoint.get(f"layers.1.{field}")
+        want = rotary_first(checkpoint.config, want) if field in ("q", "k") else want
+        np.testing.assert_array_equal(getattr(loaded.model.layers[1], field).dequantize(), want, err_msg=field)
+
+
 def test_natural_quant_reads_the_config_not_its_guesses() -> None:
     from kestrel_core.model.int_quant import natural_quant
 
