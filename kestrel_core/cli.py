@@ -140,8 +140,8 @@ def _model_args(p: argparse.ArgumentParser, several: bool = False, kv_cache_mb: 
         p.add_argument("--model", "-m", default=None, help=MODEL_HELP)
     p.add_argument("--backend", "-b", default="auto", help="backend name, or auto (default)")
     p.add_argument("--quant", "-q", default=None,
-                   help="q8 (default; a symmetric 4-bit checkpoint: q4, its own codes), q4, q8-g256, q4-g256; a .kst "
-                        "artifact keeps its own")
+                   help="q8 (default; a symmetric 4-bit checkpoint without --lora: q4, its own codes), q4, q8-g256, "
+                        "q4-g256; a .kst artifact keeps its own")
     p.add_argument("--activations", default="auto", choices=("auto", "q8", "f32", "mixed"),
                    help="projection inputs: int8, float32, or mixed (the prompt at float32); auto (default): "
                         "mixed, or q8 on a backend that runs whole steps on its device")

@@ -349,14 +349,14 @@ def load_model(path: str | os.PathLike[str] | None = None, quant: str | None = "
         return _load_default(mode, adapters)
     p = Path(path).expanduser()
     if p.exists():
-        return _load_path(p, _checkpoint_mode(p, quant, mode), quant, cache, adapters)
+        return _load_path(p, _checkpoint_mode(p, quant, mode, adapters), quant, cache, adapters)
     spec = parse_hub_spec(str(path))
     if spec is None:
         raise KestrelError(f"model {path} does not exist (give a Hugging Face model directory or Hub name such "
                            "as Qwen/Qwen3-0.6B, a .gguf file or a .kst artifact)")
     fetched = fetch(spec)
     try:
-        loaded = _load_path(fetched, _checkpoint_mode(fetched, quant, mode), quant, cache, adapters)
+        loaded = _load_path(fetched, _checkpoint_mode(fetched, quant, mode, adapters), quant, cache, adapters)
     except KestrelError as exc:
         way_out = redownload_hint(spec, exc)
         if way_out is None:
@@ -365,9 +365,10 @@ def load_model(path: str | os.PathLike[str] | None = None, quant: str | None = "
     return replace(loaded, source=_named(fetched, adapters, f"{spec} ({fetched})"))
 
 
-def _checkpoint_mode(p: Path, quant: str | None, mode: str) -> str:
+def _checkpoint_mode(p: Path, quant: str | None, mode: str, adapters: tuple[Adapter, ...]) -> str:
     """``mode``, or where no quant was asked for, a Hugging Face directory's own (int_quant.natural_quant: q4 for a
-    symmetric 4-bit checkpoint, whose codes q4 holds as they are)."""
+    symmetric 4-bit checkpoint, whose codes q4 holds as they are). Merged with adapters, the weights are not
+    those codes: ``mode``, as for float weights."""
     if quant is not None or not (p / "config.json").is_file():
         return mode
     from kestrel_core.model.hf import HFCheckpoint
@@ -380,6 +381,10 @@ def _checkpoint_mode(p: Path, quant: str | None, mode: str) -> str:
         if natural is None or not HFCheckpoint(p).projections_integer():  # its tensors' headers only
             return mode
     except KestrelError:  # the load says what is wrong with it
+        return mode
+    if adapters:
+        log.info("%s: symmetric 4-bit weights with a LoRA adapter merged in, loaded at %s as float weights are (the "
+                 "merged weights are off the 4-bit grid; --quant says otherwise)", p, mode)
         return mode
     log.info("%s: symmetric 4-bit weights, loaded at %s (their codes as they are; --quant says otherwise)", p, natural)
     return natural

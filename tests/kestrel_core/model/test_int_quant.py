@@ -5,6 +5,7 @@ GPTQ, AWQ and compressed-tensors twins' logits against transformers are test_par
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -245,6 +246,27 @@ def test_an_integer_checkpoint_loads_at_its_own_mode_unless_asked(twin: str, ask
 
     loaded = load_model(str(FIXTURES / twin), quant=asked, cache="off")
     assert loaded.quant == built and model_quant(loaded.model) == built
+
+
+def test_a_4_bit_checkpoint_with_an_adapter_loads_as_float_weights_do(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """The merged weights lie off the checkpoint's 4-bit grid: q4 would round them again, so the default is a float
+    checkpoint's (q8), and the log says why."""
+    from kestrel_core.model.loader import load_model
+    from kestrel_core.model.quantize import model_quant
+
+    from .lora_adapters import peft_adapter
+
+    twin, adapter = FIXTURES / "tiny-qwen3-moe-w4a16", tmp_path / "adapter"
+    peft_adapter(adapter, FIXTURES / "tiny-qwen3-moe", ["self_attn.q_proj", "self_attn.o_proj"])
+    with caplog.at_level(logging.INFO, logger="kestrel"):
+        merged = load_model(str(twin), quant=None, cache="off", lora=str(adapter))
+    assert merged.quant == "q8" and model_quant(merged.model) == "q8"
+    assert "a LoRA adapter merged in, loaded at q8" in caplog.text, caplog.text
+    asked = load_model(str(twin), quant="q8", cache="off", lora=str(adapter))
+    for field in ("q", "o", "k"):
+        np.testing.assert_array_equal(getattr(merged.model.layers[0], field).dequantize(),
+                                      getattr(asked.model.layers[0], field).dequantize(), err_msg=field)
 
 
 def test_reordered_q_and_k_rows_keep_the_checkpoints_codes(tmp_path: Path) -> None:
