@@ -2,8 +2,9 @@
 repositories ship them (Qwen3, GLM-4.5, DeepSeek-V3, Ministral 3: transformers' ``fp8`` quant_method; RedHat's
 ``compressed-tensors`` and ``fbgemm_fp8``). A weight ``X.weight`` [N, K] is its codes times ``X.weight_scale_inv``
 (``fp8``: one scale a ``weight_block_size`` block [bn, bk], or one for the tensor) or ``X.weight_scale``
-(one a row, or one for the tensor), as DeepSeek's ``weight_dequant`` and transformers decode it; the layers a
-config leaves unconverted stay BF16. kestrel then quantizes the float32 weights to its own strip-cache.
+(one a row, one for the tensor, or compressed-tensors' one a ``block_structure`` block), as DeepSeek's
+``weight_dequant``, transformers and compressed-tensors decode it; the layers a config leaves unconverted stay BF16.
+kestrel then quantizes the float32 weights to its own strip-cache.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kestrel_core.errors import KestrelError
+from kestrel_core.model.validate import is_int
 
 # a quant_method kestrel reads (FP8 weights; gpt-oss's MXFP4 experts are read by hf.py) -> whether it is FP8
 QUANT_METHODS = {"fp8": True, "fbgemm_fp8": True, "compressed-tensors": True, "mxfp4": False}
@@ -59,20 +61,31 @@ def fp8_scheme(quantization: Any, where: str) -> Fp8Scheme | None:
     if method == "compressed-tensors":
         if quantization.get("format") == "dense":
             return None  # saved uncompressed: plain float weights
+        blocks: set[tuple[int, int]] = set()
         for name, group in (quantization.get("config_groups") or {}).items():
             weights = group.get("weights") if isinstance(group, dict) else None
             if not isinstance(weights, dict) or weights.get("type") != "float" or weights.get("num_bits") != 8:
                 raise KestrelError(f"{where}: compressed-tensors group {name!r} is neither FP8 nor integer weights, "
                                    "or mixes them with the other kind (kestrel reads either, in every group)")
-        return Fp8Scheme()
+            if weights.get("strategy") == "block":  # llm-compressor's FP8_BLOCK
+                blocks.add(_block(weights.get("block_structure"), f"{where}: compressed-tensors group {name!r} "
+                                  "block_structure"))
+        if len(blocks) > 1:
+            raise KestrelError(f"{where}: compressed-tensors groups' block_structure differ "
+                               f"({', '.join(str(list(b)) for b in sorted(blocks))}); kestrel reads one for all")
+        return Fp8Scheme(blocks.pop() if blocks else None)
     if quantization.get("fmt", "e4m3") != "e4m3":
         raise KestrelError(f"{where}: FP8 format {quantization.get('fmt')!r} is not supported (kestrel reads e4m3)")
     block = quantization.get("weight_block_size")
-    if block is None:
-        return Fp8Scheme()
-    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise KestrelError(f"{where}: weight_block_size must be two positive integers, got {block!r}")
-    return Fp8Scheme((block[0], block[1]))
+    return Fp8Scheme(None if block is None else _block(block, f"{where}: weight_block_size"))
+
+
+def _block(block: Any, what: str) -> tuple[int, int]:
+    """A config's block of weights [rows, columns]: two positive integers (``True`` is an int to Python, not to a
+    block), else ``what`` is refused."""
+    if not (isinstance(block, list) and len(block) == 2 and all(is_int(b) and b > 0 for b in block)):
+        raise KestrelError(f"{what} must be two positive integers, got {block!r}")
+    return int(block[0]), int(block[1])
 
 
 def dequantize_fp8(codes: np.ndarray, scale: np.ndarray, scheme: Fp8Scheme, where: str) -> np.ndarray:
@@ -88,7 +101,7 @@ def dequantize_fp8(codes: np.ndarray, scale: np.ndarray, scheme: Fp8Scheme, wher
         bn, bk = scheme.block  # each weight times its block's scale (a block may be larger than the weight)
         w *= scale[np.arange(n) // bn][:, np.arange(k) // bk]
     else:
-        block = f"blocks of {list(scheme.block)}" if scheme.block else "no weight_block_size"
+        block = f"blocks of {list(scheme.block)}" if scheme.block else "no block size in quantization_config"
         raise KestrelError(f"{where}: scale of shape {list(scale.shape)} does not fit a weight of shape [{n}, {k}] "
                            f"({block})")
     return w

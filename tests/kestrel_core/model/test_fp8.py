@@ -1,5 +1,6 @@
 """FP8 checkpoints (model/fp8.py): tiny-qwen3 with its projections as float8 E4M3 codes and float32 scales, as
-transformers' ``fp8`` (blocks, or one scale a tensor) and compressed-tensors (one a row) store them, written here
+transformers' ``fp8`` (blocks, or one scale a tensor) and compressed-tensors (one a row, or blocks: llm-compressor's
+FP8_BLOCK) store them, written here
 with ml_dtypes' float8 as the reference encoder and decoder. kestrel's weights are the reference decoding times
 the scales exactly, so its logits are those of the same weights saved as float32; what it cannot read is one line.
 """
@@ -30,7 +31,7 @@ E4M3_MAX = 448.0
 def _scales(w: np.ndarray, scheme: str) -> np.ndarray:
     """float32 scales of ``w`` [N, K]: blocks of 32 x 32, one a row, or one for the tensor (amax / 448)."""
     n, k = w.shape
-    if scheme == "block":
+    if scheme.endswith("block"):
         pad = np.zeros((math.ceil(n / 32) * 32, math.ceil(k / 32) * 32), np.float32)
         pad[:n, :k] = np.abs(w)
         amax = pad.reshape(pad.shape[0] // 32, 32, pad.shape[1] // 32, 32).max(axis=(1, 3))
@@ -42,14 +43,14 @@ def _scales(w: np.ndarray, scheme: str) -> np.ndarray:
 
 
 def _spread(scale: np.ndarray, shape: tuple[int, int], scheme: str) -> np.ndarray:
-    if scheme != "block":
+    if not scheme.endswith("block"):
         return np.broadcast_to(scale, shape)
     return np.repeat(np.repeat(scale, 32, axis=0), 32, axis=1)[:shape[0], :shape[1]]
 
 
 def make_fp8(fmt: SimpleNamespace, dst: Path, scheme: str) -> Path:
-    """tiny-qwen3 with every projection FP8 (``scheme``: block, tensor, row), and beside it ``dst``-f32 holding the
-    reference decoding of the same weights as float32."""
+    """tiny-qwen3 with every projection FP8 (``scheme``: block, tensor, row, ct-block), and beside it ``dst``-f32
+    holding the reference decoding of the same weights as float32."""
     shutil.copytree(SOURCE, dst)
     ref = dst.with_name(dst.name + "-f32")
     shutil.copytree(SOURCE, ref)
@@ -64,7 +65,7 @@ def make_fp8(fmt: SimpleNamespace, dst: Path, scheme: str) -> Path:
         scale = _scales(t, scheme)
         codes = (t / _spread(scale, t.shape, scheme)).astype(ml_dtypes.float8_e4m3fn)
         fp8[name] = ("F8_E4M3", codes.view(np.uint8))
-        suffix = "_scale" if scheme == "row" else "_scale_inv"
+        suffix = "_scale_inv" if scheme in ("block", "tensor") else "_scale"
         fp8[name + suffix] = ("F32", scale)
         decoded[name] = codes.astype(np.float32) * _spread(scale, t.shape, scheme)
     fmt.write_raw_safetensors(dst / "model.safetensors", fp8)
@@ -75,6 +76,9 @@ def make_fp8(fmt: SimpleNamespace, dst: Path, scheme: str) -> Path:
         "tensor": {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": None},
         "row": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
             "group_0": {"targets": ["Linear"], "weights": {"type": "float", "num_bits": 8, "strategy": "channel"}}}},
+        "ct-block": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": {"type": "float", "num_bits": 8, "strategy": "block",
+                                                            "block_structure": [32, 32], "symmetric": True}}}},
     }[scheme]
     (dst / "config.json").write_text(json.dumps(cfg))
     return ref
@@ -85,7 +89,7 @@ def test_the_e4m3_table_is_ml_dtypes_decoding() -> None:
     np.testing.assert_array_equal(E4M3_VALUES, codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
 
 
-@pytest.mark.parametrize("scheme", ["block", "tensor", "row"])
+@pytest.mark.parametrize("scheme", ["block", "tensor", "row", "ct-block"])
 def test_an_fp8_checkpoint_is_its_weights_decoded(fmt: SimpleNamespace, tmp_path: Path, scheme: str) -> None:
     ref = make_fp8(fmt, tmp_path / "fp8", scheme)
     fp8, f32 = HFCheckpoint(tmp_path / "fp8"), HFCheckpoint(ref)
@@ -96,6 +100,14 @@ def test_an_fp8_checkpoint_is_its_weights_decoded(fmt: SimpleNamespace, tmp_path
         assert np.array_equal(a.logits(ids), b.logits(ids))
 
 
+def _ct_block(rows: object, **more: list[int]) -> dict:
+    """compressed-tensors FP8 weights in blocks of ``rows`` x 32 (group g), and of each of ``more``'s groups."""
+    weights = {"type": "float", "num_bits": 8, "strategy": "block"}
+    groups = {"g": {"weights": {**weights, "block_structure": None if rows is None else [rows, 32]}},
+              **{name: {"weights": {**weights, "block_structure": block}} for name, block in more.items()}}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": groups}
+
+
 @pytest.mark.parametrize(("change", "says"), [
     (lambda c: {**c, "quantization_config": {"quant_method": "hqq"}}, r"quant_method 'hqq' is not supported"),
     (lambda c: {**c, "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
@@ -104,6 +116,14 @@ def test_an_fp8_checkpoint_is_its_weights_decoded(fmt: SimpleNamespace, tmp_path
     (lambda c: {**c, "quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}},
      r"q_proj.weight: scale of shape \[8, 2\] does not fit a weight of shape \[256, 64\] \(blocks of \[64, 64\]\)"),
     (lambda c: {k: v for k, v in c.items() if k != "quantization_config"}, r"is FP8, but config.json has no FP8"),
+    (lambda c: {**c, "quantization_config": {"quant_method": "fp8", "weight_block_size": [True, 32]}},
+     r"weight_block_size must be two positive integers, got \[True, 32\]"),
+    (lambda c: {**c, "quantization_config": _ct_block(True)},
+     r"group 'g' block_structure must be two positive integers, got \[True, 32\]"),
+    (lambda c: {**c, "quantization_config": _ct_block(None)},
+     r"group 'g' block_structure must be two positive integers, got None"),
+    (lambda c: {**c, "quantization_config": _ct_block(32, h=[64, 64])},
+     r"groups' block_structure differ \(\[32, 32\], \[64, 64\]\)"),
 ])
 def test_what_an_fp8_checkpoint_cannot_be_is_one_line(fmt: SimpleNamespace, tmp_path: Path, change,  # noqa: ANN001
                                                       says: str) -> None:
