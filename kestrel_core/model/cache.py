@@ -41,8 +41,8 @@ MODEL_CACHE_ENV = "KESTREL_MODEL_CACHE"  # 0 (off, no, false): never cache Huggi
 RENAMED_ENV = {"KESTREL_HF_CACHE": MODEL_CACHE_ENV}
 HF_KEY_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
                 "tokenizer_config.json", "chat_template.jinja", "modules.json")
-KEY_SCHEME = "kestrel-hf-cache-5"  # bump when what goes into a directory's key, or what is read of it, changes
-GGUF_KEY_SCHEME = "kestrel-gguf-cache-4"
+KEY_SCHEME = "kestrel-hf-cache-6"  # bump when what goes into a directory's key, or what is read of it, changes
+GGUF_KEY_SCHEME = "kestrel-gguf-cache-5"
 
 
 def cache_dir() -> Path:
