@@ -20,6 +20,7 @@ from rich.text import Text
 
 import kestrel_core
 from kestrel_core.console import err, out
+from kestrel_core.entry import INTERRUPTED_EXIT, interrupted
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import KV_TYPES, POOLINGS
 from kestrel_core.model.reasoning import THINK_LEVELS
@@ -357,6 +358,12 @@ def _finish_cache_writes(cancel: bool = False) -> None:
         loader.finish_cache_writes(cancel=cancel)
 
 
+def _interrupted() -> int:
+    _finish_cache_writes(cancel=True)
+    err.print("interrupted")
+    return INTERRUPTED_EXIT
+
+
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s",
@@ -374,22 +381,25 @@ def _main(argv: Sequence[str] | None) -> int:
         with default_options(args.backend_options):  # every Registry this command builds opens with them
             return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        _finish_cache_writes(cancel=True)
-        err.print("interrupted")
-        return 130
+        return _interrupted()
     except BrokenPipeError:  # the reader left (``kestrel run ... | head``): stop quietly, as a killed writer does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
         return 128 + signal.SIGPIPE
-    except (KestrelError, OSError) as exc:
+    except (KestrelError, OSError, MemoryError) as exc:
         if args.verbose:
             err.print_exception()
-        err.print(Text.assemble(("error:", "red"), f" {exc}"), soft_wrap=True)
+        if interrupted():  # the error is what an interrupt dropped in a callback left (numba's cache save)
+            return _interrupted()
+        said = f" not enough memory: {exc}" if isinstance(exc, MemoryError) else f" {exc}"  # numpy's says how much
+        err.print(Text.assemble(("error:", "red"), said), soft_wrap=True)
         return 2
     except BaseException as exc:  # an unexpected bug (a Rust extension's panic too): still one line unless -v
         if isinstance(exc, SystemExit):
             raise
         if args.verbose:
             err.print_exception()
+        if interrupted():
+            return _interrupted()
         err.print(Text.assemble(("error:", "red"), f" {type(exc).__name__}: {exc} (run with -v for the traceback)"),
                   soft_wrap=True)
         return 1

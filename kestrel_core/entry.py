@@ -36,6 +36,11 @@ def interrupt_handled() -> None:
     _interrupts = 0
 
 
+def interrupted() -> bool:
+    """Whether a SIGINT came since the command started (or since it last handled one)."""
+    return _interrupts > 0
+
+
 def note_interrupts() -> None:
     """Count SIGINTs while raising KeyboardInterrupt as Python's own handler does (when that one is installed;
     a handler someone else installed stays)."""

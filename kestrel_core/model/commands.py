@@ -321,6 +321,7 @@ def chat(args: argparse.Namespace) -> int:
             err.print('type a message (several lines between two lines of """); /exit or Ctrl-D ends, /reset starts '
                       "over, Ctrl-C stops an answer")
         messages: list[dict[str, str]] = []
+        refused = False  # a message refused: a session read from a pipe or file then ends as failed
         while True:
             line = _chat_message(interactive)
             if line is None or line in ("/exit", "/quit"):
@@ -335,7 +336,8 @@ def chat(args: argparse.Namespace) -> int:
             if len(ids) + 1 > engine.config.max_position:
                 messages.pop()
                 err.print(f"error: the conversation has {len(ids)} tokens; the model's context is "
-                          f"{engine.config.max_position} (/reset to start over)")
+                          f"{engine.config.max_position} (/reset to start over)", soft_wrap=True)
+                refused = True
                 continue
             try:
                 reply, tokens, _, finish = _stream(engine, ids, args, sys.stdout, reader=reader)
@@ -351,7 +353,7 @@ def chat(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             _say_if_the_context_ended(engine, finish, tokens, args)
             messages.append({"role": "assistant", "content": reply.strip()})
-    return 0
+    return 2 if refused and not interactive else 0
 
 
 def _chat_line(interactive: bool, prompt: str) -> str | None:

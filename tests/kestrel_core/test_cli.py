@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -214,6 +215,36 @@ def test_a_ctrl_c_native_code_swallows_still_ends_as_interrupted() -> None:
     done = subprocess.run([sys.executable, "-c", SWALLOWED_INTERRUPT], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "ran on", done.stdout + done.stderr
     assert done.returncode == 130 and done.stderr.strip() == "interrupted", done.stderr
+
+
+@pytest.mark.parametrize("error", [RuntimeError("no compiled object yet"), OSError("cache write failed")])
+def test_an_error_an_interrupt_left_behind_is_interrupted(error: Exception, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A SIGINT dropped inside a callback (numba's compile) and the error it left (its cache save failing): the
+    command ends as "interrupted", exit 130, not as an error line."""
+    from kestrel_core import cli, entry
+
+    def interrupted_run(args: Any) -> int:
+        monkeypatch.setattr(entry, "_interrupts", 1)
+        raise error
+
+    monkeypatch.setattr(cli, "cmd_run", interrupted_run)
+    assert cli.main(["run", "hi"]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
+
+
+def test_running_out_of_memory_is_one_line_saying_so(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A model larger than the machine's memory: numpy's MemoryError, said as what it is, exit 2."""
+    from kestrel_core import cli
+
+    def too_big(args: Any) -> int:
+        raise MemoryError("Unable to allocate 65.7 GiB for an array with shape (80, 8192, 28672)")
+
+    monkeypatch.setattr(cli, "cmd_run", too_big)
+    assert cli.main(["run", "hi"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: not enough memory: Unable to allocate 65.7 GiB for an array "
+                                               "with shape (80, 8192, 28672)")
 
 
 DROPPED_INTERRUPT = """

@@ -236,9 +236,13 @@ def test_a_prompt_on_stdin_is_the_prompt_without_its_last_newline(capsys, monkey
 
 
 def test_chat_survives_a_turn_longer_than_the_context(capsys, monkeypatch) -> None:
+    """The session goes on with the next message; read from a pipe, it ends as failed (exit 2). The error is one
+    line, however narrow stderr is."""
     monkeypatch.setattr("sys.stdin", io.StringIO("y" * 120 + "\nhi\n"))
     code, out, err = _run(capsys, "chat", "--preset", "tiny", "-n", "2")
-    assert code == 0 and "context is 96" in err and out.count("\n") == 1
+    assert code == 2 and out.count("\n") == 1  # the second message answered
+    (line,) = [line for line in err.splitlines() if "context is 96" in line]
+    assert line.startswith("error: the conversation has") and line.endswith("(/reset to start over)")
 
 
 def test_quantize_refuses_to_overwrite(capsys, tmp_path) -> None:
