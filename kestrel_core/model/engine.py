@@ -290,6 +290,16 @@ class Engine:
         seq.cache.truncate(length)
         seq.device_len = min(seq.device_len, length)
 
+    def device_ran_ahead(self, seq: SeqState) -> None:
+        """The device may hold positions of ``seq`` past ``device_len``: its pipelined greedy decode was left after
+        running steps ahead. A backend that computes positions again from an earlier start (API 1.6) is offered
+        the next step from ``device_len``; any other is never offered a start below what it holds: it forgets the
+        sequence, and is offered it again from the end of a prefix it shares (else from position 0)."""
+        info = self.backend.info
+        if info is None or tuple(info.api_version) < (1, 6):
+            self.offload.release_sequence(seq.seq_id)
+            seq.device_len = seq.shared
+
     def release(self, seq: SeqState) -> None:
         """Forget a sequence: its device state and its host KV blocks."""
         self.offload.release_sequence(seq.seq_id)

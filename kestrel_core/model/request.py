@@ -77,6 +77,14 @@ class Request:
         done = len(self.seq.tokens) if self.seq is not None else 0
         return len(self.prompt_ids) + len(self.output_ids) - done
 
+    def stop_device_decode(self) -> bool:
+        """Close the backend's pipelined greedy decode of this request; whether one was running."""
+        tokens, self._device_tokens = self._device_tokens, None
+        close = getattr(tokens, "close", None)
+        if close is not None:
+            close()
+        return tokens is not None
+
 
 def checked_prompt(engine: Any, pool: Any, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
     """``prompt_ids`` as a list; InvalidRequest for a request ``engine`` (its KV ``pool``) can never run, before

@@ -441,7 +441,7 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        self._drop_device(request)
+        request.stop_device_decode()
         self.engine.release(request.seq)
         request.seq = None
         request.status = WAITING
@@ -515,7 +515,7 @@ class Scheduler:
                              request.stop_reason if request.finished else None, text_offsets=offsets)
 
     def _finish(self, request: Request, reason: str) -> None:
-        self._drop_device(request)
+        request.stop_device_decode()
         if request.seq is not None:
             if self._running_step is not None and any(r is request for r, _, _ in self._running_step[0]):
                 self._held.append(request.seq)  # the running step still uses it
@@ -552,7 +552,7 @@ class Scheduler:
                 self.engine.model, seq.seq_id, request.output_ids[-1], len(seq.tokens), steps, c.vocab_size)
         nxt = next(request._device_tokens, None) if request._device_tokens is not None else None
         if nxt is None:  # declined, or ended: step by step from here on
-            request._device_tokens = None
+            self._drop_device(request)
             return self.step()
         if not self.pool.reserve(seq.cache, len(seq.tokens) + 1):
             self._drop_device(request)
@@ -591,10 +591,9 @@ class Scheduler:
             self.engine.release(seq)
 
     def _drop_device(self, request: Request, offer_again: bool = False) -> None:
-        """Stop ``request``'s pipelined greedy decode (``offer_again``: left for other steps, not declined)."""
+        """Stop ``request``'s pipelined greedy decode, its sequence going on from what the device is known to hold
+        (``Engine.device_ran_ahead``); ``offer_again``: left for other steps, not declined."""
         if offer_again:
             request._device_offered = False
-        tokens, request._device_tokens = request._device_tokens, None
-        close = getattr(tokens, "close", None)
-        if close is not None:
-            close()
+        if request.stop_device_decode():
+            self.engine.device_ran_ahead(request.seq)

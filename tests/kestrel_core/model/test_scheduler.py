@@ -353,3 +353,112 @@ def test_an_embedding_holding_the_room_does_not_cut_a_generation_short(embedding
                         embedding = False
         assert engine.pool.free_blocks == engine.pool.num_blocks
     assert got == alone and request.finish_reason == "length" and request.preemptions >= 1
+
+
+# A whole-step backend over the host decoder, declaring API {api}, whose pipelined greedy decode runs a step ahead of
+# its consumer (as docs/plugins.md allows) and which runs each step's tokens after what it holds of the sequence,
+# trusting the engine never to offer it a start below that: every such offer is recorded in BELOW.
+RUN_AHEAD_BACKEND = '''
+import numpy as np
+from kestrel_core import BackendInfo, hookimpl
+from kestrel_core.dispatch import Offload
+from kestrel_core.model.decoder import Decoder
+from kestrel_core.registry import Registry
+from kestrel_cpu import kestrel_close, kestrel_gemm_f32, kestrel_gemm_q8, kestrel_open  # noqa: F401
+
+_cpu = Registry().cpu()
+STATE = {{}}
+BELOW = []  # (hook, seq_id, start, positions held)
+RELEASED = []
+
+
+@hookimpl
+def kestrel_backend_info():
+    return BackendInfo("runahead", "1", "{api}", "gpu")
+
+
+def _cache(model, seq_id, start, hook):
+    if STATE.get("model") is not model:
+        STATE.clear()
+        STATE.update(model=model, decoder=Decoder(model, Offload(_cpu, _cpu)), caches={{}})
+    caches = STATE["caches"]
+    if seq_id not in caches:
+        caches[seq_id] = STATE["decoder"].new_cache()
+    if start < caches[seq_id].length:
+        BELOW.append((hook, seq_id, start, caches[seq_id].length))
+    return STATE["decoder"], caches[seq_id]
+
+
+@hookimpl
+def kestrel_forward_batch(device, model, batch):
+    work = []
+    for e in batch:
+        decoder, cache = _cache(model, e.seq_id, e.start, "forward_batch")
+        if e.start > cache.length:
+            return None
+        work.append((cache, np.asarray(e.tokens), e.logit_rows))
+    return [np.array(o, np.float32) for o in decoder.forward_batch(work)]
+
+
+@hookimpl
+def kestrel_decode_greedy(device, model, seq_id, token, start, count):
+    decoder, cache = _cache(model, seq_id, start, "decode_greedy")
+    if start != cache.length:
+        return None
+
+    def run(tok):
+        return int(np.argmax(decoder.forward_batch([(cache, np.array([tok], np.int64), 1)])[0][0]))
+
+    def ahead():
+        nxt = run(token)
+        for i in range(count):
+            cur = nxt
+            if i + 1 < count:
+                nxt = run(cur)
+            yield cur
+    return ahead()
+
+
+@hookimpl
+def kestrel_release_sequence(device, seq_id):
+    RELEASED.append(seq_id)
+    cache = STATE.get("caches", {{}}).pop(seq_id, None)
+    if cache is not None:
+        cache.release()
+'''
+
+
+@pytest.mark.parametrize("api", ["1.2", "1.5"])
+@pytest.mark.parametrize("leave", ["join", "drain"])
+def test_a_pipelined_decode_left_behind_never_rewinds_a_backend_before_1_6(model, tmp_path, monkeypatch, api: str,
+                                                                            leave: str) -> None:
+    """A lone greedy request's decode runs a step ahead on the device; another request joins (or the scheduler is
+    drained, as the server does before other work), which leaves it. A backend below API 1.6 was never promised a
+    start below what it holds: the sequence is released on it and run again from its first position. Both
+    requests give the tokens they give alone on the CPU."""
+    (tmp_path / "runahead.py").write_text(RUN_AHEAD_BACKEND.format(api=api))
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "runahead.py"))
+    first, second = _prompts(2, model.config.vocab_size, seed=8)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    with kestrel_core.load(model, backend="cpu") as cpu:
+        want = [_alone(cpu, p, params) for p in (first, second)]
+    with kestrel_core.load(model, backend="runahead") as engine:
+        plugin = engine.backend.plugin
+        scheduler = Scheduler(engine)
+        lone = scheduler.add(first, params)
+        got = {lone.request_id: []}
+        while len(got[lone.request_id]) < 8:
+            for out in scheduler.step():
+                got[out.request_id] += out.new_token_ids
+        assert lone._device_tokens is not None  # its decode runs ahead on the device
+        if leave == "drain":
+            for out in scheduler.drain():
+                got[out.request_id] += out.new_token_ids
+            assert lone.seq.seq_id in plugin.RELEASED
+        joined = scheduler.add(second, params)
+        got[joined.request_id] = []
+        for request_id, tokens in _run_all(scheduler, [lone, joined]).items():
+            got[request_id] += tokens
+        assert plugin.BELOW == []
+        assert [got[lone.request_id], got[joined.request_id]] == want
+        assert engine.stats["offload"]["kestrel_decode_greedy"]["accepted"] >= 1
