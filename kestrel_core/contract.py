@@ -91,23 +91,28 @@ class StripCache:
 
 
 def read_only_view(array: np.ndarray) -> np.ndarray:
-    """``array`` as a view that cannot be written through."""
-    view = array.view()
-    view.flags.writeable = False
-    return view
+    """``array`` as a view that cannot be written through, nor made writable: its buffer is a read-only
+    memoryview of ``array``'s memory (numpy refuses ``flags.writeable = True`` on an array over a read-only
+    buffer, which it allows on a plain view of a writable array). No element is copied."""
+    return np.asarray(memoryview(array).toreadonly())
 
 
 _READ_ONLY_STRIPS: weakref.WeakKeyDictionary[StripCache, StripCache] = weakref.WeakKeyDictionary()
+_READ_ONLY_TWINS: weakref.WeakSet[StripCache] = weakref.WeakSet()
 
 
 def read_only_strip(weight: StripCache) -> StripCache:
     """``weight`` over read-only views of its codes and scales: what backends are handed (the GEMM hooks,
-    ``engine_weights``), one object a weight so that a backend may know it again; the model's own arrays stay
-    as they are, which the CPU kernels are compiled for."""
+    ``engine_weights``, the whole-step hooks' model), one object a weight so that a backend may know it again
+    (a twin given back is its own twin); the model's own arrays stay as they are, which the CPU kernels are
+    compiled for."""
+    if weight in _READ_ONLY_TWINS:
+        return weight
     twin = _READ_ONLY_STRIPS.get(weight)
     if twin is None:
         twin = _READ_ONLY_STRIPS[weight] = StripCache(read_only_view(weight.codes), read_only_view(weight.scales),
                                                       weight.group_size, weight.bits, check_range=False)
+        _READ_ONLY_TWINS.add(twin)
     return twin
 
 

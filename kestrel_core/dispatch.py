@@ -22,6 +22,7 @@ from numpy.lib.array_utils import byte_bounds
 from kestrel_core.batch import BatchEntry, id_range
 from kestrel_core.contract import StripCache, gemm_flops, quantize_activations, read_only_strip, read_only_view
 from kestrel_core.errors import safe_text
+from kestrel_core.model.weights import Model, read_only_model
 from kestrel_core.registry import FORCE_CPU_ENV, Backend, force_cpu
 
 log = logging.getLogger("kestrel")
@@ -80,6 +81,7 @@ class Offload:
         self.counters: dict[str, HookCounters] = {}
         self._reported: set[tuple[str, str]] = set()
         self._callers: dict[tuple[str, str], Callable[..., Any] | None] = {}
+        self._shown: tuple[Model, Model] | None = None  # (the engine's model, the read-only twin backends get)
 
     def _caller(self, backend: Backend, hook: str) -> Callable[..., Any] | None:
         """The backend's implementation of ``hook`` as a plain call, or None if it has none.
@@ -263,6 +265,15 @@ class Offload:
 
     # -- model-level hooks ---------------------------------------------------------------------------
 
+    def _model(self, model: Any) -> Any:
+        """``model`` as the backend is handed it: its read-only twin (``read_only_model``), one object a model so
+        that a backend may know it again."""
+        if not isinstance(model, Model):
+            return model
+        if self._shown is None or self._shown[0] is not model:
+            self._shown = (model, read_only_model(model))
+        return self._shown[1]
+
     def layer_boundary(self, layer: int) -> None:
         boundary = None if self.on_cpu else self._caller(self.backend, "kestrel_layer_boundary")
         if boundary is not None:
@@ -272,7 +283,7 @@ class Offload:
         """Preload runs even under KESTREL_FORCE_CPU: the device stays initialised, uploads happen."""
         if not self.on_cpu and self.backend.implements("kestrel_preload"):
             self._called("kestrel_preload", lambda: self.backend.hook.kestrel_preload(device=self.backend.device,
-                                                                                       model=model))
+                                                                                       model=self._model(model)))
 
     def forward_supports(self, model: Any) -> bool:
         """Whether the backend's whole steps may be offered ``model`` (``kestrel_forward_supports``): only a
@@ -280,7 +291,7 @@ class Offload:
         if self.on_cpu or not self.backend.implements("kestrel_forward_supports"):
             return True
         return self._called("kestrel_forward_supports", lambda: self.backend.hook.kestrel_forward_supports(
-            device=self.backend.device, model=model)) is not False
+            device=self.backend.device, model=self._model(model))) is not False
 
     def forward(self, model: Any, seq_id: int, tokens: np.ndarray, start: int, all_logits: bool,
                 vocab: int) -> np.ndarray | None:
@@ -290,7 +301,7 @@ class Offload:
             return None
         rows = len(tokens) if all_logits else 1
         return self._offer("kestrel_forward", 0,
-                           lambda: forward(model=model, seq_id=seq_id, tokens=tokens, start=start,
+                           lambda: forward(model=self._model(model), seq_id=seq_id, tokens=tokens, start=start,
                                            all_logits=all_logits),
                            lambda r: _check_array(r, (rows, vocab)))
 
@@ -302,7 +313,7 @@ class Offload:
         forward = None if self.on_cpu else self._caller(self.backend, "kestrel_forward_batch")
         if forward is None:
             return None
-        out = self._offer("kestrel_forward_batch", 0, lambda: forward(model=model, batch=list(batch)),
+        out = self._offer("kestrel_forward_batch", 0, lambda: forward(model=self._model(model), batch=list(batch)),
                           lambda r: _check_batch(r, batch, vocab), deferrable=True)
         if out is None or isinstance(out, Deferred):
             return out
@@ -316,8 +327,8 @@ class Offload:
         decode = None if self.on_cpu else self._caller(self.backend, hook)
         if decode is None:
             return None
-        tokens = self._offer(hook, 0, lambda: decode(model=model, seq_id=seq_id, token=token, start=start,
-                                                     count=count),
+        tokens = self._offer(hook, 0, lambda: decode(model=self._model(model), seq_id=seq_id, token=token,
+                                                     start=start, count=count),
                              _check_iterator)
         return None if tokens is None else self._checked_tokens(hook, tokens, vocab)
 

@@ -272,9 +272,7 @@ def _rerun_argmax_only(backend: Backend, model: Any, first_seq: int, script_toks
     """BATCH_SCRIPT again, on fresh sequences (the first run's released, its blocks reused), every entry
     marked argmax_only: token ids returned must be the argmax of the logits the first run returned. What is
     wrong, or ""."""
-    if backend.implements("kestrel_release_sequence"):
-        for s in range(3):
-            backend.hook.kestrel_release_sequence(device=backend.device, seq_id=first_seq + s)
+    _release(backend, (), range(first_seq, first_seq + 3))
     starts = dict.fromkeys(range(3), 0)
     at = 0
     for step, toks in zip(BATCH_SCRIPT, script_toks):
@@ -320,12 +318,7 @@ def _fed_steps(backend: Backend, model: Any, first_seq: int, caches: dict[int, A
         out = out() if callable(out) else out
         return None if out is None else [greedy_token(o) for o in out]
 
-    def release(seqs: range) -> None:
-        if backend.implements("kestrel_release_sequence"):
-            for seq in seqs:
-                backend.hook.kestrel_release_sequence(device=backend.device, seq_id=seq)
-
-    release(range(first_seq, first_seq + 6))
+    _release(backend, (), range(first_seq, first_seq + 6))
     fed_seq, ref_seq = first_seq + 6, first_seq + 8
     first = offer([entry(fed_seq + i, i, p, 0) for i, p in enumerate(prompts)])
     if not callable(first):
@@ -333,13 +326,13 @@ def _fed_steps(backend: Backend, model: Any, first_seq: int, caches: dict[int, A
     second = offer([entry(fed_seq + i, i, np.array([-1]), len(p), True) for i, p in enumerate(prompts)])
     got_first = done(first)
     got_second = done(second) if second is not None else None
-    release(range(fed_seq, fed_seq + 2))
+    _release(backend, (), range(fed_seq, fed_seq + 2))
     if got_second is None or got_first is None:
         return ""
     want_first = done(offer([entry(ref_seq + i, i, p, 0) for i, p in enumerate(prompts)]))
     want_second = None if want_first is None else done(
         offer([entry(ref_seq + i, i, np.array([t]), len(p)) for i, (p, t) in enumerate(zip(prompts, want_first))]))
-    release(range(ref_seq, ref_seq + 2))
+    _release(backend, (), range(ref_seq, ref_seq + 2))
     if want_second is None:
         return ""
     if got_first != want_first or got_second != want_second:
@@ -449,11 +442,13 @@ def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str
     from kestrel_core.model.decoder import Decoder
     from kestrel_core.model.kv_pool import KVPool
     from kestrel_core.model.presets import synthetic_model
+    from kestrel_core.model.weights import read_only_model
 
     name = _batch_case_name(arch, quant, seed)
-    model = synthetic_model(_batch_config(arch), quant, seed=seed)
-    host = Decoder(model, Offload(cpu, cpu), KVPool.for_budget(model.config, 1))  # a pool of a few blocks
-    nudges = [Decoder(model, JitterOffload(cpu, seed + 100 * i)) for i in range(BATCH_NUDGES)]
+    own = synthetic_model(_batch_config(arch), quant, seed=seed)
+    host = Decoder(own, Offload(cpu, cpu), KVPool.for_budget(own.config, 1))  # a pool of a few blocks
+    nudges = [Decoder(own, JitterOffload(cpu, seed + 100 * i)) for i in range(BATCH_NUDGES)]
+    model = read_only_model(own)  # what the backend is handed, as in the engine
     rng = np.random.default_rng([seed, 7])
     caches = {s: host.new_cache() for s in range(3)}
     nudged_caches = [{s: nudged.new_cache() for s in range(3)} for nudged in nudges]
@@ -506,9 +501,7 @@ def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str
         if bad_ids:
             return CaseResult(name, FORWARD_BATCH, False, float("inf"), detail=bad_ids)
     finally:
-        if backend.implements("kestrel_release_sequence"):
-            for s in range(10):
-                backend.hook.kestrel_release_sequence(device=backend.device, seq_id=first_seq + s)
+        _release(backend, (), range(first_seq, first_seq + 10))
     got_v, ref_v = (np.concatenate([a.ravel() for a in x]).astype(np.float64) for x in (got_all, ref_all))
     if not np.all(np.isfinite(got_v)):
         return CaseResult(name, FORWARD_BATCH, False, float("inf"), detail="non-finite output")

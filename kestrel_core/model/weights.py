@@ -1,9 +1,9 @@
 """The in-memory model every backend sees: strip-caches for projections, float32 for the rest.
 
 This is the model view the whole-step hooks (``kestrel_preload``, ``kestrel_forward``,
-``kestrel_forward_batch``, ``kestrel_decode_greedy``) receive, and what a backend may rely on: ``Model``'s
-fields, ``LayerWeights``' fields and ``groups()``, ``ExpertWeights``, ``engine_weights``, ``PREFILL_CHUNK`` and
-``kestrel_core.model.rope.rope_tables`` (docs/plugins.md lists them). The model math is
+``kestrel_forward_batch``, ``kestrel_decode_greedy``) receive (as ``read_only_model``'s twin), and what a backend
+may rely on: ``Model``'s fields, ``LayerWeights``' fields and ``groups()``, ``ExpertWeights``, ``engine_weights``,
+``PREFILL_CHUNK`` and ``kestrel_core.model.rope.rope_tables`` (docs/plugins.md lists them). The model math is
 ``kestrel_core.model.decoder``'s. ``model_specs`` names every tensor of a config: the quantizer, the artifact
 and the synthetic presets all build a ``Model`` from it through ``assemble``.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kestrel_core.contract import StripCache, read_only_strip
+from kestrel_core.contract import StripCache, read_only_strip, read_only_view
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.wkey import (
     ATTENTION_GROUPS,
@@ -202,6 +202,15 @@ def engine_weights(model: Model) -> list[tuple[int, tuple[StripCache, ...]]]:
             out += [(group.key(i, e), strips) for group, strips in zip(MLP_GROUPS, ex.groups())]
     out.append((lm_head_wkey(), (model.lm_head,)))
     return [(key, tuple(read_only_strip(w) for w in strips)) for key, strips in out]
+
+
+def read_only_model(model: Model) -> Model:
+    """``model`` as the whole-step hooks and ``kestrel_preload`` are handed it: a ``Model`` of its own (its layers,
+    its fields) over read-only views of the same arrays, its weights ``read_only_strip``'s twins, so that a backend
+    can change neither the weights nor the norms the host computes from. No element is copied."""
+    tensors = {name: read_only_strip(t) if isinstance(t, StripCache) else read_only_view(t)
+               for name, t in model_tensors(model).items()}
+    return assemble(model.config, tensors)
 
 
 # -- the tensors of a config ---------------------------------------------------------------------------------

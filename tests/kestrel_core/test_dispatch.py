@@ -366,3 +366,105 @@ def test_decoded_tokens_are_taken_only_as_plain_integers(nonfinite) -> None:
     reasons = offload.stats()["kestrel_decode_greedy"]["declined_reasons"]
     assert reasons == {"bad result: a token of type Sly": 1, "bad result: a token of type bool": 1,
                        "bad result: a token of type _ClassExits": 1}
+
+
+# Writes into what it is handed ("silencing a warning": flags.writeable = True, then zeros), then declines: the
+# CPU computes from the same arrays. Each refusal numpy gives is recorded in REFUSED, each model it sees in MODELS.
+SCRIBBLER = '''
+from kestrel_core import API_VERSION, BackendInfo, hookimpl
+from kestrel_cpu import kestrel_close, kestrel_open  # noqa: F401
+REFUSED, MODELS = [], []
+
+
+@hookimpl
+def kestrel_backend_info():
+    return BackendInfo("scribbler", "1", API_VERSION, "gpu")
+
+
+def scribble(*arrays):
+    for a in arrays:
+        try:
+            a.flags.writeable = True
+            a[...] = 0
+        except ValueError as exc:
+            REFUSED.append(str(exc))
+
+
+@hookimpl
+def kestrel_gemm_q8(a_codes, a_scales, weight):
+    scribble(a_codes, a_scales, weight.codes, weight.scales)
+
+
+@hookimpl
+def kestrel_gemm_f32(a, weight):
+    scribble(a, weight.codes, weight.scales)
+
+
+def scribble_model(model):
+    MODELS.append(model)
+    layer = model.layers[0]
+    scribble(model.final_norm, layer.attn_norm, layer.mlp_norm, model.embedding.codes, layer.q.scales)
+
+
+@hookimpl
+def kestrel_preload(model):
+    scribble_model(model)
+
+
+@hookimpl
+def kestrel_forward_batch(model, batch):
+    scribble_model(model)
+'''
+
+
+def _scribbler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "scribbler.py").write_text(SCRIBBLER)
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "scribbler.py"))
+
+
+def test_gemm_inputs_and_weights_cannot_be_made_writable(tmp_path, monkeypatch) -> None:
+    """The read-only views a GEMM hook gets refuse ``flags.writeable = True``: the CPU computes the declined GEMM
+    from the very inputs and weights (numpy's reference result), and the weights stay as they were."""
+    _scribbler(tmp_path, monkeypatch)
+    reg = Registry()
+    offload = Offload(reg.select("scribbler"), reg.cpu())
+    x, ws = _weights(5)
+    w = ws[0]
+    codes, scales, x_before = w.codes.copy(), w.scales.copy(), x.copy()
+    a_codes, a_scales = quantize_activations(x, 32)
+    want = reference_gemm_q8(a_codes, a_scales, w)
+    np.testing.assert_array_equal(offload.gemm_q8(a_codes, a_scales, w, 1), want)
+    np.testing.assert_array_equal(offload.gemm_f32(x, w, 1), Offload(reg.cpu(), reg.cpu()).gemm_f32(x_before, w, 1))
+    assert np.array_equal(w.codes, codes) and np.array_equal(w.scales, scales) and np.array_equal(x, x_before)
+    assert np.array_equal(a_codes, quantize_activations(x_before, 32)[0])
+    assert len(reg.backends["scribbler"].plugin.REFUSED) == 4 + 3  # every write refused
+    reg.close()
+
+
+def test_the_model_the_whole_step_hooks_get_is_read_only_and_shares_the_engines_memory(tmp_path, monkeypatch) -> None:
+    """``kestrel_preload`` and ``kestrel_forward_batch`` get one model, the engine's read-only twin: a backend that
+    writes into its norms or weights, then declines every step, leaves the engine's answer the CPU's. The twin's
+    arrays are views of the engine's (no weight is copied), its weights the GEMM hooks' objects."""
+    from kestrel_core import engine_weights, load
+    from kestrel_core.contract import read_only_strip
+    from kestrel_core.model.presets import synthetic_model
+
+    from .model.conftest import make_tiny_config
+
+    _scribbler(tmp_path, monkeypatch)
+    model = synthetic_model(make_tiny_config("qwen3"), "q8", seed=4)
+    norm, codes = model.final_norm.copy(), model.embedding.codes.copy()
+    prompt = list(range(5, 17))
+    with load(model, backend="cpu", activations="q8") as cpu:
+        want = list(cpu.generate(prompt, max_tokens=6))
+    with load(model, backend="scribbler") as engine:
+        got = list(engine.generate(prompt, max_tokens=6))
+        seen = engine.backend.plugin.MODELS
+        assert engine.stats["offload"]["kestrel_forward_batch"]["offered"] >= 6
+    assert got == want
+    assert np.array_equal(model.final_norm, norm) and np.array_equal(model.embedding.codes, codes)
+    shown = seen[0]
+    assert shown is not model and all(m is shown for m in seen)
+    assert np.shares_memory(shown.final_norm, model.final_norm) and not shown.final_norm.flags.writeable
+    assert shown.embedding is read_only_strip(model.embedding) is shown.lm_head
+    assert all(a is b for (_, x), (_, y) in zip(engine_weights(shown), engine_weights(model)) for a, b in zip(x, y))
