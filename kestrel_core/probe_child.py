@@ -134,7 +134,8 @@ class _Stop(Exception):
 def _probe_in_child(msg: dict[str, Any]) -> None:
     from importlib.metadata import entry_points
 
-    from kestrel_core.registry import ENTRY_POINT_GROUP, Backend, _module_from_path, _short, _validate
+    from kestrel_core.guard import short
+    from kestrel_core.registry import ENTRY_POINT_GROUP, Backend, _module_from_path, _validate
 
     report = open(msg["report"], "w", encoding="utf-8")  # noqa: SIM115  (written phase by phase)
 
@@ -194,12 +195,12 @@ def _probe_in_child(msg: dict[str, Any]) -> None:
             try:
                 call()
             except BaseException as exc:  # caught in process too: only noted
-                stopped = stopped or f"{PHASES[phase]}: {_short(exc)}"
+                stopped = stopped or f"{PHASES[phase]}: {short(exc)}"
             watch(phase)
     except _Stop as stop:
         stopped = str(stop)
     except BaseException as exc:
-        stopped = f"{PHASES[phase]}: {_short(exc)}"
+        stopped = f"{PHASES[phase]}: {short(exc)}"
         watch(phase)
     lingering = _lingering_threads()
     if lingering:

@@ -32,7 +32,6 @@ import logging
 import math
 import os
 import re
-import signal
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ import pluggy
 from kestrel_core import hookspecs, probe
 from kestrel_core.env import backend_var, env_flag, env_float, env_str
 from kestrel_core.errors import BackendUnavailable, KestrelError, safe_repr, safe_text
+from kestrel_core.guard import plugin_call, short, took_signals
 from kestrel_core.hookspecs import KINDS as KINDS
 from kestrel_core.hookspecs import BackendInfo as BackendInfo
 from kestrel_core.model.validate import is_number
@@ -64,7 +64,6 @@ MARKER_SCAN_BYTES = 1 << 20
 NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
 MAX_NAME = 64  # characters of a backend's name
 OPTION_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
-WATCHED_SIGNALS = probe.WATCHED_SIGNALS
 
 
 @dataclass
@@ -315,15 +314,6 @@ def _fail(backend: Backend, reason: str) -> Backend:
     return backend
 
 
-def _short(exc: BaseException) -> str:
-    """One line for an exception (a plugin's sys.exit says so), whatever its ``__str__`` does."""
-    if isinstance(exc, SystemExit):
-        return f"SystemExit (the plugin called sys.exit({safe_repr(exc.code)}))"
-    name = type(exc).__name__ if isinstance(exc, Exception) else f"{type(exc).__name__} (a BaseException)"
-    text = safe_text(exc)
-    return f"{name}: {text}" if text else name
-
-
 def _validate(backend: Backend, check_name: bool = True) -> str | None:
     """Register into a private plugin manager and check it; returns a reason on failure."""
     pm = pluggy.PluginManager(hookspecs.PROJECT)
@@ -387,44 +377,6 @@ def _unpassed_arguments(pm: pluggy.PluginManager) -> str | None:
                 return (f"{caller.name} takes {star}{rest[0].name}, which no call fills: a hook gets the arguments "
                         "its parameters name (a decorator's wrapper needs functools.wraps)")
     return None
-
-
-def _signal_handlers() -> dict[int, Any]:
-    return {sig: signal.getsignal(sig) for sig in WATCHED_SIGNALS}
-
-
-def _restore_signals(before: dict[int, Any]) -> str:
-    """Put back any watched handler plugin code replaced; the names of those it had replaced."""
-    changed = []
-    for sig, handler in before.items():
-        now = signal.getsignal(sig)
-        if now is not handler and now != handler:
-            changed.append(signal.Signals(sig).name)
-            try:
-                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-            except (ValueError, OSError, TypeError):  # not the main thread: it stays refused all the same
-                pass
-    return ", ".join(changed)
-
-
-def _plugin_call(what: str, call: Callable[[], Any]) -> tuple[Any, BaseException | None, str]:
-    """Run plugin code in process: (result, the exception it raised, the signals it took over).
-    Everything is caught but a KeyboardInterrupt (the user's Ctrl-C)."""
-    before = _signal_handlers()
-    result, error = None, None
-    try:
-        result = call()
-    except KeyboardInterrupt:
-        _restore_signals(before)
-        raise
-    except BaseException as exc:  # a plugin's sys.exit or own BaseException must not end kestrel
-        error = exc
-        log.debug("plugin code in %s raised", what, exc_info=exc)
-    return result, error, _restore_signals(before)
-
-
-def _took_signals(what: str, names: str) -> str:
-    return f"{what} replaced the {names} handler (restored; kestrel must stay interruptible)"
 
 
 class Registry:
@@ -503,17 +455,17 @@ class Registry:
 
     def _import(self, backend: Backend, check_name: bool = True) -> Backend:
         """Phases 1-3 in process: import, register and validate, describe."""
-        plugin, error, took = _plugin_call("import", backend.load)
+        plugin, error, took = plugin_call("import", backend.load)
         if error is not None:
-            return _fail(backend, f"import failed: {_short(error)}")
+            return _fail(backend, f"import failed: {short(error)}")
         if took:
-            return _fail(backend, _took_signals("its import", took))
+            return _fail(backend, took_signals("its import", took))
         backend.plugin = plugin
-        reason, error, took = _plugin_call("kestrel_backend_info", lambda: _validate(backend, check_name))
+        reason, error, took = plugin_call("kestrel_backend_info", lambda: _validate(backend, check_name))
         if error is not None:
-            reason = f"validation failed: {_short(error)}"
+            reason = f"validation failed: {short(error)}"
         elif took:
-            reason = _took_signals("kestrel_backend_info", took)
+            reason = took_signals("kestrel_backend_info", took)
         return _fail(backend, reason) if reason else backend
 
     def describe(self, name: str) -> Backend:
@@ -533,19 +485,19 @@ class Registry:
         if backend.status != CANDIDATE:
             return backend
         opts = dict(self.options) if options is None else {**self.options, **check_options(options)}
-        device, error, took = _plugin_call("kestrel_open", lambda: backend.hook.kestrel_open(options=opts))
+        device, error, took = plugin_call("kestrel_open", lambda: backend.hook.kestrel_open(options=opts))
         if isinstance(error, BackendUnavailable):
             return _fail(backend, safe_text(error))
         if error is not None:
-            return _fail(backend, f"device open failed: {_short(error)}")
+            return _fail(backend, f"device open failed: {short(error)}")
         if took:
             backend.device = device
             self._close(backend)
-            return _fail(backend, _took_signals("kestrel_open", took))
+            return _fail(backend, took_signals("kestrel_open", took))
         if device is None:
             return _fail(backend, "kestrel_open returned no device handle")
         backend.device = device
-        description, error, _ = _plugin_call("the device's description",
+        description, error, _ = plugin_call("the device's description",
                                              lambda: str(getattr(device, "description", "") or ""))
         # a handle whose description raises (even sys.exit) is still a handle
         backend.device_description = safe_text(description) if error is None and description else backend.kind
@@ -580,11 +532,11 @@ class Registry:
         return self.cpu()
 
     def _close(self, backend: Backend) -> None:
-        _, error, took = _plugin_call("kestrel_close", lambda: backend.hook.kestrel_close(device=backend.device))
+        _, error, took = plugin_call("kestrel_close", lambda: backend.hook.kestrel_close(device=backend.device))
         if error is not None:
-            log.warning("backend %s failed to close: %s", backend.name, _short(error))
+            log.warning("backend %s failed to close: %s", backend.name, short(error))
         if took:
-            log.warning("backend %s: %s", backend.name, _took_signals("kestrel_close", took))
+            log.warning("backend %s: %s", backend.name, took_signals("kestrel_close", took))
 
     def close(self) -> None:
         for backend in self.backends.values():
