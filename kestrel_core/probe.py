@@ -73,7 +73,7 @@ PHASES = {
 @dataclass(frozen=True)
 class Target:
     """One candidate to probe: ``kind`` "path" (``spec`` a file or package directory) or "entry point"
-    (``spec`` the entry point's name); ``key`` names it in the cache."""
+    (``spec`` the entry point's value, ``module:attr``); ``key`` names it in the cache."""
 
     key: str
     name: str

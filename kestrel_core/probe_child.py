@@ -132,7 +132,7 @@ class _Stop(Exception):
 
 
 def _probe_in_child(msg: dict[str, Any]) -> None:
-    from importlib.metadata import entry_points
+    from importlib.metadata import EntryPoint
 
     from kestrel_core.guard import short
     from kestrel_core.registry import ENTRY_POINT_GROUP, Backend, _module_from_path, _validate
@@ -158,11 +158,8 @@ def _probe_in_child(msg: dict[str, Any]) -> None:
         def load() -> Any:
             return _module_from_path(Path(msg["spec"]))
     else:
-        def load() -> Any:
-            for ep in entry_points(group=ENTRY_POINT_GROUP):
-                if ep.name == msg["spec"]:
-                    return ep.load()
-            raise ImportError(f"no entry point {msg['spec']!r} in group {ENTRY_POINT_GROUP}")
+        def load() -> Any:  # the very entry point kestrel chose, not the first of its name
+            return EntryPoint(msg["name"], msg["spec"], ENTRY_POINT_GROUP).load()
 
     backend = Backend(name=msg["name"], source="probe", load=load)
     stopped = ""

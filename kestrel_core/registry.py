@@ -14,7 +14,8 @@ plugin first runs in a child process, and only one that passes is imported here.
 
 Names: the built-in reference is ``cpu`` (no plugin may take that name): the module ``kestrel_cpu``, imported
 by name when it is first bound, never probed (its entry point, when installed, names the same module). An
-entry point's backend is named by the entry point, and its ``BackendInfo.name`` must say the same; a path
+entry point's backend is named by the entry point, and its ``BackendInfo.name`` must say the same; the names of
+kestrel's own entry points (its distribution's) are theirs, whatever another package declares; a path
 backend is named by its ``BackendInfo.name`` (learned by the probe, or by importing it when probing is off),
 else by its file or package directory. A directory on ``KESTREL_BACKEND_PATH`` contributes only the ``.py``
 files and packages whose source (the file, or the package's ``__init__.py``) mentions
@@ -35,7 +36,7 @@ import re
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -53,6 +54,7 @@ from kestrel_core.model.validate import is_number
 log = logging.getLogger("kestrel")
 
 ENTRY_POINT_GROUP = "kestrel.backends"
+OWN_DISTRIBUTION = "kestrel"  # the distribution that ships kestrel_core and kestrel's own backends
 BOUND, NOT_BOUND, CANDIDATE = "bound", "not_bound", "candidate"
 CPU = "cpu"  # the built-in reference's name, reserved
 CPU_MODULE = "kestrel_cpu"  # the built-in reference's module, imported by name (never a static import here)
@@ -268,18 +270,30 @@ def _path_candidates(options: Mapping[str, str]) -> list[Backend]:
     return found
 
 
-def _entry_point_candidates(options: Mapping[str, str]) -> tuple[list[Backend], Backend | None]:
-    """(the plugins' entry points, the built-in cpu's own entry point if installed)."""
-    found, builtin = [], None
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+def _is_own(ep: EntryPoint) -> bool:
+    """Whether ``ep`` is one of kestrel's own backends: declared by the distribution that ships kestrel."""
+    dist = getattr(ep, "dist", None)
+    return dist is not None and re.sub(r"[-_.]+", "-", str(dist.name)).lower() == OWN_DISTRIBUTION
+
+
+def _entry_point_candidates(options: Mapping[str, str]) -> tuple[list[Backend], list[Backend], Backend | None]:
+    """(the plugins' entry points; those another package registered under the name of one of kestrel's own
+    backends, never imported; the built-in cpu's own entry point if installed). Which package's entry point is
+    found first depends on how kestrel was started (the order of sys.path): kestrel's own keep their names."""
+    eps = list(entry_points(group=ENTRY_POINT_GROUP))
+    own = {ep.name for ep in eps if _is_own(ep)}
+    found, clashing, builtin = [], [], None
+    for ep in eps:
         backend = Backend(name=ep.name, source=f"entry point {ep.value}", load=ep.load)
         if ep.name == CPU and ep.value.strip() == CPU_MODULE:
             builtin = backend
-            continue
-        backend.target = probe.Target(f"entry point {ep.name} = {ep.value}", ep.name, "entry point", ep.name,
-                                      probe.entry_point_identity(ep, options), dict(options))
-        found.append(backend)
-    return found, builtin
+        elif ep.name in own and not _is_own(ep):
+            clashing.append(_fail(backend, f"the name {ep.name} is kestrel's own"))
+        else:
+            backend.target = probe.Target(f"entry point {ep.name} = {ep.value}", ep.name, "entry point", ep.value,
+                                          probe.entry_point_identity(ep, options), dict(options))
+            found.append(backend)
+    return found, clashing, builtin
 
 
 def _load_cpu() -> ModuleType:
@@ -386,11 +400,11 @@ class Registry:
     def __init__(self, options: Mapping[str, str] | None = None) -> None:
         self.options: dict[str, str] = {**_default_options, **check_options(options)}
         self.backends: dict[str, Backend] = {}
-        self.shadowed: list[Backend] = []  # candidates never imported: shadowed, or with a reserved name
         allow = _allow_list()
         probing = probe.mode()
         paths = _path_candidates(self.options)
-        plugins, builtin = _entry_point_candidates(self.options)
+        plugins, clashing, builtin = _entry_point_candidates(self.options)
+        self.shadowed: list[Backend] = clashing  # candidates never imported: shadowed, or with a reserved name
         cpu = builtin or Backend(CPU, f"built in {CPU_MODULE}", load=_load_cpu)
         cpu.load, cpu.probe, cpu.named_by, cpu.target = _load_cpu, "built in", "built in", None
         self.backends[CPU] = cpu

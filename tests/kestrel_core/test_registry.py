@@ -133,6 +133,31 @@ def test_explicit_path_wins_over_entry_point_of_the_same_name(tmp_path: Path,
     assert len(shadowed) == 1 and "shadowed by" in shadowed[0].reason and shadowed[0].source.startswith("entry")
 
 
+@pytest.mark.parametrize("found", ["first", "last"])
+def test_kestrels_own_backends_keep_their_names_whatever_the_discovery_order(tmp_path: Path, found: str,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another package's entry point named ``cuda`` (one whose import would end the process) never takes the name
+    from kestrel's own CUDA backend, whether it is found before it on the path or after (how kestrel is started
+    decides): it is listed as not bound, with the reason, and never imported; the probe runs kestrel's own."""
+    site = tmp_path / "site"
+    (site / "impostor-1.0.dist-info").mkdir(parents=True)
+    (site / "impostor-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: impostor\nVersion: 1.0\n")
+    (site / "impostor-1.0.dist-info" / "entry_points.txt").write_text("[kestrel.backends]\ncuda = impostor_cuda\n")
+    (site / "impostor_cuda.py").write_text("import os\n\nos._exit(7)  # kestrel_backend_info\n")
+    if found == "first":
+        monkeypatch.syspath_prepend(str(site))
+    else:
+        monkeypatch.setattr(sys, "path", [*sys.path, str(site)])
+    monkeypatch.setenv("KESTREL_PROBE", "always")
+    reg = Registry()
+    cuda = reg.describe("cuda")
+    assert cuda.source == "entry point kestrel_cuda" and cuda.probe.startswith("ok"), (cuda.source, cuda.probe)
+    clashing = [(b.source, b.status, b.reason) for b in reg.candidates() if b.name == "cuda" and b is not cuda]
+    assert clashing == [("entry point impostor_cuda", "not_bound", "the name cuda is kestrel's own")]
+    assert "impostor_cuda" not in sys.modules
+    reg.close()
+
+
 def test_a_path_backend_named_as_an_installed_module_is_not_bound(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Imported under its file name, it would stand in for that module (here the standard library's colorsys)
