@@ -15,7 +15,8 @@ the child stops there, as the in-process binding will, and reports them to the d
 The verdict is cached in ``$KESTREL_PROBE_CACHE`` (default ``$KESTREL_HOME/probes.json``) under the
 candidate's source (its path, or its entry point), with its identity: the size and mtime of every file of
 the module or package, the distribution's name and version, kestrel's and Python's versions and the open
-options. A later run with the same identity reads the verdict and starts nothing.
+options. A later run with the same identity reads the verdict and starts nothing, but for a probe that timed
+out, which runs again under a longer timeout than the one it ran out of.
 
 Children are forked from a probe server (one per kestrel process, started on the first probe, exiting when
 idle or when kestrel exits) that has kestrel_core and the CPU backend imported, so a probe costs the plugin's
@@ -58,7 +59,7 @@ MAX_CACHE_BYTES = 1 << 24  # a probe cache holds a few entries a backend: a larg
 CHILD_ENV = "KESTREL_PROBE_CHILD"  # set in the probe's children (internal)
 DEFAULT_TIMEOUT = 20.0
 MIN_TIMEOUT = 0.001  # seconds; nothing a probe runs (an import, an open) can finish in less
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: a verdict holds the timeout a probe ran out of
 IDENTITY_MAX_FILES = 2000
 WATCHED_SIGNALS = tuple(getattr(signal, s) for s in ("SIGINT", "SIGTERM") if hasattr(signal, s))
 
@@ -92,6 +93,7 @@ class Verdict:
     seconds: float = 0.0
     cached: bool = False
     final: bool = True  # False: the probe itself failed (not the plugin): not cached
+    timeout: float = 0.0  # the seconds a probe that timed out ran out of (0: it did not time out)
 
     @property
     def summary(self) -> str:
@@ -261,16 +263,20 @@ def _write_cache(path: Path, updates: Mapping[str, dict[str, Any]]) -> None:
 
 
 def cached(targets: Iterable[Target]) -> dict[str, Verdict]:
-    """The cached verdicts of ``targets`` whose identity has not changed."""
+    """The cached verdicts of ``targets`` whose identity has not changed; a probe that timed out stands only while
+    the timeout is no longer than the one it ran out of (a slow first import gets its chance under a longer one,
+    and a plugin that hangs is not waited for at every start)."""
     plugins = _read_cache(cache_path())
     found = {}
     for t in targets:
         entry = plugins.get(t.key)
         if isinstance(entry, dict) and entry.get("identity") == t.identity and isinstance(entry.get("verdict"), dict):
             try:
-                found[t.key] = Verdict(**{**entry["verdict"], "cached": True})
+                verdict = Verdict(**{**entry["verdict"], "cached": True})
             except TypeError:
                 continue
+            if not verdict.timeout or timeout_for(t.name) <= verdict.timeout:
+                found[t.key] = verdict
     return found
 
 

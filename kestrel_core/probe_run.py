@@ -249,5 +249,5 @@ def _verdict(report: Path, status: int, timed_out: bool, timeout: float, seconds
             reason = "; ".join(str(p) for p in done["problems"])
     if reason:
         log.debug("kestrel probe: %s (stderr: %s)", reason, " | ".join(tail))
-        return Verdict(False, "probe: " + reason, name, note, round(seconds, 3))
+        return Verdict(False, "probe: " + reason, name, note, round(seconds, 3), timeout=timeout if timed_out else 0.0)
     return Verdict(True, "", name, note, round(seconds, 3))

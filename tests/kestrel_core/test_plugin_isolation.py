@@ -220,6 +220,33 @@ def test_the_verdict_is_cached_by_the_plugins_identity(tmp_path: Path, monkeypat
     assert list(cache["plugins"]) == [f"path {plugin}"]
 
 
+def test_a_probe_that_timed_out_is_probed_again_under_a_longer_timeout(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slow first import times out; its verdict is cached for that timeout (and any shorter), and raising the
+    timeout, as the reason advises (the general setting or the plugin's own), probes it again."""
+    plugin = tmp_path / "slow.py"
+    plugin.write_text("import time\n\ntime.sleep(1.5)\n" + GOOD.replace('"good_gpu"', '"slow"'))
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(plugin))
+    monkeypatch.setenv("KESTREL_PROBE_CACHE", str(tmp_path / "cache.json"))
+    calls: list[int] = []
+    real = probe_run.run_probes
+    monkeypatch.setattr(probe_run, "run_probes", lambda targets: calls.append(len(targets)) or real(targets))
+    monkeypatch.setenv("KESTREL_PROBE_TIMEOUT", "0.3")
+    slow = Registry().backends["slow"]
+    assert slow.probe == "failed" and "hangs in import (no answer in 0.3 s; KESTREL_PROBE_TIMEOUT" in slow.reason
+    monkeypatch.setenv("KESTREL_PROBE_TIMEOUT", "0.2")
+    assert Registry().backends["slow"].probe == "failed (cached)" and calls == [1]
+    monkeypatch.setenv("KESTREL_PROBE_TIMEOUT", "30")
+    assert Registry().bind("slow").bound and calls == [1, 1]
+    monkeypatch.setenv("KESTREL_PROBE_TIMEOUT", "0.3")
+    assert Registry().backends["slow"].probe == "ok (cached)" and calls == [1, 1]
+    plugin.write_text(plugin.read_text().replace("time.sleep(1.5)", "time.sleep(1.6)"))
+    os.utime(plugin, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert Registry().backends["slow"].probe == "failed" and calls == [1, 1, 1]
+    monkeypatch.setenv("KESTREL_SLOW_PROBE_TIMEOUT", "30")
+    assert Registry().backends["slow"].probe.startswith("ok (") and calls == [1, 1, 1, 1]
+
+
 def test_the_cache_lives_under_kestrel_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KESTREL_PROBE_CACHE")
     monkeypatch.setenv("KESTREL_HOME", str(tmp_path / "home"))
