@@ -1,15 +1,22 @@
-"""The command line's two consoles (stdout, stderr), which every command prints through."""
+"""The command line's two consoles (stdout, stderr), which every command prints through, and the strict JSON its
+``--json`` outputs print."""
 
 from __future__ import annotations
 
 import errno
+import json
+import math
 import os
 import sys
+from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.measure import Measurement
 from rich.segment import Segments
 from rich.table import Table
+
+from kestrel_core.errors import safe_text
 
 
 class _Console(Console):
@@ -19,6 +26,27 @@ class _Console(Console):
     def on_broken_pipe(self) -> None:
         self.quiet = True  # nothing more is written where no one reads
         raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+
+def plain(value: Any) -> Any:
+    """``value`` as standard JSON holds it: numpy scalars and arrays as numbers and lists, a NaN or an infinity as
+    null (JSON has neither), any other object (a backend's counters may be anything) as its text."""
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else safe_text(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, (np.ndarray, np.generic)):
+        return plain(value.tolist())
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else None
+    if value is None or isinstance(value, (str, int)):
+        return value
+    return safe_text(value)
+
+
+def dumps(obj: Any, indent: int | None = None) -> str:
+    """``obj`` as standard JSON (``plain``): what a command's ``--json`` prints."""
+    return json.dumps(plain(obj), indent=indent, allow_nan=False)
 
 
 # no markup: what they print holds backends' and models' own text, whose brackets are not Rich's; styles go as Text

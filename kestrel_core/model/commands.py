@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from rich.table import Table
 
-from kestrel_core.console import err, out, print_uncut
+from kestrel_core.console import dumps, err, out, print_uncut
 from kestrel_core.entry import interrupt_handled
 from kestrel_core.errors import InvalidRequest, KestrelError
 from kestrel_core.model.engine import Engine
@@ -229,16 +229,6 @@ def _say_if_the_context_ended(engine: Engine, finish: str | None, tokens: list[i
     if finish == "length" and len(tokens) < args.max_tokens:
         err.print(f"(the answer reached the end of the model's context of {engine.config.max_position} tokens)",
                   style="dim")
-
-
-def _jsonable(value: Any) -> Any:
-    """Backend counters may hold numpy scalars or other objects: numbers stay numbers, the rest text."""
-    item = getattr(value, "item", None)
-    return item() if callable(item) else str(value)
-
-
-def dumps(obj: Any, indent: int | None = None) -> str:
-    return json.dumps(obj, indent=indent, default=_jsonable)
 
 
 def stats_line(stats: dict[str, Any]) -> str:

@@ -159,6 +159,51 @@ def test_bench_reports_a_streaming_backends_weight_uploads(capsys, tmp_path, mon
     assert "weights uploaded" not in out
 
 
+ODD_STATS_BACKEND = '''
+import numpy as np
+from kestrel_core import API_VERSION, BackendInfo, hookimpl
+from kestrel_cpu import kestrel_close, kestrel_gemm_f32, kestrel_gemm_q8, kestrel_open  # noqa: F401
+
+
+class Queue:
+    def __str__(self):
+        return "queue 0"
+
+
+@hookimpl
+def kestrel_backend_info():
+    return BackendInfo("oddstats", "1", API_VERSION, "gpu")
+
+
+@hookimpl
+def kestrel_stats(device):
+    return {"queue_busy_s": np.array([0.5, 0.25]), "ratio": float("nan"), "peak": np.float32("inf"),
+            "depth": np.int64(3), "queue": Queue()}
+'''
+
+
+def _strict_json(text: str) -> object:
+    """``text`` parsed as standard JSON: NaN and Infinity, which Python's json writes and reads, are refused."""
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("command", [("run", "hello", "--no-chat", "-n", "4"),
+                                     ("bench", "--prompt-tokens", "8", "--decode-tokens", "2", "--runs", "1")])
+def test_json_output_holds_a_backends_arrays_and_non_finite_counters(capsys, tmp_path, monkeypatch,
+                                                                      command: tuple[str, ...]) -> None:
+    """Counters of numpy arrays and scalars come out as JSON lists and numbers, a NaN or an infinity as null, any
+    other object as its text: the output is standard JSON, after the whole generation as before it."""
+    (tmp_path / "oddstats.py").write_text(ODD_STATS_BACKEND)
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "oddstats.py"))
+    code, out, err = _run(capsys, *command, "--preset", "tiny", "--backend", "oddstats", "--json")
+    assert code == 0, err
+    result = _strict_json(out)
+    stats = result["stats"]["backend_stats"] if command[0] == "run" else result["backend_stats"]
+    assert stats == {"queue_busy_s": [0.5, 0.25], "ratio": None, "peak": None, "depth": 3, "queue": "queue 0"}
+
+
 def test_bench_at_several_concurrency_levels(capsys) -> None:
     code, out, _ = _run(capsys, "bench", "--preset", "tiny", "--backend", "cpu", "--prompt-tokens", "12",
                         "--decode-tokens", "5", "--concurrency", "1,3", "--json")
