@@ -50,9 +50,11 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 
 def cmd_selftest(args: argparse.Namespace) -> int:
+    from kestrel_core.guard import plugin_output
     from kestrel_core.selftest import run_selftest
 
-    report = run_selftest(args.backend, seeds=args.seeds)
+    with plugin_output():  # the suite calls the backend's hooks itself
+        report = run_selftest(args.backend, seeds=args.seeds)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:

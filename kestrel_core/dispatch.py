@@ -22,6 +22,7 @@ from numpy.lib.array_utils import byte_bounds
 from kestrel_core.batch import BatchEntry, id_range
 from kestrel_core.contract import StripCache, gemm_flops, quantize_activations, read_only_strip, read_only_view
 from kestrel_core.errors import safe_text
+from kestrel_core.guard import plugin_output
 from kestrel_core.model.weights import Model, read_only_model
 from kestrel_core.registry import FORCE_CPU_ENV, Backend, force_cpu
 
@@ -130,7 +131,8 @@ class Offload:
     def _called(self, hook: str, call: Callable[[], Any]) -> Any:
         """``call()``, or an exception raised in it (reported once) in its place, as a ``_Raised``."""
         try:
-            return call()
+            with plugin_output():
+                return call()
         except KeyboardInterrupt:  # the user's Ctrl-C
             raise
         except BaseException as exc:  # the device must never take kestrel down (sys.exit included)
@@ -338,11 +340,12 @@ class Offload:
         more = None
         while True:
             try:
-                if more is False:
-                    send = getattr(tokens, "send", None)
-                    tok = None if send is None else send(False)
-                else:
-                    tok = next(tokens, None)
+                with plugin_output():
+                    if more is False:
+                        send = getattr(tokens, "send", None)
+                        tok = None if send is None else send(False)
+                    else:
+                        tok = next(tokens, None)
             except StopIteration:
                 tok = None
             except KeyboardInterrupt:
@@ -380,8 +383,9 @@ class Offload:
             return {}
         merged: dict[str, Any] = {}
         try:
-            for part in self.backend.hook.kestrel_stats(device=self.backend.device):
-                merged.update(part or {})
+            with plugin_output():
+                for part in self.backend.hook.kestrel_stats(device=self.backend.device):
+                    merged.update(part or {})
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # counters are never worth a crash

@@ -1,13 +1,15 @@
 """Plugin code run in kestrel's own process: what it raises becomes one line of text and never ends kestrel (only
-a real ``KeyboardInterrupt`` passes), and a SIGINT or SIGTERM handler it installs is put back (kestrel must stay
-interruptible). The registry runs a backend's import, ``kestrel_backend_info``, ``kestrel_open`` and
-``kestrel_close`` through ``plugin_call``.
+a real ``KeyboardInterrupt`` passes), a SIGINT or SIGTERM handler it installs is put back (kestrel must stay
+interruptible), and what it prints goes to stderr (``plugin_output``). The registry runs a backend's import,
+``kestrel_backend_info``, ``kestrel_open`` and ``kestrel_close`` through ``plugin_call``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +26,12 @@ def short(exc: BaseException) -> str:
     name = type(exc).__name__ if isinstance(exc, Exception) else f"{type(exc).__name__} (a BaseException)"
     text = safe_text(exc)
     return f"{name}: {text}" if text else name
+
+
+def plugin_output() -> contextlib.AbstractContextManager[Any]:
+    """Within the block, what is printed goes to stderr: stdout is a command's output (``--json``), which a
+    backend's print at import, at open or in a hook must not break (the probe's child silences it)."""
+    return contextlib.redirect_stdout(sys.stderr)
 
 
 def signal_handlers() -> dict[int, Any]:
@@ -50,7 +58,8 @@ def plugin_call(what: str, call: Callable[[], Any]) -> tuple[Any, BaseException 
     before = signal_handlers()
     result, error = None, None
     try:
-        result = call()
+        with plugin_output():
+            result = call()
     except KeyboardInterrupt:
         restore_signals(before)
         raise

@@ -142,6 +142,62 @@ def kestrel_gemm_f32(device, a, weight, wkey):
     assert re.search(r"\d+ passed \(\d+ declined\), \d+ failed", out)
 
 
+CHATTY = '''
+from kestrel_core import API_VERSION, BackendInfo, hookimpl
+import kestrel_cpu
+
+print("chatty: import")
+
+
+@hookimpl
+def kestrel_backend_info():
+    return BackendInfo("chatty", "1", API_VERSION, "gpu")
+
+
+@hookimpl
+def kestrel_open(options):
+    print("chatty: open")
+    return kestrel_cpu.kestrel_open(options)
+
+
+@hookimpl
+def kestrel_close(device):
+    print("chatty: close")
+
+
+@hookimpl
+def kestrel_gemm_q8(device, a_codes, a_scales, weight, wkey):
+    print("chatty: gemm_q8")
+    return kestrel_cpu.kestrel_gemm_q8(device, a_codes, a_scales, weight, wkey)
+
+
+@hookimpl
+def kestrel_gemm_f32(device, a, weight, wkey):
+    print("chatty: gemm_f32")
+    return kestrel_cpu.kestrel_gemm_f32(device, a, weight, wkey)
+
+
+@hookimpl
+def kestrel_stats(device):
+    print("chatty: stats")
+    return {}
+'''
+
+
+@pytest.mark.parametrize("argv", [["backends", "--json"], ["selftest", "--backend", "chatty", "--seeds", "1", "--json"],
+                                  ["run", "--model", str(TINY), "--backend", "chatty", "-n", "2", "--no-chat", "--json",
+                                   "hi"]])
+def test_what_a_backend_prints_goes_to_stderr(tmp_path: Path, monkeypatch, capsys, argv: list[str]) -> None:
+    """A backend that prints at import, open and in its hooks leaves a command's stdout (its --json) as it is:
+    what it prints is on stderr."""
+    (tmp_path / "chatty.py").write_text(CHATTY)
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "chatty.py"))
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    json.loads(captured.out)
+    assert "chatty: import" in captured.err and "chatty: open" in captured.err
+
+
 def test_stats_show_the_backends_own_counters(tmp_path: Path, monkeypatch, capsys) -> None:
     (tmp_path / "counting.py").write_text('''
 from kestrel_core import API_VERSION, BackendInfo, hookimpl
