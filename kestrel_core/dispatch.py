@@ -316,7 +316,7 @@ class Offload:
         if forward is None:
             return None
         out = self._offer("kestrel_forward_batch", 0, lambda: forward(model=self._model(model), batch=list(batch)),
-                          lambda r: _check_batch(r, batch, vocab), deferrable=True)
+                          lambda r: check_batch(r, batch, vocab), deferrable=True)
         if out is None or isinstance(out, Deferred):
             return out
         return list(out)
@@ -445,7 +445,10 @@ def _check_iterator(result: Any) -> str | None:
     return None if issubclass(type(result), Iterator) else f"{type(result).__name__}, not an iterator"
 
 
-def _check_batch(result: Any, batch: Sequence[BatchEntry], vocab: int) -> str | None:
+def check_batch(result: Any, batch: Sequence[BatchEntry], vocab: int) -> str | None:
+    """Why ``result`` cannot be the batched whole step's result for ``batch`` (None: it can): one plain array per
+    entry, each as ``_check_array`` asks (or ``argmax_only`` token ids), no logits shared between entries. The
+    dispatcher's test, and selftest's."""
     if type(result) not in (list, tuple) or len(result) != len(batch):
         return f"expected a list of {len(batch)} arrays"
     for r, e in zip(result, batch):

@@ -33,7 +33,7 @@ from kestrel_core.contract import (
     reference_gemm_f32,
     reference_gemm_q8,
 )
-from kestrel_core.dispatch import Offload, check_arrays, read_only
+from kestrel_core.dispatch import Offload, check_arrays, check_batch, read_only
 from kestrel_core.errors import KestrelError, safe_text
 from kestrel_core.registry import Backend, Registry
 from kestrel_core.wkey import PROJ_GROUPS
@@ -283,18 +283,16 @@ def _rerun_argmax_only(backend: Backend, model: Any, first_seq: int, script_toks
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
-            return f"argmax_only step raised {type(exc).__name__}: {safe_text(exc)}"
+            return f"argmax_only step: {_raised(exc)}"
         if out is None:
             return ""  # declined: nothing to compare
-        if not isinstance(out, (list, tuple)) or len(out) != len(batch):
-            return f"argmax_only step: {len(batch)} outputs expected"
         for r in out:
             logits = got[at]
             at += 1
-            if isinstance(r, np.ndarray) and r.ndim == 1:
+            if r.ndim == 1:  # token ids (int64, as the engine's checks ask)
                 want = [int(np.argmax(row)) for row in logits]
-                if r.dtype != np.int64 or r.tolist() != want:
-                    return f"argmax_only ids {r.tolist()} ({r.dtype}), the logits' argmax is {want}"
+                if r.tolist() != want:
+                    return f"argmax_only ids {r.tolist()}, the logits' argmax is {want}"
         for s, n, _ in step:
             starts[s] += n
     return ""
@@ -311,21 +309,22 @@ def _fed_steps(backend: Backend, model: Any, first_seq: int, caches: dict[int, A
     def entry(seq: int, i: int, tokens: np.ndarray, start: int, fed: bool = False) -> BatchEntry:
         return BatchEntry(seq, tokens, start, 1, tuple(caches[i].blocks), pool.block_size, pool.num_blocks, True, fed)
 
-    def offer(batch: list[BatchEntry]) -> Any:
-        return backend.hook.kestrel_forward_batch(device=backend.device, model=model, batch=batch)
+    def offer(batch: list[BatchEntry]) -> tuple[list[BatchEntry], Any]:
+        return batch, backend.hook.kestrel_forward_batch(device=backend.device, model=model, batch=batch)
 
-    def done(out: Any) -> list[int] | None:
-        out = out() if callable(out) else out
+    def done(offered: tuple[list[BatchEntry], Any]) -> list[int] | None:
+        batch, out = offered
+        out = _usable(out() if callable(out) else out, batch, model.config.vocab_size)
         return None if out is None else [greedy_token(o) for o in out]
 
     _release(backend, (), range(first_seq, first_seq + 6))
     fed_seq, ref_seq = first_seq + 6, first_seq + 8
     first = offer([entry(fed_seq + i, i, p, 0) for i, p in enumerate(prompts)])
-    if not callable(first):
+    if not callable(first[1]):
         return ""
     second = offer([entry(fed_seq + i, i, np.array([-1]), len(p), True) for i, p in enumerate(prompts)])
     got_first = done(first)
-    got_second = done(second) if second is not None else None
+    got_second = done(second) if second[1] is not None else None
     _release(backend, (), range(fed_seq, fed_seq + 2))
     if got_second is None or got_first is None:
         return ""
@@ -368,7 +367,7 @@ def _shared_prefix_steps(backend: Backend, model: Any, first_seq: int, pool: Any
         got = step(sharer, own, 2 * bs, shared_blocks, shared=2 * bs)
         want = step(whole, np.concatenate([prefix, own]), 0, tuple(seqs[2].blocks))
     except Exception as exc:
-        return f"shared prefix: raised {type(exc).__name__}: {safe_text(exc)}"
+        return f"shared prefix: {_raised(exc)}"
     finally:
         _release(backend, seqs, range(first_seq + 10, first_seq + 13))
     return _off_straight("shared prefix", "the logits after a prefix from the pool are {} off those of the whole "
@@ -398,7 +397,7 @@ def _rewind_steps(backend: Backend, model: Any, first_seq: int, pool: Any) -> st
         got = step(guessing, caches[0], fix, n + 1, len(fix))
         want = step(straight, caches[1], np.concatenate([prompt, draft[:1], fix]), 0, len(fix))
     except Exception as exc:
-        return f"rewind: raised {type(exc).__name__}: {safe_text(exc)}"
+        return f"rewind: {_raised(exc)}"
     finally:
         _release(backend, caches, (guessing, straight))
     return _off_straight("rewind", "the logits of tokens run from an earlier start are {} off those of the same "
@@ -415,23 +414,39 @@ def _release(backend: Backend, caches: Sequence[Any], seq_ids: Iterable[int]) ->
 
 
 def _off_straight(what: str, off: str, got: Any, want: Any) -> str:
-    """What is wrong with a step's logits (``got``) against the same tokens' run straight (``want``), beyond
-    CHUNKED_TOL: "" where they agree, or where either step was declined."""
+    """What is wrong with a step's logits (``got``) against the same tokens' run straight (``want``; both checked by
+    ``_batch_step``) beyond CHUNKED_TOL: "" where they agree, or where either step was declined."""
     if got is None or want is None:
         return ""
     g, w = (np.asarray(x[0], np.float64) for x in (got, want))
-    if g.shape != w.shape or not np.all(np.isfinite(g)):
-        return f"{what}: bad result {g.dtype} {list(g.shape)}"
     err = float(np.linalg.norm(g - w)) / (float(np.linalg.norm(w)) or 1.0)
     if err > CHUNKED_TOL:
         return f"{what}: {off.format(f'{err:.3g}')} (at most {CHUNKED_TOL})"
     return ""
 
 
+class Unusable(Exception):
+    """A step's result the engine would decline: the reason of its own checks (``dispatch.check_batch``)."""
+
+
+def _raised(exc: BaseException) -> str:
+    """A case's detail for what its step raised: the engine's reason for a result it would decline."""
+    return safe_text(exc) if isinstance(exc, Unusable) else f"raised {type(exc).__name__}: {safe_text(exc)}"
+
+
+def _usable(out: Any, batch: list[BatchEntry], vocab: int) -> Any:
+    """``out``, a batched step's result (None: declined), if the engine would take it; else Unusable."""
+    bad = None if out is None else check_batch(out, batch, vocab)
+    if bad:
+        raise Unusable(f"the engine would decline it: {bad}")
+    return out
+
+
 def _batch_step(backend: Backend, model: Any, batch: list[BatchEntry]) -> Any:
-    """The batched hook's result; a step still running on the device (a call, since API 1.3) is waited for."""
+    """The batched hook's result, checked as the engine checks it (``_usable``); a step still running on the device
+    (a call, since API 1.3) is waited for."""
     out = backend.hook.kestrel_forward_batch(device=backend.device, model=model, batch=batch)
-    return out() if callable(out) else out
+    return _usable(out() if callable(out) else out, batch, model.config.vocab_size)
 
 
 def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str, seed: int,
@@ -471,20 +486,13 @@ def run_forward_batch_case(backend: Backend, cpu: Backend, arch: str, quant: str
             except KeyboardInterrupt:
                 raise
             except BaseException as exc:
-                return CaseResult(name, FORWARD_BATCH, False, float("inf"),
-                                  detail=f"raised {type(exc).__name__}: {safe_text(exc)}")
+                return CaseResult(name, FORWARD_BATCH, False, float("inf"), detail=_raised(exc))
             if got is None:
                 return CaseResult(name, FORWARD_BATCH, True, declined=True, detail="declined")
             ref = host.forward_batch([(caches[s], t, rows) for (s, _, rows), t in zip(step, toks)])
             jits = [nudged.forward_batch([(caches_n[s], t, rows) for (s, _, rows), t in zip(step, toks)])
                     for nudged, caches_n in zip(nudges, nudged_caches)]
-            if not isinstance(got, (list, tuple)) or len(got) != len(batch):
-                return CaseResult(name, FORWARD_BATCH, False, float("inf"), detail=f"{len(batch)} outputs expected")
-            for i, (out, r) in enumerate(zip(got, ref)):
-                if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != r.shape:
-                    what = f"{out.dtype} {list(out.shape)}" if isinstance(out, np.ndarray) else type(out).__name__
-                    return CaseResult(name, FORWARD_BATCH, False, float("inf"),
-                                      detail=f"bad result {what}, expected float32 {list(r.shape)}")
+            for i, (out, r) in enumerate(zip(got, ref)):  # float32 [rows, vocab] each: the engine's checks passed
                 got_all.append(out)
                 ref_all.append(r)
                 for acc, jit in zip(nudged_all, jits):
@@ -550,7 +558,7 @@ def _guarded(name: str, hook: str, run: Callable[[], CaseResult]) -> CaseResult:
     except KeyboardInterrupt:
         raise
     except BaseException as exc:
-        return CaseResult(name, hook, False, float("inf"), detail=f"raised {type(exc).__name__}: {safe_text(exc)}")
+        return CaseResult(name, hook, False, float("inf"), detail=_raised(exc))
 
 
 def run_selftest(name: str = "cpu", seeds: int = 2, registry: Registry | None = None) -> SelfTestReport:

@@ -120,6 +120,7 @@ def test_seeded_fixtures_are_reproducible() -> None:
 # sequence); "wrong_fed" feeds the token after it. A shared prefix is the published one's tokens run into the
 # new sequence's cache (what the pool would hold); "unshared" runs zeros there instead. An entry's start below
 # the cache's length takes the cache back to it (a rewind); "unrewound" runs the tokens after the length instead.
+# "readonly" hands out logits the engine declines (read-only arrays), right as they are.
 FORWARD_BATCH_BACKEND = '''
 import numpy as np
 from kestrel_core import API_VERSION, BackendInfo, hookimpl
@@ -186,6 +187,8 @@ def kestrel_forward_batch(device, model, batch):
     if MODE in ("ids", "wrong_ids"):  # argmax_only entries get token ids; wrong_ids: the next id over
         shift = int(MODE == "wrong_ids")
         outs = [(np.argmax(o, axis=1) + shift) % o.shape[1] if e.argmax_only else o for o, e in zip(outs, batch)]
+    if MODE == "readonly":  # logits handed out as a device copy's buffer: the engine declines them
+        outs = [np.frombuffer(o.tobytes(), o.dtype).reshape(o.shape) for o in outs]
     if MODE in ("fed", "wrong_fed"):
         return lambda: outs
     return outs
@@ -201,7 +204,7 @@ def kestrel_release_sequence(device, seq_id):
 
 @pytest.mark.parametrize("mode, ok", [("right", True), ("ids", True), ("scaled", False), ("swapped", False),
                                       ("wrong_ids", False), ("decline", False), ("fed", True), ("wrong_fed", False),
-                                      ("unshared", False), ("unrewound", False)])
+                                      ("unshared", False), ("unrewound", False), ("readonly", False)])
 def test_the_batched_whole_step_is_checked_against_the_cpu(tmp_path: Path, monkeypatch, mode: str,
                                                            ok: bool) -> None:
     (tmp_path / f"fb_{mode}.py").write_text(FORWARD_BATCH_BACKEND.format(mode=mode, name=f"fb_{mode}"))
@@ -223,3 +226,5 @@ def test_the_batched_whole_step_is_checked_against_the_cpu(tmp_path: Path, monke
         assert all("shared prefix" in c.detail for c in cases)
     if mode == "unrewound":
         assert all("rewind" in c.detail for c in cases)
+    if mode == "readonly":  # judged by the engine's own checks, as the GEMM cases are
+        assert all(c.detail == "the engine would decline it: a read-only array" for c in cases)
