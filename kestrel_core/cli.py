@@ -32,7 +32,10 @@ def cmd_backends(args: argparse.Namespace) -> int:
     from kestrel_core.registry import Registry
 
     registry = Registry()
-    rows = [b.as_dict() for b in registry.bind_all()]
+    try:
+        rows = [b.as_dict() for b in registry.bind_all()]
+    finally:
+        registry.close()
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -45,16 +48,20 @@ def cmd_backends(args: argparse.Namespace) -> int:
         table.add_row(*(Text(str(r[c])) for c in ("name", "version", "kind", "device")), status,
                       *(Text(str(r[c])) for c in ("offload", "probe", "source", "reason")))
     out.print(table)
-    registry.close()
     return 0
 
 
 def cmd_selftest(args: argparse.Namespace) -> int:
     from kestrel_core.guard import plugin_output
+    from kestrel_core.registry import Registry
     from kestrel_core.selftest import run_selftest
 
-    with plugin_output():  # the suite calls the backend's hooks itself
-        report = run_selftest(args.backend, seeds=args.seeds)
+    registry = Registry()
+    try:
+        with plugin_output():  # the suite calls the backend's hooks itself
+            report = run_selftest(args.backend, seeds=args.seeds, registry=registry)
+    finally:
+        registry.close()
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:

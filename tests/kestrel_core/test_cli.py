@@ -198,6 +198,19 @@ def test_what_a_backend_prints_goes_to_stderr(tmp_path: Path, monkeypatch, capsy
     assert "chatty: import" in captured.err and "chatty: open" in captured.err
 
 
+@pytest.mark.parametrize("argv", [["backends"], ["backends", "--json"],
+                                  ["selftest", "--backend", "chatty", "--seeds", "1"],
+                                  ["selftest", "--backend", "chatty", "--seeds", "1", "--json"]])
+def test_every_device_a_command_opens_is_closed(tmp_path: Path, monkeypatch, capsys, argv: list[str]) -> None:
+    """``kestrel_close`` for each ``kestrel_open`` of the command's own process (what the backend prints of them is
+    on stderr), whichever form its output takes."""
+    (tmp_path / "chatty.py").write_text(CHATTY)
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "chatty.py"))
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.count("chatty: open") == err.count("chatty: close") == 1
+
+
 def test_stats_show_the_backends_own_counters(tmp_path: Path, monkeypatch, capsys) -> None:
     (tmp_path / "counting.py").write_text('''
 from kestrel_core import API_VERSION, BackendInfo, hookimpl
