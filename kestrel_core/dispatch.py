@@ -409,7 +409,9 @@ class _Raised:
         self.exc = exc
 
 
-_NUMPY_INTS = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
+# numpy's own integer scalar types, by their type codes: np.longlong and np.intc are types of their own beside np.int64
+# and np.int32 (on Linux); the checks ask for one of these exact types, so no subclass's code runs in them
+_NUMPY_INTS = frozenset(np.dtype(code).type for code in np.typecodes["AllInteger"])
 
 
 def _counted(hook: str) -> bool:

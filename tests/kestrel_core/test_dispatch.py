@@ -368,6 +368,21 @@ def test_decoded_tokens_are_taken_only_as_plain_integers(nonfinite) -> None:
                        "bad result: a token of type _ClassExits": 1}
 
 
+def test_every_numpy_integer_type_is_a_token(nonfinite) -> None:
+    """numpy's integer scalars are tokens whatever their type's name (np.longlong is a type of its own beside
+    np.int64 on Linux, np.intc beside np.int32); a subclass of one is not."""
+    offload, _, _ = nonfinite
+
+    class Sly(np.int64):
+        def __int__(self) -> int:
+            return 10**9
+
+    tokens = [t(i) for i, t in enumerate((np.longlong, np.ulonglong, np.intc, np.uintc, np.int8, np.uint16, np.intp))]
+    offload._callers[("nonfinite", "kestrel_decode_greedy")] = lambda **kw: iter([*tokens, Sly(3)])
+    assert list(offload.decode_greedy(None, 1, 7, 10, len(tokens) + 1, vocab=11)) == list(range(len(tokens)))
+    assert offload.stats()["kestrel_decode_greedy"]["declined_reasons"] == {"bad result: a token of type Sly": 1}
+
+
 # Writes into what it is handed ("silencing a warning": flags.writeable = True, then zeros), then declines: the
 # CPU computes from the same arrays. Each refusal numpy gives is recorded in REFUSED, each model it sees in MODELS.
 SCRIBBLER = '''
