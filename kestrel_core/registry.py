@@ -65,6 +65,8 @@ BACKEND_MARKER = b"kestrel_backend_info"  # a path entry's source must mention i
 MARKER_SCAN_BYTES = 1 << 20
 NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
 MAX_NAME = 64  # characters of a backend's name
+MAX_API_PART = 10_000  # an API version's major and minor are below it
+MAX_API_CHARS = 64  # of an API version string (spaces around it included)
 OPTION_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 
 
@@ -302,16 +304,19 @@ def _load_cpu() -> ModuleType:
 
 
 def _api_version(raw: Any) -> tuple[int, int] | None:
-    """(major, minor) from a tuple/list of two ints or a "1.1" string; None if it is neither."""
+    """(major, minor) from a tuple/list of two ints or a "1.1" string, each in [0, MAX_API_PART); None if it is
+    neither (a string longer than MAX_API_CHARS is not parsed: a plugin's value may be megabytes)."""
     if isinstance(raw, str):
-        parts = raw.strip().split(".")
+        parts = raw.strip().split(".") if len(raw) <= MAX_API_CHARS else []
         if len(parts) != 2 or not all(p.isdigit() for p in parts):
             return None
-        return int(parts[0]), int(parts[1])
-    if isinstance(raw, (tuple, list)) and len(raw) == 2 and all(
+        api = int(parts[0]), int(parts[1])
+    elif isinstance(raw, (tuple, list)) and len(raw) == 2 and all(
             isinstance(v, int) and not isinstance(v, bool) for v in raw):
-        return int(raw[0]), int(raw[1])
-    return None
+        api = int(raw[0]), int(raw[1])
+    else:
+        return None
+    return api if all(0 <= v < MAX_API_PART for v in api) else None
 
 
 def _api_compatible(theirs: tuple[int, int]) -> bool:
@@ -351,7 +356,7 @@ def _validate(backend: Backend, check_name: bool = True) -> str | None:
     api = _api_version(info.api_version)
     if api is None:
         return (f"api_version must be (major, minor) such as kestrel_core.API_VERSION or a string like "
-                f"{ours!r}, got {info.api_version!r}")
+                f"{ours!r}, got {safe_repr(info.api_version)}")
     if not _api_compatible(api):
         return f"incompatible API version {api[0]}.{api[1]} (kestrel has {ours})"
     if type(info.name) is not str or len(info.name) > MAX_NAME or not NAME_RE.fullmatch(info.name) \
@@ -363,7 +368,7 @@ def _validate(backend: Backend, check_name: bool = True) -> str | None:
     if not is_number(info.min_flops) or not math.isfinite(info.min_flops) or info.min_flops < 0:
         return f"BackendInfo.min_flops must be a finite number >= 0, got {safe_repr(info.min_flops)}"
     if type(info.kind) is not str or info.kind not in KINDS:
-        return f"unknown kind {info.kind!r} (expected one of {', '.join(KINDS)})"
+        return f"unknown kind {safe_repr(info.kind)} (expected one of {', '.join(KINDS)})"
     if check_name and info.name != backend.name:
         by = {"entry point": "its entry point", "file name": "its file name"}.get(backend.named_by, "the probe")
         return f"BackendInfo.name {info.name!r} differs from the name {backend.name!r} given by {by}"

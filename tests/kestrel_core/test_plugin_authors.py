@@ -78,6 +78,33 @@ def test_api_version_as_a_string(monkeypatch: pytest.MonkeyPatch) -> None:
     reg.close()
 
 
+@pytest.mark.parametrize(("info", "reason"), [
+    ('"huge", "1", API_VERSION, "g" * 200_000', "unknown kind 'ggg"),
+    ('"huge", "1", "1." + "9" * 200_000, "gpu"', "api_version must be (major, minor)"),
+    ('"huge", "1", (1, 10 ** 5000), "gpu"', "api_version must be (major, minor)"),
+])
+def test_a_bad_backend_info_value_is_shown_cut_short(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, info: str,
+                                                     reason: str) -> None:
+    """A value of the plugin's own in a reason is cut to the length every plugin text is (errors.safe_text), and
+    an API version is parsed only as long as one can be: one short line, in ``kestrel backends`` and as the
+    error of ``--backend``."""
+    (tmp_path / "huge.py").write_text(f"""
+from kestrel_core import API_VERSION, BackendInfo, hookimpl
+from kestrel_cpu import kestrel_close, kestrel_gemm_f32, kestrel_gemm_q8, kestrel_open  # noqa: F401
+
+
+@hookimpl
+def kestrel_backend_info():
+    return BackendInfo({info})
+""")
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "huge.py"))
+    backend = Registry().bind("huge")
+    assert backend.reason.startswith(reason) and len(backend.reason) < 500, backend.reason[:500]
+    with pytest.raises(KestrelError) as error:
+        Registry().select("huge")
+    assert len(str(error.value)) < 600 and "\n" not in str(error.value)
+
+
 def test_options_reach_kestrel_open(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KESTREL_BACKEND_PATH", str(AUTHORS / "options.py"))
     reg = Registry({"device": "1", "mode": "fast=yes"})
