@@ -83,6 +83,7 @@ class Offload:
         self._reported: set[tuple[str, str]] = set()
         self._callers: dict[tuple[str, str], Callable[..., Any] | None] = {}
         self._shown: tuple[Model, Model] | None = None  # (the engine's model, the read-only twin backends get)
+        self.refused = False  # the last offer's result came and was refused: the backend ran what it was offered
 
     def _caller(self, backend: Backend, hook: str) -> Callable[..., Any] | None:
         """The backend's implementation of ``hook`` as a plain call, or None if it has none.
@@ -119,6 +120,7 @@ class Offload:
         callable result is the backend's step still running: a ``Deferred`` that checks it once it is called."""
         counters = self.counters.get(hook) or self.counters.setdefault(hook, HookCounters())
         counters.offered += 1
+        self.refused = False
         reason = self._core_decline(hook, flops)
         if reason is not None:
             counters.declined[reason] += 1
@@ -159,6 +161,7 @@ class Offload:
                 return result
             reason = f"bad result: {bad}"
             self._report(hook, reason, None)
+        self.refused = reason != DECLINED
         counters.declined[reason] += 1
         return None
 

@@ -291,10 +291,10 @@ class Engine:
         seq.device_len = min(seq.device_len, length)
 
     def device_ran_ahead(self, seq: SeqState) -> None:
-        """The device may hold positions of ``seq`` past ``device_len``: its pipelined greedy decode was left after
-        running steps ahead. A backend that computes positions again from an earlier start (API 1.6) is offered
-        the next step from ``device_len``; any other is never offered a start below what it holds: it forgets the
-        sequence, and is offered it again from the end of a prefix it shares (else from position 0)."""
+        """The device may hold positions of ``seq`` past ``device_len`` (its pipelined greedy decode was left after
+        running ahead, or its step's result was refused). A backend that computes positions again from an earlier
+        start (API 1.6) is offered the next step from ``device_len``; any other is never offered a start below what
+        it holds: it forgets the sequence, and is offered it again from the end of a prefix it shares (or 0)."""
         info = self.backend.info
         if info is None or tuple(info.api_version) < (1, 6):
             self.offload.release_sequence(seq.seq_id)
@@ -371,6 +371,7 @@ class Engine:
         lengths move on."""
         c, pool = self.config, self.pool
         outs: list[np.ndarray | None] = [None] * len(runs)
+        ran = set(range(len(runs))) if batched is None and self.offload.refused else set()  # results refused
         if batched is not None:
             outs = list(batched)
         elif self.whole_step and device:
@@ -379,7 +380,11 @@ class Engine:
                 out = self.offload.forward(self.model, e.seq_id, e.tokens, e.start, all_logits, c.vocab_size)
                 if out is not None:
                     outs[i] = out[len(out) - e.logit_rows:]
+                elif self.offload.refused:
+                    ran.add(i)
         host = [i for i, out in enumerate(outs) if out is None]
+        for i in ran.intersection(host):  # the backend ran the step: it may hold positions past device_len
+            self.device_ran_ahead(runs[i][0])
         for i in host:  # a backend that lost a shared prefix computes the sequence from its start next time
             seq = runs[i][0]
             if seq.shared and seq.device_len == seq.shared:

@@ -370,6 +370,8 @@ _cpu = Registry().cpu()
 STATE = {{}}
 BELOW = []  # (hook, seq_id, start, positions held)
 RELEASED = []
+REFUSE_AT = set()  # the calls of kestrel_forward_batch whose result, once computed, is NaN (the engine refuses it)
+CALLS = [0]
 
 
 @hookimpl
@@ -397,7 +399,9 @@ def kestrel_forward_batch(device, model, batch):
         if e.start > cache.length:
             return None
         work.append((cache, np.asarray(e.tokens), e.logit_rows))
-    return [np.array(o, np.float32) for o in decoder.forward_batch(work)]
+    out = [np.array(o, np.float32) for o in decoder.forward_batch(work)]
+    CALLS[0] += 1
+    return [np.full_like(o, np.nan) for o in out] if CALLS[0] in REFUSE_AT else out
 
 
 @hookimpl
@@ -426,6 +430,31 @@ def kestrel_release_sequence(device, seq_id):
     if cache is not None:
         cache.release()
 '''
+
+
+@pytest.mark.parametrize("api", ["1.2", "1.5"])
+def test_a_refused_step_never_rewinds_a_backend_before_1_6(model, tmp_path, monkeypatch, api: str) -> None:
+    """The backend ran a batched step and its result was refused (NaN): the host computes that step, and the
+    backend, which may hold its positions, forgets the sequences and is offered them from their start again rather
+    than a start below what it holds. The request (sampled, so that every step is a batched one) gives the tokens
+    it gives on the CPU."""
+    (tmp_path / "runahead.py").write_text(RUN_AHEAD_BACKEND.format(api=api))
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(tmp_path / "runahead.py"))
+    (prompt,) = _prompts(1, model.config.vocab_size, seed=9)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.7, seed=3)
+    with kestrel_core.load(model, backend="cpu", activations="q8") as cpu:  # a prompt's and a step's alike: the
+        want = _alone(cpu, prompt, params)  # host's catch-up after a refusal computes generated positions as a prompt
+    with kestrel_core.load(model, backend="runahead", activations="q8") as engine:
+        plugin = engine.backend.plugin
+        plugin.REFUSE_AT.update({3, 4})
+        scheduler = Scheduler(engine)
+        request = scheduler.add(prompt, params)
+        got = _run_all(scheduler, [request])[request.request_id]
+        assert plugin.CALLS[0] > 4 and plugin.RELEASED  # it ran past the refusals, forgetting the sequence
+        assert plugin.BELOW == []
+        assert got == want
+        offload = engine.stats["offload"]["kestrel_forward_batch"]
+        assert offload["accepted"] >= 1 and offload["declined"] == 2
 
 
 @pytest.mark.parametrize("api", ["1.2", "1.5"])
