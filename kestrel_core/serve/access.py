@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -161,14 +162,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class BrowserGuardMiddleware:
+class BrowserGuardMiddleware(CORSMiddleware):
     """What a web page makes a browser send, refused: a page can POST to a local server without a preflight (a
     text/plain body), and with DNS rebinding (its own name resolved to 127.0.0.1) read the answers. On a loopback
     address (``loopback``) only loopback Host names are answered; an ``Origin`` header (browsers send it, API
-    clients do not) must be a loopback page's or one of ``allowed_origins`` ("*": any), as Ollama has it."""
+    clients do not) must be a loopback page's or one of ``allowed_origins`` ("*": any), as Ollama has it.
+
+    An allowed page's requests are answered as Starlette's CORS middleware answers them: its preflights here,
+    before the API key is asked for (a browser sends none with a preflight), allowing any method and the headers
+    it asks for, and its other requests with ``Access-Control-Allow-Origin`` naming it, so the page can read them.
+    Its preflight may ask for the private network (a public page calling a loopback server): its origin is
+    allowed, so is that."""
 
     def __init__(self, app: ASGIApp, loopback: bool, allowed_origins: tuple[str, ...] = ()) -> None:
-        self.app = app
+        super().__init__(app, allow_methods=("*",), allow_headers=("*",), allow_private_network=True)
         self.loopback = loopback
         self.allowed = {o.rstrip("/").lower() for o in allowed_origins}
 
@@ -178,7 +185,15 @@ class BrowserGuardMiddleware:
             if problem is not None:
                 await APIError(403, problem, code="forbidden").response(scope.get("path", ""))(scope, receive, send)
                 return
-        await self.app(scope, receive, send)
+        await super().__call__(scope, receive, send)
+
+    def is_allowed_origin(self, origin: str) -> bool:
+        """The page ``origin`` is one of the allowed ones, or the loopback's."""
+        if "*" in self.allowed:
+            return True
+        text = origin.rstrip("/").lower()
+        scheme, sep, authority = text.partition("://")
+        return text in self.allowed or bool(sep) and scheme in ("http", "https") and is_loopback(_hostname(authority))
 
     def _problem(self, headers: dict[bytes, bytes]) -> str | None:
         host = headers.get(b"host")
@@ -186,14 +201,10 @@ class BrowserGuardMiddleware:
             return (f"the Host {host.decode('latin-1')[:80]!r} is not this server's: it listens on a loopback "
                     "address (a web page's DNS rebinding?)")
         origin = headers.get(b"origin")
-        if origin is None or "*" in self.allowed:
+        if origin is None or self.is_allowed_origin(origin.decode("latin-1")):
             return None
-        text = origin.decode("latin-1").rstrip("/").lower()
-        scheme, sep, authority = text.partition("://")
-        if text in self.allowed or sep and scheme in ("http", "https") and is_loopback(_hostname(authority)):
-            return None
-        return (f"requests from the web page {text[:80]!r} are refused: a browser sent them "
-                "(kestrel serve --allowed-origins lets a page's origin in)")
+        return (f"requests from the web page {origin.decode('latin-1').rstrip('/').lower()[:80]!r} are refused: "
+                "a browser sent them (kestrel serve --allowed-origins lets a page's origin in)")
 
 
 class BodyTooLarge(HTTPException):

@@ -301,6 +301,7 @@ def create_app(engines: Mapping[str, Any], api_key: str | None = None, pooling: 
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    # outside the API key: a page's preflight carries none
     app.add_middleware(BrowserGuardMiddleware, loopback=loopback, allowed_origins=allowed_origins)
     app.add_middleware(AccessMiddleware, metrics=metrics)  # outermost: it also sees the 401s and 403s
 

@@ -784,6 +784,48 @@ def test_a_web_pages_requests_are_refused_unless_its_origin_is_allowed(server: K
         assert (ok[0], refused[0]) == (200, 403)
 
 
+def _cors_allows(response: httpx.Response, origin: str, method: str = "", headers: Sequence[str] = ()) -> bool:
+    """The Fetch standard's CORS check, as a browser makes it: the answer names the page's origin and, for a
+    preflight (``method`` given), is a 2xx allowing the method and every header it asked for."""
+    if response.headers.get("access-control-allow-origin") != origin:
+        return False
+    if not method:
+        return True
+    allowed_methods = {m.strip().upper() for m in response.headers.get("access-control-allow-methods", "").split(",")}
+    allowed_headers = {h.strip().lower() for h in response.headers.get("access-control-allow-headers", "").split(",")}
+    return (response.is_success and method.upper() in allowed_methods
+            and all(h.lower() in allowed_headers for h in headers))
+
+
+def test_an_allowed_pages_preflights_are_answered_and_its_requests_carry_cors_headers(server: KestrelServer,
+                                                                                        engine: Any) -> None:
+    """A page's browser reads an answer only when it names the page's origin, and sends a JSON POST (or one with
+    an API key) only after a preflight allowed it; the preflight carries no key, so it is answered before the
+    key is asked for. A refused page's preflight stays a 403."""
+    asked = ["authorization", "content-type", "x-api-key", "anthropic-version"]
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": ", ".join(asked)}
+    body = {"prompt": "Hi", "max_tokens": 1}
+    page = "https://app.example"
+    with running_server(AsyncEngine(engine), NAME, api_key=KEY, allowed_origins=[page]) as keyed:
+        with httpx.Client(base_url=keyed.url, timeout=60) as browser:
+            answer = browser.options("/v1/chat/completions", headers={"Origin": page, **preflight})
+            assert _cors_allows(answer, page, "POST", asked), (answer.status_code, answer.headers)
+            answer = browser.post("/v1/completions", json=body,
+                                  headers={"Origin": page, "Authorization": f"Bearer {KEY}"})
+            assert answer.status_code == 200 and _cors_allows(answer, page), answer.headers
+            assert "origin" in answer.headers.get("vary", "").lower()
+            unkeyed = browser.get("/v1/models", headers={"Origin": page})
+            assert unkeyed.status_code == 401 and _cors_allows(unkeyed, page)  # the page can read why
+            refused = browser.options("/v1/chat/completions", headers={"Origin": "https://b.example", **preflight})
+            assert refused.status_code == 403 and "access-control-allow-origin" not in refused.headers
+    loopback_page = "http://localhost:5173"
+    with httpx.Client(base_url=server.url, timeout=60) as browser:
+        answer = browser.options("/v1/completions", headers={"Origin": loopback_page, **preflight})
+        assert _cors_allows(answer, loopback_page, "POST", asked), (answer.status_code, answer.headers)
+        answer = browser.post("/v1/completions", json=body, headers={"Origin": loopback_page})
+        assert answer.status_code == 200 and _cors_allows(answer, loopback_page), answer.headers
+
+
 def test_scoring_a_long_prompt_takes_a_chunk_between_engine_steps(client: openai.OpenAI, async_engine: AsyncEngine,
                                                                    engine: Any, monkeypatch) -> None:
     """An echo with logprobs runs on the engine's thread a prefill chunk a call, so generation steps go on
