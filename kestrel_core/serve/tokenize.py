@@ -3,7 +3,8 @@ clients that count, build or check them (RL trainers tokenize a conversation exa
 
 ``/tokenize`` takes a ``prompt`` (a completion's text; the tokenizer's special tokens, such as a BOS, are added
 unless ``add_special_tokens`` is false) or ``messages`` (a chat, rendered by the chat route's own code with its
-``tools`` and ``chat_template_kwargs``; ``add_generation_prompt`` true unless given; the template writes any BOS, so
+``tools``, ``chat_template_kwargs`` and ``continue_final_message``; ``add_generation_prompt`` true unless given, false
+where the last message is continued; the template writes any BOS, so
 ``add_special_tokens`` is false unless given) and answers ``count``, ``max_model_len`` (the model's context),
 ``tokens`` and, with ``return_token_strs``, ``token_strs`` (each token's own text, as logprobs name it).
 ``/detokenize`` answers the text of ``tokens`` as ``prompt``. Both take ``model`` as the other routes do.
@@ -25,6 +26,10 @@ if TYPE_CHECKING:
     from kestrel_core.serve.app import Models, Served
 
 
+# the chat route's fields that shape its prompt and that vLLM's /tokenize takes too
+CHAT_PROMPT_FIELDS = {"messages", "tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"}
+
+
 class TokenizeBody(RequestBody):
     model: StrictStr | None = None
     prompt: StrictStr | None = None
@@ -32,6 +37,7 @@ class TokenizeBody(RequestBody):
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool | None = None
     add_special_tokens: StrictBool | None = None
     return_token_strs: StrictBool = False
 
@@ -42,9 +48,7 @@ class TokenizeBody(RequestBody):
         try:
             if self.prompt is not None:
                 return list(tokenizer.encode(self.prompt, add_special_tokens=self.add_special_tokens is not False))
-            chat = validated(ChatCompletionRequest, {
-                "messages": self.messages, "tools": self.tools, "chat_template_kwargs": self.chat_template_kwargs,
-                "add_generation_prompt": self.add_generation_prompt})
+            chat = validated(ChatCompletionRequest, self.model_dump(include=CHAT_PROMPT_FIELDS))
             prompt, ids, _ = served.chat_prompt(chat)
             return list(tokenizer.encode(prompt, add_special_tokens=True)) if self.add_special_tokens else ids
         except KestrelError as exc:  # a model without a tokenizer

@@ -63,6 +63,25 @@ def test_messages_are_the_chat_routes_prompt(server: KestrelServer, client: open
     assert got["tokens"][:bare["count"]] == bare["tokens"] and bare["count"] < got["count"]  # no assistant header
 
 
+def test_a_continued_final_message_is_the_chat_routes_prompt(server: KestrelServer, client: openai.OpenAI) -> None:
+    """``continue_final_message`` (vLLM's TokenizeChatRequest takes it) ends the prompt with the last message's
+    text, as the chat route ends it: no end of turn, no new turn."""
+    prefill = [{"role": "user", "content": "Say hello"}, {"role": "assistant", "content": "Hello, my name"}]
+    status, got = post(server, "/tokenize", {"messages": prefill, "continue_final_message": True,
+                                             "add_generation_prompt": False})
+    assert status == 200
+    done = client.chat.completions.create(model=NAME, messages=prefill, max_tokens=1, temperature=0,
+                                          extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert done.usage is not None and done.usage.prompt_tokens == got["count"]
+    text = post(server, "/detokenize", {"tokens": got["tokens"]})[1]["prompt"]
+    assert text.endswith("<|im_start|>assistant\nHello, my name"), text  # ChatML, cut after the text
+    closed = post(server, "/tokenize", {"messages": prefill, "add_generation_prompt": False})[1]
+    assert closed["count"] > got["count"] and closed["tokens"][:got["count"]] == got["tokens"]
+    status, both = post(server, "/tokenize", {"messages": prefill, "continue_final_message": True,
+                                              "add_generation_prompt": True})
+    assert status == 400 and both["error"]["param"] == "continue_final_message", both
+
+
 @pytest.mark.parametrize(("path", "body", "param", "needle"), [
     ("/tokenize", {}, "prompt", "either prompt or messages"),
     ("/tokenize", {"prompt": "a", "messages": HI}, "prompt", "either prompt or messages"),
