@@ -170,12 +170,10 @@ class BrowserGuardMiddleware(CORSMiddleware):
 
     An allowed page's requests are answered as Starlette's CORS middleware answers them: its preflights here,
     before the API key is asked for (a browser sends none with a preflight), allowing any method and the headers
-    it asks for, and its other requests with ``Access-Control-Allow-Origin`` naming it, so the page can read them.
-    Its preflight may ask for the private network (a public page calling a loopback server): its origin is
-    allowed, so is that."""
+    it asks for, and its other requests with ``Access-Control-Allow-Origin`` naming it, so the page can read them."""
 
     def __init__(self, app: ASGIApp, loopback: bool, allowed_origins: tuple[str, ...] = ()) -> None:
-        super().__init__(app, allow_methods=("*",), allow_headers=("*",), allow_private_network=True)
+        super().__init__(app, allow_methods=("*",), allow_headers=("*",))
         self.loopback = loopback
         self.allowed = {o.rstrip("/").lower() for o in allowed_origins}
 
