@@ -38,6 +38,17 @@ def env_flag(name: str, default: bool = False) -> bool:
     raise KestrelError(f"{name} must be 1 or 0 (on/off), got {os.environ[name]!r}")
 
 
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """One of ``choices`` (any case, returned as spelled in ``choices``)."""
+    raw = env_str(name).lower()
+    if not raw:
+        return default
+    for choice in choices:
+        if raw == choice.lower():
+            return choice
+    raise KestrelError(f"{name} must be {' or '.join(choices)}, got {os.environ[name]!r}")
+
+
 def env_int(name: str, default: int, *, minimum: int = 0, what: str = "a whole number") -> int:
     """A whole number >= ``minimum``; ``what`` names it in the error ("a number of MiB")."""
     raw = env_str(name)

@@ -21,7 +21,7 @@ import numpy as np
 import kestrel_core
 from kestrel_core.contract import StripCache, reference_gemm_f32, reference_gemm_q8
 from kestrel_core.env import env_flag
-from kestrel_core.errors import ContractError
+from kestrel_core.errors import ContractError, KestrelError
 from kestrel_core.hookspecs import API_VERSION, BackendInfo, hookimpl
 from kestrel_core.wkey import NO_CACHE
 
@@ -38,6 +38,8 @@ def _load_kernels() -> tuple[ModuleType | None, str]:
         return None, f"{REFERENCE_ENV} set"
     try:
         from kestrel_cpu import kernels
+    except KestrelError:  # a bad setting (KESTREL_CPU_VNNI) is the user's to fix, not a reason to fall back
+        raise
     except Exception as exc:  # numba missing or unusable on this platform: the reference still works
         log.debug("kestrel_cpu: compiled kernels unavailable", exc_info=exc)
         return None, f"numba kernels unavailable: {type(exc).__name__}: {exc}"

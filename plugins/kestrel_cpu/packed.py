@@ -25,7 +25,6 @@ functions that inline them share this file: numba's disk cache follows the jitte
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -40,9 +39,11 @@ from kestrel_core.codegen import I32 as _I32
 from kestrel_core.codegen import compiled_features, declared, named_copy
 from kestrel_core.codegen import data_ptr as _data_ptr
 from kestrel_core.codegen import splat as _splat
+from kestrel_core.env import env_choice
 
 MAX_WEIGHTS = 3  # one pass over up to three weights sharing K and G (Q|K|V, gate|up)
 WIDTH_ENV = "KESTREL_CPU_VNNI"  # 256: the ymm kernels where the CPU also has the zmm ones
+WIDTHS = ("512", "256")  # bits of the vpdpbusd vectors; 512, the default, where the CPU has them
 
 
 def host_vnni_width(features: set[str] | None = None) -> int:
@@ -53,7 +54,7 @@ def host_vnni_width(features: set[str] | None = None) -> int:
         features = compiled_features()
     wide = {"+avx512f", "+avx512bw", "+avx512vnni"} <= features
     narrow = "+avx2" in features and ("+avxvnni" in features or {"+avx512vnni", "+avx512vl"} <= features)
-    if wide and os.environ.get(WIDTH_ENV) != "256":
+    if wide and env_choice(WIDTH_ENV, WIDTHS, default="512") == "512":
         return 16
     return 8 if narrow else 0
 

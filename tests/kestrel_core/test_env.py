@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kestrel_core.env import env_flag, env_float, env_int, env_str
+from kestrel_core.env import env_choice, env_flag, env_float, env_int, env_str
 from kestrel_core.errors import KestrelError
 
 VAR = "KESTREL_TEST_SETTING"
@@ -30,6 +30,15 @@ def test_env_str_strips_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert env_str(VAR, "dflt") == "dflt"  # empty after stripping counts as unset
     monkeypatch.setenv(VAR, " /a b/ ")
     assert env_str(VAR, "dflt") == "/a b/"
+
+
+def test_env_choice_strips_ignores_case_and_refuses_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert env_choice(VAR, ("fast", "Exact"), default="fast") == "fast"
+    monkeypatch.setenv(VAR, " EXACT ")
+    assert env_choice(VAR, ("fast", "Exact"), default="fast") == "Exact"
+    monkeypatch.setenv(VAR, "slow")
+    _one_line_error(lambda: env_choice(VAR, ("fast", "Exact"), default="fast"),
+                    f"{VAR} must be fast or Exact, got 'slow'")
 
 
 @pytest.mark.parametrize(("text", "value"), [("1", True), ("on", True), ("YES", True), (" True ", True),

@@ -24,6 +24,8 @@ AVX512 = {"+avx512f", "+avx512bw", "+avx512vnni", "+avx512vl", "+avx2"}
 @pytest.mark.parametrize(("features", "env", "width"), [
     (AVX512, None, 16),
     (AVX512, "256", 8),
+    (AVX512, " 256 ", 8),  # stripped, as every KESTREL_* variable
+    (AVX512, "512", 16),
     ({"+avx2", "+avxvnni"}, None, 8),  # Alder Lake and later client cores: no AVX-512
     ({"+avx2", "+avxvnni"}, "256", 8),
     ({"+avx2"}, None, 0),  # the vpmaddwd kernels
@@ -36,6 +38,26 @@ def test_the_width_follows_the_cpu_features(features: set[str], env: str | None,
     else:
         monkeypatch.setenv(packed.WIDTH_ENV, env)
     assert packed.host_vnni_width(features) == width
+
+
+@pytest.mark.parametrize("value", ["yes", "128", "0"])
+def test_a_bad_width_is_one_line_naming_the_variable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kestrel_core.errors import KestrelError
+
+    monkeypatch.setenv(packed.WIDTH_ENV, value)
+    with pytest.raises(KestrelError, match=f"^KESTREL_CPU_VNNI must be 512 or 256, got '{value}'$"):
+        packed.host_vnni_width(AVX512)
+
+
+def test_a_bad_width_keeps_the_cpu_backend_from_binding_not_on_the_reference() -> None:
+    """The width is read when the kernels are imported: a bad one is the open's error, not a silent fallback
+    to the numpy reference."""
+    env = {**os.environ, packed.WIDTH_ENV: "yes"}
+    code = ("from kestrel_core.registry import Registry; b = Registry().bind('cpu'); "
+            "print(b.status); print(b.reason)")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    status, reason = run.stdout.splitlines()[:2]
+    assert status == "not_bound" and "KESTREL_CPU_VNNI must be 512 or 256, got 'yes'" in reason, run.stdout
 
 
 @pytest.mark.skipif(packed.host_vnni_width() == 0 or os.environ.get(packed.WIDTH_ENV) == "256",
