@@ -36,11 +36,13 @@ class ScoreBody(RequestBody):
         MAX_INPUTS pairs and MAX_INPUTS distinct texts (each is embedded once)."""
         left = [self.text_1] if isinstance(self.text_1, str) else self.text_1
         right = [self.text_2] if isinstance(self.text_2, str) else self.text_2
-        if len(left) == 1:
-            left = left * len(right)
-        if not right or len(left) != len(right):
+        if not right:
+            raise APIError(400, "text_2 holds no texts", param="text_2")
+        if len(left) != 1 and len(left) != len(right):
             raise APIError(400, f"text_1 holds {len(left)} texts and text_2 {len(right)}: give one text_1, or as "
                            "many as text_2", param="text_2")
+        if len(left) == 1:
+            left = left * len(right)
         if len(right) > MAX_INPUTS:
             raise APIError(400, f"at most {MAX_INPUTS} pairs a request, got {len(right)}", param="text_2")
         _check_count(len(set(left) | set(right)), "text_2")

@@ -101,6 +101,17 @@ def test_bad_requests_name_the_field(server: KestrelServer, path: str, body: dic
     assert status in (400, 404) and error["error"]["param"] == param
 
 
+@pytest.mark.parametrize(("body", "message"), [
+    ({"text_1": "a", "text_2": []}, "text_2 holds no texts"),
+    ({"text_1": ["a"], "text_2": []}, "text_2 holds no texts"),
+    ({"text_1": [], "text_2": ["b"]}, "text_1 holds 0 texts and text_2 1: give one text_1, or as many as text_2"),
+    ({"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1 holds 2 texts and text_2 3"),
+])
+def test_a_pair_count_error_counts_the_texts_sent(server: KestrelServer, body: dict[str, Any], message: str) -> None:
+    status, error = _post(server, "/v1/score", body)
+    assert status == 400 and error["error"]["message"].startswith(message), error
+
+
 def test_a_model_that_generates_gives_no_scores() -> None:
     with kestrel_core.load(str(FIXTURES / "tiny-qwen3"), backend="cpu") as engine, \
             running_server(AsyncEngine(engine), "chat") as server:
