@@ -271,8 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0: any free port)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (or x-api-key) on /v1/*, /v2/* and /api/* (default: "
-                        "$KESTREL_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' (or x-api-key) on /v1/*, /v2/*, /api/*, /tokenize, "
+                        "/detokenize and /infill (default: $KESTREL_API_KEY, else none)")
     p.add_argument("--served-model-name", action="append", default=None,
                    help="the model's name in the API (default: from the model); one a --model, in order")
     p.add_argument("--max-batch", type=int, default=None, help="sequences in the running batch (default: 64)")

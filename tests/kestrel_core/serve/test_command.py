@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import socket
 import subprocess
 import sys
@@ -10,8 +11,12 @@ from pathlib import Path
 
 import pytest
 
+import kestrel_core
 from kestrel_core.cli import main
+from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.serve import command
+
+from .helpers import http, running_server
 
 # the shared CLI check words them as it does run's and bench's: "--flag: field must be ..."
 TINY = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-qwen3"
@@ -160,3 +165,20 @@ def test_speculate_on_a_recurrent_model_says_it_decodes_without_guesses(
     assert main(["serve", "--model", str(model), "--port", "0", "--speculate", "3"]) == 0
     assert served == [3]
     assert "--speculate: this model decodes without guesses here (its recurrent layers" in capsys.readouterr().err
+
+
+def test_the_api_key_help_names_every_path_the_key_guards(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each route a server with a key refuses without it is named in --help, itself or by a /prefix/*."""
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    api_key_help = help_text.rsplit("--api-key API_KEY", 1)[1].split(" --", 1)[0]
+    named = set(re.findall(r"/[\w/*-]+", api_key_help))
+    with kestrel_core.load(str(TINY), backend="cpu") as engine, \
+            running_server(AsyncEngine(engine), "tiny", api_key="sekrit") as server:
+        paths = {route.path for route in server.config.app.routes if "{" not in route.path}
+        guarded = {p for p in paths if http("POST", f"{server.url}{p}", {})[0] == 401}
+    assert {"/v1/chat/completions", "/tokenize"} <= guarded and "/health" not in guarded
+    unnamed = [p for p in sorted(guarded)
+               if p not in named and not any(n.endswith("/*") and p.startswith(n[:-1]) for n in named)]
+    assert not unnamed, f"--api-key's help ({api_key_help!r}) leaves out {unnamed}"
