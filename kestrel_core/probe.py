@@ -29,7 +29,8 @@ plugin has to be probed; ``probe_child`` is the server and the forked child.
 
 Environment: ``KESTREL_PROBE`` (``1``/unset: probe new or changed plugins; ``0``: never probe; ``always``:
 ignore the cache), ``KESTREL_PROBE_TIMEOUT`` (seconds per plugin, default 20),
-``KESTREL_<NAME>_PROBE_TIMEOUT`` (one plugin's), ``KESTREL_PROBE_CACHE`` (the cache file).
+``KESTREL_<NAME>_PROBE_TIMEOUT`` (one plugin's: NAME its entry point's name, or a path backend's file or directory
+name, since the probe learns its ``BackendInfo.name``), ``KESTREL_PROBE_CACHE`` (the cache file).
 """
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ def _probe_in_child(msg: dict[str, Any]) -> None:
     if lingering:
         problems.append(f"leaves non-daemon thread {lingering[0]!r} running after {PHASES[phase]} "
                         f"(the process could never exit)")
-    mark("done", problems=problems, stopped=stopped)
+    mark("done", problems=problems, stopped=stopped, name=backend.declared_name)  # learned even where refused
     if problems:
         report.close()
         os._exit(0)

@@ -87,6 +87,7 @@ class Backend:
     probe: str = "-"  # the probe's verdict, for `kestrel backends`
     target: probe.Target | None = None  # what the probe runs; None: nothing to probe (or probed already)
     probe_name: str = ""  # BackendInfo.name as the probe saw it
+    declared_name: str = ""  # a valid BackendInfo.name, once kestrel_backend_info has returned one
     named_by: str = "entry point"  # "entry point", "BackendInfo.name", "file name", "built in"
 
     @property
@@ -352,6 +353,11 @@ def _validate(backend: Backend, check_name: bool = True) -> str | None:
     info = pm.hook.kestrel_backend_info()
     if not isinstance(info, BackendInfo):
         return f"kestrel_backend_info returned {type(info).__name__}, not BackendInfo"
+    if type(info.name) is not str or len(info.name) > MAX_NAME or not NAME_RE.fullmatch(info.name) \
+            or info.name == "auto":  # exact strings: a subclass's __str__ would run wherever they are shown
+        return (f"BackendInfo.name {safe_repr(info.name)} is not a valid name (letters, digits, _ and -, at most "
+                f"{MAX_NAME}; not 'auto')")
+    backend.declared_name = info.name  # a path backend is listed under it whatever the checks below say
     ours = ".".join(map(str, hookspecs.API_VERSION))
     api = _api_version(info.api_version)
     if api is None:
@@ -359,10 +365,6 @@ def _validate(backend: Backend, check_name: bool = True) -> str | None:
                 f"{ours!r}, got {safe_repr(info.api_version)}")
     if not _api_compatible(api):
         return f"incompatible API version {api[0]}.{api[1]} (kestrel has {ours})"
-    if type(info.name) is not str or len(info.name) > MAX_NAME or not NAME_RE.fullmatch(info.name) \
-            or info.name == "auto":  # exact strings: a subclass's __str__ would run wherever they are shown
-        return (f"BackendInfo.name {safe_repr(info.name)} is not a valid name (letters, digits, _ and -, at most "
-                f"{MAX_NAME}; not 'auto')")
     if type(info.version) is not str or type(info.description) is not str:
         return "BackendInfo.version and .description must be strings"
     if not is_number(info.min_flops) or not math.isfinite(info.min_flops) or info.min_flops < 0:
@@ -437,8 +439,8 @@ class Registry:
                 if backend.target is not None and Path(backend.target.spec) in _IMPORTING:
                     continue  # built while this very plugin is being imported: it keeps its file name here
                 self._import(backend, check_name=False)
-                if backend.info is not None:
-                    backend.name, backend.named_by = backend.info.name, "BackendInfo.name"
+                if backend.declared_name:
+                    backend.name, backend.named_by = backend.declared_name, "BackendInfo.name"
             return
         self._probe(paths)
         for backend in paths:  # refused ones too: `--backend NAME` then gives the probe's reason

@@ -247,6 +247,35 @@ def test_a_probe_that_timed_out_is_probed_again_under_a_longer_timeout(tmp_path:
     assert Registry().backends["slow"].probe.startswith("ok (") and calls == [1, 1, 1, 1]
 
 
+@pytest.mark.parametrize("probing", ["1", "0"])
+def test_a_path_backend_refused_after_its_backend_info_is_listed_by_its_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, probing: str) -> None:
+    """An API version kestrel does not have refuses it, but its BackendInfo.name was returned: the listing, and
+    the name `--backend` takes, is that one, not the file's."""
+    plugin = tmp_path / "kestrel_future.py"
+    plugin.write_text(GOOD.replace('"good_gpu"', '"future"').replace('"1.0", API_VERSION', '"1.0", "1.99"'))
+    assert '"1.99"' in plugin.read_text()
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(plugin))
+    monkeypatch.setenv("KESTREL_PROBE_CACHE", str(tmp_path / "cache.json"))
+    monkeypatch.setenv("KESTREL_PROBE", probing)
+    reg = Registry()
+    assert "kestrel_future" not in reg.backends
+    future = reg.bind("future")
+    assert future.status == "not_bound" and "incompatible API version 1.99" in future.reason
+    assert future.named_by == "BackendInfo.name"
+
+
+def test_a_path_backends_probe_timeout_is_named_by_its_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe runs before BackendInfo.name is known: the file's name keys the plugin's own timeout."""
+    plugin = tmp_path / "kestrel_lazy.py"
+    plugin.write_text("import time\n\ntime.sleep(1.5)\n" + GOOD.replace('"good_gpu"', '"lazy"'))
+    monkeypatch.setenv("KESTREL_BACKEND_PATH", str(plugin))
+    monkeypatch.setenv("KESTREL_PROBE_CACHE", str(tmp_path / "cache.json"))
+    monkeypatch.setenv("KESTREL_PROBE", "always")
+    monkeypatch.setenv("KESTREL_KESTREL_LAZY_PROBE_TIMEOUT", "0.3")
+    assert "no answer in 0.3 s" in Registry().backends["kestrel_lazy"].reason
+
+
 def test_the_cache_lives_under_kestrel_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KESTREL_PROBE_CACHE")
     monkeypatch.setenv("KESTREL_HOME", str(tmp_path / "home"))
