@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,13 @@ ENDPOINTS = (*GENERATION_ENDPOINTS, *EMBEDDING_ENDPOINTS, "/v1/models", "/v1/mes
              "/api/show", "/api/ps", "/api/version", "/health", "/metrics")
 DEFAULT_MAX_REQUEST_BYTES = 32_000_000  # a full context of any model here is a few MB of text
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer: logs and metrics only
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def loggable(text: object) -> str:
+    """``text`` with its control characters and line separators written as escapes (``\\n``, ``\\x1b``): a
+    request's path is decoded from the URL, so raw it could forge log lines or drive the reader's terminal."""
+    return _CONTROL_CHARS.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
 
 
 @dataclass
@@ -92,8 +100,8 @@ class AccessMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         except Exception as exc:  # a bug, not bad input: one line (the traceback with -v), a 500 if we still can
-            log.error("%s %s failed: %s: %s", scope.get("method"), scope.get("path"), type(exc).__name__, exc,
-                      exc_info=log.isEnabledFor(logging.DEBUG))
+            log.error("%s %s failed: %s: %s", scope.get("method"), loggable(scope.get("path")), type(exc).__name__,
+                      loggable(exc), exc_info=log.isEnabledFor(logging.DEBUG))
             if record.status == 0:
                 error = APIError(500, f"internal error: {type(exc).__name__}: {exc}")
                 await error.response(scope.get("path", ""))(scope, receive, send_wrapper)
@@ -115,7 +123,7 @@ class AccessMiddleware:
             tokens = (f" prompt={record.prompt_tokens} completion={record.completion_tokens}"
                       if path in GENERATION_ENDPOINTS else f" prompt={record.prompt_tokens}"
                       if path in EMBEDDING_ENDPOINTS else "")
-            log.log(level, "%s %s %d%s %.3fs", scope.get("method", "?"), path, status, tokens, duration)
+            log.log(level, "%s %s %d%s %.3fs", scope.get("method", "?"), loggable(path), status, tokens, duration)
 
 
 class ApiKeyMiddleware:
