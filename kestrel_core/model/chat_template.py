@@ -9,6 +9,7 @@ The ``MAX_TEMPLATE_*`` limits are read at each render, so a test or the fuzzer c
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import functools
 import json
@@ -114,15 +115,32 @@ def _check_int_args(args: Iterable[Any]) -> None:
 
 
 _WIDE_FORMAT = re.compile(r"\d{7,}")  # a width or precision of a million or more, in % or {} formats
+_PERCENT_FIELD = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\d*)(?:\.(\d*))?")
+_DIGITS = re.compile(r"\d+")
 
 
-def _check_format(fmt: Any, args: Any) -> None:
-    """``%`` and ``str.format``: no huge literal widths, no huge widths passed as arguments."""
+def _format_fields(fmt: str, percent: bool) -> tuple[int, int]:
+    """(the number of fields, the sum of their widths and precisions) of a ``%`` or ``str.format`` format."""
+    if percent:
+        fields = [(w, p) for w, p in _PERCENT_FIELD.findall(fmt.replace("%%", ""))]
+        return len(fields), sum(int(w or 0) + int(p or 0) for w, p in fields)
+    specs = [spec or "" for _, name, spec, _ in string.Formatter().parse(fmt) if name is not None]
+    return len(specs), sum(int(d) for spec in specs for d in _DIGITS.findall(spec))
+
+
+def _check_format(fmt: Any, args: Any, percent: bool = True) -> None:
+    """``%`` and ``str.format``: no huge widths, literal or passed as arguments, and a result (at most every
+    field's width plus the longest argument's text) that fits the limit, checked before formatting."""
     if isinstance(fmt, str) and _WIDE_FORMAT.search(fmt):
         raise TemplateLimitError("a format width of a million or more")
     values = args.values() if isinstance(args, Mapping) else args if isinstance(args, (tuple, list)) else (args,)
     _check_int_args(values)
     _check_text(list(values))
+    if isinstance(fmt, str):
+        fields, widths = _format_fields(fmt, percent)
+        longest = max((_text_size(v) for v in values), default=0)
+        if len(fmt) + widths + fields * longest > MAX_TEMPLATE_CHARS:
+            raise TemplateLimitError(f"a format making more than {MAX_TEMPLATE_CHARS} characters")
 
 
 def _guard_iter(iterable: Any) -> Any:
@@ -197,6 +215,7 @@ def _check_binop(op: str, left: Any, right: Any) -> None:
 
 
 _STR_METHODS_SIZED = ("center", "ljust", "rjust", "zfill", "expandtabs")
+_LIPSUM_WORD_CHARS = 14  # the longest lorem ipsum word, a space and a comma or full stop
 
 
 class BoundedSandbox(ImmutableSandboxedEnvironment):
@@ -214,6 +233,16 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.filters = {name: _bounded_filter(name, f) for name, f in self.filters.items()}
+        self.globals["lipsum"] = _bounded_lipsum
+
+    @staticmethod
+    def concat(chunks: Iterable[str]) -> str:
+        """Captured output (a macro's, a caller's, a ``{% set %}`` or ``{% filter %}`` block's) joined, its
+        length checked first."""
+        parts = list(chunks)
+        if sum(map(len, parts)) > MAX_TEMPLATE_CHARS:
+            raise TemplateLimitError(f"a captured block longer than {MAX_TEMPLATE_CHARS} characters")
+        return "".join(parts)
 
     def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
         """str.format / format_map (jinja's sandboxed formatter) with the format's widths checked first."""
@@ -224,7 +253,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
         def checked(*args: Any, **kwargs: Any) -> str:
             values = list(args) + list(kwargs.values())
-            _check_format(owner, values)
+            _check_format(owner, values, percent=False)
             if isinstance(owner, str) and any("{" in (spec or "") for _, _, spec, _ in string.Formatter().parse(owner)):
                 raise TemplateLimitError("a format spec with a field in it (its width would be unchecked)")
             for v in values:
@@ -247,6 +276,10 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             name = getattr(__obj, "__name__", "")
             if name in _STR_METHODS_SIZED:
                 _check_int_args(list(args) + list(kwargs.values()))
+                if name == "expandtabs" and isinstance(owner, str):
+                    _check_expandtabs(owner, args[0] if args else kwargs.get("tabsize", 8))
+            elif name == "translate" and isinstance(owner, str) and args:
+                _check_translate(owner, args[0])
             elif name == "replace" and isinstance(owner, str) and len(args) >= 2:
                 _check_replace(owner, args[0], args[1])
             elif name == "join" and isinstance(owner, str) and args:
@@ -259,6 +292,35 @@ def _check_replace(text: Any, old: Any, new: Any) -> None:
         hits = text.count(old) if old else len(text) + 1
         if len(text) + hits * len(new) > MAX_TEMPLATE_CHARS:
             raise TemplateLimitError(f"a replace making more than {MAX_TEMPLATE_CHARS} characters")
+
+
+def _check_expandtabs(text: str, tabsize: Any) -> None:
+    if _is_int(tabsize) and len(text) + text.count("\t") * max(tabsize, 0) > MAX_TEMPLATE_CHARS:
+        raise TemplateLimitError(f"an expandtabs making more than {MAX_TEMPLATE_CHARS} characters")
+
+
+def _check_translate(text: str, table: Any) -> None:
+    """The translated length, counted per distinct character of ``text`` (a table maps a code to a string)."""
+    if not isinstance(table, Mapping):
+        return  # str.translate looks codes up in lists too: one character or none each
+    longest = max((len(v) for v in table.values() if isinstance(v, str)), default=1)
+    if len(text) * longest <= MAX_TEMPLATE_CHARS:
+        return
+    total = 0
+    for char, count in collections.Counter(text).items():
+        mapped = table.get(ord(char), char)
+        total += count * (len(mapped) if isinstance(mapped, str) else 1)
+    if total > MAX_TEMPLATE_CHARS:
+        raise TemplateLimitError(f"a translate making more than {MAX_TEMPLATE_CHARS} characters")
+
+
+def _bounded_lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:  # noqa: A002 (jinja's)
+    """jinja's ``lipsum``, its paragraphs x words bounded by the size limit before any is made."""
+    if not (_is_int(n) and _is_int(min) and _is_int(max)):
+        raise TemplateLimitError("lipsum takes integer counts")
+    if n * (abs(max) + 1) * _LIPSUM_WORD_CHARS > MAX_TEMPLATE_CHARS:
+        raise TemplateLimitError(f"a lipsum of more than {MAX_TEMPLATE_CHARS} characters")
+    return jinja2.utils.generate_lorem_ipsum(n, html, min, max)
 
 
 def _check_join(sep: Any, items: Any) -> None:
@@ -297,11 +359,27 @@ def _bounded_filter(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
                 raise TemplateLimitError(f"an indent making more than {MAX_TEMPLATE_CHARS} characters")
         elif name == "format" and values:
             _check_format(values[0], values[1:] + list(kwargs.values()))
+        elif name == "sum" and values and isinstance(args[0], jinja2.Environment):
+            _check_sum(args[0], values[0], values[1] if len(values) > 1 else kwargs.get("attribute"),
+                       values[2] if len(values) > 2 else kwargs.get("start", 0))
         elif name in _PRINTING_FILTERS and values:
             _check_text(values[0])
         return _check_size(f(*args, **kwargs))
 
     return bounded
+
+
+def _check_sum(env: jinja2.Environment, items: Any, attribute: Any, start: Any) -> None:
+    """``sum`` of sequences copies the running total at each item: the copies together stay under the limit."""
+    if _seq_len(start) is None or not isinstance(items, (list, tuple)):
+        return
+    get = jinja2.filters.make_attrgetter(env, attribute) if attribute is not None else None
+    running = copied = _seq_len(start) or 0
+    for item in items:
+        running += _seq_len(get(item) if get else item) or 0
+        copied += running
+        if copied > MAX_TEMPLATE_CHARS:
+            raise TemplateLimitError(f"a sum copying more than {MAX_TEMPLATE_CHARS} items")
 
 
 # -- the helpers templates get, compiling, rendering --------------------------------------------------------
@@ -317,7 +395,10 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
     if indent is not None and (not _is_int(width) or not 0 <= width <= MAX_JSON_INDENT):
         raise TemplateLimitError(f"tojson indent must be an integer in [0, {MAX_JSON_INDENT}] or as many "
                                  f"characters, got {indent!r}")
-    _check_text(x, per_item=4 + 2 * (width or 0))
+    if separators is not None and not (isinstance(separators, (tuple, list)) and len(separators) == 2
+                                       and all(isinstance(sep, str) for sep in separators)):
+        raise TemplateLimitError("tojson separators must be two strings")
+    _check_text(x, per_item=4 + 2 * (width or 0) + sum(map(len, separators or ())))
     return _check_size(json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                                   sort_keys=sort_keys))
 

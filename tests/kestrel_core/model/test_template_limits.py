@@ -84,6 +84,45 @@ def test_hostile_templates_end_in_one_line(name: str, fast_limits: None) -> None
     assert msg.startswith("chat template ") and "\n" not in msg
 
 
+# each builds twice the 10k characters of ``small_limits`` (or copies them, for sum) and prints only its length
+OVER_SMALL_LIMITS = {
+    "set block": "{% set s = 'x' * 6000 %}{% set big %}{{ s }}{{ s }}{% endset %}{{ big|length }}",
+    "filter block": "{% set s = 'x' * 6000 %}{% filter truncate(9) %}{{ s }}{{ s }}{% endfilter %}",
+    "macro body": "{% set s = 'x' * 6000 %}{% macro m() %}{{ s }}{{ s }}{% endmacro %}{{ m()|length }}",
+    "caller": "{% set s = 'x' * 6000 %}{% macro m() %}{{ caller()|length }}{% endmacro %}"
+              "{% call m() %}{{ s }}{{ s }}{% endcall %}",
+    "expandtabs": "{{ ('\\t' * 100).expandtabs(200)|length }}",
+    "translate": "{{ ('a' * 100).translate({97: 'b' * 200})|length }}",
+    "format widths": "{{ ('{0:5000}' * 4).format('x')|length }}",
+    "percent widths": "{{ (('%(a)5000s' * 4) % {'a': 'x'})|length }}",
+    "format filter widths": "{{ ('%(a)5000s' * 4)|format(a='x')|length }}",
+    "tojson separators": "{{ range(100)|list|tojson(separators=('x' * 200, ':'))|length }}",
+    "lipsum": "{{ lipsum(100, false)|length }}",
+    "sum of lists": "{{ ([[1, 2, 3, 4]] * 100)|sum(start=[])|length }}",
+}
+
+
+@pytest.fixture
+def small_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(chat_template, "MAX_TEMPLATE_CHARS", 10_000)
+
+
+@pytest.mark.parametrize("name", list(OVER_SMALL_LIMITS))
+def test_values_over_the_size_limit_are_refused_before_they_are_built(name: str, small_limits: None) -> None:
+    with pytest.raises(KestrelError) as info:
+        render(OVER_SMALL_LIMITS[name])
+    msg = str(info.value)
+    assert msg.startswith("chat template stopped: ") and "10000" in msg and "\n" not in msg
+    assert "a value of" not in msg  # the measure of a value already built (_check_size), not a check before
+
+
+def test_the_sized_helpers_still_work_within_the_limits(small_limits: None) -> None:
+    t = ("{% set s %}ab{% endset %}{{ s }}|{% filter upper %}cd{% endfilter %}|{{ 'a\\tb'.expandtabs(4) }}|"
+         "{{ 'ab'.translate({97: 'xy'}) }}|{{ '{0:3}'.format('x') }}|{{ '%(a)3s' % {'a': 'x'} }}|"
+         "{{ [1, 2]|tojson(separators=(',', ':')) }}|{{ [[1], [2]]|sum(start=[]) }}|{{ lipsum(1)|length > 0 }}")
+    assert render(t) == "ab|CD|a   b|xyb|x  |  x|[1,2]|[1, 2]|True"
+
+
 def test_the_deadline_stops_slow_work(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(chat_template, "MAX_TEMPLATE_STEPS", 10 ** 12)  # only the clock can stop it
     monkeypatch.setattr(chat_template, "MAX_TEMPLATE_SECONDS", 0.2)
