@@ -10,7 +10,8 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kestrel_core.errors import safe_repr, safe_text
@@ -28,10 +29,29 @@ def short(exc: BaseException) -> str:
     return f"{name}: {text}" if text else name
 
 
-def plugin_output() -> contextlib.AbstractContextManager[Any]:
+_redirects = 0  # plugin_output blocks open, in every thread
+_stdout: Any = None  # sys.stdout before the first of them
+_redirects_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def plugin_output() -> Iterator[None]:
     """Within the block, what is printed goes to stderr: stdout is a command's output (``--json``), which a
-    backend's print at import, at open or in a hook must not break (the probe's child silences it)."""
-    return contextlib.redirect_stdout(sys.stderr)
+    backend's print at import, at open or in a hook must not break (the probe's child silences it). Engines of
+    several models call their backends from threads of their own: stdout comes back when the last block ends,
+    whatever order they end in (``contextlib.redirect_stdout`` would restore each one's own saved stream)."""
+    global _redirects, _stdout
+    with _redirects_lock:
+        if _redirects == 0:
+            _stdout, sys.stdout = sys.stdout, sys.stderr
+        _redirects += 1
+    try:
+        yield
+    finally:
+        with _redirects_lock:
+            _redirects -= 1
+            if _redirects == 0:
+                sys.stdout, _stdout = _stdout, None
 
 
 def signal_handlers() -> dict[int, Any]:
