@@ -75,7 +75,7 @@ def tool_format(template: str | None) -> str | None:
     try:
         env = jinja2.Environment(extensions=list(TEMPLATE_EXTENSIONS))
         reads = jinja2.meta.find_undeclared_variables(env.parse(template))
-    except jinja2.TemplateError:
+    except (jinja2.TemplateError, RecursionError, MemoryError):  # nested past the parser's depth too
         return None  # the sandbox compiles it again and says what is wrong
     if "tools" not in reads:
         return None

@@ -61,6 +61,8 @@ def test_the_format_a_template_teaches(template: str | None, fmt: str | None) ->
 
 def test_a_template_that_does_not_parse_has_no_format() -> None:
     assert tool_format("{% for t in tools %}<tool_call>") is None  # the chat template's own error says why
+    nested = "{{ tools" + " + (1" * 5000 + ")" * 5000 + " }}"  # past the parser's recursion depth
+    assert tool_format(nested) is None  # a server still starts: its chat requests say the template is invalid
 
 
 def _calls(*pairs: tuple[str, dict[str, object]]) -> tuple[ToolCall, ...]:
