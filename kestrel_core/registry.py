@@ -519,7 +519,7 @@ class Registry:
             return _fail(backend, "kestrel_open returned no device handle")
         backend.device = device
         description, error, _ = plugin_call("the device's description",
-                                             lambda: str(getattr(device, "description", "") or ""))
+                                            lambda: str(getattr(device, "description", "") or ""))
         # a handle whose description raises (even sys.exit) is still a handle
         backend.device_description = safe_text(description) if error is None and description else backend.kind
         backend.status, backend.reason = BOUND, ""
