@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import os
 import sys
 from typing import Any
 
@@ -50,19 +51,30 @@ def _setup_logging(verbose: bool) -> None:
     logger.propagate = False
 
 
+def _api_key(option: str | None) -> str | None:
+    """--api-key, else $KESTREL_API_KEY, else None; refused before the model loads where it is not valid UTF-8
+    (lone surrogates to Python) or is blank: a blank variable, often a deployment's unset one substituted empty,
+    would serve without a key, so it fails closed."""
+    from kestrel_core.model.validate import strict_text
+
+    if option is not None:  # the command line refused a blank one
+        return strict_text(option.strip(), "--api-key")  # a header's value is read stripped
+    if API_KEY_ENV in os.environ and not env_str(API_KEY_ENV):
+        raise KestrelError(f"{API_KEY_ENV} is set but empty: give it a key, or unset it to serve without one")
+    return strict_text(env_str(API_KEY_ENV), API_KEY_ENV) or None
+
+
 def serve_command(args: argparse.Namespace) -> int:
     _check_installed()  # the option values were checked by the CLI, as every command's are
     from kestrel_core.model.commands import load_options, set_speculate
     from kestrel_core.model.engine_load import load, load_preset
     from kestrel_core.model.loader import finish_cache_writes
     from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING
-    from kestrel_core.model.validate import strict_text
     from kestrel_core.serve.access import DEFAULT_MAX_REQUEST_BYTES
     from kestrel_core.serve.server import bind_socket, serve
 
     _setup_logging(bool(getattr(args, "verbose", False)))
-    # the variable's invalid UTF-8 (lone surrogates to Python) refused as --api-key's is, before the model loads
-    api_key = args.api_key or strict_text(env_str(API_KEY_ENV), API_KEY_ENV) or None
+    api_key = _api_key(args.api_key)
     names = args.served_model_name or []
     if len(names) > max(1, len(args.model or ())):
         raise KestrelError(f"{len(names)} --served-model-name for {len(args.model or ()) or 1} model(s)")

@@ -82,12 +82,16 @@ def test_the_command_exits_2_with_one_line(argv: list[str], needle: str) -> None
 @pytest.mark.parametrize(("argv", "env", "needle"), [
     (["--api-key", "k\udcff"], None, "--api-key is not valid UTF-8 (character 1)"),
     ([], "k\udcff", "KESTREL_API_KEY is not valid UTF-8 (character 1)"),
+    (["--api-key", " "], None, "--api-key: api_key must not be empty"),
+    ([], "", "KESTREL_API_KEY is set but empty"),
+    ([], " \t", "KESTREL_API_KEY is set but empty"),
 ])
-def test_a_key_of_invalid_utf8_is_one_line_before_the_model_loads(
+def test_a_bad_key_is_one_line_before_the_model_loads(
         argv: list[str], env: str | None, needle: str, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     """The same bytes (lone surrogates, as Python decodes them from argv or the environment) from the option or
-    the variable: the same refusal, and no model loaded first."""
+    the variable: the same refusal, and no model loaded first. A blank key (a deployment's unset variable
+    substituted empty) fails closed rather than serving without one."""
     from kestrel_core.errors import KestrelError
     from kestrel_core.model import engine_load
 
