@@ -68,8 +68,12 @@ def fp8_scheme(quantization: Any, where: str) -> Fp8Scheme | None:
                 raise KestrelError(f"{where}: compressed-tensors group {name!r} is neither FP8 nor integer weights, "
                                    "or mixes them with the other kind (kestrel reads either, in every group)")
             if weights.get("strategy") == "block":  # llm-compressor's FP8_BLOCK
-                blocks.add(_block(weights.get("block_structure"), f"{where}: compressed-tensors group {name!r} "
-                                  "block_structure"))
+                structure = weights.get("block_structure")
+                if isinstance(structure, str):  # the older spelling, "128x128", as compressed-tensors still reads it
+                    parts = structure.split("x")
+                    structure = [int(p) for p in parts] if all(p.isascii() and p.isdigit() for p in parts) \
+                        else structure
+                blocks.add(_block(structure, f"{where}: compressed-tensors group {name!r} block_structure"))
         if len(blocks) > 1:
             raise KestrelError(f"{where}: compressed-tensors groups' block_structure differ "
                                f"({', '.join(str(list(b)) for b in sorted(blocks))}); kestrel reads one for all")

@@ -49,8 +49,10 @@ def _spread(scale: np.ndarray, shape: tuple[int, int], scheme: str) -> np.ndarra
 
 
 def make_fp8(fmt: SimpleNamespace, dst: Path, scheme: str) -> Path:
-    """tiny-qwen3 with every projection FP8 (``scheme``: block, tensor, row, ct-block), and beside it ``dst``-f32
-    holding the reference decoding of the same weights as float32."""
+    """tiny-qwen3 with every projection FP8 (``scheme``: block, tensor, row, ct-block, ct-block-text: its block
+    spelled "32x32"), and beside it ``dst``-f32 holding the reference decoding of the same weights as float32."""
+    text = scheme.endswith("-text")
+    scheme = scheme.removesuffix("-text")
     shutil.copytree(SOURCE, dst)
     ref = dst.with_name(dst.name + "-f32")
     shutil.copytree(SOURCE, ref)
@@ -80,6 +82,8 @@ def make_fp8(fmt: SimpleNamespace, dst: Path, scheme: str) -> Path:
             "group_0": {"targets": ["Linear"], "weights": {"type": "float", "num_bits": 8, "strategy": "block",
                                                             "block_structure": [32, 32], "symmetric": True}}}},
     }[scheme]
+    if text:  # compressed-tensors' older spelling of the block, which it still reads
+        cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["block_structure"] = "32x32"
     (dst / "config.json").write_text(json.dumps(cfg))
     return ref
 
@@ -89,7 +93,7 @@ def test_the_e4m3_table_is_ml_dtypes_decoding() -> None:
     np.testing.assert_array_equal(E4M3_VALUES, codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
 
 
-@pytest.mark.parametrize("scheme", ["block", "tensor", "row", "ct-block"])
+@pytest.mark.parametrize("scheme", ["block", "tensor", "row", "ct-block", "ct-block-text"])
 def test_an_fp8_checkpoint_is_its_weights_decoded(fmt: SimpleNamespace, tmp_path: Path, scheme: str) -> None:
     ref = make_fp8(fmt, tmp_path / "fp8", scheme)
     fp8, f32 = HFCheckpoint(tmp_path / "fp8"), HFCheckpoint(ref)
@@ -120,6 +124,8 @@ def _ct_block(rows: object, **more: list[int]) -> dict:
      r"weight_block_size must be two positive integers, got \[True, 32\]"),
     (lambda c: {**c, "quantization_config": _ct_block(True)},
      r"group 'g' block_structure must be two positive integers, got \[True, 32\]"),
+    (lambda c: {**c, "quantization_config": _ct_block(32, h="64x")},
+     r"group 'h' block_structure must be two positive integers, got '64x'"),
     (lambda c: {**c, "quantization_config": _ct_block(None)},
      r"group 'g' block_structure must be two positive integers, got None"),
     (lambda c: {**c, "quantization_config": _ct_block(32, h=[64, 64])},
