@@ -305,7 +305,7 @@ CLI_INT_RANGES: dict[str, tuple[int, int | None]] = {
 CLI_FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "repetition_penalty": (0.0, 10.0),
     "kv_cache_mb": (0.0, 2.0 ** 40), "lora_scale": (-100.0, 100.0),
-    "shutdown_grace": (0.0, 86400.0), "max_request_mb": (0.0, 2.0 ** 20),
+    "shutdown_grace": (0.0, 86400.0), "max_request_mb": (1e-6, 2.0 ** 20),  # at least a byte
 }
 # given, these must hold more than blanks: ``--api-key "$KEY"`` with KEY unset must not serve without a key, nor
 # ``--preset ""`` load the default model, ``--lora ""`` merge the current directory or ``--concurrency ""`` run batch 1
@@ -328,7 +328,7 @@ def check_cli_args(args: Any) -> None:
             raise KestrelError(f"--{name.replace('_', '-')}: {name} must be an integer {span}, got {value!r}")
     for name, (lo_f, hi_f) in CLI_FLOAT_RANGES.items():
         value = getattr(args, name, None)
-        open_lo = name in ("top_p", "repetition_penalty", "kv_cache_mb", "max_request_mb")
+        open_lo = name in ("top_p", "repetition_penalty", "kv_cache_mb")
         for one in value if isinstance(value, list) else [] if value is None else [value]:  # a repeatable one: each
             if not (is_number(one) and math.isfinite(one) and (lo_f < one if open_lo else lo_f <= one) and one <= hi_f):
                 span = f"{'(' if open_lo else '['}{lo_f:g}, {hi_f:g}]"
