@@ -26,7 +26,7 @@ from kestrel_core.model.engine_load import load, load_preset
 from kestrel_core.model.fim import fim_prompt_ids
 from kestrel_core.model.grammar import json_schema_grammar, lark_grammar, regex_grammar
 from kestrel_core.model.harmony import HarmonyStream, is_harmony
-from kestrel_core.model.reasoning import ReasoningStream, opens_in_prompt, think_kwargs, thinks
+from kestrel_core.model.reasoning import ReasoningStream, opens_in_prompt, reasoning_markers, think_kwargs
 from kestrel_core.model.validate import read_line_stdin, read_text_stdin
 
 
@@ -65,7 +65,7 @@ def _note_options(engine: Engine, args: argparse.Namespace) -> None:
     --speculate cannot speculate because the answer is sampled or constrained, and when --think has nothing to
     switch."""
     template = getattr(engine.tokenizer, "chat_template", None)
-    if getattr(args, "think", None) is not None and not (thinks(template) or is_harmony(template)):
+    if getattr(args, "think", None) is not None and not (reasoning_markers(template) or is_harmony(template)):
         err.print("--think: this model's chat template has no reasoning to switch; it is ignored", soft_wrap=True)
     taken = {k: v for k, v in engine.sampling_defaults.items() if getattr(args, k, None) is None}
     if taken:
@@ -111,10 +111,10 @@ def _prompt(engine: Engine, messages: list[dict[str, str]], chat: bool, args: ar
         return list(tok.encode(messages[-1]["content"])), None
     text = tok.apply_chat_template(messages, True, **(think_kwargs(getattr(args, "think", None)) or {}))
     ids = list(tok.encode(text, add_special_tokens=False))  # the template writes any BOS itself
-    template = getattr(tok, "chat_template", None)
+    markers = reasoning_markers(getattr(tok, "chat_template", None))
     if engine.harmony:
         return ids, HarmonyStream()
-    return ids, ReasoningStream(opens_in_prompt(text)) if thinks(template) else None
+    return ids, ReasoningStream(opens_in_prompt(text, markers), markers) if markers is not None else None
 
 
 def _check_context(engine: Engine, ids: Sequence[int]) -> None:
@@ -189,14 +189,16 @@ def _stream(engine: Engine, ids: list[int], args: argparse.Namespace, out: TextI
             reader: HarmonyStream | ReasoningStream | None = None) -> tuple[str, list[int], str | None, str | None]:
     """Generate, writing text to ``out`` as it arrives; returns (text, token ids, reasoning, finish reason: "stop"
     or "length"). ``reader`` (from
-    ``_prompt``) splits the answer's reasoning (gpt-oss's analysis channel, or a ``<think>`` block) from its text:
-    the reasoning is shown dimmed on stderr as it comes where ``out`` is given."""
+    ``_prompt``) splits the answer's reasoning (gpt-oss's analysis channel, or a reasoning block) from its text:
+    the reasoning is shown dimmed on stderr as it comes where ``out`` is given; the special tokens' text is kept
+    where the reader reads them (harmony's channels, Mistral's [THINK] tags)."""
     channels = None if grammar is not None else reader  # a constrained answer is what it is constrained to
+    reads_special = isinstance(channels, HarmonyStream) or isinstance(channels, ReasoningStream) \
+        and channels.markers.control
     params = engine.sampling_params(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                     top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                                     seed=args.seed, stop=tuple(getattr(args, "stop", None) or ()), grammar=grammar,
-                                    stop_token_ids=stop_token_ids,
-                                    skip_special_tokens=not isinstance(channels, HarmonyStream))
+                                    stop_token_ids=stop_token_ids, skip_special_tokens=not reads_special)
     pieces: list[str] = []
     thoughts: list[str] = []
     tokens: list[int] = []

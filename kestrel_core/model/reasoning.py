@@ -1,18 +1,21 @@
-"""Reasoning in chat answers: a model whose chat template teaches a ``<think>...</think>`` block (Qwen3, QwQ,
-DeepSeek-R1's distills) answers with its reasoning first. The server returns that block's text as the message's
-``reasoning_content`` (DeepSeek's and vLLM's field) and what follows as its ``content``, where tool calls are
-read (serve/tools.py); ``kestrel run`` and ``chat`` show it apart from the answer (model/commands.py). gpt-oss's
-channels are kestrel_core.model.harmony's.
+"""Reasoning in chat answers: a model whose chat template teaches a reasoning block answers with its reasoning
+first, in ``<think>...</think>`` (Qwen3, QwQ, DeepSeek-R1's distills) or Mistral's ``[THINK]...[/THINK]``
+control tokens (Magistral, Ministral 3 Reasoning: MISTRAL_THINK). The server returns that block's text as the
+message's ``reasoning_content`` (DeepSeek's and vLLM's field) and what follows as its ``content``, where tool calls
+are read (serve/tools.py); ``kestrel run`` and ``chat`` show it apart from the answer (model/commands.py).
+gpt-oss's channels are kestrel_core.model.harmony's.
 
-``thinks(template)`` says whether a template teaches the block (it closes one: ``</think>``). An answer that
-starts with ``<think>`` reasons until ``</think>``, as does one whose prompt ended with ``<think>`` (a template
-that opens the block itself, as Qwen3.5's). Where no ``</think>`` comes, its first ``<tool_call>`` ends the
-reasoning (Qwen3.5 may call a tool without closing its block: the call is content, where serve/tools.py reads it,
-as vLLM's qwen3 reasoning parser reads it); a ``<tool_call>`` that reasoning mentions before its ``</think>`` is
-reasoning. An answer cut before either is all reasoning. ``split_parts`` does this for a whole answer (its parts,
-kestrel_core.model.parts; ``split`` their two texts), ``ReasoningStream`` for a stream, holding back what may be
-the start of a tag, the whitespace that the whole answer's parts leave out at their edges, and the reasoning from a
-``<tool_call>`` on until its ``</think>`` comes (or the answer ends, which makes the call content).
+``reasoning_markers(template)`` says which block a template teaches (the one whose end it writes: ``</think>``,
+``[/THINK]``), ``thinks(template)`` whether it teaches one. An answer that starts with the block's open tag
+reasons until its close tag, as does one whose prompt ended with the open tag (a template that opens the block
+itself, as Qwen3.5's). Where no ``</think>`` comes, its first ``<tool_call>`` ends the reasoning (Qwen3.5 may call
+a tool without closing its block: the call is content, where serve/tools.py reads it, as vLLM's qwen3 reasoning
+parser reads it); a ``<tool_call>`` that reasoning mentions before its ``</think>`` is reasoning. Mistral's block
+ends at its ``[/THINK]`` only, as vLLM's mistral reasoning parser reads it. An answer cut before either is all
+reasoning. ``split_parts`` does this for a whole answer (its parts, kestrel_core.model.parts; ``split`` their two
+texts), ``ReasoningStream`` for a stream, holding back what may be the start of a tag, the whitespace that the
+whole answer's parts leave out at their edges, and the reasoning from a ``<tool_call>`` on until its ``</think>``
+comes (or the answer ends, which makes the call content).
 """
 
 from __future__ import annotations
@@ -23,15 +26,37 @@ from typing import Any
 from kestrel_core.model.detokenize import partial_suffix
 from kestrel_core.model.parts import CONTENT, REASONING, Part, PartStream, Settled, joined
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-TOOL_CALL = "<tool_call>"  # a call that ends the reasoning without its </think>
+
+@dataclass(frozen=True)
+class Markers:
+    """How a reasoning block is spelled: its ``open`` and ``close`` tags; ``call``: a tool call's tag that ends the
+    block where no close tag comes (None: only the close tag ends it); ``control``: the tags are special tokens
+    (Mistral's control tokens), whose text an answer keeps only where its special tokens' text is kept, and an
+    earlier answer's reasoning goes back to the template as a ``thinking`` content block (Mistral's templates read
+    it there, not from ``reasoning_content``)."""
+
+    open: str
+    close: str
+    call: str | None = None
+    control: bool = False
+
+    @property
+    def longest(self) -> int:
+        """The length of the longest tag that ends a block."""
+        return max(len(self.close), len(self.call or ""))
+
+
+THINK = Markers("<think>", "</think>", call="<tool_call>")
+MISTRAL_THINK = Markers("[THINK]", "[/THINK]", control=True)
 
 
 @dataclass(frozen=True)
 class Reasoning:
-    """A request's answers carry a reasoning block; ``open_in_prompt``: they start inside it."""
+    """A request's answers carry a reasoning block spelled by ``markers``; ``open_in_prompt``: they start inside
+    it."""
 
     open_in_prompt: bool = False
+    markers: Markers = THINK
 
 
 THINK_LEVELS = ("low", "medium", "high")  # gpt-oss's reasoning efforts
@@ -47,47 +72,54 @@ def think_kwargs(think: bool | str | None) -> dict[str, Any] | None:
     return {"enable_thinking": think}
 
 
+def reasoning_markers(template: str | None) -> Markers | None:
+    """The reasoning block the chat template teaches (it writes the block's close tag); None: it teaches none."""
+    if not template:
+        return None
+    return next((m for m in (THINK, MISTRAL_THINK) if m.close in template), None)
+
+
 def thinks(template: str | None) -> bool:
     """Whether the chat template teaches a reasoning block."""
-    return bool(template) and THINK_CLOSE in template
+    return reasoning_markers(template) is not None
 
 
-def opens_in_prompt(prompt: str) -> bool:
-    """Whether the rendered prompt leaves the answer inside a reasoning block (the template wrote ``<think>``)."""
-    return prompt.rstrip().endswith(THINK_OPEN)
+def opens_in_prompt(prompt: str, markers: Markers = THINK) -> bool:
+    """Whether the rendered prompt leaves the answer inside a reasoning block (the template wrote its open tag)."""
+    return prompt.rstrip().endswith(markers.open)
 
 
-def split_parts(text: str, open_in_prompt: bool = False) -> list[Part]:
+def split_parts(text: str, open_in_prompt: bool = False, markers: Markers = THINK) -> list[Part]:
     """A whole answer's parts: its reasoning block's (its text stripped), then what follows (its start's whitespace
     left out); an answer without a block is all content, as it came."""
     head = text.lstrip()
-    if head.startswith(THINK_OPEN):  # where the prompt opened the block too: the tag may come again
-        start = len(text) - len(head) + len(THINK_OPEN)
+    if head.startswith(markers.open):  # where the prompt opened the block too: the tag may come again
+        start = len(text) - len(head) + len(markers.open)
     elif open_in_prompt:
         start = 0
     else:
         return [Part(CONTENT, 0, len(text), text)]
     body = text[start:]
-    end, after = _end(body)
+    end, after = _end(body, markers)
     if end < 0:
         return [Part(REASONING, start, len(text), body.strip())]
     return [Part(REASONING, start, start + end, body[:end].strip()),
             Part(CONTENT, start + after, len(text), body[after:].lstrip())]
 
 
-def split(text: str, open_in_prompt: bool = False) -> tuple[str | None, str]:
+def split(text: str, open_in_prompt: bool = False, markers: Markers = THINK) -> tuple[str | None, str]:
     """(the reasoning, None where the answer has none; the content) of a whole answer."""
-    answer = split_parts(text, open_in_prompt)
+    answer = split_parts(text, open_in_prompt, markers)
     return joined(answer, REASONING) or None, joined(answer, CONTENT) or ""
 
 
-def _end(body: str) -> tuple[int, int]:
-    """Where the reasoning in the whole answer's ``body`` ends and its content starts: at ``</think>`` (past it),
-    else at the first ``<tool_call>`` (the call is content); (-1, -1) where neither has come."""
-    close = body.find(THINK_CLOSE)
+def _end(body: str, markers: Markers) -> tuple[int, int]:
+    """Where the reasoning in the whole answer's ``body`` ends and its content starts: at its close tag (past it),
+    else at the first call tag (the call is content); (-1, -1) where neither has come."""
+    close = body.find(markers.close)
     if close >= 0:
-        return close, close + len(THINK_CLOSE)
-    call = body.find(TOOL_CALL)
+        return close, close + len(markers.close)
+    call = body.find(markers.call) if markers.call else -1
     return (call, call) if call >= 0 else (-1, -1)
 
 
@@ -95,9 +127,10 @@ class ReasoningStream(PartStream):
     """One streamed choice's answer, read into ``split_parts``' parts (PartStream) as the text comes: once its start
     says whether it has a block, each feed looks only at the new text and what may still change before it."""
 
-    def __init__(self, open_in_prompt: bool = False) -> None:
+    def __init__(self, open_in_prompt: bool = False, markers: Markers = THINK) -> None:
         super().__init__()
         self.open_in_prompt = open_in_prompt
+        self.markers = markers
         self.all_content = False  # the answer has no block
         self.body: int | None = None  # where the block's text starts
         self.scanned = 0  # where a marker may still start (less the longest one's length)
@@ -110,7 +143,7 @@ class ReasoningStream(PartStream):
         self.content_lead: int | None = None  # where the content's text starts past that whitespace
 
     def whole(self) -> list[Part]:
-        return split_parts(self.text, self.open_in_prompt)
+        return split_parts(self.text, self.open_in_prompt, self.markers)
 
     def settled(self) -> list[Settled]:
         """The parts as far as the text so far settles them."""
@@ -134,12 +167,12 @@ class ReasoningStream(PartStream):
     def _decide(self) -> bool:
         """Whether the answer's start says if it has a block (where its text starts, or that it has none), as
         ``split_parts`` reads it; its start is whitespace and at most a tag's length, so it is read whole."""
-        text = self.text
+        text, tag = self.text, self.markers.open
         head = text.lstrip()
-        if not head.startswith(THINK_OPEN) and THINK_OPEN.startswith(head):  # whitespace, or the tag's start
+        if not head.startswith(tag) and tag.startswith(head):  # whitespace, or the tag's start
             return False
-        if head.startswith(THINK_OPEN):
-            self.body = len(text) - len(head) + len(THINK_OPEN)
+        if head.startswith(tag):
+            self.body = len(text) - len(head) + len(tag)
         elif self.open_in_prompt:
             self.body = 0
         else:
@@ -150,27 +183,29 @@ class ReasoningStream(PartStream):
 
     def _read_block(self) -> Settled:
         """The open block as far as the text so far settles it; ``block`` and where the content starts, once it
-        ends at ``</think>`` (a marker starts where no earlier feed could have seen all of it). From its first
-        ``<tool_call>`` on, the block is ``held``: that call ends it only where no ``</think>`` ever comes."""
+        ends at its close tag (a marker starts where no earlier feed could have seen all of it). From its first
+        call tag on, the block is ``held``: that call ends it only where no close tag ever comes."""
         assert self.body is not None
-        seen = max(self.body, self.scanned - len(TOOL_CALL) + 1)
+        markers = self.markers
+        seen = max(self.body, self.scanned - markers.longest + 1)
         new = self.slice(seen, self.length)
-        close = new.find(THINK_CLOSE)
-        if self.held is None:
-            call = new.find(TOOL_CALL)
+        close = new.find(markers.close)
+        if self.held is None and markers.call:
+            call = new.find(markers.call)
             if call >= 0 and (close < 0 or call < close):
                 self.held = self._settle(seen + call, None)
         if close >= 0:
-            self.after = self.content_scan = seen + close + len(THINK_CLOSE)
+            self.after = self.content_scan = seen + close + len(markers.close)
             self.block = self._settle(seen + close, seen + close)
             return self.block
         self.scanned = self.length
         if self.held is not None:
             return self.held
-        return self._settle(self.length - partial_suffix(new, (THINK_CLOSE, TOOL_CALL)), None)
+        ends = (markers.close, markers.call) if markers.call else (markers.close,)
+        return self._settle(self.length - partial_suffix(new, ends), None)
 
     def kept_from(self) -> int:
-        # held text goes out once, when </think> comes: keeping it in ``recent`` would cost each feed its length
+        # held text goes out once, when the close tag comes: keeping it in ``recent`` would cost each feed its length
         if self.held is not None and self.block is None:
             return self.length
         return super().kept_from()

@@ -27,7 +27,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.chat_template import continue_final_message
 from kestrel_core.model.embed import check_input
 from kestrel_core.model.harmony import is_harmony
-from kestrel_core.model.reasoning import Reasoning, opens_in_prompt, thinks
+from kestrel_core.model.reasoning import Reasoning, opens_in_prompt, reasoning_markers
 from kestrel_core.model.sampling import TokenLogprob
 from kestrel_core.serve import anthropic, generation, llamacpp, ollama, responses_api, scores, tokenize
 from kestrel_core.serve.access import (
@@ -63,7 +63,9 @@ class Served:
         template = getattr(self.engine.tokenizer, "chat_template", None)
         # a request with tools renders with the model's tool_use template where it names one (transformers' pick)
         self.tool_format = tool_format(getattr(self.engine.tokenizer, "tool_template", None) or template)
-        self.thinks = thinks(template)  # its answers start with a reasoning block (kestrel_core.model.reasoning)
+        # the reasoning block its answers start with (kestrel_core.model.reasoning; None: they have none)
+        self.reasoning_markers = reasoning_markers(template)
+        self.thinks = self.reasoning_markers is not None
         self.harmony = is_harmony(template)  # its answers are harmony's channels (kestrel_core.model.harmony)
         backend = getattr(self.engine.tokenizer, "backend", None)  # Mistral's calls are spelled with control tokens
         ids = {token: backend.token_to_id(token) for token in (TOOL_CALLS, ARGS)} \
@@ -132,7 +134,8 @@ class Served:
             return prompt, list(tokenizer.encode(prompt, add_special_tokens=False))  # the template wrote any BOS
 
         try:
-            messages = body.template_messages(self.harmony)
+            thinking_blocks = self.reasoning_markers is not None and self.reasoning_markers.control
+            messages = body.template_messages(self.harmony, thinking_blocks)
             prompt, prompt_ids = render(messages)
             if truncate and self.context_left(len(prompt_ids)) < 1:
                 prompt, prompt_ids = _latest_that_fit(messages, render, lambda ids: self.context_left(len(ids)) > 0)
@@ -171,10 +174,12 @@ class Served:
         prompt, prompt_ids, tools, params = await asyncio.to_thread(prepare)  # off the event loop
         # a constrained answer is what it is constrained to from its first token, even where the prompt opened a
         # reasoning block
-        reasoning = Reasoning(opens_in_prompt(prompt) and params.grammar is None) if self.thinks else None
-        # harmony's channels and mistral-args' calls are special tokens: their text must stay (as vLLM keeps a
-        # Mistral model's when the request offers tools)
-        if self.harmony or tools is not None and tools.fmt == MISTRAL_ARGS:
+        markers = self.reasoning_markers
+        reasoning = None if markers is None else \
+            Reasoning(opens_in_prompt(prompt, markers) and params.grammar is None, markers)
+        # harmony's channels, mistral-args' calls and Mistral's reasoning tags are special tokens: their text must
+        # stay (as vLLM keeps a Mistral model's [THINK] tags, and its calls when the request offers tools)
+        if self.harmony or tools is not None and tools.fmt == MISTRAL_ARGS or markers is not None and markers.control:
             params = replace(params, skip_special_tokens=False)
         if params.logprobs:
             await asyncio.to_thread(self.tokens.ready)

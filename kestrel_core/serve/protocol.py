@@ -184,12 +184,14 @@ class ChatMessage(RequestBody):
                     raise ValueError(f"only text content parts are supported, got a {part.type!r} part")
         return value
 
-    def for_template(self, harmony: bool = False) -> dict[str, Any]:
+    def for_template(self, harmony: bool = False, thinking_blocks: bool = False) -> dict[str, Any]:
         """What the chat template sees: OpenAI's ``developer`` role is the templates' ``system``; text parts stay
         parts (the tokenizer joins them for a template that reads a string). For a ``harmony`` template (gpt-oss's),
         an assistant message with calls, reasoning and content (kestrel's own answer: its analysis, a preamble and
         the calls) keeps its reasoning alone: the template renders one analysis message before a call and refuses
-        both, and the reasoning is what vLLM renders as that analysis."""
+        both, and the reasoning is what vLLM renders as that analysis. With ``thinking_blocks`` (a template that
+        reads reasoning from content blocks only: Mistral's reasoning models'), an assistant or system message's
+        reasoning is a ``thinking`` block before its text, as llama.cpp passes it."""
         role = "system" if self.role == "developer" else self.role
         content: Any = self.content or ""
         if isinstance(content, list):
@@ -197,6 +199,9 @@ class ChatMessage(RequestBody):
         reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
         if harmony and self.tool_calls and reasoning:
             content = ""
+        if thinking_blocks and reasoning is not None and role in ("assistant", "system"):
+            text = content if isinstance(content, list) else [{"type": "text", "text": content}] if content else []
+            content = [{"type": "thinking", "thinking": reasoning}, *text]
         message: dict[str, Any] = {"role": role, "content": content}
         if self.name is not None:
             message["name"] = self.name
@@ -407,11 +412,11 @@ class ChatCompletionRequest(_Generation):
             raise ValueError("kestrel answers with text only")
         return value
 
-    def template_messages(self, harmony: bool = False) -> list[dict[str, Any]]:
-        """The messages as the chat template sees them (``harmony``: it is gpt-oss's)."""
+    def template_messages(self, harmony: bool = False, thinking_blocks: bool = False) -> list[dict[str, Any]]:
+        """The messages as the chat template sees them (``ChatMessage.for_template``'s)."""
         if not self.messages:
             raise InvalidRequest("messages must hold at least one message", param="messages")
-        return [m.for_template(harmony) for m in self.messages]
+        return [m.for_template(harmony, thinking_blocks) for m in self.messages]
 
     def tool_calls(self, fmt: str | None) -> ToolCalls | None:
         """How this request's answers carry tool calls, given the format the model's template teaches (None:

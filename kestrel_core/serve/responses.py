@@ -273,7 +273,7 @@ class ChatShape(_Shape):
         if self.harmony:
             return HarmonyStream()
         if self.reasoning is not None:
-            return ReasoningStream(self.reasoning.open_in_prompt)
+            return ReasoningStream(self.reasoning.open_in_prompt, self.reasoning.markers)
         return ContentStream()
 
     def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
@@ -291,7 +291,7 @@ class ChatShape(_Shape):
                 message["tool_calls"] = self.tools.message_calls(self._calls(said.calls))
                 reason = _calls_reason(reason)
         elif self.reasoning is not None:
-            answer = split_parts(text, self.reasoning.open_in_prompt)
+            answer = split_parts(text, self.reasoning.open_in_prompt, self.reasoning.markers)
             text = joined(answer, CONTENT) or ""
             message["content"] = text
             if thought := joined(answer, REASONING):

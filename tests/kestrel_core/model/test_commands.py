@@ -17,6 +17,7 @@ from kestrel_core.model import presets
 from kestrel_core.model.detokenize import TextStream
 from kestrel_core.model.engine_load import load_preset
 from kestrel_core.model.presets import ByteTokenizer
+from kestrel_core.model.reasoning import MISTRAL_THINK, THINK
 
 
 @pytest.fixture(autouse=True)
@@ -461,16 +462,23 @@ def test_run_shows_a_harmony_answer_and_its_reasoning_apart(capsys, monkeypatch)
     assert out == answer + "\n" and skipped[-1] is True  # no chat template: the model's raw text
 
 
-def test_run_shows_a_think_block_apart_and_passes_think_to_the_template(capsys, monkeypatch) -> None:
-    """A template that teaches <think> (Qwen3): the block is the reasoning on stderr, what follows the answer;
-    --think false reaches the template as enable_thinking (Qwen3's switch), a level as reasoning_effort too."""
+@pytest.mark.parametrize(("markers", "answer", "skips"), [
+    (THINK, "<think>\nPondering.\n</think>\n\nParis.", True),
+    (MISTRAL_THINK, "[THINK]Pondering.[/THINK]Paris.", False),  # control tokens: their text is kept to be read
+])
+def test_run_shows_a_think_block_apart_and_passes_think_to_the_template(capsys, monkeypatch, markers, answer,
+                                                                        skips) -> None:
+    """A template that teaches <think> (Qwen3) or Mistral's [THINK] (Magistral): the block is the reasoning on
+    stderr, what follows the answer; --think false reaches the template as enable_thinking (Qwen3's switch), a
+    level as reasoning_effort too."""
     from kestrel_core.model import commands
     from kestrel_core.model.request import RequestOutput
 
-    answer = "<think>\nPondering.\n</think>\n\nParis."
     contexts = []
+    skipped = []
 
     def scripted(self, ids, params):  # type: ignore[no-untyped-def]
+        skipped.append(params.skip_special_tokens)
         for k in range(0, len(answer), 3):
             yield RequestOutput("r", [1], answer[k:k + 3], None, k + 3 >= len(answer), None, len(ids), k // 3 + 1)
 
@@ -481,13 +489,13 @@ def test_run_shows_a_think_block_apart_and_passes_think_to_the_template(capsys, 
         return real(self, messages, add_generation_prompt, **kwargs)
 
     monkeypatch.setattr(engine_mod.Engine, "stream", scripted)
-    monkeypatch.setattr(commands, "thinks", lambda template: True)
+    monkeypatch.setattr(commands, "reasoning_markers", lambda template: markers)
     monkeypatch.setattr(ByteTokenizer, "apply_chat_template", template)
     code, out, err = _run(capsys, "run", "hi", "--preset", "tiny", "--backend", "cpu", "--think", "false")
     assert (code, out, contexts[-1]) == (0, "Paris.\n", {"enable_thinking": False}) and "Pondering." in err
     code, out, _ = _run(capsys, "run", "hi", "--preset", "tiny", "--backend", "cpu", "--json", "--think", "high")
     assert (json.loads(out)["text"], json.loads(out)["reasoning"]) == ("Paris.", "Pondering.")
-    assert contexts[-1] == {"enable_thinking": True, "reasoning_effort": "high"}
+    assert contexts[-1] == {"enable_thinking": True, "reasoning_effort": "high"} and skipped == [skips, skips]
 
 
 def test_think_on_a_model_without_reasoning_is_said_to_be_ignored(capsys) -> None:

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
-from kestrel_core.model.reasoning import ReasoningStream, opens_in_prompt, split, split_parts, thinks
+from kestrel_core.model.reasoning import (
+    MISTRAL_THINK,
+    THINK,
+    ReasoningStream,
+    opens_in_prompt,
+    reasoning_markers,
+    split,
+    split_parts,
+    thinks,
+)
 
 from .streams import chunkings, expected, streamed
 
@@ -112,3 +122,39 @@ def test_which_templates_think() -> None:
     assert thinks("{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}")
     assert not thinks("{{ messages }}") and not thinks(None)
     assert opens_in_prompt("<|im_start|>assistant\n<think>\n") and not opens_in_prompt("<think>\n\n</think>\n\n")
+    assert opens_in_prompt("[INST]Hi[/INST][THINK]", MISTRAL_THINK) and not opens_in_prompt("[INST]Hi[/INST][THINK]")
+
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "fixtures" / "templates"
+
+
+@pytest.mark.parametrize(("name", "markers"), [
+    ("mistralai-Ministral-3-14B-Reasoning-2512.jinja", MISTRAL_THINK),  # [THINK]...[/THINK], its control tokens
+    ("unsloth-Apriel-1.5.jinja", None),  # "[BEGIN FINAL RESPONSE]" and an unused <thinking>: not read
+    ("Apriel-1.6-15b-Thinker-fixed.jinja", None),
+])
+def test_the_reasoning_a_real_template_teaches(name: str, markers: object) -> None:
+    assert reasoning_markers((TEMPLATES / name).read_text()) == markers
+    assert reasoning_markers("{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}") == THINK
+
+
+# Mistral's reasoning models (Magistral, Ministral 3 Reasoning), as vLLM's mistral reasoning parser reads them: the
+# block ends at its [/THINK] alone
+MISTRAL_CASES = [
+    ("[THINK]The user greets me.[/THINK]Hello!", ("The user greets me.", "Hello!")),
+    ("Hello!", (None, "Hello!")),
+    ("[THINK]cut off before its end", ("cut off before its end", "")),
+    ("[THINK]I will call [TOOL_CALLS] next.[/THINK][TOOL_CALLS]f[ARGS]{}",
+     ("I will call [TOOL_CALLS] next.", "[TOOL_CALLS]f[ARGS]{}")),
+    ("[THINK]a <tool_call> b", ("a <tool_call> b", "")),  # Qwen3.5's call tag ends no Mistral block
+    ("<think>a</think>b", (None, "<think>a</think>b")),
+    ("[THINK][/THINK]Answer", (None, "Answer")),
+]
+
+
+@pytest.mark.parametrize(("text", "expected_split"), MISTRAL_CASES)
+def test_a_mistral_reasoning_block_whole_and_streamed(text: str, expected_split: tuple[str | None, str]) -> None:
+    assert split(text, markers=MISTRAL_THINK) == expected_split
+    whole = split_parts(text, markers=MISTRAL_THINK)
+    for chunks in chunkings(text, random.Random(text)):
+        assert streamed(ReasoningStream(markers=MISTRAL_THINK), chunks, whole) == expected(whole), chunks

@@ -103,11 +103,13 @@ class Spoken(AsyncEngine):
     """An AsyncEngine that answers ``answers`` in order in the model's own tokens: each answer a list of texts
     tokenized apart (so which tokens are whose is known), ``per_step`` tokens an output, each with the offset of
     its text and, where asked for, a logprob of its own (-(its place + 1) / 1000); each answer's finish reason
-    ``finish``."""
+    ``finish``. A token's text is decoded as the engine decodes it: a special token's is left out where the request
+    skips special tokens. The prompts it was given are kept as text, special tokens' included."""
 
     def __init__(self, engine: Any, per_step: int = 1) -> None:
         super().__init__(engine, max_batch=4)
         self.answers: list[list[str]] = []
+        self.prompts: list[str] = []
         self.per_step = per_step
         self.finish = "stop"
 
@@ -120,8 +122,9 @@ class Spoken(AsyncEngine):
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        self.prompts.append(self.engine.tokenizer.decode(list(prompt_ids)))
         ids = [t for piece in self.tokens(self.answers.pop(0)) for t in piece]
-        texts = [self.engine.tokenizer.decode([t]) for t in ids]
+        texts = [self.engine.tokenizer.decode([t], skip_special_tokens=params.skip_special_tokens) for t in ids]
         for k in range(0, len(ids), self.per_step):
             step = range(k, min(k + self.per_step, len(ids)))
             last = step[-1] == len(ids) - 1
