@@ -429,8 +429,8 @@ class ChatCompletionRequest(_Generation):
         if fmt == UNKNOWN:
             raise InvalidRequest("this model's chat template renders tools, but in none of the formats kestrel "
                                  "reads calls in (<tool_call> blocks of JSON, <function=...> or <arg_key>, "
-                                 "<minimax:tool_call> blocks, Mistral's [TOOL_CALLS], Llama 3's JSON)",
-                                 param="tools")
+                                 "<minimax:tool_call> blocks, <tool_calls> lists, Mistral's [TOOL_CALLS], "
+                                 "Llama 3's JSON)", param="tools")
         return ToolCalls(fmt, self.parallel_tool_calls is not False,
                          {t.function.name: t.function.parameters or {} for t in self.tools or ()})
 

@@ -8,10 +8,11 @@ value read as its parameter's JSON Schema type says), ``glm`` (GLM-4.5: ``<tool_
 ``<arg_key>KEY</arg_key><arg_value>value</arg_value>`` pairs, typed the same way, each on a line of its own;
 ``glm-compact``: GLM-4.7's, the same without the newlines), ``minimax`` (MiniMax-M2: ``<minimax:tool_call>``
 blocks of ``<invoke name="NAME"><parameter name="KEY">value</parameter>...</invoke>`` calls, typed the same way),
-``mistral``
-(``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``: the control token is not text, so the answer
-starts with the list), ``mistral-args`` (Mistral's newer templates, which write ``[ARGS]``: each call
-``[TOOL_CALLS]NAME[ARGS]{...}``, anywhere in the answer, the request keeping the control tokens' text),
+``apriel`` (ServiceNow's Apriel 1.5 and 1.6: ``<tool_calls>[{"name": ..., "arguments": {...}}, ...]</tool_calls>``
+blocks of a JSON list, anywhere in the answer), ``mistral`` (``[TOOL_CALLS]`` then a JSON list of ``{"name",
+"arguments"}``: the control token is not text, so the answer starts with the list), ``mistral-args`` (Mistral's
+newer templates, which write ``[ARGS]``: each call ``[TOOL_CALLS]NAME[ARGS]{...}``, anywhere in the answer, the
+request keeping the control tokens' text),
 ``llama3`` (Llama 3.1+: the answer is ``{"name": ..., "parameters": {...}}``, several separated by ``;``) or
 ``harmony`` (gpt-oss: a message to ``functions.NAME``, read with the answer's channels by
 kestrel_core.model.harmony); None where the template never reads ``tools``. ``parse`` splits a whole answer into its
@@ -37,11 +38,14 @@ from kestrel_core.model.detokenize import partial_suffix
 from kestrel_core.model.grammar import lark_grammar, lark_json
 from kestrel_core.model.harmony import ToolCall, is_harmony
 
-HERMES, XML, GLM, GLM_COMPACT, MINIMAX, MISTRAL, MISTRAL_ARGS, LLAMA3, HARMONY, UNKNOWN = (
-    "hermes", "xml", "glm", "glm-compact", "minimax", "mistral", "mistral-args", "llama3", "harmony", "unknown")
+HERMES, XML, GLM, GLM_COMPACT, MINIMAX, APRIEL, MISTRAL, MISTRAL_ARGS, LLAMA3, HARMONY, UNKNOWN = (
+    "hermes", "xml", "glm", "glm-compact", "minimax", "apriel", "mistral", "mistral-args", "llama3", "harmony",
+    "unknown")
 MISTRAL_FORMATS = (MISTRAL, MISTRAL_ARGS)  # their templates take nine-character call ids
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"  # Mistral's control tokens
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+APRIEL_OPEN, APRIEL_CLOSE = "<tool_calls>", "</tool_calls>"
+_JSON_BLOCK = {HERMES: (HERMES_OPEN, HERMES_CLOSE), APRIEL: (APRIEL_OPEN, APRIEL_CLOSE)}  # a block's tags
 MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 _SPACE = re.compile(r"\s*")
 # a block, or the last one where its end never comes (as vLLM's qwen3_coder parser reads it)
@@ -62,7 +66,7 @@ _PARAMETER = {XML: re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", r
               GLM_COMPACT: _GLM_PARAMETER}
 # calls in blocks anywhere in the answer, by how a block opens
 _BLOCK_OPEN = {HERMES: (HERMES_OPEN,), **{fmt: (HERMES_OPEN,) for fmt in _CALL}, XML: (HERMES_OPEN, XML_FUNCTION),
-               MINIMAX: (MINIMAX_OPEN,), MISTRAL_ARGS: (TOOL_CALLS,)}
+               MINIMAX: (MINIMAX_OPEN,), APRIEL: (APRIEL_OPEN,), MISTRAL_ARGS: (TOOL_CALLS,)}
 _OPENERS = {MISTRAL: "[", LLAMA3: "{"}  # formats whose answer is the calls alone, and how the calls start
 _ID_CHARS = string.ascii_letters + string.digits
 
@@ -83,8 +87,8 @@ def tool_format(template: str | None) -> str | None:
         return HARMONY
     if MINIMAX_OPEN in template:
         return MINIMAX
-    if "<tool_calls>" in template:  # Apriel's list of calls in one block, which its prose calls <tool_call>
-        return UNKNOWN
+    if APRIEL_OPEN in template:  # Apriel's list of calls in one block, which its prose may call <tool_call>
+        return APRIEL
     if HERMES_OPEN in template:
         if GLM_KEY in template:
             return GLM_COMPACT if GLM_COMPACT_PAIR in template else GLM
@@ -131,22 +135,24 @@ def _calls(values: list[Any], keys: tuple[str, ...]) -> tuple[ToolCall, ...] | N
     return None if not calls or None in calls else tuple(c for c in calls if c is not None)
 
 
-def _hermes(text: str) -> Parsed | None:
-    """Each block's JSON read by the JSON decoder, not up to the first ``</tool_call>``, which a string in the
-    arguments may hold (the call grammar admits it); the last block's ``</tool_call>`` may never come (a stop
-    string or the answer's end cut it: vLLM's hermes parser reads such a call too)."""
+def _json_blocks(text: str, fmt: str) -> Parsed | None:
+    """The calls in hermes' blocks (a call each) or Apriel's (a list of calls each): each block's JSON read by the
+    JSON decoder, not up to the first closing tag, which a string in the arguments may hold (the call grammar
+    admits it); the last block's closing tag may never come (a stop string or the answer's end cut it: vLLM's
+    hermes parser reads such a call too)."""
+    opener, closer = _JSON_BLOCK[fmt]
     decoder, values, content, at = json.JSONDecoder(), [], [], 0
-    while (start := text.find(HERMES_OPEN, at)) >= 0:
+    while (start := text.find(opener, at)) >= 0:
         try:
-            value, end = decoder.raw_decode(text, _SPACE.match(text, start + len(HERMES_OPEN)).end())
+            value, end = decoder.raw_decode(text, _SPACE.match(text, start + len(opener)).end())
         except ValueError:
             return None
         close = _SPACE.match(text, end).end()
-        if close < len(text) and not text.startswith(HERMES_CLOSE, close):
+        if close < len(text) and not text.startswith(closer, close) or fmt == APRIEL and not isinstance(value, list):
             return None
-        values.append(value)
+        values.extend(value if fmt == APRIEL else [value])
         content.append(text[at:start])
-        at = min(close + len(HERMES_CLOSE), len(text))
+        at = min(close + len(closer), len(text))
     calls = _calls(values, ("arguments",))
     if calls is None:
         return None
@@ -337,9 +343,10 @@ def parse(fmt: str, text: str, parallel: bool = True, schemas: dict[str, Any] | 
     only the first call is kept (OpenAI's ``parallel_tool_calls``); ``schemas``: each offered function's
     parameters' JSON Schema (the xml, glm and minimax formats type their values by them)."""
     try:
-        parsed = (_hermes(text) if fmt == HERMES else _typed_blocks(text, fmt, schemas or {}) if fmt in _CALL
-                  else _minimax_blocks(text, schemas or {}) if fmt == MINIMAX else _mistral_args(text)
-                  if fmt == MISTRAL_ARGS else _leading_json(text, fmt, schemas))
+        parsed = (_json_blocks(text, fmt) if fmt in _JSON_BLOCK
+                  else _typed_blocks(text, fmt, schemas or {}) if fmt in _CALL
+                  else _minimax_blocks(text, schemas or {}) if fmt == MINIMAX
+                  else _mistral_args(text) if fmt == MISTRAL_ARGS else _leading_json(text, fmt, schemas))
     except RecursionError:  # JSON nested past the parser's depth: not a call kestrel reads
         parsed = None
     if parsed is None:
@@ -411,6 +418,9 @@ def call_grammar(fmt: str, functions: Sequence[dict[str, Any]], many: bool,
     if fmt == HERMES:
         start = 'block ("\\n" block)*' if many else "block"
         rules = f'block: "{HERMES_OPEN}\\n" call "\\n{HERMES_CLOSE}"\n'
+    elif fmt == APRIEL:  # one block of the list, as the template writes an earlier turn's calls
+        more = ' (", " call)*' if many else ""
+        start, rules = f'"{APRIEL_OPEN}[" call{more} "]{APRIEL_CLOSE}"', ""
     elif fmt == LLAMA3:
         start, rules = ('call ("; " call)*' if many else "call"), ""
     else:

@@ -236,19 +236,16 @@ def test_what_kestrel_cannot_do_is_a_400(client: openai.OpenAI, kwargs: dict[str
     assert info.value.body["param"] == param, info.value.body
 
 
-# Apriel-1.5's way (trimmed): its prose asks for <tool_call> tags, its example and its history write one
-# <tool_calls> block of a JSON list
-APRIEL_TEMPLATE = (
-    "{%- if tools %}<|system|>\nReturn all function calls as a list of json objects within <tool_call></tool_call> "
-    'XML tags:\n<tool_calls>[{"name": <function-name-1>, "arguments": <args-dict-1>}]</tool_calls>\n'
-    "{{ tools | tojson }}\n<|end|>\n{%- endif %}{%- for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n<|end|>\n"
-    "{%- endfor %}<|assistant|>\n")
+# a template that shows the tools and teaches calls in a format of its own (written for this test)
+UNREAD_TEMPLATE = (
+    "{%- if tools %}<|system|>\nCall a tool as: Action: NAME(ARGS)\n{{ tools | tojson }}\n<|end|>\n{%- endif %}"
+    "{%- for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n<|end|>\n{%- endfor %}<|assistant|>\n")
 
 
 def test_tools_in_a_format_kestrel_cannot_read_are_a_400() -> None:
-    """A template that teaches Apriel's <tool_calls> list is refused the tools, not read as <tool_call> blocks; the
-    same request without tools is answered."""
-    with _served(APRIEL_TEMPLATE) as (scripted, client):
+    """A template that teaches calls in a format kestrel does not read is refused the tools; the same request
+    without tools is answered."""
+    with _served(UNREAD_TEMPLATE) as (scripted, client):
         with pytest.raises(openai.BadRequestError) as info:
             _answer(scripted, client, "x")
         assert info.value.body["param"] == "tools" and "none of the formats" in info.value.body["message"]

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
+from kestrel_core.model.chat_template import compile_chat_template, render_chat
 from kestrel_core.serve.tools import (
+    APRIEL,
     GLM,
     GLM_COMPACT,
     HERMES,
@@ -49,7 +52,7 @@ from kestrel_core.serve.tools import (
      "</minimax:tool_call>", MINIMAX),  # MiniMax-M2's
     ("{% if tools %}Return all function calls as a list of json objects within <tool_call></tool_call> XML tags:\n"
      '<tool_calls>[{"name": <function-name-1>, "arguments": <args-dict-1>}]</tool_calls>{% endif %}',
-     UNKNOWN),  # Apriel-1.5's: one block of a list, not hermes' blocks
+     APRIEL),  # Apriel-1.5's: one block of a list, not hermes' blocks
     ("{% for m in messages %}{{ m.content }}{% endfor %} tools <tool_call>", None),  # "tools" only as text
     ("{% set tools = [] %}{{ tools }}<tool_call>", None),  # its own variable, not the request's
     ("", None),
@@ -108,6 +111,19 @@ CASES = [
     (MISTRAL_ARGS, "[TOOL_CALLS][ARGS]{}", Parsed("[TOOL_CALLS][ARGS]{}", ())),
     (MISTRAL_ARGS, '[TOOL_CALLS]f[ARGS]{"x": ', Parsed('[TOOL_CALLS]f[ARGS]{"x": ', ())),
     (MISTRAL_ARGS, "[a link](http://x) {}", Parsed("[a link](http://x) {}", ())),
+    (APRIEL, '<tool_calls>[{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]</tool_calls>',
+     Parsed(None, _calls(("f", {"x": 1}), ("g", {})))),
+    (APRIEL, 'I need the weather.\n[BEGIN FINAL RESPONSE]\n<tool_calls>[{"name": "f", "arguments": {}, "id": "c1"}]'
+             '</tool_calls>\n[END FINAL RESPONSE]',  # reasoning and its markers are content
+     Parsed("I need the weather.\n[BEGIN FINAL RESPONSE]\n\n[END FINAL RESPONSE]", _calls(("f", {})))),
+    (APRIEL, '<tool_calls>[{"name": "f", "arguments": {"s": "]</tool_calls>"}}]',  # its end cut; the tag in a string
+     Parsed(None, _calls(("f", {"s": "]</tool_calls>"})))),
+    (APRIEL, '<tool_calls>{"name": "f", "arguments": {}}</tool_calls>',
+     Parsed('<tool_calls>{"name": "f", "arguments": {}}</tool_calls>', ())),  # not a list
+    (APRIEL, "<tool_calls>[]</tool_calls>", Parsed("<tool_calls>[]</tool_calls>", ())),
+    (APRIEL, '<tool_call>{"name": "f", "arguments": {}}</tool_call>',
+     Parsed('<tool_call>{"name": "f", "arguments": {}}</tool_call>', ())),  # hermes' spelling, which its prose names
+    (APRIEL, "I will write <tool_calls> then a list.", Parsed("I will write <tool_calls> then a list.", ())),
     (LLAMA3, '{"name": "f", "parameters": {"x": 1}}', Parsed(None, _calls(("f", {"x": 1})))),
     (LLAMA3, '{"name": "f", "parameters": {}}; {"name": "g", "arguments": {"y": 2}}',
      Parsed(None, _calls(("f", {}), ("g", {"y": 2})))),
@@ -333,6 +349,48 @@ def test_a_mistral_args_grammar_admits_the_calls_parse_reads_and_no_others() -> 
     assert '<[9]> "g" <[32]> args1' in tokens  # the control tokens the vocabulary has
 
 
+def test_an_apriel_grammar_admits_the_calls_parse_reads_and_no_others() -> None:
+    """tool_choice "required" in Apriel's format: one <tool_calls> block of a list of calls, as its template writes
+    an earlier turn's, each of an offered function with arguments its schema accepts; what it admits parses back."""
+    from kestrel_core.serve.tools import call_grammar
+
+    grammar = call_grammar(APRIEL, FUNCTIONS, many=True)
+    good = ['<tool_calls>[{"name": "f", "arguments": {"s": "x", "i": 3, "e": "y"}}]</tool_calls>',
+            '<tool_calls>[{"name": "f", "arguments": {"s": "x"}}, {"name": "g", "arguments": {}}]</tool_calls>']
+    for text in good:
+        assert _admits(grammar, text) and parse(APRIEL, text).calls, text
+    for bad in ('<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
+                '<tool_calls>{"name": "g", "arguments": {}}</tool_calls>',
+                '<tool_calls>[{"name": "f", "arguments": {"i": 3}}]</tool_calls>',
+                '<tool_calls>[{"name": "h", "arguments": {}}]</tool_calls>',
+                '<tool_calls>[{"name": "g", "arguments": {}}]</tool_calls> and text'):
+        assert not _admits(grammar, bad), bad
+    assert not _admits(call_grammar(APRIEL, FUNCTIONS, many=False), good[1])
+
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "fixtures" / "templates"
+
+
+@pytest.mark.parametrize("name", ["unsloth-Apriel-1.5.jinja", "Apriel-1.6-15b-Thinker-fixed.jinja"])
+def test_apriels_calls_are_read_as_its_real_template_writes_them(name: str) -> None:
+    """Apriel 1.5's and 1.6's templates teach the apriel format; an earlier turn's calls, as each writes them (with
+    their ids), parse back to those calls, its text before them the content."""
+    source = (TEMPLATES / name).read_text()
+    assert tool_format(source) == APRIEL
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+             {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": {}}}]
+    messages = [{"role": "user", "content": "Weather and time?"},
+                {"role": "assistant", "content": "Let me look.", "tool_calls": calls},
+                {"role": "tool", "content": "22 C"}, {"role": "tool", "content": "noon"}]
+    tools = [{"type": "function", "function": {"name": c["function"]["name"], "parameters": {"type": "object"}}}
+             for c in calls]
+    prompt = render_chat(compile_chat_template(source), messages, True, tools=tools, bos_token="", eos_token="")
+    start = prompt.index("Let me look.")
+    turn = prompt[start:prompt.index("</tool_calls>", start) + len("</tool_calls>")]
+    assert '"id": "call_1"' in turn  # an earlier turn's calls carry their ids
+    assert parse(APRIEL, turn) == Parsed("Let me look.", _calls(("get_weather", {"city": "Paris"}), ("get_time", {})))
+
+
 def test_a_hermes_string_argument_may_hold_the_closing_tag() -> None:
     """The call grammar admits any JSON string, "</tool_call>" included (a sampled answer wrote one): the block
     ends where its JSON does."""
@@ -438,7 +496,7 @@ def _pydantic_tools() -> list[dict]:
     return [openai.pydantic_function_tool(Ship)["function"], {"name": "g"}]
 
 
-@pytest.mark.parametrize("fmt", [HERMES, LLAMA3, MISTRAL, XML, GLM, MINIMAX])
+@pytest.mark.parametrize("fmt", [HERMES, APRIEL, LLAMA3, MISTRAL, XML, GLM, MINIMAX])
 def test_a_forced_call_of_a_pydantic_model_with_refs_takes_its_definitions(fmt: str) -> None:
     """The definitions stay reachable from the grammar's root, which is not the function's schema; the markup
     formats type a model's value as the object it is."""
@@ -460,16 +518,19 @@ def test_a_forced_call_of_a_pydantic_model_with_refs_takes_its_definitions(fmt: 
             good, bad = (f"<tool_call>\n{t}\n</tool_call>" for t in (good, bad))
         elif fmt == MISTRAL:
             good, bad = (f"[TOOL_CALLS][{t}]" for t in (good, bad))
+        elif fmt == APRIEL:
+            good, bad = (f"<tool_calls>[{t}]</tool_calls>" for t in (good, bad))
     assert _admits(grammar, good) and not _admits(grammar, bad)
     call = parse(fmt, good, schemas={f["name"]: f.get("parameters") or {} for f in functions}).calls[0]
     assert (call.name, json.loads(call.arguments)) == ("Ship", args)
 
 
-@pytest.mark.parametrize("fmt", [HERMES, LLAMA3, MISTRAL, XML])
+@pytest.mark.parametrize("fmt", [HERMES, APRIEL, LLAMA3, MISTRAL, XML])
 def test_a_call_nested_past_the_json_parsers_depth_is_text(fmt: str) -> None:
     """A model that writes thousands of "[" is answered with that text, not a 500 (RecursionError)."""
     deep = "[" * 100_000
     text = {HERMES: f"<tool_call>\n{{\"name\": \"f\", \"arguments\": {{\"a\": {deep}}}}}\n</tool_call>",
+            APRIEL: f"<tool_calls>[{{\"name\": \"f\", \"arguments\": {{\"a\": {deep}}}}}]</tool_calls>",
             LLAMA3: f"{{\"name\": \"f\", \"parameters\": {{\"a\": {deep}}}}}",
             MISTRAL: f"[TOOL_CALLS][{{\"name\": \"f\", \"arguments\": {deep}}}]",
             XML: _xml("f", i=deep)}[fmt]
