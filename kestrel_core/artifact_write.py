@@ -72,8 +72,6 @@ def save_artifact(path: str | os.PathLike[str], model: Model, *, tokenizer_json:
                 "chat_template_tool_use": tool_template, "bos_token": bos_token, "eos_token": eos_token}
     metadata.update({k: v for k, v in optional.items() if v is not None})
     parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise KestrelError(f"cannot write {path}: directory {parent} does not exist")
     remove_stale_temps(parent, path.name)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:TEMP_NAME_CHARS]}.", suffix=".tmp", dir=parent)
     with removed_on_signal(tmp):
@@ -141,10 +139,18 @@ def _write_safetensors(f: BinaryIO, arrays: list[tuple[str, np.ndarray]], metada
 
 
 def check_output(path: Path, force: bool) -> None:
-    """Raise unless ``path`` may be written: absent, or with ``force`` a regular file (or a link, replaced itself);
-    never a directory, device, FIFO or socket, which renaming over would destroy."""
+    """Raise unless ``path`` may be written: in a directory that exists and that this process may write in (the
+    temp file goes there), and absent, or with ``force`` a regular file (or a link, replaced itself); never a
+    directory, device, FIFO or socket, which renaming over would destroy."""
     if not str(path) or str(path) == ".":
         raise KestrelError("the output needs a file name")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.exists():
+        raise KestrelError(f"cannot write {path}: directory {parent} does not exist")
+    if not parent.is_dir():
+        raise KestrelError(f"cannot write {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise KestrelError(f"cannot write {path}: no permission to write in {parent}")
     try:
         st = path.lstat()
     except FileNotFoundError:

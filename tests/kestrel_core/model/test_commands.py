@@ -298,6 +298,29 @@ def test_quantize_refuses_to_overwrite(capsys, tmp_path) -> None:
     assert code == 2 and "--force" in err and target.read_bytes() == b"precious"
 
 
+def test_quantize_refuses_an_output_it_cannot_write_before_loading(capsys, tmp_path) -> None:
+    """A missing directory, or a file where the directory should be, is said before the model is read: the
+    model here does not exist, so the load never started."""
+    (tmp_path / "notes.txt").write_text("x")
+    for out, says in ((tmp_path / "nowhere" / "x.kst", f"directory {tmp_path / 'nowhere'} does not exist"),
+                      (tmp_path / "notes.txt" / "x.kst", f"{tmp_path / 'notes.txt'} is not a directory")):
+        code, _, err = _run(capsys, "quantize", str(tmp_path / "missing"), "-o", str(out))
+        assert code == 2 and err.strip() == f"error: cannot write {out}: {says}", err
+
+
+def test_quantize_refuses_a_directory_it_may_not_write_in_before_loading(tmp_path, unprivileged) -> None:
+    import subprocess
+    import sys
+
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    done = subprocess.run([*unprivileged, sys.executable, "-m", "kestrel_core.entry", "quantize",
+                           str(tmp_path / "missing"), "-o", str(locked / "x.kst")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: cannot write {locked / 'x.kst'}: no permission to write in {locked}"
+
+
 def test_quantize_writes_only_what_loads_and_never_into_the_model(capsys, tmp_path) -> None:
     """An output named otherwise than ``.kst`` would not load as an artifact; one inside the model's directory
     (with --force) would overwrite the checkpoint being read."""
