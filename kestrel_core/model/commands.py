@@ -423,6 +423,9 @@ def pull(args: argparse.Namespace) -> int:
         print(pull_default_model(progress=True))
         return 0
     spec = parse_hub_spec(args.model)
+    if Path(args.model).expanduser().exists():  # what --model loads as it is, whatever Hub name it also reads as
+        raise KestrelError(f"{args.model} is a local path, which -m loads as it is; kestrel pull fetches a Hugging "
+                           "Face Hub name" + (f" (that repository: kestrel pull hf.co/{spec})" if spec else ""))
     if spec is None:
         raise KestrelError(f"{args.model!r} is not a Hugging Face Hub name (owner/name[@revision][:TAG])")
     print(fetch(spec, force=args.force))

@@ -422,6 +422,26 @@ def test_pull_prints_the_model_path(capsys, monkeypatch, tmp_path) -> None:
     assert code == 2 and "--force downloads a Hub model again" in err
 
 
+def test_pull_of_a_local_path_says_it_is_one(capsys, monkeypatch, tmp_path) -> None:
+    """A relative path that also reads as owner/name is what -m loads, so it is said to be a local path (not
+    "no such local path"), with the way to the Hub repository of that name; the Hub is not asked."""
+    from kestrel_core.model import hub
+
+    def no_hub(spec, force=False):
+        raise AssertionError(f"the Hub was asked for {spec}")
+
+    monkeypatch.setattr(hub, "fetch", no_hub)
+    (tmp_path / "w" / "qwen 3").mkdir(parents=True)
+    (tmp_path / "w" / "link-qwen").symlink_to(tmp_path / "w" / "qwen 3")
+    monkeypatch.chdir(tmp_path)
+    hub_way = " (that repository: kestrel pull hf.co/w/link-qwen)"
+    for given, then in (("w/link-qwen", hub_way), ("./w/link-qwen", ""), (str(tmp_path / "w"), "")):
+        code, out, err = _run(capsys, "pull", given)
+        assert code == 2 and out == ""
+        assert err.strip() == (f"error: {given} is a local path, which -m loads as it is; kestrel pull fetches a "
+                               f"Hugging Face Hub name{then}"), err
+
+
 @pytest.mark.parametrize("width", [40, 80, 160])
 def test_list_never_cuts_the_name_that_model_takes(width: int, capsys, monkeypatch, tmp_path) -> None:
     """Piped (160 columns) or in a narrow terminal: each row is whole, the name as -m takes it."""
