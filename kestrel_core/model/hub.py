@@ -317,6 +317,17 @@ def fetch(spec: HubSpec, force: bool = False) -> Path:
     return Hub().fetch(spec, force)
 
 
+def directory_gguf(directory: Path) -> Path | None:
+    """The GGUF file a directory without a config.json holds as its model (at its top or a folder down, as a
+    Hub repository holds the parts of a split one), picked as a repository's is (``choose_files``), except that
+    files no quantization tells apart are an error naming them; None where it holds no GGUF file."""
+    found = [p for p in (*directory.glob("*"), *directory.glob("*/*")) if p.name.lower().endswith(".gguf")]
+    if not found:
+        return None
+    files = sorted(p.relative_to(directory).as_posix() for p in found)
+    return directory / choose_files(HubSpec(str(directory)), files, where="the directory", by_name=False)[1]
+
+
 def _wrong_size(path: Path, size: int | None) -> bool:
     """Whether the cached file ``path`` is not ``size`` bytes (None: unknown, so not wrong), said as a warning."""
     have = path.stat().st_size
@@ -334,14 +345,16 @@ def redownload_hint(spec: HubSpec, exc: KestrelError) -> str | None:
     return f"`kestrel pull --force {spec}` downloads it again"
 
 
-def choose_files(spec: HubSpec, files: Sequence[str], where: str = "the repository") -> tuple[str, str]:
+def choose_files(spec: HubSpec, files: Sequence[str], where: str = "the repository",
+                 by_name: bool = True) -> tuple[str, str]:
     """("safetensors", "") or ("gguf", the file) for a repository holding ``files``; a KestrelError saying
-    what is missing otherwise (of ``files``, what ``where`` holds: the repository, or the cache's copy of it)."""
+    what is missing otherwise (of ``files``, what ``where`` holds: the repository, or the cache's copy of it).
+    ``by_name``: as ``_pick_gguf``'s."""
     ggufs = [f for f in files if is_model_gguf(f)]
     if spec.tag is None and "config.json" in files and any(f.endswith(".safetensors") for f in files):
         return "safetensors", ""
     if ggufs:
-        return "gguf", _pick_gguf(spec, ggufs, where)
+        return "gguf", _pick_gguf(spec, ggufs, where, by_name)
     if any(f.lower().endswith(".gguf") for f in files):
         raise KestrelError(f"model {spec}: its GGUF files are a model's companions (a vision projector, an "
                            "importance matrix, a draft head), not a model")
@@ -354,9 +367,11 @@ def choose_files(spec: HubSpec, files: Sequence[str], where: str = "the reposito
                        "file")
 
 
-def _pick_gguf(spec: HubSpec, ggufs: list[str], where: str = "the repository") -> str:
+def _pick_gguf(spec: HubSpec, ggufs: list[str], where: str = "the repository", by_name: bool = True) -> str:
     """The GGUF file of ``spec``'s tag, or the most precise usual one: the file of that very quantization before
-    one that also names it (``m-Q4_0-F16.gguf`` for F16), a whole file before the first part of a split one."""
+    one that also names it (``m-Q4_0-F16.gguf`` for F16), a whole file before the first part of a split one;
+    then (``by_name``) the shorter name, the first by name. Without ``by_name``, files these rules do not tell
+    apart are a KestrelError naming them."""
     def has(f: str, quant: str) -> bool:  # as llama.cpp's find_best_model: "." or "-" after it (Q6_K is not Q6_K_L)
         stem = _SHARD.sub("", f[:-5]).lower()
         return re.search(rf"(^|[._/-]){re.escape(quant.lower())}([.-]|$)", stem) is not None
@@ -364,10 +379,16 @@ def _pick_gguf(spec: HubSpec, ggufs: list[str], where: str = "the repository") -
     def rank(f: str, quant: str) -> tuple[bool, bool, int, str]:
         return ((gguf_tag(f) or "").lower() != quant.lower(), _is_part(f), len(f), f)
 
+    def alike(files: list[str]) -> KestrelError:
+        return KestrelError(f"model {spec}: {where} holds several GGUF files no quantization tells apart "
+                            f"({', '.join(files)}); give the path of the one to load")
+
     loadable = [f for f in ggufs if not _is_part(f) or _SHARD_FIRST.search(f[:-5])]  # whole, or a first part
     wanted = [spec.tag] if spec.tag is not None else list(GGUF_PREFERENCE)
     for quant in wanted:
         hits = sorted((f for f in loadable if has(f, quant)), key=lambda f: rank(f, quant))
+        if not by_name and len(hits) > 1 and rank(hits[0], quant)[:2] == rank(hits[1], quant)[:2]:
+            raise alike([f for f in hits if rank(f, quant)[:2] == rank(hits[0], quant)[:2]])
         if hits:
             return hits[0]
     if spec.tag is not None:
@@ -376,6 +397,8 @@ def _pick_gguf(spec: HubSpec, ggufs: list[str], where: str = "the repository") -
     if not loadable:
         raise KestrelError(f"model {spec}: its GGUF files are later parts of split ones ({ggufs[0]}, ...) without "
                            "their first parts")
+    if not by_name and len(loadable) > 1:
+        raise alike(sorted(loadable))
     return sorted(loadable, key=lambda f: (_is_part(f), f))[0]
 
 

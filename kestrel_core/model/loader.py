@@ -1,10 +1,11 @@
 """One entry point for every model input: ``load_model(path, quant) -> LoadedModel``.
 
 ``None`` is the default model (SmolLM2-135M-Instruct, pulled on first use); a directory is a Hugging Face
-checkpoint; a ``.gguf`` file is read with gguf-py; a kestrel artifact (``.kst``) carries its own quantization,
-which wins over ``quant``. The strip-caches of the default model, of Hugging Face directories and of GGUF files
-are cached as artifacts in ``$KESTREL_HOME/cache`` (model/cache.py says how entries are keyed), so only the
-first load of a checkpoint at a quant mode reads, dequantizes and quantizes it; later loads map the artifact.
+checkpoint, or without a config.json the GGUF file it holds (``hub.directory_gguf``); a ``.gguf`` file is read
+with gguf-py; a kestrel artifact (``.kst``) carries its own quantization, which wins over ``quant``. The
+strip-caches of the default model, of Hugging Face directories and of GGUF files are cached as artifacts in
+``$KESTREL_HOME/cache`` (model/cache.py says how entries are keyed), so only the first load of a checkpoint at
+a quant mode reads, dequantizes and quantizes it; later loads map the artifact.
 An entry of a GiB or more is written on a thread while the first load goes on with the model it built; the
 interpreter waits for that thread at exit, and ``finish_cache_writes`` waits for it (or cancels it) sooner.
 """
@@ -25,7 +26,7 @@ from kestrel_core.artifact_load import load_artifact
 from kestrel_core.artifact_write import remove_stale_temps, save_artifact
 from kestrel_core.errors import KestrelError
 from kestrel_core.model import cache as store
-from kestrel_core.model.hub import fetch, parse_hub_spec, redownload_hint
+from kestrel_core.model.hub import directory_gguf, fetch, parse_hub_spec, redownload_hint
 from kestrel_core.model.lora import Adapter, LoraPaths, LoraSource, read_adapters
 from kestrel_core.model.pull import DEFAULT_MODEL, pull_default_model
 from kestrel_core.model.quantize import parse_quant, quantize_model
@@ -393,7 +394,10 @@ def _checkpoint_mode(p: Path, quant: str | None, mode: str, adapters: tuple[Adap
 def _load_path(p: Path, mode: str, quant: str | None, cache: str, adapters: tuple[Adapter, ...] = ()) -> LoadedModel:
     cached = cache != "off" and store.model_cache_enabled()
     if p.is_dir():
-        return _load_hf_cached(p, mode, cache, adapters) if cached else _load_hf(p, mode, adapters)
+        gguf = None if (p / "config.json").is_file() else directory_gguf(p)
+        if gguf is None:
+            return _load_hf_cached(p, mode, cache, adapters) if cached else _load_hf(p, mode, adapters)
+        p = gguf
     check_regular_file(p)  # a FIFO would block the open below forever
     if not os.access(p, os.R_OK):
         raise KestrelError(f"{p}: cannot read it (permission denied)")

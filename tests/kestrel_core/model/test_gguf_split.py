@@ -45,6 +45,22 @@ def test_a_split_gguf_gives_the_logits_of_the_whole_file(parts: list[Path]) -> N
         assert split_engine.model.config == whole.model.config
 
 
+def test_a_directory_holding_a_split_gguf_a_folder_down_loads_it(parts: list[Path], tmp_path: Path) -> None:
+    """As a Hub repository holds a large model's parts: in a folder named by the quant, no config.json."""
+    from kestrel_core.model.loader import load_model
+
+    folder = tmp_path / "model" / "Q8_0"
+    folder.mkdir(parents=True)
+    for p in parts:
+        shutil.copy(p, folder / p.name)
+    (tmp_path / "model" / "README.md").write_text("a model")
+    loaded = load_model(tmp_path / "model", quant="q8", cache="off")
+    assert loaded.source == str(folder / parts[0].name)
+    whole = load_model(WHOLE, quant="q8", cache="off")
+    assert loaded.model.config == whole.model.config
+    np.testing.assert_array_equal(loaded.model.layers[1].q.codes, whole.model.layers[1].q.codes)
+
+
 def test_the_cache_key_covers_every_part(parts: list[Path], tmp_path: Path) -> None:
     copies = [Path(shutil.copy(p, tmp_path / p.name)) for p in parts]
     key = gguf_key(copies[0], "q8")

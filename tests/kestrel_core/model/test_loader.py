@@ -139,6 +139,35 @@ def test_gguf_file(tmp_path: Path, synth_source, fmt) -> None:
     assert loaded.tokenizer.apply_chat_template(MESSAGES).endswith("<|im_start|>assistant\n")
 
 
+def test_a_directory_of_a_gguf_file_loads_it_as_a_hub_repository_would(tmp_path: Path) -> None:
+    """No config.json: the GGUF file the directory holds beside its README and license, the most precise usual
+    quantization of several (Q8_0 before Q4_0, a vision projector never); files no quantization tells apart are
+    one line naming them (test_gguf_split: a split one a folder down)."""
+    gguf = FIXTURES / "tiny-llama.gguf"
+    reference = load_model(gguf, quant="q8", cache="off")
+
+    def directory(name: str, *files: str) -> Path:
+        d = tmp_path / name
+        for f in files:
+            (d / f).parent.mkdir(parents=True, exist_ok=True)
+            (d / f).write_bytes(gguf.read_bytes() if f.endswith(".gguf") else b"notes")
+        return d
+
+    for d, picked in ((directory("one", "model.gguf", "README.md", "LICENSE"), "model.gguf"),
+                      (directory("quants", "m-Q4_0.gguf", "m-Q8_0.gguf", "mmproj-Q8_0-F16.gguf"), "m-Q8_0.gguf")):
+        loaded = load_model(d, quant="q8", cache="off")
+        assert loaded.source == str(d / picked)
+        same_weights(loaded.model, reference.model)
+    for d, named in ((directory("two", "a.gguf", "b.gguf"), "a.gguf, b.gguf"),
+                     (directory("alike", "a-Q8_0.gguf", "b-Q8_0.gguf", "c-Q4_0.gguf"), "a-Q8_0.gguf, b-Q8_0.gguf")):
+        with pytest.raises(KestrelError) as exc:
+            load_model(d, quant="q8", cache="off")
+        assert str(exc.value) == (f"model {d}: the directory holds several GGUF files no quantization tells apart "
+                                  f"({named}); give the path of the one to load")
+    with pytest.raises(KestrelError, match="a model's companions"):
+        load_model(directory("projector", "mmproj-F16.gguf"), quant="q8", cache="off")
+
+
 def test_bad_paths_are_one_line_errors(tmp_path: Path) -> None:
     def err(path, quant="q8") -> str:
         with pytest.raises(KestrelError) as exc:
