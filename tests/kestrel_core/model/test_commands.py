@@ -415,9 +415,16 @@ def test_run_samples_as_the_model_recommends_unless_told_otherwise(capsys, tmp_p
 def test_pull_prints_the_model_path(capsys, monkeypatch, tmp_path) -> None:
     from kestrel_core.model import pull as pull_mod
 
-    monkeypatch.setattr(pull_mod, "pull_default_model", lambda progress=True: tmp_path / "model.gguf")
+    asked = []
+
+    def pull_default_model(progress=True, rehash=False):
+        asked.append(rehash)
+        return tmp_path / "model.gguf"
+
+    monkeypatch.setattr(pull_mod, "pull_default_model", pull_default_model)
     code, out, _ = _run(capsys, "pull")
     assert code == 0 and out.strip() == str(tmp_path / "model.gguf")
+    assert asked == [True]  # kestrel pull hashes the file again, whatever its record of a check says
     code, _, err = _run(capsys, "pull", "--force")  # its sha256 is checked on every pull
     assert code == 2 and "--force downloads a Hub model again" in err
 

