@@ -28,7 +28,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model import cache as store
 from kestrel_core.model.hub import directory_gguf, fetch, parse_hub_spec, redownload_hint
 from kestrel_core.model.lora import Adapter, LoraPaths, LoraSource, read_adapters
-from kestrel_core.model.pull import DEFAULT_MODEL, pull_default_model
+from kestrel_core.model.pull import DEFAULT_MODEL, default_model_path, pull_default_model
 from kestrel_core.model.quantize import parse_quant, quantize_model
 from kestrel_core.model.tokenizer import NoTokenizer, Tokenizer
 from kestrel_core.model.validate import check_regular_file
@@ -310,15 +310,17 @@ def finish_cache_writes(*, cancel: bool = False) -> None:
 
 
 def _load_default(quant: str, adapters: tuple[Adapter, ...] = ()) -> LoadedModel:
-    gguf_path = pull_default_model(progress=True)
-    # keyed on the source bytes, the quant mode, the format and the kestrel version (its quantizer)
+    """The default model from its cache entry, pulled (when its file is missing or changed) only to build one."""
+    gguf_path = default_model_path()
+    # keyed on the source bytes (the pinned hash, so an entry is found without the file), the quant mode, the
+    # format and the kestrel version (its quantizer)
     stem = DEFAULT_MODEL.filename
     if not adapters:
         entry = store.cache_dir() / store.entry_name(stem, DEFAULT_MODEL.member_sha256[:12], quant)
         key, stale = DEFAULT_MODEL.member_sha256, store.stale_pattern(stem, quant)
     else:
         entry, key, stale = _cached_entry(gguf_path, DEFAULT_MODEL.member_sha256, stem, quant, adapters)
-    return _cached(entry, key, quant, stale, lambda: _load_gguf(gguf_path, quant, adapters),
+    return _cached(entry, key, quant, stale, lambda: _load_gguf(pull_default_model(progress=True), quant, adapters),
                    _named(gguf_path, adapters, f"SmolLM2-135M-Instruct ({gguf_path})"), _origins(gguf_path, adapters))
 
 

