@@ -12,7 +12,8 @@ is named as served, with or without the ``:latest`` tag, in any case where that 
 sent as null is one not sent, as Go reads it; options Ollama has and kestrel does not (``num_ctx``,
 ``repeat_last_n``...) are ignored, as Ollama ignores options a model does not use. An option not given takes the
 sampling the model recommends (as a Modelfile's parameters; ``/api/show`` lists them), else Ollama's default:
-temperature 0.8, top-k 40, top-p 0.9, the context's length for ``num_predict``. ``repeat_penalty`` covers the
+temperature 0.8, top-k 40, top-p 0.9, the context's length for ``num_predict``; one past its sampler's range is
+read as Ollama's sampler reads it (a ``top_p`` of 0: the most likely token alone). ``repeat_penalty`` covers the
 prompt and the answer (Hugging Face's and vLLM's repetition penalty), not Ollama's last ``repeat_last_n`` tokens.
 """
 
@@ -125,12 +126,17 @@ class _Generation(OllamaBody):
         else Ollama's default (as a Modelfile's parameters override Ollama's)."""
         o = self.options or Options()
         default = {**DEFAULTS, **recommended}
+        top_p = float(default["top_p"] if o.top_p is None else o.top_p)
+        top_k = int(default["top_k"] if o.top_k is None else o.top_k)
+        # values past a sampler's range are read as Ollama's sampler reads them: a temperature below 0 is greedy,
+        # a top_p of 0 or less keeps the most likely token alone (top-k 1), and one above 1 or a top_k below 0
+        # filters nothing
         fields: dict[str, Any] = {
-            "temperature": float(default["temperature"] if o.temperature is None else o.temperature),
-            "top_p": float(default["top_p"] if o.top_p is None else o.top_p),
-            "top_k": int(default["top_k"] if o.top_k is None else o.top_k),
+            "temperature": max(0.0, float(default["temperature"] if o.temperature is None else o.temperature)),
+            "top_p": min(top_p, 1.0) if top_p > 0 else 1.0, "top_k": max(top_k, 0) if top_p > 0 else 1,
             "seed": None if o.seed is not None and o.seed < 0 else o.seed, "stop": o.stop,  # -1: random, Ollama's
-            "min_p": o.min_p, "repetition_penalty": o.repeat_penalty,
+            "min_p": None if o.min_p is None else min(max(float(o.min_p), 0.0), 1.0),
+            "repetition_penalty": o.repeat_penalty,
             "stream": stream, "stream_options": {"include_usage": True} if stream else None}
         if o.presence_penalty is not None:
             fields["presence_penalty"] = float(o.presence_penalty)

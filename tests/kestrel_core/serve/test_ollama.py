@@ -209,6 +209,22 @@ def test_options_map_onto_sampling(ol: ollama.Client) -> None:
     assert loose.response.startswith(some.response) and loose.eval_count > some.eval_count
 
 
+def test_options_past_a_samplers_range_are_read_as_ollamas_sampler_reads_them(ol: ollama.Client) -> None:
+    """Ollama's sampler takes any number: a temperature below 0 is greedy, a top_p of 0 keeps the most likely
+    token alone, a top_p above 1 and a top_k below 0 filter nothing, a min_p above 1 is 1."""
+    def generate(**options: Any) -> str:
+        return ol.generate(model="tiny", prompt="The sea", raw=True,
+                           options={"num_predict": 10, **options}).response
+
+    greedy = generate(temperature=0)
+    sampled = {"seed": 7, "temperature": 1.5}
+    assert generate(**sampled) != greedy  # the seed samples another answer: the two below are greedy's
+    assert generate(**sampled, top_p=0) == generate(temperature=-1) == greedy
+    assert generate(**sampled, top_p=1.5, top_k=-5) == generate(**sampled, top_p=1, top_k=0)
+    assert generate(**sampled, min_p=2) == generate(**sampled, min_p=1)
+    assert generate(**sampled, min_p=-0.5) == generate(**sampled, min_p=0)
+
+
 def test_inputs_are_read_as_ollama_reads_them(ol: ollama.Client, server: KestrelServer) -> None:
     """What Ollama's server takes: null as a field not sent, an integral float as an integer option, a role and a
     model's name in any case; each is the answer to the request written plainly."""
@@ -294,8 +310,8 @@ def test_a_json_schema_format_shapes_the_answer(ol: ollama.Client) -> None:
 
 @pytest.mark.parametrize(("call", "needle"), [
     ({"messages": [{"role": "user", "content": "Hi", "images": ["aGk="]}]}, "images are not supported"),
-    ({"messages": HI, "options": {"temperature": -1}}, "options.temperature must be"),  # Ollama's names
-    ({"messages": HI, "options": {"top_p": 0}}, "options.top_p must be"),
+    ({"messages": HI, "options": {"temperature": "hot"}}, "options.temperature must be"),  # Ollama's names
+    ({"messages": HI, "options": {"repeat_penalty": 11}}, "options.repeat_penalty must be in (0, 10]"),
     ({"messages": HI, "think": True}, '"tiny" does not support thinking'),  # as Ollama answers it
     ({"messages": [{"role": "robot", "content": "Hi"}]}, "role"),
 ])
