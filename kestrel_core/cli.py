@@ -200,14 +200,15 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=None,
                    help="a sampled answer's seed: the same seed, the same answer (default: a random one; run --json "
                         "reports it)")
-    p.add_argument("--think", type=_think_arg, default=None, metavar="true|false|low|medium|high",
+    p.add_argument("--think", type=_think_arg, default=None, metavar="true|false|low|medium|high|max",
                    help="reasoning, as Ollama's --think: false turns Qwen3's thinking off (its template's "
-                        "enable_thinking); a level is gpt-oss's reasoning effort (default: the template's)")
+                        "enable_thinking); a level is the template's reasoning effort, gpt-oss's (max: its high) "
+                        "(default: the template's)")
     _model_sampling_arg(p)
 
 
 def _think_arg(value: str) -> bool | str:
-    """--think's value: true, false, or a reasoning effort (low, medium, high)."""
+    """--think's value: true, false, or a reasoning effort (THINK_LEVELS)."""
     words = {"true": True, "false": False, **{level: level for level in THINK_LEVELS}}
     if value.lower() not in words:
         raise argparse.ArgumentTypeError(f"expected true, false or one of {', '.join(THINK_LEVELS)}, got {value!r}")

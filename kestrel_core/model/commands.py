@@ -109,7 +109,7 @@ def _prompt(engine: Engine, messages: list[dict[str, str]], chat: bool, args: ar
     tok = engine.tokenizer
     if not chat:
         return list(tok.encode(messages[-1]["content"])), None
-    text = tok.apply_chat_template(messages, True, **(think_kwargs(getattr(args, "think", None)) or {}))
+    text = tok.apply_chat_template(messages, True, **(think_kwargs(getattr(args, "think", None), engine.harmony) or {}))
     ids = list(tok.encode(text, add_special_tokens=False))  # the template writes any BOS itself
     markers = reasoning_markers(getattr(tok, "chat_template", None))
     if engine.harmony:

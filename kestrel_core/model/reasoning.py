@@ -59,16 +59,17 @@ class Reasoning:
     markers: Markers = THINK
 
 
-THINK_LEVELS = ("low", "medium", "high")  # gpt-oss's reasoning efforts
+THINK_LEVELS = ("low", "medium", "high", "max")  # Ollama's think levels: gpt-oss's reasoning efforts, and max
 
 
-def think_kwargs(think: bool | str | None) -> dict[str, Any] | None:
+def think_kwargs(think: bool | str | None, harmony: bool = False) -> dict[str, Any] | None:
     """The chat template's variables for Ollama's ``think``: Qwen3's switch ``enable_thinking``, and for a level
-    (THINK_LEVELS) also gpt-oss's ``reasoning_effort``; None: neither."""
+    (THINK_LEVELS) also its ``reasoning_effort``; None: neither. ``harmony``: the template is gpt-oss's, whose
+    efforts end at high, which max becomes (as Ollama maps it)."""
     if think is None:
         return None
     if isinstance(think, str):
-        return {"enable_thinking": True, "reasoning_effort": think}
+        return {"enable_thinking": True, "reasoning_effort": "high" if harmony and think == "max" else think}
     return {"enable_thinking": think}
 
 

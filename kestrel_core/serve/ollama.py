@@ -112,7 +112,7 @@ class _Generation(OllamaBody):
     format: Literal["json", ""] | dict[str, Any] | None = None  # "": none, as Ollama reads it
     options: Options | None = None
     stream: StrictBool = True
-    think: StrictBool | Literal["low", "medium", "high"] | None = None  # a level: gpt-oss's reasoning effort
+    think: StrictBool | Literal["low", "medium", "high", "max"] | None = None  # a level: the reasoning effort
     keep_alive: Any = None  # a model stays loaded while the server runs
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0  # each token's alternatives
@@ -153,8 +153,9 @@ class _Generation(OllamaBody):
             return {"type": "json_schema", "json_schema": {"name": "format", "schema": self.format}}
         return None
 
-    def template_kwargs(self) -> dict[str, Any] | None:
-        return think_kwargs(self.think)
+    def template_kwargs(self, harmony: bool) -> dict[str, Any] | None:
+        """The template's variables for ``think`` (``harmony``: the template is gpt-oss's)."""
+        return think_kwargs(self.think, harmony)
 
 
 class ChatBody(_Generation):
@@ -162,12 +163,13 @@ class ChatBody(_Generation):
     tools: list[dict[str, Any]] | None = None
     truncate: StrictBool = True  # a conversation past the context loses its oldest messages, as Ollama's
 
-    def openai(self, recommended: Mapping[str, float], tool_format: str | None = None) -> dict[str, Any]:
-        """The OpenAI chat request (``recommended``: the model's sampling; ``tool_format``: the template's, which
-        the ids of earlier calls must suit)."""
-        messages = _openai_messages(self.messages, tool_format)
+    def openai(self, served: Served) -> dict[str, Any]:
+        """The OpenAI chat request to ``served``: its recommended sampling, the tool format its template takes
+        (which the ids of earlier calls must suit) and whether the template is gpt-oss's."""
+        messages = _openai_messages(self.messages, served.tool_format)
+        recommended = served.engine.sampling_defaults
         return {"messages": messages, "tools": self.tools, "response_format": self.response_format(),
-                "chat_template_kwargs": self.template_kwargs(), **self.chat_logprobs(),
+                "chat_template_kwargs": self.template_kwargs(served.harmony), **self.chat_logprobs(),
                 **self.sampling(self.stream, recommended)}
 
 
@@ -392,7 +394,7 @@ def install(app: FastAPI, models: Models) -> None:
         if not body.messages:  # a client loading (or unloading) the model: it stays loaded while serving
             return _loaded(_Answer(served, request, "message"), body.keep_alive)
         with named_as(REQUEST_NAMES):
-            openai = validated(ChatCompletionRequest, body.openai(served.engine.sampling_defaults, served.tool_format))
+            openai = validated(ChatCompletionRequest, body.openai(served))
             response = await served.chat(openai, request, truncate=body.truncate)
         return _translate(_Answer(served, request, "message"), response)
 
@@ -416,7 +418,7 @@ def install(app: FastAPI, models: Models) -> None:
                     {"role": "user", "content": body.prompt}]
                 openai = validated(ChatCompletionRequest, {
                     "messages": messages, "response_format": body.response_format(),
-                    "chat_template_kwargs": body.template_kwargs(), **body.chat_logprobs(), **sampling})
+                    "chat_template_kwargs": body.template_kwargs(served.harmony), **body.chat_logprobs(), **sampling})
                 response = await served.chat(openai, request)
             else:
                 completion = validated(CompletionRequest, {

@@ -546,6 +546,8 @@ def test_run_shows_a_think_block_apart_and_passes_think_to_the_template(capsys, 
     code, out, _ = _run(capsys, "run", "hi", "--preset", "tiny", "--backend", "cpu", "--json", "--think", "high")
     assert (json.loads(out)["text"], json.loads(out)["reasoning"]) == ("Paris.", "Pondering.")
     assert contexts[-1] == {"enable_thinking": True, "reasoning_effort": "high"} and skipped == [skips, skips]
+    code, _, _ = _run(capsys, "run", "hi", "--preset", "tiny", "--backend", "cpu", "--think", "max")
+    assert (code, contexts[-1]) == (0, {"enable_thinking": True, "reasoning_effort": "max"})  # Ollama's too
 
 
 def test_think_on_a_model_without_reasoning_is_said_to_be_ignored(capsys) -> None:

@@ -421,6 +421,22 @@ def _scripted_server(engine: Any, template: str) -> Iterator[tuple[Scripted, oll
         engine.tokenizer.chat_template = before
 
 
+def test_think_levels_reach_the_template_as_its_reasoning_effort(engine: Any) -> None:
+    """Every level Ollama takes, max among them, turns thinking on and reaches the template as reasoning_effort,
+    on /api/chat and /api/generate; another level is a 400, as Ollama answers it."""
+    template = THINKING_TEMPLATE + "{%- if reasoning_effort is defined %}[effort {{ reasoning_effort }}]{%- endif %}"
+    with _scripted_server(engine, template) as (front, ol):
+        for level in ("low", "medium", "high", "max"):
+            front.answers += ["Paris.", "Paris."]
+            ol.chat(model="tiny", messages=[{"role": "user", "content": "Capital of France?"}], think=level)
+            ol.generate(model="tiny", prompt="Capital of France?", think=level)
+            for prompt in front.prompts[-2:]:
+                assert prompt.endswith(f"[effort {level}]") and "<think>" not in prompt
+        with pytest.raises(ollama.ResponseError) as info:
+            ol.chat(model="tiny", messages=[{"role": "user", "content": "Capital of France?"}], think="extreme")
+        assert info.value.status_code == 400 and "think" in info.value.error
+
+
 def test_gpt_oss_thinks_at_the_level_asked_and_answers_in_ollamas_shape(engine: Any) -> None:
     """A harmony model (gpt-oss): ``think`` as a level is its reasoning effort; its analysis channel comes back as
     ``thinking``, its final channel as the content, a message to functions.NAME as a call."""
@@ -431,6 +447,9 @@ def test_gpt_oss_thinks_at_the_level_asked_and_answers_in_ollamas_shape(engine: 
         got = ol.chat(model="tiny", messages=[{"role": "user", "content": "Capital of France?"}], think="high")
         assert (got.message.thinking, got.message.content) == ("Easy.", "Paris.")
         assert "Reasoning: high" in front.prompts[-1]
+        front.answers.append("<|channel|>final<|message|>Paris.<|return|>")
+        ol.chat(model="tiny", messages=[{"role": "user", "content": "Capital of France?"}], think="max")
+        assert "Reasoning: high" in front.prompts[-1]  # harmony's efforts end at high, as Ollama maps max
         front.answers.append(HARMONY_CALL)
         got = ol.chat(model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER])
         (call,) = got.message.tool_calls
