@@ -12,7 +12,8 @@ back as Anthropic's content blocks (``thinking``, ``text``, ``tool_use``), whole
 stop reason and the output tokens, ``message_stop``). Stop reasons: ``end_turn``, ``max_tokens``, ``tool_use``,
 ``stop_sequence`` with the sequence that ended the answer, and ``model_context_window_exceeded``. Thinking
 blocks carry an empty signature: nothing here signs them. Errors are Anthropic's ``{"type": "error", "error":
-{"type", "message"}}``; the model is one the server serves, by its name.
+{"type", "message"}}`` (a server at capacity: its 529 overloaded_error); the model is one the server serves, by its
+name.
 """
 
 from __future__ import annotations

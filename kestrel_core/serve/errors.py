@@ -19,12 +19,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
 
+# Anthropic's status for a server that cannot take a request now; its 429 is an account's rate limit, which
+# kestrel has none of, so every 429 (the server at capacity) is this under its routes
+ANTHROPIC_OVERLOADED = 529
+
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
 
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+                    404: "not_found_error", 413: "request_too_large", 503: "overloaded_error",
+                    ANTHROPIC_OVERLOADED: "overloaded_error"}
 _LLAMA_CPP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "invalid_request_error", 429: "unavailable_error",
                     503: "unavailable_error"}
@@ -66,17 +71,20 @@ class APIError(Exception):
     def response(self, path: str = "") -> JSONResponse:
         """The answer, in the shape the clients of the API ``path`` belongs to read: Ollama's
         ``{"error": message}`` under ``/api/``, Anthropic's ``{"type": "error", "error": {"type", "message"}}``
-        under ``/v1/messages``, llama.cpp's (``llama_cpp_error``) under its routes, else OpenAI's."""
+        under ``/v1/messages`` (a 429 as Anthropic's 529), llama.cpp's (``llama_cpp_error``) under its routes, else
+        OpenAI's."""
+        status = self.status
         if path.startswith("/api/"):
             body: dict[str, Any] = {"error": self.message}
         elif path in LLAMA_CPP_PATHS:
             body = llama_cpp_error(self.status, self.message)
         elif path == "/v1/messages" or path.startswith("/v1/messages/"):
-            kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
+            status = ANTHROPIC_OVERLOADED if status == 429 else status
+            kind = _ANTHROPIC_TYPES.get(status, "api_error")
             body = {"type": "error", "error": {"type": kind, "message": self.message}}
         else:
             body = self.body()
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return JSONResponse(body, status_code=status, headers=self.headers)
 
 
 def _quoted(text: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,10 @@ import anthropic
 import openai
 import pytest
 
+from kestrel_core.errors import Overloaded
 from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.model.request import RequestOutput
+from kestrel_core.model.sampling import SamplingParams
 from kestrel_core.serve.server import KestrelServer
 
 from .helpers import Scripted, http, running_server
@@ -124,6 +128,41 @@ def test_the_api_key_is_read_from_x_api_key(engine: Any) -> None:
                 model=NAME, max_tokens=2, messages=HI)
         keyed = anthropic.Anthropic(base_url=server.url, api_key="sekrit", max_retries=0)
         assert keyed.messages.create(model=NAME, max_tokens=2, messages=HI, **GREEDY).usage.output_tokens == 2
+
+
+class Full(Scripted):
+    """Scripted answers, the next ``refusals`` requests refused as a server at capacity refuses them."""
+
+    refusals = 0
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        if self.refusals:
+            self.refusals -= 1
+            raise Overloaded("the server is at capacity (1 requests in flight); retry later")
+        async for out in super().generate(prompt_ids, params, request_id):
+            yield out
+
+
+def test_a_server_at_capacity_is_anthropics_529_which_the_sdk_retries(engine: Any) -> None:
+    """Anthropic's API answers a request it cannot take now with 529 overloaded_error (its 429 is an account's
+    rate limit); the SDK retries it after Retry-After. The OpenAI routes keep their 429."""
+    front = Full(engine)
+    with running_server(front, NAME) as server:
+        once = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+        for stream in (False, True):
+            front.refusals = 1
+            with pytest.raises(anthropic.OverloadedError) as info:
+                once.messages.create(model=NAME, max_tokens=5, messages=HI, stream=stream)
+            assert info.value.body["error"]["type"] == "overloaded_error"
+            assert info.value.response.headers["retry-after"] == "1"
+        front.refusals, front.answers = 1, ["Hello."]
+        retrying = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=1)
+        assert retrying.messages.create(model=NAME, max_tokens=5, messages=HI).content[0].text == "Hello."
+        front.refusals = 1
+        with pytest.raises(openai.RateLimitError):
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0).chat.completions.create(
+                model=NAME, messages=HI, max_tokens=5)
 
 
 def test_tool_use_and_thinking_blocks(engine: Any) -> None:
