@@ -268,15 +268,15 @@ class Engine:
         backend did not say at load that they cannot run the model (``kestrel_forward_supports``)."""
         return self.activations == "q8" and self.forward_supported
 
-    def new_sequence(self, prompt_len: int = 0, tokens: Sequence[int] = ()) -> SeqState:
-        """A new sequence whose first ``prompt_len`` tokens are its prompt (float32 in "mixed" mode). With its
-        ``tokens`` given (the prompt, and any tokens it generated before a preemption), the longest cached
-        prefix of its prompt short of the last token is attached: ``seq.tokens`` starts with it."""
+    def new_sequence(self, prompt_len: int = 0, tokens: Sequence[int] = (), resumed: bool = False) -> SeqState:
+        """A new sequence whose first ``prompt_len`` tokens are its prompt (float32 in "mixed" mode). With ``tokens``
+        (the prompt, and those generated before a preemption: ``resumed``), the longest cached prefix of the prompt
+        short of its last token is attached (a prefix-cache hit unless ``resumed``): ``seq.tokens`` starts with it."""
         seq = SeqState(self._next_seq, self.pool.new_sequence())
         seq.cache.prompt_len = prompt_len
         self._next_seq += 1
         if self.prefix_cache and tokens:
-            attached = self.pool.attach_prefix(seq.cache, tokens, prompt_len - 1)
+            attached = self.pool.attach_prefix(seq.cache, tokens, prompt_len - 1, resumed)
             seq.tokens = [int(t) for t in tokens[:attached]]
             if self.device_prefixes:  # the backend's pool holds them; the host has computed none
                 seq.cache.length = 0

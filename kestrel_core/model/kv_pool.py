@@ -85,7 +85,7 @@ class KVPool:
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks no sequence holds, oldest first
         # the recurrent state at the end of a cached prefix: chain hash of its last block -> StatePool.snapshot
         self._states: OrderedDict[bytes, list[np.ndarray]] = OrderedDict()
-        self.prefix_hit_tokens = 0  # positions sequences attached instead of computing
+        self.prefix_hit_tokens = 0  # positions sequences attached instead of computing, on their first admission
         self.evictions = 0  # cached blocks given to other sequences
 
     @classmethod
@@ -197,10 +197,12 @@ class KVPool:
 
     # -- prefix caching ------------------------------------------------------------------------------
 
-    def attach_prefix(self, seq: SeqCache, tokens: Sequence[int], limit: int) -> int:
+    def attach_prefix(self, seq: SeqCache, tokens: Sequence[int], limit: int, resumed: bool = False) -> int:
         """Attach to the empty ``seq`` the cached blocks of the longest prefix of ``tokens`` made of full blocks
         within the first ``limit`` positions (for a model with recurrent layers, the longest whose end state was
-        kept, which becomes its state); its length becomes that prefix's (returned)."""
+        kept, which becomes its state); its length becomes that prefix's (returned). They count as prefix-cache
+        hits unless ``resumed``: a preempted request's, which mostly finds the blocks it computed itself (vLLM
+        leaves those out of its hits too)."""
         if seq.blocks or seq.length:
             raise KestrelError("a prefix attaches only to an empty sequence")
         bs = self.block_size
@@ -224,7 +226,8 @@ class KVPool:
             self._states.move_to_end(state)
             self.states.restore(self.state_slot(seq), self._states[state])
         seq.length = ends * bs
-        self.prefix_hit_tokens += seq.length
+        if not resumed:
+            self.prefix_hit_tokens += seq.length
         return seq.length
 
     def publish_prefix(self, seq: SeqCache, tokens: Sequence[int], written: int, keep_state: bool = False) -> None:

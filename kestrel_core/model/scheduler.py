@@ -345,7 +345,7 @@ class Scheduler:
             if self._twin_computing(request):
                 break
             self.waiting.popleft()
-            request.seq = self.engine.new_sequence(len(request.prompt_ids), request.tokens)
+            request.seq = self.engine.new_sequence(len(request.prompt_ids), request.tokens, request.preemptions > 0)
             request.status = RUNNING
             self.running.append(request)
             n = self._to_state_end(request, min(request.pending, budget))

@@ -45,7 +45,8 @@ class _EngineCollector(Collector):
         preempted = family(CounterMetricFamily, "kestrel_num_preemptions",
                            "Running sequences put back in the queue for want of KV blocks (recomputed later).")
         hits = family(CounterMetricFamily, "kestrel_prefix_cache_hit_tokens",
-                      "Prompt positions attached from the prefix cache instead of computed.")
+                      "Prompt positions requests attached from the prefix cache instead of computing them, when "
+                      "first admitted (not again after a preemption).")
         cached = family(GaugeMetricFamily, "kestrel_prefix_cache_blocks", "KV blocks the prefix cache holds.")
         usage = family(GaugeMetricFamily, "kestrel_kv_cache_usage_perc",
                        "Fraction of the KV cache's blocks sequences hold (1: full); the prefix cache's idle "

@@ -145,6 +145,27 @@ def test_preempted_sequences_are_recomputed_with_the_same_tokens(model) -> None:
         assert tight.pool.free_blocks == tight.pool.num_blocks
 
 
+def test_a_preempted_request_attaching_its_own_blocks_again_is_no_prefix_cache_hit(model) -> None:
+    """Prompts that share nothing have no prefix-cache hit, however often they are preempted and find their own
+    blocks again (vLLM counts a request's hits on its first admission only)."""
+    prompts = [[(7 * i + j) % model.config.vocab_size for j in range(40)] for i in range(4)]  # a block and a part
+    params = SamplingParams(max_tokens=100, temperature=0.7, seed=9, ignore_eos=True)
+    with kestrel_core.load(model, backend="cpu", kv_cache_mb=0.125) as tight:  # 8 blocks of 32, as above
+        scheduler = Scheduler(tight, max_batch=4, token_budget=64)
+        attached: list[int] = []
+        admit = tight.new_sequence
+
+        def counting(*args):  # type: ignore[no-untyped-def]
+            seq = admit(*args)
+            attached.append(len(seq.tokens))
+            return seq
+
+        tight.new_sequence = counting
+        _run_all(scheduler, [scheduler.add(p, params) for p in prompts])
+        assert scheduler.preemptions > 0 and sum(attached) > 0  # preempted requests found their blocks again
+        assert tight.pool.prefix_hit_tokens == 0
+
+
 class _Letters:
     """Each id decodes to one letter: readable text from a random model."""
 
