@@ -256,8 +256,11 @@ class AsyncEngine:
         return done
 
     async def call(self, fn: Callable[[], T]) -> T:
-        """``run_sync`` for coroutines."""
-        return await asyncio.get_running_loop().run_in_executor(None, self.run_sync, fn)
+        """``run_sync`` for coroutines: the steps' thread wakes the caller's event loop with the result, so no worker
+        thread of the loop's executor (which the server's prompt rendering shares) waits for it. ``fn`` runs even
+        where the caller is cancelled meanwhile (a close that frees blocks must not be skipped)."""
+        self.start()
+        return await asyncio.wrap_future(self._post(fn))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (its sequence is freed at the next step); nothing if it already finished."""
@@ -280,13 +283,9 @@ class AsyncEngine:
                 stopping = self._stopping
             for kind, payload in inbox:
                 if kind == "call":
-                    fn, done = payload
                     if sched.step_running:  # the engine is free once it is in (failed or not)
                         self._deliver_step(sched.drain)
-                    try:
-                        done.set_result(fn())
-                    except BaseException as exc:  # handed to the caller, whatever it is
-                        done.set_exception(exc)
+                    _run_call(*payload)
                 else:
                     self._take(kind, payload)
             if stopping and not sched.has_work:
@@ -385,6 +384,20 @@ class AsyncEngine:
             client = self._clients.pop(request_id, None)
         if client is not None:  # the caller left: nobody reads this queue, but a shutdown abort is said
             _send(client.loop, client.queue.put_nowait, RequestOutput(request_id, [], "", None, True, "abort", 0, 0))
+
+
+def _run_call(fn: Callable[[], T], done: concurrent.futures.Future[T]) -> None:
+    """``fn()``, its result or its error handed to ``done``; where the caller cancelled ``done`` first, ``fn`` runs
+    all the same and nobody is told."""
+    told = done.set_running_or_notify_cancel()
+    try:
+        result = fn()
+    except BaseException as exc:  # handed to the caller, whatever it is
+        if told:
+            done.set_exception(exc)
+    else:
+        if told:
+            done.set_result(result)
 
 
 def _send(loop: asyncio.AbstractEventLoop, fn: Callable[[Any], None], arg: Any) -> bool:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 import time
 
 import numpy as np
@@ -141,6 +143,31 @@ def test_embeddings_run_between_steps_and_shutdown_waits_for_them(engine) -> Non
             front._post(lambda: None).result(timeout=5)  # the thread returned at its last pass
 
     asyncio.run(main())
+    assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def test_an_embedding_holds_no_worker_thread_while_its_steps_wait_for_the_engine(engine) -> None:
+    """The event loop's executor is the server's for rendering prompts: with its one worker busy, an embedding of
+    many steps (and any other call onto the steps' thread) still runs, and is not queued behind it."""
+    prompts = _prompts(6, seed=3)
+    want = engine.embed(prompts)
+
+    async def main() -> np.ndarray:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(1))
+        front = AsyncEngine(engine, token_budget=8)
+        front.start()
+        busy = threading.Event()
+        worker = loop.run_in_executor(None, busy.wait)  # the only worker, busy until the embedding is in
+        try:
+            assert await asyncio.wait_for(front.call(lambda: threading.current_thread().name), 5) == "kestrel-scheduler"
+            return await asyncio.wait_for(front.embed(prompts), 30)
+        finally:
+            busy.set()
+            await worker
+            await front.shutdown(grace_s=5)
+
+    assert np.array_equal(asyncio.run(main()), want)
     assert engine.pool.free_blocks == engine.pool.num_blocks
 
 
