@@ -71,6 +71,11 @@ class AsyncEngine:
         self._embed_jobs: list[EmbedJob] = []  # those under way, oldest first
         self._embed_short = False  # a job lacked blocks: the oldest runs alone until it is done
         self._deferred: list[Any] = []  # requests that came while a job lacked blocks: added once it is done
+        # jobs waiting for KV blocks wake when some come back: the times they have, the waiting jobs' futures and
+        # the pool's free blocks at the steps' thread's last look
+        self._blocks_back = 0
+        self._block_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._free_seen = 0
         self._next_id = 0
         on_close = getattr(engine, "on_close", None)
         if on_close is not None:  # closing the engine stops this thread, which holds it (and the model)
@@ -198,7 +203,8 @@ class AsyncEngine:
         hold. Once one has waited, the oldest job runs alone until it is done: the others give their blocks back
         (each holds one input part-way at most, run again later) and wait, so no two jobs wait on each other's
         blocks, and generation requests that come meanwhile are held back, so that the running ones' blocks come
-        back rather than go to newcomers. Overloaded where nothing holds blocks that would come back."""
+        back rather than go to newcomers. A waiting job tries again when blocks come back (a step or a call frees
+        some) or the job before it is done. Overloaded where nothing holds blocks that would come back."""
         job = EmbedJob(self.engine, inputs, pooling=pooling, dimensions=dimensions, budget=self.scheduler.token_budget)
         with self._lock:
             if not self._accepting:
@@ -206,24 +212,57 @@ class AsyncEngine:
             self._embed_jobs.append(job)
         try:
             while not job.done:
+                since = self._blocks_back  # before trying: blocks that come back meanwhile wake it at once
                 if self._embed_short and self._embed_jobs[0] is not job:
                     if job.holding:
                         await self.call(job.pause)
-                    await asyncio.sleep(0.005)
+                    await self._blocks_come_back(since)
                 elif not await self.call(lambda: self._embed_step(job)):
                     self._embed_short = True
-                    await asyncio.sleep(0.005)  # the running requests and jobs free blocks as they finish
+                    if self._embed_jobs[0] is job:  # another gives its blocks back first (above), then waits
+                        await self._blocks_come_back(since)  # the running requests and jobs free blocks as they end
             return job.result()
         finally:
             with self._lock:
-                if self._embed_jobs[0] is job:  # the jobs behind it go on together while the blocks last
+                first = self._embed_jobs[0] is job
+                if first:  # the jobs behind it go on together while the blocks last
                     self._embed_short = False
                     self._inbox[:0] = [("add", payload) for payload in self._deferred]  # before later ones
                     self._deferred.clear()
                     self._wake.notify()
                 self._embed_jobs.remove(job)
+            if first:
+                self._blocks_came_back()
             if not job.done:  # given up (an error, a client gone): its blocks go back after the step under way
                 self._post(job.close)
+
+    def _blocks_come_back(self, since: int) -> asyncio.Future[None]:
+        """A future done once KV blocks have come back after the ``since``-th time (at once where they have, or
+        the steps' thread has stopped: the job's next call then says so)."""
+        loop = asyncio.get_running_loop()
+        back: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            if self._blocks_back != since or self._exited:
+                back.set_result(None)
+            else:
+                self._block_waiters.append((loop, back))
+        return back
+
+    def _blocks_came_back(self) -> None:
+        """Wake the jobs waiting for KV blocks (from any thread)."""
+        with self._lock:
+            self._blocks_back += 1
+            waiters, self._block_waiters = self._block_waiters, []
+        for loop, back in waiters:
+            _send(loop, _settle, back)
+
+    def _look_at_free_blocks(self) -> None:
+        """On the steps' thread, after its calls or a step: where the pool has more free blocks than at its last
+        look, the jobs waiting for blocks try again."""
+        free = self.scheduler.pool.free_blocks
+        if free > self._free_seen:
+            self._blocks_came_back()
+        self._free_seen = free
 
     def _embed_step(self, job: EmbedJob) -> bool:
         """A step of ``job`` (on the engine's thread); False where the KV cache has no room for it now but the
@@ -288,13 +327,16 @@ class AsyncEngine:
                     _run_call(*payload)
                 else:
                     self._take(kind, payload)
+            self._look_at_free_blocks()
             if stopping and not sched.has_work:
                 with self._lock:
-                    if not self._inbox:  # a call that came meanwhile still runs
-                        self._exited = True
-                        return
+                    self._exited = not self._inbox  # a call that came meanwhile still runs
+                if self._exited:
+                    self._blocks_came_back()  # a job waiting for blocks tries again, and hears of the stop
+                    return
                 continue
             stalled = self._deliver_step(sched.step)
+            self._look_at_free_blocks()
 
     def _admit(self) -> None:
         """Before a step is scheduled: the requests and aborts that arrived meanwhile (calls wait)."""
@@ -408,6 +450,11 @@ def _send(loop: asyncio.AbstractEventLoop, fn: Callable[[Any], None], arg: Any) 
     except RuntimeError:
         return False
     return True
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():  # a job whose client left cancelled it
+        future.set_result(None)
 
 
 def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:

@@ -314,6 +314,49 @@ def test_a_request_waiting_for_blocks_held_outside_the_steps_does_not_spin(tiny_
         assert engine.pool.free_blocks == engine.pool.num_blocks
 
 
+def test_an_embedding_waiting_for_blocks_tries_again_when_they_come_back(tiny_config, monkeypatch) -> None:
+    """A generation holds the blocks an embedding needs for a hundred steps: the embedding tries once, is woken
+    when the generation's blocks come back and runs then; it does not try between (a try drains the device's
+    pipelined step)."""
+    with _tight(tiny_config, 4) as engine:
+        text = list(range(3, 3 + 120))  # every block of the pool
+        want = engine.embed([text])
+        start_batch = engine.start_batch
+
+        def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+            time.sleep(0.003)  # a step as long as a real model's: the generation lasts a third of a second
+            return start_batch(*args, **kwargs)
+
+        monkeypatch.setattr(engine, "start_batch", slow)
+
+        async def main() -> tuple[int, np.ndarray, list[int]]:
+            front = AsyncEngine(engine, max_batch=4)
+            tries = 0
+            embed_step = front._embed_step
+
+            def counted(job):  # type: ignore[no-untyped-def]
+                nonlocal tries
+                tries += 1
+                return embed_step(job)
+
+            front._embed_step = counted  # type: ignore[method-assign]
+            front.start()
+            try:
+                outputs = front.generate([5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))
+                first = await outputs.__anext__()
+                job = asyncio.create_task(front.embed([text]))
+                tokens = first.new_token_ids + [t async for out in outputs for t in out.new_token_ids]
+                got = await asyncio.wait_for(job, 30)
+                return tries, got, tokens
+            finally:
+                await front.shutdown(grace_s=5)
+
+        tries, got, tokens = asyncio.run(main())
+        np.testing.assert_array_equal(got, want)
+        assert len(tokens) == 100 and tries <= 3, f"{tries} tries"
+        assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
 def test_an_id_is_taken_again_only_once_its_abort_is_said(engine) -> None:
     """The scheduler reports an abort at its next step: until then the id is in use, so the new request with it
     cannot get the old one's end."""
