@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from kestrel_core import checksum
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.validate import check_artifact_meta
@@ -50,6 +51,7 @@ LAYOUT_FLAGS = ("row-major-codes", ROTARY_FIRST)
 REQUIRED_LAYOUT_FLAGS = ("row-major-codes",)
 ARTIFACT_SUFFIX = ".kst"
 CHECKSUM_ALGORITHM = "xxh64"  # XXH64, seed 0, of each tensor's bytes, as 16 lowercase hex digits (checksum.py)
+CHECKSUMS_KEY = "checksums"  # the metadata entry holding them (metadata_digest covers every other entry)
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 CHUNK_BYTES = 4 << 20  # the writer and the checksum / range pass work in chunks of this size
 
@@ -73,6 +75,7 @@ class ArtifactMeta:
     bos_token: str | None = None  # the tokenizer's special-token strings (chat templates read them)
     eos_token: str | None = None
     checksums: dict[str, int] | None = None  # tensor name -> XXH64; None: the file carries none
+    metadata_checksum: int | None = None  # XXH64 of the rest of the metadata (metadata_digest); None: none recorded
 
 
 # -- the header -------------------------------------------------------------------------------------------
@@ -291,24 +294,34 @@ def parse_meta(path: Path, meta: dict[str, str], tensor_names: Iterable[str]) ->
                         tokenizer_json=meta.get("tokenizer_json"), chat_template=meta.get("chat_template"),
                         tool_template=meta.get("chat_template_tool_use"),
                         tensors=tensors, extra=extra, bos_token=meta.get("bos_token"),
-                        eos_token=meta.get("eos_token"), checksums=_checksums(path, meta))
+                        eos_token=meta.get("eos_token"), **_checksums(path, meta))
 
 
-def _checksums(path: Path, meta: dict[str, str]) -> dict[str, int] | None:
-    if "checksums" not in meta:
-        return None
-    sums = _json(path, meta, "checksums")
+def metadata_digest(meta: dict[str, str]) -> int:
+    """XXH64 of every metadata entry but the checksums, as canonical JSON: keys sorted, no spaces, ASCII (what
+    the writer records and the loader compares; the checksums entry checks itself against the data)."""
+    rest = {k: v for k, v in meta.items() if k != CHECKSUMS_KEY}
+    return checksum.xxh64(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode("ascii"))
+
+
+def _checksums(path: Path, meta: dict[str, str]) -> dict[str, Any]:
+    """The ``checksums`` and ``metadata_checksum`` fields of ArtifactMeta (None where the file records none)."""
+    if CHECKSUMS_KEY not in meta:
+        return {"checksums": None, "metadata_checksum": None}
+    sums = _json(path, meta, CHECKSUMS_KEY)
     if not isinstance(sums, dict) or not isinstance(sums.get("tensors"), dict):
         raise refuse(path, "artifact metadata 'checksums' must be {\"algorithm\": ..., \"tensors\": {...}}")
     if sums.get("algorithm") != CHECKSUM_ALGORITHM:
         raise refuse(path, f"artifact checksums use {sums.get('algorithm')!r}; this kestrel verifies "
                             f"{CHECKSUM_ALGORITHM!r}")
-    out: dict[str, int] = {}
-    for name, value in sums["tensors"].items():
-        try:
-            if not isinstance(value, str) or len(value) != 16:
-                raise ValueError
-            out[name] = int(value, 16)
-        except ValueError:
-            raise refuse(path, f"artifact checksum of {name!r} is not 16 hex digits: {value!r}") from None
-    return out
+    return {"checksums": {name: _digest(path, repr(name), value) for name, value in sums["tensors"].items()},
+            "metadata_checksum": None if "metadata" not in sums else _digest(path, "the metadata", sums["metadata"])}
+
+
+def _digest(path: Path, what: str, value: Any) -> int:
+    try:
+        if not isinstance(value, str) or len(value) != 16:
+            raise ValueError
+        return int(value, 16)
+    except ValueError:
+        raise refuse(path, f"artifact checksum of {what} is not 16 hex digits: {value!r}") from None

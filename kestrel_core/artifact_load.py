@@ -1,7 +1,8 @@
 """The model out of a kestrel artifact: views of the file's map assembled into a Model, then verified.
 
-One pass over the data, spread over threads, checks each tensor's XXH64 against the header's and each
-weight's codes against the strip-cache contract's range; the shapes are checked against the config.
+The metadata's XXH64 is checked against the one the header records before any tensor is read; then one pass
+over the data, spread over threads, checks each tensor's XXH64 against the header's and each weight's codes
+against the strip-cache contract's range; the shapes are checked against the config.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kestrel_core import checksum
 from kestrel_core.artifact import (
     CHUNK_BYTES,
     ArtifactMeta,
+    metadata_digest,
     model_tensors,
     open_artifact_file,
     parse_meta,
@@ -47,17 +49,22 @@ def load_artifact(path: str | os.PathLike[str], *, verify: bool = True, require_
                   progress: Report | None = None) -> tuple[Model, ArtifactMeta]:
     """The model of an artifact, its arrays views of a copy-on-write map of the file (no copy is made).
 
-    ``verify``: compare every tensor's XXH64 with the header's (a file without checksums, written before
-    kestrel wrote them or by another producer, loads unverified unless ``require_checksums``). The code
-    ranges of the strip-cache contract are checked in the same pass either way. Where hashing is not
-    compiled (numba unusable), nothing is verified and no checksums are required.
+    ``verify``: compare the XXH64 of every tensor, and of the rest of the metadata, with the header's (a file
+    without them, written before kestrel wrote them or by another producer, loads unverified unless
+    ``require_checksums``). The code ranges of the strip-cache contract are checked in the same pass either
+    way. Where hashing is not compiled (numba unusable), nothing is verified and no checksums are required.
     """
     path = Path(path)
     f = open_artifact_file(path)
     try:
         meta = parse_meta(path, f.metadata, f.entries)
-        if meta.checksums is None and require_checksums and checksum.fast():
-            raise refuse(path, "the artifact carries no checksums")
+        if require_checksums and checksum.fast():
+            if meta.checksums is None:
+                raise refuse(path, "the artifact carries no checksums")
+            if meta.metadata_checksum is None:
+                raise refuse(path, "the artifact carries no checksum of its metadata")
+        if verify and meta.metadata_checksum is not None and checksum.fast():
+            _check_metadata(path, f.metadata, meta.metadata_checksum)
         sums = meta.checksums if verify and meta.checksums is not None and checksum.fast() else None
         checks: list[_Check] = []
 
@@ -102,6 +109,15 @@ def load_artifact(path: str | os.PathLike[str], *, verify: bool = True, require_
     finally:
         f.close()
     return model, meta
+
+
+def _check_metadata(path: Path, metadata: dict[str, str], recorded: int) -> None:
+    """The metadata (config, tokenizer, chat template...) against its recorded XXH64: a flipped bit there would
+    change every answer without touching a tensor."""
+    digest = metadata_digest(metadata)
+    if digest != recorded:
+        raise refuse(path, f"the metadata is corrupt: its XXH64 is {digest:016x}, the header records "
+                            f"{recorded:016x} (re-create or re-download the artifact)")
 
 
 def _scan(path: Path, checks: list[_Check], progress: Report | None) -> None:

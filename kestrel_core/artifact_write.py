@@ -21,10 +21,12 @@ import numpy as np
 from kestrel_core import checksum
 from kestrel_core.artifact import (
     CHECKSUM_ALGORITHM,
+    CHECKSUMS_KEY,
     CHUNK_BYTES,
     FORMAT_NAME,
     FORMAT_VERSION,
     layout_flags,
+    metadata_digest,
     model_tensors,
 )
 from kestrel_core.contract import StripCache
@@ -92,8 +94,8 @@ def save_artifact(path: str | os.PathLike[str], model: Model, *, tokenizer_json:
 def _write_safetensors(f: BinaryIO, arrays: list[tuple[str, np.ndarray]], metadata: dict[str, str],
                        progress: Report | None) -> None:
     """The safetensors layout, streamed: the header (checksums zeroed), the data while computing each
-    tensor's XXH64, then the header again with the checksums (the same length: 16 hex digits each). Where
-    hashing is not compiled (numba unusable) the file carries no checksums."""
+    tensor's XXH64, then the header again with the checksums (the same length: 16 hex digits each), the rest
+    of the metadata's among them. Where hashing is not compiled (numba unusable) the file carries no checksums."""
     order = sorted(arrays, key=lambda a: -a[1].dtype.itemsize)  # float32 first keeps every float 4-aligned
     entries: dict[str, Any] = {}
     offset = 0
@@ -105,12 +107,14 @@ def _write_safetensors(f: BinaryIO, arrays: list[tuple[str, np.ndarray]], metada
         offset += arr.nbytes
 
     with_sums = checksum.fast()
+    metadata_sum = f"{metadata_digest(metadata):016x}" if with_sums else ""
 
     def header(sums: dict[str, int]) -> bytes:
         meta = dict(metadata)
         if with_sums:
             digests = {n: f"{sums[n]:016x}" for n in entries}
-            meta["checksums"] = json.dumps({"algorithm": CHECKSUM_ALGORITHM, "tensors": digests}, sort_keys=True)
+            meta[CHECKSUMS_KEY] = json.dumps({"algorithm": CHECKSUM_ALGORITHM, "tensors": digests,
+                                              "metadata": metadata_sum}, sort_keys=True)
         text = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode("utf-8")
         text += b" " * (-(8 + len(text)) % 8)  # the data starts 8-aligned, as safetensors writes it
         return struct.pack("<Q", len(text)) + text

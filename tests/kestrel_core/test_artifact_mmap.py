@@ -22,6 +22,7 @@ from kestrel_core import artifact_load
 from kestrel_core.artifact import model_tensors, read_meta
 from kestrel_core.artifact_load import load_artifact
 from kestrel_core.artifact_write import save_artifact
+from kestrel_core.cli import main
 from kestrel_core.contract import StripCache
 from kestrel_core.errors import ContractError, KestrelError
 from kestrel_core.model.loader import load_model
@@ -116,6 +117,56 @@ def test_an_artifact_without_checksums_loads_unless_they_are_required(tmp_path: 
     assert "carries no checksums" in _error(old, require_checksums=True)
     save_file(tensors, str(old), metadata={**meta, "checksums": json.dumps({"algorithm": "md5", "tensors": {}})})
     assert "checksums use 'md5'" in _error(old)
+
+
+def _flip_in_header(path: Path, needle: bytes, mask: int = 0x01) -> None:
+    """Flip ``mask`` in the last byte of ``needle`` (found once in the header), in place: the JSON stays valid."""
+    start, _ = _header(path)
+    data = bytearray(path.read_bytes())
+    at = data.index(needle, 0, start)
+    assert data.find(needle, at + 1, start) == -1
+    data[at + len(needle) - 1] ^= mask
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("needle,mask", [(b'rope_theta\\": 1', 0x02), (b'"eos_token":"</', 0x01),
+                                         (b"<{{ m['ro", 0x01), (b"\\u0120wor", 0x01)])
+def test_a_flipped_bit_in_the_metadata_is_refused_by_path(tmp_path: Path, synth_source, needle: bytes, mask: int,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A config value, the special tokens, the chat template, the tokenizer's vocabulary: one flipped bit in the
+    header's metadata changes every answer without touching a tensor, so the metadata has an XXH64 too."""
+    import xxhash
+
+    path = save_artifact(tmp_path / "m.kst", quantize_model(synth_source("llama", seed=7), "q8"), quant="q8",
+                         tokenizer_json=json.dumps({"model": {"vocab": {"\u0120world": 5}}}), eos_token="</s>",
+                         chat_template="{% for m in messages %}<{{ m['role'] }}>{% endfor %}")
+    with safe_open(str(path), framework="numpy") as f:
+        meta = f.metadata()
+    load_artifact(path)
+    _flip_in_header(path, needle, mask)
+    msg = _error(path)
+    assert "the metadata is corrupt: its XXH64 is" in msg and "re-create or re-download" in msg
+    capsys.readouterr()
+    assert main(["run", "--model", str(path), "--backend", "cpu", "--no-chat", "-n", "1", "hi"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {msg}"  # one line, no traceback
+    load_artifact(path, verify=False)  # the escape for a post-mortem
+    rest = json.dumps({k: v for k, v in meta.items() if k != "checksums"}, sort_keys=True, separators=(",", ":"))
+    assert json.loads(meta["checksums"])["metadata"] == xxhash.xxh64(rest.encode()).hexdigest()  # as documented
+
+
+def test_an_artifact_without_a_metadata_checksum_loads_unless_it_is_required(tmp_path: Path, synth_source) -> None:
+    """What a kestrel that recorded tensor checksums only wrote: given by path it loads (its tensors verified);
+    a cache entry requires both."""
+    path = _save(tmp_path, synth_source)
+    with safe_open(str(path), framework="numpy") as f:
+        meta = dict(f.metadata())
+    sums = json.loads(meta["checksums"])
+    del sums["metadata"]
+    old = tmp_path / "old.kst"
+    save_file(load_file(str(path)), str(old), metadata={**meta, "checksums": json.dumps(sums)})
+    _, loaded_meta = load_artifact(old)
+    assert loaded_meta.metadata_checksum is None and loaded_meta.checksums
+    assert "carries no checksum of its metadata" in _error(old, require_checksums=True)
 
 
 @pytest.mark.parametrize("tensor", ["layers.1.gate.codes", "layers.0.k.scales", "final_norm", "embedding.codes"])

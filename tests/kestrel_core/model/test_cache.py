@@ -267,6 +267,38 @@ def test_a_corrupt_entry_is_rebuilt_with_a_warning(home: Path, hf, builds: list[
     assert len(builds) == 3
 
 
+def test_an_entry_with_a_flipped_bit_in_its_metadata_or_without_its_checksum_is_rebuilt(
+        home: Path, hf, builds: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    """The config, tokenizer and chat template live in the entry's header: a flipped bit there is caught as one in
+    a tensor is; an entry that records no checksum of its metadata (an earlier kestrel's) is rebuilt once."""
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    root, _ = hf
+    load_model(root, quant="q8")
+    gc.collect()
+    entry = _entries(home)[0]
+    data = bytearray(entry.read_bytes())
+    at = data.index(b'rms_norm_eps\\": ')  # the config inside the header's JSON
+    data[at + len(b'rms_norm_eps\\": ')] ^= 0x02  # its first digit, 1 <-> 3: still valid JSON
+    entry.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="kestrel"):
+        again = load_model(root, quant="q8")
+    assert len(builds) == 2 and "the metadata is corrupt" in caplog.text
+    _same(again.model, _fresh(root, "q8"))
+    gc.collect()
+    with safe_open(str(entry), framework="numpy") as f:
+        meta = dict(f.metadata())
+    sums = json.loads(meta["checksums"])
+    del sums["metadata"]
+    save_file(load_file(str(entry)), str(entry), metadata={**meta, "checksums": json.dumps(sums)})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kestrel"):
+        load_model(root, quant="q8")
+        load_model(root, quant="q8")
+    assert len(builds) == 3 and "carries no checksum of its metadata" in caplog.text
+
+
 @pytest.mark.parametrize("kind", ["directory", "symlink", "fifo"])
 def test_something_else_in_place_of_the_entry(home: Path, hf, builds: list[str], tmp_path: Path, kind: str,
                                               caplog: pytest.LogCaptureFixture) -> None:
