@@ -12,7 +12,6 @@ import os
 import re
 import stat
 import struct
-import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -33,10 +32,10 @@ from kestrel_core.contract import StripCache
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.weights import Model
 from kestrel_core.progress import Report
-from kestrel_core.temps import TEMP_MAX_AGE_S, remove_stale, removed_on_signal
+from kestrel_core.temps import HELD_SUFFIX, TEMP_MAX_AGE_S, Temp, find_temps, held_temp_file, remove_stale
 
 _ST_NAME = {np.dtype("i1"): "I8", np.dtype("<f4"): "F32"}
-TEMP_NAME_CHARS = 200  # of the destination's name in its temp file's: 255 allowed, 14 more for ".", "XXXXXXXX.tmp"
+TEMP_NAME_CHARS = 200  # of the destination's name in its temp file's: 255 allowed, 18 more for ".", ".XXXXXXXX.writing"
 
 
 def save_artifact(path: str | os.PathLike[str], model: Model, *, tokenizer_json: str | None = None,
@@ -46,8 +45,9 @@ def save_artifact(path: str | os.PathLike[str], model: Model, *, tokenizer_json:
                   progress: Report | None = None) -> Path:
     """Write ``model`` to ``path`` atomically: a temp file in the same directory, fsync, then rename.
 
-    A failure, or SIGTERM while writing, leaves neither a partial file nor the temp file; temp files of the
-    same destination left by a writer that was killed outright are removed once they are an hour old.
+    A failure, or SIGTERM while writing, leaves neither a partial file nor the temp file; the temp file carries
+    the writer's lock until it is renamed (temps.held_temp_file), so one of the same destination left by a
+    writer that was killed outright is removed by the next write at once.
     """
     path = Path(path)
     check_output(path, force)
@@ -75,10 +75,9 @@ def save_artifact(path: str | os.PathLike[str], model: Model, *, tokenizer_json:
     metadata.update({k: v for k, v in optional.items() if v is not None})
     parent = path.parent if str(path.parent) else Path(".")
     remove_stale_temps(parent, path.name)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:TEMP_NAME_CHARS]}.", suffix=".tmp", dir=parent)
-    with removed_on_signal(tmp):
+    with held_temp_file(parent, f".{path.name[:TEMP_NAME_CHARS]}.") as (fd, tmp):
         try:
-            with os.fdopen(fd, "wb") as f:
+            with os.fdopen(fd, "wb", closefd=False) as f:
                 _write_safetensors(f, arrays, metadata, progress)
                 f.flush()
                 os.fsync(f.fileno())
@@ -167,12 +166,24 @@ def check_output(path: Path, force: bool) -> None:
         raise KestrelError(f"{path} already exists; pass --force to overwrite it")
 
 
-def remove_stale_temps(directory: Path, name: str | None = None, max_age_s: float = TEMP_MAX_AGE_S) -> None:
-    """Remove the temp files ``save_artifact`` writes for ``name`` (None: for any name) in ``directory`` that were
-    not modified for ``max_age_s`` (temps.remove_stale). Only mkstemp's exact names, ``.NAME.XXXXXXXX.tmp``:
+def _temp_pattern(name: str | None) -> re.Pattern[str]:
+    """The names of the temp files ``save_artifact`` writes for ``name`` (None: for any name), mkstemp's exactly:
+    ``.NAME.XXXXXXXX.writing``, and ``.NAME.XXXXXXXX.tmp`` (a writer that held no lock: an earlier kestrel);
     nothing of the user's that merely looks alike."""
     named = ".+" if name is None else re.escape(name[:TEMP_NAME_CHARS])
-    remove_stale(directory, re.compile(rf"\.{named}\.[a-z0-9_]{{8}}\.tmp"), max_age_s)
+    return re.compile(rf"\.{named}\.[a-z0-9_]{{8}}(?:\.tmp|{re.escape(HELD_SUFFIX)})")
+
+
+def artifact_temps(directory: Path) -> list[Temp]:
+    """The temp files of artifacts being written in ``directory``, or left there by writers that died."""
+    return find_temps(directory, _temp_pattern(None))
+
+
+def remove_stale_temps(directory: Path, name: str | None = None, max_age_s: float = TEMP_MAX_AGE_S) -> list[Temp]:
+    """Remove the temp files ``save_artifact`` writes for ``name`` (None: for any name) in ``directory`` whose
+    writer is gone: at once where it held their lock, else once they were not modified for ``max_age_s``
+    (temps.remove_stale); the ones removed."""
+    return remove_stale(directory, _temp_pattern(name), max_age_s)
 
 
 def _publish(tmp: str, path: Path, force: bool) -> None:

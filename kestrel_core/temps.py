@@ -1,28 +1,36 @@
 """Temp files and directories a writer is filling beside its destination (a cache entry, an artifact, a pulled
-model): removed when the process is told to end while they are live, and swept once stale.
+model): removed when the process is told to end while they are live, and swept once their writer is gone.
 
 SIGTERM and SIGHUP (a closed terminal) kill a Python process without running ``finally``; while a temp is live,
 a handler installed on the main thread removes every live temp, then lets the signal kill the process as
-before. A writer killed outright (SIGKILL, a power cut) leaves its temp, which the next writer of that
-directory removes once it has not been modified for ``TEMP_MAX_AGE_S``.
+before. A writer killed outright (SIGKILL, the OOM killer, a power cut) leaves its temp. A held temp file
+(``held_temp_file``: an artifact's) carries its writer's flock while it is written, which the kernel releases
+however the writer ends, so the next sweep of that directory removes it at once; any other temp once it has
+not been modified for ``TEMP_MAX_AGE_S``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import shutil
 import signal
 import stat
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kestrel_core import locks
+
 TEMP_MAX_AGE_S = 3600.0  # a temp untouched this long belongs to a writer that died
 ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+HELD_SUFFIX = ".writing"  # a held temp file's name ends so: its lock tells whether its writer lives
 
 _live: dict[str, None] = {}  # the temps being written now, in any thread
 _lock = threading.Lock()
@@ -68,23 +76,89 @@ def removed_on_signal(path: str | os.PathLike[str]) -> Iterator[None]:
             _live.pop(key, None)
 
 
-def remove_stale(directory: Path, pattern: re.Pattern[str], max_age_s: float = TEMP_MAX_AGE_S) -> None:
-    """Remove the temps in ``directory`` whose names ``pattern`` matches whole and that were not modified for
-    ``max_age_s`` (a directory: neither it nor what it holds); a live writer touches its temp as it goes."""
+@contextlib.contextmanager
+def held_temp_file(directory: Path, prefix: str) -> Iterator[tuple[int, str]]:
+    """A new temp file ``<prefix><8 random characters>.writing`` in ``directory`` (mkstemp's): its descriptor,
+    open for writing, and its path. Its lock is held while the block writes it (and for whatever the block does
+    with it: a rename into place), and it is removed on an ending signal. The block writes through that
+    descriptor and leaves it open: where flock is emulated by POSIX locks (NFS), closing any descriptor of the
+    file would let the lock go."""
+    while True:
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=HELD_SUFFIX, dir=directory)
+        try:
+            if locks.try_lock(fd) is False:  # a sweep found it unlocked this instant, and removes it
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        if locks.names(fd, tmp):
+            break
+        os.close(fd)
+    try:
+        with removed_on_signal(tmp):
+            yield fd, tmp
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class Temp:
+    """A temp in a writer's directory: its bytes (a directory's: its files'), and whether its writer is gone."""
+
+    path: Path
+    size: int
+    dead: bool
+
+
+def find_temps(directory: Path, pattern: re.Pattern[str], max_age_s: float = TEMP_MAX_AGE_S) -> list[Temp]:
+    """The temps in ``directory`` whose names ``pattern`` matches whole; a writer is gone where a held temp file's
+    lock is free (where the file system has no flock: as for any other temp), or where neither another temp nor
+    what it holds was modified for ``max_age_s``. An empty list where the directory is missing or unreadable."""
     now = time.time()
     try:
         entries = list(directory.iterdir())
-    except OSError:  # no such directory, or not readable: nothing of ours to remove
-        return
+    except OSError:  # no such directory, or not readable: nothing of ours
+        return []
+    found = []
     for p in entries:
-        if not pattern.fullmatch(p.name) or os.fspath(p) in _live:
+        if not pattern.fullmatch(p.name):
             continue
         try:
             st = p.lstat()
-            if stat.S_ISREG(st.st_mode) and now - st.st_mtime > max_age_s:
-                p.unlink()
-            elif stat.S_ISDIR(st.st_mode) and now - max([st.st_mtime, *(c.lstat().st_mtime for c in p.iterdir())]) \
-                    > max_age_s:
-                shutil.rmtree(p)
+            parts = [st] if not stat.S_ISDIR(st.st_mode) else [st, *(c.lstat() for c in p.iterdir())]
         except OSError:
-            pass  # raced with another cleaner, or not ours to remove
+            continue  # raced with another cleaner
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            continue
+        size = sum(x.st_size for x in parts if stat.S_ISREG(x.st_mode))
+        if os.fspath(p) in _live:  # this process writes it (and must not probe its lock: see held_temp_file)
+            found.append(Temp(p, size, False))
+            continue
+        holder = locks.held(p) if p.name.endswith(HELD_SUFFIX) and stat.S_ISREG(st.st_mode) else None
+        stale = now - max(x.st_mtime for x in parts) > max_age_s
+        found.append(Temp(p, size, not holder if holder is not None else stale))
+    return found
+
+
+def remove_stale(directory: Path, pattern: re.Pattern[str], max_age_s: float = TEMP_MAX_AGE_S) -> list[Temp]:
+    """Remove the temps of ``find_temps`` whose writer is gone (a held temp file under its lock, so that none is
+    taken from a writer); the ones removed."""
+    removed = []
+    for t in find_temps(directory, pattern, max_age_s):
+        if not t.dead:
+            continue
+        try:
+            if t.path.name.endswith(HELD_SUFFIX) and t.path.is_file() and not t.path.is_symlink():
+                gone = locks.remove_unheld(t.path)
+                if gone is None:  # no flock here: found dead by its age
+                    t.path.unlink()
+                elif not gone:
+                    continue
+            elif t.path.is_dir() and not t.path.is_symlink():
+                shutil.rmtree(t.path)
+            else:
+                t.path.unlink()
+        except OSError:
+            continue  # raced with another cleaner, or not ours to remove
+        removed.append(t)
+    return removed

@@ -36,6 +36,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.hf import weight_files
 from kestrel_core.model.pull import kestrel_home
 from kestrel_core.model.validate import check_regular_file
+from kestrel_core.temps import Temp
 
 MODEL_CACHE_ENV = "KESTREL_MODEL_CACHE"  # 0 (off, no, false): never cache Hugging Face directories or GGUF files
 RENAMED_ENV = {"KESTREL_HF_CACHE": MODEL_CACHE_ENV}
@@ -211,13 +212,19 @@ def cache_entries() -> list[CacheEntry]:
     return sorted(entries, key=lambda e: -e.used)
 
 
-def prune_cache(everything: bool = False) -> list[CacheEntry]:
-    """Remove the orphaned entries (``everything``: all of them) and the temp files of killed writers; the ones
-    removed. A model loaded again is quantized again."""
+def cache_temps() -> list[Temp]:
+    """The temp files in ``$KESTREL_HOME/cache``: entries being written, and what writers that died left."""
+    from kestrel_core.artifact_write import artifact_temps
+
+    return artifact_temps(cache_dir())
+
+
+def prune_cache(everything: bool = False) -> tuple[list[CacheEntry], list[Temp]]:
+    """Remove the orphaned entries (``everything``: all of them) and the temp files of writers that died (never a
+    live writer's); the ones removed. A model loaded again is quantized again."""
     from kestrel_core.artifact_write import remove_stale_temps
 
     removed = [e for e in cache_entries() if everything or e.orphaned]
     for e in removed:
         remove_entry(e.path)
-    remove_stale_temps(cache_dir())
-    return removed
+    return removed, remove_stale_temps(cache_dir())

@@ -470,12 +470,13 @@ def cache(args: argparse.Namespace) -> int:
     whose model is gone, ``--clear`` all of them."""
     import datetime
 
-    from kestrel_core.model.cache import cache_dir, cache_entries, prune_cache
+    from kestrel_core.model.cache import cache_dir, cache_entries, cache_temps, prune_cache
 
     if args.prune or args.clear:
-        removed = prune_cache(everything=args.clear)
-        err.print(f"removed {len(removed)} cache entries ({sum(e.size for e in removed) / 1e6:,.0f} MB) from "
-                  f"{cache_dir()}", soft_wrap=True)
+        removed, temps = prune_cache(everything=args.clear)
+        err.print(f"removed {len(removed)} cache entries ({sum(e.size for e in removed) / 1e6:,.0f} MB) and "
+                  f"{len(temps)} temp files of writers that died ({sum(t.size for t in temps) / 1e6:,.0f} MB) "
+                  f"from {cache_dir()}", soft_wrap=True)
         return 0
     entries = cache_entries()
     if args.json:
@@ -490,9 +491,12 @@ def cache(args: argparse.Namespace) -> int:
         when = datetime.datetime.fromtimestamp(e.used).strftime("%Y-%m-%d %H:%M")
         table.add_row(" + ".join(e.sources) or e.path.name, e.quant, f"{e.size / 1e6:,.0f} MB", when,
                       "orphaned" if e.orphaned else "ok")
-    out.print(table if entries else f"the cache {cache_dir()} is empty")
+    out.print(table if entries else f"the cache {cache_dir()} holds no entries")
     if entries:
         out.print(f"{sum(e.size for e in entries) / 1e6:,.0f} MB in {len(entries)} entries", highlight=False)
+    if dead := [t for t in cache_temps() if t.dead]:
+        out.print(f"{sum(t.size for t in dead) / 1e6:,.0f} MB in {len(dead)} temp files of writers that died "
+                  "(kestrel cache --prune removes them)", highlight=False)
     return 0
 
 
