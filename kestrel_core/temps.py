@@ -1,5 +1,6 @@
 """Temp files and directories a writer is filling beside its destination (a cache entry, an artifact, a pulled
-model): removed when the process is told to end while they are live, and swept once their writer is gone.
+model), and the lock files a process holds while it builds one: removed when the process is told to end while
+they are live, and swept once their writer is gone.
 
 SIGTERM and SIGHUP (a closed terminal) kill a Python process without running ``finally``; while a temp is live,
 a handler installed on the main thread removes every live temp, then lets the signal kill the process as
@@ -21,7 +22,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,61 @@ def held_temp_file(directory: Path, prefix: str) -> Iterator[tuple[int, str]]:
             yield fd, tmp
     finally:
         os.close(fd)
+
+
+class LockFile:
+    """The exclusive lock of a lock file, made where missing and removed again by ``release`` (or, while it is
+    held, on an ending signal)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd: int | None = None
+
+    def acquire(self, on_wait: Callable[[], None]) -> bool:
+        """Hold the lock, waiting (after calling ``on_wait``) while another process holds it; False where the
+        lock file cannot be made or locked (a read-only directory, no flock): the caller goes on unlocked."""
+        waited = False
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+            except OSError:
+                return False
+            try:
+                taken = locks.try_lock(fd)
+                if taken is None:
+                    os.close(fd)
+                    return False
+                if not taken:
+                    if not waited:
+                        on_wait()
+                        waited = True
+                    fcntl.flock(fd, fcntl.LOCK_EX)  # released at once where its holder dies
+            except BaseException:
+                os.close(fd)
+                raise
+            if locks.names(fd, self.path):
+                self.fd = fd
+                with _lock:
+                    _live[os.fspath(self.path)] = None
+                watch_signals()
+                return True
+            os.close(fd)  # its holder removed it on release: a new holder makes it anew
+
+    def release(self) -> None:
+        """Remove the lock file, then let go of its lock (a waiter on the removed file finds the path names another
+        file, and locks that); a no-op where it is not held."""
+        if self.fd is None:
+            return
+        try:
+            if locks.names(self.fd, self.path):
+                os.unlink(self.path)
+        except OSError:
+            pass  # a lock file left behind costs nothing: the next holder removes it
+        finally:
+            with _lock:
+                _live.pop(os.fspath(self.path), None)
+            os.close(self.fd)
+            self.fd = None
 
 
 @dataclass(frozen=True)

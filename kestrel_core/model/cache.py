@@ -33,15 +33,17 @@ from kestrel_core import __version__
 from kestrel_core.artifact import FORMAT_VERSION, MAX_HEADER_BYTES, read_meta
 from kestrel_core.env import env_flag, env_str
 from kestrel_core.errors import KestrelError
+from kestrel_core.locks import remove_unheld
 from kestrel_core.model.hf import weight_files
 from kestrel_core.model.pull import kestrel_home
 from kestrel_core.model.validate import check_regular_file
-from kestrel_core.temps import Temp
+from kestrel_core.temps import LockFile, Temp
 
 MODEL_CACHE_ENV = "KESTREL_MODEL_CACHE"  # 0 (off, no, false): never cache Hugging Face directories or GGUF files
 RENAMED_ENV = {"KESTREL_HF_CACHE": MODEL_CACHE_ENV}
 HF_KEY_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
                 "tokenizer_config.json", "chat_template.jinja", "modules.json")
+LOCK_SUFFIX = ".lock"
 KEY_SCHEME = "kestrel-hf-cache-6"  # bump when what goes into a directory's key, or what is read of it, changes
 GGUF_KEY_SCHEME = "kestrel-gguf-cache-5"
 
@@ -64,9 +66,20 @@ def entry_name(stem: str, key: str, quant: str) -> str:
     return f"{stem}.{key}.{quant}.v{FORMAT_VERSION}.kestrel-{__version__}.kst"
 
 
-def stale_pattern(stem: str, quant: str) -> str:
-    """A glob for the entries of ``stem`` and ``quant`` under any key, format or version."""
-    return f"{glob.escape(stem)}.*.{glob.escape(quant)}.v*.kst"
+@dataclass(frozen=True)
+class Slot:
+    """The entries of one model (``stem``: with its adapters) at one quant mode, under any key, format or
+    version; one process at a time builds its entry, holding the slot's lock file (``.<stem>.<quant>.lock``)."""
+
+    stem: str
+    quant: str
+
+    def pattern(self) -> str:
+        """A glob for the slot's entries."""
+        return f"{glob.escape(self.stem)}.*.{glob.escape(self.quant)}.v*.kst"
+
+    def lock_file(self) -> LockFile:
+        return LockFile(cache_dir() / f".{self.stem}.{self.quant}{LOCK_SUFFIX}")
 
 
 def hf_stem(model_dir: Path) -> str:
@@ -221,10 +234,13 @@ def cache_temps() -> list[Temp]:
 
 def prune_cache(everything: bool = False) -> tuple[list[CacheEntry], list[Temp]]:
     """Remove the orphaned entries (``everything``: all of them) and the temp files of writers that died (never a
-    live writer's); the ones removed. A model loaded again is quantized again."""
+    live writer's); the ones removed. A model loaded again is quantized again. The slots' lock files that
+    processes killed while building an entry left go too (no process holds them)."""
     from kestrel_core.artifact_write import remove_stale_temps
 
     removed = [e for e in cache_entries() if everything or e.orphaned]
     for e in removed:
         remove_entry(e.path)
+    for lock in cache_dir().glob(f".*{LOCK_SUFFIX}"):
+        remove_unheld(lock)
     return removed, remove_stale_temps(cache_dir())

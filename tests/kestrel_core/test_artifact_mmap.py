@@ -335,7 +335,7 @@ def _killed_while_writing(code: str, cwd: Path, directory: Path, sig: signal.Sig
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
-        assert [p.name for p in directory.iterdir()][0].endswith(".writing")
+        assert any(p.name.endswith(".writing") for p in directory.iterdir())
         proc.send_signal(sig)
         assert proc.wait(timeout=60) == -sig  # still killed by the signal, as without the handler
     finally:

@@ -3,6 +3,7 @@ kestrel versions sharing one KESTREL_HOME."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -82,3 +83,102 @@ def test_a_killed_writers_temp_file_is_listed_and_goes_at_once_a_live_ones_stays
     finally:
         killed.kill()
         live.kill()
+
+
+COLD_LOAD = """
+    import logging, os, sys, time
+    from pathlib import Path
+    from kestrel_core.model import loader
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    quantize = loader.quantize_model
+
+    def gated(source, quant, progress=None):
+        print("quantizing", flush=True)
+        with open(os.environ["BUILDS"], "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        deadline = time.monotonic() + 120
+        while not Path(os.environ["GATE"]).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return quantize(source, quant, progress)
+
+    loader.quantize_model = gated
+    loader.load_model(sys.argv[1], quant="q8")
+    print("loaded", flush=True)
+"""
+
+
+def _cold_load(tmp_path: Path) -> subprocess.Popen[str]:
+    """A process loading TINY whose quantization, once begun (it says "quantizing"), waits for the gate file."""
+    env = {**os.environ, "BUILDS": str(tmp_path / "builds"), "GATE": str(tmp_path / "gate")}
+    return _python(COLD_LOAD, str(TINY), env=env, stderr=subprocess.STDOUT)
+
+
+def _first_word(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    return proc.stdout.readline().split(" ")[0].strip()
+
+
+def _builds(tmp_path: Path) -> list[str]:
+    return (tmp_path / "builds").read_text().split()
+
+
+def test_a_second_cold_load_waits_for_the_first_and_loads_its_entry(home: Path, tmp_path: Path) -> None:
+    """Two processes loading one model the first time: the second says it waits, quantizes nothing and maps the
+    entry the first wrote (one build, one temp file of the model at a time, not two)."""
+    first = _cold_load(tmp_path)
+    second = None
+    try:
+        assert _first_word(first) == "quantizing"
+        second = _cold_load(tmp_path)
+        assert _first_word(second) == "waiting"  # not "quantizing": it holds off while the first builds
+        (tmp_path / "gate").touch()
+        assert first.wait(120) == 0 and second.wait(120) == 0
+        assert second.stdout is not None and second.stdout.read().split() == ["loaded"]
+    finally:
+        (tmp_path / "gate").touch()
+        for proc in (first, second):
+            if proc is not None:
+                proc.kill()
+    assert _builds(tmp_path) == [str(first.pid)]
+    assert len(list((home / "cache").glob("*.kst"))) == 1 and _temps(home / "cache") == []  # no lock file left
+
+
+def test_a_waiting_load_builds_the_entry_itself_when_the_first_dies(home: Path, tmp_path: Path) -> None:
+    """kill -9 of the process building the entry: the kernel releases its lock, and the one waiting builds."""
+    first = _cold_load(tmp_path)
+    second = None
+    try:
+        assert _first_word(first) == "quantizing"
+        second = _cold_load(tmp_path)
+        assert _first_word(second) == "waiting"
+        first.kill()
+        first.wait(60)
+        assert _first_word(second) == "quantizing"
+        (tmp_path / "gate").touch()
+        assert second.wait(120) == 0
+    finally:
+        (tmp_path / "gate").touch()
+        for proc in (first, second):
+            if proc is not None:
+                proc.kill()
+    assert _builds(tmp_path) == [str(first.pid), str(second.pid)]
+    assert len(list((home / "cache").glob("*.kst"))) == 1 and _temps(home / "cache") == []
+
+
+def test_prune_removes_the_lock_files_no_process_holds(home: Path) -> None:
+    """A process killed while it held a slot's lock leaves the lock file; --prune removes it, never a held one."""
+    from kestrel_core.model.cache import Slot
+
+    cache = home / "cache"
+    cache.mkdir(parents=True)
+    left = cache / ".gguf-gone.0123456789ab.q8.lock"
+    left.touch()
+    held = Slot("hf-model.0123456789ab", "q4").lock_file()
+    assert held.acquire(lambda: None) and held.path.exists()
+    try:
+        assert main(["cache", "--prune"]) == 0
+        assert _temps(cache) == [held.path.name]
+    finally:
+        held.release()
+    assert _temps(cache) == []
