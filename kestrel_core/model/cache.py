@@ -81,6 +81,32 @@ class Slot:
     def lock_file(self) -> LockFile:
         return LockFile(cache_dir() / f".{self.stem}.{self.quant}{LOCK_SUFFIX}")
 
+    def superseded(self, entry: Path) -> list[Path]:
+        """The slot's entries that ``entry``, this kestrel's, replaces: this version's under another key, and older
+        versions'. Never a newer kestrel's, nor one whose version cannot be ordered against this one's: kestrel
+        versions sharing a KESTREL_HOME each keep their own."""
+        ours = _release(__version__)
+        found = []
+        for path in entry.parent.glob(self.pattern()):
+            theirs = path.name.rpartition(".kestrel-")[2].removesuffix(".kst")
+            release = _release(theirs)
+            older = ours is not None and release is not None and release < ours
+            if path != entry and (theirs == __version__ or older):
+                found.append(path)
+        return found
+
+
+def _release(version: str) -> tuple[int, ...] | None:
+    """The numbers a version starts with, trailing zeros dropped ("0.10.0rc1" -> (0, 10)), to order versions by;
+    None where it starts with none."""
+    numbers = re.match(r"\d+(?:\.\d+)*", version)
+    if numbers is None:
+        return None
+    release = [int(n) for n in numbers.group().split(".")]
+    while len(release) > 1 and release[-1] == 0:
+        release.pop()
+    return tuple(release)
+
 
 def hf_stem(model_dir: Path) -> str:
     """One slot per checkpoint directory: its name (made file-name safe) and a hash of its absolute path. A

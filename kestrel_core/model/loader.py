@@ -270,14 +270,14 @@ def _from_source(loaded: LoadedModel, source: str, no_tokenizer: str) -> LoadedM
 
 def _write_entry(loaded: LoadedModel, entry: Path, extra: dict[str, Any], slot: store.Slot,
                  progress: Report | None) -> bool:
-    """Write cache ``entry`` (``extra``: its key and sources) and remove the slot's stale ones; False (with a
-    warning) where it cannot be written, which only costs speed. ``progress``: None shows a bar of its own."""
+    """Write cache ``entry`` (``extra``: its key and sources) and remove the slot's entries it supersedes (another
+    key's, an older kestrel's: Slot.superseded); False (with a warning) where it cannot be written, which only
+    costs speed. ``progress``: None shows a bar of its own."""
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         write_artifact(loaded, entry, force=True, extra=extra, progress=progress)
-        for stale in entry.parent.glob(slot.pattern()):
-            if stale != entry:
-                stale.unlink(missing_ok=True)
+        for stale in slot.superseded(entry):
+            stale.unlink(missing_ok=True)
     except _Cancelled:
         return False
     except (OSError, KestrelError) as exc:  # a read-only or full cache only costs speed

@@ -182,3 +182,44 @@ def test_prune_removes_the_lock_files_no_process_holds(home: Path) -> None:
     finally:
         held.release()
     assert _temps(cache) == []
+
+
+def test_kestrel_versions_sharing_a_home_keep_each_others_entries(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two kestrel installs on one KESTREL_HOME, loading one GGUF file in turn: a newer version's entry replaces
+    an older one's, never the other way round, so each goes on hitting its own (0.10 is newer than 0.9)."""
+    from kestrel_core.model import cache, loader
+    from kestrel_core.model.quantize import quantize_model
+
+    builds: list[str] = []
+
+    def counting(source, quant, progress=None):  # type: ignore[no-untyped-def]
+        builds.append(cache.__version__)
+        return quantize_model(source, quant, progress)
+
+    monkeypatch.setattr(loader, "quantize_model", counting)
+
+    def load_as(version: str) -> list[str]:
+        monkeypatch.setattr(cache, "__version__", version)
+        load_model(TINY.with_suffix(".gguf"), quant="q8")
+        return sorted(p.name.rpartition(".kestrel-")[2] for p in (home / "cache").glob("*.kst"))
+
+    assert load_as("0.9.0") == ["0.9.0.kst"]
+    assert load_as("0.10.0") == ["0.10.0.kst"]  # the older version's entry goes
+    assert load_as("0.9.0") == ["0.10.0.kst", "0.9.0.kst"]  # the newer one's stays
+    assert load_as("0.10.0") == ["0.10.0.kst", "0.9.0.kst"]
+    assert builds == ["0.9.0", "0.10.0", "0.9.0"]  # the last load a hit
+
+
+def test_an_entry_supersedes_its_slots_entries_of_older_versions_and_other_keys_only(home: Path, monkeypatch) -> None:
+    from kestrel_core.model import cache
+
+    monkeypatch.setattr(cache, "__version__", "0.10.0")
+    slot = cache.Slot("gguf-m.0123456789ab", "q8")
+    (home / "cache").mkdir(parents=True)
+    names = {version: home / "cache" / f"{slot.stem}.{key}.q8.v1.kestrel-{version}.kst" for key, version in
+             [("k1", "0.9.0"), ("k2", "0.10.0"), ("k4", "0.11.0"), ("k5", "0.10.0rc1"), ("k6", "main"), ("k7", "0.10")]}
+    other_key = home / "cache" / f"{slot.stem}.k3.q8.v1.kestrel-0.10.0.kst"
+    other_mode = home / "cache" / f"{slot.stem}.k8.q4.v1.kestrel-0.9.0.kst"
+    for path in (*names.values(), other_key, other_mode):
+        path.touch()
+    assert sorted(slot.superseded(names["0.10.0"])) == sorted([names["0.9.0"], other_key])
