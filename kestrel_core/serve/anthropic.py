@@ -22,7 +22,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -30,6 +30,7 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from kestrel_core.serve.errors import APIError, named_as, validated
 from kestrel_core.serve.generation import retold
+from kestrel_core.serve.offload import json_body, off_loop
 from kestrel_core.serve.protocol import ChatCompletionRequest, RequestBody
 from kestrel_core.serve.tools import arguments_object
 
@@ -325,9 +326,10 @@ async def _events(message_id: str, model: str, max_tokens: int,
 async def _prompt_only(served: Served, body: MessagesBody, request: Request, message_id: str) -> Response:
     """The answer to ``max_tokens`` 0, Anthropic's way to warm the prompt cache: the prompt is read (one token is
     generated, so its blocks stay in the prefix cache for the next request), and the message is empty."""
-    openai = {**body.openai(False), "max_tokens": 1}
     with named_as(ANTHROPIC_NAMES):
-        response = await served.chat(validated(ChatCompletionRequest, openai), request)
+        chat = await off_loop(request, lambda: validated(ChatCompletionRequest,
+                                                         {**body.openai(False), "max_tokens": 1}))
+        response = await served.chat(chat, request)
     if response.status_code != 200:
         return response
     usage = json.loads(bytes(response.body)).get("usage") or {}
@@ -346,7 +348,7 @@ def install(app: FastAPI, models: Models) -> None:
     """Anthropic's routes on ``app``, answered by the named model's chat handler."""
 
     @app.post("/v1/messages")
-    async def messages(body: MessagesBody, request: Request) -> Response:
+    async def messages(body: Annotated[MessagesBody, json_body(MessagesBody)], request: Request) -> Response:
         if body.max_tokens is None:
             raise APIError(400, "max_tokens: Field required", param="max_tokens")
         served = models.get(body.model)
@@ -363,13 +365,16 @@ def install(app: FastAPI, models: Models) -> None:
         if max_tokens == 0:  # Anthropic's way to warm the prompt cache: the prompt is read, nothing generated
             return await _prompt_only(served, body, request, message_id)
         with named_as(ANTHROPIC_NAMES):
-            response = await served.chat(validated(ChatCompletionRequest, body.openai(body.stream)), request)
+            chat = await off_loop(request, lambda: validated(ChatCompletionRequest, body.openai(body.stream)))
+            response = await served.chat(chat, request)
         return retold(response, whole, lambda chunks: _events(message_id, body.model, max_tokens, chunks))
 
     @app.post("/v1/messages/count_tokens")
-    async def count_tokens(body: MessagesBody) -> dict[str, int]:
-        with named_as(ANTHROPIC_NAMES):
+    async def count_tokens(body: Annotated[MessagesBody, json_body(MessagesBody)]) -> dict[str, int]:
+        def prompt_ids() -> list[int]:
             chat = validated(ChatCompletionRequest, body.openai(False))
-            _, prompt_ids, _ = await asyncio.to_thread(models.get(body.model).chat_prompt, chat)
-        return {"input_tokens": len(prompt_ids)}
+            return models.get(body.model).chat_prompt(chat)[1]
+
+        with named_as(ANTHROPIC_NAMES):
+            return {"input_tokens": len(await asyncio.to_thread(prompt_ids))}  # off the event loop
 

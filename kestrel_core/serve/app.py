@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -40,6 +40,7 @@ from kestrel_core.serve.access import (
 )
 from kestrel_core.serve.errors import APIError, from_kestrel_error, install_error_handlers
 from kestrel_core.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from kestrel_core.serve.offload import document_bodies, json_body, off_loop
 from kestrel_core.serve.protocol import (
     COMPLETIONS_MAX_TOKENS,
     ChatCompletionRequest,
@@ -194,7 +195,7 @@ class Served:
         its bytes and alternatives), for an API that retells it."""
         self.check_request()
         try:
-            texts = body.prompts()
+            texts = await off_loop(request, body.prompts)
             token_ids, stops = await asyncio.to_thread(body.prompt_ids, self.engine.tokenizer,
                                                        self.engine.eos_token_ids)
         except KestrelError as exc:
@@ -311,17 +312,19 @@ def create_app(engines: Mapping[str, Any], api_key: str | None = None, pooling: 
     app.add_middleware(AccessMiddleware, metrics=metrics)  # outermost: it also sees the 401s and 403s
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(body: Annotated[ChatCompletionRequest, json_body(ChatCompletionRequest)],
+                               request: Request) -> Response:
         return await models.get(body.model).chat(body, request)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(body: Annotated[CompletionRequest, json_body(CompletionRequest)],
+                          request: Request) -> Response:
         if "max_tokens" not in body.model_fields_set:  # left out, not null: OpenAI's and vLLM's 16 on this route
             body.max_tokens = COMPLETIONS_MAX_TOKENS
         return await models.get(body.model).complete(body, request)
 
     @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    async def embeddings(body: Annotated[EmbeddingRequest, json_body(EmbeddingRequest)], request: Request) -> Response:
         return await models.get(body.model).embed(body, request)
 
     ollama.install(app, models)
@@ -349,6 +352,7 @@ def create_app(engines: Mapping[str, Any], api_key: str | None = None, pooling: 
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    document_bodies(app)
     return app
 
 

@@ -29,7 +29,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -39,6 +39,7 @@ from kestrel_core.model.fim import FORMATS, FimPrompt, fim_format, fim_prompt
 from kestrel_core.serve.access import CLIENT_CLOSED, RequestRecord, record_of
 from kestrel_core.serve.errors import APIError, llama_cpp_error, named_as, validated
 from kestrel_core.serve.generation import ClientGone, EventStreamResponse, answer_chunks, sse, unless_disconnected
+from kestrel_core.serve.offload import json_body, off_loop
 from kestrel_core.serve.protocol import CompletionRequest, NullsAbsentBody
 
 if TYPE_CHECKING:
@@ -303,7 +304,7 @@ def install(app: FastAPI, models: Models) -> None:
     """llama.cpp's ``/infill`` on ``app``, answered by the named model's completions handler."""
 
     @app.post("/infill")
-    async def infill(body: InfillBody, request: Request) -> Response:
+    async def infill(body: Annotated[InfillBody, json_body(InfillBody)], request: Request) -> Response:
         served = models.get(body.model)
         served.check_request()
         if fim_format(served.engine.tokenizer) is None:
@@ -313,11 +314,11 @@ def install(app: FastAPI, models: Models) -> None:
         prompt = await asyncio.to_thread(infill_prompt, served, body)  # off the event loop
         sampling, seed = body.sampling(served.engine.sampling_defaults), body.chosen_seed()
         with named_as(REQUEST_NAMES):
-            completion = validated(CompletionRequest, {
+            completion = await off_loop(request, lambda: validated(CompletionRequest, {
                 "prompt": prompt.ids, "max_tokens": body.max_tokens(), **sampling, "seed": seed,
                 "stop": body.stop or None, "stop_token_ids": list(prompt.stop_token_ids) or None,
                 "ignore_eos": body.ignore_eos, "stream": True,
-                "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
             response = await served.complete(completion, request)
         if not isinstance(response, EventStreamResponse):  # the client left before the first token
             return response

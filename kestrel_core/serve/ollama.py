@@ -40,6 +40,7 @@ from kestrel_core.model.sampling import MAX_TOP_LOGPROBS
 from kestrel_core.serve.access import record_of
 from kestrel_core.serve.errors import APIError, named_as, validated
 from kestrel_core.serve.generation import retold
+from kestrel_core.serve.offload import json_body, off_loop
 from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, NullsAbsentBody
 from kestrel_core.serve.tools import MISTRAL_FORMATS, arguments_object
 
@@ -388,18 +389,18 @@ def install(app: FastAPI, models: Models) -> None:
     """Ollama's routes on ``app``, answered by the named model's handlers."""
 
     @app.post("/api/chat")
-    async def chat(body: ChatBody, request: Request) -> Response:
+    async def chat(body: Annotated[ChatBody, json_body(ChatBody)], request: Request) -> Response:
         served = model_of(models, body.model)
         _check_think(body, served)
         if not body.messages:  # a client loading (or unloading) the model: it stays loaded while serving
             return _loaded(_Answer(served, request, "message"), body.keep_alive)
         with named_as(REQUEST_NAMES):
-            openai = validated(ChatCompletionRequest, body.openai(served))
+            openai = await off_loop(request, lambda: validated(ChatCompletionRequest, body.openai(served)))
             response = await served.chat(openai, request, truncate=body.truncate)
         return _translate(_Answer(served, request, "message"), response)
 
     @app.post("/api/generate")
-    async def generate(body: GenerateBody, request: Request) -> Response:
+    async def generate(body: Annotated[GenerateBody, json_body(GenerateBody)], request: Request) -> Response:
         served = model_of(models, body.model)
         _check_think(body, served)
         answer = _Answer(served, request, "response")
@@ -416,24 +417,24 @@ def install(app: FastAPI, models: Models) -> None:
             if templated:
                 messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
                     {"role": "user", "content": body.prompt}]
-                openai = validated(ChatCompletionRequest, {
+                openai = await off_loop(request, lambda: validated(ChatCompletionRequest, {
                     "messages": messages, "response_format": body.response_format(),
-                    "chat_template_kwargs": body.template_kwargs(served.harmony), **body.chat_logprobs(), **sampling})
+                    "chat_template_kwargs": body.template_kwargs(served.harmony), **body.chat_logprobs(), **sampling}))
                 response = await served.chat(openai, request)
             else:
-                completion = validated(CompletionRequest, {
+                completion = await off_loop(request, lambda: validated(CompletionRequest, {
                     "prompt": body.prompt, "suffix": suffix, "logprobs": body.top_logprobs if body.logprobs else None,
-                    **sampling})
+                    **sampling}))
                 response = await served.complete(completion, request, chat_shaped=True)
         return _translate(answer, response)
 
     @app.post("/api/embed")
-    async def embed(body: EmbedBody, request: Request) -> Response:
+    async def embed(body: Annotated[EmbedBody, json_body(EmbedBody)], request: Request) -> Response:
         served = model_of(models, body.model)
         start = record_of(request).start
         if not body.input:
             return JSONResponse({"model": ollama_name(served), "embeddings": []})
-        openai = validated(EmbeddingRequest, {"input": body.input})
+        openai = await off_loop(request, lambda: validated(EmbeddingRequest, {"input": body.input}))
         response = await served.embed(openai, request, truncate=body.truncate)
         if response.status_code != 200:
             return response
@@ -444,11 +445,12 @@ def install(app: FastAPI, models: Models) -> None:
                              "prompt_eval_count": data["usage"]["prompt_tokens"]})
 
     @app.post("/api/embeddings")
-    async def embeddings(body: LegacyEmbeddingsBody, request: Request) -> Response:
+    async def embeddings(body: Annotated[LegacyEmbeddingsBody, json_body(LegacyEmbeddingsBody)],
+                         request: Request) -> Response:
         served = model_of(models, body.model)
         if not body.prompt:  # what clients send to load the model
             return JSONResponse({"embedding": []})
-        openai = validated(EmbeddingRequest, {"input": body.prompt})
+        openai = await off_loop(request, lambda: validated(EmbeddingRequest, {"input": body.prompt}))
         response = await served.embed(openai, request, truncate=True)
         if response.status_code != 200:
             return response
@@ -464,7 +466,7 @@ def install(app: FastAPI, models: Models) -> None:
                             "context_length": served.engine.config.max_position} for served in models]}
 
     @app.post("/api/show")
-    async def show(body: ShowBody) -> dict[str, Any]:
+    async def show(body: Annotated[ShowBody, json_body(ShowBody)]) -> dict[str, Any]:
         return show_model(model_of(models, body.model or body.name or ""))
 
     @app.get("/api/version")

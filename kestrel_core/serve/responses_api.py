@@ -24,7 +24,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -32,6 +32,7 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from kestrel_core.serve.errors import APIError, named_as, validated
 from kestrel_core.serve.generation import retold
+from kestrel_core.serve.offload import json_body, off_loop
 from kestrel_core.serve.protocol import ChatCompletionRequest, RequestBody
 
 if TYPE_CHECKING:
@@ -384,11 +385,16 @@ def install(app: FastAPI, models: Models) -> None:
     """The Responses API's route on ``app``, answered by the named model's chat handler."""
 
     @app.post("/v1/responses")
-    async def responses(body: ResponsesBody, request: Request) -> Response:
+    async def responses(body: Annotated[ResponsesBody, json_body(ResponsesBody)], request: Request) -> Response:
         served = models.get(body.model)
-        chat = body.openai()  # its errors name the Responses API's own fields (its refused prompt among them)
+
+        def chat() -> ChatCompletionRequest:
+            translated = body.openai()  # its errors name the Responses API's own fields (its refused prompt too)
+            with named_as(CHAT_NAMES):
+                return validated(ChatCompletionRequest, translated)
+
+        openai = await off_loop(request, chat)
         with named_as(CHAT_NAMES):
-            openai = validated(ChatCompletionRequest, chat)
             answer = await served.chat(openai, request, truncate=body.truncation == "auto", by_parts=True)
         response = _Response(served, body)
         return retold(answer, lambda whole: _whole(response, whole), lambda chunks: _events(response, chunks))

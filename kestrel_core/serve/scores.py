@@ -10,7 +10,7 @@ trained embedding.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -19,6 +19,7 @@ from pydantic import StrictBool, StrictInt, StrictStr
 
 from kestrel_core.serve import generation
 from kestrel_core.serve.errors import APIError
+from kestrel_core.serve.offload import json_body
 from kestrel_core.serve.protocol import MAX_INPUTS, RequestBody
 from kestrel_core.serve.responses import new_id
 
@@ -92,7 +93,7 @@ def install(app: FastAPI, models: Models) -> None:
     """The score and rerank routes on ``app``."""
 
     @app.post("/v1/score")
-    async def score(body: ScoreBody, request: Request) -> Response:
+    async def score(body: Annotated[ScoreBody, json_body(ScoreBody)], request: Request) -> Response:
         served = _embedder(models, body.model)
         left, right = body.pairs()
         firsts = dict.fromkeys(left)  # each text once: "one against many" embeds the one once
@@ -110,7 +111,7 @@ def install(app: FastAPI, models: Models) -> None:
 
     @app.post("/v1/rerank")
     @app.post("/v2/rerank")
-    async def rerank(body: RerankBody, request: Request) -> Response:
+    async def rerank(body: Annotated[RerankBody, json_body(RerankBody)], request: Request) -> Response:
         served = _embedder(models, body.model)
         documents = body.texts()
         ids = (await served.tokenized(lambda: [body.query], "query")

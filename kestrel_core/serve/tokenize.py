@@ -13,13 +13,14 @@ where the last message is continued; the template writes any BOS, so
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import FastAPI
 from pydantic import StrictBool, StrictInt, StrictStr
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.serve.errors import APIError, from_kestrel_error, validated
+from kestrel_core.serve.offload import json_body
 from kestrel_core.serve.protocol import ChatCompletionRequest, RequestBody
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class DetokenizeBody(RequestBody):
 
 def install(app: FastAPI, models: Models) -> None:
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeBody) -> dict[str, Any]:
+    async def tokenize(body: Annotated[TokenizeBody, json_body(TokenizeBody)]) -> dict[str, Any]:
         served = models.get(body.model)
         ids = await asyncio.to_thread(body.token_ids, served)  # off the event loop
         out: dict[str, Any] = {"count": len(ids), "max_model_len": served.engine.config.max_position, "tokens": ids}
@@ -71,7 +72,7 @@ def install(app: FastAPI, models: Models) -> None:
         return out
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeBody) -> dict[str, str]:
+    async def detokenize(body: Annotated[DetokenizeBody, json_body(DetokenizeBody)]) -> dict[str, str]:
         served = models.get(body.model)
         vocab = served.engine.config.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
