@@ -24,6 +24,7 @@ from kestrel_core.model.chat_template import (
 from kestrel_core.model.gguf_vocab import build_gguf_vocab
 from kestrel_core.model.validate import check_regular_file
 
+LONG_DECODE_IDS = 1024  # from here decode lets go of the interpreter lock (Tokenizer.decode); a call costs the same
 
 def _token_content(value: Any) -> str | None:
     """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
@@ -161,8 +162,13 @@ class Tokenizer:
         return backend
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of ``ids``; a long sequence through ``decode_batch``, which lets go of the interpreter lock
+        while it works (``decode`` holds it: a million ids decoded in a server's worker thread would stall every
+        other request), a short one through ``decode``, whose lock the step loop's many calls keep."""
         try:  # a plain try, not a context manager: decode runs twice a generated token
-            return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+            if len(ids) < LONG_DECODE_IDS:
+                return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+            return self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
         except BaseException as exc:
             _raise_panic(exc, "decode the tokens")
             raise

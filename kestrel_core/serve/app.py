@@ -84,20 +84,24 @@ class Served:
         """The default max_tokens: what the model's context has room for after the prompt."""
         return self.engine.config.max_position - prompt_tokens
 
-    async def echoes(self, prompts: list[str | list[int]], ids: list[list[int]], logprobs: int | None) -> list[Echo]:
+    async def echoes(self, prompts: list[str | list[int]], ids: list[list[int]], logprobs: int | None,
+                     request: Request) -> list[Echo]:
         """Completions prompts echoed: their text and, with ``logprobs`` (the alternatives a token), the scores
         of their tokens after the first, a prefill chunk between two engine steps (a long prompt does not hold
         the other requests up, and a client that leaves stops its scoring)."""
-        try:
+        def texts() -> list[str]:
             for one in ids:
                 self.engine.check_ids(one, "prompt")
-            texts = [p if isinstance(p, str) else self.engine.tokenizer.decode(one) for p, one in zip(prompts, ids)]
+            return [p if isinstance(p, str) else self.engine.tokenizer.decode(one) for p, one in zip(prompts, ids)]
+
+        try:
+            echoed = await off_loop(request, texts)
             scored: list[list[TokenLogprob] | None] = [None] * len(ids)
             if logprobs is not None:
                 scored = [await self._scored(one, logprobs) for one in ids]
         except KestrelError as exc:
             raise from_kestrel_error(exc, param="prompt") from None
-        return [Echo(text, one[0], s) for text, one, s in zip(texts, ids, scored)]
+        return [Echo(text, one[0], s) for text, one, s in zip(echoed, ids, scored)]
 
     async def _scored(self, ids: list[int], logprobs: int) -> list[TokenLogprob]:
         chunks = self.engine.prompt_logprob_chunks(ids, logprobs)  # driven on the engine's thread only
@@ -215,7 +219,7 @@ class Served:
             await asyncio.to_thread(self.tokens.ready)
         echoes: list[Echo | None] = []
         if body.echo:  # each prompt's, once for each of its choices
-            for echo in await self.echoes(texts, token_ids, body.logprobs):
+            for echo in await self.echoes(texts, token_ids, body.logprobs, request):
                 echoes.extend([echo] * body.choices)
         shape: ChatShape | CompletionShape
         if chat_shaped:

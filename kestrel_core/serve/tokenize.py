@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from pydantic import StrictBool, StrictInt, StrictStr
 
 from kestrel_core.errors import KestrelError
 from kestrel_core.serve.errors import APIError, from_kestrel_error, validated
-from kestrel_core.serve.offload import json_body
+from kestrel_core.serve.offload import json_body, off_loop
 from kestrel_core.serve.protocol import ChatCompletionRequest, RequestBody
 
 if TYPE_CHECKING:
@@ -65,20 +65,30 @@ def install(app: FastAPI, models: Models) -> None:
     @app.post("/tokenize")
     async def tokenize(body: Annotated[TokenizeBody, json_body(TokenizeBody)]) -> dict[str, Any]:
         served = models.get(body.model)
-        ids = await asyncio.to_thread(body.token_ids, served)  # off the event loop
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": served.engine.config.max_position, "tokens": ids}
-        if body.return_token_strs:
-            out["token_strs"] = [served.tokens(i) for i in ids]
-        return out
+
+        def answer() -> dict[str, Any]:
+            ids = body.token_ids(served)
+            out: dict[str, Any] = {"count": len(ids), "max_model_len": served.engine.config.max_position,
+                                   "tokens": ids}
+            if body.return_token_strs:
+                out["token_strs"] = [served.tokens(i) for i in ids]
+            return out
+
+        return await asyncio.to_thread(answer)  # off the event loop
 
     @app.post("/detokenize")
-    async def detokenize(body: Annotated[DetokenizeBody, json_body(DetokenizeBody)]) -> dict[str, str]:
+    async def detokenize(body: Annotated[DetokenizeBody, json_body(DetokenizeBody)],
+                         request: Request) -> dict[str, str]:
         served = models.get(body.model)
-        vocab = served.engine.config.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
-        try:
-            return {"prompt": served.engine.tokenizer.decode(body.tokens)}
-        except KestrelError as exc:  # a model without a tokenizer
-            raise from_kestrel_error(exc, param="tokens") from None
+
+        def text() -> str:
+            vocab = served.engine.config.vocab_size
+            bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+            try:
+                return served.engine.tokenizer.decode(body.tokens)
+            except KestrelError as exc:  # a model without a tokenizer
+                raise from_kestrel_error(exc, param="tokens") from None
+
+        return {"prompt": await off_loop(request, text)}

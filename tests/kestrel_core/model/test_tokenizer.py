@@ -6,6 +6,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from tokenizers import Tokenizer as TokenizersLibrary
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.gguf_reader import GGUFCheckpoint
 from kestrel_core.model.gguf_vocab import PRE
-from kestrel_core.model.tokenizer import Tokenizer
+from kestrel_core.model.tokenizer import LONG_DECODE_IDS, Tokenizer
 
 GOLDEN = Path(__file__).parent / "data" / "smollm2_tokenizer_golden.json"
 TEXTS = [
@@ -359,12 +360,9 @@ def test_the_sentencepiece_variants_differ_where_their_models_do() -> None:
     assert ids["phi3"] == ids["llama"] and ids["gemma3"][1] != ids["llama"][1], ids
 
 
-def test_encoding_lets_other_threads_run() -> None:
-    """A server tokenizes a long prompt in a worker thread while its event loop answers other requests: the
-    tokenizer must let go of the interpreter lock meanwhile (a thread ticking beside it is never held up for
-    long; holding it would stop that thread for the whole encoding)."""
-    tok = Tokenizer.from_hf_dir(str(Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-qwen3"))
-    text = "hello world " * 200_000
+def _run_beside_a_ticker(work: Any) -> tuple[Any, float, float]:
+    """``work()``'s result, the longest a thread ticking beside it every millisecond was held up, and how long
+    ``work`` took."""
     ticks: list[float] = []
     stop = threading.Event()
 
@@ -377,14 +375,36 @@ def test_encoding_lets_other_threads_run() -> None:
     ticker.start()
     time.sleep(0.05)
     start = time.perf_counter()
-    ids = tok.encode(text)
+    result = work()
     end = time.perf_counter()
     stop.set()
     ticker.join()
     during = [t for t in ticks if start <= t <= end]
-    longest = max(b - a for a, b in zip([start, *during], [*during, end]))
+    return result, max(b - a for a, b in zip([start, *during], [*during, end])), end - start
+
+
+def test_encoding_lets_other_threads_run() -> None:
+    """A server tokenizes a long prompt in a worker thread while its event loop answers other requests: the
+    tokenizer must let go of the interpreter lock meanwhile (a thread ticking beside it is never held up for
+    long; holding it would stop that thread for the whole encoding)."""
+    tok = Tokenizer.from_hf_dir(str(Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-qwen3"))
+    text = "hello world " * 200_000
+    ids, longest, took = _run_beside_a_ticker(lambda: tok.encode(text))
     assert ids == tok.backend.encode(text).ids  # the same ids as the library's one-text call gives
-    assert longest < (end - start) / 2, (longest, end - start)
+    assert longest < took / 2, (longest, took)
+
+
+def test_decoding_lets_other_threads_run() -> None:
+    """``/detokenize`` decodes a client's ids in a worker thread: as encoding, a long decoding lets go of the
+    interpreter lock, and reads as the library's one-sequence call does; a short one too."""
+    tok = Tokenizer.from_hf_dir(str(Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-qwen3"))
+    ids = tok.encode("hello world, ça va? " * 200_000, add_special_tokens=False)
+    text, longest, took = _run_beside_a_ticker(lambda: tok.decode(ids))
+    assert text == tok.backend.decode(ids)
+    assert longest < took / 2, (longest, took)
+    for some in (ids[:LONG_DECODE_IDS - 1], ids[:LONG_DECODE_IDS], ids[1:LONG_DECODE_IDS + 1]):
+        assert tok.decode(some) == tok.backend.decode(some)
+        assert tok.decode(some, skip_special_tokens=True) == tok.backend.decode(some, skip_special_tokens=True)
 
 
 def test_a_tokenizer_that_panics_on_a_text_is_a_one_line_error(tmp_path: Path) -> None:

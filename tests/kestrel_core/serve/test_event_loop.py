@@ -70,6 +70,17 @@ def test_a_large_body_does_not_hold_up_health(server: KestrelServer) -> None:
     assert slowest < validating / 3, f"/health took {slowest:.2f} s; validating the body takes {validating:.2f} s"
 
 
+def test_a_long_detokenize_does_not_hold_up_health(server: KestrelServer, engine: Any) -> None:
+    """2,000,000 ids (9 MB) decoded: the vocabulary check and the decode run off the event loop."""
+    piece = engine.tokenizer.encode("The sea, the sea. ", add_special_tokens=False)
+    ids = piece * (2_000_000 // len(piece))
+    texts: list[str] = []
+    decoding = timed(lambda: texts.append(engine.tokenizer.decode(ids)))
+    slowest, status, answer = slowest_health_while(server, "/detokenize", json.dumps({"tokens": ids}).encode())
+    assert status == 200 and answer["prompt"] == texts[0]
+    assert slowest < decoding / 3, f"/health took {slowest:.2f} s; decoding the ids takes {decoding:.2f} s"
+
+
 PAD = {"padding": ["x" * 100] * (INLINE_BODY_BYTES // 100)}  # an ignored field that takes a body over the limit
 
 
