@@ -367,7 +367,7 @@ def install(app: FastAPI, models: Models) -> None:
         with named_as(ANTHROPIC_NAMES):
             chat = await off_loop(request, lambda: validated(ChatCompletionRequest, body.openai(body.stream)))
             response = await served.chat(chat, request)
-        return retold(response, whole, lambda chunks: _events(message_id, body.model, max_tokens, chunks))
+        return await retold(response, whole, lambda chunks: _events(message_id, body.model, max_tokens, chunks))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: Annotated[MessagesBody, json_body(MessagesBody)]) -> dict[str, int]:

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
@@ -33,6 +33,7 @@ from kestrel_core.model.request import RequestOutput
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob
 from kestrel_core.serve.access import CLIENT_CLOSED, RequestRecord, record_of
 from kestrel_core.serve.errors import APIError, error_body, from_kestrel_error
+from kestrel_core.serve.offload import json_answer, json_loads
 from kestrel_core.serve.responses import ChoiceResult, Shape, choice_params, usage
 
 log = logging.getLogger("kestrel.serve")
@@ -127,7 +128,7 @@ async def respond(async_engine: Any, request: Request, prompts: Sequence[Prompt]
         raise engine_error(exc, async_engine.accepting, prompt_param) from None
     if any(r.finish_reason == "abort" for r in results):
         raise APIError(503, SHUTDOWN_MESSAGE, code="server_shutting_down")
-    return JSONResponse(shape.response(results, prompt_tokens))
+    return await json_answer(lambda: shape.response(results, prompt_tokens))
 
 
 async def embed(async_engine: Any, request: Request, inputs: list[list[int]],
@@ -144,7 +145,7 @@ async def embed(async_engine: Any, request: Request, inputs: list[list[int]],
     except KestrelError as exc:
         raise engine_error(exc, async_engine.accepting, "input") from None
     record.prompt_tokens = sum(len(ids) for ids in inputs)
-    return JSONResponse(answer(vectors, record.prompt_tokens))
+    return await json_answer(lambda: answer(vectors, record.prompt_tokens))
 
 
 async def _nothing(request_id: str, prompt: Prompt) -> AsyncIterator[RequestOutput]:
@@ -319,9 +320,9 @@ async def answer_chunks(events: AsyncIterator[bytes]) -> AsyncIterator[dict[str,
         yield json.loads(data)
 
 
-def retold(response: Response, whole: Callable[[dict[str, Any]], dict[str, Any]],
-           events: Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[bytes]],
-           media_type: str = "text/event-stream") -> Response:
+async def retold(response: Response, whole: Callable[[dict[str, Any]], dict[str, Any]],
+                 events: Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[bytes]],
+                 media_type: str = "text/event-stream") -> Response:
     """An answer of ``respond`` retold in another API's shape: ``whole`` of a whole answer's body, ``events`` of a
     stream's chunks (the request aborted however the new stream ends); a client that left (499) is answered as
     it was."""
@@ -330,7 +331,7 @@ def retold(response: Response, whole: Callable[[dict[str, Any]], dict[str, Any]]
     if isinstance(response, EventStreamResponse):
         return EventStreamResponse(events(answer_chunks(response.body_iterator)),  # type: ignore[arg-type]
                                    response.on_close, media_type)
-    return JSONResponse(whole(json.loads(bytes(response.body))))
+    return await json_answer(lambda: whole(json_loads(bytes(response.body))))
 
 
 class EventStreamResponse(StreamingResponse):

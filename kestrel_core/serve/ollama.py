@@ -40,7 +40,7 @@ from kestrel_core.model.sampling import MAX_TOP_LOGPROBS
 from kestrel_core.serve.access import record_of
 from kestrel_core.serve.errors import APIError, named_as, validated
 from kestrel_core.serve.generation import retold
-from kestrel_core.serve.offload import json_body, off_loop
+from kestrel_core.serve.offload import json_answer, json_body, json_loads, off_loop
 from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, NullsAbsentBody
 from kestrel_core.serve.tools import MISTRAL_FORMATS, arguments_object
 
@@ -336,10 +336,10 @@ def _line(body: dict[str, Any]) -> bytes:
     return (json.dumps(body, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
 
 
-def _translate(answer: _Answer, response: Response) -> Response:
+async def _translate(answer: _Answer, response: Response) -> Response:
     """kestrel's OpenAI chat answer as Ollama's: its stream's chunks as lines, or its one object."""
-    return retold(response, lambda body: _whole(answer, body), lambda chunks: _lines(answer, chunks),
-                  "application/x-ndjson")
+    return await retold(response, lambda body: _whole(answer, body), lambda chunks: _lines(answer, chunks),
+                        "application/x-ndjson")
 
 
 def _loaded(answer: _Answer, keep_alive: Any) -> JSONResponse:
@@ -397,7 +397,7 @@ def install(app: FastAPI, models: Models) -> None:
         with named_as(REQUEST_NAMES):
             openai = await off_loop(request, lambda: validated(ChatCompletionRequest, body.openai(served)))
             response = await served.chat(openai, request, truncate=body.truncate)
-        return _translate(_Answer(served, request, "message"), response)
+        return await _translate(_Answer(served, request, "message"), response)
 
     @app.post("/api/generate")
     async def generate(body: Annotated[GenerateBody, json_body(GenerateBody)], request: Request) -> Response:
@@ -426,7 +426,7 @@ def install(app: FastAPI, models: Models) -> None:
                     "prompt": body.prompt, "suffix": suffix, "logprobs": body.top_logprobs if body.logprobs else None,
                     **sampling}))
                 response = await served.complete(completion, request, chat_shaped=True)
-        return _translate(answer, response)
+        return await _translate(answer, response)
 
     @app.post("/api/embed")
     async def embed(body: Annotated[EmbedBody, json_body(EmbedBody)], request: Request) -> Response:
@@ -438,11 +438,15 @@ def install(app: FastAPI, models: Models) -> None:
         response = await served.embed(openai, request, truncate=body.truncate)
         if response.status_code != 200:
             return response
-        data = json.loads(bytes(response.body))
-        vectors = [_unit_vector(d["embedding"], body.dimensions) for d in data["data"]]
-        return JSONResponse({"model": ollama_name(served), "embeddings": vectors,
-                             "total_duration": _ns(time.perf_counter() - start), "load_duration": 0,
-                             "prompt_eval_count": data["usage"]["prompt_tokens"]})
+
+        def answer() -> dict[str, Any]:
+            data = json_loads(bytes(response.body))
+            vectors = [_unit_vector(d["embedding"], body.dimensions) for d in data["data"]]
+            return {"model": ollama_name(served), "embeddings": vectors,
+                    "total_duration": _ns(time.perf_counter() - start), "load_duration": 0,
+                    "prompt_eval_count": data["usage"]["prompt_tokens"]}
+
+        return await json_answer(answer)
 
     @app.post("/api/embeddings")
     async def embeddings(body: Annotated[LegacyEmbeddingsBody, json_body(LegacyEmbeddingsBody)],

@@ -397,7 +397,8 @@ def install(app: FastAPI, models: Models) -> None:
         with named_as(CHAT_NAMES):
             answer = await served.chat(openai, request, truncate=body.truncation == "auto", by_parts=True)
         response = _Response(served, body)
-        return retold(answer, lambda whole: _whole(response, whole), lambda chunks: _events(response, chunks))
+        return await retold(answer, lambda whole: _whole(response, whole),
+                            lambda chunks: _events(response, chunks))
 
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def stored(response_id: str) -> Response:

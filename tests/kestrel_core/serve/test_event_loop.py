@@ -7,19 +7,27 @@ megabytes of JSON here would hold the interpreter while the server's event loop 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
+from starlette.responses import JSONResponse
 
-from kestrel_core.serve.offload import INLINE_BODY_BYTES
+from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.serve import offload
+from kestrel_core.serve.offload import INLINE_BODY_BYTES, json_answer
 from kestrel_core.serve.protocol import ChatCompletionRequest, CompletionRequest
 from kestrel_core.serve.server import KestrelServer
 
-from .helpers import http
+from .helpers import http, running_server
 
 NAME = "tiny"
 HI = [{"role": "user", "content": "Hi"}]
@@ -30,9 +38,8 @@ def slowest_health_while(server: KestrelServer, path: str, raw: bytes) -> tuple[
     answer."""
     answered: dict[str, Any] = {}
 
-    def post() -> None:
-        status, _, body = http("POST", f"{server.url}{path}", raw=raw)
-        answered.update(status=status, body=json.loads(body))
+    def post() -> None:  # the answer read here, parsed once /health is no longer timed
+        answered["status"], _, answered["body"] = http("POST", f"{server.url}{path}", raw=raw)
 
     sender = threading.Thread(target=post)
     sender.start()
@@ -44,10 +51,10 @@ def slowest_health_while(server: KestrelServer, path: str, raw: bytes) -> tuple[
         assert status == 200
         time.sleep(0.01)
     sender.join()
-    return slowest, answered["status"], answered["body"]
+    return slowest, answered["status"], json.loads(answered["body"])
 
 
-def timed(work: Any) -> float:
+def timed(work: Callable[[], object]) -> float:
     start = time.perf_counter()
     work()
     return time.perf_counter() - start
@@ -79,6 +86,74 @@ def test_a_long_detokenize_does_not_hold_up_health(server: KestrelServer, engine
     slowest, status, answer = slowest_health_while(server, "/detokenize", json.dumps({"tokens": ids}).encode())
     assert status == 200 and answer["prompt"] == texts[0]
     assert slowest < decoding / 3, f"/health took {slowest:.2f} s; decoding the ids takes {decoding:.2f} s"
+
+
+class LargeVectors(AsyncEngine):
+    """Embeds every input at once as a vector of VECTOR_SIZE numbers (``vector(i)`` the i-th input's): answers of
+    megabytes without the minutes a model would take to compute them."""
+
+    async def embed(self, inputs: Sequence[Sequence[int]], *, pooling: str | None = None,
+                    dimensions: int | None = None) -> np.ndarray:
+        return np.stack([vector(i) for i in range(len(inputs))])
+
+
+VECTOR_SIZE = 1024
+INPUTS = 1024
+
+
+def vector(i: int) -> np.ndarray:
+    return np.random.default_rng(i).standard_normal(VECTOR_SIZE).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def large_vectors(engine: Any) -> Iterator[KestrelServer]:
+    with running_server(LargeVectors(engine, max_batch=2), NAME) as s:
+        yield s
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/api/embed"])
+def test_a_large_answer_does_not_hold_up_health(large_vectors: KestrelServer, path: str) -> None:
+    """1,024 vectors of 1,024 numbers (20 MB of JSON), written off the event loop (Ollama's read back and
+    normalized there too)."""
+    body = {"model": NAME, "input": ["The sea"] * INPUTS}
+    slowest, status, answer = slowest_health_while(large_vectors, path, json.dumps(body).encode())
+    vectors = [d["embedding"] for d in answer["data"]] if path == "/v1/embeddings" else answer["embeddings"]
+    assert status == 200 and len(vectors) == INPUTS
+    expected = [vector(i) for i in (0, INPUTS - 1)]
+    if path == "/api/embed":
+        expected = [v / np.linalg.norm(v) for v in expected]
+    assert np.allclose([vectors[0], vectors[-1]], expected, atol=1e-6)
+    writing = timed(lambda: json.dumps(answer, ensure_ascii=False, separators=(",", ":")))
+    assert slowest < writing / 3, f"/health took {slowest:.2f} s; writing the answer's JSON takes {writing:.2f} s"
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+                    | st.text(), lambda inner: st.lists(inner, max_size=8)
+                    | st.dictionaries(st.text(max_size=5), inner, max_size=6), max_leaves=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=JSON)
+def test_an_answer_is_jsonresponses_bytes_however_it_is_written(value: Any) -> None:
+    """Written in encoder calls of a few values each (JSON_STEP 3), an answer is Starlette's JSONResponse's body
+    byte for byte."""
+    step = offload.JSON_STEP
+    offload.JSON_STEP = 3
+    try:
+        assert asyncio.run(json_answer(lambda: value)).body == JSONResponse(value).body
+    finally:
+        offload.JSON_STEP = step
+
+
+@pytest.mark.parametrize("value", [
+    {"data": [{"index": i, "embedding": [i / 7] * 3000} for i in range(5)], "usage": {"prompt_tokens": 5}},
+    {"tokens": list(range(10_000)), "token_strs": ["é\n\"<>\u2028"] * 9000, "empty": [], "nested": [[1, 2]] * 5000},
+    {"tuple": tuple(range(9000)), 1: "a key that is no string", "none": None},
+    [{"a": [1.5] * 5000}, {"b": "c"}],
+])
+def test_a_large_answer_is_jsonresponses_bytes(value: Any) -> None:
+    response = asyncio.run(json_answer(lambda: value))
+    assert response.body == JSONResponse(value).body and response.headers["content-type"] == "application/json"
 
 
 PAD = {"padding": ["x" * 100] * (INLINE_BODY_BYTES // 100)}  # an ignored field that takes a body over the limit
