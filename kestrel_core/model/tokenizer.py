@@ -26,6 +26,7 @@ from kestrel_core.model.validate import check_regular_file
 
 LONG_DECODE_IDS = 1024  # from here decode lets go of the interpreter lock (Tokenizer.decode); a call costs the same
 
+
 def _token_content(value: Any) -> str | None:
     """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
     if isinstance(value, str):
