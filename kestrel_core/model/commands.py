@@ -188,10 +188,9 @@ def _stream(engine: Engine, ids: list[int], args: argparse.Namespace, out: TextI
             grammar: str | None = None, stop_token_ids: tuple[int, ...] = (),
             reader: HarmonyStream | ReasoningStream | None = None) -> tuple[str, list[int], str | None, str | None]:
     """Generate, writing text to ``out`` as it arrives; returns (text, token ids, reasoning, finish reason: "stop"
-    or "length"). ``reader`` (from
-    ``_prompt``) splits the answer's reasoning (gpt-oss's analysis channel, or a reasoning block) from its text:
-    the reasoning is shown dimmed on stderr as it comes where ``out`` is given; the special tokens' text is kept
-    where the reader reads them (harmony's channels, Mistral's [THINK] tags)."""
+    or "length"). ``reader`` (from ``_prompt``) splits the answer's reasoning (gpt-oss's analysis channel, or a
+    reasoning block) from its text: the reasoning is shown dimmed on stderr as it comes where ``out`` is given; the
+    special tokens' text is kept where the reader reads them (harmony's channels, Mistral's [THINK] tags)."""
     channels = None if grammar is not None else reader  # a constrained answer is what it is constrained to
     reads_special = isinstance(channels, HarmonyStream) or isinstance(channels, ReasoningStream) \
         and channels.markers.control
