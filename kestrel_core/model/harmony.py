@@ -63,7 +63,7 @@ def _read(text: str, final: bool) -> tuple[list[Part], list[ToolCall]]:
     """The messages as parts, and the calls. A body still streaming (``final`` False) stops short of what may be
     the start of its end token; its message is not a call yet."""
     if MESSAGE not in text:  # not harmony (or, streaming, not yet: HarmonyStream holds a header back)
-        return [Part(CONTENT, 0, len(text), text)], []
+        return [Part(CONTENT, 0, len(text), 0, text)], []
     answer: list[Part] = []
     calls: list[ToolCall] = []
     at = 0
@@ -88,7 +88,7 @@ def _read(text: str, final: bool) -> tuple[list[Part], list[ToolCall]]:
                 calls.append(ToolCall(recipient.group(1).removeprefix("functions."), arguments))
             elif final:  # one that does not parse (or that max_tokens cut) is text, as the other formats' are
                 kind = CONTENT
-        answer.append(Part(kind, start, start + len(body), body))
+        answer.append(Part(kind, start, start + len(body), start, body))
     return answer, calls
 
 

@@ -5,8 +5,10 @@ tokens each part holds.
 A part's tokens are those whose text starts within its stretch of the answer (``start``..``end``: between the
 markers around it, as vLLM's reasoning parsers count a block's tokens: the whitespace that a part's text leaves
 out at its edges is its too, a marker is no part's); a token whose text is still held back (the first bytes of a
-character) starts where its text will. ``PartStream`` is what the streamed readers share: each part's text sent
-as far as the text so far settles it; ``TokenParts`` which tokens are each part's.
+character) starts where its text will. The logprobs a part carries are those of the tokens of its text alone
+(``shown``: where it is, less that whitespace, and less a tool call a content part holds): a token whose text starts
+in it, or runs into it from before. ``PartStream`` is what the streamed readers share: each part's text sent as far
+as the text so far settles it; ``TokenParts`` which tokens are each part's, and their logprobs by part.
 """
 
 from __future__ import annotations
@@ -33,9 +35,14 @@ class Stretch:
 
 @dataclass(frozen=True)
 class Part(Stretch):
-    """A part of a whole answer; ``text``: what it says."""
+    """A part of a whole answer; ``text``: what it says, the answer's ``text[first:last]``."""
 
+    first: int
     text: str
+
+    @property
+    def last(self) -> int:
+        return self.first + len(self.text)
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,34 @@ class Settled(Stretch):
 
     first: int
     last: int
+
+
+@dataclass(frozen=True)
+class Shown:
+    """Where part ``index``'s text, or a stretch of it, is in the answer: ``first``..``last``."""
+
+    index: int
+    first: int
+    last: int
+
+
+def shown(parts: Sequence[Part | Settled], content: Sequence[tuple[int, int]] | None = None) -> list[Shown]:
+    """Where the text of each of ``parts`` is in the answer (a call's is no text); ``content``: where, in the
+    content part's text, what a tool format's calls leave of it is (None: all of it)."""
+    out = []
+    for i, part in enumerate(parts):
+        if part.kind == CONTENT and content is not None:
+            out += [Shown(i, part.first + a, part.first + b) for a, b in content]
+        elif part.kind != CALL:
+            out.append(Shown(i, part.first, part.last))
+    return out
+
+
+def trimmed(kind: str, answer: str, start: int, end: int, trail: bool = True) -> Part:
+    """The part of ``kind`` over ``answer[start:end]``, its text less the whitespace at its start (``trail``: and at
+    its end)."""
+    text = answer[start:end].lstrip()
+    return Part(kind, start, end, end - len(text), text.rstrip() if trail else text)
 
 
 @dataclass(frozen=True)
@@ -164,7 +199,7 @@ class ContentStream(PartStream):
         return [Settled(CONTENT, 0, self.length, 0, self.length)]
 
     def whole(self) -> list[Part]:
-        return [Part(CONTENT, 0, len(self.text), self.text)]
+        return [Part(CONTENT, 0, len(self.text), 0, self.text)]
 
 
 class TokenParts:
@@ -192,17 +227,20 @@ class TokenParts:
         return sum(bisect_left(self.starts, p.end) - bisect_left(self.starts, p.start) for p in parts
                    if p.kind == kind)
 
-    def release(self, parts: Sequence[Stretch], final: bool = False) -> dict[int, list[TokenLogprob]]:
-        """The logprobs of the tokens not yet handed out that start before the last part settles (``final``:
-        every token), by the index of the part that holds each; a token between parts is no part's."""
-        upto = len(self.starts) if final else bisect_left(self.starts, parts[-1].end if parts else 0)
+    def release(self, spans: Sequence[Shown], final: bool = False) -> dict[int, list[TokenLogprob]]:
+        """The logprobs of the tokens not yet handed out that start before the last of ``spans`` settles (``final``:
+        every token), by the index of the part whose text each is: a token whose text starts in a span, or runs
+        into it from before; a token outside them (a marker, a call, the whitespace a part's text leaves out) is no
+        part's."""
+        upto = len(self.starts) if final else bisect_left(self.starts, spans[-1].last if spans else 0)
         out: dict[int, list[TokenLogprob]] = {}
         k, first = 0, self.released
         for token in range(first, upto):
             start = self.starts[token]
-            while k < len(parts) and parts[k].end <= start:
+            end = self.starts[token + 1] if token + 1 < len(self.starts) else self.length
+            while k < len(spans) and spans[k].last <= start:
                 k += 1
-            if k < len(parts) and parts[k].start <= start and token < len(self.entries):
-                out.setdefault(k, []).append(self.entries[token])
+            if k < len(spans) and (spans[k].first <= start or end > spans[k].first) and token < len(self.entries):
+                out.setdefault(spans[k].index, []).append(self.entries[token])
         self.released = max(first, upto)
         return out

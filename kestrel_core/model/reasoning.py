@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kestrel_core.model.detokenize import partial_suffix
-from kestrel_core.model.parts import CONTENT, REASONING, Part, PartStream, Settled, joined
+from kestrel_core.model.parts import CONTENT, REASONING, Part, PartStream, Settled, joined, trimmed
 
 
 @dataclass(frozen=True)
@@ -99,13 +99,11 @@ def split_parts(text: str, open_in_prompt: bool = False, markers: Markers = THIN
     elif open_in_prompt:
         start = 0
     else:
-        return [Part(CONTENT, 0, len(text), text)]
-    body = text[start:]
-    end, after = _end(body, markers)
+        return [Part(CONTENT, 0, len(text), 0, text)]
+    end, after = _end(text[start:], markers)
     if end < 0:
-        return [Part(REASONING, start, len(text), body.strip())]
-    return [Part(REASONING, start, start + end, body[:end].strip()),
-            Part(CONTENT, start + after, len(text), body[after:].lstrip())]
+        return [trimmed(REASONING, text, start, len(text))]
+    return [trimmed(REASONING, text, start, start + end), trimmed(CONTENT, text, start + after, len(text), trail=False)]
 
 
 def split(text: str, open_in_prompt: bool = False, markers: Markers = THINK) -> tuple[str | None, str]:

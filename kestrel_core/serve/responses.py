@@ -32,6 +32,7 @@ from kestrel_core.model.parts import (
     TokenParts,
     joined,
     joined_deltas,
+    shown,
 )
 from kestrel_core.model.reasoning import Reasoning, ReasoningStream, split_parts
 from kestrel_core.model.request import RequestOutput
@@ -279,7 +280,8 @@ class ChatShape(_Shape):
     def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
         text, reason = "".join(result.text), finish_reason(result.finish_reason)
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-        answer: list[Part] = [Part(CONTENT, 0, len(text), text)]
+        answer: list[Part] = [Part(CONTENT, 0, len(text), 0, text)]
+        content: tuple[tuple[int, int], ...] | None = None  # where in its text a tool format's calls leave content
         if self.harmony:
             said = harmony.parse(text)
             answer = list(said.parts)
@@ -298,6 +300,7 @@ class ChatShape(_Shape):
                 message["reasoning_content"] = thought
         if self.tools is not None and not self.harmony:
             parsed = parse(self.tools.fmt, text, self.tools.parallel, self.tools.schemas)
+            content = parsed.spans
             if parsed.calls:
                 message["content"] = parsed.content
                 message["tool_calls"] = self.tools.message_calls(parsed.calls)
@@ -310,7 +313,7 @@ class ChatShape(_Shape):
             deltas = [PartDelta(i, p.kind, p.text) for i, p in enumerate(answer)]
             if self.tools is not None and not self.harmony:  # the content is what the calls leave of it
                 deltas = [replace(d, text=message["content"] or "") if d.kind == CONTENT else d for d in deltas]
-            body["parts"] = self._parts(answer, deltas, result.tokens.release(answer, final=True))
+            body["parts"] = self._parts(answer, deltas, result.tokens.release(shown(answer, content), final=True))
         return body
 
     def _parts(self, answer: Sequence[Stretch], deltas: list[PartDelta], entries: dict[int, list[TokenLogprob]]
@@ -357,7 +360,8 @@ class ChatShape(_Shape):
         deltas = answer.reader.feed_parts(out.new_text)
         if answer.tools is not None:
             deltas = [replace(d, text=answer.tools.feed(d.text)) if d.kind == CONTENT else d for d in deltas]
-        parts = self._parts(answer.reader.parts, deltas, answer.tokens.release(answer.reader.parts))
+        spans = shown(answer.reader.parts, answer.tools.spans() if answer.tools is not None else None)
+        parts = self._parts(answer.reader.parts, deltas, answer.tokens.release(spans))
         return self.chunk({"index": index, "delta": {"parts": parts}, "logprobs": None, "finish_reason": None})
 
     def finish_chunks(self, reason: str | None, index: int = 0, stop_reason: str | int | None = None
@@ -380,7 +384,8 @@ class ChatShape(_Shape):
             self.reasoning_tokens += answer.tokens.count(whole, REASONING)
         chunks = []
         if self.by_parts:
-            parts = self._parts(whole, deltas, answer.tokens.release(whole, final=True))
+            spans = shown(whole, answer.tools.spans() if answer.tools is not None else None)
+            parts = self._parts(whole, deltas, answer.tokens.release(spans, final=True))
             if parts:
                 chunks.append(self.chunk({"index": index, "delta": {"parts": parts}, "logprobs": None,
                                           "finish_reason": None}))

@@ -27,7 +27,7 @@ import re
 import secrets
 import string
 from collections.abc import Callable, Container, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jinja2
@@ -109,10 +109,30 @@ def call_id(fmt: str) -> str:
 
 @dataclass(frozen=True)
 class Parsed:
-    """An answer split: its content (None when only calls remain) and its calls (none: it is all content)."""
+    """An answer split: its content (None when only calls remain) and its calls (none: it is all content);
+    ``spans``: where the content's text is in the answer, in order."""
 
     content: str | None
     calls: tuple[ToolCall, ...]
+    spans: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+
+
+def _around(text: str, cuts: Sequence[tuple[int, int]], calls: tuple[ToolCall, ...]) -> Parsed:
+    """The answer ``text`` whose ``calls`` take the stretches ``cuts`` (in order): its content is the rest, less the
+    whitespace at its end."""
+    spans, at = [], 0
+    for start, end in (*cuts, (len(text), len(text))):
+        if start > at:
+            spans.append((at, start))
+        at = end
+    while spans:
+        start, end = spans.pop()
+        end = start + len(text[start:end].rstrip())
+        if end > start:
+            spans.append((start, end))
+            break
+    content = "".join(text[start:end] for start, end in spans)
+    return Parsed(content or None, calls, tuple(spans))
 
 
 def _call(obj: Any, keys: tuple[str, ...]) -> ToolCall | None:
@@ -141,7 +161,7 @@ def _json_blocks(text: str, fmt: str) -> Parsed | None:
     admits it); the last block's closing tag may never come (a stop string or the answer's end cut it: vLLM's
     hermes parser reads such a call too)."""
     opener, closer = _JSON_BLOCK[fmt]
-    decoder, values, content, at = json.JSONDecoder(), [], [], 0
+    decoder, values, cuts, at = json.JSONDecoder(), [], [], 0
     while (start := text.find(opener, at)) >= 0:
         try:
             value, end = decoder.raw_decode(text, _SPACE.match(text, start + len(opener)).end())
@@ -151,12 +171,10 @@ def _json_blocks(text: str, fmt: str) -> Parsed | None:
         if close < len(text) and not text.startswith(closer, close) or fmt == APRIEL and not isinstance(value, list):
             return None
         values.extend(value if fmt == APRIEL else [value])
-        content.append(text[at:start])
         at = min(close + len(closer), len(text))
+        cuts.append((start, at))
     calls = _calls(values, ("arguments",))
-    if calls is None:
-        return None
-    return Parsed(("".join(content) + text[at:]).rstrip() or None, calls)
+    return None if calls is None else _around(text, cuts, calls)
 
 
 def _mistral_args(text: str) -> Parsed | None:
@@ -179,7 +197,7 @@ def _mistral_args(text: str) -> Parsed | None:
     calls = _calls(values, ("arguments",))
     if at < len(text) or calls is None:
         return None  # text after the calls
-    return Parsed(text[:start].rstrip() or None, calls)
+    return _around(text, [(start, len(text))], calls)
 
 
 def _typed_blocks(text: str, fmt: str, schemas: dict[str, Any]) -> Parsed | None:
@@ -187,10 +205,10 @@ def _typed_blocks(text: str, fmt: str, schemas: dict[str, Any]) -> Parsed | None
     (function name -> its parameters' JSON Schema). An xml answer without blocks may hold its functions bare, from
     the first ``<function=`` to its end (Qwen3-Coder may leave out ``<tool_call>``, as vLLM's qwen3_coder parser
     reads it)."""
-    bodies = [block.group(1) for block in _HERMES_BLOCK.finditer(text)]
-    content = _HERMES_BLOCK.sub("", text)
+    blocks = list(_HERMES_BLOCK.finditer(text))
+    bodies, cuts = [block.group(1) for block in blocks], [block.span() for block in blocks]
     if not bodies and fmt == XML and (start := text.find(XML_FUNCTION)) >= 0:
-        bodies, content = re.split(f"(?={XML_FUNCTION})", text[start:])[1:], text[:start]
+        bodies, cuts = re.split(f"(?={XML_FUNCTION})", text[start:])[1:], [(start, len(text))]
     calls = []
     for body in bodies:
         call = _CALL[fmt].fullmatch(body)
@@ -200,9 +218,7 @@ def _typed_blocks(text: str, fmt: str, schemas: dict[str, Any]) -> Parsed | None
         if typed is None:
             return None
         calls.append(typed)
-    if not calls:
-        return None
-    return Parsed(content.rstrip() or None, tuple(calls))
+    return _around(text, cuts, tuple(calls)) if calls else None
 
 
 def _typed_call(name: str, body: str, parameter: re.Pattern[str], schemas: dict[str, Any]) -> ToolCall | None:
@@ -219,8 +235,8 @@ def _typed_call(name: str, body: str, parameter: re.Pattern[str], schemas: dict[
 
 def _minimax_blocks(text: str, schemas: dict[str, Any]) -> Parsed | None:
     """MiniMax-M2's blocks: each one or more invokes of a function with its parameters, typed as the xml format's."""
-    calls = []
-    for block in _MINIMAX_BLOCK.finditer(text):
+    calls, blocks = [], list(_MINIMAX_BLOCK.finditer(text))
+    for block in blocks:
         if _MINIMAX_INVOKE.sub("", block.group(1)).strip():
             return None  # text beside the calls
         for invoke in _MINIMAX_INVOKE.finditer(block.group(1)):
@@ -228,9 +244,7 @@ def _minimax_blocks(text: str, schemas: dict[str, Any]) -> Parsed | None:
             if typed is None:
                 return None
             calls.append(typed)
-    if not calls:
-        return None
-    return Parsed(_MINIMAX_BLOCK.sub("", text).rstrip() or None, tuple(calls))
+    return _around(text, [block.span() for block in blocks], tuple(calls)) if calls else None
 
 
 def _typed(value: str, schema: Any, defs: dict[str, Any]) -> Any:
@@ -350,8 +364,8 @@ def parse(fmt: str, text: str, parallel: bool = True, schemas: dict[str, Any] | 
     except RecursionError:  # JSON nested past the parser's depth: not a call kestrel reads
         parsed = None
     if parsed is None:
-        return Parsed(text, ())
-    return parsed if parallel else Parsed(parsed.content, parsed.calls[:1])
+        return Parsed(text, (), ((0, len(text)),))
+    return parsed if parallel else replace(parsed, calls=parsed.calls[:1])
 
 
 class ToolStream:
@@ -364,6 +378,7 @@ class ToolStream:
         self.text = ""
         self.sent = 0  # characters of text sent as content
         self.holding = False  # a call may have begun: the rest is held to the end
+        self.content: tuple[tuple[int, int], ...] | None = None  # once finished: where the content is in the text
 
     def feed(self, delta: str) -> str:
         self.text += delta
@@ -386,9 +401,14 @@ class ToolStream:
         out, self.sent = self.text[self.sent:max(end, self.sent)], max(end, self.sent)
         return out
 
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """Where the content is in the text: as far as it has gone out, or (finished) all of it."""
+        return ((0, self.sent),) if self.content is None else self.content
+
     def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
         """(the content not yet sent, the calls) once the answer is whole."""
         parsed = parse(self.fmt, self.text, self.parallel, self.schemas)
+        self.content = parsed.spans
         if not parsed.calls:
             return self.text[self.sent:], ()
         return (parsed.content or "")[self.sent:], parsed.calls

@@ -17,16 +17,23 @@ from pydantic import TypeAdapter
 import kestrel_core
 
 from .helpers import HI, Spoken, http, openai_client, running_server
-from .test_tool_calls import HARMONY_TEMPLATE, THINKING_TEMPLATE
+from .test_tool_calls import HARMONY_TEMPLATE, PARIS, THINKING_TEMPLATE, WEATHER
 
 NAME = "tiny"
 # answers as the texts their tokens come from; which of them are the reasoning, which the messages
-THINK = ["<think>", "\nWeigh it up.\n", "</think>", "\n\nParis."]
+THINK = ["<think>", "\nWeigh it up.\n", "</think>", "\n\n", "Paris."]
 CUT = ["<think>", "\nStill weighing it"]  # max_tokens ends it inside the block
 HARMONY = ["<|channel|>analysis<|message|>", "Look it up.", "<|end|><|start|>assistant<|channel|>commentary<|message|>",
            "Let me look.", "<|end|><|start|>assistant<|channel|>analysis<|message|>", "Found it.",
            "<|end|><|start|>assistant<|channel|>final<|message|>", "Paris.", "<|return|>"]
-ANSWERS = {"think": ("think", THINK, [1], [3], "stop"), "cut": ("think", CUT, [1], [], "length"),
+TOOL = {"type": "function", **WEATHER["function"]}
+# answers whose messages' text shares its tokens' pieces with whitespace, and with calls
+SAID = {"think": ("think", ["<think>", "\nWeigh it up.\n", "</think>", "\n\nParis."], None),
+        "think and call": ("think", ["<think>", "\nWeigh it up.\n", "</think>", "\n\nLet me look.\n", PARIS], [TOOL]),
+        "call between": ("think", ["Let me look.\n", PARIS, "\n\nDone."], [TOOL]),
+        "harmony call": ("harmony", [*HARMONY[:4], "<|end|><|start|>assistant<|channel|>commentary to=functions."
+                                     'get_weather <|constrain|>json<|message|>{"city": "Paris"}', "<|call|>"], [TOOL])}
+ANSWERS = {"think": ("think", THINK, [1], [4], "stop"), "cut": ("think", CUT, [1], [], "length"),
            "harmony": ("harmony", HARMONY, [1, 5], [3, 7], "stop")}
 
 
@@ -98,6 +105,32 @@ def test_a_messages_logprobs_are_its_own_tokens(servers: dict[str, tuple[Spoken,
               for m in messages]
     done = [e.logprobs for e in events if e.type == "response.output_text.done"]
     assert [thousandths(d) for d in deltas] == [thousandths(d) for d in done] == want
+
+
+@pytest.mark.parametrize("per_step", [1, 3])
+@pytest.mark.parametrize("case", SAID)
+def test_a_messages_logprobs_spell_its_text(servers: dict[str, tuple[Spoken, openai.OpenAI]], case: str,
+                                            per_step: int) -> None:
+    """include message.output_text.logprobs where the answer also holds reasoning, whitespace around its text and
+    calls: a message's logprobs are those of the tokens of its text alone, each the answer's token at its place,
+    and their tokens spell its output_text; whole, streamed, and in the stream's deltas."""
+    server, pieces, tools = SAID[case]
+    front, client = servers[server]
+    front.answers, front.per_step, front.finish = [pieces] * 2, per_step, "stop"
+    ids = [t for piece in front.tokens(pieces) for t in piece]
+    kw: dict[str, Any] = {"model": NAME, "input": "Hi", "include": ["message.output_text.logprobs"], "top_logprobs": 1,
+                          **({"tools": tools} if tools else {})}
+    whole = client.responses.create(**kw)
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+    deltas = [(e.token, e.logprob) for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs]
+    for response in (whole, events[-1].response):
+        texts = [i.content[0] for i in response.output if i.type == "message"]
+        assert texts and [t.text for t in texts] == ["".join(e.token for e in t.logprobs) for t in texts]
+        entries = [e for t in texts for e in t.logprobs]
+        places = [-round(e.logprob * 1000) - 1 for e in entries]  # Spoken's logprobs: -(place + 1) / 1000
+        assert [e.token for e in entries] == [front.engine.tokenizer.decode([ids[p]]) for p in places]
+    assert deltas == [(e.token, e.logprob) for e in entries]
 
 
 def test_gpt_oss_messages_are_items_in_order_whole_and_streamed(
