@@ -13,9 +13,11 @@ the API's event stream (``response.created``, each item's ``output_item.added``,
 ``truncation: "auto"`` drops the oldest input items that leave no room for an answer (the chat route's ``truncate``,
 as Ollama's). Nothing is stored: ``store`` is accepted and ignored, ``previous_response_id``, ``conversation``,
 ``prompt``, ``background: true`` and the retrieval routes are refused, so a client sends the whole conversation (as
-``store: false`` clients do). Fields that only tune what OpenAI's own service does (``service_tier``,
-``prompt_cache_key``, ``safety_identifier``, ``user``, ``max_tool_calls`` of built-in tools, ``reasoning.summary``,
-``text.verbosity``, other ``include`` values) are accepted and ignored.
+``store: false`` clients do). As on the chat route, a field that asks for what kestrel does not do is refused
+(``context_management``'s compaction, ``moderation``, a tool choice other than a function), fields that only tune
+what OpenAI's own service does (``service_tier``, ``prompt_cache_key``, ``safety_identifier``, ``user``,
+``max_tool_calls`` of built-in tools, ``reasoning.summary``, ``text.verbosity``, other ``include`` values) are
+accepted and ignored, and so are unknown fields.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ class ResponsesBody(RequestBody):
     prompt: Any = None
     background: StrictBool | None = None  # refused when true: kestrel stores no response to fetch later
     truncation: Literal["auto", "disabled"] | None = None
+    context_management: list[Any] | None = None  # refused where it asks for compaction: kestrel compacts nothing
+    moderation: Any = None  # refused: kestrel moderates nothing
 
     def text_format(self) -> TextFormat:
         fmt = (self.text or {}).get("format")
@@ -95,6 +99,13 @@ class ResponsesBody(RequestBody):
         if self.background:
             raise APIError(400, "background is not supported: kestrel stores no responses, so none can be fetched "
                            "later; send the request without it (answered at once, or streamed)", param="background")
+        if self.context_management:
+            raise APIError(400, "context_management is not supported: kestrel compacts no conversation; send the "
+                           'request without it (truncation "auto" drops the oldest input items instead)',
+                           param="context_management")
+        if self.moderation is not None:
+            raise APIError(400, "moderation is not supported: kestrel moderates neither the input nor the output; "
+                           "send the request without it", param="moderation")
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
@@ -112,7 +123,10 @@ class ResponsesBody(RequestBody):
             out.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         choice = self.tool_choice
         if isinstance(choice, dict):
-            out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+            if choice.get("type") != "function":
+                raise APIError(400, f"tool_choice: a {choice.get('type')!r} choice is not supported (none, auto, "
+                               "required or a function)", param="tool_choice")
+            out["tool_choice"] = {"type": "function", "function": {"name": _string(choice, "name", "tool_choice")}}
         elif choice is not None:
             out["tool_choice"] = choice
         fmt = self.text_format()

@@ -110,6 +110,29 @@ def test_bad_requests_name_the_field(server: KestrelServer, body: dict[str, Any]
     assert not {"max_tokens", "response_format"} & set(error["message"].replace(":", " ").split())  # chat's names
 
 
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"context_management": [{"type": "compaction", "compact_threshold": 1000}]}, "context_management"),
+    ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
+    ({"tools": [TOOL], "tool_choice": {"type": "allowed_tools", "mode": "auto",
+                                       "tools": [{"type": "function", "name": "get_weather"}]}}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice.name"),
+])
+def test_a_field_asking_for_what_kestrel_does_not_do_is_refused(client: openai.OpenAI, fields: dict[str, Any],
+                                                                param: str) -> None:
+    """As the chat route refuses its fields that ask for what kestrel does not answer with, the Responses API's own
+    (the openai client's parameters) are a 400 naming the field, its message one line."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=NAME, input="Hi", max_output_tokens=2, **fields)
+    assert info.value.body["param"] == param and "\n" not in info.value.body["message"], info.value.body
+
+
+def test_fields_that_tune_openais_service_and_unknown_fields_are_ignored(client: openai.OpenAI) -> None:
+    got = client.responses.create(model=NAME, input="Hi", max_output_tokens=2, service_tier="flex",
+                                  prompt_cache_key="k", safety_identifier="u", context_management=[],
+                                  include=["reasoning.encrypted_content"], extra_body={"not_a_field": 1})
+    assert got.status == "incomplete" and got.usage.output_tokens == 2
+
+
 def test_truncation_auto_drops_the_oldest_input_items(client: openai.OpenAI) -> None:
     """truncation "auto": a conversation past the model's context (tiny-qwen3's 256 tokens) keeps its latest
     items, as OpenAI's drops the oldest; "disabled" (the default) refuses it."""
