@@ -2,8 +2,9 @@
 ``openai`` SDKs' ``client.responses``, agent frameworks, coding agents).
 
 A request is translated into the chat request kestrel already answers: ``instructions`` and the ``input`` (a string,
-or items: messages with text content, ``function_call`` items as an assistant turn's tool calls,
-``function_call_output`` items as tool messages; ``reasoning`` items are dropped, as templates drop past reasoning),
+or items: messages with text content, ``function_call_output`` items as tool messages; an answer's items in a row,
+its ``reasoning``, assistant messages and ``function_call`` items, one assistant turn with its reasoning, text and
+tool calls, as the chat route's message of that answer, which the template renders as it renders that one),
 ``tools`` (functions), ``tool_choice``, ``parallel_tool_calls``, ``text.format`` (text, a JSON object or a JSON
 Schema), ``max_output_tokens``, ``temperature``, ``top_p``; ``reasoning.effort`` as the chat request's
 ``reasoning_effort``. The answer comes back as output items, one of each of its parts (ChatShape's ``by_parts``: a
@@ -32,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from kestrel_core.model.parts import SEPARATOR
 from kestrel_core.serve.errors import APIError, named_as, validated
 from kestrel_core.serve.generation import retold
 from kestrel_core.serve.offload import json_body, off_loop
@@ -180,7 +182,9 @@ def _text(content: Any, where: str) -> str:
 
 
 def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
-    """One input item onto the chat messages (a function call joins the assistant turn before it)."""
+    """One input item onto the chat messages. The items of one answer in a row (its reasoning, its messages and its
+    function calls) are one assistant turn, as the chat route's message of that answer: its reasoning and its text
+    each the items' a line apart, then its calls."""
     if not isinstance(item, dict):
         raise APIError(400, f"{where} must be an object", param=where)
     kind = item.get("type", "message")
@@ -191,23 +195,60 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         if "content" not in item:
             raise APIError(400, f"{where}.content is required", param=f"{where}.content",
                            code="missing_required_parameter")
-        messages.append({"role": role, "content": _content(item["content"], f"{where}.content")})
+        content = _content(item["content"], f"{where}.content")
+        if role != "assistant":
+            messages.append({"role": role, "content": content})
+            return
+        turn = _assistant_turn(messages)
+        turn["content"] = _more_text(turn["content"], content)
+    elif kind == "reasoning":
+        thought = _reasoning(item, where)
+        if thought:
+            turn = _assistant_turn(messages)
+            said = turn.get("reasoning_content")
+            turn["reasoning_content"] = thought if said is None else said + SEPARATOR + thought
     elif kind == "function_call":
         call = {"id": _string(item, "call_id", where), "type": "function",
                 "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
-        last = messages[-1] if messages else None
-        if last is None or last["role"] != "assistant":
-            last = {"role": "assistant", "content": ""}
-            messages.append(last)
-        last.setdefault("tool_calls", []).append(call)
+        _assistant_turn(messages).setdefault("tool_calls", []).append(call)
     elif kind == "function_call_output":
         if "output" not in item:
             raise APIError(400, f"{where}.output is required", param=f"{where}.output",
                            code="missing_required_parameter")
         messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
                          "content": _text(item["output"], f"{where}.output")})
-    elif kind != "reasoning":
+    else:
         raise APIError(400, f"{where}: a {kind!r} item is not supported", param=where)
+
+
+def _assistant_turn(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The assistant turn an answer's next item joins: the last message where it is one, else a new one."""
+    if not messages or messages[-1]["role"] != "assistant":
+        messages.append({"role": "assistant", "content": ""})
+    return messages[-1]
+
+
+def _more_text(content: str | list[dict[str, str]], more: str | list[dict[str, str]]) -> str | list[dict[str, str]]:
+    """A turn's content with more after it: as text parts, which a template that reads a string gets a line apart."""
+    if not content:
+        return more
+    return [part for text in (content, more)
+            for part in ([{"type": "text", "text": text}] if isinstance(text, str) else text)]
+
+
+def _reasoning(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its ``reasoning_text`` parts a line apart (a summary is not the reasoning)."""
+    parts = item.get("content") or []
+    if not isinstance(parts, list):
+        raise APIError(400, f"{where}.content must be a list of reasoning_text parts", param=f"{where}.content")
+    texts = []
+    for k, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != "reasoning_text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise APIError(400, f"{where}.content.[{k}]: a {kind!r} part is not supported (reasoning_text only)",
+                           param=f"{where}.content.[{k}]")
+        texts.append(_string(part, "text", f"{where}.content.[{k}]"))
+    return SEPARATOR.join(texts)
 
 
 def _id(prefix: str) -> str:

@@ -96,6 +96,10 @@ def test_a_json_schema_format_is_parsed(client: openai.OpenAI) -> None:
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": {"oops": 1}}]}]}, 400,
      "input.[0].content.[0].text"),
     ({"input": [{"role": "user"}]}, 400, "input.[0].content"),
+    ({"input": [{"type": "reasoning", "content": "x"}]}, 400, "input.[0].content"),  # a reasoning item's text parts
+    ({"input": [{"type": "reasoning", "content": [{"type": "summary_text", "text": "x"}]}]}, 400,
+     "input.[0].content.[0]"),
+    ({"input": [{"type": "reasoning", "content": [{"type": "reasoning_text"}]}]}, 400, "input.[0].content.[0].text"),
     ({"input": [{"role": "robot", "content": "Hi"}]}, 400, "input.[0].role"),
     ({"input": "hello " * 200}, 400, "input"),  # past tiny-qwen3's context: the prompt the input makes
     ({"input": "Hi", "model": "gpt-5"}, 404, "model"),

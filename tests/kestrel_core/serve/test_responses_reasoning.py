@@ -153,6 +153,38 @@ def test_gpt_oss_messages_are_items_in_order_whole_and_streamed(
                                                                              "Let me look.\nParis.")
 
 
+@pytest.mark.parametrize(("answer", "kinds"), [
+    (SAID["harmony call"][1], ["reasoning", "message", "function_call"]),  # reasoning, a preamble, a call
+    (HARMONY, ["reasoning", "message", "reasoning", "message"]),  # analysis, preamble, analysis, final message
+])
+def test_an_answers_items_sent_back_render_as_its_chat_message(servers: dict[str, tuple[Spoken, openai.OpenAI]],
+                                                              answer: list[str], kinds: list[str]) -> None:
+    """gpt-oss's output items (a preamble a message item before the call's, as vLLM's Responses API makes them,
+    whole and streamed) sent back as the input, as store: false agent loops send them, render without a 400 as the
+    chat route renders its answer's message sent back: one assistant turn, its reasoning the analysis that the
+    template shows before a call (the preamble it has no place for)."""
+    front, client = servers["harmony"]
+    final = ["<|channel|>final<|message|>", "Sunny.", "<|return|>"]
+    front.answers, front.per_step, front.finish = [answer, answer, final, answer, final], 1, "stop"
+    got = client.responses.create(model=NAME, input=HI, tools=[TOOL])
+    streamed = _streamed(client, model=NAME, input=HI, tools=[TOOL])
+    assert [i.type for i in got.output] == [i.type for i in streamed.output] == kinds
+    items: list[Any] = [*HI, *(i.model_dump(exclude_none=True) for i in got.output)]
+    call = next((i for i in got.output if i.type == "function_call"), None)
+    items.append({"type": "function_call_output", "call_id": call.call_id, "output": "22 C"} if call
+                 else {"role": "user", "content": "Thanks."})
+    assert client.responses.create(model=NAME, input=items, tools=[TOOL]).output_text == "Sunny."
+    sent_back = front.prompts[-1]
+    message = client.chat.completions.create(model=NAME, messages=HI, tools=[WEATHER]).choices[0].message
+    history = [*HI, message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "22 C"} if call
+               else {"role": "user", "content": "Thanks."}]
+    client.chat.completions.create(model=NAME, messages=history, tools=[WEATHER])
+    assert sent_back == front.prompts[-1]
+    analysis = "<|channel|>analysis<|message|>Look it up.<|end|><|start|>assistant to=functions.get_weather"
+    assert (analysis in sent_back) == bool(call)
+
+
 @pytest.mark.parametrize("case", ANSWERS)
 def test_every_event_and_response_is_the_sdks_own(servers: dict[str, tuple[Spoken, openai.OpenAI]],
                                                   case: str) -> None:
