@@ -25,6 +25,7 @@ from kestrel_core.contract import BFloat16Bits
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.bnb import bnb_scheme
 from kestrel_core.model.bnb import read_weight as read_bnb_weight
+from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.fp8 import SCALE_SUFFIXES, dequantize_fp8, fp8_scheme
 from kestrel_core.model.hf_config import (
     GEMMA_ARCHITECTURES,
@@ -85,13 +86,12 @@ _LFM2_LAYER_MAP = {**_LAYER_MAP, "operator_norm.weight": "attn_norm", "ffn_norm.
                    "self_attn.k_layernorm.weight": "k_norm", "feed_forward.w1.weight": "gate",
                    "feed_forward.w3.weight": "up", "feed_forward.w2.weight": "down",
                    "conv.in_proj.weight": "conv_in", "conv.out_proj.weight": "o", "conv.conv.weight": "conv"}
-# Granite 4.0-H's Mamba-2 layers and router (its MLPs: _granite_names)
+# Granite 4.0-H's Mamba-2 layers and router (its shared MLP: tensor_parts; its experts: _granite_experts)
 _GRANITE_HYBRID_MAP = {**_LAYER_MAP, "mamba.in_proj.weight": "mamba_in", "mamba.conv1d.weight": "conv",
                        "mamba.conv1d.bias": "conv_bias", "mamba.A_log": "ssm_a", "mamba.dt_bias": "ssm_dt_bias",
                        "mamba.D": "ssm_d", "mamba.norm.weight": "ssm_norm", "mamba.out_proj.weight": "o",
                        "block_sparse_moe.router.layer.weight": "router"}
-_GRANITE_MLPS = ("shared_mlp.input_linear.weight", "shared_mlp.output_linear.weight",
-                 "block_sparse_moe.input_linear.weight", "block_sparse_moe.output_linear.weight")
+_GRANITE_EXPERTS = ("block_sparse_moe.input_linear.weight", "block_sparse_moe.output_linear.weight")
 # Gemma 2 and 3 name their four norms by position around the attention and the MLP
 _GEMMA_LAYER_MAP = {**_LAYER_MAP, "post_attention_layernorm.weight": "post_attn_norm",
                      "pre_feedforward_layernorm.weight": "mlp_norm",
@@ -144,6 +144,7 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                       np.float32)  # FP4 E2M1 by code, as the OCP MX format defines it
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+Rows = tuple[int, int] | np.ndarray  # a kestrel tensor's rows of a fused checkpoint tensor: a range, or their indices
 
 
 def _plain_name(hf_name: str) -> str:
@@ -177,6 +178,31 @@ def kestrel_name(hf_name: str, arch: str = "llama") -> str | None:
                  if arch == "granitemoehybrid"
                  else _LAYER_MAP)
     return map_tensor_name(hf_name, _GLOBAL_MAP, _LAYER_RE, layer_map)
+
+
+def tensor_parts(hf_name: str, c: ModelConfig) -> list[tuple[str, Rows | None]]:
+    """The kestrel tensors a Hugging Face tensor holds where the config decides them, each with its rows of it
+    (None: all of it): a hybrid's fused tensors (quantize.hybrid_splits), Phi-3's Q|K|V and gate|up, and Granite
+    4.0-H's shared MLP (gate|up fused, then down: the layer's MLP, or beside experts its shared expert); empty for
+    any other tensor (``kestrel_name`` names those)."""
+    m = _LAYER_RE.match(_plain_name(hf_name))
+    if m is None:
+        return []
+    layer, tensor = int(m.group(1)), m.group(2)
+    if c.arch in HYBRID_ARCHITECTURES and tensor in _HYBRID_SPLITS:
+        return [(layer_name(layer, name), rows) for name, rows in hybrid_splits(c)[_HYBRID_SPLITS[tensor]]]
+    if c.arch == "granitemoehybrid" and tensor.startswith("shared_mlp."):
+        prefix = "shared_expert." if c.is_moe else ""
+        width = c.shared_expert_intermediate_size if c.is_moe else c.intermediate_size
+        return {"shared_mlp.input_linear.weight": [(layer_name(layer, prefix + "gate"), (0, width)),
+                                                   (layer_name(layer, prefix + "up"), (width, 2 * width))],
+                "shared_mlp.output_linear.weight": [(layer_name(layer, prefix + "down"), None)]}.get(tensor, [])
+    out: list[tuple[str, Rows | None]] = []
+    start = 0
+    for member in _FUSED_MAP.get(tensor, ()):
+        out.append((layer_name(layer, member), (start, start + c.rows_of(member))))
+        start += c.rows_of(member)
+    return out
 
 
 _ST_POOLING = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
@@ -290,12 +316,11 @@ class HFCheckpoint:
         self.fp8 = None if self.int_quant or self.bnb else fp8_scheme(quantization, str(config_json))
         self._files: dict[str, Path] = {}  # kestrel name -> shard
         self._hf_names: dict[str, str] = {}  # kestrel name -> HF name
-        self._rows: dict[str, tuple[int, int] | np.ndarray] = {}  # kestrel name -> its rows of a fused HF tensor
+        self._rows: dict[str, Rows] = {}  # kestrel name -> its rows of a fused HF tensor
         self._expert_part: dict[str, tuple[int, str]] = {}  # kestrel name -> (expert, part) of a stacked tensor
         self._paths: dict[str, Path] = {}  # HF name -> shard
         self._handles: dict[Path, Any] = {}
         self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}
-        self._splits = hybrid_splits(self.config) if self.config.arch in HYBRID_ARCHITECTURES else {}
         self._index()
         self.fp4_experts = any(name.endswith("_blocks") for name in self._paths)  # gpt-oss as OpenAI ships it
         pooling = sentence_transformers_pooling(self.dir)
@@ -316,19 +341,19 @@ class HFCheckpoint:
                     if rows is not None:
                         self._rows[name] = rows
 
-    def _names(self, hf_name: str) -> list[tuple[str, tuple[int, int] | np.ndarray | None]]:
-        """The kestrel tensors ``hf_name`` holds: one, or the rows of each part of a fused tensor (Q|K|V, gate|up,
-        Qwen3.5's query|gate)."""
+    def _names(self, hf_name: str) -> list[tuple[str, Rows | None]]:
+        """The kestrel tensors ``hf_name`` holds: one, the rows of each part of a fused tensor (Q|K|V, gate|up,
+        Qwen3.5's query|gate), or the experts of a stacked one."""
         c = self.config
+        fused = tensor_parts(hf_name, c)
+        if fused:
+            return fused
         m = _LAYER_RE.match(_plain_name(hf_name))
-        if c.arch in HYBRID_ARCHITECTURES and m is not None and m.group(2) in _HYBRID_SPLITS:
-            return [(layer_name(int(m.group(1)), name), rows)
-                    for name, rows in self._splits[_HYBRID_SPLITS[m.group(2)]]]
         name = kestrel_name(hf_name, self.config.arch)
         if name is not None:
             return [(name, None)]
-        if c.arch == "granitemoehybrid" and m is not None and m.group(2) in _GRANITE_MLPS:
-            return self._granite_names(int(m.group(1)), m.group(2))
+        if c.arch == "granitemoehybrid" and m is not None and m.group(2) in _GRANITE_EXPERTS:
+            return self._granite_experts(int(m.group(1)), m.group(2))
         stacked = (_STACKED_EXPERTS.match(m.group(2)) if m is not None and c.arch in STACKED_ARCHITECTURES
                    else None)
         if stacked is not None:
@@ -345,30 +370,14 @@ class HFCheckpoint:
                     self._expert_part[name] = (e, part)
                     out.append((name, None))
             return out
-        if m is None or m.group(2) not in _FUSED_MAP:
-            return []
-        out, start = [], 0
-        for member in _FUSED_MAP[m.group(2)]:
-            rows = self.config.rows_of(member)
-            out.append((layer_name(int(m.group(1)), member), (start, start + rows)))
-            start += rows
-        return out
+        return []
 
-    def _granite_names(self, layer: int, tensor: str) -> list[tuple[str, tuple[int, int] | np.ndarray | None]]:
-        """Granite 4.0-H's MLPs: ``shared_mlp`` (gate|up fused, then down) is the layer's MLP, or beside experts
-        its shared expert; the experts are stacked, ``input_linear`` [E, 2F, D] (gate rows, then up) and
-        ``output_linear`` [E, D, F], read one expert's slice at a time."""
-        c = self.config
-        if tensor.startswith("shared_mlp."):
-            prefix = "shared_expert." if c.is_moe else ""
-            if tensor.endswith("output_linear.weight"):
-                return [(layer_name(layer, prefix + "down"), None)]
-            width = c.shared_expert_intermediate_size if c.is_moe else c.intermediate_size
-            return [(layer_name(layer, prefix + "gate"), (0, width)),
-                    (layer_name(layer, prefix + "up"), (width, 2 * width))]
+    def _granite_experts(self, layer: int, tensor: str) -> list[tuple[str, Rows | None]]:
+        """Granite 4.0-H's experts, stacked: ``input_linear`` [E, 2F, D] (gate rows, then up) and ``output_linear``
+        [E, D, F], read one expert's slice at a time."""
         parts = ("gate", "up") if tensor.endswith("input_linear.weight") else ("down",)
-        out: list[tuple[str, tuple[int, int] | np.ndarray | None]] = []
-        for e in range(c.num_experts):
+        out: list[tuple[str, Rows | None]] = []
+        for e in range(self.config.num_experts):
             for part in parts:
                 name = layer_name(layer, expert_field(e, part))
                 self._expert_part[name] = (e, part)

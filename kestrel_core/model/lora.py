@@ -7,8 +7,9 @@ lora_alpha / sqrt(r)) times the user's scale, exactly what PEFT's ``merge_and_un
 strip-cache quantizes the adapted model itself and every backend runs it at no cost. ``LoraSource`` does the
 merge for any TensorSource (a Hugging Face directory or a GGUF file: kestrel's names and HF's orientation are the
 same for both), naming the adapter's modules as the base's architecture names its weights (LFM2's ``w1`` is its
-gate). What PEFT can hold but kestrel does not merge (DoRA, biases, embeddings or other modules trained in full,
-fused or expert projections, per-module ranks) is refused by name.
+gate); a module fused of several of kestrel's projections (Phi-3's ``qkv_proj``) gives each its rows of B. What
+PEFT can hold but kestrel does not merge (DoRA, biases, embeddings or other modules trained in full, expert
+projections, per-module ranks) is refused by name.
 
 llama.cpp's adapters (``convert_lora_to_gguf.py``: a GGUF of ``general.type`` adapter, ``adapter.lora.alpha``,
 tensors ``blk.N.<tensor>.weight.lora_a`` [r, in] and ``.lora_b`` [out, r]) merge the same way, s = alpha / r; the
@@ -32,13 +33,14 @@ from safetensors import SafetensorError, safe_open
 
 from kestrel_core.contract import BFloat16Bits
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.hf import kestrel_name, raw_elements
-from kestrel_core.model.quantize import TensorSource
+from kestrel_core.model.hf import Rows, kestrel_name, raw_elements, tensor_parts
+from kestrel_core.model.quantize import TensorSource, fused_rows
 from kestrel_core.model.validate import ValidationError, check_bool, check_float, check_int, check_regular_file
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-# the projections an adapter may change (q_a, q_b, kv_a, kv_b: a latent attention's)
-MERGED = frozenset({"q", "k", "v", "o", "gate", "up", "down", "q_a", "q_b", "kv_a", "kv_b"})
+# the projections an adapter may change (q_a, q_b, kv_a, kv_b: a latent attention's; attn_gate: the gate rows of
+# gated attention's q_proj)
+MERGED = frozenset({"q", "k", "v", "o", "gate", "up", "down", "q_a", "q_b", "kv_a", "kv_b", "attn_gate"})
 _PREFIX = "base_model.model."
 LoraPaths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]  # one adapter, or several
 
@@ -277,8 +279,10 @@ class LoraSource:
 
 def _kestrel_pairs(source: TensorSource, adapter: Adapter) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """The adapter's (A, B) by kestrel name, named as the base's architecture names its weights (LFM2's
-    ``feed_forward.w1`` is its gate, Granite-4.0-H's ``mamba.out_proj`` its o); a GGUF adapter's B rows of Q and
-    K in HF's order (the converter permutes them where it permutes the base's: its architecture is the base's)."""
+    ``feed_forward.w1`` is its gate, Granite-4.0-H's ``mamba.out_proj`` its o); a PEFT module of a fused tensor
+    (Phi-3's ``qkv_proj``, Granite-4.0-H's ``shared_mlp.input_linear``, Qwen3.5's gated ``q_proj``) as one pair per
+    part, B's rows of it beside the same A (B @ A's rows are the fused weight's); a GGUF adapter's B rows of Q and K
+    in HF's order (the converter permutes them where it permutes the base's: its architecture is the base's)."""
     where, c, arch = f"LoRA adapter {adapter.path}", source.config, adapter.architecture
     permuted = False
     if arch is not None:  # gguf-py is imported for GGUF adapters only
@@ -289,19 +293,27 @@ def _kestrel_pairs(source: TensorSource, adapter: Adapter) -> dict[str, tuple[np
         permuted = arch in {LLAMA_CPP_ARCHITECTURES[k] for k in PERMUTED_ARCHITECTURES}
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for own, (a, b) in adapter.pairs.items():
-        name = kestrel_name(own + ".weight", c.arch) if arch is None else gguf_name(own, arch)
-        field = None if name is None else name.rsplit(".", 1)[-1]
-        if name is None or field not in MERGED or ".experts." in name:
-            raise KestrelError(f"{where}: {own} is not a projection kestrel merges into ({', '.join(sorted(MERGED))} "
-                               "of each layer)")
-        if not source.has(name):
-            raise KestrelError(f"{where}: the model has no {name} to adapt (another base model's adapter?)")
-        if c.attn_output_gate and field == "q":
-            raise KestrelError(f"{where}: q_proj of gated attention (each head's query and gate rows in one "
-                               "tensor) is not supported")
-        if name in out:
-            raise KestrelError(f"{where}: two of its matrices adapt {name}")
-        if permuted and field in ("q", "k"):
-            b = unpermute_rows(b, c.num_heads if field == "q" else c.num_kv_heads)
-        out[name] = (a, b)
+        parts: list[tuple[str | None, Rows | None]] = (
+            [(gguf_name(own, arch), None)] if arch is not None
+            else list(tensor_parts(own + ".weight", c)) or [(kestrel_name(own + ".weight", c.arch), None)])
+        heights = [r[1] - r[0] if isinstance(r, tuple) else len(r) for _, r in parts if r is not None]
+        if heights and b.shape[0] != sum(heights):
+            raise KestrelError(f"{where}: {own}'s lora_B has {b.shape[0]} rows, not the {sum(heights)} of the "
+                               f"model's {', '.join(str(n) for n, _ in parts)} (another base model's adapter?)")
+        for name, rows in parts:
+            field = None if name is None else name.rsplit(".", 1)[-1]
+            if name is None or field not in MERGED or ".experts." in name:
+                raise KestrelError(f"{where}: {own} is not a projection kestrel merges into "
+                                   f"({', '.join(sorted(MERGED - {'attn_gate'}))} of each layer)")
+            if not source.has(name):
+                raise KestrelError(f"{where}: the model has no {name} to adapt (another base model's adapter?)")
+            if arch is not None and c.attn_output_gate and field == "q":
+                raise KestrelError(f"{where}: {own} of gated attention (each head's query and gate rows in one "
+                                   "tensor) is not supported in a GGUF adapter (its PEFT form is)")
+            if name in out:
+                raise KestrelError(f"{where}: two of its matrices adapt {name}")
+            part = b if rows is None else fused_rows(b, rows, where, own)
+            if permuted and field in ("q", "k"):
+                part = unpermute_rows(part, c.num_heads if field == "q" else c.num_kv_heads)
+            out[name] = (a, part)
     return out

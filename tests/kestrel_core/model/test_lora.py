@@ -88,7 +88,9 @@ def _renamed(t: dict, old: str, new: str) -> dict:
     (lambda p: _adapter(p, {"r": 0}), "r must be an integer >= 1"),
     (lambda p: _adapter(p, tensors=lambda t: _renamed(t, "layers.1.", "layers.7.")), "has no layers.7."),
     (lambda p: _adapter(p, tensors=lambda t: _renamed(t, "self_attn.q_proj", "self_attn.qkv_proj")),
-     "qkv_proj is not a projection kestrel merges into"),
+     "qkv_proj's lora_B has 64 rows, not the 128 of the model's layers.0.q, layers.0.k, layers.0.v"),
+    (lambda p: _adapter(p, tensors=lambda t: _renamed(t, "self_attn.v_proj", "mlp.experts.0.up_proj")),
+     "mlp.experts.0.up_proj is not a projection kestrel merges into"),
     (lambda p: _adapter(p, tensors=lambda t: {k: v for k, v in t.items() if "lora_B" not in k or "v_proj" not in k}),
      "has lora_A without its pair"),
     (lambda p: _adapter(p, tensors=lambda t: {k: (v[:, :-32] if "lora_A" in k and "q_proj" in k else v)

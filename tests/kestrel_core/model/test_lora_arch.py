@@ -26,17 +26,61 @@ def logits(model: Path, lora: Path | None = None) -> np.ndarray:
     ("tiny-granite4-h", ["mamba.out_proj"]),
     ("tiny-qwen3-next", ["linear_attn.out_proj"]),
     ("tiny-qwen3_5", ["linear_attn.out_proj"]),
+    ("tiny-granite4-h", ["shared_mlp.input_linear", "shared_mlp.output_linear"]),
+    ("tiny-granite4-h-moe", ["shared_mlp.input_linear", "shared_mlp.output_linear"]),
+    ("tiny-phi3", ["self_attn.qkv_proj", "mlp.gate_up_proj"]),
+    ("tiny-qwen3_5", ["self_attn.q_proj"]),
 ])
 def test_a_peft_adapter_on_an_architectures_own_projection_names_is_merged(tmp_path: Path, model: str,
                                                                            targets: list[str]) -> None:
     """LFM2's out_proj and w1 / w3 / w2, the linear attention's and Mamba's out_proj are kestrel's o, gate, up and
-    down: merged, they give the hand-merged base's logits bit for bit (rank 4, alpha 8: s = 2)."""
+    down; Granite-4.0-H's shared MLP (gate|up in one input_linear, then output_linear: the layer's MLP, or beside
+    experts the shared expert), Phi-3's qkv_proj and gate_up_proj and gated attention's q_proj (each head's query,
+    then its gate) hold several of kestrel's tensors, B @ A's rows theirs: merged, they give the hand-merged base's
+    logits bit for bit (rank 4, alpha 8: s = 2)."""
     base = FIXTURES / model
     pairs = peft_adapter(tmp_path / "adapter", base, targets)
     assert pairs
     want = logits(hand_merged(tmp_path / "merged", base, [(pairs, 2.0)]))
     np.testing.assert_array_equal(logits(base, tmp_path / "adapter"), want)
     assert not np.allclose(logits(base), want, atol=1e-3)
+
+
+@pytest.mark.parametrize("model", ["tiny-granite4-h.gguf", "tiny-granite4-h-moe.gguf"])
+def test_an_adapter_of_granites_shared_mlp_merges_into_its_gguf_twin(tmp_path: Path, model: str) -> None:
+    """The GGUF twin holds the shared MLP's gate and up apart (ffn_gate / ffn_up, or beside experts their _shexp):
+    each becomes the twin's weight plus its rows of s * B @ A (gate's first), down the twin's plus all of it."""
+    from kestrel_core.model.gguf_reader import GGUFCheckpoint
+    from kestrel_core.model.lora import LoraSource, read_adapters
+
+    pairs = peft_adapter(tmp_path / "adapter", FIXTURES / model.removesuffix(".gguf"),
+                         ["shared_mlp.input_linear", "shared_mlp.output_linear"])
+    base = GGUFCheckpoint(FIXTURES / model)
+    merged = LoraSource(base, read_adapters(tmp_path / "adapter"), "granitehybrid")
+    part = "shared_expert." if base.config.is_moe else ""
+    for layer in range(base.config.num_layers):
+        a, b = pairs[f"model.layers.{layer}.shared_mlp.input_linear"]
+        delta = np.float32(2) * (b @ a)
+        width = delta.shape[0] // 2
+        want = {"gate": delta[:width], "up": delta[width:]}
+        a, b = pairs[f"model.layers.{layer}.shared_mlp.output_linear"]
+        want["down"] = np.float32(2) * (b @ a)
+        for field, d in want.items():
+            name = f"layers.{layer}.{part}{field}"
+            np.testing.assert_allclose(merged.get(name), base.get(name) + d, rtol=1e-6, atol=1e-7)
+
+
+def test_a_gguf_adapter_of_gated_attentions_attn_q_is_refused(tmp_path: Path) -> None:
+    """llama.cpp's attn_q of Qwen3.5 holds each head's query and gate rows: a GGUF adapter of it is refused by name
+    (a PEFT adapter of q_proj merges)."""
+    from kestrel_core.errors import KestrelError
+    from kestrel_core.model.loader import load_model
+
+    pairs = peft_adapter(tmp_path / "peft", FIXTURES / "tiny-qwen3_5", ["self_attn.q_proj"])
+    adapter = gguf_adapter(tmp_path / "adapter.gguf", pairs, "qwen35", 8, GGUF_NAMES)
+    with pytest.raises(KestrelError, match=r"blk\.3\.attn_q\.weight of gated attention \(each head's query and gate "
+                                           r"rows in one tensor\) is not supported in a GGUF adapter"):
+        load_model(str(FIXTURES / "tiny-qwen3_5"), "q8", cache="off", lora=str(adapter))
 
 
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
