@@ -97,6 +97,7 @@ _GRANITE_HYBRID_MAP = {**_LAYER_MAP, "ssm_in.weight": "mamba_in", "ssm_conv1d.we
                        "ssm_norm.weight": "ssm_norm", "ssm_out.weight": "o"}
 _FLAT = ("ssm_a", "ssm_d", "ssm_norm")
 LATENT_UP = ("attn_k_b.weight", "attn_v_b.weight")  # k_b [H, r, dn] and v_b [H, dv, r]: kv_b's rows of each head
+TILED_ARCHITECTURES = ("qwen35", "qwen35moe")  # Qwen3.5's (Qwen3-Next's converter keeps HF's order)
 # what llama.cpp's converter (_LinearAttentionVReorderBase) reorders from HF's value heads grouped by key head to
 # tiled: each tensor's axis and the length of a head along it; kestrel takes them back to HF's order
 _TILED_VALUE_HEADS = {"lin_qkv": (0, "dv"), "lin_z": (0, "dv"), "lin_beta": (0, 1), "lin_alpha": (0, 1),
@@ -116,6 +117,24 @@ def kestrel_name(gguf_name: str, arch: str = "llama") -> str | None:
                  if arch == "granitehybrid" else _LAYER_MAP)
     return map_tensor_name(gguf_name, _LFM2_GLOBAL_MAP if arch in ("lfm2", "lfm2moe") else _GLOBAL_MAP, _BLK_RE,
                            layer_map)
+
+
+def hf_layout(w: np.ndarray, name: str, c: ModelConfig, permuted: bool, tiled: bool) -> np.ndarray:
+    """The tensor ``name`` as llama.cpp's converter writes it (``w``, dequantized) in Hugging Face's layout, which
+    kestrel runs: Q and K rows un-permuted where the converter permutes them (``permuted``), a linear attention's
+    value heads grouped by key head again where it tiles them (``tiled``: Qwen3.5's), vectors stored [N, 1] flat."""
+    field = name.rsplit(".", 1)[-1]
+    if (field in _FLAT and c.arch == "granitemoehybrid") or field == "router_choice_bias":
+        w = w.reshape(-1)
+    if tiled and field in _TILED_VALUE_HEADS and c.is_linear(int(name.split(".")[1])):
+        axis, head = _TILED_VALUE_HEADS[field]
+        w = grouped_value_heads(w, axis, c.linear_key_heads, c.linear_value_heads,
+                                c.linear_value_dim if head == "dv" else 1)
+    if permuted and field in ("q", "q_bias"):
+        w = unpermute_rows(w, c.num_heads)
+    elif permuted and field in ("k", "k_bias"):
+        w = unpermute_rows(w, c.num_kv_heads)
+    return w
 
 
 def grouped_value_heads(w: np.ndarray, axis: int, key_heads: int, value_heads: int, head_dim: int) -> np.ndarray:
@@ -239,8 +258,7 @@ class GGUFCheckpoint(GGUFMetadata):
         self.fp4_experts = any(t.tensor_type.name == "MXFP4" for t in self.file_tensors)
         self._rope_factors = {t.name: t for t in self.file_tensors if t.name.startswith("rope_factors_")}
         self.config = self._config()
-        # Qwen3.5's converter tiles the value heads of its linear attention (Qwen3-Next's keeps HF's order)
-        self.tiled_value_heads = file_arch in ("qwen35", "qwen35moe")
+        self.tiled_value_heads = file_arch in TILED_ARCHITECTURES
         c = self.config
         splits = hybrid_splits(c) if c.linear_layers else {}
         for layer, members, t in split:  # rows of the fused tensor in member order
@@ -390,17 +408,4 @@ class GGUFCheckpoint(GGUFMetadata):
         rows = self._rows.get(name)
         if rows is not None:
             w = fused_rows(w, rows, str(self.path), t.name)
-        c = self.config
-        field = name.rsplit(".", 1)[-1]
-        if (field in _FLAT and c.arch == "granitemoehybrid") or field == "router_choice_bias":
-            w = w.reshape(-1)
-        if self.tiled_value_heads and field in _TILED_VALUE_HEADS and c.is_linear(int(name.split(".")[1])):
-            axis, head = _TILED_VALUE_HEADS[field]
-            w = grouped_value_heads(w, axis, c.linear_key_heads, c.linear_value_heads,
-                                    c.linear_value_dim if head == "dv" else 1)
-        if c.arch in PERMUTED_ARCHITECTURES:
-            if field in ("q", "q_bias"):
-                w = unpermute_rows(w, c.num_heads)
-            elif field in ("k", "k_bias"):
-                w = unpermute_rows(w, c.num_kv_heads)
-        return w
+        return hf_layout(w, name, self.config, self.config.arch in PERMUTED_ARCHITECTURES, self.tiled_value_heads)

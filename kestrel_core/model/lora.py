@@ -13,8 +13,9 @@ projections, per-module ranks) is refused by name.
 
 llama.cpp's adapters (``convert_lora_to_gguf.py``: a GGUF of ``general.type`` adapter, ``adapter.lora.alpha``,
 tensors ``blk.N.<tensor>.weight.lora_a`` [r, in] and ``.lora_b`` [out, r]) merge the same way, s = alpha / r; the
-converter permutes B's rows of Q and K for the architectures whose weights it permutes (llama's), which the merge
-undoes with the base's head counts.
+converter writes them in the layout it writes the base's weights in (Q and K rows permuted for llama's family,
+Qwen3.5's value heads tiled along its linear attention's out_proj columns), which the merge takes B @ A back from
+as the GGUF reader takes the base's (gguf_reader.hf_layout).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from safetensors import SafetensorError, safe_open
 
 from kestrel_core.contract import BFloat16Bits
 from kestrel_core.errors import KestrelError
+from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.hf import Rows, kestrel_name, raw_elements, tensor_parts
 from kestrel_core.model.quantize import TensorSource, fused_rows
 from kestrel_core.model.validate import ValidationError, check_bool, check_float, check_int, check_regular_file
@@ -263,10 +265,12 @@ class LoraSource:
             return w
         merged = np.asarray(w, dtype=np.float32)
         for adapter, a, b in deltas:
-            delta = (np.float32(adapter.scale) * (b @ a)).astype(np.float32)
-            if delta.shape != w.shape:
+            if (b.shape[0], a.shape[1]) != w.shape:
                 raise KestrelError(f"LoRA adapter {adapter.path}: {name} is {list(w.shape)} in the model but "
-                                   f"B @ A is {list(delta.shape)} (another base model's adapter?)")
+                                   f"B @ A is {[b.shape[0], a.shape[1]]} (another base model's adapter?)")
+            delta = (np.float32(adapter.scale) * (b @ a)).astype(np.float32)
+            if adapter.architecture is not None:
+                delta = _hf_layout(delta, name, self.config, adapter.architecture)
             merged = merged + delta
         return merged
 
@@ -281,16 +285,11 @@ def _kestrel_pairs(source: TensorSource, adapter: Adapter) -> dict[str, tuple[np
     """The adapter's (A, B) by kestrel name, named as the base's architecture names its weights (LFM2's
     ``feed_forward.w1`` is its gate, Granite-4.0-H's ``mamba.out_proj`` its o); a PEFT module of a fused tensor
     (Phi-3's ``qkv_proj``, Granite-4.0-H's ``shared_mlp.input_linear``, Qwen3.5's gated ``q_proj``) as one pair per
-    part, B's rows of it beside the same A (B @ A's rows are the fused weight's); a GGUF adapter's B rows of Q and K
-    in HF's order (the converter permutes them where it permutes the base's: its architecture is the base's)."""
+    part, B's rows of it beside the same A (B @ A's rows are the fused weight's); a GGUF adapter's pairs as they are,
+    in the converter's layout (``_hf_layout`` takes their product to HF's)."""
     where, c, arch = f"LoRA adapter {adapter.path}", source.config, adapter.architecture
-    permuted = False
     if arch is not None:  # gguf-py is imported for GGUF adapters only
-        from kestrel_core.model.gguf_reader import PERMUTED_ARCHITECTURES, unpermute_rows
         from kestrel_core.model.gguf_reader import kestrel_name as gguf_name
-        from kestrel_core.model.hf_config import LLAMA_CPP_ARCHITECTURES
-
-        permuted = arch in {LLAMA_CPP_ARCHITECTURES[k] for k in PERMUTED_ARCHITECTURES}
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for own, (a, b) in adapter.pairs.items():
         parts: list[tuple[str | None, Rows | None]] = (
@@ -312,8 +311,16 @@ def _kestrel_pairs(source: TensorSource, adapter: Adapter) -> dict[str, tuple[np
                                    "tensor) is not supported in a GGUF adapter (its PEFT form is)")
             if name in out:
                 raise KestrelError(f"{where}: two of its matrices adapt {name}")
-            part = b if rows is None else fused_rows(b, rows, where, own)
-            if permuted and field in ("q", "k"):
-                part = unpermute_rows(part, c.num_heads if field == "q" else c.num_kv_heads)
-            out[name] = (a, part)
+            out[name] = (a, b if rows is None else fused_rows(b, rows, where, own))
     return out
+
+
+def _hf_layout(delta: np.ndarray, name: str, c: ModelConfig, architecture: str) -> np.ndarray:
+    """A GGUF adapter's B @ A for ``name`` in Hugging Face's layout: llama.cpp's converter writes an adapter's
+    weights as it writes the base's of its architecture (Q and K rows permuted for llama's family, Qwen3.5's value
+    heads tiled along out_proj's columns), and the base's are read back to HF's layout the same way."""
+    from kestrel_core.model.gguf_reader import PERMUTED_ARCHITECTURES, TILED_ARCHITECTURES, hf_layout
+    from kestrel_core.model.hf_config import LLAMA_CPP_ARCHITECTURES
+
+    permuted = architecture in {LLAMA_CPP_ARCHITECTURES[k] for k in PERMUTED_ARCHITECTURES}
+    return hf_layout(delta, name, c, permuted, architecture in TILED_ARCHITECTURES)

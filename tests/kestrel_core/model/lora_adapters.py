@@ -65,10 +65,13 @@ def peft_pairs(adapter: Path) -> Pairs:
 
 
 def gguf_adapter(path: Path, pairs: Pairs, arch: str, alpha: float | None, names: dict[str, str],
-                 heads: tuple[int, int] | None = None, alora_tokens: list[int] | None = None) -> Path:
+                 heads: tuple[int, int] | None = None, alora_tokens: list[int] | None = None,
+                 value_heads: tuple[int, int, int] | None = None) -> Path:
     """``pairs`` as llama.cpp's GGUF adapter of ``arch``: ``blk.N.<names[module]>.weight.lora_a`` / ``lora_b``;
     ``heads`` (query, key-value): B's Q and K rows permuted as the converter permutes llama's weights;
-    ``alora_tokens``: an aLoRA's invocation tokens."""
+    ``alora_tokens``: an aLoRA's invocation tokens; ``value_heads`` (key heads, value heads, value head dim): A's
+    columns of a linear attention's out_proj reordered as the converter's ``_reorder_v_heads`` reorders Qwen3.5's,
+    from grouped by key head to tiled (value head j of every key head, then j + 1)."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -83,6 +86,9 @@ def gguf_adapter(path: Path, pairs: Pairs, arch: str, alpha: float | None, names
         if heads is not None and hf.endswith(("q_proj", "k_proj")):
             n = heads[0] if hf.endswith("q_proj") else heads[1]
             b = b.reshape(n, 2, -1, b.shape[1]).swapaxes(1, 2).reshape(b.shape)
+        if value_heads is not None and hf.endswith("linear_attn.out_proj"):
+            keys, values, dim = value_heads
+            a = a.reshape(a.shape[0], keys, values // keys, dim).swapaxes(1, 2).reshape(a.shape)
         w.add_tensor(f"blk.{layer}.{names[hf]}.weight.lora_a", np.ascontiguousarray(a))
         w.add_tensor(f"blk.{layer}.{names[hf]}.weight.lora_b", np.ascontiguousarray(b))
     w.write_header_to_file()

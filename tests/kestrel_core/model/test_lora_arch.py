@@ -3,6 +3,7 @@ GGUF adapters of the base's architecture only; each merged one gives the logits 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -148,6 +149,26 @@ def test_a_gguf_adapter_of_the_bases_architecture_is_the_hand_merge(tmp_path: Pa
     adapter = gguf_adapter(tmp_path / "adapter.gguf", pairs, arch, 8, GGUF_NAMES, _heads(base) if permuted else None)
     want = logits(hand_merged(tmp_path / "merged", base, [(pairs, 2.0)]))
     np.testing.assert_array_equal(logits(base, adapter), want)
+
+
+@pytest.mark.parametrize("base", ["tiny-qwen3_5", "tiny-qwen3_5.gguf"])
+def test_a_qwen3_5_gguf_adapter_of_ssm_out_merges_as_the_peft_one(tmp_path: Path, base: str) -> None:
+    """llama.cpp's converter tiles the linear attention's value heads along ssm_out's columns, an adapter's A as the
+    base's weight (2 key heads, 4 value heads: the order differs): merged, it gives the PEFT adapter's logits bit
+    for bit, from the checkpoint (the hand-merged base's) and from its GGUF twin; taken as it is, it does not."""
+    hf = FIXTURES / "tiny-qwen3_5"
+    pairs = peft_adapter(tmp_path / "peft", hf, ["linear_attn.out_proj"])
+    cfg = json.loads((hf / "config.json").read_text())["text_config"]
+    value_heads = (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_value_head_dim"])
+    assert value_heads[0] != value_heads[1]
+    names = {"linear_attn.out_proj": "ssm_out"}
+    adapter = gguf_adapter(tmp_path / "adapter.gguf", pairs, "qwen35", 8, names, value_heads=value_heads)
+    want = logits(FIXTURES / base, tmp_path / "peft")
+    if base == hf.name:
+        np.testing.assert_array_equal(want, logits(hand_merged(tmp_path / "merged", hf, [(pairs, 2.0)])))
+    np.testing.assert_array_equal(logits(FIXTURES / base, adapter), want)
+    as_is = gguf_adapter(tmp_path / "as-is.gguf", pairs, "qwen35", 8, names)
+    assert not np.allclose(logits(FIXTURES / base, as_is), want, atol=1e-3)
 
 
 def test_a_gguf_adapter_tensor_gguf_py_cannot_dequantize_is_one_line(tmp_path: Path) -> None:
