@@ -205,6 +205,24 @@ def tensor_parts(hf_name: str, c: ModelConfig) -> list[tuple[str, Rows | None]]:
     return out
 
 
+def kestrel_form(name: str, t: np.ndarray, c: ModelConfig, where: str) -> np.ndarray:
+    """A Hugging Face tensor (float) as kestrel holds the tensor ``name``: Gemma's norms as the factor they multiply
+    by, 1 + weight in float32 (its RMSNorm's ``1.0 + self.weight.float()``); a depthwise convolution [C, kernel]; a
+    decay stored as A_log as the -exp(A_log) the model runs (GGUF's ssm_a); a router's choice bias flat."""
+    field = name.rsplit(".", 1)[-1]
+    if c.arch in ONE_PLUS_NORMS and field in GEMMA_NORMS:
+        return np.float32(1) + t.astype(np.float32)
+    if field == "conv":  # nn.Conv1d's depthwise weight [C, 1, kernel] (Qwen3.5's, LFM2's, Mamba-2's)
+        if t.ndim == 0:
+            raise KestrelError(f"{where}: tensor {name} is a scalar, not a convolution's weight")
+        return t.reshape(t.shape[0], -1)
+    if field in ("lin_decay", "ssm_a"):
+        return -np.exp(t.astype(np.float32))
+    if field == "router_choice_bias":
+        return t.reshape(-1)
+    return t
+
+
 _ST_POOLING = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
 _ST_OTHER_POOLING = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
                      "pooling_mode_weightedmean_tokens")
@@ -400,22 +418,10 @@ class HFCheckpoint:
         return name in self._files
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor as float32 or float16 (BF16 widened exactly to float32); Gemma's norms as the factor they
-        multiply by, 1 + weight in float32 (its RMSNorm's ``1.0 + self.weight.float()``)."""
+        """The tensor as float32 or float16 (BF16 widened exactly to float32), in kestrel's form (``kestrel_form``)."""
         t = self.get_weight(name)
-        t = t.to_float32() if isinstance(t, (BFloat16Bits, IntWeight)) else t
-        field = name.rsplit(".", 1)[-1]
-        if self.config.arch in ONE_PLUS_NORMS and field in GEMMA_NORMS:
-            return np.float32(1) + t.astype(np.float32)
-        if field == "conv":  # nn.Conv1d's depthwise weight [C, 1, kernel] (Qwen3.5's, LFM2's, Mamba-2's)
-            if t.ndim == 0:
-                raise KestrelError(f"{self.dir}: tensor {name} is a scalar, not a convolution's weight")
-            return t.reshape(t.shape[0], -1)
-        if field in ("lin_decay", "ssm_a"):  # stored as A_log; the model runs -exp(A_log), as GGUF's ssm_a holds it
-            return -np.exp(t.astype(np.float32))
-        if field == "router_choice_bias":
-            return t.reshape(-1)
-        return t
+        return kestrel_form(name, t.to_float32() if isinstance(t, (BFloat16Bits, IntWeight)) else t, self.config,
+                            str(self.dir))
 
     def get_weight(self, name: str) -> np.ndarray | BFloat16Bits | IntWeight:
         """Like get, but a BF16 tensor stays its raw bits (the quantizer widens it a row at a time) and an integer

@@ -38,9 +38,11 @@ def checkpoint_tensors(model_dir: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def peft_adapter(out: Path, base: Path, targets: list[str], r: int = 4, alpha: float = 8, seed: int = 0) -> Pairs:
+def peft_adapter(out: Path, base: Path, targets: list[str], r: int = 4, alpha: float = 8, seed: int = 0,
+                 full: dict[str, np.ndarray] | None = None) -> Pairs:
     """A PEFT adapter directory at ``out`` on every module of ``base`` whose name ends with one of ``targets``
-    (``self_attn.q_proj``), random A and B of std 0.1; its pairs, by module name."""
+    (``self_attn.q_proj``), random A and B of std 0.1; ``full``: weights it holds in full by their Hugging Face
+    names, as PEFT saves ``modules_to_save``; its pairs, by module name."""
     rng = np.random.default_rng(seed)
     pairs: Pairs = {}
     for name, w in sorted(checkpoint_tensors(base).items()):
@@ -49,29 +51,41 @@ def peft_adapter(out: Path, base: Path, targets: list[str], r: int = 4, alpha: f
             pairs[module] = (rng.normal(0, 0.1, (r, w.shape[1])).astype(np.float32),
                              rng.normal(0, 0.1, (w.shape[0], r)).astype(np.float32))
     out.mkdir(parents=True)
-    save_file({f"base_model.model.{m}.lora_{part}.weight": t for m, (a, b) in pairs.items()
-               for part, t in (("A", a), ("B", b))}, str(out / "adapter_model.safetensors"))
+    save_file({**{f"base_model.model.{m}.lora_{part}.weight": t for m, (a, b) in pairs.items()
+                  for part, t in (("A", a), ("B", b))},
+               **{f"base_model.model.{name}": t for name, t in (full or {}).items()}},
+              str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": sorted({t.split(".")[-1] for t in targets}),
-        "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base)}))
+        "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base),
+        "modules_to_save": sorted({n.removesuffix(".weight").split(".")[-1] for n in full}) if full else None}))
     return pairs
 
 
+def trained_in_full(base: Path, names: list[str], seed: int = 2) -> dict[str, np.ndarray]:
+    """The weights ``names`` (Hugging Face names) of ``base`` as training might leave them: each plus random values
+    of std 0.1."""
+    rng = np.random.default_rng(seed)
+    tensors = checkpoint_tensors(base)
+    return {n: (tensors[n] + rng.normal(0, 0.1, tensors[n].shape)).astype(np.float32) for n in names}
+
+
 def peft_pairs(adapter: Path) -> Pairs:
-    """A PEFT adapter directory's (A, B) by module name."""
+    """A PEFT adapter directory's (A, B) by module name (not the weights it holds in full)."""
     t = load_file(str(adapter / "adapter_model.safetensors"))
-    modules = {k.removeprefix("base_model.model.").split(".lora_")[0] for k in t}
+    modules = {k.removeprefix("base_model.model.").split(".lora_")[0] for k in t if ".lora_" in k}
     return {m: (t[f"base_model.model.{m}.lora_A.weight"], t[f"base_model.model.{m}.lora_B.weight"]) for m in modules}
 
 
 def gguf_adapter(path: Path, pairs: Pairs, arch: str, alpha: float | None, names: dict[str, str],
                  heads: tuple[int, int] | None = None, alora_tokens: list[int] | None = None,
-                 value_heads: tuple[int, int, int] | None = None) -> Path:
+                 value_heads: tuple[int, int, int] | None = None, full: dict[str, np.ndarray] | None = None) -> Path:
     """``pairs`` as llama.cpp's GGUF adapter of ``arch``: ``blk.N.<names[module]>.weight.lora_a`` / ``lora_b``;
     ``heads`` (query, key-value): B's Q and K rows permuted as the converter permutes llama's weights;
     ``alora_tokens``: an aLoRA's invocation tokens; ``value_heads`` (key heads, value heads, value head dim): A's
     columns of a linear attention's out_proj reordered as the converter's ``_reorder_v_heads`` reorders Qwen3.5's,
-    from grouped by key head to tiled (value head j of every key head, then j + 1)."""
+    from grouped by key head to tiled (value head j of every key head, then j + 1); ``full``: tensors written as they
+    are, by their GGUF names (the norms the converter keeps from mergekit-extract-lora's adapters)."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -91,6 +105,8 @@ def gguf_adapter(path: Path, pairs: Pairs, arch: str, alpha: float | None, names
             a = a.reshape(a.shape[0], keys, values // keys, dim).swapaxes(1, 2).reshape(a.shape)
         w.add_tensor(f"blk.{layer}.{names[hf]}.weight.lora_a", np.ascontiguousarray(a))
         w.add_tensor(f"blk.{layer}.{names[hf]}.weight.lora_b", np.ascontiguousarray(b))
+    for name, t in (full or {}).items():
+        w.add_tensor(name, np.ascontiguousarray(t))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -98,15 +114,18 @@ def gguf_adapter(path: Path, pairs: Pairs, arch: str, alpha: float | None, names
     return path
 
 
-def hand_merged(out: Path, base: Path, adapters: list[tuple[Pairs, float]]) -> Path:
+def hand_merged(out: Path, base: Path,
+                adapters: list[tuple[Pairs, float]] | list[tuple[Pairs, float, dict[str, np.ndarray]]]) -> Path:
     """A copy of ``base`` at ``out`` whose weights are float32 W + s1 * B1 @ A1 + s2 * B2 @ A2 ..., each adapter's
-    pairs with its whole scale (alpha / r times the user's), added in order."""
+    pairs with its whole scale (alpha / r times the user's), added in order; an adapter's third member, weights by
+    their Hugging Face names, first put in the base's place."""
     out.mkdir(parents=True)
     for f in base.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
             shutil.copy(f, out / f.name)
     tensors = checkpoint_tensors(base)
-    for pairs, scale in adapters:
+    for pairs, scale, *full in adapters:
+        tensors.update(*full)
         for module, (a, b) in pairs.items():
             tensors[module + ".weight"] = tensors[module + ".weight"] + np.float32(scale) * (b @ a)
     save_file(tensors, str(out / "model.safetensors"))

@@ -83,7 +83,6 @@ def _renamed(t: dict, old: str, new: str) -> dict:
 @pytest.mark.parametrize(("make", "says"), [
     (lambda p: p / "nowhere", "no such directory or file"),
     (lambda p: _adapter(p, {"use_dora": True}), "use_dora (DoRA) is not supported"),
-    (lambda p: _adapter(p, {"modules_to_save": ["lm_head"]}), "modules_to_save (modules trained in full)"),
     (lambda p: _adapter(p, {"bias": "all"}), "bias 'all' (trained biases) is not supported"),
     (lambda p: _adapter(p, {"r": 0}), "r must be an integer >= 1"),
     (lambda p: _adapter(p, tensors=lambda t: _renamed(t, "layers.1.", "layers.7.")), "has no layers.7."),
