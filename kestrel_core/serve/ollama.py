@@ -477,7 +477,7 @@ def install(app: FastAPI, models: Models) -> None:
     async def version() -> dict[str, str]:
         return {"version": OLLAMA_VERSION, "kestrel_version": kestrel_core.__version__}
 
-    @app.api_route("/", methods=["GET", "HEAD"])
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)  # a heartbeat, no API
     async def running() -> PlainTextResponse:
         """Ollama's heartbeat: its CLI and clients check the server with ``HEAD /`` before anything else."""
         return PlainTextResponse("kestrel is running")

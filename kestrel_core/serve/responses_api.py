@@ -455,7 +455,7 @@ def install(app: FastAPI, models: Models) -> None:
         return await retold(answer, lambda whole: _whole(response, whole),
                             lambda chunks: _events(response, chunks))
 
-    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"], include_in_schema=False)  # nothing stored
     async def stored(response_id: str) -> Response:
         raise APIError(404, f"No response with id '{response_id}': kestrel stores no responses", param="response_id",
                        code="not_found")

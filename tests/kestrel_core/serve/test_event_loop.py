@@ -11,6 +11,7 @@ import asyncio
 import json
 import threading
 import urllib.request
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -238,3 +239,14 @@ def test_openapi_documents_each_routes_body(server: KestrelServer) -> None:
     assert set(ChatCompletionRequest.model_fields) <= set(schemas["ChatCompletionRequest"]["properties"])
     messages = schemas["ChatCompletionRequest"]["properties"]["messages"]["items"]["$ref"].rsplit("/", 1)[1]
     assert schemas[messages]["properties"]["role"]["enum"][:3] == ["system", "developer", "user"]
+
+
+def test_openapi_gives_each_operation_its_own_id(async_engine: AsyncEngine) -> None:
+    """Generated clients key operations by their ids: a route of several methods would repeat its id (FastAPI
+    warns, and the document holds two operations of one name)."""
+    served = app.create_app({NAME: async_engine})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spec = served.openapi()
+    ids = [op["operationId"] for ops in spec["paths"].values() for op in ops.values()]
+    assert not [str(w.message) for w in caught] and len(ids) == len(set(ids))
