@@ -15,6 +15,10 @@ Offline (``HF_HUB_OFFLINE=1``, the Hub unreachable, or silent for ``HF_HUB_ETAG_
 already in the cache is used as it is; so it is where the Hub answers with an error other than an unknown
 revision, as ``hf_hub_download`` does. A cached file whose size is not the one the Hub lists is downloaded again
 (``force``: every file is).
+
+Every request waits a bounded time: the listing and each file's metadata ``HF_HUB_ETAG_TIMEOUT`` seconds, a
+download ``HF_HUB_DOWNLOAD_TIMEOUT`` seconds between two reads (so a slow download that keeps coming is never cut
+off); a request that waits past its limit is one line naming what stalled and the variable that raises it.
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ GGUF_PREFERENCE = ("Q8_0", "F16", "BF16", "F32", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5
 # what marks a GGUF file as a model's companion, not a model, in its name, as llama.cpp's gguf_filename_is_model
 # (common/download.cpp) tells them apart: a vision projector, an importance matrix, a speculative draft head
 COMPANION_MARKS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
+# huggingface_hub's limits, in seconds: a request's answer (the listing, a file's metadata), and the wait between
+# two reads of a download
+ANSWER_LIMIT = "HF_HUB_ETAG_TIMEOUT"
+READ_LIMIT = "HF_HUB_DOWNLOAD_TIMEOUT"
 _SHARD = re.compile(r"-\d{5}-of-\d{5}$")
 _SHARD_FIRST = re.compile(r"-00001-of-\d{5}$")
 
@@ -126,8 +134,13 @@ class Hub:
             # down (5xx), rate-limiting (429), gated or private without a token, or no such repository (the Hub's
             # answer to a private one without a valid token): the cached copy, as hf_hub_download serves it
             return self._cached(spec, refusal=_refusal(spec, exc), force=force)
-        except Exception as exc:  # the Hub cannot be reached (no network, DNS, timeout)
-            return self._cached(spec, f"the Hub cannot be reached: {_first_line(exc)}", force=force)
+        except Exception as exc:  # the Hub cannot be reached (no network, DNS) or is silent
+            if _timeout_of(exc) is not None:
+                why = (f"the Hub sent no answer to the listing of {spec.repo} in {constants.HF_HUB_ETAG_TIMEOUT:g} s "
+                       f"{_raise_it(ANSWER_LIMIT)}")
+            else:
+                why = f"the Hub cannot be reached: {_first_line(exc)}"
+            return self._cached(spec, why, force=force)
         kind, chosen = choose_files(spec, list(sizes))
         try:
             return self._download(spec, kind, chosen, sizes, force)
@@ -141,8 +154,8 @@ class Hub:
     def _download(self, spec: HubSpec, kind: str, chosen: str, sizes: dict[str, int | None], force: bool) -> Path:
         """The GGUF file ``chosen``, or the snapshot of the weights kestrel reads (hf.weight_files: the shards
         the index names, else the top-level ``*.safetensors``; not a consolidated copy beside the shards) and
-        ``CONFIG_PATTERNS``, of the repository whose files have ``sizes``."""
-        from huggingface_hub import snapshot_download
+        ``CONFIG_PATTERNS``, of the repository whose files have ``sizes``. File by file, from the listing
+        ``fetch`` made: snapshot_download would list the repository again, without a timeout."""
         from huggingface_hub.utils import filter_repo_objects
 
         files = list(sizes)
@@ -150,7 +163,7 @@ class Hub:
             missing = [p for p in _parts(chosen) if p not in files]
             if missing:
                 raise KestrelError(f"model {spec}: {chosen} is split into parts, and the repository lacks {missing[0]}")
-            return [self._file(spec, p, sizes[p], force) for p in _parts(chosen)][0]
+            return self._files(spec, _parts(chosen), sizes, force)[0]
         if INDEX in files:
             index = json.loads(self._file(spec, INDEX, sizes[INDEX], force).read_text(encoding="utf-8"))
             weights = _index_weights(index)
@@ -163,25 +176,43 @@ class Hub:
             weights = [f for f in files if f.endswith(".safetensors") and "/" not in f]
         # the names as themselves, not as patterns
         patterns = [*(glob.escape(w) for w in weights), *CONFIG_PATTERNS]
-        snap = Path(snapshot_download(spec.repo, allow_patterns=patterns, force_download=force,
-                                      revision=spec.revision, cache_dir=self.cache_dir, endpoint=self.endpoint))
-        for name in filter_repo_objects(files, allow_patterns=patterns):
-            if (snap / name).is_file() and _wrong_size(snap / name, sizes[name]):
-                self._file(spec, name, sizes[name], force=True)
-        return snap
+        names = list(filter_repo_objects(files, allow_patterns=patterns))
+        first = self._files(spec, names, sizes, force)[0]
+        return first.parents[names[0].count("/")]  # the snapshot directory that holds it
+
+    def _files(self, spec: HubSpec, names: list[str], sizes: dict[str, int | None], force: bool) -> list[Path]:
+        """The repository's files ``names`` in the cache (``_file``), one after the other on the caller's thread:
+        a Ctrl-C interrupts the read under way at once, and huggingface_hub removes the file it was writing
+        (a pool of threads would wait out their reads, or leave those files behind)."""
+        return [self._file(spec, name, sizes[name], force) for name in names]
 
     def _file(self, spec: HubSpec, name: str, size: int | None, force: bool) -> Path:
         """The repository's file ``name`` in the cache: downloaded where the cache lacks it, where ``force``, or
         where the cached copy is not ``size`` bytes (the Hub's size, None where unknown), as a download cut short
-        or a damaged disk leaves it (hf_hub_download trusts any copy it has)."""
-        from huggingface_hub import hf_hub_download
+        or a damaged disk leaves it (hf_hub_download trusts any copy it has). A request that timed out is a
+        KestrelError naming the file and the limit it waited."""
+        from huggingface_hub import constants, hf_hub_download
 
         def download(again: bool) -> Path:
             return Path(hf_hub_download(spec.repo, name, revision=spec.revision, cache_dir=self.cache_dir,
-                                        endpoint=self.endpoint, force_download=again))
+                                        endpoint=self.endpoint, force_download=again,
+                                        etag_timeout=constants.HF_HUB_ETAG_TIMEOUT))
 
-        path = download(force)
-        return download(True) if not force and _wrong_size(path, size) else path
+        try:
+            path = download(force)
+            return download(True) if not force and _wrong_size(path, size) else path
+        except Exception as exc:
+            timeout = _timeout_of(exc)
+            if timeout is None:
+                raise
+            if timeout is exc:  # raised by the download itself, once its resumes gave up
+                raise KestrelError(f"model {spec}: the Hub stopped sending {name}: nothing came for "
+                                   f"{constants.HF_HUB_DOWNLOAD_TIMEOUT:g} s, nor after resuming "
+                                   f"{_raise_it(READ_LIMIT)}") from exc
+            # hf_hub_download's metadata request, which it reports as a file it cannot locate; no seconds said, as
+            # huggingface_hub may have tried again with a limit of its own
+            raise KestrelError(f"model {spec}: the Hub sent no answer to the request for {name}'s metadata "
+                               f"{_raise_it(ANSWER_LIMIT)}") from exc
 
     def _cached(self, spec: HubSpec, why: str = "", refusal: str = "", quiet: bool = False,
                 force: bool = False) -> Path:
@@ -422,6 +453,24 @@ def _refusal(spec: HubSpec, exc: Exception) -> str:
     status = f"{response.status_code} {response.reason_phrase}".strip()
     token = "; check HF_TOKEN" if response.status_code == 401 else ""
     return f"model {spec}: the Hugging Face Hub refused it ({status}{f': {said}' if said else ''}{token})"
+
+
+def _timeout_of(exc: BaseException) -> BaseException | None:
+    """The timeout ``exc`` is, or came from (its cause or context), whichever HTTP library huggingface_hub
+    runs on: requests' ``Timeout``, httpx's ``TimeoutException``, the socket's ``TimeoutError``; None where
+    there is none."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if any(c.__name__ in ("TimeoutError", "Timeout", "TimeoutException") for c in type(current).__mro__):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _raise_it(limit: str) -> str:
+    return f"({limit}: set it higher to wait longer)"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,16 +1,18 @@
 """A Hugging Face Hub on 127.0.0.1 for the real ``huggingface_hub`` client: the calls it makes to list a
 repository (``/api/models/R/tree/REV``, ``/api/models/R/revision/REV``) and to download a file
 (``/R/resolve/REV/FILE``, HEAD then GET), with the Hub's error codes for a missing, gated or unknown-revision
-repository, and its failures (a 5xx, a 429)."""
+repository, and its failures (a 5xx, a 429, a connection that stalls or trickles)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -22,7 +24,11 @@ class FakeHub:
     one of ``tokens``; a repository of ``failing`` answers every request with its status (503: the Hub down), a
     file of it (``owner/name/path``) its downloads; one of ``refusing`` answers (status, X-Error-Code, message),
     the Hub's refusal with its reason; ``warning``, where set, goes with every answer (``X-HF-Warning``);
-    ``served`` lists the files downloaded (GET)."""
+    ``served`` lists the files downloaded (GET). A request whose path (without its query) matches a pattern
+    of ``stalling`` (fnmatch's: a listing, ``/api/models/R``; a file at any revision, ``/R/resolve/*/FILE``)
+    is answered with that many bytes of its body (0: not even its headers), then nothing until the server
+    stops, as a stalled proxy does, and listed in ``stalled``; one matching a pattern of ``trickling`` gets its
+    body in chunks of that many bytes, ``trickle_s`` apart."""
 
     repos: dict[str, dict[str, bytes]]
     gated: set[str] = field(default_factory=set)
@@ -30,8 +36,18 @@ class FakeHub:
     failing: dict[str, int] = field(default_factory=dict)
     refusing: dict[str, tuple[int, str, str]] = field(default_factory=dict)
     warning: str = ""
+    stalling: dict[str, int] = field(default_factory=dict)
+    trickling: dict[str, int] = field(default_factory=dict)
+    trickle_s: float = 0.0
     served: list[str] = field(default_factory=list)
+    stalled: list[str] = field(default_factory=list)
     url: str = ""
+    stopped: threading.Event = field(default_factory=threading.Event)
+
+    @staticmethod
+    def slowed(path: str, table: dict[str, int]) -> int | None:
+        """The bytes ``table`` gives the request for ``path``, None where no pattern of it matches."""
+        return next((n for pattern, n in table.items() if fnmatchcase(urlsplit(path).path, pattern)), None)
 
     @staticmethod
     def sha(repo: str) -> str:
@@ -105,6 +121,11 @@ def serving(hub: FakeHub) -> Iterator[FakeHub]:
 
     class Handler(BaseHTTPRequestHandler):
         def _reply(self, method: str) -> None:
+            stall = hub.slowed(self.path, hub.stalling)
+            if stall == 0:
+                hub.stalled.append(self.path)
+                hub.stopped.wait()
+                return
             status, headers, body = hub.answer(method, self.path, self.headers.get("Authorization"))
             self.send_response(status)
             for k, v in headers.items():
@@ -112,8 +133,20 @@ def serving(hub: FakeHub) -> Iterator[FakeHub]:
             if hub.warning:
                 self.send_header("X-HF-Warning", f"kestrel-test; {hub.warning}")
             self.end_headers()
-            if method == "GET":
-                self.wfile.write(body)
+            if method != "GET":
+                return
+            if stall is not None:
+                self.wfile.write(body[:stall])
+                self.wfile.flush()
+                hub.stalled.append(self.path)
+                hub.stopped.wait()
+                return
+            chunk = hub.slowed(self.path, hub.trickling) or len(body) or 1
+            for start in range(0, len(body), chunk):
+                self.wfile.write(body[start:start + chunk])
+                self.wfile.flush()
+                if start + chunk < len(body):
+                    time.sleep(hub.trickle_s)
 
         def do_GET(self) -> None:  # noqa: N802
             self._reply("GET")
@@ -131,5 +164,26 @@ def serving(hub: FakeHub) -> Iterator[FakeHub]:
     try:
         yield hub
     finally:
+        hub.stopped.set()
         server.shutdown()
         server.server_close()
+
+
+def within(seconds: float, call: Callable[[], object]) -> object:
+    """``call()``'s result or exception, failing the test (not hanging it) where it takes longer than
+    ``seconds``."""
+    done: list[object] = []
+    worker = threading.Thread(target=lambda: done.append(_outcome(call)), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert done, f"still waiting after {seconds} s"
+    if isinstance(done[0], BaseException):
+        raise done[0]
+    return done[0]
+
+
+def _outcome(call: Callable[[], object]) -> object:
+    try:
+        return call()
+    except Exception as exc:  # handed to the test's thread
+        return exc

@@ -1,0 +1,131 @@
+"""A Hub that takes the connection and then stalls (a stalled proxy, a connection dropped without a word): every
+request of a fetch by Hub name (kestrel_core/model/hub.py) waits a bounded time and ends in one line naming what
+stalled and the variable that raises the limit; a download that keeps coming, however slowly, is never cut off;
+Ctrl-C ends a stalled fetch at once. Against the Hub on 127.0.0.1 (fake_hub) through the real
+``huggingface_hub`` client, its limits set small."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kestrel_core.errors import KestrelError
+from kestrel_core.model.hub import Hub, HubSpec
+
+from .fake_hub import FakeHub, repo_files, serving, within
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
+GGUF = (FIXTURES / "tiny-llama.gguf").read_bytes()
+WEIGHTS = "/org/tiny/resolve/*/model.safetensors"  # at main, or at the commit main is
+QUANT = "/org/tiny-GGUF/resolve/*/tiny-Q4_K_M.gguf"
+
+
+@pytest.fixture
+def hub() -> Iterator[FakeHub]:
+    with serving(FakeHub({"org/tiny": repo_files(FIXTURES / "tiny-qwen3"),
+                          "org/tiny-GGUF": {"tiny-Q4_K_M.gguf": GGUF}})) as h:
+        yield h
+
+
+@pytest.fixture
+def limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """huggingface_hub's limits, in seconds, small: the answer to a request, the wait between two reads."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 0.5)
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 0.2)
+
+
+def test_the_only_listing_is_the_one_with_a_timeout(hub: FakeHub, tmp_path: Path, limits: None) -> None:
+    """A Hub that answers kestrel's listing and stalls every other request of the API (snapshot_download's own
+    listing of the repository has no timeout): the model is fetched, no request left waiting."""
+    hub.stalling["/api/models/org/tiny/*"] = 0
+    snap = within(20, lambda: Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/tiny")))
+    assert isinstance(snap, Path) and (snap / "model.safetensors").read_bytes() == \
+        (FIXTURES / "tiny-qwen3" / "model.safetensors").read_bytes()
+    assert hub.stalled == []
+
+
+def test_a_stalled_listing_names_its_limit(hub: FakeHub, tmp_path: Path, limits: None) -> None:
+    hub.stalling["/api/models/org/tiny"] = 0
+    started = time.monotonic()
+    with pytest.raises(KestrelError, match=r"^model org/tiny: no such local path, not in the Hugging Face cache, and "
+                                           r"the Hub sent no answer to the listing of org/tiny in 0\.5 s "
+                                           r"\(HF_HUB_ETAG_TIMEOUT: set it higher to wait longer\)$"):
+        within(20, lambda: Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/tiny")))
+    assert time.monotonic() - started < 5 and hub.stalled
+
+
+def test_a_download_that_stops_names_the_file_and_its_limit(hub: FakeHub, tmp_path: Path, limits: None) -> None:
+    """Part of model.safetensors, then nothing: huggingface_hub resumes it (a pause of 1 s, then a wait of
+    HF_HUB_DOWNLOAD_TIMEOUT, five times), then the fetch ends, nothing under the file's name in the cache."""
+    hub.stalling[WEIGHTS] = 1000
+    with pytest.raises(KestrelError, match=r"^model org/tiny: the Hub stopped sending model\.safetensors: nothing "
+                                           r"came for 0\.2 s, nor after resuming \(HF_HUB_DOWNLOAD_TIMEOUT: set it "
+                                           r"higher to wait longer\)$"):
+        within(30, lambda: Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/tiny")))
+    assert len(hub.stalled) > 1 and all(p.endswith("/model.safetensors") for p in hub.stalled)  # resumed
+    assert not [p for p in tmp_path.rglob("*") if p.name == "model.safetensors" or p.suffix == ".incomplete"]
+
+
+def test_a_stalled_metadata_request_names_the_file_and_its_limit(hub: FakeHub, tmp_path: Path,
+                                                                 limits: None) -> None:
+    """``kestrel pull --force``: the listing answered, the file's metadata request (HEAD) stalls. (Without
+    force, huggingface_hub tries a file the cache lacks again, with a limit of its own: minutes.)"""
+    hub.stalling[QUANT] = 0
+    with pytest.raises(KestrelError, match=r"^model org/tiny-GGUF: the Hub sent no answer to the request for "
+                                           r"tiny-Q4_K_M\.gguf's metadata \(HF_HUB_ETAG_TIMEOUT: set it higher to wait "
+                                           r"longer\)$"):
+        within(20, lambda: Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/tiny-GGUF"), force=True))
+
+
+def test_a_slow_download_that_keeps_coming_is_not_cut_off(hub: FakeHub, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight parts 0.3 s apart, with a limit of 1 s between two reads: the download takes longer than the limit,
+    and is neither ended nor resumed (one GET)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 1)
+    hub.trickling[QUANT], hub.trickle_s = len(GGUF) // 8 + 1, 0.3
+    started = time.monotonic()
+    path = within(30, lambda: Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/tiny-GGUF")))
+    assert time.monotonic() - started > 2
+    assert isinstance(path, Path) and path.read_bytes() == GGUF
+    assert hub.served == ["org/tiny-GGUF/tiny-Q4_K_M.gguf"]
+
+
+@pytest.mark.parametrize(("stall", "at"), [("/api/models/org/tiny", 0), (WEIGHTS, 1000)],
+                         ids=["listing", "download"])
+def test_ctrl_c_ends_a_stalled_fetch_at_once(hub: FakeHub, tmp_path: Path, stall: str, at: int) -> None:
+    """`kestrel pull` with the Hub's limits at their defaults (10 s): SIGINT ends it within seconds, exit 130,
+    "interrupted", and the file it was downloading is nowhere in the cache, not even in part."""
+    hub.stalling[stall] = at
+    env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "KESTREL_HOME": str(tmp_path / "k"),
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    pull = subprocess.Popen([sys.executable, "-m", "kestrel_core.cli", "pull", "org/tiny"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+    try:
+        deadline = time.monotonic() + 60
+        while not hub.stalled and pull.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert hub.stalled and pull.poll() is None, pull.communicate()
+        pull.send_signal(signal.SIGINT)
+        try:
+            _, stderr = pull.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            pytest.fail("kestrel pull still running 5 s after Ctrl-C")
+    finally:
+        if pull.poll() is None:
+            pull.kill()
+            pull.communicate()
+    assert pull.returncode == 130 and stderr.strip().splitlines()[-1] == "interrupted", stderr
+    assert "Traceback" not in stderr
+    assert not [p for p in tmp_path.rglob("*") if p.name == "model.safetensors" or p.suffix == ".incomplete"]
+
