@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kestrel_core.env import env_int
 from kestrel_core.errors import KestrelError, safe_text
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ class Hub:
         """The local path of the model ``spec`` names (a snapshot directory or a GGUF file), downloaded into the
         cache unless it is there with the size the Hub lists (``force``: downloaded again whatever the cache
         holds); a KestrelError of one line where it cannot be had."""
+        _check_limits()
         try:
             from huggingface_hub import HfApi, constants
             from huggingface_hub.errors import HfHubHTTPError, RevisionNotFoundError
@@ -264,6 +266,7 @@ def cached_models(cache_dir: str | None = None) -> list[CachedModel]:
     """Every model of the Hugging Face cache (``cache_dir``, None: ``HF_HUB_CACHE``) kestrel can load, by name:
     a safetensors snapshot, and each GGUF file of one; what it cannot load (datasets, pickle checkpoints) is
     left out."""
+    _check_limits()
     from huggingface_hub import scan_cache_dir
 
     try:
@@ -467,6 +470,13 @@ def _timeout_of(exc: BaseException) -> BaseException | None:
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return None
+
+
+def _check_limits() -> None:
+    """``ANSWER_LIMIT`` and ``READ_LIMIT`` as huggingface_hub reads them: a value its ``int()`` refuses fails its
+    import with a ValueError, so it is one line naming the variable before that."""
+    for limit in (ANSWER_LIMIT, READ_LIMIT):
+        env_int(limit, 10, what="a whole number of seconds")
 
 
 def _raise_it(limit: str) -> str:

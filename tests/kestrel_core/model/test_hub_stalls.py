@@ -1,8 +1,8 @@
 """A Hub that takes the connection and then stalls (a stalled proxy, a connection dropped without a word): every
 request of a fetch by Hub name (kestrel_core/model/hub.py) waits a bounded time and ends in one line naming what
 stalled and the variable that raises the limit; a download that keeps coming, however slowly, is never cut off;
-Ctrl-C ends a stalled fetch at once. Against the Hub on 127.0.0.1 (fake_hub) through the real
-``huggingface_hub`` client, its limits set small."""
+Ctrl-C ends a stalled fetch at once; a limit that is not a number of seconds is one line. Against the Hub on
+127.0.0.1 (fake_hub) through the real ``huggingface_hub`` client, its limits set small."""
 
 from __future__ import annotations
 
@@ -129,3 +129,15 @@ def test_ctrl_c_ends_a_stalled_fetch_at_once(hub: FakeHub, tmp_path: Path, stall
     assert "Traceback" not in stderr
     assert not [p for p in tmp_path.rglob("*") if p.name == "model.safetensors" or p.suffix == ".incomplete"]
 
+
+@pytest.mark.parametrize(("command", "limit", "value"), [(("pull", "org/tiny"), "HF_HUB_DOWNLOAD_TIMEOUT", "30s"),
+                                                         (("list",), "HF_HUB_ETAG_TIMEOUT", "0.5")])
+def test_a_limit_that_is_not_a_whole_number_of_seconds_is_one_line(tmp_path: Path, command: tuple[str, ...],
+                                                                   limit: str, value: str) -> None:
+    """What huggingface_hub's import refuses (it reads the limits with int()): named, not a ValueError."""
+    env = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf"), "KESTREL_HOME": str(tmp_path / "k"),
+           limit: value}
+    ran = subprocess.run([sys.executable, "-m", "kestrel_core.cli", *command], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, **env})
+    assert ran.returncode == 2, ran.stderr
+    assert ran.stderr == f"error: {limit} must be a whole number of seconds >= 0, got {value!r}\n"
