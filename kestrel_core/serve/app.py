@@ -31,6 +31,7 @@ from kestrel_core.model.reasoning import Reasoning, opens_in_prompt, reasoning_m
 from kestrel_core.model.sampling import TokenLogprob
 from kestrel_core.serve import anthropic, generation, llamacpp, ollama, responses_api, scores, tokenize
 from kestrel_core.serve.access import (
+    CLIENT_CLOSED,
     DEFAULT_MAX_REQUEST_BYTES,
     AccessMiddleware,
     ApiKeyMiddleware,
@@ -88,17 +89,20 @@ class Served:
                      request: Request) -> list[Echo]:
         """Completions prompts echoed: their text and, with ``logprobs`` (the alternatives a token), the scores
         of their tokens after the first, a prefill chunk between two engine steps (a long prompt does not hold
-        the other requests up, and a client that leaves stops its scoring)."""
+        the other requests up). ClientGone where the client leaves meanwhile: its scoring stops at once."""
         def texts() -> list[str]:
             for one in ids:
                 self.engine.check_ids(one, "prompt")
             return [p if isinstance(p, str) else self.engine.tokenizer.decode(one) for p, one in zip(prompts, ids)]
 
+        async def scores(top: int) -> list[list[TokenLogprob] | None]:
+            return [await self._scored(one, top) for one in ids]
+
         try:
             echoed = await off_loop(request, texts)
             scored: list[list[TokenLogprob] | None] = [None] * len(ids)
             if logprobs is not None:
-                scored = [await self._scored(one, logprobs) for one in ids]
+                scored = await generation.unless_disconnected(scores(logprobs), request)
         except KestrelError as exc:
             raise from_kestrel_error(exc, param="prompt") from None
         return [Echo(text, one[0], s) for text, one, s in zip(echoed, ids, scored)]
@@ -219,7 +223,11 @@ class Served:
             await asyncio.to_thread(self.tokens.ready)
         echoes: list[Echo | None] = []
         if body.echo:  # each prompt's, once for each of its choices
-            for echo in await self.echoes(texts, token_ids, body.logprobs, request):
+            try:
+                echoed = await self.echoes(texts, token_ids, body.logprobs, request)
+            except generation.ClientGone:
+                return Response(status_code=CLIENT_CLOSED)
+            for echo in echoed:
                 echoes.extend([echo] * body.choices)
         shape: ChatShape | CompletionShape
         if chat_shaped:
