@@ -26,7 +26,7 @@ import numpy as np
 from kestrel_core.errors import KestrelError, Overloaded, ShuttingDown
 from kestrel_core.model.embed import EmbedJob
 from kestrel_core.model.request import RequestOutput
-from kestrel_core.model.sampling import SamplingParams
+from kestrel_core.model.sampling import SamplingParams, TokenLogprob
 from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING, Scheduler
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._exited = False  # the thread returned: a call now would wait for ever
         self._embed_jobs: list[EmbedJob] = []  # those under way, oldest first
+        self._scorings = 0  # prompts being scored (``score``): requests in flight, as the clients' are
         self._embed_short = False  # a job lacked blocks: the oldest runs alone until it is done
         self._deferred: list[Any] = []  # requests that came while a job lacked blocks: added once it is done
         # jobs waiting for KV blocks wake when some come back: the times they have, the waiting jobs' futures and
@@ -122,9 +123,9 @@ class AsyncEngine:
 
     @property
     def active(self) -> int:
-        """Requests submitted and not finished, embedding requests included."""
+        """Requests submitted and not finished, embedding requests and prompts being scored included."""
         with self._lock:
-            return len(self._clients) + len(self._embed_jobs)
+            return len(self._clients) + len(self._embed_jobs) + self._scorings
 
     @property
     def num_waiting(self) -> int:
@@ -179,11 +180,7 @@ class AsyncEngine:
         """``submit`` for ids the scheduler has checked."""
         loop = asyncio.get_running_loop()
         with self._lock:
-            if not self._accepting:
-                raise ShuttingDown("the server is shutting down")
-            if len(self._clients) >= self.capacity:
-                raise Overloaded(f"the server is at capacity ({len(self._clients)} requests in flight); "
-                                 "retry later")
+            self._check_room()
             if request_id is None:
                 self._next_id += 1
                 request_id = f"req-{self._next_id}"
@@ -195,6 +192,43 @@ class AsyncEngine:
             self._wake.notify()
         self.start()  # the steps' thread, on first use (a server starts it itself)
         return request_id, client
+
+    def _check_room(self) -> None:
+        """ShuttingDown once the server stops accepting, Overloaded where the requests in flight (generations and
+        scorings) fill the capacity; under the lock."""
+        if not self._accepting:
+            raise ShuttingDown("the server is shutting down")
+        in_flight = len(self._clients) + self._scorings
+        if in_flight >= self.capacity:
+            raise Overloaded(f"the server is at capacity ({in_flight} requests in flight); retry later")
+
+    async def score(self, prompt_ids: Sequence[int], top: int = 0) -> list[TokenLogprob]:
+        """``Engine.prompt_logprobs``, a prefill chunk at a time between the generation steps (a long prompt does not
+        hold the other requests up). A request as a generation is: refused as ``generate`` refuses one when full or
+        shutting down, counted in ``active`` (a drain waits for it); ShuttingDown once the steps' thread stops.
+        Its sequence goes back however it ends (the caller cancelled included)."""
+        with self._lock:
+            self._check_room()
+            self._scorings += 1
+        try:
+            chunks = self.engine.prompt_logprob_chunks(prompt_ids, top)  # driven on the steps' thread only
+            scored: list[TokenLogprob] = []
+            try:
+                while True:
+                    if self._stopping:
+                        raise ShuttingDown("the server shut down before the prompt was scored")
+                    chunk = await self.call(lambda: next(chunks, None))
+                    if chunk is None:
+                        return scored
+                    scored += chunk
+            finally:
+                try:
+                    await self.call(chunks.close)
+                except ShuttingDown:  # the steps' thread has stopped: nothing else drives the engine
+                    chunks.close()
+        finally:
+            with self._lock:
+                self._scorings -= 1
 
     async def embed(self, inputs: Sequence[Sequence[int]], *, pooling: str | None = None,
                     dimensions: int | None = None) -> np.ndarray:

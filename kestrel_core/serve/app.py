@@ -88,34 +88,24 @@ class Served:
     async def echoes(self, prompts: list[str | list[int]], ids: list[list[int]], logprobs: int | None,
                      request: Request) -> list[Echo]:
         """Completions prompts echoed: their text and, with ``logprobs`` (the alternatives a token), the scores
-        of their tokens after the first, a prefill chunk between two engine steps (a long prompt does not hold
-        the other requests up). ClientGone where the client leaves meanwhile: its scoring stops at once."""
+        of their tokens after the first, each prompt a request of the engine's (``AsyncEngine.score``). ClientGone
+        where the client leaves meanwhile: its scoring stops at once."""
         def texts() -> list[str]:
             for one in ids:
                 self.engine.check_ids(one, "prompt")
             return [p if isinstance(p, str) else self.engine.tokenizer.decode(one) for p, one in zip(prompts, ids)]
 
-        async def scores(top: int) -> list[list[TokenLogprob] | None]:
-            return [await self._scored(one, top) for one in ids]
+        async def scores(top: int) -> list[list[TokenLogprob] | None]:  # each prompt a request of the engine's
+            return [await self.async_engine.score(one, top) for one in ids]
 
         try:
             echoed = await off_loop(request, texts)
             scored: list[list[TokenLogprob] | None] = [None] * len(ids)
             if logprobs is not None:
                 scored = await generation.unless_disconnected(scores(logprobs), request)
-        except KestrelError as exc:
-            raise from_kestrel_error(exc, param="prompt") from None
+        except KestrelError as exc:  # a shutdown is a 503, as a generation's
+            raise from_kestrel_error(exc, accepting=self.async_engine.accepting, param="prompt") from None
         return [Echo(text, one[0], s) for text, one, s in zip(echoed, ids, scored)]
-
-    async def _scored(self, ids: list[int], logprobs: int) -> list[TokenLogprob]:
-        chunks = self.engine.prompt_logprob_chunks(ids, logprobs)  # driven on the engine's thread only
-        scored: list[TokenLogprob] = []
-        try:
-            while (chunk := await self.async_engine.call(lambda: next(chunks, None))) is not None:
-                scored += chunk
-        finally:  # also where the client left: its sequence goes back
-            await self.async_engine.call(chunks.close)
-        return scored
 
     def chat_prompt(self, body: ChatCompletionRequest,
                     truncate: bool = False) -> tuple[str, list[int], ToolCalls | None]:

@@ -4,19 +4,22 @@ on tiny-qwen3; a scoring is held part-way by ``HeldScoring`` until the test lets
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import openai
 import pytest
 
 from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.sampling import TokenLogprob
 from kestrel_core.serve.server import KestrelServer
 
-from .helpers import openai_client
+from .helpers import openai_client, running_server
 
 NAME = "tiny"
 PROMPT = "The capital of France is Paris, and"
@@ -73,6 +76,7 @@ def test_a_client_that_leaves_during_scoring_stops_it(server: KestrelServer, asy
                                                       engine: Any, held: HeldScoring) -> None:
     """The scoring stops (its chunks closed, its sequence back) once the connection closes, as a generation does;
     held, it would go on until the test ends."""
+    alone = _echo_scores(engine, held)
     body = f'{{"model": "{NAME}", "prompt": "{PROMPT}", "echo": true, "logprobs": 1, "max_tokens": 0}}'.encode()
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as conn:
@@ -81,6 +85,78 @@ def test_a_client_that_leaves_during_scoring_stops_it(server: KestrelServer, asy
         assert held.started.wait(10)
     assert held.closed.wait(10), "the scoring went on after its client left"
     assert _all_idle(async_engine, engine)
-    answer = openai_client(server).completions.create(model=NAME, prompt=PROMPT, echo=True, logprobs=1, max_tokens=0)
-    scored = engine.prompt_logprobs(engine.tokenizer.encode(PROMPT), 1)
-    assert answer.choices[0].logprobs.token_logprobs[1:] == pytest.approx([e.logprob for e in scored], abs=1e-6)
+    assert _echo(openai_client(server)).choices[0].logprobs.token_logprobs == alone  # the server goes on
+
+
+def _echo(client: openai.OpenAI) -> Any:
+    return client.completions.create(model=NAME, prompt=PROMPT, echo=True, logprobs=1, max_tokens=0)
+
+
+def _wait_draining(ae: AsyncEngine) -> None:
+    for _ in range(500):
+        if not ae.accepting:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the server did not start its drain")
+
+
+def test_a_drain_refuses_a_new_scoring_and_waits_for_one_in_flight(engine: Any, held: HeldScoring,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """As for a generation: a scoring that comes during the drain is a 503 before any of it runs, one in flight
+    counts as a request (the log says so) and finishes within the grace."""
+    alone = _echo_scores(engine, held)
+    ae = AsyncEngine(engine)
+    with running_server(ae, NAME, shutdown_grace_s=60) as server, ThreadPoolExecutor(1) as pool:
+        client = openai_client(server)
+        in_flight = pool.submit(_echo, client)
+        assert held.started.wait(10)
+        assert ae.active == 1
+        with caplog.at_level(logging.INFO, logger="kestrel.serve"):
+            server.request_shutdown()
+            _wait_draining(ae)
+        with pytest.raises(openai.InternalServerError) as refused:
+            _echo(client)
+        assert refused.value.status_code == 503 and held.scorings == 1  # refused before its scoring began
+        held.go_on.set()
+        answer = in_flight.result(30)
+    assert answer.choices[0].logprobs.token_logprobs == alone
+    assert "1 request(s) in flight" in caplog.text
+
+
+def test_a_scoring_the_engines_stop_ends_is_a_503(engine: Any, held: HeldScoring) -> None:
+    """A shutdown's, as every route answers: not a 429, which the client would retry against an exiting server."""
+    ae = AsyncEngine(engine)
+    with running_server(ae, NAME, shutdown_grace_s=0) as server, ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(_echo, openai_client(server))
+        assert held.started.wait(10)
+        server.request_shutdown()
+        with pytest.raises(openai.InternalServerError) as ended:
+            in_flight.result(30)
+    assert ended.value.status_code == 503 and ended.value.code == "server_shutting_down"
+    assert held.closed.is_set() and engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def test_a_scoring_takes_a_place_of_the_capacity(engine: Any, held: HeldScoring) -> None:
+    """One place (--max-batch 1 --max-waiting 0): while a scoring holds it, another scoring and a generation are
+    429s before they run, as a generation beside a generation is."""
+    alone = _echo_scores(engine, held)
+    ae = AsyncEngine(engine, max_batch=1, max_waiting=0)
+    with running_server(ae, NAME) as server, ThreadPoolExecutor(1) as pool:
+        client = openai_client(server)
+        in_flight = pool.submit(_echo, client)
+        assert held.started.wait(10)
+        with pytest.raises(openai.RateLimitError, match="capacity"):
+            _echo(client)
+        assert held.scorings == 1
+        with pytest.raises(openai.RateLimitError, match="capacity"):
+            client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2)
+        held.go_on.set()
+        assert in_flight.result(30).choices[0].logprobs.token_logprobs == alone
+        assert len(_echo(client).choices[0].logprobs.token_logprobs) > 1  # the place is back
+
+
+def _echo_scores(engine: Any, held: HeldScoring) -> list[float | None]:
+    """The echoed prompt's token logprobs, as the engine scores it alone (the first token has none); before the
+    test's server scores anything."""
+    ids = list(engine.tokenizer.encode(PROMPT))
+    return [None] + [e.logprob for chunk in held.own(ids, 1) for e in chunk]
