@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kestrel")
 T = TypeVar("T")
+_CALLS = ("call", "piece")  # the inbox's kinds that run a function on the steps' thread
 
 
 @dataclass
@@ -62,7 +63,8 @@ class AsyncEngine:
         self.counters = EngineCounters()
         self._lock = threading.Lock()  # guards the inbox, the clients and the accepting flag
         self._wake = threading.Condition(self._lock)
-        self._inbox: list[tuple[str, Any]] = []  # ("add", (id, ids, params)) / ("abort", id)
+        # ("add", (id, ids, params, constraint)), ("abort", id), ("call" or "piece", (fn, future))
+        self._inbox: list[tuple[str, Any]] = []
         self._clients: dict[str, _Client] = {}
         self._accepting = True
         self._stopping = False
@@ -217,7 +219,7 @@ class AsyncEngine:
                 while True:
                     if self._stopping:
                         raise ShuttingDown("the server shut down before the prompt was scored")
-                    chunk = await self.call(lambda: next(chunks, None))
+                    chunk = await self.call(lambda: next(chunks, None), one_a_step=True)
                     if chunk is None:
                         return scored
                     scored += chunk
@@ -318,22 +320,24 @@ class AsyncEngine:
         self.start()
         return self._post(fn).result()
 
-    def _post(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+    def _post(self, fn: Callable[[], T], kind: str = "call") -> concurrent.futures.Future[T]:
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
             if self._exited:
                 done.set_exception(ShuttingDown("the engine's thread has stopped"))
                 return done
-            self._inbox.append(("call", (fn, done)))
+            self._inbox.append((kind, (fn, done)))
             self._wake.notify()
         return done
 
-    async def call(self, fn: Callable[[], T]) -> T:
+    async def call(self, fn: Callable[[], T], *, one_a_step: bool = False) -> T:
         """``run_sync`` for coroutines: the steps' thread wakes the caller's event loop with the result, so no worker
         thread of the loop's executor (which the server's prompt rendering shares) waits for it. ``fn`` runs even
-        where the caller is cancelled meanwhile (a close that frees blocks must not be skipped)."""
+        where the caller is cancelled meanwhile (a close that frees blocks must not be skipped). ``one_a_step``: a
+        piece of a longer work (a scoring's prefill chunk): at most one such runs between two steps, so several of
+        them do not hold each step up by all their pieces; skipped where the caller was cancelled first."""
         self.start()
-        return await asyncio.wrap_future(self._post(fn))
+        return await asyncio.wrap_future(self._post(fn, "piece" if one_a_step else "call"))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (its sequence is freed at the next step); nothing if it already finished."""
@@ -354,13 +358,7 @@ class AsyncEngine:
                     self._wake.wait()
                 inbox, self._inbox = self._inbox, []
                 stopping = self._stopping
-            for kind, payload in inbox:
-                if kind == "call":
-                    if sched.step_running:  # the engine is free once it is in (failed or not)
-                        self._deliver_step(sched.drain)
-                    _run_call(*payload)
-                else:
-                    self._take(kind, payload)
+            self._run_inbox(inbox)
             self._look_at_free_blocks()
             if stopping and not sched.has_work:
                 with self._lock:
@@ -372,11 +370,35 @@ class AsyncEngine:
             stalled = self._deliver_step(sched.step)
             self._look_at_free_blocks()
 
+    def _run_inbox(self, inbox: list[tuple[str, Any]]) -> None:
+        """What came in, in order: requests, aborts and calls, and one piece of a longer work (``call``'s
+        ``one_a_step``); the other pieces go back to the inbox's front for the steps after, in their order."""
+        sched = self.scheduler
+        piece_ran = False
+        later: list[tuple[str, Any]] = []
+        for kind, payload in inbox:
+            if kind == "piece":
+                if payload[1].cancelled():  # its caller left: what follows it is its close
+                    continue
+                if piece_ran:
+                    later.append((kind, payload))
+                    continue
+                piece_ran = True
+            if kind in _CALLS:
+                if sched.step_running:  # the engine is free once it is in (failed or not)
+                    self._deliver_step(sched.drain)
+                _run_call(*payload)
+            else:
+                self._take(kind, payload)
+        if later:
+            with self._lock:
+                self._inbox[:0] = later
+
     def _admit(self) -> None:
         """Before a step is scheduled: the requests and aborts that arrived meanwhile (calls wait)."""
         with self._lock:
-            taken = [item for item in self._inbox if item[0] != "call"]
-            self._inbox = [item for item in self._inbox if item[0] == "call"]
+            taken = [item for item in self._inbox if item[0] not in _CALLS]
+            self._inbox = [item for item in self._inbox if item[0] in _CALLS]
         for kind, payload in taken:
             self._take(kind, payload)
 

@@ -835,9 +835,9 @@ def test_scoring_a_long_prompt_takes_a_chunk_between_engine_steps(client: openai
     calls: list[Any] = []
     real = async_engine.call
 
-    async def counting(fn: Any) -> Any:
+    async def counting(fn: Any, **kw: Any) -> Any:
         calls.append(fn)
-        return await real(fn)
+        return await real(fn, **kw)
 
     monkeypatch.setattr(async_engine, "call", counting)
     ids = [int(i) for i in np.random.default_rng(4).integers(100, 5000, 2 * PREFILL_CHUNK + 10)]  # three chunks
