@@ -196,11 +196,11 @@ class AsyncEngine:
         return request_id, client
 
     def _check_room(self) -> None:
-        """ShuttingDown once the server stops accepting, Overloaded where the requests in flight (generations and
-        scorings) fill the capacity; under the lock."""
+        """ShuttingDown once the server stops accepting, Overloaded where the requests in flight (generations,
+        scorings and embedding jobs) fill the capacity; under the lock."""
         if not self._accepting:
             raise ShuttingDown("the server is shutting down")
-        in_flight = len(self._clients) + self._scorings
+        in_flight = len(self._clients) + self._scorings + len(self._embed_jobs)
         if in_flight >= self.capacity:
             raise Overloaded(f"the server is at capacity ({in_flight} requests in flight); retry later")
 
@@ -240,11 +240,11 @@ class AsyncEngine:
         (each holds one input part-way at most, run again later) and wait, so no two jobs wait on each other's
         blocks, and generation requests that come meanwhile are held back, so that the running ones' blocks come
         back rather than go to newcomers. A waiting job tries again when blocks come back (a step or a call frees
-        some) or the job before it is done. Overloaded where nothing holds blocks that would come back."""
+        some) or the job before it is done. Overloaded where the requests in flight fill the capacity, or where
+        nothing holds blocks that would come back."""
         job = EmbedJob(self.engine, inputs, pooling=pooling, dimensions=dimensions, budget=self.scheduler.token_budget)
         with self._lock:
-            if not self._accepting:
-                raise ShuttingDown("the server is shutting down")
+            self._check_room()  # a request as a generation is
             self._embed_jobs.append(job)
         try:
             while not job.done:

@@ -122,6 +122,34 @@ def test_run_sync_runs_on_the_scheduler_thread_and_passes_errors_back(engine) ->
         asyncio.run(front.shutdown(grace_s=1))
 
 
+def test_an_embedding_takes_a_place_of_the_capacity(engine) -> None:
+    """One place (max_batch 1, max_waiting 0): an embedding beside a running generation is Overloaded before it
+    runs, and a generation beside an embedding job under way is too, as a generation beside a generation is."""
+    async def main() -> None:
+        front = AsyncEngine(engine, max_batch=1, max_waiting=0, token_budget=4)
+        front.start()
+        try:
+            running = front.generate([5, 6], SamplingParams(max_tokens=120, ignore_eos=True))
+            await anext(running)
+            with pytest.raises(Overloaded, match="capacity"):
+                await front.embed(_prompts(2))
+            await running.aclose()
+            for _ in range(1000):  # its abort is taken at the thread's next pass
+                if not front.active:
+                    break
+                await asyncio.sleep(0.005)
+            embedding = asyncio.create_task(front.embed(_prompts(4, seed=2)))
+            await asyncio.sleep(0)  # under way: it waits for the thread
+            with pytest.raises(Overloaded, match="capacity"):
+                await anext(front.generate([7, 8], SamplingParams(max_tokens=2)))
+            assert np.array_equal(await embedding, engine.embed(_prompts(4, seed=2)))
+        finally:
+            await front.shutdown(grace_s=1)
+
+    asyncio.run(main())
+    assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
 def test_embeddings_run_between_steps_and_shutdown_waits_for_them(engine) -> None:
     """An embedding job of many steps shares the thread with a running request; shutdown lets it finish and then
     refuses new ones; a call after the thread stopped is ShuttingDown, not a wait for ever."""
