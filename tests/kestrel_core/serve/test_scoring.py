@@ -100,27 +100,44 @@ def _wait_draining(ae: AsyncEngine) -> None:
     raise AssertionError("the server did not start its drain")
 
 
-def test_a_drain_refuses_a_new_scoring_and_waits_for_one_in_flight(engine: Any, held: HeldScoring,
-                                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_a_drain_refuses_a_new_scoring_and_waits_for_one_in_flight(engine: Any, held: HeldScoring) -> None:
     """As for a generation: a scoring that comes during the drain is a 503 before any of it runs, one in flight
     counts as a request (the log says so) and finishes within the grace."""
     alone = _echo_scores(engine, held)
     ae = AsyncEngine(engine)
-    with running_server(ae, NAME, shutdown_grace_s=60) as server, ThreadPoolExecutor(1) as pool:
-        client = openai_client(server)
-        in_flight = pool.submit(_echo, client)
-        assert held.started.wait(10)
-        assert ae.active == 1
-        with caplog.at_level(logging.INFO, logger="kestrel.serve"):
+    said: list[str] = []
+    # a handler of the server's logger itself: `kestrel serve` stops that logger's records reaching the root's
+    logger, handler = logging.getLogger("kestrel.serve"), _Said(said)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with running_server(ae, NAME, shutdown_grace_s=60) as server, ThreadPoolExecutor(1) as pool:
+            client = openai_client(server)
+            in_flight = pool.submit(_echo, client)
+            assert held.started.wait(10)
+            assert ae.active == 1
             server.request_shutdown()
             _wait_draining(ae)
-        with pytest.raises(openai.InternalServerError) as refused:
-            _echo(client)
-        assert refused.value.status_code == 503 and held.scorings == 1  # refused before its scoring began
-        held.go_on.set()
-        answer = in_flight.result(30)
+            with pytest.raises(openai.InternalServerError) as refused:
+                _echo(client)
+            assert refused.value.status_code == 503 and held.scorings == 1  # refused before its scoring began
+            held.go_on.set()
+            answer = in_flight.result(30)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
     assert answer.choices[0].logprobs.token_logprobs == alone
-    assert "1 request(s) in flight" in caplog.text
+    assert any("1 request(s) in flight" in line for line in said), said
+
+
+class _Said(logging.Handler):
+    def __init__(self, said: list[str]) -> None:
+        super().__init__(logging.INFO)
+        self.said = said
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.said.append(record.getMessage())
 
 
 def test_a_scoring_the_engines_stop_ends_is_a_503(engine: Any, held: HeldScoring) -> None:
