@@ -270,15 +270,20 @@ class AsyncEngine:
             if first:
                 self._blocks_came_back()
             if not job.done:  # given up (an error, a client gone): its blocks go back after the step under way
-                self._post(job.close)
+                closing = self._post(job.close)
+                if closing.done() and isinstance(closing.exception(), ShuttingDown):
+                    job.close()  # the steps' thread has stopped: nothing else drives the engine
 
     def _blocks_come_back(self, since: int) -> asyncio.Future[None]:
-        """A future done once KV blocks have come back after the ``since``-th time (at once where they have, or
-        the steps' thread has stopped: the job's next call then says so)."""
+        """A future done once KV blocks have come back after the ``since``-th time (at once where they have), or
+        ShuttingDown once the steps' thread has stopped (a job waiting its turn makes no call that would say so,
+        and a done future gives the event loop no turn: it would go round for ever)."""
         loop = asyncio.get_running_loop()
         back: asyncio.Future[None] = loop.create_future()
         with self._lock:
-            if self._blocks_back != since or self._exited:
+            if self._exited:
+                back.set_exception(ShuttingDown("the engine's thread has stopped"))
+            elif self._blocks_back != since:
                 back.set_result(None)
             else:
                 self._block_waiters.append((loop, back))
@@ -302,14 +307,15 @@ class AsyncEngine:
 
     def _embed_step(self, job: EmbedJob) -> bool:
         """A step of ``job`` (on the engine's thread); False where the KV cache has no room for it now but the
-        running generation or another job holds blocks, which come back."""
+        running generation, a prompt being scored or another job holds blocks, which come back."""
         try:
             job.step()
             self.counters.steps += 1  # a batched step of the model, as a generation step is
         except Overloaded:
             with self._lock:
                 others = [other for other in self._embed_jobs if other is not job]
-            if self.scheduler.num_running or any(other.holding for other in others):
+                scoring = self._scorings > 0
+            if self.scheduler.num_running or scoring or any(other.holding for other in others):
                 return False
             raise
         return True

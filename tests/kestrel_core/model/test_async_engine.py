@@ -498,3 +498,58 @@ def test_scorings_run_one_chunk_between_two_steps(engine, monkeypatch) -> None:
     assert len(chunk_at) == 6, order
     assert all(b - a > 1 for a, b in zip(chunk_at, chunk_at[1:])), order
     assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def test_a_job_waiting_its_turn_hears_that_the_thread_stopped(engine) -> None:
+    """A job behind the oldest one makes no call while it waits, so the wait itself says ShuttingDown once the
+    steps' thread has stopped: a wait already over would give the event loop no turn, and the job would go round
+    for ever with the server's loop."""
+    async def main() -> None:
+        front = AsyncEngine(engine)
+        front.start()
+        await front.shutdown(grace_s=0)
+        with pytest.raises(ShuttingDown):
+            await front._blocks_come_back(front._blocks_back)
+
+    asyncio.run(main())
+
+
+def test_an_embedding_the_shutdown_ends_gives_its_blocks_back(engine) -> None:
+    """Ended part-way by a shutdown's grace running out: the input it held gives its blocks back, though the steps'
+    thread that would close it has stopped."""
+    async def main() -> None:
+        front = AsyncEngine(engine, token_budget=8)
+        front.start()
+        job = asyncio.create_task(front.embed([list(range(3, 123))] * 6))
+        while engine.pool.free_blocks == engine.pool.num_blocks:  # under way
+            await asyncio.sleep(0.001)
+        await front.shutdown(grace_s=0)
+        with pytest.raises(ShuttingDown):
+            await job
+
+    asyncio.run(main())
+    assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def test_an_embedding_beside_a_scoring_waits_for_its_blocks(tiny_config, monkeypatch) -> None:
+    """A prompt being scored holds blocks between its chunks, which come back: an embedding the cache has no room
+    for meanwhile waits for them, as beside a generation, rather than being refused."""
+    monkeypatch.setattr("kestrel_core.model.engine.PREFILL_CHUNK", 4)  # a scoring of many chunks
+    engine = _tight(tiny_config, 4)
+    text = list(range(5, 45))
+    want = engine.embed([text])
+
+    async def main() -> None:
+        front = AsyncEngine(engine, token_budget=16)
+        front.start()
+        try:
+            scoring = asyncio.create_task(front.score(list(range(3, 103))))
+            while engine.pool.free_blocks == engine.pool.num_blocks:  # its first chunk holds blocks
+                await asyncio.sleep(0.001)
+            assert np.array_equal(await front.embed([text]), want)
+            assert len(await scoring) == 99
+        finally:
+            await front.shutdown(grace_s=1)
+
+    asyncio.run(main())
+    assert engine.pool.free_blocks == engine.pool.num_blocks
