@@ -66,6 +66,14 @@ def _served(template: str, scripted: bool = True) -> Iterator[tuple[Any, openai.
             yield front, openai_client(s)
 
 
+@contextmanager
+def _both_served(template: str) -> Iterator[dict[str, tuple[Any, openai.OpenAI]]]:
+    """Two servers with ``template``: one whose answers are scripted ("scripted"), one whose are the model's own
+    ("model")."""
+    with _served(template) as scripted, _served(template, scripted=False) as model:
+        yield {"scripted": scripted, "model": model}
+
+
 def _fresh(pair: tuple[Scripted, openai.OpenAI]) -> Scripted:
     pair[0].answers.clear()
     pair[0].prompts.clear()
@@ -525,8 +533,8 @@ XML_CALL = ("<tool_call>\n<function=get_forecast>\n<parameter=city>\nSaint-Étie
 
 @pytest.fixture(scope="module")
 def xml_servers() -> Iterator[dict[str, tuple[Any, openai.OpenAI]]]:
-    with _served(XML_TEMPLATE) as scripted, _served(XML_TEMPLATE, scripted=False) as model:
-        yield {"scripted": scripted, "model": model}
+    with _both_served(XML_TEMPLATE) as both:
+        yield both
 
 
 def reply_parts(reply: Any, stream: bool) -> tuple[str | None, str, list[Any], str | None]:

@@ -16,7 +16,7 @@ from typing import Any
 import openai
 import pytest
 
-from .test_tool_calls import ASK, DAYS, NAME, TIME, WEATHER, _fresh, _served, reply_parts
+from .test_tool_calls import ASK, DAYS, NAME, TIME, WEATHER, _both_served, _fresh, reply_parts
 
 pytestmark = pytest.mark.default_model
 
@@ -31,8 +31,8 @@ CALLS = ('<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris"}}, 
 
 @pytest.fixture(scope="module")
 def apriel() -> Iterator[dict[str, tuple[Any, openai.OpenAI]]]:
-    with _served(TEMPLATE) as scripted, _served(TEMPLATE, scripted=False) as model:
-        yield {"scripted": scripted, "model": model}
+    with _both_served(TEMPLATE) as both:
+        yield both
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -16,7 +16,7 @@ from typing import Any
 import openai
 import pytest
 
-from .test_tool_calls import ASK, DAYS, NAME, _fresh, _served, reply_parts
+from .test_tool_calls import ASK, DAYS, NAME, _both_served, _fresh, reply_parts
 
 pytestmark = pytest.mark.default_model
 
@@ -60,8 +60,8 @@ FORMATS = {
 @pytest.fixture(scope="module", params=list(FORMATS))
 def markup_servers(request: pytest.FixtureRequest) -> Iterator[tuple[str, dict[str, tuple[Any, openai.OpenAI]]]]:
     template = FORMATS[request.param][0]
-    with _served(template) as scripted, _served(template, scripted=False) as model:
-        yield request.param, {"scripted": scripted, "model": model}
+    with _both_served(template) as both:
+        yield request.param, both
 
 
 def test_calls_come_back_typed_with_the_reasoning_apart(markup_servers) -> None:  # type: ignore[no-untyped-def]
@@ -103,8 +103,8 @@ MISTRAL_ARGS_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def mistral_args_servers() -> Iterator[dict[str, tuple[Any, openai.OpenAI]]]:
-    with _served(MISTRAL_ARGS_TEMPLATE) as scripted, _served(MISTRAL_ARGS_TEMPLATE, scripted=False) as model:
-        yield {"scripted": scripted, "model": model}
+    with _both_served(MISTRAL_ARGS_TEMPLATE) as both:
+        yield both
 
 
 def test_mistral_args_calls_come_back_whole_and_streamed(mistral_args_servers) -> None:  # type: ignore[no-untyped-def]
