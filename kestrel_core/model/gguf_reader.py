@@ -28,7 +28,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.gguf_bounds import check_gguf_bounds, split_parts
 from kestrel_core.model.gguf_meta import HYBRID_ARCHITECTURES, GGUFMetadata, dequantize_tensor
-from kestrel_core.model.quantize import fused_rows, hybrid_splits, layer_name, map_tensor_name
+from kestrel_core.model.quantize import fused_parts, fused_rows, hybrid_splits, layer_name, map_tensor_name
 from kestrel_core.model.validate import ValidationError, check_regular_file
 from kestrel_core.model.weights import expert_field
 
@@ -117,6 +117,26 @@ def kestrel_name(gguf_name: str, arch: str = "llama") -> str | None:
                  if arch == "granitehybrid" else _LAYER_MAP)
     return map_tensor_name(gguf_name, _LFM2_GLOBAL_MAP if arch in ("lfm2", "lfm2moe") else _GLOBAL_MAP, _BLK_RE,
                            layer_map)
+
+
+def _fused(arch: str) -> dict[str, tuple[str, ...] | str]:
+    """The fused tensors of ``arch``'s GGUF files, by name within a block: their kestrel members in row order
+    (``FUSED``), or a hybrid's quantize.hybrid_splits role."""
+    return {**FUSED.get(arch, {}), **(_HYBRID_SPLITS if arch in HYBRID_ARCHITECTURES else {})}
+
+
+def tensor_parts(gguf_name: str, arch: str, c: ModelConfig) -> list[tuple[str, tuple[int, int] | np.ndarray]]:
+    """The kestrel tensors a fused tensor of ``arch``'s GGUF holds, each with its rows of it (phi3's attn_qkv and
+    ffn_up, glm4's ffn_up, a hybrid's attn_q and ssm_ba), as the llama.cpp converter writes the base's and an
+    adapter's; empty for any other tensor (``kestrel_name`` names those)."""
+    m = _BLK_RE.match(gguf_name)
+    members = None if m is None else _fused(arch).get(m.group(2))
+    if m is None or members is None:
+        return []
+    layer = int(m.group(1))
+    if isinstance(members, str):
+        return [(layer_name(layer, member), rows) for member, rows in hybrid_splits(c)[members]]
+    return list(fused_parts(layer, members, c))
 
 
 def hf_layout(w: np.ndarray, name: str, c: ModelConfig, permuted: bool, tiled: bool) -> np.ndarray:
@@ -233,15 +253,12 @@ class GGUFCheckpoint(GGUFMetadata):
         self._experts: dict[str, tuple[Any, int]] = {}  # kestrel name -> (stacked tensor, expert)
         self._latent_up: dict[str, dict[str, Any]] = {}  # layers.N.kv_b -> its attn_k_b and attn_v_b
         file_arch = self.field("general.architecture")
-        fused = FUSED.get(file_arch, {})
-        split = []
+        fused = _fused(file_arch)
+        split = []  # split by rows once the config says how
         for t in self.file_tensors:
             m = _BLK_RE.match(t.name)
             if m and m.group(2) in fused:
-                split.append((int(m.group(1)), fused[m.group(2)], t))
-                continue
-            if m and file_arch in HYBRID_ARCHITECTURES and m.group(2) in _HYBRID_SPLITS:
-                split.append((int(m.group(1)), _HYBRID_SPLITS[m.group(2)], t))
+                split.append(t)
                 continue
             if m and m.group(2) in LATENT_UP:
                 self._latent_up.setdefault(layer_name(int(m.group(1)), "kv_b"), {})[m.group(2)] = t
@@ -259,20 +276,10 @@ class GGUFCheckpoint(GGUFMetadata):
         self._rope_factors = {t.name: t for t in self.file_tensors if t.name.startswith("rope_factors_")}
         self.config = self._config()
         self.tiled_value_heads = file_arch in TILED_ARCHITECTURES
-        c = self.config
-        splits = hybrid_splits(c) if c.linear_layers else {}
-        for layer, members, t in split:  # rows of the fused tensor in member order
-            if isinstance(members, str):  # a hybrid's, by its role
-                for member, rows in splits[members]:
-                    self._tensors[layer_name(layer, member)] = t
-                    self._rows[layer_name(layer, member)] = rows
-                continue
-            start = 0
-            for member in members:
-                name = layer_name(layer, member)
+        for t in split:
+            for name, rows in tensor_parts(t.name, file_arch, self.config):
                 self._tensors[name] = t
-                self._rows[name] = (start, start + c.rows_of(member))
-                start += c.rows_of(member)
+                self._rows[name] = rows
 
     def _split_tensors(self) -> list[Any]:
         """Every tensor of the file, or of every part of a split one (llama.cpp's ``split.*`` metadata: each part

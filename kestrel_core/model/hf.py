@@ -36,7 +36,7 @@ from kestrel_core.model.hf_config import (
 )
 from kestrel_core.model.int_quant import PACKED_SUFFIXES, IntWeight, int_scheme
 from kestrel_core.model.int_quant import read_weight as read_int_weight
-from kestrel_core.model.quantize import fused_rows, hybrid_splits, layer_name, map_tensor_name
+from kestrel_core.model.quantize import fused_parts, fused_rows, hybrid_splits, layer_name, map_tensor_name
 from kestrel_core.model.validate import (
     check_regular_file,
     open_regular,
@@ -197,12 +197,7 @@ def tensor_parts(hf_name: str, c: ModelConfig) -> list[tuple[str, Rows | None]]:
         return {"shared_mlp.input_linear.weight": [(layer_name(layer, prefix + "gate"), (0, width)),
                                                    (layer_name(layer, prefix + "up"), (width, 2 * width))],
                 "shared_mlp.output_linear.weight": [(layer_name(layer, prefix + "down"), None)]}.get(tensor, [])
-    out: list[tuple[str, Rows | None]] = []
-    start = 0
-    for member in _FUSED_MAP.get(tensor, ()):
-        out.append((layer_name(layer, member), (start, start + c.rows_of(member))))
-        start += c.rows_of(member)
-    return out
+    return list(fused_parts(layer, _FUSED_MAP.get(tensor, ()), c))
 
 
 def kestrel_form(name: str, t: np.ndarray, c: ModelConfig, where: str) -> np.ndarray:

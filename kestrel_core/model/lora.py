@@ -16,7 +16,9 @@ llama.cpp's adapters (``convert_lora_to_gguf.py``: a GGUF of ``general.type`` ad
 tensors ``blk.N.<tensor>.weight.lora_a`` [r, in] and ``.lora_b`` [out, r]) merge the same way, s = alpha / r; the
 converter writes them in the layout it writes the base's weights in (Q and K rows permuted for llama's family,
 Qwen3.5's value heads tiled along its linear attention's out_proj columns), which the merge takes B @ A back from
-as the GGUF reader takes the base's (gguf_reader.hf_layout). The converter keeps an adapter's norms
+as the GGUF reader takes the base's (gguf_reader.hf_layout); a tensor it keeps fused (phi3's ``attn_qkv`` and
+``ffn_up``, glm4's ``ffn_up``) gives each part its rows of B as the reader gives the
+base's (gguf_reader.tensor_parts), as a PEFT adapter's fused module does. The converter keeps an adapter's norms
 (mergekit-extract-lora's) as tensors of their own, which take the base's place too (llama.cpp passes over them).
 """
 
@@ -324,8 +326,9 @@ def _kestrel_pairs(source: TensorSource, adapter: Adapter) -> dict[str, tuple[np
     where, c = f"LoRA adapter {adapter.path}", source.config
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for own, (a, b) in adapter.pairs.items():
-        weight = own if adapter.architecture is not None else own + ".weight"  # a PEFT pair's own is its module
-        for name, part in _split(b, weight, f"{own}'s lora_B", adapter, c):
+        gguf = adapter.architecture is not None
+        weight = own if gguf else own + ".weight"  # a PEFT pair's own is its module
+        for name, part in _split(b, weight, f"{own}'s {'lora_b' if gguf else 'lora_B'}", adapter, c):
             field = None if name is None else name.rsplit(".", 1)[-1]
             if name is None or field not in MERGED or ".experts." in name:
                 raise KestrelError(f"{where}: {own} is not a projection kestrel merges into "
@@ -366,16 +369,18 @@ def _split(t: np.ndarray, weight: str, label: str, adapter: Adapter, c: ModelCon
            ) -> list[tuple[str | None, np.ndarray]]:
     """``t`` (a B, or a weight held in full) for each kestrel tensor the adapter's ``weight`` changes: named as
     the base's architecture names its weights (LFM2's ``feed_forward.w1`` is its gate, Granite-4.0-H's
-    ``mamba.out_proj`` its o), None where kestrel has none; a fused weight (Phi-3's ``qkv_proj``, Granite-4.0-H's
-    ``shared_mlp.input_linear``, Qwen3.5's gated ``q_proj``) gives each part its rows of ``t``, which must be the
-    fused weight's rows."""
+    ``mamba.out_proj`` its o; a GGUF adapter's as its architecture's GGUF names them), None where kestrel has none;
+    a fused weight (Phi-3's ``qkv_proj`` / ``attn_qkv``, Granite-4.0-H's ``shared_mlp.input_linear``, Qwen3.5's
+    gated ``q_proj`` / ``attn_q``) gives each part its rows of ``t``, which must be the fused weight's rows."""
     where = f"LoRA adapter {adapter.path}"
+    parts: list[tuple[str | None, Rows | None]]
     if adapter.architecture is not None:  # gguf-py is imported for GGUF adapters only
-        from kestrel_core.model.gguf_reader import kestrel_name as gguf_name
+        from kestrel_core.model import gguf_reader
 
-        return [(gguf_name(weight, adapter.architecture), t)]
-    parts: list[tuple[str | None, Rows | None]] = (list(tensor_parts(weight, c))
-                                                   or [(kestrel_name(weight, c.arch), None)])
+        parts = (list(gguf_reader.tensor_parts(weight, adapter.architecture, c))
+                 or [(gguf_reader.kestrel_name(weight, adapter.architecture), None)])
+    else:
+        parts = list(tensor_parts(weight, c)) or [(kestrel_name(weight, c.arch), None)]
     heights = [r[1] - r[0] if isinstance(r, tuple) else len(r) for _, r in parts if r is not None]
     if heights and t.shape[0] != sum(heights):
         raise KestrelError(f"{where}: {label} has {t.shape[0]} rows, not the {sum(heights)} of the model's "

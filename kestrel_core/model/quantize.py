@@ -50,6 +50,18 @@ def group_rows(groups: int, sizes: Sequence[int], parts: Sequence[int]) -> np.nd
                            for p in parts])
 
 
+def fused_parts(layer: int, members: Sequence[str], c: ModelConfig) -> list[tuple[str, tuple[int, int]]]:
+    """Layer ``layer``'s kestrel tensors ``members`` (q, k, v; gate, up) as one checkpoint tensor holds them, one
+    after another (Phi-3's Q|K|V and gate|up, GLM-4's gate|up), each with its range of rows: the config's rows of
+    each, in order."""
+    out = []
+    start = 0
+    for member in members:
+        out.append((layer_name(layer, member), (start, start + c.rows_of(member))))
+        start += c.rows_of(member)
+    return out
+
+
 def hybrid_splits(c: ModelConfig) -> dict[str, tuple[tuple[str, np.ndarray], ...]]:
     """How a hybrid model's fused checkpoint tensors split into kestrel's, by role: "q_gate" (gated attention's
     q_proj), "qkvz" and "ba" (Qwen3-Next's linear-attention inputs); each (kestrel field, its rows)."""

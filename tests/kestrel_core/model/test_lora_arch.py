@@ -71,6 +71,47 @@ def test_an_adapter_of_granites_shared_mlp_merges_into_its_gguf_twin(tmp_path: P
             np.testing.assert_allclose(merged.get(name), base.get(name) + d, rtol=1e-6, atol=1e-7)
 
 
+FUSED_GGUF_NAMES = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", "self_attn.q_proj": "attn_q"}
+FUSED = [("tiny-phi3", "phi3", ["self_attn.qkv_proj", "mlp.gate_up_proj"]), ("tiny-glm4", "glm4", ["mlp.gate_up_proj"])]
+
+
+@pytest.mark.parametrize("twin", [False, True])
+@pytest.mark.parametrize(("model", "arch", "targets"), FUSED)
+def test_a_gguf_adapter_of_a_fused_tensor_merges_as_the_peft_one(tmp_path: Path, model: str, arch: str,
+                                                                  targets: list[str], twin: bool) -> None:
+    """llama.cpp's converter keeps Phi-3's Q|K|V (attn_qkv) and gate|up (ffn_up: gate rows, then up) and GLM-4's
+    gate|up fused, in an adapter as in the base: B's rows split as the PEFT adapter's of qkv_proj and gate_up_proj,
+    its logits bit for bit, from the checkpoint and from its GGUF twin."""
+    hf = FIXTURES / model
+    base = FIXTURES / f"{model}.gguf" if twin else hf
+    pairs = peft_adapter(tmp_path / "peft", hf, targets)
+    adapter = gguf_adapter(tmp_path / "adapter.gguf", pairs, arch, 8, FUSED_GGUF_NAMES)
+    want = logits(base, tmp_path / "peft")
+    np.testing.assert_array_equal(logits(base, adapter), want)
+    assert not np.allclose(logits(base), want, atol=1e-3)
+
+
+@pytest.mark.parametrize(("model", "arch", "module", "change", "says"), [
+    ("tiny-phi3", "phi3", "self_attn.qkv_proj", lambda a, b: (a, b[:-16]),
+     "blk.0.attn_qkv.weight's lora_b has 112 rows, not the 128 of the model's layers.0.q, layers.0.k, layers.0.v "
+     "(another base model's adapter?)"),
+    ("tiny-phi3", "phi3", "mlp.gate_up_proj", lambda a, b: (a[:, :-8], b),
+     "layers.0.gate is [128, 64] in the model but B @ A is [128, 56] (another base model's adapter?)"),
+])
+def test_a_wrong_shaped_gguf_adapter_of_a_fused_tensor_is_one_line(  # type: ignore[no-untyped-def]
+        tmp_path: Path, model: str, arch: str, module: str, change, says: str) -> None:
+    """B's rows that are not the fused weight's, or A's columns that are not its input's: refused in one line
+    naming the tensor and both shapes."""
+    from kestrel_core.errors import KestrelError
+    from kestrel_core.model.loader import load_model
+
+    pairs = {m: change(a, b) for m, (a, b) in peft_adapter(tmp_path / "peft", FIXTURES / model, [module]).items()}
+    adapter = gguf_adapter(tmp_path / "adapter.gguf", pairs, arch, 8, FUSED_GGUF_NAMES)
+    with pytest.raises(KestrelError) as info:
+        load_model(str(FIXTURES / model), "q8", cache="off", lora=str(adapter))
+    assert str(info.value) == f"LoRA adapter {adapter}: {says}"
+
+
 def test_a_gguf_adapter_of_gated_attentions_attn_q_is_refused(tmp_path: Path) -> None:
     """llama.cpp's attn_q of Qwen3.5 holds each head's query and gate rows: a GGUF adapter of it is refused by name
     (a PEFT adapter of q_proj merges)."""
