@@ -17,7 +17,7 @@ tensors ``blk.N.<tensor>.weight.lora_a`` [r, in] and ``.lora_b`` [out, r]) merge
 converter writes them in the layout it writes the base's weights in (Q and K rows permuted for llama's family,
 Qwen3.5's value heads tiled along its linear attention's out_proj columns), which the merge takes B @ A back from
 as the GGUF reader takes the base's (gguf_reader.hf_layout); a tensor it keeps fused (phi3's ``attn_qkv`` and
-``ffn_up``, glm4's ``ffn_up``) gives each part its rows of B as the reader gives the
+``ffn_up``, glm4's ``ffn_up``, gated attention's ``attn_q``) gives each part its rows of B as the reader gives the
 base's (gguf_reader.tensor_parts), as a PEFT adapter's fused module does. The converter keeps an adapter's norms
 (mergekit-extract-lora's) as tensors of their own, which take the base's place too (llama.cpp passes over them).
 """
@@ -335,9 +335,6 @@ def _kestrel_pairs(source: TensorSource, adapter: Adapter) -> dict[str, tuple[np
                                    f"({', '.join(sorted(MERGED - {'attn_gate'}))} of each layer)")
             if not source.has(name):
                 raise KestrelError(f"{where}: the model has no {name} to adapt (another base model's adapter?)")
-            if adapter.architecture is not None and c.attn_output_gate and field == "q":
-                raise KestrelError(f"{where}: {own} of gated attention (each head's query and gate rows in one "
-                                   "tensor) is not supported in a GGUF adapter (its PEFT form is)")
             if name in out:
                 raise KestrelError(f"{where}: two of its matrices adapt {name}")
             out[name] = (a, part)

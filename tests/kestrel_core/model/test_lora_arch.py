@@ -72,16 +72,18 @@ def test_an_adapter_of_granites_shared_mlp_merges_into_its_gguf_twin(tmp_path: P
 
 
 FUSED_GGUF_NAMES = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", "self_attn.q_proj": "attn_q"}
-FUSED = [("tiny-phi3", "phi3", ["self_attn.qkv_proj", "mlp.gate_up_proj"]), ("tiny-glm4", "glm4", ["mlp.gate_up_proj"])]
+FUSED = [("tiny-phi3", "phi3", ["self_attn.qkv_proj", "mlp.gate_up_proj"]), ("tiny-glm4", "glm4", ["mlp.gate_up_proj"]),
+         ("tiny-qwen3_5", "qwen35", ["self_attn.q_proj"]), ("tiny-qwen3-next", "qwen3next", ["self_attn.q_proj"])]
 
 
 @pytest.mark.parametrize("twin", [False, True])
 @pytest.mark.parametrize(("model", "arch", "targets"), FUSED)
 def test_a_gguf_adapter_of_a_fused_tensor_merges_as_the_peft_one(tmp_path: Path, model: str, arch: str,
                                                                   targets: list[str], twin: bool) -> None:
-    """llama.cpp's converter keeps Phi-3's Q|K|V (attn_qkv) and gate|up (ffn_up: gate rows, then up) and GLM-4's
-    gate|up fused, in an adapter as in the base: B's rows split as the PEFT adapter's of qkv_proj and gate_up_proj,
-    its logits bit for bit, from the checkpoint and from its GGUF twin."""
+    """llama.cpp's converter keeps Phi-3's Q|K|V (attn_qkv) and gate|up (ffn_up: gate rows, then up), GLM-4's
+    gate|up and gated attention's attn_q (each head's query, then its gate) fused, in an adapter as in the base:
+    B's rows split as the PEFT adapter's of qkv_proj, gate_up_proj and q_proj, its logits bit for bit, from the
+    checkpoint and from its GGUF twin."""
     hf = FIXTURES / model
     base = FIXTURES / f"{model}.gguf" if twin else hf
     pairs = peft_adapter(tmp_path / "peft", hf, targets)
@@ -97,6 +99,9 @@ def test_a_gguf_adapter_of_a_fused_tensor_merges_as_the_peft_one(tmp_path: Path,
      "(another base model's adapter?)"),
     ("tiny-phi3", "phi3", "mlp.gate_up_proj", lambda a, b: (a[:, :-8], b),
      "layers.0.gate is [128, 64] in the model but B @ A is [128, 56] (another base model's adapter?)"),
+    ("tiny-qwen3_5", "qwen35", "self_attn.q_proj", lambda a, b: (a, b[: b.shape[0] // 2]),
+     "blk.3.attn_q.weight's lora_b has 128 rows, not the 256 of the model's layers.3.q, layers.3.attn_gate "
+     "(another base model's adapter?)"),
 ])
 def test_a_wrong_shaped_gguf_adapter_of_a_fused_tensor_is_one_line(  # type: ignore[no-untyped-def]
         tmp_path: Path, model: str, arch: str, module: str, change, says: str) -> None:
@@ -110,19 +115,6 @@ def test_a_wrong_shaped_gguf_adapter_of_a_fused_tensor_is_one_line(  # type: ign
     with pytest.raises(KestrelError) as info:
         load_model(str(FIXTURES / model), "q8", cache="off", lora=str(adapter))
     assert str(info.value) == f"LoRA adapter {adapter}: {says}"
-
-
-def test_a_gguf_adapter_of_gated_attentions_attn_q_is_refused(tmp_path: Path) -> None:
-    """llama.cpp's attn_q of Qwen3.5 holds each head's query and gate rows: a GGUF adapter of it is refused by name
-    (a PEFT adapter of q_proj merges)."""
-    from kestrel_core.errors import KestrelError
-    from kestrel_core.model.loader import load_model
-
-    pairs = peft_adapter(tmp_path / "peft", FIXTURES / "tiny-qwen3_5", ["self_attn.q_proj"])
-    adapter = gguf_adapter(tmp_path / "adapter.gguf", pairs, "qwen35", 8, GGUF_NAMES)
-    with pytest.raises(KestrelError, match=r"blk\.3\.attn_q\.weight of gated attention \(each head's query and gate "
-                                           r"rows in one tensor\) is not supported in a GGUF adapter"):
-        load_model(str(FIXTURES / "tiny-qwen3_5"), "q8", cache="off", lora=str(adapter))
 
 
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
