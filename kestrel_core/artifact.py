@@ -5,7 +5,8 @@ as float32 ``<name>``. Tensor names are kestrel's (``embedding``, ``lm_head``, `
 ``layers.<i>.<q|k|v|o|gate|up|down|attn_norm|mlp_norm|q_bias|k_bias|v_bias|q_norm|k_norm>``). A tied lm_head
 is not stored: it is the embedding. The safetensors header's ``__metadata__`` (string values only) holds
 the format name and version, the layout flags, the quant mode, each weight's group size and bits, the
-ModelConfig, the tokenizer.json text, the chat template and an XXH64 of every tensor's bytes.
+ModelConfig, the tokenizer.json text, the chat template, an XXH64 of every tensor's bytes and of the rest of
+the metadata, and the entry that says the file carries them.
 docs/formats.md describes it field by field.
 
 This module is the format and its header: the names above, the header parsed (JSON and offsets, every offset
@@ -52,6 +53,11 @@ REQUIRED_LAYOUT_FLAGS = ("row-major-codes",)
 ARTIFACT_SUFFIX = ".kst"
 CHECKSUM_ALGORITHM = "xxh64"  # XXH64, seed 0, of each tensor's bytes, as 16 lowercase hex digits (checksum.py)
 CHECKSUMS_KEY = "checksums"  # the metadata entry holding them (metadata_digest covers every other entry)
+# The entry that says the file carries checksums, of its tensors and its metadata: one flipped bit in the name of
+# CHECKSUMS_KEY (or of its "metadata") would otherwise make the file look like one written without them, which
+# loads unverified; this entry is under the metadata checksum, so a flipped bit in its own name is caught there.
+# A reader that does not know it ignores it.
+INTEGRITY_KEY = "integrity"
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 CHUNK_BYTES = 4 << 20  # the writer and the checksum / range pass work in chunks of this size
 
@@ -76,6 +82,7 @@ class ArtifactMeta:
     eos_token: str | None = None
     checksums: dict[str, int] | None = None  # tensor name -> XXH64; None: the file carries none
     metadata_checksum: int | None = None  # XXH64 of the rest of the metadata (metadata_digest); None: none recorded
+    integrity: str | None = None  # INTEGRITY_KEY's value: the file carries both of the above; None: not said
 
 
 # -- the header -------------------------------------------------------------------------------------------
@@ -305,9 +312,11 @@ def metadata_digest(meta: dict[str, str]) -> int:
 
 
 def _checksums(path: Path, meta: dict[str, str]) -> dict[str, Any]:
-    """The ``checksums`` and ``metadata_checksum`` fields of ArtifactMeta (None where the file records none)."""
+    """The ``checksums``, ``metadata_checksum`` and ``integrity`` fields of ArtifactMeta (None where the file records
+    none)."""
+    integrity = meta.get(INTEGRITY_KEY)
     if CHECKSUMS_KEY not in meta:
-        return {"checksums": None, "metadata_checksum": None}
+        return {"checksums": None, "metadata_checksum": None, "integrity": integrity}
     sums = _json(path, meta, CHECKSUMS_KEY)
     if not isinstance(sums, dict) or not isinstance(sums.get("tensors"), dict):
         raise refuse(path, "artifact metadata 'checksums' must be {\"algorithm\": ..., \"tensors\": {...}}")
@@ -315,7 +324,8 @@ def _checksums(path: Path, meta: dict[str, str]) -> dict[str, Any]:
         raise refuse(path, f"artifact checksums use {sums.get('algorithm')!r}; this kestrel verifies "
                             f"{CHECKSUM_ALGORITHM!r}")
     return {"checksums": {name: _digest(path, repr(name), value) for name, value in sums["tensors"].items()},
-            "metadata_checksum": None if "metadata" not in sums else _digest(path, "the metadata", sums["metadata"])}
+            "metadata_checksum": None if "metadata" not in sums else _digest(path, "the metadata", sums["metadata"]),
+            "integrity": integrity}
 
 
 def _digest(path: Path, what: str, value: Any) -> int:

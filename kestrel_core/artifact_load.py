@@ -18,6 +18,7 @@ import numpy as np
 from kestrel_core import checksum
 from kestrel_core.artifact import (
     CHUNK_BYTES,
+    INTEGRITY_KEY,
     ArtifactMeta,
     metadata_digest,
     model_tensors,
@@ -58,11 +59,7 @@ def load_artifact(path: str | os.PathLike[str], *, verify: bool = True, require_
     f = open_artifact_file(path)
     try:
         meta = parse_meta(path, f.metadata, f.entries)
-        if require_checksums and checksum.fast():
-            if meta.checksums is None:
-                raise refuse(path, "the artifact carries no checksums")
-            if meta.metadata_checksum is None:
-                raise refuse(path, "the artifact carries no checksum of its metadata")
+        _check_present(path, meta, verify, require_checksums)
         if verify and meta.metadata_checksum is not None and checksum.fast():
             _check_metadata(path, f.metadata, meta.metadata_checksum)
         sums = meta.checksums if verify and meta.checksums is not None and checksum.fast() else None
@@ -109,6 +106,20 @@ def load_artifact(path: str | os.PathLike[str], *, verify: bool = True, require_
     finally:
         f.close()
     return model, meta
+
+
+def _check_present(path: Path, meta: ArtifactMeta, verify: bool, require_checksums: bool) -> None:
+    """Refuse a file without the checksums it says it carries (its INTEGRITY_KEY: the name of the entry holding
+    them corrupt), and one without checksums where they are required."""
+    missing = ("checksums" if meta.checksums is None else
+               "checksum of its metadata" if meta.metadata_checksum is None else None)
+    if missing is None:
+        return
+    if verify and meta.integrity is not None:
+        raise refuse(path, f"the header is corrupt: its {INTEGRITY_KEY!r} entry says it carries checksums, but it "
+                            f"has no {missing} (re-create or re-download the artifact)")
+    if require_checksums and checksum.fast():
+        raise refuse(path, f"the artifact carries no {missing}")
 
 
 def _check_metadata(path: Path, metadata: dict[str, str], recorded: int) -> None:

@@ -24,6 +24,7 @@ from kestrel_core.artifact import (
     CHUNK_BYTES,
     FORMAT_NAME,
     FORMAT_VERSION,
+    INTEGRITY_KEY,
     layout_flags,
     metadata_digest,
     model_tensors,
@@ -106,6 +107,8 @@ def _write_safetensors(f: BinaryIO, arrays: list[tuple[str, np.ndarray]], metada
         offset += arr.nbytes
 
     with_sums = checksum.fast()
+    if with_sums:  # before the metadata's checksum, which covers it
+        metadata = {**metadata, INTEGRITY_KEY: CHECKSUM_ALGORITHM}
     metadata_sum = f"{metadata_digest(metadata):016x}" if with_sums else ""
 
     def header(sums: dict[str, int]) -> bytes:

@@ -150,7 +150,7 @@ def test_tensor_that_breaks_the_contract_or_config(tmp_path: Path, synth_source)
     save_file(bad, str(path), metadata=meta)  # the recorded checksum no longer matches
     with pytest.raises(KestrelError, match=r"tensor 'layers\.0\.q\.codes' is corrupt: its XXH64"):
         load_artifact(path)
-    unchecked = {k: v for k, v in meta.items() if k != "checksums"}  # another producer's file, without sums
+    unchecked = {k: v for k, v in meta.items() if k not in ("checksums", "integrity")}  # another producer's file
     save_file(bad, str(path), metadata=unchecked)
     with pytest.raises(KestrelError, match=r"tensor 'layers\.0\.q' breaks the strip-cache contract: int8 codes"):
         load_artifact(path)

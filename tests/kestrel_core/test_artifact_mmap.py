@@ -107,7 +107,7 @@ def test_an_artifact_without_checksums_loads_unless_they_are_required(tmp_path: 
     """Artifacts written before checksums (by safetensors' own writer) still load, unverified."""
     path = _save(tmp_path, synth_source)
     with safe_open(str(path), framework="numpy") as f:
-        meta = {k: v for k, v in f.metadata().items() if k != "checksums"}
+        meta = {k: v for k, v in f.metadata().items() if k not in ("checksums", "integrity")}
     tensors = load_file(str(path))
     old = tmp_path / "old.kst"
     save_file(tensors, str(old), metadata=meta)
@@ -115,6 +115,10 @@ def test_an_artifact_without_checksums_loads_unless_they_are_required(tmp_path: 
     assert loaded_meta.checksums is None
     np.testing.assert_array_equal(model.layers[1].v.codes, tensors["layers.1.v.codes"])
     assert "carries no checksums" in _error(old, require_checksums=True)
+    save_file(tensors, str(old), metadata={**meta, "integrity": "xxh64"})  # says it has them: its entry is lost
+    assert "the header is corrupt: its 'integrity' entry says it carries checksums, but it has no checksums" \
+        in _error(old)
+    load_artifact(old, verify=False)  # the escape for a post-mortem
     save_file(tensors, str(old), metadata={**meta, "checksums": json.dumps({"algorithm": "md5", "tensors": {}})})
     assert "checksums use 'md5'" in _error(old)
 
@@ -154,19 +158,45 @@ def test_a_flipped_bit_in_the_metadata_is_refused_by_path(tmp_path: Path, synth_
     assert json.loads(meta["checksums"])["metadata"] == xxhash.xxh64(rest.encode()).hexdigest()  # as documented
 
 
+@pytest.mark.parametrize("key", [b'"checksums"', b'\\"metadata\\"', b'"integrity"'])
+def test_no_flipped_bit_in_a_checksum_key_passes_the_file_off_as_one_without_checksums(tmp_path: Path, synth_source,
+                                                                                       key: bytes) -> None:
+    """The name of the checksums entry, of the metadata's checksum in it, and of the entry that says the file
+    carries both: each bit of each flipped in turn, every file is refused (loaded unverified, a corrupt tensor
+    or config would pass)."""
+    path = _save(tmp_path, synth_source)
+    clean = path.read_bytes()
+    start, _ = _header(path)
+    at = clean.index(key, 0, start)
+    assert clean.find(key, at + 1, start) == -1
+    first = at + key.index(b'"') + 1
+    for i in range(first, at + len(key) - key[::-1].index(b'"') - 1):
+        for bit in range(8):
+            data = bytearray(clean)
+            data[i] ^= 1 << bit
+            path.write_bytes(bytes(data))
+            try:
+                _error(path)
+            except pytest.fail.Exception:
+                pytest.fail(f"bit {bit} of byte {i - first} of {key!r} flipped: the file loaded")
+
+
 def test_an_artifact_without_a_metadata_checksum_loads_unless_it_is_required(tmp_path: Path, synth_source) -> None:
     """What a kestrel that recorded tensor checksums only wrote: given by path it loads (its tensors verified);
     a cache entry requires both."""
     path = _save(tmp_path, synth_source)
     with safe_open(str(path), framework="numpy") as f:
         meta = dict(f.metadata())
-    sums = json.loads(meta["checksums"])
+    sums = json.loads(meta.pop("checksums"))
     del sums["metadata"]
+    meta.pop("integrity")
     old = tmp_path / "old.kst"
     save_file(load_file(str(path)), str(old), metadata={**meta, "checksums": json.dumps(sums)})
     _, loaded_meta = load_artifact(old)
     assert loaded_meta.metadata_checksum is None and loaded_meta.checksums
     assert "carries no checksum of its metadata" in _error(old, require_checksums=True)
+    save_file(load_file(str(path)), str(old), metadata={**meta, "checksums": json.dumps(sums), "integrity": "xxh64"})
+    assert "says it carries checksums, but it has no checksum of its metadata" in _error(old)
 
 
 @pytest.mark.parametrize("tensor", ["layers.1.gate.codes", "layers.0.k.scales", "final_norm", "embedding.codes"])

@@ -289,8 +289,9 @@ def test_an_entry_with_a_flipped_bit_in_its_metadata_or_without_its_checksum_is_
     gc.collect()
     with safe_open(str(entry), framework="numpy") as f:
         meta = dict(f.metadata())
-    sums = json.loads(meta["checksums"])
+    sums = json.loads(meta.pop("checksums"))
     del sums["metadata"]
+    meta.pop("integrity")
     save_file(load_file(str(entry)), str(entry), metadata={**meta, "checksums": json.dumps(sums)})
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kestrel"):

@@ -147,7 +147,7 @@ def test_fuzz_kst_bytes(edits: list[tuple[int, str, int]]) -> None:
 
 
 KST_META_KEYS = ["format", "format_version", "layout", "quant", "tensors", "config", "extra", "tokenizer_json",
-                 "chat_template", "checksums"]
+                 "chat_template", "checksums", "integrity"]
 
 
 @settings(FUZZ, max_examples=60)
