@@ -85,15 +85,25 @@ class Slot:
         """The slot's entries that ``entry``, this kestrel's, replaces: this version's under another key, and older
         versions'. Never a newer kestrel's, nor one whose version cannot be ordered against this one's: kestrel
         versions sharing a KESTREL_HOME each keep their own."""
-        ours = _release(__version__)
         found = []
         for path in entry.parent.glob(self.pattern()):
-            theirs = path.name.rpartition(".kestrel-")[2].removesuffix(".kst")
-            release = _release(theirs)
-            older = ours is not None and release is not None and release < ours
-            if path != entry and (theirs == __version__ or older):
+            theirs = _written_by(path)
+            if path != entry and (theirs == __version__ or _order(theirs) == "older"):
                 found.append(path)
         return found
+
+
+def _written_by(entry: Path) -> str:
+    """The kestrel version an entry's name says wrote it."""
+    return entry.name.rpartition(".kestrel-")[2].removesuffix(".kst")
+
+
+def _order(version: str) -> str | None:
+    """"older", "newer" or "same" against this kestrel's version; None where either cannot be ordered."""
+    ours, theirs = _release(__version__), _release(version)
+    if ours is None or theirs is None:
+        return None
+    return "older" if theirs < ours else "newer" if theirs > ours else "same"
 
 
 def _release(version: str) -> tuple[int, ...] | None:
@@ -218,8 +228,11 @@ class CacheEntry:
 
     @property
     def orphaned(self) -> bool:
-        """No load can read it again: what it was built from is gone, or it is not a readable entry."""
-        return self.quant == "?" or any(not Path(s).exists() for s in self.sources)
+        """No load can read it again: what it was built from is gone, or it is not a readable entry (a newer
+        kestrel's may be one that only that kestrel reads: never orphaned for being unreadable here)."""
+        if self.quant == "?":
+            return _order(_written_by(self.path)) != "newer"
+        return any(not Path(s).exists() for s in self.sources)
 
 
 def cache_entries() -> list[CacheEntry]:
