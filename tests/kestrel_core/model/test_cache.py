@@ -26,6 +26,7 @@ from kestrel_core.model.cache import MODEL_CACHE_ENV, hf_key
 from kestrel_core.model.hf import HFCheckpoint
 from kestrel_core.model.loader import load_model
 from kestrel_core.model.quantize import quantize_model
+from kestrel_core.temps import HELD_SUFFIX
 
 TEMPLATE = "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
@@ -185,7 +186,7 @@ def gated_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 
 
 def _temps(home: Path) -> list[str]:
-    return [p.name for p in (home / "cache").iterdir() if p.suffix == ".tmp"]
+    return [p.name for p in (home / "cache").iterdir() if p.suffix in (".tmp", HELD_SUFFIX)]
 
 
 def test_a_large_entry_is_written_on_a_thread_while_the_load_goes_on(home: Path, hf, builds: list[str],
