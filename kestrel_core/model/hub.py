@@ -16,9 +16,10 @@ already in the cache is used as it is; so it is where the Hub answers with an er
 revision, as ``hf_hub_download`` does. A cached file whose size is not the one the Hub lists is downloaded again
 (``force``: every file is).
 
-Every request waits a bounded time: the listing and each file's metadata ``HF_HUB_ETAG_TIMEOUT`` seconds, a
-download ``HF_HUB_DOWNLOAD_TIMEOUT`` seconds between two reads (so a slow download that keeps coming is never cut
-off); a request that waits past its limit is one line naming what stalled and the variable that raises it.
+The files come from the commit the listing named, several at a time (``hub_files``). Every request waits a
+bounded time: the listing and each file's metadata ``HF_HUB_ETAG_TIMEOUT`` seconds, a download
+``HF_HUB_DOWNLOAD_TIMEOUT`` seconds between two reads (so a slow download that keeps coming is never cut off); a
+request that waits past its limit is one line naming what stalled and the variable that raises it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 
 from kestrel_core.env import env_int
 from kestrel_core.errors import KestrelError, safe_text
+from kestrel_core.model.hub_files import ANSWER_LIMIT, READ_LIMIT, CommitFiles, limit_hint, timeout_of
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +53,6 @@ GGUF_PREFERENCE = ("Q8_0", "F16", "BF16", "F32", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5
 # what marks a GGUF file as a model's companion, not a model, in its name, as llama.cpp's gguf_filename_is_model
 # (common/download.cpp) tells them apart: a vision projector, an importance matrix, a speculative draft head
 COMPANION_MARKS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
-# huggingface_hub's limits, in seconds: a request's answer (the listing, a file's metadata), and the wait between
-# two reads of a download
-ANSWER_LIMIT = "HF_HUB_ETAG_TIMEOUT"
-READ_LIMIT = "HF_HUB_DOWNLOAD_TIMEOUT"
 _SHARD = re.compile(r"-\d{5}-of-\d{5}$")
 _SHARD_FIRST = re.compile(r"-00001-of-\d{5}$")
 
@@ -137,15 +135,18 @@ class Hub:
             # answer to a private one without a valid token): the cached copy, as hf_hub_download serves it
             return self._cached(spec, refusal=_refusal(spec, exc), force=force)
         except Exception as exc:  # the Hub cannot be reached (no network, DNS) or is silent
-            if _timeout_of(exc) is not None:
+            if timeout_of(exc) is not None:
                 why = (f"the Hub sent no answer to the listing of {spec.repo} in {constants.HF_HUB_ETAG_TIMEOUT:g} s "
-                       f"{_raise_it(ANSWER_LIMIT)}")
+                       f"{limit_hint(ANSWER_LIMIT)}")
             else:
                 why = f"the Hub cannot be reached: {_first_line(exc)}"
             return self._cached(spec, why, force=force)
         kind, chosen = choose_files(spec, list(sizes))
+        # the listing's commit, which every file is fetched at (a name such as main may move meanwhile)
+        files = CommitFiles(str(spec), spec.repo, spec.revision or constants.DEFAULT_REVISION,
+                            info.sha or spec.revision or constants.DEFAULT_REVISION, self.endpoint, self.cache_dir)
         try:
-            return self._download(spec, kind, chosen, sizes, force)
+            return self._download(spec, kind, chosen, sizes, files, force)
         except KestrelError:
             raise
         except HfHubHTTPError as exc:
@@ -153,68 +154,35 @@ class Hub:
         except Exception as exc:
             raise KestrelError(f"model {spec}: downloading it failed ({_first_line(exc)})") from exc
 
-    def _download(self, spec: HubSpec, kind: str, chosen: str, sizes: dict[str, int | None], force: bool) -> Path:
+    def _download(self, spec: HubSpec, kind: str, chosen: str, sizes: dict[str, int | None], files: CommitFiles,
+                  force: bool) -> Path:
         """The GGUF file ``chosen``, or the snapshot of the weights kestrel reads (hf.weight_files: the shards
         the index names, else the top-level ``*.safetensors``; not a consolidated copy beside the shards) and
-        ``CONFIG_PATTERNS``, of the repository whose files have ``sizes``. File by file, from the listing
-        ``fetch`` made: snapshot_download would list the repository again, without a timeout."""
+        ``CONFIG_PATTERNS``, of the repository whose files have ``sizes``, fetched by ``files``. From the
+        listing ``fetch`` made: snapshot_download would list the repository again, without a timeout."""
         from huggingface_hub.utils import filter_repo_objects
 
-        files = list(sizes)
+        listed = list(sizes)
         if kind == "gguf":  # every part of a split file, into one snapshot directory
-            missing = [p for p in _parts(chosen) if p not in files]
+            missing = [p for p in _parts(chosen) if p not in listed]
             if missing:
                 raise KestrelError(f"model {spec}: {chosen} is split into parts, and the repository lacks {missing[0]}")
-            return self._files(spec, _parts(chosen), sizes, force)[0]
-        if INDEX in files:
-            index = json.loads(self._file(spec, INDEX, sizes[INDEX], force).read_text(encoding="utf-8"))
-            weights = _index_weights(index)
+            return files.fetch(_parts(chosen), sizes, force)[0]
+        if INDEX in listed:
+            (index_path,) = files.fetch([INDEX], sizes, force)
+            weights = _index_weights(json.loads(index_path.read_text(encoding="utf-8")))
             if weights is None:
                 raise KestrelError(f"model {spec}: {INDEX} has no weight_map")
-            stray = next((w for w in weights if w not in files or not w.endswith(".safetensors") or "/" in w), None)
+            stray = next((w for w in weights if w not in listed or not w.endswith(".safetensors") or "/" in w), None)
             if stray is not None:
                 raise KestrelError(f"model {spec}: {INDEX} names {stray!r}, not a safetensors file of the repository")
         else:
-            weights = [f for f in files if f.endswith(".safetensors") and "/" not in f]
+            weights = [f for f in listed if f.endswith(".safetensors") and "/" not in f]
         # the names as themselves, not as patterns
         patterns = [*(glob.escape(w) for w in weights), *CONFIG_PATTERNS]
-        names = list(filter_repo_objects(files, allow_patterns=patterns))
-        first = self._files(spec, names, sizes, force)[0]
+        names = list(filter_repo_objects(listed, allow_patterns=patterns))
+        first = files.fetch(names, sizes, force)[0]
         return first.parents[names[0].count("/")]  # the snapshot directory that holds it
-
-    def _files(self, spec: HubSpec, names: list[str], sizes: dict[str, int | None], force: bool) -> list[Path]:
-        """The repository's files ``names`` in the cache (``_file``), one after the other on the caller's thread:
-        a Ctrl-C interrupts the read under way at once, and huggingface_hub removes the file it was writing
-        (a pool of threads would wait out their reads, or leave those files behind)."""
-        return [self._file(spec, name, sizes[name], force) for name in names]
-
-    def _file(self, spec: HubSpec, name: str, size: int | None, force: bool) -> Path:
-        """The repository's file ``name`` in the cache: downloaded where the cache lacks it, where ``force``, or
-        where the cached copy is not ``size`` bytes (the Hub's size, None where unknown), as a download cut short
-        or a damaged disk leaves it (hf_hub_download trusts any copy it has). A request that timed out is a
-        KestrelError naming the file and the limit it waited."""
-        from huggingface_hub import constants, hf_hub_download
-
-        def download(again: bool) -> Path:
-            return Path(hf_hub_download(spec.repo, name, revision=spec.revision, cache_dir=self.cache_dir,
-                                        endpoint=self.endpoint, force_download=again,
-                                        etag_timeout=constants.HF_HUB_ETAG_TIMEOUT))
-
-        try:
-            path = download(force)
-            return download(True) if not force and _wrong_size(path, size) else path
-        except Exception as exc:
-            timeout = _timeout_of(exc)
-            if timeout is None:
-                raise
-            if timeout is exc:  # raised by the download itself, once its resumes gave up
-                raise KestrelError(f"model {spec}: the Hub stopped sending {name}: nothing came for "
-                                   f"{constants.HF_HUB_DOWNLOAD_TIMEOUT:g} s, nor after resuming "
-                                   f"{_raise_it(READ_LIMIT)}") from exc
-            # hf_hub_download's metadata request, which it reports as a file it cannot locate; no seconds said, as
-            # huggingface_hub may have tried again with a limit of its own
-            raise KestrelError(f"model {spec}: the Hub sent no answer to the request for {name}'s metadata "
-                               f"{_raise_it(ANSWER_LIMIT)}") from exc
 
     def _cached(self, spec: HubSpec, why: str = "", refusal: str = "", quiet: bool = False,
                 force: bool = False) -> Path:
@@ -362,15 +330,6 @@ def directory_gguf(directory: Path) -> Path | None:
     return directory / choose_files(HubSpec(str(directory)), files, where="the directory", by_name=False)[1]
 
 
-def _wrong_size(path: Path, size: int | None) -> bool:
-    """Whether the cached file ``path`` is not ``size`` bytes (None: unknown, so not wrong), said as a warning."""
-    have = path.stat().st_size
-    if size is None or have == size:
-        return False
-    log.warning("%s: %d bytes in the Hugging Face cache, %d on the Hub; downloading it again", path, have, size)
-    return True
-
-
 def redownload_hint(spec: HubSpec, exc: KestrelError) -> str | None:
     """The way out of ``exc``, an error loading the model ``spec`` from the cache, where it says a file is
     truncated or corrupt (a download cut short, a damaged disk): None for any other error."""
@@ -458,29 +417,11 @@ def _refusal(spec: HubSpec, exc: Exception) -> str:
     return f"model {spec}: the Hugging Face Hub refused it ({status}{f': {said}' if said else ''}{token})"
 
 
-def _timeout_of(exc: BaseException) -> BaseException | None:
-    """The timeout ``exc`` is, or came from (its cause or context), whichever HTTP library huggingface_hub
-    runs on: requests' ``Timeout``, httpx's ``TimeoutException``, the socket's ``TimeoutError``; None where
-    there is none."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if any(c.__name__ in ("TimeoutError", "Timeout", "TimeoutException") for c in type(current).__mro__):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
-
-
 def _check_limits() -> None:
     """``ANSWER_LIMIT`` and ``READ_LIMIT`` as huggingface_hub reads them: a value its ``int()`` refuses fails its
     import with a ValueError, so it is one line naming the variable before that."""
     for limit in (ANSWER_LIMIT, READ_LIMIT):
         env_int(limit, 10, what="a whole number of seconds")
-
-
-def _raise_it(limit: str) -> str:
-    return f"({limit}: set it higher to wait longer)"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -28,7 +28,9 @@ class FakeHub:
     of ``stalling`` (fnmatch's: a listing, ``/api/models/R``; a file at any revision, ``/R/resolve/*/FILE``)
     is answered with that many bytes of its body (0: not even its headers), then nothing until the server
     stops, as a stalled proxy does, and listed in ``stalled``; one matching a pattern of ``trickling`` gets its
-    body in chunks of that many bytes, ``trickle_s`` apart."""
+    body in chunks of that many bytes, ``trickle_s`` apart. A repository's files are its main branch, whose
+    commit is named by their content: a test that changes them pushes a commit, and the files of every commit
+    an answer named stay there by its sha (``commits``, by ``owner/name@sha``)."""
 
     repos: dict[str, dict[str, bytes]]
     gated: set[str] = field(default_factory=set)
@@ -43,15 +45,22 @@ class FakeHub:
     stalled: list[str] = field(default_factory=list)
     url: str = ""
     stopped: threading.Event = field(default_factory=threading.Event)
+    commits: dict[str, dict[str, bytes]] = field(default_factory=dict)
 
     @staticmethod
     def slowed(path: str, table: dict[str, int]) -> int | None:
         """The bytes ``table`` gives the request for ``path``, None where no pattern of it matches."""
         return next((n for pattern, n in table.items() if fnmatchcase(urlsplit(path).path, pattern)), None)
 
-    @staticmethod
-    def sha(repo: str) -> str:
-        return hashlib.sha1(repo.encode()).hexdigest()
+    def sha(self, repo: str) -> str:
+        """The sha of the commit main is at: 40 hex digits from its files' names and contents, so that a test
+        that changes them pushes a commit."""
+        files = self.repos[repo]
+        named = hashlib.sha1(repo.encode())
+        for name, body in sorted(files.items()):
+            named.update(name.encode() + b"\0" + hashlib.sha256(body).digest())
+        self.commits[f"{repo}@{named.hexdigest()}"] = dict(files)
+        return named.hexdigest()
 
     def answer(self, method: str, path: str, authorization: str | None = None) -> tuple[int, dict[str, str], bytes]:
         parts = [unquote(p) for p in urlsplit(path).path.strip("/").split("/")]
@@ -69,13 +78,16 @@ class FakeHub:
         if api and len(parts) == 4:  # the repository's info at main
             parts += ["revision", "main"]
         rev = parts[5] if api else parts[3] if len(parts) > 3 else ""
-        if rev not in ("main", self.sha(repo)):
+        head = self.sha(repo)
+        sha = head if rev == "main" else rev
+        files = files if sha == head else self.commits.get(f"{repo}@{sha}")
+        if files is None:
             return _error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
         if api and parts[4] == "revision":  # with ?blobs=true, each file's size and git blob id too
             blobs = "blobs" in parse_qs(urlsplit(path).query)
             siblings = [{"rfilename": f} | ({"size": len(b), "blobId": hashlib.sha1(b).hexdigest()} if blobs else {})
                         for f, b in sorted(files.items())]
-            return _json({"id": repo, "modelId": repo, "sha": self.sha(repo), "private": False, "siblings": siblings})
+            return _json({"id": repo, "modelId": repo, "sha": sha, "private": False, "siblings": siblings})
         if api and parts[4] == "tree":
             return _json([{"type": "file", "path": f, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
                           for f, b in sorted(files.items())])
@@ -89,7 +101,7 @@ class FakeHub:
                 return _error(404, "EntryNotFound", f"{name} does not exist on {rev}")
             if method == "GET":
                 self.served.append(f"{repo}/{name}")
-            headers = {"X-Repo-Commit": self.sha(repo), "ETag": f'"{hashlib.sha256(body).hexdigest()}"',
+            headers = {"X-Repo-Commit": sha, "ETag": f'"{hashlib.sha256(body).hexdigest()}"',
                        "Content-Length": str(len(body)), "Content-Type": "application/octet-stream"}
             return 200, headers, body
         return _error(404, "", f"no route {path}")

@@ -75,15 +75,19 @@ def test_a_download_that_stops_names_the_file_and_its_limit(hub: FakeHub, tmp_pa
     assert not [p for p in tmp_path.rglob("*") if p.name == "model.safetensors" or p.suffix == ".incomplete"]
 
 
-def test_a_stalled_metadata_request_names_the_file_and_its_limit(hub: FakeHub, tmp_path: Path,
-                                                                 limits: None) -> None:
-    """``kestrel pull --force``: the listing answered, the file's metadata request (HEAD) stalls. (Without
-    force, huggingface_hub tries a file the cache lacks again, with a limit of its own: minutes.)"""
+@pytest.mark.parametrize("force", [False, True], ids=["pull", "pull --force"])
+def test_a_stalled_metadata_request_names_the_file_and_its_limit(hub: FakeHub, tmp_path: Path, limits: None,
+                                                                 force: bool) -> None:
+    """The listing answered, the metadata request (HEAD) of a file the cache lacks stalls: one line after the
+    limit set, though huggingface_hub's own request for such a file is tried again with limits of its own
+    (minutes), and nothing of the file is in the cache."""
     hub.stalling[QUANT] = 0
     with pytest.raises(KestrelError, match=r"^model org/tiny-GGUF: the Hub sent no answer to the request for "
                                            r"tiny-Q4_K_M\.gguf's metadata \(HF_HUB_ETAG_TIMEOUT: set it higher to wait "
                                            r"longer\)$"):
-        within(20, lambda: Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/tiny-GGUF"), force=True))
+        within(20, lambda: Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/tiny-GGUF"), force=force))
+    assert hub.stalled and not [p for p in tmp_path.rglob("*") if p.name == "tiny-Q4_K_M.gguf" or p.suffix ==
+                                ".incomplete"]
 
 
 def test_a_slow_download_that_keeps_coming_is_not_cut_off(hub: FakeHub, tmp_path: Path,
