@@ -157,8 +157,8 @@ class CommitFiles:
             raise self._no_metadata(name) from exc
 
     def _no_metadata(self, name: str) -> KestrelError:
-        # no seconds said: where the cache holds the file's content for another commit, hf_hub_download's own
-        # request (after kestrel's was answered) may have been tried again with limits of its own
+        # no seconds said: where kestrel's request was answered and hf_hub_download's own, made right after it,
+        # was not, huggingface_hub tried that one again with limits of its own
         return KestrelError(
             f"model {self.model}: the Hub sent no answer to the request for {name}'s metadata "
             f"{limit_hint(ANSWER_LIMIT)}"
