@@ -96,15 +96,16 @@ def serve_command(args: argparse.Namespace) -> int:
             set_speculate(engine, args.speculate)
             if args.no_model_sampling:
                 engine.sampling_defaults = {}
-        serve(engines, host=args.host, port=args.port, api_key=api_key, sock=sock,
-              max_batch=args.max_batch if args.max_batch is not None else DEFAULT_MAX_BATCH,
-              max_waiting=args.max_waiting if args.max_waiting is not None else DEFAULT_MAX_WAITING,
-              token_budget=args.token_budget, model_names=names, shutdown_grace_s=args.shutdown_grace,
-              pooling=args.pooling, max_request_bytes=DEFAULT_MAX_REQUEST_BYTES if args.max_request_mb is None
-              else int(args.max_request_mb * 1e6), allowed_origins=tuple(args.allowed_origins or ()))
+        status = serve(engines, host=args.host, port=args.port, api_key=api_key, sock=sock,
+                       max_batch=args.max_batch if args.max_batch is not None else DEFAULT_MAX_BATCH,
+                       max_waiting=args.max_waiting if args.max_waiting is not None else DEFAULT_MAX_WAITING,
+                       token_budget=args.token_budget, model_names=names, shutdown_grace_s=args.shutdown_grace,
+                       pooling=args.pooling, max_request_bytes=DEFAULT_MAX_REQUEST_BYTES
+                       if args.max_request_mb is None else int(args.max_request_mb * 1e6),
+                       allowed_origins=tuple(args.allowed_origins or ()))
     finally:
         for engine in engines:
             engine.close()
         sock.close()
         finish_cache_writes(cancel=True)  # a stopping server does not wait for its model's cache entry
-    return 0
+    return status

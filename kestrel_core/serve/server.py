@@ -5,7 +5,9 @@ process then dies of it, exit status -15). kestrel's ``KestrelServer`` instead d
 or SIGINT the engine stops accepting (new requests get 503, ``/health`` says 503 so a load balancer moves
 away) while the socket stays open, running requests get up to ``shutdown_grace_s`` to finish and the rest
 are aborted, then uvicorn closes its connections and ``serve`` returns (exit 0). A second signal aborts
-the running requests at once (still a clean exit); a third lets uvicorn drop its connections.
+the running requests at once (still a clean exit); a third drops the connections at once: one line says so and
+``serve`` returns 130, an interrupted command's status. The requests uvicorn cancels then (or when its own
+graceful timeout runs out) are not logged with their CancelledError's traceback unless the log is verbose.
 
 The socket is bound before uvicorn starts, so a busy port is a one-line error and port 0 (any free port)
 is known, and announced, at once.
@@ -27,6 +29,7 @@ from typing import Any
 
 import uvicorn
 
+from kestrel_core.entry import INTERRUPTED_EXIT
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.hub import parse_hub_spec
@@ -114,9 +117,17 @@ class KestrelServer(uvicorn.Server):
         self._signals = 0
         self._ready = threading.Event()
 
-    def run_forever(self) -> None:
-        """Serve until shut down (blocking)."""
-        self.run(sockets=[self.sock])
+    def run_forever(self) -> int:
+        """Serve until shut down (blocking); the process's exit status: 0 once drained, 130 where a third signal
+        forced the exit."""
+        uvicorn_log = logging.getLogger("uvicorn.error")
+        quiet = _QuietCancellations()
+        uvicorn_log.addFilter(quiet)
+        try:
+            self.run(sockets=[self.sock])
+        finally:
+            uvicorn_log.removeFilter(quiet)
+        return INTERRUPTED_EXIT if self.force_exit else 0
 
     def wait_started(self, timeout: float) -> bool:
         """For a server running in another thread: True once it accepts requests."""
@@ -160,9 +171,15 @@ class KestrelServer(uvicorn.Server):
             if self._drain is not None:
                 self._drain.cancel()
             self._drain = asyncio.ensure_future(self._drain_then_exit(0.0))
-        else:  # still not gone: let uvicorn drop its connections
+        else:  # still not gone: uvicorn drops its connections and cancels their requests
+            log.info("kestrel serve: forced exit: dropping %d connection(s)", len(self.server_state.connections))
             self.force_exit = True
             self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets=sockets)
+        if self.force_exit:  # uvicorn skips the app's lifespan end then: its task, cancelled as the loop closes,
+            await self.lifespan.shutdown()  # would be logged with a traceback; the engines' stop is quick
 
     async def _drain_then_exit(self, grace_s: float) -> None:
         await asyncio.gather(*(ae.shutdown(grace_s) for ae in self.async_engines))
@@ -186,6 +203,24 @@ class KestrelServer(uvicorn.Server):
 
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:
         self.request_shutdown()
+
+
+class _QuietCancellations(logging.Filter):
+    """Drops uvicorn's record of a request it cancelled (its CancelledError's traceback, "Exception in ASGI
+    application"): a forced exit or uvicorn's graceful timeout cancels the requests on purpose, which is no error
+    to show the user; the verbose log (``-v``) keeps them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return error is None or not _cancelled(error) or log.isEnabledFor(logging.DEBUG)
+
+
+def _cancelled(error: BaseException) -> bool:
+    """A cancellation, or a group of them (a task group's; the ``exceptiongroup`` backport's before Python 3.11)."""
+    group = getattr(error, "exceptions", None)
+    if isinstance(group, tuple) and group:
+        return all(isinstance(e, BaseException) and _cancelled(e) for e in group)
+    return isinstance(error, asyncio.CancelledError)
 
 
 def warm_up(async_engine: AsyncEngine) -> None:
@@ -226,9 +261,10 @@ def serve(engines: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str 
           token_budget: int | None = None, model_names: Sequence[str | None] = (),
           shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S, sock: socket.socket | None = None,
           pooling: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-          allowed_origins: Sequence[str] = ()) -> None:
+          allowed_origins: Sequence[str] = ()) -> int:
     """Serve an engine, or a list of them (the first answers requests that name no model), over HTTP until
-    SIGTERM/SIGINT; returns once drained (the caller then exits 0). ``model_names``: their public names (default:
+    SIGTERM/SIGINT; returns the process's exit status: 0 once drained, 130 where a third signal forced the exit
+    (``KestrelServer.run_forever``). ``model_names``: their public names (default:
     from each model's source); ``sock``: a socket bound already (``bind_socket``), e.g. to fail on a busy port
     before loading a model; ``pooling``: the embeddings' (None: each model's); ``max_request_bytes``: the largest
     request body taken (a larger one is a 413); ``allowed_origins``: build_server's."""
@@ -254,12 +290,13 @@ def serve(engines: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str 
 
     server.on_started = announce
     try:
-        server.run_forever()
+        status = server.run_forever()
     finally:  # a no-op after a drain; after a forced exit it aborts what is left and stops the thread
         async def stop() -> None:
             await asyncio.gather(*(ae.shutdown(0.0) for ae in named.values()))
         asyncio.run(stop())
     log.info("kestrel serve: stopped")
+    return status
 
 
 def _describe(name: str, engine: Any, pooling: str | None) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -198,3 +199,45 @@ def test_stacked_adapters_are_served_under_a_name_that_names_them(tmp_path: Path
     finally:
         serve.kill()
     assert "Traceback" not in "\n".join(serve.seen)
+
+
+def _post_head(port: int, path: str, length: int, rcvbuf: int | None = None) -> socket.socket:
+    """A connection that has sent a POST's head announcing ``length`` bytes of JSON body, and nothing else yet;
+    ``rcvbuf``: its receive buffer (set before it connects, so the kernel does not grow it)."""
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {length}\r\n\r\n".encode())
+    return sock
+
+
+def test_a_third_sigint_forces_the_exit_with_one_line_and_130() -> None:
+    """Ctrl-C three times while requests run: the third drops the connections at once, which one line says, with
+    no traceback of the requests it cancels, and the exit status is an interrupted command's."""
+    model = ROOT / "tests" / "fixtures" / "models" / "tiny-qwen3"
+    serve = _Serve("--model", str(model), "--shutdown-grace", "60")
+    held: list[socket.socket] = []
+    try:
+        port = int(serve.wait_for(URL).group(2))
+        # a long stream its client does not read: the server's writes fill the socket and wait (until the abort)
+        body = json.dumps({"model": "tiny-qwen3", "prompt": "Hi", "max_tokens": 250, "n": 8, "logprobs": 5,
+                           "stream": True, "ignore_eos": True}).encode()
+        held.append(_post_head(port, "/v1/completions", len(body), rcvbuf=1024))
+        held[-1].sendall(body)
+        assert held[-1].recv(12, socket.MSG_WAITALL) == b"HTTP/1.1 200"
+        # and a request still sending its body: uvicorn waits for it once the engine has stopped, so the third
+        # signal surely comes while a request is in flight
+        held.append(_post_head(port, "/v1/completions", 100))
+        held[-1].sendall(b"{")
+        for said in ("shutting down", "aborting", "forced exit"):
+            serve.proc.send_signal(signal.SIGINT)
+            serve.wait_for(said)
+        assert serve.finish() == 130
+    finally:
+        serve.kill()
+        for sock in held:
+            sock.close()
+    log = "\n".join(serve.seen)
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log
