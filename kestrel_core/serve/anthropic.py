@@ -324,17 +324,13 @@ async def _events(message_id: str, model: str, max_tokens: int,
 
 
 async def _prompt_only(served: Served, body: MessagesBody, request: Request, message_id: str) -> Response:
-    """The answer to ``max_tokens`` 0, Anthropic's way to warm the prompt cache: the prompt is read (one token is
-    generated, so its blocks stay in the prefix cache for the next request), and the message is empty."""
+    """The answer to ``max_tokens`` 0, Anthropic's way to warm the prompt cache: the prompt is read into the prefix
+    cache (``Served.read_prompt``), and the message is empty."""
     with named_as(ANTHROPIC_NAMES):
-        chat = await off_loop(request, lambda: validated(ChatCompletionRequest,
-                                                         {**body.openai(False), "max_tokens": 1}))
-        response = await served.chat(chat, request)
-    if response.status_code != 200:
-        return response
-    usage = json.loads(bytes(response.body)).get("usage") or {}
-    message = _envelope(message_id, body.model, [], ("max_tokens", None),
-                        {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": 0})
+        read = await served.read_prompt(lambda: body.openai(False), request)
+    if isinstance(read, Response):
+        return read
+    message = _envelope(message_id, body.model, [], ("max_tokens", None), {"input_tokens": read, "output_tokens": 0})
     if not body.stream:
         return JSONResponse(message)
     events = [_event("message_start", {"message": {**message, "stop_reason": None}}),

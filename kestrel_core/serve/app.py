@@ -39,9 +39,9 @@ from kestrel_core.serve.access import (
     BrowserGuardMiddleware,
     JsonBodyMiddleware,
 )
-from kestrel_core.serve.errors import APIError, from_kestrel_error, install_error_handlers
+from kestrel_core.serve.errors import APIError, from_kestrel_error, install_error_handlers, validated
 from kestrel_core.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from kestrel_core.serve.offload import document_bodies, json_body, off_loop
+from kestrel_core.serve.offload import document_bodies, json_body, json_loads, off_loop
 from kestrel_core.serve.protocol import (
     COMPLETIONS_MAX_TOKENS,
     ChatCompletionRequest,
@@ -187,6 +187,23 @@ class Served:
         one = generation.Prompt(prompt_ids, params, params.logprobs)
         return await generation.respond(self.async_engine, request, [one], shape, stream=bool(body.stream),
                                         prompt_param="messages", choices=body.choices)
+
+    async def read_prompt(self, chat: Callable[[], dict[str, Any]], request: Request,
+                          truncate: bool = False) -> Response | int:
+        """A chat request's prompt (``chat()``: the request's fields, made off the loop as a large body's are) read
+        into the prefix cache with nothing answered, what Anthropic's ``max_tokens`` 0 and the Responses API's
+        ``prompt_cache_options.prewarm`` ask for: one token is generated and dropped, so that the prompt's blocks
+        stay in the prefix cache for the next request. The prompt's tokens, or the response to answer instead (an
+        error, a client gone)."""
+        def fields() -> dict[str, Any]:
+            return {**chat(), "max_tokens": 1, "max_completion_tokens": None, "n": None, "stream": False,
+                    "stream_options": None}
+
+        body = await off_loop(request, lambda: validated(ChatCompletionRequest, fields()))
+        response = await self.chat(body, request, truncate)
+        if response.status_code != 200:
+            return response
+        return int((json_loads(bytes(response.body)).get("usage") or {}).get("prompt_tokens", 0))
 
     async def complete(self, body: CompletionRequest, request: Request, chat_shaped: bool = False) -> Response:
         """``/v1/completions``' answer; ``chat_shaped``: in a chat completion's shape (each token's logprob with

@@ -12,13 +12,15 @@ Schema), ``max_output_tokens``, ``temperature``, ``top_p``; ``reasoning.effort``
 the API's event stream (``response.created``, each item's ``output_item.added``, ``content_part.added`` / deltas /
 ``done`` events, ``response.completed`` or ``response.incomplete`` when ``max_output_tokens`` cut it);
 ``truncation: "auto"`` drops the oldest input items that leave no room for an answer (the chat route's ``truncate``,
-as Ollama's). Nothing is stored: ``store`` is accepted and ignored, ``previous_response_id``, ``conversation``,
-``prompt``, ``background: true`` and the retrieval routes are refused, so a client sends the whole conversation (as
-``store: false`` clients do). As on the chat route, a field that asks for what kestrel does not do is refused
-(``context_management``'s compaction, ``moderation``, a tool choice other than a function), fields that only tune
-what OpenAI's own service does (``service_tier``, ``prompt_cache_key``, ``safety_identifier``, ``user``,
-``max_tool_calls`` of built-in tools, ``reasoning.summary``, ``text.verbosity``, other ``include`` values) are
-accepted and ignored, and so are unknown fields.
+as Ollama's); ``prompt_cache_options.prewarm`` reads the input into the prefix cache and answers a completed
+response without output (``Served.read_prompt``). Nothing is stored: ``store`` is accepted and ignored,
+``previous_response_id``, ``conversation``, ``prompt``, ``background: true`` and the retrieval routes are refused, so
+a client sends the whole conversation (as ``store: false`` clients do). As on the chat route, a field that asks for
+what kestrel does not do is refused (``context_management``'s compaction, ``moderation``, a tool choice other than a
+function), fields that only tune what OpenAI's own service does (``service_tier``, ``prompt_cache_key``,
+``prompt_cache_options``' other options, ``safety_identifier``, ``user``, ``max_tool_calls`` of built-in tools,
+``reasoning.summary``, ``text.verbosity``, other ``include`` values) are accepted and ignored, and so are unknown
+fields.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from kestrel_core.model.parts import SEPARATOR
@@ -59,6 +61,13 @@ class TextFormat(RequestBody):
     strict: StrictBool | None = None
 
 
+class PromptCacheOptions(RequestBody):
+    """``prompt_cache_options``: ``prewarm`` is honoured (the input read into the prefix cache, nothing generated);
+    ``mode``, ``ttl`` and ``comparison_response_id`` tune or diagnose OpenAI's own cache, and are ignored."""
+
+    prewarm: StrictBool = False
+
+
 class ResponsesBody(RequestBody):
     model: StrictStr | None = None
     input: StrictStr | list[dict[str, Any]]
@@ -83,6 +92,7 @@ class ResponsesBody(RequestBody):
     truncation: Literal["auto", "disabled"] | None = None
     context_management: list[Any] | None = None  # refused where it asks for compaction: kestrel compacts nothing
     moderation: Any = None  # refused: kestrel moderates nothing
+    prompt_cache_options: PromptCacheOptions | None = None
 
     def text_format(self) -> TextFormat:
         fmt = (self.text or {}).get("format")
@@ -436,12 +446,30 @@ async def _events(response: _Response, chunks: AsyncIterator[dict[str, Any]]) ->
             yield e
 
 
+def _prewarmed(response: _Response, prompt_tokens: int) -> Response:
+    """The answer to a ``prompt_cache_options.prewarm``: a completed response without output, whole or as its
+    stream's events."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0}
+    if not response.body.stream:
+        return JSONResponse(response.envelope("completed", usage))
+    items = _Items(response)
+    events = [items.event("response.created", response=response.envelope("in_progress")),
+              items.event("response.in_progress", response=response.envelope("in_progress")),
+              items.event("response.completed", response=response.envelope("completed", usage))]
+    return Response(b"".join(events), media_type="text/event-stream")
+
+
 def install(app: FastAPI, models: Models) -> None:
     """The Responses API's route on ``app``, answered by the named model's chat handler."""
 
     @app.post("/v1/responses")
     async def responses(body: Annotated[ResponsesBody, json_body(ResponsesBody)], request: Request) -> Response:
         served = models.get(body.model)
+        if body.prompt_cache_options is not None and body.prompt_cache_options.prewarm:
+            translated = await off_loop(request, body.openai)
+            with named_as(CHAT_NAMES):
+                read = await served.read_prompt(lambda: translated, request, truncate=body.truncation == "auto")
+            return read if isinstance(read, Response) else _prewarmed(_Response(served, body), read)
 
         def chat() -> ChatCompletionRequest:
             translated = body.openai()  # its errors name the Responses API's own fields (its refused prompt too)

@@ -137,6 +137,29 @@ def test_fields_that_tune_openais_service_and_unknown_fields_are_ignored(client:
     assert got.status == "incomplete" and got.usage.output_tokens == 2
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_cache_prewarm_reads_the_input_into_the_prefix_cache(client: openai.OpenAI, engine: Any,
+                                                                     stream: bool) -> None:
+    """prompt_cache_options.prewarm: the input is read into the prefix cache and nothing is generated (a completed
+    response without output); the same input then attaches its blocks instead of computing them."""
+    text = f"Prewarm ({stream}): " + "the quick brown fox jumps over the lazy dog " * 6
+    kw: dict[str, Any] = {"model": NAME, "input": text, "max_output_tokens": 8,
+                          "prompt_cache_options": {"prewarm": True, "ttl": "30m"}}
+    hits = engine.pool.prefix_hit_tokens
+    if stream:
+        with client.responses.stream(**kw) as events:
+            kinds = [e.type for e in events]
+            got = events.get_final_response()
+        assert kinds == ["response.created", "response.in_progress", "response.completed"]
+    else:
+        got = client.responses.create(**kw)
+    assert (got.status, got.output, got.usage.output_tokens) == ("completed", [], 0)
+    assert engine.pool.prefix_hit_tokens == hits  # nothing of it was cached before
+    answer = client.responses.create(model=NAME, input=text, max_output_tokens=2)
+    assert got.usage.input_tokens == answer.usage.input_tokens
+    assert engine.pool.prefix_hit_tokens - hits >= engine.pool.block_size
+
+
 def test_truncation_auto_drops_the_oldest_input_items(client: openai.OpenAI) -> None:
     """truncation "auto": a conversation past the model's context (tiny-qwen3's 256 tokens) keeps its latest
     items, as OpenAI's drops the oldest; "disabled" (the default) refuses it."""
