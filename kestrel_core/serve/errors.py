@@ -32,7 +32,7 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
                     ANTHROPIC_OVERLOADED: "overloaded_error"}
 _LLAMA_CPP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "invalid_request_error", 429: "unavailable_error",
-                    503: "unavailable_error"}
+                    501: "not_supported_error", 503: "unavailable_error"}
 LLAMA_CPP_PATHS = ("/infill",)
 
 
@@ -76,8 +76,9 @@ class APIError(Exception):
         status = self.status
         if path.startswith("/api/"):
             body: dict[str, Any] = {"error": self.message}
-        elif path in LLAMA_CPP_PATHS:
-            body = llama_cpp_error(self.status, self.message)
+        elif path in LLAMA_CPP_PATHS:  # its body has no param: the message names the field
+            named = self.param is None or self.param in self.message
+            body = llama_cpp_error(self.status, self.message if named else f"{self.param}: {self.message}")
         elif path == "/v1/messages" or path.startswith("/v1/messages/"):
             status = ANTHROPIC_OVERLOADED if status == 429 else status
             kind = _ANTHROPIC_TYPES.get(status, "api_error")

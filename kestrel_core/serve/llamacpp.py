@@ -15,16 +15,22 @@ request aborted: ``n_indent``, a line after the first whose indentation is under
 and ``t_max_predict_ms``, a piece holding a newline once that long has passed since the first token.
 
 ``temperature``, ``top_k``, ``top_p`` and ``min_p`` not given take the model's recommendation, else llama.cpp's
-defaults; ``samplers`` (names, or llama.cpp's letters) says which of those four apply, one it leaves out being off
-(temperature 1), and the samplers kestrel has not (``infill``, ``dry``, ``typ_p``, ``xtc``, ``penalties``...) are
-ignored. ``cache_prompt``, ``id_slot`` and ``t_max_prompt_ms`` (which llama.cpp does not implement) are taken
-and ignored: the prefix cache always works. ``grammar``, ``json_schema``, ``logit_bias`` and ``lora``, which would
-change the answer, are refused. Errors are llama.cpp's ``{"error": {"code", "message", "type"}}``.
+defaults; so do ``repeat_penalty``, ``presence_penalty`` and ``frequency_penalty`` (llama.cpp's ``penalties``
+sampler, off by default; ``repeat_last_n`` 0 turns it off, any other covers the whole context). ``samplers``
+(names, or llama.cpp's letters) says which of those five samplers apply, one it leaves out being off (temperature
+1, no penalty), and the samplers kestrel has not (``infill``, ``dry``, ``typ_p``, ``xtc``...) are ignored.
+``logit_bias`` (llama.cpp's pairs or object, a token by id or by text) and ``json_schema`` become the completions
+request's ``logit_bias`` and ``guided_json``: every one of these is applied by the completions handler's own
+code. ``cache_prompt``, ``id_slot`` and ``t_max_prompt_ms`` (which llama.cpp does not implement) are taken and
+ignored: the prefix cache always works. ``grammar`` (GBNF, which kestrel's grammars are not) and ``lora``, which
+would change the answer, are refused. A model without fill-in-the-middle tokens is a 501, as llama.cpp answers.
+Errors are llama.cpp's ``{"error": {"code", "message", "type"}}``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
@@ -45,15 +51,25 @@ from kestrel_core.serve.protocol import CompletionRequest, NullsAbsentBody
 if TYPE_CHECKING:
     from kestrel_core.serve.app import Models, Served
 
-DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}  # llama.cpp's, where the model has none
-OFF = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}  # a sampler that ``samplers`` leaves out
-SAMPLER_LETTERS = {"t": "temperature", "k": "top_k", "p": "top_p", "m": "min_p"}  # llama.cpp's, of kestrel's four
-# llama.cpp's names of kestrel's four, in any case: each as written, with dashes, without underscores, and aliases
-SAMPLER_NAMES = {alias: name for name in OFF for alias in (name, name.replace("_", "-"), name.replace("_", ""))} | {
-    "temp": "temperature", "nucleus": "top_p"}
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+# llama.cpp's samplers that kestrel has, by llama.cpp's names, and the completions request's fields each sets
+SAMPLERS = {"temperature": ("temperature",), "top_k": ("top_k",), "top_p": ("top_p",), "min_p": ("min_p",),
+            "penalties": PENALTIES}
+# llama.cpp's values, where the model recommends none (its penalties are off unless asked for)
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0,
+            "presence_penalty": 0.0, "frequency_penalty": 0.0}
+# the fields of a sampler that ``samplers`` leaves out
+OFF = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+       "frequency_penalty": 0.0}
+SAMPLER_LETTERS = {"t": "temperature", "k": "top_k", "p": "top_p", "m": "min_p", "e": "penalties"}  # llama.cpp's
+# llama.cpp's names of those samplers, in any case: each as written, with dashes, without underscores, and aliases
+SAMPLER_NAMES = {alias: name for name in SAMPLERS for alias in (name, name.replace("_", "-"), name.replace("_", ""))} \
+    | {"temp": "temperature", "nucleus": "top_p"}
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's default seed, which asks for a random one, as -1 does
-UNSUPPORTED = ("grammar", "json_schema", "logit_bias", "lora")
-REQUEST_NAMES = {"max_tokens": "n_predict"}  # the completions request's fields by the names /infill takes them under
+UNSUPPORTED = ("grammar", "lora")
+MAX_BIAS = 100.0  # the completions request's largest logit bias: +100 forces a token, -100 bans it
+# the completions request's fields by the names /infill takes them under
+REQUEST_NAMES = {"max_tokens": "n_predict", "repetition_penalty": "repeat_penalty", "guided_json": "json_schema"}
 
 
 class ExtraChunk(NullsAbsentBody):
@@ -77,6 +93,10 @@ class InfillBody(NullsAbsentBody):
     top_k: StrictInt | None = None
     top_p: StrictFloat | StrictInt | None = None
     min_p: StrictFloat | StrictInt | None = None
+    repeat_penalty: StrictFloat | StrictInt | None = None  # over the prompt and the answer (Hugging Face's)
+    presence_penalty: StrictFloat | StrictInt | None = None
+    frequency_penalty: StrictFloat | StrictInt | None = None
+    repeat_last_n: StrictInt = 64  # 0: the penalties are off; any other: they cover the whole context
     samplers: list[StrictStr] | StrictStr | None = None
     seed: StrictInt | None = None
     stop: list[StrictStr] = []
@@ -88,10 +108,10 @@ class InfillBody(NullsAbsentBody):
     cache_prompt: StrictBool = True
     id_slot: StrictInt = -1
     t_max_prompt_ms: StrictInt | StrictFloat = 0
+    logit_bias: list[Any] | dict[str, Any] | None = None  # [token id or text, bias or false] pairs, or an object
+    json_schema: dict[str, Any] | StrictStr | None = None
     # llama.cpp's fields that would change the answer in ways kestrel's /infill does not: refused when given
-    grammar: Any = None
-    json_schema: Any = None
-    logit_bias: Any = None
+    grammar: Any = None  # GBNF, which kestrel's grammars (llguidance's) are not
     lora: Any = None
 
     @model_validator(mode="after")
@@ -102,19 +122,44 @@ class InfillBody(NullsAbsentBody):
         return self
 
     def sampling(self, recommended: Mapping[str, float]) -> dict[str, Any]:
-        """The completions request's sampling: a sampler ``samplers`` names (each, without it) takes the value
-        given, else the model's ``recommended``, else llama.cpp's default; one it leaves out is off."""
-        named = self._samplers()
-        given = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p}
-        value = {name: OFF[name] if name not in named else given[name] if given[name] is not None
-                 else recommended.get(name, DEFAULTS[name]) for name in OFF}
+        """The completions request's sampling: the fields of a sampler ``samplers`` names (each, without it) take
+        the values given, else the model's ``recommended``, else llama.cpp's defaults; a sampler it leaves out is
+        off, and so are the penalties with ``repeat_last_n`` 0."""
+        named = self._samplers() - ({"penalties"} if self.repeat_last_n == 0 else set())
+        given = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
+                 "repetition_penalty": self.repeat_penalty, "presence_penalty": self.presence_penalty,
+                 "frequency_penalty": self.frequency_penalty}
+        value = {name: OFF[name] if sampler not in named else given[name] if given[name] is not None
+                 else recommended.get(name, DEFAULTS[name]) for sampler, names in SAMPLERS.items() for name in names}
         return {"temperature": max(float(value["temperature"]), 0.0),  # below 0: greedy, as llama.cpp samples
                 "top_k": max(int(value["top_k"]), 0),  # 0 and below: off, as llama.cpp reads it
-                "top_p": float(value["top_p"]), "min_p": float(value["min_p"])}
+                **{name: float(value[name]) for name in ("top_p", "min_p", *PENALTIES)}}
+
+    def bias(self, tokenizer: Any) -> dict[str, float] | None:
+        """``logit_bias`` as the completions request takes it (token id -> bias), read as llama.cpp reads it: a token
+        given by its text biases each of the text's tokens, ``false`` bans it, a bias past +-100 is +-100 (which
+        forces or bans the token already)."""
+        if self.logit_bias is None:
+            return None
+        pairs = list(self.logit_bias.items()) if isinstance(self.logit_bias, dict) else self.logit_bias
+        biases: dict[str, float] = {}
+        for pair in pairs:
+            token, value = pair if isinstance(pair, (list, tuple)) and len(pair) == 2 else (None, None)
+            if value is False:
+                value = -MAX_BIAS
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not isinstance(token, (int, str)) or isinstance(token, bool):
+                raise APIError(400, "logit_bias: each entry is a token id or a text and its bias (a number, or "
+                               f"false to ban it), not {json.dumps(pair)[:60]}", param="logit_bias")
+            ids = [token] if isinstance(token, int) else [int(token)] if token.isdigit() \
+                else tokenizer.encode_text(token)
+            for token_id in ids:
+                biases[str(token_id)] = min(max(float(value), -MAX_BIAS), MAX_BIAS)
+        return biases or None
 
     def _samplers(self) -> set[str]:
-        if self.samplers is None:  # llama.cpp's default chain holds all four
-            return set(OFF)
+        if self.samplers is None:  # llama.cpp's default chain holds them all
+            return set(SAMPLERS)
         if isinstance(self.samplers, str):
             return {SAMPLER_LETTERS[c] for c in self.samplers if c in SAMPLER_LETTERS}
         return {SAMPLER_NAMES[n.lower()] for n in self.samplers if n.lower() in SAMPLER_NAMES}
@@ -307,24 +352,27 @@ def install(app: FastAPI, models: Models) -> None:
     async def infill(body: Annotated[InfillBody, json_body(InfillBody)], request: Request) -> Response:
         served = models.get(body.model)
         served.check_request()
-        if fim_format(served.engine.tokenizer) is None:
+        if fim_format(served.engine.tokenizer) is None:  # llama.cpp's 501 (not_supported_error)
             known = ", ".join(t[0] for t in FORMATS)
-            raise APIError(400, "Infill is not supported by this model: its vocabulary has none of the "
+            raise APIError(501, "Infill is not supported by this model: its vocabulary has none of the "
                            f"fill-in-the-middle tokens kestrel knows ({known})")
         prompt = await asyncio.to_thread(infill_prompt, served, body)  # off the event loop
         sampling, seed = body.sampling(served.engine.sampling_defaults), body.chosen_seed()
-        with named_as(REQUEST_NAMES):
+        bias = body.bias(served.engine.tokenizer)
+        with named_as(REQUEST_NAMES):  # the completions handler samples as it samples its own requests
             completion = await off_loop(request, lambda: validated(CompletionRequest, {
                 "prompt": prompt.ids, "max_tokens": body.max_tokens(), **sampling, "seed": seed,
                 "stop": body.stop or None, "stop_token_ids": list(prompt.stop_token_ids) or None,
-                "ignore_eos": body.ignore_eos, "stream": True,
+                "ignore_eos": body.ignore_eos, "logit_bias": bias, "guided_json": body.json_schema, "stream": True,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
             response = await served.complete(completion, request)
         if not isinstance(response, EventStreamResponse):  # the client left before the first token
             return response
-        settings = {"n_ctx": served.engine.config.max_position, "n_predict": body.n_predict, **sampling,
-                    "seed": RANDOM_SEED if seed is None else seed, "stop": body.stop, "ignore_eos": body.ignore_eos,
-                    "n_indent": body.n_indent, "t_max_predict_ms": body.t_max_predict_ms, "stream": body.stream}
+        settings = {"n_ctx": served.engine.config.max_position, "n_predict": body.n_predict,
+                    **{REQUEST_NAMES.get(name, name): value for name, value in sampling.items()},
+                    "repeat_last_n": body.repeat_last_n, "seed": RANDOM_SEED if seed is None else seed,
+                    "stop": body.stop, "ignore_eos": body.ignore_eos, "n_indent": body.n_indent,
+                    "t_max_predict_ms": body.t_max_predict_ms, "stream": body.stream}
         answer = InfillAnswer(served, body, prompt, record_of(request), settings)
         if body.stream:
             return EventStreamResponse(answer.events(response.body_iterator), response.on_close)

@@ -140,6 +140,44 @@ def test_llama_vscodes_samplers_apply_top_k_and_top_p_at_temperature_one(server:
     assert (params.temperature, params.top_k, params.top_p, params.min_p) == (0.8, 40, 0.99, 0.05)
 
 
+def test_the_penalties_apply_as_llama_cpps_penalties_sampler(server: KestrelServer, async_engine: Recording) -> None:
+    """repeat_penalty, presence_penalty and frequency_penalty reach the engine as the completions route's
+    repetition, presence and frequency penalties where the chain has llama.cpp's penalties sampler (by default, by
+    name or letter "e"); a chain without it, or repeat_last_n 0, leaves them off."""
+    def penalties(**fields: Any) -> tuple[float, float, float]:
+        assert infill(server, greedy(repeat_penalty=1.3, presence_penalty=0.5, frequency_penalty=-0.25,
+                                     **fields)).status_code == 200
+        params = async_engine.params[-1]
+        return params.repetition_penalty, params.presence_penalty, params.frequency_penalty
+
+    assert penalties(samplers=None) == penalties(samplers=["penalties", "temperature"]) == (1.3, 0.5, -0.25)
+    assert penalties(samplers="et") == (1.3, 0.5, -0.25)
+    assert penalties() == penalties(samplers=None, repeat_last_n=0) == (1.0, 0.0, 0.0)  # llama.vscode's chain
+    infill(server, greedy(samplers=None))  # not given: llama.cpp's defaults, which are off
+    params = async_engine.params[-1]
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (1.0, 0.0, 0.0)
+    reply = infill(server, greedy(samplers=None, repeat_penalty=0))
+    assert reply.status_code == 400 and "repeat_penalty" in reply.json()["error"]["message"]
+
+
+def test_logit_bias_and_json_schema_apply_as_on_the_completions_route(server: KestrelServer, engine: Any,
+                                                                      async_engine: Recording) -> None:
+    """llama.cpp's logit_bias, pairs or an object, by token id or by text (each of its tokens), false banning the
+    token, reaches the engine as the completions route's; json_schema keeps the answer to the schema, as the
+    completions route's guided_json does."""
+    word = engine.tokenizer.encode_text("return")
+    body = greedy(logit_bias=[[15, 2.5], [16, False], ["return", -3]])
+    assert infill(server, body).status_code == 200
+    assert dict(async_engine.params[-1].logit_bias) == {15: 2.5, 16: -100.0, **{t: -3.0 for t in word}}
+    assert infill(server, greedy(logit_bias={"15": 250, "return": False})).status_code == 200
+    assert dict(async_engine.params[-1].logit_bias) == {15: 100.0, **{t: -100.0 for t in word}}
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    reply = infill(server, greedy(json_schema=schema, n_predict=40, ignore_eos=False))
+    assert reply.status_code == 200 and async_engine.params[-1].grammar is not None
+    if reply.json()["stop_type"] == "eos":
+        assert isinstance(json.loads(reply.json()["content"])["x"], int)
+
+
 def test_the_stream_joins_to_the_whole_answer(server: KestrelServer) -> None:
     whole = infill(server, greedy()).json()
     chunks = events(server, greedy())
@@ -225,7 +263,8 @@ def test_bad_input_is_a_400_in_llama_cpps_shape(server: KestrelServer) -> None:
              ({"samplers": 5}, "samplers"), ({"response_fields": "content"}, "response_fields"),
              ({"t_max_predict_ms": "1s"}, "t_max_predict_ms"), ({"top_p": 0}, "top_p"), ({"seed": 2 ** 63}, "seed"),
              ({"prompt": "x" * 400}, "prompt"), ({"grammar": "root ::= \"a\""}, "grammar"),
-             ({"json_schema": {"type": "object"}}, "json_schema"), ({"logit_bias": [[15, -1]]}, "logit_bias"),
+             ({"json_schema": {"type": "wat"}}, "json_schema"), ({"logit_bias": [[15]]}, "logit_bias"),
+             ({"logit_bias": [[15, "x"]]}, "logit_bias"), ({"logit_bias": [[10 ** 7, 1]]}, "logit_bias"),
              ({"lora": [{"id": 0, "scale": 0.5}]}, "lora")]
     for fields, name in cases:
         reply = infill(server, greedy(**fields))
@@ -236,11 +275,13 @@ def test_bad_input_is_a_400_in_llama_cpps_shape(server: KestrelServer) -> None:
     assert reply.status_code == 404 and reply.json()["error"]["type"] == "not_found_error"
 
 
-def test_a_model_without_fill_in_the_middle_tokens_is_a_400() -> None:
+def test_a_model_without_fill_in_the_middle_tokens_is_a_501_as_llama_cpps() -> None:
     with kestrel_core.load(str(TINY), backend="cpu") as engine, running_server(AsyncEngine(engine), "tiny") as server:
         reply = infill(server, greedy())
-    assert reply.status_code == 400
-    assert reply.json()["error"]["message"].startswith("Infill is not supported by this model")
+    error = reply.json()["error"]
+    assert (reply.status_code, error["code"], error["type"]) == (501, 501, "not_supported_error")
+    assert error["message"].startswith("Infill is not supported by this model") and set(error) == {
+        "code", "message", "type"}
 
 
 # -- llama.cpp's stops, over scripted answers ------------------------------------------------------------------
