@@ -78,20 +78,22 @@ def serve_command(args: argparse.Namespace) -> int:
     names = args.served_model_name or []
     if len(names) > max(1, len(args.model or ())):
         raise KestrelError(f"{len(names)} --served-model-name for {len(args.model or ()) or 1} model(s)")
+    preset = getattr(args, "preset", None)
+    if preset and args.model:
+        raise KestrelError("give either --model or --preset, not both")
+    if args.lora is not None and len(args.model or ()) > 1:
+        raise KestrelError("--lora merges into one model; serve one --model with it")
+    loading = load_options(args, preset=bool(preset))  # a bad option is its error, not a busy port's
     sock = bind_socket(args.host, args.port)  # a busy port fails now, not after the model has loaded
     engines = []
     try:
         options = dict(backend=args.backend, quant=args.quant, kv_cache_mb=args.kv_cache_mb,
                        activations=getattr(args, "activations", "auto"))
-        if getattr(args, "preset", None):
-            if args.model:
-                raise KestrelError("give either --model or --preset, not both")
-            engines.append(load_preset(args.preset, **options, **load_options(args, preset=True)))
+        if preset:
+            engines.append(load_preset(preset, **options, **loading))
         else:
-            if args.lora is not None and len(args.model or ()) > 1:
-                raise KestrelError("--lora merges into one model; serve one --model with it")
             for model in args.model or [None]:
-                engines.append(load(model, **options, **load_options(args)))
+                engines.append(load(model, **options, **loading))
         for engine in engines:
             set_speculate(engine, args.speculate)
             if args.no_model_sampling:
