@@ -106,13 +106,13 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from kestrel_core.model.commands import list_models
+    from kestrel_core.model.inventory import list_models
 
     return list_models(args)
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from kestrel_core.model.commands import cache
+    from kestrel_core.model.inventory import cache
 
     return cache(args)
 

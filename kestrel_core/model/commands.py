@@ -1,4 +1,5 @@
-"""The CLI handlers of run, chat, embed, pull, quantize and bench: thin layers over the Python API.
+"""The CLI handlers of run, chat, embed, pull, quantize and bench (list and cache: model/inventory.py): thin
+layers over the Python API.
 
 Each takes the argparse Namespace, its values already checked by the CLI (``validate.check_cli_args``), and
 returns an exit code; errors are KestrelErrors, which the CLI prints as one line. Generated text goes to
@@ -18,7 +19,7 @@ from typing import Any, TextIO
 
 from rich.table import Table
 
-from kestrel_core.console import dumps, err, out, print_uncut
+from kestrel_core.console import dumps, err, out
 from kestrel_core.entry import interrupt_handled
 from kestrel_core.errors import InvalidRequest, KestrelError
 from kestrel_core.model.engine import Engine
@@ -93,6 +94,8 @@ def _open_generator(args: argparse.Namespace) -> Engine:
 
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
+        if not args.prompt:  # as an empty stdin is refused: a chat template would answer a blank turn
+            raise KestrelError("the prompt given is empty (pass some text, as an argument or on stdin)")
         return args.prompt
     # a piped line ends in a newline the prompt given as an argument lacks (`echo ... | kestrel run`): the same
     # question gets the same answer either way
@@ -428,74 +431,6 @@ def pull(args: argparse.Namespace) -> int:
     if spec is None:
         raise KestrelError(f"{args.model!r} is not a Hugging Face Hub name (owner/name[@revision][:TAG])")
     print(fetch(spec, force=args.force))
-    return 0
-
-
-def list_models(args: argparse.Namespace) -> int:
-    """The models kestrel can load without a download: the default one once pulled, and what the Hugging Face
-    cache holds (``hub.cached_models``), by the name ``--model`` takes."""
-    import datetime
-
-    from kestrel_core.model.hub import CachedModel, cached_models
-    from kestrel_core.model.pull import DEFAULT_MODEL, default_model_path
-
-    models = []
-    default = default_model_path()
-    if default.is_file():
-        st = default.stat()
-        name = f"{DEFAULT_MODEL.filename.split('.')[0]} (the default: no -m)"  # what `kestrel run` loads without -m
-        models.append(CachedModel(name, "gguf", default, st.st_size, st.st_mtime))
-    models += cached_models()
-    if args.json:
-        for m in models:
-            print(json.dumps({"name": m.name, "format": m.kind, "path": str(m.path), "size": m.size,
-                              "modified": m.modified}))
-        return 0
-    table = Table(title="local models (kestrel run -m NAME; the default one without -m)")
-    for column in ("name", "format", "size", "modified"):
-        table.add_column(column, justify="right" if column == "size" else "left", no_wrap=True)
-    for m in models:
-        when = datetime.datetime.fromtimestamp(m.modified).strftime("%Y-%m-%d %H:%M")
-        table.add_row(m.name, m.kind, f"{m.size / 1e6:,.0f} MB", when)
-    if models:
-        print_uncut(table)
-    else:
-        out.print("no local models: kestrel pull, or kestrel run -m owner/name, fetches one")
-    return 0
-
-
-def cache(args: argparse.Namespace) -> int:
-    """The quantized models cached in ``$KESTREL_HOME/cache`` (cache.cache_entries); ``--prune`` removes those
-    whose model is gone, ``--clear`` all of them."""
-    import datetime
-
-    from kestrel_core.model.cache import cache_dir, cache_entries, cache_temps, prune_cache
-
-    if args.prune or args.clear:
-        removed, temps = prune_cache(everything=args.clear)
-        err.print(f"removed {len(removed)} cache entries ({sum(e.size for e in removed) / 1e6:,.0f} MB) and "
-                  f"{len(temps)} temp files of writers that died ({sum(t.size for t in temps) / 1e6:,.0f} MB) "
-                  f"from {cache_dir()}", soft_wrap=True)
-        return 0
-    entries = cache_entries()
-    if args.json:
-        for e in entries:
-            print(json.dumps({"path": str(e.path), "sources": list(e.sources), "quant": e.quant, "size": e.size,
-                              "used": e.used, "orphaned": e.orphaned}))
-        return 0
-    table = Table(title=f"quantized models cached in {cache_dir()} (kestrel cache --prune removes the orphaned)")
-    for column in ("built from", "quant", "size", "last used", "state"):
-        table.add_column(column, justify="right" if column == "size" else "left", overflow="fold")
-    for e in entries:
-        when = datetime.datetime.fromtimestamp(e.used).strftime("%Y-%m-%d %H:%M")
-        table.add_row(" + ".join(e.sources) or e.path.name, e.quant, f"{e.size / 1e6:,.0f} MB", when,
-                      "orphaned" if e.orphaned else "ok")
-    out.print(table if entries else f"the cache {cache_dir()} holds no entries")
-    if entries:
-        out.print(f"{sum(e.size for e in entries) / 1e6:,.0f} MB in {len(entries)} entries", highlight=False)
-    if dead := [t for t in cache_temps() if t.dead]:
-        out.print(f"{sum(t.size for t in dead) / 1e6:,.0f} MB in {len(dead)} temp files of writers that died "
-                  "(kestrel cache --prune removes them)", highlight=False)
     return 0
 
 

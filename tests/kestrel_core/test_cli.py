@@ -52,6 +52,7 @@ def test_an_explicit_other_quant_on_an_artifact_is_reported(artifact: Path, capl
     (["run", "--model", str(TINY), "--grammar", "start: missing", "hi"], "--grammar: invalid grammar"),
     (["run", "--model", str(TINY), "--regex", "(open", "hi"], "--regex: invalid grammar"),
     (["run", "--model", str(TINY), "x\udcff"], "the prompt is not valid UTF-8"),  # argv's invalid UTF-8, decoded
+    (["run", "--model", str(TINY), ""], "the prompt given is empty"),  # ``kestrel run "$PROMPT"``, PROMPT unset
     (["run", "--model", str(TINY), "--regex", "x\udcff", "hi"], "--regex is not valid UTF-8"),
     (["embed", "--model", str(TINY), "x\udcff"], "a text to embed is not valid UTF-8"),
     (["run", "--model", str(TINY), "-n", "0", "hi"], "max_tokens must be an integer >= 1"),
