@@ -13,6 +13,7 @@ import signal
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import NoReturn
 
 from rich.logging import RichHandler
 from rich.table import Table
@@ -221,8 +222,16 @@ def _model_sampling_arg(p: argparse.ArgumentParser) -> None:
                         "(run, chat: greedy) or each API's (serve)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands' too), whose usage error is one line, as every other error is: the usage
+    it would print first (a screenful for ``run``) is what ``--help`` shows."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kestrel", description=kestrel_core.__doc__.splitlines()[0],
+    parser = _Parser(prog="kestrel", description=kestrel_core.__doc__.splitlines()[0],
                                      epilog="kestrel COMMAND --help: that command's options")
     parser.add_argument("--version", action="version", version=f"kestrel {kestrel_core.__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and debug logs")

@@ -75,6 +75,22 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, capsys) 
     assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["run", "--think", "nosuch", "hi"], "kestrel run: error: argument --think: expected true, false or one of"),
+    (["run", "-n", "ten", "hi"], "kestrel run: error: argument --max-tokens/-n: invalid int value: 'ten'"),
+    (["serve", "--pooling", "nosuch"], "kestrel serve: error: argument --pooling: invalid choice: 'nosuch'"),
+    (["chat", "--suffix", "x"], "kestrel: error: unrecognized arguments: --suffix x"),
+    (["nosuch"], "kestrel: error: argument command: invalid choice: 'nosuch'"),
+])
+def test_a_usage_error_is_one_line_and_exit_2(argv: list[str], needle: str, capsys) -> None:
+    """argparse's own errors too: the usage it would print first is what --help shows."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and needle in err and len(err.splitlines()) == 1, err
+    assert err.endswith("--help lists the options)")
+
+
 @pytest.mark.parametrize("argv", [["-v", "run", "--model", "/nonexistent/model", "hi"],
                                   ["run", "-v", "--model", "/nonexistent/model", "hi"]])  # before or after the command
 def test_verbose_shows_the_traceback(capsys, argv: list[str]) -> None:
