@@ -450,7 +450,10 @@ def quantize(args: argparse.Namespace) -> int:
     if args.quant is not None:
         parse_quant(args.quant)
     loaded = load_model(args.model, quant=args.quant, cache="read")  # a cached build is reused, not copied
-    path = write_artifact(loaded, out, force=args.force)
+    try:
+        path = write_artifact(loaded, out, force=args.force)
+    except OSError as exc:  # a full disk's error names no file
+        raise KestrelError(f"cannot write {out}: {exc.strerror or exc}") from exc
     err.print(f"wrote {path} ({loaded.quant}, {path.stat().st_size / 1e6:.1f} MB) from {loaded.source}",
               soft_wrap=True)
     return 0
