@@ -13,6 +13,7 @@ import logging
 import re
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kestrel_core.errors import KestrelError
 from kestrel_core.serve.errors import APIError
 from kestrel_core.serve.metrics import ServerMetrics
 
@@ -158,6 +160,19 @@ def _hostname(authority: str) -> str:
     if authority.startswith("["):
         return authority[1:].partition("]")[0]
     return authority.partition(":")[0] if authority.count(":") == 1 else authority
+
+
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#@\s]+/?", re.IGNORECASE)
+
+
+def check_origins(origins: Sequence[str]) -> tuple[str, ...]:
+    """--allowed-origins' values: '*', or a page's origin as a browser's Origin header names it, SCHEME://HOST[:PORT];
+    a value no header can match (no scheme, a path, blanks) is refused rather than silently allowing nothing."""
+    for origin in origins:
+        if origin != "*" and not _ORIGIN.fullmatch(origin):
+            raise KestrelError(f"--allowed-origins: {origin!r} is not a web page's origin: SCHEME://HOST[:PORT], as "
+                               "a browser names the page (https://app.example), or '*'")
+    return tuple(origins)
 
 
 def is_loopback(host: str) -> bool:

@@ -70,11 +70,12 @@ def serve_command(args: argparse.Namespace) -> int:
     from kestrel_core.model.engine_load import load, load_preset
     from kestrel_core.model.loader import finish_cache_writes
     from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING
-    from kestrel_core.serve.access import DEFAULT_MAX_REQUEST_BYTES
+    from kestrel_core.serve.access import DEFAULT_MAX_REQUEST_BYTES, check_origins
     from kestrel_core.serve.server import bind_socket, serve
 
     _setup_logging(bool(getattr(args, "verbose", False)))
     api_key = _api_key(args.api_key)
+    origins = check_origins(args.allowed_origins or ())
     names = args.served_model_name or []
     if len(names) > max(1, len(args.model or ())):
         raise KestrelError(f"{len(names)} --served-model-name for {len(args.model or ()) or 1} model(s)")
@@ -104,7 +105,7 @@ def serve_command(args: argparse.Namespace) -> int:
                        token_budget=args.token_budget, model_names=names, shutdown_grace_s=args.shutdown_grace,
                        pooling=args.pooling, max_request_bytes=DEFAULT_MAX_REQUEST_BYTES
                        if args.max_request_mb is None else int(args.max_request_mb * 1e6),
-                       allowed_origins=tuple(args.allowed_origins or ()))
+                       allowed_origins=origins)
     finally:
         for engine in engines:
             engine.close()

@@ -110,6 +110,18 @@ def test_a_bad_key_is_one_line_before_the_model_loads(
     assert needle in err and len(err.splitlines()) == 1 and not loaded
 
 
+@pytest.mark.parametrize("origin", ["", "app.example", "https://app.example/page", " https://app.example",
+                                    "https://"])
+def test_an_origin_no_browser_sends_is_refused_before_the_model_loads(origin: str,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A page's origin is SCHEME://HOST[:PORT] (or '*'): one given without its scheme, with a path or blank would
+    match no browser's Origin header, and that page would get 403s from a server that seems to allow it."""
+    # a model that does not exist: only the origin's check can come first and say something else
+    assert main(["serve", "--port", "0", "--model", "/nonexistent/model", "--allowed-origins", origin]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--allowed-origins: {origin!r} is not a web page's origin" in err and len(err.splitlines()) == 1, err
+
+
 def test_a_busy_port_fails_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
