@@ -555,3 +555,24 @@ def test_think_on_a_model_without_reasoning_is_said_to_be_ignored(capsys) -> Non
     assert code == 0 and "--think: this model's chat template has no reasoning to switch" in err
     code, _, err = _run(capsys, "run", "--preset", "tiny", "-n", "1", "hi")
     assert code == 0 and "--think" not in err
+
+
+def test_a_quantize_that_cannot_write_names_its_output_and_keeps_the_old_file(tmp_path: Path, monkeypatch,
+                                                                              capsys) -> None:
+    """A full disk while the artifact is written: one line naming the output, and the file --force would have
+    replaced is as it was, with no temp file left beside it."""
+    import errno
+
+    from kestrel_core import artifact_write
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(artifact_write, "_write_safetensors", full)
+    model = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-qwen3"
+    old = tmp_path / "old.kst"
+    old.write_text("the user's")
+    assert main(["quantize", str(model), "-o", str(old), "--force"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: cannot write {old}: No space left on device", err
+    assert old.read_text() == "the user's" and sorted(tmp_path.iterdir()) == [old]
