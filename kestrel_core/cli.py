@@ -232,7 +232,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kestrel", description=kestrel_core.__doc__.splitlines()[0],
-                                     epilog="kestrel COMMAND --help: that command's options")
+                     epilog="kestrel COMMAND --help: that command's options")
     parser.add_argument("--version", action="version", version=f"kestrel {kestrel_core.__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and debug logs")
     sub = parser.add_subparsers(dest="command", required=True)
