@@ -15,12 +15,11 @@ import warnings
 from collections.abc import Sequence
 from typing import NoReturn
 
-from rich.logging import RichHandler
 from rich.table import Table
 from rich.text import Text
 
 import kestrel_core
-from kestrel_core.console import err, out
+from kestrel_core.console import err, log_handler, out
 from kestrel_core.entry import INTERRUPTED_EXIT, interrupted
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import KV_TYPES, POOLINGS
@@ -386,7 +385,7 @@ def _interrupted() -> int:
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s",
-                        handlers=[RichHandler(console=err, show_time=False, show_path=False)])
+                        handlers=[log_handler()])
     # huggingface_hub prints its warnings with a handler of its own, which a root handler would print again
     logging.getLogger("huggingface_hub").propagate = False
     if not args.verbose:  # numpy's overflow and invalid-value notes: what they lead to is checked and reported

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import math
 import os
 import sys
@@ -53,6 +54,30 @@ def dumps(obj: Any, indent: int | None = None) -> str:
 out = _Console(highlight=False, markup=False, width=None if sys.stdout is not None and sys.stdout.isatty() else 160)
 err = _Console(stderr=True, highlight=False, markup=False)
 UNBOUNDED_WIDTH = 1 << 16
+
+
+class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A log handler that writes to ``sys.stderr`` as it is when a record comes (not the stream it was first)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+def log_handler() -> logging.Handler:
+    """The command line's log handler: rich's on a terminal, elsewhere (a pipe, a file, a CI log) one plain line a
+    record, which rich would wrap at 80 columns."""
+    from rich.logging import RichHandler
+
+    if err.is_terminal:
+        return RichHandler(console=err, show_time=False, show_path=False)
+    handler = StderrHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)-8s %(message)s"))
+    return handler
 
 
 def print_uncut(table: Table) -> None:

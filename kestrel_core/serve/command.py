@@ -10,9 +10,8 @@ import argparse
 import importlib.util
 import logging
 import os
-import sys
-from typing import Any
 
+from kestrel_core.console import StderrHandler
 from kestrel_core.env import env_str
 from kestrel_core.errors import KestrelError
 
@@ -27,23 +26,11 @@ def _check_installed() -> None:
         raise KestrelError(f"kestrel serve needs {', '.join(missing)}: pip install \"kestrel[serve]\"")
 
 
-class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
-    """A handler that writes to ``sys.stderr`` as it is when a record comes (not the stream it was first)."""
-
-    @property  # type: ignore[override]
-    def stream(self) -> Any:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value: Any) -> None:
-        pass
-
-
 def _setup_logging(verbose: bool) -> None:
     """Request lines and the startup line go to stderr as plain lines, whatever the CLI's root logging."""
     logger = logging.getLogger("kestrel.serve")
     if not any(getattr(h, "_kestrel_serve", False) for h in logger.handlers):
-        handler = _Stderr()
+        handler = StderrHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
         handler._kestrel_serve = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
