@@ -279,7 +279,10 @@ def prune_cache(everything: bool = False) -> tuple[list[CacheEntry], list[Temp]]
 
     removed = [e for e in cache_entries() if everything or e.orphaned]
     for e in removed:
-        remove_entry(e.path)
+        try:
+            remove_entry(e.path)
+        except OSError as exc:  # a read-only KESTREL_HOME
+            raise KestrelError(f"cannot remove the cache entry {e.path}: {exc.strerror or exc}") from exc
     for lock in cache_dir().glob(f".*{LOCK_SUFFIX}"):
         remove_unheld(lock)
     return removed, remove_stale_temps(cache_dir())

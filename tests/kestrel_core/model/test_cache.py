@@ -565,20 +565,3 @@ def test_a_cache_path_that_is_not_a_directory_is_an_error_naming_it(home: Path, 
         assert err == f"error: {home / 'cache'}: cannot read the model cache (Not a directory)"
     assert (home / "cache").read_text() == "my notes"
 
-
-def test_prune_keeps_a_newer_kestrels_entry_it_cannot_read(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An entry this kestrel cannot read is orphaned, unless a newer kestrel wrote it (in a format only that one
-    reads): kestrel versions sharing a KESTREL_HOME each keep their own. --clear removes it too."""
-    from kestrel_core.model import cache as model_cache
-
-    monkeypatch.setattr(model_cache, "__version__", "0.10.0")
-    entries = home / "cache"
-    entries.mkdir(parents=True)
-    newer = entries / "hf-m.0123456789ab.k1.q8.v2.kestrel-0.11.0.kst"
-    older = entries / "hf-m.0123456789ab.k1.q8.v1.kestrel-0.9.0.kst"
-    for path in (newer, older):
-        path.write_bytes(b"not an artifact this kestrel reads")
-    removed, _ = model_cache.prune_cache()
-    assert [e.path for e in removed] == [older] and newer.exists()
-    removed, _ = model_cache.prune_cache(everything=True)
-    assert [e.path for e in removed] == [newer] and os.listdir(entries) == []
