@@ -350,8 +350,13 @@ def chat(args: argparse.Namespace) -> int:
     return 2 if refused and not interactive else 0
 
 
-def _chat_line(interactive: bool, prompt: str) -> str | None:
-    """A line typed (edited with readline) or read from stdin, without its newline; None at the end."""
+class _BlockDropped(Exception):
+    """Ctrl-C inside a block of several lines: the block is dropped, as Ollama drops it."""
+
+
+def _chat_line(interactive: bool, prompt: str, in_block: bool = False) -> str | None:
+    """A line typed (edited with readline) or read from stdin, without its newline; None at the end. Ctrl-C
+    gives a fresh prompt, as a shell does, or inside a block (``in_block``) drops it (_BlockDropped)."""
     if not interactive:
         line = read_line_stdin(sys.stdin)
         return line.rstrip("\r\n") if line else None
@@ -361,24 +366,30 @@ def _chat_line(interactive: bool, prompt: str) -> str | None:
         except EOFError:
             sys.stdout.write("\n")
             return None
-        except KeyboardInterrupt:  # at the prompt: a fresh one, as a shell does
+        except KeyboardInterrupt:
             interrupt_handled()
             sys.stdout.write("\n")
+            if in_block:
+                raise _BlockDropped from None
 
 
 def _chat_message(interactive: bool) -> str | None:
     """The next message: a line, or the lines between two lines of three quotes (Ollama's way); None at the
     end."""
-    line = _chat_line(interactive, "> ")
-    if line is None or not line.strip().startswith('"""'):
-        return None if line is None else line.strip()
-    lines = [line.strip()[3:]]
-    while not lines[-1].endswith('"""'):
-        more = _chat_line(interactive, "... ")
-        if more is None:
-            break
-        lines.append(more)
-    return "\n".join(lines).removesuffix('"""').strip()
+    while True:
+        line = _chat_line(interactive, "> ")
+        if line is None or not line.strip().startswith('"""'):
+            return None if line is None else line.strip()
+        lines = [line.strip()[3:]]
+        try:
+            while not lines[-1].endswith('"""'):
+                more = _chat_line(interactive, "... ", in_block=True)
+                if more is None:
+                    break
+                lines.append(more)
+        except _BlockDropped:
+            continue
+        return "\n".join(lines).removesuffix('"""').strip()
 
 
 def _embed_texts(args: argparse.Namespace) -> list[str]:

@@ -576,3 +576,19 @@ def test_a_quantize_that_cannot_write_names_its_output_and_keeps_the_old_file(tm
     err = capsys.readouterr().err.strip()
     assert err == f"error: cannot write {old}: No space left on device", err
     assert old.read_text() == "the user's" and sorted(tmp_path.iterdir()) == [old]
+
+
+def test_ctrl_c_inside_a_block_of_lines_drops_the_block(monkeypatch) -> None:
+    """As Ollama does: the lines typed so far go, and the next prompt starts a new message."""
+    from kestrel_core.model.commands import _chat_message
+
+    typed = iter(['"""one', "two", KeyboardInterrupt, "hi"])
+
+    def answer(prompt: str) -> str:
+        line = next(typed)
+        if line is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        return line
+
+    monkeypatch.setattr("builtins.input", answer)
+    assert _chat_message(True) == "hi"
