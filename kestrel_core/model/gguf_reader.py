@@ -28,6 +28,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.gguf_bounds import check_gguf_bounds, split_parts
 from kestrel_core.model.gguf_meta import HYBRID_ARCHITECTURES, GGUFMetadata, dequantize_tensor
+from kestrel_core.model.gguf_vocab import end_of_generation
 from kestrel_core.model.quantize import fused_parts, fused_rows, hybrid_splits, layer_name, map_tensor_name
 from kestrel_core.model.validate import ValidationError, check_regular_file
 from kestrel_core.model.weights import expert_field
@@ -247,6 +248,7 @@ class GGUFCheckpoint(GGUFMetadata):
         self.path = Path(path)
         self.description = str(self.path)
         self.reader = _open_reader(self.path)  # the metadata: a split file's first part holds all of it
+        self._tokenizer_fields: dict[str, Any] | None = None
         self.file_tensors = self._split_tensors()  # every part's
         self._tensors = {}
         self._rows: dict[str, tuple[int, int] | np.ndarray] = {}  # kestrel name -> its rows of a fused tensor
@@ -342,8 +344,6 @@ class GGUFCheckpoint(GGUFMetadata):
                 orig_ctx = self.int_field(f"{arch}.rope.scaling.original_context_length")
                 scaling = llama3_scaling_from_factors(freqs, theta, head_dim, orig_ctx, str(self.path))
             bos = self.int_field("tokenizer.ggml.bos_token_id", lo=0)
-            eos = [v for v in (self.int_field("tokenizer.ggml.eos_token_id", lo=0),
-                               self.int_field("tokenizer.ggml.eot_token_id", lo=0)) if v is not None]
             return ModelConfig(
                 arch=extra.pop("arch", arch),
                 vocab_size=vocab_size,
@@ -360,7 +360,7 @@ class GGUFCheckpoint(GGUFMetadata):
                 max_position=self.int_field(f"{arch}.context_length", 4096),
                 tie_word_embeddings="lm_head" not in self._tensors,
                 bos_token_id=bos,
-                eos_token_ids=tuple(dict.fromkeys(eos)),
+                eos_token_ids=end_of_generation(self.tokenizer_fields(), str(self.path)),
                 sampling=self._sampling(),
                 **{"num_kv_heads": self._kv_heads(arch) or heads, "head_dim": head_dim,
                    "rotary_dim": None if rotary_dim == head_dim else rotary_dim,
@@ -390,9 +390,11 @@ class GGUFCheckpoint(GGUFMetadata):
         return np.ascontiguousarray(np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, r))
 
     def tokenizer_fields(self) -> dict[str, Any]:
-        """Every tokenizer.* metadata value and general.name, decoded (what Tokenizer.from_gguf_vocab needs)."""
-        return {key: self.field(key) for key in self.reader.fields
-                if key.startswith("tokenizer.") or key == "general.name"}
+        """Every tokenizer.* metadata value and general.name, decoded (what Tokenizer.from_gguf_vocab needs), once."""
+        if self._tokenizer_fields is None:
+            self._tokenizer_fields = {key: self.field(key) for key in self.reader.fields
+                                      if key.startswith("tokenizer.") or key == "general.name"}
+        return self._tokenizer_fields
 
     # -- tensors -----------------------------------------------------------------------------------------
 

@@ -9,6 +9,9 @@
   whitespace after them; Gemma 3's (by ``general.architecture``: spaces only replaced; pieces of spaces stored as
   real spaces and respelled; merges ranked by the pieces' order in the file, which its scores do not follow).
 
+Either way the ends of generation, and the types of the tokens llama.cpp finds by their text, are llama.cpp's
+(``end_of_generation``).
+
 tests/kestrel_core/model/test_tokenizer.py compares them with llama.cpp's test vectors (the models' own
 tokenizers' ids) and with transformers' own reading of the same files.
 """
@@ -86,6 +89,28 @@ SPACE = "\u2581"  # SentencePiece's space
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
 SPECIAL_TYPES = (TOKEN_UNKNOWN, TOKEN_CONTROL)
 
+# llama.cpp's ends of generation (llama_vocab::impl::load, src/llama-vocab.cpp): the ids the file names for eos, eot
+# and eom, the fill-in-the-middle padding, repository and file-separator tokens, and every token of one of these
+# texts, which is made a control token where the file types it otherwise (converters leave some of them normal)
+EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~["})
+# llama.cpp's fill-in-the-middle tokens by tokenizer.ggml.fim_<slot>_token_id, else found by their text (then made
+# control tokens); the last three end a generation
+FIM_TEXTS = {
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+            "<|code_prefix|>", "<|prefix|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+            "<|code_suffix|>", "<|suffix|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+            "<|code_middle|>", "<|middle|>"),
+    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "sep": ("<|file_sep|>",),
+}
+FIM_DEPRECATED_KEYS = {"pre": "prefix", "suf": "suffix", "mid": "middle"}  # llama.cpp reads these too
+
 
 @dataclass
 class GGUFVocab:
@@ -107,12 +132,16 @@ def _str_list(fields: Mapping[str, Any], key: str, where: str) -> list[str]:
     return value
 
 
-def build_gguf_vocab(fields: Mapping[str, Any], where: str = "GGUF", architecture: str = "") -> GGUFVocab:
-    """The tokenizer a GGUF's metadata describes; every defect one line naming the key."""
-    kind = fields.get("tokenizer.ggml.model")
-    if kind not in MODELS:
-        raise KestrelError(f"{where}: tokenizer model {kind!r} is not supported (kestrel builds the BPE "
-                           f"vocabularies, tokenizer.ggml.model {' or '.join(repr(m) for m in MODELS)})")
+def _key_id(fields: Mapping[str, Any], key: str, count: int, where: str) -> int | None:
+    """The token id metadata ``key`` names; None where absent or not one of the ``count`` tokens (llama.cpp
+    ignores such an id)."""
+    v = fields.get(key)
+    if v is not None and not is_int(v):
+        raise KestrelError(f"{where}: {key} must be an integer, got {v!r}")
+    return int(v) if v is not None and 0 <= int(v) < count else None
+
+
+def _tokens_and_types(fields: Mapping[str, Any], where: str) -> tuple[list[str], list[int]]:
     tokens = _str_list(fields, "tokenizer.ggml.tokens", where)
     types = fields.get("tokenizer.ggml.token_type")
     if types is None:
@@ -120,19 +149,69 @@ def build_gguf_vocab(fields: Mapping[str, Any], where: str = "GGUF", architectur
     if not isinstance(types, list) or len(types) != len(tokens) or not all(is_int(t) for t in types):
         raise KestrelError(f"{where}: tokenizer.ggml.token_type must be one integer per token "
                            f"({len(tokens)} tokens)")
+    return tokens, [int(t) for t in types]
+
+
+def end_of_generation(fields: Mapping[str, Any], where: str = "GGUF") -> tuple[int, ...]:
+    """The ids that end a generation with a GGUF's vocabulary (``_end_of_generation``)."""
+    return tuple(_end_of_generation(fields, *_tokens_and_types(fields, where), where)[0])
+
+
+def _end_of_generation(fields: Mapping[str, Any], tokens: list[str], types: list[int],
+                       where: str) -> tuple[list[int], list[int]]:
+    """(llama.cpp's end-of-generation ids, the file's eos first; the token types as llama.cpp corrects them).
+
+    Where llama.cpp finds a fill-in-the-middle token by text and the vocabulary holds several of its texts, it takes
+    the first its hash map yields; kestrel takes the one of lowest id."""
+    types = list(types)
+    ids = {t: i for i, t in enumerate(tokens)}
+
+    def key(name: str) -> int | None:
+        return _key_id(fields, f"tokenizer.ggml.{name}_token_id", len(tokens), where)
+
+    def control(i: int) -> None:
+        if types[i] not in SPECIAL_TYPES:
+            types[i] = TOKEN_CONTROL
+
+    fim: dict[str, int | None] = {}
+    for slot, texts in FIM_TEXTS.items():
+        old = FIM_DEPRECATED_KEYS.get(slot)
+        found = key(old) if old is not None else None
+        found = found if found is not None else key(f"fim_{slot}")
+        if found is None and (found := min((ids[t] for t in texts if t in ids), default=None)) is not None:
+            control(found)
+        fim[slot] = found
+    by_text = sorted(ids[t] for t in EOG_TEXTS if t in ids)
+    for i in by_text:
+        control(i)
+    eog = dict.fromkeys(i for i in (key("eos"), key("eot"), key("eom"), fim["pad"], fim["rep"], fim["sep"],
+                                    *by_text) if i is not None)
+    present = {tokens[i]: i for i in eog}
+    calls = "<|call|>" in present or "<|calls|>" in present
+    if "<|end|>" in present and calls and ("<|return|>" in present or "<|flush|>" in present):
+        # gpt-oss's harmony (and Solar Open's): "<|end|>" ends a message, not the answer; it stays in the text
+        del eog[present["<|end|>"]]
+        types[present["<|end|>"]] = TOKEN_USER_DEFINED
+    if "<|tool_response>" in present and "</s>" in present:  # Gemma 4's "</s>" is plain text
+        del eog[present["</s>"]]
+        types[present["</s>"]] = TOKEN_NORMAL
+    return list(eog), types
+
+
+def build_gguf_vocab(fields: Mapping[str, Any], where: str = "GGUF", architecture: str = "") -> GGUFVocab:
+    """The tokenizer a GGUF's metadata describes; every defect one line naming the key."""
+    kind = fields.get("tokenizer.ggml.model")
+    if kind not in MODELS:
+        raise KestrelError(f"{where}: tokenizer model {kind!r} is not supported (kestrel builds the BPE "
+                           f"vocabularies, tokenizer.ggml.model {' or '.join(repr(m) for m in MODELS)})")
+    tokens, types = _tokens_and_types(fields, where)
     template, tool_template = fields.get("tokenizer.chat_template"), fields.get("tokenizer.chat_template.tool_use")
     if template is not None and not isinstance(template, str) or \
             tool_template is not None and not isinstance(tool_template, str):
         raise KestrelError(f"{where}: tokenizer.chat_template and tokenizer.chat_template.tool_use must be text")
-
-    def token_id(key: str) -> int | None:
-        v = fields.get(key)
-        if v is not None and not is_int(v):
-            raise KestrelError(f"{where}: {key} must be an integer, got {v!r}")
-        return int(v) if v is not None and 0 <= int(v) < len(tokens) else None
-
-    bos_id, eos_id, eot_id, unk_id = (token_id(f"tokenizer.ggml.{k}_token_id")
-                                      for k in ("bos", "eos", "eot", "unknown"))
+    bos_id, eos_id, unk_id = (_key_id(fields, f"tokenizer.ggml.{k}_token_id", len(tokens), where)
+                              for k in ("bos", "eos", "unknown"))
+    eos_ids, types = _end_of_generation(fields, tokens, types, where)
     if kind == "gpt2":
         backend, pre = _byte_level(fields, tokens, where)
         add_bos = fields.get("tokenizer.ggml.add_bos_token", pre.add_bos)
@@ -160,7 +239,6 @@ def build_gguf_vocab(fields: Mapping[str, Any], where: str = "GGUF", architectur
         specials = [(t, i) for t, i in ((bos, bos_id), (eos, eos_id)) if t is not None]
         backend.post_processor = processors.TemplateProcessing(single=single, pair=pair,
                                                                special_tokens=list(dict.fromkeys(specials)))
-    eos_ids = list(dict.fromkeys(i for i in (eos_id, eot_id) if i is not None))
     return GGUFVocab(backend, template, tool_template, tokens[bos_id] if bos_id is not None else None,
                      tokens[eos_id] if eos_id is not None else None, eos_ids)
 

@@ -163,9 +163,11 @@ GGUF_NAMES = {"attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight", "q
 def write_gguf(path: Path, src: DictSource, *, qtype: str = "F32", tokenizer: Tokenizer | None = None,
                pre: str = "gpt2", chat_template: str | None = None, rope_freqs: np.ndarray | None = None,
                permute: bool | None = None, arch: str | None = None,
-               metadata: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
+               metadata: Callable[[gguf.GGUFWriter], None] | None = None, eos: str = "<|im_end|>",
+               token_types: dict[str, int] | None = None) -> Path:
     """Write ``src`` as llama.cpp would: ggml names, Q/K permuted for llama, matrices as F32/F16/Q8_0/Q4_0;
-    ``metadata(writer)`` adds more keys."""
+    ``metadata(writer)`` adds more keys; ``eos``: the tokenizer's token the eos id names; ``token_types``: llama.cpp
+    token types written for these tokens instead."""
     c = src.config
     arch = arch or c.arch
     permute = arch == "llama" if permute is None else permute
@@ -183,13 +185,15 @@ def write_gguf(path: Path, src: DictSource, *, qtype: str = "F32", tokenizer: To
         w.add_value_length(c.head_dim)
     if tokenizer is not None:
         tokens, merges, types = bpe_vocab(tokenizer)
+        for text, kind in (token_types or {}).items():
+            types[tokens.index(text)] = kind
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(pre)
         w.add_token_list(tokens)
         w.add_token_merges(merges)
         w.add_token_types(types)
         w.add_bos_token_id(tokens.index("<|im_start|>"))
-        w.add_eos_token_id(tokens.index("<|im_end|>"))
+        w.add_eos_token_id(tokens.index(eos))
         w.add_add_bos_token(False)
     if chat_template is not None:
         w.add_chat_template(chat_template)

@@ -272,5 +272,5 @@ def test_default_model_config_and_tensors() -> None:
     assert (c.arch, c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads,
             c.num_kv_heads, c.head_dim, c.tie_word_embeddings, c.rope_theta, c.max_position) == (
         "llama", 49152, 576, 1536, 30, 9, 3, 64, True, 100000.0, 8192)
-    assert c.eos_token_ids == (2,) and c.bos_token_id == 1
+    assert c.eos_token_ids == (2, 4, 0) and c.bos_token_id == 1  # <|im_end|>, <reponame>, <|endoftext|>
     assert ckpt.get("layers.0.q").shape == (576, 576) and ckpt.get("layers.0.k").shape == (192, 576)

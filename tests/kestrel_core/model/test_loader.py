@@ -129,13 +129,15 @@ def test_artifact_keeps_its_own_quant(tmp_path: Path, hf_dir, caplog: pytest.Log
 
 def test_gguf_file(tmp_path: Path, synth_source, fmt) -> None:
     tk = fmt.train_bpe("smollm")
-    src = synth_source("llama", seed=9, vocab_size=tk.get_vocab_size(), tie_word_embeddings=True)
+    # its ends of generation: the eos <|im_end|> and <|endoftext|>, found by its text
+    src = synth_source("llama", seed=9, vocab_size=tk.get_vocab_size(), tie_word_embeddings=True,
+                       eos_token_ids=(2, 0))
     path = fmt.write_gguf(tmp_path / "m.gguf", src, qtype="F32", tokenizer=tk, pre="smollm", chat_template=TEMPLATE)
     loaded = load_model(path, quant="q8")
     same_weights(loaded.model, quantize_model(src, "q8"))  # the Q/K permutation was undone
     assert loaded.model.lm_head is loaded.model.embedding
     assert loaded.tokenizer.encode("In 2024 the fox") == tk.encode("In 2024 the fox").ids
-    assert loaded.tokenizer.eos_token_ids == (tk.token_to_id("<|im_end|>"),)
+    assert loaded.tokenizer.eos_token_ids == (tk.token_to_id("<|im_end|>"), tk.token_to_id("<|endoftext|>"))
     assert loaded.tokenizer.apply_chat_template(MESSAGES).endswith("<|im_start|>assistant\n")
 
 
@@ -285,4 +287,4 @@ def test_default_model_loads() -> None:
     assert loaded.model.lm_head is loaded.model.embedding and loaded.quant == "q8"
     ids = loaded.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     assert ids[0] == 1 and ids[-3:] == loaded.tokenizer.encode("<|im_start|>assistant\n")[-3:]
-    assert loaded.tokenizer.eos_token_ids == (2,)
+    assert loaded.tokenizer.eos_token_ids == (2, 4, 0)  # <|im_end|>, <reponame>, <|endoftext|>

@@ -57,9 +57,10 @@ def test_a_deepseek2_gguf_reads_as_its_checkpoint(name: str) -> None:
     hf = HFCheckpoint(FIXTURES / name).config
     gguf = GGUFCheckpoint(FIXTURES / f"{name}.gguf").config
     assert gguf.query_scale == pytest.approx(hf.query_scale, rel=1e-6)
-    same = ("arch", "query_scale", "max_position", "rope_scaling")
+    same = ("arch", "query_scale", "max_position", "rope_scaling", "eos_token_ids")
     assert {k: v for k, v in dataclasses.asdict(gguf).items() if k not in same} == \
         {k: v for k, v in dataclasses.asdict(hf).items() if k not in same}
+    assert gguf.eos_token_ids == (*hf.eos_token_ids, 0)  # and <|endoftext|>, which llama.cpp finds by its text
     assert gguf.arch == ("deepseek_v2" if name == "tiny-deepseek-v2" else "deepseek_v3")
     if hf.rope_scaling is not None:
         assert {k: gguf.rope_scaling[k] for k in ("factor", "attention_factor")} == \

@@ -45,7 +45,8 @@ def test_gguf_vocab_build_encodes_like_the_tokenizer_json(fmt, pre: str) -> None
         assert ours.encode(text, add_special_tokens=False) == want, text
         assert ours.decode(want) == reference.decode(want, skip_special_tokens=False)
         assert ours.decode(ours.encode(text)) == (text if pre != "qwen2" else _nfc(text))
-    assert ours.eos_token_ids == (2,) and ours.eos_token == "<|im_end|>" and ours.bos_token == "<|im_start|>"
+    # <|endoftext|> ends a generation too: llama.cpp finds it by its text
+    assert ours.eos_token_ids == (2, 0) and ours.eos_token == "<|im_end|>" and ours.bos_token == "<|im_start|>"
     # special tokens stay whole; skip_special_tokens drops them
     ids = ours.encode("<|im_start|>hi<|im_end|>")
     assert ids[0] == 1 and ids[-1] == 2
@@ -257,7 +258,8 @@ def test_default_model_tokenizer_matches_transformers() -> None:
         assert tk.decode(entry["ids"]) == entry["text"]
     for chat in golden["chats"]:
         assert tk.apply_chat_template(chat["messages"]) == chat["prompt"]
-    assert tk.eos_token_ids == (2,) and tk.vocab_size == 49152
+    # llama.cpp's ends of generation: <|im_end|>, <reponame> (its repository token) and <|endoftext|>
+    assert tk.eos_token_ids == (2, 4, 0) and tk.vocab_size == 49152
     # SmolLM2 splits every digit (llama.cpp's "smollm" pre-tokenizer; transformers does not know it)
     ids = tk.encode("In 2024, 3.14159")
     assert [tk.token(i) for i in ids if tk.token(i).strip("Ġ").isdigit()] == list("2024314159")
