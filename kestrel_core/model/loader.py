@@ -339,14 +339,16 @@ def finish_cache_writes(*, cancel: bool = False) -> None:
 def _load_default(quant: str, adapters: tuple[Adapter, ...] = ()) -> LoadedModel:
     """The default model from its cache entry, pulled (when its file is missing or changed) only to build one."""
     gguf_path = default_model_path()
-    # keyed on the source bytes (the pinned hash, so an entry is found without the file), the quant mode, the
-    # format and the kestrel version (its quantizer)
+    # keyed on the source bytes (the pinned hash, so an entry is found without the file), what is read of a GGUF
+    # file (its key scheme: an entry holds the tokenizer and the ends of generation), the quant mode, the format and
+    # the kestrel version (its quantizer)
     stem = DEFAULT_MODEL.filename
+    source_key = f"{store.GGUF_KEY_SCHEME}:{DEFAULT_MODEL.member_sha256}"
     if not adapters:
         entry = store.cache_dir() / store.entry_name(stem, DEFAULT_MODEL.member_sha256[:12], quant)
-        key, slot = DEFAULT_MODEL.member_sha256, store.Slot(stem, quant)
+        key, slot = source_key, store.Slot(stem, quant)
     else:
-        entry, key, slot = _cached_entry(gguf_path, DEFAULT_MODEL.member_sha256, stem, quant, adapters)
+        entry, key, slot = _cached_entry(gguf_path, source_key, stem, quant, adapters)
     return _cached(entry, key, quant, slot, lambda: _load_gguf(pull_default_model(progress=True), quant, adapters),
                    _named(gguf_path, adapters, f"SmolLM2-135M-Instruct ({gguf_path})"), _origins(gguf_path, adapters))
 
