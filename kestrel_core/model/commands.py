@@ -446,6 +446,7 @@ def pull(args: argparse.Namespace) -> int:
 
 
 def quantize(args: argparse.Namespace) -> int:
+    from kestrel_core.artifact import read_meta
     from kestrel_core.artifact_write import check_output
     from kestrel_core.model.loader import load_model, write_artifact
     from kestrel_core.model.quantize import parse_quant
@@ -459,7 +460,10 @@ def quantize(args: argparse.Namespace) -> int:
                             or source.is_dir() and out.resolve().is_relative_to(source.resolve())):
         raise KestrelError(f"{out} is the model being quantized, or inside it: write the artifact elsewhere")
     if args.quant is not None:
-        parse_quant(args.quant)
+        wanted = parse_quant(args.quant).name
+        if source.is_file() and source.suffix == ".kst" and (held := read_meta(source).quant) != wanted:
+            raise KestrelError(f"{source} holds {held} weights and an artifact is not re-quantized: quantize the "
+                               f"model it was built from with --quant {wanted}")
     loaded = load_model(args.model, quant=args.quant, cache="read")  # a cached build is reused, not copied
     try:
         path = write_artifact(loaded, out, force=args.force)

@@ -1,4 +1,4 @@
-"""The run / chat / bench / quantize commands, in process, on a tiny synthetic preset."""
+"""The run / chat / bench commands, in process, on a tiny synthetic preset (quantize: test_quantize_command.py)."""
 
 from __future__ import annotations
 
@@ -291,51 +291,6 @@ def test_chat_survives_a_turn_longer_than_the_context(capsys, monkeypatch) -> No
     assert line.startswith("error: the conversation has") and line.endswith("(/reset to start over)")
 
 
-def test_quantize_refuses_to_overwrite(capsys, tmp_path) -> None:
-    target = tmp_path / "model.kst"
-    target.write_bytes(b"precious")
-    code, _, err = _run(capsys, "quantize", str(tmp_path / "missing"), "-o", str(target))
-    assert code == 2 and "--force" in err and target.read_bytes() == b"precious"
-
-
-def test_quantize_refuses_an_output_it_cannot_write_before_loading(capsys, tmp_path) -> None:
-    """A missing directory, or a file where the directory should be, is said before the model is read: the
-    model here does not exist, so the load never started."""
-    (tmp_path / "notes.txt").write_text("x")
-    for out, says in ((tmp_path / "nowhere" / "x.kst", f"directory {tmp_path / 'nowhere'} does not exist"),
-                      (tmp_path / "notes.txt" / "x.kst", f"{tmp_path / 'notes.txt'} is not a directory")):
-        code, _, err = _run(capsys, "quantize", str(tmp_path / "missing"), "-o", str(out))
-        assert code == 2 and err.strip() == f"error: cannot write {out}: {says}", err
-
-
-def test_quantize_refuses_a_directory_it_may_not_write_in_before_loading(tmp_path, unprivileged) -> None:
-    import subprocess
-    import sys
-
-    locked = tmp_path / "locked"
-    locked.mkdir(mode=0o555)
-    done = subprocess.run([*unprivileged, sys.executable, "-m", "kestrel_core.entry", "quantize",
-                           str(tmp_path / "missing"), "-o", str(locked / "x.kst")], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 2
-    assert done.stderr.strip() == f"error: cannot write {locked / 'x.kst'}: no permission to write in {locked}"
-
-
-def test_quantize_writes_only_what_loads_and_never_into_the_model(capsys, tmp_path) -> None:
-    """An output named otherwise than ``.kst`` would not load as an artifact; one inside the model's directory
-    (with --force) would overwrite the checkpoint being read."""
-    import shutil
-
-    model = tmp_path / "model"
-    shutil.copytree(TINY_LLAMA, model)
-    before = {f.name: f.read_bytes() for f in model.iterdir()}
-    for out, says in ((tmp_path / "noext", "ends in .kst"), (tmp_path / "out.gguf", "ends in .kst"),
-                      (model / "model.kst", "or inside it")):
-        code, _, err = _run(capsys, "quantize", str(model), "-o", str(out), "--force")
-        assert code == 2 and says in err and not out.exists(), err
-    assert {f.name: f.read_bytes() for f in model.iterdir()} == before
-
-
 def test_text_stream_holds_back_incomplete_characters() -> None:
     tok = ByteTokenizer()
     stream = TextStream(tok)
@@ -347,22 +302,6 @@ def test_text_stream_holds_back_incomplete_characters() -> None:
 
 
 TINY_LLAMA = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-llama"
-
-
-def test_quantize_then_run_the_artifact_gives_the_checkpoints_tokens(capsys, tmp_path) -> None:
-    artifact = tmp_path / "tiny.kst"
-    code, _, err = _run(capsys, "quantize", str(TINY_LLAMA), "-o", str(artifact), "--quant", "q4")
-    assert code == 0 and artifact.is_file() and "wrote" in err
-    runs = []
-    for model in (str(artifact), str(TINY_LLAMA)):
-        code, out, _ = _run(capsys, "run", "hello there", "--model", model, "--quant", "q4", "--no-chat",
-                            "--json", "-n", "8", "--backend", "cpu")
-        assert code == 0
-        runs.append(json.loads(out))
-    assert runs[0]["tokens"] == runs[1]["tokens"] and len(runs[0]["tokens"]) > 0
-    assert runs[0]["prompt_tokens"] == runs[1]["prompt_tokens"] > 0
-    code, _, err = _run(capsys, "quantize", str(TINY_LLAMA), "-o", str(artifact), "--force")
-    assert code == 0
 
 
 def test_a_sampled_run_draws_its_seed_and_reports_it(capsys) -> None:
@@ -555,27 +494,6 @@ def test_think_on_a_model_without_reasoning_is_said_to_be_ignored(capsys) -> Non
     assert code == 0 and "--think: this model's chat template has no reasoning to switch" in err
     code, _, err = _run(capsys, "run", "--preset", "tiny", "-n", "1", "hi")
     assert code == 0 and "--think" not in err
-
-
-def test_a_quantize_that_cannot_write_names_its_output_and_keeps_the_old_file(tmp_path: Path, monkeypatch,
-                                                                              capsys) -> None:
-    """A full disk while the artifact is written: one line naming the output, and the file --force would have
-    replaced is as it was, with no temp file left beside it."""
-    import errno
-
-    from kestrel_core import artifact_write
-
-    def full(*args: object, **kwargs: object) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(artifact_write, "_write_safetensors", full)
-    model = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-qwen3"
-    old = tmp_path / "old.kst"
-    old.write_text("the user's")
-    assert main(["quantize", str(model), "-o", str(old), "--force"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err == f"error: cannot write {old}: No space left on device", err
-    assert old.read_text() == "the user's" and sorted(tmp_path.iterdir()) == [old]
 
 
 def test_ctrl_c_inside_a_block_of_lines_drops_the_block(monkeypatch) -> None:
