@@ -208,8 +208,7 @@ class Scheduler(LoneDecode):
         try:
             logits = step.result()
         except Exception:  # the step failed as a whole: its requests end; the scheduler goes on
-            for request, _, _ in work:
-                self._finish(request, "abort")
+            self._abort_all(work)
             raise
         finally:
             self._release_held()
@@ -276,8 +275,7 @@ class Scheduler(LoneDecode):
             step = self.engine.start_batch(*args) if before is None else self.engine.start_batch(*args, after=before[1])
         except Exception:
             if before is None:
-                for request, _, _ in work:  # the step's requests end
-                    self._finish(request, "abort")
+                self._abort_all(work)
                 raise
             step = None
         if step is None:
@@ -514,6 +512,11 @@ class Scheduler(LoneDecode):
         return RequestOutput(request.request_id, tokens, text, logprobs, request.finished, request.finish_reason,
                              len(request.prompt_ids), len(request.output_ids),
                              request.stop_reason if request.finished else None, text_offsets=offsets)
+
+    def _abort_all(self, work: list[tuple[Request, Any, int]]) -> None:
+        """A step that failed as a whole, starting or running: its requests end."""
+        for request, _, _ in work:
+            self._finish(request, "abort")
 
     def _finish(self, request: Request, reason: str) -> None:
         request.stop_device_decode()

@@ -512,3 +512,32 @@ def test_a_pipelined_decode_left_behind_never_rewinds_a_backend_before_1_6(model
         assert plugin.BELOW == []
         assert [got[lone.request_id], got[joined.request_id]] == want
         assert engine.stats["offload"]["kestrel_decode_greedy"]["accepted"] >= 1
+
+
+@pytest.mark.parametrize("fails", ["start", "result"])
+def test_a_step_that_fails_ends_its_requests_and_the_scheduler_goes_on(engine, monkeypatch, fails: str) -> None:
+    """A step that fails as a whole, as it starts or when its result is taken: the error is raised, its requests
+    end ("abort") with their blocks back, and a request that comes after runs as it runs alone."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    alone = _alone(engine, [5, 6, 7], params)
+    start_batch = type(engine).start_batch
+    failing = [True]
+
+    def broken(self, work, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if failing[0] and fails == "start":
+            raise RuntimeError("boom")
+        step = start_batch(self, work, *args, **kwargs)
+        if failing[0]:
+            monkeypatch.setattr(step, "result", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+        return step
+
+    monkeypatch.setattr(type(engine), "start_batch", broken)
+    scheduler = Scheduler(engine, max_batch=4)
+    doomed = [scheduler.add(p, params) for p in _prompts(2, engine.config.vocab_size)]
+    with pytest.raises(RuntimeError, match="boom"):
+        scheduler.step()
+    assert all(r.finished and r.finish_reason == "abort" for r in doomed)
+    assert engine.pool.free_blocks == engine.pool.num_blocks and not scheduler.has_work
+    failing[0] = False
+    request = scheduler.add([5, 6, 7], params)
+    assert _run_all(scheduler, [request])[request.request_id] == alone
