@@ -29,7 +29,8 @@ from kestrel_core.model.embed import EmbedJob
 from kestrel_core.model.grammar import Constraint, grammar_vocab
 from kestrel_core.model.harmony import is_harmony
 from kestrel_core.model.kv_pool import KVPool, SeqCache
-from kestrel_core.model.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob, logprobs_of
+from kestrel_core.model.sampling import SamplingParams, TokenLogprob, logprobs_of
+from kestrel_core.model.scoring import check_top
 from kestrel_core.model.validate import is_int
 from kestrel_core.model.weights import Model
 from kestrel_core.registry import Backend, Registry
@@ -469,10 +470,9 @@ class Engine:
         return [entry for chunk in self.prompt_logprob_chunks(token_ids, top) for entry in chunk]
 
     def prompt_logprob_chunks(self, token_ids: Sequence[int], top: int = 0) -> Iterator[list[TokenLogprob]]:
-        """``prompt_logprobs`` a prefill chunk at a time (never the whole [T, vocab]); between two, the thread that
-        drives it may run other work (the server runs generation steps), the chunks' sequence held meanwhile."""
-        if not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise InvalidRequest(f"top must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}", param="top")
+        """``prompt_logprobs`` a prefill chunk at a time (never the whole [T, vocab]), the chunks' sequence held until
+        the last (a server scores prompts by its scheduler's steps instead: kestrel_core.model.scoring)."""
+        check_top(top)
         ids = self.check_ids(token_ids, "input")
         done = 0
         for rows in self._chunk_logits(ids):

@@ -6,13 +6,16 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kestrel_core.errors import InvalidRequest, KestrelError
 from kestrel_core.model.detokenize import TextStream
 from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob
 from kestrel_core.model.speculate import PromptLookup
 from kestrel_core.model.tokenizer import NoTokenizer
+
+if TYPE_CHECKING:
+    from kestrel_core.model.scoring import Scoring
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -34,6 +37,7 @@ class RequestOutput:
     # where each new token's text starts in new_text (a token whose text is held back: where it will start, as a
     # later token's text carries it); None: unknown (every token then counts as starting where new_text does)
     text_offsets: list[int] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # a scoring's: its prompt tokens scored by this step
 
 
 @dataclass
@@ -56,6 +60,9 @@ class Request:
     draft: list[int] = field(default_factory=list)  # the tokens its running step guessed after its next one
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     error: Exception | None = None  # what ended it alone (its sampling raised)
+    scoring: Scoring | None = None  # it scores its prompt and generates nothing (kestrel_core.model.scoring)
+    scored: int = 0  # a scoring's prompt positions whose next token it has scored
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # a scoring's, until its next output
 
     @property
     def finished(self) -> bool:
@@ -64,7 +71,7 @@ class Request:
     @property
     def argmax_only(self) -> bool:
         """Only the greedy token of its logits is needed (a backend may choose it on the device)."""
-        return self.params.argmax_only
+        return self.scoring is None and self.params.argmax_only
 
     @property
     def tokens(self) -> list[int]:

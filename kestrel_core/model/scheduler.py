@@ -24,6 +24,9 @@ every decode row and prompt chunk left; the step keeps each row's argmax while t
 is rewound past the first that does not. While a greedy request's context offers a guess, the batch's steps are not
 fed (a guess needs the tokens before it), so they are not the backend's pipelined greedy decode.
 
+A ``Scoring`` request (kestrel_core.model.scoring) scores its prompt's tokens instead of generating: its prompt runs
+as a prompt's chunks do, each chunk's logits of every row coming back.
+
 The scheduler is not thread-safe: one thread drives it (``AsyncEngine``, or ``Engine.generate``).
 """
 
@@ -40,11 +43,13 @@ from typing import Any
 import numpy as np
 
 from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
+from kestrel_core.model import scoring
 from kestrel_core.model.detokenize import TextStream
 from kestrel_core.model.grammar import Constraint, prepare_masks
 from kestrel_core.model.lone_decode import LoneDecode
 from kestrel_core.model.request import FINISHED, RUNNING, WAITING, Request, RequestOutput, checked_prompt
 from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
+from kestrel_core.model.scoring import Scoring
 from kestrel_core.model.speculate import PromptLookup
 from kestrel_core.model.tokenizer import NoTokenizer
 from kestrel_core.model.weights import PREFILL_CHUNK
@@ -92,15 +97,17 @@ class Scheduler(LoneDecode):
 
     # -- requests ------------------------------------------------------------------------------------
 
-    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams | Scoring) -> list[int]:
         """The prompt's token ids as a list; InvalidRequest for a request that can never run (before it queues)."""
+        if isinstance(params, Scoring):
+            return scoring.checked_scoring(self.engine, self.pool, prompt_ids, params)
         return checked_prompt(self.engine, self.pool, prompt_ids, params)
 
-    def add(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+    def add(self, prompt_ids: Sequence[int], params: SamplingParams | Scoring, request_id: str | None = None,
             constraint: Constraint | None = None) -> Request:
-        """Queue a request; InvalidRequest if it can never run, Overloaded if the queue is full. ``constraint``:
-        its grammar's, built already (``Engine.constraint``), else built here (a grammar that does not compile is
-        then the InvalidRequest)."""
+        """Queue a request (a ``Scoring``: one that scores its prompt, kestrel_core.model.scoring); InvalidRequest
+        if it can never run, Overloaded if the queue is full. ``constraint``: its grammar's, built already
+        (``Engine.constraint``), else built here (a grammar that does not compile is then the InvalidRequest)."""
         prompt_ids = self.check(prompt_ids, params)
         if len(self.waiting) >= self.max_waiting and len(self.running) >= self.max_batch:
             raise Overloaded(f"the server is at capacity ({len(self.running)} running, {len(self.waiting)} "
@@ -108,11 +115,14 @@ class Scheduler(LoneDecode):
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests or any(r.request_id == request_id for r in self._ended):  # its end unsaid
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
-        tokenizer = self.engine.tokenizer
-        text = None if isinstance(tokenizer, NoTokenizer) else TextStream.of(tokenizer, params)
-        if constraint is None and params.grammar is not None:
-            constraint = self.engine.constraint(params.grammar)
-        request = Request(request_id, prompt_ids, params, Sampler(params, constraint, prompt_ids, self.eos), text)
+        if isinstance(params, Scoring):
+            request = scoring.scoring_request(request_id, prompt_ids, params)
+        else:
+            tokenizer = self.engine.tokenizer
+            text = None if isinstance(tokenizer, NoTokenizer) else TextStream.of(tokenizer, params)
+            if constraint is None and params.grammar is not None:
+                constraint = self.engine.constraint(params.grammar)
+            request = Request(request_id, prompt_ids, params, Sampler(params, constraint, prompt_ids, self.eos), text)
         self.requests[request_id] = request
         self.waiting.append(request)
         return request
@@ -216,6 +226,12 @@ class Scheduler(LoneDecode):
         prepare_masks([r.sampler.constraint for r, _ in taking if r.sampler.constraint is not None])
         tokens = []
         for request, out in taking:
+            if request.scoring is not None:  # its chunk's scores; the prompt's end ends it
+                scoring.take_scores(request, out)
+                if not request.pending:
+                    self._finish(request, "length")
+                tokens.append((request, []))
+                continue
             try:
                 tokens.append((request, self._take_draft(request, out) if request.draft
                                else [self._accept(request, self._sample(request, out[-1]))]))
@@ -251,8 +267,9 @@ class Scheduler(LoneDecode):
         take it, and the step then starts as usual once ``before`` is in."""
         ahead = None
         if before is not None:
-            if not self.engine.feeds or any(rows and not r.argmax_only for r, _, rows in before[0] if not r.finished):
-                return None  # a request sampled on the host: its next token is not the device's
+            if not self.engine.feeds or any((rows or r.scoring) and not r.argmax_only for r, _, rows in before[0]
+                                            if not r.finished):
+                return None  # a request sampled (or scored) on the host: its next token is not the device's
             if self.speculate and any(r.draft or self._would_guess(r) for r, _, _ in before[0] if not r.finished):
                 return None  # its next step guesses from the running step's tokens, or may
             ahead = {id(r): (1 if toks is None else len(toks), rows) for r, toks, rows in before[0]}
@@ -308,9 +325,7 @@ class Scheduler(LoneDecode):
                 self._drop_device(request, offer_again=True)
             before = ahead.get(id(request)) if ahead is not None else None
             if before is None:
-                n = min(request.pending, budget)
-                if n > 1:  # a prompt chunk
-                    n = self._to_state_end(request, n)
+                n = self._chunk_size(request, budget)
                 grown = self._grow(request, n) if ahead is None else self.pool.reserve(
                     request.seq.cache, len(request.seq.tokens) + n)
                 if not grown:
@@ -344,10 +359,12 @@ class Scheduler(LoneDecode):
             if self._twin_computing(request):
                 break
             self.waiting.popleft()
-            request.seq = self.engine.new_sequence(len(request.prompt_ids), request.tokens, request.preemptions > 0)
+            # a scoring attaches no cached prefix: it scores every position
+            request.seq = self.engine.new_sequence(len(request.prompt_ids), () if request.scoring else request.tokens,
+                                                   request.preemptions > 0)
             request.status = RUNNING
             self.running.append(request)
-            n = self._to_state_end(request, min(request.pending, budget))
+            n = self._chunk_size(request, budget)
             if ahead is not None:
                 if not self.pool.reserve(request.seq.cache, len(request.seq.tokens) + n):
                     return []
@@ -361,6 +378,12 @@ class Scheduler(LoneDecode):
                 work[i] = self._chunk(request, 1 + len(request.draft))
                 budget -= len(request.draft)
         return work
+
+    def _chunk_size(self, request: Request, budget: int) -> int:
+        """Tokens ``request`` runs this step, ``budget`` left: its decode row, or a chunk of its prompt (a scoring's
+        at most PREFILL_CHUNK: all its rows' logits come to the host)."""
+        n = min(request.pending, budget if request.scoring is None else min(budget, PREFILL_CHUNK))
+        return self._to_state_end(request, n) if n > 1 else n
 
     def _to_state_end(self, request: Request, n: int) -> int:
         """``n``, or fewer so that a chunk of the prompt ends where the prefix cache may keep its recurrent state
@@ -376,7 +399,8 @@ class Scheduler(LoneDecode):
         """Whether a running request with ``request``'s prompt (at least a block long) has not finished it: its
         blocks are shared once it has (prefix cache), so ``request`` waits rather than computes them too."""
         prompt = request.prompt_ids
-        return bool(self.engine.prefix_cache and not request.preemptions and len(prompt) > self.pool.block_size
+        return bool(self.engine.prefix_cache and not request.preemptions and not request.scoring
+                    and len(prompt) > self.pool.block_size
                     and any(r.seq is not None and len(r.seq.tokens) < len(r.prompt_ids) and r.prompt_ids == prompt
                             for r in self.running))
 
@@ -388,6 +412,8 @@ class Scheduler(LoneDecode):
             tokens = request.output_ids[done - prompt:done - prompt + n]
         else:
             tokens = request.tokens[done:done + n]
+        if request.scoring is not None:
+            return request, tokens, scoring.score_rows(request, done, n)
         return request, tokens, int(n == request.pending)  # logits once the chunk reaches the last token
 
     def _decoding_greedily(self, request: Request) -> bool:
@@ -483,7 +509,10 @@ class Scheduler(LoneDecode):
     def _report(self, request: Request, sampled: list[tuple[int, TokenLogprob | None]]) -> RequestOutput:
         """The new tokens' text, the stop strings, and what changed. A stop string ends the answer at its token:
         tokens a draft added after it are dropped. A token that stopped the answer (an end of text, a stop token
-        id) is counted but its text is not the answer's unless ``include_stop_str_in_output``, as in vLLM."""
+        id) is counted but its text is not the answer's unless ``include_stop_str_in_output``, as in vLLM. A
+        scoring's: the scores its chunks took."""
+        if request.scoring is not None:
+            return scoring.scored_output(request)
         stream = request.text
         tokens: list[int] = []
         offsets: list[int] = []
