@@ -28,13 +28,13 @@ from kestrel_core.model.embed import EmbedJob
 from kestrel_core.model.request import RequestOutput
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob
 from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING, Scheduler
+from kestrel_core.model.scoring import Scoring
 
 if TYPE_CHECKING:
     from kestrel_core.model.grammar import Constraint
 
 log = logging.getLogger("kestrel")
 T = TypeVar("T")
-_CALLS = ("call", "piece")  # the inbox's kinds that run a function on the steps' thread
 
 
 @dataclass
@@ -63,7 +63,7 @@ class AsyncEngine:
         self.counters = EngineCounters()
         self._lock = threading.Lock()  # guards the inbox, the clients and the accepting flag
         self._wake = threading.Condition(self._lock)
-        # ("add", (id, ids, params, constraint)), ("abort", id), ("call" or "piece", (fn, future))
+        # ("add", (id, ids, params, constraint)), ("abort", id), ("call", (fn, future))
         self._inbox: list[tuple[str, Any]] = []
         self._clients: dict[str, _Client] = {}
         self._accepting = True
@@ -71,7 +71,6 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._exited = False  # the thread returned: a call now would wait for ever
         self._embed_jobs: list[EmbedJob] = []  # those under way, oldest first
-        self._scorings = 0  # prompts being scored (``score``): requests in flight, as the clients' are
         self._embed_short = False  # a job lacked blocks: the oldest runs alone until it is done
         self._deferred: list[Any] = []  # requests that came while a job lacked blocks: added once it is done
         # jobs waiting for KV blocks wake when some come back: the times they have, the waiting jobs' futures and
@@ -127,7 +126,10 @@ class AsyncEngine:
     def active(self) -> int:
         """Requests submitted and not finished, embedding requests and prompts being scored included."""
         with self._lock:
-            return len(self._clients) + len(self._embed_jobs) + self._scorings
+            return self._in_flight()
+
+    def _in_flight(self) -> int:  # under the lock
+        return len(self._clients) + len(self._embed_jobs)
 
     @property
     def num_waiting(self) -> int:
@@ -145,14 +147,14 @@ class AsyncEngine:
         built for it."""
         return self.scheduler.check(prompt_ids, params)
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | Scoring,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as its tokens come; InvalidRequest or Overloaded before the first one. A
-        grammar's constraint is built first, on a worker thread: compiling a client's grammar may take a while,
-        and the steps' thread does not wait for it."""
+        """The request's outputs as its tokens come (a ``Scoring``'s: its prompt's logprobs, ``score``);
+        InvalidRequest or Overloaded before the first one. A grammar's constraint is built first, on a worker
+        thread: compiling a client's grammar may take a while, and the steps' thread does not wait for it."""
         ids = self.check(prompt_ids, params)  # a bad request fails before its grammar is compiled
         constraint = None
-        if isinstance(params.grammar, str):
+        if isinstance(params, SamplingParams) and isinstance(params.grammar, str):
             constraint = await asyncio.get_running_loop().run_in_executor(None, self.engine.constraint,
                                                                           params.grammar)
         request_id, client = self._enqueue(ids, params, request_id, constraint)
@@ -177,7 +179,7 @@ class AsyncEngine:
         ids = self.scheduler.check(prompt_ids, params)  # reads only the engine's config and pool size: safe here
         return self._enqueue(ids, params, request_id, constraint)
 
-    def _enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None,
+    def _enqueue(self, ids: list[int], params: SamplingParams | Scoring, request_id: str | None,
                  constraint: Constraint | None) -> tuple[str, _Client]:
         """``submit`` for ids the scheduler has checked."""
         loop = asyncio.get_running_loop()
@@ -200,37 +202,33 @@ class AsyncEngine:
         scorings and embedding jobs) fill the capacity; under the lock."""
         if not self._accepting:
             raise ShuttingDown("the server is shutting down")
-        in_flight = len(self._clients) + self._scorings + len(self._embed_jobs)
+        in_flight = self._in_flight()
         if in_flight >= self.capacity:
             raise Overloaded(f"the server is at capacity ({in_flight} requests in flight); retry later")
 
     async def score(self, prompt_ids: Sequence[int], top: int = 0) -> list[TokenLogprob]:
-        """``Engine.prompt_logprobs``, a prefill chunk at a time between the generation steps (a long prompt does not
-        hold the other requests up). A request as a generation is: refused as ``generate`` refuses one when full or
-        shutting down, counted in ``active`` (a drain waits for it); ShuttingDown once the steps' thread stops.
-        Its sequence goes back however it ends (the caller cancelled included)."""
-        with self._lock:
-            self._check_room()
-            self._scorings += 1
+        """The prompt's tokens after the first, each scored by the logits before it with the ``top`` likeliest
+        alternatives (``Engine.prompt_logprobs``), as a request of the scheduler's (kestrel_core.model.scoring):
+        refused, queued, waiting for KV blocks and counted in ``active`` as a generation is, its chunks within the
+        steps' token budget; ShuttingDown where the shutdown ends it. Its sequence goes back however it ends (the
+        caller cancelled included)."""
+        scoring = Scoring(top)
+        request_id, client = self._enqueue(self.check(prompt_ids, scoring), scoring, None, None)
+        scored: list[TokenLogprob] = []
+        finished = False
         try:
-            chunks = self.engine.prompt_logprob_chunks(prompt_ids, top)  # driven on the steps' thread only
-            scored: list[TokenLogprob] = []
-            try:
-                while True:
-                    if self._stopping:
-                        raise ShuttingDown("the server shut down before the prompt was scored")
-                    chunk = await self.call(lambda: next(chunks, None), one_a_step=True)
-                    if chunk is None:
-                        return scored
-                    scored += chunk
-            finally:
-                try:
-                    await self.call(chunks.close)
-                except ShuttingDown:  # the steps' thread has stopped: nothing else drives the engine
-                    chunks.close()
+            while not finished:
+                item = await client.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                if item.finish_reason == "abort":
+                    raise ShuttingDown("the server shut down before the prompt was scored")
+                scored += item.prompt_logprobs or []
+            return scored
         finally:
-            with self._lock:
-                self._scorings -= 1
+            if not finished:
+                self.abort(request_id)
 
     async def embed(self, inputs: Sequence[Sequence[int]], *, pooling: str | None = None,
                     dimensions: int | None = None) -> np.ndarray:
@@ -307,15 +305,14 @@ class AsyncEngine:
 
     def _embed_step(self, job: EmbedJob) -> bool:
         """A step of ``job`` (on the engine's thread); False where the KV cache has no room for it now but the
-        running generation, a prompt being scored or another job holds blocks, which come back."""
+        running requests (generations and prompts being scored) or another job hold blocks, which come back."""
         try:
             job.step()
             self.counters.steps += 1  # a batched step of the model, as a generation step is
         except Overloaded:
             with self._lock:
                 others = [other for other in self._embed_jobs if other is not job]
-                scoring = self._scorings > 0
-            if self.scheduler.num_running or scoring or any(other.holding for other in others):
+            if self.scheduler.num_running or any(other.holding for other in others):
                 return False
             raise
         return True
@@ -326,24 +323,22 @@ class AsyncEngine:
         self.start()
         return self._post(fn).result()
 
-    def _post(self, fn: Callable[[], T], kind: str = "call") -> concurrent.futures.Future[T]:
+    def _post(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
             if self._exited:
                 done.set_exception(ShuttingDown("the engine's thread has stopped"))
                 return done
-            self._inbox.append((kind, (fn, done)))
+            self._inbox.append(("call", (fn, done)))
             self._wake.notify()
         return done
 
-    async def call(self, fn: Callable[[], T], *, one_a_step: bool = False) -> T:
+    async def call(self, fn: Callable[[], T]) -> T:
         """``run_sync`` for coroutines: the steps' thread wakes the caller's event loop with the result, so no worker
         thread of the loop's executor (which the server's prompt rendering shares) waits for it. ``fn`` runs even
-        where the caller is cancelled meanwhile (a close that frees blocks must not be skipped). ``one_a_step``: a
-        piece of a longer work (a scoring's prefill chunk): at most one such runs between two steps, so several of
-        them do not hold each step up by all their pieces; skipped where the caller was cancelled first."""
+        where the caller is cancelled meanwhile (a close that frees blocks must not be skipped)."""
         self.start()
-        return await asyncio.wrap_future(self._post(fn, "piece" if one_a_step else "call"))
+        return await asyncio.wrap_future(self._post(fn))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (its sequence is freed at the next step); nothing if it already finished."""
@@ -377,34 +372,21 @@ class AsyncEngine:
             self._look_at_free_blocks()
 
     def _run_inbox(self, inbox: list[tuple[str, Any]]) -> None:
-        """What came in, in order: requests, aborts and calls, and one piece of a longer work (``call``'s
-        ``one_a_step``); the other pieces go back to the inbox's front for the steps after, in their order."""
+        """What came in, in order: requests, aborts and calls."""
         sched = self.scheduler
-        piece_ran = False
-        later: list[tuple[str, Any]] = []
         for kind, payload in inbox:
-            if kind == "piece":
-                if payload[1].cancelled():  # its caller left: what follows it is its close
-                    continue
-                if piece_ran:
-                    later.append((kind, payload))
-                    continue
-                piece_ran = True
-            if kind in _CALLS:
+            if kind == "call":
                 if sched.step_running:  # the engine is free once it is in (failed or not)
                     self._deliver_step(sched.drain)
                 _run_call(*payload)
             else:
                 self._take(kind, payload)
-        if later:
-            with self._lock:
-                self._inbox[:0] = later
 
     def _admit(self) -> None:
         """Before a step is scheduled: the requests and aborts that arrived meanwhile (calls wait)."""
         with self._lock:
-            taken = [item for item in self._inbox if item[0] not in _CALLS]
-            self._inbox = [item for item in self._inbox if item[0] in _CALLS]
+            taken = [item for item in self._inbox if item[0] != "call"]
+            self._inbox = [item for item in self._inbox if item[0] == "call"]
         for kind, payload in taken:
             self._take(kind, payload)
 

@@ -313,8 +313,8 @@ def _tight(tiny_config, blocks: int) -> kestrel_core.Engine:
 
 
 def test_a_request_waiting_for_blocks_held_outside_the_steps_does_not_spin(tiny_config) -> None:
-    """An echo's scoring holds the blocks: the steps' thread waits for what comes in, counts no empty steps, and
-    the request runs once the blocks are back, as it runs alone."""
+    """A sequence that a call holds has the blocks: the steps' thread waits for what comes in, counts no empty
+    steps, and the request runs once the blocks are back, as it runs alone."""
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     prompt = _prompts(1, seed=4)[0]
     with _tight(tiny_config, 4) as engine:
@@ -451,55 +451,6 @@ def test_an_embedding_waiting_for_blocks_is_not_starved_by_new_requests(tiny_con
         assert engine.pool.free_blocks == engine.pool.num_blocks
 
 
-def test_scorings_run_one_chunk_between_two_steps(engine, monkeypatch) -> None:
-    """Two scorings whose chunks are queued together beside a decoding request: each step runs one of their chunks,
-    so the decode gets a token between any two (all queued calls ran before each step: k scorings, k chunks).
-    A third, cancelled while its chunk waits, runs no chunk."""
-    order: list[str] = []
-
-    def chunks(ids, top=0):  # type: ignore[no-untyped-def]
-        for _ in range(3):
-            order.append("chunk")
-            yield []
-
-    monkeypatch.setattr(engine, "prompt_logprob_chunks", chunks)
-
-    async def main() -> None:
-        front = AsyncEngine(engine)
-        step = front.scheduler.step
-
-        def recorded():  # type: ignore[no-untyped-def]
-            outputs = step()
-            if outputs:
-                order.append("token")
-            return outputs
-
-        monkeypatch.setattr(front.scheduler, "step", recorded)
-        front.start()
-        try:
-            decoding = front.generate(_prompts(1)[0], SamplingParams(max_tokens=64, ignore_eos=True))
-            await decoding.__anext__()
-            entered, gate = threading.Event(), threading.Event()
-            held = asyncio.ensure_future(front.call(lambda: (entered.set(), gate.wait(10))))
-            assert await asyncio.to_thread(entered.wait, 10)  # the steps' thread waits: the chunks queue up
-            scorings = [asyncio.ensure_future(front.score([5, 6, 7])) for _ in range(3)]
-            for _ in range(5):
-                await asyncio.sleep(0)  # each posts its first chunk
-            scorings[2].cancel()
-            gate.set()
-            await held
-            assert await asyncio.gather(*scorings[:2]) == [[], []]
-            await decoding.aclose()
-        finally:
-            await front.shutdown(grace_s=1)
-
-    asyncio.run(main())
-    chunk_at = [i for i, what in enumerate(order) if what == "chunk"]
-    assert len(chunk_at) == 6, order
-    assert all(b - a > 1 for a, b in zip(chunk_at, chunk_at[1:])), order
-    assert engine.pool.free_blocks == engine.pool.num_blocks
-
-
 def test_a_job_waiting_its_turn_hears_that_the_thread_stopped(engine) -> None:
     """A job behind the oldest one makes no call while it waits, so the wait itself says ShuttingDown once the
     steps' thread has stopped: a wait already over would give the event loop no turn, and the job would go round
@@ -553,3 +504,4 @@ def test_an_embedding_beside_a_scoring_waits_for_its_blocks(tiny_config, monkeyp
 
     asyncio.run(main())
     assert engine.pool.free_blocks == engine.pool.num_blocks
+

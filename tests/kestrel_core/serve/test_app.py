@@ -826,25 +826,25 @@ def test_an_allowed_pages_preflights_are_answered_and_its_requests_carry_cors_he
         assert answer.status_code == 200 and _cors_allows(answer, loopback_page), answer.headers
 
 
-def test_scoring_a_long_prompt_takes_a_chunk_between_engine_steps(client: openai.OpenAI, async_engine: AsyncEngine,
-                                                                   engine: Any, monkeypatch) -> None:
-    """An echo with logprobs runs on the engine's thread a prefill chunk a call, so generation steps go on
-    between its chunks (one call for the whole prompt held every other request up); its sequence goes back."""
+def test_scoring_a_long_prompt_runs_a_chunk_a_step(client: openai.OpenAI, engine: Any, monkeypatch) -> None:
+    """An echo with logprobs is scored by the scheduler's steps, a prefill chunk (at most PREFILL_CHUNK tokens, all
+    their logits) a step, so generation steps go on beside its chunks; its sequence goes back."""
     from kestrel_core.model.weights import PREFILL_CHUNK
 
-    calls: list[Any] = []
-    real = async_engine.call
+    chunks: list[tuple[int, int]] = []
+    start_batch = engine.start_batch
 
-    async def counting(fn: Any, **kw: Any) -> Any:
-        calls.append(fn)
-        return await real(fn, **kw)
+    def recorded(work: Any, *args: Any, **kwargs: Any) -> Any:
+        chunks.extend((len(tokens), rows) for _, tokens, rows in work if tokens is not None and len(tokens) > 1)
+        return start_batch(work, *args, **kwargs)
 
-    monkeypatch.setattr(async_engine, "call", counting)
+    monkeypatch.setattr(engine, "start_batch", recorded)
     ids = [int(i) for i in np.random.default_rng(4).integers(100, 5000, 2 * PREFILL_CHUNK + 10)]  # three chunks
     whole = engine.prompt_logprobs(ids, 1)
+    chunks.clear()
     got = client.completions.create(model=NAME, prompt=ids, echo=True, max_tokens=0, logprobs=1)
     assert got.choices[0].logprobs.token_logprobs[1:] == pytest.approx([e.logprob for e in whole], abs=1e-6)
-    assert len(calls) == 3 + 2  # the three chunks, the end, the close
+    assert chunks == [(PREFILL_CHUNK, PREFILL_CHUNK)] * 2 + [(10, 10)]
     assert engine.pool.free_blocks == engine.pool.num_blocks
 
 

@@ -1,6 +1,6 @@
 """An echoed completions prompt scored (``echo`` with ``logprobs``) is a request like any other: a client that
 leaves stops it, a drain refuses a new one and waits for one in flight, capacity counts it. Through a real server
-on tiny-qwen3; a scoring is held part-way by ``HeldScoring`` until the test lets it go on."""
+on tiny-qwen3; a scoring is held by ``HeldScoring`` until the test lets it go on."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import openai
 import pytest
 
 from kestrel_core.model.async_engine import AsyncEngine
-from kestrel_core.model.sampling import TokenLogprob
+from kestrel_core.model.scheduler import Scheduler
+from kestrel_core.model.scoring import Scoring
 from kestrel_core.serve.server import KestrelServer
 
 from .helpers import openai_client, running_server
@@ -26,38 +27,45 @@ PROMPT = "The capital of France is Paris, and"
 
 
 class HeldScoring:
-    """``Engine.prompt_logprob_chunks`` whose first scoring holds its sequence after its first chunk, answering
-    empty chunks on each call, until ``go_on`` is set; later scorings are the engine's own."""
+    """The scheduler's first scoring held once admitted (its sequence and blocks taken), none of its prompt run,
+    until ``go_on`` is set: the steps go on without it meanwhile; later scorings run as they come."""
 
-    def __init__(self, engine: Any) -> None:
-        self.own = engine.prompt_logprob_chunks
-        self.started = threading.Event()  # the held scoring has run its first chunk
-        self.closed = threading.Event()  # it was closed (ended or stopped), its sequence given back
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.started = threading.Event()  # the held scoring was admitted
+        self.closed = threading.Event()  # it ended (scored or stopped), its sequence given back
         self.go_on = threading.Event()
         self.scorings = 0
+        self.request: Any = None
+        add, schedule, finish = Scheduler.add, Scheduler._schedule, Scheduler._finish
 
-    def __call__(self, ids: list[int], top: int = 0) -> Iterator[list[TokenLogprob]]:
-        self.scorings += 1
-        return self._held(ids, top) if self.scorings == 1 else self.own(ids, top)
+        def counted(sched: Scheduler, prompt_ids: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+            request = add(sched, prompt_ids, params, *args, **kwargs)
+            if isinstance(params, Scoring):
+                self.scorings += 1
+                self.request = request if self.scorings == 1 else self.request
+            return request
 
-    def _held(self, ids: list[int], top: int) -> Iterator[list[TokenLogprob]]:
-        own = self.own(ids, top)
-        try:
-            yield next(own)
+        def held(sched: Scheduler, ahead: Any = None) -> Any:
+            work = schedule(sched, ahead)
+            if self.go_on.is_set() or self.request is None or self.request.seq is None:
+                return work
             self.started.set()
-            while not self.go_on.is_set():
-                time.sleep(0.001)  # a chunk's worth of work, without the model
-                yield []
-            yield from own
-        finally:
-            own.close()
-            self.closed.set()
+            time.sleep(0.001)  # a step's worth of work, without the model
+            return [w for w in work if w[0] is not self.request]
+
+        def ended(sched: Scheduler, request: Any, reason: str) -> None:
+            finish(sched, request, reason)
+            if request is self.request:
+                self.closed.set()
+
+        monkeypatch.setattr(Scheduler, "add", counted)
+        monkeypatch.setattr(Scheduler, "_schedule", held)
+        monkeypatch.setattr(Scheduler, "_finish", ended)
 
 
 @pytest.fixture
-def held(engine: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldScoring]:
-    scoring = HeldScoring(engine)
-    monkeypatch.setattr(engine, "prompt_logprob_chunks", scoring)
+def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldScoring]:
+    scoring = HeldScoring(monkeypatch)
     try:
         yield scoring
     finally:
@@ -176,4 +184,5 @@ def _echo_scores(engine: Any, held: HeldScoring) -> list[float | None]:
     """The echoed prompt's token logprobs, as the engine scores it alone (the first token has none); before the
     test's server scores anything."""
     ids = list(engine.tokenizer.encode(PROMPT))
-    return [None] + [e.logprob for chunk in held.own(ids, 1) for e in chunk]
+    return [None] + [e.logprob for e in engine.prompt_logprobs(ids, 1)]
+

@@ -1,0 +1,121 @@
+"""Prompt scoring through the asyncio front (``AsyncEngine.score``, completions' echo with logprobs): its chunks
+share the steps' token budget with the decoding streams, and it waits for KV blocks as a generation does."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+import kestrel_core
+from kestrel_core.model.async_engine import AsyncEngine
+from kestrel_core.model.kv_pool import BLOCK_SIZE, bytes_per_position
+from kestrel_core.model.presets import synthetic_model
+from kestrel_core.model.sampling import SamplingParams
+
+SCORED = list(range(3, 103))  # 100 tokens: four KV blocks
+
+
+@pytest.fixture
+def model(tiny_config):
+    return synthetic_model(tiny_config("llama", max_position=128), "q8", seed=31)
+
+
+class HeldSteps:
+    """``engine.start_batch`` recorded (each call's entries' token counts) and, once ``armed``, held in the first
+    call after that until ``release`` is set: the steps' thread waits there while the test queues work."""
+
+    def __init__(self, engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[list[int]] = []
+        self.armed, self.entered, self.release = threading.Event(), threading.Event(), threading.Event()
+        start_batch = engine.start_batch
+
+        def held(work, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if self.armed.is_set() and not self.release.is_set():
+                self.entered.set()
+                self.release.wait(30)
+            self.calls.append([1 if tokens is None else len(tokens) for _, tokens, _ in work])
+            return start_batch(work, *args, **kwargs)
+
+        monkeypatch.setattr(engine, "start_batch", held)
+
+    async def hold(self) -> None:
+        """Hold the steps' thread in its next step."""
+        self.armed.set()
+        assert await asyncio.to_thread(self.entered.wait, 30)
+
+
+async def _queued(front: AsyncEngine, active: int) -> None:
+    """Until ``active`` requests are in flight (a request is queued before its coroutine first waits)."""
+    while front.active < active:
+        await asyncio.sleep(0)
+
+
+def test_a_scoring_takes_its_chunks_from_the_steps_token_budget(model, monkeypatch) -> None:
+    """Beside a decoding stream, with --token-budget 16: no engine step runs more than 16 tokens, and each step
+    that runs a chunk of the prompt being scored runs the stream's decode row too, as a prompt's prefill does."""
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    with kestrel_core.load(model, "cpu") as engine:
+        want = engine.prompt_logprobs(SCORED, 2)
+        alone = list(engine.generate([5, 6, 7], params=params))
+        steps = HeldSteps(engine, monkeypatch)
+
+        async def main() -> tuple[list[Any], list[int]]:
+            front = AsyncEngine(engine, max_batch=4, token_budget=16)
+            front.start()
+            try:
+                decoding = front.generate([5, 6, 7], params)
+                tokens = list((await decoding.__anext__()).new_token_ids)
+                await steps.hold()
+                scoring = asyncio.create_task(front.score(SCORED, 2))
+                await _queued(front, 2)
+                steps.release.set()
+                tokens += [t async for out in decoding for t in out.new_token_ids]
+                return await scoring, tokens
+            finally:
+                await front.shutdown(grace_s=5)
+
+        got, tokens = asyncio.run(main())
+        assert engine.pool.free_blocks == engine.pool.num_blocks
+    assert max(sum(call) for call in steps.calls) <= 16, steps.calls
+    scoring_steps = [call for call in steps.calls[1:] if max(call) > 1]
+    assert scoring_steps and all(1 in call for call in scoring_steps), steps.calls
+    assert got == want and tokens == alone
+
+
+def _tight(model: Any, blocks: int) -> kestrel_core.Engine:
+    mb = blocks * BLOCK_SIZE * bytes_per_position(model.config) / 2**20
+    engine = kestrel_core.load(model, "cpu", kv_cache_mb=mb)
+    assert engine.pool.num_blocks == blocks
+    return engine
+
+
+def test_a_scoring_waits_for_the_blocks_running_requests_give_back(model, monkeypatch) -> None:
+    """The running generation holds blocks the scoring needs (four of four): the scoring waits for them, as a
+    generation would, rather than being refused, and then gives the prompt's logprobs as the engine does alone."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    with _tight(model, 4) as engine:
+        want = engine.prompt_logprobs(SCORED, 1)
+        alone = list(engine.generate([5, 6, 7], params=params))
+        steps = HeldSteps(engine, monkeypatch)
+
+        async def main() -> tuple[list[Any], list[int]]:
+            front = AsyncEngine(engine, max_batch=4)
+            front.start()
+            try:
+                decoding = front.generate([5, 6, 7], params)
+                tokens = list((await decoding.__anext__()).new_token_ids)
+                await steps.hold()  # the generation runs on, its blocks held
+                scoring = asyncio.create_task(front.score(SCORED, 1))
+                await _queued(front, 2)
+                steps.release.set()
+                tokens += [t async for out in decoding for t in out.new_token_ids]
+                return await scoring, tokens
+            finally:
+                await front.shutdown(grace_s=5)
+
+        got, tokens = asyncio.run(main())
+        assert engine.pool.free_blocks == engine.pool.num_blocks
+    assert got == want and tokens == alone
