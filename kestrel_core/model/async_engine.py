@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -38,9 +39,20 @@ T = TypeVar("T")
 
 
 @dataclass
+class Places:
+    """Places of the capacity that one request took at once (``AsyncEngine.places``), kept from its admission to
+    its end: each of its parts (its prompts' scorings, its choices) takes one as it starts and gives it back as
+    it ends, so nothing that comes between two parts can take it."""
+
+    left: int  # those no part holds now
+    open: bool = True  # the request has not ended: a part's place comes back to it
+
+
+@dataclass
 class _Client:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
+    places: Places | None = None  # the request's places its place came from
 
 
 @dataclass
@@ -71,6 +83,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._exited = False  # the thread returned: a call now would wait for ever
         self._embed_jobs: list[EmbedJob] = []  # those under way, oldest first
+        self._held = 0  # places of the capacity requests took for their parts (``places``) and no part holds
         self._embed_short = False  # a job lacked blocks: the oldest runs alone until it is done
         self._deferred: list[Any] = []  # requests that came while a job lacked blocks: added once it is done
         # jobs waiting for KV blocks wake when some come back: the times they have, the waiting jobs' futures and
@@ -124,12 +137,13 @@ class AsyncEngine:
 
     @property
     def active(self) -> int:
-        """Requests submitted and not finished, embedding requests and prompts being scored included."""
+        """Requests submitted and not finished, embedding requests, prompts being scored and the places requests
+        hold for their next parts included."""
         with self._lock:
             return self._in_flight()
 
     def _in_flight(self) -> int:  # under the lock
-        return len(self._clients) + len(self._embed_jobs)
+        return len(self._clients) + len(self._embed_jobs) + self._held
 
     @property
     def num_waiting(self) -> int:
@@ -148,16 +162,17 @@ class AsyncEngine:
         return self.scheduler.check(prompt_ids, params)
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | Scoring,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, places: Places | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as its tokens come (a ``Scoring``'s: its prompt's logprobs, ``score``);
-        InvalidRequest or Overloaded before the first one. A grammar's constraint is built first, on a worker
-        thread: compiling a client's grammar may take a while, and the steps' thread does not wait for it."""
+        InvalidRequest or Overloaded before the first one; ``places``: its request's (``places``), one of which it
+        takes instead of a free one. A grammar's constraint is built first, on a worker thread: compiling a
+        client's grammar may take a while, and the steps' thread does not wait for it."""
         ids = self.check(prompt_ids, params)  # a bad request fails before its grammar is compiled
         constraint = None
         if isinstance(params, SamplingParams) and isinstance(params.grammar, str):
             constraint = await asyncio.get_running_loop().run_in_executor(None, self.engine.constraint,
                                                                           params.grammar)
-        request_id, client = self._enqueue(ids, params, request_id, constraint)
+        request_id, client = self._enqueue(ids, params, request_id, constraint, places)
         finished = False
         try:
             while True:
@@ -180,40 +195,65 @@ class AsyncEngine:
         return self._enqueue(ids, params, request_id, constraint)
 
     def _enqueue(self, ids: list[int], params: SamplingParams | Scoring, request_id: str | None,
-                 constraint: Constraint | None) -> tuple[str, _Client]:
-        """``submit`` for ids the scheduler has checked."""
+                 constraint: Constraint | None, places: Places | None = None) -> tuple[str, _Client]:
+        """``submit`` for ids the scheduler has checked: a place of the capacity, or one of ``places``."""
         loop = asyncio.get_running_loop()
         with self._lock:
-            self._check_room()
             if request_id is None:
                 self._next_id += 1
                 request_id = f"req-{self._next_id}"
             if request_id in self._clients:
                 raise KestrelError(f"request id {request_id!r} is already in use")
-            client = _Client(loop, asyncio.Queue())
+            if places is None:
+                self._check_room()
+            elif self._stopping:  # a request admitted before a drain goes on within its grace, not after it
+                raise ShuttingDown("the server is shutting down")
+            elif places.left < 1 or not places.open:
+                raise KestrelError("the request's places are all taken")
+            else:
+                places.left -= 1
+                self._held -= 1
+            client = _Client(loop, asyncio.Queue(), places)
             self._clients[request_id] = client
             self._inbox.append(("add", (request_id, ids, params, constraint)))
             self._wake.notify()
         self.start()  # the steps' thread, on first use (a server starts it itself)
         return request_id, client
 
-    def _check_room(self) -> None:
+    def _check_room(self, places: int = 1) -> None:
         """ShuttingDown once the server stops accepting, Overloaded where the requests in flight (generations,
-        scorings and embedding jobs) fill the capacity; under the lock."""
+        scorings, embedding jobs and places held) leave fewer than ``places`` of the capacity; under the lock."""
         if not self._accepting:
             raise ShuttingDown("the server is shutting down")
         in_flight = self._in_flight()
-        if in_flight >= self.capacity:
+        if in_flight + places > self.capacity:
             raise Overloaded(f"the server is at capacity ({in_flight} requests in flight); retry later")
 
-    async def score(self, prompt_ids: Sequence[int], top: int = 0) -> list[TokenLogprob]:
+    @contextlib.contextmanager
+    def places(self, n: int) -> Iterator[Places]:
+        """``n`` places of the capacity for one request of several parts (``generate``'s and ``score``'s
+        ``places``), taken now or not at all (refused as ``generate`` refuses one request); those no part holds
+        come back when the block ends, the others as their parts end."""
+        with self._lock:
+            self._check_room(n)
+            self._held += n
+        places = Places(n)
+        try:
+            yield places
+        finally:
+            with self._lock:
+                self._held -= places.left
+                places.left, places.open = 0, False
+
+    async def score(self, prompt_ids: Sequence[int], top: int = 0, places: Places | None = None
+                    ) -> list[TokenLogprob]:
         """The prompt's tokens after the first, each scored by the logits before it with the ``top`` likeliest
         alternatives (``Engine.prompt_logprobs``), as a request of the scheduler's (kestrel_core.model.scoring):
         refused, queued, waiting for KV blocks and counted in ``active`` as a generation is, its chunks within the
         steps' token budget; ShuttingDown where the shutdown ends it. Its sequence goes back however it ends (the
         caller cancelled included)."""
         scoring = Scoring(top)
-        request_id, client = self._enqueue(self.check(prompt_ids, scoring), scoring, None, None)
+        request_id, client = self._enqueue(self.check(prompt_ids, scoring), scoring, None, None, places)
         scored: list[TokenLogprob] = []
         finished = False
         try:
@@ -448,7 +488,7 @@ class AsyncEngine:
             for out in outputs:
                 self.counters.step_rows += len(out.new_token_ids)
                 client = self._clients.get(out.request_id)
-                if out.finished and self._clients.pop(out.request_id, None) is not None:  # (an abort: when taken)
+                if out.finished and self._end_client(out.request_id) is not None:  # (an abort: when taken)
                     reason = out.finish_reason or "stop"
                     self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
                 if client is not None:
@@ -461,13 +501,23 @@ class AsyncEngine:
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
         with self._lock:
-            client = self._clients.pop(request_id, None)
+            client = self._end_client(request_id)
         if client is not None:
             _send(client.loop, client.queue.put_nowait, exc)
 
+    def _end_client(self, request_id: str) -> _Client | None:
+        """A request's end (under the lock): its client, whose place goes back to its request's ``places`` while
+        that request has not ended."""
+        client = self._clients.pop(request_id, None)
+        places = client.places if client is not None else None
+        if places is not None and places.open:
+            places.left += 1
+            self._held += 1
+        return client
+
     def _drop(self, request_id: str) -> None:
         with self._lock:
-            client = self._clients.pop(request_id, None)
+            client = self._end_client(request_id)
         if client is not None:  # the caller left: nobody reads this queue, but a shutdown abort is said
             _send(client.loop, client.queue.put_nowait, RequestOutput(request_id, [], "", None, True, "abort", 0, 0))
 

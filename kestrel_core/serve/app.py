@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager, contextmanager
 from dataclasses import replace
 from typing import Annotated, Any
 
@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 import kestrel_core
 from kestrel_core.errors import KestrelError
+from kestrel_core.model.async_engine import Places
 from kestrel_core.model.chat_template import continue_final_message
 from kestrel_core.model.embed import check_input
 from kestrel_core.model.harmony import is_harmony
@@ -86,17 +87,17 @@ class Served:
         return self.engine.config.max_position - prompt_tokens
 
     async def echoes(self, prompts: list[str | list[int]], ids: list[list[int]], logprobs: int | None,
-                     request: Request) -> list[Echo]:
+                     request: Request, places: Places | None = None) -> list[Echo]:
         """Completions prompts echoed: their text and, with ``logprobs`` (the alternatives a token), the scores
-        of their tokens after the first, each prompt a request of the engine's (``AsyncEngine.score``). ClientGone
-        where the client leaves meanwhile: its scoring stops at once."""
+        of their tokens after the first, each prompt a request of the engine's (``AsyncEngine.score``, one of
+        ``places`` each in turn). ClientGone where the client leaves meanwhile: its scoring stops at once."""
         def texts() -> list[str]:
             for one in ids:
                 self.engine.check_ids(one, "prompt")
             return [p if isinstance(p, str) else self.engine.tokenizer.decode(one) for p, one in zip(prompts, ids)]
 
         async def scores(top: int) -> list[list[TokenLogprob] | None]:  # each prompt a request of the engine's
-            return [await self.async_engine.score(one, top) for one in ids]
+            return [await self.async_engine.score(one, top, places) for one in ids]
 
         try:
             echoed = await off_loop(request, texts)
@@ -228,22 +229,40 @@ class Served:
             prompts = [replace(p, params=replace(p.params, grammar=grammar)) if p.params else p for p in prompts]
         if body.logprobs is not None:
             await asyncio.to_thread(self.tokens.ready)
-        echoes: list[Echo | None] = []
-        if body.echo:  # each prompt's, once for each of its choices
+        with ExitStack() as held:
+            places = None
+            if body.echo and body.logprobs is not None:  # its scorings, then its choices: none loses its place
+                places = held.enter_context(self.places(max(1, body.choices * sum(p.params is not None
+                                                                                   for p in prompts))))
+            echoes: list[Echo | None] = []
+            if body.echo:  # each prompt's, once for each of its choices
+                try:
+                    echoed = await self.echoes(texts, token_ids, body.logprobs, request, places)
+                except generation.ClientGone:
+                    return Response(status_code=CLIENT_CLOSED)
+                for echo in echoed:
+                    echoes.extend([echo] * body.choices)
+            shape: ChatShape | CompletionShape
+            if chat_shaped:
+                shape = ChatShape(new_id("cmpl"), self.model_name, self.tokens, body.include_usage,
+                                  body.continuous_usage)
+            else:
+                shape = CompletionShape(new_id("cmpl"), self.model_name, self.tokens, body.include_usage, echoes,
+                                        body.continuous_usage)
+            return await generation.respond(self.async_engine, request, prompts, shape, stream=bool(body.stream),
+                                            choices=body.choices, places=places)
+
+    @contextmanager
+    def places(self, n: int) -> Iterator[Places]:
+        """``n`` places of the capacity for a request of several parts (``AsyncEngine.places``), taken at once: a
+        400 where the server never holds so many, a 429 (503 shutting down) where it has fewer free now."""
+        generation.check_sequences(self.async_engine, n)
+        with ExitStack() as taken:
             try:
-                echoed = await self.echoes(texts, token_ids, body.logprobs, request)
-            except generation.ClientGone:
-                return Response(status_code=CLIENT_CLOSED)
-            for echo in echoed:
-                echoes.extend([echo] * body.choices)
-        shape: ChatShape | CompletionShape
-        if chat_shaped:
-            shape = ChatShape(new_id("cmpl"), self.model_name, self.tokens, body.include_usage, body.continuous_usage)
-        else:
-            shape = CompletionShape(new_id("cmpl"), self.model_name, self.tokens, body.include_usage, echoes,
-                                    body.continuous_usage)
-        return await generation.respond(self.async_engine, request, prompts, shape, stream=bool(body.stream),
-                                        choices=body.choices)
+                places = taken.enter_context(self.async_engine.places(n))
+            except KestrelError as exc:
+                raise from_kestrel_error(exc, accepting=self.async_engine.accepting) from None
+            yield places
 
     async def embed(self, body: EmbeddingRequest, request: Request, truncate: bool = False) -> Response:
         """``/v1/embeddings``' answer; ``truncate``: inputs longer than the context keep their first tokens."""

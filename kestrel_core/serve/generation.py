@@ -29,6 +29,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kestrel_core.errors import InvalidRequest, KestrelError, Overloaded
+from kestrel_core.model.async_engine import Places
 from kestrel_core.model.request import RequestOutput
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob
 from kestrel_core.serve.access import CLIENT_CLOSED, RequestRecord, record_of
@@ -91,17 +92,24 @@ def engine_error(exc: KestrelError, accepting: bool, prompt_param: str) -> APIEr
     return APIError(500, str(exc), code="engine_error")
 
 
+def check_sequences(async_engine: Any, n: int) -> None:
+    """The 400 for a request of ``n`` sequences (prompts x n) that the server never holds at once."""
+    if n > async_engine.capacity:
+        raise APIError(400, f"the request asks for {n} sequences (prompts x n), more than this server holds "
+                       f"at once ({async_engine.capacity}: --max-batch + --max-waiting)", param="n")
+
+
 async def respond(async_engine: Any, request: Request, prompts: Sequence[Prompt], shape: Shape, *, stream: bool,
-                  prompt_param: str = "prompt", choices: int = 1) -> Response:
+                  prompt_param: str = "prompt", choices: int = 1, places: Places | None = None) -> Response:
     """Run ``choices`` sequences of each prompt; the answer, or the APIError to answer instead.
-    ``prompt_param`` names the field that made the prompts, for errors about them ("messages" for chat)."""
+    ``prompt_param`` names the field that made the prompts, for errors about them ("messages" for chat);
+    ``places``: those the request took already (``AsyncEngine.places``), which its sequences take."""
     record = record_of(request)
     jobs = [(p, i) for p in prompts for i in range(choices)]
-    if len(jobs) > async_engine.capacity:  # never, not only now
-        raise APIError(400, f"the request asks for {len(jobs)} sequences (prompts x n), more than this server holds "
-                       f"at once ({async_engine.capacity}: --max-batch + --max-waiting)", param="n")
+    check_sequences(async_engine, len(jobs))
     ids = [shape.id] if len(jobs) == 1 else [f"{shape.id}-{k}" for k in range(len(jobs))]
-    gens = [async_engine.generate(p.ids, choice_params(p.params, i), request_id=rid) if p.params is not None
+    held = {} if places is None else {"places": places}
+    gens = [async_engine.generate(p.ids, choice_params(p.params, i), request_id=rid, **held) if p.params is not None
             else _nothing(rid, p) for (p, i), rid in zip(jobs, ids)]
     prompt_tokens = sum(len(p.ids) for p in prompts)
 

@@ -1,5 +1,6 @@
 """Prompt scoring through the asyncio front (``AsyncEngine.score``, completions' echo with logprobs): its chunks
-share the steps' token budget with the decoding streams, and it waits for KV blocks as a generation does."""
+share the steps' token budget with the decoding streams, it waits for KV blocks as a generation does, and a
+request of several parts keeps its places of the capacity between them (``AsyncEngine.places``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 
 import kestrel_core
+from kestrel_core.errors import Overloaded
 from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.kv_pool import BLOCK_SIZE, bytes_per_position
 from kestrel_core.model.presets import synthetic_model
@@ -119,3 +121,34 @@ def test_a_scoring_waits_for_the_blocks_running_requests_give_back(model, monkey
         got, tokens = asyncio.run(main())
         assert engine.pool.free_blocks == engine.pool.num_blocks
     assert got == want and tokens == alone
+
+
+def test_a_requests_places_are_kept_between_its_parts_and_freed_as_it_ends(model) -> None:
+    """Capacity 2: a request takes both at once; its scoring and then its generation use them while another
+    request is refused; those no part holds come back when it ends, a part still running frees its own as it
+    ends."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with kestrel_core.load(model, "cpu") as engine:
+
+        async def main() -> None:
+            front = AsyncEngine(engine, max_batch=1, max_waiting=1)
+            front.start()
+            try:
+                with pytest.raises(Overloaded, match="at capacity"), front.places(3):
+                    pass
+                with front.places(2) as places:
+                    with pytest.raises(Overloaded, match="at capacity"):
+                        await front.score([5, 6, 7])
+                    assert len(await front.score([5, 6, 7], places=places)) == 2
+                    assert places.left == 2 and front.active == 2  # the scoring's place came back to it
+                    outputs = front.generate([5, 6, 7], params, places=places)
+                    first = await outputs.__anext__()
+                    assert places.left == 1 and front.active == 2
+                assert front.active == 1  # the unused place is free, the running part keeps its own
+                tokens = first.new_token_ids + [t async for out in outputs for t in out.new_token_ids]
+                assert len(tokens) == 4 and front.active == 0
+            finally:
+                await front.shutdown(grace_s=5)
+
+        asyncio.run(main())
+        assert engine.pool.free_blocks == engine.pool.num_blocks

@@ -4,6 +4,7 @@ on tiny-qwen3; a scoring is held by ``HeldScoring`` until the test lets it go on
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import threading
@@ -186,3 +187,46 @@ def _echo_scores(engine: Any, held: HeldScoring) -> list[float | None]:
     ids = list(engine.tokenizer.encode(PROMPT))
     return [None] + [e.logprob for e in engine.prompt_logprobs(ids, 1)]
 
+
+def test_an_echo_that_generates_keeps_its_place_from_scoring_to_generation(engine: Any,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """One place (--max-batch 1 --max-waiting 0): an echo with logprobs that also generates is scored, and a
+    generation that comes before its own starts is the 429, not the echo that was admitted first."""
+    ae = AsyncEngine(engine, max_batch=1, max_waiting=0)
+    scored, go = threading.Event(), threading.Event()
+    generate = ae.generate
+
+    async def after_the_scoring(*args: Any, **kwargs: Any) -> Any:  # the echo's generation waits for the test
+        if not scored.is_set():
+            scored.set()
+            await asyncio.to_thread(go.wait, 30)
+        async for out in generate(*args, **kwargs):
+            yield out
+
+    monkeypatch.setattr(ae, "generate", after_the_scoring)
+    entered, release = threading.Event(), threading.Event()
+    start_batch = engine.start_batch
+
+    def held(*args: Any, **kwargs: Any) -> Any:  # a generation that got the place keeps it until released
+        if scored.is_set() and not release.is_set():
+            entered.set()
+            release.wait(30)
+        return start_batch(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "start_batch", held)
+    with running_server(ae, NAME) as server, ThreadPoolExecutor(2) as pool:
+        client = openai_client(server)
+        echo = pool.submit(client.completions.create, model=NAME, prompt=PROMPT, echo=True, logprobs=1, max_tokens=3)
+        try:
+            assert scored.wait(30)
+            other = pool.submit(client.completions.create, model=NAME, prompt=PROMPT, max_tokens=3)
+            while not (other.done() or entered.is_set()):
+                time.sleep(0.01)
+        finally:
+            release.set()
+            go.set()
+        answer = echo.result(30).choices[0]
+        with pytest.raises(openai.RateLimitError, match="capacity"):
+            other.result(30)
+    prompt_tokens = len(engine.tokenizer.encode(PROMPT))
+    assert answer.text.startswith(PROMPT) and len(answer.logprobs.token_logprobs) == prompt_tokens + 3
