@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kestrel")
 T = TypeVar("T")
+STOP_JOIN_S = 10.0  # how long a stop waits for the steps' thread to end its step
 
 
 @dataclass
@@ -99,10 +100,13 @@ class AsyncEngine:
     # -- lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._thread is None:
-            self._exited = False
-            self._thread = threading.Thread(target=self._run, name="kestrel-scheduler", daemon=True)
-            self._thread.start()
+        """Start the steps' thread (a server does; else the first request or call), never once the engine has
+        stopped: its thread may still be in a step (a stop waits STOP_JOIN_S for it), and no other may drive the
+        engine beside it."""
+        with self._lock:
+            if self._thread is None and not self._stopping:
+                self._thread = threading.Thread(target=self._run, name="kestrel-scheduler", daemon=True)
+                self._thread.start()
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
         """Stop accepting; let running requests finish for up to ``grace_s``, abort the rest, stop the loop."""
@@ -123,8 +127,7 @@ class AsyncEngine:
             self._wake.notify()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(10.0)
-            self._thread = None
+            thread.join(STOP_JOIN_S)
 
     @property
     def capacity(self) -> int:
@@ -308,7 +311,7 @@ class AsyncEngine:
             if first:
                 self._blocks_came_back()
             if not job.done:  # given up (an error, a client gone): its blocks go back after the step under way
-                closing = self._post(job.close)
+                closing = self._post(job.close, closing=True)
                 if closing.done() and isinstance(closing.exception(), ShuttingDown):
                     job.close()  # the steps' thread has stopped: nothing else drives the engine
 
@@ -359,15 +362,17 @@ class AsyncEngine:
 
     def run_sync(self, fn: Callable[[], T]) -> T:
         """``fn()`` on the scheduler's thread, between two steps (from any thread but an event loop's);
-        ShuttingDown once the thread has stopped."""
+        ShuttingDown once the engine stops."""
         self.start()
         return self._post(fn).result()
 
-    def _post(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+    def _post(self, fn: Callable[[], T], *, closing: bool = False) -> concurrent.futures.Future[T]:
+        """``fn`` for the steps' thread; ShuttingDown (the future's) once the engine stops, unless ``closing`` (work
+        under way giving its blocks back), which the thread still runs where it has not returned yet."""
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
-            if self._exited:
-                done.set_exception(ShuttingDown("the engine's thread has stopped"))
+            if self._exited or self._stopping and not closing:
+                done.set_exception(ShuttingDown("the engine has stopped"))
                 return done
             self._inbox.append(("call", (fn, done)))
             self._wake.notify()

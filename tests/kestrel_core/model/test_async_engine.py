@@ -505,3 +505,37 @@ def test_an_embedding_beside_a_scoring_waits_for_its_blocks(tiny_config, monkeyp
     asyncio.run(main())
     assert engine.pool.free_blocks == engine.pool.num_blocks
 
+
+def test_a_stopped_engine_whose_thread_outlived_the_join_starts_no_other(engine, monkeypatch) -> None:
+    """The stop's join times out (the steps' thread is held in a call): a call after it is refused with
+    ShuttingDown, and no second steps' thread starts to drive the engine beside the first."""
+    monkeypatch.setattr("kestrel_core.model.async_engine.STOP_JOIN_S", 0.05)
+    started: list[threading.Thread] = []
+
+    class Counted(threading.Thread):
+        def start(self) -> None:
+            if self.name == "kestrel-scheduler":
+                started.append(self)
+            super().start()
+
+    monkeypatch.setattr(threading, "Thread", Counted)
+
+    async def main() -> None:
+        front = AsyncEngine(engine)
+        entered, release = threading.Event(), threading.Event()
+        held = asyncio.ensure_future(front.call(lambda: (entered.set(), release.wait(30))))
+        try:
+            assert await asyncio.to_thread(entered.wait, 30)
+            await front.shutdown(grace_s=0)
+            assert started[0].is_alive()  # the join gave up
+            with pytest.raises(ShuttingDown):
+                await front.call(lambda: 1)
+            with pytest.raises(ShuttingDown):
+                await asyncio.to_thread(front.run_sync, lambda: 1)
+        finally:
+            release.set()
+            await held
+        assert await asyncio.to_thread(started[0].join, 30) is None and not started[0].is_alive()
+
+    asyncio.run(main())
+    assert len(started) == 1, started
