@@ -36,7 +36,7 @@ def test_a_prompt_whose_last_chunk_is_one_token_starts_the_pipeline_after_it(tmp
 
 
 def test_work_between_two_steps_leaves_the_pipeline_first(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """A call between two steps of a lone request's pipelined decode (the server scores echoed prompts so) runs
+    """A call between two steps of a lone request's pipelined decode (a warm-up, a benchmark) runs
     another sequence on the device: the pipeline is left before it, so the request's answer is the one it gives
     alone, and the call finds no step running."""
     bind(tmp_path, monkeypatch)
