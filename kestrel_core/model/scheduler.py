@@ -325,7 +325,9 @@ class Scheduler(LoneDecode):
                 self._drop_device(request, offer_again=True)
             before = ahead.get(id(request)) if ahead is not None else None
             if before is None:
-                n = self._chunk_size(request, budget)
+                n = min(request.pending, budget)
+                if n > 1:  # a prompt chunk
+                    n = self._prompt_chunk(request, n)
                 grown = self._grow(request, n) if ahead is None else self.pool.reserve(
                     request.seq.cache, len(request.seq.tokens) + n)
                 if not grown:
@@ -364,7 +366,7 @@ class Scheduler(LoneDecode):
                                                    request.preemptions > 0)
             request.status = RUNNING
             self.running.append(request)
-            n = self._chunk_size(request, budget)
+            n = self._prompt_chunk(request, min(request.pending, budget))
             if ahead is not None:
                 if not self.pool.reserve(request.seq.cache, len(request.seq.tokens) + n):
                     return []
@@ -379,11 +381,10 @@ class Scheduler(LoneDecode):
                 budget -= len(request.draft)
         return work
 
-    def _chunk_size(self, request: Request, budget: int) -> int:
-        """Tokens ``request`` runs this step, ``budget`` left: its decode row, or a chunk of its prompt (a scoring's
-        at most PREFILL_CHUNK: all its rows' logits come to the host)."""
-        n = min(request.pending, budget if request.scoring is None else min(budget, PREFILL_CHUNK))
-        return self._to_state_end(request, n) if n > 1 else n
+    def _prompt_chunk(self, request: Request, n: int) -> int:
+        """``n`` tokens of ``request``'s prompt, or fewer: a scoring's chunk holds PREFILL_CHUNK at most (all its rows'
+        logits come to the host), and ``_to_state_end``'s."""
+        return self._to_state_end(request, n if request.scoring is None else min(n, PREFILL_CHUNK))
 
     def _to_state_end(self, request: Request, n: int) -> int:
         """``n``, or fewer so that a chunk of the prompt ends where the prefix cache may keep its recurrent state
@@ -412,8 +413,8 @@ class Scheduler(LoneDecode):
             tokens = request.output_ids[done - prompt:done - prompt + n]
         else:
             tokens = request.tokens[done:done + n]
-        if request.scoring is not None:
-            return request, tokens, scoring.score_rows(request, done, n)
+            if request.scoring is not None:
+                return request, tokens, scoring.score_rows(request, done, n)
         return request, tokens, int(n == request.pending)  # logits once the chunk reaches the last token
 
     def _decoding_greedily(self, request: Request) -> bool:
