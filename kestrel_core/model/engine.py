@@ -466,19 +466,17 @@ class Engine:
 
     def prompt_logprobs(self, token_ids: Sequence[int], top: int = 0) -> list[TokenLogprob]:
         """Each token after the first, scored by the logits before it (a prompt's logprobs, as the sampler
-        reports a generated token's: the log-softmax, with the ``top`` likeliest alternatives)."""
-        return [entry for chunk in self.prompt_logprob_chunks(token_ids, top) for entry in chunk]
-
-    def prompt_logprob_chunks(self, token_ids: Sequence[int], top: int = 0) -> Iterator[list[TokenLogprob]]:
-        """``prompt_logprobs`` a prefill chunk at a time (never the whole [T, vocab]), the chunks' sequence held until
-        the last (a server scores prompts by its scheduler's steps instead: kestrel_core.model.scoring)."""
+        reports a generated token's: the log-softmax, with the ``top`` likeliest alternatives), a prefill chunk
+        of logits at a time (never the whole [T, vocab]). A server scores prompts in its scheduler's steps
+        instead, beside other requests (kestrel_core.model.scoring)."""
         check_top(top)
         ids = self.check_ids(token_ids, "input")
+        scored: list[TokenLogprob] = []
         done = 0
-        for rows in self._chunk_logits(ids):
-            chunk = [logprobs_of(row, ids[done + j + 1], top) for j, row in enumerate(rows) if done + j + 1 < len(ids)]
+        for rows in self._chunk_logits(ids):  # rows: [chunk, vocab], the logits after positions done...
+            scored += [logprobs_of(row, ids[p + 1], top) for p, row in enumerate(rows, done) if p + 1 < len(ids)]
             done += len(rows)
-            yield chunk
+        return scored
 
     def _chunk_logits(self, token_ids: Sequence[int], prompt_len: int | None = None) -> Iterator[np.ndarray]:
         """``logits``, a prefill chunk at a time (float32 [chunk, vocab] each)."""

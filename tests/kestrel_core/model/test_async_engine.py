@@ -324,7 +324,7 @@ def test_a_request_waiting_for_blocks_held_outside_the_steps_does_not_spin(tiny_
             front = AsyncEngine(engine, max_batch=4)
             front.start()
             try:
-                scoring = engine.prompt_logprob_chunks(list(range(3, 3 + engine.pool.capacity - 8)))
+                scoring = engine._chunk_logits(list(range(3, 3 + engine.pool.capacity - 8)))
                 await front.call(lambda: next(scoring))  # its blocks are held until it is closed
                 assert engine.pool.free_blocks < engine.pool.blocks_for(len(prompt) + 5)
                 task = asyncio.create_task(_collect(front, prompt, params))
