@@ -55,6 +55,24 @@ async def _queued(front: AsyncEngine, active: int) -> None:
         await asyncio.sleep(0)
 
 
+async def _scored_beside_a_stream(front: AsyncEngine, steps: HeldSteps, params: SamplingParams,
+                                  top: int) -> tuple[list[Any], list[int]]:
+    """SCORED's logprobs (``top`` alternatives) asked for while a stream of [5, 6, 7] decodes, its steps held until
+    the scoring has queued; (the scores, the stream's tokens)."""
+    front.start()
+    try:
+        decoding = front.generate([5, 6, 7], params)
+        tokens = list((await decoding.__anext__()).new_token_ids)
+        await steps.hold()  # the generation runs on, its blocks held
+        scoring = asyncio.create_task(front.score(SCORED, top))
+        await _queued(front, 2)
+        steps.release.set()
+        tokens += [t async for out in decoding for t in out.new_token_ids]
+        return await scoring, tokens
+    finally:
+        await front.shutdown(grace_s=5)
+
+
 def test_a_scoring_takes_its_chunks_from_the_steps_token_budget(model, monkeypatch) -> None:
     """Beside a decoding stream, with --token-budget 16: no engine step runs more than 16 tokens, and each step
     that runs a chunk of the prompt being scored runs the stream's decode row too, as a prompt's prefill does."""
@@ -63,23 +81,8 @@ def test_a_scoring_takes_its_chunks_from_the_steps_token_budget(model, monkeypat
         want = engine.prompt_logprobs(SCORED, 2)
         alone = list(engine.generate([5, 6, 7], params=params))
         steps = HeldSteps(engine, monkeypatch)
-
-        async def main() -> tuple[list[Any], list[int]]:
-            front = AsyncEngine(engine, max_batch=4, token_budget=16)
-            front.start()
-            try:
-                decoding = front.generate([5, 6, 7], params)
-                tokens = list((await decoding.__anext__()).new_token_ids)
-                await steps.hold()
-                scoring = asyncio.create_task(front.score(SCORED, 2))
-                await _queued(front, 2)
-                steps.release.set()
-                tokens += [t async for out in decoding for t in out.new_token_ids]
-                return await scoring, tokens
-            finally:
-                await front.shutdown(grace_s=5)
-
-        got, tokens = asyncio.run(main())
+        got, tokens = asyncio.run(_scored_beside_a_stream(AsyncEngine(engine, max_batch=4, token_budget=16), steps,
+                                                          params, 2))
         assert engine.pool.free_blocks == engine.pool.num_blocks
     assert max(sum(call) for call in steps.calls) <= 16, steps.calls
     scoring_steps = [call for call in steps.calls[1:] if max(call) > 1]
@@ -102,23 +105,7 @@ def test_a_scoring_waits_for_the_blocks_running_requests_give_back(model, monkey
         want = engine.prompt_logprobs(SCORED, 1)
         alone = list(engine.generate([5, 6, 7], params=params))
         steps = HeldSteps(engine, monkeypatch)
-
-        async def main() -> tuple[list[Any], list[int]]:
-            front = AsyncEngine(engine, max_batch=4)
-            front.start()
-            try:
-                decoding = front.generate([5, 6, 7], params)
-                tokens = list((await decoding.__anext__()).new_token_ids)
-                await steps.hold()  # the generation runs on, its blocks held
-                scoring = asyncio.create_task(front.score(SCORED, 1))
-                await _queued(front, 2)
-                steps.release.set()
-                tokens += [t async for out in decoding for t in out.new_token_ids]
-                return await scoring, tokens
-            finally:
-                await front.shutdown(grace_s=5)
-
-        got, tokens = asyncio.run(main())
+        got, tokens = asyncio.run(_scored_beside_a_stream(AsyncEngine(engine, max_batch=4), steps, params, 1))
         assert engine.pool.free_blocks == engine.pool.num_blocks
     assert got == want and tokens == alone
 
