@@ -230,3 +230,31 @@ def test_an_echo_that_generates_keeps_its_place_from_scoring_to_generation(engin
             other.result(30)
     prompt_tokens = len(engine.tokenizer.encode(PROMPT))
     assert answer.text.startswith(PROMPT) and len(answer.logprobs.token_logprobs) == prompt_tokens + 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_of_several_sequences_takes_its_places_at_once_or_none(engine: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                         stream: bool) -> None:
+    """Capacity 2 with one place held: a request of n=2 is the 429 before any of its sequences starts (none is
+    admitted and then aborted), and with both places free it runs whole."""
+    ae = AsyncEngine(engine, max_batch=1, max_waiting=1)
+    started: list[str] = []
+    enqueue = ae._enqueue
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        queued = enqueue(*args, **kwargs)
+        started.append(queued[0])
+        return queued
+
+    monkeypatch.setattr(ae, "_enqueue", counted)
+    with running_server(ae, NAME) as server:
+        client = openai_client(server)
+        with ae.places(1):
+            with pytest.raises(openai.RateLimitError, match="capacity"):
+                answer = client.completions.create(model=NAME, prompt=PROMPT, n=2, max_tokens=3, stream=stream)
+                if stream:
+                    list(answer)
+        assert started == [] and ae.active == 0
+        answer = client.completions.create(model=NAME, prompt=PROMPT, n=2, max_tokens=3, stream=stream)
+        choices = {c.index for c in (list(answer) if stream else [answer]) for c in c.choices}
+        assert choices == {0, 1} and len(started) == 2
