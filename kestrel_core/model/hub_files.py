@@ -12,11 +12,13 @@ lists the repository and picks the files; ``CommitFiles.fetch`` brings them).
   ``HF_HUB_ETAG_TIMEOUT``.
 - Ctrl-C (which only the main thread receives) or a file that fails ends the fetch at once: the files not
   started never are, the downloads under way are left to their threads (daemons, which a process that ends
-  does not wait for), and the partial files those were writing are removed.
+  does not wait for), and the partial files those were writing are removed, then and again as the process
+  exits (one still in its metadata request creates its file later).
 """
 
 from __future__ import annotations
 
+import atexit
 import glob
 import logging
 import os
@@ -93,7 +95,11 @@ class CommitFiles:
             stop.set()
             for future in futures:
                 future.cancel()  # those not started; a running one cannot be, its thread is left to end
-            self._remove_partial([writing[name] for name, future in jobs if future.running() and name in writing])
+            running = [writing[name] for name, future in jobs if future.running() and name in writing]
+            self._remove_partial(running)
+            # a download still in its own metadata request creates its partial file after this: removed at exit
+            # too, which ends that thread with the process
+            atexit.register(self._remove_partial, running)
             raise
         return [future.result() for future in futures]
 

@@ -145,3 +145,44 @@ def test_an_ended_fetch_starts_nothing_more_and_leaves_no_partial_file(
         assert not list(tmp_path.rglob("*.incomplete"))
     finally:
         release.set()
+
+
+def test_a_partial_file_written_after_the_fetch_ended_is_removed_at_exit(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A download still in hf_hub_download's own metadata request when another file fails creates its partial file
+    after the fetch removed those it knew of; the process's exit (its atexit functions, run here by hand) removes
+    it, as that thread dies with the process."""
+    import atexit
+
+    import huggingface_hub
+
+    at_exit: list[tuple[object, tuple[object, ...]]] = []
+    monkeypatch.setattr(atexit, "register", lambda fn, *args: at_exit.append((fn, args)))
+    files = {"config.json": b"{}", "model.safetensors": b"weights"}
+    entered, gave_up, written, end = (threading.Event() for _ in range(4))
+
+    def download(repo: str, name: str, **kwargs: object) -> str:
+        if name == "config.json":
+            entered.wait(10)
+            raise OSError("the Hub closed the connection")
+        entered.set()
+        gave_up.wait(10)  # its metadata request answered only now
+        blobs = tmp_path / "models--org--two" / "blobs"
+        blobs.mkdir(parents=True, exist_ok=True)
+        (blobs / f"{hashlib.sha256(files[name]).hexdigest()}.0123abcd.incomplete").write_bytes(b"part")
+        written.set()
+        end.wait(30)
+        raise OSError("ended with the process")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    try:
+        with serving(FakeHub({"org/two": dict(files)})) as hub:
+            with pytest.raises(KestrelError):
+                within(30, lambda: Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/two")))
+            gave_up.set()
+            assert written.wait(10) and list(tmp_path.rglob("*.incomplete"))
+            for fn, args in at_exit:
+                fn(*args)  # type: ignore[operator]
+            assert not list(tmp_path.rglob("*.incomplete"))
+    finally:
+        end.set()
