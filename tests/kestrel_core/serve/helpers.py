@@ -88,7 +88,7 @@ class Scripted(AsyncEngine):
         return list(prompt_ids)
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, places: Any = None) -> AsyncIterator[RequestOutput]:
         self.prompts.append(self.engine.tokenizer.decode(list(prompt_ids)))
         self.params.append(params)
         text = self.answers.pop(0)
@@ -121,7 +121,7 @@ class Spoken(AsyncEngine):
         return [list(self.engine.tokenizer.encode(p, add_special_tokens=False)) for p in pieces]
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, places: Any = None) -> AsyncIterator[RequestOutput]:
         self.prompts.append(self.engine.tokenizer.decode(list(prompt_ids)))
         ids = [t for piece in self.tokens(self.answers.pop(0)) for t in piece]
         texts = [self.engine.tokenizer.decode([t], skip_special_tokens=params.skip_special_tokens) for t in ids]

@@ -147,8 +147,8 @@ class _FailsMidStream(Scripted):
     """Its answer's first piece, then a bug (not a KestrelError)."""
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        async for out in super().generate(prompt_ids, params, request_id):
+                       request_id: str | None = None, places: Any = None) -> AsyncIterator[RequestOutput]:
+        async for out in super().generate(prompt_ids, params, request_id, places):
             yield out
             raise RuntimeError("boom")
 
@@ -171,7 +171,7 @@ class _ShutBeforeAnyToken(Scripted):
     """A shutdown's abort before the first token (the request queued or still in its prompt)."""
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, places: Any = None) -> AsyncIterator[RequestOutput]:
         yield RequestOutput(request_id or "r", [], "", None, True, "abort", len(prompt_ids), 0)
 
 
