@@ -44,6 +44,7 @@ _EXPORTS = {
     "json_schema_grammar": "kestrel_core.model.grammar", "lark_grammar": "kestrel_core.model.grammar",
     "regex_grammar": "kestrel_core.model.grammar",
     "RequestOutput": "kestrel_core.model.request", "Scheduler": "kestrel_core.model.scheduler",
+    "Scoring": "kestrel_core.model.scoring",
     "Backend": "kestrel_core.registry", "Registry": "kestrel_core.registry",
     "SelfTestCase": "kestrel_core.selftest",
 }
@@ -83,6 +84,7 @@ if TYPE_CHECKING:  # what type checkers see of the names imported on first use (
     from kestrel_core.model.sampling import SamplingParams as SamplingParams
     from kestrel_core.model.sampling import TokenLogprob as TokenLogprob
     from kestrel_core.model.scheduler import Scheduler as Scheduler
+    from kestrel_core.model.scoring import Scoring as Scoring
     from kestrel_core.model.weights import PREFILL_CHUNK as PREFILL_CHUNK
     from kestrel_core.model.weights import ExpertWeights as ExpertWeights
     from kestrel_core.model.weights import LayerWeights as LayerWeights
