@@ -5,12 +5,21 @@ User errors print one line on stderr and exit non-zero; ``-v`` shows the traceba
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":
+    # ``python -m kestrel_core.cli`` is the ``kestrel`` command: its entry point installs the Ctrl-C guard, then
+    # imports this module again as ``kestrel_core.cli``, so that a Ctrl-C while the CLI's modules load is its
+    # "interrupted" instead of a traceback
+    from kestrel_core.entry import main as kestrel
+
+    sys.exit(kestrel())
+
 import argparse
 import json
 import logging
 import os
 import signal
-import sys
 import warnings
 from collections.abc import Sequence
 from typing import NoReturn
@@ -421,9 +430,3 @@ def _main(argv: Sequence[str] | None) -> int:
         err.print(Text.assemble(("error:", "red"), f" {type(exc).__name__}: {exc} (run with -v for the traceback)"),
                   soft_wrap=True)
         return 1
-
-
-if __name__ == "__main__":  # ``python -m kestrel_core.cli`` is the ``kestrel`` command, Ctrl-C guard included
-    from kestrel_core.entry import main as kestrel
-
-    sys.exit(kestrel())
