@@ -13,6 +13,7 @@ objects torn down halfway by the interrupt (llvmlite's ``ObjectRef.__del__``) ar
 from __future__ import annotations
 
 import _thread
+import atexit
 import signal
 import sys
 from typing import Any
@@ -89,10 +90,27 @@ def open_closed_streams() -> None:
             setattr(sys, name, open(os.devnull, mode, encoding="utf-8"))  # noqa: SIM115 (the process's stream)
 
 
+def ignore_interrupts_at_exit() -> None:
+    """Past the last exit handler, Python stops handling signals and tears its modules down (a quarter of a
+    second after ``kestrel quantize``), where a SIGINT would kill the process (-2) after the command has ended
+    and said how: registered before any other kestrel handler, this runs last and lets the command's own exit
+    status stand."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def forget_caught_interrupts() -> None:
+    """CPython notes a KeyboardInterrupt that leaves a string ``exec`` (namedtuple and dataclass creation run one,
+    so a Ctrl-C while modules load often does) as unhandled, even one caught later, and under ``python -m`` then
+    ends the process by SIGINT (-2) instead of with the command's exit status; every string ``exec`` clears that
+    note as it starts."""
+    exec("", {})
+
+
 def main() -> int:
     open_closed_streams()
     note_interrupts()
     redeliver_interrupts()
+    atexit.register(ignore_interrupts_at_exit)
     try:
         from kestrel_core.cli import main as cli_main
 
@@ -100,6 +118,7 @@ def main() -> int:
     except KeyboardInterrupt:  # while the CLI's modules load
         code = INTERRUPTED_EXIT
         print("interrupted", file=sys.stderr)
+    forget_caught_interrupts()
     if _interrupts and code != INTERRUPTED_EXIT:  # the interrupt was dropped on its way to the CLI
         print("interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT

@@ -266,9 +266,7 @@ def test_ctrl_c_at_any_moment_of_startup_is_one_line(delay: float) -> None:
         # traceback, whatever kestrel does
         pytest.skip("the SIGINT landed before kestrel's entry point ran")
     assert "Traceback" not in err, err
-    # -2: CPython ends the process by the signal when it arrives before the interpreter installs its handler,
-    # and, under ``python -m``, when the KeyboardInterrupt passed through an eval()/exec() of a string on the way
-    # (namedtuple and dataclass creation do that while modules import), even though kestrel caught it
+    # -2: CPython ends the process by the signal when it arrives before the interpreter installs its handler
     assert proc.returncode in (130, -signal.SIGINT), (proc.returncode, err)
     if proc.returncode == 130:
         assert err.strip().splitlines()[-1].endswith("interrupted"), err

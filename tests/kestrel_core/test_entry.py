@@ -40,3 +40,66 @@ def test_a_ctrl_c_while_python_m_cli_loads_its_modules_is_interrupted(tmp_path: 
     assert "Traceback" not in done.stderr, done.stderr
     assert done.returncode == 130, (done.returncode, done.stderr)
     assert done.stderr.strip().splitlines()[-1] == "interrupted", done.stderr
+
+
+INTERRUPTED_IN_A_STRING_EXEC = """
+import sys
+import kestrel_core.cli as cli
+from kestrel_core import entry
+
+
+def interrupted_command():
+    try:  # namedtuple and dataclass creation run a string exec; a Ctrl-C while modules load lands in one
+        exec("import os, signal, time\\nos.kill(os.getpid(), signal.SIGINT)\\ntime.sleep(5)", {})
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+cli.main = interrupted_command
+sys.exit(entry.main())
+"""
+
+INTERRUPTED_AFTER_THE_END = """
+import os, signal, sys
+import kestrel_core.cli as cli
+from kestrel_core import entry
+
+
+class InterruptedAtTeardown:
+    def __del__(self, kill=os.kill, pid=os.getpid(), sigint=signal.SIGINT):
+        kill(pid, sigint)  # the Ctrl-C comes while Python tears its modules down, past its own signal handling
+
+
+def finished_command():
+    print("done")
+    return 0
+
+
+teardown = InterruptedAtTeardown()
+cli.main = finished_command
+sys.exit(entry.main())
+"""
+
+
+def _python_m(source: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "started_command.py").write_text(source)
+    return subprocess.run(
+        [sys.executable, "-m", "started_command"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_an_interrupt_caught_from_a_string_exec_still_exits_130(tmp_path: Path) -> None:
+    """Under ``python -m``, CPython ends the process by SIGINT (-2) after a KeyboardInterrupt left a string exec,
+    even one the command caught: the entry point clears that note, so the command's 130 stands."""
+    done = _python_m(INTERRUPTED_IN_A_STRING_EXEC, tmp_path)
+    assert done.returncode == 130 and done.stderr.strip() == "interrupted", (done.returncode, done.stderr)
+
+
+def test_a_ctrl_c_after_the_command_ended_keeps_its_exit_status(tmp_path: Path) -> None:
+    """A SIGINT while the interpreter tears down, past its exit handlers (``kestrel quantize`` spends a quarter of
+    a second there after writing its file): the command has ended and said so, and exits with its own status
+    instead of being killed by the signal (-2)."""
+    done = _python_m(INTERRUPTED_AFTER_THE_END, tmp_path)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "done\n", "")
