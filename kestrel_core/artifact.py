@@ -56,8 +56,12 @@ CHECKSUMS_KEY = "checksums"  # the metadata entry holding them (metadata_digest 
 # The entry that says the file carries checksums, of its tensors and its metadata: one flipped bit in the name of
 # CHECKSUMS_KEY (or of its "metadata") would otherwise make the file look like one written without them, which
 # loads unverified; this entry is under the metadata checksum, so a flipped bit in its own name is caught there.
-# A reader that does not know it ignores it.
+# Damage to both names would still pass the file off as one without checksums, so the loader knows this entry by
+# its value as well as its name: no other entry may hold INTEGRITY_VALUE, and a header where one does (the name
+# damaged, however many of its bits) is refused. Files without checksums hold no such value and load as before.
+# A reader that does not know the entry ignores it.
 INTEGRITY_KEY = "integrity"
+INTEGRITY_VALUE = CHECKSUM_ALGORITHM
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 CHUNK_BYTES = 4 << 20  # the writer and the checksum / range pass work in chunks of this size
 

@@ -19,6 +19,7 @@ from kestrel_core import checksum
 from kestrel_core.artifact import (
     CHUNK_BYTES,
     INTEGRITY_KEY,
+    INTEGRITY_VALUE,
     ArtifactMeta,
     metadata_digest,
     model_tensors,
@@ -59,7 +60,7 @@ def load_artifact(path: str | os.PathLike[str], *, verify: bool = True, require_
     f = open_artifact_file(path)
     try:
         meta = parse_meta(path, f.metadata, f.entries)
-        _check_present(path, meta, verify, require_checksums)
+        _check_present(path, meta, f.metadata, verify, require_checksums)
         if verify and meta.metadata_checksum is not None and checksum.fast():
             _check_metadata(path, f.metadata, meta.metadata_checksum)
         sums = meta.checksums if verify and meta.checksums is not None and checksum.fast() else None
@@ -108,9 +109,16 @@ def load_artifact(path: str | os.PathLike[str], *, verify: bool = True, require_
     return model, meta
 
 
-def _check_present(path: Path, meta: ArtifactMeta, verify: bool, require_checksums: bool) -> None:
-    """Refuse a file without the checksums it says it carries (its INTEGRITY_KEY: the name of the entry holding
-    them corrupt), and one without checksums where they are required."""
+def _check_present(path: Path, meta: ArtifactMeta, metadata: dict[str, str], verify: bool,
+                   require_checksums: bool) -> None:
+    """Refuse a file without the checksums it says it carries (its INTEGRITY_KEY, or INTEGRITY_VALUE under a
+    damaged name: the name of the entry holding them corrupt), and one without checksums where they are
+    required."""
+    renamed = [key for key, value in metadata.items() if value == INTEGRITY_VALUE and key != INTEGRITY_KEY]
+    if verify and renamed:
+        raise refuse(path, f"the header is corrupt: its entry {renamed[0]!r} holds the value of {INTEGRITY_KEY!r} "
+                           f"({INTEGRITY_VALUE!r}: the file carries checksums) under another name (re-create or "
+                           "re-download the artifact)")
     missing = ("checksums" if meta.checksums is None else
                "checksum of its metadata" if meta.metadata_checksum is None else None)
     if missing is None:

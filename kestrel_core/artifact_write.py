@@ -25,6 +25,7 @@ from kestrel_core.artifact import (
     FORMAT_NAME,
     FORMAT_VERSION,
     INTEGRITY_KEY,
+    INTEGRITY_VALUE,
     layout_flags,
     metadata_digest,
     model_tensors,
@@ -108,7 +109,7 @@ def _write_safetensors(f: BinaryIO, arrays: list[tuple[str, np.ndarray]], metada
 
     with_sums = checksum.fast()
     if with_sums:  # before the metadata's checksum, which covers it
-        metadata = {**metadata, INTEGRITY_KEY: CHECKSUM_ALGORITHM}
+        metadata = {**metadata, INTEGRITY_KEY: INTEGRITY_VALUE}
     metadata_sum = f"{metadata_digest(metadata):016x}" if with_sums else ""
 
     def header(sums: dict[str, int]) -> bytes:

@@ -181,6 +181,35 @@ def test_no_flipped_bit_in_a_checksum_key_passes_the_file_off_as_one_without_che
                 pytest.fail(f"bit {bit} of byte {i - first} of {key!r} flipped: the file loaded")
 
 
+def test_flipped_bits_in_the_names_of_both_checksum_entries_do_not_pass_the_file_off_as_unchecked(
+        tmp_path: Path, synth_source) -> None:
+    """One flipped bit in the name of the checksums entry and one in the name of the entry that says the file
+    carries them: the header reads as one written without checksums, and a corrupt tensor would load. Each bit
+    of each byte, in both names at once: every file is refused."""
+    path = _save(tmp_path, synth_source)
+    start, header = _header(path)
+    lo, _ = header["final_norm"]["data_offsets"]
+    corrupt = bytearray(path.read_bytes())
+    corrupt[start + lo] ^= 0x04  # a float the range check passes: only its checksum tells
+    names = [corrupt.index(key, 0, start) + 1 for key in (b'"checksums"', b'"integrity"')]
+    for i in range(len("checksums")):
+        for bit in range(8):
+            data = bytearray(corrupt)
+            for at in names:
+                data[at + i] ^= 1 << bit
+            path.write_bytes(bytes(data))
+            try:
+                _error(path)
+            except pytest.fail.Exception:
+                pytest.fail(f"bit {bit} of byte {i} of both names flipped: the file loaded")
+    data = bytearray(corrupt)
+    for at in names:
+        data[at] ^= 0x02  # "ahecksums", "kntegrity"
+    path.write_bytes(bytes(data))
+    assert "entry 'kntegrity' holds the value of 'integrity'" in _error(path)
+    load_artifact(path, verify=False)  # the escape for a post-mortem
+
+
 def test_an_artifact_without_a_metadata_checksum_loads_unless_it_is_required(tmp_path: Path, synth_source) -> None:
     """What a kestrel that recorded tensor checksums only wrote: given by path it loads (its tensors verified);
     a cache entry requires both."""
