@@ -7,7 +7,8 @@ away) while the socket stays open, running requests get up to ``shutdown_grace_s
 are aborted, then uvicorn closes its connections and ``serve`` returns (exit 0). A second signal aborts
 the running requests at once (still a clean exit); a third drops the connections at once: one line says so and
 ``serve`` returns 130, an interrupted command's status. The requests uvicorn cancels then (or when its own
-graceful timeout runs out) are not logged with their CancelledError's traceback unless the log is verbose.
+graceful timeout runs out) are not logged with their CancelledError's traceback unless the log is verbose, and
+that timeout is a line of kestrel's shutdown, not uvicorn's error record.
 
 The socket is bound before uvicorn starts, so a busy port is a one-line error and port 0 (any free port)
 is known, and announced, at once.
@@ -121,7 +122,7 @@ class KestrelServer(uvicorn.Server):
         """Serve until shut down (blocking); the process's exit status: 0 once drained, 130 where a third signal
         forced the exit."""
         uvicorn_log = logging.getLogger("uvicorn.error")
-        quiet = _QuietCancellations()
+        quiet = _QuietCancellations(self.config.timeout_graceful_shutdown)
         uvicorn_log.addFilter(quiet)
         try:
             self.run(sockets=[self.sock])
@@ -205,12 +206,25 @@ class KestrelServer(uvicorn.Server):
         self.request_shutdown()
 
 
+UVICORN_GRACEFUL_TIMEOUT = "timeout graceful shutdown exceeded"  # the end of uvicorn's record of it
+
+
 class _QuietCancellations(logging.Filter):
     """Drops uvicorn's record of a request it cancelled (its CancelledError's traceback, "Exception in ASGI
     application"): a forced exit or uvicorn's graceful timeout cancels the requests on purpose, which is no error
-    to show the user; the verbose log (``-v``) keeps them."""
+    to show the user; the verbose log (``-v``) keeps them. uvicorn's error record of its graceful timeout ("Cancel
+    N running task(s), ...") becomes a line of kestrel's shutdown, in its words."""
+
+    def __init__(self, graceful_timeout_s: float | None) -> None:
+        super().__init__()
+        self.graceful_timeout_s = graceful_timeout_s or 0.0
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.endswith(UVICORN_GRACEFUL_TIMEOUT):
+            count = record.args[0] if isinstance(record.args, tuple) and record.args else "the"
+            log.info("kestrel serve: cancelling %s request(s) still open %g s after the models stopped", count,
+                     self.graceful_timeout_s)
+            return False
         error = record.exc_info[1] if record.exc_info else None
         return error is None or not _cancelled(error) or log.isEnabledFor(logging.DEBUG)
 

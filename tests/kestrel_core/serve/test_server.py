@@ -241,3 +241,26 @@ def test_a_third_sigint_forces_the_exit_with_one_line_and_130() -> None:
             sock.close()
     log = "\n".join(serve.seen)
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log
+
+
+def test_a_request_still_open_when_uvicorn_gives_up_waiting_is_said_in_kestrels_words() -> None:
+    """A request still sending its body when the server stops: uvicorn waits for it up to its own graceful timeout,
+    then cancels it; the line that says so is kestrel's, as every other line of the shutdown, not uvicorn's
+    error record."""
+    model = ROOT / "tests" / "fixtures" / "models" / "tiny-qwen3"
+    serve = _Serve("--model", str(model))
+    held = None
+    try:
+        port = int(serve.wait_for(URL).group(2))
+        held = _post_head(port, "/v1/completions", 100)
+        held.sendall(b"{")
+        serve.proc.send_signal(signal.SIGTERM)
+        serve.wait_for(r"kestrel serve: cancelling 1 request\(s\) still open \d+ s after the models stopped")
+        assert serve.finish() == 0
+    finally:
+        serve.kill()
+        if held is not None:
+            held.close()
+    log = "\n".join(serve.seen)
+    assert "graceful shutdown exceeded" not in log and "ERROR" not in log and "Traceback" not in log, log
+    assert "kestrel serve: stopped" in log
