@@ -28,7 +28,7 @@ from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import ModelConfig
 from kestrel_core.model.gguf_bounds import check_gguf_bounds, split_parts
 from kestrel_core.model.gguf_meta import HYBRID_ARCHITECTURES, GGUFMetadata, dequantize_tensor
-from kestrel_core.model.gguf_vocab import end_of_generation
+from kestrel_core.model.gguf_vocab import end_of_generation, special_id
 from kestrel_core.model.quantize import fused_parts, fused_rows, hybrid_splits, layer_name, map_tensor_name
 from kestrel_core.model.validate import ValidationError, check_regular_file
 from kestrel_core.model.weights import expert_field
@@ -343,7 +343,7 @@ class GGUFCheckpoint(GGUFMetadata):
                 freqs = dequantize_tensor(self._rope_freqs, str(self.path))
                 orig_ctx = self.int_field(f"{arch}.rope.scaling.original_context_length")
                 scaling = llama3_scaling_from_factors(freqs, theta, head_dim, orig_ctx, str(self.path))
-            bos = self.int_field("tokenizer.ggml.bos_token_id", lo=0)
+            bos = special_id(self.tokenizer_fields(), "bos", str(self.path))
             return ModelConfig(
                 arch=extra.pop("arch", arch),
                 vocab_size=vocab_size,

@@ -9,8 +9,8 @@
   whitespace after them; Gemma 3's (by ``general.architecture``: spaces only replaced; pieces of spaces stored as
   real spaces and respelled; merges ranked by the pieces' order in the file, which its scores do not follow).
 
-Either way the ends of generation, and the types of the tokens llama.cpp finds by their text, are llama.cpp's
-(``end_of_generation``).
+Either way the ends of generation, the types of the tokens llama.cpp finds by their text, and the special ids a file
+leaves out (``DEFAULT_IDS``) are llama.cpp's (``end_of_generation``, ``special_id``).
 
 tests/kestrel_core/model/test_tokenizer.py compares them with llama.cpp's test vectors (the models' own
 tokenizers' ids) and with transformers' own reading of the same files.
@@ -110,6 +110,10 @@ FIM_TEXTS = {
     "sep": ("<|file_sep|>",),
 }
 FIM_DEPRECATED_KEYS = {"pre": "prefix", "suf": "suffix", "mid": "middle"}  # llama.cpp reads these too
+# llama.cpp's ids of the special tokens a file names none of (or one outside the vocabulary) by tokenizer.ggml.model,
+# taken where the vocabulary holds them; the other special tokens have none
+DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unknown": 0}, "gpt2": {"bos": 11, "eos": 11}}
+NO_DEFAULT_BOS = ("glm4", "chatglm-bpe")  # tokenizer.ggml.pre values llama.cpp gives no default bos
 
 
 @dataclass
@@ -132,13 +136,25 @@ def _str_list(fields: Mapping[str, Any], key: str, where: str) -> list[str]:
     return value
 
 
-def _key_id(fields: Mapping[str, Any], key: str, count: int, where: str) -> int | None:
-    """The token id metadata ``key`` names; None where absent or not one of the ``count`` tokens (llama.cpp
-    ignores such an id)."""
+def special_id(fields: Mapping[str, Any], name: str, where: str = "GGUF") -> int | None:
+    """The id of special token ``name`` (``bos``, ``eos``...) as llama.cpp takes it (``_special_id``)."""
+    return _special_id(fields, name, len(_str_list(fields, "tokenizer.ggml.tokens", where)), where)
+
+
+def _special_id(fields: Mapping[str, Any], name: str, count: int, where: str) -> int | None:
+    """The id ``tokenizer.ggml.<name>_token_id`` names where it is one of the ``count`` tokens, else llama.cpp's
+    default for the tokenizer model (``DEFAULT_IDS``) where that is one of them; None where neither is."""
+    key = f"tokenizer.ggml.{name}_token_id"
     v = fields.get(key)
     if v is not None and not is_int(v):
         raise KestrelError(f"{where}: {key} must be an integer, got {v!r}")
-    return int(v) if v is not None and 0 <= int(v) < count else None
+    if v is not None and 0 <= int(v) < count:
+        return int(v)
+    model = fields.get("tokenizer.ggml.model")
+    default = DEFAULT_IDS.get(model, {}).get(name) if isinstance(model, str) else None
+    if name == "bos" and fields.get("tokenizer.ggml.pre") in NO_DEFAULT_BOS:
+        default = None
+    return default if default is not None and default < count else None
 
 
 def _tokens_and_types(fields: Mapping[str, Any], where: str) -> tuple[list[str], list[int]]:
@@ -167,7 +183,7 @@ def _end_of_generation(fields: Mapping[str, Any], tokens: list[str], types: list
     ids = {t: i for i, t in enumerate(tokens)}
 
     def key(name: str) -> int | None:
-        return _key_id(fields, f"tokenizer.ggml.{name}_token_id", len(tokens), where)
+        return _special_id(fields, name, len(tokens), where)
 
     def control(i: int) -> None:
         if types[i] not in SPECIAL_TYPES:
@@ -209,8 +225,7 @@ def build_gguf_vocab(fields: Mapping[str, Any], where: str = "GGUF", architectur
     if template is not None and not isinstance(template, str) or \
             tool_template is not None and not isinstance(tool_template, str):
         raise KestrelError(f"{where}: tokenizer.chat_template and tokenizer.chat_template.tool_use must be text")
-    bos_id, eos_id, unk_id = (_key_id(fields, f"tokenizer.ggml.{k}_token_id", len(tokens), where)
-                              for k in ("bos", "eos", "unknown"))
+    bos_id, eos_id, unk_id = (_special_id(fields, k, len(tokens), where) for k in ("bos", "eos", "unknown"))
     eos_ids, types = _end_of_generation(fields, tokens, types, where)
     if kind == "gpt2":
         backend, pre = _byte_level(fields, tokens, where)

@@ -25,10 +25,37 @@ from kestrel_core.model.tokenizer import Tokenizer
 LLAMA_CPP = Path(__file__).resolve().parents[2] / "fixtures" / "tokenizers" / "llama.cpp"
 
 
+def write_vocab(tmp_path: Path, model: str, tokens: list[str], types: list[int], **keys: Any) -> dict[str, Any]:
+    """The tokenizer fields of a vocabulary-only GGUF written by gguf-py: tokenizer.ggml.model ``model``, ``tokens``
+    of llama.cpp's token ``types``, and each of ``keys`` as tokenizer.ggml.<key> (text, a flag, an id or an array:
+    ``pre="gpt2"``, ``add_bos_token=False``, ``bos_token_id=1``, ``merges=[...]``, ``scores=[...]``)."""
+    path = tmp_path / "vocab.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model(model)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    for name, value in keys.items():
+        key = f"tokenizer.ggml.{name}"
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_array(key, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = gguf.GGUFReader(path)
+    return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+
+
 def vocab(tmp_path: Path, fmt: Any, types: dict[str, int], **ids: str) -> tuple[Tokenizer, dict[str, Any]]:
-    """(tokenizer, tokenizer fields) of a vocabulary-only GGUF written by gguf-py: the trained byte-level BPE's tokens
-    (<|endoftext|> 0, <|im_start|> 1 and <|im_end|> 2 control tokens), then those of ``types`` it lacks, each
-    token of ``types`` of that llama.cpp type; ``ids``: the tokens keys name (``eos="<|end_of_text|>"`` writes
+    """(tokenizer, tokenizer fields) of a vocabulary-only GGUF: the trained byte-level BPE's tokens (<|endoftext|> 0,
+    <|im_start|> 1 and <|im_end|> 2 control tokens), then those of ``types`` it lacks, each token of ``types`` of
+    that llama.cpp type; ``ids``: the tokens keys name (``eos="<|end_of_text|>"`` writes
     tokenizer.ggml.eos_token_id, ``fim_pad=...`` tokenizer.ggml.fim_pad_token_id)."""
     tokens, merges, kinds = fmt.bpe_vocab(fmt.train_bpe("gpt2"))
     for text, kind in types.items():
@@ -36,21 +63,15 @@ def vocab(tmp_path: Path, fmt: Any, types: dict[str, int], **ids: str) -> tuple[
             tokens.append(text)
             kinds.append(kind)
         kinds[tokens.index(text)] = kind
-    path = tmp_path / "vocab.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types(kinds)
-    for name, text in ids.items():
-        w.add_uint32(f"tokenizer.ggml.{name}_token_id", tokens.index(text))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    reader = gguf.GGUFReader(path)
-    fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    fields = write_vocab(
+        tmp_path,
+        "gpt2",
+        tokens,
+        kinds,
+        pre="gpt2",
+        merges=merges,
+        **{f"{name}_token_id": tokens.index(text) for name, text in ids.items()},
+    )
     return Tokenizer.from_gguf_vocab(fields), fields
 
 
