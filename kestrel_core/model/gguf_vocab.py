@@ -110,6 +110,9 @@ FIM_TEXTS = {
     "sep": ("<|file_sep|>",),
 }
 FIM_DEPRECATED_KEYS = {"pre": "prefix", "suf": "suffix", "mid": "middle"}  # llama.cpp reads these too
+# gpt-oss's harmony header tokens, which llama.cpp makes user-defined whatever the file's type: matched whole where
+# special tokens are not parsed, and kept in a text decoded without them
+USER_DEFINED_TEXTS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 # llama.cpp's ids of the special tokens a file names none of (or one outside the vocabulary) by tokenizer.ggml.model,
 # taken where the vocabulary holds them; the other special tokens have none
 DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unknown": 0}, "gpt2": {"bos": 11, "eos": 11}}
@@ -202,6 +205,9 @@ def _end_of_generation(fields: Mapping[str, Any], tokens: list[str], types: list
         control(i)
     eog = dict.fromkeys(i for i in (key("eos"), key("eot"), key("eom"), fim["pad"], fim["rep"], fim["sep"],
                                     *by_text) if i is not None)
+    for text in USER_DEFINED_TEXTS:
+        if text in ids:
+            types[ids[text]] = TOKEN_USER_DEFINED
     present = {tokens[i]: i for i in eog}
     calls = "<|call|>" in present or "<|calls|>" in present
     if "<|end|>" in present and calls and ("<|return|>" in present or "<|flush|>" in present):

@@ -1,5 +1,5 @@
 """A GGUF vocabulary's special tokens as llama.cpp reads them (llama_vocab::impl::load): the ids it takes where the
-file names none."""
+file names none, and the gpt-oss tokens it makes user-defined."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 
 from kestrel_core.model.gguf_reader import GGUFCheckpoint
-from kestrel_core.model.gguf_vocab import TOKEN_NORMAL, end_of_generation
+from kestrel_core.model.gguf_vocab import TOKEN_CONTROL, TOKEN_NORMAL, end_of_generation
+from kestrel_core.model.grammar import Constraint, grammar_vocab
+from kestrel_core.model.harmony import json_grammar, parse
 from kestrel_core.model.tokenizer import Tokenizer
 
-from .test_gguf_eog import write_vocab
+from .test_gguf_eog import vocab, write_vocab
 
 # a SentencePiece vocabulary: "hi" is "▁hi" (7) after the prefix space; llama.cpp's defaults are unk 0, bos 1, eos 2
 SPM_TOKENS = ["<unk>", "<s>", "<end>", "\u2581", "h", "i", "\u2581h", "\u2581hi"]
@@ -59,3 +61,39 @@ def test_a_model_without_a_bos_id_has_llama_cpps_in_its_config(tmp_path: Path, f
         tmp_path / "m.gguf", synth_source("qwen2", vocab_size=tk.get_vocab_size()), tokenizer=tk, bos=None
     )
     assert GGUFCheckpoint(path).config.bos_token_id == 11
+
+
+HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>")
+GPT_OSS = (*HARMONY, "<|end|>", "<|return|>", "<|call|>")  # its control tokens
+
+
+def test_gpt_oss_channel_tokens_are_user_defined(tmp_path: Path, fmt) -> None:
+    """llama.cpp makes <|start|>, <|channel|>, <|message|> and <|constrain|> user-defined whatever the file's type:
+    matched whole where special tokens are not parsed, and kept in a text decoded without special tokens, so a
+    harmony answer reads the same either way; <|return|> stays a control token."""
+    tok, _ = vocab(tmp_path, fmt, dict.fromkeys(GPT_OSS, TOKEN_CONTROL), eos="<|return|>")
+    start, channel, message, constrain = (tok.backend.token_to_id(t) for t in HARMONY)
+    assert tok.encode_text("<|channel|>final<|message|>")[0] == channel
+    assert tok.encode_text("<|start|><|constrain|>") == [start, constrain]
+    answer = tok.encode("<|channel|>final<|message|>Paris.<|return|>", add_special_tokens=False)
+    assert answer[0] == channel and message in answer
+    assert tok.decode(answer, skip_special_tokens=True) == "<|channel|>final<|message|>Paris."
+    assert parse(tok.decode(answer, skip_special_tokens=True)).content == "Paris."
+
+
+def test_a_harmony_grammar_takes_the_user_defined_channel_tokens(tmp_path: Path, fmt) -> None:
+    """llguidance names every added token, user-defined ones too: a JSON answer's grammar takes <|channel|> and
+    <|message|> as the one token each, not their text spelled in pieces."""
+    tok, _ = vocab(tmp_path, fmt, dict.fromkeys(GPT_OSS, TOKEN_CONTROL), eos="<|return|>")
+    channel, message, end = (tok.backend.token_to_id(t) for t in ("<|channel|>", "<|message|>", "<|return|>"))
+    constraint = Constraint(grammar_vocab(tok.to_json_str(), tok.vocab_size, [end]), json_grammar({"type": "object"}))
+    assert not constraint.allowed()[tok.encode_text("<")[0]]
+    for token in [
+        channel,
+        *tok.encode("final", add_special_tokens=False),
+        message,
+        *tok.encode("{}", add_special_tokens=False),
+    ]:
+        assert constraint.allowed()[token]
+        constraint.accept(token)
+    assert constraint.allowed()[end]
