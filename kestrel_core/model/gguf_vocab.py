@@ -9,8 +9,8 @@
   whitespace after them; Gemma 3's (by ``general.architecture``: spaces only replaced; pieces of spaces stored as
   real spaces and respelled; merges ranked by the pieces' order in the file, which its scores do not follow).
 
-Either way the ends of generation, the types of the tokens llama.cpp finds by their text, and the special ids a file
-leaves out (``DEFAULT_IDS``) are llama.cpp's (``end_of_generation``, ``special_id``).
+Either way the ends of generation, the types of the tokens llama.cpp finds by their text, and the special ids a
+SentencePiece file leaves out (``DEFAULT_IDS``) are llama.cpp's (``end_of_generation``, ``special_id``).
 
 tests/kestrel_core/model/test_tokenizer.py compares them with llama.cpp's test vectors (the models' own
 tokenizers' ids) and with transformers' own reading of the same files.
@@ -113,10 +113,10 @@ FIM_DEPRECATED_KEYS = {"pre": "prefix", "suf": "suffix", "mid": "middle"}  # lla
 # gpt-oss's harmony header tokens, which llama.cpp makes user-defined whatever the file's type: matched whole where
 # special tokens are not parsed, and kept in a text decoded without them
 USER_DEFINED_TEXTS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
-# llama.cpp's ids of the special tokens a file names none of (or one outside the vocabulary) by tokenizer.ggml.model,
-# taken where the vocabulary holds them; the other special tokens have none
-DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unknown": 0}, "gpt2": {"bos": 11, "eos": 11}}
-NO_DEFAULT_BOS = ("glm4", "chatglm-bpe")  # tokenizer.ggml.pre values llama.cpp gives no default bos
+# The ids of the special tokens a SentencePiece file names none of (or one outside the vocabulary), llama.cpp's:
+# SentencePiece reserves them. llama.cpp's byte-level default, 11 for bos and eos, is not taken: 11 is a text token
+# of those vocabularies (GPT-NeoX's ","), where it would end every answer at its first comma.
+DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unknown": 0}}
 
 
 @dataclass
@@ -155,8 +155,6 @@ def _special_id(fields: Mapping[str, Any], name: str, count: int, where: str) ->
         return int(v)
     model = fields.get("tokenizer.ggml.model")
     default = DEFAULT_IDS.get(model, {}).get(name) if isinstance(model, str) else None
-    if name == "bos" and fields.get("tokenizer.ggml.pre") in NO_DEFAULT_BOS:
-        default = None
     return default if default is not None and default < count else None
 
 

@@ -164,10 +164,10 @@ def write_gguf(path: Path, src: DictSource, *, qtype: str = "F32", tokenizer: To
                pre: str = "gpt2", chat_template: str | None = None, rope_freqs: np.ndarray | None = None,
                permute: bool | None = None, arch: str | None = None,
                metadata: Callable[[gguf.GGUFWriter], None] | None = None, eos: str = "<|im_end|>",
-               bos: str | None = "<|im_start|>", token_types: dict[str, int] | None = None) -> Path:
+               token_types: dict[str, int] | None = None) -> Path:
     """Write ``src`` as llama.cpp would: ggml names, Q/K permuted for llama, matrices as F32/F16/Q8_0/Q4_0;
-    ``metadata(writer)`` adds more keys; ``eos`` and ``bos``: the tokenizer's tokens the eos and bos ids name (None:
-    no bos id); ``token_types``: llama.cpp token types written for these tokens instead."""
+    ``metadata(writer)`` adds more keys; ``eos``: the tokenizer's token the eos id names; ``token_types``: llama.cpp
+    token types written for these tokens instead."""
     c = src.config
     arch = arch or c.arch
     permute = arch == "llama" if permute is None else permute
@@ -192,8 +192,7 @@ def write_gguf(path: Path, src: DictSource, *, qtype: str = "F32", tokenizer: To
         w.add_token_list(tokens)
         w.add_token_merges(merges)
         w.add_token_types(types)
-        if bos is not None:
-            w.add_bos_token_id(tokens.index(bos))
+        w.add_bos_token_id(tokens.index("<|im_start|>"))
         w.add_eos_token_id(tokens.index(eos))
         w.add_add_bos_token(False)
     if chat_template is not None:

@@ -19,7 +19,7 @@ from .test_gguf_eog import vocab, write_vocab
 SPM_TOKENS = ["<unk>", "<s>", "<end>", "\u2581", "h", "i", "\u2581h", "\u2581hi"]
 SPM_TYPES = [2, 3, 3, 1, 1, 1, 1, 1]
 SPM_SCORES = [0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0]
-# a byte-level one: "hi" is one token (2); llama.cpp's default bos and eos are 11, ","
+# a byte-level one: "hi" is one token (2); token 11 is "," (llama.cpp's default bos and eos for these, not taken)
 BPE_TOKENS = ["h", "i", "hi", "a", "b", "c", "d", "e", "f", "g", "j", ",", "k"]
 
 
@@ -34,33 +34,28 @@ def test_a_sentencepiece_vocabulary_without_ids_takes_llama_cpps_defaults(tmp_pa
     assert tuple(tok.eos_token_ids) == (2,) == end_of_generation(fields)
 
 
-@pytest.mark.parametrize(("pre", "ids"), [("llama-bpe", [11, 2]), ("gpt2", [2])])
-def test_a_byte_level_vocabulary_without_ids_takes_llama_cpps_11(tmp_path: Path, pre: str, ids: list[int]) -> None:
-    """No bos or eos id: both are token 11, added before each text where the pre-tokenizer's add_bos is on."""
+@pytest.mark.parametrize("pre", ["llama-bpe", "gpt2"])
+def test_a_byte_level_vocabulary_without_ids_has_no_default_bos_or_eos(tmp_path: Path, pre: str) -> None:
+    """llama.cpp's 11 is a comma here: taken as the eos, it would end every answer at its first comma."""
     fields = write_vocab(tmp_path, "gpt2", BPE_TOKENS, [TOKEN_NORMAL] * len(BPE_TOKENS), pre=pre, merges=["h i"])
     tok = Tokenizer.from_gguf_vocab(fields)
-    assert tok.encode("hi") == ids
-    assert tok.bos_token == tok.eos_token == ","
-    assert tuple(tok.eos_token_ids) == (11,) == end_of_generation(fields)
-
-
-def test_a_default_outside_the_vocabulary_and_glm4s_bos_are_none(tmp_path: Path) -> None:
-    """A vocabulary of 11 tokens has no token 11: no bos, no eos. A glm4 one has no default bos."""
-    fields = write_vocab(tmp_path, "gpt2", BPE_TOKENS[:11], [TOKEN_NORMAL] * 11, pre="llama-bpe", merges=["h i"])
-    tok = Tokenizer.from_gguf_vocab(fields)
-    assert tok.encode("hi") == [2] and tok.bos_token is None and tok.eos_token is None
+    assert tok.encode("hi") == [2]
+    assert tok.bos_token is None and tok.eos_token is None
     assert end_of_generation(fields) == ()
-    fields = write_vocab(tmp_path, "gpt2", BPE_TOKENS, [TOKEN_NORMAL] * len(BPE_TOKENS), pre="glm4", merges=["h i"])
-    tok = Tokenizer.from_gguf_vocab(fields)
-    assert tok.bos_token is None and tok.eos_token == ","
 
 
-def test_a_model_without_a_bos_id_has_llama_cpps_in_its_config(tmp_path: Path, fmt, synth_source) -> None:
-    tk = fmt.train_bpe("gpt2")
-    path = fmt.write_gguf(
-        tmp_path / "m.gguf", synth_source("qwen2", vocab_size=tk.get_vocab_size()), tokenizer=tk, bos=None
-    )
-    assert GGUFCheckpoint(path).config.bos_token_id == 11
+def test_a_sentencepiece_model_without_a_bos_id_has_the_default_in_its_config(
+    tmp_path: Path, fmt, synth_source
+) -> None:
+    def spm(w) -> None:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(SPM_TOKENS)
+        w.add_token_types(SPM_TYPES)
+        w.add_token_scores(SPM_SCORES)
+
+    src = synth_source("qwen2", vocab_size=len(SPM_TOKENS))
+    path = fmt.write_gguf(tmp_path / "m.gguf", src, metadata=spm)
+    assert GGUFCheckpoint(path).config.bos_token_id == 1
 
 
 HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>")
