@@ -412,7 +412,8 @@ def _refusal(spec: HubSpec, exc: Exception) -> str:
     response = getattr(exc, "response", None)
     if response is None:
         return f"model {spec}: the Hugging Face Hub refused it ({_first_line(exc)})"
-    status = f"{response.status_code} {response.reason_phrase}".strip()
+    reason = getattr(response, "reason_phrase", None) or getattr(response, "reason", None) or ""  # httpx's, requests'
+    status = f"{response.status_code} {reason}".strip()
     token = "; check HF_TOKEN" if response.status_code == 401 else ""
     return f"model {spec}: the Hugging Face Hub refused it ({status}{f': {said}' if said else ''}{token})"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kestrel_core.errors import KestrelError
-from kestrel_core.model.hub import Hub, HubSpec, cached_models, choose_files, parse_hub_spec
+from kestrel_core.model.hub import Hub, HubSpec, _refusal, cached_models, choose_files, parse_hub_spec
 
 from .fake_hub import FakeHub, repo_files, serving, within
 
@@ -324,6 +324,18 @@ def test_a_hub_refusal_keeps_the_hubs_reason(hub: FakeHub, tmp_path: Path, statu
     assert message in str(refused.value) and "\n" not in str(refused.value)
     assert "gated: accept its terms on huggingface.co/org/x" in str(refused.value) if code else \
         f"the Hugging Face Hub refused it ({status} " in str(refused.value)
+
+
+def test_a_refusal_through_requests_keeps_its_reason() -> None:
+    """huggingface_hub before 1.0 runs on requests, whose response gives its reason as ``reason`` (httpx's as
+    ``reason_phrase``): the refusal says it, in one line."""
+    import requests
+    from huggingface_hub.errors import HfHubHTTPError
+
+    response = requests.Response()
+    response.status_code, response.reason = 403, "Forbidden"
+    refused = _refusal(HubSpec("org/x"), HfHubHTTPError("403 Forbidden", response=response))  # type: ignore[arg-type]
+    assert refused == "model org/x: the Hugging Face Hub refused it (403 Forbidden)"
 
 
 def _kestrel(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
