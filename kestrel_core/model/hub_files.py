@@ -6,30 +6,39 @@ lists the repository and picks the files; ``CommitFiles.fetch`` brings them).
   a branch or tag name (by a commit it records none), so the name finds the snapshot offline afterwards.
 - Several at a time: up to ``WORKERS`` files, as snapshot_download fetches them (without Xet storage each file
   is one HTTP download, which alone leaves most of a fast link idle).
-- Bounded: hf_hub_download asks again for the metadata of a file its cache lacks when the first request times
-  out, with limits of its own (60 s, five more times: minutes); so a file that is to be downloaded is first
-  asked for with one request of kestrel's own (``get_hf_file_metadata``, which does not try again) that waits
-  ``HF_HUB_ETAG_TIMEOUT``.
-- Ctrl-C (which only the main thread receives) or a file that fails ends the fetch at once: the files not
-  started never are, the downloads under way are left to their threads (daemons, which a process that ends
-  does not wait for), and the partial files those were writing are removed, then and again as the process
-  exits (one still in its metadata request creates its file later).
+- One metadata request a file: a file the cache lacks at the commit is asked for once (``get_hf_file_metadata``,
+  which waits ``HF_HUB_ETAG_TIMEOUT`` and, timed out, is not tried again), and its blob is downloaded from that
+  answer into the cache as hf_hub_download lays it out: blobs/ETAG, written as blobs/ETAG.<random>.incomplete
+  first, and snapshots/COMMIT/NAME linking to it. hf_hub_download would ask again for itself, and where its
+  request times out, ask again with limits of its own (60 s, five more times: minutes).
+- One download a blob: names of the same content (one etag) share it, with ``force`` too.
+- Stopped: Ctrl-C (which only the main thread receives) or a file that fails ends the fetch at once. The files
+  not started never are; a download under way stops at its next chunk (one waiting for a read, once the read
+  ends: a thread cannot be woken from another), a metadata request waiting to be tried again at once; the
+  partial files are removed then and there, and nothing is moved into the cache after the fetch ended.
 """
 
 from __future__ import annotations
 
 import atexit
-import glob
 import logging
 import os
+import re
+import shutil
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+from urllib.parse import urlsplit
 
 from kestrel_core.errors import KestrelError
+
+if TYPE_CHECKING:
+    from huggingface_hub import HfFileMetadata
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +48,93 @@ WORKERS = 8
 # two reads of a download
 ANSWER_LIMIT = "HF_HUB_ETAG_TIMEOUT"
 READ_LIMIT = "HF_HUB_DOWNLOAD_TIMEOUT"
+# a metadata request the Hub answers that it is busy or failing is tried again after these many seconds, as
+# huggingface_hub's http_backoff tries one
+RETRY_WAITS_S = (1.0, 2.0, 4.0, 8.0, 8.0)
+RETRIED_STATUSES = (408, 429, 500, 502, 503, 504)
+# an etag that names a blob file (the Hub's are hex digests), nothing that leaves the blobs folder
+_ETAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class _Stopped(Exception):
-    """The fetch ended (Ctrl-C, another file failed) before this file's download began."""
+    """The fetch ended (Ctrl-C, another file failed) while this file was being fetched."""
+
+
+class _Run:
+    """What the threads of one fetch share: ``stop``, set as it ends; the partial files being written; the
+    download of each blob begun, by etag."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self._partials: set[Path] = set()
+        self._blobs: dict[str, Future[None]] = {}
+
+    def end(self) -> list[Path]:
+        """Ends the fetch: the partial files being written are removed (none is created after), and returned."""
+        with self._lock:
+            self.stop.set()
+            partials = list(self._partials)
+        _remove(partials)
+        return partials
+
+    def once(self, etag: str, download: Callable[[], None]) -> None:
+        """``download()`` of the blob ``etag``, unless another thread of the fetch began it: then that one's
+        outcome."""
+        with self._lock:
+            begun = self._blobs.get(etag)
+            mine = begun is None
+            if begun is None:
+                begun = self._blobs[etag] = Future()
+        if not mine:
+            begun.result()
+            return
+        try:
+            download()
+        except BaseException as exc:
+            begun.set_exception(exc)
+            raise
+        begun.set_result(None)
+
+    @contextmanager
+    def partial(self, blob: Path, name: str) -> Iterator[BinaryIO]:
+        """A partial file of ``blob``, the file ``name``'s, open to be written: moved to ``blob`` as the block
+        ends, removed where it fails; ``_Stopped`` where the fetch has ended, before or meanwhile."""
+        path = blob.with_name(f"{blob.name}.{uuid.uuid4().hex[:8]}.incomplete")
+        with self._lock:  # so that end() removes every partial file, and none is created after it
+            if self.stop.is_set():
+                raise _Stopped(name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            file = path.open("wb")
+            self._partials.add(path)
+        try:
+            with file:
+                yield file
+            with self._lock:
+                if self.stop.is_set():
+                    raise _Stopped(name)
+                os.replace(path, blob)
+        finally:
+            with self._lock:
+                self._partials.discard(path)
+            path.unlink(missing_ok=True)
+
+
+class _StoppingFile:
+    """``file``, whose next write once ``stop`` is set ends the download writing it (``_Stopped``)."""
+
+    def __init__(self, file: BinaryIO, stop: threading.Event, name: str) -> None:
+        self._file = file
+        self._stop = stop
+        self._name = name
+
+    def write(self, data: bytes) -> int:
+        if self._stop.is_set():
+            raise _Stopped(self._name)
+        return self._file.write(data)
+
+    def __getattr__(self, attr: str) -> Any:  # tell, seek, truncate, name: the file's own
+        return getattr(self._file, attr)
 
 
 @dataclass(frozen=True)
@@ -63,14 +155,13 @@ class CommitFiles:
         at the commit, where ``force``, or where it is not the size ``sizes`` gives it (``_file``); the first
         error of a file (or a KeyboardInterrupt) as it is, once the fetch has ended."""
         self._record_ref()
-        stop = threading.Event()
-        writing: dict[str, str] = {}  # a file being downloaded -> its etag, which names the partial file
+        run = _Run()
         jobs = [(name, Future[Path]()) for name in names]
         pending = iter(jobs)
         take = threading.Lock()
 
         def work() -> None:
-            while not stop.is_set():
+            while not run.stop.is_set():
                 with take:
                     job = next(pending, None)
                 if job is None:
@@ -79,7 +170,7 @@ class CommitFiles:
                 if not future.set_running_or_notify_cancel():  # cancelled: the fetch has ended
                     continue
                 try:
-                    future.set_result(self._file(name, sizes[name], force, stop, writing))
+                    future.set_result(self._file(name, sizes[name], force, run))
                 except BaseException as exc:  # the caller's thread raises it
                     future.set_exception(exc)
 
@@ -92,83 +183,107 @@ class CommitFiles:
             if failure is not None:
                 raise failure
         except BaseException:
-            stop.set()
+            removed = run.end()
             for future in futures:
-                future.cancel()  # those not started; a running one cannot be, its thread is left to end
-            running = [writing[name] for name, future in jobs if future.running() and name in writing]
-            self._remove_partial(running)
-            # a download still in its own metadata request creates its partial file after this: removed at exit
-            # too, which ends that thread with the process
-            atexit.register(self._remove_partial, running)
+                future.cancel()  # those not started; a running one stops by itself (_Run)
+            if removed:  # hf_xet writes a partial file by its path, so may create one again: removed at exit too
+                atexit.register(_remove, removed)
             raise
         return [future.result() for future in futures]
 
-    def _file(self, name: str, size: int | None, force: bool, stop: threading.Event, writing: dict[str, str]) -> Path:
-        """The repository's file ``name`` in the cache at the commit: downloaded where the cache lacks it there,
-        where ``force``, or where the cached copy is not ``size`` bytes (the Hub's size, None where unknown), as
-        a download cut short or a damaged disk leaves it (hf_hub_download trusts any copy it has). Before a
-        download, its metadata (``_metadata``; its etag goes to ``writing``), and nothing more once ``stop`` is
-        set. A request that timed out is a KestrelError naming the file and the limit it waited."""
-        from huggingface_hub import constants, hf_hub_download
+    def _file(self, name: str, size: int | None, force: bool, run: _Run) -> Path:
+        """The repository's file ``name`` in the cache at the commit: its blob downloaded where the cache lacks
+        it, where ``force``, or where the cached copy is not ``size`` bytes (the Hub's size, None where
+        unknown), as a download cut short or a damaged disk leaves it (hf_hub_download trusts any copy it has).
+        A download that stopped coming is a KestrelError naming the file and the limit it waited."""
+        from huggingface_hub import constants
 
-        def download(again: bool) -> Path:
-            if again or not self._snapshot().joinpath(name).exists():  # otherwise no request is made
-                etag = self._metadata(name)
-                if etag is not None:
-                    writing[name] = etag
-                if stop.is_set():
-                    raise _Stopped(name)
-            return Path(
-                hf_hub_download(
-                    self.repo,
-                    name,
-                    revision=self.commit,
-                    cache_dir=self.cache_dir,
-                    endpoint=self.endpoint,
-                    force_download=again,
-                    etag_timeout=constants.HF_HUB_ETAG_TIMEOUT,
-                )
-            )
-
+        if not _is_inside(name):
+            raise KestrelError(f"model {self.model}: the repository lists {name!r}, which is not a path inside it")
+        pointer = self._snapshot() / name
+        if not force and pointer.exists() and not _wrong_size(pointer, size):
+            return pointer  # without a request
         try:
-            path = download(force)
-            return download(True) if not force and _wrong_size(path, size) else path
-        except KestrelError:
-            raise
+            meta = self._metadata(name, run.stop)
+            blob = self._folder() / "blobs" / str(meta.etag)
+            expected = meta.size if meta.size is not None else size
+            if force or pointer.exists() or not blob.exists() or _wrong_size(blob, expected):
+                run.once(str(meta.etag), lambda: self._download(name, meta, blob, run))
+            _link(pointer, blob)
+            return pointer
         except Exception as exc:
-            timeout = timeout_of(exc)
-            if timeout is None:
+            if isinstance(exc, KestrelError) or timeout_of(exc) is None:
                 raise
-            if timeout is exc:  # raised by the download itself, once its resumes gave up
-                raise KestrelError(
-                    f"model {self.model}: the Hub stopped sending {name}: nothing came for "
-                    f"{constants.HF_HUB_DOWNLOAD_TIMEOUT:g} s, nor after resuming "
-                    f"{limit_hint(READ_LIMIT)}"
-                ) from exc
-            # hf_hub_download's own metadata request, which it reports as a file it cannot locate
-            raise self._no_metadata(name) from exc
+            raise KestrelError(
+                f"model {self.model}: the Hub stopped sending {name}: nothing came for "
+                f"{constants.HF_HUB_DOWNLOAD_TIMEOUT:g} s, nor after resuming {limit_hint(READ_LIMIT)}"
+            ) from exc
 
-    def _metadata(self, name: str) -> str | None:
-        """The etag of the file ``name`` at the commit (the name of its blob in the cache), from one request that
-        waits at most HF_HUB_ETAG_TIMEOUT and is not tried again; None where the Hub answers with an error,
-        which hf_hub_download then meets and reports (trying again where it is one worth it, a 429 or a 5xx)."""
+    def _metadata(self, name: str, stop: threading.Event) -> HfFileMetadata:
+        """The metadata of the file ``name`` at the commit (its etag names its blob in the cache), from one request
+        that waits at most HF_HUB_ETAG_TIMEOUT: asked again only where the Hub answers that it is busy or failing
+        (``RETRIED_STATUSES``), ``RETRY_WAITS_S`` apart, and not once the fetch has ended. The Hub's other
+        answers are its errors (hub.py words them); a request that waited past its limit is a KestrelError naming
+        the file and the limit."""
         from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+        from huggingface_hub.errors import HfHubHTTPError
 
         url = hf_hub_url(self.repo, name, revision=self.commit, endpoint=self.endpoint)
-        try:
-            return get_hf_file_metadata(url, timeout=constants.HF_HUB_ETAG_TIMEOUT).etag
-        except Exception as exc:
-            if timeout_of(exc) is None:
-                return None
-            raise self._no_metadata(name) from exc
+        waits = iter(RETRY_WAITS_S)
+        while True:
+            try:
+                meta = get_hf_file_metadata(url, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+            except HfHubHTTPError as exc:
+                busy = getattr(exc.response, "status_code", None) in RETRIED_STATUSES
+                pause = next(waits, None) if busy else None
+                if pause is None:
+                    raise
+                if stop.wait(pause):
+                    raise _Stopped(name) from exc
+                continue
+            except Exception as exc:
+                if timeout_of(exc) is None:
+                    raise
+                raise KestrelError(
+                    f"model {self.model}: the Hub sent no answer to the request for {name}'s metadata in "
+                    f"{constants.HF_HUB_ETAG_TIMEOUT:g} s {limit_hint(ANSWER_LIMIT)}"
+                ) from exc
+            if not _ETAG.fullmatch(meta.etag or ""):
+                raise KestrelError(
+                    f"model {self.model}: the answer for {name} has no ETag that can name its blob in the cache "
+                    f"({meta.etag!r}): is HF_ENDPOINT a Hugging Face Hub?"
+                )
+            return meta
 
-    def _no_metadata(self, name: str) -> KestrelError:
-        # no seconds said: where kestrel's request was answered and hf_hub_download's own, made right after it,
-        # was not, huggingface_hub tried that one again with limits of its own
-        return KestrelError(
-            f"model {self.model}: the Hub sent no answer to the request for {name}'s metadata "
-            f"{limit_hint(ANSWER_LIMIT)}"
-        )
+    def _download(self, name: str, meta: HfFileMetadata, blob: Path, run: _Run) -> None:
+        """The blob ``blob`` of the file ``name``, whose metadata is ``meta``: from Xet storage by hf_xet where the
+        file is stored there and hf_xet is installed, as hf_hub_download fetches it; else over HTTP from where
+        ``meta`` locates it (``http_get``, which resumes a download that stops, five times in a row)."""
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.file_download import http_get, is_xet_available, xet_get
+        from huggingface_hub.utils import build_hf_headers
+
+        headers = build_hf_headers()
+        with run.partial(blob, name) as file:
+            if meta.xet_file_data is not None and is_xet_available():
+                file.close()  # hf_xet writes it by its path
+                xet_get(
+                    incomplete_path=Path(file.name),
+                    xet_file_data=meta.xet_file_data,
+                    headers=headers,
+                    expected_size=meta.size,
+                    displayed_filename=name,
+                )
+                return
+            if urlsplit(meta.location).netloc != urlsplit(hf_hub_url(self.repo, name, endpoint=self.endpoint)).netloc:
+                headers.pop("authorization", None)  # a storage host's signed URL: the token stays with the Hub
+            http_get(
+                meta.location,
+                _StoppingFile(file, run.stop, name),
+                headers=headers,
+                expected_size=meta.size,
+                displayed_filename=name,
+            )
 
     def _folder(self) -> Path:
         """The repository's folder in the cache, as hf_hub_download finds it."""
@@ -197,17 +312,38 @@ class CommitFiles:
         except OSError as exc:
             log.debug("%s: not recording %s as %s: %s", self.repo, self.commit, ref, exc)
 
-    def _remove_partial(self, etags: list[str]) -> None:
-        """The partial files of the downloads of blobs ``etags`` that a fetch left to their threads: each writes
-        blobs/ETAG.<random>.incomplete (blobs/ETAG.incomplete before huggingface_hub 1.x), which it removes
-        itself only if its read ends."""
-        blobs = self._folder() / "blobs"
-        for etag in etags:
-            for partial in glob.glob(str(blobs / f"{glob.escape(etag)}*.incomplete")):
-                try:
-                    os.unlink(partial)
-                except OSError:  # gone already (its download ended), or held open on Windows
-                    pass
+
+def _link(pointer: Path, blob: Path) -> None:
+    """``pointer`` (snapshots/COMMIT/NAME) naming ``blob`` as hf_hub_download makes it: a link relative to its
+    folder, or a copy where the file system has no links (Windows without developer mode); put in place whole."""
+    target = os.path.relpath(blob, pointer.parent)
+    if pointer.is_symlink() and os.readlink(pointer) == target:
+        return
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    staged = pointer.with_name(f"{pointer.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        try:
+            os.symlink(target, staged)
+        except OSError:
+            shutil.copyfile(blob, staged)
+        os.replace(staged, pointer)
+    finally:
+        staged.unlink(missing_ok=True)
+
+
+def _is_inside(name: str) -> bool:
+    """Whether the repository path ``name`` joined to a folder stays inside it, on POSIX and on Windows: no
+    absolute path, drive or ``..``."""
+    parts = name.replace("\\", "/").split("/")
+    return all(part not in ("", ".", "..") and ":" not in part for part in parts)
+
+
+def _remove(paths: list[Path]) -> None:
+    for path in paths:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:  # held open on Windows
+            pass
 
 
 def _wrong_size(path: Path, size: int | None) -> bool:

@@ -24,11 +24,17 @@ class FakeHub:
     one of ``tokens``; a repository of ``failing`` answers every request with its status (503: the Hub down), a
     file of it (``owner/name/path``) its downloads; one of ``refusing`` answers (status, X-Error-Code, message),
     the Hub's refusal with its reason; ``warning``, where set, goes with every answer (``X-HF-Warning``);
-    ``served`` lists the files downloaded (GET). A request whose path (without its query) matches a pattern
-    of ``stalling`` (fnmatch's: a listing, ``/api/models/R``; a file at any revision, ``/R/resolve/*/FILE``)
-    is answered with that many bytes of its body (0: not even its headers), then nothing until the server
-    stops, as a stalled proxy does, and listed in ``stalled``; one matching a pattern of ``trickling`` gets its
-    body in chunks of that many bytes, ``trickle_s`` apart. A repository's files are its main branch, whose
+    ``served`` lists the files downloaded (GET), ``asked`` those whose metadata was asked for (HEAD, answered
+    or not). A request whose path (without its query) matches a pattern of ``stalling`` (fnmatch's: a listing,
+    ``/api/models/R``; a file at any revision, ``/R/resolve/*/FILE``) is answered with that many bytes of its
+    body (0: not even its headers), then nothing until the server stops, as a stalled proxy does, and listed in
+    ``stalled``; where ``spared`` gives the pattern a count, that many requests matching it are first answered
+    in full. A download matching a pattern of ``holding`` gets that many bytes of its body, is listed in
+    ``held``, and gets the rest once ``release`` is set; one matching a pattern of ``trickling`` gets its body
+    in chunks of that many bytes, ``trickle_s`` apart. A file of ``in_xet`` (``owner/name/path``) says it is
+    stored in Xet; one of ``on_storage`` answers its metadata request with a redirect to a storage host (the
+    server under another name, ``localhost``), which lists the Authorization each download from it carried in
+    ``storage_authorizations``. A repository's files are its main branch, whose
     commit is named by their content: a test that changes them pushes a commit, and the files of every commit
     an answer named stay there by its sha (``commits``, by ``owner/name@sha``)."""
 
@@ -39,6 +45,14 @@ class FakeHub:
     refusing: dict[str, tuple[int, str, str]] = field(default_factory=dict)
     warning: str = ""
     stalling: dict[str, int] = field(default_factory=dict)
+    spared: dict[str, int] = field(default_factory=dict)
+    holding: dict[str, int] = field(default_factory=dict)
+    release: threading.Event = field(default_factory=threading.Event)
+    held: list[str] = field(default_factory=list)
+    asked: list[str] = field(default_factory=list)
+    in_xet: set[str] = field(default_factory=set)
+    on_storage: set[str] = field(default_factory=set)
+    storage_authorizations: list[str | None] = field(default_factory=list)
     trickling: dict[str, int] = field(default_factory=dict)
     trickle_s: float = 0.0
     served: list[str] = field(default_factory=list)
@@ -46,11 +60,25 @@ class FakeHub:
     url: str = ""
     stopped: threading.Event = field(default_factory=threading.Event)
     commits: dict[str, dict[str, bytes]] = field(default_factory=dict)
+    counting: threading.Lock = field(default_factory=threading.Lock)
 
     @staticmethod
     def slowed(path: str, table: dict[str, int]) -> int | None:
         """The bytes ``table`` gives the request for ``path``, None where no pattern of it matches."""
         return next((n for pattern, n in table.items() if fnmatchcase(urlsplit(path).path, pattern)), None)
+
+    def stall(self, path: str) -> int | None:
+        """The bytes ``stalling`` gives the request for ``path``, None where it is answered in full: no pattern
+        matches, or ``spared`` lets it through (one fewer to let through after it)."""
+        pattern = next((p for p in self.stalling if fnmatchcase(urlsplit(path).path, p)), None)
+        if pattern is None:
+            return None
+        with self.counting:
+            left = self.spared.get(pattern, 0)
+            if left:
+                self.spared[pattern] = left - 1
+                return None
+        return self.stalling[pattern]
 
     def sha(self, repo: str) -> str:
         """The sha of the commit main is at: 40 hex digits from its files' names and contents, so that a test
@@ -64,6 +92,12 @@ class FakeHub:
 
     def answer(self, method: str, path: str, authorization: str | None = None) -> tuple[int, dict[str, str], bytes]:
         parts = [unquote(p) for p in urlsplit(path).path.strip("/").split("/")]
+        if parts[0] == "storage":  # /storage/R/FILE: a storage host's URL of a file at main
+            repo, name = "/".join(parts[1:3]), "/".join(parts[3:])
+            self.storage_authorizations.append(authorization)
+            self.served.append(f"{repo}/{name}")
+            body = self.repos[repo][name]
+            return 200, {"Content-Length": str(len(body)), "Content-Type": "application/octet-stream"}, body
         api = parts[:2] == ["api", "models"]
         repo = "/".join(parts[2:4] if api else parts[:2])
         files = self.repos.get(repo)
@@ -94,6 +128,8 @@ class FakeHub:
         if not api and len(parts) > 4 and parts[2] == "resolve":
             name = "/".join(parts[4:])
             body = files.get(name)
+            if method == "HEAD":
+                self.asked.append(f"{repo}/{name}")
             status = self.failing.get(f"{repo}/{name}")
             if status is not None:
                 return _error(status, "", f"the Hub failed with {status}")
@@ -101,8 +137,15 @@ class FakeHub:
                 return _error(404, "EntryNotFound", f"{name} does not exist on {rev}")
             if method == "GET":
                 self.served.append(f"{repo}/{name}")
-            headers = {"X-Repo-Commit": sha, "ETag": f'"{hashlib.sha256(body).hexdigest()}"',
-                       "Content-Length": str(len(body)), "Content-Type": "application/octet-stream"}
+            etag = hashlib.sha256(body).hexdigest()
+            if f"{repo}/{name}" in self.on_storage:
+                location = f"{self.url.replace('127.0.0.1', 'localhost')}/storage/{repo}/{name}"
+                return 302, {"X-Repo-Commit": sha, "X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(body)),
+                             "Location": location, "Content-Length": "0"}, b""
+            headers = {"X-Repo-Commit": sha, "ETag": f'"{etag}"', "Content-Length": str(len(body)),
+                       "Content-Type": "application/octet-stream"}
+            if f"{repo}/{name}" in self.in_xet:
+                headers |= {"X-Xet-Hash": etag, "X-Xet-Refresh-Route": f"/api/models/{repo}/xet-read-token/{sha}"}
             return 200, headers, body
         return _error(404, "", f"no route {path}")
 
@@ -133,7 +176,7 @@ def serving(hub: FakeHub) -> Iterator[FakeHub]:
 
     class Handler(BaseHTTPRequestHandler):
         def _reply(self, method: str) -> None:
-            stall = hub.slowed(self.path, hub.stalling)
+            stall = hub.stall(self.path)
             if stall == 0:
                 hub.stalled.append(self.path)
                 hub.stopped.wait()
@@ -153,12 +196,22 @@ def serving(hub: FakeHub) -> Iterator[FakeHub]:
                 hub.stalled.append(self.path)
                 hub.stopped.wait()
                 return
-            chunk = hub.slowed(self.path, hub.trickling) or len(body) or 1
-            for start in range(0, len(body), chunk):
-                self.wfile.write(body[start:start + chunk])
+            hold = hub.slowed(self.path, hub.holding)
+            if hold is not None:
+                self.wfile.write(body[:hold])
                 self.wfile.flush()
-                if start + chunk < len(body):
-                    time.sleep(hub.trickle_s)
+                hub.held.append(self.path)
+                hub.release.wait()
+                body = body[hold:]
+            chunk = hub.slowed(self.path, hub.trickling) or len(body) or 1
+            try:
+                for start in range(0, len(body), chunk):
+                    self.wfile.write(body[start:start + chunk])
+                    self.wfile.flush()
+                    if start + chunk < len(body):
+                        time.sleep(hub.trickle_s)
+            except ConnectionError:  # the client went away (a download it ended)
+                pass
 
         def do_GET(self) -> None:  # noqa: N802
             self._reply("GET")
@@ -177,6 +230,7 @@ def serving(hub: FakeHub) -> Iterator[FakeHub]:
         yield hub
     finally:
         hub.stopped.set()
+        hub.release.set()
         server.shutdown()
         server.server_close()
 

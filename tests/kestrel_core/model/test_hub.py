@@ -445,13 +445,20 @@ def test_the_cache_lists_what_kestrel_can_load_by_the_name_it_takes(hub: FakeHub
     assert cached_models(str(tmp_path / "none")) == []
 
 
-def test_a_sharded_snapshot_without_all_its_shards_is_neither_listed_nor_loaded(hub: FakeHub, tmp_path: Path) -> None:
-    """A download that failed after the index and the first shard: the cache's copy is not a model until the
-    shards the index names are all there, as a split GGUF's parts must be."""
+def test_a_sharded_snapshot_without_all_its_shards_is_neither_listed_nor_loaded(hub: FakeHub, tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A download that failed after the index and the first shard (the Hub down for one file, asked again as
+    huggingface_hub asks, then its answer): the cache's copy is not a model until the shards the index names are
+    all there, as a split GGUF's parts must be."""
+    from kestrel_core.model import hub_files
+
+    monkeypatch.setattr(hub_files, "RETRY_WAITS_S", (0.01, 0.02))
     h = Hub(hub.url, str(tmp_path))
     hub.failing["org/sharded/model-00002-of-00002.safetensors"] = 503
-    with pytest.raises(KestrelError, match="org/sharded: downloading it failed"):
+    with pytest.raises(KestrelError, match=r"^model org/sharded: the Hugging Face Hub refused it \(503 Service "
+                                           r"Unavailable: the Hub failed with 503\)$"):
         h.fetch(HubSpec("org/sharded"))
+    assert hub.asked.count("org/sharded/model-00002-of-00002.safetensors") == 3
     snap = next((tmp_path / "models--org--sharded" / "snapshots").iterdir())
     assert (snap / "model.safetensors.index.json").is_file() and (snap / "model-00001-of-00002.safetensors").is_file()
     assert cached_models(str(tmp_path)) == []

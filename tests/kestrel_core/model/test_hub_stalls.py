@@ -75,16 +75,30 @@ def test_a_download_that_stops_names_the_file_and_its_limit(hub: FakeHub, tmp_pa
     assert not [p for p in tmp_path.rglob("*") if p.name == "model.safetensors" or p.suffix == ".incomplete"]
 
 
+def test_a_download_that_stalls_after_its_metadata_names_the_file_and_its_limit(hub: FakeHub, tmp_path: Path,
+                                                                              limits: None) -> None:
+    """The Hub answers the file's metadata request and is silent for every later request of it: the download
+    ends after its own limit (resumed as huggingface_hub resumes one), not after minutes of metadata requests
+    tried again, and nothing of the file is in the cache."""
+    hub.stalling[QUANT], hub.spared[QUANT] = 0, 1
+    with pytest.raises(KestrelError, match=r"^model org/tiny-GGUF: the Hub stopped sending tiny-Q4_K_M\.gguf: nothing "
+                                           r"came for 0\.2 s, nor after resuming \(HF_HUB_DOWNLOAD_TIMEOUT: set it "
+                                           r"higher to wait longer\)$"):
+        within(20, lambda: Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/tiny-GGUF")))
+    assert hub.asked == ["org/tiny-GGUF/tiny-Q4_K_M.gguf"] and hub.stalled
+    assert not [p for p in tmp_path.rglob("*") if p.name == "tiny-Q4_K_M.gguf" or p.suffix == ".incomplete"]
+
+
 @pytest.mark.parametrize("force", [False, True], ids=["pull", "pull --force"])
 def test_a_stalled_metadata_request_names_the_file_and_its_limit(hub: FakeHub, tmp_path: Path, limits: None,
                                                                  force: bool) -> None:
     """The listing answered, the metadata request (HEAD) of a file the cache lacks stalls: one line after the
-    limit set, though huggingface_hub's own request for such a file is tried again with limits of its own
+    limit set, though hf_hub_download's own request for such a file would be tried again with limits of its own
     (minutes), and nothing of the file is in the cache."""
     hub.stalling[QUANT] = 0
     with pytest.raises(KestrelError, match=r"^model org/tiny-GGUF: the Hub sent no answer to the request for "
-                                           r"tiny-Q4_K_M\.gguf's metadata \(HF_HUB_ETAG_TIMEOUT: set it higher to wait "
-                                           r"longer\)$"):
+                                           r"tiny-Q4_K_M\.gguf's metadata in 0\.5 s \(HF_HUB_ETAG_TIMEOUT: set it "
+                                           r"higher to wait longer\)$"):
         within(20, lambda: Hub(hub.url, str(tmp_path)).fetch(HubSpec("org/tiny-GGUF"), force=force))
     assert hub.stalled and not [p for p in tmp_path.rglob("*") if p.name == "tiny-Q4_K_M.gguf" or p.suffix ==
                                 ".incomplete"]
