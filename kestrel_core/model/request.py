@@ -48,6 +48,8 @@ class Request:
     sampler: Sampler
     text: TextStream | None
     arrival: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower first, under the scheduler's priority policy (kestrel_core.model.request_queue)
+    arrival_index: int = 0  # its place in the order requests came to its scheduler
     output_ids: list[int] = field(default_factory=list)
     status: str = WAITING
     finish_reason: str | None = None

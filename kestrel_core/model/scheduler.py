@@ -4,10 +4,12 @@ Each ``step()`` is one ``Engine.start_batch``: one row for every running sequenc
 prompts (chunked prefill) while the step's token budget lasts. A request is admitted when the KV pool has blocks for
 its tokens (with a block of headroom for each running sequence), and, with the prefix cache, not while a running
 request with the same prompt still computes it (the ``n`` choices of one prompt): it then attaches that prompt's
-blocks instead of computing them again. When a running sequence cannot grow, the most recently admitted one is
-preempted: its blocks are freed and it waits again at the head of the queue, to be recomputed from its prompt and
-the tokens it has generated. A row's result does not depend on the batch (``kernels``), so a recomputed sequence
-carries on exactly where it stopped.
+blocks instead of computing them again. When a running sequence cannot grow, one is preempted: its blocks are freed
+and it waits again, to be recomputed from its prompt and the tokens it has generated. Which one, and the order of
+admission, are the scheduling policy's (kestrel_core.model.request_queue): under fcfs, the most recently admitted,
+waiting again at the head of the queue; under priority, the worst by (priority, arrival), and a waiting request of
+better priority preempts the worst running ones where it has no room. A row's result does not depend on the batch
+(``kernels``), so a recomputed sequence carries on exactly where it stopped.
 
 Where the backend runs a step on its device while the host goes on (``Engine.start_batch``), the next step starts as
 soon as this one's tokens are in, and the host then detokenizes and reports them while the device works. Where the
@@ -35,7 +37,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from typing import Any
@@ -48,6 +49,7 @@ from kestrel_core.model.detokenize import TextStream
 from kestrel_core.model.grammar import Constraint, prepare_masks
 from kestrel_core.model.lone_decode import LoneDecode
 from kestrel_core.model.request import FINISHED, RUNNING, WAITING, Request, RequestOutput, checked_prompt
+from kestrel_core.model.request_queue import FCFS, PRIORITY, RequestQueue, checked_priority, rank
 from kestrel_core.model.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
 from kestrel_core.model.scoring import Scoring
 from kestrel_core.model.speculate import PromptLookup
@@ -67,10 +69,11 @@ def default_token_budget(max_batch: int) -> int:
 
 
 class Scheduler(LoneDecode):
-    """Requests in, one batched step at a time, ``RequestOutput``s out (``token_budget``: default_token_budget's)."""
+    """Requests in, one batched step at a time, ``RequestOutput``s out (``token_budget``: default_token_budget's;
+    ``policy``: fcfs or priority, kestrel_core.model.request_queue)."""
 
     def __init__(self, engine: Any, *, max_batch: int = DEFAULT_MAX_BATCH, token_budget: int | None = None,
-                 max_waiting: int = DEFAULT_MAX_WAITING) -> None:
+                 max_waiting: int = DEFAULT_MAX_WAITING, policy: str = FCFS) -> None:
         token_budget = default_token_budget(max_batch) if token_budget is None else token_budget
         if max_batch < 1 or token_budget < 1 or max_waiting < 0:
             raise KestrelError("the scheduler needs max_batch >= 1, token_budget >= 1 and max_waiting >= 0")
@@ -79,8 +82,9 @@ class Scheduler(LoneDecode):
         self.max_batch = max_batch
         self.token_budget = max(token_budget, max_batch)  # every running sequence decodes at every step
         self.max_waiting = max_waiting
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order
+        self.waiting = RequestQueue(policy)
+        self.policy = self.waiting.policy
+        self.running: list[Request] = []  # in admission order; under priority, by rank from each step's start
         self.requests: dict[str, Request] = {}
         self.eos = engine.eos_token_ids
         self._ids = itertools.count(1)
@@ -97,18 +101,21 @@ class Scheduler(LoneDecode):
 
     # -- requests ------------------------------------------------------------------------------------
 
-    def check(self, prompt_ids: Sequence[int], params: SamplingParams | Scoring) -> list[int]:
-        """The prompt's token ids as a list; InvalidRequest for a request that can never run (before it queues)."""
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams | Scoring, priority: int = 0) -> list[int]:
+        """The prompt's token ids as a list; InvalidRequest for a request that can never run, or a priority the
+        policy does not take (before it queues)."""
+        checked_priority(self.policy, priority)
         if isinstance(params, Scoring):
             return scoring.checked_scoring(self.engine, self.pool, prompt_ids, params)
         return checked_prompt(self.engine, self.pool, prompt_ids, params)
 
     def add(self, prompt_ids: Sequence[int], params: SamplingParams | Scoring, request_id: str | None = None,
-            constraint: Constraint | None = None) -> Request:
+            constraint: Constraint | None = None, priority: int = 0) -> Request:
         """Queue a request (a ``Scoring``: one that scores its prompt, kestrel_core.model.scoring); InvalidRequest
         if it can never run, Overloaded if the queue is full. ``constraint``: its grammar's, built already
-        (``Engine.constraint``), else built here (a grammar that does not compile is then the InvalidRequest)."""
-        prompt_ids = self.check(prompt_ids, params)
+        (``Engine.constraint``), else built here (a grammar that does not compile is then the InvalidRequest);
+        ``priority``: under the priority policy, lower first (kestrel_core.model.request_queue)."""
+        prompt_ids = self.check(prompt_ids, params, priority)
         if len(self.waiting) >= self.max_waiting and len(self.running) >= self.max_batch:
             raise Overloaded(f"the server is at capacity ({len(self.running)} running, {len(self.waiting)} "
                              "waiting); retry later")
@@ -123,8 +130,9 @@ class Scheduler(LoneDecode):
             if constraint is None and params.grammar is not None:
                 constraint = self.engine.constraint(params.grammar)
             request = Request(request_id, prompt_ids, params, Sampler(params, constraint, prompt_ids, self.eos), text)
+        request.priority = priority
         self.requests[request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
         return request
 
     def close(self) -> None:
@@ -318,6 +326,8 @@ class Scheduler(LoneDecode):
         work: list[tuple[Request, list[int] | None, int]] = []
         limit = self.engine.config.max_position
         guessing = self.speculate > 0 and ahead is None and self.engine.rewinds
+        if ahead is None and self.policy == PRIORITY:
+            self._make_room()
         for request in list(self.running):
             if request.status != RUNNING or budget == 0:
                 continue
@@ -354,9 +364,7 @@ class Scheduler(LoneDecode):
             budget -= n
         while self.waiting and budget and len(self.running) < self.max_batch:
             request = self.waiting[0]
-            tokens = len(request.tokens)
-            need = self.pool.blocks_for(tokens + 1)
-            if need + len(self.running) > self.pool.free_blocks and (self.running or need <= self.pool.num_blocks):
+            if not self._has_room(request):
                 break  # no room yet: it waits for running sequences (or an embedding's text) to finish
             if self._twin_computing(request):
                 break
@@ -380,6 +388,21 @@ class Scheduler(LoneDecode):
                 work[i] = self._chunk(request, 1 + len(request.draft))
                 budget -= len(request.draft)
         return work
+
+    def _has_room(self, request: Request) -> bool:
+        """Whether the KV pool has blocks for a waiting request's tokens and a block of headroom for each running
+        sequence; one that the whole pool cannot hold is let in alone (it ends with "length")."""
+        need = self.pool.blocks_for(len(request.tokens) + 1)
+        return need + len(self.running) <= self.pool.free_blocks or not self.running and need > self.pool.num_blocks
+
+    def _make_room(self) -> None:
+        """Under the priority policy: the running requests ordered by rank, the worst last (the one ``_grow``
+        preempts), and those of worse priority than the next waiting request preempted, the worst first, while it
+        has no room."""
+        self.running.sort(key=rank)
+        while (self.waiting and self.running and self.waiting[0].priority < self.running[-1].priority
+               and not self._has_room(self.waiting[0])):
+            self._preempt(self.running[-1])
 
     def _prompt_chunk(self, request: Request, n: int) -> int:
         """``n`` tokens of ``request``'s prompt, or fewer: a scoring's chunk holds PREFILL_CHUNK at most (all its rows'
@@ -452,7 +475,8 @@ class Scheduler(LoneDecode):
             self.drafted += len(draft)
 
     def _grow(self, request: Request, n: int) -> bool:
-        """KV blocks for n more tokens of ``request``, preempting later-admitted requests if needed."""
+        """KV blocks for n more tokens of ``request``, preempting the last running requests (the most recently
+        admitted; under priority, the worst) if needed."""
         target = len(request.seq.tokens) + n
         while not self.pool.reserve(request.seq.cache, target):
             victim = self.running[-1]
@@ -474,7 +498,7 @@ class Scheduler(LoneDecode):
         request.preemptions += 1
         self.preemptions += 1
         self.running.remove(request)
-        self.waiting.appendleft(request)
+        self.waiting.put_back(request)
 
     def _sample(self, request: Request, logits: np.ndarray) -> tuple[int, TokenLogprob | None]:
         """The next token from a row of logits, or the token the device chose (``argmax_only``)."""
