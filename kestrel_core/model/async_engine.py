@@ -27,6 +27,7 @@ import numpy as np
 from kestrel_core.errors import KestrelError, Overloaded, ShuttingDown
 from kestrel_core.model.embed import EmbedJob
 from kestrel_core.model.request import RequestOutput
+from kestrel_core.model.request_queue import FCFS
 from kestrel_core.model.sampling import SamplingParams, TokenLogprob
 from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING, Scheduler
 from kestrel_core.model.scoring import Scoring
@@ -67,16 +68,18 @@ class EngineCounters:
 
 
 class AsyncEngine:
-    """Continuous batching over an ``Engine`` for concurrent callers (the server, or any asyncio code)."""
+    """Continuous batching over an ``Engine`` for concurrent callers (the server, or any asyncio code); ``policy``:
+    the scheduler's, fcfs or priority (kestrel_core.model.request_queue)."""
 
     def __init__(self, engine: Any, *, max_batch: int = DEFAULT_MAX_BATCH, token_budget: int | None = None,
-                 max_waiting: int = DEFAULT_MAX_WAITING) -> None:
+                 max_waiting: int = DEFAULT_MAX_WAITING, policy: str = FCFS) -> None:
         self.engine = engine
-        self.scheduler = Scheduler(engine, max_batch=max_batch, token_budget=token_budget, max_waiting=max_waiting)
+        self.scheduler = Scheduler(engine, max_batch=max_batch, token_budget=token_budget, max_waiting=max_waiting,
+                                   policy=policy)
         self.counters = EngineCounters()
         self._lock = threading.Lock()  # guards the inbox, the clients and the accepting flag
         self._wake = threading.Condition(self._lock)
-        # ("add", (id, ids, params, constraint)), ("abort", id), ("call", (fn, future))
+        # ("add", (id, ids, params, constraint, priority)), ("abort", id), ("call", (fn, future))
         self._inbox: list[tuple[str, Any]] = []
         self._clients: dict[str, _Client] = {}
         self._accepting = True
@@ -159,23 +162,25 @@ class AsyncEngine:
 
     # -- requests ------------------------------------------------------------------------------------
 
-    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        """The prompt's token ids as a list; InvalidRequest for a request that can never run, before anything is
-        built for it."""
-        return self.scheduler.check(prompt_ids, params)
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams, priority: int = 0) -> list[int]:
+        """The prompt's token ids as a list; InvalidRequest for a request that can never run, or a priority the
+        policy does not take, before anything is built for it."""
+        return self.scheduler.check(prompt_ids, params, priority)
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | Scoring,
-                       request_id: str | None = None, places: Places | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, places: Places | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """The request's outputs as its tokens come (a ``Scoring``'s: its prompt's logprobs, ``score``);
         InvalidRequest or Overloaded before the first one; ``places``: its request's (``places``), one of which it
-        takes instead of a free one. A grammar's constraint is built first, on a worker thread: compiling a
-        client's grammar may take a while, and the steps' thread does not wait for it."""
-        ids = self.check(prompt_ids, params)  # a bad request fails before its grammar is compiled
+        takes instead of a free one; ``priority``: under the priority policy, lower first. A grammar's constraint
+        is built first, on a worker thread: compiling a client's grammar may take a while, and the steps' thread
+        does not wait for it."""
+        ids = self.check(prompt_ids, params, priority)  # a bad request fails before its grammar is compiled
         constraint = None
         if isinstance(params, SamplingParams) and isinstance(params.grammar, str):
             constraint = await asyncio.get_running_loop().run_in_executor(None, self.engine.constraint,
                                                                           params.grammar)
-        request_id, client = self._enqueue(ids, params, request_id, constraint, places)
+        request_id, client = self._enqueue(ids, params, request_id, constraint, places, priority)
         finished = False
         try:
             while True:
@@ -192,13 +197,15 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-               constraint: Constraint | None = None) -> tuple[str, _Client]:
+               constraint: Constraint | None = None, priority: int = 0) -> tuple[str, _Client]:
         """Queue a request for the steps' thread: its id and the client its outputs go to."""
-        ids = self.scheduler.check(prompt_ids, params)  # reads only the engine's config and pool size: safe here
-        return self._enqueue(ids, params, request_id, constraint)
+        # reads only the engine's config, pool size and policy: safe here
+        ids = self.scheduler.check(prompt_ids, params, priority)
+        return self._enqueue(ids, params, request_id, constraint, priority=priority)
 
     def _enqueue(self, ids: list[int], params: SamplingParams | Scoring, request_id: str | None,
-                 constraint: Constraint | None, places: Places | None = None) -> tuple[str, _Client]:
+                 constraint: Constraint | None, places: Places | None = None,
+                 priority: int = 0) -> tuple[str, _Client]:
         """``submit`` for ids the scheduler has checked: a place of the capacity, or one of ``places``."""
         loop = asyncio.get_running_loop()
         with self._lock:
@@ -218,7 +225,7 @@ class AsyncEngine:
                 self._held -= 1
             client = _Client(loop, asyncio.Queue(), places)
             self._clients[request_id] = client
-            self._inbox.append(("add", (request_id, ids, params, constraint)))
+            self._inbox.append(("add", (request_id, ids, params, constraint, priority)))
             self._wake.notify()
         self.start()  # the steps' thread, on first use (a server starts it itself)
         return request_id, client
@@ -248,15 +255,16 @@ class AsyncEngine:
                 self._held -= places.left
                 places.left, places.open = 0, False
 
-    async def score(self, prompt_ids: Sequence[int], top: int = 0, places: Places | None = None
-                    ) -> list[TokenLogprob]:
+    async def score(self, prompt_ids: Sequence[int], top: int = 0, places: Places | None = None,
+                    priority: int = 0) -> list[TokenLogprob]:
         """The prompt's tokens after the first, each scored by the logits before it with the ``top`` likeliest
         alternatives (``Engine.prompt_logprobs``), as a request of the scheduler's (kestrel_core.model.scoring):
-        refused, queued, waiting for KV blocks and counted in ``active`` as a generation is, its chunks within the
-        steps' token budget; ShuttingDown where the shutdown ends it. Its sequence goes back however it ends (the
-        caller cancelled included)."""
+        refused, queued at its ``priority``, waiting for KV blocks and counted in ``active`` as a generation is, its
+        chunks within the steps' token budget; ShuttingDown where the shutdown ends it. Its sequence goes back
+        however it ends (the caller cancelled included)."""
         scoring = Scoring(top)
-        request_id, client = self._enqueue(self.check(prompt_ids, scoring), scoring, None, None, places)
+        ids = self.check(prompt_ids, scoring, priority)
+        request_id, client = self._enqueue(ids, scoring, None, None, places, priority)
         scored: list[TokenLogprob] = []
         finished = False
         try:
@@ -438,7 +446,7 @@ class AsyncEngine:
     def _take(self, kind: str, payload: Any) -> None:
         sched = self.scheduler
         if kind == "add":
-            request_id, ids, params, constraint = payload
+            request_id, ids, params, constraint, priority = payload
             with self._lock:
                 if request_id not in self._clients:  # aborted while it was held back
                     return
@@ -446,7 +454,7 @@ class AsyncEngine:
                     self._deferred.append(payload)
                     return
             try:
-                sched.add(ids, params, request_id, constraint)
+                sched.add(ids, params, request_id, constraint, priority)
             except KestrelError as exc:
                 self._deliver_error(request_id, exc)
         else:

@@ -15,9 +15,12 @@ import bisect
 import itertools
 from collections import deque
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from kestrel_core.errors import InvalidRequest, KestrelError
-from kestrel_core.model.request import Request
+
+if TYPE_CHECKING:  # the command line reads POLICIES: nothing heavy at import
+    from kestrel_core.model.request import Request
 
 FCFS, PRIORITY = "fcfs", "priority"
 POLICIES = (FCFS, PRIORITY)
@@ -33,7 +36,7 @@ def checked_priority(policy: str, priority: object) -> int:
     """``priority`` where ``policy`` takes it; InvalidRequest naming it otherwise: under fcfs, any but 0, in vLLM's
     words (clients match them)."""
     if not isinstance(priority, int) or isinstance(priority, bool):
-        raise InvalidRequest(f"priority must be an integer, got {priority!r}", param="priority")
+        raise InvalidRequest(f"priority must be an integer, got {type(priority).__name__}", param="priority")
     if priority != 0 and policy != PRIORITY:
         why = f"Got priority {priority} but Priority scheduling is not enabled. (--scheduling-policy priority)"
         raise InvalidRequest(why, param="priority")
