@@ -33,6 +33,7 @@ from kestrel_core.entry import INTERRUPTED_EXIT, interrupted
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.config import KV_TYPES, POOLINGS
 from kestrel_core.model.reasoning import THINK_LEVELS
+from kestrel_core.model.request_queue import POLICIES
 
 # -- backends / selftest ------------------------------------------------------------------------------
 
@@ -298,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests queued beyond the batch before 429s (default: 256)")
     p.add_argument("--token-budget", type=int, default=None,
                    help="tokens per batched step (default: 512 + --max-batch)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=POLICIES,
+                   help="fcfs: requests in arrival order; priority: by each request's priority (lower first), "
+                        "then arrival, preempting requests of worse priority (default: fcfs)")
     p.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN",
                    help="a web page (https://app.example) whose browser requests are answered; '*': any (default: "
                         "the loopback's pages only)")

@@ -29,6 +29,7 @@ from kestrel_core.model.chat_template import continue_final_message
 from kestrel_core.model.embed import check_input
 from kestrel_core.model.harmony import is_harmony
 from kestrel_core.model.reasoning import Reasoning, opens_in_prompt, reasoning_markers
+from kestrel_core.model.request_queue import checked_priority
 from kestrel_core.model.sampling import TokenLogprob
 from kestrel_core.serve import anthropic, generation, llamacpp, ollama, responses_api, scores, tokenize
 from kestrel_core.serve.access import (
@@ -75,10 +76,11 @@ class Served:
             if self.tool_format in MISTRAL_FORMATS and backend else {}
         self.control_ids = {token: i for token, i in ids.items() if i is not None}
 
-    def check_request(self) -> None:
-        """A generation request: for a model that generates."""
+    def check_request(self, priority: int | None = None) -> None:
+        """A generation request: for a model that generates, at a ``priority`` its scheduling policy takes."""
         try:
             self.engine.check_generates()
+            checked_priority(self.async_engine.scheduler.policy, priority or 0)
         except KestrelError as exc:
             raise from_kestrel_error(exc) from None
 
@@ -87,17 +89,18 @@ class Served:
         return self.engine.config.max_position - prompt_tokens
 
     async def echoes(self, prompts: list[str | list[int]], ids: list[list[int]], logprobs: int | None,
-                     request: Request, places: Places | None = None) -> list[Echo]:
+                     request: Request, places: Places | None = None, priority: int = 0) -> list[Echo]:
         """Completions prompts echoed: their text and, with ``logprobs`` (the alternatives a token), the scores
         of their tokens after the first, each prompt a request of the engine's (``AsyncEngine.score``, one of
-        ``places`` each in turn). ClientGone where the client leaves meanwhile: its scoring stops at once."""
+        ``places`` each in turn, at ``priority``). ClientGone where the client leaves meanwhile: its scoring stops
+        at once."""
         def texts() -> list[str]:
             for one in ids:
                 self.engine.check_ids(one, "prompt")
             return [p if isinstance(p, str) else self.engine.tokenizer.decode(one) for p, one in zip(prompts, ids)]
 
         async def scores(top: int) -> list[list[TokenLogprob] | None]:  # each prompt a request of the engine's
-            return [await self.async_engine.score(one, top, places) for one in ids]
+            return [await self.async_engine.score(one, top, places, priority) for one in ids]
 
         try:
             echoed = await off_loop(request, texts)
@@ -113,7 +116,7 @@ class Served:
         """A chat request's prompt: its text and token ids, and how its answers carry tool calls; with
         ``truncate``, a conversation that leaves no room for an answer is cut to its latest messages that do
         (``_latest_that_fit``)."""
-        self.check_request()
+        self.check_request(body.priority)
         try:  # each of these names its field
             tools = body.tool_calls(self.tool_format)
             context = body.template_context()
@@ -187,7 +190,7 @@ class Served:
                           body.continuous_usage, tools, reasoning, harmony=self.harmony, by_parts=by_parts)
         one = generation.Prompt(prompt_ids, params, params.logprobs)
         return await generation.respond(self.async_engine, request, [one], shape, stream=bool(body.stream),
-                                        prompt_param="messages", choices=body.choices)
+                                        prompt_param="messages", choices=body.choices, priority=body.priority or 0)
 
     async def read_prompt(self, chat: Callable[[], dict[str, Any]], request: Request,
                           truncate: bool = False) -> Response | int:
@@ -209,7 +212,7 @@ class Served:
     async def complete(self, body: CompletionRequest, request: Request, chat_shaped: bool = False) -> Response:
         """``/v1/completions``' answer; ``chat_shaped``: in a chat completion's shape (each token's logprob with
         its bytes and alternatives), for an API that retells it."""
-        self.check_request()
+        self.check_request(body.priority)
         try:
             texts = await off_loop(request, body.prompts)
             token_ids, stops = await asyncio.to_thread(body.prompt_ids, self.engine.tokenizer,
@@ -237,7 +240,7 @@ class Served:
             echoes: list[Echo | None] = []
             if body.echo:  # each prompt's, once for each of its choices
                 try:
-                    echoed = await self.echoes(texts, token_ids, body.logprobs, request, places)
+                    echoed = await self.echoes(texts, token_ids, body.logprobs, request, places, body.priority or 0)
                 except generation.ClientGone:
                     return Response(status_code=CLIENT_CLOSED)
                 for echo in echoed:
@@ -250,7 +253,7 @@ class Served:
                 shape = CompletionShape(new_id("cmpl"), self.model_name, self.tokens, body.include_usage, echoes,
                                         body.continuous_usage)
             return await generation.respond(self.async_engine, request, prompts, shape, stream=bool(body.stream),
-                                            choices=body.choices, places=places)
+                                            choices=body.choices, places=places, priority=body.priority or 0)
 
     @contextmanager
     def places(self, n: int) -> Iterator[Places]:

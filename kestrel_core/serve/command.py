@@ -92,7 +92,7 @@ def serve_command(args: argparse.Namespace) -> int:
                        token_budget=args.token_budget, model_names=names, shutdown_grace_s=args.shutdown_grace,
                        pooling=args.pooling, max_request_bytes=DEFAULT_MAX_REQUEST_BYTES
                        if args.max_request_mb is None else int(args.max_request_mb * 1e6),
-                       allowed_origins=origins)
+                       allowed_origins=origins, scheduling_policy=args.scheduling_policy)
     finally:
         for engine in engines:
             engine.close()

@@ -100,11 +100,12 @@ def check_sequences(async_engine: Any, n: int) -> None:
 
 
 async def respond(async_engine: Any, request: Request, prompts: Sequence[Prompt], shape: Shape, *, stream: bool,
-                  prompt_param: str = "prompt", choices: int = 1, places: Places | None = None) -> Response:
-    """Run ``choices`` sequences of each prompt; the answer, or the APIError to answer instead.
-    ``prompt_param`` names the field that made the prompts, for errors about them ("messages" for chat);
-    ``places``: those the request took already (``AsyncEngine.places``), which its sequences take. A request of
-    several sequences takes its places all at once, or is refused before any of them starts."""
+                  prompt_param: str = "prompt", choices: int = 1, places: Places | None = None,
+                  priority: int = 0) -> Response:
+    """Run ``choices`` sequences of each prompt, each at ``priority`` (the scheduler's); the answer, or the APIError
+    to answer instead. ``prompt_param`` names the field that made the prompts, for errors about them ("messages" for
+    chat); ``places``: those the request took already (``AsyncEngine.places``), which its sequences take. A request
+    of several sequences takes its places all at once, or is refused before any of them starts."""
     jobs = [(p, i) for p in prompts for i in range(choices)]
     check_sequences(async_engine, len(jobs))
     running = sum(p.params is not None for p, _ in jobs)
@@ -112,14 +113,14 @@ async def respond(async_engine: Any, request: Request, prompts: Sequence[Prompt]
         try:
             with async_engine.places(running) as taken:
                 return await respond(async_engine, request, prompts, shape, stream=stream, prompt_param=prompt_param,
-                                     choices=choices, places=taken)
+                                     choices=choices, places=taken, priority=priority)
         except KestrelError as exc:  # taking them: at capacity, or shutting down
             raise engine_error(exc, async_engine.accepting, prompt_param) from None
     record = record_of(request)
     ids = [shape.id] if len(jobs) == 1 else [f"{shape.id}-{k}" for k in range(len(jobs))]
     held = {} if places is None else {"places": places}
-    gens = [async_engine.generate(p.ids, choice_params(p.params, i), request_id=rid, **held) if p.params is not None
-            else _nothing(rid, p) for (p, i), rid in zip(jobs, ids)]
+    gens = [async_engine.generate(p.ids, choice_params(p.params, i), request_id=rid, priority=priority, **held)
+            if p.params is not None else _nothing(rid, p) for (p, i), rid in zip(jobs, ids)]
     prompt_tokens = sum(len(p.ids) for p in prompts)
 
     def abort() -> None:  # every choice's sequence freed at the engine's next step (a no-op once finished)

@@ -1,22 +1,21 @@
 """OpenAI's requests for ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings``.
 
 Requests are pydantic models with OpenAI's field names; unknown fields are ignored (clients send many), and scalar
-fields are strict (``"0.5"`` is not a temperature), so a wrong type is a 400 naming the field. Ranges are not
-repeated here: ``SamplingParams.check`` is the one place that knows them, and its ``InvalidRequest`` names the field
-too. A sampling field a request leaves unset takes the sampling the model recommends (``Engine.sampling_defaults``:
-its generation_config.json, as vLLM reads it), else OpenAI's default; ``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids``, ``min_tokens``, ``skip_special_tokens``, ``include_stop_str_in_output`` and the structured outputs
-(serve/guided.py) are vLLM's extensions. Fields kestrel cannot honour
-(image parts, a ``suffix`` for a model without fill-in-the-middle tokens...) are refused rather than silently
-ignored, since ignoring them would change what the client gets. Tools are shown to the model by its chat template
-and the calls it writes are read back out of its answers (serve/tools.py); a forced call and a JSON
-``response_format`` are grammars the answer keeps to (``grammar``, kestrel_core.model.grammar). ``n`` choices are
-``n`` sequences of one prompt (with the prefix cache, the first computes it and the others attach its blocks); with
-a ``seed``, choice i samples with seed + i, so the choices differ and the request is reproducible. A completions
-request may hold several prompts (choice p * n + i is prompt p's i-th) and ``echo`` them, with their tokens'
-logprobs and, with ``max_tokens`` 0, nothing generated: what evaluation harnesses send to score text, or give a
-``suffix``: each prompt is then the prefix of a fill-in-the-middle prompt (kestrel_core.model.fim), what code
-editors send.
+fields are strict (``"0.5"`` is not a temperature), so a wrong type is a 400 naming the field. Ranges are not repeated
+here: ``SamplingParams.check`` is the one place that knows them, and its ``InvalidRequest`` names the field too. A
+sampling field a request leaves unset takes the sampling the model recommends (``Engine.sampling_defaults``: its
+generation_config.json, as vLLM reads it), else OpenAI's default; ``top_k``, ``min_p``, ``repetition_penalty``,
+``stop_token_ids``, ``min_tokens``, ``skip_special_tokens``, ``include_stop_str_in_output``, the structured outputs
+(serve/guided.py) and ``priority`` (the scheduler's, kestrel_core.model.request_queue) are vLLM's extensions. Fields
+kestrel cannot honour (image parts, a ``suffix`` for a model without fill-in-the-middle tokens...) are refused rather
+than silently ignored, since ignoring them would change what the client gets. Tools are shown to the model by its chat
+template and the calls it writes are read back out of its answers (serve/tools.py); a forced call and a JSON
+``response_format`` are grammars the answer keeps to (``grammar``, kestrel_core.model.grammar). ``n`` choices are ``n``
+sequences of one prompt (with the prefix cache, the first computes it and the others attach its blocks); with a
+``seed``, choice i samples with seed + i, so the choices differ and the request is reproducible. A completions request
+may hold several prompts (choice p * n + i is prompt p's i-th) and ``echo`` them, with their tokens' logprobs and, with
+``max_tokens`` 0, nothing generated: what evaluation harnesses send to score text, or give a ``suffix``: each prompt is
+then the prefix of a fill-in-the-middle prompt (kestrel_core.model.fim), what code editors send.
 
 The responses' shapes are serve/responses.py's.
 """
@@ -282,6 +281,7 @@ class _Generation(RequestBody):
     min_tokens: StrictInt | None = None  # vLLM's extension: no end of text, stop token or stop string before
     skip_special_tokens: StrictBool | None = None  # vLLM's extension: special tokens' text left out (default)
     include_stop_str_in_output: StrictBool | None = None  # vLLM's extension: the stop string ends the text
+    priority: StrictInt | None = None  # vLLM's extension: the scheduler's, lower first (--scheduling-policy priority)
     # vLLM's structured outputs and the fields of vLLM's kestrel refuses (serve/guided.py)
     structured_outputs: Any = None
     guided_json: Any = None

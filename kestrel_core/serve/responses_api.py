@@ -20,7 +20,7 @@ what kestrel does not do is refused (``context_management``'s compaction, ``mode
 function), fields that only tune what OpenAI's own service does (``service_tier``, ``prompt_cache_key``,
 ``prompt_cache_options``' other options, ``safety_identifier``, ``user``, ``max_tool_calls`` of built-in tools,
 ``reasoning.summary``, ``text.verbosity``, other ``include`` values) are accepted and ignored, and so are unknown
-fields.
+fields. ``priority`` (vLLM's extension) is the chat request's.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ class ResponsesBody(RequestBody):
     context_management: list[Any] | None = None  # refused where it asks for compaction: kestrel compacts nothing
     moderation: Any = None  # refused: kestrel moderates nothing
     prompt_cache_options: PromptCacheOptions | None = None
+    priority: StrictInt | None = None  # vLLM's extension, as the chat request's
 
     def text_format(self) -> TextFormat:
         fmt = (self.text or {}).get("format")
@@ -130,7 +131,7 @@ class ResponsesBody(RequestBody):
             "temperature": None if self.temperature is None else float(self.temperature),  # as the chat route
             "top_p": None if self.top_p is None else float(self.top_p),
             "tools": [_function(t, f"tools.[{i}]") for i, t in enumerate(self.tools or ())] or None,
-            "parallel_tool_calls": self.parallel_tool_calls}
+            "parallel_tool_calls": self.parallel_tool_calls, "priority": self.priority}
         if "message.output_text.logprobs" in (self.include or ()) or self.top_logprobs:
             out.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         choice = self.tool_choice

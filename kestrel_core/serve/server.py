@@ -34,6 +34,7 @@ from kestrel_core.entry import INTERRUPTED_EXIT
 from kestrel_core.errors import KestrelError
 from kestrel_core.model.async_engine import AsyncEngine
 from kestrel_core.model.hub import parse_hub_spec
+from kestrel_core.model.request_queue import FCFS
 from kestrel_core.model.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAITING
 from kestrel_core.serve.access import DEFAULT_MAX_REQUEST_BYTES, is_loopback
 from kestrel_core.serve.app import create_app
@@ -275,13 +276,14 @@ def serve(engines: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str 
           token_budget: int | None = None, model_names: Sequence[str | None] = (),
           shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S, sock: socket.socket | None = None,
           pooling: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-          allowed_origins: Sequence[str] = ()) -> int:
+          allowed_origins: Sequence[str] = (), scheduling_policy: str = FCFS) -> int:
     """Serve an engine, or a list of them (the first answers requests that name no model), over HTTP until
     SIGTERM/SIGINT; returns the process's exit status: 0 once drained, 130 where a third signal forced the exit
     (``KestrelServer.run_forever``). ``model_names``: their public names (default:
     from each model's source); ``sock``: a socket bound already (``bind_socket``), e.g. to fail on a busy port
     before loading a model; ``pooling``: the embeddings' (None: each model's); ``max_request_bytes``: the largest
-    request body taken (a larger one is a 413); ``allowed_origins``: build_server's."""
+    request body taken (a larger one is a 413); ``allowed_origins``: build_server's; ``scheduling_policy``: the
+    schedulers', fcfs or priority (kestrel_core.model.request_queue)."""
     engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
     named: dict[str, AsyncEngine] = {}
     for i, engine in enumerate(engines):
@@ -289,7 +291,8 @@ def serve(engines: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str 
         name = given or default_model_name(str(getattr(engine, "source", "")))
         if name in named:
             raise KestrelError(f"two models are named {name!r}: give each its own --served-model-name")
-        named[name] = AsyncEngine(engine, max_batch=max_batch, token_budget=token_budget, max_waiting=max_waiting)
+        named[name] = AsyncEngine(engine, max_batch=max_batch, token_budget=token_budget, max_waiting=max_waiting,
+                                  policy=scheduling_policy)
     for ae in named.values():
         warm_up(ae)
     raise_open_file_limit()
@@ -300,7 +303,8 @@ def serve(engines: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str 
     def announce(s: KestrelServer) -> None:
         auth = ", API key required" if api_key else ""
         described = ", ".join(_describe(name, ae.engine, pooling) for name, ae in named.items())
-        log.info("kestrel serve: %s/v1 (%s; max batch %d%s)", s.url, described, max_batch, auth)
+        log.info("kestrel serve: %s/v1 (%s; max batch %d, %s scheduling%s)", s.url, described, max_batch,
+                 scheduling_policy, auth)
 
     server.on_started = announce
     try:

@@ -83,12 +83,13 @@ class Scripted(AsyncEngine):
         self.prompts: list[str] = []
         self.params: list[SamplingParams] = []
 
-    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams, priority: int = 0) -> list[int]:
         """Any prompt: the script answers whatever the context (the tests' tool prompts outgrow a tiny model's)."""
         return list(prompt_ids)
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None, places: Any = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, places: Any = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         self.prompts.append(self.engine.tokenizer.decode(list(prompt_ids)))
         self.params.append(params)
         text = self.answers.pop(0)
@@ -113,7 +114,7 @@ class Spoken(AsyncEngine):
         self.per_step = per_step
         self.finish = "stop"
 
-    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams, priority: int = 0) -> list[int]:
         return list(prompt_ids)
 
     def tokens(self, pieces: Sequence[str]) -> list[list[int]]:
@@ -121,7 +122,8 @@ class Spoken(AsyncEngine):
         return [list(self.engine.tokenizer.encode(p, add_special_tokens=False)) for p in pieces]
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None, places: Any = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, places: Any = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         self.prompts.append(self.engine.tokenizer.decode(list(prompt_ids)))
         ids = [t for piece in self.tokens(self.answers.pop(0)) for t in piece]
         texts = [self.engine.tokenizer.decode([t], skip_special_tokens=params.skip_special_tokens) for t in ids]

@@ -136,11 +136,12 @@ class Full(Scripted):
     refusals = 0
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None, places: Any = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, places: Any = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         if self.refusals:
             self.refusals -= 1
             raise Overloaded("the server is at capacity (1 requests in flight); retry later")
-        async for out in super().generate(prompt_ids, params, request_id, places):
+        async for out in super().generate(prompt_ids, params, request_id, places, priority):
             yield out
 
 

@@ -147,8 +147,9 @@ class _FailsMidStream(Scripted):
     """Its answer's first piece, then a bug (not a KestrelError)."""
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None, places: Any = None) -> AsyncIterator[RequestOutput]:
-        async for out in super().generate(prompt_ids, params, request_id, places):
+                       request_id: str | None = None, places: Any = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        async for out in super().generate(prompt_ids, params, request_id, places, priority):
             yield out
             raise RuntimeError("boom")
 
@@ -171,7 +172,8 @@ class _ShutBeforeAnyToken(Scripted):
     """A shutdown's abort before the first token (the request queued or still in its prompt)."""
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None, places: Any = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, places: Any = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         yield RequestOutput(request_id or "r", [], "", None, True, "abort", len(prompt_ids), 0)
 
 

@@ -184,6 +184,16 @@ def test_speculate_on_a_recurrent_model_says_it_decodes_without_guesses(
     assert "--speculate: this model decodes without guesses here (its recurrent layers" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flags", "want"), [([], "fcfs"), (["--scheduling-policy", "priority"], "priority")])
+def test_the_scheduling_policy_reaches_the_server(monkeypatch: pytest.MonkeyPatch, flags: list[str], want: str) -> None:
+    from kestrel_core.serve import server
+
+    policies: list[str] = []
+    monkeypatch.setattr(server, "serve", lambda engines, **options: policies.append(options["scheduling_policy"]))
+    assert main(["serve", "--model", str(TINY), "--port", "0", *flags]) == 0
+    assert policies == [want]
+
+
 def test_the_api_key_help_names_every_path_the_key_guards(capsys: pytest.CaptureFixture[str]) -> None:
     """Each route a server with a key refuses without it is named in --help, itself or by a /prefix/*."""
     with pytest.raises(SystemExit):

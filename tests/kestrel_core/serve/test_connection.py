@@ -36,7 +36,8 @@ class Paced(AsyncEngine):
         self.ended: list[str] = []
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None, places: Any = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, places: Any = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         try:
             for k in range(self.pieces):
                 await asyncio.sleep(self.delay_s)

@@ -56,10 +56,11 @@ class Recording(AsyncEngine):
         self.params: list[SamplingParams] = []
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None, places: Any = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, places: Any = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         self.prompts.append(list(prompt_ids))
         self.params.append(params)
-        async with aclosing(super().generate(prompt_ids, params, request_id, places)) as outputs:
+        async with aclosing(super().generate(prompt_ids, params, request_id, places, priority)) as outputs:
             async for out in outputs:
                 yield out
 
@@ -295,9 +296,10 @@ class Paced(Scripted):
         self.pause, self.given, self.closed = 0.0, 0, 0
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None, places: Any = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, places: Any = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         try:
-            async for out in super().generate(prompt_ids, params, request_id, places):
+            async for out in super().generate(prompt_ids, params, request_id, places, priority):
                 if self.given:
                     await asyncio.sleep(self.pause)
                 self.given += 1
