@@ -94,7 +94,7 @@ def test_an_abort_taken_while_a_step_runs_is_counted_once(tmp_path, monkeypatch)
         loop = asyncio.new_event_loop()
         for i, prompt in enumerate(prompts):
             front._clients[f"r{i}"] = _Client(loop, asyncio.Queue())
-            front._take("add", (f"r{i}", prompt, SamplingParams(max_tokens=20, temperature=0.9, seed=i), None))
+            front._take("add", (f"r{i}", prompt, SamplingParams(max_tokens=20, temperature=0.9, seed=i), None, 0))
         for _ in range(4):
             front._deliver_step(sched.step)
         assert sched.step_running
