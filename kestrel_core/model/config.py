@@ -1,7 +1,8 @@
 """Decoder configuration: one dataclass for Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, OLMo 2, EXAONE 4,
-Seed-OSS, GLM-4, ERNIE 4.5, Gemma 2 and 3, the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss) and the
-hybrids of full attention with linear attention (Qwen3.5 dense and MoE, Qwen3-Next), short convolutions (LFM2) or
-Mamba-2 (Granite 4.0-H), and multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash)."""
+Seed-OSS, GLM-4, ERNIE 4.5, Gemma 2 and 3, Cohere's (Command R, Command R7B), the mixtures of experts (Qwen2-MoE,
+Qwen3-MoE, Mixtral, gpt-oss) and the hybrids of full attention with linear attention (Qwen3.5 dense and MoE,
+Qwen3-Next), short convolutions (LFM2) or Mamba-2 (Granite 4.0-H), and multi-head latent attention (DeepSeek-V2/V3,
+GLM-4.7-Flash)."""
 
 from __future__ import annotations
 
@@ -29,12 +30,15 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3
                  "mixtral", "gpt_oss", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "glm4",
                  "ernie4_5", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granitemoehybrid", "glm4_moe",
                  "ernie4_5_moe", "lfm2_moe", "ministral3", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
-                 "minimax_m2", "dots1")
+                 "minimax_m2", "dots1", "cohere", "cohere2")
 POOLINGS = ("last", "mean", "cls")  # how an embedding pools the final hidden states: last, mean or first token
 KV_TYPES = ("f16", "q8")  # what the host's KV cache holds a key or value dim as (``kv_pool.KVPool``)
 # of the gate: SwiGLU, GeGLU with the tanh GELU (Gemma), or gpt-oss's clamped SwiGLU: gate g clamped to at most
 # swiglu_limit, up u to +-swiglu_limit, then (u + 1) * g * sigmoid(swiglu_alpha * g)
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
+# of the decoder's norms (before and after its blocks, on q and k, the final one): RMSNorm, or Cohere's LayerNorm
+# without a bias, (x - mean) / sqrt(variance + eps) * weight
+NORM_TYPES = ("rms", "layer")
 # how a router scores the experts: a softmax over every logit, or each logit's sigmoid (DeepSeek-V3, GLM-4.5)
 ROUTER_SCORINGS = ("softmax", "sigmoid")
 # a layer's token mixer: attention over every earlier position, over a sliding window, linear attention (Gated
@@ -57,7 +61,8 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int  # Qwen3: independent of D / num_heads
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6  # the eps of every norm of norm_type (a LayerNorm's too)
+    norm_type: str = "rms"  # one of NORM_TYPES
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # linear, llama3, yarn or longrope (normalize_rope_scaling)
     max_position: int = 4096  # the context: positions a sequence may take
@@ -69,7 +74,12 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
     qk_norm_full: bool = False  # OLMo 2: the q/k norms span the whole projection (H*hd, KV*hd), not each head
+    # Cohere: the q/k norms are each head's, with a weight of its own: q_norm [H*hd], k_norm [KV*hd]
+    qk_norm_heads: bool = False
     pre_norms: bool = True  # False (OLMo 2): no RMSNorm before the attention and the MLP, only post_norms after
+    # Cohere: the attention and the MLP read the one norm before the attention and both add to the residual,
+    # h + attn(norm(h)) + mlp(norm(h)); there is no norm before the MLP
+    parallel_block: bool = False
     o_bias: bool = False  # gpt-oss: the attention's output projection has a bias
     attn_sinks: bool = False  # gpt-oss: each head's softmax has one more logit, a learned sink that takes no value
     sliding_window: int | None = None  # a windowed position attends to the last sliding_window (itself too)
@@ -85,7 +95,7 @@ class ModelConfig:
     attn_temperature_length: int = 0
     embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden_size); Granite: its embedding_multiplier
     residual_scale: float = 1.0  # Granite: each attention's and MLP's output times this before the residual add
-    logits_scaling: float = 1.0  # Granite: the logits divided by this
+    logits_scaling: float = 1.0  # Granite: the logits divided by this; Cohere: 1 / its logit_scale
     activation: str = "silu"  # one of ACTIVATIONS
     post_norms: bool = False  # Gemma: RMSNorm on the attention's and the MLP's outputs before the residual add
     attn_softcap: float | None = None  # Gemma 2: attention scores become tanh(s / c) * c
@@ -337,11 +347,17 @@ def validate_config(c: ModelConfig) -> None:
         raise ValidationError(f"pooling must be one of {', '.join(POOLINGS)} or null, got {c.pooling!r}")
     if c.qk_norm_full and not c.qk_norm:
         raise ValidationError("qk_norm_full needs qk_norm")
+    if c.qk_norm_heads and (not c.qk_norm or c.qk_norm_full):
+        raise ValidationError("qk_norm_heads needs qk_norm, and not qk_norm_full")
+    if c.norm_type not in NORM_TYPES:
+        raise ValidationError(f"norm_type must be one of {', '.join(NORM_TYPES)}, got {c.norm_type!r}")
+    if c.parallel_block and (not c.pre_norms or c.post_norms):
+        raise ValidationError("parallel_block needs pre_norms and no post_norms (one norm before both blocks)")
     if not c.pre_norms and not c.post_norms:
         raise ValidationError("a model without pre_norms needs post_norms")
-    for name in ("tie_word_embeddings", "rope_interleaved", "qkv_bias", "qk_norm", "qk_norm_full", "pre_norms",
-                 "o_bias", "attn_sinks", "attn_output_gate", "mamba_conv_bias", "shared_expert_gated",
-                 "post_norms", "norm_topk_prob", "moe_bias", "normalize_embeddings"):
+    for name in ("tie_word_embeddings", "rope_interleaved", "qkv_bias", "qk_norm", "qk_norm_full", "qk_norm_heads",
+                 "pre_norms", "parallel_block", "o_bias", "attn_sinks", "attn_output_gate", "mamba_conv_bias",
+                 "shared_expert_gated", "post_norms", "norm_topk_prob", "moe_bias", "normalize_embeddings"):
         check_bool(name, getattr(c, name))
     if c.bos_token_id is not None:
         check_int("bos_token_id", c.bos_token_id, 0)

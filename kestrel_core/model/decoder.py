@@ -21,6 +21,7 @@ from kestrel_core.dispatch import Offload
 from kestrel_core.errors import KestrelError
 from kestrel_core.model import kernels, paged_attention
 from kestrel_core.model.config import ModelConfig
+from kestrel_core.model.host_ops import GATED_ACTIVATIONS, NORMS, rmsnorm, sigmoid, swiglu_oai_mul
 from kestrel_core.model.kv_pool import KVPool, SeqCache, bytes_per_position
 from kestrel_core.model.rope import rope_tables, rotary_order
 from kestrel_core.model.weights import PREFILL_CHUNK as PREFILL_CHUNK
@@ -73,14 +74,6 @@ def attention_temperature(config: ModelConfig, positions: int) -> np.ndarray:
     return out
 
 
-def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """x / sqrt(mean(x^2) + eps) * weight over the last axis, float32, each row summed sequentially."""
-    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
-    out = np.empty_like(rows)
-    kernels.rmsnorm_rows(rows, np.ascontiguousarray(weight, dtype=np.float32), np.float32(eps), out)
-    return out.reshape(x.shape)
-
-
 @dataclass
 class _Rows:
     """Where a step's rows [M] sit, as every layer's token mixer reads it."""
@@ -122,12 +115,13 @@ class Decoder:
                 self.ropes.append(RopeTables(c, i))
             self.layer_rope.append(seen[key])
         self.eps = np.float32(c.rms_norm_eps)
+        self.norm = NORMS[c.norm_type]  # the decoder's own norms; a latent, linear or Mamba-2 one is an RMSNorm
         if c.is_mla:  # the cached key's dims in kestrel's order: its turned dims first (rope.rotary_order)
             self.latent_order = rotary_order(c.attention_dims[1], c.rotary, c.rope_interleaved)
         # a latent attention layer's key and value projections, float32 [H, dn, r] and [H, r, vd]: absorbed into the
         # query and the output, not multiplied into each cached position's key and value
         self.latent_up = [_latent_up(lw, c) if lw.is_mla else None for lw in model.layers]
-        self.act = _ACTIVATIONS[c.activation]
+        self.act = GATED_ACTIVATIONS[c.activation]
         if c.activation == "swiglu_oai":
             self.act = partial(swiglu_oai_mul, limit=np.float32(c.swiglu_limit), alpha=np.float32(c.swiglu_alpha))
         self.attn_softcap = np.float32(c.attn_softcap or 0)
@@ -205,7 +199,7 @@ class Decoder:
             row += len(toks)
             want.extend(range(row - rows, row))
         if hidden:
-            logits = rmsnorm(h[want], self.model.final_norm, self.eps)  # [R, D]
+            logits = self.norm(h[want], self.model.final_norm, self.eps)  # [R, D]
         else:
             logits = self._logits(h[want], precise[want]) if want else np.empty((0, c.vocab_size), np.float32)
         at = 0
@@ -217,9 +211,9 @@ class Decoder:
         return outs
 
     def _logits(self, h: np.ndarray, precise: np.ndarray) -> np.ndarray:
-        x = rmsnorm(h, self.model.final_norm, self.eps)  # [R, D]
+        x = self.norm(h, self.model.final_norm, self.eps)  # [R, D]
         logits = self._linear(x, precise, (self.model.lm_head,), (lm_head_wkey(),), 0)[0]  # [R, vocab]
-        if self.config.logits_scaling != 1.0:  # Granite
+        if self.config.logits_scaling != 1.0:  # Granite, Cohere
             logits = logits / np.float32(self.config.logits_scaling)
         cap = self.config.final_softcap
         if cap:  # Gemma 2
@@ -283,13 +277,14 @@ class Decoder:
             self.offload.layer_boundary(i)
             dense = self._dense(i) if quantized else None
             if dense is None or not self._run_dense(i, *dense, h, rows):
-                x = h.copy() if lw.attn_norm is None else rmsnorm(h, lw.attn_norm, self.eps)  # [M, D]
+                x = h.copy() if lw.attn_norm is None else self.norm(h, lw.attn_norm, self.eps)  # [M, D]
                 mix = (self._linear_attention if lw.is_linear else self._short_conv if lw.is_conv
                        else self._mamba if lw.is_mamba else self._latent_attention if lw.is_mla else self._attention)
                 h += self._residual(mix(i, lw, x, rows), lw.post_attn_norm)
             elif not lw.experts:
                 continue  # the whole layer ran
-            x = h.copy() if lw.mlp_norm is None else rmsnorm(h, lw.mlp_norm, self.eps)
+            if not c.parallel_block:  # else (Cohere) the MLP reads the attention's input x too (never compiled)
+                x = h.copy() if lw.mlp_norm is None else self.norm(h, lw.mlp_norm, self.eps)
             out = self._moe(i, lw, x, precise) if lw.experts else self._mlp(x, precise, self.strips[i][-2:],
                                                                              self.keys[i][-2:])
             h += self._residual(out, lw.post_mlp_norm)
@@ -306,6 +301,7 @@ class Decoder:
             plain = (lw.q is not None and (lw.gate is not None or bool(lw.experts)) and not lw.is_mla
                      and lw.attn_gate is None and lw.attn_norm is not None and lw.mlp_norm is not None
                      and lw.o_bias is None and not c.qk_norm_full and c.activation in ("silu", "gelu_tanh")
+                     and c.norm_type == "rms" and not c.parallel_block
                      and all(a is None or a.dtype == np.float32 for a in arrays))
             layer = self.offload.host_dense_layer([keys for keys, _ in self.keys[i]], self.strips[i]) if plain else None
             self.dense[i] = None if layer is None else (layer, tuple(
@@ -340,20 +336,27 @@ class Decoder:
             k = k + lw.k_bias
             v = v + lw.v_bias
         if c.qk_norm_full:  # OLMo 2: over each row's whole projection
-            q, k = rmsnorm(q, lw.q_norm, self.eps), rmsnorm(k, lw.k_norm, self.eps)
+            q, k = self.norm(q, lw.q_norm, self.eps), self.norm(k, lw.k_norm, self.eps)
         q = q.reshape(m, n_heads, hd)  # [M, H, hd]
         k = k.reshape(m, n_kv, hd)
         v = np.ascontiguousarray(v).reshape(m, n_kv, hd)
         if lw.q_norm is not None and not c.qk_norm_full:
-            q = rmsnorm(q, lw.q_norm, self.eps)
-            k = rmsnorm(k, lw.k_norm, self.eps)
+            q, k = self._head_norm(q, lw.q_norm), self._head_norm(k, lw.k_norm)
         attn = self._attend(i, q, k, v, rows)  # [M, H*hd]
         if gate:  # Qwen3.5's gated attention
-            attn *= _sigmoid(gate[0])
+            attn *= sigmoid(gate[0])
         out = self._linear(attn, rows.precise, o_w, *o_keys)[0]  # [M, D]
         if lw.o_bias is not None:
             out += lw.o_bias
         return out
+
+    def _head_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """Each head of x [M, heads, hd] normed over its dims: by one weight [hd] for every head, or (Cohere's
+        qk_norm_heads) by each head's own, weight [heads * hd] (the same bits: the kernel's x * inv * 1, times w)."""
+        if not self.config.qk_norm_heads:
+            return self.norm(x, weight, self.eps)
+        unit = np.ones(x.shape[-1], np.float32)
+        return self.norm(x, unit, self.eps) * weight.reshape(x.shape[1:])
 
     def _attend(self, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, rows: _Rows) -> np.ndarray:
         """Layer ``i``'s keys k [M, KV, hd] and values v [M, KV, vd] written to the pool, RoPE turning them and the
@@ -409,7 +412,7 @@ class Decoder:
                             lw.conv, lw.lin_decay, lw.lin_dt_bias, states.conv[i], states.ssm[i], rows.state_slots,
                             c.linear_key_heads, c.linear_key_dim, dv, core)
         core = rmsnorm(core.reshape(-1, dv), lw.lin_norm, self.eps).reshape(m, -1)
-        core *= np.ascontiguousarray(z) * _sigmoid(z)
+        core *= np.ascontiguousarray(z) * sigmoid(z)
         return self._linear(core, rows.precise, o_w, *o_keys)[0]
 
     def _short_conv(self, i: int, lw: LayerWeights, x: np.ndarray, rows: _Rows) -> np.ndarray:
@@ -436,7 +439,7 @@ class Decoder:
         kernels.mamba2(np.ascontiguousarray(proj), lw.conv, bias, lw.ssm_a, lw.ssm_dt_bias, lw.ssm_d,
                        states.conv[i], states.ssm[i], rows.state_slots, c.mamba_groups, c.mamba_state, y)
         z = np.ascontiguousarray(proj[:, :inner])
-        y *= z * _sigmoid(z)
+        y *= z * sigmoid(z)
         group = inner // c.mamba_groups
         y = rmsnorm(y.reshape(-1, group), self.unit_norm, self.eps).reshape(m, inner) * lw.ssm_norm
         return self._linear(y, rows.precise, o_w, *o_keys)[0]
@@ -444,7 +447,7 @@ class Decoder:
     def _residual(self, out: np.ndarray, post_norm: np.ndarray | None) -> np.ndarray:
         """What a block adds to the residual stream: its output, normed after (Gemma) or scaled (Granite)."""
         if post_norm is not None:
-            out = rmsnorm(out, post_norm, self.eps)
+            out = self.norm(out, post_norm, self.eps)
         if self.config.residual_scale != 1.0:
             out *= np.float32(self.config.residual_scale)
         return out
@@ -527,7 +530,7 @@ def route(x: np.ndarray, lw: LayerWeights, c: ModelConfig) -> tuple[np.ndarray, 
     if lw.router_bias is not None:
         logits += lw.router_bias
     if c.router_scoring == "sigmoid":
-        scores = _sigmoid(logits)
+        scores = sigmoid(logits)
     else:
         scores = np.exp(logits - logits.max(axis=1, keepdims=True))
         scores /= scores.sum(axis=1, keepdims=True)
@@ -553,39 +556,3 @@ def shared_expert_scale(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
     g = np.empty((len(x), 1), np.float32)
     kernels.rows_dot(np.ascontiguousarray(x), gate, g)
     return np.float32(1) / (np.float32(1) + np.exp(-g))
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    """1 / (1 + exp(-x)), element-wise float32 (exp overflows to inf for very negative x: the limit, 0)."""
-    t = np.negative(x, dtype=np.float32)
-    np.exp(t, out=t)
-    t += np.float32(1)
-    return np.reciprocal(t, out=t)
-
-
-def _silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """silu(gate) * up in place in ``gate`` [M, F] (``kernels.gated_mul``), the same bits for any M."""
-    kernels.gated_mul(gate, up, False)
-    return gate
-
-
-def gelu_tanh_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """gelu_tanh(gate) * up in place in ``gate`` [M, F] (``kernels.gated_mul``): torch's gelu(approximate="tanh"),
-    Gemma's GeGLU, the same bits for any M."""
-    kernels.gated_mul(gate, up, True)
-    return gate
-
-
-def swiglu_oai_mul(gate: np.ndarray, up: np.ndarray, limit: np.float32, alpha: np.float32) -> np.ndarray:
-    """gpt-oss's clamped SwiGLU in place in ``gate`` [M, F]: g = min(gate, limit), u = clip(up, -limit, limit),
-    (u + 1) * g * sigmoid(alpha * g), as transformers' GptOssExperts; element-wise numpy."""
-    np.minimum(gate, limit, out=gate)
-    t = gate * (-alpha)
-    np.exp(t, out=t)
-    t += np.float32(1)
-    gate /= t
-    gate *= np.clip(up, -limit, limit) + np.float32(1)
-    return gate
-
-
-_ACTIVATIONS = {"silu": _silu_mul, "gelu_tanh": gelu_tanh_mul, "swiglu_oai": swiglu_oai_mul}

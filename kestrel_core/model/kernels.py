@@ -1,6 +1,6 @@
-"""Compiled host maths of the decoder (numba): norms, the MLP's SiLU and GELU, MoE routing, latent attention's
-per-head projections, linear attention (Gated DeltaNet), short convolutions and Mamba-2 scans over the rows of a
-batch (paged attention is paged_attention.py's).
+"""Compiled host maths of the decoder (numba): norms (RMSNorm, LayerNorm), the MLP's SiLU and GELU, MoE routing,
+latent attention's per-head projections, linear attention (Gated DeltaNet), short convolutions and Mamba-2 scans over
+the rows of a batch (paged attention is paged_attention.py's).
 
 Every kernel computes each row on its own, with one fixed sequence of float32 operations (no fastmath: no
 FMA contraction, no reassociation) and sequential sums, so a row's bits do not depend on how many rows run
@@ -45,6 +45,24 @@ def _rmsnorm_rows(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.nd
         inv = np.float32(1) / np.sqrt(ss / np.float32(d) + eps)
         for j in range(d):
             out[i, j] = x[i, j] * inv * weight[j]
+
+
+def _layernorm_rows(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
+    # x, out: [R, D]; weight: [D]. out = (x - mean) / sqrt(mean((x - mean)^2) + eps) * weight (a LayerNorm without a
+    # bias, Cohere's), the mean and the variance each a sequential sum per row.
+    r, d = x.shape
+    for i in range(r):
+        s = np.float32(0)
+        for j in range(d):
+            s += x[i, j]
+        mean = s / np.float32(d)
+        ss = np.float32(0)
+        for j in range(d):
+            t = x[i, j] - mean
+            ss += t * t
+        inv = np.float32(1) / np.sqrt(ss / np.float32(d) + eps)
+        for j in range(d):
+            out[i, j] = (x[i, j] - mean) * inv * weight[j]
 
 
 def _gated_mul(gate: np.ndarray, up: np.ndarray, gelu: bool) -> None:
@@ -252,6 +270,7 @@ def prange(*args: int) -> range:
 
 conv_step: Any = _conv_step
 rmsnorm_rows: Any = _rmsnorm_rows
+layernorm_rows: Any = _layernorm_rows
 gated_mul: Any = _gated_mul
 rows_dot: Any = _rows_dot
 heads_matmul: Any = _heads_matmul
@@ -261,7 +280,7 @@ mamba2: Any = _mamba2
 
 
 def _build() -> None:
-    global conv_step, rmsnorm_rows, gated_mul, rows_dot, heads_matmul, gated_delta, short_conv, mamba2
+    global conv_step, rmsnorm_rows, layernorm_rows, gated_mul, rows_dot, heads_matmul, gated_delta, short_conv, mamba2
     global prange
     try:
         import numba
@@ -273,6 +292,7 @@ def _build() -> None:
     jit = njit(cache=True, nogil=True)
     conv_step = njit(cache=True, nogil=True, inline="always")(_conv_step)  # inlined into the recurrent kernels
     rmsnorm_rows = jit(_rmsnorm_rows)
+    layernorm_rows = jit(_layernorm_rows)
     gated_mul = jit(_gated_mul)
     rows_dot = jit(_rows_dot)
     short_conv = jit(_short_conv)

@@ -73,7 +73,7 @@ class LayerWeights:
     v: StripCache | None = None  # [KV*hd, D]
     o: StripCache | None = None  # [D, H*hd]; a layer without attention: its token mixer's output projection
     attn_norm: np.ndarray | None = None  # [D]; None without pre_norms (OLMo 2)
-    mlp_norm: np.ndarray | None = None  # [D]
+    mlp_norm: np.ndarray | None = None  # [D]; None without pre_norms, or in a parallel block (Cohere's)
     o_bias: np.ndarray | None = None  # gpt-oss: [D]
     sinks: np.ndarray | None = None  # gpt-oss: [H], each head's sink logit
     gate: StripCache | None = None  # [F, D]; None in a mixture-of-experts layer
@@ -82,7 +82,7 @@ class LayerWeights:
     q_bias: np.ndarray | None = None  # Qwen2: [H*hd]
     k_bias: np.ndarray | None = None
     v_bias: np.ndarray | None = None
-    q_norm: np.ndarray | None = None  # Qwen3, Gemma 3: [hd]; OLMo 2: [H*hd] (k_norm [KV*hd])
+    q_norm: np.ndarray | None = None  # Qwen3, Gemma 3: [hd]; OLMo 2, Cohere: [H*hd] (k_norm [KV*hd])
     k_norm: np.ndarray | None = None
     post_attn_norm: np.ndarray | None = None  # Gemma 3: [D], on the attention's output
     post_mlp_norm: np.ndarray | None = None  # Gemma 3: [D], on the MLP's output
@@ -279,10 +279,12 @@ def layer_specs(c: ModelConfig, i: int) -> list[TensorSpec]:
     if c.attn_sinks and not recurrent:
         out.append(("sinks", "vector", (c.num_heads,)))
     if c.qk_norm and not recurrent:
-        out += [("q_norm", "vector", (qn if c.qk_norm_full else hd,)),
-                ("k_norm", "vector", (kvn if c.qk_norm_full else hd,))]
+        whole = c.qk_norm_full or c.qk_norm_heads  # a weight for every head's dims
+        out += [("q_norm", "vector", (qn if whole else hd,)), ("k_norm", "vector", (kvn if whole else hd,))]
     if c.pre_norms:
-        out += [("attn_norm", "vector", (d,)), ("mlp_norm", "vector", (d,))]
+        out.append(("attn_norm", "vector", (d,)))
+    if c.pre_norms and not c.parallel_block:
+        out.append(("mlp_norm", "vector", (d,)))
     if c.post_norms:
         out += [("post_attn_norm", "vector", (d,)), ("post_mlp_norm", "vector", (d,))]
     return [TensorSpec(layer_name(i, name), kind, shape) for name, kind, shape in out]

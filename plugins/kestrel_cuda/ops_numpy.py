@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from kestrel_core.contract import quantize_activations
-from kestrel_core.model.decoder import gelu_tanh_mul
+from kestrel_core.model.host_ops import gelu_tanh_mul
 from kestrel_cuda.gemm import SPLIT_MAX_M, split_fits
 from kestrel_cuda.kernels import MMA_TILE_SPLIT_SMALL, MMA_TILES
 from kestrel_cuda.layout import unpack_kmajor

@@ -48,7 +48,8 @@ def test_a_valid_config_passes() -> None:
     ("bos_token_id", True), ("eos_token_ids", (1, -2)), ("eos_token_ids", (True,)), ("rope_scaling", [1]),
     ("rope_scaling", {**LLAMA3, "factor": 0.0}), ("rope_scaling", {**LLAMA3, "factor": math.nan}),
     ("rope_scaling", {**LLAMA3, "high_freq_factor": 1.0}), ("rope_scaling", {**LLAMA3, "low_freq_factor": 0}),
-    ("rope_scaling", {**LLAMA3, "original_max_position_embeddings": 8192.5}),
+    ("rope_scaling", {**LLAMA3, "original_max_position_embeddings": 8192.5}), ("norm_type", "group"),
+    ("norm_type", None), ("parallel_block", 1), ("qk_norm_heads", "yes"),
 ])
 def test_each_bad_field_is_one_line_naming_it(field: str, value: Any) -> None:
     with pytest.raises(ValidationError) as info:
@@ -59,12 +60,22 @@ def test_each_bad_field_is_one_line_naming_it(field: str, value: Any) -> None:
     assert isinstance(info.value, KestrelError) and isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize("fields", [
+    {"qk_norm_heads": True}, {"qk_norm_heads": True, "qk_norm": True, "qk_norm_full": True},
+    {"parallel_block": True, "pre_norms": False, "post_norms": True}, {"parallel_block": True, "post_norms": True},
+], ids=["per-head q/k norm weights without q/k norms", "per-head and whole-projection q/k norms",
+        "a parallel block without its norm", "a parallel block with norms after"])
+def test_cohere_fields_that_contradict_the_others_are_refused(fields: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError, match="qk_norm_heads|parallel_block"):
+        ModelConfig(**{**BASE, **fields})
+
+
 @pytest.mark.parametrize("change", [
     {"num_hidden_layers": True}, {"num_hidden_layers": "3"}, {"num_hidden_layers": 3.5}, {"num_hidden_layers": 0},
     {"num_hidden_layers": -1}, {"num_attention_heads": 0}, {"rms_norm_eps": math.nan}, {"rms_norm_eps": -1.0},
     {"rope_theta": 0}, {"rope_theta": math.nan}, {"rope_scaling": "llama3"}, {"rope_parameters": [1]},
     {"tie_word_embeddings": "false"}, {"architectures": "LlamaForCausalLM"}, {"eos_token_id": [1, "2"]},
-    {"vocab_size": None}, {"mlp_bias": "no"},
+    {"vocab_size": None}, {"mlp_bias": "no"}, {"layer_norm_eps": "1e-5"}, {"logit_scale": 0.0},
 ])
 def test_hf_config_values_are_checked_before_coercion(change: dict[str, Any]) -> None:
     with pytest.raises(KestrelError) as info:
